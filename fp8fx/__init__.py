@@ -1,0 +1,28 @@
+"""fp8fx: FP8 inference for unmodified PyTorch models through ``torch.compile``.
+
+    fp8fx.quantize_(model, fp8fx.Fp8Config())
+    model = torch.compile(model, backend=fp8fx.fp8_backend)
+"""
+from fp8fx import ops  # noqa: F401  (registers torch.ops.fp8fx.*)
+from fp8fx.backend import Fp8Backend, fp8_backend
+from fp8fx.config import Fp8Config, PerBlock, PerGroup, PerRow, PerTensor
+from fp8fx.report import Report, Site
+from fp8fx.weights import CopyNumelCounter, Fp8LinearMethod, calibrate, quantize_
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CopyNumelCounter",
+    "Fp8Backend",
+    "Fp8Config",
+    "Fp8LinearMethod",
+    "PerBlock",
+    "PerGroup",
+    "PerRow",
+    "PerTensor",
+    "Report",
+    "Site",
+    "calibrate",
+    "fp8_backend",
+    "quantize_",
+]

@@ -1,0 +1,290 @@
+"""Fp8Config: what to quantize and how, with the semantics of vLLM's ``Fp8Config``.
+
+Granularity types say which slice of a tensor shares one scale. A granularity is a block
+``(rows, cols)`` over the last two dims of a 2-D view, where ``-1`` means "the whole dim":
+
+================  ===========  ================================================
+type              block        scale shape for a ``[N, K]`` tensor
+================  ===========  ================================================
+``PerTensor()``   ``(-1, -1)`` ``[1, 1]`` (stored as ``[]``/``[1]`` in checkpoints)
+``PerRow()``      ``(1, -1)``  ``[N, 1]`` (weights: per output channel; activations: per token)
+``PerGroup(g)``   ``(1, g)``   ``[N, ceil(K / g)]`` (activations of block-scaled weights)
+``PerBlock(b,c)`` ``(b, c)``   ``[ceil(N / b), ceil(K / c)]``
+================  ===========  ================================================
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from typing import Any, Optional, Sequence, Union
+
+ACTIVATION_SCHEMES = ("static", "dynamic")
+
+
+@dataclasses.dataclass(frozen=True)
+class PerTensor:
+    """One scale for the whole tensor: scale shape ``[1, 1]``."""
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return (-1, -1)
+
+    def __str__(self) -> str:
+        return "per-tensor"
+
+
+@dataclasses.dataclass(frozen=True)
+class PerRow:
+    """One scale per row: ``[N, 1]`` for a weight ``[N, K]`` (per-channel), ``[M, 1]`` for
+    activations ``[M, K]`` (per-token)."""
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return (1, -1)
+
+    def __str__(self) -> str:
+        return "per-row"
+
+
+@dataclasses.dataclass(frozen=True)
+class PerGroup:
+    """One scale per ``1 x group_size`` slice of a row: scale shape ``[M, ceil(K / group_size)]``."""
+
+    group_size: int = 128
+
+    def __post_init__(self):
+        _check_positive_int("PerGroup.group_size", self.group_size)
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return (1, self.group_size)
+
+    def __str__(self) -> str:
+        return f"per-group(1x{self.group_size})"
+
+
+@dataclasses.dataclass(frozen=True)
+class PerBlock:
+    """One scale per ``block_n x block_k`` tile: scale shape ``[ceil(N / block_n), ceil(K / block_k)]``
+    (the checkpoint's ``weight_scale_inv``)."""
+
+    block_n: int = 128
+    block_k: int = 128
+
+    def __post_init__(self):
+        _check_positive_int("PerBlock.block_n", self.block_n)
+        _check_positive_int("PerBlock.block_k", self.block_k)
+
+    @property
+    def block(self) -> tuple[int, int]:
+        return (self.block_n, self.block_k)
+
+    def __str__(self) -> str:
+        return f"per-block({self.block_n}x{self.block_k})"
+
+
+Granularity = Union[PerTensor, PerRow, PerGroup, PerBlock]
+_WEIGHT_GRANULARITIES = (PerTensor, PerRow, PerBlock)
+_ACTIVATION_GRANULARITIES = (PerTensor, PerRow, PerGroup)
+
+
+def _check_positive_int(field: str, value: Any) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{field}={value!r} must be a positive int")
+
+
+def granularity_from_block(block: Sequence[int]) -> Granularity:
+    """Inverse of ``Granularity.block``."""
+    rows, cols = block
+    if (rows, cols) == (-1, -1):
+        return PerTensor()
+    if (rows, cols) == (1, -1):
+        return PerRow()
+    if rows == 1:
+        return PerGroup(cols)
+    return PerBlock(rows, cols)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerScheme:
+    """How one linear layer is quantized, resolved from an ``Fp8Config``."""
+
+    weight: Granularity
+    activation: Granularity
+    static_activation: bool
+
+    def __str__(self) -> str:
+        act = "static per-tensor" if self.static_activation else str(self.activation)
+        act = act.replace("per-row", "per-token")
+        weight = str(self.weight).replace("per-row", "per-channel")
+        return f"w:{weight} a:{act}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Config:
+    """FP8 quantization config (vLLM ``Fp8Config`` semantics, plus explicit granularities).
+
+    - ``is_checkpoint_fp8_serialized``: weights arrive as fp8 with their scales (else bf16/fp16
+      weights are quantized online).
+    - ``activation_scheme``: ``"dynamic"`` (scales computed per call) or ``"static"`` (an
+      ``input_scale`` per layer, from the checkpoint or ``fp8fx.calibrate``).
+    - ``ignored_layers``: FQNs or FQN prefixes that stay in high precision.
+    - ``weight_block_size``: ``[block_n, block_k]`` for block-scaled weights (``weight_scale_inv``);
+      also allowed for online quantization.
+    - ``weight_granularity`` / ``activation_granularity``: override the defaults, which are
+      per-channel weights + per-token activations online, per-tensor weights + per-token
+      activations for serialized checkpoints without blocks, and 128x128 blocks + 1x128 groups
+      with ``weight_block_size``.
+    """
+
+    is_checkpoint_fp8_serialized: bool = False
+    activation_scheme: str = "dynamic"
+    ignored_layers: Optional[tuple[str, ...]] = None
+    weight_block_size: Optional[tuple[int, int]] = None
+    weight_granularity: Optional[Granularity] = None
+    activation_granularity: Optional[Granularity] = None
+
+    def __post_init__(self):
+        if self.activation_scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(
+                f"Unsupported activation scheme {self.activation_scheme!r}: Fp8Config.activation_scheme "
+                f"must be one of {ACTIVATION_SCHEMES}"
+            )
+        if self.ignored_layers is not None:
+            if isinstance(self.ignored_layers, str):
+                raise ValueError(
+                    f"Fp8Config.ignored_layers={self.ignored_layers!r} is a string; pass a list of FQNs, "
+                    f"e.g. [{self.ignored_layers!r}]"
+                )
+            object.__setattr__(self, "ignored_layers", tuple(self.ignored_layers))
+        if self.weight_block_size is not None:
+            block = tuple(self.weight_block_size)
+            if len(block) != 2:
+                raise ValueError(
+                    f"The quantization block size of weight must have 2 dimensions, but got {len(block)} "
+                    f"(Fp8Config.weight_block_size={list(self.weight_block_size)}); use [block_n, block_k], "
+                    "e.g. [128, 128]"
+                )
+            for name, value in zip(("block_n", "block_k"), block):
+                _check_positive_int(f"Fp8Config.weight_block_size {name}", value)
+            if self.activation_scheme != "dynamic":
+                raise ValueError(
+                    "The block-wise quantization only supports dynamic activation scheme for now, but got "
+                    f"activation_scheme={self.activation_scheme!r} with weight_block_size={list(block)}; "
+                    "use activation_scheme='dynamic'"
+                )
+            if self.weight_granularity is not None and self.weight_granularity != PerBlock(*block):
+                raise ValueError(
+                    f"Fp8Config.weight_granularity={self.weight_granularity} contradicts "
+                    f"weight_block_size={list(block)}; set only one of them"
+                )
+            object.__setattr__(self, "weight_block_size", block)
+        wg = self.weight_granularity
+        if wg is not None and not isinstance(wg, _WEIGHT_GRANULARITIES):
+            raise ValueError(
+                f"Fp8Config.weight_granularity={wg!r} is not supported for weights; use PerTensor(), "
+                "PerRow() or PerBlock(block_n, block_k)"
+            )
+        ag = self.activation_granularity
+        if ag is not None and not isinstance(ag, _ACTIVATION_GRANULARITIES):
+            raise ValueError(
+                f"Fp8Config.activation_granularity={ag!r} is not supported for activations; use "
+                "PerTensor(), PerRow() (per-token) or PerGroup(group_size)"
+            )
+        if self.activation_scheme == "static" and ag is not None and not isinstance(ag, PerTensor):
+            raise ValueError(
+                f"Fp8Config.activation_granularity={ag} needs activation_scheme='dynamic': static "
+                "activation scales are per-tensor (one input_scale per layer)"
+            )
+        w, a = self.weight, self.activation
+        if isinstance(w, PerBlock) and isinstance(a, PerGroup) and a.group_size != w.block_k:
+            raise ValueError(
+                f"Fp8Config.activation_granularity={a} must match the weight's block_k={w.block_k}: "
+                f"use PerGroup({w.block_k})"
+            )
+        if isinstance(a, PerGroup) and not isinstance(w, PerBlock):
+            raise ValueError(
+                f"Fp8Config.activation_granularity={a} needs block-scaled weights; set "
+                f"weight_block_size=[128, {a.group_size}] or use PerRow() activations"
+            )
+
+    # --- resolved granularities -------------------------------------------------------------
+    @property
+    def weight(self) -> Granularity:
+        if self.weight_granularity is not None:
+            return self.weight_granularity
+        if self.weight_block_size is not None:
+            return PerBlock(*self.weight_block_size)
+        return PerTensor() if self.is_checkpoint_fp8_serialized else PerRow()
+
+    @property
+    def activation(self) -> Granularity:
+        if self.activation_scheme == "static":
+            return PerTensor()
+        if self.activation_granularity is not None:
+            return self.activation_granularity
+        w = self.weight
+        return PerGroup(w.block_k) if isinstance(w, PerBlock) else PerRow()
+
+    def scheme(self) -> LayerScheme:
+        return LayerScheme(self.weight, self.activation, self.activation_scheme == "static")
+
+    def is_ignored(self, fqn: str) -> bool:
+        """True when ``fqn`` equals an entry of ``ignored_layers`` or lies under one."""
+        for entry in self.ignored_layers or ():
+            if fqn == entry or fqn.startswith(entry + "."):
+                return True
+        return False
+
+    # --- vLLM-compatible API ----------------------------------------------------------------
+    @classmethod
+    def get_name(cls) -> str:
+        return "fp8"
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
+        """Build from a checkpoint's ``quantization_config`` dict."""
+        quant_method = config.get("quant_method", "")
+        ignored = config.get("ignored_layers")
+        if ignored is None:
+            ignored = config.get("modules_to_not_convert")
+        block = config.get("weight_block_size")
+        return cls(
+            is_checkpoint_fp8_serialized="fp8" in str(quant_method),
+            activation_scheme=config.get("activation_scheme", "dynamic"),
+            ignored_layers=tuple(ignored) if ignored is not None else None,
+            weight_block_size=tuple(block) if block is not None else None,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "quant_method": "fp8",
+            "activation_scheme": self.activation_scheme,
+            "is_checkpoint_fp8_serialized": self.is_checkpoint_fp8_serialized,
+            "weight_granularity": str(self.weight),
+            "activation_granularity": str(self.activation),
+        }
+        if self.ignored_layers is not None:
+            out["ignored_layers"] = list(self.ignored_layers)
+        if self.weight_block_size is not None:
+            out["weight_block_size"] = list(self.weight_block_size)
+        return out
+
+    def hash(self) -> str:
+        """Stable across processes; feeds compile-cache keys."""
+        return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()
+
+    @staticmethod
+    def get_cache_scale(name: str) -> Optional[str]:
+        """Map a checkpoint's attention output-scale name to the KV-cache scale's name, or None."""
+        for suffix, target in (
+            (".k_proj.output_scale", ".attn.k_scale"),
+            (".v_proj.output_scale", ".attn.v_scale"),
+            (".q_proj.output_scale", ".attn.q_scale"),
+        ):
+            if name.endswith(suffix):
+                return name.replace(suffix, target)
+        if name.endswith("self_attn.prob_output_scale"):
+            return name.replace(".prob_output_scale", ".attn.prob_scale")
+        return None

@@ -1,0 +1,1 @@
+"""Triton kernels (imported lazily: ``import fp8fx`` must work without Triton)."""

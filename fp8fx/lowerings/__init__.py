@@ -1,0 +1,1 @@
+"""Inductor lowerings for fp8fx ops (fused Triton templates arrive here); version shims in ``compat``."""

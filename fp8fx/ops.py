@@ -1,0 +1,159 @@
+"""fp8fx custom ops (``torch.ops.fp8fx.*``): schemas, fake impls, CPU reference and CUDA impls.
+
+Blocks are ``[rows, cols]`` lists over a 2-D view with ``-1`` = whole dim (see ``fp8fx.config``):
+``[-1, -1]`` per-tensor, ``[1, -1]`` per-row (per-channel / per-token), ``[1, 128]`` per-group,
+``[128, 128]`` per-block. Activations ``x: [..., K]`` are quantized as their ``[M, K]`` view.
+
+- ``quantize(x, block) -> (q, scale)``: dynamic activation quantization; q like x, scale ``[M/bM, K/bK]``.
+- ``quantize_static(x, scale) -> q``: per-tensor static activation quantization.
+- ``dequantize(q, scale, block, dtype, input_scale=None, act_block=None)``: ``q.float() * scale``
+  in ``dtype``. This is the dequantized weight view that quantized modules expose as ``.weight``;
+  ``input_scale`` / ``act_block`` do not change its value, they record how the consumer of this
+  weight should quantize its activations, so the linear pass finds everything on one node.
+- ``scaled_mm(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)``:
+  ``y [..., N] = dequant(xq) @ dequant(wq).T + bias``; wq: ``[N, K]``.
+"""
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import torch
+
+from fp8fx import quant
+from fp8fx.config import PerBlock, PerGroup, granularity_from_block
+
+# Everything here is functional (no op mutates its inputs).
+_LIB = "fp8fx"
+
+
+def _ceil_div(a, b):
+    return -(-a // b)
+
+
+def _rows(x: torch.Tensor):
+    m = 1
+    for d in x.shape[:-1]:
+        m = m * d
+    return m
+
+
+def _act_scale_shape(x: torch.Tensor, block: Sequence[int]):
+    m, k = _rows(x), x.shape[-1]
+    b_m, b_k = block
+    return (1 if b_m == -1 else _ceil_div(m, b_m), 1 if b_k == -1 else _ceil_div(k, b_k))
+
+
+def _check_block(block: Sequence[int], what: str) -> None:
+    if len(block) != 2 or any(b == 0 or b < -1 for b in block):
+        raise ValueError(f"fp8fx: {what}={list(block)} is not a block; use [rows, cols] with -1 for a whole dim")
+
+
+# --- quantize -------------------------------------------------------------------------------
+@torch.library.custom_op(f"{_LIB}::quantize", mutates_args=())
+def quantize(x: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    _check_block(block, "block")
+    return quant.quantize_rows(x, block)
+
+
+@quantize.register_fake
+def _(x, block):
+    return x.new_empty(x.shape, dtype=quant.FP8_DTYPE), x.new_empty(_act_scale_shape(x, block), dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{_LIB}::quantize_static", mutates_args=())
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return quant.quantize_with_scale(x.reshape(-1, x.shape[-1]), scale, [-1, -1]).reshape(x.shape)
+
+
+@quantize_static.register_fake
+def _(x, scale):
+    return x.new_empty(x.shape, dtype=quant.FP8_DTYPE)
+
+
+# --- dequantize (the weight view) ----------------------------------------------------------
+@torch.library.custom_op(f"{_LIB}::dequantize", mutates_args=())
+def dequantize(
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    block: list[int],
+    dtype: torch.dtype,
+    input_scale: Optional[torch.Tensor] = None,
+    act_block: Optional[list[int]] = None,
+) -> torch.Tensor:
+    _check_block(block, "block")
+    return quant.dequantize(q, scale, block, dtype)
+
+
+@dequantize.register_fake
+def _(q, scale, block, dtype, input_scale=None, act_block=None):
+    return q.new_empty(q.shape, dtype=dtype)
+
+
+# --- scaled GEMM ---------------------------------------------------------------------------
+@torch.library.custom_op(f"{_LIB}::scaled_mm", mutates_args=())
+def scaled_mm(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    x_block: list[int],
+    w_block: list[int],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
+
+
+@scaled_mm.register_fake
+def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype):
+    torch._check(xq.shape[-1] == wq.shape[-1], lambda: f"fp8fx.scaled_mm: K mismatch {xq.shape} vs {wq.shape}")
+    return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=out_dtype)
+
+
+def _cublas_eligible(m: int, n: int, k: int, x_block, w_block, out_dtype) -> bool:
+    """torch._scaled_mm takes per-tensor and row-wise scales, K and N multiples of 16, and row-wise
+    scales only with a bf16 output (torch 2.11)."""
+    xg, wg = granularity_from_block(x_block), granularity_from_block(w_block)
+    if isinstance(xg, (PerGroup, PerBlock)) or isinstance(wg, (PerGroup, PerBlock)):
+        return False
+    if k % 16 or n % 16 or m == 0:
+        return False
+    rowwise = tuple(x_block) != (-1, -1) or tuple(w_block) != (-1, -1)
+    return out_dtype == torch.bfloat16 or not rowwise
+
+
+@scaled_mm.register_kernel("cuda")
+def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype):
+    k, n = xq.shape[-1], wq.shape[0]
+    x2 = xq.reshape(-1, k)  # [M, K]
+    m = x2.shape[0]
+    if not _cublas_eligible(m, n, k, x_block, w_block, out_dtype):
+        # Block scales and odd shapes: the reference math on the GPU (fused kernels: fp8fx.lowerings).
+        return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
+    if tuple(x_block) == (-1, -1) and tuple(w_block) == (-1, -1):
+        scale_a, scale_b = x_scale.float().reshape(()), w_scale.float().reshape(())
+    else:  # row-wise: scale_a [M, 1], scale_b [1, N]
+        scale_a = x_scale.float().reshape(-1, 1).expand(m, 1).contiguous()
+        scale_b = w_scale.float().reshape(1, -1).expand(1, n).contiguous()
+    y = torch._scaled_mm(x2.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+    if bias is not None:
+        y = y + bias.to(out_dtype)
+    return y.reshape(*xq.shape[:-1], n)
+
+
+# --- composition (eager W8A8 reference of what the linear pass emits) -----------------------
+def fp8_linear(
+    x: torch.Tensor,
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    w_block: Sequence[int],
+    act_block: Sequence[int],
+    input_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """x: [..., K] (bf16/fp16/fp32) -> quantize activations -> fp8 GEMM -> [..., N] in x.dtype."""
+    if input_scale is not None:
+        xq, x_scale, act_block = quantize_static(x, input_scale), input_scale, [-1, -1]
+    else:
+        xq, x_scale = quantize(x, list(act_block))
+    return scaled_mm(xq, x_scale, wq, w_scale, bias, list(act_block), list(w_block), x.dtype)

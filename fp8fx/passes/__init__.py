@@ -1,0 +1,6 @@
+"""FX graph passes: one per file, run by ``PassManager`` (see README.md here for the invariants)."""
+from fp8fx.passes.base import Fp8Pass, PassContext
+from fp8fx.passes.linear import LinearPass
+from fp8fx.passes.manager import PassManager, default_passes
+
+__all__ = ["Fp8Pass", "LinearPass", "PassContext", "PassManager", "default_passes"]

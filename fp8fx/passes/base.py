@@ -1,0 +1,74 @@
+"""What every fp8fx pass shares: the context it runs in and a uuid from its module's source."""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import inspect
+import re
+import sys
+from typing import Any, Optional
+
+import torch
+from torch import fx
+
+from torch._subclasses.fake_tensor import FakeTensor
+
+from fp8fx.report import Report
+
+
+@dataclasses.dataclass
+class PassContext:
+    """``example`` maps each placeholder to the real tensor Dynamo passed for it (parameters are
+    the module's own ``nn.Parameter`` objects, so tags set at load time are visible)."""
+
+    report: Report
+    graph_index: int
+    example: dict[fx.Node, Any]
+
+
+class Fp8Pass:
+    """A graph transformation on Dynamo's torch-IR graph. Subclasses implement ``__call__``."""
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
+        """Rewrite ``gm`` in place; return the number of sites rewritten."""
+        raise NotImplementedError
+
+    def uuid(self) -> str:
+        """Hash of the source of the module that defines the pass (changes whenever the pass may)."""
+        source = inspect.getsource(sys.modules[type(self).__module__])
+        return hashlib.sha256(source.encode()).hexdigest()
+
+
+def fake_value(node: Any) -> Any:
+    """The fake tensor Dynamo recorded for ``node`` (or ``node`` itself when it is a constant)."""
+    if isinstance(node, fx.Node):
+        return node.meta.get("example_value", node.meta.get("val"))
+    return node
+
+
+def set_fake_value(node: fx.Node, target, args, kwargs=None) -> None:
+    """Run ``target`` on the inputs' fake tensors so ``node`` carries a correct ``example_value``."""
+    vals = fx.node.map_aggregate(args, fake_value)
+    kvals = fx.node.map_aggregate(kwargs or {}, fake_value)
+    fakes = [v for v in fx.node.map_aggregate(vals, lambda v: v) if isinstance(v, FakeTensor)]
+    if not fakes:
+        return
+    mode = fakes[0].fake_mode
+    with mode:
+        out = target(*vals, **kvals)
+    node.meta["example_value"] = out
+
+
+_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
+
+
+def module_path(node: fx.Node) -> Optional[str]:
+    """FQN of the innermost module whose forward created ``node`` (from Dynamo's nn_module_stack)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    path = _ROOT.sub("", path)
+    path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
+    return path.lstrip(".")

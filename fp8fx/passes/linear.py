@@ -1,0 +1,137 @@
+"""FP8 linear pass.
+
+Matches (Dynamo torch IR), for every linear site::
+
+    w = fp8fx.dequantize(wq, w_scale, w_block, dtype, input_scale, act_block)
+    y = torch._C._nn.linear(x, w, bias)          # also matmul(x, w.t()) / x @ w.T
+
+Rewrites to (dynamic activations)::
+
+    xq, x_scale = fp8fx.quantize(x, act_block)
+    y = fp8fx.scaled_mm(xq, x_scale, wq, w_scale, bias, act_block, w_block, x.dtype)
+
+or, with a static ``input_scale``, ``xq = fp8fx.quantize_static(x, input_scale)`` and a per-tensor
+activation block. Linear sites whose weight is not an fp8fx dequantized view are left as they are
+and reported with the reason (tagged on the weight by ``quantize_``, else "not fp8").
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
+from fp8fx.config import LayerScheme, granularity_from_block
+from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, module_path, set_fake_value
+from fp8fx.report import Site
+
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+_MATMUL = (operator.matmul, torch.matmul)
+_DEQUANT = (torch.ops.fp8fx.dequantize, torch.ops.fp8fx.dequantize.default)
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _transposed(node) -> fx.Node | None:
+    """``n`` if ``node`` is ``n.t()``, ``n.T``, ``torch.t(n)`` or a last-two-dims transpose of a 2-D ``n``."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method" and node.target == "t" or node.op == "call_function" and node.target is torch.t:
+        return node.args[0]
+    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
+        return node.args[0]
+    if node.op == "call_method" and node.target == "transpose" and sorted(node.args[1:3]) in ([0, 1], [-2, -1]):
+        return node.args[0]
+    return None
+
+
+def _linear_operands(node: fx.Node):
+    """(x, weight, bias) of a linear site, or None."""
+    if node.op != "call_function":
+        return None
+    if node.target in _LINEAR:
+        args = list(node.args) + [None] * 3
+        return args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+    if node.target in _MATMUL and len(node.args) == 2:
+        w = _transposed(node.args[1])
+        if w is not None:
+            return node.args[0], w, None
+    return None
+
+
+class LinearPass(Fp8Pass):
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
+        graph = gm.graph
+        count = 0
+        for node in list(graph.nodes):
+            operands = _linear_operands(node)
+            if operands is None:
+                continue
+            x, w, bias = operands
+            fqn = self._fqn(node, w, ctx)
+            reason = self._why_not(x, w, bias, ctx)
+            if reason:
+                ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index))
+                continue
+            scheme = self._rewrite(graph, node, x, w, bias)
+            ctx.report.add(Site("linear", fqn, True, "", scheme, ctx.graph_index))
+            count += 1
+        graph.eliminate_dead_code()
+        gm.recompile()
+        return count
+
+    @staticmethod
+    def _fqn(node: fx.Node, w, ctx: PassContext) -> str:
+        wq = w.args[0] if isinstance(w, fx.Node) and w.target in _DEQUANT else w
+        tagged = getattr(ctx.example.get(wq), "_fp8fx_fqn", None)
+        return tagged or module_path(node) or node.name
+
+    @staticmethod
+    def _why_not(x, w, bias, ctx: PassContext) -> str:
+        if not isinstance(w, fx.Node) or w.target not in _DEQUANT:
+            real = ctx.example.get(w) if isinstance(w, fx.Node) else None
+            tagged = getattr(real, "_fp8fx_skip_reason", None)
+            if tagged:
+                return f"not quantized: {tagged}"
+            return "weight is not an fp8fx-quantized weight (run fp8fx.quantize_ or load an fp8 checkpoint)"
+        xv = fake_value(x)
+        if not isinstance(xv, torch.Tensor) or xv.dtype not in _ACT_DTYPES:
+            return f"activation dtype {getattr(xv, 'dtype', None)} is not bf16/fp16/fp32"
+        if xv.dim() < 1:
+            return "activation is a scalar"
+        bv = fake_value(bias)
+        if torch.is_grad_enabled() and (xv.requires_grad or getattr(bv, "requires_grad", False)):
+            return (
+                "traced with autograd (activation or bias requires grad); fp8fx rewrites inference: "
+                "call the compiled model under torch.no_grad() or torch.inference_mode()"
+            )
+        return ""
+
+    @staticmethod
+    def _rewrite(graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias) -> str:
+        wq, w_scale, w_block, _dtype, input_scale, act_block = (list(w.args) + [None, None])[:6]
+        input_scale = w.kwargs.get("input_scale", input_scale)
+        act_block = w.kwargs.get("act_block", act_block) or [1, -1]
+        out_dtype = fake_value(x).dtype
+        with graph.inserting_before(node):
+            if input_scale is not None:
+                act_block = [-1, -1]
+                xq = graph.call_function(torch.ops.fp8fx.quantize_static.default, (x, input_scale))
+                set_fake_value(xq, torch.ops.fp8fx.quantize_static.default, xq.args)
+                x_scale = input_scale
+            else:
+                qs = graph.call_function(torch.ops.fp8fx.quantize.default, (x, list(act_block)))
+                set_fake_value(qs, torch.ops.fp8fx.quantize.default, qs.args)
+                xq = graph.call_function(operator.getitem, (qs, 0))
+                x_scale = graph.call_function(operator.getitem, (qs, 1))
+                for i, n in enumerate((xq, x_scale)):
+                    if "example_value" in qs.meta:
+                        n.meta["example_value"] = qs.meta["example_value"][i]
+            args = (xq, x_scale, wq, w_scale, bias, list(act_block), list(w_block), out_dtype)
+            y = graph.call_function(torch.ops.fp8fx.scaled_mm.default, args)
+            set_fake_value(y, torch.ops.fp8fx.scaled_mm.default, args)
+        y.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
+        node.replace_all_uses_with(y)
+        graph.erase_node(node)
+        scheme = LayerScheme(granularity_from_block(w_block), granularity_from_block(act_block), input_scale is not None)
+        return str(scheme)

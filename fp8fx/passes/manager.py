@@ -1,0 +1,58 @@
+"""Runs the fp8fx passes in order and owns the compile-cache key they feed."""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from typing import Any, Sequence
+
+import torch
+from torch import fx
+
+from fp8fx.lowerings import compat
+from fp8fx.passes.base import Fp8Pass, PassContext
+from fp8fx.passes.linear import LinearPass
+from fp8fx.report import Report
+
+log = logging.getLogger("fp8fx")
+
+
+def default_passes() -> list[Fp8Pass]:
+    return [LinearPass()]
+
+
+class PassManager(compat.CustomGraphPass):
+    """Runs ``passes`` on each Dynamo graph; recorded sites go to ``report``.
+
+    It is also installed as Inductor's ``post_grad_custom_post_pass`` (where it changes nothing)
+    so that its ``uuid()`` — the pass uuids plus the backend options — is part of Inductor's
+    FX-graph cache key: a changed pass or option never reuses a stale compiled artifact.
+    """
+
+    def __init__(self, passes: Sequence[Fp8Pass], options: dict[str, Any]):
+        self.passes = list(passes)
+        self.options = dict(options)
+
+    def run(self, gm: fx.GraphModule, example_inputs: Sequence[Any], report: Report) -> int:
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        ctx = PassContext(report, report.graphs, dict(zip(placeholders, example_inputs)))
+        report.graphs += 1
+        total = 0
+        for p in self.passes:
+            n = p(gm, ctx)
+            log.debug("fp8fx: %s rewrote %d sites in graph %d", type(p).__name__, n, ctx.graph_index)
+            total += n
+        gm.graph.lint()
+        return total
+
+    # CustomGraphPass: post-grad hook (no-op) + cache key.
+    def __call__(self, graph: fx.Graph) -> None:
+        return None
+
+    def uuid(self) -> str:
+        key = {
+            "passes": [(type(p).__name__, p.uuid()) for p in self.passes],
+            "options": self.options,
+            "torch": torch.__version__,
+        }
+        return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()

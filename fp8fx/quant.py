@@ -1,0 +1,149 @@
+"""FP8 quantization math in plain torch: the reference every kernel is checked against.
+
+Layout: a tensor ``x: [..., R, C]`` is cut into ``block = (bR, bC)`` tiles over its last two dims
+(``-1`` = the whole dim; ragged edge tiles allowed) and each tile gets one float32 scale, so
+``scale: [..., ceil(R / bR), ceil(C / bC)]`` and ``x ~= q.float() * scale`` tile by tile with
+``q`` in float8_e4m3fn.
+
+Every cast to fp8 is preceded by a clamp to +-448: torch 2.11 eager turns out-of-range values into
+NaN while 2.13 and Inductor saturate (FACTS.md, checked on both), and the clamp makes both agree.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+# amax below this is treated as this, so all-zero tiles get a finite, non-zero scale and
+# q == 0; values smaller than AMAX_EPS / 448 in such tiles flush to zero.
+AMAX_EPS = 1e-12
+
+
+def resolve_block(block: Sequence[int], rows: int, cols: int) -> tuple[int, int]:
+    """``(bR, bC)`` with ``-1`` replaced by the dim's size (at least 1)."""
+    b_r, b_c = block
+    return (max(rows, 1) if b_r == -1 else b_r, max(cols, 1) if b_c == -1 else b_c)
+
+
+def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
+    """Shape of the scale of a tensor of ``shape`` quantized with ``block``."""
+    *lead, rows, cols = shape
+    b_r, b_c = resolve_block(block, rows, cols)
+    return (*lead, math.ceil(rows / b_r), math.ceil(cols / b_c))
+
+
+def _tiles(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, tuple[int, int]]:
+    """x: [..., R, C] -> zero-padded view [..., R/bR, bR, C/bC, bC] (float32)."""
+    *lead, rows, cols = x.shape
+    b_r, b_c = resolve_block(block, rows, cols)
+    pad_r, pad_c = -rows % b_r, -cols % b_c
+    x = x.float()
+    if pad_r or pad_c:
+        x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
+    n_r, n_c = (rows + pad_r) // b_r, (cols + pad_c) // b_c
+    return x.reshape(*lead, n_r, b_r, n_c, b_c), (b_r, b_c)
+
+
+def expand_scale(scale: torch.Tensor, shape: Sequence[int], block: Sequence[int]) -> torch.Tensor:
+    """scale: [..., R/bR, C/bC] (any shape of that numel) -> broadcastable to ``shape``."""
+    *lead, rows, cols = shape
+    b_r, b_c = resolve_block(block, rows, cols)
+    scale = scale.reshape(scale_shape(shape, block))
+    if b_r > 1 and b_r != rows:
+        scale = scale.repeat_interleave(b_r, dim=-2)[..., :rows, :]
+    if b_c > 1 and b_c != cols:
+        scale = scale.repeat_interleave(b_c, dim=-1)[..., :cols]
+    return scale
+
+
+def compute_scale(x: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
+    """float32 scale = amax / 448 per tile; x: [..., R, C] -> [..., ceil(R/bR), ceil(C/bC)]."""
+    tiles, _ = _tiles(x, block)
+    amax = tiles.abs().amax(dim=(-3, -1))
+    return amax.clamp(min=AMAX_EPS) / FP8_MAX
+
+
+def cast_to_fp8(x: torch.Tensor) -> torch.Tensor:
+    """Saturating cast (clamp first: see the module docstring)."""
+    return x.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
+    """q = saturate(x / scale) with ``scale`` given per tile (static quantization)."""
+    return cast_to_fp8(x.float() / expand_scale(scale.float(), x.shape, block))
+
+
+def quantize(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic quantization: x: [..., R, C] -> (q fp8 [..., R, C], scale fp32 [..., R/bR, C/bC])."""
+    if x.dim() < 2:
+        raise ValueError(f"quantize needs a tensor of at least 2 dims, got shape {tuple(x.shape)}")
+    scale = compute_scale(x, block)
+    return quantize_with_scale(x, scale, block), scale
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, block: Sequence[int], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """q.float() * scale (broadcast per tile) in ``dtype``."""
+    return (q.float() * expand_scale(scale.float(), q.shape, block)).to(dtype)
+
+
+def quantize_rows(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations: x: [..., K] quantized as the 2-D view [M, K]; scale: [M/bM, K/bK]."""
+    q, scale = quantize(x.reshape(-1, x.shape[-1]), block)
+    return q.reshape(x.shape), scale
+
+
+def scaled_mm_reference(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    x_block: Sequence[int],
+    wq: torch.Tensor,
+    w_scale: torch.Tensor,
+    w_block: Sequence[int],
+    bias: Optional[torch.Tensor],
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """y = dequant(xq) @ dequant(wq).T + bias in float32, cast to ``out_dtype``.
+
+    xq: [..., K] fp8 with x_scale over its [M, K] view; wq: [N, K] fp8; bias: [N]; y: [..., N].
+    """
+    k = xq.shape[-1]
+    x = dequantize(xq.reshape(-1, k), x_scale, x_block)
+    w = dequantize(wq, w_scale, w_block)
+    y = x @ w.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype).reshape(*xq.shape[:-1], wq.shape[0])
+
+
+def requantize_shards(
+    q: torch.Tensor, shard_scales: Sequence[torch.Tensor], shard_sizes: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused weight (e.g. QKV or w13) whose ``len(shard_sizes)`` row-shards each carry a per-tensor
+    scale -> the same weight under one per-tensor scale, the max of the shard scales.
+
+    q: [sum(shard_sizes), K] fp8 -> (q' [same], scale [1]); shards already at the max are unchanged.
+    """
+    if sum(shard_sizes) != q.shape[0] or len(shard_sizes) != len(shard_scales):
+        raise ValueError(
+            f"requantize_shards: shard sizes {list(shard_sizes)} do not cover the {q.shape[0]} rows "
+            f"with {len(shard_scales)} scales"
+        )
+    scales = torch.stack([s.float().reshape(()) for s in shard_scales])
+    max_scale = scales.max()
+    out = torch.empty_like(q)
+    start = 0
+    for size, scale in zip(shard_sizes, scales):
+        shard = q[start : start + size].float() * scale
+        out[start : start + size] = cast_to_fp8(shard / max_scale)
+        start += size
+    return out, max_scale.reshape(1)
+
+
+def max_input_scale(scales: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Static input scales of fused shards collapse to their max (one activation scale per GEMM)."""
+    return torch.stack([s.float().reshape(()) for s in scales]).max().reshape(1)

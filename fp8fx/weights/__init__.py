@@ -1,0 +1,6 @@
+"""Load-time weight hooks: fp8 parameters under checkpoint names, loaders, post-load processing."""
+from fp8fx.weights.counter import CopyNumelCounter
+from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, is_quantized
+from fp8fx.weights.quantize import calibrate, quantize_
+
+__all__ = ["CopyNumelCounter", "Fp8LinearMethod", "calibrate", "fp8_class", "is_quantized", "quantize_"]

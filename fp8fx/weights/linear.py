@@ -1,0 +1,202 @@
+"""Load-time weight hooks for linear layers (the lifecycle of vLLM's ``Fp8LinearMethod``).
+
+After quantization a layer stores what FP8 checkpoints store, under their names:
+
+- ``weight``: float8_e4m3fn ``[N, K]``
+- ``weight_scale``: float32, per-tensor ``[1]`` (or one per logical shard while loading), per-channel
+  ``[N, 1]``; or ``weight_scale_inv``: float32 ``[ceil(N / bn), ceil(K / bk)]`` for blocks
+- ``input_scale``: float32 ``[1]`` for static activations
+
+and its class becomes a subclass of its own whose ``weight`` attribute is a *dequantized view*
+(``torch.ops.fp8fx.dequantize`` of the fp8 tensor and its scale). Code that reads ``module.weight``
+keeps working in eager mode; under ``torch.compile`` the view announces the quantized weight to the
+linear pass. ``state_dict()`` reads ``_parameters`` and so holds the fp8 tensors.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional, Sequence
+
+import torch
+from torch import nn
+
+from fp8fx import quant
+from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor
+from fp8fx.weights.counter import CopyNumelCounter
+
+log = logging.getLogger("fp8fx")
+
+_FP8_CLASSES: dict[type, type] = {}
+
+
+def _dequantized_weight(self) -> torch.Tensor:
+    w_block, act_block = self._fp8fx_w_block, self._fp8fx_act_block
+    scale = self._parameters["weight_scale_inv" if self._fp8fx_block_scales else "weight_scale"]
+    return torch.ops.fp8fx.dequantize(
+        self._parameters["weight"], scale, w_block, self._fp8fx_dtype, self._parameters.get("input_scale"), act_block
+    )
+
+
+def fp8_class(cls: type) -> type:
+    """The subclass of ``cls`` whose ``weight`` is the dequantized view (one per class, cached)."""
+    if getattr(cls, "_fp8fx_quantized", False):
+        return cls
+    if cls not in _FP8_CLASSES:
+        _FP8_CLASSES[cls] = type(
+            f"Fp8{cls.__name__}",
+            (cls,),
+            {"weight": property(_dequantized_weight), "_fp8fx_quantized": True, "__module__": cls.__module__},
+        )
+    return _FP8_CLASSES[cls]
+
+
+def is_quantized(module: nn.Module) -> bool:
+    return getattr(type(module), "_fp8fx_quantized", False)
+
+
+def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
+    """Why ``layer`` (an ``nn.Linear``) cannot be quantized with ``config``, or None."""
+    if config.is_ignored(fqn):
+        return "in ignored_layers"
+    weight = layer._parameters.get("weight")
+    if weight is None or weight.dim() != 2:
+        return "no 2-D weight"
+    if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"weight dtype {weight.dtype} is not bf16/fp16/fp32"
+    w = config.weight
+    n, k = weight.shape
+    if isinstance(w, PerBlock) and (n % w.block_n or k % w.block_k):
+        return (
+            f"weight [{n}, {k}] is not divisible by the {w.block_n}x{w.block_k} block; use per-channel "
+            "scales or add it to ignored_layers"
+        )
+    return None
+
+
+class Fp8LinearMethod:
+    """create_weights -> weight_loader (full tensor or shards) -> process_weights_after_loading.
+
+    Online (``is_checkpoint_fp8_serialized=False``): the bf16 weight is received into a high-precision
+    buffer and quantized as soon as its last element has arrived (counted by ``CopyNumelCounter``),
+    so loading holds at most one bf16 weight per layer in flight. Serialized: fp8 weights and scales
+    are copied as stored; per-shard per-tensor scales of a fused layer are requantized to their max
+    in ``process_weights_after_loading``.
+    """
+
+    def __init__(self, config: Fp8Config, scheme: Optional[LayerScheme] = None):
+        self.config = config
+        self.scheme = scheme or config.scheme()
+
+    # -- create ------------------------------------------------------------------------------
+    def create_weights(
+        self,
+        layer: nn.Module,
+        input_size: int,
+        output_partition_sizes: Sequence[int],
+        params_dtype: torch.dtype,
+        device: Optional[torch.device] = None,
+    ) -> None:
+        n, k = sum(output_partition_sizes), input_size
+        layer._fp8fx_partitions = tuple(output_partition_sizes)
+        layer._fp8fx_dtype = params_dtype
+        layer._fp8fx_w_block = list(self.scheme.weight.block)
+        layer._fp8fx_act_block = list(self.scheme.activation.block)
+        layer._fp8fx_block_scales = isinstance(self.scheme.weight, PerBlock)
+        layer._fp8fx_processed = False
+        layer._fp8fx_copied = 0
+
+        def param(t: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(t, requires_grad=False)
+
+        unloaded = torch.finfo(torch.float32).min  # marks a scale that was never loaded
+        if self.scheme.static_activation:
+            layer._parameters["input_scale"] = param(
+                torch.full((len(output_partition_sizes),), unloaded, dtype=torch.float32, device=device)
+            )
+        if not self.config.is_checkpoint_fp8_serialized:
+            # Online: a high-precision receive buffer; fp8 params are made when it is full.
+            layer._parameters["weight"] = param(torch.empty(n, k, dtype=params_dtype, device="meta"))
+            layer._fp8fx_device = device
+            return
+        layer._parameters["weight"] = param(torch.empty(n, k, dtype=quant.FP8_DTYPE, device=device))
+        if layer._fp8fx_block_scales:
+            shape = quant.scale_shape((n, k), self.scheme.weight.block)
+            layer._parameters["weight_scale_inv"] = param(torch.empty(shape, dtype=torch.float32, device=device))
+        elif isinstance(self.scheme.weight, PerRow):
+            layer._parameters["weight_scale"] = param(torch.empty(n, 1, dtype=torch.float32, device=device))
+        else:  # one per logical shard until process_weights_after_loading
+            layer._parameters["weight_scale"] = param(
+                torch.full((len(output_partition_sizes),), unloaded, dtype=torch.float32, device=device)
+            )
+        layer.__class__ = fp8_class(type(layer))
+
+    # -- load --------------------------------------------------------------------------------
+    def weight_loader(
+        self, layer: nn.Module, name: str, loaded: torch.Tensor, shard_id: Optional[int] = None
+    ) -> None:
+        """Copy ``loaded`` into ``layer.<name>``: the whole tensor (``shard_id=None``) or logical
+        shard ``shard_id`` of the fused output dim (e.g. q/k/v = 0/1/2)."""
+        target = layer._parameters.get(name)
+        if target is None:
+            raise KeyError(f"{type(layer).__name__} has no fp8fx parameter {name!r}")
+        if name == "weight" and target.is_meta:
+            target = nn.Parameter(torch.empty_like(target, device=layer._fp8fx_device), requires_grad=False)
+            layer._parameters["weight"] = target
+        dest = target.data
+        if shard_id is not None and name == "weight":
+            sizes = layer._fp8fx_partitions
+            dest = dest.narrow(0, sum(sizes[:shard_id]), sizes[shard_id])
+        elif shard_id is not None and dest.numel() == len(layer._fp8fx_partitions):  # per-shard scales
+            dest = dest[shard_id : shard_id + 1]
+        if dest.numel() != loaded.numel():
+            raise ValueError(
+                f"{name} shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit the "
+                f"parameter slice of shape {tuple(dest.shape)}"
+            )
+        with CopyNumelCounter() as counter:
+            dest.copy_(loaded.reshape(dest.shape))
+        if name == "weight" and not self.config.is_checkpoint_fp8_serialized:
+            layer._fp8fx_copied += counter.copied_numel
+            if layer._fp8fx_copied >= target.numel():
+                self._quantize_online(layer)
+
+    def _quantize_online(self, layer: nn.Module) -> None:
+        """bf16 weight (fully loaded) -> fp8 weight + scale; the bf16 tensor is dropped."""
+        q, scale = quant.quantize(layer._parameters["weight"].data, self.scheme.weight.block)
+        if isinstance(self.scheme.weight, PerTensor):
+            scale = scale.reshape(1)
+        layer._parameters["weight"] = nn.Parameter(q, requires_grad=False)
+        scale_name = "weight_scale_inv" if layer._fp8fx_block_scales else "weight_scale"
+        layer._parameters[scale_name] = nn.Parameter(scale, requires_grad=False)
+        layer.__class__ = fp8_class(type(layer))
+
+    # -- finish ------------------------------------------------------------------------------
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Runs once (idempotent): shard scales -> one scale, shard input scales -> their max."""
+        if layer._fp8fx_processed:
+            return
+        params = layer._parameters
+        name = type(layer).__name__
+        if params["weight"].dtype != quant.FP8_DTYPE:
+            raise RuntimeError(
+                f"{name}: weight received {layer._fp8fx_copied} of {params['weight'].numel()} elements; "
+                "load every shard before process_weights_after_loading"
+            )
+        unloaded = torch.finfo(torch.float32).min
+        if isinstance(self.scheme.weight, PerTensor):
+            scales = params["weight_scale"].data
+            if (scales == unloaded).any():
+                raise ValueError(f"{name}: weight_scale of a shard was never loaded: {scales.tolist()}")
+            if scales.numel() > 1:
+                q, s = quant.requantize_shards(params["weight"].data, list(scales), layer._fp8fx_partitions)
+                params["weight"] = nn.Parameter(q, requires_grad=False)
+                params["weight_scale"] = nn.Parameter(s, requires_grad=False)
+        if "input_scale" in params:
+            scales = params["input_scale"].data
+            if (scales == unloaded).any():
+                raise ValueError(
+                    f"{name}: input_scale was never loaded ({scales.tolist()}); static activations need one "
+                    "per layer: load it from the checkpoint or pass input_scales= (see fp8fx.calibrate)"
+                )
+            params["input_scale"] = nn.Parameter(quant.max_input_scale(list(scales)), requires_grad=False)
+        layer._fp8fx_processed = True

@@ -1,0 +1,129 @@
+"""``quantize_``: an already-built bf16/fp16 model -> fp8 weights, layer by layer."""
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Mapping, Optional
+
+import torch
+from torch import nn
+
+from fp8fx import quant
+from fp8fx.config import Fp8Config
+from fp8fx.weights.linear import Fp8LinearMethod, is_quantized, skip_reason
+
+log = logging.getLogger("fp8fx")
+
+
+def quantize_(
+    model: nn.Module,
+    config: Optional[Fp8Config] = None,
+    *,
+    input_scales: Optional[Mapping[str, float]] = None,
+    strict: bool = False,
+) -> nn.Module:
+    """Quantize every ``nn.Linear`` of ``model`` in place (online: ``config`` must not be serialized).
+
+    Each layer goes through ``Fp8LinearMethod`` and its bf16 weight is released before the next
+    layer starts. Layers that cannot be quantized (ignored, shape not divisible by the block,
+    unsupported dtype) stay as they are, their weight tagged with the reason for the report; with
+    ``strict=True`` any such layer other than an ignored one raises instead. Static activations
+    (``activation_scheme="static"``) need ``input_scales``: ``{fqn: scale}`` for every quantized layer,
+    e.g. from ``fp8fx.calibrate``. Every check runs before the first layer changes.
+    """
+    config = config or Fp8Config()
+    if config.is_checkpoint_fp8_serialized:
+        raise ValueError(
+            "quantize_ quantizes a bf16/fp16 model online, but the config has is_checkpoint_fp8_serialized=True; "
+            "use Fp8Config(is_checkpoint_fp8_serialized=False) or load the fp8 checkpoint instead"
+        )
+    done = [name for name, m in model.named_modules() if is_quantized(m)]
+    if done:
+        raise RuntimeError(
+            f"quantize_: {done[0]} (and {len(done) - 1} more) is already fp8-quantized; quantize_ a fresh "
+            "bf16 model instead of quantizing twice"
+        )
+
+    plan: list[tuple[str, nn.Linear]] = []
+    skipped: list[tuple[str, nn.Linear, str]] = []
+    for fqn, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        reason = skip_reason(module, fqn, config)
+        if reason is None:
+            plan.append((fqn, module))
+        elif strict and reason != "in ignored_layers":
+            raise ValueError(f"{fqn}: {reason}")
+        else:
+            skipped.append((fqn, module, reason))
+
+    for fqn, module in plan:
+        w = module.weight
+        if not torch.isfinite(w).all():
+            bad = (~torch.isfinite(w)).sum().item()
+            raise ValueError(
+                f"{fqn}.weight has {bad} NaN/Inf values; fix the weights or add {fqn!r} to ignored_layers "
+                "(nothing was quantized)"
+            )
+    scales = _check_input_scales(config, plan, input_scales)
+
+    for fqn, module, reason in skipped:
+        if module.weight is not None:
+            module.weight._fp8fx_skip_reason = reason
+        log.info("fp8fx: %s not quantized: %s", fqn, reason)
+    method = Fp8LinearMethod(config)
+    for fqn, module in plan:
+        weight = module._parameters["weight"]
+        n, k = weight.shape
+        method.create_weights(module, k, [n], weight.dtype, device=weight.device)
+        method.weight_loader(module, "weight", weight.detach())
+        del weight
+        if fqn in scales:
+            method.weight_loader(module, "input_scale", torch.tensor([scales[fqn]], dtype=torch.float32))
+        method.process_weights_after_loading(module)
+        if module.bias is not None:  # the layer is frozen fp8 from here on
+            module.bias.requires_grad_(False)
+    log.info("fp8fx: quantized %d linear layers (%s), skipped %d", len(plan), config.scheme(), len(skipped))
+    return model
+
+
+def _check_input_scales(config, plan, input_scales) -> dict[str, float]:
+    if config.activation_scheme != "static":
+        if input_scales:
+            raise ValueError("input_scales is only used with activation_scheme='static'")
+        return {}
+    given = dict(input_scales or {})
+    missing = [fqn for fqn, _ in plan if fqn not in given]
+    if missing:
+        raise ValueError(
+            f"activation_scheme='static' needs an input scale for every quantized layer; missing {missing[:3]}"
+            f"{' ...' if len(missing) > 3 else ''}; pass input_scales=fp8fx.calibrate(model, batches)"
+        )
+    for fqn, value in given.items():
+        if not (float(value) > 0 and float(value) < float("inf")):
+            raise ValueError(f"input_scales[{fqn!r}]={value} must be a positive finite float")
+    return given
+
+
+@torch.no_grad()
+def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] = None) -> dict[str, float]:
+    """Static activation scales ``{fqn: amax / 448}`` from running ``model`` (eager) on ``batches``.
+
+    Each batch is passed as ``model(*batch)`` if it is a tuple or list, else ``model(batch)``.
+    """
+    config = config or Fp8Config(activation_scheme="static")
+    amax: dict[str, float] = {}
+    hooks = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.Linear) and not config.is_ignored(fqn):
+
+            def record(mod, args, fqn=fqn):
+                amax[fqn] = max(amax.get(fqn, 0.0), args[0].detach().abs().max().float().item())
+
+            hooks.append(module.register_forward_pre_hook(record))
+    try:
+        for batch in batches:
+            model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {fqn: max(a, quant.AMAX_EPS) / quant.FP8_MAX for fqn, a in amax.items()}
