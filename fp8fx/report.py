@@ -29,7 +29,9 @@ class Report:
         self.sites.append(site)
         if not site.rewritten and (site.fqn, site.reason) not in self._logged:
             self._logged.add((site.fqn, site.reason))
-            log.warning("fp8fx: %s %s not rewritten: %s", site.kind, site.fqn, site.reason)
+            # a layer the user chose to ignore is expected: info; anything else deserves a look
+            level = logging.INFO if site.reason.endswith("in ignored_layers") else logging.WARNING
+            log.log(level, "fp8fx: %s %s not rewritten: %s", site.kind, site.fqn, site.reason)
 
     @property
     def rewritten(self) -> list[Site]:

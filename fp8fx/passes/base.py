@@ -59,7 +59,8 @@ def set_fake_value(node: fx.Node, target, args, kwargs=None) -> None:
     node.meta["example_value"] = out
 
 
-_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\]\.?")
+# the root of a path: L['self'], L['args'][0], L['fn'] ... up to the first attribute
+_ROOT = re.compile(r"^L(\[[^\]]+\])+\.?")
 
 
 def module_path(node: fx.Node) -> Optional[str]:

@@ -83,7 +83,7 @@ class LinearPass(Fp8Pass):
     @staticmethod
     def _fqn(node: fx.Node, w, ctx: PassContext) -> str:
         wq = w.args[0] if isinstance(w, fx.Node) and w.target in _DEQUANT else w
-        tagged = getattr(ctx.example.get(wq), "_fp8fx_fqn", None)
+        tagged = getattr(ctx.example.get(wq), "_fp8fx_fqn", None) if isinstance(wq, fx.Node) else None
         return tagged or module_path(node) or node.name
 
     @staticmethod

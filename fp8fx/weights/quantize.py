@@ -66,9 +66,10 @@ def quantize_(
             )
     scales = _check_input_scales(config, plan, input_scales)
 
-    for fqn, module, reason in skipped:
+    for fqn, module, reason in skipped:  # tags the report reads back from the compiled graph's inputs
         if module.weight is not None:
             module.weight._fp8fx_skip_reason = reason
+            module.weight._fp8fx_fqn = fqn
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
     method = Fp8LinearMethod(config)
     for fqn, module in plan:
@@ -80,6 +81,7 @@ def quantize_(
         if fqn in scales:
             method.weight_loader(module, "input_scale", torch.tensor([scales[fqn]], dtype=torch.float32))
         method.process_weights_after_loading(module)
+        module._parameters["weight"]._fp8fx_fqn = fqn
         if module.bias is not None:  # the layer is frozen fp8 from here on
             module.bias.requires_grad_(False)
     log.info("fp8fx: quantized %d linear layers (%s), skipped %d", len(plan), config.scheme(), len(skipped))

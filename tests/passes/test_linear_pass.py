@@ -1,0 +1,194 @@
+"""The linear pass on Dynamo graphs: graph after the pass, site counts, recompiles, cache key."""
+import expecttest
+import pytest
+import torch
+from torch import nn
+
+import fp8fx
+from fp8fx.backend import Fp8Backend
+from fp8fx.passes import LinearPass, PassManager
+from fp8fx.report import Report
+
+
+class TwoLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 32, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+class ThreeLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.head(self.b(self.a(x)))
+
+
+class MatmulForms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.p = nn.Linear(64, 32, bias=False)
+        self.q = nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        return x @ self.p.weight.T + torch.matmul(x, self.q.weight.t())
+
+
+def capture(model, *args):
+    """Dynamo's graph of ``model(*args)`` and its example inputs."""
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append((gm, example_inputs))
+        return gm.forward
+
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(*args)
+    assert len(seen) == 1
+    return seen[0]
+
+
+class TestGraph(expecttest.TestCase):
+    def test_graph_after_pass(self):
+        torch.manual_seed(0)
+        model = TwoLinear().to(torch.bfloat16)
+        fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["down"]))
+        gm, example = capture(model, torch.randn(4, 64, dtype=torch.bfloat16))
+        report = Report()
+        n = PassManager([LinearPass()], {}).run(gm, example, report)
+        self.assertEqual(n, 1)
+        self.assertExpectedInline(
+            gm.code.strip(),
+            """\
+def forward(self, L_self_modules_up_parameters_weight_ : torch.nn.parameter.Parameter, L_self_modules_up_parameters_weight_scale_ : torch.nn.parameter.Parameter, L_self_modules_up_parameters_bias_ : torch.nn.parameter.Parameter, L_x_ : torch.Tensor, L_self_modules_down_parameters_weight_ : torch.nn.parameter.Parameter):
+    l_self_modules_up_parameters_weight_ = L_self_modules_up_parameters_weight_
+    l_self_modules_up_parameters_weight_scale_ = L_self_modules_up_parameters_weight_scale_
+    l_self_modules_up_parameters_bias_ = L_self_modules_up_parameters_bias_
+    l_x_ = L_x_
+    l_self_modules_down_parameters_weight_ = L_self_modules_down_parameters_weight_
+    quantize_default = torch.ops.fp8fx.quantize.default(l_x_, [1, -1]);  l_x_ = None
+    getitem = quantize_default[0]
+    getitem_1 = quantize_default[1];  quantize_default = None
+    scaled_mm_default = torch.ops.fp8fx.scaled_mm.default(getitem, getitem_1, l_self_modules_up_parameters_weight_, l_self_modules_up_parameters_weight_scale_, l_self_modules_up_parameters_bias_, [1, -1], [1, -1], torch.bfloat16);  getitem = getitem_1 = l_self_modules_up_parameters_weight_ = l_self_modules_up_parameters_weight_scale_ = l_self_modules_up_parameters_bias_ = None
+    relu = torch.relu(scaled_mm_default);  scaled_mm_default = None
+    linear_1 = torch._C._nn.linear(relu, l_self_modules_down_parameters_weight_, None);  relu = l_self_modules_down_parameters_weight_ = None
+    return (linear_1,)""",
+        )
+
+
+def test_rewritten_count_with_one_ignored_layer():
+    model = ThreeLinear().to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["head"]))
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    sites = {s.fqn: s for s in backend.report.sites}
+    assert set(sites) == {"a", "b", "head"}
+    assert [s.fqn for s in backend.report.rewritten] == ["a", "b"]
+    assert sites["head"].reason == "not quantized: in ignored_layers" and sites["head"].scheme == ""
+    assert sites["a"].scheme == "w:per-channel a:per-token" and sites["a"].reason == ""
+    assert "2 of 3 sites rewritten in 1 graph(s)" in str(backend.report)
+
+
+def test_unquantized_model_reports_every_site():
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(ThreeLinear(), backend=backend)(torch.randn(2, 64))
+    assert len(backend.report.sites) == 3 and not backend.report.rewritten
+    assert all("not an fp8fx-quantized weight" in s.reason for s in backend.report.sites)
+
+
+def test_matmul_forms_are_rewritten():
+    model = MatmulForms().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        ref = model(x)
+    assert len(backend.report.rewritten) == 2
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.06
+
+
+def test_autograd_graph_is_reported_not_rewritten():
+    model = ThreeLinear().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16, requires_grad=True))
+    assert not backend.report.rewritten
+    assert all("torch.no_grad()" in s.reason for s in backend.report.sites)
+
+
+def test_at_most_one_recompile_across_batch_sizes_and_no_graph_break():
+    model = ThreeLinear().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend()
+    compiled = torch.compile(model, backend=backend)
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        for m in (2, 5, 17, 33):
+            x = torch.randn(m, 7, 64, dtype=torch.bfloat16)
+            torch.testing.assert_close(compiled(x), fp8fx_eager_reference(model, x), rtol=0, atol=0)
+    assert backend.report.graphs <= 2
+    assert len(backend.report.rewritten) == 3 * backend.report.graphs
+    assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
+
+
+def fp8fx_eager_reference(model, x):
+    """The W8A8 computation of ``model`` with the same ops, in eager mode."""
+    from fp8fx.ops import fp8_linear
+
+    for layer in (model.a, model.b, model.head):
+        x = fp8_linear(x, layer._parameters["weight"], layer.weight_scale, layer.bias, [1, -1], [1, -1])
+    return x
+
+
+def test_cache_key_changes_with_options_and_is_stable():
+    assert Fp8Backend().cache_key() == Fp8Backend().cache_key()
+    keys = {
+        Fp8Backend().cache_key(),
+        Fp8Backend(compiler="eager").cache_key(),
+        Fp8Backend(inductor_config={"max_autotune": True}).cache_key(),
+    }
+    assert len(keys) == 3
+    assert LinearPass().uuid() == LinearPass().uuid()
+
+
+def test_cache_key_reaches_inductor(monkeypatch):
+    """The pass manager is Inductor's post-grad custom pass, whose uuid() is part of the FX-graph cache key."""
+    from fp8fx.lowerings import compat
+
+    seen = {}
+    real = compat.compile_fx
+
+    def spy(gm, example_inputs, config_patches=None):
+        seen.update(config_patches)
+        return real(gm, example_inputs, config_patches)
+
+    monkeypatch.setattr(compat, "compile_fx", spy)
+    backend = Fp8Backend(inductor_config={"max_autotune": False})
+    with torch.no_grad():
+        torch.compile(nn.Linear(8, 8), backend=backend)(torch.randn(2, 8))
+    assert seen["post_grad_custom_post_pass"].uuid() == backend.cache_key()
+    assert seen["max_autotune"] is False
+
+
+def test_bad_backend_option():
+    with pytest.raises(ValueError, match=r"Fp8Backend\(compiler='tvm'\): use one of"):
+        Fp8Backend(compiler="tvm")
+
+
+def test_dump_dir_writes_graphs(tmp_path):
+    model = TwoLinear().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager", dump_dir=str(tmp_path))
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["graph_0_after.py", "graph_0_before.py"]
+    assert "fp8fx.scaled_mm" in (tmp_path / "graph_0_after.py").read_text()
+    assert "fp8fx.scaled_mm" not in (tmp_path / "graph_0_before.py").read_text()

@@ -1,0 +1,409 @@
+"""Fp8Config: vLLM ``Fp8Config`` semantics, granularity defaults and validation, name helpers."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fp8fx.config import (
+    Fp8Config,
+    LayerScheme,
+    PerBlock,
+    PerGroup,
+    PerRow,
+    PerTensor,
+    granularity_from_block,
+)
+
+CONFIG_PY = os.path.join(os.path.dirname(importlib.util.find_spec("fp8fx").origin), "config.py")
+
+
+# --- defaults and resolved granularities ----------------------------------------------------
+def test_defaults():
+    cfg = Fp8Config()
+    assert cfg.is_checkpoint_fp8_serialized is False
+    assert cfg.activation_scheme == "dynamic"
+    assert cfg.ignored_layers is None
+    assert cfg.weight_block_size is None
+    assert cfg.weight_granularity is None and cfg.activation_granularity is None
+
+
+def test_online_default_is_per_channel_weights_per_token_activations():
+    cfg = Fp8Config()
+    assert cfg.weight == PerRow()
+    assert cfg.activation == PerRow()
+    assert cfg.scheme() == LayerScheme(PerRow(), PerRow(), False)
+    assert str(cfg.scheme()) == "w:per-channel a:per-token"
+
+
+def test_serialized_without_block_is_per_tensor_weights():
+    cfg = Fp8Config(is_checkpoint_fp8_serialized=True)
+    assert cfg.weight == PerTensor()
+    assert cfg.activation == PerRow()
+    assert str(cfg.scheme()) == "w:per-tensor a:per-token"
+
+
+@pytest.mark.parametrize("serialized", [False, True])
+def test_block_size_gives_per_block_weights_per_group_activations(serialized):
+    cfg = Fp8Config(is_checkpoint_fp8_serialized=serialized, weight_block_size=[128, 128])
+    assert cfg.weight_block_size == (128, 128)  # normalized to a tuple
+    assert cfg.weight == PerBlock(128, 128)
+    assert cfg.activation == PerGroup(128)
+    assert str(cfg.scheme()) == "w:per-block(128x128) a:per-group(1x128)"
+
+
+def test_non_square_block_groups_follow_block_k():
+    cfg = Fp8Config(weight_block_size=[64, 32])
+    assert cfg.weight == PerBlock(64, 32)
+    assert cfg.activation == PerGroup(32)
+    assert str(cfg.scheme()) == "w:per-block(64x32) a:per-group(1x32)"
+
+
+def test_static_scheme_is_per_tensor_activations():
+    cfg = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static")
+    assert cfg.activation == PerTensor()
+    assert cfg.scheme().static_activation is True
+    assert str(cfg.scheme()) == "w:per-tensor a:static per-tensor"
+    # an explicit PerTensor() activation granularity is compatible with static
+    cfg2 = Fp8Config(activation_scheme="static", activation_granularity=PerTensor())
+    assert cfg2.activation == PerTensor()
+
+
+def test_explicit_granularities_override_defaults():
+    cfg = Fp8Config(weight_granularity=PerTensor(), activation_granularity=PerTensor())
+    assert cfg.weight == PerTensor() and cfg.activation == PerTensor()
+    assert str(cfg.scheme()) == "w:per-tensor a:per-tensor"
+    cfg = Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=PerRow())
+    assert cfg.weight == PerRow()
+    cfg = Fp8Config(weight_granularity=PerBlock(128, 64))
+    assert cfg.activation == PerGroup(64)
+    cfg = Fp8Config(weight_block_size=[128, 128], weight_granularity=PerBlock(128, 128))
+    assert cfg.weight == PerBlock(128, 128)
+
+
+@pytest.mark.parametrize(
+    "gran, block, text",
+    [
+        (PerTensor(), (-1, -1), "per-tensor"),
+        (PerRow(), (1, -1), "per-row"),
+        (PerGroup(128), (1, 128), "per-group(1x128)"),
+        (PerGroup(4), (1, 4), "per-group(1x4)"),
+        (PerBlock(128, 128), (128, 128), "per-block(128x128)"),
+        (PerBlock(3, 5), (3, 5), "per-block(3x5)"),
+    ],
+)
+def test_granularity_blocks_and_strings(gran, block, text):
+    assert gran.block == block
+    assert str(gran) == text
+    assert granularity_from_block(block) == gran
+    assert granularity_from_block(list(block)) == gran
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "128"])
+def test_granularity_sizes_must_be_positive_ints(bad):
+    with pytest.raises(ValueError):
+        PerGroup(bad)
+    with pytest.raises(ValueError):
+        PerBlock(bad, 128)
+    with pytest.raises(ValueError):
+        PerBlock(128, bad)
+
+
+# --- validation -----------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["dyn", "Dynamic", "", "per-token", None])
+def test_unsupported_activation_scheme(bad):
+    with pytest.raises(ValueError) as exc:
+        Fp8Config(activation_scheme=bad)
+    assert "Unsupported activation scheme" in str(exc.value)
+    assert repr(bad) in str(exc.value)
+
+
+@pytest.mark.parametrize("block", [[128, 128, 128], [128], []])
+def test_block_size_must_have_two_dims(block):
+    with pytest.raises(ValueError, match=r"must have 2 dimensions, but got %d" % len(block)):
+        Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=block)
+
+
+def test_block_size_needs_dynamic_activations():
+    with pytest.raises(ValueError, match="only supports dynamic activation scheme"):
+        Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static", weight_block_size=[128, 128])
+
+
+@pytest.mark.parametrize("block", [[0, 128], [128, 0], [-128, 128], [128, -1], [128.0, 128], [128, True]])
+def test_block_size_entries_must_be_positive_ints(block):
+    with pytest.raises(ValueError, match="positive int"):
+        Fp8Config(weight_block_size=block)
+
+
+def test_ignored_layers_as_string_rejected():
+    with pytest.raises(ValueError, match="is a string"):
+        Fp8Config(ignored_layers="lm_head")
+
+
+def test_ignored_layers_normalized_to_tuple():
+    cfg = Fp8Config(ignored_layers=["lm_head", "model.layers.0"])
+    assert cfg.ignored_layers == ("lm_head", "model.layers.0")
+    assert cfg == Fp8Config(ignored_layers=("lm_head", "model.layers.0"))
+    assert hash(cfg) == hash(Fp8Config(ignored_layers=("lm_head", "model.layers.0")))
+
+
+def test_per_group_activations_need_block_weights():
+    with pytest.raises(ValueError, match="needs block-scaled weights"):
+        Fp8Config(activation_granularity=PerGroup(128))
+    with pytest.raises(ValueError, match="needs block-scaled weights"):
+        Fp8Config(is_checkpoint_fp8_serialized=True, activation_granularity=PerGroup(128))
+    with pytest.raises(ValueError, match="needs block-scaled weights"):
+        Fp8Config(weight_granularity=PerRow(), activation_granularity=PerGroup(64))
+
+
+def test_per_group_size_must_match_block_k():
+    with pytest.raises(ValueError, match="must match the weight's block_k=128"):
+        Fp8Config(weight_block_size=[128, 128], activation_granularity=PerGroup(64))
+    with pytest.raises(ValueError, match="block_k=64"):
+        Fp8Config(weight_granularity=PerBlock(128, 64), activation_granularity=PerGroup(128))
+    # matching sizes are fine
+    assert Fp8Config(weight_block_size=[128, 64], activation_granularity=PerGroup(64)).activation == PerGroup(64)
+
+
+def test_per_group_not_allowed_for_weights():
+    with pytest.raises(ValueError, match="not supported for weights"):
+        Fp8Config(weight_granularity=PerGroup(128))
+
+
+def test_per_block_not_allowed_for_activations():
+    with pytest.raises(ValueError, match="not supported for activations"):
+        Fp8Config(weight_block_size=[128, 128], activation_granularity=PerBlock(128, 128))
+
+
+@pytest.mark.parametrize("act", [PerRow(), PerGroup(128)])
+def test_static_needs_per_tensor_activations(act):
+    with pytest.raises(ValueError, match="needs activation_scheme='dynamic'"):
+        Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static", activation_granularity=act)
+
+
+def test_weight_granularity_contradicting_block_size():
+    with pytest.raises(ValueError, match="contradicts"):
+        Fp8Config(weight_block_size=[128, 128], weight_granularity=PerRow())
+    with pytest.raises(ValueError, match="contradicts"):
+        Fp8Config(weight_block_size=[128, 128], weight_granularity=PerBlock(64, 128))
+
+
+# --- vLLM-compatible API --------------------------------------------------------------------
+def test_get_name():
+    assert Fp8Config.get_name() == "fp8"
+    assert Fp8Config().get_name() == "fp8"
+
+
+@pytest.mark.parametrize(
+    "quant_method, serialized",
+    [("fp8", True), ("modelopt_fp8", True), ("fp8_static", True), ("compressed-tensors", False), ("bitsandbytes", False), ("", False)],
+)
+def test_from_config_serialized_flag(quant_method, serialized):
+    cfg = Fp8Config.from_config({"quant_method": quant_method, "activation_scheme": "dynamic"})
+    assert cfg.is_checkpoint_fp8_serialized is serialized
+    assert cfg.weight == (PerTensor() if serialized else PerRow())
+
+
+def test_from_config_without_quant_method_is_online():
+    cfg = Fp8Config.from_config({})
+    assert cfg.is_checkpoint_fp8_serialized is False
+    assert cfg.activation_scheme == "dynamic"
+    assert cfg.ignored_layers is None and cfg.weight_block_size is None
+
+
+def test_from_config_reads_fields():
+    cfg = Fp8Config.from_config(
+        {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head", "model.layers.0.mlp"]}
+    )
+    assert cfg.is_checkpoint_fp8_serialized is True
+    assert cfg.activation_scheme == "static"
+    assert cfg.ignored_layers == ("lm_head", "model.layers.0.mlp")
+    assert cfg.weight_block_size is None
+    assert str(cfg.scheme()) == "w:per-tensor a:static per-tensor"
+
+
+def test_from_config_block():
+    # DeepSeek-V3 style quantization_config
+    cfg = Fp8Config.from_config(
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    )
+    assert cfg.is_checkpoint_fp8_serialized is True
+    assert cfg.weight_block_size == (128, 128)
+    assert cfg.weight == PerBlock(128, 128) and cfg.activation == PerGroup(128)
+
+
+def test_from_config_modules_to_not_convert_fallback():
+    cfg = Fp8Config.from_config({"quant_method": "fp8", "modules_to_not_convert": ["lm_head"]})
+    assert cfg.ignored_layers == ("lm_head",)
+    assert cfg.is_ignored("lm_head")
+    # ignored_layers wins when both are present
+    cfg = Fp8Config.from_config(
+        {"quant_method": "fp8", "ignored_layers": ["model.embed"], "modules_to_not_convert": ["lm_head"]}
+    )
+    assert cfg.ignored_layers == ("model.embed",)
+    assert not cfg.is_ignored("lm_head")
+
+
+def test_from_config_validates():
+    with pytest.raises(ValueError, match="Unsupported activation scheme"):
+        Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "dynamic_per_token"})
+    with pytest.raises(ValueError, match="2 dimensions"):
+        Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [1, 128, 128]})
+    with pytest.raises(ValueError, match="dynamic activation scheme"):
+        Fp8Config.from_config({"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": [128, 128]})
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[128, 128]),
+        Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[64, 32], ignored_layers=["lm_head"]),
+    ],
+)
+def test_to_dict_round_trip_block(cfg):
+    d = cfg.to_dict()
+    assert d["quant_method"] == "fp8"
+    assert d["weight_block_size"] == list(cfg.weight_block_size)
+    assert d["weight_granularity"] == str(cfg.weight)
+    assert d["activation_granularity"] == str(cfg.activation)
+    back = Fp8Config.from_config(json.loads(json.dumps(d)))  # as a checkpoint would store it
+    assert back == cfg
+    assert back.scheme() == cfg.scheme()
+    assert back.hash() == cfg.hash()
+
+
+def test_to_dict_round_trip_static_per_tensor():
+    cfg = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static", ignored_layers=["lm_head"])
+    back = Fp8Config.from_config(json.loads(json.dumps(cfg.to_dict())))
+    assert back == cfg and back.hash() == cfg.hash()
+
+
+def test_to_dict_contents():
+    d = Fp8Config().to_dict()
+    assert d == {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "is_checkpoint_fp8_serialized": False,
+        "weight_granularity": "per-row",
+        "activation_granularity": "per-row",
+    }
+
+
+def test_hash_equal_configs():
+    a = Fp8Config(weight_block_size=[128, 128], ignored_layers=["lm_head"])
+    b = Fp8Config(weight_block_size=(128, 128), ignored_layers=("lm_head",))
+    assert a.hash() == b.hash()
+    assert a.hash() == a.hash()
+    h = a.hash()
+    assert isinstance(h, str) and len(h) == 64 and int(h, 16) >= 0
+
+
+_DISTINCT = [
+    Fp8Config(),
+    Fp8Config(is_checkpoint_fp8_serialized=True),
+    Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static"),
+    Fp8Config(weight_block_size=[128, 128]),
+    Fp8Config(weight_block_size=[128, 64]),
+    Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[128, 128]),
+    Fp8Config(ignored_layers=["lm_head"]),
+    Fp8Config(ignored_layers=["lm_head", "model.layers.0"]),
+    Fp8Config(activation_granularity=PerTensor()),
+    Fp8Config(weight_granularity=PerTensor()),
+]
+
+
+def test_hash_differs_for_different_configs():
+    hashes = [c.hash() for c in _DISTINCT]
+    assert len(set(hashes)) == len(hashes)
+
+
+def test_hash_stable_across_processes():
+    """config.py has no torch dependency: load it standalone in fresh interpreters with different
+    PYTHONHASHSEEDs and check the hash does not depend on the process."""
+    expected = Fp8Config(weight_block_size=[128, 128], ignored_layers=["lm_head", "model.layers.0"]).hash()
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('cfg_standalone', {CONFIG_PY!r})\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['cfg_standalone'] = m; spec.loader.exec_module(m)\n"
+        "print(m.Fp8Config(weight_block_size=[128, 128], ignored_layers=['lm_head', 'model.layers.0']).hash())\n"
+    )
+    for seed in ("0", "12345"):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+        assert out.stdout.strip() == expected
+
+
+# --- KV-cache scale names ---------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name, expected",
+    [
+        ("model.layers.0.self_attn.k_proj.output_scale", "model.layers.0.self_attn.attn.k_scale"),
+        ("model.layers.0.self_attn.v_proj.output_scale", "model.layers.0.self_attn.attn.v_scale"),
+        ("model.layers.0.self_attn.q_proj.output_scale", "model.layers.0.self_attn.attn.q_scale"),
+        ("model.layers.0.self_attn.prob_output_scale", "model.layers.0.self_attn.attn.prob_scale"),
+        ("model.layers.17.self_attn.k_proj.output_scale", "model.layers.17.self_attn.attn.k_scale"),
+    ],
+)
+def test_get_cache_scale(name, expected):
+    assert Fp8Config.get_cache_scale(name) == expected
+    assert Fp8Config().get_cache_scale(name) == expected
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "model.layers.0.self_attn.o_proj.output_scale",
+        "model.layers.0.self_attn.k_proj.weight_scale",
+        "model.layers.0.self_attn.k_proj.input_scale",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.0.mlp.down_proj.output_scale",
+        "model.layers.0.self_attn.k_scale",
+        "model.layers.0.mlp.prob_output_scale",
+        "lm_head.weight",
+        "",
+    ],
+)
+def test_get_cache_scale_other_names(name):
+    assert Fp8Config.get_cache_scale(name) is None
+
+
+# --- ignored layers ---------------------------------------------------------------------------
+def test_is_ignored_exact_and_prefix():
+    cfg = Fp8Config(ignored_layers=["lm_head", "model.layers.0"])
+    assert cfg.is_ignored("lm_head")
+    assert cfg.is_ignored("model.layers.0")
+    assert cfg.is_ignored("model.layers.0.mlp.up_proj")
+    assert cfg.is_ignored("model.layers.0.self_attn.qkv_proj")
+    assert not cfg.is_ignored("model.layers.01.x")
+    assert not cfg.is_ignored("model.layers.01")
+    assert not cfg.is_ignored("model.layers.1.mlp.up_proj")
+    assert not cfg.is_ignored("model.layers")
+    assert not cfg.is_ignored("lm_head_2")
+    assert not cfg.is_ignored("model.lm_head")
+    assert not cfg.is_ignored("")
+
+
+def test_is_ignored_without_ignored_layers():
+    assert not Fp8Config().is_ignored("lm_head")
+    assert not Fp8Config(ignored_layers=[]).is_ignored("lm_head")
+
+
+_ident = st.text(alphabet="abcdefghij_0123456789", min_size=1, max_size=6)
+_fqn = st.lists(_ident, min_size=1, max_size=4).map(".".join)
+
+
+@settings(max_examples=60, deadline=None)
+@given(entry=_fqn, suffix=_fqn, junk=_ident)
+def test_is_ignored_property(entry, suffix, junk):
+    cfg = Fp8Config(ignored_layers=[entry])
+    assert cfg.is_ignored(entry)
+    assert cfg.is_ignored(entry + "." + suffix)
+    # a sibling whose last component merely starts with the entry's is not covered
+    assert not cfg.is_ignored(entry + junk)
+    assert not cfg.is_ignored(entry + junk + "." + suffix)

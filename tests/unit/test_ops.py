@@ -1,0 +1,112 @@
+"""The fp8fx custom ops: opcheck, semantics against the float64 reference, compiled == eager."""
+import pytest
+import torch
+
+from fp8fx import quant
+from fp8fx.ops import fp8_linear
+from tests.conftest import rel_err
+
+BLOCKS = {"per-tensor": [-1, -1], "per-row": [1, -1], "per-group": [1, 32], "per-block": [32, 32]}
+
+
+# torch's SchemaCheckMode (opcheck's "test_schema") compares inputs before/after with a mul that has
+# no float8 kernel on CPU (torch 2.13: "mul_cpu_reduced_float not implemented for Float8_e4m3fn"), so
+# ops with fp8 inputs run the other opcheck utils and `_check_no_mutation` stands in for test_schema.
+FP8_INPUT_UTILS = ("test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic")
+
+
+def _opcheck_fp8(op, args, kwargs=None):
+    torch.library.opcheck(op, args, kwargs, test_utils=FP8_INPUT_UTILS)
+    before = [a.clone() for a in args if isinstance(a, torch.Tensor)]
+    op(*args, **(kwargs or {}))
+    after = [a for a in args if isinstance(a, torch.Tensor)]
+    for b, a in zip(before, after):
+        assert torch.equal(b.view(torch.uint8) if b.element_size() == 1 else b, a.view(torch.uint8) if a.element_size() == 1 else a)
+
+
+def _weights(n=64, k=96, block=(1, -1), seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    return w, *quant.quantize(w, block)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("block", [[-1, -1], [1, -1], [1, 32]])
+def test_opcheck_quantize(dtype, block):
+    x = torch.randn(3, 5, 64, dtype=dtype)
+    torch.library.opcheck(torch.ops.fp8fx.quantize.default, (x, block))
+
+
+def test_opcheck_quantize_static_and_dequantize():
+    x = torch.randn(7, 64, dtype=torch.bfloat16)
+    torch.library.opcheck(torch.ops.fp8fx.quantize_static.default, (x, torch.tensor([0.01])))
+    w, q, s = _weights(block=(32, 32))
+    _opcheck_fp8(torch.ops.fp8fx.dequantize.default, (q, s, [32, 32], torch.bfloat16))
+    _opcheck_fp8(
+        torch.ops.fp8fx.dequantize.default, (q, s, [32, 32], torch.bfloat16), {"input_scale": None, "act_block": [1, 32]}
+    )
+
+
+@pytest.mark.parametrize("w_block,x_block", [([-1, -1], [-1, -1]), ([1, -1], [1, -1]), ([32, 32], [1, 32])])
+@pytest.mark.parametrize("bias", [False, True])
+def test_opcheck_scaled_mm(w_block, x_block, bias):
+    w, wq, ws = _weights(block=w_block)
+    xq, xs = quant.quantize_rows(torch.randn(2, 3, 96), x_block)
+    b = torch.randn(64, dtype=torch.bfloat16) if bias else None
+    _opcheck_fp8(torch.ops.fp8fx.scaled_mm.default, (xq, xs, wq, ws, b, x_block, w_block, torch.bfloat16))
+
+
+def test_quantize_op_scale_shapes():
+    x = torch.randn(2, 3, 100)
+    assert torch.ops.fp8fx.quantize(x, [-1, -1])[1].shape == (1, 1)
+    assert torch.ops.fp8fx.quantize(x, [1, -1])[1].shape == (6, 1)
+    assert torch.ops.fp8fx.quantize(x, [1, 32])[1].shape == (6, 4)  # ragged last group
+    q, _ = torch.ops.fp8fx.quantize(x, [1, 32])
+    assert q.shape == x.shape and q.dtype == torch.float8_e4m3fn
+
+
+def test_quantize_static_saturates_instead_of_nan():
+    x = torch.tensor([[1.0, -1e4, 3e38, 0.0]])
+    q = torch.ops.fp8fx.quantize_static(x, torch.tensor([1.0]))
+    assert q.float().tolist() == [[1.0, -448.0, 448.0, 0.0]]
+
+
+def test_bad_block_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"block=\[0, 128\] is not a block"):
+        torch.ops.fp8fx.quantize(torch.randn(4, 8), [0, 128])
+
+
+@pytest.mark.parametrize("scheme", ["per-tensor", "per-row", "per-block"])
+def test_fp8_linear_close_to_float64(scheme):
+    """W8A8 of random data stays within the fp8 error bound of the float64 product (measured ~0.03-0.04),
+    and a wrong scale (e.g. scale applied twice or transposed) would be off by far more."""
+    w_block = BLOCKS[scheme]
+    act_block = [1, 32] if scheme == "per-block" else w_block
+    w, wq, ws = _weights(block=w_block)
+    x = torch.randn(4, 9, 96, dtype=torch.bfloat16)
+    bias = torch.randn(64, dtype=torch.bfloat16)
+    y = fp8_linear(x, wq, ws, bias, w_block, act_block)
+    assert y.dtype == torch.bfloat16 and y.shape == (4, 9, 64)
+    ref = x.double() @ w.double().t() + bias.double()
+    assert rel_err(y, ref) < 0.06
+
+
+def test_static_input_scale_used():
+    w, wq, ws = _weights(block=[1, -1])
+    x = torch.randn(16, 96)
+    scale = torch.tensor([x.abs().max().item() / 448])
+    y = fp8_linear(x, wq, ws, None, [1, -1], [1, -1], input_scale=scale)
+    assert rel_err(y, x.double() @ w.double().t()) < 0.06
+    # a static scale 100x too small saturates everything: the result must be visibly wrong
+    y_bad = fp8_linear(x, wq, ws, None, [1, -1], [1, -1], input_scale=scale / 100)
+    assert rel_err(y_bad, x.double() @ w.double().t()) > 0.3
+
+
+@pytest.mark.parametrize("block", [[1, -1], [-1, -1], [1, 32]])
+def test_compiled_equals_eager_bitwise(block):
+    w_block = [32, 32] if block == [1, 32] else block
+    _, wq, ws = _weights(block=w_block)
+    bias = torch.randn(64)
+    fn = lambda x: fp8_linear(x, wq, ws, bias, w_block, block)  # noqa: E731
+    x = torch.randn(5, 96)
+    assert torch.equal(torch.compile(fn, backend="inductor")(x), fn(x))

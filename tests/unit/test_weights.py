@@ -1,0 +1,188 @@
+"""Load-time weight hooks: quantize_, Fp8LinearMethod (online shards, serialized), bad input."""
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import fp8fx
+from fp8fx import quant
+from fp8fx.config import Fp8Config
+from fp8fx.weights import CopyNumelCounter, Fp8LinearMethod
+from tests.conftest import rel_err
+
+
+def _mlp(k=128, n=256, seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(k, n), nn.GELU(), nn.Linear(n, k, bias=False), nn.Linear(k, 64)).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "config,scale_name,scale_shape",
+    [
+        (Fp8Config(), "weight_scale", (256, 1)),
+        (Fp8Config(weight_granularity=fp8fx.PerTensor()), "weight_scale", (1,)),
+        (Fp8Config(weight_block_size=[128, 128]), "weight_scale_inv", (2, 1)),
+    ],
+)
+def test_state_dict_holds_checkpoint_names(config, scale_name, scale_shape):
+    model = _mlp()
+    w0 = model[0].weight.detach().clone()
+    fp8fx.quantize_(model, config)
+    sd = model.state_dict()
+    assert sd["0.weight"].dtype == torch.float8_e4m3fn and sd["0.weight"].shape == (256, 128)
+    assert sd[f"0.{scale_name}"].shape == scale_shape and sd[f"0.{scale_name}"].dtype == torch.float32
+    assert "0.input_scale" not in sd
+    block = config.weight.block
+    # dequantize is always weight.float() * scale, broadcast per block
+    deq = quant.dequantize(sd["0.weight"], sd[f"0.{scale_name}"], block)
+    assert torch.equal(model[0].weight.float(), deq.bfloat16().float())
+    assert rel_err(deq, w0.float()) < 0.04
+    # round trip: another quantized model (other random weights) takes this state dict and then
+    # computes exactly what this one does
+    other = _mlp(seed=1)
+    fp8fx.quantize_(other, config)
+    other.load_state_dict(sd)
+    x = torch.randn(2, 128, dtype=torch.bfloat16)
+    assert torch.equal(other(x), model(x))
+
+
+def test_eager_model_still_runs_and_is_close():
+    model = _mlp()
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    ref = model(x)
+    fp8fx.quantize_(model, Fp8Config(ignored_layers=["3"]))
+    assert type(model[0]).__name__ == "Fp8Linear" and isinstance(model[0], nn.Linear)
+    assert type(model[3]) is nn.Linear  # ignored
+    assert rel_err(model(x), ref) < 0.05
+
+
+def test_bf16_weights_are_released():
+    model = _mlp()
+    refs = [weakref.ref(model[i].weight) for i in (0, 2, 3)]
+    fp8fx.quantize_(model)
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_nan_weight_raises_naming_fqn_and_changes_nothing():
+    model = _mlp()
+    with torch.no_grad():
+        model[2].weight[3, 5] = float("nan")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^2\.weight has 1 NaN/Inf"):
+        fp8fx.quantize_(model)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.allclose(before[k], after[k], equal_nan=True, rtol=0, atol=0) for k in before)
+    assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
+
+
+def test_quantize_twice_is_an_error():
+    model = _mlp()
+    fp8fx.quantize_(model)
+    sd = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="already fp8-quantized"):
+        fp8fx.quantize_(model)
+    assert all(torch.equal(sd[k].view(torch.uint8) if sd[k].element_size() == 1 else sd[k],
+                           v.view(torch.uint8) if v.element_size() == 1 else v) for k, v in model.state_dict().items())
+
+
+def test_shape_not_divisible_by_block_is_skipped_or_strict_error():
+    model = nn.Sequential(nn.Linear(128, 256), nn.Linear(256, 100)).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^1: weight \[100, 256\] is not divisible by the 128x128 block"):
+        fp8fx.quantize_(model, Fp8Config(weight_block_size=[128, 128]), strict=True)
+    assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
+    fp8fx.quantize_(model, Fp8Config(weight_block_size=[128, 128]))
+    assert fp8fx.weights.is_quantized(model[0]) and not fp8fx.weights.is_quantized(model[1])
+    assert "not divisible" in model[1].weight._fp8fx_skip_reason
+
+
+def test_serialized_config_rejected_by_quantize_():
+    with pytest.raises(ValueError, match="is_checkpoint_fp8_serialized=True"):
+        fp8fx.quantize_(_mlp(), Fp8Config(is_checkpoint_fp8_serialized=True))
+
+
+def test_static_needs_input_scales_and_calibrate_provides_them():
+    model = _mlp()
+    config = Fp8Config(activation_scheme="static")
+    with pytest.raises(ValueError, match=r"missing \['0', '2', '3'\]"):
+        fp8fx.quantize_(model, config)
+    with pytest.raises(ValueError, match=r"input_scales\['0'\]=-1.0 must be a positive finite float"):
+        fp8fx.quantize_(model, config, input_scales={"0": -1.0, "2": 1.0, "3": 1.0})
+    assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
+    batches = [torch.randn(4, 128, dtype=torch.bfloat16) for _ in range(3)]
+    scales = fp8fx.calibrate(model, batches)
+    assert set(scales) == {"0", "2", "3"}
+    assert scales["0"] == pytest.approx(max(b.abs().max().item() for b in batches) / 448, rel=1e-6)
+    fp8fx.quantize_(model, config, input_scales=scales)
+    assert model[0].input_scale.shape == (1,) and model[0].input_scale.item() == pytest.approx(scales["0"])
+
+
+def test_copy_numel_counter_counts_narrowed_copies():
+    dst = torch.empty(10, 4)
+    with CopyNumelCounter() as c:
+        dst.narrow(0, 2, 3).copy_(torch.ones(3, 4))
+        dst[7:].copy_(torch.ones(3, 4))
+    assert c.copied_numel == 24
+
+
+def test_online_shards_quantize_when_last_element_arrives():
+    """A fused qkv-like layer loaded shard by shard, out of order, from bf16 tensors."""
+    sizes = [128, 64, 64]
+    full = torch.randn(sum(sizes), 128, dtype=torch.bfloat16)
+    layer = nn.Linear(128, sum(sizes), bias=False, device="meta")
+    method = Fp8LinearMethod(Fp8Config())
+    method.create_weights(layer, 128, sizes, torch.bfloat16, device="cpu")
+    assert layer.weight.is_meta  # nothing materialized before the first shard
+    offsets = [0, 128, 192]
+    for shard in (2, 0):
+        method.weight_loader(layer, "weight", full[offsets[shard] : offsets[shard] + sizes[shard]], shard_id=shard)
+        assert layer._parameters["weight"].dtype == torch.bfloat16  # not complete yet
+    with pytest.raises(RuntimeError, match="received 24576 of 32768 elements"):
+        method.process_weights_after_loading(layer)
+    method.weight_loader(layer, "weight", full[128:192], shard_id=1)
+    assert layer._parameters["weight"].dtype == torch.float8_e4m3fn
+    q, s = quant.quantize(full, [1, -1])
+    assert torch.equal(layer._parameters["weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(layer.weight_scale, s)
+    method.process_weights_after_loading(layer)
+    method.process_weights_after_loading(layer)  # idempotent
+    assert torch.equal(layer.weight_scale, s)
+
+
+def test_serialized_per_tensor_shards_requantized_to_max_scale():
+    sizes = [64, 32, 32]
+    layer = nn.Linear(64, 128, bias=False, device="meta")
+    config = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static")
+    method = Fp8LinearMethod(config)
+    method.create_weights(layer, 64, sizes, torch.bfloat16, device="cpu")
+    shards = [torch.randn(s, 64) * (i + 1) for i, s in enumerate(sizes)]
+    offset = 0
+    for i, (size, w) in enumerate(zip(sizes, shards)):
+        q, s = quant.quantize(w, [-1, -1])
+        method.weight_loader(layer, "weight", q, shard_id=i)
+        method.weight_loader(layer, "weight_scale", s, shard_id=i)
+        if i < 2:
+            method.weight_loader(layer, "input_scale", torch.tensor([0.1 * (i + 1)]), shard_id=i)
+        offset += size
+    with pytest.raises(ValueError, match="input_scale was never loaded"):
+        method.process_weights_after_loading(layer)
+    method.weight_loader(layer, "input_scale", torch.tensor([0.05]), shard_id=2)
+    method.process_weights_after_loading(layer)
+    scale_max = max(quant.compute_scale(w, [-1, -1]).item() for w in shards)
+    assert layer.weight_scale.shape == (1,) and layer.weight_scale.item() == pytest.approx(scale_max)
+    assert layer.input_scale.item() == pytest.approx(0.2)
+    assert rel_err(layer.weight.float(), torch.cat(shards)) < 0.05
+    # the shard that already had the max scale is unchanged bit for bit
+    q_last, _ = quant.quantize(shards[2], [-1, -1])
+    assert torch.equal(layer._parameters["weight"][96:].view(torch.uint8), q_last.view(torch.uint8))
+
+
+def test_loader_rejects_wrong_shard_shape():
+    layer = nn.Linear(64, 96, bias=False, device="meta")
+    method = Fp8LinearMethod(Fp8Config())
+    method.create_weights(layer, 64, [64, 32], torch.bfloat16, device="cpu")
+    with pytest.raises(ValueError, match=r"weight shard 1: checkpoint tensor of shape \(64, 64\) does not fit"):
+        method.weight_loader(layer, "weight", torch.randn(64, 64), shard_id=1)
