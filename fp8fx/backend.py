@@ -7,13 +7,14 @@ from typing import Any, Optional, Sequence
 
 from torch import fx
 
-from fp8fx.lowerings import compat
+from fp8fx.lowerings import aten, compat
 from fp8fx.passes import PassManager, default_passes
 from fp8fx.report import Report
 
 log = logging.getLogger("fp8fx")
 
 _COMPILERS = ("inductor", "eager")
+_LOWERINGS = ("aten", "op")
 
 
 class Fp8Backend:
@@ -25,6 +26,9 @@ class Fp8Backend:
     - ``dump_dir``: write each graph before and after the passes as Python (``graph_<i>_before.py``,
       ``graph_<i>_after.py``).
     - ``inductor_config``: extra Inductor config patches for this backend's compilations.
+    - ``lowering``: ``"aten"`` (default) decomposes fp8fx ops on CUDA into ATen so Inductor fuses the
+      activation quantization and picks the GEMM (``fp8fx.lowerings.aten``); ``"op"`` keeps the fp8fx
+      ops as opaque kernels.
 
     ``report`` lists every linear site of every graph this backend compiled.
     """
@@ -35,13 +39,17 @@ class Fp8Backend:
         compiler: str = "inductor",
         dump_dir: Optional[str] = None,
         inductor_config: Optional[dict[str, Any]] = None,
+        lowering: str = "aten",
     ):
         if compiler not in _COMPILERS:
             raise ValueError(f"Fp8Backend(compiler={compiler!r}): use one of {_COMPILERS}")
+        if lowering not in _LOWERINGS:
+            raise ValueError(f"Fp8Backend(lowering={lowering!r}): use one of {_LOWERINGS}")
+        self.lowering = lowering
         self.compiler = compiler
         self.dump_dir = dump_dir
         self.inductor_config = dict(inductor_config or {})
-        options = {"compiler": compiler, "inductor_config": sorted(self.inductor_config.items())}
+        options = {"compiler": compiler, "lowering": lowering, "inductor_config": sorted(self.inductor_config.items())}
         self.pass_manager = PassManager(default_passes(), options)
         self.report = Report()
 
@@ -57,7 +65,8 @@ class Fp8Backend:
         if self.compiler == "eager":
             return gm.forward
         patches = {**self.inductor_config, "post_grad_custom_post_pass": self.pass_manager}
-        return compat.compile_fx(gm, example_inputs, config_patches=patches)
+        decomps = aten.decompositions() if self.lowering == "aten" and aten.applies(example_inputs) else None
+        return compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
 
     def _dump(self, gm: fx.GraphModule, index: int, stage: str) -> None:
         if self.dump_dir is None:

@@ -116,20 +116,21 @@ def _cublas_eligible(m: int, n: int, k: int, x_block, w_block, out_dtype) -> boo
     xg, wg = granularity_from_block(x_block), granularity_from_block(w_block)
     if isinstance(xg, (PerGroup, PerBlock)) or isinstance(wg, (PerGroup, PerBlock)):
         return False
+    if not isinstance(m, int):  # symbolic M under compile: any M works
+        m = 1
     if k % 16 or n % 16 or m == 0:
         return False
     rowwise = tuple(x_block) != (-1, -1) or tuple(w_block) != (-1, -1)
     return out_dtype == torch.bfloat16 or not rowwise
 
 
-@scaled_mm.register_kernel("cuda")
-def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype):
+def cublas_scaled_mm(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype) -> Optional[torch.Tensor]:
+    """``scaled_mm`` through ``torch._scaled_mm`` (cuBLAS), or None where it does not apply."""
     k, n = xq.shape[-1], wq.shape[0]
     x2 = xq.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
     if not _cublas_eligible(m, n, k, x_block, w_block, out_dtype):
-        # Block scales and odd shapes: the reference math on the GPU (fused kernels: fp8fx.lowerings).
-        return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
+        return None
     if tuple(x_block) == (-1, -1) and tuple(w_block) == (-1, -1):
         scale_a, scale_b = x_scale.float().reshape(()), w_scale.float().reshape(())
     else:  # row-wise: scale_a [M, 1], scale_b [1, N]
@@ -139,6 +140,15 @@ def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype):
     if bias is not None:
         y = y + bias.to(out_dtype)
     return y.reshape(*xq.shape[:-1], n)
+
+
+@scaled_mm.register_kernel("cuda")
+def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype):
+    y = cublas_scaled_mm(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)
+    if y is None:
+        # Block scales and odd shapes: the reference math on the GPU (fused kernels: fp8fx.lowerings).
+        y = quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
+    return y
 
 
 # --- composition (eager W8A8 reference of what the linear pass emits) -----------------------

@@ -10,11 +10,21 @@ from torch._inductor.custom_graph_pass import CustomGraphPass  # 2.11 and 2.13
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
-def compile_fx(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], config_patches: Optional[dict] = None):
-    """Inductor's compile entry point (``torch._inductor.compile_fx.compile_fx``)."""
+def compile_fx(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    config_patches: Optional[dict] = None,
+    extra_decompositions: Optional[dict] = None,
+):
+    """Inductor's compile entry point (``torch._inductor.compile_fx.compile_fx``); extra
+    decompositions are added to Inductor's own table (passing a table replaces Inductor's)."""
     from torch._inductor.compile_fx import compile_fx as _compile_fx
+    from torch._inductor.decomposition import select_decomp_table
 
-    return _compile_fx(gm, example_inputs, config_patches=config_patches or {})
+    decomps = None
+    if extra_decompositions:
+        decomps = {**select_decomp_table(), **extra_decompositions}
+    return _compile_fx(gm, example_inputs, config_patches=config_patches or {}, decompositions=decomps)
 
 
 __all__ = ["CustomGraphPass", "TORCH_VERSION", "compile_fx"]

@@ -154,8 +154,9 @@ def test_cache_key_changes_with_options_and_is_stable():
         Fp8Backend().cache_key(),
         Fp8Backend(compiler="eager").cache_key(),
         Fp8Backend(inductor_config={"max_autotune": True}).cache_key(),
+        Fp8Backend(lowering="op").cache_key(),
     }
-    assert len(keys) == 3
+    assert len(keys) == 4
     assert LinearPass().uuid() == LinearPass().uuid()
 
 
@@ -166,9 +167,9 @@ def test_cache_key_reaches_inductor(monkeypatch):
     seen = {}
     real = compat.compile_fx
 
-    def spy(gm, example_inputs, config_patches=None):
+    def spy(gm, example_inputs, config_patches=None, extra_decompositions=None):
         seen.update(config_patches)
-        return real(gm, example_inputs, config_patches)
+        return real(gm, example_inputs, config_patches, extra_decompositions)
 
     monkeypatch.setattr(compat, "compile_fx", spy)
     backend = Fp8Backend(inductor_config={"max_autotune": False})

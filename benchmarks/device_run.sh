@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# On the GPU machine (device tool): install carried wheels, run the whole test suite (cuda tests
+# included) and the benchmark; logs and results land in $OUT.
+#   usage: bash benchmarks/device_run.sh [tests|bench|all] [bench args...]
+set -uo pipefail
+what=${1:-all}; shift || true
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+export PYTHONUNBUFFERED=1
+python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  timeout 300 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+fi
+if [ "$what" = bench ] || [ "$what" = all ]; then
+  timeout 420 python3 benchmarks/bench_linear.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
+fi
