@@ -168,12 +168,6 @@ class Fp8Config:
                 )
             for name, value in zip(("block_n", "block_k"), block):
                 _check_positive_int(f"Fp8Config.weight_block_size {name}", value)
-            if self.activation_scheme != "dynamic":
-                raise ValueError(
-                    "The block-wise quantization only supports dynamic activation scheme for now, but got "
-                    f"activation_scheme={self.activation_scheme!r} with weight_block_size={list(block)}; "
-                    "use activation_scheme='dynamic'"
-                )
             if self.weight_granularity is not None and self.weight_granularity != PerBlock(*block):
                 raise ValueError(
                     f"Fp8Config.weight_granularity={self.weight_granularity} contradicts "
@@ -198,6 +192,11 @@ class Fp8Config:
                 "activation scales are per-tensor (one input_scale per layer)"
             )
         w, a = self.weight, self.activation
+        if isinstance(w, PerBlock) and self.activation_scheme != "dynamic":
+            raise ValueError(
+                "The block-wise quantization only supports dynamic activation scheme for now, but got "
+                f"activation_scheme={self.activation_scheme!r} with {w} weights; use activation_scheme='dynamic'"
+            )
         if isinstance(w, PerBlock) and isinstance(a, PerGroup) and a.group_size != w.block_k:
             raise ValueError(
                 f"Fp8Config.activation_granularity={a} must match the weight's block_k={w.block_k}: "
@@ -246,9 +245,7 @@ class Fp8Config:
     def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
         """Build from a checkpoint's ``quantization_config`` dict."""
         quant_method = config.get("quant_method", "")
-        ignored = config.get("ignored_layers")
-        if ignored is None:
-            ignored = config.get("modules_to_not_convert")
+        ignored = config.get("ignored_layers") or config.get("modules_to_not_convert")
         block = config.get("weight_block_size")
         return cls(
             is_checkpoint_fp8_serialized="fp8" in str(quant_method),

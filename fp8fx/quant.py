@@ -32,7 +32,10 @@ def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
     """Shape of the scale of a tensor of ``shape`` quantized with ``block``."""
     *lead, rows, cols = shape
     b_r, b_c = resolve_block(block, rows, cols)
-    return (*lead, math.ceil(rows / b_r), math.ceil(cols / b_c))
+    # a whole-dim block is one scale even for an empty dim (M == 0: an empty batch, an idle expert)
+    n_r = 1 if block[0] == -1 else math.ceil(rows / b_r)
+    n_c = 1 if block[1] == -1 else math.ceil(cols / b_c)
+    return (*lead, n_r, n_c)
 
 
 def _tiles(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, tuple[int, int]]:
@@ -61,6 +64,8 @@ def expand_scale(scale: torch.Tensor, shape: Sequence[int], block: Sequence[int]
 
 def compute_scale(x: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
     """float32 scale = amax / 448 per tile; x: [..., R, C] -> [..., ceil(R/bR), ceil(C/bC)]."""
+    if x.numel() == 0:
+        return torch.full(scale_shape(x.shape, block), AMAX_EPS / FP8_MAX, device=x.device)
     tiles, _ = _tiles(x, block)
     amax = tiles.abs().amax(dim=(-3, -1))
     return amax.clamp(min=AMAX_EPS) / FP8_MAX
