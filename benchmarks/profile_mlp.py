@@ -1,0 +1,81 @@
+"""Where the time goes: kernel-level profile of the Llama-3-8B MLP block (fp8fx vs torchao), and
+Inductor's generated code for fp8fx, written under --out.
+
+    python benchmarks/profile_mlp.py --out DIR [--m 4096] [--max-autotune]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+from torch._inductor.utils import run_and_get_code
+from torch.profiler import ProfilerActivity, profile
+
+import fp8fx
+from benchmarks.bench_linear import MLP, torchao_rowwise
+
+
+def kernel_table(fn, x, steps=10):
+    with torch.no_grad():
+        for _ in range(3):
+            fn(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn(x)
+            torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
+            rows.append((e.device_time_total / steps / 1000, e.count // steps, e.key[:110]))
+    rows.sort(reverse=True)
+    total = sum(r[0] for r in rows)
+    return "\n".join([f"total {total:.4f} ms/step"] + [f"{ms:8.4f} ms  x{n}  {name}" for ms, n, name in rows])
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="profile_out")
+    p.add_argument("--m", type=int, default=4096)
+    p.add_argument("--max-autotune", action="store_true")
+    args = p.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    x = torch.randn(args.m, 4096, device="cuda", dtype=torch.bfloat16)
+    base = MLP().cuda().to(torch.bfloat16)
+    state = base.state_dict()
+
+    def fresh():
+        m = MLP().cuda().to(torch.bfloat16)
+        m.load_state_dict(state)
+        return m
+
+    cfg = {"max_autotune": True} if args.max_autotune else {}
+    mod = fresh()
+    fp8fx.quantize_(mod, fp8fx.Fp8Config())
+    fn = torch.compile(mod, backend=fp8fx.Fp8Backend(inductor_config=cfg))
+    with torch.no_grad():
+        _, code = run_and_get_code(fn, x)
+    tag = "fp8fx" + ("_autotune" if args.max_autotune else "")
+    with open(os.path.join(args.out, f"{tag}_code.py"), "w") as f:
+        f.write("\n\n# ----\n\n".join(code))
+    report = [f"== {tag} M={args.m}", kernel_table(fn, x)]
+    ao, why = torchao_rowwise(fresh())
+    if ao is not None:
+        ao_fn = torch.compile(ao, mode="max-autotune-no-cudagraphs" if args.max_autotune else None)
+        with torch.no_grad():
+            _, code = run_and_get_code(ao_fn, x)
+        with open(os.path.join(args.out, "torchao_code.py"), "w") as f:
+            f.write("\n\n# ----\n\n".join(code))
+        report += [f"== torchao M={args.m}", kernel_table(ao_fn, x)]
+    else:
+        report.append(why)
+    text = "\n".join(report)
+    print(text)
+    with open(os.path.join(args.out, f"{tag}_profile.txt"), "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
