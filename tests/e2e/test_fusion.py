@@ -1,0 +1,71 @@
+"""Generated code on the GPU: activation quantization fused into its producer (issue: fused lowerings)."""
+import os
+import re
+
+import pytest
+import torch
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import fp8fx
+
+
+class NormLinear(nn.Module):
+    def __init__(self, dim=256, out=512):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.proj = nn.Linear(dim, out, bias=False)
+
+    def forward(self, x):
+        return self.proj(self.norm(x))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, dim=256, hidden=512):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, hidden, bias=False)
+        self.up_proj = nn.Linear(dim, hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def triton_kernels(code: str) -> list[str]:
+    """Source of each Triton kernel in Inductor's output code."""
+    return re.findall(r"@triton\.jit\ndef (.*?)(?=\n'''|\n\"\"\")", code, flags=re.S)
+
+
+def compiled_code(model, x):
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        out, code = run_and_get_code(torch.compile(model, backend=fp8fx.Fp8Backend()), x)
+    dump = os.environ.get("FP8FX_TEST_DUMP")  # where the device run collects generated code
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        with open(os.path.join(dump, f"{type(model).__name__}.py"), "w") as f:
+            f.write("\n# ----\n".join(code))
+    return out, "\n".join(code)
+
+
+@pytest.mark.cuda
+def test_rmsnorm_and_quant_in_one_kernel():
+    model = NormLinear().cuda().to(torch.bfloat16)
+    _, code = compiled_code(model, torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
+    kernels = triton_kernels(code)
+    # one Triton kernel computes rsqrt (RMSNorm) and the fp8 cast (quantization); the GEMM is cuBLAS
+    fused = [k for k in kernels if "rsqrt" in k and "float8" in k]
+    assert len(fused) == 1, f"{len(kernels)} kernels:\n" + "\n----\n".join(kernels)
+    assert len(kernels) == 1
+    assert "extern_kernels._scaled_mm" in code
+
+
+@pytest.mark.cuda
+def test_llama_mlp_kernel_count():
+    model = LlamaMLP().cuda().to(torch.bfloat16)
+    _, code = compiled_code(model, torch.randn(64, 256, device="cuda", dtype=torch.bfloat16))
+    kernels = triton_kernels(code)
+    # x quantized once (shared by gate and up), silu*mul fused with the quantization of down's input
+    assert len(kernels) == 2, f"{len(kernels)} kernels:\n" + "\n----\n".join(kernels)
+    assert any("sigmoid" in k and "float8" in k for k in kernels)
+    assert code.count("extern_kernels._scaled_mm") == 3
