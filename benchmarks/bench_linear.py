@@ -165,15 +165,32 @@ def cpu_smoke():
     return err
 
 
+def compile_time():
+    """First call (Dynamo + passes + Inductor) of the fp8fx MLP block at M=2048; run it in two fresh
+    processes sharing TORCHINDUCTOR_CACHE_DIR to see a cold and a warm cache."""
+    mlp = MLP().cuda().to(torch.bfloat16)
+    x = torch.randn(2048, DIM, device="cuda", dtype=torch.bfloat16)
+    fn, _ = fp8fx_module(mlp)
+    start = time.perf_counter()
+    with torch.no_grad():
+        fn(x)
+    torch.cuda.synchronize()
+    print(f"fp8fx mlp first call: {time.perf_counter() - start:.2f} s")
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_out")
-    p.add_argument("--ms", default="16,64,2048,4096")
+    p.add_argument("--ms", default="1,16,64,256,2048,4096")
+    p.add_argument("--compile-time", action="store_true", help="only time the first call of the fp8fx MLP")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--skip-gemms", action="store_true")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         return 0 if cpu_smoke() < 0.1 else 1
+    if args.compile_time:
+        return compile_time()
     ms = [int(m) for m in args.ms.split(",")]
     os.makedirs(args.out, exist_ok=True)
     import triton

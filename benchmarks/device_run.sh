@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): install carried wheels, run the whole test suite (cuda tests
 # included) and the benchmark; logs and results land in $OUT.
-#   usage: bash benchmarks/device_run.sh [tests|bench|all] [bench args...]
+#   usage: bash benchmarks/device_run.sh [tests|compile|bench|all] [bench args...]
 set -uo pipefail
 what=${1:-all}; shift || true
 OUT=${OUT:-/tmp/out}
@@ -16,6 +16,11 @@ export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout 300 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+fi
+if [ "$what" = compile ] || [ "$what" = all ]; then
+  export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
+  for run in cold warm; do echo -n "$run: "; python3 benchmarks/bench_linear.py --compile-time 2>&1 | tail -1; done | tee "$OUT/compile.txt"
+  unset TORCHINDUCTOR_CACHE_DIR
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
   timeout 420 python3 benchmarks/bench_linear.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60

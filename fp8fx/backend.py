@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional, Sequence
 
 from torch import fx
 
+from fp8fx.dump import GraphDump
 from fp8fx.lowerings import aten, compat
 from fp8fx.passes import PassManager, default_passes
 from fp8fx.report import Report
@@ -23,12 +23,16 @@ class Fp8Backend:
     Options:
     - ``compiler``: ``"inductor"`` (default) or ``"eager"`` (run the rewritten graph as is: for
       debugging the passes without Inductor).
-    - ``dump_dir``: write each graph before and after the passes as Python (``graph_<i>_before.py``,
-      ``graph_<i>_after.py``).
+    - ``dump_dir``: write, per compiled graph, the graph before and after each pass (Python), Inductor's
+      output code, the report and Dynamo's decompiled bytecode into this folder (``fp8fx.dump``).
     - ``inductor_config``: extra Inductor config patches for this backend's compilations.
-    - ``lowering``: ``"aten"`` (default) decomposes fp8fx ops on CUDA into ATen so Inductor fuses the
-      activation quantization and picks the GEMM (``fp8fx.lowerings.aten``); ``"op"`` keeps the fp8fx
-      ops as opaque kernels.
+    - ``lowering``: ``"aten"`` (default) decomposes the activation quantization on CUDA into ATen so
+      Inductor fuses it into its producer (``fp8fx.lowerings.aten``); ``"op"`` keeps every fp8fx op
+      an opaque kernel.
+    - ``use_fast_accum``: let fp8 GEMMs accumulate in Hopper's fast mode (as torchao's float8
+      inference does; measured accuracy in benchmarks/RESULTS.md). Default True.
+    - ``cudagraphs``: run the compiled graphs as CUDA graphs (Inductor's cudagraph trees), which
+      decode-sized batches need to reach their speed. Default False.
 
     ``report`` lists every linear site of every graph this backend compiled.
     """
@@ -40,6 +44,8 @@ class Fp8Backend:
         dump_dir: Optional[str] = None,
         inductor_config: Optional[dict[str, Any]] = None,
         lowering: str = "aten",
+        use_fast_accum: bool = True,
+        cudagraphs: bool = False,
     ):
         if compiler not in _COMPILERS:
             raise ValueError(f"Fp8Backend(compiler={compiler!r}): use one of {_COMPILERS}")
@@ -49,8 +55,15 @@ class Fp8Backend:
         self.compiler = compiler
         self.dump_dir = dump_dir
         self.inductor_config = dict(inductor_config or {})
-        options = {"compiler": compiler, "lowering": lowering, "inductor_config": sorted(self.inductor_config.items())}
-        self.pass_manager = PassManager(default_passes(), options)
+        if cudagraphs:
+            self.inductor_config["triton.cudagraphs"] = True
+        options = {
+            "compiler": compiler,
+            "lowering": lowering,
+            "use_fast_accum": use_fast_accum,
+            "inductor_config": sorted(self.inductor_config.items()),
+        }
+        self.pass_manager = PassManager(default_passes(use_fast_accum=use_fast_accum), options)
         self.report = Report()
 
     def cache_key(self) -> str:
@@ -59,23 +72,29 @@ class Fp8Backend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         index = self.report.graphs
-        self._dump(gm, index, "before")
-        self.pass_manager.run(gm, example_inputs, self.report)
-        self._dump(gm, index, "after")
+        dump = self._dump(gm, index)
+        (dump.passes(self.pass_manager) if dump else self.pass_manager).run(gm, example_inputs, self.report)
         if self.compiler == "eager":
-            return gm.forward
+            return self._done(gm.forward, index, dump, [])
         patches = {**self.inductor_config, "post_grad_custom_post_pass": self.pass_manager}
         decomps = aten.decompositions() if self.lowering == "aten" and aten.applies(example_inputs) else None
-        return compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
+        with compat.capture_output_code() as code:  # for the report's kernels and the dump
+            compiled = compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
+        self.report.add_output_code(index, "\n".join(code), gm)
+        return self._done(compiled, index, dump, code)
 
-    def _dump(self, gm: fx.GraphModule, index: int, stage: str) -> None:
+    def _dump(self, gm: fx.GraphModule, index: int) -> Optional[GraphDump]:
         if self.dump_dir is None:
-            return
-        os.makedirs(self.dump_dir, exist_ok=True)
-        path = os.path.join(self.dump_dir, f"graph_{index}_{stage}.py")
-        with open(path, "w") as f:
-            f.write(gm.print_readable(print_output=False))
-        log.info("fp8fx: wrote %s", path)
+            return None
+        dump = GraphDump(self.dump_dir, index)
+        dump.start(gm)
+        return dump
+
+    def _done(self, compiled, index: int, dump: Optional[GraphDump], output_code: list[str]):
+        self.report.log_graph(index)
+        if dump:
+            dump.finish(self.report, output_code)
+        return compiled
 
 
 def fp8_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]):

@@ -10,8 +10,10 @@ Blocks are ``[rows, cols]`` lists over a 2-D view with ``-1`` = whole dim (see `
   in ``dtype``. This is the dequantized weight view that quantized modules expose as ``.weight``;
   ``input_scale`` / ``act_block`` do not change its value, they record how the consumer of this
   weight should quantize its activations, so the linear pass finds everything on one node.
-- ``scaled_mm(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)``:
-  ``y [..., N] = dequant(xq) @ dequant(wq).T + bias``; wq: ``[N, K]``.
+- ``scaled_mm(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False)``:
+  ``y [..., N] = dequant(xq) @ dequant(wq).T + bias``; wq: ``[N, K]``. On CUDA: the Triton GEMM of
+  ``fp8fx.kernels`` for decode-sized M, cuBLAS ``torch._scaled_mm`` above, the reference math for
+  block scales.
 """
 from __future__ import annotations
 
@@ -100,55 +102,65 @@ def scaled_mm(
     x_block: list[int],
     w_block: list[int],
     out_dtype: torch.dtype,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
+    """``use_fast_accum`` lets Hopper's fp8 tensor cores skip the periodic promotion of partial
+    sums to fp32 (cuBLAS's fast-accumulation mode); the CPU reference always accumulates in fp32."""
     return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
 
 
 @scaled_mm.register_fake
-def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype):
+def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
     torch._check(xq.shape[-1] == wq.shape[-1], lambda: f"fp8fx.scaled_mm: K mismatch {xq.shape} vs {wq.shape}")
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=out_dtype)
 
 
-def _cublas_eligible(m: int, n: int, k: int, x_block, w_block, out_dtype) -> bool:
-    """torch._scaled_mm takes per-tensor and row-wise scales, K and N multiples of 16, and row-wise
-    scales only with a bf16 output (torch 2.11)."""
+def _tensor_or_row(x_block, w_block) -> bool:
     xg, wg = granularity_from_block(x_block), granularity_from_block(w_block)
-    if isinstance(xg, (PerGroup, PerBlock)) or isinstance(wg, (PerGroup, PerBlock)):
-        return False
-    if not isinstance(m, int):  # symbolic M under compile: any M works
-        m = 1
+    return not isinstance(xg, (PerGroup, PerBlock)) and not isinstance(wg, (PerGroup, PerBlock))
+
+
+# M at or below which the Triton GEMM (fp8fx.kernels.fp8_gemm) beats cuBLAS fp8 for decode.
+TRITON_MAX_M = 64
+
+
+@scaled_mm.register_kernel("cuda")
+def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
+    k, n = xq.shape[-1], wq.shape[0]
+    x2 = xq.reshape(-1, k)  # [M, K]
+    m = x2.shape[0]
+    if _tensor_or_row(x_block, w_block) and 0 < m <= TRITON_MAX_M:
+        from fp8fx.kernels.fp8_gemm import fp8_gemm
+
+        y = fp8_gemm(x2, wq, x_scale, w_scale, bias, out_dtype)
+    elif _tensor_or_row(x_block, w_block) and _cublas_fits(m, n, k, x_block, w_block, out_dtype):
+        y = cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum)
+    else:  # block scales (fused kernels: next in fp8fx.kernels) and shapes cuBLAS refuses
+        return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
+    return y.reshape(*xq.shape[:-1], n)
+
+
+def _cublas_fits(m: int, n: int, k: int, x_block, w_block, out_dtype) -> bool:
+    """torch._scaled_mm takes K and N multiples of 16, and row-wise scales only with a bf16 output
+    (torch 2.11)."""
     if k % 16 or n % 16 or m == 0:
         return False
     rowwise = tuple(x_block) != (-1, -1) or tuple(w_block) != (-1, -1)
     return out_dtype == torch.bfloat16 or not rowwise
 
 
-def cublas_scaled_mm(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype) -> Optional[torch.Tensor]:
-    """``scaled_mm`` through ``torch._scaled_mm`` (cuBLAS), or None where it does not apply."""
-    k, n = xq.shape[-1], wq.shape[0]
-    x2 = xq.reshape(-1, k)  # [M, K]
-    m = x2.shape[0]
-    if not _cublas_eligible(m, n, k, x_block, w_block, out_dtype):
-        return None
+def cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
+    """x2: [M, K] fp8 @ wq: [N, K].T through ``torch._scaled_mm`` (cuBLAS) -> [M, N]."""
+    m, n = x2.shape[0], wq.shape[0]
     if tuple(x_block) == (-1, -1) and tuple(w_block) == (-1, -1):
         scale_a, scale_b = x_scale.float().reshape(()), w_scale.float().reshape(())
     else:  # row-wise: scale_a [M, 1], scale_b [1, N]
         scale_a = x_scale.float().reshape(-1, 1).expand(m, 1).contiguous()
         scale_b = w_scale.float().reshape(1, -1).expand(1, n).contiguous()
-    y = torch._scaled_mm(x2.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
-    if bias is not None:
-        y = y + bias.to(out_dtype)
-    return y.reshape(*xq.shape[:-1], n)
-
-
-@scaled_mm.register_kernel("cuda")
-def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype):
-    y = cublas_scaled_mm(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)
-    if y is None:
-        # Block scales and odd shapes: the reference math on the GPU (fused kernels: fp8fx.lowerings).
-        y = quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
-    return y
+    y = torch._scaled_mm(
+        x2.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
+    )
+    return y if bias is None else y + bias.to(out_dtype)
 
 
 # --- composition (eager W8A8 reference of what the linear pass emits) -----------------------

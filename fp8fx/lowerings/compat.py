@@ -2,7 +2,9 @@
 (torch 2.11 on the GPU machine, 2.13+ on CPU machines). Everything else imports from here."""
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+import contextlib
+import types
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass  # 2.11 and 2.13
@@ -27,4 +29,55 @@ def compile_fx(
     return _compile_fx(gm, example_inputs, config_patches=config_patches or {}, decompositions=decomps)
 
 
-__all__ = ["CustomGraphPass", "TORCH_VERSION", "compile_fx"]
+# -- seeing what was compiled (graph dumps, the report) -----------------------------------------------
+@contextlib.contextmanager
+def capture_output_code() -> Iterator[list[str]]:
+    """Collects the Python wrapper code of every graph Inductor compiles (or loads from its cache) inside
+    the block. Uses the hook Inductor's own ``run_and_get_code`` uses, chained to any hook already set
+    and restored on exit."""
+    from torch._inductor.graph import GraphLowering
+
+    codes: list[str] = []
+    previous = GraphLowering.save_output_code
+
+    def save(code: str) -> None:
+        codes.append(code)
+        if previous is not None:
+            previous(code)
+
+    GraphLowering.save_output_code = save
+    try:
+        yield codes
+    finally:
+        GraphLowering.save_output_code = previous
+
+
+_bytecode_hooks: list = []  # handles of the hooks after_dynamo_bytecode registered
+
+
+def after_dynamo_bytecode(callback: Callable[[types.CodeType, types.CodeType], None]) -> bool:
+    """Calls ``callback(code, new_code)`` once, when Dynamo has generated the bytecode of the frame it is
+    tracing now (a backend runs before that bytecode exists). False when no Dynamo frame is being traced.
+
+    A hook cannot unregister itself while Dynamo iterates over the hooks, so each call removes the hooks
+    of the calls before: at most one hook, inert once it has run, stays registered."""
+    from torch._dynamo import convert_frame
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    while _bytecode_hooks:
+        _bytecode_hooks.pop().remove()
+    try:
+        frame_code = InstructionTranslator.current_tx().f_code
+    except AttributeError:  # not inside Dynamo's tracing (e.g. a backend called by hand)
+        return False
+    ran: list[bool] = []
+
+    def hook(code: types.CodeType, new_code: types.CodeType) -> None:
+        if code is frame_code and not ran:
+            ran.append(True)
+            callback(code, new_code)
+
+    _bytecode_hooks.append(convert_frame.register_bytecode_hook(hook))
+    return True
+
+__all__ = ["CustomGraphPass", "TORCH_VERSION", "after_dynamo_bytecode", "capture_output_code", "compile_fx"]

@@ -7,8 +7,8 @@ Matches (Dynamo torch IR), for every linear site::
 
 Rewrites to (dynamic activations)::
 
-    xq, x_scale = fp8fx.quantize(x, act_block)
-    y = fp8fx.scaled_mm(xq, x_scale, wq, w_scale, bias, act_block, w_block, x.dtype)
+    xq, x_scale = fp8fx.quantize(x, act_block)      # once per x and scheme, shared by its consumers
+    y = fp8fx.scaled_mm(xq, x_scale, wq, w_scale, bias, act_block, w_block, x.dtype, use_fast_accum)
 
 or, with a static ``input_scale``, ``xq = fp8fx.quantize_static(x, input_scale)`` and a per-tensor
 activation block. Linear sites whose weight is not an fp8fx dequantized view are left as they are
@@ -60,9 +60,14 @@ def _linear_operands(node: fx.Node):
 
 
 class LinearPass(Fp8Pass):
+    def __init__(self, use_fast_accum: bool = False):
+        self.use_fast_accum = use_fast_accum
+
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         graph = gm.graph
         count = 0
+        # one quantization per (activation, scheme): q/k/v and gate/up read the same x
+        self._quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
         for node in list(graph.nodes):
             operands = _linear_operands(node)
             if operands is None:
@@ -71,10 +76,13 @@ class LinearPass(Fp8Pass):
             fqn = self._fqn(node, w, ctx)
             reason = self._why_not(x, w, bias, ctx)
             if reason:
-                ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index))
+                ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index,
+                                    weight_shape=Site.shape_of(fake_value(w)), node=node.name))
                 continue
             scheme = self._rewrite(graph, node, x, w, bias)
-            ctx.report.add(Site("linear", fqn, True, "", scheme, ctx.graph_index))
+            ctx.report.add(Site("linear", fqn, True, "", scheme, ctx.graph_index,
+                                weight_shape=Site.shape_of(fake_value(w)), node=node.name,
+                                bytes_saved=Site.saved_bytes(fake_value(w), fake_value(w.args[1]))))
             count += 1
         graph.eliminate_dead_code()
         gm.recompile()
@@ -107,29 +115,42 @@ class LinearPass(Fp8Pass):
             )
         return ""
 
-    @staticmethod
-    def _rewrite(graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias) -> str:
+    def _quantize(self, graph, x: fx.Node, input_scale, act_block, site: fx.Node) -> tuple[fx.Node, fx.Node]:
+        """Nodes (xq, x_scale) quantizing ``x``, inserted before its first rewritten consumer ``site``
+        and shared by the later ones."""
+        key = (x, input_scale, tuple(act_block))
+        if key in self._quantized:
+            return self._quantized[key]
+        with graph.inserting_before(site):
+            if input_scale is not None:
+                xq = graph.call_function(torch.ops.fp8fx.quantize_static.default, (x, input_scale))
+                set_fake_value(xq, torch.ops.fp8fx.quantize_static.default, xq.args)
+                self._quantized[key] = (xq, input_scale)
+                return self._quantized[key]
+            qs = graph.call_function(torch.ops.fp8fx.quantize.default, (x, list(act_block)))
+        set_fake_value(qs, torch.ops.fp8fx.quantize.default, qs.args)
+        with graph.inserting_after(qs):
+            x_scale = graph.call_function(operator.getitem, (qs, 1))
+        with graph.inserting_after(qs):
+            xq = graph.call_function(operator.getitem, (qs, 0))
+        for i, n in enumerate((xq, x_scale)):
+            if "example_value" in qs.meta:
+                n.meta["example_value"] = qs.meta["example_value"][i]
+        self._quantized[key] = (xq, x_scale)
+        return xq, x_scale
+
+    def _rewrite(self, graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias) -> str:
         wq, w_scale, w_block, _dtype, input_scale, act_block = (list(w.args) + [None, None])[:6]
         input_scale = w.kwargs.get("input_scale", input_scale)
         act_block = w.kwargs.get("act_block", act_block) or [1, -1]
         out_dtype = fake_value(x).dtype
+        if input_scale is not None:
+            act_block = [-1, -1]
+        xq, x_scale = self._quantize(graph, x, input_scale, act_block, node)
+        args = (xq, x_scale, wq, w_scale, bias, list(act_block), list(w_block), out_dtype, self.use_fast_accum)
         with graph.inserting_before(node):
-            if input_scale is not None:
-                act_block = [-1, -1]
-                xq = graph.call_function(torch.ops.fp8fx.quantize_static.default, (x, input_scale))
-                set_fake_value(xq, torch.ops.fp8fx.quantize_static.default, xq.args)
-                x_scale = input_scale
-            else:
-                qs = graph.call_function(torch.ops.fp8fx.quantize.default, (x, list(act_block)))
-                set_fake_value(qs, torch.ops.fp8fx.quantize.default, qs.args)
-                xq = graph.call_function(operator.getitem, (qs, 0))
-                x_scale = graph.call_function(operator.getitem, (qs, 1))
-                for i, n in enumerate((xq, x_scale)):
-                    if "example_value" in qs.meta:
-                        n.meta["example_value"] = qs.meta["example_value"][i]
-            args = (xq, x_scale, wq, w_scale, bias, list(act_block), list(w_block), out_dtype)
             y = graph.call_function(torch.ops.fp8fx.scaled_mm.default, args)
-            set_fake_value(y, torch.ops.fp8fx.scaled_mm.default, args)
+        set_fake_value(y, torch.ops.fp8fx.scaled_mm.default, args)
         y.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
         node.replace_all_uses_with(y)
         graph.erase_node(node)

@@ -17,8 +17,8 @@ from fp8fx.report import Report
 log = logging.getLogger("fp8fx")
 
 
-def default_passes() -> list[Fp8Pass]:
-    return [LinearPass()]
+def default_passes(use_fast_accum: bool = False) -> list[Fp8Pass]:
+    return [LinearPass(use_fast_accum=use_fast_accum)]
 
 
 class PassManager(compat.CustomGraphPass):

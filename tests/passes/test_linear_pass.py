@@ -72,9 +72,9 @@ def forward(self, L_self_modules_up_parameters_weight_ : torch.nn.parameter.Para
     l_x_ = L_x_
     l_self_modules_down_parameters_weight_ = L_self_modules_down_parameters_weight_
     quantize_default = torch.ops.fp8fx.quantize.default(l_x_, [1, -1]);  l_x_ = None
-    getitem = quantize_default[0]
-    getitem_1 = quantize_default[1];  quantize_default = None
-    scaled_mm_default = torch.ops.fp8fx.scaled_mm.default(getitem, getitem_1, l_self_modules_up_parameters_weight_, l_self_modules_up_parameters_weight_scale_, l_self_modules_up_parameters_bias_, [1, -1], [1, -1], torch.bfloat16);  getitem = getitem_1 = l_self_modules_up_parameters_weight_ = l_self_modules_up_parameters_weight_scale_ = l_self_modules_up_parameters_bias_ = None
+    getitem_1 = quantize_default[0]
+    getitem = quantize_default[1];  quantize_default = None
+    scaled_mm_default = torch.ops.fp8fx.scaled_mm.default(getitem_1, getitem, l_self_modules_up_parameters_weight_, l_self_modules_up_parameters_weight_scale_, l_self_modules_up_parameters_bias_, [1, -1], [1, -1], torch.bfloat16, False);  getitem_1 = getitem = l_self_modules_up_parameters_weight_ = l_self_modules_up_parameters_weight_scale_ = l_self_modules_up_parameters_bias_ = None
     relu = torch.relu(scaled_mm_default);  scaled_mm_default = None
     linear_1 = torch._C._nn.linear(relu, l_self_modules_down_parameters_weight_, None);  relu = l_self_modules_down_parameters_weight_ = None
     return (linear_1,)""",
