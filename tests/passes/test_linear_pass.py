@@ -182,14 +182,3 @@ def test_cache_key_reaches_inductor(monkeypatch):
 def test_bad_backend_option():
     with pytest.raises(ValueError, match=r"Fp8Backend\(compiler='tvm'\): use one of"):
         Fp8Backend(compiler="tvm")
-
-
-def test_dump_dir_writes_graphs(tmp_path):
-    model = TwoLinear().to(torch.bfloat16)
-    fp8fx.quantize_(model)
-    backend = Fp8Backend(compiler="eager", dump_dir=str(tmp_path))
-    with torch.no_grad():
-        torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["graph_0_after.py", "graph_0_before.py"]
-    assert "fp8fx.scaled_mm" in (tmp_path / "graph_0_after.py").read_text()
-    assert "fp8fx.scaled_mm" not in (tmp_path / "graph_0_before.py").read_text()
