@@ -1,10 +1,19 @@
-"""What the compiler did: one ``Site`` per linear / MoE computation seen in a compiled graph."""
+"""What the compiler did: one ``Site`` per linear / MoE computation seen in a compiled graph.
+
+``str(report)`` is a table, ``report.to_json()`` the same as JSON (schema ``SCHEMA``), and the backend
+logs one line per compiled graph (``Report.log_graph``) under the ``fp8fx`` logger.
+"""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
+import re
+from typing import Any, Iterable, Optional
 
 log = logging.getLogger("fp8fx")
+
+SCHEMA = "fp8fx.report/1"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15,14 +24,38 @@ class Site:
     reason: str  # why not rewritten; "" when rewritten
     scheme: str  # e.g. "w:per-channel a:per-token"; "" when the weight is not fp8
     graph: int  # index of the compiled graph (in compile order) the site was seen in
+    weight_shape: tuple[int, ...] = ()  # of the high-precision weight, e.g. (N, K); () when unknown
+    bytes_saved: int = 0  # high-precision weight bytes minus the fp8 weight and its scales; 0 if not rewritten
+    kernel: str = ""  # the GEMM Inductor generated for the site, e.g. "extern fp8fx.scaled_mm"; "" when unknown
+    node: str = ""  # Dynamo's name for the site's call (``Site.origin_of``), to find it in Inductor's code
+
+    @staticmethod
+    def origin_of(node: Any) -> str:
+        """The name Dynamo gave the call that created ``node`` (``meta["source_fn_stack"]``): a pass that
+        replaces a node copies its meta, so the replacement keeps the name; else the node's own name."""
+        stack = node.meta.get("source_fn_stack")
+        return stack[-1][0] if stack else node.name
+
+    @staticmethod
+    def shape_of(value: Any) -> tuple[int, ...]:
+        """Static shape of a (fake) tensor, () for anything else."""
+        shape = getattr(value, "shape", None)
+        return tuple(int(d) for d in shape) if shape is not None else ()
+
+    @staticmethod
+    def saved_bytes(weight: Any, scale: Any) -> int:
+        """Bytes saved by storing ``weight`` (the high-precision view) as fp8 plus ``scale``."""
+        n = weight.numel()
+        return int(n * weight.element_size() - n - scale.numel() * scale.element_size())
 
 
 class Report:
-    """Every site each compiled graph held; ``str(report)`` is a table."""
+    """Every site each compiled graph held, and the kernels Inductor generated for each graph."""
 
     def __init__(self):
         self.sites: list[Site] = []
         self.graphs = 0
+        self.kernels: dict[int, list[str]] = {}  # graph index -> names of the kernels Inductor generated
         self._logged: set[tuple[str, str]] = set()
 
     def add(self, site: Site) -> None:
@@ -41,14 +74,148 @@ class Report:
     def skipped(self) -> list[Site]:
         return [s for s in self.sites if not s.rewritten]
 
-    def __str__(self) -> str:
-        rows = [("graph", "kind", "site", "rewritten", "scheme / reason")]
-        for s in self.sites:
-            rows.append((str(s.graph), s.kind, s.fqn, "yes" if s.rewritten else "no", s.scheme if s.rewritten else s.reason))
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(r[:4], widths)) + "  " + r[4] for r in rows]
+    @property
+    def bytes_saved(self) -> int:
+        """Weight bytes saved, each layer counted once however many graphs it appears in."""
+        return _bytes_saved(self.sites)
+
+    def add_output_code(self, graph: int, code: str, gm: Any) -> None:
+        """Record what Inductor generated for ``graph`` from its output code: the kernels, and the GEMM
+        kernel of each site. ``gm`` is the graph Inductor compiled (the output code names its nodes)."""
+        origin = {n.name: Site.origin_of(n) for n in gm.graph.nodes}
+        self.kernels[graph] = generated_kernels(code)
+        chosen = {origin.get(name, name): kernel for name, kernel in gemm_kernels(code).items()}
+        self.sites = [
+            dataclasses.replace(s, kernel=chosen[s.node]) if s.graph == graph and s.node in chosen else s
+            for s in self.sites
+        ]
+
+    def graph_summary(self, graph: int) -> str:
+        sites = [s for s in self.sites if s.graph == graph]
+        done = [s for s in sites if s.rewritten]
+        line = f"graph {graph}: {len(done)} of {len(sites)} sites rewritten"
+        line += f", {_size(_bytes_saved(done))} of weights saved"
+        if graph in self.kernels:
+            line += f", {len(self.kernels[graph])} kernels generated"
+        missed = [f"{s.fqn} ({s.reason})" for s in sites if not s.rewritten]
+        if missed:
+            line += "; not rewritten: " + ", ".join(missed[:3]) + (f" and {len(missed) - 3} more" if len(missed) > 3 else "")
+        return line
+
+    def log_graph(self, graph: int) -> None:
+        log.info("fp8fx: %s", self.graph_summary(graph))
+
+    def to_dict(self, graph: Optional[int] = None) -> dict[str, Any]:
+        """The report (or only graph ``graph``) as plain data; ``SCHEMA`` names the layout."""
+        sites = self._sites(graph)
+        graphs = range(self.graphs) if graph is None else [graph]
+        kernels = {g: self.kernels.get(g, []) for g in graphs}
+        return {
+            "schema": SCHEMA,
+            "totals": {
+                "graphs": len(graphs),
+                "sites": len(sites),
+                "rewritten": sum(s.rewritten for s in sites),
+                "not_rewritten": sum(not s.rewritten for s in sites),
+                "bytes_saved": _bytes_saved(sites),
+                "kernels": sum(len(k) for k in kernels.values()),
+            },
+            "graphs": [{"index": g, "kernels": k} for g, k in kernels.items()],
+            "sites": [dataclasses.asdict(s) for s in sites],
+        }
+
+    def to_json(self, graph: Optional[int] = None, indent: int = 1) -> str:
+        return json.dumps(self.to_dict(graph), indent=indent)
+
+    def table(self, graph: Optional[int] = None) -> str:
+        """The sites (of every graph, or of ``graph``) as a text table with a totals line."""
+        sites = self._sites(graph)
+        rows = [("graph", "kind", "site", "weight", "rewritten", "kernel", "scheme / reason")]
+        for s in sites:
+            shape = "x".join(map(str, s.weight_shape)) or "-"
+            rows.append((str(s.graph), s.kind, s.fqn, shape, "yes" if s.rewritten else "no", s.kernel or "-",
+                         s.scheme if s.rewritten else s.reason))
+        lines = _columns(rows)
         lines.insert(1, "-" * len(lines[0]))
-        lines.append(f"{len(self.rewritten)} of {len(self.sites)} sites rewritten in {self.graphs} graph(s)")
+        where = f"in {self.graphs} graph(s)" if graph is None else f"in graph {graph}"
+        total = f"{sum(s.rewritten for s in sites)} of {len(sites)} sites rewritten {where}"
+        total += f"; {_size(_bytes_saved(sites))} of weights saved"
+        kernels = [k for g, names in self.kernels.items() if graph in (None, g) for k in names]
+        if kernels:
+            total += f"; {len(kernels)} kernels generated"
+        lines.append(total)
         return "\n".join(lines)
 
+    def _sites(self, graph: Optional[int]) -> list[Site]:
+        return self.sites if graph is None else [s for s in self.sites if s.graph == graph]
+
+    def __str__(self) -> str:
+        return self.table()
+
     __repr__ = __str__
+
+
+def _bytes_saved(sites: Iterable[Site]) -> int:
+    return sum({s.fqn: s.bytes_saved for s in sites if s.rewritten}.values())
+
+
+def _columns(rows: list[tuple[str, ...]]) -> list[str]:
+    """Left-aligned columns, the last one unpadded."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+# -- reading Inductor's output code -----------------------------------------------------------------
+# The Python wrapper Inductor writes defines each generated kernel as
+#     triton_poi_fused_relu_0 = async_compile.triton('triton_poi_fused_relu_0', '''...''')
+# and precedes the calls made for a group of graph nodes with
+#     # Topologically Sorted Source Nodes: [scaled_mm_default, relu], Original ATen: [...]
+# (checked on torch 2.13 CPU and 2.11 CUDA).
+_KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)
+_SOURCE_NODES = re.compile(r"#.*Source Nodes: \[([^\]]*)\]")
+_CALL = re.compile(r"^\s*(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.\w+\.\w+|triton_tem_\w+)[.(]")
+_TEMPLATE_PARAMS = re.compile(r"\b(BLOCK_[MNK]|num_stages|num_warps)\s*(?::\s*tl\.constexpr\s*)?=\s*(\d+)")
+
+
+def generated_kernels(code: str) -> list[str]:
+    """Names of the kernels Inductor generated (Triton, C++), in definition order."""
+    return _KERNEL_DEF.findall(code)
+
+
+def gemm_kernels(code: str) -> dict[str, str]:
+    """{graph node name: the first extern kernel or GEMM template called for it}."""
+    found: dict[str, str] = {}
+    nodes: list[str] = []
+    for line in code.splitlines():
+        source = _SOURCE_NODES.search(line)
+        if source:
+            nodes = [n.strip() for n in source.group(1).split(",") if n.strip()]
+            continue
+        call = _CALL.match(line)
+        if call:
+            for n in nodes:
+                found.setdefault(n, _describe(call.group(1), code))
+    return found
+
+
+def _describe(callee: str, code: str) -> str:
+    if callee.startswith("triton_tem_"):
+        params = " ".join(f"{k}={v}" for k, v in _template_params(callee, code))
+        return f"template {callee} {params}".strip()
+    name = callee.removeprefix("extern_kernels.").removeprefix("torch.ops.")
+    return f"extern {name}"
+
+
+def _template_params(name: str, code: str) -> Iterable[tuple[str, str]]:
+    start = code.find(f"{name} = async_compile.")
+    if start < 0:
+        return []
+    end = code.find("''')", start)
+    return dict(_TEMPLATE_PARAMS.findall(code[start:end])).items()

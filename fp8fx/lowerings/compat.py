@@ -80,4 +80,23 @@ def after_dynamo_bytecode(callback: Callable[[types.CodeType, types.CodeType], N
     _bytecode_hooks.append(convert_frame.register_bytecode_hook(hook))
     return True
 
-__all__ = ["CustomGraphPass", "TORCH_VERSION", "after_dynamo_bytecode", "capture_output_code", "compile_fx"]
+
+def dynamo_events() -> tuple[list[str], list[str]]:
+    """Dynamo's process-wide record so far: the reason of every graph break and of every guard failure
+    that made it recompile (first lines). Compare two snapshots to see what a piece of code caused. A
+    cache entry of another ``torch.compile`` call (BACKEND_MATCH) is not a recompile of this one."""
+    from torch._dynamo import utils
+
+    breaks = [reason.splitlines()[0] for reason, n in utils.counters["graph_break"].items() for _ in range(n)]
+    failures = [str(r).splitlines()[0] for reasons in utils.guard_failures.values() for r in reasons]
+    return breaks, [r for r in failures if "BACKEND_MATCH" not in r]
+
+
+__all__ = [
+    "CustomGraphPass",
+    "TORCH_VERSION",
+    "after_dynamo_bytecode",
+    "capture_output_code",
+    "compile_fx",
+    "dynamo_events",
+]

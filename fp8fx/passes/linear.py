@@ -77,11 +77,11 @@ class LinearPass(Fp8Pass):
             reason = self._why_not(x, w, bias, ctx)
             if reason:
                 ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index,
-                                    weight_shape=Site.shape_of(fake_value(w)), node=node.name))
+                                    weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node)))
                 continue
             scheme = self._rewrite(graph, node, x, w, bias)
             ctx.report.add(Site("linear", fqn, True, "", scheme, ctx.graph_index,
-                                weight_shape=Site.shape_of(fake_value(w)), node=node.name,
+                                weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
                                 bytes_saved=Site.saved_bytes(fake_value(w), fake_value(w.args[1]))))
             count += 1
         graph.eliminate_dead_code()

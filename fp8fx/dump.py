@@ -1,0 +1,106 @@
+"""Graph dumps: ``Fp8Backend(dump_dir=...)`` writes the story of every graph it compiles into one folder.
+
+File names sort in the order things happened (``graph000`` is the first graph the backend compiled)::
+
+    graph000_0_dynamo_graph.py           the graph Dynamo captured, before any fp8fx pass (as ``gm.code``)
+    graph000_1_01_after_LinearPass.py    the graph after each pass, in pass order
+    graph000_2_inductor_output_code.py   what Inductor generated: the wrapper and its kernels (not with
+                                         compiler="eager")
+    graph000_3_report.json / .txt        the sites of this graph: rewritten or why not, kernel, bytes
+    graph000_4_dynamo_bytecode.py        the bytecode Dynamo made of the traced frame, decompiled by depyf:
+                                         the guards' inputs and the call of the compiled graph
+                                         (``__compiled_fn_*``); a ``.txt`` listing when depyf is missing
+    report.json / report.txt             every graph so far
+"""
+from __future__ import annotations
+
+import copy
+import dis
+import logging
+import os
+import types
+
+from torch import fx
+
+from fp8fx.lowerings import compat
+from fp8fx.passes import Fp8Pass, PassContext, PassManager
+from fp8fx.report import Report
+
+log = logging.getLogger("fp8fx")
+
+
+class GraphDump:
+    """Writes the files of graph ``graph`` into ``dump_dir`` (created if missing)."""
+
+    def __init__(self, dump_dir: str, graph: int):
+        os.makedirs(dump_dir, exist_ok=True)
+        self.dir = dump_dir
+        self.graph = graph
+
+    def write(self, name: str, text: str, prefix: bool = True) -> str:
+        path = os.path.join(self.dir, f"graph{self.graph:03d}_{name}" if prefix else name)
+        with open(path, "w") as f:
+            f.write(text)
+        log.debug("fp8fx: wrote %s", path)
+        return path
+
+    def start(self, gm: fx.GraphModule) -> None:
+        """The graph as Dynamo captured it; the bytecode follows once Dynamo has made it."""
+        self.write_graph(gm, "0_dynamo_graph.py", "as Dynamo captured it, before the fp8fx passes")
+        if not compat.after_dynamo_bytecode(self._bytecode):
+            self.write("4_dynamo_bytecode.txt", "# no bytecode: the backend was not called by Dynamo\n")
+
+    def write_graph(self, gm: fx.GraphModule, name: str, what: str) -> None:
+        gm.recompile()  # gm.code of the graph as it is now
+        self.write(name, f"# fp8fx graph {self.graph}, {what}\n" + gm.code.lstrip("\n"))
+
+    def passes(self, manager: PassManager) -> PassManager:
+        """A copy of ``manager`` whose passes each write the graph after they ran."""
+        dumping = copy.copy(manager)
+        dumping.passes = [_DumpAfter(p, self, i) for i, p in enumerate(manager.passes, 1)]
+        return dumping
+
+    def finish(self, report: Report, output_code: list[str]) -> None:
+        if output_code:
+            self.write("2_inductor_output_code.py", "\n\n".join(output_code))
+        self.write("3_report.json", report.to_json(self.graph))
+        self.write("3_report.txt", report.table(self.graph) + "\n")
+        self.write("report.json", report.to_json(), prefix=False)
+        self.write("report.txt", str(report) + "\n", prefix=False)
+        log.info("fp8fx: graph %d dumped to %s", self.graph, self.dir)
+
+    def _bytecode(self, code: types.CodeType, new_code: types.CodeType) -> None:
+        where = f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"
+        try:
+            import depyf
+        except ImportError:
+            self.write("4_dynamo_bytecode.txt", f"depyf is not installed (pip install depyf) to decompile Dynamo's "
+                       f"bytecode for {where}; here it is as dis lists it:\n\n{dis.Bytecode(new_code).dis()}")
+            return
+        try:
+            source = depyf.decompile(new_code)
+        except Exception as e:  # noqa: BLE001 - a debugging aid must not break the user's compile
+            log.warning("fp8fx: depyf could not decompile Dynamo's bytecode for %s: %s: %s", where, type(e).__name__, e)
+            self.write("4_dynamo_bytecode.txt", f"depyf failed ({type(e).__name__}: {e}); the bytecode for {where} "
+                       f"as dis lists it:\n\n{dis.Bytecode(new_code).dis()}")
+            return
+        header = (f"# fp8fx graph {self.graph}: the bytecode Dynamo made of {where}, decompiled by depyf "
+                  f"{depyf.__version__}.\n# __compiled_fn_* is the compiled graph; the code before it reads the "
+                  "graph's inputs.\n")
+        self.write("4_dynamo_bytecode.py", header + source)
+
+
+class _DumpAfter(Fp8Pass):
+    """Runs ``inner`` and writes the graph it left."""
+
+    def __init__(self, inner: Fp8Pass, dump: GraphDump, position: int):
+        self.inner, self.dump, self.position = inner, dump, position
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
+        n = self.inner(gm, ctx)
+        name = type(self.inner).__name__
+        self.dump.write_graph(gm, f"1_{self.position:02d}_after_{name}.py", f"after {name} ({n} sites rewritten)")
+        return n
+
+    def uuid(self) -> str:
+        return self.inner.uuid()
