@@ -1,0 +1,126 @@
+"""Assertions for tests of models compiled with fp8fx::
+
+    backend = fp8fx.testing.assert_compiles_once(model, [(x_small,), (x_large,)])
+    fp8fx.testing.assert_rewritten(backend, "model.layers.*")
+    fp8fx.testing.assert_not_rewritten(backend, "lm_head")
+    fp8fx.testing.assert_kernel_count(backend, 5)
+
+Each takes an ``Fp8Backend`` or its ``Report``; each failure says what was expected, what was seen and
+why. Patterns are ``fnmatch`` globs on site FQNs (``*`` also matches dots).
+"""
+from __future__ import annotations
+
+import collections
+import fnmatch
+from typing import Any, Callable, Optional, Sequence, Union
+
+import torch
+
+from fp8fx.backend import Fp8Backend
+from fp8fx.lowerings import compat
+from fp8fx.report import Report, Site
+
+
+def assert_rewritten(report: Union[Report, Fp8Backend], *patterns: str) -> None:
+    """Every site whose FQN matches one of ``patterns`` (default: every site) was rewritten, and each
+    pattern matches at least one site."""
+    _check(report, patterns or ("*",), want=True)
+
+
+def assert_not_rewritten(report: Union[Report, Fp8Backend], *patterns: str) -> None:
+    """Every site whose FQN matches one of ``patterns`` was left as it was, and each pattern matches
+    at least one site."""
+    if not patterns:
+        raise ValueError("assert_not_rewritten needs at least one FQN pattern, e.g. 'lm_head'")
+    _check(report, patterns, want=False)
+
+
+def assert_kernel_count(report: Union[Report, Fp8Backend], expected: int, graph: Optional[int] = None) -> None:
+    """Inductor generated ``expected`` kernels (Triton / C++) for graph ``graph`` (default: all graphs)."""
+    report = _report(report)
+    names = [k for g, ks in sorted(report.kernels.items()) if graph in (None, g) for k in ks]
+    if len(names) != expected:
+        where = "all graphs" if graph is None else f"graph {graph}"
+        raise AssertionError(
+            f"fp8fx: expected {expected} generated kernels in {where}, Inductor generated {len(names)}: {names} "
+            "(kernels are only counted for compiler='inductor'; see the output code in Fp8Backend(dump_dir=...))"
+        )
+
+
+def assert_compiles_once(
+    fn: Callable,
+    inputs: Sequence[Sequence[Any]],
+    *,
+    backend: Optional[Callable] = None,
+    dynamic: Optional[bool] = True,
+) -> Any:
+    """Compiles ``fn`` (a model or a function) with ``backend`` (a new ``Fp8Backend()`` by default) and
+    calls it under ``torch.no_grad()`` with each argument tuple of ``inputs``; fails if Dynamo broke the
+    graph or compiled again for a later input. ``dynamic`` goes to ``torch.compile`` (with ``False`` or
+    ``None`` a new shape recompiles). Returns the backend, to read its report."""
+    if not inputs:
+        raise ValueError("assert_compiles_once needs at least one argument tuple in inputs")
+    backend = backend if backend is not None else Fp8Backend()
+    graphs: list[int] = []  # graphs compiled during each call
+
+    def counting(gm, example_inputs):
+        graphs[-1] += 1
+        return backend(gm, example_inputs)
+
+    compiled = torch.compile(fn, backend=counting, dynamic=dynamic)
+    breaks: list[str] = []
+    problems = []
+    with torch.no_grad():
+        for i, args in enumerate(inputs):
+            before = compat.dynamo_events()
+            graphs.append(0)
+            compiled(*args)
+            new_breaks, new_guards = (_new(b, a) for b, a in zip(before, compat.dynamo_events()))
+            breaks += new_breaks
+            if i and graphs[i]:
+                problems.append(f"input {i} ({_shapes(args)}) compiled {graphs[i]} more graph(s); Dynamo's "
+                                f"reasons: {new_guards or 'none recorded'}")
+    if graphs[0] == 0:
+        problems.insert(0, "Dynamo compiled no graph for the first input (it skipped the frame)")
+    if breaks or graphs[0] > 1:
+        problems.insert(0, f"{len(breaks)} graph break(s), {graphs[0]} graphs for input 0: {breaks}")
+    if problems:
+        raise AssertionError("fp8fx: expected one graph for every input; " + "; ".join(problems))
+    return backend
+
+
+def _report(obj: Union[Report, Fp8Backend]) -> Report:
+    report = getattr(obj, "report", obj)
+    if not isinstance(report, Report):
+        raise TypeError(f"expected an fp8fx Report or Fp8Backend, got {type(obj).__name__}")
+    return report
+
+
+def _check(report: Union[Report, Fp8Backend], patterns: Sequence[str], want: bool) -> None:
+    report = _report(report)
+    problems = []
+    for pattern in patterns:
+        matched = [s for s in report.sites if fnmatch.fnmatchcase(s.fqn, pattern)]
+        if not matched:
+            problems.append(f"no site matches {pattern!r}")
+        problems += [_describe(s) for s in matched if s.rewritten != want]
+    if problems:
+        expected = "rewritten" if want else "not rewritten"
+        raise AssertionError(
+            f"fp8fx: expected the sites matching {list(patterns)} {expected}; " + "; ".join(problems)
+            + f"\nsites seen:\n{report}"
+        )
+
+
+def _describe(site: Site) -> str:
+    if site.rewritten:
+        return f"{site.fqn} (graph {site.graph}) was rewritten ({site.scheme})"
+    return f"{site.fqn} (graph {site.graph}) was not rewritten: {site.reason}"
+
+
+def _new(before: list[str], after: list[str]) -> list[str]:
+    return list((collections.Counter(after) - collections.Counter(before)).elements())
+
+
+def _shapes(args: Sequence[Any]) -> str:
+    return ", ".join(str(list(a.shape)) if isinstance(a, torch.Tensor) else repr(a) for a in args)

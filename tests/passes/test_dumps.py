@@ -1,0 +1,108 @@
+"""Fp8Backend(dump_dir=...): the files of each compiled graph, in the order things happened."""
+import ast
+import json
+import sys
+
+import torch
+from torch import nn
+
+import fp8fx
+from fp8fx.lowerings import compat
+
+GRAPH0 = [
+    "graph000_0_dynamo_graph.py",
+    "graph000_1_01_after_LinearPass.py",
+    "graph000_2_inductor_output_code.py",
+    "graph000_3_report.json",
+    "graph000_3_report.txt",
+    "graph000_4_dynamo_bytecode.py",
+]
+
+
+class TwoLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(64, 128)
+        self.down = nn.Linear(128, 32, bias=False)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def compile_two_layer(tmp_path, x=None, **options):
+    torch.manual_seed(0)
+    model = TwoLayer().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(dump_dir=str(tmp_path), **options)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16) if x is None else x)
+    return backend
+
+
+def test_two_layer_dump(tmp_path):
+    backend = compile_two_layer(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == GRAPH0 + ["report.json", "report.txt"]
+    for name in GRAPH0:
+        if name.endswith(".py"):
+            ast.parse((tmp_path / name).read_text(), filename=name)  # each is valid Python
+
+    before = (tmp_path / GRAPH0[0]).read_text()
+    after = (tmp_path / GRAPH0[1]).read_text()
+    assert "fp8fx.dequantize" in before and "fp8fx.scaled_mm" not in before
+    assert after.count("torch.ops.fp8fx.scaled_mm.default(") == 2 and "fp8fx.dequantize" not in after
+    assert "def forward(self" in before and "def forward(self" in after  # gm.code's form
+    assert "torch.ops.fp8fx.scaled_mm.default(" in (tmp_path / GRAPH0[2]).read_text()
+    bytecode = (tmp_path / GRAPH0[5]).read_text()
+    assert "__compiled_fn_" in bytecode and "decompiled by depyf" in bytecode
+
+    assert json.loads((tmp_path / "graph000_3_report.json").read_text()) == json.loads(backend.report.to_json(0))
+    assert json.loads((tmp_path / "report.json").read_text()) == json.loads(backend.report.to_json())
+    table = (tmp_path / "graph000_3_report.txt").read_text()
+    assert "up" in table and "down" in table and "2 of 2 sites rewritten in graph 0" in table
+
+
+class Broken(nn.Module):
+    """Two graphs: a graph break between the layers."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+def test_files_of_each_graph_sort_after_the_previous_graph(tmp_path):
+    model = Broken().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path))
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    names = sorted(p.name for p in tmp_path.iterdir())
+    per_graph = [n.replace("graph000_", "") for n in GRAPH0 if "inductor" not in n]  # eager: no output code
+    assert names == [f"graph{g:03d}_{n}" for g in (0, 1) for n in per_graph] + ["report.json", "report.txt"]
+    assert "a" in (tmp_path / "graph000_3_report.txt").read_text().split("\n")[2]
+    assert {s["fqn"] for s in json.loads((tmp_path / "graph001_3_report.json").read_text())["sites"]} == {"b"}
+    assert len(compat._bytecode_hooks) <= 1  # hooks of earlier graphs were removed
+
+
+def test_nothing_is_written_without_dump_dir(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    model = TwoLayer().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert len(backend.report.rewritten) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_depyf_the_bytecode_is_listed_and_says_why(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "depyf", None)  # import depyf raises ImportError
+    compile_two_layer(tmp_path, compiler="eager")
+    assert not (tmp_path / "graph000_4_dynamo_bytecode.py").exists()
+    text = (tmp_path / "graph000_4_dynamo_bytecode.txt").read_text()
+    assert text.startswith("depyf is not installed (pip install depyf)")
+    assert "__compiled_fn_" in text  # the dis listing of the call of the compiled graph

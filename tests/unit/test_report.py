@@ -1,0 +1,107 @@
+"""The report: sites with weight shape, bytes saved and kernel; JSON schema; table; one log line per graph."""
+import dataclasses
+import json
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import fp8fx
+from fp8fx.report import SCHEMA, Report, Site, gemm_kernels, generated_kernels
+
+
+class ThreeLayer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(64, 128), nn.Linear(128, 64, bias=False), nn.Linear(64, 16)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.b(torch.relu(self.a(x)))))
+
+
+@pytest.fixture(scope="module")
+def report():
+    torch._dynamo.reset()
+    model = ThreeLayer().to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["head"]))
+    backend = fp8fx.Fp8Backend()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    return backend.report
+
+
+def test_sites_carry_shape_bytes_and_kernel(report):
+    sites = {s.fqn: s for s in report.sites}
+    assert sites["a"].weight_shape == (128, 64) and sites["head"].weight_shape == (16, 64)
+    # bf16 [N, K] -> fp8 [N, K] + float32 per-channel scales [N, 1]
+    assert sites["a"].bytes_saved == 128 * 64 * 2 - 128 * 64 - 128 * 4
+    assert sites["b"].bytes_saved == 64 * 128 * 2 - 64 * 128 - 64 * 4
+    assert sites["head"].bytes_saved == 0
+    assert report.bytes_saved == sites["a"].bytes_saved + sites["b"].bytes_saved
+    # on CPU the fp8fx ops stay opaque extern kernels; the ignored layer is Inductor's addmm
+    assert sites["a"].kernel == sites["b"].kernel == "extern fp8fx.scaled_mm"
+    assert sites["head"].kernel == "extern addmm"
+    assert report.kernels[0] and all(k.startswith("cpp_") for k in report.kernels[0])
+
+
+def test_json_schema(report):
+    data = json.loads(report.to_json())
+    assert set(data) == {"schema", "totals", "graphs", "sites"} and data["schema"] == SCHEMA
+    assert data["totals"] == {
+        "graphs": 1,
+        "sites": 3,
+        "rewritten": 2,
+        "not_rewritten": 1,
+        "bytes_saved": report.bytes_saved,
+        "kernels": len(report.kernels[0]),
+    }
+    assert data["graphs"] == [{"index": 0, "kernels": report.kernels[0]}]
+    fields = {f.name: f.type for f in dataclasses.fields(Site)}
+    types = {"str": str, "bool": bool, "int": int, "tuple[int, ...]": list}
+    for site in data["sites"]:
+        assert set(site) == set(fields)
+        for name, value in site.items():
+            assert isinstance(value, types[fields[name]]), (name, value)
+    assert [s["fqn"] for s in data["sites"]] == ["a", "b", "head"]
+    assert data["sites"][2]["reason"] == "not quantized: in ignored_layers"
+    assert json.loads(report.to_json(0)) == data  # one graph: the graph's report is the whole report
+    assert json.loads(report.to_json(1))["sites"] == []
+
+
+def test_table(report):
+    lines = str(report).splitlines()
+    assert lines[0].split() == ["graph", "kind", "site", "weight", "rewritten", "kernel", "scheme", "/", "reason"]
+    assert lines[2].split()[:6] == ["0", "linear", "a", "128x64", "yes", "extern"]
+    assert lines[-1].startswith("2 of 3 sites rewritten in 1 graph(s); 15.2 KiB of weights saved; ")
+
+
+def test_one_log_line_per_graph(caplog):
+    model = ThreeLayer().to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["head"]))
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    compiled = torch.compile(model, backend=backend)
+    with caplog.at_level(logging.INFO, logger="fp8fx"), torch.no_grad():
+        compiled(torch.randn(4, 64, dtype=torch.bfloat16))
+        compiled(torch.randn(4, 64, dtype=torch.bfloat16))  # no new graph: no new line
+    lines = [r.getMessage() for r in caplog.records if r.name == "fp8fx" and "sites rewritten" in r.getMessage()]
+    assert lines == [
+        "fp8fx: graph 0: 2 of 3 sites rewritten, 15.2 KiB of weights saved; not rewritten: head "
+        "(not quantized: in ignored_layers)"
+    ]
+
+
+def test_existing_constructor_still_works():
+    site = Site("linear", "x", False, "why", "", 3)
+    assert (site.weight_shape, site.bytes_saved, site.kernel, site.node) == ((), 0, "", "")
+    report = Report()
+    report.add(site)
+    assert report.skipped == [site] and "0 of 1 sites rewritten" in str(report)
+
+
+def test_bytes_saved_counts_a_layer_once_across_graphs():
+    report = Report()
+    for graph in (0, 1):  # the same layer recompiled for another shape
+        report.add(Site("linear", "a", True, "", "s", graph, bytes_saved=100))
+    report.add(Site("linear", "b", True, "", "s", 1, bytes_saved=7))
+    assert report.bytes_saved == 107

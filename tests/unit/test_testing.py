@@ -1,0 +1,89 @@
+"""fp8fx.testing: each helper passes on a good model and fails, saying why, when it should."""
+import pytest
+import torch
+from torch import nn
+
+import fp8fx
+from fp8fx import testing
+
+
+def mlp(ignored=("head",)):
+    torch.manual_seed(0)
+    model = nn.Sequential()
+    model.add_module("up", nn.Linear(64, 128))
+    model.add_module("act", nn.ReLU())
+    model.add_module("head", nn.Linear(128, 16))
+    model = model.to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=list(ignored)))
+    return model
+
+
+def inputs(*batches):
+    return [(torch.randn(b, 5, 64, dtype=torch.bfloat16),) for b in batches]
+
+
+def eager_backend():
+    return fp8fx.Fp8Backend(compiler="eager")
+
+
+def test_rewritten_and_not_rewritten_pass():
+    backend = testing.assert_compiles_once(mlp(), inputs(2), backend=eager_backend())
+    testing.assert_rewritten(backend, "up")
+    testing.assert_rewritten(backend.report, "u*")
+    testing.assert_not_rewritten(backend, "head")
+
+
+def test_catches_a_missing_rewrite():
+    backend = testing.assert_compiles_once(mlp(ignored=["up", "head"]), inputs(2), backend=eager_backend())
+    with pytest.raises(AssertionError, match=r"up \(graph 0\) was not rewritten: not quantized: in ignored_layers"):
+        testing.assert_rewritten(backend, "up")
+    with pytest.raises(AssertionError, match=r"head \(graph 0\) was not rewritten"):
+        testing.assert_rewritten(backend)  # default: every site
+
+
+def test_catches_an_unexpected_rewrite_and_a_pattern_matching_nothing():
+    backend = testing.assert_compiles_once(mlp(), inputs(2), backend=eager_backend())
+    with pytest.raises(AssertionError, match=r"up \(graph 0\) was rewritten \(w:per-channel a:per-token\)"):
+        testing.assert_not_rewritten(backend, "up")
+    with pytest.raises(AssertionError, match=r"no site matches 'model.layers.\*'"):
+        testing.assert_rewritten(backend, "model.layers.*")
+
+
+def test_no_recompile_across_shapes_with_dynamic_shapes():
+    backend = testing.assert_compiles_once(mlp(), inputs(2, 3, 17), backend=eager_backend())
+    assert backend.report.graphs == 1
+
+
+def test_catches_a_recompile():
+    with pytest.raises(AssertionError, match=r"input 1 \(\[3, 5, 64\]\) compiled 1 more graph\(s\); Dynamo's reasons: .*size"):
+        testing.assert_compiles_once(mlp(), inputs(2, 3), backend=eager_backend(), dynamic=False)
+
+
+def test_catches_a_graph_break():
+    model = mlp()
+
+    def broken(x):
+        y = model(x)
+        torch._dynamo.graph_break()
+        return y * 2
+
+    with pytest.raises(AssertionError, match=r"1 graph break\(s\), 2 graphs for input 0"):
+        testing.assert_compiles_once(broken, inputs(2), backend=eager_backend())
+
+
+def test_kernel_count():
+    backend = testing.assert_compiles_once(mlp(), inputs(2))
+    generated = backend.report.kernels[0]
+    assert generated  # the ReLU (and what Inductor fuses with it) is a generated C++ kernel
+    testing.assert_kernel_count(backend, len(generated))
+    testing.assert_kernel_count(backend, len(generated), graph=0)
+    with pytest.raises(AssertionError, match=rf"expected {len(generated) + 1} generated kernels in all graphs, "
+                                             rf"Inductor generated {len(generated)}"):
+        testing.assert_kernel_count(backend, len(generated) + 1)
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="expected an fp8fx Report or Fp8Backend, got int"):
+        testing.assert_rewritten(3)
+    with pytest.raises(ValueError, match="needs at least one argument tuple"):
+        testing.assert_compiles_once(mlp(), [])
