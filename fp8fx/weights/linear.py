@@ -15,13 +15,15 @@ linear pass. ``state_dict()`` reads ``_parameters`` and so holds the fp8 tensors
 from __future__ import annotations
 
 import logging
+import math
 from typing import Optional, Sequence
 
 import torch
 from torch import nn
 
 from fp8fx import quant
-from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor
+from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
+from fp8fx.weights import chunked
 from fp8fx.weights.counter import CopyNumelCounter
 
 log = logging.getLogger("fp8fx")
@@ -52,6 +54,13 @@ def fp8_class(cls: type) -> type:
 
 def is_quantized(module: nn.Module) -> bool:
     return getattr(type(module), "_fp8fx_quantized", False)
+
+
+def layer_scheme(module: nn.Module) -> LayerScheme:
+    """The scheme a quantized layer runs with, read back from the layer."""
+    static = "input_scale" in module._parameters
+    act = granularity_from_block([-1, -1] if static else module._fp8fx_act_block)
+    return LayerScheme(granularity_from_block(module._fp8fx_w_block), act, static)
 
 
 def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
@@ -118,6 +127,12 @@ class Fp8LinearMethod:
             layer._parameters["weight"] = param(torch.empty(n, k, dtype=params_dtype, device="meta"))
             layer._fp8fx_device = device
             return
+        w = self.scheme.weight
+        if layer._fp8fx_block_scales and any(size % w.block_n for size in output_partition_sizes[:-1]):
+            raise ValueError(
+                f"output partitions {list(output_partition_sizes)} of a fused {w} layer: every partition but the "
+                f"last must be a multiple of block_n={w.block_n}, so that no scale block spans two partitions"
+            )
         layer._parameters["weight"] = param(torch.empty(n, k, dtype=quant.FP8_DTYPE, device=device))
         if layer._fp8fx_block_scales:
             shape = quant.scale_shape((n, k), self.scheme.weight.block)
@@ -139,15 +154,17 @@ class Fp8LinearMethod:
         target = layer._parameters.get(name)
         if target is None:
             raise KeyError(f"{type(layer).__name__} has no fp8fx parameter {name!r}")
+        online_weight = name == "weight" and not self.config.is_checkpoint_fp8_serialized
+        if online_weight and target.is_meta and shard_id is None and self._can_adopt(layer, target, loaded):
+            # the whole weight in the layer's dtype: quantize it as it is, no second bf16 copy
+            layer._parameters["weight"] = nn.Parameter(loaded, requires_grad=False)
+            layer._fp8fx_copied = loaded.numel()
+            self._quantize_online(layer)
+            return
         if name == "weight" and target.is_meta:
             target = nn.Parameter(torch.empty_like(target, device=layer._fp8fx_device), requires_grad=False)
             layer._parameters["weight"] = target
-        dest = target.data
-        if shard_id is not None and name == "weight":
-            sizes = layer._fp8fx_partitions
-            dest = dest.narrow(0, sum(sizes[:shard_id]), sizes[shard_id])
-        elif shard_id is not None and dest.numel() == len(layer._fp8fx_partitions):  # per-shard scales
-            dest = dest[shard_id : shard_id + 1]
+        dest = self._shard_slice(layer, name, target.data, shard_id)
         if dest.numel() != loaded.numel():
             raise ValueError(
                 f"{name} shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit the "
@@ -155,14 +172,40 @@ class Fp8LinearMethod:
             )
         with CopyNumelCounter() as counter:
             dest.copy_(loaded.reshape(dest.shape))
-        if name == "weight" and not self.config.is_checkpoint_fp8_serialized:
+        if online_weight:
             layer._fp8fx_copied += counter.copied_numel
             if layer._fp8fx_copied >= target.numel():
                 self._quantize_online(layer)
 
+    @staticmethod
+    def _can_adopt(layer: nn.Module, target: torch.Tensor, loaded: torch.Tensor) -> bool:
+        device = layer._fp8fx_device
+        return (
+            device is not None
+            and loaded.device == torch.device(device)
+            and loaded.dtype == target.dtype
+            and loaded.shape == target.shape
+        )
+
+    def _shard_slice(self, layer: nn.Module, name: str, dest: torch.Tensor, shard_id: Optional[int]) -> torch.Tensor:
+        """The part of ``dest`` (a parameter's data) that logical shard ``shard_id`` of the fused output
+        dim owns: its rows of the weight and of per-channel / block scales, its entry of per-shard scales."""
+        if shard_id is None:
+            return dest
+        sizes = layer._fp8fx_partitions
+        start, size = sum(sizes[:shard_id]), sizes[shard_id]
+        if name == "weight" or (name == "weight_scale" and isinstance(self.scheme.weight, PerRow)):
+            return dest.narrow(0, start, size)  # rows [start, start + size)
+        if name == "weight_scale_inv":  # partitions start on block rows (checked in create_weights)
+            block_n = self.scheme.weight.block_n
+            return dest.narrow(0, start // block_n, math.ceil(size / block_n))
+        if dest.numel() == len(sizes):  # one scale per shard (per-tensor weight_scale, input_scale)
+            return dest[shard_id : shard_id + 1]
+        return dest
+
     def _quantize_online(self, layer: nn.Module) -> None:
         """bf16 weight (fully loaded) -> fp8 weight + scale; the bf16 tensor is dropped."""
-        q, scale = quant.quantize(layer._parameters["weight"].data, self.scheme.weight.block)
+        q, scale = chunked.quantize(layer._parameters["weight"].data, self.scheme.weight.block)
         if isinstance(self.scheme.weight, PerTensor):
             scale = scale.reshape(1)
         layer._parameters["weight"] = nn.Parameter(q, requires_grad=False)

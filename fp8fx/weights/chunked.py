@@ -1,0 +1,55 @@
+"""Quantizing a weight in row chunks, so its float32 temporaries stay small while a checkpoint streams in.
+
+``quant.quantize`` makes a few float32 copies of its input (upcast, padded tiles, ``abs``, the division);
+for a ``[N, K]`` weight that is ~12 bytes per element next to the 2 of the bf16 weight itself. Here the
+same math runs over slices of rows: per-row and per-block scales do not cross chunks (chunks hold whole
+tiles), and a per-tensor scale is the max of the chunks' scales, found in a first pass. The result is
+bit-identical to ``quant.quantize``; the temporaries are those of one chunk.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from fp8fx import quant
+
+# Elements per chunk: temporaries are a few float32 copies of one chunk (4 MiB per copy here).
+CHUNK_NUMEL = 1 << 20
+
+
+def _row_step(rows: int, cols: int, block: Sequence[int], chunk_numel: int) -> int:
+    b_r = 1 if block[0] == -1 else quant.resolve_block(block, rows, cols)[0]
+    tiles = max(1, chunk_numel // max(cols * b_r, 1))
+    return tiles * b_r
+
+
+def quantize(
+    x: torch.Tensor, block: Sequence[int], chunk_numel: int = CHUNK_NUMEL
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quant.quantize(x, block)`` for a 2-D ``x: [N, K]``, computed ``chunk_numel`` elements at a time."""
+    rows, cols = x.shape
+    step = _row_step(rows, cols, block, chunk_numel)
+    if rows <= step:
+        return quant.quantize(x, block)
+    chunks = [x[i : i + step] for i in range(0, rows, step)]
+    q = torch.empty(x.shape, dtype=quant.FP8_DTYPE, device=x.device)  # q: [N, K]
+    if block[0] == -1:  # one scale over all rows: its max first, then the casts
+        scale = torch.stack([quant.compute_scale(c, block) for c in chunks]).amax(dim=0)  # [1, n_c]
+        for i, c in zip(range(0, rows, step), chunks):
+            q[i : i + step] = quant.quantize_with_scale(c, scale, block)
+        return q, scale
+    scales = []
+    for i, c in zip(range(0, rows, step), chunks):
+        q[i : i + step], s = quant.quantize(c, block)
+        scales.append(s)
+    return q, torch.cat(scales)  # [ceil(N / bR), ceil(K / bC)]
+
+
+def count_nonfinite(x: torch.Tensor, chunk_numel: int = CHUNK_NUMEL) -> int:
+    """NaN/Inf elements of ``x`` (float8_e4m3fn has NaN only: bits S.1111.111), a chunk at a time."""
+    flat = x.reshape(-1)
+    if x.dtype == quant.FP8_DTYPE:
+        bits = flat.view(torch.uint8)
+        return sum(int(((c & 0x7F) == 0x7F).sum()) for c in bits.split(chunk_numel))
+    return sum(int((~torch.isfinite(c)).sum()) for c in flat.split(chunk_numel))

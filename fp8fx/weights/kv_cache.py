@@ -1,0 +1,83 @@
+"""KV-cache scales: ``k_scale`` / ``v_scale`` (and ``q_scale`` / ``prob_scale``) of attention modules.
+
+Checkpoints name them two ways:
+
+- on the attention module: ``model.layers.0.self_attn.k_scale`` (compressed-tensors, llm-compressor) or
+  ``model.layers.0.self_attn.attn.k_scale`` (vLLM, whose ``Attention`` is a child ``attn``);
+- as output scales of the projections: ``model.layers.0.self_attn.k_proj.output_scale`` (AutoFP8),
+  mapped by ``Fp8Config.get_cache_scale``.
+
+A scale is one positive finite float (``q_fp8 = k / k_scale``). It is attached to the attention module
+as a float32 buffer of shape ``[]`` under its name, so ``state_dict()`` saves it where other engines
+look for it; model code does not read it (the eager attention keeps computing in high precision).
+"""
+from __future__ import annotations
+
+import logging
+import math
+from typing import Mapping, Optional
+
+import torch
+from torch import nn
+
+from fp8fx.config import Fp8Config
+
+log = logging.getLogger("fp8fx")
+
+KV_SCALE_NAMES = ("k_scale", "v_scale", "q_scale", "prob_scale")
+# Absent ones default to 1.0 when the checkpoint quantizes the KV cache (as vLLM does, with a warning).
+DEFAULTED = ("k_scale", "v_scale")
+
+
+def kv_scale_target(name: str) -> Optional[tuple[str, str]]:
+    """Checkpoint tensor name -> ``(owner path, scale name)`` if it is a KV-cache scale in either
+    naming, else None. The owner may end in ``.attn`` (vLLM's naming): see ``attention_owner``."""
+    mapped = Fp8Config.get_cache_scale(name) or name
+    owner, _, leaf = mapped.rpartition(".")
+    return (owner, leaf) if owner and leaf in KV_SCALE_NAMES else None
+
+
+def attention_owner(owner: str, modules: Mapping[str, nn.Module]) -> Optional[str]:
+    """The module of ``modules`` that holds a scale addressed to ``owner``: ``owner`` itself, or its
+    parent when ``owner`` is vLLM's ``<attention>.attn`` and the model has no such child."""
+    if owner in modules:
+        return owner
+    if owner.endswith(".attn") and owner[: -len(".attn")] in modules:
+        return owner[: -len(".attn")]
+    return None
+
+
+def check_kv_scale(name: str, value: torch.Tensor) -> float:
+    """The scale as a float; ValueError naming ``name`` unless it is one positive finite float."""
+    if value.numel() != 1:
+        raise ValueError(
+            f"{name}: a KV-cache scale is one value, got shape {list(value.shape)}; the checkpoint must hold "
+            "one scale per attention layer (per-head KV scales are not supported)"
+        )
+    if not value.dtype.is_floating_point:
+        raise ValueError(f"{name}: dtype {value.dtype} is not a float; KV-cache scales are float32/bf16/fp16")
+    scale = value.float().item()
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(
+            f"{name}={scale}: a KV-cache scale must be a positive finite float; fix or drop the tensor "
+            "(absent scales default to 1.0)"
+        )
+    return scale
+
+
+def attach_kv_scales(module: nn.Module, scales: Mapping[str, float], device=None) -> None:
+    """Register ``scales`` (``{"k_scale": 0.02, ...}``) on ``module`` as float32 ``[]`` buffers."""
+    for name, value in scales.items():
+        if name not in KV_SCALE_NAMES:
+            raise ValueError(f"{name!r} is not a KV-cache scale; use one of {KV_SCALE_NAMES}")
+        module.register_buffer(name, torch.tensor(float(value), dtype=torch.float32, device=device))
+
+
+def kv_scales(module: nn.Module) -> dict[str, float]:
+    """The KV-cache scales attached to ``module``."""
+    return {n: module._buffers[n].item() for n in KV_SCALE_NAMES if module._buffers.get(n) is not None}
+
+
+def is_attention(module: nn.Module) -> bool:
+    """Attention modules by class name (``LlamaAttention``, ``DeepseekV3Attention``, ...)."""
+    return type(module).__name__.endswith("Attention")

@@ -1,0 +1,164 @@
+"""Weight hooks the checkpoint loader relies on: chunked quantization, exact per-channel / block shard
+loading of fused layers, the no-copy online path, KV-cache scale helpers."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+from fp8fx import quant
+from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor
+from fp8fx.weights import Fp8LinearMethod, chunked, kv_cache
+from fp8fx.weights.linear import layer_scheme
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 70),
+    cols=st.integers(1, 40),
+    block=st.sampled_from([(-1, -1), (1, -1), (16, 16), (7, 5), (-1, 8)]),
+    chunk=st.integers(1, 300),
+    seed=st.integers(0, 2**16),
+)
+def test_chunked_quantize_is_bit_identical(rows, cols, block, chunk, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, cols, generator=g) * torch.rand(rows, 1, generator=g) * 10).to(torch.bfloat16)
+    q, s = chunked.quantize(x, block, chunk_numel=chunk)
+    q_ref, s_ref = quant.quantize(x, block)
+    assert torch.equal(_bits(q), _bits(q_ref))
+    assert torch.equal(s, s_ref)
+
+
+def test_chunks_really_are_smaller_than_the_tensor():
+    """The row step for a 1000 x 64 weight with 640-element chunks is 10 rows (16 for 16-row blocks)."""
+    assert chunked._row_step(1000, 64, (1, -1), 640) == 10
+    assert chunked._row_step(1000, 64, (-1, -1), 640) == 10
+    assert chunked._row_step(1000, 64, (16, 16), 640) == 16
+
+
+def test_count_nonfinite_counts_fp8_nan_and_float_inf():
+    x = torch.zeros(100, 10)
+    x[3, 4], x[99, 9] = float("nan"), float("-inf")
+    assert chunked.count_nonfinite(x, chunk_numel=7) == 2
+    q = torch.zeros(50, 3, dtype=torch.float8_e4m3fn)
+    q.view(torch.uint8)[10, 1] = 0xFF  # -NaN
+    q.view(torch.uint8)[49, 2] = 0x7F  # +NaN
+    q.view(torch.uint8)[0, 0] = 0x7E  # 448: finite
+    assert chunked.count_nonfinite(q, chunk_numel=5) == 2
+
+
+@pytest.mark.parametrize(
+    "granularity,scale_name",
+    [(PerRow(), "weight_scale"), (PerBlock(16, 16), "weight_scale_inv")],
+)
+def test_fused_per_channel_and_block_shards_load_exactly(granularity, scale_name):
+    """Shards with their own per-channel / block scales land in their rows: the fused layer holds
+    exactly the concatenation (no requantization)."""
+    sizes, k = [32, 16, 16], 48
+    config = Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=granularity)
+    layer = nn.Linear(k, sum(sizes), bias=False, device="meta")
+    method = Fp8LinearMethod(config)
+    method.create_weights(layer, k, sizes, torch.bfloat16, device="cpu")
+    shards = [quant.quantize(torch.randn(n, k) * (i + 1), granularity.block) for i, n in enumerate(sizes)]
+    for i in (2, 0, 1):
+        method.weight_loader(layer, "weight", shards[i][0], shard_id=i)
+        method.weight_loader(layer, scale_name, shards[i][1], shard_id=i)
+    method.process_weights_after_loading(layer)
+    assert torch.equal(_bits(layer._parameters["weight"]), _bits(torch.cat([q for q, _ in shards])))
+    assert torch.equal(layer._parameters[scale_name], torch.cat([s for _, s in shards]))
+
+
+def test_fused_block_partitions_must_start_on_block_rows():
+    layer = nn.Linear(32, 40, bias=False, device="meta")
+    method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[16, 16]))
+    with pytest.raises(ValueError, match=r"partitions \[24, 16\].*multiple of block_n=16"):
+        method.create_weights(layer, 32, [24, 16], torch.bfloat16, device="cpu")
+
+
+def test_online_whole_weight_is_quantized_without_a_copy():
+    """The online loader quantizes a whole weight in the layer's dtype where it lies (no bf16 receive
+    buffer): the fp8 result is what quant.quantize gives, and no bf16 parameter remains."""
+    w = torch.randn(64, 32, dtype=torch.bfloat16)
+    layer = nn.Linear(32, 64, bias=False, device="meta")
+    method = Fp8LinearMethod(Fp8Config())
+    method.create_weights(layer, 32, [64], torch.bfloat16, device="cpu")
+    allocated = []
+
+    class Spy(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.aten.empty_like.default and args[0].dtype == torch.bfloat16:
+                allocated.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        method.weight_loader(layer, "weight", w)
+    assert allocated == []
+    q, s = quant.quantize(w, [1, -1])
+    assert torch.equal(_bits(layer._parameters["weight"]), _bits(q)) and torch.equal(layer.weight_scale, s)
+
+
+def test_layer_scheme_reads_back_the_scheme():
+    for config in (
+        Fp8Config(),
+        Fp8Config(weight_block_size=[16, 16]),
+        Fp8Config(weight_granularity=PerTensor(), activation_granularity=PerTensor()),
+    ):
+        layer = nn.Linear(32, 32, bias=False, device="meta")
+        method = Fp8LinearMethod(config)
+        method.create_weights(layer, 32, [32], torch.bfloat16, device="cpu")
+        method.weight_loader(layer, "weight", torch.randn(32, 32, dtype=torch.bfloat16))
+        assert layer_scheme(layer) == config.scheme()
+
+
+@pytest.mark.parametrize(
+    "name,target",
+    [
+        ("model.layers.0.self_attn.k_scale", ("model.layers.0.self_attn", "k_scale")),
+        ("model.layers.0.self_attn.attn.v_scale", ("model.layers.0.self_attn.attn", "v_scale")),
+        ("model.layers.3.self_attn.k_proj.output_scale", ("model.layers.3.self_attn.attn", "k_scale")),
+        ("model.layers.3.self_attn.q_proj.output_scale", ("model.layers.3.self_attn.attn", "q_scale")),
+        ("model.layers.3.self_attn.prob_output_scale", ("model.layers.3.self_attn.attn", "prob_scale")),
+        ("model.layers.0.self_attn.k_proj.weight_scale", None),
+        ("k_scale", None),
+    ],
+)
+def test_kv_scale_names(name, target):
+    assert kv_cache.kv_scale_target(name) == target
+
+
+def test_attention_owner_strips_vllm_attn_child():
+    modules = {"a.self_attn": None, "b.attn": None}
+    assert kv_cache.attention_owner("a.self_attn.attn", modules) == "a.self_attn"
+    assert kv_cache.attention_owner("b.attn", modules) == "b.attn"
+    assert kv_cache.attention_owner("c.attn", modules) is None
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [
+        (torch.tensor([0.5, 0.5]), r"^x\.k_scale: a KV-cache scale is one value, got shape \[2\]"),
+        (torch.tensor(-0.5), r"^x\.k_scale=-0\.5: .* positive finite"),
+        (torch.tensor(0.0), r"^x\.k_scale=0\.0: .* positive finite"),
+        (torch.tensor(float("nan")), r"^x\.k_scale=nan"),
+        (torch.tensor(float("inf")), r"^x\.k_scale=inf"),
+        (torch.tensor(2, dtype=torch.int32), r"^x\.k_scale: dtype torch\.int32 is not a float"),
+    ],
+)
+def test_check_kv_scale_rejects(value, match):
+    with pytest.raises(ValueError, match=match):
+        kv_cache.check_kv_scale("x.k_scale", value)
+
+
+def test_check_and_attach_kv_scale():
+    assert kv_cache.check_kv_scale("x", torch.tensor([0.25], dtype=torch.bfloat16)) == 0.25
+    m = nn.Module()
+    kv_cache.attach_kv_scales(m, {"k_scale": 0.5, "v_scale": 2.0})
+    assert m.k_scale.shape == () and m.k_scale.dtype == torch.float32
+    assert kv_cache.kv_scales(m) == {"k_scale": 0.5, "v_scale": 2.0}
+    assert set(m.state_dict()) == {"k_scale", "v_scale"}
+    with pytest.raises(ValueError, match="'kv_scale' is not a KV-cache scale"):
+        kv_cache.attach_kv_scales(m, {"kv_scale": 1.0})
