@@ -86,7 +86,12 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 
 def test_fp8_gemm_under_triton_interpreter():
-    pytest.importorskip("triton")
+    triton = pytest.importorskip("triton")
+    import numpy
+
+    if triton.__version__.startswith("3.6") and tuple(map(int, numpy.__version__.split(".")[:2])) >= (2, 4):
+        pytest.skip("triton 3.6's interpreter breaks with numpy >= 2.4 (FACTS.md): the GPU machine's "
+                    "case; CI runs this test with triton 3.9")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     proc = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], env=env, cwd=root, capture_output=True,
