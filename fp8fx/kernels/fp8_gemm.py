@@ -6,9 +6,9 @@ a: float8_e4m3fn activations (row-major), b: float8_e4m3fn weight [N, K] (row-ma
 for the dot), scales float32. The dot stays on the fp8 operands (Hopper fp8 tensor cores) with an
 fp32 accumulator; the scales, the bias and the output cast are applied once per output tile.
 
-Used for decode-sized M, where cuBLAS fp8 is slower than streaming the weight at HBM bandwidth
-(H200, torch 2.11: down 4096x14336 at M=16 took 0.047 ms through `torch._scaled_mm` vs 0.042 ms in
-bf16, benchmarks/RESULTS.md). Tiles are picked by `tile_config` rather than autotuned so launches are
+Used for decode-sized M (<= 64), where cuBLAS fp8 is slower than streaming the weight at HBM
+bandwidth (H200, torch 2.11: down 4096x14336 at M=16 took 0.047 ms through `torch._scaled_mm` vs
+0.042 ms in bf16; this kernel 0.026-0.037 ms, benchmarks/RESULTS.md). Tiles are picked by `tile_config` rather than autotuned so launches are
 deterministic, CUDA-graph capturable and run under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
@@ -73,12 +73,17 @@ def fp8_gemm_kernel(
 
 
 def tile_config(m: int, n: int, k: int) -> dict:
-    """Tiles by problem size. Decode (m <= 16): one 16-row tile, narrow N tiles so every SM streams
-    its own slice of the weight, deep K pipelining."""
+    """Tiles by problem size, from benchmarks/tune_decode.py on the H200 (torch 2.11, triton 3.6):
+    decode streams the weight, so narrow N tiles give every SM its own slice and long K tiles with
+    deep pipelining keep enough bytes in flight (down 4096x14336 at M=1: 2.24 TB/s with BLOCK_K=512
+    and 6 stages vs 1.86 TB/s with 256 and 5; gate_up 28672x4096: 2.84 TB/s; cuBLAS fp8: 1.25-2.2)."""
+    long_k = k >= 8192
     if m <= 16:
-        return dict(BLOCK_M=16, BLOCK_N=32 if n <= 8192 else 64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
+        if long_k:
+            return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=6)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5)
+        return dict(BLOCK_M=64, BLOCK_N=32 if long_k else 64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
