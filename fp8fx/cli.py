@@ -1,0 +1,306 @@
+"""The ``fp8fx`` command.
+
+    fp8fx inspect MODEL [--ignore FQN] [--block-size N,K] [--activation-scheme S] [--config FILE] [--json]
+    fp8fx bench [--cpu-smoke] [...]      benchmarks/bench_linear.py of a source checkout
+    fp8fx convert ...                    not available yet (comes with checkpoint loading)
+
+``inspect`` builds MODEL on the meta device (no weights, no GPU), traces it with ``torch.compile`` and
+says, for every linear site, whether fp8fx would rewrite it with the config, or why not. MODEL is a
+folder with an HF ``config.json`` (or that file), or ``module:factory`` / ``path/to/file.py:factory``,
+a function returning a model or ``(model, example_args)``; it is called under ``torch.device("meta")``.
+Errors are one line on stderr, exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import importlib.util
+import inspect as pyinspect
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+import fp8fx
+from fp8fx import quant
+from fp8fx.config import Fp8Config
+from fp8fx.weights.linear import skip_reason
+
+log = logging.getLogger("fp8fx")
+
+
+class UsageError(Exception):
+    """A problem with what the user asked for: printed as one line, exit code 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line instead of usage + error
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = _parser()
+    if argv[:1] == ["bench"]:  # every other argument belongs to the benchmark's own parser
+        return _run(parser.prog + " bench", lambda: bench(argv[1:]))
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:  # --help (0) or a usage error (2), already printed
+        return int(e.code or 0)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return _run(f"{parser.prog} {args.command}", lambda: args.func(args))
+
+
+def _run(prog: str, command) -> int:
+    try:
+        return command() or 0
+    except SystemExit as e:  # the benchmark's own argparse: --help, usage errors
+        return int(e.code or 0)
+    except UsageError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        return 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fp8fx", description="FP8 inference through torch.compile: inspect a model, benchmark.")
+    sub = parser.add_subparsers(dest="command", parser_class=_Parser)
+
+    p = sub.add_parser("inspect", help="which linear layers of MODEL fp8fx would rewrite, and why not (no GPU, no weights)",
+                       description=__doc__.split("\n\n")[2])
+    p.add_argument("model", metavar="MODEL", help="HF config folder / config.json, or module:factory / file.py:factory")
+    p.add_argument("--config", metavar="FILE", help="JSON quantization config (a checkpoint's quantization_config, or a "
+                   "config.json holding one); default: the model's own quantization_config, else Fp8Config()")
+    p.add_argument("--ignore", metavar="FQN", action="append", default=[], help="add to ignored_layers (repeatable)")
+    p.add_argument("--block-size", metavar="N,K", help="block-scaled weights, e.g. 128,128")
+    p.add_argument("--activation-scheme", choices=["dynamic", "static"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--seq-len", type=int, default=16, help="tokens of the traced input of an HF model (default 16)")
+    p.add_argument("--input-shape", metavar="D0,D1,...", help="shape of the float input when the factory returns a model only")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=inspect_command)
+
+    sub.add_parser("bench", help="run benchmarks/bench_linear.py (fp8fx bench --help for its options)", add_help=False)
+
+    p = sub.add_parser("convert", help="convert a checkpoint to fp8 (not available yet)",
+                       description="Convert a bf16 checkpoint to an fp8 one. Not available yet: it comes with "
+                       "checkpoint loading (fp8fx.load_checkpoint).")
+    p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
+    p.set_defaults(func=convert_command)
+    return parser
+
+
+# -- inspect ------------------------------------------------------------------------------------------
+def inspect_command(args: argparse.Namespace) -> int:
+    dtype = getattr(torch, args.dtype)
+    model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
+    config = make_config(args, hf_quant)
+    rows, others, graphs = predict(model, config, call_args, call_kwargs)
+    if args.json:
+        print(json.dumps({"model": args.model, "config": config.to_dict(), "graphs": graphs, "sites": rows,
+                          "other_weights": others}, indent=1))
+    else:
+        print(_table(args.model, type(model).__name__, config, rows, others, graphs))
+    return 0
+
+
+def load_meta_model(spec: str, dtype: torch.dtype, seq_len: int, input_shape: Optional[str]):
+    """(model on the meta device, args, kwargs to call it with, the HF quantization_config or None)."""
+    path = Path(spec)
+    if path.is_dir() or path.name == "config.json":
+        return _hf_model(path, dtype, seq_len)
+    if ":" not in spec or path.exists():
+        raise UsageError(
+            f"MODEL {spec!r} is neither a folder with a config.json, a config.json, nor module:factory "
+            "(e.g. mypkg.models:make_model or models.py:make_model)"
+        )
+    factory = _factory(spec)
+    with torch.device("meta"):
+        made = factory()
+    model, call_args = made if isinstance(made, tuple) else (made, None)
+    if not isinstance(model, nn.Module):
+        raise UsageError(f"{spec} returned {type(model).__name__}, not an nn.Module (or (module, example_args))")
+    model = model.to(device="meta", dtype=dtype).eval()
+    if call_args is None:
+        if input_shape is None:
+            raise UsageError(f"{spec} returned a model without example inputs; pass --input-shape (e.g. 4,256) or "
+                             "return (model, example_args) from the factory")
+        call_args = (torch.zeros(_ints(input_shape, "--input-shape"), dtype=dtype, device="meta"),)
+    call_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in call_args)
+    return model, call_args, {}, None
+
+
+def _hf_model(path: Path, dtype: torch.dtype, seq_len: int):
+    import transformers
+
+    folder = path if path.is_dir() else path.parent
+    if not (folder / "config.json").is_file():
+        raise UsageError(f"{folder} has no config.json; give an HF model folder or its config.json")
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(folder))
+    except (ValueError, OSError, KeyError) as e:
+        raise UsageError(f"{folder / 'config.json'} is not a config transformers can read: {_first_line(e)}") from e
+    quant_config = getattr(config, "quantization_config", None)
+    if quant_config is not None:  # fp8fx applies it; transformers must not try its own quantizer
+        del config.quantization_config
+        quant_config = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
+    with torch.device("meta"):
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except ValueError:  # not a causal LM: the bare model
+            model = transformers.AutoModel.from_config(config, dtype=dtype)
+    kwargs = {"use_cache": False} if "use_cache" in pyinspect.signature(model.forward).parameters else {}
+    ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
+    return model.eval(), (ids,), kwargs, quant_config
+
+
+def _factory(spec: str):
+    module_name, _, attr = spec.rpartition(":")
+    try:
+        if module_name.endswith(".py"):
+            if not os.path.isfile(module_name):
+                raise UsageError(f"{module_name} does not exist (MODEL {spec!r})")
+            loader = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            module = importlib.util.module_from_spec(loader)
+            loader.loader.exec_module(module)
+        else:
+            module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise UsageError(f"cannot import {module_name!r} (MODEL {spec!r}): {_first_line(e)}") from e
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise UsageError(f"{module_name} has no function {attr!r} (MODEL {spec!r})")
+    return factory
+
+
+def make_config(args: argparse.Namespace, hf_quant: Optional[dict]) -> Fp8Config:
+    """The config file, else the model's quantization_config, else Fp8Config(); then the flags."""
+    base = hf_quant
+    if args.config:
+        try:
+            with open(args.config) as f:
+                base = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise UsageError(f"--config {args.config}: {_first_line(e)}") from e
+        base = base.get("quantization_config", base) if isinstance(base, dict) else base
+        if not isinstance(base, dict):
+            raise UsageError(f"--config {args.config}: expected a JSON object, got {type(base).__name__}")
+    try:
+        config = Fp8Config.from_config(base) if base else Fp8Config()
+        changes: dict[str, Any] = {}
+        if args.ignore:
+            changes["ignored_layers"] = tuple(config.ignored_layers or ()) + tuple(args.ignore)
+        if args.block_size:
+            changes["weight_block_size"] = _ints(args.block_size, "--block-size")
+        if args.activation_scheme:
+            changes["activation_scheme"] = args.activation_scheme
+        return dataclasses.replace(config, **changes)
+    except ValueError as e:
+        raise UsageError(f"bad config: {e}") from e
+
+
+def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: dict):
+    """Trace ``model`` (unquantized, on meta) with the fp8fx passes and decide each site by the rules of
+    ``quantize_`` (``skip_reason``): (site rows, rows of weights no site covers, number of graphs)."""
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    quiet = log.level
+    log.setLevel(logging.ERROR)  # every site of an unquantized model is "not fp8": not news here
+    try:
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(*call_args, **call_kwargs)
+    except Exception as e:  # noqa: BLE001 - any model code can fail on meta tensors; say which and how
+        raise UsageError(f"tracing {type(model).__name__} on the meta device failed: {type(e).__name__}: "
+                         f"{_first_line(e)}") from e
+    finally:
+        log.setLevel(quiet)
+
+    modules = dict(model.named_modules())
+    rows = []
+    for site in backend.report.sites:
+        module = modules.get(site.fqn)
+        if isinstance(module, nn.Linear):
+            reason = skip_reason(module, site.fqn, config)
+        else:
+            reason = "not an nn.Linear weight (quantize_ quantizes nn.Linear layers)"
+        rows.append({"graph": site.graph, "kind": site.kind, "fqn": site.fqn, "weight_shape": list(site.weight_shape),
+                     "would_rewrite": reason is None, "scheme": str(config.scheme()) if reason is None else "",
+                     "reason": reason or "", "bytes_saved": _saved(site.weight_shape, module, config) if reason is None else 0})
+    seen = {s.fqn for s in backend.report.sites}
+    for fqn, module in modules.items():
+        if isinstance(module, nn.Linear) and fqn not in seen:
+            rows.append({"graph": None, "kind": "linear", "fqn": fqn, "weight_shape": list(module.weight.shape),
+                         "would_rewrite": False, "scheme": "", "reason": "not called by the traced forward",
+                         "bytes_saved": 0})
+    others = [{"name": name, "shape": list(p.shape), "module": type(modules[name.rpartition(".")[0]]).__name__}
+              for name, p in model.named_parameters() if p.dim() >= 2 and name.rpartition(".")[0] not in seen
+              and not isinstance(modules[name.rpartition(".")[0]], nn.Linear)]
+    return rows, others, backend.report.graphs
+
+
+def _saved(shape: Sequence[int], module: Optional[nn.Module], config: Fp8Config) -> int:
+    if len(shape) != 2 or module is None:
+        return 0
+    n, k = shape
+    scales = quant.scale_shape((n, k), config.weight.block)
+    return n * k * module.weight.element_size() - n * k - 4 * scales[0] * scales[1]
+
+
+def _table(spec: str, cls: str, config: Fp8Config, rows: list[dict], others: list[dict], graphs: int) -> str:
+    ignored = list(config.ignored_layers or [])
+    lines = [f"{spec}: {cls} on the meta device, {graphs} graph(s) traced; config {config.scheme()}, "
+             f"ignored_layers={ignored}", ""]
+    table = [("site", "kind", "weight", "rewritten", "scheme / reason")]
+    for r in rows:
+        table.append((r["fqn"], r["kind"], "x".join(map(str, r["weight_shape"])) or "-",
+                      "would be" if r["would_rewrite"] else "no", r["scheme"] or r["reason"]))
+    widths = [max(len(t[i]) for t in table) for i in range(4)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(t, widths)) + "  " + t[4] for t in table]
+    if others:
+        lines += ["", "weights no fp8fx pass looks at (they stay in high precision):"]
+        width = max(len(o["name"]) for o in others)
+        lines += [f"{o['name'].ljust(width)}  {'x'.join(map(str, o['shape']))}  ({o['module']})" for o in others]
+    done = [r for r in rows if r["would_rewrite"]]
+    saved = sum(r["bytes_saved"] for r in done)
+    lines += ["", f"{len(done)} of {len(rows)} linear sites would be rewritten; {saved / 2**20:.1f} MiB of weights saved"]
+    return "\n".join(lines)
+
+
+def _ints(text: str, flag: str) -> list[int]:
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected integers separated by commas, e.g. 128,128") from None
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+# -- bench, convert ----------------------------------------------------------------------------------
+def bench(argv: list[str]) -> int:
+    """benchmarks/bench_linear.py's main(argv), from the source checkout fp8fx is installed from."""
+    script = Path(fp8fx.__file__).resolve().parent.parent / "benchmarks" / "bench_linear.py"
+    if not script.is_file():
+        raise UsageError(f"{script} not found: fp8fx bench runs the benchmark of a source checkout; "
+                         "git clone the fp8fx repository and pip install -e . from it")
+    spec = importlib.util.spec_from_file_location("fp8fx_bench_linear", script)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)
+
+
+def convert_command(args: argparse.Namespace) -> int:
+    raise UsageError("not available yet: converting a checkpoint comes with checkpoint loading "
+                     "(fp8fx.load_checkpoint); meanwhile fp8fx.quantize_(model) and save model.state_dict()")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

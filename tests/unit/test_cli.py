@@ -1,0 +1,179 @@
+"""The fp8fx command: exit codes and output on bad paths, bad configs and good models."""
+import json
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from fp8fx.cli import main
+
+transformers = pytest.importorskip("transformers")
+
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def one_line_error(err, *parts):
+    assert err.count("\n") == 1, err
+    for part in parts:
+        assert part in err, err
+
+
+@pytest.fixture
+def llama_dir(tmp_path):
+    """A tiny Llama config.json (no weights) whose quantization_config asks for 128x128 blocks."""
+    config = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128,
+    )
+    config.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                   "weight_block_size": [128, 128], "ignored_layers": ["lm_head"]}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+def test_inspect_hf_config_folder(capsys, llama_dir):
+    code, out, err = run(capsys, "inspect", str(llama_dir), "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["config"]["weight_block_size"] == [128, 128] and result["graphs"] == 1
+    sites = {r["fqn"]: r for r in result["sites"]}
+    expected = {f"model.layers.{i}.{p}" for i in range(2) for p in PROJECTIONS}
+    assert {fqn for fqn, r in sites.items() if r["would_rewrite"]} == expected
+    assert all(sites[f]["scheme"] == "w:per-block(128x128) a:per-group(1x128)" for f in expected)
+    assert sites["lm_head"]["would_rewrite"] is False and sites["lm_head"]["reason"] == "in ignored_layers"
+    assert sites["model.layers.0.mlp.down_proj"]["weight_shape"] == [256, 512]
+    # bf16 [256, 512] -> fp8 + float32 scales [2, 4]
+    assert sites["model.layers.0.mlp.down_proj"]["bytes_saved"] == 256 * 512 - 4 * 2 * 4
+    assert result["other_weights"] == [{"name": "model.embed_tokens.weight", "shape": [512, 256], "module": "Embedding"}]
+
+
+MODELS_PY = """
+import torch
+from torch import nn
+
+def mlp():
+    return nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 100), nn.ReLU(), nn.Linear(100, 8))
+
+def mlp_with_input():
+    return mlp(), (torch.zeros(4, 256),)
+
+def not_a_model():
+    return 3
+"""
+
+
+@pytest.fixture
+def models_py(tmp_path):
+    path = tmp_path / "models.py"
+    path.write_text(textwrap.dedent(MODELS_PY))
+    return str(path)
+
+
+def test_inspect_factory_table(capsys, models_py):
+    code, out, err = run(capsys, "inspect", f"{models_py}:mlp_with_input", "--block-size", "128,128", "--ignore", "4")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "Sequential on the meta device, 1 graph(s) traced; config w:per-block(128x128)" in lines[0]
+    rows = {line.split()[0]: line for line in lines[3:6]}
+    assert rows["0"].split()[:4] == ["0", "linear", "512x256", "would"]
+    assert "weight [100, 512] is not divisible by the 128x128 block" in rows["2"]
+    assert rows["4"].split()[3:] == ["no", "in", "ignored_layers"]
+    assert lines[-1].startswith("1 of 3 linear sites would be rewritten")
+
+
+def test_inspect_factory_with_input_shape(capsys, models_py):
+    code, out, err = run(capsys, "inspect", f"{models_py}:mlp", "--input-shape", "2,256")
+    assert code == 0, err
+    assert out.splitlines()[-1].startswith("3 of 3 linear sites would be rewritten")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["inspect", "/no/such/folder"], "is neither a folder with a config.json, a config.json, nor module:factory"),
+    (["inspect", "no_such_module_xyz:make"], "cannot import 'no_such_module_xyz'"),
+    (["inspect", "/no/such/file.py:make"], "/no/such/file.py does not exist"),
+])
+def test_bad_model_paths(capsys, argv, message):
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == ""
+    one_line_error(err, "fp8fx inspect: error: ", message)
+
+
+def test_folder_without_config_json(capsys, tmp_path):
+    code, _, err = run(capsys, "inspect", str(tmp_path))
+    assert code == 2
+    one_line_error(err, f"{tmp_path} has no config.json")
+
+
+def test_bad_factories(capsys, models_py):
+    code, _, err = run(capsys, "inspect", f"{models_py}:nope")
+    assert code == 2
+    one_line_error(err, "has no function 'nope'")
+    code, _, err = run(capsys, "inspect", f"{models_py}:not_a_model")
+    assert code == 2
+    one_line_error(err, "returned int, not an nn.Module")
+    code, _, err = run(capsys, "inspect", f"{models_py}:mlp")
+    assert code == 2
+    one_line_error(err, "pass --input-shape")
+
+
+def test_bad_configs(capsys, llama_dir, tmp_path):
+    code, _, err = run(capsys, "inspect", str(llama_dir), "--block-size", "128")
+    assert code == 2
+    one_line_error(err, "fp8fx inspect: error: bad config: ", "must have 2 dimensions, but got 1")
+    code, _, err = run(capsys, "inspect", str(llama_dir), "--block-size", "128,x")
+    assert code == 2
+    one_line_error(err, "--block-size '128,x': expected integers")
+    bad = tmp_path / "quant.json"
+    bad.write_text(json.dumps({"quant_method": "fp8", "activation_scheme": "sometimes"}))
+    code, _, err = run(capsys, "inspect", str(llama_dir), "--config", str(bad))
+    assert code == 2
+    one_line_error(err, "bad config: Unsupported activation scheme 'sometimes'")
+    bad.write_text("{not json")
+    code, _, err = run(capsys, "inspect", str(llama_dir), "--config", str(bad))
+    assert code == 2
+    one_line_error(err, f"--config {bad}: ")
+    code, _, err = run(capsys, "inspect", str(llama_dir), "--activation-scheme", "sometimes")
+    assert code == 2
+    one_line_error(err, "invalid choice: 'sometimes'")
+
+
+def test_help(capsys):
+    for argv in (["--help"], ["inspect", "--help"], ["convert", "--help"], ["bench", "--help"]):
+        code, out, _ = run(capsys, *argv)
+        assert code == 0 and out.startswith("usage:"), argv
+    assert "MODEL" in run(capsys, "inspect", "--help")[1]
+    assert "--cpu-smoke" in run(capsys, "bench", "--help")[1]
+
+
+def test_convert_is_not_available_yet(capsys):
+    code, out, err = run(capsys, "convert", "some/checkpoint")
+    assert code == 2 and out == ""
+    one_line_error(err, "fp8fx convert: error: not available yet")
+
+
+def test_bench_cpu_smoke(capsys):
+    code, out, _ = run(capsys, "bench", "--cpu-smoke")
+    assert code == 0
+    assert "3 of 3 sites rewritten" in out and "cpu smoke: mlp rel err vs bf16" in out
+
+
+def test_installed_command():
+    """pyproject declares the command, and the process exits 2 with one line on stderr."""
+    with open(pathlib.Path(__file__).parents[2] / "pyproject.toml") as f:
+        scripts = f.read().split("[project.scripts]")[1].split("[")[0]
+    assert scripts.strip() == 'fp8fx = "fp8fx.cli:main"'
+    proc = subprocess.run([sys.executable, "-m", "fp8fx.cli", "inspect", "/no/such/folder"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stdout == ""
+    one_line_error(proc.stderr, "fp8fx inspect: error: MODEL '/no/such/folder'")
