@@ -5,6 +5,7 @@
 """
 from fp8fx import ops  # noqa: F401  (registers torch.ops.fp8fx.*)
 from fp8fx.backend import Fp8Backend, fp8_backend
+from fp8fx.checkpoint import CheckpointError, LoadReport, load_checkpoint, save_checkpoint
 from fp8fx.config import Fp8Config, PerBlock, PerGroup, PerRow, PerTensor
 from fp8fx.report import Report, Site
 from fp8fx.weights import CopyNumelCounter, Fp8LinearMethod, calibrate, quantize_
@@ -12,10 +13,12 @@ from fp8fx.weights import CopyNumelCounter, Fp8LinearMethod, calibrate, quantize
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointError",
     "CopyNumelCounter",
     "Fp8Backend",
     "Fp8Config",
     "Fp8LinearMethod",
+    "LoadReport",
     "PerBlock",
     "PerGroup",
     "PerRow",
@@ -24,5 +27,7 @@ __all__ = [
     "Site",
     "calibrate",
     "fp8_backend",
+    "load_checkpoint",
     "quantize_",
+    "save_checkpoint",
 ]

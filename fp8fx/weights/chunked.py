@@ -14,8 +14,9 @@ import torch
 
 from fp8fx import quant
 
-# Elements per chunk: temporaries are a few float32 copies of one chunk (4 MiB per copy here).
-CHUNK_NUMEL = 1 << 20
+# Elements per chunk. The temporaries are at most four float32 copies of one chunk, so at most
+# 16 * CHUNK_NUMEL bytes (4 MiB) next to the weight being quantized and its fp8 result.
+CHUNK_NUMEL = 1 << 18
 
 
 def _row_step(rows: int, cols: int, block: Sequence[int], chunk_numel: int) -> int:

@@ -1,0 +1,211 @@
+"""The files of a checkpoint directory: ``config.json``, the safetensors index, the shards' headers,
+reading one tensor at a time, writing a file.
+
+fp8fx reads and writes safetensors itself (an 8-byte header length, a JSON header, raw little-endian
+bytes; no dependency beyond torch) rather than through the ``safetensors`` package, because: every
+header of every shard is read and checked (truncation, offsets, dtypes) before any parameter of the
+model changes, with errors that name the file and the tensor; and a tensor is read straight into a
+``torch.empty`` allocation, without mmap, so loading holds exactly the tensors it is working on, and
+torch's allocator counts their bytes (the streaming memory test relies on it). Nothing is unpickled.
+"""
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import glob
+import json
+import math
+import os
+from typing import Any, Mapping, Optional
+
+import torch
+
+CONFIG = "config.json"
+INDEX_SUFFIX = ".safetensors.index.json"
+
+DTYPES = {
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be loaded or written; the message names the file or tensor, the
+    offending value and the fix. Raised before the model changes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """One tensor of a safetensors file: where its bytes are (absolute offsets in ``file``)."""
+
+    name: str
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.start
+
+    def __str__(self) -> str:
+        return f"{self.name} ({_dtype_name(self.dtype)} {list(self.shape)} in {os.path.basename(self.file)})"
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def read_header(file: str) -> dict[str, Entry]:
+    """All tensors of one safetensors file, checked against the file's size."""
+    size = os.path.getsize(file)
+    with open(file, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CheckpointError(f"{file}: truncated safetensors file ({size} bytes); re-download or re-save it")
+        n = int.from_bytes(head, "little")
+        if n > size - 8:
+            raise CheckpointError(
+                f"{file}: header length {n} runs past the end of the file ({size} bytes): the file is truncated "
+                "or not safetensors; re-download or re-save it"
+            )
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: corrupt safetensors header ({e}); re-download or re-save it") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
+    header.pop("__metadata__", None)
+    data_start, entries = 8 + n, {}
+    for name, info in header.items():
+        try:
+            dtype = DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            begin, end = (int(o) for o in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"{name} in {file}: corrupt header entry {info!r}; expected dtype one of {sorted(DTYPES)}, "
+                "shape and data_offsets"
+            ) from None
+        need = math.prod(shape) * dtype.itemsize
+        if min(shape, default=0) < 0 or begin < 0 or end - begin != need:
+            raise CheckpointError(
+                f"{name} in {file}: data_offsets [{begin}, {end}] do not hold a {info['dtype']} tensor of shape "
+                f"{list(shape)} ({need} bytes): corrupt file; re-download or re-save it"
+            )
+        if data_start + end > size:
+            raise CheckpointError(
+                f"{name} in {file}: its data ends at byte {data_start + end} but the file has {size} bytes: the "
+                "file is truncated; re-download or re-save it"
+            )
+        entries[name] = Entry(name, file, dtype, shape, data_start + begin, data_start + end)
+    return entries
+
+
+def read_tensor(entry: Entry) -> torch.Tensor:
+    """The tensor's bytes read into a fresh CPU tensor."""
+    out = torch.empty(entry.shape, dtype=entry.dtype)
+    if entry.nbytes:
+        buf = (ctypes.c_char * entry.nbytes).from_address(out.data_ptr())
+        with open(entry.file, "rb") as f:
+            f.seek(entry.start)
+            got = f.readinto(buf)
+        if got != entry.nbytes:
+            raise CheckpointError(
+                f"{entry}: read {got} of {entry.nbytes} bytes: the file was truncated while loading"
+            )
+    return out
+
+
+def write_file(file: str, tensors: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> None:
+    """Write ``tensors`` (CPU, contiguous) as one safetensors file, header padded to 8 bytes."""
+    names = {dtype: name for name, dtype in DTYPES.items()}
+    header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(file, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little"))
+        f.write(raw)
+        for t in tensors.values():
+            if t.numel():
+                f.write((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """``config.json`` of a checkpoint directory ({} when there is none)."""
+    file = os.path.join(path, CONFIG)
+    if not os.path.exists(file):
+        return {}
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{file}: not a JSON object")
+    return config
+
+
+def index_file(path: str) -> Optional[str]:
+    found = sorted(glob.glob(os.path.join(glob.escape(path), "*" + INDEX_SUFFIX)))
+    if len(found) > 1:
+        raise CheckpointError(f"{path}: several safetensors indexes {found}; keep one")
+    return found[0] if found else None
+
+
+def read_checkpoint(path: str) -> tuple[list[str], dict[str, Entry]]:
+    """The shard files of a checkpoint directory (in order) and every tensor in them, all headers
+    checked. Sharded checkpoints are read through their ``*.safetensors.index.json``."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a directory; pass the checkpoint directory (config.json + *.safetensors)")
+    index = index_file(path)
+    if index is not None:
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
+            raise CheckpointError(f"{index}: corrupt index ({e!r}); it needs a 'weight_map' object") from None
+        files = list(dict.fromkeys(weight_map.values()))
+        for shard in files:
+            if not os.path.exists(os.path.join(path, shard)):
+                first = next(n for n, f in weight_map.items() if f == shard)
+                raise CheckpointError(
+                    f"{index} names shard {shard!r} (holding {first} and others), which is missing from {path}; "
+                    "download every shard"
+                )
+    else:
+        files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(path), "*.safetensors")))
+        if not files:
+            others = sorted(os.listdir(path))
+            raise CheckpointError(
+                f"{path}: no *.safetensors files (found {others[:5]}); fp8fx reads only safetensors and never "
+                "unpickles .bin/.pt files: convert them with a tool you trust first"
+            )
+    entries: dict[str, Entry] = {}
+    for shard in files:
+        for name, entry in read_header(os.path.join(path, shard)).items():
+            if name in entries:
+                raise CheckpointError(f"{name} is in both {entries[name].file} and {entry.file}; keep one")
+            entries[name] = entry
+    if index is not None:
+        for name, shard in weight_map.items():
+            if name not in entries or os.path.basename(entries[name].file) != shard:
+                raise CheckpointError(f"{index} places {name} in {shard}, but that file does not hold it: corrupt index")
+    return [os.path.join(path, f) for f in files], entries

@@ -1,0 +1,238 @@
+"""``quantization_config`` of a checkpoint <-> the ``Fp8Config`` each linear layer is loaded with.
+
+Formats read and written:
+
+- ``none``: no ``quantization_config``: bf16/fp16 weights, quantized online with the given config.
+- ``fp8`` (vLLM / HF): ``activation_scheme``, ``ignored_layers`` (or ``modules_to_not_convert``),
+  optional ``weight_block_size``: per-tensor ``weight_scale`` or DeepSeek-V3 ``weight_scale_inv`` blocks.
+- ``compressed-tensors``: ``config_groups`` (``targets``, ``weights`` / ``input_activations`` with
+  ``strategy`` tensor / channel / block / token / group and ``dynamic``), ``ignore`` (names or ``re:``
+  patterns), ``kv_cache_scheme``. Each layer gets the config of the first group that targets it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any, Mapping, Optional, Sequence
+
+from fp8fx.checkpoint.files import CheckpointError
+from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerGroup, PerRow, PerTensor
+
+FORMATS = ("fp8", "compressed-tensors")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantFormat:
+    """How a checkpoint is quantized. ``groups``: compressed-tensors ``(targets, config)`` pairs."""
+
+    name: str  # "none", "fp8" or "compressed-tensors"
+    config: Fp8Config  # the config of every layer ("none", "fp8")
+    groups: tuple[tuple[tuple[str, ...], Fp8Config], ...] = ()
+    ignore: tuple[str, ...] = ()
+    kv_cache: bool = False  # the checkpoint declares static KV-cache scales
+
+    def layer_config(self, fqn: str, class_name: str) -> Optional[Fp8Config]:
+        """The config layer ``fqn`` is quantized with, or None if it stays in high precision."""
+        if self.name != "compressed-tensors":
+            return None if self.config.is_ignored(fqn) else self.config
+        if matches(fqn, class_name, self.ignore):
+            return None
+        for targets, config in self.groups:
+            if matches(fqn, class_name, targets):
+                return config
+        return None
+
+    def describe(self) -> str:
+        if self.name == "none":
+            return f"bf16/fp16, quantized online ({self.config.scheme()})"
+        if self.name == "fp8":
+            return f"fp8 ({self.config.scheme()})"
+        schemes = sorted({str(c.scheme()) for _, c in self.groups})
+        return f"compressed-tensors ({', '.join(schemes)})"
+
+
+def matches(fqn: str, class_name: str, patterns: Sequence[str]) -> bool:
+    """compressed-tensors matching: an exact name, a ``re:`` pattern (``re.match``) or a class name."""
+    for p in patterns:
+        if p == fqn or p == class_name or p.startswith("re:") and re.match(p[3:], fqn):
+            return True
+    return False
+
+
+def parse(config_json: Mapping[str, Any], user: Optional[Fp8Config] = None) -> QuantFormat:
+    """The format of a checkpoint from its ``config.json``; ``user`` overrides the layer config."""
+    qc = config_json.get("quantization_config")
+    if qc is not None and not isinstance(qc, dict):
+        raise CheckpointError(f"config.json: quantization_config={qc!r} is not an object")
+    kv = _kv_cache(qc or {})
+    if user is not None:
+        return QuantFormat("fp8" if user.is_checkpoint_fp8_serialized else "none", user, kv_cache=kv)
+    if qc is None:
+        return QuantFormat("none", Fp8Config())
+    method = qc.get("quant_method")
+    try:
+        if method == "fp8":
+            return QuantFormat("fp8", Fp8Config.from_config(qc), kv_cache=kv)
+        if method == "compressed-tensors":
+            return _compressed_tensors(qc, kv)
+    except ValueError as e:
+        raise CheckpointError(f"config.json quantization_config (quant_method={method!r}): {e}") from None
+    raise CheckpointError(
+        f"config.json: quantization_config.quant_method={method!r} is not a format fp8fx loads; use a checkpoint "
+        f"in one of {FORMATS} (float8), a bf16/fp16 one without quantization_config, or pass config=Fp8Config(...)"
+    )
+
+
+def _kv_cache(qc: Mapping[str, Any]) -> bool:
+    scheme = qc.get("kv_cache_scheme")
+    return isinstance(scheme, dict) and not scheme.get("dynamic", False)
+
+
+def _compressed_tensors(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
+    groups = []
+    for name, group in (qc.get("config_groups") or {}).items():
+        where = f"config_groups.{name}"
+        targets = group.get("targets") or []
+        if isinstance(targets, str) or not targets:
+            raise ValueError(f"{where}.targets={targets!r} must be a non-empty list, e.g. ['Linear']")
+        groups.append((tuple(targets), _ct_config(where, group)))
+    if not groups:
+        raise ValueError("no config_groups: nothing says how the layers are quantized")
+    fmt = qc.get("format", "float-quantized")
+    if fmt not in ("float-quantized", "naive-quantized"):
+        raise ValueError(f"format={fmt!r} is not an fp8 storage format; fp8fx loads 'float-quantized' checkpoints")
+    ignore = qc.get("ignore") or []
+    return QuantFormat("compressed-tensors", groups[0][1], tuple(groups), tuple(ignore), kv)
+
+
+def _ct_args(where: str, args: Optional[Mapping[str, Any]]) -> Mapping[str, Any]:
+    if args is None:
+        raise ValueError(
+            f"{where} is null (weight-only fp8); fp8fx runs W8A8 GEMMs: quantize activations too "
+            "(e.g. input_activations strategy 'token', dynamic true)"
+        )
+    if args.get("type") != "float" or args.get("num_bits") != 8 or args.get("symmetric", True) is not True:
+        raise ValueError(
+            f"{where}: type={args.get('type')!r} num_bits={args.get('num_bits')!r} "
+            f"symmetric={args.get('symmetric', True)!r} is not symmetric float8; fp8fx loads FP8 (float, 8 bits)"
+        )
+    return args
+
+
+def _ct_config(where: str, group: Mapping[str, Any]) -> Fp8Config:
+    w = _ct_args(f"{where}.weights", group.get("weights"))
+    a = _ct_args(f"{where}.input_activations", group.get("input_activations"))
+    if w.get("dynamic", False):
+        raise ValueError(f"{where}.weights.dynamic=true: weights need stored scales (dynamic false)")
+    strategy = w.get("strategy")
+    if strategy == "tensor":
+        weight = PerTensor()
+    elif strategy == "channel":
+        weight = PerRow()
+    elif strategy == "block":
+        block = w.get("block_structure")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2):
+            raise ValueError(f"{where}.weights.block_structure={block!r} must be [block_n, block_k]")
+        weight = PerBlock(*block)
+    else:
+        raise ValueError(f"{where}.weights.strategy={strategy!r} is not one of 'tensor', 'channel', 'block'")
+    static = not a.get("dynamic", True)
+    act_strategy = a.get("strategy")
+    if static:
+        if act_strategy != "tensor":
+            raise ValueError(
+                f"{where}.input_activations: static (dynamic false) scales must have strategy 'tensor', got "
+                f"{act_strategy!r}"
+            )
+        act = None
+    elif act_strategy == "token":
+        act = PerRow()
+    elif act_strategy == "tensor":
+        act = PerTensor()
+    elif act_strategy == "group":
+        act = PerGroup(a.get("group_size"))
+    else:
+        raise ValueError(
+            f"{where}.input_activations.strategy={act_strategy!r} is not one of 'token', 'tensor', 'group'"
+        )
+    return Fp8Config(
+        is_checkpoint_fp8_serialized=True,
+        activation_scheme="static" if static else "dynamic",
+        weight_granularity=weight,
+        activation_granularity=act,
+    )
+
+
+# --- writing ---------------------------------------------------------------------------------
+def _fp8_dict(scheme: LayerScheme, ignored: Sequence[str]) -> Optional[dict[str, Any]]:
+    """The ``fp8`` quantization_config for ``scheme``, or None if the ``fp8`` format cannot express it
+    (it is read back with ``Fp8Config.from_config``: exactly that scheme or nothing)."""
+    qc: dict[str, Any] = {
+        "quant_method": "fp8",
+        "activation_scheme": "static" if scheme.static_activation else "dynamic",
+        "ignored_layers": list(ignored),
+        "modules_to_not_convert": list(ignored),
+    }
+    if isinstance(scheme.weight, PerBlock):
+        qc["weight_block_size"] = [scheme.weight.block_n, scheme.weight.block_k]
+    try:
+        return qc if Fp8Config.from_config(qc).scheme() == scheme else None
+    except ValueError:
+        return None
+
+
+def _ct_group(scheme: LayerScheme, targets: Sequence[str]) -> dict[str, Any]:
+    w = scheme.weight
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "group_size": None}
+    if isinstance(w, PerBlock):
+        weights.update(strategy="block", block_structure=[w.block_n, w.block_k])
+    else:
+        weights.update(strategy="channel" if isinstance(w, PerRow) else "tensor", block_structure=None)
+    a = scheme.activation
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not scheme.static_activation}
+    if scheme.static_activation or isinstance(a, PerTensor):
+        acts.update(strategy="tensor", group_size=None)
+    elif isinstance(a, PerGroup):
+        acts.update(strategy="group", group_size=a.group_size)
+    else:
+        acts.update(strategy="token", group_size=None)
+    return {"targets": list(targets), "weights": weights, "input_activations": acts, "output_activations": None}
+
+
+KV_CACHE_SCHEME = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+
+
+def quantization_config(
+    schemes: Mapping[str, LayerScheme], ignored: Sequence[str], kv_cache: bool, fmt: Optional[str] = None
+) -> dict[str, Any]:
+    """The ``quantization_config`` for layers quantized with ``schemes`` (``{fqn: scheme}``), linear
+    layers ``ignored`` in high precision, and KV-cache scales if ``kv_cache``. ``fmt``: ``"fp8"``,
+    ``"compressed-tensors"`` or None (``fp8`` when it can express every layer, else compressed-tensors)."""
+    if fmt not in (None,) + FORMATS:
+        raise ValueError(f"format={fmt!r} is not one of {FORMATS}")
+    distinct = sorted(set(schemes.values()), key=str)
+    fp8 = _fp8_dict(distinct[0], ignored) if len(distinct) == 1 else None
+    if fmt == "fp8" and fp8 is None:
+        first = {s: f for f, s in schemes.items()}
+        raise ValueError(
+            f"format='fp8' stores one scheme for all layers, per-tensor or block weights with per-token or static "
+            f"activations; this model has {[f'{first[s]}: {s}' for s in distinct]}; use format='compressed-tensors'"
+        )
+    if fmt != "compressed-tensors" and fp8 is not None:
+        if kv_cache:
+            fp8["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
+        return fp8
+    if len(distinct) == 1:
+        groups = {"group_0": _ct_group(distinct[0], ["Linear"])}
+    else:
+        groups = {
+            f"group_{i}": _ct_group(s, sorted(f for f, fs in schemes.items() if fs == s)) for i, s in enumerate(distinct)
+        }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": list(ignored),
+        "kv_cache_scheme": dict(KV_CACHE_SCHEME) if kv_cache else None,
+    }

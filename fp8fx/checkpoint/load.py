@@ -1,0 +1,551 @@
+"""``load_checkpoint``: a safetensors checkpoint -> the weights of a model (often built on the meta
+device), quantized by fp8fx, all or nothing.
+
+1. Plan, from the headers alone: every checkpoint tensor gets its place (a parameter, a shard of a
+   fused linear, a KV-cache scale); dtypes and shapes are checked against the format; a missing or an
+   extra tensor is an error before any data is read.
+2. Stream, file by file and tensor by tensor, into fresh tensors: quantized linears go through
+   ``Fp8LinearMethod`` on a stand-in module; a bf16 weight is quantized as soon as all of it arrived.
+3. Finish: shard scales requantized, KV-cache scales checked and defaulted, buffers no checkpoint
+   holds (rotary ``inv_freq``) computed.
+4. Commit: the new tensors are swapped into the model. Any error in 1-3 leaves the model as it was.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import os
+from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
+
+import torch
+from torch import nn
+
+from fp8fx import quant
+from fp8fx.checkpoint import formats
+from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
+from fp8fx.config import Fp8Config, PerBlock, PerRow
+from fp8fx.weights import chunked
+from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, is_attention
+from fp8fx.weights.kv_cache import kv_scale_target
+from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, is_quantized, skip_reason
+
+log = logging.getLogger("fp8fx")
+
+# Model module -> the checkpoint modules it fuses, in shard order (vLLM's packed_modules_mapping).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@dataclasses.dataclass
+class LoadReport:
+    """What ``load_checkpoint`` did; ``str(report)`` is a table."""
+
+    path: str
+    format: str
+    quantized: dict[str, str] = dataclasses.field(default_factory=dict)  # linear fqn -> scheme
+    not_quantized: dict[str, str] = dataclasses.field(default_factory=dict)  # linear fqn -> reason
+    fused: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # fqn -> checkpoint modules
+    kv_scales: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # attention fqn -> scales
+    kv_defaults: list[str] = dataclasses.field(default_factory=list)  # "<attention fqn>.k_scale" set to 1.0
+    unexpected: list[str] = dataclasses.field(default_factory=list)  # checkpoint tensors the model has no use for
+    tensors: int = 0
+    bytes_read: int = 0
+
+    def __str__(self) -> str:
+        rows = [("quantized", f, s) for f, s in self.quantized.items()]
+        rows += [("not quantized", f, r) for f, r in self.not_quantized.items()]
+        rows += [("fused", f, "<- " + ", ".join(s)) for f, s in self.fused.items()]
+        for fqn, scales in self.kv_scales.items():
+            text = " ".join(
+                f"{n}={v:.6g}" + (" (default)" if f"{fqn}.{n}" in self.kv_defaults else "") for n, v in scales.items()
+            )
+            rows.append(("kv-cache scales", fqn, text))
+        rows += [("unexpected", n, "not loaded") for n in self.unexpected]
+        width = max([len(r[1]) for r in rows] + [4])
+        lines = [f"{r[0]:<15} {r[1]:<{width}}  {r[2]}" for r in rows]
+        lines.append(
+            f"{self.path} ({self.format}): {len(self.quantized)} linear layers quantized, {len(self.not_quantized)} "
+            f"not, {len(self.fused)} fused; kv-cache scales on {len(self.kv_scales)} modules "
+            f"({len(self.kv_defaults)} defaulted); {self.tensors} tensors, {self.bytes_read / 2**20:.1f} MiB read"
+        )
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+@dataclasses.dataclass
+class _Linear:
+    """A linear layer loaded through fp8fx: quantized, or fused from several checkpoint modules."""
+
+    fqn: str
+    module: nn.Linear
+    shards: tuple[str, ...]  # the checkpoint modules it is loaded from, in shard order
+    config: Optional[Fp8Config]  # None: not quantized (a fused high-precision layer)
+    entries: dict[tuple[str, int], Entry] = dataclasses.field(default_factory=dict)  # (leaf, shard) -> entry
+    sizes: list[int] = dataclasses.field(default_factory=list)  # rows of each shard
+    stage: Optional[nn.Module] = None  # stand-in that Fp8LinearMethod loads into
+    method: Optional[Fp8LinearMethod] = None
+    plain: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # weight / bias being assembled
+
+    @property
+    def serialized(self) -> bool:
+        return self.config is not None and self.config.is_checkpoint_fp8_serialized
+
+    def shard_id(self, i: int) -> Optional[int]:
+        return None if len(self.shards) == 1 else i
+
+
+def load_checkpoint(
+    model: nn.Module,
+    path: Union[str, os.PathLike],
+    config: Optional[Fp8Config] = None,
+    *,
+    device: Union[str, torch.device] = "cpu",
+    fused: Optional[Mapping[str, Sequence[str]]] = None,
+    progress: bool = True,
+) -> LoadReport:
+    """Load the safetensors checkpoint in directory ``path`` into ``model`` and quantize its linear layers.
+
+    ``config``: None reads ``config.json``'s ``quantization_config`` (``fp8`` per-tensor or blocks,
+    ``compressed-tensors``); without one the checkpoint is bf16/fp16 and quantized online with
+    ``Fp8Config()``. A given ``config`` overrides both. ``model`` may live on the meta device; tensors
+    are created on ``device``, in the dtype of the model's parameters (fp8 weights stay fp8; the
+    dequantized ``.weight`` views have the model's dtype). ``fused``: model module name -> checkpoint
+    module names it fuses (default ``FUSED``: qkv_proj, gate_up_proj). ``progress``: a tqdm bar over
+    the files. Returns a ``LoadReport``. Raises ``CheckpointError`` (a ``ValueError``) naming the
+    tensor for a bad checkpoint; the model is then unchanged.
+    """
+    path = os.fspath(path)
+    config_json = read_config(path)
+    files, entries = read_checkpoint(path)
+    fmt = formats.parse(config_json, config)
+    loader = _Loader(model, fmt, torch.device(device), dict(FUSED if fused is None else fused))
+    loader.plan(entries)
+    report = LoadReport(path, fmt.describe())
+    loader.stream(files, report, progress)
+    loader.finish(report)
+    loader.commit(report)
+    model._fp8fx_source = {"format": fmt.name, "config": config_json}
+    log.info("fp8fx: loaded %s", report.__str__().splitlines()[-1])
+    return report
+
+
+class _Loader:
+    def __init__(self, model: nn.Module, fmt: formats.QuantFormat, device: torch.device, fused: dict):
+        self.model, self.fmt, self.device, self.fused = model, fmt, device, fused
+        self.modules = dict(model.named_modules())
+        done = [f for f, m in self.modules.items() if is_quantized(m)]
+        if done:
+            raise CheckpointError(
+                f"{done[0]} (and {len(done) - 1} more) is already fp8-quantized; load into a freshly built model"
+            )
+        # state_dict key -> tensor, and tied tensors grouped: id -> every key naming it
+        self.state = model.state_dict(keep_vars=True)
+        self.aliases: dict[int, list[str]] = {}
+        for key, t in self.state.items():
+            self.aliases.setdefault(id(t), []).append(key)
+        self.linears: dict[str, _Linear] = {}
+        self.shard_of: dict[str, tuple[_Linear, int]] = {}  # checkpoint module -> (layer, shard)
+        self.not_quantized: dict[str, str] = {}
+        self.items: list[tuple[Entry, Callable[[torch.Tensor], None]]] = []
+        self.planned: set[str] = set()  # state keys (first alias) to load
+        self.staged: dict[str, torch.Tensor] = {}  # state key (first alias) -> new tensor
+        self.kv: dict[str, dict[str, float]] = {}
+        self.kv_entries: dict[tuple[str, str], Entry] = {}
+        self.buffers: dict[tuple[str, str], torch.Tensor] = {}
+        self.unexpected: list[str] = []
+
+    # --- 1. plan -----------------------------------------------------------------------------
+    def plan(self, entries: dict[str, Entry]) -> None:
+        self._find_linears(entries)
+        used: set[str] = set()
+        for name, entry in entries.items():
+            if self._route(name, entry):
+                used.add(name)
+        self._check_missing_state(used)
+        for lin in self.linears.values():
+            self._plan_linear(lin)
+        self._check_meta_buffers()
+        bad = [n for n in self.unexpected if _looks_like_scale(n)]
+        if bad:
+            raise CheckpointError(
+                f"{entries[bad[0]]} (and {len(bad) - 1} more) is a scale that no layer takes: "
+                f"{self._why_unexpected(bad[0])}"
+            )
+        if self.unexpected:
+            log.warning(
+                "fp8fx: %d checkpoint tensors have no place in the model and are not loaded: %s%s",
+                len(self.unexpected), self.unexpected[:5], " ..." if len(self.unexpected) > 5 else "",
+            )
+
+    def _find_linears(self, entries: Mapping[str, Entry]) -> None:
+        """The linear layers loaded through fp8fx: quantized ones and ones fused from several
+        checkpoint modules; every other parameter is loaded as it is."""
+        prefixes = {name.rpartition(".")[0] for name in entries}
+        for fqn, module in self.modules.items():
+            if not isinstance(module, nn.Linear):
+                continue
+            parent, _, leaf = fqn.rpartition(".")
+            parts = [f"{parent}.{p}" if parent else p for p in self.fused.get(leaf, ())]
+            shards = (fqn,)
+            if any(p in prefixes for p in parts):
+                if fqn in prefixes:
+                    raise CheckpointError(
+                        f"{fqn}: the checkpoint holds it both fused ({fqn}.*) and as {parts}; keep one"
+                    )
+                shards = tuple(parts)
+            config, reason = self._layer_config(fqn, module, shards)
+            if config is None:
+                self.not_quantized[fqn] = reason
+                if len(shards) == 1:
+                    continue
+            lin = _Linear(fqn, module, shards, config)
+            self.linears[fqn] = lin
+            for i, shard in enumerate(shards):
+                self.shard_of[shard] = (lin, i)
+
+    def _layer_config(self, fqn: str, module: nn.Linear, shards: Sequence[str]):
+        """(config, "") for a layer to quantize, else (None, why not). The shards of a fused layer
+        must agree (vLLM's rule); ignoring the fused name ignores them all."""
+        cls = type(module).__name__
+        configs = {self.fmt.layer_config(s, cls) for s in shards}
+        if len(shards) > 1 and self._ignored(fqn, ()):
+            configs = {None}
+        if len(configs) > 1:
+            raise CheckpointError(
+                f"{fqn}: its checkpoint shards {list(shards)} are quantized differently "
+                f"({sorted(str(c.scheme()) if c else 'not quantized' for c in configs)}); a fused layer has one "
+                "scheme: fix the ignore list / targets of quantization_config"
+            )
+        config = configs.pop()
+        if config is None:
+            return None, "in ignored_layers" if self._ignored(fqn, shards) else "not targeted by quantization_config"
+        tied = [k for k in self.aliases[id(module._parameters["weight"])] if k != f"{fqn}.weight"]
+        if tied:
+            return None, f"weight tied to {tied[0]}"
+        if not config.is_checkpoint_fp8_serialized:
+            reason = skip_reason(module, fqn, config)
+            if reason is not None:
+                return None, reason
+        return config, ""
+
+    def _ignored(self, fqn: str, shards: Sequence[str]) -> bool:
+        if self.fmt.name == "compressed-tensors":
+            return any(formats.matches(n, "", self.fmt.ignore) for n in (fqn, *shards))
+        return any(self.fmt.config.is_ignored(n) for n in (fqn, *shards))
+
+    def _route(self, name: str, entry: Entry) -> bool:
+        """Give checkpoint tensor ``name`` its place; False if the model has none."""
+        kv = kv_scale_target(name)
+        if kv is not None:
+            owner = attention_owner(kv[0], self.modules)
+            if owner is not None:
+                key = (owner, kv[1])
+                if key in self.kv_entries:
+                    raise CheckpointError(
+                        f"{name}: the {kv[1]} of {owner} is also given as {self.kv_entries[key].name}; keep one"
+                    )
+                self.kv_entries[key] = entry
+                self.items.append((entry, lambda t, key=key: self._load_kv(key, entry, t)))
+                return True
+        owner, _, leaf = name.rpartition(".")
+        if owner in self.shard_of:
+            lin, i = self.shard_of[owner]
+            lin.entries[(leaf, i)] = entry
+            return True
+        if name in self.state:
+            self._plan_state(name, entry)
+            return True
+        self.unexpected.append(name)
+        return False
+
+    def _why_unexpected(self, name: str) -> str:
+        owner = name.rpartition(".")[0]
+        if owner in self.not_quantized:
+            return f"{owner} is not quantized ({self.not_quantized[owner]}); fix the config's ignore list or the checkpoint"
+        return f"the model has no module {owner!r}; the checkpoint does not belong to this model"
+
+    def _plan_state(self, key: str, entry: Entry) -> None:
+        target = self.state[key]
+        first = self.aliases[id(target)][0]
+        if first in self.planned:  # a tied tensor given twice: the first one loads
+            return
+        owner = key.rpartition(".")[0]
+        if entry.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            why = self.not_quantized.get(owner, "not a linear layer")
+            raise CheckpointError(
+                f"{entry}: a float8 tensor for {key}, which is not quantized ({why}); the checkpoint's "
+                f"format is {self.fmt.describe()}: fix quantization_config (ignore list) or pass config=..."
+            )
+        if tuple(entry.shape) != tuple(target.shape):
+            raise CheckpointError(f"{entry}: the model's {key} has shape {list(target.shape)}; wrong model or checkpoint")
+        if entry.dtype.is_floating_point != target.dtype.is_floating_point:
+            raise CheckpointError(f"{entry}: the model's {key} is {target.dtype}; wrong model or checkpoint")
+        self.planned.add(first)
+        self.items.append((entry, lambda t: self._load_state(first, target, t)))
+
+    def _check_missing_state(self, used: set[str]) -> None:
+        handled = {f"{fqn}.{leaf}" for fqn in self.linears for leaf in ("weight", "bias")}
+        missing = []
+        for keys in self.aliases.values():
+            if not any(k in used or k in handled for k in keys):
+                missing.append(keys[0])
+        if missing:
+            hint = ""
+            if any(self.state[k].dim() == 3 for k in missing):
+                hint = " (3-D expert parameters: fp8fx.load_checkpoint does not load MoE experts yet)"
+            raise CheckpointError(
+                f"{missing[0]} (and {len(missing) - 1} more: {missing[1:4]}) is missing from the checkpoint{hint}; "
+                "wrong checkpoint for this model, or a shard is missing"
+            )
+
+    def _plan_linear(self, lin: _Linear) -> None:
+        """Check a fp8fx linear's tensors (dtypes, shapes, scales) and plan their loading."""
+        k, n = lin.module.in_features, lin.module.out_features
+        todo = dict(lin.entries)
+
+        def need(leaf: str, i: int, why: str = "") -> Entry:
+            if (leaf, i) not in todo:
+                raise CheckpointError(f"{lin.shards[i]}.{leaf} is missing from the checkpoint{why}")
+            return todo.pop((leaf, i))
+
+        for i, shard in enumerate(lin.shards):
+            w = need("weight", i)
+            self._check_weight_dtype(lin, w)
+            if len(w.shape) != 2 or w.shape[1] != k:
+                raise CheckpointError(f"{w}: {lin.fqn} takes [rows, {k}] weights (in_features={k})")
+            lin.sizes.append(w.shape[0])
+            self.items.append((w, lambda t, lin=lin, i=i, e=w: self._load_weight(lin, i, e, t)))
+        if sum(lin.sizes) != n:
+            raise CheckpointError(
+                f"{lin.fqn}: out_features={n} but its checkpoint weights {list(lin.shards)} have {lin.sizes} rows"
+            )
+        if lin.serialized:
+            self._plan_scales(lin, need, todo)
+        for i in range(len(lin.shards)):
+            if lin.module.bias is not None:
+                b = need("bias", i)
+                if tuple(b.shape) != (lin.sizes[i],) or not b.dtype in _HIGH_PRECISION:
+                    raise CheckpointError(f"{b}: expected a bf16/fp16/fp32 bias of shape [{lin.sizes[i]}]")
+                self.items.append((b, lambda t, lin=lin, i=i: self._load_rows(lin, "bias", i, t)))
+        if todo:
+            extra = todo[next(iter(todo))]
+            raise CheckpointError(
+                f"{extra} (and {len(todo) - 1} more) has no place in {lin.fqn} "
+                f"({'quantized: ' + str(lin.config.scheme()) if lin.config else 'not quantized'}"
+                f"{', no bias' if lin.module.bias is None else ''}); a format mismatch: the checkpoint is "
+                f"read as {self.fmt.describe()}"
+            )
+        if lin.config is not None:
+            lin.method = Fp8LinearMethod(lin.config)
+            lin.stage = nn.Linear(k, n, bias=False, device="meta")
+            try:
+                lin.method.create_weights(lin.stage, k, lin.sizes, lin.module.weight.dtype, device=self.device)
+            except ValueError as e:  # e.g. fused block layer whose shards do not start on block rows
+                raise CheckpointError(f"{lin.fqn} (fused from {list(lin.shards)}): {e}") from None
+
+    def _check_weight_dtype(self, lin: _Linear, w: Entry) -> None:
+        fp8 = w.dtype == quant.FP8_DTYPE
+        if lin.serialized and not fp8:
+            raise CheckpointError(
+                f"{w}: {lin.fqn} is declared float8_e4m3fn ({self.fmt.describe()}); fix quantization_config "
+                "(e.g. add the layer to its ignore list) or re-export the checkpoint"
+            )
+        if not lin.serialized and w.dtype not in _HIGH_PRECISION:
+            hint = (
+                "; config.json has no quantization_config, so the checkpoint is read as bf16: restore it or pass "
+                "config=Fp8Config(is_checkpoint_fp8_serialized=True, ...)"
+                if fp8 and self.fmt.name == "none"
+                else f"; {lin.fqn} is {'not quantized' if lin.config is None else 'quantized online'} here"
+            )
+            raise CheckpointError(f"{w}: expected a bf16/fp16/fp32 weight{hint}")
+
+    def _plan_scales(self, lin: _Linear, need, todo) -> None:
+        scheme = lin.config.scheme()
+        w, k = scheme.weight, lin.module.in_features
+        for i, rows in enumerate(lin.sizes):
+            if isinstance(w, PerBlock):
+                names = [leaf for leaf in ("weight_scale_inv", "weight_scale") if (leaf, i) in todo]
+                if len(names) > 1:
+                    raise CheckpointError(f"{lin.shards[i]}: both weight_scale_inv and weight_scale; keep one")
+                s = need(names[0] if names else "weight_scale_inv", i, f" (blocks {w.block_n}x{w.block_k})")
+                expect = quant.scale_shape((rows, k), w.block)
+                ok = tuple(s.shape) == expect
+                target, shape_text = "weight_scale_inv", f"shape {list(expect)} = ceil([{rows}, {k}] / {list(w.block)})"
+            elif isinstance(w, PerRow):
+                s = need("weight_scale", i, " (per-channel)")
+                ok = s.shape in ((rows, 1), (rows,))
+                target, shape_text = "weight_scale", f"shape [{rows}, 1] (one per output channel)"
+            else:
+                s = need("weight_scale", i, " (per-tensor)")
+                ok = s.shape in ((), (1,), (1, 1))
+                target, shape_text = "weight_scale", "one value, shape [] or [1]"
+            if not ok:
+                raise CheckpointError(
+                    f"{s}: a {w} weight [{rows}, {k}] needs {shape_text}; the checkpoint does not match its "
+                    f"quantization_config ({self.fmt.describe()})"
+                )
+            self._check_scale_dtype(s)
+            self.items.append((s, lambda t, lin=lin, i=i, s=s, target=target: self._load_scale(lin, target, i, s, t)))
+            if scheme.static_activation:
+                a = need("input_scale", i, " (activation_scheme static)")
+                if a.shape not in ((), (1,), (1, 1)):
+                    raise CheckpointError(f"{a}: an input_scale is one value, shape [] or [1]")
+                self._check_scale_dtype(a)
+                self.items.append((a, lambda t, lin=lin, i=i, a=a: self._load_scale(lin, "input_scale", i, a, t)))
+            elif ("input_scale", i) in todo:
+                raise CheckpointError(
+                    f"{todo[('input_scale', i)]}: the checkpoint has static input scales but its quantization_config "
+                    "says dynamic activations; set activation_scheme 'static' (input_activations dynamic false) or "
+                    "drop the input_scale tensors"
+                )
+
+    @staticmethod
+    def _check_scale_dtype(s: Entry) -> None:
+        if s.dtype not in _SCALE_DTYPES:
+            raise CheckpointError(f"{s}: scales are float32 (or bf16/fp16); re-export the checkpoint")
+
+    def _check_meta_buffers(self) -> None:
+        """Buffers that no checkpoint holds (non-persistent, e.g. rotary ``inv_freq``) and that are still
+        on the meta device are computed by the model's own initializer (HF ``_init_weights``)."""
+        for fqn, module in self.modules.items():
+            for name, buf in module._buffers.items():
+                if buf is None or not buf.is_meta or name not in module._non_persistent_buffers_set:
+                    continue
+                if not hasattr(self.model, "_init_weights"):
+                    raise CheckpointError(
+                        f"{fqn}.{name}: a non-persistent buffer on the meta device that no checkpoint holds; build "
+                        "the model with its buffers on a real device (only parameters on meta)"
+                    )
+                self.buffers[(fqn, name)] = buf
+
+    # --- 2. stream ---------------------------------------------------------------------------
+    def stream(self, files: Sequence[str], report: LoadReport, progress: bool) -> None:
+        by_file: dict[str, list] = {f: [] for f in files}
+        for entry, load in self.items:
+            by_file[entry.file].append((entry, load))
+        for file in _progress(files, progress, "fp8fx: loading"):
+            for entry, load in sorted(by_file[file], key=lambda item: item[0].start):
+                tensor = read_tensor(entry)
+                load(tensor.to(self.device))
+                del tensor
+                report.tensors += 1
+                report.bytes_read += entry.nbytes
+
+    def _load_state(self, key: str, target: torch.Tensor, t: torch.Tensor) -> None:
+        self.staged[key] = t.to(target.dtype)
+
+    def _load_weight(self, lin: _Linear, i: int, entry: Entry, t: torch.Tensor) -> None:
+        if lin.config is None:
+            self._load_rows(lin, "weight", i, t)
+            return
+        bad = chunked.count_nonfinite(t)
+        if bad:
+            raise CheckpointError(
+                f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {lin.fqn!r} to the ignore list"
+            )
+        lin.method.weight_loader(lin.stage, "weight", t, lin.shard_id(i))
+
+    def _load_scale(self, lin: _Linear, name: str, i: int, entry: Entry, t: torch.Tensor) -> None:
+        t = t.float()
+        bad = ~(torch.isfinite(t) & (t > 0))
+        if bad.any():
+            where = tuple(bad.nonzero()[0].tolist())
+            raise CheckpointError(
+                f"{entry}: {bad.sum().item()} scales are not positive finite floats ({t[where].item()} at "
+                f"{list(where)}); a scale of 0, <0, NaN or Inf cannot dequantize: re-export the checkpoint"
+            )
+        lin.method.weight_loader(lin.stage, name, t, lin.shard_id(i))
+
+    def _load_rows(self, lin: _Linear, name: str, i: int, t: torch.Tensor) -> None:
+        """Rows of shard ``i`` of a high-precision fused weight or bias, assembled in a fresh tensor."""
+        param = lin.module._parameters[name]
+        if name not in lin.plain:
+            lin.plain[name] = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+        lin.plain[name].narrow(0, sum(lin.sizes[:i]), lin.sizes[i]).copy_(t)
+
+    def _load_kv(self, key: tuple[str, str], entry: Entry, t: torch.Tensor) -> None:
+        try:
+            self.kv.setdefault(key[0], {})[key[1]] = check_kv_scale(entry.name, t)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from None
+
+    # --- 3. finish ---------------------------------------------------------------------------
+    def finish(self, report: LoadReport) -> None:
+        for lin in self.linears.values():
+            if lin.config is not None:
+                lin.method.process_weights_after_loading(lin.stage)
+        if self.kv or self.fmt.kv_cache:
+            defaults = []
+            for fqn, module in self.modules.items():
+                if fqn in self.kv or is_attention(module):
+                    scales = self.kv.setdefault(fqn, {})
+                    for name in DEFAULTED:
+                        if name not in scales:
+                            scales[name] = 1.0
+                            defaults.append(f"{fqn}.{name}")
+            if defaults:
+                log.warning(
+                    "fp8fx: using KV-cache scale 1.0 for %d scales the checkpoint does not hold (%s%s); if this is "
+                    "unintended, check the checkpoint's k_scale / v_scale tensors",
+                    len(defaults), defaults[:3], " ..." if len(defaults) > 3 else "",
+                )
+            report.kv_defaults = defaults
+        for (fqn, name), buf in self.buffers.items():
+            module = copy.deepcopy(self.modules[fqn])
+            module.to_empty(device=self.device, recurse=False)
+            self.model._init_weights(module)
+            self.buffers[(fqn, name)] = module._buffers[name]
+
+    # --- 4. commit ---------------------------------------------------------------------------
+    def commit(self, report: LoadReport) -> None:
+        """Swap every new tensor in (nothing here can fail)."""
+        for first, tensor in self.staged.items():
+            old = self.state[first]
+            new = nn.Parameter(tensor, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else tensor
+            for key in self.aliases[id(old)]:
+                owner, _, leaf = key.rpartition(".")
+                module = self.modules[owner]
+                (module._parameters if leaf in module._parameters else module._buffers)[leaf] = new
+        for lin in self.linears.values():
+            module = lin.module
+            for name, t in lin.plain.items():
+                module._parameters[name] = nn.Parameter(t, requires_grad=False)
+            if len(lin.shards) > 1:
+                report.fused[lin.fqn] = tuple(s.rpartition(".")[2] for s in lin.shards)
+            if lin.config is None:
+                continue
+            module._parameters.update({n: p for n, p in lin.stage._parameters.items() if p is not None})
+            for attr, value in vars(lin.stage).items():
+                if attr.startswith("_fp8fx_"):
+                    setattr(module, attr, value)
+            module.__class__ = fp8_class(type(module))
+            module._parameters["weight"]._fp8fx_fqn = lin.fqn
+            report.quantized[lin.fqn] = str(lin.config.scheme())
+        for fqn, reason in self.not_quantized.items():
+            weight = self.modules[fqn]._parameters.get("weight")
+            if weight is not None:  # read back by the compile report
+                weight._fp8fx_skip_reason, weight._fp8fx_fqn = reason, fqn
+            report.not_quantized[fqn] = reason
+        for (fqn, name), buf in self.buffers.items():
+            self.modules[fqn]._buffers[name] = buf
+        for fqn, scales in self.kv.items():
+            attach_kv_scales(self.modules[fqn], scales, self.device)
+        report.kv_scales = {f: dict(s) for f, s in self.kv.items()}
+        report.unexpected = list(self.unexpected)
+
+
+def _looks_like_scale(name: str) -> bool:
+    leaf = name.rpartition(".")[2]
+    return leaf.endswith(("_scale", "_scale_inv", "zero_point")) or leaf in ("scale", "scale_inv")
+
+
+def _progress(items: Sequence[Any], enabled: bool, desc: str) -> Iterable[Any]:
+    """A tqdm bar over ``items`` when tqdm is installed (shown on terminals only)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return items
+    return tqdm(items, desc=desc, unit="file", disable=None if enabled else True)

@@ -1,0 +1,239 @@
+"""``save_checkpoint`` (a quantized model -> safetensors + config.json) and ``convert`` (a bf16
+checkpoint -> an FP8 one, file by file, without building the model's weights)."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from typing import Any, Mapping, Optional, Union
+
+import torch
+from torch import nn
+
+from fp8fx.checkpoint import formats
+from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config, read_tensor
+from fp8fx.checkpoint.files import write_file
+from fp8fx.checkpoint.load import FUSED, LoadReport, _progress
+from fp8fx.config import Fp8Config, PerBlock, PerTensor
+from fp8fx.weights import chunked
+from fp8fx.weights.kv_cache import KV_SCALE_NAMES
+from fp8fx.weights.linear import is_quantized, layer_scheme
+
+log = logging.getLogger("fp8fx")
+
+INDEX = "model" + INDEX_SUFFIX
+_PICKLES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+
+
+def save_checkpoint(
+    model: nn.Module,
+    path: Union[str, os.PathLike],
+    *,
+    format: Optional[str] = None,
+    max_shard_size: Optional[int] = None,
+    config_json: Optional[Mapping[str, Any]] = None,
+) -> dict[str, Any]:
+    """Write ``model`` (quantized by ``quantize_`` or ``load_checkpoint``) to directory ``path``:
+    ``model.safetensors`` (or shards of at most ``max_shard_size`` bytes plus ``model.safetensors.index.json``)
+    and ``config.json`` with its ``quantization_config``, which it returns.
+
+    ``format``: ``"fp8"`` (per-tensor ``weight_scale`` or ``weight_scale_inv`` blocks, one scheme for all
+    layers), ``"compressed-tensors"`` (any mix; block scales are named ``weight_scale``), or None: the
+    format the model was loaded from, else ``fp8`` when it can express the model. ``config_json``: the rest
+    of ``config.json`` (default: an HF model's ``model.config``, else the loaded checkpoint's).
+    """
+    path = os.fspath(path)
+    schemes = {f: layer_scheme(m) for f, m in model.named_modules() if is_quantized(m)}
+    if not schemes:
+        raise ValueError("save_checkpoint: the model has no fp8fx-quantized layer; quantize_ it or load_checkpoint first")
+    unprocessed = [f for f, m in model.named_modules() if is_quantized(m) and not m._fp8fx_processed]
+    if unprocessed:
+        raise ValueError(f"{unprocessed[0]}: weights not processed yet; run process_weights_after_loading first")
+    ignored = [f for f, m in model.named_modules() if isinstance(m, nn.Linear) and f not in schemes]
+    kv = any(any(n in m._buffers for n in KV_SCALE_NAMES) for m in model.modules())
+    source = getattr(model, "_fp8fx_source", {})
+    fmt = format or (source.get("format") if source.get("format") in formats.FORMATS else None)
+    qc = formats.quantization_config(schemes, ignored, kv, fmt)
+
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple] = set()
+    for name, t in model.state_dict().items():
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
+        if key in seen and t.numel():  # tied weights are stored once, under their first name
+            continue
+        seen.add(key)
+        owner, _, leaf = name.rpartition(".")
+        if leaf == "weight_scale_inv" and qc["quant_method"] == "compressed-tensors":
+            name = f"{owner}.weight_scale"
+        tensors[name] = t.detach().contiguous().cpu()
+    if config_json is None:
+        hf = getattr(model, "config", None)
+        config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})
+    shards = [tensors] if max_shard_size is None else _split(tensors, max_shard_size)
+    os.makedirs(path, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for i, shard in enumerate(shards):
+        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        total += _write_shard(path, file, shard, weight_map)
+    _write_index(path, weight_map, total)
+    _write_config(path, config_json, qc)
+    log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
+    return qc
+
+
+def _split(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def _write_shard(path: str, file: str, tensors: Mapping[str, torch.Tensor], weight_map: dict) -> int:
+    """Write one safetensors file; record its tensors in ``weight_map``; return its data bytes."""
+    write_file(os.path.join(path, file), tensors, metadata={"format": "pt"})
+    weight_map.update({name: file for name in tensors})
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _write_index(path: str, weight_map: Mapping[str, str], total: int) -> None:
+    if len(set(weight_map.values())) > 1:
+        with open(os.path.join(path, INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": dict(weight_map)}, f, indent=2)
+
+
+def _write_config(path: str, config_json: Mapping[str, Any], qc: dict) -> None:
+    config = dict(config_json)
+    config["quantization_config"] = qc
+    with open(os.path.join(path, CONFIG), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True, default=str)
+
+
+def meta_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None) -> nn.Module:
+    """The HF transformers causal-LM that ``path/config.json`` describes, built on the meta device
+    (no memory), in ``dtype`` (default: the config's dtype, else bf16). Needs transformers."""
+    import transformers
+
+    cfg = transformers.AutoConfig.from_pretrained(os.fspath(path))
+    dtype = dtype or getattr(cfg, "dtype", None) or torch.bfloat16
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+
+
+def convert(
+    src: Union[str, os.PathLike],
+    dst: Union[str, os.PathLike],
+    config: Optional[Fp8Config] = None,
+    *,
+    model: Optional[nn.Module] = None,
+    format: Optional[str] = None,
+    fused: Optional[Mapping[str, Any]] = None,
+    progress: bool = True,
+) -> LoadReport:
+    """Turn the bf16/fp16 safetensors checkpoint in ``src`` into an FP8 one in ``dst``, one file at a time.
+
+    ``config``: the online scheme (default ``Fp8Config()``: per-channel weights, per-token activations;
+    dynamic activations only). ``model``: which tensors are linear weights (default: ``meta_model(src)``,
+    which needs transformers). Each linear weight is quantized on its own, with its own scale, under its
+    checkpoint name (``load_checkpoint`` fuses shards). Layers the config ignores, tied weights and
+    weights a block does not divide stay bf16 and go to the new config's ignore list. Output files
+    mirror the input's; other files of ``src`` (tokenizer, ...) are copied, pickles are not.
+    Peak memory: one output file plus one bf16 tensor. Returns a ``LoadReport`` (checkpoint module names).
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    config = config or Fp8Config()
+    if config.is_checkpoint_fp8_serialized or config.activation_scheme != "dynamic":
+        raise ValueError(
+            "convert quantizes bf16 weights with dynamic activations: use Fp8Config(is_checkpoint_fp8_serialized="
+            "False, activation_scheme='dynamic'); static activation scales need fp8fx.calibrate on a built model"
+        )
+    if os.path.abspath(src) == os.path.abspath(dst):
+        raise ValueError(f"convert: dst {dst} is src; write the fp8 checkpoint to a new directory")
+    if os.path.isdir(dst) and any(f.endswith(".safetensors") for f in os.listdir(dst)):
+        raise ValueError(f"convert: {dst} already holds safetensors files; pass an empty or new directory")
+    config_json = read_config(src)
+    if config_json.get("quantization_config") is not None:
+        raise CheckpointError(
+            f"{src}/config.json already has a quantization_config; convert takes a bf16/fp16 checkpoint"
+        )
+    files, entries = read_checkpoint(src)
+    model = model if model is not None else meta_model(src)
+    plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused))
+    schemes = {m: config.scheme() for m, reason in plan.items() if not reason}
+    if not schemes:
+        raise ValueError(f"convert: no linear weight of {src} can be quantized with {config.scheme()}: {plan}")
+    qc = formats.quantization_config(schemes, sorted(m for m, r in plan.items() if r), False, format)
+    block_inv = qc["quant_method"] == "fp8" and isinstance(config.weight, PerBlock)
+    scale_name = "weight_scale_inv" if block_inv else "weight_scale"
+    report = LoadReport(src, f"bf16 -> {qc['quant_method']} ({config.scheme()})")
+    report.quantized = {m: str(s) for m, s in schemes.items()}
+    report.not_quantized = {m: r for m, r in plan.items() if r}
+
+    os.makedirs(dst, exist_ok=True)
+    weight_map: dict[str, str] = {}
+    total = 0
+    for file in _progress(files, progress, "fp8fx: converting"):
+        out: dict[str, torch.Tensor] = {}
+        for entry in sorted((e for e in entries.values() if e.file == file), key=lambda e: e.start):
+            t = read_tensor(entry)
+            report.tensors += 1
+            report.bytes_read += entry.nbytes
+            owner, _, leaf = entry.name.rpartition(".")
+            if leaf != "weight" or owner not in schemes:
+                out[entry.name] = t
+                continue
+            bad = chunked.count_nonfinite(t)
+            if bad:
+                raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix it or add {owner!r} to ignored_layers")
+            q, scale = chunked.quantize(t, config.weight.block)
+            del t
+            out[entry.name] = q
+            out[f"{owner}.{scale_name}"] = scale.reshape(1) if isinstance(config.weight, PerTensor) else scale
+        total += _write_shard(dst, os.path.basename(file), out, weight_map)
+        del out
+    _write_index(dst, weight_map, total)
+    _write_config(dst, config_json, qc)
+    for f in os.listdir(src):
+        full = os.path.join(src, f)
+        if os.path.isfile(full) and not (f.endswith((".safetensors", INDEX_SUFFIX, *_PICKLES)) or f == CONFIG):
+            shutil.copy2(full, os.path.join(dst, f))
+    log.info("fp8fx: converted %s -> %s: %d linear weights quantized", src, dst, len(schemes))
+    return report
+
+
+def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused) -> dict[str, str]:
+    """Checkpoint module of every linear weight -> "" to quantize it, else why it stays bf16."""
+    linears = {f: m for f, m in model.named_modules() if isinstance(m, nn.Linear)}
+    uses: dict[int, int] = {}
+    for _, p in model.named_parameters(remove_duplicate=False):
+        uses[id(p)] = uses.get(id(p), 0) + 1
+    plan = {}
+    for name, entry in entries.items():
+        owner, _, leaf = name.rpartition(".")
+        parent, _, child = owner.rpartition(".")
+        fused_into = [f"{parent}.{f}" if parent else f for f, parts in fused.items() if child in parts]
+        fqn = owner if owner in linears else next((f for f in fused_into if f in linears), None)
+        if leaf != "weight" or fqn is None:
+            continue
+        w = config.weight
+        if config.is_ignored(owner) or config.is_ignored(fqn):
+            reason = "in ignored_layers"
+        elif uses[id(linears[fqn]._parameters["weight"])] > 1:
+            reason = "weight tied to another parameter"
+        elif len(entry.shape) != 2 or entry.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            reason = f"{entry} is not a 2-D bf16/fp16/fp32 weight"
+        elif isinstance(w, PerBlock) and (entry.shape[0] % w.block_n or entry.shape[1] % w.block_k):
+            reason = f"weight {list(entry.shape)} is not divisible by the {w.block_n}x{w.block_k} block"
+        else:
+            reason = ""
+        plan[owner] = reason
+    return plan

@@ -1,0 +1,150 @@
+"""Reading and writing safetensors checkpoints: agreement with the safetensors package, and files
+that are truncated, corrupt, missing or pickled."""
+import json
+import os
+import pickle
+
+import pytest
+import torch
+
+from fp8fx.checkpoint import CheckpointError
+from fp8fx.checkpoint.files import read_checkpoint, read_header, read_tensor, write_file
+
+safetensors = pytest.importorskip("safetensors")
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w8": (torch.randn(5, 7, generator=g) * 50).to(torch.float8_e4m3fn),
+        "w5": torch.randn(3, 2, generator=g).to(torch.float8_e5m2),
+        "bf": torch.randn(4, 3, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(6, generator=g).half(),
+        "f32": torch.randn(2, 2, 2, generator=g),
+        "scalar": torch.tensor(0.125),
+        "ids": torch.arange(9, dtype=torch.int64),
+        "mask": torch.tensor([True, False, True]),
+        "empty": torch.empty(0, 4),
+    }
+
+
+def _same(a, b):
+    if a.element_size() == 1 and a.dtype != torch.bool:
+        a, b = a.view(torch.uint8), b.view(torch.uint8)
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+
+
+def test_reads_what_safetensors_writes(tmp_path):
+    file = str(tmp_path / "x.safetensors")
+    tensors = _tensors()
+    save_file(tensors, file)
+    entries = read_header(file)
+    assert set(entries) == set(tensors)
+    for name, t in tensors.items():
+        assert _same(read_tensor(entries[name]), t), name
+
+
+def test_safetensors_reads_what_fp8fx_writes(tmp_path):
+    file = str(tmp_path / "x.safetensors")
+    tensors = _tensors()
+    write_file(file, tensors, metadata={"format": "pt"})
+    with safe_open(file, "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+        assert set(f.keys()) == set(tensors)
+        for name, t in tensors.items():
+            assert _same(f.get_tensor(name), t), name
+
+
+@pytest.mark.parametrize("keep", [0, 5, 40, -1])
+def test_truncated_file_names_file_and_tensor(tmp_path, keep):
+    file = tmp_path / "model.safetensors"
+    save_file({"a.weight": torch.randn(4, 4), "b.weight": torch.randn(64, 64)}, str(file))
+    data = file.read_bytes()
+    file.write_bytes(data[:keep] if keep >= 0 else data[:-1])
+    match = {0: "truncated safetensors file", 5: "truncated safetensors file", 40: "header length .* runs past the end"}
+    with pytest.raises(CheckpointError, match=match.get(keep, r"b\.weight in .*model\.safetensors: its data ends at byte")):
+        read_checkpoint(str(tmp_path))
+
+
+def test_corrupt_header(tmp_path):
+    file = tmp_path / "model.safetensors"
+    save_file({"a.weight": torch.randn(4, 4)}, str(file))
+    data = bytearray(file.read_bytes())
+    data[9] = ord("!")  # inside the JSON
+    file.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="corrupt safetensors header"):
+        read_checkpoint(str(tmp_path))
+
+
+def test_offsets_that_do_not_match_the_shape(tmp_path):
+    header = json.dumps({"a.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 60]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(64))
+    with pytest.raises(CheckpointError, match=r"a\.weight in .*data_offsets \[0, 60\] do not hold a F32 tensor of shape \[4, 4\]"):
+        read_checkpoint(str(tmp_path))
+
+
+def test_unknown_dtype(tmp_path):
+    header = json.dumps({"a.weight": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
+    (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(1))
+    with pytest.raises(CheckpointError, match=r"a\.weight in .*corrupt header entry"):
+        read_checkpoint(str(tmp_path))
+
+
+def _sharded(tmp_path):
+    save_file({"a.weight": torch.randn(2, 2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"b.weight": torch.randn(3)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {
+        "metadata": {"total_size": 28},
+        "weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"},
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def test_sharded_checkpoint_through_its_index(tmp_path):
+    _sharded(tmp_path)
+    files, entries = read_checkpoint(str(tmp_path))
+    assert [os.path.basename(f) for f in files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert entries["b.weight"].shape == (3,) and entries["b.weight"].file == files[1]
+
+
+def test_index_naming_a_missing_shard(tmp_path):
+    _sharded(tmp_path)
+    os.remove(tmp_path / "model-00002-of-00002.safetensors")
+    with pytest.raises(
+        CheckpointError, match=r"names shard 'model-00002-of-00002.safetensors' \(holding b\.weight and others\), which is missing"
+    ):
+        read_checkpoint(str(tmp_path))
+
+
+def test_index_placing_a_tensor_in_the_wrong_shard(tmp_path):
+    _sharded(tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["c.weight"] = "model-00001-of-00002.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"places c\.weight in model-00001-of-00002\.safetensors, but that file does not hold it"):
+        read_checkpoint(str(tmp_path))
+
+
+class _Boom:
+    def __reduce__(self):
+        return (os.mkdir, ("PWNED_BY_PICKLE",))
+
+
+def test_pickles_are_never_read(tmp_path, monkeypatch):
+    """A directory with only a pytorch_model.bin whose unpickling would create a directory: an error
+    says fp8fx reads only safetensors, and nothing was unpickled."""
+    monkeypatch.chdir(tmp_path)
+    with open(tmp_path / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"w": _Boom()}, f)
+    with pytest.raises(CheckpointError, match=r"no \*\.safetensors files \(found \['pytorch_model\.bin'\]\); fp8fx reads only safetensors"):
+        read_checkpoint(str(tmp_path))
+    assert not (tmp_path / "PWNED_BY_PICKLE").exists()
+
+
+def test_same_tensor_in_two_files(tmp_path):
+    save_file({"a.weight": torch.randn(2)}, str(tmp_path / "one.safetensors"))
+    save_file({"a.weight": torch.randn(2)}, str(tmp_path / "two.safetensors"))
+    with pytest.raises(CheckpointError, match=r"a\.weight is in both .*one\.safetensors and .*two\.safetensors"):
+        read_checkpoint(str(tmp_path))

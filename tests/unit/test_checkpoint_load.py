@@ -1,0 +1,687 @@
+"""load_checkpoint on a tiny model with HF names: every format, fused layers, KV-cache scales, ignore lists,
+bad checkpoints (each an error naming the tensor, with the model unchanged).
+
+Checkpoints are written here with safetensors and this file's own float64 quantization; the loaded
+model's dequantized weights and outputs are compared with float64 dequantized references."""
+import json
+import logging
+import math
+
+import pytest
+import torch
+from torch import nn
+
+import fp8fx
+from fp8fx.checkpoint import CheckpointError, load_checkpoint
+from fp8fx.weights import is_quantized
+from tests.conftest import rel_err
+
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+H, KV, INTER, VOCAB = 64, 32, 96, 128
+FP8 = torch.float8_e4m3fn
+
+
+# --- a tiny model with HF names, optionally holding q/k/v and gate/up fused --------------------
+class TinyAttention(nn.Module):
+    def __init__(self, fused):
+        super().__init__()
+        self.fused = fused
+        if fused:
+            self.qkv_proj = nn.Linear(H, H + 2 * KV, bias=True)
+        else:
+            self.q_proj, self.k_proj, self.v_proj = nn.Linear(H, H), nn.Linear(H, KV), nn.Linear(H, KV)
+        self.o_proj = nn.Linear(H, H, bias=False)
+
+    def forward(self, x):
+        if self.fused:
+            q, k, v = self.qkv_proj(x).split([H, KV, KV], dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        return self.o_proj(q * torch.sigmoid(torch.cat([k, v], dim=-1)))
+
+
+class TinyMLP(nn.Module):
+    def __init__(self, fused):
+        super().__init__()
+        self.fused = fused
+        if fused:
+            self.gate_up_proj = nn.Linear(H, 2 * INTER, bias=False)
+        else:
+            self.gate_proj, self.up_proj = nn.Linear(H, INTER, bias=False), nn.Linear(H, INTER, bias=False)
+        self.down_proj = nn.Linear(INTER, H, bias=False)
+
+    def forward(self, x):
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1) if self.fused else (self.gate_proj(x), self.up_proj(x))
+        return self.down_proj(torch.nn.functional.silu(gate) * up)
+
+
+class TinyLayer(nn.Module):
+    def __init__(self, fused):
+        super().__init__()
+        self.self_attn, self.mlp, self.norm = TinyAttention(fused), TinyMLP(fused), nn.LayerNorm(H)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.norm(x))
+        return x + self.mlp(x)
+
+
+class TinyInner(nn.Module):
+    def __init__(self, fused, layers):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, H)
+        self.layers = nn.ModuleList(TinyLayer(fused) for _ in range(layers))
+        self.register_buffer("position_ids", torch.arange(8))  # a persistent buffer
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class Tiny(nn.Module):
+    def __init__(self, fused=False, layers=2):
+        super().__init__()
+        self.model, self.lm_head = TinyInner(fused, layers), nn.Linear(H, VOCAB, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.model(ids))
+
+
+PROJ = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")
+LINEARS = [f"model.layers.{i}.{p}" for i in range(2) for p in PROJ]
+
+
+def meta_tiny(fused=False, dtype=torch.bfloat16, layers=2):
+    with torch.device("meta"):
+        return Tiny(fused, layers).to(dtype)
+
+
+def bf16_state(seed=0):
+    """The unfused model's weights (bf16), with per-row magnitudes that differ a lot."""
+    torch.manual_seed(seed)
+    sd = Tiny().state_dict()
+    for name, t in sd.items():
+        if name.endswith("weight") and t.dim() == 2:
+            sd[name] = t * torch.logspace(-1, 1, t.shape[0]).unsqueeze(1)
+    return {k: (v.bfloat16() if v.is_floating_point() else v) for k, v in sd.items()}
+
+
+# --- this test's own fp8 quantization (float64) ------------------------------------------------
+def ref_quantize(w, granularity, block=(32, 32)):
+    """(q fp8, scale fp32) with scale = amax / 448 per tensor / row / block, computed in float64."""
+    w = w.double()
+    if granularity == "tensor":
+        scale = w.abs().max() / 448
+        expanded = scale
+    elif granularity == "channel":
+        scale = w.abs().amax(dim=1, keepdim=True) / 448
+        expanded = scale
+    else:
+        bn, bk = block
+        n, k = w.shape
+        scale = torch.empty(math.ceil(n / bn), math.ceil(k / bk), dtype=torch.float64)
+        for i in range(scale.shape[0]):
+            for j in range(scale.shape[1]):
+                scale[i, j] = w[i * bn : (i + 1) * bn, j * bk : (j + 1) * bk].abs().max() / 448
+        expanded = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    scale = scale.float()
+    q = (w / expanded.float().double()).clamp(-448, 448).to(FP8)
+    return q, scale
+
+
+def ref_dequantize(q, scale, block=(32, 32)):
+    if scale.numel() == 1 or scale.shape[-1] == 1:
+        return q.double() * scale.double().reshape(-1, 1) if scale.numel() > 1 else q.double() * scale.double()
+    n, k = q.shape
+    bn, bk = block
+    return q.double() * scale.double().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+
+
+def fp8_checkpoint(state, granularity, *, static=False, ignore=("lm_head",), ct=False, block=(32, 32)):
+    """(tensors, quantization_config) of an fp8 checkpoint of ``state``; also returns the dequantized
+    float64 weights of the quantized layers."""
+    tensors, deq = {}, {}
+    for name, t in state.items():
+        module = name.rpartition(".")[0]
+        ignored = any(module == i or module.startswith(i + ".") for i in ignore)
+        if name.endswith(".weight") and module in LINEARS + ["lm_head"] and not ignored:
+            q, s = ref_quantize(t, granularity, block)
+            scale_name = "weight_scale_inv" if granularity == "block" and not ct else "weight_scale"
+            tensors[name], tensors[f"{module}.{scale_name}"] = q, (s.reshape(()) if granularity == "tensor" else s)
+            deq[module] = ref_dequantize(q, s, block)
+            if static:
+                tensors[f"{module}.input_scale"] = torch.tensor([0.01 * (1 + len(deq) % 3)])
+        else:
+            tensors[name] = t
+    if ct:
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": granularity,
+                   "block_structure": list(block) if granularity == "block" else None}
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
+                "strategy": "tensor" if static else ("group" if granularity == "block" else "token"),
+                "group_size": block[1] if granularity == "block" else None}
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": list(ignore),
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+    else:
+        qc = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic", "ignored_layers": list(ignore)}
+        if granularity == "block":
+            qc["weight_block_size"] = list(block)
+    return tensors, qc, deq
+
+
+def write_checkpoint(path, tensors, qc=None, shards=1, extra_config=None):
+    """safetensors files (split round-robin into ``shards`` files with an index) + config.json."""
+    path.mkdir(parents=True, exist_ok=True)
+    names = list(tensors)
+    if shards == 1:
+        safetensors_torch.save_file({n: tensors[n].contiguous() for n in names}, str(path / "model.safetensors"))
+    else:
+        weight_map = {}
+        for i in range(shards):
+            file = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: tensors[n].contiguous() for n in names[i::shards]}
+            safetensors_torch.save_file(part, str(path / file))
+            weight_map.update({n: file for n in part})
+        (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    config = dict(extra_config or {})
+    if qc is not None:
+        config["quantization_config"] = qc
+    (path / "config.json").write_text(json.dumps(config))
+    return path
+
+
+def float_reference(state, deq, ids):
+    """The unfused model in float64 with the dequantized weights: what the fp8 model approximates."""
+    model = Tiny().double()
+    sd = {k: v.double() if v.is_floating_point() else v for k, v in state.items()}
+    sd.update({f"{m}.weight": w for m, w in deq.items()})
+    model.load_state_dict(sd)
+    with torch.no_grad():
+        return model(ids)
+
+
+def snapshot(model):
+    return {n: (id(p), p.device, p.dtype) for n, p in model.state_dict(keep_vars=True).items()}, [
+        type(m) for m in model.modules()
+    ]
+
+
+def assert_unchanged(model, snap):
+    """Same tensor objects (still on meta), same classes, no fp8fx attributes, no KV scales."""
+    assert snapshot(model) == snap
+    assert not any(is_quantized(m) for m in model.modules())
+    assert not any(hasattr(m, "_fp8fx_partitions") or "k_scale" in m._buffers for m in model.modules())
+    assert not hasattr(model, "_fp8fx_source")
+
+
+IDS = torch.randint(0, VOCAB, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+# --- formats -----------------------------------------------------------------------------------
+FORMATS = {
+    "fp8-per-tensor": dict(granularity="tensor"),
+    "fp8-per-tensor-static": dict(granularity="tensor", static=True),
+    "fp8-block": dict(granularity="block"),
+    "ct-tensor": dict(granularity="tensor", ct=True),
+    "ct-channel": dict(granularity="channel", ct=True),
+    "ct-channel-static": dict(granularity="channel", ct=True, static=True),
+    "ct-block": dict(granularity="block", ct=True),
+}
+SCHEMES = {
+    "fp8-per-tensor": "w:per-tensor a:per-token",
+    "fp8-per-tensor-static": "w:per-tensor a:static per-tensor",
+    "fp8-block": "w:per-block(32x32) a:per-group(1x32)",
+    "ct-tensor": "w:per-tensor a:per-token",
+    "ct-channel": "w:per-channel a:per-token",
+    "ct-channel-static": "w:per-channel a:static per-tensor",
+    "ct-block": "w:per-block(32x32) a:per-group(1x32)",
+}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_format_loads_exact_weights_and_close_outputs(tmp_path, name):
+    state = bf16_state()
+    tensors, qc, deq = fp8_checkpoint(state, **FORMATS[name])
+    path = write_checkpoint(tmp_path / "ckpt", tensors, qc, shards=2)
+    model = meta_tiny()
+    report = load_checkpoint(model, path, progress=False)
+    assert report.quantized == {fqn: SCHEMES[name] for fqn in LINEARS}
+    assert report.not_quantized == {"lm_head": "in ignored_layers"}
+    for fqn in LINEARS:
+        module = model.get_submodule(fqn)
+        assert module._parameters["weight"].dtype == FP8
+        # the dequantized view is the reference dequantization, rounded to the model's dtype
+        assert torch.equal(module.weight, deq[fqn].to(torch.bfloat16)), fqn
+    scale = "weight_scale_inv" if "block" in name else "weight_scale"
+    assert set(model.model.layers[0].mlp.down_proj.state_dict()) == {"weight", scale} | (
+        {"input_scale"} if "static" in name else set()
+    )
+    assert model.lm_head.weight.dtype == torch.bfloat16 and torch.equal(model.lm_head.weight, state["lm_head.weight"])
+    for fqn in LINEARS:
+        bias = model.get_submodule(fqn).bias
+        assert bias is None if f"{fqn}.bias" not in state else torch.equal(bias, state[f"{fqn}.bias"]), fqn
+    assert torch.equal(model.model.position_ids, torch.arange(8))
+    assert not any(t.is_meta for t in model.state_dict().values())
+    with torch.no_grad():
+        out = model(IDS)
+    assert rel_err(out, float_reference(state, deq, IDS)) < 0.05  # activation quantization error (~2%)
+
+
+def test_static_input_scales_are_the_checkpoints(tmp_path):
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor", static=True)
+    model = meta_tiny()
+    load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    for fqn in LINEARS:
+        assert torch.equal(model.get_submodule(fqn).input_scale, tensors[f"{fqn}.input_scale"].reshape(1))
+
+
+def test_compressed_tensors_ignore_regex_and_two_groups(tmp_path):
+    """Per-channel attention, block MLP, 're:' ignore of layer 1's MLP."""
+    state = bf16_state()
+    attn, mlp = [f for f in LINEARS if "self_attn" in f], [f for f in LINEARS if ".mlp." in f]
+    t_attn, _, deq_a = fp8_checkpoint(state, "channel", ct=True, ignore=["lm_head"] + mlp)
+    t_mlp, qc_mlp, deq_m = fp8_checkpoint(state, "block", ct=True, ignore=["lm_head"] + attn)
+    tensors = {**t_attn, **{k: v for k, v in t_mlp.items() if ".mlp." in k}}
+    for name in [n for n in tensors if n.startswith("model.layers.1.mlp.")]:
+        del tensors[name]
+    tensors.update({k: v for k, v in state.items() if k.startswith("model.layers.1.mlp.")})
+    _, qc_attn, _ = fp8_checkpoint(state, "channel", ct=True)
+    qc = qc_attn
+    qc["config_groups"] = {
+        "attn": dict(qc_attn["config_groups"]["group_0"], targets=["re:.*self_attn\\..*_proj$"]),
+        "mlp": dict(qc_mlp["config_groups"]["group_0"], targets=["Linear"]),
+    }
+    qc["ignore"] = ["lm_head", "re:model\\.layers\\.1\\.mlp\\."]
+    model = meta_tiny()
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert report.quantized == {
+        **{f: "w:per-channel a:per-token" for f in attn},
+        **{f: "w:per-block(32x32) a:per-group(1x32)" for f in mlp if "layers.0" in f},
+    }
+    assert report.not_quantized == {
+        "model.layers.1.mlp.gate_proj": "in ignored_layers",
+        "model.layers.1.mlp.up_proj": "in ignored_layers",
+        "model.layers.1.mlp.down_proj": "in ignored_layers",
+        "lm_head": "in ignored_layers",
+    }
+    assert torch.equal(model.model.layers[1].self_attn.q_proj.weight, deq_a["model.layers.1.self_attn.q_proj"].bfloat16())
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, deq_m["model.layers.0.mlp.up_proj"].bfloat16())
+    assert torch.equal(model.model.layers[1].mlp.up_proj.weight, state["model.layers.1.mlp.up_proj.weight"])
+
+
+def test_modules_to_not_convert_and_meta_model_in_float32(tmp_path):
+    """HF's modules_to_not_convert works as ignored_layers; a float32 model gets float32 views."""
+    state = bf16_state()
+    tensors, qc, deq = fp8_checkpoint(state, "tensor", ignore=("lm_head", "model.layers.1"))
+    qc["modules_to_not_convert"] = qc.pop("ignored_layers")
+    model = meta_tiny(dtype=torch.float32)
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert set(report.quantized) == {f for f in LINEARS if "layers.0" in f}
+    assert report.not_quantized["model.layers.1.mlp.up_proj"] == "in ignored_layers"
+    assert model.model.layers[0].mlp.up_proj.weight.dtype == torch.float32
+    assert torch.equal(model.model.layers[0].mlp.up_proj.weight, deq["model.layers.0.mlp.up_proj"].float())
+    assert model.model.layers[1].mlp.up_proj.weight.dtype == torch.float32
+
+
+def test_user_config_overrides_checkpoint_config(tmp_path):
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor", ignore=())
+    model = meta_tiny()
+    config = fp8fx.Fp8Config(is_checkpoint_fp8_serialized=True, ignored_layers=["lm_head"])
+    with pytest.raises(CheckpointError, match=r"^lm_head\.weight \(float8_e4m3fn \[128, 64\] in model\.safetensors\): a float8 tensor for lm_head\.weight, which is not quantized \(in ignored_layers\)"):
+        load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), config=config, progress=False)
+
+
+# --- bf16 checkpoints, quantized online --------------------------------------------------------
+@pytest.mark.parametrize(
+    "config",
+    [fp8fx.Fp8Config(ignored_layers=["lm_head"]), fp8fx.Fp8Config(weight_block_size=[32, 32]),
+     fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), ignored_layers=["lm_head"])],
+    ids=["per-channel", "block", "per-tensor"],
+)
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
+def test_bf16_checkpoint_equals_quantize_(tmp_path, config, fused):
+    """Loading a bf16 checkpoint with ``config`` gives bit for bit what quantize_ gives on the bf16 model
+    (fused: what quantize_ gives on a model built fused from the same weights)."""
+    state = bf16_state()
+    path = write_checkpoint(tmp_path / "c", state)
+    model = meta_tiny(fused)
+    report = load_checkpoint(model, path, config, progress=False)
+    ref = Tiny(fused).bfloat16()
+    ref.load_state_dict(fuse(state) if fused else state)
+    fp8fx.quantize_(ref, config)
+    got, want = model.state_dict(), ref.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        a, b = got[k], want[k]
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8) if a.dtype == FP8 else a,
+                                                  b.view(torch.uint8) if b.dtype == FP8 else b), k
+    assert report.format.startswith("bf16/fp16, quantized online")
+    with torch.no_grad():
+        assert torch.equal(model(IDS), ref(IDS))
+
+
+def fuse(state):
+    out = {}
+    for k, v in state.items():
+        for parts, fused in ((("q_proj", "k_proj", "v_proj"), "qkv_proj"), (("gate_proj", "up_proj"), "gate_up_proj")):
+            if any(f".{p}." in k for p in parts):
+                if f".{parts[0]}." in k:
+                    out[k.replace(parts[0], fused)] = torch.cat([state[k.replace(parts[0], p)] for p in parts])
+                break
+        else:
+            out[k] = v
+    return out
+
+
+def test_bf16_checkpoint_without_config_uses_default_and_block_skip(tmp_path):
+    """No quantization_config and no config: Fp8Config() (per-channel), every linear. With 64x64 blocks,
+    the layers whose shape a block does not divide stay bf16, as with quantize_."""
+    state = bf16_state()
+    path = write_checkpoint(tmp_path / "c", state)
+    model = meta_tiny()
+    report = load_checkpoint(model, path, progress=False)
+    assert set(report.quantized) == set(LINEARS) | {"lm_head"}
+    model = meta_tiny()
+    report = load_checkpoint(model, path, fp8fx.Fp8Config(weight_block_size=[64, 64]), progress=False)
+    assert report.not_quantized["model.layers.0.self_attn.k_proj"].startswith("weight [32, 64] is not divisible")
+    assert report.not_quantized["model.layers.0.mlp.down_proj"].startswith("weight [64, 96] is not divisible")
+    assert "model.layers.0.self_attn.q_proj" in report.quantized
+    assert torch.equal(model.model.layers[0].self_attn.k_proj.weight, state["model.layers.0.self_attn.k_proj.weight"])
+
+
+# --- fused layers from separate checkpoint tensors ---------------------------------------------
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_fused_per_channel_and_block_are_exact(tmp_path, granularity):
+    state = bf16_state()
+    tensors, qc, deq = fp8_checkpoint(state, granularity, ct=True)
+    model = meta_tiny(fused=True)
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert report.fused["model.layers.0.self_attn.qkv_proj"] == ("q_proj", "k_proj", "v_proj")
+    assert report.fused["model.layers.1.mlp.gate_up_proj"] == ("gate_proj", "up_proj")
+    for i in range(2):
+        p = f"model.layers.{i}"
+        attn, mlp = model.model.layers[i].self_attn, model.model.layers[i].mlp
+        want = torch.cat([deq[f"{p}.self_attn.{x}_proj"] for x in "qkv"])
+        assert torch.equal(attn.qkv_proj.weight, want.bfloat16())
+        want = torch.cat([deq[f"{p}.mlp.{x}_proj"] for x in ("gate", "up")])
+        assert torch.equal(mlp.gate_up_proj.weight, want.bfloat16())
+        bias = torch.cat([state[f"{p}.self_attn.{x}_proj.bias"] for x in "qkv"])
+        assert torch.equal(attn.qkv_proj.bias, bias) and not attn.qkv_proj.bias.requires_grad
+    with torch.no_grad():
+        assert rel_err(model(IDS), float_reference(state, deq, IDS)) < 0.05
+
+
+def test_fused_per_tensor_shards_requantized_to_max_scale(tmp_path):
+    """Per-tensor shards with their own scales and static input scales: one scale (the max), one input
+    scale (the max); the shard that had the max scale is unchanged bit for bit."""
+    state = bf16_state()
+    tensors, qc, deq = fp8_checkpoint(state, "tensor", static=True)
+    model = meta_tiny(fused=True)
+    load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    p = "model.layers.0.self_attn"
+    qkv = model.model.layers[0].self_attn.qkv_proj
+    scales = [tensors[f"{p}.{x}_proj.weight_scale"] for x in "qkv"]
+    assert qkv.weight_scale.shape == (1,) and qkv.weight_scale.item() == max(s.item() for s in scales)
+    assert qkv.input_scale.item() == max(tensors[f"{p}.{x}_proj.input_scale"].item() for x in "qkv")
+    biggest = max(range(3), key=lambda i: scales[i].item())
+    rows = [(0, H), (H, H + KV), (H + KV, H + 2 * KV)][biggest]
+    q = tensors[f"{p}.{'qkv'[biggest]}_proj.weight"]
+    assert torch.equal(qkv._parameters["weight"][rows[0] : rows[1]].view(torch.uint8), q.view(torch.uint8))
+    want = torch.cat([deq[f"{p}.{x}_proj"] for x in "qkv"])
+    assert rel_err(qkv.weight, want) < 0.05  # requantizing the smaller shards costs fp8 rounding once more
+
+
+def test_fused_block_shard_not_on_block_rows(tmp_path):
+    """A fused block-scaled layer whose first shard (k_proj: 32 rows here) is not a multiple of
+    block_n=64: its scale blocks would span two shards."""
+    state = bf16_state()
+    tensors, qc, _ = fp8_checkpoint(state, "block", block=(64, 32))
+    model = meta_tiny(fused=True)
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.qkv_proj \(fused from .*\): output partitions \[64, 32, 32\].*multiple of block_n=64"):
+        load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert_unchanged(model, snap)
+
+
+def test_checkpoint_holding_both_fused_and_separate_tensors(tmp_path):
+    state = bf16_state()
+    state["model.layers.0.mlp.gate_up_proj.weight"] = torch.zeros(2 * INTER, H, dtype=torch.bfloat16)
+    model = meta_tiny(fused=True)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_up_proj: the checkpoint holds it both fused"):
+        load_checkpoint(model, write_checkpoint(tmp_path / "c", state), progress=False)
+
+
+# --- KV-cache scales ---------------------------------------------------------------------------
+@pytest.mark.parametrize("naming", ["attn", "vllm", "output_scale"])
+def test_kv_scales_from_either_naming(tmp_path, naming):
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    names = {
+        "attn": ("self_attn.k_scale", "self_attn.v_scale"),
+        "vllm": ("self_attn.attn.k_scale", "self_attn.attn.v_scale"),
+        "output_scale": ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+    }[naming]
+    tensors["model.layers.0." + names[0]] = torch.tensor([0.5])
+    tensors["model.layers.0." + names[1]] = torch.tensor(0.25, dtype=torch.bfloat16)
+    tensors["model.layers.1." + names[0]] = torch.tensor(2.0)  # layer 1's v_scale is missing
+    model = meta_tiny()
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    attn0, attn1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
+    assert attn0.k_scale.item() == 0.5 and attn0.v_scale.item() == 0.25 and attn0.k_scale.shape == ()
+    assert attn1.k_scale.item() == 2.0 and attn1.v_scale.item() == 1.0
+    assert report.kv_scales == {
+        "model.layers.0.self_attn": {"k_scale": 0.5, "v_scale": 0.25},
+        "model.layers.1.self_attn": {"k_scale": 2.0, "v_scale": 1.0},
+    }
+    assert report.kv_defaults == ["model.layers.1.self_attn.v_scale"]
+    assert "model.layers.0.self_attn.k_scale" in model.state_dict()
+
+
+def test_kv_scheme_without_scales_defaults_with_a_warning(tmp_path, caplog):
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    model = meta_tiny()
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert len(report.kv_defaults) == 4
+    assert "using KV-cache scale 1.0 for 4 scales" in caplog.text
+    assert model.model.layers[1].self_attn.v_scale.item() == 1.0
+    assert "kv-cache scales" in str(report)
+
+
+def test_no_kv_scheme_no_kv_scales(tmp_path):
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    model = meta_tiny()
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert report.kv_scales == {} and "k_scale" not in model.model.layers[0].self_attn._buffers
+
+
+# --- bad checkpoints: an error naming the tensor, and the model unchanged -----------------------
+def _case(mutate, granularity="tensor", **kw):
+    def build():
+        tensors, qc, _ = fp8_checkpoint(bf16_state(), granularity, **kw)
+        mutate(tensors, qc)
+        return tensors, qc
+    return build
+
+
+DOWN = "model.layers.1.mlp.down_proj"
+BAD = {
+    "missing scale": (
+        _case(lambda t, qc: t.pop(f"{DOWN}.weight_scale")),
+        rf"^{DOWN}\.weight_scale is missing from the checkpoint \(per-tensor\)",
+    ),
+    "missing weight": (
+        _case(lambda t, qc: t.pop("model.layers.0.norm.weight")),
+        r"^model\.layers\.0\.norm\.weight \(and 0 more: \[\]\) is missing from the checkpoint",
+    ),
+    "extra scale on an ignored layer": (
+        _case(lambda t, qc: t.update({"lm_head.weight_scale": torch.tensor(1.0)})),
+        r"^lm_head\.weight_scale \(float32 \[\] in model\.safetensors\) \(and 0 more\) is a scale that no layer takes: "
+        r"lm_head is not quantized \(in ignored_layers\)",
+    ),
+    "extra zero point": (
+        _case(lambda t, qc: t.update({f"{DOWN}.weight_zero_point": torch.zeros(64, 1)}), "channel", ct=True),
+        rf"^{DOWN}\.weight_zero_point .* has no place in {DOWN} \(quantized: w:per-channel a:per-token",
+    ),
+    "input scale with dynamic activations": (
+        _case(lambda t, qc: t.update({f"{DOWN}.input_scale": torch.tensor(1.0)})),
+        rf"^{DOWN}\.input_scale .*: the checkpoint has static input scales but its quantization_config says dynamic",
+    ),
+    "scale of the wrong shape": (
+        _case(lambda t, qc: t.update({f"{DOWN}.weight_scale": torch.ones(64)})),
+        rf"^{DOWN}\.weight_scale \(float32 \[64\] in model\.safetensors\): a per-tensor weight \[64, 96\] needs one "
+        r"value, shape \[\] or \[1\]",
+    ),
+    "block scale of the wrong shape": (
+        _case(lambda t, qc: t.update({f"{DOWN}.weight_scale_inv": torch.ones(2, 2)}), "block"),
+        rf"^{DOWN}\.weight_scale_inv \(float32 \[2, 2\] .*\): a per-block\(32x32\) weight \[64, 96\] needs shape "
+        r"\[2, 3\] = ceil\(\[64, 96\] / \[32, 32\]\)",
+    ),
+    "scale of the wrong dtype": (
+        _case(lambda t, qc: t.update({f"{DOWN}.weight_scale": torch.tensor(1, dtype=torch.int32)})),
+        rf"^{DOWN}\.weight_scale \(int32 \[\] .*\): scales are float32",
+    ),
+    "fp8 scale": (
+        _case(lambda t, qc: t.update({f"{DOWN}.weight_scale": torch.tensor(1.0).to(FP8)})),
+        rf"^{DOWN}\.weight_scale \(float8_e4m3fn \[\] .*\): scales are float32",
+    ),
+    "bf16 weight in an fp8 checkpoint": (
+        _case(lambda t, qc: t.update({f"{DOWN}.weight": torch.zeros(64, 96, dtype=torch.bfloat16)})),
+        rf"^{DOWN}\.weight \(bfloat16 \[64, 96\] .*\): {DOWN} is declared float8_e4m3fn",
+    ),
+    "e5m2 weight": (
+        _case(lambda t, qc: t.update({f"{DOWN}.weight": t[f"{DOWN}.weight"].float().to(torch.float8_e5m2)})),
+        rf"^{DOWN}\.weight \(float8_e5m2 \[64, 96\] .*\): {DOWN} is declared float8_e4m3fn",
+    ),
+    "fp8 weight without quantization_config": (
+        _case(lambda t, qc: qc.clear()),
+        r"^model\.layers\.0\.self_attn\.q_proj\.weight \(float8_e4m3fn .*expected a bf16/fp16/fp32 weight; config\.json "
+        r"has no quantization_config",
+    ),
+    "unknown quant_method": (
+        _case(lambda t, qc: qc.update(quant_method="awq")),
+        r"^config\.json: quantization_config\.quant_method='awq' is not a format fp8fx loads",
+    ),
+    "NaN scale": (
+        _case(lambda t, qc: t.update({f"{DOWN}.weight_scale": torch.tensor(float("nan"))})),
+        rf"^{DOWN}\.weight_scale \(float32 \[\] in .*\): 1 scales are not positive finite floats \(nan at \[\]\)",
+    ),
+    "Inf scale": (
+        _case(lambda t, qc: t.update({f"{DOWN}.weight_scale": torch.tensor(float("inf"))})),
+        rf"^{DOWN}\.weight_scale .*\(inf at \[\]\)",
+    ),
+    "zero scale": (
+        _case(lambda t, qc: t[f"{DOWN}.weight_scale"].__setitem__((5, 0), 0.0), "channel", ct=True),
+        rf"^{DOWN}\.weight_scale \(float32 \[64, 1\] .*\): 1 scales are not positive finite floats \(0\.0 at \[5, 0\]\)",
+    ),
+    "negative scale": (
+        _case(lambda t, qc: t.update({f"{DOWN}.weight_scale_inv": -t[f"{DOWN}.weight_scale_inv"]}), "block"),
+        rf"^{DOWN}\.weight_scale_inv .*: 6 scales are not positive finite floats \(-",
+    ),
+    "NaN in an fp8 weight": (
+        _case(lambda t, qc: t[f"{DOWN}.weight"].view(torch.uint8).__setitem__((3, 3), 0x7F)),
+        rf"^{DOWN}\.weight \(float8_e4m3fn \[64, 96\] .*\) has 1 NaN/Inf values",
+    ),
+    "negative input scale": (
+        _case(lambda t, qc: t.update({f"{DOWN}.input_scale": torch.tensor([-1.0])}), static=True),
+        rf"^{DOWN}\.input_scale .*\(-1\.0 at \[0\]\)",
+    ),
+    "missing input scale": (
+        _case(lambda t, qc: t.pop(f"{DOWN}.input_scale"), static=True),
+        rf"^{DOWN}\.input_scale is missing from the checkpoint \(activation_scheme static\)",
+    ),
+    "bad KV scale": (
+        _case(lambda t, qc: t.update({"model.layers.1.self_attn.v_scale": torch.tensor(-2.0)})),
+        r"^model\.layers\.1\.self_attn\.v_scale=-2\.0: a KV-cache scale must be a positive finite float",
+    ),
+    "non-scalar KV scale": (
+        _case(lambda t, qc: t.update({"model.layers.1.self_attn.k_proj.output_scale": torch.ones(4)})),
+        r"^model\.layers\.1\.self_attn\.k_proj\.output_scale: a KV-cache scale is one value, got shape \[4\]",
+    ),
+    "weight of the wrong shape": (
+        _case(lambda t, qc: t.update({f"{DOWN}.weight": t[f"{DOWN}.weight"][:, :64].contiguous()})),
+        rf"^{DOWN}\.weight \(float8_e4m3fn \[64, 64\] .*\): {DOWN} takes \[rows, 96\] weights",
+    ),
+    "unsupported compressed-tensors weights": (
+        _case(lambda t, qc: qc["config_groups"]["group_0"]["weights"].update(type="int"), "channel", ct=True),
+        r"^config\.json quantization_config \(quant_method='compressed-tensors'\): config_groups\.group_0\.weights: "
+        r"type='int'",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_checkpoint_raises_and_changes_nothing(tmp_path, case):
+    build, match = BAD[case]
+    tensors, qc = build()
+    path = write_checkpoint(tmp_path / "c", tensors, qc or None)
+    model = meta_tiny()
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(model, path, progress=False)
+    assert_unchanged(model, snap)
+
+
+def test_truncated_shard_found_before_anything_loads(tmp_path):
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor")
+    path = write_checkpoint(tmp_path / "c", tensors, qc, shards=3)
+    file = path / "model-00003-of-00003.safetensors"
+    file.write_bytes(file.read_bytes()[:-100])
+    model = meta_tiny()
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match=r"in .*model-00003-of-00003\.safetensors: its data ends at byte \d+ but the file has"):
+        load_checkpoint(model, path, progress=False)
+    assert_unchanged(model, snap)
+
+
+def test_error_while_streaming_leaves_a_materialized_model_unchanged(tmp_path):
+    """A model with real weights: a NaN scale in the last file is found while streaming, after other
+    layers were read; the model's parameters are still the old ones, with the old values."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor")
+    tensors["lm_head.weight"] = tensors["lm_head.weight"].clone()
+    last = sorted(n for n in tensors if n.endswith("weight_scale"))[-1]
+    tensors[last] = torch.tensor(float("nan"))
+    path = write_checkpoint(tmp_path / "c", tensors, qc, shards=4)
+    model = Tiny().bfloat16()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match="not positive finite"):
+        load_checkpoint(model, path, progress=False)
+    assert_unchanged(model, snap)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_already_quantized_model_is_refused(tmp_path):
+    path = write_checkpoint(tmp_path / "c", bf16_state())
+    model = Tiny().bfloat16()
+    fp8fx.quantize_(model)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj \(and 14 more\) is already fp8-quantized"):
+        load_checkpoint(model, path, progress=False)
+
+
+def test_unexpected_plain_tensors_are_reported_not_loaded(tmp_path, caplog):
+    state = bf16_state()
+    state["model.layers.0.rotary_emb.inv_freq"] = torch.ones(4)
+    model = meta_tiny()
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        report = load_checkpoint(model, write_checkpoint(tmp_path / "c", state), progress=False)
+    assert report.unexpected == ["model.layers.0.rotary_emb.inv_freq"]
+    assert "1 checkpoint tensors have no place in the model" in caplog.text
+
+
+def test_tied_weights(tmp_path):
+    """lm_head tied to embed_tokens: the checkpoint holds one of them; lm_head is not quantized
+    (its weight is the embedding) and both names keep sharing one tensor."""
+    state = bf16_state()
+    del state["lm_head.weight"]
+    state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][:, :H].contiguous()
+    with torch.device("meta"):
+        model = Tiny().bfloat16()
+    model.lm_head.weight = model.model.embed_tokens.weight
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "c", state), progress=False)
+    assert report.not_quantized == {"lm_head": "weight tied to model.embed_tokens.weight"}
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])

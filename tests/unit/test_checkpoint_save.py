@@ -1,0 +1,228 @@
+"""save_checkpoint and convert: the formats and names written, and save -> load round trips that give
+identical tensors and outputs."""
+import json
+
+import pytest
+import torch
+
+import fp8fx
+from fp8fx.checkpoint import CheckpointError, convert, load_checkpoint, save_checkpoint
+from fp8fx.checkpoint.files import read_header
+from tests.unit.test_checkpoint_load import (
+    FP8,
+    IDS,
+    LINEARS,
+    Tiny,
+    bf16_state,
+    fp8_checkpoint,
+    fuse,
+    meta_tiny,
+    write_checkpoint,
+)
+
+safe_open = pytest.importorskip("safetensors").safe_open
+
+
+def assert_same_state(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        x, y = sa[k], sb[k]
+        assert x.dtype == y.dtype and x.shape == y.shape, k
+        if x.dtype == FP8:
+            x, y = x.view(torch.uint8), y.view(torch.uint8)
+        assert torch.equal(x, y), k
+
+
+def quantized_tiny(config, fused=False):
+    model = Tiny(fused).bfloat16()
+    state = bf16_state()
+    model.load_state_dict(fuse(state) if fused else state)
+    scales = None
+    if config.activation_scheme == "static":
+        scales = fp8fx.calibrate(model, [IDS], config)
+    fp8fx.quantize_(model, config, input_scales=scales)
+    return model
+
+
+def roundtrip(model, tmp_path, fused=False, **save_kw):
+    qc = save_checkpoint(model, tmp_path / "saved", **save_kw)
+    loaded = meta_tiny(fused)
+    report = load_checkpoint(loaded, tmp_path / "saved", progress=False)
+    assert_same_state(model, loaded)
+    with torch.no_grad():
+        assert torch.equal(model(IDS), loaded(IDS))
+    return qc, loaded, report
+
+
+CONFIGS = {
+    "per-channel": (fp8fx.Fp8Config(ignored_layers=["lm_head"]), "compressed-tensors"),
+    "per-tensor": (fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor()), "fp8"),
+    "per-tensor-act": (fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor()),
+                       "compressed-tensors"),
+    "block": (fp8fx.Fp8Config(weight_block_size=[32, 32], ignored_layers=["lm_head"]), "fp8"),
+    "static": (fp8fx.Fp8Config(activation_scheme="static", ignored_layers=["lm_head"]), "compressed-tensors"),
+    "static-per-tensor": (fp8fx.Fp8Config(activation_scheme="static", weight_granularity=fp8fx.PerTensor()), "fp8"),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_save_load_roundtrip_is_identical(tmp_path, name):
+    config, method = CONFIGS[name]
+    model = quantized_tiny(config)
+    qc, loaded, report = roundtrip(model, tmp_path)
+    assert qc["quant_method"] == method
+    assert report.quantized == {f: str(config.scheme()) for f in LINEARS + ([] if config.ignored_layers else ["lm_head"])}
+    written = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert written == qc
+
+
+def test_fp8_formats_use_the_names_other_engines_load(tmp_path):
+    """fp8 blocks: weight_scale_inv [N/bn, K/bk] float32; compressed-tensors blocks: weight_scale;
+    static per-tensor: weight_scale and input_scale of one value. The safetensors package reads them."""
+    model = quantized_tiny(fp8fx.Fp8Config(weight_block_size=[32, 32], ignored_layers=["lm_head"]))
+    save_checkpoint(model, tmp_path / "fp8")
+    save_checkpoint(model, tmp_path / "ct", format="compressed-tensors")
+    down = "model.layers.0.mlp.down_proj"
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor(f"{down}.weight").dtype == FP8
+        assert f.get_tensor(f"{down}.weight_scale_inv").shape == (2, 3)
+        assert f"{down}.weight_scale" not in f.keys() and "lm_head.weight" in f.keys()
+    with safe_open(str(tmp_path / "ct" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor(f"{down}.weight_scale").shape == (2, 3) and f"{down}.weight_scale_inv" not in f.keys()
+    qc = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    group = qc["config_groups"]["group_0"]
+    assert group["weights"]["strategy"] == "block" and group["weights"]["block_structure"] == [32, 32]
+    assert group["input_activations"] == {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+                                          "strategy": "group", "group_size": 32}
+    assert qc["ignore"] == ["lm_head"]
+    for d in ("fp8", "ct"):  # both load back to the same model
+        loaded = meta_tiny()
+        load_checkpoint(loaded, tmp_path / d, progress=False)
+        assert_same_state(model, loaded)
+
+    static = quantized_tiny(fp8fx.Fp8Config(activation_scheme="static", weight_granularity=fp8fx.PerTensor()))
+    save_checkpoint(static, tmp_path / "static")
+    header = read_header(str(tmp_path / "static" / "model.safetensors"))
+    assert header[f"{down}.weight_scale"].shape == (1,) and header[f"{down}.input_scale"].shape == (1,)
+    qc = json.loads((tmp_path / "static" / "config.json").read_text())["quantization_config"]
+    assert qc == {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": [], "modules_to_not_convert": []}
+
+
+def test_fp8_format_cannot_hold_per_channel(tmp_path):
+    model = quantized_tiny(fp8fx.Fp8Config())
+    with pytest.raises(ValueError, match=r"format='fp8' stores one scheme .* use format='compressed-tensors'"):
+        save_checkpoint(model, tmp_path / "x", format="fp8")
+    assert not (tmp_path / "x").exists()
+
+
+def test_loaded_format_and_kv_scales_survive_a_roundtrip(tmp_path):
+    """A compressed-tensors checkpoint with KV scales, loaded, saved (format kept), loaded again."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    model = meta_tiny()
+    load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc, extra_config={"model_type": "tiny"}),
+                    progress=False)
+    saved, loaded, report = roundtrip(model, tmp_path)
+    assert saved["quant_method"] == "compressed-tensors" and saved["kv_cache_scheme"]["strategy"] == "tensor"
+    assert report.kv_defaults == []  # every scale is in the saved file now
+    assert report.kv_scales["model.layers.0.self_attn"] == {"k_scale": 0.5, "v_scale": 1.0}
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "tiny"
+
+
+def test_fused_model_roundtrip_and_shards(tmp_path):
+    """A fused model saves its fused names; a sharded save has an index and loads back identically."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    model = meta_tiny(fused=True)
+    load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    _, _, report = roundtrip(model, tmp_path, fused=True, max_shard_size=20_000)
+    assert report.fused == {}  # the saved checkpoint holds qkv_proj / gate_up_proj as they are
+    index = json.loads((tmp_path / "saved" / "model.safetensors.index.json").read_text())
+    files = set(index["weight_map"].values())
+    assert len(files) > 3 and all((tmp_path / "saved" / f).exists() for f in files)
+    assert index["weight_map"]["model.layers.0.self_attn.qkv_proj.weight_scale"] in files
+
+
+def test_mixed_schemes_saved_as_compressed_tensors_groups(tmp_path):
+    model = Tiny().bfloat16()
+    model.load_state_dict(bf16_state())
+    fp8fx.quantize_(model.model.layers[0], fp8fx.Fp8Config(weight_block_size=[32, 32]))
+    fp8fx.quantize_(model.model.layers[1], fp8fx.Fp8Config())
+    for i in range(2):  # quantize_ on a submodule names layers relative to it
+        for name, m in model.model.layers[i].named_modules():
+            if fp8fx.weights.is_quantized(m):
+                m._parameters["weight"]._fp8fx_fqn = f"model.layers.{i}.{name}"
+    qc, _, report = roundtrip(model, tmp_path)
+    assert qc["quant_method"] == "compressed-tensors" and len(qc["config_groups"]) == 2
+    targets = sorted(t for g in qc["config_groups"].values() for t in g["targets"])
+    assert targets == sorted(LINEARS)
+    assert qc["ignore"] == ["lm_head"]
+
+
+def test_save_refuses_an_unquantized_model(tmp_path):
+    with pytest.raises(ValueError, match="has no fp8fx-quantized layer"):
+        save_checkpoint(Tiny(), tmp_path / "x")
+
+
+# --- convert -------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "config,method",
+    [(fp8fx.Fp8Config(ignored_layers=["lm_head"]), "compressed-tensors"),
+     (fp8fx.Fp8Config(weight_block_size=[64, 64]), "fp8")],
+    ids=["per-channel", "block"],
+)
+def test_convert_then_load_equals_quantize_(tmp_path, config, method):
+    """convert writes what load_checkpoint turns into exactly the model quantize_ makes; layers the
+    block does not divide stay bf16 and are listed in the ignore list."""
+    state = bf16_state()
+    src = write_checkpoint(tmp_path / "src", state, shards=2, extra_config={"model_type": "tiny"})
+    (src / "tokenizer.json").write_text("{}")
+    (src / "training_args.bin").write_bytes(b"not copied")
+    report = convert(src, tmp_path / "dst", config, model=meta_tiny(), progress=False)
+    dst = tmp_path / "dst"
+    assert sorted(p.name for p in dst.iterdir()) == [
+        "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+        "model.safetensors.index.json", "tokenizer.json",
+    ]
+    qc = json.loads((dst / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == method
+    if method == "fp8":
+        assert qc["weight_block_size"] == [64, 64]
+        assert sorted(qc["ignored_layers"]) == sorted(report.not_quantized)
+        assert "model.layers.0.self_attn.k_proj" in report.not_quantized  # [32, 64]
+    loaded = meta_tiny()
+    load_checkpoint(loaded, dst, progress=False)
+    ref = Tiny().bfloat16()
+    ref.load_state_dict(state)
+    fp8fx.quantize_(ref, config)
+    assert_same_state(ref, loaded)
+
+
+def test_convert_for_a_fused_model(tmp_path):
+    """Separate q/k/v and gate/up weights are quantized one by one (own per-channel scales); loading
+    them into the fused model gives what quantize_ gives on the fused model."""
+    state = bf16_state()
+    src = write_checkpoint(tmp_path / "src", state)
+    convert(src, tmp_path / "dst", model=meta_tiny(fused=True), progress=False)
+    assert "model.layers.0.self_attn.k_proj.weight_scale" in read_header(str(tmp_path / "dst" / "model.safetensors"))
+    loaded = meta_tiny(fused=True)
+    load_checkpoint(loaded, tmp_path / "dst", progress=False)
+    assert_same_state(quantized_tiny(fp8fx.Fp8Config(), fused=True), loaded)
+
+
+def test_convert_refuses(tmp_path):
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor")
+    fp8 = write_checkpoint(tmp_path / "fp8", tensors, qc)
+    with pytest.raises(CheckpointError, match="already has a quantization_config"):
+        convert(fp8, tmp_path / "out", model=meta_tiny(), progress=False)
+    src = write_checkpoint(tmp_path / "src", bf16_state())
+    with pytest.raises(ValueError, match="static activation scales need fp8fx.calibrate"):
+        convert(src, tmp_path / "out", fp8fx.Fp8Config(activation_scheme="static"), model=meta_tiny())
+    with pytest.raises(ValueError, match="already holds safetensors files"):
+        convert(src, fp8, model=meta_tiny())
+    state = bf16_state()
+    state["model.layers.1.mlp.up_proj.weight"][2, 2] = float("inf")
+    bad = write_checkpoint(tmp_path / "bad", state)
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.1\.mlp\.up_proj\.weight \(bfloat16 \[96, 64\] .*\) has 1 NaN/Inf"):
+        convert(bad, tmp_path / "out2", model=meta_tiny(), progress=False)
