@@ -238,9 +238,8 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
             rows.append({"graph": None, "kind": "linear", "fqn": fqn, "weight_shape": list(module.weight.shape),
                          "would_rewrite": False, "scheme": "", "reason": "not called by the traced forward",
                          "bytes_saved": 0})
-    others = [{"name": name, "shape": list(p.shape), "module": type(modules[name.rpartition(".")[0]]).__name__}
-              for name, p in model.named_parameters() if p.dim() >= 2 and name.rpartition(".")[0] not in seen
-              and not isinstance(modules[name.rpartition(".")[0]], nn.Linear)]
+    others = [{"name": name, "shape": list(shape), "module": cls}
+              for name, shape, cls in backend.report.unhandled_weights(model)]
     return rows, others, backend.report.graphs
 
 

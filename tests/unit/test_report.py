@@ -105,3 +105,31 @@ def test_bytes_saved_counts_a_layer_once_across_graphs():
         report.add(Site("linear", "a", True, "", "s", graph, bytes_saved=100))
     report.add(Site("linear", "b", True, "", "s", 1, bytes_saved=7))
     assert report.bytes_saved == 107
+
+
+class WithExperts(nn.Module):
+    """An embedding, a linear, and stacked expert weights no pass covers."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 64)
+        self.proj = nn.Linear(64, 64)
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.zeros(4, 32, 64))
+        self.norm = nn.LayerNorm(32)  # 1-D weights: not listed
+
+    def forward(self, ids):
+        h = self.proj(self.embed(ids))
+        return self.norm(torch.einsum("th,eih->tei", h, self.experts.gate_up_proj).sum(1))
+
+
+def test_unhandled_weights():
+    model = WithExperts()
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.arange(3))
+    assert [s.fqn for s in backend.report.sites] == ["proj"]
+    assert backend.report.unhandled_weights(model) == [
+        ("embed.weight", (10, 64), "Embedding"),
+        ("experts.gate_up_proj", (4, 32, 64), "Module"),
+    ]

@@ -1,0 +1,79 @@
+"""Reading what the compiler did: compile a small model with ``Fp8Backend(dump_dir=...)``, then walk the folder
+in name order, which is the order things happened.
+
+    python examples/inspect_dumps.py [--dump-dir fp8fx_dump] [--device cuda] [--size 4096]
+"""
+import argparse
+import json
+import os
+import re
+
+import torch
+from torch import nn
+
+import fp8fx
+
+WHAT = {  # file name (after graphNNN_) -> what it holds
+    "0_dynamo_graph.py": "the graph Dynamo captured: dequantize(w8, scale) -> linear, as the model wrote it",
+    "1_": "the graph after a pass (here LinearPass: quantize(x) -> scaled_mm)",
+    "2_inductor_output_code.py": "the code Inductor generated: its kernels and the wrapper that calls them",
+    "3_report.json": "this graph's sites as JSON (rewritten or why not, weight, kernel, bytes saved)",
+    "3_report.txt": "the same as a table",
+    "4_dynamo_bytecode": "how Python calls the compiled graph (__compiled_fn_*), decompiled by depyf",
+}
+
+
+class MLP(nn.Module):
+    def __init__(self, dim: int):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.gate_proj = nn.Linear(dim, 2 * dim, bias=False)
+        self.up_proj = nn.Linear(dim, 2 * dim, bias=False)
+        self.down_proj = nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        return x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+def describe(name: str) -> str:
+    short = re.sub(r"^graph\d+_", "", name)
+    return next((text for prefix, text in WHAT.items() if short.startswith(prefix)), "every graph so far")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dump-dir", default="fp8fx_dump")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--size", type=int, default=256, help="model width (multiple of 128)")
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    model = MLP(args.size).to(args.device, torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(dump_dir=args.dump_dir)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(8, args.size, device=args.device, dtype=torch.bfloat16))
+
+    names = sorted(os.listdir(args.dump_dir))
+    print(f"{args.dump_dir}/")
+    for name in names:
+        print(f"  {name:40s} {describe(name)}")
+
+    after = next(n for n in names if n.startswith("graph000_1_"))
+    print(f"\nthe fp8 ops in {after}:")
+    with open(os.path.join(args.dump_dir, after)) as f:
+        for line in f:
+            if "torch.ops.fp8fx." in line:
+                print("  " + line.strip().split(";")[0][:150])
+
+    with open(os.path.join(args.dump_dir, "graph000_3_report.json")) as f:
+        sites = json.load(f)["sites"]
+    print("\nthe kernel Inductor chose for each site (graph000_3_report.json):")
+    for site in sites:
+        print(f"  {site['fqn']:10s} {site['kernel']}")
+    print(f"\n{backend.report}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Every example runs in its CPU mode (tiny configs) and prints what it promises."""
+import contextlib
+import io
+import pathlib
+import re
+import runpy
+import sys
+from unittest import mock
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{example: (exit code, output)}: each example run as ``__main__`` with its CPU defaults, in this
+    process (a subprocess each would pay torch's import four times over)."""
+    dump_dir = tmp_path_factory.mktemp("dumps")
+    commands = {
+        "quickstart": [],
+        "llama_fp8": [],
+        "moe_report": [],
+        "inspect_dumps": ["--dump-dir", str(dump_dir)],
+    }
+    results = {"dump_dir": dump_dir}
+    for name, argv in commands.items():
+        torch._dynamo.reset()
+        out = io.StringIO()
+        path = str(ROOT / "examples" / f"{name}.py")
+        with mock.patch.object(sys, "argv", [path, *argv]), contextlib.redirect_stdout(out):
+            try:
+                runpy.run_path(path, run_name="__main__")
+                code = 0
+            except SystemExit as e:
+                code = e.code or 0
+        results[name] = (code, out.getvalue())
+    return results
+
+
+def test_every_example_is_tested(runs):
+    assert {p.stem for p in (ROOT / "examples").glob("*.py")} == set(runs) - {"dump_dir"}
+
+
+def error_of(out: str) -> float:
+    return float(re.search(r"relative error(?: of the logits vs the bf16 model:)? (\d+\.\d+)", out).group(1))
+
+
+def test_quickstart(runs):
+    code, out = runs["quickstart"]
+    assert code == 0, out
+    assert "6 of 7 sites rewritten in 1 graph(s)" in out
+    assert error_of(out) < 0.1
+
+
+def test_llama(runs):
+    code, out = runs["llama_fp8"]
+    assert code == 0, out
+    assert "14 of 15 sites rewritten in 1 graph(s)" in out
+    assert error_of(out) < 0.1
+
+
+def test_moe_lists_the_experts_as_not_rewritten(runs):
+    code, out = runs["moe_report"]
+    assert code == 0, out
+    assert "8 of 11 sites rewritten in 1 graph(s)" in out  # q/k/v/o of 2 layers; routers and lm_head not
+    for layer in (0, 1):
+        assert f"model.layers.{layer}.mlp.experts.gate_up_proj  8x256x256  (Qwen3MoeExperts)" in out
+        assert f"model.layers.{layer}.mlp.experts.down_proj  8x256x128  (Qwen3MoeExperts)" in out
+    assert error_of(out) < 0.1
+
+
+def test_inspect_dumps(runs):
+    code, out = runs["inspect_dumps"]
+    assert code == 0, out
+    files = sorted(p.name for p in runs["dump_dir"].iterdir())
+    assert files[0] == "graph000_0_dynamo_graph.py" and files[-1] == "report.txt" and len(files) == 8
+    for name in files:
+        assert f"  {name}" in out
+    assert out.count("extern fp8fx.scaled_mm") >= 3 and "3 of 3 sites rewritten" in out
