@@ -197,6 +197,10 @@ class _Loader:
                     )
                 shards = tuple(parts)
             config, reason = self._layer_config(fqn, module, shards)
+            if config is not None and config.is_checkpoint_fp8_serialized and self._output_embedding(fqn):
+                weight = entries.get(f"{fqn}.weight")
+                if weight is not None and weight.dtype != quant.FP8_DTYPE and f"{fqn}.weight_scale" not in entries:
+                    config, reason = None, "output embeddings stored in high precision"
             if config is None:
                 self.not_quantized[fqn] = reason
                 if len(shards) == 1:
@@ -205,6 +209,13 @@ class _Loader:
             self.linears[fqn] = lin
             for i, shard in enumerate(shards):
                 self.shard_of[shard] = (lin, i)
+
+    def _output_embedding(self, fqn: str) -> bool:
+        """lm_head, which fp8 checkpoints keep in high precision unless they say otherwise (vLLM and HF
+        transformers never quantize it for the fp8 format: DeepSeek-V3's config does not list it)."""
+        get = getattr(self.model, "get_output_embeddings", None)
+        out = get() if callable(get) else None
+        return fqn == "lm_head" if out is None else self.modules.get(fqn) is out
 
     def _layer_config(self, fqn: str, module: nn.Linear, shards: Sequence[str]):
         """(config, "") for a layer to quantize, else (None, why not). The shards of a fused layer

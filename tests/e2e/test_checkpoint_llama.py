@@ -1,0 +1,201 @@
+"""FP8 checkpoints of tiny HF models (Llama; DeepSeek-V3 with its 128x128 blocks) built in the test,
+loaded into models that transformers builds from the checkpoint's config.json on the meta device, and
+compared with float32 models holding the dequantized weights. Also: the loaded model under
+torch.compile, and the streaming memory bounds of loading a bf16 checkpoint and of convert."""
+import json
+
+import pytest
+import torch
+
+import fp8fx
+from fp8fx.checkpoint import convert, load_checkpoint, meta_model
+from fp8fx.weights import chunked
+from tests.conftest import rel_err
+from tests.unit.test_checkpoint_load import FP8, LINEARS, fp8_checkpoint, ref_dequantize, ref_quantize, write_checkpoint
+
+transformers = pytest.importorskip("transformers")
+from torch._C._profiler import _EventType  # noqa: E402
+
+
+def llama_config(hidden=256, inter=512, layers=2):
+    return transformers.LlamaConfig(
+        vocab_size=512, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+        num_attention_heads=hidden // 64, num_key_value_heads=2, max_position_embeddings=64,
+    )
+
+
+def deepseek_config():
+    """MLA attention with q_lora; kv_a_proj_with_mqa has 128 + 64 = 192 rows: a ragged 128-row block,
+    as in DeepSeek-V3 (576 rows). Dense MLPs only (MoE experts are not loaded yet)."""
+    return transformers.DeepseekV3Config(
+        vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
+        first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
+        num_experts_per_tok=2, n_group=1, topk_group=1, q_lora_rank=128, kv_lora_rank=128, qk_rope_head_dim=64,
+        qk_nope_head_dim=64, v_head_dim=64, max_position_embeddings=64,
+    )
+
+
+def reference_model(cfg, seed=0):
+    torch.manual_seed(seed)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+
+
+def float_logits(cfg, state, deq, ids):
+    """Logits of the model in float32 with the dequantized weights (float64 dequantization)."""
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    sd = {k: v.float() for k, v in state.items()}
+    sd.update({f"{m}.weight": w.float() for m, w in deq.items()})
+    model.load_state_dict(sd)
+    with torch.no_grad():
+        return model(ids).logits
+
+
+IDS = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize(
+    "fmt",
+    ["fp8-per-tensor-static", "compressed-tensors-channel", "fp8-block"],
+)
+def test_llama_checkpoint(tmp_path, fmt):
+    cfg = llama_config()
+    ref = reference_model(cfg)
+    state = ref.state_dict()
+    granularity = {"fp8-per-tensor-static": "tensor", "compressed-tensors-channel": "channel", "fp8-block": "block"}[fmt]
+    static = fmt.endswith("static")
+    tensors, qc, deq = fp8_checkpoint(state, granularity, static=static, ct=fmt.startswith("compressed"),
+                                      block=(128, 128))
+    if static:  # real input scales: amax / 448 of each layer's input
+        for fqn, scale in fp8fx.calibrate(ref, [IDS]).items():
+            if f"{fqn}.input_scale" in tensors:
+                tensors[f"{fqn}.input_scale"] = torch.tensor([scale])
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.0625)
+    tensors["model.layers.0.self_attn.v_scale"] = torch.tensor(0.125)
+    path = write_checkpoint(tmp_path / "ckpt", tensors, qc, shards=3, extra_config=cfg.to_dict())
+
+    model = meta_model(path)
+    report = load_checkpoint(model, path, progress=False)
+    assert set(report.quantized) == set(LINEARS)
+    assert report.not_quantized == {"lm_head": "in ignored_layers"}
+    assert report.kv_scales["model.layers.0.self_attn"] == {"k_scale": 0.0625, "v_scale": 0.125}
+    assert report.kv_defaults == ["model.layers.1.self_attn.k_scale", "model.layers.1.self_attn.v_scale"]
+    q_proj = model.model.layers[1].self_attn.q_proj
+    assert q_proj._parameters["weight"].dtype == FP8
+    assert torch.equal(q_proj.weight, deq["model.layers.1.self_attn.q_proj"].bfloat16())
+    assert not any(t.is_meta for t in list(model.parameters()) + list(model.buffers()))
+    with torch.no_grad():
+        logits = model(IDS).logits.float()
+    assert rel_err(logits, float_logits(cfg, state, deq, IDS)) < 0.02  # eager: bf16 compute (~0.7%)
+
+
+def test_deepseek_v3_block_checkpoint(tmp_path):
+    """DeepSeek-V3's own format: quant_method fp8, weight_block_size [128, 128], no ignored layers,
+    weight_scale_inv per block, lm_head stored in bf16."""
+    cfg = deepseek_config()
+    ref = reference_model(cfg)
+    state = ref.state_dict()
+    linears = [n.rpartition(".")[0] for n, t in state.items() if n.endswith("proj.weight") or n.endswith("mqa.weight")]
+    tensors, deq = {}, {}
+    for name, t in state.items():
+        module = name.rpartition(".")[0]
+        if module in linears and name.endswith(".weight"):
+            q, s = ref_quantize(t, "block", (128, 128))
+            tensors[name], tensors[f"{module}.weight_scale_inv"] = q, s
+            deq[module] = ref_dequantize(q, s, "block", (128, 128))
+        else:
+            tensors[name] = t
+    assert tensors["model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_inv"].shape == (2, 2)  # 192 rows
+    qc = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+    path = write_checkpoint(tmp_path / "ckpt", tensors, qc, shards=2, extra_config=cfg.to_dict())
+    model = meta_model(path)
+    report = load_checkpoint(model, path, progress=False)
+    assert set(report.quantized) == set(linears) and len(linears) == 16
+    assert report.not_quantized == {"lm_head": "output embeddings stored in high precision"}
+    assert set(report.quantized.values()) == {"w:per-block(128x128) a:per-group(1x128)"}
+    with torch.no_grad():
+        logits = model(IDS).logits.float()
+    assert rel_err(logits, float_logits(cfg, state, deq, IDS)) < 0.02  # eager: bf16 compute (~0.7%)
+
+
+def test_loaded_checkpoint_compiles_with_fp8_backend(tmp_path):
+    cfg = llama_config()
+    state = reference_model(cfg).state_dict()
+    tensors, qc, deq = fp8_checkpoint(state, "channel", ct=True)
+    path = write_checkpoint(tmp_path / "ckpt", tensors, qc, extra_config=cfg.to_dict())
+    model = meta_model(path)
+    load_checkpoint(model, path, progress=False)
+    backend = fp8fx.Fp8Backend()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=backend)(IDS).logits.float()
+    assert {s.fqn for s in backend.report.rewritten} == set(LINEARS)
+    assert {s.fqn: s.reason for s in backend.report.skipped} == {"lm_head": "not quantized: in ignored_layers"}
+    # compiled, activations are quantized too (per token): ~5% off the float reference (CPU, torch 2.13)
+    assert rel_err(compiled, float_logits(cfg, state, deq, IDS)) < 0.1
+
+
+# --- streaming memory ------------------------------------------------------------------------------
+def peak_allocated(fn):
+    """(fn(), peak bytes above the start) of torch's CPU allocator while ``fn`` runs.
+
+    Every CPU tensor torch allocates is reported to the profiler (``profile_memory=True``) with the
+    allocator's running total; the peak of that total minus its value at the start is the most memory
+    the call ever held in tensors: file data read (fp8fx reads into ``torch.empty`` tensors, no mmap),
+    quantization temporaries, parameters. Memory outside torch's allocator (Python objects, the page
+    cache) is not counted; the loader keeps no tensor data there."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
+    events.sort()
+    start = events[0][2] - events[0][1]
+    return out, max(total for _, _, total in events) - start
+
+
+def unique_bytes(tensors):
+    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values())
+
+
+def test_streaming_bf16_load_peak_is_fp8_model_plus_one_bf16_tensor(tmp_path):
+    """A 29 MiB bf16 Llama checkpoint in ONE file, loaded into a meta model with online quantization:
+    the peak is at most the loaded model + the largest bf16 tensor + the quantization workspace
+    (16 * CHUNK_NUMEL bytes = 4 MiB). Loading the file first, or all bf16 weights before quantizing,
+    or quantizing a whole weight at once (~12 bytes per element of float32 temporaries) would not fit."""
+    cfg = llama_config(hidden=512, inter=2048, layers=4)
+    state = reference_model(cfg).state_dict()
+    path = write_checkpoint(tmp_path / "ckpt", state, extra_config=cfg.to_dict())
+    model = meta_model(path)
+    report, peak = peak_allocated(lambda: load_checkpoint(model, path, fp8fx.Fp8Config(ignored_layers=["lm_head"]),
+                                                          progress=False))
+    assert len(report.quantized) == 28
+    final = unique_bytes(list(model.parameters()) + list(model.buffers()))
+    largest = max(t.numel() * t.element_size() for t in state.values())  # gate/up/down: 1M elements, 2 MiB
+    workspace = 16 * chunked.CHUNK_NUMEL
+    bound = final + largest + workspace
+    bf16_linears = sum(t.numel() * 2 for n, t in state.items() if "proj" in n)
+    assert final + bf16_linears > 1.5 * bound  # a non-streaming loader would be far above the bound
+    assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB (final {final / 2**20:.1f})"
+    assert peak >= final  # the measurement sees the loaded model
+
+
+def test_convert_peak_is_one_output_file_plus_one_bf16_tensor(tmp_path):
+    """convert holds one output file at a time: peak <= largest output file + largest bf16 tensor +
+    workspace, well below the fp8 model."""
+    cfg = llama_config(hidden=512, inter=2048, layers=4)
+    state = reference_model(cfg).state_dict()
+    src = write_checkpoint(tmp_path / "src", state, shards=4, extra_config=cfg.to_dict())
+    report, peak = peak_allocated(lambda: convert(src, tmp_path / "dst", progress=False))
+    assert len(report.quantized) == 29  # lm_head too: the default config ignores nothing
+    files = sorted((tmp_path / "dst").glob("*.safetensors"))
+    assert len(files) == 4
+    largest_file = max(f.stat().st_size for f in files)
+    bound = largest_file + max(t.numel() * t.element_size() for t in state.values()) + 16 * chunked.CHUNK_NUMEL
+    total = sum(f.stat().st_size for f in files)
+    assert total > 1.5 * bound
+    assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
+    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["ignore"] == []
