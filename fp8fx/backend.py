@@ -33,6 +33,8 @@ class Fp8Backend:
       inference does; measured accuracy in benchmarks/RESULTS.md). Default True.
     - ``cudagraphs``: run the compiled graphs as CUDA graphs (Inductor's cudagraph trees), which
       decode-sized batches need to reach their speed. Default False.
+    - ``weight_only``: fp8 weights with 16-bit activations and math (``fp8fx.weight_only_mm``); None
+      (default) picks it on GPUs without fp8 tensor cores (compute capability < 8.9).
 
     ``report`` lists every linear site of every graph this backend compiled.
     """
@@ -46,6 +48,7 @@ class Fp8Backend:
         lowering: str = "aten",
         use_fast_accum: bool = True,
         cudagraphs: bool = False,
+        weight_only: Optional[bool] = None,
     ):
         if compiler not in _COMPILERS:
             raise ValueError(f"Fp8Backend(compiler={compiler!r}): use one of {_COMPILERS}")
@@ -61,9 +64,11 @@ class Fp8Backend:
             "compiler": compiler,
             "lowering": lowering,
             "use_fast_accum": use_fast_accum,
+            "weight_only": weight_only,
             "inductor_config": sorted(self.inductor_config.items()),
         }
-        self.pass_manager = PassManager(default_passes(use_fast_accum=use_fast_accum), options)
+        passes = default_passes(use_fast_accum=use_fast_accum, weight_only=weight_only)
+        self.pass_manager = PassManager(passes, options)
         self.report = Report()
 
     def cache_key(self) -> str:

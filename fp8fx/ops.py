@@ -12,8 +12,10 @@ Blocks are ``[rows, cols]`` lists over a 2-D view with ``-1`` = whole dim (see `
   weight should quantize its activations, so the linear pass finds everything on one node.
 - ``scaled_mm(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False)``:
   ``y [..., N] = dequant(xq) @ dequant(wq).T + bias``; wq: ``[N, K]``. On CUDA: the Triton GEMM of
-  ``fp8fx.kernels`` for decode-sized M, cuBLAS ``torch._scaled_mm`` above, the reference math for
-  block scales.
+  ``fp8fx.kernels`` for decode-sized M and for block / group scales, cuBLAS ``torch._scaled_mm``
+  for per-tensor / per-row scales above.
+- ``weight_only_mm(x, wq, w_scale, bias, w_block)``: ``x @ dequant(wq).T + bias`` with 16-bit
+  activations (the fallback for GPUs without fp8 tensor cores).
 """
 from __future__ import annotations
 
@@ -120,6 +122,13 @@ def _tensor_or_row(x_block, w_block) -> bool:
     return not isinstance(xg, (PerGroup, PerBlock)) and not isinstance(wg, (PerGroup, PerBlock))
 
 
+def _k_groups_agree(x_block, w_block) -> bool:
+    """The Triton GEMM applies K-varying scales per K step: every operand with such scales must use
+    the same group size along K (1 x 128 activations with 128 x 128 weight blocks)."""
+    group_k = {b[1] for b in (x_block, w_block) if b[1] != -1}
+    return len(group_k) <= 1 and all(b[0] != -1 or b[1] == -1 for b in (x_block, w_block))
+
+
 # M at or below which the Triton GEMM (fp8fx.kernels.fp8_gemm) beats cuBLAS fp8 for decode.
 TRITON_MAX_M = 64
 
@@ -135,7 +144,11 @@ def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accu
         y = fp8_gemm(x2, wq, x_scale, w_scale, bias, out_dtype)
     elif _tensor_or_row(x_block, w_block) and _cublas_fits(m, n, k, x_block, w_block, out_dtype):
         y = cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum)
-    else:  # block scales (fused kernels: next in fp8fx.kernels) and shapes cuBLAS refuses
+    elif m > 0 and _k_groups_agree(x_block, w_block):  # block scales, and what cuBLAS refuses
+        from fp8fx.kernels.fp8_gemm import fp8_gemm
+
+        y = fp8_gemm(x2, wq, x_scale, w_scale, bias, out_dtype, a_block=tuple(x_block), b_block=tuple(w_block))
+    else:
         return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
     return y.reshape(*xq.shape[:-1], n)
 
@@ -161,6 +174,40 @@ def cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype
         x2.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
     )
     return y if bias is None else y + bias.to(out_dtype)
+
+
+# --- weight-only GEMM (GPUs without fp8 tensor cores) --------------------------------------
+def _weight_only_reference(x, wq, w_scale, bias, w_block):
+    k = x.shape[-1]
+    y = x.reshape(-1, k).float() @ quant.dequantize(wq, w_scale, w_block).t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*x.shape[:-1], wq.shape[0])
+
+
+@torch.library.custom_op(f"{_LIB}::weight_only_mm", mutates_args=())
+def weight_only_mm(
+    x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor], w_block: list[int]
+) -> torch.Tensor:
+    """``y [..., N] = x @ dequant(wq).T + bias`` in x's dtype: fp8 weights, 16-bit activations and math."""
+    return _weight_only_reference(x, wq, w_scale, bias, w_block)
+
+
+@weight_only_mm.register_fake
+def _(x, wq, w_scale, bias, w_block):
+    return x.new_empty((*x.shape[:-1], wq.shape[0]))
+
+
+@weight_only_mm.register_kernel("cuda")
+def _(x, wq, w_scale, bias, w_block):
+    from fp8fx.kernels.fp8_gemm import fp8_gemm
+
+    k = x.shape[-1]
+    x2 = x.reshape(-1, k)
+    if x2.shape[0] == 0 or x.dtype not in (torch.bfloat16, torch.float16):
+        return _weight_only_reference(x, wq, w_scale, bias, w_block)
+    y = fp8_gemm(x2.contiguous(), wq, None, w_scale, bias, x.dtype, b_block=tuple(w_block))
+    return y.reshape(*x.shape[:-1], wq.shape[0])
 
 
 # --- composition (eager W8A8 reference of what the linear pass emits) -----------------------

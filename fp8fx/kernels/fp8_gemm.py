@@ -1,15 +1,30 @@
-"""FP8 GEMM with per-tensor / per-row scales applied in the epilogue (Triton).
+"""FP8 GEMM with its scales applied where their layout allows (Triton).
 
-    y[M, N] = (a[M, K] @ b[N, K].T) * a_scale[M or 1] * b_scale[N or 1] (+ bias[N]), in y's dtype
+    y[M, N] = sum_k a[m, k] * sa(m, k) * b[n, k] * sb(n, k)  (+ bias[N]), in y's dtype
 
-a: float8_e4m3fn activations (row-major), b: float8_e4m3fn weight [N, K] (row-major, i.e. K-major
-for the dot), scales float32. The dot stays on the fp8 operands (Hopper fp8 tensor cores) with an
-fp32 accumulator; the scales, the bias and the output cast are applied once per output tile.
+Layouts (``a``: activations ``[M, K]``, ``b``: weight ``[N, K]`` row-major, i.e. K-major for the
+dot; scales float32):
+
+==============  =====================================  ===========================================
+scale           a (activations)                        b (weight)
+==============  =====================================  ===========================================
+per-tensor      ``a_scale``: 1 element                 ``b_scale``: 1 element
+per-row         ``a_scale``: ``[M]`` (per token)       ``b_scale``: ``[N]`` (per channel)
+grouped/blocks  ``a_scale``: ``[M, ceil(K / GK)]``     ``b_scale``: ``[ceil(N / BN_W), ceil(K / GK)]``
+==============  =====================================  ===========================================
+
+Per-tensor and per-row scales factor out of the K sum and are applied once per output tile, in the
+epilogue. Scales that change along K (1 x GK activation groups, BN_W x GK weight blocks, DeepSeek-V3
+style) multiply each K step's partial product, so BLOCK_K == GK there. The dots stay on the fp8
+operands (Hopper fp8 tensor cores, fp32 accumulator) - unless ``A_FP8`` is False: the weight-only
+variant takes bf16/fp16 activations, upcasts each fp8 weight tile in registers and runs a 16-bit dot
+(GPUs without fp8 tensor cores, compute capability < 8.9).
 
 Used for decode-sized M (<= 64), where cuBLAS fp8 is slower than streaming the weight at HBM
 bandwidth (H200, torch 2.11: down 4096x14336 at M=16 took 0.047 ms through `torch._scaled_mm` vs
-0.042 ms in bf16; this kernel 0.026-0.037 ms, benchmarks/RESULTS.md). Tiles are picked by `tile_config` rather than autotuned so launches are
-deterministic, CUDA-graph capturable and run under TRITON_INTERPRET=1.
+0.042 ms in bf16; this kernel 0.026-0.037 ms, benchmarks/RESULTS.md), and for block scales at every M.
+Tiles are picked by `tile_config` rather than autotuned so launches are deterministic, CUDA-graph
+capturable and run under TRITON_INTERPRET=1.
 """
 from __future__ import annotations
 
@@ -18,6 +33,9 @@ from typing import Optional
 import torch
 import triton
 import triton.language as tl
+
+# scale layouts (constexpr)
+PER_TENSOR, PER_ROW, PER_K_GROUP = 0, 1, 2
 
 
 @triton.jit
@@ -28,8 +46,10 @@ def fp8_gemm_kernel(
     M, N, K,
     # strides
     stride_am, stride_ak, stride_bn, stride_bk, stride_ym, stride_yn,
+    stride_asm, stride_ask, stride_bsn, stride_bsk,
     # schemes
-    A_ROWWISE: tl.constexpr, B_ROWWISE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, B_BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    A_FP8: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -48,23 +68,35 @@ def fp8_gemm_kernel(
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
     a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak  # a tile: [BM, BK]
     b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk  # b.T tile: [BK, BN]
+    a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM], K group 0
+    b_scale_ptrs = b_scale_ptr + (offs_n // B_BLOCK_N) * stride_bsn  # [BN], K block 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        acc = tl.dot(a, b, acc)
+        if not A_FP8:  # weight-only: upcast the fp8 weight tile, 16-bit dot
+            b = b.to(a.dtype)
+        if A_SCALE == PER_K_GROUP or B_SCALE == PER_K_GROUP:
+            part = tl.dot(a, b)
+            if A_SCALE == PER_K_GROUP:
+                part *= tl.load(a_scale_ptrs + k * stride_ask, mask=offs_m < M, other=0.0)[:, None]
+            if B_SCALE == PER_K_GROUP:
+                part *= tl.load(b_scale_ptrs + k * stride_bsk, mask=offs_n < N, other=0.0)[None, :]
+            acc += part
+        else:
+            acc = tl.dot(a, b, acc)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
-    # epilogue: scales, bias, cast
-    if A_ROWWISE:
-        acc *= tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
-    else:
+    # epilogue: the scales that are constant along K, bias, cast
+    if A_SCALE == PER_ROW:
+        acc *= tl.load(a_scale_ptrs, mask=offs_m < M, other=0.0)[:, None]
+    elif A_SCALE == PER_TENSOR:
         acc *= tl.load(a_scale_ptr)
-    if B_ROWWISE:
-        acc *= tl.load(b_scale_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
-    else:
+    if B_SCALE == PER_ROW:
+        acc *= tl.load(b_scale_ptrs, mask=offs_n < N, other=0.0)[None, :]
+    elif B_SCALE == PER_TENSOR:
         acc *= tl.load(b_scale_ptr)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -90,32 +122,54 @@ def tile_config(m: int, n: int, k: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
+def _scale_layout(scale: torch.Tensor, rows: int, block: Optional[tuple[int, int]]):
+    """(mode, scale as 2-D, rows per scale row) for one operand."""
+    if block is None or block[1] == -1:
+        mode = PER_TENSOR if scale.numel() == 1 else PER_ROW
+        return mode, scale.float().reshape(-1, 1).contiguous(), 1
+    return PER_K_GROUP, scale.float().reshape(-1, scale.shape[-1]).contiguous(), max(block[0], 1)
+
+
 def fp8_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
-    a_scale: torch.Tensor,
+    a_scale: Optional[torch.Tensor],
     b_scale: torch.Tensor,
     bias: Optional[torch.Tensor],
     out_dtype: torch.dtype,
     config: Optional[dict] = None,
+    a_block: Optional[tuple[int, int]] = None,
+    b_block: Optional[tuple[int, int]] = None,
 ) -> torch.Tensor:
-    """a: [M, K] fp8, b: [N, K] fp8, a_scale: [M, 1] or 1 element, b_scale: [N, 1] or 1 element."""
+    """a: [M, K] fp8 (or bf16/fp16 with ``a_scale=None``: weight-only), b: [N, K] fp8.
+
+    ``a_block`` / ``b_block`` are fp8fx blocks (``fp8fx.config``): None or ``[., -1]`` for per-tensor /
+    per-row scales (``[M, 1]`` / ``[N, 1]`` or one element), ``[1, GK]`` activation groups with
+    ``a_scale: [M, ceil(K / GK)]``, ``[BN_W, GK]`` weight blocks with ``b_scale: [ceil(N / BN_W), ceil(K / GK)]``.
+    """
     m, k = a.shape
     n = b.shape[0]
     if b.shape[1] != k:
         raise ValueError(f"fp8_gemm: a is [{m}, {k}] but b is {list(b.shape)}; b must be [N, {k}]")
-    a_scale = a_scale.float().reshape(-1).contiguous()
-    b_scale = b_scale.float().reshape(-1).contiguous()
-    y = torch.empty(m, n, device=a.device, dtype=out_dtype)
+    a_fp8 = a_scale is not None
+    if not a_fp8:
+        a_scale = torch.ones(1, device=a.device)
+    a_mode, a_scale, _ = _scale_layout(a_scale, m, a_block)
+    b_mode, b_scale, b_rows = _scale_layout(b_scale, n, b_block)
     cfg = dict(config or tile_config(m, n, k))
+    group_k = [blk[1] for blk, mode in ((a_block, a_mode), (b_block, b_mode)) if mode == PER_K_GROUP]
+    if group_k:
+        if len(set(group_k)) != 1:
+            raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
+        cfg["BLOCK_K"] = group_k[0]
+    y = torch.empty(m, n, device=a.device, dtype=out_dtype)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     fp8_gemm_kernel[grid](
         a, b, y, a_scale, b_scale, bias if bias is not None else a_scale,
         m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
-        A_ROWWISE=a_scale.numel() != 1,
-        B_ROWWISE=b_scale.numel() != 1,
-        HAS_BIAS=bias is not None,
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
+        A_SCALE=a_mode, B_SCALE=b_mode, B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8,
         **cfg,
     )
     return y

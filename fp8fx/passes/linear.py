@@ -11,12 +11,15 @@ Rewrites to (dynamic activations)::
     y = fp8fx.scaled_mm(xq, x_scale, wq, w_scale, bias, act_block, w_block, x.dtype, use_fast_accum)
 
 or, with a static ``input_scale``, ``xq = fp8fx.quantize_static(x, input_scale)`` and a per-tensor
-activation block. Linear sites whose weight is not an fp8fx dequantized view are left as they are
+activation block; or, weight-only (GPUs without fp8 tensor cores, or forced)::
+
+    y = fp8fx.weight_only_mm(x, wq, w_scale, bias, w_block) Linear sites whose weight is not an fp8fx dequantized view are left as they are
 and reported with the reason (tagged on the weight by ``quantize_``, else "not fp8").
 """
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch
 from torch import fx
@@ -59,13 +62,28 @@ def _linear_operands(node: fx.Node):
     return None
 
 
+def lacks_fp8_tensor_cores(example_inputs) -> bool:
+    """True when the graph runs on a CUDA GPU older than compute capability 8.9 (no fp8 tensor cores)."""
+    for t in example_inputs:
+        if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            return torch.cuda.get_device_capability(t.device) < (8, 9)
+    return False
+
+
 class LinearPass(Fp8Pass):
-    def __init__(self, use_fast_accum: bool = False):
+    """``weight_only``: rewrite to ``fp8fx.weight_only_mm`` (fp8 weights, 16-bit activations) instead;
+    None decides per graph: weight-only on GPUs without fp8 tensor cores."""
+
+    def __init__(self, use_fast_accum: bool = False, weight_only: Optional[bool] = None):
         self.use_fast_accum = use_fast_accum
+        self.weight_only = weight_only
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         graph = gm.graph
         count = 0
+        weight_only = self.weight_only
+        if weight_only is None:
+            weight_only = lacks_fp8_tensor_cores(ctx.example.values())
         # one quantization per (activation, scheme): q/k/v and gate/up read the same x
         self._quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
         for node in list(graph.nodes):
@@ -79,7 +97,7 @@ class LinearPass(Fp8Pass):
                 ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index,
                                     weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node)))
                 continue
-            scheme = self._rewrite(graph, node, x, w, bias)
+            scheme = (self._rewrite_weight_only if weight_only else self._rewrite)(graph, node, x, w, bias)
             ctx.report.add(Site("linear", fqn, True, "", scheme, ctx.graph_index,
                                 weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
                                 bytes_saved=Site.saved_bytes(fake_value(w), fake_value(w.args[1]))))
@@ -139,6 +157,17 @@ class LinearPass(Fp8Pass):
         self._quantized[key] = (xq, x_scale)
         return xq, x_scale
 
+    @staticmethod
+    def _rewrite_weight_only(graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias) -> str:
+        wq, w_scale, w_block = w.args[:3]
+        args = (x, wq, w_scale, bias, list(w_block))
+        with graph.inserting_before(node):
+            y = graph.call_function(torch.ops.fp8fx.weight_only_mm.default, args)
+        set_fake_value(y, torch.ops.fp8fx.weight_only_mm.default, args)
+        _replace(graph, node, y)
+        weight = str(granularity_from_block(w_block)).replace("per-row", "per-channel")
+        return f"w:{weight} a:{fake_value(x).dtype} (weight-only)".replace("torch.", "")
+
     def _rewrite(self, graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias) -> str:
         wq, w_scale, w_block, _dtype, input_scale, act_block = (list(w.args) + [None, None])[:6]
         input_scale = w.kwargs.get("input_scale", input_scale)
@@ -151,8 +180,13 @@ class LinearPass(Fp8Pass):
         with graph.inserting_before(node):
             y = graph.call_function(torch.ops.fp8fx.scaled_mm.default, args)
         set_fake_value(y, torch.ops.fp8fx.scaled_mm.default, args)
-        y.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
-        node.replace_all_uses_with(y)
-        graph.erase_node(node)
+        _replace(graph, node, y)
         scheme = LayerScheme(granularity_from_block(w_block), granularity_from_block(act_block), input_scale is not None)
         return str(scheme)
+
+
+def _replace(graph: fx.Graph, node: fx.Node, new: fx.Node) -> None:
+    """``new`` takes ``node``'s place, its users and its source metadata (module stack, stack trace)."""
+    new.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import fx
@@ -17,8 +17,8 @@ from fp8fx.report import Report
 log = logging.getLogger("fp8fx")
 
 
-def default_passes(use_fast_accum: bool = False) -> list[Fp8Pass]:
-    return [LinearPass(use_fast_accum=use_fast_accum)]
+def default_passes(use_fast_accum: bool = False, weight_only: Optional[bool] = None) -> list[Fp8Pass]:
+    return [LinearPass(use_fast_accum=use_fast_accum, weight_only=weight_only)]
 
 
 class PassManager(compat.CustomGraphPass):

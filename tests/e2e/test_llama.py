@@ -30,7 +30,7 @@ def expected_sites(layers):
     return {f"model.layers.{i}.{p}" for i in range(layers) for p in PROJECTIONS}
 
 
-def run_llama(config, device, input_scales=None, compiler="inductor"):
+def run_llama(config, device, input_scales=None, compiler="inductor", **backend_options):
     model = tiny_llama(device)
     ids = torch.randint(0, 512, (2, 16), device=device)
     with torch.no_grad():
@@ -38,7 +38,7 @@ def run_llama(config, device, input_scales=None, compiler="inductor"):
         if config.activation_scheme == "static" and input_scales is None:
             input_scales = fp8fx.calibrate(model, [ids], config)
         fp8fx.quantize_(model, config, input_scales=input_scales)
-        backend = fp8fx.Fp8Backend(compiler=compiler)
+        backend = fp8fx.Fp8Backend(compiler=compiler, **backend_options)
         out = torch.compile(model, backend=backend)(ids).logits.float()
     return backend.report, out, ref
 
@@ -91,3 +91,13 @@ def test_static_scales_set_by_the_test_are_used():
     _, out_bad, _ = run_llama(config, "cuda", input_scales=bad)
     assert rel_err(out_good, ref) < 0.1
     assert rel_err(out_bad, ref) > 0.3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["per-channel", "block"])
+def test_tiny_llama_cuda_weight_only(name):
+    """The weight-only fallback forced on the H200 (what a GPU without fp8 tensor cores runs)."""
+    report, out, ref = run_llama(GPU_CONFIGS[name], "cuda", weight_only=True)
+    assert {s.fqn for s in report.rewritten} == expected_sites(2)
+    assert all(s.scheme.endswith("(weight-only)") for s in report.rewritten)
+    assert rel_err(out, ref) < 0.1

@@ -63,6 +63,33 @@ def test_scaled_mm_op_cuda_matches_reference(m):
         assert err < 1e-2, (fast, err)
 
 
+BLOCK_SHAPES = [(1, 200, 300), (3, 256, 384), (64, 130, 1000), (65, 384, 256), (2049, 257, 640)]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k", BLOCK_SHAPES)
+def test_block_scaled_gemm_cuda(m, n, k):
+    """128x128 weight blocks with 1x128 activation groups, ragged last blocks, through the CUDA op."""
+    xq, xs, wq, ws, bias = operands(m, n, k, [1, 128], [128, 128], "cuda")
+    ref = reference(xq, xs, [1, 128], wq, ws, [128, 128], bias, torch.bfloat16)
+    y = torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws, bias.bfloat16(), [1, 128], [128, 128], torch.bfloat16)
+    err = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-2, err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 3, 64, 65, 2049])
+@pytest.mark.parametrize("w_block", [[1, -1], [-1, -1], [128, 128]])
+def test_weight_only_cuda(m, w_block):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(m, 384, generator=g).bfloat16()
+    wq, ws = quant.quantize(torch.randn(200, 384, generator=g), w_block)
+    ref = x.double() @ quant.dequantize(wq, ws, w_block, torch.float64).t()
+    y = torch.ops.fp8fx.weight_only_mm(x.cuda(), wq.cuda(), ws.cuda(), None, w_block)
+    err = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
+    assert y.dtype == torch.bfloat16 and err < 1e-2, err
+
+
 INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
@@ -80,6 +107,24 @@ INTERPRETER_CHECK = textwrap.dedent(
         # a wrong scale must show: drop the weight scale
         y_bad = fp8_gemm(xq, wq, xs, torch.ones_like(ws), bias, torch.float32, config=cfg)
         assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 0.1
+    # K-varying scales: 1x32 activation groups with 32x32 weight blocks, ragged N and K
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1)
+    for m, n, k in [(3, 40, 70), (17, 64, 96)]:
+        xq, xs, wq, ws, bias = operands(m, n, k, [1, 32], [32, 32], "cpu")
+        ref = reference(xq, xs, [1, 32], wq, ws, [32, 32], bias, torch.float32)
+        y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config=cfg, a_block=(1, 32), b_block=(32, 32))
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k)
+        ws_bad = ws.clone(); ws_bad[-1, -1] *= 2  # one ragged corner block wrong must show
+        y_bad = fp8_gemm(xq, wq, xs, ws_bad, bias, torch.float32, config=cfg, a_block=(1, 32), b_block=(32, 32))
+        assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 1e-3
+    # weight-only: fp16 activations, fp8 weight upcast in the kernel
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(5, 96, generator=g).half()
+    for wb in [(1, -1), (32, 32)]:
+        wq, ws = quant.quantize(torch.randn(48, 96, generator=g), wb)
+        ref = x.double() @ quant.dequantize(wq, ws, wb, torch.float64).t()
+        y = fp8_gemm(x, wq, None, ws, None, torch.float32, config=cfg, b_block=wb)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-3, wb
     print("interpreter ok")
     """
 )

@@ -182,3 +182,28 @@ def test_cache_key_reaches_inductor(monkeypatch):
 def test_bad_backend_option():
     with pytest.raises(ValueError, match=r"Fp8Backend\(compiler='tvm'\): use one of"):
         Fp8Backend(compiler="tvm")
+
+
+def test_weight_only_rewrite():
+    """Forced weight-only (as on GPUs without fp8 tensor cores): no activation quantization in the graph."""
+    model = ThreeLinear().to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["head"]))
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    seen = []
+    backend = Fp8Backend(compiler="eager", weight_only=True, dump_dir=None)
+    real = backend.pass_manager.run
+
+    def spy(gm, example_inputs, report):
+        n = real(gm, example_inputs, report)
+        seen.append(gm.code)
+        return n
+
+    backend.pass_manager.run = spy
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        ref = model(x)  # eager: dequantized weights, bf16 activations
+    assert [s.scheme for s in backend.report.rewritten] == ["w:per-channel a:bfloat16 (weight-only)"] * 2
+    assert seen[0].count("fp8fx.weight_only_mm") == 2 and "fp8fx.quantize" not in seen[0]
+    # same math as the eager reference up to the order of float32 accumulation
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.01
+    assert Fp8Backend(weight_only=True).cache_key() != Fp8Backend().cache_key()
