@@ -138,8 +138,77 @@ def run_mlp(ms, device, rows, errors, compile_times):
     print(backend.report)
 
 
+def cublas_blockwise(xq, xs, wq, ws):
+    """cuBLAS 1x128 x 128x128 block-scaled GEMM (``F.scaled_mm``), or None where this torch lacks it."""
+    F = torch.nn.functional
+    if not hasattr(F, "scaled_mm"):
+        return None
+    st = F.ScalingType
+    # A scales [M, K/128] outer-dim-major; B scales as [K/128, N/128] (FACTS.md, torch 2.11)
+    sa = xs.t().contiguous().t()
+    sb = ws.t()
+    return lambda: F.scaled_mm(xq, wq.t(), sa, st.BlockWise1x128, sb, st.BlockWise128x128,
+                               output_dtype=torch.bfloat16)
+
+
+def run_kernels(rows, errors):
+    """Block-scaled GEMMs (GEMM only, both sides pre-quantized) and the weight-only GEMM."""
+    import triton
+
+    for name, (n, k) in LAYERS.items():
+        w = torch.randn(n, k, device="cuda") / k**0.5
+        wq, ws = fp8fx.quant.quantize(w, [128, 128])
+        wq_row, ws_row = fp8fx.quant.quantize(w, [1, -1])
+        wb = w.bfloat16()
+        for m in (1, 16, 2048, 4096):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            ref = x.double() @ w.double().t()
+            xq, xs = fp8fx.quant.quantize(x, [1, 128])
+            bench_ = lambda f: triton.testing.do_bench(f, warmup=25, rep=100, return_mode="median")  # noqa: E731
+            fx_block = lambda: torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws, None, [1, 128], [128, 128], torch.bfloat16)  # noqa: E731
+            times = {"bf16_cublas": bench_(lambda: torch.nn.functional.linear(x, wb)), "fp8fx_block": bench_(fx_block)}
+            errors[f"block {name} M={m} fp8fx"] = rel_err(fx_block(), ref)
+            cb = cublas_blockwise(xq, xs, wq, ws)
+            if cb is not None:
+                try:
+                    errors[f"block {name} M={m} cublas"] = rel_err(cb(), ref)
+                    times["cublas_block"] = bench_(cb)
+                except RuntimeError as e:
+                    errors[f"block {name} M={m} cublas"] = f"unavailable: {str(e).splitlines()[0]}"
+            if m <= 16:
+                wo = lambda: torch.ops.fp8fx.weight_only_mm(x, wq_row, ws_row, None, [1, -1])  # noqa: E731
+                times["fp8fx_weight_only"] = bench_(wo)
+                errors[f"weight-only {name} M={m}"] = rel_err(wo(), ref)
+            for variant, t in times.items():
+                rows.append({"what": f"kernels {name} {n}x{k}", "M": m, "variant": variant, "ms": t,
+                             "tflops": 2 * m * n * k / t / 1e9, "weight_gbs": n * k / t / 1e6})
+
+
+def plot(rows, path):
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    mlp = [r for r in rows if r["what"] == "mlp block"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for variant in sorted({r["variant"] for r in mlp}):
+        pts = sorted((r["M"], r["tflops"]) for r in mlp if r["variant"] == variant)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=variant)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("M (tokens)")
+    ax.set_ylabel("TFLOP/s")
+    ax.set_title("Llama-3-8B MLP block, H200")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 def ratios_table(rows):
-    lines = ["| what | M | variant | ms | TFLOP/s | vs bf16 | vs torchao | vs cuBLAS fp8 GEMM |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| what | M | variant | ms | TFLOP/s | vs bf16 | vs torchao | vs cuBLAS fp8 GEMM | vs cuBLAS block |",
+             "|---|---|---|---|---|---|---|---|---|"]
     index = {(r["what"], r["M"], r["variant"]): r["ms"] for r in rows}
     for r in rows:
         def ratio(anchor):
@@ -147,7 +216,7 @@ def ratios_table(rows):
             return f"{a / r['ms']:.2f}x" if a else ""
         bf16 = "bf16_inductor" if r["what"] == "mlp block" else "bf16_cublas"
         lines.append(f"| {r['what']} | {r['M']} | {r['variant']} | {r['ms']:.4f} | {r['tflops']:.0f} | "
-                     f"{ratio(bf16)} | {ratio('torchao_rowwise')} | {ratio('fp8_cublas_gemm_only')} |")
+                     f"{ratio(bf16)} | {ratio('torchao_rowwise')} | {ratio('fp8_cublas_gemm_only')} | {ratio('cublas_block')} |")
     return "\n".join(lines)
 
 
@@ -186,6 +255,8 @@ def main(argv=None):
     p.add_argument("--compile-time", action="store_true", help="only time the first call of the fp8fx MLP")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--skip-gemms", action="store_true")
+    p.add_argument("--skip-mlp", action="store_true")
+    p.add_argument("--kernels", action="store_true", help="also block-scaled and weight-only GEMMs")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         return 0 if cpu_smoke() < 0.1 else 1
@@ -200,8 +271,12 @@ def main(argv=None):
     rows, errors, compile_times = [], {}, {}
     if not args.skip_gemms:
         run_gemms(ms, "cuda", rows, errors)
-    run_mlp(ms, "cuda", rows, errors, compile_times)
+    if not args.skip_mlp:
+        run_mlp(ms, "cuda", rows, errors, compile_times)
+    if args.kernels:
+        run_kernels(rows, errors)
     table = ratios_table(rows)
+    plot(rows, os.path.join(args.out, "plot.png"))
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "errors": errors, "compile_s": compile_times}, f, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as f:
