@@ -128,7 +128,7 @@ def load_checkpoint(
     loader.finish(report)
     loader.commit(report)
     model._fp8fx_source = {"format": fmt.name, "config": config_json}
-    log.info("fp8fx: loaded %s", report.__str__().splitlines()[-1])
+    log.info("fp8fx: loaded %s", str(report).splitlines()[-1])
     return report
 
 
@@ -338,7 +338,7 @@ class _Loader:
         for i in range(len(lin.shards)):
             if lin.module.bias is not None:
                 b = need("bias", i)
-                if tuple(b.shape) != (lin.sizes[i],) or not b.dtype in _HIGH_PRECISION:
+                if tuple(b.shape) != (lin.sizes[i],) or b.dtype not in _HIGH_PRECISION:
                     raise CheckpointError(f"{b}: expected a bf16/fp16/fp32 bias of shape [{lin.sizes[i]}]")
                 self.items.append((b, lambda t, lin=lin, i=i: self._load_rows(lin, "bias", i, t)))
         if todo:
@@ -427,7 +427,7 @@ class _Loader:
                     continue
                 if not hasattr(self.model, "_init_weights"):
                     raise CheckpointError(
-                        f"{fqn}.{name}: a non-persistent buffer on the meta device that no checkpoint holds; build "
+                        f"{_join(fqn, name)}: a non-persistent buffer on the meta device that no checkpoint holds; build "
                         "the model with its buffers on a real device (only parameters on meta)"
                     )
                 self.buffers[(fqn, name)] = buf
@@ -507,7 +507,16 @@ class _Loader:
         for (fqn, name), buf in self.buffers.items():
             module = copy.deepcopy(self.modules[fqn])
             module.to_empty(device=self.device, recurse=False)
+            unset = _unset(buf.dtype)
+            module._buffers[name].fill_(unset)
             self.model._init_weights(module)
+            new = module._buffers[name]
+            if (new.isnan() if buf.dtype.is_floating_point else new == unset).all():
+                raise CheckpointError(
+                    f"{_join(fqn, name)}: a non-persistent buffer on the meta device that no checkpoint holds, and "
+                    f"{type(self.model).__name__}._init_weights does not compute it; build the model with its buffers "
+                    "on a real device (only parameters on meta)"
+                )
             self.buffers[(fqn, name)] = module._buffers[name]
 
     # --- 4. commit ---------------------------------------------------------------------------
@@ -546,6 +555,15 @@ class _Loader:
             attach_kv_scales(self.modules[fqn], scales, self.device)
         report.kv_scales = {f: dict(s) for f, s in self.kv.items()}
         report.unexpected = list(self.unexpected)
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _unset(dtype: torch.dtype):
+    """A value no initializer writes everywhere: NaN for floats, the minimum for integers."""
+    return float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min if dtype != torch.bool else False
 
 
 def _looks_like_scale(name: str) -> bool:

@@ -178,14 +178,13 @@ class Fp8LinearMethod:
                 self._quantize_online(layer)
 
     @staticmethod
+    @staticmethod
     def _can_adopt(layer: nn.Module, target: torch.Tensor, loaded: torch.Tensor) -> bool:
-        device = layer._fp8fx_device
-        return (
-            device is not None
-            and loaded.device == torch.device(device)
-            and loaded.dtype == target.dtype
-            and loaded.shape == target.shape
-        )
+        if layer._fp8fx_device is None:
+            return False
+        device = torch.device(layer._fp8fx_device)  # "cuda" means the current cuda device
+        same_device = loaded.device.type == device.type and device.index in (None, loaded.device.index)
+        return same_device and loaded.dtype == target.dtype and loaded.shape == target.shape
 
     def _shard_slice(self, layer: nn.Module, name: str, dest: torch.Tensor, shard_id: Optional[int]) -> torch.Tensor:
         """The part of ``dest`` (a parameter's data) that logical shard ``shard_id`` of the fused output

@@ -199,3 +199,38 @@ def test_convert_peak_is_one_output_file_plus_one_bf16_tensor(tmp_path):
     assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
     qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["ignore"] == []
+
+
+# --- on the GPU ------------------------------------------------------------------------------------
+@pytest.mark.cuda
+def test_cuda_block_checkpoint_loads_and_compiles(tmp_path):
+    cfg = llama_config()
+    state = reference_model(cfg).state_dict()
+    tensors, qc, deq = fp8_checkpoint(state, "block", block=(128, 128))
+    path = write_checkpoint(tmp_path / "ckpt", tensors, qc, shards=2, extra_config=cfg.to_dict())
+    model = meta_model(path)
+    load_checkpoint(model, path, device="cuda", progress=False)
+    assert all(t.is_cuda for t in list(model.parameters()) + list(model.buffers()))
+    backend = fp8fx.Fp8Backend()
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=backend)(IDS.cuda()).logits.float().cpu()
+    assert {s.fqn for s in backend.report.rewritten} == set(LINEARS)
+    assert rel_err(compiled, float_logits(cfg, state, deq, IDS)) < 0.1
+
+
+@pytest.mark.cuda
+def test_cuda_streaming_bf16_load_peak(tmp_path):
+    """As the CPU test, measured by the CUDA caching allocator: tensors are read on the CPU, moved to
+    the GPU one at a time and quantized there."""
+    cfg = llama_config(hidden=512, inter=2048, layers=4)
+    state = reference_model(cfg).state_dict()
+    path = write_checkpoint(tmp_path / "ckpt", state, extra_config=cfg.to_dict())
+    model = meta_model(path)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = torch.cuda.memory_allocated()
+    load_checkpoint(model, path, fp8fx.Fp8Config(ignored_layers=["lm_head"]), device="cuda", progress=False)
+    peak = torch.cuda.max_memory_allocated() - start
+    final = unique_bytes(list(model.parameters()) + list(model.buffers()))
+    bound = final + max(t.numel() * t.element_size() for t in state.values()) + 16 * chunked.CHUNK_NUMEL
+    assert final <= peak <= bound, f"peak {peak / 2**20:.1f} MiB, bound {bound / 2**20:.1f} MiB"

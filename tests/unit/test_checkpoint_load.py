@@ -702,3 +702,79 @@ def test_lm_head_left_in_high_precision_by_an_fp8_checkpoint(tmp_path):
     model = meta_tiny()
     report = load_checkpoint(model, write_checkpoint(tmp_path / "b", tensors, qc), progress=False)
     assert "lm_head" in report.quantized and torch.equal(model.lm_head.weight, deq["lm_head"].bfloat16())
+
+
+class WithBuffer(Tiny):
+    """A non-persistent buffer that no checkpoint holds (like rotary inv_freq)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+
+
+class WithInit(WithBuffer):
+    """... and an initializer that computes it, as HF's PreTrainedModel._init_weights does (or not)."""
+
+    def __init__(self, init):
+        super().__init__()
+        self.init = init
+
+    def _init_weights(self, module):
+        self.init(module)
+
+
+def test_meta_buffers_are_computed_or_refused(tmp_path):
+    path = write_checkpoint(tmp_path / "c", bf16_state())
+    with torch.device("meta"):  # no initializer: refused before anything loads
+        model = WithBuffer().bfloat16()
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match=r"^inv_freq: a non-persistent buffer on the meta device"):
+        load_checkpoint(model, path, progress=False)
+    assert_unchanged(model, snap)
+    with torch.device("meta"):  # an initializer that does not write it: refused after streaming
+        model = WithInit(lambda m: None).bfloat16()
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match=r"^inv_freq: .* WithInit\._init_weights does not compute it"):
+        load_checkpoint(model, path, progress=False)
+    assert_unchanged(model, snap)
+    with torch.device("meta"):  # one that does: computed on the load device
+        model = WithInit(lambda m: m.inv_freq.copy_(torch.tensor([1.0, 0.5, 0.25, 0.125]))).bfloat16()
+    load_checkpoint(model, path, progress=False)
+    assert torch.equal(model.inv_freq, torch.tensor([1.0, 0.5, 0.25, 0.125], dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("damage", ["truncated", "corrupt header", "missing shard"])
+def test_damaged_files_are_found_before_the_model_changes(tmp_path, damage):
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "block")
+    path = write_checkpoint(tmp_path / "c", tensors, qc, shards=3)
+    file = path / "model-00002-of-00003.safetensors"
+    if damage == "truncated":
+        file.write_bytes(file.read_bytes()[:-1])
+    elif damage == "corrupt header":
+        file.write_bytes(file.read_bytes()[:8] + b"\xff" + file.read_bytes()[9:])
+    else:
+        file.unlink()
+    match = {"truncated": "the file is truncated", "corrupt header": "corrupt safetensors header",
+             "missing shard": "names shard 'model-00002-of-00003.safetensors'"}[damage]
+    model = meta_tiny()
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(model, path, progress=False)
+    assert_unchanged(model, snap)
+
+
+def test_progress_bar_over_files(tmp_path, monkeypatch):
+    """progress=True shows a tqdm bar over the checkpoint's files (on terminals: disable=None)."""
+    tqdm = pytest.importorskip("tqdm")
+    seen = []
+
+    class Bar(tqdm.tqdm):
+        def __init__(self, iterable, **kw):
+            seen.append((len(iterable), kw))
+            super().__init__(iterable, **kw)
+
+    monkeypatch.setattr(tqdm, "tqdm", Bar)
+    path = write_checkpoint(tmp_path / "c", bf16_state(), shards=3)
+    load_checkpoint(meta_tiny(), path)
+    load_checkpoint(meta_tiny(), path, progress=False)
+    assert [(n, kw["disable"], kw["unit"]) for n, kw in seen] == [(3, None, "file"), (3, True, "file")]
