@@ -188,14 +188,16 @@ def _size(n: int) -> str:
 
 
 # -- reading Inductor's output code -----------------------------------------------------------------
-# The Python wrapper Inductor writes defines each generated kernel as
+# The Python wrapper Inductor writes defines each kernel it generated as
 #     triton_poi_fused_relu_0 = async_compile.triton('triton_poi_fused_relu_0', '''...''')
-# and precedes the calls made for a group of graph nodes with
+# and precedes the calls it makes for a group of graph nodes with
 #     # Topologically Sorted Source Nodes: [scaled_mm_default, relu], Original ATen: [...]
-# (checked on torch 2.13 CPU and 2.11 CUDA).
+# then calls an extern kernel (extern_kernels.addmm(...), torch.ops.fp8fx.scaled_mm.default(...)) or a
+# generated one (triton_tem_fused_mm_0.run(...), cpp_fused_relu_0(...)). Checked on torch 2.13 (CPU)
+# and 2.11 (CUDA); Triton GEMM templates (max_autotune) only from Inductor's source, not in a real run.
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)
 _SOURCE_NODES = re.compile(r"#.*Source Nodes: \[([^\]]*)\]")
-_CALL = re.compile(r"^\s*(?:\w+ = )?(extern_kernels\.\w+|torch\.ops\.\w+\.\w+|triton_tem_\w+)[.(]")
+_CALL = re.compile(r"^\s*(?:\w+ = )?([\w.]+)\(")
 _TEMPLATE_PARAMS = re.compile(r"\b(BLOCK_[MNK]|num_stages|num_warps)\s*(?::\s*tl\.constexpr\s*)?=\s*(\d+)")
 
 
@@ -205,8 +207,11 @@ def generated_kernels(code: str) -> list[str]:
 
 
 def gemm_kernels(code: str) -> dict[str, str]:
-    """{graph node name: the first extern kernel or GEMM template called for it}."""
-    found: dict[str, str] = {}
+    """{graph node name: the GEMM called for it}: the first extern kernel or Triton template whose name
+    has "mm", else the first other generated kernel with "mm" in its name (a fused kernel named after
+    the ops it covers, e.g. an activation quantization fused with the prologue of a GEMM)."""
+    generated = set(generated_kernels(code))
+    candidates: dict[str, list[tuple[bool, str]]] = {}
     nodes: list[str] = []
     for line in code.splitlines():
         source = _SOURCE_NODES.search(line)
@@ -214,23 +219,32 @@ def gemm_kernels(code: str) -> dict[str, str]:
             nodes = [n.strip() for n in source.group(1).split(",") if n.strip()]
             continue
         call = _CALL.match(line)
-        if call:
+        callee = _callee(call.group(1)) if call else ""
+        extern = callee.startswith(("extern_kernels.", "torch.ops."))
+        if "mm" in callee.rpartition(".")[2] and (extern or callee in generated):
             for n in nodes:
-                found.setdefault(n, _describe(call.group(1), code))
-    return found
+                candidates.setdefault(n, []).append((extern or callee.startswith("triton_tem_"), callee))
+    return {
+        n: _describe(next((c for gemm, c in calls if gemm), calls[0][1]), code, generated)
+        for n, calls in candidates.items()
+    }
 
 
-def _describe(callee: str, code: str) -> str:
+def _callee(text: str) -> str:
+    """``triton_x.run`` -> ``triton_x``; ``torch.ops.ns.op.overload`` -> ``torch.ops.ns.op``."""
+    text = text.removesuffix(".run")
+    return ".".join(text.split(".")[:4]) if text.startswith("torch.ops.") else text
+
+
+def _describe(callee: str, code: str, generated: set[str]) -> str:
+    if callee not in generated:
+        return "extern " + callee.removeprefix("extern_kernels.").removeprefix("torch.ops.")
     if callee.startswith("triton_tem_"):
-        params = " ".join(f"{k}={v}" for k, v in _template_params(callee, code))
-        return f"template {callee} {params}".strip()
-    name = callee.removeprefix("extern_kernels.").removeprefix("torch.ops.")
-    return f"extern {name}"
+        return " ".join(["template", callee] + [f"{k}={v}" for k, v in _template_params(callee, code)])
+    return "generated " + callee
 
 
 def _template_params(name: str, code: str) -> Iterable[tuple[str, str]]:
     start = code.find(f"{name} = async_compile.")
-    if start < 0:
-        return []
-    end = code.find("''')", start)
+    end = code.find("'''", code.find("'''", start) + 3)
     return dict(_TEMPLATE_PARAMS.findall(code[start:end])).items()

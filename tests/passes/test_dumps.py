@@ -1,5 +1,6 @@
 """Fp8Backend(dump_dir=...): the files of each compiled graph, in the order things happened."""
 import ast
+import importlib.util
 import json
 import sys
 
@@ -15,7 +16,8 @@ GRAPH0 = [
     "graph000_2_inductor_output_code.py",
     "graph000_3_report.json",
     "graph000_3_report.txt",
-    "graph000_4_dynamo_bytecode.py",
+    # depyf is a test extra; without it the bytecode is a dis listing (see the last test)
+    "graph000_4_dynamo_bytecode.py" if importlib.util.find_spec("depyf") else "graph000_4_dynamo_bytecode.txt",
 ]
 
 
@@ -53,7 +55,8 @@ def test_two_layer_dump(tmp_path):
     assert "def forward(self" in before and "def forward(self" in after  # gm.code's form
     assert "torch.ops.fp8fx.scaled_mm.default(" in (tmp_path / GRAPH0[2]).read_text()
     bytecode = (tmp_path / GRAPH0[5]).read_text()
-    assert "__compiled_fn_" in bytecode and "decompiled by depyf" in bytecode
+    assert "__compiled_fn_" in bytecode
+    assert ("decompiled by depyf" in bytecode) == GRAPH0[5].endswith(".py")
 
     assert json.loads((tmp_path / "graph000_3_report.json").read_text()) == json.loads(backend.report.to_json(0))
     assert json.loads((tmp_path / "report.json").read_text()) == json.loads(backend.report.to_json())

@@ -133,3 +133,59 @@ def test_unhandled_weights():
         ("embed.weight", (10, 64), "Embedding"),
         ("experts.gate_up_proj", (4, 32, 64), "Module"),
     ]
+
+
+Q = "'" * 3  # the triple quote around a kernel's source in the output code
+# Trimmed from the output code of a 2-layer MLP that Fp8Backend compiled on the H200 (torch 2.11, M=8):
+# Inductor fused each activation quantization into a Triton kernel named after the ops it covers,
+# then called the opaque fp8fx.scaled_mm.
+CUDA_CODE = f"""
+triton_red_fused_quantize_scaled_mm_0 = async_compile.triton('triton_red_fused_quantize_scaled_mm_0', {Q}
+def triton_red_fused_quantize_scaled_mm_0(in_ptr0, out_ptr0, out_ptr1, xnumel, r0_numel, XBLOCK, R0_BLOCK):
+    pass
+{Q}, device_str='cuda')
+    def call(self, args):
+            # Topologically Sorted Source Nodes: [quantize_default, scaled_mm_default], Original ATen: [fp8fx.quantize, fp8fx.scaled_mm]
+            stream0 = get_raw_stream(0)
+            triton_red_fused_quantize_scaled_mm_0.run(arg2_1, buf1, buf2, 8, 4096, stream=stream0)
+            # Topologically Sorted Source Nodes: [quantize_default, scaled_mm_default], Original ATen: [fp8fx.quantize, fp8fx.scaled_mm]
+            buf3 = torch.ops.fp8fx.scaled_mm.default(buf1, buf2, arg0_1, arg1_1, None, [1, -1], [1, -1], torch.bfloat16, True)
+            assert_size_stride(buf4, (8, 8192), (8192, 1), 'torch.ops.fp8fx.scaled_mm.default')
+"""
+
+# The shape of a max_autotune Triton GEMM template in the output code (written from Inductor's mm
+# template; no run here chose one).
+TEMPLATE_CODE = f"""
+triton_tem_fused_mm_0 = async_compile.triton('triton_tem_fused_mm_0', {Q}
+@triton_heuristics.template(
+    num_stages=3,
+    num_warps=8,
+)
+@triton.jit
+def triton_tem_fused_mm_0(arg_A, arg_B, out_ptr0):
+    GROUP_M : tl.constexpr = 8
+    BLOCK_M : tl.constexpr = 64
+    BLOCK_N : tl.constexpr = 128
+    BLOCK_K : tl.constexpr = 64
+{Q}, device_str='cuda')
+cpp_fused_relu_1 = async_compile.cpp_pybinding(['bfloat16*'], {Q}
+{Q})
+    def call(self, args):
+        # Topologically Sorted Source Nodes: [linear], Original ATen: [aten.mm]
+        triton_tem_fused_mm_0.run(arg1_1, arg0_1, buf0, 4, 1, 1, stream=stream0)
+        # Topologically Sorted Source Nodes: [relu, linear_1], Original ATen: [aten.relu, aten.addmm]
+        cpp_fused_relu_1(buf0)
+        extern_kernels.addmm(arg3_1, buf0, arg2_1, alpha=1, beta=1, out=buf1)
+"""
+
+
+def test_reading_output_code():
+    assert generated_kernels(CUDA_CODE) == ["triton_red_fused_quantize_scaled_mm_0"]
+    found = gemm_kernels(CUDA_CODE)
+    assert found["scaled_mm_default"] == "extern fp8fx.scaled_mm"  # not the quantization kernel before it
+    assert generated_kernels(TEMPLATE_CODE) == ["triton_tem_fused_mm_0", "cpp_fused_relu_1"]
+    assert gemm_kernels(TEMPLATE_CODE) == {
+        "linear": "template triton_tem_fused_mm_0 num_stages=3 num_warps=8 BLOCK_M=64 BLOCK_N=128 BLOCK_K=64",
+        "relu": "extern addmm",
+        "linear_1": "extern addmm",
+    }
