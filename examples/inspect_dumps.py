@@ -15,7 +15,7 @@ import fp8fx
 
 WHAT = {  # file name (after graphNNN_) -> what it holds
     "0_dynamo_graph.py": "the graph Dynamo captured: dequantize(w8, scale) -> linear, as the model wrote it",
-    "1_": "the graph after a pass (here LinearPass: quantize(x) -> scaled_mm)",
+    "1_": "the graph after each fp8fx pass, in order (LinearPass: quantize(x) -> scaled_mm)",
     "2_inductor_output_code.py": "the code Inductor generated: its kernels and the wrapper that calls them",
     "3_report.json": "this graph's sites as JSON (rewritten or why not, weight, kernel, bytes saved)",
     "3_report.txt": "the same as a table",

@@ -32,7 +32,7 @@ def load(args):
         return model.to(args.device).eval(), ids.to(args.device)
     config = transformers.LlamaConfig(**PRESETS[args.preset], num_hidden_layers=args.layers)
     with torch.device(args.device):
-        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         ids = torch.randint(0, config.vocab_size, (2, 32))
     return model.eval(), ids
 

@@ -1,6 +1,7 @@
 """An HF MoE model (Qwen3-MoE) through fp8fx, and what the report says about it: the attention projections run in
-fp8; the router and the experts do not. fp8fx has no MoE pass yet, so the experts' weights are in no site at
-all: ``report.unhandled_weights(model)`` lists them, in bf16.
+fp8; the router and the experts do not. fp8fx has no MoE pass yet, so no site covers the experts: their GEMMs
+run on their weights as stored (dequantized if quantize_ stored them in fp8), and ``report.unhandled_weights``
+lists those weights.
 
     python examples/moe_report.py                                        # CPU: a tiny random Qwen3-MoE
     python examples/moe_report.py --device cuda --preset qwen3-30b-a3b   # GPU: Qwen3-30B-A3B's shapes, 2 layers
@@ -28,7 +29,7 @@ def load(args):
         return model.to(args.device).eval()
     config = transformers.Qwen3MoeConfig(**PRESETS[args.preset], num_hidden_layers=args.layers)
     with torch.device(args.device):
-        return transformers.Qwen3MoeForCausalLM(config).to(torch.bfloat16).eval()
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
 
 
 def main():
@@ -49,9 +50,19 @@ def main():
         logits = torch.compile(model, backend=backend)(ids).logits.float()
 
     print(backend.report)
-    print("\nweights in no site (no fp8fx pass handles them; they stay bf16):")
-    for name, shape, module in backend.report.unhandled_weights(model):
-        print(f"  {name}  {'x'.join(map(str, shape))}  ({module})")
+    print("\nthe experts:")
+    sites = {s.fqn: s for s in backend.report.sites}
+    unhandled = backend.report.unhandled_weights(model)
+    for fqn, module in model.named_modules():
+        if type(module).__name__.endswith("Experts"):
+            site = sites.get(fqn)
+            if site is None:
+                status = "not rewritten: in no site (no fp8fx pass handles experts yet)"
+            else:
+                status = "rewritten" if site.rewritten else f"not rewritten: {site.reason}"
+            weights = [f"{n.rpartition('.')[2]} {'x'.join(map(str, shape))} {dtype}"
+                       for n, shape, dtype, _ in unhandled if n.startswith(fqn + ".")]
+            print(f"  {fqn}: {status}" + (f"; {', '.join(weights)}" if weights else ""))
     err = ((logits - reference).norm() / reference.norm()).item()
     print(f"\nlogits vs bf16: relative error {err:.4f}")
 

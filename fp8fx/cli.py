@@ -238,8 +238,8 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
             rows.append({"graph": None, "kind": "linear", "fqn": fqn, "weight_shape": list(module.weight.shape),
                          "would_rewrite": False, "scheme": "", "reason": "not called by the traced forward",
                          "bytes_saved": 0})
-    others = [{"name": name, "shape": list(shape), "module": cls}
-              for name, shape, cls in backend.report.unhandled_weights(model)]
+    others = [{"name": name, "shape": list(shape), "dtype": dtype, "module": cls}
+              for name, shape, dtype, cls in backend.report.unhandled_weights(model)]
     return rows, others, backend.report.graphs
 
 
@@ -262,9 +262,10 @@ def _table(spec: str, cls: str, config: Fp8Config, rows: list[dict], others: lis
     widths = [max(len(t[i]) for t in table) for i in range(4)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(t, widths)) + "  " + t[4] for t in table]
     if others:
-        lines += ["", "weights no fp8fx pass looks at (they stay in high precision):"]
+        lines += ["", "weights in no site (no fp8fx pass rewrites their computation):"]
         width = max(len(o["name"]) for o in others)
-        lines += [f"{o['name'].ljust(width)}  {'x'.join(map(str, o['shape']))}  ({o['module']})" for o in others]
+        lines += [f"{o['name'].ljust(width)}  {'x'.join(map(str, o['shape']))}  {o['dtype']}  ({o['module']})"
+                  for o in others]
     done = [r for r in rows if r["would_rewrite"]]
     saved = sum(r["bytes_saved"] for r in done)
     lines += ["", f"{len(done)} of {len(rows)} linear sites would be rewritten; {saved / 2**20:.1f} MiB of weights saved"]

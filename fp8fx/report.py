@@ -79,10 +79,10 @@ class Report:
         """Weight bytes saved, each layer counted once however many graphs it appears in."""
         return _bytes_saved(self.sites)
 
-    def unhandled_weights(self, model: Any) -> list[tuple[str, tuple[int, ...], str]]:
-        """(name, shape, module class) of each parameter of ``model`` with two or more dims that belongs
-        to no site of the report and to no ``nn.Linear``: weights no fp8fx pass rewrote or even looked at
-        (embeddings; MoE experts, until a pass handles them). They stay in high precision."""
+    def unhandled_weights(self, model: Any) -> list[tuple[str, tuple[int, ...], str, str]]:
+        """(name, shape, dtype, module class) of each parameter of ``model`` with two or more dims that
+        belongs to no site of the report and to no ``nn.Linear``: weights whose computation no fp8fx pass
+        rewrote or looked at (embeddings; MoE experts, until a pass handles them)."""
         from torch import nn
 
         modules = dict(model.named_modules())
@@ -91,7 +91,8 @@ class Report:
         for name, p in model.named_parameters():
             owner = name.rpartition(".")[0]
             if p.dim() >= 2 and owner not in sites and not isinstance(modules[owner], nn.Linear):
-                found.append((name, Site.shape_of(p), type(modules[owner]).__name__))
+                dtype = str(p.dtype).removeprefix("torch.")
+                found.append((name, Site.shape_of(p), dtype, type(modules[owner]).__name__))
         return found
 
     def add_output_code(self, graph: int, code: str, gm: Any) -> None:

@@ -10,15 +10,12 @@ from torch import nn
 import fp8fx
 from fp8fx.lowerings import compat
 
-GRAPH0 = [
-    "graph000_0_dynamo_graph.py",
-    "graph000_1_01_after_LinearPass.py",
-    "graph000_2_inductor_output_code.py",
-    "graph000_3_report.json",
-    "graph000_3_report.txt",
-    # depyf is a test extra; without it the bytecode is a dis listing (see the last test)
-    "graph000_4_dynamo_bytecode.py" if importlib.util.find_spec("depyf") else "graph000_4_dynamo_bytecode.txt",
-]
+# one file after each pass, in pass order
+PASSES = [f"1_{i:02d}_after_{type(p).__name__}.py" for i, p in enumerate(fp8fx.Fp8Backend().pass_manager.passes, 1)]
+# depyf is a test extra; without it the bytecode is a dis listing (see the last test)
+BYTECODE = "4_dynamo_bytecode.py" if importlib.util.find_spec("depyf") else "4_dynamo_bytecode.txt"
+PER_GRAPH = ["0_dynamo_graph.py", *PASSES, "2_inductor_output_code.py", "3_report.json", "3_report.txt", BYTECODE]
+GRAPH0 = [f"graph000_{name}" for name in PER_GRAPH]
 
 
 class TwoLayer(nn.Module):
@@ -48,15 +45,15 @@ def test_two_layer_dump(tmp_path):
         if name.endswith(".py"):
             ast.parse((tmp_path / name).read_text(), filename=name)  # each is valid Python
 
-    before = (tmp_path / GRAPH0[0]).read_text()
-    after = (tmp_path / GRAPH0[1]).read_text()
+    before = (tmp_path / "graph000_0_dynamo_graph.py").read_text()
+    after = (tmp_path / "graph000_1_01_after_LinearPass.py").read_text()
     assert "fp8fx.dequantize" in before and "fp8fx.scaled_mm" not in before
     assert after.count("torch.ops.fp8fx.scaled_mm.default(") == 2 and "fp8fx.dequantize" not in after
     assert "def forward(self" in before and "def forward(self" in after  # gm.code's form
-    assert "torch.ops.fp8fx.scaled_mm.default(" in (tmp_path / GRAPH0[2]).read_text()
-    bytecode = (tmp_path / GRAPH0[5]).read_text()
+    assert "torch.ops.fp8fx.scaled_mm.default(" in (tmp_path / "graph000_2_inductor_output_code.py").read_text()
+    bytecode = (tmp_path / f"graph000_{BYTECODE}").read_text()
     assert "__compiled_fn_" in bytecode
-    assert ("decompiled by depyf" in bytecode) == GRAPH0[5].endswith(".py")
+    assert ("decompiled by depyf" in bytecode) == BYTECODE.endswith(".py")
 
     assert json.loads((tmp_path / "graph000_3_report.json").read_text()) == json.loads(backend.report.to_json(0))
     assert json.loads((tmp_path / "report.json").read_text()) == json.loads(backend.report.to_json())
@@ -84,7 +81,7 @@ def test_files_of_each_graph_sort_after_the_previous_graph(tmp_path):
     with torch.no_grad():
         torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
     names = sorted(p.name for p in tmp_path.iterdir())
-    per_graph = [n.replace("graph000_", "") for n in GRAPH0 if "inductor" not in n]  # eager: no output code
+    per_graph = [n for n in PER_GRAPH if "inductor" not in n]  # eager: no output code
     assert names == [f"graph{g:03d}_{n}" for g in (0, 1) for n in per_graph] + ["report.json", "report.txt"]
     assert "a" in (tmp_path / "graph000_3_report.txt").read_text().split("\n")[2]
     assert {s["fqn"] for s in json.loads((tmp_path / "graph001_3_report.json").read_text())["sites"]} == {"b"}

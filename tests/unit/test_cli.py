@@ -55,7 +55,9 @@ def test_inspect_hf_config_folder(capsys, llama_dir):
     assert sites["model.layers.0.mlp.down_proj"]["weight_shape"] == [256, 512]
     # bf16 [256, 512] -> fp8 + float32 scales [2, 4]
     assert sites["model.layers.0.mlp.down_proj"]["bytes_saved"] == 256 * 512 - 4 * 2 * 4
-    assert result["other_weights"] == [{"name": "model.embed_tokens.weight", "shape": [512, 256], "module": "Embedding"}]
+    assert result["other_weights"] == [
+        {"name": "model.embed_tokens.weight", "shape": [512, 256], "dtype": "bfloat16", "module": "Embedding"}
+    ]
 
 
 MODELS_PY = """

@@ -130,8 +130,8 @@ def test_unhandled_weights():
         torch.compile(model, backend=backend)(torch.arange(3))
     assert [s.fqn for s in backend.report.sites] == ["proj"]
     assert backend.report.unhandled_weights(model) == [
-        ("embed.weight", (10, 64), "Embedding"),
-        ("experts.gate_up_proj", (4, 32, 64), "Module"),
+        ("embed.weight", (10, 64), "float32", "Embedding"),
+        ("experts.gate_up_proj", (4, 32, 64), "float32", "Module"),
     ]
 
 
