@@ -2,7 +2,7 @@
 
     fp8fx inspect MODEL [--ignore FQN] [--block-size N,K] [--activation-scheme S] [--config FILE] [--json]
     fp8fx bench [--cpu-smoke] [...]      benchmarks/bench_linear.py of a source checkout
-    fp8fx convert ...                    not available yet (comes with checkpoint loading)
+    fp8fx convert ...                    not available yet (fp8fx.checkpoint.convert from Python)
 
 ``inspect`` builds MODEL on the meta device (no weights, no GPU), traces it with ``torch.compile`` and
 says, for every linear site, whether fp8fx would rewrite it with the config, or why not. MODEL is a
@@ -90,8 +90,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("bench", help="run benchmarks/bench_linear.py (fp8fx bench --help for its options)", add_help=False)
 
     p = sub.add_parser("convert", help="convert a checkpoint to fp8 (not available yet)",
-                       description="Convert a bf16 checkpoint to an fp8 one. Not available yet: it comes with "
-                       "checkpoint loading (fp8fx.load_checkpoint).")
+                       description="Convert a bf16 checkpoint to an fp8 one. Not available yet as a command; "
+                       "from Python: fp8fx.checkpoint.convert(src_dir, dst_dir).")
     p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
     p.set_defaults(func=convert_command)
     return parser
@@ -298,8 +298,8 @@ def bench(argv: list[str]) -> int:
 
 
 def convert_command(args: argparse.Namespace) -> int:
-    raise UsageError("not available yet: converting a checkpoint comes with checkpoint loading "
-                     "(fp8fx.load_checkpoint); meanwhile fp8fx.quantize_(model) and save model.state_dict()")
+    raise UsageError("not available yet: the command comes with the checkpoints work; from Python, "
+                     "fp8fx.checkpoint.convert(src_dir, dst_dir) converts a bf16 checkpoint to fp8")
 
 
 if __name__ == "__main__":
