@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import fp8fx
+import fp8fx.testing
 from fp8fx.lowerings import compat
 
 # one file after each pass, in pass order
@@ -40,6 +41,7 @@ def compile_two_layer(tmp_path, x=None, **options):
 
 def test_two_layer_dump(tmp_path):
     backend = compile_two_layer(tmp_path)
+    fp8fx.testing.assert_rewritten(backend, "up", "down")
     assert sorted(p.name for p in tmp_path.iterdir()) == GRAPH0 + ["report.json", "report.txt"]
     for name in GRAPH0:
         if name.endswith(".py"):
