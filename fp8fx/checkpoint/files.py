@@ -130,7 +130,8 @@ def read_tensor(entry: Entry) -> torch.Tensor:
 
 
 def write_file(file: str, tensors: Mapping[str, torch.Tensor], metadata: Optional[Mapping[str, str]] = None) -> None:
-    """Write ``tensors`` (CPU, contiguous) as one safetensors file, header padded to 8 bytes."""
+    """Write ``tensors`` (any device or layout) as one safetensors file, header padded to 8 bytes.
+    Each tensor is copied to a contiguous CPU tensor only while it is written."""
     names = {dtype: name for name, dtype in DTYPES.items()}
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
@@ -145,6 +146,7 @@ def write_file(file: str, tensors: Mapping[str, torch.Tensor], metadata: Optiona
         f.write(raw)
         for t in tensors.values():
             if t.numel():
+                t = t.detach().cpu().contiguous()
                 f.write((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr()))
 
 
@@ -207,5 +209,7 @@ def read_checkpoint(path: str) -> tuple[list[str], dict[str, Entry]]:
     if index is not None:
         for name, shard in weight_map.items():
             if name not in entries or os.path.basename(entries[name].file) != shard:
-                raise CheckpointError(f"{index} places {name} in {shard}, but that file does not hold it: corrupt index")
+                raise CheckpointError(
+                    f"{index} places {name} in {shard}, but that file does not hold it: corrupt index"
+                )
     return [os.path.join(path, f) for f in files], entries

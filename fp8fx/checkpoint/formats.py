@@ -225,9 +225,9 @@ def quantization_config(
     if len(distinct) == 1:
         groups = {"group_0": _ct_group(distinct[0], ["Linear"])}
     else:
-        groups = {
-            f"group_{i}": _ct_group(s, sorted(f for f, fs in schemes.items() if fs == s)) for i, s in enumerate(distinct)
-        }
+        groups = {}
+        for i, scheme in enumerate(distinct):
+            groups[f"group_{i}"] = _ct_group(scheme, sorted(f for f, s in schemes.items() if s == scheme))
     return {
         "quant_method": "compressed-tensors",
         "format": "float-quantized",

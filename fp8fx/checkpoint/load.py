@@ -215,7 +215,7 @@ class _Loader:
         transformers never quantize it for the fp8 format: DeepSeek-V3's config does not list it)."""
         get = getattr(self.model, "get_output_embeddings", None)
         out = get() if callable(get) else None
-        return fqn == "lm_head" if out is None else self.modules.get(fqn) is out
+        return self.modules.get(fqn) is out if isinstance(out, nn.Module) else fqn == "lm_head"
 
     def _layer_config(self, fqn: str, module: nn.Linear, shards: Sequence[str]):
         """(config, "") for a layer to quantize, else (None, why not). The shards of a fused layer
@@ -233,7 +233,10 @@ class _Loader:
         config = configs.pop()
         if config is None:
             return None, "in ignored_layers" if self._ignored(fqn, shards) else "not targeted by quantization_config"
-        tied = [k for k in self.aliases[id(module._parameters["weight"])] if k != f"{fqn}.weight"]
+        weight = module._parameters.get("weight")
+        if weight is None:
+            return None, "no weight"
+        tied = [k for k in self.aliases[id(weight)] if k != f"{fqn}.weight"]
         if tied:
             return None, f"weight tied to {tied[0]}"
         if not config.is_checkpoint_fp8_serialized:
@@ -275,7 +278,8 @@ class _Loader:
     def _why_unexpected(self, name: str) -> str:
         owner = name.rpartition(".")[0]
         if owner in self.not_quantized:
-            return f"{owner} is not quantized ({self.not_quantized[owner]}); fix the config's ignore list or the checkpoint"
+            why = self.not_quantized[owner]
+            return f"{owner} is not quantized ({why}); fix the config's ignore list or the checkpoint"
         return f"the model has no module {owner!r}; the checkpoint does not belong to this model"
 
     def _plan_state(self, key: str, entry: Entry) -> None:
@@ -291,7 +295,9 @@ class _Loader:
                 f"format is {self.fmt.describe()}: fix quantization_config (ignore list) or pass config=..."
             )
         if tuple(entry.shape) != tuple(target.shape):
-            raise CheckpointError(f"{entry}: the model's {key} has shape {list(target.shape)}; wrong model or checkpoint")
+            raise CheckpointError(
+                f"{entry}: the model's {key} has shape {list(target.shape)}; wrong model or checkpoint"
+            )
         if entry.dtype.is_floating_point != target.dtype.is_floating_point:
             raise CheckpointError(f"{entry}: the model's {key} is {target.dtype}; wrong model or checkpoint")
         self.planned.add(first)
@@ -427,8 +433,8 @@ class _Loader:
                     continue
                 if not hasattr(self.model, "_init_weights"):
                     raise CheckpointError(
-                        f"{_join(fqn, name)}: a non-persistent buffer on the meta device that no checkpoint holds; build "
-                        "the model with its buffers on a real device (only parameters on meta)"
+                        f"{_join(fqn, name)}: a non-persistent buffer on the meta device that no checkpoint holds; "
+                        "build the model with its buffers on a real device (only parameters on meta)"
                     )
                 self.buffers[(fqn, name)] = buf
 

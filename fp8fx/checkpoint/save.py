@@ -46,7 +46,9 @@ def save_checkpoint(
     path = os.fspath(path)
     schemes = {f: layer_scheme(m) for f, m in model.named_modules() if is_quantized(m)}
     if not schemes:
-        raise ValueError("save_checkpoint: the model has no fp8fx-quantized layer; quantize_ it or load_checkpoint first")
+        raise ValueError(
+            "save_checkpoint: the model has no fp8fx-quantized layer; quantize_ it or load_checkpoint first"
+        )
     unprocessed = [f for f, m in model.named_modules() if is_quantized(m) and not m._fp8fx_processed]
     if unprocessed:
         raise ValueError(f"{unprocessed[0]}: weights not processed yet; run process_weights_after_loading first")
@@ -66,7 +68,7 @@ def save_checkpoint(
         owner, _, leaf = name.rpartition(".")
         if leaf == "weight_scale_inv" and qc["quant_method"] == "compressed-tensors":
             name = f"{owner}.weight_scale"
-        tensors[name] = t.detach().contiguous().cpu()
+        tensors[name] = t.detach()
     if config_json is None:
         hf = getattr(model, "config", None)
         config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})

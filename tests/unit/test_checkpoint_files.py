@@ -64,7 +64,8 @@ def test_truncated_file_names_file_and_tensor(tmp_path, keep):
     data = file.read_bytes()
     file.write_bytes(data[:keep] if keep >= 0 else data[:-1])
     match = {0: "truncated safetensors file", 5: "truncated safetensors file", 40: "header length .* runs past the end"}
-    with pytest.raises(CheckpointError, match=match.get(keep, r"b\.weight in .*model\.safetensors: its data ends at byte")):
+    last = r"b\.weight in .*model\.safetensors: its data ends at byte"
+    with pytest.raises(CheckpointError, match=match.get(keep, last)):
         read_checkpoint(str(tmp_path))
 
 
@@ -81,7 +82,8 @@ def test_corrupt_header(tmp_path):
 def test_offsets_that_do_not_match_the_shape(tmp_path):
     header = json.dumps({"a.weight": {"dtype": "F32", "shape": [4, 4], "data_offsets": [0, 60]}}).encode()
     (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(64))
-    with pytest.raises(CheckpointError, match=r"a\.weight in .*data_offsets \[0, 60\] do not hold a F32 tensor of shape \[4, 4\]"):
+    match = r"a\.weight in .*data_offsets \[0, 60\] do not hold a F32 tensor of shape \[4, 4\]"
+    with pytest.raises(CheckpointError, match=match):
         read_checkpoint(str(tmp_path))
 
 
@@ -105,7 +107,9 @@ def _sharded(tmp_path):
 def test_sharded_checkpoint_through_its_index(tmp_path):
     _sharded(tmp_path)
     files, entries = read_checkpoint(str(tmp_path))
-    assert [os.path.basename(f) for f in files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    assert [os.path.basename(f) for f in files] == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"
+    ]
     assert entries["b.weight"].shape == (3,) and entries["b.weight"].file == files[1]
 
 
@@ -113,7 +117,8 @@ def test_index_naming_a_missing_shard(tmp_path):
     _sharded(tmp_path)
     os.remove(tmp_path / "model-00002-of-00002.safetensors")
     with pytest.raises(
-        CheckpointError, match=r"names shard 'model-00002-of-00002.safetensors' \(holding b\.weight and others\), which is missing"
+        CheckpointError,
+        match=r"names shard 'model-00002-of-00002.safetensors' \(holding b\.weight and others\), which is missing",
     ):
         read_checkpoint(str(tmp_path))
 
@@ -123,7 +128,8 @@ def test_index_placing_a_tensor_in_the_wrong_shard(tmp_path):
     index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     index["weight_map"]["c.weight"] = "model-00001-of-00002.safetensors"
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=r"places c\.weight in model-00001-of-00002\.safetensors, but that file does not hold it"):
+    match = r"places c\.weight in model-00001-of-00002\.safetensors, but that file does not hold it"
+    with pytest.raises(CheckpointError, match=match):
         read_checkpoint(str(tmp_path))
 
 
@@ -138,7 +144,8 @@ def test_pickles_are_never_read(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with open(tmp_path / "pytorch_model.bin", "wb") as f:
         pickle.dump({"w": _Boom()}, f)
-    with pytest.raises(CheckpointError, match=r"no \*\.safetensors files \(found \['pytorch_model\.bin'\]\); fp8fx reads only safetensors"):
+    match = r"no \*\.safetensors files \(found \['pytorch_model\.bin'\]\); fp8fx reads only safetensors"
+    with pytest.raises(CheckpointError, match=match):
         read_checkpoint(str(tmp_path))
     assert not (tmp_path / "PWNED_BY_PICKLE").exists()
 

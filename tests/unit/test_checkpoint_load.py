@@ -167,7 +167,8 @@ def fp8_checkpoint(state, granularity, *, static=False, ignore=("lm_head",), ct=
         qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": list(ignore),
               "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
     else:
-        qc = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic", "ignored_layers": list(ignore)}
+        qc = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+              "ignored_layers": list(ignore)}
         if granularity == "block":
             qc["weight_block_size"] = list(block)
     return tensors, qc, deq
@@ -308,7 +309,8 @@ def test_compressed_tensors_ignore_regex_and_two_groups(tmp_path):
         "model.layers.1.mlp.down_proj": "in ignored_layers",
         "lm_head": "in ignored_layers",
     }
-    assert torch.equal(model.model.layers[1].self_attn.q_proj.weight, deq_a["model.layers.1.self_attn.q_proj"].bfloat16())
+    q_proj = model.model.layers[1].self_attn.q_proj
+    assert torch.equal(q_proj.weight, deq_a["model.layers.1.self_attn.q_proj"].bfloat16())
     assert torch.equal(model.model.layers[0].mlp.up_proj.weight, deq_m["model.layers.0.mlp.up_proj"].bfloat16())
     assert torch.equal(model.model.layers[1].mlp.up_proj.weight, state["model.layers.1.mlp.up_proj.weight"])
 
@@ -331,7 +333,9 @@ def test_user_config_overrides_checkpoint_config(tmp_path):
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor", ignore=())
     model = meta_tiny()
     config = fp8fx.Fp8Config(is_checkpoint_fp8_serialized=True, ignored_layers=["lm_head"])
-    with pytest.raises(CheckpointError, match=r"^lm_head\.weight \(float8_e4m3fn \[128, 64\] in model\.safetensors\): a float8 tensor for lm_head\.weight, which is not quantized \(in ignored_layers\)"):
+    match = (r"^lm_head\.weight \(float8_e4m3fn \[128, 64\] in model\.safetensors\): a float8 tensor for "
+             r"lm_head\.weight, which is not quantized \(in ignored_layers\)")
+    with pytest.raises(CheckpointError, match=match):
         load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), config=config, progress=False)
 
 
@@ -442,7 +446,9 @@ def test_fused_block_shard_not_on_block_rows(tmp_path):
     tensors, qc, _ = fp8_checkpoint(state, "block", block=(64, 32))
     model = meta_tiny(fused=True)
     snap = snapshot(model)
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.qkv_proj \(fused from .*\): output partitions \[64, 32, 32\].*multiple of block_n=64"):
+    match = (r"model\.layers\.0\.self_attn\.qkv_proj \(fused from .*\): output partitions \[64, 32, 32\]"
+             r".*multiple of block_n=64")
+    with pytest.raises(CheckpointError, match=match):
         load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
     assert_unchanged(model, snap)
 
@@ -451,7 +457,8 @@ def test_checkpoint_holding_both_fused_and_separate_tensors(tmp_path):
     state = bf16_state()
     state["model.layers.0.mlp.gate_up_proj.weight"] = torch.zeros(2 * INTER, H, dtype=torch.bfloat16)
     model = meta_tiny(fused=True)
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.gate_up_proj: the checkpoint holds it both fused"):
+    match = r"model\.layers\.0\.mlp\.gate_up_proj: the checkpoint holds it both fused"
+    with pytest.raises(CheckpointError, match=match):
         load_checkpoint(model, write_checkpoint(tmp_path / "c", state), progress=False)
 
 
@@ -634,7 +641,8 @@ def test_truncated_shard_found_before_anything_loads(tmp_path):
     file.write_bytes(file.read_bytes()[:-100])
     model = meta_tiny()
     snap = snapshot(model)
-    with pytest.raises(CheckpointError, match=r"in .*model-00003-of-00003\.safetensors: its data ends at byte \d+ but the file has"):
+    match = r"in .*model-00003-of-00003\.safetensors: its data ends at byte \d+ but the file has"
+    with pytest.raises(CheckpointError, match=match):
         load_checkpoint(model, path, progress=False)
     assert_unchanged(model, snap)
 
@@ -660,7 +668,8 @@ def test_already_quantized_model_is_refused(tmp_path):
     path = write_checkpoint(tmp_path / "c", bf16_state())
     model = Tiny().bfloat16()
     fp8fx.quantize_(model)
-    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.self_attn\.q_proj \(and 14 more\) is already fp8-quantized"):
+    match = r"model\.layers\.0\.self_attn\.q_proj \(and 14 more\) is already fp8-quantized"
+    with pytest.raises(CheckpointError, match=match):
         load_checkpoint(model, path, progress=False)
 
 

@@ -72,7 +72,8 @@ def test_save_load_roundtrip_is_identical(tmp_path, name):
     model = quantized_tiny(config)
     qc, loaded, report = roundtrip(model, tmp_path)
     assert qc["quant_method"] == method
-    assert report.quantized == {f: str(config.scheme()) for f in LINEARS + ([] if config.ignored_layers else ["lm_head"])}
+    layers = LINEARS + ([] if config.ignored_layers else ["lm_head"])
+    assert report.quantized == {f: str(config.scheme()) for f in layers}
     written = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
     assert written == qc
 
@@ -106,7 +107,8 @@ def test_fp8_formats_use_the_names_other_engines_load(tmp_path):
     header = read_header(str(tmp_path / "static" / "model.safetensors"))
     assert header[f"{down}.weight_scale"].shape == (1,) and header[f"{down}.input_scale"].shape == (1,)
     qc = json.loads((tmp_path / "static" / "config.json").read_text())["quantization_config"]
-    assert qc == {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": [], "modules_to_not_convert": []}
+    assert qc == {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": [],
+                  "modules_to_not_convert": []}
 
 
 def test_fp8_format_cannot_hold_per_channel(tmp_path):
@@ -224,5 +226,6 @@ def test_convert_refuses(tmp_path):
     state = bf16_state()
     state["model.layers.1.mlp.up_proj.weight"][2, 2] = float("inf")
     bad = write_checkpoint(tmp_path / "bad", state)
-    with pytest.raises(CheckpointError, match=r"^model\.layers\.1\.mlp\.up_proj\.weight \(bfloat16 \[96, 64\] .*\) has 1 NaN/Inf"):
+    match = r"^model\.layers\.1\.mlp\.up_proj\.weight \(bfloat16 \[96, 64\] .*\) has 1 NaN/Inf"
+    with pytest.raises(CheckpointError, match=match):
         convert(bad, tmp_path / "out2", model=meta_tiny(), progress=False)
