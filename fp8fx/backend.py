@@ -9,6 +9,7 @@ from torch import fx
 from fp8fx.dump import GraphDump
 from fp8fx.lowerings import aten, compat
 from fp8fx.passes import PassManager, default_passes
+from fp8fx.passes.horizontal import AFTER_COMPILE
 from fp8fx.report import Report
 
 log = logging.getLogger("fp8fx")
@@ -35,6 +36,9 @@ class Fp8Backend:
       decode-sized batches need to reach their speed. Default False.
     - ``weight_only``: fp8 weights with 16-bit activations and math (``fp8fx.weight_only_mm``); None
       (default) picks it on GPUs without fp8 tensor cores (compute capability < 8.9).
+    - ``fuse_horizontal``: fuse GEMMs that read the same input (q/k/v, gate/up) into one
+      (``fp8fx.passes.horizontal``): once compiled, the fused layers' parameters are moved into one
+      tensor (per-tensor shards requantized to their max scale) and run as one GEMM. Default False.
 
     ``report`` lists every linear site of every graph this backend compiled.
     """
@@ -49,6 +53,7 @@ class Fp8Backend:
         use_fast_accum: bool = True,
         cudagraphs: bool = False,
         weight_only: Optional[bool] = None,
+        fuse_horizontal: bool = False,
     ):
         if compiler not in _COMPILERS:
             raise ValueError(f"Fp8Backend(compiler={compiler!r}): use one of {_COMPILERS}")
@@ -65,9 +70,10 @@ class Fp8Backend:
             "lowering": lowering,
             "use_fast_accum": use_fast_accum,
             "weight_only": weight_only,
+            "fuse_horizontal": fuse_horizontal,
             "inductor_config": sorted(self.inductor_config.items()),
         }
-        passes = default_passes(use_fast_accum=use_fast_accum, weight_only=weight_only)
+        passes = default_passes(use_fast_accum=use_fast_accum, weight_only=weight_only, fuse_horizontal=fuse_horizontal)
         self.pass_manager = PassManager(passes, options)
         self.report = Report()
 
@@ -79,13 +85,18 @@ class Fp8Backend:
         index = self.report.graphs
         dump = self._dump(gm, index)
         (dump.passes(self.pass_manager) if dump else self.pass_manager).run(gm, example_inputs, self.report)
+        after_compile = gm.meta.pop(AFTER_COMPILE, ())  # e.g. moving fused weights into one tensor
         if self.compiler == "eager":
+            for fn in after_compile:
+                fn()
             return self._done(gm.forward, index, dump, [])
         patches = {**self.inductor_config, "post_grad_custom_post_pass": self.pass_manager}
         decomps = aten.decompositions() if self.lowering == "aten" and aten.applies(example_inputs) else None
         with compat.capture_output_code() as code:  # for the report's kernels and the dump
             compiled = compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
         self.report.add_output_code(index, "\n".join(code), gm)
+        for fn in after_compile:
+            fn()
         return self._done(compiled, index, dump, code)
 
     def _dump(self, gm: fx.GraphModule, index: int) -> Optional[GraphDump]:

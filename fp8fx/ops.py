@@ -14,6 +14,8 @@ Blocks are ``[rows, cols]`` lists over a 2-D view with ``-1`` = whole dim (see `
   ``y [..., N] = dequant(xq) @ dequant(wq).T + bias``; wq: ``[N, K]``. On CUDA: the Triton GEMM of
   ``fp8fx.kernels`` for decode-sized M and for block / group scales, cuBLAS ``torch._scaled_mm``
   for per-tensor / per-row scales above.
+- ``scaled_mm_fused(xq, x_scale, wqs, w_scales, biases, ...)``: several weights that read the same
+  activation in one GEMM (``fp8fx.passes.horizontal``).
 - ``weight_only_mm(x, wq, w_scale, bias, w_block)``: ``x @ dequant(wq).T + bias`` with 16-bit
   activations (the fallback for GPUs without fp8 tensor cores).
 """
@@ -174,6 +176,60 @@ def cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype
         x2.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
     )
     return y if bias is None else y + bias.to(out_dtype)
+
+
+# --- horizontally fused GEMM (q/k/v, gate/up) ---------------------------------------------
+def _adjacent(ts: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The single tensor that ``ts`` are back-to-back row slices of (one storage, contiguous), or None."""
+    base = ts[0]
+    offset = base.storage_offset()
+    for t in ts:
+        same = t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        if not same or not t.is_contiguous() or t.storage_offset() != offset or t.shape[1:] != base.shape[1:]:
+            return None
+        offset += t.numel()
+    rows = sum(t.shape[0] for t in ts)
+    return base.as_strided((rows, *base.shape[1:]), base.stride(), base.storage_offset())
+
+
+def _one_scale(ss: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The per-tensor scale all shards share (same memory), or None."""
+    first = ss[0]
+    same = all(s.data_ptr() == first.data_ptr() and s.numel() == first.numel() for s in ss)
+    return first if same else None
+
+
+@torch.library.custom_op(f"{_LIB}::scaled_mm_fused", mutates_args=())
+def scaled_mm_fused(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    wqs: list[torch.Tensor],
+    w_scales: list[torch.Tensor],
+    biases: list[Optional[torch.Tensor]],
+    x_block: list[int],
+    w_block: list[int],
+    out_dtype: torch.dtype,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """``cat([scaled_mm(xq, x_scale, wqs[i], w_scales[i], biases[i], ...)], -1)`` as ONE GEMM when the
+    weights (and their scales) are back-to-back slices of one tensor, which
+    ``fp8fx.passes.horizontal`` arranges; otherwise one GEMM per weight (same result)."""
+    w = _adjacent(wqs)
+    s = _one_scale(w_scales) if tuple(w_block) == (-1, -1) else _adjacent([t.reshape(-1, t.shape[-1]) for t in w_scales])
+    if w is not None and s is not None:
+        b = None if biases[0] is None else _adjacent(biases)
+        b = torch.cat(biases) if biases[0] is not None and b is None else b
+        return scaled_mm(xq, x_scale, w, s, b, x_block, w_block, out_dtype, use_fast_accum)
+    parts = [
+        scaled_mm(xq, x_scale, wq, ws, b, x_block, w_block, out_dtype, use_fast_accum)
+        for wq, ws, b in zip(wqs, w_scales, biases)
+    ]
+    return torch.cat(parts, -1)
+
+
+@scaled_mm_fused.register_fake
+def _(xq, x_scale, wqs, w_scales, biases, x_block, w_block, out_dtype, use_fast_accum=False):
+    return xq.new_empty((*xq.shape[:-1], sum(w.shape[0] for w in wqs)), dtype=out_dtype)
 
 
 # --- weight-only GEMM (GPUs without fp8 tensor cores) --------------------------------------

@@ -162,6 +162,10 @@ def fp8_gemm(
         if len(set(group_k)) != 1:
             raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
         cfg["BLOCK_K"] = group_k[0]
+    # shared memory per pipeline stage: an a tile and a b tile; keep the stages under Hopper's 227 KiB
+    # (bf16 activations of the weight-only variant double the a tile)
+    stage_bytes = cfg["BLOCK_M"] * cfg["BLOCK_K"] * a.element_size() + cfg["BLOCK_K"] * cfg["BLOCK_N"] * b.element_size()
+    cfg["num_stages"] = max(1, min(cfg["num_stages"], (200 * 1024) // stage_bytes))
     y = torch.empty(m, n, device=a.device, dtype=out_dtype)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     fp8_gemm_kernel[grid](

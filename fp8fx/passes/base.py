@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from torch._subclasses.fake_tensor import FakeTensor
 
@@ -50,7 +51,7 @@ def set_fake_value(node: fx.Node, target, args, kwargs=None) -> None:
     """Run ``target`` on the inputs' fake tensors so ``node`` carries a correct ``example_value``."""
     vals = fx.node.map_aggregate(args, fake_value)
     kvals = fx.node.map_aggregate(kwargs or {}, fake_value)
-    fakes = [v for v in fx.node.map_aggregate(vals, lambda v: v) if isinstance(v, FakeTensor)]
+    fakes = [v for v in pytree.tree_leaves((vals, kvals)) if isinstance(v, FakeTensor)]
     if not fakes:
         return
     mode = fakes[0].fake_mode

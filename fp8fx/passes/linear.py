@@ -97,7 +97,8 @@ class LinearPass(Fp8Pass):
                 ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index,
                                     weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node)))
                 continue
-            scheme = (self._rewrite_weight_only if weight_only else self._rewrite)(graph, node, x, w, bias)
+            scheme, new = (self._rewrite_weight_only if weight_only else self._rewrite)(graph, node, x, w, bias)
+            new.meta["fp8fx_site"] = len(ctx.report.sites)  # later passes amend this site
             ctx.report.add(Site("linear", fqn, True, "", scheme, ctx.graph_index,
                                 weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
                                 bytes_saved=Site.saved_bytes(fake_value(w), fake_value(w.args[1]))))
@@ -158,7 +159,7 @@ class LinearPass(Fp8Pass):
         return xq, x_scale
 
     @staticmethod
-    def _rewrite_weight_only(graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias) -> str:
+    def _rewrite_weight_only(graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias) -> tuple[str, fx.Node]:
         wq, w_scale, w_block = w.args[:3]
         args = (x, wq, w_scale, bias, list(w_block))
         with graph.inserting_before(node):
@@ -166,9 +167,9 @@ class LinearPass(Fp8Pass):
         set_fake_value(y, torch.ops.fp8fx.weight_only_mm.default, args)
         _replace(graph, node, y)
         weight = str(granularity_from_block(w_block)).replace("per-row", "per-channel")
-        return f"w:{weight} a:{fake_value(x).dtype} (weight-only)".replace("torch.", "")
+        return f"w:{weight} a:{fake_value(x).dtype} (weight-only)".replace("torch.", ""), y
 
-    def _rewrite(self, graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias) -> str:
+    def _rewrite(self, graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias) -> tuple[str, fx.Node]:
         wq, w_scale, w_block, _dtype, input_scale, act_block = (list(w.args) + [None, None])[:6]
         input_scale = w.kwargs.get("input_scale", input_scale)
         act_block = w.kwargs.get("act_block", act_block) or [1, -1]
@@ -182,7 +183,7 @@ class LinearPass(Fp8Pass):
         set_fake_value(y, torch.ops.fp8fx.scaled_mm.default, args)
         _replace(graph, node, y)
         scheme = LayerScheme(granularity_from_block(w_block), granularity_from_block(act_block), input_scale is not None)
-        return str(scheme)
+        return str(scheme), y
 
 
 def _replace(graph: fx.Graph, node: fx.Node, new: fx.Node) -> None:

@@ -11,14 +11,20 @@ from torch import fx
 
 from fp8fx.lowerings import compat
 from fp8fx.passes.base import Fp8Pass, PassContext
+from fp8fx.passes.horizontal import HorizontalFusionPass
 from fp8fx.passes.linear import LinearPass
 from fp8fx.report import Report
 
 log = logging.getLogger("fp8fx")
 
 
-def default_passes(use_fast_accum: bool = False, weight_only: Optional[bool] = None) -> list[Fp8Pass]:
-    return [LinearPass(use_fast_accum=use_fast_accum, weight_only=weight_only)]
+def default_passes(
+    use_fast_accum: bool = False, weight_only: Optional[bool] = None, fuse_horizontal: bool = False
+) -> list[Fp8Pass]:
+    return [
+        LinearPass(use_fast_accum=use_fast_accum, weight_only=weight_only),
+        HorizontalFusionPass(enabled=fuse_horizontal),
+    ]
 
 
 class PassManager(compat.CustomGraphPass):

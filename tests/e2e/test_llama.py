@@ -101,3 +101,12 @@ def test_tiny_llama_cuda_weight_only(name):
     assert {s.fqn for s in report.rewritten} == expected_sites(2)
     assert all(s.scheme.endswith("(weight-only)") for s in report.rewritten)
     assert rel_err(out, ref) < 0.1
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", ["per-tensor", "per-channel", "block"])
+def test_tiny_llama_cuda_fused_qkv_gate_up(name):
+    report, out, ref = run_llama(GPU_CONFIGS[name], "cuda", fuse_horizontal=True)
+    assert {s.fqn for s in report.rewritten} == expected_sites(2)
+    assert sum("fused(" in s.scheme for s in report.rewritten) == 10  # q/k/v + gate/up, 2 layers
+    assert rel_err(out, ref) < 0.1

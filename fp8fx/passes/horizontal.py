@@ -1,0 +1,148 @@
+"""Horizontal fusion: fp8 GEMMs that read the same quantized activation become one GEMM.
+
+Matches (after the linear pass, which quantizes each activation once), for n >= 2 weights that are
+parameters::
+
+    y_i = fp8fx.scaled_mm(xq, x_scale, wq_i, s_i, b_i, x_block, w_block, dtype, fast)   # q/k/v, gate/up
+
+Rewrites to::
+
+    y = fp8fx.scaled_mm_fused(xq, x_scale, [wq_i], [s_i], [b_i], x_block, w_block, dtype, fast)
+    y_i = y[..., offset_i : offset_i + N_i]
+
+Once the graph is compiled, the parameters are moved into one tensor each for weights, scales and
+biases (the model's parameters become back-to-back views of it, so memory does not grow), and
+``scaled_mm_fused`` then runs one GEMM on the whole. Per-channel and block scales concatenate exactly
+(blocks need every N_i but the last to be a multiple of the block's rows); per-tensor shards are
+requantized to the max shard scale, the rule FP8 checkpoints of fused QKV / w13 layers follow:
+``wq_i' = fp8(wq_i * s_i / max(s))``, ``s_i' = max(s)`` - the model's parameters take those values.
+A parameter replaced afterwards by another tensor is still used correctly, one GEMM per weight.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections import defaultdict
+
+import torch
+from torch import fx
+
+import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
+from fp8fx import quant
+from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, set_fake_value
+
+_SCALED_MM = torch.ops.fp8fx.scaled_mm.default
+_FUSED = torch.ops.fp8fx.scaled_mm_fused.default
+# gm.meta key: callables the backend runs once the graph is compiled
+AFTER_COMPILE = "fp8fx_after_compile"
+
+
+def fuse_weights(ws: list[torch.Tensor], ss: list[torch.Tensor], w_block) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fused weight [sum N_i, K], fused scale) from the shards' fp8 weights and scales."""
+    if tuple(w_block) == (-1, -1):  # per-tensor: requantize every shard to the max scale
+        scale = torch.stack([s.float().reshape(()) for s in ss]).max().reshape(1)
+        ws = [quant.cast_to_fp8(w.float() * (s.float().reshape(()) / scale)) for w, s in zip(ws, ss)]
+        return torch.cat(ws), scale
+    return torch.cat(ws), torch.cat([s.reshape(-1, s.shape[-1]) for s in ss])
+
+
+def _rebind(params: list[torch.Tensor], fused: torch.Tensor) -> None:
+    """Each parameter becomes a view of its rows of ``fused`` (same values; memory shared)."""
+    offset = 0
+    for p in params:
+        rows = p.reshape(-1, p.shape[-1]).shape[0]
+        p.data = fused.narrow(0, offset, rows).view(p.shape)
+        offset += rows
+
+
+def share_memory(weights, scales, biases, w_block) -> None:
+    """Move the shards' parameters into one tensor each (what ``scaled_mm_fused`` runs as one GEMM)."""
+    with torch.no_grad():
+        weight, scale = fuse_weights(weights, scales, w_block)
+        _rebind(weights, weight)
+        if tuple(w_block) == (-1, -1):
+            for s in scales:  # every shard's scale: a view of the one max scale
+                s.data = scale.view(s.shape)
+        else:
+            _rebind(scales, scale)
+        if biases:
+            _rebind(biases, torch.cat(biases))
+
+
+class HorizontalFusionPass(Fp8Pass):
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
+        groups: dict[tuple, list[fx.Node]] = defaultdict(list)
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and node.target is _SCALED_MM:
+                xq, x_scale, _, _, bias, x_block, w_block, dtype, fast = node.args
+                key = (xq, x_scale, tuple(x_block), tuple(w_block), dtype, fast, bias is None)
+                groups[key].append(node)
+        fused = 0
+        for nodes in groups.values():
+            if len(nodes) < 2:
+                continue
+            reason = self._why_not(nodes, ctx)
+            if reason:
+                self._amend(ctx, nodes, f"not fused with {self._names(nodes, ctx)}: {reason}")
+                continue
+            self._fuse(gm, nodes, ctx)
+            self._amend(ctx, nodes, f"fused({self._names(nodes, ctx)})")
+            fused += len(nodes)
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+        return fused
+
+    def _why_not(self, nodes: list[fx.Node], ctx: PassContext) -> str:
+        if not self.enabled:
+            return "horizontal fusion is off (Fp8Backend(fuse_horizontal=True))"
+        inputs = [a for n in nodes for a in n.args[2:5] if a is not None]
+        if any(not isinstance(ctx.example.get(a), torch.nn.Parameter) for a in inputs):
+            return "a weight, scale or bias is not a parameter"
+        if len(set(inputs)) != len(inputs):
+            return "the GEMMs share a weight tensor"
+        w_block = nodes[0].args[6]
+        if w_block[0] not in (-1, 1):
+            rows = [fake_value(n.args[2]).shape[0] for n in nodes[:-1]]
+            if any(r % w_block[0] for r in rows):
+                return f"output sizes {rows} are not multiples of the {w_block[0]}-row weight blocks"
+        return ""
+
+    @staticmethod
+    def _names(nodes: list[fx.Node], ctx: PassContext) -> str:
+        sites = [ctx.report.sites[n.meta["fp8fx_site"]].fqn for n in nodes if "fp8fx_site" in n.meta]
+        return ",".join(fqn.rsplit(".", 1)[-1] for fqn in sites)
+
+    @staticmethod
+    def _amend(ctx: PassContext, nodes: list[fx.Node], note: str) -> None:
+        for n in nodes:
+            if "fp8fx_site" in n.meta:
+                i = n.meta["fp8fx_site"]
+                ctx.report.sites[i] = dataclasses.replace(ctx.report.sites[i], scheme=f"{ctx.report.sites[i].scheme} {note}")
+
+    @staticmethod
+    def _fuse(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
+        graph = gm.graph
+        first = nodes[0]
+        xq, x_scale, _, _, bias, x_block, w_block, dtype, fast = first.args
+        column = lambda i: [n.args[i] for n in nodes]  # noqa: E731
+        biases = column(4)  # all None or all tensors (grouping key)
+        args = (xq, x_scale, column(2), column(3), biases, x_block, w_block, dtype, fast)
+        with graph.inserting_before(first):
+            y = graph.call_function(_FUSED, args)
+            set_fake_value(y, _FUSED, args)
+            offset = 0
+            for node in nodes:
+                size = fake_value(node.args[2]).shape[0]
+                part = graph.call_function(torch.narrow, (y, -1, offset, size))
+                set_fake_value(part, torch.narrow, part.args)
+                part.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
+                node.replace_all_uses_with(part)
+                offset += size
+        real = lambda i: [ctx.example[a] for a in column(i)]  # noqa: E731  the parameters themselves
+        params = (real(2), real(3), real(4) if bias is not None else [], w_block)
+        for node in nodes:
+            graph.erase_node(node)
+        # after compilation: AOTAutograd re-reads the inputs' layout as Dynamo recorded it
+        gm.meta.setdefault(AFTER_COMPILE, []).append(lambda: share_memory(*params))

@@ -1,0 +1,84 @@
+"""Horizontal fusion of fp8 GEMMs that share their input (q/k/v, gate/up)."""
+import pytest
+import torch
+
+import fp8fx
+from tests.conftest import rel_err
+from tests.e2e.test_llama import expected_sites, tiny_llama
+
+
+def compile_llama(config, model=None, **options):
+    model = model or tiny_llama()
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    fp8fx.quantize_(model, config)
+    backend = fp8fx.Fp8Backend(**options)
+    codes = []
+    real = backend.pass_manager.run
+
+    def spy(gm, example_inputs, report):
+        n = real(gm, example_inputs, report)
+        codes.append(gm.code)
+        return n
+
+    backend.pass_manager.run = spy
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        out = compiled(ids).logits.float()
+    object.__setattr__(model, "compiled", compiled)  # not a submodule
+    return backend.report, codes[0], out, model
+
+
+@pytest.mark.parametrize(
+    "config,compiler",
+    [
+        (fp8fx.Fp8Config(ignored_layers=["lm_head"]), "inductor"),
+        (fp8fx.Fp8Config(ignored_layers=["lm_head"], weight_granularity=fp8fx.PerTensor()), "eager"),
+        (fp8fx.Fp8Config(ignored_layers=["lm_head"], weight_block_size=[128, 128]), "eager"),
+    ],
+    ids=["per-channel", "per-tensor", "block"],
+)
+def test_qkv_and_gate_up_fused(config, compiler):
+    report, code, out, model = compile_llama(config, fuse_horizontal=True, compiler=compiler)
+    torch._dynamo.reset()
+    _, plain_code, plain, _ = compile_llama(config, compiler=compiler)
+    # per layer: q/k/v -> 1 GEMM, gate/up -> 1, o and down alone: 4 instead of 7
+    assert plain_code.count("fp8fx.scaled_mm.default") == 14
+    assert code.count("fp8fx.scaled_mm.default") == 4 and code.count("fp8fx.scaled_mm_fused.default") == 4
+    # the fused layers' parameters now are one tensor each: scaled_mm_fused runs one GEMM
+    attn = model.model.layers[0].self_attn
+    weights = [getattr(attn, p)._parameters["weight"] for p in ("q_proj", "k_proj", "v_proj")]
+    assert fp8fx.ops._adjacent(weights) is not None
+    sites = {s.fqn: s for s in report.sites}
+    assert {fqn for fqn, s in sites.items() if s.rewritten} == expected_sites(2)
+    assert sites["model.layers.0.self_attn.k_proj"].scheme.endswith("fused(q_proj,k_proj,v_proj)")
+    assert sites["model.layers.1.mlp.up_proj"].scheme.endswith("fused(gate_proj,up_proj)")
+    assert "fused" not in sites["model.layers.0.self_attn.o_proj"].scheme
+    # per-channel and block scales concatenate exactly: same numbers up to fp32 summation order
+    if config.weight != fp8fx.PerTensor():
+        assert rel_err(out, plain) < 1e-3
+    # per-tensor shards are requantized to the max scale (one more fp8 rounding for the others):
+    # held to the bound of the unfused model against bf16
+    model = tiny_llama()
+    with torch.no_grad():
+        ref = model(torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))).logits.float()
+    assert rel_err(out, ref) < 0.1 and rel_err(plain, ref) < 0.1
+
+
+def test_replaced_parameter_still_correct():
+    """A parameter replaced after compilation breaks the shared memory: one GEMM per weight, same result."""
+    config = fp8fx.Fp8Config(ignored_layers=["lm_head"])
+    _, _, out, model = compile_llama(config, fuse_horizontal=True, compiler="eager")
+    k_proj = model.model.layers[0].self_attn.k_proj
+    k_proj._parameters["weight"] = torch.nn.Parameter(k_proj._parameters["weight"].clone(), requires_grad=False)
+    weights = [getattr(model.model.layers[0].self_attn, p)._parameters["weight"] for p in ("q_proj", "k_proj", "v_proj")]
+    assert fp8fx.ops._adjacent(weights) is None
+    with torch.no_grad():
+        again = model.compiled(torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))).logits.float()
+    assert rel_err(again, out) < 1e-3
+
+
+def test_without_the_option_sites_say_why():
+    report, code, _, _ = compile_llama(fp8fx.Fp8Config(ignored_layers=["lm_head"]), compiler="eager")
+    q = next(s for s in report.sites if s.fqn == "model.layers.0.self_attn.q_proj")
+    assert q.rewritten and "not fused with q_proj,k_proj,v_proj: horizontal fusion is off" in q.scheme
+    assert code.count("fp8fx.scaled_mm.default") == 14
