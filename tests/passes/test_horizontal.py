@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import fp8fx
-from tests.conftest import rel_err
+from tests.conftest import record_graphs_after_passes, rel_err
 from tests.e2e.test_llama import expected_sites, tiny_llama
 
 
@@ -12,15 +12,7 @@ def compile_llama(config, model=None, **options):
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
     fp8fx.quantize_(model, config)
     backend = fp8fx.Fp8Backend(**options)
-    codes = []
-    real = backend.pass_manager.run
-
-    def spy(gm, example_inputs, report):
-        n = real(gm, example_inputs, report)
-        codes.append(gm.code)
-        return n
-
-    backend.pass_manager.run = spy
+    codes = record_graphs_after_passes(backend)
     compiled = torch.compile(model, backend=backend)
     with torch.no_grad():
         out = compiled(ids).logits.float()

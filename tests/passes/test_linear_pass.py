@@ -8,6 +8,7 @@ import fp8fx
 from fp8fx.backend import Fp8Backend
 from fp8fx.passes import LinearPass, PassManager
 from fp8fx.report import Report
+from tests.conftest import record_graphs_after_passes
 
 
 class TwoLinear(nn.Module):
@@ -189,16 +190,8 @@ def test_weight_only_rewrite():
     model = ThreeLinear().to(torch.bfloat16)
     fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["head"]))
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    seen = []
-    backend = Fp8Backend(compiler="eager", weight_only=True, dump_dir=None)
-    real = backend.pass_manager.run
-
-    def spy(gm, example_inputs, report):
-        n = real(gm, example_inputs, report)
-        seen.append(gm.code)
-        return n
-
-    backend.pass_manager.run = spy
+    backend = Fp8Backend(compiler="eager", weight_only=True)
+    seen = record_graphs_after_passes(backend)
     with torch.no_grad():
         out = torch.compile(model, backend=backend)(x)
         ref = model(x)  # eager: dequantized weights, bf16 activations
