@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-# scale layouts (constexpr)
+# scale layouts, on the host (the kernel takes them as constexpr flags: Triton kernels may not read
+# module globals unless they are tl.constexpr objects)
 PER_TENSOR, PER_ROW, PER_K_GROUP = 0, 1, 2
 
 
@@ -48,7 +49,8 @@ def fp8_gemm_kernel(
     stride_am, stride_ak, stride_bn, stride_bk, stride_ym, stride_yn,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     # schemes
-    A_SCALE: tl.constexpr, B_SCALE: tl.constexpr, B_BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    A_ROWWISE: tl.constexpr, A_GROUPED: tl.constexpr, B_ROWWISE: tl.constexpr, B_GROUPED: tl.constexpr,
+    B_BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
     A_FP8: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -77,11 +79,11 @@ def fp8_gemm_kernel(
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
         if not A_FP8:  # weight-only: upcast the fp8 weight tile, 16-bit dot
             b = b.to(a.dtype)
-        if A_SCALE == PER_K_GROUP or B_SCALE == PER_K_GROUP:
+        if A_GROUPED or B_GROUPED:
             part = tl.dot(a, b)
-            if A_SCALE == PER_K_GROUP:
+            if A_GROUPED:
                 part *= tl.load(a_scale_ptrs + k * stride_ask, mask=offs_m < M, other=0.0)[:, None]
-            if B_SCALE == PER_K_GROUP:
+            if B_GROUPED:
                 part *= tl.load(b_scale_ptrs + k * stride_bsk, mask=offs_n < N, other=0.0)[None, :]
             acc += part
         else:
@@ -90,13 +92,13 @@ def fp8_gemm_kernel(
         b_ptrs += BLOCK_K * stride_bk
 
     # epilogue: the scales that are constant along K, bias, cast
-    if A_SCALE == PER_ROW:
+    if A_ROWWISE:
         acc *= tl.load(a_scale_ptrs, mask=offs_m < M, other=0.0)[:, None]
-    elif A_SCALE == PER_TENSOR:
+    elif not A_GROUPED:  # per-tensor
         acc *= tl.load(a_scale_ptr)
-    if B_SCALE == PER_ROW:
+    if B_ROWWISE:
         acc *= tl.load(b_scale_ptrs, mask=offs_n < N, other=0.0)[None, :]
-    elif B_SCALE == PER_TENSOR:
+    elif not B_GROUPED:  # per-tensor
         acc *= tl.load(b_scale_ptr)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
@@ -173,7 +175,9 @@ def fp8_gemm(
         m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
-        A_SCALE=a_mode, B_SCALE=b_mode, B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8,
+        A_ROWWISE=a_mode == PER_ROW, A_GROUPED=a_mode == PER_K_GROUP,
+        B_ROWWISE=b_mode == PER_ROW, B_GROUPED=b_mode == PER_K_GROUP,
+        B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8,
         **cfg,
     )
     return y
