@@ -124,6 +124,13 @@ def tile_config(m: int, n: int, k: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
+def pipeline_stages(cfg: dict, a_bytes: int) -> int:
+    """``cfg``'s stages, fewer where an a tile and a b tile per stage would not fit in 200 KiB of
+    shared memory (Hopper has 227; bf16 activations of the weight-only variant double the a tile)."""
+    stage_bytes = cfg["BLOCK_M"] * cfg["BLOCK_K"] * a_bytes + cfg["BLOCK_K"] * cfg["BLOCK_N"]
+    return max(1, min(cfg["num_stages"], (200 * 1024) // stage_bytes))
+
+
 def _scale_layout(scale: torch.Tensor, rows: int, block: Optional[tuple[int, int]]):
     """(mode, scale as 2-D, rows per scale row) for one operand."""
     if block is None or block[1] == -1:
@@ -164,10 +171,7 @@ def fp8_gemm(
         if len(set(group_k)) != 1:
             raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
         cfg["BLOCK_K"] = group_k[0]
-    # shared memory per pipeline stage: an a tile and a b tile; keep the stages under Hopper's 227 KiB
-    # (bf16 activations of the weight-only variant double the a tile)
-    stage_bytes = cfg["BLOCK_M"] * cfg["BLOCK_K"] * a.element_size() + cfg["BLOCK_K"] * cfg["BLOCK_N"] * b.element_size()
-    cfg["num_stages"] = max(1, min(cfg["num_stages"], (200 * 1024) // stage_bytes))
+    cfg["num_stages"] = pipeline_stages(cfg, a.element_size())
     y = torch.empty(m, n, device=a.device, dtype=out_dtype)
     grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
     fp8_gemm_kernel[grid](

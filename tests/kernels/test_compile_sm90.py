@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fp8fx.kernels.fp8_gemm import fp8_gemm_kernel, tile_config  # noqa: E402
+from fp8fx.kernels.fp8_gemm import fp8_gemm_kernel, pipeline_stages, tile_config  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_ym", "stride_yn",
@@ -33,9 +33,13 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict):
                   BLOCK_K=128 if (a_grp or b_grp) else cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"])
     signature = {**types, **{name: "constexpr" for name in consts}}
     names = list(signature)
-    src = ASTSource(fn=fp8_gemm_kernel, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()})
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+    # as Triton's JIT specializes real calls: pointers, sizes and leading strides divisible by 16
+    aligned = POINTERS + ["N", "K", "stride_am", "stride_bn", "stride_ym"]
+    src = ASTSource(fn=fp8_gemm_kernel, signature=signature,
+                    constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    stages = pipeline_stages({**cfg, "BLOCK_K": consts["BLOCK_K"]}, 1 if a_dtype == "fp8e4nv" else 2)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"], "num_stages": stages})
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
