@@ -282,3 +282,111 @@ def fp8_linear(
     else:
         xq, x_scale = quantize(x, list(act_block))
     return scaled_mm(xq, x_scale, wq, w_scale, bias, list(act_block), list(w_block), x.dtype)
+
+
+# =============================================================================================
+# MoE: fused_moe (owned by the MoE work, issue 5; fp8fx.passes.moe emits it)
+# =============================================================================================
+# fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype,
+#           a13_scale=None, a2_scale=None) -> out [T, H] in out_dtype
+#
+#   x: [T, H] (bf16/fp16/fp32); topk_ids: [T, K] int (the experts each token is routed to; ids outside
+#   [0, E) contribute nothing: expert-parallel sentinels); topk_weights: [T, K] (routing weights).
+#   w13: [E, 2I, H] fp8 (rows [0, I) gate, [I, 2I) up), w2: [E, H, I] fp8; their scales are laid out
+#   ``[E, rows/bR, cols/bC]`` for ``w_block`` (any shape of that numel: per-tensor [E], per-channel
+#   [E, rows, 1], blocks [E, rows/bn, cols/bk]).
+#
+#   out[t] = sum_k topk_weights[t, k] * w2[e] @ q(silu(g) * u),  (g, u) = w13[e] @ q(x[t]),  e = topk_ids[t, k]
+#
+# where q() quantizes activations to fp8 as ``act_block`` says (per token [1, -1], 1 x bk groups, per
+# tensor [-1, -1]; with a static ``a13_scale`` / ``a2_scale`` [1]: that per-tensor scale): x once per
+# token, the intermediate once per (token, expert) row. GEMMs accumulate in float32, SiLU*mul and the
+# weighted sum are float32.
+def _moe_quantize_act(a: torch.Tensor, act_block, static_scale: Optional[torch.Tensor]):
+    """a: [M, C] -> (dequantized a as the GEMM sees it: float32 [M, C])."""
+    if static_scale is not None:
+        q = quant.quantize_with_scale(a, static_scale, [-1, -1])
+        return quant.dequantize(q, static_scale, [-1, -1])
+    q, scale = quant.quantize(a, act_block)
+    return quant.dequantize(q, scale, act_block)
+
+
+def fused_moe_reference(
+    x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None, a2_scale=None
+) -> torch.Tensor:
+    """The semantics of ``fp8fx.fused_moe`` in plain torch (float32), one expert at a time."""
+    t, h = x.shape
+    n_experts, two_i, _ = w13.shape
+    k = topk_ids.shape[1]
+    ids = topk_ids.reshape(-1)  # [S], S = T * K pairs, token-major
+    token = torch.arange(t * k, device=x.device) // k  # [S]
+    xd = _moe_quantize_act(x.float(), act_block, a13_scale)  # [T, H]
+    s13 = w13_scale.reshape(quant.scale_shape(w13.shape, w_block))  # [E, 2I/bR, H/bC]
+    s2 = w2_scale.reshape(quant.scale_shape(w2.shape, w_block))  # [E, H/bR, I/bC]
+    experts = [e for e in ids.unique().tolist() if 0 <= e < n_experts]
+    inter = x.new_zeros((t * k, two_i // 2), dtype=torch.float32)  # [S, I]
+    for e in experts:
+        rows = (ids == e).nonzero().flatten()
+        gate, up = (xd[token[rows]] @ quant.dequantize(w13[e], s13[e], w_block).t()).chunk(2, dim=-1)
+        inter[rows] = torch.nn.functional.silu(gate) * up
+    inter = _moe_quantize_act(inter, act_block, a2_scale)
+    y = x.new_zeros((t * k, h), dtype=torch.float32)  # [S, H]
+    for e in experts:
+        rows = (ids == e).nonzero().flatten()
+        y[rows] = inter[rows] @ quant.dequantize(w2[e], s2[e], w_block).t()
+    weights = topk_weights.reshape(-1, 1).float() * ((ids >= 0) & (ids < n_experts)).unsqueeze(-1)  # [S, 1]
+    return (y * weights).reshape(t, k, h).sum(dim=1).to(out_dtype)
+
+
+@torch.library.custom_op(f"{_LIB}::fused_moe", mutates_args=())
+def fused_moe(
+    x: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    w_block: list[int],
+    act_block: list[int],
+    out_dtype: torch.dtype,
+    a13_scale: Optional[torch.Tensor] = None,
+    a2_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    _check_block(w_block, "w_block")
+    _check_block(act_block, "act_block")
+    _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
+    return fused_moe_reference(
+        x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
+    )
+
+
+@fused_moe.register_fake
+def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
+      a2_scale=None):
+    _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
+    return x.new_empty((x.shape[0], w2.shape[1]), dtype=out_dtype)
+
+
+def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
+    e, two_i, h = w13.shape
+    torch._check(x.dim() == 2 and x.shape[1] == h, lambda: f"fp8fx.fused_moe: x {tuple(x.shape)} is not [T, {h}]")
+    torch._check(
+        tuple(w2.shape) == (e, h, two_i // 2),
+        lambda: f"fp8fx.fused_moe: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} are not [E, 2I, H] and [E, H, I]",
+    )
+    torch._check(
+        topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0],
+        lambda: f"fp8fx.fused_moe: topk_ids {tuple(topk_ids.shape)} and topk_weights {tuple(topk_weights.shape)} "
+        f"are not both [T={x.shape[0]}, K]",
+    )
+
+
+@fused_moe.register_kernel("cuda")
+def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
+      a2_scale=None):
+    # The Triton kernel (fp8fx.kernels.fused_moe) has only run under Triton's interpreter so far; until a
+    # GPU run of tests/kernels/test_fused_moe.py passes, CUDA computes the reference.
+    return fused_moe_reference(
+        x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
+    )
