@@ -9,6 +9,8 @@ from torch import nn
 
 from fp8fx import quant
 from fp8fx.config import Fp8Config
+from fp8fx.weights import moe
+from fp8fx.weights.chunked import count_nonfinite
 from fp8fx.weights.linear import Fp8LinearMethod, is_quantized, skip_reason
 
 log = logging.getLogger("fp8fx")
@@ -21,7 +23,8 @@ def quantize_(
     input_scales: Optional[Mapping[str, float]] = None,
     strict: bool = False,
 ) -> nn.Module:
-    """Quantize every ``nn.Linear`` of ``model`` in place (online: ``config`` must not be serialized).
+    """Quantize every ``nn.Linear`` of ``model`` in place (online: ``config`` must not be serialized),
+    and every experts module (3-D ``gate_up_proj`` / ``down_proj``, ``fp8fx.weights.moe``).
 
     Each layer goes through ``Fp8LinearMethod`` and its bf16 weight is released before the next
     layer starts. Layers that cannot be quantized (ignored, shape not divisible by the block,
@@ -36,7 +39,7 @@ def quantize_(
             "quantize_ quantizes a bf16/fp16 model online, but the config has is_checkpoint_fp8_serialized=True; "
             "use Fp8Config(is_checkpoint_fp8_serialized=False) or load the fp8 checkpoint instead"
         )
-    done = [name for name, m in model.named_modules() if is_quantized(m)]
+    done = [name for name, m in model.named_modules() if is_quantized(m) or moe.is_quantized_experts(m)]
     if done:
         raise RuntimeError(
             f"quantize_: {done[0]} (and {len(done) - 1} more) is already fp8-quantized; quantize_ a fresh "
@@ -55,6 +58,19 @@ def quantize_(
             raise ValueError(f"{fqn}: {reason}")
         else:
             skipped.append((fqn, module, reason))
+    # experts modules (3-D gate_up_proj [E, 2I, H] / down_proj [E, H, I]): fp8fx.weights.moe
+    experts: list[tuple[str, nn.Module]] = []
+    experts_skipped: list[tuple[str, nn.Module, str]] = []
+    for fqn, module in model.named_modules():
+        if not moe.is_experts(module):
+            continue
+        reason = moe.skip_reason(module, fqn, config)
+        if reason is None:
+            experts.append((fqn, module))
+        elif strict and reason != "in ignored_layers":
+            raise ValueError(f"{fqn}: {reason}")
+        else:
+            experts_skipped.append((fqn, module, reason))
 
     for fqn, module in plan:
         w = module.weight
@@ -64,6 +80,14 @@ def quantize_(
                 f"{fqn}.weight has {bad} NaN/Inf values; fix the weights or add {fqn!r} to ignored_layers "
                 "(nothing was quantized)"
             )
+    for fqn, module in experts:
+        for name in (moe.W13, moe.W2):
+            bad = count_nonfinite(module._parameters[name].detach())
+            if bad:
+                raise ValueError(
+                    f"{fqn}.{name} has {bad} NaN/Inf values; fix the weights or add {fqn!r} to ignored_layers "
+                    "(nothing was quantized)"
+                )
     scales = _check_input_scales(config, plan, input_scales)
 
     for fqn, module, reason in skipped:  # tags the report reads back from the compiled graph's inputs
@@ -85,6 +109,13 @@ def quantize_(
         if module.bias is not None:  # the layer is frozen fp8 from here on
             module.bias.requires_grad_(False)
     log.info("fp8fx: quantized %d linear layers (%s), skipped %d", len(plan), config.scheme(), len(skipped))
+    for fqn, module, reason in experts_skipped:
+        moe.tag_skipped(module, fqn, reason)
+        log.info("fp8fx: %s not quantized: %s", fqn, reason)
+    for fqn, module in experts:
+        moe.quantize_experts(module, fqn, config)
+    if experts or experts_skipped:
+        log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
     return model
 
 

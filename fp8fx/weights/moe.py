@@ -1,0 +1,404 @@
+"""Load-time weight hooks for Mixture-of-Experts layers (the lifecycle of vLLM's ``Fp8MoEMethod``).
+
+An experts module holds all its experts in two 3-D tensors, as HF transformers 5 experts modules
+(``MixtralExperts``, ``Qwen3MoeExperts``, ``DeepseekV3Experts``) and vLLM's ``FusedMoE`` do::
+
+    gate_up_proj: [E, 2I, H]   (vLLM ``w13_weight``: rows [0, I) = w1 (gate), [I, 2I) = w3 (up))
+    down_proj:    [E, H, I]    (vLLM ``w2_weight``)
+
+After quantization the module stores, under its own attribute names (``state_dict()`` keys):
+
+=====================  ==========================  ==========================  =======================
+granularity            ``gate_up_proj_scale[_inv]``  ``down_proj_scale[_inv]``   while loading
+=====================  ==========================  ==========================  =======================
+per-tensor             ``_scale`` ``[E]``            ``_scale`` ``[E]``          w13: ``[E, 2]`` (w1, w3)
+per-channel (online)   ``_scale`` ``[E, 2I, 1]``     ``_scale`` ``[E, H, 1]``
+block ``[bn, bk]``     ``_scale_inv`` ``[E, 2I/bn, ceil(H/bk)]``  ``_scale_inv`` ``[E, ceil(H/bn), ceil(I/bk)]``
+=====================  ==========================  ==========================  =======================
+
+with ``gate_up_proj`` / ``down_proj`` in float8_e4m3fn, and for static activations
+``gate_up_proj_input_scale`` / ``down_proj_input_scale`` ``[1]`` (``[E]`` while loading: their max).
+The loader also takes vLLM's names (``w13_weight``, ``w13_weight_scale``, ``w13_weight_scale_inv``,
+``w13_input_scale``, ``w2_...``) and shard ids ``"w1"``, ``"w3"``, ``"w2"``.
+
+The module's class becomes a subclass of its own whose ``gate_up_proj`` / ``down_proj`` attributes are
+dequantized views (``torch.ops.fp8fx.dequantize`` of the fp8 tensor and its scale, scale
+``[E, rows/bR, cols/bC]``): the model's own experts code keeps working in eager mode, and under
+``torch.compile`` the views mark the experts computation for the MoE pass (``fp8fx.passes.moe``).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fp8fx import quant
+from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
+from fp8fx.weights import chunked
+
+log = logging.getLogger("fp8fx")
+
+W13, W2 = "gate_up_proj", "down_proj"
+ROLES = {W13: "w13", W2: "w2"}  # tagged on the fp8 tensors as ``_fp8fx_moe_role`` for the MoE pass
+
+_ALIASES = {
+    f"{v}_{suffix}": f"{hf}{hf_suffix}"
+    for v, hf in (("w13", W13), ("w2", W2))
+    for suffix, hf_suffix in (
+        ("weight", ""), ("weight_scale", "_scale"), ("weight_scale_inv", "_scale_inv"), ("input_scale", "_input_scale")
+    )
+}
+_SHARDS = {W13: ("w1", "w3"), W2: ("w2",)}
+_UNLOADED = torch.finfo(torch.float32).min  # marks a scale that was never loaded
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_FP8_CLASSES: dict[type, type] = {}
+
+
+# -- the dequantized views --------------------------------------------------------------------
+def _view(name: str) -> property:
+    def get(self) -> torch.Tensor:
+        p = self._parameters
+        scale = p[name + ("_scale_inv" if self._fp8fx_block_scales else "_scale")]
+        return torch.ops.fp8fx.dequantize(
+            p[name], scale, self._fp8fx_w_block, self._fp8fx_dtype, p.get(name + "_input_scale"), self._fp8fx_act_block
+        )
+
+    return property(get, doc=f"{name} dequantized from its fp8 tensor and scale (fp8fx)")
+
+
+def fp8_experts_class(cls: type) -> type:
+    """The subclass of ``cls`` whose ``gate_up_proj`` / ``down_proj`` are dequantized views (cached)."""
+    if getattr(cls, "_fp8fx_moe", False):
+        return cls
+    if cls not in _FP8_CLASSES:
+        attrs = {W13: _view(W13), W2: _view(W2), "_fp8fx_moe": True, "__module__": cls.__module__}
+        _FP8_CLASSES[cls] = type(f"Fp8{cls.__name__}", (cls,), attrs)
+    return _FP8_CLASSES[cls]
+
+
+def is_quantized_experts(module: nn.Module) -> bool:
+    return getattr(type(module), "_fp8fx_moe", False)
+
+
+def is_experts(module: nn.Module) -> bool:
+    """A module holding experts as 3-D ``gate_up_proj`` and ``down_proj`` parameters (bf16 or fp8)."""
+    p = module._parameters
+    return all(isinstance(p.get(n), torch.Tensor) and p[n].dim() == 3 for n in (W13, W2))
+
+
+def experts_scheme(module: nn.Module) -> LayerScheme:
+    """The scheme a quantized experts module runs with, read back from the module."""
+    static = f"{W13}_input_scale" in module._parameters
+    act = granularity_from_block([-1, -1] if static else module._fp8fx_act_block)
+    return LayerScheme(granularity_from_block(module._fp8fx_w_block), act, static)
+
+
+def block_error(scheme: LayerScheme, intermediate: int, tp_size: int = 1) -> Optional[str]:
+    """Why ``scheme``'s weight blocks cannot cut experts of ``intermediate_size`` I, or None: w1 and w3
+    are stacked in w13, so a scale block must not span both (I % block_n); a sharded I is w2's K
+    dim on every rank, so it must hold whole blocks (I % block_k)."""
+    w = scheme.weight
+    if not isinstance(w, PerBlock):
+        return None
+    if intermediate % w.block_n:
+        return (
+            f"intermediate_size={intermediate} is not divisible by weight_block_size block_n={w.block_n} "
+            "(a scale block of gate_up_proj would span gate and up); use per-channel scales or a block_n dividing it"
+        )
+    if tp_size > 1 and intermediate % w.block_k:
+        return (
+            f"intermediate_size={intermediate} per shard (tp_size={tp_size}) is not divisible by "
+            f"weight_block_size block_k={w.block_k}; use a tp_size that keeps whole blocks on every rank"
+        )
+    return None
+
+
+def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
+    """Why the experts ``module`` cannot be quantized with ``config`` (by ``quantize_``), or None."""
+    if config.is_ignored(fqn):
+        return "in ignored_layers"
+    # flags of HF's @use_experts_implementation: layouts fused_moe does not compute
+    for flag, value, what in (
+        ("is_transposed", True, "transposed expert weights ([E, H, 2I])"),
+        ("is_concatenated", False, "interleaved gate/up rows"),
+        ("has_bias", True, "expert biases"),
+        ("has_post_expert_norm", True, "a norm after each expert"),
+    ):
+        if getattr(module, flag, not value) == value:
+            return f"{what} are not supported by fp8fx.fused_moe"
+    w13, w2 = module._parameters[W13], module._parameters[W2]
+    if w13.dtype not in _DTYPES or w2.dtype not in _DTYPES:
+        return f"expert weight dtype {w13.dtype} is not bf16/fp16/fp32"
+    e, two_i, h = w13.shape
+    if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+        return f"gate_up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not [E, 2I, H] and [E, H, I]"
+    if config.activation_scheme == "static":
+        return (
+            "static activation scales of experts come from a checkpoint (w13_input_scale / w2_input_scale); "
+            "quantize_ cannot calibrate them: use activation_scheme='dynamic' or load an fp8 checkpoint"
+        )
+    return block_error(config.scheme(), two_i // 2)
+
+
+class Fp8MoEMethod:
+    """create_weights -> weight_loader (whole tensors, experts, or w1/w3/w2 shards of an expert) ->
+    process_weights_after_loading, for an experts module (layout in the module docstring).
+
+    Online (``is_checkpoint_fp8_serialized=False``): each expert's bf16 tensor is quantized as soon as
+    it is complete (a whole tensor at once, or when both of w13's shards w1 and w3 have arrived) and the
+    bf16 copy is dropped, so loading holds at most one expert's w13 in bf16 per module. Scales are per
+    expert: per-channel by default, per-tensor or blocks when configured. Serialized: fp8 tensors and
+    scales are copied as stored; ``process_weights_after_loading`` requantizes w13's two per-tensor
+    scales of each expert to their max and collapses static input scales to their max over experts.
+    """
+
+    def __init__(self, config: Fp8Config, scheme: Optional[LayerScheme] = None):
+        self.config = config
+        self.scheme = scheme or config.scheme()
+
+    # -- create ------------------------------------------------------------------------------
+    def create_weights(
+        self,
+        layer: nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size: int,
+        params_dtype: torch.dtype,
+        device: Optional[torch.device] = None,
+        *,
+        tp_size: int = 1,
+        prefix: str = "",
+    ) -> None:
+        """Registers the fp8 tensors and scales on ``layer`` (replacing any bf16 ``gate_up_proj`` /
+        ``down_proj``) and swaps its class; ``intermediate_size`` is this rank's I."""
+        e, h, i = num_experts, hidden_size, intermediate_size
+        prefix = prefix or type(layer).__name__
+        error = block_error(self.scheme, i, tp_size)
+        if error:
+            raise ValueError(f"{prefix}: {error}")
+        if self.scheme.static_activation and not self.config.is_checkpoint_fp8_serialized:
+            raise ValueError(
+                f"{prefix}: static activation scales of experts need an fp8 checkpoint (w13_input_scale / "
+                "w2_input_scale); use activation_scheme='dynamic' for online quantization"
+            )
+        w = self.scheme.weight
+        layer._fp8fx_prefix = prefix
+        layer._fp8fx_dtype = params_dtype
+        layer._fp8fx_w_block = list(w.block)
+        layer._fp8fx_act_block = list(self.scheme.activation.block)
+        layer._fp8fx_block_scales = isinstance(w, PerBlock)
+        layer._fp8fx_intermediate = i
+        layer._fp8fx_processed = False
+        layer._fp8fx_done = {W13: torch.zeros(e, dtype=torch.int64), W2: torch.zeros(e, dtype=torch.int64)}
+        layer._fp8fx_staging = {}  # (name, expert) -> bf16 [rows, cols] while its shards arrive (online)
+
+        def param(shape, dtype=torch.float32, fill=None) -> nn.Parameter:
+            t = torch.empty(shape, dtype=dtype, device=device) if fill is None else torch.full(
+                shape, fill, dtype=dtype, device=device)
+            return nn.Parameter(t, requires_grad=False)
+
+        serialized = self.config.is_checkpoint_fp8_serialized
+        for name, (rows, cols) in ((W13, (2 * i, h)), (W2, (h, i))):
+            layer._parameters[name] = param((e, rows, cols), quant.FP8_DTYPE)
+            if isinstance(w, PerBlock):
+                layer._parameters[name + "_scale_inv"] = param(quant.scale_shape((e, rows, cols), w.block), fill=_UNLOADED)
+            elif isinstance(w, PerRow):
+                layer._parameters[name + "_scale"] = param((e, rows, 1), fill=_UNLOADED)
+            else:  # per-tensor: one per expert; w13 arrives as one per shard (w1, w3) from checkpoints
+                shape = (e, 2) if serialized and name == W13 else (e,)
+                layer._parameters[name + "_scale"] = param(shape, fill=_UNLOADED)
+            if self.scheme.static_activation:
+                layer._parameters[name + "_input_scale"] = param((e,), fill=_UNLOADED)
+        layer.__class__ = fp8_experts_class(type(layer))
+
+    # -- load --------------------------------------------------------------------------------
+    def weight_loader(
+        self,
+        layer: nn.Module,
+        name: str,
+        loaded: torch.Tensor,
+        shard_id: Optional[str] = None,
+        expert_id: Optional[int] = None,
+    ) -> None:
+        """Copy ``loaded`` into ``layer.<name>`` (an HF or vLLM name, see the module docstring): all
+        experts (``expert_id=None``: ``[E, ...]``), one expert, or shard ``"w1"`` / ``"w3"`` (gate / up
+        rows of gate_up_proj) or ``"w2"`` of one expert. Online, bf16 tensors are quantized here."""
+        name = _ALIASES.get(name, name)
+        base = W13 if name.startswith(W13) else W2 if name.startswith(W2) else None
+        prefix = layer._fp8fx_prefix
+        if base is None or name not in layer._parameters:
+            accepted = sorted(n for n in layer._parameters if n.startswith((W13, W2)))
+            raise KeyError(f"{prefix}: no fp8fx expert tensor {name!r}; it takes {accepted} (or vLLM's w13_/w2_ names)")
+        if shard_id is not None and shard_id not in _SHARDS[base]:
+            raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r}; {base} takes {list(_SHARDS[base])} or None")
+        if shard_id is not None and expert_id is None:
+            raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r} needs an expert_id")
+        experts = layer._parameters[name].shape[0]
+        if expert_id is not None and not 0 <= expert_id < experts:
+            raise ValueError(f"{prefix}.{name}: expert_id={expert_id} is out of range for {experts} experts")
+        online = not self.config.is_checkpoint_fp8_serialized
+        if online and name != base and not name.endswith("_input_scale"):
+            raise ValueError(f"{prefix}.{name}: online quantization computes the scales; load only {base} (bf16)")
+        if name == base and online:
+            self._load_online(layer, base, loaded, shard_id, expert_id)
+            return
+        if name == base and loaded.dtype != quant.FP8_DTYPE:
+            raise ValueError(
+                f"{prefix}.{name}: the checkpoint tensor is {loaded.dtype}, expected float8_e4m3fn "
+                "(is_checkpoint_fp8_serialized=True); use an online config for bf16 experts"
+            )
+        dest = self._slice(layer, name, base, shard_id, expert_id)
+        if dest.numel() != loaded.numel():
+            raise ValueError(
+                f"{prefix}.{name} (expert {expert_id}, shard {shard_id}): checkpoint tensor of shape "
+                f"{tuple(loaded.shape)} does not fit the slice of shape {tuple(dest.shape)}"
+            )
+        loaded = loaded.reshape(dest.shape).to(dest.device)
+        if name.endswith("_input_scale"):  # w1 and w3 bring one each: keep the max
+            dest.copy_(torch.maximum(dest, loaded.float()))
+        else:
+            dest.copy_(loaded)
+        if name == base:
+            self._count(layer, base, expert_id, dest.numel())
+
+    @staticmethod
+    def _rows(shard_id: str, rows: int) -> slice:
+        """The rows of one expert's w13 (or of its per-channel / row-blocked scale, ``rows`` rows) that
+        shard ``"w1"`` (gate: the first half) or ``"w3"`` (up: the second half) owns."""
+        half = rows // 2
+        return slice(0, half) if shard_id == "w1" else slice(half, rows)
+
+    def _slice(self, layer, name: str, base: str, shard_id, expert_id) -> torch.Tensor:
+        dest = layer._parameters[name].data
+        if expert_id is None:
+            return dest
+        dest = dest[expert_id]
+        if name.endswith("_input_scale") or shard_id in (None, "w2"):
+            return dest
+        if dest.dim() == 1:  # per-tensor w13 scales while loading: [w1, w3]
+            return dest[0:1] if shard_id == "w1" else dest[1:2]
+        return dest[self._rows(shard_id, dest.shape[0])]
+
+    def _count(self, layer, base: str, expert_id: Optional[int], numel: int) -> None:
+        done = layer._fp8fx_done[base]
+        if expert_id is None:
+            done.fill_(layer._parameters[base][0].numel())
+        else:
+            done[expert_id] += numel
+
+    def _load_online(self, layer, base: str, loaded: torch.Tensor, shard_id, expert_id) -> None:
+        target = layer._parameters[base]
+        if expert_id is None:  # all experts at once: quantize expert by expert, no copy
+            if tuple(loaded.shape) != tuple(target.shape):
+                raise ValueError(
+                    f"{layer._fp8fx_prefix}.{base}: tensor of shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}"
+                )
+            for e in range(target.shape[0]):
+                self._quantize_expert(layer, base, e, loaded[e])
+            return
+        expert_shape = target.shape[1:]
+        if shard_id in (None, "w2"):
+            if tuple(loaded.shape) != tuple(expert_shape):
+                raise ValueError(
+                    f"{layer._fp8fx_prefix}.{base} expert {expert_id}: tensor of shape {tuple(loaded.shape)} does "
+                    f"not fit {tuple(expert_shape)}"
+                )
+            self._quantize_expert(layer, base, expert_id, loaded)
+            return
+        key = (base, expert_id)
+        staging = layer._fp8fx_staging.get(key)
+        if staging is None:
+            staging = torch.empty(expert_shape, dtype=layer._fp8fx_dtype, device=target.device)
+            layer._fp8fx_staging[key] = staging
+            layer._fp8fx_staging[key + ("rows",)] = set()
+        rows = self._rows(shard_id, expert_shape[0])
+        dest = staging[rows]
+        if dest.numel() != loaded.numel():
+            raise ValueError(
+                f"{layer._fp8fx_prefix}.{base} expert {expert_id} shard {shard_id}: tensor of shape "
+                f"{tuple(loaded.shape)} does not fit the slice of shape {tuple(dest.shape)}"
+            )
+        dest.copy_(loaded.reshape(dest.shape))
+        arrived = layer._fp8fx_staging[key + ("rows",)]
+        arrived.add(shard_id)
+        if arrived == {"w1", "w3"}:  # both halves: quantize this expert, drop the bf16 copy
+            del layer._fp8fx_staging[key], layer._fp8fx_staging[key + ("rows",)]
+            self._quantize_expert(layer, base, expert_id, staging)
+
+    def _quantize_expert(self, layer, base: str, e: int, w: torch.Tensor) -> None:
+        """One expert's high-precision ``w: [rows, cols]`` -> fp8 slot ``e`` and its scale."""
+        q, scale = chunked.quantize(w.to(layer._parameters[base].device), self.scheme.weight.block)
+        layer._parameters[base].data[e] = q
+        scale_name = base + ("_scale_inv" if layer._fp8fx_block_scales else "_scale")
+        dest = layer._parameters[scale_name].data[e]
+        dest.copy_(scale.reshape(dest.shape))
+        layer._fp8fx_done[base][e] = q.numel()
+
+    # -- finish ------------------------------------------------------------------------------
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Runs once (idempotent): checks every expert arrived, requantizes per-tensor w13 to one scale
+        per expert (the max of w1's and w3's), collapses static input scales to their max."""
+        if layer._fp8fx_processed:
+            return
+        params, prefix = layer._parameters, layer._fp8fx_prefix
+        for base in (W13, W2):
+            per_expert = params[base][0].numel()
+            missing = (layer._fp8fx_done[base] < per_expert).nonzero().flatten().tolist()
+            if missing:
+                raise RuntimeError(
+                    f"{prefix}.{base}: experts {missing[:8]}{' ...' if len(missing) > 8 else ''} were not (fully) "
+                    "loaded; load every expert (w1 and w3 of gate_up_proj) before process_weights_after_loading"
+                )
+            for name in (base + "_scale", base + "_scale_inv", base + "_input_scale"):
+                if name in params and (params[name].data == _UNLOADED).any():
+                    raise ValueError(f"{prefix}.{name} was never loaded (for some experts); load it from the checkpoint")
+        if isinstance(self.scheme.weight, PerTensor) and params[W13 + "_scale"].dim() == 2:
+            self._requantize_w13(layer)
+        for base in (W13, W2):
+            name = base + "_input_scale"
+            if name in params:
+                params[name] = nn.Parameter(params[name].data.max().reshape(1), requires_grad=False)
+            params[base]._fp8fx_moe_role = ROLES[base]
+        layer._fp8fx_processed = True
+
+    @staticmethod
+    def _requantize_w13(layer: nn.Module) -> None:
+        """w13 scales ``[E, 2]`` (w1, w3) -> ``[E]``, each expert's fp8 rows requantized to the max."""
+        params = layer._parameters
+        q, scales = params[W13].data, params[W13 + "_scale"].data
+        i = layer._fp8fx_intermediate
+        for e in range(q.shape[0]):
+            if scales[e, 0] != scales[e, 1]:
+                q[e], _ = quant.requantize_shards(q[e], [scales[e, 0], scales[e, 1]], [i, i])
+        params[W13 + "_scale"] = nn.Parameter(scales.amax(dim=1), requires_grad=False)
+
+
+def quantize_experts(module: nn.Module, fqn: str, config: Fp8Config) -> None:
+    """``quantize_``'s step for one experts module (checked by ``skip_reason``): bf16 -> fp8, in place;
+    the bf16 tensors are released when this returns."""
+    w13, w2 = module._parameters[W13], module._parameters[W2]
+    e, two_i, h = w13.shape
+    method = Fp8MoEMethod(config)
+    method.create_weights(module, e, h, two_i // 2, w13.dtype, device=w13.device, prefix=fqn)
+    method.weight_loader(module, W13, w13.detach())
+    method.weight_loader(module, W2, w2.detach())
+    del w13, w2
+    method.process_weights_after_loading(module)
+    for base in (W13, W2):
+        module._parameters[base]._fp8fx_fqn = fqn
+    if getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager":
+        log.warning(
+            "fp8fx: %s uses HF's per-expert loop (experts_implementation='eager'), which torch.compile splits at "
+            "nonzero(): its experts run eagerly on dequantized weights, not in fp8; use "
+            "model.set_experts_implementation('grouped_mm') (HF's default) or 'batched_mm'", fqn
+        )
+
+
+def tag_skipped(module: nn.Module, fqn: str, reason: str) -> None:
+    """Marks the bf16 expert tensors of a module ``quantize_`` left alone, for the MoE pass's report."""
+    for base in (W13, W2):
+        p = module._parameters.get(base)
+        if p is not None:
+            p._fp8fx_skip_reason, p._fp8fx_fqn, p._fp8fx_moe_role = reason, fqn, ROLES[base]

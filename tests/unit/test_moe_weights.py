@@ -1,0 +1,300 @@
+"""Expert weight hooks (fp8fx.weights.moe): quantize_ on experts modules, Fp8MoEMethod (serialized
+per-tensor / block, online shards), scale shapes, requantization to the max, divisibility errors."""
+import gc
+import logging
+import weakref
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp8fx
+from fp8fx import quant
+from fp8fx.config import Fp8Config, PerBlock, PerTensor
+from fp8fx.weights.moe import Fp8MoEMethod, is_quantized_experts
+from tests.conftest import rel_err
+
+E, H, I = 4, 256, 128
+
+
+class Experts(nn.Module):
+    """HF transformers 5 layout; forward: the per-expert loop (examples/moe_reference.py)."""
+
+    def __init__(self, e=E, h=H, i=I, seed=0):
+        super().__init__()
+        g = torch.Generator().manual_seed(seed)
+        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h, generator=g) / h**0.5)
+        self.down_proj = nn.Parameter(torch.randn(e, h, i, generator=g) / i**0.5)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in range(self.gate_up_proj.shape[0]):
+            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            out = out + weight * F.linear(F.silu(gate) * up, self.down_proj[e])
+        return out.to(x.dtype)
+
+
+class Block(nn.Module):
+    def __init__(self, **kw):
+        super().__init__()
+        self.proj = nn.Linear(H, H)
+        self.experts = Experts(**kw)
+
+
+def routing(t=6, k=2, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(t)])
+    w = torch.rand(t, k, generator=g)
+    return ids, w / w.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize(
+    "config,suffix,w13_scale,w2_scale",
+    [
+        (Fp8Config(), "_scale", (E, 2 * I, 1), (E, H, 1)),  # online default: per-channel
+        (Fp8Config(weight_granularity=PerTensor()), "_scale", (E,), (E,)),
+        (Fp8Config(weight_block_size=[128, 128]), "_scale_inv", (E, 2, 2), (E, 2, 1)),
+    ],
+)
+def test_state_dict_names_scale_shapes_and_views(config, suffix, w13_scale, w2_scale):
+    model = Block().to(torch.bfloat16)
+    w13, w2 = (p.detach().clone() for p in (model.experts.gate_up_proj, model.experts.down_proj))
+    fp8fx.quantize_(model, config)
+    sd = model.state_dict()
+    ex = model.experts
+    assert is_quantized_experts(ex) and isinstance(ex, Experts) and type(ex).__name__ == "Fp8Experts"
+    assert sd["experts.gate_up_proj"].dtype == torch.float8_e4m3fn and sd["experts.gate_up_proj"].shape == (E, 2 * I, H)
+    assert sd["experts.down_proj"].dtype == torch.float8_e4m3fn and sd["experts.down_proj"].shape == (E, H, I)
+    assert sd[f"experts.gate_up_proj{suffix}"].shape == w13_scale and sd[f"experts.down_proj{suffix}"].shape == w2_scale
+    assert not any("input_scale" in k for k in sd)
+    for name, original in (("gate_up_proj", w13), ("down_proj", w2)):
+        view = getattr(ex, name)  # the dequantized view: q.float() * scale, broadcast per block, per expert
+        deq = quant.dequantize(sd[f"experts.{name}"], sd[f"experts.{name}{suffix}"], config.weight.block)
+        assert view.dtype == torch.bfloat16 and torch.equal(view.float(), deq.bfloat16().float())
+        assert rel_err(deq, original.float()) < 0.04
+        for e in range(E):  # scales are per expert: each expert alone gets the same scales
+            _, s = quant.quantize(original[e].float(), config.weight.block)
+            assert torch.equal(sd[f"experts.{name}{suffix}"][e].reshape(s.shape), s)
+
+
+def test_eager_forward_still_runs_close_and_bf16_is_released():
+    model = Block().to(torch.bfloat16)
+    x = torch.randn(6, H, dtype=torch.bfloat16)
+    ids, w = routing()
+    with torch.no_grad():
+        ref = model.experts(x, ids, w)
+    refs = [weakref.ref(model.experts.gate_up_proj), weakref.ref(model.experts.down_proj)]
+    fp8fx.quantize_(model)
+    gc.collect()
+    assert all(r() is None for r in refs)
+    with torch.no_grad():
+        assert rel_err(model.experts(x, ids, w), ref) < 0.05
+
+
+def test_nan_expert_raises_naming_the_tensor_and_changes_nothing():
+    model = Block().to(torch.bfloat16)
+    with torch.no_grad():
+        model.experts.down_proj[2, 3, 5] = float("inf")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^experts\.down_proj has 1 NaN/Inf values; .* ignored_layers"):
+        fp8fx.quantize_(model)
+    after = model.state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert not any(is_quantized_experts(m) or fp8fx.weights.is_quantized(m) for m in model.modules())
+
+
+def test_quantize_twice_is_an_error():
+    model = Experts().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    with pytest.raises(RuntimeError, match="already fp8-quantized"):
+        fp8fx.quantize_(model)
+
+
+def test_block_not_dividing_intermediate_is_skipped_tagged_or_strict_error():
+    config = Fp8Config(weight_block_size=[128, 128])
+    model = Block(i=96).to(torch.bfloat16)
+    fp8fx.quantize_(model, config)
+    assert not is_quantized_experts(model.experts) and model.experts.gate_up_proj.dtype == torch.bfloat16
+    reason = model.experts.gate_up_proj._fp8fx_skip_reason
+    assert "intermediate_size=96" in reason and "block_n=128" in reason
+    assert model.experts.down_proj._fp8fx_moe_role == "w2" and model.experts.down_proj._fp8fx_fqn == "experts"
+    with pytest.raises(ValueError, match=r"^experts: intermediate_size=96 is not divisible by .*block_n=128"):
+        fp8fx.quantize_(Block(i=96).to(torch.bfloat16), config, strict=True)
+
+
+def test_sharded_intermediate_must_hold_whole_k_blocks():
+    method = Fp8MoEMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[64, 128]))
+    layer = nn.Module()
+    with pytest.raises(ValueError, match=r"^model.experts: intermediate_size=192 per shard \(tp_size=2\) .*block_k=128"):
+        method.create_weights(layer, E, H, 192, torch.bfloat16, tp_size=2, prefix="model.experts")
+    assert not layer._parameters  # nothing registered
+    method.create_weights(layer, E, H, 192, torch.bfloat16, tp_size=1)  # unsharded: ragged K blocks are fine
+    assert layer.gate_up_proj_scale_inv.shape == (E, 6, 2) and layer.down_proj_scale_inv.shape == (E, 4, 2)
+
+
+@pytest.mark.parametrize(
+    "flag,value,what",
+    [("is_transposed", True, "transposed"), ("has_bias", True, "biases"), ("is_concatenated", False, "interleaved")],
+)
+def test_hf_layouts_fused_moe_cannot_compute_stay_bf16_with_the_reason(flag, value, what):
+    model = Block().to(torch.bfloat16)
+    setattr(model.experts, flag, value)
+    fp8fx.quantize_(model)
+    assert model.experts.gate_up_proj.dtype == torch.bfloat16
+    assert what in model.experts.gate_up_proj._fp8fx_skip_reason
+    assert fp8fx.weights.is_quantized(model.proj)  # the rest of the model is quantized
+
+
+def test_static_activations_skip_experts_and_strict_raises():
+    model = Block().to(torch.bfloat16)
+    config = Fp8Config(activation_scheme="static")
+    fp8fx.quantize_(model, config, input_scales={"proj": 0.01})
+    assert "checkpoint" in model.experts.gate_up_proj._fp8fx_skip_reason
+    with pytest.raises(ValueError, match="^experts: static activation scales"):
+        fp8fx.quantize_(Block().to(torch.bfloat16), config, input_scales={"proj": 0.01}, strict=True)
+
+
+def test_hf_per_expert_loop_warns_that_it_stays_eager(caplog):
+    model = Experts().to(torch.bfloat16)
+    model.config = type("Config", (), {"_experts_implementation": "eager"})()
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        fp8fx.quantize_(model)
+    assert "set_experts_implementation('grouped_mm')" in caplog.text
+
+
+# -- Fp8MoEMethod: checkpoints -------------------------------------------------------------------
+def serialized(config_kw, e=E, h=H, i=I):
+    config = Fp8Config(is_checkpoint_fp8_serialized=True, **config_kw)
+    layer = nn.Module()
+    method = Fp8MoEMethod(config)
+    method.create_weights(layer, e, h, i, torch.bfloat16, prefix="model.layers.0.mlp.experts")
+    return method, layer
+
+
+def test_serialized_per_tensor_w13_requantized_per_expert_to_the_max_of_w1_w3():
+    method, layer = serialized({})
+    assert layer.gate_up_proj_scale.shape == (E, 2) and layer.down_proj_scale.shape == (E,)
+    g = torch.Generator().manual_seed(0)
+    expected13, expected2 = [], []
+    for e in range(E):
+        halves = []
+        for shard, scale in (("w1", 0.01 * (e + 1)), ("w3", 0.03)):  # expert 2: w1 == w3 == 0.03
+            q = quant.cast_to_fp8(torch.randn(I, H, generator=g) * 100)
+            method.weight_loader(layer, "w13_weight", q, shard_id=shard, expert_id=e)  # vLLM names
+            method.weight_loader(layer, "w13_weight_scale", torch.tensor(scale), shard_id=shard, expert_id=e)
+            halves.append(q.float() * scale)
+        expected13.append(torch.cat(halves))
+        q2 = quant.cast_to_fp8(torch.randn(H, I, generator=g) * 100)
+        method.weight_loader(layer, "down_proj", q2, shard_id="w2", expert_id=e)  # HF names
+        method.weight_loader(layer, "down_proj_scale", torch.tensor([0.02]), shard_id="w2", expert_id=e)
+        expected2.append(q2.float() * 0.02)
+    untouched = layer._parameters["gate_up_proj"][2].clone()
+    method.process_weights_after_loading(layer)
+    method.process_weights_after_loading(layer)  # idempotent
+    assert layer.gate_up_proj_scale.shape == (E,)
+    assert torch.equal(layer.gate_up_proj_scale, torch.tensor([0.03, 0.03, 0.03, 0.04]))
+    assert torch.equal(layer._parameters["gate_up_proj"][2], untouched)  # already at the max: bit-identical
+    deq = quant.dequantize(layer._parameters["gate_up_proj"], layer.gate_up_proj_scale, [-1, -1])
+    for e in range(E):  # requantizing to a larger scale costs at most one fp8 rounding
+        assert rel_err(deq[e], expected13[e]) < 0.03
+        assert torch.equal(quant.dequantize(layer._parameters["down_proj"][e], layer.down_proj_scale[e], [-1, -1]), expected2[e])
+    assert layer._parameters["gate_up_proj"]._fp8fx_moe_role == "w13" and layer._parameters["down_proj"]._fp8fx_moe_role == "w2"
+    assert type(layer).__name__ == "Fp8Module"
+
+
+def test_serialized_static_input_scales_collapse_to_their_max():
+    method, layer = serialized({"activation_scheme": "static"})
+    assert layer.gate_up_proj_input_scale.shape == (E,)
+    for e in range(E):
+        for shard in ("w1", "w3"):
+            method.weight_loader(layer, "w13_weight", torch.zeros(I, H, dtype=torch.float8_e4m3fn), shard, e)
+            method.weight_loader(layer, "w13_weight_scale", torch.tensor(1.0), shard, e)
+            method.weight_loader(layer, "w13_input_scale", torch.tensor(0.1 * e + (shard == "w3")), shard, e)
+        method.weight_loader(layer, "w2_weight", torch.zeros(H, I, dtype=torch.float8_e4m3fn), "w2", e)
+        method.weight_loader(layer, "w2_weight_scale", torch.tensor(1.0), "w2", e)
+        method.weight_loader(layer, "w2_input_scale", torch.tensor(0.5 - 0.1 * e), "w2", e)
+    method.process_weights_after_loading(layer)
+    assert torch.allclose(layer.gate_up_proj_input_scale, torch.tensor([1.3])) and layer.gate_up_proj_input_scale.shape == (1,)
+    assert torch.allclose(layer.down_proj_input_scale, torch.tensor([0.5]))
+
+
+def test_serialized_block_scales_load_per_shard():
+    method, layer = serialized({"weight_block_size": [64, 128]}, i=128, h=320)
+    assert layer.gate_up_proj_scale_inv.shape == (E, 4, 3)  # [E, 2 * I/bn, ceil(H/bk)]
+    assert layer.down_proj_scale_inv.shape == (E, 5, 1)  # [E, ceil(H/bn), ceil(I/bk)]
+    g = torch.Generator().manual_seed(1)
+    w13 = quant.cast_to_fp8(torch.randn(E, 256, 320, generator=g) * 50)
+    s13 = torch.rand(E, 4, 3, generator=g) + 0.1
+    for e in range(E):
+        for shard, rows, blocks in (("w1", slice(0, 128), slice(0, 2)), ("w3", slice(128, 256), slice(2, 4))):
+            method.weight_loader(layer, "w13_weight", w13[e, rows], shard, e)
+            method.weight_loader(layer, "w13_weight_scale_inv", s13[e, blocks], shard, e)
+    w2 = quant.cast_to_fp8(torch.randn(E, 320, 128, generator=g) * 50)
+    method.weight_loader(layer, "w2_weight", w2)  # all experts at once
+    method.weight_loader(layer, "w2_weight_scale_inv", torch.full((E, 5, 1), 0.5))
+    method.process_weights_after_loading(layer)
+    assert torch.equal(layer.gate_up_proj_scale_inv.data, s13)
+    view = layer.gate_up_proj  # the dequantized view in bf16
+    assert torch.equal(view, quant.dequantize(w13, s13, [64, 128], torch.bfloat16))
+
+
+def test_process_before_every_expert_arrived_names_them():
+    method, layer = serialized({})
+    q = torch.zeros(I, H, dtype=torch.float8_e4m3fn)
+    method.weight_loader(layer, "w13_weight", q, "w1", 0)
+    with pytest.raises(RuntimeError, match=r"^model.layers.0.mlp.experts.gate_up_proj: experts \[0, 1, 2, 3\] were not"):
+        method.process_weights_after_loading(layer)
+    for e in range(E):
+        for shard in ("w1", "w3"):
+            method.weight_loader(layer, "w13_weight", q, shard, e)
+        method.weight_loader(layer, "w2_weight", torch.zeros(H, I, dtype=torch.float8_e4m3fn), "w2", e)
+    with pytest.raises(ValueError, match=r"gate_up_proj_scale was never loaded"):
+        method.process_weights_after_loading(layer)
+    assert not layer._fp8fx_processed
+
+
+@pytest.mark.parametrize(
+    "args,error,match",
+    [
+        (("w13_weight", torch.zeros(I + 1, H, dtype=torch.float8_e4m3fn), "w1", 0), ValueError, r"does not fit"),
+        (("w13_weight", torch.zeros(I, H, dtype=torch.bfloat16), "w1", 0), ValueError, r"expected float8_e4m3fn"),
+        (("w13_weight", torch.zeros(I, H, dtype=torch.float8_e4m3fn), "w2", 0), ValueError, r"shard_id='w2'"),
+        (("w13_weight", torch.zeros(I, H, dtype=torch.float8_e4m3fn), "w1", E), ValueError, r"expert_id=4 is out"),
+        (("w13_weight", torch.zeros(I, H, dtype=torch.float8_e4m3fn), "w1", None), ValueError, r"needs an expert_id"),
+        (("w13_bias", torch.zeros(2 * I), None, 0), KeyError, r"no fp8fx expert tensor 'w13_bias'"),
+    ],
+)
+def test_loader_rejects_bad_input_naming_it_and_changes_nothing(args, error, match):
+    method, layer = serialized({})
+    before = {k: v.view(torch.uint8).clone() for k, v in layer.state_dict().items()}  # bits: empty fp8 may be NaN
+    with pytest.raises(error, match=match):
+        method.weight_loader(layer, *args)
+    assert all(torch.equal(before[k], v.view(torch.uint8)) for k, v in layer.state_dict().items())
+    assert not layer._fp8fx_done["gate_up_proj"].any()
+
+
+# -- Fp8MoEMethod: online ------------------------------------------------------------------------
+@pytest.mark.parametrize("config", [Fp8Config(), Fp8Config(weight_block_size=[64, 128])])
+def test_online_expert_quantized_when_both_halves_arrive_bit_identical(config):
+    ref = Experts().to(torch.bfloat16)
+    whole = Experts().to(torch.bfloat16)
+    fp8fx.quantize_(whole, config)
+    layer = nn.Module()
+    method = Fp8MoEMethod(config)
+    method.create_weights(layer, E, H, I, torch.bfloat16)
+    scale = "gate_up_proj" + ("_scale_inv" if isinstance(config.weight, PerBlock) else "_scale")
+    for e in range(E):
+        method.weight_loader(layer, "w13_weight", ref.gate_up_proj[e, :I].detach(), "w1", e)
+        assert (layer._fp8fx_staging[("gate_up_proj", e)] is not None) and layer._fp8fx_done["gate_up_proj"][e] == 0
+        method.weight_loader(layer, "w13_weight", ref.gate_up_proj[e, I:].detach(), "w3", e)
+        assert ("gate_up_proj", e) not in layer._fp8fx_staging  # the bf16 copy is gone
+        method.weight_loader(layer, "w2_weight", ref.down_proj[e].detach(), "w2", e)
+    method.process_weights_after_loading(layer)
+    assert not layer._fp8fx_staging
+    for name in ("gate_up_proj", "down_proj", scale):
+        assert torch.equal(getattr(layer, name) if "scale" in name else layer._parameters[name],
+                           whole._parameters[name]), name
+    with pytest.raises(ValueError, match="online quantization computes the scales"):
+        method.weight_loader(layer, scale, torch.ones(1), "w1", 0)
