@@ -2,5 +2,6 @@
 from fp8fx.passes.base import Fp8Pass, PassContext
 from fp8fx.passes.linear import LinearPass
 from fp8fx.passes.manager import PassManager, default_passes
+from fp8fx.passes.moe import MoePass
 
-__all__ = ["Fp8Pass", "LinearPass", "PassContext", "PassManager", "default_passes"]
+__all__ = ["Fp8Pass", "LinearPass", "MoePass", "PassContext", "PassManager", "default_passes"]

@@ -13,6 +13,7 @@ from fp8fx.lowerings import compat
 from fp8fx.passes.base import Fp8Pass, PassContext
 from fp8fx.passes.horizontal import HorizontalFusionPass
 from fp8fx.passes.linear import LinearPass
+from fp8fx.passes.moe import MoePass
 from fp8fx.report import Report
 
 log = logging.getLogger("fp8fx")
@@ -22,6 +23,7 @@ def default_passes(
     use_fast_accum: bool = False, weight_only: Optional[bool] = None, fuse_horizontal: bool = False
 ) -> list[Fp8Pass]:
     return [
+        MoePass(),  # first: the experts' GEMMs leave the graph before the linear pass looks for linears
         LinearPass(use_fast_accum=use_fast_accum, weight_only=weight_only),
         HorizontalFusionPass(enabled=fuse_horizontal),
     ]

@@ -28,6 +28,7 @@ def runs(tmp_path_factory):
         "moe_report": [],
         "inspect_dumps": ["--dump-dir", str(dump_dir)],
         "load_checkpoint": [],
+        "moe_reference": [],
     }
     results = {"dump_dir": dump_dir}
     for name, argv in commands.items():
@@ -106,3 +107,11 @@ def test_load_checkpoint(runs):
     assert "14 linear layers quantized, 1 not" in out and "14 of 15 sites rewritten in 1 graph(s)" in out
     # the same fp8 weights through the same compiled code: the same logits
     assert float(re.search(r"relative error (\S+)", out).group(1)) < 1e-6
+
+
+def test_moe_reference(runs):
+    code, out = runs["moe_reference"]
+    assert code == 0, out
+    assert "2 of 4 sites rewritten in 1 graph(s)" in out  # both experts modules; the routers are ignored
+    assert all(f"moe     layers.{i}.experts  8x256x256  yes" in out for i in (0, 1))
+    assert error_of(out) < 0.1

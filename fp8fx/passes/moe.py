@@ -1,0 +1,580 @@
+"""FP8 MoE pass.
+
+Matches (Dynamo torch IR), for every experts module whose weights are fp8fx dequantized views
+(``fp8fx.weights.moe``), the region of nodes its forward created (their ``nn_module_stack`` holds the
+module)::
+
+    w13 = fp8fx.dequantize(w13q, w13_scale, w_block, dtype, a13_scale, act_block)   # [E, 2I, H]
+    w2 = fp8fx.dequantize(w2q, w2_scale, w_block, dtype, a2_scale, act_block)        # [E, H, I]
+    ... the model's experts code on x [T, H], top_k_index [T, K], top_k_weights [T, K] ...
+    out = ...                                                                          # [T, H]
+
+whatever form that code takes: HF transformers 5's ``grouped_mm`` (sort by expert, ``_grouped_mm``
+or its CPU fallback op, un-sort, sum over k), ``batched_mm`` (weights gathered per (token, k),
+``bmm``), or a per-expert loop Dynamo unrolled (``w13[e]``, ``linear``, masks ``top_k_index == e``;
+``examples/moe_reference.py``). Rewrites to::
+
+    out = fp8fx.fused_moe(x, top_k_weights, top_k_index, w13q, w13_scale, w2q, w2_scale,
+                          w_block, act_block, out.dtype, a13_scale, a2_scale)
+
+Routing (the router, top-k, its normalisation) is outside the experts module and stays the model's.
+
+A region is rewritten only if it computes what fused_moe computes. ``_Interpreter`` follows each node
+in graph order and labels what it holds (``Val``): index bookkeeping, hidden states, a weight (which
+expert, transposed or not), the first GEMM's output, gate / up halves, SiLU(gate) * up, the second
+GEMM's output, that output times its routing weight, and sums of those. Every node must fit one rule
+(a GEMM contracts a weight over its stored input dim; chunk(2) splits the features of the first GEMM;
+only SiLU; each expert output is weighted once by its own routing weight; the sum covers every expert
+once and runs over k); anything else (another activation, a bias, a norm, a scale, a mutation of an
+input, an op the pass does not know) leaves the region as it is, reported with the node and the
+reason. Trusted, not proven: the index bookkeeping (sorts, gathers, scatters) pairs each token with its
+k-th expert, as the model's own code intends.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+import types
+from typing import Any, Optional, Union
+
+import torch
+from torch import fx
+
+import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
+from fp8fx.config import LayerScheme, granularity_from_block
+from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, module_path, set_fake_value
+from fp8fx.report import Site
+
+_DEQUANT = (torch.ops.fp8fx.dequantize, torch.ops.fp8fx.dequantize.default)
+_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+class _NoMatch(Exception):
+    """The region is not the experts computation fused_moe computes; the message says why."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Val:
+    """What a region node holds. ``kind``: ``idx`` (indices, masks' sources, sizes), ``mask`` (top_k_index
+    == e), ``wts`` (routing weights), ``x`` (hidden states), ``w13`` / ``w2`` (weights), ``g1`` (first
+    GEMM), ``chunks`` / ``gate`` / ``up``, ``act`` (SiLU(gate)), ``h`` (act * up), ``y`` (second GEMM),
+    ``out`` (y times its routing weight), ``zero`` (a fresh accumulator), ``sum`` (the combine).
+    ``expert``: for values, None for every (token, k) pair at once (grouped / gathered forms) or an int for
+    one expert of an unrolled loop; for weights, None (all experts, stacked), ``"pairs"`` (gathered per
+    pair) or an int; for ``sum``, the frozenset of experts summed so far, or ``"all"``. ``fdim``: the feature
+    dim (negative) of hidden-state-like values. ``t``: weights whose stored ``[rows, cols]`` are transposed."""
+
+    kind: str
+    expert: Any = None
+    fdim: int = -1
+    t: bool = False
+
+
+_IDX, _FEATURES = Val("idx"), ("x", "g1", "chunks", "gate", "up", "act", "h", "y", "out", "zero", "sum")
+
+
+# -- op names ---------------------------------------------------------------------------------
+def _function_names() -> dict:
+    f = torch.nn.functional
+    names = {
+        operator.getitem: "getitem", operator.setitem: "setitem", operator.mul: "mul", torch.mul: "mul",
+        operator.add: "add", torch.add: "add", operator.floordiv: "floordiv", operator.eq: "eq", torch.eq: "eq",
+        torch.sort: "sort", torch.argsort: "sort", torch.histc: "idx_op", torch.cumsum: "idx_op",
+        torch.bincount: "idx_op", torch.arange: "factory", torch.empty_like: "factory", torch.zeros_like: "factory",
+        torch.zeros: "factory", torch.empty: "factory", torch.nn.functional.one_hot: "idx_op", torch.where: "idx_op",
+        torch.nonzero: "idx_op", torch.greater: "idx_op", operator.gt: "idx_op", operator.sub: "idx_op",
+        torch.sum: "sum", torch.chunk: "chunk", torch.unsqueeze: "view", torch.squeeze: "view", torch.t: "transpose",
+        torch.transpose: "transpose", torch.permute: "transpose", torch.reshape: "view", torch.flatten: "view",
+        torch.repeat_interleave: "view", f.silu: "silu", torch.index_add: "index_add",
+        torch._grouped_mm: "gemm", torch.bmm: "gemm", torch.mm: "gemm", torch.matmul: "gemm",
+        operator.matmul: "gemm", torch._C._nn.linear: "gemm", f.linear: "gemm",
+        torch._C._set_grad_enabled: "grad_mode",
+    }
+    if hasattr(f, "grouped_mm"):
+        names[f.grouped_mm] = "gemm"
+    return names
+
+
+_FUNCTIONS = _function_names()
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+_GROUPED = tuple(f for f in (torch._grouped_mm, getattr(torch.nn.functional, "grouped_mm", None)) if f)
+_BATCHED = (torch.bmm, torch.matmul, operator.matmul)
+_METHODS = {
+    "view": "view", "reshape": "view", "unsqueeze": "view", "squeeze": "view", "flatten": "view", "contiguous": "view",
+    "to": "view", "float": "view", "bfloat16": "view", "half": "view", "clone": "view", "expand": "view",
+    "repeat_interleave": "view", "transpose": "transpose", "t": "transpose", "permute": "transpose",
+    "chunk": "chunk", "mul": "mul", "add": "add", "sum": "sum", "eq": "eq", "index_add_": "index_add",
+    "index_add": "index_add", "int": "idx_op", "long": "idx_op", "cumsum": "idx_op", "histc": "idx_op",
+    "size": "idx_op", "argsort": "sort", "sort": "sort", "greater": "idx_op", "nonzero": "idx_op",
+}
+_GEMM_OPS = {"transformers::grouped_mm_fallback"}  # HF's CPU / non-bf16 grouped GEMM custom op
+
+
+def _op(node: fx.Node) -> Optional[str]:
+    if node.op == "call_method":
+        return _METHODS.get(node.target)
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = target.default
+    if isinstance(target, torch._ops.OpOverload):
+        return "gemm" if target.name() in _GEMM_OPS else None
+    if target is getattr:
+        return "transpose" if node.args[1] in ("T", "mT") else "idx_op" if node.args[1] in ("shape", "dtype") else None
+    return _FUNCTIONS.get(target)
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    return node.kwargs[name] if name in node.kwargs else node.args[i] if len(node.args) > i else default
+
+
+# -- the interpreter ----------------------------------------------------------------------------
+class _Interpreter:
+    """Labels every node of ``region`` (graph order); raises ``_NoMatch`` at the first that breaks a rule."""
+
+    def __init__(self, inputs: dict[fx.Node, Val], e: int, i: int, h: int, k: int):
+        self.val: dict[fx.Node, Optional[Val]] = dict(inputs)
+        self.experts, self.inter, self.hidden, self.k = e, i, h, k
+
+    def run(self, region: list[fx.Node]) -> None:
+        for node in region:
+            if node.target in _DEQUANT:
+                continue  # labelled as inputs
+            op = _op(node)
+            if op is None:
+                raise _NoMatch(f"{node.name} ({_describe(node)}) is not part of an experts computation fused_moe knows")
+            self.val[node] = getattr(self, f"_{op}")(node)
+
+    # helpers
+    def _of(self, a) -> Optional[Val]:
+        if isinstance(a, fx.Node):
+            if a not in self.val:
+                raise _NoMatch(f"{a.name} is read by the experts but is not one of their inputs")
+            return self.val[a]
+        return _IDX  # constants, shapes, dtypes, devices, slices
+
+    def _operands(self, node: fx.Node) -> list[Val]:
+        return [self._of(a) for a in node.all_input_nodes]
+
+    def _all_idx(self, node: fx.Node) -> bool:
+        return all(v is not None and v.kind in ("idx", "mask") for v in self._operands(node))
+
+    def _fail(self, node: fx.Node, what: str):
+        kinds = ", ".join(v.kind if v else "?" for v in self._operands(node))
+        raise _NoMatch(f"{node.name} ({_describe(node)}) {what} (operands: {kinds})")
+
+    # ops on indices only
+    def _idx_op(self, node):
+        if not self._all_idx(node):
+            self._fail(node, "computes on values other than indices")
+        return _IDX
+
+    _floordiv = _sort = _idx_op
+
+    def _grad_mode(self, node):
+        return None
+
+    def _factory(self, node):
+        if node.target is torch.zeros_like or node.target is torch.zeros:
+            return Val("zero")
+        if self._all_idx(node):
+            return _IDX
+        self._fail(node, "makes an uninitialised tensor like a hidden state")
+
+    def _eq(self, node):
+        a, b = node.args[:2]
+        if isinstance(a, fx.Node) and isinstance(b, int) and self._of(a).kind == "idx":
+            return Val("mask", b)
+        return self._idx_op(node)
+
+    def _setitem(self, node):
+        target, _, value = node.args
+        if self._all_idx(node) and isinstance(target, fx.Node) and _fresh(target, self.val):
+            return None
+        self._fail(node, "assigns into a tensor other than a fresh index tensor")
+
+    # shape ops
+    def _view(self, node):
+        src = self._of(node.args[0])
+        if src.kind in ("idx", "mask", "wts"):
+            if not self._all_idx_args(node):
+                self._fail(node, "reshapes with a non-index argument")
+            return src
+        if src.kind in ("w13", "w2"):
+            self._fail(node, "reshapes an expert weight")
+        before, after = _shape(node.args[0]), _shape(node)
+        p = len(before) + src.fdim  # feature dim, counted from the front
+        name = _op_name(node)
+        if before == after and name != "squeeze":  # to, contiguous, clone, float, same-shape views
+            return src
+        if name == "unsqueeze":
+            q = _arg(node, 1, "dim") % (len(before) + 1)
+            p = p + 1 if q <= p else p
+        elif name == "squeeze":
+            dims = _arg(node, 1, "dim")
+            dims = range(len(before)) if dims is None else [dims] if isinstance(dims, int) else dims
+            gone = [d % len(before) for d in dims if before[d % len(before)] == 1]
+            if p in gone:
+                self._fail(node, "squeezes the feature dim")
+            p -= sum(d < p for d in gone)
+        elif name == "repeat_interleave":
+            if _arg(node, 2, "dim") != 0:
+                self._fail(node, "repeats along a dim other than the tokens")
+        elif before[p:] != after[len(after) - (len(before) - p):] or src.fdim != -1:
+            self._fail(node, "reshapes the feature dim")
+        else:  # view / reshape / flatten / expand of the leading dims only
+            p = len(after) - 1
+        return dataclasses.replace(src, fdim=p - len(after))
+
+    def _all_idx_args(self, node) -> bool:
+        return all(self._of(a).kind in ("idx", "mask") for a in node.all_input_nodes[1:])
+
+    def _transpose(self, node):
+        src = self._of(node.args[0])
+        if src.kind in ("idx", "mask"):
+            return src
+        if src.kind not in ("w13", "w2"):
+            self._fail(node, "transposes a hidden state")
+        n = len(_shape(node))
+        dims = node.args[1:]
+        if _op_name(node) == "permute":
+            dims = tuple(dims[0]) if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+            swapped = [d % n for d in dims] == list(range(n - 2)) + [n - 1, n - 2]
+        else:  # t / T / mT / transpose(a, b)
+            swapped = len(dims) < 2 or sorted(d % n for d in dims[:2]) == [n - 2, n - 1]
+        if not swapped:
+            self._fail(node, "permutes an expert weight other than its last two dims")
+        return dataclasses.replace(src, t=not src.t)
+
+    def _getitem(self, node):
+        src, index = node.args
+        if isinstance(src, fx.Node) and self._of(src).kind == "chunks":
+            return Val(("gate", "up")[index], self._of(src).expert, self._of(src).fdim)
+        val = self._of(src)
+        if not self._all_idx_args(node):
+            self._fail(node, "indexes with a non-index value")
+        if val.kind in ("idx", "mask"):
+            return _IDX
+        if val.kind in ("w13", "w2"):
+            if isinstance(index, int) and val.expert is None and not val.t:
+                if not 0 <= index < self.experts:
+                    self._fail(node, f"selects expert {index} of {self.experts}")
+                return dataclasses.replace(val, expert=index)  # w[e]: one expert of a loop
+            if isinstance(index, fx.Node) and val.expert is None and not val.t:
+                return dataclasses.replace(val, expert="pairs")  # w[expert_ids]: gathered per (token, k)
+            self._fail(node, "indexes an expert weight other than by expert")
+        if val.kind == "wts":
+            return val
+        if isinstance(index, fx.Node):
+            return val  # rows gathered or un-sorted: the feature dim stays
+        self._fail(node, "slices a hidden state")
+
+    # math
+    def _silu(self, node):
+        v = self._of(node.args[0])
+        if v.kind != "gate":
+            self._fail(node, "applies SiLU to something other than the gate half of w13's GEMM")
+        return dataclasses.replace(v, kind="act")
+
+    def _chunk(self, node):
+        v = self._of(node.args[0])
+        if v.kind in ("idx", "mask"):
+            return _IDX
+        chunks, dim = _arg(node, 1, "chunks"), _arg(node, 2, "dim", 0)
+        shape = _shape(node.args[0])
+        if v.kind != "g1" or chunks != 2 or dim % len(shape) != len(shape) + v.fdim:
+            self._fail(node, "splits something other than the features of w13's GEMM in two")
+        return dataclasses.replace(v, kind="chunks")
+
+    def _mul(self, node):
+        a, b = (self._of(x) for x in node.args[:2])
+        kinds = {a.kind, b.kind}
+        by = {a.kind: a, b.kind: b}
+        if kinds <= {"idx", "mask"}:
+            return _IDX
+        if kinds == {"act", "up"} and a.expert == b.expert and a.fdim == b.fdim:
+            return dataclasses.replace(by["act"], kind="h")
+        if kinds == {"wts", "mask"} and by["wts"].expert is None:
+            return Val("wts", by["mask"].expert)
+        if kinds == {"y", "wts"} and by["y"].expert == by["wts"].expert:
+            return dataclasses.replace(by["y"], kind="out")
+        if kinds == {"y", "wts"}:
+            self._fail(node, f"weights expert {by['y'].expert} with the routing weight of expert {by['wts'].expert}")
+        self._fail(node, "multiplies values that fused_moe does not multiply")
+
+    def _sum(self, node):
+        v = self._of(node.args[0])
+        dim = _arg(node, 1, "dim")
+        shape = _shape(node.args[0])
+        if v.kind in ("idx", "mask"):
+            return _IDX
+        if v.kind == "wts" and v.expert is not None and dim in (-1, len(shape) - 1):
+            return v  # sum over k of the masked routing weights: expert e's weight per token
+        if v.kind == "out" and v.expert is None and isinstance(dim, int):
+            d = dim % len(shape)
+            if d != len(shape) + v.fdim and shape[d] == self.k:
+                return Val("sum", "all", fdim=v.fdim)
+        self._fail(node, "sums something other than the k weighted expert outputs of each token")
+
+    def _add(self, node):
+        a, b = (self._of(x) for x in node.args[:2])
+        if {a.kind, b.kind} <= {"idx", "mask"}:
+            return _IDX
+        return self._accumulate(node, a, b)
+
+    def _accumulate(self, node, acc: Val, new: Val) -> Val:
+        """acc (a fresh zero or a partial sum) + new (a weighted expert output or a partial sum)."""
+        if acc.kind == "out":
+            acc, new = new, acc
+        if acc.kind not in ("zero", "sum") or new.kind not in ("out", "sum"):
+            self._fail(node, "adds values other than weighted expert outputs")
+        have = frozenset() if acc.kind == "zero" else acc.expert
+        more = new.expert if new.kind == "sum" else "all" if new.expert is None else frozenset([new.expert])
+        if "all" in (have, more):
+            if have and more:  # "all" next to anything but an empty accumulator
+                self._fail(node, "adds the outputs of every expert to a partial sum")
+            return Val("sum", "all")
+        if have & more:
+            self._fail(node, f"adds expert(s) {sorted(have & more)} twice")
+        return Val("sum", have | more)
+
+    def _index_add(self, node):
+        target, dim, _, source = (_arg(node, i, n) for i, n in enumerate(("self", "dim", "index", "source")))
+        acc, src = self._of(target), self._of(source)
+        if dim % len(_shape(target)) == len(_shape(target)) + src.fdim:
+            self._fail(node, "adds along the feature dim")
+        out = self._accumulate(node, acc, src)
+        if node.op == "call_method" and node.target == "index_add_":
+            self.val[target] = out  # in place: later reads of the accumulator see the sum
+        return out
+
+    def _gemm(self, node):
+        a, b = node.args[:2]
+        va, vb = self._of(a), self._of(b)
+        linear = node.target in _LINEAR
+        if linear and _arg(node, 2, "bias") is not None or node.kwargs.get("bias") is not None:
+            self._fail(node, "adds a bias")
+        if vb.kind in ("w13", "w2") and va.kind not in ("w13", "w2"):
+            w, act, act_node, weight_first = vb, va, a, False
+        elif va.kind in ("w13", "w2") and vb.kind not in ("w13", "w2") and not linear:
+            w, act, act_node, weight_first = va, vb, b, True
+        else:
+            self._fail(node, "is a GEMM without exactly one expert weight")
+        # the weight must be contracted over its stored cols (H for w13, I for w2)
+        want_t = not linear and not weight_first
+        if w.t != want_t:
+            self._fail(node, f"contracts {w.kind} over its output dim (the weight is used transposed)")
+        # stacked weights need a grouped GEMM, weights gathered per pair a batched one, one expert's any
+        grouped = node.target in _GROUPED or isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+        if (w.expert is None) != grouped or w.expert == "pairs" and node.target not in _BATCHED:
+            self._fail(node, f"is not a GEMM for {w.kind} {'stacked' if w.expert is None else w.expert}")
+        expert = w.expert if isinstance(w.expert, int) else None
+        need = ("x", self.hidden) if w.kind == "w13" else ("h", self.inter)
+        if act.kind != need[0] or (w.kind == "w2" and act.expert != expert):
+            self._fail(node, f"multiplies {w.kind} (expert {w.expert}) with {act.kind} (expert {act.expert})")
+        contracted = -2 if weight_first else -1
+        if act.fdim != contracted or _shape(act_node)[contracted] != need[1]:
+            self._fail(node, "contracts the activation over a dim other than its features")
+        return Val("g1" if w.kind == "w13" else "y", expert, fdim=-2 if weight_first else -1)
+
+
+def _op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return node.target
+    if node.target is getattr:
+        return node.args[1]
+    return getattr(node.target, "__name__", str(node.target))
+
+
+def _describe(node: fx.Node) -> str:
+    return f"{node.op} {_op_name(node)}"
+
+
+def _shape(node) -> tuple:
+    v = fake_value(node)
+    return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def _fresh(node: fx.Node, labelled) -> bool:
+    """``node`` is a tensor the region made itself (not a view of one of its inputs)."""
+    return node in labelled and node.op == "call_function" and node.target in (torch.empty_like, torch.zeros_like,
+                                                                                torch.empty, torch.zeros)
+
+
+# -- the pass -----------------------------------------------------------------------------------
+@dataclasses.dataclass
+class _Site:
+    fqn: str  # the experts module's FQN in the model (tagged by quantize_), for the report
+    path: Optional[str]  # its path as Dynamo names it (relative to the compiled module; None: it is that module)
+    dequant: dict[str, fx.Node]  # role ("w13" / "w2") -> the first dequantize node of that weight
+    region: list[fx.Node]  # the nodes its forward created, in graph order
+
+
+class MoePass(Fp8Pass):
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
+        graph = gm.graph
+        count = 0
+        self._report_unquantized(graph, ctx)
+        for site in self._sites(graph, ctx):
+            try:
+                operands = self._check(site, ctx)
+            except _NoMatch as e:
+                ctx.report.add(Site("moe", site.fqn, False, str(e), "", ctx.graph_index,
+                                    weight_shape=Site.shape_of(fake_value(site.dequant.get("w13"))),
+                                    node=site.region[-1].name if site.region else ""))
+                continue
+            scheme, saved, origin = self._rewrite(graph, site, operands)
+            ctx.report.add(Site("moe", site.fqn, True, "", scheme, ctx.graph_index,
+                                weight_shape=Site.shape_of(fake_value(site.dequant["w13"])), node=origin,
+                                bytes_saved=saved))
+            count += 1
+        gm.recompile()
+        return count
+
+    # -- finding sites
+    @staticmethod
+    def _role(node, ctx: PassContext) -> Optional[str]:
+        real = ctx.example.get(node) if isinstance(node, fx.Node) else None
+        return getattr(real, "_fp8fx_moe_role", None)
+
+    def _sites(self, graph: fx.Graph, ctx: PassContext) -> list[_Site]:
+        sites: dict[str, _Site] = {}
+        for node in graph.nodes:
+            if node.op == "call_function" and node.target in _DEQUANT and self._role(node.args[0], ctx):
+                real = ctx.example[node.args[0]]
+                path = module_path(node)  # None: the experts module is the compiled module itself
+                fqn = getattr(real, "_fp8fx_fqn", None)
+                site = sites.setdefault(path, _Site(path or "" if fqn is None else fqn, path, {}, []))
+                site.dequant.setdefault(real._fp8fx_moe_role, node)
+        for site in sites.values():
+            site.region = [n for n in graph.nodes if n.op in ("call_function", "call_method")
+                           and (site.path is None or site.path in _stack_paths(n))]
+        return list(sites.values())
+
+    @staticmethod
+    def _report_unquantized(graph: fx.Graph, ctx: PassContext) -> None:
+        """Experts ``quantize_`` left in high precision (their tensors carry the reason)."""
+        seen = set()
+        for node in graph.nodes:
+            real = ctx.example.get(node) if node.op == "placeholder" else None
+            reason, fqn = getattr(real, "_fp8fx_skip_reason", None), getattr(real, "_fp8fx_fqn", None)
+            if reason and getattr(real, "_fp8fx_moe_role", None) and fqn not in seen:
+                seen.add(fqn)
+                ctx.report.add(Site("moe", fqn, False, f"not quantized: {reason}", "", ctx.graph_index,
+                                    weight_shape=Site.shape_of(real)))
+
+    # -- checking a site
+    def _check(self, site: _Site, ctx: PassContext) -> dict[str, Any]:
+        """The fused_moe operands of ``site``, or ``_NoMatch``."""
+        if set(site.dequant) != {"w13", "w2"}:
+            raise _NoMatch(f"only {sorted(site.dequant)} of the expert weights are read in this graph")
+        region = set(site.region)
+        outputs = [n for n in site.region if any(u not in region for u in n.users)]
+        if len(outputs) != 1:
+            raise _NoMatch(
+                f"the experts region has {len(outputs)} outputs ({[n.name for n in outputs]}), not one "
+                "(is the experts module called more than once in this graph, or a weight read outside it?)"
+            )
+        out = outputs[0]
+        w13, w2 = site.dequant["w13"], site.dequant["w2"]
+        e, two_i, h = _shape(w13)
+        inputs: dict[fx.Node, Val] = {}
+        dequants = [n for n in site.region if n.target in _DEQUANT]
+        for d in dequants:
+            role = self._role(d.args[0], ctx)
+            if role is None or d.args[0] is not site.dequant[role].args[0]:
+                raise _NoMatch(f"{d.name} dequantizes a weight that is not one of this module's experts")
+            inputs[d] = Val(role)
+        external = {a for n in site.region if n.target not in _DEQUANT for a in n.all_input_nodes if a not in region}
+        roles = self._interface(external, _shape(out), e, h)
+        inputs.update({n: Val(r) if r != "sym" else _IDX for n, r in roles.items()})
+        by_role = {r: n for n, r in roles.items()}
+        if {"x", "ids", "wts"} - set(by_role):
+            raise _NoMatch(f"the experts do not read hidden_states, top_k_index and top_k_weights (found {sorted(by_role)})")
+        interp = _Interpreter({n: (Val("idx") if v.kind == "ids" else v) for n, v in inputs.items()},
+                              e, two_i // 2, h, _shape(by_role["ids"])[1])
+        interp.run(site.region)
+        result = interp.val.get(out)
+        if result is None or result.kind != "sum" or result.fdim != -1:
+            raise _NoMatch(f"the experts' output {out.name} is not the sum of the weighted expert outputs")
+        if result.expert != "all" and result.expert != frozenset(range(e)):
+            missing = sorted(set(range(e)) - set(result.expert))
+            raise _NoMatch(f"the experts' output {out.name} leaves out experts {missing}")
+        x = fake_value(by_role["x"])
+        if x.dtype not in _ACT_DTYPES:
+            raise _NoMatch(f"hidden_states dtype {x.dtype} is not bf16/fp16/fp32")
+        if torch.is_grad_enabled() and (x.requires_grad or fake_value(by_role["wts"]).requires_grad):
+            raise _NoMatch(
+                "traced with autograd (hidden states or routing weights require grad); fp8fx rewrites inference: "
+                "call the compiled model under torch.no_grad() or torch.inference_mode()"
+            )
+        order = _order(out.graph)
+        first_user = min((u for u in out.users if u not in region), key=order)
+        late = [n.name for n in (*by_role.values(), *site.dequant.values()) for a in (n, *n.all_input_nodes)
+                if order(a) > order(first_user)]
+        if late:
+            raise _NoMatch(f"{late} are computed after the experts' output is first used")
+        return {"out": out, "first_user": first_user, "x": by_role["x"], "ids": by_role["ids"], "wts": by_role["wts"]}
+
+    @staticmethod
+    def _interface(external: set[fx.Node], out_shape: tuple, e: int, h: int) -> dict[fx.Node, str]:
+        """Role of each tensor the region reads from outside: ``x`` [T, H], ``ids`` [T, K] int, ``wts``
+        [T, K] float; SymInts are sizes."""
+        roles = {}
+        for n in external:
+            v = fake_value(n)
+            if isinstance(v, (int, torch.SymInt)):
+                roles[n] = "sym"
+            elif not isinstance(v, torch.Tensor):
+                raise _NoMatch(f"the experts read {n.name}, which is not a tensor")
+            elif not v.dtype.is_floating_point and v.dim() == 2:
+                roles[n] = "ids"
+            elif v.dim() == 2 and tuple(v.shape) == tuple(out_shape) and v.shape[1] == h:
+                roles[n] = "x"
+            elif v.dim() == 2 and v.dtype.is_floating_point:
+                roles[n] = "wts"
+            else:
+                raise _NoMatch(f"the experts read {n.name} {tuple(v.shape)} besides their inputs (a bias? a norm?)")
+        counts = {r: list(roles.values()).count(r) for r in ("x", "ids", "wts")}
+        if any(c > 1 for c in counts.values()):
+            raise _NoMatch(f"cannot tell hidden_states, top_k_index and top_k_weights apart among {sorted(n.name for n in roles)}")
+        return roles
+
+    # -- rewriting
+    def _rewrite(self, graph: fx.Graph, site: _Site, operands: dict[str, fx.Node]) -> tuple[str, int, str]:
+        out = operands["out"]
+        w13, w2 = site.dequant["w13"], site.dequant["w2"]
+        (w13q, w13s, w_block, _, a13, act_block), (w2q, w2s, _, _, a2, _) = (_dequant_args(d) for d in (w13, w2))
+        act_block = act_block or [1, -1]
+        if a13 is not None:
+            act_block = [-1, -1]
+        args = (operands["x"], operands["wts"], operands["ids"], w13q, w13s, w2q, w2s, list(w_block), list(act_block),
+                fake_value(out).dtype, a13, a2)
+        region = set(site.region)
+        with graph.inserting_before(operands["first_user"]):
+            fused = graph.call_function(torch.ops.fp8fx.fused_moe.default, args)
+        set_fake_value(fused, torch.ops.fp8fx.fused_moe.default, args)
+        fused.meta.update({k: v for k, v in out.meta.items() if k not in ("example_value", "val")})
+        saved = sum(Site.saved_bytes(fake_value(d), fake_value(d.args[1])) for d in (w13, w2))
+        out.replace_all_uses_with(fused, delete_user_cb=lambda user: user not in region)
+        for node in reversed(site.region):
+            graph.erase_node(node)
+        scheme = LayerScheme(granularity_from_block(w_block), granularity_from_block(act_block), a13 is not None)
+        return str(scheme), saved, Site.origin_of(fused)
+
+
+def _dequant_args(node: fx.Node) -> list:
+    names = ("q", "scale", "block", "dtype", "input_scale", "act_block")
+    return [_arg(node, i, n) for i, n in enumerate(names)]
+
+
+def _order(graph: fx.Graph):
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    return index.__getitem__
+
+
+def _stack_paths(node: fx.Node) -> set[str]:
+    """FQNs of every module on ``node``'s ``nn_module_stack`` (the innermost's is ``module_path``)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    return {module_path(types.SimpleNamespace(meta={"nn_module_stack": {k: v}})) for k, v in stack.items()}

@@ -1,0 +1,89 @@
+"""Tiny random HF MoE models (transformers 5) through Fp8Backend on CPU: every experts module rewritten into
+fp8fx.fused_moe, one graph (fullgraph), logits close to the bf16 model's."""
+import pytest
+import torch
+
+import fp8fx
+import fp8fx.testing
+from fp8fx.passes import MoePass, PassManager
+from fp8fx.report import Report
+from tests.conftest import rel_err
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS = 2
+COMMON = dict(vocab_size=512, hidden_size=256, num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2)
+MODELS = {
+    "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                dict(intermediate_size=128, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                  dict(intermediate_size=512, moe_intermediate_size=128, head_dim=64, num_experts=8,
+                       num_experts_per_tok=2, norm_topk_prob=True)),
+    "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
+                    dict(intermediate_size=512, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
+                         n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1, q_lora_rank=64,
+                         kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64)),
+}
+
+
+def tiny(name, impl):
+    config_cls, model_cls, extra = MODELS[name]
+    torch.manual_seed(0)
+    model = model_cls(config_cls(**COMMON, **extra)).to(torch.bfloat16).eval()
+    model.set_experts_implementation(impl)
+    with torch.no_grad():  # decisive routers: tiny random routers are near-ties that any rounding upstream flips
+        for i in range(LAYERS):
+            model.model.layers[i].mlp.gate.weight.mul_(10)
+    return model
+
+
+def run(model, backend):
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+        fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+        eager = model(ids).logits.float()  # fp8 weights, dequantized: the model's own code
+        out = torch.compile(model, backend=backend, fullgraph=True)(ids).logits.float()  # fullgraph: no break
+    return out, eager, ref
+
+
+EXPERTS = {f"model.layers.{i}.mlp.experts" for i in range(LAYERS)}
+
+
+@pytest.mark.parametrize("name,impl,compiler", [
+    ("mixtral", "grouped_mm", "inductor"),
+    ("qwen3_moe", "batched_mm", "eager"),
+])
+def test_tiny_moe_model(name, impl, compiler):
+    model = tiny(name, impl)
+    backend = fp8fx.Fp8Backend(compiler=compiler)
+    out, eager, ref = run(model, backend)
+    assert {s.fqn for s in backend.report.sites if s.kind == "moe"} == EXPERTS
+    fp8fx.testing.assert_rewritten(backend, "model.layers.*.mlp.experts", "model.layers.*.self_attn.*")
+    assert not [n for n, *_ in backend.report.unhandled_weights(model) if "experts" in n]
+    # fp8 everywhere but lm_head and the routers, random weights: measured 0.05-0.06 (CPU, torch 2.13)
+    assert rel_err(out, ref) < 0.1
+
+
+def test_tiny_deepseek_v3_experts():
+    """The MoE pass alone (the linear pass breaks this graph: see the xfail below): the experts in fp8
+    against the same fp8 weights run by the model's own code, and against bf16."""
+    model = tiny("deepseek_v3", "grouped_mm")
+    report = Report()
+
+    def moe_only(gm, example_inputs):
+        PassManager([MoePass()], {}).run(gm, example_inputs, report)
+        return gm.forward
+
+    out, eager, ref = run(model, moe_only)
+    assert {s.fqn for s in report.sites if s.rewritten} == EXPERTS and len(report.sites) == LAYERS
+    assert rel_err(out, eager) < 0.05  # measured 0.031: activation quantization of the experts
+    assert rel_err(out, ref) < 0.1  # measured 0.075
+
+
+@pytest.mark.xfail(strict=True, reason="LinearPass's graph.eliminate_dead_code() drops Dynamo's in-place "
+                   "copy_ / scatter_ nodes (DeepSeek-V3's key_states and router group mask): NaN logits")
+def test_tiny_deepseek_v3_whole_backend():
+    model = tiny("deepseek_v3", "grouped_mm")
+    out, eager, ref = run(model, fp8fx.Fp8Backend(compiler="eager"))
+    assert rel_err(out, ref) < 0.1

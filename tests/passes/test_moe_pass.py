@@ -1,0 +1,227 @@
+"""The MoE pass on Dynamo graphs: HF transformers 5 experts (grouped_mm, batched_mm; bf16 and fp32),
+the unrolled per-expert loop of examples/moe_reference.py, and experts it must leave alone (each
+reported with its reason, the graph unchanged)."""
+import hashlib
+import importlib.util
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp8fx
+import fp8fx.testing
+from fp8fx import ops
+from fp8fx.passes import MoePass, default_passes
+from tests.conftest import rel_err
+
+transformers = pytest.importorskip("transformers")
+
+E, H, I, K, T = 4, 128, 64, 2, 9
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("moe_reference", ROOT / "examples" / "moe_reference.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault("moe_reference", module)  # Dynamo looks classes' modules up there
+    spec.loader.exec_module(module)
+    return module
+
+
+class Block(nn.Module):
+    """Something around the experts, so that they are a submodule and their output has a consumer."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, top_k_index, top_k_weights):
+        return x + self.experts(x, top_k_index, top_k_weights)
+
+
+def hf_experts(impl, dtype):
+    cfg = transformers.MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
+    cfg._experts_implementation = impl
+    torch.manual_seed(0)
+    experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(cfg)
+    nn.init.normal_(experts.gate_up_proj, std=H**-0.5)
+    nn.init.normal_(experts.down_proj, std=I**-0.5)
+    return Block(experts).to(dtype).eval()
+
+
+def inputs(dtype, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    ids[0] = torch.tensor([3, 0])  # expert 1 and 2 get fewer tokens; the order within a row varies
+    w = torch.rand(T, K, generator=g)
+    return torch.randn(T, H, generator=g).to(dtype), ids, (w / w.sum(-1, keepdim=True)).to(dtype)
+
+
+def compile_capture(model, *args, grad=False):
+    """(output, the graph after fp8fx's passes, the report), with Fp8Backend's passes and no Inductor."""
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    graphs = []
+
+    def capture(gm, example_inputs):
+        compiled = backend(gm, example_inputs)
+        graphs.append(gm)
+        return compiled
+
+    with torch.set_grad_enabled(grad):
+        out = torch.compile(model, backend=capture, fullgraph=True)(*args)  # fullgraph: no graph break
+    assert len(graphs) == 1
+    return out, graphs[0], backend.report
+
+
+def targets(gm):
+    return [n.target for n in gm.graph.nodes if n.op == "call_function"]
+
+
+def fused_reference(experts, x, ids, w, out_dtype):
+    """fused_moe's reference on the module's own fp8 tensors: what the rewritten graph must compute."""
+    p = experts._parameters
+    scale = "_scale_inv" if experts._fp8fx_block_scales else "_scale"
+    return ops.fused_moe_reference(x, w, ids, p["gate_up_proj"], p["gate_up_proj" + scale], p["down_proj"],
+                                   p["down_proj" + scale], experts._fp8fx_w_block, experts._fp8fx_act_block, out_dtype)
+
+
+CONFIGS = {
+    "per-channel": fp8fx.Fp8Config(),
+    "per-tensor": fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor()),
+    "block": fp8fx.Fp8Config(weight_block_size=[64, 64]),
+}
+
+
+@pytest.mark.parametrize("impl,dtype,config", [
+    ("grouped_mm", torch.bfloat16, "per-channel"),
+    ("grouped_mm", torch.float32, "block"),  # fp32 weights: HF's transformers::grouped_mm_fallback op
+    ("batched_mm", torch.bfloat16, "per-tensor"),
+    ("batched_mm", torch.float32, "per-channel"),
+])
+def test_hf_experts_rewritten_into_fused_moe(impl, dtype, config):
+    model = hf_experts(impl, dtype)
+    x, ids, w = inputs(dtype)
+    with torch.no_grad():
+        bf16 = model(x, ids, w)
+        fp8fx.quantize_(model, CONFIGS[config])
+        out, gm, report = compile_capture(model, x, ids, w)
+    (site,) = report.sites
+    assert (site.kind, site.fqn, site.rewritten, site.weight_shape) == ("moe", "experts", True, (E, 2 * I, H))
+    assert site.scheme == str(CONFIGS[config].scheme()) and site.bytes_saved > 0
+    found = targets(gm)
+    assert found.count(torch.ops.fp8fx.fused_moe.default) == 1
+    assert not {torch.ops.fp8fx.dequantize, torch._grouped_mm, torch.bmm, torch.sort} & set(found)
+    # the graph computes exactly fused_moe on the module's fp8 tensors, plus the residual
+    assert torch.equal(out, x + fused_reference(model.experts, x, ids, w, dtype))
+    assert rel_err(out - x, bf16 - x) < 0.1
+
+
+def test_unrolled_per_expert_loop_of_the_reference_example():
+    example = _example()
+    torch.manual_seed(0)
+    model = Block(example.Experts(E, H, I)).to(torch.bfloat16)
+    x, ids, w = inputs(torch.float32)
+    x = x.bfloat16()
+    with torch.no_grad():
+        bf16 = model(x, ids, w)
+        fp8fx.quantize_(model)
+        out, gm, report = compile_capture(model, x, ids, w)
+    fp8fx.testing.assert_rewritten(report, "experts")
+    assert [s.kind for s in report.sites] == ["moe"]  # the expert GEMMs are gone before the linear pass runs
+    assert targets(gm).count(torch.ops.fp8fx.fused_moe.default) == 1 and torch.ops.fp8fx.dequantize not in targets(gm)
+    assert torch.equal(out, x + fused_reference(model.experts, x, ids, w, torch.bfloat16))
+    assert rel_err(out - x, bf16 - x) < 0.1
+
+
+# -- experts the pass must leave alone --------------------------------------------------------------
+class LoopExperts(nn.Module):
+    """The example's loop with one thing changed at a time."""
+
+    def __init__(self, act=F.silu, scale=1.0, experts=range(E), shift=0, bias=False):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) / H**0.5)
+        self.down_proj = nn.Parameter(torch.randn(E, H, I, generator=g) / I**0.5)
+        self.act, self.scale, self.experts, self.shift = act, scale, experts, shift
+        self.bias = nn.Parameter(torch.zeros(H)) if bias else None
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in self.experts:
+            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
+            gate, up = F.linear(x, self.gate_up_proj[(e + self.shift) % E]).chunk(2, dim=-1)
+            y = F.linear(self.act(gate) * up, self.down_proj[(e + self.shift) % E])
+            out = out + (weight * y if self.scale == 1.0 else self.scale * weight * y)
+        if self.bias is not None:
+            out = out + self.bias
+        return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("variant,reason", [
+    (dict(act=F.gelu), "gelu (call_function gelu) is not part of an experts computation"),
+    (dict(scale=2.0), "multiplies values that fused_moe does not multiply"),
+    (dict(experts=range(E - 1)), f"leaves out experts [{E - 1}]"),
+    (dict(shift=1), "weights expert 1 with the routing weight of expert 0"),
+    (dict(bias=True), "the experts read l_self_modules_experts_parameters_bias_ (128,) besides their inputs"),
+])
+def test_other_experts_are_left_as_they_are_with_the_reason(variant, reason):
+    model = Block(LoopExperts(**variant)).to(torch.bfloat16)
+    x, ids, w = inputs(torch.float32)
+    x = x.bfloat16()
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        eager = model(x, ids, w)  # fp8 weights, dequantized: what the unchanged graph computes
+        out, gm, report = compile_capture(model, x, ids, w)
+    moe = [s for s in report.sites if s.kind == "moe"]
+    assert [(s.fqn, s.rewritten) for s in moe] == [("experts", False)]
+    assert reason in moe[0].reason, moe[0].reason
+    assert torch.ops.fp8fx.fused_moe.default not in targets(gm) and torch.ops.fp8fx.dequantize in targets(gm)
+    assert torch.allclose(out, eager, rtol=0.02, atol=0.02)
+
+
+def test_experts_called_twice_are_not_merged():
+    class Twice(Block):
+        def forward(self, x, top_k_index, top_k_weights):
+            return self.experts(x, top_k_index, top_k_weights) + self.experts(x, top_k_index.flip(-1), top_k_weights)
+
+    model = Twice(LoopExperts()).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x, ids, w = inputs(torch.bfloat16)
+    with torch.no_grad():
+        _, _, report = compile_capture(model, x, ids, w)
+    (site,) = [s for s in report.sites if s.kind == "moe"]
+    assert not site.rewritten and "called more than once" in site.reason
+
+
+def test_experts_quantize_skipped_are_reported_with_its_reason():
+    model = hf_experts("grouped_mm", torch.bfloat16)
+    model.experts.is_concatenated = False  # a layout fused_moe does not compute: quantize_ leaves it in bf16
+    fp8fx.quantize_(model)
+    x, ids, w = inputs(torch.bfloat16)
+    with torch.no_grad():
+        out, gm, report = compile_capture(model, x, ids, w)
+    (site,) = report.sites
+    assert (site.fqn, site.rewritten) == ("experts", False)
+    assert site.reason == "not quantized: interleaved gate/up rows are not supported by fp8fx.fused_moe"
+    assert torch.ops.fp8fx.dequantize not in targets(gm) and torch._grouped_mm in targets(gm)
+
+
+def test_traced_with_autograd_is_not_rewritten():
+    model = hf_experts("grouped_mm", torch.bfloat16)
+    fp8fx.quantize_(model)
+    x, ids, w = inputs(torch.bfloat16)
+    x.requires_grad_(True)
+    _, _, report = compile_capture(model, x, ids, w, grad=True)
+    (site,) = report.sites
+    assert not site.rewritten and site.reason.startswith("traced with autograd")
+
+
+def test_pass_runs_first_and_its_uuid_follows_its_source():
+    passes = default_passes()
+    assert isinstance(passes[0], MoePass)
+    assert MoePass().uuid() == MoePass().uuid()
+    source = (ROOT / "fp8fx" / "passes" / "moe.py").read_text()
+    assert MoePass().uuid() == hashlib.sha256(source.encode()).hexdigest()
