@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import types
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 from torch import fx
@@ -70,7 +70,7 @@ class Val:
     t: bool = False
 
 
-_IDX, _FEATURES = Val("idx"), ("x", "g1", "chunks", "gate", "up", "act", "h", "y", "out", "zero", "sum")
+_IDX = Val("idx")
 
 
 # -- op names ---------------------------------------------------------------------------------
