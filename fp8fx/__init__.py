@@ -8,7 +8,7 @@ from fp8fx.backend import Fp8Backend, fp8_backend
 from fp8fx.checkpoint import CheckpointError, LoadReport, load_checkpoint, save_checkpoint
 from fp8fx.config import Fp8Config, PerBlock, PerGroup, PerRow, PerTensor
 from fp8fx.report import Report, Site
-from fp8fx.weights import CopyNumelCounter, Fp8LinearMethod, calibrate, quantize_
+from fp8fx.weights import CopyNumelCounter, Fp8LinearMethod, Fp8MoEMethod, calibrate, quantize_
 
 __version__ = "0.1.0"
 
@@ -18,6 +18,7 @@ __all__ = [
     "Fp8Backend",
     "Fp8Config",
     "Fp8LinearMethod",
+    "Fp8MoEMethod",
     "LoadReport",
     "PerBlock",
     "PerGroup",
