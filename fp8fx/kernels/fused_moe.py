@@ -21,8 +21,8 @@ channel); w2 ``[E, H, I]`` fp8 with ``[E]`` or ``[E, H]``. Activation scales: pe
 Not fused yet: the requantization of the intermediate (3) lives between the two launches, and block scales
 (128x128 weights, 1x128 activation groups) take the reference path. Tiles come from ``tile_config`` by the
 average number of pairs per expert (decode vs prefill), not from autotuning, so launches are deterministic
-and run under TRITON_INTERPRET=1. Nothing here has run on a GPU yet (tests/kernels/test_fused_moe.py has
-the GPU test); the op's CUDA impl still calls the reference.
+and run under TRITON_INTERPRET=1. Checked under the interpreter and compiled for sm_90 in CI, but not yet
+run on a GPU (tests/kernels/test_fused_moe.py has the GPU test); the op's CUDA impl still calls the reference.
 """
 from __future__ import annotations
 

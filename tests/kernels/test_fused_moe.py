@@ -240,3 +240,45 @@ def test_fused_moe_kernel_cuda(t, scheme, routing):
         assert rel_err(y.cpu(), ref) < 1e-3, ppe  # only accumulation order and rare fp8 rounding flips differ
     y = torch.ops.fp8fx.fused_moe(*cuda, w_block, act_block, torch.bfloat16, *scales)  # the op's CUDA impl
     assert rel_err(y.cpu(), ref) < 1e-2
+
+
+def compile_for_hopper(kernel, pointers: dict, ints: list, consts: dict, cfg: dict):
+    """Ahead-of-time compile for sm_90 without a GPU, as the JIT would specialize it (see
+    tests/kernels/test_compile_sm90.py): pointers and leading strides divisible by 16."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    signature = {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in consts}}
+    names = list(signature)
+    aligned = list(pointers) + ["stride_am", "stride_we", "stride_wn", "stride_wse"]
+    src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
+
+
+@pytest.mark.parametrize("pairs_per_expert,i,h,rowwise", [  # every tile configuration; Qwen3-30B-A3B, Mixtral-8x7B
+    (1, 768, 2048, True), (32, 14336, 4096, True), (1024, 768, 2048, True), (1024, 14336, 4096, False),
+])
+def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, rowwise):
+    """What the interpreter does not check (Triton's front-end rules, the NVIDIA back end, shared memory)."""
+    pytest.importorskip("triton")
+    from fp8fx.kernels.fused_moe import moe_gemm13_kernel, moe_gemm2_kernel, tile_config
+
+    cfg = tile_config(pairs_per_expert, 2 * i, h)
+    tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    ptr = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"}
+    routing = {"sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32"}
+    strides = ["stride_am", "stride_ak", "stride_we", "stride_wn", "stride_wk"]
+    k13 = compile_for_hopper(
+        moe_gemm13_kernel, {**ptr, "inter_ptr": "*fp32", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", **routing},
+        ["S", "N", "K", *strides, "stride_im", "stride_in", "stride_wse", "stride_wsn"],
+        dict(K_TOP=8, A_ROWWISE=rowwise, W_ROWWISE=rowwise, **tiles), cfg)
+    k2 = compile_for_hopper(
+        moe_gemm2_kernel, {**ptr, "y_ptr": "*fp32", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
+                           "topk_weights_ptr": "*fp32", **routing},
+        ["S", "N", "K", *strides, "stride_ym", "stride_yn", "stride_wse", "stride_wsn"],
+        dict(A_ROWWISE=rowwise, W_ROWWISE=rowwise, **tiles), cfg)
+    for kernel in (k13, k2):
+        assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
