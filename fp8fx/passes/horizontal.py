@@ -90,7 +90,6 @@ class HorizontalFusionPass(Fp8Pass):
             self._fuse(gm, nodes, ctx)
             self._amend(ctx, nodes, f"fused({self._names(nodes, ctx)})")
             fused += len(nodes)
-        gm.graph.eliminate_dead_code()
         gm.recompile()
         return fused
 

@@ -97,13 +97,13 @@ class LinearPass(Fp8Pass):
                 ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index,
                                     weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node)))
                 continue
+            # read before the rewrite, which erases the weight's dequantize node
+            details = dict(weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
+                           bytes_saved=Site.saved_bytes(fake_value(w), fake_value(w.args[1])))
             scheme, new = (self._rewrite_weight_only if weight_only else self._rewrite)(graph, node, x, w, bias)
             new.meta["fp8fx_site"] = len(ctx.report.sites)  # later passes amend this site
-            ctx.report.add(Site("linear", fqn, True, "", scheme, ctx.graph_index,
-                                weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
-                                bytes_saved=Site.saved_bytes(fake_value(w), fake_value(w.args[1]))))
+            ctx.report.add(Site("linear", fqn, True, "", scheme, ctx.graph_index, **details))
             count += 1
-        graph.eliminate_dead_code()
         gm.recompile()
         return count
 
@@ -187,7 +187,16 @@ class LinearPass(Fp8Pass):
 
 
 def _replace(graph: fx.Graph, node: fx.Node, new: fx.Node) -> None:
-    """``new`` takes ``node``'s place, its users and its source metadata (module stack, stack trace)."""
+    """``new`` takes ``node``'s place, its users and its source metadata (module stack, stack trace);
+    the weight's dequantize (and transpose) that fed only ``node`` go with it. No graph-wide dead-code
+    elimination: it would also drop Dynamo's in-place ``copy_`` / ``scatter_`` nodes, whose results
+    nobody reads (DeepSeek-V3's attention and router produced NaN that way)."""
     new.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
+    inputs = [a for a in node.all_input_nodes if a.op == "call_function" or a.op == "call_method"]
     node.replace_all_uses_with(new)
     graph.erase_node(node)
+    while inputs:
+        producer = inputs.pop()
+        if not producer.users and (producer.target in _DEQUANT or _transposed(producer) is not None):
+            inputs.extend(a for a in producer.all_input_nodes if a.op in ("call_function", "call_method"))
+            graph.erase_node(producer)
