@@ -2,7 +2,7 @@
 
     fp8fx inspect MODEL [--ignore FQN] [--block-size N,K] [--activation-scheme S] [--config FILE] [--json]
     fp8fx bench [--cpu-smoke] [...]      benchmarks/bench_linear.py of a source checkout
-    fp8fx convert ...                    not available yet (fp8fx.checkpoint.convert from Python)
+    fp8fx convert SRC DST [--scheme S]   bf16 safetensors checkpoint -> fp8 checkpoint
 
 ``inspect`` builds MODEL on the meta device (no weights, no GPU), traces it with ``torch.compile`` and
 says, for every linear site, whether fp8fx would rewrite it with the config, or why not. MODEL is a
@@ -89,10 +89,17 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("bench", help="run benchmarks/bench_linear.py (fp8fx bench --help for its options)", add_help=False)
 
-    p = sub.add_parser("convert", help="convert a checkpoint to fp8 (not available yet)",
-                       description="Convert a bf16 checkpoint to an fp8 one. Not available yet as a command; "
-                       "from Python: fp8fx.checkpoint.convert(src_dir, dst_dir).")
-    p.add_argument("args", nargs="*", help=argparse.SUPPRESS)
+    p = sub.add_parser("convert", help="convert a bf16/fp16 safetensors checkpoint to fp8",
+                       description="Convert the bf16/fp16 safetensors checkpoint in SRC (a folder with config.json) "
+                       "into an FP8 one in DST, one file at a time (fp8fx.checkpoint.convert).")
+    p.add_argument("src", metavar="SRC", help="folder with config.json and *.safetensors")
+    p.add_argument("dst", metavar="DST", help="new or empty folder for the fp8 checkpoint")
+    p.add_argument("--scheme", choices=list(SCHEMES), default="per-channel",
+                   help="weight scales (default per-channel; activations are dynamic per-token, 1x128 groups for block)")
+    p.add_argument("--ignore", metavar="FQN", action="append", default=[], help="keep this layer in bf16 (repeatable)")
+    p.add_argument("--format", choices=["fp8", "compressed-tensors"],
+                   help="quantization_config format (default: fp8 where it can express the scheme)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=convert_command)
     return parser
 
@@ -297,9 +304,25 @@ def bench(argv: list[str]) -> int:
     return module.main(argv)
 
 
+SCHEMES = {
+    "per-channel": {},
+    "per-tensor": {"weight_granularity": fp8fx.PerTensor()},
+    "block": {"weight_block_size": [128, 128]},
+}
+
+
 def convert_command(args: argparse.Namespace) -> int:
-    raise UsageError("not available yet: the command comes with the checkpoints work; from Python, "
-                     "fp8fx.checkpoint.convert(src_dir, dst_dir) converts a bf16 checkpoint to fp8")
+    from fp8fx.checkpoint import CheckpointError, convert
+
+    config = fp8fx.Fp8Config(ignored_layers=args.ignore or None, **SCHEMES[args.scheme])
+    if not os.path.isdir(args.src):
+        raise UsageError(f"SRC {args.src} is not a folder; pass the folder holding config.json and *.safetensors")
+    try:
+        report = convert(args.src, args.dst, config, format=args.format, progress=not args.no_progress)
+    except (CheckpointError, ValueError, OSError) as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+    print(report)
+    return 0
 
 
 if __name__ == "__main__":

@@ -6,8 +6,11 @@ import sys
 import textwrap
 
 import pytest
+import torch
 
+import fp8fx
 from fp8fx.cli import main
+from tests.conftest import rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -158,10 +161,34 @@ def test_help(capsys):
     assert "--cpu-smoke" in run(capsys, "bench", "--help")[1]
 
 
-def test_convert_is_not_available_yet(capsys):
-    code, out, err = run(capsys, "convert", "some/checkpoint")
+def test_convert_bad_input(capsys, tmp_path):
+    code, out, err = run(capsys, "convert", str(tmp_path / "nowhere"), str(tmp_path / "out"))
     assert code == 2 and out == ""
-    one_line_error(err, "fp8fx convert: error: not available yet")
+    one_line_error(err, f"fp8fx convert: error: SRC {tmp_path / 'nowhere'} is not a folder")
+    code, _, err = run(capsys, "convert", str(tmp_path), str(tmp_path / "out"), "--scheme", "int4")
+    assert code == 2
+    one_line_error(err, "invalid choice: 'int4'")
+
+
+def test_convert_block_checkpoint_loads_back(capsys, tmp_path):
+    """bf16 checkpoint -> `fp8fx convert --scheme block` -> load_checkpoint: 128x128 block scales, close to bf16."""
+    from tests.e2e.test_checkpoint_llama import llama_config, reference_model
+    from tests.unit.test_checkpoint_load import write_checkpoint
+
+    cfg = llama_config()
+    model = reference_model(cfg)
+    src = write_checkpoint(tmp_path / "src", model.state_dict(), shards=2, extra_config=cfg.to_dict())
+    code, out, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--scheme", "block", "--ignore", "lm_head",
+                         "--no-progress")
+    assert code == 0, err
+    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    assert qc["weight_block_size"] == [128, 128] and "lm_head" in qc["ignored_layers"]
+    loaded = fp8fx.checkpoint.meta_model(tmp_path / "dst")
+    fp8fx.load_checkpoint(loaded, tmp_path / "dst")
+    assert loaded.model.layers[0].mlp.down_proj.weight_scale_inv.shape == (2, 4)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8))
+    with torch.no_grad():
+        assert rel_err(loaded(ids).logits.float(), model(ids).logits.float()) < 0.1
 
 
 def test_bench_cpu_smoke(capsys):
