@@ -1,7 +1,6 @@
-"""An HF MoE model (Qwen3-MoE) through fp8fx, and what the report says about it: the attention projections run in
-fp8; the router and the experts do not. fp8fx has no MoE pass yet, so no site covers the experts: their GEMMs
-run on their weights as stored (dequantized if quantize_ stored them in fp8), and ``report.unhandled_weights``
-lists those weights.
+"""An HF MoE model (Qwen3-MoE) through fp8fx, and what the report says about it: the attention projections and
+the experts (rewritten by the MoE pass into ``fp8fx.fused_moe``) run on fp8 weights; the router stays bf16 and
+is listed as not rewritten, with the reason.
 
     python examples/moe_report.py                                        # CPU: a tiny random Qwen3-MoE
     python examples/moe_report.py --device cuda --preset qwen3-30b-a3b   # GPU: Qwen3-30B-A3B's shapes, 2 layers

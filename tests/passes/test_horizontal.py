@@ -69,8 +69,8 @@ def test_replaced_parameter_still_correct():
     assert rel_err(again, out) < 1e-3
 
 
-def test_without_the_option_sites_say_why():
+def test_without_the_option_nothing_is_fused():
     report, code, _, _ = compile_llama(fp8fx.Fp8Config(ignored_layers=["lm_head"]), compiler="eager")
     q = next(s for s in report.sites if s.fqn == "model.layers.0.self_attn.q_proj")
-    assert q.rewritten and "not fused with q_proj,k_proj,v_proj: horizontal fusion is off" in q.scheme
-    assert code.count("fp8fx.scaled_mm.default") == 14
+    assert q.rewritten and q.scheme == "w:per-channel a:per-token"
+    assert code.count("fp8fx.scaled_mm.default") == 14 and "scaled_mm_fused" not in code
