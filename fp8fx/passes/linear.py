@@ -13,8 +13,11 @@ Rewrites to (dynamic activations)::
 or, with a static ``input_scale``, ``xq = fp8fx.quantize_static(x, input_scale)`` and a per-tensor
 activation block; or, weight-only (GPUs without fp8 tensor cores, or forced)::
 
-    y = fp8fx.weight_only_mm(x, wq, w_scale, bias, w_block) Linear sites whose weight is not an fp8fx dequantized view are left as they are
-and reported with the reason (tagged on the weight by ``quantize_``, else "not fp8").
+    y = fp8fx.weight_only_mm(x, wq, w_scale, bias, w_block)
+
+The weight's dequantize (and transpose) go with the site when nothing else reads them. Linear sites
+whose weight is not an fp8fx dequantized view are left as they are and reported with the reason
+(tagged on the weight by ``quantize_``, else "not fp8").
 """
 from __future__ import annotations
 
