@@ -156,8 +156,12 @@ def test_cache_key_changes_with_options_and_is_stable():
         Fp8Backend(compiler="eager").cache_key(),
         Fp8Backend(inductor_config={"max_autotune": True}).cache_key(),
         Fp8Backend(lowering="op").cache_key(),
+        Fp8Backend(cudagraphs=True).cache_key(),
+        Fp8Backend(use_fast_accum=False).cache_key(),
+        Fp8Backend(fuse_horizontal=True).cache_key(),
     }
-    assert len(keys) == 4
+    assert len(keys) == 7
+    assert Fp8Backend(cudagraphs=True).inductor_config["triton.cudagraphs"] is True
     assert LinearPass().uuid() == LinearPass().uuid()
 
 
