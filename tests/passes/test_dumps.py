@@ -10,6 +10,7 @@ from torch import nn
 import fp8fx
 import fp8fx.testing
 from fp8fx.lowerings import compat
+from tests.passes.test_linear_pass import TwoLinear
 
 # one file after each pass, in pass order
 PASSES = [f"1_{i:02d}_after_{type(p).__name__}.py" for i, p in enumerate(fp8fx.Fp8Backend().pass_manager.passes, 1)]
@@ -19,14 +20,7 @@ PER_GRAPH = ["0_dynamo_graph.py", *PASSES, "2_inductor_output_code.py", "3_repor
 GRAPH0 = [f"graph000_{name}" for name in PER_GRAPH]
 
 
-class TwoLayer(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up = nn.Linear(64, 128)
-        self.down = nn.Linear(128, 32, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
+TwoLayer = TwoLinear  # up (64 -> 128), relu, down (128 -> 32)
 
 
 def compile_two_layer(tmp_path, x=None, **options):
