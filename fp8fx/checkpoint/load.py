@@ -23,19 +23,19 @@ from torch import nn
 
 from fp8fx import quant
 from fp8fx.checkpoint import formats
+from fp8fx.checkpoint.experts import HIGH_PRECISION, ExpertsLoader, check_scale_dtype, check_scale_values
 from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
 from fp8fx.config import Fp8Config, PerBlock, PerRow
 from fp8fx.weights import chunked
 from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, is_attention
 from fp8fx.weights.kv_cache import kv_scale_target
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, is_quantized, skip_reason
+from fp8fx.weights.moe import is_quantized_experts
 
 log = logging.getLogger("fp8fx")
 
 # Model module -> the checkpoint modules it fuses, in shard order (vLLM's packed_modules_mapping).
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-_SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @dataclasses.dataclass
@@ -45,6 +45,7 @@ class LoadReport:
     path: str
     format: str
     quantized: dict[str, str] = dataclasses.field(default_factory=dict)  # linear fqn -> scheme
+    experts: dict[str, str] = dataclasses.field(default_factory=dict)  # experts module fqn -> scheme
     not_quantized: dict[str, str] = dataclasses.field(default_factory=dict)  # linear fqn -> reason
     fused: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # fqn -> checkpoint modules
     kv_scales: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # attention fqn -> scales
@@ -55,6 +56,7 @@ class LoadReport:
 
     def __str__(self) -> str:
         rows = [("quantized", f, s) for f, s in self.quantized.items()]
+        rows += [("experts", f, s) for f, s in self.experts.items()]
         rows += [("not quantized", f, r) for f, r in self.not_quantized.items()]
         rows += [("fused", f, "<- " + ", ".join(s)) for f, s in self.fused.items()]
         for fqn, scales in self.kv_scales.items():
@@ -67,7 +69,7 @@ class LoadReport:
         lines = [f"{r[0]:<15} {r[1]:<{width}}  {r[2]}" for r in rows]
         lines.append(
             f"{self.path} ({self.format}): {len(self.quantized)} linear layers quantized, {len(self.not_quantized)} "
-            f"not, {len(self.fused)} fused; kv-cache scales on {len(self.kv_scales)} modules "
+            f"not, {len(self.fused)} fused; {len(self.experts)} experts modules quantized; kv-cache scales on {len(self.kv_scales)} modules "
             f"({len(self.kv_defaults)} defaulted); {self.tensors} tensors, {self.bytes_read / 2**20:.1f} MiB read"
         )
         return "\n".join(lines)
@@ -136,7 +138,7 @@ class _Loader:
     def __init__(self, model: nn.Module, fmt: formats.QuantFormat, device: torch.device, fused: dict):
         self.model, self.fmt, self.device, self.fused = model, fmt, device, fused
         self.modules = dict(model.named_modules())
-        done = [f for f, m in self.modules.items() if is_quantized(m)]
+        done = [f for f, m in self.modules.items() if is_quantized(m) or is_quantized_experts(m)]
         if done:
             raise CheckpointError(
                 f"{done[0]} (and {len(done) - 1} more) is already fp8-quantized; load into a freshly built model"
@@ -156,10 +158,12 @@ class _Loader:
         self.kv_entries: dict[tuple[str, str], Entry] = {}
         self.buffers: dict[tuple[str, str], torch.Tensor] = {}
         self.unexpected: list[str] = []
+        self.moe = ExpertsLoader(self.modules, fmt, device, self.items)
 
     # --- 1. plan -----------------------------------------------------------------------------
     def plan(self, entries: dict[str, Entry]) -> None:
         self._find_linears(entries)
+        self.moe.find(entries)
         used: set[str] = set()
         for name, entry in entries.items():
             if self._route(name, entry):
@@ -167,6 +171,7 @@ class _Loader:
         self._check_missing_state(used)
         for lin in self.linears.values():
             self._plan_linear(lin)
+        self.moe.plan()
         self._check_meta_buffers()
         bad = [n for n in self.unexpected if _looks_like_scale(n)]
         if bad:
@@ -264,6 +269,8 @@ class _Loader:
                 self.kv_entries[key] = entry
                 self.items.append((entry, lambda t, key=key: self._load_kv(key, entry, t)))
                 return True
+        if self.moe.route(name, entry):
+            return True
         owner, _, leaf = name.rpartition(".")
         if owner in self.shard_of:
             lin, i = self.shard_of[owner]
@@ -277,8 +284,8 @@ class _Loader:
 
     def _why_unexpected(self, name: str) -> str:
         owner = name.rpartition(".")[0]
-        if owner in self.not_quantized:
-            why = self.not_quantized[owner]
+        why = self.not_quantized.get(owner) or self.moe.not_quantized.get(owner)
+        if why:
             return f"{owner} is not quantized ({why}); fix the config's ignore list or the checkpoint"
         return f"the model has no module {owner!r}; the checkpoint does not belong to this model"
 
@@ -289,7 +296,7 @@ class _Loader:
             return
         owner = key.rpartition(".")[0]
         if entry.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            why = self.not_quantized.get(owner, "not a linear layer")
+            why = self.not_quantized.get(owner) or self.moe.not_quantized.get(owner) or "not a linear layer"
             raise CheckpointError(
                 f"{entry}: a float8 tensor for {key}, which is not quantized ({why}); the checkpoint's "
                 f"format is {self.fmt.describe()}: fix quantization_config (ignore list) or pass config=..."
@@ -304,7 +311,7 @@ class _Loader:
         self.items.append((entry, lambda t: self._load_state(first, target, t)))
 
     def _check_missing_state(self, used: set[str]) -> None:
-        handled = {f"{fqn}.{leaf}" for fqn in self.linears for leaf in ("weight", "bias")}
+        handled = {f"{fqn}.{leaf}" for fqn in self.linears for leaf in ("weight", "bias")} | self.moe.handled()
         missing = []
         for keys in self.aliases.values():
             if not any(k in used or k in handled for k in keys):
@@ -312,7 +319,10 @@ class _Loader:
         if missing:
             hint = ""
             if any(self.state[k].dim() == 3 for k in missing):
-                hint = " (3-D expert parameters: fp8fx.load_checkpoint does not load MoE experts yet)"
+                hint = (
+                    " (3-D expert parameters: the checkpoint holds them per expert, <experts>.<e>.gate_proj.weight / "
+                    "up_proj / down_proj or w1 / w3 / w2, or fused, <experts>.gate_up_proj / down_proj)"
+                )
             raise CheckpointError(
                 f"{missing[0]} (and {len(missing) - 1} more: {missing[1:4]}) is missing from the checkpoint{hint}; "
                 "wrong checkpoint for this model, or a shard is missing"
@@ -344,7 +354,7 @@ class _Loader:
         for i in range(len(lin.shards)):
             if lin.module.bias is not None:
                 b = need("bias", i)
-                if tuple(b.shape) != (lin.sizes[i],) or b.dtype not in _HIGH_PRECISION:
+                if tuple(b.shape) != (lin.sizes[i],) or b.dtype not in HIGH_PRECISION:
                     raise CheckpointError(f"{b}: expected a bf16/fp16/fp32 bias of shape [{lin.sizes[i]}]")
                 self.items.append((b, lambda t, lin=lin, i=i: self._load_rows(lin, "bias", i, t)))
         if todo:
@@ -370,7 +380,7 @@ class _Loader:
                 f"{w}: {lin.fqn} is declared float8_e4m3fn ({self.fmt.describe()}); fix quantization_config "
                 "(e.g. add the layer to its ignore list) or re-export the checkpoint"
             )
-        if not lin.serialized and w.dtype not in _HIGH_PRECISION:
+        if not lin.serialized and w.dtype not in HIGH_PRECISION:
             hint = (
                 "; config.json has no quantization_config, so the checkpoint is read as bf16: restore it or pass "
                 "config=Fp8Config(is_checkpoint_fp8_serialized=True, ...)"
@@ -404,13 +414,13 @@ class _Loader:
                     f"{s}: a {w} weight [{rows}, {k}] needs {shape_text}; the checkpoint does not match its "
                     f"quantization_config ({self.fmt.describe()})"
                 )
-            self._check_scale_dtype(s)
+            check_scale_dtype(s)
             self.items.append((s, lambda t, lin=lin, i=i, s=s, target=target: self._load_scale(lin, target, i, s, t)))
             if scheme.static_activation:
                 a = need("input_scale", i, " (activation_scheme static)")
                 if a.shape not in ((), (1,), (1, 1)):
                     raise CheckpointError(f"{a}: an input_scale is one value, shape [] or [1]")
-                self._check_scale_dtype(a)
+                check_scale_dtype(a)
                 self.items.append((a, lambda t, lin=lin, i=i, a=a: self._load_scale(lin, "input_scale", i, a, t)))
             elif ("input_scale", i) in todo:
                 raise CheckpointError(
@@ -418,11 +428,6 @@ class _Loader:
                     "says dynamic activations; set activation_scheme 'static' (input_activations dynamic false) or "
                     "drop the input_scale tensors"
                 )
-
-    @staticmethod
-    def _check_scale_dtype(s: Entry) -> None:
-        if s.dtype not in _SCALE_DTYPES:
-            raise CheckpointError(f"{s}: scales are float32 (or bf16/fp16); re-export the checkpoint")
 
     def _check_meta_buffers(self) -> None:
         """Buffers that no checkpoint holds (non-persistent, e.g. rotary ``inv_freq``) and that are still
@@ -466,14 +471,7 @@ class _Loader:
         lin.method.weight_loader(lin.stage, "weight", t, lin.shard_id(i))
 
     def _load_scale(self, lin: _Linear, name: str, i: int, entry: Entry, t: torch.Tensor) -> None:
-        t = t.float()
-        bad = ~(torch.isfinite(t) & (t > 0))
-        if bad.any():
-            where = tuple(bad.nonzero()[0].tolist())
-            raise CheckpointError(
-                f"{entry}: {bad.sum().item()} scales are not positive finite floats ({t[where].item()} at "
-                f"{list(where)}); a scale of 0, <0, NaN or Inf cannot dequantize: re-export the checkpoint"
-            )
+        t = check_scale_values(entry, t)
         lin.method.weight_loader(lin.stage, name, t, lin.shard_id(i))
 
     def _load_rows(self, lin: _Linear, name: str, i: int, t: torch.Tensor) -> None:
@@ -494,6 +492,7 @@ class _Loader:
         for lin in self.linears.values():
             if lin.config is not None:
                 lin.method.process_weights_after_loading(lin.stage)
+        self.moe.finish()
         if self.kv or self.fmt.kv_cache:
             defaults = []
             for fqn, module in self.modules.items():
@@ -555,6 +554,8 @@ class _Loader:
             if weight is not None:  # read back by the compile report
                 weight._fp8fx_skip_reason, weight._fp8fx_fqn = reason, fqn
             report.not_quantized[fqn] = reason
+        self.moe.commit(report)
+        self.moe.tag_skipped(self.modules)
         for (fqn, name), buf in self.buffers.items():
             self.modules[fqn]._buffers[name] = buf
         for fqn, scales in self.kv.items():

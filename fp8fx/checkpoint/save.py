@@ -16,7 +16,7 @@ from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_c
 from fp8fx.checkpoint.files import write_file
 from fp8fx.checkpoint.load import FUSED, LoadReport, _progress
 from fp8fx.config import Fp8Config, PerBlock, PerTensor
-from fp8fx.weights import chunked
+from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES
 from fp8fx.weights.linear import is_quantized, layer_scheme
 
@@ -42,17 +42,21 @@ def save_checkpoint(
     layers), ``"compressed-tensors"`` (any mix; block scales are named ``weight_scale``), or None: the
     format the model was loaded from, else ``fp8`` when it can express the model. ``config_json``: the rest
     of ``config.json`` (default: an HF model's ``model.config``, else the loaded checkpoint's).
+    Experts modules are written fused under their own names (``gate_up_proj`` [E, 2I, H] and its scales,
+    ``fp8fx.checkpoint.experts``); the config names them as it names linear layers.
     """
     path = os.fspath(path)
     schemes = {f: layer_scheme(m) for f, m in model.named_modules() if is_quantized(m)}
+    schemes.update({f: moe.experts_scheme(m) for f, m in model.named_modules() if moe.is_quantized_experts(m)})
     if not schemes:
         raise ValueError(
             "save_checkpoint: the model has no fp8fx-quantized layer; quantize_ it or load_checkpoint first"
         )
-    unprocessed = [f for f, m in model.named_modules() if is_quantized(m) and not m._fp8fx_processed]
+    unprocessed = [f for f, m in model.named_modules() if f in schemes and not m._fp8fx_processed]
     if unprocessed:
         raise ValueError(f"{unprocessed[0]}: weights not processed yet; run process_weights_after_loading first")
-    ignored = [f for f, m in model.named_modules() if isinstance(m, nn.Linear) and f not in schemes]
+    # linear layers and experts modules in high precision (experts are saved fused, under their own names)
+    ignored = [f for f, m in model.named_modules() if (isinstance(m, nn.Linear) or moe.is_experts(m)) and f not in schemes]
     kv = any(any(n in m._buffers for n in KV_SCALE_NAMES) for m in model.modules())
     source = getattr(model, "_fp8fx_source", {})
     fmt = format or (source.get("format") if source.get("format") in formats.FORMATS else None)

@@ -1,0 +1,390 @@
+"""MoE experts for ``load_checkpoint``: checkpoint tensors -> the 3-D expert tensors of an experts module
+(``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I], ``fp8fx.weights.moe``), through ``Fp8MoEMethod``.
+
+A checkpoint stores the experts of module ``<fqn>`` (e.g. ``model.layers.0.mlp.experts``) either
+
+- per expert: ``<fqn>.<e>.gate_proj.weight`` / ``up_proj`` / ``down_proj`` (or Mixtral's ``w1`` / ``w3``
+  / ``w2``), each a linear layer with its own ``weight_scale`` / ``weight_scale_inv`` / ``input_scale``;
+  quantization configs name them (ignore lists, compressed-tensors targets ``Linear``); or
+- fused, under the module's own names: ``<fqn>.gate_up_proj`` + ``gate_up_proj_scale`` (per-tensor
+  ``[E]`` or ``[E, 2]``, per-channel ``[E, 2I, 1]``), ``gate_up_proj_scale_inv`` (blocks),
+  ``gate_up_proj_input_scale`` (``[1]`` or ``[E]``), the same for ``down_proj`` (vLLM's ``w13_weight``
+  ... too); configs name the experts module itself (as a ``Linear`` for compressed-tensors targets).
+  This is what ``save_checkpoint`` writes.
+
+Everything is checked from the headers (``plan``) before any data is read; tensors stream into a
+stand-in module (``stage``) that ``commit`` swaps in. bf16 experts are quantized online, each expert as
+soon as its tensors arrived; an experts module left in high precision is assembled as it is.
+"""
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from fp8fx import quant
+from fp8fx.checkpoint import formats
+from fp8fx.checkpoint.files import CheckpointError, Entry
+from fp8fx.config import Fp8Config, PerBlock, PerRow
+from fp8fx.weights import chunked, moe
+from fp8fx.weights.moe import W13, W2, Fp8MoEMethod
+
+HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
+SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ONE_VALUE = ((), (1,), (1, 1))
+
+# checkpoint projection -> Fp8MoEMethod shard; the two namings of per-expert checkpoints
+SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
+NAMINGS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
+BASE = {"w1": W13, "w3": W13, "w2": W2}
+LEAF = {"weight": "", "weight_scale": "_scale", "weight_scale_inv": "_scale_inv", "input_scale": "_input_scale"}
+_PER_EXPERT = re.compile(r"^(.+)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.([a-z_]+)$")
+FUSED_NAMES = {b + s: b + s for b in (W13, W2) for s in LEAF.values()}
+FUSED_NAMES.update({f"{v}_{leaf}": b + s for v, b in (("w13", W13), ("w2", W2)) for leaf, s in LEAF.items()})
+
+
+def check_scale_dtype(s: Entry) -> None:
+    if s.dtype not in SCALE_DTYPES:
+        raise CheckpointError(f"{s}: scales are float32 (or bf16/fp16); re-export the checkpoint")
+
+
+def check_scale_values(entry: Entry, t: torch.Tensor) -> torch.Tensor:
+    """``t`` as float32 if every value is a positive finite float, else a ``CheckpointError``."""
+    t = t.float()
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if bad.any():
+        where = tuple(bad.nonzero()[0].tolist())
+        raise CheckpointError(
+            f"{entry}: {bad.sum().item()} scales are not positive finite floats ({t[where].item()} at "
+            f"{list(where)}); a scale of 0, <0, NaN or Inf cannot dequantize: re-export the checkpoint"
+        )
+    return t
+
+
+def check_finite(entry: Entry, t: torch.Tensor, fqn: str) -> None:
+    bad = chunked.count_nonfinite(t)
+    if bad:
+        raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {fqn!r} to the ignore list")
+
+
+@dataclasses.dataclass
+class Experts:
+    """One experts module being loaded."""
+
+    fqn: str
+    module: nn.Module
+    per_expert: dict[tuple[int, str, str], Entry] = dataclasses.field(default_factory=dict)  # (e, shard, leaf)
+    fused: dict[str, Entry] = dataclasses.field(default_factory=dict)  # HF name (gate_up_proj_scale ...)
+    naming: Optional[tuple[str, str, str]] = None  # per-expert projection names the checkpoint uses
+    config: Optional[Fp8Config] = None
+    method: Optional[Fp8MoEMethod] = None
+    stage: Optional[nn.Module] = None  # stand-in that Fp8MoEMethod loads into
+    plain: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # high precision, assembled
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(E, H, I)"""
+        e, two_i, h = self.module._parameters[W13].shape
+        return e, h, two_i // 2
+
+    def rows_cols(self, shard: str) -> tuple[int, int]:
+        _, h, i = self.shape
+        return (h, i) if shard == "w2" else (i, h)
+
+    def name(self, e: int, shard: str, leaf: str) -> str:
+        proj = (self.naming or NAMINGS[0])[("w1", "w3", "w2").index(shard)]
+        return f"{self.fqn}.{e}.{proj}.{leaf}"
+
+    @property
+    def serialized(self) -> bool:
+        return self.config is not None and self.config.is_checkpoint_fp8_serialized
+
+
+class ExpertsLoader:
+    """The experts part of ``load.py``'s ``_Loader``: find, route, plan, finish, commit."""
+
+    def __init__(self, modules: dict[str, nn.Module], fmt, device: torch.device, items: list):
+        self.fmt, self.device, self.items = fmt, device, items
+        self.experts = {f: Experts(f, m) for f, m in modules.items() if moe.is_experts(m)}
+        self.not_quantized: dict[str, str] = {}  # experts fqn -> why it stays in high precision
+
+    # --- 1. plan ---------------------------------------------------------------------------
+    def find(self, names) -> None:
+        """Each experts module's config; experts stored fused and left in high precision drop out
+        (their tensors load as plain parameters)."""
+        shards: dict[str, set[str]] = {f: set() for f in self.experts}
+        for n in names:
+            m = _PER_EXPERT.match(n)
+            if m and m[1] in shards:
+                shards[m[1]].add(n.rpartition(".")[0])
+        for fqn, ex in list(self.experts.items()):
+            ex.config, reason = self._config(ex, sorted(shards[fqn]))
+            if ex.config is None:
+                self.not_quantized[fqn] = reason
+                if not shards[fqn]:
+                    del self.experts[fqn]
+
+    def _config(self, ex: Experts, shards: list[str]):
+        modules = shards or [ex.fqn]  # per-expert checkpoint modules are Linear layers
+        configs = {self.fmt.layer_config(m, "Linear") for m in modules}
+        if len(configs) > 1:
+            raise CheckpointError(
+                f"{ex.fqn}: its experts are quantized differently in the checkpoint "
+                f"({sorted(str(c.scheme()) if c else 'not quantized' for c in configs)}); an experts module has one "
+                "scheme: fix the ignore list / targets of quantization_config"
+            )
+        config = configs.pop()
+        if config is None:
+            ignored = any(self._ignored(m) for m in [ex.fqn] + modules)
+            return None, "in ignored_layers" if ignored else "not targeted by quantization_config"
+        if not config.is_checkpoint_fp8_serialized:
+            reason = moe.skip_reason(ex.module, ex.fqn, config)
+            if reason is not None:
+                return None, reason
+        return config, ""
+
+    def _ignored(self, fqn: str) -> bool:
+        if self.fmt.name == "compressed-tensors":
+            return formats.matches(fqn, "", self.fmt.ignore)
+        return self.fmt.config.is_ignored(fqn)
+
+    def route(self, name: str, entry: Entry) -> bool:
+        """Claim checkpoint tensor ``name`` if it is an expert tensor; False otherwise."""
+        m = _PER_EXPERT.match(name)
+        if m and m[1] in self.experts:
+            ex, e, proj, leaf = self.experts[m[1]], int(m[2]), m[3], m[4]
+            experts = ex.shape[0]
+            if e >= experts:
+                raise CheckpointError(
+                    f"{entry}: expert index {e} is out of range: {ex.fqn} has {experts} experts (num_experts / "
+                    "num_local_experts in config.json); wrong checkpoint for this model"
+                )
+            naming = next(n for n in NAMINGS if proj in n)
+            if ex.naming not in (None, naming):
+                raise CheckpointError(
+                    f"{entry}: {ex.fqn} mixes {'/'.join(ex.naming)} and {'/'.join(naming)} expert names; keep one naming"
+                )
+            ex.naming = naming
+            if leaf not in LEAF:
+                raise CheckpointError(f"{entry}: an expert takes {sorted(LEAF)}, not {leaf!r}; wrong checkpoint")
+            ex.per_expert[(e, SHARD[proj], leaf)] = entry
+            return True
+        owner, _, leaf = name.rpartition(".")
+        if owner in self.experts and leaf in FUSED_NAMES:
+            ex = self.experts[owner]
+            hf = FUSED_NAMES[leaf]
+            if hf in ex.fused:
+                raise CheckpointError(f"{entry}: {ex.fqn}.{hf} is also given as {ex.fused[hf].name}; keep one")
+            ex.fused[hf] = entry
+            return True
+        return False
+
+    def handled(self) -> set[str]:
+        """State keys this loader fills."""
+        return {f"{f}.{b}" for f in self.experts for b in (W13, W2)}
+
+    def plan(self) -> None:
+        for ex in self.experts.values():
+            if ex.per_expert and ex.fused:
+                raise CheckpointError(
+                    f"{ex.fqn}: the checkpoint holds its experts both per expert ({ex.name(0, 'w1', 'weight')} ...) "
+                    f"and fused ({next(iter(ex.fused.values()))}); keep one"
+                )
+            e, h, i = ex.shape
+            if ex.config is not None:
+                ex.method = Fp8MoEMethod(ex.config)
+                ex.stage = nn.Module()
+                try:
+                    ex.method.create_weights(
+                        ex.stage, e, h, i, ex.module._parameters[W13].dtype, device=self.device, prefix=ex.fqn
+                    )
+                except ValueError as err:  # e.g. a block that does not divide intermediate_size
+                    raise CheckpointError(f"{err} ({self.fmt.describe()})") from None
+            if ex.fused:
+                self._plan_fused(ex)
+            else:
+                self._plan_per_expert(ex)
+
+    def _plan_per_expert(self, ex: Experts) -> None:
+        todo = dict(ex.per_expert)
+        experts = ex.shape[0]
+
+        def need(e: int, shard: str, leaf: str, why: str = "") -> Entry:
+            if (e, shard, leaf) not in todo:
+                raise CheckpointError(
+                    f"{ex.name(e, shard, leaf)} is missing from the checkpoint{why}; {ex.fqn} has {experts} experts, "
+                    f"each needs {'/'.join(ex.naming or NAMINGS[0])}: wrong checkpoint for this model, or a shard is missing"
+                )
+            return todo.pop((e, shard, leaf))
+
+        for e in range(experts):
+            for shard in ("w1", "w3", "w2"):
+                rows, cols = ex.rows_cols(shard)
+                w = need(e, shard, "weight")
+                self._check_weight_dtype(ex, w)
+                if tuple(w.shape) != (rows, cols):
+                    raise CheckpointError(
+                        f"{w}: an expert's {shard} weight of {ex.fqn} is [{rows}, {cols}] (E, H, I = {list(ex.shape)})"
+                        "; wrong checkpoint for this model"
+                    )
+                self._add(w, ex, BASE[shard], shard, e)
+                if ex.serialized:
+                    self._plan_scales(ex, (rows, cols), shard, e, lambda leaf, why, e=e, shard=shard: need(e, shard, leaf, why),
+                                      lambda leaf, e=e, shard=shard: (e, shard, leaf) in todo)
+        if todo:
+            extra = todo[next(iter(todo))]
+            raise CheckpointError(
+                f"{extra} (and {len(todo) - 1} more) has no place in {ex.fqn} "
+                f"({'quantized: ' + str(ex.config.scheme()) if ex.config else 'not quantized'}); a format mismatch: "
+                f"the checkpoint is read as {self.fmt.describe()}"
+            )
+
+    def _plan_fused(self, ex: Experts) -> None:
+        todo = dict(ex.fused)
+        experts = ex.shape[0]
+
+        def need(name: str, why: str = "") -> Entry:
+            if name not in todo:
+                raise CheckpointError(f"{ex.fqn}.{name} is missing from the checkpoint{why}")
+            return todo.pop(name)
+
+        _, h, i = ex.shape
+        for base, (rows, cols) in ((W13, (2 * i, h)), (W2, (h, i))):
+            w = need(base)
+            self._check_weight_dtype(ex, w)
+            if tuple(w.shape) != (experts, rows, cols):
+                raise CheckpointError(
+                    f"{w}: {ex.fqn}.{base} is [{experts}, {rows}, {cols}] (E, H, I = {list(ex.shape)}); wrong "
+                    "checkpoint for this model"
+                )
+            self._add(w, ex, base, None, None)
+            if ex.serialized:
+                self._plan_scales(ex, (rows, cols), base, None, lambda leaf, why, b=base: need(b + LEAF[leaf], why),
+                                  lambda leaf, b=base: b + LEAF[leaf] in todo)
+        if todo:
+            extra = todo[next(iter(todo))]
+            raise CheckpointError(
+                f"{extra} (and {len(todo) - 1} more) has no place in {ex.fqn} (quantized "
+                f"{'online' if not ex.serialized else str(ex.config.scheme())}); a format mismatch: the checkpoint is "
+                f"read as {self.fmt.describe()}"
+            )
+
+    def _check_weight_dtype(self, ex: Experts, w: Entry) -> None:
+        fp8 = w.dtype == quant.FP8_DTYPE
+        if ex.serialized and not fp8:
+            raise CheckpointError(
+                f"{w}: the experts of {ex.fqn} are declared float8_e4m3fn ({self.fmt.describe()}); fix "
+                "quantization_config (e.g. add the experts to its ignore list) or re-export the checkpoint"
+            )
+        if not ex.serialized and w.dtype not in HIGH_PRECISION:
+            state = "not quantized" if ex.config is None else "quantized online"
+            raise CheckpointError(
+                f"{w}: expected a bf16/fp16/fp32 expert weight; {ex.fqn} is {state} here ({self.fmt.describe()}): "
+                "fix quantization_config or pass config=Fp8Config(is_checkpoint_fp8_serialized=True, ...)"
+            )
+
+    def _plan_scales(self, ex: Experts, shape, where, e, need, has) -> None:
+        """Scales of one expert's shard (``e`` an index, ``where`` w1/w3/w2) or of a fused tensor
+        (``e`` None, ``where`` gate_up_proj / down_proj): shapes checked, loads queued."""
+        scheme = ex.config.scheme()
+        w, (rows, cols) = scheme.weight, shape
+        fused = e is None
+        base, shard = (where, None) if fused else (BASE[where], where)
+        lead = (ex.shape[0],) if fused else ()
+        if isinstance(w, PerBlock):
+            names = [leaf for leaf in ("weight_scale_inv", "weight_scale") if has(leaf)]
+            if len(names) > 1:
+                raise CheckpointError(f"{need(names[0], '')}: also given as {need(names[1], '')}; keep one")
+            s = need(names[0] if names else "weight_scale_inv", f" (blocks {w.block_n}x{w.block_k})")
+            expect = [lead + quant.scale_shape((rows, cols), w.block)]
+            text = f"shape {list(expect[0])} = ceil([{rows}, {cols}] / {list(w.block)}) per expert"
+            target = "_scale_inv"
+        elif isinstance(w, PerRow):
+            s = need("weight_scale", " (per-channel)")
+            expect = [lead + (rows, 1), lead + (rows,)]
+            text = f"shape {list(expect[0])} (one per output channel)"
+            target = "_scale"
+        else:
+            s = need("weight_scale", " (per-tensor)")
+            expect = [(ex.shape[0],), (ex.shape[0], 1)] + ([(ex.shape[0], 2)] if base == W13 else []) if fused else ONE_VALUE
+            text = f"shape {list(expect[0])} (one per expert)" if fused else "one value, shape [] or [1]"
+            target = "_scale"
+        if tuple(s.shape) not in expect:
+            raise CheckpointError(
+                f"{s}: a {w} expert weight [{rows}, {cols}] of {ex.fqn} needs {text}; the checkpoint does not match "
+                f"its quantization_config ({self.fmt.describe()})"
+            )
+        check_scale_dtype(s)
+        self._add(s, ex, base + target, shard, e, scale=True)
+        if scheme.static_activation:
+            a = need("input_scale", " (activation_scheme static)")
+            if tuple(a.shape) not in ONE_VALUE + ((lead[0],) if fused else ()):
+                raise CheckpointError(f"{a}: an input_scale is one value, shape [] or [1] (fused: [1] or [E])")
+            check_scale_dtype(a)
+            self._add(a, ex, base + "_input_scale", shard, e, scale=True)
+        elif has("input_scale"):
+            raise CheckpointError(
+                f"{need('input_scale', '')}: the checkpoint has static input scales but its quantization_config says "
+                "dynamic activations; set activation_scheme 'static' (input_activations dynamic false) or drop the "
+                "input_scale tensors"
+            )
+
+    def _add(self, entry: Entry, ex: Experts, name: str, shard, e, scale: bool = False) -> None:
+        load: Callable[[torch.Tensor], None] = lambda t: self._load(ex, entry, name, shard, e, t, scale)
+        self.items.append((entry, load))
+
+    # --- 2. stream -------------------------------------------------------------------------
+    def _load(self, ex: Experts, entry: Entry, name: str, shard, e, t: torch.Tensor, scale: bool) -> None:
+        if ex.config is None:  # high precision: assemble [E, rows, cols]
+            param = ex.module._parameters[name]
+            if name not in ex.plain:
+                ex.plain[name] = torch.empty(param.shape, dtype=param.dtype, device=self.device)
+            dest = ex.plain[name][e]
+            if shard in ("w1", "w3"):
+                dest = dest[Fp8MoEMethod._rows(shard, dest.shape[0])]
+            dest.copy_(t)
+            return
+        if scale:
+            t = check_scale_values(entry, t)
+            target = ex.stage._parameters[name]
+            if e is None and t.numel() < target.numel():  # one value per expert or per module: every slot
+                t = t.reshape(-1, *[1] * (target.dim() - 1)).expand(target.shape)
+        elif not ex.serialized:
+            check_finite(entry, t, ex.fqn)
+        ex.method.weight_loader(ex.stage, name, t, shard, e)
+
+    # --- 3. finish, 4. commit ----------------------------------------------------------------
+    def finish(self) -> None:
+        for ex in self.experts.values():
+            if ex.method is not None:
+                try:
+                    ex.method.process_weights_after_loading(ex.stage)
+                except (RuntimeError, ValueError) as err:
+                    raise CheckpointError(str(err)) from None
+
+    def commit(self, report) -> None:
+        """Swap the new expert tensors in (nothing here can fail)."""
+        for ex in self.experts.values():
+            module = ex.module
+            for name, t in ex.plain.items():
+                module._parameters[name] = nn.Parameter(t, requires_grad=False)
+            if ex.config is None:
+                continue
+            module._parameters.update({n: p for n, p in ex.stage._parameters.items() if p is not None})
+            for attr, value in vars(ex.stage).items():
+                if attr.startswith("_fp8fx_"):
+                    setattr(module, attr, value)
+            module.__class__ = moe.fp8_experts_class(type(module))
+            for base in (W13, W2):
+                module._parameters[base]._fp8fx_fqn = ex.fqn
+            report.experts[ex.fqn] = str(ex.config.scheme())
+        for fqn, reason in self.not_quantized.items():
+            report.not_quantized[fqn] = reason
+
+    def tag_skipped(self, modules: dict[str, nn.Module]) -> None:
+        """After the swap: the report of a compiled model reads why these experts stayed bf16."""
+        for fqn, reason in self.not_quantized.items():
+            moe.tag_skipped(modules[fqn], fqn, reason)

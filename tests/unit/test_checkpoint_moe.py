@@ -1,0 +1,276 @@
+"""load_checkpoint on MoE experts of a tiny HF Mixtral / Qwen3-MoE: checkpoints written here (this file's own
+float64 quantization, tests/unit/test_checkpoint_load.py) per expert (gate_proj/up_proj/down_proj or
+w1/w3/w2) or fused; bad checkpoints raise a CheckpointError naming the tensor and leave the model unchanged."""
+import pytest
+import torch
+
+import fp8fx
+from fp8fx.checkpoint import CheckpointError, load_checkpoint, meta_model
+from fp8fx.weights import is_quantized_experts
+from tests.unit.test_checkpoint_load import FP8, ref_dequantize, ref_quantize, snapshot, write_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+E, H, I = 4, 64, 64
+BLOCK = (32, 32)
+EXPERTS = "model.layers.0.mlp.experts"
+NAMING = {"hf": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
+
+
+def moe_config(name, layers=1):
+    common = dict(vocab_size=128, hidden_size=H, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                  head_dim=32, max_position_embeddings=64)
+    if name == "mixtral":
+        return transformers.MixtralConfig(**common, intermediate_size=I, num_local_experts=E, num_experts_per_tok=2)
+    return transformers.Qwen3MoeConfig(**common, intermediate_size=128, moe_intermediate_size=I, num_experts=E,
+                                       num_experts_per_tok=2, norm_topk_prob=True)
+
+
+def reference_model(cfg, dtype=torch.bfloat16):
+    """Random weights, experts at differing magnitudes, decisive routers (tiny random routers are near-ties)."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    model.set_experts_implementation("grouped_mm")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.mlp.gate.weight.mul_(10)
+            layer.mlp.experts.gate_up_proj.mul_(torch.logspace(-1, 1, E).reshape(E, 1, 1).to(dtype))
+    return model
+
+
+def moe_checkpoint(state, granularity="tensor", *, naming="hf", static=False, ct=False, fused=False):
+    """(tensors, quantization_config, deq) of an fp8 checkpoint of ``state``: attention projections and
+    experts quantized, lm_head not; deq: float64 dequantized weights by state key (experts fused, 3-D)."""
+    tensors, deq = {}, {}
+    scale_leaf = "weight_scale_inv" if granularity == "block" and not ct else "weight_scale"
+
+    def quantize(prefix, w, act=0.01):
+        q, s = ref_quantize(w, granularity, BLOCK)
+        out = {f"{prefix}.weight": q, f"{prefix}.{scale_leaf}": s.reshape(()) if granularity == "tensor" else s}
+        if static:
+            out[f"{prefix}.input_scale"] = torch.tensor([act])
+        return out, ref_dequantize(q, s, granularity, BLOCK)
+
+    for name, t in state.items():
+        module, _, leaf = name.rpartition(".")
+        if module.endswith("_proj") and "self_attn" in module:
+            out, deq[name] = quantize(module, t)
+            tensors.update(out)
+        elif leaf in ("gate_up_proj", "down_proj") and not fused:
+            parts = {"gate_up_proj": (0, 1), "down_proj": (2,)}[leaf]
+            full = []
+            for e in range(t.shape[0]):
+                rows = t[e].chunk(len(parts))
+                pieces = []
+                for p, w in zip(parts, rows):
+                    out, d = quantize(f"{module}.{e}.{NAMING[naming][p]}", w, act=0.01 * (1 + (e + p) % 3))
+                    tensors.update(out)
+                    pieces.append(d)
+                full.append(torch.cat(pieces))
+            deq[name] = torch.stack(full)
+        elif leaf in ("gate_up_proj", "down_proj"):  # fused, one scale per expert (w1 and w3 share it)
+            qs = [ref_quantize(t[e], granularity, BLOCK) for e in range(t.shape[0])]
+            tensors[name] = torch.stack([q for q, _ in qs])
+            scales = torch.stack([s.reshape(()) if granularity == "tensor" else s for _, s in qs])
+            tensors[f"{name}_{scale_leaf.replace('weight_', '')}"] = scales
+            if static:
+                tensors[f"{name}_input_scale"] = torch.tensor([0.02])
+            deq[name] = torch.stack([ref_dequantize(q, s, granularity, BLOCK) for q, s in qs])
+        else:
+            tensors[name] = t
+    if ct:
+        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": granularity,
+                   "block_structure": list(BLOCK) if granularity == "block" else None}
+        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
+                "strategy": "tensor" if static else ("group" if granularity == "block" else "token"),
+                "group_size": BLOCK[1] if granularity == "block" else None}
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
+              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+    else:
+        qc = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
+              "ignored_layers": ["lm_head"]}
+        if granularity == "block":
+            qc["weight_block_size"] = list(BLOCK)
+    return tensors, qc, deq
+
+
+def write_moe(path, cfg, tensors, qc, shards=2):
+    return write_checkpoint(path, tensors, qc, shards=shards, extra_config=cfg.to_dict())
+
+
+# --- layouts ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("granularity,naming,ct", [
+    ("tensor", "mixtral", False), ("channel", "hf", True), ("block", "hf", False), ("block", "mixtral", True),
+])
+def test_per_expert_checkpoint_loads_its_scales(tmp_path, granularity, naming, ct):
+    cfg = moe_config("mixtral")
+    tensors, qc, deq = moe_checkpoint(reference_model(cfg).state_dict(), granularity, naming=naming, ct=ct)
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
+    model = meta_model(path)
+    report = load_checkpoint(model, path, progress=False)
+    experts = model.get_submodule(EXPERTS)
+    assert is_quantized_experts(experts) and list(report.experts) == [EXPERTS]
+    for base in ("gate_up_proj", "down_proj"):
+        q = experts._parameters[base]
+        assert q.dtype == FP8 and q._fp8fx_fqn == EXPERTS
+        ref = deq[f"{EXPERTS}.{base}"]
+        if granularity == "tensor" and base == "gate_up_proj":
+            # w1 and w3 requantized to one scale per expert, the max of theirs
+            w1, w3 = (tensors[f"{EXPERTS}.{e}.{p}.weight_scale"] for e in [2] for p in NAMING[naming][:2])
+            assert experts.gate_up_proj_scale[2] == max(w1, w3) and experts.gate_up_proj_scale.shape == (E,)
+            for e in range(E):  # requantization rounds once more: within an fp8 ulp (2^-3 relative)
+                assert (getattr(experts, base)[e].double() - ref[e]).abs().max() <= ref[e].abs().max() / 16
+        else:
+            assert torch.equal(getattr(experts, base), ref.to(torch.bfloat16)), base
+
+
+def test_fused_checkpoint_with_per_expert_scales(tmp_path):
+    cfg = moe_config("qwen3_moe")
+    tensors, qc, deq = moe_checkpoint(reference_model(cfg).state_dict(), "tensor", fused=True, static=True)
+    assert tensors[f"{EXPERTS}.gate_up_proj_scale"].shape == (E,)
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
+    model = meta_model(path)
+    load_checkpoint(model, path, progress=False)
+    experts = model.get_submodule(EXPERTS)
+    assert torch.equal(experts.gate_up_proj_scale, tensors[f"{EXPERTS}.gate_up_proj_scale"])
+    assert torch.equal(experts.down_proj_input_scale, torch.tensor([0.02]))
+    for base in ("gate_up_proj", "down_proj"):
+        assert torch.equal(experts._parameters[base].view(torch.uint8), tensors[f"{EXPERTS}.{base}"].view(torch.uint8))
+        assert torch.equal(getattr(experts, base), deq[f"{EXPERTS}.{base}"].to(torch.bfloat16))
+
+
+def test_static_input_scales_collapse_to_their_max_over_experts(tmp_path):
+    cfg = moe_config("mixtral")
+    tensors, qc, _ = moe_checkpoint(reference_model(cfg).state_dict(), "tensor", naming="mixtral", static=True)
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
+    model = meta_model(path)
+    load_checkpoint(model, path, progress=False)
+    experts = model.get_submodule(EXPERTS)
+    for base, projs in (("gate_up_proj", ("w1", "w3")), ("down_proj", ("w2",))):
+        top = max(tensors[f"{EXPERTS}.{e}.{p}.input_scale"].item() for e in range(E) for p in projs)
+        assert getattr(experts, f"{base}_input_scale").tolist() == [top]
+
+
+def test_ignored_experts_stay_bf16_from_either_layout(tmp_path):
+    cfg = moe_config("mixtral")
+    state = reference_model(cfg).state_dict()
+    for fused in (False, True):
+        tensors, qc, _ = moe_checkpoint(state, "tensor", fused=fused)
+        for key in list(tensors):  # the experts in bf16, per expert or fused
+            if key.startswith(EXPERTS + "."):
+                del tensors[key]
+        if fused:
+            tensors.update({k: v for k, v in state.items() if k.startswith(EXPERTS + ".")})
+        else:
+            for e in range(E):
+                gate, up = state[f"{EXPERTS}.gate_up_proj"][e].chunk(2)
+                tensors.update({f"{EXPERTS}.{e}.gate_proj.weight": gate, f"{EXPERTS}.{e}.up_proj.weight": up,
+                                f"{EXPERTS}.{e}.down_proj.weight": state[f"{EXPERTS}.down_proj"][e]})
+        qc["ignored_layers"].append(EXPERTS)
+        path = write_moe(tmp_path / f"ckpt{fused}", cfg, tensors, qc)
+        model = meta_model(path)
+        report = load_checkpoint(model, path, progress=False)
+        experts = model.get_submodule(EXPERTS)
+        assert not is_quantized_experts(experts) and report.not_quantized[EXPERTS] == "in ignored_layers"
+        assert experts.gate_up_proj._fp8fx_skip_reason == "in ignored_layers"
+        for base in ("gate_up_proj", "down_proj"):
+            assert torch.equal(getattr(experts, base), state[f"{EXPERTS}.{base}"])
+
+
+def test_bf16_experts_quantized_while_streaming_equal_quantize_(tmp_path):
+    """Per-expert bf16 tensors in 3 files: each expert quantized once its gate and up arrived; the
+    result is bit-identical to quantize_ on the built model."""
+    cfg = moe_config("qwen3_moe")
+    ref = reference_model(cfg)
+    state = ref.state_dict()
+    tensors = {k: v for k, v in state.items() if not k.startswith(EXPERTS + ".")}
+    for e in range(E):
+        gate, up = state[f"{EXPERTS}.gate_up_proj"][e].chunk(2)
+        tensors.update({f"{EXPERTS}.{e}.gate_proj.weight": gate, f"{EXPERTS}.{e}.up_proj.weight": up,
+                        f"{EXPERTS}.{e}.down_proj.weight": state[f"{EXPERTS}.down_proj"][e]})
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, None, shards=3)
+    config = fp8fx.Fp8Config(ignored_layers=["lm_head"])
+    model = meta_model(path)
+    load_checkpoint(model, path, config, progress=False)
+    fp8fx.quantize_(ref, config)
+    loaded, expected = model.get_submodule(EXPERTS), ref.get_submodule(EXPERTS)
+    assert loaded._fp8fx_staging == {}  # no bf16 expert left half-assembled
+    for name, p in expected.state_dict().items():
+        got = loaded.state_dict()[name]
+        assert got.dtype == p.dtype and torch.equal(got.view(torch.uint8) if p.dtype == FP8 else got,
+                                                    p.view(torch.uint8) if p.dtype == FP8 else p), name
+
+
+# --- bad checkpoints ----------------------------------------------------------------------------
+def _drop(key):
+    return lambda t, qc: t.pop(key)
+
+
+def _set(key, value):
+    return lambda t, qc: t.__setitem__(key, value(t) if callable(value) else value)
+
+
+P = f"{EXPERTS}.3"
+BAD = {
+    "missing expert": ("tensor", {}, _drop(f"{P}.up_proj.weight"),
+                       rf"{P}\.up_proj\.weight is missing from the checkpoint; {EXPERTS} has 4 experts"),
+    "missing scale": ("tensor", {}, _drop(f"{P}.down_proj.weight_scale"),
+                      rf"{P}\.down_proj\.weight_scale is missing from the checkpoint \(per-tensor\)"),
+    "expert out of range": ("tensor", {}, _set(f"{EXPERTS}.4.gate_proj.weight", lambda t: t[f"{P}.gate_proj.weight"].clone()),
+                            rf"{EXPERTS}\.4\.gate_proj\.weight .*expert index 4 is out of range: {EXPERTS} has 4"),
+    "per-tensor scale shape": ("tensor", {}, _set(f"{P}.gate_proj.weight_scale", torch.ones(2)),
+                               rf"{P}\.gate_proj\.weight_scale \(float32 \[2\].*needs one value"),
+    "block scale shape": ("block", {}, _set(f"{P}.gate_proj.weight_scale_inv", torch.ones(2, 1)),
+                          rf"{P}\.gate_proj\.weight_scale_inv .*needs shape \[2, 2\] = ceil\(\[64, 64\] / \[32, 32\]\)"),
+    "channel scale shape": ("channel", dict(ct=True), _set(f"{P}.down_proj.weight_scale", torch.ones(1, 64)),
+                            rf"{P}\.down_proj\.weight_scale .*needs shape \[64, 1\] \(one per output channel\)"),
+    "bf16 weight in fp8": ("tensor", {}, _set(f"{P}.up_proj.weight", lambda t: t[f"{P}.up_proj.weight"].bfloat16()),
+                           rf"{P}\.up_proj\.weight \(bfloat16.*declared float8_e4m3fn .*ignore list"),
+    "wrong weight shape": ("tensor", {}, _set(f"{P}.down_proj.weight", lambda t: t[f"{P}.down_proj.weight"][:32]),
+                           rf"{P}\.down_proj\.weight .*is \[64, 64\] \(E, H, I = \[4, 64, 64\]\)"),
+    "mixed naming": ("tensor", {}, lambda t, qc: t.__setitem__(f"{P}.w2.weight", t.pop(f"{P}.down_proj.weight")),
+                     "mixes (gate_proj/up_proj/down_proj and w1/w3/w2|w1/w3/w2 and gate_proj/up_proj/down_proj) expert names"),
+    "fused and per expert": ("tensor", {}, _set(f"{EXPERTS}.down_proj", torch.zeros(4, 64, 64, dtype=FP8)),
+                             "holds its experts both per expert .* and fused"),
+    "static scale missing": ("tensor", dict(static=True), _drop(f"{P}.gate_proj.input_scale"),
+                             rf"{P}\.gate_proj\.input_scale is missing .*activation_scheme static"),
+    "stray input scale": ("tensor", {}, _set(f"{P}.gate_proj.input_scale", torch.ones(1)),
+                          rf"{P}\.gate_proj\.input_scale .*says dynamic activations"),
+    "zero scale (while streaming)": ("tensor", {}, _set(f"{P}.gate_proj.weight_scale", torch.tensor(0.0)),
+                                     rf"{P}\.gate_proj\.weight_scale .*not positive finite"),
+    "fused scale shape": ("tensor", dict(fused=True), _set(f"{EXPERTS}.down_proj_scale", torch.ones(4, 2)),
+                          rf"{EXPERTS}\.down_proj_scale .*needs shape \[4\] \(one per expert\)"),
+    "fused scale missing": ("block", dict(fused=True), _drop(f"{EXPERTS}.gate_up_proj_scale_inv"),
+                            rf"{EXPERTS}\.gate_up_proj_scale_inv is missing .*blocks 32x32"),
+    "unknown expert tensor": ("tensor", {}, _set("model.layers.0.mlp.experts.0.gate_proj.weight_scale_x",
+                                                             torch.ones(1)), r"an expert takes .*not 'weight_scale_x'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_moe_checkpoint_raises_and_changes_nothing(tmp_path, case, state=[]):
+    granularity, kw, mutate, match = BAD[case]
+    cfg = moe_config("mixtral")
+    if not state:  # one reference model for every case
+        state.append(reference_model(cfg).state_dict())
+    tensors, qc, _ = moe_checkpoint(state[0], granularity, **kw)
+    mutate(tensors, qc)
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
+    model = meta_model(path)
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(model, path, progress=False)
+    assert snapshot(model) == snap and not hasattr(model, "_fp8fx_source")
+    assert all(p.is_meta for p in model.parameters())
+
+
+def test_nan_in_a_bf16_expert_names_it(tmp_path):
+    cfg = moe_config("mixtral")
+    state = reference_model(cfg).state_dict()
+    state[f"{EXPERTS}.down_proj"][1, 2, 3] = float("nan")
+    path = write_moe(tmp_path / "ckpt", cfg, state, None)
+    model = meta_model(path)
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match=rf"{EXPERTS}\.down_proj \(bfloat16 \[4, 64, 64\].* has 1 NaN/Inf"):
+        load_checkpoint(model, path, progress=False)
+    assert snapshot(model) == snap
