@@ -5,7 +5,8 @@ device), quantized by fp8fx, all or nothing.
    fused linear, a KV-cache scale); dtypes and shapes are checked against the format; a missing or an
    extra tensor is an error before any data is read.
 2. Stream, file by file and tensor by tensor, into fresh tensors: quantized linears go through
-   ``Fp8LinearMethod`` on a stand-in module; a bf16 weight is quantized as soon as all of it arrived.
+   ``Fp8LinearMethod`` on a stand-in module, experts through ``Fp8MoEMethod`` (``experts.py``); a bf16
+   weight is quantized as soon as all of it arrived (an expert: as soon as its gate and up arrived).
 3. Finish: shard scales requantized, KV-cache scales checked and defaulted, buffers no checkpoint
    holds (rotary ``inv_freq``) computed.
 4. Commit: the new tensors are swapped into the model. Any error in 1-3 leaves the model as it was.
@@ -108,7 +109,9 @@ def load_checkpoint(
     fused: Optional[Mapping[str, Sequence[str]]] = None,
     progress: bool = True,
 ) -> LoadReport:
-    """Load the safetensors checkpoint in directory ``path`` into ``model`` and quantize its linear layers.
+    """Load the safetensors checkpoint in directory ``path`` into ``model`` and quantize its linear layers
+    and MoE experts modules (3-D ``gate_up_proj`` / ``down_proj``, stored per expert or fused:
+    ``fp8fx.checkpoint.experts``).
 
     ``config``: None reads ``config.json``'s ``quantization_config`` (``fp8`` per-tensor or blocks,
     ``compressed-tensors``); without one the checkpoint is bf16/fp16 and quantized online with

@@ -1,0 +1,55 @@
+"""FP8 MoE checkpoints of a tiny HF Mixtral / Qwen3-MoE (experts_implementation="grouped_mm") built in the
+test, loaded into models that transformers builds on the meta device: logits against float32 models holding
+the dequantized weights (the bound is one that a wrong scale breaks), then save -> load round trips."""
+import pytest
+import torch
+
+from fp8fx.checkpoint import load_checkpoint, meta_model, save_checkpoint
+from fp8fx.weights import is_quantized_experts
+from tests.conftest import rel_err
+from tests.unit.test_checkpoint_moe import moe_checkpoint, moe_config, reference_model, write_moe
+from tests.unit.test_checkpoint_save import assert_same_state
+
+transformers = pytest.importorskip("transformers")
+
+LAYERS = 2
+IDS = torch.randint(0, 128, (2, 12), generator=torch.Generator().manual_seed(1))
+BOUND = 0.02  # measured 0.009-0.010: the model's bf16 compute against float32
+
+
+def float_logits(cfg, state, deq):
+    model = reference_model(cfg, torch.float32)
+    model.load_state_dict({**{k: v.float() for k, v in state.items()}, **{k: v.float() for k, v in deq.items()}})
+    with torch.no_grad():
+        return model(IDS).logits
+
+
+@pytest.mark.parametrize("name,granularity,naming,kw", [
+    ("mixtral", "tensor", "mixtral", dict(static=True)),
+    ("mixtral", "block", "hf", {}),
+    ("qwen3_moe", "channel", "hf", dict(ct=True)),
+])
+def test_moe_checkpoint_outputs_and_roundtrip(tmp_path, name, granularity, naming, kw):
+    cfg = moe_config(name, layers=LAYERS)
+    state = reference_model(cfg).state_dict()
+    tensors, qc, deq = moe_checkpoint(state, granularity, naming=naming, **kw)
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, qc, shards=3)
+    model = meta_model(path)
+    report = load_checkpoint(model, path, progress=False)
+    experts = [f"model.layers.{i}.mlp.experts" for i in range(LAYERS)]
+    assert list(report.experts) == experts and all(is_quantized_experts(model.get_submodule(f)) for f in experts)
+    with torch.no_grad():
+        out = model(IDS).logits.float()
+    ref = float_logits(cfg, state, deq)
+    assert rel_err(out, ref) < BOUND
+    # a down_proj scale read 10% too large for every expert of the first layer breaks the bound
+    key = f"{experts[0]}.down_proj"
+    assert rel_err(float_logits(cfg, state, {**deq, key: deq[key] * 1.1}), ref) > BOUND
+
+    saved = save_checkpoint(model, tmp_path / "saved", max_shard_size=200_000)
+    assert saved["quant_method"] == qc["quant_method"]
+    again = meta_model(tmp_path / "saved")
+    assert list(load_checkpoint(again, tmp_path / "saved", progress=False).experts) == experts
+    assert_same_state(model, again)
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, model(IDS).logits)
