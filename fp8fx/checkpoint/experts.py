@@ -165,7 +165,8 @@ class ExpertsLoader:
             naming = next(n for n in NAMINGS if proj in n)
             if ex.naming not in (None, naming):
                 raise CheckpointError(
-                    f"{entry}: {ex.fqn} mixes {'/'.join(ex.naming)} and {'/'.join(naming)} expert names; keep one naming"
+                    f"{entry}: {ex.fqn} mixes {'/'.join(ex.naming)} and {'/'.join(naming)} expert names; "
+                    "keep one naming"
                 )
             ex.naming = naming
             if leaf not in LEAF:
@@ -212,28 +213,27 @@ class ExpertsLoader:
         todo = dict(ex.per_expert)
         experts = ex.shape[0]
 
-        def need(e: int, shard: str, leaf: str, why: str = "") -> Entry:
-            if (e, shard, leaf) not in todo:
+        def need(key: tuple[int, str, str], why: str = "") -> Entry:
+            if key not in todo:
                 raise CheckpointError(
-                    f"{ex.name(e, shard, leaf)} is missing from the checkpoint{why}; {ex.fqn} has {experts} experts, "
-                    f"each needs {'/'.join(ex.naming or NAMINGS[0])}: wrong checkpoint for this model, or a shard is missing"
+                    f"{ex.name(*key)} is missing from the checkpoint{why}; {ex.fqn} has {experts} experts, each "
+                    f"needs {'/'.join(ex.naming or NAMINGS[0])}: wrong checkpoint for this model, or a shard is missing"
                 )
-            return todo.pop((e, shard, leaf))
+            return todo.pop(key)
 
         for e in range(experts):
             for shard in ("w1", "w3", "w2"):
                 rows, cols = ex.rows_cols(shard)
-                w = need(e, shard, "weight")
+                w = need((e, shard, "weight"))
                 self._check_weight_dtype(ex, w)
                 if tuple(w.shape) != (rows, cols):
                     raise CheckpointError(
-                        f"{w}: an expert's {shard} weight of {ex.fqn} is [{rows}, {cols}] (E, H, I = {list(ex.shape)})"
-                        "; wrong checkpoint for this model"
+                        f"{w}: an expert's {shard} weight of {ex.fqn} is [{rows}, {cols}] "
+                        f"(E, H, I = {list(ex.shape)}); wrong checkpoint for this model"
                     )
                 self._add(w, ex, BASE[shard], shard, e)
                 if ex.serialized:
-                    self._plan_scales(ex, (rows, cols), shard, e, lambda leaf, why, e=e, shard=shard: need(e, shard, leaf, why),
-                                      lambda leaf, e=e, shard=shard: (e, shard, leaf) in todo)
+                    self._plan_scales(ex, (rows, cols), shard, e, todo, need, lambda leaf, e=e, s=shard: (e, s, leaf))
         if todo:
             extra = todo[next(iter(todo))]
             raise CheckpointError(
@@ -262,8 +262,7 @@ class ExpertsLoader:
                 )
             self._add(w, ex, base, None, None)
             if ex.serialized:
-                self._plan_scales(ex, (rows, cols), base, None, lambda leaf, why, b=base: need(b + LEAF[leaf], why),
-                                  lambda leaf, b=base: b + LEAF[leaf] in todo)
+                self._plan_scales(ex, (rows, cols), base, None, todo, need, lambda leaf, b=base: b + LEAF[leaf])
         if todo:
             extra = todo[next(iter(todo))]
             raise CheckpointError(
@@ -286,10 +285,15 @@ class ExpertsLoader:
                 "fix quantization_config or pass config=Fp8Config(is_checkpoint_fp8_serialized=True, ...)"
             )
 
-    def _plan_scales(self, ex: Experts, shape, where, e, need, has) -> None:
+    def _plan_scales(self, ex: Experts, shape, where, e, todo, need, key) -> None:
         """Scales of one expert's shard (``e`` an index, ``where`` w1/w3/w2) or of a fused tensor
-        (``e`` None, ``where`` gate_up_proj / down_proj): shapes checked, loads queued."""
+        (``e`` None, ``where`` gate_up_proj / down_proj): shapes checked, loads queued. ``key``: checkpoint
+        leaf (weight_scale ...) -> its key in ``todo``; ``need(key, why)`` pops it or raises."""
         scheme = ex.config.scheme()
+
+        def has(leaf: str) -> bool:
+            return key(leaf) in todo
+
         w, (rows, cols) = scheme.weight, shape
         fused = e is None
         base, shard = (where, None) if fused else (BASE[where], where)
@@ -297,19 +301,20 @@ class ExpertsLoader:
         if isinstance(w, PerBlock):
             names = [leaf for leaf in ("weight_scale_inv", "weight_scale") if has(leaf)]
             if len(names) > 1:
-                raise CheckpointError(f"{need(names[0], '')}: also given as {need(names[1], '')}; keep one")
-            s = need(names[0] if names else "weight_scale_inv", f" (blocks {w.block_n}x{w.block_k})")
+                raise CheckpointError(f"{need(key(names[0]))}: also given as {need(key(names[1]))}; keep one")
+            s = need(key(names[0] if names else "weight_scale_inv"), f" (blocks {w.block_n}x{w.block_k})")
             expect = [lead + quant.scale_shape((rows, cols), w.block)]
             text = f"shape {list(expect[0])} = ceil([{rows}, {cols}] / {list(w.block)}) per expert"
             target = "_scale_inv"
         elif isinstance(w, PerRow):
-            s = need("weight_scale", " (per-channel)")
+            s = need(key("weight_scale"), " (per-channel)")
             expect = [lead + (rows, 1), lead + (rows,)]
             text = f"shape {list(expect[0])} (one per output channel)"
             target = "_scale"
         else:
-            s = need("weight_scale", " (per-tensor)")
-            expect = [(ex.shape[0],), (ex.shape[0], 1)] + ([(ex.shape[0], 2)] if base == W13 else []) if fused else ONE_VALUE
+            s = need(key("weight_scale"), " (per-tensor)")
+            experts = ex.shape[0]
+            expect = [(experts,), (experts, 1)] + ([(experts, 2)] if base == W13 else []) if fused else ONE_VALUE
             text = f"shape {list(expect[0])} (one per expert)" if fused else "one value, shape [] or [1]"
             target = "_scale"
         if tuple(s.shape) not in expect:
@@ -320,14 +325,14 @@ class ExpertsLoader:
         check_scale_dtype(s)
         self._add(s, ex, base + target, shard, e, scale=True)
         if scheme.static_activation:
-            a = need("input_scale", " (activation_scheme static)")
+            a = need(key("input_scale"), " (activation_scheme static)")
             if tuple(a.shape) not in ONE_VALUE + ((lead[0],) if fused else ()):
                 raise CheckpointError(f"{a}: an input_scale is one value, shape [] or [1] (fused: [1] or [E])")
             check_scale_dtype(a)
             self._add(a, ex, base + "_input_scale", shard, e, scale=True)
         elif has("input_scale"):
             raise CheckpointError(
-                f"{need('input_scale', '')}: the checkpoint has static input scales but its quantization_config says "
+                f"{need(key('input_scale'))}: the checkpoint has static input scales but its quantization_config says "
                 "dynamic activations; set activation_scheme 'static' (input_activations dynamic false) or drop the "
                 "input_scale tensors"
             )

@@ -56,7 +56,9 @@ def save_checkpoint(
     if unprocessed:
         raise ValueError(f"{unprocessed[0]}: weights not processed yet; run process_weights_after_loading first")
     # linear layers and experts modules in high precision (experts are saved fused, under their own names)
-    ignored = [f for f, m in model.named_modules() if (isinstance(m, nn.Linear) or moe.is_experts(m)) and f not in schemes]
+    ignored = [
+        f for f, m in model.named_modules() if (isinstance(m, nn.Linear) or moe.is_experts(m)) and f not in schemes
+    ]
     kv = any(any(n in m._buffers for n in KV_SCALE_NAMES) for m in model.modules())
     source = getattr(model, "_fp8fx_source", {})
     fmt = format or (source.get("format") if source.get("format") in formats.FORMATS else None)
