@@ -26,7 +26,7 @@ def llama_config(hidden=256, inter=512, layers=2):
 
 def deepseek_config():
     """MLA attention with q_lora; kv_a_proj_with_mqa has 128 + 64 = 192 rows: a ragged 128-row block,
-    as in DeepSeek-V3 (576 rows). Dense MLPs only (MoE experts are not loaded yet)."""
+    as in DeepSeek-V3 (576 rows). Dense MLPs only (experts: tests/e2e/test_checkpoint_moe.py)."""
     return transformers.DeepseekV3Config(
         vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=128, num_hidden_layers=2,
         first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=4,
