@@ -28,7 +28,7 @@ from torch import nn
 from fp8fx import quant
 from fp8fx.checkpoint import formats
 from fp8fx.checkpoint.files import CheckpointError, Entry
-from fp8fx.config import Fp8Config, PerBlock, PerRow
+from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.moe import W13, W2, Fp8MoEMethod
 
@@ -393,3 +393,102 @@ class ExpertsLoader:
         """After the swap: the report of a compiled model reads why these experts stayed bf16."""
         for fqn, reason in self.not_quantized.items():
             moe.tag_skipped(modules[fqn], fqn, reason)
+
+
+# --- convert: bf16 experts -> fp8, tensor by tensor ------------------------------------------------
+def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], config: Fp8Config):
+    """``convert``'s view of the expert weights in ``entries`` (per expert or fused, see the module
+    docstring): ``(plan, tensors, experts)`` with ``plan``: checkpoint module (``<fqn>.<e>.gate_proj`` ...,
+    or ``<fqn>`` when fused) -> "" to quantize it, else why it stays bf16 (all of one experts module alike);
+    ``tensors``: weight name -> its experts fqn, for the weights to quantize; ``experts``: fqn -> reason."""
+    experts = {f: m for f, m in modules.items() if moe.is_experts(m)}
+    found: dict[str, list[tuple[str, str]]] = {}  # fqn -> [(tensor name, checkpoint module)]
+    for name in entries:
+        m = _PER_EXPERT.match(name)
+        if m and m[1] in experts and m[4] == "weight":
+            found.setdefault(m[1], []).append((name, name.rpartition(".")[0]))
+            continue
+        owner, _, leaf = name.rpartition(".")
+        if owner in experts and leaf in (W13, W2):
+            found.setdefault(owner, []).append((name, owner))
+    plan: dict[str, str] = {}
+    tensors: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    for fqn, items in found.items():
+        ex = Experts(fqn, experts[fqn])
+        mods = sorted({mod for _, mod in items})
+        ignored = [mod for mod in mods if config.is_ignored(mod)]
+        if ignored and len(ignored) < len(mods):
+            raise ValueError(
+                f"convert: ignored_layers names {ignored[0]} but not all of {fqn}'s experts; an experts module has "
+                f"one scheme: ignore {fqn} as a whole"
+            )
+        bad = [entries[n] for n, _ in items if entries[n].dtype not in HIGH_PRECISION]
+        if ignored or config.is_ignored(fqn):
+            reason = "in ignored_layers"
+        elif bad:
+            reason = f"{bad[0]} is not a bf16/fp16/fp32 expert weight"
+        else:
+            reason = moe.skip_reason(ex.module, fqn, config) or ""
+        if not reason:
+            e, h, i = ex.shape
+            for name, _ in items:
+                m = _PER_EXPERT.match(name)
+                expect = ex.rows_cols(SHARD[m[3]]) if m else (e,) + ((2 * i, h) if name.endswith(W13) else (h, i))
+                if tuple(entries[name].shape) != expect:
+                    raise CheckpointError(
+                        f"{entries[name]}: expected {list(expect)} for {fqn} (E, H, I = {list(ex.shape)}); wrong "
+                        "checkpoint for this model"
+                    )
+            tensors.update({name: fqn for name, _ in items})
+        plan.update({mod: reason for mod in mods})
+        reasons[fqn] = reason
+    return plan, tensors, reasons
+
+
+def quantize_fused(t: torch.Tensor, config: Fp8Config) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fused bf16 experts tensor ``[E, rows, cols]`` -> fp8 and its per-expert scales (``[E]``
+    per-tensor, ``[E, rows, 1]`` per-channel, ``[E, rows/bn, cols/bk]`` blocks), one expert at a time."""
+    block = config.weight.block
+    q = torch.empty(t.shape, dtype=quant.FP8_DTYPE, device=t.device)
+    scales = []
+    for e in range(t.shape[0]):
+        q[e], s = chunked.quantize(t[e], block)
+        scales.append(s.reshape(()) if isinstance(config.weight, PerTensor) else s)
+    return q, torch.stack(scales)
+
+
+# --- save: fused expert tensors -> per-expert names ------------------------------------------------
+PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+
+
+def per_expert_tensors(fqn: str, module: nn.Module, block_leaf: str = "weight_scale_inv") -> dict[str, torch.Tensor]:
+    """The tensors of a quantized experts module under per-expert names (``<fqn>.<e>.gate_proj.weight``,
+    ``.weight_scale`` / ``block_leaf`` for blocks, ``.input_scale``; ``up_proj``, ``down_proj``), views of
+    the module's tensors: w13 rows split into gate and up (its per-tensor scale given to both), static
+    input scales given to every expert. ``load_checkpoint`` reads them back into the same tensors."""
+    p = module._parameters
+    block = module._fp8fx_block_scales
+    out: dict[str, torch.Tensor] = {}
+    for base, shards in ((W13, ("w1", "w3")), (W2, ("w2",))):
+        q = p[base].detach()
+        scale = p[base + ("_scale_inv" if block else "_scale")].detach()
+        act = p.get(base + "_input_scale")
+        for e in range(q.shape[0]):
+            for shard in shards:
+                rows = Fp8MoEMethod._rows(shard, q.shape[1]) if base == W13 else slice(None)
+                prefix = f"{fqn}.{e}.{PROJ[shard]}"
+                out[f"{prefix}.weight"] = q[e, rows]
+                if scale.dim() == 1:  # per-tensor: one per expert, for gate and up alike
+                    out[f"{prefix}.weight_scale"] = scale[e : e + 1]
+                else:
+                    srows = Fp8MoEMethod._rows(shard, scale.shape[1]) if base == W13 else slice(None)
+                    out[f"{prefix}.{block_leaf if block else 'weight_scale'}"] = scale[e, srows]
+                if act is not None:
+                    out[f"{prefix}.input_scale"] = act.detach().reshape(1)
+    return out
+
+
+def per_expert_modules(fqn: str, module: nn.Module) -> list[str]:
+    """The checkpoint module names ``per_expert_tensors`` writes for ``module``."""
+    return [f"{fqn}.{e}.{PROJ[s]}" for e in range(module._parameters[W13].shape[0]) for s in ("w1", "w3", "w2")]

@@ -11,6 +11,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from fp8fx.checkpoint import experts as moe_ckpt
 from fp8fx.checkpoint import formats
 from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config, read_tensor
 from fp8fx.checkpoint.files import write_file
@@ -33,6 +34,7 @@ def save_checkpoint(
     format: Optional[str] = None,
     max_shard_size: Optional[int] = None,
     config_json: Optional[Mapping[str, Any]] = None,
+    experts: str = "per-expert",
 ) -> dict[str, Any]:
     """Write ``model`` (quantized by ``quantize_`` or ``load_checkpoint``) to directory ``path``:
     ``model.safetensors`` (or shards of at most ``max_shard_size`` bytes plus ``model.safetensors.index.json``)
@@ -42,22 +44,34 @@ def save_checkpoint(
     layers), ``"compressed-tensors"`` (any mix; block scales are named ``weight_scale``), or None: the
     format the model was loaded from, else ``fp8`` when it can express the model. ``config_json``: the rest
     of ``config.json`` (default: an HF model's ``model.config``, else the loaded checkpoint's).
-    Experts modules are written fused under their own names (``gate_up_proj`` [E, 2I, H] and its scales,
-    ``fp8fx.checkpoint.experts``); the config names them as it names linear layers.
+    ``experts``: how quantized experts modules are written: ``"per-expert"`` (default; the names of HF hub
+    checkpoints and vLLM: ``<experts>.<e>.gate_proj.weight`` + ``weight_scale`` / ``weight_scale_inv`` /
+    ``input_scale``, ``up_proj``, ``down_proj``; w13's per-tensor scale of an expert is written for both
+    gate and up) or ``"fused"`` (under the module's own names: ``gate_up_proj`` [E, 2I, H] and its scales,
+    ``fp8fx.checkpoint.experts``); the config names them as it names linear layers. Experts modules left in
+    high precision are written fused either way.
     """
+    if experts not in ("per-expert", "fused"):
+        raise ValueError(f"save_checkpoint: experts={experts!r} is not 'per-expert' or 'fused'")
     path = os.fspath(path)
     schemes = {f: layer_scheme(m) for f, m in model.named_modules() if is_quantized(m)}
-    schemes.update({f: moe.experts_scheme(m) for f, m in model.named_modules() if moe.is_quantized_experts(m)})
+    quantized_experts = {f: m for f, m in model.named_modules() if moe.is_quantized_experts(m)}
+    for f, m in quantized_experts.items():  # named as the checkpoint names them (compressed-tensors targets)
+        names = moe_ckpt.per_expert_modules(f, m) if experts == "per-expert" else [f]
+        schemes.update({n: moe.experts_scheme(m) for n in names})
     if not schemes:
         raise ValueError(
             "save_checkpoint: the model has no fp8fx-quantized layer; quantize_ it or load_checkpoint first"
         )
-    unprocessed = [f for f, m in model.named_modules() if f in schemes and not m._fp8fx_processed]
+    unprocessed = [
+        f for f, m in model.named_modules() if (f in schemes or f in quantized_experts) and not m._fp8fx_processed
+    ]
     if unprocessed:
         raise ValueError(f"{unprocessed[0]}: weights not processed yet; run process_weights_after_loading first")
     # linear layers and experts modules in high precision (experts are saved fused, under their own names)
     ignored = [
         f for f, m in model.named_modules() if (isinstance(m, nn.Linear) or moe.is_experts(m)) and f not in schemes
+        and f not in quantized_experts
     ]
     kv = any(any(n in m._buffers for n in KV_SCALE_NAMES) for m in model.modules())
     source = getattr(model, "_fp8fx_source", {})
@@ -66,7 +80,15 @@ def save_checkpoint(
 
     tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple] = set()
+    split = dict(quantized_experts) if experts == "per-expert" else {}
+    block_leaf = "weight_scale" if qc["quant_method"] == "compressed-tensors" else "weight_scale_inv"
     for name, t in model.state_dict().items():
+        owner = name.rpartition(".")[0]
+        if owner in split:  # all of the module's tensors at its first one
+            tensors.update(moe_ckpt.per_expert_tensors(owner, split.pop(owner), block_leaf))
+            continue
+        if owner in quantized_experts and experts == "per-expert":
+            continue
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if key in seen and t.numel():  # tied weights are stored once, under their first name
             continue
@@ -155,7 +177,13 @@ def convert(
     checkpoint name (``load_checkpoint`` fuses shards). Layers the config ignores, tied weights and
     weights a block does not divide stay bf16 and go to the new config's ignore list. Output files
     mirror the input's; other files of ``src`` (tokenizer, ...) are copied, pickles are not.
-    Peak memory: one output file plus one bf16 tensor. Returns a ``LoadReport`` (checkpoint module names).
+    MoE experts (modules with 3-D ``gate_up_proj`` / ``down_proj``) are quantized per expert in the layout
+    the checkpoint has: per-expert ``<experts>.<e>.gate_proj.weight`` (or ``w1`` ...) with their own
+    ``weight_scale`` / ``weight_scale_inv``, or fused ``gate_up_proj`` / ``down_proj`` with
+    ``gate_up_proj_scale[_inv]`` ... (``fp8fx.checkpoint.experts``); experts the config ignores (or cannot
+    quantize) stay bf16 and their checkpoint modules go to the ignore list.
+    Peak memory: one output file plus one bf16 tensor. Returns a ``LoadReport`` (checkpoint module names;
+    ``experts``: the experts modules quantized).
     """
     src, dst = os.fspath(src), os.fspath(dst)
     config = config or Fp8Config()
@@ -176,6 +204,8 @@ def convert(
     files, entries = read_checkpoint(src)
     model = model if model is not None else meta_model(src)
     plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused))
+    expert_plan, expert_tensors, experts = moe_ckpt.convert_plan(dict(model.named_modules()), entries, config)
+    plan.update(expert_plan)
     schemes = {m: config.scheme() for m, reason in plan.items() if not reason}
     if not schemes:
         raise ValueError(f"convert: no linear weight of {src} can be quantized with {config.scheme()}: {plan}")
@@ -183,7 +213,8 @@ def convert(
     block_inv = qc["quant_method"] == "fp8" and isinstance(config.weight, PerBlock)
     scale_name = "weight_scale_inv" if block_inv else "weight_scale"
     report = LoadReport(src, f"bf16 -> {qc['quant_method']} ({config.scheme()})")
-    report.quantized = {m: str(s) for m, s in schemes.items()}
+    report.quantized = {m: str(s) for m, s in schemes.items() if m not in expert_plan}
+    report.experts = {f: str(config.scheme()) for f, reason in experts.items() if not reason}
     report.not_quantized = {m: r for m, r in plan.items() if r}
 
     os.makedirs(dst, exist_ok=True)
@@ -196,10 +227,16 @@ def convert(
             report.tensors += 1
             report.bytes_read += entry.nbytes
             owner, _, leaf = entry.name.rpartition(".")
-            if leaf != "weight" or owner not in schemes:
+            if entry.name in expert_tensors:
+                moe_ckpt.check_finite(entry, t, expert_tensors[entry.name])
+                if t.dim() == 3:  # fused [E, rows, cols]: per-expert scales under the fused names
+                    out[entry.name], out[entry.name + scale_name[len("weight"):]] = moe_ckpt.quantize_fused(t, config)
+                    del t
+                    continue
+            elif leaf != "weight" or owner not in schemes:
                 out[entry.name] = t
                 continue
-            bad = chunked.count_nonfinite(t)
+            bad = 0 if entry.name in expert_tensors else chunked.count_nonfinite(t)
             if bad:
                 raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix it or add {owner!r} to ignored_layers")
             q, scale = chunked.quantize(t, config.weight.block)
@@ -214,7 +251,10 @@ def convert(
         full = os.path.join(src, f)
         if os.path.isfile(full) and not (f.endswith((".safetensors", INDEX_SUFFIX, *_PICKLES)) or f == CONFIG):
             shutil.copy2(full, os.path.join(dst, f))
-    log.info("fp8fx: converted %s -> %s: %d linear weights quantized", src, dst, len(schemes))
+    log.info(
+        "fp8fx: converted %s -> %s: %d linear weights and %d experts modules quantized",
+        src, dst, len(report.quantized), len(report.experts),
+    )
     return report
 
 
