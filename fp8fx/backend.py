@@ -63,6 +63,11 @@ class Fp8Backend:
         self.compiler = compiler
         self.dump_dir = dump_dir
         self.inductor_config = dict(inductor_config or {})
+        if "post_grad_custom_post_pass" in self.inductor_config:
+            raise ValueError(
+                "Fp8Backend(inductor_config={'post_grad_custom_post_pass': ...}): fp8fx installs its pass manager "
+                "there (it carries the compile-cache key); run your pass as post_grad_custom_pre_pass instead"
+            )
         if cudagraphs:
             self.inductor_config["triton.cudagraphs"] = True
         options = {

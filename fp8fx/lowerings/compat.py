@@ -8,6 +8,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass  # 2.11 and 2.13
+from torch._subclasses.fake_tensor import FakeTensor  # 2.11 and 2.13
 
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
@@ -94,6 +95,7 @@ def dynamo_events() -> tuple[list[str], list[str]]:
 
 __all__ = [
     "CustomGraphPass",
+    "FakeTensor",
     "TORCH_VERSION",
     "after_dynamo_bytecode",
     "capture_output_code",

@@ -12,8 +12,8 @@ import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
-from torch._subclasses.fake_tensor import FakeTensor
 
+from fp8fx.lowerings.compat import FakeTensor
 from fp8fx.report import Report
 
 

@@ -46,26 +46,28 @@ def fuse_weights(ws: list[torch.Tensor], ss: list[torch.Tensor], w_block) -> tup
 
 
 def _rebind(params: list[torch.Tensor], fused: torch.Tensor) -> None:
-    """Each parameter becomes a view of its rows of ``fused`` (same values; memory shared)."""
+    """Each parameter becomes a view of its rows of ``fused`` (same values; memory shared).
+    Rows are dim 0: weights [N, K], scales [N, 1] or [N / bn, K / bk], biases [N]."""
     offset = 0
     for p in params:
-        rows = p.reshape(-1, p.shape[-1]).shape[0]
-        p.data = fused.narrow(0, offset, rows).view(p.shape)
-        offset += rows
+        p.data = fused.narrow(0, offset, p.shape[0]).view(p.shape)
+        offset += p.shape[0]
 
 
 def share_memory(weights, scales, biases, w_block) -> None:
-    """Move the shards' parameters into one tensor each (what ``scaled_mm_fused`` runs as one GEMM)."""
+    """Move the shards' parameters into one tensor each (what ``scaled_mm_fused`` runs as one GEMM).
+    Everything is built before the first parameter changes."""
     with torch.no_grad():
         weight, scale = fuse_weights(weights, scales, w_block)
-        _rebind(weights, weight)
-        if tuple(w_block) == (-1, -1):
-            for s in scales:  # every shard's scale: a view of the one max scale
-                s.data = scale.view(s.shape)
-        else:
-            _rebind(scales, scale)
-        if biases:
-            _rebind(biases, torch.cat(biases))
+        bias = torch.cat(biases) if biases else None
+    _rebind(weights, weight)
+    if tuple(w_block) == (-1, -1):
+        for s in scales:  # every shard's scale: a view of the one max scale
+            s.data = scale.view(s.shape)
+    else:
+        _rebind(scales, scale)
+    if bias is not None:
+        _rebind(biases, bias)
 
 
 class HorizontalFusionPass(Fp8Pass):

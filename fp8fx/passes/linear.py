@@ -88,7 +88,7 @@ class LinearPass(Fp8Pass):
         if weight_only is None:
             weight_only = lacks_fp8_tensor_cores(ctx.example.values())
         # one quantization per (activation, scheme): q/k/v and gate/up read the same x
-        self._quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
+        quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
         for node in list(graph.nodes):
             operands = _linear_operands(node)
             if operands is None:
@@ -103,7 +103,10 @@ class LinearPass(Fp8Pass):
             # read before the rewrite, which erases the weight's dequantize node
             details = dict(weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
                            bytes_saved=Site.saved_bytes(fake_value(w), fake_value(w.args[1])))
-            scheme, new = (self._rewrite_weight_only if weight_only else self._rewrite)(graph, node, x, w, bias)
+            if weight_only:
+                scheme, new = self._rewrite_weight_only(graph, node, x, w, bias)
+            else:
+                scheme, new = self._rewrite(graph, node, x, w, bias, quantized)
             new.meta["fp8fx_site"] = len(ctx.report.sites)  # later passes amend this site
             ctx.report.add(Site("linear", fqn, True, "", scheme, ctx.graph_index, **details))
             count += 1
@@ -137,18 +140,19 @@ class LinearPass(Fp8Pass):
             )
         return ""
 
-    def _quantize(self, graph, x: fx.Node, input_scale, act_block, site: fx.Node) -> tuple[fx.Node, fx.Node]:
+    @staticmethod
+    def _quantize(graph, x: fx.Node, input_scale, act_block, site: fx.Node, quantized: dict) -> tuple[fx.Node, fx.Node]:
         """Nodes (xq, x_scale) quantizing ``x``, inserted before its first rewritten consumer ``site``
-        and shared by the later ones."""
+        and shared by the later ones (through ``quantized``, one graph's cache)."""
         key = (x, input_scale, tuple(act_block))
-        if key in self._quantized:
-            return self._quantized[key]
+        if key in quantized:
+            return quantized[key]
         with graph.inserting_before(site):
             if input_scale is not None:
                 xq = graph.call_function(torch.ops.fp8fx.quantize_static.default, (x, input_scale))
                 set_fake_value(xq, torch.ops.fp8fx.quantize_static.default, xq.args)
-                self._quantized[key] = (xq, input_scale)
-                return self._quantized[key]
+                quantized[key] = (xq, input_scale)
+                return quantized[key]
             qs = graph.call_function(torch.ops.fp8fx.quantize.default, (x, list(act_block)))
         set_fake_value(qs, torch.ops.fp8fx.quantize.default, qs.args)
         with graph.inserting_after(qs):
@@ -158,7 +162,7 @@ class LinearPass(Fp8Pass):
         for i, n in enumerate((xq, x_scale)):
             if "example_value" in qs.meta:
                 n.meta["example_value"] = qs.meta["example_value"][i]
-        self._quantized[key] = (xq, x_scale)
+        quantized[key] = (xq, x_scale)
         return xq, x_scale
 
     @staticmethod
@@ -172,14 +176,14 @@ class LinearPass(Fp8Pass):
         weight = str(granularity_from_block(w_block)).replace("per-row", "per-channel")
         return f"w:{weight} a:{fake_value(x).dtype} (weight-only)".replace("torch.", ""), y
 
-    def _rewrite(self, graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias) -> tuple[str, fx.Node]:
+    def _rewrite(self, graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias, quantized: dict) -> tuple[str, fx.Node]:
         wq, w_scale, w_block, _dtype, input_scale, act_block = (list(w.args) + [None, None])[:6]
         input_scale = w.kwargs.get("input_scale", input_scale)
         act_block = w.kwargs.get("act_block", act_block) or [1, -1]
-        out_dtype = fake_value(x).dtype
+        out_dtype = fake_value(node).dtype  # what the linear returned (autocast may differ from x's)
         if input_scale is not None:
             act_block = [-1, -1]
-        xq, x_scale = self._quantize(graph, x, input_scale, act_block, node)
+        xq, x_scale = self._quantize(graph, x, input_scale, act_block, node, quantized)
         args = (xq, x_scale, wq, w_scale, bias, list(act_block), list(w_block), out_dtype, self.use_fast_accum)
         with graph.inserting_before(node):
             y = graph.call_function(torch.ops.fp8fx.scaled_mm.default, args)

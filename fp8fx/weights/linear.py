@@ -113,6 +113,7 @@ class Fp8LinearMethod:
         layer._fp8fx_block_scales = isinstance(self.scheme.weight, PerBlock)
         layer._fp8fx_processed = False
         layer._fp8fx_copied = 0
+        layer._fp8fx_shards_loaded = set()  # online weight shards received (a repeat must not count twice)
 
         def param(t: torch.Tensor) -> nn.Parameter:
             return nn.Parameter(t, requires_grad=False)
@@ -164,6 +165,12 @@ class Fp8LinearMethod:
         if name == "weight" and target.is_meta:
             target = nn.Parameter(torch.empty_like(target, device=layer._fp8fx_device), requires_grad=False)
             layer._parameters["weight"] = target
+        if online_weight and shard_id is not None:
+            if shard_id in layer._fp8fx_shards_loaded:
+                raise ValueError(
+                    f"{type(layer).__name__}: weight shard {shard_id} was loaded twice; each shard of "
+                    f"{list(layer._fp8fx_partitions)} must arrive once (it is quantized when all have)"
+                )
         dest = self._shard_slice(layer, name, target.data, shard_id)
         if dest.numel() != loaded.numel():
             raise ValueError(
@@ -173,11 +180,12 @@ class Fp8LinearMethod:
         with CopyNumelCounter() as counter:
             dest.copy_(loaded.reshape(dest.shape))
         if online_weight:
+            if shard_id is not None:
+                layer._fp8fx_shards_loaded.add(shard_id)
             layer._fp8fx_copied += counter.copied_numel
             if layer._fp8fx_copied >= target.numel():
                 self._quantize_online(layer)
 
-    @staticmethod
     @staticmethod
     def _can_adopt(layer: nn.Module, target: torch.Tensor, loaded: torch.Tensor) -> bool:
         if layer._fp8fx_device is None:

@@ -66,8 +66,8 @@ def test_tiny_moe_model(name, impl, compiler):
 
 
 def test_tiny_deepseek_v3_experts():
-    """The MoE pass alone (the linear pass breaks this graph: see the xfail below): the experts in fp8
-    against the same fp8 weights run by the model's own code, and against bf16."""
+    """The MoE pass alone: the experts in fp8 against the same fp8 weights run by the model's own code,
+    and against bf16 (the whole backend: the next test)."""
     model = tiny("deepseek_v3", "grouped_mm")
     report = Report()
 

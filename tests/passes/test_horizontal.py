@@ -74,3 +74,33 @@ def test_without_the_option_nothing_is_fused():
     q = next(s for s in report.sites if s.fqn == "model.layers.0.self_attn.q_proj")
     assert q.rewritten and q.scheme == "w:per-channel a:per-token"
     assert code.count("fp8fx.scaled_mm.default") == 14 and "scaled_mm_fused" not in code
+
+
+class BiasedQKV(torch.nn.Module):
+    """q/k/v with biases (as in Qwen2) reading the same input."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(64, n) for n in (64, 32, 32))
+
+    def forward(self, x):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+@pytest.mark.parametrize("granularity", [fp8fx.PerRow(), fp8fx.PerTensor()])
+def test_fused_with_biases(granularity):
+    torch.manual_seed(0)
+    model = BiasedQKV().to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_granularity=granularity))
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        plain = torch.compile(model, backend=fp8fx.Fp8Backend(compiler="eager"))(x)
+        torch._dynamo.reset()
+        backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
+        fused = torch.compile(model, backend=backend)(x)
+    assert all(s.scheme.endswith("fused(q_proj,k_proj,v_proj)") for s in backend.report.sites)
+    biases = [m.bias for m in (model.q_proj, model.k_proj, model.v_proj)]
+    assert fp8fx.ops._adjacent(biases) is not None  # one tensor now
+    bound = 1e-3 if granularity == fp8fx.PerRow() else 0.05  # per-tensor: requantized to the max scale
+    for a, b in zip(fused, plain):
+        assert rel_err(a.float(), b.float()) < bound

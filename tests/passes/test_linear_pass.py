@@ -187,6 +187,8 @@ def test_cache_key_reaches_inductor(monkeypatch):
 def test_bad_backend_option():
     with pytest.raises(ValueError, match=r"Fp8Backend\(compiler='tvm'\): use one of"):
         Fp8Backend(compiler="tvm")
+    with pytest.raises(ValueError, match="run your pass as post_grad_custom_pre_pass instead"):
+        Fp8Backend(inductor_config={"post_grad_custom_post_pass": lambda graph: None})
 
 
 def test_weight_only_rewrite():

@@ -186,3 +186,17 @@ def test_loader_rejects_wrong_shard_shape():
     method.create_weights(layer, 64, [64, 32], torch.bfloat16, device="cpu")
     with pytest.raises(ValueError, match=r"weight shard 1: checkpoint tensor of shape \(64, 64\) does not fit"):
         method.weight_loader(layer, "weight", torch.randn(64, 64), shard_id=1)
+
+
+def test_online_shard_loaded_twice_is_an_error():
+    """Counting copied elements alone would reach numel with a repeated shard and quantize a weight
+    whose other rows were never written."""
+    layer = nn.Linear(64, 96, bias=False, device="meta")
+    method = Fp8LinearMethod(Fp8Config())
+    method.create_weights(layer, 64, [32, 32, 32], torch.bfloat16, device="cpu")
+    shard = torch.randn(32, 64, dtype=torch.bfloat16)
+    method.weight_loader(layer, "weight", shard, shard_id=0)
+    method.weight_loader(layer, "weight", shard, shard_id=1)
+    with pytest.raises(ValueError, match="weight shard 1 was loaded twice"):
+        method.weight_loader(layer, "weight", shard, shard_id=1)
+    assert layer._parameters["weight"].dtype == torch.bfloat16  # not quantized
