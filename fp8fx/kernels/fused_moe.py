@@ -46,7 +46,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     ids = topk_ids.reshape(-1)  # [S]
     s, e, device = ids.numel(), num_experts, ids.device
     p = -(-(s + min(e, s) * (block_m - 1)) // block_m) * block_m
-    bucket = torch.where((ids >= 0) & (ids < e), ids, e)  # out of range -> bucket E, dropped
+    bucket = torch.where((ids >= 0) & (ids < e), ids, e).long()  # out of range -> bucket E, dropped; int32 ids too
     counts = torch.zeros(e + 1, dtype=torch.int64, device=device).scatter_add_(0, bucket, torch.ones_like(bucket))
     padded = (counts + block_m - 1) // block_m * block_m
     padded[e] = 0
@@ -72,7 +72,8 @@ def _block_rows(sorted_pair_ptr, block_expert_ptr, S, K_TOP: tl.constexpr, TOKEN
     """(expert, pair ids [BM], rows of A [BM], mask [BM]) of this program's row block."""
     pid_m = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid_m)
-    pair = tl.load(sorted_pair_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    # int64: pair * stride passes 2**31 for large prefills (e.g. 8 x 40k pairs x 7168)
+    pair = tl.load(sorted_pair_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
     valid = pair < S
     rows = pair // K_TOP if TOKEN_ROWS else pair  # x is per token, the intermediate per pair
     return expert, pair, rows, valid

@@ -150,12 +150,13 @@ def test_bad_shapes_name_the_tensors():
 
 # -- the Triton kernel ------------------------------------------------------------------------------
 @pytest.mark.parametrize("t,k,block_m", [(1, 2, 16), (7, 2, 4), (40, 3, 16), (0, 2, 16)])
-def test_align_sorts_and_pads_pairs_by_expert(t, k, block_m):
+@pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])  # routers (and vLLM) often give int32 ids
+def test_align_sorts_and_pads_pairs_by_expert(t, k, block_m, id_dtype):
     pytest.importorskip("triton")
     from fp8fx.kernels.fused_moe import align
 
     g = torch.Generator().manual_seed(t)
-    ids = torch.randint(-1, E + 1, (t, k), generator=g)  # -1 and E: dropped
+    ids = torch.randint(-1, E + 1, (t, k), generator=g).to(id_dtype)  # -1 and E: dropped
     ids[: t // 2] = 3  # a crowded expert; others get none
     sorted_pair, block_expert = align(ids, E, block_m)
     s = t * k
