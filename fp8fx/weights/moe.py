@@ -192,6 +192,7 @@ class Fp8MoEMethod:
         layer._fp8fx_intermediate = i
         layer._fp8fx_processed = False
         layer._fp8fx_done = {W13: torch.zeros(e, dtype=torch.int64), W2: torch.zeros(e, dtype=torch.int64)}
+        layer._fp8fx_arrived = set()  # (base, expert_id, shard_id) of fp8 weights copied: a repeat must not count
         layer._fp8fx_staging = {}  # (name, expert) -> bf16 [rows, cols] while its shards arrive (online)
 
         def param(shape, dtype=torch.float32, fill=None) -> nn.Parameter:
@@ -249,6 +250,11 @@ class Fp8MoEMethod:
                 f"{prefix}.{name}: the checkpoint tensor is {loaded.dtype}, expected float8_e4m3fn "
                 "(is_checkpoint_fp8_serialized=True); use an online config for bf16 experts"
             )
+        if name == base and (base, expert_id, shard_id) in layer._fp8fx_arrived:
+            raise ValueError(
+                f"{prefix}.{name} (expert {expert_id}, shard {shard_id}) was loaded twice; each expert's w1, w3 "
+                "and w2 must arrive once (the completeness check counts elements)"
+            )
         dest = self._slice(layer, name, base, shard_id, expert_id)
         if dest.numel() != loaded.numel():
             raise ValueError(
@@ -261,6 +267,7 @@ class Fp8MoEMethod:
         else:
             dest.copy_(loaded)
         if name == base:
+            layer._fp8fx_arrived.add((base, expert_id, shard_id))
             self._count(layer, base, expert_id, dest.numel())
 
     @staticmethod

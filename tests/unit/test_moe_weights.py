@@ -204,6 +204,15 @@ def test_serialized_per_tensor_w13_requantized_per_expert_to_the_max_of_w1_w3():
     assert type(layer).__name__ == "Fp8Module"
 
 
+def test_serialized_shard_loaded_twice_is_an_error():
+    """w1 twice and no w3 would reach the element count and leave the up rows unloaded."""
+    method, layer = serialized({})
+    q = quant.cast_to_fp8(torch.randn(I, H))
+    method.weight_loader(layer, "gate_up_proj", q, shard_id="w1", expert_id=1)
+    with pytest.raises(ValueError, match=r"gate_up_proj \(expert 1, shard w1\) was loaded twice"):
+        method.weight_loader(layer, "gate_up_proj", q, shard_id="w1", expert_id=1)
+
+
 def test_serialized_static_input_scales_collapse_to_their_max():
     method, layer = serialized({"activation_scheme": "static"})
     assert layer.gate_up_proj_input_scale.shape == (E,)
@@ -248,7 +257,8 @@ def test_process_before_every_expert_arrived_names_them():
         method.process_weights_after_loading(layer)
     for e in range(E):
         for shard in ("w1", "w3"):
-            method.weight_loader(layer, "w13_weight", q, shard, e)
+            if (e, shard) != (0, "w1"):  # arrived above; a repeat is an error
+                method.weight_loader(layer, "w13_weight", q, shard, e)
         method.weight_loader(layer, "w2_weight", torch.zeros(H, I, dtype=torch.float8_e4m3fn), "w2", e)
     with pytest.raises(ValueError, match=r"gate_up_proj_scale was never loaded"):
         method.process_weights_after_loading(layer)
