@@ -184,7 +184,15 @@ def read_checkpoint(path: str) -> tuple[list[str], dict[str, Entry]]:
                 weight_map = json.load(f)["weight_map"]
         except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError) as e:
             raise CheckpointError(f"{index}: corrupt index ({e!r}); it needs a 'weight_map' object") from None
+        if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+            raise CheckpointError(f"{index}: 'weight_map' must map tensor names to shard file names")
         files = list(dict.fromkeys(weight_map.values()))
+        outside = [f for f in files if os.path.basename(f) != f or f in (".", "..")]
+        if outside:  # checked before any file is opened
+            raise CheckpointError(
+                f"{index} names shard {outside[0]!r}, a path outside the checkpoint directory; shards must be file "
+                f"names in {path}"
+            )
         for shard in files:
             if not os.path.exists(os.path.join(path, shard)):
                 first = next(n for n, f in weight_map.items() if f == shard)

@@ -155,3 +155,20 @@ def test_same_tensor_in_two_files(tmp_path):
     save_file({"a.weight": torch.randn(2)}, str(tmp_path / "two.safetensors"))
     with pytest.raises(CheckpointError, match=r"a\.weight is in both .*one\.safetensors and .*two\.safetensors"):
         read_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("shard", ["../model-00001-of-00002.safetensors", "/tmp/x.safetensors", ".."])
+def test_index_naming_a_path_outside_the_checkpoint(tmp_path, shard):
+    _sharded(tmp_path)
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    index["weight_map"]["b.weight"] = shard
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=r"a path outside the checkpoint directory"):
+        read_checkpoint(str(tmp_path))
+
+
+def test_index_whose_weight_map_is_not_a_mapping(tmp_path):
+    _sharded(tmp_path)
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["a.weight"]}))
+    with pytest.raises(CheckpointError, match="'weight_map' must map tensor names to shard file names"):
+        read_checkpoint(str(tmp_path))
