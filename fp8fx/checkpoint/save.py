@@ -217,34 +217,44 @@ def convert(
     report.experts = {f: str(config.scheme()) for f, reason in experts.items() if not reason}
     report.not_quantized = {m: r for m, r in plan.items() if r}
 
+    created = not os.path.isdir(dst)
     os.makedirs(dst, exist_ok=True)
     weight_map: dict[str, str] = {}
     total = 0
-    for file in _progress(files, progress, "fp8fx: converting"):
-        out: dict[str, torch.Tensor] = {}
-        for entry in sorted((e for e in entries.values() if e.file == file), key=lambda e: e.start):
-            t = read_tensor(entry)
-            report.tensors += 1
-            report.bytes_read += entry.nbytes
-            owner, _, leaf = entry.name.rpartition(".")
-            if entry.name in expert_tensors:
-                moe_ckpt.check_finite(entry, t, expert_tensors[entry.name])
-                if t.dim() == 3:  # fused [E, rows, cols]: per-expert scales under the fused names
-                    out[entry.name], out[entry.name + scale_name[len("weight"):]] = moe_ckpt.quantize_fused(t, config)
-                    del t
+    written: list[str] = []
+    try:
+        for file in _progress(files, progress, "fp8fx: converting"):
+            out: dict[str, torch.Tensor] = {}
+            for entry in sorted((e for e in entries.values() if e.file == file), key=lambda e: e.start):
+                t = read_tensor(entry)
+                report.tensors += 1
+                report.bytes_read += entry.nbytes
+                owner, _, leaf = entry.name.rpartition(".")
+                if entry.name in expert_tensors:
+                    moe_ckpt.check_finite(entry, t, expert_tensors[entry.name])
+                    if t.dim() == 3:  # fused [E, rows, cols]: per-expert scales under the fused names
+                        out[entry.name], out[entry.name + scale_name[len("weight"):]] = moe_ckpt.quantize_fused(t, config)
+                        del t
+                        continue
+                elif leaf != "weight" or owner not in schemes:
+                    out[entry.name] = t
                     continue
-            elif leaf != "weight" or owner not in schemes:
-                out[entry.name] = t
-                continue
-            bad = 0 if entry.name in expert_tensors else chunked.count_nonfinite(t)
-            if bad:
-                raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix it or add {owner!r} to ignored_layers")
-            q, scale = chunked.quantize(t, config.weight.block)
-            del t
-            out[entry.name] = q
-            out[f"{owner}.{scale_name}"] = scale.reshape(1) if isinstance(config.weight, PerTensor) else scale
-        total += _write_shard(dst, os.path.basename(file), out, weight_map)
-        del out
+                bad = 0 if entry.name in expert_tensors else chunked.count_nonfinite(t)
+                if bad:
+                    raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix it or add {owner!r} to ignored_layers")
+                q, scale = chunked.quantize(t, config.weight.block)
+                del t
+                out[entry.name] = q
+                out[f"{owner}.{scale_name}"] = scale.reshape(1) if isinstance(config.weight, PerTensor) else scale
+            total += _write_shard(dst, os.path.basename(file), out, weight_map)
+            written.append(os.path.join(dst, os.path.basename(file)))
+            del out
+    except BaseException:  # e.g. NaN in a later file: leave no partial checkpoint behind
+        for path in written:
+            os.remove(path)
+        if created and not os.listdir(dst):
+            os.rmdir(dst)
+        raise
     _write_index(dst, weight_map, total)
     _write_config(dst, config_json, qc)
     for f in os.listdir(src):

@@ -201,6 +201,24 @@ def test_convert_then_load_equals_quantize_(tmp_path, config, method):
     assert_same_state(ref, loaded)
 
 
+def test_convert_failing_in_a_later_file_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
+    from fp8fx.checkpoint import save
+
+    written = []
+    real_write = save._write_shard
+    monkeypatch.setattr(save, "_write_shard", lambda dst, name, *a: written.append(name) or real_write(dst, name, *a))
+    state = bf16_state()
+    probe = write_checkpoint(tmp_path / "probe", state, shards=2, extra_config={"model_type": "tiny"})
+    weight_map = json.loads((probe / "model.safetensors.index.json").read_text())["weight_map"]
+    second = next(n for n, f in weight_map.items() if f.startswith("model-00002") and "layers" in n and n.endswith("proj.weight"))
+    state[second][0, 0] = float("nan")  # in the second of two files
+    src = write_checkpoint(tmp_path / "src", state, shards=2, extra_config={"model_type": "tiny"})
+    with pytest.raises(CheckpointError, match="NaN/Inf"):
+        convert(src, tmp_path / "dst", model=meta_tiny(), progress=False)
+    assert written == ["model-00001-of-00002.safetensors"]  # the first file was written ...
+    assert not (tmp_path / "dst").exists()  # ... then removed, with the folder convert made
+
+
 def test_convert_for_a_fused_model(tmp_path):
     """Separate q/k/v and gate/up weights are quantized one by one (own per-channel scales); loading
     them into the fused model gives what quantize_ gives on the fused model."""
