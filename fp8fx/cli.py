@@ -30,6 +30,7 @@ from torch import nn
 import fp8fx
 from fp8fx import quant
 from fp8fx.config import Fp8Config
+from fp8fx.weights import moe
 from fp8fx.weights.linear import skip_reason
 
 log = logging.getLogger("fp8fx")
@@ -108,8 +109,8 @@ def _parser() -> argparse.ArgumentParser:
 def inspect_command(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
-    config = make_config(args, hf_quant)
-    rows, others, graphs = predict(model, config, call_args, call_kwargs)
+    config, layer_config = make_config(args, hf_quant)
+    rows, others, graphs = predict(model, config, call_args, call_kwargs, layer_config)
     if args.json:
         print(json.dumps({"model": args.model, "config": config.to_dict(), "graphs": graphs, "sites": rows,
                           "other_weights": others}, indent=1))
@@ -187,8 +188,10 @@ def _factory(spec: str):
     return factory
 
 
-def make_config(args: argparse.Namespace, hf_quant: Optional[dict]) -> Fp8Config:
-    """The config file, else the model's quantization_config, else Fp8Config(); then the flags."""
+def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
+    """The config file, else the model's quantization_config, else Fp8Config(); then the flags.
+    Returns (the config to show, ``layer_config(fqn)``: a layer's config or None when the
+    quantization_config keeps it in high precision — compressed-tensors configs are per layer)."""
     base = hf_quant
     if args.config:
         try:
@@ -199,8 +202,14 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]) -> Fp8Config
         base = base.get("quantization_config", base) if isinstance(base, dict) else base
         if not isinstance(base, dict):
             raise UsageError(f"--config {args.config}: expected a JSON object, got {type(base).__name__}")
+    from fp8fx.checkpoint import CheckpointError, formats
+
     try:
-        config = Fp8Config.from_config(base) if base else Fp8Config()
+        fmt = formats.parse({"quantization_config": base}) if base else None
+    except CheckpointError as e:  # an unknown quant_method, a malformed compressed-tensors config
+        raise UsageError(f"bad config: {_first_line(e)}") from None
+
+    def with_flags(config: Fp8Config) -> Fp8Config:
         changes: dict[str, Any] = {}
         if args.ignore:
             changes["ignored_layers"] = tuple(config.ignored_layers or ()) + tuple(args.ignore)
@@ -209,13 +218,22 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]) -> Fp8Config
         if args.activation_scheme:
             changes["activation_scheme"] = args.activation_scheme
         return dataclasses.replace(config, **changes)
+
+    try:
+        config = with_flags(fmt.config if fmt else Fp8Config())
+        if fmt is None or fmt.name != "compressed-tensors":
+            return config, lambda fqn: config
+        groups = {id(c): with_flags(c) for _, c in fmt.groups}
+        return config, lambda fqn: (lambda c: None if c is None else groups[id(c)])(fmt.layer_config(fqn, "Linear"))
     except ValueError as e:
         raise UsageError(f"bad config: {e}") from e
 
 
-def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: dict):
+def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: dict, layer_config=None):
     """Trace ``model`` (unquantized, on meta) with the fp8fx passes and decide each site by the rules of
-    ``quantize_`` (``skip_reason``): (site rows, rows of weights no site covers, number of graphs)."""
+    ``quantize_`` (``skip_reason``; experts modules by the MoE rules): (site rows, rows of weights no site
+    covers, number of graphs). ``layer_config(fqn)``: a layer's config, None to keep it as it is."""
+    layer_config = layer_config or (lambda fqn: config)
     backend = fp8fx.Fp8Backend(compiler="eager")
     quiet = log.level
     log.setLevel(logging.ERROR)  # every site of an unquantized model is "not fp8": not news here
@@ -232,21 +250,34 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     rows = []
     for site in backend.report.sites:
         module = modules.get(site.fqn)
-        if isinstance(module, nn.Linear):
-            reason = skip_reason(module, site.fqn, config)
+        cfg = layer_config(site.fqn)
+        if cfg is None:
+            reason = "kept in high precision by the quantization_config (ignore / no matching group)"
+        elif isinstance(module, nn.Linear):
+            reason = skip_reason(module, site.fqn, cfg)
         else:
             reason = "not an nn.Linear weight (quantize_ quantizes nn.Linear layers)"
         rows.append({"graph": site.graph, "kind": site.kind, "fqn": site.fqn, "weight_shape": list(site.weight_shape),
-                     "would_rewrite": reason is None, "scheme": str(config.scheme()) if reason is None else "",
-                     "reason": reason or "", "bytes_saved": _saved(site.weight_shape, module, config) if reason is None else 0})
+                     "would_rewrite": reason is None, "scheme": str(cfg.scheme()) if reason is None else "",
+                     "reason": reason or "", "bytes_saved": _saved(site.weight_shape, module, cfg) if reason is None else 0})
     seen = {s.fqn for s in backend.report.sites}
+    for fqn, module in modules.items():  # experts: the MoE pass rewrites what quantize_ quantizes
+        if moe.is_experts(module) and fqn not in seen:
+            cfg = layer_config(fqn)
+            reason = "kept in high precision by the quantization_config" if cfg is None else moe.skip_reason(module, fqn, cfg)
+            w13 = module._parameters[moe.W13]
+            rows.append({"graph": None, "kind": "moe", "fqn": fqn, "weight_shape": list(w13.shape),
+                         "would_rewrite": reason is None, "scheme": str(cfg.scheme()) if reason is None else "",
+                         "reason": reason or "", "bytes_saved": 0})
+            seen.add(fqn)
     for fqn, module in modules.items():
         if isinstance(module, nn.Linear) and fqn not in seen:
             rows.append({"graph": None, "kind": "linear", "fqn": fqn, "weight_shape": list(module.weight.shape),
                          "would_rewrite": False, "scheme": "", "reason": "not called by the traced forward",
                          "bytes_saved": 0})
+    covered = tuple(r["fqn"] + "." for r in rows if r["kind"] == "moe")
     others = [{"name": name, "shape": list(shape), "dtype": dtype, "module": cls}
-              for name, shape, dtype, cls in backend.report.unhandled_weights(model)]
+              for name, shape, dtype, cls in backend.report.unhandled_weights(model) if not name.startswith(covered)]
     return rows, others, backend.report.graphs
 
 

@@ -143,7 +143,7 @@ def test_bad_configs(capsys, llama_dir, tmp_path):
     bad.write_text(json.dumps({"quant_method": "fp8", "activation_scheme": "sometimes"}))
     code, _, err = run(capsys, "inspect", str(llama_dir), "--config", str(bad))
     assert code == 2
-    one_line_error(err, "bad config: Unsupported activation scheme 'sometimes'")
+    one_line_error(err, "bad config: config.json quantization_config (quant_method='fp8'): Unsupported activation scheme 'sometimes'")
     bad.write_text("{not json")
     code, _, err = run(capsys, "inspect", str(llama_dir), "--config", str(bad))
     assert code == 2
@@ -206,3 +206,32 @@ def test_installed_command():
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stdout == ""
     one_line_error(proc.stderr, "fp8fx inspect: error: MODEL '/no/such/folder'")
+
+
+def test_inspect_reads_compressed_tensors_and_moe(capsys, tmp_path):
+    """A compressed-tensors quantization_config is read per layer (its ignore list and its groups'
+    schemes), an unknown quant_method is an error, and MoE experts get rows of their own."""
+    cfg = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                      num_experts=4, num_experts_per_tok=2)
+    cfg.quantization_config = {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head", "re:.*o_proj"],
+        "config_groups": {"g0": {"targets": ["Linear"],
+                                 "weights": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False},
+                                 "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}},
+    }
+    cfg.save_pretrained(tmp_path)
+    code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+    assert code == 0, err
+    sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
+    q, o = sites["model.layers.0.self_attn.q_proj"], sites["model.layers.0.self_attn.o_proj"]
+    assert q["would_rewrite"] and q["scheme"] == "w:per-tensor a:static per-tensor"
+    assert not o["would_rewrite"] and "kept in high precision by the quantization_config" in o["reason"]
+    assert not sites["lm_head"]["would_rewrite"]
+    experts = sites["model.layers.0.mlp.experts"]
+    assert experts["kind"] == "moe" and experts["weight_shape"] == [4, 128, 128]
+    cfg.quantization_config = {"quant_method": "gptq", "bits": 4}
+    cfg.save_pretrained(tmp_path)
+    code, _, err = run(capsys, "inspect", str(tmp_path))
+    assert code == 2
+    one_line_error(err, "bad config: config.json: quantization_config.quant_method='gptq' is not a format fp8fx loads")
