@@ -11,8 +11,8 @@ from tests.unit.test_checkpoint_load import FP8, ref_dequantize, ref_quantize, s
 
 transformers = pytest.importorskip("transformers")
 
-E, H, I = 4, 64, 64
-BLOCK = (32, 32)
+E, H, I = 4, 64, 32  # H != I and block_n != block_k: a swapped dim or block order must show
+BLOCK = (16, 32)
 EXPERTS = "model.layers.0.mlp.experts"
 NAMING = {"hf": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 
@@ -222,13 +222,13 @@ BAD = {
     "per-tensor scale shape": ("tensor", {}, _set(f"{P}.gate_proj.weight_scale", torch.ones(2)),
                                rf"{P}\.gate_proj\.weight_scale \(float32 \[2\].*needs one value"),
     "block scale shape": ("block", {}, _set(f"{P}.gate_proj.weight_scale_inv", torch.ones(2, 1)),
-                          rf"{P}\.gate_proj\.weight_scale_inv .*needs shape \[2, 2\] = ceil\(\[64, 64\] / \[32, 32\]\)"),
+                          rf"{P}\.gate_proj\.weight_scale_inv .*needs shape \[2, 2\] = ceil\(\[32, 64\] / \[16, 32\]\)"),
     "channel scale shape": ("channel", dict(ct=True), _set(f"{P}.down_proj.weight_scale", torch.ones(1, 64)),
                             rf"{P}\.down_proj\.weight_scale .*needs shape \[64, 1\] \(one per output channel\)"),
     "bf16 weight in fp8": ("tensor", {}, _set(f"{P}.up_proj.weight", lambda t: t[f"{P}.up_proj.weight"].bfloat16()),
                            rf"{P}\.up_proj\.weight \(bfloat16.*declared float8_e4m3fn .*ignore list"),
     "wrong weight shape": ("tensor", {}, _set(f"{P}.down_proj.weight", lambda t: t[f"{P}.down_proj.weight"][:32]),
-                           rf"{P}\.down_proj\.weight .*is \[64, 64\] \(E, H, I = \[4, 64, 64\]\)"),
+                           rf"{P}\.down_proj\.weight .*is \[64, 32\] \(E, H, I = \[4, 64, 32\]\)"),
     "mixed naming": ("tensor", {}, lambda t, qc: t.__setitem__(f"{P}.w2.weight", t.pop(f"{P}.down_proj.weight")),
                      "mixes (gate_proj/up_proj/down_proj and w1/w3/w2|w1/w3/w2 and gate_proj/up_proj/down_proj) expert names"),
     "fused and per expert": ("tensor", {}, _set(f"{EXPERTS}.down_proj", torch.zeros(4, 64, 64, dtype=FP8)),
@@ -242,7 +242,7 @@ BAD = {
     "fused scale shape": ("tensor", dict(fused=True), _set(f"{EXPERTS}.down_proj_scale", torch.ones(4, 2)),
                           rf"{EXPERTS}\.down_proj_scale .*needs shape \[4\] \(one per expert\)"),
     "fused scale missing": ("block", dict(fused=True), _drop(f"{EXPERTS}.gate_up_proj_scale_inv"),
-                            rf"{EXPERTS}\.gate_up_proj_scale_inv is missing .*blocks 32x32"),
+                            rf"{EXPERTS}\.gate_up_proj_scale_inv is missing .*blocks 16x32"),
     "unknown expert tensor": ("tensor", {}, _set("model.layers.0.mlp.experts.0.gate_proj.weight_scale_x",
                                                              torch.ones(1)), r"an expert takes .*not 'weight_scale_x'"),
 }
@@ -272,6 +272,6 @@ def test_nan_in_a_bf16_expert_names_it(tmp_path):
     path = write_moe(tmp_path / "ckpt", cfg, state, None)
     model = meta_model(path)
     snap = snapshot(model)
-    with pytest.raises(CheckpointError, match=rf"{EXPERTS}\.down_proj \(bfloat16 \[4, 64, 64\].* has 1 NaN/Inf"):
+    with pytest.raises(CheckpointError, match=rf"{EXPERTS}\.down_proj \(bfloat16 \[4, 64, 32\].* has 1 NaN/Inf"):
         load_checkpoint(model, path, progress=False)
     assert snapshot(model) == snap
