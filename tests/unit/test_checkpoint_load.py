@@ -158,20 +158,24 @@ def fp8_checkpoint(state, granularity, *, static=False, ignore=("lm_head",), ct=
                 tensors[f"{module}.input_scale"] = torch.tensor([0.01 * (1 + len(deq) % 3)])
         else:
             tensors[name] = t
+    return tensors, quantization_config(granularity, block, static, ct, ignore), deq
+
+
+def quantization_config(granularity: str, block, static: bool, ct: bool, ignore) -> dict:
+    """config.json's quantization_config for a checkpoint written with these settings: compressed-tensors
+    (``ct``) or fp8."""
     if ct:
         weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": granularity,
                    "block_structure": list(block) if granularity == "block" else None}
         acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
                 "strategy": "tensor" if static else ("group" if granularity == "block" else "token"),
                 "group_size": block[1] if granularity == "block" else None}
-        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": list(ignore),
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
-    else:
-        qc = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
-              "ignored_layers": list(ignore)}
-        if granularity == "block":
-            qc["weight_block_size"] = list(block)
-    return tensors, qc, deq
+        return {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": list(ignore),
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+    qc = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic", "ignored_layers": list(ignore)}
+    if granularity == "block":
+        qc["weight_block_size"] = list(block)
+    return qc
 
 
 def write_checkpoint(path, tensors, qc=None, shards=1, extra_config=None):

@@ -7,7 +7,14 @@ import torch
 import fp8fx
 from fp8fx.checkpoint import CheckpointError, load_checkpoint, meta_model
 from fp8fx.weights import is_quantized_experts
-from tests.unit.test_checkpoint_load import FP8, ref_dequantize, ref_quantize, snapshot, write_checkpoint
+from tests.unit.test_checkpoint_load import (
+    FP8,
+    quantization_config,
+    ref_dequantize,
+    ref_quantize,
+    snapshot,
+    write_checkpoint,
+)
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,20 +89,7 @@ def moe_checkpoint(state, granularity="tensor", *, naming="hf", static=False, ct
             deq[name] = torch.stack([ref_dequantize(q, s, granularity, BLOCK) for q, s in qs])
         else:
             tensors[name] = t
-    if ct:
-        weights = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": granularity,
-                   "block_structure": list(BLOCK) if granularity == "block" else None}
-        acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static,
-                "strategy": "tensor" if static else ("group" if granularity == "block" else "token"),
-                "group_size": BLOCK[1] if granularity == "block" else None}
-        qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignore": ["lm_head"],
-              "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
-    else:
-        qc = {"quant_method": "fp8", "activation_scheme": "static" if static else "dynamic",
-              "ignored_layers": ["lm_head"]}
-        if granularity == "block":
-            qc["weight_block_size"] = list(BLOCK)
-    return tensors, qc, deq
+    return tensors, quantization_config(granularity, BLOCK, static, ct, ["lm_head"]), deq
 
 
 def write_moe(path, cfg, tensors, qc, shards=2):
