@@ -234,6 +234,10 @@ class ExpertsLoader:
                 self._add(w, ex, BASE[shard], shard, e)
                 if ex.serialized:
                     self._plan_scales(ex, (rows, cols), shard, e, todo, need, lambda leaf, e=e, s=shard: (e, s, leaf))
+        self._reject_leftovers(ex, todo)
+
+    def _reject_leftovers(self, ex: Experts, todo: dict) -> None:
+        """Checkpoint tensors of ``ex`` that no parameter takes: a format mismatch."""
         if todo:
             extra = todo[next(iter(todo))]
             raise CheckpointError(
@@ -263,13 +267,7 @@ class ExpertsLoader:
             self._add(w, ex, base, None, None)
             if ex.serialized:
                 self._plan_scales(ex, (rows, cols), base, None, todo, need, lambda leaf, b=base: b + LEAF[leaf])
-        if todo:
-            extra = todo[next(iter(todo))]
-            raise CheckpointError(
-                f"{extra} (and {len(todo) - 1} more) has no place in {ex.fqn} (quantized "
-                f"{'online' if not ex.serialized else str(ex.config.scheme())}); a format mismatch: the checkpoint is "
-                f"read as {self.fmt.describe()}"
-            )
+        self._reject_leftovers(ex, todo)
 
     def _check_weight_dtype(self, ex: Experts, w: Entry) -> None:
         fp8 = w.dtype == quant.FP8_DTYPE
