@@ -385,8 +385,14 @@ def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
 @fused_moe.register_kernel("cuda")
 def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
       a2_scale=None):
-    # The Triton kernel (fp8fx.kernels.fused_moe) has only run under Triton's interpreter so far; until a
-    # GPU run of tests/kernels/test_fused_moe.py passes, CUDA computes the reference.
+    from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
+
+    _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
+    if kernel.supports(w_block, act_block):
+        return kernel.fused_moe(
+            x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
+        )
+    # block scales are not in the Triton kernel yet: the (slow, per-expert) reference computes them
     return fused_moe_reference(
         x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
     )

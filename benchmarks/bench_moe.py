@@ -1,0 +1,200 @@
+"""fp8fx's fused FP8 MoE kernel vs the anchors of ANCHORS.md, in one process on the GPU.
+
+    python benchmarks/bench_moe.py [--out DIR] [--tokens 16,4096] [--sweep] [--cpu-smoke]
+
+Shapes: Qwen3-30B-A3B (E=128, top-8, H=2048, I=768) and Mixtral-8x7B (E=8, top-2, H=4096, I=14336).
+What is timed is the experts computation with SiLU*mul and the combine (routing excluded, as in
+ANCHORS.md), from bf16 tokens and a given top-k to the bf16 output:
+  * bf16 ``torch._grouped_mm``: sort pairs by expert, gather, grouped GEMM w13, SiLU*mul, grouped GEMM
+    w2, routing weights, combine;
+  * fp8 ``torch._scaled_grouped_mm`` with eager row-wise quantization of its inputs (same structure);
+  * fp8fx: ``fp8fx.kernels.fused_moe.fused_moe`` (align on the GPU, two fused grouped GEMMs).
+16-token rows are CUDA-graph replays. The weight-read floor is all fp8 expert bytes / 4.25 TB/s (the
+H200's measured copy speed, ANCHORS.md). ``--sweep`` also times a set of tile configurations.
+Writes moe.json and moe.md under --out.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if "--cpu-smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from fp8fx import ops, quant  # noqa: E402
+from fp8fx.kernels import fused_moe as moe_kernel  # noqa: E402
+
+SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}  # E, top-k, H, I
+HBM_TBPS = 4.25
+SWEEP = [
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4),
+    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+]
+
+
+def problem(shape, tokens, device, seed=0):
+    e, k, h, i = SHAPES[shape]
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(tokens, h, device=device, generator=g).bfloat16()
+    w13 = (torch.randn(e, 2 * i, h, device=device, generator=g) / h**0.5).bfloat16()
+    w2 = (torch.randn(e, h, i, device=device, generator=g) / i**0.5).bfloat16()
+    logits = torch.randn(tokens, e, device=device, generator=g)
+    weights, ids = torch.softmax(logits, -1).topk(k, dim=-1)
+    return x, (weights / weights.sum(-1, keepdim=True)).float(), ids, w13, w2
+
+
+def _grouped(x, weights, ids, e):
+    """(tokens of the pairs sorted by expert, their pair index, int32 offsets)."""
+    flat = ids.reshape(-1)
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=e)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    return order // ids.shape[1], order, offs
+
+
+def bf16_grouped(x, weights, ids, w13, w2):
+    t, k = ids.shape
+    token, order, offs = _grouped(x, weights, ids, w13.shape[0])
+    a = x[token]
+    gu = torch._grouped_mm(a, w13.transpose(1, 2), offs=offs)
+    g, u = gu.chunk(2, dim=-1)
+    y = torch._grouped_mm((F.silu(g) * u).contiguous(), w2.transpose(1, 2), offs=offs)
+    y = y.float() * weights.reshape(-1)[order, None]
+    return torch.zeros(t * k, y.shape[1], device=x.device).index_copy_(0, order, y).view(t, k, -1).sum(1).bfloat16()
+
+
+def _rowwise(a):
+    q, s = quant.quantize(a, [1, -1])
+    return q, s.reshape(-1).float()
+
+
+def fp8_scaled_grouped(x, weights, ids, q13, s13, q2, s2):
+    t, k = ids.shape
+    token, order, offs = _grouped(x, weights, ids, q13.shape[0])
+    aq, sa = _rowwise(x[token])
+    gu = torch._scaled_grouped_mm(aq, q13.transpose(1, 2), sa, s13, offs=offs, out_dtype=torch.bfloat16,
+                                  use_fast_accum=True)
+    g, u = gu.chunk(2, dim=-1)
+    iq, si = _rowwise(F.silu(g) * u)
+    y = torch._scaled_grouped_mm(iq, q2.transpose(1, 2), si, s2, offs=offs, out_dtype=torch.bfloat16,
+                                 use_fast_accum=True)
+    y = y.float() * weights.reshape(-1)[order, None]
+    return torch.zeros(t * k, y.shape[1], device=x.device).index_copy_(0, order, y).view(t, k, -1).sum(1).bfloat16()
+
+
+def time_ms(fn, graph: bool) -> float:
+    import triton
+
+    if graph:
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            fn()
+        return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+
+
+def rel_err(a, ref):
+    return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def run_shape(shape, tokens, device, sweep: bool) -> dict:
+    e, k, h, i = SHAPES[shape]
+    x, weights, ids, w13, w2 = problem(shape, tokens, device)
+    q13, s13 = quant.quantize(w13, [1, -1])  # per channel: [E, 2I, 1], [E, H, 1]
+    q2, s2 = quant.quantize(w2, [1, -1])
+    # the bf16 computation is the reference both fp8 paths are measured against
+    ref = bf16_grouped(x, weights, ids, w13, w2).float()
+    graph = tokens <= 64 and device == "cuda"
+    row = dict(shape=shape, tokens=tokens, E=e, top_k=k, H=h, I=i)
+    fp8 = lambda cfg=None: moe_kernel.fused_moe(  # noqa: E731
+        x, weights, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16, config=cfg
+    )
+    out = fp8()
+    row["fp8fx_err_vs_bf16"] = rel_err(out, ref)
+    row["fp8fx_err_vs_op_reference"] = rel_err(
+        out,
+        ops.fused_moe_reference(
+            x, weights, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.float32
+        ),
+    )
+    if device != "cuda":
+        return row
+    s13v, s2v = s13.reshape(e, -1).float().contiguous(), s2.reshape(e, -1).float().contiguous()
+    timings = {
+        "bf16_grouped_mm": lambda: bf16_grouped(x, weights, ids, w13, w2),
+        "scaled_grouped_mm": lambda: fp8_scaled_grouped(x, weights, ids, q13, s13v, q2, s2v),
+        "fp8fx": fp8,
+    }
+    try:
+        row["scaled_grouped_err_vs_bf16"] = rel_err(timings["scaled_grouped_mm"](), ref)
+    except Exception as exc:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
+        row["scaled_grouped_mm_error"] = repr(exc)[:300]
+        timings.pop("scaled_grouped_mm")
+    for name, fn in timings.items():
+        row[f"{name}_ms"] = time_ms(fn, graph)
+    row["floor_ms"] = (q13.numel() + q2.numel()) / (HBM_TBPS * 1e9)
+    row["vs_bf16"] = row["bf16_grouped_mm_ms"] / row["fp8fx_ms"]
+    if "scaled_grouped_mm_ms" in row:
+        row["vs_scaled_grouped"] = row["scaled_grouped_mm_ms"] / row["fp8fx_ms"]
+    row["vs_floor"] = row["fp8fx_ms"] / row["floor_ms"]
+    if sweep:
+        row["sweep"] = []
+        for cfg in SWEEP:
+            try:
+                ms = time_ms(lambda: fp8(dict(cfg)), graph)
+                err = rel_err(fp8(dict(cfg)), ref)
+                row["sweep"].append(dict(cfg, ms=ms, err=err))
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report and go on
+                row["sweep"].append(dict(cfg, error=repr(exc)[:200]))
+    return row
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", default="bench_out")
+    p.add_argument("--tokens", default="16,4096")
+    p.add_argument("--shapes", default="qwen3,mixtral")
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
+    args = p.parse_args(argv)
+    if args.cpu_smoke:
+        SHAPES.clear()
+        SHAPES["tiny"] = (4, 2, 64, 32)
+        device, tokens, shapes = "cpu", [5], ["tiny"]
+    else:
+        device, tokens, shapes = "cuda", [int(t) for t in args.tokens.split(",")], args.shapes.split(",")
+    os.makedirs(args.out, exist_ok=True)
+    rows = []
+    for shape in shapes:
+        for t in tokens:
+            start = time.perf_counter()
+            row = run_shape(shape, t, device, args.sweep)
+            row["wall_s"] = round(time.perf_counter() - start, 1)
+            rows.append(row)
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "sweep"}))
+            for s in row.get("sweep", []):
+                print("   ", s)
+    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
+    with open(os.path.join(args.out, "moe.json"), "w") as f:
+        json.dump(dict(env=env, rows=rows), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
