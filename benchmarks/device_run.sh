@@ -17,7 +17,7 @@ fi
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 if has tests; then
-  timeout 300 python3 -m pytest -q -rs tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+  timeout 360 python3 -m pytest -q -rsfE --tb=short --timeout 40 --durations=25 tests 2>&1 | tee "$OUT/pytest.log" | tail -40
 fi
 if has compile; then
   export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
@@ -28,5 +28,5 @@ if has bench; then
   timeout 420 python3 benchmarks/bench_linear.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 if has moe; then
-  timeout 300 python3 benchmarks/bench_moe.py --out "$OUT" --sweep 2>&1 | tee "$OUT/moe.log"
+  timeout 220 python3 benchmarks/bench_moe.py --out "$OUT" --sweep 2>&1 | tee "$OUT/moe.log"
 fi
