@@ -20,6 +20,7 @@ import json
 import os
 import sys
 import time
+import traceback
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +152,7 @@ def run_shape(shape, tokens, device, sweep: bool) -> dict:
             row[f"{name}_ms"] = time_ms(fn, graph)
         except Exception as exc:  # noqa: BLE001 - e.g. a host sync inside CUDA-graph capture
             row[f"{name}_graph_error"] = repr(exc)[:300]
+            traceback.print_exc()
             row[f"{name}_ms"] = time_ms(fn, False)
     row["floor_ms"] = (q13.numel() + q2.numel()) / (HBM_TBPS * 1e9)
     row["vs_bf16"] = row["bf16_grouped_mm_ms"] / row["fp8fx_ms"]

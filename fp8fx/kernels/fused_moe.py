@@ -173,7 +173,7 @@ def moe_gemm2_kernel(
         acc *= tl.load(ws_base)
     acc *= tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + pair[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, acc, mask=valid[:, None] & (offs_n[None, :] < N))
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
 
 
 def tile_config(pairs_per_expert: float, n: int, k: int) -> dict:
@@ -226,7 +226,8 @@ def fused_moe(
     s13, s13_rowwise = _w_scale(w13_scale, e)
     s2, s2_rowwise = _w_scale(w2_scale, e)
 
-    inter = torch.empty(s, i, device=x.device, dtype=torch.float32)  # [S, I]
+    # [S, I]; zeros: rows of pairs routed nowhere (ids outside [0, E)) are not written, and their amax counts
+    inter = torch.zeros(s, i, device=x.device, dtype=torch.float32)
     grid = (block_expert.numel(), triton.cdiv(i, tiles["BLOCK_N"]))
     moe_gemm13_kernel[grid](
         xq, w13, inter, x_scale, s13, sorted_pair, block_expert,
@@ -235,11 +236,11 @@ def fused_moe(
         s13.stride(0), s13.stride(1),
         K_TOP=k_top, A_ROWWISE=x_rowwise, W_ROWWISE=s13_rowwise, **tiles, **cfg,
     )
-    # rows of pairs routed nowhere (ids outside [0, E)) were not written: zero them before their amax counts
-    routed = ((topk_ids >= 0) & (topk_ids < e)).reshape(-1, 1)
-    iq, i_scale, i_rowwise = _act(torch.where(routed, inter, 0.0), act_block, a2_scale)
+    iq, i_scale, i_rowwise = _act(inter, act_block, a2_scale)
 
-    y = torch.zeros(s, h, device=x.device, dtype=torch.float32)  # [S, H]
+    # [S, H] in the output dtype (half the traffic of float32 for bf16 models); rows of pairs routed
+    # nowhere are never written and must add 0
+    y = torch.zeros(s, h, device=x.device, dtype=out_dtype)
     grid = (block_expert.numel(), triton.cdiv(h, tiles["BLOCK_N"]))
     moe_gemm2_kernel[grid](
         iq, w2, y, i_scale, s2, topk_weights.reshape(-1).contiguous(), sorted_pair, block_expert,
@@ -248,4 +249,4 @@ def fused_moe(
         s2.stride(0), s2.stride(1),
         A_ROWWISE=i_rowwise, W_ROWWISE=s2_rowwise, **tiles, **cfg,
     )
-    return y.view(t, k_top, h).sum(dim=1).to(out_dtype)
+    return y.view(t, k_top, h).sum(dim=1, dtype=torch.float32).to(out_dtype)
