@@ -48,8 +48,9 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     p = -(-(s + min(e, s) * (block_m - 1)) // block_m) * block_m
     bucket = torch.where((ids >= 0) & (ids < e), ids, e).long()  # out of range -> bucket E, dropped; int32 ids too
     counts = torch.zeros(e + 1, dtype=torch.int64, device=device).scatter_add_(0, bucket, torch.ones_like(bucket))
-    padded = (counts + block_m - 1) // block_m * block_m
-    padded[e] = 0
+    # bucket E (dropped pairs) gets no rows; a mask, not ``padded[e] = 0``, which copies a host scalar
+    # (not allowed while a CUDA graph is captured)
+    padded = (counts + block_m - 1) // block_m * block_m * (torch.arange(e + 1, device=device) < e)
     start = torch.cumsum(padded, 0) - padded  # [E + 1] first row of each expert's run
     order = torch.sort(bucket, stable=True).indices  # [S] pairs by expert, in pair order within one
     first = torch.cumsum(counts, 0) - counts  # [E + 1] position of each expert's first pair in ``order``
