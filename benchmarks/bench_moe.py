@@ -8,7 +8,8 @@ ANCHORS.md), from bf16 tokens and a given top-k to the bf16 output:
   * bf16 ``torch._grouped_mm``: sort pairs by expert, gather, grouped GEMM w13, SiLU*mul, grouped GEMM
     w2, routing weights, combine;
   * fp8 ``torch._scaled_grouped_mm`` with eager row-wise quantization of its inputs (same structure);
-  * fp8fx: ``fp8fx.kernels.fused_moe.fused_moe`` (align on the GPU, two fused grouped GEMMs).
+  * fp8fx: ``fp8fx.kernels.fused_moe.fused_moe`` (align on the GPU, two fused grouped GEMMs), with
+    fp32 promotion every K step and with Hopper's fast accumulation (``fp8fx_fast_accum``).
 16-token rows are CUDA-graph replays. The weight-read floor is all fp8 expert bytes / 4.25 TB/s (the
 H200's measured copy speed, ANCHORS.md). ``--sweep`` also times a set of tile configurations.
 Writes moe.json and moe.md under --out.
@@ -123,8 +124,8 @@ def run_shape(shape, tokens, device, sweep: bool) -> dict:
     ref = bf16_grouped(x, weights, ids, w13, w2).float()
     graph = tokens <= 64 and device == "cuda"
     row = dict(shape=shape, tokens=tokens, E=e, top_k=k, H=h, I=i)
-    fp8 = lambda cfg=None: moe_kernel.fused_moe(  # noqa: E731
-        x, weights, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16, config=cfg
+    fp8 = lambda cfg=None, fast=False: moe_kernel.fused_moe(  # noqa: E731
+        x, weights, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16, config=cfg, fast_accum=fast
     )
     out = fp8()
     row["fp8fx_err_vs_bf16"] = rel_err(out, ref)
@@ -140,7 +141,8 @@ def run_shape(shape, tokens, device, sweep: bool) -> dict:
     timings = {
         "bf16_grouped_mm": lambda: bf16_grouped(x, weights, ids, w13, w2),
         "scaled_grouped_mm": lambda: fp8_scaled_grouped(x, weights, ids, q13, s13v, q2, s2v),
-        "fp8fx": fp8,
+        "fp8fx": fp8,  # fp32 promotion every K step
+        "fp8fx_fast_accum": lambda: fp8(fast=True),
     }
     try:
         row["scaled_grouped_err_vs_bf16"] = rel_err(timings["scaled_grouped_mm"](), ref)

@@ -143,7 +143,7 @@ def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accu
     if _tensor_or_row(x_block, w_block) and 0 < m <= TRITON_MAX_M:
         from fp8fx.kernels.fp8_gemm import fp8_gemm
 
-        y = fp8_gemm(x2, wq, x_scale, w_scale, bias, out_dtype)
+        y = fp8_gemm(x2, wq, x_scale, w_scale, bias, out_dtype, fast_accum=use_fast_accum)
     elif _tensor_or_row(x_block, w_block) and _cublas_fits(m, n, k, x_block, w_block, out_dtype):
         y = cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum)
     elif m > 0 and _k_groups_agree(x_block, w_block):  # block scales, and what cuBLAS refuses
@@ -288,7 +288,7 @@ def fp8_linear(
 # MoE: fused_moe (owned by the MoE work, issue 5; fp8fx.passes.moe emits it)
 # =============================================================================================
 # fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype,
-#           a13_scale=None, a2_scale=None) -> out [T, H] in out_dtype
+#           a13_scale=None, a2_scale=None, use_fast_accum=False) -> out [T, H] in out_dtype
 #
 #   x: [T, H] (bf16/fp16/fp32); topk_ids: [T, K] int (the experts each token is routed to; ids outside
 #   [0, E) contribute nothing: expert-parallel sentinels); topk_weights: [T, K] (routing weights).
@@ -300,8 +300,8 @@ def fp8_linear(
 #
 # where q() quantizes activations to fp8 as ``act_block`` says (per token [1, -1], 1 x bk groups, per
 # tensor [-1, -1]; with a static ``a13_scale`` / ``a2_scale`` [1]: that per-tensor scale): x once per
-# token, the intermediate once per (token, expert) row. GEMMs accumulate in float32, SiLU*mul and the
-# weighted sum are float32.
+# token, the intermediate once per (token, expert) row. GEMMs accumulate in float32 (``use_fast_accum``:
+# Hopper's fast fp8 accumulation, as for scaled_mm), SiLU*mul and the weighted sum are float32.
 def _moe_quantize_act(a: torch.Tensor, act_block, static_scale: Optional[torch.Tensor]):
     """a: [M, C] -> (dequantized a as the GEMM sees it: float32 [M, C])."""
     if static_scale is not None:
@@ -352,6 +352,7 @@ def fused_moe(
     out_dtype: torch.dtype,
     a13_scale: Optional[torch.Tensor] = None,
     a2_scale: Optional[torch.Tensor] = None,
+    use_fast_accum: bool = False,
 ) -> torch.Tensor:
     _check_block(w_block, "w_block")
     _check_block(act_block, "act_block")
@@ -363,7 +364,7 @@ def fused_moe(
 
 @fused_moe.register_fake
 def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
-      a2_scale=None):
+      a2_scale=None, use_fast_accum=False):
     _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
     return x.new_empty((x.shape[0], w2.shape[1]), dtype=out_dtype)
 
@@ -384,13 +385,14 @@ def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
 
 @fused_moe.register_kernel("cuda")
 def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
-      a2_scale=None):
+      a2_scale=None, use_fast_accum=False):
     from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
 
     _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
     if kernel.supports(w_block, act_block):
         return kernel.fused_moe(
-            x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
+            x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale,
+            fast_accum=use_fast_accum,
         )
     # block scales are not in the Triton kernel yet: the (slow, per-expert) reference computes them
     return fused_moe_reference(

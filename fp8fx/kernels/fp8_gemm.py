@@ -20,6 +20,13 @@ operands (Hopper fp8 tensor cores, fp32 accumulator) - unless ``A_FP8`` is False
 variant takes bf16/fp16 activations, upcasts each fp8 weight tile in registers and runs a 16-bit dot
 (GPUs without fp8 tensor cores, compute capability < 8.9).
 
+Accumulation: on sm_90 Triton lets an fp8 ``tl.dot`` chain accumulate in the tensor cores' reduced
+precision for the whole K loop unless told otherwise (``max_num_imprecise_acc_default = 2**30`` in
+triton's NVIDIA backend, 3.6 and 3.9) - cuBLAS's fast-accumulation mode. ``imprecise_k`` says how many
+K elements may be summed that way before the partial sum is promoted into the fp32 accumulator:
+BLOCK_K (every K step, like cuBLAS without fast accumulation) unless ``fast_accum``; the K-group path
+promotes every step anyway (a fresh ``tl.dot`` per K step, scaled, then added).
+
 Used for decode-sized M (<= 64), where cuBLAS fp8 is slower than streaming the weight at HBM
 bandwidth (H200, torch 2.11: down 4096x14336 at M=16 took 0.047 ms through `torch._scaled_mm` vs
 0.042 ms in bf16; this kernel 0.026-0.037 ms, benchmarks/RESULTS.md), and for block scales at every M.
@@ -51,7 +58,7 @@ def fp8_gemm_kernel(
     # schemes
     A_ROWWISE: tl.constexpr, A_GROUPED: tl.constexpr, B_ROWWISE: tl.constexpr, B_GROUPED: tl.constexpr,
     B_BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    A_FP8: tl.constexpr,
+    A_FP8: tl.constexpr, IMPRECISE_K: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
@@ -87,7 +94,7 @@ def fp8_gemm_kernel(
                 part *= tl.load(b_scale_ptrs + k * stride_bsk, mask=offs_n < N, other=0.0)[None, :]
             acc += part
         else:
-            acc = tl.dot(a, b, acc)
+            acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_K)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
 
@@ -131,6 +138,12 @@ def pipeline_stages(cfg: dict, a_bytes: int) -> int:
     return max(1, min(cfg["num_stages"], (200 * 1024) // stage_bytes))
 
 
+def imprecise_k(cfg: dict, fast_accum: bool) -> Optional[int]:
+    """``max_num_imprecise_acc`` for the kernels' fp8 dots: None (Triton's default: no promotion on
+    sm_90) with ``fast_accum``, else one promotion per K step."""
+    return None if fast_accum else cfg["BLOCK_K"]
+
+
 def _scale_layout(scale: torch.Tensor, rows: int, block: Optional[tuple[int, int]]):
     """(mode, scale as 2-D, rows per scale row) for one operand."""
     if block is None or block[1] == -1:
@@ -149,6 +162,7 @@ def fp8_gemm(
     config: Optional[dict] = None,
     a_block: Optional[tuple[int, int]] = None,
     b_block: Optional[tuple[int, int]] = None,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """a: [M, K] fp8 (or bf16/fp16 with ``a_scale=None``: weight-only), b: [N, K] fp8.
 
@@ -181,7 +195,7 @@ def fp8_gemm(
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         A_ROWWISE=a_mode == PER_ROW, A_GROUPED=a_mode == PER_K_GROUP,
         B_ROWWISE=b_mode == PER_ROW, B_GROUPED=b_mode == PER_K_GROUP,
-        B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8,
+        B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8, IMPRECISE_K=imprecise_k(cfg, fast_accum),
         **cfg,
     )
     return y

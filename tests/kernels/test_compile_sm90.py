@@ -12,7 +12,7 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fp8fx.kernels.fp8_gemm import fp8_gemm_kernel, pipeline_stages, tile_config  # noqa: E402
+from fp8fx.kernels.fp8_gemm import fp8_gemm_kernel, imprecise_k, pipeline_stages, tile_config  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_ym", "stride_yn",
@@ -24,13 +24,15 @@ LAYOUTS = {  # (A_ROWWISE, A_GROUPED, B_ROWWISE, B_GROUPED)
 }
 
 
-def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict):
+def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool = False):
     types = dict(zip(POINTERS, [f"*{a_dtype}", "*fp8e4nv", "*bf16", "*fp32", "*fp32", "*bf16"]))
     types.update({name: "i32" for name in INTS})
     a_row, a_grp, b_row, b_grp = layout
+    block_k = 128 if (a_grp or b_grp) else cfg["BLOCK_K"]
+    # in the kernel's parameter order (the signature's order gives the constexprs' indices)
     consts = dict(A_ROWWISE=a_row, A_GROUPED=a_grp, B_ROWWISE=b_row, B_GROUPED=b_grp, B_BLOCK_N=128 if b_grp else 1,
-                  HAS_BIAS=True, A_FP8=a_dtype == "fp8e4nv", BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
-                  BLOCK_K=128 if (a_grp or b_grp) else cfg["BLOCK_K"], GROUP_M=cfg["GROUP_M"])
+                  HAS_BIAS=True, A_FP8=a_dtype == "fp8e4nv", IMPRECISE_K=imprecise_k({"BLOCK_K": block_k}, fast_accum),
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"])
     signature = {**types, **{name: "constexpr" for name in consts}}
     names = list(signature)
     # as Triton's JIT specializes real calls: pointers, sizes and leading strides divisible by 16
@@ -47,6 +49,15 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict):
 def test_fp8_gemm_compiles_for_sm90(layout, m, n, k):
     kernel = compile_for_hopper("fp8e4nv", LAYOUTS[layout], tile_config(m, n, k))
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+
+
+def test_promotion_reaches_the_hopper_code():
+    """Without fast accumulation the wgmma tile (M=4096 config) promotes its partial sums every K step:
+    extra fp32 adds in the PTX, so a kernel that dropped ``max_num_imprecise_acc`` would fail here."""
+    cfg = tile_config(4096, 4096, 4096)
+    precise, fast = (compile_for_hopper("fp8e4nv", LAYOUTS["per-row"], cfg, f).asm["ptx"] for f in (False, True))
+    assert "wgmma" in precise and "wgmma" in fast
+    assert precise.count("add.f32") > fast.count("add.f32"), (precise.count("add.f32"), fast.count("add.f32"))
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

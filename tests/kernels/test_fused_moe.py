@@ -225,7 +225,10 @@ def test_fused_moe_kernel_under_triton_interpreter():
 @pytest.mark.parametrize("scheme", ["per-channel", "per-tensor", "static"])
 @pytest.mark.parametrize("routing", ["random", "one expert", "idle experts"])
 def test_fused_moe_kernel_cuda(t, scheme, routing):
-    """The Triton kernel against the reference on the GPU, every tile configuration (decode and prefill)."""
+    """The Triton kernel against the reference on the GPU, every tile configuration (decode and prefill).
+    The 1e-3 bound needs fp32 promotion per K step. Without it (Triton's sm_90 default for fp8 dots on
+    wgmma tiles, BLOCK_M >= 64) this test failed on the H200 on 2026-11-29; the promotion is not yet
+    re-run there."""
     from fp8fx.kernels.fused_moe import fused_moe, tile_config
 
     w_block, act_block, static = SCHEMES[scheme]
@@ -239,6 +242,9 @@ def test_fused_moe_kernel_cuda(t, scheme, routing):
     for ppe in (1, 32, 1024):
         y = fused_moe(*cuda, w_block, act_block, torch.float32, *scales, config=tile_config(ppe, 2 * I, H))
         assert rel_err(y.cpu(), ref) < 1e-3, ppe  # only accumulation order and rare fp8 rounding flips differ
+        fast = fused_moe(*cuda, w_block, act_block, torch.float32, *scales, config=tile_config(ppe, 2 * I, H),
+                         fast_accum=True)
+        assert rel_err(fast.cpu(), ref) < 2e-2, ppe  # Hopper's reduced-precision fp8 accumulation
     y = torch.ops.fp8fx.fused_moe(*cuda, w_block, act_block, torch.bfloat16, *scales)  # the op's CUDA impl
     assert rel_err(y.cpu(), ref) < 1e-2
 
@@ -265,10 +271,11 @@ def compile_for_hopper(kernel, pointers: dict, ints: list, consts: dict, cfg: di
 def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, rowwise):
     """What the interpreter does not check (Triton's front-end rules, the NVIDIA back end, shared memory)."""
     pytest.importorskip("triton")
-    from fp8fx.kernels.fused_moe import moe_gemm13_kernel, moe_gemm2_kernel, tile_config
+    from fp8fx.kernels.fused_moe import imprecise_k, moe_gemm13_kernel, moe_gemm2_kernel, tile_config
 
     cfg = tile_config(pairs_per_expert, 2 * i, h)
-    tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    # constexprs in the kernels' parameter order: IMPRECISE_K, then the tiles
+    tiles = {"IMPRECISE_K": imprecise_k(cfg, fast_accum=False), **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
     ptr = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"}
     routing = {"sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32"}
     strides = ["stride_am", "stride_ak", "stride_we", "stride_wn", "stride_wk"]
