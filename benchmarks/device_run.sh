@@ -2,6 +2,8 @@
 # On the GPU machine (device tool): install carried wheels, run the whole test suite (cuda tests
 # included) and the benchmark; logs and results land in $OUT.
 #   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,compile,bench,moe] [bench args...]
+# One device call runs at most 10 minutes: 'tests' alone fills most of one (cuda tests <= 5 min, the
+# rest <= 4 min); run 'compile,bench,moe' in a second call.
 set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,compile,bench,moe
@@ -17,7 +19,12 @@ fi
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
 if has tests; then
-  timeout 360 python3 -m pytest -q -rsfE --tb=short --timeout 40 --durations=25 tests 2>&1 | tee "$OUT/pytest.log" | tail -40
+  # cuda tests first (what only the GPU can check), then the rest on this torch/transformers; each
+  # failure's traceback is written as it happens (a run cut at its time limit prints no summary)
+  P="python3 -m pytest -q -rfE --tb=short --timeout 120 -p no:cacheprovider --failures-file $OUT/failures.txt"
+  timeout 300 $P -m cuda tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -5
+  timeout 240 $P -m "not cuda" -k "not sm90" tests 2>&1 | tee "$OUT/pytest-cpu.log" | tail -5
+  [ -s "$OUT/failures.txt" ] && grep "^=====" "$OUT/failures.txt"
 fi
 if has compile; then
   export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)

@@ -4,6 +4,25 @@ import torch
 import fp8fx  # noqa: F401  (registers the ops)
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--failures-file", default=None,
+        help="append each failure's traceback to this file as it happens (device runs end at a hard time "
+        "limit, before pytest's own summary is printed)",
+    )
+
+
+def pytest_runtest_logreport(report):
+    path = getattr(pytest_runtest_logreport, "path", None)
+    if path and report.failed:
+        with open(path, "a") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
+
+
+def pytest_configure(config):
+    pytest_runtest_logreport.path = config.getoption("--failures-file")
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return
