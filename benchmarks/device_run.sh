@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): install carried wheels, run the whole test suite (cuda tests
 # included) and the benchmark; logs and results land in $OUT.
-#   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,compile,bench,moe] [bench args...]
+#   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,compile,bench,moe,tune] [bench args...]
 # One device call runs at most 10 minutes: 'tests' alone fills most of one (cuda tests <= 5 min, the
 # rest <= 4 min); run 'compile,bench,moe' in a second call.
 set -uo pipefail
@@ -36,4 +36,7 @@ if has bench; then
 fi
 if has moe; then
   timeout 220 python3 benchmarks/bench_moe.py --out "$OUT" --sweep 2>&1 | tee "$OUT/moe.log"
+fi
+if has tune; then
+  timeout 240 python3 benchmarks/tune_gemm.py --block 2>&1 | tee "$OUT/tune-block.txt"
 fi

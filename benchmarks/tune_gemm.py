@@ -1,0 +1,72 @@
+"""Sweep the Triton fp8 GEMM's tiles on the Llama-3-8B shapes on the GPU and print the best per
+(M, shape) next to the configuration ``tile_config`` picks now and next to cuBLAS.
+
+    python benchmarks/tune_gemm.py            # decode (M = 1, 64), per-row scales: HBM bandwidth on the weight
+    python benchmarks/tune_gemm.py --block    # 128x128 weight blocks, 1x128 activation groups (M = 16, 4096)
+
+Every candidate is checked against the current configuration's output before it is timed.
+"""
+import argparse
+import itertools
+
+import torch
+import triton
+
+from bench_linear import cublas_blockwise  # run as a script: benchmarks/ is on sys.path
+from fp8fx import quant
+from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
+
+SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
+
+
+def candidates(m, block: bool):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)."""
+    if block:  # BLOCK_K is the 128 of the scale groups
+        if m <= 64:
+            return itertools.product([16, 64], [32, 64, 128], [128], [1], [4], [3, 4, 6])
+        return itertools.product([64, 128], [64, 128, 256], [128], [8, 32], [4, 8], [3, 4, 5])
+    if m <= 16:
+        return itertools.product([16], [16, 32, 64], [128, 256, 512], [1], [4], [3, 4, 6])
+    return itertools.product([16, 64], [32, 64, 128], [128, 256], [1], [4], [3, 5])
+
+
+def time_ms(fn):
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--block", action="store_true")
+    args = p.parse_args(argv)
+    w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
+    blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}
+    for (name, (n, k)), m in itertools.product(SHAPES.items(), (16, 4096) if args.block else (1, 64)):
+        wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, w_block)
+        xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), a_block)
+        gemm = lambda cfg=None: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
+        ref = gemm().float()
+        results = []
+        for bm, bn, bk, gm, warps, stages in candidates(m, args.block):
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+            try:
+                assert (gemm(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+                results.append((time_ms(lambda: gemm(cfg)), cfg))
+            except Exception:  # noqa: BLE001 - out of shared memory etc.: not a candidate
+                continue
+        results.sort(key=lambda r: r[0])
+        current = time_ms(gemm)
+        if args.block:
+            cublas = time_ms(cublas_blockwise(xq, xs, wq, ws))
+        else:
+            cublas = time_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, -1).contiguous(),
+                                                      out_dtype=torch.bfloat16))
+        best_t, best = results[0]
+        tbs = lambda t: n * k / t / 1e9  # noqa: E731  weight bytes / ms -> TB/s
+        tflops = lambda t: 2 * m * n * k / t / 1e9  # noqa: E731
+        print(f"{name} M={m}: best {best_t:.4f} ms ({tbs(best_t):.2f} TB/s, {tflops(best_t):.0f} TFLOP/s) {best} | "
+              f"current {current:.4f} ms {tile_config(m, n, k)} | cuBLAS {cublas:.4f} ms "
+              f"(best vs cuBLAS {cublas / best_t:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
