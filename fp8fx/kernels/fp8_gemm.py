@@ -114,7 +114,7 @@ def fp8_gemm_kernel(
 
 
 def tile_config(m: int, n: int, k: int) -> dict:
-    """Tiles by problem size, from benchmarks/tune_decode.py on the H200 (torch 2.11, triton 3.6):
+    """Tiles by problem size, from benchmarks/tune_gemm.py on the H200 (torch 2.11, triton 3.6):
     decode streams the weight, so narrow N tiles give every SM its own slice and long K tiles with
     deep pipelining keep enough bytes in flight (down 4096x14336 at M=1: 2.24 TB/s with BLOCK_K=512
     and 6 stages vs 1.86 TB/s with 256 and 5; gate_up 28672x4096: 2.84 TB/s; cuBLAS fp8: 1.25-2.2)."""
