@@ -389,12 +389,12 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
     from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
 
     _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
-    if kernel.supports(w_block, act_block):
+    if kernel.supports(w_block, act_block, tuple(w13.shape)):
         return kernel.fused_moe(
             x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale,
             fast_accum=use_fast_accum,
         )
-    # block scales are not in the Triton kernel yet: the (slow, per-expert) reference computes them
+    # what the kernel does not take (e.g. K groups under 32): the (slow, per-expert) reference
     return fused_moe_reference(
         x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
     )

@@ -1,36 +1,49 @@
-"""Fused FP8 Mixture-of-Experts (Triton): ``fp8fx.fused_moe`` for per-tensor / per-channel expert scales.
+"""Fused FP8 Mixture-of-Experts (Triton): ``fp8fx.fused_moe`` for per-tensor, per-channel and block scales.
 
     out[t] = sum_k w[t, k] * w2[e] @ q(silu(g) * u),   (g, u) = w13[e] @ q(x[t]),   e = ids[t, k]
 
 Layouts: x ``[T, H]``; ``ids`` / ``w`` ``[T, K]``; S = T * K (token, k) pairs, pair p = t * K + k.
-w13 ``[E, 2I, H]`` fp8 (rows [0, I) gate, [I, 2I) up) with scale ``[E]`` (per-tensor) or ``[E, 2I]`` (per
-channel); w2 ``[E, H, I]`` fp8 with ``[E]`` or ``[E, H]``. Activation scales: per row (``[T]`` for x,
-``[S]`` for the intermediate) or one element.
+w13 ``[E, 2I, H]`` fp8 (rows [0, I) gate, [I, 2I) up), w2 ``[E, H, I]`` fp8. Every scale is read through
+strides, so one kernel takes every layout:
+
+==========================  =====================================  =====================================
+scale                       activations (x: T rows, inter: S)      weights (w13, w2)
+==========================  =====================================  =====================================
+per-tensor                  one element (stride 0 on both axes)    ``[E]`` as ``[E, 1, 1]`` (strides 0)
+per-row / per-channel       ``[rows, 1]``                          ``[E, rows, 1]``
+K groups / blocks           ``[rows, ceil(K / GK)]`` (1 x GK)      ``[E, ceil(rows / BN), ceil(K / GK)]``
+==========================  =====================================  =====================================
+
+Scales constant along K are applied once, in the epilogue; K-varying ones (DeepSeek-V3's 128x128 weight
+blocks with 1x128 activation groups) multiply each K step's partial product, so BLOCK_K == GK there.
 
 1. ``align``: the pairs sorted by expert and each expert's run padded to a multiple of BLOCK_M, in torch
    on the device (no host sync, CUDA-graph capturable; sizes are bounded from shapes alone):
    ``sorted_pair [P]`` (padding = S), ``block_expert [P / BLOCK_M]`` (-1: no work).
-2. ``moe_gemm13_kernel``: per (row block, N tile of I): the block's tokens of x (fp8) times the gate and
-   the up tile of its expert's w13 (fp8 tensor-core dots, fp32 accumulators), scales, SiLU(g) * u in the
+2. ``quantize_rows_kernel``: x to fp8 per token (or per 1 x GK group, or with a static scale), one pass.
+3. ``moe_gemm13_kernel``: per (row block, N tile of I): the block's tokens of x times the gate and the up
+   tile of its expert's w13 (fp8 tensor-core dots, fp32 accumulators), scales, SiLU(g) * u in the
    epilogue -> ``inter [S, I]`` (fp32).
-3. ``inter`` quantized to fp8 per pair row (or with the static scale) in torch.
-4. ``moe_gemm2_kernel``: per (row block, N tile of H): the block's rows of ``inter`` times its expert's w2,
-   scales and the pair's routing weight in the epilogue -> ``y [S, H]`` (fp32).
-5. ``y.view(T, K, H).sum(1)``: the combine, deterministic (no atomics).
+4. ``quantize_rows_kernel`` again: ``inter`` to fp8 per pair row (or group, or static scale).
+5. ``moe_gemm2_kernel``: per (row block, N tile of H): the block's rows of ``inter`` times its expert's w2,
+   scales and the pair's routing weight in the epilogue -> ``y [S, H]`` in the output dtype.
+6. ``y.view(T, K, H).sum(1)``: the combine, deterministic (no atomics).
 
 Accumulation: one promotion of the tensor cores' partial sums into fp32 per K step (see
-fp8fx.kernels.fp8_gemm), unless ``fast_accum``.
+fp8fx.kernels.fp8_gemm), unless ``fast_accum``. Quantization matches ``fp8fx.quant`` bit for bit on the
+GPU (IEEE division, clamp, round-to-nearest-even cast).
 
-Not fused yet: the requantization of the intermediate (3) lives between the two launches, and block scales
-(128x128 weights, 1x128 activation groups) take the reference path. Tiles come from ``tile_config`` by the
-average number of pairs per expert (decode vs prefill), not from autotuning, so launches are deterministic
-and run under TRITON_INTERPRET=1. On the H200 (torch 2.11, triton 3.6; benchmarks/RESULTS.md) it ran at
-1.09x (Qwen3-30B-A3B) and 1.17x (Mixtral) of bf16 ``torch._grouped_mm`` at 4096 tokens; 16 tokens under
-a CUDA graph at 1.45-1.49x the fp8 weight-read floor.
+Not fused yet: the intermediate makes a round trip through memory in fp32 between steps 3 and 4 (its
+per-row amax spans every N tile of step 3). Tiles come from ``tile_config`` by the average number of
+pairs per expert (decode vs prefill), not from autotuning, so launches are deterministic and run under
+TRITON_INTERPRET=1. On the H200 (torch 2.11, triton 3.6; benchmarks/RESULTS.md, run 7, before steps 2
+and 4 moved from torch into the kernel and before block scales) per-channel experts ran at 1.09x
+(Qwen3-30B-A3B) and 1.17x (Mixtral) of bf16 ``torch._grouped_mm`` at 4096 tokens, and at 16 tokens
+under a CUDA graph at 1.45-1.49x the fp8 weight-read floor.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import triton
@@ -71,7 +84,38 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     return sorted_pair[:p], block_expert
 
 
-# -- 2. and 4. the grouped GEMMs ---------------------------------------------------------------
+# -- 2. and 4. activation quantization ------------------------------------------------------------
+@triton.jit
+def quantize_rows_kernel(
+    x_ptr, q_ptr, scale_ptr, static_ptr,
+    C, stride_xm, stride_qm, stride_sm, stride_sg,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, STATIC: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    """Program (row, group): the row's columns [g * GROUP, (g + 1) * GROUP) to fp8 with scale
+    amax / FP8_MAX (at least EPS / FP8_MAX), stored at scale[row, g]; with STATIC the scale is read."""
+    row = tl.program_id(0).to(tl.int64)
+    group = tl.program_id(1)
+    start = group * GROUP
+    x_row = x_ptr + row * stride_xm
+    if STATIC:
+        scale = tl.load(static_ptr).to(tl.float32)
+    else:
+        amax = tl.zeros((CHUNK,), dtype=tl.float32)
+        for c in range(0, GROUP, CHUNK):
+            offs = start + c + tl.arange(0, CHUNK)
+            v = tl.load(x_row + offs, mask=(offs < C) & (c + tl.arange(0, CHUNK) < GROUP), other=0.0)
+            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
+        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), EPS), FP8_MAX)
+        tl.store(scale_ptr + row * stride_sm + group * stride_sg, scale)
+    for c in range(0, GROUP, CHUNK):
+        offs = start + c + tl.arange(0, CHUNK)
+        mask = (offs < C) & (c + tl.arange(0, CHUNK) < GROUP)
+        v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
+        q = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+
+
+# -- 3. and 5. the grouped GEMMs ---------------------------------------------------------------
 @triton.jit
 def _block_rows(sorted_pair_ptr, block_expert_ptr, S, K_TOP: tl.constexpr, TOKEN_ROWS: tl.constexpr,
                 BLOCK_M: tl.constexpr):
@@ -92,9 +136,10 @@ def moe_gemm13_kernel(
     # sizes: N = I (the intermediate), K = H
     S, N, K,
     # strides
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_im, stride_in, stride_wse, stride_wsn,
-    # schemes
-    K_TOP: tl.constexpr, A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, IMPRECISE_K: tl.constexpr,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_im, stride_in,
+    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+    # schemes: K-varying scales (per K step) or not (epilogue); weight rows per scale row
+    K_TOP: tl.constexpr, K_GROUPED: tl.constexpr, W_BLOCK_N: tl.constexpr, IMPRECISE_K: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -102,40 +147,45 @@ def moe_gemm13_kernel(
     if expert < 0:
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of I
+    n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # x tile: [BM, BK]
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     g_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # gate.T tile: [BK, BN]
     u_ptrs = g_ptrs + N * stride_wn  # up rows are I further down
+    a_s_ptrs = a_scale_ptr + rows * stride_asm  # [BM]
+    ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
+    g_s_ptrs = ws_base + (offs_n // W_BLOCK_N) * stride_wsn  # [BN]
+    u_s_ptrs = ws_base + ((offs_n + N) // W_BLOCK_N) * stride_wsn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w_mask = (offs_k[:, None] < k_left) & (offs_n[None, :] < N)
-        acc_g = tl.dot(a, tl.load(g_ptrs, mask=w_mask, other=0.0), acc_g, max_num_imprecise_acc=IMPRECISE_K)
-        acc_u = tl.dot(a, tl.load(u_ptrs, mask=w_mask, other=0.0), acc_u, max_num_imprecise_acc=IMPRECISE_K)
+        w_mask = (offs_k[:, None] < k_left) & n_ok[None, :]
+        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
+        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        if K_GROUPED:
+            a_s = tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)[:, None]
+            g_s = tl.load(g_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            u_s = tl.load(u_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            acc_g += tl.dot(a, g) * (a_s * g_s)
+            acc_u += tl.dot(a, u) * (a_s * u_s)
+        else:
+            acc_g = tl.dot(a, g, acc_g, max_num_imprecise_acc=IMPRECISE_K)
+            acc_u = tl.dot(a, u, acc_u, max_num_imprecise_acc=IMPRECISE_K)
         a_ptrs += BLOCK_K * stride_ak
         g_ptrs += BLOCK_K * stride_wk
         u_ptrs += BLOCK_K * stride_wk
 
-    # epilogue: scales, SiLU(gate) * up
-    if A_ROWWISE:
-        a_scale = tl.load(a_scale_ptr + rows, mask=valid, other=0.0)[:, None]
-    else:
-        a_scale = tl.load(a_scale_ptr)
-    ws_base = w_scale_ptr + expert * stride_wse
-    if W_ROWWISE:
-        g_scale = tl.load(ws_base + offs_n * stride_wsn, mask=offs_n < N, other=0.0)[None, :]
-        u_scale = tl.load(ws_base + (offs_n + N) * stride_wsn, mask=offs_n < N, other=0.0)[None, :]
-    else:
-        g_scale = tl.load(ws_base)
-        u_scale = g_scale
-    gate = acc_g * a_scale * g_scale
-    up = acc_u * a_scale * u_scale
-    h = gate / (1.0 + tl.exp(-gate)) * up
+    # epilogue: the scales constant along K, SiLU(gate) * up
+    if not K_GROUPED:
+        a_s = tl.load(a_s_ptrs, mask=valid, other=0.0)[:, None]
+        acc_g *= a_s * tl.load(g_s_ptrs, mask=n_ok, other=0.0)[None, :]
+        acc_u *= a_s * tl.load(u_s_ptrs, mask=n_ok, other=0.0)[None, :]
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     i_ptrs = inter_ptr + pair[:, None] * stride_im + offs_n[None, :] * stride_in
-    tl.store(i_ptrs, h, mask=valid[:, None] & (offs_n[None, :] < N))
+    tl.store(i_ptrs, h, mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -145,9 +195,10 @@ def moe_gemm2_kernel(
     # sizes: N = H, K = I
     S, N, K,
     # strides
-    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_ym, stride_yn, stride_wse, stride_wsn,
+    stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
+    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
     # schemes
-    A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, IMPRECISE_K: tl.constexpr,
+    K_GROUPED: tl.constexpr, W_BLOCK_N: tl.constexpr, IMPRECISE_K: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -155,37 +206,39 @@ def moe_gemm2_kernel(
     if expert < 0:
         return
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
+    n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # intermediate tile: [BM, BK]
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    a_s_ptrs = a_scale_ptr + rows * stride_asm  # [BM]
+    w_s_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + (offs_n // W_BLOCK_N) * stride_wsn  # [BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
-        acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE_K)
+        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & n_ok[None, :], other=0.0)
+        if K_GROUPED:
+            a_s = tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)[:, None]
+            w_s = tl.load(w_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            acc += tl.dot(a, w) * (a_s * w_s)
+        else:
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE_K)
         a_ptrs += BLOCK_K * stride_ak
         w_ptrs += BLOCK_K * stride_wk
 
-    # epilogue: scales and the routing weight of each pair
-    if A_ROWWISE:
-        acc *= tl.load(a_scale_ptr + rows, mask=valid, other=0.0)[:, None]
-    else:
-        acc *= tl.load(a_scale_ptr)
-    ws_base = w_scale_ptr + expert * stride_wse
-    if W_ROWWISE:
-        acc *= tl.load(ws_base + offs_n * stride_wsn, mask=offs_n < N, other=0.0)[None, :]
-    else:
-        acc *= tl.load(ws_base)
+    # epilogue: the scales constant along K and the routing weight of each pair
+    if not K_GROUPED:
+        acc *= tl.load(a_s_ptrs, mask=valid, other=0.0)[:, None] * tl.load(w_s_ptrs, mask=n_ok, other=0.0)[None, :]
     acc *= tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + pair[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & (offs_n[None, :] < N))
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
 def tile_config(pairs_per_expert: float, n: int, k: int) -> dict:
     """Tiles by the average number of (token, k) pairs per expert. Decode (a few pairs per expert)
     streams the expert weights: short row blocks, narrow N tiles, long K tiles. Prefill is a GEMM per
-    expert: square tiles. Starting points from fp8fx.kernels.fp8_gemm's H200 sweep, not tuned for MoE."""
+    expert: square tiles (the H200 sweep of run 7 found 64x128 within 2% of 128x128 for Qwen3-30B-A3B
+    and 128x128 / 8 warps best for Mixtral; 16- and 32-row blocks 1.2-3x slower at 4096 tokens)."""
     if pairs_per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256 if k >= 1024 else 128, num_warps=4, num_stages=4)
     if pairs_per_expert <= 64:
@@ -194,31 +247,82 @@ def tile_config(pairs_per_expert: float, n: int, k: int) -> dict:
 
 
 # -- the whole op ------------------------------------------------------------------------------
-def supports(w_block, act_block) -> bool:
-    """Per-tensor / per-channel weights with per-token / per-tensor activations; blocks are not yet here."""
-    return tuple(w_block) in ((-1, -1), (1, -1)) and tuple(act_block) in ((-1, -1), (1, -1))
+def _k_group(block) -> Optional[int]:
+    """The K group of an fp8fx block, None when its scale is constant along K."""
+    return None if block[1] == -1 else block[1]
 
 
-def _act(a: torch.Tensor, act_block, static: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """(fp8 a, float32 scale as a flat vector, one scale per row?)."""
+def supports(w_block, act_block, w13_shape: Optional[tuple] = None) -> bool:
+    """Per-tensor / per-channel / block weights with per-tensor / per-token / 1 x GK activations, where
+    every K-varying scale uses the same power-of-two group GK >= 32 (the fp8 dot's smallest K on sm_90)
+    and, given w13's shape ``[E, 2I, H]``, weight blocks do not straddle gate and up (I % rows == 0)."""
+    groups = {g for g in (_k_group(w_block), _k_group(act_block)) if g is not None}
+    if act_block[0] not in (1, -1) or (act_block[0] == -1 and act_block[1] != -1):
+        return False
+    if w_block[0] == -1 and w_block[1] != -1:  # whole-column K groups: not a layout checkpoints use
+        return False
+    if w13_shape is not None and _k_group(w_block) is not None and (w13_shape[1] // 2) % w_block[0]:
+        return False
+    return len(groups) <= 1 and all(g >= 32 and g & (g - 1) == 0 for g in groups)
+
+
+QuantizeAct = Callable[[torch.Tensor, list, Optional[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+
+
+def quantize_act(a: torch.Tensor, act_block, static: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 a [R, C], float32 scale [R or 1, groups]) as ``fp8fx.quant`` computes them: one pass of
+    ``quantize_rows_kernel`` for per-row, 1 x GK and static scales; per-tensor dynamic scales (one amax
+    over the whole tensor) in torch."""
+    r, c = a.shape
+    if static is None and tuple(act_block) == (-1, -1):
+        q, scale = quant.quantize(a, act_block)
+        return q, scale.reshape(1, 1)
+    q = torch.empty(r, c, device=a.device, dtype=quant.FP8_DTYPE)
+    group = c if static is not None or act_block[1] == -1 else act_block[1]
+    n_groups = 1 if static is not None else triton.cdiv(c, group)
+    scale = static.float().reshape(1, 1) if static is not None else torch.empty(r, n_groups, device=a.device)
+    if r and c:
+        quantize_rows_kernel[(r, triton.cdiv(c, group))](
+            a, q, scale, scale, c, a.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+            GROUP=group, CHUNK=min(triton.next_power_of_2(group), 1024), STATIC=static is not None,
+            EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, num_warps=4,
+        )
+    return q, scale
+
+
+def torch_quantize_act(a, act_block, static) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_act`` in plain torch (fp8fx.quant): for Triton's interpreter, whose fp32 -> fp8
+    conversion is wrong for ~3% of values (FACTS.md), so kernel tests compare GEMMs, not that bug."""
     if static is not None:
-        return quant.quantize_with_scale(a, static, [-1, -1]), static.float().reshape(1), False
+        return quant.quantize_with_scale(a, static, [-1, -1]), static.float().reshape(1, 1)
     q, scale = quant.quantize(a, act_block)
-    return q, scale.reshape(-1).contiguous(), tuple(act_block) == (1, -1)
+    return q, scale.reshape(a.shape[0] if act_block[0] == 1 else 1, -1)
 
 
-def _w_scale(scale: torch.Tensor, e: int) -> tuple[torch.Tensor, bool]:
-    s = scale.float().reshape(e, -1).contiguous()  # [E, 1] per-tensor or [E, rows] per-channel
-    return s, s.shape[1] > 1
+def _act_strides(scale: torch.Tensor) -> tuple[int, int]:
+    """(row, group) strides of an activation scale; 0 where it has one row or one group."""
+    return tuple(0 if scale.shape[d] == 1 else scale.stride(d) for d in (0, 1))
+
+
+def _weight_scale(scale: torch.Tensor, w: torch.Tensor, w_block) -> tuple[torch.Tensor, tuple[int, int, int], int]:
+    """(scale as [E, rows/BN, K/GK], its strides with 0 on single-entry axes, weight rows per scale row)."""
+    e, rows, cols = w.shape
+    s = scale.float().reshape(quant.scale_shape(w.shape, w_block)).contiguous()
+    strides = tuple(0 if s.shape[d] == 1 else s.stride(d) for d in (0, 1, 2))
+    return s, strides, quant.resolve_block(w_block, rows, cols)[0]
 
 
 def fused_moe(
     x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype,
     a13_scale=None, a2_scale=None, config: Optional[dict] = None, fast_accum: bool = False,
+    quantize: QuantizeAct = quantize_act,
 ) -> torch.Tensor:
-    """``fp8fx.fused_moe`` (see fp8fx/ops.py) for the schemes ``supports`` accepts."""
-    if not supports(w_block, act_block):
-        raise NotImplementedError(f"fused_moe kernel: w_block={list(w_block)}, act_block={list(act_block)}")
+    """``fp8fx.fused_moe`` (see fp8fx/ops.py) for the schemes ``supports`` accepts. ``quantize``
+    quantizes the activations (``torch_quantize_act`` for Triton's interpreter)."""
+    if not supports(w_block, act_block, tuple(w13.shape)):
+        raise NotImplementedError(
+            f"fused_moe kernel: w_block={list(w_block)}, act_block={list(act_block)}, w13 {tuple(w13.shape)}"
+        )
     t, h = x.shape
     e, two_i, _ = w13.shape
     i, k_top = two_i // 2, topk_ids.shape[1]
@@ -227,10 +331,14 @@ def fused_moe(
         return x.new_zeros((t, h), dtype=out_dtype)
     cfg = dict(config or tile_config(s / e, two_i, h))
     tiles = {name: cfg.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    group_k = _k_group(w_block) or _k_group(act_block)
+    if group_k:
+        tiles["BLOCK_K"] = group_k  # K-varying scales are applied per K step
+    consts = dict(K_GROUPED=group_k is not None, IMPRECISE_K=imprecise_k(tiles, fast_accum), **tiles)
     sorted_pair, block_expert = align(topk_ids, e, tiles["BLOCK_M"])
-    xq, x_scale, x_rowwise = _act(x, act_block, a13_scale)
-    s13, s13_rowwise = _w_scale(w13_scale, e)
-    s2, s2_rowwise = _w_scale(w2_scale, e)
+    xq, x_scale = quantize(x, act_block, a13_scale)
+    s13, s13_strides, s13_rows = _weight_scale(w13_scale, w13, w_block)
+    s2, s2_strides, s2_rows = _weight_scale(w2_scale, w2, w_block)
 
     # [S, I]; zeros: rows of pairs routed nowhere (ids outside [0, E)) are not written, and their amax counts
     inter = torch.zeros(s, i, device=x.device, dtype=torch.float32)
@@ -239,11 +347,10 @@ def fused_moe(
         xq, w13, inter, x_scale, s13, sorted_pair, block_expert,
         s, i, h,
         xq.stride(0), xq.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
-        s13.stride(0), s13.stride(1),
-        K_TOP=k_top, A_ROWWISE=x_rowwise, W_ROWWISE=s13_rowwise, IMPRECISE_K=imprecise_k(tiles, fast_accum),
-        **tiles, **cfg,
+        *_act_strides(x_scale), *s13_strides,
+        K_TOP=k_top, W_BLOCK_N=s13_rows, **consts, **cfg,
     )
-    iq, i_scale, i_rowwise = _act(inter, act_block, a2_scale)
+    iq, i_scale = quantize(inter, act_block, a2_scale)
 
     # [S, H] in the output dtype (half the traffic of float32 for bf16 models); rows of pairs routed
     # nowhere are never written and must add 0
@@ -253,7 +360,7 @@ def fused_moe(
         iq, w2, y, i_scale, s2, topk_weights.reshape(-1).contiguous(), sorted_pair, block_expert,
         s, h, i,
         iq.stride(0), iq.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), y.stride(1),
-        s2.stride(0), s2.stride(1),
-        A_ROWWISE=i_rowwise, W_ROWWISE=s2_rowwise, IMPRECISE_K=imprecise_k(tiles, fast_accum), **tiles, **cfg,
+        *_act_strides(i_scale), *s2_strides,
+        W_BLOCK_N=s2_rows, **consts, **cfg,
     )
     return y.view(t, k_top, h).sum(dim=1, dtype=torch.float32).to(out_dtype)
