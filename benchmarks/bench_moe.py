@@ -1,6 +1,6 @@
 """fp8fx's fused FP8 MoE kernel vs the anchors of ANCHORS.md, in one process on the GPU.
 
-    python benchmarks/bench_moe.py [--out DIR] [--tokens 16,4096] [--sweep] [--cpu-smoke]
+    python benchmarks/bench_moe.py [--out DIR] [--tokens 16,4096] [--schemes per-channel,block] [--sweep] [--cpu-smoke]
 
 Shapes: Qwen3-30B-A3B (E=128, top-8, H=2048, I=768) and Mixtral-8x7B (E=8, top-2, H=4096, I=14336).
 What is timed is the experts computation with SiLU*mul and the combine (routing excluded, as in
@@ -8,11 +8,13 @@ ANCHORS.md), from bf16 tokens and a given top-k to the bf16 output:
   * bf16 ``torch._grouped_mm``: sort pairs by expert, gather, grouped GEMM w13, SiLU*mul, grouped GEMM
     w2, routing weights, combine;
   * fp8 ``torch._scaled_grouped_mm`` with eager row-wise quantization of its inputs (same structure);
-  * fp8fx: ``fp8fx.kernels.fused_moe.fused_moe`` (align on the GPU, two fused grouped GEMMs), with
-    fp32 promotion every K step and with Hopper's fast accumulation (``fp8fx_fast_accum``).
+  * fp8fx: ``fp8fx.kernels.fused_moe.fused_moe`` (align on the GPU, two fused grouped GEMMs) with
+    per-channel expert scales and per-token activations, or 128x128 blocks and 1x128 groups; timed
+    with fp32 promotion every K step and with Hopper's fast accumulation (``fp8fx_fast_accum``).
 16-token rows are CUDA-graph replays. The weight-read floor is all fp8 expert bytes / 4.25 TB/s (the
 H200's measured copy speed, ANCHORS.md). ``--sweep`` also times a set of tile configurations.
-Writes moe.json and moe.md under --out.
+Writes moe.json under --out. ``--cpu-smoke`` runs tiny shapes under Triton's interpreter (no timing;
+its errors include the interpreter's fp8 conversion bug).
 """
 from __future__ import annotations
 
@@ -115,32 +117,44 @@ def rel_err(a, ref):
     return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
-def run_shape(shape, tokens, device, sweep: bool) -> dict:
+SCHEMES = {  # name: (expert weight block, activation block)
+    "per-channel": ([1, -1], [1, -1]),
+    "block": ([128, 128], [1, 128]),  # DeepSeek-V3 style
+}
+
+
+def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel") -> dict:
     e, k, h, i = SHAPES[shape]
+    w_block, act_block = SCHEMES[scheme]
+    if device != "cuda":  # tiny CPU shapes: blocks that fit them
+        w_block, act_block = [min(b, 32) if b > 0 else b for b in w_block], [min(b, 32) if b > 0 else b for b in act_block]
     x, weights, ids, w13, w2 = problem(shape, tokens, device)
-    q13, s13 = quant.quantize(w13, [1, -1])  # per channel: [E, 2I, 1], [E, H, 1]
-    q2, s2 = quant.quantize(w2, [1, -1])
+    q13, s13 = quant.quantize(w13, w_block)
+    q2, s2 = quant.quantize(w2, w_block)
+    # the anchors' fp8 path is row-wise whatever fp8fx uses
+    r13, rs13 = quant.quantize(w13, [1, -1])
+    r2, rs2 = quant.quantize(w2, [1, -1])
     # the bf16 computation is the reference both fp8 paths are measured against
     ref = bf16_grouped(x, weights, ids, w13, w2).float()
     graph = tokens <= 64 and device == "cuda"
-    row = dict(shape=shape, tokens=tokens, E=e, top_k=k, H=h, I=i)
+    row = dict(shape=shape, scheme=scheme, tokens=tokens, E=e, top_k=k, H=h, I=i)
     fp8 = lambda cfg=None, fast=False: moe_kernel.fused_moe(  # noqa: E731
-        x, weights, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16, config=cfg, fast_accum=fast
+        x, weights, ids, q13, s13, q2, s2, w_block, act_block, torch.bfloat16, config=cfg, fast_accum=fast
     )
     out = fp8()
     row["fp8fx_err_vs_bf16"] = rel_err(out, ref)
     row["fp8fx_err_vs_op_reference"] = rel_err(
         out,
         ops.fused_moe_reference(
-            x, weights, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.float32
+            x, weights, ids, q13, s13, q2, s2, w_block, act_block, torch.float32
         ),
     )
     if device != "cuda":
         return row
-    s13v, s2v = s13.reshape(e, -1).float().contiguous(), s2.reshape(e, -1).float().contiguous()
+    s13v, s2v = rs13.reshape(e, -1).float().contiguous(), rs2.reshape(e, -1).float().contiguous()
     timings = {
         "bf16_grouped_mm": lambda: bf16_grouped(x, weights, ids, w13, w2),
-        "scaled_grouped_mm": lambda: fp8_scaled_grouped(x, weights, ids, q13, s13v, q2, s2v),
+        "scaled_grouped_mm": lambda: fp8_scaled_grouped(x, weights, ids, r13, s13v, r2, s2v),
         "fp8fx": fp8,  # fp32 promotion every K step
         "fp8fx_fast_accum": lambda: fp8(fast=True),
     }
@@ -178,6 +192,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench_out")
     p.add_argument("--tokens", default="16,4096")
     p.add_argument("--shapes", default="qwen3,mixtral")
+    p.add_argument("--schemes", default="per-channel,block")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
     args = p.parse_args(argv)
@@ -189,10 +204,10 @@ def main(argv=None) -> int:
         device, tokens, shapes = "cuda", [int(t) for t in args.tokens.split(",")], args.shapes.split(",")
     os.makedirs(args.out, exist_ok=True)
     rows = []
-    for shape in shapes:
+    for shape, scheme in ((sh, sc) for sh in shapes for sc in args.schemes.split(",")):
         for t in tokens:
             start = time.perf_counter()
-            row = run_shape(shape, t, device, args.sweep)
+            row = run_shape(shape, t, device, args.sweep and scheme == "per-channel", scheme)
             row["wall_s"] = round(time.perf_counter() - start, 1)
             rows.append(row)
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items() if k != "sweep"}))
