@@ -36,6 +36,7 @@ if has bench; then
 fi
 if has moe; then
   timeout 220 python3 benchmarks/bench_moe.py --out "$OUT" --sweep 2>&1 | tee "$OUT/moe.log"
+  timeout 200 python3 benchmarks/bench_moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | grep "^{"
 fi
 if has tune; then
   timeout 240 python3 benchmarks/tune_gemm.py --block 2>&1 | tee "$OUT/tune-block.txt"
