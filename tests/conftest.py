@@ -1,3 +1,7 @@
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -57,3 +61,22 @@ def record_graphs_after_passes(backend) -> list[str]:
 
     backend.pass_manager.run = recording_run
     return codes
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_under_triton_interpreter(argv: list[str], timeout: int = 300) -> str:
+    """``python argv...`` in the repo root with TRITON_INTERPRET=1 (a fresh process: the interpreter is
+    chosen when triton is imported); fails with its output unless it exits 0, returns its stdout.
+    Skips where the interpreter cannot run: triton 3.6 with numpy >= 2.4 (FACTS.md), the GPU machine's
+    case; CI runs these with triton 3.9."""
+    triton = pytest.importorskip("triton")
+    import numpy
+
+    if triton.__version__.startswith("3.6") and tuple(map(int, numpy.__version__.split(".")[:2])) >= (2, 4):
+        pytest.skip("triton 3.6's interpreter breaks with numpy >= 2.4 (FACTS.md)")
+    proc = subprocess.run([sys.executable, *argv], env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout

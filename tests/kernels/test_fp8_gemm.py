@@ -6,15 +6,13 @@ compiles the kernel. The kernel only loads fp8 and runs tl.dot on it (exact in t
 fp32 -> fp8 conversion that the interpreter gets wrong for ~3% of values (triton 3.6 and 3.9,
 FACTS.md) happens outside, in torch.
 """
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
 import torch
 
 from fp8fx import quant
+from tests.conftest import run_under_triton_interpreter
 
 
 def reference(xq, xs, x_block, wq, ws, w_block, bias, dtype):
@@ -131,14 +129,4 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 
 def test_fp8_gemm_under_triton_interpreter():
-    triton = pytest.importorskip("triton")
-    import numpy
-
-    if triton.__version__.startswith("3.6") and tuple(map(int, numpy.__version__.split(".")[:2])) >= (2, 4):
-        pytest.skip("triton 3.6's interpreter breaks with numpy >= 2.4 (FACTS.md): the GPU machine's "
-                    "case; CI runs this test with triton 3.9")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
+    assert "interpreter ok" in run_under_triton_interpreter(["-c", INTERPRETER_CHECK])

@@ -4,9 +4,6 @@ sentinels; the op's registration (schema, fake impl). The Triton kernel (fp8fx.k
 against the reference: its routing (``align``, plain torch) on CPU, the kernels under Triton's
 interpreter (their fp8 loads and dots are exact there; the fp32 -> fp8 conversions the interpreter
 gets wrong for ~3% of values happen in torch), and on the GPU."""
-import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -14,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from fp8fx import ops, quant
-from tests.conftest import rel_err
+from tests.conftest import rel_err, run_under_triton_interpreter
 
 E, H, I, K = 8, 256, 128, 2
 SCHEMES = {  # name: (w_block, act_block, static)
@@ -227,16 +224,7 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 
 def test_fused_moe_kernel_under_triton_interpreter():
-    triton = pytest.importorskip("triton")
-    import numpy
-
-    if triton.__version__.startswith("3.6") and tuple(map(int, numpy.__version__.split(".")[:2])) >= (2, 4):
-        pytest.skip("triton 3.6's interpreter breaks with numpy >= 2.4 (FACTS.md)")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    proc = subprocess.run([sys.executable, "-c", INTERPRETER_CHECK], env=env, cwd=root, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0 and "interpreter ok" in proc.stdout, proc.stdout + proc.stderr
+    assert "interpreter ok" in run_under_triton_interpreter(["-c", INTERPRETER_CHECK])
 
 
 @pytest.mark.cuda
