@@ -4,7 +4,8 @@
 
 Every row is a ratio against anchors measured in the same run (ANCHORS.md): bf16 (cuBLAS eager and
 Inductor), cuBLAS fp8 row-wise `torch._scaled_mm` (GEMM only, pre-quantized activations), torchao
-float8 row-wise (when importable). Decode sizes (M <= 64) are timed as CUDA-graph replays.
+float8 row-wise (when importable). M up to --graph-max-m (256) is timed as CUDA-graph replays: without
+them a compiled call's host time (guards, wrappers, custom-op dispatch) exceeds the GPU time there.
 Writes results.json and results.md (and plot.png when matplotlib is there) under --out.
 """
 from __future__ import annotations
@@ -71,7 +72,7 @@ def fp8fx_module(module: nn.Module, backend_kwargs=None):
     return torch.compile(module, backend=backend), backend
 
 
-def run_gemms(ms, device, rows, errors):
+def run_gemms(ms, device, rows, errors, graph_max_m=64):
     for name, (n, k) in LAYERS.items():
         torch.manual_seed(0)
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / k**0.5
@@ -83,7 +84,7 @@ def run_gemms(ms, device, rows, errors):
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             ref = x.double() @ w.double().t()
-            graph = m <= 64
+            graph = m <= graph_max_m
             xq, xs = fp8fx.quant.quantize(x, [1, -1])
             times = {
                 "bf16_cublas": bench(lambda x: torch.nn.functional.linear(x, w), x, graph),
@@ -102,7 +103,7 @@ def run_gemms(ms, device, rows, errors):
                              "tflops": flops / ms_ / 1e9, "weight_gbs": n * k / ms_ / 1e6})
 
 
-def run_mlp(ms, device, rows, errors, compile_times):
+def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64):
     torch.manual_seed(0)
     base = MLP().to(device, torch.bfloat16)  # weights scaled so activations stay O(1)
     for p in base.parameters():
@@ -132,7 +133,7 @@ def run_mlp(ms, device, rows, errors, compile_times):
                 torch.cuda.synchronize()
                 compile_times[f"mlp {name} first call M={m}"] = time.perf_counter() - start
                 errors[f"mlp M={m} {name}"] = rel_err(y, ref)
-                t = bench(fn, x, m <= 64)
+                t = bench(fn, x, m <= graph_max_m)
                 rows.append({"what": "mlp block", "M": m, "variant": name, "ms": t,
                              "tflops": 3 * 2 * m * DIM * HIDDEN / t / 1e9})
     print(backend.report)
@@ -151,7 +152,7 @@ def cublas_blockwise(xq, xs, wq, ws):
                                output_dtype=torch.bfloat16)
 
 
-def run_kernels(rows, errors):
+def run_kernels(rows, errors, graph_max_m=64):
     """Block-scaled GEMMs (GEMM only, both sides pre-quantized) and the weight-only GEMM."""
     for name, (n, k) in LAYERS.items():
         w = torch.randn(n, k, device="cuda") / k**0.5
@@ -162,9 +163,9 @@ def run_kernels(rows, errors):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.double() @ w.double().t()
             xq, xs = fp8fx.quant.quantize(x, [1, 128])
-            # decode sizes as CUDA-graph replays: a plain call of a custom op costs ~50 us of host time,
+            # small M as CUDA-graph replays: a plain call of a custom op costs ~50 us of host time,
             # more than these GEMMs (run 7 timed M <= 16 without graphs and measured the host)
-            bench_ = lambda f: bench(lambda _: f(), None, graph=m <= 64)  # noqa: E731
+            bench_ = lambda f: bench(lambda _: f(), None, graph=m <= graph_max_m)  # noqa: E731
             fx_block = lambda: torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws, None, [1, 128], [128, 128], torch.bfloat16)  # noqa: E731
             times = {"bf16_cublas": bench_(lambda: torch.nn.functional.linear(x, wb)), "fp8fx_block": bench_(fx_block)}
             errors[f"block {name} M={m} fp8fx"] = rel_err(fx_block(), ref)
@@ -257,6 +258,9 @@ def main(argv=None):
     p.add_argument("--skip-gemms", action="store_true")
     p.add_argument("--skip-mlp", action="store_true")
     p.add_argument("--kernels", action="store_true", help="also block-scaled and weight-only GEMMs")
+    p.add_argument("--graph-max-m", type=int, default=256,
+                   help="time M up to this as CUDA-graph replays (as serving engines run decode and small "
+                        "batches); larger M as plain calls")
     args = p.parse_args(argv)
     if args.cpu_smoke:
         return 0 if cpu_smoke() < 0.1 else 1
@@ -270,11 +274,11 @@ def main(argv=None):
             "triton": triton.__version__}
     rows, errors, compile_times = [], {}, {}
     if not args.skip_gemms:
-        run_gemms(ms, "cuda", rows, errors)
+        run_gemms(ms, "cuda", rows, errors, args.graph_max_m)
     if not args.skip_mlp:
-        run_mlp(ms, "cuda", rows, errors, compile_times)
+        run_mlp(ms, "cuda", rows, errors, compile_times, args.graph_max_m)
     if args.kernels:
-        run_kernels(rows, errors)
+        run_kernels(rows, errors, args.graph_max_m)
     table = ratios_table(rows)
     plot(rows, os.path.join(args.out, "plot.png"))
     with open(os.path.join(args.out, "results.json"), "w") as f:
