@@ -20,14 +20,14 @@ SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
 
 
 def candidates(m, block: bool):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K)."""
     if block:  # BLOCK_K is the 128 of the scale groups
         if m <= 64:
-            return itertools.product([16, 64], [32, 64, 128], [128], [1], [4], [3, 4, 6])
-        return itertools.product([64, 128], [64, 128, 256], [128], [8, 32], [4, 8], [3, 4, 5])
+            return itertools.product([16, 64], [32, 64, 128], [128], [1], [4], [3, 4, 6], [1, 2, 4])
+        return itertools.product([64, 128], [64, 128, 256], [128], [8, 32], [4, 8], [3, 4, 5], [1])
     if m <= 16:
-        return itertools.product([16], [16, 32, 64], [128, 256, 512], [1], [4], [3, 4, 6])
-    return itertools.product([16, 64], [32, 64, 128], [128, 256], [1], [4], [3, 5])
+        return itertools.product([16], [16, 32, 64], [128, 256, 512], [1], [4], [3, 4, 6], [1, 2, 4])
+    return itertools.product([16, 64], [32, 64, 128], [128, 256], [1], [4], [3, 5], [1, 2])
 
 
 def time_ms(fn):
@@ -46,8 +46,8 @@ def main(argv=None):
         gemm = lambda cfg=None: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
         ref = gemm().float()
         results = []
-        for bm, bn, bk, gm, warps, stages in candidates(m, args.block):
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages)
+        for bm, bn, bk, gm, warps, stages, split in candidates(m, args.block):
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages, SPLIT_K=split)
             try:
                 assert (gemm(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
                 results.append((time_ms(lambda: gemm(cfg)), cfg))

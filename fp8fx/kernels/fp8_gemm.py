@@ -31,7 +31,10 @@ Used for decode-sized M (<= 64), where cuBLAS fp8 is slower than streaming the w
 bandwidth (H200, torch 2.11: down 4096x14336 at M=16 took 0.047 ms through `torch._scaled_mm` vs
 0.042 ms in bf16; this kernel 0.026-0.037 ms, benchmarks/RESULTS.md), and for block scales at every M.
 Tiles are picked by `tile_config` rather than autotuned so launches are deterministic, CUDA-graph
-capturable and run under TRITON_INTERPRET=1.
+capturable and run under TRITON_INTERPRET=1. ``SPLIT_K`` > 1 splits the K loop over that many programs
+per output tile (float32 partials, summed by the caller: deterministic) for decode shapes whose output
+tiles are too few to keep every SM streaming weight (down 4096x14336 at BLOCK_N=32: 128 tiles for 132
+SMs); `tile_config` keeps SPLIT_K=1 until `benchmarks/tune_gemm.py` has measured where it pays.
 """
 from __future__ import annotations
 
@@ -53,7 +56,7 @@ def fp8_gemm_kernel(
     # sizes
     M, N, K,
     # strides
-    stride_am, stride_ak, stride_bn, stride_bk, stride_ym, stride_yn,
+    stride_am, stride_ak, stride_bn, stride_bk, stride_ym, stride_yn, stride_ys,
     stride_asm, stride_ask, stride_bsn, stride_bsk,
     # schemes
     A_ROWWISE: tl.constexpr, A_GROUPED: tl.constexpr, B_ROWWISE: tl.constexpr, B_GROUPED: tl.constexpr,
@@ -61,9 +64,13 @@ def fp8_gemm_kernel(
     A_FP8: tl.constexpr, IMPRECISE_K: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
+    # split-K: SPLIT_K programs share an output tile, each over its own run of K steps, each writing a
+    # float32 partial (y_ptr + split * stride_ys) that the caller sums
+    split = tl.program_id(0) % SPLIT_K
+    pid = tl.program_id(0) // SPLIT_K
     # grouped ordering of the output tiles: GROUP_M row-tiles share the same b columns in L2
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     group = pid // (GROUP_M * num_pid_n)
@@ -74,13 +81,15 @@ def fp8_gemm_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps per split
+    k_first = split * k_steps
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak  # a tile: [BM, BK]
-    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + offs_k[:, None] * stride_bk  # b.T tile: [BK, BN]
+    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k_first * BLOCK_K + offs_k[None, :]) * stride_ak  # [BM, BK]
+    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + (k_first * BLOCK_K + offs_k[:, None]) * stride_bk  # b.T: [BK, BN]
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM], K group 0
     b_scale_ptrs = b_scale_ptr + (offs_n // B_BLOCK_N) * stride_bsn  # [BN], K block 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
         k_left = K - k * BLOCK_K
         a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
@@ -107,9 +116,10 @@ def fp8_gemm_kernel(
         acc *= tl.load(b_scale_ptrs, mask=offs_n < N, other=0.0)[None, :]
     elif not B_GROUPED:  # per-tensor
         acc *= tl.load(b_scale_ptr)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    if HAS_BIAS:  # once: in split 0's partial
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+        acc += tl.where(split == 0, bias, 0.0)[None, :]
+    y_ptrs = y_ptr + split * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 
@@ -121,14 +131,15 @@ def tile_config(m: int, n: int, k: int) -> dict:
     long_k = k >= 8192
     if m <= 16:
         if long_k:
-            return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=6)
+            return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=6, SPLIT_K=1)
         if n >= 16384:  # gate_up 28672x4096: 0.0413 ms vs 0.0442 with the tiles below
-            return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
+            return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=1)
         # qkv 6144x4096: 0.0153 ms (sweep), while the tiles above took 0.0253 ms in benchmark run 6
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5, SPLIT_K=1)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=32 if long_k else 64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
+        return dict(BLOCK_M=64, BLOCK_N=32 if long_k else 64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5,
+                    SPLIT_K=1)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4, SPLIT_K=1)
 
 
 def pipeline_stages(cfg: dict, a_bytes: int) -> int:
@@ -186,16 +197,19 @@ def fp8_gemm(
             raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
         cfg["BLOCK_K"] = group_k[0]
     cfg["num_stages"] = pipeline_stages(cfg, a.element_size())
-    y = torch.empty(m, n, device=a.device, dtype=out_dtype)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]),)
+    cfg.setdefault("SPLIT_K", 1)
+    split_k = cfg["SPLIT_K"]
+    # split-K: float32 partials [SPLIT_K, M, N], summed below (deterministic, no atomics)
+    y = torch.empty(split_k, m, n, device=a.device, dtype=out_dtype if split_k == 1 else torch.float32)
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]) * split_k,)
     fp8_gemm_kernel[grid](
         a, b, y, a_scale, b_scale, bias if bias is not None else a_scale,
         m, n, k,
-        a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(0), y.stride(1),
+        a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(1), y.stride(2), y.stride(0),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         A_ROWWISE=a_mode == PER_ROW, A_GROUPED=a_mode == PER_K_GROUP,
         B_ROWWISE=b_mode == PER_ROW, B_GROUPED=b_mode == PER_K_GROUP,
         B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8, IMPRECISE_K=imprecise_k(cfg, fast_accum),
         **cfg,
     )
-    return y
+    return y[0] if split_k == 1 else y.sum(dim=0).to(out_dtype)

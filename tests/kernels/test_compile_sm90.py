@@ -15,7 +15,7 @@ from triton.compiler import ASTSource  # noqa: E402
 from fp8fx.kernels.fp8_gemm import fp8_gemm_kernel, imprecise_k, pipeline_stages, tile_config  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr"]
-INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_ym", "stride_yn",
+INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_ym", "stride_yn", "stride_ys",
         "stride_asm", "stride_ask", "stride_bsn", "stride_bsk"]
 LAYOUTS = {  # (A_ROWWISE, A_GROUPED, B_ROWWISE, B_GROUPED)
     "per-tensor": (False, False, False, False),
@@ -25,14 +25,16 @@ LAYOUTS = {  # (A_ROWWISE, A_GROUPED, B_ROWWISE, B_GROUPED)
 
 
 def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool = False):
-    types = dict(zip(POINTERS, [f"*{a_dtype}", "*fp8e4nv", "*bf16", "*fp32", "*fp32", "*bf16"]))
+    y_type = "*fp32" if cfg.get("SPLIT_K", 1) > 1 else "*bf16"  # split-K writes float32 partials
+    types = dict(zip(POINTERS, [f"*{a_dtype}", "*fp8e4nv", y_type, "*fp32", "*fp32", "*bf16"]))
     types.update({name: "i32" for name in INTS})
     a_row, a_grp, b_row, b_grp = layout
     block_k = 128 if (a_grp or b_grp) else cfg["BLOCK_K"]
     # in the kernel's parameter order (the signature's order gives the constexprs' indices)
     consts = dict(A_ROWWISE=a_row, A_GROUPED=a_grp, B_ROWWISE=b_row, B_GROUPED=b_grp, B_BLOCK_N=128 if b_grp else 1,
                   HAS_BIAS=True, A_FP8=a_dtype == "fp8e4nv", IMPRECISE_K=imprecise_k({"BLOCK_K": block_k}, fast_accum),
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"])
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
+                  SPLIT_K=cfg.get("SPLIT_K", 1))
     signature = {**types, **{name: "constexpr" for name in consts}}
     names = list(signature)
     # as Triton's JIT specializes real calls: pointers, sizes and leading strides divisible by 16
@@ -58,6 +60,15 @@ def test_promotion_reaches_the_hopper_code():
     precise, fast = (compile_for_hopper("fp8e4nv", LAYOUTS["per-row"], cfg, f).asm["ptx"] for f in (False, True))
     assert "wgmma" in precise and "wgmma" in fast
     assert precise.count("add.f32") > fast.count("add.f32"), (precise.count("add.f32"), fast.count("add.f32"))
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("split_k", [2, 4])
+def test_split_k_variant_compiles_for_sm90(layout, split_k):
+    """Decode tiles with the K loop split (fp32 partials)."""
+    cfg = {**tile_config(1, 4096, 14336), "SPLIT_K": split_k}
+    kernel = compile_for_hopper("fp8e4nv", LAYOUTS[layout], cfg)
+    assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

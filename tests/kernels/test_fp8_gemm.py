@@ -41,11 +41,12 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
 
     xq, xs, wq, ws, bias = operands(m, n, k, x_block, w_block, "cuda")
     ref = reference(xq, xs, x_block, wq, ws, w_block, bias, dtype)
-    for cfg_m in (1, 64, 4096):  # every tile configuration on every shape
-        y = fp8_gemm(xq, wq, xs, ws, bias.to(dtype), dtype, config=tile_config(cfg_m, n, k))
+    configs = [tile_config(cfg_m, n, k) for cfg_m in (1, 64, 4096)] + [{**tile_config(1, n, k), "SPLIT_K": 3}]
+    for cfg in configs:  # every tile configuration on every shape, and split K
+        y = fp8_gemm(xq, wq, xs, ws, bias.to(dtype), dtype, config=cfg)
         assert y.dtype == dtype and y.shape == (m, n)
         err = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
-        assert err < 1e-2, (cfg_m, err)  # the output cast to bf16 is the only rounding left
+        assert err < 1e-2, (cfg, err)  # the output cast to bf16 is the only rounding left
 
 
 @pytest.mark.cuda
@@ -102,6 +103,9 @@ INTERPRETER_CHECK = textwrap.dedent(
         y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config=cfg)
         err = ((y.double() - ref).abs().max() / ref.abs().max()).item()
         assert err < 1e-5, (m, n, k, err)
+        for split_k in (2, 3):  # split K (3 K steps of 32 for k=96: one split has 1, ragged K too)
+            y_split = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config={**cfg, "SPLIT_K": split_k})
+            assert ((y_split.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k, split_k)
         # a wrong scale must show: drop the weight scale
         y_bad = fp8_gemm(xq, wq, xs, torch.ones_like(ws), bias, torch.float32, config=cfg)
         assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 0.1
@@ -112,6 +116,9 @@ INTERPRETER_CHECK = textwrap.dedent(
         ref = reference(xq, xs, [1, 32], wq, ws, [32, 32], bias, torch.float32)
         y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config=cfg, a_block=(1, 32), b_block=(32, 32))
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k)
+        y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config={**cfg, "SPLIT_K": 2}, a_block=(1, 32),
+                     b_block=(32, 32))  # per-K-step scales indexed by the absolute K step in every split
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k, "split")
         ws_bad = ws.clone(); ws_bad[-1, -1] *= 2  # one ragged corner block wrong must show
         y_bad = fp8_gemm(xq, wq, xs, ws_bad, bias, torch.float32, config=cfg, a_block=(1, 32), b_block=(32, 32))
         assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 1e-3
