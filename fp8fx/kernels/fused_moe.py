@@ -340,8 +340,10 @@ def fused_moe(
     s13, s13_strides, s13_rows = _weight_scale(w13_scale, w13, w_block)
     s2, s2_strides, s2_rows = _weight_scale(w2_scale, w2, w_block)
 
-    # [S, I]; zeros: rows of pairs routed nowhere (ids outside [0, E)) are not written, and their amax counts
-    inter = torch.zeros(s, i, device=x.device, dtype=torch.float32)
+    # [S, I]. Rows of pairs routed nowhere (ids outside [0, E)) are never written and never read by the
+    # second GEMM; only a per-tensor amax over the whole intermediate would see them: zeros there.
+    per_tensor = a2_scale is None and tuple(act_block) == (-1, -1)
+    inter = (torch.zeros if per_tensor else torch.empty)(s, i, device=x.device, dtype=torch.float32)
     grid = (block_expert.numel(), triton.cdiv(i, tiles["BLOCK_N"]))
     moe_gemm13_kernel[grid](
         xq, w13, inter, x_scale, s13, sorted_pair, block_expert,
