@@ -24,7 +24,9 @@ blocks with 1x128 activation groups) multiply each K step's partial product, so 
 3. ``moe_gemm13_kernel``: per (row block, N tile of I): the block's tokens of x times the gate and the up
    tile of its expert's w13 (fp8 tensor-core dots, fp32 accumulators), scales, SiLU(g) * u in the
    epilogue -> ``inter [S, I]`` (fp32).
-4. ``quantize_rows_kernel`` again: ``inter`` to fp8 per pair row (or group, or static scale).
+4. ``quantize_rows_kernel`` again: ``inter`` to fp8 per pair row (or static scale). With 1 x GK
+   activation groups step 3's epilogue does it instead (its N tiles are the groups): SiLU*mul and the
+   requantization in one kernel, no float32 intermediate in memory.
 5. ``moe_gemm2_kernel``: per (row block, N tile of H): the block's rows of ``inter`` times its expert's w2,
    scales and the pair's routing weight in the epilogue -> ``y [S, H]`` in the output dtype.
 6. ``y.view(T, K, H).sum(1)``: the combine, deterministic (no atomics).
@@ -33,8 +35,8 @@ Accumulation: one promotion of the tensor cores' partial sums into fp32 per K st
 fp8fx.kernels.fp8_gemm), unless ``fast_accum``. Quantization matches ``fp8fx.quant`` bit for bit on the
 GPU (IEEE division, clamp, round-to-nearest-even cast).
 
-Not fused yet: the intermediate makes a round trip through memory in fp32 between steps 3 and 4 (its
-per-row amax spans every N tile of step 3). Tiles come from ``tile_config`` by the average number of
+Not fused: per-token (and per-tensor) intermediates make a round trip through memory in float32 between
+steps 3 and 4 (their amax spans every N tile of step 3). Tiles come from ``tile_config`` by the average number of
 pairs per expert (decode vs prefill), not from autotuning, so launches are deterministic and run under
 TRITON_INTERPRET=1. On the H200 (torch 2.11, triton 3.6; benchmarks/RESULTS.md, run 7, before steps 2
 and 4 moved from torch into the kernel and before block scales) per-channel experts ran at 1.09x
@@ -132,14 +134,16 @@ def _block_rows(sorted_pair_ptr, block_expert_ptr, S, K_TOP: tl.constexpr, TOKEN
 @triton.jit
 def moe_gemm13_kernel(
     # tensors
-    a_ptr, w_ptr, inter_ptr, a_scale_ptr, w_scale_ptr, sorted_pair_ptr, block_expert_ptr,
+    a_ptr, w_ptr, inter_ptr, a_scale_ptr, w_scale_ptr, sorted_pair_ptr, block_expert_ptr, inter_scale_ptr,
     # sizes: N = I (the intermediate), K = H
     S, N, K,
     # strides
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_im, stride_in,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_ism, stride_isg,
     # schemes: K-varying scales (per K step) or not (epilogue); weight rows per scale row
     K_TOP: tl.constexpr, K_GROUPED: tl.constexpr, W_BLOCK_N: tl.constexpr, IMPRECISE_K: tl.constexpr,
+    # QUANT_OUT: the intermediate leaves as fp8 with one scale per row of each N tile (1 x BLOCK_N groups)
+    QUANT_OUT: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -183,9 +187,15 @@ def moe_gemm13_kernel(
         a_s = tl.load(a_s_ptrs, mask=valid, other=0.0)[:, None]
         acc_g *= a_s * tl.load(g_s_ptrs, mask=n_ok, other=0.0)[None, :]
         acc_u *= a_s * tl.load(u_s_ptrs, mask=n_ok, other=0.0)[None, :]
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # columns past N are 0: their weights loaded as 0
     i_ptrs = inter_ptr + pair[:, None] * stride_im + offs_n[None, :] * stride_in
-    tl.store(i_ptrs, h, mask=valid[:, None] & n_ok[None, :])
+    if QUANT_OUT:  # as quantize_rows_kernel does it, on the tile still in registers
+        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), EPS), FP8_MAX)  # [BM]
+        q = tl.clamp(tl.math.div_rn(h, scale[:, None]), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        tl.store(i_ptrs, q.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
+        tl.store(inter_scale_ptr + pair * stride_ism + tl.program_id(1) * stride_isg, scale, mask=valid)
+    else:
+        tl.store(i_ptrs, h, mask=valid[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -312,20 +322,42 @@ def _weight_scale(scale: torch.Tensor, w: torch.Tensor, w_block) -> tuple[torch.
     return s, strides, quant.resolve_block(w_block, rows, cols)[0]
 
 
+def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_expert, k_top, s, fuse_group,
+            zero_unrouted, consts, cfg):
+    """Step 3: the intermediate ``[S, I]``: float32, or with ``fuse_group`` (== BLOCK_N) already fp8 with its
+    ``[S, I / group]`` scales. Rows of pairs routed nowhere (ids outside [0, E)) are never written and never
+    read by the second GEMM; ``zero_unrouted`` zeroes them for an amax over the whole tensor."""
+    i = w13.shape[1] // 2
+    dtype = quant.FP8_DTYPE if fuse_group else torch.float32
+    inter = (torch.zeros if zero_unrouted else torch.empty)(s, i, device=xq.device, dtype=dtype)
+    i_scale = torch.empty(s, triton.cdiv(i, fuse_group) if fuse_group else 1, device=xq.device)
+    grid = (block_expert.numel(), triton.cdiv(i, consts["BLOCK_N"]))
+    moe_gemm13_kernel[grid](
+        xq, w13, inter, x_scale, s13, sorted_pair, block_expert, i_scale,
+        s, i, w13.shape[2],
+        xq.stride(0), xq.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
+        *_act_strides(x_scale), *s13_strides, i_scale.stride(0), i_scale.stride(1),
+        K_TOP=k_top, W_BLOCK_N=s13_rows, QUANT_OUT=bool(fuse_group), EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX,
+        **consts, **cfg,
+    )
+    return (inter, i_scale) if fuse_group else inter
+
+
 def fused_moe(
     x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype,
     a13_scale=None, a2_scale=None, config: Optional[dict] = None, fast_accum: bool = False,
-    quantize: QuantizeAct = quantize_act,
+    quantize: QuantizeAct = quantize_act, fuse_quant: bool = True,
 ) -> torch.Tensor:
     """``fp8fx.fused_moe`` (see fp8fx/ops.py) for the schemes ``supports`` accepts. ``quantize``
-    quantizes the activations (``torch_quantize_act`` for Triton's interpreter)."""
+    quantizes the activations (``torch_quantize_act`` for Triton's interpreter). With 1 x GK activation
+    groups and ``fuse_quant`` the first GEMM's epilogue quantizes the intermediate (N tiles of GK)."""
     if not supports(w_block, act_block, tuple(w13.shape)):
         raise NotImplementedError(
             f"fused_moe kernel: w_block={list(w_block)}, act_block={list(act_block)}, w13 {tuple(w13.shape)}"
         )
     t, h = x.shape
     e, two_i, _ = w13.shape
-    i, k_top = two_i // 2, topk_ids.shape[1]
+    k_top = topk_ids.shape[1]
     s = t * k_top
     if s == 0:
         return x.new_zeros((t, h), dtype=out_dtype)
@@ -334,25 +366,18 @@ def fused_moe(
     group_k = _k_group(w_block) or _k_group(act_block)
     if group_k:
         tiles["BLOCK_K"] = group_k  # K-varying scales are applied per K step
+    fuse_group = _k_group(act_block) if fuse_quant and a2_scale is None else None
+    if fuse_group:
+        tiles["BLOCK_N"] = fuse_group  # one N tile of the first GEMM = one activation group
     consts = dict(K_GROUPED=group_k is not None, IMPRECISE_K=imprecise_k(tiles, fast_accum), **tiles)
     sorted_pair, block_expert = align(topk_ids, e, tiles["BLOCK_M"])
     xq, x_scale = quantize(x, act_block, a13_scale)
     s13, s13_strides, s13_rows = _weight_scale(w13_scale, w13, w_block)
     s2, s2_strides, s2_rows = _weight_scale(w2_scale, w2, w_block)
-
-    # [S, I]. Rows of pairs routed nowhere (ids outside [0, E)) are never written and never read by the
-    # second GEMM; only a per-tensor amax over the whole intermediate would see them: zeros there.
-    per_tensor = a2_scale is None and tuple(act_block) == (-1, -1)
-    inter = (torch.zeros if per_tensor else torch.empty)(s, i, device=x.device, dtype=torch.float32)
-    grid = (block_expert.numel(), triton.cdiv(i, tiles["BLOCK_N"]))
-    moe_gemm13_kernel[grid](
-        xq, w13, inter, x_scale, s13, sorted_pair, block_expert,
-        s, i, h,
-        xq.stride(0), xq.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
-        *_act_strides(x_scale), *s13_strides,
-        K_TOP=k_top, W_BLOCK_N=s13_rows, **consts, **cfg,
-    )
-    iq, i_scale = quantize(inter, act_block, a2_scale)
+    zero_unrouted = a2_scale is None and tuple(act_block) == (-1, -1)
+    inter = _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_expert, k_top, s, fuse_group,
+                    zero_unrouted, consts, cfg)
+    iq, i_scale = inter if fuse_group else quantize(inter, act_block, a2_scale)
 
     # [S, H] in the output dtype (half the traffic of float32 for bf16 models); rows of pairs routed
     # nowhere are never written and must add 0
@@ -360,7 +385,7 @@ def fused_moe(
     grid = (block_expert.numel(), triton.cdiv(h, tiles["BLOCK_N"]))
     moe_gemm2_kernel[grid](
         iq, w2, y, i_scale, s2, topk_weights.reshape(-1).contiguous(), sorted_pair, block_expert,
-        s, h, i,
+        s, h, iq.shape[1],
         iq.stride(0), iq.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), y.stride(1),
         *_act_strides(i_scale), *s2_strides,
         W_BLOCK_N=s2_rows, **consts, **cfg,

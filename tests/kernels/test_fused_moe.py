@@ -177,7 +177,19 @@ INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
     from fp8fx import ops, quant
-    from fp8fx.kernels.fused_moe import fused_moe, quantize_act, torch_quantize_act
+    from fp8fx.kernels.fused_moe import (_gemm13, _weight_scale, align, fused_moe, imprecise_k, quantize_act,
+                                         torch_quantize_act)
+
+    def _gemm13_args(x, ids, q13, s13, wb, ab, cfg):  # fused_moe's first GEMM, BLOCK_N = BLOCK_K = the group
+        tiles = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=ab[1], BLOCK_K=ab[1])
+        consts = dict(K_GROUPED=True, IMPRECISE_K=imprecise_k(tiles, False), **tiles)
+        sorted_pair, block_expert = align(ids, E, tiles["BLOCK_M"])
+        xq, x_scale = torch_quantize_act(x, ab, None)
+        s13_, strides, rows = _weight_scale(s13, q13, wb)
+        extra = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        return lambda fuse_group: _gemm13(xq, x_scale, q13, s13_, strides, rows, sorted_pair, block_expert,
+                                          ids.shape[1], ids.numel(), fuse_group, False, consts, extra)
+
     g = torch.Generator().manual_seed(0)
     E, H, I = 5, 72, 40  # ragged against every tile and K group below
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
@@ -198,15 +210,26 @@ INTERPRETER_CHECK = textwrap.dedent(
             w = torch.rand(t, k, generator=g)
             ref = ops.fused_moe_reference(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, a13, a2)
             y = fused_moe(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, a13, a2, config=cfg,
-                          quantize=torch_quantize_act)
+                          quantize=torch_quantize_act, fuse_quant=False)
             err = ((y - ref).norm() / ref.norm()).item()
             assert err < 1e-4, (wb, ab, static, t, k, err)
         for name, bad_s13, bad_s2 in [("w2", s13, s2 * 1.5), ("one w13 block", s13.clone().flatten(), s2)]:
             if name == "one w13 block":  # one scale entry of expert 2 (crowded): a wrong block index must show
                 bad_s13[bad_s13.numel() * 2 // E] *= 4
             bad = fused_moe(x, w, ids, q13, bad_s13.reshape(s13.shape), q2, bad_s2, wb, ab, torch.float32, a13, a2,
-                            config=cfg, quantize=torch_quantize_act)
+                            config=cfg, quantize=torch_quantize_act, fuse_quant=False)
             assert ((bad - ref).norm() / ref.norm()).item() > 0.01, (wb, ab, name)  # a wrong scale must show
+        if ab[1] != -1:  # the first GEMM's epilogue quantizing its 1 x GK groups vs torch on its float32 output
+            y = fused_moe(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, a13, a2, config=cfg,
+                          quantize=torch_quantize_act)
+            assert ((y - ref).norm() / ref.norm()).item() < 0.05, (wb, ab)  # the interpreter's fp8 conversion
+            gemm13 = _gemm13_args(x, ids, q13, s13, wb, ab, cfg)
+            inter = gemm13(None)
+            iq, i_scale = gemm13(ab[1])
+            routed = (ids >= 0).reshape(-1) & (ids < E).reshape(-1)
+            q_ref, s_ref = torch_quantize_act(inter[routed], ab, None)
+            assert torch.equal(i_scale[routed], s_ref), (wb, ab)
+            assert (iq[routed].view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() > 0.9, (wb, ab)
     # the kernel's quantization against fp8fx.quant: scales exact (IEEE division), fp8 codes equal but
     # for the interpreter's conversion errors (a few % of codes)
     a = torch.randn(37, 300, generator=g) * torch.logspace(-3, 3, 37).unsqueeze(1)
@@ -299,25 +322,31 @@ def compile_for_hopper(kernel, pointers: dict, ints: list, consts: dict, cfg: di
 def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
     """What the interpreter does not check (Triton's front-end rules, the NVIDIA back end, shared memory)."""
     pytest.importorskip("triton")
+    from fp8fx import quant
     from fp8fx.kernels.fused_moe import imprecise_k, moe_gemm13_kernel, moe_gemm2_kernel, tile_config
 
     cfg = tile_config(pairs_per_expert, 2 * i, h)
     if grouped:
         cfg["BLOCK_K"] = 128
     # constexprs in the kernels' parameter order
-    consts = {"K_GROUPED": grouped, "W_BLOCK_N": 128 if grouped else 1, "IMPRECISE_K": imprecise_k(cfg, False),
-              **{k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}}
+    if grouped:
+        cfg["BLOCK_N"] = 128  # the activation groups: the first GEMM quantizes its own output
+    schemes = {"K_GROUPED": grouped, "W_BLOCK_N": 128 if grouped else 1, "IMPRECISE_K": imprecise_k(cfg, False)}
+    tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    quant_out = {"QUANT_OUT": grouped, "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX}
     ptr = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"}
     routing = {"sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32"}
     strides = ["stride_am", "stride_ak", "stride_we", "stride_wn", "stride_wk"]
     scale_strides = ["stride_asm", "stride_ask", "stride_wse", "stride_wsn", "stride_wsk"]
     k13 = compile_for_hopper(
-        moe_gemm13_kernel, {**ptr, "inter_ptr": "*fp32", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", **routing},
-        ["S", "N", "K", *strides, "stride_im", "stride_in", *scale_strides], {"K_TOP": 8, **consts}, cfg)
+        moe_gemm13_kernel, {**ptr, "inter_ptr": "*fp8e4nv" if grouped else "*fp32", "a_scale_ptr": "*fp32",
+                            "w_scale_ptr": "*fp32", **routing, "inter_scale_ptr": "*fp32"},
+        ["S", "N", "K", *strides, "stride_im", "stride_in", *scale_strides, "stride_ism", "stride_isg"],
+        {"K_TOP": 8, **schemes, **quant_out, **tiles}, cfg)
     k2 = compile_for_hopper(
         moe_gemm2_kernel, {**ptr, "y_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
                            "topk_weights_ptr": "*fp32", **routing},
-        ["S", "N", "K", *strides, "stride_ym", "stride_yn", *scale_strides], consts, cfg)
+        ["S", "N", "K", *strides, "stride_ym", "stride_yn", *scale_strides], {**schemes, **tiles}, cfg)
     for kernel in (k13, k2):
         assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
 
