@@ -27,8 +27,14 @@ GEMM's output, that output times its routing weight, and sums of those. Every no
 only SiLU; each expert output is weighted once by its own routing weight; the sum covers every expert
 once and runs over k); anything else (another activation, a bias, a norm, a scale, a mutation of an
 input, an op the pass does not know) leaves the region as it is, reported with the node and the
-reason. Trusted, not proven: the index bookkeeping (sorts, gathers, scatters) pairs each token with its
-k-th expert, as the model's own code intends.
+reason. Trusted, not proven: the index bookkeeping (sorts, gathers, scatters, clamps) pairs each token with
+its k-th expert, as the model's own code intends.
+
+Expert-parallel sentinels: transformers 5.17 (and later versions on an expert-parallel module) guard
+against routing ids ``>= num_experts``: ``sentinel = top_k_index >= E`` (any view of it), ids clamped to
+``[0, E - 1]``, and hidden states, GEMM outputs or routing weights ``masked_fill``-ed where ``sentinel``
+holds. fused_moe takes ids in ``[0, E)``, where that mask is all false: a ``masked_fill`` by exactly that
+mask is the identity and is accepted; a ``masked_fill`` by any other mask is not.
 """
 from __future__ import annotations
 
@@ -56,7 +62,9 @@ class _NoMatch(Exception):
 @dataclasses.dataclass(frozen=True)
 class Val:
     """What a region node holds. ``kind``: ``idx`` (indices, masks' sources, sizes), ``mask`` (top_k_index
-    == e), ``wts`` (routing weights), ``x`` (hidden states), ``w13`` / ``w2`` (weights), ``g1`` (first
+    == e), ``ids`` (top_k_index or its values rearranged: views, gathers, sorted, clamped), ``ids_sort``
+    (sort(ids): values and permutation), ``sentinel`` (ids >= E: false for every id fused_moe takes),
+    ``wts`` (routing weights), ``x`` (hidden states), ``w13`` / ``w2`` (weights), ``g1`` (first
     GEMM), ``chunks`` / ``gate`` / ``up``, ``act`` (SiLU(gate)), ``h`` (act * up), ``y`` (second GEMM),
     ``out`` (y times its routing weight), ``zero`` (a fresh accumulator), ``sum`` (the combine).
     ``expert``: for values, None for every (token, k) pair at once (grouped / gathered forms) or an int for
@@ -71,6 +79,7 @@ class Val:
 
 
 _IDX = Val("idx")
+_INDEX_KINDS = ("idx", "ids", "mask", "sentinel")
 
 
 # -- op names ---------------------------------------------------------------------------------
@@ -79,6 +88,8 @@ def _function_names() -> dict:
     names = {
         operator.getitem: "getitem", operator.setitem: "setitem", operator.mul: "mul", torch.mul: "mul",
         operator.add: "add", torch.add: "add", operator.floordiv: "floordiv", operator.eq: "eq", torch.eq: "eq",
+        operator.ge: "ge", torch.ge: "ge", torch.greater_equal: "ge", torch.clamp: "clamp", torch.clip: "clamp",
+        torch.masked_fill: "masked_fill",
         torch.sort: "sort", torch.argsort: "sort", torch.histc: "idx_op", torch.cumsum: "idx_op",
         torch.bincount: "idx_op", torch.arange: "factory", torch.empty_like: "factory", torch.zeros_like: "factory",
         torch.zeros: "factory", torch.empty: "factory", torch.nn.functional.one_hot: "idx_op", torch.where: "idx_op",
@@ -106,6 +117,9 @@ _METHODS = {
     "chunk": "chunk", "mul": "mul", "add": "add", "sum": "sum", "eq": "eq", "index_add_": "index_add",
     "index_add": "index_add", "int": "idx_op", "long": "idx_op", "cumsum": "idx_op", "histc": "idx_op",
     "size": "idx_op", "argsort": "sort", "sort": "sort", "greater": "idx_op", "nonzero": "idx_op",
+    "__eq__": "eq",  # torch 2.11's Dynamo records `ids == e` as a call of the method
+    "ge": "ge", "__ge__": "ge", "greater_equal": "ge", "clamp": "clamp", "clamp_": "clamp", "clip": "clamp",
+    "clip_": "clamp", "masked_fill": "masked_fill", "masked_fill_": "masked_fill",
 }
 _GEMM_OPS = {"transformers::grouped_mm_fallback"}  # HF's CPU / non-bf16 grouped GEMM custom op
 
@@ -135,6 +149,7 @@ class _Interpreter:
 
     def __init__(self, inputs: dict[fx.Node, Val], e: int, i: int, h: int, k: int):
         self.val: dict[fx.Node, Optional[Val]] = dict(inputs)
+        self.inputs = set(inputs)
         self.experts, self.inter, self.hidden, self.k = e, i, h, k
 
     def run(self, region: list[fx.Node]) -> None:
@@ -158,7 +173,7 @@ class _Interpreter:
         return [self._of(a) for a in node.all_input_nodes]
 
     def _all_idx(self, node: fx.Node) -> bool:
-        return all(v is not None and v.kind in ("idx", "mask") for v in self._operands(node))
+        return all(v is not None and v.kind in _INDEX_KINDS for v in self._operands(node))
 
     def _fail(self, node: fx.Node, what: str):
         kinds = ", ".join(v.kind if v else "?" for v in self._operands(node))
@@ -170,7 +185,13 @@ class _Interpreter:
             self._fail(node, "computes on values other than indices")
         return _IDX
 
-    _floordiv = _sort = _idx_op
+    _floordiv = _idx_op
+
+    def _sort(self, node):
+        self._idx_op(node)
+        if _op_name(node) == "sort" and self._of(node.args[0]).kind == "ids":
+            return Val("ids_sort")  # [0]: the ids sorted, [1]: the permutation
+        return _IDX
 
     def _grad_mode(self, node):
         return None
@@ -184,9 +205,46 @@ class _Interpreter:
 
     def _eq(self, node):
         a, b = node.args[:2]
-        if isinstance(a, fx.Node) and isinstance(b, int) and self._of(a).kind == "idx":
+        if isinstance(a, fx.Node) and isinstance(b, int) and self._of(a).kind in ("idx", "ids"):
             return Val("mask", b)
         return self._idx_op(node)
+
+    def _ge(self, node):
+        a, b = node.args[:2]
+        if isinstance(a, fx.Node) and isinstance(b, int) and b == self.experts and self._of(a).kind == "ids":
+            return Val("sentinel")  # ids >= E: expert-parallel sentinels, none among the ids fused_moe takes
+        return self._idx_op(node)
+
+    def _clamp(self, node):
+        """Index bookkeeping (ids clamped to [0, E - 1]); in place only on a tensor the region made."""
+        self._idx_op(node)
+        if node.target in ("clamp_", "clip_"):
+            self._check_owned(node, node.args[0])
+        return Val("ids") if self._of(node.args[0]).kind == "ids" else _IDX
+
+    def _masked_fill(self, node):
+        """``v.masked_fill(sentinel, c)``: the identity on the ids fused_moe takes, so ``v`` keeps its label."""
+        src, mask, value = (_arg(node, i, n) for i, n in enumerate(("self", "mask", "value")))
+        v, m = self._of(src), self._of(mask)
+        if isinstance(value, fx.Node):
+            self._fail(node, "fills with a tensor")
+        if v.kind in _INDEX_KINDS and m.kind in _INDEX_KINDS:
+            out = _IDX
+        elif m.kind != "sentinel":
+            self._fail(node, "masks a value with something other than the expert-parallel sentinels (ids >= E)")
+        elif v.kind in ("w13", "w2"):
+            self._fail(node, "masks an expert weight")
+        else:
+            out = v
+        if node.op == "call_method" and node.target == "masked_fill_":
+            self._check_owned(node, src)
+            self.val[src] = out
+        return out
+
+    def _check_owned(self, node, target):
+        """``target`` (modified in place by ``node``) is a tensor the region made, not (a view of) an input."""
+        if not (isinstance(target, fx.Node) and target not in self.inputs and _owned(target)):
+            self._fail(node, "modifies in place a tensor that may be (a view of) one of the experts' inputs")
 
     def _setitem(self, node):
         target, _, value = node.args
@@ -197,7 +255,7 @@ class _Interpreter:
     # shape ops
     def _view(self, node):
         src = self._of(node.args[0])
-        if src.kind in ("idx", "mask", "wts"):
+        if src.kind in (*_INDEX_KINDS, "wts"):
             if not self._all_idx_args(node):
                 self._fail(node, "reshapes with a non-index argument")
             return src
@@ -228,11 +286,11 @@ class _Interpreter:
         return dataclasses.replace(src, fdim=p - len(after))
 
     def _all_idx_args(self, node) -> bool:
-        return all(self._of(a).kind in ("idx", "mask") for a in node.all_input_nodes[1:])
+        return all(self._of(a).kind in _INDEX_KINDS for a in node.all_input_nodes[1:])
 
     def _transpose(self, node):
         src = self._of(node.args[0])
-        if src.kind in ("idx", "mask"):
+        if src.kind in _INDEX_KINDS:
             return src
         if src.kind not in ("w13", "w2"):
             self._fail(node, "transposes a hidden state")
@@ -252,8 +310,12 @@ class _Interpreter:
         if isinstance(src, fx.Node) and self._of(src).kind == "chunks":
             return Val(("gate", "up")[index], self._of(src).expert, self._of(src).fdim)
         val = self._of(src)
+        if val.kind == "ids_sort":
+            return Val("ids") if index == 0 else _IDX
         if not self._all_idx_args(node):
             self._fail(node, "indexes with a non-index value")
+        if val.kind in ("ids", "sentinel"):
+            return val  # some of the ids / of the sentinel flags (all false), in some order
         if val.kind in ("idx", "mask"):
             return _IDX
         if val.kind in ("w13", "w2"):
@@ -279,7 +341,7 @@ class _Interpreter:
 
     def _chunk(self, node):
         v = self._of(node.args[0])
-        if v.kind in ("idx", "mask"):
+        if v.kind in _INDEX_KINDS:
             return _IDX
         chunks, dim = _arg(node, 1, "chunks"), _arg(node, 2, "dim", 0)
         shape = _shape(node.args[0])
@@ -291,7 +353,7 @@ class _Interpreter:
         a, b = (self._of(x) for x in node.args[:2])
         kinds = {a.kind, b.kind}
         by = {a.kind: a, b.kind: b}
-        if kinds <= {"idx", "mask"}:
+        if kinds <= set(_INDEX_KINDS):
             return _IDX
         if kinds == {"act", "up"} and a.expert == b.expert and a.fdim == b.fdim:
             return dataclasses.replace(by["act"], kind="h")
@@ -307,7 +369,7 @@ class _Interpreter:
         v = self._of(node.args[0])
         dim = _arg(node, 1, "dim")
         shape = _shape(node.args[0])
-        if v.kind in ("idx", "mask"):
+        if v.kind in _INDEX_KINDS:
             return _IDX
         if v.kind == "wts" and v.expert is not None and dim in (-1, len(shape) - 1):
             return v  # sum over k of the masked routing weights: expert e's weight per token
@@ -319,7 +381,7 @@ class _Interpreter:
 
     def _add(self, node):
         a, b = (self._of(x) for x in node.args[:2])
-        if {a.kind, b.kind} <= {"idx", "mask"}:
+        if {a.kind, b.kind} <= set(_INDEX_KINDS):
             return _IDX
         return self._accumulate(node, a, b)
 
@@ -394,6 +456,19 @@ def _describe(node: fx.Node) -> str:
 def _shape(node) -> tuple:
     v = fake_value(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def _owned(node: fx.Node) -> bool:
+    """``node`` is a new tensor, sharing no memory with the tensors it was computed from: a factory's, a
+    sort's outputs, or a gather (indexing by a tensor)."""
+    if node.op == "call_function" and node.target in (torch.empty_like, torch.zeros_like, torch.empty, torch.zeros):
+        return True
+    if node.op != "call_function" or node.target is not operator.getitem:
+        return False
+    src, index = node.args
+    if isinstance(src, fx.Node) and (src.target is torch.sort or src.op == "call_method" and src.target == "sort"):
+        return True
+    return isinstance(index, fx.Node) and isinstance(fake_value(index), torch.Tensor)
 
 
 def _fresh(node: fx.Node, labelled) -> bool:
@@ -492,7 +567,7 @@ class MoePass(Fp8Pass):
         by_role = {r: n for n, r in roles.items()}
         if {"x", "ids", "wts"} - set(by_role):
             raise _NoMatch(f"the experts do not read hidden_states, top_k_index and top_k_weights (found {sorted(by_role)})")
-        interp = _Interpreter({n: (Val("idx") if v.kind == "ids" else v) for n, v in inputs.items()},
+        interp = _Interpreter(inputs,
                               e, two_i // 2, h, _shape(by_role["ids"])[1])
         interp.run(site.region)
         result = interp.val.get(out)

@@ -42,13 +42,17 @@ class Block(nn.Module):
         return x + self.experts(x, top_k_index, top_k_weights)
 
 
-def hf_experts(impl, dtype):
+def hf_experts(impl, dtype, expert_parallel=False):
+    """``expert_parallel``: the module's code guards against expert-parallel sentinel ids (>= E), as every
+    transformers 5.17 experts module does (later versions: only modules set up for expert parallelism)."""
     cfg = transformers.MixtralConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, num_experts_per_tok=K)
     cfg._experts_implementation = impl
     torch.manual_seed(0)
     experts = transformers.models.mixtral.modeling_mixtral.MixtralExperts(cfg)
     nn.init.normal_(experts.gate_up_proj, std=H**-0.5)
     nn.init.normal_(experts.down_proj, std=I**-0.5)
+    if expert_parallel:
+        experts._is_expert_parallel = True
     return Block(experts).to(dtype).eval()
 
 
@@ -95,14 +99,18 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("impl,dtype,config", [
-    ("grouped_mm", torch.bfloat16, "per-channel"),
-    ("grouped_mm", torch.float32, "block"),  # fp32 weights: HF's transformers::grouped_mm_fallback op
-    ("batched_mm", torch.bfloat16, "per-tensor"),
-    ("batched_mm", torch.float32, "per-channel"),
+@pytest.mark.parametrize("impl,dtype,config,ep", [
+    ("grouped_mm", torch.bfloat16, "per-channel", False),
+    ("grouped_mm", torch.float32, "block", False),  # fp32 weights: HF's transformers::grouped_mm_fallback op
+    ("batched_mm", torch.bfloat16, "per-tensor", False),
+    ("batched_mm", torch.float32, "per-channel", False),
+    # sentinel guards: ids >= E masked (masked_fill_ of the gathered rows, of both GEMMs' outputs, of the
+    # routing weights), ids clamped in place (grouped) or not (batched)
+    ("grouped_mm", torch.bfloat16, "per-channel", True),
+    ("batched_mm", torch.bfloat16, "per-tensor", True),
 ])
-def test_hf_experts_rewritten_into_fused_moe(impl, dtype, config):
-    model = hf_experts(impl, dtype)
+def test_hf_experts_rewritten_into_fused_moe(impl, dtype, config, ep):
+    model = hf_experts(impl, dtype, expert_parallel=ep)
     x, ids, w = inputs(dtype)
     with torch.no_grad():
         bf16 = model(x, ids, w)
@@ -140,20 +148,30 @@ def test_unrolled_per_expert_loop_of_the_reference_example():
 class LoopExperts(nn.Module):
     """The example's loop with one thing changed at a time."""
 
-    def __init__(self, act=F.silu, scale=1.0, experts=range(E), shift=0, bias=False):
+    def __init__(self, act=F.silu, scale=1.0, experts=range(E), shift=0, bias=False, eq_method=False, mask_from=None,
+                 inplace_mask=False):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) / H**0.5)
         self.down_proj = nn.Parameter(torch.randn(E, H, I, generator=g) / I**0.5)
         self.act, self.scale, self.experts, self.shift = act, scale, experts, shift
         self.bias = nn.Parameter(torch.zeros(H)) if bias else None
+        self.eq_method = eq_method  # top_k_index.__eq__(e): how torch 2.11's Dynamo records `top_k_index == e`
+        self.mask_from, self.inplace_mask = mask_from, inplace_mask  # masked_fill(top_k_index[:, :1] >= mask_from)
 
     def forward(self, x, top_k_index, top_k_weights):
         out = torch.zeros_like(x, dtype=torch.float32)
+        if self.mask_from is not None:
+            mask = top_k_index[:, :1] >= self.mask_from
+            if self.inplace_mask:
+                x.masked_fill_(mask, 0.0)  # the caller's hidden states
         for e in self.experts:
-            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
+            hit = top_k_index.__eq__(e) if self.eq_method else top_k_index == e
+            weight = (top_k_weights * hit).sum(dim=-1, keepdim=True)
             gate, up = F.linear(x, self.gate_up_proj[(e + self.shift) % E]).chunk(2, dim=-1)
             y = F.linear(self.act(gate) * up, self.down_proj[(e + self.shift) % E])
+            if self.mask_from is not None and not self.inplace_mask:
+                y = y.masked_fill(mask, 0.0)
             out = out + (weight * y if self.scale == 1.0 else self.scale * weight * y)
         if self.bias is not None:
             out = out + self.bias
@@ -166,6 +184,8 @@ class LoopExperts(nn.Module):
     (dict(experts=range(E - 1)), f"leaves out experts [{E - 1}]"),
     (dict(shift=1), "weights expert 1 with the routing weight of expert 0"),
     (dict(bias=True), "the experts read l_self_modules_experts_parameters_bias_ (128,) besides their inputs"),
+    (dict(mask_from=E - 1), "masks a value with something other than the expert-parallel sentinels (ids >= E)"),
+    (dict(mask_from=E, inplace_mask=True), "modifies in place a tensor that may be (a view of) one of the experts'"),
 ])
 def test_other_experts_are_left_as_they_are_with_the_reason(variant, reason):
     model = Block(LoopExperts(**variant)).to(torch.bfloat16)
@@ -180,6 +200,21 @@ def test_other_experts_are_left_as_they_are_with_the_reason(variant, reason):
     assert reason in moe[0].reason, moe[0].reason
     assert torch.ops.fp8fx.fused_moe.default not in targets(gm) and torch.ops.fp8fx.dequantize in targets(gm)
     assert torch.allclose(out, eager, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("variant", [
+    dict(eq_method=True),  # the graph torch 2.11 records for `top_k_index == e`
+    dict(mask_from=E),  # outputs masked where top_k_index >= E: never, for the ids fused_moe takes
+])
+def test_unrolled_loop_forms_rewritten(variant):
+    model = Block(LoopExperts(**variant)).to(torch.bfloat16)
+    x, ids, w = inputs(torch.bfloat16)
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        out, gm, report = compile_capture(model, x, ids, w)
+    fp8fx.testing.assert_rewritten(report, "experts")
+    assert targets(gm).count(torch.ops.fp8fx.fused_moe.default) == 1 and torch.ops.fp8fx.dequantize not in targets(gm)
+    assert torch.equal(out, x + fused_reference(model.experts, x, ids, w, torch.bfloat16))
 
 
 def test_experts_called_twice_are_not_merged():
