@@ -20,16 +20,19 @@ MODELS = {
                   dict(intermediate_size=512, moe_intermediate_size=128, head_dim=64, num_experts=8,
                        num_experts_per_tok=2, norm_topk_prob=True)),
     "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM,
-                    dict(intermediate_size=512, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
-                         n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1, q_lora_rank=64,
-                         kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64)),
+                    # MLA has no grouped KV heads: its k / v have num_attention_heads heads (as DeepSeek-V3's
+                    # config says: 128 and 128); transformers repeats them by heads // kv_heads when the mask
+                    # is materialized (5.17 under torch.compile), which a smaller num_key_value_heads breaks
+                    dict(num_key_value_heads=4, intermediate_size=512, moe_intermediate_size=128, n_routed_experts=8,
+                         num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=0, n_group=2, topk_group=1,
+                         q_lora_rank=64, kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=64)),
 }
 
 
 def tiny(name, impl):
     config_cls, model_cls, extra = MODELS[name]
     torch.manual_seed(0)
-    model = model_cls(config_cls(**COMMON, **extra)).to(torch.bfloat16).eval()
+    model = model_cls(config_cls(**{**COMMON, **extra})).to(torch.bfloat16).eval()
     model.set_experts_implementation(impl)
     with torch.no_grad():  # decisive routers: tiny random routers are near-ties that any rounding upstream flips
         for i in range(LAYERS):
