@@ -30,8 +30,9 @@ class Fp8Backend:
     - ``lowering``: ``"aten"`` (default) decomposes the activation quantization on CUDA into ATen so
       Inductor fuses it into its producer (``fp8fx.lowerings.aten``); ``"op"`` keeps every fp8fx op
       an opaque kernel.
-    - ``use_fast_accum``: let fp8 GEMMs accumulate in Hopper's fast mode (as torchao's float8
-      inference does; measured accuracy in benchmarks/RESULTS.md). Default True.
+    - ``use_fast_accum``: let fp8 GEMMs (linears and the fused MoE's) accumulate in Hopper's fast
+      mode, without promoting partial sums to fp32 every K step (as torchao's float8 inference does;
+      measured accuracy in benchmarks/RESULTS.md). Default True.
     - ``cudagraphs``: run the compiled graphs as CUDA graphs (Inductor's cudagraph trees), which
       decode-sized batches need to reach their speed. Default False.
     - ``weight_only``: fp8 weights with 16-bit activations and math (``fp8fx.weight_only_mm``); None

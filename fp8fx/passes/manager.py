@@ -23,7 +23,7 @@ def default_passes(
     use_fast_accum: bool = False, weight_only: Optional[bool] = None, fuse_horizontal: bool = False
 ) -> list[Fp8Pass]:
     return [
-        MoePass(),  # first: the experts' GEMMs leave the graph before the linear pass looks for linears
+        MoePass(use_fast_accum=use_fast_accum),  # first: the experts leave the graph before linears are sought
         LinearPass(use_fast_accum=use_fast_accum, weight_only=weight_only),
         HorizontalFusionPass(enabled=fuse_horizontal),
     ]

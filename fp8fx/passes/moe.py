@@ -487,6 +487,9 @@ class _Site:
 
 
 class MoePass(Fp8Pass):
+    def __init__(self, use_fast_accum: bool = False):
+        self.use_fast_accum = use_fast_accum  # the experts' fp8 GEMMs in Hopper's fast accumulation mode
+
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         graph = gm.graph
         count = 0
@@ -625,7 +628,7 @@ class MoePass(Fp8Pass):
         if a13 is not None:
             act_block = [-1, -1]
         args = (operands["x"], operands["wts"], operands["ids"], w13q, w13s, w2q, w2s, list(w_block), list(act_block),
-                fake_value(out).dtype, a13, a2)
+                fake_value(out).dtype, a13, a2, self.use_fast_accum)
         region = set(site.region)
         with graph.inserting_before(operands["first_user"]):
             fused = graph.call_function(torch.ops.fp8fx.fused_moe.default, args)
