@@ -389,12 +389,15 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
     from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
 
     _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
-    if kernel.supports(w_block, act_block, tuple(w13.shape)):
+    # the kernel's fp8 x fp8 dots need fp8 tensor cores (compute capability 8.9: Ada, Hopper and later)
+    fp8_cores = torch.cuda.get_device_capability(x.device) >= (8, 9)
+    if fp8_cores and kernel.supports(w_block, act_block, tuple(w13.shape)):
         return kernel.fused_moe(
             x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale,
             fast_accum=use_fast_accum,
         )
-    # what the kernel does not take (e.g. K groups under 32): the (slow, per-expert) reference
+    # older GPUs, and what the kernel does not take (K groups other than 32, 64, 128): the (slow,
+    # per-expert) reference
     return fused_moe_reference(
         x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
     )

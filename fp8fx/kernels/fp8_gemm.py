@@ -84,7 +84,8 @@ def fp8_gemm_kernel(
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps per split
     k_first = split * k_steps
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
-    a_ptrs = a_ptr + offs_m[:, None] * stride_am + (k_first * BLOCK_K + offs_k[None, :]) * stride_ak  # [BM, BK]
+    rows = offs_m.to(tl.int64)  # M * K and M * N pass 2**31 for long prefills (300k tokens x 7168)
+    a_ptrs = a_ptr + rows[:, None] * stride_am + (k_first * BLOCK_K + offs_k[None, :]) * stride_ak  # [BM, BK]
     b_ptrs = b_ptr + offs_n[None, :] * stride_bn + (k_first * BLOCK_K + offs_k[:, None]) * stride_bk  # b.T: [BK, BN]
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM], K group 0
     b_scale_ptrs = b_scale_ptr + (offs_n // B_BLOCK_N) * stride_bsn  # [BN], K block 0
@@ -119,7 +120,7 @@ def fp8_gemm_kernel(
     if HAS_BIAS:  # once: in split 0's partial
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc += tl.where(split == 0, bias, 0.0)[None, :]
-    y_ptrs = y_ptr + split * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    y_ptrs = y_ptr + split.to(tl.int64) * stride_ys + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 

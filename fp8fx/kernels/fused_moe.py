@@ -88,6 +88,12 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
 
 # -- 2. and 4. activation quantization ------------------------------------------------------------
 @triton.jit
+def _max_nan(a, b):
+    """max that keeps NaN, as torch's amax does (PTX ``max.f32`` drops it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, static_ptr,
     C, stride_xm, stride_qm, stride_sm, stride_sg,
@@ -106,8 +112,8 @@ def quantize_rows_kernel(
         for c in range(0, GROUP, CHUNK):
             offs = start + c + tl.arange(0, CHUNK)
             v = tl.load(x_row + offs, mask=(offs < C) & (c + tl.arange(0, CHUNK) < GROUP), other=0.0)
-            amax = tl.maximum(amax, tl.abs(v.to(tl.float32)))
-        scale = tl.math.div_rn(tl.maximum(tl.max(amax, axis=0), EPS), FP8_MAX)
+            amax = _max_nan(amax, tl.abs(v.to(tl.float32)))
+        scale = tl.math.div_rn(_max_nan(tl.reduce(amax, 0, _max_nan), EPS), FP8_MAX)
         tl.store(scale_ptr + row * stride_sm + group * stride_sg, scale)
     for c in range(0, GROUP, CHUNK):
         offs = start + c + tl.arange(0, CHUNK)
@@ -190,7 +196,7 @@ def moe_gemm13_kernel(
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # columns past N are 0: their weights loaded as 0
     i_ptrs = inter_ptr + pair[:, None] * stride_im + offs_n[None, :] * stride_in
     if QUANT_OUT:  # as quantize_rows_kernel does it, on the tile still in registers
-        scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(h), axis=1), EPS), FP8_MAX)  # [BM]
+        scale = tl.math.div_rn(_max_nan(tl.reduce(tl.abs(h), 1, _max_nan), EPS), FP8_MAX)  # [BM]
         q = tl.clamp(tl.math.div_rn(h, scale[:, None]), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(i_ptrs, q.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
         tl.store(inter_scale_ptr + pair * stride_ism + tl.program_id(1) * stride_isg, scale, mask=valid)
@@ -264,8 +270,10 @@ def _k_group(block) -> Optional[int]:
 
 def supports(w_block, act_block, w13_shape: Optional[tuple] = None) -> bool:
     """Per-tensor / per-channel / block weights with per-tensor / per-token / 1 x GK activations, where
-    every K-varying scale uses the same power-of-two group GK >= 32 (the fp8 dot's smallest K on sm_90)
-    and, given w13's shape ``[E, 2I, H]``, weight blocks do not straddle gate and up (I % rows == 0)."""
+    every K-varying scale uses the same group GK in {32, 64, 128} (the fp8 dot's smallest K on sm_90 is
+    32; BLOCK_K = GK, and BLOCK_N = GK with fused quantization: 256 spills registers and 512 exceeds
+    shared memory at these tiles) and, given w13's shape ``[E, 2I, H]``, weight blocks do not straddle
+    gate and up (I % rows == 0)."""
     groups = {g for g in (_k_group(w_block), _k_group(act_block)) if g is not None}
     if act_block[0] not in (1, -1) or (act_block[0] == -1 and act_block[1] != -1):
         return False
@@ -273,7 +281,7 @@ def supports(w_block, act_block, w13_shape: Optional[tuple] = None) -> bool:
         return False
     if w13_shape is not None and _k_group(w_block) is not None and (w13_shape[1] // 2) % w_block[0]:
         return False
-    return len(groups) <= 1 and all(g >= 32 and g & (g - 1) == 0 for g in groups)
+    return len(groups) <= 1 and groups <= {32, 64, 128}
 
 
 QuantizeAct = Callable[[torch.Tensor, list, Optional[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
@@ -287,10 +295,14 @@ def quantize_act(a: torch.Tensor, act_block, static: Optional[torch.Tensor]) -> 
     if static is None and tuple(act_block) == (-1, -1):
         q, scale = quant.quantize(a, act_block)
         return q, scale.reshape(1, 1)
+    if c and a.stride(1) != 1:  # the kernel walks each row with unit stride
+        a = a.contiguous()
     q = torch.empty(r, c, device=a.device, dtype=quant.FP8_DTYPE)
     group = c if static is not None or act_block[1] == -1 else act_block[1]
     n_groups = 1 if static is not None else triton.cdiv(c, group)
-    scale = static.float().reshape(1, 1) if static is not None else torch.empty(r, n_groups, device=a.device)
+    scale = static.float().reshape(1, 1) if static is not None else torch.empty(
+        r, n_groups, device=a.device, dtype=torch.float32
+    )
     if r and c:
         quantize_rows_kernel[(r, triton.cdiv(c, group))](
             a, q, scale, scale, c, a.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
@@ -330,7 +342,7 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
     i = w13.shape[1] // 2
     dtype = quant.FP8_DTYPE if fuse_group else torch.float32
     inter = (torch.zeros if zero_unrouted else torch.empty)(s, i, device=xq.device, dtype=dtype)
-    i_scale = torch.empty(s, triton.cdiv(i, fuse_group) if fuse_group else 1, device=xq.device)
+    i_scale = torch.empty(s, triton.cdiv(i, fuse_group) if fuse_group else 1, device=xq.device, dtype=torch.float32)
     grid = (block_expert.numel(), triton.cdiv(i, consts["BLOCK_N"]))
     moe_gemm13_kernel[grid](
         xq, w13, inter, x_scale, s13, sorted_pair, block_expert, i_scale,
@@ -379,9 +391,11 @@ def fused_moe(
                     zero_unrouted, consts, cfg)
     iq, i_scale = inter if fuse_group else quantize(inter, act_block, a2_scale)
 
-    # [S, H] in the output dtype (half the traffic of float32 for bf16 models); rows of pairs routed
-    # nowhere are never written and must add 0
-    y = torch.zeros(s, h, device=x.device, dtype=out_dtype)
+    # [S, H]: bf16 for bf16 outputs (half the traffic of float32; each pair's term is rounded once
+    # before the float32 sum over top-k, ~2**-9 relative, where the reference rounds only the sum),
+    # float32 otherwise (an fp16 term can overflow where the sum would not). Rows of pairs routed
+    # nowhere are never written and must add 0.
+    y = torch.zeros(s, h, device=x.device, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
     grid = (block_expert.numel(), triton.cdiv(h, tiles["BLOCK_N"]))
     moe_gemm2_kernel[grid](
         iq, w2, y, i_scale, s2, topk_weights.reshape(-1).contiguous(), sorted_pair, block_expert,

@@ -234,8 +234,11 @@ INTERPRETER_CHECK = textwrap.dedent(
     # for the interpreter's conversion errors (a few % of codes)
     a = torch.randn(37, 300, generator=g) * torch.logspace(-3, 3, 37).unsqueeze(1)
     a[5] = 0  # an all-zero row: finite scale, zero codes
+    a_t = a.t().contiguous().t()  # the same values with a column stride of 37
     for ab, static in [([1, -1], None), ([1, 128], None), ([1, 32], None), ([-1, -1], torch.tensor([0.5]))]:
         q, scale = quantize_act(a, ab, static)
+        q_t, scale_t = quantize_act(a_t, ab, static)
+        assert torch.equal(scale_t, scale) and torch.equal(q_t.view(torch.uint8), q.view(torch.uint8)), ab
         q_ref, scale_ref = torch_quantize_act(a, ab, static)
         assert torch.equal(scale, scale_ref), ab
         same = (q.view(torch.uint8) == q_ref.view(torch.uint8)).float().mean().item()
@@ -279,6 +282,20 @@ def test_fused_moe_kernel_cuda(t, scheme, routing):
     assert rel_err(y.cpu(), ref) < 1e-2
 
 
+def test_kernel_scheme_boundaries():
+    """What the Triton kernel takes; the op's CUDA impl gives the rest (and GPUs older than sm_89) the reference."""
+    pytest.importorskip("triton")
+    from fp8fx.kernels.fused_moe import supports
+
+    assert supports([1, -1], [1, -1]) and supports([-1, -1], [-1, -1]) and supports([128, 128], [1, 128])
+    assert supports([1, -1], [1, 64]) and supports([64, 32], [1, -1])
+    assert not supports([128, 256], [1, 256])  # BLOCK_N = BLOCK_K = 256 spills; 512 exceeds shared memory
+    assert not supports([128, 128], [1, 64])  # K groups of the two operands differ
+    assert not supports([16, 16], [1, 16])  # under the fp8 dot's K minimum on sm_90
+    assert not supports([-1, 128], [1, 128])  # whole-column K groups
+    assert not supports([128, 128], [1, 128], (8, 2 * 96, 256))  # 128-row blocks straddle gate and up (I=96)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("act_block", [[1, -1], [1, 128], [-1, -1]])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -289,13 +306,14 @@ def test_quantize_act_cuda_is_bit_exact(act_block, dtype):
     g = torch.Generator().manual_seed(0)
     a = (torch.randn(257, 14336, generator=g) * torch.logspace(-4, 4, 257).unsqueeze(1)).to(dtype).cuda()
     a[3] = 0
+    a[7, 1000] = float("nan")  # torch's amax keeps NaN: that row's (or group's) scale is NaN
     for static in (None, torch.tensor([0.37]).cuda()):
         if static is not None and act_block != [-1, -1]:
             continue
         q, scale = quantize_act(a, act_block, static)
         q_ref, scale_ref = torch_quantize_act(a, act_block, static)
-        assert torch.equal(scale, scale_ref)
-        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        torch.testing.assert_close(scale, scale_ref, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=0, equal_nan=True)
 
 
 def compile_for_hopper(kernel, pointers: dict, ints: list, consts: dict, cfg: dict):
