@@ -23,6 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp8fx  # noqa: E402
+from bench_moe import rel_err, time_ms  # noqa: E402  (run as a script: benchmarks/ is on sys.path)
 
 MODELS = {  # transformers config class name, MoE dimensions
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
@@ -46,24 +47,6 @@ def moe_layer(name: str, device: str, tiny: bool):
         model = getattr(transformers, model_name)(config).to(torch.bfloat16).eval()
     model.set_experts_implementation("grouped_mm")
     return model.model.layers[0].mlp, config.hidden_size
-
-
-def time_ms(fn, graph: bool) -> float:
-    import triton
-
-    if graph:
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def rel_err(a, ref):
-    return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
 
 
 def run(name: str, tokens: list[int], device: str, tiny: bool) -> list[dict]:
