@@ -3,7 +3,7 @@
 # included) and the benchmark; logs and results land in $OUT.
 #   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,compile,bench,moe,tune] [bench args...]
 # One device call runs at most 10 minutes: 'tests' alone fills most of one (cuda tests <= 5 min, the
-# rest <= 4 min); run 'compile,bench,moe' in a second call.
+# rest <= 4 min); then "moe,tune" (<= 9 min) and "compile,bench" (<= 8 min) in two more calls.
 set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,compile,bench,moe
@@ -22,8 +22,8 @@ if has tests; then
   # cuda tests first (what only the GPU can check), then the rest on this torch/transformers; each
   # failure's traceback is written as it happens (a run cut at its time limit prints no summary)
   P="python3 -m pytest -q -rfE --tb=short --timeout 120 -p no:cacheprovider --failures-file $OUT/failures.txt"
-  timeout 300 $P -m cuda tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -5
-  timeout 240 $P -m "not cuda" -k "not sm90" tests 2>&1 | tee "$OUT/pytest-cpu.log" | tail -5
+  timeout 330 $P -m cuda tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -5
+  timeout 230 $P -m "not cuda" -k "not sm90" tests 2>&1 | tee "$OUT/pytest-cpu.log" | tail -5
   [ -s "$OUT/failures.txt" ] && grep "^=====" "$OUT/failures.txt"
 fi
 if has compile; then
@@ -35,9 +35,9 @@ if has bench; then
   timeout 420 python3 benchmarks/bench_linear.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 if has moe; then
-  timeout 220 python3 benchmarks/bench_moe.py --out "$OUT" --sweep 2>&1 | tee "$OUT/moe.log"
-  timeout 200 python3 benchmarks/bench_moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | grep "^{"
+  timeout 200 python3 benchmarks/bench_moe.py --out "$OUT" --sweep 2>&1 | tee "$OUT/moe.log"
+  timeout 150 python3 benchmarks/bench_moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | grep "^{"
 fi
 if has tune; then
-  timeout 240 python3 benchmarks/tune_gemm.py --block 2>&1 | tee "$OUT/tune-block.txt"
+  timeout 200 python3 benchmarks/tune_gemm.py --block 2>&1 | tee "$OUT/tune-block.txt"
 fi
