@@ -141,19 +141,15 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64):
 
 def cublas_blockwise(xq, xs, wq, ws):
     """cuBLAS 1x128 x 128x128 block-scaled GEMM (``F.scaled_mm``), or None where this torch lacks it."""
-    F = torch.nn.functional
-    if not hasattr(F, "scaled_mm"):
+    if not hasattr(torch.nn.functional, "scaled_mm"):
         return None
-    st = F.ScalingType
-    # A scales [M, K/128] outer-dim-major; B scales as [K/128, N/128] (FACTS.md, torch 2.11)
-    sa = xs.t().contiguous().t()
-    sb = ws.t()
-    return lambda: F.scaled_mm(xq, wq.t(), sa, st.BlockWise1x128, sb, st.BlockWise128x128,
-                               output_dtype=torch.bfloat16)
+    return lambda: fp8fx.ops.cublas_block_scaled_mm(xq, xs, wq, ws, None, torch.bfloat16)
 
 
 def run_kernels(rows, errors, graph_max_m=64):
     """Block-scaled GEMMs (GEMM only, both sides pre-quantized) and the weight-only GEMM."""
+    from fp8fx.kernels.fp8_gemm import fp8_gemm
+
     for name, (n, k) in LAYERS.items():
         w = torch.randn(n, k, device="cuda") / k**0.5
         wq, ws = fp8fx.quant.quantize(w, [128, 128])
@@ -166,9 +162,14 @@ def run_kernels(rows, errors, graph_max_m=64):
             # small M as CUDA-graph replays: a plain call of a custom op costs ~50 us of host time,
             # more than these GEMMs (run 7 timed M <= 16 without graphs and measured the host)
             bench_ = lambda f: bench(lambda _: f(), None, graph=m <= graph_max_m)  # noqa: E731
+            # the op (cuBLAS's block GEMM where ops.cublas_block_fits, else the Triton kernel) and the
+            # Triton kernel itself
             fx_block = lambda: torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws, None, [1, 128], [128, 128], torch.bfloat16)  # noqa: E731
-            times = {"bf16_cublas": bench_(lambda: torch.nn.functional.linear(x, wb)), "fp8fx_block": bench_(fx_block)}
+            fx_triton = lambda: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, a_block=(1, 128), b_block=(128, 128))  # noqa: E731
+            times = {"bf16_cublas": bench_(lambda: torch.nn.functional.linear(x, wb)), "fp8fx_block": bench_(fx_block),
+                     "fp8fx_triton_block": bench_(fx_triton)}
             errors[f"block {name} M={m} fp8fx"] = rel_err(fx_block(), ref)
+            errors[f"block {name} M={m} fp8fx triton"] = rel_err(fx_triton(), ref)
             cb = cublas_blockwise(xq, xs, wq, ws)
             if cb is not None:
                 try:

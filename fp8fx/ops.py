@@ -13,7 +13,8 @@ Blocks are ``[rows, cols]`` lists over a 2-D view with ``-1`` = whole dim (see `
 - ``scaled_mm(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False)``:
   ``y [..., N] = dequant(xq) @ dequant(wq).T + bias``; wq: ``[N, K]``. On CUDA: the Triton GEMM of
   ``fp8fx.kernels`` for decode-sized M and for block / group scales, cuBLAS ``torch._scaled_mm``
-  for per-tensor / per-row scales above.
+  for per-tensor / per-row scales above; 1x128 x 128x128 blocks go to cuBLAS's block-scaled GEMM
+  where it applies (``cublas_block_fits``: measured faster).
 - ``scaled_mm_fused(xq, x_scale, wqs, w_scales, biases, ...)``: several weights that read the same
   activation in one GEMM (``fp8fx.passes.horizontal``).
 - ``weight_only_mm(x, wq, w_scale, bias, w_block)``: ``x @ dequant(wq).T + bias`` with 16-bit
@@ -146,6 +147,8 @@ def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accu
         y = fp8_gemm(x2, wq, x_scale, w_scale, bias, out_dtype, fast_accum=use_fast_accum)
     elif _tensor_or_row(x_block, w_block) and _cublas_fits(m, n, k, x_block, w_block, out_dtype):
         y = cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum)
+    elif cublas_block_fits(m, n, k, x_block, w_block, out_dtype):
+        y = cublas_block_scaled_mm(x2, x_scale, wq, w_scale, bias, out_dtype)
     elif m > 0 and _k_groups_agree(x_block, w_block):  # block scales, and what cuBLAS refuses
         from fp8fx.kernels.fp8_gemm import fp8_gemm
 
@@ -175,6 +178,30 @@ def cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype
     y = torch._scaled_mm(
         x2.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
     )
+    return y if bias is None else y + bias.to(out_dtype)
+
+
+def cublas_block_fits(m: int, n: int, k: int, x_block, w_block, out_dtype) -> bool:
+    """cuBLAS's 1x128 x 128x128 block-scaled GEMM (``F.scaled_mm``), where it was run on the H200 (run 7:
+    M = 16, 2048, 4096; N, K multiples of 128; bf16 out): there it took 0.53-0.57x the time of fp8fx's
+    Triton block kernel at M >= 2048. Other shapes (ragged blocks, odd M) stay on the Triton kernel."""
+    return (
+        hasattr(torch.nn.functional, "scaled_mm")
+        and tuple(x_block) == (1, 128) and tuple(w_block) == (128, 128) and out_dtype == torch.bfloat16
+        and m > 0 and m % 16 == 0 and n % 128 == 0 and k % 128 == 0
+    )
+
+
+def cublas_block_scaled_mm(x2, x_scale, wq, w_scale, bias, out_dtype):
+    """x2: [M, K] fp8 with 1x128 scales [M, K/128] @ wq: [N, K].T with 128x128 scales [N/128, K/128]."""
+    F = torch.nn.functional
+    (m, k), n = x2.shape, wq.shape[0]
+    # A scales outer-dim-major, B scales as [K/128, N/128] (FACTS.md; torch 2.11 checks the strides)
+    scale_a = torch.empty_strided((m, k // 128), (1, m), device=x2.device, dtype=torch.float32)
+    scale_a.copy_(x_scale.reshape(m, k // 128))
+    scale_b = w_scale.float().reshape(n // 128, k // 128).t()
+    y = F.scaled_mm(x2.contiguous(), wq.t(), scale_a, F.ScalingType.BlockWise1x128, scale_b,
+                    F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
     return y if bias is None else y + bias.to(out_dtype)
 
 
