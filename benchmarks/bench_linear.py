@@ -43,13 +43,16 @@ def bench(fn, x, graph: bool) -> float:
     import triton
 
     if graph:
-        for _ in range(3):
-            fn(x)
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn(x)
-        return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+        try:
+            for _ in range(3):
+                fn(x)
+            torch.cuda.synchronize()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                fn(x)
+            return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+        except Exception as exc:  # noqa: BLE001 - a row timed plainly beats a run lost
+            print(f"CUDA-graph capture failed ({exc!r:.200}); timing plain calls", file=sys.stderr)
     return triton.testing.do_bench(lambda: fn(x), warmup=25, rep=100, return_mode="median")
 
 

@@ -58,6 +58,9 @@ def main(argv=None):
         else:
             cublas = time_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, -1).contiguous(),
                                                       out_dtype=torch.bfloat16))
+        if not results:
+            print(f"{name} M={m}: no candidate ran")
+            continue
         best_t, best = results[0]
         tbs = lambda t: n * k / t / 1e9  # noqa: E731  weight bytes / ms -> TB/s
         tflops = lambda t: 2 * m * n * k / t / 1e9  # noqa: E731

@@ -23,6 +23,10 @@ def pytest_runtest_logreport(report):
             f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
+def pytest_collectreport(report):
+    pytest_runtest_logreport(report)  # a module that fails to import
+
+
 def pytest_configure(config):
     pytest_runtest_logreport.path = config.getoption("--failures-file")
 
