@@ -36,6 +36,7 @@ def time_ms(fn, graph: bool) -> float:
             print(f"CUDA-graph capture failed ({exc!r:.200}); timing plain calls", file=sys.stderr)
     return _time_ms(fn, False)
 
+
 MODELS = {  # transformers config class name, MoE dimensions
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
                   dict(hidden_size=2048, moe_intermediate_size=768, intermediate_size=6144, num_experts=128,

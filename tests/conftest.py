@@ -16,19 +16,22 @@ def pytest_addoption(parser):
     )
 
 
+_failures_file = None  # --failures-file
+
+
+def pytest_configure(config):
+    global _failures_file
+    _failures_file = config.getoption("--failures-file")
+
+
 def pytest_runtest_logreport(report):
-    path = getattr(pytest_runtest_logreport, "path", None)
-    if path and report.failed:
-        with open(path, "a") as f:
+    if _failures_file and report.failed:
+        with open(_failures_file, "a") as f:
             f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n\n")
 
 
 def pytest_collectreport(report):
     pytest_runtest_logreport(report)  # a module that fails to import
-
-
-def pytest_configure(config):
-    pytest_runtest_logreport.path = config.getoption("--failures-file")
 
 
 def pytest_collection_modifyitems(config, items):
