@@ -213,12 +213,12 @@ INTERPRETER_CHECK = textwrap.dedent(
                           quantize=torch_quantize_act, fuse_quant=False)
             err = ((y - ref).norm() / ref.norm()).item()
             assert err < 1e-4, (wb, ab, static, t, k, err)
-        for name, bad_s13, bad_s2 in [("w2", s13, s2 * 1.5), ("one w13 block", s13.clone().flatten(), s2)]:
+        for name, bad_s13, bad_s2, bound in [("w2", s13, s2 * 1.5, 0.1), ("one w13 block", s13.clone().flatten(), s2, 0.01)]:
             if name == "one w13 block":  # one scale entry of expert 2 (crowded): a wrong block index must show
                 bad_s13[bad_s13.numel() * 2 // E] *= 4
             bad = fused_moe(x, w, ids, q13, bad_s13.reshape(s13.shape), q2, bad_s2, wb, ab, torch.float32, a13, a2,
                             config=cfg, quantize=torch_quantize_act, fuse_quant=False)
-            assert ((bad - ref).norm() / ref.norm()).item() > 0.01, (wb, ab, name)  # a wrong scale must show
+            assert ((bad - ref).norm() / ref.norm()).item() > bound, (wb, ab, name)  # a wrong scale must show
         if ab[1] != -1:  # the first GEMM's epilogue quantizing its 1 x GK groups vs torch on its float32 output
             y = fused_moe(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, a13, a2, config=cfg,
                           quantize=torch_quantize_act)
