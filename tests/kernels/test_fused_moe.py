@@ -213,7 +213,8 @@ INTERPRETER_CHECK = textwrap.dedent(
                           quantize=torch_quantize_act, fuse_quant=False)
             err = ((y - ref).norm() / ref.norm()).item()
             assert err < 1e-4, (wb, ab, static, t, k, err)
-        for name, bad_s13, bad_s2, bound in [("w2", s13, s2 * 1.5, 0.1), ("one w13 block", s13.clone().flatten(), s2, 0.01)]:
+        wrong = [("w2", s13, s2 * 1.5, 0.1), ("one w13 block", s13.clone().flatten(), s2, 0.01)]
+        for name, bad_s13, bad_s2, bound in wrong:
             if name == "one w13 block":  # one scale entry of expert 2 (crowded): a wrong block index must show
                 bad_s13[bad_s13.numel() * 2 // E] *= 4
             bad = fused_moe(x, w, ids, q13, bad_s13.reshape(s13.shape), q2, bad_s2, wb, ab, torch.float32, a13, a2,
