@@ -168,7 +168,9 @@ def run_kernels(rows, errors, graph_max_m=64):
             # the op (cuBLAS's block GEMM where ops.cublas_block_fits, else the Triton kernel) and the
             # Triton kernel itself
             fx_block = lambda: torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws, None, [1, 128], [128, 128], torch.bfloat16)  # noqa: E731
-            fx_triton = lambda: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, a_block=(1, 128), b_block=(128, 128))  # noqa: E731
+            fx_triton = lambda: fp8_gemm(  # noqa: E731
+                xq, wq, xs, ws, None, torch.bfloat16, a_block=(1, 128), b_block=(128, 128)
+            )
             times = {"bf16_cublas": bench_(lambda: torch.nn.functional.linear(x, wb)), "fp8fx_block": bench_(fx_block),
                      "fp8fx_triton_block": bench_(fx_triton)}
             errors[f"block {name} M={m} fp8fx"] = rel_err(fx_block(), ref)

@@ -13,7 +13,8 @@ ANCHORS.md), from bf16 tokens and a given top-k to the bf16 output:
     with fp32 promotion every K step and with Hopper's fast accumulation (``fp8fx_fast_accum``).
 16-token rows are CUDA-graph replays. The weight-read floor is all fp8 expert bytes / 4.25 TB/s (the
 H200's measured copy speed; ANCHORS.md's definition); ``touched_floor_ms`` counts only the experts the
-tokens are routed to. Both anchors combine like fp8fx (bf16 terms, float32 sum over top-k). ``--sweep`` also times a set of tile configurations.
+tokens are routed to. Both anchors combine like fp8fx (bf16 terms, float32 sum over top-k).
+``--sweep`` also times a set of tile configurations.
 Writes moe.json under --out. ``--cpu-smoke`` runs tiny shapes under Triton's interpreter (no timing;
 its errors include the interpreter's fp8 conversion bug).
 """
