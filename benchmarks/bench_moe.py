@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "--cpu-smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from bench_linear import bench, rel_err  # noqa: E402  (run as a script: benchmarks/ is on sys.path)
 from fp8fx import ops, quant  # noqa: E402
 from fp8fx.kernels import fused_moe as moe_kernel  # noqa: E402
 
@@ -107,21 +108,8 @@ def fp8_scaled_grouped(x, weights, ids, q13, s13, q2, s2):
 
 
 def time_ms(fn, graph: bool) -> float:
-    import triton
-
-    if graph:
-        for _ in range(2):
-            fn()
-        torch.cuda.synchronize()
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            fn()
-        return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
-    return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
-
-
-def rel_err(a, ref):
-    return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
+    """Median ms of ``fn()``: bench_linear's timing (CUDA-graph replays, plain calls where capture fails)."""
+    return bench(lambda _: fn(), None, graph)
 
 
 SCHEMES = {  # name: (expert weight block, activation block)
@@ -171,12 +159,7 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel") -
         row["scaled_grouped_mm_error"] = repr(exc)[:300]
         timings.pop("scaled_grouped_mm")
     for name, fn in timings.items():
-        try:
-            row[f"{name}_ms"] = time_ms(fn, graph)
-        except Exception as exc:  # noqa: BLE001 - e.g. a host sync inside CUDA-graph capture
-            row[f"{name}_graph_error"] = repr(exc)[:300]
-            traceback.print_exc()
-            row[f"{name}_ms"] = time_ms(fn, False)
+        row[f"{name}_ms"] = time_ms(fn, graph)
     # ANCHORS.md's floor reads every expert; the experts these tokens touch are the tighter one
     row["floor_ms"] = (q13.numel() + q2.numel()) / (HBM_TBPS * 1e9)
     row["experts_touched"] = int(ids.unique().numel())

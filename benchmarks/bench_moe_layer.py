@@ -23,18 +23,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp8fx  # noqa: E402
-from bench_moe import rel_err  # noqa: E402  (run as a script: benchmarks/ is on sys.path)
-from bench_moe import time_ms as _time_ms  # noqa: E402
-
-
-def time_ms(fn, graph: bool) -> float:
-    """CUDA-graph replay time where capture works, else plain calls (and says so)."""
-    if graph:
-        try:
-            return _time_ms(fn, True)
-        except Exception as exc:  # noqa: BLE001 - e.g. a host sync in the compiled graph
-            print(f"CUDA-graph capture failed ({exc!r:.200}); timing plain calls", file=sys.stderr)
-    return _time_ms(fn, False)
+from bench_moe import rel_err, time_ms  # noqa: E402  (run as a script: benchmarks/ is on sys.path)
 
 
 MODELS = {  # transformers config class name, MoE dimensions
