@@ -34,7 +34,7 @@ Tiles are picked by `tile_config` rather than autotuned so launches are determin
 capturable and run under TRITON_INTERPRET=1. ``SPLIT_K`` > 1 splits the K loop over that many programs
 per output tile (float32 partials, summed by the caller: deterministic) for decode shapes whose output
 tiles are too few to keep every SM streaming weight (down 4096x14336 at BLOCK_N=32: 128 tiles for 132
-SMs); `tile_config` keeps SPLIT_K=1 until `benchmarks/tune_gemm.py` has measured where it pays.
+SMs); `tile_config` leaves it at 1 (the default) until `benchmarks/tune_gemm.py` has measured where it pays.
 """
 from __future__ import annotations
 
@@ -132,15 +132,14 @@ def tile_config(m: int, n: int, k: int) -> dict:
     long_k = k >= 8192
     if m <= 16:
         if long_k:
-            return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=6, SPLIT_K=1)
+            return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=6)
         if n >= 16384:  # gate_up 28672x4096: 0.0413 ms vs 0.0442 with the tiles below
-            return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3, SPLIT_K=1)
+            return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
         # qkv 6144x4096: 0.0153 ms (sweep), while the tiles above took 0.0253 ms in benchmark run 6
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5, SPLIT_K=1)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=32 if long_k else 64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5,
-                    SPLIT_K=1)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4, SPLIT_K=1)
+        return dict(BLOCK_M=64, BLOCK_N=32 if long_k else 64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
 def pipeline_stages(cfg: dict, a_bytes: int) -> int:
