@@ -383,9 +383,7 @@ def fused_moe(
     a2_scale: Optional[torch.Tensor] = None,
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
-    _check_block(w_block, "w_block")
-    _check_block(act_block, "act_block")
-    _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
+    _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block)
     return fused_moe_reference(
         x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
     )
@@ -396,6 +394,13 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
       a2_scale=None, use_fast_accum=False):
     _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
     return x.new_empty((x.shape[0], w2.shape[1]), dtype=out_dtype)
+
+
+def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block) -> None:
+    """What every real implementation of fused_moe checks before it computes."""
+    _check_block(w_block, "w_block")
+    _check_block(act_block, "act_block")
+    _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
 
 
 def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
@@ -417,7 +422,7 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
       a2_scale=None, use_fast_accum=False):
     from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
 
-    _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
+    _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block)
     # the kernel's fp8 x fp8 dots need fp8 tensor cores (compute capability 8.9: Ada, Hopper and later)
     fp8_cores = torch.cuda.get_device_capability(x.device) >= (8, 9)
     if fp8_cores and kernel.supports(w_block, act_block, tuple(w13.shape)):
