@@ -121,6 +121,9 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64):
     ref_mod = fresh().float()
     variants = {"bf16_inductor": torch.compile(fresh())}
     variants["fp8fx"], backend = fp8fx_module(fresh())
+    # candidates for the default: one-pass activation quantization; gate and up as one GEMM
+    variants["fp8fx_one_pass"], _ = fp8fx_module(fresh(), {"one_pass_rows": 16384})
+    variants["fp8fx_one_pass_fused"], _ = fp8fx_module(fresh(), {"one_pass_rows": 16384, "fuse_horizontal": True})
     ao, why = torchao_rowwise(fresh())
     if ao is not None:
         variants["torchao_rowwise"] = torch.compile(ao)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine (device tool): install carried wheels, run the whole test suite (cuda tests
 # included) and the benchmark; logs and results land in $OUT.
-#   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,compile,bench,moe,tune] [bench args...]
+#   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,cudatests,compile,bench,moe,tune,decode]
+#          [bench args...]   (cudatests: the cuda-marked tests only; decode: tune_gemm.py's decode sweep)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes: 'tests'
 # fills most of one (MoE kernel tests first, <= 2.5 min; other cuda tests <= 3.5 min; the rest <= 3.3
 # min); then "moe,tune" (<= 9 min) and "compile,bench" (<= 8 min), back to back (a cold start costs
@@ -21,14 +22,14 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
-if has tests; then
+if has tests || has cudatests; then
   # cuda tests first (what only the GPU can check), then the rest on this torch/transformers; each
   # failure's traceback is written as it happens (a run cut at its time limit prints no summary)
   P="python3 -m pytest -q -rfE --tb=short --timeout 120 --durations=30 -p no:cacheprovider --failures-file $OUT/failures.txt"
   moe=tests/kernels/test_fused_moe.py  # first: it decides whether the MoE benchmark call is worth making
   timeout 150 $P -m cuda $moe 2>&1 | tee "$OUT/pytest-cuda-moe.log" | tail -5
   timeout 210 $P -m cuda --ignore=$moe tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -5
-  timeout 200 $P -m "not cuda" -k "not sm90" tests 2>&1 | tee "$OUT/pytest-cpu.log" | tail -5
+  has tests && timeout 200 $P -m "not cuda" -k "not sm90" tests 2>&1 | tee "$OUT/pytest-cpu.log" | tail -5
   [ -s "$OUT/failures.txt" ] && grep "^=====" "$OUT/failures.txt"
 fi
 if has compile; then
@@ -42,6 +43,9 @@ fi
 if has moe; then
   timeout 200 python3 benchmarks/bench_moe.py --out "$OUT" 2>&1 | tee "$OUT/moe.log"  # run 7 did the tile sweep
   timeout 150 python3 benchmarks/bench_moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | grep "^{"
+fi
+if has decode; then
+  timeout 240 python3 benchmarks/tune_gemm.py 2>&1 | tee "$OUT/tune-decode.txt"
 fi
 if has tune; then
   timeout 200 python3 benchmarks/tune_gemm.py --block 2>&1 | tee "$OUT/tune-block.txt"

@@ -23,12 +23,16 @@ def candidates(m, block: bool):
     """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K)."""
     if block:  # BLOCK_K is the 128 of the scale groups; prefill only (the target is M >= 2048): ~16 configs
         return itertools.product([64, 128], [128, 256], [128], [8], [4, 8], [3, 4], [1])
-    if m <= 16:
-        return itertools.product([16], [16, 32, 64], [128, 256, 512], [1], [4], [3, 4, 6], [1, 2, 4])
-    return itertools.product([16, 64], [32, 64, 128], [128, 256], [1], [4], [3, 5], [1, 2])
+    if m <= 16:  # ~36 configs per shape: a device call compiles each once (~1 s)
+        return itertools.product([16], [32, 64], [128, 256, 512], [1], [4], [4, 6], [1, 2, 4])
+    return itertools.product([64], [32, 64], [128, 256], [1], [4], [4, 5], [1, 2])
 
 
-def time_ms(fn):
+def time_ms(fn, graph: bool = False):
+    """Median ms; as CUDA-graph replays for decode, where a plain call's launch (~20 us of Python)
+    would hide a 15-40 us kernel."""
+    if graph:
+        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
@@ -43,30 +47,32 @@ def main(argv=None):
         xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), a_block)
         gemm = lambda cfg=None: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
         ref = gemm().float()
-        results = []
+        results, graph = [], not args.block
         for bm, bn, bk, gm, warps, stages, split in candidates(m, args.block):
             cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages, SPLIT_K=split)
             try:
                 assert (gemm(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
-                results.append((time_ms(lambda: gemm(cfg)), cfg))
+                results.append((time_ms(lambda: gemm(cfg), graph), cfg))
             except Exception:  # noqa: BLE001 - out of shared memory etc.: not a candidate
                 continue
         results.sort(key=lambda r: r[0])
-        current = time_ms(gemm)
+        current = time_ms(gemm, graph)
         if args.block:
             cublas = time_ms(cublas_blockwise(xq, xs, wq, ws))
         else:
-            cublas = time_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, -1).contiguous(),
-                                                      out_dtype=torch.bfloat16))
+            ws_row = ws.reshape(1, -1).contiguous()
+            cublas = time_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16),
+                             graph)
         if not results:
             print(f"{name} M={m}: no candidate ran")
             continue
         best_t, best = results[0]
         tbs = lambda t: n * k / t / 1e9  # noqa: E731  weight bytes / ms -> TB/s
         tflops = lambda t: 2 * m * n * k / t / 1e9  # noqa: E731
+        top3 = " ; ".join(f"{t:.4f} {c}" for t, c in results[1:4])
         print(f"{name} M={m}: best {best_t:.4f} ms ({tbs(best_t):.2f} TB/s, {tflops(best_t):.0f} TFLOP/s) {best} | "
               f"current {current:.4f} ms {tile_config(m, n, k)} | cuBLAS {cublas:.4f} ms "
-              f"(best vs cuBLAS {cublas / best_t:.2f}x)")
+              f"(best vs cuBLAS {cublas / best_t:.2f}x) | next: {top3}", flush=True)
 
 
 if __name__ == "__main__":

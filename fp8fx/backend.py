@@ -41,6 +41,11 @@ class Fp8Backend:
       (``fp8fx.passes.horizontal``): once compiled, the fused layers' parameters are moved into one
       tensor (per-tensor shards requantized to their max scale) and run as one GEMM. Default False.
 
+    - ``one_pass_rows``: reduce rows of up to this many elements in one pass, held in registers, where
+      Inductor's heuristic stops at 1024 (``compat.one_pass_row_reductions``): the per-token
+      quantization of a 4096- or 14336-wide activation then reads it once instead of twice. None
+      (default) keeps Inductor's heuristic.
+
     ``report`` lists every linear site of every graph this backend compiled.
     """
 
@@ -55,11 +60,15 @@ class Fp8Backend:
         cudagraphs: bool = False,
         weight_only: Optional[bool] = None,
         fuse_horizontal: bool = False,
+        one_pass_rows: Optional[int] = None,
     ):
         if compiler not in _COMPILERS:
             raise ValueError(f"Fp8Backend(compiler={compiler!r}): use one of {_COMPILERS}")
         if lowering not in _LOWERINGS:
             raise ValueError(f"Fp8Backend(lowering={lowering!r}): use one of {_LOWERINGS}")
+        if one_pass_rows is not None and (not isinstance(one_pass_rows, int) or one_pass_rows < 1):
+            raise ValueError(f"Fp8Backend(one_pass_rows={one_pass_rows!r}): a positive int (row length) or None")
+        self.one_pass_rows = one_pass_rows
         self.lowering = lowering
         self.compiler = compiler
         self.dump_dir = dump_dir
@@ -77,6 +86,7 @@ class Fp8Backend:
             "use_fast_accum": use_fast_accum,
             "weight_only": weight_only,
             "fuse_horizontal": fuse_horizontal,
+            "one_pass_rows": one_pass_rows,
             "inductor_config": sorted(self.inductor_config.items()),
         }
         passes = default_passes(use_fast_accum=use_fast_accum, weight_only=weight_only, fuse_horizontal=fuse_horizontal)
@@ -98,7 +108,7 @@ class Fp8Backend:
             return self._done(gm.forward, index, dump, [])
         patches = {**self.inductor_config, "post_grad_custom_post_pass": self.pass_manager}
         decomps = aten.decompositions() if self.lowering == "aten" and aten.applies(example_inputs) else None
-        with compat.capture_output_code() as code:  # for the report's kernels and the dump
+        with compat.capture_output_code() as code, compat.one_pass_row_reductions(self.one_pass_rows):
             compiled = compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
         self.report.add_output_code(index, "\n".join(code), gm)
         for fn in after_compile:

@@ -30,6 +30,44 @@ def compile_fx(
     return _compile_fx(gm, example_inputs, config_patches=config_patches or {}, decompositions=decomps)
 
 
+@contextlib.contextmanager
+def one_pass_row_reductions(limit: Optional[int]) -> Iterator[None]:
+    """Inside the block, Inductor reduces rows (reductions along the contiguous last dimension) of up
+    to ``limit`` elements in one pass, the row held in registers (a "persistent" reduction). Its own
+    heuristic does that only up to 1024 elements; longer rows take the looped form, which reads its
+    input twice when the result feeds the same kernel's output (amax -> divide -> cast: activation
+    quantization). ``None`` leaves Inductor's heuristic alone.
+
+    Installed through Inductor's choices handler (``V.set_choices_handler``), for this block only; every
+    other heuristic is the handler already in place."""
+    if limit is None:
+        yield
+        return
+    from torch._inductor import config
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.virtualized import V
+
+    base = V.choices
+
+    class _Choices:
+        def __getattr__(self, name):
+            return getattr(base, name)
+
+        @staticmethod
+        def should_use_persistent_reduction(features, cooperative_reduction: bool) -> bool:
+            if (
+                config.triton.persistent_reductions
+                and not cooperative_reduction
+                and features.get_reduction_hint() == ReductionHint.INNER
+                and V.graph.sizevars.statically_known_leq(features.reduction_numel, limit)
+            ):
+                return True
+            return base.should_use_persistent_reduction(features, cooperative_reduction)
+
+    with V.set_choices_handler(_Choices()):
+        yield
+
+
 # -- seeing what was compiled (graph dumps, the report) -----------------------------------------------
 @contextlib.contextmanager
 def capture_output_code() -> Iterator[list[str]]:
@@ -101,4 +139,5 @@ __all__ = [
     "capture_output_code",
     "compile_fx",
     "dynamo_events",
+    "one_pass_row_reductions",
 ]

@@ -28,10 +28,10 @@ def triton_kernels(code: str) -> list[str]:
     return re.findall(r"@triton\.jit\ndef (.*?)(?=\n'''|\n\"\"\")", code, flags=re.S)
 
 
-def compiled_code(model, x):
+def compiled_code(model, x, **options):
     fp8fx.quantize_(model)
     with torch.no_grad():
-        out, code = run_and_get_code(torch.compile(model, backend=fp8fx.Fp8Backend()), x)
+        out, code = run_and_get_code(torch.compile(model, backend=fp8fx.Fp8Backend(**options)), x)
     dump = os.environ.get("FP8FX_TEST_DUMP")  # where the device run collects generated code
     if dump:
         os.makedirs(dump, exist_ok=True)
@@ -62,3 +62,22 @@ def test_llama_mlp_kernel_count():
     assert len(kernels) == 2, f"{len(kernels)} kernels:\n" + "\n----\n".join(kernels)
     assert sum("exp(" in k and "float8" in k for k in kernels) == 1
     assert code.count("torch.ops.fp8fx.scaled_mm.default(") == 3
+
+
+@pytest.mark.cuda
+def test_llama_mlp_one_pass_quantization():
+    """Fp8Backend(one_pass_rows=...): both activation quantizations (rows of 1024 and 4096) become one-pass
+    (persistent) reductions, Inductor's default keeps the 4096-wide one looped; same kernel count."""
+    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    model = MLP(1024, 4096).cuda().to(torch.bfloat16)
+    ref, code = compiled_code(model, x)
+    names = [k.split("(")[0] for k in triton_kernels(code)]
+    assert sum(n.startswith("triton_red_") for n in names) == 1, names  # SiLU*mul + quant over 4096
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP(1024, 4096).cuda().to(torch.bfloat16)
+    out, code = compiled_code(model, x, one_pass_rows=4096)
+    names = [k.split("(")[0] for k in triton_kernels(code)]
+    assert len(names) == 2 and all(n.startswith("triton_per_") for n in names), names
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # same arithmetic, one pass

@@ -159,8 +159,9 @@ def test_cache_key_changes_with_options_and_is_stable():
         Fp8Backend(cudagraphs=True).cache_key(),
         Fp8Backend(use_fast_accum=False).cache_key(),
         Fp8Backend(fuse_horizontal=True).cache_key(),
+        Fp8Backend(one_pass_rows=16384).cache_key(),
     }
-    assert len(keys) == 7
+    assert len(keys) == 8
     assert Fp8Backend(cudagraphs=True).inductor_config["triton.cudagraphs"] is True
     assert LinearPass().uuid() == LinearPass().uuid()
 
@@ -189,6 +190,44 @@ def test_bad_backend_option():
         Fp8Backend(compiler="tvm")
     with pytest.raises(ValueError, match="run your pass as post_grad_custom_pre_pass instead"):
         Fp8Backend(inductor_config={"post_grad_custom_post_pass": lambda graph: None})
+    with pytest.raises(ValueError, match=r"Fp8Backend\(one_pass_rows=0\): a positive int"):
+        Fp8Backend(one_pass_rows=0)
+
+
+def test_one_pass_row_reductions_handler():
+    """The choices handler takes INNER reductions up to the limit as one-pass (persistent) reductions,
+    leaves longer rows and other reductions to Inductor, and is gone after the block."""
+    import sympy
+    from torch._inductor.runtime.hints import ReductionHint
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch._inductor.virtualized import V
+
+    from fp8fx.lowerings import compat
+
+    class Features:
+        def __init__(self, numel, hint):
+            self.reduction_numel, self.hint = sympy.Integer(numel), hint
+            self.numel = sympy.Integer(64)  # rows (read by the cooperative-reduction heuristic)
+
+        def get_reduction_hint(self):
+            return self.hint
+
+    class Graph:
+        sizevars = SizeVarAllocator()
+
+    inner = ReductionHint.INNER
+    with V.set_graph_handler(Graph()):
+        assert not V.choices.should_use_persistent_reduction(Features(4096, inner), False)  # Inductor: <= 1024
+        with compat.one_pass_row_reductions(16384):
+            assert V.choices.should_use_persistent_reduction(Features(4096, inner), False)
+            assert V.choices.should_use_persistent_reduction(Features(14336, inner), False)
+            assert not V.choices.should_use_persistent_reduction(Features(32768, inner), False)
+            assert not V.choices.should_use_persistent_reduction(Features(4096, inner), True)  # cooperative
+            assert not V.choices.should_use_persistent_reduction(Features(4096, ReductionHint.OUTER), False)
+            assert V.choices.should_use_persistent_reduction(Features(512, inner), False)  # Inductor's own
+        with compat.one_pass_row_reductions(None):
+            assert not V.choices.should_use_persistent_reduction(Features(4096, inner), False)
+        assert not V.choices.should_use_persistent_reduction(Features(4096, inner), False)
 
 
 def test_weight_only_rewrite():
