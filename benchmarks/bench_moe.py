@@ -14,7 +14,7 @@ ANCHORS.md), from bf16 tokens and a given top-k to the bf16 output:
 16-token rows are CUDA-graph replays. The weight-read floor is all fp8 expert bytes / 4.25 TB/s (the
 H200's measured copy speed; ANCHORS.md's definition); ``touched_floor_ms`` counts only the experts the
 tokens are routed to. Both anchors combine like fp8fx (bf16 terms, float32 sum over top-k).
-``--sweep`` also times a set of tile configurations.
+``--sweep`` also times a set of tile configurations, ``--profile`` records each GPU kernel's time.
 Writes moe.json under --out. ``--cpu-smoke`` runs tiny shapes under Triton's interpreter (no timing;
 its errors include the interpreter's fp8 conversion bug).
 """
@@ -40,15 +40,19 @@ from fp8fx.kernels import fused_moe as moe_kernel  # noqa: E402
 
 SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}  # E, top-k, H, I
 HBM_TBPS = 4.25
-SWEEP = [
+SWEEP = [  # flat: both GEMMs; "gemm2": the second GEMM's own tiles (the first has two accumulators)
     dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4),
     dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
     dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
     dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4),
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
+    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4, gemm2=dict(BLOCK_N=128)),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, gemm2=dict(BLOCK_N=256)),
 ]
 
 
@@ -107,6 +111,24 @@ def fp8_scaled_grouped(x, weights, ids, q13, s13, q2, s2):
     return _combine(y, weights, order, t, k)
 
 
+def kernel_ms(fn, iters: int = 10) -> dict:
+    """{GPU kernel name: ms per call of ``fn()``} from torch.profiler: where the time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    out = {}
+    for evt in prof.key_averages():
+        ms = getattr(evt, "self_device_time_total", 0) / iters / 1000
+        if ms > 0:
+            out[evt.key[:60]] = round(ms, 4)
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
 def time_ms(fn, graph: bool) -> float:
     """Median ms of ``fn()``: bench_linear's timing (CUDA-graph replays, plain calls where capture fails)."""
     return bench(lambda _: fn(), None, graph)
@@ -118,7 +140,7 @@ SCHEMES = {  # name: (expert weight block, activation block)
 }
 
 
-def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel") -> dict:
+def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", profile: bool = False) -> dict:
     e, k, h, i = SHAPES[shape]
     w_block, act_block = SCHEMES[scheme]
     if device != "cuda":  # tiny CPU shapes: blocks that fit them
@@ -169,13 +191,17 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel") -
         row["vs_scaled_grouped"] = row["scaled_grouped_mm_ms"] / row["fp8fx_ms"]
     row["vs_floor"] = row["fp8fx_ms"] / row["floor_ms"]
     row["vs_touched_floor"] = row["fp8fx_ms"] / row["touched_floor_ms"]
+    if profile:
+        for name in ("fp8fx_fast_accum", "bf16_grouped_mm"):
+            row[f"{name}_kernels"] = kernel_ms(timings[name])
     if sweep:
         row["sweep"] = []
         for cfg in SWEEP:
             try:
-                ms = time_ms(lambda: fp8(dict(cfg)), graph)
-                err = rel_err(fp8(dict(cfg)), ref)
-                row["sweep"].append(dict(cfg, ms=ms, err=err))
+                ms = time_ms(lambda: fp8(dict(cfg), True), graph)
+                err = rel_err(fp8(dict(cfg), True), ref)
+                kernels = kernel_ms(lambda: fp8(dict(cfg), True), 3) if profile else {}
+                row["sweep"].append(dict(cfg, ms=ms, err=err, **{k: v for k, v in kernels.items() if "moe_gemm" in k}))
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report and go on
                 row["sweep"].append(dict(cfg, error=repr(exc)[:200]))
     return row
@@ -187,7 +213,8 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="16,4096")
     p.add_argument("--shapes", default="qwen3,mixtral")
     p.add_argument("--schemes", default="per-channel,block")
-    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--sweep", action="store_true", help="time tile configurations (fast accumulation)")
+    p.add_argument("--profile", action="store_true", help="per-kernel GPU time (torch.profiler)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
     args = p.parse_args(argv)
     if args.cpu_smoke:
@@ -203,7 +230,7 @@ def main(argv=None) -> int:
         for t in tokens:
             start = time.perf_counter()
             try:
-                row = run_shape(shape, t, device, args.sweep and scheme == "per-channel", scheme)
+                row = run_shape(shape, t, device, args.sweep and scheme == "per-channel", scheme, args.profile)
             except Exception as exc:  # noqa: BLE001 - one row's failure is reported, the others still run
                 traceback.print_exc()
                 row, failed = dict(shape=shape, scheme=scheme, tokens=t, error=repr(exc)[:500]), True

@@ -2,7 +2,8 @@
 # On the GPU machine (device tool): install carried wheels, run the whole test suite (cuda tests
 # included) and the benchmark; logs and results land in $OUT.
 #   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,cudatests,compile,bench,moe,tune,decode]
-#          [bench args...]   (cudatests: the cuda-marked tests only; decode: tune_gemm.py's decode sweep)
+#          [bench args...]   (cudatests: the cuda-marked tests only; decode: tune_gemm.py's decode sweep;
+#          moesweep: bench_moe.py's tile sweep with per-kernel times)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes: 'tests'
 # fills most of one (MoE kernel tests first, <= 2.5 min; other cuda tests <= 3.5 min; the rest <= 3.3
 # min); then "moe,tune" (<= 9 min) and "compile,bench" (<= 8 min), back to back (a cold start costs
@@ -46,6 +47,9 @@ if has moe; then
 fi
 if has decode; then
   timeout 240 python3 benchmarks/tune_gemm.py 2>&1 | tee "$OUT/tune-decode.txt"
+fi
+if has moesweep; then  # tiles of both GEMMs with per-kernel times (per-channel experts)
+  timeout 300 python3 benchmarks/bench_moe.py --out "$OUT/sweep" --schemes per-channel --sweep --profile 2>&1 | tee "$OUT/moe-sweep.log"
 fi
 if has tune; then
   timeout 200 python3 benchmarks/tune_gemm.py --block 2>&1 | tee "$OUT/tune-block.txt"

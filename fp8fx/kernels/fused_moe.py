@@ -374,14 +374,21 @@ def fused_moe(
     if s == 0:
         return x.new_zeros((t, h), dtype=out_dtype)
     cfg = dict(config or tile_config(s / e, two_i, h))
+    gemm2 = cfg.pop("gemm2", {})  # the second GEMM's own tiles, where the config gives them
+    cfg2 = {**cfg, **gemm2}
     tiles = {name: cfg.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    tiles2 = {name: cfg2.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    if tiles2["BLOCK_M"] != tiles["BLOCK_M"]:
+        raise ValueError(f"fused_moe config: both GEMMs walk the same row blocks, got BLOCK_M {tiles['BLOCK_M']} "
+                         f"and gemm2 BLOCK_M {tiles2['BLOCK_M']}")
     group_k = _k_group(w_block) or _k_group(act_block)
     if group_k:
-        tiles["BLOCK_K"] = group_k  # K-varying scales are applied per K step
+        tiles["BLOCK_K"] = tiles2["BLOCK_K"] = group_k  # K-varying scales are applied per K step
     fuse_group = _k_group(act_block) if fuse_quant and a2_scale is None else None
     if fuse_group:
         tiles["BLOCK_N"] = fuse_group  # one N tile of the first GEMM = one activation group
     consts = dict(K_GROUPED=group_k is not None, IMPRECISE_K=imprecise_k(tiles, fast_accum), **tiles)
+    consts2 = dict(K_GROUPED=group_k is not None, IMPRECISE_K=imprecise_k(tiles2, fast_accum), **tiles2)
     sorted_pair, block_expert = align(topk_ids, e, tiles["BLOCK_M"])
     xq, x_scale = quantize(x, act_block, a13_scale)
     s13, s13_strides, s13_rows = _weight_scale(w13_scale, w13, w_block)
@@ -396,12 +403,12 @@ def fused_moe(
     # float32 otherwise (an fp16 term can overflow where the sum would not). Rows of pairs routed
     # nowhere are never written and must add 0.
     y = torch.zeros(s, h, device=x.device, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
-    grid = (block_expert.numel(), triton.cdiv(h, tiles["BLOCK_N"]))
+    grid = (block_expert.numel(), triton.cdiv(h, tiles2["BLOCK_N"]))
     moe_gemm2_kernel[grid](
         iq, w2, y, i_scale, s2, topk_weights.reshape(-1).contiguous(), sorted_pair, block_expert,
         s, h, iq.shape[1],
         iq.stride(0), iq.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), y.stride(1),
         *_act_strides(i_scale), *s2_strides,
-        W_BLOCK_N=s2_rows, **consts, **cfg,
+        W_BLOCK_N=s2_rows, **consts2, **cfg2,
     )
     return y.view(t, k_top, h).sum(dim=1, dtype=torch.float32).to(out_dtype)

@@ -213,6 +213,11 @@ INTERPRETER_CHECK = textwrap.dedent(
                           quantize=torch_quantize_act, fuse_quant=False)
             err = ((y - ref).norm() / ref.norm()).item()
             assert err < 1e-4, (wb, ab, static, t, k, err)
+            if t == 21 and static:  # the second GEMM with its own tiles
+                cfg2 = {**cfg, "gemm2": dict(BLOCK_N=32, BLOCK_K=64, num_warps=2)}
+                y2 = fused_moe(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, a13, a2, config=cfg2,
+                               quantize=torch_quantize_act, fuse_quant=False)
+                assert ((y2 - ref).norm() / ref.norm()).item() < 1e-4, (wb, ab, "gemm2 tiles")
         wrong = [("w2", s13, s2 * 1.5, 0.1), ("one w13 block", s13.clone().flatten(), s2, 0.01)]
         for name, bad_s13, bad_s2, bound in wrong:
             if name == "one w13 block":  # one scale entry of expert 2 (crowded): a wrong block index must show
@@ -252,6 +257,19 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 def test_fused_moe_kernel_under_triton_interpreter():
     assert "interpreter ok" in run_under_triton_interpreter(["-c", INTERPRETER_CHECK])
+
+
+def test_fused_moe_config_rows_must_agree():
+    pytest.importorskip("triton")
+    from fp8fx import quant
+    from fp8fx.kernels.fused_moe import fused_moe
+
+    q13, s13 = quant.quantize(torch.randn(2, 16, 32), [1, -1])
+    q2, s2 = quant.quantize(torch.randn(2, 32, 8), [1, -1])
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1, gemm2=dict(BLOCK_M=32))
+    with pytest.raises(ValueError, match="BLOCK_M 16 and gemm2 BLOCK_M 32"):
+        fused_moe(torch.randn(3, 32), torch.rand(3, 1), torch.zeros(3, 1, dtype=torch.long), q13, s13, q2, s2,
+                  [1, -1], [1, -1], torch.float32, config=cfg)
 
 
 @pytest.mark.cuda
