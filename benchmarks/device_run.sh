@@ -2,12 +2,12 @@
 # On the GPU machine (device tool): install carried wheels, run the whole test suite (cuda tests
 # included) and the benchmark; logs and results land in $OUT.
 #   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,cudatests,compile,bench,moe,tune,decode]
-#          [bench args...]   (cudatests: the cuda-marked tests only; decode: tune_gemm.py's decode sweep;
+#          [bench args...]   (cudatests: the cuda-marked tests only, moetests / gemmtests: those of the MoE /
+#          GEMM kernels; decode: tune_gemm.py's decode sweep;
 #          moesweep: bench_moe.py's tile sweep with per-kernel times)
-# Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes: 'tests'
-# fills most of one (MoE kernel tests first, <= 2.5 min; other cuda tests <= 3.5 min; the rest <= 3.3
-# min); then "moe,tune" (<= 9 min) and "compile,bench" (<= 8 min), back to back (a cold start costs
-# 1-2 minutes of the session's 30).
+# Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
+# session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,moesweep,moe" (~9 min),
+# "gemmtests,bench --kernels" (~9 min).
 set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,compile,bench,moe
@@ -23,16 +23,23 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
-if has tests || has cudatests; then
-  # cuda tests first (what only the GPU can check), then the rest on this torch/transformers; each
-  # failure's traceback is written as it happens (a run cut at its time limit prints no summary)
-  P="python3 -m pytest -q -rfE --tb=short --timeout 120 --durations=30 -p no:cacheprovider --failures-file $OUT/failures.txt"
-  moe=tests/kernels/test_fused_moe.py  # first: it decides whether the MoE benchmark call is worth making
+P="python3 -m pytest -q -rfE --tb=short --timeout 120 --durations=30 -p no:cacheprovider --failures-file $OUT/failures.txt"
+moe=tests/kernels/test_fused_moe.py gemm=tests/kernels/test_fp8_gemm.py
+# cuda tests first (what only the GPU can check), then the rest on this torch/transformers; each
+# failure's traceback is written as it happens (a run cut at its time limit prints no summary)
+if has tests || has cudatests || has moetests; then  # first: it decides whether the MoE benchmark is worth running
   timeout 150 $P -m cuda $moe 2>&1 | tee "$OUT/pytest-cuda-moe.log" | tail -5
-  timeout 210 $P -m cuda --ignore=$moe tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -5
-  has tests && timeout 200 $P -m "not cuda" -k "not sm90" tests 2>&1 | tee "$OUT/pytest-cpu.log" | tail -5
-  [ -s "$OUT/failures.txt" ] && grep "^=====" "$OUT/failures.txt"
 fi
+if has gemmtests; then
+  timeout 200 $P -m cuda $gemm 2>&1 | tee "$OUT/pytest-cuda-gemm.log" | tail -5
+fi
+if has tests || has cudatests; then
+  timeout 300 $P -m cuda --ignore=$moe tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -5
+fi
+if has tests; then
+  timeout 200 $P -m "not cuda" -k "not sm90" tests 2>&1 | tee "$OUT/pytest-cpu.log" | tail -5
+fi
+[ -s "$OUT/failures.txt" ] && grep "^=====" "$OUT/failures.txt"
 if has compile; then
   export TORCHINDUCTOR_CACHE_DIR=$(mktemp -d)
   for run in cold warm; do echo -n "$run: "; python3 benchmarks/bench_linear.py --compile-time 2>&1 | tail -1; done | tee "$OUT/compile.txt"
@@ -41,15 +48,15 @@ fi
 if has bench; then
   timeout 420 python3 benchmarks/bench_linear.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
-if has moe; then
-  timeout 200 python3 benchmarks/bench_moe.py --out "$OUT" 2>&1 | tee "$OUT/moe.log"  # run 7 did the tile sweep
+if has moe; then  # with moesweep, the layer only (moesweep times the experts)
+  has moesweep || timeout 200 python3 benchmarks/bench_moe.py --out "$OUT" 2>&1 | tee "$OUT/moe.log"
   timeout 150 python3 benchmarks/bench_moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | grep "^{"
 fi
 if has decode; then
   timeout 240 python3 benchmarks/tune_gemm.py 2>&1 | tee "$OUT/tune-decode.txt"
 fi
-if has moesweep; then  # tiles of both GEMMs with per-kernel times (per-channel experts)
-  timeout 300 python3 benchmarks/bench_moe.py --out "$OUT/sweep" --schemes per-channel --sweep --profile 2>&1 | tee "$OUT/moe-sweep.log"
+if has moesweep; then  # both schemes, per-kernel times; tiles of both GEMMs (per-channel)
+  timeout 300 python3 benchmarks/bench_moe.py --out "$OUT/sweep" --schemes per-channel,block --sweep --profile 2>&1 | tee "$OUT/moe-sweep.log"
 fi
 if has tune; then
   timeout 200 python3 benchmarks/tune_gemm.py --block 2>&1 | tee "$OUT/tune-block.txt"

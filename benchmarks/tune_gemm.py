@@ -16,7 +16,7 @@ from bench_linear import cublas_blockwise  # run as a script: benchmarks/ is on 
 from fp8fx import quant
 from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
 
-SHAPES = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
+SHAPES = {"gate_up": (28672, 4096), "gate": (14336, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
 
 
 def candidates(m, block: bool):

@@ -68,7 +68,10 @@ def compute_scale(x: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
         return torch.full(scale_shape(x.shape, block), AMAX_EPS / FP8_MAX, device=x.device)
     tiles, _ = _tiles(x, block)
     amax = tiles.abs().amax(dim=(-3, -1))
-    return amax.clamp(min=AMAX_EPS) / FP8_MAX
+    # divided by a tensor, not a Python number: CUDA torch turns division by a number into multiplication
+    # by its reciprocal (1 ulp off the quotient for about half the values); by a tensor it divides (IEEE),
+    # as CPU torch and fp8fx's Triton kernels (div_rn) do, so scales are the same bits on every device
+    return amax.clamp(min=AMAX_EPS) / torch.full((), FP8_MAX, dtype=amax.dtype, device=amax.device)
 
 
 def cast_to_fp8(x: torch.Tensor) -> torch.Tensor:

@@ -125,20 +125,25 @@ def fp8_gemm_kernel(
 
 
 def tile_config(m: int, n: int, k: int) -> dict:
-    """Tiles by problem size, from benchmarks/tune_gemm.py on the H200 (torch 2.11, triton 3.6):
-    decode streams the weight, so narrow N tiles give every SM its own slice and long K tiles with
-    deep pipelining keep enough bytes in flight (down 4096x14336 at M=1: 2.24 TB/s with BLOCK_K=512
-    and 6 stages vs 1.86 TB/s with 256 and 5; gate_up 28672x4096: 2.84 TB/s; cuBLAS fp8: 1.25-2.2)."""
+    """Tiles by problem size, from benchmarks/tune_gemm.py on the H200 (torch 2.11, triton 3.6; times of
+    CUDA-graph replays, 2026-11-29): decode streams the weight, so narrow N tiles give every SM its own
+    slice and deep pipelining keeps enough bytes in flight. M=1: gate_up 28672x4096 0.0309 ms (3.81 TB/s
+    on the weight; cuBLAS fp8 0.0465), down 4096x14336 0.0207 ms with K split in 4 (2.83 TB/s; 0.0220
+    unsplit; cuBLAS 0.0409), qkv 6144x4096 0.0096 ms. M=64: gate_up 0.0366 ms (0.0415 with BLOCK_K=256),
+    down 0.0233, qkv 0.0095."""
     long_k = k >= 8192
     if m <= 16:
-        if long_k:
-            return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=6)
-        if n >= 16384:  # gate_up 28672x4096: 0.0413 ms vs 0.0442 with the tiles below
-            return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=3)
-        # qkv 6144x4096: 0.0153 ms (sweep), while the tiles above took 0.0253 ms in benchmark run 6
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
+        if long_k:  # few N tiles (4096 / 64): split K to fill the GPU
+            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6, SPLIT_K=4)
+        if n >= 8192:
+            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=4)
     if m <= 64:
-        return dict(BLOCK_M=64, BLOCK_N=32 if long_k else 64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
+        if long_k:
+            return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
+        if n >= 8192:
+            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
