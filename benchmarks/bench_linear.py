@@ -282,20 +282,27 @@ def main(argv=None):
     meta = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "triton": triton.__version__}
     rows, errors, compile_times = [], {}, {}
-    if not args.skip_gemms:
-        run_gemms(ms, "cuda", rows, errors, args.graph_max_m)
+
+    def save():  # after every stage: a run cut at its time limit keeps what it measured
+        with open(os.path.join(args.out, "results.json"), "w") as f:
+            json.dump({"meta": meta, "rows": rows, "errors": errors, "compile_s": compile_times}, f, indent=1)
+        print(ratios_table(rows), flush=True)
+
+    # the MLP block first: the goals are set on it
     if not args.skip_mlp:
         run_mlp(ms, "cuda", rows, errors, compile_times, args.graph_max_m)
+        save()
     if args.kernels:
         run_kernels(rows, errors, args.graph_max_m)
+        save()
+    if not args.skip_gemms:
+        run_gemms(ms, "cuda", rows, errors, args.graph_max_m)
+        save()
     table = ratios_table(rows)
     plot(rows, os.path.join(args.out, "plot.png"))
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows, "errors": errors, "compile_s": compile_times}, f, indent=1)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(f"{meta}\n\n{table}\n\nerrors: {json.dumps(errors, indent=1)}\n\ncompile: {json.dumps(compile_times, indent=1)}\n")
     print(meta)
-    print(table)
     print(json.dumps(errors, indent=1))
     print(json.dumps(compile_times, indent=1))
     return 0

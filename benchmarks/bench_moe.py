@@ -11,8 +11,9 @@ ANCHORS.md), from bf16 tokens and a given top-k to the bf16 output:
   * fp8fx: ``fp8fx.kernels.fused_moe.fused_moe`` (align on the GPU, two fused grouped GEMMs) with
     per-channel expert scales and per-token activations, or 128x128 blocks and 1x128 groups; timed
     with fp32 promotion every K step and with Hopper's fast accumulation (``fp8fx_fast_accum``).
-16-token rows are CUDA-graph replays. The weight-read floor is all fp8 expert bytes / 4.25 TB/s (the
-H200's measured copy speed; ANCHORS.md's definition); ``touched_floor_ms`` counts only the experts the
+Every row is timed as CUDA-graph replays (plain calls where capture fails, said on stderr). The
+weight-read floor is all fp8 expert bytes / 4.25 TB/s (the H200's measured copy speed; ANCHORS.md's
+definition); ``touched_floor_ms`` counts only the experts the
 tokens are routed to. Both anchors combine like fp8fx (bf16 terms, float32 sum over top-k).
 ``--sweep`` also times a set of tile configurations, ``--profile`` records each GPU kernel's time.
 Writes moe.json under --out. ``--cpu-smoke`` runs tiny shapes under Triton's interpreter (no timing;
@@ -40,20 +41,27 @@ from fp8fx.kernels import fused_moe as moe_kernel  # noqa: E402
 
 SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}  # E, top-k, H, I
 HBM_TBPS = 4.25
-SWEEP = [  # flat: both GEMMs; "gemm2": the second GEMM's own tiles (the first has two accumulators)
-    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4),
-    dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
-    dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-    dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
-    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
-    dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4, gemm2=dict(BLOCK_N=128)),
-    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, gemm2=dict(BLOCK_N=256)),
-]
+SWEEPS = {  # flat: both GEMMs; "gemm2": the second GEMM's own tiles (the first has two accumulators)
+    "per-channel": [
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4),
+        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4),
+        dict(BLOCK_M=128, BLOCK_N=64, BLOCK_K=128, num_warps=8, num_stages=4, gemm2=dict(BLOCK_N=128)),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, gemm2=dict(BLOCK_N=256)),
+    ],
+    # K-grouped scales: BLOCK_K is the group (128) and the first GEMM's BLOCK_N the activation group
+    "block": [
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+        dict(BLOCK_M=32, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, gemm2=dict(BLOCK_N=256)),
+        dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+    ],
+}
 
 
 def problem(shape, tokens, device, seed=0):
@@ -153,7 +161,7 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
     r2, rs2 = quant.quantize(w2, [1, -1])
     # the bf16 computation is the reference both fp8 paths are measured against
     ref = bf16_grouped(x, weights, ids, w13, w2).float()
-    graph = tokens <= 64 and device == "cuda"
+    graph = device == "cuda"  # every row as CUDA-graph replays (a compiled model's decode and prefill)
     row = dict(shape=shape, scheme=scheme, tokens=tokens, E=e, top_k=k, H=h, I=i)
     fp8 = lambda cfg=None, fast=False: moe_kernel.fused_moe(  # noqa: E731
         x, weights, ids, q13, s13, q2, s2, w_block, act_block, torch.bfloat16, config=cfg, fast_accum=fast
@@ -196,7 +204,7 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
             row[f"{name}_kernels"] = kernel_ms(timings[name])
     if sweep:
         row["sweep"] = []
-        for cfg in SWEEP:
+        for cfg in SWEEPS[scheme]:
             try:
                 ms = time_ms(lambda: fp8(dict(cfg), True), graph)
                 err = rel_err(fp8(dict(cfg), True), ref)
@@ -230,7 +238,7 @@ def main(argv=None) -> int:
         for t in tokens:
             start = time.perf_counter()
             try:
-                row = run_shape(shape, t, device, args.sweep and scheme == "per-channel", scheme, args.profile)
+                row = run_shape(shape, t, device, args.sweep, scheme, args.profile)
             except Exception as exc:  # noqa: BLE001 - one row's failure is reported, the others still run
                 traceback.print_exc()
                 row, failed = dict(shape=shape, scheme=scheme, tokens=t, error=repr(exc)[:500]), True

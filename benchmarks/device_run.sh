@@ -28,10 +28,10 @@ moe=tests/kernels/test_fused_moe.py gemm=tests/kernels/test_fp8_gemm.py
 # cuda tests first (what only the GPU can check), then the rest on this torch/transformers; each
 # failure's traceback is written as it happens (a run cut at its time limit prints no summary)
 if has tests || has cudatests || has moetests; then  # first: it decides whether the MoE benchmark is worth running
-  timeout 150 $P -m cuda $moe 2>&1 | tee "$OUT/pytest-cuda-moe.log" | tail -5
+  timeout 120 $P -m cuda $moe 2>&1 | tee "$OUT/pytest-cuda-moe.log" | tail -5
 fi
 if has gemmtests; then
-  timeout 200 $P -m cuda $gemm 2>&1 | tee "$OUT/pytest-cuda-gemm.log" | tail -5
+  timeout 150 $P -m cuda $gemm 2>&1 | tee "$OUT/pytest-cuda-gemm.log" | tail -5
 fi
 if has tests || has cudatests; then
   timeout 300 $P -m cuda --ignore=$moe tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -5
@@ -55,7 +55,7 @@ fi
 if has decode; then
   timeout 240 python3 benchmarks/tune_gemm.py 2>&1 | tee "$OUT/tune-decode.txt"
 fi
-if has moesweep; then  # both schemes, per-kernel times; tiles of both GEMMs (per-channel)
+if has moesweep; then  # both schemes: per-kernel times, tiles of both GEMMs
   timeout 300 python3 benchmarks/bench_moe.py --out "$OUT/sweep" --schemes per-channel,block --sweep --profile 2>&1 | tee "$OUT/moe-sweep.log"
 fi
 if has tune; then

@@ -84,16 +84,25 @@ def fp8_gemm_kernel(
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps per split
     k_first = split * k_steps
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
-    rows = offs_m.to(tl.int64)  # M * K and M * N pass 2**31 for long prefills (300k tokens x 7168)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + (k_first * BLOCK_K + offs_k[None, :]) * stride_ak  # [BM, BK]
-    b_ptrs = b_ptr + offs_n[None, :] * stride_bn + (k_first * BLOCK_K + offs_k[:, None]) * stride_bk  # b.T: [BK, BN]
+    # 64-bit bases per program, 32-bit offsets within its tiles: [BM, BK] / [BK, BN] tensors of 64-bit
+    # addresses carried through the pipelined loop cost 2 registers an element and spilled at the prefill
+    # tiles (sm_90, 128x128x128, 8 warps); M * K and M * N pass 2**31 for long prefills (300k x 7168),
+    # a tile's offsets (BLOCK_M rows of K) do not
+    local_m = tl.arange(0, BLOCK_M)
+    local_n = tl.arange(0, BLOCK_N)
+    a_tile = a_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_am
+    b_tile = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
+    a_offs = local_m[:, None] * stride_am + (k_first * BLOCK_K + offs_k[None, :]) * stride_ak  # [BM, BK]
+    b_offs = local_n[None, :] * stride_bn + (k_first * BLOCK_K + offs_k[:, None]) * stride_bk  # b.T: [BK, BN]
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM], K group 0
     b_scale_ptrs = b_scale_ptr + (offs_n // B_BLOCK_N) * stride_bsn  # [BN], K block 0
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
         k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        a = tl.load(a_tile + a_offs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        b = tl.load(b_tile + b_offs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        a_offs += BLOCK_K * stride_ak
+        b_offs += BLOCK_K * stride_bk
         if not A_FP8:  # weight-only: upcast the fp8 weight tile, 16-bit dot
             b = b.to(a.dtype)
         if A_GROUPED or B_GROUPED:
@@ -105,8 +114,6 @@ def fp8_gemm_kernel(
             acc += part
         else:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_K)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
 
     # epilogue: the scales that are constant along K, bias, cast
     if A_ROWWISE:
@@ -120,7 +127,8 @@ def fp8_gemm_kernel(
     if HAS_BIAS:  # once: in split 0's partial
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc += tl.where(split == 0, bias, 0.0)[None, :]
-    y_ptrs = y_ptr + split.to(tl.int64) * stride_ys + rows[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    y_tile = y_ptr + split.to(tl.int64) * stride_ys + (pid_m * BLOCK_M).to(tl.int64) * stride_ym
+    y_ptrs = y_tile + local_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
 
 

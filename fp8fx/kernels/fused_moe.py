@@ -159,10 +159,13 @@ def moe_gemm13_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of I
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # x tile: [BM, BK]
-    w_base = w_ptr + expert.to(tl.int64) * stride_we
-    g_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk  # gate.T tile: [BK, BN]
-    u_ptrs = g_ptrs + N * stride_wn  # up rows are I further down
+    # 64-bit row / tile bases, 32-bit offsets within a tile (see fp8_gemm: [BM, BK] / [BK, BN] tensors of
+    # 64-bit addresses carried through the pipelined loop spilled registers)
+    a_rows = a_ptr + rows[:, None] * stride_am  # [BM, 1]: the gathered tokens
+    g_tile = w_ptr + expert.to(tl.int64) * stride_we + (tl.program_id(1) * BLOCK_N).to(tl.int64) * stride_wn
+    u_tile = g_tile + N.to(tl.int64) * stride_wn  # up rows are I further down
+    a_offs = offs_k[None, :] * stride_ak  # [1, BK]
+    w_offs = tl.arange(0, BLOCK_N)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # gate.T / up.T tile: [BK, BN]
     a_s_ptrs = a_scale_ptr + rows * stride_asm  # [BM]
     ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
     g_s_ptrs = ws_base + (offs_n // W_BLOCK_N) * stride_wsn  # [BN]
@@ -171,10 +174,10 @@ def moe_gemm13_kernel(
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        a = tl.load(a_rows + a_offs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w_mask = (offs_k[:, None] < k_left) & n_ok[None, :]
-        g = tl.load(g_ptrs, mask=w_mask, other=0.0)
-        u = tl.load(u_ptrs, mask=w_mask, other=0.0)
+        g = tl.load(g_tile + w_offs, mask=w_mask, other=0.0)
+        u = tl.load(u_tile + w_offs, mask=w_mask, other=0.0)
         if K_GROUPED:
             a_s = tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)[:, None]
             g_s = tl.load(g_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
@@ -184,9 +187,8 @@ def moe_gemm13_kernel(
         else:
             acc_g = tl.dot(a, g, acc_g, max_num_imprecise_acc=IMPRECISE_K)
             acc_u = tl.dot(a, u, acc_u, max_num_imprecise_acc=IMPRECISE_K)
-        a_ptrs += BLOCK_K * stride_ak
-        g_ptrs += BLOCK_K * stride_wk
-        u_ptrs += BLOCK_K * stride_wk
+        a_offs += BLOCK_K * stride_ak
+        w_offs += BLOCK_K * stride_wk
 
     # epilogue: the scales constant along K, SiLU(gate) * up
     if not K_GROUPED:
@@ -224,23 +226,25 @@ def moe_gemm2_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN] of H
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + rows[:, None] * stride_am + offs_k[None, :] * stride_ak  # intermediate tile: [BM, BK]
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    a_rows = a_ptr + rows[:, None] * stride_am  # [BM, 1]: the intermediate's rows of these pairs
+    w_tile = w_ptr + expert.to(tl.int64) * stride_we + (tl.program_id(1) * BLOCK_N).to(tl.int64) * stride_wn
+    a_offs = offs_k[None, :] * stride_ak  # [1, BK]
+    w_offs = tl.arange(0, BLOCK_N)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
     a_s_ptrs = a_scale_ptr + rows * stride_asm  # [BM]
     w_s_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + (offs_n // W_BLOCK_N) * stride_wsn  # [BN]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        w = tl.load(w_ptrs, mask=(offs_k[:, None] < k_left) & n_ok[None, :], other=0.0)
+        a = tl.load(a_rows + a_offs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w = tl.load(w_tile + w_offs, mask=(offs_k[:, None] < k_left) & n_ok[None, :], other=0.0)
         if K_GROUPED:
             a_s = tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)[:, None]
             w_s = tl.load(w_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
             acc += tl.dot(a, w) * (a_s * w_s)
         else:
             acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE_K)
-        a_ptrs += BLOCK_K * stride_ak
-        w_ptrs += BLOCK_K * stride_wk
+        a_offs += BLOCK_K * stride_ak
+        w_offs += BLOCK_K * stride_wk
 
     # epilogue: the scales constant along K and the routing weight of each pair
     if not K_GROUPED:
@@ -250,16 +254,22 @@ def moe_gemm2_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
 
 
-def tile_config(pairs_per_expert: float, n: int, k: int) -> dict:
+def tile_config(pairs_per_expert: float, n: int, k: int, k_grouped: bool = False) -> dict:
     """Tiles by the average number of (token, k) pairs per expert. Decode (a few pairs per expert)
     streams the expert weights: short row blocks, narrow N tiles, long K tiles. Prefill is a GEMM per
-    expert: square tiles (the H200 sweep of run 7 found 64x128 within 2% of 128x128 for Qwen3-30B-A3B
-    and 128x128 / 8 warps best for Mixtral; 16- and 32-row blocks 1.2-3x slower at 4096 tokens)."""
+    expert: 128-row blocks; the second GEMM (one accumulator, where the first has two) takes N tiles of
+    256 (H200 sweep of 2026-11-29, 4096 tokens, per-kernel times: Mixtral-8x7B 1.85 + 0.80 ms against
+    1.98 + 0.92 with 128; Qwen3-30B-A3B 0.28 + 0.20 ms; 16-, 32- and 64-row blocks slower at prefill).
+    ``k_grouped`` (scales varying along K, e.g. 128x128 blocks): each K step's product is scaled before
+    it is added, so a second [BM, BN] float32 tile per accumulator is live; 128-row blocks spilled
+    registers there (Mixtral: 10.4 ms for the first GEMM against 1.9 per-channel): 64-row blocks, 8 warps."""
     if pairs_per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256 if k >= 1024 else 128, num_warps=4, num_stages=4)
     if pairs_per_expert <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+    if k_grouped:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, gemm2=dict(BLOCK_N=256))
 
 
 # -- the whole op ------------------------------------------------------------------------------
@@ -373,7 +383,8 @@ def fused_moe(
     s = t * k_top
     if s == 0:
         return x.new_zeros((t, h), dtype=out_dtype)
-    cfg = dict(config or tile_config(s / e, two_i, h))
+    group_k = _k_group(w_block) or _k_group(act_block)
+    cfg = dict(config or tile_config(s / e, two_i, h, k_grouped=group_k is not None))
     gemm2 = cfg.pop("gemm2", {})  # the second GEMM's own tiles, where the config gives them
     cfg2 = {**cfg, **gemm2}
     tiles = {name: cfg.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
@@ -381,7 +392,6 @@ def fused_moe(
     if tiles2["BLOCK_M"] != tiles["BLOCK_M"]:
         raise ValueError(f"fused_moe config: both GEMMs walk the same row blocks, got BLOCK_M {tiles['BLOCK_M']} "
                          f"and gemm2 BLOCK_M {tiles2['BLOCK_M']}")
-    group_k = _k_group(w_block) or _k_group(act_block)
     if group_k:
         tiles["BLOCK_K"] = tiles2["BLOCK_K"] = group_k  # K-varying scales are applied per K step
     fuse_group = _k_group(act_block) if fuse_quant and a2_scale is None else None

@@ -100,6 +100,8 @@ def _function_names() -> dict:
         torch._grouped_mm: "gemm", torch.bmm: "gemm", torch.mm: "gemm", torch.matmul: "gemm",
         operator.matmul: "gemm", torch._C._nn.linear: "gemm", f.linear: "gemm",
         torch._C._set_grad_enabled: "grad_mode",
+        # transformers 5.17 asks, on CUDA, whether grouped_mm runs on this GPU: a constant to the experts
+        torch.cuda.get_device_capability: "meta",
     }
     if hasattr(f, "grouped_mm"):
         names[f.grouped_mm] = "gemm"
@@ -135,7 +137,7 @@ def _op(node: fx.Node) -> Optional[str]:
     if isinstance(target, torch._ops.OpOverload):
         return "gemm" if target.name() in _GEMM_OPS else None
     if target is getattr:
-        return "transpose" if node.args[1] in ("T", "mT") else "idx_op" if node.args[1] in ("shape", "dtype") else None
+        return "transpose" if node.args[1] in ("T", "mT") else "meta" if node.args[1] in ("shape", "dtype", "device") else None
     return _FUNCTIONS.get(target)
 
 
@@ -195,6 +197,10 @@ class _Interpreter:
 
     def _grad_mode(self, node):
         return None
+
+    def _meta(self, node):
+        """What a value is (shape, dtype, device, the GPU's compute capability), not what it holds."""
+        return _IDX
 
     def _factory(self, node):
         if node.target is torch.zeros_like or node.target is torch.zeros:

@@ -300,8 +300,8 @@ def test_fused_moe_kernel_cuda(t, scheme, routing):
     scales = [None if v is None else v.cuda() for v in (a13, a2)]
     for ppe in (1, 32, 1024):
         for fast in (False, True):
-            y = fused_moe(*cuda, w_block, act_block, torch.float32, *scales, config=tile_config(ppe, 2 * I, H),
-                          fast_accum=fast).cpu()
+            cfg = tile_config(ppe, 2 * I, H, k_grouped=w_block[1] != -1 or act_block[1] != -1)
+            y = fused_moe(*cuda, w_block, act_block, torch.float32, *scales, config=cfg, fast_accum=fast).cpu()
             assert rel_err(y, truth) < 1.1 * ref_err + 2e-3, (ppe, fast, rel_err(y, truth), ref_err)
             assert rel_err(y, ref) < 3e-2, (ppe, fast, rel_err(y, ref))
             if ppe == 1:  # mma.sync tiles: float32 accumulation, only rare rounding flips
@@ -333,6 +333,7 @@ def test_fused_moe_first_gemm_precision_cuda():
     for ppe in (1, 1024):
         for fast in (False, True):
             cfg = tile_config(ppe, 2 * i, h)
+            cfg.pop("gemm2", None)  # the first GEMM only
             tiles = {n: cfg.pop(n) for n in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
             consts = dict(K_GROUPED=False, IMPRECISE_K=imprecise_k(tiles, fast), **tiles)
             sorted_pair, block_expert = align(ids, e, tiles["BLOCK_M"])
@@ -403,14 +404,16 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
     from fp8fx import quant
     from fp8fx.kernels.fused_moe import imprecise_k, moe_gemm13_kernel, moe_gemm2_kernel, tile_config
 
-    cfg = tile_config(pairs_per_expert, 2 * i, h)
+    cfg = tile_config(pairs_per_expert, 2 * i, h, k_grouped=grouped)
+    cfg2 = {**cfg, **cfg.pop("gemm2", {})}  # the second GEMM's own tiles
     if grouped:
-        cfg["BLOCK_K"] = 128
+        cfg["BLOCK_K"] = cfg2["BLOCK_K"] = 128
     # constexprs in the kernels' parameter order
     if grouped:
         cfg["BLOCK_N"] = 128  # the activation groups: the first GEMM quantizes its own output
     schemes = {"K_GROUPED": grouped, "W_BLOCK_N": 128 if grouped else 1, "IMPRECISE_K": imprecise_k(cfg, False)}
     tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    tiles2 = {k: cfg2[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     quant_out = {"QUANT_OUT": grouped, "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX}
     ptr = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"}
     routing = {"sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32"}
@@ -424,7 +427,7 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
     k2 = compile_for_hopper(
         moe_gemm2_kernel, {**ptr, "y_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
                            "topk_weights_ptr": "*fp32", **routing},
-        ["S", "N", "K", *strides, "stride_ym", "stride_yn", *scale_strides], {**schemes, **tiles}, cfg)
+        ["S", "N", "K", *strides, "stride_ym", "stride_yn", *scale_strides], {**schemes, **tiles2}, cfg2)
     for kernel in (k13, k2):
         assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
 

@@ -3,6 +3,7 @@ the unrolled per-expert loop of examples/moe_reference.py, and experts it must l
 reported with its reason, the graph unchanged)."""
 import hashlib
 import importlib.util
+import operator
 import pathlib
 import sys
 
@@ -20,6 +21,7 @@ from tests.conftest import rel_err
 transformers = pytest.importorskip("transformers")
 
 E, H, I, K, T = 4, 128, 64, 2, 9
+_GROUPED_FNS = tuple(f for f in (getattr(F, "grouped_mm", None), getattr(torch, "_grouped_mm", None)) if f)
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
@@ -260,3 +262,34 @@ def test_pass_runs_first_and_its_uuid_follows_its_source():
     assert MoePass().uuid() == MoePass().uuid()
     source = (ROOT / "fp8fx" / "passes" / "moe.py").read_text()
     assert MoePass().uuid() == hashlib.sha256(source.encode()).hexdigest()
+
+
+def test_device_capability_query_inside_the_experts_is_taken():
+    """On CUDA, transformers 5.17's grouped_mm experts ask ``torch.cuda.get_device_capability(w.device)``
+    inside their forward; Dynamo on torch 2.11 records the call in the graph (the H200 run of
+    2026-11-29 left every MoE site unrewritten for it). CPU graphs lack the call: it is put into the
+    captured graph here, inside the experts' region, before the pass runs."""
+    model = hf_experts("grouped_mm", torch.bfloat16)
+    x, ids, w = inputs(torch.bfloat16)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    graphs = []
+
+    def capture(gm, example_inputs):
+        first = next(n for n in gm.graph.nodes if n.target is torch._grouped_mm or n.target in _GROUPED_FNS)
+        weight = first.args[1]
+        with gm.graph.inserting_before(first):
+            device = gm.graph.call_function(getattr, (weight, "device"))
+            cap = gm.graph.call_function(torch.cuda.get_device_capability, (device,))
+            gm.graph.call_function(operator.ge, (cap, (8, 0)))  # unused, as in transformers' check
+        for n in (device, cap, cap.next):
+            n.meta = dict(first.meta)
+        graphs.append(gm)
+        return backend(gm, example_inputs)
+
+    with torch.no_grad():
+        fp8fx.quantize_(model, CONFIGS["per-channel"])
+        out = torch.compile(model, backend=capture, fullgraph=True)(x, ids, w)
+    (site,) = backend.report.sites
+    assert site.rewritten, site.reason
+    assert torch.cuda.get_device_capability not in targets(graphs[0])  # dead once the experts are fused
+    assert torch.equal(out, x + fused_reference(model.experts, x, ids, w, torch.bfloat16))
