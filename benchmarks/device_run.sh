@@ -4,10 +4,10 @@
 #   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,cudatests,compile,bench,moe,tune,decode]
 #          [bench args...]   (cudatests: the cuda-marked tests only, moetests / gemmtests: those of the MoE /
 #          GEMM kernels; decode: tune_gemm.py's decode sweep;
-#          moesweep: bench_moe.py's tile sweep with per-kernel times)
+#          moesweep: bench_moe.py's tile sweep with per-kernel times; moelayer: bench_moe_layer.py only)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
-# session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,moesweep,moe" (~9 min),
-# "gemmtests,bench --kernels" (~9 min).
+# session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
+# "bench,moelayer --skip-gemms --kernels" (~5 min).
 set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,compile,bench,moe
@@ -48,8 +48,10 @@ fi
 if has bench; then
   timeout 420 python3 benchmarks/bench_linear.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
-if has moe; then  # with moesweep, the layer only (moesweep times the experts)
-  has moesweep || timeout 200 python3 benchmarks/bench_moe.py --out "$OUT" 2>&1 | tee "$OUT/moe.log"
+if has moe; then
+  timeout 200 python3 benchmarks/bench_moe.py --out "$OUT" 2>&1 | tee "$OUT/moe.log"
+fi
+if has moe || has moelayer; then  # a whole HF MoE layer, fp8fx vs bf16 Inductor
   timeout 150 python3 benchmarks/bench_moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | grep "^{"
 fi
 if has decode; then
