@@ -35,8 +35,9 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool 
     a_row, a_grp, b_row, b_grp = layout
     block_k = 128 if (a_grp or b_grp) else cfg["BLOCK_K"]
     # in the kernel's parameter order (the signature's order gives the constexprs' indices)
+    promote = imprecise_k({**cfg, "BLOCK_K": block_k}, fast_accum)
     consts = dict(A_ROWWISE=a_row, A_GROUPED=a_grp, B_ROWWISE=b_row, B_GROUPED=b_grp, B_BLOCK_N=128 if b_grp else 1,
-                  HAS_BIAS=True, A_FP8=a_dtype == "fp8e4nv", IMPRECISE_K=imprecise_k({"BLOCK_K": block_k}, fast_accum),
+                  HAS_BIAS=True, A_FP8=a_dtype == "fp8e4nv", IMPRECISE_K=promote,
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
                   SPLIT_K=cfg.get("SPLIT_K", 1))
     signature = {**types, **{name: "constexpr" for name in consts}}
