@@ -38,8 +38,12 @@ class MLP(nn.Module):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+FALLBACKS: list[str] = []  # graph captures that failed (those rows are plain calls): reported with the results
+
+
 def bench(fn, x, graph: bool) -> float:
-    """Median ms of fn(x); as a CUDA-graph replay when ``graph``."""
+    """Median ms of fn(x); as a CUDA-graph replay when ``graph`` (plain calls, recorded in ``FALLBACKS``,
+    where capture fails)."""
     import triton
 
     if graph:
@@ -53,6 +57,7 @@ def bench(fn, x, graph: bool) -> float:
             return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
         except Exception as exc:  # noqa: BLE001 - a row timed plainly beats a run lost
             print(f"CUDA-graph capture failed ({exc!r:.200}); timing plain calls", file=sys.stderr)
+            FALLBACKS.append(f"{exc!r:.200}")
     return triton.testing.do_bench(lambda: fn(x), warmup=25, rep=100, return_mode="median")
 
 
@@ -121,9 +126,9 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64):
     ref_mod = fresh().float()
     variants = {"bf16_inductor": torch.compile(fresh())}
     variants["fp8fx"], backend = fp8fx_module(fresh())
-    # candidates for the default: one-pass activation quantization; gate and up as one GEMM
-    variants["fp8fx_one_pass"], _ = fp8fx_module(fresh(), {"one_pass_rows": 16384})
-    variants["fp8fx_one_pass_fused"], _ = fp8fx_module(fresh(), {"one_pass_rows": 16384, "fuse_horizontal": True})
+    # options against the default: Inductor's own (looped) reduction heuristic; gate and up as one GEMM
+    variants["fp8fx_looped_quant"], _ = fp8fx_module(fresh(), {"one_pass_rows": None})
+    variants["fp8fx_fused_gate_up"], _ = fp8fx_module(fresh(), {"fuse_horizontal": True})
     ao, why = torchao_rowwise(fresh())
     if ao is not None:
         variants["torchao_rowwise"] = torch.compile(ao)
@@ -285,8 +290,10 @@ def main(argv=None):
     # every variant compiles the same MLP.forward once per M (and backend): Dynamo's default limit of 8
     # entries per code object sent the later variants to eager in run 8's first try
     torch._dynamo.config.recompile_limit = 64
+    torch._dynamo.config.fail_on_recompile_limit_hit = True  # never time an eager fallback as compiled
 
     def save():  # after every stage: a run cut at its time limit keeps what it measured
+        meta["graph_capture_fallbacks"] = FALLBACKS
         with open(os.path.join(args.out, "results.json"), "w") as f:
             json.dump({"meta": meta, "rows": rows, "errors": errors, "compile_s": compile_times}, f, indent=1)
         print(ratios_table(rows), flush=True)

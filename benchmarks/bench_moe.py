@@ -35,7 +35,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "--cpu-smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench_linear import bench, rel_err  # noqa: E402  (run as a script: benchmarks/ is on sys.path)
+from bench_linear import FALLBACKS, bench, rel_err  # noqa: E402  (run as a script: benchmarks/ is on sys.path)
 from fp8fx import ops, quant  # noqa: E402
 from fp8fx.kernels import fused_moe as moe_kernel  # noqa: E402
 
@@ -188,8 +188,10 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
     except Exception as exc:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
         row["scaled_grouped_mm_error"] = repr(exc)[:300]
         timings.pop("scaled_grouped_mm")
+    fallbacks = len(FALLBACKS)
     for name, fn in timings.items():
         row[f"{name}_ms"] = time_ms(fn, graph)
+    row["plain_call_rows"] = FALLBACKS[fallbacks:]  # graph capture failed: timed as plain calls
     # ANCHORS.md's floor reads every expert; the experts these tokens touch are the tighter one
     row["floor_ms"] = (q13.numel() + q2.numel()) / (HBM_TBPS * 1e9)
     row["experts_touched"] = int(ids.unique().numel())
@@ -199,6 +201,12 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
         row["vs_scaled_grouped"] = row["scaled_grouped_mm_ms"] / row["fp8fx_ms"]
     row["vs_floor"] = row["fp8fx_ms"] / row["floor_ms"]
     row["vs_touched_floor"] = row["fp8fx_ms"] / row["touched_floor_ms"]
+    # Fp8Backend's default: fast accumulation (the _scaled_grouped_mm anchor uses it too)
+    fast = row["fp8fx_fast_accum_ms"]
+    row["fast_vs_bf16"] = row["bf16_grouped_mm_ms"] / fast
+    if "scaled_grouped_mm_ms" in row:
+        row["fast_vs_scaled_grouped"] = row["scaled_grouped_mm_ms"] / fast
+    row["fast_vs_floor"] = fast / row["floor_ms"]
     if profile:
         for name in ("fp8fx_fast_accum", "bf16_grouped_mm"):
             row[f"{name}_kernels"] = kernel_ms(timings[name])

@@ -28,7 +28,7 @@ moe=tests/kernels/test_fused_moe.py gemm=tests/kernels/test_fp8_gemm.py
 # cuda tests first (what only the GPU can check), then the rest on this torch/transformers; each
 # failure's traceback is written as it happens (a run cut at its time limit prints no summary)
 if has tests || has cudatests || has moetests; then  # first: it decides whether the MoE benchmark is worth running
-  timeout 120 $P -m cuda $moe 2>&1 | tee "$OUT/pytest-cuda-moe.log" | tail -5
+  timeout 150 $P -m cuda $moe 2>&1 | tee "$OUT/pytest-cuda-moe.log" | tail -5
 fi
 if has gemmtests; then
   timeout 150 $P -m cuda $gemm 2>&1 | tee "$OUT/pytest-cuda-gemm.log" | tail -5

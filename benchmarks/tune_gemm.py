@@ -12,7 +12,7 @@ import itertools
 import torch
 import triton
 
-from bench_linear import cublas_blockwise  # run as a script: benchmarks/ is on sys.path
+from bench_linear import bench, cublas_blockwise  # run as a script: benchmarks/ is on sys.path
 from fp8fx import quant
 from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
 
@@ -30,9 +30,10 @@ def candidates(m, block: bool):
 
 def time_ms(fn, graph: bool = False):
     """Median ms; as CUDA-graph replays for decode, where a plain call's launch (~20 us of Python)
-    would hide a 15-40 us kernel."""
+    would hide a 15-40 us kernel. Both through ``do_bench``, which flushes L2 before every call
+    (``do_bench_cudagraph`` does not: a 25 MB weight then stays in the H200's 50 MB L2)."""
     if graph:
-        return triton.testing.do_bench_cudagraph(fn, rep=40, return_mode="median")
+        return bench(lambda _: fn(), None, True)
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 

@@ -43,8 +43,9 @@ class Fp8Backend:
 
     - ``one_pass_rows``: reduce rows of up to this many elements in one pass, held in registers, where
       Inductor's heuristic stops at 1024 (``compat.one_pass_row_reductions``): the per-token
-      quantization of a 4096- or 14336-wide activation then reads it once instead of twice. None
-      (default) keeps Inductor's heuristic.
+      quantization of a 4096- or 14336-wide activation then reads it once instead of twice. Default
+      16384 (Llama-3-8B MLP block at M=4096 on the H200, two runs: 1.345 and 1.330 ms against 1.379 and
+      1.574 with Inductor's heuristic; M <= 2048 within run-to-run spread); None keeps Inductor's.
 
     ``report`` lists every linear site of every graph this backend compiled.
     """
@@ -60,13 +61,13 @@ class Fp8Backend:
         cudagraphs: bool = False,
         weight_only: Optional[bool] = None,
         fuse_horizontal: bool = False,
-        one_pass_rows: Optional[int] = None,
+        one_pass_rows: Optional[int] = 16384,
     ):
         if compiler not in _COMPILERS:
             raise ValueError(f"Fp8Backend(compiler={compiler!r}): use one of {_COMPILERS}")
         if lowering not in _LOWERINGS:
             raise ValueError(f"Fp8Backend(lowering={lowering!r}): use one of {_LOWERINGS}")
-        if one_pass_rows is not None and (not isinstance(one_pass_rows, int) or one_pass_rows < 1):
+        if one_pass_rows is not None and (type(one_pass_rows) is not int or one_pass_rows < 1):
             raise ValueError(f"Fp8Backend(one_pass_rows={one_pass_rows!r}): a positive int (row length) or None")
         self.one_pass_rows = one_pass_rows
         self.lowering = lowering

@@ -68,9 +68,10 @@ def compute_scale(x: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
         return torch.full(scale_shape(x.shape, block), AMAX_EPS / FP8_MAX, device=x.device)
     tiles, _ = _tiles(x, block)
     amax = tiles.abs().amax(dim=(-3, -1))
-    # divided by a tensor, not a Python number: CUDA torch turns division by a number into multiplication
-    # by its reciprocal (1 ulp off the quotient for about half the values); by a tensor it divides (IEEE),
-    # as CPU torch and fp8fx's Triton kernels (div_rn) do, so scales are the same bits on every device
+    # divided by a tensor, not a Python number: eager CUDA torch turns division by a number into
+    # multiplication by its reciprocal (1 ulp off the quotient for about half the values); by a tensor it
+    # divides (IEEE), as CPU torch and fp8fx's Triton kernels (div_rn) do: eager scales are the same bits
+    # on every device. (Compiled, Inductor may still fold the constant divisor into a reciprocal.)
     return amax.clamp(min=AMAX_EPS) / torch.full((), FP8_MAX, dtype=amax.dtype, device=amax.device)
 
 

@@ -33,8 +33,12 @@ bandwidth (H200, torch 2.11: down 4096x14336 at M=16 took 0.047 ms through `torc
 Tiles are picked by `tile_config` rather than autotuned so launches are deterministic, CUDA-graph
 capturable and run under TRITON_INTERPRET=1. ``SPLIT_K`` > 1 splits the K loop over that many programs
 per output tile (float32 partials, summed by the caller: deterministic) for decode shapes whose output
-tiles are too few to keep every SM streaming weight (down 4096x14336 at BLOCK_N=32: 128 tiles for 132
-SMs); `tile_config` leaves it at 1 (the default) until `benchmarks/tune_gemm.py` has measured where it pays.
+tiles are too few to keep every SM streaming weight (down 4096x14336 at BLOCK_N=64: 64 tiles for 132 SMs;
+split in 4 it ran 6% faster on the H200, `tile_config`).
+
+Addresses: 64-bit bases per program and 32-bit offsets inside its tiles (``fp8_gemm`` makes both operands
+row-major, so an offset stays under BLOCK_M * K or BLOCK_N * K); [BM, BK] tensors of 64-bit pointers
+carried through the pipelined K loop spilled registers at the prefill tiles.
 """
 from __future__ import annotations
 
@@ -137,21 +141,19 @@ def tile_config(m: int, n: int, k: int) -> dict:
     CUDA-graph replays, 2026-11-29): decode streams the weight, so narrow N tiles give every SM its own
     slice and deep pipelining keeps enough bytes in flight. M=1: gate_up 28672x4096 0.0309 ms (3.81 TB/s
     on the weight; cuBLAS fp8 0.0465), down 4096x14336 0.0207 ms with K split in 4 (2.83 TB/s; 0.0220
-    unsplit; cuBLAS 0.0409), qkv 6144x4096 0.0096 ms. M=64: gate_up 0.0366 ms (0.0415 with BLOCK_K=256),
-    down 0.0233, qkv 0.0095."""
+    unsplit; cuBLAS 0.0409). M=64: gate_up 0.0366 ms (0.0415 with BLOCK_K=256), down 0.0233.
+    Where the sweep's best were within a few % (qkv 6144x4096, whose 25 MB stayed in L2 between that
+    sweep's replays), BLOCK_K=128: 256 and 512 spill registers at 4 warps (sm_90 stack of 48-2800 bytes
+    per thread, triton 3.6 / 3.9; tests/kernels/test_compile_sm90.py)."""
     long_k = k >= 8192
     if m <= 16:
         if long_k:  # few N tiles (4096 / 64): split K to fill the GPU
             return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6, SPLIT_K=4)
-        if n >= 8192:
-            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
-        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=4)
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     if m <= 64:
         if long_k:
             return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
-        if n >= 8192:
-            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5)
-        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 
 
@@ -164,10 +166,9 @@ def pipeline_stages(cfg: dict, a_bytes: int) -> int:
 
 def imprecise_k(cfg: dict, fast_accum: bool) -> Optional[int]:
     """``max_num_imprecise_acc`` for the kernels' fp8 dots: None (Triton's default: no promotion on
-    sm_90) with ``fast_accum`` on wgmma tiles (BLOCK_M >= 64), else one promotion per K step. Tiles of
-    fewer rows run mma.sync, which accumulates in float32 either way; there the promoting build was the
-    faster one (H200, fused MoE at 16 tokens: 0.188 against 0.206 ms, two runs)."""
-    return None if fast_accum and cfg["BLOCK_M"] >= 64 else cfg["BLOCK_K"]
+    sm_90) with ``fast_accum``, else one promotion per K step. It changes only wgmma tiles (BLOCK_M >= 64):
+    tiles of fewer rows run mma.sync, which accumulates in float32, and compile to the same PTX."""
+    return None if fast_accum else cfg["BLOCK_K"]
 
 
 def _scale_layout(scale: torch.Tensor, rows: int, block: Optional[tuple[int, int]]):
@@ -200,6 +201,9 @@ def fp8_gemm(
     n = b.shape[0]
     if b.shape[1] != k:
         raise ValueError(f"fp8_gemm: a is [{m}, {k}] but b is {list(b.shape)}; b must be [N, {k}]")
+    # row-major operands: the kernel's 32-bit in-tile offsets (k * stride_k) stay under BLOCK * K
+    a = a if a.stride(1) == 1 or k == 1 else a.contiguous()
+    b = b if b.stride(1) == 1 or k == 1 else b.contiguous()
     a_fp8 = a_scale is not None
     if not a_fp8:
         a_scale = torch.ones(1, device=a.device)

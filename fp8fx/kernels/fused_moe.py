@@ -163,7 +163,7 @@ def moe_gemm13_kernel(
     # 64-bit addresses carried through the pipelined loop spilled registers)
     a_rows = a_ptr + rows[:, None] * stride_am  # [BM, 1]: the gathered tokens
     g_tile = w_ptr + expert.to(tl.int64) * stride_we + (tl.program_id(1) * BLOCK_N).to(tl.int64) * stride_wn
-    u_tile = g_tile + N.to(tl.int64) * stride_wn  # up rows are I further down
+    u_tile = g_tile + N * stride_wn  # up rows are I further down (I * H < 2**31 within one expert)
     a_offs = offs_k[None, :] * stride_ak  # [1, BK]
     w_offs = tl.arange(0, BLOCK_N)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # gate.T / up.T tile: [BK, BN]
     a_s_ptrs = a_scale_ptr + rows * stride_asm  # [BM]
@@ -258,11 +258,11 @@ def tile_config(pairs_per_expert: float, n: int, k: int, k_grouped: bool = False
     """Tiles by the average number of (token, k) pairs per expert. Decode (a few pairs per expert)
     streams the expert weights: short row blocks, narrow N tiles, long K tiles. Prefill is a GEMM per
     expert: 128-row blocks; the second GEMM (one accumulator, where the first has two) takes N tiles of
-    256 (H200 sweep of 2026-11-29, 4096 tokens, per-kernel times: Mixtral-8x7B 1.85 + 0.80 ms against
-    1.98 + 0.92 with 128; Qwen3-30B-A3B 0.28 + 0.20 ms; 16-, 32- and 64-row blocks slower at prefill).
-    ``k_grouped`` (scales varying along K, e.g. 128x128 blocks): each K step's product is scaled before
-    it is added, so a second [BM, BN] float32 tile per accumulator is live; 128-row blocks spilled
-    registers there (Mixtral: 10.4 ms for the first GEMM against 1.9 per-channel): 64-row blocks, 8 warps."""
+    256. H200 sweep of 2026-11-29 (benchmarks/RESULTS.md, run 8), 4096 tokens, first + second GEMM:
+    Mixtral-8x7B 1.92 + 0.79 ms (2.11 + 0.91 with 128-wide N tiles for both), Qwen3-30B-A3B 0.29 + 0.20;
+    16-, 32- and 64-row blocks slower. ``k_grouped`` (scales varying along K, e.g. 128x128 blocks): each
+    K step's product is scaled before it is added, so a second [BM, BN] float32 tile per accumulator is
+    live: 64-row blocks with 8 warps (Mixtral 4.02 + 1.79 ms; 128-row blocks 9.00 + 1.63, 4 warps 13.1)."""
     if pairs_per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256 if k >= 1024 else 128, num_warps=4, num_stages=4)
     if pairs_per_expert <= 64:

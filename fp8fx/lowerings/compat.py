@@ -30,41 +30,51 @@ def compile_fx(
     return _compile_fx(gm, example_inputs, config_patches=config_patches or {}, decompositions=decomps)
 
 
+class _OnePassRows:
+    """Inductor's choices handler in place (``base``), except that INNER reductions (along the contiguous
+    last dimension) of up to ``limit`` elements are persistent. A module-level class, so that Inductor
+    can pickle the handler (subprocess / async compile modes)."""
+
+    def __init__(self, base, limit: int):
+        self._base, self._limit = base, limit
+
+    def __getattr__(self, name):  # only for what the instance lacks: every other heuristic
+        if name.startswith("__") or name in ("_base", "_limit"):  # e.g. pickle probing a bare instance
+            raise AttributeError(name)
+        return getattr(self._base, name)
+
+    def should_use_persistent_reduction(self, features, cooperative_reduction: bool) -> bool:
+        from torch._inductor import config
+        from torch._inductor.runtime.hints import ReductionHint
+        from torch._inductor.virtualized import V
+
+        if (
+            config.triton.persistent_reductions
+            and not cooperative_reduction
+            and features.get_reduction_hint() == ReductionHint.INNER
+            and V.graph.sizevars.statically_known_leq(features.reduction_numel, self._limit)
+        ):
+            return True
+        return self._base.should_use_persistent_reduction(features, cooperative_reduction)
+
+
 @contextlib.contextmanager
 def one_pass_row_reductions(limit: Optional[int]) -> Iterator[None]:
     """Inside the block, Inductor reduces rows (reductions along the contiguous last dimension) of up
     to ``limit`` elements in one pass, the row held in registers (a "persistent" reduction). Its own
-    heuristic does that only up to 1024 elements; longer rows take the looped form, which reads its
-    input twice when the result feeds the same kernel's output (amax -> divide -> cast: activation
-    quantization). ``None`` leaves Inductor's heuristic alone.
+    heuristic does that only up to 1024 elements (a smaller ``limit`` changes nothing); longer rows take
+    the looped form, which reads its input twice when the result feeds the same kernel's output
+    (amax -> divide -> cast: activation quantization). ``None`` leaves Inductor's heuristic alone.
 
-    Installed through Inductor's choices handler (``V.set_choices_handler``), for this block only; every
-    other heuristic is the handler already in place."""
+    Installed through Inductor's choices handler (``V.set_choices_handler``, thread-local, restored on
+    exit) for this block only. Inductor's FX-graph cache key does not see the handler: a caller must put
+    ``limit`` into its own key (``Fp8Backend`` does, through its pass manager's uuid)."""
     if limit is None:
         yield
         return
-    from torch._inductor import config
-    from torch._inductor.runtime.hints import ReductionHint
     from torch._inductor.virtualized import V
 
-    base = V.choices
-
-    class _Choices:
-        def __getattr__(self, name):
-            return getattr(base, name)
-
-        @staticmethod
-        def should_use_persistent_reduction(features, cooperative_reduction: bool) -> bool:
-            if (
-                config.triton.persistent_reductions
-                and not cooperative_reduction
-                and features.get_reduction_hint() == ReductionHint.INNER
-                and V.graph.sizevars.statically_known_leq(features.reduction_numel, limit)
-            ):
-                return True
-            return base.should_use_persistent_reduction(features, cooperative_reduction)
-
-    with V.set_choices_handler(_Choices()):
+    with V.set_choices_handler(_OnePassRows(V.choices, limit)):
         yield
 
 

@@ -118,7 +118,7 @@ _METHODS = {
     "repeat_interleave": "view", "transpose": "transpose", "t": "transpose", "permute": "transpose",
     "chunk": "chunk", "mul": "mul", "add": "add", "sum": "sum", "eq": "eq", "index_add_": "index_add",
     "index_add": "index_add", "int": "idx_op", "long": "idx_op", "cumsum": "idx_op", "histc": "idx_op",
-    "size": "idx_op", "argsort": "sort", "sort": "sort", "greater": "idx_op", "nonzero": "idx_op",
+    "size": "meta", "argsort": "sort", "sort": "sort", "greater": "idx_op", "nonzero": "idx_op",
     "__eq__": "eq",  # torch 2.11's Dynamo records `ids == e` as a call of the method
     "ge": "ge", "__ge__": "ge", "greater_equal": "ge", "clamp": "clamp", "clamp_": "clamp", "clip": "clamp",
     "clip_": "clamp", "masked_fill": "masked_fill", "masked_fill_": "masked_fill",

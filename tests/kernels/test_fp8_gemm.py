@@ -132,6 +132,9 @@ INTERPRETER_CHECK = textwrap.dedent(
         for split_k in (2, 3):  # split K (3 K steps of 32 for k=96: one split has 1, ragged K too)
             y_split = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config={**cfg, "SPLIT_K": split_k})
             assert ((y_split.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k, split_k)
+        # column-major operands (made row-major for the kernel's 32-bit offsets): the same result
+        y_cols = fp8_gemm(xq.t().contiguous().t(), wq.t().contiguous().t(), xs, ws, bias, torch.float32, config=cfg)
+        assert torch.equal(y_cols, y), (m, n, k)
         # a wrong scale must show: drop the weight scale
         y_bad = fp8_gemm(xq, wq, xs, torch.ones_like(ws), bias, torch.float32, config=cfg)
         assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 0.1

@@ -405,7 +405,8 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
     from fp8fx.kernels.fused_moe import imprecise_k, moe_gemm13_kernel, moe_gemm2_kernel, tile_config
 
     cfg = tile_config(pairs_per_expert, 2 * i, h, k_grouped=grouped)
-    cfg2 = {**cfg, **cfg.pop("gemm2", {})}  # the second GEMM's own tiles
+    gemm2 = cfg.pop("gemm2", {})
+    cfg2 = {**cfg, **gemm2}  # the second GEMM's own tiles
     if grouped:
         cfg["BLOCK_K"] = cfg2["BLOCK_K"] = 128
     # constexprs in the kernels' parameter order
@@ -419,11 +420,18 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
     routing = {"sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32"}
     strides = ["stride_am", "stride_ak", "stride_we", "stride_wn", "stride_wk"]
     scale_strides = ["stride_asm", "stride_ask", "stride_wse", "stride_wsn", "stride_wsk"]
-    k13 = compile_for_hopper(
-        moe_gemm13_kernel, {**ptr, "inter_ptr": "*fp8e4nv" if grouped else "*fp32", "a_scale_ptr": "*fp32",
-                            "w_scale_ptr": "*fp32", **routing, "inter_scale_ptr": "*fp32"},
-        ["S", "N", "K", *strides, "stride_im", "stride_in", *scale_strides, "stride_ism", "stride_isg"],
-        {"K_TOP": 8, **schemes, **quant_out, **tiles}, cfg)
+    def gemm13(schemes):
+        return compile_for_hopper(
+            moe_gemm13_kernel, {**ptr, "inter_ptr": "*fp8e4nv" if grouped else "*fp32", "a_scale_ptr": "*fp32",
+                                "w_scale_ptr": "*fp32", **routing, "inter_scale_ptr": "*fp32"},
+            ["S", "N", "K", *strides, "stride_im", "stride_in", *scale_strides, "stride_ism", "stride_isg"],
+            {"K_TOP": 8, **schemes, **quant_out, **tiles}, cfg)
+
+    k13 = gemm13(schemes)
+    if not grouped and tiles["BLOCK_M"] >= 64:  # wgmma tiles: promotion per K step shows as fp32 adds
+        fast = gemm13({**schemes, "IMPRECISE_K": imprecise_k(cfg, True)})
+        assert "wgmma" in k13.asm["ptx"]
+        assert k13.asm["ptx"].count("add.f32") > fast.asm["ptx"].count("add.f32")
     k2 = compile_for_hopper(
         moe_gemm2_kernel, {**ptr, "y_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
                            "topk_weights_ptr": "*fp32", **routing},

@@ -159,7 +159,7 @@ def test_cache_key_changes_with_options_and_is_stable():
         Fp8Backend(cudagraphs=True).cache_key(),
         Fp8Backend(use_fast_accum=False).cache_key(),
         Fp8Backend(fuse_horizontal=True).cache_key(),
-        Fp8Backend(one_pass_rows=16384).cache_key(),
+        Fp8Backend(one_pass_rows=None).cache_key(),
     }
     assert len(keys) == 8
     assert Fp8Backend(cudagraphs=True).inductor_config["triton.cudagraphs"] is True
@@ -190,13 +190,16 @@ def test_bad_backend_option():
         Fp8Backend(compiler="tvm")
     with pytest.raises(ValueError, match="run your pass as post_grad_custom_pre_pass instead"):
         Fp8Backend(inductor_config={"post_grad_custom_post_pass": lambda graph: None})
-    with pytest.raises(ValueError, match=r"Fp8Backend\(one_pass_rows=0\): a positive int"):
-        Fp8Backend(one_pass_rows=0)
+    for bad in (0, True, 4096.0):
+        with pytest.raises(ValueError, match=rf"Fp8Backend\(one_pass_rows={bad!r}\): a positive int"):
+            Fp8Backend(one_pass_rows=bad)
 
 
 def test_one_pass_row_reductions_handler():
     """The choices handler takes INNER reductions up to the limit as one-pass (persistent) reductions,
     leaves longer rows and other reductions to Inductor, and is gone after the block."""
+    import pickle
+
     import sympy
     from torch._inductor.runtime.hints import ReductionHint
     from torch._inductor.sizevars import SizeVarAllocator
@@ -225,6 +228,8 @@ def test_one_pass_row_reductions_handler():
             assert not V.choices.should_use_persistent_reduction(Features(4096, inner), True)  # cooperative
             assert not V.choices.should_use_persistent_reduction(Features(4096, ReductionHint.OUTER), False)
             assert V.choices.should_use_persistent_reduction(Features(512, inner), False)  # Inductor's own
+            copy = pickle.loads(pickle.dumps(V.choices))  # Inductor pickles handlers for subprocess compiles
+            assert copy.should_use_persistent_reduction(Features(4096, inner), False)
         with compat.one_pass_row_reductions(None):
             assert not V.choices.should_use_persistent_reduction(Features(4096, inner), False)
         assert not V.choices.should_use_persistent_reduction(Features(4096, inner), False)
