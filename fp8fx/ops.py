@@ -182,14 +182,16 @@ def cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype
 
 
 def cublas_block_fits(m: int, n: int, k: int, x_block, w_block, out_dtype) -> bool:
-    """cuBLAS's 1x128 x 128x128 block-scaled GEMM (``F.scaled_mm``), where it was run on the H200 (run 7:
-    M = 16, 2048, 4096; N, K multiples of 128; bf16 out): there it took 0.53-0.57x the time of fp8fx's
-    Triton block kernel at M >= 2048. Other shapes (ragged blocks, odd M, K/128 not a multiple of 4,
-    which torch 2.11's meta check refuses unpadded) stay on the Triton kernel."""
+    """cuBLAS's 1x128 x 128x128 block-scaled GEMM (``F.scaled_mm``) for prefill, where it was run on the H200
+    (runs 7 and 8, Llama-3-8B shapes; N, K multiples of 128; bf16 out): at M = 2048 and 4096 it took
+    0.54-0.59x the time of fp8fx's Triton block kernel. At M = 16 the Triton kernel was as fast or faster
+    (gate_up 0.0431 against 0.0493 ms) and cuBLAS refuses M = 1, so decode sizes (M <= 64) stay on the
+    Triton kernel, as do ragged blocks, M not a multiple of 16 and K/128 not a multiple of 4 (torch 2.11's
+    meta check refuses those unpadded)."""
     return (
         hasattr(torch.nn.functional, "scaled_mm")
         and tuple(x_block) == (1, 128) and tuple(w_block) == (128, 128) and out_dtype == torch.bfloat16
-        and m > 0 and m % 16 == 0 and n % 128 == 0 and k % 128 == 0
+        and m > 64 and m % 16 == 0 and n % 128 == 0 and k % 128 == 0
         and (k // 128) % 4 == 0  # torch 2.11 wants scale_b's K/128 rows padded to a multiple of 4
     )
 

@@ -68,18 +68,19 @@ def test_cublas_block_dispatch_rule():
     fits = lambda m, n, k: cublas_block_fits(m, n, k, [1, 128], [128, 128], torch.bfloat16)  # noqa: E731
     if not hasattr(torch.nn.functional, "scaled_mm"):
         pytest.skip("this torch has no F.scaled_mm")
-    assert fits(16, 256, 512) and fits(2048, 28672, 4096) and fits(4096, 4096, 14336)
-    assert not fits(1, 256, 512) and not fits(2049, 256, 512)  # M: where cuBLAS's block GEMM was measured
-    assert not fits(16, 200, 512) and not fits(16, 256, 384)  # ragged blocks; K/128 = 3 (torch 2.11 refuses)
-    assert not cublas_block_fits(16, 256, 512, [1, 128], [128, 128], torch.float16)
+    assert fits(80, 256, 512) and fits(2048, 28672, 4096) and fits(4096, 4096, 14336)
+    assert not fits(1, 256, 512) and not fits(16, 256, 512) and not fits(64, 256, 512)  # decode: Triton
+    assert not fits(2049, 256, 512)  # M not a multiple of 16
+    assert not fits(80, 200, 512) and not fits(80, 256, 384)  # ragged blocks; K/128 = 3 (torch 2.11 refuses)
+    assert not cublas_block_fits(80, 256, 512, [1, 128], [128, 128], torch.float16)
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 3, 16, 2048, 2049])
+@pytest.mark.parametrize("m", [1, 3, 16, 80, 2048, 2049])
 @pytest.mark.parametrize("k", [384, 512])
 def test_block_scaled_op_cuda_matches_reference(m, k):
-    """The CUDA op with 1x128 x 128x128 blocks: cuBLAS's block GEMM where ``cublas_block_fits`` (M a multiple
-    of 16, K/128 a multiple of 4 here), the Triton kernel elsewhere; bias added either way."""
+    """The CUDA op with 1x128 x 128x128 blocks: cuBLAS's block GEMM where ``cublas_block_fits`` (M > 64 and
+    a multiple of 16, K/128 a multiple of 4 here), the Triton kernel elsewhere; bias added either way."""
     n = 256
     xq, xs, wq, ws, bias = operands(m, n, k, [1, 128], [128, 128], "cuda")
     ref = reference(xq, xs, [1, 128], wq, ws, [128, 128], bias, torch.bfloat16)
