@@ -11,10 +11,10 @@ ANCHORS.md), from bf16 tokens and a given top-k to the bf16 output:
   * fp8fx: ``fp8fx.kernels.fused_moe.fused_moe`` (align on the GPU, two fused grouped GEMMs) with
     per-channel expert scales and per-token activations, or 128x128 blocks and 1x128 groups; timed
     with fp32 promotion every K step and with Hopper's fast accumulation (``fp8fx_fast_accum``).
-Every row is timed as CUDA-graph replays (plain calls where capture fails, said on stderr). The
-weight-read floor is all fp8 expert bytes / 4.25 TB/s (the H200's measured copy speed; ANCHORS.md's
-definition); ``touched_floor_ms`` counts only the experts the
-tokens are routed to. Both anchors combine like fp8fx (bf16 terms, float32 sum over top-k).
+Every row is timed as CUDA-graph replays (plain calls where capture fails: listed in the row's
+``graph_capture_failures``). The weight-read floor is all fp8 expert bytes / 4.25 TB/s (the H200's
+measured copy speed; ANCHORS.md's definition); ``touched_floor_ms`` counts only the experts the tokens
+are routed to. Both anchors combine like fp8fx (bf16 terms, float32 sum over top-k).
 ``--sweep`` also times a set of tile configurations, ``--profile`` records each GPU kernel's time.
 Writes moe.json under --out. ``--cpu-smoke`` runs tiny shapes under Triton's interpreter (no timing;
 its errors include the interpreter's fp8 conversion bug).
@@ -191,7 +191,7 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
     fallbacks = len(FALLBACKS)
     for name, fn in timings.items():
         row[f"{name}_ms"] = time_ms(fn, graph)
-    row["plain_call_rows"] = FALLBACKS[fallbacks:]  # graph capture failed: timed as plain calls
+    row["graph_capture_failures"] = FALLBACKS[fallbacks:]  # those timings are plain calls
     # ANCHORS.md's floor reads every expert; the experts these tokens touch are the tighter one
     row["floor_ms"] = (q13.numel() + q2.numel()) / (HBM_TBPS * 1e9)
     row["experts_touched"] = int(ids.unique().numel())

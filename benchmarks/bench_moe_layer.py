@@ -8,8 +8,9 @@ The layer is the ``mlp`` of a one-layer transformers model with the real model's
 (Qwen3-30B-A3B: E=128, top-8, H=2048, I=768; Mixtral-8x7B: E=8, top-2, H=4096, I=14336), its experts
 run with transformers' ``grouped_mm`` implementation. fp8fx: ``quantize_(Fp8Config())`` (per-channel
 experts, per-token activations) + ``Fp8Backend()``; the MoE pass rewrites the experts into
-``fp8fx.fused_moe``, the router stays bf16. Every row is timed as CUDA-graph replays of the compiled layer
-(run 8 timed 4096 tokens as plain calls: fp8fx's Python op dispatch, not the GPU, set that number). Writes moe_layer.json.
+``fp8fx.fused_moe``, the router stays bf16. Every row is timed as CUDA-graph replays of the compiled
+layer (run 8 first timed 4096 tokens as plain calls: fp8fx's Python op dispatch, not the GPU, set that
+number). Writes moe_layer.json.
 """
 from __future__ import annotations
 

@@ -137,7 +137,8 @@ def _op(node: fx.Node) -> Optional[str]:
     if isinstance(target, torch._ops.OpOverload):
         return "gemm" if target.name() in _GEMM_OPS else None
     if target is getattr:
-        return "transpose" if node.args[1] in ("T", "mT") else "meta" if node.args[1] in ("shape", "dtype", "device") else None
+        attr = node.args[1]
+        return "transpose" if attr in ("T", "mT") else "meta" if attr in ("shape", "dtype", "device") else None
     return _FUNCTIONS.get(target)
 
 
