@@ -89,6 +89,26 @@ def test_block_scaled_op_cuda_matches_reference(m, k):
     assert err < 1e-2, (m, k, err)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg_m", [1, 64, 4096])
+def test_fp8_gemm_cuda_addresses_past_2_31(cfg_m):
+    """M * K = 300000 * 7168 > 2**31 elements (and M * N in the split-K partials): the rows past that
+    point are only right with 64-bit tile bases; the kernel's 32-bit offsets stay inside a tile."""
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
+
+    m, n, k = 300_000, 128, 7168
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xq = (torch.rand(m, k, device="cuda", generator=g) * 2 - 1).to(quant.FP8_DTYPE)  # codes in [-1, 1]
+    xs = torch.rand(m, 1, device="cuda", generator=g) + 0.5
+    wq, ws = (t.cuda() for t in quant.quantize(torch.randn(n, k), [1, -1]))
+    cfg = {**tile_config(cfg_m, n, k), "SPLIT_K": 2 if cfg_m == 1 else 1}
+    y = fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=cfg)
+    rows = torch.tensor([0, 1, m // 2, m - 2, m - 1])
+    ref = reference(xq[rows], xs[rows], [1, -1], wq, ws, [1, -1], None, torch.float32)
+    err = ((y[rows].double().cpu() - ref).abs().max() / ref.abs().max()).item()
+    assert err < 1e-3, (cfg, err)
+
+
 BLOCK_SHAPES = [(1, 200, 300), (3, 256, 384), (64, 130, 1000), (65, 384, 256), (2049, 257, 640)]
 
 

@@ -311,6 +311,26 @@ def test_fused_moe_kernel_cuda(t, scheme, routing):
 
 
 @pytest.mark.cuda
+def test_fused_moe_cuda_addresses_past_2_31():
+    """S * H = (40000 tokens x top-8) x 7168 > 2**31: the combine buffer's rows past that point, and
+    tokens near the end, are only right with 64-bit row bases (the 32-bit offsets stay in a tile)."""
+    from fp8fx.kernels.fused_moe import fused_moe
+
+    e, h, i, t, k = 8, 7168, 128, 40_000, 8
+    g = torch.Generator().manual_seed(5)
+    q13, s13 = quant.quantize(torch.randn(e, 2 * i, h, generator=g) / h**0.5, [1, -1])
+    q2, s2 = quant.quantize(torch.randn(e, h, i, generator=g) / i**0.5, [1, -1])
+    x = torch.randn(t, h, device="cuda", dtype=torch.bfloat16)
+    ids = torch.rand(t, e, device="cuda").argsort(dim=1)[:, :k]
+    w = torch.softmax(torch.randn(t, k, device="cuda"), dim=-1)
+    y = fused_moe(x, w, ids, q13.cuda(), s13.cuda(), q2.cuda(), s2.cuda(), [1, -1], [1, -1], torch.float32)
+    tokens = torch.tensor([0, 1, t // 2, t - 2, t - 1])
+    ref = ops.fused_moe_reference(x[tokens].cpu(), w[tokens].cpu(), ids[tokens].cpu(), q13, s13, q2, s2,
+                                  [1, -1], [1, -1], torch.float32)
+    assert rel_err(y[tokens].cpu(), ref) < 3e-2  # as test_fused_moe_kernel_cuda: requantization flips
+
+
+@pytest.mark.cuda
 def test_fused_moe_first_gemm_precision_cuda():
     """The first GEMM (SiLU(x W1) * x W3, float32, not requantized) against float64 on its fp8 operands,
     K = 4096: with fp32 promotion every K step the error stays that of the tensor cores' additions inside
