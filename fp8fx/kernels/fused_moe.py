@@ -17,8 +17,9 @@ K groups / blocks           ``[rows, ceil(K / GK)]`` (1 x GK)      ``[E, ceil(ro
 Scales constant along K are applied once, in the epilogue; K-varying ones (DeepSeek-V3's 128x128 weight
 blocks with 1x128 activation groups) multiply each K step's partial product, so BLOCK_K == GK there.
 
-1. ``align``: the pairs sorted by expert and each expert's run padded to a multiple of BLOCK_M, in torch
-   on the device (no host sync, CUDA-graph capturable; sizes are bounded from shapes alone):
+1. ``align``: the pairs sorted by expert and each expert's run padded to a multiple of BLOCK_M, on the
+   device (no host sync, CUDA-graph capturable; sizes are bounded from shapes alone): by one Triton
+   program for decode-sized pair counts (``align_kernel``), else in torch:
    ``sorted_pair [P]`` (padding = S), ``block_expert [P / BLOCK_M]`` (-1: no work).
 2. ``quantize_rows_kernel``: x to fp8 per token (or per 1 x GK group, or with a static scale), one pass.
 3. ``moe_gemm13_kernel``: per (row block, N tile of I): the block's tokens of x times the gate and the up
@@ -56,16 +57,70 @@ from fp8fx.kernels.fp8_gemm import imprecise_k
 
 
 # -- 1. routing: pairs sorted and padded by expert ------------------------------------------------
+ALIGN_ONE_PROGRAM_MAX = 32768  # pairs x experts (powers of 2) up to which one Triton program aligns
+
+
+def _align_rows(s: int, e: int, block_m: int) -> int:
+    """P = S + min(E, S) * (block_m - 1), rounded up to block_m: at most min(E, S) experts have pairs."""
+    return -(-(s + min(e, s) * (block_m - 1)) // block_m) * block_m
+
+
 def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(sorted_pair [P], block_expert [P / block_m]) for ``topk_ids [T, K]``; ids outside [0, E) are dropped.
 
     Expert e's pairs fill ``sorted_pair[start_e : start_e + count_e]`` (in pair order), padded with S up
     to a multiple of ``block_m``; ``block_expert[b]`` is the expert of rows [b * block_m, (b + 1) * block_m)
-    or -1. P = S + min(E, S) * (block_m - 1), rounded up to block_m: at most min(E, S) experts have pairs.
+    or -1 (P: ``_align_rows``). On the GPU, few pairs (decode) are aligned by one Triton program
+    (``align_one_program``: one launch where the torch version below takes ~15), the rest in torch.
     """
+    s = topk_ids.numel()
+    if topk_ids.is_cuda and 0 < s and _pow2(s) * _pow2(num_experts) <= ALIGN_ONE_PROGRAM_MAX:
+        return align_one_program(topk_ids, num_experts, block_m)
+    return align_torch(topk_ids, num_experts, block_m)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+@triton.jit
+def align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, S, E: tl.constexpr, BLOCK_M: tl.constexpr,
+                 S_P: tl.constexpr, E_P: tl.constexpr, NB_P: tl.constexpr, NB: tl.constexpr):
+    """``align`` in one program: pairs x experts one-hot, per-expert counts and ranks by scans."""
+    pairs = tl.arange(0, S_P)
+    ids = tl.load(ids_ptr + pairs, mask=pairs < S, other=-1)
+    routed = (pairs < S) & (ids >= 0) & (ids < E)
+    experts = tl.arange(0, E_P)
+    hot = ((ids[:, None] == experts[None, :]) & routed[:, None]).to(tl.int32)  # [S_P, E_P]
+    counts = tl.sum(hot, axis=0)  # [E_P]
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = tl.cumsum(padded, axis=0)  # one past each expert's last padded row
+    start = end - padded
+    rank = tl.cumsum(hot, axis=0) - hot  # pairs of the same expert before this one
+    row = tl.sum(hot * (start[None, :] + rank), axis=1)  # [S_P]
+    tl.store(sorted_pair_ptr + row, pairs, mask=routed)  # padding (S) was written by the caller
+    blocks = tl.arange(0, NB_P)
+    expert = tl.sum(((end[None, :] <= blocks[:, None] * BLOCK_M) & (experts[None, :] < E)).to(tl.int32), axis=1)
+    tl.store(block_expert_ptr + blocks, tl.where(expert < E, expert, -1), mask=blocks < NB)
+
+
+def align_one_program(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``align`` by ``align_kernel`` (two launches: the padding fill and the kernel); same output."""
+    ids = topk_ids.reshape(-1)
+    s = ids.numel()
+    p = _align_rows(s, num_experts, block_m)
+    sorted_pair = torch.full((p,), s, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(p // block_m, dtype=torch.int32, device=ids.device)
+    align_kernel[(1,)](ids, sorted_pair, block_expert, s, E=num_experts, BLOCK_M=block_m, S_P=_pow2(s),
+                       E_P=_pow2(num_experts), NB_P=_pow2(p // block_m), NB=p // block_m, num_warps=8)
+    return sorted_pair, block_expert
+
+
+def align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``align`` in torch (any number of pairs; CPU and GPU)."""
     ids = topk_ids.reshape(-1)  # [S]
     s, e, device = ids.numel(), num_experts, ids.device
-    p = -(-(s + min(e, s) * (block_m - 1)) // block_m) * block_m
+    p = _align_rows(s, e, block_m)
     bucket = torch.where((ids >= 0) & (ids < e), ids, e).long()  # out of range -> bucket E, dropped; int32 ids too
     counts = torch.zeros(e + 1, dtype=torch.int64, device=device).scatter_add_(0, bucket, torch.ones_like(bucket))
     # bucket E (dropped pairs) gets no rows; a mask, not ``padded[e] = 0``, which copies a host scalar

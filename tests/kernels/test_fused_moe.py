@@ -173,6 +173,49 @@ def test_align_sorts_and_pads_pairs_by_expert(t, k, block_m, id_dtype):
         assert mine == sorted(mine)
 
 
+ALIGN_CHECK = textwrap.dedent(
+    """
+    import torch
+    from fp8fx.kernels.fused_moe import align_one_program, align_torch
+    g = torch.Generator().manual_seed(0)
+    for t, k, e, block_m in [(1, 1, 8, 16), (1, 8, 128, 16), (16, 8, 128, 16), (16, 2, 8, 16), (5, 3, 6, 4),
+                             (32, 8, 128, 64), (7, 2, 8, 4)]:
+        for case in ("random", "sentinels", "one expert"):
+            ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+            if case == "sentinels":  # expert-parallel ids outside [0, E) are dropped
+                ids[::2, 0] = e
+                ids[1::3, -1] = -1
+            if case == "one expert":
+                ids[:] = e - 1
+            for dtype in (torch.int64, torch.int32):
+                got = align_one_program(ids.to(dtype), e, block_m)
+                want = align_torch(ids.to(dtype), e, block_m)
+                for a, b in zip(got, want):
+                    assert a.dtype == b.dtype and torch.equal(a, b), (t, k, e, block_m, case, dtype, a, b)
+    print("align ok")
+    """
+)
+
+
+def test_align_one_program_matches_torch_under_triton_interpreter():
+    """The GPU's one-launch align (decode) gives exactly the torch version's tensors."""
+    assert "align ok" in run_under_triton_interpreter(["-c", ALIGN_CHECK])
+
+
+@pytest.mark.cuda
+def test_align_one_program_matches_torch_cuda():
+    from fp8fx.kernels.fused_moe import align, align_one_program, align_torch
+
+    g = torch.Generator().manual_seed(1)
+    for t, k, e, block_m in [(1, 8, 128, 16), (16, 8, 128, 16), (16, 2, 8, 16), (32, 8, 128, 64)]:
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+        ids[::3, 0] = e  # dropped (expert-parallel sentinel)
+        ids = ids.cuda()
+        want = align_torch(ids, e, block_m)
+        for got in (align_one_program(ids, e, block_m), align(ids, e, block_m)):  # align picks the kernel here
+            assert all(torch.equal(a, b) for a, b in zip(got, want)), (t, k, e, block_m)
+
+
 INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
@@ -460,6 +503,19 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
         ["S", "N", "K", *strides, "stride_ym", "stride_yn", *scale_strides], {**schemes, **tiles2}, cfg2)
     for kernel in (k13, k2):
         assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("pairs,experts,block_m", [(128, 128, 16), (32, 8, 16), (256, 128, 64)])
+def test_align_kernel_compiles_for_sm90(pairs, experts, block_m):
+    pytest.importorskip("triton")
+    from fp8fx.kernels.fused_moe import _align_rows, _pow2, align_kernel
+
+    nb = _align_rows(pairs, experts, block_m) // block_m
+    kernel = compile_for_hopper(
+        align_kernel, {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32"}, ["S"],
+        dict(E=experts, BLOCK_M=block_m, S_P=_pow2(pairs), E_P=_pow2(experts), NB_P=_pow2(nb), NB=nb),
+        {"num_warps": 8, "num_stages": 1})
+    assert kernel.asm["cubin"]
 
 
 @pytest.mark.parametrize("group,static", [(768, False), (14336, False), (128, False), (2048, True)])
