@@ -57,7 +57,12 @@ from fp8fx.kernels.fp8_gemm import imprecise_k
 
 
 # -- 1. routing: pairs sorted and padded by expert ------------------------------------------------
-ALIGN_ONE_PROGRAM_MAX = 32768  # pairs x experts (powers of 2) up to which one Triton program aligns
+# One Triton program aligns up to this many pairs x experts (each rounded up to a power of 2): its
+# cumsum along the pairs takes 4 bytes of shared memory per element (128 KiB here; sm_90 has 227), and
+# up to ALIGN_ONE_PROGRAM_PAIRS pairs (decode; longer prefills take the torch version, whose ~15 kernels
+# are small next to their GEMMs)
+ALIGN_ONE_PROGRAM_MAX = 32768
+ALIGN_ONE_PROGRAM_PAIRS = 1024
 
 
 def _align_rows(s: int, e: int, block_m: int) -> int:
@@ -74,7 +79,8 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     (``align_one_program``: one launch where the torch version below takes ~15), the rest in torch.
     """
     s = topk_ids.numel()
-    if topk_ids.is_cuda and 0 < s and _pow2(s) * _pow2(num_experts) <= ALIGN_ONE_PROGRAM_MAX:
+    small = 0 < s <= ALIGN_ONE_PROGRAM_PAIRS and _pow2(s) * _pow2(num_experts) <= ALIGN_ONE_PROGRAM_MAX
+    if topk_ids.is_cuda and small:
         return align_one_program(topk_ids, num_experts, block_m)
     return align_torch(topk_ids, num_experts, block_m)
 
@@ -84,9 +90,10 @@ def _pow2(n: int) -> int:
 
 
 @triton.jit
-def align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, S, E: tl.constexpr, BLOCK_M: tl.constexpr,
-                 S_P: tl.constexpr, E_P: tl.constexpr, NB_P: tl.constexpr, NB: tl.constexpr):
-    """``align`` in one program: pairs x experts one-hot, per-expert counts and ranks by scans."""
+def align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, S, NB, E: tl.constexpr, BLOCK_M: tl.constexpr,
+                 S_P: tl.constexpr, E_P: tl.constexpr, NB_P: tl.constexpr):
+    """``align`` in one program: pairs x experts one-hot, per-expert counts and ranks by scans. S and NB
+    (blocks) are runtime sizes: one compiled kernel per power-of-2 size class, not per token count."""
     pairs = tl.arange(0, S_P)
     ids = tl.load(ids_ptr + pairs, mask=pairs < S, other=-1)
     routed = (pairs < S) & (ids >= 0) & (ids < E)
@@ -111,8 +118,8 @@ def align_one_program(topk_ids: torch.Tensor, num_experts: int, block_m: int) ->
     p = _align_rows(s, num_experts, block_m)
     sorted_pair = torch.full((p,), s, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(p // block_m, dtype=torch.int32, device=ids.device)
-    align_kernel[(1,)](ids, sorted_pair, block_expert, s, E=num_experts, BLOCK_M=block_m, S_P=_pow2(s),
-                       E_P=_pow2(num_experts), NB_P=_pow2(p // block_m), NB=p // block_m, num_warps=8)
+    align_kernel[(1,)](ids, sorted_pair, block_expert, s, p // block_m, E=num_experts, BLOCK_M=block_m,
+                       S_P=_pow2(s), E_P=_pow2(num_experts), NB_P=_pow2(p // block_m), num_warps=8)
     return sorted_pair, block_expert
 
 

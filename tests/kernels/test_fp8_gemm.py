@@ -92,8 +92,8 @@ def test_block_scaled_op_cuda_matches_reference(m, k):
 @pytest.mark.cuda
 @pytest.mark.parametrize("cfg_m", [1, 64, 4096])
 def test_fp8_gemm_cuda_addresses_past_2_31(cfg_m):
-    """M * K = 300000 * 7168 > 2**31 elements (and M * N in the split-K partials): the rows past that
-    point are only right with 64-bit tile bases; the kernel's 32-bit offsets stay inside a tile."""
+    """M * K = 300000 * 7168 > 2**31 elements of A: the rows past that point are only right with 64-bit
+    tile bases; the kernel's 32-bit offsets stay inside a tile. (The output, M * N, stays under 2**31.)"""
     from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
 
     m, n, k = 300_000, 128, 7168

@@ -207,13 +207,18 @@ def test_align_one_program_matches_torch_cuda():
     from fp8fx.kernels.fused_moe import align, align_one_program, align_torch
 
     g = torch.Generator().manual_seed(1)
-    for t, k, e, block_m in [(1, 8, 128, 16), (16, 8, 128, 16), (16, 2, 8, 16), (32, 8, 128, 64)]:
-        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-        ids[::3, 0] = e  # dropped (expert-parallel sentinel)
-        ids = ids.cuda()
-        want = align_torch(ids, e, block_m)
-        for got in (align_one_program(ids, e, block_m), align(ids, e, block_m)):  # align picks the kernel here
-            assert all(torch.equal(a, b) for a, b in zip(got, want)), (t, k, e, block_m)
+    for t, k, e, block_m in [(1, 8, 128, 16), (16, 8, 128, 16), (16, 2, 8, 16), (32, 8, 128, 64), (9, 3, 60, 128)]:
+        for case, dtype in [("sentinels", torch.int64), ("sentinels", torch.int32), ("one expert", torch.int64)]:
+            ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+            if case == "sentinels":  # dropped: expert-parallel ids past E, and -1
+                ids[::3, 0] = e
+                ids[1::4, -1] = -1
+            else:
+                ids[:] = e - 1
+            ids = ids.to(dtype).cuda()
+            want = align_torch(ids, e, block_m)
+            for got in (align_one_program(ids, e, block_m), align(ids, e, block_m)):  # align picks the kernel
+                assert all(torch.equal(a, b) for a, b in zip(got, want)), (t, k, e, block_m, case, dtype)
 
 
 INTERPRETER_CHECK = textwrap.dedent(
@@ -355,8 +360,8 @@ def test_fused_moe_kernel_cuda(t, scheme, routing):
 
 @pytest.mark.cuda
 def test_fused_moe_cuda_addresses_past_2_31():
-    """S * H = (40000 tokens x top-8) x 7168 > 2**31: the combine buffer's rows past that point, and
-    tokens near the end, are only right with 64-bit row bases (the 32-bit offsets stay in a tile)."""
+    """S * H = (40000 tokens x top-8) x 7168 > 2**31 elements in the [S, H] combine buffer: the pairs past
+    that point are only right with 64-bit row bases (x itself, 40000 x 7168, stays under 2**31)."""
     from fp8fx.kernels.fused_moe import fused_moe
 
     e, h, i, t, k = 8, 7168, 128, 40_000, 8
@@ -505,17 +510,20 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
         assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("pairs,experts,block_m", [(128, 128, 16), (32, 8, 16), (256, 128, 64)])
+@pytest.mark.parametrize("pairs,experts,block_m", [  # decode shapes and the size limits
+    (128, 128, 16), (32, 8, 16), (256, 128, 64), (1024, 32, 128), (4, 8192, 16),
+])
 def test_align_kernel_compiles_for_sm90(pairs, experts, block_m):
     pytest.importorskip("triton")
-    from fp8fx.kernels.fused_moe import _align_rows, _pow2, align_kernel
+    from fp8fx.kernels.fused_moe import ALIGN_ONE_PROGRAM_MAX, _align_rows, _pow2, align_kernel
 
+    assert _pow2(pairs) * _pow2(experts) <= ALIGN_ONE_PROGRAM_MAX
     nb = _align_rows(pairs, experts, block_m) // block_m
     kernel = compile_for_hopper(
-        align_kernel, {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32"}, ["S"],
-        dict(E=experts, BLOCK_M=block_m, S_P=_pow2(pairs), E_P=_pow2(experts), NB_P=_pow2(nb), NB=nb),
+        align_kernel, {"ids_ptr": "*i64", "sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32"}, ["S", "NB"],
+        dict(E=experts, BLOCK_M=block_m, S_P=_pow2(pairs), E_P=_pow2(experts), NB_P=_pow2(nb)),
         {"num_warps": 8, "num_stages": 1})
-    assert kernel.asm["cubin"]
+    assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024  # the scan's shared memory
 
 
 @pytest.mark.parametrize("group,static", [(768, False), (14336, False), (128, False), (2048, True)])
