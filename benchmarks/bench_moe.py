@@ -189,8 +189,11 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
         row["scaled_grouped_mm_error"] = repr(exc)[:300]
         timings.pop("scaled_grouped_mm")
     fallbacks = len(FALLBACKS)
-    for name, fn in timings.items():
-        row[f"{name}_ms"] = time_ms(fn, graph)
+    # twice, the second time in reverse order, the faster kept: in run 8 two identical builds timed 10%
+    # apart in the order they ran (Qwen3, 16 tokens)
+    for name, fn in [*timings.items(), *reversed(timings.items())]:
+        ms = time_ms(fn, graph)
+        row[f"{name}_ms"] = min(ms, row.get(f"{name}_ms", ms))
     row["graph_capture_failures"] = FALLBACKS[fallbacks:]  # those timings are plain calls
     # ANCHORS.md's floor reads every expert; the experts these tokens touch are the tighter one
     row["floor_ms"] = (q13.numel() + q2.numel()) / (HBM_TBPS * 1e9)
