@@ -29,7 +29,8 @@ promotes every step anyway (a fresh ``tl.dot`` per K step, scaled, then added).
 
 Used for decode-sized M (<= 64), where cuBLAS fp8 is slower than streaming the weight at HBM
 bandwidth (H200, torch 2.11: down 4096x14336 at M=16 took 0.047 ms through `torch._scaled_mm` vs
-0.042 ms in bf16; this kernel 0.026-0.037 ms, benchmarks/RESULTS.md), and for block scales at every M.
+0.042 ms in bf16; this kernel 0.026-0.037 ms, benchmarks/RESULTS.md), and for block scales where
+cuBLAS's block-scaled GEMM does not apply (``fp8fx.ops.cublas_block_fits``: decode sizes, ragged blocks).
 Tiles are picked by `tile_config` rather than autotuned so launches are deterministic, CUDA-graph
 capturable and run under TRITON_INTERPRET=1. ``SPLIT_K`` > 1 splits the K loop over that many programs
 per output tile (float32 partials, summed by the caller: deterministic) for decode shapes whose output
