@@ -30,7 +30,8 @@ blocks with 1x128 activation groups) multiply each K step's partial product, so 
    requantization in one kernel, no float32 intermediate in memory.
 5. ``moe_gemm2_kernel``: per (row block, N tile of H): the block's rows of ``inter`` times its expert's w2,
    scales and the pair's routing weight in the epilogue -> ``y [S, H]`` in the output dtype.
-6. ``y.view(T, K, H).sum(1)``: the combine, deterministic (no atomics).
+6. ``combine_kernel``: out[t] = the sum of its pairs' rows of y in float32, in k order (deterministic, no
+   atomics), pairs routed nowhere skipped.
 
 Accumulation: one promotion of the tensor cores' partial sums into fp32 per K step (see
 fp8fx.kernels.fp8_gemm), unless ``fast_accum``. Quantization matches ``fp8fx.quant`` bit for bit on the
@@ -334,6 +335,24 @@ def tile_config(pairs_per_expert: float, n: int, k: int, k_grouped: bool = False
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, gemm2=dict(BLOCK_N=256))
 
 
+# -- 6. the combine ----------------------------------------------------------------------------
+@triton.jit
+def combine_kernel(y_ptr, ids_ptr, out_ptr, H, stride_y, stride_o, E: tl.constexpr, K_TOP: tl.constexpr,
+                   BLOCK_H: tl.constexpr):
+    """out[t] = sum over k of y[t * K + k] in float32 (k in order: deterministic), cast to out's dtype.
+    Pairs routed nowhere (ids outside [0, E)) add 0: their rows of y were never written."""
+    t = tl.program_id(0)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for k in tl.static_range(K_TOP):
+        pair = t.to(tl.int64) * K_TOP + k
+        expert = tl.load(ids_ptr + pair)
+        term = tl.load(y_ptr + pair * stride_y + offs, mask=h_ok, other=0.0).to(tl.float32)
+        acc += tl.where((expert >= 0) & (expert < E), term, 0.0)  # unwritten rows: whatever they hold
+    tl.store(out_ptr + t.to(tl.int64) * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
+
+
 # -- the whole op ------------------------------------------------------------------------------
 def _k_group(block) -> Optional[int]:
     """The K group of an fp8fx block, None when its scale is constant along K."""
@@ -473,8 +492,8 @@ def fused_moe(
     # [S, H]: bf16 for bf16 outputs (half the traffic of float32; each pair's term is rounded once
     # before the float32 sum over top-k, ~2**-9 relative, where the reference rounds only the sum),
     # float32 otherwise (an fp16 term can overflow where the sum would not). Rows of pairs routed
-    # nowhere are never written and must add 0.
-    y = torch.zeros(s, h, device=x.device, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
+    # nowhere are never written; the combine skips them (no memset).
+    y = torch.empty(s, h, device=x.device, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
     grid = (block_expert.numel(), triton.cdiv(h, tiles2["BLOCK_N"]))
     moe_gemm2_kernel[grid](
         iq, w2, y, i_scale, s2, topk_weights.reshape(-1).contiguous(), sorted_pair, block_expert,
@@ -483,4 +502,9 @@ def fused_moe(
         *_act_strides(i_scale), *s2_strides,
         W_BLOCK_N=s2_rows, **consts2, **cfg2,
     )
-    return y.view(t, k_top, h).sum(dim=1, dtype=torch.float32).to(out_dtype)
+    out = torch.empty(t, h, device=x.device, dtype=out_dtype)
+    block_h = min(1024, triton.next_power_of_2(h))
+    combine_kernel[(t, triton.cdiv(h, block_h))](
+        y, topk_ids.reshape(-1), out, h, y.stride(0), out.stride(0), E=e, K_TOP=k_top, BLOCK_H=block_h, num_warps=4,
+    )
+    return out

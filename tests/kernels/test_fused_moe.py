@@ -197,6 +197,35 @@ ALIGN_CHECK = textwrap.dedent(
 )
 
 
+COMBINE_CHECK = textwrap.dedent(
+    """
+    import torch
+    from fp8fx.kernels.fused_moe import combine_kernel
+    t, k, e, h = 5, 3, 4, 40
+    ids = torch.randint(0, e, (t, k))
+    ids[1, 2], ids[3, 0] = e, -1  # routed nowhere: their rows of y were never written
+    for y_dtype, out_dtype in [(torch.bfloat16, torch.float32), (torch.float32, torch.float32),
+                               (torch.bfloat16, torch.bfloat16)]:
+        y = torch.randn(t * k, h).to(y_dtype)
+        unrouted = ((ids < 0) | (ids >= e)).reshape(-1)
+        ref = torch.where(unrouted[:, None], 0, y.float()).view(t, k, h).sum(1)
+        y[unrouted] = float("nan")
+        out = torch.empty(t, h, dtype=out_dtype)
+        combine_kernel[(t, 2)](y, ids.reshape(-1), out, h, y.stride(0), out.stride(0), E=e, K_TOP=k, BLOCK_H=32)
+        if out_dtype == torch.float32:  # three bf16 / float32 terms in order: the same float32 sum
+            assert torch.allclose(out, ref, rtol=1e-6, atol=0), (y_dtype, (out - ref).abs().max())
+        else:  # the interpreter's float32 -> bf16 cast may be one bf16 step off round-to-nearest
+            assert torch.allclose(out.float(), ref, rtol=2**-7, atol=0), (out.float() - ref).abs().max()
+    print("combine ok")
+    """
+)
+
+
+def test_combine_kernel_under_triton_interpreter():
+    """Sums each token's pair rows in float32 in k order; rows of pairs routed nowhere (NaN here) add 0."""
+    assert "combine ok" in run_under_triton_interpreter(["-c", COMBINE_CHECK])
+
+
 def test_align_one_program_matches_torch_under_triton_interpreter():
     """The GPU's one-launch align (decode) gives exactly the torch version's tensors."""
     assert "align ok" in run_under_triton_interpreter(["-c", ALIGN_CHECK])
@@ -524,6 +553,18 @@ def test_align_kernel_compiles_for_sm90(pairs, experts, block_m):
         dict(E=experts, BLOCK_M=block_m, S_P=_pow2(pairs), E_P=_pow2(experts), NB_P=_pow2(nb)),
         {"num_warps": 8, "num_stages": 1})
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024  # the scan's shared memory
+
+
+@pytest.mark.parametrize("y_type,out_type,ids_type", [("*bf16", "*bf16", "*i64"), ("*fp32", "*fp32", "*i32"),
+                                                      ("*fp32", "*fp16", "*i64")])
+def test_combine_kernel_compiles_for_sm90(y_type, out_type, ids_type):
+    pytest.importorskip("triton")
+    from fp8fx.kernels.fused_moe import combine_kernel
+
+    kernel = compile_for_hopper(
+        combine_kernel, {"y_ptr": y_type, "ids_ptr": ids_type, "out_ptr": out_type}, ["H", "stride_y", "stride_o"],
+        dict(E=128, K_TOP=8, BLOCK_H=1024), {"num_warps": 4, "num_stages": 1})
+    assert kernel.asm["cubin"]
 
 
 @pytest.mark.parametrize("group,static", [(768, False), (14336, False), (128, False), (2048, True)])
