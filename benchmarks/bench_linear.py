@@ -269,12 +269,15 @@ def cpu_smoke():
     x = torch.randn(8, 256, dtype=torch.bfloat16)
     with torch.no_grad():
         ref = mlp(x)
-        anchor_err = rel_err(torch.compile(ScaledMMMLP(mlp))(x), ref)  # the Inductor fp8 anchor
+        try:  # the Inductor fp8 anchor; torch 2.11's CPU _scaled_mm takes per-tensor scales only
+            anchor = f"{rel_err(torch.compile(ScaledMMMLP(mlp))(x), ref):.4f}"
+        except RuntimeError as exc:
+            anchor = f"not run: {str(exc).splitlines()[0][:120]}"
         fn, backend = fp8fx_module(mlp)
         err = rel_err(fn(x), ref)
     print(backend.report)
-    print(f"cpu smoke: mlp rel err vs bf16 {err:.4f}, Inductor _scaled_mm anchor {anchor_err:.4f}")
-    return max(err, anchor_err)
+    print(f"cpu smoke: mlp rel err vs bf16 {err:.4f}; Inductor _scaled_mm anchor: {anchor}")
+    return err if anchor.startswith("not run") else max(err, float(anchor))
 
 
 def compile_time():
