@@ -77,7 +77,7 @@ def align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch
     Expert e's pairs fill ``sorted_pair[start_e : start_e + count_e]`` (in pair order), padded with S up
     to a multiple of ``block_m``; ``block_expert[b]`` is the expert of rows [b * block_m, (b + 1) * block_m)
     or -1 (P: ``_align_rows``). On the GPU, few pairs (decode) are aligned by one Triton program
-    (``align_one_program``: one launch where the torch version below takes ~15), the rest in torch.
+    (``align_one_program``: two launches where the torch version below takes ~15), the rest in torch.
     """
     s = topk_ids.numel()
     small = 0 < s <= ALIGN_ONE_PROGRAM_PAIRS and _pow2(s) * _pow2(num_experts) <= ALIGN_ONE_PROGRAM_MAX
