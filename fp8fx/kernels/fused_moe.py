@@ -38,12 +38,12 @@ fp8fx.kernels.fp8_gemm), unless ``fast_accum``. Quantization matches ``fp8fx.qua
 GPU (IEEE division, clamp, round-to-nearest-even cast).
 
 Not fused: per-token (and per-tensor) intermediates make a round trip through memory in float32 between
-steps 3 and 4 (their amax spans every N tile of step 3). Tiles come from ``tile_config`` by the average number of
-pairs per expert (decode vs prefill), not from autotuning, so launches are deterministic and run under
-TRITON_INTERPRET=1. On the H200 (torch 2.11, triton 3.6; benchmarks/RESULTS.md, run 7, before steps 2
-and 4 moved from torch into the kernel and before block scales) per-channel experts ran at 1.09x
-(Qwen3-30B-A3B) and 1.17x (Mixtral) of bf16 ``torch._grouped_mm`` at 4096 tokens, and at 16 tokens
-under a CUDA graph at 1.45-1.49x the fp8 weight-read floor.
+steps 3 and 4 (their amax spans every N tile of step 3). Tiles come from ``tile_config`` by the average
+number of pairs per expert (decode vs prefill), not from autotuning, so launches are deterministic and run
+under TRITON_INTERPRET=1. On the H200 (torch 2.11, triton 3.6; benchmarks/RESULTS.md, run 8, CUDA-graph
+replays, fast accumulation) per-channel experts ran 2.15x (Qwen3-30B-A3B) and 1.71x (Mixtral) faster
+than bf16 ``torch._grouped_mm`` at 4096 tokens, and at 16 tokens at 1.32-1.45x (Qwen3) and 1.36x
+(Mixtral) the fp8 weight-read floor; run 8 preceded the one-program align and the combine kernel.
 """
 from __future__ import annotations
 
@@ -157,6 +157,18 @@ def _max_nan(a, b):
 
 
 @triton.jit
+def _scale_of(amax, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    """``fp8fx.quant``'s scale: max(amax, EPS) / FP8_MAX, IEEE division (NaN kept)."""
+    return tl.math.div_rn(_max_nan(amax, EPS), FP8_MAX)
+
+
+@triton.jit
+def _to_fp8_range(v, scale, FP8_MAX: tl.constexpr):
+    """v / scale, IEEE division, saturated to +-FP8_MAX (NaN kept): ready for the round-to-nearest cast."""
+    return tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, static_ptr,
     C, stride_xm, stride_qm, stride_sm, stride_sg,
@@ -176,14 +188,13 @@ def quantize_rows_kernel(
             offs = start + c + tl.arange(0, CHUNK)
             v = tl.load(x_row + offs, mask=(offs < C) & (c + tl.arange(0, CHUNK) < GROUP), other=0.0)
             amax = _max_nan(amax, tl.abs(v.to(tl.float32)))
-        scale = tl.math.div_rn(_max_nan(tl.reduce(amax, 0, _max_nan), EPS), FP8_MAX)
+        scale = _scale_of(tl.reduce(amax, 0, _max_nan), EPS, FP8_MAX)
         tl.store(scale_ptr + row * stride_sm + group * stride_sg, scale)
     for c in range(0, GROUP, CHUNK):
         offs = start + c + tl.arange(0, CHUNK)
         mask = (offs < C) & (c + tl.arange(0, CHUNK) < GROUP)
         v = tl.load(x_row + offs, mask=mask, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-        tl.store(q_ptr + row * stride_qm + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
+        tl.store(q_ptr + row * stride_qm + offs, _to_fp8_range(v, scale, FP8_MAX).to(q_ptr.dtype.element_ty), mask=mask)
 
 
 # -- 3. and 5. the grouped GEMMs ---------------------------------------------------------------
@@ -261,8 +272,8 @@ def moe_gemm13_kernel(
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # columns past N are 0: their weights loaded as 0
     i_ptrs = inter_ptr + pair[:, None] * stride_im + offs_n[None, :] * stride_in
     if QUANT_OUT:  # as quantize_rows_kernel does it, on the tile still in registers
-        scale = tl.math.div_rn(_max_nan(tl.reduce(tl.abs(h), 1, _max_nan), EPS), FP8_MAX)  # [BM]
-        q = tl.clamp(tl.math.div_rn(h, scale[:, None]), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+        scale = _scale_of(tl.reduce(tl.abs(h), 1, _max_nan), EPS, FP8_MAX)  # [BM]
+        q = _to_fp8_range(h, scale[:, None], FP8_MAX)
         tl.store(i_ptrs, q.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
         tl.store(inter_scale_ptr + pair * stride_ism + tl.program_id(1) * stride_isg, scale, mask=valid)
     else:
@@ -478,8 +489,8 @@ def fused_moe(
     fuse_group = _k_group(act_block) if fuse_quant and a2_scale is None else None
     if fuse_group:
         tiles["BLOCK_N"] = fuse_group  # one N tile of the first GEMM = one activation group
-    consts = dict(K_GROUPED=group_k is not None, IMPRECISE_K=imprecise_k(tiles, fast_accum), **tiles)
-    consts2 = dict(K_GROUPED=group_k is not None, IMPRECISE_K=imprecise_k(tiles2, fast_accum), **tiles2)
+    consts, consts2 = (dict(K_GROUPED=group_k is not None, IMPRECISE_K=imprecise_k(t, fast_accum), **t)
+                       for t in (tiles, tiles2))
     sorted_pair, block_expert = align(topk_ids, e, tiles["BLOCK_M"])
     xq, x_scale = quantize(x, act_block, a13_scale)
     s13, s13_strides, s13_rows = _weight_scale(w13_scale, w13, w_block)
