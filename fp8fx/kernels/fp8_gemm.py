@@ -33,9 +33,11 @@ bandwidth (H200, torch 2.11: down 4096x14336 at M=16 took 0.047 ms through `torc
 cuBLAS's block-scaled GEMM does not apply (``fp8fx.ops.cublas_block_fits``: decode sizes, ragged blocks).
 Tiles are picked by `tile_config` rather than autotuned so launches are deterministic, CUDA-graph
 capturable and run under TRITON_INTERPRET=1. ``SPLIT_K`` > 1 splits the K loop over that many programs
-per output tile (float32 partials, summed by the caller: deterministic) for decode shapes whose output
-tiles are too few to keep every SM streaming weight (down 4096x14336 at BLOCK_N=64: 64 tiles for 132 SMs;
-split in 4 it ran 6% faster on the H200, `tile_config`).
+per output tile for decode shapes whose output tiles are too few to keep every SM streaming weight
+(down 4096x14336 at BLOCK_N=64: 64 tiles for 132 SMs; split in 4 it ran 6% faster on the H200,
+`tile_config`, with the partials then summed by two more kernels). Each split writes a float32 partial
+and the last split of a tile to finish (an int32 ticket per tile) sums them in split order: deterministic,
+one launch.
 
 Addresses: 64-bit bases per program and 32-bit offsets inside its tiles (``fp8_gemm`` makes both operands
 row-major, so an offset stays under BLOCK_M * K or BLOCK_N * K); [BM, BK] tensors of 64-bit pointers
@@ -56,8 +58,9 @@ PER_TENSOR, PER_ROW, PER_K_GROUP = 0, 1, 2
 
 @triton.jit
 def fp8_gemm_kernel(
-    # tensors
-    a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr,
+    # tensors (split-K: y is the float32 partials [SPLIT_K, M, N], out the result, tickets one int32 per
+    # output tile, zero on entry and left zero)
+    a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, tickets_ptr,
     # sizes
     M, N, K,
     # strides
@@ -72,7 +75,7 @@ def fp8_gemm_kernel(
     SPLIT_K: tl.constexpr,
 ):
     # split-K: SPLIT_K programs share an output tile, each over its own run of K steps, each writing a
-    # float32 partial (y_ptr + split * stride_ys) that the caller sums
+    # float32 partial (y_ptr + split * stride_ys); the last of them to finish sums the partials (see the end)
     split = tl.program_id(0) % SPLIT_K
     pid = tl.program_id(0) // SPLIT_K
     # grouped ordering of the output tiles: GROUP_M row-tiles share the same b columns in L2
@@ -123,7 +126,7 @@ def fp8_gemm_kernel(
     # epilogue: the scales that are constant along K, bias, cast
     if A_ROWWISE:
         acc *= tl.load(a_scale_ptrs, mask=offs_m < M, other=0.0)[:, None]
-    elif not A_GROUPED:  # per-tensor
+    elif A_FP8 and not A_GROUPED:  # per-tensor (weight-only activations have no scale)
         acc *= tl.load(a_scale_ptr)
     if B_ROWWISE:
         acc *= tl.load(b_scale_ptrs, mask=offs_n < N, other=0.0)[None, :]
@@ -132,9 +135,25 @@ def fp8_gemm_kernel(
     if HAS_BIAS:  # once: in split 0's partial
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc += tl.where(split == 0, bias, 0.0)[None, :]
-    y_tile = y_ptr + split.to(tl.int64) * stride_ys + (pid_m * BLOCK_M).to(tl.int64) * stride_ym
+    y_tile = y_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_ym
     y_ptrs = y_tile + local_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_n[None, :] < N))
+    in_bounds = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(y_ptrs + split.to(tl.int64) * stride_ys, acc.to(y_ptr.dtype.element_ty), mask=in_bounds)
+    if SPLIT_K > 1:
+        # The tile's last split to arrive (a ticket per tile) sums the partials in split order - deterministic
+        # whatever the arrival order - and writes the output, then hands the ticket back at zero for the next
+        # launch. This replaces a sum and a cast kernel after the GEMM (two launches of the M=1 down projection).
+        # The barrier orders every thread's partial before the (release) ticket; the acquire side reads the
+        # partials from L2 (.cg).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(tickets_ptr + pid, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in range(SPLIT_K):
+                total += tl.load(y_ptrs + s * stride_ys, mask=in_bounds, other=0.0, cache_modifier=".cg")
+            out_ptrs = out_ptr + (pid_m * BLOCK_M).to(tl.int64) * N + local_m[:, None] * N + offs_n[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=in_bounds)
+            tl.atomic_xchg(tickets_ptr + pid, 0)
 
 
 def tile_config(m: int, n: int, k: int) -> dict:
@@ -206,9 +225,8 @@ def fp8_gemm(
     a = a if a.stride(1) == 1 or k == 1 else a.contiguous()
     b = b if b.stride(1) == 1 or k == 1 else b.contiguous()
     a_fp8 = a_scale is not None
-    if not a_fp8:
-        a_scale = torch.ones(1, device=a.device)
-    a_mode, a_scale, _ = _scale_layout(a_scale, m, a_block)
+    # weight-only: no activation scale (the kernel reads none; b_scale stands in for the pointer)
+    a_mode, a_scale, _ = _scale_layout(a_scale if a_fp8 else b_scale.reshape(-1)[:1], m, a_block)
     b_mode, b_scale, b_rows = _scale_layout(b_scale, n, b_block)
     cfg = dict(config or tile_config(m, n, k))
     group_k = [blk[1] for blk, mode in ((a_block, a_mode), (b_block, b_mode)) if mode == PER_K_GROUP]
@@ -219,11 +237,13 @@ def fp8_gemm(
     cfg["num_stages"] = pipeline_stages(cfg, a.element_size())
     cfg.setdefault("SPLIT_K", 1)
     split_k = cfg["SPLIT_K"]
-    # split-K: float32 partials [SPLIT_K, M, N], summed below (deterministic, no atomics)
+    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    # split-K: float32 partials [SPLIT_K, M, N], summed in the kernel by each tile's last split
     y = torch.empty(split_k, m, n, device=a.device, dtype=out_dtype if split_k == 1 else torch.float32)
-    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"]) * split_k,)
-    fp8_gemm_kernel[grid](
-        a, b, y, a_scale, b_scale, bias if bias is not None else a_scale,
+    out = y[0] if split_k == 1 else torch.empty(m, n, device=a.device, dtype=out_dtype)
+    tickets = _split_k_tickets(a.device, tiles) if split_k > 1 else y
+    fp8_gemm_kernel[(tiles * split_k,)](
+        a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets,
         m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(1), y.stride(2), y.stride(0),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
@@ -232,4 +252,26 @@ def fp8_gemm(
         B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8, IMPRECISE_K=imprecise_k(cfg, fast_accum),
         **cfg,
     )
-    return y[0] if split_k == 1 else y.sum(dim=0).to(out_dtype)
+    return out
+
+
+# (device, stream) -> int32 ticket buffers of split-K launches, zero between launches (each launch hands its
+# tickets back at zero). Never freed: a captured CUDA graph keeps the address it was captured with.
+_TICKETS: dict = {}
+
+
+def _split_k_tickets(device: torch.device, tiles: int) -> torch.Tensor:
+    """Zeroed int32 tickets, one per output tile, for a split-K launch on the current stream. Kept per
+    (device, stream) so that launches sharing them are ordered; allocated outside CUDA-graph capture (the
+    first call of a compiled model runs uncaptured), or, the first time inside one, zeroed within the
+    graph and not kept."""
+    cuda = device.type == "cuda"
+    key = (str(device), torch.cuda.current_stream(device).cuda_stream if cuda else None)
+    kept = _TICKETS.setdefault(key, [])
+    if kept and kept[-1].numel() >= tiles:
+        return kept[-1]
+    fresh = torch.zeros(max(tiles, 4096), device=device, dtype=torch.int32)
+    if cuda and torch.cuda.is_current_stream_capturing():
+        return fresh
+    kept.append(fresh)
+    return fresh

@@ -18,7 +18,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from fp8fx.kernels.fp8_gemm import fp8_gemm_kernel, imprecise_k, pipeline_stages, tile_config  # noqa: E402
 
-POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr"]
+POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr", "out_ptr", "tickets_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_ym", "stride_yn", "stride_ys",
         "stride_asm", "stride_ask", "stride_bsn", "stride_bsk"]
 LAYOUTS = {  # (A_ROWWISE, A_GROUPED, B_ROWWISE, B_GROUPED)
@@ -30,7 +30,7 @@ LAYOUTS = {  # (A_ROWWISE, A_GROUPED, B_ROWWISE, B_GROUPED)
 
 def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool = False):
     y_type = "*fp32" if cfg.get("SPLIT_K", 1) > 1 else "*bf16"  # split-K writes float32 partials
-    types = dict(zip(POINTERS, [f"*{a_dtype}", "*fp8e4nv", y_type, "*fp32", "*fp32", "*bf16"]))
+    types = dict(zip(POINTERS, [f"*{a_dtype}", "*fp8e4nv", y_type, "*fp32", "*fp32", "*bf16", "*bf16", "*i32"]))
     types.update({name: "i32" for name in INTS})
     a_row, a_grp, b_row, b_grp = layout
     block_k = 128 if (a_grp or b_grp) else cfg["BLOCK_K"]
@@ -70,10 +70,14 @@ def test_promotion_reaches_the_hopper_code():
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("split_k", [2, 4])
 def test_split_k_variant_compiles_for_sm90(layout, split_k):
-    """Decode tiles with the K loop split (fp32 partials)."""
+    """Decode tiles with the K loop split (fp32 partials, summed by the tile's last split: its ticket is an
+    acquire-release atomic and the partials are read from L2)."""
     cfg = {**tile_config(1, 4096, 14336), "SPLIT_K": split_k}
     kernel = compile_for_hopper("fp8e4nv", LAYOUTS[layout], cfg)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+    ptx = kernel.asm["ptx"]
+    assert re.search(r"atom\.global\.(gpu\.)?acq_rel", ptx), "the ticket must be an acq_rel atomic"
+    assert "ld.global.cg" in ptx, "the partials must be read past L1"
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))

@@ -109,6 +109,31 @@ def test_fp8_gemm_cuda_addresses_past_2_31(cfg_m):
     assert err < 1e-3, (cfg, err)
 
 
+@pytest.mark.cuda
+def test_split_k_cuda_graph_replays():
+    """Split K sums in the kernel behind per-tile tickets that each launch hands back at zero: replays of a
+    captured graph (its tickets fresh inside the capture) and plain launches (kept tickets) stay bit-equal."""
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
+
+    m, n, k = 1, 4096, 14336
+    xq, xs, wq, ws, _ = operands(m, n, k, [1, -1], [1, -1], "cuda")
+    cfg = tile_config(m, n, k)
+    assert cfg["SPLIT_K"] > 1, cfg
+    eager = [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg) for _ in range(3)]
+    assert all(torch.equal(e, eager[0]) for e in eager)
+    ref = reference(xq, xs, [1, -1], wq, ws, [1, -1], None, torch.float64)
+    assert ((eager[0].double().cpu() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+    stream = torch.cuda.Stream()  # a stream with no tickets yet: the capture zeroes its own
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        y = fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)
+    for _ in range(3):
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, eager[0])
+
+
 BLOCK_SHAPES = [(1, 200, 300), (3, 256, 384), (64, 130, 1000), (65, 384, 256), (2049, 257, 640)]
 
 
@@ -140,7 +165,7 @@ INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
     from fp8fx import quant
-    from fp8fx.kernels.fp8_gemm import fp8_gemm
+    from fp8fx.kernels.fp8_gemm import _TICKETS, fp8_gemm
     from tests.kernels.test_fp8_gemm import operands, reference
     for (m, n, k), (xb, wb) in [((1, 40, 96), ([1, -1], [1, -1])), ((17, 33, 70), ([-1, -1], [-1, -1])),
                                 ((5, 64, 64), ([1, -1], [-1, -1]))]:
@@ -153,6 +178,13 @@ INTERPRETER_CHECK = textwrap.dedent(
         for split_k in (2, 3):  # split K (3 K steps of 32 for k=96: one split has 1, ragged K too)
             y_split = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config={**cfg, "SPLIT_K": split_k})
             assert ((y_split.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k, split_k)
+            # the tickets are handed back at zero, and a second launch sums in the same order: bit-equal
+            assert all(int(t.count_nonzero()) == 0 for ts in _TICKETS.values() for t in ts)
+            again = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config={**cfg, "SPLIT_K": split_k})
+            assert torch.equal(again, y_split), (m, n, k, split_k)
+            y_bf16 = fp8_gemm(xq, wq, xs, ws, bias, torch.bfloat16, config={**cfg, "SPLIT_K": split_k})
+            assert y_bf16.dtype == torch.bfloat16, y_bf16.dtype  # the last split casts: one bf16 ulp (the interpreter may truncate)
+            torch.testing.assert_close(y_bf16.float(), y_split, rtol=2**-7, atol=1e-6)
         # column-major operands (made row-major for the kernel's 32-bit offsets): the same result
         y_cols = fp8_gemm(xq.t().contiguous().t(), wq.t().contiguous().t(), xs, ws, bias, torch.float32, config=cfg)
         assert torch.equal(y_cols, y), (m, n, k)
