@@ -25,8 +25,9 @@ blocks with 1x128 activation groups) multiply each K step's partial product, so 
 3. ``moe_gemm13_kernel``: per (row block, N tile of I): the block's tokens of x times the gate and the up
    tile of its expert's w13 (fp8 tensor-core dots, fp32 accumulators), scales, SiLU(g) * u in the
    epilogue -> ``inter [S, I]`` (fp32).
-4. ``quantize_rows_kernel`` again: ``inter`` to fp8 per pair row (or static scale). With 1 x GK
-   activation groups step 3's epilogue does it instead (its N tiles are the groups): SiLU*mul and the
+4. ``quantize_rows_kernel`` again: ``inter`` to fp8 per pair row (or static scale), in one pass over
+   ``inter``: step 3's epilogue leaves each row's amax over each of its N tiles. With 1 x GK
+   activation groups step 3's epilogue does it all instead (its N tiles are the groups): SiLU*mul and the
    requantization in one kernel, no float32 intermediate in memory.
 5. ``moe_gemm2_kernel``: per (row block, N tile of H): the block's rows of ``inter`` times its expert's w2,
    scales and the pair's routing weight in the epilogue -> ``y [S, H]`` in the output dtype.
@@ -38,7 +39,8 @@ fp8fx.kernels.fp8_gemm), unless ``fast_accum``. Quantization matches ``fp8fx.qua
 GPU (IEEE division, clamp, round-to-nearest-even cast).
 
 Not fused: per-token (and per-tensor) intermediates make a round trip through memory in float32 between
-steps 3 and 4 (their amax spans every N tile of step 3). Tiles come from ``tile_config`` by the average
+steps 3 and 4 (their amax spans every N tile of step 3; float32 keeps the quantization that of
+``fp8fx.quant`` on the exact product, where a bf16 round trip would round twice). Tiles come from ``tile_config`` by the average
 number of pairs per expert (decode vs prefill), not from autotuning, so launches are deterministic and run
 under TRITON_INTERPRET=1. On the H200 (torch 2.11, triton 3.6; benchmarks/RESULTS.md, run 8, CUDA-graph
 replays, fast accumulation) per-channel experts ran 2.15x (Qwen3-30B-A3B) and 1.71x (Mixtral) faster
@@ -170,18 +172,25 @@ def _to_fp8_range(v, scale, FP8_MAX: tl.constexpr):
 
 @triton.jit
 def quantize_rows_kernel(
-    x_ptr, q_ptr, scale_ptr, static_ptr,
-    C, stride_xm, stride_qm, stride_sm, stride_sg,
-    GROUP: tl.constexpr, CHUNK: tl.constexpr, STATIC: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
+    x_ptr, q_ptr, scale_ptr, static_ptr, parts_ptr,
+    C, stride_xm, stride_qm, stride_sm, stride_sg, stride_pm, n_parts,
+    GROUP: tl.constexpr, CHUNK: tl.constexpr, STATIC: tl.constexpr, PARTS: tl.constexpr, EPS: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """Program (row, group): the row's columns [g * GROUP, (g + 1) * GROUP) to fp8 with scale
-    amax / FP8_MAX (at least EPS / FP8_MAX), stored at scale[row, g]; with STATIC the scale is read."""
+    amax / FP8_MAX (at least EPS / FP8_MAX), stored at scale[row, g]; with STATIC the scale is read.
+    PARTS (a power of 2 >= n_parts): one group per row whose amax is the max of the row's ``n_parts``
+    partial maxima at ``parts_ptr`` (the first GEMM's, one per N tile) - one pass over the row, not two."""
     row = tl.program_id(0).to(tl.int64)
     group = tl.program_id(1)
     start = group * GROUP
     x_row = x_ptr + row * stride_xm
     if STATIC:
         scale = tl.load(static_ptr).to(tl.float32)
+    elif PARTS:
+        parts = tl.load(parts_ptr + row * stride_pm + tl.arange(0, PARTS), mask=tl.arange(0, PARTS) < n_parts, other=0.0)
+        scale = _scale_of(tl.reduce(parts, 0, _max_nan), EPS, FP8_MAX)
+        tl.store(scale_ptr + row * stride_sm, scale)
     else:
         amax = tl.zeros((CHUNK,), dtype=tl.float32)
         for c in range(0, GROUP, CHUNK):
@@ -222,8 +231,9 @@ def moe_gemm13_kernel(
     stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_ism, stride_isg,
     # schemes: K-varying scales (per K step) or not (epilogue); weight rows per scale row
     K_TOP: tl.constexpr, K_GROUPED: tl.constexpr, W_BLOCK_N: tl.constexpr, IMPRECISE_K: tl.constexpr,
-    # QUANT_OUT: the intermediate leaves as fp8 with one scale per row of each N tile (1 x BLOCK_N groups)
-    QUANT_OUT: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
+    # QUANT_OUT: the intermediate leaves as fp8 with one scale per row of each N tile (1 x BLOCK_N groups);
+    # AMAX_OUT: it leaves as float32, with each row's amax over each N tile (for the per-row quantization)
+    QUANT_OUT: tl.constexpr, AMAX_OUT: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -278,6 +288,9 @@ def moe_gemm13_kernel(
         tl.store(inter_scale_ptr + pair * stride_ism + tl.program_id(1) * stride_isg, scale, mask=valid)
     else:
         tl.store(i_ptrs, h, mask=valid[:, None] & n_ok[None, :])
+        if AMAX_OUT:
+            amax = tl.reduce(tl.abs(h), 1, _max_nan)  # [BM]
+            tl.store(inter_scale_ptr + pair * stride_ism + tl.program_id(1) * stride_isg, amax, mask=valid)
 
 
 @triton.jit
@@ -336,13 +349,17 @@ def tile_config(pairs_per_expert: float, n: int, k: int, k_grouped: bool = False
     Mixtral-8x7B 1.92 + 0.79 ms (2.11 + 0.91 with 128-wide N tiles for both), Qwen3-30B-A3B 0.29 + 0.20;
     16-, 32- and 64-row blocks slower. ``k_grouped`` (scales varying along K, e.g. 128x128 blocks): each
     K step's product is scaled before it is added, so a second [BM, BN] float32 tile per accumulator is
-    live: 64-row blocks with 8 warps (Mixtral 4.02 + 1.79 ms; 128-row blocks 9.00 + 1.63, 4 warps 13.1)."""
+    live: 64-row blocks with 8 warps (Mixtral 4.02 + 1.79 ms; 128-row blocks 9.00 + 1.63, 4 warps 13.1).
+    Run 9's sweep (same shapes): 4 pipeline stages for the first GEMM (Mixtral 3.88 ms, Qwen3 0.516; 3 stages
+    4.03, 0.526) and 256-wide N tiles for the second where H >= 4096 (Mixtral 1.81 vs 1.84; Qwen3's H=2048
+    then has 8 N tiles: 0.320 vs 0.278)."""
     if pairs_per_expert <= 16:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256 if k >= 1024 else 128, num_warps=4, num_stages=4)
     if pairs_per_expert <= 64:
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
     if k_grouped:
-        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3)
+        wide_h = dict(gemm2=dict(BLOCK_N=256)) if k >= 4096 else {}
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, **wide_h)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3, gemm2=dict(BLOCK_N=256))
 
 
@@ -386,13 +403,15 @@ def supports(w_block, act_block, w13_shape: Optional[tuple] = None) -> bool:
     return len(groups) <= 1 and groups <= {32, 64, 128}
 
 
-QuantizeAct = Callable[[torch.Tensor, list, Optional[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]
+QuantizeAct = Callable[..., tuple[torch.Tensor, torch.Tensor]]  # (a, act_block, static, amax_parts=None)
 
 
-def quantize_act(a: torch.Tensor, act_block, static: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_act(a: torch.Tensor, act_block, static: Optional[torch.Tensor],
+                 amax_parts: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 a [R, C], float32 scale [R or 1, groups]) as ``fp8fx.quant`` computes them: one pass of
     ``quantize_rows_kernel`` for per-row, 1 x GK and static scales; per-tensor dynamic scales (one amax
-    over the whole tensor) in torch."""
+    over the whole tensor) in torch. ``amax_parts`` ``[R, n]`` (per-row scales): each row's amax is the
+    max of its n partial maxima, and the kernel reads the row once instead of twice."""
     r, c = a.shape
     if static is None and tuple(act_block) == (-1, -1):
         q, scale = quant.quantize(a, act_block)
@@ -405,18 +424,23 @@ def quantize_act(a: torch.Tensor, act_block, static: Optional[torch.Tensor]) -> 
     scale = static.float().reshape(1, 1) if static is not None else torch.empty(
         r, n_groups, device=a.device, dtype=torch.float32
     )
+    parts = amax_parts if amax_parts is not None and static is None and n_groups == 1 else None
     if r and c:
         quantize_rows_kernel[(r, triton.cdiv(c, group))](
-            a, q, scale, scale, c, a.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+            a, q, scale, scale, scale if parts is None else parts,
+            c, a.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
+            0 if parts is None else parts.stride(0), 0 if parts is None else parts.shape[1],
             GROUP=group, CHUNK=min(triton.next_power_of_2(group), 1024), STATIC=static is not None,
+            PARTS=0 if parts is None else triton.next_power_of_2(parts.shape[1]),
             EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, num_warps=4,
         )
     return q, scale
 
 
-def torch_quantize_act(a, act_block, static) -> tuple[torch.Tensor, torch.Tensor]:
+def torch_quantize_act(a, act_block, static, amax_parts=None) -> tuple[torch.Tensor, torch.Tensor]:
     """``quantize_act`` in plain torch (fp8fx.quant): for Triton's interpreter, whose fp32 -> fp8
-    conversion is wrong for ~3% of values (FACTS.md), so kernel tests compare GEMMs, not that bug."""
+    conversion is wrong for ~3% of values (FACTS.md), so kernel tests compare GEMMs, not that bug.
+    ``amax_parts`` is not needed: a max of partial maxima is the max itself."""
     if static is not None:
         return quant.quantize_with_scale(a, static, [-1, -1]), static.float().reshape(1, 1)
     q, scale = quant.quantize(a, act_block)
@@ -437,24 +461,26 @@ def _weight_scale(scale: torch.Tensor, w: torch.Tensor, w_block) -> tuple[torch.
 
 
 def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_expert, k_top, s, fuse_group,
-            zero_unrouted, consts, cfg):
+            zero_unrouted, consts, cfg, amax_out=False):
     """Step 3: the intermediate ``[S, I]``: float32, or with ``fuse_group`` (== BLOCK_N) already fp8 with its
     ``[S, I / group]`` scales. Rows of pairs routed nowhere (ids outside [0, E)) are never written and never
-    read by the second GEMM; ``zero_unrouted`` zeroes them for an amax over the whole tensor."""
+    read by the second GEMM; ``zero_unrouted`` zeroes them for an amax over the whole tensor. ``amax_out``:
+    (float32 intermediate, each row's amax over each N tile ``[S, I / BLOCK_N]``)."""
     i = w13.shape[1] // 2
     dtype = quant.FP8_DTYPE if fuse_group else torch.float32
     inter = (torch.zeros if zero_unrouted else torch.empty)(s, i, device=xq.device, dtype=dtype)
-    i_scale = torch.empty(s, triton.cdiv(i, fuse_group) if fuse_group else 1, device=xq.device, dtype=torch.float32)
+    groups = triton.cdiv(i, consts["BLOCK_N"]) if fuse_group or amax_out else 1
+    i_scale = torch.empty(s, groups, device=xq.device, dtype=torch.float32)
     grid = (block_expert.numel(), triton.cdiv(i, consts["BLOCK_N"]))
     moe_gemm13_kernel[grid](
         xq, w13, inter, x_scale, s13, sorted_pair, block_expert, i_scale,
         s, i, w13.shape[2],
         xq.stride(0), xq.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
         *_act_strides(x_scale), *s13_strides, i_scale.stride(0), i_scale.stride(1),
-        K_TOP=k_top, W_BLOCK_N=s13_rows, QUANT_OUT=bool(fuse_group), EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX,
-        **consts, **cfg,
+        K_TOP=k_top, W_BLOCK_N=s13_rows, QUANT_OUT=bool(fuse_group), AMAX_OUT=amax_out and not fuse_group,
+        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **consts, **cfg,
     )
-    return (inter, i_scale) if fuse_group else inter
+    return (inter, i_scale) if fuse_group or amax_out else inter
 
 
 def fused_moe(
@@ -496,9 +522,15 @@ def fused_moe(
     s13, s13_strides, s13_rows = _weight_scale(w13_scale, w13, w_block)
     s2, s2_strides, s2_rows = _weight_scale(w2_scale, w2, w_block)
     zero_unrouted = a2_scale is None and tuple(act_block) == (-1, -1)
+    per_row = a2_scale is None and tuple(act_block) == (1, -1)  # the first GEMM leaves partial row maxima
     inter = _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_expert, k_top, s, fuse_group,
-                    zero_unrouted, consts, cfg)
-    iq, i_scale = inter if fuse_group else quantize(inter, act_block, a2_scale)
+                    zero_unrouted, consts, cfg, amax_out=per_row)
+    if fuse_group:
+        iq, i_scale = inter
+    elif per_row:
+        iq, i_scale = quantize(inter[0], act_block, None, amax_parts=inter[1])
+    else:
+        iq, i_scale = quantize(inter, act_block, a2_scale)
 
     # [S, H]: bf16 for bf16 outputs (half the traffic of float32; each pair's term is rounded once
     # before the float32 sum over top-k, ~2**-9 relative, where the reference rounds only the sum),

@@ -313,6 +313,31 @@ INTERPRETER_CHECK = textwrap.dedent(
             q_ref, s_ref = torch_quantize_act(inter[routed], ab, None)
             assert torch.equal(i_scale[routed], s_ref), (wb, ab)
             assert (iq[routed].view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() > 0.9, (wb, ab)
+    # per-row intermediates: the first GEMM leaves each row's amax over each N tile, and the quantization
+    # reads those instead of a first pass over the row: the same scales and codes
+    wb = ab = [1, -1]
+    q13, s13 = quant.quantize(torch.randn(E, 2 * I, H, generator=g) / 8, wb)
+    t, k = 21, 3
+    x = torch.randn(t, H, generator=g).bfloat16()
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(t)])
+    ids[ids == 4] = -1
+    tiles = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32)
+    consts = dict(K_GROUPED=False, IMPRECISE_K=imprecise_k(tiles, False), **tiles)
+    sorted_pair, block_expert = align(ids, E, 16)
+    xq, x_scale = torch_quantize_act(x, ab, None)
+    s13_, strides, rows = _weight_scale(s13, q13, wb)
+    inter, parts = _gemm13(xq, x_scale, q13, s13_, strides, rows, sorted_pair, block_expert, k, t * k, None, False,
+                           consts, dict(num_warps=4, num_stages=1), amax_out=True)
+    routed = (ids >= 0).reshape(-1)
+    tiles_n = -(-I // 16)
+    padded = torch.nn.functional.pad(inter[routed].abs(), (0, tiles_n * 16 - I))
+    assert parts.shape == (t * k, tiles_n) and torch.equal(parts[routed], padded.reshape(-1, tiles_n, 16).amax(-1))
+    q0, s0 = quantize_act(inter, ab, None)
+    q1, s1 = quantize_act(inter, ab, None, amax_parts=parts)
+    assert torch.equal(s1[routed], s0[routed])
+    assert torch.equal(q1[routed].view(torch.uint8), q0[routed].view(torch.uint8))
+    _, s_bad = quantize_act(inter, ab, None, amax_parts=parts * 2)  # the parts are what sets the scale
+    assert torch.equal(s_bad[routed], s0[routed] * 2)
     # the kernel's quantization against fp8fx.quant: scales exact (IEEE division), fp8 codes equal but
     # for the interpreter's conversion errors (a few % of codes)
     a = torch.randn(37, 300, generator=g) * torch.logspace(-3, 3, 37).unsqueeze(1)
@@ -513,7 +538,7 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
     schemes = {"K_GROUPED": grouped, "W_BLOCK_N": 128 if grouped else 1, "IMPRECISE_K": imprecise_k(cfg, False)}
     tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     tiles2 = {k: cfg2[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
-    quant_out = {"QUANT_OUT": grouped, "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX}
+    quant_out = {"QUANT_OUT": grouped, "AMAX_OUT": not grouped, "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX}
     ptr = {"a_ptr": "*fp8e4nv", "w_ptr": "*fp8e4nv"}
     routing = {"sorted_pair_ptr": "*i32", "block_expert_ptr": "*i32"}
     strides = ["stride_am", "stride_ak", "stride_we", "stride_wn", "stride_wk"]
@@ -567,17 +592,19 @@ def test_combine_kernel_compiles_for_sm90(y_type, out_type, ids_type):
     assert kernel.asm["cubin"]
 
 
-@pytest.mark.parametrize("group,static", [(768, False), (14336, False), (128, False), (2048, True)])
-def test_quantize_rows_kernel_compiles_for_sm90(group, static):
+@pytest.mark.parametrize("group,static,parts", [(768, False, 0), (14336, False, 0), (128, False, 0), (2048, True, 0),
+                                               (768, False, 8), (14336, False, 128)])
+def test_quantize_rows_kernel_compiles_for_sm90(group, static, parts):
     pytest.importorskip("triton")
     from fp8fx import quant
     from fp8fx.kernels.fused_moe import quantize_rows_kernel
 
     kernel = compile_for_hopper(
-        quantize_rows_kernel, {"x_ptr": "*fp32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_ptr": "*fp32"},
-        ["C", "stride_xm", "stride_qm", "stride_sm", "stride_sg"],
-        dict(GROUP=group, CHUNK=min(1024, 1 << (group - 1).bit_length()), STATIC=static, EPS=quant.AMAX_EPS,
-             FP8_MAX=quant.FP8_MAX), {"num_warps": 4, "num_stages": 1})
+        quantize_rows_kernel, {"x_ptr": "*fp32", "q_ptr": "*fp8e4nv", "scale_ptr": "*fp32", "static_ptr": "*fp32",
+                               "parts_ptr": "*fp32"},
+        ["C", "stride_xm", "stride_qm", "stride_sm", "stride_sg", "stride_pm", "n_parts"],
+        dict(GROUP=group, CHUNK=min(1024, 1 << (group - 1).bit_length()), STATIC=static, PARTS=parts,
+             EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX), {"num_warps": 4, "num_stages": 1})
     assert kernel.asm["cubin"]
     assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"]  # round to nearest even, as torch casts
     assert "div.rn.f32" in kernel.asm["ptx"]  # IEEE division, as torch divides
