@@ -4,7 +4,8 @@
 #   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,cudatests,compile,bench,moe,tune,decode]
 #          [bench args...]   (cudatests: the cuda-marked tests only, moetests / gemmtests: those of the MoE /
 #          GEMM kernels; decode: tune_gemm.py's decode sweep;
-#          moesweep: bench_moe.py's tile sweep with per-kernel times; moelayer: bench_moe_layer.py only)
+#          moesweep: bench_moe.py's tile sweep with per-kernel times; moelayer: bench_moe_layer.py only;
+#          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -59,6 +60,11 @@ if has decode; then
 fi
 if has moesweep; then  # both schemes: per-kernel times, tiles of both GEMMs
   timeout 300 python3 benchmarks/bench_moe.py --out "$OUT/sweep" --schemes per-channel,block --sweep --profile 2>&1 | tee "$OUT/moe-sweep.log"
+fi
+if has profile; then  # per-kernel GPU times vs the CUDA-graph replay of the MLP block, decode and prefill
+  for args in "--m 1" "--m 1 --fuse-horizontal" "--m 4096"; do
+    timeout 120 python3 benchmarks/profile_mlp.py --out "$OUT/profile${args// /}" $args 2>&1 | tail -40
+  done | tee "$OUT/profile.txt"
 fi
 if has tune; then
   timeout 200 python3 benchmarks/tune_gemm.py --block 2>&1 | tee "$OUT/tune-block.txt"

@@ -1,7 +1,10 @@
 """Where the time goes: kernel-level profile of the Llama-3-8B MLP block (fp8fx vs torchao), and
 Inductor's generated code for fp8fx, written under --out.
 
-    python benchmarks/profile_mlp.py --out DIR [--m 4096] [--max-autotune]
+    python benchmarks/profile_mlp.py --out DIR [--m 4096] [--max-autotune] [--fuse-horizontal]
+
+Each table ends with the block's time as a CUDA-graph replay next to the sum of its kernels' GPU times:
+at decode sizes the difference is what the launches between kernels cost.
 """
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.profiler import ProfilerActivity, profile
 
 import fp8fx
-from benchmarks.bench_linear import MLP, torchao_rowwise
+from benchmarks.bench_linear import MLP, bench, torchao_rowwise
 
 
 def kernel_table(fn, x, steps=10):
@@ -31,7 +34,11 @@ def kernel_table(fn, x, steps=10):
             rows.append((e.device_time_total / steps / 1000, e.count // steps, e.key[:110]))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
-    return "\n".join([f"total {total:.4f} ms/step"] + [f"{ms:8.4f} ms  x{n}  {name}" for ms, n, name in rows])
+    with torch.no_grad():
+        replay = bench(fn, x, True)
+    launches = sum(r[1] for r in rows)
+    return "\n".join([f"total {total:.4f} ms/step in {launches} kernels; CUDA-graph replay {replay:.4f} ms"]
+                     + [f"{ms:8.4f} ms  x{n}  {name}" for ms, n, name in rows])
 
 
 def main():
@@ -39,6 +46,7 @@ def main():
     p.add_argument("--out", default="profile_out")
     p.add_argument("--m", type=int, default=4096)
     p.add_argument("--max-autotune", action="store_true")
+    p.add_argument("--fuse-horizontal", action="store_true", help="Fp8Backend(fuse_horizontal=True): gate/up as one GEMM")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -54,10 +62,10 @@ def main():
     cfg = {"max_autotune": True} if args.max_autotune else {}
     mod = fresh()
     fp8fx.quantize_(mod, fp8fx.Fp8Config())
-    fn = torch.compile(mod, backend=fp8fx.Fp8Backend(inductor_config=cfg))
+    fn = torch.compile(mod, backend=fp8fx.Fp8Backend(inductor_config=cfg, fuse_horizontal=args.fuse_horizontal))
     with torch.no_grad():
         _, code = run_and_get_code(fn, x)
-    tag = "fp8fx" + ("_autotune" if args.max_autotune else "")
+    tag = "fp8fx" + ("_autotune" if args.max_autotune else "") + ("_fused" if args.fuse_horizontal else "")
     with open(os.path.join(args.out, f"{tag}_code.py"), "w") as f:
         f.write("\n\n# ----\n\n".join(code))
     report = [f"== {tag} M={args.m}", kernel_table(fn, x)]
@@ -71,6 +79,7 @@ def main():
         report += [f"== torchao M={args.m}", kernel_table(ao_fn, x)]
     else:
         report.append(why)
+    report += [f"== bf16 Inductor M={args.m}", kernel_table(torch.compile(fresh()), x)]
     text = "\n".join(report)
     print(text)
     with open(os.path.join(args.out, f"{tag}_profile.txt"), "w") as f:
