@@ -25,7 +25,7 @@ def candidates(m, block: bool):
         return itertools.product([64, 128], [128, 256], [128], [8], [4, 8], [3, 4], [1])
     if m <= 16:  # 24 configs per shape: a device call compiles each once (~1 s); BLOCK_K >= 256 spilled
         return itertools.product([16], [32, 64, 128], [128], [1], [4], [4, 6], [1, 2, 4, 8])
-    return itertools.product([64], [32, 64], [128, 256], [1], [4], [4, 5], [1, 2])
+    return itertools.product([64], [32, 64], [128, 256], [1], [4], [4, 5], [1, 2, 4])
 
 
 def time_ms(fn, graph: bool = False):
