@@ -264,7 +264,8 @@ def _split_k_tickets(device: torch.device, tiles: int) -> torch.Tensor:
     """Zeroed int32 tickets, one per output tile, for a split-K launch on the current stream. Kept per
     (device, stream) so that launches sharing them are ordered; allocated outside CUDA-graph capture (the
     first call of a compiled model runs uncaptured), or, the first time inside one, zeroed within the
-    graph and not kept."""
+    graph and not kept. A graph captured with kept tickets must be replayed on its capture stream, or on
+    one ordered with it (as torch's CUDA graphs and Inductor's cudagraph trees do)."""
     cuda = device.type == "cuda"
     key = (str(device), torch.cuda.current_stream(device).cuda_stream if cuda else None)
     kept = _TICKETS.setdefault(key, [])
