@@ -56,7 +56,7 @@ if has moe || has moelayer; then  # a whole HF MoE layer, fp8fx vs bf16 Inductor
   timeout 150 python3 benchmarks/bench_moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | grep "^{"
 fi
 if has decode; then
-  timeout 240 python3 benchmarks/tune_gemm.py 2>&1 | tee "$OUT/tune-decode.txt"
+  timeout 320 python3 benchmarks/tune_gemm.py 2>&1 | tee "$OUT/tune-decode.txt"
 fi
 if has moesweep; then  # both schemes: per-kernel times, tiles of both GEMMs
   timeout 300 python3 benchmarks/bench_moe.py --out "$OUT/sweep" --schemes per-channel,block --sweep --profile 2>&1 | tee "$OUT/moe-sweep.log"
