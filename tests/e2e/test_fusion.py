@@ -82,3 +82,22 @@ def test_llama_mlp_one_pass_quantization():
     names = [k.split("(")[0] for k in triton_kernels(code)]
     assert len(names) == 2 and all(n.startswith("triton_per_") for n in names), names
     torch.testing.assert_close(out, ref, rtol=0, atol=0)  # same arithmetic, one pass
+
+
+@pytest.mark.cuda
+def test_decode_row_quantization_is_not_split():
+    """A decode step (M=1): Inductor splits the 14336-wide SiLU*mul + quantization of down's input into
+    two reductions and a pointwise kernel (a row of over 8192 elements, fewer rows than SMs); with the
+    default ``one_pass_rows`` it is one kernel. The same output: a max is exact in any order."""
+    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
+    torch.manual_seed(0)
+    model = MLP(1024, 14336).cuda().to(torch.bfloat16)
+    ref, code = compiled_code(model, x, one_pass_rows=None)
+    assert len(triton_kernels(code)) >= 3, [k.split("(")[0] for k in triton_kernels(code)]
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP(1024, 14336).cuda().to(torch.bfloat16)
+    out, code = compiled_code(model, x)
+    names = [k.split("(")[0] for k in triton_kernels(code)]
+    assert len(names) == 2 and all(n.startswith("triton_per_") for n in names), names
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)

@@ -195,7 +195,7 @@ def test_bad_backend_option():
             Fp8Backend(one_pass_rows=bad)
 
 
-def test_one_pass_row_reductions_handler():
+def test_one_pass_row_reductions_handler(monkeypatch):
     """The choices handler takes INNER reductions up to the limit as one-pass (persistent) reductions,
     leaves longer rows and other reductions to Inductor, and is gone after the block."""
     import pickle
@@ -219,6 +219,15 @@ def test_one_pass_row_reductions_handler():
         sizevars = SizeVarAllocator()
 
     inner = ReductionHint.INNER
+    cuda = torch.device("cuda")  # the heuristic reads the device's properties: an H100/H200's where there is no GPU
+    if not torch.cuda.is_available():
+        from torch._inductor.runtime.hints import DeviceProperties
+
+        h200 = DeviceProperties(type="cuda", index=0, multi_processor_count=132, cc=90, major=9,
+                                regs_per_multiprocessor=65536, max_threads_per_multi_processor=2048, warp_size=32)
+        monkeypatch.setattr(DeviceProperties, "create", staticmethod(lambda device: h200))
+    split_1m = V.choices.reduction_split_factor(cuda, 1 << 20, 1, inner_reduction=True)
+    outer = V.choices.reduction_split_factor(cuda, 14336, 1, inner_reduction=False)
     with V.set_graph_handler(Graph()):
         assert not V.choices.should_use_persistent_reduction(Features(4096, inner), False)  # Inductor: <= 1024
         with compat.one_pass_row_reductions(16384):
@@ -230,6 +239,11 @@ def test_one_pass_row_reductions_handler():
             assert V.choices.should_use_persistent_reduction(Features(512, inner), False)  # Inductor's own
             copy = pickle.loads(pickle.dumps(V.choices))  # Inductor pickles handlers for subprocess compiles
             assert copy.should_use_persistent_reduction(Features(4096, inner), False)
+            # decode: one 14336-wide row is not split into partial reductions; longer rows are as Inductor says
+            assert V.choices.reduction_split_factor(cuda, 14336, 1, inner_reduction=True) == 1
+            assert V.choices.reduction_split_factor(cuda, 1 << 20, 1, inner_reduction=True) == split_1m
+            assert V.choices.reduction_split_factor(cuda, 14336, 1, inner_reduction=False) == outer
+        assert V.choices.reduction_split_factor(cuda, 14336, 1, inner_reduction=True) > 1  # Inductor's own
         with compat.one_pass_row_reductions(None):
             assert not V.choices.should_use_persistent_reduction(Features(4096, inner), False)
         assert not V.choices.should_use_persistent_reduction(Features(4096, inner), False)
