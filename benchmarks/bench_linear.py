@@ -136,7 +136,12 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
                              "tflops": flops / ms_ / 1e9, "weight_gbs": n * k / ms_ / 1e6})
 
 
-def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64):
+MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "inductor_scaled_mm",
+                "torchao_rowwise")
+
+
+def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VARIANTS, save=lambda: None):
+    """The MLP block at each M for the ``only`` variants; ``save()`` after each M."""
     torch.manual_seed(0)
     base = MLP().to(device, torch.bfloat16)  # weights scaled so activations stay O(1)
     for p in base.parameters():
@@ -152,14 +157,19 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64):
     variants = {"bf16_inductor": torch.compile(fresh())}
     variants["fp8fx"], backend = fp8fx_module(fresh())
     # options against the default: Inductor's own (looped) reduction heuristic; gate and up as one GEMM
-    variants["fp8fx_looped_quant"], _ = fp8fx_module(fresh(), {"one_pass_rows": None})
-    variants["fp8fx_fused_gate_up"], _ = fp8fx_module(fresh(), {"fuse_horizontal": True})
-    variants["inductor_scaled_mm"] = torch.compile(ScaledMMMLP(fresh()))
-    ao, why = torchao_rowwise(fresh())
-    if ao is not None:
-        variants["torchao_rowwise"] = torch.compile(ao)
-    else:
-        errors["torchao"] = why
+    if "fp8fx_looped_quant" in only:
+        variants["fp8fx_looped_quant"], _ = fp8fx_module(fresh(), {"one_pass_rows": None})
+    if "fp8fx_fused_gate_up" in only:
+        variants["fp8fx_fused_gate_up"], _ = fp8fx_module(fresh(), {"fuse_horizontal": True})
+    if "inductor_scaled_mm" in only:
+        variants["inductor_scaled_mm"] = torch.compile(ScaledMMMLP(fresh()))
+    if "torchao_rowwise" in only:
+        ao, why = torchao_rowwise(fresh())
+        if ao is not None:
+            variants["torchao_rowwise"] = torch.compile(ao)
+        else:
+            errors["torchao"] = why
+    variants = {name: fn for name, fn in variants.items() if name in only}
     for m in ms:
         x = torch.randn(m, DIM, device=device, dtype=torch.bfloat16)
         with torch.no_grad():
@@ -173,6 +183,7 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64):
                 t = bench(fn, x, m <= graph_max_m)
                 rows.append({"what": "mlp block", "M": m, "variant": name, "ms": t,
                              "tflops": 3 * 2 * m * DIM * HIDDEN / t / 1e9})
+        save()  # a run cut at its time limit keeps the sizes it finished
     print(backend.report)
 
 
@@ -303,10 +314,15 @@ def main(argv=None):
     p.add_argument("--skip-gemms", action="store_true")
     p.add_argument("--skip-mlp", action="store_true")
     p.add_argument("--kernels", action="store_true", help="also block-scaled and weight-only GEMMs")
+    p.add_argument("--variants", default=",".join(MLP_VARIANTS), help="the MLP block's variants, comma-separated")
     p.add_argument("--graph-max-m", type=int, default=256,
                    help="time M up to this as CUDA-graph replays (as serving engines run decode and small "
                         "batches); larger M as plain calls")
     args = p.parse_args(argv)
+    variants = args.variants.split(",")
+    unknown = sorted(set(variants) - set(MLP_VARIANTS))
+    if unknown:
+        p.error(f"--variants: unknown {unknown}; choose from {', '.join(MLP_VARIANTS)}")
     if args.cpu_smoke:
         return 0 if cpu_smoke() < 0.1 else 1
     if args.compile_time:
@@ -331,8 +347,7 @@ def main(argv=None):
 
     # the MLP block first: the goals are set on it
     if not args.skip_mlp:
-        run_mlp(ms, "cuda", rows, errors, compile_times, args.graph_max_m)
-        save()
+        run_mlp(ms, "cuda", rows, errors, compile_times, args.graph_max_m, only=variants, save=save)
     if args.kernels:
         run_kernels(rows, errors, args.graph_max_m)
         save()

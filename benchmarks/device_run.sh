@@ -3,7 +3,7 @@
 # included) and the benchmark; logs and results land in $OUT.
 #   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,cudatests,compile,bench,moe,tune,decode]
 #          [bench args...]   (cudatests: the cuda-marked tests only, moetests / gemmtests: those of the MoE /
-#          GEMM kernels; decode: tune_gemm.py's decode sweep;
+#          GEMM kernels, fusiontests: the generated-code tests; decode: tune_gemm.py's decode sweep;
 #          moesweep: bench_moe.py's tile sweep with per-kernel times; moelayer: bench_moe_layer.py only;
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
@@ -33,6 +33,9 @@ if has tests || has cudatests || has moetests; then  # first: it decides whether
 fi
 if has gemmtests; then
   timeout 150 $P -m cuda $gemm 2>&1 | tee "$OUT/pytest-cuda-gemm.log" | tail -5
+fi
+if has fusiontests; then  # Inductor's generated code on the GPU (kernel counts)
+  timeout 150 $P -m cuda tests/e2e/test_fusion.py 2>&1 | tee "$OUT/pytest-cuda-fusion.log" | tail -5
 fi
 if has tests || has cudatests; then
   timeout 300 $P -m cuda --ignore=$moe tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -5
