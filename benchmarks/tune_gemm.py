@@ -3,6 +3,7 @@
 
     python benchmarks/tune_gemm.py            # decode (M = 1, 64), per-row scales: HBM bandwidth on the weight
     python benchmarks/tune_gemm.py --block    # 128x128 weight blocks, 1x128 activation groups (M = 4096)
+    python benchmarks/tune_gemm.py --shapes down   # one layer
 
 Every candidate is checked against the current configuration's output before it is timed.
 """
@@ -40,10 +41,12 @@ def time_ms(fn, graph: bool = False):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--block", action="store_true")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}
-    for (name, (n, k)), m in itertools.product(SHAPES.items(), (4096,) if args.block else (1, 64)):
+    for (name, (n, k)), m in itertools.product(shapes.items(), (4096,) if args.block else (1, 64)):
         wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, w_block)
         xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), a_block)
         gemm = lambda cfg=None: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
