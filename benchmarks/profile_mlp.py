@@ -16,7 +16,7 @@ from torch._inductor.utils import run_and_get_code
 from torch.profiler import ProfilerActivity, profile
 
 import fp8fx
-from benchmarks.bench_linear import MLP, bench, torchao_rowwise
+from benchmarks.bench_linear import FALLBACKS, MLP, bench, torchao_rowwise
 
 
 def kernel_table(fn, x, steps=10):
@@ -34,10 +34,12 @@ def kernel_table(fn, x, steps=10):
             rows.append((e.device_time_total / steps / 1000, e.count // steps, e.key[:110]))
     rows.sort(reverse=True)
     total = sum(r[0] for r in rows)
+    fallbacks = len(FALLBACKS)
     with torch.no_grad():
         replay = bench(fn, x, True)
+    how = "CUDA-graph replay" if len(FALLBACKS) == fallbacks else "plain calls (graph capture failed)"
     launches = sum(r[1] for r in rows)
-    return "\n".join([f"total {total:.4f} ms/step in {launches} kernels; CUDA-graph replay {replay:.4f} ms"]
+    return "\n".join([f"total {total:.4f} ms/step in {launches} kernels; {how} {replay:.4f} ms"]
                      + [f"{ms:8.4f} ms  x{n}  {name}" for ms, n, name in rows])
 
 

@@ -37,7 +37,9 @@ per output tile for decode shapes whose output tiles are too few to keep every S
 (down 4096x14336 at BLOCK_N=64: 64 tiles for 132 SMs; split in 4 it ran 6% faster on the H200,
 `tile_config`, with the partials then summed by two more kernels). Each split writes a float32 partial
 and the last split of a tile to finish (an int32 ticket per tile) sums them in split order: deterministic,
-one launch.
+and the GEMM's only launch besides zeroing the tickets. The tickets are fresh per call: a buffer kept
+across calls would be allocated, the first time, inside whatever memory pool is active (Inductor's
+cudagraph trees warm up in theirs) and would be shared by graphs replayed on unordered streams.
 
 Addresses: 64-bit bases per program and 32-bit offsets inside its tiles (``fp8_gemm`` makes both operands
 row-major, so an offset stays under BLOCK_M * K or BLOCK_N * K); [BM, BK] tensors of 64-bit pointers
@@ -59,7 +61,7 @@ PER_TENSOR, PER_ROW, PER_K_GROUP = 0, 1, 2
 @triton.jit
 def fp8_gemm_kernel(
     # tensors (split-K: y is the float32 partials [SPLIT_K, M, N], out the result, tickets one int32 per
-    # output tile, zero on entry and left zero)
+    # output tile, zero on entry)
     a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, tickets_ptr,
     # sizes
     M, N, K,
@@ -141,19 +143,19 @@ def fp8_gemm_kernel(
     tl.store(y_ptrs + split.to(tl.int64) * stride_ys, acc.to(y_ptr.dtype.element_ty), mask=in_bounds)
     if SPLIT_K > 1:
         # The tile's last split to arrive (a ticket per tile) sums the partials in split order - deterministic
-        # whatever the arrival order - and writes the output, then hands the ticket back at zero for the next
-        # launch. This replaces a sum and a cast kernel after the GEMM (two launches of the M=1 down projection).
-        # The barrier orders every thread's partial before the (release) ticket; the acquire side reads the
-        # partials from L2 (.cg).
+        # whatever the arrival order - and writes the output. This replaces a sum and a cast kernel after the
+        # GEMM. The barrier orders every thread's partial before the (release) ticket, taken by one thread;
+        # the acquire side reads the partials from L2 (.cg).
         tl.debug_barrier()
         ticket = tl.atomic_add(tickets_ptr + pid, 1, sem="acq_rel")
         if ticket == SPLIT_K - 1:
             total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in range(SPLIT_K):
-                total += tl.load(y_ptrs + s * stride_ys, mask=in_bounds, other=0.0, cache_modifier=".cg")
+            part_ptrs = y_ptrs  # split s at s * stride_ys: stepped, so no 32-bit product can overflow
+            for _ in range(SPLIT_K):
+                total += tl.load(part_ptrs, mask=in_bounds, other=0.0, cache_modifier=".cg")
+                part_ptrs += stride_ys
             out_ptrs = out_ptr + (pid_m * BLOCK_M).to(tl.int64) * N + local_m[:, None] * N + offs_n[None, :]
             tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=in_bounds)
-            tl.atomic_xchg(tickets_ptr + pid, 0)
 
 
 def tile_config(m: int, n: int, k: int) -> dict:
@@ -225,6 +227,10 @@ def fp8_gemm(
     a = a if a.stride(1) == 1 or k == 1 else a.contiguous()
     b = b if b.stride(1) == 1 or k == 1 else b.contiguous()
     a_fp8 = a_scale is not None
+    if not a_fp8 and a_block is not None:
+        raise ValueError(
+            f"fp8_gemm: weight-only (a_scale=None) takes 16-bit activations without scales; got a_block={a_block}"
+        )
     # weight-only: no activation scale (the kernel reads none; b_scale stands in for the pointer)
     a_mode, a_scale, _ = _scale_layout(a_scale if a_fp8 else b_scale.reshape(-1)[:1], m, a_block)
     b_mode, b_scale, b_rows = _scale_layout(b_scale, n, b_block)
@@ -241,7 +247,7 @@ def fp8_gemm(
     # split-K: float32 partials [SPLIT_K, M, N], summed in the kernel by each tile's last split
     y = torch.empty(split_k, m, n, device=a.device, dtype=out_dtype if split_k == 1 else torch.float32)
     out = y[0] if split_k == 1 else torch.empty(m, n, device=a.device, dtype=out_dtype)
-    tickets = _split_k_tickets(a.device, tiles) if split_k > 1 else y
+    tickets = torch.zeros(tiles, device=a.device, dtype=torch.int32) if split_k > 1 else y
     fp8_gemm_kernel[(tiles * split_k,)](
         a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets,
         m, n, k,
@@ -254,25 +260,3 @@ def fp8_gemm(
     )
     return out
 
-
-# (device, stream) -> int32 ticket buffers of split-K launches, zero between launches (each launch hands its
-# tickets back at zero). Never freed: a captured CUDA graph keeps the address it was captured with.
-_TICKETS: dict = {}
-
-
-def _split_k_tickets(device: torch.device, tiles: int) -> torch.Tensor:
-    """Zeroed int32 tickets, one per output tile, for a split-K launch on the current stream. Kept per
-    (device, stream) so that launches sharing them are ordered; allocated outside CUDA-graph capture (the
-    first call of a compiled model runs uncaptured), or, the first time inside one, zeroed within the
-    graph and not kept. A graph captured with kept tickets must be replayed on its capture stream, or on
-    one ordered with it (as torch's CUDA graphs and Inductor's cudagraph trees do)."""
-    cuda = device.type == "cuda"
-    key = (str(device), torch.cuda.current_stream(device).cuda_stream if cuda else None)
-    kept = _TICKETS.setdefault(key, [])
-    if kept and kept[-1].numel() >= tiles:
-        return kept[-1]
-    fresh = torch.zeros(max(tiles, 4096), device=device, dtype=torch.int32)
-    if cuda and torch.cuda.is_current_stream_capturing():
-        return fresh
-    kept.append(fresh)
-    return fresh

@@ -188,7 +188,8 @@ def quantize_rows_kernel(
     if STATIC:
         scale = tl.load(static_ptr).to(tl.float32)
     elif PARTS:
-        parts = tl.load(parts_ptr + row * stride_pm + tl.arange(0, PARTS), mask=tl.arange(0, PARTS) < n_parts, other=0.0)
+        part = tl.arange(0, PARTS)
+        parts = tl.load(parts_ptr + row * stride_pm + part, mask=part < n_parts, other=0.0)
         scale = _scale_of(tl.reduce(parts, 0, _max_nan), EPS, FP8_MAX)
         tl.store(scale_ptr + row * stride_sm, scale)
     else:
@@ -424,7 +425,7 @@ def quantize_act(a: torch.Tensor, act_block, static: Optional[torch.Tensor],
     scale = static.float().reshape(1, 1) if static is not None else torch.empty(
         r, n_groups, device=a.device, dtype=torch.float32
     )
-    parts = amax_parts if amax_parts is not None and static is None and n_groups == 1 else None
+    parts = amax_parts.contiguous() if amax_parts is not None and static is None and n_groups == 1 else None
     if r and c:
         quantize_rows_kernel[(r, triton.cdiv(c, group))](
             a, q, scale, scale, scale if parts is None else parts,

@@ -62,7 +62,11 @@ class _OnePassRows:
         pointwise kernel when there are fewer than 2 rows per SM and a row has more than 8192 elements
         (sm_90): SiLU*mul + quantization of a decode step's 14336-wide row took 3 launches (0.0035 +
         0.0010 + 0.0011 ms of GPU time, H200, run 9) where one program per row reads its 57 KB once."""
-        if inner_reduction and reduction_numel_hint <= self._limit:
+        from torch._inductor import config
+
+        # as the persistent rule above, but on the size hint: a dynamic row length that grows past the
+        # limit at run time is then one looped program per row, never wrong
+        if inner_reduction and config.triton.persistent_reductions and reduction_numel_hint <= self._limit:
             return 1
         return self._base.reduction_split_factor(device, reduction_numel_hint, numel_hint, inner_reduction)
 

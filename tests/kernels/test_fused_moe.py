@@ -544,9 +544,9 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
     strides = ["stride_am", "stride_ak", "stride_we", "stride_wn", "stride_wk"]
     scale_strides = ["stride_asm", "stride_ask", "stride_wse", "stride_wsn", "stride_wsk"]
 
-    def gemm13(schemes):
+    def gemm13(schemes, inter="*fp8e4nv" if grouped else "*fp32"):
         return compile_for_hopper(
-            moe_gemm13_kernel, {**ptr, "inter_ptr": "*fp8e4nv" if grouped else "*fp32", "a_scale_ptr": "*fp32",
+            moe_gemm13_kernel, {**ptr, "inter_ptr": inter, "a_scale_ptr": "*fp32",
                                 "w_scale_ptr": "*fp32", **routing, "inter_scale_ptr": "*fp32"},
             ["S", "N", "K", *strides, "stride_im", "stride_in", *scale_strides, "stride_ism", "stride_isg"],
             {"K_TOP": 8, **schemes, **quant_out, **tiles}, cfg)
@@ -560,7 +560,13 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
         moe_gemm2_kernel, {**ptr, "y_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
                            "topk_weights_ptr": "*fp32", **routing},
         ["S", "N", "K", *strides, "stride_ym", "stride_yn", *scale_strides], {**schemes, **tiles2}, cfg2)
-    for kernel in (k13, k2):
+    kernels = [k13, k2]
+    if grouped:  # 128x128 weight blocks with per-token activations: the float32 intermediate and its row maxima
+        cfg["BLOCK_N"] = tile_config(pairs_per_expert, 2 * i, h, k_grouped=True)["BLOCK_N"]
+        tiles["BLOCK_N"] = cfg["BLOCK_N"]
+        quant_out.update(QUANT_OUT=False, AMAX_OUT=True)
+        kernels.append(gemm13(schemes, "*fp32"))
+    for kernel in kernels:
         assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
 
 
