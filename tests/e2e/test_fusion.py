@@ -64,40 +64,37 @@ def test_llama_mlp_kernel_count():
     assert code.count("torch.ops.fp8fx.scaled_mm.default(") == 3
 
 
+def kernels_inductor_vs_one_pass(m: int, hidden: int) -> tuple[list[str], list[str]]:
+    """Names of the Triton kernels of the fp8fx MLP(1024, hidden) at M=m with Inductor's reduction
+    heuristics (``one_pass_rows=None``) and with the default; asserts their outputs are equal."""
+    x = torch.randn(m, 1024, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for options in ({"one_pass_rows": None}, {}):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = MLP(1024, hidden).cuda().to(torch.bfloat16)
+        out, code = compiled_code(model, x, **options)
+        results.append((out, [k.split("(")[0] for k in triton_kernels(code)]))
+    (ref, inductor), (out, one_pass) = results
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # the same arithmetic (a max is exact in any order)
+    return inductor, one_pass
+
+
 @pytest.mark.cuda
 def test_llama_mlp_one_pass_quantization():
     """Fp8Backend(one_pass_rows=...) (default 16384): both activation quantizations (rows of 1024 and 4096)
     are one-pass (persistent) reductions; with Inductor's heuristic (None) the 4096-wide one is looped.
     Same kernel count, same output."""
-    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
-    torch.manual_seed(0)
-    model = MLP(1024, 4096).cuda().to(torch.bfloat16)
-    ref, code = compiled_code(model, x, one_pass_rows=None)
-    names = [k.split("(")[0] for k in triton_kernels(code)]
-    assert sum(n.startswith("triton_red_") for n in names) == 1, names  # SiLU*mul + quant over 4096
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = MLP(1024, 4096).cuda().to(torch.bfloat16)
-    out, code = compiled_code(model, x)
-    names = [k.split("(")[0] for k in triton_kernels(code)]
-    assert len(names) == 2 and all(n.startswith("triton_per_") for n in names), names
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)  # same arithmetic, one pass
+    inductor, one_pass = kernels_inductor_vs_one_pass(64, 4096)
+    assert sum(n.startswith("triton_red_") for n in inductor) == 1, inductor  # SiLU*mul + quant over 4096
+    assert len(one_pass) == 2 and all(n.startswith("triton_per_") for n in one_pass), one_pass
 
 
 @pytest.mark.cuda
 def test_decode_row_quantization_is_not_split():
     """A decode step (M=1): Inductor splits the 14336-wide SiLU*mul + quantization of down's input into
     two reductions and a pointwise kernel (a row of over 8192 elements, fewer rows than SMs); with the
-    default ``one_pass_rows`` it is one kernel. The same output: a max is exact in any order."""
-    x = torch.randn(1, 1024, device="cuda", dtype=torch.bfloat16)
-    torch.manual_seed(0)
-    model = MLP(1024, 14336).cuda().to(torch.bfloat16)
-    ref, code = compiled_code(model, x, one_pass_rows=None)
-    assert len(triton_kernels(code)) >= 3, [k.split("(")[0] for k in triton_kernels(code)]
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = MLP(1024, 14336).cuda().to(torch.bfloat16)
-    out, code = compiled_code(model, x)
-    names = [k.split("(")[0] for k in triton_kernels(code)]
-    assert len(names) == 2 and all(n.startswith("triton_per_") for n in names), names
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    default ``one_pass_rows`` it is one kernel. The same output."""
+    inductor, one_pass = kernels_inductor_vs_one_pass(1, 14336)
+    assert len(inductor) >= 3, inductor
+    assert len(one_pass) == 2 and all(n.startswith("triton_per_") for n in one_pass), one_pass
