@@ -259,4 +259,3 @@ def fp8_gemm(
         **cfg,
     )
     return out
-

@@ -40,12 +40,13 @@ GPU (IEEE division, clamp, round-to-nearest-even cast).
 
 Not fused: per-token (and per-tensor) intermediates make a round trip through memory in float32 between
 steps 3 and 4 (their amax spans every N tile of step 3; float32 keeps the quantization that of
-``fp8fx.quant`` on the exact product, where a bf16 round trip would round twice). Tiles come from ``tile_config`` by the average
-number of pairs per expert (decode vs prefill), not from autotuning, so launches are deterministic and run
-under TRITON_INTERPRET=1. On the H200 (torch 2.11, triton 3.6; benchmarks/RESULTS.md, run 9, CUDA-graph
-replays, fast accumulation) per-channel experts ran 2.38x (Qwen3-30B-A3B) and 1.81x (Mixtral) faster
-than bf16 ``torch._grouped_mm`` at 4096 tokens, and at 16 tokens at 0.94x (Qwen3: 83 of 128 experts
-touched) and 1.14x (Mixtral) the fp8 weight-read time of all experts.
+``fp8fx.quant`` on the exact product, where a bf16 round trip would round twice). Tiles come from
+``tile_config`` by the average number of pairs per expert (decode vs prefill), not from autotuning, so
+launches are deterministic and run under TRITON_INTERPRET=1. On the H200 (torch 2.11, triton 3.6;
+benchmarks/RESULTS.md, run 9, CUDA-graph replays, fast accumulation) per-channel experts ran 2.38x
+(Qwen3-30B-A3B) and 1.81x (Mixtral) faster than bf16 ``torch._grouped_mm`` at 4096 tokens, and at 16
+tokens at 0.94x (Qwen3: 83 of 128 experts touched) and 1.14x (Mixtral) the fp8 weight-read time of
+all experts.
 """
 from __future__ import annotations
 
