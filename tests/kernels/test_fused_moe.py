@@ -562,8 +562,6 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
         ["S", "N", "K", *strides, "stride_ym", "stride_yn", *scale_strides], {**schemes, **tiles2}, cfg2)
     kernels = [k13, k2]
     if grouped:  # 128x128 weight blocks with per-token activations: the float32 intermediate and its row maxima
-        cfg["BLOCK_N"] = tile_config(pairs_per_expert, 2 * i, h, k_grouped=True)["BLOCK_N"]
-        tiles["BLOCK_N"] = cfg["BLOCK_N"]
         quant_out.update(QUANT_OUT=False, AMAX_OUT=True)
         kernels.append(gemm13(schemes, "*fp32"))
     for kernel in kernels:
