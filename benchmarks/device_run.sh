@@ -53,7 +53,7 @@ if has bench; then
   timeout 420 python3 benchmarks/bench_linear.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -60
 fi
 if has moe; then
-  timeout 200 python3 benchmarks/bench_moe.py --out "$OUT" 2>&1 | tee "$OUT/moe.log"
+  timeout 200 python3 benchmarks/bench_moe.py --out "$OUT" --profile 2>&1 | tee "$OUT/moe.log"  # with per-kernel times
 fi
 if has moe || has moelayer; then  # a whole HF MoE layer, fp8fx vs bf16 Inductor
   timeout 150 python3 benchmarks/bench_moe_layer.py --out "$OUT" 2>&1 | tee "$OUT/moe_layer.log" | grep "^{"
