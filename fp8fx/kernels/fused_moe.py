@@ -117,7 +117,7 @@ def align_kernel(ids_ptr, sorted_pair_ptr, block_expert_ptr, S, NB, E: tl.conste
 
 def align_one_program(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``align`` by ``align_kernel`` (two launches: the padding fill and the kernel); same output."""
-    ids = topk_ids.reshape(-1)
+    ids = topk_ids.reshape(-1).contiguous()  # the kernel reads pair p at ids_ptr + p (a view may be strided)
     s = ids.numel()
     p = _align_rows(s, num_experts, block_m)
     sorted_pair = torch.full((p,), s, dtype=torch.int32, device=ids.device)
@@ -519,7 +519,10 @@ def fused_moe(
         tiles["BLOCK_N"] = fuse_group  # one N tile of the first GEMM = one activation group
     consts, consts2 = (dict(K_GROUPED=group_k is not None, IMPRECISE_K=imprecise_k(t, fast_accum), **t)
                        for t in (tiles, tiles2))
-    sorted_pair, block_expert = align(topk_ids, e, tiles["BLOCK_M"])
+    # pair p at ids[p] for both kernels that read it: a [T, K] view (e.g. one column of a wider tensor)
+    # reshapes to a strided view
+    ids = topk_ids.reshape(-1).contiguous()
+    sorted_pair, block_expert = align(ids.view(t, k_top), e, tiles["BLOCK_M"])
     xq, x_scale = quantize(x, act_block, a13_scale)
     s13, s13_strides, s13_rows = _weight_scale(w13_scale, w13, w_block)
     s2, s2_strides, s2_rows = _weight_scale(w2_scale, w2, w_block)
@@ -550,6 +553,6 @@ def fused_moe(
     out = torch.empty(t, h, device=x.device, dtype=out_dtype)
     block_h = min(1024, triton.next_power_of_2(h))
     combine_kernel[(t, triton.cdiv(h, block_h))](
-        y, topk_ids.reshape(-1), out, h, y.stride(0), out.stride(0), E=e, K_TOP=k_top, BLOCK_H=block_h, num_warps=4,
+        y, ids, out, h, y.stride(0), out.stride(0), E=e, K_TOP=k_top, BLOCK_H=block_h, num_warps=4,
     )
     return out

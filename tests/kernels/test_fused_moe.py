@@ -313,6 +313,25 @@ INTERPRETER_CHECK = textwrap.dedent(
             q_ref, s_ref = torch_quantize_act(inter[routed], ab, None)
             assert torch.equal(i_scale[routed], s_ref), (wb, ab)
             assert (iq[routed].view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() > 0.9, (wb, ab)
+    # ids as a strided view (one column of a [T, 2] tensor, a sentinel in every third row): pair p must be
+    # read at ids[p] by the align kernel and by the combine
+    import fp8fx.kernels.fused_moe as km
+    wb = ab = [1, -1]
+    q13, s13 = quant.quantize(torch.randn(E, 2 * I, H, generator=g) / 8, wb)
+    q2, s2 = quant.quantize(torch.randn(E, H, I, generator=g) / 6, wb)
+    wide = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(9)])
+    wide[::3, 0] = -1
+    ids_view = wide[:, :1]
+    assert not ids_view.reshape(-1).is_contiguous() or ids_view.reshape(-1).data_ptr() != ids_view.contiguous().data_ptr()
+    x = torch.randn(9, H, generator=g).bfloat16()
+    w = torch.rand(9, 1, generator=g)
+    ref = ops.fused_moe_reference(x, w, ids_view.contiguous(), q13, s13, q2, s2, wb, ab, torch.float32)
+    for aligner in (km.align_one_program, km.align_torch):  # what CUDA picks for decode, and for prefill
+        km.align = aligner
+        y = fused_moe(x, w, ids_view, q13, s13, q2, s2, wb, ab, torch.float32, config=cfg,
+                      quantize=torch_quantize_act)
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-4, aligner.__name__
+    km.align = align
     # per-row intermediates: the first GEMM leaves each row's amax over each N tile, and the quantization
     # reads those instead of a first pass over the row: the same scales and codes
     wb = ab = [1, -1]
