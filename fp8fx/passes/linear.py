@@ -65,6 +65,27 @@ def _linear_operands(node: fx.Node):
     return None
 
 
+_INPLACE_OPERATORS = {getattr(operator, f"i{op}") for op in (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift")}
+
+
+def _mutates(node: fx.Node) -> bool:
+    """Whether ``node`` may write a tensor in place (``x.mul_(3)``, ``x += y``, ``torch.add(.., out=x)``,
+    ``aten.*_``): conservative, as aliases of the activation are not tracked."""
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__") or node.target in ("__setitem__",)
+    if node.op != "call_function":
+        return False
+    if "out" in node.kwargs or node.target is operator.setitem:
+        return True
+    name = getattr(node.target, "__name__", "")
+    if node.target in _INPLACE_OPERATORS:
+        return True
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.is_mutable
+    return name.endswith("_") and not name.endswith("__")  # torch.relu_, F.relu_
+
+
 def lacks_fp8_tensor_cores(example_inputs) -> bool:
     """True when the graph runs on a CUDA GPU older than compute capability 8.9 (no fp8 tensor cores)."""
     for t in example_inputs:
@@ -90,6 +111,8 @@ class LinearPass(Fp8Pass):
         # one quantization per (activation, scheme): q/k/v and gate/up read the same x
         quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
         for node in list(graph.nodes):
+            if _mutates(node):  # a quantization taken before an in-place write must not be reused after it
+                quantized.clear()
             operands = _linear_operands(node)
             if operands is None:
                 continue
@@ -127,6 +150,9 @@ class LinearPass(Fp8Pass):
             if tagged:
                 return f"not quantized: {tagged}"
             return "weight is not an fp8fx-quantized weight (run fp8fx.quantize_ or load an fp8 checkpoint)"
+        wv = fake_value(w)
+        if isinstance(wv, torch.Tensor) and wv.dim() != 2:
+            return f"weight is {wv.dim()}-D {list(wv.shape)}, not a linear's [N, K] (stacked experts are the MoE pass's)"
         xv = fake_value(x)
         if not isinstance(xv, torch.Tensor) or xv.dtype not in _ACT_DTYPES:
             return f"activation dtype {getattr(xv, 'dtype', None)} is not bf16/fp16/fp32"

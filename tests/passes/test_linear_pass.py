@@ -264,3 +264,77 @@ def test_weight_only_rewrite():
     # same math as the eager reference up to the order of float32 accumulation
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.01
     assert Fp8Backend(weight_only=True).cache_key() != Fp8Backend().cache_key()
+
+
+class InPlaceBetween(nn.Module):
+    """Two linears read x; x is written in place between them."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        x = x.clone()
+        y1 = self.a(x)
+        x.mul_(3.0)
+        y2 = self.b(x)
+        return y1, y2
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_quantization_is_not_reused_across_an_in_place_write(compiler):
+    """One quantization of x serves every linear that reads it - but not past a write into x."""
+    torch.manual_seed(0)
+    model = InPlaceBetween().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    backend = Fp8Backend(compiler=compiler)
+    with torch.no_grad():
+        ref = model(x)
+        out = torch.compile(model, backend=backend)(x)
+    for got, want in zip(out, ref):
+        assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.05
+    assert [s.rewritten for s in backend.report.sites] == [True, True]
+
+
+class GeluExperts(nn.Module):
+    """Experts (``gate_up_proj`` [E, 2I, H], ``down_proj`` [E, H, I]: quantized by ``quantize_``) computed
+    densely with GELU, a form the MoE pass leaves alone."""
+
+    def __init__(self, e=4, h=64, i=32):
+        super().__init__()
+        self.num_experts = e
+        self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) / 8)
+        self.down_proj = nn.Parameter(torch.randn(e, h, i) / 8)
+
+    def forward(self, x, ids, wts):
+        g, u = (x.unsqueeze(0) @ self.gate_up_proj.transpose(-2, -1)).chunk(2, -1)  # [E, T, I]
+        y = (torch.nn.functional.gelu(g) * u) @ self.down_proj.transpose(-2, -1)  # [E, T, H]
+        mask = torch.nn.functional.one_hot(ids, self.num_experts).to(x.dtype) * wts.unsqueeze(-1)  # [T, K, E]
+        return torch.einsum("eth,te->th", y, mask.sum(1))
+
+
+class GeluMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = GeluExperts()
+
+    def forward(self, x, ids, wts):
+        return self.experts(x, ids, wts)
+
+
+def test_stacked_expert_weights_are_not_rewritten_as_linears():
+    """A transposed matmul of a 3-D (stacked experts) fp8 weight is no linear: reported with that reason
+    (the model runs as it is) instead of rewritten into a 2-D GEMM that fails."""
+    torch.manual_seed(0)
+    model = GeluMoE().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x, ids, wts = torch.randn(5, 64, dtype=torch.bfloat16), torch.randint(0, 4, (5, 2)), torch.rand(5, 2).bfloat16()
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        ref = model(x, ids, wts)
+        out = torch.compile(model, backend=backend)(x, ids, wts)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    linear = [s for s in backend.report.sites if s.kind == "linear"]
+    assert len(linear) == 2 and not any(s.rewritten for s in linear), linear
+    assert all("3-D" in s.reason and "not a linear's [N, K]" in s.reason for s in linear), linear
