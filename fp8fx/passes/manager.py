@@ -62,5 +62,19 @@ class PassManager(compat.CustomGraphPass):
             "passes": [(type(p).__name__, p.uuid()) for p in self.passes],
             "options": self.options,
             "torch": torch.__version__,
+            # what shapes the compiled graph besides the passes: the quantization's ATen decomposition
+            # and the Inductor hooks (AOTAutograd's cache key does not see a decomposition table)
+            "lowerings": _sources_hash(),
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _sources_hash() -> str:
+    """Hash of the sources that change compiled output without being a pass: fp8fx.quant (the math the
+    decompositions emit), fp8fx.lowerings.aten (the decompositions) and fp8fx.lowerings.compat."""
+    import inspect
+
+    from fp8fx import quant
+    from fp8fx.lowerings import aten, compat
+
+    return hashlib.sha256("".join(inspect.getsource(m) for m in (quant, aten, compat)).encode()).hexdigest()

@@ -166,6 +166,20 @@ def test_cache_key_changes_with_options_and_is_stable():
     assert LinearPass().uuid() == LinearPass().uuid()
 
 
+@pytest.mark.parametrize("module", ["fp8fx.quant", "fp8fx.lowerings.aten", "fp8fx.lowerings.compat"])
+def test_cache_key_follows_the_sources_that_shape_compiled_code(monkeypatch, module):
+    """An edit of the quantization math, its ATen decomposition or the Inductor hooks changes the key:
+    AOTAutograd's own cache key does not see the decomposition table (a stale graph came back on 2.11)."""
+    import importlib
+    import inspect
+
+    target = importlib.import_module(module)
+    before = Fp8Backend().cache_key()
+    real = inspect.getsource
+    monkeypatch.setattr(inspect, "getsource", lambda obj: real(obj) + ("\n# edited" if obj is target else ""))
+    assert Fp8Backend().cache_key() != before
+
+
 def test_cache_key_reaches_inductor(monkeypatch):
     """The pass manager is Inductor's post-grad custom pass, whose uuid() is part of the FX-graph cache key."""
     from fp8fx.lowerings import compat
