@@ -212,7 +212,9 @@ class _Interpreter:
 
     def _eq(self, node):
         a, b = node.args[:2]
-        if isinstance(a, fx.Node) and isinstance(b, int) and self._of(a).kind in ("idx", "ids"):
+        # expert b's mask only on the routing ids themselves: ``(ids - 1) == b`` (an expert-parallel offset,
+        # any arithmetic on the ids) selects other pairs than fused_moe would
+        if isinstance(a, fx.Node) and isinstance(b, int) and self._of(a).kind == "ids":
             return Val("mask", b)
         return self._idx_op(node)
 

@@ -151,7 +151,7 @@ class LoopExperts(nn.Module):
     """The example's loop with one thing changed at a time."""
 
     def __init__(self, act=F.silu, scale=1.0, experts=range(E), shift=0, bias=False, eq_method=False, mask_from=None,
-                 inplace_mask=False):
+                 inplace_mask=False, id_offset=0):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) / H**0.5)
@@ -160,6 +160,7 @@ class LoopExperts(nn.Module):
         self.bias = nn.Parameter(torch.zeros(H)) if bias else None
         self.eq_method = eq_method  # top_k_index.__eq__(e): how torch 2.11's Dynamo records `top_k_index == e`
         self.mask_from, self.inplace_mask = mask_from, inplace_mask  # masked_fill(top_k_index[:, :1] >= mask_from)
+        self.id_offset = id_offset  # expert e's pairs where top_k_index - id_offset == e (an expert-parallel rank)
 
     def forward(self, x, top_k_index, top_k_weights):
         out = torch.zeros_like(x, dtype=torch.float32)
@@ -168,7 +169,8 @@ class LoopExperts(nn.Module):
             if self.inplace_mask:
                 x.masked_fill_(mask, 0.0)  # the caller's hidden states
         for e in self.experts:
-            hit = top_k_index.__eq__(e) if self.eq_method else top_k_index == e
+            ids = top_k_index - self.id_offset if self.id_offset else top_k_index
+            hit = ids.__eq__(e) if self.eq_method else ids == e
             weight = (top_k_weights * hit).sum(dim=-1, keepdim=True)
             gate, up = F.linear(x, self.gate_up_proj[(e + self.shift) % E]).chunk(2, dim=-1)
             y = F.linear(self.act(gate) * up, self.down_proj[(e + self.shift) % E])
@@ -188,6 +190,7 @@ class LoopExperts(nn.Module):
     (dict(bias=True), "the experts read l_self_modules_experts_parameters_bias_ (128,) besides their inputs"),
     (dict(mask_from=E - 1), "masks a value with something other than the expert-parallel sentinels (ids >= E)"),
     (dict(mask_from=E, inplace_mask=True), "modifies in place a tensor that may be (a view of) one of the experts'"),
+    (dict(id_offset=1), "multiplies values that fused_moe does not multiply"),  # masks of ids - 1, not of the ids
 ])
 def test_other_experts_are_left_as_they_are_with_the_reason(variant, reason):
     model = Block(LoopExperts(**variant)).to(torch.bfloat16)
