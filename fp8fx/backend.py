@@ -38,8 +38,9 @@ class Fp8Backend:
     - ``weight_only``: fp8 weights with 16-bit activations and math (``fp8fx.weight_only_mm``); None
       (default) picks it on GPUs without fp8 tensor cores (compute capability < 8.9).
     - ``fuse_horizontal``: fuse GEMMs that read the same input (q/k/v, gate/up) into one
-      (``fp8fx.passes.horizontal``): once compiled, the fused layers' parameters are moved into one
-      tensor (per-tensor shards requantized to their max scale) and run as one GEMM. Default False.
+      (``fp8fx.passes.horizontal``): once compiled, the fused layers' weights (and per-channel or block
+      scales) are moved into one tensor and run as one GEMM; per-tensor shards keep their own scales, taken
+      as one per-channel scale vector (exact). Default False.
 
     - ``one_pass_rows``: reduce rows of up to this many elements in one pass, held in registers, where
       Inductor's heuristic stops at 1024 (``compat.one_pass_row_reductions``): the per-token

@@ -223,11 +223,9 @@ def _adjacent(ts: list[torch.Tensor]) -> Optional[torch.Tensor]:
     return base.as_strided((rows, *base.shape[1:]), base.stride(), base.storage_offset())
 
 
-def _one_scale(ss: list[torch.Tensor]) -> Optional[torch.Tensor]:
-    """The per-tensor scale all shards share (same memory), or None."""
-    first = ss[0]
-    same = all(s.data_ptr() == first.data_ptr() and s.numel() == first.numel() for s in ss)
-    return first if same else None
+def _per_channel(wqs: list[torch.Tensor], ss: list[torch.Tensor]) -> torch.Tensor:
+    """Per-tensor shard scales as one per-channel scale ``[sum N_i, 1]``: each shard's scale over its rows."""
+    return torch.cat([s.float().reshape(1).expand(w.shape[0]) for w, s in zip(wqs, ss)]).reshape(-1, 1)
 
 
 @torch.library.custom_op(f"{_LIB}::scaled_mm_fused", mutates_args=())
@@ -243,14 +241,20 @@ def scaled_mm_fused(
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``cat([scaled_mm(xq, x_scale, wqs[i], w_scales[i], biases[i], ...)], -1)`` as ONE GEMM when the
-    weights (and their scales) are back-to-back slices of one tensor, which
-    ``fp8fx.passes.horizontal`` arranges; otherwise one GEMM per weight (same result)."""
+    weights (and per-channel or block scales) are back-to-back slices of one tensor, which
+    ``fp8fx.passes.horizontal`` arranges, and the biases all given or all None; otherwise one GEMM per
+    weight (same result). Per-tensor shards keep their own scales: the one GEMM takes them as a
+    per-channel scale vector."""
     w = _adjacent(wqs)
-    s = _one_scale(w_scales) if tuple(w_block) == (-1, -1) else _adjacent([t.reshape(-1, t.shape[-1]) for t in w_scales])
-    if w is not None and s is not None:
+    per_tensor = tuple(w_block) == (-1, -1)
+    s = _per_channel(wqs, w_scales) if per_tensor else _adjacent([t.reshape(-1, t.shape[-1]) for t in w_scales])
+    rows = w_block[0]
+    blocks_fit = rows in (-1, 1) or all(wq.shape[0] % rows == 0 for wq in wqs[:-1])
+    same_bias = all(b is None for b in biases) or all(b is not None for b in biases)
+    if w is not None and s is not None and blocks_fit and same_bias:
         b = None if biases[0] is None else _adjacent(biases)
         b = torch.cat(biases) if biases[0] is not None and b is None else b
-        return scaled_mm(xq, x_scale, w, s, b, x_block, w_block, out_dtype, use_fast_accum)
+        return scaled_mm(xq, x_scale, w, s, b, x_block, [1, -1] if per_tensor else w_block, out_dtype, use_fast_accum)
     parts = [
         scaled_mm(xq, x_scale, wq, ws, b, x_block, w_block, out_dtype, use_fast_accum)
         for wq, ws, b in zip(wqs, w_scales, biases)

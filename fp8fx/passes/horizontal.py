@@ -13,21 +13,24 @@ Rewrites to::
 Once the graph is compiled, the parameters are moved into one tensor each for weights, scales and
 biases (the model's parameters become back-to-back views of it, so memory does not grow), and
 ``scaled_mm_fused`` then runs one GEMM on the whole. Per-channel and block scales concatenate exactly
-(blocks need every N_i but the last to be a multiple of the block's rows); per-tensor shards are
-requantized to the max shard scale, the rule FP8 checkpoints of fused QKV / w13 layers follow:
-``wq_i' = fp8(wq_i * s_i / max(s))``, ``s_i' = max(s)`` - the model's parameters take those values.
-A parameter replaced afterwards by another tensor is still used correctly, one GEMM per weight.
+(blocks need every N_i but the last to be a multiple of the block's rows). Per-tensor shards keep their
+weights and their own scales: the fused GEMM takes the shards' scales as one per-channel scale vector
+(each shard's scale repeated over its rows), exact. (FP8 checkpoints of fused QKV / w13 layers requantize
+per-tensor shards to their max scale instead, one more fp8 rounding for the others; the parameters here
+must stay what a checkpoint loads into them: ``load_state_dict`` after fusion writes each shard's rows
+and its own scale.) A parameter replaced afterwards by another tensor is still used correctly, one GEMM
+per weight.
 """
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 from collections import defaultdict
 
 import torch
 from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
-from fp8fx import quant
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, set_fake_value
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
@@ -36,12 +39,11 @@ _FUSED = torch.ops.fp8fx.scaled_mm_fused.default
 AFTER_COMPILE = "fp8fx_after_compile"
 
 
-def fuse_weights(ws: list[torch.Tensor], ss: list[torch.Tensor], w_block) -> tuple[torch.Tensor, torch.Tensor]:
-    """(fused weight [sum N_i, K], fused scale) from the shards' fp8 weights and scales."""
-    if tuple(w_block) == (-1, -1):  # per-tensor: requantize every shard to the max scale
-        scale = torch.stack([s.float().reshape(()) for s in ss]).max().reshape(1)
-        ws = [quant.cast_to_fp8(w.float() * (s.float().reshape(()) / scale)) for w, s in zip(ws, ss)]
-        return torch.cat(ws), scale
+def fuse_weights(ws: list[torch.Tensor], ss: list[torch.Tensor], w_block) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(fused weight [sum N_i, K], fused scale) from the shards' fp8 weights and scales; the scale is None
+    for per-tensor shards, which keep their own."""
+    if tuple(w_block) == (-1, -1):
+        return torch.cat(ws), None
     return torch.cat(ws), torch.cat([s.reshape(-1, s.shape[-1]) for s in ss])
 
 
@@ -56,15 +58,20 @@ def _rebind(params: list[torch.Tensor], fused: torch.Tensor) -> None:
 
 def share_memory(weights, scales, biases, w_block) -> None:
     """Move the shards' parameters into one tensor each (what ``scaled_mm_fused`` runs as one GEMM).
-    Everything is built before the first parameter changes."""
+    Everything is built before the first parameter changes. Parameters that already are (a recompile)
+    stay where they are: graphs captured earlier (CUDA graphs) keep their addresses."""
+    adjacent = fp8fx.ops._adjacent
+    if (
+        adjacent(weights) is not None
+        and (tuple(w_block) == (-1, -1) or adjacent([s.reshape(-1, s.shape[-1]) for s in scales]) is not None)
+        and (not biases or adjacent(biases) is not None)
+    ):
+        return
     with torch.no_grad():
         weight, scale = fuse_weights(weights, scales, w_block)
         bias = torch.cat(biases) if biases else None
     _rebind(weights, weight)
-    if tuple(w_block) == (-1, -1):
-        for s in scales:  # every shard's scale: a view of the one max scale
-            s.data = scale.view(s.shape)
-    else:
+    if scale is not None:
         _rebind(scales, scale)
     if bias is not None:
         _rebind(biases, bias)
