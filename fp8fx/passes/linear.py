@@ -194,8 +194,14 @@ class LinearPass(Fp8Pass):
     @staticmethod
     def _rewrite_weight_only(graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias) -> tuple[str, fx.Node]:
         wq, w_scale, w_block = w.args[:3]
-        args = (x, wq, w_scale, bias, list(w_block))
+        out = fake_value(node)
         with graph.inserting_before(node):
+            if isinstance(out, torch.Tensor) and out.dtype != fake_value(x).dtype:
+                # the linear's own output dtype (e.g. bf16 under autocast with fp32 activations): the op computes
+                # in its activations' dtype
+                x = graph.call_method("to", (x, out.dtype))
+                set_fake_value(x, torch.Tensor.to, x.args)
+            args = (x, wq, w_scale, bias, list(w_block))
             y = graph.call_function(torch.ops.fp8fx.weight_only_mm.default, args)
         set_fake_value(y, torch.ops.fp8fx.weight_only_mm.default, args)
         _replace(graph, node, y)

@@ -280,6 +280,20 @@ def test_weight_only_rewrite():
     assert Fp8Backend(weight_only=True).cache_key() != Fp8Backend().cache_key()
 
 
+@pytest.mark.parametrize("weight_only", [False, True])
+def test_autocast_output_dtype_is_the_linears(weight_only):
+    """fp32 activations under bf16 autocast: eager's linear returns bf16, so does the rewritten one."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 64)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = model(x)
+        out = torch.compile(model, backend=Fp8Backend(compiler="eager", weight_only=weight_only))(x)
+    assert out.dtype == ref.dtype == torch.bfloat16
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.05
+
+
 class InPlaceBetween(nn.Module):
     """Two linears read x; x is written in place between them."""
 
