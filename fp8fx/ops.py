@@ -27,7 +27,6 @@ from typing import Optional, Sequence
 import torch
 
 from fp8fx import quant
-from fp8fx.config import PerBlock, PerGroup, granularity_from_block
 
 # Everything here is functional (no op mutates its inputs).
 _LIB = "fp8fx"
@@ -59,7 +58,8 @@ def _check_block(block: Sequence[int], what: str) -> None:
 @torch.library.custom_op(f"{_LIB}::quantize", mutates_args=())
 def quantize(x: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     _check_block(block, "block")
-    return quant.quantize_rows(x, block)
+    q, scale = quant.quantize_rows(x, block)
+    return q.contiguous(), scale.contiguous()  # the layout the fake impl promises, whatever x's strides
 
 
 @quantize.register_fake
@@ -69,7 +69,10 @@ def _(x, block):
 
 @torch.library.custom_op(f"{_LIB}::quantize_static", mutates_args=())
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return quant.quantize_with_scale(x.reshape(-1, x.shape[-1]), scale, [-1, -1]).reshape(x.shape)
+    if scale.numel() != 1:
+        raise ValueError(f"fp8fx.quantize_static: the static input scale must have one element, got shape "
+                         f"{list(scale.shape)}; per-token or per-group activations are dynamic (fp8fx.quantize)")
+    return quant.quantize_with_scale(x.reshape(-1, x.shape[-1]), scale, [-1, -1]).reshape(x.shape).contiguous()
 
 
 @quantize_static.register_fake
@@ -88,7 +91,7 @@ def dequantize(
     act_block: Optional[list[int]] = None,
 ) -> torch.Tensor:
     _check_block(block, "block")
-    return quant.dequantize(q, scale, block, dtype)
+    return quant.dequantize(q, scale, block, dtype).contiguous()
 
 
 @dequantize.register_fake
@@ -111,25 +114,41 @@ def scaled_mm(
 ) -> torch.Tensor:
     """``use_fast_accum`` lets Hopper's fp8 tensor cores skip the periodic promotion of partial
     sums to fp32 (cuBLAS's fast-accumulation mode); the CPU reference always accumulates in fp32."""
+    _check_block(x_block, "x_block")
+    _check_block(w_block, "w_block")
+    _check_bias(bias, wq.shape[0], "fp8fx.scaled_mm")
     return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
+
+
+def _check_bias(bias: Optional[torch.Tensor], n: int, what: str) -> None:
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"{what}: bias has shape {list(bias.shape)}; it must be [{n}] (one per output column)")
 
 
 @scaled_mm.register_fake
 def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
     torch._check(xq.shape[-1] == wq.shape[-1], lambda: f"fp8fx.scaled_mm: K mismatch {xq.shape} vs {wq.shape}")
+    _check_bias(bias, wq.shape[0], "fp8fx.scaled_mm")
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=out_dtype)
 
 
 def _tensor_or_row(x_block, w_block) -> bool:
-    xg, wg = granularity_from_block(x_block), granularity_from_block(w_block)
-    return not isinstance(xg, (PerGroup, PerBlock)) and not isinstance(wg, (PerGroup, PerBlock))
+    """Per-tensor or per-row (token / channel) scales on both operands: what cuBLAS's row-wise GEMM takes."""
+    return all(tuple(b) in ((-1, -1), (1, -1)) for b in (x_block, w_block))
 
 
 def _k_groups_agree(x_block, w_block) -> bool:
-    """The Triton GEMM applies K-varying scales per K step: every operand with such scales must use
-    the same group size along K (1 x 128 activations with 128 x 128 weight blocks)."""
+    """What the Triton GEMM takes for other blocks: it applies K-varying scales per K step, so every operand
+    with such scales uses the same group size along K, one ``tl.dot`` K tile (32-256, a power of 2: 1 x 128
+    activations with 128 x 128 weight blocks); activation scales per token or per tensor along M (one
+    scale row per row of x); weight scales for any number of rows."""
     group_k = {b[1] for b in (x_block, w_block) if b[1] != -1}
-    return len(group_k) <= 1 and all(b[0] != -1 or b[1] == -1 for b in (x_block, w_block))
+    return (
+        len(group_k) <= 1
+        and group_k <= {32, 64, 128, 256}
+        and x_block[0] in (-1, 1)
+        and all(b[0] != -1 or b[1] == -1 for b in (x_block, w_block))
+    )
 
 
 # M at or below which the Triton GEMM (fp8fx.kernels.fp8_gemm) beats cuBLAS fp8 for decode.
@@ -139,6 +158,9 @@ TRITON_MAX_M = 64
 @scaled_mm.register_kernel("cuda")
 def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
     k, n = xq.shape[-1], wq.shape[0]
+    _check_block(x_block, "x_block")
+    _check_block(w_block, "w_block")
+    _check_bias(bias, n, "fp8fx.scaled_mm")
     x2 = xq.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
     if _tensor_or_row(x_block, w_block) and 0 < m <= TRITON_MAX_M:
@@ -281,11 +303,13 @@ def weight_only_mm(
     x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor], w_block: list[int]
 ) -> torch.Tensor:
     """``y [..., N] = x @ dequant(wq).T + bias`` in x's dtype: fp8 weights, 16-bit activations and math."""
+    _check_bias(bias, wq.shape[0], "fp8fx.weight_only_mm")
     return _weight_only_reference(x, wq, w_scale, bias, w_block)
 
 
 @weight_only_mm.register_fake
 def _(x, wq, w_scale, bias, w_block):
+    _check_bias(bias, wq.shape[0], "fp8fx.weight_only_mm")
     return x.new_empty((*x.shape[:-1], wq.shape[0]))
 
 

@@ -65,7 +65,7 @@ def expand_scale(scale: torch.Tensor, shape: Sequence[int], block: Sequence[int]
 def compute_scale(x: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
     """float32 scale = amax / 448 per tile; x: [..., R, C] -> [..., ceil(R/bR), ceil(C/bC)]."""
     if x.numel() == 0:
-        return torch.full(scale_shape(x.shape, block), AMAX_EPS / FP8_MAX, device=x.device)
+        return torch.full(scale_shape(x.shape, block), AMAX_EPS / FP8_MAX, device=x.device, dtype=torch.float32)
     tiles, _ = _tiles(x, block)
     amax = tiles.abs().amax(dim=(-3, -1))
     # divided by a tensor, not a Python number: eager CUDA torch turns division by a number into

@@ -193,12 +193,20 @@ def imprecise_k(cfg: dict, fast_accum: bool) -> Optional[int]:
     return None if fast_accum else cfg["BLOCK_K"]
 
 
-def _scale_layout(scale: torch.Tensor, rows: int, block: Optional[tuple[int, int]]):
-    """(mode, scale as 2-D, rows per scale row) for one operand."""
-    if block is None or block[1] == -1:
+def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[int, int]], what: str):
+    """(mode, scale as 2-D, rows per scale row) for one operand of ``rows`` x ``k``, its size checked."""
+    block = (-1, -1) if block is None else tuple(block)
+    per = rows if block[0] == -1 else block[0]  # rows per scale row
+    if block[1] == -1:  # per tensor or per row (one element or one per row: told apart by the size), row blocks
         mode = PER_TENSOR if scale.numel() == 1 else PER_ROW
-        return mode, scale.float().reshape(-1, 1).contiguous(), 1
-    return PER_K_GROUP, scale.float().reshape(-1, scale.shape[-1]).contiguous(), max(block[0], 1)
+        per = 1 if block[0] in (-1, 1) else per
+        want, cols = (1, 1) if mode == PER_TENSOR else (-(-rows // per), 1)
+    else:
+        mode, want, cols = PER_K_GROUP, -(-rows // per) * -(-k // block[1]), -(-k // block[1])
+    if scale.numel() != want:
+        raise ValueError(f"fp8_gemm: {what} has {scale.numel()} elements (shape {list(scale.shape)}); block "
+                         f"{list(block)} of a [{rows}, {k}] operand needs {want}")
+    return mode, scale.float().reshape(-1, cols).contiguous(), 1 if mode == PER_TENSOR else per
 
 
 def fp8_gemm(
@@ -226,14 +234,17 @@ def fp8_gemm(
     # row-major operands: the kernel's 32-bit in-tile offsets (k * stride_k) stay under BLOCK * K
     a = a if a.stride(1) == 1 or k == 1 else a.contiguous()
     b = b if b.stride(1) == 1 or k == 1 else b.contiguous()
+    bias = bias if bias is None else bias.contiguous()  # read as bias_ptr + n
     a_fp8 = a_scale is not None
     if not a_fp8 and a_block is not None:
         raise ValueError(
             f"fp8_gemm: weight-only (a_scale=None) takes 16-bit activations without scales; got a_block={a_block}"
         )
+    if a_block is not None and a_block[0] not in (-1, 1):
+        raise ValueError(f"fp8_gemm: activation scales per token or per tensor along M; got a_block={a_block}")
     # weight-only: no activation scale (the kernel reads none; b_scale stands in for the pointer)
-    a_mode, a_scale, _ = _scale_layout(a_scale if a_fp8 else b_scale.reshape(-1)[:1], m, a_block)
-    b_mode, b_scale, b_rows = _scale_layout(b_scale, n, b_block)
+    a_mode, a_scale, _ = _scale_layout(a_scale if a_fp8 else b_scale.reshape(-1)[:1], m, k, a_block, "a_scale")
+    b_mode, b_scale, b_rows = _scale_layout(b_scale, n, k, b_block, "b_scale")
     cfg = dict(config or tile_config(m, n, k))
     group_k = [blk[1] for blk, mode in ((a_block, a_mode), (b_block, b_mode)) if mode == PER_K_GROUP]
     if group_k:

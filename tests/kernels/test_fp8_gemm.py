@@ -158,6 +158,22 @@ def test_weight_only_takes_no_activation_blocks():
         fp8_gemm(torch.randn(2, 64).half(), wq, None, ws, None, torch.float32, a_block=(1, 32))
 
 
+def test_scale_sizes_are_checked_before_the_kernel():
+    """A scale of the wrong size would be read out of bounds by the kernel: refused, naming the operand."""
+    from fp8fx.kernels.fp8_gemm import fp8_gemm
+
+    xq, xs, wq, ws, _ = operands(3, 64, 96, [1, -1], [1, -1], "cpu")
+    with pytest.raises(ValueError, match=r"b_scale has 32 elements .* needs 64"):
+        fp8_gemm(xq, wq, xs, ws[:32], None, torch.float32)
+    with pytest.raises(ValueError, match=r"a_scale has 2 elements .* needs 3"):
+        fp8_gemm(xq, wq, xs[:2], ws, None, torch.float32)
+    xq, xs, wq, ws, _ = operands(3, 64, 96, [1, 32], [32, 32], "cpu")
+    with pytest.raises(ValueError, match=r"b_scale has 3 elements .* block \[32, 32\] of a \[64, 96\] operand needs 6"):
+        fp8_gemm(xq, wq, xs, ws.reshape(-1)[:3], None, torch.float32, a_block=(1, 32), b_block=(32, 32))
+    with pytest.raises(ValueError, match=r"per token or per tensor along M; got a_block=\(2, 32\)"):
+        fp8_gemm(xq, wq, xs, ws, None, torch.float32, a_block=(2, 32), b_block=(32, 32))
+
+
 BLOCK_SHAPES = [(1, 200, 300), (3, 256, 384), (64, 130, 1000), (65, 384, 256), (2049, 257, 640)]
 
 
@@ -231,7 +247,7 @@ INTERPRETER_CHECK = textwrap.dedent(
     # weight-only: fp16 activations, fp8 weight upcast in the kernel
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 96, generator=g).half()
-    for wb in [(1, -1), (32, 32)]:
+    for wb in [(1, -1), (32, 32), (-1, 32)]:  # (-1, 32): one scale row for all N rows
         wq, ws = quant.quantize(torch.randn(48, 96, generator=g), wb)
         ref = x.double() @ quant.dequantize(wq, ws, wb, torch.float64).t()
         y = fp8_gemm(x, wq, None, ws, None, torch.float32, config=cfg, b_block=wb)

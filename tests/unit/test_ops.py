@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fp8fx import quant
+from fp8fx import ops, quant
 from fp8fx.ops import fp8_linear
 from tests.conftest import rel_err
 
@@ -74,6 +74,40 @@ def test_quantize_static_saturates_instead_of_nan():
 def test_bad_block_is_a_clear_error():
     with pytest.raises(ValueError, match=r"block=\[0, 128\] is not a block"):
         torch.ops.fp8fx.quantize(torch.randn(4, 8), [0, 128])
+
+
+def test_opcheck_strided_inputs():
+    """Transposed activations and weights: the real impls return the contiguous layout the fake impls promise
+    (a mismatch fails torch.compile at run time)."""
+    x = torch.randn(64, 7, dtype=torch.bfloat16).t()
+    torch.library.opcheck(torch.ops.fp8fx.quantize.default, (x, [1, -1]))
+    torch.library.opcheck(torch.ops.fp8fx.quantize_static.default, (x, torch.tensor([0.01])))
+    w, q, s = _weights(block=(-1, -1))
+    _opcheck_fp8(torch.ops.fp8fx.dequantize.default, (q.t().contiguous().t(), s, [-1, -1], torch.bfloat16))
+
+
+def test_bad_bias_and_static_scale_are_clear_errors():
+    w, wq, ws = _weights(block=(1, -1))
+    xq, xs = quant.quantize_rows(torch.randn(3, 96), [1, -1])
+    for bias in (torch.randn(1), torch.randn(64, 1)):
+        with pytest.raises(ValueError, match=r"bias has shape \[.*\]; it must be \[64\]"):
+            torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws, bias, [1, -1], [1, -1], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"bias has shape \[1\]; it must be \[64\]"):
+        torch.ops.fp8fx.weight_only_mm(torch.randn(3, 96), wq, ws, torch.randn(1), [1, -1])
+    with pytest.raises(ValueError, match=r"w_block=\[0, 8\] is not a block"):
+        torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws, None, [1, -1], [0, 8], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"static input scale must have one element, got shape \[4\]"):
+        torch.ops.fp8fx.quantize_static(torch.randn(3, 96), torch.ones(4))
+
+
+def test_cuda_dispatch_rules():
+    """Which blocks fp8fx's Triton GEMM takes; the rest is the reference's (all checked without a GPU)."""
+    assert ops._tensor_or_row([1, -1], [1, -1]) and ops._tensor_or_row([-1, -1], [1, -1])
+    assert not ops._tensor_or_row([1, -1], [128, -1])  # row blocks of weights: not cuBLAS's row-wise scales
+    assert ops._k_groups_agree([1, 128], [128, 128]) and ops._k_groups_agree([1, -1], [128, -1])
+    assert not ops._k_groups_agree([4, 32], [16, 32])  # activation scales for blocks of rows
+    assert not ops._k_groups_agree([1, 48], [16, 48])  # a K group that is no tl.dot tile
+    assert not ops._k_groups_agree([1, 64], [128, 128])  # K groups that differ
 
 
 @pytest.mark.parametrize("scheme", ["per-tensor", "per-row", "per-block"])
