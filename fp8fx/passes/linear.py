@@ -46,7 +46,9 @@ def _transposed(node) -> fx.Node | None:
         return node.args[0]
     if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
         return node.args[0]
-    if node.op == "call_method" and node.target == "transpose" and sorted(node.args[1:3]) in ([0, 1], [-2, -1]):
+    transpose = node.op == "call_method" and node.target == "transpose" or (
+        node.op == "call_function" and node.target is torch.transpose)
+    if transpose and sorted(node.args[1:3]) in ([0, 1], [-2, -1]):
         return node.args[0]
     return None
 
@@ -63,6 +65,22 @@ def _linear_operands(node: fx.Node):
         if w is not None:
             return node.args[0], w, None
     return None
+
+
+def _name_of(node: fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+    return f"{target} ({node.op})"
+
+
+def _from_dequantize(node, depth: int = 6) -> bool:
+    """Whether ``node`` is a view, slice or index of a dequantized weight (a few ops back)."""
+    for _ in range(depth):
+        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or not node.args:
+            return False
+        if node.target in _DEQUANT:
+            return True
+        node = node.args[0]
+    return False
 
 
 _INPLACE_OPERATORS = {getattr(operator, f"i{op}") for op in (
@@ -133,8 +151,32 @@ class LinearPass(Fp8Pass):
             new.meta["fp8fx_site"] = len(ctx.report.sites)  # later passes amend this site
             ctx.report.add(Site("linear", fqn, True, "", scheme, ctx.graph_index, **details))
             count += 1
+        self._report_other_readers(graph, ctx)
         gm.recompile()
         return count
+
+    def _report_other_readers(self, graph: fx.Graph, ctx: PassContext) -> None:
+        """Quantized weights that something other than a linear still reads (``torch.mm``, ``einsum``,
+        ``addmm``, a matmul without a transpose ...) run on the dequantized weight: each goes into the report
+        with its readers, unless a site of this graph already names it (nothing is silently left undone)."""
+        named = {site.fqn for site in ctx.report.sites if site.graph == ctx.graph_index}
+        for node in graph.nodes:
+            if node.op != "call_function" or node.target not in _DEQUANT or not node.users:
+                continue
+            fqn = getattr(ctx.example.get(node.args[0]), "_fp8fx_fqn", None) or node.name
+            if fqn in named:
+                continue
+            named.add(fqn)
+            readers = ", ".join(sorted(
+                {f"{_name_of(r)} of its transpose" for u in node.users if _transposed(u) is node for r in u.users}
+                | {_name_of(u) for u in node.users if _transposed(u) is not node}
+            ))
+            ctx.report.add(Site(
+                "linear", fqn, False,
+                f"the quantized weight is read by {readers}, not by a linear (F.linear / x @ w.T): "
+                "computed with the dequantized weight", "", ctx.graph_index,
+                weight_shape=Site.shape_of(fake_value(node)), node=Site.origin_of(node),
+            ))
 
     @staticmethod
     def _fqn(node: fx.Node, w, ctx: PassContext) -> str:
@@ -149,6 +191,9 @@ class LinearPass(Fp8Pass):
             tagged = getattr(real, "_fp8fx_skip_reason", None)
             if tagged:
                 return f"not quantized: {tagged}"
+            if _from_dequantize(w):
+                return ("weight is a slice or view of a quantized weight (e.g. one expert of stacked experts), not "
+                        "a whole quantized layer: computed with the dequantized weight")
             return "weight is not an fp8fx-quantized weight (run fp8fx.quantize_ or load an fp8 checkpoint)"
         wv = fake_value(w)
         if isinstance(wv, torch.Tensor) and wv.dim() != 2:

@@ -366,3 +366,37 @@ def test_stacked_expert_weights_are_not_rewritten_as_linears():
     linear = [s for s in backend.report.sites if s.kind == "linear"]
     assert len(linear) == 2 and not any(s.rewritten for s in linear), linear
     assert all("3-D" in s.reason and "not a linear's [N, K]" in s.reason for s in linear), linear
+
+
+class OtherReaders(nn.Module):
+    """Quantized weights read by something other than a linear (and one torch.transpose matmul, which is one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.c, self.d = nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return (torch.mm(x, self.a.weight.t()), torch.addmm(self.b.bias, x, self.b.weight.t()),
+                torch.einsum("mk,nk->mn", x, self.c.weight), x @ torch.transpose(self.d.weight, 0, 1))
+
+
+def test_every_quantized_weight_is_in_the_report():
+    """Nothing silently left undone: weights read by mm / addmm / einsum are reported with their readers
+    (and computed on the dequantized weight, as eager does); x @ torch.transpose(w, 0, 1) is a linear."""
+    torch.manual_seed(0)
+    model = OtherReaders().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        ref = model(x)
+        out = torch.compile(model, backend=backend)(x)
+    sites = {s.fqn: s for s in backend.report.sites}
+    assert sorted(sites) == ["a", "b", "c", "d"] and sites["d"].rewritten
+    assert "read by mm (call_function) of its transpose, not by a linear" in sites["a"].reason
+    assert "read by addmm (call_function) of its transpose" in sites["b"].reason
+    assert "read by einsum (call_function)" in sites["c"].reason
+    for got, want in zip(out[:3], ref[:3]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)  # the model's own computation
+    assert ((out[3].float() - ref[3].float()).norm() / ref[3].float().norm()).item() < 0.05
