@@ -190,7 +190,9 @@ def _cublas_fits(m: int, n: int, k: int, x_block, w_block, out_dtype) -> bool:
 
 
 def cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
-    """x2: [M, K] fp8 @ wq: [N, K].T through ``torch._scaled_mm`` (cuBLAS) -> [M, N]."""
+    """x2: [M, K] fp8 @ wq: [N, K].T through ``torch._scaled_mm`` (cuBLAS) -> [M, N]. The bias is added to the
+    rounded product (the reference and the Triton GEMM add it in float32 before rounding): up to one ulp of
+    the output dtype apart."""
     m, n = x2.shape[0], wq.shape[0]
     if tuple(x_block) == (-1, -1) and tuple(w_block) == (-1, -1):
         scale_a, scale_b = x_scale.float().reshape(()), w_scale.float().reshape(())
@@ -436,6 +438,11 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block) -> N
 def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
     e, two_i, h = w13.shape
     torch._check(x.dim() == 2 and x.shape[1] == h, lambda: f"fp8fx.fused_moe: x {tuple(x.shape)} is not [T, {h}]")
+    torch._check(
+        two_i % 2 == 0,
+        lambda: f"fp8fx.fused_moe: w13 {tuple(w13.shape)} has an odd number of rows; it must be [E, 2I, H] "
+        "(gate rows, then up rows)",
+    )
     torch._check(
         tuple(w2.shape) == (e, h, two_i // 2),
         lambda: f"fp8fx.fused_moe: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} are not [E, 2I, H] and [E, H, I]",

@@ -142,6 +142,8 @@ def test_bad_shapes_name_the_tensors():
         torch.ops.fp8fx.fused_moe(x, w, ids, q13, s13, q2[..., :127], s2, [1, -1], [1, -1], torch.bfloat16)
     with pytest.raises(ValueError, match=r"w_block=\[0, 1\] is not a block"):
         torch.ops.fp8fx.fused_moe(x, w, ids, q13, s13, q2, s2, [0, 1], [1, -1], torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"w13 \(8, 255, 256\) has an odd number of rows"):
+        torch.ops.fp8fx.fused_moe(x, w, ids, q13[:, :255], s13[:, :255], q2, s2, [1, -1], [1, -1], torch.bfloat16)
     assert ops.fused_moe_reference is not None
 
 
