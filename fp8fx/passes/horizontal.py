@@ -32,6 +32,7 @@ from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, set_fake_value
+from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
 _FUSED = torch.ops.fp8fx.scaled_mm_fused.default
@@ -98,8 +99,9 @@ class HorizontalFusionPass(Fp8Pass):
             if reason:
                 self._amend(ctx, nodes, f"not fused with {self._names(nodes, ctx)}: {reason}")
                 continue
-            self._fuse(gm, nodes, ctx)
-            self._amend(ctx, nodes, f"fused({self._names(nodes, ctx)})")
+            y = self._fuse(gm, nodes, ctx)
+            # every fused site is found by the one GEMM in Inductor's output code (the report's kernel column)
+            self._amend(ctx, nodes, f"fused({self._names(nodes, ctx)})", node=Site.origin_of(y))
             fused += len(nodes)
         gm.recompile()
         return fused
@@ -123,14 +125,15 @@ class HorizontalFusionPass(Fp8Pass):
         return ",".join(fqn.rsplit(".", 1)[-1] for fqn in sites)
 
     @staticmethod
-    def _amend(ctx: PassContext, nodes: list[fx.Node], note: str) -> None:
+    def _amend(ctx: PassContext, nodes: list[fx.Node], note: str, node: Optional[str] = None) -> None:
         for n in nodes:
             if "fp8fx_site" in n.meta:
                 i = n.meta["fp8fx_site"]
-                ctx.report.sites[i] = dataclasses.replace(ctx.report.sites[i], scheme=f"{ctx.report.sites[i].scheme} {note}")
+                site = ctx.report.sites[i]
+                ctx.report.sites[i] = dataclasses.replace(site, scheme=f"{site.scheme} {note}", node=node or site.node)
 
     @staticmethod
-    def _fuse(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> None:
+    def _fuse(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> fx.Node:
         graph = gm.graph
         first = nodes[0]
         xq, x_scale, _, _, bias, x_block, w_block, dtype, fast = first.args
@@ -140,6 +143,8 @@ class HorizontalFusionPass(Fp8Pass):
         with graph.inserting_before(first):
             y = graph.call_function(_FUSED, args)
             set_fake_value(y, _FUSED, args)
+            if "source_fn_stack" in first.meta:  # named after the first linear in Inductor's output code
+                y.meta["source_fn_stack"] = first.meta["source_fn_stack"]
             offset = 0
             for node in nodes:
                 size = fake_value(node.args[2]).shape[0]
@@ -154,3 +159,4 @@ class HorizontalFusionPass(Fp8Pass):
             graph.erase_node(node)
         # after compilation: AOTAutograd re-reads the inputs' layout as Dynamo recorded it
         gm.meta.setdefault(AFTER_COMPILE, []).append(lambda: share_memory(*params))
+        return y

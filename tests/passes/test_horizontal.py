@@ -45,6 +45,9 @@ def test_qkv_and_gate_up_fused(config, compiler):
     assert sites["model.layers.0.self_attn.k_proj"].scheme.endswith("fused(q_proj,k_proj,v_proj)")
     assert sites["model.layers.1.mlp.up_proj"].scheme.endswith("fused(gate_proj,up_proj)")
     assert "fused" not in sites["model.layers.0.self_attn.o_proj"].scheme
+    if compiler == "inductor":  # each fused site names the one GEMM it runs in
+        assert {sites[f"model.layers.0.self_attn.{p}"].kernel for p in ("q_proj", "k_proj", "v_proj")} == {
+            "extern fp8fx.scaled_mm_fused"}
     # per-channel and block scales concatenate exactly, per-tensor shards keep theirs (a per-channel
     # vector of them): the same numbers up to fp32 summation order
     assert rel_err(out, plain) < 1e-3
