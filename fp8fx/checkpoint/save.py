@@ -53,6 +53,10 @@ def save_checkpoint(
     """
     if experts not in ("per-expert", "fused"):
         raise ValueError(f"save_checkpoint: experts={experts!r} is not 'per-expert' or 'fused'")
+    if os.path.isdir(path) and any(f.endswith((".safetensors", INDEX_SUFFIX)) for f in os.listdir(path)):
+        # a shard or index left from another save would be read back with this model's config
+        raise ValueError(f"save_checkpoint: {path} already holds a checkpoint (safetensors or an index); "
+                         "pass an empty or new directory")
     path = os.fspath(path)
     schemes = {f: layer_scheme(m) for f, m in model.named_modules() if is_quantized(m)}
     quantized_experts = {f: m for f, m in model.named_modules() if moe.is_quantized_experts(m)}

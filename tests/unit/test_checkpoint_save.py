@@ -1,6 +1,7 @@
 """save_checkpoint and convert: the formats and names written, and save -> load round trips that give
 identical tensors and outputs."""
 import json
+import os
 
 import pytest
 import torch
@@ -165,6 +166,16 @@ def test_mixed_schemes_saved_as_compressed_tensors_groups(tmp_path):
 def test_save_refuses_an_unquantized_model(tmp_path):
     with pytest.raises(ValueError, match="has no fp8fx-quantized layer"):
         save_checkpoint(Tiny(), tmp_path / "x")
+
+
+def test_save_refuses_a_directory_that_holds_a_checkpoint(tmp_path):
+    """Shards or an index left from another save would be loaded back under this model's config."""
+    model = quantized_tiny(fp8fx.Fp8Config())
+    save_checkpoint(model, tmp_path / "x", max_shard_size=1 << 12)  # sharded: an index and several files
+    before = sorted(os.listdir(tmp_path / "x"))
+    with pytest.raises(ValueError, match=r"already holds a checkpoint .*pass an empty or new directory"):
+        save_checkpoint(model, tmp_path / "x")
+    assert sorted(os.listdir(tmp_path / "x")) == before
 
 
 # --- convert -------------------------------------------------------------------------------------
