@@ -48,13 +48,18 @@ def quantize_(
 
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
+    names: dict[int, list[str]] = {}  # a weight shared by several modules (tied lm_head / embeddings)
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
     for fqn, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        reason = skip_reason(module, fqn, config)
+        shared = [n for n in names.get(id(module._parameters.get("weight")), []) if n != f"{fqn}.weight"]
+        # quantizing one user of a tied weight unties it (the other keeps bf16); checkpoints store it once
+        reason = f"weight tied to {shared[0]}" if shared else skip_reason(module, fqn, config)
         if reason is None:
             plan.append((fqn, module))
-        elif strict and reason != "in ignored_layers":
+        elif strict and reason != "in ignored_layers" and not shared:
             raise ValueError(f"{fqn}: {reason}")
         else:
             skipped.append((fqn, module, reason))

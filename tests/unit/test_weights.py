@@ -200,3 +200,28 @@ def test_online_shard_loaded_twice_is_an_error():
     with pytest.raises(ValueError, match="weight shard 1 was loaded twice"):
         method.weight_loader(layer, "weight", shard, shard_id=1)
     assert layer._parameters["weight"].dtype == torch.bfloat16  # not quantized
+
+
+class TiedHead(nn.Module):
+    """An embedding and an output projection sharing one weight (tie_word_embeddings)."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(32, 64)
+        self.proj = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 32, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(self.proj(self.embed(ids)))
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_tied_weight_is_left_tied(strict):
+    """Quantizing one user of a tied weight would untie it (the embedding keeps bf16) and the saved model
+    could not be loaded back: it is skipped with the reason, even under strict."""
+    model = TiedHead().bfloat16()
+    fp8fx.quantize_(model, strict=strict)
+    assert model.head.weight is model.embed.weight and model.head.weight.dtype == torch.bfloat16
+    assert model.proj._parameters["weight"].dtype == torch.float8_e4m3fn
+    assert model.head.weight._fp8fx_skip_reason == "weight tied to embed.weight"
