@@ -355,7 +355,7 @@ class ExpertsLoader:
             target = ex.stage._parameters[name]
             if e is None and t.numel() < target.numel():  # one value per expert or per module: every slot
                 t = t.reshape(-1, *[1] * (target.dim() - 1)).expand(target.shape)
-        elif not ex.serialized:
+        else:  # bf16 experts before quantizing, fp8 ones as stored (0x7F / 0xFF are fp8 NaN), as linear weights
             check_finite(entry, t, ex.fqn)
         ex.method.weight_loader(ex.stage, name, t, shard, e)
 

@@ -269,3 +269,17 @@ def test_nan_in_a_bf16_expert_names_it(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{EXPERTS}\.down_proj \(bfloat16 \[4, 64, 32\].* has 1 NaN/Inf"):
         load_checkpoint(model, path, progress=False)
     assert snapshot(model) == snap
+
+
+def test_nan_in_an_fp8_expert_names_it(tmp_path):
+    """fp8 expert weights as stored (0x7F is e4m3 NaN) are checked as fp8 linear weights are."""
+    cfg = moe_config("mixtral")
+    tensors, qc, _ = moe_checkpoint(reference_model(cfg).state_dict(), "tensor", naming="mixtral", ct=False)
+    name = f"{EXPERTS}.1.w1.weight"
+    tensors[name].view(torch.uint8)[0, :5] = 0x7F
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
+    model = meta_model(path)
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match=rf"{name.replace('.', chr(92) + '.')} \(float8_e4m3fn.* has 5 NaN/Inf"):
+        load_checkpoint(model, path, progress=False)
+    assert snapshot(model) == snap
