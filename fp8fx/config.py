@@ -245,7 +245,12 @@ class Fp8Config:
     def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
         """Build from a checkpoint's ``quantization_config`` dict."""
         quant_method = config.get("quant_method", "")
-        ignored = config.get("ignored_layers") or config.get("modules_to_not_convert")
+        key = "ignored_layers" if config.get("ignored_layers") else "modules_to_not_convert"
+        ignored = config.get(key)
+        if ignored is not None and (isinstance(ignored, str) or not all(isinstance(n, str) for n in ignored)):
+            # a bare string would be split into its characters: nothing ignored
+            hint = [ignored] if isinstance(ignored, str) else ["lm_head"]
+            raise ValueError(f"quantization_config[{key!r}]={ignored!r} must be a list of module names, e.g. {hint!r}")
         block = config.get("weight_block_size")
         return cls(
             is_checkpoint_fp8_serialized="fp8" in str(quant_method),

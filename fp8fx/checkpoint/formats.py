@@ -90,8 +90,13 @@ def _kv_cache(qc: Mapping[str, Any]) -> bool:
 
 def _compressed_tensors(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
     groups = []
-    for name, group in (qc.get("config_groups") or {}).items():
+    config_groups = qc.get("config_groups") or {}
+    if not isinstance(config_groups, Mapping):
+        raise ValueError(f"config_groups={config_groups!r} must map group names to {{'targets': [...], ...}}")
+    for name, group in config_groups.items():
         where = f"config_groups.{name}"
+        if not isinstance(group, Mapping):
+            raise ValueError(f"{where}={group!r} must be a mapping with 'targets', 'weights', 'input_activations'")
         targets = group.get("targets") or []
         if isinstance(targets, str) or not targets:
             raise ValueError(f"{where}.targets={targets!r} must be a non-empty list, e.g. ['Linear']")
@@ -102,6 +107,8 @@ def _compressed_tensors(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
     if fmt not in ("float-quantized", "naive-quantized"):
         raise ValueError(f"format={fmt!r} is not an fp8 storage format; fp8fx loads 'float-quantized' checkpoints")
     ignore = qc.get("ignore") or []
+    if isinstance(ignore, str) or not all(isinstance(n, str) for n in ignore):
+        raise ValueError(f"ignore={ignore!r} must be a list of module names or 're:' patterns, e.g. ['lm_head']")
     return QuantFormat("compressed-tensors", groups[0][1], tuple(groups), tuple(ignore), kv)
 
 

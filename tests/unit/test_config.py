@@ -407,3 +407,30 @@ def test_is_ignored_property(entry, suffix, junk):
     # a sibling whose last component merely starts with the entry's is not covered
     assert not cfg.is_ignored(entry + junk)
     assert not cfg.is_ignored(entry + junk + "." + suffix)
+
+
+@pytest.mark.parametrize("qc,match", [
+    ({"quant_method": "fp8", "ignored_layers": "lm_head"}, r"\['ignored_layers'\]='lm_head' must be a list .* \['lm_head'\]"),
+    ({"quant_method": "fp8", "modules_to_not_convert": "lm_head"}, r"\['modules_to_not_convert'\]='lm_head'"),
+    ({"quant_method": "fp8", "ignored_layers": [1]}, r"must be a list of module names"),
+])
+def test_ignore_list_given_as_a_string_is_refused(qc, match):
+    """``tuple("lm_head")`` would ignore the modules 'l', 'm', ...: nothing."""
+    with pytest.raises(ValueError, match=match):
+        Fp8Config.from_config(qc)
+
+
+@pytest.mark.parametrize("qc,match", [
+    ({"ignore": "lm_head"}, r"ignore='lm_head' must be a list of module names"),
+    ({"config_groups": [{"targets": ["Linear"]}]}, r"config_groups=\[.*\] must map group names"),
+    ({"config_groups": {"group_0": None}}, r"config_groups.group_0=None must be a mapping"),
+])
+def test_compressed_tensors_lists_and_groups_are_checked(qc, match):
+    from fp8fx.checkpoint import CheckpointError
+    from fp8fx.checkpoint.formats import parse
+
+    group = {"targets": ["Linear"], "weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+             "input_activations": {"type": "float", "num_bits": 8, "strategy": "token", "dynamic": True}}
+    config = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group}}
+    with pytest.raises(CheckpointError, match=match):
+        parse({"quantization_config": {**config, **qc}})
