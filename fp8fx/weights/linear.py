@@ -82,6 +82,18 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
     return None
 
 
+def same_layout(name: str, loaded: tuple, dest: tuple) -> bool:
+    """``loaded`` fits ``dest`` as it is: the same shape, or a scale stored as [N] / [] where fp8fx keeps
+    [N, 1] / [1] (as checkpoints write them). Only the element count agreeing is not enough: a transposed
+    tensor has it too."""
+    if loaded == dest:
+        return True
+    if name == "weight":
+        return False
+    return (len(loaded) <= 1 and len(dest) <= 1 and math.prod(loaded) == math.prod(dest)) or (
+        len(dest) == 2 and dest[1] == 1 and loaded == dest[:1]) or (len(loaded) == 2 and loaded[1] == 1 and dest == loaded[:1])
+
+
 class Fp8LinearMethod:
     """create_weights -> weight_loader (full tensor or shards) -> process_weights_after_loading.
 
@@ -135,11 +147,12 @@ class Fp8LinearMethod:
                 f"last must be a multiple of block_n={w.block_n}, so that no scale block spans two partitions"
             )
         layer._parameters["weight"] = param(torch.empty(n, k, dtype=quant.FP8_DTYPE, device=device))
+        # scales start at the "never loaded" marker: process_weights_after_loading refuses any left there
         if layer._fp8fx_block_scales:
             shape = quant.scale_shape((n, k), self.scheme.weight.block)
-            layer._parameters["weight_scale_inv"] = param(torch.empty(shape, dtype=torch.float32, device=device))
+            layer._parameters["weight_scale_inv"] = param(torch.full(shape, unloaded, dtype=torch.float32, device=device))
         elif isinstance(self.scheme.weight, PerRow):
-            layer._parameters["weight_scale"] = param(torch.empty(n, 1, dtype=torch.float32, device=device))
+            layer._parameters["weight_scale"] = param(torch.full((n, 1), unloaded, dtype=torch.float32, device=device))
         else:  # one per logical shard until process_weights_after_loading
             layer._parameters["weight_scale"] = param(
                 torch.full((len(output_partition_sizes),), unloaded, dtype=torch.float32, device=device)
@@ -162,9 +175,15 @@ class Fp8LinearMethod:
             layer._fp8fx_copied = loaded.numel()
             self._quantize_online(layer)
             return
-        if name == "weight" and target.is_meta:
-            target = nn.Parameter(torch.empty_like(target, device=layer._fp8fx_device), requires_grad=False)
+        if name == "weight" and target.is_meta:  # the receive buffer: where create_weights said, or where it comes from
+            device = layer._fp8fx_device if layer._fp8fx_device is not None else loaded.device
+            target = nn.Parameter(torch.empty_like(target, device=device), requires_grad=False)
             layer._parameters["weight"] = target
+        if name == "weight" and self.config.is_checkpoint_fp8_serialized and loaded.dtype != quant.FP8_DTYPE:
+            raise ValueError(
+                f"{type(layer).__name__}: weight of dtype {loaded.dtype} for an fp8-serialized layer; load the "
+                "fp8 weight with its scale, or quantize bf16 weights with Fp8Config(is_checkpoint_fp8_serialized=False)"
+            )
         if online_weight and shard_id is not None:
             if shard_id in layer._fp8fx_shards_loaded:
                 raise ValueError(
@@ -172,13 +191,15 @@ class Fp8LinearMethod:
                     f"{list(layer._fp8fx_partitions)} must arrive once (it is quantized when all have)"
                 )
         dest = self._shard_slice(layer, name, target.data, shard_id)
-        if dest.numel() != loaded.numel():
+        if not same_layout(name, tuple(loaded.shape), tuple(dest.shape)):
             raise ValueError(
                 f"{name} shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit the "
                 f"parameter slice of shape {tuple(dest.shape)}"
             )
         with CopyNumelCounter() as counter:
             dest.copy_(loaded.reshape(dest.shape))
+        if name == "weight" and not online_weight:
+            layer._fp8fx_copied += counter.copied_numel
         if online_weight:
             if shard_id is not None:
                 layer._fp8fx_shards_loaded.add(shard_id)
@@ -233,6 +254,15 @@ class Fp8LinearMethod:
                 "load every shard before process_weights_after_loading"
             )
         unloaded = torch.finfo(torch.float32).min
+        if self.config.is_checkpoint_fp8_serialized and layer._fp8fx_copied < params["weight"].numel():
+            raise ValueError(f"{name}: weight received {layer._fp8fx_copied} of {params['weight'].numel()} elements; "
+                             "load every shard before process_weights_after_loading")
+        for scale_name in ("weight_scale", "weight_scale_inv"):
+            if scale_name in params and params[scale_name].numel() > 1 and not isinstance(self.scheme.weight, PerTensor):
+                missing = int((params[scale_name].data == unloaded).sum())
+                if missing:
+                    raise ValueError(f"{name}: {missing} of {params[scale_name].numel()} entries of {scale_name} "
+                                     "were never loaded; load the checkpoint's scales with the weight")
         if isinstance(self.scheme.weight, PerTensor):
             scales = params["weight_scale"].data
             if (scales == unloaded).any():

@@ -37,6 +37,7 @@ from torch import nn
 from fp8fx import quant
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
 from fp8fx.weights import chunked
+from fp8fx.weights.linear import same_layout
 
 log = logging.getLogger("fp8fx")
 
@@ -256,7 +257,8 @@ class Fp8MoEMethod:
                 "and w2 must arrive once (the completeness check counts elements)"
             )
         dest = self._slice(layer, name, base, shard_id, expert_id)
-        if dest.numel() != loaded.numel():
+        weight_like = "weight" if name == base else name  # a weight must match exactly, a scale as [N] ~ [N, 1]
+        if not same_layout(weight_like, tuple(loaded.shape), tuple(dest.shape)):
             raise ValueError(
                 f"{prefix}.{name} (expert {expert_id}, shard {shard_id}): checkpoint tensor of shape "
                 f"{tuple(loaded.shape)} does not fit the slice of shape {tuple(dest.shape)}"

@@ -225,3 +225,66 @@ def test_tied_weight_is_left_tied(strict):
     assert model.head.weight is model.embed.weight and model.head.weight.dtype == torch.bfloat16
     assert model.proj._parameters["weight"].dtype == torch.float8_e4m3fn
     assert model.head.weight._fp8fx_skip_reason == "weight tied to embed.weight"
+
+
+def test_loaders_refuse_tensors_that_only_have_the_right_size():
+    """A transposed shard or scale has the slot's element count but not its layout: refused, naming both
+    shapes. Scales stored as [N] / [] go into fp8fx's [N, 1] / [1]."""
+    from fp8fx.weights import Fp8MoEMethod
+
+    layer = nn.Linear(128, 64, bias=False, device="meta")
+    method = Fp8LinearMethod(Fp8Config())
+    method.create_weights(layer, 128, [32, 32], torch.bfloat16, device="cpu")
+    w = torch.randn(64, 128, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"shape \(128, 32\) does not fit the parameter slice of shape \(32, 128\)"):
+        method.weight_loader(layer, "weight", w[:32].t().contiguous(), 0)
+    block = Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=(128, 128))
+    layer = nn.Linear(256, 128, bias=False, device="meta")
+    method = Fp8LinearMethod(block)
+    method.create_weights(layer, 256, [128], torch.bfloat16, device="cpu")
+    with pytest.raises(ValueError, match=r"shape \(2, 1\) does not fit the parameter slice of shape \(1, 2\)"):
+        method.weight_loader(layer, "weight_scale_inv", torch.tensor([[1.0], [2.0]]))
+    channel = Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=fp8fx.PerRow())
+    layer = nn.Linear(64, 32, bias=False, device="meta")
+    method = Fp8LinearMethod(channel)
+    method.create_weights(layer, 64, [32], torch.bfloat16, device="cpu")
+    method.weight_loader(layer, "weight_scale", torch.rand(32) + 0.5)  # [N] as checkpoints store it: fine
+    experts = nn.Module()
+    Fp8MoEMethod(block).create_weights(experts, 1, 256, 128, torch.bfloat16, device="cpu")
+    with pytest.raises(ValueError, match=r"shape \(128, 256\) does not fit the slice of shape \(256, 128\)"):
+        Fp8MoEMethod(block).weight_loader(experts, "w2_weight", torch.zeros(128, 256).to(torch.float8_e4m3fn), "w2", 0)
+
+
+def test_serialized_linear_needs_its_fp8_weight_and_every_scale():
+    channel = Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=fp8fx.PerRow())
+    wq = torch.randn(32, 64).to(torch.float8_e4m3fn)
+
+    def fresh():
+        layer = nn.Linear(64, 32, bias=False, device="meta")
+        method = Fp8LinearMethod(channel)
+        method.create_weights(layer, 64, [32], torch.bfloat16, device="cpu")
+        return layer, method
+
+    layer, method = fresh()
+    method.weight_loader(layer, "weight_scale", torch.rand(32, 1))
+    with pytest.raises(ValueError, match=r"weight received 0 of 2048 elements"):
+        method.process_weights_after_loading(layer)  # the weight never came
+    layer, method = fresh()
+    method.weight_loader(layer, "weight", wq)
+    with pytest.raises(ValueError, match=r"32 of 32 entries of weight_scale were never loaded"):
+        method.process_weights_after_loading(layer)
+    layer, method = fresh()
+    with pytest.raises(ValueError, match=r"weight of dtype torch.bfloat16 for an fp8-serialized layer"):
+        method.weight_loader(layer, "weight", torch.randn(32, 64, dtype=torch.bfloat16))
+
+
+def test_online_weights_without_a_device_land_where_they_come_from():
+    layer = nn.Linear(64, 32, bias=False, device="meta")
+    method = Fp8LinearMethod(Fp8Config())
+    method.create_weights(layer, 64, [16, 16], torch.bfloat16)  # no device
+    w = torch.randn(32, 64, dtype=torch.bfloat16)
+    method.weight_loader(layer, "weight", w[:16], 0)
+    method.weight_loader(layer, "weight", w[16:], 1)
+    method.process_weights_after_loading(layer)
+    assert layer._parameters["weight"].device.type == "cpu"
+    assert rel_err(layer.weight.float(), w.float()) < 0.05
