@@ -501,14 +501,18 @@ class _Loader:
             for fqn, module in self.modules.items():
                 if fqn in self.kv or is_attention(module):
                     scales = self.kv.setdefault(fqn, {})
+                    present = [name for name in DEFAULTED if name in scales]
                     for name in DEFAULTED:
-                        if name not in scales:
-                            scales[name] = 1.0
-                            defaults.append(f"{fqn}.{name}")
+                        if name in scales:
+                            continue
+                        # one of k_scale / v_scale given (or a legacy kv_scale): both take it, as vLLM's
+                        # BaseKVCacheMethod does (the max of the two, one of them unset); neither: 1.0
+                        scales[name] = scales[present[0]] if present else 1.0
+                        defaults.append(f"{fqn}.{name}" + (f"={present[0]}" if present else ""))
             if defaults:
                 log.warning(
-                    "fp8fx: using KV-cache scale 1.0 for %d scales the checkpoint does not hold (%s%s); if this is "
-                    "unintended, check the checkpoint's k_scale / v_scale tensors",
+                    "fp8fx: %d KV-cache scales the checkpoint does not hold: 1.0, or the layer's other scale "
+                    "where it has one (%s%s); if this is unintended, check the checkpoint's k_scale / v_scale tensors",
                     len(defaults), defaults[:3], " ..." if len(defaults) > 3 else "",
                 )
             report.kv_defaults = defaults

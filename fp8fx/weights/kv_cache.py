@@ -25,7 +25,8 @@ from fp8fx.config import Fp8Config
 log = logging.getLogger("fp8fx")
 
 KV_SCALE_NAMES = ("k_scale", "v_scale", "q_scale", "prob_scale")
-# Absent ones default to 1.0 when the checkpoint quantizes the KV cache (as vLLM does, with a warning).
+# Absent ones take the layer's other one, or 1.0 without either, when the checkpoint quantizes the KV cache
+# (as vLLM does, with a warning).
 DEFAULTED = ("k_scale", "v_scale")
 
 
@@ -34,6 +35,8 @@ def kv_scale_target(name: str) -> Optional[tuple[str, str]]:
     naming, else None. The owner may end in ``.attn`` (vLLM's naming): see ``attention_owner``."""
     mapped = Fp8Config.get_cache_scale(name) or name
     owner, _, leaf = mapped.rpartition(".")
+    if leaf == "kv_scale":  # the deprecated single KV scale: vLLM reads it as k_scale (v_scale then follows it)
+        leaf = "k_scale"
     return (owner, leaf) if owner and leaf in KV_SCALE_NAMES else None
 
 

@@ -483,13 +483,24 @@ def test_kv_scales_from_either_naming(tmp_path, naming):
     report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
     attn0, attn1 = model.model.layers[0].self_attn, model.model.layers[1].self_attn
     assert attn0.k_scale.item() == 0.5 and attn0.v_scale.item() == 0.25 and attn0.k_scale.shape == ()
-    assert attn1.k_scale.item() == 2.0 and attn1.v_scale.item() == 1.0
+    assert attn1.k_scale.item() == 2.0 and attn1.v_scale.item() == 2.0  # vLLM: the one given serves both
     assert report.kv_scales == {
         "model.layers.0.self_attn": {"k_scale": 0.5, "v_scale": 0.25},
-        "model.layers.1.self_attn": {"k_scale": 2.0, "v_scale": 1.0},
+        "model.layers.1.self_attn": {"k_scale": 2.0, "v_scale": 2.0},
     }
-    assert report.kv_defaults == ["model.layers.1.self_attn.v_scale"]
+    assert report.kv_defaults == ["model.layers.1.self_attn.v_scale=k_scale"]
     assert "model.layers.0.self_attn.k_scale" in model.state_dict()
+
+
+def test_legacy_kv_scale_serves_both(tmp_path):
+    """The deprecated single ``kv_scale``: read as k_scale, and v_scale follows it (vLLM's rule)."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    tensors["model.layers.0.self_attn.kv_scale"] = torch.tensor(0.5)
+    model = meta_tiny()
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert report.kv_scales["model.layers.0.self_attn"] == {"k_scale": 0.5, "v_scale": 0.5}
+    assert report.kv_scales["model.layers.1.self_attn"] == {"k_scale": 1.0, "v_scale": 1.0}
 
 
 def test_kv_scheme_without_scales_defaults_with_a_warning(tmp_path, caplog):
@@ -499,7 +510,7 @@ def test_kv_scheme_without_scales_defaults_with_a_warning(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="fp8fx"):
         report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
     assert len(report.kv_defaults) == 4
-    assert "using KV-cache scale 1.0 for 4 scales" in caplog.text
+    assert "4 KV-cache scales the checkpoint does not hold: 1.0" in caplog.text
     assert model.model.layers[1].self_attn.v_scale.item() == 1.0
     assert "kv-cache scales" in str(report)
 

@@ -130,7 +130,7 @@ def test_loaded_format_and_kv_scales_survive_a_roundtrip(tmp_path):
     saved, loaded, report = roundtrip(model, tmp_path)
     assert saved["quant_method"] == "compressed-tensors" and saved["kv_cache_scheme"]["strategy"] == "tensor"
     assert report.kv_defaults == []  # every scale is in the saved file now
-    assert report.kv_scales["model.layers.0.self_attn"] == {"k_scale": 0.5, "v_scale": 1.0}
+    assert report.kv_scales["model.layers.0.self_attn"] == {"k_scale": 0.5, "v_scale": 0.5}  # v took k
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "tiny"
 
 
