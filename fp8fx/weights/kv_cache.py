@@ -37,6 +37,9 @@ def kv_scale_target(name: str) -> Optional[tuple[str, str]]:
     owner, _, leaf = mapped.rpartition(".")
     if leaf == "kv_scale":  # the deprecated single KV scale: vLLM reads it as k_scale (v_scale then follows it)
         leaf = "k_scale"
+    parent, _, proj = owner.rpartition(".")
+    if parent and proj in ("q_proj", "k_proj", "v_proj") and leaf in KV_SCALE_NAMES:
+        owner = f"{parent}.attn"  # ModelOpt's k_proj.k_scale / v_proj.v_scale: the attention's (as vLLM remaps)
     return (owner, leaf) if owner and leaf in KV_SCALE_NAMES else None
 
 
