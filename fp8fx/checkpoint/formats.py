@@ -37,9 +37,12 @@ class QuantFormat:
             return None if self.config.is_ignored(fqn) else self.config
         if matches(fqn, class_name, self.ignore):
             return None
-        for targets, config in self.groups:
-            if matches(fqn, class_name, targets):
-                return config
+        # a group that names the layer (exactly or by a 're:' pattern) wins over one that names its class,
+        # whatever their order (as vLLM's compressed-tensors matching)
+        for by_name in (True, False):
+            for targets, config in self.groups:
+                if matches(fqn, "" if by_name else class_name, [t for t in targets if by_name != (t == class_name)]):
+                    return config
         return None
 
     def describe(self) -> str:

@@ -434,3 +434,17 @@ def test_compressed_tensors_lists_and_groups_are_checked(qc, match):
     config = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group}}
     with pytest.raises(CheckpointError, match=match):
         parse({"quantization_config": {**config, **qc}})
+
+
+def test_compressed_tensors_group_naming_the_layer_wins_over_its_class():
+    from fp8fx.checkpoint.formats import parse
+
+    def group(targets, act):
+        return {"targets": targets, "weights": {"type": "float", "num_bits": 8, "strategy": "channel"},
+                "input_activations": {"type": "float", "num_bits": 8, "strategy": act, "dynamic": True}}
+
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+          "config_groups": {"g0": group(["Linear"], "token"), "g1": group(["re:.*down_proj$"], "tensor")}}
+    fmt = parse({"quantization_config": qc})
+    assert str(fmt.layer_config("model.layers.0.mlp.down_proj", "Linear").scheme()).endswith("a:per-tensor")
+    assert str(fmt.layer_config("model.layers.0.mlp.up_proj", "Linear").scheme()).endswith("a:per-token")
