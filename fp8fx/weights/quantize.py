@@ -79,6 +79,11 @@ def quantize_(
 
     for fqn, module in plan:
         w = module.weight
+        if w.is_meta:
+            raise ValueError(
+                f"{fqn}.weight is on the meta device: quantize_ needs the weights' values; build the model with "
+                "torch.device('meta') and fp8fx.load_checkpoint(model, path) instead (nothing was quantized)"
+            )
         if not torch.isfinite(w).all():
             bad = (~torch.isfinite(w)).sum().item()
             raise ValueError(

@@ -288,3 +288,11 @@ def test_online_weights_without_a_device_land_where_they_come_from():
     method.process_weights_after_loading(layer)
     assert layer._parameters["weight"].device.type == "cpu"
     assert rel_err(layer.weight.float(), w.float()) < 0.05
+
+
+def test_quantize_on_a_meta_model_points_to_load_checkpoint():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64))
+    with pytest.raises(ValueError, match=r"0.weight is on the meta device: .*fp8fx.load_checkpoint"):
+        fp8fx.quantize_(model)
+    assert model[0].weight.dtype == torch.float32 and model[0].weight.is_meta
