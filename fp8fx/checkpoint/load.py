@@ -126,6 +126,13 @@ def load_checkpoint(
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
     fmt = formats.parse(config_json, config)
+    if fmt.name == "none" and fmt.config.activation_scheme == "static":
+        # bf16 weights hold no input scales: found out after streaming the whole checkpoint otherwise
+        raise CheckpointError(
+            f"{path}: a bf16/fp16 checkpoint has no static input scales, and the given config says "
+            "activation_scheme='static'; load with dynamic activations, or quantize_ the built model with "
+            "input_scales=fp8fx.calibrate(model, batches, config)"
+        )
     loader = _Loader(model, fmt, torch.device(device), dict(FUSED if fused is None else fused))
     loader.plan(entries)
     report = LoadReport(path, fmt.describe())

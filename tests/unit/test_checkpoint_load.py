@@ -492,6 +492,19 @@ def test_kv_scales_from_either_naming(tmp_path, naming):
     assert "model.layers.0.self_attn.k_scale" in model.state_dict()
 
 
+def test_online_static_load_is_refused_before_reading(tmp_path, monkeypatch):
+    """bf16 checkpoints have no input scales: refused at once, nothing read or changed."""
+    import fp8fx.checkpoint.load as load_mod
+
+    path = write_checkpoint(tmp_path / "c", bf16_state())
+    model = meta_tiny()
+    snap = snapshot(model)
+    monkeypatch.setattr(load_mod, "read_tensor", lambda *a, **k: pytest.fail("a tensor was read"))
+    with pytest.raises(CheckpointError, match=r"has no static input scales.*activation_scheme='static'"):
+        load_checkpoint(model, path, fp8fx.Fp8Config(activation_scheme="static"), progress=False)
+    assert snapshot(model) == snap
+
+
 def test_legacy_kv_scale_serves_both(tmp_path):
     """The deprecated single ``kv_scale``: read as k_scale, and v_scale follows it (vLLM's rule)."""
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
