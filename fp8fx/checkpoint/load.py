@@ -50,7 +50,9 @@ class LoadReport:
     not_quantized: dict[str, str] = dataclasses.field(default_factory=dict)  # linear fqn -> reason
     fused: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)  # fqn -> checkpoint modules
     kv_scales: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)  # attention fqn -> scales
-    kv_defaults: list[str] = dataclasses.field(default_factory=list)  # "<attention fqn>.k_scale" set to 1.0
+    # scales the checkpoint does not hold: "<attention fqn>.v_scale" (1.0) or "<attention fqn>.v_scale=k_scale"
+    # (the layer's other scale, as vLLM does)
+    kv_defaults: list[str] = dataclasses.field(default_factory=list)
     unexpected: list[str] = dataclasses.field(default_factory=list)  # checkpoint tensors the model has no use for
     tensors: int = 0
     bytes_read: int = 0
@@ -60,10 +62,15 @@ class LoadReport:
         rows += [("experts", f, s) for f, s in self.experts.items()]
         rows += [("not quantized", f, r) for f, r in self.not_quantized.items()]
         rows += [("fused", f, "<- " + ", ".join(s)) for f, s in self.fused.items()]
+        defaulted = {d.split("=")[0]: d.partition("=")[2] for d in self.kv_defaults}
         for fqn, scales in self.kv_scales.items():
-            text = " ".join(
-                f"{n}={v:.6g}" + (" (default)" if f"{fqn}.{n}" in self.kv_defaults else "") for n, v in scales.items()
-            )
+            def note(n: str) -> str:
+                if f"{fqn}.{n}" not in defaulted:
+                    return ""
+                source = defaulted[f"{fqn}.{n}"]
+                return f" (= {source}: not in the checkpoint)" if source else " (default)"
+
+            text = " ".join(f"{n}={v:.6g}{note(n)}" for n, v in scales.items())
             rows.append(("kv-cache scales", fqn, text))
         rows += [("unexpected", n, "not loaded") for n in self.unexpected]
         width = max([len(r[1]) for r in rows] + [4])

@@ -21,6 +21,7 @@ whose weight is not an fp8fx dequantized view are left as they are and reported 
 """
 from __future__ import annotations
 
+import inspect
 import operator
 from typing import Optional
 
@@ -62,7 +63,10 @@ def _linear_operands(node: fx.Node):
         return args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
     if node.target in _MATMUL and len(node.args) == 2:
         w = _transposed(node.args[1])
-        if w is not None:
+        wv = fake_value(w) if w is not None else None
+        # a matmul with a transposed operand is a linear when that operand is a quantized weight, or a 2-D
+        # tensor (reported as not quantized); q @ k.transpose(-1, -2) of attention is neither
+        if w is not None and (_from_dequantize(w) or getattr(wv, "ndim", 2) == 2):
             return node.args[0], w, None
     return None
 
@@ -72,15 +76,19 @@ def _name_of(node: fx.Node) -> str:
     return f"{target} ({node.op})"
 
 
-def _from_dequantize(node, depth: int = 6) -> bool:
-    """Whether ``node`` is a view, slice or index of a dequantized weight (a few ops back)."""
+def _dequantize_of(node, depth: int = 6) -> Optional[fx.Node]:
+    """The dequantize node ``node`` is (or is a view, slice, cast or index of, a few ops back), or None."""
     for _ in range(depth):
         if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or not node.args:
-            return False
+            return None
         if node.target in _DEQUANT:
-            return True
+            return node
         node = node.args[0]
-    return False
+    return None
+
+
+def _from_dequantize(node) -> bool:
+    return _dequantize_of(node) is not None
 
 
 _INPLACE_OPERATORS = {getattr(operator, f"i{op}") for op in (
@@ -94,14 +102,26 @@ def _mutates(node: fx.Node) -> bool:
         return node.target.endswith("_") and not node.target.endswith("__") or node.target in ("__setitem__",)
     if node.op != "call_function":
         return False
-    if "out" in node.kwargs or node.target is operator.setitem:
+    if "out" in node.kwargs or node.target is operator.setitem or node.target in _INPLACE_OPERATORS:
         return True
-    name = getattr(node.target, "__name__", "")
-    if node.target in _INPLACE_OPERATORS:
+    if node.kwargs.get("inplace") is True or _inplace_positional(node):  # F.relu(x, inplace=True), nn.ReLU(True)
         return True
     if isinstance(node.target, torch._ops.OpOverload):
         return node.target._schema.is_mutable
-    return name.endswith("_") and not name.endswith("__")  # torch.relu_, F.relu_
+    name = getattr(node.target, "__name__", "")
+    # torch.relu_, F.relu_ (not operator.and_ / or_ / not_ / is_, which write nothing)
+    return name.endswith("_") and not name.endswith("__") and getattr(node.target, "__module__", "") != "_operator"
+
+
+def _inplace_positional(node: fx.Node) -> bool:
+    """``inplace`` passed by position (``F.hardtanh(x, -1, 1, True)``)."""
+    if not node.args or not callable(node.target):
+        return False
+    try:
+        bound = inspect.signature(node.target).bind_partial(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # builtins without a signature, arguments that do not bind
+        return False
+    return bound.arguments.get("inplace") is True
 
 
 def lacks_fp8_tensor_cores(example_inputs) -> bool:
@@ -180,7 +200,8 @@ class LinearPass(Fp8Pass):
 
     @staticmethod
     def _fqn(node: fx.Node, w, ctx: PassContext) -> str:
-        wq = w.args[0] if isinstance(w, fx.Node) and w.target in _DEQUANT else w
+        dq = _dequantize_of(w)  # the quantized weight's own name, also through a view or cast of it
+        wq = dq.args[0] if dq is not None else w
         tagged = getattr(ctx.example.get(wq), "_fp8fx_fqn", None) if isinstance(wq, fx.Node) else None
         return tagged or module_path(node) or node.name
 

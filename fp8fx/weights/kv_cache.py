@@ -30,6 +30,11 @@ KV_SCALE_NAMES = ("k_scale", "v_scale", "q_scale", "prob_scale")
 DEFAULTED = ("k_scale", "v_scale")
 
 
+# KV-cache scales stored under the projection that makes the cached tensor (ModelOpt), which vLLM remaps to
+# the attention: the separate k / v projections and a fused qkv one
+_PROJECTION_KV_SCALES = {("k_proj", "k_scale"), ("v_proj", "v_scale"), ("qkv_proj", "k_scale"), ("qkv_proj", "v_scale")}
+
+
 def kv_scale_target(name: str) -> Optional[tuple[str, str]]:
     """Checkpoint tensor name -> ``(owner path, scale name)`` if it is a KV-cache scale in either
     naming, else None. The owner may end in ``.attn`` (vLLM's naming): see ``attention_owner``."""
@@ -38,7 +43,7 @@ def kv_scale_target(name: str) -> Optional[tuple[str, str]]:
     if leaf == "kv_scale":  # the deprecated single KV scale: vLLM reads it as k_scale (v_scale then follows it)
         leaf = "k_scale"
     parent, _, proj = owner.rpartition(".")
-    if parent and proj in ("q_proj", "k_proj", "v_proj") and leaf in KV_SCALE_NAMES:
+    if parent and (proj, leaf) in _PROJECTION_KV_SCALES:
         owner = f"{parent}.attn"  # ModelOpt's k_proj.k_scale / v_proj.v_scale: the attention's (as vLLM remaps)
     return (owner, leaf) if owner and leaf in KV_SCALE_NAMES else None
 

@@ -83,15 +83,18 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
 
 
 def same_layout(name: str, loaded: tuple, dest: tuple) -> bool:
-    """``loaded`` fits ``dest`` as it is: the same shape, or a scale stored as [N] / [] where fp8fx keeps
-    [N, 1] / [1] (as checkpoints write them). Only the element count agreeing is not enough: a transposed
-    tensor has it too."""
-    if loaded == dest:
-        return True
+    """``loaded`` fits ``dest`` as it is: a weight with the same shape; a scale with the same shape once
+    trailing 1-dims are dropped (checkpoints store [N] / [] / [E, rows] where fp8fx keeps [N, 1] / [1] /
+    [E, rows, 1]). Only the element count agreeing is not enough: a transposed tensor has it too."""
     if name == "weight":
-        return False
-    return (len(loaded) <= 1 and len(dest) <= 1 and math.prod(loaded) == math.prod(dest)) or (
-        len(dest) == 2 and dest[1] == 1 and loaded == dest[:1]) or (len(loaded) == 2 and loaded[1] == 1 and dest == loaded[:1])
+        return loaded == dest
+
+    def trimmed(shape: tuple) -> tuple:
+        while shape and shape[-1] == 1:
+            shape = shape[:-1]
+        return shape
+
+    return trimmed(loaded) == trimmed(dest)
 
 
 class Fp8LinearMethod:

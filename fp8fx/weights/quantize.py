@@ -48,13 +48,18 @@ def quantize_(
 
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
-    names: dict[int, list[str]] = {}  # a weight shared by several modules (tied lm_head / embeddings)
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+    # a weight shared by several modules (tied lm_head / embeddings); one module registered under two names
+    # (``self.last = self.layers[-1]``) shares nothing
+    owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(owning module): its parameter's name}
+    for owner, mod in model.named_modules(remove_duplicate=False):
+        for leaf, p in mod._parameters.items():
+            if p is not None:
+                owners.setdefault(id(p), {}).setdefault(id(mod), f"{owner}.{leaf}" if owner else leaf)
     for fqn, module in model.named_modules():
         if not isinstance(module, nn.Linear):
             continue
-        shared = [n for n in names.get(id(module._parameters.get("weight")), []) if n != f"{fqn}.weight"]
+        others = owners.get(id(module._parameters.get("weight")), {})
+        shared = [n for m, n in others.items() if m != id(module)]
         # quantizing one user of a tied weight unties it (the other keeps bf16); checkpoints store it once
         reason = f"weight tied to {shared[0]}" if shared else skip_reason(module, fqn, config)
         if reason is None:

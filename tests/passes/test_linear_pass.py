@@ -294,26 +294,36 @@ def test_autocast_output_dtype_is_the_linears(weight_only):
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.05
 
 
+IN_PLACE = {
+    "mul_": lambda x: x.mul_(3.0),
+    "relu(inplace=True)": lambda x: torch.nn.functional.relu(x, inplace=True),
+    "nn.ReLU(inplace=True)": nn.ReLU(inplace=True),
+    "hardtanh(x, -0.5, 0.5, True)": lambda x: torch.nn.functional.hardtanh(x, -0.5, 0.5, True),
+}
+
+
 class InPlaceBetween(nn.Module):
     """Two linears read x; x is written in place between them."""
 
-    def __init__(self):
+    def __init__(self, write):
         super().__init__()
         self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.write = write
 
     def forward(self, x):
         x = x.clone()
         y1 = self.a(x)
-        x.mul_(3.0)
+        self.write(x)
         y2 = self.b(x)
         return y1, y2
 
 
+@pytest.mark.parametrize("write", list(IN_PLACE))
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
-def test_quantization_is_not_reused_across_an_in_place_write(compiler):
+def test_quantization_is_not_reused_across_an_in_place_write(compiler, write):
     """One quantization of x serves every linear that reads it - but not past a write into x."""
     torch.manual_seed(0)
-    model = InPlaceBetween().to(torch.bfloat16)
+    model = InPlaceBetween(IN_PLACE[write]).to(torch.bfloat16)
     fp8fx.quantize_(model)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     backend = Fp8Backend(compiler=compiler)
@@ -323,6 +333,30 @@ def test_quantization_is_not_reused_across_an_in_place_write(compiler):
     for got, want in zip(out, ref):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.05
     assert [s.rewritten for s in backend.report.sites] == [True, True]
+
+
+class MaskBetween(nn.Module):
+    """Two linears read x with a boolean ``&`` (as attention-mask code has) between them: no write."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x, m1, m2):
+        y1 = self.a(x)
+        mask = m1 & m2
+        return y1, self.b(x) * mask
+
+
+def test_quantization_is_shared_across_ops_that_write_nothing():
+    model = MaskBetween().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    seen = record_graphs_after_passes(backend)
+    m = torch.ones(4, 64, dtype=torch.bool)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16), m, m)
+    assert seen[0].count("fp8fx.quantize.default(") == 1, seen[0]
 
 
 class GeluExperts(nn.Module):
@@ -400,3 +434,24 @@ def test_every_quantized_weight_is_in_the_report():
     for got, want in zip(out[:3], ref[:3]):
         torch.testing.assert_close(got, want, rtol=0, atol=0)  # the model's own computation
     assert ((out[3].float() - ref[3].float()).norm() / ref[3].float().norm()).item() < 0.05
+
+
+class Scores(nn.Module):
+    """Attention scores ``q @ k.transpose(-1, -2)``: a matmul with a transposed operand, not a linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    def forward(self, x):
+        q = self.proj(x).view(2, 4, 4, 16)
+        return q @ q.transpose(-1, -2)
+
+
+def test_attention_scores_are_not_linear_sites():
+    model = Scores().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 4, 64, dtype=torch.bfloat16))
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("proj", True)]

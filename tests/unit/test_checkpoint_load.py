@@ -489,6 +489,7 @@ def test_kv_scales_from_either_naming(tmp_path, naming):
         "model.layers.1.self_attn": {"k_scale": 2.0, "v_scale": 2.0},
     }
     assert report.kv_defaults == ["model.layers.1.self_attn.v_scale=k_scale"]
+    assert "v_scale=2 (= k_scale: not in the checkpoint)" in str(report)
     assert "model.layers.0.self_attn.k_scale" in model.state_dict()
 
 

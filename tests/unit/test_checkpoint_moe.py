@@ -283,3 +283,27 @@ def test_nan_in_an_fp8_expert_names_it(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{name.replace('.', chr(92) + '.')} \(float8_e4m3fn.* has 5 NaN/Inf"):
         load_checkpoint(model, path, progress=False)
     assert snapshot(model) == snap
+
+
+def _scales_reshaped(tensors, suffixes, shape):
+    for name in list(tensors):
+        if name.startswith(EXPERTS) and name.endswith(suffixes):
+            tensors[name] = tensors[name].reshape(shape(tensors[name]))
+
+
+@pytest.mark.parametrize("granularity,fused,static,suffixes,shape", [
+    ("channel", True, False, ("_scale",), lambda t: (t.shape[0], -1)),  # fused per-channel scales as [E, rows]
+    ("tensor", False, False, ("weight_scale", "input_scale"), lambda t: (1, 1)),  # per-expert scalars as [1, 1]
+    ("tensor", False, True, ("weight_scale", "input_scale"), lambda t: (1, 1)),
+])
+def test_expert_scales_in_the_shapes_checkpoints_store(tmp_path, granularity, fused, static, suffixes, shape):
+    """Scales with trailing 1-dims dropped or added load as the canonical layout (the loaders refuse only
+    what does not fit, e.g. a transposed tensor)."""
+    cfg = moe_config("qwen3_moe")
+    tensors, qc, _ = moe_checkpoint(reference_model(cfg).state_dict(), granularity, fused=fused, static=static,
+                                    ct=granularity == "channel")
+    _scales_reshaped(tensors, suffixes, shape)
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
+    model = meta_model(path)
+    load_checkpoint(model, path, progress=False)
+    assert is_quantized_experts(model.get_submodule(EXPERTS))

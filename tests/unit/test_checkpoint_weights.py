@@ -125,6 +125,8 @@ def test_layer_scheme_reads_back_the_scheme():
         ("model.layers.2.self_attn.kv_scale", ("model.layers.2.self_attn", "k_scale")),  # legacy, as vLLM
         ("model.layers.2.self_attn.k_proj.k_scale", ("model.layers.2.self_attn.attn", "k_scale")),  # ModelOpt
         ("model.layers.2.self_attn.v_proj.v_scale", ("model.layers.2.self_attn.attn", "v_scale")),
+        ("model.layers.2.self_attn.qkv_proj.k_scale", ("model.layers.2.self_attn.attn", "k_scale")),
+        ("model.layers.2.self_attn.k_proj.v_scale", ("model.layers.2.self_attn.k_proj", "v_scale")),  # not vLLM's
         ("model.layers.0.self_attn.k_proj.weight_scale", None),
         ("k_scale", None),
     ],

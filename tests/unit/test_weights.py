@@ -296,3 +296,21 @@ def test_quantize_on_a_meta_model_points_to_load_checkpoint():
     with pytest.raises(ValueError, match=r"0.weight is on the meta device: .*fp8fx.load_checkpoint"):
         fp8fx.quantize_(model)
     assert model[0].weight.dtype == torch.float32 and model[0].weight.is_meta
+
+
+class Aliased(nn.Module):
+    """One layer registered under two names (``self.last = self.layers[-1]``): nothing is tied."""
+
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList([nn.Linear(64, 64), nn.Linear(64, 64)])
+        self.last = self.layers[-1]
+
+    def forward(self, x):
+        return self.last(self.layers[0](x))
+
+
+def test_a_module_under_two_names_is_quantized():
+    model = Aliased().bfloat16()
+    fp8fx.quantize_(model, strict=True)
+    assert all(m._parameters["weight"].dtype == torch.float8_e4m3fn for m in model.layers)
