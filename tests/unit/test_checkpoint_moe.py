@@ -259,30 +259,29 @@ def test_bad_moe_checkpoint_raises_and_changes_nothing(tmp_path, case, state=[])
     assert all(p.is_meta for p in model.parameters())
 
 
+def refused_unchanged(tmp_path, cfg, tensors, qc, match):
+    """Loading the checkpoint raises a CheckpointError matching ``match`` and leaves the model as it was."""
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
+    model = meta_model(path)
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(model, path, progress=False)
+    assert snapshot(model) == snap
+
+
 def test_nan_in_a_bf16_expert_names_it(tmp_path):
     cfg = moe_config("mixtral")
     state = reference_model(cfg).state_dict()
     state[f"{EXPERTS}.down_proj"][1, 2, 3] = float("nan")
-    path = write_moe(tmp_path / "ckpt", cfg, state, None)
-    model = meta_model(path)
-    snap = snapshot(model)
-    with pytest.raises(CheckpointError, match=rf"{EXPERTS}\.down_proj \(bfloat16 \[4, 64, 32\].* has 1 NaN/Inf"):
-        load_checkpoint(model, path, progress=False)
-    assert snapshot(model) == snap
+    refused_unchanged(tmp_path, cfg, state, None, rf"{EXPERTS}\.down_proj \(bfloat16 \[4, 64, 32\].* has 1 NaN/Inf")
 
 
 def test_nan_in_an_fp8_expert_names_it(tmp_path):
     """fp8 expert weights as stored (0x7F is e4m3 NaN) are checked as fp8 linear weights are."""
     cfg = moe_config("mixtral")
     tensors, qc, _ = moe_checkpoint(reference_model(cfg).state_dict(), "tensor", naming="mixtral", ct=False)
-    name = f"{EXPERTS}.1.w1.weight"
-    tensors[name].view(torch.uint8)[0, :5] = 0x7F
-    path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
-    model = meta_model(path)
-    snap = snapshot(model)
-    with pytest.raises(CheckpointError, match=rf"{name.replace('.', chr(92) + '.')} \(float8_e4m3fn.* has 5 NaN/Inf"):
-        load_checkpoint(model, path, progress=False)
-    assert snapshot(model) == snap
+    tensors[f"{EXPERTS}.1.w1.weight"].view(torch.uint8)[0, :5] = 0x7F
+    refused_unchanged(tmp_path, cfg, tensors, qc, rf"{EXPERTS}\.1\.w1\.weight \(float8_e4m3fn.* has 5 NaN/Inf")
 
 
 def _scales_reshaped(tensors, suffixes, shape):
