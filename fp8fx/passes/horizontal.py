@@ -40,7 +40,9 @@ _FUSED = torch.ops.fp8fx.scaled_mm_fused.default
 AFTER_COMPILE = "fp8fx_after_compile"
 
 
-def fuse_weights(ws: list[torch.Tensor], ss: list[torch.Tensor], w_block) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+def fuse_weights(
+    ws: list[torch.Tensor], ss: list[torch.Tensor], w_block
+) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """(fused weight [sum N_i, K], fused scale) from the shards' fp8 weights and scales; the scale is None
     for per-tensor shards, which keep their own."""
     if tuple(w_block) == (-1, -1):

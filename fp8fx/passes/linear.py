@@ -218,7 +218,8 @@ class LinearPass(Fp8Pass):
             return "weight is not an fp8fx-quantized weight (run fp8fx.quantize_ or load an fp8 checkpoint)"
         wv = fake_value(w)
         if isinstance(wv, torch.Tensor) and wv.dim() != 2:
-            return f"weight is {wv.dim()}-D {list(wv.shape)}, not a linear's [N, K] (stacked experts are the MoE pass's)"
+            return (f"weight is {wv.dim()}-D {list(wv.shape)}, not a linear's [N, K] (stacked experts are the "
+                    "MoE pass's)")
         xv = fake_value(x)
         if not isinstance(xv, torch.Tensor) or xv.dtype not in _ACT_DTYPES:
             return f"activation dtype {getattr(xv, 'dtype', None)} is not bf16/fp16/fp32"

@@ -153,7 +153,8 @@ class Fp8LinearMethod:
         # scales start at the "never loaded" marker: process_weights_after_loading refuses any left there
         if layer._fp8fx_block_scales:
             shape = quant.scale_shape((n, k), self.scheme.weight.block)
-            layer._parameters["weight_scale_inv"] = param(torch.full(shape, unloaded, dtype=torch.float32, device=device))
+            scale = torch.full(shape, unloaded, dtype=torch.float32, device=device)
+            layer._parameters["weight_scale_inv"] = param(scale)
         elif isinstance(self.scheme.weight, PerRow):
             layer._parameters["weight_scale"] = param(torch.full((n, 1), unloaded, dtype=torch.float32, device=device))
         else:  # one per logical shard until process_weights_after_loading
@@ -261,7 +262,8 @@ class Fp8LinearMethod:
             raise ValueError(f"{name}: weight received {layer._fp8fx_copied} of {params['weight'].numel()} elements; "
                              "load every shard before process_weights_after_loading")
         for scale_name in ("weight_scale", "weight_scale_inv"):
-            if scale_name in params and params[scale_name].numel() > 1 and not isinstance(self.scheme.weight, PerTensor):
+            per_tensor = isinstance(self.scheme.weight, PerTensor)  # checked below, shard by shard
+            if scale_name in params and params[scale_name].numel() > 1 and not per_tensor:
                 missing = int((params[scale_name].data == unloaded).sum())
                 if missing:
                     raise ValueError(f"{name}: {missing} of {params[scale_name].numel()} entries of {scale_name} "
