@@ -21,6 +21,7 @@ whose weight is not an fp8fx dequantized view are left as they are and reported 
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import operator
 from typing import Optional
@@ -179,18 +180,23 @@ class LinearPass(Fp8Pass):
         """Quantized weights that something other than a linear still reads (``torch.mm``, ``einsum``,
         ``addmm``, a matmul without a transpose ...) run on the dequantized weight: each goes into the report
         with its readers, unless a site of this graph already names it (nothing is silently left undone)."""
-        named = {site.fqn for site in ctx.report.sites if site.graph == ctx.graph_index}
+        named = {site.fqn: i for i, site in enumerate(ctx.report.sites) if site.graph == ctx.graph_index}
         for node in graph.nodes:
             if node.op != "call_function" or node.target not in _DEQUANT or not node.users:
                 continue
             fqn = getattr(ctx.example.get(node.args[0]), "_fp8fx_fqn", None) or node.name
-            if fqn in named:
-                continue
-            named.add(fqn)
             readers = ", ".join(sorted(
                 {f"{_name_of(r)} of its transpose" for u in node.users if _transposed(u) is node for r in u.users}
                 | {_name_of(u) for u in node.users if _transposed(u) is not node}
             ))
+            if fqn in named:  # a linear of this weight is in the report: say what else reads it
+                i = named[fqn]
+                site = ctx.report.sites[i]
+                if site.rewritten:
+                    note = f"; also read by {readers} (on the dequantized weight)"
+                    ctx.report.sites[i] = dataclasses.replace(site, scheme=site.scheme + note)
+                continue
+            named[fqn] = len(ctx.report.sites)
             ctx.report.add(Site(
                 "linear", fqn, False,
                 f"the quantized weight is read by {readers}, not by a linear (F.linear / x @ w.T): "

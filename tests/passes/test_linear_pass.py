@@ -455,3 +455,22 @@ def test_attention_scores_are_not_linear_sites():
     with torch.no_grad():
         torch.compile(model, backend=backend)(torch.randn(2, 4, 64, dtype=torch.bfloat16))
     assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("proj", True)]
+
+
+class LinearAndMM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.a(x) + torch.mm(x, self.a.weight.t())
+
+
+def test_other_readers_of_a_rewritten_weight_are_named_on_its_site():
+    model = LinearAndMM().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    [site] = backend.report.sites
+    assert site.rewritten and site.scheme.endswith("also read by mm (call_function) of its transpose (on the dequantized weight)")
