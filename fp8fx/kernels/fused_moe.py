@@ -283,16 +283,17 @@ def moe_gemm13_kernel(
         acc_u *= a_s * tl.load(u_s_ptrs, mask=n_ok, other=0.0)[None, :]
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # columns past N are 0: their weights loaded as 0
     i_ptrs = inter_ptr + pair[:, None] * stride_im + offs_n[None, :] * stride_in
-    if QUANT_OUT:  # as quantize_rows_kernel does it, on the tile still in registers
-        scale = _scale_of(tl.reduce(tl.abs(h), 1, _max_nan), EPS, FP8_MAX)  # [BM]
-        q = _to_fp8_range(h, scale[:, None], FP8_MAX)
-        tl.store(i_ptrs, q.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
-        tl.store(inter_scale_ptr + pair * stride_ism + tl.program_id(1) * stride_isg, scale, mask=valid)
+    i_mask = valid[:, None] & n_ok[None, :]
+    if QUANT_OUT or AMAX_OUT:
+        amax = tl.reduce(tl.abs(h), 1, _max_nan)  # [BM]: each row's over this N tile
+        # QUANT_OUT: the tile's fp8 codes and their scale (as quantize_rows_kernel, on the tile in registers);
+        # AMAX_OUT: the float32 tile and its amax, for the per-row quantization
+        per_row = _scale_of(amax, EPS, FP8_MAX) if QUANT_OUT else amax
+        tl.store(inter_scale_ptr + pair * stride_ism + tl.program_id(1) * stride_isg, per_row, mask=valid)
+    if QUANT_OUT:
+        tl.store(i_ptrs, _to_fp8_range(h, per_row[:, None], FP8_MAX).to(inter_ptr.dtype.element_ty), mask=i_mask)
     else:
-        tl.store(i_ptrs, h, mask=valid[:, None] & n_ok[None, :])
-        if AMAX_OUT:
-            amax = tl.reduce(tl.abs(h), 1, _max_nan)  # [BM]
-            tl.store(inter_scale_ptr + pair * stride_ism + tl.program_id(1) * stride_isg, amax, mask=valid)
+        tl.store(i_ptrs, h, mask=i_mask)
 
 
 @triton.jit
