@@ -114,15 +114,20 @@ def scaled_mm(
 ) -> torch.Tensor:
     """``use_fast_accum`` lets Hopper's fp8 tensor cores skip the periodic promotion of partial
     sums to fp32 (cuBLAS's fast-accumulation mode); the CPU reference always accumulates in fp32."""
-    _check_block(x_block, "x_block")
-    _check_block(w_block, "w_block")
-    _check_bias(bias, wq.shape[0], "fp8fx.scaled_mm")
+    _check_scaled_mm_args(wq, bias, x_block, w_block)
     return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
 
 
 def _check_bias(bias: Optional[torch.Tensor], n: int, what: str) -> None:
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"{what}: bias has shape {list(bias.shape)}; it must be [{n}] (one per output column)")
+
+
+def _check_scaled_mm_args(wq, bias, x_block, w_block) -> None:
+    """What every real implementation of scaled_mm checks before it computes."""
+    _check_block(x_block, "x_block")
+    _check_block(w_block, "w_block")
+    _check_bias(bias, wq.shape[0], "fp8fx.scaled_mm")
 
 
 @scaled_mm.register_fake
@@ -158,9 +163,7 @@ TRITON_MAX_M = 64
 @scaled_mm.register_kernel("cuda")
 def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
     k, n = xq.shape[-1], wq.shape[0]
-    _check_block(x_block, "x_block")
-    _check_block(w_block, "w_block")
-    _check_bias(bias, n, "fp8fx.scaled_mm")
+    _check_scaled_mm_args(wq, bias, x_block, w_block)
     x2 = xq.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
     if _tensor_or_row(x_block, w_block) and 0 < m <= TRITON_MAX_M:
