@@ -22,6 +22,14 @@ from typing import Any, Optional, Sequence, Union
 ACTIVATION_SCHEMES = ("static", "dynamic")
 
 
+def check_name_list(value: Any, where: str, what: str = "module names") -> None:
+    """A list of strings from a checkpoint's config, else a ValueError naming ``where``: a bare string would
+    be split into its characters (nothing ignored)."""
+    if isinstance(value, str) or not all(isinstance(n, str) for n in value):
+        hint = [value] if isinstance(value, str) else ["lm_head"]
+        raise ValueError(f"{where}={value!r} must be a list of {what}, e.g. {hint!r}")
+
+
 @dataclasses.dataclass(frozen=True)
 class PerTensor:
     """One scale for the whole tensor: scale shape ``[1, 1]``."""
@@ -247,10 +255,8 @@ class Fp8Config:
         quant_method = config.get("quant_method", "")
         key = "ignored_layers" if config.get("ignored_layers") else "modules_to_not_convert"
         ignored = config.get(key)
-        if ignored is not None and (isinstance(ignored, str) or not all(isinstance(n, str) for n in ignored)):
-            # a bare string would be split into its characters: nothing ignored
-            hint = [ignored] if isinstance(ignored, str) else ["lm_head"]
-            raise ValueError(f"quantization_config[{key!r}]={ignored!r} must be a list of module names, e.g. {hint!r}")
+        if ignored is not None:
+            check_name_list(ignored, f"quantization_config[{key!r}]")
         block = config.get("weight_block_size")
         return cls(
             is_checkpoint_fp8_serialized="fp8" in str(quant_method),

@@ -16,7 +16,7 @@ import re
 from typing import Any, Mapping, Optional, Sequence
 
 from fp8fx.checkpoint.files import CheckpointError
-from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerGroup, PerRow, PerTensor
+from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerGroup, PerRow, PerTensor, check_name_list
 
 FORMATS = ("fp8", "compressed-tensors")
 
@@ -110,8 +110,7 @@ def _compressed_tensors(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
     if fmt not in ("float-quantized", "naive-quantized"):
         raise ValueError(f"format={fmt!r} is not an fp8 storage format; fp8fx loads 'float-quantized' checkpoints")
     ignore = qc.get("ignore") or []
-    if isinstance(ignore, str) or not all(isinstance(n, str) for n in ignore):
-        raise ValueError(f"ignore={ignore!r} must be a list of module names or 're:' patterns, e.g. ['lm_head']")
+    check_name_list(ignore, "ignore", "module names or 're:' patterns")
     return QuantFormat("compressed-tensors", groups[0][1], tuple(groups), tuple(ignore), kv)
 
 
