@@ -136,8 +136,8 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
                              "tflops": flops / ms_ / 1e9, "weight_gbs": n * k / ms_ / 1e6})
 
 
-MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "inductor_scaled_mm",
-                "torchao_rowwise")
+MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "fp8fx_fused_mlp",
+                "inductor_scaled_mm", "torchao_rowwise")
 
 
 def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VARIANTS, save=lambda: None):
@@ -161,6 +161,8 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VA
         variants["fp8fx_looped_quant"], _ = fp8fx_module(fresh(), {"one_pass_rows": None})
     if "fp8fx_fused_gate_up" in only:
         variants["fp8fx_fused_gate_up"], _ = fp8fx_module(fresh(), {"fuse_horizontal": True})
+    if "fp8fx_fused_mlp" in only:  # decode: the MLP in two kernels (prefill sizes are left unfused)
+        variants["fp8fx_fused_mlp"], _ = fp8fx_module(fresh(), {"fuse_mlp": True})
     if "inductor_scaled_mm" in only:
         variants["inductor_scaled_mm"] = torch.compile(ScaledMMMLP(fresh()))
     if "torchao_rowwise" in only:

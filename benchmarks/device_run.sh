@@ -3,9 +3,11 @@
 # included) and the benchmark; logs and results land in $OUT.
 #   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,cudatests,compile,bench,moe,tune,decode]
 #          [bench args...]   (cudatests: the cuda-marked tests only, moetests / gemmtests: those of the MoE /
-#          GEMM kernels, fusiontests: the generated-code tests; decode: tune_gemm.py's decode sweep;
+#          GEMM kernels, gatedtests: the fused decode MLP's, fusiontests: the generated-code tests;
+#          decode: tune_gemm.py's decode sweep;
 #          moesweep: bench_moe.py's tile sweep with per-kernel times; moelayer: bench_moe_layer.py only;
-#          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096)
+#          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
+#          profilemlp: the same for the fused decode MLP at M = 1 and 64; tunegated: its tile sweep)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -33,6 +35,9 @@ if has tests || has cudatests || has moetests; then  # first: it decides whether
 fi
 if has gemmtests; then
   timeout 150 $P -m cuda $gemm 2>&1 | tee "$OUT/pytest-cuda-gemm.log" | tail -5
+fi
+if has gatedtests; then  # the fused decode MLP's kernels and op
+  timeout 200 $P -m cuda tests/kernels/test_gated_mlp.py 2>&1 | tee "$OUT/pytest-cuda-gated.log" | tail -5
 fi
 if has fusiontests; then  # Inductor's generated code on the GPU (kernel counts)
   timeout 150 $P -m cuda tests/e2e/test_fusion.py 2>&1 | tee "$OUT/pytest-cuda-fusion.log" | tail -5
@@ -68,6 +73,14 @@ if has profile; then  # per-kernel GPU times vs the CUDA-graph replay of the MLP
   for args in "--m 1" "--m 1 --fuse-horizontal" "--m 4096"; do
     timeout 120 python3 benchmarks/profile_mlp.py --out "$OUT/profile${args// /}" $args 2>&1 | tail -40
   done | tee "$OUT/profile.txt"
+fi
+if has profilemlp; then  # the fused decode MLP (Fp8Backend(fuse_mlp=True)) at M = 1 and 64
+  for args in "--m 1 --fuse-mlp" "--m 64 --fuse-mlp"; do
+    timeout 120 python3 benchmarks/profile_mlp.py --out "$OUT/profile${args// /}" $args 2>&1 | tail -40
+  done | tee "$OUT/profile-mlp.txt"
+fi
+if has tunegated; then  # the fused decode MLP's tiles
+  timeout 300 python3 benchmarks/tune_gemm.py --gated 2>&1 | tee "$OUT/tune-gated.txt"
 fi
 if has tune; then
   timeout 200 python3 benchmarks/tune_gemm.py --block 2>&1 | tee "$OUT/tune-block.txt"

@@ -1,7 +1,7 @@
 """Where the time goes: kernel-level profile of the Llama-3-8B MLP block (fp8fx vs torchao), and
 Inductor's generated code for fp8fx, written under --out.
 
-    python benchmarks/profile_mlp.py --out DIR [--m 4096] [--max-autotune] [--fuse-horizontal]
+    python benchmarks/profile_mlp.py --out DIR [--m 4096] [--max-autotune] [--fuse-horizontal] [--fuse-mlp]
 
 Each table ends with the block's time as a CUDA-graph replay next to the sum of its kernels' GPU times:
 at decode sizes the difference is what the launches between kernels cost.
@@ -49,6 +49,7 @@ def main():
     p.add_argument("--m", type=int, default=4096)
     p.add_argument("--max-autotune", action="store_true")
     p.add_argument("--fuse-horizontal", action="store_true", help="Fp8Backend(fuse_horizontal=True): gate/up as one GEMM")
+    p.add_argument("--fuse-mlp", action="store_true", help="Fp8Backend(fuse_mlp=True): the MLP in two kernels (decode)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -64,10 +65,12 @@ def main():
     cfg = {"max_autotune": True} if args.max_autotune else {}
     mod = fresh()
     fp8fx.quantize_(mod, fp8fx.Fp8Config())
-    fn = torch.compile(mod, backend=fp8fx.Fp8Backend(inductor_config=cfg, fuse_horizontal=args.fuse_horizontal))
+    backend = fp8fx.Fp8Backend(inductor_config=cfg, fuse_horizontal=args.fuse_horizontal, fuse_mlp=args.fuse_mlp)
+    fn = torch.compile(mod, backend=backend)
     with torch.no_grad():
         _, code = run_and_get_code(fn, x)
-    tag = "fp8fx" + ("_autotune" if args.max_autotune else "") + ("_fused" if args.fuse_horizontal else "")
+    tag = "fp8fx" + "".join(suffix for on, suffix in (
+        (args.max_autotune, "_autotune"), (args.fuse_horizontal, "_fused"), (args.fuse_mlp, "_mlp")) if on)
     with open(os.path.join(args.out, f"{tag}_code.py"), "w") as f:
         f.write("\n\n# ----\n\n".join(code))
     report = [f"== {tag} M={args.m}", kernel_table(fn, x)]

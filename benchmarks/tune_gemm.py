@@ -4,6 +4,7 @@
     python benchmarks/tune_gemm.py            # decode (M = 1, 64), per-row scales: HBM bandwidth on the weight
     python benchmarks/tune_gemm.py --block    # 128x128 weight blocks, 1x128 activation groups (M = 4096)
     python benchmarks/tune_gemm.py --shapes down   # one layer
+    python benchmarks/tune_gemm.py --gated    # the fused decode MLP's two kernels (fp8fx.kernels.gated_mlp)
 
 Every candidate is checked against the current configuration's output before it is timed.
 """
@@ -38,11 +39,48 @@ def time_ms(fn, graph: bool = False):
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
+def sweep_gated(ms=(1, 16, 64), dim=4096, hidden=14336):
+    """The Llama-3-8B MLP through ``gated_mlp`` (two kernels, one CUDA-graph replay, L2 flushed): the gate/up
+    kernel's tiles with the down GEMM's default, then the down GEMM's with the gate/up default."""
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels.gated_mlp import down_tile_config, gated_mlp, gated_tile_config
+
+    w1, w3 = (quant.quantize(torch.randn(hidden, dim, device="cuda") / dim**0.5, [1, -1]) for _ in range(2))
+    w2 = quant.quantize(torch.randn(dim, hidden, device="cuda") / hidden**0.5, [1, -1])
+    for m in ms:
+        xq, xs = quant.quantize(torch.randn(m, dim, device="cuda"), [1, -1])
+        run = lambda c1=None, c2=None: gated_mlp(  # noqa: E731
+            xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16, configs=(c1, c2))
+        ref = run().float()
+        bm = 16 if m <= 16 else 64
+        firsts = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=w, num_stages=st)
+                  for bn, w, st in itertools.product([16, 32, 64], [4], [3, 4, 6])]
+        downs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=st, SPLIT_K=sk)
+                 for bn, st, sk in itertools.product([32, 64, 128], [4, 6], [1, 2, 4, 8])]
+        for which, cands in (("gate/up", [(c, None) for c in firsts]), ("down", [(None, c) for c in downs])):
+            results = []
+            for c1, c2 in cands:
+                try:
+                    assert (run(c1, c2).float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+                    results.append((time_ms(lambda: run(c1, c2), True), c1 or c2))
+                except Exception:  # noqa: BLE001 - out of shared memory etc.: not a candidate
+                    continue
+            results.sort(key=lambda r: r[0])
+            current = time_ms(run, True)
+            top = " ; ".join(f"{t:.4f} {c}" for t, c in results[:4])
+            default = gated_tile_config(m, hidden, dim) if which == "gate/up" else down_tile_config(m, dim, hidden)
+            print(f"gated MLP M={m} {which}: current {current:.4f} ms ({3 * dim * hidden / current / 1e9:.2f} TB/s "
+                  f"on the weights) {default} | best: {top}", flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--block", action="store_true")
+    p.add_argument("--gated", action="store_true")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
+    if args.gated:
+        return sweep_gated()
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}

@@ -41,6 +41,10 @@ class Fp8Backend:
       (``fp8fx.passes.horizontal``): once compiled, the fused layers' weights (and per-channel or block
       scales) are moved into one tensor and run as one GEMM; per-tensor shards keep their own scales, taken
       as one per-channel scale vector (exact). Default False.
+    - ``fuse_mlp``: a gated MLP (``down(silu(gate(x)) * up(x))``) in graphs of at most 64 tokens (a
+      static decode batch) runs as two kernels, gate/up with SiLU * up in the epilogue and down
+      quantizing the intermediate as it loads it (``fp8fx.passes.mlp``), where the unfused MLP takes four
+      or five launches. Default False.
 
     - ``one_pass_rows``: reduce rows of up to this many elements in one pass, held in registers, where
       Inductor's heuristic stops at 1024 (``compat.one_pass_row_reductions``): the per-token
@@ -62,6 +66,7 @@ class Fp8Backend:
         cudagraphs: bool = False,
         weight_only: Optional[bool] = None,
         fuse_horizontal: bool = False,
+        fuse_mlp: bool = False,
         one_pass_rows: Optional[int] = 16384,
     ):
         if compiler not in _COMPILERS:
@@ -88,10 +93,12 @@ class Fp8Backend:
             "use_fast_accum": use_fast_accum,
             "weight_only": weight_only,
             "fuse_horizontal": fuse_horizontal,
+            "fuse_mlp": fuse_mlp,
             "one_pass_rows": one_pass_rows,
             "inductor_config": sorted(self.inductor_config.items()),
         }
-        passes = default_passes(use_fast_accum=use_fast_accum, weight_only=weight_only, fuse_horizontal=fuse_horizontal)
+        passes = default_passes(use_fast_accum=use_fast_accum, weight_only=weight_only, fuse_horizontal=fuse_horizontal,
+                                fuse_mlp=fuse_mlp)
         self.pass_manager = PassManager(passes, options)
         self.report = Report()
 

@@ -294,6 +294,96 @@ def _(xq, x_scale, wqs, w_scales, biases, x_block, w_block, out_dtype, use_fast_
     return xq.new_empty((*xq.shape[:-1], sum(w.shape[0] for w in wqs)), dtype=out_dtype)
 
 
+# --- gated MLP (decode): gate, up, act * mul, quantization and down in two kernels --------------
+GATED_ACTIVATIONS = ("silu",)
+
+
+def _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act) -> None:
+    for block, what in ((x_block, "x_block"), (w_block, "w_block"), (h_block, "h_block"), (w2_block, "w2_block")):
+        _check_block(block, what)
+    if act not in GATED_ACTIVATIONS:
+        raise ValueError(f"fp8fx.gated_mlp: act={act!r}; one of {GATED_ACTIVATIONS}")
+    k, i = xq.shape[-1], w1.shape[0]
+    if tuple(w1.shape) != (i, k) or tuple(w3.shape) != (i, k) or w2.dim() != 2 or w2.shape[1] != i:
+        raise ValueError(f"fp8fx.gated_mlp: x [..., {k}], gate {list(w1.shape)}, up {list(w3.shape)}, down "
+                         f"{list(w2.shape)}: gate and up must be [I, {k}], down [N, I]")
+    if h_static is not None and h_static.numel() != 1:
+        raise ValueError(f"fp8fx.gated_mlp: h_static must have one element, got shape {list(h_static.shape)}")
+    _check_bias(bias, w2.shape[0], "fp8fx.gated_mlp")
+
+
+def _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static,
+                         act, h_dtype, out_dtype, use_fast_accum):
+    """The unfused ops, as the linear pass emits them: the model's own act * mul (in ``h_dtype``)."""
+    g = scaled_mm(xq, x_scale, w1, s1, None, x_block, w_block, h_dtype, use_fast_accum)
+    u = scaled_mm(xq, x_scale, w3, s3, None, x_block, w_block, h_dtype, use_fast_accum)
+    h = torch.nn.functional.silu(g) * u
+    if h_static is not None:
+        hq, h_scale = quantize_static(h, h_static), h_static
+    else:
+        hq, h_scale = quantize(h, h_block)
+    return scaled_mm(hq, h_scale, w2, s2, bias, h_block, w2_block, out_dtype, use_fast_accum)
+
+
+@torch.library.custom_op(f"{_LIB}::gated_mlp", mutates_args=())
+def gated_mlp(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    x_block: list[int],
+    w_block: list[int],
+    h_block: list[int],
+    w2_block: list[int],
+    h_static: Optional[torch.Tensor],
+    act: str,
+    h_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    use_fast_accum: bool = False,
+) -> torch.Tensor:
+    """``scaled_mm(quantize(act(g) * u), w2) + bias`` with ``g``, ``u`` = ``scaled_mm(xq, w1 / w3)`` in
+    ``h_dtype``, h quantized with ``h_block`` (or the static ``h_static``): a gated MLP after the linear pass
+    (``fp8fx.passes.mlp``). On CUDA for M <= ``TRITON_MAX_M`` with per-tensor / per-row scales: two kernels
+    (``fp8fx.kernels.gated_mlp``); otherwise these same ops one by one."""
+    _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
+    return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,
+                                h_static, act, h_dtype, out_dtype, use_fast_accum)
+
+
+@gated_mlp.register_fake
+def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act, h_dtype,
+      out_dtype, use_fast_accum=False):
+    _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
+    return xq.new_empty((*xq.shape[:-1], w2.shape[0]), dtype=out_dtype)
+
+
+@gated_mlp.register_kernel("cuda")
+def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act, h_dtype,
+      out_dtype, use_fast_accum=False):
+    _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
+    k = xq.shape[-1]
+    x2 = xq.reshape(-1, k)
+    m = x2.shape[0]
+    if not (0 < m <= TRITON_MAX_M and _tensor_or_row(x_block, w_block) and _tensor_or_row(h_block, w2_block)):
+        return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,
+                                    h_static, act, h_dtype, out_dtype, use_fast_accum)
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels.gated_mlp import gated_mlp as two_kernels
+
+    if h_static is not None:
+        h_quant = kernels.QUANT_STATIC
+    else:
+        h_quant = kernels.QUANT_TENSOR if tuple(h_block) == (-1, -1) else kernels.QUANT_ROWS
+    y = two_kernels(x2, x_scale, w1, s1, w3, s3, w2, s2, bias, h_quant, h_static, h_dtype, out_dtype, act,
+                    use_fast_accum)
+    return y.reshape(*xq.shape[:-1], w2.shape[0])
+
+
 # --- weight-only GEMM (GPUs without fp8 tensor cores) --------------------------------------
 def _weight_only_reference(x, wq, w_scale, bias, w_block):
     k = x.shape[-1]

@@ -209,8 +209,9 @@ def generated_kernels(code: str) -> list[str]:
 
 def gemm_kernels(code: str) -> dict[str, str]:
     """{graph node name: the GEMM called for it}: the first extern kernel or Triton template whose name
-    has "mm", else the first other generated kernel with "mm" in its name (a fused kernel named after
-    the ops it covers, e.g. an activation quantization fused with the prologue of a GEMM)."""
+    has "mm" (or "mlp": ``fp8fx.gated_mlp``), else the first other generated kernel with "mm" in its name
+    (a fused kernel named after the ops it covers, e.g. an activation quantization fused with the prologue
+    of a GEMM)."""
     generated = set(generated_kernels(code))
     candidates: dict[str, list[tuple[bool, str]]] = {}
     nodes: list[str] = []
@@ -222,7 +223,7 @@ def gemm_kernels(code: str) -> dict[str, str]:
         call = _CALL.match(line)
         callee = _callee(call.group(1)) if call else ""
         extern = callee.startswith(("extern_kernels.", "torch.ops."))
-        if "mm" in callee.rpartition(".")[2] and (extern or callee in generated):
+        if any(part in callee.rpartition(".")[2] for part in ("mm", "mlp")) and (extern or callee in generated):
             for n in nodes:
                 candidates.setdefault(n, []).append((extern or callee.startswith("triton_tem_"), callee))
     return {

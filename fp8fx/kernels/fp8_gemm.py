@@ -53,9 +53,63 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8fx import quant
+
 # scale layouts, on the host (the kernel takes them as constexpr flags: Triton kernels may not read
 # module globals unless they are tl.constexpr objects)
 PER_TENSOR, PER_ROW, PER_K_GROUP = 0, 1, 2
+# quantization of 16-bit activations inside the GEMM (``a_quant``): none (a is fp8, or weight-only), per
+# row or per tensor from partial row maxima (the producer's, one per N tile of it), or a static scale
+NO_QUANT, QUANT_ROWS, QUANT_TENSOR, QUANT_STATIC = 0, 1, 2, 3
+
+
+@triton.jit
+def _max_nan(a, b):
+    """max that keeps NaN, as torch's amax does (PTX ``max.f32`` drops it)."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _scale_of(amax, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
+    """``fp8fx.quant``'s scale: max(amax, EPS) / FP8_MAX, IEEE division (NaN kept)."""
+    return tl.math.div_rn(_max_nan(amax, EPS), FP8_MAX)
+
+
+@triton.jit
+def _to_fp8_range(v, scale, FP8_MAX: tl.constexpr):
+    """v / scale, IEEE division, saturated to +-FP8_MAX (NaN kept): ready for the round-to-nearest cast."""
+    return tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _rows_amax(parts_ptr, rows, M, stride_pm, stride_pp, N_PARTS: tl.constexpr):
+    """[len(rows)]: each row's amax, the max of its N_PARTS partial maxima (0 for rows past M)."""
+    CHUNK: tl.constexpr = 64
+    cols = tl.arange(0, CHUNK)
+    row_ptrs = parts_ptr + rows[:, None].to(tl.int64) * stride_pm
+    amax = tl.zeros(rows.shape, dtype=tl.float32)
+    for p in range(0, N_PARTS, CHUNK):
+        mask = (rows[:, None] < M) & (p + cols[None, :] < N_PARTS)
+        part = tl.load(row_ptrs + (p + cols[None, :]) * stride_pp, mask=mask, other=0.0)
+        amax = _max_nan(amax, tl.reduce(part, 1, _max_nan))
+    return amax
+
+
+@triton.jit
+def _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT: tl.constexpr, N_PARTS: tl.constexpr,
+                   EPS: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr):
+    """[BLOCK_M] scales of the rows ``offs_m`` of 16-bit activations quantized in the GEMM (``A_QUANT``):
+    from the partial maxima at ``a_scale_ptr`` ([M, N_PARTS]: per row, or over every row), or the static
+    scale there. As ``fp8fx.quant.compute_scale``: max(amax, EPS) / FP8_MAX."""
+    if A_QUANT == 3:  # static
+        return tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(a_scale_ptr).to(tl.float32)
+    if A_QUANT == 2:  # per tensor: every row's maxima, BLOCK_M rows at a time
+        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        for r in range(0, M, BLOCK_M):
+            amax = _max_nan(amax, _rows_amax(a_scale_ptr, r + tl.arange(0, BLOCK_M), M, stride_asm, stride_ask,
+                                             N_PARTS))
+        return tl.zeros((BLOCK_M,), dtype=tl.float32) + _scale_of(tl.reduce(amax, 0, _max_nan), EPS, FP8_MAX)
+    return _scale_of(_rows_amax(a_scale_ptr, offs_m, M, stride_asm, stride_ask, N_PARTS), EPS, FP8_MAX)
 
 
 @triton.jit
@@ -75,6 +129,9 @@ def fp8_gemm_kernel(
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    # A_QUANT (QUANT_*): a is 16-bit and quantized to fp8 tile by tile as it is loaded, with the scales of
+    # `_a_quant_scale` (a_scale_ptr: the partial row maxima [M, N_PARTS], or the static scale)
+    A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, EPS: tl.constexpr = 1e-12, FP8_MAX: tl.constexpr = 448.0,
 ):
     # split-K: SPLIT_K programs share an output tile, each over its own run of K steps, each writing a
     # float32 partial (y_ptr + split * stride_ys); the last of them to finish sums the partials (see the end)
@@ -106,6 +163,9 @@ def fp8_gemm_kernel(
     b_offs = local_n[None, :] * stride_bn + (k_first * BLOCK_K + offs_k[:, None]) * stride_bk  # b.T: [BK, BN]
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM], K group 0
     b_scale_ptrs = b_scale_ptr + (offs_n // B_BLOCK_N) * stride_bsn  # [BN], K block 0
+    if A_QUANT:
+        a_q_scale = _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT, N_PARTS, EPS, FP8_MAX,
+                                   BLOCK_M)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
         k_left = K - k * BLOCK_K
@@ -113,7 +173,9 @@ def fp8_gemm_kernel(
         b = tl.load(b_tile + b_offs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
         a_offs += BLOCK_K * stride_ak
         b_offs += BLOCK_K * stride_bk
-        if not A_FP8:  # weight-only: upcast the fp8 weight tile, 16-bit dot
+        if A_QUANT:  # the 16-bit tile to fp8 codes, as fp8fx.quant rounds them
+            a = _to_fp8_range(a.to(tl.float32), a_q_scale[:, None], FP8_MAX).to(b.dtype)
+        elif not A_FP8:  # weight-only: upcast the fp8 weight tile, 16-bit dot
             b = b.to(a.dtype)
         if A_GROUPED or B_GROUPED:
             part = tl.dot(a, b)
@@ -126,7 +188,9 @@ def fp8_gemm_kernel(
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_K)
 
     # epilogue: the scales that are constant along K, bias, cast
-    if A_ROWWISE:
+    if A_QUANT:
+        acc *= a_q_scale[:, None]
+    elif A_ROWWISE:
         acc *= tl.load(a_scale_ptrs, mask=offs_m < M, other=0.0)[:, None]
     elif A_FP8 and not A_GROUPED:  # per-tensor (weight-only activations have no scale)
         acc *= tl.load(a_scale_ptr)
@@ -220,12 +284,19 @@ def fp8_gemm(
     a_block: Optional[tuple[int, int]] = None,
     b_block: Optional[tuple[int, int]] = None,
     fast_accum: bool = False,
+    a_quant: int = NO_QUANT,
+    tickets: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """a: [M, K] fp8 (or bf16/fp16 with ``a_scale=None``: weight-only), b: [N, K] fp8.
 
     ``a_block`` / ``b_block`` are fp8fx blocks (``fp8fx.config``): None or ``[., -1]`` for per-tensor /
     per-row scales (``[M, 1]`` / ``[N, 1]`` or one element), ``[1, GK]`` activation groups with
     ``a_scale: [M, ceil(K / GK)]``, ``[BN_W, GK]`` weight blocks with ``b_scale: [ceil(N / BN_W), ceil(K / GK)]``.
+
+    ``a_quant`` (``QUANT_ROWS`` / ``QUANT_TENSOR``: ``a_scale`` is ``[M, n]`` partial row maxima of the 16- or
+    32-bit ``a``; ``QUANT_STATIC``: one static scale): the kernel quantizes ``a`` per token / per tensor as it loads
+    it, so no quantization pass over ``a`` runs before. ``tickets``: split-K's, zeroed by an earlier kernel on
+    this stream (else zeroed here).
     """
     m, k = a.shape
     n = b.shape[0]
@@ -242,8 +313,16 @@ def fp8_gemm(
         )
     if a_block is not None and a_block[0] not in (-1, 1):
         raise ValueError(f"fp8_gemm: activation scales per token or per tensor along M; got a_block={a_block}")
-    # weight-only: no activation scale (the kernel reads none; b_scale stands in for the pointer)
-    a_mode, a_scale, _ = _scale_layout(a_scale if a_fp8 else b_scale.reshape(-1)[:1], m, k, a_block, "a_scale")
+    if a_quant != NO_QUANT and (a_block is not None or a.element_size() == 1 or a_scale.dtype != torch.float32):
+        raise ValueError(f"fp8_gemm: a_quant={a_quant} takes 16/32-bit activations and float32 maxima or scale, no "
+                         f"a_block; got {a.dtype}, {a_scale.dtype}, a_block={a_block}")
+    if a_quant in (QUANT_ROWS, QUANT_TENSOR):  # the partial maxima, read as they are
+        if a_scale.dim() != 2 or a_scale.shape[0] != m:
+            raise ValueError(f"fp8_gemm: a_quant takes partial row maxima [{m}, n]; got {list(a_scale.shape)}")
+        a_mode = PER_ROW
+    else:
+        # weight-only: no activation scale (the kernel reads none; b_scale stands in for the pointer)
+        a_mode, a_scale, _ = _scale_layout(a_scale if a_fp8 else b_scale.reshape(-1)[:1], m, k, a_block, "a_scale")
     b_mode, b_scale, b_rows = _scale_layout(b_scale, n, k, b_block, "b_scale")
     cfg = dict(config or tile_config(m, n, k))
     group_k = [blk[1] for blk, mode in ((a_block, a_mode), (b_block, b_mode)) if mode == PER_K_GROUP]
@@ -251,14 +330,19 @@ def fp8_gemm(
         if len(set(group_k)) != 1:
             raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
         cfg["BLOCK_K"] = group_k[0]
-    cfg["num_stages"] = pipeline_stages(cfg, a.element_size())
+    cfg["num_stages"] = pipeline_stages(cfg, a.element_size())  # a 16-bit a (weight-only, a_quant) doubles its tile
     cfg.setdefault("SPLIT_K", 1)
     split_k = cfg["SPLIT_K"]
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
     # split-K: float32 partials [SPLIT_K, M, N], summed in the kernel by each tile's last split
     y = torch.empty(split_k, m, n, device=a.device, dtype=out_dtype if split_k == 1 else torch.float32)
     out = y[0] if split_k == 1 else torch.empty(m, n, device=a.device, dtype=out_dtype)
-    tickets = torch.zeros(tiles, device=a.device, dtype=torch.int32) if split_k > 1 else y
+    if split_k == 1:
+        tickets = y  # not read
+    elif tickets is None:
+        tickets = torch.zeros(tiles, device=a.device, dtype=torch.int32)
+    elif tickets.numel() < tiles or tickets.dtype != torch.int32:
+        raise ValueError(f"fp8_gemm: split-K needs {tiles} int32 tickets; got {tickets.numel()} {tickets.dtype}")
     fp8_gemm_kernel[(tiles * split_k,)](
         a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets,
         m, n, k,
@@ -267,6 +351,7 @@ def fp8_gemm(
         A_ROWWISE=a_mode == PER_ROW, A_GROUPED=a_mode == PER_K_GROUP,
         B_ROWWISE=b_mode == PER_ROW, B_GROUPED=b_mode == PER_K_GROUP,
         B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8, IMPRECISE_K=imprecise_k(cfg, fast_accum),
-        **cfg,
+        A_QUANT=a_quant, N_PARTS=a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1,
+        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **cfg,
     )
     return out

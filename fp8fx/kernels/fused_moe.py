@@ -57,7 +57,7 @@ import triton
 import triton.language as tl
 
 from fp8fx import quant
-from fp8fx.kernels.fp8_gemm import imprecise_k
+from fp8fx.kernels.fp8_gemm import _max_nan, _scale_of, _to_fp8_range, imprecise_k
 
 
 # -- 1. routing: pairs sorted and padded by expert ------------------------------------------------
@@ -153,24 +153,6 @@ def align_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> tuple
 
 
 # -- 2. and 4. activation quantization ------------------------------------------------------------
-@triton.jit
-def _max_nan(a, b):
-    """max that keeps NaN, as torch's amax does (PTX ``max.f32`` drops it)."""
-    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
-
-
-@triton.jit
-def _scale_of(amax, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
-    """``fp8fx.quant``'s scale: max(amax, EPS) / FP8_MAX, IEEE division (NaN kept)."""
-    return tl.math.div_rn(_max_nan(amax, EPS), FP8_MAX)
-
-
-@triton.jit
-def _to_fp8_range(v, scale, FP8_MAX: tl.constexpr):
-    """v / scale, IEEE division, saturated to +-FP8_MAX (NaN kept): ready for the round-to-nearest cast."""
-    return tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-
-
 @triton.jit
 def quantize_rows_kernel(
     x_ptr, q_ptr, scale_ptr, static_ptr, parts_ptr,

@@ -40,6 +40,16 @@ class Fp8Pass:
         return hashlib.sha256(source.encode()).hexdigest()
 
 
+def amend_sites(ctx: PassContext, nodes: list[fx.Node], note: str, node: Optional[str] = None) -> None:
+    """Append ``note`` to the scheme of the report site of each of ``nodes`` (a later pass fused them, or
+    says why not); ``node``: the graph node they now run in (the report's kernel column)."""
+    for n in nodes:
+        if "fp8fx_site" in n.meta:
+            i = n.meta["fp8fx_site"]
+            site = ctx.report.sites[i]
+            ctx.report.sites[i] = dataclasses.replace(site, scheme=f"{site.scheme} {note}", node=node or site.node)
+
+
 def fake_value(node: Any) -> Any:
     """The fake tensor Dynamo recorded for ``node`` (or ``node`` itself when it is a constant)."""
     if isinstance(node, fx.Node):

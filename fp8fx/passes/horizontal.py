@@ -31,7 +31,7 @@ import torch
 from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
-from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, set_fake_value
+from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value
 from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
@@ -99,11 +99,11 @@ class HorizontalFusionPass(Fp8Pass):
                 continue
             reason = self._why_not(nodes, ctx)
             if reason:
-                self._amend(ctx, nodes, f"not fused with {self._names(nodes, ctx)}: {reason}")
+                amend_sites(ctx, nodes, f"not fused with {self._names(nodes, ctx)}: {reason}")
                 continue
             y = self._fuse(gm, nodes, ctx)
             # every fused site is found by the one GEMM in Inductor's output code (the report's kernel column)
-            self._amend(ctx, nodes, f"fused({self._names(nodes, ctx)})", node=Site.origin_of(y))
+            amend_sites(ctx, nodes, f"fused({self._names(nodes, ctx)})", node=Site.origin_of(y))
             fused += len(nodes)
         gm.recompile()
         return fused
@@ -126,13 +126,6 @@ class HorizontalFusionPass(Fp8Pass):
         sites = [ctx.report.sites[n.meta["fp8fx_site"]].fqn for n in nodes if "fp8fx_site" in n.meta]
         return ",".join(fqn.rsplit(".", 1)[-1] for fqn in sites)
 
-    @staticmethod
-    def _amend(ctx: PassContext, nodes: list[fx.Node], note: str, node: Optional[str] = None) -> None:
-        for n in nodes:
-            if "fp8fx_site" in n.meta:
-                i = n.meta["fp8fx_site"]
-                site = ctx.report.sites[i]
-                ctx.report.sites[i] = dataclasses.replace(site, scheme=f"{site.scheme} {note}", node=node or site.node)
 
     @staticmethod
     def _fuse(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> fx.Node:

@@ -13,6 +13,7 @@ from fp8fx.lowerings import compat
 from fp8fx.passes.base import Fp8Pass, PassContext
 from fp8fx.passes.horizontal import HorizontalFusionPass
 from fp8fx.passes.linear import LinearPass
+from fp8fx.passes.mlp import GatedMlpPass
 from fp8fx.passes.moe import MoePass
 from fp8fx.report import Report
 
@@ -20,11 +21,13 @@ log = logging.getLogger("fp8fx")
 
 
 def default_passes(
-    use_fast_accum: bool = False, weight_only: Optional[bool] = None, fuse_horizontal: bool = False
+    use_fast_accum: bool = False, weight_only: Optional[bool] = None, fuse_horizontal: bool = False,
+    fuse_mlp: bool = False,
 ) -> list[Fp8Pass]:
     return [
         MoePass(use_fast_accum=use_fast_accum),  # first: the experts leave the graph before linears are sought
         LinearPass(use_fast_accum=use_fast_accum, weight_only=weight_only),
+        GatedMlpPass(enabled=fuse_mlp),  # before horizontal fusion: a fused MLP reads gate and up apart
         HorizontalFusionPass(enabled=fuse_horizontal),
     ]
 

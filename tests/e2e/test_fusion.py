@@ -98,3 +98,31 @@ def test_decode_row_quantization_is_not_split():
     inductor, one_pass = kernels_inductor_vs_one_pass(1, 14336)
     assert len(inductor) >= 3, inductor
     assert len(one_pass) == 2 and all(n.startswith("triton_per_") for n in one_pass), one_pass
+
+
+class NormMLP(nn.Module):
+    """RMSNorm -> Llama MLP: the decode step's MLP half."""
+
+    def __init__(self, dim=256, hidden=512):
+        super().__init__()
+        self.norm = nn.RMSNorm(dim)
+        self.mlp = MLP(dim, hidden)
+
+    def forward(self, x):
+        return self.mlp(self.norm(x))
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_fused_mlp_decode_kernel_count(m):
+    """Fp8Backend(fuse_mlp=True) at decode sizes: RMSNorm and the quantization of x in one Triton kernel, then
+    the gated MLP op (its two kernels) - no act * mul, no quantization of the intermediate, no unfused GEMM."""
+    model = NormMLP().cuda().to(torch.bfloat16)
+    x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x).float()
+    out, code = compiled_code(model, x, fuse_mlp=True)
+    kernels = triton_kernels(code)
+    assert len(kernels) == 1 and "rsqrt" in kernels[0] and "float8" in kernels[0], "\n----\n".join(kernels)
+    assert code.count("torch.ops.fp8fx.gated_mlp.default(") == 1 and "fp8fx.scaled_mm" not in code
+    assert ((out.float() - want).norm() / want.norm()).item() < 0.08

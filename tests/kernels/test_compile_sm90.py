@@ -16,11 +16,15 @@ triton = pytest.importorskip("triton")
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from fp8fx.kernels.fp8_gemm import fp8_gemm_kernel, imprecise_k, pipeline_stages, tile_config  # noqa: E402
+from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, fp8_gemm_kernel  # noqa: E402
+from fp8fx.kernels.fp8_gemm import imprecise_k, pipeline_stages, tile_config  # noqa: E402
+from fp8fx.kernels.gated_mlp import down_tile_config, gated_gemm_kernel, gated_tile_config  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr", "out_ptr", "tickets_ptr"]
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_ym", "stride_yn", "stride_ys",
         "stride_asm", "stride_ask", "stride_bsn", "stride_bsk"]
+GATED_POINTERS = ["a_ptr", "w1_ptr", "w3_ptr", "a_scale_ptr", "s1_ptr", "s3_ptr", "h_ptr", "parts_ptr", "tickets_ptr"]
+GATED_INTS = ["M", "N", "K", "n_tickets", "stride_am", "stride_ak", "stride_wn", "stride_wk", "stride_hm", "stride_pm"]
 LAYOUTS = {  # (A_ROWWISE, A_GROUPED, B_ROWWISE, B_GROUPED)
     "per-tensor": (False, False, False, False),
     "per-row": (True, False, True, False),
@@ -28,27 +32,32 @@ LAYOUTS = {  # (A_ROWWISE, A_GROUPED, B_ROWWISE, B_GROUPED)
 }
 
 
-def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool = False):
+def compile_kernel(fn, types: dict, consts: dict, aligned: list, num_warps: int, num_stages: int):
+    """``fn`` compiled for sm_90: ``types`` (pointers and ints) then ``consts``, in the kernel's parameter
+    order (the signature's order gives the constexprs' indices); ``aligned``: the arguments Triton's JIT
+    would see divisible by 16 in real calls (pointers, sizes, leading strides)."""
+    signature = {**types, **{name: "constexpr" for name in consts}}
+    names = list(signature)
+    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
+                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool = False, a_quant: int = 0):
     y_type = "*fp32" if cfg.get("SPLIT_K", 1) > 1 else "*bf16"  # split-K writes float32 partials
     types = dict(zip(POINTERS, [f"*{a_dtype}", "*fp8e4nv", y_type, "*fp32", "*fp32", "*bf16", "*bf16", "*i32"]))
     types.update({name: "i32" for name in INTS})
     a_row, a_grp, b_row, b_grp = layout
     block_k = 128 if (a_grp or b_grp) else cfg["BLOCK_K"]
-    # in the kernel's parameter order (the signature's order gives the constexprs' indices)
     promote = imprecise_k({"BLOCK_K": block_k}, fast_accum)
     consts = dict(A_ROWWISE=a_row, A_GROUPED=a_grp, B_ROWWISE=b_row, B_GROUPED=b_grp, B_BLOCK_N=128 if b_grp else 1,
-                  HAS_BIAS=True, A_FP8=a_dtype == "fp8e4nv", IMPRECISE_K=promote,
+                  HAS_BIAS=True, A_FP8=a_dtype == "fp8e4nv" or a_quant > 0, IMPRECISE_K=promote,
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
-                  SPLIT_K=cfg.get("SPLIT_K", 1))
-    signature = {**types, **{name: "constexpr" for name in consts}}
-    names = list(signature)
-    # as Triton's JIT specializes real calls: pointers, sizes and leading strides divisible by 16
+                  SPLIT_K=cfg.get("SPLIT_K", 1), A_QUANT=a_quant, N_PARTS=448, EPS=1e-12, FP8_MAX=448.0)
     aligned = POINTERS + ["N", "K", "stride_am", "stride_bn", "stride_ym"]
-    src = ASTSource(fn=fp8_gemm_kernel, signature=signature,
-                    constexprs={(names.index(k),): v for k, v in consts.items()},
-                    attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned})
     stages = pipeline_stages({**cfg, "BLOCK_K": consts["BLOCK_K"]}, 1 if a_dtype == "fp8e4nv" else 2)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": cfg["num_warps"], "num_stages": stages})
+    return compile_kernel(fp8_gemm_kernel, types, consts, aligned, cfg["num_warps"], stages)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -113,3 +122,32 @@ def test_fp8_gemm_tiles_do_not_spill_much(layout, m, n, k, bound):
     for fast in (False, True):
         kernel = compile_for_hopper("fp8e4nv", LAYOUTS[layout], tile_config(m, n, k), fast)
         assert stack_bytes(kernel) <= bound, (fast, stack_bytes(kernel))
+
+
+@pytest.mark.parametrize("a_quant", [QUANT_ROWS, QUANT_TENSOR, QUANT_STATIC])
+@pytest.mark.parametrize("m", [1, 64])
+def test_down_gemm_quantizing_bf16_activations_compiles_for_sm90(a_quant, m):
+    """The gated MLP's down GEMM: bf16 h quantized per K tile in the loop, scales from partial maxima;
+    split K at M=1 (Llama-3-8B down: 4096 x 14336)."""
+    cfg = down_tile_config(m, 4096, 14336)
+    kernel = compile_for_hopper("bf16", LAYOUTS["per-row"], cfg, a_quant=a_quant)
+    assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+    assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"], "h must reach the dot as fp8 codes"
+    assert stack_bytes(kernel) == 0, stack_bytes(kernel)
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("w_rowwise", [False, True])
+def test_gated_gemm_compiles_for_sm90(m, w_rowwise):
+    """Gate and up tiles against one x tile, SiLU * up in the epilogue (Llama-3-8B: I = 14336, K = 4096)."""
+    cfg = gated_tile_config(m, 14336, 4096)
+    types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*bf16",
+                                      "*fp32", "*i32"]))
+    types.update({name: "i32" for name in GATED_INTS})
+    consts = dict(A_ROWWISE=m > 1, W_ROWWISE=w_rowwise, ACT=0, IMPRECISE_K=None, BLOCK_M=cfg["BLOCK_M"],
+                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
+    stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
+    kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
+                            cfg["num_warps"], stages)
+    assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+    assert stack_bytes(kernel) == 0, stack_bytes(kernel)

@@ -1,0 +1,181 @@
+"""A gated MLP's three FP8 GEMMs in two kernels, for decode-sized M (Triton).
+
+    y = down(act(gate(x)) * up(x))    x: fp8 [M, K] with its scale; gate, up: [I, K]; down: [N, I]
+
+What it replaces: the gate/up GEMM(s), a kernel for act * mul with the per-token (or per-tensor)
+quantization of its result, and the down GEMM - 4-5 launches per decode step, where the step's GPU
+time is ~50 us of weight streaming and each launch boundary costs ~2 us on the H200 (CUDA-graph
+replay 0.0697 ms against 0.0562 ms of kernels at M=1, benchmarks/RESULTS.md run 9).
+
+1. ``gated_gemm_kernel``: each program streams one N tile of both gate and up (two accumulators over
+   the same x tile) and finishes the activation in its epilogue: ``h = act(g) * u``, rounded as the model
+   rounds it (g, u, act(g) and h in the model's dtype), stored 16-bit, with each row's amax over the
+   tile (``parts [M, ceil(I / BLOCK_N)]``). It also zeroes the down GEMM's split-K tickets.
+2. ``fp8_gemm_kernel`` with ``A_QUANT``: the down GEMM takes the 16-bit h, reduces each row's partial
+   maxima to its scale (or all rows', per tensor) and quantizes each h tile as it loads it.
+
+The quantization is ``fp8fx.quant``'s (scale = max(amax, 1e-12) / 448, IEEE division, saturating
+cast); the result differs from the unfused graph's only where Inductor kept h in float32 there.
+Used for M <= ``fp8fx.ops.TRITON_MAX_M`` with per-tensor / per-channel weights and per-token /
+per-tensor activations (``fp8fx.passes.mlp``); anything else runs the unfused ops.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _max_nan, fp8_gemm, imprecise_k
+from fp8fx.kernels.fp8_gemm import pipeline_stages, tile_config
+
+SILU = 0  # the activations ``ACT`` takes (``ACTIVATIONS`` maps their names)
+ACTIVATIONS = {"silu": SILU}
+
+
+@triton.jit
+def gated_gemm_kernel(
+    # tensors: x fp8 [M, K]; gate, up fp8 [N, K] (same strides); h [M, N] 16-bit; parts float32
+    # [M, cdiv(N, BLOCK_N)]; tickets: the next kernel's, zeroed here
+    a_ptr, w1_ptr, w3_ptr, a_scale_ptr, s1_ptr, s3_ptr, h_ptr, parts_ptr, tickets_ptr,
+    M, N, K, n_tickets,
+    stride_am, stride_ak, stride_wn, stride_wk, stride_hm, stride_pm,
+    A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    # the down GEMM runs next on this stream: its tickets start at zero without a launch of their own
+    for t in range(pid, n_tickets, tl.num_programs(0)):
+        tl.store(tickets_ptr + t, 0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n  # N fastest: neighbouring programs share the x tile
+    pid_n = pid % num_pid_n
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    # 64-bit tile bases, 32-bit offsets inside the tiles (as fp8_gemm_kernel)
+    a_tile = a_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_am
+    w_base = (pid_n * BLOCK_N).to(tl.int64) * stride_wn
+    a_offs = tl.arange(0, BLOCK_M)[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BM, BK]
+    w_offs = tl.arange(0, BLOCK_N)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # w.T tile: [BK, BN]
+    acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_tile + a_offs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w_mask = (offs_k[:, None] < k_left) & n_ok[None, :]
+        g = tl.load(w1_ptr + w_base + w_offs, mask=w_mask, other=0.0)
+        u = tl.load(w3_ptr + w_base + w_offs, mask=w_mask, other=0.0)
+        acc_g = tl.dot(a, g, acc_g, max_num_imprecise_acc=IMPRECISE_K)
+        acc_u = tl.dot(a, u, acc_u, max_num_imprecise_acc=IMPRECISE_K)
+        a_offs += BLOCK_K * stride_ak
+        w_offs += BLOCK_K * stride_wk
+
+    # epilogue: the scales, then act(g) * u rounded as the model's 16-bit ops round it
+    if A_ROWWISE:
+        a_s = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+    else:
+        a_s = tl.load(a_scale_ptr)
+    if W_ROWWISE:
+        s1 = tl.load(s1_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        s3 = tl.load(s3_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    else:
+        s1 = tl.load(s1_ptr)
+        s3 = tl.load(s3_ptr)
+    h_dtype = h_ptr.dtype.element_ty
+    g = (acc_g * a_s * s1).to(h_dtype).to(tl.float32)
+    u = (acc_u * a_s * s3).to(h_dtype).to(tl.float32)
+    if ACT == 0:  # silu
+        g = (g / (1.0 + tl.exp(-g))).to(h_dtype).to(tl.float32)
+    h = (g * u).to(h_dtype)
+    in_bounds = m_ok[:, None] & n_ok[None, :]
+    h_ptrs = h_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_hm + tl.arange(0, BLOCK_M)[:, None] * stride_hm
+    tl.store(h_ptrs + offs_n[None, :], h, mask=in_bounds)
+    amax = tl.reduce(tl.where(in_bounds, tl.abs(h.to(tl.float32)), 0.0), 1, _max_nan)  # [BM] over this tile
+    tl.store(parts_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, amax, mask=m_ok)
+
+
+def gated_tile_config(m: int, n: int, k: int) -> dict:
+    """Tiles of the gate/up kernel: BLOCK_N rows of gate and of up per program, i.e. the bytes per program
+    of ``fp8_gemm``'s decode tile (64 rows) on a fused gate/up weight (not yet swept on the H200)."""
+    if m <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+
+
+def down_tile_config(m: int, n: int, k: int) -> dict:
+    """``tile_config``'s decode tiles, BLOCK_K at most 128: a 16-bit h tile is converted to fp8 in registers,
+    and M=64's [64, 256] one spilled 680 bytes per thread (sm_90, triton 3.9), so K is split in 2 instead."""
+    cfg = tile_config(m, n, k)
+    if cfg["BLOCK_K"] > 128:
+        cfg = {**cfg, "BLOCK_K": 128, "SPLIT_K": 2}
+    return cfg
+
+
+def _vector(scale: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
+    """(float32 scale, per-row?) of a weight [n, K]'s per-tensor (one element) or per-channel ([n]) scale."""
+    if scale.numel() not in (1, n):
+        raise ValueError(f"gated_mlp: a gate/up weight scale has {scale.numel()} elements; per-tensor (1) or "
+                         f"per-channel ({n}) scales only")
+    return scale.float().reshape(-1).contiguous(), scale.numel() == n and n > 1
+
+
+def gated_mlp(
+    xq: torch.Tensor,
+    x_scale: torch.Tensor,
+    w1: torch.Tensor,
+    s1: torch.Tensor,
+    w3: torch.Tensor,
+    s3: torch.Tensor,
+    w2: torch.Tensor,
+    s2: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    h_quant: int,
+    h_static: Optional[torch.Tensor],
+    h_dtype: torch.dtype,
+    out_dtype: torch.dtype,
+    act: str = "silu",
+    fast_accum: bool = False,
+    configs: tuple[Optional[dict], Optional[dict]] = (None, None),
+) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` in two kernels. xq: fp8 [M, K] with ``x_scale`` per token ([M] / [M, 1])
+    or per tensor; w1 (gate), w3 (up): fp8 [I, K]; w2 (down): fp8 [N, I]; weight scales per tensor or per
+    channel. ``h_quant``: ``QUANT_ROWS`` (per token), ``QUANT_TENSOR`` or ``QUANT_STATIC`` (``h_static``).
+    ``configs``: tiles of the two kernels (default: ``gated_tile_config``, ``down_tile_config``)."""
+    m, k = xq.shape
+    i, n = w1.shape[0], w2.shape[0]
+    if w3.shape != w1.shape or w1.shape[1] != k or w2.shape[1] != i:
+        raise ValueError(f"gated_mlp: x [{m}, {k}], gate {list(w1.shape)}, up {list(w3.shape)}, down "
+                         f"{list(w2.shape)}: gate and up must be [I, {k}], down [N, I]")
+    if act not in ACTIVATIONS or h_quant not in (QUANT_ROWS, QUANT_TENSOR, QUANT_STATIC):
+        raise ValueError(f"gated_mlp: act={act!r}, h_quant={h_quant}; acts {list(ACTIVATIONS)}, h_quant QUANT_*")
+    if x_scale.numel() not in (1, m):
+        raise ValueError(f"gated_mlp: x_scale has {x_scale.numel()} elements; per token ({m}) or per tensor (1)")
+    xq, w1, w3 = (t if t.stride(-1) == 1 else t.contiguous() for t in (xq, w1, w3))
+    if w1.stride() != w3.stride():
+        w1, w3 = w1.contiguous(), w3.contiguous()
+    (s1, rows1), (s3, rows3) = _vector(s1, i), _vector(s3, i)
+    if rows1 != rows3:  # one layout for both: the per-tensor one as a vector
+        s1, s3 = s1.expand(i).contiguous(), s3.expand(i).contiguous()
+    cfg1 = dict(configs[0] or gated_tile_config(m, i, k))
+    cfg2 = {"SPLIT_K": 1, **(configs[1] or down_tile_config(m, n, i))}
+    cfg1["num_stages"] = pipeline_stages({**cfg1, "BLOCK_N": 2 * cfg1["BLOCK_N"]}, 1)  # gate and up tiles
+    split_tiles = triton.cdiv(m, cfg2["BLOCK_M"]) * triton.cdiv(n, cfg2["BLOCK_N"]) if cfg2["SPLIT_K"] > 1 else 0
+    tickets = torch.empty(max(split_tiles, 1), device=xq.device, dtype=torch.int32)  # zeroed by the first kernel
+    h = torch.empty(m, i, device=xq.device, dtype=h_dtype)
+    parts = torch.empty(m, triton.cdiv(i, cfg1["BLOCK_N"]), device=xq.device, dtype=torch.float32)
+    x_scale = x_scale.float().reshape(-1).contiguous()
+    grid = (triton.cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
+    gated_gemm_kernel[grid](
+        xq, w1, w3, x_scale, s1, s3, h, parts, tickets,
+        m, i, k, split_tiles,
+        xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), h.stride(0), parts.stride(0),
+        A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=rows1 or rows3, ACT=ACTIVATIONS[act],
+        IMPRECISE_K=imprecise_k(cfg1, fast_accum), **cfg1,
+    )
+    h_scale = h_static.float().reshape(1) if h_quant == QUANT_STATIC else parts
+    return fp8_gemm(h, w2, h_scale, s2, bias, out_dtype, config=cfg2, fast_accum=fast_accum, a_quant=h_quant,
+                    tickets=tickets)

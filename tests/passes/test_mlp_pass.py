@@ -1,0 +1,117 @@
+"""The gated-MLP fusion pass (fp8fx.passes.mlp) on CPU: where it fuses, what it leaves and says why.
+
+The CPU ``fp8fx.gated_mlp`` runs the unfused ops one by one, so a fused graph must give exactly the
+unfused graph's output (compiler="eager": the same ops, the same roundings) - a pass that swapped gate and
+up, dropped a scale or read another weight would not.
+"""
+import pytest
+import torch
+from torch import nn
+
+import fp8fx
+from benchmarks.bench_linear import MLP
+from tests.conftest import record_graphs_after_passes, rel_err
+
+
+class SwappedMLP(MLP):
+    def forward(self, x):
+        return self.down_proj(self.up_proj(x) * nn.functional.silu(self.gate_proj(x)))
+
+
+class LeakyMLP(MLP):
+    """The intermediate is read twice: cannot be fused."""
+
+    def forward(self, x):
+        h = nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)
+        return self.down_proj(h), h.sum()
+
+
+def quantized(cls=MLP, config=None, seed=0):
+    torch.manual_seed(seed)
+    model = cls(64, 96).to(torch.bfloat16)
+    ref = cls(64, 96).double()
+    ref.load_state_dict(model.state_dict())
+    fp8fx.quantize_(model, config or fp8fx.Fp8Config())
+    return model, ref
+
+
+def run(model, x, dynamic=None, **options):
+    backend = fp8fx.Fp8Backend(compiler=options.pop("compiler", "eager"), **options)
+    codes = record_graphs_after_passes(backend)
+    with torch.no_grad():
+        y = torch.compile(model, backend=backend, dynamic=dynamic)(x)
+    return y, backend.report, "\n".join(codes)
+
+
+@pytest.mark.parametrize("cls", [MLP, SwappedMLP])
+@pytest.mark.parametrize("config", [
+    fp8fx.Fp8Config(),  # per-channel weights, per-token activations
+    fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor()),
+])
+def test_decode_mlp_is_one_op_with_the_unfused_output(cls, config):
+    model, ref = quantized(cls, config)
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    y, report, code = run(model, x, fuse_mlp=True)
+    torch._dynamo.reset()
+    unfused, _, _ = run(model, x)
+    assert code.count("fp8fx.gated_mlp.default(") == 1
+    assert "scaled_mm.default(" not in code and "functional.silu" not in code
+    assert torch.equal(y, unfused)
+    assert rel_err(y, ref(x.double())) < 0.08
+    assert sorted(s.fqn for s in report.sites) == ["down_proj", "gate_proj", "up_proj"]
+    assert all(s.rewritten and s.scheme.endswith("fused(gate_proj,up_proj,down_proj: gated MLP, 2 kernels)")
+               for s in report.sites), str(report)
+
+
+def test_inductor_runs_the_fused_op():
+    model, ref = quantized()
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    y, report, _ = run(model, x, fuse_mlp=True, compiler="inductor")
+    assert rel_err(y, ref(x.double())) < 0.08
+    assert {s.kernel for s in report.sites} == {"extern fp8fx.gated_mlp"}, str(report)
+
+
+def test_off_by_default():
+    model, _ = quantized()
+    _, report, code = run(model, torch.randn(4, 64, dtype=torch.bfloat16))
+    assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
+    assert not any("gated MLP" in s.scheme for s in report.sites)
+
+
+@pytest.mark.parametrize("case,reason", [
+    ("prefill", "65 tokens: the fused MLP is for decode (1-64 tokens)"),
+    ("dynamic", "the token count is dynamic"),
+    ("leaky", "an intermediate (gate, up, act, their product or its quantization) has another reader"),
+    ("blocks", "per-tensor / per-row scales only"),
+])
+def test_not_fused_says_why(case, reason):
+    config = fp8fx.Fp8Config(weight_block_size=(32, 32)) if case == "blocks" else None
+    model, _ = quantized(LeakyMLP if case == "leaky" else MLP, config)
+    x = torch.randn(65 if case == "prefill" else 4, 64, dtype=torch.bfloat16)
+    y, report, code = run(model, x, fuse_mlp=True, dynamic=case == "dynamic")
+    assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
+    assert len(report.sites) == 3 and all(s.rewritten for s in report.sites)
+    for site in report.sites:
+        assert "not fused into a gated MLP (gate_proj,up_proj,down_proj): " in site.scheme, str(report)
+        assert reason in site.scheme, str(report)
+
+
+def test_hf_llama_decode_mlps_fused():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ref = transformers.LlamaForCausalLM(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=("lm_head",)))
+    ids = torch.randint(0, 128, (1, 5))
+    backend = fp8fx.Fp8Backend(fuse_mlp=True, fuse_horizontal=True)
+    with torch.no_grad():
+        logits = torch.compile(model, backend=backend)(ids).logits
+        want = ref(ids).logits
+    mlp_sites = [s for s in backend.report.sites if ".mlp." in s.fqn]
+    attn_sites = [s for s in backend.report.sites if ".self_attn." in s.fqn and not s.fqn.endswith("o_proj")]
+    assert len(mlp_sites) == 6 and all("gated MLP, 2 kernels" in s.scheme for s in mlp_sites), str(backend.report)
+    assert attn_sites and all("fused(q_proj,k_proj,v_proj)" in s.scheme for s in attn_sites), str(backend.report)
+    assert rel_err(logits, want) < 0.1
