@@ -140,7 +140,8 @@ class GatedMlpPass(Fp8Pass):
         rows = 1
         for d in fake_value(gate.args[0]).shape[:-1]:
             if not isinstance(d, int):
-                return "the token count is dynamic (decode graphs with a static batch are fused)"
+                return ("the token count is dynamic: decode graphs with a static batch are fused (torch.compile(..., "
+                        "dynamic=False), or torch._dynamo.mark_static on the batch dimension)")
             rows *= d
         if not 0 < rows <= TRITON_MAX_M:
             return (f"{rows} tokens: the fused MLP is for decode (1-{TRITON_MAX_M} tokens); prefill runs cuBLAS "
