@@ -56,6 +56,18 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def assert_graph_replays_equal(fn, want: torch.Tensor, replays: int = 3) -> None:
+    """``fn()`` captured in a CUDA graph: each replay (output zeroed before it) gives exactly ``want``."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = fn()
+    for _ in range(replays):
+        y.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, want)
+
+
 def record_graphs_after_passes(backend) -> list[str]:
     """``gm.code`` of every graph ``backend`` compiles, as it stands after the fp8fx passes."""
     codes: list[str] = []

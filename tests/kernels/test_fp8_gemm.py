@@ -13,7 +13,7 @@ import torch
 
 import fp8fx
 from fp8fx import quant
-from tests.conftest import run_under_triton_interpreter
+from tests.conftest import assert_graph_replays_equal, run_under_triton_interpreter
 
 
 def reference(xq, xs, x_block, wq, ws, w_block, bias, dtype):
@@ -124,14 +124,7 @@ def test_split_k_cuda_graph_replays():
     assert all(torch.equal(e, eager[0]) for e in eager)
     ref = reference(xq, xs, [1, -1], wq, ws, [1, -1], None, torch.float64)
     assert ((eager[0].double().cpu() - ref).abs().max() / ref.abs().max()).item() < 1e-2
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)
-    for _ in range(3):
-        y.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, eager[0])
+    assert_graph_replays_equal(lambda: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg), eager[0])
 
 
 @pytest.mark.cuda

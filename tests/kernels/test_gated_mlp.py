@@ -14,7 +14,7 @@ import torch
 
 import fp8fx
 from fp8fx import ops, quant
-from tests.conftest import run_under_triton_interpreter
+from tests.conftest import assert_graph_replays_equal, run_under_triton_interpreter
 
 SCHEMES = {  # x block, weight block, h block, static h scale
     "per-token/per-channel": ([1, -1], [1, -1], [1, -1], None),
@@ -163,14 +163,7 @@ def test_gated_mlp_cuda_graph_replays():
     args, _ = mlp_operands(1, 4096, 14336, 4096, "per-token/per-channel", "cuda")
     eager = [ops.gated_mlp(*args) for _ in range(3)]
     assert all(torch.equal(e, eager[0]) for e in eager)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = ops.gated_mlp(*args)
-    for _ in range(3):
-        y.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(y, eager[0])
+    assert_graph_replays_equal(lambda: ops.gated_mlp(*args), eager[0])
 
 
 @pytest.mark.cuda
