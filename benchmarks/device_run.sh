@@ -7,7 +7,7 @@
 #          decode: tune_gemm.py's decode sweep;
 #          moesweep: bench_moe.py's tile sweep with per-kernel times; moelayer: bench_moe_layer.py only;
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
-#          profilemlp: the same for the fused decode MLP at M = 1 and 64; tunegated: its tile sweep)
+#          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -74,8 +74,8 @@ if has profile; then  # per-kernel GPU times vs the CUDA-graph replay of the MLP
     timeout 120 python3 benchmarks/profile_mlp.py --out "$OUT/profile${args// /}" $args 2>&1 | tail -40
   done | tee "$OUT/profile.txt"
 fi
-if has profilemlp; then  # the fused decode MLP (Fp8Backend(fuse_mlp=True)) at M = 1 and 64
-  for args in "--m 1 --fuse-mlp" "--m 64 --fuse-mlp"; do
+if has profilemlp; then  # the fused decode MLP (Fp8Backend(fuse_mlp=True)) at M = 1 and 16, fp8fx only
+  for args in "--m 1 --fuse-mlp --fp8fx-only" "--m 16 --fuse-mlp --fp8fx-only"; do
     timeout 120 python3 benchmarks/profile_mlp.py --out "$OUT/profile${args// /}" $args 2>&1 | tail -40
   done | tee "$OUT/profile-mlp.txt"
 fi

@@ -2,6 +2,7 @@
 Inductor's generated code for fp8fx, written under --out.
 
     python benchmarks/profile_mlp.py --out DIR [--m 4096] [--max-autotune] [--fuse-horizontal] [--fuse-mlp]
+                                     [--fp8fx-only]
 
 Each table ends with the block's time as a CUDA-graph replay next to the sum of its kernels' GPU times:
 at decode sizes the difference is what the launches between kernels cost.
@@ -50,6 +51,7 @@ def main():
     p.add_argument("--max-autotune", action="store_true")
     p.add_argument("--fuse-horizontal", action="store_true", help="Fp8Backend(fuse_horizontal=True): gate/up as one GEMM")
     p.add_argument("--fuse-mlp", action="store_true", help="Fp8Backend(fuse_mlp=True): the MLP in two kernels (decode)")
+    p.add_argument("--fp8fx-only", action="store_true", help="no torchao and bf16 tables (their compiles take ~1 min)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
@@ -74,7 +76,7 @@ def main():
     with open(os.path.join(args.out, f"{tag}_code.py"), "w") as f:
         f.write("\n\n# ----\n\n".join(code))
     report = [f"== {tag} M={args.m}", kernel_table(fn, x)]
-    ao, why = torchao_rowwise(fresh())
+    ao, why = (None, "torchao and bf16: --fp8fx-only") if args.fp8fx_only else torchao_rowwise(fresh())
     if ao is not None:
         ao_fn = torch.compile(ao, mode="max-autotune-no-cudagraphs" if args.max_autotune else None)
         with torch.no_grad():
@@ -84,7 +86,8 @@ def main():
         report += [f"== torchao M={args.m}", kernel_table(ao_fn, x)]
     else:
         report.append(why)
-    report += [f"== bf16 Inductor M={args.m}", kernel_table(torch.compile(fresh()), x)]
+    if not args.fp8fx_only:
+        report += [f"== bf16 Inductor M={args.m}", kernel_table(torch.compile(fresh()), x)]
     text = "\n".join(report)
     print(text)
     with open(os.path.join(args.out, f"{tag}_profile.txt"), "w") as f:

@@ -16,8 +16,9 @@ replay 0.0697 ms against 0.0562 ms of kernels at M=1, benchmarks/RESULTS.md run 
 
 The quantization is ``fp8fx.quant``'s (scale = max(amax, 1e-12) / 448, IEEE division, saturating
 cast); the result differs from the unfused graph's only where Inductor kept h in float32 there.
-Used for M <= ``fp8fx.ops.TRITON_MAX_M`` with per-tensor / per-channel weights and per-token /
-per-tensor activations (``fp8fx.passes.mlp``); anything else runs the unfused ops.
+Run for M <= ``fp8fx.ops.TRITON_MAX_M`` with per-tensor / per-channel weights and per-token / per-tensor
+activations; the pass (``fp8fx.passes.mlp``) emits it up to ``GATED_MAX_M`` = 16 tokens, where it was measured
+faster than the unfused GEMMs (at 64, each of the down GEMM's N tiles reads the whole [64, I] intermediate).
 """
 from __future__ import annotations
 
@@ -100,18 +101,22 @@ def gated_gemm_kernel(
 
 def gated_tile_config(m: int, n: int, k: int) -> dict:
     """Tiles of the gate/up kernel: BLOCK_N rows of gate and of up per program, i.e. the bytes per program
-    of ``fp8_gemm``'s decode tile (64 rows) on a fused gate/up weight (not yet swept on the H200)."""
+    of ``fp8_gemm``'s decode tile (64 rows) on a fused gate/up weight. The best of the H200 sweep at M=1
+    (run 10: 32- and 64-wide, 4 and 6 stages within 5%); at M=64 64-wide tiles were 8% faster but spill 344
+    bytes per thread (sm_90)."""
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
     return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
 
 
 def down_tile_config(m: int, n: int, k: int) -> dict:
-    """``tile_config``'s decode tiles, BLOCK_K at most 128: a 16-bit h tile is converted to fp8 in registers,
-    and M=64's [64, 256] one spilled 680 bytes per thread (sm_90, triton 3.9), so K is split in 2 instead."""
+    """The down GEMM's tiles: ``tile_config``'s up to 16 rows (M=1: no other tile of the H200 sweep was faster,
+    run 10 `tune_gemm.py --gated`), BLOCK_K at most 128 above (a 16-bit h tile is converted to fp8 in registers;
+    M=64's [64, 256] one spilled 680 bytes per thread, sm_90) with K split in 4 (M=64: 0.0991 ms for the
+    whole MLP against 0.1363 split in 2 with 32-wide N tiles)."""
     cfg = tile_config(m, n, k)
     if cfg["BLOCK_K"] > 128:
-        cfg = {**cfg, "BLOCK_K": 128, "SPLIT_K": 2}
+        cfg = {**cfg, "BLOCK_N": 64, "BLOCK_K": 128, "num_stages": 4, "SPLIT_K": 4}
     return cfg
 
 

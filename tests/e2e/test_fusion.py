@@ -113,10 +113,11 @@ class NormMLP(nn.Module):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("m", [1, 16])
 def test_fused_mlp_decode_kernel_count(m):
-    """Fp8Backend(fuse_mlp=True) at decode sizes: RMSNorm and the quantization of x in one Triton kernel, then
-    the gated MLP op (its two kernels) - no act * mul, no quantization of the intermediate, no unfused GEMM."""
+    """Fp8Backend(fuse_mlp=True) at decode sizes (up to GATED_MAX_M tokens): RMSNorm and the quantization of x in
+    one Triton kernel, then the gated MLP op (its two kernels) - no act * mul, no quantization of the
+    intermediate, no unfused GEMM."""
     model = NormMLP().cuda().to(torch.bfloat16)
     x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():

@@ -79,7 +79,7 @@ def test_off_by_default():
 
 
 @pytest.mark.parametrize("case,reason", [
-    ("prefill", "65 tokens: the fused MLP is for decode (1-64 tokens)"),
+    ("batch of 17", "17 tokens: the fused MLP is for 1-16 tokens"),
     ("dynamic", "the token count is dynamic"),
     ("leaky", "an intermediate (gate, up, act, their product or its quantization) has another reader"),
     ("blocks", "per-tensor / per-row scales only"),
@@ -87,7 +87,7 @@ def test_off_by_default():
 def test_not_fused_says_why(case, reason):
     config = fp8fx.Fp8Config(weight_block_size=(32, 32)) if case == "blocks" else None
     model, _ = quantized(LeakyMLP if case == "leaky" else MLP, config)
-    x = torch.randn(65 if case == "prefill" else 4, 64, dtype=torch.bfloat16)
+    x = torch.randn(17 if case == "batch of 17" else 4, 64, dtype=torch.bfloat16)
     y, report, code = run(model, x, fuse_mlp=True, dynamic=case == "dynamic")
     assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
     assert len(report.sites) == 3 and all(s.rewritten for s in report.sites)
