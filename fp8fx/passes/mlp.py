@@ -29,6 +29,7 @@ from torch import fx
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.ops import GATED_MAX_M, _tensor_or_row
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value
+from fp8fx.passes.linear import _name_of
 from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
@@ -58,8 +59,17 @@ def _is_gemm(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target is _SCALED_MM
 
 
-def _is_silu(node) -> bool:
-    if not isinstance(node, fx.Node) or node.kwargs.get("inplace") is True or len(node.args) > 1 and node.args[1]:
+def _input(node: fx.Node):
+    """An activation function's input: its first argument, positional or ``input=``."""
+    return node.args[0] if node.args else node.kwargs.get("input")
+
+
+def _in_place(node: fx.Node) -> bool:
+    return node.kwargs.get("inplace") is True or len(node.args) > 1 and node.args[1] is True
+
+
+def _is_silu(node: fx.Node) -> bool:
+    if _in_place(node):
         return False
     return node.op == "call_function" and node.target in _SILU or node.op == "call_method" and node.target == "silu"
 
@@ -82,18 +92,25 @@ def _quantized(down: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node], Optional
     return None
 
 
-def _match(down: fx.Node) -> Optional[_Mlp]:
-    """The gated MLP ending in ``down``, or None (the structure only; `_why_not` checks the rest)."""
+def _match(down: fx.Node) -> tuple[Optional[_Mlp], str]:
+    """(the gated MLP ending in ``down``, "") - the structure only, `_why_not` checks the rest - or, for
+    ``down(act(gate(x)) * up(x))`` with another activation than an out-of-place SiLU, (it, why it is not
+    fused); (None, "") for anything else."""
     found = _quantized(down)
     if found is None:
-        return None
+        return None, ""
     h, quant, h_static = found
     if not isinstance(h, fx.Node) or not _is_mul(h) or len(h.args) != 2 or h.kwargs:
-        return None
+        return None, ""
     for act, up in (h.args, reversed(h.args)):
-        if _is_silu(act) and _is_gemm(act.args[0]) and _is_gemm(up):
-            return _Mlp(act.args[0], up, act, h, quant, down, h_static)
-    return None
+        if isinstance(act, fx.Node) and act.op in ("call_function", "call_method") and _is_gemm(_input(act)) \
+                and _is_gemm(up):
+            mlp = _Mlp(_input(act), up, act, h, quant, down, h_static)
+            if _is_silu(act):
+                return mlp, ""
+            what = _name_of(act) + (" in place" if _in_place(act) else "")
+            return mlp, f"the activation is {what}; the fused MLP takes SiLU (out of place)"
+    return None, ""
 
 
 class GatedMlpPass(Fp8Pass):
@@ -105,11 +122,11 @@ class GatedMlpPass(Fp8Pass):
             return 0
         fused = 0
         for node in list(gm.graph.nodes):
-            mlp = _match(node) if _is_gemm(node) else None
+            mlp, reason = _match(node) if _is_gemm(node) else (None, "")
             if mlp is None:
                 continue
             names = ",".join(self._name(n, ctx) for n in mlp.gemms)
-            reason = self._why_not(mlp)
+            reason = reason or self._why_not(mlp)
             if reason:
                 amend_sites(ctx, mlp.gemms, f"not fused into a gated MLP ({names}): {reason}")
                 continue
@@ -122,6 +139,9 @@ class GatedMlpPass(Fp8Pass):
     @staticmethod
     def _why_not(mlp: _Mlp) -> str:
         gate, up, down = mlp.gemms
+        static = [n.args[0].target is _QUANTIZE_STATIC for n in (gate, up) if isinstance(n.args[0], fx.Node)]
+        if gate.args[:2] != up.args[:2] and static == [True, True]:
+            return "gate and up have their own static input scales (x is quantized once for each)"
         if gate.args[:2] != up.args[:2] or gate.args[5:] != up.args[5:]:
             return "gate and up read different activations or quantize them differently"
         if gate.args[4] is not None or up.args[4] is not None:

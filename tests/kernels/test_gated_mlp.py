@@ -33,7 +33,8 @@ def mlp_operands(m, k, i, n, scheme, device="cpu", seed=0, row_gain=None, dtype=
     if row_gain is not None:
         x *= row_gain[:, None]
     xq, xs = quant.quantize(x.to(dtype), x_block)
-    ws = [torch.randn(r, c, generator=g) / c**0.5 for r, c in ((i, k), (i, k), (n, i))]
+    # gate, up and down at different magnitudes, so their scales cannot stand in for one another
+    ws = [torch.randn(r, c, generator=g) * gain / c**0.5 for (r, c), gain in (((i, k), 0.5), ((i, k), 4.0), ((n, i), 1))]
     qs = [quant.quantize(w, w_block) for w in ws]
     bias = torch.randn(n, generator=g)
     h_static = None if static is None else torch.tensor([static])
@@ -57,6 +58,9 @@ def rel(a, b):
 
 INTERPRETER_CHECK = textwrap.dedent("""
     import torch, triton
+    from tests.triton_rounding import round_to_nearest
+
+    round_to_nearest()  # the GPU's conversions: the kernels are held to their reference's bits
     from fp8fx import ops, quant
     from fp8fx.kernels import fp8_gemm as K
     from fp8fx.kernels.gated_mlp import gated_gemm_kernel, gated_mlp, gated_tile_config
@@ -80,19 +84,21 @@ INTERPRETER_CHECK = textwrap.dedent("""
             xq, w1, w3, xs.reshape(-1), s1.reshape(-1), s3.reshape(-1), h, parts, tickets, m, i, k, 37,
             xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), h.stride(0), parts.stride(0),
             A_ROWWISE=xs.numel() > 1, W_ROWWISE=per_row, ACT=0, IMPRECISE_K=None, **cfg)
-        # g, u, silu(g) and h are each rounded to bf16, which the interpreter's f32 -> bf16 cast truncates
-        # (up to 2**-7 relative each, seen 2.2% in all): four such steps per element at most
-        assert ((h.float() - want.float()).abs() <= want.float().abs() * 2**-5 + 1e-6).all(), (scheme, m)
+        # g and u are float32 sums in another order than the reference's and its scales multiply in another
+        # order: where that moves g or u across a bf16 rounding boundary, h may be a few bf16 steps off
+        close = (h.float() - want.float()).abs() <= want.float().abs() * 2**-6 + 1e-6
+        assert close.all() and torch.equal(h.float().abs() <= 1e-30, want.float().abs() <= 1e-30), (scheme, m)
         tiles = torch.nn.functional.pad(h.float().abs(), (0, parts.shape[1] * cfg["BLOCK_N"] - i))
         assert torch.equal(parts, tiles.reshape(m, parts.shape[1], -1).amax(-1)), scheme
         assert torch.equal(tickets, torch.zeros_like(tickets))
 
-    # 2. the whole MLP against its unfused ops (the reference op), split K or not, each h scheme
+    # 2. the whole MLP against its unfused ops (the reference op), split K or not, each h scheme; rows 1000x
+    # apart: per token, the small rows keep their own scale; per tensor, they share the large rows' (and
+    # mostly flush to zero) - a kernel that mixed the two up fails the small rows
+    worst_seen = 0.0
     for m, k, i, n in [(1, 160, 96, 72), (3, 300, 200, 130), (17, 256, 100, 64)]:
         for scheme in SCHEMES:
-            per_token = SCHEMES[scheme][2] == [1, -1]
-            gain = torch.logspace(0, 3, m) if per_token and m > 1 else None  # rows 1000x apart
-            args, _ = mlp_operands(m, k, i, n, scheme, row_gain=gain)
+            args, _ = mlp_operands(m, k, i, n, scheme, row_gain=torch.logspace(0, 3, m))
             ref = ops._gated_mlp_reference(*args)
             xq, xs, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static = args[:14]
             h_quant = K.QUANT_STATIC if h_static is not None else (
@@ -101,11 +107,14 @@ INTERPRETER_CHECK = textwrap.dedent("""
                 cfg2 = {**K.tile_config(m, n, i), "SPLIT_K": split}
                 y = gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, bias, h_quant, h_static, torch.bfloat16,
                               torch.bfloat16, configs=(None, cfg2))
-                # per token: every row, the small ones too
-                worst = max(rel(y[r], ref[r]) for r in range(m)) if per_token else rel(y, ref)
-                assert worst < 0.12, (m, scheme, split, worst)
-    print("interpreter ok")
+                worst = max(rel(y[r], ref[r]) for r in range(m))
+                worst_seen = max(worst_seen, worst)
+                # h a bf16 step off here and there, the odd fp8 code one step off (the kernel quantizes by the
+                # scale's reciprocal, the reference divides): a wrong scale, row or weight is off by > 10%
+                assert worst < 0.01, (m, scheme, split, worst)
+    print("interpreter ok", worst_seen)
 """)
+
 
 
 def test_gated_mlp_kernels_under_triton_interpreter():
@@ -127,30 +136,29 @@ def test_gated_mlp_op_checks_its_arguments():
 
 
 @pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_gated_mlp_op_cpu_is_its_unfused_ops(scheme):
-    """The CPU op is the linear pass's ops one by one: float64 truth within fp8's error."""
+def test_gated_mlp_op_cpu_within_fp8_error_of_float64(scheme):
+    """The CPU op (the linear pass's ops one by one) against the float64 MLP on unquantized weights."""
     args, ws = mlp_operands(3, 64, 48, 40, scheme)
-    y = ops.gated_mlp(*args)
-    assert torch.equal(y, ops._gated_mlp_reference(*args))
-    assert rel(y, truth(args, ws)) < 0.08
+    assert rel(ops.gated_mlp(*args), truth(args, ws)) < 0.08
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 65])
 @pytest.mark.parametrize("scheme", list(SCHEMES))
 def test_gated_mlp_op_cuda(m, scheme):
-    """Two kernels for m <= 64 (65: the unfused ops): as accurate against float64 as the unfused ops, and
-    close to them; per token, every row (rows 1000x apart)."""
-    per_token = SCHEMES[scheme][2] == [1, -1]
-    gain = torch.logspace(0, 3, m) if per_token else None
-    args, ws = mlp_operands(m, 1024, 1536 + 40, 1000, scheme, "cuda", row_gain=gain)
+    """Two kernels for m <= 64 (65: the unfused ops), the down GEMM's K (8232) split for m <= 16: as accurate
+    against float64 as the unfused ops, and close to them, row by row (rows 1000x apart: see the
+    interpreter check)."""
+    args, ws = mlp_operands(m, 1024, 8192 + 40, 1000, scheme, "cuda", row_gain=torch.logspace(0, 3, m))
     y = ops.gated_mlp(*args)
     unfused = ops._gated_mlp_reference(*args)
     want = truth(args, ws)
     assert y.shape == (m, 1000) and y.dtype == torch.bfloat16
-    for r in range(m) if per_token else [slice(None)]:
+    for r in range(m):
         assert rel(y[r], want[r]) < rel(unfused[r], want[r]) * 1.25 + 1e-3, r
-        assert rel(y[r], unfused[r]) < 0.03, r
+        # the two differ by float32 sum orders (an h a bf16 step off) and the odd fp8 code: a wrong scale,
+        # row or weight is > 10% off
+        assert rel(y[r], unfused[r]) < 0.015, r
 
 
 @pytest.mark.cuda
@@ -173,7 +181,7 @@ def test_fused_mlp_under_inductor_cudagraph_trees():
     from benchmarks.bench_linear import MLP
 
     torch.manual_seed(0)
-    model = MLP(1024, 2816).cuda().to(torch.bfloat16)
+    model = MLP(1024, 8192).cuda().to(torch.bfloat16)  # the down GEMM splits K (>= 8192): tickets in the graph
     for p in model.parameters():
         p.data /= p.shape[1] ** 0.5
     fp8fx.quantize_(model)
@@ -183,5 +191,7 @@ def test_fused_mlp_under_inductor_cudagraph_trees():
         for step in range(4):
             x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
             y, want = fused(x).clone(), plain(x)
-            assert rel(y, want) < 0.03, step
+            # the unfused graph quantizes Inductor's float32 act * mul, the op the model's bf16 one: codes near
+            # a rounding boundary differ (~3% of them by one fp8 step)
+            assert rel(y, want) < 0.02, step
     assert all("gated MLP" in s.scheme for s in fused_backend.report.sites), str(fused_backend.report)

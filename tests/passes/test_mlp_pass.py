@@ -18,6 +18,21 @@ class SwappedMLP(MLP):
         return self.down_proj(self.up_proj(x) * nn.functional.silu(self.gate_proj(x)))
 
 
+class KeywordMLP(MLP):
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(input=self.gate_proj(x)) * self.up_proj(x))
+
+
+class GeluMLP(MLP):
+    def forward(self, x):
+        return self.down_proj(nn.functional.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class InPlaceMLP(MLP):
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x), inplace=True) * self.up_proj(x))
+
+
 class LeakyMLP(MLP):
     """The intermediate is read twice: cannot be fused."""
 
@@ -26,12 +41,12 @@ class LeakyMLP(MLP):
         return self.down_proj(h), h.sum()
 
 
-def quantized(cls=MLP, config=None, seed=0):
+def quantized(cls=MLP, config=None, seed=0, **kwargs):
     torch.manual_seed(seed)
     model = cls(64, 96).to(torch.bfloat16)
     ref = cls(64, 96).double()
     ref.load_state_dict(model.state_dict())
-    fp8fx.quantize_(model, config or fp8fx.Fp8Config())
+    fp8fx.quantize_(model, config or fp8fx.Fp8Config(), **kwargs)
     return model, ref
 
 
@@ -43,7 +58,7 @@ def run(model, x, dynamic=None, **options):
     return y, backend.report, "\n".join(codes)
 
 
-@pytest.mark.parametrize("cls", [MLP, SwappedMLP])
+@pytest.mark.parametrize("cls", [MLP, SwappedMLP, KeywordMLP])
 @pytest.mark.parametrize("config", [
     fp8fx.Fp8Config(),  # per-channel weights, per-token activations
     fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor()),
@@ -61,6 +76,25 @@ def test_decode_mlp_is_one_op_with_the_unfused_output(cls, config):
     assert sorted(s.fqn for s in report.sites) == ["down_proj", "gate_proj", "up_proj"]
     assert all(s.rewritten and s.scheme.endswith("fused(gate_proj,up_proj,down_proj: gated MLP, 2 kernels)")
                for s in report.sites), str(report)
+
+
+def test_mixed_schemes_keep_their_own_blocks():
+    """gate/up per-channel with per-token x, down per-tensor with a per-tensor h: each GEMM's blocks reach the
+    op in their places (an x / h or w / w2 mix-up changes the output)."""
+    model, ref = quantized()
+    torch.manual_seed(1)
+    down = nn.Linear(96, 64, bias=True).to(torch.bfloat16)  # with a bias, added by the down GEMM
+    model.down_proj, ref.down_proj = down, nn.Linear(96, 64, bias=True).double()
+    ref.down_proj.load_state_dict(down.state_dict())
+    fp8fx.quantize_(model.down_proj, fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(),
+                                                     activation_granularity=fp8fx.PerTensor()))
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    y, report, code = run(model, x, fuse_mlp=True)
+    torch._dynamo.reset()
+    unfused, _, _ = run(model, x)
+    assert code.count("fp8fx.gated_mlp.default(") == 1
+    assert "[1, -1], [1, -1], [-1, -1], [-1, -1]" in code  # x, w, h, w2 blocks
+    assert torch.equal(y, unfused) and rel_err(y, ref(x.double())) < 0.08
 
 
 def test_inductor_runs_the_fused_op():
@@ -83,10 +117,16 @@ def test_off_by_default():
     ("dynamic", "the token count is dynamic"),
     ("leaky", "an intermediate (gate, up, act, their product or its quantization) has another reader"),
     ("blocks", "per-tensor / per-row scales only"),
+    ("gelu", "the activation is gelu (call_function); the fused MLP takes SiLU (out of place)"),
+    ("in place", "the activation is silu (call_function) in place; the fused MLP takes SiLU (out of place)"),
+    ("static", "gate and up have their own static input scales"),
 ])
 def test_not_fused_says_why(case, reason):
-    config = fp8fx.Fp8Config(weight_block_size=(32, 32)) if case == "blocks" else None
-    model, _ = quantized(LeakyMLP if case == "leaky" else MLP, config)
+    config = {"blocks": fp8fx.Fp8Config(weight_block_size=(32, 32)),
+              "static": fp8fx.Fp8Config(activation_scheme="static")}.get(case)
+    cls = {"leaky": LeakyMLP, "gelu": GeluMLP, "in place": InPlaceMLP}.get(case, MLP)
+    scales = {"input_scales": dict.fromkeys(["gate_proj", "up_proj", "down_proj"], 0.05)} if case == "static" else {}
+    model, _ = quantized(cls, config, **scales)  # static: a calibrated input scale per layer
     x = torch.randn(17 if case == "batch of 17" else 4, 64, dtype=torch.bfloat16)
     y, report, code = run(model, x, fuse_mlp=True, dynamic=case == "dynamic")
     assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
