@@ -7,7 +7,8 @@
 #          decode: tune_gemm.py's decode sweep;
 #          moesweep: bench_moe.py's tile sweep with per-kernel times; moelayer: bench_moe_layer.py only;
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
-#          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep)
+#          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep;
+#          pdl: it with and without programmatic dependent launch)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -38,6 +39,9 @@ if has gemmtests; then
 fi
 if has gatedtests; then  # the fused decode MLP's kernels and op
   timeout 200 $P -m cuda tests/kernels/test_gated_mlp.py 2>&1 | tee "$OUT/pytest-cuda-gated.log" | tail -5
+fi
+if has pdl; then  # the fused decode MLP with and without programmatic dependent launch
+  timeout 120 python3 benchmarks/tune_gemm.py --gated-pdl 2>&1 | tee "$OUT/gated-pdl.txt"
 fi
 if has fusiontests; then  # Inductor's generated code on the GPU (kernel counts)
   timeout 150 $P -m cuda tests/e2e/test_fusion.py 2>&1 | tee "$OUT/pytest-cuda-fusion.log" | tail -5

@@ -5,6 +5,7 @@
     python benchmarks/tune_gemm.py --block    # 128x128 weight blocks, 1x128 activation groups (M = 4096)
     python benchmarks/tune_gemm.py --shapes down   # one layer
     python benchmarks/tune_gemm.py --gated    # the fused decode MLP's two kernels (fp8fx.kernels.gated_mlp)
+    python benchmarks/tune_gemm.py --gated-pdl    # only its programmatic-dependent-launch on / off
 
 Every candidate is checked against the current configuration's output before it is timed.
 """
@@ -39,9 +40,10 @@ def time_ms(fn, graph: bool = False):
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def sweep_gated(ms=(1, 64), dim=4096, hidden=14336):
-    """The Llama-3-8B MLP through ``gated_mlp`` (two kernels, one CUDA-graph replay, L2 flushed): the gate/up
-    kernel's tiles with the down GEMM's default, then the down GEMM's with the gate/up default."""
+def sweep_gated(ms=(1, 64), dim=4096, hidden=14336, tiles=True):
+    """The Llama-3-8B MLP through ``gated_mlp`` (two kernels, one CUDA-graph replay, L2 flushed): with and
+    without the down GEMM as a programmatic dependent launch; with ``tiles``, the gate/up kernel's tiles with
+    the down GEMM's default, then the down GEMM's with the gate/up default."""
     from fp8fx.kernels import fp8_gemm as kernels
     from fp8fx.kernels.gated_mlp import down_tile_config, gated_mlp, gated_tile_config
 
@@ -49,9 +51,16 @@ def sweep_gated(ms=(1, 64), dim=4096, hidden=14336):
     w2 = quant.quantize(torch.randn(dim, hidden, device="cuda") / hidden**0.5, [1, -1])
     for m in ms:
         xq, xs = quant.quantize(torch.randn(m, dim, device="cuda"), [1, -1])
-        run = lambda c1=None, c2=None: gated_mlp(  # noqa: E731
-            xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16, configs=(c1, c2))
+        run = lambda c1=None, c2=None, pdl=None: gated_mlp(  # noqa: E731
+            xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16, configs=(c1, c2),
+            pdl=pdl)
         ref = run().float()
+        assert torch.equal(run(pdl=False).float(), ref)
+        on, off = (time_ms(lambda: run(pdl=pdl), True) for pdl in (True, False))
+        print(f"gated MLP M={m}: PDL on {on:.4f} ms, off {off:.4f} ms ({3 * dim * hidden / on / 1e9:.2f} / "
+              f"{3 * dim * hidden / off / 1e9:.2f} TB/s on the weights)", flush=True)
+        if not tiles:
+            continue
         bm = 16 if m <= 16 else 64
         firsts = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=w, num_stages=st)
                   for bn, w, st in itertools.product([32, 64], [4], [4, 6])]
@@ -77,10 +86,11 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--block", action="store_true")
     p.add_argument("--gated", action="store_true")
+    p.add_argument("--gated-pdl", action="store_true", help="--gated without the tile sweep, M = 1 and 16")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
-    if args.gated:
-        return sweep_gated()
+    if args.gated or args.gated_pdl:
+        return sweep_gated(ms=(1, 16) if args.gated_pdl else (1, 64), tiles=args.gated)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}

@@ -132,7 +132,11 @@ def fp8_gemm_kernel(
     # A_QUANT (QUANT_*): a is 16-bit and quantized to fp8 tile by tile as it is loaded, with the scales of
     # `_a_quant_scale` (a_scale_ptr: the partial row maxima [M, N_PARTS], or the static scale)
     A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, EPS: tl.constexpr = 1e-12, FP8_MAX: tl.constexpr = 448.0,
+    # launched as a programmatic dependent of the kernel before it (PDL, sm_90): wait for its memory first
+    PDL_WAIT: tl.constexpr = False,
 ):
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
     # split-K: SPLIT_K programs share an output tile, each over its own run of K steps, each writing a
     # float32 partial (y_ptr + split * stride_ys); the last of them to finish sums the partials (see the end)
     split = tl.program_id(0) % SPLIT_K
@@ -291,6 +295,7 @@ def fp8_gemm(
     fast_accum: bool = False,
     a_quant: int = NO_QUANT,
     tickets: Optional[torch.Tensor] = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """a: [M, K] fp8 (or bf16/fp16 with ``a_scale=None``: weight-only), b: [N, K] fp8.
 
@@ -301,7 +306,9 @@ def fp8_gemm(
     ``a_quant`` (``QUANT_ROWS`` / ``QUANT_TENSOR``: ``a_scale`` is ``[M, n]`` partial row maxima of the 16- or
     32-bit ``a``; ``QUANT_STATIC``: one static scale): the kernel quantizes ``a`` per token / per tensor as it loads
     it, so no quantization pass over ``a`` runs before. ``tickets``: split-K's, zeroed by an earlier kernel on
-    this stream (else zeroed here).
+    this stream (else zeroed here). ``pdl``: launch as a programmatic dependent of the previous kernel (it must
+    signal ``gdc_launch_dependents``; sm_90): this kernel's programs start while that one drains and wait for
+    its memory before their first read.
     """
     m, k = a.shape
     n = b.shape[0]
@@ -357,6 +364,6 @@ def fp8_gemm(
         B_ROWWISE=b_mode == PER_ROW, B_GROUPED=b_mode == PER_K_GROUP,
         B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8, IMPRECISE_K=imprecise_k(cfg, fast_accum),
         A_QUANT=a_quant, N_PARTS=a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1,
-        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **cfg,
+        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, **cfg, **({"launch_pdl": True} if pdl else {}),
     )
     return out

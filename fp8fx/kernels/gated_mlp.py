@@ -44,6 +44,7 @@ def gated_gemm_kernel(
     stride_am, stride_ak, stride_wn, stride_wk, stride_hm, stride_pm,
     A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    PDL_TRIGGER: tl.constexpr = False,  # the down GEMM is a programmatic dependent (PDL): let it launch
 ):
     pid = tl.program_id(0)
     # the down GEMM runs next on this stream: its tickets start at zero without a launch of their own
@@ -74,6 +75,8 @@ def gated_gemm_kernel(
         acc_u = tl.dot(a, u, acc_u, max_num_imprecise_acc=IMPRECISE_K)
         a_offs += BLOCK_K * stride_ak
         w_offs += BLOCK_K * stride_wk
+    if PDL_TRIGGER:  # the weights are read: the down GEMM's programs may start (they wait for this grid's memory)
+        tl.extra.cuda.gdc_launch_dependents()
 
     # epilogue: the scales, then act(g) * u rounded as the model's 16-bit ops round it
     if A_ROWWISE:
@@ -145,11 +148,14 @@ def gated_mlp(
     act: str = "silu",
     fast_accum: bool = False,
     configs: tuple[Optional[dict], Optional[dict]] = (None, None),
+    pdl: Optional[bool] = None,
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` in two kernels. xq: fp8 [M, K] with ``x_scale`` per token ([M] / [M, 1])
     or per tensor; w1 (gate), w3 (up): fp8 [I, K]; w2 (down): fp8 [N, I]; weight scales per tensor or per
     channel. ``h_quant``: ``QUANT_ROWS`` (per token), ``QUANT_TENSOR`` or ``QUANT_STATIC`` (``h_static``).
-    ``configs``: tiles of the two kernels (default: ``gated_tile_config``, ``down_tile_config``)."""
+    ``configs``: tiles of the two kernels (default: ``gated_tile_config``, ``down_tile_config``). ``pdl``: the down
+    GEMM a programmatic dependent launch of the first kernel (default: on CUDA GPUs of compute capability 9.0+,
+    where the hardware has it), so its launch overlaps the first kernel's end."""
     m, k = xq.shape
     i, n = w1.shape[0], w2.shape[0]
     if w3.shape != w1.shape or w1.shape[1] != k or w2.shape[1] != i:
@@ -173,14 +179,16 @@ def gated_mlp(
     h = torch.empty(m, i, device=xq.device, dtype=h_dtype)
     parts = torch.empty(m, triton.cdiv(i, cfg1["BLOCK_N"]), device=xq.device, dtype=torch.float32)
     x_scale = x_scale.float().reshape(-1).contiguous()
+    if pdl is None:
+        pdl = xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (9, 0)
     grid = (triton.cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
     gated_gemm_kernel[grid](
         xq, w1, w3, x_scale, s1, s3, h, parts, tickets,
         m, i, k, split_tiles,
         xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), h.stride(0), parts.stride(0),
         A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=rows1 or rows3, ACT=ACTIVATIONS[act],
-        IMPRECISE_K=imprecise_k(cfg1, fast_accum), **cfg1,
+        IMPRECISE_K=imprecise_k(cfg1, fast_accum), PDL_TRIGGER=pdl, **cfg1,
     )
     h_scale = h_static.float().reshape(1) if h_quant == QUANT_STATIC else parts
     return fp8_gemm(h, w2, h_scale, s2, bias, out_dtype, config=cfg2, fast_accum=fast_accum, a_quant=h_quant,
-                    tickets=tickets)
+                    tickets=tickets, pdl=pdl)

@@ -44,7 +44,8 @@ def compile_kernel(fn, types: dict, consts: dict, aligned: list, num_warps: int,
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool = False, a_quant: int = 0):
+def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool = False, a_quant: int = 0,
+                       pdl: bool = False):
     y_type = "*fp32" if cfg.get("SPLIT_K", 1) > 1 else "*bf16"  # split-K writes float32 partials
     types = dict(zip(POINTERS, [f"*{a_dtype}", "*fp8e4nv", y_type, "*fp32", "*fp32", "*bf16", "*bf16", "*i32"]))
     types.update({name: "i32" for name in INTS})
@@ -54,7 +55,7 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool 
     consts = dict(A_ROWWISE=a_row, A_GROUPED=a_grp, B_ROWWISE=b_row, B_GROUPED=b_grp, B_BLOCK_N=128 if b_grp else 1,
                   HAS_BIAS=True, A_FP8=a_dtype == "fp8e4nv" or a_quant > 0, IMPRECISE_K=promote,
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
-                  SPLIT_K=cfg.get("SPLIT_K", 1), A_QUANT=a_quant, N_PARTS=448, EPS=1e-12, FP8_MAX=448.0)
+                  SPLIT_K=cfg.get("SPLIT_K", 1), A_QUANT=a_quant, N_PARTS=448, EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl)
     aligned = POINTERS + ["N", "K", "stride_am", "stride_bn", "stride_ym"]
     stages = pipeline_stages({**cfg, "BLOCK_K": consts["BLOCK_K"]}, 1 if a_dtype == "fp8e4nv" else 2)
     return compile_kernel(fp8_gemm_kernel, types, consts, aligned, cfg["num_warps"], stages)
@@ -130,9 +131,11 @@ def test_down_gemm_quantizing_bf16_activations_compiles_for_sm90(a_quant, m):
     """The gated MLP's down GEMM: bf16 h quantized per K tile in the loop, scales from partial maxima;
     split K at M=1 (Llama-3-8B down: 4096 x 14336)."""
     cfg = down_tile_config(m, 4096, 14336)
-    kernel = compile_for_hopper("bf16", LAYOUTS["per-row"], cfg, a_quant=a_quant)
+    kernel = compile_for_hopper("bf16", LAYOUTS["per-row"], cfg, a_quant=a_quant, pdl=True)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"], "h must reach the dot as fp8 codes"
+    ptx = kernel.asm["ptx"]  # a programmatic dependent launch: it waits for the first kernel before any load
+    assert "griddepcontrol.wait" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
     assert stack_bytes(kernel) <= (0 if m == 1 or a_quant != QUANT_TENSOR else 272), stack_bytes(kernel)
 
 
@@ -145,9 +148,10 @@ def test_gated_gemm_compiles_for_sm90(m, w_rowwise):
                                       "*fp32", "*i32"]))
     types.update({name: "i32" for name in GATED_INTS})
     consts = dict(A_ROWWISE=m > 1, W_ROWWISE=w_rowwise, ACT=0, IMPRECISE_K=None, BLOCK_M=cfg["BLOCK_M"],
-                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"])
+                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True)
     stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
     kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
                             cfg["num_warps"], stages)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert stack_bytes(kernel) == 0, stack_bytes(kernel)
+    assert "griddepcontrol.launch_dependents" in kernel.asm["ptx"]  # lets the down GEMM launch early

@@ -171,6 +171,15 @@ def test_gated_mlp_cuda_graph_replays():
     args, _ = mlp_operands(1, 4096, 14336, 4096, "per-token/per-channel", "cuda")
     eager = [ops.gated_mlp(*args) for _ in range(3)]
     assert all(torch.equal(e, eager[0]) for e in eager)
+    # the down GEMM as a programmatic dependent launch (the default on the H200) or not: the same bits
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels.gated_mlp import gated_mlp
+
+    xq, xs, w1, s1, w3, s3, w2, s2, bias = args[:9]
+    for pdl in (False, True):
+        y = gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, bias, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16,
+                      pdl=pdl)
+        assert torch.equal(y, eager[0]), pdl
     assert_graph_replays_equal(lambda: ops.gated_mlp(*args), eager[0])
 
 
