@@ -41,6 +41,10 @@ and the GEMM's only launch besides zeroing the tickets. The tickets are fresh pe
 across calls would be allocated, the first time, inside whatever memory pool is active (Inductor's
 cudagraph trees warm up in theirs) and would be shared by graphs replayed on unordered streams.
 
+``A_QUANT``: the activations arrive 16-bit with partial row maxima (or a static scale) and each a tile is
+quantized to fp8 as it is loaded - the down GEMM of ``fp8fx.kernels.gated_mlp``, whose first kernel writes
+the maxima in its epilogue, so no quantization pass runs between the two.
+
 Addresses: 64-bit bases per program and 32-bit offsets inside its tiles (``fp8_gemm`` makes both operands
 row-major, so an offset stays under BLOCK_M * K or BLOCK_N * K); [BM, BK] tensors of 64-bit pointers
 carried through the pipelined K loop spilled registers at the prefill tiles.

@@ -14,8 +14,9 @@ replay 0.0697 ms against 0.0562 ms of kernels at M=1, benchmarks/RESULTS.md run 
 2. ``fp8_gemm_kernel`` with ``A_QUANT``: the down GEMM takes the 16-bit h, reduces each row's partial
    maxima to its scale (or all rows', per tensor) and quantizes each h tile as it loads it.
 
-The quantization is ``fp8fx.quant``'s (scale = max(amax, 1e-12) / 448, IEEE division, saturating
-cast); the result differs from the unfused graph's only where Inductor kept h in float32 there.
+The quantization is ``fp8fx.quant``'s scale (max(amax, 1e-12) / 448, IEEE division) and saturating cast,
+the codes h times the scale's reciprocal (a code can differ from ``fp8fx.quant``'s division only at a
+rounding tie); otherwise the result differs from the unfused graph's where Inductor kept h in float32.
 Run for M <= ``fp8fx.ops.TRITON_MAX_M`` with per-tensor / per-channel weights and per-token / per-tensor
 activations; the pass (``fp8fx.passes.mlp``) emits it up to ``GATED_MAX_M`` = 16 tokens, where it was measured
 faster than the unfused GEMMs (at 64, each of the down GEMM's N tiles reads the whole [64, I] intermediate).

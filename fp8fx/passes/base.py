@@ -8,7 +8,6 @@ import re
 import sys
 from typing import Any, Optional
 
-import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 

@@ -23,7 +23,6 @@ per weight.
 """
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 from collections import defaultdict
 

@@ -14,8 +14,8 @@ gaps, and this drops the act * mul + quantization kernel and the split-K ticket 
 
 Only where the graph's token count is static and at most ``fp8fx.ops.GATED_MAX_M`` (16: measured faster
 there, slower at 64; larger batches keep the Triton / cuBLAS GEMMs with the quantization fused into the
-producers by Inductor) and the scales are per-tensor / per-row;
-every matched MLP that is not fused says why in its three sites' report lines.
+producers by Inductor) and the scales are per-tensor / per-row. Every matched MLP that is not fused says
+why in its three sites' report lines.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ from typing import Optional
 import torch
 from torch import fx
 
-import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.ops import GATED_MAX_M, _tensor_or_row
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value
 from fp8fx.passes.linear import _name_of
@@ -172,9 +171,9 @@ class GatedMlpPass(Fp8Pass):
     @staticmethod
     def _fuse(graph: fx.Graph, mlp: _Mlp) -> fx.Node:
         gate, up, down = mlp.gemms
-        xq, x_scale, w1, s1, _, x_block, w_block, h_dtype, fast = gate.args
+        xq, x_scale, w1, s1, _, x_block, w_block, _, fast = gate.args
         _, _, w2, s2, bias, h_block, w2_block, out_dtype, _ = down.args
-        h_dtype = fake_value(mlp.mul).dtype  # the model's act * mul dtype
+        h_dtype = fake_value(mlp.mul).dtype  # the model's act * mul dtype (autocast may differ from gate's)
         args = (xq, x_scale, w1, s1, up.args[2], up.args[3], w2, s2, bias, list(x_block), list(w_block),
                 list(h_block), list(w2_block), mlp.h_static, "silu", h_dtype, out_dtype, fast)
         with graph.inserting_before(down):

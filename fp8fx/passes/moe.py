@@ -564,8 +564,7 @@ class MoePass(Fp8Pass):
                 "(is the experts module called more than once in this graph, or a weight read outside it?)"
             )
         out = outputs[0]
-        w13, w2 = site.dequant["w13"], site.dequant["w2"]
-        e, two_i, h = _shape(w13)
+        e, two_i, h = _shape(site.dequant["w13"])
         inputs: dict[fx.Node, Val] = {}
         dequants = [n for n in site.region if n.target in _DEQUANT]
         for d in dequants:
@@ -579,8 +578,7 @@ class MoePass(Fp8Pass):
         by_role = {r: n for n, r in roles.items()}
         if {"x", "ids", "wts"} - set(by_role):
             raise _NoMatch(f"the experts do not read hidden_states, top_k_index and top_k_weights (found {sorted(by_role)})")
-        interp = _Interpreter(inputs,
-                              e, two_i // 2, h, _shape(by_role["ids"])[1])
+        interp = _Interpreter(inputs, e, two_i // 2, h, _shape(by_role["ids"])[1])
         interp.run(site.region)
         result = interp.val.get(out)
         if result is None or result.kind != "sum" or result.fdim != -1:

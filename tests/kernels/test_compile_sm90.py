@@ -4,7 +4,6 @@ Triton compiles ahead of time for a named target (its wheel ships ptxas), so the
 (e.g. no non-constexpr module globals inside a kernel, which the interpreter does not enforce) and
 the NVIDIA back end are checked in CI, not first on the GPU.
 """
-import itertools
 import os
 import re
 import subprocess
