@@ -310,9 +310,9 @@ def fp8_gemm(
     ``a_quant`` (``QUANT_ROWS`` / ``QUANT_TENSOR``: ``a_scale`` is ``[M, n]`` partial row maxima of the 16- or
     32-bit ``a``; ``QUANT_STATIC``: one static scale): the kernel quantizes ``a`` per token / per tensor as it loads
     it, so no quantization pass over ``a`` runs before. ``tickets``: split-K's, zeroed by an earlier kernel on
-    this stream (else zeroed here). ``pdl``: launch as a programmatic dependent of the previous kernel (it must
-    signal ``gdc_launch_dependents``; sm_90): this kernel's programs start while that one drains and wait for
-    its memory before their first read.
+    this stream (else zeroed here). ``pdl``: launch as a programmatic dependent of the previous kernel (compute
+    capability 9.0+): this kernel's programs wait for that kernel's whole grid and memory before their first
+    access, and start early where it signals ``gdc_launch_dependents`` (``fp8fx.kernels.gated_mlp``).
     """
     m, k = a.shape
     n = b.shape[0]
@@ -329,6 +329,9 @@ def fp8_gemm(
         )
     if a_block is not None and a_block[0] not in (-1, 1):
         raise ValueError(f"fp8_gemm: activation scales per token or per tensor along M; got a_block={a_block}")
+    if pdl and (not a.is_cuda or torch.cuda.get_device_capability(a.device) < (9, 0)):
+        raise ValueError(f"fp8_gemm: pdl=True (programmatic dependent launch) needs a CUDA GPU of compute "
+                         f"capability 9.0 or newer; a is on {a.device}")
     if a_quant != NO_QUANT and (a_block is not None or a.element_size() == 1 or a_scale.dtype != torch.float32):
         raise ValueError(f"fp8_gemm: a_quant={a_quant} takes 16/32-bit activations and float32 maxima or scale, no "
                          f"a_block; got {a.dtype}, {a_scale.dtype}, a_block={a_block}")

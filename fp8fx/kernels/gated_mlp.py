@@ -23,6 +23,7 @@ faster than the unfused GEMMs (at 64, each of the down GEMM's N tiles reads the 
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -180,16 +181,22 @@ def gated_mlp(
     h = torch.empty(m, i, device=xq.device, dtype=h_dtype)
     parts = torch.empty(m, triton.cdiv(i, cfg1["BLOCK_N"]), device=xq.device, dtype=torch.float32)
     x_scale = x_scale.float().reshape(-1).contiguous()
+    # everything the down GEMM reads is ready before the first launch: a copy or cast launched between the two
+    # kernels would become the down GEMM's predecessor (no overlap)
+    h_scale = h_static.float().reshape(1).contiguous() if h_quant == QUANT_STATIC else parts
+    w2, s2 = w2.contiguous(), s2.float().contiguous()
+    bias = None if bias is None else bias.contiguous()
     if pdl is None:
         pdl = xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (9, 0)
     grid = (triton.cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
-    gated_gemm_kernel[grid](
-        xq, w1, w3, x_scale, s1, s3, h, parts, tickets,
-        m, i, k, split_tiles,
-        xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), h.stride(0), parts.stride(0),
-        A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=rows1 or rows3, ACT=ACTIVATIONS[act],
-        IMPRECISE_K=imprecise_k(cfg1, fast_accum), PDL_TRIGGER=pdl, **cfg1,
-    )
-    h_scale = h_static.float().reshape(1) if h_quant == QUANT_STATIC else parts
-    return fp8_gemm(h, w2, h_scale, s2, bias, out_dtype, config=cfg2, fast_accum=fast_accum, a_quant=h_quant,
-                    tickets=tickets, pdl=pdl)
+    # Triton compiles for and launches on the current device: make it xq's
+    with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
+        gated_gemm_kernel[grid](
+            xq, w1, w3, x_scale, s1, s3, h, parts, tickets,
+            m, i, k, split_tiles,
+            xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), h.stride(0), parts.stride(0),
+            A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=rows1 or rows3, ACT=ACTIVATIONS[act],
+            IMPRECISE_K=imprecise_k(cfg1, fast_accum), PDL_TRIGGER=pdl, **cfg1,
+        )
+        return fp8_gemm(h, w2, h_scale, s2, bias, out_dtype, config=cfg2, fast_accum=fast_accum, a_quant=h_quant,
+                        tickets=tickets, pdl=pdl)

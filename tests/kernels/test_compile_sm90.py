@@ -31,13 +31,23 @@ LAYOUTS = {  # (A_ROWWISE, A_GROUPED, B_ROWWISE, B_GROUPED)
 }
 
 
+# strides that are 1 in every real call (row-major operands, contiguous scales): Triton's JIT turns an int
+# argument equal to 1 into a constant, and the kernel it compiles then loads those tiles with cp.async
+# (pipelined) where one compiled with them as plain ints makes byte loads
+UNIT = ["stride_ak", "stride_bk", "stride_yn", "stride_ask", "stride_bsk", "stride_wk"]
+
+
 def compile_kernel(fn, types: dict, consts: dict, aligned: list, num_warps: int, num_stages: int):
-    """``fn`` compiled for sm_90: ``types`` (pointers and ints) then ``consts``, in the kernel's parameter
-    order (the signature's order gives the constexprs' indices); ``aligned``: the arguments Triton's JIT
-    would see divisible by 16 in real calls (pointers, sizes, leading strides)."""
-    signature = {**types, **{name: "constexpr" for name in consts}}
+    """``fn`` compiled for sm_90 as Triton's JIT compiles a real call: ``types`` (pointers and ints) then
+    ``consts``, in the kernel's parameter order (the signature's order gives the constexprs' indices); the
+    ``UNIT`` strides are the constant 1; ``aligned``: the arguments the JIT would see divisible by 16
+    (pointers, sizes, leading strides)."""
+    units = {name: 1 for name in types if name in UNIT}
+    signature = {**{k: "constexpr" if k in units else t for k, t in types.items()},
+                 **{name: "constexpr" for name in consts}}
     names = list(signature)
-    src = ASTSource(fn=fn, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
+    src = ASTSource(fn=fn, signature=signature,
+                    constexprs={(names.index(k),): v for k, v in {**units, **consts}.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned})
     options = {"num_warps": num_warps, "num_stages": num_stages}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
@@ -133,8 +143,12 @@ def test_down_gemm_quantizing_bf16_activations_compiles_for_sm90(a_quant, m):
     kernel = compile_for_hopper("bf16", LAYOUTS["per-row"], cfg, a_quant=a_quant, pdl=True)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"], "h must reach the dot as fp8 codes"
-    ptx = kernel.asm["ptx"]  # a programmatic dependent launch: it waits for the first kernel before any load
-    assert "griddepcontrol.wait" in ptx and ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
+    # a programmatic dependent launch: it waits for the first kernel before any global memory access (not one
+    # hoisted above the wait, the pipelined prologue's cp.async loads included)
+    ptx = kernel.asm["ptx"]
+    before = ptx[:ptx.index("griddepcontrol.wait")]
+    assert not re.search(r"\b(ld\.global|cp\.async|atom\.|red\.|st\.global)", before), before[-2000:]
+    assert "cp.async" in ptx, "the weight tiles are loaded through the pipeline (as in a real call)"
     assert stack_bytes(kernel) <= (0 if m == 1 or a_quant != QUANT_TENSOR else 272), stack_bytes(kernel)
 
 
