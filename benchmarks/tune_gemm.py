@@ -6,6 +6,7 @@
     python benchmarks/tune_gemm.py --shapes down   # one layer
     python benchmarks/tune_gemm.py --gated    # the fused decode MLP's two kernels (fp8fx.kernels.gated_mlp)
     python benchmarks/tune_gemm.py --gated-pdl    # only its programmatic-dependent-launch on / off
+    python benchmarks/tune_gemm.py --shapes down --tma   # every decode candidate also with TMA weight loads
 
 Every candidate is checked against the current configuration's output before it is timed.
 """
@@ -22,8 +23,12 @@ from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
 SHAPES = {"gate_up": (28672, 4096), "gate": (14336, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
 
 
-def candidates(m, block: bool):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K)."""
+def candidates(m, block: bool, tma: bool = False):
+    """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, TMA)."""
+    return [(*c, t) for c in _tiles(m, block) for t in ((False, True) if tma else (False,))]
+
+
+def _tiles(m, block: bool):
     if block:  # BLOCK_K is the 128 of the scale groups; prefill only (the target is M >= 2048): ~16 configs
         return itertools.product([64, 128], [128, 256], [128], [8], [4, 8], [3, 4], [1])
     if m <= 16:  # 24 configs per shape: a device call compiles each once (~1 s); BLOCK_K >= 256 spilled
@@ -40,7 +45,7 @@ def time_ms(fn, graph: bool = False):
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def sweep_gated(ms=(1, 64), dim=4096, hidden=14336, tiles=True):
+def sweep_gated(ms=(1, 64), dim=4096, hidden=14336, tiles=True, tma=False):
     """The Llama-3-8B MLP through ``gated_mlp`` (two kernels, one CUDA-graph replay, L2 flushed): with and
     without the down GEMM as a programmatic dependent launch; with ``tiles``, the gate/up kernel's tiles with
     the down GEMM's default, then the down GEMM's with the gate/up default."""
@@ -67,8 +72,8 @@ def sweep_gated(ms=(1, 64), dim=4096, hidden=14336, tiles=True):
         bm = 16 if m <= 16 else 64
         firsts = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=w, num_stages=st)
                   for bn, w, st in itertools.product([32, 64], [4], [4, 6])]
-        downs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=st, SPLIT_K=sk)
-                 for bn, st, sk in itertools.product([32, 64], [4, 6], [2, 4])]
+        downs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=st, SPLIT_K=sk, TMA=t)
+                 for bn, st, sk, t in itertools.product([32, 64], [4, 6], [2, 4], (False, True) if tma else (False,))]
         for which, cands in (("gate/up", [(c, None) for c in firsts]), ("down", [(None, c) for c in downs])):
             results = []
             for c1, c2 in cands:
@@ -90,10 +95,11 @@ def main(argv=None):
     p.add_argument("--block", action="store_true")
     p.add_argument("--gated", action="store_true")
     p.add_argument("--gated-pdl", action="store_true", help="--gated without the tile sweep, M = 1 and 16")
+    p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
     if args.gated or args.gated_pdl:
-        return sweep_gated(ms=(1, 16) if args.gated_pdl else (1, 64), tiles=args.gated)
+        return sweep_gated(ms=(1, 16) if args.gated_pdl else (1, 64), tiles=args.gated, tma=args.tma)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}
@@ -103,8 +109,9 @@ def main(argv=None):
         gemm = lambda cfg=None: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
         ref = gemm().float()
         results, graph = [], not args.block
-        for bm, bn, bk, gm, warps, stages, split in candidates(m, args.block):
-            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages, SPLIT_K=split)
+        for bm, bn, bk, gm, warps, stages, split, tma in candidates(m, args.block, args.tma):
+            cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages, SPLIT_K=split,
+                       TMA=tma)
             try:
                 assert (gemm(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
                 results.append((time_ms(lambda: gemm(cfg), graph), cfg))

@@ -121,6 +121,8 @@ def fp8_gemm_kernel(
     # tensors (split-K: y is the float32 partials [SPLIT_K, M, N], out the result, tickets one int32 per
     # output tile, zero on entry)
     a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, tickets_ptr,
+    # B_DESC: b's [BLOCK_N, BLOCK_K] tiles through a host tensor descriptor (Hopper's TMA), else None
+    b_desc,
     # sizes
     M, N, K,
     # strides
@@ -138,6 +140,7 @@ def fp8_gemm_kernel(
     A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, EPS: tl.constexpr = 1e-12, FP8_MAX: tl.constexpr = 448.0,
     # launched as a programmatic dependent of the kernel before it (PDL, sm_90): wait for its memory first
     PDL_WAIT: tl.constexpr = False,
+    B_DESC: tl.constexpr = False,
 ):
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
@@ -182,7 +185,10 @@ def fp8_gemm_kernel(
     for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
         k_left = K - k * BLOCK_K
         a = tl.load(a_tile + a_offs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
-        b = tl.load(b_tile + b_offs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
+        if B_DESC:  # bulk copies into shared memory, zero past N and K
+            b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
+        else:
+            b = tl.load(b_tile + b_offs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
         a_offs += BLOCK_K * stride_ak
         b_offs += BLOCK_K * stride_bk
         if A_QUANT:  # the 16-bit tile to fp8 codes, saturated as fp8fx.quant does (NaN kept)
@@ -268,6 +274,19 @@ def imprecise_k(cfg: dict, fast_accum: bool) -> Optional[int]:
     sm_90) with ``fast_accum``, else one promotion per K step. It changes only wgmma tiles (BLOCK_M >= 64):
     tiles of fewer rows run mma.sync, which accumulates in float32, and compile to the same PTX."""
     return None if fast_accum else cfg["BLOCK_K"]
+
+
+def _weight_descriptor(b: torch.Tensor, cfg: dict):
+    """A host tensor descriptor of the weight ``b`` [N, K] in ``cfg``'s [BLOCK_N, BLOCK_K] tiles (the kernel's
+    loads become Hopper TMA copies, zero-filled past the edges), or None where TMA cannot address it: rows
+    and base must be 16-byte aligned. Opt-in per tile configuration (``TMA=True``), not yet timed on the
+    H200; ``tune_gemm.py`` sweeps it."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    n, k = b.shape
+    if b.stride(1) != 1 or (b.stride(0) * b.element_size()) % 16 or b.data_ptr() % 16:
+        return None
+    return TensorDescriptor(b, [n, k], [b.stride(0), 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
 
 
 def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[int, int]], what: str):
@@ -362,8 +381,9 @@ def fp8_gemm(
         tickets = torch.zeros(tiles, device=a.device, dtype=torch.int32)
     elif tickets.numel() < tiles or tickets.dtype != torch.int32:
         raise ValueError(f"fp8_gemm: split-K needs {tiles} int32 tickets; got {tickets.numel()} {tickets.dtype}")
+    b_desc = _weight_descriptor(b, cfg) if cfg.pop("TMA", False) else None
     fp8_gemm_kernel[(tiles * split_k,)](
-        a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets,
+        a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets, b_desc,
         m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(1), y.stride(2), y.stride(0),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
@@ -371,6 +391,7 @@ def fp8_gemm(
         B_ROWWISE=b_mode == PER_ROW, B_GROUPED=b_mode == PER_K_GROUP,
         B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8, IMPRECISE_K=imprecise_k(cfg, fast_accum),
         A_QUANT=a_quant, N_PARTS=a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1,
-        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, **cfg, **({"launch_pdl": True} if pdl else {}),
+        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, B_DESC=b_desc is not None, **cfg,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out

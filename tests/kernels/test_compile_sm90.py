@@ -20,6 +20,7 @@ from fp8fx.kernels.fp8_gemm import imprecise_k, pipeline_stages, tile_config  # 
 from fp8fx.kernels.gated_mlp import down_tile_config, gated_gemm_kernel, gated_tile_config  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr", "out_ptr", "tickets_ptr"]
+# (fp8_gemm_kernel's b_desc follows the pointers: a tensor descriptor type, or the constant None)
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_ym", "stride_yn", "stride_ys",
         "stride_asm", "stride_ask", "stride_bsn", "stride_bsk"]
 GATED_POINTERS = ["a_ptr", "w1_ptr", "w3_ptr", "a_scale_ptr", "s1_ptr", "s3_ptr", "h_ptr", "parts_ptr", "tickets_ptr"]
@@ -42,7 +43,8 @@ def compile_kernel(fn, types: dict, consts: dict, aligned: list, num_warps: int,
     ``consts``, in the kernel's parameter order (the signature's order gives the constexprs' indices); the
     ``UNIT`` strides are the constant 1; ``aligned``: the arguments the JIT would see divisible by 16
     (pointers, sizes, leading strides)."""
-    units = {name: 1 for name in types if name in UNIT}
+    # constants among the arguments: the unit strides, and any given as a value rather than a type string
+    units = {name: 1 if name in UNIT else t for name, t in types.items() if name in UNIT or not isinstance(t, str)}
     signature = {**{k: "constexpr" if k in units else t for k, t in types.items()},
                  **{name: "constexpr" for name in consts}}
     names = list(signature)
@@ -57,14 +59,16 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool 
                        pdl: bool = False):
     y_type = "*fp32" if cfg.get("SPLIT_K", 1) > 1 else "*bf16"  # split-K writes float32 partials
     types = dict(zip(POINTERS, [f"*{a_dtype}", "*fp8e4nv", y_type, "*fp32", "*fp32", "*bf16", "*bf16", "*i32"]))
-    types.update({name: "i32" for name in INTS})
     a_row, a_grp, b_row, b_grp = layout
     block_k = 128 if (a_grp or b_grp) else cfg["BLOCK_K"]
+    types["b_desc"] = f"tensordesc<fp8e4nv[{cfg['BLOCK_N']}, {block_k}]>" if cfg.get("TMA") else None
+    types.update({name: "i32" for name in INTS})
     promote = imprecise_k({"BLOCK_K": block_k}, fast_accum)
     consts = dict(A_ROWWISE=a_row, A_GROUPED=a_grp, B_ROWWISE=b_row, B_GROUPED=b_grp, B_BLOCK_N=128 if b_grp else 1,
                   HAS_BIAS=True, A_FP8=a_dtype == "fp8e4nv" or a_quant > 0, IMPRECISE_K=promote,
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
-                  SPLIT_K=cfg.get("SPLIT_K", 1), A_QUANT=a_quant, N_PARTS=448, EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl)
+                  SPLIT_K=cfg.get("SPLIT_K", 1), A_QUANT=a_quant, N_PARTS=448, EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl,
+                  B_DESC=bool(cfg.get("TMA")))
     aligned = POINTERS + ["N", "K", "stride_am", "stride_bn", "stride_ym"]
     stages = pipeline_stages({**cfg, "BLOCK_K": consts["BLOCK_K"]}, 1 if a_dtype == "fp8e4nv" else 2)
     return compile_kernel(fp8_gemm_kernel, types, consts, aligned, cfg["num_warps"], stages)
@@ -168,3 +172,15 @@ def test_gated_gemm_compiles_for_sm90(m, w_rowwise):
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert stack_bytes(kernel) == 0, stack_bytes(kernel)
     assert "griddepcontrol.launch_dependents" in kernel.asm["ptx"]  # lets the down GEMM launch early
+
+
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 14336), (1, 28672, 4096), (16, 4096, 14336), (64, 6144, 4096)])
+@pytest.mark.parametrize("a_quant", [0, QUANT_ROWS])
+def test_tma_weight_loads_compile_for_sm90(m, n, k, a_quant):
+    """``TMA=True`` (opt-in, for tune_gemm.py to time): the weight tiles arrive by bulk tensor copies, pipelined,
+    and nothing spills, fp8 or 16-bit (the gated MLP's down GEMM) activations."""
+    cfg = {**(down_tile_config(m, n, k) if a_quant else tile_config(m, n, k)), "TMA": True}
+    kernel = compile_for_hopper("bf16" if a_quant else "fp8e4nv", LAYOUTS["per-row"], cfg, a_quant=a_quant)
+    ptx = kernel.asm["ptx"]
+    assert ptx.count("cp.async.bulk.tensor") >= 2, "the weight loads must be TMA copies, more than one in flight"
+    assert kernel.metadata.shared <= 227 * 1024 and stack_bytes(kernel) == 0, stack_bytes(kernel)

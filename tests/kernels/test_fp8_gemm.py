@@ -43,7 +43,8 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
     xq, xs, wq, ws, bias = operands(m, n, k, x_block, w_block, "cuda")
     ref = reference(xq, xs, x_block, wq, ws, w_block, bias, dtype)
     configs = [tile_config(cfg_m, n, k) for cfg_m in (1, 64, 4096)] + [{**tile_config(1, n, k), "SPLIT_K": 3}]
-    for cfg in configs:  # every tile configuration on every shape, and split K
+    configs += [{**cfg, "TMA": True} for cfg in configs[:2]]  # the weight by TMA copies (rows of K % 16 == 0 bytes)
+    for cfg in configs:  # every tile configuration on every shape, split K, TMA
         y = fp8_gemm(xq, wq, xs, ws, bias.to(dtype), dtype, config=cfg)
         assert y.dtype == dtype and y.shape == (m, n)
         err = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
@@ -252,3 +253,40 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 def test_fp8_gemm_under_triton_interpreter():
     assert "interpreter ok" in run_under_triton_interpreter(["-c", INTERPRETER_CHECK])
+
+
+TMA_CHECK = textwrap.dedent(
+    """
+    import torch
+    from fp8fx import quant
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
+
+    # the weight through a tensor descriptor (TMA=True) gives the pointer loads' bits: ragged N, K a multiple of
+    # 16 but not of BLOCK_K (the last K tile zero-filled), split K, per-row and 128x128 blocks, weight-only
+    g = torch.Generator().manual_seed(0)
+    for m, n, k, x_block, w_block, split in [(1, 200, 304, [1, -1], [1, -1], 1), (7, 130, 1008, [1, -1], [-1, -1], 3),
+                                             (3, 257, 384, [1, 128], [128, 128], 2)]:
+        xq, xs = quant.quantize(torch.randn(m, k, generator=g), x_block)
+        wq, ws = quant.quantize(torch.randn(n, k, generator=g), w_block)
+        blocks = dict(a_block=tuple(x_block), b_block=tuple(w_block)) if w_block[1] != -1 else {}
+        cfg = {**tile_config(1, n, k), "SPLIT_K": split}
+        plain = fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)
+        tma = fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config={**cfg, "TMA": True}, **blocks)
+        assert torch.equal(plain, tma), (m, n, k, (plain.float() - tma.float()).abs().max())
+    x = torch.randn(5, 304, generator=g).to(torch.bfloat16)
+    wq, ws = quant.quantize(torch.randn(100, 304, generator=g), [1, -1])
+    cfg = tile_config(1, 100, 304)
+    assert torch.equal(fp8_gemm(x, wq, None, ws, None, torch.bfloat16, config=cfg),
+                       fp8_gemm(x, wq, None, ws, None, torch.bfloat16, config={**cfg, "TMA": True}))
+    print("tma ok")
+    """
+)
+
+
+def test_tma_weight_loads_under_triton_interpreter():
+    """The opt-in TMA weight loads (``TMA=True`` in a tile configuration) against the pointer loads, bit for bit
+    (the interpreter's descriptors: triton 3.9; 3.6's interpreter cannot run them)."""
+    triton = pytest.importorskip("triton")
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
+        pytest.skip(f"triton {triton.__version__}'s interpreter does not run tensor descriptors (3.9 does)")
+    assert "tma ok" in run_under_triton_interpreter(["-c", TMA_CHECK])
