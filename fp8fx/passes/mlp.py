@@ -8,7 +8,13 @@ Matches (after the linear pass), with the same ``xq`` / ``x_scale`` feeding gate
     hq, h_scale = fp8fx.quantize(h, h_block)            # or fp8fx.quantize_static(h, s)
     y = fp8fx.scaled_mm(hq, h_scale, w2, s2, b2, h_block, w2_block, dtype, fast)
 
-Rewrites to ``y = fp8fx.gated_mlp(xq, x_scale, w1, s1, w3, s3, w2, s2, b2, ...)``, which runs two Triton
+or gate and up as one merged layer (Phi-3's ``gate_up_proj``, vLLM's merged column layout: gate rows first)::
+
+    gu = fp8fx.scaled_mm(xq, x_scale, w13, s13, None, x_block, w_block, dtype, fast)
+    g, u = gu.chunk(2, dim=-1)                          # or torch.chunk / split into two equal halves
+
+Rewrites to ``y = fp8fx.gated_mlp(xq, x_scale, w1, s1, w3, s3, w2, s2, b2, ...)`` (a merged layer's halves
+as row views ``w13[:I]``, ``w13[I:]`` of its weight and per-channel scale), which runs two Triton
 kernels on CUDA (``fp8fx.kernels.gated_mlp``): at decode sizes the step is weight streaming plus launch
 gaps, and this drops the act * mul + quantization kernel and the split-K ticket zeroing from it.
 
@@ -41,17 +47,22 @@ _MUL = (operator.mul, torch.mul, torch.ops.aten.mul.Tensor)
 
 @dataclasses.dataclass
 class _Mlp:
-    gate: fx.Node
-    up: fx.Node
+    gate: fx.Node  # the gate GEMM, or the merged gate/up GEMM
+    up: fx.Node  # the up GEMM, or the same merged one
     act: fx.Node
     mul: fx.Node
     quant: list[fx.Node]  # the quantization's nodes (quantize and its getitems, or quantize_static)
     down: fx.Node
     h_static: Optional[fx.Node]
+    halves: list[fx.Node] = dataclasses.field(default_factory=list)  # merged: the chunk and its two getitems
+
+    @property
+    def merged(self) -> bool:
+        return self.gate is self.up
 
     @property
     def gemms(self) -> list[fx.Node]:
-        return [self.gate, self.up, self.down]
+        return [self.gate, self.down] if self.merged else [self.gate, self.up, self.down]
 
 
 def _is_gemm(node) -> bool:
@@ -91,6 +102,42 @@ def _quantized(down: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node], Optional
     return None
 
 
+_CHUNK = (torch.chunk, torch.split, torch.Tensor.chunk, torch.Tensor.split)
+
+
+def _half(node) -> Optional[tuple[fx.Node, int, fx.Node]]:
+    """(GEMM, 0 or 1, the chunk / split node) when ``node`` is the first or second half of a GEMM's output cut
+    in two along its last dim (``gu.chunk(2, -1)``, ``torch.split(gu, I, -1)``), else None."""
+    if not (isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] in (0, 1)):
+        return None
+    cut = node.args[0]
+    if not isinstance(cut, fx.Node) or not (cut.op == "call_function" and cut.target in _CHUNK
+                                            or cut.op == "call_method" and cut.target in ("chunk", "split")):
+        return None
+    gemm, size = (list(cut.args) + [None])[:2]
+    size = cut.kwargs.get("chunks", cut.kwargs.get("split_size_or_sections", cut.kwargs.get("split_size", size)))
+    dim = cut.kwargs.get("dim", cut.args[2] if len(cut.args) > 2 else 0)
+    out = fake_value(gemm) if _is_gemm(gemm) else None
+    if out is None or dim not in (-1, out.dim() - 1):
+        return None
+    width = out.shape[-1]
+    is_chunk = cut.target in (torch.chunk, torch.Tensor.chunk, "chunk")
+    if not isinstance(width, int) or width % 2 or size != (2 if is_chunk else width // 2):
+        return None
+    return gemm, node.args[1], cut
+
+
+def _gate_up(act_input, up) -> Optional[tuple[fx.Node, fx.Node, list[fx.Node]]]:
+    """(gate GEMM, up GEMM, []) for two GEMMs, or (merged GEMM, the same, [chunk, getitem 0, getitem 1]) for
+    the two halves of one, else None."""
+    if _is_gemm(act_input) and _is_gemm(up):
+        return act_input, up, []
+    first, second = _half(act_input), _half(up)
+    if first and second and first[1] == 0 and second[1] == 1 and first[2] is second[2]:
+        return first[0], first[0], [first[2], act_input, up]
+    return None
+
+
 def _match(down: fx.Node) -> tuple[Optional[_Mlp], str]:
     """(the gated MLP ending in ``down``, "") - the structure only, `_why_not` checks the rest - or, for
     ``down(act(gate(x)) * up(x))`` with another activation than an out-of-place SiLU, (it, why it is not
@@ -102,9 +149,11 @@ def _match(down: fx.Node) -> tuple[Optional[_Mlp], str]:
     if not isinstance(h, fx.Node) or not _is_mul(h) or len(h.args) != 2 or h.kwargs:
         return None, ""
     for act, up in (h.args, reversed(h.args)):
-        if isinstance(act, fx.Node) and act.op in ("call_function", "call_method") and _is_gemm(_input(act)) \
-                and _is_gemm(up):
-            mlp = _Mlp(_input(act), up, act, h, quant, down, h_static)
+        found = _gate_up(_input(act), up) if isinstance(act, fx.Node) and act.op in (
+            "call_function", "call_method") else None
+        if found:
+            gate, up_gemm, halves = found
+            mlp = _Mlp(gate, up_gemm, act, h, quant, down, h_static, halves)
             if _is_silu(act):
                 return mlp, ""
             what = _name_of(act) + (" in place" if _in_place(act) else "")
@@ -137,7 +186,7 @@ class GatedMlpPass(Fp8Pass):
 
     @staticmethod
     def _why_not(mlp: _Mlp) -> str:
-        gate, up, down = mlp.gemms
+        gate, up, down = mlp.gate, mlp.up, mlp.down
         static = [n.args[0].target is _QUANTIZE_STATIC for n in (gate, up) if isinstance(n.args[0], fx.Node)]
         if gate.args[:2] != up.args[:2] and static == [True, True]:
             return "gate and up have their own static input scales (x is quantized once for each)"
@@ -147,6 +196,8 @@ class GatedMlpPass(Fp8Pass):
             return "gate or up has a bias"
         if fake_value(gate.args[2]).shape != fake_value(up.args[2]).shape:
             return "gate and up weights differ in shape"
+        if mlp.merged and fake_value(gate.args[3]).numel() not in (1, fake_value(gate.args[2]).shape[0]):
+            return "the merged gate/up layer's scale is neither per-tensor nor per-channel"
         x_block, w_block = gate.args[5:7]
         h_block, w2_block = down.args[5:7]
         if not (_tensor_or_row(x_block, w_block) and _tensor_or_row(h_block, w2_block)):
@@ -154,7 +205,13 @@ class GatedMlpPass(Fp8Pass):
                     "per-tensor / per-row scales only")
         sole = lambda n, user: list(n.users) == [user]  # noqa: E731
         quantize, outputs = mlp.quant[0], mlp.quant[1:] or mlp.quant  # what only down may read
-        if not (sole(gate, mlp.act) and sole(mlp.act, mlp.mul) and sole(up, mlp.mul) and sole(mlp.mul, quantize)
+        if mlp.merged:  # gu -> chunk -> (gate half -> act, up half -> mul)
+            cut, first, second = mlp.halves
+            gate_ok = sole(gate, cut) and set(cut.users) == {first, second} and sole(first, mlp.act)
+            up_ok = sole(second, mlp.mul)
+        else:
+            gate_ok, up_ok = sole(gate, mlp.act), sole(up, mlp.mul)
+        if not (gate_ok and up_ok and sole(mlp.act, mlp.mul) and sole(mlp.mul, quantize)
                 and all(sole(n, down) for n in outputs) and set(quantize.users) <= set(outputs) | {down}):
             return "an intermediate (gate, up, act, their product or its quantization) has another reader"
         rows = 1
@@ -170,20 +227,40 @@ class GatedMlpPass(Fp8Pass):
 
     @staticmethod
     def _fuse(graph: fx.Graph, mlp: _Mlp) -> fx.Node:
-        gate, up, down = mlp.gemms
+        gate, up, down = mlp.gate, mlp.up, mlp.down
         xq, x_scale, w1, s1, _, x_block, w_block, _, fast = gate.args
+        w3, s3 = up.args[2:4]
         _, _, w2, s2, bias, h_block, w2_block, out_dtype, _ = down.args
         h_dtype = fake_value(mlp.mul).dtype  # the model's act * mul dtype (autocast may differ from gate's)
-        args = (xq, x_scale, w1, s1, up.args[2], up.args[3], w2, s2, bias, list(x_block), list(w_block),
-                list(h_block), list(w2_block), mlp.h_static, "silu", h_dtype, out_dtype, fast)
         with graph.inserting_before(down):
+            if mlp.merged:  # gate rows first: [:I] and [I:] of the weight and of a per-channel scale
+                (w1, s1), (w3, s3) = (GatedMlpPass._rows(graph, w1, s1, half) for half in (0, 1))
+            args = (xq, x_scale, w1, s1, w3, s3, w2, s2, bias, list(x_block), list(w_block),
+                    list(h_block), list(w2_block), mlp.h_static, "silu", h_dtype, out_dtype, fast)
             new = graph.call_function(_GATED, args)
         set_fake_value(new, _GATED, args)
         new.meta.update({k: v for k, v in down.meta.items() if k not in ("example_value", "val")})
         down.replace_all_uses_with(new)
-        for node in [down, *reversed(mlp.quant), mlp.mul, mlp.act, up, gate]:
+        for node in [down, *reversed(mlp.quant), mlp.mul, mlp.act, *reversed(mlp.halves), up]:
             graph.erase_node(node)
+        if not mlp.merged:
+            graph.erase_node(gate)
         return new
+
+    @staticmethod
+    def _rows(graph: fx.Graph, w: fx.Node, scale, half: int) -> tuple[fx.Node, object]:
+        """Nodes for half ``half`` (0: the first rows) of a merged weight and its scale (a per-tensor scale
+        serves both halves as it is)."""
+        rows = fake_value(w).shape[0] // 2
+        parts = []
+        for t in (w, scale):
+            if t is scale and fake_value(scale).numel() == 1:
+                parts.append(scale)
+                continue
+            node = graph.call_function(torch.narrow, (t, 0, half * rows, rows))
+            set_fake_value(node, torch.narrow, node.args)
+            parts.append(node)
+        return parts[0], parts[1]
 
     @staticmethod
     def _name(node: fx.Node, ctx: PassContext) -> str:

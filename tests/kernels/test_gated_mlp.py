@@ -204,3 +204,22 @@ def test_fused_mlp_under_inductor_cudagraph_trees():
             # a rounding boundary differ (~3% of them by one fp8 step)
             assert rel(y, want) < 0.02, step
     assert all("gated MLP" in s.scheme for s in fused_backend.report.sites), str(fused_backend.report)
+
+
+@pytest.mark.cuda
+def test_merged_gate_up_views_on_the_gpu():
+    """A merged gate_up layer (Phi-3): the two kernels read the row halves of its weight and scale as views."""
+    from tests.passes.test_mlp_pass import MergedMLP
+
+    torch.manual_seed(0)
+    model = MergedMLP(1024, 2048).cuda().to(torch.bfloat16)
+    for p in model.parameters():
+        p.data /= p.shape[1] ** 0.5
+    fp8fx.quantize_(model)
+    fused_backend = fp8fx.Fp8Backend(fuse_mlp=True)
+    fused = torch.compile(model, backend=fused_backend, dynamic=False)
+    plain = torch.compile(model, backend=fp8fx.Fp8Backend(), dynamic=False)
+    with torch.no_grad():
+        x = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
+        assert rel(fused(x), plain(x)) < 0.02
+    assert all("gated MLP" in s.scheme for s in fused_backend.report.sites), str(fused_backend.report)

@@ -33,6 +33,21 @@ class InPlaceMLP(MLP):
         return self.down_proj(nn.functional.silu(self.gate_proj(x), inplace=True) * self.up_proj(x))
 
 
+class MergedMLP(nn.Module):
+    """Phi-3's MLP: gate and up as one layer, cut in two."""
+
+    def __init__(self, dim=64, hidden=96, split=False):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=False)
+        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.split, self.hidden = split, hidden
+
+    def forward(self, x):
+        gu = self.gate_up_proj(x)
+        gate, up = torch.split(gu, self.hidden, dim=-1) if self.split else gu.chunk(2, dim=-1)
+        return self.down_proj(up * nn.functional.silu(gate))
+
+
 class LeakyMLP(MLP):
     """The intermediate is read twice: cannot be fused."""
 
@@ -76,6 +91,48 @@ def test_decode_mlp_is_one_op_with_the_unfused_output(cls, config):
     assert sorted(s.fqn for s in report.sites) == ["down_proj", "gate_proj", "up_proj"]
     assert all(s.rewritten and s.scheme.endswith("fused(gate_proj,up_proj,down_proj: gated MLP, 2 kernels)")
                for s in report.sites), str(report)
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("config", [
+    fp8fx.Fp8Config(),
+    fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor()),
+])
+def test_merged_gate_up_is_fused_from_its_halves(split, config):
+    """One gate_up_proj cut in two (chunk or split): the op reads its weight's (and per-channel scale's) two
+    row halves, gate first - the unfused graph's output to the bit."""
+    torch.manual_seed(0)
+    model, ref = MergedMLP(split=split).to(torch.bfloat16), MergedMLP(split=split).double()
+    ref.load_state_dict(model.state_dict())
+    fp8fx.quantize_(model, config)
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    y, report, code = run(model, x, fuse_mlp=True)
+    torch._dynamo.reset()
+    unfused, _, _ = run(model, x)
+    assert code.count("fp8fx.gated_mlp.default(") == 1 and "scaled_mm.default(" not in code
+    assert code.count("torch.narrow(") == (2 if config.weight == fp8fx.PerTensor() else 4)
+    assert torch.equal(y, unfused) and rel_err(y, ref(x.double())) < 0.08
+    assert [s.scheme.rsplit(" ", 5)[-5:] for s in report.sites] == [
+        ["fused(gate_up_proj,down_proj:", "gated", "MLP,", "2", "kernels)"]] * 2, str(report)
+
+
+def test_hf_phi3_decode_mlps_fused():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, vocab_size=128, pad_token_id=0)
+    torch.manual_seed(0)
+    model = transformers.Phi3ForCausalLM(cfg).to(torch.bfloat16).eval()
+    ref = transformers.Phi3ForCausalLM(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=("lm_head",)))
+    ids = torch.randint(1, 128, (1, 5))
+    backend = fp8fx.Fp8Backend(fuse_mlp=True)
+    with torch.no_grad():
+        logits = torch.compile(model, backend=backend)(ids).logits
+        want = ref(ids).logits
+    mlp_sites = [s for s in backend.report.sites if ".mlp." in s.fqn]
+    assert len(mlp_sites) == 4 and all("gated MLP, 2 kernels" in s.scheme for s in mlp_sites), str(backend.report)
+    assert rel_err(logits, want) < 0.1
 
 
 def test_mixed_schemes_keep_their_own_blocks():
