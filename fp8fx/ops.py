@@ -295,7 +295,13 @@ def _(xq, x_scale, wqs, w_scales, biases, x_block, w_block, out_dtype, use_fast_
 
 
 # --- gated MLP (decode): gate, up, act * mul, quantization and down in two kernels --------------
-GATED_ACTIVATIONS = ("silu",)
+# act(g) of the gated MLP: SiLU (Llama, Mistral, Qwen, Phi-3), GELU with erf or its tanh approximation (GeGLU,
+# Gemma's gelu_pytorch_tanh)
+GATED_ACTIVATIONS = {
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh"),
+}
 # Tokens up to which fp8fx.passes.mlp fuses a gated MLP. Llama-3-8B MLP block on the H200 (run 10, CUDA-graph
 # replays): fused vs unfused 0.0682 vs 0.0756 ms at M=1, 0.0694 vs 0.0771 at M=16, but 0.1347 vs 0.0775 at
 # M=64, where each of the down GEMM's N tiles re-reads (and re-quantizes) the whole [64, I] intermediate.
@@ -306,7 +312,7 @@ def _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_bl
     for block, what in ((x_block, "x_block"), (w_block, "w_block"), (h_block, "h_block"), (w2_block, "w2_block")):
         _check_block(block, what)
     if act not in GATED_ACTIVATIONS:
-        raise ValueError(f"fp8fx.gated_mlp: act={act!r}; one of {GATED_ACTIVATIONS}")
+        raise ValueError(f"fp8fx.gated_mlp: act={act!r}; one of {list(GATED_ACTIVATIONS)}")
     k, i = xq.shape[-1], w1.shape[0]
     if tuple(w1.shape) != (i, k) or tuple(w3.shape) != (i, k) or w2.dim() != 2 or w2.shape[1] != i:
         raise ValueError(f"fp8fx.gated_mlp: x [..., {k}], gate {list(w1.shape)}, up {list(w3.shape)}, down "
@@ -321,7 +327,7 @@ def _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_b
     """The unfused ops, as the linear pass emits them: the model's own act * mul (in ``h_dtype``)."""
     g = scaled_mm(xq, x_scale, w1, s1, None, x_block, w_block, h_dtype, use_fast_accum)
     u = scaled_mm(xq, x_scale, w3, s3, None, x_block, w_block, h_dtype, use_fast_accum)
-    h = torch.nn.functional.silu(g) * u
+    h = GATED_ACTIVATIONS[act](g) * u
     if h_static is not None:
         hq, h_scale = quantize_static(h, h_static), h_static
     else:

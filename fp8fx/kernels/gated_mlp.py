@@ -33,8 +33,7 @@ import triton.language as tl
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _max_nan, fp8_gemm, imprecise_k
 from fp8fx.kernels.fp8_gemm import pipeline_stages, tile_config
 
-SILU = 0  # the activations ``ACT`` takes (``ACTIVATIONS`` maps their names)
-ACTIVATIONS = {"silu": SILU}
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
 
 
 @triton.jit
@@ -95,7 +94,13 @@ def gated_gemm_kernel(
     g = (acc_g * a_s * s1).to(h_dtype).to(tl.float32)
     u = (acc_u * a_s * s3).to(h_dtype).to(tl.float32)
     if ACT == 0:  # silu
-        g = (g / (1.0 + tl.exp(-g))).to(h_dtype).to(tl.float32)
+        g = g / (1.0 + tl.exp(-g))
+    elif ACT == 1:  # gelu: 0.5 g (1 + erf(g / sqrt(2)))
+        g = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    else:  # gelu, tanh approximation: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (e^2z + 1)
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        g = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+    g = g.to(h_dtype).to(tl.float32)
     h = (g * u).to(h_dtype)
     in_bounds = m_ok[:, None] & n_ok[None, :]
     h_ptrs = h_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_hm + tl.arange(0, BLOCK_M)[:, None] * stride_hm

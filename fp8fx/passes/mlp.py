@@ -1,10 +1,10 @@
-"""Gated-MLP fusion for decode: gate, up, act * mul, its quantization and down as one op.
+"""Gated-MLP fusion for decode: gate, up, act * mul, its quantization and down as one op (SwiGLU, GeGLU).
 
 Matches (after the linear pass), with the same ``xq`` / ``x_scale`` feeding gate and up::
 
     g = fp8fx.scaled_mm(xq, x_scale, w1, s1, None, x_block, w_block, dtype, fast)
     u = fp8fx.scaled_mm(xq, x_scale, w3, s3, None, x_block, w_block, dtype, fast)
-    h = silu(g) * u                                     # or u * silu(g)
+    h = silu(g) * u                                     # or u * silu(g); GELU (erf or tanh) for silu
     hq, h_scale = fp8fx.quantize(h, h_block)            # or fp8fx.quantize_static(h, s)
     y = fp8fx.scaled_mm(hq, h_scale, w2, s2, b2, h_block, w2_block, dtype, fast)
 
@@ -42,6 +42,7 @@ _QUANTIZE = torch.ops.fp8fx.quantize.default
 _QUANTIZE_STATIC = torch.ops.fp8fx.quantize_static.default
 _GATED = torch.ops.fp8fx.gated_mlp.default
 _SILU = (torch.nn.functional.silu, torch.ops.aten.silu.default, torch.ops.aten.silu)
+_GELU = (torch.nn.functional.gelu, torch.ops.aten.gelu.default, torch.ops.aten.gelu)
 _MUL = (operator.mul, torch.mul, torch.ops.aten.mul.Tensor)
 
 
@@ -78,10 +79,17 @@ def _in_place(node: fx.Node) -> bool:
     return node.kwargs.get("inplace") is True or len(node.args) > 1 and node.args[1] is True
 
 
-def _is_silu(node: fx.Node) -> bool:
+def _activation(node: fx.Node) -> Optional[str]:
+    """The ``fp8fx.ops.GATED_ACTIVATIONS`` name of an out-of-place SiLU or GELU node, else None."""
     if _in_place(node):
-        return False
-    return node.op == "call_function" and node.target in _SILU or node.op == "call_method" and node.target == "silu"
+        return None
+    function = node.op == "call_function"
+    if function and node.target in _SILU or node.op == "call_method" and node.target == "silu":
+        return "silu"
+    if function and node.target in _GELU or node.op == "call_method" and node.target == "gelu":
+        approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
+        return {"none": "gelu", "tanh": "gelu_tanh"}.get(approximate)
+    return None
 
 
 def _is_mul(node: fx.Node) -> bool:
@@ -140,8 +148,8 @@ def _gate_up(act_input, up) -> Optional[tuple[fx.Node, fx.Node, list[fx.Node]]]:
 
 def _match(down: fx.Node) -> tuple[Optional[_Mlp], str]:
     """(the gated MLP ending in ``down``, "") - the structure only, `_why_not` checks the rest - or, for
-    ``down(act(gate(x)) * up(x))`` with another activation than an out-of-place SiLU, (it, why it is not
-    fused); (None, "") for anything else."""
+    ``down(act(gate(x)) * up(x))`` with another activation than an out-of-place SiLU or GELU, (it, why it is
+    not fused); (None, "") for anything else."""
     found = _quantized(down)
     if found is None:
         return None, ""
@@ -154,10 +162,10 @@ def _match(down: fx.Node) -> tuple[Optional[_Mlp], str]:
         if found:
             gate, up_gemm, halves = found
             mlp = _Mlp(gate, up_gemm, act, h, quant, down, h_static, halves)
-            if _is_silu(act):
+            if _activation(act):
                 return mlp, ""
             what = _name_of(act) + (" in place" if _in_place(act) else "")
-            return mlp, f"the activation is {what}; the fused MLP takes SiLU (out of place)"
+            return mlp, f"the activation is {what}; the fused MLP takes SiLU or GELU (out of place)"
     return None, ""
 
 
@@ -235,8 +243,8 @@ class GatedMlpPass(Fp8Pass):
         with graph.inserting_before(down):
             if mlp.merged:  # gate rows first: [:I] and [I:] of the weight and of a per-channel scale
                 (w1, s1), (w3, s3) = (GatedMlpPass._rows(graph, w1, s1, half) for half in (0, 1))
-            args = (xq, x_scale, w1, s1, w3, s3, w2, s2, bias, list(x_block), list(w_block),
-                    list(h_block), list(w2_block), mlp.h_static, "silu", h_dtype, out_dtype, fast)
+            args = (xq, x_scale, w1, s1, w3, s3, w2, s2, bias, list(x_block), list(w_block), list(h_block),
+                    list(w2_block), mlp.h_static, _activation(mlp.act), h_dtype, out_dtype, fast)
             new = graph.call_function(_GATED, args)
         set_fake_value(new, _GATED, args)
         new.meta.update({k: v for k, v in down.meta.items() if k not in ("example_value", "val")})

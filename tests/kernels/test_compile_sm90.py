@@ -17,7 +17,7 @@ from triton.compiler import ASTSource  # noqa: E402
 
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, fp8_gemm_kernel  # noqa: E402
 from fp8fx.kernels.fp8_gemm import imprecise_k, pipeline_stages, tile_config  # noqa: E402
-from fp8fx.kernels.gated_mlp import down_tile_config, gated_gemm_kernel, gated_tile_config  # noqa: E402
+from fp8fx.kernels.gated_mlp import ACTIVATIONS, down_tile_config, gated_gemm_kernel, gated_tile_config  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr", "out_ptr", "tickets_ptr"]
 # (fp8_gemm_kernel's b_desc follows the pointers: a tensor descriptor type, or the constant None)
@@ -157,14 +157,14 @@ def test_down_gemm_quantizing_bf16_activations_compiles_for_sm90(a_quant, m):
 
 
 @pytest.mark.parametrize("m", [1, 16, 64])
-@pytest.mark.parametrize("w_rowwise", [False, True])
-def test_gated_gemm_compiles_for_sm90(m, w_rowwise):
-    """Gate and up tiles against one x tile, SiLU * up in the epilogue (Llama-3-8B: I = 14336, K = 4096)."""
+@pytest.mark.parametrize("w_rowwise,act", [(False, "silu"), (True, "silu"), (True, "gelu"), (True, "gelu_tanh")])
+def test_gated_gemm_compiles_for_sm90(m, w_rowwise, act):
+    """Gate and up tiles against one x tile, act(g) * up in the epilogue (Llama-3-8B: I = 14336, K = 4096)."""
     cfg = gated_tile_config(m, 14336, 4096)
     types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*bf16",
                                       "*fp32", "*i32"]))
     types.update({name: "i32" for name in GATED_INTS})
-    consts = dict(A_ROWWISE=m > 1, W_ROWWISE=w_rowwise, ACT=0, IMPRECISE_K=None, BLOCK_M=cfg["BLOCK_M"],
+    consts = dict(A_ROWWISE=m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act], IMPRECISE_K=None, BLOCK_M=cfg["BLOCK_M"],
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True)
     stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
     kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],

@@ -24,8 +24,20 @@ class KeywordMLP(MLP):
 
 
 class GeluMLP(MLP):
+    """GeGLU (Gemma's gelu_pytorch_tanh)."""
+
     def forward(self, x):
         return self.down_proj(nn.functional.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x))
+
+
+class ErfGeluMLP(MLP):
+    def forward(self, x):
+        return self.down_proj(nn.functional.gelu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ReluMLP(MLP):
+    def forward(self, x):
+        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class InPlaceMLP(MLP):
@@ -73,7 +85,7 @@ def run(model, x, dynamic=None, **options):
     return y, backend.report, "\n".join(codes)
 
 
-@pytest.mark.parametrize("cls", [MLP, SwappedMLP, KeywordMLP])
+@pytest.mark.parametrize("cls", [MLP, SwappedMLP, KeywordMLP, GeluMLP, ErfGeluMLP])
 @pytest.mark.parametrize("config", [
     fp8fx.Fp8Config(),  # per-channel weights, per-token activations
     fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor()),
@@ -85,7 +97,9 @@ def test_decode_mlp_is_one_op_with_the_unfused_output(cls, config):
     torch._dynamo.reset()
     unfused, _, _ = run(model, x)
     assert code.count("fp8fx.gated_mlp.default(") == 1
-    assert "scaled_mm.default(" not in code and "functional.silu" not in code
+    assert "scaled_mm.default(" not in code and "functional.silu" not in code and "functional.gelu" not in code
+    act = {GeluMLP: "'gelu_tanh'", ErfGeluMLP: "'gelu'"}.get(cls, "'silu'")
+    assert f"None, {act}, torch.bfloat16" in code  # the activation the op computes
     assert torch.equal(y, unfused)
     assert rel_err(y, ref(x.double())) < 0.08
     assert sorted(s.fqn for s in report.sites) == ["down_proj", "gate_proj", "up_proj"]
@@ -135,6 +149,28 @@ def test_hf_phi3_decode_mlps_fused():
     assert rel_err(logits, want) < 0.1
 
 
+def test_hf_gemma_geglu_mlps_fused():
+    """Gemma's MLP: gelu_pytorch_tanh(gate) * up."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GemmaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=16, vocab_size=128)
+    torch.manual_seed(0)
+    model = transformers.GemmaForCausalLM(cfg).to(torch.bfloat16).eval()
+    ref = transformers.GemmaForCausalLM(cfg).eval()
+    ref.load_state_dict(model.state_dict())
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=("lm_head",)))
+    ids = torch.randint(0, 128, (1, 5))
+    backend = fp8fx.Fp8Backend(fuse_mlp=True)
+    codes = record_graphs_after_passes(backend)
+    with torch.no_grad():
+        logits = torch.compile(model, backend=backend)(ids).logits
+        want = ref(ids).logits
+    mlp_sites = [s for s in backend.report.sites if ".mlp." in s.fqn]
+    assert len(mlp_sites) == 6 and all("gated MLP, 2 kernels" in s.scheme for s in mlp_sites), str(backend.report)
+    assert "\n".join(codes).count("'gelu_tanh'") == 2
+    assert rel_err(logits, want) < 0.1
+
+
 def test_mixed_schemes_keep_their_own_blocks():
     """gate/up per-channel with per-token x, down per-tensor with a per-tensor h: each GEMM's blocks reach the
     op in their places (an x / h or w / w2 mix-up changes the output)."""
@@ -174,14 +210,14 @@ def test_off_by_default():
     ("dynamic", "the token count is dynamic"),
     ("leaky", "an intermediate (gate, up, act, their product or its quantization) has another reader"),
     ("blocks", "per-tensor / per-row scales only"),
-    ("gelu", "the activation is gelu (call_function); the fused MLP takes SiLU (out of place)"),
-    ("in place", "the activation is silu (call_function) in place; the fused MLP takes SiLU (out of place)"),
+    ("relu", "the activation is relu (call_function); the fused MLP takes SiLU or GELU (out of place)"),
+    ("in place", "the activation is silu (call_function) in place; the fused MLP takes SiLU or GELU (out of place)"),
     ("static", "gate and up have their own static input scales"),
 ])
 def test_not_fused_says_why(case, reason):
     config = {"blocks": fp8fx.Fp8Config(weight_block_size=(32, 32)),
               "static": fp8fx.Fp8Config(activation_scheme="static")}.get(case)
-    cls = {"leaky": LeakyMLP, "gelu": GeluMLP, "in place": InPlaceMLP}.get(case, MLP)
+    cls = {"leaky": LeakyMLP, "relu": ReluMLP, "in place": InPlaceMLP}.get(case, MLP)
     scales = {"input_scales": dict.fromkeys(["gate_proj", "up_proj", "down_proj"], 0.05)} if case == "static" else {}
     model, _ = quantized(cls, config, **scales)  # static: a calibrated input scale per layer
     x = torch.randn(17 if case == "batch of 17" else 4, 64, dtype=torch.bfloat16)
