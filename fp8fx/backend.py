@@ -41,11 +41,11 @@ class Fp8Backend:
       (``fp8fx.passes.horizontal``): once compiled, the fused layers' weights (and per-channel or block
       scales) are moved into one tensor and run as one GEMM; per-tensor shards keep their own scales, taken
       as one per-channel scale vector (exact). Default False.
-    - ``fuse_mlp``: a gated MLP (``down(silu(gate(x)) * up(x))``) in graphs of 1-16 tokens (a static
-      decode batch: compile with ``dynamic=False``) runs as two kernels, gate/up with SiLU * up in the
-      epilogue and down quantizing the intermediate as it loads it (``fp8fx.passes.mlp``), where the
-      unfused MLP takes three GEMMs and a quantization kernel (Llama-3-8B MLP on the H200: 1.09-1.11x
-      faster than unfused at 1 and 16 tokens). Default False.
+    - ``fuse_mlp``: a gated MLP (``down(act(gate(x)) * up(x))``, SiLU or GELU, gate and up apart or one
+      merged layer) in graphs of 1-16 tokens (a static decode batch: compile with ``dynamic=False``) runs
+      as two kernels, gate/up with act(g) * up in the epilogue and down quantizing the intermediate as it
+      loads it (``fp8fx.passes.mlp``), where the unfused MLP takes three GEMMs and a quantization kernel
+      (Llama-3-8B MLP on the H200: 1.09-1.11x faster than unfused at 1 and 16 tokens). Default False.
 
     - ``one_pass_rows``: reduce rows of up to this many elements in one pass, held in registers, where
       Inductor's heuristic stops at 1024 (``compat.one_pass_row_reductions``): the per-token
