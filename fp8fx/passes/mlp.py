@@ -59,7 +59,7 @@ class _Mlp:
 
     @property
     def merged(self) -> bool:
-        return self.gate is self.up
+        return bool(self.halves)
 
     @property
     def gemms(self) -> list[fx.Node]:
@@ -122,9 +122,11 @@ def _half(node) -> Optional[tuple[fx.Node, int, fx.Node]]:
     if not isinstance(cut, fx.Node) or not (cut.op == "call_function" and cut.target in _CHUNK
                                             or cut.op == "call_method" and cut.target in ("chunk", "split")):
         return None
-    gemm, size = (list(cut.args) + [None])[:2]
-    size = cut.kwargs.get("chunks", cut.kwargs.get("split_size_or_sections", cut.kwargs.get("split_size", size)))
-    dim = cut.kwargs.get("dim", cut.args[2] if len(cut.args) > 2 else 0)
+    args = list(cut.args) + [None] * 3
+    gemm = args[0] if cut.args else next((cut.kwargs[k] for k in ("input", "tensor", "self") if k in cut.kwargs), None)
+    rest = args[1:] if cut.args else args  # the arguments after the tensor
+    size = next((cut.kwargs[k] for k in ("chunks", "split_size_or_sections", "split_size") if k in cut.kwargs), rest[0])
+    dim = cut.kwargs.get("dim", rest[1] if rest[1] is not None else 0)
     out = fake_value(gemm) if _is_gemm(gemm) else None
     if out is None or dim not in (-1, out.dim() - 1):
         return None
@@ -139,7 +141,7 @@ def _gate_up(act_input, up) -> Optional[tuple[fx.Node, fx.Node, list[fx.Node]]]:
     """(gate GEMM, up GEMM, []) for two GEMMs, or (merged GEMM, the same, [chunk, getitem 0, getitem 1]) for
     the two halves of one, else None."""
     if _is_gemm(act_input) and _is_gemm(up):
-        return act_input, up, []
+        return (act_input, up, []) if act_input is not up else None  # act(g) * g: no gate/up pair
     first, second = _half(act_input), _half(up)
     if first and second and first[1] == 0 and second[1] == 1 and first[2] is second[2]:
         return first[0], first[0], [first[2], act_input, up]
@@ -166,7 +168,32 @@ def _match(down: fx.Node) -> tuple[Optional[_Mlp], str]:
                 return mlp, ""
             what = _name_of(act) + (" in place" if _in_place(act) else "")
             return mlp, f"the activation is {what}; the fused MLP takes SiLU or GELU (out of place)"
+    for act, up in (h.args, reversed(h.args)):  # act(g) written as several ops (gelu_new: 0.5 * g * (1 + tanh..))
+        if not isinstance(act, fx.Node) or _is_gemm(act) or _half(act):
+            continue
+        gate = _gemm_behind(act)
+        found = _gate_up(gate, up) if gate is not None else None
+        if found and found[0].args[:2] == found[1].args[:2]:  # gate and up read the same activation
+            mlp = _Mlp(found[0], found[1], act, h, quant, down, h_static, found[2])
+            return mlp, "the activation is several ops, not one SiLU or GELU op (what the fused MLP takes)"
     return None, ""
+
+
+def _gemm_behind(node: fx.Node, depth: int = 6) -> Optional[fx.Node]:
+    """A GEMM (or half of one) that ``node`` is computed from, a few ops back, else None."""
+    frontier, seen = [node], set()
+    for _ in range(depth):
+        ahead = []
+        for n in frontier:
+            for a in n.all_input_nodes:
+                if a in seen:
+                    continue
+                seen.add(a)
+                if _is_gemm(a) or _half(a):
+                    return a
+                ahead.append(a)
+        frontier = ahead
+    return None
 
 
 class GatedMlpPass(Fp8Pass):
@@ -188,7 +215,7 @@ class GatedMlpPass(Fp8Pass):
                 continue
             new = self._fuse(gm.graph, mlp)
             amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, 2 kernels)", node=Site.origin_of(new))
-            fused += 3
+            fused += len(mlp.gemms)
         gm.recompile()
         return fused
 

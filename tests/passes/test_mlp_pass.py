@@ -46,9 +46,9 @@ class InPlaceMLP(MLP):
 
 
 class MergedMLP(nn.Module):
-    """Phi-3's MLP: gate and up as one layer, cut in two."""
+    """Phi-3's MLP: gate and up as one layer, cut in two (``split``: how)."""
 
-    def __init__(self, dim=64, hidden=96, split=False):
+    def __init__(self, dim=64, hidden=96, split="chunk"):
         super().__init__()
         self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
@@ -56,8 +56,30 @@ class MergedMLP(nn.Module):
 
     def forward(self, x):
         gu = self.gate_up_proj(x)
-        gate, up = torch.split(gu, self.hidden, dim=-1) if self.split else gu.chunk(2, dim=-1)
+        gate, up = {
+            "chunk": lambda: gu.chunk(2, dim=-1),
+            "split": lambda: torch.split(gu, self.hidden, dim=-1),
+            "keywords": lambda: torch.chunk(input=gu, chunks=2, dim=-1),
+            "split keywords": lambda: torch.split(tensor=gu, split_size_or_sections=self.hidden, dim=-1),
+        }[self.split]()
         return self.down_proj(up * nn.functional.silu(gate))
+
+
+class GeluNewMLP(MLP):
+    """transformers' gelu_new: the tanh GELU written as several ops."""
+
+    def forward(self, x):
+        g = self.gate_proj(x)
+        act = 0.5 * g * (1.0 + torch.tanh(0.7978845608028654 * (g + 0.044715 * torch.pow(g, 3.0))))
+        return self.down_proj(act * self.up_proj(x))
+
+
+class SquareMLP(MLP):
+    """One GEMM both gated and gating: not a gate/up pair."""
+
+    def forward(self, x):
+        g = self.gate_proj(x)
+        return self.down_proj(nn.functional.silu(g) * g)
 
 
 class LeakyMLP(MLP):
@@ -107,7 +129,7 @@ def test_decode_mlp_is_one_op_with_the_unfused_output(cls, config):
                for s in report.sites), str(report)
 
 
-@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("split", ["chunk", "split", "keywords", "split keywords"])
 @pytest.mark.parametrize("config", [
     fp8fx.Fp8Config(),
     fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor()),
@@ -213,11 +235,12 @@ def test_off_by_default():
     ("relu", "the activation is relu (call_function); the fused MLP takes SiLU or GELU (out of place)"),
     ("in place", "the activation is silu (call_function) in place; the fused MLP takes SiLU or GELU (out of place)"),
     ("static", "gate and up have their own static input scales"),
+    ("gelu_new", "the activation is several ops, not one SiLU or GELU op"),
 ])
 def test_not_fused_says_why(case, reason):
     config = {"blocks": fp8fx.Fp8Config(weight_block_size=(32, 32)),
               "static": fp8fx.Fp8Config(activation_scheme="static")}.get(case)
-    cls = {"leaky": LeakyMLP, "relu": ReluMLP, "in place": InPlaceMLP}.get(case, MLP)
+    cls = {"leaky": LeakyMLP, "relu": ReluMLP, "in place": InPlaceMLP, "gelu_new": GeluNewMLP}.get(case, MLP)
     scales = {"input_scales": dict.fromkeys(["gate_proj", "up_proj", "down_proj"], 0.05)} if case == "static" else {}
     model, _ = quantized(cls, config, **scales)  # static: a calibrated input scale per layer
     x = torch.randn(17 if case == "batch of 17" else 4, 64, dtype=torch.bfloat16)
@@ -227,6 +250,16 @@ def test_not_fused_says_why(case, reason):
     for site in report.sites:
         assert "not fused into a gated MLP (gate_proj,up_proj,down_proj): " in site.scheme, str(report)
         assert reason in site.scheme, str(report)
+
+
+def test_one_gemm_gating_itself_is_left_alone():
+    """silu(g) * g is no gate/up pair: compiled as it is (no fusion, no note), as without fuse_mlp."""
+    model, ref = quantized(SquareMLP)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    y, report, code = run(model, x, fuse_mlp=True)
+    assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 2
+    assert [s.scheme for s in report.sites] == ["w:per-channel a:per-token"] * 2, str(report)
+    assert rel_err(y, ref(x.double())) < 0.08
 
 
 def test_hf_llama_decode_mlps_fused():
