@@ -152,44 +152,39 @@ def test_merged_gate_up_is_fused_from_its_halves(split, config):
         ["fused(gate_up_proj,down_proj:", "gated", "MLP,", "2", "kernels)"]] * 2, str(report)
 
 
-def test_hf_phi3_decode_mlps_fused():
+HF_MODELS = {  # (config, model) class names, the MLP's sites per layer, the activation the op computes
+    "llama": ("LlamaConfig", "LlamaForCausalLM", 3, "'silu'"),
+    "phi3 (merged gate_up)": ("Phi3Config", "Phi3ForCausalLM", 2, "'silu'"),
+    "gemma (GeGLU)": ("GemmaConfig", "GemmaForCausalLM", 3, "'gelu_tanh'"),
+}
+
+
+@pytest.mark.parametrize("name", list(HF_MODELS))
+def test_hf_decode_mlps_fused(name):
+    """Tiny HF models at 5 tokens: every layer's MLP fused (Llama's with its q/k/v horizontally fused)."""
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.Phi3Config(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                  num_key_value_heads=2, vocab_size=128, pad_token_id=0)
+    config_cls, model_cls, sites, act = HF_MODELS[name]
+    cfg = getattr(transformers, config_cls)(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                            vocab_size=128, pad_token_id=0)
     torch.manual_seed(0)
-    model = transformers.Phi3ForCausalLM(cfg).to(torch.bfloat16).eval()
-    ref = transformers.Phi3ForCausalLM(cfg).eval()
+    model = getattr(transformers, model_cls)(cfg).to(torch.bfloat16).eval()
+    ref = getattr(transformers, model_cls)(cfg).eval()
     ref.load_state_dict(model.state_dict())
     fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=("lm_head",)))
     ids = torch.randint(1, 128, (1, 5))
-    backend = fp8fx.Fp8Backend(fuse_mlp=True)
-    with torch.no_grad():
-        logits = torch.compile(model, backend=backend)(ids).logits
-        want = ref(ids).logits
-    mlp_sites = [s for s in backend.report.sites if ".mlp." in s.fqn]
-    assert len(mlp_sites) == 4 and all("gated MLP, 2 kernels" in s.scheme for s in mlp_sites), str(backend.report)
-    assert rel_err(logits, want) < 0.1
-
-
-def test_hf_gemma_geglu_mlps_fused():
-    """Gemma's MLP: gelu_pytorch_tanh(gate) * up."""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.GemmaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, head_dim=16, vocab_size=128)
-    torch.manual_seed(0)
-    model = transformers.GemmaForCausalLM(cfg).to(torch.bfloat16).eval()
-    ref = transformers.GemmaForCausalLM(cfg).eval()
-    ref.load_state_dict(model.state_dict())
-    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=("lm_head",)))
-    ids = torch.randint(0, 128, (1, 5))
-    backend = fp8fx.Fp8Backend(fuse_mlp=True)
+    backend = fp8fx.Fp8Backend(fuse_mlp=True, fuse_horizontal=name == "llama")
     codes = record_graphs_after_passes(backend)
     with torch.no_grad():
         logits = torch.compile(model, backend=backend)(ids).logits
         want = ref(ids).logits
     mlp_sites = [s for s in backend.report.sites if ".mlp." in s.fqn]
-    assert len(mlp_sites) == 6 and all("gated MLP, 2 kernels" in s.scheme for s in mlp_sites), str(backend.report)
-    assert "\n".join(codes).count("'gelu_tanh'") == 2
+    assert len(mlp_sites) == 2 * sites, str(backend.report)
+    assert all("gated MLP, 2 kernels" in s.scheme for s in mlp_sites), str(backend.report)
+    assert "\n".join(codes).count(f"None, {act}, torch.bfloat16") == 2  # one op per layer, its activation
+    if name == "llama":
+        attn = [s for s in backend.report.sites if ".self_attn." in s.fqn and not s.fqn.endswith("o_proj")]
+        assert attn and all("fused(q_proj,k_proj,v_proj)" in s.scheme for s in attn), str(backend.report)
     assert rel_err(logits, want) < 0.1
 
 
@@ -260,24 +255,3 @@ def test_one_gemm_gating_itself_is_left_alone():
     assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 2
     assert [s.scheme for s in report.sites] == ["w:per-channel a:per-token"] * 2, str(report)
     assert rel_err(y, ref(x.double())) < 0.08
-
-
-def test_hf_llama_decode_mlps_fused():
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-                                   num_key_value_heads=2, vocab_size=128)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
-    ref = transformers.LlamaForCausalLM(cfg).eval()
-    ref.load_state_dict(model.state_dict())
-    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=("lm_head",)))
-    ids = torch.randint(0, 128, (1, 5))
-    backend = fp8fx.Fp8Backend(fuse_mlp=True, fuse_horizontal=True)
-    with torch.no_grad():
-        logits = torch.compile(model, backend=backend)(ids).logits
-        want = ref(ids).logits
-    mlp_sites = [s for s in backend.report.sites if ".mlp." in s.fqn]
-    attn_sites = [s for s in backend.report.sites if ".self_attn." in s.fqn and not s.fqn.endswith("o_proj")]
-    assert len(mlp_sites) == 6 and all("gated MLP, 2 kernels" in s.scheme for s in mlp_sites), str(backend.report)
-    assert attn_sites and all("fused(q_proj,k_proj,v_proj)" in s.scheme for s in attn_sites), str(backend.report)
-    assert rel_err(logits, want) < 0.1
