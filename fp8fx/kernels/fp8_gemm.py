@@ -80,9 +80,15 @@ def _scale_of(amax, EPS: tl.constexpr, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _saturate(v, FP8_MAX: tl.constexpr):
+    """v clamped to +-FP8_MAX (NaN kept), as fp8fx.quant does before its cast: ready for the round-to-nearest cast."""
+    return tl.clamp(v, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _to_fp8_range(v, scale, FP8_MAX: tl.constexpr):
-    """v / scale, IEEE division, saturated to +-FP8_MAX (NaN kept): ready for the round-to-nearest cast."""
-    return tl.clamp(tl.math.div_rn(v, scale), -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    """v / scale, IEEE division, saturated to +-FP8_MAX (NaN kept)."""
+    return _saturate(tl.math.div_rn(v, scale), FP8_MAX)
 
 
 @triton.jit
@@ -193,8 +199,7 @@ def fp8_gemm_kernel(
         a_offs += BLOCK_K * stride_ak
         b_offs += BLOCK_K * stride_bk
         if A_QUANT:  # the 16-bit tile to fp8 codes, saturated as fp8fx.quant does (NaN kept)
-            a = tl.clamp(a.to(tl.float32) * a_q_inv[:, None], -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
-            a = a.to(b.dtype)
+            a = _saturate(a.to(tl.float32) * a_q_inv[:, None], FP8_MAX).to(b.dtype)
         elif not A_FP8:  # weight-only: upcast the fp8 weight tile, 16-bit dot
             b = b.to(a.dtype)
         if A_GROUPED or B_GROUPED:

@@ -39,6 +39,12 @@ class Fp8Pass:
         return hashlib.sha256(source.encode()).hexdigest()
 
 
+def site_names(ctx: PassContext, nodes: list[fx.Node]) -> str:
+    """The report sites of ``nodes`` by their last FQN part, comma-separated (``q_proj,k_proj,v_proj``)."""
+    return ",".join(ctx.report.sites[n.meta["fp8fx_site"]].fqn.rsplit(".", 1)[-1]
+                    for n in nodes if "fp8fx_site" in n.meta)
+
+
 def amend_sites(ctx: PassContext, nodes: list[fx.Node], note: str, node: Optional[str] = None) -> None:
     """Append ``note`` to the scheme of the report site of each of ``nodes`` (a later pass fused them, or
     says why not); ``node``: the graph node they now run in (the report's kernel column)."""

@@ -30,7 +30,7 @@ import torch
 from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
-from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value
+from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
 from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
@@ -98,11 +98,11 @@ class HorizontalFusionPass(Fp8Pass):
                 continue
             reason = self._why_not(nodes, ctx)
             if reason:
-                amend_sites(ctx, nodes, f"not fused with {self._names(nodes, ctx)}: {reason}")
+                amend_sites(ctx, nodes, f"not fused with {site_names(ctx, nodes)}: {reason}")
                 continue
             y = self._fuse(gm, nodes, ctx)
             # every fused site is found by the one GEMM in Inductor's output code (the report's kernel column)
-            amend_sites(ctx, nodes, f"fused({self._names(nodes, ctx)})", node=Site.origin_of(y))
+            amend_sites(ctx, nodes, f"fused({site_names(ctx, nodes)})", node=Site.origin_of(y))
             fused += len(nodes)
         gm.recompile()
         return fused
@@ -119,11 +119,6 @@ class HorizontalFusionPass(Fp8Pass):
             if any(r % w_block[0] for r in rows):
                 return f"output sizes {rows} are not multiples of the {w_block[0]}-row weight blocks"
         return ""
-
-    @staticmethod
-    def _names(nodes: list[fx.Node], ctx: PassContext) -> str:
-        sites = [ctx.report.sites[n.meta["fp8fx_site"]].fqn for n in nodes if "fp8fx_site" in n.meta]
-        return ",".join(fqn.rsplit(".", 1)[-1] for fqn in sites)
 
 
     @staticmethod

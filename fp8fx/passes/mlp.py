@@ -33,7 +33,7 @@ import torch
 from torch import fx
 
 from fp8fx.ops import GATED_MAX_M, _tensor_or_row
-from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value
+from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
 from fp8fx.passes.linear import _name_of
 from fp8fx.report import Site
 
@@ -208,7 +208,7 @@ class GatedMlpPass(Fp8Pass):
             mlp, reason = _match(node) if _is_gemm(node) else (None, "")
             if mlp is None:
                 continue
-            names = ",".join(self._name(n, ctx) for n in mlp.gemms)
+            names = site_names(ctx, mlp.gemms)
             reason = reason or self._why_not(mlp)
             if reason:
                 amend_sites(ctx, mlp.gemms, f"not fused into a gated MLP ({names}): {reason}")
@@ -296,8 +296,3 @@ class GatedMlpPass(Fp8Pass):
             set_fake_value(node, torch.narrow, node.args)
             parts.append(node)
         return parts[0], parts[1]
-
-    @staticmethod
-    def _name(node: fx.Node, ctx: PassContext) -> str:
-        i = node.meta.get("fp8fx_site")
-        return node.name if i is None else ctx.report.sites[i].fqn.rsplit(".", 1)[-1]
