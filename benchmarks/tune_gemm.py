@@ -73,7 +73,7 @@ def sweep_gated(ms=(1, 64), dim=4096, hidden=14336, tiles=True, tma=False):
         firsts = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=w, num_stages=st)
                   for bn, w, st in itertools.product([32, 64], [4], [4, 6])]
         downs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=st, SPLIT_K=sk, TMA=t)
-                 for bn, st, sk, t in itertools.product([32, 64], [4, 6], [2, 4], (False, True) if tma else (False,))]
+                 for bn, st, sk, t in itertools.product([32, 64, 128], [4, 6], [2, 4, 8], (False, True) if tma else (False,))]
         for which, cands in (("gate/up", [(c, None) for c in firsts]), ("down", [(None, c) for c in downs])):
             results = []
             for c1, c2 in cands:
@@ -84,7 +84,7 @@ def sweep_gated(ms=(1, 64), dim=4096, hidden=14336, tiles=True, tma=False):
                     continue
             results.sort(key=lambda r: r[0])
             current = time_ms(run, True)
-            top = " ; ".join(f"{t:.4f} {c}" for t, c in results[:4])
+            top = " ; ".join(f"{t:.4f} {c}" for t, c in results[:6])
             default = gated_tile_config(m, hidden, dim) if which == "gate/up" else down_tile_config(m, dim, hidden)
             print(f"gated MLP M={m} {which}: current {current:.4f} ms ({3 * dim * hidden / current / 1e9:.2f} TB/s "
                   f"on the weights) {default} | best: {top}", flush=True)
@@ -99,7 +99,7 @@ def main(argv=None):
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
     if args.gated or args.gated_pdl:
-        return sweep_gated(ms=(1, 16) if args.gated_pdl else (1, 64), tiles=args.gated, tma=args.tma)
+        return sweep_gated(ms=(1, 16), tiles=args.gated, tma=args.tma)  # the tokens fuse_mlp fuses
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}

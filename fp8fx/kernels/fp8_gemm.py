@@ -92,9 +92,9 @@ def _to_fp8_range(v, scale, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _rows_amax(parts_ptr, rows, M, stride_pm, stride_pp, N_PARTS: tl.constexpr):
-    """[len(rows)]: each row's amax, the max of its N_PARTS partial maxima (0 for rows past M)."""
-    CHUNK: tl.constexpr = 64
+def _rows_amax(parts_ptr, rows, M, stride_pm, stride_pp, N_PARTS: tl.constexpr, CHUNK: tl.constexpr):
+    """[len(rows)]: each row's amax, the max of its N_PARTS partial maxima (0 for rows past M), CHUNK at a
+    time: each chunk is a dependent round trip to memory before the GEMM's first weight load."""
     cols = tl.arange(0, CHUNK)
     row_ptrs = parts_ptr + rows[:, None].to(tl.int64) * stride_pm
     amax = tl.zeros(rows.shape, dtype=tl.float32)
@@ -107,7 +107,7 @@ def _rows_amax(parts_ptr, rows, M, stride_pm, stride_pp, N_PARTS: tl.constexpr):
 
 @triton.jit
 def _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT: tl.constexpr, N_PARTS: tl.constexpr,
-                   EPS: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr):
+                   PARTS_BLOCK: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr):
     """[BLOCK_M] scales of the rows ``offs_m`` of 16-bit activations quantized in the GEMM (``A_QUANT``):
     from the partial maxima at ``a_scale_ptr`` ([M, N_PARTS]: per row, or over every row), or the static
     scale there. As ``fp8fx.quant.compute_scale``: max(amax, EPS) / FP8_MAX."""
@@ -117,9 +117,9 @@ def _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT: tl.c
         amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
         for r in range(0, M, BLOCK_M):
             amax = _max_nan(amax, _rows_amax(a_scale_ptr, r + tl.arange(0, BLOCK_M), M, stride_asm, stride_ask,
-                                             N_PARTS))
+                                             N_PARTS, PARTS_BLOCK))
         return tl.zeros((BLOCK_M,), dtype=tl.float32) + _scale_of(tl.reduce(amax, 0, _max_nan), EPS, FP8_MAX)
-    return _scale_of(_rows_amax(a_scale_ptr, offs_m, M, stride_asm, stride_ask, N_PARTS), EPS, FP8_MAX)
+    return _scale_of(_rows_amax(a_scale_ptr, offs_m, M, stride_asm, stride_ask, N_PARTS, PARTS_BLOCK), EPS, FP8_MAX)
 
 
 @triton.jit
@@ -143,7 +143,7 @@ def fp8_gemm_kernel(
     SPLIT_K: tl.constexpr,
     # A_QUANT (QUANT_*): a is 16-bit and quantized to fp8 tile by tile as it is loaded, with the scales of
     # `_a_quant_scale` (a_scale_ptr: the partial row maxima [M, N_PARTS], or the static scale)
-    A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, EPS: tl.constexpr = 1e-12, FP8_MAX: tl.constexpr = 448.0,
+    A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12, FP8_MAX: tl.constexpr = 448.0,
     # launched as a programmatic dependent of the kernel before it (PDL, sm_90): wait for its memory first
     PDL_WAIT: tl.constexpr = False,
     B_DESC: tl.constexpr = False,
@@ -181,8 +181,8 @@ def fp8_gemm_kernel(
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM], K group 0
     b_scale_ptrs = b_scale_ptr + (offs_n // B_BLOCK_N) * stride_bsn  # [BN], K block 0
     if A_QUANT:
-        a_q_scale = _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT, N_PARTS, EPS, FP8_MAX,
-                                   BLOCK_M)
+        a_q_scale = _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT, N_PARTS, PARTS_BLOCK, EPS,
+                                   FP8_MAX, BLOCK_M)
         # times the reciprocal, not divided: every program re-quantizes its a tiles (each N tile, each K step),
         # and with an IEEE division per element the fused MLP took 0.146 ms at M=1 (0.068 with the reciprocal;
         # H200, RESULTS.md run 10). The quotient can be 1 ulp off fp8fx.quant's division, which changes a code
@@ -266,6 +266,13 @@ def tile_config(m: int, n: int, k: int) -> dict:
             return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
+
+
+def parts_block(n_parts: int, block_m: int) -> int:
+    """How many of a row's partial maxima ``A_QUANT`` reads per round trip: all of a decode row's (448 for
+    Llama-3-8B's 14336-wide intermediate in 32-wide tiles: 2 round trips of 256 instead of 7 of 64) within
+    4096 values per program (32 float32 registers a thread at 4 warps)."""
+    return max(16, min(triton.next_power_of_2(n_parts), 256, 4096 // block_m))
 
 
 def pipeline_stages(cfg: dict, a_bytes: int) -> int:
@@ -388,6 +395,7 @@ def fp8_gemm(
     elif tickets.numel() < tiles or tickets.dtype != torch.int32:
         raise ValueError(f"fp8_gemm: split-K needs {tiles} int32 tickets; got {tickets.numel()} {tickets.dtype}")
     b_desc = _weight_descriptor(b, cfg) if cfg.pop("TMA", False) else None
+    n_parts = a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1
     fp8_gemm_kernel[(tiles * split_k,)](
         a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets, b_desc,
         m, n, k,
@@ -396,7 +404,7 @@ def fp8_gemm(
         A_ROWWISE=a_mode == PER_ROW, A_GROUPED=a_mode == PER_K_GROUP,
         B_ROWWISE=b_mode == PER_ROW, B_GROUPED=b_mode == PER_K_GROUP,
         B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8, IMPRECISE_K=imprecise_k(cfg, fast_accum),
-        A_QUANT=a_quant, N_PARTS=a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1,
+        A_QUANT=a_quant, N_PARTS=n_parts, PARTS_BLOCK=parts_block(n_parts, cfg["BLOCK_M"]),
         EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, B_DESC=b_desc is not None, **cfg,
         **({"launch_pdl": True} if pdl else {}),
     )
