@@ -9,7 +9,7 @@
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
 #          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep;
 #          pdl: it with and without programmatic dependent launch; tma: its sweep with TMA weight loads too;
-#          rows: tune_rows.py (warps of one-pass row reductions); flush: flush_study.py)
+#          flush: flush_study.py)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -89,9 +89,6 @@ if has tunegated; then  # the fused decode MLP's tiles
 fi
 if has tma; then  # the fused MLP's tiles, each down GEMM tile with TMA weight loads and with pointer loads
   timeout 300 python3 benchmarks/tune_gemm.py --gated --tma 2>&1 | tee "$OUT/tune-tma.txt"
-fi
-if has rows; then  # warps of the one-pass row reductions (prefill MLP block)
-  timeout 200 python3 benchmarks/tune_rows.py 2>&1 | tee "$OUT/tune-rows.txt"
 fi
 if has flush; then  # the decode MLP block's replay time after a dirty, a clean and no L2 flush
   timeout 200 python3 benchmarks/flush_study.py --ms 1 2>&1 | tee "$OUT/flush.txt"

@@ -120,11 +120,16 @@ def gated_tile_config(m: int, n: int, k: int) -> dict:
 
 
 def down_tile_config(m: int, n: int, k: int) -> dict:
-    """The down GEMM's tiles: ``tile_config``'s up to 16 rows (M=1: no other tile of the H200 sweep was faster,
-    run 10 `tune_gemm.py --gated`), BLOCK_K at most 128 above (a 16-bit h tile is converted to fp8 in registers;
-    M=64's [64, 256] one spilled 680 bytes per thread, sm_90) with K split in 4 (M=64: 0.0991 ms for the
+    """The down GEMM's tiles. Up to 16 rows and a long K (Llama-3-8B's 14336): 128-wide N tiles with K split in
+    8, 4 stages - the best of the H200 sweep of 36 (run 11 call 1, `tune_gemm.py --gated --tma`, the whole op
+    as a CUDA-graph replay: 0.0637 ms at M=1 and 0.0649 at M=16 against 0.0657 and 0.0671 with `tile_config`'s
+    64-wide tiles split in 4; TMA weight loads were 0.1-0.5 us faster still, within the run's spread). Otherwise
+    ``tile_config``'s, with BLOCK_K at most 128 above 16 rows (a 16-bit h tile is converted to fp8 in registers;
+    M=64's [64, 256] one spilled 680 bytes per thread, sm_90) and K split in 4 (M=64: 0.0991 ms for the
     whole MLP against 0.1363 split in 2 with 32-wide N tiles)."""
     cfg = tile_config(m, n, k)
+    if m <= 16 and cfg.get("SPLIT_K", 1) > 1:
+        return {**cfg, "BLOCK_N": 128, "num_stages": 4, "SPLIT_K": 8}
     if cfg["BLOCK_K"] > 128:
         cfg = {**cfg, "BLOCK_N": 64, "BLOCK_K": 128, "num_stages": 4, "SPLIT_K": 4}
     return cfg

@@ -57,41 +57,6 @@ class _OnePassRows:
             return True
         return self._base.should_use_persistent_reduction(features, cooperative_reduction)
 
-    def triton_kernel_kwargs(self, kernel_cls, features, groups, kernel_kwargs: dict) -> dict:
-        """Rows this handler made persistent (longer than Inductor's own 1024) get the warps of
-        ``one_pass_warps``, as Inductor's fixed configuration of the kernel (``FixedTritonConfig``: one row per
-        program). Inductor's heuristic gives such a row 8 warps up to 8192 elements and 16 above - one
-        program per SM at 16, whose row's loads, reduction and stores then run one after the other."""
-        kernel_kwargs = self._base.triton_kernel_kwargs(kernel_cls, features, groups, kernel_kwargs)
-        tiling = groups[0] if groups and isinstance(groups[0], dict) else {}
-        warps = self._one_pass_warps(features, kernel_kwargs) if set(tiling) == {"x", "r0_"} else None
-        if warps is None:
-            return kernel_kwargs
-        from torch._inductor.codegen.triton import FixedTritonConfig
-
-        return {**kernel_kwargs, "fixed_config": FixedTritonConfig({"XBLOCK": 1, "num_warps": warps, "num_stages": 1})}
-
-    def _one_pass_warps(self, features, kernel_kwargs: dict) -> Optional[int]:
-        from torch._inductor import config
-
-        if (
-            kernel_kwargs.get("fixed_config") is not None
-            or kernel_kwargs.get("override_persistent_reduction") is False
-            or config.triton.multi_kernel  # its looped twin would inherit the persistent kernel's config
-            or not features.is_reduction()
-            or config.triton.cooperative_reductions  # (its heuristic's signature differs between 2.11 and 2.13)
-            or config.triton.force_cooperative_reductions
-            or not self.should_use_persistent_reduction(features, False)
-        ):
-            return None
-        rnumel = features.reduction_numel
-        if not isinstance(rnumel, int) and not getattr(rnumel, "is_number", False):
-            return None  # a dynamic row length: Inductor's own configurations
-        rnumel = int(rnumel)
-        if rnumel <= 1024:
-            return None  # Inductor's own persistent range: its heuristic stands
-        return one_pass_warps(rnumel)
-
     def reduction_split_factor(self, device, reduction_numel_hint: int, numel_hint: int, inner_reduction: bool) -> int:
         """Rows up to the limit are not split. Inductor splits a row reduction into two reductions and a
         pointwise kernel when there are fewer than 2 rows per SM and a row has more than 8192 elements
@@ -104,12 +69,6 @@ class _OnePassRows:
         if inner_reduction and config.triton.persistent_reductions and reduction_numel_hint <= self._limit:
             return 1
         return self._base.reduction_split_factor(device, reduction_numel_hint, numel_hint, inner_reduction)
-
-
-def one_pass_warps(rnumel: int) -> Optional[int]:
-    """Warps of a one-pass (persistent) reduction of rows of ``rnumel`` elements, 1024 < rnumel <= the
-    ``one_pass_rows`` limit; None keeps Inductor's heuristic."""
-    return None
 
 
 @contextlib.contextmanager

@@ -100,28 +100,6 @@ def test_decode_row_quantization_is_not_split():
     assert len(one_pass) == 2 and all(n.startswith("triton_per_") for n in one_pass), one_pass
 
 
-@pytest.mark.cuda
-def test_one_pass_rows_run_with_their_fixed_warps(monkeypatch):
-    """``compat.one_pass_warps`` reaches the generated code: the 4096-wide SiLU*mul + quantization kernel is
-    Inductor's fixed configuration with those warps (the 1024-wide quantization of x keeps Inductor's own
-    heuristic), and the output is the same bits as with Inductor's warps."""
-    from fp8fx.lowerings import compat
-
-    x = torch.randn(64, 1024, device="cuda", dtype=torch.bfloat16)
-    results = []
-    for warps in (None, 4):
-        monkeypatch.setattr(compat, "one_pass_warps", lambda rnumel, w=warps: w if rnumel == 4096 else None)
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        # the FX-graph cache key cannot see the patched function
-        results.append(compiled_code(MLP(1024, 4096).cuda().to(torch.bfloat16), x,
-                                     inductor_config={"fx_graph_cache": False}))
-    (ref, inductor_code), (out, fixed_code) = results
-    assert "fixed_config(" not in inductor_code
-    assert fixed_code.count("fixed_config(") == 1 and "'num_warps': 4" in fixed_code, fixed_code
-    torch.testing.assert_close(out, ref, rtol=0, atol=0)
-
-
 class NormMLP(nn.Module):
     """RMSNorm -> Llama MLP: the decode step's MLP half."""
 

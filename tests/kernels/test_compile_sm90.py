@@ -154,9 +154,9 @@ def test_down_gemm_quantizing_bf16_activations_compiles_for_sm90(a_quant, m):
     before = ptx[:ptx.index("griddepcontrol.wait")]
     assert not re.search(r"\b(ld\.global|cp\.async|atom\.|red\.|st\.global)", before), before[-2000:]
     assert "cp.async" in ptx, "the weight tiles are loaded through the pipeline (as in a real call)"
-    # per tensor, each program reduces every row's maxima before its K loop; at M=1, read 256 at a time
-    # (`parts_block`), that kernel keeps 16 bytes on the stack
-    assert stack_bytes(kernel) <= (0 if a_quant != QUANT_TENSOR else 16 if m == 1 else 272), stack_bytes(kernel)
+    # M=1's tile (128-wide N, split in 8) keeps 0-16 bytes on the stack (8 with a static scale, 16 per tensor,
+    # whose programs each reduce every row's maxima, 256 at a time: `parts_block`); M=64's per tensor 272
+    assert stack_bytes(kernel) <= (16 if m == 1 else 0 if a_quant != QUANT_TENSOR else 272), stack_bytes(kernel)
 
 
 @pytest.mark.parametrize("m", [1, 16, 64])

@@ -263,55 +263,6 @@ def test_one_pass_row_reductions_handler(monkeypatch):
         assert not V.choices.should_use_persistent_reduction(Features(4096, inner), False)
 
 
-def test_one_pass_rows_take_their_warps_as_a_fixed_config(monkeypatch):
-    """Rows the handler made one-pass (1024 < length <= limit) get ``compat.one_pass_warps``'s warps as Inductor's
-    fixed kernel configuration (one row per program); Inductor's own persistent rows, looped rows, pointwise
-    kernels, tiled kernels and a None from one_pass_warps keep Inductor's configurations."""
-    import sympy
-    from torch._inductor.runtime.hints import ReductionHint
-    from torch._inductor.sizevars import SizeVarAllocator
-    from torch._inductor.virtualized import V
-
-    from fp8fx.lowerings import compat
-
-    class Features:
-        def __init__(self, numel, reduction=True, hint=ReductionHint.INNER):
-            self.reduction_numel, self.hint, self.reduction = sympy.Integer(numel), hint, reduction
-            self.numel = sympy.Integer(4096)
-
-        def get_reduction_hint(self):
-            return self.hint
-
-        def is_reduction(self):
-            return self.reduction
-
-    class Graph:
-        sizevars = SizeVarAllocator()
-
-    monkeypatch.setattr(compat, "one_pass_warps", lambda rnumel: {4096: 4, 14336: 8}.get(rnumel))
-    rows = lambda n: [{"x": sympy.Integer(4096), "r0_": sympy.Integer(n)}]  # noqa: E731 - TritonKernel's tiling
-
-    def warps(features, groups, **kwargs):
-        out = V.choices.triton_kernel_kwargs(object, features, groups, dict(kwargs))
-        fixed = out.get("fixed_config")
-        return None if fixed is None else (fixed["XBLOCK"], fixed["num_warps"])
-
-    with V.set_graph_handler(Graph()):
-        with compat.one_pass_row_reductions(16384):
-            assert warps(Features(4096), rows(4096)) == (1, 4)
-            assert warps(Features(14336), rows(14336)) == (1, 8)
-            assert warps(Features(8192), rows(8192)) is None  # one_pass_warps: None
-            assert warps(Features(1024), rows(1024)) is None  # Inductor's own persistent range
-            assert warps(Features(32768), rows(32768)) is None  # past the limit: looped
-            assert warps(Features(4096, reduction=False), rows(4096)) is None
-            assert warps(Features(4096, hint=ReductionHint.OUTER), rows(4096)) is None
-            assert warps(Features(4096), [{"x": 1, "y": 1, "r0_": 4096}]) is None
-            assert warps(Features(4096), rows(4096), override_persistent_reduction=False) is None
-        with compat.one_pass_row_reductions(2048):
-            assert warps(Features(4096), rows(4096)) is None
-        assert warps(Features(4096), rows(4096)) is None  # the handler is gone
-
-
 def test_weight_only_rewrite():
     """Forced weight-only (as on GPUs without fp8 tensor cores): no activation quantization in the graph."""
     model = ThreeLinear().to(torch.bfloat16)
