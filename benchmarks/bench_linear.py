@@ -66,6 +66,17 @@ class ScaledMMMLP(nn.Module):
         return self._linear(nn.functional.silu(self._linear(x, "gate_proj")) * self._linear(x, "up_proj"), "down_proj")
 
 
+def capture(fn, x) -> torch.cuda.CUDAGraph:
+    """fn(x) as a CUDA graph, after three warm-up calls (compiles, allocations)."""
+    for _ in range(3):
+        fn(x)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn(x)
+    return g
+
+
 def bench(fn, x, graph: bool) -> float:
     """Median ms of fn(x); as a CUDA-graph replay when ``graph`` (plain calls, recorded in ``FALLBACKS``,
     where capture fails)."""
@@ -73,13 +84,7 @@ def bench(fn, x, graph: bool) -> float:
 
     if graph:
         try:
-            for _ in range(3):
-                fn(x)
-            torch.cuda.synchronize()
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                fn(x)
-            return triton.testing.do_bench(g.replay, warmup=25, rep=100, return_mode="median")
+            return triton.testing.do_bench(capture(fn, x).replay, warmup=25, rep=100, return_mode="median")
         except Exception as exc:  # noqa: BLE001 - a row timed plainly beats a run lost
             print(f"CUDA-graph capture failed ({exc!r:.200}); timing plain calls", file=sys.stderr)
             FALLBACKS.append(f"{exc!r:.200}")

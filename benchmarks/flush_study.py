@@ -13,7 +13,7 @@ import statistics
 import torch
 
 import fp8fx
-from benchmarks.bench_linear import MLP
+from benchmarks.bench_linear import MLP, capture
 
 
 def replay_ms(g: torch.cuda.CUDAGraph, flush, reps=200) -> float:
@@ -50,12 +50,7 @@ def main():
                 fp8fx.quantize_(mod, fp8fx.Fp8Config())
                 fn = torch.compile(mod, backend=fp8fx.Fp8Backend(fuse_mlp=True), dynamic=False)
             with torch.no_grad():
-                for _ in range(3):
-                    fn(x)
-                torch.cuda.synchronize()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    fn(x)
+                g = capture(fn, x)
                 for _ in range(10):
                     g.replay()
                 times[name] = {f: replay_ms(g, flush) for f, flush in flushes.items()}
