@@ -1,7 +1,8 @@
-"""How the L2 flush before each timed call changes the decode MLP block's time: ``do_bench`` flushes by
-zeroing a 256 MB buffer, which leaves the 50 MB L2 full of dirty lines that the timed kernels must write
-back to HBM as they stream their weights; a read of the same buffer leaves it full of clean lines (as a
-previous layer's weights would). CUDA-graph replays, median ms, for bf16 Inductor and fp8fx (fused MLP).
+"""Does the L2 flush before each timed call add to the decode MLP block's time? ``do_bench`` flushes by
+zeroing a 256 MB buffer, which may leave the 50 MB L2 full of dirty lines for the timed kernels to write
+back to HBM while they stream their weights (a candidate for the ~0.012 ms of every replay that no kernel
+covers, RESULTS.md runs 10-11); a read of the same buffer leaves clean lines (as a previous layer's weights
+would). CUDA-graph replays, median ms, for bf16 Inductor and fp8fx (fused MLP). Not yet run on the GPU.
 
     python benchmarks/flush_study.py [--ms 1,16]
 """

@@ -4,9 +4,9 @@
     python benchmarks/tune_gemm.py            # decode (M = 1, 64), per-row scales: HBM bandwidth on the weight
     python benchmarks/tune_gemm.py --block    # 128x128 weight blocks, 1x128 activation groups (M = 4096)
     python benchmarks/tune_gemm.py --shapes down   # one layer
-    python benchmarks/tune_gemm.py --gated    # the fused decode MLP's two kernels (fp8fx.kernels.gated_mlp)
+    python benchmarks/tune_gemm.py --gated    # the fused decode MLP's two kernels at M = 1, 16 (fp8fx.kernels.gated_mlp)
     python benchmarks/tune_gemm.py --gated-pdl    # only its programmatic-dependent-launch on / off
-    python benchmarks/tune_gemm.py --shapes down --tma   # every decode candidate also with TMA weight loads
+    python benchmarks/tune_gemm.py --gated --tma   # every down-GEMM candidate also with TMA weight loads
 
 Every candidate is checked against the current configuration's output before it is timed.
 """
@@ -45,7 +45,7 @@ def time_ms(fn, graph: bool = False):
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
-def sweep_gated(ms=(1, 64), dim=4096, hidden=14336, tiles=True, tma=False):
+def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False):
     """The Llama-3-8B MLP through ``gated_mlp`` (two kernels, one CUDA-graph replay, L2 flushed): with and
     without the down GEMM as a programmatic dependent launch; with ``tiles``, the gate/up kernel's tiles with
     the down GEMM's default, then the down GEMM's with the gate/up default."""
@@ -99,7 +99,7 @@ def main(argv=None):
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
     if args.gated or args.gated_pdl:
-        return sweep_gated(ms=(1, 16), tiles=args.gated, tma=args.tma)  # the tokens fuse_mlp fuses
+        return sweep_gated(tiles=args.gated, tma=args.tma)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}

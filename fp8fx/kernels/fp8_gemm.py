@@ -143,7 +143,8 @@ def fp8_gemm_kernel(
     SPLIT_K: tl.constexpr,
     # A_QUANT (QUANT_*): a is 16-bit and quantized to fp8 tile by tile as it is loaded, with the scales of
     # `_a_quant_scale` (a_scale_ptr: the partial row maxima [M, N_PARTS], or the static scale)
-    A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12, FP8_MAX: tl.constexpr = 448.0,
+    A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12,
+    FP8_MAX: tl.constexpr = 448.0,
     # launched as a programmatic dependent of the kernel before it (PDL, sm_90): wait for its memory first
     PDL_WAIT: tl.constexpr = False,
     B_DESC: tl.constexpr = False,
