@@ -77,6 +77,31 @@ def capture(fn, x) -> torch.cuda.CUDAGraph:
     return g
 
 
+def replay_ms(g: torch.cuda.CUDAGraph, flush=None, reps: int = 200) -> float:
+    """Median ms of ``g``'s replays, each timed by its own events with ``flush()`` (untimed) before it."""
+    import statistics
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        if flush is not None:
+            flush()
+        starts[i].record()
+        g.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def l2_flushes(device="cuda") -> dict:
+    """What can run before a timed replay: ``do_bench``'s flush (zeroing 256 MB: the L2 is left full of dirty
+    lines, written back to HBM while the timed kernels stream their weights), a read of the same buffer
+    (clean lines, as a previous layer's weights would leave), or nothing."""
+    buf = torch.empty(256 << 20, dtype=torch.int8, device=device)
+    total = torch.empty((), dtype=torch.int64, device=device)
+    return {"dirty": buf.zero_, "clean": lambda: torch.sum(buf, dtype=torch.int64, out=total), "none": None}
+
+
 def bench(fn, x, graph: bool) -> float:
     """Median ms of fn(x); as a CUDA-graph replay when ``graph`` (plain calls, recorded in ``FALLBACKS``,
     where capture fails)."""

@@ -9,7 +9,7 @@
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
 #          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep;
 #          pdl: it with and without programmatic dependent launch; tma: its sweep with TMA weight loads too;
-#          flush: flush_study.py)
+#          flush: flush_study.py; launch: tune_gemm.py --gated-launch; ncu: ncu on the fused MLP's kernels)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -43,6 +43,15 @@ if has gatedtests; then  # the fused decode MLP's kernels and op
 fi
 if has pdl; then  # the fused decode MLP with and without programmatic dependent launch
   timeout 120 python3 benchmarks/tune_gemm.py --gated-pdl 2>&1 | tee "$OUT/gated-pdl.txt"
+fi
+if has launch; then  # the fused decode MLP: down-GEMM weight prefetch x early PDL trigger, three L2 flushes
+  timeout 200 python3 benchmarks/tune_gemm.py --gated-launch 2>&1 | tee "$OUT/gated-launch.txt"
+fi
+if has ncu; then  # hardware counters of the fused decode MLP's two kernels (3 calls at M = 1, then 16)
+  timeout 200 ncu --clock-control none -k regex:'gated_gemm_kernel|fp8_gemm_kernel' --launch-count 12 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section LaunchStats --section SchedulerStats python3 benchmarks/tune_gemm.py --gated-ncu > "$OUT/ncu.txt" 2>&1
+  grep -E "gated_gemm_kernel|fp8_gemm_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|One or More|No Eligible" "$OUT/ncu.txt" | head -120
 fi
 if has fusiontests; then  # Inductor's generated code on the GPU (kernel counts)
   timeout 150 $P -m cuda tests/e2e/test_fusion.py 2>&1 | tee "$OUT/pytest-cuda-fusion.log" | tail -5
@@ -91,7 +100,7 @@ if has tma; then  # the fused MLP's tiles, each down GEMM tile with TMA weight l
   timeout 300 python3 benchmarks/tune_gemm.py --gated --tma 2>&1 | tee "$OUT/tune-tma.txt"
 fi
 if has flush; then  # the decode MLP block's replay time after a dirty, a clean and no L2 flush
-  timeout 200 python3 benchmarks/flush_study.py --ms 1 2>&1 | tee "$OUT/flush.txt"
+  timeout 330 python3 benchmarks/flush_study.py --ms 1,16 2>&1 | tee "$OUT/flush.txt"
 fi
 if has tune; then
   timeout 200 python3 benchmarks/tune_gemm.py --block 2>&1 | tee "$OUT/tune-block.txt"

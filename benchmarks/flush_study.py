@@ -2,50 +2,42 @@
 zeroing a 256 MB buffer, which may leave the 50 MB L2 full of dirty lines for the timed kernels to write
 back to HBM while they stream their weights (a candidate for the ~0.012 ms of every replay that no kernel
 covers, RESULTS.md runs 10-11); a read of the same buffer leaves clean lines (as a previous layer's weights
-would). CUDA-graph replays, median ms, for bf16 Inductor and fp8fx (fused MLP). Not yet run on the GPU.
+would). CUDA-graph replays, median ms, for fp8fx (fused MLP), torchao row-wise and bf16 Inductor.
 
     python benchmarks/flush_study.py [--ms 1,16]
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 
 import torch
 
 import fp8fx
-from benchmarks.bench_linear import MLP, capture
-
-
-def replay_ms(g: torch.cuda.CUDAGraph, flush, reps=200) -> float:
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        flush()
-        starts[i].record()
-        g.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+from benchmarks.bench_linear import MLP, capture, l2_flushes, replay_ms, torchao_rowwise
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ms", default="1,16")
     args = p.parse_args()
-    buf = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
-    flushes = {"dirty (zero_, as do_bench)": buf.zero_, "clean (a read)": buf.sum,
-               "none": lambda: None}
+    flushes = l2_flushes()
     torch.manual_seed(0)
     base = MLP().cuda().to(torch.bfloat16)
     state = base.state_dict()
     for m in (int(v) for v in args.ms.split(",")):
         x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
         times = {}
-        for name in ("bf16 Inductor", "fp8fx fused MLP"):
+        # fp8fx first: bf16 Inductor's compile at M=1 once took 306 s (run 11), so it goes last
+        for name in ("fp8fx fused MLP", "torchao row-wise", "bf16 Inductor"):
             mod = MLP().cuda().to(torch.bfloat16)
             mod.load_state_dict(state)
             if name == "bf16 Inductor":
+                fn = torch.compile(mod, dynamic=False)
+            elif name == "torchao row-wise":
+                mod, why = torchao_rowwise(mod)
+                if mod is None:
+                    print(why)
+                    continue
                 fn = torch.compile(mod, dynamic=False)
             else:
                 fp8fx.quantize_(mod, fp8fx.Fp8Config())
@@ -55,10 +47,11 @@ def main():
                 for _ in range(10):
                     g.replay()
                 times[name] = {f: replay_ms(g, flush) for f, flush in flushes.items()}
-        for f in flushes:
-            bf16, fx = times["bf16 Inductor"][f], times["fp8fx fused MLP"][f]
-            print(f"M={m} flush {f}: bf16 Inductor {bf16:.4f} ms, fp8fx fused MLP {fx:.4f} ms, {bf16 / fx:.2f}x",
-                  flush=True)
+            print(f"M={m} {name}: " + ", ".join(f"{f} {t:.4f} ms" for f, t in times[name].items()), flush=True)
+        fx = times["fp8fx fused MLP"]
+        for other in (n for n in times if n != "fp8fx fused MLP"):
+            print(f"M={m} fp8fx fused MLP vs {other}: " + ", ".join(
+                f"{f} {times[other][f] / fx[f]:.2f}x" for f in flushes), flush=True)
 
 
 if __name__ == "__main__":

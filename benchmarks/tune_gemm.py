@@ -7,6 +7,9 @@
     python benchmarks/tune_gemm.py --gated    # the fused decode MLP's two kernels at M = 1, 16 (fp8fx.kernels.gated_mlp)
     python benchmarks/tune_gemm.py --gated-pdl    # only its programmatic-dependent-launch on / off
     python benchmarks/tune_gemm.py --gated --tma   # every down-GEMM candidate also with TMA weight loads
+    python benchmarks/tune_gemm.py --gated-launch  # its down GEMM's weight prefetch x early PDL trigger, after
+                                                   # each of the three L2 flushes (bench_linear.l2_flushes)
+    python benchmarks/tune_gemm.py --gated-ncu     # a few calls of it at M = 1 and 16, for ncu
 
 Every candidate is checked against the current configuration's output before it is timed.
 """
@@ -16,7 +19,7 @@ import itertools
 import torch
 import triton
 
-from bench_linear import bench, cublas_blockwise  # run as a script: benchmarks/ is on sys.path
+from bench_linear import bench, capture, cublas_blockwise, l2_flushes, replay_ms  # run as a script: benchmarks/ is on sys.path
 from fp8fx import quant
 from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
 
@@ -45,6 +48,14 @@ def time_ms(fn, graph: bool = False):
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
 
 
+def _gated_problem(m, dim=4096, hidden=14336):
+    """Llama-3-8B MLP operands for ``gated_mlp`` at M=m (fp8, per-row scales), seeded."""
+    torch.manual_seed(m)
+    w1, w3 = (quant.quantize(torch.randn(hidden, dim, device="cuda") / dim**0.5, [1, -1]) for _ in range(2))
+    w2 = quant.quantize(torch.randn(dim, hidden, device="cuda") / hidden**0.5, [1, -1])
+    return quant.quantize(torch.randn(m, dim, device="cuda"), [1, -1]), w1, w3, w2
+
+
 def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False):
     """The Llama-3-8B MLP through ``gated_mlp`` (two kernels, one CUDA-graph replay, L2 flushed): with and
     without the down GEMM as a programmatic dependent launch; with ``tiles``, the gate/up kernel's tiles with
@@ -52,10 +63,8 @@ def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False):
     from fp8fx.kernels import fp8_gemm as kernels
     from fp8fx.kernels.gated_mlp import down_tile_config, gated_mlp, gated_tile_config
 
-    w1, w3 = (quant.quantize(torch.randn(hidden, dim, device="cuda") / dim**0.5, [1, -1]) for _ in range(2))
-    w2 = quant.quantize(torch.randn(dim, hidden, device="cuda") / hidden**0.5, [1, -1])
     for m in ms:
-        xq, xs = quant.quantize(torch.randn(m, dim, device="cuda"), [1, -1])
+        (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
         run = lambda c1=None, c2=None, pdl=None: gated_mlp(  # noqa: E731
             xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16, configs=(c1, c2),
             pdl=pdl)
@@ -90,14 +99,46 @@ def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False):
                   f"on the weights) {default} | best: {top}", flush=True)
 
 
+def gated_launch(ms=(1, 16), dim=4096, hidden=14336, ncu=False):
+    """The fused MLP op with its down GEMM prefetching the first PREFETCH_LINES 128-byte lines of each weight
+    row into L2 before its PDL wait, the gate/up kernel triggering that launch at its start (early) or after its
+    K loop; each timed as CUDA-graph replays after each L2 flush. ``ncu``: three plain calls per M, nothing timed."""
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels.gated_mlp import down_tile_config, gated_mlp, gated_tile_config
+
+    flushes = l2_flushes()
+    for m in ms:
+        (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
+        run = lambda c1=None, c2=None: gated_mlp(  # noqa: E731
+            xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16, configs=(c1, c2))
+        if ncu:
+            for _ in range(3):
+                run()
+            torch.cuda.synchronize()
+            continue
+        ref = run()
+        for early, lines in itertools.product((False, True), (0, 2, 4, 8, 16)):
+            c1 = {**gated_tile_config(m, hidden, dim), "PDL_EARLY": early}
+            c2 = {**down_tile_config(m, dim, hidden), "PREFETCH_LINES": lines}
+            assert torch.equal(run(c1, c2), ref), (early, lines)  # a prefetch or a trigger changes no bit
+            g = capture(lambda _: run(c1, c2), None)
+            t = {f: replay_ms(g, flush) for f, flush in flushes.items()}
+            print(f"gated MLP M={m} early trigger {early!s:5} prefetch {lines:2} lines: " + ", ".join(
+                f"{f} {v:.4f} ms ({3 * dim * hidden / v / 1e9:.2f} TB/s)" for f, v in t.items()), flush=True)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--block", action="store_true")
     p.add_argument("--gated", action="store_true")
     p.add_argument("--gated-pdl", action="store_true", help="--gated without the tile sweep, M = 1 and 16")
+    p.add_argument("--gated-launch", action="store_true", help="weight prefetch x early trigger, three L2 flushes")
+    p.add_argument("--gated-ncu", action="store_true", help="three plain calls of the fused MLP at M = 1, 16")
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
+    if args.gated_launch or args.gated_ncu:
+        return gated_launch(ncu=args.gated_ncu)
     if args.gated or args.gated_pdl:
         return sweep_gated(tiles=args.gated, tma=args.tma)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
