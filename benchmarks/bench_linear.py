@@ -97,9 +97,8 @@ def l2_flushes(device="cuda") -> dict:
     """What can run before a timed replay: ``do_bench``'s flush (zeroing 256 MB: the L2 is left full of dirty
     lines, written back to HBM while the timed kernels stream their weights), a read of the same buffer
     (clean lines, as a previous layer's weights would leave), or nothing."""
-    buf = torch.empty(256 << 20, dtype=torch.int8, device=device)
-    total = torch.empty((), dtype=torch.int64, device=device)
-    return {"dirty": buf.zero_, "clean": lambda: torch.sum(buf, dtype=torch.int64, out=total), "none": None}
+    buf = torch.zeros(256 << 20, dtype=torch.int8, device=device)
+    return {"dirty": buf.zero_, "clean": lambda: buf.sum(dtype=torch.int64), "none": None}
 
 
 def bench(fn, x, graph: bool) -> float:

@@ -105,3 +105,8 @@ fi
 if has tune; then
   timeout 200 python3 benchmarks/tune_gemm.py --block 2>&1 | tee "$OUT/tune-block.txt"
 fi
+# the stages' pipelines end in tee, so a crashed script leaves only its traceback: make the call say so
+if grep -l "^Traceback" "$OUT"/*.txt "$OUT"/*.log 2>/dev/null; then
+  echo "device_run.sh: a stage crashed (its traceback is in the files above)" >&2
+  exit 1
+fi
