@@ -5,13 +5,15 @@
 Every row is a ratio against anchors measured in the same run (ANCHORS.md): bf16 (cuBLAS eager and
 Inductor), Inductor's own fp8 lowering (the MLP written with `torch._scaled_mm`, ``ScaledMMMLP``),
 cuBLAS fp8 row-wise `torch._scaled_mm` (GEMM only, pre-quantized activations), torchao float8 row-wise
-(when importable). M up to --graph-max-m (256) is timed as CUDA-graph replays: without
-them a compiled call's host time (guards, wrappers, custom-op dispatch) exceeds the GPU time there.
+(when importable). M up to --graph-max-m (256) is timed as CUDA-graph replays (each after a 256 MB read
+that leaves the L2 clean: ``bench``): without them a compiled call's host time (guards, wrappers, custom-op
+dispatch) exceeds the GPU time there.
 Writes results.json and results.md (and plot.png when matplotlib is there) under --out.
 """
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -81,6 +83,8 @@ def replay_ms(g: torch.cuda.CUDAGraph, flush=None, reps: int = 200) -> float:
     """Median ms of ``g``'s replays, each timed by its own events with ``flush()`` (untimed) before it."""
     import statistics
 
+    for _ in range(5):
+        g.replay()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
@@ -93,6 +97,7 @@ def replay_ms(g: torch.cuda.CUDAGraph, flush=None, reps: int = 200) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+@functools.lru_cache(maxsize=None)
 def l2_flushes(device="cuda") -> dict:
     """What can run before a timed replay: ``do_bench``'s flush (zeroing 256 MB: the L2 is left full of dirty
     lines, written back to HBM while the timed kernels stream their weights), a read of the same buffer
@@ -102,13 +107,15 @@ def l2_flushes(device="cuda") -> dict:
 
 
 def bench(fn, x, graph: bool) -> float:
-    """Median ms of fn(x); as a CUDA-graph replay when ``graph`` (plain calls, recorded in ``FALLBACKS``,
-    where capture fails)."""
+    """Median ms of fn(x). With ``graph``: CUDA-graph replays, each after a read of 256 MB (the L2 left full
+    of clean lines, as a decode step's previous layer leaves it; `do_bench`'s zeroing flush leaves dirty lines
+    whose write-back added 0.004-0.009 ms to every decode replay, run 12 call 2, `flush_study.py`); plain calls
+    (recorded in ``FALLBACKS``) where capture fails, and without ``graph``, through ``do_bench``."""
     import triton
 
     if graph:
         try:
-            return triton.testing.do_bench(capture(fn, x).replay, warmup=25, rep=100, return_mode="median")
+            return replay_ms(capture(fn, x), l2_flushes()["clean"])
         except Exception as exc:  # noqa: BLE001 - a row timed plainly beats a run lost
             print(f"CUDA-graph capture failed ({exc!r:.200}); timing plain calls", file=sys.stderr)
             FALLBACKS.append(f"{exc!r:.200}")

@@ -9,7 +9,7 @@
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
 #          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep;
 #          pdl: it with and without programmatic dependent launch; tma: its sweep with TMA weight loads too;
-#          flush: flush_study.py; launch: tune_gemm.py --gated-launch; ncu: ncu on the fused MLP's kernels)
+#          flush: flush_study.py; ncu: ncu on the fused MLP's kernels)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -43,9 +43,6 @@ if has gatedtests; then  # the fused decode MLP's kernels and op
 fi
 if has pdl; then  # the fused decode MLP with and without programmatic dependent launch
   timeout 120 python3 benchmarks/tune_gemm.py --gated-pdl 2>&1 | tee "$OUT/gated-pdl.txt"
-fi
-if has launch; then  # the fused decode MLP: down-GEMM weight prefetch x early PDL trigger, three L2 flushes
-  timeout 200 python3 benchmarks/tune_gemm.py --gated-launch 2>&1 | tee "$OUT/gated-launch.txt"
 fi
 if has ncu; then  # hardware counters of the fused decode MLP's two kernels (3 calls at M = 1, then 16)
   timeout 200 ncu --clock-control none -k regex:'gated_gemm_kernel|fp8_gemm_kernel' --launch-count 12 \

@@ -7,8 +7,6 @@
     python benchmarks/tune_gemm.py --gated    # the fused decode MLP's two kernels at M = 1, 16 (fp8fx.kernels.gated_mlp)
     python benchmarks/tune_gemm.py --gated-pdl    # only its programmatic-dependent-launch on / off
     python benchmarks/tune_gemm.py --gated --tma   # every down-GEMM candidate also with TMA weight loads
-    python benchmarks/tune_gemm.py --gated-launch  # its down GEMM's weight prefetch x early PDL trigger, after
-                                                   # each of the three L2 flushes (bench_linear.l2_flushes)
     python benchmarks/tune_gemm.py --gated-ncu     # a few calls of it at M = 1 and 16, for ncu
 
 Every candidate is checked against the current configuration's output before it is timed.
@@ -19,7 +17,7 @@ import itertools
 import torch
 import triton
 
-from bench_linear import bench, capture, cublas_blockwise, l2_flushes, replay_ms  # run as a script: benchmarks/ is on sys.path
+from bench_linear import bench, cublas_blockwise  # run as a script: benchmarks/ is on sys.path
 from fp8fx import quant
 from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
 
@@ -41,8 +39,8 @@ def _tiles(m, block: bool):
 
 def time_ms(fn, graph: bool = False):
     """Median ms; as CUDA-graph replays for decode, where a plain call's launch (~20 us of Python)
-    would hide a 15-40 us kernel. Both through ``do_bench``, which flushes L2 before every call
-    (``do_bench_cudagraph`` does not: a 25 MB weight then stays in the H200's 50 MB L2)."""
+    would hide a 15-40 us kernel (``bench_linear.bench``: a read of 256 MB before each, so a 25 MB weight does
+    not stay in the H200's 50 MB L2 between replays), else plain calls through ``do_bench``."""
     if graph:
         return bench(lambda _: fn(), None, True)
     return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
@@ -79,10 +77,13 @@ def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False):
         if not tiles:
             continue
         bm = 16 if m <= 16 else 64
+        # 4 or 8 warps: the down GEMM's 4-warp programs hold 136 registers a thread and leave an SM's schedulers
+        # without an eligible warp 57% of the time (ncu, run 12 call 1)
         firsts = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=w, num_stages=st)
-                  for bn, w, st in itertools.product([32, 64], [4], [4, 6])]
-        downs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=st, SPLIT_K=sk, TMA=t)
-                 for bn, st, sk, t in itertools.product([32, 64, 128], [4, 6], [2, 4, 8], (False, True) if tma else (False,))]
+                  for bn, w, st in itertools.product([32, 64], [4, 8], [4, 6])]
+        downs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk, TMA=t)
+                 for bn, w, st, sk, t in itertools.product([64, 128], [4, 8], [4, 6], [4, 8, 16],
+                                                           (False, True) if tma else (False,))]
         for which, cands in (("gate/up", [(c, None) for c in firsts]), ("down", [(None, c) for c in downs])):
             results = []
             for c1, c2 in cands:
@@ -99,32 +100,16 @@ def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False):
                   f"on the weights) {default} | best: {top}", flush=True)
 
 
-def gated_launch(ms=(1, 16), dim=4096, hidden=14336, ncu=False):
-    """The fused MLP op with its down GEMM prefetching the first PREFETCH_LINES 128-byte lines of each weight
-    row into L2 before its PDL wait, the gate/up kernel triggering that launch at its start (early) or after its
-    K loop; each timed as CUDA-graph replays after each L2 flush. ``ncu``: three plain calls per M, nothing timed."""
+def gated_ncu(ms=(1, 16), dim=4096, hidden=14336):
+    """Three plain calls of the fused MLP op per M, nothing timed: for ncu (device_run.sh's ncu stage)."""
     from fp8fx.kernels import fp8_gemm as kernels
-    from fp8fx.kernels.gated_mlp import down_tile_config, gated_mlp, gated_tile_config
+    from fp8fx.kernels.gated_mlp import gated_mlp
 
-    flushes = l2_flushes()
     for m in ms:
         (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
-        run = lambda c1=None, c2=None: gated_mlp(  # noqa: E731
-            xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16, configs=(c1, c2))
-        if ncu:
-            for _ in range(3):
-                run()
-            torch.cuda.synchronize()
-            continue
-        ref = run()
-        for early, lines in itertools.product((False, True), (0, 2, 4, 8, 16)):
-            c1 = {**gated_tile_config(m, hidden, dim), "PDL_EARLY": early}
-            c2 = {**down_tile_config(m, dim, hidden), "PREFETCH_LINES": lines}
-            assert torch.equal(run(c1, c2), ref), (early, lines)  # a prefetch or a trigger changes no bit
-            g = capture(lambda _: run(c1, c2), None)
-            t = {f: replay_ms(g, flush) for f, flush in flushes.items()}
-            print(f"gated MLP M={m} early trigger {early!s:5} prefetch {lines:2} lines: " + ", ".join(
-                f"{f} {v:.4f} ms ({3 * dim * hidden / v / 1e9:.2f} TB/s)" for f, v in t.items()), flush=True)
+        for _ in range(3):
+            gated_mlp(xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16)
+        torch.cuda.synchronize()
 
 
 def main(argv=None):
@@ -132,13 +117,12 @@ def main(argv=None):
     p.add_argument("--block", action="store_true")
     p.add_argument("--gated", action="store_true")
     p.add_argument("--gated-pdl", action="store_true", help="--gated without the tile sweep, M = 1 and 16")
-    p.add_argument("--gated-launch", action="store_true", help="weight prefetch x early trigger, three L2 flushes")
     p.add_argument("--gated-ncu", action="store_true", help="three plain calls of the fused MLP at M = 1, 16")
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
-    if args.gated_launch or args.gated_ncu:
-        return gated_launch(ncu=args.gated_ncu)
+    if args.gated_ncu:
+        return gated_ncu()
     if args.gated or args.gated_pdl:
         return sweep_gated(tiles=args.gated, tma=args.tma)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}

@@ -92,14 +92,6 @@ def _to_fp8_range(v, scale, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """One ``prefetch.global.L2`` per element of ``ptrs`` (a hint: the line is fetched into L2, nothing waits
-    for it); the returned zeros only carry the side effect through Triton's IR."""
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
 def _rows_amax(parts_ptr, rows, M, stride_pm, stride_pp, N_PARTS: tl.constexpr, CHUNK: tl.constexpr):
     """[len(rows)]: each row's amax, the max of its N_PARTS partial maxima (0 for rows past M), CHUNK at a
     time: each chunk is a dependent round trip to memory before the GEMM's first weight load."""
@@ -156,16 +148,13 @@ def fp8_gemm_kernel(
     # launched as a programmatic dependent of the kernel before it (PDL, sm_90): wait for its memory first
     PDL_WAIT: tl.constexpr = False,
     B_DESC: tl.constexpr = False,
-    # 128-byte lines of each of this program's weight rows (from its first K step) to prefetch into L2 on
-    # entry, before the PDL wait and the A_QUANT scale's round trips (fp8 b, row-major; 0: none)
-    PREFETCH_LINES: tl.constexpr = 0,
 ):
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
     # split-K: SPLIT_K programs share an output tile, each over its own run of K steps, each writing a
     # float32 partial (y_ptr + split * stride_ys); the last of them to finish sums the partials (see the end)
     split = tl.program_id(0) % SPLIT_K
     pid = tl.program_id(0) // SPLIT_K
-    k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps per split
-    k_first = split * k_steps
     # grouped ordering of the output tiles: GROUP_M row-tiles share the same b columns in L2
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -177,17 +166,8 @@ def fp8_gemm_kernel(
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
-    if PREFETCH_LINES > 0:
-        # the weight does not depend on the kernel before: its first lines are on their way from HBM while
-        # this program waits for that kernel (PDL) and reads its activations' scales. Lines past N or past
-        # this split's K run prefetch the tile's first line instead (an address inside b)
-        k0 = k_first * BLOCK_K
-        lines = k0 + tl.arange(0, PREFETCH_LINES) * 128
-        ok = (offs_n[:, None] < N) & (lines[None, :] < tl.minimum(K, k0 + k_steps * BLOCK_K))
-        first = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
-        _prefetch_l2(tl.where(ok, first + tl.arange(0, BLOCK_N)[:, None] * stride_bn + lines[None, :], first))
-    if PDL_WAIT:
-        tl.extra.cuda.gdc_wait()
+    k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps per split
+    k_first = split * k_steps
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
     # 64-bit bases per program, 32-bit offsets within its tiles: [BM, BK] / [BK, BN] tensors of 64-bit
     # addresses carried through the pipelined loop cost 2 registers an element and spilled at the prefill
@@ -416,11 +396,6 @@ def fp8_gemm(
     elif tickets.numel() < tiles or tickets.dtype != torch.int32:
         raise ValueError(f"fp8_gemm: split-K needs {tiles} int32 tickets; got {tickets.numel()} {tickets.dtype}")
     b_desc = _weight_descriptor(b, cfg) if cfg.pop("TMA", False) else None
-    lines = cfg.pop("PREFETCH_LINES", 0)
-    if lines & (lines - 1) or lines < 0:
-        raise ValueError(f"fp8_gemm: PREFETCH_LINES={lines} in the tile config; a power of two (or 0: no prefetch)")
-    # a hint in PTX: only on the GPU (not Triton's interpreter), for an fp8 weight read row by row
-    lines = lines if b.is_cuda and b.element_size() == 1 and b.stride(1) == 1 else 0
     n_parts = a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1
     fp8_gemm_kernel[(tiles * split_k,)](
         a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets, b_desc,
@@ -431,7 +406,7 @@ def fp8_gemm(
         B_ROWWISE=b_mode == PER_ROW, B_GROUPED=b_mode == PER_K_GROUP,
         B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8, IMPRECISE_K=imprecise_k(cfg, fast_accum),
         A_QUANT=a_quant, N_PARTS=n_parts, PARTS_BLOCK=parts_block(n_parts, cfg["BLOCK_M"]),
-        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, B_DESC=b_desc is not None, PREFETCH_LINES=lines, **cfg,
+        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, B_DESC=b_desc is not None, **cfg,
         **({"launch_pdl": True} if pdl else {}),
     )
     return out

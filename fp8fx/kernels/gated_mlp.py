@@ -46,12 +46,7 @@ def gated_gemm_kernel(
     A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL_TRIGGER: tl.constexpr = False,  # the down GEMM is a programmatic dependent (PDL): let it launch
-    # ... as soon as every program of this grid has started, not after their K loops: its programs then take
-    # free SM slots early and prefetch their weights (its PDL wait still orders it after all of this grid)
-    PDL_EARLY: tl.constexpr = False,
 ):
-    if PDL_TRIGGER and PDL_EARLY:
-        tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
     # the down GEMM runs next on this stream: its tickets start at zero without a launch of their own
     for t in range(pid, n_tickets, tl.num_programs(0)):
@@ -81,7 +76,7 @@ def gated_gemm_kernel(
         acc_u = tl.dot(a, u, acc_u, max_num_imprecise_acc=IMPRECISE_K)
         a_offs += BLOCK_K * stride_ak
         w_offs += BLOCK_K * stride_wk
-    if PDL_TRIGGER and not PDL_EARLY:  # the weights are read: the down GEMM's programs may start (they wait for this grid's memory)
+    if PDL_TRIGGER:  # the weights are read: the down GEMM's programs may start (they wait for this grid's memory)
         tl.extra.cuda.gdc_launch_dependents()
 
     # epilogue: the scales, then act(g) * u rounded as the model's 16-bit ops round it

@@ -69,7 +69,7 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool 
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
                   SPLIT_K=cfg.get("SPLIT_K", 1), A_QUANT=a_quant, N_PARTS=448,
                   PARTS_BLOCK=parts_block(448, cfg["BLOCK_M"]), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl,
-                  B_DESC=bool(cfg.get("TMA")), PREFETCH_LINES=cfg.get("PREFETCH_LINES", 0))
+                  B_DESC=bool(cfg.get("TMA")))
     aligned = POINTERS + ["N", "K", "stride_am", "stride_bn", "stride_ym"]
     stages = pipeline_stages({**cfg, "BLOCK_K": consts["BLOCK_K"]}, 1 if a_dtype == "fp8e4nv" else 2)
     return compile_kernel(fp8_gemm_kernel, types, consts, aligned, cfg["num_warps"], stages)
@@ -161,28 +161,20 @@ def test_down_gemm_quantizing_bf16_activations_compiles_for_sm90(a_quant, m):
 
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("w_rowwise,act", [(False, "silu"), (True, "silu"), (True, "gelu"), (True, "gelu_tanh")])
-def test_gated_gemm_compiles_for_sm90(m, w_rowwise, act, early=False):
+def test_gated_gemm_compiles_for_sm90(m, w_rowwise, act):
     """Gate and up tiles against one x tile, act(g) * up in the epilogue (Llama-3-8B: I = 14336, K = 4096)."""
     cfg = gated_tile_config(m, 14336, 4096)
     types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*bf16",
                                       "*fp32", "*i32"]))
     types.update({name: "i32" for name in GATED_INTS})
     consts = dict(A_ROWWISE=m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act], IMPRECISE_K=None, BLOCK_M=cfg["BLOCK_M"],
-                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True, PDL_EARLY=early)
+                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True)
     stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
     kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
                             cfg["num_warps"], stages)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert stack_bytes(kernel) == 0, stack_bytes(kernel)
-    ptx = kernel.asm["ptx"]
-    assert ptx.count("griddepcontrol.launch_dependents") == 1  # lets the down GEMM launch early
-    # PDL_EARLY: before any load of the K loop, else after the last
-    loads = [i for i in (ptx.find("cp.async"), ptx.find("ld.global")) if i >= 0]
-    assert (ptx.index("griddepcontrol.launch_dependents") < min(loads)) == early
-
-
-def test_gated_gemm_early_trigger_compiles_for_sm90():
-    test_gated_gemm_compiles_for_sm90(1, True, "silu", early=True)
+    assert "griddepcontrol.launch_dependents" in kernel.asm["ptx"]  # lets the down GEMM launch early
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 14336), (1, 28672, 4096), (16, 4096, 14336), (64, 6144, 4096)])
@@ -195,18 +187,3 @@ def test_tma_weight_loads_compile_for_sm90(m, n, k, a_quant):
     ptx = kernel.asm["ptx"]
     assert ptx.count("cp.async.bulk.tensor") >= 2, "the weight loads must be TMA copies, more than one in flight"
     assert kernel.metadata.shared <= 227 * 1024 and stack_bytes(kernel) == 0, stack_bytes(kernel)
-
-
-@pytest.mark.parametrize("lines", [2, 8])
-def test_weight_prefetch_precedes_the_pdl_wait(lines):
-    """``PREFETCH_LINES``: the down GEMM's weight lines go to L2 before its PDL wait (they do not depend on the
-    kernel before), one ``prefetch.global.L2`` per line of its 128 rows, and no other memory access moves
-    above the wait."""
-    cfg = {**down_tile_config(1, 4096, 14336), "PREFETCH_LINES": lines}
-    kernel = compile_for_hopper("bf16", LAYOUTS["per-row"], cfg, a_quant=QUANT_ROWS, pdl=True)
-    ptx = kernel.asm["ptx"]
-    before, after = ptx.split("griddepcontrol.wait", 1)
-    assert before.count("prefetch.global.L2") == cfg["BLOCK_N"] * lines // (32 * cfg["num_warps"]), before[-3000:]
-    assert "prefetch" not in after
-    assert not re.search(r"\b(ld\.global|cp\.async|atom\.|red\.|st\.global)", before), before[-2000:]
-    assert stack_bytes(kernel) <= 16, stack_bytes(kernel)
