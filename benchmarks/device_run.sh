@@ -9,7 +9,7 @@
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
 #          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep;
 #          pdl: it with and without programmatic dependent launch; tma: its sweep with TMA weight loads too;
-#          flush: flush_study.py; ncu: ncu on the fused MLP's kernels)
+#          widek: its sweep with K steps of 256 and 512; flush: flush_study.py; ncu: ncu on the fused MLP's kernels)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -92,6 +92,9 @@ if has profilemlp; then  # the fused decode MLP (Fp8Backend(fuse_mlp=True)) at M
 fi
 if has tunegated; then  # the fused decode MLP's tiles
   timeout 300 python3 benchmarks/tune_gemm.py --gated 2>&1 | tee "$OUT/tune-gated.txt"
+fi
+if has widek; then  # the fused MLP's tiles with K steps of 256 and 512
+  timeout 420 python3 benchmarks/tune_gemm.py --gated --wide-k 2>&1 | tee "$OUT/tune-wide-k.txt"
 fi
 if has tma; then  # the fused MLP's tiles, each down GEMM tile with TMA weight loads and with pointer loads
   timeout 300 python3 benchmarks/tune_gemm.py --gated --tma 2>&1 | tee "$OUT/tune-tma.txt"

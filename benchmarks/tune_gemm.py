@@ -7,6 +7,7 @@
     python benchmarks/tune_gemm.py --gated    # the fused decode MLP's two kernels at M = 1, 16 (fp8fx.kernels.gated_mlp)
     python benchmarks/tune_gemm.py --gated-pdl    # only its programmatic-dependent-launch on / off
     python benchmarks/tune_gemm.py --gated --tma   # every down-GEMM candidate also with TMA weight loads
+    python benchmarks/tune_gemm.py --gated --wide-k   # K steps of 256 and 512 instead
     python benchmarks/tune_gemm.py --gated-ncu     # a few calls of it at M = 1 and 16, for ncu
 
 Every candidate is checked against the current configuration's output before it is timed.
@@ -54,10 +55,12 @@ def _gated_problem(m, dim=4096, hidden=14336):
     return quant.quantize(torch.randn(m, dim, device="cuda"), [1, -1]), w1, w3, w2
 
 
-def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False):
+def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False, wide_k=False):
     """The Llama-3-8B MLP through ``gated_mlp`` (two kernels, one CUDA-graph replay, L2 flushed): with and
     without the down GEMM as a programmatic dependent launch; with ``tiles``, the gate/up kernel's tiles with
-    the down GEMM's default, then the down GEMM's with the gate/up default."""
+    the down GEMM's default, then the down GEMM's with the gate/up default. ``wide_k``: K steps of 256 and 512
+    (each weight row read 2-4 lines at a time, not one 128-byte line per row and step), narrower N tiles, K
+    split so that the steps divide evenly (Llama-3-8B's down: 112 steps of 128)."""
     from fp8fx.kernels import fp8_gemm as kernels
     from fp8fx.kernels.gated_mlp import down_tile_config, gated_mlp, gated_tile_config
 
@@ -84,6 +87,14 @@ def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False):
         downs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk, TMA=t)
                  for bn, w, st, sk, t in itertools.product([64, 128], [4, 8], [4, 6], [4, 8, 16],
                                                            (False, True) if tma else (False,))]
+        if wide_k:
+            firsts = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
+                      for bn, bk, w, st in itertools.product([16, 32], [256, 512], [4, 8], [3, 4])]
+            downs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk)
+                     for (bn, bk, sk), w, st in itertools.product(
+                         [(128, 128, 8), (128, 256, 8), (128, 256, 14), (64, 256, 7), (64, 256, 8), (64, 256, 14),
+                          (64, 512, 7), (64, 512, 14), (32, 256, 8), (32, 256, 14), (32, 512, 4), (32, 512, 7),
+                          (32, 512, 14)], [4, 8], [3, 4])]
         for which, cands in (("gate/up", [(c, None) for c in firsts]), ("down", [(None, c) for c in downs])):
             results = []
             for c1, c2 in cands:
@@ -93,6 +104,7 @@ def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False):
                 except Exception:  # noqa: BLE001 - out of shared memory etc.: not a candidate
                     continue
             results.sort(key=lambda r: r[0])
+            print(f"gated MLP M={m} {which}: {len(results)} of {len(cands)} candidates ran", flush=True)
             current = time_ms(run, True)
             top = " ; ".join(f"{t:.4f} {c}" for t, c in results[:6])
             default = gated_tile_config(m, hidden, dim) if which == "gate/up" else down_tile_config(m, dim, hidden)
@@ -117,6 +129,7 @@ def main(argv=None):
     p.add_argument("--block", action="store_true")
     p.add_argument("--gated", action="store_true")
     p.add_argument("--gated-pdl", action="store_true", help="--gated without the tile sweep, M = 1 and 16")
+    p.add_argument("--wide-k", action="store_true", help="--gated with K steps of 256 and 512")
     p.add_argument("--gated-ncu", action="store_true", help="three plain calls of the fused MLP at M = 1, 16")
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -124,7 +137,7 @@ def main(argv=None):
     if args.gated_ncu:
         return gated_ncu()
     if args.gated or args.gated_pdl:
-        return sweep_gated(tiles=args.gated, tma=args.tma)
+        return sweep_gated(tiles=args.gated, tma=args.tma, wide_k=args.wide_k)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}
