@@ -9,7 +9,7 @@
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
 #          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep;
 #          pdl: it with and without programmatic dependent launch; tma: its sweep with TMA weight loads too;
-#          widek: its sweep with K steps of 256 and 512; flush: flush_study.py; ncu: ncu on the fused MLP's kernels)
+#          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles; flush: flush_study.py; ncu: ncu on the fused MLP's kernels)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -95,6 +95,10 @@ if has tunegated; then  # the fused decode MLP's tiles
 fi
 if has widek; then  # the fused MLP's tiles with K steps of 256 and 512
   timeout 420 python3 benchmarks/tune_gemm.py --gated --wide-k 2>&1 | tee "$OUT/tune-wide-k.txt"
+fi
+if has bm64; then  # 64-row (wgmma) tiles at M = 1, 16: the fused MLP, then the decode GEMMs gate_up and down
+  timeout 240 python3 benchmarks/tune_gemm.py --gated --bm64 2>&1 | tee "$OUT/tune-bm64-gated.txt"
+  timeout 200 python3 benchmarks/tune_gemm.py --bm64 --shapes gate_up,down 2>&1 | tee "$OUT/tune-bm64-decode.txt"
 fi
 if has tma; then  # the fused MLP's tiles, each down GEMM tile with TMA weight loads and with pointer loads
   timeout 300 python3 benchmarks/tune_gemm.py --gated --tma 2>&1 | tee "$OUT/tune-tma.txt"
