@@ -28,6 +28,8 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 export PYTHONUNBUFFERED=1
 python3 -c "import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())" | tee "$OUT/env.txt"
+# a stage cut at its time limit says so (its pipeline's status is tee's): timeouts.txt, and the call exits 1
+timeout() { command timeout "$@"; local rc=$?; [ $rc -eq 124 ] && echo "timed out after $1 s: ${*:2:4}" >>"$OUT/timeouts.txt"; return $rc; }
 P="python3 -m pytest -q -rfE --tb=short --timeout 120 --durations=30 -p no:cacheprovider --failures-file $OUT/failures.txt"
 moe=tests/kernels/test_fused_moe.py gemm=tests/kernels/test_fp8_gemm.py
 # cuda tests first (what only the GPU can check), then the rest on this torch/transformers; each
@@ -112,5 +114,9 @@ fi
 # the stages' pipelines end in tee, so a crashed script leaves only its traceback: make the call say so
 if grep -l "^Traceback" "$OUT"/*.txt "$OUT"/*.log 2>/dev/null; then
   echo "device_run.sh: a stage crashed (its traceback is in the files above)" >&2
+  exit 1
+fi
+if [ -s "$OUT/timeouts.txt" ]; then
+  cat "$OUT/timeouts.txt" >&2
   exit 1
 fi
