@@ -1,8 +1,9 @@
 """Does the L2 flush before each timed call add to the decode MLP block's time? ``do_bench`` flushes by
-zeroing a 256 MB buffer, which may leave the 50 MB L2 full of dirty lines for the timed kernels to write
-back to HBM while they stream their weights (a candidate for the ~0.012 ms of every replay that no kernel
-covers, RESULTS.md runs 10-11); a read of the same buffer leaves clean lines (as a previous layer's weights
-would). CUDA-graph replays, median ms, for fp8fx (fused MLP), torchao row-wise and bf16 Inductor.
+zeroing a 256 MB buffer, which leaves the 50 MB L2 full of dirty lines for the timed kernels to write back
+to HBM while they stream their weights; a read of the same buffer leaves clean lines (as a previous layer's
+weights would). CUDA-graph replays, median ms, for fp8fx (fused MLP), torchao row-wise and bf16 Inductor.
+Run 12 (RESULTS.md): the zeroing flush added 0.004-0.009 ms to every replay, none at all gave the clean
+flush's times; ``bench_linear.bench`` has timed replays after the clean flush since.
 
     python benchmarks/flush_study.py [--ms 1,16]
 """

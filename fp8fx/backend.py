@@ -45,7 +45,7 @@ class Fp8Backend:
       merged layer) in graphs of 1-16 tokens (a static decode batch: compile with ``dynamic=False``) runs
       as two kernels, gate/up with act(g) * up in the epilogue and down quantizing the intermediate as it
       loads it (``fp8fx.passes.mlp``), where the unfused MLP takes three GEMMs and a quantization kernel
-      (Llama-3-8B MLP on the H200: 1.12-1.13x faster than unfused at 1 and 16 tokens, run 11). Default False.
+      (Llama-3-8B MLP on the H200: 1.22-1.24x faster than unfused at 1 and 16 tokens, run 12). Default False.
 
     - ``one_pass_rows``: reduce rows of up to this many elements in one pass, held in registers, where
       Inductor's heuristic stops at 1024 (``compat.one_pass_row_reductions``): the per-token
