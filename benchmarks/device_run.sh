@@ -9,7 +9,8 @@
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
 #          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep;
 #          pdl: it with and without programmatic dependent launch; tma: its sweep with TMA weight loads too;
-#          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles; flush: flush_study.py; ncu: ncu on the fused MLP's kernels)
+#          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles; flush: flush_study.py; ncu: ncu on the fused MLP's kernels;
+#          ncupipes: their pipe use and stalls; rows: rows_study.py)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -51,6 +52,15 @@ if has ncu; then  # hardware counters of the fused decode MLP's two kernels (3 c
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
     --section LaunchStats --section SchedulerStats python3 benchmarks/tune_gemm.py --gated-ncu > "$OUT/ncu.txt" 2>&1
   grep -E "gated_gemm_kernel|fp8_gemm_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|One or More|No Eligible" "$OUT/ncu.txt" | head -120
+fi
+if has ncupipes; then  # the fused MLP's kernels at M = 1: which pipes and stalls bound them
+  timeout 100 ncu --clock-control none -k regex:'gated_gemm_kernel|fp8_gemm_kernel' --launch-count 2 \
+    --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
+    python3 benchmarks/tune_gemm.py --gated-ncu > "$OUT/ncu-pipes.txt" 2>&1
+  grep -E "gated_gemm_kernel|fp8_gemm_kernel|Pipe|Issue|Ipc|Stall|stall|Executed Instructions" "$OUT/ncu-pipes.txt" | head -80
+fi
+if has rows; then  # prefill SiLU*mul + quantization: Inductor's one-pass kernel against hand-written row loops
+  timeout 120 python3 benchmarks/rows_study.py 2>&1 | tee "$OUT/rows.txt"
 fi
 if has fusiontests; then  # Inductor's generated code on the GPU (kernel counts)
   timeout 150 $P -m cuda tests/e2e/test_fusion.py 2>&1 | tee "$OUT/pytest-cuda-fusion.log" | tail -5
