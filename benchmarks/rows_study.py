@@ -3,7 +3,8 @@
 compiles it for fp8fx (one-pass rows, ``compat.one_pass_row_reductions``) against a hand-written Triton
 kernel whose programs each walk rows with the next row's loads issued before the current row's
 arithmetic (a persistent, software-pipelined row loop). A study for RESULTS.md, not a kernel of the
-package: Inductor's kernel ran at ~55% of HBM bandwidth in runs 9-11.
+package: Inductor's kernel ran at ~55% of HBM bandwidth in runs 9-11. Run 12: the hand-written loop was
+slower (0.140-0.189 ms against Inductor's 0.1265).
 
     python benchmarks/rows_study.py [--m 4096]
 """
