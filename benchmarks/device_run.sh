@@ -9,8 +9,9 @@
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
 #          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep;
 #          pdl: it with and without programmatic dependent launch; tma: its sweep with TMA weight loads too;
-#          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles; flush: flush_study.py; ncu: ncu on the fused MLP's kernels;
-#          ncupipes: their pipe use and stalls; rows: rows_study.py)
+#          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles;
+#          flush: flush_study.py; ncu: ncu on the fused MLP's kernels; ncupipes: their pipe use and stalls;
+#          rows: rows_study.py)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
