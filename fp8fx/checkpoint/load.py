@@ -29,7 +29,7 @@ from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read
 from fp8fx.config import Fp8Config, PerBlock, PerRow
 from fp8fx.weights import chunked
 from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, is_attention
-from fp8fx.weights.kv_cache import kv_scale_target
+from fp8fx.weights.kv_cache import kv_scale_target, kv_slot_error
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, is_quantized, skip_reason
 from fp8fx.weights.moe import is_quantized_experts
 
@@ -530,6 +530,13 @@ class _Loader:
                     len(defaults), defaults[:3], " ..." if len(defaults) > 3 else "",
                 )
             report.kv_defaults = defaults
+            # attached in commit, which must not fail: a name the module already uses for something else is
+            # refused here, before anything was swapped in
+            for fqn, scales in self.kv.items():
+                for name in scales:
+                    why = kv_slot_error(self.modules[fqn], fqn, name)
+                    if why is not None:
+                        raise CheckpointError(why)
         for (fqn, name), buf in self.buffers.items():
             module = copy.deepcopy(self.modules[fqn])
             module.to_empty(device=self.device, recurse=False)

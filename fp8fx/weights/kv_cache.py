@@ -76,11 +76,30 @@ def check_kv_scale(name: str, value: torch.Tensor) -> float:
     return scale
 
 
+def kv_slot_error(module: nn.Module, fqn: str, name: str) -> Optional[str]:
+    """Why the KV-cache scale ``name`` cannot be attached to ``module`` (at ``fqn``) as a buffer, or None: not a
+    KV-cache scale name, or an attribute of that name that is not a buffer (a float, a parameter, a submodule),
+    which ``register_buffer`` refuses."""
+    where = f"{fqn}.{name}" if fqn else name
+    if name not in KV_SCALE_NAMES:
+        return f"{where}: {name!r} is not a KV-cache scale; use one of {KV_SCALE_NAMES}"
+    if name not in module._buffers and hasattr(module, name):
+        return (
+            f"{where}: {type(module).__name__} already has an attribute {name!r} "
+            f"({type(getattr(module, name)).__name__}) that is not a buffer, so the KV-cache scale cannot be "
+            f"attached there; rename that attribute in the model, or drop the {name} tensors from the checkpoint"
+        )
+    return None
+
+
 def attach_kv_scales(module: nn.Module, scales: Mapping[str, float], device=None) -> None:
-    """Register ``scales`` (``{"k_scale": 0.02, ...}``) on ``module`` as float32 ``[]`` buffers."""
+    """Register ``scales`` (``{"k_scale": 0.02, ...}``) on ``module`` as float32 ``[]`` buffers: all of them, or
+    (ValueError, see ``kv_slot_error``) none."""
+    for name in scales:
+        why = kv_slot_error(module, "", name)
+        if why is not None:
+            raise ValueError(why)
     for name, value in scales.items():
-        if name not in KV_SCALE_NAMES:
-            raise ValueError(f"{name!r} is not a KV-cache scale; use one of {KV_SCALE_NAMES}")
         module.register_buffer(name, torch.tensor(float(value), dtype=torch.float32, device=device))
 
 

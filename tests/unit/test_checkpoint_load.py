@@ -529,6 +529,21 @@ def test_kv_scheme_without_scales_defaults_with_a_warning(tmp_path, caplog):
     assert "kv-cache scales" in str(report)
 
 
+def test_kv_scale_clashing_with_a_model_attribute_is_refused_unchanged(tmp_path):
+    """An attention module whose ``k_scale`` is a plain float (not a buffer): ``register_buffer`` would refuse it
+    after the linears were swapped in; the loader refuses the checkpoint before, naming the attribute."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    model = meta_tiny()
+    model.model.layers[0].self_attn.k_scale = 1.0
+    snap = snapshot(model)
+    match = r"model\.layers\.0\.self_attn\.k_scale: TinyAttention already has an attribute 'k_scale' \(float\)"
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert snapshot(model) == snap and not is_quantized(model.model.layers[0].self_attn.q_proj)
+
+
 def test_no_kv_scheme_no_kv_scales(tmp_path):
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
     model = meta_tiny()

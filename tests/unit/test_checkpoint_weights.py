@@ -167,3 +167,8 @@ def test_check_and_attach_kv_scale():
     assert set(m.state_dict()) == {"k_scale", "v_scale"}
     with pytest.raises(ValueError, match="'kv_scale' is not a KV-cache scale"):
         kv_cache.attach_kv_scales(m, {"kv_scale": 1.0})
+    # a name the module holds as something else: refused before any scale is attached
+    m.q_scale = nn.Parameter(torch.ones(()))
+    with pytest.raises(ValueError, match=r"q_scale: Module already has an attribute 'q_scale' \(Parameter\)"):
+        kv_cache.attach_kv_scales(m, {"prob_scale": 1.0, "q_scale": 1.0})
+    assert "prob_scale" not in m._buffers
