@@ -128,7 +128,7 @@ class Fp8LinearMethod:
         layer._fp8fx_block_scales = isinstance(self.scheme.weight, PerBlock)
         layer._fp8fx_processed = False
         layer._fp8fx_copied = 0
-        layer._fp8fx_shards_loaded = set()  # online weight shards received (a repeat must not count twice)
+        layer._fp8fx_shards_loaded = set()  # weight shards received (a repeat must not count twice)
 
         def param(t: torch.Tensor) -> nn.Parameter:
             return nn.Parameter(t, requires_grad=False)
@@ -188,12 +188,13 @@ class Fp8LinearMethod:
                 f"{type(layer).__name__}: weight of dtype {loaded.dtype} for an fp8-serialized layer; load the "
                 "fp8 weight with its scale, or quantize bf16 weights with Fp8Config(is_checkpoint_fp8_serialized=False)"
             )
-        if online_weight and shard_id is not None:
-            if shard_id in layer._fp8fx_shards_loaded:
-                raise ValueError(
-                    f"{type(layer).__name__}: weight shard {shard_id} was loaded twice; each shard of "
-                    f"{list(layer._fp8fx_partitions)} must arrive once (it is quantized when all have)"
-                )
+        if name == "weight" and shard_id is not None and shard_id in layer._fp8fx_shards_loaded:
+            # completeness is counted in elements: a repeat would stand in for a shard never loaded
+            raise ValueError(
+                f"{type(layer).__name__}: weight shard {shard_id} was loaded twice; each shard of "
+                f"{list(layer._fp8fx_partitions)} must arrive once"
+                + ("" if self.config.is_checkpoint_fp8_serialized else " (it is quantized when all have)")
+            )
         dest = self._shard_slice(layer, name, target.data, shard_id)
         if not same_layout(name, tuple(loaded.shape), tuple(dest.shape)):
             raise ValueError(
@@ -202,11 +203,11 @@ class Fp8LinearMethod:
             )
         with CopyNumelCounter() as counter:
             dest.copy_(loaded.reshape(dest.shape))
+        if name == "weight" and shard_id is not None:
+            layer._fp8fx_shards_loaded.add(shard_id)
         if name == "weight" and not online_weight:
             layer._fp8fx_copied += counter.copied_numel
         if online_weight:
-            if shard_id is not None:
-                layer._fp8fx_shards_loaded.add(shard_id)
             layer._fp8fx_copied += counter.copied_numel
             if layer._fp8fx_copied >= target.numel():
                 self._quantize_online(layer)
@@ -263,7 +264,8 @@ class Fp8LinearMethod:
                              "load every shard before process_weights_after_loading")
         for scale_name in ("weight_scale", "weight_scale_inv"):
             per_tensor = isinstance(self.scheme.weight, PerTensor)  # checked below, shard by shard
-            if scale_name in params and params[scale_name].numel() > 1 and not per_tensor:
+            # every size: a [1, 1] per-channel scale (a one-row head) or one block is as unloaded as a long one
+            if scale_name in params and not per_tensor:
                 missing = int((params[scale_name].data == unloaded).sum())
                 if missing:
                     raise ValueError(f"{name}: {missing} of {params[scale_name].numel()} entries of {scale_name} "

@@ -202,6 +202,34 @@ def test_online_shard_loaded_twice_is_an_error():
     assert layer._parameters["weight"].dtype == torch.bfloat16  # not quantized
 
 
+def test_serialized_shard_loaded_twice_is_an_error():
+    """fp8 shards are counted in elements too: a repeated shard must not stand in for one never loaded."""
+    layer = nn.Linear(64, 16, bias=False, device="meta")
+    method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=fp8fx.PerRow()))
+    method.create_weights(layer, 64, [8, 8], torch.bfloat16, device="cpu")
+    shard = torch.randn(8, 64).to(torch.float8_e4m3fn)
+    method.weight_loader(layer, "weight", shard, shard_id=0)
+    with pytest.raises(ValueError, match=r"weight shard 0 was loaded twice; each shard of \[8, 8\] must arrive once$"):
+        method.weight_loader(layer, "weight", shard, shard_id=0)
+    method.weight_loader(layer, "weight_scale", torch.rand(16, 1))
+    with pytest.raises(ValueError, match=r"weight received 512 of 1024 elements"):
+        method.process_weights_after_loading(layer)  # shard 1 never came
+
+
+@pytest.mark.parametrize("granularity,rows,cols", [(fp8fx.PerRow(), 1, 64), (None, 64, 64)])
+def test_one_element_scale_never_loaded_is_an_error(granularity, rows, cols):
+    """A one-row head's [1, 1] per-channel scale, or the single block of a layer no bigger than one 128x128 block,
+    left at its unloaded marker: refused, not run as a scale of -3.4e38."""
+    config = (Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=granularity) if granularity is not None
+              else Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[128, 128]))
+    layer = nn.Linear(cols, rows, bias=False, device="meta")
+    method = Fp8LinearMethod(config)
+    method.create_weights(layer, cols, [rows], torch.bfloat16, device="cpu")
+    method.weight_loader(layer, "weight", torch.randn(rows, cols).to(torch.float8_e4m3fn))
+    with pytest.raises(ValueError, match=r"1 of 1 entries of weight_scale(_inv)? were never loaded"):
+        method.process_weights_after_loading(layer)
+
+
 class TiedHead(nn.Module):
     """An embedding and an output projection sharing one weight (tie_word_embeddings)."""
 
