@@ -1,7 +1,9 @@
 """``quantize_``: an already-built bf16/fp16 model -> fp8 weights, layer by layer."""
 from __future__ import annotations
 
+import difflib
 import logging
+import math
 from typing import Iterable, Mapping, Optional
 
 import torch
@@ -46,6 +48,7 @@ def quantize_(
             "bf16 model instead of quantizing twice"
         )
 
+    _check_ignored_layers(model, config)
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
     # a weight shared by several modules (tied lm_head / embeddings); one module registered under two names
@@ -103,7 +106,7 @@ def quantize_(
                     f"{fqn}.{name} has {bad} NaN/Inf values; fix the weights or add {fqn!r} to ignored_layers "
                     "(nothing was quantized)"
                 )
-    scales = _check_input_scales(config, plan, input_scales)
+    scales = _check_input_scales(config, plan, input_scales, skipped)
 
     for fqn, module, reason in skipped:  # tags the report reads back from the compiled graph's inputs
         if module.weight is not None:
@@ -134,12 +137,39 @@ def quantize_(
     return model
 
 
-def _check_input_scales(config, plan, input_scales) -> dict[str, float]:
+def _did_you_mean(name: str, names: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(names), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def _check_ignored_layers(model: nn.Module, config: Fp8Config) -> None:
+    """Every ``ignored_layers`` entry names a module of ``model`` or a prefix of some: a misspelt entry would
+    quantize the very layer it was meant to keep in high precision."""
+    names = [fqn for fqn, _ in model.named_modules() if fqn]
+    for entry in config.ignored_layers or ():
+        if not any(fqn == entry or fqn.startswith(entry + ".") for fqn in names):
+            raise ValueError(
+                f"Fp8Config.ignored_layers: {entry!r} names no module of this {type(model).__name__}"
+                f"{_did_you_mean(entry, names)}; correct or remove the entry (nothing was quantized)"
+            )
+
+
+def _check_input_scales(config, plan, input_scales, skipped=()) -> dict[str, float]:
     if config.activation_scheme != "static":
         if input_scales:
             raise ValueError("input_scales is only used with activation_scheme='static'")
         return {}
     given = dict(input_scales or {})
+    planned = {fqn for fqn, _ in plan}
+    not_quantized = {fqn: reason for fqn, _, reason in skipped}
+    for fqn in given:
+        if fqn in not_quantized:  # e.g. calibrated with a config that did not ignore it: the scale has no use
+            log.info("fp8fx: input_scales[%r] unused: the layer is not quantized (%s)", fqn, not_quantized[fqn])
+        elif fqn not in planned:
+            raise ValueError(
+                f"input_scales[{fqn!r}]: no linear layer of the model has that name"
+                f"{_did_you_mean(fqn, planned)}; correct or remove the entry (nothing was quantized)"
+            )
     missing = [fqn for fqn, _ in plan if fqn not in given]
     if missing:
         raise ValueError(
@@ -161,15 +191,22 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     config = config or Fp8Config(activation_scheme="static")
     amax: dict[str, float] = {}
     hooks = []
+    batch_no = [0]
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear) and not config.is_ignored(fqn):
 
             def record(mod, args, fqn=fqn):
-                amax[fqn] = max(amax.get(fqn, 0.0), args[0].detach().abs().max().float().item())
+                value = args[0].detach().abs().max().float().item()
+                if not math.isfinite(value):  # max() would drop a NaN and leave a scale of ~2e-15
+                    raise ValueError(
+                        f"calibrate: the input of {fqn} holds NaN or Inf values in batch {batch_no[0]} (amax "
+                        f"{value}); a static scale needs finite activations: fix or drop that batch"
+                    )
+                amax[fqn] = max(amax.get(fqn, 0.0), value)
 
             hooks.append(module.register_forward_pre_hook(record))
     try:
-        for batch in batches:
+        for batch_no[0], batch in enumerate(batches):
             model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
     finally:
         for h in hooks:

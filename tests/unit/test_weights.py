@@ -1,4 +1,5 @@
 """Load-time weight hooks: quantize_, Fp8LinearMethod (online shards, serialized), bad input."""
+import collections
 import gc
 import weakref
 
@@ -118,6 +119,37 @@ def test_static_needs_input_scales_and_calibrate_provides_them():
     assert scales["0"] == pytest.approx(max(b.abs().max().item() for b in batches) / 448, rel=1e-6)
     fp8fx.quantize_(model, config, input_scales=scales)
     assert model[0].input_scale.shape == (1,) and model[0].input_scale.item() == pytest.approx(scales["0"])
+
+
+def test_calibrate_refuses_nan_activations():
+    """torch's max drops a NaN against the running amax: the layer's scale would be ~2e-15 and every activation
+    saturate. calibrate names the layer and the batch instead."""
+    model = _mlp()
+    bad = torch.randn(4, 128, dtype=torch.bfloat16)
+    bad[1, 5] = float("nan")
+    with pytest.raises(ValueError, match=r"calibrate: the input of 0 holds NaN or Inf values in batch 1"):
+        fp8fx.calibrate(model, [torch.randn(4, 128, dtype=torch.bfloat16), bad])
+    assert not model[0]._forward_pre_hooks  # the hooks are gone
+
+
+def test_misspelt_names_are_refused_unchanged():
+    """An ignored_layers entry or an input scale that names nothing: an error with the closest name, and
+    nothing quantized (a typo would otherwise quantize the layer meant to stay high precision)."""
+    headed = nn.Sequential(collections.OrderedDict(body=_mlp(), lm_head=nn.Linear(64, 32).to(torch.bfloat16)))
+    with pytest.raises(ValueError, match=r"ignored_layers: 'lm_haed' names no module of this Sequential \(did you "
+                                         r"mean 'lm_head'\?\); correct or remove the entry \(nothing was quantized\)"):
+        fp8fx.quantize_(headed, Fp8Config(ignored_layers=["body.3", "lm_haed"]))
+    assert not any(fp8fx.weights.is_quantized(m) for m in headed.modules())
+    fp8fx.quantize_(headed, Fp8Config(ignored_layers=["body.3", "lm_head"]))  # a prefix or an exact name
+    assert fp8fx.weights.is_quantized(headed.body[0]) and not fp8fx.weights.is_quantized(headed.lm_head)
+    model = _mlp()
+    config = Fp8Config(activation_scheme="static", ignored_layers=["3"])
+    with pytest.raises(ValueError, match=r"input_scales\['20'\]: no linear layer of the model has that name"):
+        fp8fx.quantize_(model, config, input_scales={"0": 1.0, "2": 1.0, "20": 1.0})
+    assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
+    # a scale for a layer the config leaves bf16 (calibrated without the ignore list) has no use, and is no error
+    fp8fx.quantize_(model, config, input_scales={"0": 1.0, "2": 1.0, "3": 1.0})
+    assert fp8fx.weights.is_quantized(model[0]) and not fp8fx.weights.is_quantized(model[3])
 
 
 def test_copy_numel_counter_counts_narrowed_copies():
