@@ -108,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
 # -- inspect ------------------------------------------------------------------------------------------
 def inspect_command(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
+    if args.seq_len < 1:
+        raise UsageError(f"--seq-len {args.seq_len}: the traced input needs at least one token")
     model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
     config, layer_config = make_config(args, hf_quant)
     rows, others, graphs = predict(model, config, call_args, call_kwargs, layer_config)
@@ -312,9 +314,12 @@ def _table(spec: str, cls: str, config: Fp8Config, rows: list[dict], others: lis
 
 def _ints(text: str, flag: str) -> list[int]:
     try:
-        return [int(v) for v in text.split(",")]
+        values = [int(v) for v in text.split(",")]
     except ValueError:
         raise UsageError(f"{flag} {text!r}: expected integers separated by commas, e.g. 128,128") from None
+    if any(v < 1 for v in values):
+        raise UsageError(f"{flag} {text!r}: every size must be a positive integer, e.g. 128,128")
+    return values
 
 
 def _first_line(e: BaseException) -> str:

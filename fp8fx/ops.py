@@ -22,6 +22,7 @@ Blocks are ``[rows, cols]`` lists over a 2-D view with ``-1`` = whole dim (see `
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -49,7 +50,7 @@ def _act_scale_shape(x: torch.Tensor, block: Sequence[int]):
     return (1 if b_m == -1 else _ceil_div(m, b_m), 1 if b_k == -1 else _ceil_div(k, b_k))
 
 
-def _check_block(block: Sequence[int], what: str) -> None:
+def check_block(block: Sequence[int], what: str) -> None:
     if len(block) != 2 or any(b == 0 or b < -1 for b in block):
         raise ValueError(f"fp8fx: {what}={list(block)} is not a block; use [rows, cols] with -1 for a whole dim")
 
@@ -57,7 +58,7 @@ def _check_block(block: Sequence[int], what: str) -> None:
 # --- quantize -------------------------------------------------------------------------------
 @torch.library.custom_op(f"{_LIB}::quantize", mutates_args=())
 def quantize(x: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    _check_block(block, "block")
+    check_block(block, "block")
     q, scale = quant.quantize_rows(x, block)
     return q.contiguous(), scale.contiguous()  # the layout the fake impl promises, whatever x's strides
 
@@ -67,11 +68,15 @@ def _(x, block):
     return x.new_empty(x.shape, dtype=quant.FP8_DTYPE), x.new_empty(_act_scale_shape(x, block), dtype=torch.float32)
 
 
-@torch.library.custom_op(f"{_LIB}::quantize_static", mutates_args=())
-def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def check_static_scale(scale: torch.Tensor) -> None:
     if scale.numel() != 1:
         raise ValueError(f"fp8fx.quantize_static: the static input scale must have one element, got shape "
                          f"{list(scale.shape)}; per-token or per-group activations are dynamic (fp8fx.quantize)")
+
+
+@torch.library.custom_op(f"{_LIB}::quantize_static", mutates_args=())
+def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    check_static_scale(scale)
     return quant.quantize_with_scale(x.reshape(-1, x.shape[-1]), scale, [-1, -1]).reshape(x.shape).contiguous()
 
 
@@ -90,7 +95,7 @@ def dequantize(
     input_scale: Optional[torch.Tensor] = None,
     act_block: Optional[list[int]] = None,
 ) -> torch.Tensor:
-    _check_block(block, "block")
+    check_block(block, "block")
     return quant.dequantize(q, scale, block, dtype).contiguous()
 
 
@@ -114,7 +119,7 @@ def scaled_mm(
 ) -> torch.Tensor:
     """``use_fast_accum`` lets Hopper's fp8 tensor cores skip the periodic promotion of partial
     sums to fp32 (cuBLAS's fast-accumulation mode); the CPU reference always accumulates in fp32."""
-    _check_scaled_mm_args(wq, bias, x_block, w_block)
+    _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block)
     return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
 
 
@@ -123,10 +128,32 @@ def _check_bias(bias: Optional[torch.Tensor], n: int, what: str) -> None:
         raise ValueError(f"{what}: bias has shape {list(bias.shape)}; it must be [{n}] (one per output column)")
 
 
-def _check_scaled_mm_args(wq, bias, x_block, w_block) -> None:
+def _check_weight(what: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, w_block) -> None:
+    """wq an fp8 [N, K] matrix with x's K, its scale of the size ``w_block`` gives it."""
+    if wq.dtype != quant.FP8_DTYPE or wq.dim() != 2:
+        raise ValueError(f"{what}: the weight is {wq.dtype} {list(wq.shape)}; it must be a {quant.FP8_DTYPE} [N, K] "
+                         "matrix (fp8fx.quantize_ or load_checkpoint makes it)")
+    if x.shape[-1] != wq.shape[1]:
+        raise ValueError(f"{what}: the activation's K is {x.shape[-1]} ({list(x.shape)}) but the weight is "
+                         f"{list(wq.shape)}; they must agree")
+    want = math.prod(quant.scale_shape(wq.shape, w_block))
+    if w_scale.numel() != want:
+        raise ValueError(f"{what}: w_scale has {w_scale.numel()} elements (shape {list(w_scale.shape)}); block "
+                         f"{list(w_block)} of a {list(wq.shape)} weight needs {want}")
+
+
+def _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block) -> None:
     """What every real implementation of scaled_mm checks before it computes."""
-    _check_block(x_block, "x_block")
-    _check_block(w_block, "w_block")
+    check_block(x_block, "x_block")
+    check_block(w_block, "w_block")
+    if xq.dtype != quant.FP8_DTYPE:
+        raise ValueError(f"fp8fx.scaled_mm: xq is {xq.dtype}; it takes the fp8 codes of the activation "
+                         "(fp8fx.quantize / quantize_static), or use fp8fx.weight_only_mm for 16-bit activations")
+    _check_weight("fp8fx.scaled_mm", xq, wq, w_scale, w_block)
+    want = math.prod(_act_scale_shape(xq, x_block))
+    if x_scale.numel() != want:
+        raise ValueError(f"fp8fx.scaled_mm: x_scale has {x_scale.numel()} elements (shape {list(x_scale.shape)}); "
+                         f"block {list(x_block)} of a {list(xq.shape)} activation needs {want}")
     _check_bias(bias, wq.shape[0], "fp8fx.scaled_mm")
 
 
@@ -163,7 +190,7 @@ TRITON_MAX_M = 64
 @scaled_mm.register_kernel("cuda")
 def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
     k, n = xq.shape[-1], wq.shape[0]
-    _check_scaled_mm_args(wq, bias, x_block, w_block)
+    _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block)
     x2 = xq.reshape(-1, k)  # [M, K]
     m = x2.shape[0]
     if _tensor_or_row(x_block, w_block) and 0 < m <= TRITON_MAX_M:
@@ -310,7 +337,7 @@ GATED_MAX_M = 16
 
 def _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act) -> None:
     for block, what in ((x_block, "x_block"), (w_block, "w_block"), (h_block, "h_block"), (w2_block, "w2_block")):
-        _check_block(block, what)
+        check_block(block, what)
     if act not in GATED_ACTIVATIONS:
         raise ValueError(f"fp8fx.gated_mlp: act={act!r}; one of {list(GATED_ACTIVATIONS)}")
     k, i = xq.shape[-1], w1.shape[0]
@@ -319,6 +346,9 @@ def _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_bl
                          f"{list(w2.shape)}: gate and up must be [I, {k}], down [N, I]")
     if h_static is not None and h_static.numel() != 1:
         raise ValueError(f"fp8fx.gated_mlp: h_static must have one element, got shape {list(h_static.shape)}")
+    if h_static is not None and tuple(h_block) != (-1, -1):
+        raise ValueError(f"fp8fx.gated_mlp: h_static (a static per-tensor scale) with h_block={list(h_block)}; a "
+                         "static scale is per tensor: h_block=[-1, -1]")
     _check_bias(bias, w2.shape[0], "fp8fx.gated_mlp")
 
 
@@ -403,17 +433,26 @@ def _weight_only_reference(x, wq, w_scale, bias, w_block):
     return y.to(x.dtype).reshape(*x.shape[:-1], wq.shape[0])
 
 
+def _check_weight_only_args(x, wq, w_scale, bias, w_block) -> None:
+    """What every real implementation of weight_only_mm checks before it computes."""
+    check_block(w_block, "w_block")
+    _check_weight("fp8fx.weight_only_mm", x, wq, w_scale, w_block)
+    _check_bias(bias, wq.shape[0], "fp8fx.weight_only_mm")
+
+
 @torch.library.custom_op(f"{_LIB}::weight_only_mm", mutates_args=())
 def weight_only_mm(
     x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor], w_block: list[int]
 ) -> torch.Tensor:
     """``y [..., N] = x @ dequant(wq).T + bias`` in x's dtype: fp8 weights, 16-bit activations and math."""
-    _check_bias(bias, wq.shape[0], "fp8fx.weight_only_mm")
+    _check_weight_only_args(x, wq, w_scale, bias, w_block)
     return _weight_only_reference(x, wq, w_scale, bias, w_block)
 
 
 @weight_only_mm.register_fake
 def _(x, wq, w_scale, bias, w_block):
+    check_block(w_block, "w_block")
+    torch._check(x.shape[-1] == wq.shape[-1], lambda: f"fp8fx.weight_only_mm: K mismatch {x.shape} vs {wq.shape}")
     _check_bias(bias, wq.shape[0], "fp8fx.weight_only_mm")
     return x.new_empty((*x.shape[:-1], wq.shape[0]))
 
@@ -422,9 +461,11 @@ def _(x, wq, w_scale, bias, w_block):
 def _(x, wq, w_scale, bias, w_block):
     from fp8fx.kernels.fp8_gemm import fp8_gemm
 
+    _check_weight_only_args(x, wq, w_scale, bias, w_block)
     k = x.shape[-1]
     x2 = x.reshape(-1, k)
-    if x2.shape[0] == 0 or x.dtype not in (torch.bfloat16, torch.float16):
+    # the Triton GEMM applies K-varying weight scales per K step (its K tile: a group of 32-256, a power of 2)
+    if x2.shape[0] == 0 or x.dtype not in (torch.bfloat16, torch.float16) or not _k_groups_agree([-1, -1], w_block):
         return _weight_only_reference(x, wq, w_scale, bias, w_block)
     y = fp8_gemm(x2.contiguous(), wq, None, w_scale, bias, x.dtype, b_block=tuple(w_block))
     return y.reshape(*x.shape[:-1], wq.shape[0])
@@ -498,7 +539,9 @@ def fused_moe_reference(
     for e in experts:
         rows = (ids == e).nonzero().flatten()
         y[rows] = inter[rows] @ quant.dequantize(w2[e], s2[e], w_block).t()
-    weights = topk_weights.reshape(-1, 1).float() * ((ids >= 0) & (ids < n_experts)).unsqueeze(-1)  # [S, 1]
+    # pairs routed to no expert contribute nothing, whatever their weight (a NaN one too, as in the kernel)
+    routed = ((ids >= 0) & (ids < n_experts)).unsqueeze(-1)
+    weights = torch.where(routed, topk_weights.reshape(-1, 1).float(), 0.0)  # [S, 1]
     return (y * weights).reshape(t, k, h).sum(dim=1).to(out_dtype)
 
 
@@ -518,7 +561,7 @@ def fused_moe(
     a2_scale: Optional[torch.Tensor] = None,
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
-    _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block)
+    _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale)
     return fused_moe_reference(
         x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
     )
@@ -531,11 +574,26 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
     return x.new_empty((x.shape[0], w2.shape[1]), dtype=out_dtype)
 
 
-def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block) -> None:
+def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale,
+                    a2_scale) -> None:
     """What every real implementation of fused_moe checks before it computes."""
-    _check_block(w_block, "w_block")
-    _check_block(act_block, "act_block")
+    check_block(w_block, "w_block")
+    check_block(act_block, "act_block")
     _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise ValueError(f"fp8fx.fused_moe: topk_ids is {topk_ids.dtype}; expert ids are integers (int32 / int64)")
+    for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
+        if w.dtype != quant.FP8_DTYPE:
+            raise ValueError(f"fp8fx.fused_moe: {name} is {w.dtype}; the experts' weights must be {quant.FP8_DTYPE} "
+                             "(fp8fx.quantize_ or load_checkpoint makes them)")
+        want = math.prod(quant.scale_shape(w.shape, w_block))
+        if scale.numel() != want:
+            raise ValueError(f"fp8fx.fused_moe: {name}_scale has {scale.numel()} elements (shape {list(scale.shape)});"
+                             f" block {list(w_block)} of {name} {list(w.shape)} needs {want}")
+    for name, scale in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
+        if scale is not None and scale.numel() != 1:
+            raise ValueError(f"fp8fx.fused_moe: {name} has shape {list(scale.shape)}; a static activation scale is "
+                             "one value (per tensor)")
 
 
 def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
@@ -562,7 +620,7 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
       a2_scale=None, use_fast_accum=False):
     from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
 
-    _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block)
+    _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale)
     # the kernel's fp8 x fp8 dots need fp8 tensor cores (compute capability 8.9: Ada, Hopper and later)
     fp8_cores = torch.cuda.get_device_capability(x.device) >= (8, 9)
     if fp8_cores and kernel.supports(w_block, act_block, tuple(w13.shape)):

@@ -360,8 +360,11 @@ def fp8_gemm(
         raise ValueError(
             f"fp8_gemm: weight-only (a_scale=None) takes 16-bit activations without scales; got a_block={a_block}"
         )
-    if a_block is not None and a_block[0] not in (-1, 1):
-        raise ValueError(f"fp8_gemm: activation scales per token or per tensor along M; got a_block={a_block}")
+    if a_block is not None and (a_block[0] not in (-1, 1) or (a_block[0] == -1 and a_block[1] != -1)):
+        # [-1, G] (one row of K groups shared by every row) is not a layout the kernel reads: it indexes the
+        # group scales by row
+        raise ValueError(f"fp8_gemm: activation scales per token or per tensor along M, K groups per token "
+                         f"([1, G]); got a_block={a_block}")
     if pdl and (not a.is_cuda or torch.cuda.get_device_capability(a.device) < (9, 0)):
         raise ValueError(f"fp8_gemm: pdl=True (programmatic dependent launch) needs a CUDA GPU of compute "
                          f"capability 9.0 or newer; a is on {a.device}")

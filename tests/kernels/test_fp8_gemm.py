@@ -164,8 +164,13 @@ def test_scale_sizes_are_checked_before_the_kernel():
     xq, xs, wq, ws, _ = operands(3, 64, 96, [1, 32], [32, 32], "cpu")
     with pytest.raises(ValueError, match=r"b_scale has 3 elements .* block \[32, 32\] of a \[64, 96\] operand needs 6"):
         fp8_gemm(xq, wq, xs, ws.reshape(-1)[:3], None, torch.float32, a_block=(1, 32), b_block=(32, 32))
-    with pytest.raises(ValueError, match=r"per token or per tensor along M; got a_block=\(2, 32\)"):
+    with pytest.raises(ValueError, match=r"per token or per tensor along M, K groups per token \(\[1, G\]\); got "
+                                         r"a_block=\(2, 32\)"):
         fp8_gemm(xq, wq, xs, ws, None, torch.float32, a_block=(2, 32), b_block=(32, 32))
+    # one row of K groups for every row: the kernel indexes group scales by row (read past a [1, 3] scale)
+    xs_shared = torch.ones(1, 3)
+    with pytest.raises(ValueError, match=r"got a_block=\(-1, 32\)"):
+        fp8_gemm(xq, wq, xs_shared, ws, None, torch.float32, a_block=(-1, 32), b_block=(32, 32))
 
 
 BLOCK_SHAPES = [(1, 200, 300), (3, 256, 384), (64, 130, 1000), (65, 384, 256), (2049, 257, 640)]

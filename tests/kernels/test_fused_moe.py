@@ -147,6 +147,36 @@ def test_bad_shapes_name_the_tensors():
     assert ops.fused_moe_reference is not None
 
 
+def test_bad_dtypes_and_scale_sizes_name_the_tensors():
+    """What the reference would compute from wrongly (a float id, bf16 experts) or fail on with a bare reshape
+    error (scales of the wrong size): refused, naming the tensor."""
+    q13, s13, q2, s2, w13, _ = experts([1, -1])
+    x, w, ids = routed(3)
+    moe = torch.ops.fp8fx.fused_moe
+    with pytest.raises(ValueError, match=r"fused_moe: topk_ids is torch.float32; expert ids are integers"):
+        moe(x, w, ids.float(), q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"fused_moe: w13 is torch.bfloat16; the experts' weights must be"):
+        moe(x, w, ids, w13.bfloat16(), s13, q2, s2, [1, -1], [1, -1], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"fused_moe: w2_scale has 8 elements .* block \[1, -1\] of w2 "
+                                         r"\[8, 256, 128\] needs 2048"):
+        moe(x, w, ids, q13, s13, q2, s2[:, :1], [1, -1], [1, -1], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"fused_moe: a13_scale has shape \[2\]; a static activation scale is one"):
+        moe(x, w, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16, torch.ones(2), torch.ones(1))
+
+
+def test_pairs_routed_nowhere_contribute_nothing_whatever_their_weight():
+    """A pair routed to -1 (or past the last expert) adds nothing to its token, a NaN weight included: the
+    reference agrees with the kernel (which skips such pairs) instead of turning 0 * NaN into a NaN row."""
+    q13, s13, q2, s2, *_ = experts([1, -1])
+    x, w, _ = routed(3)
+    ids = torch.tensor([[0, 1], [2, -1], [3, E]])
+    w[1, 1] = w[2, 1] = float("nan")
+    y = torch.ops.fp8fx.fused_moe(x, w, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.float32)
+    assert torch.isfinite(y).all()
+    alone = torch.ops.fp8fx.fused_moe(x[1:], w[1:, :1], ids[1:, :1], q13, s13, q2, s2, [1, -1], [1, -1], torch.float32)
+    assert torch.equal(y[1:], alone)  # exactly the routed pairs' sum
+
+
 # -- the Triton kernel ------------------------------------------------------------------------------
 @pytest.mark.parametrize("t,k,block_m", [(1, 2, 16), (7, 2, 4), (40, 3, 16), (0, 2, 16)])
 @pytest.mark.parametrize("id_dtype", [torch.int64, torch.int32])  # routers (and vLLM) often give int32 ids

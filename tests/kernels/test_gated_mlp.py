@@ -137,6 +137,10 @@ def test_gated_mlp_op_checks_its_arguments():
     bad[13] = torch.ones(2)
     with pytest.raises(ValueError, match="h_static must have one element"):
         ops.gated_mlp(*bad)
+    bad = list(args)  # a static scale with per-token h: the CPU reference failed, the CUDA kernel ignored h_block
+    bad[11], bad[13] = [1, -1], torch.ones(1)
+    with pytest.raises(ValueError, match=r"h_static \(a static per-tensor scale\) with h_block=\[1, -1\]"):
+        ops.gated_mlp(*bad)
 
 
 @pytest.mark.parametrize("scheme,act", [(scheme, "silu") for scheme in SCHEMES] + [

@@ -130,6 +130,12 @@ def test_bad_factories(capsys, models_py):
     code, _, err = run(capsys, "inspect", f"{models_py}:mlp")
     assert code == 2
     one_line_error(err, "pass --input-shape")
+    code, _, err = run(capsys, "inspect", f"{models_py}:mlp", "--input-shape", "4,-1")
+    assert code == 2
+    one_line_error(err, "--input-shape '4,-1': every size must be a positive integer")
+    code, _, err = run(capsys, "inspect", f"{models_py}:mlp", "--input-shape", "2,256", "--seq-len", "0")
+    assert code == 2
+    one_line_error(err, "--seq-len 0: the traced input needs at least one token")
 
 
 def test_bad_configs(capsys, llama_dir, tmp_path):

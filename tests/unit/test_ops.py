@@ -100,6 +100,37 @@ def test_bad_bias_and_static_scale_are_clear_errors():
         torch.ops.fp8fx.quantize_static(torch.randn(3, 96), torch.ones(4))
 
 
+def test_bad_operands_are_clear_errors():
+    """The real ops refuse what the reference would compute wrongly or fail on with a bare reshape error: a
+    16-bit activation where fp8 codes are due, a K mismatch, scales of the wrong size; each message names the
+    tensor and what it needs."""
+    w, wq, ws = _weights(block=(1, -1))
+    xq, xs = quant.quantize_rows(torch.randn(3, 96), [1, -1])
+    mm = torch.ops.fp8fx.scaled_mm
+    with pytest.raises(ValueError, match=r"scaled_mm: xq is torch.bfloat16; it takes the fp8 codes"):
+        mm(torch.randn(3, 96, dtype=torch.bfloat16), xs, wq, ws, None, [1, -1], [1, -1], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scaled_mm: the activation's K is 80 \(\[3, 80\]\) but the weight is \[64, 96\]"):
+        mm(xq[:, :80].contiguous(), xs, wq, ws, None, [1, -1], [1, -1], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scaled_mm: x_scale has 2 elements .* block \[1, -1\] of a \[3, 96\] activation needs 3"):
+        mm(xq, xs[:2], wq, ws, None, [1, -1], [1, -1], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scaled_mm: w_scale has 63 elements .* block \[1, -1\] of a \[64, 96\] weight needs 64"):
+        mm(xq, xs, wq, ws[:63], None, [1, -1], [1, -1], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scaled_mm: the weight is torch.bfloat16 \[64, 96\]; it must be a torch.float8_e4m3fn"):
+        mm(xq, xs, w.bfloat16(), ws, None, [1, -1], [1, -1], torch.bfloat16)
+    wo = torch.ops.fp8fx.weight_only_mm
+    with pytest.raises(ValueError, match=r"weight_only_mm: w_scale has 64 elements .* block \[32, 32\] of a \[64, 96\] weight needs 6"):
+        wo(torch.randn(3, 96), wq, ws, None, [32, 32])
+    with pytest.raises(ValueError, match=r"w_block=\[0, 5\] is not a block"):
+        wo(torch.randn(3, 96), wq, ws, None, [0, 5])
+    # the CUDA decompositions of the quantize ops (what runs under compile on a GPU) check as the ops do
+    from fp8fx.lowerings import aten
+
+    with pytest.raises(ValueError, match=r"block=\[0, 4\] is not a block"):
+        aten._quantize(torch.randn(3, 8), [0, 4])
+    with pytest.raises(ValueError, match=r"static input scale must have one element, got shape \[2\]"):
+        aten._quantize_static(torch.randn(3, 8), torch.ones(2))
+
+
 def test_cuda_dispatch_rules():
     """Which blocks fp8fx's Triton GEMM takes; the rest is the reference's (all checked without a GPU)."""
     assert ops._tensor_or_row([1, -1], [1, -1]) and ops._tensor_or_row([-1, -1], [1, -1])
@@ -108,6 +139,9 @@ def test_cuda_dispatch_rules():
     assert not ops._k_groups_agree([4, 32], [16, 32])  # activation scales for blocks of rows
     assert not ops._k_groups_agree([1, 48], [16, 48])  # a K group that is no tl.dot tile
     assert not ops._k_groups_agree([1, 64], [128, 128])  # K groups that differ
+    # weight-only (activations unscaled): the Triton GEMM takes weight K groups of 32-256, else the reference
+    assert ops._k_groups_agree([-1, -1], [128, 128]) and ops._k_groups_agree([-1, -1], [1, -1])
+    assert not ops._k_groups_agree([-1, -1], [128, 96]) and not ops._k_groups_agree([-1, -1], [-1, 32])
 
 
 @pytest.mark.parametrize("scheme", ["per-tensor", "per-row", "per-block"])
