@@ -105,12 +105,18 @@ def save_checkpoint(
         hf = getattr(model, "config", None)
         config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})
     shards = [tensors] if max_shard_size is None else _split(tensors, max_shard_size)
+    created = not os.path.isdir(path)
     os.makedirs(path, exist_ok=True)
     weight_map: dict[str, str] = {}
     total = 0
-    for i, shard in enumerate(shards):
-        file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        total += _write_shard(path, file, shard, weight_map)
+    written: list[str] = []
+    try:
+        for i, shard in enumerate(shards):
+            file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            total += _write_shard(path, file, shard, weight_map, written)
+    except BaseException:  # a full disk, say: no partial checkpoint left behind
+        _remove(written, path if created else None)
+        raise
     _write_index(path, weight_map, total)
     _write_config(path, config_json, qc)
     log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
@@ -130,11 +136,22 @@ def _split(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str
     return shards
 
 
-def _write_shard(path: str, file: str, tensors: Mapping[str, torch.Tensor], weight_map: dict) -> int:
-    """Write one safetensors file; record its tensors in ``weight_map``; return its data bytes."""
-    write_file(os.path.join(path, file), tensors, metadata={"format": "pt"})
+def _write_shard(path: str, file: str, tensors: Mapping[str, torch.Tensor], weight_map: dict, written: list) -> int:
+    """Write one safetensors file; record its tensors in ``weight_map`` and its path in ``written`` (before
+    writing: a write that fails halfway leaves a file for the caller to remove); return its data bytes."""
+    written.append(os.path.join(path, file))
+    write_file(written[-1], tensors, metadata={"format": "pt"})
     weight_map.update({name: file for name in tensors})
     return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def _remove(written: list, created_dir: Optional[str]) -> None:
+    """Remove the files a failed save wrote (and the directory it created, if it is empty)."""
+    for file in written:
+        if os.path.exists(file):
+            os.remove(file)
+    if created_dir is not None and not os.listdir(created_dir):
+        os.rmdir(created_dir)
 
 
 def _write_index(path: str, weight_map: Mapping[str, str], total: int) -> None:
@@ -250,14 +267,10 @@ def convert(
                 del t
                 out[entry.name] = q
                 out[f"{owner}.{scale_name}"] = scale.reshape(1) if isinstance(config.weight, PerTensor) else scale
-            total += _write_shard(dst, os.path.basename(file), out, weight_map)
-            written.append(os.path.join(dst, os.path.basename(file)))
+            total += _write_shard(dst, os.path.basename(file), out, weight_map, written)
             del out
     except BaseException:  # e.g. NaN in a later file: leave no partial checkpoint behind
-        for path in written:
-            os.remove(path)
-        if created and not os.listdir(dst):
-            os.rmdir(dst)
+        _remove(written, dst if created else None)
         raise
     _write_index(dst, weight_map, total)
     _write_config(dst, config_json, qc)

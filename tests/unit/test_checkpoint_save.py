@@ -230,6 +230,31 @@ def test_convert_failing_in_a_later_file_leaves_no_partial_checkpoint(tmp_path, 
     assert not (tmp_path / "dst").exists()  # ... then removed, with the folder convert made
 
 
+@pytest.mark.parametrize("how", ["save", "convert"])
+def test_a_write_failing_halfway_leaves_no_partial_checkpoint(tmp_path, monkeypatch, how):
+    """The second shard's write fails after its file was created (a full disk): that file and the first shard
+    are removed, and so is the folder the call made."""
+    from fp8fx.checkpoint import save
+
+    real_write_file, calls = save.write_file, []
+
+    def failing(file, tensors, metadata=None):
+        calls.append(os.path.basename(file))
+        if len(calls) == 2:
+            open(file, "wb").write(b"half a shard")
+            raise OSError(28, "No space left on device")
+        real_write_file(file, tensors, metadata=metadata)
+
+    monkeypatch.setattr(save, "write_file", failing)
+    with pytest.raises(OSError, match="No space left"):
+        if how == "save":
+            save_checkpoint(quantized_tiny(fp8fx.Fp8Config()), tmp_path / "dst", max_shard_size=64 << 10)
+        else:
+            src = write_checkpoint(tmp_path / "src", bf16_state(), shards=2, extra_config={"model_type": "tiny"})
+            convert(src, tmp_path / "dst", model=meta_tiny(), progress=False)
+    assert len(calls) == 2 and not (tmp_path / "dst").exists()
+
+
 def test_convert_for_a_fused_model(tmp_path):
     """Separate q/k/v and gate/up weights are quantized one by one (own per-channel scales); loading
     them into the fused model gives what quantize_ gives on the fused model."""
