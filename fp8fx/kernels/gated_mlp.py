@@ -4,8 +4,10 @@
 
 What it replaces: the gate/up GEMM(s), a kernel for act * mul with the per-token (or per-tensor)
 quantization of its result, and the down GEMM - 4-5 launches per decode step, where the step's GPU
-time is ~50 us of weight streaming and each launch boundary costs ~2 us on the H200 (CUDA-graph
-replay 0.0697 ms against 0.0562 ms of kernels at M=1, benchmarks/RESULTS.md run 9).
+time is ~50 us of weight streaming and each launch boundary costs ~1-2 us on the H200 (the fused MLP's
+CUDA-graph replay 0.0559 ms against 0.0522 ms of kernels at M=1 with the L2 left clean before it; the
+~0.012 ms gap runs 9-11 reported was mostly the write-back of the dirty lines `do_bench`'s flush leaves,
+benchmarks/RESULTS.md run 12).
 
 1. ``gated_gemm_kernel``: each program streams one N tile of both gate and up (two accumulators over
    the same x tile) and finishes the activation in its epilogue: ``h = act(g) * u``, rounded as the model
