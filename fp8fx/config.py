@@ -129,6 +129,11 @@ class LayerScheme:
         return f"w:{weight} a:{act}"
 
 
+def entry_covers(entry: str, fqn: str) -> bool:
+    """An ``ignored_layers`` entry covers ``fqn``: the same module, or one under it."""
+    return fqn == entry or fqn.startswith(entry + ".")
+
+
 @dataclasses.dataclass(frozen=True)
 class Fp8Config:
     """FP8 quantization config (vLLM ``Fp8Config`` semantics, plus explicit granularities).
@@ -239,10 +244,7 @@ class Fp8Config:
 
     def is_ignored(self, fqn: str) -> bool:
         """True when ``fqn`` equals an entry of ``ignored_layers`` or lies under one."""
-        for entry in self.ignored_layers or ():
-            if fqn == entry or fqn.startswith(entry + "."):
-                return True
-        return False
+        return any(entry_covers(entry, fqn) for entry in self.ignored_layers or ())
 
     # --- vLLM-compatible API ----------------------------------------------------------------
     @classmethod

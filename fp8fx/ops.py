@@ -128,6 +128,14 @@ def _check_bias(bias: Optional[torch.Tensor], n: int, what: str) -> None:
         raise ValueError(f"{what}: bias has shape {list(bias.shape)}; it must be [{n}] (one per output column)")
 
 
+def _check_scale_size(what: str, name: str, scale: torch.Tensor, of: str, shape, block) -> None:
+    """``scale`` holds as many values as ``block`` over a tensor of ``shape`` (described as ``of``) needs."""
+    want = math.prod(quant.scale_shape(shape, block))
+    if scale.numel() != want:
+        raise ValueError(f"{what}: {name} has {scale.numel()} elements (shape {list(scale.shape)}); block "
+                         f"{list(block)} of {of} needs {want}")
+
+
 def _check_weight(what: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, w_block) -> None:
     """wq an fp8 [N, K] matrix with x's K, its scale of the size ``w_block`` gives it."""
     if wq.dtype != quant.FP8_DTYPE or wq.dim() != 2:
@@ -136,10 +144,7 @@ def _check_weight(what: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.T
     if x.shape[-1] != wq.shape[1]:
         raise ValueError(f"{what}: the activation's K is {x.shape[-1]} ({list(x.shape)}) but the weight is "
                          f"{list(wq.shape)}; they must agree")
-    want = math.prod(quant.scale_shape(wq.shape, w_block))
-    if w_scale.numel() != want:
-        raise ValueError(f"{what}: w_scale has {w_scale.numel()} elements (shape {list(w_scale.shape)}); block "
-                         f"{list(w_block)} of a {list(wq.shape)} weight needs {want}")
+    _check_scale_size(what, "w_scale", w_scale, f"a {list(wq.shape)} weight", wq.shape, w_block)
 
 
 def _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block) -> None:
@@ -150,10 +155,8 @@ def _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block) -> N
         raise ValueError(f"fp8fx.scaled_mm: xq is {xq.dtype}; it takes the fp8 codes of the activation "
                          "(fp8fx.quantize / quantize_static), or use fp8fx.weight_only_mm for 16-bit activations")
     _check_weight("fp8fx.scaled_mm", xq, wq, w_scale, w_block)
-    want = math.prod(_act_scale_shape(xq, x_block))
-    if x_scale.numel() != want:
-        raise ValueError(f"fp8fx.scaled_mm: x_scale has {x_scale.numel()} elements (shape {list(x_scale.shape)}); "
-                         f"block {list(x_block)} of a {list(xq.shape)} activation needs {want}")
+    _check_scale_size("fp8fx.scaled_mm", "x_scale", x_scale, f"a {list(xq.shape)} activation",
+                      (_rows(xq), xq.shape[-1]), x_block)
     _check_bias(bias, wq.shape[0], "fp8fx.scaled_mm")
 
 
@@ -586,10 +589,7 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_
         if w.dtype != quant.FP8_DTYPE:
             raise ValueError(f"fp8fx.fused_moe: {name} is {w.dtype}; the experts' weights must be {quant.FP8_DTYPE} "
                              "(fp8fx.quantize_ or load_checkpoint makes them)")
-        want = math.prod(quant.scale_shape(w.shape, w_block))
-        if scale.numel() != want:
-            raise ValueError(f"fp8fx.fused_moe: {name}_scale has {scale.numel()} elements (shape {list(scale.shape)});"
-                             f" block {list(w_block)} of {name} {list(w.shape)} needs {want}")
+        _check_scale_size("fp8fx.fused_moe", f"{name}_scale", scale, f"{name} {list(w.shape)}", w.shape, w_block)
     for name, scale in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
         if scale is not None and scale.numel() != 1:
             raise ValueError(f"fp8fx.fused_moe: {name} has shape {list(scale.shape)}; a static activation scale is "

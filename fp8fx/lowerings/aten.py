@@ -18,18 +18,15 @@ compiled output is bit-identical to eager.
 from __future__ import annotations
 
 from fp8fx import quant
+from fp8fx.ops import check_block, check_static_scale
 
 
 def _quantize(x, block):
-    from fp8fx.ops import check_block
-
     check_block(block, "block")  # the op's own checks: the decomposition replaces it under compile
     return quant.quantize_rows(x, block)
 
 
 def _quantize_static(x, scale):
-    from fp8fx.ops import check_static_scale
-
     check_static_scale(scale)
     return quant.quantize_with_scale(x.reshape(-1, x.shape[-1]), scale, [-1, -1]).reshape(x.shape)
 

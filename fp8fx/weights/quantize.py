@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from fp8fx import quant
-from fp8fx.config import Fp8Config
+from fp8fx.config import Fp8Config, entry_covers
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
 from fp8fx.weights.linear import Fp8LinearMethod, is_quantized, skip_reason
@@ -147,7 +147,7 @@ def _check_ignored_layers(model: nn.Module, config: Fp8Config) -> None:
     quantize the very layer it was meant to keep in high precision."""
     names = [fqn for fqn, _ in model.named_modules() if fqn]
     for entry in config.ignored_layers or ():
-        if not any(fqn == entry or fqn.startswith(entry + ".") for fqn in names):
+        if not any(entry_covers(entry, fqn) for fqn in names):
             raise ValueError(
                 f"Fp8Config.ignored_layers: {entry!r} names no module of this {type(model).__name__}"
                 f"{_did_you_mean(entry, names)}; correct or remove the entry (nothing was quantized)"
