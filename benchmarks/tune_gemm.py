@@ -84,18 +84,6 @@ def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False, wide_
         if not tiles:
             continue
         bm = 16 if m <= 16 else 64
-        # 4 or 8 warps: the down GEMM's 4-warp programs hold 136 registers a thread and leave an SM's schedulers
-        # without an eligible warp 57% of the time (ncu, run 12 call 1)
-        firsts = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=w, num_stages=st)
-                  for bn, w, st in itertools.product([32, 64], [4, 8], [4, 6])]
-        downs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk, TMA=t)
-                 for bn, w, st, sk, t in itertools.product([64, 128], [4, 8], [4, 6], [4, 8, 16],
-                                                           (False, True) if tma else (False,))]
-        if bm64:  # 64-row tiles (wgmma on the fp8 weight tile as it is in shared memory) at M <= 16
-            firsts = [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128, num_warps=4, num_stages=st)
-                      for bn, st in itertools.product([32, 64], [3, 4, 6])]
-            downs = [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk)
-                     for bn, w, st, sk in itertools.product([64, 128], [4, 8], [3, 4], [4, 8, 16])]
         if wide_k:
             firsts = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
                       for bn, bk, w, st in itertools.product([16, 32], [256, 512], [4, 8], [3, 4])]
@@ -104,6 +92,19 @@ def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False, wide_
                          [(128, 128, 8), (128, 256, 8), (128, 256, 14), (64, 256, 7), (64, 256, 8), (64, 256, 14),
                           (64, 512, 7), (64, 512, 14), (32, 256, 8), (32, 256, 14), (32, 512, 4), (32, 512, 7),
                           (32, 512, 14)], [4, 8], [3, 4])]
+        elif bm64:  # 64-row tiles (wgmma on the fp8 weight tile as it is in shared memory) at M <= 16
+            firsts = [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128, num_warps=4, num_stages=st)
+                      for bn, st in itertools.product([32, 64], [3, 4, 6])]
+            downs = [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk)
+                     for bn, w, st, sk in itertools.product([64, 128], [4, 8], [3, 4], [4, 8, 16])]
+        else:
+            # 4 or 8 warps: the down GEMM's 4-warp programs hold 136 registers a thread and leave an SM's
+            # schedulers without an eligible warp 57% of the time (ncu, run 12 call 1)
+            firsts = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, num_warps=w, num_stages=st)
+                      for bn, w, st in itertools.product([32, 64], [4, 8], [4, 6])]
+            downs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk, TMA=t)
+                     for bn, w, st, sk, t in itertools.product([64, 128], [4, 8], [4, 6], [4, 8, 16],
+                                                               (False, True) if tma else (False,))]
         for which, cands in (("gate/up", [(c, None) for c in firsts]), ("down", [(None, c) for c in downs])):
             results = []
             for c1, c2 in cands:
