@@ -26,12 +26,15 @@ from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
 SHAPES = {"gate_up": (28672, 4096), "gate": (14336, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
 
 
-def candidates(m, block: bool, tma: bool = False, bm64: bool = False):
+def candidates(m, block: bool, tma: bool = False, bm64: bool = False, narrow: bool = False):
     """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, TMA)."""
-    return [(*c, t) for c in _tiles(m, block, bm64) for t in ((False, True) if tma else (False,))]
+    return [(*c, t) for c in _tiles(m, block, bm64, narrow) for t in ((False, True) if tma else (False,))]
 
 
-def _tiles(m, block: bool, bm64: bool = False):
+def _tiles(m, block: bool, bm64: bool = False, narrow: bool = False):
+    if narrow:  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K) of `_narrow_downs`
+        return [tuple(c[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "num_warps", "num_stages", "SPLIT_K"))
+                for c in _narrow_downs(16 if m <= 16 else 64)]
     if bm64:  # 64-row tiles at decode sizes: Hopper's wgmma takes the fp8 weight tile from shared memory as it is,
         # where 16-row tiles run mma.sync on fp16 (the weight tile converted in registers, ldmatrix)
         return itertools.product([64], [32, 64, 128], [128], [1], [4], [4], [1, 4, 8])
@@ -59,7 +62,16 @@ def _gated_problem(m, dim=4096, hidden=14336):
     return quant.quantize(torch.randn(m, dim, device="cuda"), [1, -1]), w1, w3, w2
 
 
-def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False, wide_k=False, bm64=False):
+def _narrow_downs(bm):
+    """Down-GEMM tiles of 16-32 weight rows with K split in 1-4: each program streams a long contiguous run of
+    its rows (2-4 lines a step), and with no split, no partials are summed at the end (the split-K tail: a
+    ticket's round trip, then the partials' reads, on the kernel's critical path)."""
+    return [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk)
+            for (bn, sk), bk, w, st in itertools.product([(16, 1), (16, 2), (32, 2), (32, 4)], [256, 512], [2, 4],
+                                                         [3, 4])]
+
+
+def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False, wide_k=False, bm64=False, narrow=False):
     """The Llama-3-8B MLP through ``gated_mlp`` (two kernels, one CUDA-graph replay, L2 flushed): with and
     without the down GEMM as a programmatic dependent launch; with ``tiles``, the gate/up kernel's tiles with
     the down GEMM's default, then the down GEMM's with the gate/up default. ``wide_k``: K steps of 256 and 512
@@ -84,7 +96,11 @@ def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False, wide_
         if not tiles:
             continue
         bm = 16 if m <= 16 else 64
-        if wide_k:
+        if narrow:  # the down GEMM only; with the h scales read in the first K step too (SCALE_IN_LOOP)
+            firsts = []
+            downs = _narrow_downs(bm) + [{**c, "SCALE_IN_LOOP": True} for c in
+                                         [down_tile_config(m, dim, hidden)] + _narrow_downs(bm) if c["num_warps"] == 4]
+        elif wide_k:
             firsts = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=st)
                       for bn, bk, w, st in itertools.product([16, 32], [256, 512], [4, 8], [3, 4])]
             downs = [dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk)
@@ -141,6 +157,8 @@ def main(argv=None):
     p.add_argument("--gated-pdl", action="store_true", help="--gated without the tile sweep, M = 1 and 16")
     p.add_argument("--wide-k", action="store_true", help="--gated with K steps of 256 and 512")
     p.add_argument("--bm64", action="store_true", help="64-row tiles (wgmma) at M <= 16; the decode sweep at M = 1, 16")
+    p.add_argument("--narrow", action="store_true",
+                   help="down-GEMM tiles of 16-32 rows, K split in 1-4 (with --gated: the fused MLP's down GEMM)")
     p.add_argument("--gated-ncu", action="store_true", help="three plain calls of the fused MLP at M = 1, 16")
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
@@ -148,18 +166,18 @@ def main(argv=None):
     if args.gated_ncu:
         return gated_ncu()
     if args.gated or args.gated_pdl:
-        return sweep_gated(tiles=args.gated, tma=args.tma, wide_k=args.wide_k, bm64=args.bm64)
+        return sweep_gated(tiles=args.gated, tma=args.tma, wide_k=args.wide_k, bm64=args.bm64, narrow=args.narrow)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}
-    decode_ms = (1, 16) if args.bm64 else (1, 64)
+    decode_ms = (1, 16) if args.bm64 or args.narrow else (1, 64)
     for (name, (n, k)), m in itertools.product(shapes.items(), (4096,) if args.block else decode_ms):
         wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, w_block)
         xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), a_block)
         gemm = lambda cfg=None: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
         ref = gemm().float()
         results, graph = [], not args.block
-        for bm, bn, bk, gm, warps, stages, split, tma in candidates(m, args.block, args.tma, args.bm64):
+        for bm, bn, bk, gm, warps, stages, split, tma in candidates(m, args.block, args.tma, args.bm64, args.narrow):
             cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages, SPLIT_K=split,
                        TMA=tma)
             try:
