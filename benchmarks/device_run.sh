@@ -11,7 +11,8 @@
 #          pdl: it with and without programmatic dependent launch; tma: its sweep with TMA weight loads too;
 #          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles;
 #          flush: flush_study.py; ncu: ncu on the fused MLP's kernels; ncupipes: their pipe use and stalls;
-#          rows: rows_study.py; narrow: down-GEMM tiles of 16-32 rows; launch: launch_study.py)
+#          rows: rows_study.py; narrow: down-GEMM tiles of 16-32 rows;
+#          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -117,8 +118,8 @@ if has narrow; then  # down-GEMM tiles of 16-32 rows, little or no split-K: the 
   timeout 200 python3 benchmarks/tune_gemm.py --gated --narrow 2>&1 | tee "$OUT/tune-narrow-gated.txt"
   timeout 150 python3 benchmarks/tune_gemm.py --narrow --shapes down 2>&1 | tee "$OUT/tune-narrow-down.txt"
 fi
-if has launch; then  # the decode MLP block's launch boundaries: PDL before the gate/up kernel, scales in the loop
-  timeout 240 python3 benchmarks/launch_study.py 2>&1 | tee "$OUT/launch.txt"
+if has smallm; then  # the decode GEMMs gate_up and down at M = 64 in row tiles of 16 or 32
+  timeout 200 python3 benchmarks/tune_gemm.py --small-m --shapes gate_up,down 2>&1 | tee "$OUT/tune-small-m.txt"
 fi
 if has tma; then  # the fused MLP's tiles, each down GEMM tile with TMA weight loads and with pointer loads
   timeout 300 python3 benchmarks/tune_gemm.py --gated --tma 2>&1 | tee "$OUT/tune-tma.txt"

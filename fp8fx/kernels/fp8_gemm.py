@@ -92,14 +92,6 @@ def _to_fp8_range(v, scale, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
-def _prefetch_l2(ptrs):
-    """One ``prefetch.global.L2`` per element of ``ptrs`` (a hint: the line is fetched into L2, nothing waits
-    for it); the returned zeros only carry the side effect through Triton's IR."""
-    return tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                                     is_pure=False, pack=1)
-
-
-@triton.jit
 def _rows_amax(parts_ptr, rows, M, stride_pm, stride_pp, N_PARTS: tl.constexpr, CHUNK: tl.constexpr):
     """[len(rows)]: each row's amax, the max of its N_PARTS partial maxima (0 for rows past M), CHUNK at a
     time: each chunk is a dependent round trip to memory before the GEMM's first weight load."""
@@ -156,9 +148,6 @@ def fp8_gemm_kernel(
     # launched as a programmatic dependent of the kernel before it (PDL, sm_90): wait for its memory first
     PDL_WAIT: tl.constexpr = False,
     B_DESC: tl.constexpr = False,
-    # A_QUANT: read the scales in the first K step, after the pipeline's first weight loads are issued, not
-    # before the loop (where their dependent round trips hold back every load)
-    SCALE_IN_LOOP: tl.constexpr = False,
 ):
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
@@ -192,10 +181,7 @@ def fp8_gemm_kernel(
     b_offs = local_n[None, :] * stride_bn + (k_first * BLOCK_K + offs_k[:, None]) * stride_bk  # b.T: [BK, BN]
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM], K group 0
     b_scale_ptrs = b_scale_ptr + (offs_n // B_BLOCK_N) * stride_bsn  # [BN], K block 0
-    if A_QUANT and SCALE_IN_LOOP:
-        a_q_scale = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        a_q_inv = a_q_scale
-    elif A_QUANT:
+    if A_QUANT:
         a_q_scale = _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT, N_PARTS, PARTS_BLOCK, EPS,
                                    FP8_MAX, BLOCK_M)
         # times the reciprocal, not divided: every program re-quantizes its a tiles (each N tile, each K step),
@@ -213,11 +199,6 @@ def fp8_gemm_kernel(
             b = tl.load(b_tile + b_offs, mask=(offs_k[:, None] < k_left) & (offs_n[None, :] < N), other=0.0)
         a_offs += BLOCK_K * stride_ak
         b_offs += BLOCK_K * stride_bk
-        if A_QUANT and SCALE_IN_LOOP:
-            if k == k_first:
-                a_q_scale = _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT, N_PARTS,
-                                           PARTS_BLOCK, EPS, FP8_MAX, BLOCK_M)
-                a_q_inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), a_q_scale)
         if A_QUANT:  # the 16-bit tile to fp8 codes, saturated as fp8fx.quant does (NaN kept)
             a = _saturate(a.to(tl.float32) * a_q_inv[:, None], FP8_MAX).to(b.dtype)
         elif not A_FP8:  # weight-only: upcast the fp8 weight tile, 16-bit dot

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _max_nan, _prefetch_l2, fp8_gemm, imprecise_k
+from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _max_nan, fp8_gemm, imprecise_k
 from fp8fx.kernels.fp8_gemm import pipeline_stages, tile_config
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
@@ -48,26 +48,14 @@ def gated_gemm_kernel(
     A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL_TRIGGER: tl.constexpr = False,  # the down GEMM is a programmatic dependent (PDL): let it launch
-    # launched as a programmatic dependent of the kernel before it (the producer of x): nothing is read or
-    # written before the wait but PREFETCH_LINES 128-byte lines of each of this program's weight rows (the
-    # weights do not depend on that kernel), which HBM fetches into L2 while this program waits
-    PDL_WAIT: tl.constexpr = False, PREFETCH_LINES: tl.constexpr = 0,
 ):
     pid = tl.program_id(0)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    pid_m = pid // num_pid_n  # N fastest: neighbouring programs share the x tile
-    pid_n = pid % num_pid_n
-    if PREFETCH_LINES > 0:
-        rows = (pid_n * BLOCK_N).to(tl.int64) * stride_wn + tl.arange(0, BLOCK_N)[:, None] * stride_wn
-        lines = tl.arange(0, PREFETCH_LINES)[None, :] * 128
-        ok = ((pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] < N) & (lines < K)
-        _prefetch_l2(tl.where(ok, w1_ptr + rows + lines, w1_ptr))
-        _prefetch_l2(tl.where(ok, w3_ptr + rows + lines, w3_ptr))
-    if PDL_WAIT:
-        tl.extra.cuda.gdc_wait()
     # the down GEMM runs next on this stream: its tickets start at zero without a launch of their own
     for t in range(pid, n_tickets, tl.num_programs(0)):
         tl.store(tickets_ptr + t, 0)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pid_m = pid // num_pid_n  # N fastest: neighbouring programs share the x tile
+    pid_n = pid % num_pid_n
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -212,9 +200,6 @@ def gated_mlp(
     bias = None if bias is None else bias.contiguous()
     if pdl is None:
         pdl = xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (9, 0)
-    # the gate/up kernel as a programmatic dependent of the kernel before it (study option of the tile config)
-    prior = bool(cfg1.pop("PDL_WAIT", False)) and pdl
-    lines = cfg1.pop("PREFETCH_LINES", 0) if prior else 0
     grid = (triton.cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
     # Triton compiles for and launches on the current device: make it xq's
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
@@ -223,8 +208,7 @@ def gated_mlp(
             m, i, k, split_tiles,
             xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), h.stride(0), parts.stride(0),
             A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=rows1 or rows3, ACT=ACTIVATIONS[act],
-            IMPRECISE_K=imprecise_k(cfg1, fast_accum), PDL_TRIGGER=pdl, PDL_WAIT=prior, PREFETCH_LINES=lines, **cfg1,
-            **({"launch_pdl": True} if prior else {}),
+            IMPRECISE_K=imprecise_k(cfg1, fast_accum), PDL_TRIGGER=pdl, **cfg1,
         )
         return fp8_gemm(h, w2, h_scale, s2, bias, out_dtype, config=cfg2, fast_accum=fast_accum, a_quant=h_quant,
                         tickets=tickets, pdl=pdl)
