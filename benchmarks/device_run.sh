@@ -12,7 +12,7 @@
 #          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles;
 #          flush: flush_study.py; ncu: ncu on the fused MLP's kernels; ncupipes: their pipe use and stalls;
 #          rows: rows_study.py; narrow: down-GEMM tiles of 16-32 rows;
-#          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles)
+#          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles; widen: in 64-128-wide tiles, K split)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -120,6 +120,9 @@ if has narrow; then  # down-GEMM tiles of 16-32 rows, little or no split-K: the 
 fi
 if has smallm; then  # the decode GEMMs gate_up and down at M = 64 in row tiles of 16 or 32
   timeout 200 python3 benchmarks/tune_gemm.py --small-m --shapes gate_up,down 2>&1 | tee "$OUT/tune-small-m.txt"
+fi
+if has widen; then  # the decode GEMMs gate_up and down at M = 64 in 64-row tiles 64-128 wide, K split in 2-8
+  timeout 240 python3 benchmarks/tune_gemm.py --wide-n --shapes down,gate_up 2>&1 | tee "$OUT/tune-wide-n.txt"
 fi
 if has tma; then  # the fused MLP's tiles, each down GEMM tile with TMA weight loads and with pointer loads
   timeout 300 python3 benchmarks/tune_gemm.py --gated --tma 2>&1 | tee "$OUT/tune-tma.txt"

@@ -26,12 +26,17 @@ from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
 SHAPES = {"gate_up": (28672, 4096), "gate": (14336, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
 
 
-def candidates(m, block: bool, tma: bool = False, bm64: bool = False, narrow: bool = False, small_m: bool = False):
+def candidates(m, block: bool, tma: bool = False, bm64: bool = False, narrow: bool = False, small_m: bool = False,
+               wide_n: bool = False):
     """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, TMA)."""
-    return [(*c, t) for c in _tiles(m, block, bm64, narrow, small_m) for t in ((False, True) if tma else (False,))]
+    return [(*c, t) for c in _tiles(m, block, bm64, narrow, small_m, wide_n)
+            for t in ((False, True) if tma else (False,))]
 
 
-def _tiles(m, block: bool, bm64: bool = False, narrow: bool = False, small_m: bool = False):
+def _tiles(m, block: bool, bm64: bool = False, narrow: bool = False, small_m: bool = False, wide_n: bool = False):
+    if wide_n:  # M = 64 in 64-row tiles 64-128 wide, K split in 2-8: an activation tile re-read from L2 per weight
+        # tile of 32 rows (the default down tile, 128 programs) is 2x the weight's bytes, 0.5x at 128 rows
+        return itertools.product([64], [64, 128], [128, 256], [1], [4, 8], [3, 4], [2, 4, 8])
     if small_m:  # M = 64 in row tiles of 16 or 32 (mma.sync, as M <= 16 runs): the M tiles of one weight tile
         # launched next to each other (GROUP_M: all of them), so the weight comes from HBM once, then from L2
         return [(bm, bn, 128, -(-m // bm), 4, st, sk) for bm, bn, st, sk in
@@ -161,6 +166,7 @@ def main(argv=None):
     p.add_argument("--bm64", action="store_true", help="64-row tiles (wgmma) at M <= 16; the decode sweep at M = 1, 16")
     p.add_argument("--narrow", action="store_true",
                    help="down-GEMM tiles of 16-32 rows, K split in 1-4 (with --gated: the fused MLP's down GEMM)")
+    p.add_argument("--wide-n", action="store_true", help="M = 64 in 64-row tiles 64-128 wide, K split in 2-8")
     p.add_argument("--small-m", action="store_true", help="M = 64 in row tiles of 16 or 32 (the decode sweep)")
     p.add_argument("--gated-ncu", action="store_true", help="three plain calls of the fused MLP at M = 1, 16")
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
@@ -173,7 +179,7 @@ def main(argv=None):
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}
-    decode_ms = (64,) if args.small_m else (1, 16) if args.bm64 or args.narrow else (1, 64)
+    decode_ms = (64,) if args.small_m or args.wide_n else (1, 16) if args.bm64 or args.narrow else (1, 64)
     for (name, (n, k)), m in itertools.product(shapes.items(), (4096,) if args.block else decode_ms):
         wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, w_block)
         xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), a_block)
@@ -181,7 +187,7 @@ def main(argv=None):
         ref = gemm().float()
         results, graph = [], not args.block
         for bm, bn, bk, gm, warps, stages, split, tma in candidates(m, args.block, args.tma, args.bm64, args.narrow,
-                                                                            args.small_m):
+                                                                            args.small_m, args.wide_n):
             cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages, SPLIT_K=split,
                        TMA=tma)
             try:
