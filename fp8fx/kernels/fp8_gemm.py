@@ -253,7 +253,7 @@ def tile_config(m: int, n: int, k: int) -> dict:
     CUDA-graph replays, 2026-11-29): decode streams the weight, so narrow N tiles give every SM its own
     slice and deep pipelining keeps enough bytes in flight. M=1: gate_up 28672x4096 0.0309 ms (3.81 TB/s
     on the weight; cuBLAS fp8 0.0465), down 4096x14336 0.0207 ms with K split in 4 (2.83 TB/s; 0.0220
-    unsplit; cuBLAS 0.0409). M=64: gate_up 0.0366 ms (0.0415 with BLOCK_K=256), down 0.0233.
+    unsplit; cuBLAS 0.0409). M=64: gate_up 0.0366 ms (0.0415 with BLOCK_K=256), down 0.0235 (run 13).
     Where the sweep's best were within a few % (qkv 6144x4096, whose 25 MB stayed in L2 between that
     sweep's replays), BLOCK_K=128: 256 and 512 spill registers at 4 warps (sm_90 stack of 48-2800 bytes
     per thread, triton 3.6 / 3.9; tests/kernels/test_compile_sm90.py)."""
@@ -263,8 +263,9 @@ def tile_config(m: int, n: int, k: int) -> dict:
             return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6, SPLIT_K=4)
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     if m <= 64:
-        if long_k:
-            return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=5)
+        if long_k:  # 64-wide N tiles, K split in 2 (256 programs): 0.0235 ms against 0.0248 for 32-wide unsplit
+            # tiles (128 programs for 132 SMs) at down 4096x14336 (run 13 call 3, `tune_gemm.py --wide-n`)
+            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=2)
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 

@@ -43,6 +43,7 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
     xq, xs, wq, ws, bias = operands(m, n, k, x_block, w_block, "cuda")
     ref = reference(xq, xs, x_block, wq, ws, w_block, bias, dtype)
     configs = [tile_config(cfg_m, n, k) for cfg_m in (1, 64, 4096)] + [{**tile_config(1, n, k), "SPLIT_K": 3}]
+    configs += [tile_config(cfg_m, 4096, 14336) for cfg_m in (1, 64)]  # the long-K (split) decode tiles
     configs += [{**cfg, "TMA": True} for cfg in configs[:2]]  # the weight by TMA copies (rows of K % 16 == 0 bytes)
     for cfg in configs:  # every tile configuration on every shape, split K, TMA
         y = fp8_gemm(xq, wq, xs, ws, bias.to(dtype), dtype, config=cfg)
