@@ -41,7 +41,7 @@ if has tests || has cudatests || has moetests; then  # first: it decides whether
   timeout 150 $P -m cuda $moe 2>&1 | tee "$OUT/pytest-cuda-moe.log" | tail -5
 fi
 if has gemmtests; then
-  timeout 150 $P -m cuda $gemm 2>&1 | tee "$OUT/pytest-cuda-gemm.log" | tail -5
+  timeout 240 $P -m cuda $gemm 2>&1 | tee "$OUT/pytest-cuda-gemm.log" | tail -5
 fi
 if has gatedtests; then  # the fused decode MLP's kernels and op
   timeout 200 $P -m cuda tests/kernels/test_gated_mlp.py 2>&1 | tee "$OUT/pytest-cuda-gated.log" | tail -5
