@@ -61,7 +61,7 @@ def _linear_operands(node: fx.Node):
         return None
     if node.target in _LINEAR:
         args = list(node.args) + [None] * 3
-        return args[0], node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+        return node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
     if node.target in _MATMUL and len(node.args) == 2:
         w = _transposed(node.args[1])
         wv = fake_value(w) if w is not None else None
@@ -109,6 +109,9 @@ def _mutates(node: fx.Node) -> bool:
         return True
     if isinstance(node.target, torch._ops.OpOverload):
         return node.target._schema.is_mutable
+    if isinstance(node.target, torch._ops.OpOverloadPacket):  # torch.ops.ns.op(x): Dynamo keeps the packet
+        # any overload that may write (a custom op with mutates_args, vLLM's fused_add_rms_norm) counts
+        return any(getattr(node.target, o)._schema.is_mutable for o in node.target.overloads())
     name = getattr(node.target, "__name__", "")
     # torch.relu_, F.relu_ (not operator.and_ / or_ / not_ / is_, which write nothing)
     return name.endswith("_") and not name.endswith("__") and getattr(node.target, "__module__", "") != "_operator"
@@ -232,6 +235,10 @@ class LinearPass(Fp8Pass):
         if xv.dim() < 1:
             return "activation is a scalar"
         bv = fake_value(bias)
+        n = wv.shape[0] if isinstance(wv, torch.Tensor) else None
+        if isinstance(bv, torch.Tensor) and (bv.dim() != 1 or n is not None and bv.shape[0] != n):
+            # F.linear broadcasts a [1, N] bias; the fp8 ops take one value per output column
+            return f"bias of shape {list(bv.shape)}, not [{n}]"
         if torch.is_grad_enabled() and (xv.requires_grad or getattr(bv, "requires_grad", False)):
             return (
                 "traced with autograd (activation or bias requires grad); fp8fx rewrites inference: "
@@ -278,7 +285,7 @@ class LinearPass(Fp8Pass):
             y = graph.call_function(torch.ops.fp8fx.weight_only_mm.default, args)
         set_fake_value(y, torch.ops.fp8fx.weight_only_mm.default, args)
         _replace(graph, node, y)
-        weight = str(granularity_from_block(w_block)).replace("per-row", "per-channel")
+        weight = str(granularity_from_block(w_block, weight=True)).replace("per-row", "per-channel")
         return f"w:{weight} a:{fake_value(x).dtype} (weight-only)".replace("torch.", ""), y
 
     def _rewrite(self, graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias, quantized: dict) -> tuple[str, fx.Node]:
@@ -294,7 +301,8 @@ class LinearPass(Fp8Pass):
             y = graph.call_function(torch.ops.fp8fx.scaled_mm.default, args)
         set_fake_value(y, torch.ops.fp8fx.scaled_mm.default, args)
         _replace(graph, node, y)
-        scheme = LayerScheme(granularity_from_block(w_block), granularity_from_block(act_block), input_scale is not None)
+        scheme = LayerScheme(granularity_from_block(w_block, weight=True), granularity_from_block(act_block),
+                             input_scale is not None)
         return str(scheme), y
 
 

@@ -294,8 +294,20 @@ def test_autocast_output_dtype_is_the_linears(weight_only):
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.05
 
 
+@torch.library.custom_op("fp8fx_test::scale_in_place", mutates_args=("x",))  # vLLM's fused_add_rms_norm is such an op
+def _scale_in_place(x: torch.Tensor) -> None:
+    x.mul_(2.0).add_(1.0)
+
+
+@_scale_in_place.register_fake
+def _(x):
+    return None
+
+
 IN_PLACE = {
     "mul_": lambda x: x.mul_(3.0),
+    # Dynamo records torch.ops.ns.op(x) as the OpOverloadPacket, whose name has no trailing "_"
+    "custom op with mutates_args": lambda x: torch.ops.fp8fx_test.scale_in_place(x),
     "relu(inplace=True)": lambda x: torch.nn.functional.relu(x, inplace=True),
     "nn.ReLU(inplace=True)": nn.ReLU(inplace=True),
     "hardtanh(x, -0.5, 0.5, True)": lambda x: torch.nn.functional.hardtanh(x, -0.5, 0.5, True),
@@ -333,6 +345,36 @@ def test_quantization_is_not_reused_across_an_in_place_write(compiler, write):
     for got, want in zip(out, ref):
         assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.05
     assert [s.rewritten for s in backend.report.sites] == [True, True]
+
+
+class FunctionalLinear(nn.Module):
+    """A quantized layer's weight and bias through F.linear, its activation by keyword."""
+
+    def __init__(self, bias_2d):
+        super().__init__()
+        self.a = nn.Linear(64, 32)
+        self.bias_2d = bias_2d
+
+    def forward(self, x):
+        bias = self.a.bias.unsqueeze(0) if self.bias_2d else self.a.bias
+        return torch.nn.functional.linear(input=x, weight=self.a.weight, bias=bias)
+
+
+@pytest.mark.parametrize("bias_2d,rewritten", [(False, True), (True, False)])
+def test_functional_linear_by_keyword_and_its_bias(bias_2d, rewritten):
+    """F.linear(input=x, ...) is a site like F.linear(x, ...) (it was reported as "activation dtype None"); a bias
+    that F.linear broadcasts ([1, N]) is reported, not rewritten into ops that take [N] (compiling failed)."""
+    torch.manual_seed(0)
+    model = FunctionalLinear(bias_2d).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        ref, out = model(x), torch.compile(model, backend=backend)(x)
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.05
+    [site] = backend.report.sites
+    assert site.fqn == "a" and site.rewritten == rewritten
+    assert rewritten or site.reason == "bias of shape [1, 32], not [32]"
 
 
 class MaskBetween(nn.Module):
