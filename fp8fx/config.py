@@ -102,14 +102,15 @@ def _check_positive_int(field: str, value: Any) -> None:
         raise ValueError(f"{field}={value!r} must be a positive int")
 
 
-def granularity_from_block(block: Sequence[int]) -> Granularity:
-    """Inverse of ``Granularity.block``."""
+def granularity_from_block(block: Sequence[int], weight: bool = False) -> Granularity:
+    """Inverse of ``Granularity.block``. ``weight``: a weight's, where ``[1, K]`` blocks are ``PerBlock(1, K)``
+    (weights have no ``PerGroup``; read back as one, a ``weight_block_size=[1, k]`` layer was saved as per tensor)."""
     rows, cols = block
     if (rows, cols) == (-1, -1):
         return PerTensor()
     if (rows, cols) == (1, -1):
         return PerRow()
-    if rows == 1:
+    if rows == 1 and not weight:
         return PerGroup(cols)
     return PerBlock(rows, cols)
 

@@ -645,7 +645,8 @@ class MoePass(Fp8Pass):
         out.replace_all_uses_with(fused, delete_user_cb=lambda user: user not in region)
         for node in reversed(site.region):
             graph.erase_node(node)
-        scheme = LayerScheme(granularity_from_block(w_block), granularity_from_block(act_block), a13 is not None)
+        scheme = LayerScheme(granularity_from_block(w_block, weight=True), granularity_from_block(act_block),
+                             a13 is not None)
         return str(scheme), saved, Site.origin_of(fused)
 
 

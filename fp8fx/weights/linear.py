@@ -60,7 +60,7 @@ def layer_scheme(module: nn.Module) -> LayerScheme:
     """The scheme a quantized layer runs with, read back from the layer."""
     static = "input_scale" in module._parameters
     act = granularity_from_block([-1, -1] if static else module._fp8fx_act_block)
-    return LayerScheme(granularity_from_block(module._fp8fx_w_block), act, static)
+    return LayerScheme(granularity_from_block(module._fp8fx_w_block, weight=True), act, static)
 
 
 def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
@@ -194,6 +194,13 @@ class Fp8LinearMethod:
                 f"{type(layer).__name__}: weight shard {shard_id} was loaded twice; each shard of "
                 f"{list(layer._fp8fx_partitions)} must arrive once"
                 + ("" if self.config.is_checkpoint_fp8_serialized else " (it is quantized when all have)")
+            )
+        if name == "weight" and layer._fp8fx_copied + loaded.numel() > target.numel():
+            # a whole weight again, or a shard after the whole: online, it would be copied raw into the fp8 weight
+            raise ValueError(
+                f"{type(layer).__name__}: weight (shard {shard_id}) of {loaded.numel()} elements, but "
+                f"{layer._fp8fx_copied} of the weight's {target.numel()} were loaded before; the whole weight, or "
+                "each of its shards, must arrive once"
             )
         dest = self._shard_slice(layer, name, target.data, shard_id)
         if not same_layout(name, tuple(loaded.shape), tuple(dest.shape)):

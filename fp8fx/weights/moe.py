@@ -93,7 +93,7 @@ def experts_scheme(module: nn.Module) -> LayerScheme:
     """The scheme a quantized experts module runs with, read back from the module."""
     static = f"{W13}_input_scale" in module._parameters
     act = granularity_from_block([-1, -1] if static else module._fp8fx_act_block)
-    return LayerScheme(granularity_from_block(module._fp8fx_w_block), act, static)
+    return LayerScheme(granularity_from_block(module._fp8fx_w_block, weight=True), act, static)
 
 
 def block_error(scheme: LayerScheme, intermediate: int, tp_size: int = 1) -> Optional[str]:
@@ -193,7 +193,9 @@ class Fp8MoEMethod:
         layer._fp8fx_intermediate = i
         layer._fp8fx_processed = False
         layer._fp8fx_done = {W13: torch.zeros(e, dtype=torch.int64), W2: torch.zeros(e, dtype=torch.int64)}
-        layer._fp8fx_arrived = set()  # (base, expert_id, shard_id) of fp8 weights copied: a repeat must not count
+        # (base, expert_id, shard_id) of the weights loaded (None: all experts / the whole expert): no load may
+        # overlap an earlier one (the completeness check counts elements; online, a repeat would be dropped)
+        layer._fp8fx_arrived = set()
         layer._fp8fx_staging = {}  # (name, expert) -> bf16 [rows, cols] while its shards arrive (online)
 
         def param(shape, dtype=torch.float32, fill=None) -> nn.Parameter:
@@ -243,18 +245,22 @@ class Fp8MoEMethod:
         online = not self.config.is_checkpoint_fp8_serialized
         if online and name != base and not name.endswith("_input_scale"):
             raise ValueError(f"{prefix}.{name}: online quantization computes the scales; load only {base} (bf16)")
+        arrival = (base, expert_id, None if shard_id == "w2" else shard_id)  # an expert's w2 is all of its w2
+        earlier = self._overlap(layer, *arrival) if name == base else None
+        if earlier is not None:
+            raise ValueError(
+                f"{prefix}.{name} (expert {expert_id}, shard {shard_id}) overlaps what was loaded before (expert "
+                f"{earlier[0]}, shard {earlier[1]}; None: all of them); each expert's w1, w3 and w2 must arrive once "
+                "(the completeness check counts elements)"
+            )
         if name == base and online:
             self._load_online(layer, base, loaded, shard_id, expert_id)
+            layer._fp8fx_arrived.add(arrival)
             return
         if name == base and loaded.dtype != quant.FP8_DTYPE:
             raise ValueError(
                 f"{prefix}.{name}: the checkpoint tensor is {loaded.dtype}, expected float8_e4m3fn "
                 "(is_checkpoint_fp8_serialized=True); use an online config for bf16 experts"
-            )
-        if name == base and (base, expert_id, shard_id) in layer._fp8fx_arrived:
-            raise ValueError(
-                f"{prefix}.{name} (expert {expert_id}, shard {shard_id}) was loaded twice; each expert's w1, w3 "
-                "and w2 must arrive once (the completeness check counts elements)"
             )
         dest = self._slice(layer, name, base, shard_id, expert_id)
         weight_like = "weight" if name == base else name  # a weight must match exactly, a scale as [N] ~ [N, 1]
@@ -269,8 +275,19 @@ class Fp8MoEMethod:
         else:
             dest.copy_(loaded)
         if name == base:
-            layer._fp8fx_arrived.add((base, expert_id, shard_id))
+            layer._fp8fx_arrived.add(arrival)
             self._count(layer, base, expert_id, dest.numel())
+
+    @staticmethod
+    def _overlap(layer, base: str, expert_id: Optional[int], shard_id: Optional[str]):
+        """(expert, shard) of an earlier load of ``base`` that covers part of this one, or None: the same expert or
+        all experts (None), the same shard or the whole expert (None)."""
+        for b, e, s in layer._fp8fx_arrived:
+            same_expert = e is None or expert_id is None or e == expert_id
+            same_rows = s is None or shard_id is None or s == shard_id
+            if b == base and same_expert and same_rows:
+                return e, s
+        return None
 
     @staticmethod
     def _rows(shard_id: str, rows: int) -> slice:
@@ -324,7 +341,7 @@ class Fp8MoEMethod:
             layer._fp8fx_staging[key + ("rows",)] = set()
         rows = self._rows(shard_id, expert_shape[0])
         dest = staging[rows]
-        if dest.numel() != loaded.numel():
+        if not same_layout("weight", tuple(loaded.shape), tuple(dest.shape)):
             raise ValueError(
                 f"{layer._fp8fx_prefix}.{base} expert {expert_id} shard {shard_id}: tensor of shape "
                 f"{tuple(loaded.shape)} does not fit the slice of shape {tuple(dest.shape)}"

@@ -143,14 +143,20 @@ def _did_you_mean(name: str, names: Iterable[str]) -> str:
 
 
 def _check_ignored_layers(model: nn.Module, config: Fp8Config) -> None:
-    """Every ``ignored_layers`` entry names a module of ``model`` or a prefix of some: a misspelt entry would
-    quantize the very layer it was meant to keep in high precision."""
-    names = [fqn for fqn, _ in model.named_modules() if fqn]
+    check_ignored_layers(config, [fqn for fqn, _ in model.named_modules()], f"this {type(model).__name__}",
+                         "quantized")
+
+
+def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, undone: str) -> None:
+    """Every ``ignored_layers`` entry names one of ``names`` (modules: of a model, or of a checkpoint) or a prefix
+    of some: a misspelt entry would quantize the very layer it was meant to keep in high precision. ``where``
+    and ``undone`` complete the message: "names no module of <where>", "(nothing was <undone>)"."""
+    names = [fqn for fqn in dict.fromkeys(names) if fqn]
     for entry in config.ignored_layers or ():
         if not any(entry_covers(entry, fqn) for fqn in names):
             raise ValueError(
-                f"Fp8Config.ignored_layers: {entry!r} names no module of this {type(model).__name__}"
-                f"{_did_you_mean(entry, names)}; correct or remove the entry (nothing was quantized)"
+                f"Fp8Config.ignored_layers: {entry!r} names no module of {where}{_did_you_mean(entry, names)}; "
+                f"correct or remove the entry (nothing was {undone})"
             )
 
 
@@ -176,10 +182,16 @@ def _check_input_scales(config, plan, input_scales, skipped=()) -> dict[str, flo
             f"activation_scheme='static' needs an input scale for every quantized layer; missing {missing[:3]}"
             f"{' ...' if len(missing) > 3 else ''}; pass input_scales=fp8fx.calibrate(model, batches)"
         )
-    for fqn, value in given.items():
-        if not (float(value) > 0 and float(value) < float("inf")):
-            raise ValueError(f"input_scales[{fqn!r}]={value} must be a positive finite float")
-    return given
+    checked = {}
+    for fqn, value in given.items():  # as floats: what is checked here is what the layers get
+        try:
+            scale = None if isinstance(value, (str, bytes)) else float(value)  # a number or a one-element tensor
+        except (TypeError, ValueError, RuntimeError):
+            scale = None
+        if scale is None or not 0 < scale < float("inf"):
+            raise ValueError(f"input_scales[{fqn!r}]={value!r} must be a positive finite float (nothing was quantized)")
+        checked[fqn] = scale
+    return checked
 
 
 @torch.no_grad()

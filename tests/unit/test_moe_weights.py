@@ -204,13 +204,53 @@ def test_serialized_per_tensor_w13_requantized_per_expert_to_the_max_of_w1_w3():
     assert type(layer).__name__ == "Fp8Module"
 
 
-def test_serialized_shard_loaded_twice_is_an_error():
-    """w1 twice and no w3 would reach the element count and leave the up rows unloaded."""
-    method, layer = serialized({})
-    q = quant.cast_to_fp8(torch.randn(I, H))
-    method.weight_loader(layer, "gate_up_proj", q, shard_id="w1", expert_id=1)
-    with pytest.raises(ValueError, match=r"gate_up_proj \(expert 1, shard w1\) was loaded twice"):
-        method.weight_loader(layer, "gate_up_proj", q, shard_id="w1", expert_id=1)
+@pytest.mark.parametrize("fp8_ckpt", [True, False])
+@pytest.mark.parametrize("first,second", [
+    (("w1", 1), ("w1", 1)),  # the same shard again
+    ((None, 1), ("w3", 1)),  # the whole expert, then half of it
+    (("w3", 1), (None, 1)),  # half an expert, then all of it
+    ((None, None), ("w1", 2)),  # every expert, then one expert's shard
+    (("w2", 3), (None, None)),  # one expert's w2, then every expert's
+])
+def test_a_load_overlapping_an_earlier_one_is_an_error_and_changes_nothing(fp8_ckpt, first, second):
+    """Serialized, w1 twice and no w3 would reach the element count and leave the up rows unloaded; online, a w1
+    arriving again after its expert was quantized was dropped into a staging buffer nobody read."""
+    if fp8_ckpt:
+        method, layer = serialized({})
+    else:
+        layer, method = nn.Module(), Fp8MoEMethod(Fp8Config())
+        method.create_weights(layer, E, H, I, torch.bfloat16, prefix="model.layers.0.mlp.experts")
+
+    def tensor(shard, expert):
+        name, rows, cols = ("w2_weight", H, I) if shard == "w2" or first[0] == "w2" else ("w13_weight", 2 * I, H)
+        shape = (rows // 2 if shard in ("w1", "w3") else rows, cols)
+        t = torch.randn(shape if expert is not None else (E, *shape))
+        return name, t.to(torch.float8_e4m3fn) if fp8_ckpt else t.to(torch.bfloat16)
+
+    name, t = tensor(*first)
+    method.weight_loader(layer, name, t, *first)
+    before = {k: v.view(torch.uint8).clone() for k, v in layer.state_dict().items()}  # bits: empty fp8 may be NaN
+    staging = dict(layer._fp8fx_staging)
+    name, t = tensor(*second)
+    with pytest.raises(ValueError, match=rf"\(expert {second[1]}, shard {second[0]}\) overlaps what was loaded before "
+                                         rf"\(expert {first[1]}, shard {None if first[0] == 'w2' else first[0]};"):
+        method.weight_loader(layer, name, t, *second)
+    assert all(torch.equal(before[k], v.view(torch.uint8)) for k, v in layer.state_dict().items())
+    assert layer._fp8fx_staging.keys() == staging.keys()
+
+
+@pytest.mark.parametrize("fp8_ckpt", [True, False])
+def test_a_transposed_shard_is_refused(fp8_ckpt):
+    """[H, I] has the element count of w1's [I, H] slot: online it was accepted and its data scrambled."""
+    if fp8_ckpt:
+        method, layer = serialized({})
+    else:
+        layer, method = nn.Module(), Fp8MoEMethod(Fp8Config())
+        method.create_weights(layer, E, H, I, torch.bfloat16)
+    t = torch.randn(H, I)
+    t = t.to(torch.float8_e4m3fn) if fp8_ckpt else t.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=rf"shard w1.*shape \({H}, {I}\) does not fit the slice of shape \({I}, {H}\)"):
+        method.weight_loader(layer, "w13_weight", t, "w1", 0)
 
 
 def test_serialized_static_input_scales_collapse_to_their_max():

@@ -112,6 +112,11 @@ def test_static_needs_input_scales_and_calibrate_provides_them():
         fp8fx.quantize_(model, config)
     with pytest.raises(ValueError, match=r"input_scales\['0'\]=-1.0 must be a positive finite float"):
         fp8fx.quantize_(model, config, input_scales={"0": -1.0, "2": 1.0, "3": 1.0})
+    # what is checked is what the layers get: a string passed float() and then failed in the first layer's
+    # torch.tensor, after the layers before it were quantized
+    for bad in ("0.01", torch.ones(2), None):
+        with pytest.raises(ValueError, match=r"input_scales\['3'\]=.* must be a positive finite float \(nothing was"):
+            fp8fx.quantize_(model, config, input_scales={"0": 1.0, "2": torch.tensor(0.5), "3": bad})
     assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
     batches = [torch.randn(4, 128, dtype=torch.bfloat16) for _ in range(3)]
     scales = fp8fx.calibrate(model, batches)
@@ -232,6 +237,26 @@ def test_online_shard_loaded_twice_is_an_error():
     with pytest.raises(ValueError, match="weight shard 1 was loaded twice"):
         method.weight_loader(layer, "weight", shard, shard_id=1)
     assert layer._parameters["weight"].dtype == torch.bfloat16  # not quantized
+
+
+@pytest.mark.parametrize("device", [None, "cpu"])  # None: the whole bf16 weight copied, "cpu": adopted as it is
+@pytest.mark.parametrize("serialized", [False, True])
+def test_whole_weight_loaded_twice_is_an_error_and_changes_nothing(device, serialized):
+    """Online, a second whole weight was copied raw (no scaling) into the fp8 weight and requantized: weights off by
+    30x. Serialized, a shard after the whole weight counted past numel."""
+    layer = nn.Linear(64, 32, bias=False, device="meta")
+    config = Fp8Config(is_checkpoint_fp8_serialized=serialized, weight_granularity=fp8fx.PerRow())
+    method = Fp8LinearMethod(config)
+    method.create_weights(layer, 64, [16, 16], torch.bfloat16, device=device)
+    w = torch.randn(32, 64, dtype=torch.bfloat16) * 1000
+    w = w.to(torch.float8_e4m3fn) if serialized else w
+    method.weight_loader(layer, "weight", w)
+    before = layer._parameters["weight"].detach().view(torch.uint8).clone()
+    for again, shard in ((w, None), (w[:16], 0)):
+        with pytest.raises(ValueError, match=r"weight \(shard .*\) of \d+ elements, but 2048 of the weight's 2048 were "
+                                             r"loaded before; the whole weight, or each of its shards, must arrive once"):
+            method.weight_loader(layer, "weight", again, shard_id=shard)
+    assert torch.equal(layer._parameters["weight"].detach().view(torch.uint8), before)
 
 
 def test_serialized_shard_loaded_twice_is_an_error():
