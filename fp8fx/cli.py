@@ -226,7 +226,7 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
         if fmt is None or fmt.name != "compressed-tensors":
             return config, lambda fqn: config
         groups = {id(c): with_flags(c) for _, c in fmt.groups}
-        return config, lambda fqn: (lambda c: None if c is None else groups[id(c)])(fmt.layer_config(fqn, "Linear"))
+        return config, lambda fqn: (lambda c: None if c is None else groups[id(c)])(fmt.layer_config(fqn, ("Linear",)))
     except ValueError as e:
         raise UsageError(f"bad config: {e}") from e
 

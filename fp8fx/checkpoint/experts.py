@@ -129,7 +129,7 @@ class ExpertsLoader:
 
     def _config(self, ex: Experts, shards: list[str]):
         modules = shards or [ex.fqn]  # per-expert checkpoint modules are Linear layers
-        configs = {self.fmt.layer_config(m, "Linear") for m in modules}
+        configs = {self.fmt.layer_config(m, ("Linear",)) for m in modules}
         if len(configs) > 1:
             raise CheckpointError(
                 f"{ex.fqn}: its experts are quantized differently in the checkpoint "
@@ -148,7 +148,7 @@ class ExpertsLoader:
 
     def _ignored(self, fqn: str) -> bool:
         if self.fmt.name == "compressed-tensors":
-            return formats.matches(fqn, "", self.fmt.ignore)
+            return formats.matches(fqn, (), self.fmt.ignore)
         return self.fmt.config.is_ignored(fqn)
 
     def route(self, name: str, entry: Entry) -> bool:

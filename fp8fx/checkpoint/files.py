@@ -82,9 +82,12 @@ def read_header(file: str) -> dict[str, Entry]:
             )
         raw = f.read(n)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_unique_keys)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise CheckpointError(f"{file}: corrupt safetensors header ({e}); re-download or re-save it") from None
+    except KeyError as e:  # a name twice: json would keep the last silently
+        raise CheckpointError(f"{file}: corrupt safetensors header: tensor {e.args[0]!r} is listed twice; "
+                              "re-download or re-save it") from None
     if not isinstance(header, dict):
         raise CheckpointError(f"{file}: corrupt safetensors header (not a JSON object)")
     header.pop("__metadata__", None)
@@ -111,7 +114,26 @@ def read_header(file: str) -> dict[str, Entry]:
                 "file is truncated; re-download or re-save it"
             )
         entries[name] = Entry(name, file, dtype, shape, data_start + begin, data_start + end)
+    # no two tensors share bytes (safetensors writes them back to back): one would be read as the other
+    ordered = sorted(entries.values(), key=lambda e: (e.start, e.end))
+    for before, after in zip(ordered, ordered[1:]):
+        if after.start < before.end:
+            raise CheckpointError(
+                f"{after.name} in {file}: its data [{after.start - data_start}, {after.end - data_start}] overlaps "
+                f"that of {before.name} [{before.start - data_start}, {before.end - data_start}]: corrupt file; "
+                "re-download or re-save it"
+            )
     return entries
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object's pairs as a dict; KeyError(name) for a name given twice."""
+    out = {}
+    for key, value in pairs:
+        if key in out:
+            raise KeyError(key)
+        out[key] = value
+    return out
 
 
 def read_tensor(entry: Entry) -> torch.Tensor:
@@ -136,6 +158,11 @@ def write_file(file: str, tensors: Mapping[str, torch.Tensor], metadata: Optiona
     header: dict[str, Any] = {"__metadata__": dict(metadata)} if metadata else {}
     offset = 0
     for name, t in tensors.items():
+        if t.dtype not in names:  # e.g. a complex rotary table registered as a persistent buffer
+            raise CheckpointError(
+                f"{name}: dtype {t.dtype} is not one fp8fx writes to safetensors ({sorted(DTYPES)}); register it "
+                "as a non-persistent buffer (it is rebuilt with the model) or store it in a supported dtype"
+            )
         nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes

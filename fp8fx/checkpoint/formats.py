@@ -31,17 +31,18 @@ class QuantFormat:
     ignore: tuple[str, ...] = ()
     kv_cache: bool = False  # the checkpoint declares static KV-cache scales
 
-    def layer_config(self, fqn: str, class_name: str) -> Optional[Fp8Config]:
-        """The config layer ``fqn`` is quantized with, or None if it stays in high precision."""
+    def layer_config(self, fqn: str, classes: Sequence[str]) -> Optional[Fp8Config]:
+        """The config layer ``fqn`` is quantized with, or None if it stays in high precision. ``classes``: the
+        names of the layer's class and its bases (a ``"Linear"`` target covers subclasses of ``nn.Linear``)."""
         if self.name != "compressed-tensors":
             return None if self.config.is_ignored(fqn) else self.config
-        if matches(fqn, class_name, self.ignore):
+        if matches(fqn, classes, self.ignore):
             return None
         # a group that names the layer (exactly or by a 're:' pattern) wins over one that names its class,
         # whatever their order (as vLLM's compressed-tensors matching)
         for by_name in (True, False):
             for targets, config in self.groups:
-                if matches(fqn, "" if by_name else class_name, [t for t in targets if by_name != (t == class_name)]):
+                if matches(fqn, () if by_name else classes, [t for t in targets if by_name != (t in classes)]):
                     return config
         return None
 
@@ -54,10 +55,10 @@ class QuantFormat:
         return f"compressed-tensors ({', '.join(schemes)})"
 
 
-def matches(fqn: str, class_name: str, patterns: Sequence[str]) -> bool:
-    """compressed-tensors matching: an exact name, a ``re:`` pattern (``re.match``) or a class name."""
+def matches(fqn: str, classes: Sequence[str], patterns: Sequence[str]) -> bool:
+    """compressed-tensors matching: an exact name, a ``re:`` pattern (``re.match``) or one of ``classes``."""
     for p in patterns:
-        if p == fqn or p == class_name or p.startswith("re:") and re.match(p[3:], fqn):
+        if p == fqn or p in classes or p.startswith("re:") and re.match(p[3:], fqn):
             return True
     return False
 

@@ -32,6 +32,7 @@ from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner,
 from fp8fx.weights.kv_cache import kv_scale_target, kv_slot_error
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, is_quantized, skip_reason
 from fp8fx.weights.moe import is_quantized_experts
+from fp8fx.weights.quantize import check_ignored_layers
 
 log = logging.getLogger("fp8fx")
 
@@ -132,6 +133,9 @@ def load_checkpoint(
     path = os.fspath(path)
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
+    if config is not None:  # the user's ignore list may name model modules or checkpoint (unfused) ones
+        names = [fqn for fqn, _ in model.named_modules()] + [name.rpartition(".")[0] for name in entries]
+        check_ignored_layers(config, names, f"this {type(model).__name__} or the checkpoint {path}", "loaded")
     fmt = formats.parse(config_json, config)
     if fmt.name == "none" and fmt.config.activation_scheme == "static":
         # bf16 weights hold no input scales: found out after streaming the whole checkpoint otherwise
@@ -242,8 +246,8 @@ class _Loader:
     def _layer_config(self, fqn: str, module: nn.Linear, shards: Sequence[str]):
         """(config, "") for a layer to quantize, else (None, why not). The shards of a fused layer
         must agree (vLLM's rule); ignoring the fused name ignores them all."""
-        cls = type(module).__name__
-        configs = {self.fmt.layer_config(s, cls) for s in shards}
+        classes = tuple(c.__name__ for c in type(module).__mro__)  # "Linear" targets nn.Linear's subclasses too
+        configs = {self.fmt.layer_config(s, classes) for s in shards}
         if len(shards) > 1 and self._ignored(fqn, ()):
             configs = {None}
         if len(configs) > 1:

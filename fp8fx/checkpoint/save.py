@@ -20,6 +20,7 @@ from fp8fx.config import Fp8Config, PerBlock, PerTensor
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES
 from fp8fx.weights.linear import is_quantized, layer_scheme
+from fp8fx.weights.quantize import check_ignored_layers
 
 log = logging.getLogger("fp8fx")
 
@@ -104,6 +105,7 @@ def save_checkpoint(
     if config_json is None:
         hf = getattr(model, "config", None)
         config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})
+    config_text = _config_text(config_json, qc, "save_checkpoint")  # refused before any file is written
     shards = [tensors] if max_shard_size is None else _split(tensors, max_shard_size)
     created = not os.path.isdir(path)
     os.makedirs(path, exist_ok=True)
@@ -114,11 +116,11 @@ def save_checkpoint(
         for i, shard in enumerate(shards):
             file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
             total += _write_shard(path, file, shard, weight_map, written)
+        _write_index(path, weight_map, total, written)
+        _write_text(path, CONFIG, config_text, written)
     except BaseException:  # a full disk, say: no partial checkpoint left behind
         _remove(written, path if created else None)
         raise
-    _write_index(path, weight_map, total)
-    _write_config(path, config_json, qc)
     log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
     return qc
 
@@ -154,17 +156,30 @@ def _remove(written: list, created_dir: Optional[str]) -> None:
         os.rmdir(created_dir)
 
 
-def _write_index(path: str, weight_map: Mapping[str, str], total: int) -> None:
+def _write_index(path: str, weight_map: Mapping[str, str], total: int, written: list) -> None:
     if len(set(weight_map.values())) > 1:
-        with open(os.path.join(path, INDEX), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": dict(weight_map)}, f, indent=2)
+        index = {"metadata": {"total_size": total}, "weight_map": dict(weight_map)}
+        _write_text(path, INDEX, json.dumps(index, indent=2), written)
 
 
-def _write_config(path: str, config_json: Mapping[str, Any], qc: dict) -> None:
+def _write_text(path: str, file: str, text: str, written: list) -> None:
+    written.append(os.path.join(path, file))  # before writing, as _write_shard
+    with open(written[-1], "w") as f:
+        f.write(text)
+
+
+def _config_text(config_json: Any, qc: dict, what: str) -> str:
+    """config.json's text: ``config_json`` with ``qc`` as its quantization_config, checked before the caller writes
+    anything (a value json cannot write would otherwise fail after the shards, leaving a checkpoint without it)."""
+    if not isinstance(config_json, Mapping):
+        raise ValueError(f"{what}: config_json must be a mapping (the rest of config.json), got "
+                         f"{type(config_json).__name__}")
     config = dict(config_json)
     config["quantization_config"] = qc
-    with open(os.path.join(path, CONFIG), "w") as f:
-        json.dump(config, f, indent=2, sort_keys=True, default=str)
+    try:
+        return json.dumps(config, indent=2, sort_keys=True, default=str)
+    except (TypeError, ValueError) as e:  # a non-string key, a circular reference
+        raise ValueError(f"{what}: config_json cannot be written as JSON: {e}") from None
 
 
 def meta_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None) -> nn.Module:
@@ -224,6 +239,8 @@ def convert(
         )
     files, entries = read_checkpoint(src)
     model = model if model is not None else meta_model(src)
+    names = [fqn for fqn, _ in model.named_modules()] + [name.rpartition(".")[0] for name in entries]
+    check_ignored_layers(config, names, f"the checkpoint {src} (or its model)", "written")
     plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused))
     expert_plan, expert_tensors, experts = moe_ckpt.convert_plan(dict(model.named_modules()), entries, config)
     plan.update(expert_plan)
@@ -238,6 +255,7 @@ def convert(
     report.experts = {f: str(config.scheme()) for f, reason in experts.items() if not reason}
     report.not_quantized = {m: r for m, r in plan.items() if r}
 
+    config_text = _config_text(config_json, qc, "convert")
     created = not os.path.isdir(dst)
     os.makedirs(dst, exist_ok=True)
     weight_map: dict[str, str] = {}
@@ -269,11 +287,11 @@ def convert(
                 out[f"{owner}.{scale_name}"] = scale.reshape(1) if isinstance(config.weight, PerTensor) else scale
             total += _write_shard(dst, os.path.basename(file), out, weight_map, written)
             del out
+        _write_index(dst, weight_map, total, written)
+        _write_text(dst, CONFIG, config_text, written)
     except BaseException:  # e.g. NaN in a later file: leave no partial checkpoint behind
         _remove(written, dst if created else None)
         raise
-    _write_index(dst, weight_map, total)
-    _write_config(dst, config_json, qc)
     for f in os.listdir(src):
         full = os.path.join(src, f)
         if os.path.isfile(full) and not (f.endswith((".safetensors", INDEX_SUFFIX, *_PICKLES)) or f == CONFIG):

@@ -87,6 +87,30 @@ def test_offsets_that_do_not_match_the_shape(tmp_path):
         read_checkpoint(str(tmp_path))
 
 
+def _write_raw_header(file, header: bytes, data: bytes):
+    header += b" " * (-len(header) % 8)
+    file.write_bytes(len(header).to_bytes(8, "little") + header + data)
+
+
+def test_tensors_sharing_bytes_or_a_name(tmp_path):
+    """Two tensors over the same bytes would each read the other's; a repeated name kept the last entry. The
+    safetensors library refuses both."""
+    file = tmp_path / "model.safetensors"
+    header = {"x": {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]},
+              "y": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}
+    _write_raw_header(file, json.dumps(header).encode(), bytes(16))
+    with pytest.raises(CheckpointError, match=r"y in .*: its data \[8, 16\] overlaps that of x \[0, 16\]: corrupt"):
+        read_checkpoint(str(tmp_path))
+    raw = b'{"x":{"dtype":"F32","shape":[4],"data_offsets":[0,16]},"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}'
+    _write_raw_header(file, raw, bytes(16))
+    with pytest.raises(CheckpointError, match=r"corrupt safetensors header: tensor 'x' is listed twice"):
+        read_checkpoint(str(tmp_path))
+    empty = {"e": {"dtype": "F32", "shape": [0], "data_offsets": [16, 16]}, **header}  # a 0-size tensor at the end
+    empty["y"]["data_offsets"] = [16, 24]
+    _write_raw_header(file, json.dumps(empty).encode(), bytes(24))
+    assert sorted(read_checkpoint(str(tmp_path))[1]) == ["e", "x", "y"]
+
+
 def test_unknown_dtype(tmp_path):
     header = json.dumps({"a.weight": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
     (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(1))

@@ -64,6 +64,8 @@ CONFIGS = {
     "block": (fp8fx.Fp8Config(weight_block_size=[32, 32], ignored_layers=["lm_head"]), "fp8"),
     "static": (fp8fx.Fp8Config(activation_scheme="static", ignored_layers=["lm_head"]), "compressed-tensors"),
     "static-per-tensor": (fp8fx.Fp8Config(activation_scheme="static", weight_granularity=fp8fx.PerTensor()), "fp8"),
+    # 1 x 32 weight blocks: read back as per-group (an activation granularity) they were saved as per tensor
+    "row-blocks": (fp8fx.Fp8Config(weight_block_size=[1, 32], ignored_layers=["lm_head"]), "fp8"),
 }
 
 
@@ -161,6 +163,68 @@ def test_mixed_schemes_saved_as_compressed_tensors_groups(tmp_path):
     targets = sorted(t for g in qc["config_groups"].values() for t in g["targets"])
     assert targets == sorted(LINEARS)
     assert qc["ignore"] == ["lm_head"]
+
+
+class SubLinear(torch.nn.Linear):
+    """A model's own nn.Linear subclass (compressed-tensors' "Linear" target must cover it, as in vLLM)."""
+
+
+def test_a_linear_subclass_loads_its_compressed_tensors_checkpoint(tmp_path):
+    def build():
+        return torch.nn.Sequential(SubLinear(64, 64, bias=False), torch.nn.Linear(64, 32, bias=False)).bfloat16()
+
+    torch.manual_seed(0)
+    model = build()
+    fp8fx.quantize_(model, fp8fx.Fp8Config())
+    qc = save_checkpoint(model, tmp_path / "saved")
+    assert qc["quant_method"] == "compressed-tensors" and qc["config_groups"]["group_0"]["targets"] == ["Linear"]
+    with torch.device("meta"):
+        loaded = build()
+    report = load_checkpoint(loaded, tmp_path / "saved", progress=False)
+    assert sorted(report.quantized) == ["0", "1"] and not report.not_quantized
+    assert_same_state(model, loaded)
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("not-a-mapping", r"config_json must be a mapping \(the rest of config.json\), got str"),
+    ({"a": 1, 2: "b"}, r"config_json cannot be written as JSON"),
+])
+def test_a_config_json_that_cannot_be_written_leaves_nothing(tmp_path, bad, match):
+    """It was written after the shards: a checkpoint without config.json (or a truncated one), refused on retry."""
+    model = quantized_tiny(fp8fx.Fp8Config())
+    with pytest.raises(ValueError, match=match):
+        save_checkpoint(model, tmp_path / "x", config_json=bad, max_shard_size=1 << 12)
+    assert not (tmp_path / "x").exists()
+    save_checkpoint(model, tmp_path / "x")  # the retry goes through
+    assert (tmp_path / "x" / "config.json").exists()
+
+
+def test_load_and_convert_refuse_an_ignored_layer_that_names_nothing(tmp_path):
+    """quantize_ refused a misspelt entry; load_checkpoint and convert quantized the layer it meant to keep."""
+    write_checkpoint(tmp_path / "bf16", bf16_state())
+    config = fp8fx.Fp8Config(ignored_layers=["lm_haed"])
+    model = meta_tiny()
+    before = {k: (v.dtype, v.device) for k, v in model.state_dict().items()}
+    msg = r"ignored_layers: 'lm_haed' names no module of .* \(did you mean 'lm_head'\?\); correct or remove the entry"
+    with pytest.raises(ValueError, match=msg + r" \(nothing was loaded\)"):
+        load_checkpoint(model, tmp_path / "bf16", config, progress=False)
+    assert {k: (v.dtype, v.device) for k, v in model.state_dict().items()} == before
+    with pytest.raises(ValueError, match=msg + r" \(nothing was written\)"):
+        convert(tmp_path / "bf16", tmp_path / "out", config, model=meta_tiny(), progress=False)
+    assert not (tmp_path / "out").exists()
+    # checkpoint modules the model fuses (q/k/v_proj of a qkv_proj model) are valid entries
+    fused_config = fp8fx.Fp8Config(ignored_layers=[f"model.layers.0.self_attn.{p}_proj" for p in "qkv"])
+    report = load_checkpoint(meta_tiny(fused=True), tmp_path / "bf16", fused_config, progress=False)
+    assert "model.layers.0.self_attn.qkv_proj" in report.not_quantized
+
+
+def test_save_refuses_a_dtype_safetensors_cannot_hold_naming_the_tensor(tmp_path):
+    model = quantized_tiny(fp8fx.Fp8Config())
+    model.register_buffer("freqs_cis", torch.ones(4, dtype=torch.complex64))
+    with pytest.raises(CheckpointError, match=r"freqs_cis: dtype torch.complex64 is not one fp8fx writes to "
+                                              r"safetensors .*register it as a non-persistent buffer"):
+        save_checkpoint(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
 
 
 def test_save_refuses_an_unquantized_model(tmp_path):

@@ -446,5 +446,5 @@ def test_compressed_tensors_group_naming_the_layer_wins_over_its_class():
     qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
           "config_groups": {"g0": group(["Linear"], "token"), "g1": group(["re:.*down_proj$"], "tensor")}}
     fmt = parse({"quantization_config": qc})
-    assert str(fmt.layer_config("model.layers.0.mlp.down_proj", "Linear").scheme()).endswith("a:per-tensor")
-    assert str(fmt.layer_config("model.layers.0.mlp.up_proj", "Linear").scheme()).endswith("a:per-token")
+    assert str(fmt.layer_config("model.layers.0.mlp.down_proj", ("Linear",)).scheme()).endswith("a:per-tensor")
+    assert str(fmt.layer_config("model.layers.0.mlp.up_proj", ("Linear",)).scheme()).endswith("a:per-token")
