@@ -38,10 +38,7 @@ def _ceil_div(a, b):
 
 
 def _rows(x: torch.Tensor):
-    m = 1
-    for d in x.shape[:-1]:
-        m = m * d
-    return m
+    return quant.as_rows(x).shape[0]
 
 
 def _act_scale_shape(x: torch.Tensor, block: Sequence[int]):
@@ -68,16 +65,26 @@ def _(x, block):
     return x.new_empty(x.shape, dtype=quant.FP8_DTYPE), x.new_empty(_act_scale_shape(x, block), dtype=torch.float32)
 
 
-def check_static_scale(scale: torch.Tensor) -> None:
+def check_static_scale(scale: torch.Tensor, what: str = "fp8fx.quantize_static: the static input scale") -> None:
     if scale.numel() != 1:
-        raise ValueError(f"fp8fx.quantize_static: the static input scale must have one element, got shape "
-                         f"{list(scale.shape)}; per-token or per-group activations are dynamic (fp8fx.quantize)")
+        raise ValueError(f"{what} must have one element, got shape {list(scale.shape)}; per-token or per-group "
+                         "activations are dynamic (fp8fx.quantize)")
+    _check_positive_value(scale, what)
+
+
+def _check_positive_value(scale: torch.Tensor, what: str) -> None:
+    """A one-element static scale is a positive finite float - where reading it costs no GPU sync (a CPU tensor;
+    the loaders check scales on CUDA when they load them): 0 would saturate every value and make zeros NaN."""
+    if scale.device.type == "cpu" and not isinstance(scale, torch._subclasses.FakeTensor):
+        value = scale.float().reshape(()).item()
+        if not 0 < value < float("inf"):
+            raise ValueError(f"{what} is {value}; a static scale must be a positive finite float")
 
 
 @torch.library.custom_op(f"{_LIB}::quantize_static", mutates_args=())
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     check_static_scale(scale)
-    return quant.quantize_with_scale(x.reshape(-1, x.shape[-1]), scale, [-1, -1]).reshape(x.shape).contiguous()
+    return quant.quantize_with_scale(quant.as_rows(x), scale, [-1, -1]).reshape(x.shape).contiguous()
 
 
 @quantize_static.register_fake
@@ -96,6 +103,8 @@ def dequantize(
     act_block: Optional[list[int]] = None,
 ) -> torch.Tensor:
     check_block(block, "block")
+    if q.dim() >= 2:
+        _check_scale_size("fp8fx.dequantize", "scale", scale, f"a {list(q.shape)} weight", q.shape, block)
     return quant.dequantize(q, scale, block, dtype).contiguous()
 
 
@@ -194,7 +203,7 @@ TRITON_MAX_M = 64
 def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
     k, n = xq.shape[-1], wq.shape[0]
     _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block)
-    x2 = xq.reshape(-1, k)  # [M, K]
+    x2 = quant.as_rows(xq)  # [M, K]
     m = x2.shape[0]
     if _tensor_or_row(x_block, w_block) and 0 < m <= TRITON_MAX_M:
         from fp8fx.kernels.fp8_gemm import fp8_gemm
@@ -306,7 +315,9 @@ def scaled_mm_fused(
     per_tensor = tuple(w_block) == (-1, -1)
     s = _per_channel(wqs, w_scales) if per_tensor else _adjacent([t.reshape(-1, t.shape[-1]) for t in w_scales])
     rows = w_block[0]
-    blocks_fit = rows in (-1, 1) or all(wq.shape[0] % rows == 0 for wq in wqs[:-1])
+    # each shard's scale rows stack into the fused weight's: not [-1, G] blocks (one scale row a weight)
+    blocks_fit = (rows == 1 or rows == -1 and w_block[1] == -1 or rows > 1
+                  and all(wq.shape[0] % rows == 0 for wq in wqs[:-1]))
     same_bias = all(b is None for b in biases) or all(b is not None for b in biases)
     if w is not None and s is not None and blocks_fit and same_bias:
         b = None if biases[0] is None else _adjacent(biases)
@@ -347,8 +358,8 @@ def _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_bl
     if tuple(w1.shape) != (i, k) or tuple(w3.shape) != (i, k) or w2.dim() != 2 or w2.shape[1] != i:
         raise ValueError(f"fp8fx.gated_mlp: x [..., {k}], gate {list(w1.shape)}, up {list(w3.shape)}, down "
                          f"{list(w2.shape)}: gate and up must be [I, {k}], down [N, I]")
-    if h_static is not None and h_static.numel() != 1:
-        raise ValueError(f"fp8fx.gated_mlp: h_static must have one element, got shape {list(h_static.shape)}")
+    if h_static is not None:
+        check_static_scale(h_static, "fp8fx.gated_mlp: h_static")
     if h_static is not None and tuple(h_block) != (-1, -1):
         raise ValueError(f"fp8fx.gated_mlp: h_static (a static per-tensor scale) with h_block={list(h_block)}; a "
                          "static scale is per tensor: h_block=[-1, -1]")
@@ -410,7 +421,7 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
       out_dtype, use_fast_accum=False):
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
     k = xq.shape[-1]
-    x2 = xq.reshape(-1, k)
+    x2 = quant.as_rows(xq)
     m = x2.shape[0]
     if not (0 < m <= TRITON_MAX_M and _tensor_or_row(x_block, w_block) and _tensor_or_row(h_block, w2_block)):
         return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,
@@ -430,15 +441,25 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
 # --- weight-only GEMM (GPUs without fp8 tensor cores) --------------------------------------
 def _weight_only_reference(x, wq, w_scale, bias, w_block):
     k = x.shape[-1]
-    y = x.reshape(-1, k).float() @ quant.dequantize(wq, w_scale, w_block).t()
+    y = quant.as_rows(x).float() @ quant.dequantize(wq, w_scale, w_block).t()
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], wq.shape[0])
 
 
+_WEIGHT_ONLY_X = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _check_weight_only_x(x: torch.Tensor) -> None:
+    if x.dtype not in _WEIGHT_ONLY_X:  # fp8 codes would be multiplied without their scale
+        raise ValueError(f"fp8fx.weight_only_mm: x is {x.dtype}; it takes bf16/fp16/fp32 activations (for fp8 "
+                         "activation codes and their scale, use fp8fx.scaled_mm)")
+
+
 def _check_weight_only_args(x, wq, w_scale, bias, w_block) -> None:
     """What every real implementation of weight_only_mm checks before it computes."""
     check_block(w_block, "w_block")
+    _check_weight_only_x(x)
     _check_weight("fp8fx.weight_only_mm", x, wq, w_scale, w_block)
     _check_bias(bias, wq.shape[0], "fp8fx.weight_only_mm")
 
@@ -455,6 +476,7 @@ def weight_only_mm(
 @weight_only_mm.register_fake
 def _(x, wq, w_scale, bias, w_block):
     check_block(w_block, "w_block")
+    _check_weight_only_x(x)
     torch._check(x.shape[-1] == wq.shape[-1], lambda: f"fp8fx.weight_only_mm: K mismatch {x.shape} vs {wq.shape}")
     _check_bias(bias, wq.shape[0], "fp8fx.weight_only_mm")
     return x.new_empty((*x.shape[:-1], wq.shape[0]))
@@ -466,7 +488,7 @@ def _(x, wq, w_scale, bias, w_block):
 
     _check_weight_only_args(x, wq, w_scale, bias, w_block)
     k = x.shape[-1]
-    x2 = x.reshape(-1, k)
+    x2 = quant.as_rows(x)
     # the Triton GEMM applies K-varying weight scales per K step (its K tile: a group of 32-256, a power of 2)
     if x2.shape[0] == 0 or x.dtype not in (torch.bfloat16, torch.float16) or not _k_groups_agree([-1, -1], w_block):
         return _weight_only_reference(x, wq, w_scale, bias, w_block)

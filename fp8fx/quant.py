@@ -100,9 +100,17 @@ def dequantize(
     return (q.float() * expand_scale(scale.float(), q.shape, block)).to(dtype)
 
 
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., K] as [M, K] (M the product of the leading dims: ``reshape(-1, K)`` cannot tell M when K = 0)."""
+    m = 1
+    for d in x.shape[:-1]:
+        m = m * d
+    return x.reshape(m, x.shape[-1])
+
+
 def quantize_rows(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Activations: x: [..., K] quantized as the 2-D view [M, K]; scale: [M/bM, K/bK]."""
-    q, scale = quantize(x.reshape(-1, x.shape[-1]), block)
+    q, scale = quantize(as_rows(x), block)
     return q.reshape(x.shape), scale
 
 
@@ -121,7 +129,7 @@ def scaled_mm_reference(
     xq: [..., K] fp8 with x_scale over its [M, K] view; wq: [N, K] fp8; bias: [N]; y: [..., N].
     """
     k = xq.shape[-1]
-    x = dequantize(xq.reshape(-1, k), x_scale, x_block)
+    x = dequantize(as_rows(xq), x_scale, x_block)
     w = dequantize(wq, w_scale, w_block)
     y = x @ w.t()
     if bias is not None:

@@ -28,7 +28,7 @@ def _quantize(x, block):
 
 def _quantize_static(x, scale):
     check_static_scale(scale)
-    return quant.quantize_with_scale(x.reshape(-1, x.shape[-1]), scale, [-1, -1]).reshape(x.shape)
+    return quant.quantize_with_scale(quant.as_rows(x), scale, [-1, -1]).reshape(x.shape)
 
 
 def applies(example_inputs) -> bool:

@@ -131,6 +131,55 @@ def test_bad_operands_are_clear_errors():
         aten._quantize_static(torch.randn(3, 8), torch.ones(2))
 
 
+def test_more_bad_operands_are_clear_errors():
+    """fp8 codes given to the weight-only GEMM were multiplied without their scale (saturated at 448); a zero static
+    scale made every value saturate and zeros NaN; a dequantize scale of the wrong size failed in a reshape."""
+    w, wq, ws = _weights(block=(1, -1))
+    xq, _ = quant.quantize_rows(torch.randn(3, 96), [1, -1])
+    with pytest.raises(ValueError, match=r"weight_only_mm: x is torch.float8_e4m3fn; it takes bf16/fp16/fp32 "
+                                         r"activations \(for fp8 activation codes and their scale, use fp8fx.scaled_mm"):
+        torch.ops.fp8fx.weight_only_mm(xq, wq, ws, None, [1, -1])
+    for bad in (0.0, float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match=r"static input scale is .*; a static scale must be a positive finite"):
+            torch.ops.fp8fx.quantize_static(torch.randn(3, 96), torch.tensor([bad]))
+    from fp8fx.lowerings import aten
+
+    with pytest.raises(ValueError, match=r"a static scale must be a positive finite float"):
+        aten._quantize_static(torch.randn(3, 8), torch.zeros(1))
+    with pytest.raises(ValueError, match=r"dequantize: scale has 5 elements .* block \[1, -1\] of a \[64, 96\] weight "
+                                         r"needs 64"):
+        torch.ops.fp8fx.dequantize(wq, ws[:5], [1, -1], torch.bfloat16)
+
+
+def test_no_k_at_all():
+    """K = 0: reshape(-1, 0) cannot tell M, so the real ops failed where their fake ones promised [M, 0] and
+    [M, 1] (compiled code traced, then failed when it ran)."""
+    x = torch.randn(2, 3, 0)
+    q, s = torch.ops.fp8fx.quantize(x, [1, -1])
+    assert q.shape == (2, 3, 0) and s.shape == (6, 1)
+    assert torch.ops.fp8fx.quantize_static(x, torch.tensor([0.5])).shape == (2, 3, 0)
+    wq = torch.zeros(4, 0, dtype=torch.float8_e4m3fn)
+    y = torch.ops.fp8fx.weight_only_mm(x, wq, torch.ones(4, 1), torch.ones(4), [1, -1])
+    assert y.shape == (2, 3, 4) and torch.equal(y, torch.ones(2, 3, 4))
+    y = torch.ops.fp8fx.scaled_mm(q, s, wq, torch.ones(4, 1), None, [1, -1], [1, -1], torch.bfloat16)
+    assert y.shape == (2, 3, 4) and not y.any()
+
+
+def test_fused_shards_with_one_scale_row_each_run_apart():
+    """[-1, G] weight blocks: each shard has one row of K-group scales, which do not stack into the fused weight's
+    one row: the op runs the shards apart (it raised a scale-size error)."""
+    x = torch.randn(4, 256)
+    xq, xs = quant.quantize_rows(x, [1, -1])
+    shards = [quant.quantize(torch.randn(n, 256), [-1, 128]) for n in (64, 32)]
+    wq = torch.cat([q for q, _ in shards])  # back to back, as the horizontal pass arranges them
+    wqs = [wq[:64], wq[64:]]
+    y = torch.ops.fp8fx.scaled_mm_fused(xq, xs, wqs, [s for _, s in shards], [None, None], [1, -1], [-1, 128],
+                                        torch.float32)
+    want = torch.cat([torch.ops.fp8fx.scaled_mm(xq, xs, q, s, None, [1, -1], [-1, 128], torch.float32)
+                      for q, s in zip(wqs, [s for _, s in shards])], -1)
+    assert torch.equal(y, want)
+
+
 def test_cuda_dispatch_rules():
     """Which blocks fp8fx's Triton GEMM takes; the rest is the reference's (all checked without a GPU)."""
     assert ops._tensor_or_row([1, -1], [1, -1]) and ops._tensor_or_row([-1, -1], [1, -1])
