@@ -346,8 +346,9 @@ def compile_time():
     return 0
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv=None, parser_class=argparse.ArgumentParser, prog=None):
+    """``parser_class`` / ``prog``: the ``fp8fx bench`` command's (one-line errors, its name)."""
+    p = parser_class(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_out")
     p.add_argument("--ms", default="1,16,64,256,2048,4096")
     p.add_argument("--compile-time", action="store_true", help="only time the first call of the fp8fx MLP")

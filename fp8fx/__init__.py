@@ -4,6 +4,7 @@
     model = torch.compile(model, backend=fp8fx.fp8_backend)
 """
 from fp8fx import ops  # noqa: F401  (registers torch.ops.fp8fx.*)
+from fp8fx import testing  # noqa: F401  (fp8fx.testing.assert_rewritten ...: light, torch and fp8fx only)
 from fp8fx.backend import Fp8Backend, fp8_backend
 from fp8fx.checkpoint import CheckpointError, LoadReport, load_checkpoint, save_checkpoint
 from fp8fx.config import Fp8Config, PerBlock, PerGroup, PerRow, PerTensor

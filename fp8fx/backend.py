@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional, Sequence
+import os
+from typing import Any, Mapping, Optional, Sequence
 
 from torch import fx
 
@@ -76,6 +77,24 @@ class Fp8Backend:
             raise ValueError(f"Fp8Backend(lowering={lowering!r}): use one of {_LOWERINGS}")
         if one_pass_rows is not None and (type(one_pass_rows) is not int or one_pass_rows < 1):
             raise ValueError(f"Fp8Backend(one_pass_rows={one_pass_rows!r}): a positive int (row length) or None")
+        flags = dict(use_fast_accum=use_fast_accum, cudagraphs=cudagraphs, fuse_horizontal=fuse_horizontal,
+                     fuse_mlp=fuse_mlp)
+        for name, value in flags.items():  # a truthy string ("false") would switch the option on
+            if type(value) is not bool:
+                raise ValueError(f"Fp8Backend({name}={value!r}): True or False")
+        if weight_only is not None and type(weight_only) is not bool:
+            raise ValueError(f"Fp8Backend(weight_only={weight_only!r}): True, False or None (decided per GPU)")
+        if compiler == "eager" and (cudagraphs or inductor_config):
+            raise ValueError("Fp8Backend(compiler='eager'): cudagraphs and inductor_config configure Inductor, which "
+                             "this compiler does not run; drop them or use compiler='inductor'")
+        if inductor_config is not None and not isinstance(inductor_config, Mapping):
+            raise ValueError(f"Fp8Backend(inductor_config={inductor_config!r}): a dict of torch._inductor.config "
+                             "options, e.g. {'max_autotune': True}")
+        unknown = [k for k in (inductor_config or {}) if not compat.is_inductor_config(k)]
+        if unknown:
+            raise ValueError(f"Fp8Backend(inductor_config={{{unknown[0]!r}: ...}}): not an option of "
+                             "torch._inductor.config (nested ones are dotted: 'triton.cudagraphs')")
+        _check_dump_dir(dump_dir)
         self.one_pass_rows = one_pass_rows
         self.lowering = lowering
         self.compiler = compiler
@@ -96,7 +115,7 @@ class Fp8Backend:
             "fuse_horizontal": fuse_horizontal,
             "fuse_mlp": fuse_mlp,
             "one_pass_rows": one_pass_rows,
-            "inductor_config": sorted(self.inductor_config.items()),
+            "inductor_config": sorted((k, compat.custom_pass_key(v)) for k, v in self.inductor_config.items()),
         }
         passes = default_passes(use_fast_accum=use_fast_accum, weight_only=weight_only, fuse_horizontal=fuse_horizontal,
                                 fuse_mlp=fuse_mlp)
@@ -118,8 +137,12 @@ class Fp8Backend:
             return self._done(gm.forward, index, dump, [])
         patches = {**self.inductor_config, "post_grad_custom_post_pass": self.pass_manager}
         decomps = aten.decompositions() if self.lowering == "aten" and aten.applies(example_inputs) else None
-        with compat.capture_output_code() as code, compat.one_pass_row_reductions(self.one_pass_rows):
-            compiled = compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
+        try:
+            with compat.capture_output_code() as code, compat.one_pass_row_reductions(self.one_pass_rows):
+                compiled = compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
+        except BaseException as e:  # Dynamo may run the frame eagerly instead: nothing of this graph was rewritten
+            self.report.fail_graph(index, f"the graph failed to compile ({type(e).__name__}: {str(e)[:200]})")
+            raise
         self.report.add_output_code(index, "\n".join(code), gm)
         for fn in after_compile:
             fn()
@@ -128,6 +151,8 @@ class Fp8Backend:
     def _dump(self, gm: fx.GraphModule, index: int) -> Optional[GraphDump]:
         if self.dump_dir is None:
             return None
+        if index == 0:  # this backend's first graph: files an earlier run left would read as this one's
+            GraphDump.clear(self.dump_dir)
         dump = GraphDump(self.dump_dir, index)
         dump.start(gm)
         return dump
@@ -137,6 +162,23 @@ class Fp8Backend:
         if dump:
             dump.finish(self.report, output_code)
         return compiled
+
+
+def _check_dump_dir(dump_dir: Optional[str]) -> None:
+    """The dump folder, made now if missing: a path that cannot be one fails here, not at the first compile."""
+    if dump_dir is None:
+        return
+    if not isinstance(dump_dir, (str, os.PathLike)):
+        raise ValueError(f"Fp8Backend(dump_dir={dump_dir!r}): a folder's path (str or os.PathLike) or None")
+    if os.path.exists(dump_dir) and not os.path.isdir(dump_dir):
+        raise ValueError(f"Fp8Backend(dump_dir={dump_dir!r}): a file, not a folder; pass a folder")
+    try:
+        os.makedirs(dump_dir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"Fp8Backend(dump_dir={dump_dir!r}): cannot make that folder ({e.strerror}); pass a "
+                         "writable folder") from None
+    if not os.access(dump_dir, os.W_OK | os.X_OK):
+        raise ValueError(f"Fp8Backend(dump_dir={dump_dir!r}): cannot write into that folder; pass a writable one")
 
 
 def fp8_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]):

@@ -19,6 +19,7 @@ import importlib.util
 import inspect as pyinspect
 import json
 import logging
+import math
 import os
 import sys
 from pathlib import Path
@@ -32,6 +33,7 @@ from fp8fx import quant
 from fp8fx.config import Fp8Config
 from fp8fx.weights import moe
 from fp8fx.weights.linear import skip_reason
+from fp8fx.weights.quantize import check_ignored_layers
 
 log = logging.getLogger("fp8fx")
 
@@ -112,6 +114,11 @@ def inspect_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--seq-len {args.seq_len}: the traced input needs at least one token")
     model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
     config, layer_config = make_config(args, hf_quant)
+    try:  # as quantize_ would: an --ignore that names no module keeps nothing in bf16
+        check_ignored_layers(Fp8Config(ignored_layers=tuple(args.ignore)), [f for f, _ in model.named_modules()],
+                             f"this {type(model).__name__}", "inspected")
+    except ValueError as e:
+        raise UsageError(f"--ignore: {e}") from None
     rows, others, graphs = predict(model, config, call_args, call_kwargs, layer_config)
     if args.json:
         print(json.dumps({"model": args.model, "config": config.to_dict(), "graphs": graphs, "sites": rows,
@@ -132,8 +139,13 @@ def load_meta_model(spec: str, dtype: torch.dtype, seq_len: int, input_shape: Op
             "(e.g. mypkg.models:make_model or models.py:make_model)"
         )
     factory = _factory(spec)
-    with torch.device("meta"):
-        made = factory()
+    try:
+        with torch.device("meta"):
+            made = factory()
+    except Exception as e:  # noqa: BLE001 - the user's code: say what failed, in one line
+        raise UsageError(f"{spec}() failed: {type(e).__name__}: {_first_line(e)}") from e
+    if isinstance(made, tuple) and len(made) != 2:
+        raise UsageError(f"{spec} returned a tuple of {len(made)}; return a model or (model, example_args)")
     model, call_args = made if isinstance(made, tuple) else (made, None)
     if not isinstance(model, nn.Module):
         raise UsageError(f"{spec} returned {type(model).__name__}, not an nn.Module (or (module, example_args))")
@@ -182,8 +194,10 @@ def _factory(spec: str):
             loader.loader.exec_module(module)
         else:
             module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise UsageError(f"cannot import {module_name!r} (MODEL {spec!r}): {_first_line(e)}") from e
+    except UsageError:
+        raise
+    except Exception as e:  # noqa: BLE001 - ImportError, a SyntaxError or whatever the module raises on import
+        raise UsageError(f"cannot import {module_name!r} (MODEL {spec!r}): {type(e).__name__}: {_first_line(e)}") from e
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UsageError(f"{module_name} has no function {attr!r} (MODEL {spec!r})")
@@ -237,16 +251,23 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     covers, number of graphs). ``layer_config(fqn)``: a layer's config, None to keep it as it is."""
     layer_config = layer_config or (lambda fqn: config)
     backend = fp8fx.Fp8Backend(compiler="eager")
-    quiet = log.level
-    log.setLevel(logging.ERROR)  # every site of an unquantized model is "not fp8": not news here
+    # every site of an unquantized model is "not fp8": not news here; torch logs a traced op's failure at length
+    loggers = {name: logging.getLogger(name) for name in ("fp8fx", "torch")}
+    levels = {name: lg.level for name, lg in loggers.items()}
+    loggers["fp8fx"].setLevel(logging.ERROR)
+    loggers["torch"].setLevel(logging.CRITICAL)
     try:
         with torch.no_grad():
             torch.compile(model, backend=backend)(*call_args, **call_kwargs)
     except Exception as e:  # noqa: BLE001 - any model code can fail on meta tensors; say which and how
-        raise UsageError(f"tracing {type(model).__name__} on the meta device failed: {type(e).__name__}: "
-                         f"{_first_line(e)}") from e
+        cause = e
+        while (cause.__cause__ or cause.__context__) is not None:  # Dynamo wraps the op's own error, twice
+            cause = cause.__cause__ or cause.__context__
+        raise UsageError(f"tracing {type(model).__name__} on the meta device failed: {type(cause).__name__}: "
+                         f"{_first_line(cause)}") from e
     finally:
-        log.setLevel(quiet)
+        for name, lg in loggers.items():
+            lg.setLevel(levels[name])
 
     modules = dict(model.named_modules())
     rows = []
@@ -261,16 +282,18 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
             reason = "not an nn.Linear weight (quantize_ quantizes nn.Linear layers)"
         rows.append({"graph": site.graph, "kind": site.kind, "fqn": site.fqn, "weight_shape": list(site.weight_shape),
                      "would_rewrite": reason is None, "scheme": str(cfg.scheme()) if reason is None else "",
-                     "reason": reason or "", "bytes_saved": _saved(site.weight_shape, module, cfg) if reason is None else 0})
+                     "reason": reason or "",
+                     "bytes_saved": _saved(site.weight_shape, module.weight.element_size(), cfg) if reason is None else 0})
     seen = {s.fqn for s in backend.report.sites}
     for fqn, module in modules.items():  # experts: the MoE pass rewrites what quantize_ quantizes
         if moe.is_experts(module) and fqn not in seen:
             cfg = layer_config(fqn)
             reason = "kept in high precision by the quantization_config" if cfg is None else moe.skip_reason(module, fqn, cfg)
-            w13 = module._parameters[moe.W13]
+            w13, w2 = module._parameters[moe.W13], module._parameters[moe.W2]
+            saved = sum(_saved(list(w.shape), w.element_size(), cfg) for w in (w13, w2)) if reason is None else 0
             rows.append({"graph": None, "kind": "moe", "fqn": fqn, "weight_shape": list(w13.shape),
                          "would_rewrite": reason is None, "scheme": str(cfg.scheme()) if reason is None else "",
-                         "reason": reason or "", "bytes_saved": 0})
+                         "reason": reason or "", "bytes_saved": saved})
             seen.add(fqn)
     for fqn, module in modules.items():
         if isinstance(module, nn.Linear) and fqn not in seen:
@@ -283,12 +306,14 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     return rows, others, backend.report.graphs
 
 
-def _saved(shape: Sequence[int], module: Optional[nn.Module], config: Fp8Config) -> int:
-    if len(shape) != 2 or module is None:
+def _saved(shape: Sequence[int], element_size: int, config: Fp8Config) -> int:
+    """Bytes saved by an [N, K] weight (or [E, N, K] experts, a scale set each) of ``element_size`` bytes stored as
+    fp8 with float32 scales."""
+    if len(shape) not in (2, 3):
         return 0
-    n, k = shape
+    *experts, n, k = shape
     scales = quant.scale_shape((n, k), config.weight.block)
-    return n * k * module.weight.element_size() - n * k - 4 * scales[0] * scales[1]
+    return math.prod(experts) * (n * k * element_size - n * k - 4 * scales[0] * scales[1])
 
 
 def _table(spec: str, cls: str, config: Fp8Config, rows: list[dict], others: list[dict], graphs: int) -> str:
@@ -337,7 +362,7 @@ def bench(argv: list[str]) -> int:
     spec = importlib.util.spec_from_file_location("fp8fx_bench_linear", script)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.main(argv)
+    return module.main(argv, parser_class=_Parser, prog="fp8fx bench")
 
 
 SCHEMES = {

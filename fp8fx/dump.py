@@ -18,6 +18,7 @@ import copy
 import dis
 import logging
 import os
+import re
 import types
 
 from torch import fx
@@ -36,6 +37,17 @@ class GraphDump:
         os.makedirs(dump_dir, exist_ok=True)
         self.dir = dump_dir
         self.graph = graph
+
+    @staticmethod
+    def clear(dump_dir: str) -> None:
+        """Remove the files an earlier dump left in ``dump_dir`` (``graphNNN_*``, ``report.*``); nothing else."""
+        if not os.path.isdir(dump_dir):
+            return
+        stale = [f for f in os.listdir(dump_dir) if re.fullmatch(r"graph\d{3}_.*|report\.(json|txt)", f)]
+        for f in stale:
+            os.remove(os.path.join(dump_dir, f))
+        if stale:
+            log.info("fp8fx: removed %d files of an earlier dump from %s", len(stale), dump_dir)
 
     def write(self, name: str, text: str, prefix: bool = True) -> str:
         path = os.path.join(self.dir, f"graph{self.graph:03d}_{name}" if prefix else name)

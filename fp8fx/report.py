@@ -28,6 +28,9 @@ class Site:
     bytes_saved: int = 0  # high-precision weight bytes minus the fp8 weight and its scales; 0 if not rewritten
     kernel: str = ""  # the GEMM Inductor generated for the site, e.g. "extern fp8fx.scaled_mm"; "" when unknown
     node: str = ""  # Dynamo's name for the site's call (``Site.origin_of``), to find it in Inductor's code
+    # id() of the fp8 weight: a weight seen in several graphs is saved once, two weights of one name twice (not in
+    # the report's data: it means nothing outside this process)
+    weight_id: int = dataclasses.field(default=0, compare=False, repr=False)
 
     @staticmethod
     def origin_of(node: Any) -> str:
@@ -65,6 +68,14 @@ class Report:
             # a layer the user chose to ignore is expected: info; anything else deserves a look
             level = logging.INFO if site.reason.endswith("in ignored_layers") else logging.WARNING
             log.log(level, "fp8fx: %s %s not rewritten: %s", site.kind, site.fqn, site.reason)
+
+    def fail_graph(self, graph: int, reason: str) -> None:
+        """Graph ``graph`` did not compile: its sites were not rewritten, for ``reason``."""
+        for i, site in enumerate(self.sites):
+            if site.graph == graph and site.rewritten:
+                self.sites[i] = dataclasses.replace(site, rewritten=False, reason=reason, scheme="", bytes_saved=0,
+                                                    kernel="")
+                log.warning("fp8fx: %s %s not rewritten: %s", site.kind, site.fqn, reason)
 
     @property
     def rewritten(self) -> list[Site]:
@@ -137,7 +148,7 @@ class Report:
                 "kernels": sum(len(k) for k in kernels.values()),
             },
             "graphs": [{"index": g, "kernels": k} for g, k in kernels.items()],
-            "sites": [dataclasses.asdict(s) for s in sites],
+            "sites": [{k: v for k, v in dataclasses.asdict(s).items() if k != "weight_id"} for s in sites],
         }
 
     def to_json(self, graph: Optional[int] = None, indent: int = 1) -> str:
@@ -172,7 +183,7 @@ class Report:
 
 
 def _bytes_saved(sites: Iterable[Site]) -> int:
-    return sum({s.fqn: s.bytes_saved for s in sites if s.rewritten}.values())
+    return sum({s.weight_id or s.fqn: s.bytes_saved for s in sites if s.rewritten}.values())
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:

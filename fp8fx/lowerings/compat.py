@@ -13,6 +13,19 @@ from torch._subclasses.fake_tensor import FakeTensor  # 2.11 and 2.13
 TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
+def is_inductor_config(key: str) -> bool:
+    """``key`` names an option of ``torch._inductor.config`` (dotted for nested ones: ``"triton.cudagraphs"``)."""
+    from torch._inductor import config
+
+    return key in config._config
+
+
+def custom_pass_key(value: Any) -> Any:
+    """What stands for an ``inductor_config`` value in a cache key: a ``CustomGraphPass``'s ``uuid()`` (its repr
+    holds its address, new in every process), else the value."""
+    return {"CustomGraphPass.uuid": value.uuid()} if isinstance(value, CustomGraphPass) else value
+
+
 def compile_fx(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],

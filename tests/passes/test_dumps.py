@@ -2,6 +2,7 @@
 import ast
 import importlib.util
 import json
+import os
 import sys
 
 import torch
@@ -82,6 +83,22 @@ def test_files_of_each_graph_sort_after_the_previous_graph(tmp_path):
     assert "a" in (tmp_path / "graph000_3_report.txt").read_text().split("\n")[2]
     assert {s["fqn"] for s in json.loads((tmp_path / "graph001_3_report.json").read_text())["sites"]} == {"b"}
     assert len(compat._bytecode_hooks) <= 1  # hooks of earlier graphs were removed
+
+
+def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
+    """A two-graph run then a one-graph run into one folder left graph001_* beside a report of one graph."""
+    (tmp_path / "graph001_3_report.json").write_text("{}")
+    (tmp_path / "report.txt").write_text("old")
+    (tmp_path / "notes.md").write_text("mine")  # not a dump file: kept
+    model = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path)))(
+            torch.randn(2, 64, dtype=torch.bfloat16))
+    files = sorted(os.listdir(tmp_path))
+    assert "notes.md" in files and not any(f.startswith("graph001") for f in files)
+    assert (tmp_path / "report.txt").read_text() != "old"
 
 
 def test_nothing_is_written_without_dump_dir(tmp_path, monkeypatch):

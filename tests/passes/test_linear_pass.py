@@ -207,6 +207,64 @@ def test_bad_backend_option():
     for bad in (0, True, 4096.0):
         with pytest.raises(ValueError, match=rf"Fp8Backend\(one_pass_rows={bad!r}\): a positive int"):
             Fp8Backend(one_pass_rows=bad)
+    # accepted before: "false" switched cudagraphs on, "auto" forced weight-only; the rest failed at the first call
+    for option in ("use_fast_accum", "cudagraphs", "fuse_horizontal", "fuse_mlp"):
+        with pytest.raises(ValueError, match=rf"Fp8Backend\({option}='false'\): True or False$"):
+            Fp8Backend(**{option: "false"})
+    with pytest.raises(ValueError, match=r"Fp8Backend\(weight_only='auto'\): True, False or None"):
+        Fp8Backend(weight_only="auto")
+    with pytest.raises(ValueError, match=r"compiler='eager'\): cudagraphs and inductor_config configure Inductor"):
+        Fp8Backend(compiler="eager", cudagraphs=True)
+    with pytest.raises(ValueError, match=r"inductor_config=\{'no_such_option': ...\}\): not an option of "
+                                         r"torch._inductor.config"):
+        Fp8Backend(inductor_config={"no_such_option": 1})
+    with pytest.raises(ValueError, match=r"inductor_config='max_autotune'\): a dict"):
+        Fp8Backend(inductor_config="max_autotune")
+
+
+def test_bad_dump_dir_is_refused_when_the_backend_is_made(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"dump_dir=.*file'\): a file, not a folder"):
+        Fp8Backend(dump_dir=str(tmp_path / "file"))
+    with pytest.raises(ValueError, match=r"dump_dir=.*\): cannot make that folder"):
+        Fp8Backend(dump_dir=str(tmp_path / "file" / "sub"))
+    with pytest.raises(ValueError, match=r"dump_dir=123\): a folder's path"):
+        Fp8Backend(dump_dir=123)
+    Fp8Backend(dump_dir=str(tmp_path / "new" / "dumps"))
+    assert (tmp_path / "new" / "dumps").is_dir()
+
+
+class _NoOpPass(torch._inductor.custom_graph_pass.CustomGraphPass):
+    def __call__(self, graph):
+        return None
+
+    def uuid(self):
+        return "no-op v1"
+
+
+def test_cache_key_of_a_custom_pass_is_its_uuid():
+    """Its repr holds its address: a key made of it changed in every process and Inductor's cache never hit."""
+    keys = {Fp8Backend(inductor_config={"post_grad_custom_pre_pass": _NoOpPass()}).cache_key() for _ in range(3)}
+    assert len(keys) == 1 and keys != {Fp8Backend().cache_key()}
+
+
+def test_a_graph_that_fails_to_compile_is_not_reported_rewritten(monkeypatch):
+    """Dynamo can run such a frame eagerly: its sites were not rewritten, whatever the passes did before."""
+    from fp8fx.lowerings import compat
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("inductor fell over")
+
+    monkeypatch.setattr(compat, "compile_fx", fail)
+    model = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend()
+    torch._dynamo.reset()
+    with torch.no_grad(), pytest.raises(Exception, match="inductor fell over"):
+        torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    [site] = backend.report.sites
+    assert not site.rewritten and site.reason == "the graph failed to compile (RuntimeError: inductor fell over)"
+    assert backend.report.bytes_saved == 0
 
 
 def test_one_pass_row_reductions_handler(monkeypatch):

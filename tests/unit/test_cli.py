@@ -75,6 +75,12 @@ def mlp_with_input():
 
 def not_a_model():
     return 3
+
+def one_tuple():
+    return (mlp(),)
+
+def needs_arg(width):
+    return mlp()
 """
 
 
@@ -136,6 +142,24 @@ def test_bad_factories(capsys, models_py):
     code, _, err = run(capsys, "inspect", f"{models_py}:mlp", "--input-shape", "2,256", "--seq-len", "0")
     assert code == 2
     one_line_error(err, "--seq-len 0: the traced input needs at least one token")
+    # these ended in a traceback, or in a wrapper's message with 19 lines of torch's logging before it
+    for factory, message in (("one_tuple", "returned a tuple of 1; return a model or (model, example_args)"),
+                             ("needs_arg", "needs_arg() failed: TypeError: needs_arg() missing 1 required")):
+        code, _, err = run(capsys, "inspect", f"{models_py}:{factory}")
+        assert code == 2
+        one_line_error(err, message)
+    code, _, err = run(capsys, "inspect", f"{models_py}:mlp", "--input-shape", "2,255")
+    assert code == 2
+    one_line_error(err, "tracing Sequential on the meta device failed: RuntimeError: a and b must have same reduction "
+                        "dim, but got [2, 255]")
+    code, _, err = run(capsys, "inspect", f"{models_py}:mlp", "--input-shape", "2,256", "--ignore", "typo")
+    assert code == 2  # as quantize_ would refuse it: the layer meant to stay bf16 would not
+    one_line_error(err, "--ignore: Fp8Config.ignored_layers: 'typo' names no module of this Sequential")
+    bad = pathlib.Path(models_py).with_name("bad_syntax.py")
+    bad.write_text("def make(:\n")
+    code, _, err = run(capsys, "inspect", f"{bad}:make")
+    assert code == 2
+    one_line_error(err, f"cannot import '{bad}'", "SyntaxError")
 
 
 def test_bad_configs(capsys, llama_dir, tmp_path):
@@ -208,10 +232,17 @@ def test_installed_command():
     with open(pathlib.Path(__file__).parents[2] / "pyproject.toml") as f:
         scripts = f.read().split("[project.scripts]")[1].split("[")[0]
     assert scripts.strip() == 'fp8fx = "fp8fx.cli:main"'
-    proc = subprocess.run([sys.executable, "-m", "fp8fx.cli", "inspect", "/no/such/folder"],
-                          capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2 and proc.stdout == ""
-    one_line_error(proc.stderr, "fp8fx inspect: error: MODEL '/no/such/folder'")
+    for module in ("fp8fx.cli", "fp8fx"):  # python -m fp8fx too
+        proc = subprocess.run([sys.executable, "-m", module, "inspect", "/no/such/folder"],
+                              capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and proc.stdout == ""
+        one_line_error(proc.stderr, "fp8fx inspect: error: MODEL '/no/such/folder'")
+
+
+def test_bench_usage_error_is_one_line(capsys):
+    code, _, err = run(capsys, "bench", "--bogus")
+    assert code == 2
+    one_line_error(err, "fp8fx bench: error: unrecognized arguments: --bogus (see fp8fx bench --help)")
 
 
 def test_inspect_reads_compressed_tensors_and_moe(capsys, tmp_path):
@@ -241,3 +272,11 @@ def test_inspect_reads_compressed_tensors_and_moe(capsys, tmp_path):
     code, _, err = run(capsys, "inspect", str(tmp_path))
     assert code == 2
     one_line_error(err, "bad config: config.json: quantization_config.quant_method='gptq' is not a format fp8fx loads")
+    del cfg.quantization_config  # the default config: experts quantized, their bytes counted (it said 0)
+    cfg.save_pretrained(tmp_path)
+    code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+    assert code == 0, err
+    experts = {s["fqn"]: s for s in json.loads(out)["sites"]}["model.layers.0.mlp.experts"]
+    # w13 [4, 128, 128] and w2 [4, 128, 64], bf16 -> fp8 and float32 scales [rows, 1] per expert
+    assert experts["would_rewrite"]
+    assert experts["bytes_saved"] == 4 * (128 * 128 - 4 * 128) + 4 * (128 * 64 - 4 * 128)
