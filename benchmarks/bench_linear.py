@@ -157,8 +157,10 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
             xq, xs = fp8fx.quant.quantize(x, [1, -1])
             times = {
                 "bf16_cublas": bench(lambda x: torch.nn.functional.linear(x, w), x, graph),
+                # fast accumulation, as fp8fx's default (Fp8Backend(use_fast_accum=True)) runs cuBLAS at prefill
                 "fp8_cublas_gemm_only": bench(
-                    lambda x: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, -1).contiguous(), out_dtype=torch.bfloat16),
+                    lambda x: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws.reshape(1, -1).contiguous(),
+                                               out_dtype=torch.bfloat16, use_fast_accum=True),
                     x, graph,
                 ),
             }
@@ -168,8 +170,9 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
             errors[f"{name} M={m} fp8fx"] = rel_err(y, ref)
             flops = 2 * m * n * k
             for variant, ms_ in times.items():
+                weight_bytes = n * k * (2 if variant == "bf16_cublas" else 1)
                 rows.append({"what": f"linear {name} {n}x{k}", "M": m, "variant": variant, "ms": ms_,
-                             "tflops": flops / ms_ / 1e9, "weight_gbs": n * k / ms_ / 1e6})
+                             "tflops": flops / ms_ / 1e9, "weight_gbs": weight_bytes / ms_ / 1e6})
 
 
 MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "fp8fx_fused_mlp",
@@ -190,24 +193,24 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VA
         return m
 
     ref_mod = fresh().float()
-    variants = {"bf16_inductor": torch.compile(fresh())}
-    variants["fp8fx"], backend = fp8fx_module(fresh())
+    # every variant compiled for each M with static shapes, as decode's CUDA graphs are per batch size (the fused
+    # MLP pass fuses only a static token count): until run 13 only the fused MLP was, and the others' second M
+    # recompiled with a symbolic one (run 11: bf16 Inductor 5% slower that way at M=4096)
+    variants = {"bf16_inductor": torch.compile(fresh(), dynamic=False)}
+    variants["fp8fx"], backend = fp8fx_module(fresh(), dynamic=False)
     # options against the default: Inductor's own (looped) reduction heuristic; gate and up as one GEMM
     if "fp8fx_looped_quant" in only:
-        variants["fp8fx_looped_quant"], _ = fp8fx_module(fresh(), {"one_pass_rows": None})
+        variants["fp8fx_looped_quant"], _ = fp8fx_module(fresh(), {"one_pass_rows": None}, dynamic=False)
     if "fp8fx_fused_gate_up" in only:
-        variants["fp8fx_fused_gate_up"], _ = fp8fx_module(fresh(), {"fuse_horizontal": True})
+        variants["fp8fx_fused_gate_up"], _ = fp8fx_module(fresh(), {"fuse_horizontal": True}, dynamic=False)
     if "fp8fx_fused_mlp" in only:  # decode: the MLP in two kernels (prefill sizes are left unfused)
-        # static shapes, as decode's CUDA graphs are per batch size: the pass fuses only a static token
-        # count, and the second M would otherwise recompile with a symbolic one (run 10's call 2 timed
-        # M = 16 and 64 unfused that way)
         variants["fp8fx_fused_mlp"], _ = fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)
     if "inductor_scaled_mm" in only:
-        variants["inductor_scaled_mm"] = torch.compile(ScaledMMMLP(fresh()))
+        variants["inductor_scaled_mm"] = torch.compile(ScaledMMMLP(fresh()), dynamic=False)
     if "torchao_rowwise" in only:
         ao, why = torchao_rowwise(fresh())
         if ao is not None:
-            variants["torchao_rowwise"] = torch.compile(ao)
+            variants["torchao_rowwise"] = torch.compile(ao, dynamic=False)
         else:
             errors["torchao"] = why
     variants = {name: fn for name, fn in variants.items() if name in only}
@@ -221,9 +224,11 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VA
                 torch.cuda.synchronize()
                 compile_times[f"mlp {name} first call M={m}"] = time.perf_counter() - start
                 errors[f"mlp M={m} {name}"] = rel_err(y, ref)
+                failed = len(FALLBACKS)
                 t = bench(fn, x, m <= graph_max_m)
                 rows.append({"what": "mlp block", "M": m, "variant": name, "ms": t,
-                             "tflops": 3 * 2 * m * DIM * HIDDEN / t / 1e9})
+                             "tflops": 3 * 2 * m * DIM * HIDDEN / t / 1e9,
+                             "graph_replay": m <= graph_max_m and len(FALLBACKS) == failed})
         save()  # a run cut at its time limit keeps the sizes it finished
     print(backend.report)
 
@@ -273,8 +278,9 @@ def run_kernels(rows, errors, graph_max_m=64):
                 times["fp8fx_weight_only"] = bench_(wo)
                 errors[f"weight-only {name} M={m}"] = rel_err(wo(), ref)
             for variant, t in times.items():
+                weight_bytes = n * k * (2 if variant == "bf16_cublas" else 1)
                 rows.append({"what": f"kernels {name} {n}x{k}", "M": m, "variant": variant, "ms": t,
-                             "tflops": 2 * m * n * k / t / 1e9, "weight_gbs": n * k / t / 1e6})
+                             "tflops": 2 * m * n * k / t / 1e9, "weight_gbs": weight_bytes / t / 1e6})
 
 
 def plot(rows, path):

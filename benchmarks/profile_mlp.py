@@ -87,7 +87,8 @@ def main():
     else:
         report.append(why)
     if not args.fp8fx_only:
-        report += [f"== bf16 Inductor M={args.m}", kernel_table(torch.compile(fresh()), x)]
+        bf16 = torch.compile(fresh(), mode="max-autotune-no-cudagraphs" if args.max_autotune else None)  # as torchao
+        report += [f"== bf16 Inductor M={args.m}", kernel_table(bf16, x)]
     text = "\n".join(report)
     print(text)
     with open(os.path.join(args.out, f"{tag}_profile.txt"), "w") as f:

@@ -3,7 +3,7 @@
 File names sort in the order things happened (``graph000`` is the first graph the backend compiled)::
 
     graph000_0_dynamo_graph.py           the graph Dynamo captured, before any fp8fx pass (as ``gm.code``)
-    graph000_1_01_after_LinearPass.py    the graph after each pass, in pass order
+    graph000_1_01_after_MoePass.py       the graph after each pass, in pass order (02: LinearPass, ...)
     graph000_2_inductor_output_code.py   what Inductor generated: the wrapper and its kernels (not with
                                          compiler="eager")
     graph000_3_report.json / .txt        the sites of this graph: rewritten or why not, kernel, bytes

@@ -6,6 +6,7 @@ logs one line per compiled graph (``Report.log_graph``) under the ``fp8fx`` logg
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import logging
 import re
@@ -14,6 +15,7 @@ from typing import Any, Iterable, Optional
 log = logging.getLogger("fp8fx")
 
 SCHEMA = "fp8fx.report/1"
+_TOKENS = itertools.count(1)  # Site.token_of
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,8 +30,8 @@ class Site:
     bytes_saved: int = 0  # high-precision weight bytes minus the fp8 weight and its scales; 0 if not rewritten
     kernel: str = ""  # the GEMM Inductor generated for the site, e.g. "extern fp8fx.scaled_mm"; "" when unknown
     node: str = ""  # Dynamo's name for the site's call (``Site.origin_of``), to find it in Inductor's code
-    # id() of the fp8 weight: a weight seen in several graphs is saved once, two weights of one name twice (not in
-    # the report's data: it means nothing outside this process)
+    # ``Site.token_of`` the fp8 weight: a weight seen in several graphs is saved once, two weights of one name twice
+    # (not in the report's data: it means nothing outside this process)
     weight_id: int = dataclasses.field(default=0, compare=False, repr=False)
 
     @staticmethod
@@ -38,6 +40,16 @@ class Site:
         replaces a node copies its meta, so the replacement keeps the name; else the node's own name."""
         stack = node.meta.get("source_fn_stack")
         return stack[-1][0] if stack else node.name
+
+    @staticmethod
+    def token_of(weight: Any) -> int:
+        """A number for ``weight`` (a parameter) no other tensor of this process gets: kept on the tensor (an id()
+        is reused once its tensor is freed, and a later model's weight would count as the freed one)."""
+        token = getattr(weight, "_fp8fx_token", None)
+        if token is None:
+            token = next(_TOKENS)
+            weight._fp8fx_token = token
+        return token
 
     @staticmethod
     def shape_of(value: Any) -> tuple[int, ...]:

@@ -515,7 +515,7 @@ class MoePass(Fp8Pass):
             w13 = site.dequant["w13"].args[0]
             ctx.report.add(Site("moe", site.fqn, True, "", scheme, ctx.graph_index,
                                 weight_shape=Site.shape_of(fake_value(site.dequant["w13"])), node=origin,
-                                bytes_saved=saved, weight_id=id(ctx.example.get(w13, w13))))
+                                bytes_saved=saved, weight_id=Site.token_of(ctx.example.get(w13, w13))))
             count += 1
         gm.recompile()
         return count
