@@ -45,6 +45,8 @@ class Site:
     def token_of(weight: Any) -> int:
         """A number for ``weight`` (a parameter) no other tensor of this process gets: kept on the tensor (an id()
         is reused once its tensor is freed, and a later model's weight would count as the freed one)."""
+        if weight is None:  # not an input of the graph: the site's name stands in
+            return 0
         token = getattr(weight, "_fp8fx_token", None)
         if token is None:
             token = next(_TOKENS)

@@ -168,7 +168,7 @@ class LinearPass(Fp8Pass):
             # read before the rewrite, which erases the weight's dequantize node
             details = dict(weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
                            bytes_saved=Site.saved_bytes(fake_value(w), fake_value(w.args[1])),
-                           weight_id=Site.token_of(ctx.example.get(w.args[0], w.args[0])))
+                           weight_id=Site.token_of(ctx.example.get(w.args[0])))
             if weight_only:
                 scheme, new = self._rewrite_weight_only(graph, node, x, w, bias)
             else:

@@ -511,11 +511,11 @@ class MoePass(Fp8Pass):
                                     weight_shape=Site.shape_of(fake_value(site.dequant.get("w13"))),
                                     node=site.region[-1].name if site.region else ""))
                 continue
+            token = Site.token_of(ctx.example.get(site.dequant["w13"].args[0]))  # before the rewrite erases it
+            shape = Site.shape_of(fake_value(site.dequant["w13"]))
             scheme, saved, origin = self._rewrite(graph, site, operands)
-            w13 = site.dequant["w13"].args[0]
-            ctx.report.add(Site("moe", site.fqn, True, "", scheme, ctx.graph_index,
-                                weight_shape=Site.shape_of(fake_value(site.dequant["w13"])), node=origin,
-                                bytes_saved=saved, weight_id=Site.token_of(ctx.example.get(w13, w13))))
+            ctx.report.add(Site("moe", site.fqn, True, "", scheme, ctx.graph_index, weight_shape=shape, node=origin,
+                                bytes_saved=saved, weight_id=token))
             count += 1
         gm.recompile()
         return count
