@@ -553,10 +553,26 @@ class MoePass(Fp8Pass):
                                     weight_shape=Site.shape_of(real)))
 
     # -- checking a site
+    @staticmethod
+    def _leave_shared_sizes(site: _Site) -> None:
+        """Take out of ``site.region`` the size arithmetic later code reuses: with symbolic shapes (a recompile
+        after a shape change, dynamic=True) Dynamo computes the token count (``s0 * s1``) once, in the first
+        experts module that needs it, for every later layer too. Such a node is no output of the experts (it stays
+        in the graph; the region reads it as an input) when it reads nothing computed in the region."""
+        while True:
+            region = set(site.region)
+            shared = [n for n in site.region
+                      if not isinstance(fake_value(n), torch.Tensor) and any(u not in region for u in n.users)
+                      and not any(a in region for a in n.all_input_nodes)]
+            if not shared:
+                return
+            site.region = [n for n in site.region if n not in shared]
+
     def _check(self, site: _Site, ctx: PassContext) -> dict[str, Any]:
         """The fused_moe operands of ``site``, or ``_NoMatch``."""
         if set(site.dequant) != {"w13", "w2"}:
             raise _NoMatch(f"only {sorted(site.dequant)} of the expert weights are read in this graph")
+        self._leave_shared_sizes(site)
         region = set(site.region)
         outputs = [n for n in site.region if any(u not in region for u in n.users)]
         if len(outputs) != 1:
