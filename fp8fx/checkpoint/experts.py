@@ -401,10 +401,17 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
     ``tensors``: weight name -> its experts fqn, for the weights to quantize; ``experts``: fqn -> reason."""
     experts = {f: m for f, m in modules.items() if moe.is_experts(m)}
     found: dict[str, list[tuple[str, str]]] = {}  # fqn -> [(tensor name, checkpoint module)]
+    # per-expert weights under a name the model has neither an experts module nor a linear layer for (transformers'
+    # hub Mixtral: block_sparse_moe.experts.E.w1, renamed to mlp.experts when transformers loads it): they stay
+    # bf16, said so, and in the ignore list - not passed through as if the config covered them
+    stray: dict[str, str] = {}
     for name in entries:
         m = _PER_EXPERT.match(name)
         if m and m[1] in experts and m[4] == "weight":
             found.setdefault(m[1], []).append((name, name.rpartition(".")[0]))
+            continue
+        if m and m[4] == "weight" and name.rpartition(".")[0] not in modules:
+            stray[name.rpartition(".")[0]] = m[1]
             continue
         owner, _, leaf = name.rpartition(".")
         if owner in experts and leaf in (W13, W2):
@@ -441,6 +448,8 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
             tensors.update({name: fqn for name, _ in items})
         plan.update({mod: reason for mod in mods})
         reasons[fqn] = reason
+    plan.update({mod: f"an expert weight under {prefix}, where the model has no experts module (a checkpoint layout "
+                      "fp8fx does not rename); kept bf16" for mod, prefix in stray.items()})
     return plan, tensors, reasons
 
 
