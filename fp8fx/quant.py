@@ -100,12 +100,17 @@ def dequantize(
     return (q.float() * expand_scale(scale.float(), q.shape, block)).to(dtype)
 
 
-def as_rows(x: torch.Tensor) -> torch.Tensor:
-    """x: [..., K] as [M, K] (M the product of the leading dims: ``reshape(-1, K)`` cannot tell M when K = 0)."""
+def rows_of(x: torch.Tensor):
+    """M of x: [..., K], the product of the leading dims (symbolic ones too)."""
     m = 1
     for d in x.shape[:-1]:
         m = m * d
-    return x.reshape(m, x.shape[-1])
+    return m
+
+
+def as_rows(x: torch.Tensor) -> torch.Tensor:
+    """x: [..., K] as [M, K] (``reshape(-1, K)`` cannot tell M when K = 0)."""
+    return x.reshape(rows_of(x), x.shape[-1])
 
 
 def quantize_rows(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
