@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from typing import Any, Optional, Sequence, Union
 
 ACTIVATION_SCHEMES = ("static", "dynamic")
@@ -128,6 +129,20 @@ class LayerScheme:
         act = act.replace("per-row", "per-token")
         weight = str(self.weight).replace("per-row", "per-channel")
         return f"w:{weight} a:{act}"
+
+
+def _granularity(text: Any, field: str) -> Optional[Granularity]:
+    """A granularity from its ``str`` (``"per-tensor"``, ``"per-row"``, ``"per-group(1x128)"``,
+    ``"per-block(128x128)"``), None for None."""
+    if text is None:
+        return None
+    m = re.fullmatch(r"per-(tensor|row)|per-group\(1x(\d+)\)|per-block\((\d+)x(\d+)\)", str(text))
+    if m is None:
+        raise ValueError(f"quantization_config: {field}={text!r}; per-tensor, per-row, per-group(1xG) or "
+                         "per-block(NxK)")
+    if m[1]:
+        return PerTensor() if m[1] == "tensor" else PerRow()
+    return PerGroup(int(m[2])) if m[2] else PerBlock(int(m[3]), int(m[4]))
 
 
 def entry_covers(entry: str, fqn: str) -> bool:
@@ -261,12 +276,24 @@ class Fp8Config:
         if ignored is not None:
             check_name_list(ignored, f"quantization_config[{key!r}]")
         block = config.get("weight_block_size")
-        return cls(
-            is_checkpoint_fp8_serialized="fp8" in str(quant_method),
+        # vLLM's rule, unless the dict says (to_dict writes it: an online config reads back as online)
+        given = config.get("is_checkpoint_fp8_serialized", "fp8" in str(quant_method))
+        if type(given) is not bool:
+            raise ValueError(f"quantization_config: is_checkpoint_fp8_serialized={given!r}; true or false")
+        out = cls(
+            is_checkpoint_fp8_serialized=given,
             activation_scheme=config.get("activation_scheme", "dynamic"),
             ignored_layers=tuple(ignored) if ignored is not None else None,
             weight_block_size=tuple(block) if block is not None else None,
         )
+        # to_dict's resolved granularities: set where they differ from what the fields above imply
+        weight = _granularity(config.get("weight_granularity"), "weight_granularity")
+        if weight is not None and weight != out.weight:
+            out = dataclasses.replace(out, weight_granularity=weight)
+        act = _granularity(config.get("activation_granularity"), "activation_granularity")
+        if act is not None and act != out.activation:
+            out = dataclasses.replace(out, activation_granularity=act)
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {

@@ -273,7 +273,7 @@ class _Loader:
 
     def _ignored(self, fqn: str, shards: Sequence[str]) -> bool:
         if self.fmt.name == "compressed-tensors":
-            return any(formats.matches(n, "", self.fmt.ignore) for n in (fqn, *shards))
+            return any(formats.matches(n, (), self.fmt.ignore) for n in (fqn, *shards))
         return any(self.fmt.config.is_ignored(n) for n in (fqn, *shards))
 
     def _route(self, name: str, entry: Entry) -> bool:

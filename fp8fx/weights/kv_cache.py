@@ -51,11 +51,11 @@ def kv_scale_target(name: str) -> Optional[tuple[str, str]]:
 def attention_owner(owner: str, modules: Mapping[str, nn.Module]) -> Optional[str]:
     """The module of ``modules`` that holds a scale addressed to ``owner``: ``owner`` itself, or its
     parent when ``owner`` is vLLM's ``<attention>.attn`` and the model has no such child."""
-    if owner in modules:
-        return owner
-    if owner.endswith(".attn") and owner[: -len(".attn")] in modules:
-        return owner[: -len(".attn")]
-    return None
+    if owner.endswith(".attn") and owner not in modules:
+        owner = owner[: -len(".attn")]
+    # not a projection: a scale left addressed to one (v_proj.kv_scale, k_proj.v_scale: no remapping covers them)
+    # would land on the linear layer and give the attention another scale's value (vLLM drops them with a warning)
+    return owner if owner in modules and not isinstance(modules[owner], nn.Linear) else None
 
 
 def check_kv_scale(name: str, value: torch.Tensor) -> float:

@@ -198,7 +198,8 @@ def _check_input_scales(config, plan, input_scales, skipped=()) -> dict[str, flo
 def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] = None) -> dict[str, float]:
     """Static activation scales ``{fqn: amax / 448}`` from running ``model`` (eager) on ``batches``.
 
-    Each batch is passed as ``model(*batch)`` if it is a tuple or list, else ``model(batch)``.
+    Each batch is passed as ``model(**batch)`` if it is a mapping (a tokenizer's output), ``model(*batch)`` if it is
+    a tuple or list, else ``model(batch)``. The model runs in eval mode (dropout off) and is put back as it was.
     """
     config = config or Fp8Config(activation_scheme="static")
     amax: dict[str, float] = {}
@@ -207,8 +208,11 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     for fqn, module in model.named_modules():
         if isinstance(module, nn.Linear) and not config.is_ignored(fqn):
 
-            def record(mod, args, fqn=fqn):
-                value = args[0].detach().abs().max().float().item()
+            def record(mod, args, kwargs, fqn=fqn):
+                x = args[0] if args else kwargs["input"]
+                if x.numel() == 0:  # no rows this batch (an expert no token reached): nothing to measure
+                    return
+                value = x.detach().abs().max().float().item()
                 if not math.isfinite(value):  # max() would drop a NaN and leave a scale of ~2e-15
                     raise ValueError(
                         f"calibrate: the input of {fqn} holds NaN or Inf values in batch {batch_no[0]} (amax "
@@ -216,11 +220,18 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
                     )
                 amax[fqn] = max(amax.get(fqn, 0.0), value)
 
-            hooks.append(module.register_forward_pre_hook(record))
+            hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    training = {m: m.training for m in model.modules()}  # dropout would scale the activations it measures
+    model.eval()
     try:
         for batch_no[0], batch in enumerate(batches):
-            model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+            if isinstance(batch, Mapping):
+                model(**batch)
+            else:
+                model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
     finally:
         for h in hooks:
             h.remove()
+        for m, mode in training.items():  # each module's own flag, as it was
+            m.training = mode
     return {fqn: max(a, quant.AMAX_EPS) / quant.FP8_MAX for fqn, a in amax.items()}

@@ -517,6 +517,19 @@ def test_legacy_kv_scale_serves_both(tmp_path):
     assert report.kv_scales["model.layers.1.self_attn"] == {"k_scale": 1.0, "v_scale": 1.0}
 
 
+def test_kv_scales_left_under_a_projection_are_refused(tmp_path):
+    """v_proj.kv_scale (read as k_scale) and k_proj.v_scale have no remapping to the attention: they were attached to
+    the linear layer, and the attention's v_scale silently took k's value (vLLM drops them with a warning)."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    tensors["model.layers.0.self_attn.k_proj.kv_scale"] = torch.tensor(0.5)
+    tensors["model.layers.0.self_attn.v_proj.kv_scale"] = torch.tensor(0.125)
+    model = meta_tiny()
+    with pytest.raises(CheckpointError, match=r"self_attn\.(k|v)_proj\.kv_scale .* has no place in"):
+        load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert not any(n.endswith(("k_scale", "v_scale")) for n, _ in model.named_buffers())
+
+
 def test_kv_scheme_without_scales_defaults_with_a_warning(tmp_path, caplog):
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
     qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}

@@ -238,6 +238,29 @@ def test_from_config_block():
     assert cfg.weight == PerBlock(128, 128) and cfg.activation == PerGroup(128)
 
 
+@pytest.mark.parametrize("config", [
+    Fp8Config(), Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=PerRow()),
+    Fp8Config(is_checkpoint_fp8_serialized=True, activation_granularity=PerTensor()),
+    Fp8Config(weight_block_size=[64, 32]), Fp8Config(activation_scheme="static", ignored_layers=["lm_head"]),
+])
+def test_to_dict_reads_back_as_the_same_config(config):
+    """from_config ignored the flag and the granularities to_dict writes: an online per-channel config came back
+    serialized per-tensor."""
+    back = Fp8Config.from_config(json.loads(json.dumps(config.to_dict())))
+    assert (back.is_checkpoint_fp8_serialized, back.scheme(), back.ignored_layers) == (
+        config.is_checkpoint_fp8_serialized, config.scheme(), config.ignored_layers)
+
+
+def test_from_config_refuses_what_it_cannot_read():
+    with pytest.raises(ValueError, match=r"weight_granularity=per-block\(64x64\) contradicts weight_block_size"):
+        Fp8Config.from_config({"quant_method": "fp8", "weight_granularity": "per-block(64x64)",
+                               "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError, match=r"activation_granularity='per-chunk'; per-tensor, per-row"):
+        Fp8Config.from_config({"quant_method": "fp8", "activation_granularity": "per-chunk"})
+    with pytest.raises(ValueError, match=r"is_checkpoint_fp8_serialized='no'; true or false"):
+        Fp8Config.from_config({"quant_method": "fp8", "is_checkpoint_fp8_serialized": "no"})
+
+
 def test_from_config_modules_to_not_convert_fallback():
     cfg = Fp8Config.from_config({"quant_method": "fp8", "modules_to_not_convert": ["lm_head"]})
     assert cfg.ignored_layers == ("lm_head",)

@@ -137,6 +137,25 @@ def test_calibrate_refuses_nan_activations():
     assert not model[0]._forward_pre_hooks  # the hooks are gone
 
 
+def test_calibrate_runs_in_eval_mode_and_takes_any_batch():
+    """Dropout stayed on in a model in training mode (scales 2x too large at p=0.5, different each run); a linear
+    called with input=, one that got no rows, and a dict batch crashed."""
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.drop, self.a, self.b = nn.Dropout(0.5), nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x, scale=1.0):
+            return self.b(input=self.a(self.drop(x)) * scale + self.b(x[:0]).sum())
+
+    model = Net()  # training mode, as built
+    x = torch.randn(8, 16)
+    for batch in (x, {"x": x}, (x, 1.0)):
+        scales = fp8fx.calibrate(model, [batch])
+        assert scales["a"] == pytest.approx(x.abs().max().item() / 448)
+    assert model.training and model.drop.training  # put back as it was
+
+
 def test_misspelt_names_are_refused_unchanged():
     """An ignored_layers entry or an input scale that names nothing: an error with the closest name, and
     nothing quantized (a typo would otherwise quantize the layer meant to stay high precision)."""
