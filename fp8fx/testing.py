@@ -38,6 +38,11 @@ def assert_not_rewritten(report: Union[Report, Fp8Backend], *patterns: str) -> N
 def assert_kernel_count(report: Union[Report, Fp8Backend], expected: int, graph: Optional[int] = None) -> None:
     """Inductor generated ``expected`` kernels (Triton / C++) for graph ``graph`` (default: all graphs)."""
     report = _report(report)
+    if not report.kernels:  # nothing to count: the check would pass for expected=0 whatever ran
+        raise AssertionError("fp8fx: no graph was compiled by Inductor (kernels are only counted for "
+                             "compiler='inductor'); compile and run the model first")
+    if graph is not None and graph not in report.kernels:
+        raise AssertionError(f"fp8fx: no graph {graph}: Inductor compiled graphs {sorted(report.kernels)}")
     names = [k for g, ks in sorted(report.kernels.items()) if graph in (None, g) for k in ks]
     if len(names) != expected:
         where = "all graphs" if graph is None else f"graph {graph}"
@@ -57,9 +62,12 @@ def assert_compiles_once(
     """Compiles ``fn`` (a model or a function) with ``backend`` (a new ``Fp8Backend()`` by default) and
     calls it under ``torch.no_grad()`` with each argument tuple of ``inputs``; fails if Dynamo broke the
     graph or compiled again for a later input. ``dynamic`` goes to ``torch.compile`` (with ``False`` or
-    ``None`` a new shape recompiles). Returns the backend, to read its report."""
+    ``None`` a new shape recompiles). Returns the backend, to read its report. Resets Dynamo's caches first
+    (``torch._dynamo.reset()``): every call compiles ``fn`` anew, and the recompiles of earlier calls would
+    otherwise reach Dynamo's recompile limit (8), after which it runs ``fn`` uncompiled."""
     if not inputs:
         raise ValueError("assert_compiles_once needs at least one argument tuple in inputs")
+    torch._dynamo.reset()
     backend = backend if backend is not None else Fp8Backend()
     graphs: list[int] = []  # graphs compiled during each call
 
@@ -83,7 +91,9 @@ def assert_compiles_once(
     if graphs[0] == 0:
         problems.insert(0, "Dynamo compiled no graph for the first input (it skipped the frame)")
     if breaks or graphs[0] > 1:
-        problems.insert(0, f"{len(breaks)} graph break(s), {graphs[0]} graphs for input 0: {breaks}")
+        why = breaks or ["a break Dynamo recorded no reason for (data-dependent control flow, say: "
+                         "TORCH_LOGS=graph_breaks shows it)"]
+        problems.insert(0, f"{graphs[0]} graphs for input 0, graph breaks: {why}")
     if problems:
         raise AssertionError("fp8fx: expected one graph for every input; " + "; ".join(problems))
     return backend

@@ -67,8 +67,24 @@ def test_catches_a_graph_break():
         torch._dynamo.graph_break()
         return y * 2
 
-    with pytest.raises(AssertionError, match=r"1 graph break\(s\), 2 graphs for input 0"):
+    with pytest.raises(AssertionError, match=r"2 graphs for input 0, graph breaks: \[.*graph_break"):
         testing.assert_compiles_once(broken, inputs(2), backend=eager_backend())
+
+    def branchy(x):  # torch 2.13 records no reason for this break: the message must not say "0 graph breaks"
+        y = model(x)
+        return y * 2 if y.sum() > 0 else y
+
+    with pytest.raises(AssertionError, match=r"2 graphs for input 0, graph breaks: \['a break Dynamo recorded no "
+                                             r"reason for|2 graphs for input 0, graph breaks: \[.+\]"):
+        testing.assert_compiles_once(branchy, inputs(2), backend=eager_backend())
+
+
+def test_many_calls_in_one_process_without_a_reset():
+    """Each call compiles anew under a new backend: past Dynamo's recompile limit (8) it ran the model uncompiled
+    and the helper failed with "compiled no graph" (user suites that do not reset Dynamo between tests)."""
+    model = mlp()
+    for _ in range(10):
+        testing.assert_compiles_once(model, inputs(2), backend=eager_backend())
 
 
 def test_kernel_count():
@@ -80,6 +96,12 @@ def test_kernel_count():
     with pytest.raises(AssertionError, match=rf"expected {len(generated) + 1} generated kernels in all graphs, "
                                              rf"Inductor generated {len(generated)}"):
         testing.assert_kernel_count(backend, len(generated) + 1)
+    # nothing to count passed vacuously: a graph that does not exist, or a backend that ran no Inductor
+    with pytest.raises(AssertionError, match=r"no graph 3: Inductor compiled graphs \[0\]"):
+        testing.assert_kernel_count(backend, 0, graph=3)
+    eager = testing.assert_compiles_once(mlp(), inputs(2), backend=eager_backend())
+    with pytest.raises(AssertionError, match=r"no graph was compiled by Inductor"):
+        testing.assert_kernel_count(eager, 0)
 
 
 def test_bad_arguments():
