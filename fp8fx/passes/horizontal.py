@@ -93,13 +93,19 @@ class HorizontalFusionPass(Fp8Pass):
                 key = (xq, x_scale, tuple(x_block), tuple(w_block), dtype, fast, bias is None)
                 groups[key].append(node)
         fused = 0
+        claimed: dict[fx.Node, str] = {}  # weight -> the group it was fused with in this graph
         for nodes in groups.values():
             if len(nodes) < 2:
                 continue
             reason = self._why_not(nodes, ctx)
+            taken = [claimed[n.args[2]] for n in nodes if n.args[2] in claimed]
+            if taken:  # a layer read by two groups (a(x), b(x), b(y), c(y)): its weight can sit in one fused tensor
+                reason = f"shares a layer with {taken[0]}"
             if reason:
-                amend_sites(ctx, nodes, f"not fused with {site_names(ctx, nodes)}: {reason}")
+                rest = [n for n in nodes if n.args[2] not in claimed]
+                amend_sites(ctx, rest, f"not fused with {site_names(ctx, nodes)}: {reason}")
                 continue
+            claimed.update({n.args[2]: f"fused({site_names(ctx, nodes)})" for n in nodes})
             y = self._fuse(gm, nodes, ctx)
             # every fused site is found by the one GEMM in Inductor's output code (the report's kernel column)
             amend_sites(ctx, nodes, f"fused({site_names(ctx, nodes)})", node=Site.origin_of(y))
@@ -113,6 +119,13 @@ class HorizontalFusionPass(Fp8Pass):
             return "a weight, scale or bias is not a parameter"
         if len(set(inputs)) != len(inputs):
             return "the GEMMs share a weight tensor"
+        weights = [ctx.example[n.args[2]] for n in nodes]
+        group_bytes = sum(w.numel() * w.element_size() for w in weights)
+        for w in weights:  # fused with other layers by an earlier graph: moving it again would undo that fusion
+            held = w.untyped_storage().nbytes()
+            if held > w.numel() * w.element_size() and (held != group_bytes or any(
+                    v.untyped_storage().data_ptr() != w.untyped_storage().data_ptr() for v in weights)):
+                return "a weight already sits in a tensor fused with other layers"
         w_block = nodes[0].args[6]
         if w_block[0] not in (-1, 1):
             rows = [fake_value(n.args[2]).shape[0] for n in nodes[:-1]]

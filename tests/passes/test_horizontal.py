@@ -143,3 +143,44 @@ def test_recompile_keeps_the_fused_parameters_where_they_are():
         compiled(torch.randn(3, 7, 64, dtype=torch.bfloat16))  # another rank: another graph
     assert backend.report.graphs == 2
     assert [model.q_proj.weight_scale.data_ptr(), model.q_proj._parameters["weight"].data_ptr()] == first
+
+
+class SharedLayer(torch.nn.Module):
+    """a(x), b(x), b(y), c(y): b belongs to two groups that read the same input."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (torch.nn.Linear(64, n, bias=False) for n in (64, 32, 48))
+
+    def forward(self, x, y):
+        return self.a(x), self.b(x), self.b(y), self.c(y)
+
+
+def test_a_layer_in_two_groups_is_fused_with_one():
+    """Both groups were fused: the report said a and b were one GEMM while they ran apart, a's fused tensor kept a
+    stale copy of b, and every recompile moved b back and forth."""
+    torch.manual_seed(0)
+    model = SharedLayer().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
+    compiled = torch.compile(model, backend=backend)
+    x, y = (torch.randn(5, 64, dtype=torch.bfloat16) for _ in range(2))
+
+    def weights():
+        return [getattr(model, n)._parameters["weight"] for n in "abc"]
+
+    with torch.no_grad():
+        ref = model(x, y)
+        out = compiled(x, y)
+        held = {w.untyped_storage().data_ptr(): w.untyped_storage().nbytes() for w in weights()}
+        assert sum(held.values()) == sum(w.numel() for w in weights())  # one copy of every weight
+        a, b, c = weights()
+        assert fp8fx.ops._adjacent([a, b]) is not None  # a and b really are one tensor, one GEMM
+        ptrs = [w.data_ptr() for w in weights()]
+        compiled(torch.randn(2, 3, 64, dtype=torch.bfloat16), torch.randn(2, 3, 64, dtype=torch.bfloat16))
+        assert [w.data_ptr() for w in weights()] == ptrs  # the recompile moved nothing
+    for got, want in zip(out, ref):
+        assert rel_err(got, want) < 0.05
+    schemes = {s.fqn: s.scheme for s in backend.report.sites if s.graph == 0}
+    assert schemes["a"].endswith("fused(a,b)") and schemes["c"].endswith("not fused with b,c: shares a layer with "
+                                                                          "fused(a,b)")
