@@ -401,16 +401,17 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
     ``tensors``: weight name -> its experts fqn, for the weights to quantize; ``experts``: fqn -> reason."""
     experts = {f: m for f, m in modules.items() if moe.is_experts(m)}
     found: dict[str, list[tuple[str, str]]] = {}  # fqn -> [(tensor name, checkpoint module)]
-    # per-expert weights under a name the model has neither an experts module nor a linear layer for (transformers'
-    # hub Mixtral: block_sparse_moe.experts.E.w1, renamed to mlp.experts when transformers loads it): they stay
-    # bf16, said so, and in the ignore list - not passed through as if the config covered them
+    # per-expert weights under a container the model does not have (transformers' hub Mixtral:
+    # block_sparse_moe.experts.E.w1, renamed to mlp.experts when transformers loads it): they stay bf16, said so,
+    # and in the ignore list - not passed through as if the config covered them. Under a container the model has
+    # (a ModuleList of expert MLPs), they are linears or shards of fused ones: the linear plan's
     stray: dict[str, str] = {}
     for name in entries:
         m = _PER_EXPERT.match(name)
         if m and m[1] in experts and m[4] == "weight":
             found.setdefault(m[1], []).append((name, name.rpartition(".")[0]))
             continue
-        if m and m[4] == "weight" and name.rpartition(".")[0] not in modules:
+        if m and m[4] == "weight" and m[1] not in modules:  # no container of that name at all (else: linears')
             stray[name.rpartition(".")[0]] = m[1]
             continue
         owner, _, leaf = name.rpartition(".")

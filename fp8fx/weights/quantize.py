@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import difflib
+import inspect
 import logging
 import math
 from typing import Iterable, Mapping, Optional
@@ -194,12 +195,22 @@ def _check_input_scales(config, plan, input_scales, skipped=()) -> dict[str, flo
     return checked
 
 
+def _takes_keywords(model: nn.Module, batch: Mapping) -> bool:
+    """``model(**batch)`` binds to the forward's parameters (else the mapping is one argument)."""
+    try:
+        inspect.signature(model.forward).bind(**batch)
+    except (TypeError, ValueError):
+        return False
+    return True
+
+
 @torch.no_grad()
 def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] = None) -> dict[str, float]:
     """Static activation scales ``{fqn: amax / 448}`` from running ``model`` (eager) on ``batches``.
 
-    Each batch is passed as ``model(**batch)`` if it is a mapping (a tokenizer's output), ``model(*batch)`` if it is
-    a tuple or list, else ``model(batch)``. The model runs in eval mode (dropout off) and is put back as it was.
+    Each batch is passed as ``model(**batch)`` if it is a mapping whose keys are the forward's parameters (a
+    tokenizer's output), ``model(*batch)`` if it is a tuple or list, else ``model(batch)`` (a model whose forward
+    takes one dict too). The model runs in eval mode (dropout off) and is put back as it was.
     """
     config = config or Fp8Config(activation_scheme="static")
     amax: dict[str, float] = {}
@@ -225,7 +236,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     model.eval()
     try:
         for batch_no[0], batch in enumerate(batches):
-            if isinstance(batch, Mapping):
+            if isinstance(batch, Mapping) and _takes_keywords(model, batch):
                 model(**batch)
             else:
                 model(*batch) if isinstance(batch, (tuple, list)) else model(batch)

@@ -181,3 +181,29 @@ def test_convert_reports_expert_weights_it_cannot_place(tmp_path):
     assert not report.experts
     qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
     assert set(stray) <= set(qc["ignore"])
+
+
+def test_convert_quantizes_shards_of_fused_expert_linears(tmp_path):
+    """A ModuleList of expert MLPs with a fused gate_up_proj, a checkpoint with gate_proj / up_proj per expert: the
+    shards are the fused linear's, quantized as before (the stray-expert rule above must not claim them)."""
+    from torch import nn
+
+    from fp8fx.checkpoint.files import read_checkpoint, write_file
+
+    class Expert(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj, self.down_proj = nn.Linear(64, 256, bias=False), nn.Linear(128, 64, bias=False)
+
+    model = nn.Module()
+    model.experts = nn.ModuleList([Expert() for _ in range(2)])
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"experts.{e}.{p}.weight": torch.randn(*shape, generator=g).bfloat16() for e in range(2)
+               for p, shape in (("gate_proj", (128, 64)), ("up_proj", (128, 64)), ("down_proj", (64, 128)))}
+    (tmp_path / "src").mkdir()
+    write_file(str(tmp_path / "src" / "model.safetensors"), tensors)
+    (tmp_path / "src" / "config.json").write_text(json.dumps({"model_type": "x"}))
+    report = convert(tmp_path / "src", tmp_path / "dst", model=model, progress=False)
+    assert not report.not_quantized
+    written = read_checkpoint(str(tmp_path / "dst"))[1]
+    assert all(written[name].dtype == FP8 for name in tensors)

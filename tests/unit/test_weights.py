@@ -155,6 +155,16 @@ def test_calibrate_runs_in_eval_mode_and_takes_any_batch():
         assert scales["a"] == pytest.approx(x.abs().max().item() / 448)
     assert model.training and model.drop.training  # put back as it was
 
+    class DictNet(nn.Module):  # its forward takes one dict: the mapping is that argument, not keywords
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(16, 16)
+
+        def forward(self, batch):
+            return self.a(batch["x"])
+
+    assert fp8fx.calibrate(DictNet(), [{"x": x}])["a"] == pytest.approx(x.abs().max().item() / 448)
+
 
 def test_misspelt_names_are_refused_unchanged():
     """An ignored_layers entry or an input scale that names nothing: an error with the closest name, and
