@@ -141,6 +141,11 @@ def fp8fx_module(module: nn.Module, backend_kwargs=None, dynamic=None):
     return torch.compile(module, backend=backend, dynamic=dynamic), backend
 
 
+def weight_gbs(variant: str, n: int, k: int, ms: float) -> float:
+    """GB/s on an [n, k] weight: 2 bytes an element in bf16 (the ``bf16_cublas`` rows), 1 in fp8."""
+    return n * k * (2 if variant == "bf16_cublas" else 1) / ms / 1e6
+
+
 def run_gemms(ms, device, rows, errors, graph_max_m=64):
     for name, (n, k) in LAYERS.items():
         torch.manual_seed(0)
@@ -170,9 +175,8 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
             errors[f"{name} M={m} fp8fx"] = rel_err(y, ref)
             flops = 2 * m * n * k
             for variant, ms_ in times.items():
-                weight_bytes = n * k * (2 if variant == "bf16_cublas" else 1)
                 rows.append({"what": f"linear {name} {n}x{k}", "M": m, "variant": variant, "ms": ms_,
-                             "tflops": flops / ms_ / 1e9, "weight_gbs": weight_bytes / ms_ / 1e6})
+                             "tflops": flops / ms_ / 1e9, "weight_gbs": weight_gbs(variant, n, k, ms_)})
 
 
 MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "fp8fx_fused_mlp",
@@ -278,9 +282,8 @@ def run_kernels(rows, errors, graph_max_m=64):
                 times["fp8fx_weight_only"] = bench_(wo)
                 errors[f"weight-only {name} M={m}"] = rel_err(wo(), ref)
             for variant, t in times.items():
-                weight_bytes = n * k * (2 if variant == "bf16_cublas" else 1)
                 rows.append({"what": f"kernels {name} {n}x{k}", "M": m, "variant": variant, "ms": t,
-                             "tflops": 2 * m * n * k / t / 1e9, "weight_gbs": weight_bytes / t / 1e6})
+                             "tflops": 2 * m * n * k / t / 1e9, "weight_gbs": weight_gbs(variant, n, k, t)})
 
 
 def plot(rows, path):

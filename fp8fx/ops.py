@@ -37,12 +37,8 @@ def _ceil_div(a, b):
     return -(-a // b)
 
 
-def _rows(x: torch.Tensor):
-    return quant.rows_of(x)  # not as_rows(x).shape[0]: a reshape of a strided x would copy it
-
-
 def _act_scale_shape(x: torch.Tensor, block: Sequence[int]):
-    m, k = _rows(x), x.shape[-1]
+    m, k = quant.rows_of(x), x.shape[-1]
     b_m, b_k = block
     return (1 if b_m == -1 else _ceil_div(m, b_m), 1 if b_k == -1 else _ceil_div(k, b_k))
 
@@ -165,7 +161,7 @@ def _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block) -> N
                          "(fp8fx.quantize / quantize_static), or use fp8fx.weight_only_mm for 16-bit activations")
     _check_weight("fp8fx.scaled_mm", xq, wq, w_scale, w_block)
     _check_scale_size("fp8fx.scaled_mm", "x_scale", x_scale, f"a {list(xq.shape)} activation",
-                      (_rows(xq), xq.shape[-1]), x_block)
+                      (quant.rows_of(xq), xq.shape[-1]), x_block)  # rows_of: as_rows of a strided xq would copy
     _check_bias(bias, wq.shape[0], "fp8fx.scaled_mm")
 
 
@@ -420,7 +416,6 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
 def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act, h_dtype,
       out_dtype, use_fast_accum=False):
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
-    k = xq.shape[-1]
     x2 = quant.as_rows(xq)
     m = x2.shape[0]
     if not (0 < m <= TRITON_MAX_M and _tensor_or_row(x_block, w_block) and _tensor_or_row(h_block, w2_block)):
@@ -440,7 +435,6 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
 
 # --- weight-only GEMM (GPUs without fp8 tensor cores) --------------------------------------
 def _weight_only_reference(x, wq, w_scale, bias, w_block):
-    k = x.shape[-1]
     y = quant.as_rows(x).float() @ quant.dequantize(wq, w_scale, w_block).t()
     if bias is not None:
         y = y + bias.float()
@@ -487,7 +481,6 @@ def _(x, wq, w_scale, bias, w_block):
     from fp8fx.kernels.fp8_gemm import fp8_gemm
 
     _check_weight_only_args(x, wq, w_scale, bias, w_block)
-    k = x.shape[-1]
     x2 = quant.as_rows(x)
     # the Triton GEMM applies K-varying weight scales per K step (its K tile: a group of 32-256, a power of 2)
     if x2.shape[0] == 0 or x.dtype not in (torch.bfloat16, torch.float16) or not _k_groups_agree([-1, -1], w_block):

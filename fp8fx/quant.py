@@ -133,7 +133,6 @@ def scaled_mm_reference(
 
     xq: [..., K] fp8 with x_scale over its [M, K] view; wq: [N, K] fp8; bias: [N]; y: [..., N].
     """
-    k = xq.shape[-1]
     x = dequantize(as_rows(xq), x_scale, x_block)
     w = dequantize(wq, w_scale, w_block)
     y = x @ w.t()

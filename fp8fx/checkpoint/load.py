@@ -108,6 +108,14 @@ class _Linear:
         return None if len(self.shards) == 1 else i
 
 
+def check_checkpoint_ignores(config: Fp8Config, model: nn.Module, entries: Mapping[str, Entry], where: str,
+                             undone: str) -> None:
+    """``check_ignored_layers`` for a user's config against a checkpoint: its entries may name the model's modules
+    or the checkpoint's (unfused: q_proj of a model's qkv_proj)."""
+    names = [fqn for fqn, _ in model.named_modules()] + [name.rpartition(".")[0] for name in entries]
+    check_ignored_layers(config, names, where, undone)
+
+
 def load_checkpoint(
     model: nn.Module,
     path: Union[str, os.PathLike],
@@ -133,9 +141,9 @@ def load_checkpoint(
     path = os.fspath(path)
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
-    if config is not None:  # the user's ignore list may name model modules or checkpoint (unfused) ones
-        names = [fqn for fqn, _ in model.named_modules()] + [name.rpartition(".")[0] for name in entries]
-        check_ignored_layers(config, names, f"this {type(model).__name__} or the checkpoint {path}", "loaded")
+    if config is not None:
+        check_checkpoint_ignores(config, model, entries, f"this {type(model).__name__} or the checkpoint {path}",
+                                 "loaded")
     fmt = formats.parse(config_json, config)
     if fmt.name == "none" and fmt.config.activation_scheme == "static":
         # bf16 weights hold no input scales: found out after streaming the whole checkpoint otherwise

@@ -15,12 +15,11 @@ from fp8fx.checkpoint import experts as moe_ckpt
 from fp8fx.checkpoint import formats
 from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config, read_tensor
 from fp8fx.checkpoint.files import write_file
-from fp8fx.checkpoint.load import FUSED, LoadReport, _progress
+from fp8fx.checkpoint.load import FUSED, LoadReport, _progress, check_checkpoint_ignores
 from fp8fx.config import Fp8Config, PerBlock, PerTensor
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES
 from fp8fx.weights.linear import is_quantized, layer_scheme
-from fp8fx.weights.quantize import check_ignored_layers
 
 log = logging.getLogger("fp8fx")
 
@@ -239,8 +238,7 @@ def convert(
         )
     files, entries = read_checkpoint(src)
     model = model if model is not None else meta_model(src)
-    names = [fqn for fqn, _ in model.named_modules()] + [name.rpartition(".")[0] for name in entries]
-    check_ignored_layers(config, names, f"the checkpoint {src} (or its model)", "written")
+    check_checkpoint_ignores(config, model, entries, f"the checkpoint {src} (or its model)", "written")
     plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused))
     expert_plan, expert_tensors, experts = moe_ckpt.convert_plan(dict(model.named_modules()), entries, config)
     plan.update(expert_plan)

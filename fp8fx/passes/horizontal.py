@@ -119,13 +119,14 @@ class HorizontalFusionPass(Fp8Pass):
             return "a weight, scale or bias is not a parameter"
         if len(set(inputs)) != len(inputs):
             return "the GEMMs share a weight tensor"
+        # fused by an earlier graph, but not as exactly this group (one tensor of these weights alone): moving a
+        # weight again would undo that fusion
         weights = [ctx.example[n.args[2]] for n in nodes]
-        group_bytes = sum(w.numel() * w.element_size() for w in weights)
-        for w in weights:  # fused with other layers by an earlier graph: moving it again would undo that fusion
-            held = w.untyped_storage().nbytes()
-            if held > w.numel() * w.element_size() and (held != group_bytes or any(
-                    v.untyped_storage().data_ptr() != w.untyped_storage().data_ptr() for v in weights)):
-                return "a weight already sits in a tensor fused with other layers"
+        views = [w for w in weights if w.untyped_storage().nbytes() > w.numel() * w.element_size()]
+        storages = {w.untyped_storage().data_ptr() for w in weights}
+        if views and (len(storages) > 1 or views[0].untyped_storage().nbytes() != sum(
+                w.numel() * w.element_size() for w in weights)):
+            return "a weight already sits in a tensor fused with other layers"
         w_block = nodes[0].args[6]
         if w_block[0] not in (-1, 1):
             rows = [fake_value(n.args[2]).shape[0] for n in nodes[:-1]]

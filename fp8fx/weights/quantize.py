@@ -49,7 +49,8 @@ def quantize_(
             "bf16 model instead of quantizing twice"
         )
 
-    _check_ignored_layers(model, config)
+    check_ignored_layers(config, [fqn for fqn, _ in model.named_modules()], f"this {type(model).__name__}",
+                         "quantized")
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
     # a weight shared by several modules (tied lm_head / embeddings); one module registered under two names
@@ -141,11 +142,6 @@ def quantize_(
 def _did_you_mean(name: str, names: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(names), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def _check_ignored_layers(model: nn.Module, config: Fp8Config) -> None:
-    check_ignored_layers(config, [fqn for fqn, _ in model.named_modules()], f"this {type(model).__name__}",
-                         "quantized")
 
 
 def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, undone: str) -> None:
