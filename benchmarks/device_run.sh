@@ -2,7 +2,8 @@
 # On the GPU machine (device tool): install carried wheels, run the whole test suite (cuda tests
 # included) and the benchmark; logs and results land in $OUT.
 #   usage: bash benchmarks/device_run.sh [all | stages, comma-separated: tests,cudatests,compile,bench,moe,tune,decode]
-#          [bench args...]   (cudatests: the cuda-marked tests only, moetests / gemmtests: those of the MoE /
+#          [bench args...]   (cudatests: the cuda-marked tests only, restcuda: those
+#          but the MoE kernel's, moetests / gemmtests: those of the MoE /
 #          GEMM kernels, gatedtests: the fused decode MLP's, fusiontests: the generated-code tests;
 #          decode: tune_gemm.py's decode sweep;
 #          moesweep: bench_moe.py's tile sweep with per-kernel times; moelayer: bench_moe_layer.py only;
@@ -67,8 +68,8 @@ fi
 if has fusiontests; then  # Inductor's generated code on the GPU (kernel counts)
   timeout 150 $P -m cuda tests/e2e/test_fusion.py 2>&1 | tee "$OUT/pytest-cuda-fusion.log" | tail -5
 fi
-if has tests || has cudatests; then
-  timeout 300 $P -m cuda --ignore=$moe tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -5
+if has tests || has cudatests || has restcuda; then  # ~390 s on the H200 since run 13's long-K GEMM tiles
+  timeout 480 $P -m cuda --ignore=$moe tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -5
 fi
 if has tests; then
   timeout 200 $P -m "not cuda" -k "not sm90" tests 2>&1 | tee "$OUT/pytest-cpu.log" | tail -5

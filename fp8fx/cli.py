@@ -102,6 +102,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore", metavar="FQN", action="append", default=[], help="keep this layer in bf16 (repeatable)")
     p.add_argument("--format", choices=["fp8", "compressed-tensors"],
                    help="quantization_config format (default: fp8 where it can express the scheme)")
+    p.add_argument("--rename", metavar="REGEX=REPLACEMENT", action="append",
+                   help="rename checkpoint tensors to the model's names (repeatable; the first that matches a name "
+                   "renames it; default: the renames transformers applies to the model)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=convert_command)
     return parser
@@ -378,8 +381,15 @@ def convert_command(args: argparse.Namespace) -> int:
     config = fp8fx.Fp8Config(ignored_layers=args.ignore or None, **SCHEMES[args.scheme])
     if not os.path.isdir(args.src):
         raise UsageError(f"SRC {args.src} is not a folder; pass the folder holding config.json and *.safetensors")
+    key_mapping = None
+    if args.rename is not None:
+        bad = [r for r in args.rename if "=" not in r]
+        if bad:
+            raise UsageError(f"--rename {bad[0]!r}: give REGEX=REPLACEMENT, e.g. --rename '\\.block_sparse_moe\\.=.mlp.'")
+        key_mapping = dict(r.rsplit("=", 1) for r in args.rename)
     try:
-        report = convert(args.src, args.dst, config, format=args.format, progress=not args.no_progress)
+        report = convert(args.src, args.dst, config, format=args.format, key_mapping=key_mapping,
+                         progress=not args.no_progress)
     except (CheckpointError, ValueError, OSError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
     print(report)

@@ -26,7 +26,6 @@ import torch
 from torch import nn
 
 from fp8fx import quant
-from fp8fx.checkpoint import formats
 from fp8fx.checkpoint.files import CheckpointError, Entry
 from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor
 from fp8fx.weights import chunked, moe
@@ -138,18 +137,13 @@ class ExpertsLoader:
             )
         config = configs.pop()
         if config is None:
-            ignored = any(self._ignored(m) for m in [ex.fqn] + modules)
+            ignored = any(self.fmt.is_ignored(m) for m in [ex.fqn] + modules)
             return None, "in ignored_layers" if ignored else "not targeted by quantization_config"
         if not config.is_checkpoint_fp8_serialized:
             reason = moe.skip_reason(ex.module, ex.fqn, config)
             if reason is not None:
                 return None, reason
         return config, ""
-
-    def _ignored(self, fqn: str) -> bool:
-        if self.fmt.name == "compressed-tensors":
-            return formats.matches(fqn, (), self.fmt.ignore)
-        return self.fmt.config.is_ignored(fqn)
 
     def route(self, name: str, entry: Entry) -> bool:
         """Claim checkpoint tensor ``name`` if it is an expert tensor; False otherwise."""

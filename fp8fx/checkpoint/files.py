@@ -54,13 +54,15 @@ class Entry:
     shape: tuple[int, ...]
     start: int
     end: int
+    source: Optional[str] = None  # the name in the file, where key_mapping renamed it (fp8fx.checkpoint.renames)
 
     @property
     def nbytes(self) -> int:
         return self.end - self.start
 
     def __str__(self) -> str:
-        return f"{self.name} ({_dtype_name(self.dtype)} {list(self.shape)} in {os.path.basename(self.file)})"
+        stored = f" as {self.source}" if self.source else ""
+        return f"{self.name} ({_dtype_name(self.dtype)} {list(self.shape)} in {os.path.basename(self.file)}{stored})"
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

@@ -30,19 +30,32 @@ class QuantFormat:
     groups: tuple[tuple[tuple[str, ...], Fp8Config], ...] = ()
     ignore: tuple[str, ...] = ()
     kv_cache: bool = False  # the checkpoint declares static KV-cache scales
+    # module -> the checkpoint's name for it where key_mapping renamed it (fp8fx.checkpoint.renames): the
+    # ignore list and targets were written against the checkpoint's names and match either
+    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+    def _names(self, fqn: str) -> tuple[str, ...]:
+        source = self.sources.get(fqn)
+        return (fqn,) if source is None else (fqn, source)
+
+    def is_ignored(self, fqn: str, classes: Sequence[str] = ()) -> bool:
+        if self.name != "compressed-tensors":
+            return any(self.config.is_ignored(n) for n in self._names(fqn))
+        return any(matches(n, classes, self.ignore) for n in self._names(fqn))
 
     def layer_config(self, fqn: str, classes: Sequence[str]) -> Optional[Fp8Config]:
         """The config layer ``fqn`` is quantized with, or None if it stays in high precision. ``classes``: the
         names of the layer's class and its bases (a ``"Linear"`` target covers subclasses of ``nn.Linear``)."""
-        if self.name != "compressed-tensors":
-            return None if self.config.is_ignored(fqn) else self.config
-        if matches(fqn, classes, self.ignore):
+        if self.is_ignored(fqn, classes):
             return None
+        if self.name != "compressed-tensors":
+            return self.config
         # a group that names the layer (exactly or by a 're:' pattern) wins over one that names its class,
         # whatever their order (as vLLM's compressed-tensors matching)
         for by_name in (True, False):
             for targets, config in self.groups:
-                if matches(fqn, () if by_name else classes, [t for t in targets if by_name != (t in classes)]):
+                by = [t for t in targets if by_name != (t in classes)]
+                if any(matches(n, () if by_name else classes, by) for n in self._names(fqn)):
                     return config
         return None
 

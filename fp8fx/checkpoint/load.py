@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from fp8fx import quant
-from fp8fx.checkpoint import formats
+from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.experts import HIGH_PRECISION, ExpertsLoader, check_scale_dtype, check_scale_values
 from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
 from fp8fx.config import Fp8Config, PerBlock, PerRow
@@ -123,6 +123,7 @@ def load_checkpoint(
     *,
     device: Union[str, torch.device] = "cpu",
     fused: Optional[Mapping[str, Sequence[str]]] = None,
+    key_mapping: Optional[Mapping[str, str]] = None,
     progress: bool = True,
 ) -> LoadReport:
     """Load the safetensors checkpoint in directory ``path`` into ``model`` and quantize its linear layers
@@ -134,17 +135,21 @@ def load_checkpoint(
     ``Fp8Config()``. A given ``config`` overrides both. ``model`` may live on the meta device; tensors
     are created on ``device``, in the dtype of the model's parameters (fp8 weights stay fp8; the
     dequantized ``.weight`` views have the model's dtype). ``fused``: model module name -> checkpoint
-    module names it fuses (default ``FUSED``: qkv_proj, gate_up_proj). ``progress``: a tqdm bar over
-    the files. Returns a ``LoadReport``. Raises ``CheckpointError`` (a ``ValueError``) naming the
-    tensor for a bad checkpoint; the model is then unchanged.
+    module names it fuses (default ``FUSED``: qkv_proj, gate_up_proj). ``key_mapping``: checkpoint name
+    regex -> replacement, as transformers' ``from_pretrained(key_mapping=...)``; None applies the renames
+    transformers applies to this model (hub Mixtral's ``block_sparse_moe`` -> ``mlp``), ``{}`` none
+    (``fp8fx.checkpoint.renames``). ``progress``: a tqdm bar over the files. Returns a ``LoadReport``.
+    Raises ``CheckpointError`` (a ``ValueError``) naming the tensor for a bad checkpoint; the model is
+    then unchanged.
     """
     path = os.fspath(path)
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
+    entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "load_checkpoint"), path)
     if config is not None:
         check_checkpoint_ignores(config, model, entries, f"this {type(model).__name__} or the checkpoint {path}",
                                  "loaded")
-    fmt = formats.parse(config_json, config)
+    fmt = dataclasses.replace(formats.parse(config_json, config), sources=sources)
     if fmt.name == "none" and fmt.config.activation_scheme == "static":
         # bf16 weights hold no input scales: found out after streaming the whole checkpoint otherwise
         raise CheckpointError(
@@ -280,9 +285,7 @@ class _Loader:
         return config, ""
 
     def _ignored(self, fqn: str, shards: Sequence[str]) -> bool:
-        if self.fmt.name == "compressed-tensors":
-            return any(formats.matches(n, (), self.fmt.ignore) for n in (fqn, *shards))
-        return any(self.fmt.config.is_ignored(n) for n in (fqn, *shards))
+        return any(self.fmt.is_ignored(n) for n in (fqn, *shards))
 
     def _route(self, name: str, entry: Entry) -> bool:
         """Give checkpoint tensor ``name`` its place; False if the model has none."""
@@ -316,7 +319,8 @@ class _Loader:
         why = self.not_quantized.get(owner) or self.moe.not_quantized.get(owner)
         if why:
             return f"{owner} is not quantized ({why}); fix the config's ignore list or the checkpoint"
-        return f"the model has no module {owner!r}; the checkpoint does not belong to this model"
+        return (f"the model has no module {owner!r}; the checkpoint does not belong to this model, or names its "
+                "modules differently: pass key_mapping= (checkpoint name regex -> the model's)")
 
     def _plan_state(self, key: str, entry: Entry) -> None:
         target = self.state[key]
@@ -352,9 +356,14 @@ class _Loader:
                     " (3-D expert parameters: the checkpoint holds them per expert, <experts>.<e>.gate_proj.weight / "
                     "up_proj / down_proj or w1 / w3 / w2, or fused, <experts>.gate_up_proj / down_proj)"
                 )
+            fix = "wrong checkpoint for this model, or a shard is missing"
+            if self.unexpected:  # e.g. hub Mixtral's block_sparse_moe.* against a model's mlp.*
+                fix = (f"the checkpoint has {len(self.unexpected)} tensors the model has no place for "
+                       f"({self.unexpected[0]} ...): if it names modules differently, pass key_mapping= (checkpoint "
+                       f"name regex -> the model's); else {fix}")
             raise CheckpointError(
                 f"{missing[0]} (and {len(missing) - 1} more: {missing[1:4]}) is missing from the checkpoint{hint}; "
-                "wrong checkpoint for this model, or a shard is missing"
+                f"{fix}"
             )
 
     def _plan_linear(self, lin: _Linear) -> None:

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fp8fx.checkpoint import experts as moe_ckpt
-from fp8fx.checkpoint import formats
+from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config, read_tensor
 from fp8fx.checkpoint.files import write_file
 from fp8fx.checkpoint.load import FUSED, LoadReport, _progress, check_checkpoint_ignores
@@ -202,6 +202,7 @@ def convert(
     model: Optional[nn.Module] = None,
     format: Optional[str] = None,
     fused: Optional[Mapping[str, Any]] = None,
+    key_mapping: Optional[Mapping[str, str]] = None,
     progress: bool = True,
 ) -> LoadReport:
     """Turn the bf16/fp16 safetensors checkpoint in ``src`` into an FP8 one in ``dst``, one file at a time.
@@ -216,7 +217,9 @@ def convert(
     the checkpoint has: per-expert ``<experts>.<e>.gate_proj.weight`` (or ``w1`` ...) with their own
     ``weight_scale`` / ``weight_scale_inv``, or fused ``gate_up_proj`` / ``down_proj`` with
     ``gate_up_proj_scale[_inv]`` ... (``fp8fx.checkpoint.experts``); experts the config ignores (or cannot
-    quantize) stay bf16 and their checkpoint modules go to the ignore list.
+    quantize) stay bf16 and their checkpoint modules go to the ignore list. ``key_mapping``: as
+    ``load_checkpoint``'s (None: the renames transformers applies to ``model``); renamed tensors are written
+    under the model's names, so hub Mixtral's ``block_sparse_moe.experts.<e>.w1`` become ``mlp.experts...``.
     Peak memory: one output file plus one bf16 tensor. Returns a ``LoadReport`` (checkpoint module names;
     ``experts``: the experts modules quantized).
     """
@@ -238,6 +241,7 @@ def convert(
         )
     files, entries = read_checkpoint(src)
     model = model if model is not None else meta_model(src)
+    entries, _ = renames.apply(entries, renames.resolve(model, key_mapping, "convert"), src)
     check_checkpoint_ignores(config, model, entries, f"the checkpoint {src} (or its model)", "written")
     plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused))
     expert_plan, expert_tensors, experts = moe_ckpt.convert_plan(dict(model.named_modules()), entries, config)

@@ -158,31 +158,6 @@ def test_save_per_expert_static_input_scales(tmp_path):
     assert experts.gate_up_proj_input_scale.shape == (1,)
 
 
-def test_convert_reports_expert_weights_it_cannot_place(tmp_path):
-    """transformers writes Mixtral's experts as block_sparse_moe.experts.E.w1 (renamed to mlp.experts when it loads
-    them): convert passed them through bf16 unreported, under a config whose "Linear" target claims them."""
-    cfg = moe_config("mixtral")
-    state = reference_model(cfg).state_dict()
-    src = bf16_checkpoint(tmp_path / "src", cfg, state, "mixtral")
-    moved = tmp_path / "moved"
-    moved.mkdir()
-    for f in src.iterdir():  # the same checkpoint with the hub's module name
-        text = f.read_bytes() if f.suffix == ".safetensors" else f.read_text()
-        if f.suffix == ".safetensors":
-            from safetensors.torch import load_file, save_file
-
-            tensors = {k.replace(".mlp.experts.", ".block_sparse_moe.experts."): v for k, v in load_file(f).items()}
-            save_file(tensors, moved / f.name, metadata={"format": "pt"})
-        else:
-            (moved / f.name).write_text(text.replace(".mlp.experts.", ".block_sparse_moe.experts."))
-    report = convert(moved, tmp_path / "dst", CONFIGS["per-channel"], progress=False)
-    stray = {m: r for m, r in report.not_quantized.items() if "block_sparse_moe" in m}
-    assert stray and all("where the model has no experts module" in r for r in stray.values()), report.not_quantized
-    assert not report.experts
-    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
-    assert set(stray) <= set(qc["ignore"])
-
-
 def test_convert_quantizes_shards_of_fused_expert_linears(tmp_path):
     """A ModuleList of expert MLPs with a fused gate_up_proj, a checkpoint with gate_proj / up_proj per expert: the
     shards are the fused linear's, quantized as before (the stray-expert rule above must not claim them)."""

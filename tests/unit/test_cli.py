@@ -221,6 +221,27 @@ def test_convert_block_checkpoint_loads_back(capsys, tmp_path):
         assert rel_err(loaded(ids).logits.float(), model(ids).logits.float()) < 0.1
 
 
+def test_convert_rename(capsys, tmp_path):
+    """--rename maps the checkpoint's names to the model's (written under the model's names); a bad one is one line."""
+    from tests.e2e.test_checkpoint_llama import llama_config, reference_model
+    from tests.unit.test_checkpoint_load import write_checkpoint
+
+    cfg = llama_config()
+    state = {k.replace(".mlp.", ".ffn."): v for k, v in reference_model(cfg).state_dict().items()}
+    src = write_checkpoint(tmp_path / "src", state, extra_config=cfg.to_dict())
+    code, _, err = run(capsys, "convert", str(src), str(tmp_path / "bad"), "--rename", "ffn")
+    assert code == 2
+    one_line_error(err, "fp8fx convert: error: --rename 'ffn': give REGEX=REPLACEMENT")
+    code, _, err = run(capsys, "convert", str(src), str(tmp_path / "bad"), "--rename", "(=x")
+    assert code == 2
+    one_line_error(err, "fp8fx convert: error: convert: key_mapping pattern '(' is not a regex")
+    code, _, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--rename", r"\.ffn\.=.mlp.", "--no-progress")
+    assert code == 0, err
+    names = fp8fx.checkpoint.files.read_checkpoint(tmp_path / "dst")[1]
+    assert names["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert not any(".ffn." in n for n in names)
+
+
 def test_bench_cpu_smoke(capsys):
     code, out, _ = run(capsys, "bench", "--cpu-smoke")
     assert code == 0

@@ -1,0 +1,162 @@
+"""Checkpoint names that differ from the model's (fp8fx.checkpoint.renames): hub Mixtral checkpoints store the MoE
+block as ``block_sparse_moe`` where transformers 5 builds ``mlp``; load_checkpoint and convert apply the renames
+transformers applies (or a user's key_mapping), match ignore lists written with the checkpoint's names, and refuse
+mappings that merge two tensors, leaving the model unchanged."""
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from fp8fx.checkpoint import CheckpointError, convert, load_checkpoint, meta_model
+from fp8fx.checkpoint import renames
+from fp8fx.checkpoint.files import read_checkpoint
+from fp8fx.weights import is_quantized_experts
+from tests.unit.test_checkpoint_moe import E, EXPERTS, FP8, moe_checkpoint, moe_config, reference_model, write_moe
+from tests.unit.test_checkpoint_moe_convert import CONFIGS, bf16_checkpoint
+from tests.unit.test_checkpoint_save import assert_same_state
+from tests.unit.test_checkpoint_load import LINEARS, Tiny, meta_tiny, snapshot, write_checkpoint
+
+transformers = pytest.importorskip("transformers")
+
+HUB = "model.layers.0.block_sparse_moe"
+
+
+def hub_layout(tensors):
+    """The tensors as hub Mixtral checkpoints name them: the MoE block (router and experts) under block_sparse_moe."""
+    return {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in tensors.items()}
+
+
+def test_transformers_renames_of_mixtral_and_of_other_models():
+    cfg = moe_config("mixtral")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    found = renames.transformers_renames(model)
+    assert [r(f"{HUB}.experts.0.w1.weight") for r in found] == [f"{EXPERTS}.0.w1.weight"]
+    assert renames.transformers_renames(nn.Linear(2, 2)) == []
+
+
+@pytest.mark.parametrize("granularity,static", [("tensor", True), ("block", False)])
+def test_hub_mixtral_fp8_checkpoint_loads_as_the_models_own_layout(tmp_path, granularity, static):
+    """An fp8 Mixtral checkpoint in the hub's layout, with its router in ignored_layers by the hub's name (as
+    AutoFP8 writes it), loads into the transformers model bit for bit as the same checkpoint in the model's
+    layout does; without the renames it is refused."""
+    cfg = moe_config("mixtral")
+    tensors, qc, _ = moe_checkpoint(reference_model(cfg).state_dict(), granularity, naming="mixtral", static=static)
+    own = write_moe(tmp_path / "own", cfg, tensors, qc)
+    qc = json.loads(json.dumps(qc))
+    qc["ignored_layers"].append(f"{HUB}.gate")
+    hub = write_moe(tmp_path / "hub", cfg, hub_layout(tensors), qc)
+    assert any(".block_sparse_moe.experts.0.w1.weight_scale" in k for k in read_checkpoint(hub)[1])
+
+    expected, model = meta_model(own), meta_model(hub)
+    load_checkpoint(expected, own, progress=False)
+    report = load_checkpoint(model, hub, progress=False)
+    assert list(report.experts) == [EXPERTS] and is_quantized_experts(model.get_submodule(EXPERTS))
+    assert_same_state(expected, model)
+
+    bare = meta_model(hub)
+    with pytest.raises(CheckpointError, match="block_sparse_moe.*key_mapping"):
+        load_checkpoint(bare, hub, key_mapping={}, progress=False)
+
+
+def test_ignored_layers_match_the_checkpoints_names(tmp_path):
+    """Experts a checkpoint keeps bf16 and lists under its own name stay bf16 (matched as the checkpoint
+    names them: before, the renamed experts were taken as fp8 and their bf16 weights refused)."""
+    cfg = moe_config("mixtral")
+    state = reference_model(cfg).state_dict()
+    tensors, qc, _ = moe_checkpoint(state, "tensor", naming="mixtral")
+    for key in [k for k in tensors if k.startswith(EXPERTS + ".")]:
+        del tensors[key]
+    for e in range(E):
+        w1, w3 = state[f"{EXPERTS}.gate_up_proj"][e].chunk(2)
+        tensors.update({f"{EXPERTS}.{e}.w1.weight": w1, f"{EXPERTS}.{e}.w3.weight": w3,
+                        f"{EXPERTS}.{e}.w2.weight": state[f"{EXPERTS}.down_proj"][e]})
+    qc["ignored_layers"].append(f"{HUB}.experts")
+    path = write_moe(tmp_path / "ckpt", cfg, hub_layout(tensors), qc)
+    model = meta_model(path)
+    report = load_checkpoint(model, path, progress=False)
+    experts = model.get_submodule(EXPERTS)
+    assert not is_quantized_experts(experts) and report.not_quantized[EXPERTS] == "in ignored_layers"
+    for base in ("gate_up_proj", "down_proj"):
+        assert torch.equal(getattr(experts, base), state[f"{EXPERTS}.{base}"])
+
+
+def _tiny_checkpoint(tmp_path, rename):
+    torch.manual_seed(0)
+    state = {rename(k): v for k, v in Tiny().bfloat16().state_dict().items()}
+    return write_checkpoint(tmp_path / "ckpt", state)
+
+
+def test_key_mapping_of_a_plain_model(tmp_path):
+    """A user's key_mapping on a model transformers knows nothing of: the checkpoint stores the MLP as ``ffn``;
+    the first pattern that matches a name renames it (as transformers' key_mapping)."""
+    path = _tiny_checkpoint(tmp_path, lambda k: k.replace(".mlp.", ".ffn."))
+    mapping = {r"\.ffn\.": ".mlp.", r"\.ffn\.gate_proj": ".never."}
+    loaded, expected = meta_tiny(), meta_tiny()
+    report = load_checkpoint(loaded, path, key_mapping=mapping, progress=False)
+    plain_path = _tiny_checkpoint(tmp_path / "plain", lambda k: k)
+    assert report.quantized == load_checkpoint(expected, plain_path, progress=False).quantized
+    assert set(LINEARS) <= set(report.quantized)
+    assert_same_state(expected, loaded)
+
+
+@pytest.mark.parametrize("mapping,error,match", [
+    ({r"\.ffn\.(gate|up)_proj": ".mlp.gate_proj"}, CheckpointError,
+     r"ffn\.(gate|up)_proj\.weight and model\.layers\.0\.ffn\.(gate|up)_proj\.weight both load as "
+     r"model\.layers\.0\.mlp\.gate_proj\.weight"),
+    ({"(": ".mlp."}, ValueError, r"key_mapping pattern '\(' is not a regex"),
+    ([("a", "b")], TypeError, "not a dict"),
+    ({r"\.ffn\.": 1}, TypeError, "is not str -> str"),
+    ({r"\.ffn\.down": ".mlp.down"}, CheckpointError, r"mlp\.gate_proj\.weight.*missing|no module .*ffn.*key_mapping"),
+])
+def test_bad_key_mapping_is_refused_and_changes_nothing(tmp_path, mapping, error, match):
+    path = _tiny_checkpoint(tmp_path, lambda k: k.replace(".mlp.", ".ffn."))
+    model = meta_tiny()
+    before = snapshot(model)
+    with pytest.raises(error, match=match):
+        load_checkpoint(model, path, key_mapping=mapping, progress=False)
+    assert snapshot(model) == before
+
+
+def test_errors_name_the_stored_name(tmp_path):
+    """A tensor renamed by key_mapping is named in errors as the model knows it and as the file stores it."""
+    model = Tiny().bfloat16()
+    state = {k.replace(".mlp.", ".ffn."): v for k, v in model.state_dict().items()}
+    state["model.layers.0.ffn.down_proj.weight"] = state["model.layers.0.ffn.down_proj.weight"][:, :-1].clone()
+    path = write_checkpoint(tmp_path / "ckpt", state)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.down_proj\.weight \(bfloat16 .* as "
+                                              r"model\.layers\.0\.ffn\.down_proj\.weight\)"):
+        load_checkpoint(meta_tiny(), path, key_mapping={r"\.ffn\.": ".mlp."}, progress=False)
+
+
+def test_convert_writes_hub_mixtral_experts_under_the_models_names(tmp_path):
+    """convert of a hub-layout bf16 Mixtral: the renamed experts are quantized and written as the model names
+    them (load_checkpoint then finds fp8 experts); with key_mapping={} they are reported, kept bf16 and ignored."""
+    cfg = moe_config("mixtral")
+    state = reference_model(cfg).state_dict()
+    src = bf16_checkpoint(tmp_path / "src", cfg, state, "mixtral")
+    moved = tmp_path / "moved"
+    moved.mkdir()
+    from safetensors.torch import load_file, save_file
+
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            save_file(hub_layout(load_file(f)), moved / f.name, metadata={"format": "pt"})
+        else:
+            (moved / f.name).write_text(f.read_text().replace(".mlp.", ".block_sparse_moe."))
+    report = convert(moved, tmp_path / "dst", CONFIGS["per-channel"], progress=False)
+    assert list(report.experts) == [EXPERTS]
+    names = read_checkpoint(tmp_path / "dst")[1]
+    assert f"{EXPERTS}.0.w1.weight" in names and names[f"{EXPERTS}.0.w1.weight"].dtype == FP8
+    assert not any("block_sparse_moe" in n for n in names)
+    model = meta_model(tmp_path / "dst")
+    load_checkpoint(model, tmp_path / "dst", progress=False)
+    assert is_quantized_experts(model.get_submodule(EXPERTS))
+
+    report = convert(moved, tmp_path / "kept", CONFIGS["per-channel"], key_mapping={}, progress=False)
+    stray = {m: r for m, r in report.not_quantized.items() if "block_sparse_moe" in m}
+    assert stray and all("where the model has no experts module" in r for r in stray.values()), report.not_quantized
+    assert not report.experts
+    qc = json.loads((tmp_path / "kept" / "config.json").read_text())["quantization_config"]
+    assert set(stray) <= set(qc["ignore"])
