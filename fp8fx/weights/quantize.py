@@ -25,6 +25,7 @@ def quantize_(
     *,
     input_scales: Optional[Mapping[str, float]] = None,
     strict: bool = False,
+    prefix: str = "",
 ) -> nn.Module:
     """Quantize every ``nn.Linear`` of ``model`` in place (online: ``config`` must not be serialized),
     and every experts module (3-D ``gate_up_proj`` / ``down_proj``, ``fp8fx.weights.moe``).
@@ -35,32 +36,38 @@ def quantize_(
     ``strict=True`` any such layer other than an ignored one raises instead. Static activations
     (``activation_scheme="static"``) need ``input_scales``: ``{fqn: scale}`` for every quantized layer,
     e.g. from ``fp8fx.calibrate``. Every check runs before the first layer changes.
+
+    ``prefix``: the name of ``model`` inside the model it belongs to (vLLM's ``prefix``), for a model quantized
+    part by part (``quantize_(layer, cfg, prefix=f"model.layers.{i}")``): layers are named, reported, matched
+    against ``ignored_layers`` and looked up in ``input_scales`` by their full names, so that two parts'
+    ``q_proj`` are not both reported as ``self_attn.q_proj``.
     """
     config = config or Fp8Config()
+    check_prefix(prefix, "quantize_")
     if config.is_checkpoint_fp8_serialized:
         raise ValueError(
             "quantize_ quantizes a bf16/fp16 model online, but the config has is_checkpoint_fp8_serialized=True; "
             "use Fp8Config(is_checkpoint_fp8_serialized=False) or load the fp8 checkpoint instead"
         )
-    done = [name for name, m in model.named_modules() if is_quantized(m) or moe.is_quantized_experts(m)]
+    done = [name for name, m in model.named_modules(prefix=prefix) if is_quantized(m) or moe.is_quantized_experts(m)]
     if done:
         raise RuntimeError(
             f"quantize_: {done[0]} (and {len(done) - 1} more) is already fp8-quantized; quantize_ a fresh "
             "bf16 model instead of quantizing twice"
         )
 
-    check_ignored_layers(config, [fqn for fqn, _ in model.named_modules()], f"this {type(model).__name__}",
+    check_ignored_layers(config, [fqn for fqn, _ in model.named_modules(prefix=prefix)], f"this {type(model).__name__}",
                          "quantized")
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
     # a weight shared by several modules (tied lm_head / embeddings); one module registered under two names
     # (``self.last = self.layers[-1]``) shares nothing
     owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(owning module): its parameter's name}
-    for owner, mod in model.named_modules(remove_duplicate=False):
+    for owner, mod in model.named_modules(prefix=prefix, remove_duplicate=False):
         for leaf, p in mod._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), {}).setdefault(id(mod), f"{owner}.{leaf}" if owner else leaf)
-    for fqn, module in model.named_modules():
+    for fqn, module in model.named_modules(prefix=prefix):
         if not isinstance(module, nn.Linear):
             continue
         others = owners.get(id(module._parameters.get("weight")), {})
@@ -76,7 +83,7 @@ def quantize_(
     # experts modules (3-D gate_up_proj [E, 2I, H] / down_proj [E, H, I]): fp8fx.weights.moe
     experts: list[tuple[str, nn.Module]] = []
     experts_skipped: list[tuple[str, nn.Module, str]] = []
-    for fqn, module in model.named_modules():
+    for fqn, module in model.named_modules(prefix=prefix):
         if not moe.is_experts(module):
             continue
         reason = moe.skip_reason(module, fqn, config)
@@ -144,6 +151,14 @@ def _did_you_mean(name: str, names: Iterable[str]) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
+def check_prefix(prefix: str, where: str) -> None:
+    if not isinstance(prefix, str) or prefix.startswith(".") or prefix.endswith(".") or ".." in prefix:
+        raise ValueError(
+            f"{where}(prefix={prefix!r}): the dotted name of the module inside its model, e.g. 'model.layers.0' "
+            "('' for the whole model)"
+        )
+
+
 def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, undone: str) -> None:
     """Every ``ignored_layers`` entry names one of ``names`` (modules: of a model, or of a checkpoint) or a prefix
     of some: a misspelt entry would quantize the very layer it was meant to keep in high precision. ``where``
@@ -201,18 +216,21 @@ def _takes_keywords(model: nn.Module, batch: Mapping) -> bool:
 
 
 @torch.no_grad()
-def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] = None) -> dict[str, float]:
-    """Static activation scales ``{fqn: amax / 448}`` from running ``model`` (eager) on ``batches``.
+def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] = None, *,
+              prefix: str = "") -> dict[str, float]:
+    """Static activation scales ``{fqn: amax / 448}`` from running ``model`` (eager) on ``batches``; ``prefix``
+    as ``quantize_``'s (the fqns are ``prefix.<name in model>``).
 
     Each batch is passed as ``model(**batch)`` if it is a mapping whose keys are the forward's parameters (a
     tokenizer's output), ``model(*batch)`` if it is a tuple or list, else ``model(batch)`` (a model whose forward
     takes one dict too). The model runs in eval mode (dropout off) and is put back as it was.
     """
     config = config or Fp8Config(activation_scheme="static")
+    check_prefix(prefix, "calibrate")
     amax: dict[str, float] = {}
     hooks = []
     batch_no = [0]
-    for fqn, module in model.named_modules():
+    for fqn, module in model.named_modules(prefix=prefix):
         if isinstance(module, nn.Linear) and not config.is_ignored(fqn):
 
             def record(mod, args, kwargs, fqn=fqn):

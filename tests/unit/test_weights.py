@@ -428,3 +428,40 @@ def test_a_module_under_two_names_is_quantized():
     model = Aliased().bfloat16()
     fp8fx.quantize_(model, strict=True)
     assert all(m._parameters["weight"].dtype == torch.float8_e4m3fn for m in model.layers)
+
+
+class TwoBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)) for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_prefix_names_a_model_quantized_part_by_part():
+    """quantize_ per block, each with its prefix: the report names every site by its full name (without one, both
+    blocks' layers were '0' and '2'); ignored_layers and input_scales take full names; a bad prefix is refused."""
+    torch.manual_seed(0)
+    model = TwoBlocks().to(torch.bfloat16)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    config = Fp8Config(activation_scheme="static", ignored_layers=["blocks.1.2"])
+    scales = fp8fx.calibrate(model.blocks[1], [x], config, prefix="blocks.1")
+    assert set(scales) == {"blocks.1.0"}
+    with pytest.raises(ValueError, match=r"prefix='blocks.1.'\): the dotted name"):
+        fp8fx.quantize_(model.blocks[1], config, input_scales=scales, prefix="blocks.1.")
+    with pytest.raises(ValueError, match=r"'blocks.1.2' names no module of this Sequential"):
+        fp8fx.quantize_(model.blocks[1], config, input_scales=scales, prefix="blocks.0")
+    assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
+    fp8fx.quantize_(model.blocks[0], prefix="blocks.0")
+    fp8fx.quantize_(model.blocks[1], config, input_scales=scales, prefix="blocks.1")
+    assert model.blocks[1][0].input_scale.item() == pytest.approx(scales["blocks.1.0"])
+    assert not fp8fx.weights.is_quantized(model.blocks[1][2])
+    torch._dynamo.reset()
+    backend = fp8fx.Fp8Backend()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(x)
+    sites = {s.fqn: s.rewritten for s in backend.report.sites}
+    assert sites == {"blocks.0.0": True, "blocks.0.2": True, "blocks.1.0": True, "blocks.1.2": False}
