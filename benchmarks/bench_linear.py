@@ -16,6 +16,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -111,15 +112,27 @@ def bench(fn, x, graph: bool) -> float:
     of clean lines, as a decode step's previous layer leaves it; `do_bench`'s zeroing flush leaves dirty lines
     whose write-back added 0.004-0.009 ms to every decode replay, run 12 call 2, `flush_study.py`); plain calls
     (recorded in ``FALLBACKS``) where capture fails, and without ``graph``, through ``do_bench``."""
+    return timer(fn, x, graph)()
+
+
+def timer(fn, x, graph: bool, reps: int = 200):
+    """A callable timing fn(x) as ``bench`` does, each call anew: the CUDA graph captured once (``.graph``
+    says whether it was; capture failures are timed plainly and recorded in ``FALLBACKS``)."""
     import triton
 
+    g = None
     if graph:
         try:
-            return replay_ms(capture(fn, x), l2_flushes()["clean"])
+            g = capture(fn, x)
         except Exception as exc:  # noqa: BLE001 - a row timed plainly beats a run lost
             print(f"CUDA-graph capture failed ({exc!r:.200}); timing plain calls", file=sys.stderr)
             FALLBACKS.append(f"{exc!r:.200}")
-    return triton.testing.do_bench(lambda: fn(x), warmup=25, rep=100, return_mode="median")
+    if g is not None:
+        run = lambda: replay_ms(g, l2_flushes()["clean"], reps)  # noqa: E731
+    else:
+        run = lambda: triton.testing.do_bench(lambda: fn(x), warmup=25, rep=100, return_mode="median")  # noqa: E731
+    run.graph = g is not None
+    return run
 
 
 def rel_err(a, ref):
@@ -183,8 +196,11 @@ MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gat
                 "inductor_scaled_mm", "torchao_rowwise")
 
 
-def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VARIANTS, save=lambda: None):
-    """The MLP block at each M for the ``only`` variants; ``save()`` after each M."""
+def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VARIANTS, save=lambda: None, rounds=1):
+    """The MLP block at each M for the ``only`` variants; ``save()`` after each M. ``rounds`` > 1: the variants
+    are timed in turn, ``rounds`` times over (each round in another order), and each row gets its median over
+    the rounds and every round's time (``ms_rounds``): a ratio's spread from round to round is then known
+    (run 13: one variant's time moved 5% between device calls, as wide as a goal's margin)."""
     torch.manual_seed(0)
     base = MLP().to(device, torch.bfloat16)  # weights scaled so activations stay O(1)
     for p in base.parameters():
@@ -220,19 +236,32 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VA
     variants = {name: fn for name, fn in variants.items() if name in only}
     for m in ms:
         x = torch.randn(m, DIM, device=device, dtype=torch.bfloat16)
+        graph = m <= graph_max_m
         with torch.no_grad():
             ref = ref_mod(x.float()).double()
+            timers = {}
             for name, fn in variants.items():
                 start = time.perf_counter()
                 y = fn(x)
                 torch.cuda.synchronize()
                 compile_times[f"mlp {name} first call M={m}"] = time.perf_counter() - start
                 errors[f"mlp M={m} {name}"] = rel_err(y, ref)
-                failed = len(FALLBACKS)
-                t = bench(fn, x, m <= graph_max_m)
-                rows.append({"what": "mlp block", "M": m, "variant": name, "ms": t,
-                             "tflops": 3 * 2 * m * DIM * HIDDEN / t / 1e9,
-                             "graph_replay": m <= graph_max_m and len(FALLBACKS) == failed})
+                timers[name] = timer(fn, x, graph, reps=max(50, 200 // rounds))
+            names = list(timers)
+            times = {name: [] for name in names}
+            for r in range(rounds):
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    times[name].append(timers[name]())
+            for name in names:
+                t = statistics.median(times[name])
+                row = {"what": "mlp block", "M": m, "variant": name, "ms": t,
+                       "tflops": 3 * 2 * m * DIM * HIDDEN / t / 1e9, "graph_replay": timers[name].graph}
+                rows.append({**row, "ms_rounds": times[name]} if rounds > 1 else row)
+            for anchor in ("bf16_inductor", "torchao_rowwise"):
+                for name in names if rounds > 1 and anchor in times else ():
+                    r = sorted(a / b for a, b in zip(times[anchor], times[name]))
+                    print(f"M={m} {name} vs {anchor}, per round: min {r[0]:.3f}x, median {statistics.median(r):.3f}x, "
+                          f"max {r[-1]:.3f}x", flush=True)
         save()  # a run cut at its time limit keeps the sizes it finished
     print(backend.report)
 
@@ -366,10 +395,14 @@ def main(argv=None, parser_class=argparse.ArgumentParser, prog=None):
     p.add_argument("--skip-mlp", action="store_true")
     p.add_argument("--kernels", action="store_true", help="also block-scaled and weight-only GEMMs")
     p.add_argument("--variants", default=",".join(MLP_VARIANTS), help="the MLP block's variants, comma-separated")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time the MLP variants in turn this many times over (medians, every round kept in the JSON)")
     p.add_argument("--graph-max-m", type=int, default=256,
                    help="time M up to this as CUDA-graph replays (as serving engines run decode and small "
                         "batches); larger M as plain calls")
     args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"--rounds {args.rounds}: at least 1")
     variants = args.variants.split(",")
     unknown = sorted(set(variants) - set(MLP_VARIANTS))
     if unknown:
@@ -398,7 +431,8 @@ def main(argv=None, parser_class=argparse.ArgumentParser, prog=None):
 
     # the MLP block first: the goals are set on it
     if not args.skip_mlp:
-        run_mlp(ms, "cuda", rows, errors, compile_times, args.graph_max_m, only=variants, save=save)
+        run_mlp(ms, "cuda", rows, errors, compile_times, args.graph_max_m, only=variants, save=save,
+                rounds=args.rounds)
     if args.kernels:
         run_kernels(rows, errors, args.graph_max_m)
         save()
