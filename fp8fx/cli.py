@@ -103,8 +103,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--format", choices=["fp8", "compressed-tensors"],
                    help="quantization_config format (default: fp8 where it can express the scheme)")
     p.add_argument("--rename", metavar="REGEX=REPLACEMENT", action="append",
-                   help="rename checkpoint tensors to the model's names (repeatable; the first that matches a name "
-                   "renames it; default: the renames transformers applies to the model)")
+                   help="how the checkpoint's names map to the model's, as from_pretrained(key_mapping=) takes it "
+                   "(repeatable; added to the renames transformers applies to the model; the output keeps the "
+                   "checkpoint's names)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=convert_command)
     return parser

@@ -443,8 +443,9 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
             tensors.update({name: fqn for name, _ in items})
         plan.update({mod: reason for mod in mods})
         reasons[fqn] = reason
-    plan.update({mod: f"an expert weight under {prefix}, where the model has no experts module (a checkpoint layout "
-                      "fp8fx does not rename); kept bf16" for mod, prefix in stray.items()})
+    why = ("an expert weight under {}, where the model has no experts module (a layout that neither transformers' "
+           "renames of this model nor key_mapping map to it); kept bf16")
+    plan.update({mod: why.format(prefix) for mod, prefix in stray.items()})
     return plan, tensors, reasons
 
 

@@ -111,8 +111,9 @@ class _Linear:
 def check_checkpoint_ignores(config: Fp8Config, model: nn.Module, entries: Mapping[str, Entry], where: str,
                              undone: str) -> None:
     """``check_ignored_layers`` for a user's config against a checkpoint: its entries may name the model's modules
-    or the checkpoint's (unfused: q_proj of a model's qkv_proj)."""
+    or the checkpoint's (unfused: q_proj of a model's qkv_proj; renamed: as stored or as renamed)."""
     names = [fqn for fqn, _ in model.named_modules()] + [name.rpartition(".")[0] for name in entries]
+    names += [e.source.rpartition(".")[0] for e in entries.values() if e.source]  # as stored, before renames
     check_ignored_layers(config, names, where, undone)
 
 
@@ -135,10 +136,10 @@ def load_checkpoint(
     ``Fp8Config()``. A given ``config`` overrides both. ``model`` may live on the meta device; tensors
     are created on ``device``, in the dtype of the model's parameters (fp8 weights stay fp8; the
     dequantized ``.weight`` views have the model's dtype). ``fused``: model module name -> checkpoint
-    module names it fuses (default ``FUSED``: qkv_proj, gate_up_proj). ``key_mapping``: checkpoint name
-    regex -> replacement, as transformers' ``from_pretrained(key_mapping=...)``; None applies the renames
-    transformers applies to this model (hub Mixtral's ``block_sparse_moe`` -> ``mlp``), ``{}`` none
-    (``fp8fx.checkpoint.renames``). ``progress``: a tqdm bar over the files. Returns a ``LoadReport``.
+    module names it fuses (default ``FUSED``: qkv_proj, gate_up_proj). Checkpoint names are first renamed
+    as transformers renames them for this model (hub Mixtral's ``block_sparse_moe`` -> ``mlp``;
+    ``fp8fx.checkpoint.renames``); ``key_mapping``: more renames, regex -> replacement, as transformers'
+    ``from_pretrained(key_mapping=...)`` takes them. ``progress``: a tqdm bar over the files. Returns a ``LoadReport``.
     Raises ``CheckpointError`` (a ``ValueError``) naming the tensor for a bad checkpoint; the model is
     then unchanged.
     """
@@ -192,10 +193,12 @@ class _Loader:
         self.kv_entries: dict[tuple[str, str], Entry] = {}
         self.buffers: dict[tuple[str, str], torch.Tensor] = {}
         self.unexpected: list[str] = []
+        self.entries: dict[str, Entry] = {}  # the checkpoint's tensors by the model's names (plan)
         self.moe = ExpertsLoader(self.modules, fmt, device, self.items)
 
     # --- 1. plan -----------------------------------------------------------------------------
     def plan(self, entries: dict[str, Entry]) -> None:
+        self.entries = entries
         self._find_linears(entries)
         self.moe.find(entries)
         used: set[str] = set()
@@ -216,7 +219,7 @@ class _Loader:
         if self.unexpected:
             log.warning(
                 "fp8fx: %d checkpoint tensors have no place in the model and are not loaded: %s%s",
-                len(self.unexpected), self.unexpected[:5], " ..." if len(self.unexpected) > 5 else "",
+                len(self.unexpected), self._stored_unexpected()[:5], " ..." if len(self.unexpected) > 5 else "",
             )
 
     def _find_linears(self, entries: Mapping[str, Entry]) -> None:
@@ -356,15 +359,24 @@ class _Loader:
                     " (3-D expert parameters: the checkpoint holds them per expert, <experts>.<e>.gate_proj.weight / "
                     "up_proj / down_proj or w1 / w3 / w2, or fused, <experts>.gate_up_proj / down_proj)"
                 )
-            fix = "wrong checkpoint for this model, or a shard is missing"
-            if self.unexpected:  # e.g. hub Mixtral's block_sparse_moe.* against a model's mlp.*
-                fix = (f"the checkpoint has {len(self.unexpected)} tensors the model has no place for "
-                       f"({self.unexpected[0]} ...): if it names modules differently, pass key_mapping= (checkpoint "
-                       f"name regex -> the model's); else {fix}")
             raise CheckpointError(
                 f"{missing[0]} (and {len(missing) - 1} more: {missing[1:4]}) is missing from the checkpoint{hint}; "
-                f"{fix}"
+                f"{self._missing_fix()}"
             )
+
+    def _missing_fix(self) -> str:
+        """What a 'missing from the checkpoint' error says to do."""
+        fix = "wrong checkpoint for this model, or a shard is missing"
+        if not self.unexpected:
+            return fix
+        # e.g. a checkpoint naming the MoE block as a model class transformers does not know renames for
+        return (f"the checkpoint has {len(self.unexpected)} tensors the model has no place for "
+                f"({self._stored_unexpected()[0]} ...): if it names modules differently, pass key_mapping= "
+                f"(checkpoint name regex -> the model's); else {fix}")
+
+    def _stored_unexpected(self) -> list[str]:
+        """The unplaced tensors as the checkpoint names them (before any rename)."""
+        return [self.entries[n].source or n for n in self.unexpected]
 
     def _plan_linear(self, lin: _Linear) -> None:
         """Check a fp8fx linear's tensors (dtypes, shapes, scales) and plan their loading."""
@@ -373,7 +385,8 @@ class _Loader:
 
         def need(leaf: str, i: int, why: str = "") -> Entry:
             if (leaf, i) not in todo:
-                raise CheckpointError(f"{lin.shards[i]}.{leaf} is missing from the checkpoint{why}")
+                fix = f"; {self._missing_fix()}" if leaf == "weight" else ""
+                raise CheckpointError(f"{lin.shards[i]}.{leaf} is missing from the checkpoint{why}{fix}")
             return todo.pop((leaf, i))
 
         for i, shard in enumerate(lin.shards):
@@ -610,7 +623,7 @@ class _Loader:
         for fqn, scales in self.kv.items():
             attach_kv_scales(self.modules[fqn], scales, self.device)
         report.kv_scales = {f: dict(s) for f, s in self.kv.items()}
-        report.unexpected = list(self.unexpected)
+        report.unexpected = self._stored_unexpected()
 
 
 def _join(prefix: str, name: str) -> str:

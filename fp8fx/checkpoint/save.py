@@ -2,6 +2,7 @@
 checkpoint -> an FP8 one, file by file, without building the model's weights)."""
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -217,9 +218,10 @@ def convert(
     the checkpoint has: per-expert ``<experts>.<e>.gate_proj.weight`` (or ``w1`` ...) with their own
     ``weight_scale`` / ``weight_scale_inv``, or fused ``gate_up_proj`` / ``down_proj`` with
     ``gate_up_proj_scale[_inv]`` ... (``fp8fx.checkpoint.experts``); experts the config ignores (or cannot
-    quantize) stay bf16 and their checkpoint modules go to the ignore list. ``key_mapping``: as
-    ``load_checkpoint``'s (None: the renames transformers applies to ``model``); renamed tensors are written
-    under the model's names, so hub Mixtral's ``block_sparse_moe.experts.<e>.w1`` become ``mlp.experts...``.
+    quantize) stay bf16 and their checkpoint modules go to the ignore list. Checkpoint names are matched to
+    the model's through transformers' renames and ``key_mapping``, as ``load_checkpoint`` does (hub Mixtral's
+    ``block_sparse_moe.experts.<e>.w1`` are ``mlp.experts``' in transformers 5), and written back as stored:
+    the output keeps the input's layout, which transformers and vLLM load.
     Peak memory: one output file plus one bf16 tensor. Returns a ``LoadReport`` (checkpoint module names;
     ``experts``: the experts modules quantized).
     """
@@ -241,20 +243,26 @@ def convert(
         )
     files, entries = read_checkpoint(src)
     model = model if model is not None else meta_model(src)
-    entries, _ = renames.apply(entries, renames.resolve(model, key_mapping, "convert"), src)
+    entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "convert"), src)
     check_checkpoint_ignores(config, model, entries, f"the checkpoint {src} (or its model)", "written")
+    config = renames.with_stored_ignores(config, sources)
     plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused))
     expert_plan, expert_tensors, experts = moe_ckpt.convert_plan(dict(model.named_modules()), entries, config)
     plan.update(expert_plan)
     schemes = {m: config.scheme() for m, reason in plan.items() if not reason}
     if not schemes:
         raise ValueError(f"convert: no linear weight of {src} can be quantized with {config.scheme()}: {plan}")
+    # the new quantization_config, the report and the tensors under the checkpoint's names
+    stored = functools.partial(renames.stored, sources=sources)
+    plan = {stored(m): r for m, r in plan.items()}
+    expert_plan = {stored(m): r for m, r in expert_plan.items()}
+    schemes = {stored(m): s for m, s in schemes.items()}
     qc = formats.quantization_config(schemes, sorted(m for m, r in plan.items() if r), False, format)
     block_inv = qc["quant_method"] == "fp8" and isinstance(config.weight, PerBlock)
     scale_name = "weight_scale_inv" if block_inv else "weight_scale"
     report = LoadReport(src, f"bf16 -> {qc['quant_method']} ({config.scheme()})")
     report.quantized = {m: str(s) for m, s in schemes.items() if m not in expert_plan}
-    report.experts = {f: str(config.scheme()) for f, reason in experts.items() if not reason}
+    report.experts = {stored(f): str(config.scheme()) for f, reason in experts.items() if not reason}
     report.not_quantized = {m: r for m, r in plan.items() if r}
 
     config_text = _config_text(config_json, qc, "convert")
@@ -270,22 +278,23 @@ def convert(
                 t = read_tensor(entry)
                 report.tensors += 1
                 report.bytes_read += entry.nbytes
-                owner, _, leaf = entry.name.rpartition(".")
+                name = entry.source or entry.name  # as stored
+                owner, _, leaf = name.rpartition(".")
                 if entry.name in expert_tensors:
                     moe_ckpt.check_finite(entry, t, expert_tensors[entry.name])
                     if t.dim() == 3:  # fused [E, rows, cols]: per-expert scales under the fused names
-                        out[entry.name], out[entry.name + scale_name[len("weight"):]] = moe_ckpt.quantize_fused(t, config)
+                        out[name], out[name + scale_name[len("weight"):]] = moe_ckpt.quantize_fused(t, config)
                         del t
                         continue
                 elif leaf != "weight" or owner not in schemes:
-                    out[entry.name] = t
+                    out[name] = t
                     continue
                 bad = 0 if entry.name in expert_tensors else chunked.count_nonfinite(t)
                 if bad:
                     raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix it or add {owner!r} to ignored_layers")
                 q, scale = chunked.quantize(t, config.weight.block)
                 del t
-                out[entry.name] = q
+                out[name] = q
                 out[f"{owner}.{scale_name}"] = scale.reshape(1) if isinstance(config.weight, PerTensor) else scale
             total += _write_shard(dst, os.path.basename(file), out, weight_map, written)
             del out

@@ -8,6 +8,8 @@ import pytest
 import torch
 from torch import nn
 
+import fp8fx
+
 from fp8fx.checkpoint import CheckpointError, convert, load_checkpoint, meta_model
 from fp8fx.checkpoint import renames
 from fp8fx.checkpoint.files import read_checkpoint
@@ -27,13 +29,29 @@ def hub_layout(tensors):
     return {k.replace(".mlp.", ".block_sparse_moe."): v for k, v in tensors.items()}
 
 
-def test_transformers_renames_of_mixtral_and_of_other_models():
+def test_transformers_renamer_of_mixtral_and_of_other_models():
     cfg = moe_config("mixtral")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-    found = renames.transformers_renames(model)
-    assert [r(f"{HUB}.experts.0.w1.weight") for r in found] == [f"{EXPERTS}.0.w1.weight"]
-    assert renames.transformers_renames(nn.Linear(2, 2)) == []
+    rename = renames.transformers_renamer(model, None)
+    assert rename(f"{HUB}.experts.0.w1.weight") == f"{EXPERTS}.0.w1.weight"
+    assert rename(f"{HUB}.gate.weight") == "model.layers.0.mlp.gate.weight"
+    assert rename("model.layers.0.self_attn.k_proj.k_scale") == "model.layers.0.self_attn.k_proj.k_scale"
+    assert renames.transformers_renamer(nn.Linear(2, 2), None) is None
+
+
+def test_renames_chain_and_add_to_the_models_own():
+    """As transformers applies them: every rename that matches fires, in turn (a user's mapping adds to the model's
+    renames), a pattern ending in a name character matches whole names only, '\\.' in a replacement is a dot."""
+    cfg = moe_config("mixtral")
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    mapping = {r"^base\.": "", r"\.block_sparse_moe\.experts\.(\d+)\.w1": r"\.block_sparse_moe\.experts\.\1\.w3"}
+    rename = renames.resolve(model, mapping, "t")  # the user's renames first, then the model's
+    assert rename(f"base.{HUB}.experts.0.w1.weight") == f"{EXPERTS}.0.w3.weight"
+    plain = renames.resolve(nn.Linear(2, 2), {r"\.ffn\.": ".mlp.", r"\.mlp\.w1": ".mlp.gate_proj"}, "t")
+    assert plain("a.ffn.w1.weight") == "a.mlp.gate_proj.weight"
+    assert plain("a.ffn.w10.weight") == "a.mlp.w10.weight"  # w1 is not a prefix of w10
 
 
 @pytest.mark.parametrize("granularity,static", [("tensor", True), ("block", False)])
@@ -55,9 +73,6 @@ def test_hub_mixtral_fp8_checkpoint_loads_as_the_models_own_layout(tmp_path, gra
     assert list(report.experts) == [EXPERTS] and is_quantized_experts(model.get_submodule(EXPERTS))
     assert_same_state(expected, model)
 
-    bare = meta_model(hub)
-    with pytest.raises(CheckpointError, match="block_sparse_moe.*key_mapping"):
-        load_checkpoint(bare, hub, key_mapping={}, progress=False)
 
 
 def test_ignored_layers_match_the_checkpoints_names(tmp_path):
@@ -108,7 +123,10 @@ def test_key_mapping_of_a_plain_model(tmp_path):
     ({"(": ".mlp."}, ValueError, r"key_mapping pattern '\(' is not a regex"),
     ([("a", "b")], TypeError, "not a dict"),
     ({r"\.ffn\.": 1}, TypeError, "is not str -> str"),
-    ({r"\.ffn\.down": ".mlp.down"}, CheckpointError, r"mlp\.gate_proj\.weight.*missing|no module .*ffn.*key_mapping"),
+    ({r"\.ffn\.down_proj": ".mlp.down_proj"}, CheckpointError,
+     r"model\.layers\.0\.mlp\.gate_proj\.weight is missing from the checkpoint; the checkpoint has 4 tensors the "
+     r"model has no place for \(model\.layers\.\d\.ffn\.(gate|up)_proj\.weight \.\.\.\): if it names modules "
+     r"differently, pass key_mapping="),
 ])
 def test_bad_key_mapping_is_refused_and_changes_nothing(tmp_path, mapping, error, match):
     path = _tiny_checkpoint(tmp_path, lambda k: k.replace(".mlp.", ".ffn."))
@@ -130,33 +148,51 @@ def test_errors_name_the_stored_name(tmp_path):
         load_checkpoint(meta_tiny(), path, key_mapping={r"\.ffn\.": ".mlp."}, progress=False)
 
 
-def test_convert_writes_hub_mixtral_experts_under_the_models_names(tmp_path):
-    """convert of a hub-layout bf16 Mixtral: the renamed experts are quantized and written as the model names
-    them (load_checkpoint then finds fp8 experts); with key_mapping={} they are reported, kept bf16 and ignored."""
+def _moved(src, dst, old, new):
+    """The checkpoint in ``src`` with ``old`` renamed ``new`` in every name, written to ``dst``."""
+    from safetensors.torch import load_file, save_file
+
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.suffix == ".safetensors":
+            tensors = {k.replace(old, new): v for k, v in load_file(f).items()}
+            save_file(tensors, dst / f.name, metadata={"format": "pt"})
+        else:
+            (dst / f.name).write_text(f.read_text().replace(old, new))
+    return dst
+
+
+def test_convert_of_hub_mixtral_keeps_its_layout(tmp_path):
+    """convert of a hub-layout bf16 Mixtral: the experts are found through the rename, quantized and written under
+    the names the checkpoint has (the hub's layout, which transformers and vLLM load); the output loads back with
+    fp8 experts. A user's ignore list may name them as stored."""
     cfg = moe_config("mixtral")
     state = reference_model(cfg).state_dict()
     src = bf16_checkpoint(tmp_path / "src", cfg, state, "mixtral")
-    moved = tmp_path / "moved"
-    moved.mkdir()
-    from safetensors.torch import load_file, save_file
-
-    for f in src.iterdir():
-        if f.suffix == ".safetensors":
-            save_file(hub_layout(load_file(f)), moved / f.name, metadata={"format": "pt"})
-        else:
-            (moved / f.name).write_text(f.read_text().replace(".mlp.", ".block_sparse_moe."))
+    moved = _moved(src, tmp_path / "moved", ".mlp.", ".block_sparse_moe.")
     report = convert(moved, tmp_path / "dst", CONFIGS["per-channel"], progress=False)
-    assert list(report.experts) == [EXPERTS]
+    assert list(report.experts) == [f"{HUB}.experts"]
     names = read_checkpoint(tmp_path / "dst")[1]
-    assert f"{EXPERTS}.0.w1.weight" in names and names[f"{EXPERTS}.0.w1.weight"].dtype == FP8
-    assert not any("block_sparse_moe" in n for n in names)
+    assert names[f"{HUB}.experts.0.w1.weight"].dtype == FP8 and f"{HUB}.experts.0.w1.weight_scale" in names
+    assert not any(".mlp." in n for n in names)
     model = meta_model(tmp_path / "dst")
     load_checkpoint(model, tmp_path / "dst", progress=False)
     assert is_quantized_experts(model.get_submodule(EXPERTS))
 
-    report = convert(moved, tmp_path / "kept", CONFIGS["per-channel"], key_mapping={}, progress=False)
-    stray = {m: r for m, r in report.not_quantized.items() if "block_sparse_moe" in m}
+    config = fp8fx.Fp8Config(ignored_layers=["lm_head", f"{HUB}.experts"])
+    report = convert(moved, tmp_path / "kept", config, progress=False)
+    assert not report.experts and report.not_quantized[f"{HUB}.experts.0.w1"] == "in ignored_layers"
+    assert read_checkpoint(tmp_path / "kept")[1][f"{HUB}.experts.0.w1.weight"].dtype == torch.bfloat16
+
+
+def test_convert_reports_expert_weights_it_cannot_place(tmp_path):
+    """Per-expert weights under a container neither the model nor a rename knows: reported, kept bf16, ignored."""
+    cfg = moe_config("mixtral")
+    src = bf16_checkpoint(tmp_path / "src", cfg, reference_model(cfg).state_dict(), "mixtral")
+    moved = _moved(src, tmp_path / "moved", ".mlp.experts.", ".moe_block.experts.")
+    report = convert(moved, tmp_path / "dst", CONFIGS["per-channel"], progress=False)
+    stray = {m: r for m, r in report.not_quantized.items() if "moe_block" in m}
     assert stray and all("where the model has no experts module" in r for r in stray.values()), report.not_quantized
     assert not report.experts
-    qc = json.loads((tmp_path / "kept" / "config.json").read_text())["quantization_config"]
+    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
     assert set(stray) <= set(qc["ignore"])

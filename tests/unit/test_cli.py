@@ -222,7 +222,7 @@ def test_convert_block_checkpoint_loads_back(capsys, tmp_path):
 
 
 def test_convert_rename(capsys, tmp_path):
-    """--rename maps the checkpoint's names to the model's (written under the model's names); a bad one is one line."""
+    """--rename maps the checkpoint's names to the model's (the output keeps the checkpoint's); a bad one is one line."""
     from tests.e2e.test_checkpoint_llama import llama_config, reference_model
     from tests.unit.test_checkpoint_load import write_checkpoint
 
@@ -238,8 +238,8 @@ def test_convert_rename(capsys, tmp_path):
     code, _, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--rename", r"\.ffn\.=.mlp.", "--no-progress")
     assert code == 0, err
     names = fp8fx.checkpoint.files.read_checkpoint(tmp_path / "dst")[1]
-    assert names["model.layers.0.mlp.down_proj.weight"].dtype == torch.float8_e4m3fn
-    assert not any(".ffn." in n for n in names)
+    assert names["model.layers.0.ffn.down_proj.weight"].dtype == torch.float8_e4m3fn
+    assert not any(".mlp." in n for n in names)
 
 
 def test_bench_cpu_smoke(capsys):
