@@ -40,7 +40,8 @@ def quantize_(
     ``prefix``: the name of ``model`` inside the model it belongs to (vLLM's ``prefix``), for a model quantized
     part by part (``quantize_(layer, cfg, prefix=f"model.layers.{i}")``): layers are named, reported, matched
     against ``ignored_layers`` and looked up in ``input_scales`` by their full names, so that two parts'
-    ``q_proj`` are not both reported as ``self_attn.q_proj``.
+    ``q_proj`` are not both reported as ``self_attn.q_proj``. A config or scales for the whole model serve each
+    part: ``ignored_layers`` entries and ``input_scales`` of other parts are left to them.
     """
     config = config or Fp8Config()
     check_prefix(prefix, "quantize_")
@@ -56,8 +57,8 @@ def quantize_(
             "bf16 model instead of quantizing twice"
         )
 
-    check_ignored_layers(config, [fqn for fqn, _ in model.named_modules(prefix=prefix)], f"this {type(model).__name__}",
-                         "quantized")
+    names = [fqn for fqn, _ in model.named_modules(prefix=prefix)]
+    check_ignored_layers(config, names, f"this {type(model).__name__}", "quantized", prefix)
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
     # a weight shared by several modules (tied lm_head / embeddings); one module registered under two names
@@ -115,7 +116,7 @@ def quantize_(
                     f"{fqn}.{name} has {bad} NaN/Inf values; fix the weights or add {fqn!r} to ignored_layers "
                     "(nothing was quantized)"
                 )
-    scales = _check_input_scales(config, plan, input_scales, skipped)
+    scales = _check_input_scales(config, plan, input_scales, skipped, prefix)
 
     for fqn, module, reason in skipped:  # tags the report reads back from the compiled graph's inputs
         if module.weight is not None:
@@ -159,12 +160,14 @@ def check_prefix(prefix: str, where: str) -> None:
         )
 
 
-def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, undone: str) -> None:
+def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, undone: str, prefix: str = "") -> None:
     """Every ``ignored_layers`` entry names one of ``names`` (modules: of a model, or of a checkpoint) or a prefix
     of some: a misspelt entry would quantize the very layer it was meant to keep in high precision. ``where``
     and ``undone`` complete the message: "names no module of <where>", "(nothing was <undone>)"."""
     names = [fqn for fqn in dict.fromkeys(names) if fqn]
     for entry in config.ignored_layers or ():
+        if prefix and not (entry_covers(entry, prefix) or entry_covers(prefix, entry)):
+            continue  # a model-wide config quantizing one part (prefix): the entry is another part's
         if not any(entry_covers(entry, fqn) for fqn in names):
             raise ValueError(
                 f"Fp8Config.ignored_layers: {entry!r} names no module of {where}{_did_you_mean(entry, names)}; "
@@ -172,12 +175,14 @@ def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, un
             )
 
 
-def _check_input_scales(config, plan, input_scales, skipped=()) -> dict[str, float]:
+def _check_input_scales(config, plan, input_scales, skipped=(), prefix="") -> dict[str, float]:
     if config.activation_scheme != "static":
         if input_scales:
             raise ValueError("input_scales is only used with activation_scheme='static'")
         return {}
     given = dict(input_scales or {})
+    if prefix:  # the scales of a whole model (calibrate(model)), this part quantized: its own
+        given = {fqn: v for fqn, v in given.items() if entry_covers(prefix, fqn)}
     planned = {fqn for fqn, _ in plan}
     not_quantized = {fqn: reason for fqn, _, reason in skipped}
     for fqn in given:

@@ -443,7 +443,8 @@ class TwoBlocks(nn.Module):
 
 def test_prefix_names_a_model_quantized_part_by_part():
     """quantize_ per block, each with its prefix: the report names every site by its full name (without one, both
-    blocks' layers were '0' and '2'); ignored_layers and input_scales take full names; a bad prefix is refused."""
+    blocks' layers were '0' and '2'); ignored_layers and input_scales take full names, a whole model's serve each
+    part (the other parts' entries left to them); a bad prefix is refused."""
     torch.manual_seed(0)
     model = TwoBlocks().to(torch.bfloat16)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
@@ -452,11 +453,13 @@ def test_prefix_names_a_model_quantized_part_by_part():
     assert set(scales) == {"blocks.1.0"}
     with pytest.raises(ValueError, match=r"prefix='blocks.1.'\): the dotted name"):
         fp8fx.quantize_(model.blocks[1], config, input_scales=scales, prefix="blocks.1.")
-    with pytest.raises(ValueError, match=r"'blocks.1.2' names no module of this Sequential"):
-        fp8fx.quantize_(model.blocks[1], config, input_scales=scales, prefix="blocks.0")
+    with pytest.raises(ValueError, match=r"'blocks.1.3' names no module of this Sequential"):
+        fp8fx.quantize_(model.blocks[1], Fp8Config(ignored_layers=["blocks.1.3", "blocks.0"]), prefix="blocks.1")
+    with pytest.raises(ValueError, match=r"input_scales\['blocks.1.9'\]: no linear layer"):
+        fp8fx.quantize_(model.blocks[1], config, input_scales={**scales, "blocks.1.9": 1.0}, prefix="blocks.1")
     assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
-    fp8fx.quantize_(model.blocks[0], prefix="blocks.0")
-    fp8fx.quantize_(model.blocks[1], config, input_scales=scales, prefix="blocks.1")
+    fp8fx.quantize_(model.blocks[0], Fp8Config(ignored_layers=["blocks.1.2"]), prefix="blocks.0")  # the other part's
+    fp8fx.quantize_(model.blocks[1], config, input_scales={**scales, "blocks.0.0": 1.0}, prefix="blocks.1")
     assert model.blocks[1][0].input_scale.item() == pytest.approx(scales["blocks.1.0"])
     assert not fp8fx.weights.is_quantized(model.blocks[1][2])
     torch._dynamo.reset()
