@@ -84,9 +84,9 @@ class Fp8Backend:
                 raise ValueError(f"Fp8Backend({name}={value!r}): True or False")
         if weight_only is not None and type(weight_only) is not bool:
             raise ValueError(f"Fp8Backend(weight_only={weight_only!r}): True, False or None (decided per GPU)")
-        if compiler == "eager" and (cudagraphs or inductor_config):
-            raise ValueError("Fp8Backend(compiler='eager'): cudagraphs and inductor_config configure Inductor, which "
-                             "this compiler does not run; drop them or use compiler='inductor'")
+        if compiler == "eager" and (cudagraphs or inductor_config or lowering != "aten" or one_pass_rows != 16384):
+            raise ValueError("Fp8Backend(compiler='eager'): cudagraphs, inductor_config, lowering and one_pass_rows "
+                             "configure Inductor, which this compiler does not run; drop them or use compiler='inductor'")
         if inductor_config is not None and not isinstance(inductor_config, Mapping):
             raise ValueError(f"Fp8Backend(inductor_config={inductor_config!r}): a dict of torch._inductor.config "
                              "options, e.g. {'max_autotune': True}")
@@ -94,17 +94,15 @@ class Fp8Backend:
         if unknown:
             raise ValueError(f"Fp8Backend(inductor_config={{{unknown[0]!r}: ...}}): not an option of "
                              "torch._inductor.config (nested ones are dotted: 'triton.cudagraphs')")
-        _check_dump_dir(dump_dir)
+        if cudagraphs and (inductor_config or {}).get("triton.cudagraphs", True) is not True:
+            raise ValueError("Fp8Backend(cudagraphs=True, inductor_config={'triton.cudagraphs': False}): the two "
+                             "disagree; keep one")
+        _check_dump_dir(dump_dir)  # last: it makes the folder
         self.one_pass_rows = one_pass_rows
         self.lowering = lowering
         self.compiler = compiler
         self.dump_dir = dump_dir
         self.inductor_config = dict(inductor_config or {})
-        if "post_grad_custom_post_pass" in self.inductor_config:
-            raise ValueError(
-                "Fp8Backend(inductor_config={'post_grad_custom_post_pass': ...}): fp8fx installs its pass manager "
-                "there (it carries the compile-cache key); run your pass as post_grad_custom_pre_pass instead"
-            )
         if cudagraphs:
             self.inductor_config["triton.cudagraphs"] = True
         options = {
@@ -129,24 +127,32 @@ class Fp8Backend:
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
         index = self.report.graphs
         dump = self._dump(gm, index)
-        (dump.passes(self.pass_manager) if dump else self.pass_manager).run(gm, example_inputs, self.report)
-        after_compile = gm.meta.pop(AFTER_COMPILE, ())  # e.g. moving fused weights into one tensor
-        if self.compiler == "eager":
+        code: list[str] = []
+        try:
+            (dump.passes(self.pass_manager) if dump else self.pass_manager).run(gm, example_inputs, self.report)
+            after_compile = gm.meta.pop(AFTER_COMPILE, ())  # e.g. moving fused weights into one tensor
+            compiled = gm.forward if self.compiler == "eager" else self._inductor(gm, example_inputs, index, code)
             for fn in after_compile:
                 fn()
-            return self._done(gm.forward, index, dump, [])
-        patches = {**self.inductor_config, "post_grad_custom_post_pass": self.pass_manager}
-        decomps = aten.decompositions() if self.lowering == "aten" and aten.applies(example_inputs) else None
-        try:
-            with compat.capture_output_code() as code, compat.one_pass_row_reductions(self.one_pass_rows):
-                compiled = compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
         except BaseException as e:  # Dynamo may run the frame eagerly instead: nothing of this graph was rewritten
             self.report.fail_graph(index, f"the graph failed to compile ({type(e).__name__}: {str(e)[:200]})")
+            if dump:
+                dump.finish(self.report, code)
             raise
-        self.report.add_output_code(index, "\n".join(code), gm)
-        for fn in after_compile:
-            fn()
         return self._done(compiled, index, dump, code)
+
+    def _inductor(self, gm: fx.GraphModule, example_inputs: Sequence[Any], index: int, code: list[str]):
+        # the pass manager takes Inductor's post-grad post pass slot for its cache key: a pass of the user's
+        # there (this backend's inductor_config, or torch._inductor.config) runs with it
+        key = "post_grad_custom_post_pass"
+        user_pass = self.inductor_config.get(key, compat.inductor_config_value(key))
+        patches = {**self.inductor_config, key: self.pass_manager.with_user_pass(user_pass)}
+        decomps = aten.decompositions() if self.lowering == "aten" and aten.applies(example_inputs) else None
+        with compat.capture_output_code() as captured, compat.one_pass_row_reductions(self.one_pass_rows):
+            compiled = compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
+        code += captured
+        self.report.add_output_code(index, "\n".join(code), gm)
+        return compiled
 
     def _dump(self, gm: fx.GraphModule, index: int) -> Optional[GraphDump]:
         if self.dump_dir is None:

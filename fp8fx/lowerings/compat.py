@@ -20,6 +20,16 @@ def is_inductor_config(key: str) -> bool:
     return key in config._config
 
 
+def inductor_config_value(key: str) -> Any:
+    """The current value of option ``key`` of ``torch._inductor.config`` (dotted for nested ones)."""
+    from torch._inductor import config
+
+    value: Any = config
+    for part in key.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def custom_pass_key(value: Any) -> Any:
     """What stands for an ``inductor_config`` value in a cache key: a ``CustomGraphPass``'s ``uuid()`` (its repr
     holds its address, new in every process), else the value."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import fx
@@ -35,8 +35,8 @@ def default_passes(
 class PassManager(compat.CustomGraphPass):
     """Runs ``passes`` on each Dynamo graph; recorded sites go to ``report``.
 
-    It is also installed as Inductor's ``post_grad_custom_post_pass`` (where it changes nothing)
-    so that its ``uuid()`` — the pass uuids plus the backend options — is part of Inductor's
+    It is also installed as Inductor's ``post_grad_custom_post_pass`` (where it changes nothing but runs a
+    pass of the user's that was there: ``with_user_pass``) so that its ``uuid()`` — the pass uuids plus the backend options — is part of Inductor's
     FX-graph cache key: a changed pass or option never reuses a stale compiled artifact.
     """
 
@@ -60,6 +60,16 @@ class PassManager(compat.CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         return None
 
+    def with_user_pass(self, user_pass: Optional[Callable[[fx.Graph], Any]]) -> Callable[[fx.Graph], Any]:
+        """What goes in Inductor's ``post_grad_custom_post_pass`` slot when the user has a pass there too: both,
+        the user's run. A ``CustomGraphPass`` of the user's keys the cache with this one; a plain function cannot
+        be keyed, and Inductor bypasses its FX-graph cache for it, as it does without fp8fx."""
+        if user_pass is None or user_pass is self:
+            return self
+        if isinstance(user_pass, compat.CustomGraphPass):
+            return _WithUserPass(self, user_pass)
+        return lambda graph: user_pass(graph)
+
     def uuid(self) -> str:
         key = {
             "passes": [(type(p).__name__, p.uuid()) for p in self.passes],
@@ -70,6 +80,20 @@ class PassManager(compat.CustomGraphPass):
             "lowerings": _sources_hash(),
         }
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class _WithUserPass(compat.CustomGraphPass):
+    def __init__(self, manager: PassManager, user_pass: compat.CustomGraphPass):
+        self.manager, self.user_pass = manager, user_pass
+
+    def __call__(self, graph: fx.Graph) -> None:
+        self.user_pass(graph)
+
+    def uuid(self) -> Optional[str]:
+        user = self.user_pass.uuid()
+        if user is None:  # the user's pass says it cannot be keyed
+            return None
+        return hashlib.sha256(f"{self.manager.uuid()} {user}".encode()).hexdigest()
 
 
 def _sources_hash() -> str:

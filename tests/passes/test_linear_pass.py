@@ -202,8 +202,6 @@ def test_cache_key_reaches_inductor(monkeypatch):
 def test_bad_backend_option():
     with pytest.raises(ValueError, match=r"Fp8Backend\(compiler='tvm'\): use one of"):
         Fp8Backend(compiler="tvm")
-    with pytest.raises(ValueError, match="run your pass as post_grad_custom_pre_pass instead"):
-        Fp8Backend(inductor_config={"post_grad_custom_post_pass": lambda graph: None})
     for bad in (0, True, 4096.0):
         with pytest.raises(ValueError, match=rf"Fp8Backend\(one_pass_rows={bad!r}\): a positive int"):
             Fp8Backend(one_pass_rows=bad)
@@ -213,8 +211,13 @@ def test_bad_backend_option():
             Fp8Backend(**{option: "false"})
     with pytest.raises(ValueError, match=r"Fp8Backend\(weight_only='auto'\): True, False or None"):
         Fp8Backend(weight_only="auto")
-    with pytest.raises(ValueError, match=r"compiler='eager'\): cudagraphs and inductor_config configure Inductor"):
-        Fp8Backend(compiler="eager", cudagraphs=True)
+    for eager_option in ({"cudagraphs": True}, {"lowering": "op"}, {"one_pass_rows": None}):
+        with pytest.raises(ValueError, match=r"compiler='eager'\): cudagraphs, inductor_config, lowering and "
+                                             r"one_pass_rows configure Inductor"):
+            Fp8Backend(compiler="eager", **eager_option)
+    with pytest.raises(ValueError, match=r"cudagraphs=True, inductor_config=\{'triton.cudagraphs': False\}\): the two "
+                                         r"disagree"):
+        Fp8Backend(cudagraphs=True, inductor_config={"triton.cudagraphs": False})
     with pytest.raises(ValueError, match=r"inductor_config=\{'no_such_option': ...\}\): not an option of "
                                          r"torch._inductor.config"):
         Fp8Backend(inductor_config={"no_such_option": 1})
@@ -230,8 +233,72 @@ def test_bad_dump_dir_is_refused_when_the_backend_is_made(tmp_path):
         Fp8Backend(dump_dir=str(tmp_path / "file" / "sub"))
     with pytest.raises(ValueError, match=r"dump_dir=123\): a folder's path"):
         Fp8Backend(dump_dir=123)
+    with pytest.raises(ValueError, match="the two disagree"):  # a refused backend makes no folder
+        Fp8Backend(dump_dir=str(tmp_path / "refused"), cudagraphs=True, inductor_config={"triton.cudagraphs": 0})
+    assert not (tmp_path / "refused").exists()
     Fp8Backend(dump_dir=str(tmp_path / "new" / "dumps"))
     assert (tmp_path / "new" / "dumps").is_dir()
+
+
+class _CountingPass(torch._inductor.custom_graph_pass.CustomGraphPass):
+    def __init__(self, key="counting v1"):
+        self.calls, self.key = 0, key
+
+    def __call__(self, graph):
+        self.calls += 1
+
+    def uuid(self):
+        return self.key
+
+
+@pytest.mark.parametrize("where", ["global", "inductor_config"])
+@pytest.mark.parametrize("kind", ["CustomGraphPass", "function"])
+def test_a_post_grad_post_pass_of_the_users_runs(where, kind):
+    """fp8fx's pass manager takes Inductor's post_grad_custom_post_pass slot (for its cache key): a pass of the
+    user's there, set globally or in inductor_config, runs as with plain Inductor (it was dropped silently)."""
+    torch._dynamo.reset()
+    calls = []
+    user = _CountingPass() if kind == "CustomGraphPass" else (lambda graph: calls.append(1))
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    no_cache = torch._inductor.config.patch(fx_graph_cache=False)  # a cache hit runs no post-grad pass
+    if where == "global":
+        backend = Fp8Backend()
+        with torch._inductor.config.patch(post_grad_custom_post_pass=user), no_cache, torch.no_grad():
+            torch.compile(model, backend=backend)(x)
+    else:
+        backend = Fp8Backend(inductor_config={"post_grad_custom_post_pass": user})
+        with no_cache, torch.no_grad():
+            torch.compile(model, backend=backend)(x)
+    assert (user.calls if kind == "CustomGraphPass" else len(calls)) == 1
+    assert len(backend.report.rewritten) == 2
+    slot = backend.pass_manager.with_user_pass(user)
+    if kind == "CustomGraphPass":  # keyed by both: a changed user pass is a new cache entry
+        assert slot.uuid() not in (None, backend.cache_key(), user.uuid())
+        assert slot.uuid() != backend.pass_manager.with_user_pass(_CountingPass("counting v2")).uuid()
+    else:  # a plain function cannot be keyed: Inductor bypasses its cache, as it does for it without fp8fx
+        assert not isinstance(slot, torch._inductor.custom_graph_pass.CustomGraphPass)
+
+
+def test_a_graph_whose_passes_fail_is_reported_not_rewritten(monkeypatch, tmp_path):
+    """A pass (or a step after compiling) that raises: the graph's sites are reported not rewritten, with the reason,
+    in the report and in the dump's report.json (the report said 'rewritten' while Dynamo ran the frame eagerly)."""
+    from fp8fx.passes.horizontal import HorizontalFusionPass
+
+    def broken(self, gm, ctx):
+        raise RuntimeError("broken pass")
+
+    monkeypatch.setattr(HorizontalFusionPass, "__call__", broken)
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(dump_dir=str(tmp_path))
+    with torch.no_grad(), pytest.raises(Exception, match="broken pass"):
+        torch.compile(model, backend=backend)(torch.randn(4, 16, dtype=torch.bfloat16))
+    assert backend.report.sites and not backend.report.rewritten
+    assert all("the graph failed to compile (RuntimeError: broken pass)" in s.reason for s in backend.report.sites)
+    assert "RuntimeError: broken pass" in (tmp_path / "report.json").read_text()
 
 
 class _NoOpPass(torch._inductor.custom_graph_pass.CustomGraphPass):
