@@ -164,7 +164,7 @@ def load_checkpoint(
     loader.stream(files, report, progress)
     loader.finish(report)
     loader.commit(report)
-    model._fp8fx_source = {"format": fmt.name, "config": config_json}
+    model._fp8fx_source = {"format": fmt.name, "config": config_json, "kv_cache": fmt.kv_cache}
     log.info("fp8fx: loaded %s", str(report).splitlines()[-1])
     return report
 
@@ -547,7 +547,9 @@ class _Loader:
         if self.kv or self.fmt.kv_cache:
             defaults = []
             for fqn, module in self.modules.items():
-                if fqn in self.kv or is_attention(module):
+                # a declared KV cache (kv_cache_scheme) gives every attention its scales; scales found without
+                # one complete only their own layer (vLLM reads them only for an fp8 KV cache it is asked for)
+                if fqn in self.kv or (self.fmt.kv_cache and is_attention(module)):
                     scales = self.kv.setdefault(fqn, {})
                     present = [name for name in DEFAULTED if name in scales]
                     for name in DEFAULTED:

@@ -78,8 +78,10 @@ def save_checkpoint(
         f for f, m in model.named_modules() if (isinstance(m, nn.Linear) or moe.is_experts(m)) and f not in schemes
         and f not in quantized_experts
     ]
-    kv = any(any(n in m._buffers for n in KV_SCALE_NAMES) for m in model.modules())
     source = getattr(model, "_fp8fx_source", {})
+    # KV-cache scales declared (kv_cache_scheme) where the model has them, unless they came from a checkpoint
+    # that held them without declaring an fp8 KV cache: the saved one says what its source said
+    kv = source.get("kv_cache", True) and any(any(n in m._buffers for n in KV_SCALE_NAMES) for m in model.modules())
     fmt = format or (source.get("format") if source.get("format") in formats.FORMATS else None)
     qc = formats.quantization_config(schemes, ignored, kv, fmt)
 

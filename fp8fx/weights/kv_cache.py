@@ -40,8 +40,9 @@ def kv_scale_target(name: str) -> Optional[tuple[str, str]]:
     naming, else None. The owner may end in ``.attn`` (vLLM's naming): see ``attention_owner``."""
     mapped = Fp8Config.get_cache_scale(name) or name
     owner, _, leaf = mapped.rpartition(".")
-    if leaf == "kv_scale":  # the deprecated single KV scale: vLLM reads it as k_scale (v_scale then follows it)
-        leaf = "k_scale"
+    if leaf == "kv_scale":  # the deprecated single KV scale: vLLM reads it as the attention's k_scale (v_scale
+        # then follows it), never a projection's: k_proj.kv_scale addresses k_proj (no place: vLLM drops it)
+        return (owner, "k_scale") if owner else None
     parent, _, proj = owner.rpartition(".")
     if parent and (proj, leaf) in _PROJECTION_KV_SCALES:
         owner = f"{parent}.attn"  # ModelOpt's k_proj.k_scale / v_proj.v_scale: the attention's (as vLLM remaps)
@@ -71,7 +72,7 @@ def check_kv_scale(name: str, value: torch.Tensor) -> float:
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(
             f"{name}={scale}: a KV-cache scale must be a positive finite float; fix or drop the tensor "
-            "(absent scales default to 1.0)"
+            "(an absent k_scale / v_scale takes the layer's other one, or 1.0)"
         )
     return scale
 

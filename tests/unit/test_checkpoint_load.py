@@ -6,6 +6,7 @@ model's dequantized weights and outputs are compared with float64 dequantized re
 import json
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -517,17 +518,36 @@ def test_legacy_kv_scale_serves_both(tmp_path):
     assert report.kv_scales["model.layers.1.self_attn"] == {"k_scale": 1.0, "v_scale": 1.0}
 
 
-def test_kv_scales_left_under_a_projection_are_refused(tmp_path):
-    """v_proj.kv_scale (read as k_scale) and k_proj.v_scale have no remapping to the attention: they were attached to
-    the linear layer, and the attention's v_scale silently took k's value (vLLM drops them with a warning)."""
+@pytest.mark.parametrize("leaf", ["k_proj.kv_scale", "v_proj.kv_scale", "k_proj.v_scale"])
+def test_kv_scales_left_under_a_projection_are_refused(tmp_path, leaf):
+    """The legacy kv_scale is the attention's (vLLM remaps <owner>.kv_scale to <owner>.attn.k_scale, so one under a
+    projection finds no place there and is dropped), and fp8fx remaps only the projection's own scale
+    (k_proj.k_scale, v_proj.v_scale, as ModelOpt writes them): v_proj.kv_scale was attached to the linear layer,
+    k_proj.kv_scale became the attention's k_scale and v_scale."""
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
     qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
-    tensors["model.layers.0.self_attn.k_proj.kv_scale"] = torch.tensor(0.5)
-    tensors["model.layers.0.self_attn.v_proj.kv_scale"] = torch.tensor(0.125)
+    tensors[f"model.layers.0.self_attn.{leaf}"] = torch.tensor(0.5)
     model = meta_tiny()
-    with pytest.raises(CheckpointError, match=r"self_attn\.(k|v)_proj\.kv_scale .* has no place in"):
+    with pytest.raises(CheckpointError, match=rf"self_attn\.{re.escape(leaf)} .* has no place in"):
         load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
     assert not any(n.endswith(("k_scale", "v_scale")) for n, _ in model.named_buffers())
+
+
+def test_kv_scales_without_a_kv_cache_scheme_stay_their_layers(tmp_path):
+    """Scales in a checkpoint that declares no fp8 KV cache: the layer that has them gets them (its missing v_scale
+    from its k_scale), the others get none, and save_checkpoint declares no KV cache either (every attention got
+    1.0 defaults and the saved checkpoint declared a static fp8 KV cache)."""
+    from fp8fx.checkpoint import save_checkpoint
+
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    model = meta_tiny()
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert report.kv_scales == {"model.layers.0.self_attn": {"k_scale": 0.5, "v_scale": 0.5}}
+    assert "k_scale" not in model.model.layers[1].self_attn._buffers
+    save_checkpoint(model, tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert saved.get("kv_cache_scheme") is None
 
 
 def test_kv_scheme_without_scales_defaults_with_a_warning(tmp_path, caplog):
