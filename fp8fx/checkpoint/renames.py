@@ -76,7 +76,7 @@ def transformers_renamer(model: nn.Module, key_mapping: Optional[Mapping[str, st
             transforms = [core_model_loading.WeightRenaming(source_patterns=p, target_patterns=r)
                           for p, r in (key_mapping or {}).items()]
         renamings = [t for t in transforms if isinstance(t, core_model_loading.WeightRenaming)]
-        apply_renamings = core_model_loading.apply_renamings
+        rename_source_key = core_model_loading.rename_source_key  # 5.17 and 5.24: (key, renamings, converters)
     except Exception as e:  # an internal API of transformers: say so, go on without it
         log.warning(
             "fp8fx: could not read the checkpoint renames transformers applies to %s (%s: %s); checkpoint names "
@@ -86,7 +86,7 @@ def transformers_renamer(model: nn.Module, key_mapping: Optional[Mapping[str, st
         return None
     if not renamings:
         return None
-    return lambda name: apply_renamings(name, renamings)
+    return lambda name: rename_source_key(name, renamings, [])[0]
 
 
 def apply(entries: Mapping[str, Entry], renamer: Optional[Renamer],
