@@ -362,6 +362,21 @@ def _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_bl
     _check_bias(bias, w2.shape[0], "fp8fx.gated_mlp")
 
 
+def _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block) -> None:
+    """What every real implementation of gated_mlp checks before it computes (the CUDA kernels read scales by
+    their layout: a one-element scale with a per-row block would be read as per-tensor)."""
+    what = "fp8fx.gated_mlp"
+    if xq.dtype != quant.FP8_DTYPE:
+        raise ValueError(f"{what}: xq is {xq.dtype}; it takes the fp8 codes of the activation (fp8fx.quantize)")
+    _check_scale_size(what, "x_scale", x_scale, f"a {list(xq.shape)} activation", (quant.rows_of(xq), xq.shape[-1]),
+                      x_block)
+    _check_weight(f"{what} (gate)", xq, w1, s1, w_block)
+    _check_weight(f"{what} (up)", xq, w3, s3, w_block)
+    if w2.dtype != quant.FP8_DTYPE:
+        raise ValueError(f"{what} (down): the weight is {w2.dtype}; it must be {quant.FP8_DTYPE}")
+    _check_scale_size(f"{what} (down)", "w_scale", s2, f"a {list(w2.shape)} weight", w2.shape, w2_block)
+
+
 def _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static,
                          act, h_dtype, out_dtype, use_fast_accum):
     """The unfused ops, as the linear pass emits them: the model's own act * mul (in ``h_dtype``)."""
@@ -401,6 +416,7 @@ def gated_mlp(
     (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens). On CUDA for M <= ``TRITON_MAX_M`` with per-tensor /
     per-row scales: two kernels (``fp8fx.kernels.gated_mlp``); otherwise these same ops one by one."""
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
+    _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block)
     return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,
                                 h_static, act, h_dtype, out_dtype, use_fast_accum)
 
@@ -416,6 +432,7 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
 def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act, h_dtype,
       out_dtype, use_fast_accum=False):
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
+    _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block)
     x2 = quant.as_rows(xq)
     m = x2.shape[0]
     if not (0 < m <= TRITON_MAX_M and _tensor_or_row(x_block, w_block) and _tensor_or_row(h_block, w2_block)):

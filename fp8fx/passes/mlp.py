@@ -11,7 +11,8 @@ Matches (after the linear pass), with the same ``xq`` / ``x_scale`` feeding gate
 or gate and up as one merged layer (Phi-3's ``gate_up_proj``, vLLM's merged column layout: gate rows first)::
 
     gu = fp8fx.scaled_mm(xq, x_scale, w13, s13, None, x_block, w_block, dtype, fast)
-    g, u = gu.chunk(2, dim=-1)                          # or torch.chunk / split into two equal halves
+    g, u = gu.chunk(2, dim=-1)                          # or torch.chunk / split into two equal halves; or
+                                                        # u, g = ...: the activation on the second half
 
 Rewrites to ``y = fp8fx.gated_mlp(xq, x_scale, w1, s1, w3, s3, w2, s2, b2, ...)`` (a merged layer's halves
 as row views ``w13[:I]``, ``w13[I:]`` of its weight and per-channel scale), which runs two Triton
@@ -55,7 +56,8 @@ class _Mlp:
     quant: list[fx.Node]  # the quantization's nodes (quantize and its getitems, or quantize_static)
     down: fx.Node
     h_static: Optional[fx.Node]
-    halves: list[fx.Node] = dataclasses.field(default_factory=list)  # merged: the chunk and its two getitems
+    halves: list[fx.Node] = dataclasses.field(default_factory=list)  # merged: the chunk, gate's and up's getitem
+    gate_half: int = 0  # merged: which half of the merged output the activation reads (vLLM's layout: the first)
 
     @property
     def merged(self) -> bool:
@@ -137,14 +139,14 @@ def _half(node) -> Optional[tuple[fx.Node, int, fx.Node]]:
     return gemm, node.args[1], cut
 
 
-def _gate_up(act_input, up) -> Optional[tuple[fx.Node, fx.Node, list[fx.Node]]]:
-    """(gate GEMM, up GEMM, []) for two GEMMs, or (merged GEMM, the same, [chunk, getitem 0, getitem 1]) for
-    the two halves of one, else None."""
+def _gate_up(act_input, up) -> Optional[tuple[fx.Node, fx.Node, list[fx.Node], int]]:
+    """(gate GEMM, up GEMM, [], 0) for two GEMMs, or (merged GEMM, the same, [chunk, gate's getitem, up's
+    getitem], the gate's half: 0 or 1) for the two halves of one, else None."""
     if _is_gemm(act_input) and _is_gemm(up):
-        return (act_input, up, []) if act_input is not up else None  # act(g) * g: no gate/up pair
-    first, second = _half(act_input), _half(up)
-    if first and second and first[1] == 0 and second[1] == 1 and first[2] is second[2]:
-        return first[0], first[0], [first[2], act_input, up]
+        return (act_input, up, [], 0) if act_input is not up else None  # act(g) * g: no gate/up pair
+    gate, other = _half(act_input), _half(up)
+    if gate and other and gate[1] != other[1] and gate[2] is other[2]:
+        return gate[0], gate[0], [gate[2], act_input, up], gate[1]
     return None
 
 
@@ -162,8 +164,8 @@ def _match(down: fx.Node) -> tuple[Optional[_Mlp], str]:
         found = _gate_up(_input(act), up) if isinstance(act, fx.Node) and act.op in (
             "call_function", "call_method") else None
         if found:
-            gate, up_gemm, halves = found
-            mlp = _Mlp(gate, up_gemm, act, h, quant, down, h_static, halves)
+            gate, up_gemm, halves, gate_half = found
+            mlp = _Mlp(gate, up_gemm, act, h, quant, down, h_static, halves, gate_half)
             if _activation(act):
                 return mlp, ""
             what = _name_of(act) + (" in place" if _in_place(act) else "")
@@ -174,7 +176,7 @@ def _match(down: fx.Node) -> tuple[Optional[_Mlp], str]:
         gate = _gemm_behind(act)
         found = _gate_up(gate, up) if gate is not None else None
         if found and found[0].args[:2] == found[1].args[:2]:  # gate and up read the same activation
-            mlp = _Mlp(found[0], found[1], act, h, quant, down, h_static, found[2])
+            mlp = _Mlp(found[0], found[1], act, h, quant, down, h_static, found[2], found[3])
             return mlp, "the activation is several ops, not one SiLU or GELU op (what the fused MLP takes)"
     return None, ""
 
@@ -268,8 +270,10 @@ class GatedMlpPass(Fp8Pass):
         _, _, w2, s2, bias, h_block, w2_block, out_dtype, _ = down.args
         h_dtype = fake_value(mlp.mul).dtype  # the model's act * mul dtype (autocast may differ from gate's)
         with graph.inserting_before(down):
-            if mlp.merged:  # gate rows first: [:I] and [I:] of the weight and of a per-channel scale
-                (w1, s1), (w3, s3) = (GatedMlpPass._rows(graph, w1, s1, half) for half in (0, 1))
+            if mlp.merged:  # gate's rows and up's: [:I] and [I:] of the weight and of a per-channel scale, or
+                # the other way round where the activation reads the second half
+                halves = (mlp.gate_half, 1 - mlp.gate_half)
+                (w1, s1), (w3, s3) = (GatedMlpPass._rows(graph, w1, s1, half) for half in halves)
             args = (xq, x_scale, w1, s1, w3, s3, w2, s2, bias, list(x_block), list(w_block), list(h_block),
                     list(w2_block), mlp.h_static, _activation(mlp.act), h_dtype, out_dtype, fast)
             new = graph.call_function(_GATED, args)

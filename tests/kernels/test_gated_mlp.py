@@ -143,6 +143,39 @@ def test_gated_mlp_op_checks_its_arguments():
         ops.gated_mlp(*bad)
 
 
+def bad_tensor_args(device):
+    """(arguments, message) the CUDA kernels accepted: they read a scale by its layout (a one-element scale under a
+    per-row block as per-tensor) and failed to compile bf16 codes; every implementation now refuses them alike."""
+    args, _ = mlp_operands(3, 32, 16, 8, "per-token/per-channel", device=device)
+    cases = []
+    for i, name, match in ((1, "x_scale", r"x_scale has 1 elements .* needs 3"),
+                           (3, "gate scale", r"\(gate\): w_scale has 1 elements .* needs 16"),
+                           (7, "down scale", r"\(down\): w_scale has 1 elements .* needs 8")):
+        bad = list(args)
+        bad[i] = args[i].reshape(-1)[:1].clone()
+        cases.append((bad, match))
+    bad = list(args)
+    bad[2] = args[2].to(torch.bfloat16)
+    cases.append((bad, r"\(gate\): the weight is torch.bfloat16"))
+    bad = list(args)
+    bad[0] = args[0].to(torch.bfloat16)
+    cases.append((bad, "xq is torch.bfloat16"))
+    return cases
+
+
+def test_gated_mlp_op_checks_its_tensors():
+    for bad, match in bad_tensor_args("cpu"):
+        with pytest.raises(ValueError, match=match):
+            ops.gated_mlp(*bad)
+
+
+@pytest.mark.cuda
+def test_gated_mlp_op_checks_its_tensors_cuda():
+    for bad, match in bad_tensor_args("cuda"):
+        with pytest.raises(ValueError, match=match):
+            ops.gated_mlp(*bad)
+
+
 @pytest.mark.parametrize("scheme,act", [(scheme, "silu") for scheme in SCHEMES] + [
     ("per-token/per-channel", "gelu"), ("per-token/per-channel", "gelu_tanh")])
 def test_gated_mlp_op_cpu_within_fp8_error_of_float64(scheme, act):

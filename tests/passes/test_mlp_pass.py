@@ -48,11 +48,11 @@ class InPlaceMLP(MLP):
 class MergedMLP(nn.Module):
     """Phi-3's MLP: gate and up as one layer, cut in two (``split``: how)."""
 
-    def __init__(self, dim=64, hidden=96, split="chunk"):
+    def __init__(self, dim=64, hidden=96, split="chunk", gate_second=False):
         super().__init__()
         self.gate_up_proj = nn.Linear(dim, 2 * hidden, bias=False)
         self.down_proj = nn.Linear(hidden, dim, bias=False)
-        self.split, self.hidden = split, hidden
+        self.split, self.hidden, self.gate_second = split, hidden, gate_second
 
     def forward(self, x):
         gu = self.gate_up_proj(x)
@@ -62,6 +62,8 @@ class MergedMLP(nn.Module):
             "keywords": lambda: torch.chunk(input=gu, chunks=2, dim=-1),
             "split keywords": lambda: torch.split(tensor=gu, split_size_or_sections=self.hidden, dim=-1),
         }[self.split]()
+        if self.gate_second:  # up rows first
+            gate, up = up, gate
         return self.down_proj(up * nn.functional.silu(gate))
 
 
@@ -129,16 +131,19 @@ def test_decode_mlp_is_one_op_with_the_unfused_output(cls, config):
                for s in report.sites), str(report)
 
 
-@pytest.mark.parametrize("split", ["chunk", "split", "keywords", "split keywords"])
+@pytest.mark.parametrize("split,gate_second", [("chunk", False), ("split", False), ("keywords", False),
+                                               ("split keywords", False), ("chunk", True), ("split", True)])
 @pytest.mark.parametrize("config", [
     fp8fx.Fp8Config(),
     fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor()),
 ])
-def test_merged_gate_up_is_fused_from_its_halves(split, config):
+def test_merged_gate_up_is_fused_from_its_halves(split, gate_second, config):
     """One gate_up_proj cut in two (chunk or split): the op reads its weight's (and per-channel scale's) two
-    row halves, gate first - the unfused graph's output to the bit."""
+    row halves, gate's first, whichever half the activation reads (the second was left unfused and unreported)
+    - the unfused graph's output to the bit."""
     torch.manual_seed(0)
-    model, ref = MergedMLP(split=split).to(torch.bfloat16), MergedMLP(split=split).double()
+    model = MergedMLP(split=split, gate_second=gate_second).to(torch.bfloat16)
+    ref = MergedMLP(split=split, gate_second=gate_second).double()
     ref.load_state_dict(model.state_dict())
     fp8fx.quantize_(model, config)
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
