@@ -164,7 +164,7 @@ def load_checkpoint(
     loader.stream(files, report, progress)
     loader.finish(report)
     loader.commit(report)
-    model._fp8fx_source = {"format": fmt.name, "config": config_json, "kv_cache": fmt.kv_cache}
+    model._fp8fx_source = {"format": fmt.name, "config": config_json, "kv_cache": loader.kv_declared}
     log.info("fp8fx: loaded %s", str(report).splitlines()[-1])
     return report
 
@@ -539,6 +539,10 @@ class _Loader:
             raise CheckpointError(str(e)) from None
 
     # --- 3. finish ---------------------------------------------------------------------------
+    @property
+    def kv_declared(self) -> bool:
+        return self.fmt.kv_cache or (self.fmt.name == "fp8" and bool(self.kv))
+
     def finish(self, report: LoadReport) -> None:
         for lin in self.linears.values():
             if lin.config is not None:
@@ -547,9 +551,10 @@ class _Loader:
         if self.kv or self.fmt.kv_cache:
             defaults = []
             for fqn, module in self.modules.items():
-                # a declared KV cache (kv_cache_scheme) gives every attention its scales; scales found without
-                # one complete only their own layer (vLLM reads them only for an fp8 KV cache it is asked for)
-                if fqn in self.kv or (self.fmt.kv_cache and is_attention(module)):
+                # an fp8 KV cache the checkpoint declares gives every attention its scales: compressed-tensors'
+                # kv_cache_scheme, or, in the fp8 format (which has no such field), the scales themselves; other
+                # scales complete only their own layer (vLLM reads them only for an fp8 KV cache it is asked for)
+                if fqn in self.kv or (self.kv_declared and is_attention(module)):
                     scales = self.kv.setdefault(fqn, {})
                     present = [name for name in DEFAULTED if name in scales]
                     for name in DEFAULTED:

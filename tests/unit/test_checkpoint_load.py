@@ -534,9 +534,10 @@ def test_kv_scales_left_under_a_projection_are_refused(tmp_path, leaf):
 
 
 def test_kv_scales_without_a_kv_cache_scheme_stay_their_layers(tmp_path):
-    """Scales in a checkpoint that declares no fp8 KV cache: the layer that has them gets them (its missing v_scale
-    from its k_scale), the others get none, and save_checkpoint declares no KV cache either (every attention got
-    1.0 defaults and the saved checkpoint declared a static fp8 KV cache)."""
+    """Scales in a compressed-tensors checkpoint that declares no fp8 KV cache (no kv_cache_scheme): the layer that
+    has them gets them (its missing v_scale from its k_scale), the others get none, and save_checkpoint declares no
+    KV cache either (every attention got 1.0 defaults and the saved checkpoint declared a static fp8 KV cache).
+    The fp8 format has no such field: there the scales are the declaration (test_checkpoint_llama)."""
     from fp8fx.checkpoint import save_checkpoint
 
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
