@@ -32,11 +32,10 @@ class QuantFormat:
     kv_cache: bool = False  # the checkpoint declares static KV-cache scales
     # module -> the checkpoint's name for it where key_mapping renamed it (fp8fx.checkpoint.renames): the
     # ignore list and targets were written against the checkpoint's names and match either
-    sources: Mapping[str, str] = dataclasses.field(default_factory=dict, hash=False, compare=False)
+    sources: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, hash=False, compare=False)
 
     def _names(self, fqn: str) -> tuple[str, ...]:
-        source = self.sources.get(fqn)
-        return (fqn,) if source is None else (fqn, source)
+        return (fqn, *self.sources.get(fqn, ()))
 
     def is_ignored(self, fqn: str, classes: Sequence[str] = ()) -> bool:
         if self.name != "compressed-tensors":
@@ -101,8 +100,10 @@ def parse(config_json: Mapping[str, Any], user: Optional[Fp8Config] = None) -> Q
 
 
 def _kv_cache(qc: Mapping[str, Any]) -> bool:
+    """The checkpoint declares static KV-cache scales: compressed-tensors' scheme dict, or AutoFP8 / Quark's
+    ``"kv_cache_scheme": "static"``."""
     scheme = qc.get("kv_cache_scheme")
-    return isinstance(scheme, dict) and not scheme.get("dynamic", False)
+    return scheme == "static" or isinstance(scheme, dict) and not scheme.get("dynamic", False)
 
 
 def _compressed_tensors(qc: Mapping[str, Any], kv: bool) -> QuantFormat:

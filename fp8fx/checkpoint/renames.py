@@ -34,70 +34,100 @@ Renamer = Callable[[str], str]
 
 
 def resolve(model: nn.Module, key_mapping: Optional[Mapping[str, str]], where: str) -> Optional[Renamer]:
-    """The renaming to apply to checkpoint names for ``model``: transformers' renames of the model and
-    ``key_mapping`` (checked here: a dict of regex -> str), or None when there are none."""
-    if key_mapping is not None:
-        if not isinstance(key_mapping, Mapping):
-            raise TypeError(f"{where}: key_mapping={key_mapping!r} is not a dict of regex pattern -> replacement")
-        for pattern, replacement in key_mapping.items():
-            if not isinstance(pattern, str) or not isinstance(replacement, str):
-                raise TypeError(f"{where}: key_mapping entry {pattern!r}: {replacement!r} is not str -> str")
-            try:
-                re.compile(pattern)
-            except re.error as e:
-                raise ValueError(f"{where}: key_mapping pattern {pattern!r} is not a regex ({e})") from None
-    renamer = transformers_renamer(model, key_mapping)
-    if renamer is not None or not key_mapping:
-        return renamer
-    patterns = [(re.compile(p), r) for p, r in key_mapping.items()]
-
-    def rename(name: str) -> str:
-        for pattern, replacement in patterns:
-            name = pattern.sub(replacement, name, count=1)
-        return name
-
-    return rename
+    """The renaming to apply to checkpoint names for ``model``: ``key_mapping`` (checked here: a dict of regex ->
+    str) then transformers' renames of the model, or None when there are none. A name that already has its place
+    in the model (a parameter or buffer, or a tensor of one of its modules) keeps it: a checkpoint in the model's
+    own layout (``save_checkpoint`` writes one) loads as it is, whatever renames the hub layout needs."""
+    user = _user_renames(key_mapping, where)
+    renamer = transformers_renamer(model, user)
+    if renamer is None and user:
+        def renamer(name: str) -> str:  # no transformers: each pattern replaces its first match, in turn
+            for pattern, replacement in user:
+                name = re.sub(pattern, replacement, name, count=1)
+            return name
+    if renamer is None:
+        return None
+    placed = set(model.state_dict(keep_vars=True)) | {f for f, _ in model.named_modules()}
+    return lambda name: name if name in placed or name.rpartition(".")[0] in placed else renamer(name)
 
 
-def transformers_renamer(model: nn.Module, key_mapping: Optional[Mapping[str, str]]) -> Optional[Renamer]:
-    """transformers' renaming of checkpoint keys for ``model`` (its conversion mapping's renames, for a
-    transformers model, and ``key_mapping``), or None: no transformers, no renames, or an API it no longer
-    has. ``conversion_mapping`` and ``core_model_loading`` are internal modules of transformers 5: if they
-    change, the renames are left out with a warning, and ``key_mapping`` still applies (``resolve``)."""
+def _user_renames(key_mapping: Optional[Mapping[str, str]], where: str) -> list[tuple[str, str]]:
+    if key_mapping is None:
+        return []
+    if not isinstance(key_mapping, Mapping):
+        raise TypeError(f"{where}: key_mapping={key_mapping!r} is not a dict of regex pattern -> replacement")
+    for pattern, replacement in key_mapping.items():
+        if not isinstance(pattern, str) or not isinstance(replacement, str):
+            raise TypeError(f"{where}: key_mapping entry {pattern!r}: {replacement!r} is not str -> str")
+        try:
+            groups = re.compile(pattern).groups
+        except re.error as e:
+            raise ValueError(f"{where}: key_mapping pattern {pattern!r} is not a regex ({e})") from None
+        if "\\1" in replacement and groups < 1:
+            raise ValueError(f"{where}: key_mapping entry {pattern!r}: {replacement!r} refers to group 1, which the "
+                             "pattern does not have")
+    return list(key_mapping.items())
+
+
+def transformers_renamer(model: nn.Module, user: list[tuple[str, str]]) -> Optional[Renamer]:
+    """transformers' renaming of checkpoint keys: ``user`` (regex, replacement) pairs, as ``from_pretrained(
+    key_mapping=...)`` takes them, then the renames of ``model``'s conversion mapping (a transformers model), or
+    None: no transformers, no renames, or an API it no longer has. ``conversion_mapping`` and
+    ``core_model_loading`` are internal modules of transformers 5: if they change, the model's renames are left out
+    with a warning and ``resolve`` applies ``user`` itself."""
     try:
         from transformers import PreTrainedModel, conversion_mapping, core_model_loading
-    except ImportError:  # no transformers, or 4.x (which renames nothing by default)
-        return None
-    try:
-        if isinstance(model, PreTrainedModel):
-            mapping = dict(key_mapping) if key_mapping else None
-            transforms = conversion_mapping.get_model_conversion_mapping(model, key_mapping=mapping, add_legacy=True)
-        else:
-            transforms = [core_model_loading.WeightRenaming(source_patterns=p, target_patterns=r)
-                          for p, r in (key_mapping or {}).items()]
-        renamings = [t for t in transforms if isinstance(t, core_model_loading.WeightRenaming)]
+
         rename_source_key = core_model_loading.rename_source_key  # 5.17 and 5.24: (key, renamings, converters)
-    except Exception as e:  # an internal API of transformers: say so, go on without it
-        log.warning(
-            "fp8fx: could not read the checkpoint renames transformers applies to %s (%s: %s); checkpoint names "
-            "are used as they are: pass key_mapping= if they differ from the model's",
-            type(model).__name__, type(e).__name__, e,
-        )
+        weight_renaming = core_model_loading.WeightRenaming
+    except (ImportError, AttributeError):  # no transformers, or 4.x (which renames nothing by default)
         return None
+    renamings = []
+    for pattern, replacement in user:
+        try:
+            renamings.append(weight_renaming(source_patterns=pattern, target_patterns=replacement))
+        except Exception as e:  # transformers' own checks of a pattern: the user's to fix
+            raise ValueError(f"key_mapping entry {pattern!r}: {replacement!r}: {type(e).__name__}: {e}") from None
+    if isinstance(model, PreTrainedModel):
+        try:
+            transforms = conversion_mapping.get_model_conversion_mapping(model, add_legacy=True)
+        except Exception as e:  # an internal API of transformers: say so, go on without it
+            log.warning(
+                "fp8fx: could not read the checkpoint renames transformers applies to %s (%s: %s); checkpoint names "
+                "are used as they are: pass key_mapping= if they differ from the model's",
+                type(model).__name__, type(e).__name__, e,
+            )
+            transforms = []
+        renamings += [t for t in transforms if isinstance(t, weight_renaming)]
     if not renamings:
         return None
     return lambda name: rename_source_key(name, renamings, [])[0]
 
 
+# what a linear's weight carries along when a rename moves the weight alone (Phimoe's .gate.weight ->
+# .router.weight): ``.weight`` -> ``<leaf>`` takes ``.weight_scale`` -> ``<leaf>_scale`` (the 3-D experts' names)
+_SIBLINGS = {"weight_scale": "_scale", "weight_scale_inv": "_scale_inv", "input_scale": "_input_scale",
+             "output_scale": "_output_scale"}
+
+
 def apply(entries: Mapping[str, Entry], renamer: Optional[Renamer],
-          where: str) -> tuple[dict[str, Entry], dict[str, str]]:
-    """(entries under the model's names, model module -> checkpoint module for each renamed one). Two
-    checkpoint tensors renamed onto one name are an error; nothing is read."""
+          where: str) -> tuple[dict[str, Entry], dict[str, tuple[str, ...]]]:
+    """(entries under the model's names, model module -> the checkpoint modules renamed onto it). Two checkpoint
+    tensors renamed onto one name are an error; nothing is read."""
     if renamer is None:
         return dict(entries), {}
     new_names = {name: renamer(name) for name in sorted(entries)}  # in sorted order, as transformers renames
+    for name, new in list(new_names.items()):  # a weight's scales follow it where a rename moved the weight alone
+        owner, _, leaf = name.rpartition(".")
+        new_owner, _, new_leaf = new.rpartition(".")
+        if leaf != "weight" or new == name:
+            continue
+        for sibling, suffix in _SIBLINGS.items():
+            old = f"{owner}.{sibling}"
+            if old in new_names and new_names[old].rpartition(".")[0] == owner:
+                new_names[old] = f"{new_owner}.{sibling}" if new_leaf == "weight" else f"{new_owner}.{new_leaf}{suffix}"
     out: dict[str, Entry] = {}
-    modules: dict[str, str] = {}
+    modules: dict[str, list[str]] = {}
     for name, entry in entries.items():
         new = new_names[name]
         if new in out:
@@ -112,7 +142,9 @@ def apply(entries: Mapping[str, Entry], renamer: Optional[Renamer],
             # a.mlp.experts are a.block_sparse_moe.experts.0.w1 and a.block_sparse_moe.experts
             a, b = new.split(".")[:-1], name.split(".")[:-1]
             while a and b and a != b:
-                modules[".".join(a)] = ".".join(b)
+                stored = modules.setdefault(".".join(a), [])
+                if ".".join(b) not in stored:
+                    stored.append(".".join(b))
                 if a[-1] != b[-1]:
                     break
                 a, b = a[:-1], b[:-1]
@@ -120,17 +152,18 @@ def apply(entries: Mapping[str, Entry], renamer: Optional[Renamer],
     if modules:
         new, old = next(iter(modules.items()))
         log.info("fp8fx: %d checkpoint tensors renamed to the model's names (e.g. %s -> %s)",
-                 sum(e.source is not None for e in out.values()), old, new)
-    return out, modules
+                 sum(e.source is not None for e in out.values()), old[0], new)
+    return out, {m: tuple(s) for m, s in modules.items()}
 
 
-def with_stored_ignores(config: Fp8Config, sources: Mapping[str, str]) -> Fp8Config:
+def with_stored_ignores(config: Fp8Config, sources: Mapping[str, tuple[str, ...]]) -> Fp8Config:
     """``config`` with its ``ignored_layers`` also naming, as the model names them, the renamed modules its
     entries name as the checkpoint stores them (``ignored_layers=["...block_sparse_moe.experts"]``)."""
-    extra = [m for m, s in sources.items() if config.is_ignored(s) and not config.is_ignored(m)]
+    extra = [m for m, stored in sources.items() if any(config.is_ignored(s) for s in stored)
+             and not config.is_ignored(m)]
     return dataclasses.replace(config, ignored_layers=(*config.ignored_layers, *extra)) if extra else config
 
 
-def stored(name: str, sources: Mapping[str, str]) -> str:
-    """The checkpoint's name of module (or tensor owner) ``name``."""
-    return sources.get(name, name)
+def stored(name: str, sources: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
+    """The checkpoint's names of module (or tensor owner) ``name``: one, or several a rename merged."""
+    return sources.get(name, (name,))

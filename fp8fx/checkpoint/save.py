@@ -256,15 +256,15 @@ def convert(
         raise ValueError(f"convert: no linear weight of {src} can be quantized with {config.scheme()}: {plan}")
     # the new quantization_config, the report and the tensors under the checkpoint's names
     stored = functools.partial(renames.stored, sources=sources)
-    plan = {stored(m): r for m, r in plan.items()}
-    expert_plan = {stored(m): r for m, r in expert_plan.items()}
-    schemes = {stored(m): s for m, s in schemes.items()}
+    plan = {s: r for m, r in plan.items() for s in stored(m)}
+    expert_plan = {s: r for m, r in expert_plan.items() for s in stored(m)}
+    schemes = {s: scheme for m, scheme in schemes.items() for s in stored(m)}
     qc = formats.quantization_config(schemes, sorted(m for m, r in plan.items() if r), False, format)
     block_inv = qc["quant_method"] == "fp8" and isinstance(config.weight, PerBlock)
     scale_name = "weight_scale_inv" if block_inv else "weight_scale"
     report = LoadReport(src, f"bf16 -> {qc['quant_method']} ({config.scheme()})")
     report.quantized = {m: str(s) for m, s in schemes.items() if m not in expert_plan}
-    report.experts = {stored(f): str(config.scheme()) for f, reason in experts.items() if not reason}
+    report.experts = {s: str(config.scheme()) for f, reason in experts.items() if not reason for s in stored(f)}
     report.not_quantized = {m: r for m, r in plan.items() if r}
 
     config_text = _config_text(config_json, qc, "convert")

@@ -33,11 +33,11 @@ def test_transformers_renamer_of_mixtral_and_of_other_models():
     cfg = moe_config("mixtral")
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-    rename = renames.transformers_renamer(model, None)
+    rename = renames.transformers_renamer(model, [])
     assert rename(f"{HUB}.experts.0.w1.weight") == f"{EXPERTS}.0.w1.weight"
     assert rename(f"{HUB}.gate.weight") == "model.layers.0.mlp.gate.weight"
     assert rename("model.layers.0.self_attn.k_proj.k_scale") == "model.layers.0.self_attn.k_proj.k_scale"
-    assert renames.transformers_renamer(nn.Linear(2, 2), None) is None
+    assert renames.transformers_renamer(nn.Linear(2, 2), []) is None
 
 
 def test_renames_chain_and_add_to_the_models_own():
@@ -122,6 +122,7 @@ def test_key_mapping_of_a_plain_model(tmp_path):
     ({"(": ".mlp."}, ValueError, r"key_mapping pattern '\(' is not a regex"),
     ([("a", "b")], TypeError, "not a dict"),
     ({r"\.ffn\.": 1}, TypeError, "is not str -> str"),
+    ({r"\.ffn\.": r".mlp.\1"}, ValueError, "refers to group 1, which the pattern does not have"),
     ({r"\.ffn\.down_proj": ".mlp.down_proj"}, CheckpointError,
      r"model\.layers\.0\.mlp\.gate_proj\.weight is missing from the checkpoint; the checkpoint has 4 tensors the "
      r"model has no place for \(model\.layers\.\d\.ffn\.(gate|up)_proj\.weight \.\.\.\): if it names modules "
@@ -195,3 +196,49 @@ def test_convert_reports_expert_weights_it_cannot_place(tmp_path):
     assert not report.experts
     qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
     assert set(stray) <= set(qc["ignore"])
+
+
+def test_names_the_model_has_are_not_renamed(tmp_path):
+    """A checkpoint in the model's own layout (save_checkpoint writes one) loads as it is, whatever renames a hub
+    layout would need: a rename applies only to a name with no place in the model (transformers' renames of some
+    models change the model's own names, e.g. laguna's shared_experts)."""
+    path = _tiny_checkpoint(tmp_path, lambda k: k)
+    model, expected = meta_tiny(), meta_tiny()
+    load_checkpoint(model, path, key_mapping={r"\.mlp\.": ".ffn."}, progress=False)
+    load_checkpoint(expected, path, progress=False)
+    assert_same_state(expected, model)
+
+
+def test_a_weights_scales_follow_a_rename_of_the_weight(tmp_path):
+    """A rename of the weight alone (Phimoe's .gate.weight -> .router.weight): its weight_scale and input_scale move
+    with it (they stayed under the old name, and the layer's scales were missing)."""
+    from tests.unit.test_checkpoint_load import bf16_state, fp8_checkpoint
+
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor", static=True)
+    expected = meta_tiny()
+    load_checkpoint(expected, write_checkpoint(tmp_path / "own", tensors, qc), progress=False)
+    moved = {k.replace(".mlp.gate_proj.", ".mlp.gate."): v for k, v in tensors.items()}
+    assert "model.layers.0.mlp.gate.input_scale" in moved
+    model = meta_tiny()
+    load_checkpoint(model, write_checkpoint(tmp_path / "moved", moved, qc),
+                    key_mapping={r"\.mlp\.gate\.weight$": ".mlp.gate_proj.weight"}, progress=False)
+    assert_same_state(expected, model)
+
+
+def test_autofp8_kv_cache_scheme_string_is_kept_on_save(tmp_path):
+    """AutoFP8 / Quark declare their KV cache as "kv_cache_scheme": "static" (it was not read: without scales in the
+    checkpoint no attention got its 1.0 defaults, and a save declared no KV cache)."""
+    import json
+
+    from fp8fx.checkpoint import save_checkpoint
+    from tests.unit.test_checkpoint_load import bf16_state, fp8_checkpoint
+
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor", static=True)
+    qc["kv_cache_scheme"] = "static"
+    model = meta_tiny()
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert len(report.kv_defaults) == 4
+    assert report.kv_scales["model.layers.1.self_attn"] == {"k_scale": 1.0, "v_scale": 1.0}
+    save_checkpoint(model, tmp_path / "saved")
+    saved = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert saved["kv_cache_scheme"] is not None
