@@ -17,6 +17,7 @@ log = logging.getLogger("fp8fx")
 
 _COMPILERS = ("inductor", "eager")
 _LOWERINGS = ("aten", "op")
+ONE_PASS_ROWS = 16384  # Fp8Backend's default one_pass_rows: rows up to a Llama-3 MLP's 14336 reduce in one pass
 
 
 class Fp8Backend:
@@ -69,7 +70,7 @@ class Fp8Backend:
         weight_only: Optional[bool] = None,
         fuse_horizontal: bool = False,
         fuse_mlp: bool = False,
-        one_pass_rows: Optional[int] = 16384,
+        one_pass_rows: Optional[int] = ONE_PASS_ROWS,
     ):
         if compiler not in _COMPILERS:
             raise ValueError(f"Fp8Backend(compiler={compiler!r}): use one of {_COMPILERS}")
@@ -84,9 +85,11 @@ class Fp8Backend:
                 raise ValueError(f"Fp8Backend({name}={value!r}): True or False")
         if weight_only is not None and type(weight_only) is not bool:
             raise ValueError(f"Fp8Backend(weight_only={weight_only!r}): True, False or None (decided per GPU)")
-        if compiler == "eager" and (cudagraphs or inductor_config or lowering != "aten" or one_pass_rows != 16384):
+        inductor_only = cudagraphs or inductor_config or lowering != "aten" or one_pass_rows != ONE_PASS_ROWS
+        if compiler == "eager" and inductor_only:
             raise ValueError("Fp8Backend(compiler='eager'): cudagraphs, inductor_config, lowering and one_pass_rows "
-                             "configure Inductor, which this compiler does not run; drop them or use compiler='inductor'")
+                             "configure Inductor, which this compiler does not run; drop them or use "
+                             "compiler='inductor'")
         if inductor_config is not None and not isinstance(inductor_config, Mapping):
             raise ValueError(f"Fp8Backend(inductor_config={inductor_config!r}): a dict of torch._inductor.config "
                              "options, e.g. {'max_autotune': True}")

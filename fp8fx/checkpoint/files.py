@@ -54,7 +54,7 @@ class Entry:
     shape: tuple[int, ...]
     start: int
     end: int
-    source: Optional[str] = None  # the name in the file, where key_mapping renamed it (fp8fx.checkpoint.renames)
+    source: Optional[str] = None  # the name in the file, where a rename changed it (fp8fx.checkpoint.renames)
 
     @property
     def nbytes(self) -> int:

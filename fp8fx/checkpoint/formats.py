@@ -30,7 +30,7 @@ class QuantFormat:
     groups: tuple[tuple[tuple[str, ...], Fp8Config], ...] = ()
     ignore: tuple[str, ...] = ()
     kv_cache: bool = False  # the checkpoint declares static KV-cache scales
-    # module -> the checkpoint's name for it where key_mapping renamed it (fp8fx.checkpoint.renames): the
+    # module -> the checkpoint's names for it where a rename changed them (fp8fx.checkpoint.renames): the
     # ignore list and targets were written against the checkpoint's names and match either
     sources: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, hash=False, compare=False)
 

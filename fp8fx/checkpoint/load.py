@@ -136,12 +136,12 @@ def load_checkpoint(
     ``Fp8Config()``. A given ``config`` overrides both. ``model`` may live on the meta device; tensors
     are created on ``device``, in the dtype of the model's parameters (fp8 weights stay fp8; the
     dequantized ``.weight`` views have the model's dtype). ``fused``: model module name -> checkpoint
-    module names it fuses (default ``FUSED``: qkv_proj, gate_up_proj). Checkpoint names are first renamed
-    as transformers renames them for this model (hub Mixtral's ``block_sparse_moe`` -> ``mlp``;
-    ``fp8fx.checkpoint.renames``); ``key_mapping``: more renames, regex -> replacement, as transformers'
-    ``from_pretrained(key_mapping=...)`` takes them. ``progress``: a tqdm bar over the files. Returns a ``LoadReport``.
-    Raises ``CheckpointError`` (a ``ValueError``) naming the tensor for a bad checkpoint; the model is
-    then unchanged.
+    module names it fuses (default ``FUSED``: qkv_proj, gate_up_proj). Checkpoint names the model does not
+    have are first renamed as transformers renames them for this model (hub Mixtral's ``block_sparse_moe``
+    -> ``mlp``; ``fp8fx.checkpoint.renames``); ``key_mapping``: more renames, regex -> replacement, as
+    transformers' ``from_pretrained(key_mapping=...)`` takes them. ``progress``: a tqdm bar over the files.
+    Returns a ``LoadReport``. Raises ``CheckpointError`` (a ``ValueError``) naming the tensor for a bad
+    checkpoint; the model is then unchanged.
     """
     path = os.fspath(path)
     config_json = read_config(path)

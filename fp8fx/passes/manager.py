@@ -35,9 +35,10 @@ def default_passes(
 class PassManager(compat.CustomGraphPass):
     """Runs ``passes`` on each Dynamo graph; recorded sites go to ``report``.
 
-    It is also installed as Inductor's ``post_grad_custom_post_pass`` (where it changes nothing but runs a
-    pass of the user's that was there: ``with_user_pass``) so that its ``uuid()`` — the pass uuids plus the backend options — is part of Inductor's
-    FX-graph cache key: a changed pass or option never reuses a stale compiled artifact.
+    It is also installed as Inductor's ``post_grad_custom_post_pass`` (where it changes nothing, but runs a
+    pass of the user's that was there: ``with_user_pass``) so that its ``uuid()`` — the pass uuids plus the
+    backend options — is part of Inductor's FX-graph cache key: a changed pass or option never reuses a stale
+    compiled artifact.
     """
 
     def __init__(self, passes: Sequence[Fp8Pass], options: dict[str, Any]):
