@@ -386,7 +386,8 @@ def convert_command(args: argparse.Namespace) -> int:
     if args.rename is not None:
         bad = [r for r in args.rename if "=" not in r]
         if bad:
-            raise UsageError(f"--rename {bad[0]!r}: give REGEX=REPLACEMENT, e.g. --rename '\\.block_sparse_moe\\.=.mlp.'")
+            raise UsageError(f"--rename {bad[0]!r}: give REGEX=REPLACEMENT, e.g. "
+                             "--rename '\\.block_sparse_moe\\.=.mlp.'")
         key_mapping = dict(r.rsplit("=", 1) for r in args.rename)
     try:
         report = convert(args.src, args.dst, config, format=args.format, key_mapping=key_mapping,
