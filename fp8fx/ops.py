@@ -61,6 +61,14 @@ def _(x, block):
     return x.new_empty(x.shape, dtype=quant.FP8_DTYPE), x.new_empty(_act_scale_shape(x, block), dtype=torch.float32)
 
 
+HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)  # activations, routing weights, outputs
+
+
+def _check_out_dtype(what: str, name: str, dtype: torch.dtype) -> None:
+    if dtype not in HIGH_PRECISION:
+        raise ValueError(f"{what}: {name}={dtype}; the result is bf16, fp16 or fp32")
+
+
 def check_static_scale(scale: torch.Tensor, what: str = "fp8fx.quantize_static: the static input scale") -> None:
     if scale.numel() != 1:
         raise ValueError(f"{what} must have one element, got shape {list(scale.shape)}; per-token or per-group "
@@ -125,6 +133,7 @@ def scaled_mm(
     """``use_fast_accum`` lets Hopper's fp8 tensor cores skip the periodic promotion of partial
     sums to fp32 (cuBLAS's fast-accumulation mode); the CPU reference always accumulates in fp32."""
     _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block)
+    _check_out_dtype("fp8fx.scaled_mm", "out_dtype", out_dtype)
     return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
 
 
@@ -199,8 +208,11 @@ TRITON_MAX_M = 64
 def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
     k, n = xq.shape[-1], wq.shape[0]
     _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block)
+    _check_out_dtype("fp8fx.scaled_mm", "out_dtype", out_dtype)
     x2 = quant.as_rows(xq)  # [M, K]
     m = x2.shape[0]
+    if k == 0:  # an empty sum: the bias (or zeros), as the reference gives it
+        return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
     if _tensor_or_row(x_block, w_block) and 0 < m <= TRITON_MAX_M:
         from fp8fx.kernels.fp8_gemm import fp8_gemm
 
@@ -237,10 +249,15 @@ def cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype
     else:  # row-wise: scale_a [M, 1], scale_b [1, N]
         scale_a = x_scale.float().reshape(-1, 1).expand(m, 1).contiguous()
         scale_b = w_scale.float().reshape(1, -1).expand(1, n).contiguous()
-    y = torch._scaled_mm(
-        x2.contiguous(), wq.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype, use_fast_accum=use_fast_accum
-    )
+    y = torch._scaled_mm(x2.contiguous(), _row_major(wq).t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                         use_fast_accum=use_fast_accum)
     return y if bias is None else y + bias.to(out_dtype)
+
+
+def _row_major(wq: torch.Tensor) -> torch.Tensor:
+    """cuBLASLt multiplies a row-major A by a column-major B only: a weight stored transposed ([N, K] with
+    strides (1, N)) is copied (the Triton GEMM reads either)."""
+    return wq if wq.stride(-1) == 1 else wq.contiguous()
 
 
 def cublas_block_fits(m: int, n: int, k: int, x_block, w_block, out_dtype) -> bool:
@@ -266,7 +283,7 @@ def cublas_block_scaled_mm(x2, x_scale, wq, w_scale, bias, out_dtype):
     scale_a = torch.empty_strided((m, k // 128), (1, m), device=x2.device, dtype=torch.float32)
     scale_a.copy_(x_scale.reshape(m, k // 128))
     scale_b = w_scale.float().reshape(n // 128, k // 128).t()
-    y = F.scaled_mm(x2.contiguous(), wq.t(), scale_a, F.ScalingType.BlockWise1x128, scale_b,
+    y = F.scaled_mm(x2.contiguous(), _row_major(wq).t(), scale_a, F.ScalingType.BlockWise1x128, scale_b,
                     F.ScalingType.BlockWise128x128, output_dtype=out_dtype)
     return y if bias is None else y + bias.to(out_dtype)
 
@@ -307,6 +324,7 @@ def scaled_mm_fused(
     ``fp8fx.passes.horizontal`` arranges, and the biases all given or all None; otherwise one GEMM per
     weight (same result). Per-tensor shards keep their own scales: the one GEMM takes them as a
     per-channel scale vector."""
+    _check_fused_args(xq, wqs, w_scales, biases, w_block)
     w = _adjacent(wqs)
     per_tensor = tuple(w_block) == (-1, -1)
     s = _per_channel(wqs, w_scales) if per_tensor else _adjacent([t.reshape(-1, t.shape[-1]) for t in w_scales])
@@ -326,8 +344,21 @@ def scaled_mm_fused(
     return torch.cat(parts, -1)
 
 
+def _check_fused_args(xq, wqs, w_scales, biases, w_block) -> None:
+    """One scale and one bias (or None) for each of at least one weight, each shard checked as scaled_mm checks
+    it (zip cut the longer lists short, and the fake's width disagreed; a shard's bad scale was caught or not
+    depending on where its weight lay in memory)."""
+    if not (len(wqs) == len(w_scales) == len(biases) >= 1):
+        raise ValueError(f"fp8fx.scaled_mm_fused: {len(wqs)} weights, {len(w_scales)} scales and {len(biases)} biases; "
+                         "give one scale and one bias (or None) for each of at least one weight")
+    for i, (wq, ws, b) in enumerate(zip(wqs, w_scales, biases)):
+        _check_weight(f"fp8fx.scaled_mm_fused (weight {i})", xq, wq, ws, w_block)
+        _check_bias(b, wq.shape[0], f"fp8fx.scaled_mm_fused (weight {i})")
+
+
 @scaled_mm_fused.register_fake
 def _(xq, x_scale, wqs, w_scales, biases, x_block, w_block, out_dtype, use_fast_accum=False):
+    _check_fused_args(xq, wqs, w_scales, biases, w_block)
     return xq.new_empty((*xq.shape[:-1], sum(w.shape[0] for w in wqs)), dtype=out_dtype)
 
 
@@ -417,6 +448,8 @@ def gated_mlp(
     per-row scales: two kernels (``fp8fx.kernels.gated_mlp``); otherwise these same ops one by one."""
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
     _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block)
+    _check_out_dtype("fp8fx.gated_mlp", "h_dtype", h_dtype)
+    _check_out_dtype("fp8fx.gated_mlp", "out_dtype", out_dtype)
     return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,
                                 h_static, act, h_dtype, out_dtype, use_fast_accum)
 
@@ -433,6 +466,8 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
       out_dtype, use_fast_accum=False):
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
     _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block)
+    _check_out_dtype("fp8fx.gated_mlp", "h_dtype", h_dtype)
+    _check_out_dtype("fp8fx.gated_mlp", "out_dtype", out_dtype)
     x2 = quant.as_rows(xq)
     m = x2.shape[0]
     if not (0 < m <= TRITON_MAX_M and _tensor_or_row(x_block, w_block) and _tensor_or_row(h_block, w2_block)):
@@ -458,11 +493,10 @@ def _weight_only_reference(x, wq, w_scale, bias, w_block):
     return y.to(x.dtype).reshape(*x.shape[:-1], wq.shape[0])
 
 
-_WEIGHT_ONLY_X = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def _check_weight_only_x(x: torch.Tensor) -> None:
-    if x.dtype not in _WEIGHT_ONLY_X:  # fp8 codes would be multiplied without their scale
+    if x.dtype not in HIGH_PRECISION:  # fp8 codes would be multiplied without their scale
         raise ValueError(f"fp8fx.weight_only_mm: x is {x.dtype}; it takes bf16/fp16/fp32 activations (for fp8 "
                          "activation codes and their scale, use fp8fx.scaled_mm)")
 
@@ -500,7 +534,8 @@ def _(x, wq, w_scale, bias, w_block):
     _check_weight_only_args(x, wq, w_scale, bias, w_block)
     x2 = quant.as_rows(x)
     # the Triton GEMM applies K-varying weight scales per K step (its K tile: a group of 32-256, a power of 2)
-    if x2.shape[0] == 0 or x.dtype not in (torch.bfloat16, torch.float16) or not _k_groups_agree([-1, -1], w_block):
+    if (0 in x2.shape or x.dtype not in (torch.bfloat16, torch.float16)
+            or not _k_groups_agree([-1, -1], w_block)):
         return _weight_only_reference(x, wq, w_scale, bias, w_block)
     y = fp8_gemm(x2.contiguous(), wq, None, w_scale, bias, x.dtype, b_block=tuple(w_block))
     return y.reshape(*x.shape[:-1], wq.shape[0])
@@ -597,6 +632,7 @@ def fused_moe(
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
     _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale)
+    _check_out_dtype("fp8fx.fused_moe", "out_dtype", out_dtype)
     return fused_moe_reference(
         x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
     )
@@ -615,17 +651,20 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_
     check_block(w_block, "w_block")
     check_block(act_block, "act_block")
     _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-        raise ValueError(f"fp8fx.fused_moe: topk_ids is {topk_ids.dtype}; expert ids are integers (int32 / int64)")
+    if topk_ids.dtype not in (torch.int32, torch.int64):  # the CUDA routing computes in the ids' dtype
+        raise ValueError(f"fp8fx.fused_moe: topk_ids is {topk_ids.dtype}; expert ids are int32 or int64")
+    if x.dtype not in HIGH_PRECISION:  # fp8 codes would be used without their scale
+        raise ValueError(f"fp8fx.fused_moe: x is {x.dtype}; it takes bf16/fp16/fp32 activations (it quantizes them)")
+    if topk_weights.dtype not in HIGH_PRECISION:
+        raise ValueError(f"fp8fx.fused_moe: topk_weights is {topk_weights.dtype}; routing weights are bf16/fp16/fp32")
     for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
         if w.dtype != quant.FP8_DTYPE:
             raise ValueError(f"fp8fx.fused_moe: {name} is {w.dtype}; the experts' weights must be {quant.FP8_DTYPE} "
                              "(fp8fx.quantize_ or load_checkpoint makes them)")
         _check_scale_size("fp8fx.fused_moe", f"{name}_scale", scale, f"{name} {list(w.shape)}", w.shape, w_block)
     for name, scale in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
-        if scale is not None and scale.numel() != 1:
-            raise ValueError(f"fp8fx.fused_moe: {name} has shape {list(scale.shape)}; a static activation scale is "
-                             "one value (per tensor)")
+        if scale is not None:  # one positive finite value (0 made every output 0, Inf / NaN every output NaN)
+            check_static_scale(scale, f"fp8fx.fused_moe: {name}")
 
 
 def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
@@ -653,6 +692,7 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
     from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
 
     _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale)
+    _check_out_dtype("fp8fx.fused_moe", "out_dtype", out_dtype)
     # the kernel's fp8 x fp8 dots need fp8 tensor cores (compute capability 8.9: Ada, Hopper and later)
     fp8_cores = torch.cuda.get_device_capability(x.device) >= (8, 9)
     if fp8_cores and kernel.supports(w_block, act_block, tuple(w13.shape)):

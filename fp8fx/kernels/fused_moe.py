@@ -484,7 +484,7 @@ def fused_moe(
     e, two_i, _ = w13.shape
     k_top = topk_ids.shape[1]
     s = t * k_top
-    if s == 0:
+    if s == 0 or h == 0 or two_i == 0:  # no pairs, or an empty sum: zeros (the tiles below need H, I > 0)
         return x.new_zeros((t, h), dtype=out_dtype)
     group_k = _k_group(w_block) or _k_group(act_block)
     cfg = dict(config or tile_config(s / e, two_i, h, k_grouped=group_k is not None))

@@ -153,15 +153,26 @@ def test_bad_dtypes_and_scale_sizes_name_the_tensors():
     q13, s13, q2, s2, w13, _ = experts([1, -1])
     x, w, ids = routed(3)
     moe = torch.ops.fp8fx.fused_moe
-    with pytest.raises(ValueError, match=r"fused_moe: topk_ids is torch.float32; expert ids are integers"):
-        moe(x, w, ids.float(), q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16)
+    for bad_ids in (ids.float(), ids.to(torch.int8)):  # int8: the CUDA routing overflowed at 128 experts
+        with pytest.raises(ValueError, match=rf"fused_moe: topk_ids is {bad_ids.dtype}; expert ids are int32 or "):
+            moe(x, w, bad_ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16)
+    # fp8 codes as x (their scale dropped), integer routing weights, an integer output: computed garbage
+    with pytest.raises(ValueError, match=r"fused_moe: x is torch.float8_e4m3fn; it takes bf16/fp16/fp32"):
+        moe(x.to(torch.float8_e4m3fn), w, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"fused_moe: topk_weights is torch.int64; routing weights are"):
+        moe(x, w.long(), ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"fused_moe: out_dtype=torch.int32; the result is"):
+        moe(x, w, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.int32)
     with pytest.raises(ValueError, match=r"fused_moe: w13 is torch.bfloat16; the experts' weights must be"):
         moe(x, w, ids, w13.bfloat16(), s13, q2, s2, [1, -1], [1, -1], torch.bfloat16)
     with pytest.raises(ValueError, match=r"fused_moe: w2_scale has 8 elements .* block \[1, -1\] of w2 "
                                          r"\[8, 256, 128\] needs 2048"):
         moe(x, w, ids, q13, s13, q2, s2[:, :1], [1, -1], [1, -1], torch.bfloat16)
-    with pytest.raises(ValueError, match=r"fused_moe: a13_scale has shape \[2\]; a static activation scale is one"):
+    with pytest.raises(ValueError, match=r"fused_moe: a13_scale must have one element, got shape \[2\]"):
         moe(x, w, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16, torch.ones(2), torch.ones(1))
+    for bad in (0.0, -1.0, float("inf"), float("nan")):  # 0: every output 0; Inf / NaN: every output NaN
+        with pytest.raises(ValueError, match=r"fused_moe: a2_scale is .*; a static scale must be a positive finite"):
+            moe(x, w, ids, q13, s13, q2, s2, [1, -1], [-1, -1], torch.bfloat16, torch.ones(1), torch.tensor([bad]))
 
 
 def test_pairs_routed_nowhere_contribute_nothing_whatever_their_weight():

@@ -227,3 +227,67 @@ def test_compiled_equals_eager_bitwise(block):
     fn = lambda x: fp8_linear(x, wq, ws, bias, w_block, block)  # noqa: E731
     x = torch.randn(5, 96)
     assert torch.equal(torch.compile(fn, backend="inductor")(x), fn(x))
+
+
+def test_fused_lists_and_shards_are_checked():
+    """scaled_mm_fused's lists must pair up (zip cut the longer ones short: 2 weights with one bias gave 16 columns
+    where the fake promised 24) and each shard's scale is checked as scaled_mm checks it (adjacent shards were
+    checked only as a whole: per-channel scales split 12 / 12 over shards of 16 and 8 rows computed)."""
+    xq, xs = quant.quantize_rows(torch.randn(5, 32), [1, -1])
+    shards = [quant.quantize(torch.randn(n, 32), [1, -1]) for n in (16, 8)]
+    wq = torch.cat([q for q, _ in shards])
+    wqs, scales = [wq[:16], wq[16:]], [s for _, s in shards]
+    fused = torch.ops.fp8fx.scaled_mm_fused
+    with pytest.raises(ValueError, match=r"2 weights, 2 scales and 1 biases"):
+        fused(xq, xs, wqs, scales, [None], [1, -1], [1, -1], torch.float32)
+    with pytest.raises(ValueError, match=r"0 weights, 0 scales and 0 biases"):
+        fused(xq, xs, [], [], [], [1, -1], [1, -1], torch.float32)
+    both = torch.cat(scales)
+    with pytest.raises(ValueError, match=r"scaled_mm_fused \(weight 0\): w_scale has 12 elements"):
+        fused(xq, xs, wqs, [both[:12], both[12:]], [None, None], [1, -1], [1, -1], torch.float32)
+    with pytest.raises(ValueError, match=r"scaled_mm_fused \(weight 1\): bias has shape \[4\]"):
+        fused(xq, xs, wqs, scales, [torch.ones(16), torch.ones(4)], [1, -1], [1, -1], torch.float32)
+
+
+def test_result_dtypes_are_floats():
+    """An int or fp8 out_dtype / h_dtype computed garbage (the CUDA kernels cast into it)."""
+    xq, xs = quant.quantize_rows(torch.randn(5, 32), [1, -1])
+    wq, ws = quant.quantize(torch.randn(16, 32), [1, -1])
+    for dtype in (torch.int32, torch.float8_e4m3fn):
+        with pytest.raises(ValueError, match=rf"fp8fx.scaled_mm: out_dtype={dtype}; the result is bf16, fp16 or"):
+            torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws, None, [1, -1], [1, -1], dtype)
+
+
+@pytest.mark.cuda
+def test_cuda_edge_operands_match_the_cpu():
+    """What the CUDA paths refused or failed on while the CPU gave an answer: a weight stored transposed on the
+    cuBLAS paths (M > 64; cuBLASLt takes a row-major weight only), K = 0 with K-group blocks (the Triton GEMM's
+    scale layout reshaped an empty tensor), an MoE with H = 0 or I = 0 (a zero tile size)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(128, 512, generator=g)
+    w = torch.randn(512, 128, generator=g).t()  # [128, 512] with strides (1, 128)
+    for x_block, w_block in (([1, -1], [1, -1]), ([1, 128], [128, 128])):
+        xq, xs = quant.quantize(x, x_block)
+        wq, ws = quant.quantize(w, w_block)
+        wq = wq.t().contiguous().t()  # the fp8 weight transposed in memory too
+        assert wq.stride() == (1, 128) and ops.cublas_block_fits(128, 128, 512, [1, 128], [128, 128], torch.bfloat16)
+        want = torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws, None, x_block, w_block, torch.bfloat16)
+        got = torch.ops.fp8fx.scaled_mm(xq.cuda(), xs.cuda(), wq.cuda(), ws.cuda(), None, x_block, w_block,
+                                        torch.bfloat16)
+        assert rel_err(got.cpu(), want) < 1e-2, (x_block, w_block)
+    xq, xs = quant.quantize(torch.randn(4, 0), [1, 32])
+    wq, ws = torch.zeros(8, 0, dtype=torch.float8_e4m3fn), torch.ones(8, 0)
+    bias = torch.arange(8.0)
+    y = torch.ops.fp8fx.scaled_mm(xq.cuda(), xs.cuda(), wq.cuda(), ws.cuda(), bias.cuda(), [1, 32], [1, 32],
+                                  torch.float32)
+    assert torch.equal(y.cpu(), bias.expand(4, 8))
+    y = torch.ops.fp8fx.weight_only_mm(torch.randn(4, 0).bfloat16().cuda(), wq.cuda(), ws.cuda(), None, [1, 32])
+    assert y.shape == (4, 8) and not y.any()
+    for e, i, h in ((4, 8, 0), (4, 0, 16)):
+        w13 = torch.zeros(e, 2 * i, h, dtype=torch.float8_e4m3fn, device="cuda")
+        w2 = torch.zeros(e, h, i, dtype=torch.float8_e4m3fn, device="cuda")
+        x = torch.randn(3, h, device="cuda").bfloat16()
+        ids = torch.tensor([[0, 1]] * 3, device="cuda")
+        y = torch.ops.fp8fx.fused_moe(x, torch.ones(3, 2, device="cuda"), ids, w13, torch.ones(e, device="cuda"), w2,
+                                      torch.ones(e, device="cuda"), [-1, -1], [1, -1], torch.bfloat16)
+        assert y.shape == (3, h) and not y.any()
