@@ -556,17 +556,25 @@ class MoePass(Fp8Pass):
     @staticmethod
     def _leave_shared_sizes(site: _Site) -> None:
         """Take out of ``site.region`` the size arithmetic later code reuses: with symbolic shapes (a recompile
-        after a shape change, dynamic=True) Dynamo computes the token count (``s0 * s1``) once, in the first
-        experts module that needs it, for every later layer too. Such a node is no output of the experts (it stays
-        in the graph; the region reads it as an input) when it reads nothing computed in the region."""
-        while True:
-            region = set(site.region)
-            shared = [n for n in site.region
-                      if not isinstance(fake_value(n), torch.Tensor) and any(u not in region for u in n.users)
-                      and not any(a in region for a in n.all_input_nodes)]
-            if not shared:
-                return
-            site.region = [n for n in site.region if n not in shared]
+        after a shape change, dynamic=True) Dynamo computes the token count (``s0 * s1``, or in steps: ``2 * s0``
+        then ``* s1``) once, in the first experts module that needs it, for every later layer too. Such sizes are
+        no output of the experts (they stay in the graph; the region reads them as inputs): the size nodes read
+        by later code, with the size nodes they are computed from, when none of them reads a tensor of the
+        region."""
+        region = set(site.region)
+        sizes: set[fx.Node] = set()  # computed from outside values and other such sizes only (graph order)
+        for n in site.region:
+            if not isinstance(fake_value(n), (torch.Tensor, tuple, list)) and all(
+                    a in sizes or a not in region for a in n.all_input_nodes):
+                sizes.add(n)
+        shared: set[fx.Node] = set()
+        todo = [n for n in sizes if any(u not in region for u in n.users)]
+        while todo:
+            n = todo.pop()
+            if n not in shared:
+                shared.add(n)
+                todo += [a for a in n.all_input_nodes if a in sizes]
+        site.region = [n for n in site.region if n not in shared]
 
     def _check(self, site: _Site, ctx: PassContext) -> dict[str, Any]:
         """The fused_moe operands of ``site``, or ``_NoMatch``."""

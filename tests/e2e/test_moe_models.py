@@ -109,3 +109,18 @@ def test_every_experts_module_rewritten_after_a_shape_change():
     moe = [s for s in backend.report.sites if s.kind == "moe" and s.graph == 1]
     assert {s.fqn for s in moe if s.rewritten} == EXPERTS, [(s.fqn, s.reason) for s in moe]
     assert rel_err(out, eager) < 0.08  # measured 0.051 against the fp8 weights run eagerly: activation quantization
+
+
+def test_every_experts_module_rewritten_with_dynamic_shapes():
+    """dynamic=True on Qwen3-MoE: Dynamo computes the token count in two steps (2 * s0, then * s1) inside layer 0's
+    experts; the second step read the first, so only it was taken out of the region and layer 0 stayed bf16."""
+    model = tiny("qwen3_moe", "grouped_mm")
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, dynamic=True)(ids).logits.float()
+        eager = model(ids).logits.float()
+    moe = [s for s in backend.report.sites if s.kind == "moe"]
+    assert moe and all(s.rewritten for s in moe), [(s.fqn, s.reason) for s in moe]
+    assert rel_err(out, eager) < 0.08
