@@ -28,6 +28,7 @@ from fp8fx.checkpoint.experts import HIGH_PRECISION, ExpertsLoader, check_scale_
 from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
 from fp8fx.config import Fp8Config, PerBlock, PerRow
 from fp8fx.weights import chunked
+from fp8fx.weights import moe as moe_weights
 from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, is_attention
 from fp8fx.weights.kv_cache import kv_scale_target, kv_slot_error
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, is_quantized, skip_reason
@@ -194,6 +195,7 @@ class _Loader:
         self.buffers: dict[tuple[str, str], torch.Tensor] = {}
         self.unexpected: list[str] = []
         self.entries: dict[str, Entry] = {}  # the checkpoint's tensors by the model's names (plan)
+        self.routers = moe_weights.routers(model)  # MoE routers: bf16 where the checkpoint is quantized online
         self.moe = ExpertsLoader(self.modules, fmt, device, self.items)
 
     # --- 1. plan -----------------------------------------------------------------------------
@@ -281,8 +283,8 @@ class _Loader:
         tied = [k for k in self.aliases[id(weight)] if k != f"{fqn}.weight"]
         if tied:
             return None, f"weight tied to {tied[0]}"
-        if not config.is_checkpoint_fp8_serialized:
-            reason = skip_reason(module, fqn, config)
+        if not config.is_checkpoint_fp8_serialized:  # quantized online: as quantize_ would
+            reason = skip_reason(module, fqn, config) or self.routers.get(fqn)
             if reason is not None:
                 return None, reason
         return config, ""

@@ -319,6 +319,7 @@ def convert(
 def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused) -> dict[str, str]:
     """Checkpoint module of every linear weight -> "" to quantize it, else why it stays bf16."""
     linears = {f: m for f, m in model.named_modules() if isinstance(m, nn.Linear)}
+    routers = moe.routers(model)
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
@@ -335,6 +336,8 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused) -> dict[s
             reason = "in ignored_layers"
         elif uses[id(linears[fqn]._parameters["weight"])] > 1:
             reason = "weight tied to another parameter"
+        elif fqn in routers:
+            reason = routers[fqn]
         elif len(entry.shape) != 2 or entry.dtype not in (torch.bfloat16, torch.float16, torch.float32):
             reason = f"{entry} is not a 2-D bf16/fp16/fp32 weight"
         elif isinstance(w, PerBlock) and (entry.shape[0] % w.block_n or entry.shape[1] % w.block_k):

@@ -68,6 +68,7 @@ def quantize_(
         for leaf, p in mod._parameters.items():
             if p is not None:
                 owners.setdefault(id(p), {}).setdefault(id(mod), f"{owner}.{leaf}" if owner else leaf)
+    routers = moe.routers(model, prefix)
     for fqn, module in model.named_modules(prefix=prefix):
         if not isinstance(module, nn.Linear):
             continue
@@ -75,9 +76,11 @@ def quantize_(
         shared = [n for m, n in others.items() if m != id(module)]
         # quantizing one user of a tied weight unties it (the other keeps bf16); checkpoints store it once
         reason = f"weight tied to {shared[0]}" if shared else skip_reason(module, fqn, config)
+        if reason is None and fqn in routers:
+            reason = routers[fqn]
         if reason is None:
             plan.append((fqn, module))
-        elif strict and reason != "in ignored_layers" and not shared:
+        elif strict and reason != "in ignored_layers" and not shared and fqn not in routers:
             raise ValueError(f"{fqn}: {reason}")
         else:
             skipped.append((fqn, module, reason))

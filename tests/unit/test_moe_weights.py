@@ -348,3 +348,40 @@ def test_online_expert_quantized_when_both_halves_arrive_bit_identical(config):
                            whole._parameters[name]), name
     with pytest.raises(ValueError, match="online quantization computes the scales"):
         method.weight_loader(layer, scale, torch.ones(1), "w1", 0)
+
+
+@pytest.mark.parametrize("name,router", [("phimoe", "mlp.router"), ("qwen2_moe", "mlp.shared_expert_gate")])
+def test_moe_routers_stay_in_high_precision(tmp_path, name, router):
+    """A router (Phimoe's, E outputs) or shared-expert gate (Qwen2-MoE's, one output) that is an nn.Linear stays bf16
+    with its reason, as vLLM builds it unquantized (fp8 router logits flip top-k choices); strict=True does not
+    count it as a failure; load_checkpoint of a bf16 checkpoint and convert leave it bf16 too. The shared expert's
+    own MLP is quantized."""
+    transformers = pytest.importorskip("transformers")
+    from fp8fx.checkpoint import convert, load_checkpoint
+    from fp8fx.checkpoint.files import read_checkpoint
+
+    config_cls, model_cls, extra = {
+        "phimoe": (transformers.PhimoeConfig, transformers.PhimoeForCausalLM, dict(num_local_experts=4)),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                      dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64)),
+    }[name]
+    cfg = config_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                     num_key_value_heads=2, num_experts_per_tok=2, **extra)
+    torch.manual_seed(0)
+    model = model_cls(cfg).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    fp8fx.quantize_(model, Fp8Config(ignored_layers=["lm_head"]), strict=True)
+    fqn = f"model.layers.0.{router}"
+    gate = model.get_submodule(fqn)
+    assert gate.weight.dtype == torch.bfloat16
+    assert gate.weight._fp8fx_skip_reason.startswith("routes tokens to model.layers.0.mlp.experts")
+    assert model.model.layers[0].self_attn.q_proj._parameters["weight"].dtype == torch.float8_e4m3fn
+    if name == "qwen2_moe":
+        assert model.model.layers[0].mlp.shared_expert.down_proj._parameters["weight"].dtype == torch.float8_e4m3fn
+    loaded = fp8fx.checkpoint.meta_model(tmp_path / "bf16")
+    report = load_checkpoint(loaded, tmp_path / "bf16", Fp8Config(ignored_layers=["lm_head"]), progress=False)
+    assert report.not_quantized[fqn].startswith("routes tokens to") and fqn not in report.quantized
+    report = convert(tmp_path / "bf16", tmp_path / "fp8", Fp8Config(ignored_layers=["lm_head"]), progress=False)
+    # under the checkpoint's name (save_pretrained writes Phimoe's router as block_sparse_moe.gate)
+    stored = [m for m, why in report.not_quantized.items() if why.startswith("routes tokens to")]
+    assert len(stored) == 1 and read_checkpoint(tmp_path / "fp8")[1][f"{stored[0]}.weight"].dtype == torch.bfloat16
