@@ -61,11 +61,8 @@ def _(x, block):
     return x.new_empty(x.shape, dtype=quant.FP8_DTYPE), x.new_empty(_act_scale_shape(x, block), dtype=torch.float32)
 
 
-HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)  # activations, routing weights, outputs
-
-
 def _check_out_dtype(what: str, name: str, dtype: torch.dtype) -> None:
-    if dtype not in HIGH_PRECISION:
+    if dtype not in quant.HIGH_PRECISION:
         raise ValueError(f"{what}: {name}={dtype}; the result is bf16, fp16 or fp32")
 
 
@@ -493,10 +490,8 @@ def _weight_only_reference(x, wq, w_scale, bias, w_block):
     return y.to(x.dtype).reshape(*x.shape[:-1], wq.shape[0])
 
 
-
-
 def _check_weight_only_x(x: torch.Tensor) -> None:
-    if x.dtype not in HIGH_PRECISION:  # fp8 codes would be multiplied without their scale
+    if x.dtype not in quant.HIGH_PRECISION:  # fp8 codes would be multiplied without their scale
         raise ValueError(f"fp8fx.weight_only_mm: x is {x.dtype}; it takes bf16/fp16/fp32 activations (for fp8 "
                          "activation codes and their scale, use fp8fx.scaled_mm)")
 
@@ -653,9 +648,9 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_
     _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
     if topk_ids.dtype not in (torch.int32, torch.int64):  # the CUDA routing computes in the ids' dtype
         raise ValueError(f"fp8fx.fused_moe: topk_ids is {topk_ids.dtype}; expert ids are int32 or int64")
-    if x.dtype not in HIGH_PRECISION:  # fp8 codes would be used without their scale
+    if x.dtype not in quant.HIGH_PRECISION:  # fp8 codes would be used without their scale
         raise ValueError(f"fp8fx.fused_moe: x is {x.dtype}; it takes bf16/fp16/fp32 activations (it quantizes them)")
-    if topk_weights.dtype not in HIGH_PRECISION:
+    if topk_weights.dtype not in quant.HIGH_PRECISION:
         raise ValueError(f"fp8fx.fused_moe: topk_weights is {topk_weights.dtype}; routing weights are bf16/fp16/fp32")
     for name, w, scale in (("w13", w13, w13_scale), ("w2", w2, w2_scale)):
         if w.dtype != quant.FP8_DTYPE:

@@ -16,6 +16,7 @@ from typing import Optional, Sequence
 import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
+HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)  # activations, outputs, unquantized weights
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 # amax below this is treated as this, so all-zero tiles get a finite, non-zero scale and
 # q == 0; values smaller than AMAX_EPS / 448 in such tiles flush to zero.

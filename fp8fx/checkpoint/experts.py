@@ -31,7 +31,6 @@ from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.moe import W13, W2, Fp8MoEMethod
 
-HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ONE_VALUE = ((), (1,), (1, 1))
 
@@ -270,7 +269,7 @@ class ExpertsLoader:
                 f"{w}: the experts of {ex.fqn} are declared float8_e4m3fn ({self.fmt.describe()}); fix "
                 "quantization_config (e.g. add the experts to its ignore list) or re-export the checkpoint"
             )
-        if not ex.serialized and w.dtype not in HIGH_PRECISION:
+        if not ex.serialized and w.dtype not in quant.HIGH_PRECISION:
             state = "not quantized" if ex.config is None else "quantized online"
             raise CheckpointError(
                 f"{w}: expected a bf16/fp16/fp32 expert weight; {ex.fqn} is {state} here ({self.fmt.describe()}): "
@@ -423,7 +422,7 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
                 f"convert: ignored_layers names {ignored[0]} but not all of {fqn}'s experts; an experts module has "
                 f"one scheme: ignore {fqn} as a whole"
             )
-        bad = [entries[n] for n, _ in items if entries[n].dtype not in HIGH_PRECISION]
+        bad = [entries[n] for n, _ in items if entries[n].dtype not in quant.HIGH_PRECISION]
         if ignored or config.is_ignored(fqn):
             reason = "in ignored_layers"
         elif bad:

@@ -24,7 +24,7 @@ from torch import nn
 
 from fp8fx import quant
 from fp8fx.checkpoint import formats, renames
-from fp8fx.checkpoint.experts import HIGH_PRECISION, ExpertsLoader, check_scale_dtype, check_scale_values
+from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values
 from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
 from fp8fx.config import Fp8Config, PerBlock, PerRow
 from fp8fx.weights import chunked
@@ -407,7 +407,7 @@ class _Loader:
         for i in range(len(lin.shards)):
             if lin.module.bias is not None:
                 b = need("bias", i)
-                if tuple(b.shape) != (lin.sizes[i],) or b.dtype not in HIGH_PRECISION:
+                if tuple(b.shape) != (lin.sizes[i],) or b.dtype not in quant.HIGH_PRECISION:
                     raise CheckpointError(f"{b}: expected a bf16/fp16/fp32 bias of shape [{lin.sizes[i]}]")
                 self.items.append((b, lambda t, lin=lin, i=i: self._load_rows(lin, "bias", i, t)))
         if todo:
@@ -433,7 +433,7 @@ class _Loader:
                 f"{w}: {lin.fqn} is declared float8_e4m3fn ({self.fmt.describe()}); fix quantization_config "
                 "(e.g. add the layer to its ignore list) or re-export the checkpoint"
             )
-        if not lin.serialized and w.dtype not in HIGH_PRECISION:
+        if not lin.serialized and w.dtype not in quant.HIGH_PRECISION:
             hint = (
                 "; config.json has no quantization_config, so the checkpoint is read as bf16: restore it or pass "
                 "config=Fp8Config(is_checkpoint_fp8_serialized=True, ...)"
