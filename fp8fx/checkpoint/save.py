@@ -12,6 +12,7 @@ from typing import Any, Mapping, Optional, Union
 import torch
 from torch import nn
 
+from fp8fx import quant
 from fp8fx.checkpoint import experts as moe_ckpt
 from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config, read_tensor
@@ -338,7 +339,7 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused) -> dict[s
             reason = "weight tied to another parameter"
         elif fqn in routers:
             reason = routers[fqn]
-        elif len(entry.shape) != 2 or entry.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        elif len(entry.shape) != 2 or entry.dtype not in quant.HIGH_PRECISION:
             reason = f"{entry} is not a 2-D bf16/fp16/fp32 weight"
         elif isinstance(w, PerBlock) and (entry.shape[0] % w.block_n or entry.shape[1] % w.block_k):
             reason = f"weight {list(entry.shape)} is not divisible by the {w.block_n}x{w.block_k} block"

@@ -30,6 +30,7 @@ import torch
 from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
+from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, module_path, set_fake_value
 from fp8fx.report import Site
@@ -37,7 +38,7 @@ from fp8fx.report import Site
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _MATMUL = (operator.matmul, torch.matmul)
 _DEQUANT = (torch.ops.fp8fx.dequantize, torch.ops.fp8fx.dequantize.default)
-_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ACT_DTYPES = quant.HIGH_PRECISION
 
 
 def _transposed(node) -> fx.Node | None:

@@ -47,12 +47,13 @@ import torch
 from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
+from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, module_path, set_fake_value
 from fp8fx.report import Site
 
 _DEQUANT = (torch.ops.fp8fx.dequantize, torch.ops.fp8fx.dequantize.default)
-_ACT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_ACT_DTYPES = quant.HIGH_PRECISION
 
 
 class _NoMatch(Exception):
@@ -614,6 +615,10 @@ class MoePass(Fp8Pass):
         x = fake_value(by_role["x"])
         if x.dtype not in _ACT_DTYPES:
             raise _NoMatch(f"hidden_states dtype {x.dtype} is not bf16/fp16/fp32")
+        ids, wts = fake_value(by_role["ids"]).dtype, fake_value(by_role["wts"]).dtype
+        if ids not in (torch.int32, torch.int64) or wts not in _ACT_DTYPES:  # what fused_moe takes
+            raise _NoMatch(f"the routing gives {ids} expert ids and {wts} weights; fused_moe takes int32 / int64 ids "
+                           "and bf16 / fp16 / fp32 weights")
         if torch.is_grad_enabled() and (x.requires_grad or fake_value(by_role["wts"]).requires_grad):
             raise _NoMatch(
                 "traced with autograd (hidden states or routing weights require grad); fp8fx rewrites inference: "

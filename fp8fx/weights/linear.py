@@ -70,7 +70,7 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
     weight = layer._parameters.get("weight")
     if weight is None or weight.dim() != 2:
         return "no 2-D weight"
-    if weight.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if weight.dtype not in quant.HIGH_PRECISION:
         return f"weight dtype {weight.dtype} is not bf16/fp16/fp32"
     w = config.weight
     n, k = weight.shape

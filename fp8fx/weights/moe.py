@@ -53,7 +53,6 @@ _ALIASES = {
 }
 _SHARDS = {W13: ("w1", "w3"), W2: ("w2",)}
 _UNLOADED = torch.finfo(torch.float32).min  # marks a scale that was never loaded
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _FP8_CLASSES: dict[type, type] = {}
 
 
@@ -90,22 +89,27 @@ def is_experts(module: nn.Module) -> bool:
 
 
 def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
-    """fqn -> why it stays in high precision, for the ``nn.Linear`` layers that route tokens to experts: a
-    linear of the MoE block holding an experts module (a child of the block or of its child, not of the
-    experts) with as many outputs as there are experts (the router: Phimoe's ``router``, AfMoE's
-    ``router.gate``) or one (Qwen2-MoE's ``shared_expert_gate``). vLLM builds them unquantized: fp8 router
-    logits flip top-k choices (Phimoe: 0.24 against 0.18 relative error of the logits with them in bf16)."""
+    """fqn -> why it stays in high precision, for the ``nn.Linear`` layers that route tokens to experts: in the
+    MoE block holding an experts module, a linear child of the block, or the only linear of a child of the
+    block (a linear inside an MLP, such as a shared expert's, is none), with as many outputs as there are
+    experts (the router: Phimoe's ``router``, AfMoE's ``router.gate``) or one (Qwen2-MoE's
+    ``shared_expert_gate``). vLLM builds them unquantized: fp8 router logits flip top-k choices (Phimoe: 0.24
+    against 0.18 relative error of the logits with them in bf16)."""
     modules = dict(model.named_modules(prefix=prefix))
     found: dict[str, str] = {}
     for fqn, experts in modules.items():
-        if not is_experts(experts) or "." not in fqn:
+        if not is_experts(experts) or fqn == prefix:
             continue
-        block = fqn.rpartition(".")[0] + "."
+        parent = fqn.rpartition(".")[0]  # the MoE block
         count = experts._parameters[W13].shape[0]
-        for name, m in modules.items():
-            if (isinstance(m, nn.Linear) and name.startswith(block) and not name.startswith(fqn + ".")
-                    and name[len(block):].count(".") <= 1 and m.out_features in (count, 1)):
-                found[name] = f"routes tokens to {fqn} (an MoE router or gate: high precision, as vLLM keeps it)"
+        for child_name, child in modules[parent].named_children():
+            linears = [(n, m) for n, m in child.named_modules() if isinstance(m, nn.Linear)]
+            if len(linears) != 1 or "." in linears[0][0]:  # an MLP's linears (a shared expert's) route nothing
+                continue
+            name, linear = linears[0]
+            if linear.out_features in (count, 1):
+                full = ".".join(p for p in (parent, child_name, name) if p)
+                found[full] = f"routes tokens to {fqn} (an MoE router or gate: high precision, as vLLM keeps it)"
     return found
 
 
@@ -150,7 +154,7 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
         if getattr(module, flag, not value) == value:
             return f"{what} are not supported by fp8fx.fused_moe"
     w13, w2 = module._parameters[W13], module._parameters[W2]
-    if w13.dtype not in _DTYPES or w2.dtype not in _DTYPES:
+    if w13.dtype not in quant.HIGH_PRECISION or w2.dtype not in quant.HIGH_PRECISION:
         return f"expert weight dtype {w13.dtype} is not bf16/fp16/fp32"
     e, two_i, h = w13.shape
     if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):

@@ -236,6 +236,24 @@ def test_experts_called_twice_are_not_merged():
     assert not site.rewritten and "called more than once" in site.reason
 
 
+@pytest.mark.parametrize("ids_dtype,w_dtype", [(torch.int16, torch.bfloat16), (torch.uint8, torch.bfloat16),
+                                               (torch.int64, torch.float64)])
+def test_routing_dtypes_fused_moe_does_not_take_are_left_with_the_reason(ids_dtype, w_dtype):
+    """int16 / uint8 expert ids or float64 routing weights: fused_moe takes int32 / int64 ids and bf16 / fp16 / fp32
+    weights, so the experts stay as they are (they were rewritten, and the compiled model raised when it ran)."""
+    model = Block(LoopExperts()).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x, ids, w = inputs(torch.bfloat16)
+    with torch.no_grad():
+        out, _, report = compile_capture(model, x, ids.to(ids_dtype), w.to(w_dtype))
+        eager = model(x, ids.to(ids_dtype), w.to(w_dtype))
+    (site,) = [s for s in report.sites if s.kind == "moe"]
+    assert not site.rewritten and site.reason == (
+        f"the routing gives {ids_dtype} expert ids and {w_dtype} weights; fused_moe takes int32 / int64 ids and "
+        "bf16 / fp16 / fp32 weights")
+    assert torch.equal(out, eager)
+
+
 def test_experts_quantize_skipped_are_reported_with_its_reason():
     model = hf_experts("grouped_mm", torch.bfloat16)
     model.experts.is_concatenated = False  # a layout fused_moe does not compute: quantize_ leaves it in bf16

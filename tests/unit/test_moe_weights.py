@@ -362,8 +362,10 @@ def test_moe_routers_stay_in_high_precision(tmp_path, name, router):
 
     config_cls, model_cls, extra = {
         "phimoe": (transformers.PhimoeConfig, transformers.PhimoeForCausalLM, dict(num_local_experts=4)),
+        # the shared expert's hidden size equal to the expert count (Qwen3-Next: 512 and 512): its gate_proj and
+        # up_proj have E outputs, and are an MLP's, not routers
         "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
-                      dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=64)),
+                      dict(num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=4)),
     }[name]
     cfg = config_cls(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
                      num_key_value_heads=2, num_experts_per_tok=2, **extra)
@@ -373,11 +375,16 @@ def test_moe_routers_stay_in_high_precision(tmp_path, name, router):
     fp8fx.quantize_(model, Fp8Config(ignored_layers=["lm_head"]), strict=True)
     fqn = f"model.layers.0.{router}"
     gate = model.get_submodule(fqn)
-    assert gate.weight.dtype == torch.bfloat16
+    assert gate._parameters["weight"].dtype == torch.bfloat16
     assert gate.weight._fp8fx_skip_reason.startswith("routes tokens to model.layers.0.mlp.experts")
     assert model.model.layers[0].self_attn.q_proj._parameters["weight"].dtype == torch.float8_e4m3fn
     if name == "qwen2_moe":
-        assert model.model.layers[0].mlp.shared_expert.down_proj._parameters["weight"].dtype == torch.float8_e4m3fn
+        shared = model.model.layers[0].mlp.shared_expert
+        assert all(getattr(shared, p)._parameters["weight"].dtype == torch.float8_e4m3fn
+                   for p in ("gate_proj", "up_proj", "down_proj"))
+    block = model_cls(cfg).model.layers[0].mlp.to(torch.bfloat16)  # the MoE block itself as the root
+    fp8fx.quantize_(block)
+    assert block.get_submodule(router.partition(".")[2])._parameters["weight"].dtype == torch.bfloat16
     loaded = fp8fx.checkpoint.meta_model(tmp_path / "bf16")
     report = load_checkpoint(loaded, tmp_path / "bf16", Fp8Config(ignored_layers=["lm_head"]), progress=False)
     assert report.not_quantized[fqn].startswith("routes tokens to") and fqn not in report.quantized
