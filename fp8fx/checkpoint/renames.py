@@ -47,7 +47,7 @@ def resolve(model: nn.Module, key_mapping: Optional[Mapping[str, str]], where: s
             return name
     if renamer is None:
         return None
-    placed = set(model.state_dict(keep_vars=True)) | {f for f, _ in model.named_modules()}
+    placed = set(model.state_dict(keep_vars=True)) | {f for f, _ in model.named_modules() if f}
     return lambda name: name if name in placed or name.rpartition(".")[0] in placed else renamer(name)
 
 
