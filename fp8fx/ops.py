@@ -640,13 +640,16 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
     return x.new_empty((x.shape[0], w2.shape[1]), dtype=out_dtype)
 
 
+EXPERT_ID_DTYPES = (torch.int32, torch.int64)  # what fused_moe's topk_ids may be
+
+
 def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale,
                     a2_scale) -> None:
     """What every real implementation of fused_moe checks before it computes."""
     check_block(w_block, "w_block")
     check_block(act_block, "act_block")
     _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
-    if topk_ids.dtype not in (torch.int32, torch.int64):  # the CUDA routing computes in the ids' dtype
+    if topk_ids.dtype not in EXPERT_ID_DTYPES:  # the CUDA routing computes in the ids' dtype
         raise ValueError(f"fp8fx.fused_moe: topk_ids is {topk_ids.dtype}; expert ids are int32 or int64")
     if x.dtype not in quant.HIGH_PRECISION:  # fp8 codes would be used without their scale
         raise ValueError(f"fp8fx.fused_moe: x is {x.dtype}; it takes bf16/fp16/fp32 activations (it quantizes them)")

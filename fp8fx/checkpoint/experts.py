@@ -394,10 +394,10 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
     ``tensors``: weight name -> its experts fqn, for the weights to quantize; ``experts``: fqn -> reason."""
     experts = {f: m for f, m in modules.items() if moe.is_experts(m)}
     found: dict[str, list[tuple[str, str]]] = {}  # fqn -> [(tensor name, checkpoint module)]
-    # per-expert weights under a container the model does not have (transformers' hub Mixtral:
-    # block_sparse_moe.experts.E.w1, renamed to mlp.experts when transformers loads it): they stay bf16, said so,
-    # and in the ignore list - not passed through as if the config covered them. Under a container the model has
-    # (a ModuleList of expert MLPs), they are linears or shards of fused ones: the linear plan's
+    # per-expert weights under a container the model does not have, even after the renames
+    # (fp8fx.checkpoint.renames; hub Mixtral's block_sparse_moe.experts.E.w1 are renamed to mlp.experts): they stay
+    # bf16, said so, and in the ignore list - not passed through as if the config covered them. Under a container
+    # the model has (a ModuleList of expert MLPs), they are linears or shards of fused ones: the linear plan's
     stray: dict[str, str] = {}
     for name in entries:
         m = _PER_EXPERT.match(name)

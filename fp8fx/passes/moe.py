@@ -616,7 +616,7 @@ class MoePass(Fp8Pass):
         if x.dtype not in _ACT_DTYPES:
             raise _NoMatch(f"hidden_states dtype {x.dtype} is not bf16/fp16/fp32")
         ids, wts = fake_value(by_role["ids"]).dtype, fake_value(by_role["wts"]).dtype
-        if ids not in (torch.int32, torch.int64) or wts not in _ACT_DTYPES:  # what fused_moe takes
+        if ids not in fp8fx.ops.EXPERT_ID_DTYPES or wts not in _ACT_DTYPES:  # what fused_moe takes
             raise _NoMatch(f"the routing gives {ids} expert ids and {wts} weights; fused_moe takes int32 / int64 ids "
                            "and bf16 / fp16 / fp32 weights")
         if torch.is_grad_enabled() and (x.requires_grad or fake_value(by_role["wts"]).requires_grad):

@@ -50,15 +50,15 @@ def quantize_(
             "quantize_ quantizes a bf16/fp16 model online, but the config has is_checkpoint_fp8_serialized=True; "
             "use Fp8Config(is_checkpoint_fp8_serialized=False) or load the fp8 checkpoint instead"
         )
-    done = [name for name, m in model.named_modules(prefix=prefix) if is_quantized(m) or moe.is_quantized_experts(m)]
+    modules = list(model.named_modules(prefix=prefix))
+    done = [name for name, m in modules if is_quantized(m) or moe.is_quantized_experts(m)]
     if done:
         raise RuntimeError(
             f"quantize_: {done[0]} (and {len(done) - 1} more) is already fp8-quantized; quantize_ a fresh "
             "bf16 model instead of quantizing twice"
         )
 
-    names = [fqn for fqn, _ in model.named_modules(prefix=prefix)]
-    check_ignored_layers(config, names, f"this {type(model).__name__}", "quantized", prefix)
+    check_ignored_layers(config, [fqn for fqn, _ in modules], f"this {type(model).__name__}", "quantized", prefix)
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
     # a weight shared by several modules (tied lm_head / embeddings); one module registered under two names
@@ -69,7 +69,7 @@ def quantize_(
             if p is not None:
                 owners.setdefault(id(p), {}).setdefault(id(mod), f"{owner}.{leaf}" if owner else leaf)
     routers = moe.routers(model, prefix)
-    for fqn, module in model.named_modules(prefix=prefix):
+    for fqn, module in modules:
         if not isinstance(module, nn.Linear):
             continue
         others = owners.get(id(module._parameters.get("weight")), {})
@@ -87,7 +87,7 @@ def quantize_(
     # experts modules (3-D gate_up_proj [E, 2I, H] / down_proj [E, H, I]): fp8fx.weights.moe
     experts: list[tuple[str, nn.Module]] = []
     experts_skipped: list[tuple[str, nn.Module, str]] = []
-    for fqn, module in model.named_modules(prefix=prefix):
+    for fqn, module in modules:
         if not moe.is_experts(module):
             continue
         reason = moe.skip_reason(module, fqn, config)
