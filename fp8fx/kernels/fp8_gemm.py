@@ -92,6 +92,19 @@ def _to_fp8_range(v, scale, FP8_MAX: tl.constexpr):
 
 
 @triton.jit
+def _codes_of(v, scale, inv, FP8_MAX: tl.constexpr):
+    """v / scale saturated to +-FP8_MAX (NaN kept), ready for the fp8 cast: the quotient correctly rounded, as
+    ``fp8fx.quant``'s IEEE division, from ``inv`` = 1 / scale (correctly rounded) with two FMAs instead of a
+    division: q = v * inv is within an ulp of v / scale, the residual v - q * scale is exact in one FMA, and q
+    plus the residual times inv rounds to the correctly rounded quotient (Markstein's correction). Without it
+    a code differed from the reference's at a rounding tie (x = 414 at scale 4.9286: 84.0 exactly, 80 by the
+    division, 88 by the product). q is first held to +-2 FP8_MAX, so a quotient past the fp8 range stays
+    finite through the correction (inf - inf would be NaN) and saturates as the division's does."""
+    q = tl.clamp(v * inv, -2 * FP8_MAX, 2 * FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return _saturate(tl.fma(tl.fma(-q, scale, v), inv, q), FP8_MAX)
+
+
+@triton.jit
 def _rows_amax(parts_ptr, rows, M, stride_pm, stride_pp, N_PARTS: tl.constexpr, CHUNK: tl.constexpr):
     """[len(rows)]: each row's amax, the max of its N_PARTS partial maxima (0 for rows past M), CHUNK at a
     time: each chunk is a dependent round trip to memory before the GEMM's first weight load."""
@@ -103,6 +116,37 @@ def _rows_amax(parts_ptr, rows, M, stride_pm, stride_pp, N_PARTS: tl.constexpr, 
         part = tl.load(row_ptrs + (p + cols[None, :]) * stride_pp, mask=mask, other=0.0)
         amax = _max_nan(amax, tl.reduce(part, 1, _max_nan))
     return amax
+
+
+@triton.jit
+def _abs_amax_rows(tile_ptr, rows_left, K, stride_m, stride_k, BLOCK_M: tl.constexpr, AMAX_ROWS: tl.constexpr,
+                   AMAX_K: tl.constexpr):
+    """[BLOCK_M]: each of a tile's rows' max |a| over its K elements (0 for rows from ``rows_left`` on), read
+    AMAX_ROWS rows by AMAX_K columns a load (AMAX_ROWS a power of two up to BLOCK_M): one round trip to memory
+    per load before the GEMM's first, so the host sizes the loads to the rows there are (one row: all of K at
+    once)."""
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    rows = tl.arange(0, AMAX_ROWS)
+    cols = tl.arange(0, AMAX_K)
+    slot = tl.arange(0, BLOCK_M)
+    for r in range(0, tl.minimum(rows_left, BLOCK_M), AMAX_ROWS):
+        row_ok = r + rows < rows_left
+        ptrs = tile_ptr + (r + rows)[:, None] * stride_m + cols[None, :] * stride_k
+        part = tl.zeros((AMAX_ROWS,), dtype=tl.float32)
+        for k0 in range(0, K, AMAX_K):
+            v = tl.load(ptrs + k0 * stride_k, mask=row_ok[:, None] & (k0 + cols[None, :] < K), other=0.0)
+            part = _max_nan(part, tl.reduce(tl.abs(v.to(tl.float32)), 1, _max_nan))
+        # the AMAX_ROWS maxima to their rows of the tile
+        amax = _max_nan(amax, tl.reduce(tl.where(slot[:, None] == (r + rows)[None, :], part[None, :], 0.0), 1,
+                                        _max_nan))
+    return amax
+
+
+def amax_load_shape(m: int, k: int, block_m: int, elems: int = 8192) -> tuple[int, int]:
+    """(AMAX_ROWS, AMAX_K) of ``_abs_amax_rows``: as many of the tile's rows as there are (a power of two up to
+    ``block_m``), and as much of K as ``elems`` values a load leave room for."""
+    rows = min(block_m, triton.next_power_of_2(max(m, 1)))
+    return rows, max(16, min(triton.next_power_of_2(max(k, 1)), elems // rows))
 
 
 @triton.jit
@@ -184,10 +228,9 @@ def fp8_gemm_kernel(
     if A_QUANT:
         a_q_scale = _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT, N_PARTS, PARTS_BLOCK, EPS,
                                    FP8_MAX, BLOCK_M)
-        # times the reciprocal, not divided: every program re-quantizes its a tiles (each N tile, each K step),
-        # and with an IEEE division per element the fused MLP took 0.146 ms at M=1 (0.068 with the reciprocal;
-        # H200, RESULTS.md run 10). The quotient can be 1 ulp off fp8fx.quant's division, which changes a code
-        # only at a rounding tie.
+        # by the reciprocal and two FMAs (`_codes_of`), not divided: every program re-quantizes its a tiles (each
+        # N tile, each K step), and with an IEEE division per element the fused MLP took 0.146 ms at M=1 (0.068
+        # with the reciprocal; H200, RESULTS.md run 10)
         a_q_inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), a_q_scale)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
@@ -200,7 +243,7 @@ def fp8_gemm_kernel(
         a_offs += BLOCK_K * stride_ak
         b_offs += BLOCK_K * stride_bk
         if A_QUANT:  # the 16-bit tile to fp8 codes, saturated as fp8fx.quant does (NaN kept)
-            a = _saturate(a.to(tl.float32) * a_q_inv[:, None], FP8_MAX).to(b.dtype)
+            a = _codes_of(a.to(tl.float32), a_q_scale[:, None], a_q_inv[:, None], FP8_MAX).to(b.dtype)
         elif not A_FP8:  # weight-only: upcast the fp8 weight tile, 16-bit dot
             b = b.to(a.dtype)
         if A_GROUPED or B_GROUPED:

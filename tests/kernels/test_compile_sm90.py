@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, fp8_gemm_kernel, parts_block  # noqa: E402
-from fp8fx.kernels.fp8_gemm import imprecise_k, pipeline_stages, tile_config  # noqa: E402
+from fp8fx.kernels.fp8_gemm import amax_load_shape, imprecise_k, pipeline_stages, tile_config  # noqa: E402
 from fp8fx.kernels.gated_mlp import ACTIVATIONS, down_tile_config, gated_gemm_kernel, gated_tile_config  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr", "out_ptr", "tickets_ptr"]
@@ -159,22 +159,31 @@ def test_down_gemm_quantizing_bf16_activations_compiles_for_sm90(a_quant, m):
     assert stack_bytes(kernel) <= (16 if m == 1 else 0 if a_quant != QUANT_TENSOR else 272), stack_bytes(kernel)
 
 
+@pytest.mark.parametrize("x_quant", [0, QUANT_ROWS, QUANT_TENSOR], ids=["x codes", "x per token", "x per tensor"])
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("w_rowwise,act", [(False, "silu"), (True, "silu"), (True, "gelu"), (True, "gelu_tanh")])
-def test_gated_gemm_compiles_for_sm90(m, w_rowwise, act):
-    """Gate and up tiles against one x tile, act(g) * up in the epilogue (Llama-3-8B: I = 14336, K = 4096)."""
+def test_gated_gemm_compiles_for_sm90(m, w_rowwise, act, x_quant):
+    """Gate and up tiles against one x tile, act(g) * up in the epilogue (Llama-3-8B: I = 14336, K = 4096); x
+    as fp8 codes, or bf16 quantized as it is loaded (``x_quant``: its amax read first, as the host sizes the
+    loads)."""
     cfg = gated_tile_config(m, 14336, 4096)
-    types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*bf16",
-                                      "*fp32", "*i32"]))
+    types = dict(zip(GATED_POINTERS, ["*bf16" if x_quant else "*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32",
+                                      "*fp32", "*bf16", "*fp32", "*i32"]))
     types.update({name: "i32" for name in GATED_INTS})
-    consts = dict(A_ROWWISE=m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act], IMPRECISE_K=None, BLOCK_M=cfg["BLOCK_M"],
-                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True)
-    stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
+    rows, cols = amax_load_shape(m, 4096, cfg["BLOCK_M"])
+    consts = dict(A_ROWWISE=m > 1 and not x_quant, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act], IMPRECISE_K=None,
+                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True,
+                  A_QUANT=x_quant, AMAX_ROWS=rows, AMAX_K=cols, EPS=1e-12, FP8_MAX=448.0)
+    stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 2 if x_quant else 1)
     kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
                             cfg["num_warps"], stages)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert stack_bytes(kernel) == 0, stack_bytes(kernel)
-    assert "griddepcontrol.launch_dependents" in kernel.asm["ptx"]  # lets the down GEMM launch early
+    ptx = kernel.asm["ptx"]
+    assert "griddepcontrol.launch_dependents" in ptx  # lets the down GEMM launch early
+    assert "cp.async" in ptx, "the weight tiles are loaded through the pipeline"
+    if x_quant:  # x reaches the dots as fp8 codes, each the correctly rounded quotient (two FMAs)
+        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "fma.rn.f32" in ptx
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 14336), (1, 28672, 4096), (16, 4096, 14336), (64, 6144, 4096)])
