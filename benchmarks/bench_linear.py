@@ -193,22 +193,7 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
 
 
 MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "fp8fx_fused_mlp",
-                "fp8fx_fused_mlp_x_codes", "inductor_scaled_mm", "torchao_rowwise")
-
-
-def _x_quantized_outside(fn):
-    """``fn`` compiled (at its first call per shape) with the fused MLP taking x's fp8 codes from a quantization
-    kernel of its own, as where a kernel of Inductor's produces x (the MLP block's x is the graph's input, which
-    the fused op quantizes itself): the two side by side."""
-    from fp8fx.passes import mlp as mlp_pass
-
-    def run(x):
-        saved, mlp_pass.GATED_X_QUANT_MAX_M = mlp_pass.GATED_X_QUANT_MAX_M, 0
-        try:
-            return fn(x)
-        finally:
-            mlp_pass.GATED_X_QUANT_MAX_M = saved
-    return run
+                "inductor_scaled_mm", "torchao_rowwise")
 
 
 def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VARIANTS, save=lambda: None, rounds=1):
@@ -240,9 +225,6 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VA
         variants["fp8fx_fused_gate_up"], _ = fp8fx_module(fresh(), {"fuse_horizontal": True}, dynamic=False)
     if "fp8fx_fused_mlp" in only:  # decode: the MLP in two kernels (prefill sizes are left unfused)
         variants["fp8fx_fused_mlp"], _ = fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)
-    if "fp8fx_fused_mlp_x_codes" in only:
-        fused, _ = fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)
-        variants["fp8fx_fused_mlp_x_codes"] = _x_quantized_outside(fused)
     if "inductor_scaled_mm" in only:
         variants["inductor_scaled_mm"] = torch.compile(ScaledMMMLP(fresh()), dynamic=False)
     if "torchao_rowwise" in only:

@@ -9,7 +9,7 @@
 #          moesweep: bench_moe.py's tile sweep with per-kernel times; moelayer: bench_moe_layer.py only;
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
 #          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep;
-#          pdl: it with and without programmatic dependent launch; xinside: with x quantized inside or before it; tma: its sweep with TMA weight loads too;
+#          pdl: it with and without programmatic dependent launch; codes: with exact h codes or not; tma: its sweep with TMA weight loads too;
 #          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles;
 #          flush: flush_study.py; ncu: ncu on the fused MLP's kernels; ncupipes: their pipe use and stalls;
 #          rows: rows_study.py; narrow: down-GEMM tiles of 16-32 rows;
@@ -47,8 +47,8 @@ fi
 if has gatedtests; then  # the fused decode MLP's kernels and op
   timeout 200 $P -m cuda tests/kernels/test_gated_mlp.py 2>&1 | tee "$OUT/pytest-cuda-gated.log" | tail -5
 fi
-if has xinside; then  # the fused decode MLP with x quantized before it or inside its first kernel
-  timeout 200 python3 benchmarks/tune_gemm.py --x-inside 2>&1 | tee "$OUT/x-inside.txt"
+if has codes; then  # the fused decode MLP's down GEMM with exact h codes or codes by the reciprocal
+  timeout 150 python3 benchmarks/tune_gemm.py --codes 2>&1 | tee "$OUT/codes.txt"
 fi
 if has pdl; then  # the fused decode MLP with and without programmatic dependent launch
   timeout 120 python3 benchmarks/tune_gemm.py --gated-pdl 2>&1 | tee "$OUT/gated-pdl.txt"

@@ -10,7 +10,7 @@
     python benchmarks/tune_gemm.py --gated --wide-k   # K steps of 256 and 512 instead
     python benchmarks/tune_gemm.py [--gated] --bm64   # 64-row (wgmma) tiles at M = 1, 16
     python benchmarks/tune_gemm.py --gated-ncu     # a few calls of it at M = 1 and 16, for ncu
-    python benchmarks/tune_gemm.py --x-inside      # x quantized by the fused MLP's first kernel, or before it
+    python benchmarks/tune_gemm.py --codes         # it with the down GEMM's h codes exact or by the reciprocal
 
 Every candidate is checked against the current configuration's output before it is timed.
 """
@@ -146,30 +146,26 @@ def sweep_gated(ms=(1, 16), dim=4096, hidden=14336, tiles=True, tma=False, wide_
                   f"on the weights) {default} | best: {top}", flush=True)
 
 
-def sweep_x_inside(ms=(1, 2, 4, 8, 16), dim=4096, hidden=14336, elems=(1024, 2048, 4096, 8192, 16384)):
-    """The fused MLP with x quantized by a kernel of Inductor's before it (as the backend compiles
-    ``fp8fx.quantize`` where nothing produces x in a kernel of its own), against x quantized inside its first
-    kernel (``x_quant``), that kernel's programs each reading x's amax in loads of ``elems`` values; each the
-    whole step as one CUDA-graph replay, L2 flushed."""
+def sweep_codes(ms=(1, 16), dim=4096, hidden=14336, rounds=7):
+    """The fused MLP (one CUDA-graph replay, L2 flushed) with its down GEMM's h codes the correctly rounded
+    quotient (``EXACT_CODES``, the default: two FMAs more per element) or the product by the reciprocal, in
+    ``rounds`` interleaved rounds."""
     from fp8fx.kernels import fp8_gemm as kernels
-    from fp8fx.kernels.gated_mlp import gated_mlp, gated_tile_config
+    from fp8fx.kernels.gated_mlp import down_tile_config, gated_mlp
 
-    quantize = torch.compile(lambda x: quant.quantize_rows(x, [1, -1]), dynamic=False)
     for m in ms:
-        _, w1, w3, w2 = _gated_problem(m, dim, hidden)
-        x = torch.randn(m, dim, device="cuda", dtype=torch.bfloat16)
-        mlp = lambda xq, xs, cfg=None, x_quant=kernels.NO_QUANT: gated_mlp(  # noqa: E731
-            xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16, configs=(cfg, None),
-            x_quant=x_quant)
-        outside = lambda: mlp(*quantize(x))  # noqa: E731
-        ref = outside().float()
-        line = [f"x quantized before {time_ms(outside, True):.4f} ms"]
-        for n in elems:
-            cfg = {**gated_tile_config(m, hidden, dim), "AMAX_ELEMS": n}
-            inside = lambda: mlp(x, None, cfg, kernels.QUANT_ROWS)  # noqa: E731
-            assert (inside().float() - ref).abs().max() <= 2e-2 * ref.abs().max()
-            line.append(f"inside, loads of {n}: {time_ms(inside, True):.4f}")
-        print(f"x quantization M={m}: " + " | ".join(line), flush=True)
+        (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
+        run = lambda exact: gated_mlp(  # noqa: E731
+            xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16,
+            configs=(None, {**down_tile_config(m, dim, hidden), "EXACT_CODES": exact}))
+        times = {True: [], False: []}
+        for r in range(rounds):
+            for exact in ((True, False) if r % 2 else (False, True)):
+                times[exact].append(time_ms(lambda: run(exact), True))
+        med = {e: sorted(t)[len(t) // 2] for e, t in times.items()}
+        print(f"gated MLP M={m}: exact codes {med[True]:.4f} ms, by the reciprocal {med[False]:.4f} ms "
+              f"(exact / reciprocal per round: {' '.join(f'{a / b:.3f}' for a, b in zip(times[True], times[False]))})",
+              flush=True)
 
 
 def gated_ncu(ms=(1, 16), dim=4096, hidden=14336):
@@ -196,14 +192,14 @@ def main(argv=None):
     p.add_argument("--wide-n", action="store_true", help="M = 64 in 64-row tiles 64-128 wide, K split in 2-8")
     p.add_argument("--small-m", action="store_true", help="M = 64 in row tiles of 16 or 32 (the decode sweep)")
     p.add_argument("--gated-ncu", action="store_true", help="three plain calls of the fused MLP at M = 1, 16")
-    p.add_argument("--x-inside", action="store_true", help="the fused MLP with x quantized before it or inside it")
+    p.add_argument("--codes", action="store_true", help="the fused MLP with exact h codes or by the reciprocal")
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
     if args.gated_ncu:
         return gated_ncu()
-    if args.x_inside:
-        return sweep_x_inside()
+    if args.codes:
+        return sweep_codes()
     if args.gated or args.gated_pdl:
         return sweep_gated(tiles=args.gated, tma=args.tma, wide_k=args.wide_k, bm64=args.bm64, narrow=args.narrow)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}

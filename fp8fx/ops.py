@@ -371,10 +371,6 @@ GATED_ACTIVATIONS = {
 # replays): fused vs unfused 0.0682 vs 0.0756 ms at M=1, 0.0694 vs 0.0771 at M=16, but 0.1347 vs 0.0775 at
 # M=64, where each of the down GEMM's N tiles re-reads (and re-quantizes) the whole [64, I] intermediate.
 GATED_MAX_M = 16
-# Tokens up to which the pass folds x's quantization into the fused MLP's first kernel where nothing else could
-# carry it (x a graph input, or the output of attention or another extern kernel): each of that kernel's programs
-# then reads x's amax first.
-GATED_X_QUANT_MAX_M = 16
 
 
 def _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act) -> None:
@@ -398,17 +394,10 @@ def _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_blo
     """What every real implementation of gated_mlp checks before it computes (the CUDA kernels read scales by
     their layout: a one-element scale with a per-row block would be read as per-tensor)."""
     what = "fp8fx.gated_mlp"
-    if x_scale is None:  # xq is x itself, quantized per token or per tensor inside
-        if xq.dtype not in quant.HIGH_PRECISION or tuple(x_block) not in ((1, -1), (-1, -1)):
-            raise ValueError(f"{what}: without x_scale, xq is the activation itself (bf16 / fp16 / fp32), quantized "
-                             f"per token (x_block [1, -1]) or per tensor ([-1, -1]); got {xq.dtype}, x_block "
-                             f"{list(x_block)}")
-    elif xq.dtype != quant.FP8_DTYPE:
-        raise ValueError(f"{what}: xq is {xq.dtype}; it takes the fp8 codes of the activation (fp8fx.quantize), or "
-                         "the activation itself with x_scale None")
-    else:
-        _check_scale_size(what, "x_scale", x_scale, f"a {list(xq.shape)} activation",
-                          (quant.rows_of(xq), xq.shape[-1]), x_block)
+    if xq.dtype != quant.FP8_DTYPE:
+        raise ValueError(f"{what}: xq is {xq.dtype}; it takes the fp8 codes of the activation (fp8fx.quantize)")
+    _check_scale_size(what, "x_scale", x_scale, f"a {list(xq.shape)} activation", (quant.rows_of(xq), xq.shape[-1]),
+                      x_block)
     _check_weight(f"{what} (gate)", xq, w1, s1, w_block)
     _check_weight(f"{what} (up)", xq, w3, s3, w_block)
     if w2.dtype != quant.FP8_DTYPE:
@@ -419,8 +408,6 @@ def _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_blo
 def _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static,
                          act, h_dtype, out_dtype, use_fast_accum):
     """The unfused ops, as the linear pass emits them: the model's own act * mul (in ``h_dtype``)."""
-    if x_scale is None:
-        xq, x_scale = quantize(xq, x_block)
     g = scaled_mm(xq, x_scale, w1, s1, None, x_block, w_block, h_dtype, use_fast_accum)
     u = scaled_mm(xq, x_scale, w3, s3, None, x_block, w_block, h_dtype, use_fast_accum)
     h = GATED_ACTIVATIONS[act](g) * u
@@ -434,7 +421,7 @@ def _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_b
 @torch.library.custom_op(f"{_LIB}::gated_mlp", mutates_args=())
 def gated_mlp(
     xq: torch.Tensor,
-    x_scale: Optional[torch.Tensor],
+    x_scale: torch.Tensor,
     w1: torch.Tensor,
     s1: torch.Tensor,
     w3: torch.Tensor,
@@ -454,8 +441,7 @@ def gated_mlp(
 ) -> torch.Tensor:
     """``scaled_mm(quantize(act(g) * u), w2) + bias`` with ``g``, ``u`` = ``scaled_mm(xq, w1 / w3)`` in
     ``h_dtype``, h quantized with ``h_block`` (or the static ``h_static``): a gated MLP after the linear pass
-    (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens). ``x_scale`` None: ``xq`` is the 16/32-bit activation,
-    ``quantize(xq, x_block)``'d by the op (on CUDA inside its first kernel). On CUDA for M <= ``TRITON_MAX_M`` with per-tensor /
+    (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens). On CUDA for M <= ``TRITON_MAX_M`` with per-tensor /
     per-row scales: two kernels (``fp8fx.kernels.gated_mlp``); otherwise these same ops one by one."""
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
     _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block)
@@ -491,12 +477,8 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
         h_quant = kernels.QUANT_STATIC
     else:
         h_quant = kernels.QUANT_TENSOR if tuple(h_block) == (-1, -1) else kernels.QUANT_ROWS
-    if x_scale is None:
-        x_quant = kernels.QUANT_TENSOR if tuple(x_block) == (-1, -1) else kernels.QUANT_ROWS
-    else:
-        x_quant = kernels.NO_QUANT
     y = two_kernels(x2, x_scale, w1, s1, w3, s3, w2, s2, bias, h_quant, h_static, h_dtype, out_dtype, act,
-                    use_fast_accum, x_quant=x_quant)
+                    use_fast_accum)
     return y.reshape(*xq.shape[:-1], w2.shape[0])
 
 

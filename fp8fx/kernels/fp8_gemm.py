@@ -119,37 +119,6 @@ def _rows_amax(parts_ptr, rows, M, stride_pm, stride_pp, N_PARTS: tl.constexpr, 
 
 
 @triton.jit
-def _abs_amax_rows(tile_ptr, rows_left, K, stride_m, stride_k, BLOCK_M: tl.constexpr, AMAX_ROWS: tl.constexpr,
-                   AMAX_K: tl.constexpr):
-    """[BLOCK_M]: each of a tile's rows' max |a| over its K elements (0 for rows from ``rows_left`` on), read
-    AMAX_ROWS rows by AMAX_K columns a load (AMAX_ROWS a power of two up to BLOCK_M): one round trip to memory
-    per load before the GEMM's first, so the host sizes the loads to the rows there are (one row: all of K at
-    once)."""
-    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    rows = tl.arange(0, AMAX_ROWS)
-    cols = tl.arange(0, AMAX_K)
-    slot = tl.arange(0, BLOCK_M)
-    for r in range(0, tl.minimum(rows_left, BLOCK_M), AMAX_ROWS):
-        row_ok = r + rows < rows_left
-        ptrs = tile_ptr + (r + rows)[:, None] * stride_m + cols[None, :] * stride_k
-        part = tl.zeros((AMAX_ROWS,), dtype=tl.float32)
-        for k0 in range(0, K, AMAX_K):
-            v = tl.load(ptrs + k0 * stride_k, mask=row_ok[:, None] & (k0 + cols[None, :] < K), other=0.0)
-            part = _max_nan(part, tl.reduce(tl.abs(v.to(tl.float32)), 1, _max_nan))
-        # the AMAX_ROWS maxima to their rows of the tile
-        amax = _max_nan(amax, tl.reduce(tl.where(slot[:, None] == (r + rows)[None, :], part[None, :], 0.0), 1,
-                                        _max_nan))
-    return amax
-
-
-def amax_load_shape(m: int, k: int, block_m: int, elems: int = 8192) -> tuple[int, int]:
-    """(AMAX_ROWS, AMAX_K) of ``_abs_amax_rows``: as many of the tile's rows as there are (a power of two up to
-    ``block_m``), and as much of K as ``elems`` values a load leave room for."""
-    rows = min(block_m, triton.next_power_of_2(max(m, 1)))
-    return rows, max(16, min(triton.next_power_of_2(max(k, 1)), elems // rows))
-
-
-@triton.jit
 def _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT: tl.constexpr, N_PARTS: tl.constexpr,
                    PARTS_BLOCK: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr):
     """[BLOCK_M] scales of the rows ``offs_m`` of 16-bit activations quantized in the GEMM (``A_QUANT``):
@@ -192,6 +161,9 @@ def fp8_gemm_kernel(
     # launched as a programmatic dependent of the kernel before it (PDL, sm_90): wait for its memory first
     PDL_WAIT: tl.constexpr = False,
     B_DESC: tl.constexpr = False,
+    # A_QUANT's codes: the correctly rounded quotient (`_codes_of`), or the product by the reciprocal (a code one
+    # step off at a rounding tie) - kept for tune_gemm.py --codes to time the two side by side
+    EXACT_CODES: tl.constexpr = True,
 ):
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
@@ -243,7 +215,10 @@ def fp8_gemm_kernel(
         a_offs += BLOCK_K * stride_ak
         b_offs += BLOCK_K * stride_bk
         if A_QUANT:  # the 16-bit tile to fp8 codes, saturated as fp8fx.quant does (NaN kept)
-            a = _codes_of(a.to(tl.float32), a_q_scale[:, None], a_q_inv[:, None], FP8_MAX).to(b.dtype)
+            if EXACT_CODES:
+                a = _codes_of(a.to(tl.float32), a_q_scale[:, None], a_q_inv[:, None], FP8_MAX).to(b.dtype)
+            else:
+                a = _saturate(a.to(tl.float32) * a_q_inv[:, None], FP8_MAX).to(b.dtype)
         elif not A_FP8:  # weight-only: upcast the fp8 weight tile, 16-bit dot
             b = b.to(a.dtype)
         if A_GROUPED or B_GROUPED:

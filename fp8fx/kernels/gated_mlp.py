@@ -10,14 +10,13 @@ CUDA-graph replay 0.0559 ms against 0.0522 ms of kernels at M=1 with the L2 left
 benchmarks/RESULTS.md run 12).
 
 1. ``gated_gemm_kernel``: each program streams one N tile of both gate and up (two accumulators over
-   the same x tile; x fp8 with its scales, or 16-bit and quantized as it is loaded - ``x_quant``: each
-   program first reads the amax of its rows of x, [M, K] at decode sizes, from L2) and finishes the activation in its epilogue: ``h = act(g) * u``, rounded as the model
+   the same x tile) and finishes the activation in its epilogue: ``h = act(g) * u``, rounded as the model
    rounds it (g, u, act(g) and h in the model's dtype), stored 16-bit, with each row's amax over the
    tile (``parts [M, ceil(I / BLOCK_N)]``). It also zeroes the down GEMM's split-K tickets.
 2. ``fp8_gemm_kernel`` with ``A_QUANT``: the down GEMM takes the 16-bit h, reduces each row's partial
    maxima to its scale (or all rows', per tensor) and quantizes each h tile as it loads it.
 
-The quantizations are ``fp8fx.quant``'s: scale max(amax, 1e-12) / 448 (IEEE division), codes the correctly
+The quantization is ``fp8fx.quant``'s: scale max(amax, 1e-12) / 448 (IEEE division), codes the correctly
 rounded quotient (from the scale's reciprocal, ``fp8_gemm._codes_of``) saturated and cast; the result differs
 from the unfused graph's where Inductor kept h in float32.
 Run for M <= ``fp8fx.ops.TRITON_MAX_M`` with per-tensor / per-channel weights and per-token / per-tensor
@@ -33,10 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8fx import quant
-from fp8fx.kernels.fp8_gemm import NO_QUANT, QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _abs_amax_rows, _max_nan
-from fp8fx.kernels.fp8_gemm import _codes_of, _scale_of, amax_load_shape, fp8_gemm, imprecise_k, pipeline_stages
-from fp8fx.kernels.fp8_gemm import tile_config
+from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _max_nan, fp8_gemm, imprecise_k
+from fp8fx.kernels.fp8_gemm import pipeline_stages, tile_config
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
 
@@ -51,10 +48,6 @@ def gated_gemm_kernel(
     A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL_TRIGGER: tl.constexpr = False,  # the down GEMM is a programmatic dependent (PDL): let it launch
-    # A_QUANT (QUANT_ROWS / QUANT_TENSOR): x arrives 16-bit (a_scale_ptr unused) and is quantized here, per
-    # token or per tensor, from its amax read first, AMAX_ROWS x AMAX_K elements per load
-    A_QUANT: tl.constexpr = 0, AMAX_ROWS: tl.constexpr = 1, AMAX_K: tl.constexpr = 64,
-    EPS: tl.constexpr = 1e-12, FP8_MAX: tl.constexpr = 448.0,
 ):
     pid = tl.program_id(0)
     # the down GEMM runs next on this stream: its tickets start at zero without a launch of their own
@@ -73,17 +66,6 @@ def gated_gemm_kernel(
     w_base = (pid_n * BLOCK_N).to(tl.int64) * stride_wn
     a_offs = tl.arange(0, BLOCK_M)[:, None] * stride_am + offs_k[None, :] * stride_ak  # [BM, BK]
     w_offs = tl.arange(0, BLOCK_N)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # w.T tile: [BK, BN]
-    if A_QUANT:  # the scales of x's rows (or of all of x) first: every program reads x's amax itself
-        if A_QUANT == 2:  # QUANT_TENSOR
-            amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-            for r in range(0, M, BLOCK_M):
-                amax = _max_nan(amax, _abs_amax_rows(a_ptr + r * stride_am, M - r, K, stride_am,
-                                                     stride_ak, BLOCK_M, AMAX_ROWS, AMAX_K))
-            amax = tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.reduce(amax, 0, _max_nan)
-        else:
-            amax = _abs_amax_rows(a_tile, M - pid_m * BLOCK_M, K, stride_am, stride_ak, BLOCK_M, AMAX_ROWS, AMAX_K)
-        a_q_scale = _scale_of(amax, EPS, FP8_MAX)
-        a_q_inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), a_q_scale)  # as fp8_gemm's A_QUANT
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -92,8 +74,6 @@ def gated_gemm_kernel(
         w_mask = (offs_k[:, None] < k_left) & n_ok[None, :]
         g = tl.load(w1_ptr + w_base + w_offs, mask=w_mask, other=0.0)
         u = tl.load(w3_ptr + w_base + w_offs, mask=w_mask, other=0.0)
-        if A_QUANT:  # the 16-bit tile to fp8 codes, saturated as fp8fx.quant does (NaN kept)
-            a = _codes_of(a.to(tl.float32), a_q_scale[:, None], a_q_inv[:, None], FP8_MAX).to(g.dtype)
         acc_g = tl.dot(a, g, acc_g, max_num_imprecise_acc=IMPRECISE_K)
         acc_u = tl.dot(a, u, acc_u, max_num_imprecise_acc=IMPRECISE_K)
         a_offs += BLOCK_K * stride_ak
@@ -102,9 +82,7 @@ def gated_gemm_kernel(
         tl.extra.cuda.gdc_launch_dependents()
 
     # epilogue: the scales, then act(g) * u rounded as the model's 16-bit ops round it
-    if A_QUANT:
-        a_s = a_q_scale[:, None]
-    elif A_ROWWISE:
+    if A_ROWWISE:
         a_s = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
     else:
         a_s = tl.load(a_scale_ptr)
@@ -169,7 +147,7 @@ def _vector(scale: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
 
 def gated_mlp(
     xq: torch.Tensor,
-    x_scale: Optional[torch.Tensor],
+    x_scale: torch.Tensor,
     w1: torch.Tensor,
     s1: torch.Tensor,
     w3: torch.Tensor,
@@ -185,11 +163,9 @@ def gated_mlp(
     fast_accum: bool = False,
     configs: tuple[Optional[dict], Optional[dict]] = (None, None),
     pdl: Optional[bool] = None,
-    x_quant: int = NO_QUANT,
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` in two kernels. xq: fp8 [M, K] with ``x_scale`` per token ([M] / [M, 1])
-    or per tensor - or, with ``x_quant`` ``QUANT_ROWS`` (per token) / ``QUANT_TENSOR``, the 16-bit x itself
-    (``x_scale`` None), quantized by the first kernel as it reads it: no quantization kernel before; w1 (gate), w3 (up): fp8 [I, K]; w2 (down): fp8 [N, I]; weight scales per tensor or per
+    or per tensor; w1 (gate), w3 (up): fp8 [I, K]; w2 (down): fp8 [N, I]; weight scales per tensor or per
     channel. ``h_quant``: ``QUANT_ROWS`` (per token), ``QUANT_TENSOR`` or ``QUANT_STATIC`` (``h_static``).
     ``configs``: tiles of the two kernels (default: ``gated_tile_config``, ``down_tile_config``). ``pdl``: the down
     GEMM a programmatic dependent launch of the first kernel (default: on CUDA GPUs of compute capability 9.0+,
@@ -201,12 +177,7 @@ def gated_mlp(
                          f"{list(w2.shape)}: gate and up must be [I, {k}], down [N, I]")
     if act not in ACTIVATIONS or h_quant not in (QUANT_ROWS, QUANT_TENSOR, QUANT_STATIC):
         raise ValueError(f"gated_mlp: act={act!r}, h_quant={h_quant}; acts {list(ACTIVATIONS)}, h_quant QUANT_*")
-    if x_quant not in (NO_QUANT, QUANT_ROWS, QUANT_TENSOR) or (x_quant != NO_QUANT) != (x_scale is None):
-        raise ValueError(f"gated_mlp: x_quant={x_quant} with x_scale {'None' if x_scale is None else 'given'}; "
-                         "NO_QUANT takes fp8 x and its scale, QUANT_ROWS / QUANT_TENSOR a 16-bit x and no scale")
-    if x_quant != NO_QUANT and xq.dtype not in quant.HIGH_PRECISION:
-        raise ValueError(f"gated_mlp: x_quant={x_quant} quantizes a 16/32-bit x; got {xq.dtype}")
-    if x_scale is not None and x_scale.numel() not in (1, m):
+    if x_scale.numel() not in (1, m):
         raise ValueError(f"gated_mlp: x_scale has {x_scale.numel()} elements; per token ({m}) or per tensor (1)")
     xq, w1, w3 = (t if t.stride(-1) == 1 else t.contiguous() for t in (xq, w1, w3))
     if w1.stride() != w3.stride():
@@ -216,14 +187,12 @@ def gated_mlp(
         s1, s3 = s1.expand(i).contiguous(), s3.expand(i).contiguous()
     cfg1 = dict(configs[0] or gated_tile_config(m, i, k))
     cfg2 = {"SPLIT_K": 1, **(configs[1] or down_tile_config(m, n, i))}
-    amax_elems = cfg1.pop("AMAX_ELEMS", 8192)  # x_quant: values per load of x's amax
-    # gate and up tiles; a 16-bit x (x_quant) doubles its tile
-    cfg1["num_stages"] = pipeline_stages({**cfg1, "BLOCK_N": 2 * cfg1["BLOCK_N"]}, xq.element_size())
+    cfg1["num_stages"] = pipeline_stages({**cfg1, "BLOCK_N": 2 * cfg1["BLOCK_N"]}, 1)  # gate and up tiles
     split_tiles = triton.cdiv(m, cfg2["BLOCK_M"]) * triton.cdiv(n, cfg2["BLOCK_N"]) if cfg2["SPLIT_K"] > 1 else 0
     tickets = torch.empty(max(split_tiles, 1), device=xq.device, dtype=torch.int32)  # zeroed by the first kernel
     h = torch.empty(m, i, device=xq.device, dtype=h_dtype)
     parts = torch.empty(m, triton.cdiv(i, cfg1["BLOCK_N"]), device=xq.device, dtype=torch.float32)
-    x_scale = parts if x_scale is None else x_scale.float().reshape(-1).contiguous()  # x_quant: not read
+    x_scale = x_scale.float().reshape(-1).contiguous()
     # everything the down GEMM reads is ready before the first launch: a copy or cast launched between the two
     # kernels would become the down GEMM's predecessor (no overlap)
     h_scale = h_static.float().reshape(1).contiguous() if h_quant == QUANT_STATIC else parts
@@ -238,10 +207,8 @@ def gated_mlp(
             xq, w1, w3, x_scale, s1, s3, h, parts, tickets,
             m, i, k, split_tiles,
             xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), h.stride(0), parts.stride(0),
-            A_ROWWISE=x_quant == NO_QUANT and x_scale.numel() == m and m > 1, W_ROWWISE=rows1 or rows3, ACT=ACTIVATIONS[act],
-            IMPRECISE_K=imprecise_k(cfg1, fast_accum), PDL_TRIGGER=pdl, A_QUANT=x_quant, EPS=quant.AMAX_EPS,
-            FP8_MAX=quant.FP8_MAX, **dict(zip(("AMAX_ROWS", "AMAX_K"), amax_load_shape(m, k, cfg1["BLOCK_M"],
-                                                                                      amax_elems))), **cfg1,
+            A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=rows1 or rows3, ACT=ACTIVATIONS[act],
+            IMPRECISE_K=imprecise_k(cfg1, fast_accum), PDL_TRIGGER=pdl, **cfg1,
         )
         return fp8_gemm(h, w2, h_scale, s2, bias, out_dtype, config=cfg2, fast_accum=fast_accum, a_quant=h_quant,
                         tickets=tickets, pdl=pdl)

@@ -33,8 +33,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from fp8fx.ops import GATED_MAX_M, GATED_X_QUANT_MAX_M, _tensor_or_row
-from fp8fx import quant
+from fp8fx.ops import GATED_MAX_M, _tensor_or_row
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
 from fp8fx.passes.linear import _name_of
 from fp8fx.report import Site
@@ -182,39 +181,6 @@ def _match(down: fx.Node) -> tuple[Optional[_Mlp], str]:
     return None, ""
 
 
-_VIEWS = {"view", "reshape", "flatten", "squeeze", "unsqueeze", "contiguous"}
-_VIEW_FUNCTIONS = (torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze)
-# torch-level ops whose output Inductor writes from a kernel it does not generate (a cuBLAS / attention call,
-# or an opaque custom op): nothing to fuse a quantization of their output into
-_EXTERN = (torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention,
-           torch.matmul, operator.matmul, torch.mm, torch.bmm)
-
-
-def _extern_producer(x) -> Optional[str]:
-    """What produces ``x`` (through views that copy nothing) when Inductor could not fuse x's quantization into
-    it - a graph input, an attention or matmul call, a custom op (fp8fx's GEMMs) - else None: x comes from ops
-    Inductor generates a kernel for (RMSNorm, a residual add), whose kernel quantizes x on its way out."""
-    while isinstance(x, fx.Node) and x.all_input_nodes and (
-            x.op == "call_method" and x.target in _VIEWS or x.op == "call_function" and x.target in _VIEW_FUNCTIONS):
-        source = x.all_input_nodes[0]
-        if not all(isinstance(v, torch.Tensor) and v.is_contiguous() for v in (fake_value(x), fake_value(source))):
-            return None  # a copy: Inductor's kernel for it quantizes too
-        x = source
-    if not isinstance(x, fx.Node):
-        return None
-    if x.op == "placeholder":
-        return "a graph input"
-    if x.op != "call_function":
-        return None
-    node = x.args[0] if x.target is operator.getitem and isinstance(x.args[0], fx.Node) else x  # multi-output op
-    if node.op != "call_function":
-        return None
-    op = node.target
-    custom = isinstance(op, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)) and \
-        op._qualified_op_name.split("::")[0] not in ("aten", "prims")
-    return _name_of(node) if op in _EXTERN or custom else None
-
-
 def _gemm_behind(node: fx.Node, depth: int = 6) -> Optional[fx.Node]:
     """A GEMM (or half of one) that ``node`` is computed from, a few ops back, else None."""
     frontier, seen = [node], set()
@@ -249,10 +215,8 @@ class GatedMlpPass(Fp8Pass):
             if reason:
                 amend_sites(ctx, mlp.gemms, f"not fused into a gated MLP ({names}): {reason}")
                 continue
-            x_quant = self._foldable_x_quant(mlp)
-            new = self._fuse(gm.graph, mlp, x_quant)
-            how = f", x quantized inside (x is {x_quant[1]})" if x_quant else ""
-            amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, 2 kernels{how})", node=Site.origin_of(new))
+            new = self._fuse(gm.graph, mlp)
+            amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, 2 kernels)", node=Site.origin_of(new))
             fused += len(mlp.gemms)
         gm.recompile()
         return fused
@@ -299,35 +263,9 @@ class GatedMlpPass(Fp8Pass):
         return ""
 
     @staticmethod
-    def _foldable_x_quant(mlp: _Mlp) -> Optional[tuple[fx.Node, str]]:
-        """(x's dynamic quantization, what produces x) where the fused op should quantize x itself: no kernel
-        of Inductor's could carry that quantization (``_extern_producer``), only gate and up read it, and the
-        batch is small enough (``GATED_X_QUANT_MAX_M``) for each program of the op's first kernel to read x's
-        amax from L2; else None (x stays quantized by the kernel Inductor makes of its producer)."""
-        xq, x_scale = mlp.gate.args[:2]
-        getitem = lambda n, i: isinstance(n, fx.Node) and n.target is operator.getitem and n.args[1] == i  # noqa: E731
-        if not (getitem(xq, 0) and getitem(x_scale, 1) and xq.args[0] is x_scale.args[0]):
-            return None
-        quantize = xq.args[0]
-        if quantize.target is not _QUANTIZE or list(quantize.args[1]) not in ([1, -1], [-1, -1]):
-            return None
-        readers = {mlp.gate, mlp.up}
-        if set(quantize.users) != {xq, x_scale} or not all(set(n.users) <= readers for n in (xq, x_scale)):
-            return None
-        x = quantize.args[0]
-        rows = fake_value(xq).shape[:-1].numel()
-        producer = _extern_producer(x)
-        if producer is None or rows > GATED_X_QUANT_MAX_M or fake_value(x).dtype not in quant.HIGH_PRECISION:
-            return None
-        return quantize, producer
-
-    @staticmethod
-    def _fuse(graph: fx.Graph, mlp: _Mlp, x_quant: Optional[tuple[fx.Node, str]] = None) -> fx.Node:
-        """The fused op in the MLP's place; with ``x_quant`` (``_foldable_x_quant``) it takes x unquantized."""
+    def _fuse(graph: fx.Graph, mlp: _Mlp) -> fx.Node:
         gate, up, down = mlp.gate, mlp.up, mlp.down
         xq, x_scale, w1, s1, _, x_block, w_block, _, fast = gate.args
-        if x_quant:
-            xq, x_scale = x_quant[0].args[0], None
         w3, s3 = up.args[2:4]
         _, _, w2, s2, bias, h_block, w2_block, out_dtype, _ = down.args
         h_dtype = fake_value(mlp.mul).dtype  # the model's act * mul dtype (autocast may differ from gate's)
@@ -346,9 +284,6 @@ class GatedMlpPass(Fp8Pass):
             graph.erase_node(node)
         if not mlp.merged:
             graph.erase_node(gate)
-        if x_quant:  # its getitems, then it
-            for node in [*x_quant[0].users, x_quant[0]]:
-                graph.erase_node(node)
         return new
 
     @staticmethod

@@ -16,7 +16,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, fp8_gemm_kernel, parts_block  # noqa: E402
-from fp8fx.kernels.fp8_gemm import amax_load_shape, imprecise_k, pipeline_stages, tile_config  # noqa: E402
+from fp8fx.kernels.fp8_gemm import imprecise_k, pipeline_stages, tile_config  # noqa: E402
 from fp8fx.kernels.gated_mlp import ACTIVATIONS, down_tile_config, gated_gemm_kernel, gated_tile_config  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr", "out_ptr", "tickets_ptr"]
@@ -69,7 +69,7 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool 
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
                   SPLIT_K=cfg.get("SPLIT_K", 1), A_QUANT=a_quant, N_PARTS=448,
                   PARTS_BLOCK=parts_block(448, cfg["BLOCK_M"]), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl,
-                  B_DESC=bool(cfg.get("TMA")))
+                  B_DESC=bool(cfg.get("TMA")), EXACT_CODES=True)
     aligned = POINTERS + ["N", "K", "stride_am", "stride_bn", "stride_ym"]
     stages = pipeline_stages({**cfg, "BLOCK_K": consts["BLOCK_K"]}, 1 if a_dtype == "fp8e4nv" else 2)
     return compile_kernel(fp8_gemm_kernel, types, consts, aligned, cfg["num_warps"], stages)
@@ -148,6 +148,7 @@ def test_down_gemm_quantizing_bf16_activations_compiles_for_sm90(a_quant, m):
     kernel = compile_for_hopper("bf16", LAYOUTS["per-row"], cfg, a_quant=a_quant, pdl=True)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"], "h must reach the dot as fp8 codes"
+    assert "fma.rn.f32" in kernel.asm["ptx"], "each code the correctly rounded quotient (fp8_gemm._codes_of)"
     # a programmatic dependent launch: it waits for the first kernel before any global memory access (not one
     # hoisted above the wait, the pipelined prologue's cp.async loads included)
     ptx = kernel.asm["ptx"]
@@ -159,31 +160,22 @@ def test_down_gemm_quantizing_bf16_activations_compiles_for_sm90(a_quant, m):
     assert stack_bytes(kernel) <= (16 if m == 1 else 0 if a_quant != QUANT_TENSOR else 272), stack_bytes(kernel)
 
 
-@pytest.mark.parametrize("x_quant", [0, QUANT_ROWS, QUANT_TENSOR], ids=["x codes", "x per token", "x per tensor"])
 @pytest.mark.parametrize("m", [1, 16, 64])
 @pytest.mark.parametrize("w_rowwise,act", [(False, "silu"), (True, "silu"), (True, "gelu"), (True, "gelu_tanh")])
-def test_gated_gemm_compiles_for_sm90(m, w_rowwise, act, x_quant):
-    """Gate and up tiles against one x tile, act(g) * up in the epilogue (Llama-3-8B: I = 14336, K = 4096); x
-    as fp8 codes, or bf16 quantized as it is loaded (``x_quant``: its amax read first, as the host sizes the
-    loads)."""
+def test_gated_gemm_compiles_for_sm90(m, w_rowwise, act):
+    """Gate and up tiles against one x tile, act(g) * up in the epilogue (Llama-3-8B: I = 14336, K = 4096)."""
     cfg = gated_tile_config(m, 14336, 4096)
-    types = dict(zip(GATED_POINTERS, ["*bf16" if x_quant else "*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32",
-                                      "*fp32", "*bf16", "*fp32", "*i32"]))
+    types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*bf16",
+                                      "*fp32", "*i32"]))
     types.update({name: "i32" for name in GATED_INTS})
-    rows, cols = amax_load_shape(m, 4096, cfg["BLOCK_M"])
-    consts = dict(A_ROWWISE=m > 1 and not x_quant, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act], IMPRECISE_K=None,
-                  BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True,
-                  A_QUANT=x_quant, AMAX_ROWS=rows, AMAX_K=cols, EPS=1e-12, FP8_MAX=448.0)
-    stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 2 if x_quant else 1)
+    consts = dict(A_ROWWISE=m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act], IMPRECISE_K=None, BLOCK_M=cfg["BLOCK_M"],
+                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True)
+    stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
     kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
                             cfg["num_warps"], stages)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert stack_bytes(kernel) == 0, stack_bytes(kernel)
-    ptx = kernel.asm["ptx"]
-    assert "griddepcontrol.launch_dependents" in ptx  # lets the down GEMM launch early
-    assert "cp.async" in ptx, "the weight tiles are loaded through the pipeline"
-    if x_quant:  # x reaches the dots as fp8 codes, each the correctly rounded quotient (two FMAs)
-        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx and "fma.rn.f32" in ptx
+    assert "griddepcontrol.launch_dependents" in kernel.asm["ptx"]  # lets the down GEMM launch early
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 14336), (1, 28672, 4096), (16, 4096, 14336), (64, 6144, 4096)])

@@ -23,11 +23,9 @@ SCHEMES = {  # x block, weight block, h block, static h scale
 }
 
 
-def mlp_operands(m, k, i, n, scheme, device="cpu", seed=0, row_gain=None, dtype=torch.bfloat16, act="silu",
-                 x_inside=False):
+def mlp_operands(m, k, i, n, scheme, device="cpu", seed=0, row_gain=None, dtype=torch.bfloat16, act="silu"):
     """Quantized x and weights, bias, static scale; float weights for a float64 truth. ``row_gain``
-    multiplies each row of x (rows far apart in magnitude). ``x_inside``: x itself and no x scale (the op
-    quantizes x)."""
+    multiplies each row of x (rows far apart in magnitude)."""
     x_block, w_block, h_block, static = SCHEMES[scheme]
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(m, k, generator=g)
@@ -40,8 +38,6 @@ def mlp_operands(m, k, i, n, scheme, device="cpu", seed=0, row_gain=None, dtype=
     qs = [quant.quantize(w, w_block) for w in ws]
     bias = torch.randn(n, generator=g)
     h_static = None if static is None else torch.tensor([static])
-    if x_inside:
-        xq, xs = x.to(dtype), None
     args = (xq, xs, qs[0][0], qs[0][1], qs[1][0], qs[1][1], qs[2][0], qs[2][1], bias, x_block, w_block, h_block,
             w_block, h_static, act, dtype, dtype, False)
     return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args], [w.to(device) for w in ws]
@@ -50,8 +46,6 @@ def mlp_operands(m, k, i, n, scheme, device="cpu", seed=0, row_gain=None, dtype=
 def truth(args, ws):
     """float64 down(act(gate(x)) * up(x)) + bias on the dequantized x and the unquantized weights."""
     xq, xs, x_block, bias = args[0], args[1], args[9], args[8]
-    if xs is None:  # x itself: quantized as the op does
-        xq, xs = quant.quantize(xq, x_block)
     x = quant.dequantize(xq.cpu(), xs.cpu(), x_block, torch.float64)
     w1, w3, w2 = (w.cpu().double() for w in ws)
     h = ops.GATED_ACTIVATIONS[args[14]](x @ w1.t()) * (x @ w3.t())
@@ -123,22 +117,6 @@ INTERPRETER_CHECK = textwrap.dedent("""
             # h a bf16 step off here and there, the odd fp8 code one step off (the kernel quantizes by the
             # scale's reciprocal, the reference divides): a wrong scale, row or weight is off by > 10%
             assert worst < 0.01, (m, scheme, act, split, worst)
-
-    # 3. x quantized inside the first kernel (x_quant): the codes, hence the result, of quantizing x first
-    for m, k, i, n, scheme in [(1, 160, 96, 72, "per-token/per-channel"), (3, 300, 200, 130, "per-tensor/per-tensor"),
-                               (17, 256, 100, 64, "per-token/per-tensor"), (17, 256, 100, 64, "per-tensor/per-tensor")]:
-        args, _ = mlp_operands(m, k, i, n, scheme, row_gain=torch.logspace(0, 3, m), x_inside=True)
-        ref = ops._gated_mlp_reference(*args)
-        x, _, w1, s1, w3, s3, w2, s2, bias, x_block, _, h_block = args[:12]
-        x_quant = K.QUANT_TENSOR if x_block == [-1, -1] else K.QUANT_ROWS
-        h_quant = K.QUANT_TENSOR if h_block == [-1, -1] else K.QUANT_ROWS
-        for amax_elems in (64, 8192):  # x's amax in loads of 4 x 16 .. all of it
-            cfg1 = {**gated_tile_config(m, i, k), "BLOCK_M": 16, "AMAX_ELEMS": amax_elems}
-            y = gated_mlp(x, None, w1, s1, w3, s3, w2, s2, bias, h_quant, None, torch.bfloat16, torch.bfloat16,
-                          configs=(cfg1, None), x_quant=x_quant)
-            worst = max(rel(y[r], ref[r]) for r in range(m))
-            worst_seen = max(worst_seen, worst)
-            assert worst < 0.01, (m, scheme, amax_elems, worst)
     print("interpreter ok", worst_seen)
 """)
 
@@ -182,12 +160,6 @@ def bad_tensor_args(device):
     bad = list(args)
     bad[0] = args[0].to(torch.bfloat16)
     cases.append((bad, "xq is torch.bfloat16"))
-    bad = list(args)
-    bad[1] = None  # x itself, but fp8 codes were passed
-    cases.append((bad, r"without x_scale, xq is the activation itself .* got torch.float8_e4m3fn"))
-    bad, _ = mlp_operands(3, 32, 16, 8, "per-token/per-channel", device=device, x_inside=True)
-    bad[9] = [1, 16]  # groups: not a quantization the op does
-    cases.append((bad, r"per token \(x_block \[1, -1\]\) or per tensor .* x_block \[1, 16\]"))
     return cases
 
 
@@ -207,25 +179,20 @@ def test_gated_mlp_op_checks_its_tensors_cuda():
 @pytest.mark.parametrize("scheme,act", [(scheme, "silu") for scheme in SCHEMES] + [
     ("per-token/per-channel", "gelu"), ("per-token/per-channel", "gelu_tanh")])
 def test_gated_mlp_op_cpu_within_fp8_error_of_float64(scheme, act):
-    """The CPU op (the linear pass's ops one by one) against the float64 MLP on unquantized weights; given x
-    itself, the same as given its codes."""
+    """The CPU op (the linear pass's ops one by one) against the float64 MLP on unquantized weights."""
     args, ws = mlp_operands(3, 64, 48, 40, scheme, act=act)
     assert rel(ops.gated_mlp(*args), truth(args, ws)) < 0.08
-    inside, _ = mlp_operands(3, 64, 48, 40, scheme, act=act, x_inside=True)
-    assert torch.equal(ops.gated_mlp(*inside), ops.gated_mlp(*args))
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("x_inside", [False, True], ids=["x codes", "x inside"])
 @pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 65])
 @pytest.mark.parametrize("scheme,act", [(scheme, "silu") for scheme in SCHEMES] + [
     ("per-token/per-channel", "gelu"), ("per-token/per-channel", "gelu_tanh")])
-def test_gated_mlp_op_cuda(m, scheme, act, x_inside):
+def test_gated_mlp_op_cuda(m, scheme, act):
     """Two kernels for m <= 64 (65: the unfused ops), the down GEMM's K (8232) split for m <= 16: as accurate
     against float64 as the unfused ops, and close to them, row by row (rows 1000x apart: see the
-    interpreter check); with x itself, quantized by the first kernel, too."""
-    args, ws = mlp_operands(m, 1024, 8192 + 40, 1000, scheme, "cuda", row_gain=torch.logspace(0, 3, m), act=act,
-                            x_inside=x_inside)
+    interpreter check)."""
+    args, ws = mlp_operands(m, 1024, 8192 + 40, 1000, scheme, "cuda", row_gain=torch.logspace(0, 3, m), act=act)
     y = ops.gated_mlp(*args)
     unfused = ops._gated_mlp_reference(*args)
     want = truth(args, ws)
@@ -238,14 +205,13 @@ def test_gated_mlp_op_cuda(m, scheme, act, x_inside):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("x_inside", [False, True], ids=["x codes", "x inside"])
-def test_gated_mlp_cuda_graph_replays(x_inside):
+def test_gated_mlp_cuda_graph_replays():
     """Llama-3-8B sizes at M=1: the down GEMM splits K behind tickets the gate/up kernel zeroes, so
     replays of a captured graph must stay bit-equal to plain calls."""
     from fp8fx.kernels.gated_mlp import down_tile_config
 
     assert down_tile_config(1, 4096, 14336)["SPLIT_K"] > 1
-    args, _ = mlp_operands(1, 4096, 14336, 4096, "per-token/per-channel", "cuda", x_inside=x_inside)
+    args, _ = mlp_operands(1, 4096, 14336, 4096, "per-token/per-channel", "cuda")
     eager = [ops.gated_mlp(*args) for _ in range(3)]
     assert all(torch.equal(e, eager[0]) for e in eager)
     # the down GEMM as a programmatic dependent launch (the default on the H200) or not: the same bits
@@ -255,7 +221,7 @@ def test_gated_mlp_cuda_graph_replays(x_inside):
     xq, xs, w1, s1, w3, s3, w2, s2, bias = args[:9]
     for pdl in (False, True) if torch.cuda.get_device_capability() >= (9, 0) else (False,):
         y = gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, bias, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16,
-                      pdl=pdl, x_quant=kernels.QUANT_ROWS if x_inside else kernels.NO_QUANT)
+                      pdl=pdl)
         assert torch.equal(y, eager[0]), pdl
     assert_graph_replays_equal(lambda: ops.gated_mlp(*args), eager[0])
 
