@@ -298,69 +298,16 @@ def test_tma_weight_loads_under_triton_interpreter():
     assert "tma ok" in run_under_triton_interpreter(["-c", TMA_CHECK])
 
 
-CODES_CHECK = textwrap.dedent(
-    """
-    import sys
-    import torch
-    import triton
-    import triton.language as tl
-    from tests.triton_rounding import round_to_nearest
-    from fp8fx import quant
-    from fp8fx.kernels.fp8_gemm import _codes_of, _saturate
-
-    @triton.jit
-    def codes_kernel(v_ptr, scale_ptr, out_ptr, n, EXACT: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        ok = offs < n
-        v = tl.load(v_ptr + offs, mask=ok, other=0.0)
-        scale = tl.load(scale_ptr + offs, mask=ok, other=1.0)
-        inv = tl.math.div_rn(tl.full((BLOCK,), 1.0, tl.float32), scale)
-        if EXACT:
-            q = _codes_of(v, scale, inv, 448.0)
-        else:
-            q = _saturate(v * inv, 448.0)
-        tl.store(out_ptr + offs, q.to(tl.float8e4nv), mask=ok)
-
-    device = sys.argv[1]
-    if device == "cpu":
-        round_to_nearest()
-    # bf16 activations and the scales of their rows; the first value is a tie: 414 / 4.9286 = 84.0 exactly,
-    # half-way between the codes 80 and 88; then inf, NaN and a quotient far past the fp8 range
-    g = torch.Generator().manual_seed(0)
-    v = (torch.randn(200_000, generator=g) * torch.logspace(-3, 3, 200_000)).bfloat16().float()
-    scale = (v.abs().reshape(-1, 100).amax(1, keepdim=True).clamp(min=1e-12) / 448).expand(-1, 100).reshape(-1)
-    v[:4] = torch.tensor([414.0, float("inf"), float("nan"), 1e38])
-    scale = scale.clone()
-    scale[0] = torch.tensor(414.0 / 84.0)
-    want = quant.cast_to_fp8(v / scale)  # fp8fx.quant's: the IEEE quotient, saturated
-    v, scale, want = v.to(device), scale.to(device), want.to(device)
-    got = {}
-    for exact in (True, False):
-        out = torch.empty(v.shape, dtype=torch.float8_e4m3fn, device=device)
-        codes_kernel[(triton.cdiv(v.numel(), 1024),)](v, scale, out, v.numel(), EXACT=exact, BLOCK=1024)
-        got[exact] = out.float()
-    want = want.float()
-    same = lambda a, b: torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
-    assert same(got[True], want), (got[True] != want).sum()
-    assert got[False][0] != want[0], "the tie must tell the two apart"
-    print("codes ok", int((got[False] != want).sum()))
-    """
-)
-
 
 def test_in_kernel_codes_equal_the_ieee_quotients_under_triton_interpreter():
     """``_codes_of`` (reciprocal + two FMAs): the codes of fp8fx.quant's division on 200k values across six decades,
-    a rounding tie, inf, NaN and an out-of-range quotient; the plain product by the reciprocal misses the tie."""
-    assert "codes ok" in run_under_triton_interpreter(["-c", CODES_CHECK, "cpu"])
+    a rounding tie, inf, NaN and an out-of-range quotient; the plain product by the reciprocal misses the tie
+    (``tests/kernels/codes_check.py``)."""
+    assert "codes ok" in run_under_triton_interpreter(["-m", "tests.kernels.codes_check", "cpu"])
 
 
 @pytest.mark.cuda
 def test_in_kernel_codes_equal_the_ieee_quotients_cuda():
-    import subprocess
-    import sys
+    from tests.kernels.codes_check import check
 
-    from tests.conftest import ROOT
-
-    proc = subprocess.run([sys.executable, "-c", CODES_CHECK, "cuda"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "codes ok" in proc.stdout, proc.stdout + proc.stderr
+    check("cuda")
