@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Any, Mapping, Optional, Sequence
 
 from torch import fx
@@ -18,6 +19,8 @@ log = logging.getLogger("fp8fx")
 _COMPILERS = ("inductor", "eager")
 _LOWERINGS = ("aten", "op")
 ONE_PASS_ROWS = 16384  # Fp8Backend's default one_pass_rows: rows up to a Llama-3 MLP's 14336 reduce in one pass
+# the live backend of this process writing into each dump folder (its real path): a second one writes beside it
+_DUMP_WRITERS: "weakref.WeakValueDictionary[str, Fp8Backend]" = weakref.WeakValueDictionary()
 
 
 class Fp8Backend:
@@ -27,7 +30,9 @@ class Fp8Backend:
     - ``compiler``: ``"inductor"`` (default) or ``"eager"`` (run the rewritten graph as is: for
       debugging the passes without Inductor).
     - ``dump_dir``: write, per compiled graph, the graph before and after each pass (Python), Inductor's
-      output code, the report and Dynamo's decompiled bytecode into this folder (``fp8fx.dump``).
+      output code, the report and Dynamo's decompiled bytecode into this folder (``fp8fx.dump``). A folder
+      another live backend of the process writes into is not shared: this one writes into its
+      ``backend2`` (``backend3``, ...) subfolder, with a warning, and ``dump_dir`` says where.
     - ``inductor_config``: extra Inductor config patches for this backend's compilations.
     - ``lowering``: ``"aten"`` (default) decomposes the activation quantization on CUDA into ATen so
       Inductor fuses it into its producer (``fp8fx.lowerings.aten``); ``"op"`` keeps every fp8fx op
@@ -161,10 +166,26 @@ class Fp8Backend:
         if self.dump_dir is None:
             return None
         if index == 0:  # this backend's first graph: files an earlier run left would read as this one's
+            self.dump_dir = self._claim_dump_dir(self.dump_dir)
             GraphDump.clear(self.dump_dir)
         dump = GraphDump(self.dump_dir, index)
         dump.start(gm)
         return dump
+
+    def _claim_dump_dir(self, dump_dir: str) -> str:
+        """``dump_dir``, or where another live backend of this process writes into it (its files and this one's
+        would both be ``graph000_*``, and each backend's first graph clears the folder), the first free
+        ``dump_dir/backend<k>`` (k = 2, 3, ...), with a warning; ``self.dump_dir`` says which."""
+        folder, k = dump_dir, 1
+        while _DUMP_WRITERS.get(os.path.realpath(folder)) not in (None, self):
+            k += 1
+            folder = os.path.join(dump_dir, f"backend{k}")
+        if k > 1:
+            log.warning("fp8fx: dump_dir %s is another live backend's dump folder; this backend writes its dump "
+                        "into %s (give each backend a folder of its own)", dump_dir, folder)
+            os.makedirs(folder, exist_ok=True)
+        _DUMP_WRITERS[os.path.realpath(folder)] = self
+        return folder
 
     def _done(self, compiled, index: int, dump: Optional[GraphDump], output_code: list[str]):
         self.report.log_graph(index)

@@ -101,6 +101,30 @@ def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
     assert (tmp_path / "report.txt").read_text() != "old"
 
 
+def test_backends_sharing_a_dump_dir_write_apart(tmp_path, caplog):
+    """Two live backends, one dump_dir: the second's first graph cleared the first's files and both wrote
+    graph000_*. Now the second (and a third) write into backend2/, backend3/ with a warning; a folder whose
+    backend is gone is taken again."""
+    import gc
+
+    first = compile_two_layer(tmp_path)
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        second = compile_two_layer(tmp_path)
+        third = compile_two_layer(tmp_path)
+    assert first.dump_dir == str(tmp_path)
+    assert (second.dump_dir, third.dump_dir) == (str(tmp_path / "backend2"), str(tmp_path / "backend3"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        GRAPH0 + ["report.json", "report.txt", "backend2", "backend3"])
+    for sub in ("backend2", "backend3"):
+        assert sorted(p.name for p in (tmp_path / sub).iterdir()) == GRAPH0 + ["report.json", "report.txt"]
+    assert sum("is another live backend's dump folder" in r.getMessage() for r in caplog.records) == 2
+    del first
+    torch._dynamo.reset()
+    gc.collect()
+    again = compile_two_layer(tmp_path)  # the folder's backend is gone: written (and cleared) again
+    assert again.dump_dir == str(tmp_path)
+
+
 def test_nothing_is_written_without_dump_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model = TwoLayer().to(torch.bfloat16)
