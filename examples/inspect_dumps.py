@@ -55,19 +55,20 @@ def main():
     with torch.no_grad():
         torch.compile(model, backend=backend)(torch.randn(8, args.size, device=args.device, dtype=torch.bfloat16))
 
-    names = sorted(os.listdir(args.dump_dir))
-    print(f"{args.dump_dir}/")
+    dump_dir = backend.dump_dir  # args.dump_dir, or a subfolder of it where another live backend writes there
+    names = sorted(os.listdir(dump_dir))
+    print(f"{dump_dir}/")
     for name in names:
         print(f"  {name:40s} {describe(name)}")
 
     after = next(n for n in names if n.startswith("graph000_1_"))
     print(f"\nthe fp8 ops in {after}:")
-    with open(os.path.join(args.dump_dir, after)) as f:
+    with open(os.path.join(dump_dir, after)) as f:
         for line in f:
             if "torch.ops.fp8fx." in line:
                 print("  " + line.strip().split(";")[0][:150])
 
-    with open(os.path.join(args.dump_dir, "graph000_3_report.json")) as f:
+    with open(os.path.join(dump_dir, "graph000_3_report.json")) as f:
         sites = json.load(f)["sites"]
     print("\nthe kernel Inductor chose for each site (graph000_3_report.json):")
     for site in sites:

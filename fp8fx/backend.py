@@ -32,7 +32,8 @@ class Fp8Backend:
     - ``dump_dir``: write, per compiled graph, the graph before and after each pass (Python), Inductor's
       output code, the report and Dynamo's decompiled bytecode into this folder (``fp8fx.dump``). A folder
       another live backend of the process writes into is not shared: this one writes into its
-      ``backend2`` (``backend3``, ...) subfolder, with a warning, and ``dump_dir`` says where.
+      ``backend2`` (``backend3``, ...) subfolder, with a warning, and ``dump_dir`` says where (a backend
+      stays live until ``torch._dynamo.reset()``).
     - ``inductor_config``: extra Inductor config patches for this backend's compilations.
     - ``lowering``: ``"aten"`` (default) decomposes the activation quantization on CUDA into ATen so
       Inductor fuses it into its producer (``fp8fx.lowerings.aten``); ``"op"`` keeps every fp8fx op
@@ -110,6 +111,7 @@ class Fp8Backend:
         self.lowering = lowering
         self.compiler = compiler
         self.dump_dir = dump_dir
+        self._dump_root = dump_dir  # the folder asked for (dump_dir may become a subfolder of it: `_claim_dump_dir`)
         self.inductor_config = dict(inductor_config or {})
         if cudagraphs:
             self.inductor_config["triton.cudagraphs"] = True
@@ -165,9 +167,10 @@ class Fp8Backend:
     def _dump(self, gm: fx.GraphModule, index: int) -> Optional[GraphDump]:
         if self.dump_dir is None:
             return None
-        if index == 0:  # this backend's first graph: files an earlier run left would read as this one's
-            self.dump_dir = self._claim_dump_dir(self.dump_dir)
-            GraphDump.clear(self.dump_dir)
+        if _DUMP_WRITERS.get(os.path.realpath(self.dump_dir)) is not self:  # the first graph, or one after a reset
+            self.dump_dir = self._claim_dump_dir(self._dump_root)
+            if index == 0:  # files an earlier run left would read as this backend's
+                GraphDump.clear(self.dump_dir)
         dump = GraphDump(self.dump_dir, index)
         dump.start(gm)
         return dump
@@ -175,7 +178,10 @@ class Fp8Backend:
     def _claim_dump_dir(self, dump_dir: str) -> str:
         """``dump_dir``, or where another live backend of this process writes into it (its files and this one's
         would both be ``graph000_*``, and each backend's first graph clears the folder), the first free
-        ``dump_dir/backend<k>`` (k = 2, 3, ...), with a warning; ``self.dump_dir`` says which."""
+        ``dump_dir/backend<k>`` (k = 2, 3, ...), with a warning; ``self.dump_dir`` says which. Dynamo holds every
+        backend it compiled with until ``torch._dynamo.reset()``, which calls `reset`: a backend's folder is
+        free again from then on (it could still compile a new graph into it before)."""
+        dump_dir = os.path.abspath(dump_dir)  # as claimed: a later chdir does not move it
         folder, k = dump_dir, 1
         while _DUMP_WRITERS.get(os.path.realpath(folder)) not in (None, self):
             k += 1
@@ -186,6 +192,13 @@ class Fp8Backend:
             os.makedirs(folder, exist_ok=True)
         _DUMP_WRITERS[os.path.realpath(folder)] = self
         return folder
+
+    def reset(self) -> None:
+        """Called by ``torch._dynamo.reset()`` on the backends Dynamo holds: this one's dump folder is free for
+        another backend (a graph this one compiles later claims a folder again, its own if still free)."""
+        for folder, backend in list(_DUMP_WRITERS.items()):
+            if backend is self:
+                del _DUMP_WRITERS[folder]
 
     def _done(self, compiled, index: int, dump: Optional[GraphDump], output_code: list[str]):
         self.report.log_graph(index)

@@ -26,26 +26,31 @@ def codes_kernel(v_ptr, scale_ptr, out_ptr, n, EXACT: tl.constexpr, BLOCK: tl.co
 
 
 def check(device: str) -> int:
-    """Exact codes equal fp8fx.quant's on bf16 values across six decades with their rows' scales, a rounding tie
-    (414 / (414 / 84): 84.0, half-way between the codes 80 and 88), inf, NaN and a quotient past the fp8 range;
-    the codes by the plain reciprocal miss the tie. Returns how many of those differ."""
+    """Exact codes equal fp8fx.quant's, bit for bit, on bf16 values across six decades with their rows' scales, a
+    rounding tie (414 / (414 / 84): 84.0, half-way between the codes 80 and 88), inf, NaN, -0, a quotient past the
+    fp8 range and a row whose scale is inf (a row holding inf: its finite values' codes are 0); the codes by the
+    plain reciprocal miss the tie. Returns how many of those differ (NaN against NaN is no difference)."""
     g = torch.Generator().manual_seed(0)
     v = (torch.randn(200_000, generator=g) * torch.logspace(-3, 3, 200_000)).bfloat16().float()
     scale = (v.abs().reshape(-1, 100).amax(1, keepdim=True).clamp(min=1e-12) / 448).expand(-1, 100).reshape(-1)
-    v[:4] = torch.tensor([414.0, float("inf"), float("nan"), 1e38])
+    v[:5] = torch.tensor([414.0, float("inf"), float("nan"), 1e38, -0.0])
     scale = scale.clone()
     scale[0] = 414.0 / 84.0
-    want = quant.cast_to_fp8(v / scale).float()  # the IEEE quotient, saturated
+    scale[100:200] = float("inf")  # the second row: scale of a row holding inf
+    v[100] = float("inf")
+    want = quant.cast_to_fp8(v / scale)  # the IEEE quotient, saturated
     got = {}
     for exact in (True, False):
         out = torch.empty(v.shape, dtype=torch.float8_e4m3fn, device=device)
         codes_kernel[(triton.cdiv(v.numel(), 1024),)](v.to(device), scale.to(device), out, v.numel(), EXACT=exact,
                                                        BLOCK=1024)
-        got[exact] = out.float().cpu()
-    same = torch.equal(got[True].isnan(), want.isnan()) and torch.equal(got[True].nan_to_num(), want.nan_to_num())
-    assert same, f"{int((got[True] != want).sum())} exact codes differ from the division's"
+        got[exact] = out.cpu()
+    nan = want.float().isnan()  # any NaN for a NaN (its sign bit is not the division's business)
+    differ = {e: int(((got[e].view(torch.uint8) != want.view(torch.uint8)) & ~(nan & got[e].float().isnan())).sum())
+              for e in got}  # bytes: -0 and +0 told apart
+    assert differ[True] == 0, f"{differ[True]} exact codes differ from the division's"
     assert got[False][0] != want[0], "the tie must tell the two apart"
-    return int((got[False] != want).sum())
+    return differ[False]
 
 
 if __name__ == "__main__":

@@ -298,7 +298,6 @@ def test_tma_weight_loads_under_triton_interpreter():
     assert "tma ok" in run_under_triton_interpreter(["-c", TMA_CHECK])
 
 
-
 def test_in_kernel_codes_equal_the_ieee_quotients_under_triton_interpreter():
     """``_codes_of`` (reciprocal + two FMAs): the codes of fp8fx.quant's division on 200k values across six decades,
     a rounding tie, inf, NaN and an out-of-range quotient; the plain product by the reciprocal misses the tie

@@ -103,8 +103,8 @@ def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
 
 def test_backends_sharing_a_dump_dir_write_apart(tmp_path, caplog):
     """Two live backends, one dump_dir: the second's first graph cleared the first's files and both wrote
-    graph000_*. Now the second (and a third) write into backend2/, backend3/ with a warning; a folder whose
-    backend is gone is taken again."""
+    graph000_*. Now the second (and a third) write into backend2/, backend3/ with a warning; after
+    torch._dynamo.reset() (which releases the backends) the folder is taken again."""
     import gc
 
     first = compile_two_layer(tmp_path)
@@ -118,11 +118,12 @@ def test_backends_sharing_a_dump_dir_write_apart(tmp_path, caplog):
     for sub in ("backend2", "backend3"):
         assert sorted(p.name for p in (tmp_path / sub).iterdir()) == GRAPH0 + ["report.json", "report.txt"]
     assert sum("is another live backend's dump folder" in r.getMessage() for r in caplog.records) == 2
-    del first
-    torch._dynamo.reset()
+    again = compile_two_layer(tmp_path)  # Dynamo holds every backend until its reset: the first is still live
+    assert again.dump_dir == str(tmp_path / "backend4")
+    torch._dynamo.reset()  # calls each backend's reset: the folders are free
+    assert compile_two_layer(tmp_path).dump_dir == str(tmp_path)
+    del first, second, third, again
     gc.collect()
-    again = compile_two_layer(tmp_path)  # the folder's backend is gone: written (and cleared) again
-    assert again.dump_dir == str(tmp_path)
 
 
 def test_nothing_is_written_without_dump_dir(tmp_path, monkeypatch):
