@@ -300,8 +300,8 @@ def test_tma_weight_loads_under_triton_interpreter():
 
 def test_in_kernel_codes_equal_the_ieee_quotients_under_triton_interpreter():
     """``_codes_of`` (reciprocal + two FMAs): the codes of fp8fx.quant's division on 200k values across six decades,
-    a rounding tie, inf, NaN and an out-of-range quotient; the plain product by the reciprocal misses the tie
-    (``tests/kernels/codes_check.py``)."""
+    a rounding tie, inf, NaN, -0, an out-of-range quotient and an inf scale; the plain product by the reciprocal
+    misses the tie (``tests/kernels/codes_check.py``)."""
     assert "codes ok" in run_under_triton_interpreter(["-m", "tests.kernels.codes_check", "cpu"])
 
 

@@ -105,8 +105,6 @@ def test_backends_sharing_a_dump_dir_write_apart(tmp_path, caplog):
     """Two live backends, one dump_dir: the second's first graph cleared the first's files and both wrote
     graph000_*. Now the second (and a third) write into backend2/, backend3/ with a warning; after
     torch._dynamo.reset() (which releases the backends) the folder is taken again."""
-    import gc
-
     first = compile_two_layer(tmp_path)
     with caplog.at_level("WARNING", logger="fp8fx"):
         second = compile_two_layer(tmp_path)
@@ -122,8 +120,6 @@ def test_backends_sharing_a_dump_dir_write_apart(tmp_path, caplog):
     assert again.dump_dir == str(tmp_path / "backend4")
     torch._dynamo.reset()  # calls each backend's reset: the folders are free
     assert compile_two_layer(tmp_path).dump_dir == str(tmp_path)
-    del first, second, third, again
-    gc.collect()
 
 
 def test_nothing_is_written_without_dump_dir(tmp_path, monkeypatch):
