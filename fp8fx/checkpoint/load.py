@@ -627,6 +627,7 @@ class _Loader:
             report.not_quantized[fqn] = reason
         self.moe.commit(report)
         self.moe.tag_skipped(self.modules)
+        moe_weights.tag_routers(self.model, self.routers)
         for (fqn, name), buf in self.buffers.items():
             self.modules[fqn]._buffers[name] = buf
         for fqn, scales in self.kv.items():

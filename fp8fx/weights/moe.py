@@ -104,13 +104,33 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
         count = experts._parameters[W13].shape[0]
         for child_name, child in modules[parent].named_children():
             linears = [(n, m) for n, m in child.named_modules() if isinstance(m, nn.Linear)]
+            weight = child._parameters.get("weight")
+            if not linears and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] in (count, 1):
+                # a router module of its own that is no nn.Linear (transformers 5's MixtralTopKRouter: F.linear on
+                # its weight): never quantized, named here for the report
+                found[f"{parent}.{child_name}" if parent else child_name] = _ROUTES.format(fqn)
+                continue
             if len(linears) != 1 or "." in linears[0][0]:  # an MLP's linears (a shared expert's) route nothing
                 continue
             name, linear = linears[0]
             if linear.out_features in (count, 1):
                 full = ".".join(p for p in (parent, child_name, name) if p)
-                found[full] = f"routes tokens to {fqn} (an MoE router or gate: high precision, as vLLM keeps it)"
+                found[full] = _ROUTES.format(fqn)
     return found
+
+
+_ROUTES = "routes tokens to {} (an MoE router or gate: high precision, as vLLM keeps it)"
+
+
+def tag_routers(model: nn.Module, found: dict[str, str], prefix: str = "") -> None:
+    """Tags the weights of ``found``'s routers that are no ``nn.Linear`` (``routers``) with why they stay in high
+    precision, which the compile report reads back (it said "not an fp8fx-quantized weight: run quantize_")."""
+    modules = dict(model.named_modules(prefix=prefix))
+    for fqn, reason in found.items():
+        module = modules.get(fqn)
+        if module is not None and not isinstance(module, nn.Linear):
+            module._parameters["weight"]._fp8fx_skip_reason = reason
+            module._parameters["weight"]._fp8fx_fqn = fqn
 
 
 def experts_scheme(module: nn.Module) -> LayerScheme:

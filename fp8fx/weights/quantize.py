@@ -126,6 +126,7 @@ def quantize_(
             module.weight._fp8fx_skip_reason = reason
             module.weight._fp8fx_fqn = fqn
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
+    moe.tag_routers(model, routers, prefix)
     method = Fp8LinearMethod(config)
     for fqn, module in plan:
         weight = module._parameters["weight"]

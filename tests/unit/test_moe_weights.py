@@ -392,3 +392,37 @@ def test_moe_routers_stay_in_high_precision(tmp_path, name, router):
     # under the checkpoint's name (save_pretrained writes Phimoe's router as block_sparse_moe.gate)
     stored = [m for m, why in report.not_quantized.items() if why.startswith("routes tokens to")]
     assert len(stored) == 1 and read_checkpoint(tmp_path / "fp8")[1][f"{stored[0]}.weight"].dtype == torch.bfloat16
+
+
+def test_router_modules_that_are_no_linear_are_reported(tmp_path):
+    """transformers 5's Mixtral router is a module of its own (MixtralTopKRouter: F.linear on its weight), no
+    nn.Linear: never quantized, and the compile report said "not an fp8fx-quantized weight (run fp8fx.quantize_
+    ...)", in a resumed graph under the bare name "gate". quantize_ and load_checkpoint now tag its weight with
+    the router's reason, and only routers are named so."""
+    transformers = pytest.importorskip("transformers")
+    from fp8fx.checkpoint import load_checkpoint, meta_model
+    from fp8fx.weights.moe import routers
+
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(tmp_path / "bf16")
+    gates = [f"model.layers.{i}.mlp.gate" for i in range(2)]
+    assert sorted(routers(model)) == gates  # not the norms, the experts or the attention
+    fp8fx.quantize_(model, Fp8Config(ignored_layers=["lm_head"]))
+    for fqn in gates:
+        weight = model.get_submodule(fqn)._parameters["weight"]
+        assert weight.dtype == torch.bfloat16 and weight._fp8fx_fqn == fqn
+        assert weight._fp8fx_skip_reason.startswith(f"routes tokens to {fqn.rpartition('.')[0]}.experts")
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randint(0, 128, (1, 5)))
+    sites = {s.fqn: s for s in backend.report.sites if s.fqn in gates}
+    assert sorted(sites) == gates and not any(s.rewritten for s in sites.values()), str(backend.report)
+    assert all(s.reason.startswith("not quantized: routes tokens to") for s in sites.values()), str(backend.report)
+    loaded = meta_model(tmp_path / "bf16")
+    load_checkpoint(loaded, tmp_path / "bf16", Fp8Config(ignored_layers=["lm_head"]), progress=False)
+    for fqn in gates:
+        assert loaded.get_submodule(fqn)._parameters["weight"]._fp8fx_skip_reason.startswith("routes tokens to")
