@@ -179,11 +179,6 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
     e, two_i, h = w13.shape
     if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
         return f"gate_up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not [E, 2I, H] and [E, H, I]"
-    if config.activation_scheme == "static":
-        return (
-            "static activation scales of experts come from a checkpoint (w13_input_scale / w2_input_scale); "
-            "quantize_ cannot calibrate them: use activation_scheme='dynamic' or load an fp8 checkpoint"
-        )
     return block_error(config.scheme(), two_i // 2)
 
 
@@ -223,11 +218,6 @@ class Fp8MoEMethod:
         error = block_error(self.scheme, i, tp_size)
         if error:
             raise ValueError(f"{prefix}: {error}")
-        if self.scheme.static_activation and not self.config.is_checkpoint_fp8_serialized:
-            raise ValueError(
-                f"{prefix}: static activation scales of experts need an fp8 checkpoint (w13_input_scale / "
-                "w2_input_scale); use activation_scheme='dynamic' for online quantization"
-            )
         w = self.scheme.weight
         layer._fp8fx_prefix = prefix
         layer._fp8fx_dtype = params_dtype
@@ -445,9 +435,11 @@ class Fp8MoEMethod:
         params[W13 + "_scale"] = nn.Parameter(scales.amax(dim=1), requires_grad=False)
 
 
-def quantize_experts(module: nn.Module, fqn: str, config: Fp8Config) -> None:
+def quantize_experts(module: nn.Module, fqn: str, config: Fp8Config,
+                     input_scales: Optional[tuple[float, float]] = None) -> None:
     """``quantize_``'s step for one experts module (checked by ``skip_reason``): bf16 -> fp8, in place;
-    the bf16 tensors are released when this returns."""
+    the bf16 tensors are released when this returns. ``input_scales``: the static activation scales of
+    gate_up_proj's and down_proj's inputs (``calibrate``), with ``activation_scheme='static'``."""
     w13, w2 = module._parameters[W13], module._parameters[W2]
     e, two_i, h = w13.shape
     method = Fp8MoEMethod(config)
@@ -455,6 +447,9 @@ def quantize_experts(module: nn.Module, fqn: str, config: Fp8Config) -> None:
     method.weight_loader(module, W13, w13.detach())
     method.weight_loader(module, W2, w2.detach())
     del w13, w2
+    if method.scheme.static_activation:  # every expert's: the max over experts is what the module keeps
+        for base, scale in zip((W13, W2), input_scales):
+            method.weight_loader(module, base + "_input_scale", torch.full((e,), scale, dtype=torch.float32))
     method.process_weights_after_loading(module)
     for base in (W13, W2):
         module._parameters[base]._fp8fx_fqn = fqn

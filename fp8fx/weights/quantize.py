@@ -34,8 +34,9 @@ def quantize_(
     layer starts. Layers that cannot be quantized (ignored, shape not divisible by the block,
     unsupported dtype) stay as they are, their weight tagged with the reason for the report; with
     ``strict=True`` any such layer other than an ignored one raises instead. Static activations
-    (``activation_scheme="static"``) need ``input_scales``: ``{fqn: scale}`` for every quantized layer,
-    e.g. from ``fp8fx.calibrate``. Every check runs before the first layer changes.
+    (``activation_scheme="static"``) need ``input_scales``: ``{fqn: scale}`` for every quantized layer, and
+    for an experts module ``{fqn}.gate_up_proj`` and ``{fqn}.down_proj`` (the inputs of its two GEMMs), e.g.
+    from ``fp8fx.calibrate``. Every check runs before the first layer changes.
 
     ``prefix``: the name of ``model`` inside the model it belongs to (vLLM's ``prefix``), for a model quantized
     part by part (``quantize_(layer, cfg, prefix=f"model.layers.{i}")``): layers are named, reported, matched
@@ -119,7 +120,10 @@ def quantize_(
                     f"{fqn}.{name} has {bad} NaN/Inf values; fix the weights or add {fqn!r} to ignored_layers "
                     "(nothing was quantized)"
                 )
-    scales = _check_input_scales(config, plan, input_scales, skipped, prefix)
+    planned = [fqn for fqn, _ in plan] + [f"{fqn}.{base}" for fqn, _ in experts for base in (moe.W13, moe.W2)]
+    not_quantized = {fqn: reason for fqn, _, reason in skipped}
+    not_quantized.update({f"{fqn}.{base}": reason for fqn, _, reason in experts_skipped for base in (moe.W13, moe.W2)})
+    scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix)
 
     for fqn, module, reason in skipped:  # tags the report reads back from the compiled graph's inputs
         if module.weight is not None:
@@ -145,7 +149,8 @@ def quantize_(
         moe.tag_skipped(module, fqn, reason)
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
     for fqn, module in experts:
-        moe.quantize_experts(module, fqn, config)
+        static = tuple(scales[f"{fqn}.{base}"] for base in (moe.W13, moe.W2)) if scales else None
+        moe.quantize_experts(module, fqn, config, static)
     if experts or experts_skipped:
         log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
     return model
@@ -179,7 +184,10 @@ def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, un
             )
 
 
-def _check_input_scales(config, plan, input_scales, skipped=(), prefix="") -> dict[str, float]:
+def _check_input_scales(config, planned: list[str], input_scales, not_quantized: Mapping[str, str],
+                        prefix="") -> dict[str, float]:
+    """``input_scales`` as floats, checked against ``planned`` (the names that take a scale: linears, and the
+    experts' ``{fqn}.gate_up_proj`` / ``{fqn}.down_proj``) and ``not_quantized`` (name -> why)."""
     if config.activation_scheme != "static":
         if input_scales:
             raise ValueError("input_scales is only used with activation_scheme='static'")
@@ -187,17 +195,15 @@ def _check_input_scales(config, plan, input_scales, skipped=(), prefix="") -> di
     given = dict(input_scales or {})
     if prefix:  # the scales of a whole model (calibrate(model)), this part quantized: its own
         given = {fqn: v for fqn, v in given.items() if entry_covers(prefix, fqn)}
-    planned = {fqn for fqn, _ in plan}
-    not_quantized = {fqn: reason for fqn, _, reason in skipped}
     for fqn in given:
         if fqn in not_quantized:  # e.g. calibrated with a config that did not ignore it: the scale has no use
             log.info("fp8fx: input_scales[%r] unused: the layer is not quantized (%s)", fqn, not_quantized[fqn])
         elif fqn not in planned:
             raise ValueError(
-                f"input_scales[{fqn!r}]: no linear layer of the model has that name"
-                f"{_did_you_mean(fqn, planned)}; correct or remove the entry (nothing was quantized)"
+                f"input_scales[{fqn!r}]: no linear layer (or experts' gate_up_proj / down_proj) of the model has "
+                f"that name{_did_you_mean(fqn, planned)}; correct or remove the entry (nothing was quantized)"
             )
-    missing = [fqn for fqn, _ in plan if fqn not in given]
+    missing = [fqn for fqn in planned if fqn not in given]
     if missing:
         raise ValueError(
             f"activation_scheme='static' needs an input scale for every quantized layer; missing {missing[:3]}"
@@ -224,11 +230,44 @@ def _takes_keywords(model: nn.Module, batch: Mapping) -> bool:
     return True
 
 
+def _record(amax: dict[str, float], name: str, value: float, batch_no: int) -> None:
+    if not math.isfinite(value):  # max() would drop a NaN and leave a scale of ~2e-15
+        raise ValueError(
+            f"calibrate: the input of {name} holds NaN or Inf values in batch {batch_no} (amax {value}); a static "
+            "scale needs finite activations: fix or drop that batch"
+        )
+    amax[name] = max(amax.get(name, 0.0), value)
+
+
+def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
+    """A forward pre-hook of an experts module ``forward(hidden_states, top_k_index, top_k_weights)`` (HF's):
+    the amax of the tokens its experts get, and of each expert's ``act_fn(gate) * up`` on them."""
+
+    def record(mod, args, kwargs):
+        bound = inspect.signature(mod.forward).bind(*args, **kwargs).arguments
+        x, ids = list(bound.values())[:2]
+        x = x.reshape(-1, x.shape[-1])
+        ids = ids.reshape(x.shape[0], -1)
+        w13 = mod.gate_up_proj  # [E, 2I, H]
+        for e in ids.unique().tolist():
+            if not 0 <= e < w13.shape[0]:  # an expert-parallel sentinel: no expert of this module
+                continue
+            xe = x[(ids == e).any(-1)]
+            gate, up = nn.functional.linear(xe, w13[e]).chunk(2, dim=-1)
+            _record(amax, f"{fqn}.{moe.W13}", xe.abs().max().float().item(), batch_no[0])
+            _record(amax, f"{fqn}.{moe.W2}", (mod.act_fn(gate) * up).abs().max().float().item(), batch_no[0])
+
+    return record
+
+
 @torch.no_grad()
 def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] = None, *,
               prefix: str = "") -> dict[str, float]:
     """Static activation scales ``{fqn: amax / 448}`` from running ``model`` (eager) on ``batches``; ``prefix``
-    as ``quantize_``'s (the fqns are ``prefix.<name in model>``).
+    as ``quantize_``'s (the fqns are ``prefix.<name in model>``). An experts module (``fp8fx.weights.moe``) gets
+    two: ``{fqn}.gate_up_proj``, the amax of the tokens routed to its experts, and ``{fqn}.down_proj``, of
+    ``act(gate) * up`` over each expert's tokens (computed here as the module computes it), vLLM's static MoE
+    scales after their max over experts.
 
     Each batch is passed as ``model(**batch)`` if it is a mapping whose keys are the forward's parameters (a
     tokenizer's output), ``model(*batch)`` if it is a tuple or list, else ``model(batch)`` (a model whose forward
@@ -246,15 +285,11 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
                 x = args[0] if args else kwargs["input"]
                 if x.numel() == 0:  # no rows this batch (an expert no token reached): nothing to measure
                     return
-                value = x.detach().abs().max().float().item()
-                if not math.isfinite(value):  # max() would drop a NaN and leave a scale of ~2e-15
-                    raise ValueError(
-                        f"calibrate: the input of {fqn} holds NaN or Inf values in batch {batch_no[0]} (amax "
-                        f"{value}); a static scale needs finite activations: fix or drop that batch"
-                    )
-                amax[fqn] = max(amax.get(fqn, 0.0), value)
+                _record(amax, fqn, x.detach().abs().max().float().item(), batch_no[0])
 
             hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
+        elif moe.is_experts(module) and not config.is_ignored(fqn) and moe.skip_reason(module, fqn, config) is None:
+            hooks.append(module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no), with_kwargs=True))
     training = {m: m.training for m in model.modules()}  # dropout would scale the activations it measures
     model.eval()
     try:

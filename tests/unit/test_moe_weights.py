@@ -12,6 +12,7 @@ from torch import nn
 import fp8fx
 from fp8fx import quant
 from fp8fx.config import Fp8Config, PerBlock, PerTensor
+from fp8fx.weights import moe
 from fp8fx.weights.moe import Fp8MoEMethod, is_quantized_experts
 from tests.conftest import rel_err
 
@@ -147,13 +148,26 @@ def test_hf_layouts_fused_moe_cannot_compute_stay_bf16_with_the_reason(flag, val
     assert fp8fx.weights.is_quantized(model.proj)  # the rest of the model is quantized
 
 
-def test_static_activations_skip_experts_and_strict_raises():
-    model = Block().to(torch.bfloat16)
+def test_static_activations_need_the_experts_two_scales():
+    """Static activations quantize experts too (they stayed bf16: 'static scales of experts come from a
+    checkpoint'): their gate_up_proj and down_proj inputs each need a scale, named after the module, checked
+    before anything changes; an ignored experts module's scales go unused."""
     config = Fp8Config(activation_scheme="static")
-    fp8fx.quantize_(model, config, input_scales={"proj": 0.01})
-    assert "checkpoint" in model.experts.gate_up_proj._fp8fx_skip_reason
-    with pytest.raises(ValueError, match="^experts: static activation scales"):
-        fp8fx.quantize_(Block().to(torch.bfloat16), config, input_scales={"proj": 0.01}, strict=True)
+    model = Block().to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"missing \['experts.gate_up_proj', 'experts.down_proj'\]"):
+        fp8fx.quantize_(model, config, input_scales={"proj": 0.01})
+    with pytest.raises(ValueError, match=r"input_scales\['experts.gate_up'\]: .* \(did you mean "
+                                         r"'experts.gate_up_proj'"):
+        fp8fx.quantize_(model, config, input_scales={"proj": 0.01, "experts.gate_up": 0.02, "experts.down_proj": 0.03})
+    assert model.experts.gate_up_proj.dtype == torch.bfloat16 and model.proj.weight.dtype == torch.bfloat16
+    fp8fx.quantize_(model, config, input_scales={"proj": 0.01, "experts.gate_up_proj": 0.02, "experts.down_proj": 0.03})
+    assert torch.equal(model.experts.gate_up_proj_input_scale, torch.tensor([0.02]))  # float32, [1]
+    assert torch.equal(model.experts.down_proj_input_scale, torch.tensor([0.03]))
+    assert moe.experts_scheme(model.experts).static_activation
+    ignored = Block().to(torch.bfloat16)
+    fp8fx.quantize_(ignored, Fp8Config(activation_scheme="static", ignored_layers=["experts"]),
+                    input_scales={"proj": 0.01, "experts.gate_up_proj": 0.02, "experts.down_proj": 0.03})
+    assert ignored.experts.gate_up_proj.dtype == torch.bfloat16
 
 
 def test_hf_per_expert_loop_warns_that_it_stays_eager(caplog):

@@ -178,7 +178,8 @@ def test_misspelt_names_are_refused_unchanged():
     assert fp8fx.weights.is_quantized(headed.body[0]) and not fp8fx.weights.is_quantized(headed.lm_head)
     model = _mlp()
     config = Fp8Config(activation_scheme="static", ignored_layers=["3"])
-    with pytest.raises(ValueError, match=r"input_scales\['20'\]: no linear layer of the model has that name"):
+    with pytest.raises(ValueError, match=r"input_scales\['20'\]: no linear layer \(or experts' gate_up_proj / "
+                                         r"down_proj\) of the model has that name"):
         fp8fx.quantize_(model, config, input_scales={"0": 1.0, "2": 1.0, "20": 1.0})
     assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
     # a scale for a layer the config leaves bf16 (calibrated without the ignore list) has no use, and is no error
