@@ -4,7 +4,9 @@ Matches (after the linear pass), with the same ``xq`` / ``x_scale`` feeding gate
 
     g = fp8fx.scaled_mm(xq, x_scale, w1, s1, None, x_block, w_block, dtype, fast)
     u = fp8fx.scaled_mm(xq, x_scale, w3, s3, None, x_block, w_block, dtype, fast)
-    h = silu(g) * u                                     # or u * silu(g); GELU (erf or tanh) for silu
+    h = silu(g) * u                                     # or u * silu(g); GELU (erf or tanh) for silu; then
+                                                        # ops that change no value (eval-mode dropout, a cast
+                                                        # to h's own dtype, contiguous): taken away with it
     hq, h_scale = fp8fx.quantize(h, h_block)            # or fp8fx.quantize_static(h, s)
     y = fp8fx.scaled_mm(hq, h_scale, w2, s2, b2, h_block, w2_block, dtype, fast)
 
@@ -58,6 +60,7 @@ class _Mlp:
     h_static: Optional[fx.Node]
     halves: list[fx.Node] = dataclasses.field(default_factory=list)  # merged: the chunk, gate's and up's getitem
     gate_half: int = 0  # merged: which half of the merged output the activation reads (vLLM's layout: the first)
+    between: list[fx.Node] = dataclasses.field(default_factory=list)  # no-ops from the product to its quantization
 
     @property
     def merged(self) -> bool:
@@ -150,16 +153,67 @@ def _gate_up(act_input, up) -> Optional[tuple[fx.Node, fx.Node, list[fx.Node], i
     return None
 
 
+_DROPOUT = (torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.default)
+
+
+def _no_op(node: fx.Node) -> bool:
+    """An op that returns its input's values (eval-mode dropout, a cast to the dtype it has, contiguous, clone),
+    which a fused MLP may take away."""
+    source = node.all_input_nodes[0] if node.all_input_nodes else None
+    out, src = fake_value(node), fake_value(source)
+    if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and out.dtype == src.dtype
+            and out.shape == src.shape):
+        return False
+    if node.op == "call_function" and node.target in _DROPOUT:
+        args = list(node.args) + [None] * 3
+        p = node.kwargs.get("p", args[1] if args[1] is not None else 0.5)
+        train = node.kwargs.get("train", node.kwargs.get("training", args[2] if args[2] is not None else True))
+        return train is False or p == 0
+    return node.op == "call_method" and node.target in ("to", "type", "contiguous", "clone") or \
+        node.op == "call_function" and node.target in (torch.clone,)
+
+
+def _product_behind(h) -> tuple[Optional[fx.Node], list[fx.Node]]:
+    """(the two-factor product ``h`` is, or comes from through a few one-input ops, those ops in graph order)."""
+    between: list[fx.Node] = []
+    node = h
+    for _ in range(4):
+        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
+            return None, []
+        if _is_mul(node):
+            return (node, between[::-1]) if len(node.args) == 2 and not node.kwargs else (None, [])
+        if len(node.all_input_nodes) != 1:
+            return None, []
+        between.append(node)
+        node = node.all_input_nodes[0]
+    return None, []
+
+
 def _match(down: fx.Node) -> tuple[Optional[_Mlp], str]:
     """(the gated MLP ending in ``down``, "") - the structure only, `_why_not` checks the rest - or, for
-    ``down(act(gate(x)) * up(x))`` with another activation than an out-of-place SiLU or GELU, (it, why it is
-    not fused); (None, "") for anything else."""
+    ``down(act(gate(x)) * up(x))`` with another activation than an out-of-place SiLU or GELU, or ops between
+    the product and ``down`` other than no-ops (``_no_op``), (it, why it is not fused); (None, "") for anything
+    else."""
     found = _quantized(down)
     if found is None:
         return None, ""
     h, quant, h_static = found
-    if not isinstance(h, fx.Node) or not _is_mul(h) or len(h.args) != 2 or h.kwargs:
+    h, between = _product_behind(h)
+    if h is None:
         return None, ""
+    mlp, reason = _match_product(h, quant, down, h_static)
+    if mlp is None:
+        return None, ""
+    mlp.between = between
+    blocking = next((n for n in between if not _no_op(n)), None)
+    if blocking is not None and not reason:
+        reason = (f"{_name_of(blocking)} between act(gate) * up and the down projection (the fused MLP quantizes the "
+                  "product as it is)")
+    return mlp, reason
+
+
+def _match_product(h: fx.Node, quant, down: fx.Node, h_static) -> tuple[Optional[_Mlp], str]:
+    """`_match` from the product ``h`` of the activation and up."""
     for act, up in (h.args, reversed(h.args)):
         found = _gate_up(_input(act), up) if isinstance(act, fx.Node) and act.op in (
             "call_function", "call_method") else None
@@ -174,9 +228,14 @@ def _match(down: fx.Node) -> tuple[Optional[_Mlp], str]:
         if not isinstance(act, fx.Node) or _is_gemm(act) or _half(act):
             continue
         gate = _gemm_behind(act)
-        found = _gate_up(gate, up) if gate is not None else None
+        up_gemm = up if _is_gemm(up) or _half(up) or not isinstance(up, fx.Node) else _gemm_behind(up, 2)
+        found = _gate_up(gate, up_gemm) if gate is not None else None
         if found and found[0].args[:2] == found[1].args[:2]:  # gate and up read the same activation
             mlp = _Mlp(found[0], found[1], act, h, quant, down, h_static, found[2], found[3])
+            if _activation(act) or up_gemm is not up:  # one activation op, on something computed from the GEMM
+                cast = _input(act) if _activation(act) else up
+                return mlp, (f"{_name_of(cast)} between a projection and the product (the fused MLP computes "
+                             "act(gate) * up in the projections' dtype)")
             return mlp, "the activation is several ops, not one SiLU or GELU op (what the fused MLP takes)"
     return None, ""
 
@@ -248,7 +307,8 @@ class GatedMlpPass(Fp8Pass):
             up_ok = sole(second, mlp.mul)
         else:
             gate_ok, up_ok = sole(gate, mlp.act), sole(up, mlp.mul)
-        if not (gate_ok and up_ok and sole(mlp.act, mlp.mul) and sole(mlp.mul, quantize)
+        chain = [mlp.mul, *mlp.between, quantize]  # the product, the no-ops after it, its quantization
+        if not (gate_ok and up_ok and sole(mlp.act, mlp.mul) and all(sole(a, b) for a, b in zip(chain, chain[1:]))
                 and all(sole(n, down) for n in outputs) and set(quantize.users) <= set(outputs) | {down}):
             return "an intermediate (gate, up, act, their product or its quantization) has another reader"
         rows = 1
@@ -280,7 +340,7 @@ class GatedMlpPass(Fp8Pass):
         set_fake_value(new, _GATED, args)
         new.meta.update({k: v for k, v in down.meta.items() if k not in ("example_value", "val")})
         down.replace_all_uses_with(new)
-        for node in [down, *reversed(mlp.quant), mlp.mul, mlp.act, *reversed(mlp.halves), up]:
+        for node in [down, *reversed(mlp.quant), *reversed(mlp.between), mlp.mul, mlp.act, *reversed(mlp.halves), up]:
             graph.erase_node(node)
         if not mlp.merged:
             graph.erase_node(gate)

@@ -260,3 +260,51 @@ def test_one_gemm_gating_itself_is_left_alone():
     assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 2
     assert [s.scheme for s in report.sites] == ["w:per-channel a:per-token"] * 2, str(report)
     assert rel_err(y, ref(x.double())) < 0.08
+
+
+class DropoutMLP(MLP):
+    def __init__(self, *sizes):
+        super().__init__(*sizes)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x):
+        return self.down_proj(self.drop(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class CastMLP(MLP):
+    def forward(self, x):
+        return self.down_proj((nn.functional.silu(self.gate_proj(x)) * self.up_proj(x)).to(x.dtype).contiguous())
+
+
+class Float32ActMLP(MLP):
+    """act(gate) * up in float32, cast back (as some models write it)."""
+
+    def forward(self, x):
+        return self.down_proj((nn.functional.silu(self.gate_proj(x).float()) * self.up_proj(x).float()).to(x.dtype))
+
+
+@pytest.mark.parametrize("cls", [DropoutMLP, CastMLP])
+def test_no_ops_between_the_product_and_down_are_fused_through(cls):
+    """Eval-mode dropout, a cast to the dtype the product has, contiguous(): values unchanged, so the MLP is fused
+    (it was neither fused nor reported), to the unfused graph's bits."""
+    model, ref = quantized(cls)
+    model.eval(), ref.eval()
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    y, report, code = run(model, x, fuse_mlp=True)
+    torch._dynamo.reset()
+    unfused, _, _ = run(model, x)
+    assert code.count("fp8fx.gated_mlp.default(") == 1 and "dropout" not in code and ".to(" not in code
+    assert torch.equal(y, unfused) and rel_err(y, ref(x.double())) < 0.08
+    assert all("gated MLP, 2 kernels" in s.scheme for s in report.sites), str(report)
+
+
+@pytest.mark.parametrize("cls,train,reason", [
+    (DropoutMLP, True, "dropout (call_function) between act(gate) * up and the down projection"),
+    (Float32ActMLP, False, "float (call_method) between a projection and the product"),
+])
+def test_ops_between_that_change_values_say_so(cls, train, reason):
+    model, _ = quantized(cls)
+    model.train(train)
+    y, report, code = run(model, torch.randn(4, 64, dtype=torch.bfloat16), fuse_mlp=True)
+    assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
+    assert len(report.sites) == 3 and all(s.rewritten and reason in s.scheme for s in report.sites), str(report)
