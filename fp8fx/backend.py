@@ -110,8 +110,9 @@ class Fp8Backend:
         self.one_pass_rows = one_pass_rows
         self.lowering = lowering
         self.compiler = compiler
-        self.dump_dir = dump_dir
-        self._dump_root = dump_dir  # the folder asked for (dump_dir may become a subfolder of it: `_claim_dump_dir`)
+        # the folder asked for, as made now (a later chdir does not move it); dump_dir may become a subfolder of it
+        self._dump_root = None if dump_dir is None else os.path.abspath(dump_dir)
+        self.dump_dir = self._dump_root
         self.inductor_config = dict(inductor_config or {})
         if cudagraphs:
             self.inductor_config["triton.cudagraphs"] = True
@@ -181,7 +182,6 @@ class Fp8Backend:
         ``dump_dir/backend<k>`` (k = 2, 3, ...), with a warning; ``self.dump_dir`` says which. Dynamo holds every
         backend it compiled with until ``torch._dynamo.reset()``, which calls `reset`: a backend's folder is
         free again from then on (it could still compile a new graph into it before)."""
-        dump_dir = os.path.abspath(dump_dir)  # as claimed: a later chdir does not move it
         folder, k = dump_dir, 1
         while _DUMP_WRITERS.get(os.path.realpath(folder)) not in (None, self):
             k += 1

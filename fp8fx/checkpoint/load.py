@@ -152,12 +152,13 @@ def load_checkpoint(
         check_checkpoint_ignores(config, model, entries, f"this {type(model).__name__} or the checkpoint {path}",
                                  "loaded")
     fmt = dataclasses.replace(formats.parse(config_json, config), sources=sources)
-    if fmt.name == "none" and fmt.config.activation_scheme == "static":
-        # bf16 weights hold no input scales: found out after streaming the whole checkpoint otherwise
+    if not fmt.config.is_checkpoint_fp8_serialized and fmt.config.activation_scheme == "static":
+        # weights quantized online hold no input scales: found out after streaming the whole checkpoint otherwise
+        # (a bf16 checkpoint with a static config given, or a config.json saying fp8, not serialized, static)
         raise CheckpointError(
-            f"{path}: a bf16/fp16 checkpoint has no static input scales, and the given config says "
-            "activation_scheme='static'; load with dynamic activations, or quantize_ the built model with "
-            "input_scales=fp8fx.calibrate(model, batches, config)"
+            f"{path}: its weights are quantized while loading (not fp8-serialized), which gives no static input "
+            "scales, and the config says activation_scheme='static'; load with dynamic activations, or quantize_ "
+            "the built model with input_scales=fp8fx.calibrate(model, batches, config)"
         )
     loader = _Loader(model, fmt, torch.device(device), dict(FUSED if fused is None else fused))
     loader.plan(entries)

@@ -162,7 +162,7 @@ def _no_op(node: fx.Node) -> bool:
     source = node.all_input_nodes[0] if node.all_input_nodes else None
     out, src = fake_value(node), fake_value(source)
     if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and out.dtype == src.dtype
-            and out.shape == src.shape):
+            and out.shape == src.shape and out.device == src.device):
         return False
     if node.op == "call_function" and node.target in _DROPOUT:
         args = list(node.args) + [None] * 3
@@ -171,6 +171,11 @@ def _no_op(node: fx.Node) -> bool:
         return train is False or p == 0
     return node.op == "call_method" and node.target in ("to", "type", "contiguous", "clone") or \
         node.op == "call_function" and node.target in (torch.clone,)
+
+
+def _is_cast(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in (
+        "to", "type", "float", "half", "bfloat16", "double")
 
 
 def _product_behind(h) -> tuple[Optional[fx.Node], list[fx.Node]]:
@@ -232,10 +237,12 @@ def _match_product(h: fx.Node, quant, down: fx.Node, h_static) -> tuple[Optional
         found = _gate_up(gate, up_gemm) if gate is not None else None
         if found and found[0].args[:2] == found[1].args[:2]:  # gate and up read the same activation
             mlp = _Mlp(found[0], found[1], act, h, quant, down, h_static, found[2], found[3])
-            if _activation(act) or up_gemm is not up:  # one activation op, on something computed from the GEMM
-                cast = _input(act) if _activation(act) else up
-                return mlp, (f"{_name_of(cast)} between a projection and the product (the fused MLP computes "
-                             "act(gate) * up in the projections' dtype)")
+            if up_gemm is not up or _activation(act):  # an op on up's way, or one activation op on gate's
+                extra = up if up_gemm is not up else _input(act)
+                why = (" (the fused MLP computes act(gate) * up in the projections' dtype)" if _is_cast(extra) else
+                       " (the fused MLP takes act(gate) * up as it is)")
+                several = "" if _activation(act) else "; and the activation is several ops, not one SiLU or GELU op"
+                return mlp, f"{_name_of(extra)} between a projection and the product{why}{several}"
             return mlp, "the activation is several ops, not one SiLU or GELU op (what the fused MLP takes)"
     return None, ""
 

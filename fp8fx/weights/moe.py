@@ -101,11 +101,11 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
         if not is_experts(experts) or fqn == prefix:
             continue
         parent = fqn.rpartition(".")[0]  # the MoE block
-        count = experts._parameters[W13].shape[0]
+        count, hidden = experts._parameters[W13].shape[0], experts._parameters[W13].shape[-1]
         for child_name, child in modules[parent].named_children():
             linears = [(n, m) for n, m in child.named_modules() if isinstance(m, nn.Linear)]
             weight = child._parameters.get("weight")
-            if not linears and isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[0] in (count, 1):
+            if not linears and isinstance(weight, torch.Tensor) and tuple(weight.shape) in ((count, hidden), (1, hidden)):
                 # a router module of its own that is no nn.Linear (transformers 5's MixtralTopKRouter: F.linear on
                 # its weight): never quantized, named here for the report
                 found[f"{parent}.{child_name}" if parent else child_name] = _ROUTES.format(fqn)

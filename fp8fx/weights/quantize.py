@@ -239,6 +239,12 @@ def _record(amax: dict[str, float], name: str, value: float, batch_no: int) -> N
     amax[name] = max(amax.get(name, 0.0), value)
 
 
+def _silu_experts(module: nn.Module) -> bool:
+    """The experts module's ``act_fn`` is a one-argument SiLU (nn.SiLU, transformers' SiLUActivation, F.silu)."""
+    act = getattr(module, "act_fn", None)
+    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is nn.functional.silu
+
+
 def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
     """A forward pre-hook of an experts module ``forward(hidden_states, top_k_index, top_k_weights)`` (HF's):
     the amax of the tokens its experts get, and of each expert's ``act_fn(gate) * up`` on them."""
@@ -246,6 +252,11 @@ def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
     def record(mod, args, kwargs):
         bound = inspect.signature(mod.forward).bind(*args, **kwargs).arguments
         x, ids = list(bound.values())[:2]
+        if not (isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex()):
+            raise ValueError(
+                f"calibrate: {fqn}'s forward takes {list(bound)[:3]}; it measures experts modules called as HF's, "
+                "forward(hidden_states, top_k_index, top_k_weights): add the module to ignored_layers"
+            )
         x = x.reshape(-1, x.shape[-1])
         ids = ids.reshape(x.shape[0], -1)
         w13 = mod.gate_up_proj  # [E, 2I, H]
@@ -276,10 +287,20 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     config = config or Fp8Config(activation_scheme="static")
     check_prefix(prefix, "calibrate")
     amax: dict[str, float] = {}
-    hooks = []
     batch_no = [0]
-    for fqn, module in model.named_modules(prefix=prefix):
-        if isinstance(module, nn.Linear) and not config.is_ignored(fqn):
+    modules = [(fqn, m) for fqn, m in model.named_modules(prefix=prefix) if not config.is_ignored(fqn)]
+    experts = [(fqn, m) for fqn, m in modules if moe.is_experts(m) and moe.skip_reason(m, fqn, config) is None]
+    for fqn, module in experts:  # before the first hook
+        if not _silu_experts(module):
+            raise ValueError(
+                f"calibrate: {fqn} computes its experts with act_fn={getattr(module, 'act_fn', None)!r}, not "
+                "act_fn(gate) * up with SiLU (what fp8fx.fused_moe runs, and what calibrate measures); add it to "
+                "ignored_layers (nothing was measured)"
+            )
+    hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no), with_kwargs=True)
+             for fqn, module in experts]
+    for fqn, module in modules:
+        if isinstance(module, nn.Linear):
 
             def record(mod, args, kwargs, fqn=fqn):
                 x = args[0] if args else kwargs["input"]
@@ -288,8 +309,6 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
                 _record(amax, fqn, x.detach().abs().max().float().item(), batch_no[0])
 
             hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
-        elif moe.is_experts(module) and not config.is_ignored(fqn) and moe.skip_reason(module, fqn, config) is None:
-            hooks.append(module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no), with_kwargs=True))
     training = {m: m.training for m in model.modules()}  # dropout would scale the activations it measures
     model.eval()
     try:

@@ -122,6 +122,21 @@ def test_backends_sharing_a_dump_dir_write_apart(tmp_path, caplog):
     assert compile_two_layer(tmp_path).dump_dir == str(tmp_path)
 
 
+def test_a_relative_dump_dir_is_where_it_was_made(tmp_path, monkeypatch):
+    """A relative dump_dir is the folder the backend made when it was built: a chdir before the first compile
+    wrote the dump into a folder of that name under the new working directory."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    model = TwoLayer().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager", dump_dir="dumps")
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert backend.dump_dir == str(tmp_path / "dumps") and (tmp_path / "dumps" / "report.txt").exists()
+    assert not (tmp_path / "elsewhere" / "dumps").exists()
+
+
 def test_nothing_is_written_without_dump_dir(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     model = TwoLayer().to(torch.bfloat16)

@@ -298,9 +298,25 @@ def test_no_ops_between_the_product_and_down_are_fused_through(cls):
     assert all("gated MLP, 2 kernels" in s.scheme for s in report.sites), str(report)
 
 
+class ShiftedUpMLP(MLP):
+    """GPT-OSS style: an op on up's way to the product (it was blamed on the gate GEMM)."""
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * (self.up_proj(x) + 1))
+
+
+class ClampedGateMLP(MLP):
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x).clamp(max=7)) * self.up_proj(x))
+
+
 @pytest.mark.parametrize("cls,train,reason", [
     (DropoutMLP, True, "dropout (call_function) between act(gate) * up and the down projection"),
-    (Float32ActMLP, False, "float (call_method) between a projection and the product"),
+    (Float32ActMLP, False, "float (call_method) between a projection and the product (the fused MLP computes "
+                           "act(gate) * up in the projections' dtype)"),
+    (ShiftedUpMLP, False, "add (call_function) between a projection and the product (the fused MLP takes"),
+    (ClampedGateMLP, False, "clamp (call_method) between a projection and the product (the fused MLP takes"),
+    (GeluNewMLP, False, "the activation is several ops, not one SiLU or GELU op (what the fused MLP takes)"),
 ])
 def test_ops_between_that_change_values_say_so(cls, train, reason):
     model, _ = quantized(cls)

@@ -495,15 +495,22 @@ def test_kv_scales_from_either_naming(tmp_path, naming):
 
 
 def test_online_static_load_is_refused_before_reading(tmp_path, monkeypatch):
-    """bf16 checkpoints have no input scales: refused at once, nothing read or changed."""
+    """Weights quantized while loading have no input scales: refused at once, nothing read or changed - a bf16
+    checkpoint with a static config given, or one whose config.json says fp8, not serialized, static (that one
+    streamed every tensor, then failed on the first layer's input_scale)."""
     import fp8fx.checkpoint.load as load_mod
 
     path = write_checkpoint(tmp_path / "c", bf16_state())
+    online_static = write_checkpoint(tmp_path / "d", bf16_state(), qc={
+        "quant_method": "fp8", "is_checkpoint_fp8_serialized": False, "activation_scheme": "static"})
     model = meta_tiny()
     snap = snapshot(model)
     monkeypatch.setattr(load_mod, "read_tensor", lambda *a, **k: pytest.fail("a tensor was read"))
-    with pytest.raises(CheckpointError, match=r"has no static input scales.*activation_scheme='static'"):
+    message = r"quantized while loading \(not fp8-serialized\), which gives no static input scales.*'static'"
+    with pytest.raises(CheckpointError, match=message):
         load_checkpoint(model, path, fp8fx.Fp8Config(activation_scheme="static"), progress=False)
+    with pytest.raises(CheckpointError, match=message):
+        load_checkpoint(model, online_static, progress=False)
     assert snapshot(model) == snap
 
 

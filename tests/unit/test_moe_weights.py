@@ -440,3 +440,46 @@ def test_router_modules_that_are_no_linear_are_reported(tmp_path):
     load_checkpoint(loaded, tmp_path / "bf16", Fp8Config(ignored_layers=["lm_head"]), progress=False)
     for fqn in gates:
         assert loaded.get_submodule(fqn)._parameters["weight"]._fp8fx_skip_reason.startswith("routes tokens to")
+
+
+def test_calibrate_refuses_experts_it_cannot_measure():
+    """calibrate computes each expert's act_fn(gate) * up: a module with no act_fn, or another activation, gets an
+    error that names it and the fix, before any hook is set (it crashed inside the forward with AttributeError)."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = Experts()
+
+        def forward(self, x, ids, w):
+            return self.experts(x, ids, w)
+
+    model = Model().to(torch.bfloat16)
+    ids, w = routing()
+    batch = (torch.randn(6, H, dtype=torch.bfloat16), ids, w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"calibrate: experts computes its experts with act_fn=None, .* add it to "
+                                         r"ignored_layers \(nothing was measured\)"):
+        fp8fx.calibrate(model, [batch])
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    model.experts.act_fn = nn.GELU()
+    with pytest.raises(ValueError, match=r"act_fn=GELU\(approximate='none'\)"):
+        fp8fx.calibrate(model, [batch])
+    model.experts.act_fn = nn.SiLU()
+    scales = fp8fx.calibrate(model, [batch])
+    assert sorted(scales) == ["experts.down_proj", "experts.gate_up_proj"]
+    x = batch[0].float()
+    assert scales["experts.gate_up_proj"] == pytest.approx(x.abs().max().item() / 448)  # every token is routed
+    assert sorted(fp8fx.calibrate(model, [batch], Fp8Config(activation_scheme="static",
+                                                            ignored_layers=["experts"]))) == []
+
+
+def test_router_rule_takes_only_expert_by_hidden_weights():
+    """A child of the MoE block with a 2-D weight is a router only if that weight is [E, H] or [1, H] (an
+    embedding of E rows was named one)."""
+    from fp8fx.weights.moe import routers
+
+    block = Block()
+    block.table = nn.Embedding(E, 7)  # E rows, not H columns
+    block.router = nn.Module()
+    block.router.weight = nn.Parameter(torch.randn(E, H))
+    assert list(routers(block)) == ["router"]
