@@ -184,3 +184,21 @@ def test_static_moe_from_calibrate(tmp_path):
     load_checkpoint(again, tmp_path / "fp8", progress=False)
     assert_same_state(quantized, again)
     assert all(experts_scheme(again.get_submodule(f)).static_activation for f in EXPERTS)
+
+
+@pytest.mark.cuda
+def test_static_moe_from_calibrate_cuda():
+    """The same on the GPU through Inductor: the experts run in fp8fx's fused MoE kernel with the calibrated
+    static scales (a13 / a2), within the CPU run's bound of the bf16 model."""
+    cfg = fp8fx.Fp8Config(activation_scheme="static", ignored_layers=["lm_head"])
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0)).cuda()
+    model = tiny("mixtral", "grouped_mm").cuda()
+    with torch.no_grad():
+        ref = model(ids).logits.float()
+    fp8fx.quantize_(model, cfg, input_scales=fp8fx.calibrate(model, [ids], cfg))
+    backend = fp8fx.Fp8Backend()
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(ids).logits.float()
+    moe = [s for s in backend.report.sites if s.kind == "moe"]
+    assert {s.fqn for s in moe if s.rewritten} == EXPERTS and all("a:static per-tensor" in s.scheme for s in moe)
+    assert rel_err(out, ref) < 0.1
