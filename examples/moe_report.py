@@ -3,6 +3,7 @@ the experts (rewritten by the MoE pass into ``fp8fx.fused_moe``) run on fp8 weig
 is listed as not rewritten, with the reason.
 
     python examples/moe_report.py                                        # CPU: a tiny random Qwen3-MoE
+    python examples/moe_report.py --static                               # static activation scales: calibrate
     python examples/moe_report.py --device cuda --preset qwen3-30b-a3b   # GPU: Qwen3-30B-A3B's shapes, 2 layers
     python examples/moe_report.py --device cuda --model Qwen/Qwen3-30B-A3B   # real weights
 """
@@ -37,6 +38,8 @@ def main():
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of a preset")
     parser.add_argument("--model", help="an HF MoE model id or folder (real weights) instead of a preset")
+    parser.add_argument("--static", action="store_true",
+                        help="static activation scales from fp8fx.calibrate (the experts' two inputs included)")
     args = parser.parse_args()
 
     torch.manual_seed(0)
@@ -44,7 +47,10 @@ def main():
     ids = torch.randint(0, model.config.vocab_size, (2, 16), device=args.device)
     with torch.no_grad():
         reference = model(ids).logits.float()
-        fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+        config = fp8fx.Fp8Config(ignored_layers=["lm_head"], activation_scheme="static" if args.static else "dynamic")
+        # calibration batches: here the input itself; in practice a few hundred samples of the model's data
+        scales = fp8fx.calibrate(model, [ids], config) if args.static else None
+        fp8fx.quantize_(model, config, input_scales=scales)
         backend = fp8fx.Fp8Backend()
         logits = torch.compile(model, backend=backend)(ids).logits.float()
 

@@ -26,6 +26,7 @@ def runs(tmp_path_factory):
         "quickstart": [],
         "llama_fp8": [],
         "moe_report": [],
+        "moe_report --static": ["--static"],
         "inspect_dumps": ["--dump-dir", str(dump_dir)],
         "load_checkpoint": [],
         "moe_reference": [],
@@ -34,7 +35,7 @@ def runs(tmp_path_factory):
     for name, argv in commands.items():
         torch._dynamo.reset()
         out = io.StringIO()
-        path = str(ROOT / "examples" / f"{name}.py")
+        path = str(ROOT / "examples" / f"{name.partition(' ')[0]}.py")
         with mock.patch.object(sys, "argv", [path, *argv]), contextlib.redirect_stdout(out):
             try:
                 runpy.run_path(path, run_name="__main__")
@@ -46,7 +47,8 @@ def runs(tmp_path_factory):
 
 
 def test_every_example_is_tested(runs):
-    assert {p.stem for p in (ROOT / "examples").glob("*.py")} == set(runs) - {"dump_dir"}
+    examples = {name.partition(" ")[0] for name in runs} - {"dump_dir"}  # "moe_report --static": moe_report
+    assert {p.stem for p in (ROOT / "examples").glob("*.py")} == examples
 
 
 def error_of(out: str) -> float:
@@ -87,6 +89,17 @@ def test_moe_lists_the_experts_as_not_rewritten(runs):
         else:
             assert "not rewritten: in no site (no fp8fx pass handles experts yet); gate_up_proj 8x256x256 " in line
             assert ", down_proj 8x256x128 " in line
+    assert error_of(out) < 0.1
+
+
+def test_moe_report_static(runs):
+    """--static: every linear but the routers and lm_head, and both experts modules, with calibrated static scales."""
+    code, out = runs["moe_report --static"]
+    assert code == 0, out
+    rows = [line.split() for line in out.splitlines() if line[:1].isdigit() and len(line.split()) > 5]
+    done = [r for r in rows if r[4] == "yes"]
+    assert sorted(r[2] for r in done if r[1] == "moe") == [f"model.layers.{i}.mlp.experts" for i in (0, 1)]
+    assert len(done) == 10 and all(" ".join(r).endswith("w:per-channel a:static per-tensor") for r in done)
     assert error_of(out) < 0.1
 
 
