@@ -9,7 +9,8 @@
 #          moesweep: bench_moe.py's tile sweep with per-kernel times; moelayer: bench_moe_layer.py only;
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
 #          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep;
-#          pdl: it with and without programmatic dependent launch; codes: with exact h codes or not; tma: its sweep with TMA weight loads too;
+#          pdl: it with and without programmatic dependent launch; codes: with exact h codes or not;
+#          tma: its sweep with TMA weight loads too;
 #          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles;
 #          flush: flush_study.py; ncu: ncu on the fused MLP's kernels; ncupipes: their pipe use and stalls;
 #          rows: rows_study.py; narrow: down-GEMM tiles of 16-32 rows;

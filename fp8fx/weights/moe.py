@@ -105,7 +105,8 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
         for child_name, child in modules[parent].named_children():
             linears = [(n, m) for n, m in child.named_modules() if isinstance(m, nn.Linear)]
             weight = child._parameters.get("weight")
-            if not linears and isinstance(weight, torch.Tensor) and tuple(weight.shape) in ((count, hidden), (1, hidden)):
+            router_shape = isinstance(weight, torch.Tensor) and tuple(weight.shape) in ((count, hidden), (1, hidden))
+            if not linears and router_shape:
                 # a router module of its own that is no nn.Linear (transformers 5's MixtralTopKRouter: F.linear on
                 # its weight): never quantized, named here for the report
                 found[f"{parent}.{child_name}" if parent else child_name] = _ROUTES.format(fqn)
