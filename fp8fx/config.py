@@ -26,7 +26,7 @@ ACTIVATION_SCHEMES = ("static", "dynamic")
 def check_name_list(value: Any, where: str, what: str = "module names") -> None:
     """A list of strings from a checkpoint's config, else a ValueError naming ``where``: a bare string would
     be split into its characters (nothing ignored)."""
-    if isinstance(value, str) or not all(isinstance(n, str) for n in value):
+    if not isinstance(value, (list, tuple)) or not all(isinstance(n, str) for n in value):
         hint = [value] if isinstance(value, str) else ["lm_head"]
         raise ValueError(f"{where}={value!r} must be a list of {what}, e.g. {hint!r}")
 
@@ -175,6 +175,9 @@ class Fp8Config:
     activation_granularity: Optional[Granularity] = None
 
     def __post_init__(self):
+        if type(self.is_checkpoint_fp8_serialized) is not bool:  # "false" would read as true
+            raise ValueError(f"Fp8Config.is_checkpoint_fp8_serialized={self.is_checkpoint_fp8_serialized!r}: True or "
+                             "False")
         if self.activation_scheme not in ACTIVATION_SCHEMES:
             raise ValueError(
                 f"Unsupported activation scheme {self.activation_scheme!r}: Fp8Config.activation_scheme "
@@ -186,8 +189,15 @@ class Fp8Config:
                     f"Fp8Config.ignored_layers={self.ignored_layers!r} is a string; pass a list of FQNs, "
                     f"e.g. [{self.ignored_layers!r}]"
                 )
+            if not isinstance(self.ignored_layers, (list, tuple)) or not all(
+                    isinstance(n, str) for n in self.ignored_layers):
+                raise ValueError(f"Fp8Config.ignored_layers={self.ignored_layers!r} must be a list of FQNs (strings), "
+                                 "e.g. ['lm_head']")
             object.__setattr__(self, "ignored_layers", tuple(self.ignored_layers))
         if self.weight_block_size is not None:
+            if not isinstance(self.weight_block_size, (list, tuple)):
+                raise ValueError(f"Fp8Config.weight_block_size={self.weight_block_size!r} must be [block_n, block_k], "
+                                 "e.g. [128, 128]")
             block = tuple(self.weight_block_size)
             if len(block) != 2:
                 raise ValueError(
@@ -269,8 +279,19 @@ class Fp8Config:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
-        """Build from a checkpoint's ``quantization_config`` dict."""
+        """Build from a checkpoint's ``quantization_config`` dict (a ``quant_method`` with "fp8" in it, vLLM's rule, or none: fp8fx's own
+        ``to_dict``), or a transformers config object of one (``FineGrainedFP8Config``)."""
+        if not isinstance(config, dict) and callable(getattr(config, "to_dict", None)):
+            config = config.to_dict()
+        if not isinstance(config, dict):
+            raise ValueError(f"Fp8Config.from_config takes a quantization_config dict; got {type(config).__name__}")
         quant_method = config.get("quant_method", "")
+        quant_method = getattr(quant_method, "value", quant_method)  # transformers' QuantizationMethod enum
+        if quant_method and "fp8" not in str(quant_method):  # vLLM's rule below reads any other as online
+            raise ValueError(
+                f"quantization_config quant_method={quant_method!r} is not fp8: Fp8Config reads fp8 configs; "
+                "compressed-tensors checkpoints load through fp8fx.load_checkpoint (fp8fx.checkpoint.formats.parse)"
+            )
         key = "ignored_layers" if config.get("ignored_layers") else "modules_to_not_convert"
         ignored = config.get(key)
         if ignored is not None:
@@ -284,7 +305,7 @@ class Fp8Config:
             is_checkpoint_fp8_serialized=given,
             activation_scheme=config.get("activation_scheme", "dynamic"),
             ignored_layers=tuple(ignored) if ignored is not None else None,
-            weight_block_size=tuple(block) if block is not None else None,
+            weight_block_size=block,  # checked there (a bare 128 is refused with its value)
         )
         # to_dict's resolved granularities: set where they differ from what the fields above imply
         weight = _granularity(config.get("weight_granularity"), "weight_granularity")

@@ -147,7 +147,7 @@ def load_checkpoint(
     path = os.fspath(path)
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
-    entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "load_checkpoint"), path)
+    entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "load_checkpoint", entries), path)
     if config is not None:
         check_checkpoint_ignores(config, model, entries, f"this {type(model).__name__} or the checkpoint {path}",
                                  "loaded")

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Callable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 from torch import nn
 
@@ -33,12 +33,19 @@ log = logging.getLogger("fp8fx")
 Renamer = Callable[[str], str]
 
 
-def resolve(model: nn.Module, key_mapping: Optional[Mapping[str, str]], where: str) -> Optional[Renamer]:
+def resolve(model: nn.Module, key_mapping: Optional[Mapping[str, str]], where: str,
+            names: Iterable[str] = ()) -> Optional[Renamer]:
     """The renaming to apply to checkpoint names for ``model``: ``key_mapping`` (checked here: a dict of regex ->
-    str) then transformers' renames of the model, or None when there are none. A name that already has its place
-    in the model (a parameter or buffer, or a tensor of one of its modules) keeps it: a checkpoint in the model's
-    own layout (``save_checkpoint`` writes one) loads as it is, whatever renames the hub layout needs."""
+    str, each pattern found in one of the checkpoint's ``names`` at least) then transformers' renames of the model,
+    or None when there are none. A name that already has its place in the model (a parameter or buffer, or a tensor
+    of one of its modules) keeps it: a checkpoint in the model's own layout (``save_checkpoint`` writes one) loads
+    as it is, whatever renames the hub layout needs."""
     user = _user_renames(key_mapping, where)
+    names = list(names)
+    for pattern, replacement in user if names else ():
+        if not any(re.search(pattern, n) for n in names):  # a mistake: it was asked for
+            raise ValueError(f"{where}: key_mapping pattern {pattern!r} (-> {replacement!r}) is in no tensor name of "
+                             f"the checkpoint (e.g. {sorted(names)[:2]}); correct or drop it")
     renamer = transformers_renamer(model, user)
     if renamer is None and user:
         def renamer(name: str) -> str:  # no transformers: each pattern replaces its first match, in turn

@@ -114,12 +114,19 @@ def quantize_(
             )
     for fqn, module in experts:
         for name in (moe.W13, moe.W2):
+            if module._parameters[name].is_meta:
+                raise ValueError(
+                    f"{fqn}.{name} is on the meta device: quantize_ needs the weights' values; build the model with "
+                    "torch.device('meta') and fp8fx.load_checkpoint(model, path) instead (nothing was quantized)"
+                )
             bad = count_nonfinite(module._parameters[name].detach())
             if bad:
                 raise ValueError(
                     f"{fqn}.{name} has {bad} NaN/Inf values; fix the weights or add {fqn!r} to ignored_layers "
                     "(nothing was quantized)"
                 )
+    if not plan and not experts:
+        _nothing_to_quantize(model, modules, skipped + experts_skipped, strict)
     planned = [fqn for fqn, _ in plan] + [f"{fqn}.{base}" for fqn, _ in experts for base in (moe.W13, moe.W2)]
     not_quantized = {fqn: reason for fqn, _, reason in skipped}
     not_quantized.update({f"{fqn}.{base}": reason for fqn, _, reason in experts_skipped for base in (moe.W13, moe.W2)})
@@ -154,6 +161,25 @@ def quantize_(
     if experts or experts_skipped:
         log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
     return model
+
+
+def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> None:
+    """quantize_ found no layer it would quantize: a warning (an error with ``strict``) that says why - each
+    skipped layer's reason, or the linear-like modules that are no ``nn.Linear`` (transformers' ``Conv1D`` of
+    GPT-2)."""
+    reasons: dict[str, list[str]] = {}
+    for fqn, _, reason in skipped:
+        reasons.setdefault(reason, []).append(fqn)
+    why = [f"{len(f)} {'layer' if len(f) == 1 else 'layers'} ({f[0]}{', ...' if len(f) > 1 else ''}): {r}"
+           for r, f in reasons.items()] or ["it has no nn.Linear and no experts module"]
+    others = sorted({type(m).__name__ for _, m in modules if not isinstance(m, (nn.Linear, nn.Embedding))
+                     and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2})
+    if others:
+        why.append(f"modules of other kinds with 2-D weights, which fp8fx does not quantize: {others}")
+    message = f"quantize_: nothing in this {type(model).__name__} is quantized: {'; '.join(why)}"
+    if strict and (not skipped or any(reason != "in ignored_layers" for _, _, reason in skipped)):
+        raise ValueError(message)
+    log.warning("fp8fx: %s", message)
 
 
 def _did_you_mean(name: str, names: Iterable[str]) -> str:
@@ -309,10 +335,12 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
                 _record(amax, fqn, x.detach().abs().max().float().item(), batch_no[0])
 
             hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    ran = 0  # batches run
     training = {m: m.training for m in model.modules()}  # dropout would scale the activations it measures
     model.eval()
     try:
         for batch_no[0], batch in enumerate(batches):
+            ran += 1
             if isinstance(batch, Mapping) and _takes_keywords(model, batch):
                 model(**batch)
             else:
@@ -322,4 +350,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
             h.remove()
         for m, mode in training.items():  # each module's own flag, as it was
             m.training = mode
+    if ran == 0:
+        raise ValueError("calibrate: batches gave no batch (an empty list, or a generator already used up); pass "
+                         "the calibration batches, e.g. a list of the model's inputs")
     return {fqn: max(a, quant.AMAX_EPS) / quant.FP8_MAX for fqn, a in amax.items()}

@@ -242,3 +242,22 @@ def test_autofp8_kv_cache_scheme_string_is_kept_on_save(tmp_path):
     save_checkpoint(model, tmp_path / "saved")
     saved = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
     assert saved["kv_cache_scheme"] is not None
+
+
+def test_convert_reports_linear_weights_it_cannot_place(tmp_path):
+    """A checkpoint whose MLP is stored as ``ffn``, converted without the rename: its six MLP weights were written
+    bf16 under a quantization_config claiming every Linear, with "0 not quantized"; now each is reported and in the
+    ignore list. A key_mapping pattern found in no tensor name (here written the wrong way round) is refused."""
+    path = _tiny_checkpoint(tmp_path, lambda k: k.replace(".mlp.", ".ffn."))
+    with pytest.raises(ValueError, match=r"convert: key_mapping pattern .* \(-> '.ffn.'\) is in no tensor name"):
+        convert(path, tmp_path / "wrong", key_mapping={r"\.mlp\.": ".ffn."}, model=meta_tiny(), progress=False)
+    assert not (tmp_path / "wrong").exists()
+    report = convert(path, tmp_path / "dst", model=meta_tiny(), progress=False)
+    stray = {m: r for m, r in report.not_quantized.items() if ".ffn." in m}
+    assert len(stray) == 6 and all(r.startswith("no module of the model has this weight") for r in stray.values())
+    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    ignored = qc.get("ignore", qc.get("ignored_layers"))
+    assert set(stray) <= set(ignored)
+    assert read_checkpoint(tmp_path / "dst")[1]["model.layers.0.ffn.gate_proj.weight"].dtype == torch.bfloat16
+    fixed = convert(path, tmp_path / "fixed", key_mapping={r"\.ffn\.": ".mlp."}, model=meta_tiny(), progress=False)
+    assert not any(".ffn." in m for m in fixed.not_quantized)

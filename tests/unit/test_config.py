@@ -202,9 +202,10 @@ def test_get_name():
 
 @pytest.mark.parametrize(
     "quant_method, serialized",
-    [("fp8", True), ("modelopt_fp8", True), ("fp8_static", True), ("compressed-tensors", False), ("bitsandbytes", False), ("", False)],
+    [("fp8", True), ("modelopt_fp8", True), ("fp8_static", True), ("", False)],
 )
 def test_from_config_serialized_flag(quant_method, serialized):
+    """vLLM's rule: "fp8" in quant_method means serialized (other methods are refused: the next tests)."""
     cfg = Fp8Config.from_config({"quant_method": quant_method, "activation_scheme": "dynamic"})
     assert cfg.is_checkpoint_fp8_serialized is serialized
     assert cfg.weight == (PerTensor() if serialized else PerRow())
@@ -471,3 +472,30 @@ def test_compressed_tensors_group_naming_the_layer_wins_over_its_class():
     fmt = parse({"quantization_config": qc})
     assert str(fmt.layer_config("model.layers.0.mlp.down_proj", ("Linear",)).scheme()).endswith("a:per-tensor")
     assert str(fmt.layer_config("model.layers.0.mlp.up_proj", ("Linear",)).scheme()).endswith("a:per-token")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(is_checkpoint_fp8_serialized="false"), r"is_checkpoint_fp8_serialized='false': True or False"),
+    (dict(ignored_layers=["0", 1]), r"ignored_layers=\['0', 1\] must be a list of FQNs"),
+    (dict(ignored_layers=5), r"ignored_layers=5 must be a list of FQNs"),
+    (dict(weight_block_size=128), r"weight_block_size=128 must be \[block_n, block_k\]"),
+])
+def test_constructor_checks_types(kwargs, match):
+    """Each of these was accepted ("false" read as true) or failed later with a bare TypeError."""
+    with pytest.raises(ValueError, match=match):
+        Fp8Config(**kwargs)
+
+
+def test_from_config_takes_fp8_configs_only():
+    """Another quant_method (awq, compressed-tensors) came back as an online per-channel config, its ignore list and
+    groups dropped; transformers' FineGrainedFP8Config (its quant_method an enum) read as not serialized."""
+    for method in ("awq", "compressed-tensors", "bitsandbytes"):
+        with pytest.raises(ValueError, match=f"quant_method={method!r} is not fp8"):
+            Fp8Config.from_config({"quant_method": method, "ignore": ["lm_head"]})
+    with pytest.raises(ValueError, match=r"quantization_config\['ignored_layers'\]=5 must be a list"):
+        Fp8Config.from_config({"quant_method": "fp8", "ignored_layers": 5})
+    with pytest.raises(ValueError, match=r"weight_block_size=128 must be"):
+        Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": 128})
+    transformers = pytest.importorskip("transformers")
+    config = Fp8Config.from_config(transformers.FineGrainedFP8Config())
+    assert config.is_checkpoint_fp8_serialized and config.weight_block_size == (128, 128)

@@ -469,3 +469,43 @@ def test_prefix_names_a_model_quantized_part_by_part():
         torch.compile(model, backend=backend)(x)
     sites = {s.fqn: s.rewritten for s in backend.report.sites}
     assert sites == {"blocks.0.0": True, "blocks.0.2": True, "blocks.1.0": True, "blocks.1.2": False}
+
+
+def test_calibrate_without_batches_is_an_error():
+    """An empty list or a used-up generator gave {} silently, and quantize_ then asked for calibrate's scales."""
+    model = nn.Sequential(nn.Linear(8, 8))
+    batches = (x for x in [torch.randn(2, 8)])
+    assert list(fp8fx.calibrate(model, batches)) == ["0"]
+    for empty in ([], batches):
+        with pytest.raises(ValueError, match=r"calibrate: batches gave no batch \(an empty list, or a generator"):
+            fp8fx.calibrate(model, empty)
+    assert not model[0]._forward_pre_hooks
+
+
+class Conv1DLike(nn.Module):
+    """transformers' Conv1D (GPT-2): a linear layer that is no nn.Linear, its weight [in, out]."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x):
+        return x @ self.weight
+
+
+def test_nothing_to_quantize_says_why(caplog):
+    """GPT-2 (Conv1D layers, lm_head tied to the embeddings) was quantized into nothing, silently, even with
+    strict=True: a warning now says why, strict raises; a model whose every layer is ignored only warns."""
+    model = nn.Sequential(Conv1DLike(), nn.Linear(8, 8))
+    model[1].weight = model[0].weight  # tied
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        fp8fx.quantize_(model)
+    message = ("nothing in this Sequential is quantized: 1 layer (1): weight tied to 0.weight; modules of other kinds "
+               "with 2-D weights, which fp8fx does not quantize: ['Conv1DLike']")
+    assert message in caplog.text
+    with pytest.raises(ValueError, match=r"nothing in this Sequential is quantized: .*\['Conv1DLike'\]"):
+        fp8fx.quantize_(nn.Sequential(Conv1DLike()), strict=True)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        fp8fx.quantize_(nn.Sequential(nn.Linear(8, 8)), Fp8Config(ignored_layers=["0"]), strict=True)
+    assert "1 layer (0): in ignored_layers" in caplog.text
