@@ -91,11 +91,12 @@ class Fp8Backend:
                 raise ValueError(f"Fp8Backend({name}={value!r}): True or False")
         if weight_only is not None and type(weight_only) is not bool:
             raise ValueError(f"Fp8Backend(weight_only={weight_only!r}): True, False or None (decided per GPU)")
-        inductor_only = cudagraphs or inductor_config or lowering != "aten" or one_pass_rows != ONE_PASS_ROWS
-        if compiler == "eager" and inductor_only:
-            raise ValueError("Fp8Backend(compiler='eager'): cudagraphs, inductor_config, lowering and one_pass_rows "
-                             "configure Inductor, which this compiler does not run; drop them or use "
-                             "compiler='inductor'")
+        inductor_only = {"cudagraphs": cudagraphs is True, "inductor_config": bool(inductor_config),
+                         "lowering": lowering != "aten", "one_pass_rows": one_pass_rows != ONE_PASS_ROWS}
+        if compiler == "eager" and any(inductor_only.values()):
+            given = [name for name, set_ in inductor_only.items() if set_]
+            raise ValueError(f"Fp8Backend(compiler='eager') with {', '.join(given)}: options of Inductor, which this "
+                             "compiler does not run; drop them or use compiler='inductor'")
         if inductor_config is not None and not isinstance(inductor_config, Mapping):
             raise ValueError(f"Fp8Backend(inductor_config={inductor_config!r}): a dict of torch._inductor.config "
                              "options, e.g. {'max_autotune': True}")
@@ -103,6 +104,10 @@ class Fp8Backend:
         if unknown:
             raise ValueError(f"Fp8Backend(inductor_config={{{unknown[0]!r}: ...}}): not an option of "
                              "torch._inductor.config (nested ones are dotted: 'triton.cudagraphs')")
+        user_pass = (inductor_config or {}).get("post_grad_custom_post_pass")
+        if user_pass is not None and not callable(user_pass):  # it failed only inside the first compile
+            raise ValueError(f"Fp8Backend(inductor_config={{'post_grad_custom_post_pass': {user_pass!r}}}): a callable "
+                             "graph pass (or a torch._inductor.custom_graph_pass.CustomGraphPass), or None")
         if cudagraphs and (inductor_config or {}).get("triton.cudagraphs", True) is not True:
             raise ValueError("Fp8Backend(cudagraphs=True, inductor_config={'triton.cudagraphs': False}): the two "
                              "disagree; keep one")

@@ -103,6 +103,10 @@ def _kv_cache(qc: Mapping[str, Any]) -> bool:
     """The checkpoint declares static KV-cache scales: compressed-tensors' scheme dict, or AutoFP8 / Quark's
     ``"kv_cache_scheme": "static"``."""
     scheme = qc.get("kv_cache_scheme")
+    if isinstance(scheme, dict) and (scheme.get("type", "float") != "float" or scheme.get("num_bits", 8) != 8):
+        # an int8 (or other) KV cache read as fp8 scales would be wrong by its whole format
+        raise CheckpointError(f"config.json: kv_cache_scheme={scheme!r} is not an fp8 (8-bit float) KV cache; fp8fx "
+                              "reads fp8 KV-cache scales only")
     return scheme == "static" or isinstance(scheme, dict) and not scheme.get("dynamic", False)
 
 

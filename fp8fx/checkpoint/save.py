@@ -237,6 +237,8 @@ def convert(
         )
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"convert: dst {dst} is src; write the fp8 checkpoint to a new directory")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise ValueError(f"convert: dst {dst} is a file; pass a new or empty directory")
     if os.path.isdir(dst) and any(f.endswith(".safetensors") for f in os.listdir(dst)):
         raise ValueError(f"convert: {dst} already holds safetensors files; pass an empty or new directory")
     config_json = read_config(src)

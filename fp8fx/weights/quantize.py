@@ -46,6 +46,8 @@ def quantize_(
     """
     config = config or Fp8Config()
     check_prefix(prefix, "quantize_")
+    if type(strict) is not bool:  # "no" would read as True
+        raise ValueError(f"quantize_(strict={strict!r}): True or False")
     if config.is_checkpoint_fp8_serialized:
         raise ValueError(
             "quantize_ quantizes a bf16/fp16 model online, but the config has is_checkpoint_fp8_serialized=True; "
@@ -238,7 +240,7 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
     checked = {}
     for fqn, value in given.items():  # as floats: what is checked here is what the layers get
         try:
-            scale = None if isinstance(value, (str, bytes)) else float(value)  # a number or a one-element tensor
+            scale = None if isinstance(value, (str, bytes, bool)) else float(value)  # a number or a 1-element tensor
         except (TypeError, ValueError, RuntimeError):
             scale = None
         if scale is None or not 0 < scale < float("inf"):
@@ -312,6 +314,9 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     """
     config = config or Fp8Config(activation_scheme="static")
     check_prefix(prefix, "calibrate")
+    if isinstance(batches, torch.Tensor):  # iterating it would run one batch per row
+        raise ValueError(f"calibrate: batches is a tensor {list(batches.shape)}; pass an iterable of batches, e.g. "
+                         "[x] for one batch")
     amax: dict[str, float] = {}
     batch_no = [0]
     modules = [(fqn, m) for fqn, m in model.named_modules(prefix=prefix) if not config.is_ignored(fqn)]

@@ -872,3 +872,13 @@ def test_progress_bar_over_files(tmp_path, monkeypatch):
     load_checkpoint(meta_tiny(), path)
     load_checkpoint(meta_tiny(), path, progress=False)
     assert [(n, kw["disable"], kw["unit"]) for n, kw in seen] == [(3, None, "file"), (3, True, "file")]
+
+
+def test_a_kv_cache_scheme_that_is_not_fp8_is_refused(tmp_path):
+    """An int8 KV-cache scheme was taken for fp8 KV-cache scales (scales of another format)."""
+    from fp8fx.checkpoint import formats
+
+    qc = {"quant_method": "fp8", "kv_cache_scheme": {"type": "int", "num_bits": 8, "strategy": "tensor"}}
+    with pytest.raises(CheckpointError, match=r"kv_cache_scheme=.*'type': 'int'.* is not an fp8 \(8-bit float\) KV"):
+        formats.parse({"quantization_config": qc})
+    assert formats.parse({"quantization_config": {**qc, "kv_cache_scheme": {"type": "float", "num_bits": 8}}}).kv_cache

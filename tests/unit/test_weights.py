@@ -509,3 +509,16 @@ def test_nothing_to_quantize_says_why(caplog):
     with caplog.at_level("WARNING", logger="fp8fx"):
         fp8fx.quantize_(nn.Sequential(nn.Linear(8, 8)), Fp8Config(ignored_layers=["0"]), strict=True)
     assert "1 layer (0): in ignored_layers" in caplog.text
+
+
+def test_more_bad_arguments_named():
+    """strict='no' read as True, an input scale of True as 1.0, and a tensor passed as batches ran one batch per
+    row; each is refused with its value."""
+    model = nn.Sequential(nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"quantize_\(strict='no'\): True or False"):
+        fp8fx.quantize_(model, strict="no")
+    with pytest.raises(ValueError, match=r"input_scales\['0'\]=True must be a positive finite float"):
+        fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales={"0": True})
+    assert model[0].weight.dtype == torch.float32
+    with pytest.raises(ValueError, match=r"calibrate: batches is a tensor \[4, 8\]; pass an iterable of batches"):
+        fp8fx.calibrate(model, torch.randn(4, 8))
