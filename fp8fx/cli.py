@@ -233,8 +233,9 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
         changes: dict[str, Any] = {}
         if args.ignore:
             changes["ignored_layers"] = tuple(config.ignored_layers or ()) + tuple(args.ignore)
-        if args.block_size:
+        if args.block_size:  # the flag says the weights' scales: it replaces the config's (a per-channel one too)
             changes["weight_block_size"] = _ints(args.block_size, "--block-size")
+            changes["weight_granularity"] = None
         if args.activation_scheme:
             changes["activation_scheme"] = args.activation_scheme
         return dataclasses.replace(config, **changes)

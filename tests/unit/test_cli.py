@@ -301,3 +301,19 @@ def test_inspect_reads_compressed_tensors_and_moe(capsys, tmp_path):
     # w13 [4, 128, 128] and w2 [4, 128, 64], bf16 -> fp8 and float32 scales [rows, 1] per expert
     assert experts["would_rewrite"]
     assert experts["bytes_saved"] == 4 * (128 * 128 - 4 * 128) + 4 * (128 * 64 - 4 * 128)
+
+
+def test_block_size_flag_replaces_a_configs_per_channel_weights(capsys, models_py, tmp_path):
+    """--block-size over a compressed-tensors config with per-channel weights: the flag says the weights' scales
+    (it failed, blaming weight_granularity=per-row, which the user never set)."""
+    config = tmp_path / "ct.json"
+    group = {"targets": ["Linear"],
+             "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "dynamic": False, "symmetric": True},
+             "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True,
+                                   "symmetric": True}}
+    config.write_text(json.dumps({"quant_method": "compressed-tensors", "format": "float-quantized",
+                                  "config_groups": {"g": group}}))
+    code, out, err = run(capsys, "inspect", f"{models_py}:mlp_with_input", "--config", str(config),
+                         "--block-size", "128,128")
+    assert code == 0, err
+    assert "config w:per-block(128x128) a:per-token" in out and "512x256  would be   w:per-block(128x128)" in out
