@@ -279,15 +279,15 @@ class Fp8Config:
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
-        """Build from a checkpoint's ``quantization_config`` dict (a ``quant_method`` with "fp8" in it, vLLM's rule, or none: fp8fx's own
-        ``to_dict``), or a transformers config object of one (``FineGrainedFP8Config``)."""
+        """Build from a checkpoint's ``quantization_config`` dict (a ``quant_method`` with "fp8" in it, vLLM's rule,
+        or none: fp8fx's own ``to_dict``), or a transformers config object of one (``FineGrainedFP8Config``)."""
         if not isinstance(config, dict) and callable(getattr(config, "to_dict", None)):
             config = config.to_dict()
         if not isinstance(config, dict):
             raise ValueError(f"Fp8Config.from_config takes a quantization_config dict; got {type(config).__name__}")
         quant_method = config.get("quant_method", "")
         quant_method = getattr(quant_method, "value", quant_method)  # transformers' QuantizationMethod enum
-        if quant_method and "fp8" not in str(quant_method):  # vLLM's rule below reads any other as online
+        if quant_method and "fp8" not in str(quant_method).lower():  # vLLM's rule below reads any other as online
             raise ValueError(
                 f"quantization_config quant_method={quant_method!r} is not fp8: Fp8Config reads fp8 configs; "
                 "compressed-tensors checkpoints load through fp8fx.load_checkpoint (fp8fx.checkpoint.formats.parse)"
