@@ -307,7 +307,8 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
                          "bytes_saved": 0})
     covered = tuple(r["fqn"] + "." for r in rows if r["kind"] == "moe")
     others = [{"name": name, "shape": list(shape), "dtype": dtype, "module": cls}
-              for name, shape, dtype, cls in backend.report.unhandled_weights(model) if not name.startswith(covered)]
+              for name, shape, dtype, cls in backend.report.unhandled_weights(model) if not name.startswith(covered)
+              and not isinstance(modules[name.rpartition(".")[0]], nn.Linear)]  # the linears are rows above
     return rows, others, backend.report.graphs
 
 

@@ -106,16 +106,17 @@ class Report:
 
     def unhandled_weights(self, model: Any) -> list[tuple[str, tuple[int, ...], str, str]]:
         """(name, shape, dtype, module class) of each parameter of ``model`` with two or more dims that
-        belongs to no site of the report and to no ``nn.Linear``: weights whose computation no fp8fx pass
-        rewrote or looked at (embeddings; MoE experts, until a pass handles them)."""
-        from torch import nn
-
+        belongs to no site of the report: weights whose computation no fp8fx pass rewrote or looked at
+        (embeddings, experts modules no pass matched, and linears that ran in no compiled graph: under
+        ``torch.compiler.disable``, or never called). ``model`` may be the ``torch.compile`` wrapper."""
+        inner = getattr(model, "_orig_mod", None)  # the compiled module's own names, as the sites have them
+        model = inner if inner is not None else model
         modules = dict(model.named_modules())
         sites = {s.fqn for s in self.sites}
         found = []
         for name, p in model.named_parameters():
-            owner = name.rpartition(".")[0]
-            if p.dim() >= 2 and owner not in sites and not isinstance(modules[owner], nn.Linear):
+            owner, _, leaf = name.rpartition(".")
+            if p.dim() >= 2 and owner not in sites and not leaf.endswith(("_scale", "_scale_inv")):  # a weight's
                 dtype = str(p.dtype).removeprefix("torch.")
                 found.append((name, Site.shape_of(p), dtype, type(modules[owner]).__name__))
         return found

@@ -67,6 +67,10 @@ def assert_compiles_once(
     otherwise reach Dynamo's recompile limit (8), after which it runs ``fn`` uncompiled."""
     if not inputs:
         raise ValueError("assert_compiles_once needs at least one argument tuple in inputs")
+    bare = next((i for i, args in enumerate(inputs) if not isinstance(args, (tuple, list))), None)
+    if bare is not None:  # a bare tensor would be unpacked row by row into arguments
+        raise ValueError(f"assert_compiles_once: inputs[{bare}] is a {type(inputs[bare]).__name__}, not an argument "
+                         "tuple; pass [(x1,), (x2,)] for one argument per call")
     torch._dynamo.reset()
     backend = backend if backend is not None else Fp8Backend()
     graphs: list[int] = []  # graphs compiled during each call

@@ -118,6 +118,36 @@ def check_checkpoint_ignores(config: Fp8Config, model: nn.Module, entries: Mappi
     check_ignored_layers(config, names, where, undone)
 
 
+def _model_itself(model: nn.Module, where: str) -> nn.Module:
+    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), whose names the checkpoint has: the
+    wrapper's state names all start with ``_orig_mod.``."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, nn.Module):
+        log.info("fp8fx: %s: the model is a torch.compile wrapper; using the module it compiles", where)
+        return inner
+    return model
+
+
+def _check_load_args(config, device, fused) -> None:
+    """``load_checkpoint``'s arguments, before anything is read."""
+    if config is not None and not isinstance(config, Fp8Config):
+        raise ValueError(f"load_checkpoint(config={config!r}): an Fp8Config or None (the checkpoint's own); for a "
+                         "quantization_config dict pass Fp8Config.from_config(it)")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"load_checkpoint(device={device!r}): not a device ({e})") from None
+    if dev.type == "meta":
+        raise ValueError("load_checkpoint(device='meta'): the tensors need a real device (the model may be on meta; "
+                         "device says where its loaded tensors go), e.g. 'cpu' or 'cuda'")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"load_checkpoint(device={device!r}): this torch has no usable CUDA device; use 'cpu'")
+    for name, parts in (fused or {}).items():
+        if isinstance(parts, str) or not all(isinstance(p, str) for p in parts):
+            raise ValueError(f"load_checkpoint(fused={{{name!r}: {parts!r}}}): the checkpoint module names it fuses, "
+                             "a list, e.g. ['q_proj', 'k_proj', 'v_proj']")
+
+
 def load_checkpoint(
     model: nn.Module,
     path: Union[str, os.PathLike],
@@ -145,6 +175,8 @@ def load_checkpoint(
     checkpoint; the model is then unchanged.
     """
     path = os.fspath(path)
+    model = _model_itself(model, "load_checkpoint")
+    _check_load_args(config, device, fused)
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
     entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "load_checkpoint", entries), path)
@@ -629,6 +661,12 @@ class _Loader:
         self.moe.commit(report)
         self.moe.tag_skipped(self.modules)
         moe_weights.tag_routers(self.model, self.routers)
+        for fqn, module in self.modules.items():  # linear-like layers that are no nn.Linear (GPT-2's Conv1D): said
+            weight = module._parameters.get("weight")
+            if (not isinstance(module, (nn.Linear, nn.Embedding)) and fqn not in self.routers and fqn
+                    and isinstance(weight, torch.Tensor) and weight.dim() == 2 and fqn not in report.not_quantized):
+                report.not_quantized[fqn] = (f"{type(module).__name__} is no nn.Linear: fp8fx quantizes nn.Linear "
+                                             "layers and experts modules (loaded as stored)")
         for (fqn, name), buf in self.buffers.items():
             self.modules[fqn]._buffers[name] = buf
         for fqn, scales in self.kv.items():

@@ -55,6 +55,13 @@ def save_checkpoint(
     """
     if experts not in ("per-expert", "fused"):
         raise ValueError(f"save_checkpoint: experts={experts!r} is not 'per-expert' or 'fused'")
+    if max_shard_size is not None and (type(max_shard_size) is not int or max_shard_size <= 0):
+        raise ValueError(f"save_checkpoint: max_shard_size={max_shard_size!r} must be a positive number of bytes "
+                         "(an int, e.g. 5 * 2**30), or None for one file")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"save_checkpoint: {os.fspath(path)} is a file; pass a new or empty directory")
+    inner = getattr(model, "_orig_mod", None)  # a torch.compile wrapper: its names all start with _orig_mod.
+    model = inner if isinstance(inner, nn.Module) else model
     if os.path.isdir(path) and any(f.endswith((".safetensors", INDEX_SUFFIX)) for f in os.listdir(path)):
         # a shard or index left from another save would be read back with this model's config
         raise ValueError(f"save_checkpoint: {path} already holds a checkpoint (safetensors or an index); "

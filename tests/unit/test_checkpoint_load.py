@@ -882,3 +882,37 @@ def test_a_kv_cache_scheme_that_is_not_fp8_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"kv_cache_scheme=.*'type': 'int'.* is not an fp8 \(8-bit float\) KV"):
         formats.parse({"quantization_config": qc})
     assert formats.parse({"quantization_config": {**qc, "kv_cache_scheme": {"type": "float", "num_bits": 8}}}).kv_cache
+
+
+def test_load_arguments_are_checked_before_reading(tmp_path, monkeypatch):
+    """config as a dict, device 'meta' or an unusable 'cuda', a fused entry given as a string: each failed deep in
+    the load (AttributeError, Tensor.item() on meta, 'Torch not compiled with CUDA', a checkpoint module name split
+    into characters), or read every tensor first; now each is refused naming it, nothing read."""
+    import fp8fx.checkpoint.load as load_mod
+
+    path = write_checkpoint(tmp_path / "c", bf16_state())
+    model = meta_tiny()
+    snap = snapshot(model)
+    monkeypatch.setattr(load_mod, "read_tensor", lambda *a, **k: pytest.fail("a tensor was read"))
+    cases = [(dict(config={"quant_method": "fp8"}), r"config=\{'quant_method': 'fp8'\}\): an Fp8Config or None"),
+             (dict(device="meta"), r"device='meta'\): the tensors need a real device"),
+             (dict(fused={"qkv_proj": "q_proj"}), r"fused=\{'qkv_proj': 'q_proj'\}\): the checkpoint module names")]
+    if not torch.cuda.is_available():
+        cases.append((dict(device="cuda"), r"device='cuda'\): this torch has no usable CUDA device"))
+    for kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            load_checkpoint(model, path, progress=False, **kwargs)
+    assert snapshot(model) == snap
+
+
+def test_layers_that_are_no_linear_are_reported(tmp_path):
+    """GPT-2's Conv1D layers were loaded bf16 and the report said '0 not' quantized about them."""
+    transformers = pytest.importorskip("transformers")
+    from fp8fx.checkpoint import meta_model
+
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100))
+    model.save_pretrained(tmp_path / "gpt2")
+    report = load_checkpoint(meta_model(tmp_path / "gpt2"), tmp_path / "gpt2", progress=False)
+    conv = {f: r for f, r in report.not_quantized.items() if r.startswith("Conv1D is no nn.Linear")}
+    assert sorted(conv) == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
+                            "transformer.h.0.mlp.c_proj"]

@@ -8,7 +8,7 @@ import torch
 
 import fp8fx
 from fp8fx.checkpoint import CheckpointError, convert, load_checkpoint, save_checkpoint
-from fp8fx.checkpoint.files import read_header
+from fp8fx.checkpoint.files import read_checkpoint, read_header
 from tests.unit.test_checkpoint_load import (
     FP8,
     IDS,
@@ -350,3 +350,18 @@ def test_convert_refuses(tmp_path):
     match = r"^model\.layers\.1\.mlp\.up_proj\.weight \(bfloat16 \[96, 64\] .*\) has 1 NaN/Inf"
     with pytest.raises(CheckpointError, match=match):
         convert(bad, tmp_path / "out2", model=meta_tiny(), progress=False)
+
+
+def test_save_arguments_and_a_compiled_model(tmp_path):
+    """max_shard_size 0 or '5GB' (one file per tensor, or a bare TypeError), a path that is a file (a bare
+    FileExistsError); a torch.compile wrapper was saved under _orig_mod.* names nothing loads."""
+    model = quantized_tiny(fp8fx.Fp8Config())
+    for bad in (0, -1, "5GB", 10.5):
+        with pytest.raises(ValueError, match=rf"max_shard_size={bad!r} must be a positive number of bytes"):
+            save_checkpoint(model, tmp_path / "a", max_shard_size=bad)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match=r"save_checkpoint: .*file is a file; pass a new or empty directory"):
+        save_checkpoint(model, tmp_path / "file")
+    save_checkpoint(torch.compile(model), tmp_path / "compiled")
+    names = read_checkpoint(tmp_path / "compiled")[1]
+    assert names and not any(n.startswith("_orig_mod.") for n in names)

@@ -149,6 +149,32 @@ def test_unhandled_weights():
         ("embed.weight", (10, 64), "float32", "Embedding"),
         ("experts.gate_up_proj", (4, 32, 64), "float32", "Module"),
     ]
+    compiled = torch.compile(model, backend=backend)  # the wrapper's names start with _orig_mod.: its module's
+    assert backend.report.unhandled_weights(compiled) == backend.report.unhandled_weights(model)
+
+
+def test_unhandled_weights_list_linears_in_no_graph():
+    """A linear that ran outside the compiled graph (torch.compiler.disable) was in neither the report nor here."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.outside(self.a(x))
+
+        @torch.compiler.disable
+        def outside(self, x):
+            return self.b(x)
+
+    model = Model()
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 8))
+    assert [s.fqn for s in backend.report.sites] == ["a"]
+    assert [name for name, *_ in backend.report.unhandled_weights(model)] == ["b.weight"]
 
 
 Q = "'" * 3  # the triple quote around a kernel's source in the output code

@@ -112,3 +112,6 @@ def test_bad_arguments():
         testing.assert_rewritten(3)
     with pytest.raises(ValueError, match="needs at least one argument tuple"):
         testing.assert_compiles_once(mlp(), [])
+    # bare tensors: a batch of one ran the model on its single row ([64], not [1, 64]) and passed
+    with pytest.raises(ValueError, match=r"inputs\[0\] is a Tensor, not an argument tuple; pass \[\(x1,\), \(x2,\)\]"):
+        testing.assert_compiles_once(mlp(), [torch.randn(1, 64), torch.randn(2, 64)])
