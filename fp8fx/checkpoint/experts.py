@@ -311,7 +311,7 @@ class ExpertsLoader:
         if tuple(s.shape) not in expect:
             raise CheckpointError(
                 f"{s}: a {w} expert weight [{rows}, {cols}] of {ex.fqn} needs {text}; the checkpoint does not match "
-                f"its quantization_config ({self.fmt.describe()})"
+                f"{self.fmt.declared_by} ({self.fmt.describe()})"
             )
         check_scale_dtype(s)
         self._add(s, ex, base + target, shard, e, scale=True)
@@ -323,7 +323,7 @@ class ExpertsLoader:
             self._add(a, ex, base + "_input_scale", shard, e, scale=True)
         elif has("input_scale"):
             raise CheckpointError(
-                f"{need(key('input_scale'))}: the checkpoint has static input scales but its quantization_config says "
+                f"{need(key('input_scale'))}: the checkpoint has static input scales but {self.fmt.declared_by} says "
                 "dynamic activations; set activation_scheme 'static' (input_activations dynamic false) or drop the "
                 "input_scale tensors"
             )

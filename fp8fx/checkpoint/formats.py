@@ -30,9 +30,15 @@ class QuantFormat:
     groups: tuple[tuple[tuple[str, ...], Fp8Config], ...] = ()
     ignore: tuple[str, ...] = ()
     kv_cache: bool = False  # the checkpoint declares static KV-cache scales
+    from_user: bool = False  # the config is the one passed to load_checkpoint, not config.json's
     # module -> the checkpoint's names for it where a rename changed them (fp8fx.checkpoint.renames): the
     # ignore list and targets were written against the checkpoint's names and match either
     sources: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, hash=False, compare=False)
+
+    @property
+    def declared_by(self) -> str:
+        """Where the scheme the checkpoint is read with comes from, for messages that blame it."""
+        return "the config= passed to load_checkpoint" if self.from_user else "its quantization_config"
 
     def _names(self, fqn: str) -> tuple[str, ...]:
         return (fqn, *self.sources.get(fqn, ()))
@@ -82,7 +88,7 @@ def parse(config_json: Mapping[str, Any], user: Optional[Fp8Config] = None) -> Q
         raise CheckpointError(f"config.json: quantization_config={qc!r} is not an object")
     kv = _kv_cache(qc or {})
     if user is not None:
-        return QuantFormat("fp8" if user.is_checkpoint_fp8_serialized else "none", user, kv_cache=kv)
+        return QuantFormat("fp8" if user.is_checkpoint_fp8_serialized else "none", user, kv_cache=kv, from_user=True)
     if qc is None:
         return QuantFormat("none", Fp8Config())
     method = qc.get("quant_method")

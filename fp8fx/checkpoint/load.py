@@ -463,16 +463,18 @@ class _Loader:
         fp8 = w.dtype == quant.FP8_DTYPE
         if lin.serialized and not fp8:
             raise CheckpointError(
-                f"{w}: {lin.fqn} is declared float8_e4m3fn ({self.fmt.describe()}); fix quantization_config "
-                "(e.g. add the layer to its ignore list) or re-export the checkpoint"
+                f"{w}: {lin.fqn} is declared float8_e4m3fn by {self.fmt.declared_by} ({self.fmt.describe()}); "
+                "fix it (e.g. add the layer to its ignore list) or re-export the checkpoint"
             )
         if not lin.serialized and w.dtype not in quant.HIGH_PRECISION:
-            hint = (
-                "; config.json has no quantization_config, so the checkpoint is read as bf16: restore it or pass "
-                "config=Fp8Config(is_checkpoint_fp8_serialized=True, ...)"
-                if fp8 and self.fmt.name == "none"
-                else f"; {lin.fqn} is {'not quantized' if lin.config is None else 'quantized online'} here"
-            )
+            if fp8 and self.fmt.name == "none" and self.fmt.from_user:
+                hint = ("; the config= passed to load_checkpoint quantizes online (is_checkpoint_fp8_serialized="
+                        "False): drop it to read the checkpoint's quantization_config, or pass one that is serialized")
+            elif fp8 and self.fmt.name == "none":
+                hint = ("; config.json has no quantization_config, so the checkpoint is read as bf16: restore it or "
+                        "pass config=Fp8Config(is_checkpoint_fp8_serialized=True, ...)")
+            else:
+                hint = f"; {lin.fqn} is {'not quantized' if lin.config is None else 'quantized online'} here"
             raise CheckpointError(f"{w}: expected a bf16/fp16/fp32 weight{hint}")
 
     def _plan_scales(self, lin: _Linear, need, todo) -> None:
@@ -497,8 +499,8 @@ class _Loader:
                 target, shape_text = "weight_scale", "one value, shape [] or [1]"
             if not ok:
                 raise CheckpointError(
-                    f"{s}: a {w} weight [{rows}, {k}] needs {shape_text}; the checkpoint does not match its "
-                    f"quantization_config ({self.fmt.describe()})"
+                    f"{s}: a {w} weight [{rows}, {k}] needs {shape_text}; the checkpoint does not match "
+                    f"{self.fmt.declared_by} ({self.fmt.describe()})"
                 )
             check_scale_dtype(s)
             self.items.append((s, lambda t, lin=lin, i=i, s=s, target=target: self._load_scale(lin, target, i, s, t)))
@@ -510,9 +512,9 @@ class _Loader:
                 self.items.append((a, lambda t, lin=lin, i=i, a=a: self._load_scale(lin, "input_scale", i, a, t)))
             elif ("input_scale", i) in todo:
                 raise CheckpointError(
-                    f"{todo[('input_scale', i)]}: the checkpoint has static input scales but its quantization_config "
-                    "says dynamic activations; set activation_scheme 'static' (input_activations dynamic false) or "
-                    "drop the input_scale tensors"
+                    f"{todo[('input_scale', i)]}: the checkpoint has static input scales but "
+                    f"{self.fmt.declared_by} says dynamic activations; set activation_scheme 'static' "
+                    "(input_activations dynamic false) or drop the input_scale tensors"
                 )
 
     def _check_meta_buffers(self) -> None:

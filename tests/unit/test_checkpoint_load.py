@@ -916,3 +916,15 @@ def test_layers_that_are_no_linear_are_reported(tmp_path):
     conv = {f: r for f, r in report.not_quantized.items() if r.startswith("Conv1D is no nn.Linear")}
     assert sorted(conv) == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
                             "transformer.h.0.mlp.c_proj"]
+
+
+def test_errors_blame_the_config_that_was_passed(tmp_path):
+    """With config= given, a mismatch blamed the checkpoint's quantization_config (or said config.json had none,
+    'restore it'): the message names the config that was passed."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor")
+    path = write_checkpoint(tmp_path / "fp8", tensors, qc)
+    with pytest.raises(CheckpointError, match=r"the config= passed to load_checkpoint quantizes online .* drop it"):
+        load_checkpoint(meta_tiny(), path, fp8fx.Fp8Config(), progress=False)
+    blocks = fp8fx.Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[32, 32])
+    with pytest.raises(CheckpointError, match=r"does not match the config= passed to load_checkpoint"):
+        load_checkpoint(meta_tiny(), path, blocks, progress=False)
