@@ -118,6 +118,20 @@ def check_checkpoint_ignores(config: Fp8Config, model: nn.Module, entries: Mappi
     check_ignored_layers(config, names, where, undone)
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
+    """``t`` in the model's ``dtype``; a finite value that the cast makes infinite (a bf16 checkpoint loaded into a
+    float16 model: 65504 at most) is an error naming the tensor - the model would compute with inf."""
+    out = t.to(dtype)
+    if out.dtype == t.dtype or not out.is_floating_point() or torch.finfo(out.dtype).max >= torch.finfo(t.dtype).max:
+        return out
+    overflow = int((torch.isinf(out) & torch.isfinite(t)).sum())
+    if overflow:
+        raise CheckpointError(f"{key}: {overflow} of its {t.dtype} values are beyond {dtype}'s range (at most "
+                              f"{torch.finfo(dtype).max:g}) and would load as inf; build the model in bfloat16 or "
+                              "float32")
+    return out
+
+
 def _model_itself(model: nn.Module, where: str) -> nn.Module:
     """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), whose names the checkpoint has: the
     wrapper's state names all start with ``_orig_mod.``."""
@@ -545,7 +559,7 @@ class _Loader:
                 report.bytes_read += entry.nbytes
 
     def _load_state(self, key: str, target: torch.Tensor, t: torch.Tensor) -> None:
-        self.staged[key] = t.to(target.dtype)
+        self.staged[key] = _cast(t, target.dtype, key)
 
     def _load_weight(self, lin: _Linear, i: int, entry: Entry, t: torch.Tensor) -> None:
         if lin.config is None:
@@ -567,7 +581,7 @@ class _Loader:
         param = lin.module._parameters[name]
         if name not in lin.plain:
             lin.plain[name] = torch.empty(param.shape, dtype=param.dtype, device=self.device)
-        lin.plain[name].narrow(0, sum(lin.sizes[:i]), lin.sizes[i]).copy_(t)
+        lin.plain[name].narrow(0, sum(lin.sizes[:i]), lin.sizes[i]).copy_(_cast(t, param.dtype, f"{lin.fqn}.{name}"))
 
     def _load_kv(self, key: tuple[str, str], entry: Entry, t: torch.Tensor) -> None:
         try:

@@ -928,3 +928,15 @@ def test_errors_blame_the_config_that_was_passed(tmp_path):
     blocks = fp8fx.Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[32, 32])
     with pytest.raises(CheckpointError, match=r"does not match the config= passed to load_checkpoint"):
         load_checkpoint(meta_tiny(), path, blocks, progress=False)
+
+
+def test_values_a_float16_model_cannot_hold_are_refused(tmp_path):
+    """A bf16 checkpoint whose embedding holds 1e5 loaded into a float16 model: the value became inf, silently."""
+    state = bf16_state()
+    key = next(k for k, v in state.items() if v.dim() == 2 and "embed" in k)
+    state[key][0, 0] = 1e5
+    path = write_checkpoint(tmp_path / "c", state)
+    model = meta_tiny().to(torch.float16)
+    with pytest.raises(CheckpointError, match=rf"{key}: 1 of its torch.bfloat16 values are beyond torch.float16's "
+                                              r"range \(at most 65504\) and would load as inf"):
+        load_checkpoint(model, path, fp8fx.Fp8Config(ignored_layers=list(LINEARS)), progress=False)
