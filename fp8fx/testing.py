@@ -38,6 +38,9 @@ def assert_not_rewritten(report: Union[Report, Fp8Backend], *patterns: str) -> N
 def assert_kernel_count(report: Union[Report, Fp8Backend], expected: int, graph: Optional[int] = None) -> None:
     """Inductor generated ``expected`` kernels (Triton / C++) for graph ``graph`` (default: all graphs)."""
     report = _report(report)
+    for name, value in (("expected", expected), ("graph", graph)):
+        if value is not None and (type(value) is not int or value < 0):  # "2" never equals a count
+            raise TypeError(f"assert_kernel_count({name}={value!r}): a count / graph index, an int >= 0")
     if not report.kernels:  # nothing to count: the check would pass for expected=0 whatever ran
         raise AssertionError("fp8fx: no graph was compiled by Inductor (kernels are only counted for "
                              "compiler='inductor'); compile and run the model first")
@@ -112,6 +115,10 @@ def _report(obj: Union[Report, Fp8Backend]) -> Report:
 
 def _check(report: Union[Report, Fp8Backend], patterns: Sequence[str], want: bool) -> None:
     report = _report(report)
+    bad = [p for p in patterns if not isinstance(p, str)]
+    if bad:  # a list passed as one pattern: pass them as separate arguments
+        raise TypeError(f"FQN patterns are strings, one argument each (assert_rewritten(backend, 'a.*', 'b')); got "
+                        f"{bad[0]!r}")
     problems = []
     for pattern in patterns:
         matched = [s for s in report.sites if fnmatch.fnmatchcase(s.fqn, pattern)]
