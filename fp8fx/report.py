@@ -109,8 +109,9 @@ class Report:
         belongs to no site of the report: weights whose computation no fp8fx pass rewrote or looked at
         (embeddings, experts modules no pass matched, and linears that ran in no compiled graph: under
         ``torch.compiler.disable``, or never called). ``model`` may be the ``torch.compile`` wrapper."""
-        inner = getattr(model, "_orig_mod", None)  # the compiled module's own names, as the sites have them
-        model = inner if inner is not None else model
+        from fp8fx.lowerings import compat
+
+        model = compat.compiled_module(model)  # the compiled module's own names, as the sites have them
         modules = dict(model.named_modules())
         sites = {s.fqn for s in self.sites}
         found = []

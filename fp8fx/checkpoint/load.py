@@ -27,11 +27,12 @@ from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values
 from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
 from fp8fx.config import Fp8Config, PerBlock, PerRow
+from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
 from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, is_attention
 from fp8fx.weights.kv_cache import kv_scale_target, kv_slot_error
-from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, is_quantized, skip_reason
+from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.moe import is_quantized_experts
 from fp8fx.weights.quantize import check_ignored_layers
 
@@ -132,16 +133,6 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
     return out
 
 
-def _model_itself(model: nn.Module, where: str) -> nn.Module:
-    """The module ``torch.compile`` wrapped (``OptimizedModule._orig_mod``), whose names the checkpoint has: the
-    wrapper's state names all start with ``_orig_mod.``."""
-    inner = getattr(model, "_orig_mod", None)
-    if isinstance(inner, nn.Module):
-        log.info("fp8fx: %s: the model is a torch.compile wrapper; using the module it compiles", where)
-        return inner
-    return model
-
-
 def _check_load_args(config, device, fused) -> None:
     """``load_checkpoint``'s arguments, before anything is read."""
     if config is not None and not isinstance(config, Fp8Config):
@@ -189,7 +180,7 @@ def load_checkpoint(
     checkpoint; the model is then unchanged.
     """
     path = os.fspath(path)
-    model = _model_itself(model, "load_checkpoint")
+    model = compat.compiled_module(model)  # a torch.compile wrapper: the module it compiles, the checkpoint's names
     _check_load_args(config, device, fused)
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
@@ -678,9 +669,7 @@ class _Loader:
         self.moe.tag_skipped(self.modules)
         moe_weights.tag_routers(self.model, self.routers)
         for fqn, module in self.modules.items():  # linear-like layers that are no nn.Linear (GPT-2's Conv1D): said
-            weight = module._parameters.get("weight")
-            if (not isinstance(module, (nn.Linear, nn.Embedding)) and fqn not in self.routers and fqn
-                    and isinstance(weight, torch.Tensor) and weight.dim() == 2 and fqn not in report.not_quantized):
+            if fqn and is_foreign_linear(module) and fqn not in self.routers and fqn not in report.not_quantized:
                 report.not_quantized[fqn] = (f"{type(module).__name__} is no nn.Linear: fp8fx quantizes nn.Linear "
                                              "layers and experts modules (loaded as stored)")
         for (fqn, name), buf in self.buffers.items():

@@ -19,6 +19,7 @@ from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_c
 from fp8fx.checkpoint.files import write_file
 from fp8fx.checkpoint.load import FUSED, LoadReport, _progress, check_checkpoint_ignores
 from fp8fx.config import Fp8Config, PerBlock, PerTensor
+from fp8fx.lowerings import compat
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES
 from fp8fx.weights.linear import is_quantized, layer_scheme
@@ -60,8 +61,7 @@ def save_checkpoint(
                          "(an int, e.g. 5 * 2**30), or None for one file")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"save_checkpoint: {os.fspath(path)} is a file; pass a new or empty directory")
-    inner = getattr(model, "_orig_mod", None)  # a torch.compile wrapper: its names all start with _orig_mod.
-    model = inner if isinstance(inner, nn.Module) else model
+    model = compat.compiled_module(model)  # a torch.compile wrapper: the module it compiles, the checkpoint's names
     if os.path.isdir(path) and any(f.endswith((".safetensors", INDEX_SUFFIX)) for f in os.listdir(path)):
         # a shard or index left from another save would be read back with this model's config
         raise ValueError(f"save_checkpoint: {path} already holds a checkpoint (safetensors or an index); "

@@ -20,6 +20,13 @@ def is_inductor_config(key: str) -> bool:
     return key in config._config
 
 
+def compiled_module(model: Any) -> Any:
+    """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, whose state names are the model's own
+    (the wrapper's all start with ``_orig_mod.``); ``model`` itself when it is no wrapper."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, torch.nn.Module) else model
+
+
 def inductor_config_value(key: str) -> Any:
     """The current value of option ``key`` of ``torch._inductor.config`` (dotted for nested ones)."""
     from torch._inductor import config

@@ -56,6 +56,13 @@ def is_quantized(module: nn.Module) -> bool:
     return getattr(type(module), "_fp8fx_quantized", False)
 
 
+def is_foreign_linear(module: nn.Module) -> bool:
+    """A module with a 2-D weight of its own that is neither an ``nn.Linear`` nor an embedding (transformers'
+    ``Conv1D`` of GPT-2, a router module): fp8fx quantizes none, and says so."""
+    weight = module._parameters.get("weight")
+    return not isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(weight, torch.Tensor) and weight.dim() == 2
+
+
 def layer_scheme(module: nn.Module) -> LayerScheme:
     """The scheme a quantized layer runs with, read back from the layer."""
     static = "input_scale" in module._parameters

@@ -14,7 +14,7 @@ from fp8fx import quant
 from fp8fx.config import Fp8Config, entry_covers
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
-from fp8fx.weights.linear import Fp8LinearMethod, is_quantized, skip_reason
+from fp8fx.weights.linear import Fp8LinearMethod, is_foreign_linear, is_quantized, skip_reason
 
 log = logging.getLogger("fp8fx")
 
@@ -174,8 +174,7 @@ def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> No
         reasons.setdefault(reason, []).append(fqn)
     why = [f"{len(f)} {'layer' if len(f) == 1 else 'layers'} ({f[0]}{', ...' if len(f) > 1 else ''}): {r}"
            for r, f in reasons.items()] or ["it has no nn.Linear and no experts module"]
-    others = sorted({type(m).__name__ for _, m in modules if not isinstance(m, (nn.Linear, nn.Embedding))
-                     and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2})
+    others = sorted({type(m).__name__ for _, m in modules if is_foreign_linear(m)})
     if others:
         why.append(f"modules of other kinds with 2-D weights, which fp8fx does not quantize: {others}")
     message = f"quantize_: nothing in this {type(model).__name__} is quantized: {'; '.join(why)}"
