@@ -134,6 +134,12 @@ def tag_routers(model: nn.Module, found: dict[str, str], prefix: str = "") -> No
             module._parameters["weight"]._fp8fx_fqn = fqn
 
 
+def input_scale_names(fqn: str) -> tuple[str, str]:
+    """The names of an experts module's two static activation scales in ``calibrate``'s and ``quantize_``'s
+    ``input_scales``: those of its gate_up_proj's and its down_proj's inputs."""
+    return f"{fqn}.{W13}", f"{fqn}.{W2}"
+
+
 def experts_scheme(module: nn.Module) -> LayerScheme:
     """The scheme a quantized experts module runs with, read back from the module."""
     static = f"{W13}_input_scale" in module._parameters

@@ -129,9 +129,9 @@ def quantize_(
                 )
     if not plan and not experts:
         _nothing_to_quantize(model, modules, skipped + experts_skipped, strict)
-    planned = [fqn for fqn, _ in plan] + [f"{fqn}.{base}" for fqn, _ in experts for base in (moe.W13, moe.W2)]
+    planned = [fqn for fqn, _ in plan] + [name for fqn, _ in experts for name in moe.input_scale_names(fqn)]
     not_quantized = {fqn: reason for fqn, _, reason in skipped}
-    not_quantized.update({f"{fqn}.{base}": reason for fqn, _, reason in experts_skipped for base in (moe.W13, moe.W2)})
+    not_quantized.update({name: reason for fqn, _, reason in experts_skipped for name in moe.input_scale_names(fqn)})
     scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix)
 
     for fqn, module, reason in skipped:  # tags the report reads back from the compiled graph's inputs
@@ -158,7 +158,7 @@ def quantize_(
         moe.tag_skipped(module, fqn, reason)
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
     for fqn, module in experts:
-        static = tuple(scales[f"{fqn}.{base}"] for base in (moe.W13, moe.W2)) if scales else None
+        static = tuple(scales[name] for name in moe.input_scale_names(fqn)) if scales else None
         moe.quantize_experts(module, fqn, config, static)
     if experts or experts_skipped:
         log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
@@ -287,13 +287,14 @@ def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
         x = x.reshape(-1, x.shape[-1])
         ids = ids.reshape(x.shape[0], -1)
         w13 = mod.gate_up_proj  # [E, 2I, H]
+        name13, name2 = moe.input_scale_names(fqn)
         for e in ids.unique().tolist():
             if not 0 <= e < w13.shape[0]:  # an expert-parallel sentinel: no expert of this module
                 continue
             xe = x[(ids == e).any(-1)]
             gate, up = nn.functional.linear(xe, w13[e]).chunk(2, dim=-1)
-            _record(amax, f"{fqn}.{moe.W13}", xe.abs().max().float().item(), batch_no[0])
-            _record(amax, f"{fqn}.{moe.W2}", (mod.act_fn(gate) * up).abs().max().float().item(), batch_no[0])
+            _record(amax, name13, xe.abs().max().float().item(), batch_no[0])
+            _record(amax, name2, (mod.act_fn(gate) * up).abs().max().float().item(), batch_no[0])
 
     return record
 
