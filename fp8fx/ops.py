@@ -129,8 +129,7 @@ def scaled_mm(
 ) -> torch.Tensor:
     """``use_fast_accum`` lets Hopper's fp8 tensor cores skip the periodic promotion of partial
     sums to fp32 (cuBLAS's fast-accumulation mode); the CPU reference always accumulates in fp32."""
-    _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block)
-    _check_out_dtype("fp8fx.scaled_mm", "out_dtype", out_dtype)
+    _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)
     return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
 
 
@@ -158,7 +157,7 @@ def _check_weight(what: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.T
     _check_scale_size(what, "w_scale", w_scale, f"a {list(wq.shape)} weight", wq.shape, w_block)
 
 
-def _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block) -> None:
+def _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype) -> None:
     """What every real implementation of scaled_mm checks before it computes."""
     check_block(x_block, "x_block")
     check_block(w_block, "w_block")
@@ -169,6 +168,7 @@ def _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block) -> N
     _check_scale_size("fp8fx.scaled_mm", "x_scale", x_scale, f"a {list(xq.shape)} activation",
                       (quant.rows_of(xq), xq.shape[-1]), x_block)  # rows_of: as_rows of a strided xq would copy
     _check_bias(bias, wq.shape[0], "fp8fx.scaled_mm")
+    _check_out_dtype("fp8fx.scaled_mm", "out_dtype", out_dtype)
 
 
 @scaled_mm.register_fake
@@ -204,8 +204,7 @@ TRITON_MAX_M = 64
 @scaled_mm.register_kernel("cuda")
 def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
     k, n = xq.shape[-1], wq.shape[0]
-    _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block)
-    _check_out_dtype("fp8fx.scaled_mm", "out_dtype", out_dtype)
+    _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)
     x2 = quant.as_rows(xq)  # [M, K]
     m = x2.shape[0]
     if k == 0:  # an empty sum: the bias (or zeros), as the reference gives it
@@ -390,7 +389,8 @@ def _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_bl
     _check_bias(bias, w2.shape[0], "fp8fx.gated_mlp")
 
 
-def _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block) -> None:
+def _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype,
+                             out_dtype) -> None:
     """What every real implementation of gated_mlp checks before it computes (the CUDA kernels read scales by
     their layout: a one-element scale with a per-row block would be read as per-tensor)."""
     what = "fp8fx.gated_mlp"
@@ -403,6 +403,8 @@ def _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_blo
     if w2.dtype != quant.FP8_DTYPE:
         raise ValueError(f"{what} (down): the weight is {w2.dtype}; it must be {quant.FP8_DTYPE}")
     _check_scale_size(f"{what} (down)", "w_scale", s2, f"a {list(w2.shape)} weight", w2.shape, w2_block)
+    _check_out_dtype(what, "h_dtype", h_dtype)
+    _check_out_dtype(what, "out_dtype", out_dtype)
 
 
 def _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static,
@@ -444,9 +446,7 @@ def gated_mlp(
     (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens). On CUDA for M <= ``TRITON_MAX_M`` with per-tensor /
     per-row scales: two kernels (``fp8fx.kernels.gated_mlp``); otherwise these same ops one by one."""
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
-    _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block)
-    _check_out_dtype("fp8fx.gated_mlp", "h_dtype", h_dtype)
-    _check_out_dtype("fp8fx.gated_mlp", "out_dtype", out_dtype)
+    _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
     return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,
                                 h_static, act, h_dtype, out_dtype, use_fast_accum)
 
@@ -462,9 +462,7 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
 def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act, h_dtype,
       out_dtype, use_fast_accum=False):
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
-    _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block)
-    _check_out_dtype("fp8fx.gated_mlp", "h_dtype", h_dtype)
-    _check_out_dtype("fp8fx.gated_mlp", "out_dtype", out_dtype)
+    _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
     x2 = quant.as_rows(xq)
     m = x2.shape[0]
     if not (0 < m <= TRITON_MAX_M and _tensor_or_row(x_block, w_block) and _tensor_or_row(h_block, w2_block)):
@@ -626,8 +624,8 @@ def fused_moe(
     a2_scale: Optional[torch.Tensor] = None,
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
-    _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale)
-    _check_out_dtype("fp8fx.fused_moe", "out_dtype", out_dtype)
+    _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale,
+                    out_dtype)
     return fused_moe_reference(
         x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
     )
@@ -644,7 +642,7 @@ EXPERT_ID_DTYPES = (torch.int32, torch.int64)  # what fused_moe's topk_ids may b
 
 
 def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale,
-                    a2_scale) -> None:
+                    a2_scale, out_dtype) -> None:
     """What every real implementation of fused_moe checks before it computes."""
     check_block(w_block, "w_block")
     check_block(act_block, "act_block")
@@ -663,6 +661,7 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_
     for name, scale in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
         if scale is not None:  # one positive finite value (0 made every output 0, Inf / NaN every output NaN)
             check_static_scale(scale, f"fp8fx.fused_moe: {name}")
+    _check_out_dtype("fp8fx.fused_moe", "out_dtype", out_dtype)
 
 
 def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
@@ -689,8 +688,8 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
       a2_scale=None, use_fast_accum=False):
     from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
 
-    _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale)
-    _check_out_dtype("fp8fx.fused_moe", "out_dtype", out_dtype)
+    _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale,
+                    out_dtype)
     # the kernel's fp8 x fp8 dots need fp8 tensor cores (compute capability 8.9: Ada, Hopper and later)
     fp8_cores = torch.cuda.get_device_capability(x.device) >= (8, 9)
     if fp8_cores and kernel.supports(w_block, act_block, tuple(w13.shape)):
