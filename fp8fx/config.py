@@ -189,10 +189,7 @@ class Fp8Config:
                     f"Fp8Config.ignored_layers={self.ignored_layers!r} is a string; pass a list of FQNs, "
                     f"e.g. [{self.ignored_layers!r}]"
                 )
-            if not isinstance(self.ignored_layers, (list, tuple)) or not all(
-                    isinstance(n, str) for n in self.ignored_layers):
-                raise ValueError(f"Fp8Config.ignored_layers={self.ignored_layers!r} must be a list of FQNs (strings), "
-                                 "e.g. ['lm_head']")
+            check_name_list(self.ignored_layers, "Fp8Config.ignored_layers", "FQNs (strings)")
             object.__setattr__(self, "ignored_layers", tuple(self.ignored_layers))
         if self.weight_block_size is not None:
             if not isinstance(self.weight_block_size, (list, tuple)):
