@@ -193,7 +193,23 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
 
 
 MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "fp8fx_fused_mlp",
-                "inductor_scaled_mm", "torchao_rowwise")
+                "fp8fx_mma", "fp8fx_fused_mlp_mma", "inductor_scaled_mm", "torchao_rowwise")
+
+
+def without_gemv(fn):
+    """``fn`` with fp8fx's GEMMs of one row on the tensor-core tiles (``fp8_gemm.GEMV_MAX_M = 0`` while it runs:
+    the kernel is chosen at each call, so a CUDA graph captured through this keeps them): the ``*_mma`` variants,
+    the kernels before the GEMV one, timed next to it."""
+    from fp8fx.kernels import fp8_gemm as kernels
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        saved, kernels.GEMV_MAX_M = kernels.GEMV_MAX_M, 0
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            kernels.GEMV_MAX_M = saved
+    return call
 
 
 def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VARIANTS, save=lambda: None, rounds=1):
@@ -225,6 +241,10 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VA
         variants["fp8fx_fused_gate_up"], _ = fp8fx_module(fresh(), {"fuse_horizontal": True}, dynamic=False)
     if "fp8fx_fused_mlp" in only:  # decode: the MLP in two kernels (prefill sizes are left unfused)
         variants["fp8fx_fused_mlp"], _ = fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)
+    if "fp8fx_mma" in only:
+        variants["fp8fx_mma"] = without_gemv(fp8fx_module(fresh(), dynamic=False)[0])
+    if "fp8fx_fused_mlp_mma" in only:
+        variants["fp8fx_fused_mlp_mma"] = without_gemv(fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0])
     if "inductor_scaled_mm" in only:
         variants["inductor_scaled_mm"] = torch.compile(ScaledMMMLP(fresh()), dynamic=False)
     if "torchao_rowwise" in only:

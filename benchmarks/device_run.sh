@@ -10,6 +10,7 @@
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
 #          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep;
 #          pdl: it with and without programmatic dependent launch; codes: with exact h codes or not;
+#          gemv: tune_gemm.py --gemv (M = 1: the GEMV kernel against the tensor-core tile); gemvtests: its cuda tests;
 #          tma: its sweep with TMA weight loads too;
 #          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles;
 #          flush: flush_study.py; ncu: ncu on the fused MLP's kernels; ncupipes: their pipe use and stalls;
@@ -47,6 +48,13 @@ if has gemmtests; then
 fi
 if has gatedtests; then  # the fused decode MLP's kernels and op
   timeout 200 $P -m cuda tests/kernels/test_gated_mlp.py 2>&1 | tee "$OUT/pytest-cuda-gated.log" | tail -5
+fi
+if has gemvtests; then  # the one-row (GEMV) kernel's cuda tests: M = 1 GEMMs, weight-only, the fused MLP's down
+  timeout 240 $P -m cuda $gemm tests/kernels/test_gated_mlp.py \
+    -k "1-96-160 or op_cuda or split_k or weight_only_cuda or codes or -1]" 2>&1 | tee "$OUT/pytest-cuda-gemv.log" | tail -5
+fi
+if has gemv; then  # M = 1: the GEMV kernel's tiles against the tensor-core tile, single GEMMs and the fused MLP
+  timeout 330 python3 benchmarks/tune_gemm.py --gemv 2>&1 | tee "$OUT/gemv.txt"
 fi
 if has codes; then  # the fused decode MLP's down GEMM with exact h codes or codes by the reciprocal
   timeout 150 python3 benchmarks/tune_gemm.py --codes 2>&1 | tee "$OUT/codes.txt"

@@ -11,6 +11,8 @@
     python benchmarks/tune_gemm.py [--gated] --bm64   # 64-row (wgmma) tiles at M = 1, 16
     python benchmarks/tune_gemm.py --gated-ncu     # a few calls of it at M = 1 and 16, for ncu
     python benchmarks/tune_gemm.py --codes         # it with the down GEMM's h codes exact or by the reciprocal
+    python benchmarks/tune_gemm.py --gemv          # M = 1: the GEMV kernel's tiles against the tensor-core tile,
+                                                   # as single GEMMs and as the fused MLP's down GEMM
 
 Every candidate is checked against the current configuration's output before it is timed.
 """
@@ -22,7 +24,7 @@ import triton
 
 from bench_linear import bench, cublas_blockwise  # run as a script: benchmarks/ is on sys.path
 from fp8fx import quant
-from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
+from fp8fx.kernels.fp8_gemm import fp8_gemm, gemv_config, mma_tile_config, tile_config
 
 SHAPES = {"gate_up": (28672, 4096), "gate": (14336, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
 
@@ -170,6 +172,79 @@ def sweep_codes(ms=(1, 16), dim=4096, hidden=14336, rounds=7):
               flush=True)
 
 
+def gemv_candidates(k: int) -> list[dict]:
+    """``fp8_gemv_kernel`` tiles: 1-8 warps splitting K (BLOCK_K = 512 per warp), 2-8 weight rows a program, K split
+    so that the splits' steps are equal (up to 8 splits)."""
+    out = []
+    for warps, rows in itertools.product([1, 2, 4, 8], [2, 4, 8]):
+        steps = -(-k // (512 * warps))
+        for split in [s for s in (1, 2, 4, 7, 8) if steps % s == 0]:
+            out.append(dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
+                            SPLIT_K=split))
+    return out
+
+
+def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5):
+    """M = 1. Each layer's GEMM (fp8 codes in): every GEMV candidate, then the best against the tensor-core tile
+    (``mma_tile_config``) and cuBLAS in ``rounds`` interleaved rounds. Then the fused MLP with the down GEMM as a
+    GEMV (h quantized as loaded) against its tensor-core down tile, the same way. CUDA-graph replays, L2 clean."""
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels.gated_mlp import down_tile_config, gated_mlp
+
+    def duel(label, runs: dict, bytes_: int):
+        times = {name: [] for name in runs}
+        for r in range(rounds):
+            for name in (list(runs) if r % 2 else list(runs)[::-1]):
+                times[name].append(time_ms(runs[name], True))
+        med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+        print(f"{label}: " + ", ".join(f"{name} {t:.4f} ms ({bytes_ / t / 1e9:.2f} TB/s)" for name, t in med.items()),
+              flush=True)
+        return med
+
+    for name, (n, k) in shapes.items():
+        wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])
+        xq, xs = quant.quantize(torch.randn(1, k, device="cuda"), [1, -1])
+        gemm = lambda cfg: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)  # noqa: E731
+        ref = gemm(mma_tile_config(1, n, k)).float()
+        results = []
+        for cfg in gemv_candidates(k):
+            try:
+                assert (gemm(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+                results.append((time_ms(lambda: gemm(cfg), True), cfg))
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile is not a candidate
+                print(f"{name}: {cfg} failed: {str(exc).splitlines()[0][:160]}")
+        results.sort(key=lambda r: r[0])
+        print(f"{name} M=1 GEMV sweep ({len(results)} ran): " + " ; ".join(f"{t:.4f} {c}" for t, c in results[:5]),
+              flush=True)
+        best = results[0][1]
+        ws_row = ws.reshape(1, -1).contiguous()
+        duel(f"{name} M=1 [{n}x{k}]", {
+            "gemv best": lambda: gemm(best), "gemv default": lambda: gemm(gemv_config(n, k)),
+            "mma tile": lambda: gemm(mma_tile_config(1, n, k)),
+            "cuBLAS": lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16)},
+            n * k)
+
+    (xq, xs), w1, w3, w2 = _gated_problem(1, dim, hidden)
+    run = lambda c2: gated_mlp(  # noqa: E731
+        xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16, configs=(None, c2))
+    ref = run(down_tile_config(1, dim, hidden, gemv=False)).float()
+    results = []
+    for cfg in gemv_candidates(hidden):
+        try:
+            assert (run(cfg).float() - ref).abs().max() <= 2e-2 * ref.abs().max()
+            results.append((time_ms(lambda: run(cfg), True), cfg))
+        except Exception as exc:  # noqa: BLE001
+            print(f"fused MLP: {cfg} failed: {str(exc).splitlines()[0][:160]}")
+    results.sort(key=lambda r: r[0])
+    print(f"fused MLP M=1, down GEMM as GEMV ({len(results)} ran): "
+          + " ; ".join(f"{t:.4f} {c}" for t, c in results[:5]), flush=True)
+    best = results[0][1]
+    duel("fused MLP M=1 (whole op)", {"gemv best": lambda: run(best),
+                                       "gemv default": lambda: run(down_tile_config(1, dim, hidden)),
+                                       "mma down": lambda: run(down_tile_config(1, dim, hidden, gemv=False))},
+         3 * dim * hidden)
+
+
 def gated_ncu(ms=(1, 16), dim=4096, hidden=14336):
     """Three plain calls of the fused MLP op per M, nothing timed: for ncu (device_run.sh's ncu stage)."""
     from fp8fx.kernels import fp8_gemm as kernels
@@ -195,6 +270,7 @@ def main(argv=None):
     p.add_argument("--small-m", action="store_true", help="M = 64 in row tiles of 16 or 32 (the decode sweep)")
     p.add_argument("--gated-ncu", action="store_true", help="three plain calls of the fused MLP at M = 1, 16")
     p.add_argument("--codes", action="store_true", help="the fused MLP with exact h codes or by the reciprocal")
+    p.add_argument("--gemv", action="store_true", help="M = 1: GEMV tiles against the tensor-core tile")
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
@@ -202,6 +278,8 @@ def main(argv=None):
         return gated_ncu()
     if args.codes:
         return sweep_codes()
+    if args.gemv:
+        return sweep_gemv({name: SHAPES[name] for name in args.shapes.split(",")})
     if args.gated or args.gated_pdl:
         return sweep_gated(tiles=args.gated, tma=args.tma, wide_k=args.wide_k, bm64=args.bm64, narrow=args.narrow)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}

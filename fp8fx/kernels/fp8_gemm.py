@@ -140,6 +140,32 @@ def _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT: tl.c
 
 
 @triton.jit
+def _store_tile(acc, y_ptr, out_ptr, ticket_ptr, split, row0, local_m, offs_m, offs_n, M, N, stride_ym, stride_yn,
+                stride_ys, SPLIT_K: tl.constexpr):
+    """Store an output tile (rows ``row0 + local_m``, columns ``offs_n``), or with split K its float32 partial,
+    the last split of the tile to arrive (``ticket_ptr``, zero on entry) summing the partials into ``out_ptr``."""
+    y_tile = y_ptr + row0.to(tl.int64) * stride_ym
+    y_ptrs = y_tile + local_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
+    in_bounds = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    tl.store(y_ptrs + split.to(tl.int64) * stride_ys, acc.to(y_ptr.dtype.element_ty), mask=in_bounds)
+    if SPLIT_K > 1:
+        # The tile's last split to arrive (a ticket per tile) sums the partials in split order - deterministic
+        # whatever the arrival order - and writes the output. This replaces a sum and a cast kernel after the
+        # GEMM. The barrier orders every thread's partial before the (release) ticket, taken by one thread;
+        # the acquire side reads the partials from L2 (.cg).
+        tl.debug_barrier()
+        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
+        if ticket == SPLIT_K - 1:
+            total = tl.zeros(acc.shape, dtype=tl.float32)
+            part_ptrs = y_ptrs  # split s at s * stride_ys: stepped, so no 32-bit product can overflow
+            for _ in range(SPLIT_K):
+                total += tl.load(part_ptrs, mask=in_bounds, other=0.0, cache_modifier=".cg")
+                part_ptrs += stride_ys
+            out_ptrs = out_ptr + row0.to(tl.int64) * N + local_m[:, None] * N + offs_n[None, :]
+            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=in_bounds)
+
+
+@triton.jit
 def fp8_gemm_kernel(
     # tensors (split-K: y is the float32 partials [SPLIT_K, M, N], out the result, tickets one int32 per
     # output tile, zero on entry)
@@ -249,28 +275,97 @@ def fp8_gemm_kernel(
     if HAS_BIAS:  # once: in split 0's partial
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
         acc += tl.where(split == 0, bias, 0.0)[None, :]
-    y_tile = y_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_ym
-    y_ptrs = y_tile + local_m[:, None] * stride_ym + offs_n[None, :] * stride_yn
-    in_bounds = (offs_m[:, None] < M) & (offs_n[None, :] < N)
-    tl.store(y_ptrs + split.to(tl.int64) * stride_ys, acc.to(y_ptr.dtype.element_ty), mask=in_bounds)
-    if SPLIT_K > 1:
-        # The tile's last split to arrive (a ticket per tile) sums the partials in split order - deterministic
-        # whatever the arrival order - and writes the output. This replaces a sum and a cast kernel after the
-        # GEMM. The barrier orders every thread's partial before the (release) ticket, taken by one thread;
-        # the acquire side reads the partials from L2 (.cg).
-        tl.debug_barrier()
-        ticket = tl.atomic_add(tickets_ptr + pid, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            part_ptrs = y_ptrs  # split s at s * stride_ys: stepped, so no 32-bit product can overflow
-            for _ in range(SPLIT_K):
-                total += tl.load(part_ptrs, mask=in_bounds, other=0.0, cache_modifier=".cg")
-                part_ptrs += stride_ys
-            out_ptrs = out_ptr + (pid_m * BLOCK_M).to(tl.int64) * N + local_m[:, None] * N + offs_n[None, :]
-            tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=in_bounds)
+    _store_tile(acc, y_ptr, out_ptr, tickets_ptr + pid, split, pid_m * BLOCK_M, local_m, offs_m, offs_n, M, N,
+                stride_ym, stride_yn, stride_ys, SPLIT_K)
+
+
+@triton.jit
+def fp8_gemv_kernel(
+    # as fp8_gemm_kernel's, for one row of a (M == 1): y the float32 partials [SPLIT_K, 1, N] under split K
+    a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, tickets_ptr,
+    N, K,
+    stride_ak, stride_bn, stride_yn, stride_ys, stride_ask,
+    A_FP8: tl.constexpr, B_ROWWISE: tl.constexpr, B_BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12,
+    FP8_MAX: tl.constexpr = 448.0, PDL_WAIT: tl.constexpr = False,
+):
+    """y[N] = a[K] . b[N, K] on the CUDA cores: each program streams BLOCK_N weight rows (over its split of K) in
+    [BLOCK_N, BLOCK_K] tiles of 16-byte loads straight into registers - no shared memory, no tensor-core tile padded
+    from 1 row to 16 - and keeps a float32 product per loaded element, summed over K once at the end. Products
+    of fp8 codes are exact in float32; the sums round as a tensor core's float32 accumulation does, in another
+    order. The activation's scale (per tensor = per row here) and b's are applied after the sum."""
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
+    split = tl.program_id(0) % SPLIT_K
+    pid_n = tl.program_id(0) // SPLIT_K
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < N
+    k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_first = split * k_steps
+    b_tile = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
+    b_offs = tl.arange(0, BLOCK_N)[:, None] * stride_bn + k_first * BLOCK_K + offs_k[None, :]  # [BN, BK], K-major
+    a_offs = (k_first * BLOCK_K + offs_k) * stride_ak  # [BK]
+    if A_QUANT:  # the row's scale and its reciprocal for `_codes_of`
+        a_q_scale = tl.sum(_a_quant_scale(a_scale_ptr, tl.arange(0, 1), 1, 0, stride_ask, A_QUANT, N_PARTS,
+                                          PARTS_BLOCK, EPS, FP8_MAX, 1), 0)  # [1] -> its element
+        a_q_inv = tl.math.div_rn(1.0, a_q_scale)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
+        if EVEN_K:  # no K mask: the weight loads stay 16 bytes wide whatever Triton knows of K
+            b = tl.load(b_tile + b_offs, mask=n_ok[:, None], other=0.0)
+            a = tl.load(a_ptr + a_offs)
+        else:
+            k_ok = offs_k < K - k * BLOCK_K
+            b = tl.load(b_tile + b_offs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_ptr + a_offs, mask=k_ok, other=0.0)
+        a = a.to(tl.float32)
+        if A_QUANT:  # the 16-bit row to fp8 codes as fp8_gemm_kernel's A_QUANT makes them
+            a = _codes_of(a, a_q_scale, a_q_inv, FP8_MAX).to(b.dtype).to(tl.float32)
+        acc += a[None, :] * b.to(tl.float32)
+        b_offs += BLOCK_K
+        a_offs += BLOCK_K * stride_ak
+    y = tl.sum(acc, axis=1)  # [BN]
+    if A_QUANT:
+        y *= a_q_scale
+    elif A_FP8:  # per tensor (one row: per row too); weight-only activations have no scale
+        y *= tl.load(a_scale_ptr)
+    if B_ROWWISE:
+        y *= tl.load(b_scale_ptr + offs_n // B_BLOCK_N, mask=n_ok, other=0.0)  # [rows, 1], contiguous
+    else:
+        y *= tl.load(b_scale_ptr)
+    if HAS_BIAS:  # once: in split 0's partial
+        y += tl.where(split == 0, tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32), 0.0)
+    row = tl.arange(0, 1)
+    _store_tile(y[None, :], y_ptr, out_ptr, tickets_ptr + pid_n, split, tl.full((), 0, tl.int32), row, row, offs_n,
+                1, N, 0, stride_yn, stride_ys, SPLIT_K)
+
+
+# M at or below which ``tile_config`` picks the GEMV kernel (one row: the CUDA cores, no padded tensor-core tile)
+GEMV_MAX_M = 1
+
+
+def gemv_config(n: int, k: int) -> dict:
+    """``fp8_gemv_kernel``'s tile for a weight [n, k]: BLOCK_N rows of BLOCK_K = 16 x 32 x num_warps bytes a step,
+    so each thread loads 16 bytes of each row and the warps split K, not N: the activation slice a thread
+    multiplies is then the one it loads itself (an fp8 a needs no exchange through shared memory; with 4 warps
+    split over N, each step's a went through shared memory between two barriers). K split until there are 512
+    programs or a split is down to 2048 of K."""
+    block_n, warps, split = 4, 4, 1
+    while triton.cdiv(n, block_n) * split < 512 and k // (2 * split) >= 2048:
+        split *= 2
+    return dict(GEMV=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
+                SPLIT_K=split)
 
 
 def tile_config(m: int, n: int, k: int) -> dict:
+    """The kernel and tiles ``fp8_gemm`` runs for [m, k] x [n, k] with per-tensor / per-row scales: the GEMV
+    kernel up to ``GEMV_MAX_M`` rows (``gemv_config``), else ``mma_tile_config``."""
+    return gemv_config(n, k) if m <= GEMV_MAX_M else mma_tile_config(m, n, k)
+
+
+def mma_tile_config(m: int, n: int, k: int) -> dict:
     """Tiles by problem size, from benchmarks/tune_gemm.py on the H200 (torch 2.11, triton 3.6; times of
     CUDA-graph replays, 2026-11-29): decode streams the weight, so narrow N tiles give every SM its own
     slice and deep pipelining keeps enough bytes in flight. M=1: gate_up 28672x4096 0.0309 ms (3.81 TB/s
@@ -402,13 +497,18 @@ def fp8_gemm(
         # weight-only: no activation scale (the kernel reads none; b_scale stands in for the pointer)
         a_mode, a_scale, _ = _scale_layout(a_scale if a_fp8 else b_scale.reshape(-1)[:1], m, k, a_block, "a_scale")
     b_mode, b_scale, b_rows = _scale_layout(b_scale, n, k, b_block, "b_scale")
-    cfg = dict(config or tile_config(m, n, k))
     group_k = [blk[1] for blk, mode in ((a_block, a_mode), (b_block, b_mode)) if mode == PER_K_GROUP]
+    cfg = dict(config or (mma_tile_config if group_k else tile_config)(m, n, k))
+    gemv = cfg.pop("GEMV", False)
+    if gemv and (m != 1 or group_k):
+        raise ValueError(f"fp8_gemm: the GEMV kernel (config GEMV=True) takes one row with per-tensor / per-row scales; "
+                         f"got M={m}, blocks {a_block} and {b_block} (use mma_tile_config's tiles)")
     if group_k:
         if len(set(group_k)) != 1:
             raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
         cfg["BLOCK_K"] = group_k[0]
-    cfg["num_stages"] = pipeline_stages(cfg, a.element_size())  # a 16-bit a (weight-only, a_quant) doubles its tile
+    if not gemv:  # the GEMV kernel loads into registers, no shared memory
+        cfg["num_stages"] = pipeline_stages(cfg, a.element_size())  # a 16-bit a (weight-only, a_quant) doubles its tile
     cfg.setdefault("SPLIT_K", 1)
     split_k = cfg["SPLIT_K"]
     tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
@@ -421,8 +521,19 @@ def fp8_gemm(
         tickets = torch.zeros(tiles, device=a.device, dtype=torch.int32)
     elif tickets.numel() < tiles or tickets.dtype != torch.int32:
         raise ValueError(f"fp8_gemm: split-K needs {tiles} int32 tickets; got {tickets.numel()} {tickets.dtype}")
-    b_desc = _weight_descriptor(b, cfg) if cfg.pop("TMA", False) else None
     n_parts = a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1
+    pdl_launch = {"launch_pdl": True} if pdl else {}
+    if gemv:
+        cfg.pop("TMA", None), cfg.pop("BLOCK_M")
+        fp8_gemv_kernel[(tiles * split_k,)](
+            a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets,
+            n, k, a.stride(1), b.stride(0), y.stride(2), y.stride(0), a_scale.stride(1),
+            A_FP8=a_fp8, B_ROWWISE=b_mode == PER_ROW, B_BLOCK_N=b_rows, HAS_BIAS=bias is not None,
+            EVEN_K=k % cfg["BLOCK_K"] == 0, A_QUANT=a_quant, N_PARTS=n_parts, PARTS_BLOCK=parts_block(n_parts, 1),
+            EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, **cfg, **pdl_launch,
+        )
+        return out
+    b_desc = _weight_descriptor(b, cfg) if cfg.pop("TMA", False) else None
     fp8_gemm_kernel[(tiles * split_k,)](
         a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets, b_desc,
         m, n, k,
@@ -432,7 +543,6 @@ def fp8_gemm(
         B_ROWWISE=b_mode == PER_ROW, B_GROUPED=b_mode == PER_K_GROUP,
         B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8, IMPRECISE_K=imprecise_k(cfg, fast_accum),
         A_QUANT=a_quant, N_PARTS=n_parts, PARTS_BLOCK=parts_block(n_parts, cfg["BLOCK_M"]),
-        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, B_DESC=b_desc is not None, **cfg,
-        **({"launch_pdl": True} if pdl else {}),
+        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, B_DESC=b_desc is not None, **cfg, **pdl_launch,
     )
     return out

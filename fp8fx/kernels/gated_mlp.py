@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _max_nan, fp8_gemm, imprecise_k
-from fp8fx.kernels.fp8_gemm import pipeline_stages, tile_config
+from fp8fx.kernels.fp8_gemm import GEMV_MAX_M, gemv_config, mma_tile_config, pipeline_stages
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
 
@@ -121,15 +121,18 @@ def gated_tile_config(m: int, n: int, k: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
 
 
-def down_tile_config(m: int, n: int, k: int) -> dict:
-    """The down GEMM's tiles. Up to 16 rows and a long K (Llama-3-8B's 14336): 128-wide N tiles with K split in
-    8, 4 stages - the best of the H200 sweep of 36 (run 11 call 1, `tune_gemm.py --gated --tma`, the whole op
-    as a CUDA-graph replay: 0.0637 ms at M=1 and 0.0649 at M=16 against 0.0657 and 0.0671 with `tile_config`'s
-    64-wide tiles split in 4; TMA weight loads were 0.1-0.5 us faster still, within the run's spread). Otherwise
-    ``tile_config``'s, with BLOCK_K at most 128 above 16 rows (a 16-bit h tile is converted to fp8 in registers;
-    M=64's [64, 256] one spilled 680 bytes per thread, sm_90) and K split in 4 (M=64: 0.0991 ms for the
-    whole MLP against 0.1363 split in 2 with 32-wide N tiles)."""
-    cfg = tile_config(m, n, k)
+def down_tile_config(m: int, n: int, k: int, gemv: bool = True) -> dict:
+    """The down GEMM's kernel and tiles. Up to ``GEMV_MAX_M`` rows (with ``gemv``) the GEMV kernel, quantizing h
+    as it loads each K step of it (``gemv_config``). Up to 16 rows and a long K (Llama-3-8B's 14336): 128-wide N
+    tiles with K split in 8, 4 stages - the best of the H200 sweep of 36 (run 11 call 1, `tune_gemm.py --gated
+    --tma`, the whole op as a CUDA-graph replay: 0.0637 ms at M=1 and 0.0649 at M=16 against 0.0657 and 0.0671
+    with `mma_tile_config`'s 64-wide tiles split in 4; TMA weight loads were 0.1-0.5 us faster still, within the
+    run's spread). Otherwise ``mma_tile_config``'s, with BLOCK_K at most 128 above 16 rows (a 16-bit h tile is
+    converted to fp8 in registers; M=64's [64, 256] one spilled 680 bytes per thread, sm_90) and K split in 4
+    (M=64: 0.0991 ms for the whole MLP against 0.1363 split in 2 with 32-wide N tiles)."""
+    if gemv and m <= GEMV_MAX_M:
+        return gemv_config(n, k)
+    cfg = mma_tile_config(m, n, k)
     if m <= 16 and cfg.get("SPLIT_K", 1) > 1:
         return {**cfg, "BLOCK_N": 128, "num_stages": 4, "SPLIT_K": 8}
     if cfg["BLOCK_K"] > 128:

@@ -23,3 +23,27 @@ def test_bench_moe_layer_cpu_smoke(tmp_path):
     rows = json.loads((tmp_path / "moe_layer.json").read_text())["rows"]
     assert [r["model"] for r in rows] == ["qwen3_moe", "mixtral"]
     assert all(r["moe_sites_rewritten"] == 1 and r["err_vs_bf16"] < 0.1 for r in rows), rows
+
+
+def test_without_gemv_holds_the_tensor_core_tiles_for_one_call(monkeypatch):
+    """bench_linear.py's ``*_mma`` variants: inside the wrapped call one-row GEMMs take the tensor-core tiles (what
+    a CUDA graph captured through it keeps), after it the GEMV kernel again, also when the call raises."""
+    import sys
+
+    monkeypatch.syspath_prepend("benchmarks")
+    monkeypatch.delitem(sys.modules, "bench_linear", raising=False)
+    from bench_linear import without_gemv
+
+    from fp8fx.kernels import fp8_gemm as kernels
+
+    seen = []
+    wrapped = without_gemv(lambda: seen.append(kernels.tile_config(1, 4096, 14336)))
+    wrapped()
+    assert "GEMV" not in seen[0] and seen[0] == kernels.mma_tile_config(1, 4096, 14336)
+    assert kernels.tile_config(1, 4096, 14336)["GEMV"]
+
+    def fails():
+        raise RuntimeError("capture failed")
+    with pytest.raises(RuntimeError):
+        without_gemv(fails)()
+    assert kernels.GEMV_MAX_M == 1

@@ -16,7 +16,8 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, fp8_gemm_kernel, parts_block  # noqa: E402
-from fp8fx.kernels.fp8_gemm import imprecise_k, pipeline_stages, tile_config  # noqa: E402
+from fp8fx.kernels.fp8_gemm import fp8_gemv_kernel, gemv_config  # noqa: E402
+from fp8fx.kernels.fp8_gemm import imprecise_k, mma_tile_config as tile_config, pipeline_stages  # noqa: E402
 from fp8fx.kernels.gated_mlp import ACTIVATIONS, down_tile_config, gated_gemm_kernel, gated_tile_config  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr", "out_ptr", "tickets_ptr"]
@@ -144,7 +145,7 @@ def test_fp8_gemm_tiles_do_not_spill_much(layout, m, n, k, bound):
 def test_down_gemm_quantizing_bf16_activations_compiles_for_sm90(a_quant, m):
     """The gated MLP's down GEMM: bf16 h quantized per K tile in the loop, scales from partial maxima;
     split K at M=1 (Llama-3-8B down: 4096 x 14336)."""
-    cfg = down_tile_config(m, 4096, 14336)
+    cfg = down_tile_config(m, 4096, 14336, gemv=False)
     kernel = compile_for_hopper("bf16", LAYOUTS["per-row"], cfg, a_quant=a_quant, pdl=True)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert "cvt.rn.satfinite.e4m3x2.f32" in kernel.asm["ptx"], "h must reach the dot as fp8 codes"
@@ -185,8 +186,60 @@ def test_gated_gemm_compiles_for_sm90(m, w_rowwise, act):
 def test_tma_weight_loads_compile_for_sm90(m, n, k, a_quant):
     """``TMA=True`` (opt-in, for tune_gemm.py to time): the weight tiles arrive by bulk tensor copies, pipelined,
     and nothing spills, fp8 or 16-bit (the gated MLP's down GEMM) activations."""
-    cfg = {**(down_tile_config(m, n, k) if a_quant else tile_config(m, n, k)), "TMA": True}
+    cfg = {**(down_tile_config(m, n, k, gemv=False) if a_quant else tile_config(m, n, k)), "TMA": True}
     kernel = compile_for_hopper("bf16" if a_quant else "fp8e4nv", LAYOUTS["per-row"], cfg, a_quant=a_quant)
     ptx = kernel.asm["ptx"]
     assert ptx.count("cp.async.bulk.tensor") >= 2, "the weight loads must be TMA copies, more than one in flight"
     assert kernel.metadata.shared <= 227 * 1024 and stack_bytes(kernel) == 0, stack_bytes(kernel)
+
+
+GEMV_POINTERS = POINTERS
+GEMV_INTS = ["N", "K", "stride_ak", "stride_bn", "stride_yn", "stride_ys", "stride_ask"]
+
+
+def compile_gemv(a_dtype: str, cfg: dict, a_quant: int = 0, b_rowwise: bool = True, pdl: bool = False):
+    cfg = {k: v for k, v in cfg.items() if k not in ("GEMV", "BLOCK_M")}
+    y_type = "*fp32" if cfg["SPLIT_K"] > 1 else "*bf16"
+    types = dict(zip(GEMV_POINTERS, [f"*{a_dtype}", "*fp8e4nv", y_type, "*fp32", "*fp32", "*bf16", "*bf16", "*i32"]))
+    types.update({name: "i32" for name in GEMV_INTS})
+    consts = dict(A_FP8=a_dtype == "fp8e4nv" or a_quant > 0, B_ROWWISE=b_rowwise, B_BLOCK_N=1, HAS_BIAS=True,
+                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"], EVEN_K=True, A_QUANT=a_quant,
+                  N_PARTS=448, PARTS_BLOCK=parts_block(448, 1), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl)
+    return compile_kernel(fp8_gemv_kernel, types, consts, GEMV_POINTERS + ["N", "K", "stride_bn"], cfg["num_warps"],
+                          cfg["num_stages"])
+
+
+def ptx_loops(ptx: str) -> list[str]:
+    """The bodies of the PTX's loops (a label up to the branch back to it)."""
+    lines = ptx.splitlines()
+    labels = {line.strip().split(":")[0]: i for i, line in enumerate(lines) if re.match(r"\s*\$L__BB\d+_\d+:", line)}
+    loops = []
+    for i, line in enumerate(lines):
+        target = re.search(r"bra(?:\.uni)?\s+(\$L__BB\d+_\d+);", line)
+        if target and labels.get(target.group(1), i) < i:
+            loops.append("\n".join(lines[labels[target.group(1)]:i + 1]))
+    return loops
+
+
+@pytest.mark.parametrize("n,k", [(4096, 14336), (28672, 4096), (6144, 4096)])
+@pytest.mark.parametrize("a_dtype,a_quant", [("fp8e4nv", 0), ("bf16", 0), ("bf16", QUANT_ROWS), ("bf16", QUANT_TENSOR),
+                                             ("bf16", QUANT_STATIC)])
+def test_gemv_compiles_for_sm90(n, k, a_dtype, a_quant):
+    """The one-row kernel at its Llama-3-8B tiles: fp8 codes, weight-only bf16, and the fused MLP's down GEMM (bf16
+    h quantized as loaded, a programmatic dependent launch). Nothing spills; the weight arrives in 16-byte loads
+    straight to registers, BLOCK_N of them a thread and step; with fp8 codes the step's K loop exchanges nothing
+    through shared memory (the warps split K: each thread multiplies the a slice it loaded)."""
+    cfg = gemv_config(n, k)
+    pdl = a_quant > 0
+    kernel = compile_gemv(a_dtype, cfg, a_quant, pdl=pdl)
+    assert stack_bytes(kernel) == 0, stack_bytes(kernel)
+    (loop,) = ptx_loops(kernel.asm["ptx"])
+    assert loop.count("ld.global.v4.b32") >= cfg["BLOCK_N"], loop.count("ld.global.v4.b32")
+    assert "cp.async" not in loop
+    if a_dtype == "fp8e4nv":
+        assert "bar.sync" not in loop and ".shared" not in loop, "a's slice must not go through shared memory"
+    if a_quant:
+        assert "cvt.rn.satfinite.e4m3x2.f32" in loop, "h must be rounded to fp8 codes"
+        ptx = kernel.asm["ptx"]
+        before = ptx[:ptx.index("griddepcontrol.wait")]
+        assert not re.search(r"\b(ld\.global|atom\.|red\.|st\.global)", before), before[-2000:]

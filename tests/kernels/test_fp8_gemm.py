@@ -38,14 +38,17 @@ SCHEMES = [([1, -1], [1, -1]), ([-1, -1], [-1, -1]), ([1, -1], [-1, -1])]
 @pytest.mark.parametrize("x_block,w_block", SCHEMES)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
-    from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, gemv_config, mma_tile_config
 
     xq, xs, wq, ws, bias = operands(m, n, k, x_block, w_block, "cuda")
     ref = reference(xq, xs, x_block, wq, ws, w_block, bias, dtype)
-    configs = [tile_config(cfg_m, n, k) for cfg_m in (1, 64, 4096)] + [{**tile_config(1, n, k), "SPLIT_K": 3}]
-    configs += [tile_config(cfg_m, 4096, 14336) for cfg_m in (1, 64)]  # the long-K (split) decode tiles
+    configs = [mma_tile_config(cfg_m, n, k) for cfg_m in (1, 64, 4096)] + [{**mma_tile_config(1, n, k), "SPLIT_K": 3}]
+    configs += [mma_tile_config(cfg_m, 4096, 14336) for cfg_m in (1, 64)]  # the long-K (split) decode tiles
     configs += [{**cfg, "TMA": True} for cfg in configs[:2]]  # the weight by TMA copies (rows of K % 16 == 0 bytes)
-    for cfg in configs:  # every tile configuration on every shape, split K, TMA
+    if m == 1:  # the GEMV kernel: its tile, split K (ragged splits), a K step that leaves a ragged last one
+        configs += [gemv_config(n, k), {**gemv_config(n, k), "SPLIT_K": 3}, {**gemv_config(n, k), "BLOCK_K": 128},
+                    gemv_config(4096, 14336)]
+    for cfg in configs:  # every tile configuration on every shape, split K, TMA, GEMV
         y = fp8_gemm(xq, wq, xs, ws, bias.to(dtype), dtype, config=cfg)
         assert y.dtype == dtype and y.shape == (m, n)
         err = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
@@ -97,14 +100,14 @@ def test_block_scaled_op_cuda_matches_reference(m, k):
 def test_fp8_gemm_cuda_addresses_past_2_31(cfg_m):
     """M * K = 300000 * 7168 > 2**31 elements of A: the rows past that point are only right with 64-bit
     tile bases; the kernel's 32-bit offsets stay inside a tile. (The output, M * N, stays under 2**31.)"""
-    from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, mma_tile_config
 
     m, n, k = 300_000, 128, 7168
     g = torch.Generator(device="cuda").manual_seed(0)
     xq = (torch.rand(m, k, device="cuda", generator=g) * 2 - 1).to(quant.FP8_DTYPE)  # codes in [-1, 1]
     xs = torch.rand(m, 1, device="cuda", generator=g) + 0.5
     wq, ws = (t.cuda() for t in quant.quantize(torch.randn(n, k), [1, -1]))
-    cfg = {**tile_config(cfg_m, n, k), "SPLIT_K": 2 if cfg_m == 1 else 1}
+    cfg = {**mma_tile_config(cfg_m, n, k), "SPLIT_K": 2 if cfg_m == 1 else 1}
     y = fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=cfg)
     rows = torch.tensor([0, 1, m // 2, m - 2, m - 1])
     ref = reference(xq[rows], xs[rows], [1, -1], wq, ws, [1, -1], None, torch.float32)
@@ -113,14 +116,15 @@ def test_fp8_gemm_cuda_addresses_past_2_31(cfg_m):
 
 
 @pytest.mark.cuda
-def test_split_k_cuda_graph_replays():
+@pytest.mark.parametrize("kernel", ["gemv", "mma"])
+def test_split_k_cuda_graph_replays(kernel):
     """Split K sums in the kernel behind per-tile tickets: plain launches and replays of a captured graph
-    (its tickets zeroed inside the graph) stay bit-equal."""
-    from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
+    (its tickets zeroed inside the graph) stay bit-equal, in the GEMV kernel and the tensor-core one."""
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, gemv_config, mma_tile_config
 
     m, n, k = 1, 4096, 14336
     xq, xs, wq, ws, _ = operands(m, n, k, [1, -1], [1, -1], "cuda")
-    cfg = tile_config(m, n, k)
+    cfg = gemv_config(n, k) if kernel == "gemv" else mma_tile_config(m, n, k)
     assert cfg["SPLIT_K"] > 1, cfg
     eager = [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg) for _ in range(3)]
     assert all(torch.equal(e, eager[0]) for e in eager)
@@ -252,6 +256,24 @@ INTERPRETER_CHECK = textwrap.dedent(
         ref = x.double() @ quant.dequantize(wq, ws, wb, torch.float64).t()
         y = fp8_gemm(x, wq, None, ws, None, torch.float32, config=cfg, b_block=wb)
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-3, wb
+    # the GEMV kernel (one row): ragged N and K, K split evenly and not (96 in 6 steps of 16 over 4 splits: the
+    # last split has none), K steps that leave a ragged last one; weight-only with row blocks of the weight scale
+    for (n, k), (xb, wb) in [((40, 96), ([1, -1], [1, -1])), ((33, 70), ([-1, -1], [-1, -1])),
+                             ((64, 64), ([1, -1], [-1, -1]))]:
+        xq, xs, wq, ws, bias = operands(1, n, k, xb, wb, "cpu")
+        ref = reference(xq, xs, xb, wq, ws, wb, bias, torch.float32)
+        for split, bk in [(1, 32), (2, 32), (3, 32), (1, 64), (2, 64), (4, 16)]:
+            gemv = dict(GEMV=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=bk, num_warps=4, num_stages=1, SPLIT_K=split)
+            y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config=gemv)
+            assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (n, k, split, bk)
+        y_bad = fp8_gemm(xq, wq, xs * 2, ws, bias, torch.float32, config=gemv)  # the activation scale must count
+        assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 0.1
+    x = torch.randn(1, 96, generator=g).half()
+    for wb in [(1, -1), (-1, -1), (32, -1)]:
+        wq, ws = quant.quantize(torch.randn(48, 96, generator=g), wb)
+        ref = x.double() @ quant.dequantize(wq, ws, wb, torch.float64).t()
+        y = fp8_gemm(x, wq, None, ws, None, torch.float32, config={**gemv, "BLOCK_K": 32, "SPLIT_K": 2}, b_block=wb)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-3, wb
     print("interpreter ok")
     """
 )
@@ -265,7 +287,7 @@ TMA_CHECK = textwrap.dedent(
     """
     import torch
     from fp8fx import quant
-    from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, mma_tile_config as tile_config
 
     # the weight through a tensor descriptor (TMA=True) gives the pointer loads' bits: ragged N, K a multiple of
     # 16 but not of BLOCK_K (the last K tile zero-filled), split K, per-row and 128x128 blocks, weight-only
