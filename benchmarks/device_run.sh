@@ -54,7 +54,7 @@ if has gemvtests; then  # the one-row (GEMV) kernel's cuda tests: M = 1 GEMMs, w
     -k "1-96-160 or op_cuda or split_k or weight_only_cuda or codes or -1]" 2>&1 | tee "$OUT/pytest-cuda-gemv.log" | tail -5
 fi
 if has gemv; then  # M = 1: the GEMV kernel's tiles against the tensor-core tile, single GEMMs and the fused MLP
-  timeout 330 python3 benchmarks/tune_gemm.py --gemv 2>&1 | tee "$OUT/gemv.txt"
+  timeout 330 python3 benchmarks/tune_gemm.py --gemv --shapes gate_up,down,qkv 2>&1 | tee "$OUT/gemv.txt"
 fi
 if has codes; then  # the fused decode MLP's down GEMM with exact h codes or codes by the reciprocal
   timeout 150 python3 benchmarks/tune_gemm.py --codes 2>&1 | tee "$OUT/codes.txt"
