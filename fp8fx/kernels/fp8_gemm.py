@@ -350,10 +350,17 @@ def gemv_config(n: int, k: int) -> dict:
     """``fp8_gemv_kernel``'s tile for a weight [n, k]: BLOCK_N rows of BLOCK_K = 16 x 32 x num_warps bytes a step,
     so each thread loads 16 bytes of each row and the warps split K, not N: the activation slice a thread
     multiplies is then the one it loads itself (an fp8 a needs no exchange through shared memory; with 4 warps
-    split over N, each step's a went through shared memory between two barriers). K split until there are 512
-    programs or a split is down to 2048 of K."""
-    block_n, warps, split = 4, 4, 1
-    while triton.cdiv(n, block_n) * split < 512 and k // (2 * split) >= 2048:
+    split over N, each step's a went through shared memory between two barriers).
+
+    From the H200 sweep (run 16 call 1, `tune_gemm.py --gemv`, 30-36 tiles a shape, CUDA-graph replays after a
+    clean L2 flush): small programs win - 2 rows and 1 warp at K = 4096 (qkv 6144x4096 0.0123 ms against 0.0166
+    for the tensor-core tile; gate_up 28672x4096 0.0339 against 0.0332), 4 rows and 2 warps at K = 14336 (down
+    0.0204 against 0.0221; in the fused MLP, quantizing h as it loads it, the whole op 0.0536 against 0.0569).
+    No split K was among any shape's best five; a weight of few rows (under 512 programs) is split in two while
+    each split keeps 4 K steps."""
+    block_n, warps = (4, 2) if k >= 8192 else (2, 1)
+    split, steps = 1, triton.cdiv(k, 512 * warps)
+    while triton.cdiv(n, block_n) * split < 512 and steps >= 8 * split:
         split *= 2
     return dict(GEMV=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
                 SPLIT_K=split)
