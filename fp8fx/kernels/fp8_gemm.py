@@ -369,7 +369,13 @@ def gemv_config(n: int, k: int) -> dict:
 def tile_config(m: int, n: int, k: int) -> dict:
     """The kernel and tiles ``fp8_gemm`` runs for [m, k] x [n, k] with per-tensor / per-row scales: the GEMV
     kernel up to ``GEMV_MAX_M`` rows (``gemv_config``), else ``mma_tile_config``."""
-    return gemv_config(n, k) if m <= GEMV_MAX_M else mma_tile_config(m, n, k)
+    return gemv_config(n, k) if gemv_fits(m) else mma_tile_config(m, n, k)
+
+
+def gemv_fits(m: int) -> bool:
+    """Whether ``m`` rows take the GEMV kernel (``GEMV_MAX_M``, read at each call: bench_linear.py's ``*_mma``
+    variants lower it while they run)."""
+    return m <= GEMV_MAX_M
 
 
 def mma_tile_config(m: int, n: int, k: int) -> dict:

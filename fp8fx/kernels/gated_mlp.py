@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _max_nan, fp8_gemm, imprecise_k
-from fp8fx.kernels.fp8_gemm import GEMV_MAX_M, gemv_config, mma_tile_config, pipeline_stages
+from fp8fx.kernels.fp8_gemm import gemv_config, gemv_fits, mma_tile_config, pipeline_stages
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
 
@@ -130,7 +130,7 @@ def down_tile_config(m: int, n: int, k: int, gemv: bool = True) -> dict:
     run's spread). Otherwise ``mma_tile_config``'s, with BLOCK_K at most 128 above 16 rows (a 16-bit h tile is
     converted to fp8 in registers; M=64's [64, 256] one spilled 680 bytes per thread, sm_90) and K split in 4
     (M=64: 0.0991 ms for the whole MLP against 0.1363 split in 2 with 32-wide N tiles)."""
-    if gemv and m <= GEMV_MAX_M:
+    if gemv and gemv_fits(m):
         return gemv_config(n, k)
     cfg = mma_tile_config(m, n, k)
     if m <= 16 and cfg.get("SPLIT_K", 1) > 1:

@@ -35,12 +35,14 @@ def test_without_gemv_holds_the_tensor_core_tiles_for_one_call(monkeypatch):
     from bench_linear import without_gemv
 
     from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels.gated_mlp import down_tile_config
 
-    seen = []
-    wrapped = without_gemv(lambda: seen.append(kernels.tile_config(1, 4096, 14336)))
+    seen = []  # the op's tiles and the fused MLP's down GEMM's (a module that must read the switch at each call)
+    wrapped = without_gemv(lambda: seen.extend([kernels.tile_config(1, 4096, 14336), down_tile_config(1, 4096, 14336)]))
     wrapped()
-    assert "GEMV" not in seen[0] and seen[0] == kernels.mma_tile_config(1, 4096, 14336)
-    assert kernels.tile_config(1, 4096, 14336)["GEMV"]
+    assert seen[0] == kernels.mma_tile_config(1, 4096, 14336)
+    assert seen[1] == down_tile_config(1, 4096, 14336, gemv=False)
+    assert kernels.tile_config(1, 4096, 14336)["GEMV"] and down_tile_config(1, 4096, 14336)["GEMV"]
 
     def fails():
         raise RuntimeError("capture failed")
