@@ -149,6 +149,20 @@ def test_split_k_under_inductor_cudagraph_trees():
             torch.testing.assert_close(graphed(x).clone(), want, rtol=0, atol=0)
 
 
+def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
+    """tile_config: the GEMV kernel at M=1 for the Llama-3-8B shapes it won on the H200 (run 16), the tensor-core
+    tile for gate_up (28672x4096) and from 2 rows; the op's block scales never take it (fp8_gemm refuses)."""
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, gemv_config, mma_tile_config, tile_config
+
+    for n, k in [(4096, 14336), (14336, 4096), (6144, 4096), (4096, 4096)]:
+        assert tile_config(1, n, k) == gemv_config(n, k) and tile_config(1, n, k)["GEMV"], (n, k)
+        assert tile_config(2, n, k) == mma_tile_config(2, n, k) and "GEMV" not in tile_config(2, n, k)
+    assert tile_config(1, 28672, 4096) == mma_tile_config(1, 28672, 4096)
+    xq, xs, wq, ws, _ = operands(2, 64, 96, [1, -1], [1, -1], "cpu")
+    with pytest.raises(ValueError, match=r"GEMV kernel \(config GEMV=True\) takes one row .* got M=2"):
+        fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=gemv_config(64, 96))
+
+
 def test_weight_only_takes_no_activation_blocks():
     from fp8fx.kernels.fp8_gemm import fp8_gemm
 
