@@ -13,6 +13,7 @@
     python benchmarks/tune_gemm.py --codes         # it with the down GEMM's h codes exact or by the reciprocal
     python benchmarks/tune_gemm.py --gemv          # M = 1: the GEMV kernel's tiles against the tensor-core tile,
                                                    # as single GEMMs and as the fused MLP's down GEMM
+    python benchmarks/tune_gemm.py --gemv --block  # the same with 1x128 / 128x128 block scales
 
 Every candidate is checked against the current configuration's output before it is timed.
 """
@@ -184,6 +185,35 @@ def gemv_candidates(k: int) -> list[dict]:
     return out
 
 
+def sweep_gemv_blocks(shapes, rounds=5):
+    """M = 1 with 1x128 activation groups and 128x128 weight blocks (DeepSeek-V3 style): GEMV tiles against the
+    tensor-core block kernel (``mma_tile_config``, BLOCK_K = the group), interleaved rounds, graph replays."""
+    blocks = dict(a_block=(1, 128), b_block=(128, 128))
+    for name, (n, k) in shapes.items():
+        wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [128, 128])
+        xq, xs = quant.quantize(torch.randn(1, k, device="cuda"), [1, 128])
+        gemm = lambda cfg: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
+        ref = gemm(mma_tile_config(1, n, k)).float()
+        results = []
+        for warps, rows in itertools.product([1, 2, 4], [2, 4, 8]):
+            cfg = dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
+                       SPLIT_K=1)
+            assert (gemm(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+            results.append((time_ms(lambda: gemm(cfg), True), cfg))
+        results.sort(key=lambda r: r[0])
+        print(f"{name} M=1 blocks GEMV sweep: " + " ; ".join(f"{t:.4f} {c}" for t, c in results[:4]), flush=True)
+        best = results[0][1]
+        runs = {"gemv best": lambda: gemm(best), "gemv default": lambda: gemm(None),
+                "mma block tile": lambda: gemm(mma_tile_config(1, n, k))}
+        times = {label: [] for label in runs}
+        for r in range(rounds):
+            for label in (list(runs) if r % 2 else list(runs)[::-1]):
+                times[label].append(time_ms(runs[label], True))
+        med = {label: sorted(t)[len(t) // 2] for label, t in times.items()}
+        print(f"{name} M=1 blocks [{n}x{k}]: " + ", ".join(f"{label} {t:.4f} ms ({n * k / t / 1e9:.2f} TB/s)"
+                                                       for label, t in med.items()), flush=True)
+
+
 def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5):
     """M = 1. Each layer's GEMM (fp8 codes in): every GEMV candidate, then the best against the tensor-core tile
     (``mma_tile_config``) and cuBLAS in ``rounds`` interleaved rounds. Then the fused MLP with the down GEMM as a
@@ -279,7 +309,8 @@ def main(argv=None):
     if args.codes:
         return sweep_codes()
     if args.gemv:
-        return sweep_gemv({name: SHAPES[name] for name in args.shapes.split(",")})
+        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+        return sweep_gemv_blocks(shapes) if args.block else sweep_gemv(shapes)
     if args.gated or args.gated_pdl:
         return sweep_gated(tiles=args.gated, tma=args.tma, wide_k=args.wide_k, bm64=args.bm64, narrow=args.narrow)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}

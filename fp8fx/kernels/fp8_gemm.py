@@ -41,8 +41,8 @@ and the GEMM's only launch besides zeroing the tickets. The tickets are fresh pe
 across calls would be allocated, the first time, inside whatever memory pool is active (Inductor's
 cudagraph trees warm up in theirs) and would be shared by graphs replayed on unordered streams.
 
-One row (M = 1, ``GEMV_MAX_M``; per-tensor / per-row scales): ``fp8_gemv_kernel`` instead, on the CUDA
-cores. A 16-row tensor-core tile would be 15/16 padding, and its weight tiles pass through shared memory;
+One row (M = 1, ``GEMV_MAX_M``; every scheme, K groups of a multiple of 16): ``fp8_gemv_kernel`` instead, on
+the CUDA cores. A 16-row tensor-core tile would be 15/16 padding, and its weight tiles pass through shared memory;
 the GEMV's programs are 1-2 warps that load 2-4 weight rows 16 bytes a thread straight into registers and
 keep a float32 product per element. On the H200 (run 16, CUDA-graph replays, the two in the same process):
 qkv 6144x4096 0.0123 ms against 0.0166, down 4096x14336 0.0198 against 0.0221, gate 14336x4096 0.0206 against
@@ -292,8 +292,9 @@ def fp8_gemv_kernel(
     # as fp8_gemm_kernel's, for one row of a (M == 1): y the float32 partials [SPLIT_K, 1, N] under split K
     a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, tickets_ptr,
     N, K,
-    stride_ak, stride_bn, stride_yn, stride_ys, stride_ask,
-    A_FP8: tl.constexpr, B_ROWWISE: tl.constexpr, B_BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
+    stride_ak, stride_bn, stride_yn, stride_ys, stride_ask, stride_bsn, stride_bsk,
+    A_FP8: tl.constexpr, A_GROUPED: tl.constexpr, B_ROWWISE: tl.constexpr, B_GROUPED: tl.constexpr,
+    B_BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12,
     FP8_MAX: tl.constexpr = 448.0, PDL_WAIT: tl.constexpr = False,
@@ -302,7 +303,9 @@ def fp8_gemv_kernel(
     [BLOCK_N, BLOCK_K] tiles of 16-byte loads straight into registers - no shared memory, no tensor-core tile padded
     from 1 row to 16 - and keeps a float32 product per loaded element, summed over K once at the end. Products
     of fp8 codes are exact in float32; the sums round as a tensor core's float32 accumulation does, in another
-    order. The activation's scale (per tensor = per row here) and b's are applied after the sum."""
+    order. The activation's scale (per tensor = per row here) and b's are applied after the sum; scales that
+    change along K (``A_GROUPED``: a's [1, K / GROUP_K], ``B_GROUPED``: b's [N / B_BLOCK_N, K / GROUP_K]) multiply
+    each element as it is loaded (a step spans BLOCK_K / GROUP_K groups)."""
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
     split = tl.program_id(0) % SPLIT_K
@@ -329,19 +332,33 @@ def fp8_gemv_kernel(
             b = tl.load(b_tile + b_offs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(a_ptr + a_offs, mask=k_ok, other=0.0)
         a = a.to(tl.float32)
+        b = b.to(tl.float32)
         if A_QUANT:  # the 16-bit row to fp8 codes as fp8_gemm_kernel's A_QUANT makes them
-            a = _codes_of(a, a_q_scale, a_q_inv, FP8_MAX).to(b.dtype).to(tl.float32)
-        acc += a[None, :] * b.to(tl.float32)
+            a = _codes_of(a, a_q_scale, a_q_inv, FP8_MAX).to(b_ptr.dtype.element_ty).to(tl.float32)
+        if A_GROUPED or B_GROUPED:
+            # the K groups of the step's 16-element pieces (a thread's 16 bytes of a row: one group when
+            # 16 | GROUP_K), their scales loaded once a piece and spread over its 16 elements
+            piece = k * BLOCK_K + 16 * tl.arange(0, BLOCK_K // 16)
+            group = piece // GROUP_K
+            g_ok = piece < K
+            if A_GROUPED:
+                sa = tl.load(a_scale_ptr + group * stride_ask, mask=g_ok, other=0.0)
+                a *= tl.reshape(tl.broadcast_to(sa[:, None], (BLOCK_K // 16, 16)), (BLOCK_K,))
+            if B_GROUPED:
+                sb = tl.load(b_scale_ptr + (offs_n // B_BLOCK_N)[:, None] * stride_bsn + group[None, :] * stride_bsk,
+                             mask=n_ok[:, None] & g_ok[None, :], other=0.0)
+                b *= tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)), (BLOCK_N, BLOCK_K))
+        acc += a[None, :] * b
         b_offs += BLOCK_K
         a_offs += BLOCK_K * stride_ak
     y = tl.sum(acc, axis=1)  # [BN]
     if A_QUANT:
         y *= a_q_scale
-    elif A_FP8:  # per tensor (one row: per row too); weight-only activations have no scale
+    elif A_FP8 and not A_GROUPED:  # per tensor (one row: per row too); weight-only activations have no scale
         y *= tl.load(a_scale_ptr)
     if B_ROWWISE:
-        y *= tl.load(b_scale_ptr + offs_n // B_BLOCK_N, mask=n_ok, other=0.0)  # [rows, 1], contiguous
-    else:
+        y *= tl.load(b_scale_ptr + (offs_n // B_BLOCK_N) * stride_bsn, mask=n_ok, other=0.0)
+    elif not B_GROUPED:  # per tensor
         y *= tl.load(b_scale_ptr)
     if HAS_BIAS:  # once: in split 0's partial
         y += tl.where(split == 0, tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32), 0.0)
@@ -521,14 +538,16 @@ def fp8_gemm(
         a_mode, a_scale, _ = _scale_layout(a_scale if a_fp8 else b_scale.reshape(-1)[:1], m, k, a_block, "a_scale")
     b_mode, b_scale, b_rows = _scale_layout(b_scale, n, k, b_block, "b_scale")
     group_k = [blk[1] for blk, mode in ((a_block, a_mode), (b_block, b_mode)) if mode == PER_K_GROUP]
-    cfg = dict(config or (mma_tile_config if group_k else tile_config)(m, n, k))
+    if len(set(group_k)) > 1:
+        raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
+    cfg = dict(config or tile_config(m, n, k))
     gemv = cfg.pop("GEMV", False)
-    if gemv and (m != 1 or group_k):
-        raise ValueError(f"fp8_gemm: the GEMV kernel (config GEMV=True) takes one row with per-tensor / per-row scales; "
-                         f"got M={m}, blocks {a_block} and {b_block} (use mma_tile_config's tiles)")
-    if group_k:
-        if len(set(group_k)) != 1:
-            raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
+    # the GEMV scales a thread's 16 bytes of a row by one K group's scale: groups of a multiple of 16 (the ops send
+    # groups of 32-256, ops._k_groups_agree)
+    if gemv and (m != 1 or (group_k and group_k[0] % 16)):
+        raise ValueError(f"fp8_gemm: the GEMV kernel (config GEMV=True) takes one row and K groups of a multiple of "
+                         f"16; got M={m}, K groups {group_k}")
+    if group_k and not gemv:  # the tensor-core kernel scales each K step's partial product: a step is a group
         cfg["BLOCK_K"] = group_k[0]
     if not gemv:  # the GEMV kernel loads into registers, no shared memory
         cfg["num_stages"] = pipeline_stages(cfg, a.element_size())  # a 16-bit a (weight-only, a_quant) doubles its tile
@@ -550,8 +569,10 @@ def fp8_gemm(
         cfg.pop("TMA", None), cfg.pop("BLOCK_M")
         fp8_gemv_kernel[(tiles * split_k,)](
             a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets,
-            n, k, a.stride(1), b.stride(0), y.stride(2), y.stride(0), a_scale.stride(1),
-            A_FP8=a_fp8, B_ROWWISE=b_mode == PER_ROW, B_BLOCK_N=b_rows, HAS_BIAS=bias is not None,
+            n, k, a.stride(1), b.stride(0), y.stride(2), y.stride(0), a_scale.stride(1), b_scale.stride(0),
+            b_scale.stride(1), A_FP8=a_fp8, A_GROUPED=a_mode == PER_K_GROUP, B_ROWWISE=b_mode == PER_ROW,
+            B_GROUPED=b_mode == PER_K_GROUP, B_BLOCK_N=b_rows, GROUP_K=group_k[0] if group_k else 1,
+            HAS_BIAS=bias is not None,
             EVEN_K=k % cfg["BLOCK_K"] == 0, A_QUANT=a_quant, N_PARTS=n_parts, PARTS_BLOCK=parts_block(n_parts, 1),
             EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, **cfg, **pdl_launch,
         )

@@ -194,15 +194,18 @@ def test_tma_weight_loads_compile_for_sm90(m, n, k, a_quant):
 
 
 GEMV_POINTERS = POINTERS
-GEMV_INTS = ["N", "K", "stride_ak", "stride_bn", "stride_yn", "stride_ys", "stride_ask"]
+GEMV_INTS = ["N", "K", "stride_ak", "stride_bn", "stride_yn", "stride_ys", "stride_ask", "stride_bsn", "stride_bsk"]
 
 
-def compile_gemv(a_dtype: str, cfg: dict, a_quant: int = 0, b_rowwise: bool = True, pdl: bool = False):
+def compile_gemv(a_dtype: str, cfg: dict, a_quant: int = 0, b_rowwise: bool = True, pdl: bool = False,
+                 blocks: bool = False):
+    """``blocks``: 1x128 activation groups and 128x128 weight blocks."""
     cfg = {k: v for k, v in cfg.items() if k not in ("GEMV", "BLOCK_M")}
     y_type = "*fp32" if cfg["SPLIT_K"] > 1 else "*bf16"
     types = dict(zip(GEMV_POINTERS, [f"*{a_dtype}", "*fp8e4nv", y_type, "*fp32", "*fp32", "*bf16", "*bf16", "*i32"]))
     types.update({name: "i32" for name in GEMV_INTS})
-    consts = dict(A_FP8=a_dtype == "fp8e4nv" or a_quant > 0, B_ROWWISE=b_rowwise, B_BLOCK_N=1, HAS_BIAS=True,
+    consts = dict(A_FP8=a_dtype == "fp8e4nv" or a_quant > 0, A_GROUPED=blocks, B_ROWWISE=b_rowwise and not blocks,
+                  B_GROUPED=blocks, B_BLOCK_N=128 if blocks else 1, GROUP_K=128 if blocks else 1, HAS_BIAS=True,
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"], EVEN_K=True, A_QUANT=a_quant,
                   N_PARTS=448, PARTS_BLOCK=parts_block(448, 1), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl)
     return compile_kernel(fp8_gemv_kernel, types, consts, GEMV_POINTERS + ["N", "K", "stride_bn"], cfg["num_warps"],
@@ -222,20 +225,25 @@ def ptx_loops(ptx: str) -> list[str]:
 
 
 @pytest.mark.parametrize("n,k", [(4096, 14336), (28672, 4096), (6144, 4096)])
-@pytest.mark.parametrize("a_dtype,a_quant", [("fp8e4nv", 0), ("bf16", 0), ("bf16", QUANT_ROWS), ("bf16", QUANT_TENSOR),
-                                             ("bf16", QUANT_STATIC)])
-def test_gemv_compiles_for_sm90(n, k, a_dtype, a_quant):
+@pytest.mark.parametrize("a_dtype,a_quant,blocks", [
+    ("fp8e4nv", 0, False), ("bf16", 0, False), ("bf16", QUANT_ROWS, False), ("bf16", QUANT_TENSOR, False),
+    ("bf16", QUANT_STATIC, False), ("fp8e4nv", 0, True), ("bf16", 0, True)])
+def test_gemv_compiles_for_sm90(n, k, a_dtype, a_quant, blocks):
     """The one-row kernel at its Llama-3-8B tiles: fp8 codes, weight-only bf16, and the fused MLP's down GEMM (bf16
     h quantized as loaded, a programmatic dependent launch). Nothing spills; the weight arrives in 16-byte loads
     straight to registers, BLOCK_N of them a thread and step; with fp8 codes the step's K loop exchanges nothing
-    through shared memory (the warps split K: each thread multiplies the a slice it loaded)."""
+    through shared memory (the warps split K: each thread multiplies the a slice it loaded). With 128x128 weight
+    blocks (and 1x128 activation groups), the scales of a thread's 16 bytes of a row are one load, not 16."""
     cfg = gemv_config(n, k)
     pdl = a_quant > 0
-    kernel = compile_gemv(a_dtype, cfg, a_quant, pdl=pdl)
+    kernel = compile_gemv(a_dtype, cfg, a_quant, pdl=pdl, blocks=blocks)
     assert stack_bytes(kernel) == 0, stack_bytes(kernel)
     (loop,) = ptx_loops(kernel.asm["ptx"])
     assert loop.count("ld.global.v4.b32") >= cfg["BLOCK_N"], loop.count("ld.global.v4.b32")
     assert "cp.async" not in loop
+    if blocks:  # BLOCK_N weight rows' scales and a's: one (scalar) load each per thread and step
+        scalar = len(re.findall(r"ld\.global(\.[a-z]+)*\.b32 ", loop))
+        assert scalar <= cfg["BLOCK_N"] + 1, scalar
     if a_dtype == "fp8e4nv":
         assert "bar.sync" not in loop and ".shared" not in loop, "a's slice must not go through shared memory"
     if a_quant:

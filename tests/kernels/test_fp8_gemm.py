@@ -151,7 +151,8 @@ def test_split_k_under_inductor_cudagraph_trees():
 
 def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
     """tile_config: the GEMV kernel at M=1 for the Llama-3-8B shapes it won on the H200 (run 16), the tensor-core
-    tile for gate_up (28672x4096) and from 2 rows; the op's block scales never take it (fp8_gemm refuses)."""
+    tile for gate_up (28672x4096) and from 2 rows; fp8_gemm refuses a GEMV tile for more rows or for K groups a
+    16-byte piece of a row would straddle."""
     from fp8fx.kernels.fp8_gemm import fp8_gemm, gemv_config, mma_tile_config, tile_config
 
     for n, k in [(4096, 14336), (14336, 4096), (6144, 4096), (4096, 4096)]:
@@ -161,6 +162,10 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
     xq, xs, wq, ws, _ = operands(2, 64, 96, [1, -1], [1, -1], "cpu")
     with pytest.raises(ValueError, match=r"GEMV kernel \(config GEMV=True\) takes one row .* got M=2"):
         fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=gemv_config(64, 96))
+    # K groups of 8: a 16-byte piece would span two groups (the ops send only groups of 32-256 to the kernels)
+    xq, xs, wq, ws, _ = operands(1, 64, 96, [1, 8], [8, 8], "cpu")
+    with pytest.raises(ValueError, match=r"K groups of a multiple of 16; got M=1, K groups \[8, 8\]"):
+        fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=gemv_config(64, 96), a_block=(1, 8), b_block=(8, 8))
 
 
 def test_weight_only_takes_no_activation_blocks():
@@ -282,8 +287,21 @@ INTERPRETER_CHECK = textwrap.dedent(
             assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (n, k, split, bk)
         y_bad = fp8_gemm(xq, wq, xs * 2, ws, bias, torch.float32, config=gemv)  # the activation scale must count
         assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 0.1
+    # with K groups (1x32 / 32x32 and others), ragged, split: each 16-byte piece scaled by its group's scales
+    for (n, k), (xb, wb), bk, split in [((40, 96), ([1, 32], [32, 32]), 64, 1), ((33, 70), ([1, 32], [32, 32]), 32, 2),
+                                       ((64, 200), ([1, -1], [16, 64]), 128, 1), ((48, 256), ([1, 64], [-1, 64]), 128, 3),
+                                       ((40, 96), ([1, 16], [1, 16]), 32, 1)]:
+        xq, xs, wq, ws, bias = operands(1, n, k, xb, wb, "cpu")
+        ref = reference(xq, xs, xb, wq, ws, wb, bias, torch.float32)
+        gemv = dict(GEMV=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=bk, num_warps=1, num_stages=1, SPLIT_K=split)
+        blocks = dict(a_block=tuple(xb), b_block=tuple(wb))
+        y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config=gemv, **blocks)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (n, k, xb, wb)
+        ws_bad = ws.clone(); ws_bad.view(-1)[-1] *= 2  # the last (ragged) group of the last rows wrong must show
+        y_bad = fp8_gemm(xq, wq, xs, ws_bad, bias, torch.float32, config=gemv, **blocks)
+        assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 1e-3, (n, k, xb, wb)
     x = torch.randn(1, 96, generator=g).half()
-    for wb in [(1, -1), (-1, -1), (32, -1)]:
+    for wb in [(1, -1), (-1, -1), (32, -1), (16, 32)]:
         wq, ws = quant.quantize(torch.randn(48, 96, generator=g), wb)
         ref = x.double() @ quant.dequantize(wq, ws, wb, torch.float64).t()
         y = fp8_gemm(x, wq, None, ws, None, torch.float32, config={**gemv, "BLOCK_K": 32, "SPLIT_K": 2}, b_block=wb)
