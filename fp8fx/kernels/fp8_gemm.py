@@ -46,8 +46,9 @@ the CUDA cores. A 16-row tensor-core tile would be 15/16 padding, and its weight
 the GEMV's programs are 1-2 warps that load 2-4 weight rows 16 bytes a thread straight into registers and
 keep a float32 product per element. On the H200 (run 16, CUDA-graph replays, the two in the same process):
 qkv 6144x4096 0.0123 ms against 0.0166, down 4096x14336 0.0198 against 0.0221, gate 14336x4096 0.0206 against
-0.0216, gate_up 28672x4096 0.0343 against 0.0332 (the one shape it loses, by 3%); the MLP block through the
-default backend 0.0639 ms against 0.0680-0.0684, through the fused MLP (its down GEMM) 0.0559 against 0.0600.
+0.0216, gate_up 28672x4096 0.0343 against 0.0332 (the one shape it loses, by 3%: weights of over 4x more rows than
+columns stay on the tensor-core tile, ``gemv_fits``); the MLP block through the default backend 0.0639 ms against
+0.0680-0.0684, through the fused MLP (its down GEMM) 0.0559 against 0.0600.
 
 ``A_QUANT``: the activations arrive 16-bit with partial row maxima (or a static scale) and each a tile is
 quantized to fp8 as it is loaded - the down GEMM of ``fp8fx.kernels.gated_mlp``, whose first kernel writes
@@ -367,23 +368,25 @@ def fp8_gemv_kernel(
                 1, N, 0, stride_yn, stride_ys, SPLIT_K)
 
 
-# M at or below which ``tile_config`` picks the GEMV kernel (one row: the CUDA cores, no padded tensor-core tile)
+# 1: one-row GEMMs take the GEMV kernel (the CUDA cores, no padded tensor-core tile; it takes one row), 0: none
 GEMV_MAX_M = 1
 
 
-def gemv_config(n: int, k: int) -> dict:
+def gemv_config(n: int, k: int, k_grouped: bool = False) -> dict:
     """``fp8_gemv_kernel``'s tile for a weight [n, k]: BLOCK_N rows of BLOCK_K = 16 x 32 x num_warps bytes a step,
     so each thread loads 16 bytes of each row and the warps split K, not N: the activation slice a thread
     multiplies is then the one it loads itself (an fp8 a needs no exchange through shared memory; with 4 warps
     split over N, each step's a went through shared memory between two barriers).
 
-    From the H200 sweep (run 16 call 1, `tune_gemm.py --gemv`, 30-36 tiles a shape, CUDA-graph replays after a
-    clean L2 flush): small programs win - 2 rows and 1 warp at K = 4096 (qkv 6144x4096 0.0123 ms against 0.0166
+    From the H200 sweeps (run 16, `tune_gemm.py --gemv [--block]`, 9-36 tiles a shape, CUDA-graph replays after
+    a clean L2 flush): small programs win - 2 rows and 1 warp at K = 4096 (qkv 6144x4096 0.0123 ms against 0.0166
     for the tensor-core tile; gate_up 28672x4096 0.0339 against 0.0332), 4 rows and 2 warps at K = 14336 (down
     0.0204 against 0.0221; in the fused MLP, quantizing h as it loads it, the whole op 0.0536 against 0.0569).
-    No split K was among any shape's best five; a weight of few rows (under 512 programs) is split in two while
-    each split keeps 4 K steps."""
-    block_n, warps = (4, 2) if k >= 8192 else (2, 1)
+    With K groups (``k_grouped``: 1x128 / 128x128 block scales), 4 rows at K = 4096 too (qkv 0.0138 against 0.0153
+    with 2 rows and 0.0177 for the tensor-core block tile; down 0.0226 against 0.0250).
+    No split K was among any shape's best; a weight of few rows (under 512 programs) has K split in halves
+    while each split keeps 4 K steps."""
+    block_n, warps = (4, 2) if k >= 8192 else (4 if k_grouped else 2, 1)
     split, steps = 1, triton.cdiv(k, 512 * warps)
     while triton.cdiv(n, block_n) * split < 512 and steps >= 8 * split:
         split *= 2
@@ -391,18 +394,19 @@ def gemv_config(n: int, k: int) -> dict:
                 SPLIT_K=split)
 
 
-def tile_config(m: int, n: int, k: int) -> dict:
-    """The kernel and tiles ``fp8_gemm`` runs for [m, k] x [n, k] with per-tensor / per-row scales: the GEMV
-    kernel where ``gemv_fits`` (``gemv_config``), else ``mma_tile_config``."""
-    return gemv_config(n, k) if gemv_fits(m, n, k) else mma_tile_config(m, n, k)
+def tile_config(m: int, n: int, k: int, k_grouped: bool = False) -> dict:
+    """The kernel and tiles ``fp8_gemm`` runs for [m, k] x [n, k]: the GEMV kernel where ``gemv_fits``
+    (``gemv_config``), else ``mma_tile_config`` (whose BLOCK_K ``fp8_gemm`` sets to the K group, if any)."""
+    return gemv_config(n, k, k_grouped) if gemv_fits(m, n, k) else mma_tile_config(m, n, k)
 
 
 def gemv_fits(m: int, n: int, k: int) -> bool:
-    """Whether [m, k] x [n, k] takes the GEMV kernel: up to ``GEMV_MAX_M`` rows (read at each call:
-    bench_linear.py's ``*_mma`` variants lower it while they run), unless the weight has over 4x more rows than
+    """Whether [m, k] x [n, k] takes the GEMV kernel: one row, where ``GEMV_MAX_M`` is 1 (read at each call:
+    bench_linear.py's ``*_mma`` variants set it to 0 while they run), unless the weight has over 4x more rows than
     columns - the one Llama-3-8B shape the tensor-core tile streamed faster (gate_up 28672x4096: 0.0332 ms against
-    0.0339-0.0343; gate 14336x4096, 3.5x: GEMV 0.0206 against 0.0216; H200, run 16)."""
-    return m <= GEMV_MAX_M and n <= 4 * k
+    0.0339-0.0343, with 128x128 blocks 0.0340 against 0.0388; gate 14336x4096, 3.5x: GEMV 0.0206 against 0.0216;
+    H200, run 16)."""
+    return 0 < m <= GEMV_MAX_M and n <= 4 * k
 
 
 def mma_tile_config(m: int, n: int, k: int) -> dict:
@@ -540,7 +544,7 @@ def fp8_gemm(
     group_k = [blk[1] for blk, mode in ((a_block, a_mode), (b_block, b_mode)) if mode == PER_K_GROUP]
     if len(set(group_k)) > 1:
         raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
-    cfg = dict(config or tile_config(m, n, k))
+    cfg = dict(config or tile_config(m, n, k, k_grouped=bool(group_k)))
     gemv = cfg.pop("GEMV", False)
     # the GEMV scales a thread's 16 bytes of a row by one K group's scale: groups of a multiple of 16 (the ops send
     # groups of 32-256, ops._k_groups_agree)

@@ -53,9 +53,38 @@ def check(device: str) -> int:
     return differ[False]
 
 
+def check_gemms(device: str) -> None:
+    """The same codes through the GEMMs that quantize their 16-bit activations as they load them (``A_QUANT``: the
+    fused MLP's down GEMM), the GEMV kernel and the tensor-core tile, split K or not: with an identity weight each
+    output is one code times the row's scale, so every code shows, bit for bit. The row holds 2208 (its amax: the
+    scale 2208 / 448 = 414 / 84) and 414, the tie; the tensor-core tile's codes by the plain reciprocal miss it."""
+    from fp8fx.kernels.fp8_gemm import QUANT_ROWS, fp8_gemm, gemv_config, mma_tile_config
+
+    k = 96
+    g = torch.Generator().manual_seed(1)
+    h = (torch.randn(1, k, generator=g) * 300).clamp(-2000, 2000).bfloat16()
+    h[0, :2] = torch.tensor([2208.0, 414.0])
+    scale = (h.float().abs().amax() / 448).reshape(1, 1)  # fp8fx.quant's scale of the row (IEEE division)
+    want = quant.cast_to_fp8(h.float() / scale).float() * scale  # each code times the scale, as the GEMMs give it
+    eye, ones = torch.eye(k).to(torch.float8_e4m3fn), torch.ones(k, 1)
+    parts = h.float().abs().reshape(1, 4, -1).amax(-1)  # partial maxima, as the gate/up kernel writes them
+    dev = lambda *ts: [t.to(device) for t in ts]  # noqa: E731
+    hd, eyed, onesd, partsd = dev(h, eye, ones, parts)
+    configs = {"gemv": gemv_config(k, k), "gemv split": {**gemv_config(k, k), "BLOCK_K": 32, "SPLIT_K": 3},
+               "mma": mma_tile_config(1, k, k), "mma split": {**mma_tile_config(1, k, k), "BLOCK_K": 32, "SPLIT_K": 3}}
+    for name, cfg in configs.items():
+        y = fp8_gemm(hd, eyed, partsd, onesd, None, torch.float32, config=cfg, a_quant=QUANT_ROWS).cpu()
+        assert torch.equal(y, want), (name, int((y != want).sum()), y[0, :2], want[0, :2])
+    by_reciprocal = fp8_gemm(hd, eyed, partsd, onesd, None, torch.float32, a_quant=QUANT_ROWS,
+                             config={**mma_tile_config(1, k, k), "EXACT_CODES": False}).cpu()
+    assert by_reciprocal[0, 1] != want[0, 1], "the tie must tell exact codes from the reciprocal's"
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "cpu":
         from tests.triton_rounding import round_to_nearest
 
         round_to_nearest()
-    print("codes ok", check(sys.argv[1]))
+    differ = check(sys.argv[1])
+    check_gemms(sys.argv[1])
+    print("codes ok", differ)

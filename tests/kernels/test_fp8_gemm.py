@@ -134,12 +134,17 @@ def test_split_k_cuda_graph_replays(kernel):
 
 
 @pytest.mark.cuda
-def test_split_k_under_inductor_cudagraph_trees():
-    """A decode GEMM with split K (M=1, K=14336) inside Fp8Backend(cudagraphs=True): the warm-up call runs in
-    the trees' memory pool and later calls are replays; each call matches the plain compiled model's output."""
+@pytest.mark.parametrize("m,n", [(1, 256), (2, 4096)])
+def test_split_k_under_inductor_cudagraph_trees(m, n):
+    """Decode GEMMs with split K (K=14336: the GEMV at one token of a 256-row weight, the tensor-core tile at two
+    tokens) inside Fp8Backend(cudagraphs=True): the warm-up call runs in the trees' memory pool and later calls
+    are replays; each call matches the plain compiled model's output."""
+    from fp8fx.kernels.fp8_gemm import tile_config
+
+    assert tile_config(m, n, 14336)["SPLIT_K"] > 1 and tile_config(m, n, 14336).get("GEMV", False) == (m == 1)
     torch.manual_seed(0)
-    x = torch.randn(1, 14336, device="cuda", dtype=torch.bfloat16)
-    model = torch.nn.Linear(14336, 4096, bias=False).cuda().to(torch.bfloat16)
+    x = torch.randn(m, 14336, device="cuda", dtype=torch.bfloat16)
+    model = torch.nn.Linear(14336, n, bias=False).cuda().to(torch.bfloat16)
     fp8fx.quantize_(model)
     with torch.no_grad():
         want = torch.compile(model, backend=fp8fx.Fp8Backend())(x).clone()
@@ -159,6 +164,8 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
         assert tile_config(1, n, k) == gemv_config(n, k) and tile_config(1, n, k)["GEMV"], (n, k)
         assert tile_config(2, n, k) == mma_tile_config(2, n, k) and "GEMV" not in tile_config(2, n, k)
     assert tile_config(1, 28672, 4096) == mma_tile_config(1, 28672, 4096)
+    assert tile_config(0, 4096, 4096) == mma_tile_config(0, 4096, 4096)  # an empty batch: no GEMV launch
+    assert tile_config(1, 6144, 4096, k_grouped=True)["BLOCK_N"] == 4  # block scales: 4 rows a program at K = 4096
     xq, xs, wq, ws, _ = operands(2, 64, 96, [1, -1], [1, -1], "cpu")
     with pytest.raises(ValueError, match=r"GEMV kernel \(config GEMV=True\) takes one row .* got M=2"):
         fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=gemv_config(64, 96))
@@ -355,12 +362,14 @@ def test_tma_weight_loads_under_triton_interpreter():
 def test_in_kernel_codes_equal_the_ieee_quotients_under_triton_interpreter():
     """``_codes_of`` (reciprocal + two FMAs): the codes of fp8fx.quant's division on 200k values across six decades,
     a rounding tie, inf, NaN, -0, an out-of-range quotient and an inf scale; the plain product by the reciprocal
-    misses the tie (``tests/kernels/codes_check.py``)."""
+    misses the tie; the same codes through the GEMV and the tensor-core GEMM that quantize as they load
+    (``tests/kernels/codes_check.py``)."""
     assert "codes ok" in run_under_triton_interpreter(["-m", "tests.kernels.codes_check", "cpu"])
 
 
 @pytest.mark.cuda
 def test_in_kernel_codes_equal_the_ieee_quotients_cuda():
-    from tests.kernels.codes_check import check
+    from tests.kernels.codes_check import check, check_gemms
 
     check("cuda")
+    check_gemms("cuda")

@@ -205,25 +205,29 @@ def test_gated_mlp_op_cuda(m, scheme, act):
 
 
 @pytest.mark.cuda
-def test_gated_mlp_cuda_graph_replays():
-    """Llama-3-8B sizes at M=1: the down GEMM splits K behind tickets the gate/up kernel zeroes, so
-    replays of a captured graph must stay bit-equal to plain calls."""
-    from fp8fx.kernels.gated_mlp import down_tile_config
-
-    assert down_tile_config(1, 4096, 14336)["SPLIT_K"] > 1
-    args, _ = mlp_operands(1, 4096, 14336, 4096, "per-token/per-channel", "cuda")
-    eager = [ops.gated_mlp(*args) for _ in range(3)]
-    assert all(torch.equal(e, eager[0]) for e in eager)
-    # the down GEMM as a programmatic dependent launch (the default on the H200) or not: the same bits
+@pytest.mark.parametrize("down", ["gemv", "mma"])
+def test_gated_mlp_cuda_graph_replays(down):
+    """Llama-3-8B sizes at M=1: the down GEMM (the GEMV kernel, as by default at one token, or the tensor-core tile)
+    splits K behind tickets the gate/up kernel zeroes, so replays of a captured graph must stay bit-equal to plain
+    calls."""
     from fp8fx.kernels import fp8_gemm as kernels
-    from fp8fx.kernels.gated_mlp import gated_mlp
+    from fp8fx.kernels.gated_mlp import down_tile_config, gated_mlp
 
+    cfg = down_tile_config(1, 4096, 14336, gemv=down == "gemv")
+    assert cfg.get("GEMV", False) == (down == "gemv")
+    cfg = {**cfg, "SPLIT_K": 7} if down == "gemv" else cfg  # the GEMV's default does not split this shape
+    assert cfg["SPLIT_K"] > 1
+    args, _ = mlp_operands(1, 4096, 14336, 4096, "per-token/per-channel", "cuda")
     xq, xs, w1, s1, w3, s3, w2, s2, bias = args[:9]
+    run = lambda pdl=None: gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, bias, kernels.QUANT_ROWS, None,  # noqa: E731
+                                     torch.bfloat16, torch.bfloat16, configs=(None, cfg), pdl=pdl)
+    eager = [run() for _ in range(3)]
+    assert all(torch.equal(e, eager[0]) for e in eager)
+    assert rel(eager[0], ops._gated_mlp_reference(*args)) < 0.015
+    # the down GEMM as a programmatic dependent launch (the default on the H200) or not: the same bits
     for pdl in (False, True) if torch.cuda.get_device_capability() >= (9, 0) else (False,):
-        y = gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, bias, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16,
-                      pdl=pdl)
-        assert torch.equal(y, eager[0]), pdl
-    assert_graph_replays_equal(lambda: ops.gated_mlp(*args), eager[0])
+        assert torch.equal(run(pdl), eager[0]), pdl
+    assert_graph_replays_equal(run, eager[0])
 
 
 @pytest.mark.cuda
