@@ -51,7 +51,7 @@ if has gatedtests; then  # the fused decode MLP's kernels and op
 fi
 if has gemvtests; then  # the one-row (GEMV) kernel's cuda tests: M = 1 GEMMs, weight-only, the fused MLP's down
   timeout 240 $P -m cuda $gemm tests/kernels/test_gated_mlp.py \
-    -k "1-96-160 or op_cuda or split_k or weight_only_cuda or codes or -1]" 2>&1 | tee "$OUT/pytest-cuda-gemv.log" | tail -5
+    -k "1-96-160 or op_cuda or split_k or weight_only_cuda or codes or -1] or graph_replays or cudagraph or block" 2>&1 | tee "$OUT/pytest-cuda-gemv.log" | tail -5
 fi
 if has gemv; then  # M = 1: the GEMV kernel's tiles against the tensor-core tile, single GEMMs and the fused MLP
   timeout 330 python3 benchmarks/tune_gemm.py --gemv --shapes gate_up,down,qkv 2>&1 | tee "$OUT/gemv.txt"
