@@ -194,6 +194,8 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
 
 MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "fp8fx_fused_mlp",
                 "fp8fx_mma", "fp8fx_fused_mlp_mma", "inductor_scaled_mm", "torchao_rowwise")
+# the default --variants: the *_mma ones are for comparing kernels (the GEMV off), on request
+DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith("_mma"))
 
 
 def without_gemv(fn):
@@ -212,7 +214,8 @@ def without_gemv(fn):
     return call
 
 
-def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=MLP_VARIANTS, save=lambda: None, rounds=1):
+def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAULT_VARIANTS, save=lambda: None,
+            rounds=1):
     """The MLP block at each M for the ``only`` variants; ``save()`` after each M. ``rounds`` > 1: the variants
     are timed in turn, ``rounds`` times over (each round in another order), and each row gets its median over
     the rounds and every round's time (``ms_rounds``): a ratio's spread from round to round is then known
@@ -414,7 +417,8 @@ def main(argv=None, parser_class=argparse.ArgumentParser, prog=None):
     p.add_argument("--skip-gemms", action="store_true")
     p.add_argument("--skip-mlp", action="store_true")
     p.add_argument("--kernels", action="store_true", help="also block-scaled and weight-only GEMMs")
-    p.add_argument("--variants", default=",".join(MLP_VARIANTS), help="the MLP block's variants, comma-separated")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"the MLP block's variants, comma-separated, of {', '.join(MLP_VARIANTS)}")
     p.add_argument("--rounds", type=int, default=1,
                    help="time the MLP variants in turn this many times over (medians, every round kept in the JSON)")
     p.add_argument("--graph-max-m", type=int, default=256,
