@@ -30,8 +30,8 @@ from fp8fx.config import Fp8Config, PerBlock, PerRow
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
-from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, is_attention
-from fp8fx.weights.kv_cache import kv_scale_target, kv_slot_error
+from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, kv_scale_target
+from fp8fx.weights.kv_cache import kv_slot_error, outermost_attentions
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.moe import is_quantized_experts
 from fp8fx.weights.quantize import check_ignored_layers
@@ -56,6 +56,8 @@ class LoadReport:
     # scales the checkpoint does not hold: "<attention fqn>.v_scale" (1.0) or "<attention fqn>.v_scale=k_scale"
     # (the layer's other scale, as vLLM does)
     kv_defaults: list[str] = dataclasses.field(default_factory=list)
+    # defaults not set because the model uses the name for an attribute of its own: "<attention fqn>.v_scale"
+    kv_not_set: list[str] = dataclasses.field(default_factory=list)
     unexpected: list[str] = dataclasses.field(default_factory=list)  # checkpoint tensors the model has no use for
     tensors: int = 0
     bytes_read: int = 0
@@ -75,6 +77,7 @@ class LoadReport:
 
             text = " ".join(f"{n}={v:.6g}{note(n)}" for n, v in scales.items())
             rows.append(("kv-cache scales", fqn, text))
+        rows += [("kv-cache scales", n, "not set: the model has an attribute of that name") for n in self.kv_not_set]
         rows += [("unexpected", n, "not loaded") for n in self.unexpected]
         width = max([len(r[1]) for r in rows] + [4])
         lines = [f"{r[0]:<15} {r[1]:<{width}}  {r[2]}" for r in rows]
@@ -358,6 +361,11 @@ class _Loader:
         return False
 
     def _why_unexpected(self, name: str) -> str:
+        kv = kv_scale_target(name)
+        if kv is not None and kv[0] in self.modules:
+            return (f"a KV-cache scale ({kv[1]}) addressed to {kv[0]}, a {type(self.modules[kv[0]]).__name__}: KV-cache "
+                    "scales belong to attention modules (class names ending in 'Attention'); rename the tensor to its "
+                    "attention's <attention>.k_scale / .v_scale, or drop it")
         owner = name.rpartition(".")[0]
         why = self.not_quantized.get(owner) or self.moe.not_quantized.get(owner)
         if why:
@@ -591,28 +599,42 @@ class _Loader:
                 lin.method.process_weights_after_loading(lin.stage)
         self.moe.finish()
         if self.kv or self.fmt.kv_cache:
-            defaults = []
-            for fqn, module in self.modules.items():
-                # an fp8 KV cache the checkpoint declares gives every attention its scales: compressed-tensors'
-                # kv_cache_scheme, or, in the fp8 format (which has no such field), the scales themselves; other
-                # scales complete only their own layer (vLLM reads them only for an fp8 KV cache it is asked for)
-                if fqn in self.kv or (self.kv_declared and is_attention(module)):
-                    scales = self.kv.setdefault(fqn, {})
-                    present = [name for name in DEFAULTED if name in scales]
-                    for name in DEFAULTED:
-                        if name in scales:
-                            continue
-                        # one of k_scale / v_scale given (or a legacy kv_scale): both take it, as vLLM's
-                        # BaseKVCacheMethod does (the max of the two, one of them unset); neither: 1.0
-                        scales[name] = scales[present[0]] if present else 1.0
-                        defaults.append(f"{fqn}.{name}" + (f"={present[0]}" if present else ""))
+            defaults, taken = [], []
+            # an fp8 KV cache the checkpoint declares gives every attention its scales: compressed-tensors'
+            # kv_cache_scheme, or, in the fp8 format (which has no such field), the scales themselves; other
+            # scales complete only their own layer (vLLM reads them only for an fp8 KV cache it is asked for).
+            # Attentions inside another attention (BERT's BertSelfAttention) get none of their own.
+            owners = list(self.kv) + [f for f in outermost_attentions(self.modules) if self.kv_declared and f not in self.kv]
+            for fqn in owners:
+                scales = self.kv.setdefault(fqn, {})
+                present = [name for name in DEFAULTED if name in scales]
+                for name in DEFAULTED:
+                    if name in scales:
+                        continue
+                    if kv_slot_error(self.modules[fqn], fqn, name) is not None:
+                        # the model uses the name for something else (MiMo-V2-Flash's attention has a float
+                        # v_scale): a default is not forced on it; a scale the checkpoint holds there is refused
+                        taken.append(f"{fqn}.{name}")
+                        continue
+                    # one of k_scale / v_scale given (or a legacy kv_scale): both take it, as vLLM's
+                    # BaseKVCacheMethod does (the max of the two, one of them unset); neither: 1.0
+                    scales[name] = scales[present[0]] if present else 1.0
+                    defaults.append(f"{fqn}.{name}" + (f"={present[0]}" if present else ""))
+                if not scales:
+                    del self.kv[fqn]
             if defaults:
                 log.warning(
                     "fp8fx: %d KV-cache scales the checkpoint does not hold: 1.0, or the layer's other scale "
                     "where it has one (%s%s); if this is unintended, check the checkpoint's k_scale / v_scale tensors",
                     len(defaults), defaults[:3], " ..." if len(defaults) > 3 else "",
                 )
-            report.kv_defaults = defaults
+            if taken:
+                log.warning(
+                    "fp8fx: %d KV-cache scales the checkpoint does not hold are not set, since the model uses the "
+                    "name for an attribute of its own (%s%s): that attention keeps no such scale",
+                    len(taken), taken[:3], " ..." if len(taken) > 3 else "",
+                )
+            report.kv_defaults, report.kv_not_set = defaults, taken
             # attached in commit, which must not fail: a name the module already uses for something else is
             # refused here, before anything was swapped in
             for fqn, scales in self.kv.items():

@@ -14,8 +14,9 @@ import torch
 
 from fp8fx import quant
 
-# Elements per chunk. The temporaries are at most four float32 copies of one chunk, so at most
-# 16 * CHUNK_NUMEL bytes (4 MiB) next to the weight being quantized and its fp8 result.
+# Elements per chunk. The temporaries are about four float32 copies of one chunk, 16 * CHUNK_NUMEL bytes (4 MiB),
+# next to the weight being quantized and its fp8 result - unless one row of scale blocks is larger: a chunk holds
+# whole blocks, so with 128x128 blocks it is at least 128 rows (a [512, 18432] weight: ~20 MiB of temporaries).
 CHUNK_NUMEL = 1 << 18
 
 
@@ -48,9 +49,15 @@ def quantize(
 
 
 def count_nonfinite(x: torch.Tensor, chunk_numel: int = CHUNK_NUMEL) -> int:
-    """NaN/Inf elements of ``x`` (float8_e4m3fn has NaN only: bits S.1111.111), a chunk at a time."""
-    flat = x.reshape(-1)
-    if x.dtype == quant.FP8_DTYPE:
-        bits = flat.view(torch.uint8)
-        return sum(int(((c & 0x7F) == 0x7F).sum()) for c in bits.split(chunk_numel))
-    return sum(int((~torch.isfinite(c)).sum()) for c in flat.split(chunk_numel))
+    """NaN/Inf elements of ``x`` (float8_e4m3fn has NaN only: bits S.1111.111), a chunk of rows at a time: a
+    non-contiguous ``x`` (a transposed view) is copied one chunk at a time, not whole."""
+    x = x.reshape(1, -1) if x.dim() < 2 else x
+    step = max(1, chunk_numel // max(x[0].numel() if len(x) else 1, 1))
+    total = 0
+    for i in range(0, x.shape[0], step):
+        c = x[i : i + step].reshape(-1)
+        if x.dtype == quant.FP8_DTYPE:
+            total += int(((c.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        else:
+            total += int((~torch.isfinite(c)).sum())
+    return total

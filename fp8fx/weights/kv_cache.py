@@ -50,13 +50,14 @@ def kv_scale_target(name: str) -> Optional[tuple[str, str]]:
 
 
 def attention_owner(owner: str, modules: Mapping[str, nn.Module]) -> Optional[str]:
-    """The module of ``modules`` that holds a scale addressed to ``owner``: ``owner`` itself, or its
-    parent when ``owner`` is vLLM's ``<attention>.attn`` and the model has no such child."""
+    """The attention module of ``modules`` that holds a scale addressed to ``owner``: ``owner`` itself, or its
+    parent when ``owner`` is vLLM's ``<attention>.attn`` and the model has no such child; None where that is not an
+    attention module (``is_attention``). A scale left addressed to a projection (v_proj.kv_scale, k_proj.v_scale:
+    no remapping covers them), an MLP, a decoder layer or an embedding would give that module a KV-cache scale no
+    attention reads (vLLM drops such tensors with a warning); the loader refuses them as scales with no place."""
     if owner.endswith(".attn") and owner not in modules:
         owner = owner[: -len(".attn")]
-    # not a projection: a scale left addressed to one (v_proj.kv_scale, k_proj.v_scale: no remapping covers them)
-    # would land on the linear layer and give the attention another scale's value (vLLM drops them with a warning)
-    return owner if owner in modules and not isinstance(modules[owner], nn.Linear) else None
+    return owner if owner in modules and is_attention(modules[owner]) else None
 
 
 def check_kv_scale(name: str, value: torch.Tensor) -> float:
@@ -112,3 +113,11 @@ def kv_scales(module: nn.Module) -> dict[str, float]:
 def is_attention(module: nn.Module) -> bool:
     """Attention modules by class name (``LlamaAttention``, ``DeepseekV3Attention``, ...)."""
     return type(module).__name__.endswith("Attention")
+
+
+def outermost_attentions(modules: Mapping[str, nn.Module]) -> list[str]:
+    """The attention modules of ``modules`` (``{fqn: module}``) that are not inside another one: BERT's
+    ``BertAttention`` and not the ``BertSelfAttention`` it holds, which would get KV-cache scales of its own."""
+    found = [fqn for fqn, m in modules.items() if is_attention(m)]
+    outer = set(found)
+    return [fqn for fqn in found if not any(fqn.startswith(f"{o}.") for o in outer)]

@@ -585,6 +585,41 @@ def test_kv_scale_clashing_with_a_model_attribute_is_refused_unchanged(tmp_path)
     assert snapshot(model) == snap and not is_quantized(model.model.layers[0].self_attn.q_proj)
 
 
+def test_kv_default_where_the_model_has_its_own_attribute_is_not_set(tmp_path, caplog):
+    """A declared fp8 KV cache with no scales in the checkpoint, and an attention that uses ``v_scale`` for a float of
+    its own (as transformers' MiMo-V2-Flash attention does): its default is not forced on it - the load goes on, the
+    report and the log say which scale was not set - where it refused the checkpoint, naming tensors it does not
+    hold. Its k_scale and the other layers' scales default as usual."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    model = meta_tiny()
+    model.model.layers[0].self_attn.v_scale = 0.125
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    attn0 = model.model.layers[0].self_attn
+    assert attn0.v_scale == 0.125 and "v_scale" not in attn0._buffers and attn0.k_scale.item() == 1.0
+    assert report.kv_not_set == ["model.layers.0.self_attn.v_scale"]
+    assert len(report.kv_defaults) == 3 and model.model.layers[1].self_attn.v_scale.item() == 1.0
+    assert "not set: the model has an attribute of that name" in str(report)
+    assert "1 KV-cache scales the checkpoint does not hold are not set" in caplog.text
+
+
+@pytest.mark.parametrize("name", ["model.layers.0.mlp.k_scale", "model.layers.0.k_scale", "model.embed_tokens.kv_scale"])
+def test_kv_scale_addressed_to_a_module_that_is_not_an_attention_is_refused(tmp_path, name):
+    """vLLM drops a KV-cache scale whose module is no attention; fp8fx attached it to the MLP, the decoder layer or the
+    embedding, where no attention reads it (and save_checkpoint wrote it back). Now a scale with no place: refused,
+    naming the module's class, the model unchanged."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    tensors[name] = torch.tensor(0.5)
+    model = meta_tiny()
+    snap = snapshot(model)
+    match = rf"{re.escape(name)} .* a KV-cache scale \(k_scale\) addressed to .*, a \w+: KV-cache scales belong to attention"
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert snapshot(model) == snap
+
+
 def test_no_kv_scheme_no_kv_scales(tmp_path):
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
     model = meta_tiny()

@@ -40,6 +40,29 @@ def test_chunks_really_are_smaller_than_the_tensor():
     assert chunked._row_step(1000, 64, (16, 16), 640) == 16
 
 
+@pytest.mark.parametrize("block", [(16, 16), (8, -1), (1, -1)])
+def test_block_layouts_are_quantized_in_chunks(block, monkeypatch):
+    """Row blocks and per-row scales go through quant.quantize a chunk of whole blocks at a time, never the whole
+    weight (the bit-identity test cannot see whether it chunked)."""
+    seen = []
+    real = quant.quantize
+    monkeypatch.setattr(quant, "quantize", lambda t, b: seen.append(t.shape[0]) or real(t, b))
+    x = torch.randn(200, 64)
+    q, s = chunked.quantize(x, block, chunk_numel=640)
+    step = chunked._row_step(200, 64, block, 640)
+    assert step < 200 and len(seen) == -(-200 // step) and max(seen) == step, (seen, step)
+    q_ref, s_ref = real(x, block)
+    assert torch.equal(_bits(q), _bits(q_ref)) and torch.equal(s, s_ref)
+
+
+def test_count_nonfinite_of_a_transposed_view():
+    """A non-contiguous weight (a transposed view) is counted right, one chunk of rows at a time."""
+    x = torch.zeros(64, 300)
+    x[5, 7], x[63, 299], x[0, 0] = float("nan"), float("inf"), float("-inf")
+    assert chunked.count_nonfinite(x.t(), chunk_numel=100) == 3 and chunked.count_nonfinite(x[0, :10]) == 1
+    assert chunked.count_nonfinite(torch.zeros(0, 5)) == 0 and chunked.count_nonfinite(torch.tensor(float('nan'))) == 1
+
+
 def test_count_nonfinite_counts_fp8_nan_and_float_inf():
     x = torch.zeros(100, 10)
     x[3, 4], x[99, 9] = float("nan"), float("-inf")
@@ -135,11 +158,27 @@ def test_kv_scale_names(name, target):
     assert kv_cache.kv_scale_target(name) == target
 
 
+class FakeAttention(nn.Module):
+    pass
+
+
+class FakeSelfAttention(nn.Module):
+    pass
+
+
 def test_attention_owner_strips_vllm_attn_child():
-    modules = {"a.self_attn": None, "b.attn": None}
+    modules = {"a.self_attn": FakeAttention(), "b.attn": FakeAttention(), "d.mlp": nn.Module(), "e.proj": nn.Linear(2, 2)}
     assert kv_cache.attention_owner("a.self_attn.attn", modules) == "a.self_attn"
     assert kv_cache.attention_owner("b.attn", modules) == "b.attn"
     assert kv_cache.attention_owner("c.attn", modules) is None
+    # a scale addressed to something that is not an attention has no owner (the loader refuses it)
+    assert kv_cache.attention_owner("d.mlp", modules) is None and kv_cache.attention_owner("e.proj", modules) is None
+
+
+def test_outermost_attentions_skip_the_ones_inside_another():
+    modules = {"enc.0.attention": FakeAttention(), "enc.0.attention.self": FakeSelfAttention(),
+               "enc.0.attentionx": FakeAttention(), "enc.0.mlp": nn.Module()}
+    assert kv_cache.outermost_attentions(modules) == ["enc.0.attention", "enc.0.attentionx"]
 
 
 @pytest.mark.parametrize(
