@@ -433,9 +433,16 @@ def main(argv=None, parser_class=argparse.ArgumentParser, prog=None):
         p.error(f"--variants: unknown {unknown}; choose from {', '.join(MLP_VARIANTS)}")
     if args.cpu_smoke:
         return 0 if cpu_smoke() < 0.1 else 1
+    try:
+        ms = [int(m) for m in args.ms.split(",")]
+    except ValueError:
+        p.error(f"--ms {args.ms!r}: token counts separated by commas, e.g. 1,16,4096")
+    if any(m < 1 for m in ms):
+        p.error(f"--ms {args.ms!r}: every token count must be positive")
+    if not torch.cuda.is_available():
+        p.error("the benchmark times CUDA kernels and needs a CUDA GPU; on CPU, --cpu-smoke runs it tiny")
     if args.compile_time:
         return compile_time()
-    ms = [int(m) for m in args.ms.split(",")]
     os.makedirs(args.out, exist_ok=True)
     import triton
 

@@ -91,6 +91,10 @@ class Fp8Backend:
                 raise ValueError(f"Fp8Backend({name}={value!r}): True or False")
         if weight_only is not None and type(weight_only) is not bool:
             raise ValueError(f"Fp8Backend(weight_only={weight_only!r}): True, False or None (decided per GPU)")
+        if weight_only and (fuse_mlp or fuse_horizontal):  # the fusions take the fp8-activation GEMMs
+            given = [n for n, on in (("fuse_mlp", fuse_mlp), ("fuse_horizontal", fuse_horizontal)) if on]
+            raise ValueError(f"Fp8Backend(weight_only=True, {', '.join(f'{n}=True' for n in given)}): the fusions "
+                             "rewrite fp8 GEMMs, and weight-only GEMMs take 16-bit activations; drop one")
         inductor_only = {"cudagraphs": cudagraphs is True, "inductor_config": bool(inductor_config),
                          "lowering": lowering != "aten", "one_pass_rows": one_pass_rows != ONE_PASS_ROWS}
         if compiler == "eager" and any(inductor_only.values()):
@@ -104,13 +108,14 @@ class Fp8Backend:
         if unknown:
             raise ValueError(f"Fp8Backend(inductor_config={{{unknown[0]!r}: ...}}): not an option of "
                              "torch._inductor.config (nested ones are dotted: 'triton.cudagraphs')")
-        user_pass = (inductor_config or {}).get("post_grad_custom_post_pass")
-        if user_pass is not None and not callable(user_pass):  # it failed only inside the first compile
-            raise ValueError(f"Fp8Backend(inductor_config={{'post_grad_custom_post_pass': {user_pass!r}}}): a callable "
-                             "graph pass (or a torch._inductor.custom_graph_pass.CustomGraphPass), or None")
+        for key, value in (inductor_config or {}).items():  # a wrong type failed only inside the first compile
+            why = compat.inductor_config_type_error(key, value)
+            if why:
+                raise ValueError(f"Fp8Backend(inductor_config={{{key!r}: {value!r}}}): {why}")
         if cudagraphs and (inductor_config or {}).get("triton.cudagraphs", True) is not True:
-            raise ValueError("Fp8Backend(cudagraphs=True, inductor_config={'triton.cudagraphs': False}): the two "
-                             "disagree; keep one")
+            raise ValueError(f"Fp8Backend(cudagraphs=True, inductor_config={{'triton.cudagraphs': "
+                             f"{inductor_config['triton.cudagraphs']!r}}}): the two disagree; keep one")
+        dump_dir = os.path.expanduser(dump_dir) if isinstance(dump_dir, str) else dump_dir  # '~/dumps': the home's
         _check_dump_dir(dump_dir)  # last: it makes the folder
         self.one_pass_rows = one_pass_rows
         self.lowering = lowering
@@ -174,7 +179,9 @@ class Fp8Backend:
         if self.dump_dir is None:
             return None
         if _DUMP_WRITERS.get(os.path.realpath(self.dump_dir)) is not self:  # the first graph, or one after a reset
-            self.dump_dir = self._claim_dump_dir(self._dump_root)
+            # after a reset the folder it had, if no other backend took it meanwhile: not another backend's
+            free = _DUMP_WRITERS.get(os.path.realpath(self.dump_dir)) is None
+            self.dump_dir = self._claim_dump_dir(self.dump_dir if free else self._dump_root)
             if index == 0:  # files an earlier run left would read as this backend's
                 GraphDump.clear(self.dump_dir)
         dump = GraphDump(self.dump_dir, index)

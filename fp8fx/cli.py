@@ -276,6 +276,7 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
 
     modules = dict(model.named_modules())
     rows = []
+    counted: set[str] = set()  # a layer called more than once is several sites, its bytes saved once
     for site in backend.report.sites:
         module = modules.get(site.fqn)
         cfg = layer_config(site.fqn)
@@ -285,10 +286,12 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
             reason = skip_reason(module, site.fqn, cfg)
         else:
             reason = "not an nn.Linear weight (quantize_ quantizes nn.Linear layers)"
+        first = reason is None and site.fqn not in counted
+        counted.add(site.fqn)
         rows.append({"graph": site.graph, "kind": site.kind, "fqn": site.fqn, "weight_shape": list(site.weight_shape),
                      "would_rewrite": reason is None, "scheme": str(cfg.scheme()) if reason is None else "",
                      "reason": reason or "",
-                     "bytes_saved": _saved(site.weight_shape, module.weight.element_size(), cfg) if reason is None else 0})
+                     "bytes_saved": _saved(site.weight_shape, module.weight.element_size(), cfg) if first else 0})
     seen = {s.fqn for s in backend.report.sites}
     for fqn, module in modules.items():  # experts: the MoE pass rewrites what quantize_ quantizes
         if moe.is_experts(module) and fqn not in seen:

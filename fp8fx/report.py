@@ -73,6 +73,7 @@ class Report:
         self.sites: list[Site] = []
         self.graphs = 0
         self.kernels: dict[int, list[str]] = {}  # graph index -> names of the kernels Inductor generated
+        self.failed: dict[int, str] = {}  # graph index -> why it did not compile (its sites, if any, say it too)
         self._logged: set[tuple[str, str]] = set()
 
     def add(self, site: Site) -> None:
@@ -84,7 +85,10 @@ class Report:
             log.log(level, "fp8fx: %s %s not rewritten: %s", site.kind, site.fqn, site.reason)
 
     def fail_graph(self, graph: int, reason: str) -> None:
-        """Graph ``graph`` did not compile: its sites were not rewritten, for ``reason``."""
+        """Graph ``graph`` did not compile: its sites were not rewritten, for ``reason`` - also where a pass failed
+        before it recorded any (the graph's line in the table says so)."""
+        self.failed[graph] = reason
+        log.warning("fp8fx: graph %d: %s", graph, reason)
         for i, site in enumerate(self.sites):
             if site.graph == graph and site.rewritten:
                 self.sites[i] = dataclasses.replace(site, rewritten=False, reason=reason, scheme="", bytes_saved=0,
@@ -143,6 +147,8 @@ class Report:
         missed = [f"{s.fqn} ({s.reason})" for s in sites if not s.rewritten]
         if missed:
             line += "; not rewritten: " + ", ".join(missed[:3]) + (f" and {len(missed) - 3} more" if len(missed) > 3 else "")
+        if graph in self.failed:
+            line += f"; failed to compile: {self.failed[graph]}"
         return line
 
     def log_graph(self, graph: int) -> None:
@@ -163,7 +169,8 @@ class Report:
                 "bytes_saved": _bytes_saved(sites),
                 "kernels": sum(len(k) for k in kernels.values()),
             },
-            "graphs": [{"index": g, "kernels": k} for g, k in kernels.items()],
+            "graphs": [{"index": g, "kernels": k, **({"failed": self.failed[g]} if g in self.failed else {})}
+                       for g, k in kernels.items()],
             "sites": [{k: v for k, v in dataclasses.asdict(s).items() if k != "weight_id"} for s in sites],
         }
 
@@ -187,6 +194,8 @@ class Report:
         if kernels:
             total += f"; {len(kernels)} kernels generated"
         lines.append(total)
+        lines += [f"graph {g} failed to compile, nothing in it rewritten: {why}" for g, why in self.failed.items()
+                  if graph in (None, g)]
         return "\n".join(lines)
 
     def _sites(self, graph: Optional[int]) -> list[Site]:

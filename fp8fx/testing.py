@@ -82,6 +82,9 @@ def assert_compiles_once(
         graphs[-1] += 1
         return backend(gm, example_inputs)
 
+    if hasattr(backend, "reset"):  # torch._dynamo.reset() calls it (Fp8Backend: frees its dump folder)
+        counting.reset = backend.reset
+
     compiled = torch.compile(fn, backend=counting, dynamic=dynamic)
     breaks: list[str] = []
     problems = []

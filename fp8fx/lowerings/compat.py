@@ -37,6 +37,22 @@ def inductor_config_value(key: str) -> Any:
     return value
 
 
+def inductor_config_type_error(key: str, value: Any) -> Optional[str]:
+    """Why ``value`` does not fit option ``key`` of ``torch._inductor.config``, judged by the type of the value it
+    has now (a bool takes a bool, an int an int, a float a number, a str a str; a custom pass slot a callable or
+    None; an option that is None now anything), or None where it fits."""
+    current = inductor_config_value(key)
+    if "custom" in key and key.endswith("pass"):
+        return None if value is None or callable(value) else (
+            "a callable graph pass (or a torch._inductor.custom_graph_pass.CustomGraphPass), or None")
+    for kind, fits in ((bool, lambda v: type(v) is bool), (int, lambda v: type(v) is int),
+                       (float, lambda v: type(v) in (int, float)), (str, lambda v: isinstance(v, str))):
+        if type(current) is kind:
+            article = "an" if kind is int else "a"
+            return None if fits(value) else f"{article} {kind.__name__}, as its current value {current!r}"
+    return None
+
+
 def custom_pass_key(value: Any) -> Any:
     """What stands for an ``inductor_config`` value in a cache key: a ``CustomGraphPass``'s ``uuid()`` (its repr
     holds its address, new in every process), else the value."""

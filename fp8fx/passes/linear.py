@@ -139,11 +139,13 @@ def lacks_fp8_tensor_cores(example_inputs) -> bool:
 
 class LinearPass(Fp8Pass):
     """``weight_only``: rewrite to ``fp8fx.weight_only_mm`` (fp8 weights, 16-bit activations) instead;
-    None decides per graph: weight-only on GPUs without fp8 tensor cores."""
+    None decides per graph: weight-only on GPUs without fp8 tensor cores. ``fusing``: the backend's fusions are on,
+    which take fp8 GEMMs only: a weight-only site's scheme says it was not fused."""
 
-    def __init__(self, use_fast_accum: bool = False, weight_only: Optional[bool] = None):
+    def __init__(self, use_fast_accum: bool = False, weight_only: Optional[bool] = None, fusing: bool = False):
         self.use_fast_accum = use_fast_accum
         self.weight_only = weight_only
+        self.fusing = fusing
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         graph = gm.graph
@@ -172,6 +174,8 @@ class LinearPass(Fp8Pass):
                            weight_id=Site.token_of(ctx.example.get(w.args[0])))
             if weight_only:
                 scheme, new = self._rewrite_weight_only(graph, node, x, w, bias)
+                if self.fusing:  # chosen for this GPU (no fp8 tensor cores): fuse_mlp / fuse_horizontal do not apply
+                    scheme += "; not fused: the fusions take fp8 GEMMs, this GPU has no fp8 tensor cores"
             else:
                 scheme, new = self._rewrite(graph, node, x, w, bias, quantized)
             new.meta["fp8fx_site"] = len(ctx.report.sites)  # later passes amend this site

@@ -26,7 +26,7 @@ def default_passes(
 ) -> list[Fp8Pass]:
     return [
         MoePass(use_fast_accum=use_fast_accum),  # first: the experts leave the graph before linears are sought
-        LinearPass(use_fast_accum=use_fast_accum, weight_only=weight_only),
+        LinearPass(use_fast_accum=use_fast_accum, weight_only=weight_only, fusing=fuse_mlp or fuse_horizontal),
         GatedMlpPass(enabled=fuse_mlp),  # before horizontal fusion: a fused MLP reads gate and up apart
         HorizontalFusionPass(enabled=fuse_horizontal),
     ]

@@ -80,7 +80,7 @@ def test_files_of_each_graph_sort_after_the_previous_graph(tmp_path):
     names = sorted(p.name for p in tmp_path.iterdir())
     per_graph = [n for n in PER_GRAPH if "inductor" not in n]  # eager: no output code
     assert names == [f"graph{g:03d}_{n}" for g in (0, 1) for n in per_graph] + ["report.json", "report.txt"]
-    assert "a" in (tmp_path / "graph000_3_report.txt").read_text().split("\n")[2]
+    assert {s["fqn"] for s in json.loads((tmp_path / "graph000_3_report.json").read_text())["sites"]} == {"a"}
     assert {s["fqn"] for s in json.loads((tmp_path / "graph001_3_report.json").read_text())["sites"]} == {"b"}
     assert len(compat._bytecode_hooks) <= 1  # hooks of earlier graphs were removed
 
@@ -120,6 +120,49 @@ def test_backends_sharing_a_dump_dir_write_apart(tmp_path, caplog):
     assert again.dump_dir == str(tmp_path / "backend4")
     torch._dynamo.reset()  # calls each backend's reset: the folders are free
     assert compile_two_layer(tmp_path).dump_dir == str(tmp_path)
+
+
+def test_a_backend_keeps_its_dump_folder_after_a_reset(tmp_path):
+    """After torch._dynamo.reset() a backend that wrote into backend2/ compiles again: it took the root folder,
+    whose report.json then listed its sites next to the first backend's graph files."""
+    model_a, model_b = TwoLayer().to(torch.bfloat16), TwoLayer().to(torch.bfloat16)
+    fp8fx.quantize_(model_a), fp8fx.quantize_(model_b)
+    a = fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path))
+    b = fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path))
+    with torch.no_grad():
+        torch.compile(model_a, backend=a)(torch.randn(4, 64, dtype=torch.bfloat16))
+        compiled_b = torch.compile(model_b, backend=b)
+        compiled_b(torch.randn(4, 64, dtype=torch.bfloat16))
+        assert b.dump_dir == str(tmp_path / "backend2")
+        torch._dynamo.reset()
+        compiled_b(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert b.dump_dir == str(tmp_path / "backend2")
+    assert len(json.loads((tmp_path / "report.json").read_text())["sites"]) == 2  # a's only
+    assert len(json.loads((tmp_path / "backend2" / "report.json").read_text())["sites"]) == 4  # b's two graphs
+
+
+def test_a_graph_that_failed_before_any_site_is_in_the_report(monkeypatch):
+    """A pass that raises before it records a site (here the first one, under Dynamo's suppress_errors): the report
+    read "0 of 0 sites rewritten in 1 graph(s)", with no word of the failure; now the graph says why."""
+    from fp8fx.passes.moe import MoePass
+
+    def broken(self, gm, ctx):
+        raise RuntimeError("a pass broke")
+    monkeypatch.setattr(MoePass, "__call__", broken)
+    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", True)
+    torch._dynamo.reset()
+    model = TwoLayer().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    # (Dynamo tries the frame again after the failure: each graph it built failed the same way)
+    assert 0 in backend.report.failed
+    assert set(backend.report.failed.values()) == {"the graph failed to compile (RuntimeError: a pass broke)"}
+    assert "graph 0 failed to compile, nothing in it rewritten: the graph failed to compile (RuntimeError: a pass " \
+           "broke)" in backend.report.table()
+    assert backend.report.to_dict()["graphs"][0]["failed"].endswith("a pass broke)")
+    assert "failed to compile" in backend.report.graph_summary(0)
 
 
 def test_a_relative_dump_dir_is_where_it_was_made(tmp_path, monkeypatch):

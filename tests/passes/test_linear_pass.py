@@ -236,7 +236,7 @@ def test_bad_dump_dir_is_refused_when_the_backend_is_made(tmp_path):
     with pytest.raises(ValueError, match=r"dump_dir=123\): a folder's path"):
         Fp8Backend(dump_dir=123)
     with pytest.raises(ValueError, match="the two disagree"):  # a refused backend makes no folder
-        Fp8Backend(dump_dir=str(tmp_path / "refused"), cudagraphs=True, inductor_config={"triton.cudagraphs": 0})
+        Fp8Backend(dump_dir=str(tmp_path / "refused"), cudagraphs=True, inductor_config={"triton.cudagraphs": False})
     assert not (tmp_path / "refused").exists()
     Fp8Backend(dump_dir=str(tmp_path / "new" / "dumps"))
     assert (tmp_path / "new" / "dumps").is_dir()
@@ -388,6 +388,46 @@ def test_one_pass_row_reductions_handler(monkeypatch):
         with compat.one_pass_row_reductions(None):
             assert not V.choices.should_use_persistent_reduction(Features(4096, inner), False)
         assert not V.choices.should_use_persistent_reduction(Features(4096, inner), False)
+
+
+def test_weight_only_with_the_fusions(monkeypatch):
+    """weight_only=True with fuse_mlp / fuse_horizontal: refused (the fusions rewrite fp8 GEMMs, they were ignored
+    without a word). Chosen per GPU (None, no fp8 tensor cores): each weight-only site says it was not fused."""
+    for fuse in ({"fuse_mlp": True}, {"fuse_horizontal": True}):
+        with pytest.raises(ValueError, match=rf"weight_only=True, {next(iter(fuse))}=True\): the fusions rewrite fp8"):
+            Fp8Backend(weight_only=True, **fuse)
+    import fp8fx.passes.linear as linear_pass
+
+    monkeypatch.setattr(linear_pass, "lacks_fp8_tensor_cores", lambda example: True)
+    torch._dynamo.reset()
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager", fuse_horizontal=True)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert [s.scheme for s in backend.report.sites] == [
+        "w:per-channel a:bfloat16 (weight-only); not fused: the fusions take fp8 GEMMs, this GPU has no fp8 tensor "
+        "cores"] * 2
+
+
+def test_a_dump_dir_under_home_is_expanded(tmp_path, monkeypatch):
+    """dump_dir="~/dumps" made a folder named "~" in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    backend = Fp8Backend(dump_dir="~/dumps")
+    assert backend.dump_dir == str(tmp_path / "home" / "dumps") and not (tmp_path / "~").exists()
+
+
+def test_inductor_config_values_are_checked_at_construction():
+    """A value of the wrong type failed inside the first compile (a custom pass that is no callable), or was
+    taken as it is ("false" switched max_autotune on)."""
+    for options, match in [({"max_autotune": "false"}, r"'max_autotune': 'false'\}\): a bool, as its current value"),
+                           ({"compile_threads": "four"}, r"'compile_threads': 'four'\}\): an int"),
+                           ({"post_grad_custom_pre_pass": 3}, r"'post_grad_custom_pre_pass': 3\}\): a callable"),
+                           ({"triton.cudagraphs": 1}, r"'triton.cudagraphs': 1\}\): a bool")]:
+        with pytest.raises(ValueError, match=match):
+            Fp8Backend(inductor_config=options)
+    Fp8Backend(inductor_config={"max_autotune": True, "compile_threads": 1, "post_grad_custom_pre_pass": None})
 
 
 def test_weight_only_rewrite():

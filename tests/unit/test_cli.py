@@ -81,6 +81,17 @@ def one_tuple():
 
 def needs_arg(width):
     return mlp()
+
+class Twice(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(256, 256)
+
+    def forward(self, x):
+        return self.a(self.a(x))
+
+def twice():
+    return Twice(), (torch.zeros(4, 256),)
 """
 
 
@@ -101,6 +112,17 @@ def test_inspect_factory_table(capsys, models_py):
     assert "weight [100, 512] is not divisible by the 128x128 block" in rows["2"]
     assert rows["4"].split()[3:] == ["no", "in", "ignored_layers"]
     assert lines[-1].startswith("1 of 3 linear sites would be rewritten")
+
+
+def test_inspect_counts_a_layer_called_twice_once(capsys, models_py):
+    """Two sites of one layer: its saved bytes were summed twice (the table and the JSON rows)."""
+    code, out, err = run(capsys, "inspect", f"{models_py}:twice", "--json")
+    assert code == 0, err
+    sites = json.loads(out)["sites"]
+    assert [s["fqn"] for s in sites] == ["a", "a"]
+    assert sum(s["bytes_saved"] for s in sites) == 256 * 256 - 256 * 4  # bf16 -> fp8, one fp32 scale per row
+    code, out, err = run(capsys, "inspect", f"{models_py}:twice")
+    assert out.splitlines()[-1] == "2 of 2 linear sites would be rewritten; 0.1 MiB of weights saved"
 
 
 def test_inspect_factory_with_input_shape(capsys, models_py):
@@ -260,10 +282,20 @@ def test_installed_command():
         one_line_error(proc.stderr, "fp8fx inspect: error: MODEL '/no/such/folder'")
 
 
-def test_bench_usage_error_is_one_line(capsys):
+def test_bench_usage_error_is_one_line(capsys, tmp_path, monkeypatch):
     code, _, err = run(capsys, "bench", "--bogus")
     assert code == 2
     one_line_error(err, "fp8fx bench: error: unrecognized arguments: --bogus (see fp8fx bench --help)")
+    # a bad --ms and, on a machine without CUDA, a timing run: one line each (they were tracebacks), no folder made
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "bench", "--ms", "1,x")
+    assert code == 2
+    one_line_error(err, "fp8fx bench: error: --ms '1,x': token counts separated by commas")
+    if not torch.cuda.is_available():
+        code, _, err = run(capsys, "bench", "--skip-mlp", "--skip-gemms")
+        assert code == 2
+        one_line_error(err, "fp8fx bench: error: the benchmark times CUDA kernels and needs a CUDA GPU")
+    assert not (tmp_path / "bench_out").exists()
 
 
 def test_inspect_reads_compressed_tensors_and_moe(capsys, tmp_path):

@@ -120,3 +120,18 @@ def test_bad_arguments():
         testing.assert_kernel_count(fp8fx.Fp8Backend(), "2")
     with pytest.raises(TypeError, match=r"FQN patterns are strings, one argument each .* got \['up'\]"):
         testing.assert_rewritten(fp8fx.Fp8Backend(), ["up"])
+
+
+def test_assert_compiles_once_lets_a_reset_free_the_backends_dump_folder(tmp_path):
+    """The helper compiles through a counting wrapper, which had no ``reset``: torch._dynamo.reset() could not free
+    the backend's dump folder, and the next backend of the same folder wrote into backend2/."""
+    import fp8fx
+    from fp8fx.testing import assert_compiles_once
+
+    backends = []
+    for _ in range(2):
+        model = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(torch.bfloat16)
+        fp8fx.quantize_(model)
+        backends.append(fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path)))
+        assert_compiles_once(model, [(torch.randn(2, 64, dtype=torch.bfloat16),)], backend=backends[-1])
+    assert [b.dump_dir for b in backends] == [str(tmp_path)] * 2 and not (tmp_path / "backend2").exists()
