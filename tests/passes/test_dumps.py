@@ -149,13 +149,13 @@ def test_a_graph_that_failed_before_any_site_is_in_the_report(monkeypatch):
     def broken(self, gm, ctx):
         raise RuntimeError("a pass broke")
     monkeypatch.setattr(MoePass, "__call__", broken)
-    monkeypatch.setattr(torch._dynamo.config, "suppress_errors", True)
     torch._dynamo.reset()
     model = TwoLayer().to(torch.bfloat16)
     fp8fx.quantize_(model)
     backend = fp8fx.Fp8Backend(compiler="eager")
-    with torch.no_grad():
+    with torch.no_grad(), torch._dynamo.config.patch(suppress_errors=True):
         torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    torch._dynamo.reset()
     # (Dynamo tries the frame again after the failure: each graph it built failed the same way)
     assert 0 in backend.report.failed
     assert set(backend.report.failed.values()) == {"the graph failed to compile (RuntimeError: a pass broke)"}
