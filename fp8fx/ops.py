@@ -58,6 +58,7 @@ def quantize(x: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Ten
 
 @quantize.register_fake
 def _(x, block):
+    check_block(block, "block")  # every fake checks what its real impls check: torch.compile fails at trace time
     return x.new_empty(x.shape, dtype=quant.FP8_DTYPE), x.new_empty(_act_scale_shape(x, block), dtype=torch.float32)
 
 
@@ -90,6 +91,7 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 @quantize_static.register_fake
 def _(x, scale):
+    check_static_scale(scale)  # (its value is not read from a FakeTensor)
     return x.new_empty(x.shape, dtype=quant.FP8_DTYPE)
 
 
@@ -103,14 +105,21 @@ def dequantize(
     input_scale: Optional[torch.Tensor] = None,
     act_block: Optional[list[int]] = None,
 ) -> torch.Tensor:
-    check_block(block, "block")
-    if q.dim() >= 2:
-        _check_scale_size("fp8fx.dequantize", "scale", scale, f"a {list(q.shape)} weight", q.shape, block)
+    _check_dequantize_args(q, scale, block)
     return quant.dequantize(q, scale, block, dtype).contiguous()
+
+
+def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, block) -> None:
+    check_block(block, "block")
+    if q.dim() < 2:
+        raise ValueError(f"fp8fx.dequantize: q has shape {list(q.shape)}; it dequantizes a [N, K] weight (or experts' "
+                         "[E, N, K])")
+    _check_scale_size("fp8fx.dequantize", "scale", scale, f"a {list(q.shape)} weight", q.shape, block)
 
 
 @dequantize.register_fake
 def _(q, scale, block, dtype, input_scale=None, act_block=None):
+    _check_dequantize_args(q, scale, block)
     return q.new_empty(q.shape, dtype=dtype)
 
 
@@ -173,8 +182,7 @@ def _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_
 
 @scaled_mm.register_fake
 def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
-    torch._check(xq.shape[-1] == wq.shape[-1], lambda: f"fp8fx.scaled_mm: K mismatch {xq.shape} vs {wq.shape}")
-    _check_bias(bias, wq.shape[0], "fp8fx.scaled_mm")
+    _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)
     return xq.new_empty((*xq.shape[:-1], wq.shape[0]), dtype=out_dtype)
 
 
@@ -455,6 +463,7 @@ def gated_mlp(
 def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act, h_dtype,
       out_dtype, use_fast_accum=False):
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
+    _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
     return xq.new_empty((*xq.shape[:-1], w2.shape[0]), dtype=out_dtype)
 
 
@@ -513,10 +522,7 @@ def weight_only_mm(
 
 @weight_only_mm.register_fake
 def _(x, wq, w_scale, bias, w_block):
-    check_block(w_block, "w_block")
-    _check_weight_only_x(x)
-    torch._check(x.shape[-1] == wq.shape[-1], lambda: f"fp8fx.weight_only_mm: K mismatch {x.shape} vs {wq.shape}")
-    _check_bias(bias, wq.shape[0], "fp8fx.weight_only_mm")
+    _check_weight_only_args(x, wq, w_scale, bias, w_block)
     return x.new_empty((*x.shape[:-1], wq.shape[0]))
 
 
@@ -634,7 +640,8 @@ def fused_moe(
 @fused_moe.register_fake
 def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
       a2_scale=None, use_fast_accum=False):
-    _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
+    _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale,
+                    out_dtype)
     return x.new_empty((x.shape[0], w2.shape[1]), dtype=out_dtype)
 
 

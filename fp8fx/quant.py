@@ -82,7 +82,10 @@ def cast_to_fp8(x: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
-    """q = saturate(x / scale) with ``scale`` given per tile (static quantization)."""
+    """q = saturate(x / scale) with ``scale`` given per tile (static quantization). The codes are those of the
+    float32 quotient by the float32 scale, rounded to nearest even: where x * 448 / amax is an exact tie between two
+    fp8 values, the rounded scale can put the quotient a float32 ulp to one side, and the code is that side's
+    (86 of 1.14M codes of random bf16 tiles, each one fp8 step; fp8fx's kernels make the same codes)."""
     return cast_to_fp8(x.float() / expand_scale(scale.float(), x.shape, block))
 
 

@@ -291,3 +291,38 @@ def test_cuda_edge_operands_match_the_cpu():
         y = torch.ops.fp8fx.fused_moe(x, torch.ones(3, 2, device="cuda"), ids, w13, torch.ones(e, device="cuda"), w2,
                                       torch.ones(e, device="cuda"), [-1, -1], [1, -1], torch.bfloat16)
         assert y.shape == (3, h) and not y.any()
+
+
+def test_fakes_refuse_what_the_real_impls_refuse():
+    """Each op's fake impl runs its real impls' argument checks: torch.compile fails while it traces the call, with the
+    real impl's message, where it compiled the frame and failed only when the graph ran (a wrong w_scale size, a
+    16-bit xq, an integer out_dtype, a 3-D weight, ...)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    _, wq, ws = _weights()
+    xq, xs = quant.quantize(torch.randn(5, 96), [1, -1])
+    h = torch.randn(1, 96, dtype=torch.bfloat16)
+    w2q, w2s = quant.quantize(torch.randn(96, 32), [1, -1])
+    f = torch.ops.fp8fx
+    cases = [
+        (f.scaled_mm.default, (xq, xs, wq, ws[:3], None, [1, -1], [1, -1], torch.bfloat16), r"w_scale has 3 elements"),
+        (f.scaled_mm.default, (h, xs, wq, ws, None, [1, -1], [1, -1], torch.bfloat16), r"xq is torch.bfloat16"),
+        (f.scaled_mm.default, (xq, xs, wq, ws, None, [1, -1], [1, -1], torch.int32), r"out_dtype=torch.int32"),
+        (f.scaled_mm.default, (xq, xs, wq.reshape(64, 96, 1), ws, None, [1, -1], [1, -1], torch.bfloat16),
+         r"must be a torch.float8_e4m3fn \[N, K\] matrix"),
+        (f.quantize_static.default, (h, torch.ones(4)), r"must have one element"),
+        (f.quantize.default, (h, [-2, 4]), r"block=\[-2, 4\] is not a block"),
+        (f.dequantize.default, (wq, ws[:3], [1, -1], torch.bfloat16), r"scale has 3 elements"),
+        (f.dequantize.default, (wq[0], ws, [1, -1], torch.bfloat16), r"q has shape \[96\]"),
+        (f.weight_only_mm.default, (h, wq, ws[:3], None, [1, -1]), r"w_scale has 3 elements"),
+        (f.fused_moe.default, (torch.randn(2, 96), torch.ones(2, 1), torch.zeros(2, 1), wq.reshape(1, 64, 96),
+                               ws.reshape(1, 64, 1), w2q.reshape(1, 96, 32), w2s.reshape(1, 96, 1),
+                               [1, -1], [1, -1], torch.float32), r"topk_ids is torch.float32"),
+    ]
+    for op, args, match in cases:
+        with pytest.raises(ValueError, match=match):
+            op(*args)  # the real impl
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode:
+            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            with pytest.raises(ValueError, match=match):
+                op(*fake)
