@@ -31,7 +31,7 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
 from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, kv_scale_target
-from fp8fx.weights.kv_cache import kv_slot_error, outermost_attentions
+from fp8fx.weights.kv_cache import check_kv_scale_layout, kv_slot_error, outermost_attentions
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.moe import is_quantized_experts
 from fp8fx.weights.quantize import check_ignored_layers
@@ -339,6 +339,10 @@ class _Loader:
         if kv is not None:
             owner = attention_owner(kv[0], self.modules)
             if owner is not None:
+                try:  # from the header: a per-head scale is refused before any tensor is read
+                    check_kv_scale_layout(name, entry.shape, entry.dtype)
+                except ValueError as e:
+                    raise CheckpointError(str(e)) from None
                 key = (owner, kv[1])
                 if key in self.kv_entries:
                     raise CheckpointError(

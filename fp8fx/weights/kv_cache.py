@@ -60,15 +60,21 @@ def attention_owner(owner: str, modules: Mapping[str, nn.Module]) -> Optional[st
     return owner if owner in modules and is_attention(modules[owner]) else None
 
 
-def check_kv_scale(name: str, value: torch.Tensor) -> float:
-    """The scale as a float; ValueError naming ``name`` unless it is one positive finite float."""
-    if value.numel() != 1:
+def check_kv_scale_layout(name: str, shape, dtype: torch.dtype) -> None:
+    """ValueError naming ``name`` unless a tensor of ``shape`` and ``dtype`` can be a KV-cache scale (one float):
+    what the loader checks from a checkpoint's header, before it reads any tensor."""
+    if math.prod(shape) != 1:
         raise ValueError(
-            f"{name}: a KV-cache scale is one value, got shape {list(value.shape)}; the checkpoint must hold "
+            f"{name}: a KV-cache scale is one value, got shape {list(shape)}; the checkpoint must hold "
             "one scale per attention layer (per-head KV scales are not supported)"
         )
-    if not value.dtype.is_floating_point:
-        raise ValueError(f"{name}: dtype {value.dtype} is not a float; KV-cache scales are float32/bf16/fp16")
+    if not dtype.is_floating_point:
+        raise ValueError(f"{name}: dtype {dtype} is not a float; KV-cache scales are float32/bf16/fp16")
+
+
+def check_kv_scale(name: str, value: torch.Tensor) -> float:
+    """The scale as a float; ValueError naming ``name`` unless it is one positive finite float."""
+    check_kv_scale_layout(name, value.shape, value.dtype)
     scale = value.float().item()
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(

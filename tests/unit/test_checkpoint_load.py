@@ -620,6 +620,26 @@ def test_kv_scale_addressed_to_a_module_that_is_not_an_attention_is_refused(tmp_
     assert snapshot(model) == snap
 
 
+def test_per_head_kv_scales_are_refused_before_reading(tmp_path, monkeypatch):
+    """A per-head k_scale ([4]) or an integer one: refused from the checkpoint's header, before any tensor is read (it
+    was refused after streaming the tensors before it), the model unchanged."""
+    import fp8fx.checkpoint.load as load_mod
+
+    for value, match in [(torch.ones(4), r"self_attn\.k_scale: a KV-cache scale is one value, got shape \[4\]"),
+                         (torch.ones((), dtype=torch.int32), r"self_attn\.k_scale: dtype torch\.int32 is not a float")]:
+        tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+        qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+        tensors["model.layers.1.self_attn.k_scale"] = value
+        path = write_checkpoint(tmp_path / str(value.dtype), tensors, qc)
+        model = meta_tiny()
+        snap = snapshot(model)
+        with monkeypatch.context() as m:
+            m.setattr(load_mod, "read_tensor", lambda *a, **k: pytest.fail("a tensor was read"))
+            with pytest.raises(CheckpointError, match=match):
+                load_checkpoint(model, path, progress=False)
+        assert snapshot(model) == snap
+
+
 def test_no_kv_scheme_no_kv_scales(tmp_path):
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
     model = meta_tiny()
