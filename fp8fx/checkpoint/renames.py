@@ -174,3 +174,31 @@ def with_stored_ignores(config: Fp8Config, sources: Mapping[str, tuple[str, ...]
 def stored(name: str, sources: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:
     """The checkpoint's names of module (or tensor owner) ``name``: one, or several a rename merged."""
     return sources.get(name, (name,))
+
+
+def hub_expert_leaves(model: nn.Module) -> Optional[dict[str, str]]:
+    """The per-expert leaf names of ``model``'s hub checkpoints where transformers' conversion mapping fuses them
+    into its experts (Mixtral: ``{"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}``), or None (no such
+    converters, no transformers, or an API it no longer has: the internal ``conversion_mapping`` /
+    ``core_model_loading`` of transformers 5)."""
+    try:
+        from transformers import PreTrainedModel, conversion_mapping, core_model_loading
+
+        converter = core_model_loading.WeightConverter
+        if not isinstance(model, PreTrainedModel):
+            return None
+        transforms = conversion_mapping.get_model_conversion_mapping(model, add_legacy=True)
+    except Exception:  # noqa: BLE001 - no transformers, or its internals moved: no names to compare
+        return None
+    leaves: dict[str, str] = {}
+    for t in transforms:
+        if not isinstance(t, converter) or not t.target_patterns:
+            continue
+        found = [re.search(r"experts\.\*\.(\w+)\.weight", str(src)) for src in t.source_patterns]
+        names = [m.group(1) for m in found if m]
+        target = str(t.target_patterns[0])
+        if target.endswith("experts.gate_up_proj") and len(names) == 2:
+            leaves["gate_proj"], leaves["up_proj"] = names
+        elif target.endswith("experts.down_proj") and len(names) == 1:
+            leaves["down_proj"] = names[0]
+    return leaves or None

@@ -52,7 +52,10 @@ def save_checkpoint(
     ``input_scale``, ``up_proj``, ``down_proj``; w13's per-tensor scale of an expert is written for both
     gate and up) or ``"fused"`` (under the module's own names: ``gate_up_proj`` [E, 2I, H] and its scales,
     ``fp8fx.checkpoint.experts``); the config names them as it names linear layers. Experts modules left in
-    high precision are written fused either way.
+    high precision are written fused either way. Models whose hub checkpoints name experts otherwise (Mixtral:
+    ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2``) get these names all the same, with a warning: they load
+    back through ``fp8fx.load_checkpoint``, not in transformers or vLLM (``fp8fx convert`` keeps a checkpoint's
+    own names).
     """
     if experts not in ("per-expert", "fused"):
         raise ValueError(f"save_checkpoint: experts={experts!r} is not 'per-expert' or 'fused'")
@@ -69,6 +72,14 @@ def save_checkpoint(
     path = os.fspath(path)
     schemes = {f: layer_scheme(m) for f, m in model.named_modules() if is_quantized(m)}
     quantized_experts = {f: m for f, m in model.named_modules() if moe.is_quantized_experts(m)}
+    hub = renames.hub_expert_leaves(model) if quantized_experts and experts == "per-expert" else None
+    if hub and any(hub.get(leaf, leaf) != leaf for leaf in ("gate_proj", "up_proj", "down_proj")):
+        log.warning(
+            "fp8fx: save_checkpoint writes %s's experts per expert as <experts>.<e>.gate_proj / up_proj / down_proj, "
+            "but its hub checkpoints name them %s: fp8fx.load_checkpoint reads this checkpoint back, transformers "
+            "and vLLM will not find the experts; fp8fx convert, from the original checkpoint, writes its names",
+            type(model).__name__, "/".join(hub[leaf] for leaf in ("gate_proj", "up_proj", "down_proj") if leaf in hub),
+        )
     for f, m in quantized_experts.items():  # named as the checkpoint names them (compressed-tensors targets)
         names = moe_ckpt.per_expert_modules(f, m) if experts == "per-expert" else [f]
         schemes.update({n: moe.experts_scheme(m) for n in names})
@@ -246,7 +257,7 @@ def convert(
         raise ValueError(f"convert: dst {dst} is src; write the fp8 checkpoint to a new directory")
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise ValueError(f"convert: dst {dst} is a file; pass a new or empty directory")
-    if os.path.isdir(dst) and any(f.endswith(".safetensors") for f in os.listdir(dst)):
+    if os.path.isdir(dst) and any(f.endswith((".safetensors", INDEX_SUFFIX)) for f in os.listdir(dst)):
         raise ValueError(f"convert: {dst} already holds safetensors files; pass an empty or new directory")
     config_json = read_config(src)
     if config_json.get("quantization_config") is not None:

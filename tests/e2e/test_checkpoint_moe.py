@@ -53,3 +53,23 @@ def test_moe_checkpoint_outputs_and_roundtrip(tmp_path, name, granularity, namin
     assert_same_state(model, again)
     with torch.no_grad():
         assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+
+@pytest.mark.parametrize("name,warned", [("mixtral", True), ("qwen3_moe", False)])
+def test_per_expert_save_warns_where_the_hub_names_experts_otherwise(tmp_path, name, warned, caplog):
+    """Mixtral's hub checkpoints name experts block_sparse_moe.experts.<e>.w1 / w3 / w2; save_checkpoint writes
+    gate_proj / up_proj / down_proj, which transformers and vLLM do not map (transformers loaded random experts, no
+    error): a warning says so, naming the hub's names. Qwen3-MoE's are the ones written: no warning."""
+    import logging
+
+    import fp8fx
+
+    cfg = moe_config(name, layers=1)
+    model = reference_model(cfg)
+    fp8fx.quantize_(model)
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        save_checkpoint(model, tmp_path / "saved")
+    text = "transformers and vLLM will not find the experts"
+    assert (text in caplog.text) == warned, caplog.text
+    if warned:
+        assert "name them w1/w3/w2" in caplog.text

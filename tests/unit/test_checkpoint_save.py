@@ -341,6 +341,10 @@ def test_convert_refuses(tmp_path):
         convert(src, tmp_path / "out", fp8fx.Fp8Config(activation_scheme="static"), model=meta_tiny())
     with pytest.raises(ValueError, match="already holds safetensors files"):
         convert(src, fp8, model=meta_tiny())
+    (tmp_path / "stale").mkdir()  # an index left from another save: the new shards would be read through it
+    (tmp_path / "stale" / "model.safetensors.index.json").write_text("{}")
+    with pytest.raises(ValueError, match="already holds safetensors files"):
+        convert(src, tmp_path / "stale", model=meta_tiny())
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ValueError, match=r"convert: dst .*a_file is a file; pass a new or empty directory"):
         convert(src, tmp_path / "a_file", model=meta_tiny())  # it was "[Errno 17] File exists"
