@@ -26,6 +26,9 @@ from fp8fx.weights.linear import is_quantized, layer_scheme
 
 log = logging.getLogger("fp8fx")
 
+# an fp8 experts module's tensors that per-expert names replace
+_EXPERT_LEAVES = {base + suffix for base in (moe.W13, moe.W2) for suffix in ("", "_scale", "_scale_inv", "_input_scale")}
+
 INDEX = "model" + INDEX_SUFFIX
 _PICKLES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
 
@@ -44,7 +47,9 @@ def save_checkpoint(
     and ``config.json`` with its ``quantization_config``, which it returns.
 
     ``format``: ``"fp8"`` (per-tensor ``weight_scale`` or ``weight_scale_inv`` blocks, one scheme for all
-    layers), ``"compressed-tensors"`` (any mix; block scales are named ``weight_scale``), or None: the
+    layers: vLLM's own format; transformers reads only its block variant, FineGrainedFP8, and takes a per-tensor
+    one's fp8 values unscaled - save per-tensor models for transformers as compressed-tensors),
+    ``"compressed-tensors"`` (any mix; block scales are named ``weight_scale``), or None: the
     format the model was loaded from, else ``fp8`` when it can express the model. ``config_json``: the rest
     of ``config.json`` (default: an HF model's ``model.config``, else the loaded checkpoint's).
     ``experts``: how quantized experts modules are written: ``"per-expert"`` (default; the names of HF hub
@@ -109,11 +114,10 @@ def save_checkpoint(
     split = dict(quantized_experts) if experts == "per-expert" else {}
     block_leaf = "weight_scale" if qc["quant_method"] == "compressed-tensors" else "weight_scale_inv"
     for name, t in model.state_dict().items():
-        owner = name.rpartition(".")[0]
-        if owner in split:  # all of the module's tensors at its first one
-            tensors.update(moe_ckpt.per_expert_tensors(owner, split.pop(owner), block_leaf))
-            continue
-        if owner in quantized_experts and experts == "per-expert":
+        owner, _, leaf = name.rpartition(".")
+        if owner in quantized_experts and experts == "per-expert" and leaf in _EXPERT_LEAVES:
+            if owner in split:  # all of its expert tensors at the first of them; any other tensor of it as it is
+                tensors.update(moe_ckpt.per_expert_tensors(owner, split.pop(owner), block_leaf))
             continue
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if key in seen and t.numel():  # tied weights are stored once, under their first name

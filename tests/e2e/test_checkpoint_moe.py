@@ -73,3 +73,22 @@ def test_per_expert_save_warns_where_the_hub_names_experts_otherwise(tmp_path, n
     assert (text in caplog.text) == warned, caplog.text
     if warned:
         assert "name them w1/w3/w2" in caplog.text
+
+
+def test_per_expert_save_keeps_the_experts_modules_other_tensors(tmp_path):
+    """Per-expert names replace an fp8 experts module's expert tensors; a tensor of its own besides them (a buffer)
+    was dropped, and the checkpoint then failed to load ("missing from the checkpoint")."""
+    import fp8fx
+
+    cfg = moe_config("qwen3_moe", layers=1)
+    model = reference_model(cfg)
+    experts = model.model.layers[0].mlp.experts
+    n = experts.gate_up_proj.shape[0]
+    experts.register_buffer("expert_scale", torch.arange(n, dtype=torch.float32) + 1)
+    fp8fx.quantize_(model)
+    save_checkpoint(model, tmp_path / "saved")
+    again = meta_model(tmp_path / "saved")
+    again.model.layers[0].mlp.experts.register_buffer("expert_scale", torch.zeros(n, device="meta"))
+    load_checkpoint(again, tmp_path / "saved", progress=False)
+    assert torch.equal(again.model.layers[0].mlp.experts.expert_scale, torch.arange(n, dtype=torch.float32) + 1)
+    assert_same_state(model, again)
