@@ -186,6 +186,19 @@ def gemv_candidates(k: int) -> list[dict]:
     return out
 
 
+def _duel(label: str, runs: dict, bytes_: int, rounds: int) -> dict:
+    """Each of ``runs`` timed as CUDA-graph replays in ``rounds`` interleaved rounds (every other round in reverse
+    order); prints and returns the medians, with the bandwidth on ``bytes_``."""
+    times = {name: [] for name in runs}
+    for r in range(rounds):
+        for name in (list(runs) if r % 2 else list(runs)[::-1]):
+            times[name].append(time_ms(runs[name], True))
+    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    print(f"{label}: " + ", ".join(f"{name} {t:.4f} ms ({bytes_ / t / 1e9:.2f} TB/s)" for name, t in med.items()),
+          flush=True)
+    return med
+
+
 def sweep_gemv_blocks(shapes, rounds=5):
     """M = 1 with 1x128 activation groups and 128x128 weight blocks (DeepSeek-V3 style): GEMV tiles against the
     tensor-core block kernel (``mma_tile_config``, BLOCK_K = the group), interleaved rounds, graph replays."""
@@ -204,15 +217,8 @@ def sweep_gemv_blocks(shapes, rounds=5):
         results.sort(key=lambda r: r[0])
         print(f"{name} M=1 blocks GEMV sweep: " + " ; ".join(f"{t:.4f} {c}" for t, c in results[:4]), flush=True)
         best = results[0][1]
-        runs = {"gemv best": lambda: gemm(best), "gemv default": lambda: gemm(None),
-                "mma block tile": lambda: gemm(mma_tile_config(1, n, k))}
-        times = {label: [] for label in runs}
-        for r in range(rounds):
-            for label in (list(runs) if r % 2 else list(runs)[::-1]):
-                times[label].append(time_ms(runs[label], True))
-        med = {label: sorted(t)[len(t) // 2] for label, t in times.items()}
-        print(f"{name} M=1 blocks [{n}x{k}]: " + ", ".join(f"{label} {t:.4f} ms ({n * k / t / 1e9:.2f} TB/s)"
-                                                       for label, t in med.items()), flush=True)
+        _duel(f"{name} M=1 blocks [{n}x{k}]", {"gemv best": lambda: gemm(best), "gemv default": lambda: gemm(None),
+                                               "mma block tile": lambda: gemm(mma_tile_config(1, n, k))}, n * k, rounds)
 
 
 def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5):
@@ -221,16 +227,6 @@ def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5):
     GEMV (h quantized as loaded) against its tensor-core down tile, the same way. CUDA-graph replays, L2 clean."""
     from fp8fx.kernels import fp8_gemm as kernels
     from fp8fx.kernels.gated_mlp import down_tile_config, gated_mlp
-
-    def duel(label, runs: dict, bytes_: int):
-        times = {name: [] for name in runs}
-        for r in range(rounds):
-            for name in (list(runs) if r % 2 else list(runs)[::-1]):
-                times[name].append(time_ms(runs[name], True))
-        med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
-        print(f"{label}: " + ", ".join(f"{name} {t:.4f} ms ({bytes_ / t / 1e9:.2f} TB/s)" for name, t in med.items()),
-              flush=True)
-        return med
 
     for name, (n, k) in shapes.items():
         wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])
@@ -249,11 +245,11 @@ def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5):
               flush=True)
         best = results[0][1]
         ws_row = ws.reshape(1, -1).contiguous()
-        duel(f"{name} M=1 [{n}x{k}]", {
+        _duel(f"{name} M=1 [{n}x{k}]", {
             "gemv best": lambda: gemm(best), "gemv default": lambda: gemm(gemv_config(n, k)),
             "mma tile": lambda: gemm(mma_tile_config(1, n, k)),
             "cuBLAS": lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16)},
-            n * k)
+            n * k, rounds)
 
     (xq, xs), w1, w3, w2 = _gated_problem(1, dim, hidden)
     run = lambda c2: gated_mlp(  # noqa: E731
@@ -270,10 +266,10 @@ def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5):
     print(f"fused MLP M=1, down GEMM as GEMV ({len(results)} ran): "
           + " ; ".join(f"{t:.4f} {c}" for t, c in results[:5]), flush=True)
     best = results[0][1]
-    duel("fused MLP M=1 (whole op)", {"gemv best": lambda: run(best),
+    _duel("fused MLP M=1 (whole op)", {"gemv best": lambda: run(best),
                                        "gemv default": lambda: run(down_tile_config(1, dim, hidden)),
                                        "mma down": lambda: run(down_tile_config(1, dim, hidden, gemv=False))},
-         3 * dim * hidden)
+          3 * dim * hidden, rounds)
 
 
 def gated_ncu(ms=(1, 16), dim=4096, hidden=14336):
