@@ -608,7 +608,8 @@ class _Loader:
             # kv_cache_scheme, or, in the fp8 format (which has no such field), the scales themselves; other
             # scales complete only their own layer (vLLM reads them only for an fp8 KV cache it is asked for).
             # Attentions inside another attention (BERT's BertSelfAttention) get none of their own.
-            owners = list(self.kv) + [f for f in outermost_attentions(self.modules) if self.kv_declared and f not in self.kv]
+            declared = outermost_attentions(self.modules) if self.kv_declared else []
+            owners = list(self.kv) + [f for f in declared if f not in self.kv]
             for fqn in owners:
                 scales = self.kv.setdefault(fqn, {})
                 present = [name for name in DEFAULTED if name in scales]
