@@ -60,7 +60,8 @@ def save_checkpoint(
     high precision are written fused either way. Models whose hub checkpoints name experts otherwise (Mixtral:
     ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2``) get these names all the same, with a warning: they load
     back through ``fp8fx.load_checkpoint``, not in transformers or vLLM (``fp8fx convert`` keeps a checkpoint's
-    own names).
+    own names). Names are written without the ``_orig_mod.`` of torch.compile wrappers (of the model or of
+    submodules).
     """
     if experts not in ("per-expert", "fused"):
         raise ValueError(f"save_checkpoint: experts={experts!r} is not 'per-expert' or 'fused'")
@@ -75,8 +76,11 @@ def save_checkpoint(
         raise ValueError(f"save_checkpoint: {path} already holds a checkpoint (safetensors or an index); "
                          "pass an empty or new directory")
     path = os.fspath(path)
-    schemes = {f: layer_scheme(m) for f, m in model.named_modules() if is_quantized(m)}
-    quantized_experts = {f: m for f, m in model.named_modules() if moe.is_quantized_experts(m)}
+    # modules by the names they are saved under: a torch.compile wrapper of a submodule puts "_orig_mod." in its
+    # module's names, which nothing loads (the wrappers hold nothing of their own)
+    modules = {_unwrapped(f): m for f, m in model.named_modules() if compat.compiled_module(m) is m}
+    schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}
+    quantized_experts = {f: m for f, m in modules.items() if moe.is_quantized_experts(m)}
     hub = renames.hub_expert_leaves(model) if quantized_experts and experts == "per-expert" else None
     if hub and any(hub.get(leaf, leaf) != leaf for leaf in ("gate_proj", "up_proj", "down_proj")):
         log.warning(
@@ -93,13 +97,13 @@ def save_checkpoint(
             "save_checkpoint: the model has no fp8fx-quantized layer; quantize_ it or load_checkpoint first"
         )
     unprocessed = [
-        f for f, m in model.named_modules() if (f in schemes or f in quantized_experts) and not m._fp8fx_processed
+        f for f, m in modules.items() if (f in schemes or f in quantized_experts) and not m._fp8fx_processed
     ]
     if unprocessed:
         raise ValueError(f"{unprocessed[0]}: weights not processed yet; run process_weights_after_loading first")
     # linear layers and experts modules in high precision (experts are saved fused, under their own names)
     ignored = [
-        f for f, m in model.named_modules() if (isinstance(m, nn.Linear) or moe.is_experts(m)) and f not in schemes
+        f for f, m in modules.items() if (isinstance(m, nn.Linear) or moe.is_experts(m)) and f not in schemes
         and f not in quantized_experts
     ]
     source = getattr(model, "_fp8fx_source", {})
@@ -110,23 +114,25 @@ def save_checkpoint(
     qc = formats.quantization_config(schemes, ignored, kv, fmt)
 
     tensors: dict[str, torch.Tensor] = {}
+    origin: dict[str, str] = {}  # saved name -> the state_dict name it comes from
     seen: set[tuple] = set()
     split = dict(quantized_experts) if experts == "per-expert" else {}
     block_leaf = "weight_scale" if qc["quant_method"] == "compressed-tensors" else "weight_scale_inv"
-    for name, t in model.state_dict().items():
+    for raw, t in model.state_dict().items():
+        name = _unwrapped(raw)
         owner, _, leaf = name.rpartition(".")
         if owner in quantized_experts and experts == "per-expert" and leaf in _EXPERT_LEAVES:
             if owner in split:  # all of its expert tensors at the first of them; any other tensor of it as it is
-                tensors.update(moe_ckpt.per_expert_tensors(owner, split.pop(owner), block_leaf))
+                for n, v in moe_ckpt.per_expert_tensors(owner, split.pop(owner), block_leaf).items():
+                    _put(tensors, origin, n, v, raw)
             continue
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if key in seen and t.numel():  # tied weights are stored once, under their first name
             continue
         seen.add(key)
-        owner, _, leaf = name.rpartition(".")
         if leaf == "weight_scale_inv" and qc["quant_method"] == "compressed-tensors":
             name = f"{owner}.weight_scale"
-        tensors[name] = t.detach()
+        _put(tensors, origin, name, t.detach(), raw)
     if config_json is None:
         hf = getattr(model, "config", None)
         config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})
@@ -148,6 +154,23 @@ def save_checkpoint(
         raise
     log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
     return qc
+
+
+def _unwrapped(name: str) -> str:
+    """``name`` without the ``_orig_mod`` components of torch.compile wrappers (``layers.0._orig_mod.mlp``)."""
+    return ".".join(p for p in name.split(".") if p != "_orig_mod")
+
+
+def _put(tensors: dict, origin: dict, name: str, t: torch.Tensor, raw: str) -> None:
+    """``tensors[name] = t``, refusing a name another tensor already took (two modules that differ only by a
+    torch.compile wrapper's ``_orig_mod``)."""
+    if name in tensors:
+        raise ValueError(
+            f"save_checkpoint: {origin[name]} and {raw} would both be saved as {name} (names are written without "
+            "torch.compile's _orig_mod. components); rename one of the modules, or save the model before compiling "
+            "its submodules (nothing was written)"
+        )
+    tensors[name], origin[name] = t, raw
 
 
 def _split(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

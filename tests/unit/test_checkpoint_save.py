@@ -369,3 +369,38 @@ def test_save_arguments_and_a_compiled_model(tmp_path):
     save_checkpoint(torch.compile(model), tmp_path / "compiled")
     names = read_checkpoint(tmp_path / "compiled")[1]
     assert names and not any(n.startswith("_orig_mod.") for n in names)
+
+
+def test_a_compiled_submodule_is_saved_under_the_models_names(tmp_path):
+    """model.model.layers[0] = torch.compile(layer): its tensors were saved as model.layers.0._orig_mod.*, which no
+    model loads, and so were its layers in the ignore list; now under the uncompiled model's names, which load."""
+    model = quantized_tiny(fp8fx.Fp8Config(ignored_layers=["model.layers.0.mlp.down_proj", "lm_head"]))
+    with torch.no_grad():
+        expected = model(IDS)
+    state = {k.replace("._orig_mod", ""): v for k, v in model.state_dict().items()}
+    model.model.layers[0] = torch.compile(model.model.layers[0])
+    qc = save_checkpoint(model, tmp_path / "saved")
+    assert qc["ignore"] == ["model.layers.0.mlp.down_proj", "lm_head"]
+    assert not any("_orig_mod" in n for n in read_checkpoint(tmp_path / "saved")[1])
+    loaded = meta_tiny()
+    report = load_checkpoint(loaded, tmp_path / "saved", progress=False)
+    assert "model.layers.0.self_attn.q_proj" in report.quantized
+    assert loaded.state_dict().keys() == state.keys()
+    for name, t in loaded.state_dict().items():
+        assert t.dtype == state[name].dtype and torch.equal(t.view(torch.uint8), state[name].view(torch.uint8)), name
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS), expected)
+
+
+def test_names_that_collide_without_orig_mod_are_refused(tmp_path):
+    """A module's proj and its child _orig_mod's proj would be saved under one name: refused, naming both."""
+    inner = torch.nn.Module()
+    inner.proj, inner._orig_mod = torch.nn.Linear(64, 64, bias=False), torch.nn.Module()
+    inner._orig_mod.proj = torch.nn.Linear(64, 64, bias=False)
+    model = torch.nn.Module()
+    model.inner = inner
+    fp8fx.quantize_(model.bfloat16())
+    with pytest.raises(ValueError, match=r"inner\.proj\.weight and inner\._orig_mod\.proj\.weight would both be "
+                                         r"saved as inner\.proj\.weight .*rename one of the modules.*nothing was written"):
+        save_checkpoint(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
