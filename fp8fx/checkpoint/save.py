@@ -7,7 +7,7 @@ import json
 import logging
 import os
 import shutil
-from typing import Any, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -28,6 +28,7 @@ log = logging.getLogger("fp8fx")
 
 # an fp8 experts module's tensors that per-expert names replace
 _EXPERT_LEAVES = {base + suffix for base in (moe.W13, moe.W2) for suffix in ("", "_scale", "_scale_inv", "_input_scale")}
+_SCALES = ("weight_scale", "weight_scale_inv", "input_scale")  # a linear's, dropped where it is written dequantized
 
 INDEX = "model" + INDEX_SUFFIX
 _PICKLES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
@@ -61,7 +62,10 @@ def save_checkpoint(
     ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2``) get these names all the same, with a warning: they load
     back through ``fp8fx.load_checkpoint``, not in transformers or vLLM (``fp8fx convert`` keeps a checkpoint's
     own names). Names are written without the ``_orig_mod.`` of torch.compile wrappers (of the model or of
-    submodules).
+    submodules). An fp8 layer fused by engines with layers left in high precision (``q_proj`` of a ``k_proj`` /
+    ``v_proj`` a weight block does not divide; the groups of ``fp8fx.checkpoint.load.FUSED``) is written in high
+    precision (dequantized), in the ignore list with them, with a warning: vLLM refuses a fused layer of two
+    precisions.
     """
     if experts not in ("per-expert", "fused"):
         raise ValueError(f"save_checkpoint: experts={experts!r} is not 'per-expert' or 'fused'")
@@ -101,6 +105,13 @@ def save_checkpoint(
     ]
     if unprocessed:
         raise ValueError(f"{unprocessed[0]}: weights not processed yet; run process_weights_after_loading first")
+    demoted = _split_groups(modules, schemes)
+    for f in demoted:
+        del schemes[f]
+    if not schemes:
+        raise ValueError(f"save_checkpoint: every fp8 layer of the model ({', '.join(demoted)}) is in a fused group "
+                         "whose other layers stay in high precision, and would be written in high precision; "
+                         "quantize with a scheme the whole group takes (nothing was written)")
     # linear layers and experts modules in high precision (experts are saved fused, under their own names)
     ignored = [
         f for f, m in modules.items() if (isinstance(m, nn.Linear) or moe.is_experts(m)) and f not in schemes
@@ -126,10 +137,14 @@ def save_checkpoint(
                 for n, v in moe_ckpt.per_expert_tensors(owner, split.pop(owner), block_leaf).items():
                     _put(tensors, origin, n, v, raw)
             continue
+        if owner in demoted and leaf in _SCALES:
+            continue
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.dtype)
         if key in seen and t.numel():  # tied weights are stored once, under their first name
             continue
         seen.add(key)
+        if owner in demoted and leaf == "weight":
+            t = modules[owner].weight  # the fp8 layer's dequantized view, in its own dtype
         if leaf == "weight_scale_inv" and qc["quant_method"] == "compressed-tensors":
             name = f"{owner}.weight_scale"
         _put(tensors, origin, name, t.detach(), raw)
@@ -171,6 +186,48 @@ def _put(tensors: dict, origin: dict, name: str, t: torch.Tensor, raw: str) -> N
             "its submodules (nothing was written)"
         )
     tensors[name], origin[name] = t, raw
+
+
+def _fused_groups(names: Iterable[str]) -> list[list[str]]:
+    """Sibling layers that engines run as one (``FUSED``: one parent's q/k/v_proj, gate/up_proj), two or more."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for name in names:
+        parent, _, child = name.rpartition(".")
+        for fused, parts in FUSED.items():
+            if child in parts:
+                groups.setdefault((parent, fused), []).append(name)
+    return [members for members in groups.values() if len(members) > 1]
+
+
+def _split_groups(modules: Mapping[str, nn.Module], schemes: Mapping[str, Any]) -> list[str]:
+    """The fp8 linears to write in high precision: those of a fused group (``_fused_groups``) with members left in
+    high precision (k/v_proj a weight block does not divide): vLLM refuses a layer it fuses from shards of two
+    precisions ("some but not all shards ... are quantized") and loads one the ignore list names whole. Members
+    quantized with different schemes, which vLLM refuses as well, are refused here."""
+    demoted: list[str] = []
+    why: list[str] = []
+    for group in _fused_groups(f for f, m in modules.items() if isinstance(m, nn.Linear)):
+        quantized = [f for f in group if f in schemes]
+        kept = [f for f in group if f not in schemes]
+        if quantized and kept:
+            demoted += quantized
+            reason = getattr(modules[kept[0]]._parameters.get("weight"), "_fp8fx_skip_reason", None)
+            why.append(f"{kept[0]}: {reason or 'not quantized'}")
+        elif len({schemes[f] for f in quantized}) > 1:
+            raise ValueError(
+                f"save_checkpoint: {', '.join(f'{f} ({schemes[f]})' for f in quantized)} are quantized differently, "
+                f"but engines run them as one layer of one scheme (vLLM refuses the checkpoint); quantize them with "
+                "one config (nothing was written)"
+            )
+    if demoted:
+        log.warning(
+            "fp8fx: save_checkpoint writes %s in high precision (dequantized from fp8) and in the ignore list: engines "
+            "run each as one layer with the others of its fused group, which stay in high precision (%s%s); to keep "
+            "them fp8, quantize with a scheme every layer of the group takes (e.g. a weight block dividing their "
+            "sizes)",
+            ", ".join(demoted), why[0], f"; and {len(why) - 1} more groups" if len(why) > 1 else "",
+        )
+    return demoted
 
 
 def _split(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
@@ -260,8 +317,9 @@ def convert(
     dynamic activations only). ``model``: which tensors are linear weights (default: ``meta_model(src)``,
     which needs transformers). Each linear weight is quantized on its own, with its own scale, under its
     checkpoint name (``load_checkpoint`` fuses shards). Layers the config ignores, tied weights and
-    weights a block does not divide stay bf16 and go to the new config's ignore list. Output files
-    mirror the input's; other files of ``src`` (tokenizer, ...) are copied, pickles are not.
+    weights a block does not divide stay bf16 and go to the new config's ignore list, and so do the layers
+    engines fuse with them (``q_proj`` of a ``k_proj`` / ``v_proj`` kept bf16: vLLM refuses a fused layer of two
+    precisions). Output files mirror the input's; other files of ``src`` (tokenizer, ...) are copied, pickles are not.
     MoE experts (modules with 3-D ``gate_up_proj`` / ``down_proj``) are quantized per expert in the layout
     the checkpoint has: per-expert ``<experts>.<e>.gate_proj.weight`` (or ``w1`` ...) with their own
     ``weight_scale`` / ``weight_scale_inv``, or fused ``gate_up_proj`` / ``down_proj`` with
@@ -399,4 +457,9 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused) -> dict[s
         else:
             reason = ""
         plan[owner] = reason
+    for group in _fused_groups(plan):  # as save_checkpoint: a fused group is written in one precision
+        kept = [m for m in group if plan[m]]
+        for m in group if kept else ():
+            if not plan[m]:
+                plan[m] = f"fused with {kept[0]} into one layer by engines, which stays bf16: {plan[kept[0]]}"
     return plan

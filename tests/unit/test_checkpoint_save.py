@@ -1,6 +1,8 @@
 """save_checkpoint and convert: the formats and names written, and save -> load round trips that give
 identical tensors and outputs."""
+import dataclasses
 import json
+import logging
 import os
 
 import pytest
@@ -9,6 +11,7 @@ import torch
 import fp8fx
 from fp8fx.checkpoint import CheckpointError, convert, load_checkpoint, save_checkpoint
 from fp8fx.checkpoint.files import read_checkpoint, read_header
+from fp8fx.checkpoint.load import FUSED
 from tests.unit.test_checkpoint_load import (
     FP8,
     IDS,
@@ -272,6 +275,10 @@ def test_convert_then_load_equals_quantize_(tmp_path, config, method):
     load_checkpoint(loaded, dst, progress=False)
     ref = Tiny().bfloat16()
     ref.load_state_dict(state)
+    if method == "fp8":  # q_proj [64, 64] takes the block, but engines fuse it with k_proj: bf16 with it
+        q = [f"model.layers.{i}.self_attn.q_proj" for i in range(2)]
+        assert report.not_quantized[q[0]].startswith("fused with model.layers.0.self_attn.k_proj into one layer")
+        config = dataclasses.replace(config, ignored_layers=q)
     fp8fx.quantize_(ref, config)
     assert_same_state(ref, loaded)
 
@@ -371,6 +378,49 @@ def test_save_arguments_and_a_compiled_model(tmp_path):
     assert names and not any(n.startswith("_orig_mod.") for n in names)
 
 
+def test_a_fused_group_is_saved_in_one_precision(tmp_path, caplog):
+    """64x64 blocks divide q_proj [64, 64] but not k_proj / v_proj [32, 64]: quantize_ leaves q fp8 and k, v bf16,
+    and the checkpoint held them so; vLLM fuses them into qkv_proj and refuses shards of two precisions. q_proj is
+    written dequantized, the three in the ignore list (vLLM's rule per fused layer: all shards or none), with a
+    warning naming them; it loads back with q_proj in bf16 holding its dequantized weight, the rest as it was."""
+    model = quantized_tiny(fp8fx.Fp8Config(weight_block_size=[64, 64]))
+    q = [f"model.layers.{i}.self_attn.q_proj" for i in range(2)]
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        qc = save_checkpoint(model, tmp_path / "saved")
+    assert f"writes {q[0]}, {q[1]} in high precision" in caplog.text
+    assert "model.layers.0.self_attn.k_proj: weight [32, 64] is not divisible by the 64x64 block" in caplog.text
+    ignored = set(qc["ignored_layers"])
+    assert set(q) <= ignored and "model.layers.0.self_attn.o_proj" not in ignored
+    for parent in {n.rpartition(".")[0] for n in LINEARS}:
+        for parts in FUSED.values():
+            assert len({f"{parent}.{p}" in ignored for p in parts if f"{parent}.{p}" in LINEARS}) <= 1, parent
+    header = read_header(str(tmp_path / "saved" / "model.safetensors"))
+    assert header[f"{q[0]}.weight"].dtype == torch.bfloat16 and f"{q[0]}.weight_scale_inv" not in header
+    loaded = meta_tiny()
+    report = load_checkpoint(loaded, tmp_path / "saved", progress=False)
+    fp8_layers = {f for f, m in model.named_modules() if fp8fx.weights.is_quantized(m)}
+    assert set(report.quantized) == fp8_layers - set(q) and "model.layers.0.self_attn.o_proj" in report.quantized
+    for name, t in loaded.state_dict().items():
+        owner = name.rpartition(".")[0]
+        dequantized = owner in q and name.endswith(".weight")
+        expected = model.get_submodule(owner).weight if dequantized else model.state_dict()[name]
+        assert t.dtype == expected.dtype and torch.equal(t.view(torch.uint8), expected.view(torch.uint8)), name
+
+
+def test_a_fused_group_quantized_with_two_schemes_is_refused(tmp_path):
+    """vLLM runs q/k/v_proj as one layer of one scheme and refuses a checkpoint that quantizes them differently."""
+    model = Tiny().bfloat16()
+    model.load_state_dict(bf16_state())
+    attn = "model.layers.0.self_attn"
+    per_tensor = fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor())
+    for proj, config in (("q_proj", per_tensor), ("k_proj", fp8fx.Fp8Config()), ("v_proj", fp8fx.Fp8Config())):
+        fp8fx.quantize_(model.get_submodule(f"{attn}.{proj}"), config, prefix=f"{attn}.{proj}")
+    with pytest.raises(ValueError, match=rf"{attn}\.q_proj \(w:per-tensor.*\), {attn}\.k_proj \(w:per-channel.*\), "
+                                         r".* are quantized differently, .*quantize them with one config \(nothing"):
+        save_checkpoint(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
 def test_a_compiled_submodule_is_saved_under_the_models_names(tmp_path):
     """model.model.layers[0] = torch.compile(layer): its tensors were saved as model.layers.0._orig_mod.*, which no
     model loads, and so were its layers in the ignore list; now under the uncompiled model's names, which load."""
@@ -400,7 +450,7 @@ def test_names_that_collide_without_orig_mod_are_refused(tmp_path):
     model = torch.nn.Module()
     model.inner = inner
     fp8fx.quantize_(model.bfloat16())
-    with pytest.raises(ValueError, match=r"inner\.proj\.weight and inner\._orig_mod\.proj\.weight would both be "
-                                         r"saved as inner\.proj\.weight .*rename one of the modules.*nothing was written"):
+    match = r"inner\.proj\.weight and inner\._orig_mod\.proj\.weight would both be saved as inner\.proj\.weight "
+    with pytest.raises(ValueError, match=match + r".*rename one of the modules.*nothing was written"):
         save_checkpoint(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
