@@ -464,23 +464,42 @@ def quantize_fused(t: torch.Tensor, config: Fp8Config) -> tuple[torch.Tensor, to
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
+def split_reason(module: nn.Module) -> Optional[str]:
+    """Why the experts of ``module`` (high precision) cannot be written per expert, or None: per-expert tensors are
+    row halves of ``gate_up_proj`` [E, 2I, H] and slices of ``down_proj`` [E, H, I], and nothing else of them (the
+    flags of HF's @use_experts_implementation say where a model's experts are laid out otherwise)."""
+    for flag, value, what in (("is_transposed", True, "transposed expert weights"),
+                              ("is_concatenated", False, "interleaved gate/up rows"),
+                              ("has_bias", True, "expert biases")):
+        if getattr(module, flag, not value) == value:
+            return what
+    w13, w2 = module._parameters[W13], module._parameters[W2]
+    e, two_i, h = w13.shape
+    if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+        return f"gate_up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not [E, 2I, H] and [E, H, I]"
+    return None
+
+
 def per_expert_tensors(fqn: str, module: nn.Module, block_leaf: str = "weight_scale_inv") -> dict[str, torch.Tensor]:
-    """The tensors of a quantized experts module under per-expert names (``<fqn>.<e>.gate_proj.weight``,
-    ``.weight_scale`` / ``block_leaf`` for blocks, ``.input_scale``; ``up_proj``, ``down_proj``), views of
-    the module's tensors: w13 rows split into gate and up (its per-tensor scale given to both), static
-    input scales given to every expert. ``load_checkpoint`` reads them back into the same tensors."""
+    """The tensors of an experts module under per-expert names (``<fqn>.<e>.gate_proj.weight``, ``.weight_scale`` /
+    ``block_leaf`` for blocks, ``.input_scale``; ``up_proj``, ``down_proj``), views of the module's tensors: w13
+    rows split into gate and up (its per-tensor scale given to both), static input scales given to every expert; a
+    module in high precision has weights only. ``load_checkpoint`` reads them back into the same tensors."""
     p = module._parameters
-    block = module._fp8fx_block_scales
+    quantized = moe.is_quantized_experts(module)
+    block = quantized and module._fp8fx_block_scales
     out: dict[str, torch.Tensor] = {}
     for base, shards in ((W13, ("w1", "w3")), (W2, ("w2",))):
         q = p[base].detach()
-        scale = p[base + ("_scale_inv" if block else "_scale")].detach()
+        scale = p[base + ("_scale_inv" if block else "_scale")].detach() if quantized else None
         act = p.get(base + "_input_scale")
         for e in range(q.shape[0]):
             for shard in shards:
                 rows = Fp8MoEMethod._rows(shard, q.shape[1]) if base == W13 else slice(None)
                 prefix = f"{fqn}.{e}.{PROJ[shard]}"
                 out[f"{prefix}.weight"] = q[e, rows]
+                if scale is None:
+                    continue
                 if scale.dim() == 1:  # per-tensor: one per expert, for gate and up alike
                     out[f"{prefix}.weight_scale"] = scale[e : e + 1]
                 else:

@@ -53,19 +53,19 @@ def save_checkpoint(
     ``"compressed-tensors"`` (any mix; block scales are named ``weight_scale``), or None: the
     format the model was loaded from, else ``fp8`` when it can express the model. ``config_json``: the rest
     of ``config.json`` (default: an HF model's ``model.config``, else the loaded checkpoint's).
-    ``experts``: how quantized experts modules are written: ``"per-expert"`` (default; the names of HF hub
-    checkpoints and vLLM: ``<experts>.<e>.gate_proj.weight`` + ``weight_scale`` / ``weight_scale_inv`` /
-    ``input_scale``, ``up_proj``, ``down_proj``; w13's per-tensor scale of an expert is written for both
-    gate and up) or ``"fused"`` (under the module's own names: ``gate_up_proj`` [E, 2I, H] and its scales,
-    ``fp8fx.checkpoint.experts``); the config names them as it names linear layers. Experts modules left in
-    high precision are written fused either way. Models whose hub checkpoints name experts otherwise (Mixtral:
-    ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2``) get these names all the same, with a warning: they load
-    back through ``fp8fx.load_checkpoint``, not in transformers or vLLM (``fp8fx convert`` keeps a checkpoint's
-    own names). Names are written without the ``_orig_mod.`` of torch.compile wrappers (of the model or of
-    submodules). An fp8 layer fused by engines with layers left in high precision (``q_proj`` of a ``k_proj`` /
-    ``v_proj`` a weight block does not divide; the groups of ``fp8fx.checkpoint.load.FUSED``) is written in high
-    precision (dequantized), in the ignore list with them, with a warning: vLLM refuses a fused layer of two
-    precisions.
+    ``experts``: how experts modules are written: ``"per-expert"`` (default; the layout of HF hub checkpoints
+    and vLLM: ``<experts>.<e>.gate_proj.weight`` + ``weight_scale`` / ``weight_scale_inv`` / ``input_scale``,
+    ``up_proj``, ``down_proj``; w13's per-tensor scale of an expert is written for both gate and up; experts left
+    in high precision as weights alone, unless their layout does not split - interleaved gate/up, biases) or
+    ``"fused"`` (under the module's own names: ``gate_up_proj`` [E, 2I, H] and its scales,
+    ``fp8fx.checkpoint.experts``); the config names them as it names linear layers. Models whose hub checkpoints
+    name experts otherwise (Mixtral: ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2``) get these names all the
+    same, with a warning: they load back through ``fp8fx.load_checkpoint``, not in transformers or vLLM
+    (``fp8fx convert`` keeps a checkpoint's own names).
+    Names are written without the ``_orig_mod.`` of torch.compile wrappers (of the model or of submodules).
+    An fp8 layer fused by engines with layers left in high precision (``q_proj`` of a ``k_proj`` / ``v_proj`` a
+    weight block does not divide; the groups of ``fp8fx.checkpoint.load.FUSED``) is written in high precision
+    (dequantized), in the ignore list with them, with a warning: vLLM refuses a fused layer of two precisions.
     """
     if experts not in ("per-expert", "fused"):
         raise ValueError(f"save_checkpoint: experts={experts!r} is not 'per-expert' or 'fused'")
@@ -84,8 +84,17 @@ def save_checkpoint(
     # module's names, which nothing loads (the wrappers hold nothing of their own)
     modules = {_unwrapped(f): m for f, m in model.named_modules() if compat.compiled_module(m) is m}
     schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}
-    quantized_experts = {f: m for f, m in modules.items() if moe.is_quantized_experts(m)}
-    hub = renames.hub_expert_leaves(model) if quantized_experts and experts == "per-expert" else None
+    all_experts = {f: m for f, m in modules.items() if moe.is_experts(m)}
+    quantized_experts = {f: m for f, m in all_experts.items() if moe.is_quantized_experts(m)}
+    # experts written per expert: quantized ones, and those in high precision that split into experts exactly
+    split = {} if experts == "fused" else {
+        f: m for f, m in all_experts.items() if f in quantized_experts or moe_ckpt.split_reason(m) is None
+    }
+    for f, m in all_experts.items() if experts == "per-expert" else ():
+        if f not in split:
+            log.info("fp8fx: save_checkpoint writes %s fused: its experts do not split (%s)", f,
+                     moe_ckpt.split_reason(m))
+    hub = renames.hub_expert_leaves(model) if split else None
     if hub and any(hub.get(leaf, leaf) != leaf for leaf in ("gate_proj", "up_proj", "down_proj")):
         log.warning(
             "fp8fx: save_checkpoint writes %s's experts per expert as <experts>.<e>.gate_proj / up_proj / down_proj, "
@@ -94,8 +103,8 @@ def save_checkpoint(
             type(model).__name__, "/".join(hub[leaf] for leaf in ("gate_proj", "up_proj", "down_proj") if leaf in hub),
         )
     for f, m in quantized_experts.items():  # named as the checkpoint names them (compressed-tensors targets)
-        names = moe_ckpt.per_expert_modules(f, m) if experts == "per-expert" else [f]
-        schemes.update({n: moe.experts_scheme(m) for n in names})
+        schemes.update({n: moe.experts_scheme(m) for n in (moe_ckpt.per_expert_modules(f, m) if f in split
+                                                          else [f])})
     if not schemes:
         raise ValueError(
             "save_checkpoint: the model has no fp8fx-quantized layer; quantize_ it or load_checkpoint first"
@@ -112,11 +121,13 @@ def save_checkpoint(
         raise ValueError(f"save_checkpoint: every fp8 layer of the model ({', '.join(demoted)}) is in a fused group "
                          "whose other layers stay in high precision, and would be written in high precision; "
                          "quantize with a scheme the whole group takes (nothing was written)")
-    # linear layers and experts modules in high precision (experts are saved fused, under their own names)
-    ignored = [
-        f for f, m in modules.items() if (isinstance(m, nn.Linear) or moe.is_experts(m)) and f not in schemes
-        and f not in quantized_experts
-    ]
+    # linear layers and experts modules in high precision (experts written per expert: their experts' modules too)
+    ignored = []
+    for f, m in modules.items():
+        if isinstance(m, nn.Linear) and f not in schemes:
+            ignored.append(f)
+        elif f in all_experts and f not in quantized_experts:
+            ignored += [f] + (moe_ckpt.per_expert_modules(f, m) if f in split else [])
     source = getattr(model, "_fp8fx_source", {})
     # KV-cache scales declared (kv_cache_scheme) where the model has them, unless they came from a checkpoint
     # that held them without declaring an fp8 KV cache: the saved one says what its source said
@@ -127,14 +138,14 @@ def save_checkpoint(
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}  # saved name -> the state_dict name it comes from
     seen: set[tuple] = set()
-    split = dict(quantized_experts) if experts == "per-expert" else {}
+    pending = dict(split)
     block_leaf = "weight_scale" if qc["quant_method"] == "compressed-tensors" else "weight_scale_inv"
     for raw, t in model.state_dict().items():
         name = _unwrapped(raw)
         owner, _, leaf = name.rpartition(".")
-        if owner in quantized_experts and experts == "per-expert" and leaf in _EXPERT_LEAVES:
-            if owner in split:  # all of its expert tensors at the first of them; any other tensor of it as it is
-                for n, v in moe_ckpt.per_expert_tensors(owner, split.pop(owner), block_leaf).items():
+        if owner in split and leaf in _EXPERT_LEAVES:
+            if owner in pending:  # all of its expert tensors at the first of them; any other tensor of it as it is
+                for n, v in moe_ckpt.per_expert_tensors(owner, pending.pop(owner), block_leaf).items():
                     _put(tensors, origin, n, v, raw)
             continue
         if owner in demoted and leaf in _SCALES:

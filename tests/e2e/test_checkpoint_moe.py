@@ -75,6 +75,62 @@ def test_per_expert_save_warns_where_the_hub_names_experts_otherwise(tmp_path, n
         assert "name them w1/w3/w2" in caplog.text
 
 
+def _saved(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def _fp8_and_bf16_experts(name):
+    """A 2-layer model with layer 0's experts in fp8 (16x32 blocks) and layer 1's left bf16."""
+    import fp8fx
+
+    model = reference_model(moe_config(name, layers=2))
+    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_block_size=[16, 32], ignored_layers=["model.layers.1.mlp.experts"]))
+    return model
+
+
+def _check_per_expert(model, saved, experts, projs):
+    """The per-expert tensors of each ``experts`` (saved prefix -> module) are the module's rows: gate, up, down."""
+    for prefix, module in experts.items():
+        w13, w2 = module._parameters["gate_up_proj"].detach(), module._parameters["down_proj"].detach()
+        i = w2.shape[-1]
+        for e in range(w13.shape[0]):
+            for proj, t in zip(projs, (w13[e, :i], w13[e, i:], w2[e])):
+                got = saved[f"{prefix}.{e}.{proj}.weight"]
+                assert got.dtype == t.dtype, (prefix, e, proj)
+                assert torch.equal(got.view(torch.uint8), t.view(torch.uint8)), (prefix, e, proj)
+        assert (f"{prefix}.0.{projs[0]}.weight_scale_inv" in saved) == (w13.dtype == torch.float8_e4m3fn)
+        assert not any(k.startswith(f"{prefix}.gate_up_proj") or k.startswith(f"{prefix}.down_proj") for k in saved)
+
+
+def test_per_expert_save_writes_experts_left_in_bf16_per_expert(tmp_path):
+    """Experts left in bf16 were written fused (mlp.experts.gate_up_proj) where fp8 ones are per expert: vLLM's
+    per-expert loaders do not map that. They are written per expert as well (weights alone, in the ignore list with
+    their experts module) and load back identically; experts="fused" keeps them fused, and so do experts whose
+    gate/up rows are interleaved (no per-expert tensor is a slice of them)."""
+    model = _fp8_and_bf16_experts("qwen3_moe")
+    qc = save_checkpoint(model, tmp_path / "saved")
+    experts = {f"model.layers.{i}.mlp.experts": model.model.layers[i].mlp.experts for i in range(2)}
+    _check_per_expert(model, _saved(tmp_path / "saved"), experts, ("gate_proj", "up_proj", "down_proj"))
+    bf16 = "model.layers.1.mlp.experts"
+    assert {bf16, f"{bf16}.0.gate_proj", f"{bf16}.3.down_proj"} <= set(qc["ignored_layers"])
+    assert not any(n.startswith("model.layers.0.mlp.experts") for n in qc["ignored_layers"])
+    again = meta_model(tmp_path / "saved")
+    report = load_checkpoint(again, tmp_path / "saved", progress=False)
+    assert list(report.experts) == ["model.layers.0.mlp.experts"] and report.not_quantized[bf16] == "in ignored_layers"
+    assert_same_state(model, again)
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+    save_checkpoint(model, tmp_path / "fused", experts="fused")
+    assert f"{bf16}.gate_up_proj" in _saved(tmp_path / "fused")
+    model.model.layers[1].mlp.experts.is_concatenated = False  # as HF flags interleaved gate/up rows
+    qc = save_checkpoint(model, tmp_path / "interleaved")
+    assert f"{bf16}.gate_up_proj" in _saved(tmp_path / "interleaved")
+    assert f"{bf16}.0.gate_proj" not in qc["ignored_layers"]
+
+
 def test_per_expert_save_keeps_the_experts_modules_other_tensors(tmp_path):
     """Per-expert names replace an fp8 experts module's expert tensors; a tensor of its own besides them (a buffer)
     was dropped, and the checkpoint then failed to load ("missing from the checkpoint")."""
