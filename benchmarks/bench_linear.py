@@ -193,7 +193,7 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
 
 
 MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "fp8fx_fused_mlp",
-                "fp8fx_mma", "fp8fx_fused_mlp_mma", "inductor_scaled_mm", "torchao_rowwise")
+                "fp8fx_fused_mlp_g128", "fp8fx_mma", "fp8fx_fused_mlp_mma", "inductor_scaled_mm", "torchao_rowwise")
 # the default --variants: the *_mma ones are for comparing kernels (the GEMV off), on request
 DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith("_mma"))
 
@@ -244,6 +244,9 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAUL
         variants["fp8fx_fused_gate_up"], _ = fp8fx_module(fresh(), {"fuse_horizontal": True}, dynamic=False)
     if "fp8fx_fused_mlp" in only:  # decode: the MLP in two kernels (prefill sizes are left unfused)
         variants["fp8fx_fused_mlp"], _ = fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)
+    if "fp8fx_fused_mlp_g128" in only:  # the same with h in 1x128 groups: fused up to 64 tokens
+        variants["fp8fx_fused_mlp_g128"], _ = fp8fx_module(fresh(), {"fuse_mlp": True, "mlp_h_group": 128},
+                                                           dynamic=False)
     if "fp8fx_mma" in only:
         variants["fp8fx_mma"] = without_gemv(fp8fx_module(fresh(), dynamic=False)[0])
     if "fp8fx_fused_mlp_mma" in only:

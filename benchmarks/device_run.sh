@@ -10,6 +10,7 @@
 #          profile: profile_mlp.py's kernel tables at M = 1 (gate/up apart and fused) and 4096;
 #          profilemlp: the same for the fused decode MLP at M = 1 and 16; tunegated: its tile sweep;
 #          pdl: it with and without programmatic dependent launch; codes: with exact h codes or not;
+#          groups: tune_gemm.py --groups (h in 1 x G groups);
 #          gemv: tune_gemm.py --gemv (M = 1: the GEMV kernel against the tensor-core tile); gemvtests: its cuda tests;
 #          tma: its sweep with TMA weight loads too;
 #          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles;
@@ -55,6 +56,9 @@ if has gemvtests; then  # the one-row (GEMV) kernel's cuda tests: M = 1 GEMMs, w
 fi
 if has gemv; then  # M = 1: the GEMV kernel's tiles against the tensor-core tile, single GEMMs and the fused MLP
   timeout 330 python3 benchmarks/tune_gemm.py --gemv --shapes gate_up,down,qkv 2>&1 | tee "$OUT/gemv.txt"
+fi
+if has groups; then  # the fused MLP with h in 1 x G groups (the gate/up kernel's epilogue) against per-token h
+  timeout 360 python3 benchmarks/tune_gemm.py --groups 2>&1 | tee "$OUT/groups.txt"
 fi
 if has codes; then  # the fused decode MLP's down GEMM with exact h codes or codes by the reciprocal
   timeout 150 python3 benchmarks/tune_gemm.py --codes 2>&1 | tee "$OUT/codes.txt"

@@ -14,6 +14,7 @@
     python benchmarks/tune_gemm.py --gemv          # M = 1: the GEMV kernel's tiles against the tensor-core tile,
                                                    # as single GEMMs and as the fused MLP's down GEMM
     python benchmarks/tune_gemm.py --gemv --block  # the same with 1x128 / 128x128 block scales
+    python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
 
 Every candidate is checked against the current configuration's output before it is timed.
 """
@@ -272,6 +273,54 @@ def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5):
           3 * dim * hidden, rounds)
 
 
+def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5):
+    """The fused MLP with h quantized in 1 x G groups by the gate/up kernel's epilogue (``h_group``: fp8 codes and
+    group scales leave it; the down GEMM reads them as K-grouped activations) against per-token h (quantized as the
+    down GEMM loads it): a sweep of both kernels' tiles per group size, then the best of each in ``rounds``
+    interleaved rounds. CUDA-graph replays of the op, L2 clean."""
+    from fp8fx import ops
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels.gated_mlp import H_GROUPS, QUANT_GROUPS, down_tile_config, gated_mlp, gated_tile_config
+
+    for m in ms:
+        (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
+        per_token = lambda: gated_mlp(xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None,  # noqa: E731
+                                      torch.bfloat16, torch.bfloat16)
+        grouped = lambda g, c1=None, c2=None: gated_mlp(  # noqa: E731
+            xq, xs, *w1, *w3, *w2, None, QUANT_GROUPS, None, torch.bfloat16, torch.bfloat16, configs=(c1, c2),
+            h_group=g)
+        bm = 1 if m == 1 else 16 if m <= 16 else 64
+        runs = {"per-token h": per_token}
+        for g in H_GROUPS:
+            args = [xq, xs, *w1, *w3, *w2, None, [1, -1], [1, -1], [1, g], [1, -1], None, "silu", torch.bfloat16,
+                    torch.bfloat16, False]
+            ref = ops._gated_mlp_reference(*args).float()
+            firsts = [dict(gated_tile_config(m, hidden, dim), BLOCK_N=g, num_stages=st, num_warps=w)
+                      for st, w in ((3, 4), (4, 4), (4, 8))]
+            if m == 1:
+                downs = [c for c in gemv_candidates(hidden) if c["num_warps"] <= 2 and c["BLOCK_N"] <= 4]
+            else:
+                downs = [dict(BLOCK_M=max(bm, 16), BLOCK_N=bn, BLOCK_K=g, GROUP_M=1, num_warps=w, num_stages=4,
+                              SPLIT_K=sk)
+                         for bn, w, sk in [*itertools.product([64, 128], [4], [1, 2, 4, 8]), (128, 8, 2), (128, 8, 4)]]
+            results = []
+            for c1, c2 in [(c, None) for c in firsts] + [(None, c) for c in downs]:
+                try:
+                    got = grouped(g, c1, c2).float()
+                    assert (got - ref).abs().max() <= 1e-2 * ref.abs().max(), (got - ref).abs().max()
+                    results.append((time_ms(lambda: grouped(g, c1, c2), True), c1, c2))
+                except Exception as exc:  # noqa: BLE001 - a tile that does not compile is not a candidate
+                    print(f"M={m} G={g}: {c1 or c2} failed: {str(exc).splitlines()[0][:160]}")
+            results.sort(key=lambda r: r[0])
+            best1 = min((r for r in results if r[1] is not None), key=lambda r: r[0])[1]
+            best2 = min((r for r in results if r[2] is not None), key=lambda r: r[0])[2]
+            print(f"M={m} G={g} ({len(results)} ran; default {down_tile_config(m, dim, hidden, h_group=g)}): "
+                  + " ; ".join(f"{t:.4f} {c1 or c2}" for t, c1, c2 in results[:5]), flush=True)
+            runs[f"G={g} default"] = lambda g=g: grouped(g)
+            runs[f"G={g} best"] = lambda g=g, b1=best1, b2=best2: grouped(g, b1, b2)
+        _duel(f"fused MLP M={m}", runs, 3 * dim * hidden, rounds)
+
+
 def gated_ncu(ms=(1, 16), dim=4096, hidden=14336):
     """Three plain calls of the fused MLP op per M, nothing timed: for ncu (device_run.sh's ncu stage)."""
     from fp8fx.kernels import fp8_gemm as kernels
@@ -298,6 +347,7 @@ def main(argv=None):
     p.add_argument("--gated-ncu", action="store_true", help="three plain calls of the fused MLP at M = 1, 16")
     p.add_argument("--codes", action="store_true", help="the fused MLP with exact h codes or by the reciprocal")
     p.add_argument("--gemv", action="store_true", help="M = 1: GEMV tiles against the tensor-core tile")
+    p.add_argument("--groups", action="store_true", help="the fused MLP with h in 1 x G groups, M = 1, 16, 64")
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
@@ -305,6 +355,8 @@ def main(argv=None):
         return gated_ncu()
     if args.codes:
         return sweep_codes()
+    if args.groups:
+        return sweep_groups()
     if args.gemv:
         shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
         return sweep_gemv_blocks(shapes) if args.block else sweep_gemv(shapes)

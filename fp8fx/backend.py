@@ -10,6 +10,7 @@ from torch import fx
 
 from fp8fx.dump import GraphDump
 from fp8fx.lowerings import aten, compat
+from fp8fx.ops import GATED_H_GROUPS
 from fp8fx.passes import PassManager, default_passes
 from fp8fx.passes.horizontal import AFTER_COMPILE
 from fp8fx.report import Report
@@ -54,6 +55,10 @@ class Fp8Backend:
       as two kernels, gate/up with act(g) * up in the epilogue and down quantizing the intermediate as it
       loads it (``fp8fx.passes.mlp``), where the unfused MLP takes three GEMMs and a quantization kernel
       (Llama-3-8B MLP on the H200: 1.22-1.24x faster than unfused at 1 and 16 tokens, run 12). Default False.
+    - ``mlp_h_group``: with ``fuse_mlp``, quantize the fused MLP's intermediate ``act(g) * up`` in 1 x G groups
+      (G of 32, 64, 128) instead of the graph's per-token (or per-tensor) dynamic scale - finer, so no less
+      accurate - in the gate/up kernel's epilogue, so the down GEMM reads fp8 codes; MLPs of up to 64 tokens are
+      then fused. A static scale (``calibrate``) stays as it is. None (default): h as the graph quantizes it.
 
     - ``one_pass_rows``: reduce rows of up to this many elements in one pass, held in registers, where
       Inductor's heuristic stops at 1024 (``compat.one_pass_row_reductions``): the per-token
@@ -76,6 +81,7 @@ class Fp8Backend:
         weight_only: Optional[bool] = None,
         fuse_horizontal: bool = False,
         fuse_mlp: bool = False,
+        mlp_h_group: Optional[int] = None,
         one_pass_rows: Optional[int] = ONE_PASS_ROWS,
     ):
         if compiler not in _COMPILERS:
@@ -89,6 +95,12 @@ class Fp8Backend:
         for name, value in flags.items():  # a truthy string ("false") would switch the option on
             if type(value) is not bool:
                 raise ValueError(f"Fp8Backend({name}={value!r}): True or False")
+        if mlp_h_group is not None and (type(mlp_h_group) is not int or mlp_h_group not in GATED_H_GROUPS):
+            raise ValueError(f"Fp8Backend(mlp_h_group={mlp_h_group!r}): a group size of {list(GATED_H_GROUPS)}, or "
+                             "None (h quantized as the graph does)")
+        if mlp_h_group is not None and not fuse_mlp:
+            raise ValueError(f"Fp8Backend(mlp_h_group={mlp_h_group}): it sets how the fused MLP quantizes its "
+                             "intermediate; add fuse_mlp=True")
         if weight_only is not None and type(weight_only) is not bool:
             raise ValueError(f"Fp8Backend(weight_only={weight_only!r}): True, False or None (decided per GPU)")
         if weight_only and (fuse_mlp or fuse_horizontal):  # the fusions take the fp8-activation GEMMs
@@ -133,11 +145,12 @@ class Fp8Backend:
             "weight_only": weight_only,
             "fuse_horizontal": fuse_horizontal,
             "fuse_mlp": fuse_mlp,
+            "mlp_h_group": mlp_h_group,
             "one_pass_rows": one_pass_rows,
             "inductor_config": sorted((k, compat.custom_pass_key(v)) for k, v in self.inductor_config.items()),
         }
         passes = default_passes(use_fast_accum=use_fast_accum, weight_only=weight_only, fuse_horizontal=fuse_horizontal,
-                                fuse_mlp=fuse_mlp)
+                                fuse_mlp=fuse_mlp, mlp_h_group=mlp_h_group)
         self.pass_manager = PassManager(passes, options)
         self.report = Report()
 

@@ -378,6 +378,20 @@ GATED_ACTIVATIONS = {
 # replays): fused vs unfused 0.0682 vs 0.0756 ms at M=1, 0.0694 vs 0.0771 at M=16, but 0.1347 vs 0.0775 at
 # M=64, where each of the down GEMM's N tiles re-reads (and re-quantizes) the whole [64, I] intermediate.
 GATED_MAX_M = 16
+# The intermediate h quantized in 1 x G groups (Fp8Backend(mlp_h_group=G)) instead: the gate/up kernel's epilogue
+# writes its fp8 codes, so the down GEMM reads fp8 and no N tile re-quantizes h. Fused up to 64 tokens (the
+# Triton GEMMs' range); the op alone on the H200 (run 17, tune_gemm.py --groups, G = 128): 0.0631 ms at M=64
+# against 0.1304 with per-token h; 0.0524 vs 0.0541 at M=1, 0.0565 vs 0.0578 at M=16.
+GATED_GROUPS_MAX_M = 64
+GATED_H_GROUPS = (32, 64, 128)  # the group sizes the kernels take (a group is one N tile of the gate/up kernel)
+
+
+def _h_group(h_block, w2_block) -> int:
+    """G where h is quantized in 1 x G groups the fused kernels take (``GATED_H_GROUPS``) and down's weight scale
+    is per tensor or per channel, else 0."""
+    h_block = tuple(h_block)
+    ok = h_block[0] == 1 and h_block[1] in GATED_H_GROUPS and tuple(w2_block) in ((-1, -1), (1, -1))
+    return h_block[1] if ok else 0
 
 
 def _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act) -> None:
@@ -452,7 +466,8 @@ def gated_mlp(
     """``scaled_mm(quantize(act(g) * u), w2) + bias`` with ``g``, ``u`` = ``scaled_mm(xq, w1 / w3)`` in
     ``h_dtype``, h quantized with ``h_block`` (or the static ``h_static``): a gated MLP after the linear pass
     (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens). On CUDA for M <= ``TRITON_MAX_M`` with per-tensor /
-    per-row scales: two kernels (``fp8fx.kernels.gated_mlp``); otherwise these same ops one by one."""
+    per-row scales, h also in 1 x G groups (``GATED_H_GROUPS``): two kernels (``fp8fx.kernels.gated_mlp``);
+    otherwise these same ops one by one."""
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
     _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
     return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,
@@ -474,18 +489,24 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
     _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
     x2 = quant.as_rows(xq)
     m = x2.shape[0]
-    if not (0 < m <= TRITON_MAX_M and _tensor_or_row(x_block, w_block) and _tensor_or_row(h_block, w2_block)):
+    h_group = _h_group(h_block, w2_block) if h_static is None else 0
+    if not (0 < m <= TRITON_MAX_M and _tensor_or_row(x_block, w_block)
+            and (_tensor_or_row(h_block, w2_block) or h_group)):
         return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,
                                     h_static, act, h_dtype, out_dtype, use_fast_accum)
     from fp8fx.kernels import fp8_gemm as kernels
     from fp8fx.kernels.gated_mlp import gated_mlp as two_kernels
 
+    from fp8fx.kernels.gated_mlp import QUANT_GROUPS
+
     if h_static is not None:
         h_quant = kernels.QUANT_STATIC
+    elif h_group:
+        h_quant = QUANT_GROUPS
     else:
         h_quant = kernels.QUANT_TENSOR if tuple(h_block) == (-1, -1) else kernels.QUANT_ROWS
     y = two_kernels(x2, x_scale, w1, s1, w3, s3, w2, s2, bias, h_quant, h_static, h_dtype, out_dtype, act,
-                    use_fast_accum)
+                    use_fast_accum, h_group=h_group)
     return y.reshape(*xq.shape[:-1], w2.shape[0])
 
 

@@ -22,6 +22,11 @@ from the unfused graph's where Inductor kept h in float32.
 Run for M <= ``fp8fx.ops.TRITON_MAX_M`` with per-tensor / per-channel weights and per-token / per-tensor
 activations; the pass (``fp8fx.passes.mlp``) emits it up to ``GATED_MAX_M`` = 16 tokens, where it was measured
 faster than the unfused GEMMs (at 64, each of the down GEMM's N tiles reads the whole [64, I] intermediate).
+
+With h in 1 x G groups (``QUANT_GROUPS``, ``h_group``; ``Fp8Backend(mlp_h_group=G)``) a group is one N tile of
+the first kernel, so its epilogue has the group's amax in registers and writes h's fp8 codes and group scales
+(``fp8fx.quant.quantize(h, [1, G])``'s bits); the down GEMM reads them as K-grouped activations. No N tile of
+it re-quantizes h, which is what kept per-token h from 64 tokens (``GATED_GROUPS_MAX_M``).
 """
 from __future__ import annotations
 
@@ -32,10 +37,17 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _max_nan, fp8_gemm, imprecise_k
+from fp8fx import ops, quant
+from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _scale_of
+from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
 from fp8fx.kernels.fp8_gemm import gemv_config, gemv_fits, mma_tile_config, pipeline_stages
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
+# h quantized in 1 x h_group groups by the gate/up kernel's epilogue (an N tile of it per group), read by the down
+# GEMM as fp8 codes with K-grouped scales; the other QUANT_* are fp8_gemm's A_QUANT modes
+QUANT_GROUPS = 4
+H_GROUPS = ops.GATED_H_GROUPS
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
@@ -48,6 +60,10 @@ def gated_gemm_kernel(
     A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     PDL_TRIGGER: tl.constexpr = False,  # the down GEMM is a programmatic dependent (PDL): let it launch
+    # H_GROUPS: h leaves as fp8 codes (h_ptr) with one scale per row and N tile (parts_ptr: 1 x BLOCK_N groups),
+    # rounded first as the model rounds it (H_DTYPE); else h_ptr is h in H_DTYPE and parts_ptr its tile maxima
+    H_GROUPS: tl.constexpr = False, H_DTYPE: tl.constexpr = None, EPS: tl.constexpr = 1e-12,
+    FP8_MAX: tl.constexpr = 448.0,
 ):
     pid = tl.program_id(0)
     # the down GEMM runs next on this stream: its tickets start at zero without a launch of their own
@@ -92,7 +108,10 @@ def gated_gemm_kernel(
     else:
         s1 = tl.load(s1_ptr)
         s3 = tl.load(s3_ptr)
-    h_dtype = h_ptr.dtype.element_ty
+    if H_DTYPE is None:
+        h_dtype = h_ptr.dtype.element_ty
+    else:
+        h_dtype = H_DTYPE
     g = (acc_g * a_s * s1).to(h_dtype).to(tl.float32)
     u = (acc_u * a_s * s3).to(h_dtype).to(tl.float32)
     if ACT == 0:  # silu
@@ -106,9 +125,16 @@ def gated_gemm_kernel(
     h = (g * u).to(h_dtype)
     in_bounds = m_ok[:, None] & n_ok[None, :]
     h_ptrs = h_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_hm + tl.arange(0, BLOCK_M)[:, None] * stride_hm
-    tl.store(h_ptrs + offs_n[None, :], h, mask=in_bounds)
     amax = tl.reduce(tl.where(in_bounds, tl.abs(h.to(tl.float32)), 0.0), 1, _max_nan)  # [BM] over this tile
-    tl.store(parts_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, amax, mask=m_ok)
+    if H_GROUPS:  # fp8fx.quant.quantize(h, [1, BLOCK_N])'s codes and scales, from the tile in registers
+        scale = _scale_of(amax, EPS, FP8_MAX)
+        inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), scale)
+        codes = _codes_of(h.to(tl.float32), scale[:, None], inv[:, None], FP8_MAX)
+        tl.store(h_ptrs + offs_n[None, :], codes.to(h_ptr.dtype.element_ty), mask=in_bounds)
+        tl.store(parts_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, scale, mask=m_ok)
+    else:
+        tl.store(h_ptrs + offs_n[None, :], h, mask=in_bounds)
+        tl.store(parts_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, amax, mask=m_ok)
 
 
 def gated_tile_config(m: int, n: int, k: int) -> dict:
@@ -121,7 +147,7 @@ def gated_tile_config(m: int, n: int, k: int) -> dict:
     return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
 
 
-def down_tile_config(m: int, n: int, k: int, gemv: bool = True) -> dict:
+def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0) -> dict:
     """The down GEMM's kernel and tiles. Where ``gemv_fits`` (one row; with ``gemv``) the GEMV kernel, quantizing h
     as it loads each K step of it (``gemv_config``; the fused MLP at M=1 0.0559 ms against 0.0600 with the
     tensor-core tile below, H200 run 16). Up to 16 rows and a long K (Llama-3-8B's 14336): 128-wide N
@@ -132,7 +158,12 @@ def down_tile_config(m: int, n: int, k: int, gemv: bool = True) -> dict:
     converted to fp8 in registers; M=64's [64, 256] one spilled 680 bytes per thread, sm_90) and K split in 4
     (M=64: 0.0991 ms for the whole MLP against 0.1363 split in 2 with 32-wide N tiles)."""
     if gemv and gemv_fits(m, n, k):
-        return gemv_config(n, k)
+        return gemv_config(n, k, k_grouped=bool(h_group))
+    if h_group:  # fp8 codes in K groups (fp8_gemm's K step is a group): the best of the H200 sweep at G = 128 (run 17,
+        # `tune_gemm.py --groups`, the op as a CUDA-graph replay): M=16 64-wide N tiles, K split in 8, 0.0565 ms
+        # against 0.0582 with `mma_tile_config`'s; M=64 128-wide, split in 8, 0.0658 against 0.0766
+        return dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64 if m <= 16 else 128, BLOCK_K=h_group, GROUP_M=1,
+                    num_warps=4, num_stages=4, SPLIT_K=8 if k >= 8192 else 1)
     cfg = mma_tile_config(m, n, k)
     if m <= 16 and cfg.get("SPLIT_K", 1) > 1:
         return {**cfg, "BLOCK_N": 128, "num_stages": 4, "SPLIT_K": 8}
@@ -167,6 +198,7 @@ def gated_mlp(
     fast_accum: bool = False,
     configs: tuple[Optional[dict], Optional[dict]] = (None, None),
     pdl: Optional[bool] = None,
+    h_group: int = 0,
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` in two kernels. xq: fp8 [M, K] with ``x_scale`` per token ([M] / [M, 1])
     or per tensor; w1 (gate), w3 (up): fp8 [I, K]; w2 (down): fp8 [N, I]; weight scales per tensor or per
@@ -179,8 +211,11 @@ def gated_mlp(
     if w3.shape != w1.shape or w1.shape[1] != k or w2.shape[1] != i:
         raise ValueError(f"gated_mlp: x [{m}, {k}], gate {list(w1.shape)}, up {list(w3.shape)}, down "
                          f"{list(w2.shape)}: gate and up must be [I, {k}], down [N, I]")
-    if act not in ACTIVATIONS or h_quant not in (QUANT_ROWS, QUANT_TENSOR, QUANT_STATIC):
+    if act not in ACTIVATIONS or h_quant not in (QUANT_ROWS, QUANT_TENSOR, QUANT_STATIC, QUANT_GROUPS):
         raise ValueError(f"gated_mlp: act={act!r}, h_quant={h_quant}; acts {list(ACTIVATIONS)}, h_quant QUANT_*")
+    if (h_quant == QUANT_GROUPS) != (h_group > 0) or h_group not in (0, *H_GROUPS):
+        raise ValueError(f"gated_mlp: h_group={h_group} with h_quant={h_quant}; QUANT_GROUPS takes groups of "
+                         f"{list(H_GROUPS)} (h_group), the other QUANT_* none")
     if x_scale.numel() not in (1, m):
         raise ValueError(f"gated_mlp: x_scale has {x_scale.numel()} elements; per token ({m}) or per tensor (1)")
     xq, w1, w3 = (t if t.stride(-1) == 1 else t.contiguous() for t in (xq, w1, w3))
@@ -190,11 +225,16 @@ def gated_mlp(
     if rows1 != rows3:  # one layout for both: the per-tensor one as a vector
         s1, s3 = s1.expand(i).contiguous(), s3.expand(i).contiguous()
     cfg1 = dict(configs[0] or gated_tile_config(m, i, k))
-    cfg2 = {"SPLIT_K": 1, **(configs[1] or down_tile_config(m, n, i))}
+    cfg2 = {"SPLIT_K": 1, **(configs[1] or down_tile_config(m, n, i, h_group=h_group))}
+    if h_group:  # a group is one N tile of the first kernel
+        if configs[0] and cfg1["BLOCK_N"] != h_group:
+            raise ValueError(f"gated_mlp: h_group={h_group} is the gate/up kernel's BLOCK_N; configs[0] has "
+                             f"{cfg1['BLOCK_N']}")
+        cfg1["BLOCK_N"] = h_group
     cfg1["num_stages"] = pipeline_stages({**cfg1, "BLOCK_N": 2 * cfg1["BLOCK_N"]}, 1)  # gate and up tiles
     split_tiles = triton.cdiv(m, cfg2["BLOCK_M"]) * triton.cdiv(n, cfg2["BLOCK_N"]) if cfg2["SPLIT_K"] > 1 else 0
     tickets = torch.empty(max(split_tiles, 1), device=xq.device, dtype=torch.int32)  # zeroed by the first kernel
-    h = torch.empty(m, i, device=xq.device, dtype=h_dtype)
+    h = torch.empty(m, i, device=xq.device, dtype=quant.FP8_DTYPE if h_group else h_dtype)
     parts = torch.empty(m, triton.cdiv(i, cfg1["BLOCK_N"]), device=xq.device, dtype=torch.float32)
     x_scale = x_scale.float().reshape(-1).contiguous()
     # everything the down GEMM reads is ready before the first launch: a copy or cast launched between the two
@@ -212,7 +252,11 @@ def gated_mlp(
             m, i, k, split_tiles,
             xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), h.stride(0), parts.stride(0),
             A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=rows1 or rows3, ACT=ACTIVATIONS[act],
-            IMPRECISE_K=imprecise_k(cfg1, fast_accum), PDL_TRIGGER=pdl, **cfg1,
+            IMPRECISE_K=imprecise_k(cfg1, fast_accum), PDL_TRIGGER=pdl, H_GROUPS=bool(h_group),
+            H_DTYPE=_TL_DTYPES[h_dtype], EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **cfg1,
         )
+        if h_group:  # h arrives as fp8 codes with [M, I / h_group] scales: K-grouped activations
+            return fp8_gemm(h, w2, parts, s2, bias, out_dtype, config=cfg2, a_block=(1, h_group),
+                            fast_accum=fast_accum, tickets=tickets, pdl=pdl)
         return fp8_gemm(h, w2, h_scale, s2, bias, out_dtype, config=cfg2, fast_accum=fast_accum, a_quant=h_quant,
                         tickets=tickets, pdl=pdl)

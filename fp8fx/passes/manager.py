@@ -22,12 +22,12 @@ log = logging.getLogger("fp8fx")
 
 def default_passes(
     use_fast_accum: bool = False, weight_only: Optional[bool] = None, fuse_horizontal: bool = False,
-    fuse_mlp: bool = False,
+    fuse_mlp: bool = False, mlp_h_group: Optional[int] = None,
 ) -> list[Fp8Pass]:
     return [
         MoePass(use_fast_accum=use_fast_accum),  # first: the experts leave the graph before linears are sought
         LinearPass(use_fast_accum=use_fast_accum, weight_only=weight_only, fusing=fuse_mlp or fuse_horizontal),
-        GatedMlpPass(enabled=fuse_mlp),  # before horizontal fusion: a fused MLP reads gate and up apart
+        GatedMlpPass(enabled=fuse_mlp, h_group=mlp_h_group),  # before horizontal fusion: a fused MLP reads gate and up apart
         HorizontalFusionPass(enabled=fuse_horizontal),
     ]
 

@@ -23,8 +23,10 @@ gaps, and this drops the act * mul + quantization kernel and the split-K ticket 
 
 Only where the graph's token count is static and at most ``fp8fx.ops.GATED_MAX_M`` (16: measured faster
 there, slower at 64; larger batches keep the Triton / cuBLAS GEMMs with the quantization fused into the
-producers by Inductor) and the scales are per-tensor / per-row. Every matched MLP that is not fused says
-why in its three sites' report lines.
+producers by Inductor) and the scales are per-tensor / per-row. With ``h_group`` (``Fp8Backend(mlp_h_group=G)``)
+a dynamic quantization of h becomes one in 1 x G groups, made by the first kernel's epilogue, and MLPs of up to
+``GATED_GROUPS_MAX_M`` (64) tokens are fused. Every matched MLP that is not fused says why in its three sites'
+report lines.
 """
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from fp8fx.ops import GATED_MAX_M, _tensor_or_row
+from fp8fx.ops import GATED_GROUPS_MAX_M, GATED_MAX_M, _tensor_or_row
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
 from fp8fx.passes.linear import _name_of
 from fp8fx.report import Site
@@ -265,8 +267,12 @@ def _gemm_behind(node: fx.Node, depth: int = 6) -> Optional[fx.Node]:
 
 
 class GatedMlpPass(Fp8Pass):
-    def __init__(self, enabled: bool):
+    """``h_group``: quantize a fused MLP's intermediate in 1 x ``h_group`` groups where the graph quantizes it
+    dynamically (per token or per tensor; a static scale stays), which fuses up to ``GATED_GROUPS_MAX_M`` tokens."""
+
+    def __init__(self, enabled: bool, h_group: Optional[int] = None):
         self.enabled = enabled
+        self.h_group = h_group
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         if not self.enabled:  # opt-in (Fp8Backend(fuse_mlp=True)): sites keep their scheme as it is
@@ -277,18 +283,20 @@ class GatedMlpPass(Fp8Pass):
             if mlp is None:
                 continue
             names = site_names(ctx, mlp.gemms)
-            reason = reason or self._why_not(mlp)
+            group = self.h_group if self.h_group and mlp.h_static is None else None
+            reason = reason or self._why_not(mlp, GATED_GROUPS_MAX_M if group else GATED_MAX_M)
             if reason:
                 amend_sites(ctx, mlp.gemms, f"not fused into a gated MLP ({names}): {reason}")
                 continue
-            new = self._fuse(gm.graph, mlp)
-            amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, 2 kernels)", node=Site.origin_of(new))
+            new = self._fuse(gm.graph, mlp, group)
+            how = f", h in 1x{group} groups" if group else ""
+            amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, 2 kernels{how})", node=Site.origin_of(new))
             fused += len(mlp.gemms)
         gm.recompile()
         return fused
 
     @staticmethod
-    def _why_not(mlp: _Mlp) -> str:
+    def _why_not(mlp: _Mlp, max_rows: int) -> str:
         gate, up, down = mlp.gate, mlp.up, mlp.down
         static = [n.args[0].target is _QUANTIZE_STATIC for n in (gate, up) if isinstance(n.args[0], fx.Node)]
         if gate.args[:2] != up.args[:2] and static == [True, True]:
@@ -324,17 +332,21 @@ class GatedMlpPass(Fp8Pass):
                 return ("the token count is dynamic: decode graphs with a static batch are fused (torch.compile(..., "
                         "dynamic=False), or torch._dynamo.mark_static on the batch dimension)")
             rows *= d
-        if not 0 < rows <= GATED_MAX_M:
-            return (f"{rows} tokens: the fused MLP is for 1-{GATED_MAX_M} tokens (slower than the unfused GEMMs at 64 "
-                    "on the H200); larger batches keep the GEMMs with each quantization fused into its producer")
+        if not 0 < rows <= max_rows:
+            why = ("with h in 1 x G groups, up to the Triton GEMMs' 64" if max_rows == GATED_GROUPS_MAX_M else
+                   "with per-token h slower than the unfused GEMMs at 64 on the H200; Fp8Backend(mlp_h_group=128) "
+                   f"fuses up to {GATED_GROUPS_MAX_M}")
+            return (f"{rows} tokens: the fused MLP is for 1-{max_rows} tokens ({why}); larger batches keep the GEMMs "
+                    "with each quantization fused into its producer")
         return ""
 
     @staticmethod
-    def _fuse(graph: fx.Graph, mlp: _Mlp) -> fx.Node:
+    def _fuse(graph: fx.Graph, mlp: _Mlp, h_group: Optional[int] = None) -> fx.Node:
         gate, up, down = mlp.gate, mlp.up, mlp.down
         xq, x_scale, w1, s1, _, x_block, w_block, _, fast = gate.args
         w3, s3 = up.args[2:4]
         _, _, w2, s2, bias, h_block, w2_block, out_dtype, _ = down.args
+        h_block = [1, h_group] if h_group else h_block  # the dynamic scale becomes one per group
         h_dtype = fake_value(mlp.mul).dtype  # the model's act * mul dtype (autocast may differ from gate's)
         with graph.inserting_before(down):
             if mlp.merged:  # gate's rows and up's: [:I] and [I:] of the weight and of a per-channel scale, or

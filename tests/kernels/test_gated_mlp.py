@@ -20,7 +20,20 @@ SCHEMES = {  # x block, weight block, h block, static h scale
     "per-tensor/per-tensor": ([-1, -1], [-1, -1], [-1, -1], None),
     "per-token/per-tensor": ([1, -1], [-1, -1], [1, -1], None),
     "static h": ([1, -1], [1, -1], [-1, -1], 0.02),
+    "h in 1x128 groups": ([1, -1], [1, -1], [1, 128], None),  # Fp8Backend(mlp_h_group=128)
 }
+
+
+def h_quant_of(h_block, h_static):
+    """The two-kernel function's (h_quant, h_group) for an h block / static scale, as fp8fx.gated_mlp picks them."""
+    from fp8fx.kernels import fp8_gemm as K
+    from fp8fx.kernels.gated_mlp import QUANT_GROUPS
+
+    if h_static is not None:
+        return K.QUANT_STATIC, 0
+    if h_block[1] != -1:
+        return QUANT_GROUPS, h_block[1]
+    return (K.QUANT_TENSOR if h_block == [-1, -1] else K.QUANT_ROWS), 0
 
 
 def mlp_operands(m, k, i, n, scheme, device="cpu", seed=0, row_gain=None, dtype=torch.bfloat16, act="silu"):
@@ -58,13 +71,14 @@ def rel(a, b):
 
 INTERPRETER_CHECK = textwrap.dedent("""
     import torch, triton
+    import triton.language as tl
     from tests.triton_rounding import round_to_nearest
 
     round_to_nearest()  # the GPU's conversions: the kernels are held to their reference's bits
     from fp8fx import ops, quant
     from fp8fx.kernels import fp8_gemm as K
     from fp8fx.kernels.gated_mlp import ACTIVATIONS, gated_gemm_kernel, gated_mlp, gated_tile_config
-    from tests.kernels.test_gated_mlp import SCHEMES, mlp_operands, rel
+    from tests.kernels.test_gated_mlp import SCHEMES, h_quant_of, mlp_operands, rel
 
     # 1. gate/up kernel: h = silu(g) * u rounded as the model rounds it, its row maxima per N tile, tickets zeroed
     for m, k, i, scheme, act in [(1, 160, 96, "per-token/per-channel", "silu"),
@@ -106,17 +120,52 @@ INTERPRETER_CHECK = textwrap.dedent("""
         args, _ = mlp_operands(m, k, i, n, scheme, row_gain=torch.logspace(0, 3, m), act=act)
         ref = ops._gated_mlp_reference(*args)
         xq, xs, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static = args[:14]
-        h_quant = K.QUANT_STATIC if h_static is not None else (
-            K.QUANT_TENSOR if h_block == [-1, -1] else K.QUANT_ROWS)
+        h_quant, h_group = h_quant_of(h_block, h_static)
         for split in (1, 3):
             cfg2 = {**K.tile_config(m, n, i), "SPLIT_K": split}
             y = gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, bias, h_quant, h_static, torch.bfloat16,
-                          torch.bfloat16, act, configs=(None, cfg2))
+                          torch.bfloat16, act, configs=(None, cfg2), h_group=h_group)
             worst = max(rel(y[r], ref[r]) for r in range(m))
             worst_seen = max(worst_seen, worst)
             # h a bf16 step off here and there, the odd fp8 code one step off (the kernel quantizes by the
             # scale's reciprocal, the reference divides): a wrong scale, row or weight is off by > 10%
             assert worst < 0.01, (m, scheme, act, split, worst)
+
+    # 3. h in 1 x G groups: the gate/up kernel's epilogue writes quant.quantize(h, [1, G])'s codes and scales (G its
+    # BLOCK_N; 100 and 270 columns leave a ragged last group), rows 1000x apart; a group scale of the wrong row or
+    # group, or codes by the per-token scale, would not match
+    from fp8fx.kernels.gated_mlp import QUANT_GROUPS
+    for m, k, i, g, scheme in [(1, 160, 96, 32, "per-token/per-channel"), (5, 300, 270, 64, "per-tensor/per-tensor"),
+                               (17, 256, 100, 128, "per-token/per-tensor")]:
+        args, _ = mlp_operands(m, k, i, 8, scheme, row_gain=torch.logspace(0, 3, m))
+        xq, xs, w1, s1, w3, s3 = args[:6]
+        x_block, w_block = args[9], args[10]
+        want = ops.GATED_ACTIVATIONS["silu"](ops.scaled_mm(xq, xs, w1, s1, None, x_block, w_block, torch.bfloat16)) * \
+            ops.scaled_mm(xq, xs, w3, s3, None, x_block, w_block, torch.bfloat16)
+        want_q, want_s = quant.quantize(want, [1, g])
+        cfg = {**gated_tile_config(m, i, k), "BLOCK_N": g}
+        hq = torch.empty(m, i, dtype=quant.FP8_DTYPE)
+        scales = torch.full((m, triton.cdiv(i, g)), -1.0)
+        tickets = torch.full((3,), 7, dtype=torch.int32)
+        gated_gemm_kernel[(triton.cdiv(m, cfg["BLOCK_M"]) * scales.shape[1],)](
+            xq, w1, w3, xs.reshape(-1), s1.reshape(-1), s3.reshape(-1), hq, scales, tickets, m, i, k, 3,
+            xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), hq.stride(0), scales.stride(0),
+            A_ROWWISE=xs.numel() > 1, W_ROWWISE=s1.numel() > 1, ACT=0, IMPRECISE_K=None, H_GROUPS=True,
+            H_DTYPE=tl.bfloat16, EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **cfg)
+        # h's bits can differ from the reference's where g or u sit at a bf16 rounding boundary (section 1: none did)
+        assert (hq.float() == want_q.float()).float().mean().item() >= 0.99, (m, g)
+        assert torch.allclose(scales, want_s.reshape(m, -1), rtol=2**-7, atol=0), (m, g, scales, want_s)
+        assert torch.equal(tickets, torch.zeros_like(tickets))
+        # the two kernels against the unfused ops with h in groups, the down GEMM's K split or not
+        args[11] = [1, g]
+        ref = ops._gated_mlp_reference(*args)
+        for split in (1, 3):
+            cfg2 = {**K.tile_config(m, 8, i), "SPLIT_K": split}
+            y = gated_mlp(*args[:9], QUANT_GROUPS, None, torch.bfloat16, torch.bfloat16, "silu",
+                          configs=(None, cfg2), h_group=g)
+            worst = max(rel(y[r], ref[r]) for r in range(m))
+            worst_seen = max(worst_seen, worst)
+            assert worst < 0.01, (m, g, split, worst)
     print("interpreter ok", worst_seen)
 """)
 
@@ -231,9 +280,30 @@ def test_gated_mlp_cuda_graph_replays(down):
 
 
 @pytest.mark.cuda
-def test_fused_mlp_under_inductor_cudagraph_trees():
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_gated_mlp_h_groups_cuda_graph_replays(m):
+    """h in 1x128 groups at Llama-3-8B sizes, default tiles (the GEMV at M=1; K split in 8 behind the first kernel's
+    tickets above): plain calls, PDL on and off, and graph replays bit-equal; the fused h codes as
+    quant.quantize(h, [1, 128])'s, so the unfused ops with that h block are close."""
+    from fp8fx.kernels.gated_mlp import QUANT_GROUPS, gated_mlp
+
+    args, _ = mlp_operands(m, 4096, 14336, 4096, "h in 1x128 groups", "cuda")
+    run = lambda pdl=None: gated_mlp(*args[:9], QUANT_GROUPS, None, torch.bfloat16, torch.bfloat16,  # noqa: E731
+                                     pdl=pdl, h_group=128)
+    eager = [run() for _ in range(3)]
+    assert all(torch.equal(e, eager[0]) for e in eager)
+    assert rel(eager[0], ops._gated_mlp_reference(*args)) < 0.015
+    for pdl in (False, True) if torch.cuda.get_device_capability() >= (9, 0) else (False,):
+        assert torch.equal(run(pdl), eager[0]), pdl
+    assert_graph_replays_equal(run, eager[0])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("h_group,tokens", [(None, 4), (128, 4), (128, 40)])
+def test_fused_mlp_under_inductor_cudagraph_trees(h_group, tokens):
     """Fp8Backend(fuse_mlp=True, cudagraphs=True) on a decode batch: the MLP runs as fp8fx.gated_mlp and each
-    call (warm-up, recording, replays) matches the unfused compiled model."""
+    call (warm-up, recording, replays) matches the unfused compiled model; with h in 1x128 groups also past 16
+    tokens."""
     from benchmarks.bench_linear import MLP
 
     torch.manual_seed(0)
@@ -241,16 +311,18 @@ def test_fused_mlp_under_inductor_cudagraph_trees():
     for p in model.parameters():
         p.data /= p.shape[1] ** 0.5
     fp8fx.quantize_(model)
-    fused_backend = fp8fx.Fp8Backend(fuse_mlp=True, cudagraphs=True)
-    fused, plain = torch.compile(model, backend=fused_backend), torch.compile(model, backend=fp8fx.Fp8Backend())
+    fused_backend = fp8fx.Fp8Backend(fuse_mlp=True, cudagraphs=True, mlp_h_group=h_group)
+    fused = torch.compile(model, backend=fused_backend, dynamic=False)
+    plain = torch.compile(model, backend=fp8fx.Fp8Backend())
     with torch.no_grad():
         for step in range(4):
-            x = torch.randn(4, 1024, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
             y, want = fused(x).clone(), plain(x)
             # the unfused graph quantizes Inductor's float32 act * mul, the op the model's bf16 one: codes near
             # a rounding boundary differ (~3% of them by one fp8 step)
             assert rel(y, want) < 0.02, step
-    assert all("gated MLP" in s.scheme for s in fused_backend.report.sites), str(fused_backend.report)
+    how = f"gated MLP, 2 kernels, h in 1x{h_group} groups)" if h_group else "gated MLP, 2 kernels)"
+    assert all(s.scheme.endswith(how) for s in fused_backend.report.sites), str(fused_backend.report)
 
 
 @pytest.mark.cuda

@@ -4,6 +4,8 @@ The CPU ``fp8fx.gated_mlp`` runs the unfused ops one by one, so a fused graph mu
 unfused graph's output (compiler="eager": the same ops, the same roundings) - a pass that swapped gate and
 up, dropped a scale or read another weight would not.
 """
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -220,6 +222,49 @@ def test_inductor_runs_the_fused_op():
     assert {s.kernel for s in report.sites} == {"extern fp8fx.gated_mlp"}, str(report)
 
 
+@pytest.mark.parametrize("group,tokens", [(32, 40), (64, 64), (128, 5)])
+def test_h_groups_fuse_up_to_64_tokens(group, tokens):
+    """Fp8Backend(mlp_h_group=G): h quantized in 1 x G groups (96 columns: a ragged last group at 64 and 128) in
+    the fused op, whose output is then the unfused ops' with that h block, and MLPs past 16 tokens fused."""
+    from fp8fx import ops, quant
+
+    model, ref = quantized()
+    x = torch.randn(tokens, 64, dtype=torch.bfloat16)
+    y, report, code = run(model, x, fuse_mlp=True, mlp_h_group=group)
+    assert code.count("fp8fx.gated_mlp.default(") == 1 and f"[1, -1], [1, -1], [1, {group}], [1, -1], None" in code
+    # the same MLP by hand: h in groups
+    xq, xs = quant.quantize(x, [1, -1])
+    w = {n: (getattr(model, n)._parameters["weight"], getattr(model, n).weight_scale)  # fp8 (.weight dequantizes)
+         for n in ("gate_proj", "up_proj", "down_proj")}
+    g = ops.scaled_mm(xq, xs, *w["gate_proj"], None, [1, -1], [1, -1], torch.bfloat16)
+    u = ops.scaled_mm(xq, xs, *w["up_proj"], None, [1, -1], [1, -1], torch.bfloat16)
+    hq, hs = quant.quantize(torch.nn.functional.silu(g) * u, [1, group])
+    assert torch.equal(y, ops.scaled_mm(hq, hs, *w["down_proj"], None, [1, group], [1, -1], torch.bfloat16))
+    assert rel_err(y, ref(x.double())) < 0.08
+    assert all(s.rewritten and s.scheme.endswith(
+        f"fused(gate_proj,up_proj,down_proj: gated MLP, 2 kernels, h in 1x{group} groups)") for s in report.sites), \
+        str(report)
+
+
+def test_h_groups_stop_at_64_tokens():
+    model, _ = quantized()
+    _, report, code = run(model, torch.randn(65, 64, dtype=torch.bfloat16), fuse_mlp=True, mlp_h_group=128)
+    assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
+    assert all("65 tokens: the fused MLP is for 1-64 tokens (with h in 1 x G groups" in s.scheme
+               for s in report.sites), str(report)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(fuse_mlp=True, mlp_h_group=100), "mlp_h_group=100): a group size of [32, 64, 128]"),
+    (dict(fuse_mlp=True, mlp_h_group=True), "mlp_h_group=True): a group size of"),
+    (dict(fuse_mlp=True, mlp_h_group="128"), "mlp_h_group='128'): a group size of"),
+    (dict(mlp_h_group=128), "mlp_h_group=128): it sets how the fused MLP quantizes its intermediate; add fuse_mlp=True"),
+])
+def test_h_group_option_is_checked(kwargs, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fp8fx.Fp8Backend(**kwargs)
+
+
 def test_off_by_default():
     model, _ = quantized()
     _, report, code = run(model, torch.randn(4, 64, dtype=torch.bfloat16))
@@ -228,7 +273,8 @@ def test_off_by_default():
 
 
 @pytest.mark.parametrize("case,reason", [
-    ("batch of 17", "17 tokens: the fused MLP is for 1-16 tokens"),
+    ("batch of 17", "17 tokens: the fused MLP is for 1-16 tokens (with per-token h slower than the unfused GEMMs at "
+                    "64 on the H200; Fp8Backend(mlp_h_group=128) fuses up to 64)"),
     ("dynamic", "the token count is dynamic"),
     ("leaky", "an intermediate (gate, up, act, their product or its quantization) has another reader"),
     ("blocks", "per-tensor / per-row scales only"),
