@@ -10,7 +10,9 @@ A checkpoint stores the experts of module ``<fqn>`` (e.g. ``model.layers.0.mlp.e
   ``[E]`` or ``[E, 2]``, per-channel ``[E, 2I, 1]``), ``gate_up_proj_scale_inv`` (blocks),
   ``gate_up_proj_input_scale`` (``[1]`` or ``[E]``), the same for ``down_proj`` (vLLM's ``w13_weight``
   ... too); configs name the experts module itself (as a ``Linear`` for compressed-tensors targets).
-  This is what ``save_checkpoint`` writes.
+
+``save_checkpoint`` writes the first (in the hub's naming where transformers knows it: Mixtral's ``w1`` ...), or
+the second with ``experts="fused"``.
 
 Everything is checked from the headers (``plan``) before any data is read; tensors stream into a
 stand-in module (``stage``) that ``commit`` swaps in. bf16 experts are quantized online, each expert as
@@ -464,6 +466,14 @@ def quantize_fused(t: torch.Tensor, config: Fp8Config) -> tuple[torch.Tensor, to
 PROJ = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 
 
+def naming(leaves: Optional[dict[str, str]]) -> Optional[dict[str, str]]:
+    """Shard -> projection name for ``per_expert_tensors`` from a model's hub leaf names (``renames.hub_expert_leaves``:
+    Mixtral's ``{"gate_proj": "w1", ...}``): ``{"w1": "w1", "w3": "w3", "w2": "w2"}``; ``PROJ`` without them; None when
+    they are a naming the loader does not read (``NAMINGS``), which ``load_checkpoint`` could not read back."""
+    names = {shard: (leaves or {}).get(proj, proj) for shard, proj in PROJ.items()}
+    return names if tuple(names[s] for s in ("w1", "w3", "w2")) in NAMINGS else None
+
+
 def split_reason(module: nn.Module) -> Optional[str]:
     """Why the experts of ``module`` (high precision) cannot be written per expert, or None: per-expert tensors are
     row halves of ``gate_up_proj`` [E, 2I, H] and slices of ``down_proj`` [E, H, I], and nothing else of them (the
@@ -480,11 +490,13 @@ def split_reason(module: nn.Module) -> Optional[str]:
     return None
 
 
-def per_expert_tensors(fqn: str, module: nn.Module, block_leaf: str = "weight_scale_inv") -> dict[str, torch.Tensor]:
+def per_expert_tensors(fqn: str, module: nn.Module, block_leaf: str = "weight_scale_inv",
+                       names: dict[str, str] = PROJ) -> dict[str, torch.Tensor]:
     """The tensors of an experts module under per-expert names (``<fqn>.<e>.gate_proj.weight``, ``.weight_scale`` /
-    ``block_leaf`` for blocks, ``.input_scale``; ``up_proj``, ``down_proj``), views of the module's tensors: w13
-    rows split into gate and up (its per-tensor scale given to both), static input scales given to every expert; a
-    module in high precision has weights only. ``load_checkpoint`` reads them back into the same tensors."""
+    ``block_leaf`` for blocks, ``.input_scale``; ``up_proj``, ``down_proj``; ``names``: shard -> projection, Mixtral's
+    ``w1`` / ``w3`` / ``w2``), views of the module's tensors: w13 rows split into gate and up (its per-tensor scale
+    given to both), static input scales given to every expert; a module in high precision has weights only.
+    ``load_checkpoint`` reads them back into the same tensors."""
     p = module._parameters
     quantized = moe.is_quantized_experts(module)
     block = quantized and module._fp8fx_block_scales
@@ -496,7 +508,7 @@ def per_expert_tensors(fqn: str, module: nn.Module, block_leaf: str = "weight_sc
         for e in range(q.shape[0]):
             for shard in shards:
                 rows = Fp8MoEMethod._rows(shard, q.shape[1]) if base == W13 else slice(None)
-                prefix = f"{fqn}.{e}.{PROJ[shard]}"
+                prefix = f"{fqn}.{e}.{names[shard]}"
                 out[f"{prefix}.weight"] = q[e, rows]
                 if scale is None:
                     continue
@@ -510,6 +522,6 @@ def per_expert_tensors(fqn: str, module: nn.Module, block_leaf: str = "weight_sc
     return out
 
 
-def per_expert_modules(fqn: str, module: nn.Module) -> list[str]:
+def per_expert_modules(fqn: str, module: nn.Module, names: dict[str, str] = PROJ) -> list[str]:
     """The checkpoint module names ``per_expert_tensors`` writes for ``module``."""
-    return [f"{fqn}.{e}.{PROJ[s]}" for e in range(module._parameters[W13].shape[0]) for s in ("w1", "w3", "w2")]
+    return [f"{fqn}.{e}.{names[s]}" for e in range(module._parameters[W13].shape[0]) for s in ("w1", "w3", "w2")]

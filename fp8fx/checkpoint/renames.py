@@ -14,7 +14,8 @@ in turn, replaces its first match (``re.sub(count=1)``).
 Renamed entries keep the checkpoint's name as ``Entry.source``: errors name both, the format matches
 its ignore list and targets against both (``QuantFormat.sources``: an AutoFP8 Mixtral lists
 ``model.layers.0.block_sparse_moe.gate`` among its ignored layers), and ``convert`` writes the stored
-names back.
+names back. ``save_checkpoint`` writes experts per expert in the hub's layout: the renames reversed
+(``hub_names``), as transformers' ``save_pretrained`` reverses them.
 """
 from __future__ import annotations
 
@@ -38,8 +39,8 @@ def resolve(model: nn.Module, key_mapping: Optional[Mapping[str, str]], where: s
     """The renaming to apply to checkpoint names for ``model``: ``key_mapping`` (checked here: a dict of regex ->
     str, each pattern found in one of the checkpoint's ``names`` at least) then transformers' renames of the model,
     or None when there are none. A name that already has its place in the model (a parameter or buffer, or a tensor
-    of one of its modules) keeps it: a checkpoint in the model's own layout (``save_checkpoint`` writes one) loads
-    as it is, whatever renames the hub layout needs."""
+    of one of its modules) keeps it: a checkpoint in the model's own layout (``save_checkpoint(experts="fused")``
+    writes one) loads as it is, whatever renames the hub layout needs."""
     user = _user_renames(key_mapping, where)
     names = list(names)
     for pattern, replacement in user if names else ():
@@ -123,16 +124,7 @@ def apply(entries: Mapping[str, Entry], renamer: Optional[Renamer],
     tensors renamed onto one name are an error; nothing is read."""
     if renamer is None:
         return dict(entries), {}
-    new_names = {name: renamer(name) for name in sorted(entries)}  # in sorted order, as transformers renames
-    for name, new in list(new_names.items()):  # a weight's scales follow it where a rename moved the weight alone
-        owner, _, leaf = name.rpartition(".")
-        new_owner, _, new_leaf = new.rpartition(".")
-        if leaf != "weight" or new == name:
-            continue
-        for sibling, suffix in _SIBLINGS.items():
-            old = f"{owner}.{sibling}"
-            if old in new_names and new_names[old].rpartition(".")[0] == owner:
-                new_names[old] = f"{new_owner}.{sibling}" if new_leaf == "weight" else f"{new_owner}.{new_leaf}{suffix}"
+    new_names = renamed(entries, renamer)
     out: dict[str, Entry] = {}
     modules: dict[str, list[str]] = {}
     for name, entry in entries.items():
@@ -161,6 +153,22 @@ def apply(entries: Mapping[str, Entry], renamer: Optional[Renamer],
         log.info("fp8fx: %d checkpoint tensors renamed to the model's names (e.g. %s -> %s)",
                  sum(e.source is not None for e in out.values()), old[0], new)
     return out, {m: tuple(s) for m, s in modules.items()}
+
+
+def renamed(names: Iterable[str], renamer: Renamer) -> dict[str, str]:
+    """Checkpoint name -> the model's name for it: ``renamer``, with a weight's scales following the weight where a
+    rename moved the weight alone."""
+    new_names = {name: renamer(name) for name in sorted(names)}  # in sorted order, as transformers renames
+    for name, new in list(new_names.items()):
+        owner, _, leaf = name.rpartition(".")
+        new_owner, _, new_leaf = new.rpartition(".")
+        if leaf != "weight" or new == name:
+            continue
+        for sibling, suffix in _SIBLINGS.items():
+            old = f"{owner}.{sibling}"
+            if old in new_names and new_names[old].rpartition(".")[0] == owner:
+                new_names[old] = f"{new_owner}.{sibling}" if new_leaf == "weight" else f"{new_owner}.{new_leaf}{suffix}"
+    return new_names
 
 
 def with_stored_ignores(config: Fp8Config, sources: Mapping[str, tuple[str, ...]]) -> Fp8Config:
@@ -202,3 +210,44 @@ def hub_expert_leaves(model: nn.Module) -> Optional[dict[str, str]]:
         elif target.endswith("experts.down_proj") and len(names) == 1:
             leaves["down_proj"] = names[0]
     return leaves or None
+
+
+def hub_names(model: nn.Module, names: Iterable[str]) -> Optional[dict[str, str]]:
+    """``names`` (tensors under the model's names) -> as the model's hub checkpoints name them: transformers' renames
+    of the model reversed, as its ``save_pretrained`` writes them (Mixtral's ``.mlp.`` -> ``.block_sparse_moe.``), a
+    weight's scales following the weight. None where there are none to reverse (no transformers, no renames, an API
+    it no longer has) or where the reversed names would not load back as ``names`` through ``resolve`` (which
+    ``load_checkpoint`` applies): a warning says which, and the model's names are kept."""
+    try:
+        from transformers import PreTrainedModel, conversion_mapping, core_model_loading
+
+        if not isinstance(model, PreTrainedModel):
+            return None
+        weight_renaming, apply_renamings = core_model_loading.WeightRenaming, core_model_loading.apply_renamings
+        prefix_change = getattr(core_model_loading, "PrefixChange", ())
+        # as save_pretrained: no legacy renames, no prefix changes (a model built from a config has no prefix to undo)
+        transforms = conversion_mapping.get_model_conversion_mapping(model, add_legacy=False)
+        reverse = [t.reverse_transform() for t in transforms[::-1]
+                   if isinstance(t, weight_renaming) and not isinstance(t, prefix_change)]
+    except Exception:  # noqa: BLE001 - no transformers, or its internals moved: the model's names
+        return None
+    if not reverse:
+        return None
+
+    def hub(name: str) -> str:
+        owner, _, leaf = name.rpartition(".")
+        if leaf in _SIBLINGS:  # where the weight goes (a rename of ".gate.weight" moves the weight alone)
+            return f"{apply_renamings(owner + '.weight', reverse).rpartition('.')[0]}.{leaf}"
+        return apply_renamings(name, reverse)
+
+    out = {name: hub(name) for name in sorted(names)}
+    back = renamed(out.values(), resolve(model, None, "save_checkpoint") or (lambda n: n))
+    wrong = next((n for n, h in out.items() if back[h] != n), None)  # two names onto one fail here too
+    if wrong is not None:
+        log.warning(
+            "fp8fx: save_checkpoint keeps %s's own tensor names: transformers' renames of it, reversed, write %s as "
+            "%s, which loads back as %s; transformers and vLLM may not find the tensors it renames",
+            type(model).__name__, wrong, out[wrong], back.get(out[wrong]),
+        )
+        return None
+    return out

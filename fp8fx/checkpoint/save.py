@@ -58,10 +58,9 @@ def save_checkpoint(
     ``up_proj``, ``down_proj``; w13's per-tensor scale of an expert is written for both gate and up; experts left
     in high precision as weights alone, unless their layout does not split - interleaved gate/up, biases) or
     ``"fused"`` (under the module's own names: ``gate_up_proj`` [E, 2I, H] and its scales,
-    ``fp8fx.checkpoint.experts``); the config names them as it names linear layers. Models whose hub checkpoints
-    name experts otherwise (Mixtral: ``block_sparse_moe.experts.<e>.w1`` / ``w3`` / ``w2``) get these names all the
-    same, with a warning: they load back through ``fp8fx.load_checkpoint``, not in transformers or vLLM
-    (``fp8fx convert`` keeps a checkpoint's own names).
+    ``fp8fx.checkpoint.experts``); the config names them as it names linear layers. Per expert, a model whose hub
+    checkpoints transformers converts gets their names: the projections' (Mixtral's ``w1`` / ``w3`` / ``w2``) and
+    those transformers renames (Mixtral's ``block_sparse_moe`` for ``mlp``), as its ``save_pretrained`` writes.
     Names are written without the ``_orig_mod.`` of torch.compile wrappers (of the model or of submodules).
     An fp8 layer fused by engines with layers left in high precision (``q_proj`` of a ``k_proj`` / ``v_proj`` a
     weight block does not divide; the groups of ``fp8fx.checkpoint.load.FUSED``) is written in high precision
@@ -94,16 +93,19 @@ def save_checkpoint(
         if f not in split:
             log.info("fp8fx: save_checkpoint writes %s fused: its experts do not split (%s)", f,
                      moe_ckpt.split_reason(m))
-    hub = renames.hub_expert_leaves(model) if split else None
-    if hub and any(hub.get(leaf, leaf) != leaf for leaf in ("gate_proj", "up_proj", "down_proj")):
-        log.warning(
-            "fp8fx: save_checkpoint writes %s's experts per expert as <experts>.<e>.gate_proj / up_proj / down_proj, "
-            "but its hub checkpoints name them %s: fp8fx.load_checkpoint reads this checkpoint back, transformers "
-            "and vLLM will not find the experts; fp8fx convert, from the original checkpoint, writes its names",
-            type(model).__name__, "/".join(hub[leaf] for leaf in ("gate_proj", "up_proj", "down_proj") if leaf in hub),
-        )
+    names = moe_ckpt.PROJ
+    if split:  # the projections' names of the model's hub checkpoints (Mixtral's w1 / w3 / w2), where known
+        leaves = renames.hub_expert_leaves(model)
+        names = moe_ckpt.naming(leaves) or moe_ckpt.PROJ
+        if names is moe_ckpt.PROJ and leaves:  # a naming load_checkpoint does not read: the loadable one, said
+            log.warning(
+                "fp8fx: save_checkpoint writes %s's experts per expert as <experts>.<e>.gate_proj / up_proj / "
+                "down_proj, but its hub checkpoints name them %s, which fp8fx.load_checkpoint does not read: "
+                "transformers and vLLM will not find the experts; fp8fx convert, from the original checkpoint, "
+                "writes its names", type(model).__name__, "/".join(leaves.values()),
+            )
     for f, m in quantized_experts.items():  # named as the checkpoint names them (compressed-tensors targets)
-        schemes.update({n: moe.experts_scheme(m) for n in (moe_ckpt.per_expert_modules(f, m) if f in split
+        schemes.update({n: moe.experts_scheme(m) for n in (moe_ckpt.per_expert_modules(f, m, names) if f in split
                                                           else [f])})
     if not schemes:
         raise ValueError(
@@ -127,25 +129,25 @@ def save_checkpoint(
         if isinstance(m, nn.Linear) and f not in schemes:
             ignored.append(f)
         elif f in all_experts and f not in quantized_experts:
-            ignored += [f] + (moe_ckpt.per_expert_modules(f, m) if f in split else [])
+            ignored += [f] + (moe_ckpt.per_expert_modules(f, m, names) if f in split else [])
     source = getattr(model, "_fp8fx_source", {})
     # KV-cache scales declared (kv_cache_scheme) where the model has them, unless they came from a checkpoint
     # that held them without declaring an fp8 KV cache: the saved one says what its source said
     kv = source.get("kv_cache", True) and any(any(n in m._buffers for n in KV_SCALE_NAMES) for m in model.modules())
     fmt = format or (source.get("format") if source.get("format") in formats.FORMATS else None)
-    qc = formats.quantization_config(schemes, ignored, kv, fmt)
+    method = formats.quantization_config(schemes, ignored, kv, fmt)["quant_method"]
 
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}  # saved name -> the state_dict name it comes from
     seen: set[tuple] = set()
     pending = dict(split)
-    block_leaf = "weight_scale" if qc["quant_method"] == "compressed-tensors" else "weight_scale_inv"
+    block_leaf = "weight_scale" if method == "compressed-tensors" else "weight_scale_inv"
     for raw, t in model.state_dict().items():
         name = _unwrapped(raw)
         owner, _, leaf = name.rpartition(".")
         if owner in split and leaf in _EXPERT_LEAVES:
             if owner in pending:  # all of its expert tensors at the first of them; any other tensor of it as it is
-                for n, v in moe_ckpt.per_expert_tensors(owner, pending.pop(owner), block_leaf).items():
+                for n, v in moe_ckpt.per_expert_tensors(owner, pending.pop(owner), block_leaf, names).items():
                     _put(tensors, origin, n, v, raw)
             continue
         if owner in demoted and leaf in _SCALES:
@@ -156,9 +158,16 @@ def save_checkpoint(
         seen.add(key)
         if owner in demoted and leaf == "weight":
             t = modules[owner].weight  # the fp8 layer's dequantized view, in its own dtype
-        if leaf == "weight_scale_inv" and qc["quant_method"] == "compressed-tensors":
+        if leaf == "weight_scale_inv" and method == "compressed-tensors":
             name = f"{owner}.weight_scale"
         _put(tensors, origin, name, t.detach(), raw)
+    if split:  # the hub's layout where transformers renames the model's (Mixtral's block_sparse_moe for mlp)
+        hub = renames.hub_names(model, set(tensors) | {f"{m}.weight" for m in (*schemes, *ignored)})
+        if hub:
+            tensors = {hub[n]: t for n, t in tensors.items()}
+            schemes = {hub[f"{m}.weight"].rpartition(".")[0]: s for m, s in schemes.items()}
+            ignored = [hub[f"{m}.weight"].rpartition(".")[0] for m in ignored]
+    qc = formats.quantization_config(schemes, ignored, kv, fmt)
     if config_json is None:
         hf = getattr(model, "config", None)
         config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})

@@ -55,26 +55,6 @@ def test_moe_checkpoint_outputs_and_roundtrip(tmp_path, name, granularity, namin
         assert torch.equal(again(IDS).logits, model(IDS).logits)
 
 
-@pytest.mark.parametrize("name,warned", [("mixtral", True), ("qwen3_moe", False)])
-def test_per_expert_save_warns_where_the_hub_names_experts_otherwise(tmp_path, name, warned, caplog):
-    """Mixtral's hub checkpoints name experts block_sparse_moe.experts.<e>.w1 / w3 / w2; save_checkpoint writes
-    gate_proj / up_proj / down_proj, which transformers and vLLM do not map (transformers loaded random experts, no
-    error): a warning says so, naming the hub's names. Qwen3-MoE's are the ones written: no warning."""
-    import logging
-
-    import fp8fx
-
-    cfg = moe_config(name, layers=1)
-    model = reference_model(cfg)
-    fp8fx.quantize_(model)
-    with caplog.at_level(logging.WARNING, logger="fp8fx"):
-        save_checkpoint(model, tmp_path / "saved")
-    text = "transformers and vLLM will not find the experts"
-    assert (text in caplog.text) == warned, caplog.text
-    if warned:
-        assert "name them w1/w3/w2" in caplog.text
-
-
 def _saved(path):
     from safetensors.torch import load_file
 
@@ -129,6 +109,69 @@ def test_per_expert_save_writes_experts_left_in_bf16_per_expert(tmp_path):
     qc = save_checkpoint(model, tmp_path / "interleaved")
     assert f"{bf16}.gate_up_proj" in _saved(tmp_path / "interleaved")
     assert f"{bf16}.0.gate_proj" not in qc["ignored_layers"]
+
+
+def _transformers_targets(model, names):
+    """Where transformers' loader puts each checkpoint tensor: the model's conversion mapping, its renames then the
+    converter that merges per-expert weights into the experts module's 3-D ones."""
+    from transformers import conversion_mapping, core_model_loading
+
+    transforms = conversion_mapping.get_model_conversion_mapping(model, add_legacy=True)
+    renamings = [t for t in transforms if isinstance(t, core_model_loading.WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, core_model_loading.WeightConverter)]
+    return {n: core_model_loading.rename_source_key(n, renamings, converters)[0] for n in names}
+
+
+def test_per_expert_save_writes_mixtrals_hub_layout(tmp_path, caplog):
+    """Mixtral's hub checkpoints hold its MoE block as block_sparse_moe, its experts as experts.<e>.w1 / w3 / w2 (gate,
+    up, down). save_checkpoint wrote mlp.experts.<e>.gate_proj ..., which transformers' conversion mapping does not
+    map (from_pretrained loaded random experts, no error) and vLLM's Mixtral does not find; it only warned. Now
+    written as save_pretrained writes it: transformers places every weight, fp8fx.load_checkpoint reads it back
+    identically, and nothing is warned."""
+    import logging
+
+    model = _fp8_and_bf16_experts("mixtral")
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        qc = save_checkpoint(model, tmp_path / "saved")
+    assert not caplog.records, caplog.text
+    saved = _saved(tmp_path / "saved")
+    hub = "model.layers.{}.block_sparse_moe"
+    experts = {f"{hub.format(i)}.experts": model.model.layers[i].mlp.experts for i in range(2)}
+    _check_per_expert(model, saved, experts, ("w1", "w3", "w2"))
+    assert f"{hub.format(0)}.gate.weight" in saved and not any(".mlp." in k for k in saved)
+    assert {f"{hub.format(1)}.experts", f"{hub.format(1)}.experts.0.w1"} <= set(qc["ignored_layers"])
+
+    fresh = reference_model(moe_config("mixtral", layers=2))
+    scales = ("_scale", "_scale_inv", "input_scale")  # placed by transformers' FP8 quantizer, not its mapping
+    targets = _transformers_targets(fresh, [k for k in saved if not k.endswith(scales)])
+    assert set(targets.values()) == set(fresh.state_dict()), set(targets.values()) ^ set(fresh.state_dict())
+
+    again = meta_model(tmp_path / "saved")
+    report = load_checkpoint(again, tmp_path / "saved", progress=False)
+    assert list(report.experts) == ["model.layers.0.mlp.experts"]
+    assert_same_state(model, again)
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+
+def test_per_expert_save_keeps_the_models_names_where_the_hub_renames_do_not_reverse(tmp_path, caplog,
+                                                                                      monkeypatch):
+    """Names the reversed renames would write are checked against the renames load_checkpoint applies: where one
+    would not load back as itself (here: load renames nothing), the model's names are kept, with a warning."""
+    import logging
+
+    from fp8fx.checkpoint import renames
+
+    model = _fp8_and_bf16_experts("mixtral")
+    monkeypatch.setattr(renames, "resolve", lambda *args, **kwargs: None)
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        save_checkpoint(model, tmp_path / "saved")
+    assert "keeps MixtralForCausalLM's own tensor names" in caplog.text
+    experts = {f"model.layers.{i}.mlp.experts": model.model.layers[i].mlp.experts for i in range(2)}
+    _check_per_expert(model, _saved(tmp_path / "saved"), experts, ("w1", "w3", "w2"))
+    again = meta_model(tmp_path / "saved")
+    load_checkpoint(again, tmp_path / "saved", progress=False)
+    assert_same_state(model, again)
 
 
 def test_per_expert_save_keeps_the_experts_modules_other_tensors(tmp_path):

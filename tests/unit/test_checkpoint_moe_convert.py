@@ -154,7 +154,8 @@ def test_save_per_expert_static_input_scales(tmp_path):
     load_checkpoint(model, path, progress=False)
     _, header = _roundtrip(model, tmp_path / "saved")
     experts = model.get_submodule(EXPERTS)
-    assert f"{EXPERTS}.2.up_proj.input_scale" in header and experts._parameters["gate_up_proj"].dtype == FP8
+    up = "model.layers.0.block_sparse_moe.experts.2.w3"  # Mixtral's hub names (save_checkpoint writes them)
+    assert f"{up}.input_scale" in header and experts._parameters["gate_up_proj"].dtype == FP8
     assert experts.gate_up_proj_input_scale.shape == (1,)
 
 
