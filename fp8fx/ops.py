@@ -328,7 +328,7 @@ def scaled_mm_fused(
     ``fp8fx.passes.horizontal`` arranges, and the biases all given or all None; otherwise one GEMM per
     weight (same result). Per-tensor shards keep their own scales: the one GEMM takes them as a
     per-channel scale vector."""
-    _check_fused_args(xq, wqs, w_scales, biases, w_block)
+    _check_fused_args(xq, x_scale, wqs, w_scales, biases, x_block, w_block, out_dtype)
     w = _adjacent(wqs)
     per_tensor = tuple(w_block) == (-1, -1)
     s = _per_channel(wqs, w_scales) if per_tensor else _adjacent([t.reshape(-1, t.shape[-1]) for t in w_scales])
@@ -348,21 +348,31 @@ def scaled_mm_fused(
     return torch.cat(parts, -1)
 
 
-def _check_fused_args(xq, wqs, w_scales, biases, w_block) -> None:
+def _check_fused_args(xq, x_scale, wqs, w_scales, biases, x_block, w_block, out_dtype) -> None:
     """One scale and one bias (or None) for each of at least one weight, each shard checked as scaled_mm checks
     it (zip cut the longer lists short, and the fake's width disagreed; a shard's bad scale was caught or not
-    depending on where its weight lay in memory)."""
+    depending on where its weight lay in memory); the activation, its scale and out_dtype as scaled_mm checks
+    them, so the fake refuses what every real call refuses."""
+    what = "fp8fx.scaled_mm_fused"
     if not (len(wqs) == len(w_scales) == len(biases) >= 1):
-        raise ValueError(f"fp8fx.scaled_mm_fused: {len(wqs)} weights, {len(w_scales)} scales and {len(biases)} biases; "
+        raise ValueError(f"{what}: {len(wqs)} weights, {len(w_scales)} scales and {len(biases)} biases; "
                          "give one scale and one bias (or None) for each of at least one weight")
+    check_block(x_block, "x_block")
+    check_block(w_block, "w_block")
+    if xq.dtype != quant.FP8_DTYPE:
+        raise ValueError(f"{what}: xq is {xq.dtype}; it takes the fp8 codes of the activation (fp8fx.quantize / "
+                         "quantize_static)")
+    _check_scale_size(what, "x_scale", x_scale, f"a {list(xq.shape)} activation", (quant.rows_of(xq), xq.shape[-1]),
+                      x_block)
+    _check_out_dtype(what, "out_dtype", out_dtype)
     for i, (wq, ws, b) in enumerate(zip(wqs, w_scales, biases)):
-        _check_weight(f"fp8fx.scaled_mm_fused (weight {i})", xq, wq, ws, w_block)
-        _check_bias(b, wq.shape[0], f"fp8fx.scaled_mm_fused (weight {i})")
+        _check_weight(f"{what} (weight {i})", xq, wq, ws, w_block)
+        _check_bias(b, wq.shape[0], f"{what} (weight {i})")
 
 
 @scaled_mm_fused.register_fake
 def _(xq, x_scale, wqs, w_scales, biases, x_block, w_block, out_dtype, use_fast_accum=False):
-    _check_fused_args(xq, wqs, w_scales, biases, w_block)
+    _check_fused_args(xq, x_scale, wqs, w_scales, biases, x_block, w_block, out_dtype)
     return xq.new_empty((*xq.shape[:-1], sum(w.shape[0] for w in wqs)), dtype=out_dtype)
 
 

@@ -323,11 +323,19 @@ def test_fakes_refuse_what_the_real_impls_refuse():
         (f.fused_moe.default, (torch.randn(2, 96), torch.ones(2, 1), torch.zeros(2, 1), wq.reshape(1, 64, 96),
                                ws.reshape(1, 64, 1), w2q.reshape(1, 96, 32), w2s.reshape(1, 96, 1),
                                [1, -1], [1, -1], torch.float32), r"topk_ids is torch.float32"),
+        # scaled_mm_fused's fake checked its shards only: a wrong x_scale or out_dtype failed when the graph ran
+        (f.scaled_mm_fused.default, (xq, xs[:3], [wq[:32], wq[32:]], [ws[:32], ws[32:]], [None, None], [1, -1],
+                                     [1, -1], torch.bfloat16), r"scaled_mm_fused: x_scale has 3 elements"),
+        (f.scaled_mm_fused.default, (xq, xs, [wq[:32], wq[32:]], [ws[:32], ws[32:]], [None, None], [1, -1],
+                                     [1, -1], torch.int32), r"scaled_mm_fused: out_dtype=torch.int32"),
+        (f.scaled_mm_fused.default, (h, xs[:1], [wq[:32], wq[32:]], [ws[:32], ws[32:]], [None, None], [1, -1],
+                                     [1, -1], torch.bfloat16), r"scaled_mm_fused: xq is torch.bfloat16"),
     ]
     for op, args, match in cases:
         with pytest.raises(ValueError, match=match):
             op(*args)  # the real impl
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
-            fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
+            to_fake = lambda a: mode.from_tensor(a) if isinstance(a, torch.Tensor) else a  # noqa: E731
+            fake = [[to_fake(t) for t in a] if isinstance(a, list) else to_fake(a) for a in args]
             with pytest.raises(ValueError, match=match):
                 op(*fake)
