@@ -226,13 +226,17 @@ def _split_groups(modules: Mapping[str, nn.Module], schemes: Mapping[str, Any]) 
     quantized with different schemes, which vLLM refuses as well, are refused here."""
     demoted: list[str] = []
     why: list[str] = []
+    ignored: list[str] = []  # members kept in high precision by the user's ignored_layers
+    unfit = False  # members kept by the scheme (a weight block that does not divide them)
     for group in _fused_groups(f for f, m in modules.items() if isinstance(m, nn.Linear)):
         quantized = [f for f in group if f in schemes]
         kept = [f for f in group if f not in schemes]
         if quantized and kept:
             demoted += quantized
-            reason = getattr(modules[kept[0]]._parameters.get("weight"), "_fp8fx_skip_reason", None)
-            why.append(f"{kept[0]}: {reason or 'not quantized'}")
+            reasons = {f: getattr(modules[f]._parameters.get("weight"), "_fp8fx_skip_reason", None) for f in kept}
+            ignored += [f for f, r in reasons.items() if r == "in ignored_layers"]
+            unfit = unfit or any(r != "in ignored_layers" for r in reasons.values())
+            why.append(f"{kept[0]}: {reasons[kept[0]] or 'not quantized'}")
         elif len({schemes[f] for f in quantized}) > 1:
             raise ValueError(
                 f"save_checkpoint: {', '.join(f'{f} ({schemes[f]})' for f in quantized)} are quantized differently, "
@@ -240,12 +244,17 @@ def _split_groups(modules: Mapping[str, nn.Module], schemes: Mapping[str, Any]) 
                 "one config (nothing was written)"
             )
     if demoted:
+        listed = ", ".join(ignored[:3]) + (f" and {len(ignored) - 3} more" if len(ignored) > 3 else "")
+        fixes = [f"remove {listed} from ignored_layers (or, to keep the groups in high precision without this "
+                 "warning, add their other layers to it)"] if ignored else []
+        if unfit:
+            fixes.append("quantize with a scheme every layer of the group takes (e.g. a weight block dividing their "
+                         "sizes)")
         log.warning(
             "fp8fx: save_checkpoint writes %s in high precision (dequantized from fp8) and in the ignore list: engines "
             "run each as one layer with the others of its fused group, which stay in high precision (%s%s); to keep "
-            "them fp8, quantize with a scheme every layer of the group takes (e.g. a weight block dividing their "
-            "sizes)",
-            ", ".join(demoted), why[0], f"; and {len(why) - 1} more groups" if len(why) > 1 else "",
+            "them fp8, %s",
+            ", ".join(demoted), why[0], f"; and {len(why) - 1} more groups" if len(why) > 1 else "", "; ".join(fixes),
         )
     return demoted
 

@@ -407,6 +407,26 @@ def test_a_fused_group_is_saved_in_one_precision(tmp_path, caplog):
         assert t.dtype == expected.dtype and torch.equal(t.view(torch.uint8), expected.view(torch.uint8)), name
 
 
+def test_a_fused_group_split_by_ignored_layers_says_to_fix_the_ignore_list(tmp_path, caplog):
+    """k_proj kept bf16 by ignored_layers (not by the weight block): the warning said to change the weight block,
+    which changes nothing; it says to remove the entry from ignored_layers (or ignore the rest of the group)."""
+    k = "model.layers.0.self_attn.k_proj"
+    model = quantized_tiny(fp8fx.Fp8Config(ignored_layers=[k]))
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        qc = save_checkpoint(model, tmp_path / "saved")
+    assert f"({k}: in ignored_layers); to keep them fp8, remove {k} from ignored_layers (or, to keep the groups in " \
+           "high precision without this warning, add their other layers to it)" in caplog.text
+    assert "weight block" not in caplog.text
+    assert {k, "model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.v_proj"} <= set(qc["ignore"])
+
+    caplog.clear()  # k_proj ignored, v_proj not divisible by the 64x64 block: both fixes
+    model = quantized_tiny(fp8fx.Fp8Config(weight_block_size=[64, 64], ignored_layers=[k]))
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        save_checkpoint(model, tmp_path / "both")
+    assert f"remove {k} from ignored_layers" in caplog.text
+    assert "quantize with a scheme every layer of the group takes (e.g. a weight block" in caplog.text
+
+
 def test_a_fused_group_quantized_with_two_schemes_is_refused(tmp_path):
     """vLLM runs q/k/v_proj as one layer of one scheme and refuses a checkpoint that quantizes them differently."""
     model = Tiny().bfloat16()
