@@ -38,8 +38,10 @@ from fp8fx.weights.quantize import check_ignored_layers
 
 log = logging.getLogger("fp8fx")
 
-# Model module -> the checkpoint modules it fuses, in shard order (vLLM's packed_modules_mapping).
-FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# Model module -> the checkpoint modules it fuses, in shard order (vLLM's packed_modules_mapping; DeepSeek-V2/V3's
+# MLA, also Kimi's and GLM's, fuses q_a_proj and kv_a_proj_with_mqa).
+FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
+         "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
 
 
 @dataclasses.dataclass
@@ -175,8 +177,8 @@ def load_checkpoint(
     ``Fp8Config()``. A given ``config`` overrides both. ``model`` may live on the meta device; tensors
     are created on ``device``, in the dtype of the model's parameters (fp8 weights stay fp8; the
     dequantized ``.weight`` views have the model's dtype). ``fused``: model module name -> checkpoint
-    module names it fuses (default ``FUSED``: qkv_proj, gate_up_proj). Checkpoint names the model does not
-    have are first renamed as transformers renames them for this model (hub Mixtral's ``block_sparse_moe``
+    module names it fuses (default ``FUSED``: qkv_proj, gate_up_proj, fused_qkv_a_proj). Checkpoint names the model
+    does not have are first renamed as transformers renames them for this model (hub Mixtral's ``block_sparse_moe``
     -> ``mlp``; ``fp8fx.checkpoint.renames``); ``key_mapping``: more renames, regex -> replacement, as
     transformers' ``from_pretrained(key_mapping=...)`` takes them. ``progress``: a tqdm bar over the files.
     Returns a ``LoadReport``. Raises ``CheckpointError`` (a ``ValueError``) naming the tensor for a bad

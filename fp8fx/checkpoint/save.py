@@ -209,7 +209,8 @@ def _put(tensors: dict, origin: dict, name: str, t: torch.Tensor, raw: str) -> N
 
 
 def _fused_groups(names: Iterable[str]) -> list[list[str]]:
-    """Sibling layers that engines run as one (``FUSED``: one parent's q/k/v_proj, gate/up_proj), two or more."""
+    """Sibling layers that engines run as one (``FUSED``: one parent's q/k/v_proj, gate/up_proj, MLA's q_a_proj and
+    kv_a_proj_with_mqa), two or more."""
     groups: dict[tuple[str, str], list[str]] = {}
     for name in names:
         parent, _, child = name.rpartition(".")

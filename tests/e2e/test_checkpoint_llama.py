@@ -122,6 +122,50 @@ def test_deepseek_v3_block_checkpoint(tmp_path):
     assert rel_err(logits, float_logits(cfg, state, deq, IDS)) < 0.02  # eager: bf16 compute (~0.7%)
 
 
+def test_deepseek_v3_mla_group_is_saved_in_one_precision(tmp_path, caplog):
+    """vLLM fuses MLA's q_a_proj and kv_a_proj_with_mqa into fused_qkv_a_proj (DeepSeek-V2/V3, Kimi, GLM) and refuses
+    shards of two precisions. 128x128 blocks divide q_a_proj [128, 256] but not kv_a_proj_with_mqa [192, 256] (576
+    rows in DeepSeek-V3): quantize_ leaves the latter bf16, and save_checkpoint wrote q_a_proj fp8 beside it. Now
+    q_a_proj is written dequantized, both in the ignore list, with a warning, and loads back (the model's two layers
+    are not fused: transformers keeps them apart); convert keeps q_a_proj bf16 as well."""
+    import logging
+
+    from safetensors import safe_open
+
+    from fp8fx.checkpoint import save_checkpoint
+
+    cfg = deepseek_config()
+    model = reference_model(cfg)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    config = fp8fx.Fp8Config(weight_block_size=[128, 128])
+    fp8fx.quantize_(model, config)
+    attn = [f"model.layers.{i}.self_attn" for i in range(2)]
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        qc = save_checkpoint(model, tmp_path / "saved")
+    assert f"writes {attn[0]}.q_a_proj, {attn[1]}.q_a_proj in high precision" in caplog.text
+    assert f"{attn[0]}.kv_a_proj_with_mqa: weight [192, 256] is not divisible by the 128x128 block" in caplog.text
+    group = {f"{a}.{p}" for a in attn for p in ("q_a_proj", "kv_a_proj_with_mqa")}
+    assert group <= set(qc["ignored_layers"]) and f"{attn[0]}.q_b_proj" not in qc["ignored_layers"]
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        assert f.get_slice(f"{attn[0]}.q_a_proj.weight").get_dtype() == "BF16"
+    assert f"{attn[0]}.q_a_proj.weight_scale_inv" not in names and f"{attn[0]}.q_b_proj.weight_scale_inv" in names
+    again = meta_model(tmp_path / "saved")
+    report = load_checkpoint(again, tmp_path / "saved", progress=False)
+    assert group <= set(report.not_quantized) and f"{attn[0]}.q_b_proj" in report.quantized and not report.fused
+    for name, t in again.state_dict().items():
+        owner = name.rpartition(".")[0]
+        expected = model.get_submodule(owner).weight if owner in group else model.state_dict()[name]
+        assert t.dtype == expected.dtype and torch.equal(t.view(torch.uint8), expected.view(torch.uint8)), name
+
+    src = write_checkpoint(tmp_path / "bf16", state, extra_config=cfg.to_dict())
+    report = convert(src, tmp_path / "converted", config, progress=False)
+    assert report.not_quantized[f"{attn[0]}.q_a_proj"] == (
+        f"fused with {attn[0]}.kv_a_proj_with_mqa into one layer by engines, which stays bf16: weight [192, 256] is "
+        "not divisible by the 128x128 block")
+    assert f"{attn[0]}.q_b_proj" in report.quantized
+
+
 def test_loaded_checkpoint_compiles_with_fp8_backend(tmp_path):
     cfg = llama_config()
     state = reference_model(cfg).state_dict()

@@ -424,6 +424,30 @@ def test_fused_per_channel_and_block_are_exact(tmp_path, granularity):
         assert rel_err(model(IDS), float_reference(state, deq, IDS)) < 0.03
 
 
+def test_mla_fused_qkv_a_proj_loads_from_q_a_proj_and_kv_a_proj_with_mqa(tmp_path):
+    """vLLM's DeepSeek-V2/V3 (Kimi, GLM) run MLA's q_a_proj and kv_a_proj_with_mqa as one fused_qkv_a_proj (FUSED): a
+    model holding that layer loads it from the two, as it loads qkv_proj."""
+    attn = "model.layers.0.self_attn"
+    torch.manual_seed(0)
+    tensors, deq = {}, []
+    for proj, rows in (("q_a_proj", 64), ("kv_a_proj_with_mqa", 48)):  # DeepSeek-V3: 1536 and 512 + 64
+        q, s = ref_quantize(torch.randn(rows, H, dtype=torch.bfloat16), "channel")
+        tensors[f"{attn}.{proj}.weight"], tensors[f"{attn}.{proj}.weight_scale"] = q, s
+        deq.append(ref_dequantize(q, s, "channel"))
+    path = write_checkpoint(tmp_path / "c", tensors, quantization_config("channel", None, False, True, ()))
+    with torch.device("meta"):
+        layer = nn.Module()
+        layer.self_attn = nn.Module()
+        layer.self_attn.fused_qkv_a_proj = nn.Linear(H, 112, bias=False, dtype=torch.bfloat16)
+        model = nn.Module()
+        model.model = nn.Module()
+        model.model.layers = nn.ModuleList([layer])
+    report = load_checkpoint(model, path, progress=False)
+    assert report.fused == {f"{attn}.fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
+    assert list(report.quantized) == [f"{attn}.fused_qkv_a_proj"]
+    assert torch.equal(layer.self_attn.fused_qkv_a_proj.weight, torch.cat(deq).bfloat16())
+
+
 def test_fused_per_tensor_shards_requantized_to_max_scale(tmp_path):
     """Per-tensor shards with their own scales and static input scales: one scale (the max), one input
     scale (the max); the shard that had the max scale is unchanged bit for bit."""
