@@ -212,11 +212,14 @@ def hub_expert_leaves(model: nn.Module) -> Optional[dict[str, str]]:
     return leaves or None
 
 
-def hub_names(model: nn.Module, names: Iterable[str]) -> Optional[dict[str, str]]:
+def hub_names(model: nn.Module, names: Iterable[str], blocks: Iterable[str]) -> Optional[dict[str, str]]:
     """``names`` (tensors under the model's names) -> as the model's hub checkpoints name them: transformers' renames
     of the model reversed, as its ``save_pretrained`` writes them (Mixtral's ``.mlp.`` -> ``.block_sparse_moe.``), a
-    weight's scales following the weight. None where there are none to reverse (no transformers, no renames, an API
-    it no longer has) or where the reversed names would not load back as ``names`` through ``resolve`` (which
+    weight's scales following the weight, for names inside the MoE blocks ``blocks`` (the modules holding experts
+    modules: their routers and shared experts too); other names are kept. Reversed, a rename is not one to one:
+    Kimi-Linear's hub names its MoE blocks ``block_sparse_moe`` and its dense MLPs ``mlp``, both ``mlp`` in the model,
+    and vLLM reads a dense MLP only as ``mlp``. None where there are none to reverse (no transformers, no renames, an
+    API it no longer has) or where the reversed names would not load back as ``names`` through ``resolve`` (which
     ``load_checkpoint`` applies): a warning says which, and the model's names are kept."""
     try:
         from transformers import PreTrainedModel, conversion_mapping, core_model_loading
@@ -234,7 +237,13 @@ def hub_names(model: nn.Module, names: Iterable[str]) -> Optional[dict[str, str]
     if not reverse:
         return None
 
+    blocks = set(blocks)
+    everywhere = "" in blocks  # experts at the top level: the model is one MoE block
+
     def hub(name: str) -> str:
+        parts = name.split(".")
+        if not everywhere and not any(".".join(parts[:i]) in blocks for i in range(1, len(parts))):
+            return name
         owner, _, leaf = name.rpartition(".")
         if leaf in _SIBLINGS:  # where the weight goes (a rename of ".gate.weight" moves the weight alone)
             return f"{apply_renamings(owner + '.weight', reverse).rpartition('.')[0]}.{leaf}"

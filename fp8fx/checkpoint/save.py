@@ -60,7 +60,8 @@ def save_checkpoint(
     ``"fused"`` (under the module's own names: ``gate_up_proj`` [E, 2I, H] and its scales,
     ``fp8fx.checkpoint.experts``); the config names them as it names linear layers. Per expert, a model whose hub
     checkpoints transformers converts gets their names: the projections' (Mixtral's ``w1`` / ``w3`` / ``w2``) and
-    those transformers renames (Mixtral's ``block_sparse_moe`` for ``mlp``), as its ``save_pretrained`` writes.
+    its MoE blocks' where transformers renames them (Mixtral's ``block_sparse_moe`` for ``mlp``), as its
+    ``save_pretrained`` writes; names outside MoE blocks are the model's (Kimi-Linear's dense ``mlp``).
     Names are written without the ``_orig_mod.`` of torch.compile wrappers (of the model or of submodules).
     An fp8 layer fused by engines with layers left in high precision (``q_proj`` of a ``k_proj`` / ``v_proj`` a
     weight block does not divide; the groups of ``fp8fx.checkpoint.load.FUSED``) is written in high precision
@@ -161,8 +162,9 @@ def save_checkpoint(
         if leaf == "weight_scale_inv" and method == "compressed-tensors":
             name = f"{owner}.weight_scale"
         _put(tensors, origin, name, t.detach(), raw)
-    if split:  # the hub's layout where transformers renames the model's (Mixtral's block_sparse_moe for mlp)
-        hub = renames.hub_names(model, set(tensors) | {f"{m}.weight" for m in (*schemes, *ignored)})
+    if split:  # the hub's layout where transformers renames the model's MoE blocks (Mixtral's block_sparse_moe)
+        hub = renames.hub_names(model, set(tensors) | {f"{m}.weight" for m in (*schemes, *ignored)},
+                                {f.rpartition(".")[0] for f in all_experts})
         if hub:
             tensors = {hub[n]: t for n, t in tensors.items()}
             schemes = {hub[f"{m}.weight"].rpartition(".")[0]: s for m, s in schemes.items()}

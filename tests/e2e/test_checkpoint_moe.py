@@ -1,6 +1,8 @@
 """FP8 MoE checkpoints of a tiny HF Mixtral / Qwen3-MoE (experts_implementation="grouped_mm") built in the
 test, loaded into models that transformers builds on the meta device: logits against float32 models holding
 the dequantized weights (the bound is one that a wrong scale breaks), then save -> load round trips."""
+import json
+
 import pytest
 import torch
 
@@ -149,6 +151,45 @@ def test_per_expert_save_writes_mixtrals_hub_layout(tmp_path, caplog):
     again = meta_model(tmp_path / "saved")
     report = load_checkpoint(again, tmp_path / "saved", progress=False)
     assert list(report.experts) == ["model.layers.0.mlp.experts"]
+    assert_same_state(model, again)
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+
+def test_per_expert_save_renames_the_moe_blocks_alone(tmp_path):
+    """Kimi-Linear's hub checkpoints name its MoE blocks block_sparse_moe and its dense layers' MLPs mlp; transformers
+    renames the first to mlp. The reversed rename was applied to every name: the dense layer's MLP was written as
+    block_sparse_moe.gate_proj ..., where the hub and vLLM (KimiMLP) name it mlp. Only the MoE blocks' names (experts,
+    router, shared experts) are renamed now; transformers still places every tensor, and fp8fx loads it back."""
+    import fp8fx
+
+    cfg = transformers.AutoConfig.for_model(
+        "kimi_linear", vocab_size=128, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2, num_experts=4, num_experts_per_token=2,
+        kv_lora_rank=32, qk_rope_head_dim=16, qk_nope_head_dim=16, v_head_dim=32, mlp_layer_types=["dense", "sparse"],
+        layer_types=["full_attention", "full_attention"], max_position_embeddings=64,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    model.set_experts_implementation("grouped_mm")
+    fp8fx.quantize_(model)
+    qc = save_checkpoint(model, tmp_path / "saved")
+    saved = _saved(tmp_path / "saved")
+    dense = [k for k in saved if k.startswith("model.layers.0.") and "_proj" in k and "self_attn" not in k]
+    assert dense and all(k.startswith("model.layers.0.mlp.") for k in dense), dense
+    assert "layers.0.block_sparse_moe" not in json.dumps(qc)
+    moe = [k for k in saved if k.startswith("model.layers.1.") and "self_attn" not in k and "layernorm" not in k]
+    assert moe and all(k.startswith("model.layers.1.block_sparse_moe.") for k in moe), moe
+    assert {"model.layers.1.block_sparse_moe.experts.0.w1.weight", "model.layers.1.block_sparse_moe.gate.weight",
+            "model.layers.1.block_sparse_moe.shared_experts.up_proj.weight"} <= set(saved)
+
+    fresh = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    scales = ("_scale", "_scale_inv", "input_scale")
+    targets = _transformers_targets(fresh, [k for k in saved if not k.endswith(scales)])
+    assert set(targets.values()) == set(fresh.state_dict()), set(targets.values()) ^ set(fresh.state_dict())
+    again = meta_model(tmp_path / "saved")
+    load_checkpoint(again, tmp_path / "saved", progress=False)
     assert_same_state(model, again)
     with torch.no_grad():
         assert torch.equal(again(IDS).logits, model(IDS).logits)
