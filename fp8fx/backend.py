@@ -56,9 +56,11 @@ class Fp8Backend:
       loads it (``fp8fx.passes.mlp``), where the unfused MLP takes three GEMMs and a quantization kernel
       (Llama-3-8B MLP on the H200: 1.22-1.24x faster than unfused at 1 and 16 tokens, run 12). Default False.
     - ``mlp_h_group``: with ``fuse_mlp``, quantize the fused MLP's intermediate ``act(g) * up`` in 1 x G groups
-      (G of 32, 64, 128) instead of the graph's per-token (or per-tensor) dynamic scale - finer, so no less
-      accurate - in the gate/up kernel's epilogue, so the down GEMM reads fp8 codes; MLPs of up to 64 tokens are
-      then fused. A static scale (``calibrate``) stays as it is. None (default): h as the graph quantizes it.
+      (G of 32, 64, 128; 128 measured fastest) instead of the graph's per-token (or per-tensor) dynamic scale, in
+      the gate/up kernel's epilogue, so the down GEMM reads fp8 codes; MLPs of up to 64 tokens are then fused
+      (Llama-3-8B on the H200, run 17: 1.63-1.66x bf16 at 64 tokens against 1.53-1.58x unfused; relative error
+      vs float32 0.0622-0.0630 against 0.0635-0.0639 per token). A static scale (``calibrate``) stays as it is.
+      None (default): h as the graph quantizes it.
 
     - ``one_pass_rows``: reduce rows of up to this many elements in one pass, held in registers, where
       Inductor's heuristic stops at 1024 (``compat.one_pass_row_reductions``): the per-token

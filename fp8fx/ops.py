@@ -475,7 +475,7 @@ def gated_mlp(
 ) -> torch.Tensor:
     """``scaled_mm(quantize(act(g) * u), w2) + bias`` with ``g``, ``u`` = ``scaled_mm(xq, w1 / w3)`` in
     ``h_dtype``, h quantized with ``h_block`` (or the static ``h_static``): a gated MLP after the linear pass
-    (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens). On CUDA for M <= ``TRITON_MAX_M`` with per-tensor /
+    (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens, ``GATED_GROUPS_MAX_M`` with h in groups). On CUDA for M <= ``TRITON_MAX_M`` with per-tensor /
     per-row scales, h also in 1 x G groups (``GATED_H_GROUPS``): two kernels (``fp8fx.kernels.gated_mlp``);
     otherwise these same ops one by one."""
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)

@@ -202,7 +202,8 @@ def gated_mlp(
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` in two kernels. xq: fp8 [M, K] with ``x_scale`` per token ([M] / [M, 1])
     or per tensor; w1 (gate), w3 (up): fp8 [I, K]; w2 (down): fp8 [N, I]; weight scales per tensor or per
-    channel. ``h_quant``: ``QUANT_ROWS`` (per token), ``QUANT_TENSOR`` or ``QUANT_STATIC`` (``h_static``).
+    channel. ``h_quant``: ``QUANT_ROWS`` (per token), ``QUANT_TENSOR``, ``QUANT_STATIC`` (``h_static``) or
+    ``QUANT_GROUPS`` (1 x ``h_group`` groups, ``H_GROUPS``; the first kernel's BLOCK_N is the group).
     ``configs``: tiles of the two kernels (default: ``gated_tile_config``, ``down_tile_config``). ``pdl``: the down
     GEMM a programmatic dependent launch of the first kernel (default: on CUDA GPUs of compute capability 9.0+,
     where the hardware has it), so its launch overlaps the first kernel's end."""

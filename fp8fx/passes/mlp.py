@@ -284,19 +284,21 @@ class GatedMlpPass(Fp8Pass):
                 continue
             names = site_names(ctx, mlp.gemms)
             group = self.h_group if self.h_group and mlp.h_static is None else None
-            reason = reason or self._why_not(mlp, GATED_GROUPS_MAX_M if group else GATED_MAX_M)
+            static_kept = bool(self.h_group) and mlp.h_static is not None  # a calibrated scale stays as it is
+            reason = reason or self._why_not(mlp, GATED_GROUPS_MAX_M if group else GATED_MAX_M, static_kept)
             if reason:
                 amend_sites(ctx, mlp.gemms, f"not fused into a gated MLP ({names}): {reason}")
                 continue
             new = self._fuse(gm.graph, mlp, group)
-            how = f", h in 1x{group} groups" if group else ""
+            how = (f", h in 1x{group} groups" if group else
+                   ", h's static scale kept: mlp_h_group applies to dynamic ones" if static_kept else "")
             amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, 2 kernels{how})", node=Site.origin_of(new))
             fused += len(mlp.gemms)
         gm.recompile()
         return fused
 
     @staticmethod
-    def _why_not(mlp: _Mlp, max_rows: int) -> str:
+    def _why_not(mlp: _Mlp, max_rows: int, static_kept: bool = False) -> str:
         gate, up, down = mlp.gate, mlp.up, mlp.down
         static = [n.args[0].target is _QUANTIZE_STATIC for n in (gate, up) if isinstance(n.args[0], fx.Node)]
         if gate.args[:2] != up.args[:2] and static == [True, True]:
@@ -333,9 +335,14 @@ class GatedMlpPass(Fp8Pass):
                         "dynamic=False), or torch._dynamo.mark_static on the batch dimension)")
             rows *= d
         if not 0 < rows <= max_rows:
-            why = ("with h in 1 x G groups, up to the Triton GEMMs' 64" if max_rows == GATED_GROUPS_MAX_M else
-                   "with per-token h slower than the unfused GEMMs at 64 on the H200; Fp8Backend(mlp_h_group=128) "
-                   f"fuses up to {GATED_GROUPS_MAX_M}")
+            if max_rows == GATED_GROUPS_MAX_M:
+                why = "with h in 1 x G groups, up to the Triton GEMMs' 64"
+            elif static_kept:
+                why = ("h has a static scale, which mlp_h_group leaves as it is; with it the fused MLP was slower "
+                       "than the unfused GEMMs at 64 on the H200")
+            else:
+                why = ("with per-token h slower than the unfused GEMMs at 64 on the H200; Fp8Backend(mlp_h_group=128) "
+                       f"fuses up to {GATED_GROUPS_MAX_M}")
             return (f"{rows} tokens: the fused MLP is for 1-{max_rows} tokens ({why}); larger batches keep the GEMMs "
                     "with each quantization fused into its producer")
         return ""

@@ -195,21 +195,24 @@ def test_gated_gemm_compiles_for_sm90(m, w_rowwise, act):
 
 
 @pytest.mark.parametrize("m", [1, 16, 64])
-def test_gated_gemm_with_h_groups_compiles_for_sm90(m):
+@pytest.mark.parametrize("promote", [None, 128])
+def test_gated_gemm_with_h_groups_compiles_for_sm90(m, promote):
     """h in 1x128 groups (Fp8Backend(mlp_h_group=128)): 128-wide gate and up tiles, fp8 codes and group scales out
-    of the epilogue, nothing spilled."""
+    of the epilogue. Nothing spilled with fast accumulation (the backend's default); promoting the wgmma sums every
+    K step (use_fast_accum=False, M > 16) holds a second pair of [64, 128] accumulators and spills 72 bytes a thread
+    (triton 3.9), a case not timed."""
     cfg = {**gated_tile_config(m, 14336, 4096), "BLOCK_N": 128}
     types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*fp8e4nv",
                                       "*fp32", "*i32"]))
     types.update({name: "i32" for name in GATED_INTS})
-    consts = dict(A_ROWWISE=m > 1, W_ROWWISE=True, ACT=0, IMPRECISE_K=None, BLOCK_M=cfg["BLOCK_M"],
+    consts = dict(A_ROWWISE=m > 1, W_ROWWISE=True, ACT=0, IMPRECISE_K=promote, BLOCK_M=cfg["BLOCK_M"],
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True, H_GROUPS=True, H_DTYPE=tl.bfloat16,
                   EPS=1e-12, FP8_MAX=448.0)
     stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
     kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
                             cfg["num_warps"], stages)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
-    assert stack_bytes(kernel) == 0, stack_bytes(kernel)
+    assert stack_bytes(kernel) <= (128 if promote and m > 16 else 0), stack_bytes(kernel)
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 14336), (1, 28672, 4096), (16, 4096, 14336), (64, 6144, 4096)])

@@ -166,6 +166,31 @@ INTERPRETER_CHECK = textwrap.dedent("""
             worst = max(rel(y[r], ref[r]) for r in range(m))
             worst_seen = max(worst_seen, worst)
             assert worst < 0.01, (m, g, split, worst)
+
+    # 4. h in groups with a NaN (a NaN code in one gate row: h's column 5 NaN in every row) and an all-zero row of x:
+    # NaN group scales and codes where quant.quantize has them (a max that drops NaN would make them finite), the
+    # zero row's scales the EPS floor
+    args, _ = mlp_operands(3, 160, 96, 8, "per-token/per-channel")
+    xq, xs, w1, s1, w3, s3 = args[:6]
+    w1 = w1.clone()
+    w1.view(torch.uint8)[5] = 0x7F  # e4m3fn NaN
+    xq = xq.clone()
+    xq[1] = 0
+    want = ops.GATED_ACTIVATIONS["silu"](ops.scaled_mm(xq, xs, w1, s1, None, [1, -1], [1, -1], torch.bfloat16)) * \
+        ops.scaled_mm(xq, xs, w3, s3, None, [1, -1], [1, -1], torch.bfloat16)
+    want_q, want_s = quant.quantize(want, [1, 32])
+    hq = torch.empty(3, 96, dtype=quant.FP8_DTYPE)
+    scales = torch.full((3, 3), -1.0)
+    cfg = {**gated_tile_config(3, 96, 160), "BLOCK_N": 32}
+    gated_gemm_kernel[(triton.cdiv(3, cfg["BLOCK_M"]) * 3,)](
+        xq, w1, w3, xs.reshape(-1), s1.reshape(-1), s3.reshape(-1), hq, scales, scales, 3, 96, 160, 0,
+        xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), hq.stride(0), scales.stride(0),
+        A_ROWWISE=True, W_ROWWISE=True, ACT=0, IMPRECISE_K=None, H_GROUPS=True, H_DTYPE=tl.bfloat16,
+        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **cfg)
+    want_s = want_s.reshape(3, -1)
+    assert want_s.isnan().any() and torch.equal(scales.isnan(), want_s.isnan()), (scales, want_s)
+    assert torch.equal(scales.nan_to_num(0.0), want_s.nan_to_num(0.0))
+    assert torch.equal(hq.float().isnan(), want_q.float().isnan())
     print("interpreter ok", worst_seen)
 """)
 
@@ -279,6 +304,30 @@ def test_gated_mlp_cuda_graph_replays(down):
     assert_graph_replays_equal(run, eager[0])
 
 
+def test_h_groups_the_kernels_take():
+    """The op's CUDA path takes its two kernels for h in 1 x G groups of the kernels' sizes with a per-tensor or
+    per-channel down weight (else the unfused ops: correct, slower)."""
+    assert ops._h_group([1, 128], [1, -1]) == 128 and ops._h_group([1, 32], [-1, -1]) == 32
+    for h_block, w2_block in (([1, 100], [1, -1]), ([1, 256], [1, -1]), ([1, 128], [128, 128]), ([1, -1], [1, -1]),
+                              ([-1, 128], [1, -1]), ([-1, -1], [-1, -1])):
+        assert ops._h_group(h_block, w2_block) == 0, (h_block, w2_block)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,kernels", [(1, True), (64, True), (65, False)])
+def test_gated_mlp_op_runs_its_kernels_for_h_groups(monkeypatch, m, kernels):
+    """fp8fx.gated_mlp with h in 1x128 groups on CUDA: the two kernels up to 64 tokens, the unfused ops above."""
+    from fp8fx.kernels import gated_mlp as module
+
+    calls = []
+    real = module.gated_mlp
+    monkeypatch.setattr(module, "gated_mlp", lambda *a, **k: calls.append(k.get("h_group")) or real(*a, **k))
+    args, _ = mlp_operands(m, 256, 384, 128, "h in 1x128 groups", "cuda")
+    y = ops.gated_mlp(*args)
+    assert calls == ([128] if kernels else []), calls
+    assert rel(y, ops._gated_mlp_reference(*args)) < 0.015
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_gated_mlp_h_groups_cuda_graph_replays(m):
@@ -321,10 +370,15 @@ def test_fused_mlp_under_inductor_cudagraph_trees(h_group, tokens):
         for step in range(4):
             x = torch.randn(tokens, 1024, device="cuda", dtype=torch.bfloat16)
             y, want = fused(x).clone(), plain(x)
-            if h_group:  # another quantization of h than the unfused per-token one: 3.5% apart (CPU, same sizes),
-                # each 6.3% from the float32 MLP
+            if h_group:  # another quantization of h than the unfused per-token one (3.5% apart on CPU, each 6.3% from
+                # the float32 MLP): held to the unfused ops with h in the same groups, and as accurate as per token
+                xq, xs = quant.quantize(x, [1, -1])
+                w = [t for name in ("gate_proj", "up_proj", "down_proj") for t in
+                     (getattr(model, name)._parameters["weight"], getattr(model, name).weight_scale)]
+                grouped = ops._gated_mlp_reference(xq, xs, *w, None, [1, -1], [1, -1], [1, h_group], [1, -1], None,
+                                                   "silu", torch.bfloat16, torch.bfloat16, True)
                 truth = exact(x.float())
-                assert rel(y, truth) < rel(want, truth) * 1.05 and rel(y, want) < 0.06, step
+                assert rel(y, grouped) < 0.02 and rel(y, truth) < rel(want, truth) * 1.05, step
                 continue
             # the unfused graph quantizes Inductor's float32 act * mul, the op the model's bf16 one: codes near
             # a rounding boundary differ (~3% of them by one fp8 step)

@@ -254,6 +254,27 @@ def test_h_groups_stop_at_64_tokens():
                for s in report.sites), str(report)
 
 
+@pytest.mark.parametrize("tokens", [4, 40])
+def test_h_group_leaves_a_static_h_scale(tokens):
+    """down_proj with a calibrated (static) input scale: mlp_h_group does not replace it, so the 16-token limit of
+    per-token h holds, and the report says so instead of advising the option that is already set."""
+    torch.manual_seed(0)
+    model = MLP(64, 96).to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["down_proj"]))
+    fp8fx.quantize_(model.down_proj, fp8fx.Fp8Config(activation_scheme="static"), input_scales={"": 0.05})
+    _, report, code = run(model, torch.randn(tokens, 64, dtype=torch.bfloat16), fuse_mlp=True, mlp_h_group=128)
+    assert len(report.sites) == 3, str(report)
+    if tokens == 4:
+        assert code.count("fp8fx.gated_mlp.default(") == 1 and "[1, 128]" not in code
+        assert all(s.scheme.endswith("h's static scale kept: mlp_h_group applies to dynamic ones)")
+                   for s in report.sites), str(report)
+    else:
+        assert "gated_mlp" not in code
+        assert all("40 tokens: the fused MLP is for 1-16 tokens (h has a static scale, which mlp_h_group leaves"
+                   in s.scheme and "Fp8Backend(mlp_h_group=128) fuses" not in s.scheme for s in report.sites), \
+            str(report)
+
+
 @pytest.mark.parametrize("kwargs,message", [
     (dict(fuse_mlp=True, mlp_h_group=100), "mlp_h_group=100): a group size of [32, 64, 128]"),
     (dict(fuse_mlp=True, mlp_h_group=True), "mlp_h_group=True): a group size of"),
