@@ -295,10 +295,15 @@ def test_gated_mlp_cuda_graph_replays(down):
     xq, xs, w1, s1, w3, s3, w2, s2, bias = args[:9]
     run = lambda pdl=None: gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, bias, kernels.QUANT_ROWS, None,  # noqa: E731
                                      torch.bfloat16, torch.bfloat16, configs=(None, cfg), pdl=pdl)
+    check_replays(run, args)
+
+
+def check_replays(run, args):
+    """``run(pdl)``: plain calls bit-equal to each other, with the down GEMM a programmatic dependent launch (the
+    default on the H200) or not, and as CUDA-graph replays; close to the unfused ops."""
     eager = [run() for _ in range(3)]
     assert all(torch.equal(e, eager[0]) for e in eager)
     assert rel(eager[0], ops._gated_mlp_reference(*args)) < 0.015
-    # the down GEMM as a programmatic dependent launch (the default on the H200) or not: the same bits
     for pdl in (False, True) if torch.cuda.get_device_capability() >= (9, 0) else (False,):
         assert torch.equal(run(pdl), eager[0]), pdl
     assert_graph_replays_equal(run, eager[0])
@@ -339,12 +344,7 @@ def test_gated_mlp_h_groups_cuda_graph_replays(m):
     args, _ = mlp_operands(m, 4096, 14336, 4096, "h in 1x128 groups", "cuda")
     run = lambda pdl=None: gated_mlp(*args[:9], QUANT_GROUPS, None, torch.bfloat16, torch.bfloat16,  # noqa: E731
                                      pdl=pdl, h_group=128)
-    eager = [run() for _ in range(3)]
-    assert all(torch.equal(e, eager[0]) for e in eager)
-    assert rel(eager[0], ops._gated_mlp_reference(*args)) < 0.015
-    for pdl in (False, True) if torch.cuda.get_device_capability() >= (9, 0) else (False,):
-        assert torch.equal(run(pdl), eager[0]), pdl
-    assert_graph_replays_equal(run, eager[0])
+    check_replays(run, args)
 
 
 @pytest.mark.cuda
