@@ -12,7 +12,8 @@ A checkpoint stores the experts of module ``<fqn>`` (e.g. ``model.layers.0.mlp.e
   ... too); configs name the experts module itself (as a ``Linear`` for compressed-tensors targets).
 
 ``save_checkpoint`` writes the first (in the hub's naming where transformers knows it: Mixtral's ``w1`` ...), or
-the second with ``experts="fused"``.
+the second with ``experts="fused"`` and, in the hub's naming, for a model transformers loads from fused experts
+only (GraniteMoE's ``input_linear`` / ``output_linear``).
 
 Everything is checked from the headers (``plan``) before any data is read; tensors stream into a
 stand-in module (``stage``) that ``commit`` swaps in. bf16 experts are quantized online, each expert as

@@ -189,6 +189,21 @@ def hub_expert_leaves(model: nn.Module) -> Optional[dict[str, str]]:
     into its experts (Mixtral: ``{"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}``), or None (no such
     converters, no transformers, or an API it no longer has: the internal ``conversion_mapping`` /
     ``core_model_loading`` of transformers 5)."""
+    return _expert_leaves(model) or None
+
+
+def per_expert_loadable(model: nn.Module) -> Optional[bool]:
+    """Whether transformers loads ``model``'s experts from per-expert tensors: True where its conversion mapping merges
+    them into the experts modules (gate, up and down: Mixtral, Qwen3-MoE, DeepSeek-V3), False for another transformers
+    model, whose checkpoints hold its experts fused (GraniteMoE's ``input_linear`` / ``output_linear``, renamed; GPT-OSS
+    as the model names them) and which loads per-expert tensors nowhere (random experts, with no error), None where
+    unknown (not a transformers model, no transformers, an API it no longer has)."""
+    leaves = _expert_leaves(model)
+    return None if leaves is None else {"gate_proj", "up_proj", "down_proj"} <= set(leaves)
+
+
+def _expert_leaves(model: nn.Module) -> Optional[dict[str, str]]:
+    """``hub_expert_leaves``, ``{}`` for a transformers model with no such converters, None where unknown."""
     try:
         from transformers import PreTrainedModel, conversion_mapping, core_model_loading
 
@@ -209,7 +224,7 @@ def hub_expert_leaves(model: nn.Module) -> Optional[dict[str, str]]:
             leaves["gate_proj"], leaves["up_proj"] = names
         elif target.endswith("experts.down_proj") and len(names) == 1:
             leaves["down_proj"] = names[0]
-    return leaves or None
+    return leaves
 
 
 def hub_names(model: nn.Module, names: Iterable[str], blocks: Iterable[str]) -> Optional[dict[str, str]]:

@@ -41,7 +41,7 @@ def save_checkpoint(
     format: Optional[str] = None,
     max_shard_size: Optional[int] = None,
     config_json: Optional[Mapping[str, Any]] = None,
-    experts: str = "per-expert",
+    experts: Optional[str] = None,
 ) -> dict[str, Any]:
     """Write ``model`` (quantized by ``quantize_`` or ``load_checkpoint``) to directory ``path``:
     ``model.safetensors`` (or shards of at most ``max_shard_size`` bytes plus ``model.safetensors.index.json``)
@@ -53,22 +53,28 @@ def save_checkpoint(
     ``"compressed-tensors"`` (any mix; block scales are named ``weight_scale``), or None: the
     format the model was loaded from, else ``fp8`` when it can express the model. ``config_json``: the rest
     of ``config.json`` (default: an HF model's ``model.config``, else the loaded checkpoint's).
-    ``experts``: how experts modules are written: ``"per-expert"`` (default; the layout of HF hub checkpoints
-    and vLLM: ``<experts>.<e>.gate_proj.weight`` + ``weight_scale`` / ``weight_scale_inv`` / ``input_scale``,
+    ``experts``: how experts modules are written: ``"per-expert"`` (the layout of most HF hub checkpoints and
+    vLLM: ``<experts>.<e>.gate_proj.weight`` + ``weight_scale`` / ``weight_scale_inv`` / ``input_scale``,
     ``up_proj``, ``down_proj``; w13's per-tensor scale of an expert is written for both gate and up; experts left
-    in high precision as weights alone, unless their layout does not split - interleaved gate/up, biases) or
+    in high precision as weights alone, unless their layout does not split - interleaved gate/up, biases),
     ``"fused"`` (under the module's own names: ``gate_up_proj`` [E, 2I, H] and its scales,
-    ``fp8fx.checkpoint.experts``); the config names them as it names linear layers. Per expert, a model whose hub
+    ``fp8fx.checkpoint.experts``) or None (default): per expert, except for a transformers model that transformers
+    loads from fused experts only (no per-expert converter in its conversion mapping: GraniteMoE, whose hub
+    checkpoints hold ``block_sparse_moe.input_linear`` / ``output_linear``), whose experts are written fused in its
+    hub layout, with a warning: from per-expert tensors from_pretrained loads random experts, with no error, so
+    ``"per-expert"`` is refused for it. The config names experts as it names linear layers. A model whose hub
     checkpoints transformers converts gets their names: the projections' (Mixtral's ``w1`` / ``w3`` / ``w2``) and
-    its MoE blocks' where transformers renames them (Mixtral's ``block_sparse_moe`` for ``mlp``), as its
-    ``save_pretrained`` writes; names outside MoE blocks are the model's (Kimi-Linear's dense ``mlp``).
+    its MoE blocks' where transformers renames them (Mixtral's ``block_sparse_moe`` for ``mlp``, GraniteMoE's
+    ``input_linear`` for ``experts.gate_up_proj``), as its ``save_pretrained`` writes; names outside MoE blocks are
+    the model's (Kimi-Linear's dense ``mlp``).
     Names are written without the ``_orig_mod.`` of torch.compile wrappers (of the model or of submodules).
     An fp8 layer fused by engines with layers left in high precision (``q_proj`` of a ``k_proj`` / ``v_proj`` a
     weight block does not divide; the groups of ``fp8fx.checkpoint.load.FUSED``) is written in high precision
     (dequantized), in the ignore list with them, with a warning: vLLM refuses a fused layer of two precisions.
     """
-    if experts not in ("per-expert", "fused"):
-        raise ValueError(f"save_checkpoint: experts={experts!r} is not 'per-expert' or 'fused'")
+    if experts not in (None, "per-expert", "fused"):
+        raise ValueError(f"save_checkpoint: experts={experts!r} is not 'per-expert', 'fused' or None (per expert "
+                         "where transformers loads them so)")
     if max_shard_size is not None and (type(max_shard_size) is not int or max_shard_size <= 0):
         raise ValueError(f"save_checkpoint: max_shard_size={max_shard_size!r} must be a positive number of bytes "
                          "(an int, e.g. 5 * 2**30), or None for one file")
@@ -86,11 +92,22 @@ def save_checkpoint(
     schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}
     all_experts = {f: m for f, m in modules.items() if moe.is_experts(m)}
     quantized_experts = {f: m for f, m in all_experts.items() if moe.is_quantized_experts(m)}
-    # experts written per expert: quantized ones, and those in high precision that split into experts exactly
-    split = {} if experts == "fused" else {
-        f: m for f, m in all_experts.items() if f in quantized_experts or moe_ckpt.split_reason(m) is None
-    }
-    for f, m in all_experts.items() if experts == "per-expert" else ():
+    # experts that can be written per expert: quantized ones, and those in high precision that split exactly
+    splittable = {f: m for f, m in all_experts.items() if f in quantized_experts or moe_ckpt.split_reason(m) is None}
+    # fused in the hub's layout where transformers reads no per-expert tensors of this model (GraniteMoE)
+    hub_fused = experts != "fused" and bool(splittable) and renames.per_expert_loadable(model) is False
+    if hub_fused:
+        config = getattr(model, "config", None)
+        what = f"{type(model).__name__} (model_type {getattr(config, 'model_type', None)!r})"
+        why = (f"transformers loads the experts of {what} from fused tensors only, as its hub checkpoints hold them "
+               "(its conversion mapping has no per-expert converter for them), and from per-expert tensors would load "
+               "random experts, with no error")
+        if experts == "per-expert":
+            raise ValueError(f"save_checkpoint(experts='per-expert'): {why}; leave experts=None to write them fused "
+                             "in the hub's layout, or pass experts='fused' (nothing was written)")
+        log.warning("fp8fx: save_checkpoint writes experts fused, in the hub's layout, not per expert: %s", why)
+    split = {} if experts == "fused" or hub_fused else splittable
+    for f, m in all_experts.items() if experts != "fused" and not hub_fused else ():
         if f not in split:
             log.info("fp8fx: save_checkpoint writes %s fused: its experts do not split (%s)", f,
                      moe_ckpt.split_reason(m))
@@ -162,7 +179,9 @@ def save_checkpoint(
         if leaf == "weight_scale_inv" and method == "compressed-tensors":
             name = f"{owner}.weight_scale"
         _put(tensors, origin, name, t.detach(), raw)
-    if split:  # the hub's layout where transformers renames the model's MoE blocks (Mixtral's block_sparse_moe)
+    # the hub's layout where transformers renames the model's MoE blocks (Mixtral's block_sparse_moe, GraniteMoE's
+    # input_linear for experts.gate_up_proj)
+    if split or hub_fused:
         hub = renames.hub_names(model, set(tensors) | {f"{m}.weight" for m in (*schemes, *ignored)},
                                 {f.rpartition(".")[0] for f in all_experts})
         if hub:

@@ -195,6 +195,54 @@ def test_per_expert_save_renames_the_moe_blocks_alone(tmp_path):
         assert torch.equal(again(IDS).logits, model(IDS).logits)
 
 
+def test_experts_transformers_reads_fused_only_are_written_fused_in_the_hub_layout(tmp_path, caplog):
+    """GraniteMoE's hub checkpoints hold its experts fused (block_sparse_moe.input_linear / output_linear, which
+    transformers renames), and transformers has no converter from per-expert tensors: save_checkpoint wrote
+    experts.<e>.gate_proj ..., from which from_pretrained loaded random experts, with no error. By default they are
+    written fused in the hub's layout, with a warning naming the model: transformers places every tensor, and fp8fx
+    loads it back. experts="per-expert" is refused for it, before anything is written."""
+    import logging
+
+    import fp8fx
+
+    cfg = transformers.GraniteMoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                                        num_key_value_heads=1, max_position_embeddings=64, intermediate_size=32,
+                                        num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    bf16 = "model.layers.1.block_sparse_moe.experts"
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=[bf16]))
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        qc = save_checkpoint(model, tmp_path / "saved")
+    assert "writes experts fused, in the hub's layout, not per expert: transformers loads the experts of " \
+           "GraniteMoeForCausalLM (model_type 'granitemoe') from fused tensors only" in caplog.text
+    saved = _saved(tmp_path / "saved")
+    for i in range(2):
+        hub = f"model.layers.{i}.block_sparse_moe"
+        assert {f"{hub}.input_linear.weight", f"{hub}.output_linear.weight", f"{hub}.router.layer.weight"} <= set(saved)
+    assert saved["model.layers.0.block_sparse_moe.input_linear.weight"].dtype == torch.float8_e4m3fn
+    assert not any(".experts.0." in k for k in saved) and not any(".experts.0." in n for n in qc["ignore"])
+    assert bf16 in qc["ignore"]
+
+    fresh = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    scales = ("_scale", "_scale_inv", "input_scale")
+    targets = _transformers_targets(fresh, [k for k in saved if not k.endswith(scales)])
+    assert set(targets.values()) == set(fresh.state_dict()), set(targets.values()) ^ set(fresh.state_dict())
+    again = meta_model(tmp_path / "saved")
+    report = load_checkpoint(again, tmp_path / "saved", progress=False)
+    assert list(report.experts) == ["model.layers.0.block_sparse_moe.experts"]
+    assert_same_state(model, again)
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+    match = (r"save_checkpoint\(experts='per-expert'\): transformers loads the experts of GraniteMoeForCausalLM "
+             r"\(model_type 'granitemoe'\) from fused tensors only.*random experts.*leave experts=None to write them "
+             r"fused in the hub's layout, or pass experts='fused' \(nothing was written\)")
+    with pytest.raises(ValueError, match=match):
+        save_checkpoint(model, tmp_path / "per-expert", experts="per-expert")
+    assert not (tmp_path / "per-expert").exists()
+
+
 def test_per_expert_save_keeps_the_models_names_where_the_hub_renames_do_not_reverse(tmp_path, caplog,
                                                                                       monkeypatch):
     """Names the reversed renames would write are checked against the renames load_checkpoint applies: where one

@@ -40,6 +40,19 @@ def test_transformers_renamer_of_mixtral_and_of_other_models():
     assert renames.transformers_renamer(nn.Linear(2, 2), []) is None
 
 
+def test_per_expert_loadable():
+    """Whether transformers loads a model's experts from per-expert tensors: Mixtral and Qwen3-MoE (converters that
+    merge them), not GraniteMoE (hub checkpoints hold them fused: renames only); unknown for a model it did not
+    build."""
+    transformers = pytest.importorskip("transformers")
+    assert renames.per_expert_loadable(reference_model(moe_config("mixtral"))) is True
+    assert renames.per_expert_loadable(reference_model(moe_config("qwen3_moe"))) is True
+    granite = transformers.GraniteMoeConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                            num_key_value_heads=1, intermediate_size=32, num_local_experts=4)
+    assert renames.per_expert_loadable(transformers.AutoModelForCausalLM.from_config(granite)) is False
+    assert renames.per_expert_loadable(Tiny()) is None
+
+
 def test_renames_chain_and_add_to_the_models_own():
     """As transformers applies them: every rename that matches fires, in turn (a user's mapping adds to the model's
     renames), \\1 in a replacement takes a group; the pattern rules are those of the installed transformers."""
