@@ -481,7 +481,8 @@ def split_reason(module: nn.Module) -> Optional[str]:
     flags of HF's @use_experts_implementation say where a model's experts are laid out otherwise)."""
     for flag, value, what in (("is_transposed", True, "transposed expert weights"),
                               ("is_concatenated", False, "interleaved gate/up rows"),
-                              ("has_bias", True, "expert biases")):
+                              ("has_bias", True, "expert biases"),
+                              ("has_post_expert_norm", True, "a norm after each expert")):  # as moe.skip_reason
         if getattr(module, flag, not value) == value:
             return what
     w13, w2 = module._parameters[W13], module._parameters[W2]

@@ -56,7 +56,9 @@ def save_checkpoint(
     ``experts``: how experts modules are written: ``"per-expert"`` (the layout of most HF hub checkpoints and
     vLLM: ``<experts>.<e>.gate_proj.weight`` + ``weight_scale`` / ``weight_scale_inv`` / ``input_scale``,
     ``up_proj``, ``down_proj``; w13's per-tensor scale of an expert is written for both gate and up; experts left
-    in high precision as weights alone, unless their layout does not split - interleaved gate/up, biases),
+    in high precision as weights alone, the ignore list naming their experts module - and, for compressed-tensors,
+    which matches names exactly, each expert's modules -, unless their layout does not split: interleaved gate/up,
+    biases, a norm after each expert),
     ``"fused"`` (under the module's own names: ``gate_up_proj`` [E, 2I, H] and its scales,
     ``fp8fx.checkpoint.experts``) or None (default): per expert, except for a transformers model that transformers
     loads from fused experts only (no per-expert converter in its conversion mapping: GraniteMoE, whose hub
@@ -141,19 +143,20 @@ def save_checkpoint(
         raise ValueError(f"save_checkpoint: every fp8 layer of the model ({', '.join(demoted)}) is in a fused group "
                          "whose other layers stay in high precision, and would be written in high precision; "
                          "quantize with a scheme the whole group takes (nothing was written)")
-    # linear layers and experts modules in high precision (experts written per expert: their experts' modules too)
-    ignored = []
-    for f, m in modules.items():
-        if isinstance(m, nn.Linear) and f not in schemes:
-            ignored.append(f)
-        elif f in all_experts and f not in quantized_experts:
-            ignored += [f] + (moe_ckpt.per_expert_modules(f, m, names) if f in split else [])
+    # linear layers and experts modules in high precision
+    ignored = [f for f, m in modules.items() if isinstance(m, nn.Linear) and f not in schemes
+               or f in all_experts and f not in quantized_experts]
     source = getattr(model, "_fp8fx_source", {})
     # KV-cache scales declared (kv_cache_scheme) where the model has them, unless they came from a checkpoint
     # that held them without declaring an fp8 KV cache: the saved one says what its source said
     kv = source.get("kv_cache", True) and any(any(n in m._buffers for n in KV_SCALE_NAMES) for m in model.modules())
     fmt = format or (source.get("format") if source.get("format") in formats.FORMATS else None)
     method = formats.quantization_config(schemes, ignored, kv, fmt)["quant_method"]
+    if method == "compressed-tensors":  # its ignore list matches names exactly (or "re:"): experts written per
+        # expert need their experts' modules too; fp8's ignored_layers covers the modules under an entry (fp8fx,
+        # transformers), and vLLM skips the experts module itself (its FusedMoE layer)
+        ignored += [n for f in ignored if f in split and f not in quantized_experts
+                    for n in moe_ckpt.per_expert_modules(f, split[f], names)]
 
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}  # saved name -> the state_dict name it comes from

@@ -9,7 +9,7 @@ import torch
 from fp8fx.checkpoint import load_checkpoint, meta_model, save_checkpoint
 from fp8fx.weights import is_quantized_experts
 from tests.conftest import rel_err
-from tests.unit.test_checkpoint_moe import moe_checkpoint, moe_config, reference_model, write_moe
+from tests.unit.test_checkpoint_moe import E, moe_checkpoint, moe_config, reference_model, write_moe
 from tests.unit.test_checkpoint_save import assert_same_state
 
 transformers = pytest.importorskip("transformers")
@@ -88,29 +88,38 @@ def _check_per_expert(model, saved, experts, projs):
 
 def test_per_expert_save_writes_experts_left_in_bf16_per_expert(tmp_path):
     """Experts left in bf16 were written fused (mlp.experts.gate_up_proj) where fp8 ones are per expert: vLLM's
-    per-expert loaders do not map that. They are written per expert as well (weights alone, in the ignore list with
-    their experts module) and load back identically; experts="fused" keeps them fused, and so do experts whose
-    gate/up rows are interleaved (no per-expert tensor is a slice of them)."""
+    per-expert loaders do not map that. They are written per expert as well (weights alone, the experts module in
+    the ignore list: fp8's ignored_layers covers the modules under an entry; compressed-tensors' matches names
+    exactly, so its ignore list names each expert's modules too) and load back identically; experts="fused" keeps
+    them fused, and so do experts whose gate/up rows are interleaved or that have a norm after each expert (no
+    per-expert tensor is a slice of them)."""
     model = _fp8_and_bf16_experts("qwen3_moe")
-    qc = save_checkpoint(model, tmp_path / "saved")
-    experts = {f"model.layers.{i}.mlp.experts": model.model.layers[i].mlp.experts for i in range(2)}
-    _check_per_expert(model, _saved(tmp_path / "saved"), experts, ("gate_proj", "up_proj", "down_proj"))
     bf16 = "model.layers.1.mlp.experts"
-    assert {bf16, f"{bf16}.0.gate_proj", f"{bf16}.3.down_proj"} <= set(qc["ignored_layers"])
-    assert not any(n.startswith("model.layers.0.mlp.experts") for n in qc["ignored_layers"])
-    again = meta_model(tmp_path / "saved")
-    report = load_checkpoint(again, tmp_path / "saved", progress=False)
-    assert list(report.experts) == ["model.layers.0.mlp.experts"] and report.not_quantized[bf16] == "in ignored_layers"
-    assert_same_state(model, again)
-    with torch.no_grad():
-        assert torch.equal(again(IDS).logits, model(IDS).logits)
+    experts = {f"model.layers.{i}.mlp.experts": model.model.layers[i].mlp.experts for i in range(2)}
+    for fmt, key in (("fp8", "ignored_layers"), ("compressed-tensors", "ignore")):
+        qc = save_checkpoint(model, tmp_path / fmt, format=fmt)
+        if fmt == "fp8":  # (compressed-tensors names the block scales weight_scale)
+            _check_per_expert(model, _saved(tmp_path / fmt), experts, ("gate_proj", "up_proj", "down_proj"))
+        per_expert = {n for n in qc[key] if n.startswith(f"{bf16}.")}
+        assert bf16 in qc[key] and len(per_expert) == (3 * E if fmt == "compressed-tensors" else 0), qc[key]
+        assert fmt == "fp8" or {f"{bf16}.0.gate_proj", f"{bf16}.{E - 1}.down_proj"} <= per_expert
+        assert not any(n.startswith("model.layers.0.mlp.experts") for n in qc[key])
+        again = meta_model(tmp_path / fmt)
+        report = load_checkpoint(again, tmp_path / fmt, progress=False)
+        assert list(report.experts) == ["model.layers.0.mlp.experts"]
+        assert report.not_quantized[bf16] == "in ignored_layers"
+        assert_same_state(model, again)
+        with torch.no_grad():
+            assert torch.equal(again(IDS).logits, model(IDS).logits)
 
     save_checkpoint(model, tmp_path / "fused", experts="fused")
     assert f"{bf16}.gate_up_proj" in _saved(tmp_path / "fused")
-    model.model.layers[1].mlp.experts.is_concatenated = False  # as HF flags interleaved gate/up rows
-    qc = save_checkpoint(model, tmp_path / "interleaved")
-    assert f"{bf16}.gate_up_proj" in _saved(tmp_path / "interleaved")
-    assert f"{bf16}.0.gate_proj" not in qc["ignored_layers"]
+    for flag, value in (("is_concatenated", False), ("has_post_expert_norm", True)):  # as HF flags them
+        setattr(model.model.layers[1].mlp.experts, flag, value)
+        qc = save_checkpoint(model, tmp_path / flag, format="compressed-tensors")
+        assert f"{bf16}.gate_up_proj" in _saved(tmp_path / flag), flag
+        assert f"{bf16}.0.gate_proj" not in qc["ignore"]
+        setattr(model.model.layers[1].mlp.experts, flag, not value)
 
 
 def _transformers_targets(model, names):
@@ -141,7 +150,7 @@ def test_per_expert_save_writes_mixtrals_hub_layout(tmp_path, caplog):
     experts = {f"{hub.format(i)}.experts": model.model.layers[i].mlp.experts for i in range(2)}
     _check_per_expert(model, saved, experts, ("w1", "w3", "w2"))
     assert f"{hub.format(0)}.gate.weight" in saved and not any(".mlp." in k for k in saved)
-    assert {f"{hub.format(1)}.experts", f"{hub.format(1)}.experts.0.w1"} <= set(qc["ignored_layers"])
+    assert f"{hub.format(1)}.experts" in qc["ignored_layers"]  # covering its experts' modules (fp8's rule)
 
     fresh = reference_model(moe_config("mixtral", layers=2))
     scales = ("_scale", "_scale_inv", "input_scale")  # placed by transformers' FP8 quantizer, not its mapping
