@@ -475,9 +475,9 @@ def gated_mlp(
 ) -> torch.Tensor:
     """``scaled_mm(quantize(act(g) * u), w2) + bias`` with ``g``, ``u`` = ``scaled_mm(xq, w1 / w3)`` in
     ``h_dtype``, h quantized with ``h_block`` (or the static ``h_static``): a gated MLP after the linear pass
-    (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens, ``GATED_GROUPS_MAX_M`` with h in groups). On CUDA for M <= ``TRITON_MAX_M`` with per-tensor /
-    per-row scales, h also in 1 x G groups (``GATED_H_GROUPS``): two kernels (``fp8fx.kernels.gated_mlp``);
-    otherwise these same ops one by one."""
+    (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens, ``GATED_GROUPS_MAX_M`` with h in groups). On CUDA for
+    M <= ``TRITON_MAX_M`` with per-tensor / per-row scales, h also in 1 x G groups (``GATED_H_GROUPS``): two
+    kernels (``fp8fx.kernels.gated_mlp``); otherwise these same ops one by one."""
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
     _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
     return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,
@@ -505,9 +505,7 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
         return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,
                                     h_static, act, h_dtype, out_dtype, use_fast_accum)
     from fp8fx.kernels import fp8_gemm as kernels
-    from fp8fx.kernels.gated_mlp import gated_mlp as two_kernels
-
-    from fp8fx.kernels.gated_mlp import QUANT_GROUPS
+    from fp8fx.kernels.gated_mlp import QUANT_GROUPS, gated_mlp as two_kernels
 
     if h_static is not None:
         h_quant = kernels.QUANT_STATIC

@@ -27,7 +27,8 @@ def default_passes(
     return [
         MoePass(use_fast_accum=use_fast_accum),  # first: the experts leave the graph before linears are sought
         LinearPass(use_fast_accum=use_fast_accum, weight_only=weight_only, fusing=fuse_mlp or fuse_horizontal),
-        GatedMlpPass(enabled=fuse_mlp, h_group=mlp_h_group),  # before horizontal fusion: a fused MLP reads gate and up apart
+        # before horizontal fusion: a fused MLP reads gate and up apart
+        GatedMlpPass(enabled=fuse_mlp, h_group=mlp_h_group),
         HorizontalFusionPass(enabled=fuse_horizontal),
     ]
 
