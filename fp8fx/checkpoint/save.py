@@ -136,6 +136,14 @@ def save_checkpoint(
     ]
     if unprocessed:
         raise ValueError(f"{unprocessed[0]}: weights not processed yet; run process_weights_after_loading first")
+    for f, m in modules.items():  # a tensor cast by hand would be written under fp8 names with the wrong values
+        if f in schemes or f in quantized_experts:
+            for n, t in m._parameters.items():
+                want = (quant.FP8_DTYPE if n in ("weight", moe.W13, moe.W2)
+                        else torch.float32 if n.endswith(("scale", "scale_inv")) else None)
+                if t is not None and want is not None and t.dtype != want:
+                    raise ValueError(f"save_checkpoint: {f}.{n} of the fp8 layer {f} is {t.dtype}, not {want} (cast "
+                                     "after quantize_?); quantize_ the bf16 model again, then save (nothing was written)")
     demoted = _split_groups(modules, schemes)
     for f in demoted:
         del schemes[f]

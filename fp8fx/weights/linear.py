@@ -39,6 +39,48 @@ def _dequantized_weight(self) -> torch.Tensor:
     )
 
 
+def _kept(name: str, t: torch.Tensor) -> bool:
+    """A tensor a dtype cast of the module must leave as it is: an fp8 weight, or a float32 scale."""
+    return (t.dtype.is_floating_point and t.dtype.itemsize == 1) or name.endswith(("scale", "scale_inv"))
+
+
+def fp8_apply(self, fn, recurse=True):
+    """``Module._apply`` of a quantized module (``.to(dtype)``, ``.half()``, ``.cuda()``, ``.to_empty()``, ...):
+    the fp8 tensors and their float32 scales follow device moves but not dtype casts, which would turn them into
+    bf16 tensors that no longer hold the quantized values. A floating-point cast instead becomes the module's compute
+    dtype (the dequantized view's and the output's, as for a bf16 model cast), and casts the other parameters
+    (bias). Whether ``fn`` casts is read from what it does to an empty tensor of the same dtype and device."""
+    kept = {id(t) for n, t in self._parameters.items() if t is not None and _kept(n, t)}
+
+    def apply(t: torch.Tensor) -> torch.Tensor:
+        if id(t) not in kept:
+            return fn(t)
+        probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
+        return fn(t) if probe.dtype == t.dtype else t.to(device=probe.device)
+
+    dtype = getattr(self, "_fp8fx_dtype", None)
+    if dtype is not None:
+        device = next((t.device for t in self._parameters.values() if t is not None), None)
+        cast = fn(torch.empty(0, dtype=dtype, device=device)).dtype
+        if cast != dtype and cast.is_floating_point:
+            if cast not in quant.HIGH_PRECISION:
+                name = getattr(self._parameters.get("weight"), "_fp8fx_fqn", type(self).__name__)
+                raise ValueError(
+                    f"{name}: cast to {cast}, but fp8 layers compute in bf16/fp16/fp32; cast the model to one of "
+                    f"these (this layer and the modules after it were not converted)"
+                )
+    tags = {n: {a: v for a, v in vars(t).items() if a.startswith("_fp8fx_")}
+            for n, t in self._parameters.items() if t is not None}
+    super(type(self), self)._apply(apply, recurse)
+    for n, t in self._parameters.items():  # a parameter the move replaced keeps its tags for the report
+        for a, v in tags.get(n, {}).items():
+            if t is not None and not hasattr(t, a):
+                setattr(t, a, v)
+    if dtype is not None and cast != dtype and cast.is_floating_point:
+        self._fp8fx_dtype = cast
+    return self
+
+
 def fp8_class(cls: type) -> type:
     """The subclass of ``cls`` whose ``weight`` is the dequantized view (one per class, cached)."""
     if getattr(cls, "_fp8fx_quantized", False):
@@ -47,7 +89,8 @@ def fp8_class(cls: type) -> type:
         _FP8_CLASSES[cls] = type(
             f"Fp8{cls.__name__}",
             (cls,),
-            {"weight": property(_dequantized_weight), "_fp8fx_quantized": True, "__module__": cls.__module__},
+            {"weight": property(_dequantized_weight), "_apply": fp8_apply, "_fp8fx_quantized": True,
+             "__module__": cls.__module__},
         )
     return _FP8_CLASSES[cls]
 

@@ -474,3 +474,14 @@ def test_names_that_collide_without_orig_mod_are_refused(tmp_path):
     with pytest.raises(ValueError, match=match + r".*rename one of the modules.*nothing was written"):
         save_checkpoint(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_save_refuses_an_fp8_layer_whose_weight_is_no_longer_fp8(tmp_path):
+    """Cast by hand after quantize_: its bf16 values would be written under the fp8 checkpoint's names."""
+    model = quantized_tiny(fp8fx.Fp8Config())
+    layer = model.model.layers[0].mlp.up_proj
+    layer._parameters["weight"] = torch.nn.Parameter(layer._parameters["weight"].bfloat16(), requires_grad=False)
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.up_proj.weight of the fp8 layer .* is torch.bfloat16, "
+                                         r"not torch.float8_e4m3fn .*nothing was written"):
+        save_checkpoint(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()

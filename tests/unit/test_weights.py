@@ -522,3 +522,74 @@ def test_more_bad_arguments_named():
     assert model[0].weight.dtype == torch.float32
     with pytest.raises(ValueError, match=r"calibrate: batches is a tensor \[4, 8\]; pass an iterable of batches"):
         fp8fx.calibrate(model, torch.randn(4, 8))
+
+
+def _fp8_tensors(model):
+    """The state dict's fp8 weights (as bytes) and float32 scales, which a cast of the model must leave as they are."""
+    return {k: v.view(torch.uint8) if v.dtype == quant.FP8_DTYPE else v
+            for k, v in model.state_dict().items() if v.dtype == quant.FP8_DTYPE or k.endswith("scale")}
+
+
+@pytest.mark.parametrize("cast,dtype", [
+    (lambda m: m.to(torch.bfloat16), torch.bfloat16), (lambda m: m.half(), torch.float16),
+    (lambda m: m.float(), torch.float32), (lambda m: m.to("cpu", torch.float16), torch.float16),
+    (lambda m: m.to(device="cpu", dtype=torch.float32), torch.float32),
+])
+def test_a_dtype_cast_after_quantize_keeps_fp8_weights_and_scales(cast, dtype):
+    """quantize_ then .to(dtype): the cast becomes the layers' compute dtype (and casts the biases); the fp8
+    weights and float32 scales stay as they are (cast, they were bf16 tensors the layers could not run)."""
+    torch.manual_seed(0)
+    model = _mlp()
+    x = torch.randn(3, 128)
+    config = Fp8Config(activation_scheme="static")
+    fp8fx.quantize_(model, config, input_scales=fp8fx.calibrate(model, [x.bfloat16()]))
+    before, ref = _fp8_tensors(model), model(x.bfloat16())
+    assert cast(model) is model
+    after = _fp8_tensors(model)
+    assert after.keys() == before.keys() and "0.input_scale" in after
+    assert all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in after)
+    assert model[0].bias.dtype == dtype and model[0]._fp8fx_dtype == dtype and model[0].weight.dtype == dtype
+    out = model(x.to(dtype))
+    assert out.dtype == dtype and rel_err(out, ref) < 0.02
+    assert model[0]._parameters["weight"]._fp8fx_fqn == "0"  # the report's tag
+
+
+def test_a_quantized_model_moves_to_meta_and_back_and_compiles_after_a_cast():
+    model = _mlp()
+    fp8fx.quantize_(model)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    state, ref = model.state_dict(), model(x)
+    model.to("meta")
+    assert {k: v.dtype for k, v in model.state_dict().items()} == {k: v.dtype for k, v in state.items()}
+    assert model[0]._parameters["weight"].is_meta and model[0]._parameters["weight"]._fp8fx_fqn == "0"
+    model.to_empty(device="cpu").load_state_dict(state)
+    assert torch.equal(model(x), ref)
+    model.half()
+    backend = fp8fx.Fp8Backend()
+    out = torch.compile(model, backend=backend)(x.half())
+    assert out.dtype == torch.float16 and rel_err(out, ref) < 0.08  # activations in fp8 too
+    assert len(backend.report.rewritten) == 3
+
+
+def test_a_cast_to_a_dtype_fp8_layers_cannot_compute_in_is_refused_naming_the_layer():
+    model = _mlp()
+    fp8fx.quantize_(model)
+    with pytest.raises(ValueError, match=r"^0: cast to torch.float64, but fp8 layers compute in bf16/fp16/fp32"):
+        model.double()
+    assert model[0]._fp8fx_dtype == torch.bfloat16 and model[0].bias.dtype == torch.bfloat16
+
+
+def test_a_dtype_cast_keeps_quantized_experts_fp8():
+    from tests.unit.test_moe_weights import Experts, routing
+
+    experts = Experts().bfloat16()
+    fp8fx.quantize_(experts)
+    before = _fp8_tensors(experts)
+    x = torch.randn(6, 256)
+    ids, weights = routing()
+    ref = experts(x.bfloat16(), ids, weights.bfloat16())
+    experts.half()
+    after = _fp8_tensors(experts)
+    assert all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in after)
+    assert experts._fp8fx_dtype == torch.float16 and experts.gate_up_proj.dtype == torch.float16
+    assert rel_err(experts(x.half(), ids, weights.half()), ref) < 0.02
