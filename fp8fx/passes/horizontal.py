@@ -20,6 +20,10 @@ per-tensor shards to their max scale instead, one more fp8 rounding for the othe
 must stay what a checkpoint loads into them: ``load_state_dict`` after fusion writes each shard's rows
 and its own scale.) A parameter replaced afterwards by another tensor is still used correctly, one GEMM
 per weight.
+
+Layers called again with the same weights (shared layers, ALBERT) are fused at every call, into the same tensor. A
+GEMM that reads a group's activation but is kept out of the group (no bias where the others have one, weight scales
+of another granularity) says why in the report.
 """
 from __future__ import annotations
 
@@ -30,6 +34,7 @@ import torch
 from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
+from fp8fx.config import granularity_from_block
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
 from fp8fx.report import Site
 
@@ -94,24 +99,54 @@ class HorizontalFusionPass(Fp8Pass):
                 groups[key].append(node)
         fused = 0
         claimed: dict[fx.Node, str] = {}  # weight -> the group it was fused with in this graph
+        fused_groups: set[tuple] = set()  # the weights of each group fused in this graph
         for nodes in groups.values():
             if len(nodes) < 2:
                 continue
+            weights = tuple(n.args[2] for n in nodes)
             reason = self._why_not(nodes, ctx)
-            taken = [claimed[n.args[2]] for n in nodes if n.args[2] in claimed]
+            taken = [claimed[w] for w in weights if w in claimed]
+            if taken and weights in fused_groups:
+                taken = []  # the same layers called again (shared weights, ALBERT): the same fused tensor
             if taken:  # a layer read by two groups (a(x), b(x), b(y), c(y)): its weight can sit in one fused tensor
                 reason = f"shares a layer with {taken[0]}"
             if reason:
-                rest = [n for n in nodes if n.args[2] not in claimed]
-                amend_sites(ctx, rest, f"not fused with {site_names(ctx, nodes)}: {reason}")
+                amend_sites(ctx, nodes, f"not fused with {site_names(ctx, nodes)}: {reason}")
                 continue
-            claimed.update({n.args[2]: f"fused({site_names(ctx, nodes)})" for n in nodes})
+            claimed.update({w: f"fused({site_names(ctx, nodes)})" for w in weights})
+            fused_groups.add(weights)
             y = self._fuse(gm, nodes, ctx)
             # every fused site is found by the one GEMM in Inductor's output code (the report's kernel column)
             amend_sites(ctx, nodes, f"fused({site_names(ctx, nodes)})", node=Site.origin_of(y))
             fused += len(nodes)
+        self._explain_singles(groups, ctx)
         gm.recompile()
         return fused
+
+    @staticmethod
+    def _explain_singles(groups: dict[tuple, list[fx.Node]], ctx: PassContext) -> None:
+        """A GEMM alone in its group while others read the same activation (v without the bias q and k have, a
+        per-tensor shard among per-channel ones) says what kept it apart."""
+        by_input: dict[tuple, list[tuple]] = defaultdict(list)
+        for key in groups:
+            by_input[key[:2]].append(key)
+        for keys in by_input.values():
+            for key in keys:
+                if len(groups[key]) > 1 or len(keys) < 2:
+                    continue
+                other = max((k for k in keys if k != key), key=lambda k: len(groups[k]))
+                names = site_names(ctx, groups[other])
+                has = "has" if len(groups[other]) == 1 else "have"
+                if key[6] != other[6]:
+                    why = f"no bias where {names} {has} one" if key[6] else f"a bias where {names} {has} none"
+                elif key[3] != other[3]:
+                    why = (f"{granularity_from_block(list(key[3]), weight=True)} weight scales where {names} {has} "
+                           f"{granularity_from_block(list(other[3]), weight=True)}")
+                elif key[4] != other[4]:
+                    why = f"output dtype {key[4]} where {names} {has} {other[4]}"
+                else:
+                    why = "use_fast_accum differs" if key[5] != other[5] else f"its input's blocks differ from {names}'"
+                amend_sites(ctx, groups[key], f"not fused horizontally: {why}")
 
     def _why_not(self, nodes: list[fx.Node], ctx: PassContext) -> str:
         inputs = [a for n in nodes for a in n.args[2:5] if a is not None]

@@ -184,3 +184,65 @@ def test_a_layer_in_two_groups_is_fused_with_one():
     schemes = {s.fqn: s.scheme for s in backend.report.sites if s.graph == 0}
     assert schemes["a"].endswith("fused(a,b)") and schemes["c"].endswith("not fused with b,c: shares a layer with "
                                                                           "fused(a,b)")
+    # b(y) too (it had no note)
+    assert [s.scheme.split(" ", 2)[2] for s in backend.report.sites if s.graph == 0 and s.fqn == "b"] == [
+        "fused(a,b)", "not fused with b,c: shares a layer with fused(a,b)"]
+
+
+class WhisperQKV(torch.nn.Module):
+    """q/k with biases, v without (Whisper), reading the same input; ``calls`` times with the same weights (ALBERT's
+    shared layers)."""
+
+    def __init__(self, calls=1):
+        super().__init__()
+        self.calls = calls
+        self.q_proj, self.k_proj = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32)
+        self.v_proj = torch.nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        for _ in range(self.calls):
+            x = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)[..., :64].tanh()
+        return x
+
+
+def compile_fused(model, x):
+    backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+    return {(s.fqn, i): s.scheme for i, s in enumerate(backend.report.sites)}, out
+
+
+def test_a_gemm_left_out_of_its_group_says_why():
+    """v without the bias q and k have, or one shard per tensor among per-channel ones: the odd one out had no note."""
+    torch.manual_seed(0)
+    model = WhisperQKV().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    schemes, _ = compile_fused(model, torch.randn(5, 64, dtype=torch.bfloat16))
+    assert [s.split(" ", 2)[2] for s in schemes.values()] == [
+        "fused(q_proj,k_proj)", "fused(q_proj,k_proj)", "not fused horizontally: no bias where q_proj,k_proj have one"]
+    torch._dynamo.reset()
+    model = BiasedQKV().to(torch.bfloat16)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        granularity = fp8fx.PerTensor() if name == "k_proj" else fp8fx.PerRow()
+        fp8fx.quantize_(getattr(model, name), fp8fx.Fp8Config(weight_granularity=granularity), prefix=name)
+    schemes, _ = compile_fused(model, torch.randn(5, 64, dtype=torch.bfloat16))
+    assert schemes[("k_proj", 1)].endswith(
+        "not fused horizontally: per-tensor weight scales where q_proj,v_proj have per-row")
+    assert schemes[("v_proj", 2)].endswith("fused(q_proj,v_proj)")
+
+
+def test_layers_called_again_with_the_same_weights_are_fused_at_every_call():
+    """Only the first call was fused; the others ran apart with no note."""
+    torch.manual_seed(0)
+    model = WhisperQKV(calls=3).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        plain = torch.compile(model, backend=fp8fx.Fp8Backend(compiler="eager"))(x)
+        torch._dynamo.reset()
+    schemes, out = compile_fused(model, x)
+    assert len(schemes) == 9
+    fused = [s for s in schemes.values() if s.endswith("fused(q_proj,k_proj)")]
+    single = [s for s in schemes.values() if s.endswith("not fused horizontally: no bias where q_proj,k_proj have one")]
+    assert len(fused) == 6 and len(single) == 3
+    assert rel_err(out.float(), plain.float()) < 1e-3
