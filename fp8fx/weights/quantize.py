@@ -232,9 +232,16 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
             )
     missing = [fqn for fqn in planned if fqn not in given]
     if missing:
+        shown = f"{missing[:3]}{' ...' if len(missing) > 3 else ''}"
+        if not given:
+            raise ValueError(f"activation_scheme='static' needs an input scale for every quantized layer; missing "
+                             f"{shown}; pass input_scales=fp8fx.calibrate(model, batches)")
+        # scales for other layers: most likely calibrate's, which has none for a layer it never saw run
         raise ValueError(
-            f"activation_scheme='static' needs an input scale for every quantized layer; missing {missing[:3]}"
-            f"{' ...' if len(missing) > 3 else ''}; pass input_scales=fp8fx.calibrate(model, batches)"
+            f"activation_scheme='static' needs an input scale for every quantized layer; missing {shown} in "
+            "input_scales: fp8fx.calibrate gives none to a layer that received no input during calibration (a "
+            "branch the batches did not take, or a layer called through its weight, F.linear(x, layer.weight)); "
+            "calibrate with batches that reach it, or add it to ignored_layers (nothing was quantized)"
         )
     checked = {}
     for fqn, value in given.items():  # as floats: what is checked here is what the layers get
@@ -358,4 +365,18 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     if ran == 0:
         raise ValueError("calibrate: batches gave no batch (an empty list, or a generator already used up); pass "
                          "the calibration batches, e.g. a list of the model's inputs")
+    zero = [fqn for fqn, a in amax.items() if a < quant.AMAX_EPS]
+    if zero:  # the scale would be ~2e-15: every nonzero activation saturates at inference
+        raise ValueError(
+            f"calibrate: the inputs of {zero[:3]}{' ...' if len(zero) > 3 else ''} were all zero in every batch "
+            f"(amax {amax[zero[0]]}); a static scale from them would saturate every nonzero activation at inference: "
+            "calibrate with more or other batches, or add the layers to ignored_layers"
+        )
+    unseen = [fqn for fqn, m in modules if isinstance(m, nn.Linear) and fqn not in amax]
+    unseen += [name for fqn, _ in experts for name in moe.input_scale_names(fqn) if name not in amax]
+    if unseen:  # quantize_ will ask for their scales
+        log.warning("fp8fx: calibrate: %s%s received no input during calibration (a branch the batches did not take, "
+                    "or a layer called through its weight, F.linear(x, layer.weight)), so they get no input scale; "
+                    "calibrate with batches that reach them, or add them to ignored_layers",
+                    unseen[:3], " ..." if len(unseen) > 3 else "")
     return {fqn: max(a, quant.AMAX_EPS) / quant.FP8_MAX for fqn, a in amax.items()}

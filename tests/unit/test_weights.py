@@ -593,3 +593,37 @@ def test_a_dtype_cast_keeps_quantized_experts_fp8():
     assert all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in after)
     assert experts._fp8fx_dtype == torch.float16 and experts.gate_up_proj.dtype == torch.float16
     assert rel_err(experts(x.half(), ids, weights.half()), ref) < 0.02
+
+
+def test_calibrate_refuses_a_layer_whose_inputs_were_all_zero():
+    """Its scale was ~2e-15: every nonzero activation saturated at inference (relative error 1), no warning."""
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"calibrate: the inputs of \['0'\] were all zero in every batch \(amax 0.0\)"
+                                         r".* more or other batches, or add the layers to ignored_layers"):
+        fp8fx.calibrate(model, [torch.zeros(4, 128, dtype=torch.bfloat16)] * 2)
+    assert not model[0]._forward_pre_hooks
+
+
+class Branch(nn.Module):
+    """``b`` runs only when asked, ``c`` through its weight: calibrate sees neither run."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(64, 64) for _ in range(3))
+
+    def forward(self, x, use_b=False):
+        x = self.a(x)
+        return nn.functional.linear(self.b(x) if use_b else x, self.c.weight)
+
+
+def test_a_layer_that_never_ran_during_calibration_is_named_as_such(caplog):
+    """quantize_ said "pass input_scales=fp8fx.calibrate(model, batches)", which the user had done."""
+    model = Branch().to(torch.bfloat16)
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        scales = fp8fx.calibrate(model, [torch.randn(4, 64, dtype=torch.bfloat16)])
+    assert set(scales) == {"a"} and "['b', 'c'] received no input during calibration" in caplog.text
+    with pytest.raises(ValueError, match=r"missing \['b', 'c'\] in input_scales: fp8fx.calibrate gives none to a "
+                                         r"layer that received no input during calibration .*ignored_layers"):
+        fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales=scales)
+    assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
+    fp8fx.quantize_(model, Fp8Config(activation_scheme="static", ignored_layers=["b", "c"]), input_scales=scales)
