@@ -25,7 +25,8 @@ expert, transposed or not), the first GEMM's output, gate / up halves, SiLU(gate
 GEMM's output, that output times its routing weight, and sums of those. Every node must fit one rule
 (a GEMM contracts a weight over its stored input dim; chunk(2) splits the features of the first GEMM;
 only SiLU; each expert output is weighted once by its own routing weight; the sum covers every expert
-once and runs over k); anything else (another activation, a bias, a norm, a scale, a mutation of an
+once and runs over k; top_k_index and top_k_weights are read whole: views keeping every (token, k) pair,
+gathers by a tensor, not ``[:, :1]``, ``[:, [1, 0]]`` or ``expand``); anything else (another activation, a bias, a norm, a scale, a mutation of an
 input, an op the pass does not know) leaves the region as it is, reported with the node and the
 reason. Trusted, not proven: the index bookkeeping (sorts, gathers, scatters, clamps) pairs each token with
 its k-th expert, as the model's own code intends.
@@ -45,6 +46,7 @@ from typing import Any, Optional
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
@@ -65,8 +67,9 @@ class Val:
     """What a region node holds. ``kind``: ``idx`` (indices, masks' sources, sizes), ``mask`` (top_k_index
     == e), ``ids`` (top_k_index or its values rearranged: views, gathers, sorted, clamped), ``ids_sort``
     (sort(ids): values and permutation), ``sentinel`` (ids >= E: false for every id fused_moe takes),
-    ``wts`` (routing weights), ``x`` (hidden states), ``w13`` / ``w2`` (weights), ``g1`` (first
-    GEMM), ``chunks`` / ``gate`` / ``up``, ``act`` (SiLU(gate)), ``h`` (act * up), ``y`` (second GEMM),
+    ``ids_part`` (some of the ids: sliced, reordered or broadcast along k; only their sentinel flags are
+    read), ``wts`` (routing weights, every (token, k) pair's), ``x`` (hidden states), ``w13`` / ``w2``
+    (weights), ``g1`` (first GEMM), ``chunks`` / ``gate`` / ``up``, ``act`` (SiLU(gate)), ``h`` (act * up), ``y`` (second GEMM),
     ``out`` (y times its routing weight), ``zero`` (a fresh accumulator), ``sum`` (the combine).
     ``expert``: for values, None for every (token, k) pair at once (grouped / gathered forms) or an int for
     one expert of an unrolled loop; for weights, None (all experts, stacked), ``"pairs"`` (gathered per
@@ -81,6 +84,8 @@ class Val:
 
 _IDX = Val("idx")
 _INDEX_KINDS = ("idx", "ids", "mask", "sentinel")
+# ops that may read ``ids_part`` (as their first operand): they keep it ``ids_part`` or make it sentinel flags
+_PART_OPS = ("view", "transpose", "getitem", "ge", "clamp", "masked_fill", "meta")
 
 
 # -- op names ---------------------------------------------------------------------------------
@@ -163,6 +168,10 @@ class _Interpreter:
             op = _op(node)
             if op is None:
                 raise _NoMatch(f"{node.name} ({_describe(node)}) is not part of an experts computation fused_moe knows")
+            read = node.all_input_nodes[1 if op in _PART_OPS else 0:]
+            if any(getattr(self.val.get(a), "kind", None) == "ids_part" for a in read):
+                self._fail(node, "reads some of the routing ids (top_k_index sliced, reordered or broadcast along k); "
+                                 "fused_moe reads every (token, k) pair")
             self.val[node] = getattr(self, f"_{op}")(node)
 
     # helpers
@@ -221,16 +230,21 @@ class _Interpreter:
 
     def _ge(self, node):
         a, b = node.args[:2]
-        if isinstance(a, fx.Node) and isinstance(b, int) and b == self.experts and self._of(a).kind == "ids":
+        kind = self._of(a).kind if isinstance(a, fx.Node) else None
+        if isinstance(b, int) and b == self.experts and kind in ("ids", "ids_part"):
             return Val("sentinel")  # ids >= E: expert-parallel sentinels, none among the ids fused_moe takes
+        if kind == "ids_part" and not isinstance(b, fx.Node):
+            return _IDX  # a mask of some pairs: no expert's mask, no sentinel
         return self._idx_op(node)
 
     def _clamp(self, node):
         """Index bookkeeping (ids clamped to [0, E - 1]); in place only on a tensor the region made."""
-        self._idx_op(node)
+        src = self._of(node.args[0])
+        if src.kind != "ids_part":
+            self._idx_op(node)
         if node.target in ("clamp_", "clip_"):
             self._check_owned(node, node.args[0])
-        return Val("ids") if self._of(node.args[0]).kind == "ids" else _IDX
+        return src if src.kind in ("ids", "ids_part") else _IDX
 
     def _masked_fill(self, node):
         """``v.masked_fill(sentinel, c)``: the identity on the ids fused_moe takes, so ``v`` keeps its label."""
@@ -265,10 +279,10 @@ class _Interpreter:
     # shape ops
     def _view(self, node):
         src = self._of(node.args[0])
-        if src.kind in (*_INDEX_KINDS, "wts"):
+        if src.kind in (*_INDEX_KINDS, "ids_part", "wts"):
             if not self._all_idx_args(node):
                 self._fail(node, "reshapes with a non-index argument")
-            return src
+            return self._routing(node, src, _same_numel(node.args[0], node))
         if src.kind in ("w13", "w2"):
             self._fail(node, "reshapes an expert weight")
         before, after = _shape(node.args[0]), _shape(node)
@@ -295,13 +309,25 @@ class _Interpreter:
             p = len(after) - 1
         return dataclasses.replace(src, fdim=p - len(after))
 
+    def _routing(self, node, src: Val, every: bool) -> Val:
+        """``src`` rearranged by ``node``; ``every``: each (token, k) pair's id / weight kept once (a view keeping
+        the element count, a gather by a tensor). Else ids become ``ids_part``, and routing weights are refused:
+        fused_moe weights each pair by its own weight (``top_k_weights[:, :1]``, ``[:, [1, 0]]``, ``.expand``
+        would be rewritten into wrong outputs)."""
+        if every or src.kind not in ("ids", "wts"):
+            return src
+        if src.kind == "ids":
+            return Val("ids_part")
+        self._fail(node, "selects, reorders or broadcasts the routing weights along k; fused_moe weights every "
+                         "(token, k) pair by its own weight")
+
     def _all_idx_args(self, node) -> bool:
         return all(self._of(a).kind in _INDEX_KINDS for a in node.all_input_nodes[1:])
 
     def _transpose(self, node):
         src = self._of(node.args[0])
-        if src.kind in _INDEX_KINDS:
-            return src
+        if src.kind in (*_INDEX_KINDS, "ids_part"):
+            return Val("ids_part") if src.kind == "ids" and len(_shape(node)) > 1 else src
         if src.kind not in ("w13", "w2"):
             self._fail(node, "transposes a hidden state")
         n = len(_shape(node))
@@ -324,8 +350,10 @@ class _Interpreter:
             return Val("ids") if index == 0 else _IDX
         if not self._all_idx_args(node):
             self._fail(node, "indexes with a non-index value")
-        if val.kind in ("ids", "sentinel"):
-            return val  # some of the ids / of the sentinel flags (all false), in some order
+        if val.kind in ("ids", "ids_part", "wts"):
+            return self._routing(node, val, _keeps_pairs(node))
+        if val.kind == "sentinel":
+            return val  # some of the sentinel flags (all false), in some order
         if val.kind in ("idx", "mask"):
             return _IDX
         if val.kind in ("w13", "w2"):
@@ -336,8 +364,6 @@ class _Interpreter:
             if isinstance(index, fx.Node) and val.expert is None and not val.t:
                 return dataclasses.replace(val, expert="pairs")  # w[expert_ids]: gathered per (token, k)
             self._fail(node, "indexes an expert weight other than by expert")
-        if val.kind == "wts":
-            return val
         if isinstance(index, fx.Node):
             return val  # rows gathered or un-sorted: the feature dim stays
         self._fail(node, "slices a hidden state")
@@ -466,6 +492,31 @@ def _describe(node: fx.Node) -> str:
 def _shape(node) -> tuple:
     v = fake_value(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
+
+
+def _same_numel(a, b) -> bool:
+    return statically_known_true(_numel(_shape(a)) == _numel(_shape(b)))
+
+
+def _numel(shape) -> Any:
+    n = 1
+    for d in shape:
+        n = n * d
+    return n
+
+
+def _keeps_pairs(node: fx.Node) -> bool:
+    """``src[index]`` (``node``) keeps every element of ``src`` once: a gather by tensors (a permutation, as in
+    un-sorting, is trusted) with full slices besides, or basic indexing (ints, slices) that keeps the element
+    count. Lists, and ints or slices that drop elements, select or reorder them."""
+    src, index = node.args
+    index = index if isinstance(index, tuple) else (index,)
+    if any(isinstance(i, (list, tuple)) for i in index):
+        return False
+    tensors = [i for i in index if isinstance(i, fx.Node) and isinstance(fake_value(i), torch.Tensor)]
+    if tensors:
+        return all(i is None or i is Ellipsis or i == slice(None) or i in tensors for i in index)
+    return _same_numel(src, node)
 
 
 def _owned(node: fx.Node) -> bool:

@@ -151,7 +151,7 @@ class LoopExperts(nn.Module):
     """The example's loop with one thing changed at a time."""
 
     def __init__(self, act=F.silu, scale=1.0, experts=range(E), shift=0, bias=False, eq_method=False, mask_from=None,
-                 inplace_mask=False, id_offset=0):
+                 inplace_mask=False, id_offset=0, routing=None):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) / H**0.5)
@@ -161,9 +161,12 @@ class LoopExperts(nn.Module):
         self.eq_method = eq_method  # top_k_index.__eq__(e): how torch 2.11's Dynamo records `top_k_index == e`
         self.mask_from, self.inplace_mask = mask_from, inplace_mask  # masked_fill(top_k_index[:, :1] >= mask_from)
         self.id_offset = id_offset  # expert e's pairs where top_k_index - id_offset == e (an expert-parallel rank)
+        self.routing = routing  # (top_k_index, top_k_weights) -> the ones the loop reads
 
     def forward(self, x, top_k_index, top_k_weights):
         out = torch.zeros_like(x, dtype=torch.float32)
+        if self.routing is not None:
+            top_k_index, top_k_weights = self.routing(top_k_index, top_k_weights)
         if self.mask_from is not None:
             mask = top_k_index[:, :1] >= self.mask_from
             if self.inplace_mask:
@@ -191,6 +194,19 @@ class LoopExperts(nn.Module):
     (dict(mask_from=E - 1), "masks a value with something other than the expert-parallel sentinels (ids >= E)"),
     (dict(mask_from=E, inplace_mask=True), "modifies in place a tensor that may be (a view of) one of the experts'"),
     (dict(id_offset=1), "multiplies values that fused_moe does not multiply"),  # masks of ids - 1, not of the ids
+    # only part of the routing, or reordered along k: fused_moe weights every (token, k) pair by its own weight
+    *((dict(routing=r), "selects, reorders or broadcasts the routing weights along k") for r in (
+        lambda i, w: (i, w[:, :1]),
+        lambda i, w: (i, w[:, [1, 0]]),
+        lambda i, w: (i, w[:, :1].expand(-1, K)),
+        lambda i, w: (i, w.reshape(-1, 1).expand(-1, 2).reshape(-1, 2 * K)[:, :K]),  # refused at the expand
+    )),
+    *((dict(routing=r), "reads some of the routing ids (top_k_index sliced, reordered or broadcast along k)") for r in (
+        lambda i, w: (i[:, :1], w),
+        lambda i, w: (i[:, [1, 0]], w),
+        lambda i, w: (i[:, :1].expand(-1, K), w),
+        lambda i, w: (i.t().reshape(i.shape), w),
+    )),
 ])
 def test_other_experts_are_left_as_they_are_with_the_reason(variant, reason):
     model = Block(LoopExperts(**variant)).to(torch.bfloat16)
