@@ -12,6 +12,7 @@ from torch import nn
 
 from fp8fx import quant
 from fp8fx.config import Fp8Config, entry_covers
+from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
 from fp8fx.weights.linear import Fp8LinearMethod, is_foreign_linear, is_quantized, skip_reason
@@ -43,9 +44,13 @@ def quantize_(
     against ``ignored_layers`` and looked up in ``input_scales`` by their full names, so that two parts'
     ``q_proj`` are not both reported as ``self_attn.q_proj``. A config or scales for the whole model serve each
     part: ``ignored_layers`` entries and ``input_scales`` of other parts are left to them.
+
+    A ``torch.compile`` wrapper is quantized through the model it wraps, under the model's own names (not
+    ``_orig_mod.<name>``), and returned.
     """
     config = config or Fp8Config()
     check_prefix(prefix, "quantize_")
+    wrapper, model = model, compat.compiled_module(model)  # torch.compile's wrapper: the model's own names
     if type(strict) is not bool:  # "no" would read as True
         raise ValueError(f"quantize_(strict={strict!r}): True or False")
     if config.is_checkpoint_fp8_serialized:
@@ -162,7 +167,7 @@ def quantize_(
         moe.quantize_experts(module, fqn, config, static)
     if experts or experts_skipped:
         log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
-    return model
+    return wrapper
 
 
 def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> None:
@@ -317,10 +322,12 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
 
     Each batch is passed as ``model(**batch)`` if it is a mapping whose keys are the forward's parameters (a
     tokenizer's output), ``model(*batch)`` if it is a tuple or list, else ``model(batch)`` (a model whose forward
-    takes one dict too). The model runs in eval mode (dropout off) and is put back as it was.
+    takes one dict too). The model runs in eval mode (dropout off) and is put back as it was; a ``torch.compile``
+    wrapper runs the model it wraps, eagerly, and the scales carry the model's own names.
     """
     config = config or Fp8Config(activation_scheme="static")
     check_prefix(prefix, "calibrate")
+    model = compat.compiled_module(model)  # torch.compile's wrapper: the model's own names, run eagerly
     if isinstance(batches, torch.Tensor):  # iterating it would run one batch per row
         raise ValueError(f"calibrate: batches is a tensor {list(batches.shape)}; pass an iterable of batches, e.g. "
                          "[x] for one batch")

@@ -627,3 +627,15 @@ def test_a_layer_that_never_ran_during_calibration_is_named_as_such(caplog):
         fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales=scales)
     assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
     fp8fx.quantize_(model, Fp8Config(activation_scheme="static", ignored_layers=["b", "c"]), input_scales=scales)
+
+
+def test_a_compiled_module_is_calibrated_and_quantized_under_its_own_names():
+    """calibrate returned '_orig_mod.0', which quantize_ then refused, and ignored_layers=['3'] named nothing."""
+    model = _mlp()
+    compiled = torch.compile(model, backend="eager")
+    scales = fp8fx.calibrate(compiled, [torch.randn(4, 128, dtype=torch.bfloat16)])
+    assert set(scales) == {"0", "2", "3"}
+    config = Fp8Config(activation_scheme="static", ignored_layers=["3"])
+    assert fp8fx.quantize_(compiled, config, input_scales=scales) is compiled
+    assert [fp8fx.weights.is_quantized(model[i]) for i in (0, 2, 3)] == [True, True, False]
+    assert model[0]._parameters["weight"]._fp8fx_fqn == "0"
