@@ -310,6 +310,8 @@ class Fp8MoEMethod:
                 f"{prefix}.{name} (expert {expert_id}, shard {shard_id}): checkpoint tensor of shape "
                 f"{tuple(loaded.shape)} does not fit the slice of shape {tuple(dest.shape)}"
             )
+        if name != base:
+            self._check_scales(f"{prefix}.{name} (expert {expert_id}, shard {shard_id})", loaded)
         loaded = loaded.reshape(dest.shape).to(dest.device)
         if name.endswith("_input_scale"):  # w1 and w3 bring one each: keep the max
             dest.copy_(torch.maximum(dest, loaded.float()))
@@ -318,6 +320,19 @@ class Fp8MoEMethod:
         if name == base:
             layer._fp8fx_arrived.add(arrival)
             self._count(layer, base, expert_id, dest.numel())
+
+    @staticmethod
+    def _check_scales(what: str, scales: torch.Tensor) -> None:
+        """Every scale a positive finite float, as load_checkpoint's (``checkpoint.experts.check_scale_values``):
+        fused_moe multiplies by them, so a 0, <0, NaN or Inf made the experts' outputs zero or NaN, silently."""
+        t = scales.float().reshape(scales.shape or (1,))
+        bad = ~(torch.isfinite(t) & (t > 0))
+        if bad.any():
+            where = tuple(bad.nonzero()[0].tolist())
+            raise ValueError(
+                f"{what}: {bad.sum().item()} scales are not positive finite floats ({t[where].item()} at "
+                f"{list(where)}); a scale of 0, <0, NaN or Inf cannot dequantize: re-export the checkpoint"
+            )
 
     @staticmethod
     def _overlap(layer, base: str, expert_id: Optional[int], shard_id: Optional[str]):

@@ -274,12 +274,12 @@ def test_serialized_static_input_scales_collapse_to_their_max():
         for shard in ("w1", "w3"):
             method.weight_loader(layer, "w13_weight", torch.zeros(I, H, dtype=torch.float8_e4m3fn), shard, e)
             method.weight_loader(layer, "w13_weight_scale", torch.tensor(1.0), shard, e)
-            method.weight_loader(layer, "w13_input_scale", torch.tensor(0.1 * e + (shard == "w3")), shard, e)
+            method.weight_loader(layer, "w13_input_scale", torch.tensor(0.1 * (e + 1) + (shard == "w3")), shard, e)
         method.weight_loader(layer, "w2_weight", torch.zeros(H, I, dtype=torch.float8_e4m3fn), "w2", e)
         method.weight_loader(layer, "w2_weight_scale", torch.tensor(1.0), "w2", e)
         method.weight_loader(layer, "w2_input_scale", torch.tensor(0.5 - 0.1 * e), "w2", e)
     method.process_weights_after_loading(layer)
-    assert torch.allclose(layer.gate_up_proj_input_scale, torch.tensor([1.3])) and layer.gate_up_proj_input_scale.shape == (1,)
+    assert torch.allclose(layer.gate_up_proj_input_scale, torch.tensor([1.4])) and layer.gate_up_proj_input_scale.shape == (1,)
     assert torch.allclose(layer.down_proj_input_scale, torch.tensor([0.5]))
 
 
@@ -337,6 +337,24 @@ def test_loader_rejects_bad_input_naming_it_and_changes_nothing(args, error, mat
         method.weight_loader(layer, *args)
     assert all(torch.equal(before[k], v.view(torch.uint8)) for k, v in layer.state_dict().items())
     assert not layer._fp8fx_done["gate_up_proj"].any()
+
+
+@pytest.mark.parametrize("value", [0.0, -1.0, float("nan"), float("inf")])
+def test_serialized_scales_must_be_positive_finite(value):
+    """A weight or input scale of 0, <0, NaN or Inf was taken: the experts' outputs came out zero or NaN (CUDA), with
+    no error. load_checkpoint refuses them (checkpoint.experts.check_scale_values); so does the loader now."""
+    method, layer = serialized({"activation_scheme": "static"})
+    before = {k: v.view(torch.uint8).clone() for k, v in layer.state_dict().items()}  # bits: empty fp8 may be NaN
+    for name, full, shard in (("w13_weight_scale", "gate_up_proj_scale", "w1"),
+                              ("w13_input_scale", "gate_up_proj_input_scale", "w3"),
+                              ("w2_weight_scale", "down_proj_scale", "w2"), ("down_proj_input_scale", None, "w2")):
+        match = (rf"^model\.layers\.0\.mlp\.experts\.{full or name} \(expert 2, shard {shard}\): 1 scales are not "
+                 rf"positive finite floats \({value} at \[0\]\); .* re-export the checkpoint")
+        with pytest.raises(ValueError, match=match):
+            method.weight_loader(layer, name, torch.tensor([value]), shard, 2)
+    with pytest.raises(ValueError, match=rf"down_proj_scale \(expert None, shard None\): 1 scales .* \({value} at \[3\]\)"):
+        method.weight_loader(layer, "down_proj_scale", torch.tensor([1.0, 1.0, 1.0, value]))  # every expert's
+    assert all(torch.equal(before[k], v.view(torch.uint8)) for k, v in layer.state_dict().items())
 
 
 # -- Fp8MoEMethod: online ------------------------------------------------------------------------
