@@ -163,7 +163,7 @@ class LinearPass(Fp8Pass):
                 continue
             x, w, bias = operands
             fqn = self._fqn(node, w, ctx)
-            reason = self._why_not(x, w, bias, ctx)
+            reason = self._why_not(x, w, bias, ctx, fqn)
             if reason:
                 ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index,
                                     weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node)))
@@ -217,14 +217,17 @@ class LinearPass(Fp8Pass):
     def _fqn(node: fx.Node, w, ctx: PassContext) -> str:
         dq = _dequantize_of(w)  # the quantized weight's own name, also through a view or cast of it
         wq = dq.args[0] if dq is not None else w
-        tagged = getattr(ctx.example.get(wq), "_fp8fx_fqn", None) if isinstance(wq, fx.Node) else None
-        return tagged or module_path(node) or node.name
+        real = ctx.example.get(wq) if isinstance(wq, fx.Node) else None
+        path = module_path(node)
+        if path in getattr(real, "_fp8fx_owners", {}):  # a weight several layers share: the one running here
+            return path
+        return getattr(real, "_fp8fx_fqn", None) or path or node.name
 
     @staticmethod
-    def _why_not(x, w, bias, ctx: PassContext) -> str:
+    def _why_not(x, w, bias, ctx: PassContext, fqn: str = "") -> str:
         if not isinstance(w, fx.Node) or w.target not in _DEQUANT:
             real = ctx.example.get(w) if isinstance(w, fx.Node) else None
-            tagged = getattr(real, "_fp8fx_skip_reason", None)
+            tagged = getattr(real, "_fp8fx_owners", {}).get(fqn) or getattr(real, "_fp8fx_skip_reason", None)
             if tagged:
                 return f"not quantized: {tagged}"
             if _from_dequantize(w):

@@ -143,6 +143,8 @@ def quantize_(
         if module.weight is not None:
             module.weight._fp8fx_skip_reason = reason
             module.weight._fp8fx_fqn = fqn
+            # a weight shared by several layers: each one's name and reason (the two above are the last one's)
+            module.weight._fp8fx_owners = {**getattr(module.weight, "_fp8fx_owners", {}), fqn: reason}
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
     moe.tag_routers(model, routers, prefix)
     method = Fp8LinearMethod(config)

@@ -686,3 +686,27 @@ def test_other_readers_of_a_rewritten_weight_are_named_on_its_site():
         torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
     [site] = backend.report.sites
     assert site.rewritten and site.scheme.endswith("also read by mm (call_function) of its transpose (on the dequantized weight)")
+
+
+class SharedParameter(nn.Module):
+    """Two linears sharing one Parameter (tied projections)."""
+
+    def __init__(self):
+        super().__init__()
+        self.enc, self.dec = nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)
+        self.dec.weight = self.enc.weight
+
+    def forward(self, x):
+        return self.dec(torch.relu(self.enc(x)))
+
+
+def test_linears_sharing_a_parameter_are_each_reported_under_their_own_name():
+    """Both sites were reported as dec, with enc's reason (the weight's tags held the last layer's)."""
+    model = SharedParameter().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(3, 64, dtype=torch.bfloat16))
+    assert [(s.fqn, s.rewritten, s.reason) for s in backend.report.sites] == [
+        ("enc", False, "not quantized: weight tied to dec.weight"),
+        ("dec", False, "not quantized: weight tied to enc.weight")]
