@@ -295,6 +295,7 @@ class Fp8MoEMethod:
                 "(the completeness check counts elements)"
             )
         if name == base and online:
+            self._check_online(f"{prefix}.{name} (expert {expert_id}, shard {shard_id})", loaded, prefix)
             self._load_online(layer, base, loaded, shard_id, expert_id)
             layer._fp8fx_arrived.add(arrival)
             return
@@ -320,6 +321,19 @@ class Fp8MoEMethod:
         if name == base:
             layer._fp8fx_arrived.add(arrival)
             self._count(layer, base, expert_id, dest.numel())
+
+    @staticmethod
+    def _check_online(what: str, loaded: torch.Tensor, prefix: str) -> None:
+        """Online, the loader quantizes what it gets: high-precision finite values only. An fp8 tensor was taken for
+        real values (a second, wrong quantization); a NaN / Inf made its expert's scale NaN / Inf."""
+        if loaded.dtype not in quant.HIGH_PRECISION:
+            fix = (" (an fp8 checkpoint: load it as stored, with Fp8Config(is_checkpoint_fp8_serialized=True))"
+                   if loaded.dtype == quant.FP8_DTYPE else "")
+            raise ValueError(f"{what}: the tensor is {loaded.dtype}; online quantization takes bf16/fp16/fp32 expert "
+                             f"weights{fix}")
+        bad = chunked.count_nonfinite(loaded)
+        if bad:
+            raise ValueError(f"{what} has {bad} NaN/Inf values; fix the weights or add {prefix!r} to ignored_layers")
 
     @staticmethod
     def _check_scales(what: str, scales: torch.Tensor) -> None:

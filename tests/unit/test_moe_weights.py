@@ -358,6 +358,28 @@ def test_serialized_scales_must_be_positive_finite(value):
 
 
 # -- Fp8MoEMethod: online ------------------------------------------------------------------------
+@pytest.mark.parametrize("shard,expert", [(None, None), (None, 1), ("w1", 1)])
+def test_online_loader_takes_finite_high_precision_weights_only(shard, expert):
+    """Online, an fp8 tensor was quantized as if it held real values, and a NaN / Inf made its expert's scale NaN / Inf;
+    both are refused, naming the tensor, before anything changes."""
+    layer, method = nn.Module(), Fp8MoEMethod(Fp8Config())
+    method.create_weights(layer, E, H, I, torch.bfloat16, prefix="model.layers.0.mlp.experts")
+    shape = (E, 2 * I, H) if expert is None else (I, H) if shard else (2 * I, H)
+    before = {k: v.view(torch.uint8).clone() for k, v in layer.state_dict().items()}  # bits: empty fp8 may be NaN
+    where = rf"^model\.layers\.0\.mlp\.experts\.gate_up_proj \(expert {expert}, shard {shard}\)"
+    with pytest.raises(ValueError, match=where + r": the tensor is torch.float8_e4m3fn; online quantization takes "
+                                              r"bf16/fp16/fp32 .*is_checkpoint_fp8_serialized=True"):
+        method.weight_loader(layer, "gate_up_proj", torch.ones(shape, dtype=torch.float8_e4m3fn), shard, expert)
+    with pytest.raises(ValueError, match=where + r": the tensor is torch.int32; online quantization takes [^(]*$"):
+        method.weight_loader(layer, "gate_up_proj", torch.ones(shape, dtype=torch.int32), shard, expert)
+    bad = torch.randn(shape, dtype=torch.bfloat16)
+    bad.view(-1)[7] = float("nan")
+    with pytest.raises(ValueError, match=where + r" has 1 NaN/Inf values; .* 'model.layers.0.mlp.experts' to ignored"):
+        method.weight_loader(layer, "gate_up_proj", bad, shard, expert)
+    assert all(torch.equal(before[k], v.view(torch.uint8)) for k, v in layer.state_dict().items())
+    assert not layer._fp8fx_staging and not layer._fp8fx_arrived and not layer._fp8fx_done["gate_up_proj"].any()
+
+
 @pytest.mark.parametrize("config", [Fp8Config(), Fp8Config(weight_block_size=[64, 128])])
 def test_online_expert_quantized_when_both_halves_arrive_bit_identical(config):
     ref = Experts().to(torch.bfloat16)
