@@ -180,6 +180,13 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
     ):
         if getattr(module, flag, not value) == value:
             return f"{what} are not supported by fp8fx.fused_moe"
+    from fp8fx.weights.quantize import _silu_experts  # quantize imports this module
+
+    # fused_moe computes SiLU(gate) * up: experts with another act_fn would be quantized and never fused (fp8 error,
+    # no speedup). A module with no act_fn (a loop calling F.silu) is left to the MoE pass, which reads its graph.
+    act = getattr(module, "act_fn", None)
+    if act is not None and not _silu_experts(module):
+        return f"act_fn={act!r} is not SiLU: fp8fx.fused_moe computes SiLU(gate) * up"
     w13, w2 = module._parameters[W13], module._parameters[W2]
     if w13.dtype not in quant.HIGH_PRECISION or w2.dtype not in quant.HIGH_PRECISION:
         return f"expert weight dtype {w13.dtype} is not bf16/fp16/fp32"
