@@ -40,6 +40,7 @@ from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
 _FUSED = torch.ops.fp8fx.scaled_mm_fused.default
+_STATIC = torch.ops.fp8fx.quantize_static.default
 # gm.meta key: callables the backend runs once the graph is compiled
 AFTER_COMPILE = "fp8fx_after_compile"
 
@@ -120,6 +121,7 @@ class HorizontalFusionPass(Fp8Pass):
             amend_sites(ctx, nodes, f"fused({site_names(ctx, nodes)})", node=Site.origin_of(y))
             fused += len(nodes)
         self._explain_singles(groups, ctx)
+        self._explain_static(groups, ctx)
         gm.recompile()
         return fused
 
@@ -147,6 +149,20 @@ class HorizontalFusionPass(Fp8Pass):
                 else:
                     why = "use_fast_accum differs" if key[5] != other[5] else f"its input's blocks differ from {names}'"
                 amend_sites(ctx, groups[key], f"not fused horizontally: {why}")
+
+    @staticmethod
+    def _explain_static(groups: dict[tuple, list[fx.Node]], ctx: PassContext) -> None:
+        """GEMMs of one input quantized with static scales: each layer quantizes it with its own input_scale, so
+        they read different fp8 activations and cannot run as one GEMM."""
+        by_x: dict[fx.Node, list[tuple]] = defaultdict(list)
+        for key in groups:
+            if isinstance(key[0], fx.Node) and key[0].target is _STATIC:
+                by_x[key[0].args[0]].append(key)
+        for keys in by_x.values():
+            if len(keys) > 1:
+                nodes = [n for k in keys for n in groups[k]]
+                amend_sites(ctx, nodes, f"not fused horizontally: static activations, each layer quantizes the input "
+                                        f"{site_names(ctx, nodes)} read with its own input_scale")
 
     def _why_not(self, nodes: list[fx.Node], ctx: PassContext) -> str:
         inputs = [a for n in nodes for a in n.args[2:5] if a is not None]

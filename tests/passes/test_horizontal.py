@@ -246,3 +246,15 @@ def test_layers_called_again_with_the_same_weights_are_fused_at_every_call():
     single = [s for s in schemes.values() if s.endswith("not fused horizontally: no bias where q_proj,k_proj have one")]
     assert len(fused) == 6 and len(single) == 3
     assert rel_err(out.float(), plain.float()) < 1e-3
+
+
+def test_static_activations_say_why_they_are_not_fused():
+    """Each layer quantizes the shared input with its own input_scale: nothing was fused, and nothing said why."""
+    torch.manual_seed(0)
+    model = BiasedQKV().to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    config = fp8fx.Fp8Config(activation_scheme="static")
+    fp8fx.quantize_(model, config, input_scales=fp8fx.calibrate(model, [x]))
+    schemes, _ = compile_fused(model, x)
+    assert all(s.endswith("not fused horizontally: static activations, each layer quantizes the input "
+                          "q_proj,k_proj,v_proj read with its own input_scale") for s in schemes.values())
