@@ -88,6 +88,16 @@ def is_experts(module: nn.Module) -> bool:
     return all(isinstance(p.get(n), torch.Tensor) and p[n].dim() == 3 for n in (W13, W2))
 
 
+def is_ungated_experts(module: nn.Module) -> bool:
+    """Experts with no gate (HF's ``has_gate=False``, Nemotron-H: ``down_proj(act_fn(up_proj(x)))``): 3-D
+    ``up_proj`` [E, I, H] and ``down_proj``, no ``gate_up_proj``. fused_moe computes gated experts only."""
+    p = module._parameters
+    return W13 not in p and all(isinstance(p.get(n), torch.Tensor) and p[n].dim() == 3 for n in ("up_proj", W2))
+
+
+UNGATED = "ungated experts (down_proj(act_fn(up_proj(x))), no gate) are not supported by fp8fx.fused_moe"
+
+
 def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
     """fqn -> why it stays in high precision, for the ``nn.Linear`` layers that route tokens to experts: in the
     MoE block holding an experts module, a linear child of the block, or the only linear of a child of the
@@ -125,13 +135,20 @@ _ROUTES = "routes tokens to {} (an MoE router or gate: high precision, as vLLM k
 
 def tag_routers(model: nn.Module, found: dict[str, str], prefix: str = "") -> None:
     """Tags the weights of ``found``'s routers that are no ``nn.Linear`` (``routers``) with why they stay in high
-    precision, which the compile report reads back (it said "not an fp8fx-quantized weight: run quantize_")."""
+    precision, which the compile report reads back (it said "not an fp8fx-quantized weight: run quantize_"); and
+    the tensors of ungated experts (``is_ungated_experts``), for the MoE pass's report (they were in none)."""
     modules = dict(model.named_modules(prefix=prefix))
     for fqn, reason in found.items():
         module = modules.get(fqn)
         if module is not None and not isinstance(module, nn.Linear):
             module._parameters["weight"]._fp8fx_skip_reason = reason
             module._parameters["weight"]._fp8fx_fqn = fqn
+    for fqn, module in modules.items():
+        if is_ungated_experts(module):
+            for name, role in (("up_proj", "w13"), (W2, "w2")):
+                p = module._parameters[name]
+                p._fp8fx_skip_reason, p._fp8fx_fqn, p._fp8fx_moe_role = UNGATED, fqn, role
+            log.info("fp8fx: %s not quantized: %s", fqn, UNGATED)
 
 
 def input_scale_names(fqn: str) -> tuple[str, str]:

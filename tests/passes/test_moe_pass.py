@@ -283,6 +283,29 @@ def test_experts_quantize_skipped_are_reported_with_its_reason():
     assert torch.ops.fp8fx.dequantize not in targets(gm) and torch._grouped_mm in targets(gm)
 
 
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_ungated_experts_are_reported_with_the_reason(impl):
+    """Nemotron-H's experts (has_gate=False: down_proj(act_fn(up_proj(x)))) are nothing fused_moe computes: quantize_
+    leaves them in bf16, and the report lists them with the reason (they were in no site)."""
+    cfg = transformers.NemotronHConfig(hidden_size=H, moe_intermediate_size=I, n_routed_experts=E,
+                                       num_experts_per_tok=K, mlp_hidden_act="relu2")
+    cfg._experts_implementation = impl
+    experts = transformers.models.nemotron_h.modeling_nemotron_h.NemotronHExperts(cfg)
+    nn.init.normal_(experts.up_proj, std=H**-0.5)
+    nn.init.normal_(experts.down_proj, std=I**-0.5)
+    model = Block(experts).to(torch.bfloat16).eval()
+    fp8fx.quantize_(model)
+    assert model.experts.up_proj.dtype == torch.bfloat16
+    x, ids, w = inputs(torch.bfloat16)
+    with torch.no_grad():
+        _, _, report = compile_capture(model, x, ids, w)
+    (site,) = report.sites
+    assert (site.kind, site.fqn, site.rewritten, site.weight_shape) == ("moe", "experts", False, (E, I, H))
+    assert site.reason == ("not quantized: ungated experts (down_proj(act_fn(up_proj(x))), no gate) are not supported "
+                           "by fp8fx.fused_moe")
+    assert not report.unhandled_weights(model)
+
+
 def test_traced_with_autograd_is_not_rewritten():
     model = hf_experts("grouped_mm", torch.bfloat16)
     fp8fx.quantize_(model)
