@@ -43,7 +43,10 @@ def quantize_(
     part by part (``quantize_(layer, cfg, prefix=f"model.layers.{i}")``): layers are named, reported, matched
     against ``ignored_layers`` and looked up in ``input_scales`` by their full names, so that two parts'
     ``q_proj`` are not both reported as ``self_attn.q_proj``. A config or scales for the whole model serve each
-    part: ``ignored_layers`` entries and ``input_scales`` of other parts are left to them.
+    part: ``ignored_layers`` entries and ``input_scales`` of other parts are left to them. A part sees no weight it
+    shares with the rest of the model: an ``lm_head`` tied to the embeddings (``tie_word_embeddings``) quantized as
+    a part of its own is untied (the embeddings keep bf16); leave it to ``ignored_layers``, or quantize the whole
+    model, which keeps a tied weight as it is.
 
     A ``torch.compile`` wrapper is quantized through the model it wraps, under the model's own names (not
     ``_orig_mod.<name>``), and returned.
