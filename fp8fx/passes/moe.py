@@ -631,7 +631,12 @@ class MoePass(Fp8Pass):
     def _check(self, site: _Site, ctx: PassContext) -> dict[str, Any]:
         """The fused_moe operands of ``site``, or ``_NoMatch``."""
         if set(site.dequant) != {"w13", "w2"}:
-            raise _NoMatch(f"only {sorted(site.dequant)} of the expert weights are read in this graph")
+            raise _NoMatch(
+                f"only {sorted(site.dequant)} of the expert weights are read in this graph: the experts' forward is "
+                "split across graphs (a graph break inside it, e.g. at nonzero() in HF's per-expert loop, "
+                "experts_implementation='eager'), so they run on dequantized weights; for HF models use "
+                "model.set_experts_implementation('grouped_mm') (or 'batched_mm')"
+            )
         self._leave_shared_sizes(site)
         region = set(site.region)
         outputs = [n for n in site.region if any(u not in region for u in n.users)]

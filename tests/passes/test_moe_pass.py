@@ -306,6 +306,25 @@ def test_ungated_experts_are_reported_with_the_reason(impl):
     assert not report.unhandled_weights(model)
 
 
+def test_experts_split_across_graphs_say_why_and_the_fix():
+    """HF's per-expert loop (experts_implementation='eager') breaks the graph at nonzero(): each graph reads one of the
+    expert weights. The report said only that, with no cause or fix."""
+    model = hf_experts("eager", torch.bfloat16)
+    fp8fx.quantize_(model)
+    x, ids, w = inputs(torch.bfloat16)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(x, ids, w)
+    sites = [s for s in backend.report.sites if s.kind == "moe"]
+    assert sites and not any(s.rewritten for s in sites)
+    assert {s.reason.partition(":")[0] for s in sites} == {
+        f"only {r} of the expert weights are read in this graph" for r in (["w13"], ["w2"])}
+    for s in sites:
+        assert "split across graphs (a graph break inside it, e.g. at nonzero()" in s.reason
+        assert s.reason.endswith("use model.set_experts_implementation('grouped_mm') (or 'batched_mm')")
+    assert callable(getattr(transformers.PreTrainedModel, "set_experts_implementation", None))  # the API named
+
+
 def test_traced_with_autograd_is_not_rewritten():
     model = hf_experts("grouped_mm", torch.bfloat16)
     fp8fx.quantize_(model)
