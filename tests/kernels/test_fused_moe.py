@@ -117,11 +117,17 @@ def test_idle_experts_one_expert_and_sentinels():
     assert torch.equal(out, ref)
 
 
-def test_no_tokens():
-    q13, s13, q2, s2, *_ = experts([1, -1])
+@pytest.mark.parametrize("scheme", list(SCHEMES))
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float32])
+def test_no_tokens(scheme, out_dtype):
+    """Zero tokens: an empty [0, H] of out_dtype, as the loop gives (static scales given: no tokens to calibrate)."""
+    w_block, act_block, static = SCHEMES[scheme]
+    q13, s13, q2, s2, *_ = experts(w_block)
     x, w, ids = routed(0)
-    out, _ = run(x, w, ids, q13, s13, q2, s2, "per-channel")
-    assert out.shape == (0, H)
+    a13 = a2 = torch.tensor([0.01]) if static else None
+    out = torch.ops.fp8fx.fused_moe(x, w, ids, q13, s13, q2, s2, w_block, act_block, out_dtype, a13, a2)
+    assert out.shape == (0, H) and out.dtype == out_dtype and out.device == x.device
+    assert torch.equal(out, loop(x, w, ids, q13, s13, q2, s2, scheme, a13, a2).to(out_dtype))
 
 
 def test_registration_schema_and_fake():
@@ -144,7 +150,9 @@ def test_bad_shapes_name_the_tensors():
         torch.ops.fp8fx.fused_moe(x, w, ids, q13, s13, q2, s2, [0, 1], [1, -1], torch.bfloat16)
     with pytest.raises(RuntimeError, match=r"w13 \(8, 255, 256\) has an odd number of rows"):
         torch.ops.fp8fx.fused_moe(x, w, ids, q13[:, :255], s13[:, :255], q2, s2, [1, -1], [1, -1], torch.bfloat16)
-    assert ops.fused_moe_reference is not None
+    # the same operands, with nothing cut: taken (each error above is the cut tensor's)
+    out = torch.ops.fp8fx.fused_moe(x, w, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16)
+    assert out.shape == (3, H) and out.dtype == torch.bfloat16
 
 
 def test_bad_dtypes_and_scale_sizes_name_the_tensors():
