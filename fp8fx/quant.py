@@ -169,6 +169,17 @@ def requantize_shards(
     return out, max_scale.reshape(1)
 
 
+def bad_scales(t: torch.Tensor) -> Optional[str]:
+    """Why ``t`` (scales, as float32) cannot dequantize - how many are not positive finite floats, the first of them
+    and where - or None: a 0, <0, NaN or Inf scale makes its outputs zero or NaN, silently."""
+    bad = ~(torch.isfinite(t) & (t > 0))
+    if not bad.any():
+        return None
+    where = tuple(bad.nonzero()[0].tolist())
+    return (f"{bad.sum().item()} scales are not positive finite floats ({t[where].item()} at {list(where)}); a scale "
+            "of 0, <0, NaN or Inf cannot dequantize")
+
+
 def max_input_scale(scales: Sequence[torch.Tensor]) -> torch.Tensor:
     """Static input scales of fused shards collapse to their max (one activation scale per GEMM)."""
     return torch.stack([s.float().reshape(()) for s in scales]).max().reshape(1)

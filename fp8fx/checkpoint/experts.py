@@ -55,13 +55,9 @@ def check_scale_dtype(s: Entry) -> None:
 def check_scale_values(entry: Entry, t: torch.Tensor) -> torch.Tensor:
     """``t`` as float32 if every value is a positive finite float, else a ``CheckpointError``."""
     t = t.float()
-    bad = ~(torch.isfinite(t) & (t > 0))
-    if bad.any():
-        where = tuple(bad.nonzero()[0].tolist())
-        raise CheckpointError(
-            f"{entry}: {bad.sum().item()} scales are not positive finite floats ({t[where].item()} at "
-            f"{list(where)}); a scale of 0, <0, NaN or Inf cannot dequantize: re-export the checkpoint"
-        )
+    why = quant.bad_scales(t)
+    if why:
+        raise CheckpointError(f"{entry}: {why}: re-export the checkpoint")
     return t
 
 

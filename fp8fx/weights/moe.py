@@ -363,14 +363,9 @@ class Fp8MoEMethod:
     def _check_scales(what: str, scales: torch.Tensor) -> None:
         """Every scale a positive finite float, as load_checkpoint's (``checkpoint.experts.check_scale_values``):
         fused_moe multiplies by them, so a 0, <0, NaN or Inf made the experts' outputs zero or NaN, silently."""
-        t = scales.float().reshape(scales.shape or (1,))
-        bad = ~(torch.isfinite(t) & (t > 0))
-        if bad.any():
-            where = tuple(bad.nonzero()[0].tolist())
-            raise ValueError(
-                f"{what}: {bad.sum().item()} scales are not positive finite floats ({t[where].item()} at "
-                f"{list(where)}); a scale of 0, <0, NaN or Inf cannot dequantize: re-export the checkpoint"
-            )
+        why = quant.bad_scales(scales.float().reshape(scales.shape or (1,)))
+        if why:
+            raise ValueError(f"{what}: {why}: re-export the checkpoint")
 
     @staticmethod
     def _overlap(layer, base: str, expert_id: Optional[int], shard_id: Optional[str]):

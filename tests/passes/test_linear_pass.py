@@ -678,13 +678,18 @@ class LinearAndMM(nn.Module):
         return self.a(x) + torch.mm(x, self.a.weight.t())
 
 
-def test_other_readers_of_a_rewritten_weight_are_named_on_its_site():
-    model = LinearAndMM().to(torch.bfloat16)
+def quantized_report(model: nn.Module, rows: int):
+    """The compile report of ``model`` in bf16 after ``quantize_``, run once on ``rows`` x 64 (eager compiler)."""
+    model = model.to(torch.bfloat16)
     fp8fx.quantize_(model)
     backend = Fp8Backend(compiler="eager")
     with torch.no_grad():
-        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
-    [site] = backend.report.sites
+        torch.compile(model, backend=backend)(torch.randn(rows, 64, dtype=torch.bfloat16))
+    return backend.report
+
+
+def test_other_readers_of_a_rewritten_weight_are_named_on_its_site():
+    [site] = quantized_report(LinearAndMM(), 4).sites
     assert site.rewritten and site.scheme.endswith("also read by mm (call_function) of its transpose (on the dequantized weight)")
 
 
@@ -702,11 +707,6 @@ class SharedParameter(nn.Module):
 
 def test_linears_sharing_a_parameter_are_each_reported_under_their_own_name():
     """Both sites were reported as dec, with enc's reason (the weight's tags held the last layer's)."""
-    model = SharedParameter().to(torch.bfloat16)
-    fp8fx.quantize_(model)
-    backend = Fp8Backend(compiler="eager")
-    with torch.no_grad():
-        torch.compile(model, backend=backend)(torch.randn(3, 64, dtype=torch.bfloat16))
-    assert [(s.fqn, s.rewritten, s.reason) for s in backend.report.sites] == [
+    assert [(s.fqn, s.rewritten, s.reason) for s in quantized_report(SharedParameter(), 3).sites] == [
         ("enc", False, "not quantized: weight tied to dec.weight"),
         ("dec", False, "not quantized: weight tied to enc.weight")]
