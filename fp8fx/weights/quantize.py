@@ -99,9 +99,12 @@ def quantize_(
     experts: list[tuple[str, nn.Module]] = []
     experts_skipped: list[tuple[str, nn.Module, str]] = []
     for fqn, module in modules:
-        if not moe.is_experts(module):
+        if moe.is_ungated_experts(module):  # kept in high precision, as its report line says: strict refuses it
+            reason = "in ignored_layers" if config.is_ignored(fqn) else moe.UNGATED
+        elif not moe.is_experts(module):
             continue
-        reason = moe.skip_reason(module, fqn, config)
+        else:
+            reason = moe.skip_reason(module, fqn, config)
         if reason is None:
             experts.append((fqn, module))
         elif strict and reason != "in ignored_layers":
