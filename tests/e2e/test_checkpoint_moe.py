@@ -146,6 +146,22 @@ def _transformers_targets(model, names):
     return {n: core_model_loading.rename_source_key(n, renamings, converters)[0] for n in names}
 
 
+def _check_hub_round_trip(model, fresh, path):
+    """The checkpoint at ``path``: transformers places every saved tensor but the scales (its FP8 quantizer places
+    those, not its mapping) on a parameter of ``fresh``, missing none, and fp8fx loads it back into the same state
+    and logits as ``model``. Returns load_checkpoint's report."""
+    saved = _saved(path)
+    scales = ("_scale", "_scale_inv", "input_scale")
+    targets = _transformers_targets(fresh, [k for k in saved if not k.endswith(scales)])
+    assert set(targets.values()) == set(fresh.state_dict()), set(targets.values()) ^ set(fresh.state_dict())
+    again = meta_model(path)
+    report = load_checkpoint(again, path, progress=False)
+    assert_same_state(model, again)
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, model(IDS).logits)
+    return report
+
+
 @HUB_LAYOUT_CHECKED
 def test_per_expert_save_writes_mixtrals_hub_layout(tmp_path, caplog):
     """Mixtral's hub checkpoints hold its MoE block as block_sparse_moe, its experts as experts.<e>.w1 / w3 / w2 (gate,
@@ -166,17 +182,8 @@ def test_per_expert_save_writes_mixtrals_hub_layout(tmp_path, caplog):
     assert f"{hub.format(0)}.gate.weight" in saved and not any(".mlp." in k for k in saved)
     assert f"{hub.format(1)}.experts" in qc["ignored_layers"]  # covering its experts' modules (fp8's rule)
 
-    fresh = reference_model(moe_config("mixtral", layers=2))
-    scales = ("_scale", "_scale_inv", "input_scale")  # placed by transformers' FP8 quantizer, not its mapping
-    targets = _transformers_targets(fresh, [k for k in saved if not k.endswith(scales)])
-    assert set(targets.values()) == set(fresh.state_dict()), set(targets.values()) ^ set(fresh.state_dict())
-
-    again = meta_model(tmp_path / "saved")
-    report = load_checkpoint(again, tmp_path / "saved", progress=False)
+    report = _check_hub_round_trip(model, reference_model(moe_config("mixtral", layers=2)), tmp_path / "saved")
     assert list(report.experts) == ["model.layers.0.mlp.experts"]
-    assert_same_state(model, again)
-    with torch.no_grad():
-        assert torch.equal(again(IDS).logits, model(IDS).logits)
 
 
 @HUB_LAYOUT_CHECKED
@@ -208,15 +215,8 @@ def test_per_expert_save_renames_the_moe_blocks_alone(tmp_path):
     assert {"model.layers.1.block_sparse_moe.experts.0.w1.weight", "model.layers.1.block_sparse_moe.gate.weight",
             "model.layers.1.block_sparse_moe.shared_experts.up_proj.weight"} <= set(saved)
 
-    fresh = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    scales = ("_scale", "_scale_inv", "input_scale")
-    targets = _transformers_targets(fresh, [k for k in saved if not k.endswith(scales)])
-    assert set(targets.values()) == set(fresh.state_dict()), set(targets.values()) ^ set(fresh.state_dict())
-    again = meta_model(tmp_path / "saved")
-    load_checkpoint(again, tmp_path / "saved", progress=False)
-    assert_same_state(model, again)
-    with torch.no_grad():
-        assert torch.equal(again(IDS).logits, model(IDS).logits)
+    _check_hub_round_trip(model, transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16),
+                          tmp_path / "saved")
 
 
 @HUB_LAYOUT_CHECKED
@@ -249,16 +249,9 @@ def test_experts_transformers_reads_fused_only_are_written_fused_in_the_hub_layo
     assert not any(".experts.0." in k for k in saved) and not any(".experts.0." in n for n in qc["ignore"])
     assert bf16 in qc["ignore"]
 
-    fresh = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    scales = ("_scale", "_scale_inv", "input_scale")
-    targets = _transformers_targets(fresh, [k for k in saved if not k.endswith(scales)])
-    assert set(targets.values()) == set(fresh.state_dict()), set(targets.values()) ^ set(fresh.state_dict())
-    again = meta_model(tmp_path / "saved")
-    report = load_checkpoint(again, tmp_path / "saved", progress=False)
+    report = _check_hub_round_trip(model, transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16),
+                                   tmp_path / "saved")
     assert list(report.experts) == ["model.layers.0.block_sparse_moe.experts"]
-    assert_same_state(model, again)
-    with torch.no_grad():
-        assert torch.equal(again(IDS).logits, model(IDS).logits)
 
     match = (r"save_checkpoint\(experts='per-expert'\): transformers loads the experts of GraniteMoeForCausalLM "
              r"\(model_type 'granitemoe'\) from fused tensors only.*random experts.*leave experts=None to write them "
