@@ -196,6 +196,11 @@ def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> No
     log.warning("fp8fx: %s", message)
 
 
+def _shown(names: list[str]) -> str:
+    """The first three of ``names`` for a message, `` ...`` after them if there are more."""
+    return f"{names[:3]}{' ...' if len(names) > 3 else ''}"
+
+
 def _did_you_mean(name: str, names: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(names), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
@@ -245,7 +250,7 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
             )
     missing = [fqn for fqn in planned if fqn not in given]
     if missing:
-        shown = f"{missing[:3]}{' ...' if len(missing) > 3 else ''}"
+        shown = _shown(missing)
         if not given:
             raise ValueError(f"activation_scheme='static' needs an input scale for every quantized layer; missing "
                              f"{shown}; pass input_scales=fp8fx.calibrate(model, batches)")
@@ -383,15 +388,14 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     zero = [fqn for fqn, a in amax.items() if a < quant.AMAX_EPS]
     if zero:  # the scale would be ~2e-15: every nonzero activation saturates at inference
         raise ValueError(
-            f"calibrate: the inputs of {zero[:3]}{' ...' if len(zero) > 3 else ''} were all zero in every batch "
+            f"calibrate: the inputs of {_shown(zero)} were all zero in every batch "
             f"(amax {amax[zero[0]]}); a static scale from them would saturate every nonzero activation at inference: "
             "calibrate with more or other batches, or add the layers to ignored_layers"
         )
     unseen = [fqn for fqn, m in modules if isinstance(m, nn.Linear) and fqn not in amax]
     unseen += [name for fqn, _ in experts for name in moe.input_scale_names(fqn) if name not in amax]
     if unseen:  # quantize_ will ask for their scales
-        log.warning("fp8fx: calibrate: %s%s received no input during calibration (a branch the batches did not take, "
+        log.warning("fp8fx: calibrate: %s received no input during calibration (a branch the batches did not take, "
                     "or a layer called through its weight, F.linear(x, layer.weight)), so they get no input scale; "
-                    "calibrate with batches that reach them, or add them to ignored_layers",
-                    unseen[:3], " ..." if len(unseen) > 3 else "")
+                    "calibrate with batches that reach them, or add them to ignored_layers", _shown(unseen))
     return {fqn: max(a, quant.AMAX_EPS) / quant.FP8_MAX for fqn, a in amax.items()}
