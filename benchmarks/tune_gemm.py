@@ -176,14 +176,20 @@ def sweep_codes(ms=(1, 16), dim=4096, hidden=14336, rounds=7):
 
 
 def gemv_candidates(k: int) -> list[dict]:
-    """``fp8_gemv_kernel`` tiles: 1-8 warps splitting K (BLOCK_K = 512 per warp), 2-8 weight rows a program, K split
-    so that the splits' steps are equal (up to 8 splits)."""
+    """``fp8_gemv_kernel`` tiles: 1-4 warps splitting K, 2-8 weight rows a program, 1-4 16-byte loads a row per thread
+    and K step (BLOCK_K = 512 per warp and load), K steps that divide K (no masked loads), K split so that the splits'
+    steps are equal (up to 4 splits, 2 steps or more each); the next step's weight loads issued before this step's
+    arithmetic (``PREFETCH``) where a thread then holds up to 8 pieces in flight."""
     out = []
-    for warps, rows in itertools.product([1, 2, 4, 8], [2, 4, 8]):
-        steps = -(-k // (512 * warps))
-        for split in [s for s in (1, 2, 4, 7, 8) if steps % s == 0]:
-            out.append(dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
-                            SPLIT_K=split))
+    for warps, rows, loads in itertools.product([1, 2, 4], [2, 4, 8], [1, 2, 4]):
+        block_k = 512 * warps * loads
+        if k % block_k:
+            continue
+        steps = k // block_k
+        for split in [s for s in (1, 2, 4) if s == 1 or (steps % s == 0 and steps // s >= 2)]:
+            for prefetch in (False, True) if rows * loads <= 4 else (False,):
+                out.append(dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=block_k, num_warps=warps, num_stages=1,
+                                SPLIT_K=split, PREFETCH=prefetch))
     return out
 
 
@@ -210,9 +216,7 @@ def sweep_gemv_blocks(shapes, rounds=5):
         gemm = lambda cfg: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
         ref = gemm(mma_tile_config(1, n, k)).float()
         results = []
-        for warps, rows in itertools.product([1, 2, 4], [2, 4, 8]):
-            cfg = dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
-                       SPLIT_K=1)
+        for cfg in gemv_candidates(k):
             assert (gemm(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
             results.append((time_ms(lambda: gemm(cfg), True), cfg))
         results.sort(key=lambda r: r[0])
@@ -273,7 +277,7 @@ def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5):
           3 * dim * hidden, rounds)
 
 
-def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5):
+def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5, groups=None):
     """The fused MLP with h quantized in 1 x G groups by the gate/up kernel's epilogue (``h_group``: fp8 codes and
     group scales leave it; the down GEMM reads them as K-grouped activations) against per-token h (quantized as the
     down GEMM loads it): a sweep of both kernels' tiles per group size, then the best of each in ``rounds``
@@ -291,7 +295,7 @@ def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5):
             h_group=g)
         bm = 1 if m == 1 else 16 if m <= 16 else 64
         runs = {"per-token h": per_token}
-        for g in H_GROUPS:
+        for g in groups or H_GROUPS:
             args = [xq, xs, *w1, *w3, *w2, None, [1, -1], [1, -1], [1, g], [1, -1], None, "silu", torch.bfloat16,
                     torch.bfloat16, False]
             ref = ops._gated_mlp_reference(*args).float()
@@ -348,6 +352,8 @@ def main(argv=None):
     p.add_argument("--codes", action="store_true", help="the fused MLP with exact h codes or by the reciprocal")
     p.add_argument("--gemv", action="store_true", help="M = 1: GEMV tiles against the tensor-core tile")
     p.add_argument("--groups", action="store_true", help="the fused MLP with h in 1 x G groups, M = 1, 16, 64")
+    p.add_argument("--ms", default="1,16,64", help="--groups: comma-separated token counts")
+    p.add_argument("--h-groups", default="32,64,128", help="--groups: comma-separated group sizes")
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
@@ -356,7 +362,8 @@ def main(argv=None):
     if args.codes:
         return sweep_codes()
     if args.groups:
-        return sweep_groups()
+        return sweep_groups(tuple(int(m) for m in args.ms.split(",")),
+                            groups=tuple(int(g) for g in args.h_groups.split(",")))
     if args.gemv:
         shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
         return sweep_gemv_blocks(shapes) if args.block else sweep_gemv(shapes)

@@ -289,6 +289,17 @@ def fp8_gemm_kernel(
 
 
 @triton.jit
+def _gemv_weight_step(b_tile, b_offs, n_ok, k_left, step_ok, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """One K step of the GEMV's BLOCK_N weight rows, [BLOCK_N, BLOCK_K] (zeros where ``step_ok`` is false)."""
+    if EVEN_K:  # no K mask: the weight loads stay 16 bytes wide whatever Triton knows of K
+        mask = n_ok[:, None]
+    else:
+        mask = n_ok[:, None] & (tl.arange(0, BLOCK_K) < k_left)[None, :]
+    # (a select, not `mask & step_ok`: Triton's interpreter refuses the and of a tensor with a scalar as a mask)
+    return tl.load(b_tile + b_offs, mask=tl.where(step_ok, mask, False), other=0.0)
+
+
+@triton.jit
 def fp8_gemv_kernel(
     # as fp8_gemm_kernel's, for one row of a (M == 1): y the float32 partials [SPLIT_K, 1, N] under split K
     a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, tickets_ptr,
@@ -298,17 +309,18 @@ def fp8_gemv_kernel(
     B_BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12,
-    FP8_MAX: tl.constexpr = 448.0, PDL_WAIT: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = 448.0, PDL_WAIT: tl.constexpr = False, PREFETCH: tl.constexpr = False,
 ):
     """y[N] = a[K] . b[N, K] on the CUDA cores: each program streams BLOCK_N weight rows (over its split of K) in
     [BLOCK_N, BLOCK_K] tiles of 16-byte loads straight into registers - no shared memory, no tensor-core tile padded
-    from 1 row to 16 - and keeps a float32 product per loaded element, summed over K once at the end. Products
-    of fp8 codes are exact in float32; the sums round as a tensor core's float32 accumulation does, in another
-    order. The activation's scale (per tensor = per row here) and b's are applied after the sum; scales that
-    change along K (``A_GROUPED``: a's [1, K / GROUP_K], ``B_GROUPED``: b's [N / B_BLOCK_N, K / GROUP_K]) multiply
-    each element as it is loaded (a step spans BLOCK_K / GROUP_K groups)."""
-    if PDL_WAIT:
-        tl.extra.cuda.gdc_wait()
+    from 1 row to 16. Each thread sums the 16 products of each 16-byte piece it loaded (products of fp8 codes are
+    exact in float32; the sums round as a tensor core's float32 accumulation does, in another order), so the
+    accumulator is one float32 a row and piece: registers are left for loads in flight, which is what a
+    memory-bound kernel runs on (BLOCK_K / 512 / num_warps 16-byte loads a row per thread and step; ``PREFETCH``:
+    the next step's weight loads are issued before this step's arithmetic, and the first step's before the PDL
+    wait - the weight is not the previous kernel's output). The activation's scale (per tensor = per row here)
+    and b's are applied after the sum; scales that change along K (``A_GROUPED``: a's [1, K / GROUP_K],
+    ``B_GROUPED``: b's [N / B_BLOCK_N, K / GROUP_K]) multiply each piece's sum (a piece lies in one group)."""
     split = tl.program_id(0) % SPLIT_K
     pid_n = tl.program_id(0) // SPLIT_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -316,40 +328,50 @@ def fp8_gemv_kernel(
     n_ok = offs_n < N
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_first = split * k_steps
+    k_end = tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))
     b_tile = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
     b_offs = tl.arange(0, BLOCK_N)[:, None] * stride_bn + k_first * BLOCK_K + offs_k[None, :]  # [BN, BK], K-major
     a_offs = (k_first * BLOCK_K + offs_k) * stride_ak  # [BK]
+    if PREFETCH:
+        b_next = _gemv_weight_step(b_tile, b_offs, n_ok, K - k_first * BLOCK_K, k_first < k_end, BLOCK_K, EVEN_K)
+    else:  # (unused: Triton 3.9 wants every name the loop assigns defined before it, whatever the constexpr branch)
+        b_next = tl.zeros((1, 1), dtype=b_ptr.dtype.element_ty)
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
     if A_QUANT:  # the row's scale and its reciprocal for `_codes_of`
         a_q_scale = tl.sum(_a_quant_scale(a_scale_ptr, tl.arange(0, 1), 1, 0, stride_ask, A_QUANT, N_PARTS,
                                           PARTS_BLOCK, EPS, FP8_MAX, 1), 0)  # [1] -> its element
         a_q_inv = tl.math.div_rn(1.0, a_q_scale)
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
-        if EVEN_K:  # no K mask: the weight loads stay 16 bytes wide whatever Triton knows of K
-            b = tl.load(b_tile + b_offs, mask=n_ok[:, None], other=0.0)
+    PIECES: tl.constexpr = BLOCK_K // 16
+    acc = tl.zeros((BLOCK_N, PIECES), dtype=tl.float32)  # a thread's float32 sum of each of its 16-byte pieces
+    for k in range(k_first, k_end):
+        k_left = K - k * BLOCK_K
+        if PREFETCH:
+            b = b_next
+            b_next = _gemv_weight_step(b_tile, b_offs + BLOCK_K, n_ok, k_left - BLOCK_K, k + 1 < k_end, BLOCK_K,
+                                       EVEN_K)
+        else:
+            b = _gemv_weight_step(b_tile, b_offs, n_ok, k_left, k < k_end, BLOCK_K, EVEN_K)
+        if EVEN_K:
             a = tl.load(a_ptr + a_offs)
         else:
-            k_ok = offs_k < K - k * BLOCK_K
-            b = tl.load(b_tile + b_offs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            a = tl.load(a_ptr + a_offs, mask=k_ok, other=0.0)
+            a = tl.load(a_ptr + a_offs, mask=offs_k < k_left, other=0.0)
         a = a.to(tl.float32)
-        b = b.to(tl.float32)
         if A_QUANT:  # the 16-bit row to fp8 codes as fp8_gemm_kernel's A_QUANT makes them
             a = _codes_of(a, a_q_scale, a_q_inv, FP8_MAX).to(b_ptr.dtype.element_ty).to(tl.float32)
-        if A_GROUPED or B_GROUPED:
-            # the K groups of the step's 16-element pieces (a thread's 16 bytes of a row: one group when
-            # 16 | GROUP_K), their scales loaded once a piece and spread over its 16 elements
-            piece = k * BLOCK_K + 16 * tl.arange(0, BLOCK_K // 16)
+        # each piece's 16 products summed in the thread that loaded them (the reshape keeps a thread's 16
+        # consecutive elements together)
+        part = tl.sum(tl.reshape(a[None, :] * b.to(tl.float32), (BLOCK_N, PIECES, 16)), axis=2)  # [BN, PIECES]
+        if A_GROUPED or B_GROUPED:  # a piece lies in one K group (16 | GROUP_K): its scales multiply its sum
+            piece = k * BLOCK_K + 16 * tl.arange(0, PIECES)
             group = piece // GROUP_K
             g_ok = piece < K
             if A_GROUPED:
-                sa = tl.load(a_scale_ptr + group * stride_ask, mask=g_ok, other=0.0)
-                a *= tl.reshape(tl.broadcast_to(sa[:, None], (BLOCK_K // 16, 16)), (BLOCK_K,))
+                part *= tl.load(a_scale_ptr + group * stride_ask, mask=g_ok, other=0.0)[None, :]
             if B_GROUPED:
-                sb = tl.load(b_scale_ptr + (offs_n // B_BLOCK_N)[:, None] * stride_bsn + group[None, :] * stride_bsk,
-                             mask=n_ok[:, None] & g_ok[None, :], other=0.0)
-                b *= tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)), (BLOCK_N, BLOCK_K))
-        acc += a[None, :] * b
+                part *= tl.load(b_scale_ptr + (offs_n // B_BLOCK_N)[:, None] * stride_bsn + group[None, :] * stride_bsk,
+                                mask=n_ok[:, None] & g_ok[None, :], other=0.0)
+        acc += part
         b_offs += BLOCK_K
         a_offs += BLOCK_K * stride_ak
     y = tl.sum(acc, axis=1)  # [BN]
