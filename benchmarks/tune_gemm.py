@@ -178,8 +178,7 @@ def sweep_codes(ms=(1, 16), dim=4096, hidden=14336, rounds=7):
 def gemv_candidates(k: int) -> list[dict]:
     """``fp8_gemv_kernel`` tiles: 1-4 warps splitting K, 2-8 weight rows a program, 1-4 16-byte loads a row per thread
     and K step (BLOCK_K = 512 per warp and load), K steps that divide K (no masked loads), K split so that the splits'
-    steps are equal (up to 4 splits, 2 steps or more each); the next step's weight loads issued before this step's
-    arithmetic (``PREFETCH``) where a thread then holds up to 8 pieces in flight."""
+    steps are equal (up to 4 splits, 2 steps or more each)."""
     out = []
     for warps, rows, loads in itertools.product([1, 2, 4], [2, 4, 8], [1, 2, 4]):
         block_k = 512 * warps * loads
@@ -187,9 +186,8 @@ def gemv_candidates(k: int) -> list[dict]:
             continue
         steps = k // block_k
         for split in [s for s in (1, 2, 4) if s == 1 or (steps % s == 0 and steps // s >= 2)]:
-            for prefetch in (False, True) if rows * loads <= 4 else (False,):
-                out.append(dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=block_k, num_warps=warps, num_stages=1,
-                                SPLIT_K=split, PREFETCH=prefetch))
+            out.append(dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=block_k, num_warps=warps, num_stages=1,
+                            SPLIT_K=split))
     return out
 
 

@@ -45,11 +45,10 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
     configs = [mma_tile_config(cfg_m, n, k) for cfg_m in (1, 64, 4096)] + [{**mma_tile_config(1, n, k), "SPLIT_K": 3}]
     configs += [mma_tile_config(cfg_m, 4096, 14336) for cfg_m in (1, 64)]  # the long-K (split) decode tiles
     configs += [{**cfg, "TMA": True} for cfg in configs[:2]]  # the weight by TMA copies (rows of K % 16 == 0 bytes)
-    if m == 1:  # the GEMV kernel: its tile, split K (ragged splits), a K step that leaves a ragged last one, each
-        # with the next step's loads issued before this step's math and without
-        gemvs = [gemv_config(n, k), {**gemv_config(n, k), "SPLIT_K": 3}, {**gemv_config(n, k), "BLOCK_K": 128},
-                 {**gemv_config(n, k), "BLOCK_K": 4 * gemv_config(n, k)["BLOCK_K"]}, gemv_config(4096, 14336)]
-        configs += [{**cfg, "PREFETCH": prefetch} for cfg in gemvs for prefetch in (False, True)]
+    if m == 1:  # the GEMV kernel: its tile, split K (ragged splits), a K step that leaves a ragged last one, 4 loads
+        # a row per thread and step
+        configs += [gemv_config(n, k), {**gemv_config(n, k), "SPLIT_K": 3}, {**gemv_config(n, k), "BLOCK_K": 128},
+                    {**gemv_config(n, k), "BLOCK_K": 2048 * gemv_config(n, k)["num_warps"]}, gemv_config(4096, 14336)]
     for cfg in configs:  # every tile configuration on every shape, split K, TMA, GEMV
         y = fp8_gemm(xq, wq, xs, ws, bias.to(dtype), dtype, config=cfg)
         assert y.dtype == dtype and y.shape == (m, n)
@@ -235,7 +234,6 @@ def test_weight_only_cuda(m, w_block):
 
 INTERPRETER_CHECK = textwrap.dedent(
     """
-    import itertools
     import torch
     from fp8fx import quant
     from fp8fx.kernels.fp8_gemm import fp8_gemm
@@ -291,12 +289,10 @@ INTERPRETER_CHECK = textwrap.dedent(
                              ((64, 64), ([1, -1], [-1, -1]))]:
         xq, xs, wq, ws, bias = operands(1, n, k, xb, wb, "cpu")
         ref = reference(xq, xs, xb, wq, ws, wb, bias, torch.float32)
-        for (split, bk), prefetch in itertools.product([(1, 32), (2, 32), (3, 32), (1, 64), (2, 64), (4, 16)],
-                                                       [False, True]):
-            gemv = dict(GEMV=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=bk, num_warps=4, num_stages=1, SPLIT_K=split,
-                        PREFETCH=prefetch)
+        for split, bk in [(1, 32), (2, 32), (3, 32), (1, 64), (2, 64), (4, 16)]:
+            gemv = dict(GEMV=True, BLOCK_M=1, BLOCK_N=16, BLOCK_K=bk, num_warps=4, num_stages=1, SPLIT_K=split)
             y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config=gemv)
-            assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (n, k, split, bk, prefetch)
+            assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (n, k, split, bk)
         y_bad = fp8_gemm(xq, wq, xs * 2, ws, bias, torch.float32, config=gemv)  # the activation scale must count
         assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 0.1
     # with K groups (1x32 / 32x32 and others), ragged, split: each 16-byte piece scaled by its group's scales
@@ -307,9 +303,8 @@ INTERPRETER_CHECK = textwrap.dedent(
         ref = reference(xq, xs, xb, wq, ws, wb, bias, torch.float32)
         gemv = dict(GEMV=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=bk, num_warps=1, num_stages=1, SPLIT_K=split)
         blocks = dict(a_block=tuple(xb), b_block=tuple(wb))
-        for prefetch in (False, True):
-            y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config={**gemv, "PREFETCH": prefetch}, **blocks)
-            assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (n, k, xb, wb, prefetch)
+        y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config=gemv, **blocks)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (n, k, xb, wb)
         ws_bad = ws.clone(); ws_bad.view(-1)[-1] *= 2  # the last (ragged) group of the last rows wrong must show
         y_bad = fp8_gemm(xq, wq, xs, ws_bad, bias, torch.float32, config=gemv, **blocks)
         assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 1e-3, (n, k, xb, wb)
