@@ -15,6 +15,8 @@
                                                    # as single GEMMs and as the fused MLP's down GEMM
     python benchmarks/tune_gemm.py --gemv --block  # the same with 1x128 / 128x128 block scales
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
+    python benchmarks/tune_gemm.py --weight-only   # M = 16, bf16 activations and the fp8 weight (the fallback for
+                                                   # GPUs without fp8 tensor cores) against bf16 cuBLAS
 
 Every candidate is checked against the current configuration's output before it is timed.
 """
@@ -28,7 +30,8 @@ from bench_linear import bench, cublas_blockwise  # run as a script: benchmarks/
 from fp8fx import quant
 from fp8fx.kernels.fp8_gemm import fp8_gemm, gemv_config, mma_tile_config, tile_config
 
-SHAPES = {"gate_up": (28672, 4096), "gate": (14336, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
+SHAPES = {"gate_up": (28672, 4096), "gate": (14336, 4096), "down": (4096, 14336), "qkv": (6144, 4096),
+          "o": (4096, 4096)}
 
 
 def candidates(m, block: bool, tma: bool = False, bm64: bool = False, narrow: bool = False, small_m: bool = False,
@@ -176,17 +179,13 @@ def sweep_codes(ms=(1, 16), dim=4096, hidden=14336, rounds=7):
 
 
 def gemv_candidates(k: int) -> list[dict]:
-    """``fp8_gemv_kernel`` tiles: 1-4 warps splitting K, 2-8 weight rows a program, 1-4 16-byte loads a row per thread
-    and K step (BLOCK_K = 512 per warp and load), K steps that divide K (no masked loads), K split so that the splits'
-    steps are equal (up to 4 splits, 2 steps or more each)."""
+    """``fp8_gemv_kernel`` tiles: 1-8 warps splitting K (BLOCK_K = 512 per warp), 2-8 weight rows a program, K split
+    so that the splits' steps are equal (up to 8 splits)."""
     out = []
-    for warps, rows, loads in itertools.product([1, 2, 4], [2, 4, 8], [1, 2, 4]):
-        block_k = 512 * warps * loads
-        if k % block_k:
-            continue
-        steps = k // block_k
-        for split in [s for s in (1, 2, 4) if s == 1 or (steps % s == 0 and steps // s >= 2)]:
-            out.append(dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=block_k, num_warps=warps, num_stages=1,
+    for warps, rows in itertools.product([1, 2, 4, 8], [2, 4, 8]):
+        steps = -(-k // (512 * warps))
+        for split in [s for s in (1, 2, 4, 7, 8) if steps % s == 0]:
+            out.append(dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
                             SPLIT_K=split))
     return out
 
@@ -214,7 +213,9 @@ def sweep_gemv_blocks(shapes, rounds=5):
         gemm = lambda cfg: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
         ref = gemm(mma_tile_config(1, n, k)).float()
         results = []
-        for cfg in gemv_candidates(k):
+        for warps, rows in itertools.product([1, 2, 4], [2, 4, 8]):
+            cfg = dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
+                       SPLIT_K=1)
             assert (gemm(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
             results.append((time_ms(lambda: gemm(cfg), True), cfg))
         results.sort(key=lambda r: r[0])
@@ -353,6 +354,8 @@ def main(argv=None):
     p.add_argument("--ms", default="1,16,64", help="--groups: comma-separated token counts")
     p.add_argument("--h-groups", default="32,64,128", help="--groups: comma-separated group sizes")
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
+    p.add_argument("--weight-only", action="store_true",
+                   help="M = 16 with bf16 activations (no activation scale), against bf16 cuBLAS")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
     if args.gated_ncu:
@@ -371,9 +374,12 @@ def main(argv=None):
     w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}
     decode_ms = (64,) if args.small_m or args.wide_n else (1, 16) if args.bm64 or args.narrow else (1, 64)
+    decode_ms = (16,) if args.weight_only else decode_ms
     for (name, (n, k)), m in itertools.product(shapes.items(), (4096,) if args.block else decode_ms):
         wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, w_block)
         xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), a_block)
+        if args.weight_only:  # 16-bit activations, no scale: the weight upcast in the kernel
+            xq, xs = torch.randn(m, k, device="cuda", dtype=torch.bfloat16), None
         gemm = lambda cfg=None: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
         ref = gemm().float()
         results, graph = [], not args.block
@@ -390,6 +396,9 @@ def main(argv=None):
         current = time_ms(gemm, graph)
         if args.block:
             cublas = time_ms(cublas_blockwise(xq, xs, wq, ws))
+        elif args.weight_only:  # the bf16 GEMM the fallback replaces
+            wb = (wq.float() * ws.reshape(-1, 1)).bfloat16()
+            cublas = time_ms(lambda: torch.nn.functional.linear(xq, wb), graph)
         else:
             ws_row = ws.reshape(1, -1).contiguous()
             cublas = time_ms(lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16),

@@ -302,13 +302,13 @@ def fp8_gemv_kernel(
 ):
     """y[N] = a[K] . b[N, K] on the CUDA cores: each program streams BLOCK_N weight rows (over its split of K) in
     [BLOCK_N, BLOCK_K] tiles of 16-byte loads straight into registers - no shared memory, no tensor-core tile padded
-    from 1 row to 16. Each thread sums the 16 products of each 16-byte piece it loaded (products of fp8 codes are
-    exact in float32; the sums round as a tensor core's float32 accumulation does, in another order), so the
-    accumulator is one float32 a row and piece, not one an element (at the fused MLP's down tile, 54 registers
-    instead of 127: sm_90, triton 3.6), which leaves registers for loads in flight (BLOCK_K / 512 / num_warps
-    16-byte loads a row per thread and step). The activation's scale (per tensor = per row here)
-    and b's are applied after the sum; scales that change along K (``A_GROUPED``: a's [1, K / GROUP_K],
-    ``B_GROUPED``: b's [N / B_BLOCK_N, K / GROUP_K]) multiply each piece's sum (a piece lies in one group)."""
+    from 1 row to 16 - and keeps a float32 product per loaded element, summed over K once at the end. Products
+    of fp8 codes are exact in float32; the sums round as a tensor core's float32 accumulation does, in another
+    order. The activation's scale (per tensor = per row here) and b's are applied after the sum; scales that
+    change along K (``A_GROUPED``: a's [1, K / GROUP_K], ``B_GROUPED``: b's [N / B_BLOCK_N, K / GROUP_K]) multiply
+    each element as it is loaded (a step spans BLOCK_K / GROUP_K groups)."""
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
     split = tl.program_id(0) % SPLIT_K
     pid_n = tl.program_id(0) // SPLIT_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -316,19 +316,15 @@ def fp8_gemv_kernel(
     n_ok = offs_n < N
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_first = split * k_steps
-    k_end = tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))
     b_tile = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
     b_offs = tl.arange(0, BLOCK_N)[:, None] * stride_bn + k_first * BLOCK_K + offs_k[None, :]  # [BN, BK], K-major
     a_offs = (k_first * BLOCK_K + offs_k) * stride_ak  # [BK]
-    if PDL_WAIT:
-        tl.extra.cuda.gdc_wait()
     if A_QUANT:  # the row's scale and its reciprocal for `_codes_of`
         a_q_scale = tl.sum(_a_quant_scale(a_scale_ptr, tl.arange(0, 1), 1, 0, stride_ask, A_QUANT, N_PARTS,
                                           PARTS_BLOCK, EPS, FP8_MAX, 1), 0)  # [1] -> its element
         a_q_inv = tl.math.div_rn(1.0, a_q_scale)
-    PIECES: tl.constexpr = BLOCK_K // 16
-    acc = tl.zeros((BLOCK_N, PIECES), dtype=tl.float32)  # a thread's float32 sum of each of its 16-byte pieces
-    for k in range(k_first, k_end):
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
         if EVEN_K:  # no K mask: the weight loads stay 16 bytes wide whatever Triton knows of K
             b = tl.load(b_tile + b_offs, mask=n_ok[:, None], other=0.0)
             a = tl.load(a_ptr + a_offs)
@@ -337,21 +333,23 @@ def fp8_gemv_kernel(
             b = tl.load(b_tile + b_offs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(a_ptr + a_offs, mask=k_ok, other=0.0)
         a = a.to(tl.float32)
+        b = b.to(tl.float32)
         if A_QUANT:  # the 16-bit row to fp8 codes as fp8_gemm_kernel's A_QUANT makes them
             a = _codes_of(a, a_q_scale, a_q_inv, FP8_MAX).to(b_ptr.dtype.element_ty).to(tl.float32)
-        # each piece's 16 products summed in the thread that loaded them (the reshape keeps a thread's 16
-        # consecutive elements together)
-        part = tl.sum(tl.reshape(a[None, :] * b.to(tl.float32), (BLOCK_N, PIECES, 16)), axis=2)  # [BN, PIECES]
-        if A_GROUPED or B_GROUPED:  # a piece lies in one K group (16 | GROUP_K): its scales multiply its sum
-            piece = k * BLOCK_K + 16 * tl.arange(0, PIECES)
+        if A_GROUPED or B_GROUPED:
+            # the K groups of the step's 16-element pieces (a thread's 16 bytes of a row: one group when
+            # 16 | GROUP_K), their scales loaded once a piece and spread over its 16 elements
+            piece = k * BLOCK_K + 16 * tl.arange(0, BLOCK_K // 16)
             group = piece // GROUP_K
             g_ok = piece < K
             if A_GROUPED:
-                part *= tl.load(a_scale_ptr + group * stride_ask, mask=g_ok, other=0.0)[None, :]
+                sa = tl.load(a_scale_ptr + group * stride_ask, mask=g_ok, other=0.0)
+                a *= tl.reshape(tl.broadcast_to(sa[:, None], (BLOCK_K // 16, 16)), (BLOCK_K,))
             if B_GROUPED:
-                part *= tl.load(b_scale_ptr + (offs_n // B_BLOCK_N)[:, None] * stride_bsn + group[None, :] * stride_bsk,
-                                mask=n_ok[:, None] & g_ok[None, :], other=0.0)
-        acc += part
+                sb = tl.load(b_scale_ptr + (offs_n // B_BLOCK_N)[:, None] * stride_bsn + group[None, :] * stride_bsk,
+                             mask=n_ok[:, None] & g_ok[None, :], other=0.0)
+                b *= tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)), (BLOCK_N, BLOCK_K))
+        acc += a[None, :] * b
         b_offs += BLOCK_K
         a_offs += BLOCK_K * stride_ak
     y = tl.sum(acc, axis=1)  # [BN]
@@ -375,31 +373,24 @@ GEMV_MAX_M = 1
 
 
 def gemv_config(n: int, k: int, k_grouped: bool = False) -> dict:
-    """``fp8_gemv_kernel``'s tile for a weight [n, k]: BLOCK_N rows, BLOCK_K = 512 x num_warps x loads bytes a step,
-    so each thread makes ``loads`` 16-byte loads of each row a step and the warps split K, not N: the activation
-    slice a thread multiplies is then the one it loads itself (an fp8 a needs no exchange through shared memory;
-    with 4 warps split over N, each step's a went through shared memory between two barriers).
+    """``fp8_gemv_kernel``'s tile for a weight [n, k]: BLOCK_N rows of BLOCK_K = 16 x 32 x num_warps bytes a step,
+    so each thread loads 16 bytes of each row and the warps split K, not N: the activation slice a thread
+    multiplies is then the one it loads itself (an fp8 a needs no exchange through shared memory; with 4 warps
+    split over N, each step's a went through shared memory between two barriers).
 
-    From the H200 sweeps (CUDA-graph replays after a clean L2 flush). Run 18 (`tune_gemm.py --gemv`, 45-52 tiles a
-    shape, the kernel summing each 16-byte piece as it loads it): down 4096x14336 best with 8 rows, 4 warps, one
-    load (0.0192-0.0194 ms, 3.03 TB/s; run 16's kernel and tile 0.0198-0.0207; the fused MLP's whole op with h
-    quantized as loaded 0.0526 against 0.0535 for 4 rows at 2 warps); qkv 6144x4096 with 4 rows, 1 warp, two loads
-    (0.0115-0.0116 against 0.0121 for run 16's 2 rows and one load). With K groups (``k_grouped``: 1x128 / 128x128
-    block scales), run 16's tiles: 4 rows, and at K = 14336 2 warps (the fused MLP with h in 1x128 groups, run 18:
-    0.0532 ms against 0.0529 for 2 rows, within the sweep's spread; qkv with blocks 0.0138 against 0.0153 with 2
-    rows and 0.0177 for the tensor-core block tile). Issuing the next step's weight loads before a step's arithmetic
-    (a register pipeline; also the first step's before the PDL wait) was never among a shape's five best (run 18:
-    48 such tiles) and was taken out. No split K was among any shape's best; a weight of few rows (under 512
-    programs) has K split in halves while each split keeps 4 K steps."""
-    if k_grouped:
-        block_n, warps, loads = 4, (2 if k >= 8192 else 1), 1
-    else:
-        block_n, warps, loads = (8, 4, 1) if k >= 8192 else (4, 1, 2)
-    block_k = 512 * warps * loads
-    split, steps = 1, triton.cdiv(k, block_k)
+    From the H200 sweeps (run 16, `tune_gemm.py --gemv [--block]`, 9-36 tiles a shape, CUDA-graph replays after
+    a clean L2 flush): small programs win - 2 rows and 1 warp at K = 4096 (qkv 6144x4096 0.0123 ms against 0.0166
+    for the tensor-core tile; gate_up 28672x4096 0.0339 against 0.0332), 4 rows and 2 warps at K = 14336 (down
+    0.0204 against 0.0221; in the fused MLP, quantizing h as it loads it, the whole op 0.0536 against 0.0569).
+    With K groups (``k_grouped``: 1x128 / 128x128 block scales), 4 rows at K = 4096 too (qkv 0.0138 against 0.0153
+    with 2 rows and 0.0177 for the tensor-core block tile; down 0.0226 against 0.0250).
+    No split K was among any shape's best; a weight of few rows (under 512 programs) has K split in halves
+    while each split keeps 4 K steps."""
+    block_n, warps = (4, 2) if k >= 8192 else (4 if k_grouped else 2, 1)
+    split, steps = 1, triton.cdiv(k, 512 * warps)
     while triton.cdiv(n, block_n) * split < 512 and steps >= 8 * split:
         split *= 2
-    return dict(GEMV=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=1,
+    return dict(GEMV=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
                 SPLIT_K=split)
 
 
