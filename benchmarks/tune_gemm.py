@@ -351,7 +351,7 @@ def main(argv=None):
     p.add_argument("--codes", action="store_true", help="the fused MLP with exact h codes or by the reciprocal")
     p.add_argument("--gemv", action="store_true", help="M = 1: GEMV tiles against the tensor-core tile")
     p.add_argument("--groups", action="store_true", help="the fused MLP with h in 1 x G groups, M = 1, 16, 64")
-    p.add_argument("--ms", default="1,16,64", help="--groups: comma-separated token counts")
+    p.add_argument("--ms", help="comma-separated token counts (--groups: 1,16,64; the decode sweep: 1,64)")
     p.add_argument("--h-groups", default="32,64,128", help="--groups: comma-separated group sizes")
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
     p.add_argument("--weight-only", action="store_true",
@@ -363,7 +363,7 @@ def main(argv=None):
     if args.codes:
         return sweep_codes()
     if args.groups:
-        return sweep_groups(tuple(int(m) for m in args.ms.split(",")),
+        return sweep_groups(tuple(int(m) for m in (args.ms or "1,16,64").split(",")),
                             groups=tuple(int(g) for g in args.h_groups.split(",")))
     if args.gemv:
         shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
@@ -375,6 +375,7 @@ def main(argv=None):
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}
     decode_ms = (64,) if args.small_m or args.wide_n else (1, 16) if args.bm64 or args.narrow else (1, 64)
     decode_ms = (16,) if args.weight_only else decode_ms
+    decode_ms = tuple(int(m) for m in args.ms.split(",")) if args.ms else decode_ms
     for (name, (n, k)), m in itertools.product(shapes.items(), (4096,) if args.block else decode_ms):
         wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, w_block)
         xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), a_block)
