@@ -166,13 +166,15 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
     assert tile_config(1, 28672, 4096) == mma_tile_config(1, 28672, 4096)
     assert tile_config(0, 4096, 4096) == mma_tile_config(0, 4096, 4096)  # an empty batch: no GEMV launch
     assert tile_config(1, 6144, 4096, k_grouped=True)["BLOCK_N"] == 4  # block scales: 4 rows a program at K = 4096
-    # weight-only (16-bit activations) at 2-16 rows of a weight of fewer 64-wide tiles than SMs: K split in 4
-    # (run 18); fp8 activations and wide weights keep their tiles
+    # 2-16 rows of a weight of fewer 64-wide tiles than SMs: 32-wide tiles, K split in 4 (run 18); wide weights,
+    # short K and more rows keep their tiles
     for n, k, split in [(6144, 4096, 4), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4), (6144, 512, 1)]:
-        cfg = tile_config(16, n, k, weight_only=True)
+        cfg = tile_config(16, n, k)
         assert cfg.get("SPLIT_K", 1) == split and cfg["BLOCK_N"] == (32 if k < 8192 and split > 1 else 64), (n, k)
-    assert tile_config(16, 6144, 4096) == mma_tile_config(16, 6144, 4096) and "SPLIT_K" not in tile_config(16, 6144, 4096)
-    assert tile_config(64, 6144, 4096, weight_only=True) == tile_config(64, 6144, 4096)
+    assert tile_config(64, 6144, 4096).get("SPLIT_K", 1) == 1
+    # the fused MoE's many GEMMs in one grid: no split
+    assert tile_config(16, 6144, 4096, one_gemm=False) == dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1,
+                                                              num_warps=4, num_stages=4)
     xq, xs, wq, ws, _ = operands(2, 64, 96, [1, -1], [1, -1], "cpu")
     with pytest.raises(ValueError, match=r"GEMV kernel \(config GEMV=True\) takes one row .* got M=2"):
         fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=gemv_config(64, 96))
@@ -228,7 +230,7 @@ def test_block_scaled_gemm_cuda(m, n, k):
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [1, 3, 64, 65, 2049])
 @pytest.mark.parametrize("w_block", [[1, -1], [-1, -1], [128, 128]])
-@pytest.mark.parametrize("k", [384, 1024])  # 1024 at 3 rows: K split in 4 (mma_tile_config's weight-only tile)
+@pytest.mark.parametrize("k", [384, 1024])  # 1024 at 3 rows: K split in 4 (mma_tile_config's narrow-weight tile)
 def test_weight_only_cuda(m, w_block, k):
     g = torch.Generator().manual_seed(0)
     x = torch.randn(m, k, generator=g).bfloat16()
@@ -321,7 +323,7 @@ INTERPRETER_CHECK = textwrap.dedent(
         ref = x.double() @ quant.dequantize(wq, ws, wb, torch.float64).t()
         y = fp8_gemm(x, wq, None, ws, None, torch.float32, config={**gemv, "BLOCK_K": 32, "SPLIT_K": 2}, b_block=wb)
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-3, wb
-    # weight-only's default tile at few rows of a narrow weight (K split in 4, 32-wide N tiles; ragged N)
+    # the default tile at few rows of a narrow weight (K split in 4, 32-wide N tiles; ragged N), weight-only
     x = torch.randn(3, 1024, generator=g).half()
     wq, ws = quant.quantize(torch.randn(40, 1024, generator=g), (1, -1))
     ref = x.double() @ quant.dequantize(wq, ws, (1, -1), torch.float64).t()
