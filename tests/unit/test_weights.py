@@ -571,6 +571,27 @@ def test_a_quantized_model_moves_to_meta_and_back_and_compiles_after_a_cast():
     assert len(backend.report.rewritten) == 3
 
 
+@pytest.mark.cuda
+def test_a_quantized_model_moves_to_the_gpu_and_compiles():
+    """quantize_ on the CPU, then .cuda(): the move goes through the layers' own ``_apply``: the fp8 weights and
+    float32 scales arrive as they are, and the compiled model's three GEMMs are fp8fx's."""
+    torch.manual_seed(0)
+    model = _mlp()
+    fp8fx.quantize_(model)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    before, ref = _fp8_tensors(model), model(x)
+    assert model.cuda() is model
+    after = _fp8_tensors(model)
+    assert after.keys() == before.keys()
+    assert all(after[k].is_cuda and after[k].dtype == before[k].dtype and torch.equal(after[k].cpu(), before[k])
+               for k in after)
+    assert model[0]._parameters["weight"]._fp8fx_fqn == "0"  # the report's tag survives the move
+    backend = fp8fx.Fp8Backend()
+    out = torch.compile(model, backend=backend)(x.cuda())
+    assert out.is_cuda and out.dtype == torch.bfloat16 and rel_err(out.cpu(), ref) < 0.08
+    assert len(backend.report.rewritten) == 3
+
+
 def test_a_cast_to_a_dtype_fp8_layers_cannot_compute_in_is_refused_naming_the_layer():
     model = _mlp()
     fp8fx.quantize_(model)
