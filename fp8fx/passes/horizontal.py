@@ -27,7 +27,7 @@ of another granularity) says why in the report.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 from collections import defaultdict
 
 import torch
@@ -85,6 +85,19 @@ def share_memory(weights, scales, biases, w_block) -> None:
         _rebind(biases, bias)
 
 
+class _GroupKey(NamedTuple):
+    """What GEMMs must share to run as one: the quantized activation and its scale (the same input), the scale
+    layouts, the output dtype, fast accumulation, and whether they have a bias (all or none)."""
+
+    xq: fx.Node
+    x_scale: Any
+    x_block: tuple
+    w_block: tuple
+    dtype: torch.dtype
+    fast: bool
+    no_bias: bool
+
+
 class HorizontalFusionPass(Fp8Pass):
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -92,12 +105,11 @@ class HorizontalFusionPass(Fp8Pass):
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         if not self.enabled:  # an opt-in optimization: sites keep their scheme as it is
             return 0
-        groups: dict[tuple, list[fx.Node]] = defaultdict(list)
+        groups: dict[_GroupKey, list[fx.Node]] = defaultdict(list)
         for node in gm.graph.nodes:
             if node.op == "call_function" and node.target is _SCALED_MM:
                 xq, x_scale, _, _, bias, x_block, w_block, dtype, fast = node.args
-                key = (xq, x_scale, tuple(x_block), tuple(w_block), dtype, fast, bias is None)
-                groups[key].append(node)
+                groups[_GroupKey(xq, x_scale, tuple(x_block), tuple(w_block), dtype, fast, bias is None)].append(node)
         fused = 0
         claimed: dict[fx.Node, str] = {}  # weight -> the group it was fused with in this graph
         fused_groups: set[tuple] = set()  # the weights of each group fused in this graph
@@ -126,12 +138,12 @@ class HorizontalFusionPass(Fp8Pass):
         return fused
 
     @staticmethod
-    def _explain_singles(groups: dict[tuple, list[fx.Node]], ctx: PassContext) -> None:
+    def _explain_singles(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
         """A GEMM alone in its group while others read the same activation (v without the bias q and k have, a
         per-tensor shard among per-channel ones) says what kept it apart."""
-        by_input: dict[tuple, list[tuple]] = defaultdict(list)
+        by_input: dict[tuple, list[_GroupKey]] = defaultdict(list)
         for key in groups:
-            by_input[key[:2]].append(key)
+            by_input[(key.xq, key.x_scale)].append(key)
         for keys in by_input.values():
             for key in keys:
                 if len(groups[key]) > 1 or len(keys) < 2:
@@ -139,25 +151,27 @@ class HorizontalFusionPass(Fp8Pass):
                 other = max((k for k in keys if k != key), key=lambda k: len(groups[k]))
                 names = site_names(ctx, groups[other])
                 has = "has" if len(groups[other]) == 1 else "have"
-                if key[6] != other[6]:
-                    why = f"no bias where {names} {has} one" if key[6] else f"a bias where {names} {has} none"
-                elif key[3] != other[3]:
-                    why = (f"{granularity_from_block(list(key[3]), weight=True)} weight scales where {names} {has} "
-                           f"{granularity_from_block(list(other[3]), weight=True)}")
-                elif key[4] != other[4]:
-                    why = f"output dtype {key[4]} where {names} {has} {other[4]}"
+                if key.no_bias != other.no_bias:
+                    why = f"no bias where {names} {has} one" if key.no_bias else f"a bias where {names} {has} none"
+                elif key.w_block != other.w_block:
+                    why = (f"{granularity_from_block(list(key.w_block), weight=True)} weight scales where {names} "
+                           f"{has} {granularity_from_block(list(other.w_block), weight=True)}")
+                elif key.dtype != other.dtype:
+                    why = f"output dtype {key.dtype} where {names} {has} {other.dtype}"
+                elif key.fast != other.fast:
+                    why = "use_fast_accum differs"
                 else:
-                    why = "use_fast_accum differs" if key[5] != other[5] else f"its input's blocks differ from {names}'"
+                    why = f"its input's blocks differ from {names}'"
                 amend_sites(ctx, groups[key], f"not fused horizontally: {why}")
 
     @staticmethod
-    def _explain_static(groups: dict[tuple, list[fx.Node]], ctx: PassContext) -> None:
+    def _explain_static(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
         """GEMMs of one input quantized with static scales: each layer quantizes it with its own input_scale, so
         they read different fp8 activations and cannot run as one GEMM."""
-        by_x: dict[fx.Node, list[tuple]] = defaultdict(list)
+        by_x: dict[fx.Node, list[_GroupKey]] = defaultdict(list)
         for key in groups:
-            if isinstance(key[0], fx.Node) and key[0].target is _STATIC:
-                by_x[key[0].args[0]].append(key)
+            if isinstance(key.xq, fx.Node) and key.xq.target is _STATIC:
+                by_x[key.xq.args[0]].append(key)
         for keys in by_x.values():
             if len(keys) > 1:
                 nodes = [n for k in keys for n in groups[k]]
