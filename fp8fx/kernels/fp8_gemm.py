@@ -394,12 +394,10 @@ def gemv_config(n: int, k: int, k_grouped: bool = False) -> dict:
                 SPLIT_K=split)
 
 
-def tile_config(m: int, n: int, k: int, k_grouped: bool = False, one_gemm: bool = True) -> dict:
+def tile_config(m: int, n: int, k: int, k_grouped: bool = False) -> dict:
     """The kernel and tiles ``fp8_gemm`` runs for [m, k] x [n, k]: the GEMV kernel where ``gemv_fits``
-    (``gemv_config``), else ``mma_tile_config`` (whose BLOCK_K ``fp8_gemm`` sets to the K group, if any).
-    ``one_gemm=False``: m rows of each of many GEMMs in one grid (the fused MoE's experts), which needs no split
-    to fill the GPU."""
-    return gemv_config(n, k, k_grouped) if gemv_fits(m, n, k) else mma_tile_config(m, n, k, one_gemm)
+    (``gemv_config``), else ``mma_tile_config`` (whose BLOCK_K ``fp8_gemm`` sets to the K group, if any)."""
+    return gemv_config(n, k, k_grouped) if gemv_fits(m, n, k) else mma_tile_config(m, n, k)
 
 
 def gemv_fits(m: int, n: int, k: int) -> bool:
@@ -411,7 +409,7 @@ def gemv_fits(m: int, n: int, k: int) -> bool:
     return 0 < m <= GEMV_MAX_M and n <= 4 * k
 
 
-def mma_tile_config(m: int, n: int, k: int, one_gemm: bool = True) -> dict:
+def mma_tile_config(m: int, n: int, k: int) -> dict:
     """Tiles by problem size, from benchmarks/tune_gemm.py on the H200 (torch 2.11, triton 3.6; times of
     CUDA-graph replays, 2026-11-29): decode streams the weight, so narrow N tiles give every SM its own
     slice and deep pipelining keeps enough bytes in flight. M=1: gate_up 28672x4096 0.0309 ms (3.81 TB/s
@@ -421,8 +419,8 @@ def mma_tile_config(m: int, n: int, k: int, one_gemm: bool = True) -> dict:
     sweep's replays), BLOCK_K=128: 256 and 512 spill registers at 4 warps (sm_90 stack of 48-2800 bytes
     per thread, triton 3.6 / 3.9; tests/kernels/test_compile_sm90.py).
 
-    Up to 16 rows of one GEMM (``one_gemm``) whose weight has fewer 64-wide N tiles than the H200's 132 SMs (and K
-    of 1024-8191: each split keeps 2+ steps): 32-wide tiles with K split in 4, which fill the GPU (run 18, 24 tiles
+    Up to 16 rows of a weight with fewer 64-wide N tiles than the H200's 132 SMs (and K of 1024-8191: each split
+    keeps 2+ steps): 32-wide tiles with K split in 4, which fill the GPU (run 18, 24 tiles
     a shape, CUDA-graph replays after a clean L2 flush). fp8 activations (call 4, `tune_gemm.py --ms 16`): qkv 6144x4096 0.0140 ms
     against 0.0169 for the unsplit 64-wide tile (96 programs) and 0.0203 for cuBLAS; o 4096x4096 0.0129 against
     0.0160 and 0.0173 (the best, 64-wide split in 4, 0.0127). Weight-only, 16-bit activations (call 3,
@@ -430,7 +428,7 @@ def mma_tile_config(m: int, n: int, k: int, one_gemm: bool = True) -> dict:
     128x128 weight blocks take the same tile there; not timed with it."""
     long_k = k >= 8192
     if m <= 16:
-        if one_gemm and 1024 <= k < 8192 and triton.cdiv(n, 64) < 132:
+        if 1024 <= k < 8192 and triton.cdiv(n, 64) < 132:
             return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=4)
         if long_k:  # few N tiles (4096 / 64): split K to fill the GPU
             return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6, SPLIT_K=4)

@@ -487,7 +487,7 @@ def fused_moe(
     if s == 0 or h == 0 or two_i == 0:  # no pairs, or an empty sum: zeros (the tiles below need H, I > 0)
         return x.new_zeros((t, h), dtype=out_dtype)
     group_k = _k_group(w_block) or _k_group(act_block)
-    cfg = dict(config or tile_config(s / e, two_i, h, k_grouped=group_k is not None, one_gemm=False))
+    cfg = dict(config or tile_config(s / e, two_i, h, k_grouped=group_k is not None))
     gemm2 = cfg.pop("gemm2", {})  # the second GEMM's own tiles, where the config gives them
     cfg2 = {**cfg, **gemm2}
     tiles = {name: cfg.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}

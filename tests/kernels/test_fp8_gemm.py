@@ -172,9 +172,6 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
         cfg = tile_config(16, n, k)
         assert cfg.get("SPLIT_K", 1) == split and cfg["BLOCK_N"] == (32 if k < 8192 and split > 1 else 64), (n, k)
     assert tile_config(64, 6144, 4096).get("SPLIT_K", 1) == 1
-    # the fused MoE's many GEMMs in one grid: no split
-    assert tile_config(16, 6144, 4096, one_gemm=False) == dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1,
-                                                              num_warps=4, num_stages=4)
     xq, xs, wq, ws, _ = operands(2, 64, 96, [1, -1], [1, -1], "cpu")
     with pytest.raises(ValueError, match=r"GEMV kernel \(config GEMV=True\) takes one row .* got M=2"):
         fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=gemv_config(64, 96))
