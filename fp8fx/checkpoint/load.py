@@ -106,6 +106,8 @@ class _Linear:
     stage: Optional[nn.Module] = None  # stand-in that Fp8LinearMethod loads into
     method: Optional[Fp8LinearMethod] = None
     plain: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # weight / bias being assembled
+    # (largest scale, its entry) of weight scales whose 448 * scale the model's dtype cannot hold (float16)
+    wide_scales: list[tuple[float, Entry]] = dataclasses.field(default_factory=list)
 
     @property
     def serialized(self) -> bool:
@@ -136,6 +138,48 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
                               f"{torch.finfo(dtype).max:g}) and would load as inf; build the model in bfloat16 or "
                               "float32")
     return out
+
+
+def _count_unloadable(t: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, float]:
+    """(NaN/Inf values, finite values that a cast to ``dtype`` makes infinite, the largest of those) of a
+    checkpoint weight, in one pass of ``chunked.count_nonfinite``'s row chunks: a weight quantized online is
+    first copied into a ``dtype`` buffer (a bf16 checkpoint loaded into a float16 model: 65504 at most)."""
+    if t.dtype == dtype or not t.is_floating_point() or torch.finfo(dtype).max >= torch.finfo(t.dtype).max:
+        return chunked.count_nonfinite(t), 0, 0.0
+    x = t.reshape(1, -1) if t.dim() < 2 else t
+    step = max(1, chunked.CHUNK_NUMEL // max(x[0].numel() if len(x) else 1, 1))
+    nonfinite = overflow = 0
+    largest = 0.0
+    for i in range(0, x.shape[0], step):
+        c = x[i : i + step].reshape(-1)
+        finite = torch.isfinite(c)
+        nonfinite += int((~finite).sum())
+        over = torch.isinf(c.to(dtype)) & finite
+        n = int(over.sum())
+        if n:
+            overflow += n
+            largest = max(largest, float(c[over].abs().max()))
+    return nonfinite, overflow, largest
+
+
+def _dequantized_overflow(layer: nn.Module, dtype: torch.dtype) -> int:
+    """Values of a loaded fp8 linear's dequantized ``weight`` view (``quant.dequantize``: fp8 * scale in float32,
+    then ``dtype``) that are inf, counted a chunk of whole scale rows at a time."""
+    q = layer._parameters["weight"].data
+    scale = layer._parameters["weight_scale_inv" if layer._fp8fx_block_scales else "weight_scale"].data
+    block = layer._fp8fx_w_block
+    rows, cols = q.shape
+    if block[0] == -1:  # one scale for all rows
+        b_r, step = rows, max(1, chunked.CHUNK_NUMEL // max(cols, 1))
+    else:
+        b_r = quant.resolve_block(block, rows, cols)[0]
+        step = b_r * max(1, chunked.CHUNK_NUMEL // max(cols * b_r, 1))
+    scale = scale.reshape(quant.scale_shape((rows, cols), block))
+    total = 0
+    for i in range(0, rows, step):
+        s = scale if block[0] == -1 else scale[i // b_r : -(-(i + step) // b_r)]
+        total += int(torch.isinf(quant.dequantize(q[i : i + step], s, block, dtype)).sum())
+    return total
 
 
 def _check_load_args(config, device, fused) -> None:
@@ -570,15 +614,33 @@ class _Loader:
         if lin.config is None:
             self._load_rows(lin, "weight", i, t)
             return
-        bad = chunked.count_nonfinite(t)
+        dtype = lin.module.weight.dtype
+        # the pass that looks for NaN/Inf also counts the values that the model's dtype cannot hold: quantized
+        # online, the weight is first copied into a buffer of that dtype (Fp8LinearMethod.weight_loader), where
+        # 1e5 becomes inf in a float16 model, its scale inf and the layer's outputs NaN. Raised while streaming,
+        # as _cast does: nothing was swapped into the model yet (commit), so the model stays as it was.
+        bad, overflow, largest = _count_unloadable(t, dtype)
         if bad:
             raise CheckpointError(
                 f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {lin.fqn!r} to the ignore list"
+            )
+        if overflow:
+            raise CheckpointError(
+                f"{entry}: {overflow} of its {t.dtype} values are beyond {dtype}'s range (at most "
+                f"{torch.finfo(dtype).max:g}; the largest is {largest:g}) and would load as inf, quantized online "
+                f"from a {dtype} copy (weight scale inf, outputs NaN); build the model in bfloat16 or float32"
             )
         lin.method.weight_loader(lin.stage, "weight", t, lin.shard_id(i))
 
     def _load_scale(self, lin: _Linear, name: str, i: int, entry: Entry, t: torch.Tensor) -> None:
         t = check_scale_values(entry, t)
+        if name != "input_scale":
+            # the dequantized .weight view (fp8 * scale, in the model's dtype) reaches 448 * scale: where that is
+            # beyond the dtype's range (float16: 65504), finish() counts the values that would be inf
+            dtype = lin.module.weight.dtype
+            largest = float(t.float().max())
+            if torch.isinf(torch.tensor(largest * quant.FP8_MAX, dtype=torch.float32).to(dtype)):
+                lin.wide_scales.append((largest, entry))
         lin.method.weight_loader(lin.stage, name, t, lin.shard_id(i))
 
     def _load_rows(self, lin: _Linear, name: str, i: int, t: torch.Tensor) -> None:
@@ -603,6 +665,7 @@ class _Loader:
         for lin in self.linears.values():
             if lin.config is not None:
                 lin.method.process_weights_after_loading(lin.stage)
+                self._check_dequantized_range(lin)
         self.moe.finish()
         if self.kv or self.fmt.kv_cache:
             defaults, taken = [], []
@@ -663,6 +726,22 @@ class _Loader:
                     "on a real device (only parameters on meta)"
                 )
             self.buffers[(fqn, name)] = module._buffers[name]
+
+    def _check_dequantized_range(self, lin: _Linear) -> None:
+        """An fp8 layer whose dequantized ``.weight`` view would hold inf in the model's dtype (a float16 model, a
+        scale above 65504 / 448 = 146.2) is refused, before commit: the model is unchanged. Only layers with such
+        a scale are counted (a second pass over their fp8 weight); one whose fp8 values stay small enough loads."""
+        if not lin.wide_scales:
+            return
+        dtype = lin.module.weight.dtype
+        count = _dequantized_overflow(lin.stage, dtype)
+        if count:
+            largest, entry = max(lin.wide_scales, key=lambda p: p[0])
+            raise CheckpointError(
+                f"{entry}: a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is beyond {dtype}'s range "
+                f"(at most {torch.finfo(dtype).max:g}): {count} values of {lin.fqn}'s dequantized weight would be "
+                "inf (outputs NaN); build the model in bfloat16 or float32"
+            )
 
     # --- 4. commit ---------------------------------------------------------------------------
     def commit(self, report: LoadReport) -> None:

@@ -1019,3 +1019,52 @@ def test_values_a_float16_model_cannot_hold_are_refused(tmp_path):
     with pytest.raises(CheckpointError, match=rf"{key}: 1 of its torch.bfloat16 values are beyond torch.float16's "
                                               r"range \(at most 65504\) and would load as inf"):
         load_checkpoint(model, path, fp8fx.Fp8Config(ignored_layers=list(LINEARS)), progress=False)
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_float16_model_refuses_online_weights_beyond_its_range(tmp_path, fused):
+    """A bf16 checkpoint quantized online into a float16 model: a weight of 1e5 was copied into a float16 buffer as
+    inf, its scale became inf and every output NaN, silently. Refused while streaming, the model unchanged."""
+    state = bf16_state()
+    state[f"{DOWN}.weight"][3, 5] = 1e5
+    state["model.layers.0.self_attn.k_proj.weight"][2, 1] = -1e5
+    path = write_checkpoint(tmp_path / "c", state)
+    model = meta_tiny(fused, dtype=torch.float16)
+    snap = snapshot(model)
+    match = (r" \(bfloat16 \[\d+, \d+\] in model\.safetensors\): 1 of its torch\.bfloat16 values are beyond "
+             r"torch\.float16's range \(at most 65504; the largest is 99840\) and would load as inf.*build the model "
+             r"in bfloat16 or float32")
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.\d\.(mlp\.down_proj|self_attn\.k_proj)\.weight" + match):
+        load_checkpoint(model, path, progress=False)
+    assert_unchanged(model, snap)
+    model = meta_tiny(fused, dtype=torch.bfloat16)  # bfloat16 holds it
+    load_checkpoint(model, path, progress=False)
+    assert torch.isfinite(model(IDS)).all()
+
+
+@pytest.mark.parametrize("granularity,ct", [("tensor", False), ("channel", True), ("block", False)])
+def test_float16_model_refuses_fp8_scales_beyond_its_range(tmp_path, granularity, ct):
+    """An fp8 checkpoint whose down_proj reaches 1e5 (scale 1e5 / 448) loaded into a float16 model: the dequantized
+    float16 .weight view held inf and the outputs were NaN, silently. Refused, the model unchanged; a scale that
+    large over fp8 values small enough to stay finite loads."""
+    state = bf16_state()
+    state[f"{DOWN}.weight"][3, 5] = 1e5
+    tensors, qc, _ = fp8_checkpoint(state, granularity, ct=ct)
+    scale = f"{DOWN}.weight_scale_inv" if granularity == "block" else f"{DOWN}.weight_scale"
+    path = write_checkpoint(tmp_path / "c", tensors, qc)
+    model = meta_tiny(dtype=torch.float16)
+    snap = snapshot(model)
+    match = (rf"^{re.escape(scale)} \(float32 .*\): a scale of 222\.857 times fp8 values up to 448 is beyond "
+             rf"torch\.float16's range \(at most 65504\): 1 values of {DOWN}'s dequantized weight would be inf "
+             r"\(outputs NaN\); build the model in bfloat16 or float32")
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(model, path, progress=False)
+    assert_unchanged(model, snap)
+    model = meta_tiny(dtype=torch.bfloat16)
+    load_checkpoint(model, path, progress=False)
+    assert torch.isfinite(model.get_submodule(DOWN).weight).all()
+    # a large scale whose fp8 values stay below 65504 / scale: no value is inf, it loads
+    tensors[f"{DOWN}.weight"] = tensors[f"{DOWN}.weight"].float().clamp(-64, 64).to(FP8)
+    model = meta_tiny(dtype=torch.float16)
+    load_checkpoint(model, write_checkpoint(tmp_path / "d", tensors, qc), progress=False)
+    assert torch.isfinite(model.get_submodule(DOWN).weight).all()
