@@ -289,6 +289,20 @@ class Fp8Config:
                 f"quantization_config quant_method={quant_method!r} is not fp8: Fp8Config reads fp8 configs; "
                 "compressed-tensors checkpoints load through fp8fx.load_checkpoint (fp8fx.checkpoint.formats.parse)"
             )
+        # transformers' FineGrainedFP8Config.modules_to_convert names nn.Embedding tables (by name suffix) that its
+        # checkpoint stores in fp8 (FP8Embedding, transformers 5.24: replace_with_fp8_embedding), on top of the
+        # linears. It is not an allowlist of linears, so it cannot be honoured as "everything else is ignored"; and
+        # Fp8Config has no way to say "this embedding is fp8" (fp8fx quantizes linear layers only and reads no fp8
+        # embedding). Dropping it made the config claim a plain fp8 checkpoint and the load fail later, blaming the
+        # layer. Refused here, naming the field; None or [] (what to_dict() writes by default) means nothing extra.
+        convert = config.get("modules_to_convert")
+        if convert is not None and not (isinstance(convert, (list, tuple)) and len(convert) == 0):
+            raise ValueError(
+                f"quantization_config['modules_to_convert']={convert!r}: transformers (FineGrainedFP8Config) stores "
+                "the embedding tables named there in fp8, and fp8fx reads fp8 linear layers only, not fp8 "
+                "embeddings; re-export the checkpoint with those tables in bf16/fp16 and modules_to_convert null "
+                "(or [])"
+            )
         key = "ignored_layers" if config.get("ignored_layers") else "modules_to_not_convert"
         ignored = config.get(key)
         if ignored is not None:

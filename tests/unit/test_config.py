@@ -499,3 +499,18 @@ def test_from_config_takes_fp8_configs_only():
     transformers = pytest.importorskip("transformers")
     config = Fp8Config.from_config(transformers.FineGrainedFP8Config())
     assert config.is_checkpoint_fp8_serialized and config.weight_block_size == (128, 128)
+
+
+@pytest.mark.parametrize("value", [["embed_tokens"], ("mlp",), "embed_tokens"])
+def test_from_config_refuses_modules_to_convert(value):
+    """transformers' FineGrainedFP8Config(modules_to_convert=[...]) stores the embedding tables it names in fp8
+    (FP8Embedding), which fp8fx does not read: from_config dropped the field, claimed a plain fp8 config, and the load
+    failed later blaming the layer's dtype ("add the layer to its ignore list")."""
+    with pytest.raises(ValueError, match=r"quantization_config\['modules_to_convert'\]=.* fp8fx .* re-export"):
+        Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [32, 32], "modules_to_convert": value})
+    for empty in (None, []):  # what FineGrainedFP8Config().to_dict() writes: nothing to convert beyond the linears
+        config = Fp8Config.from_config({"quant_method": "fp8", "modules_to_convert": empty})
+        assert config.is_checkpoint_fp8_serialized and config.ignored_layers is None
+    transformers = pytest.importorskip("transformers")
+    with pytest.raises(ValueError, match=r"modules_to_convert'\]=\['embed_tokens'\]"):
+        Fp8Config.from_config(transformers.FineGrainedFP8Config(modules_to_convert=["embed_tokens"]))
