@@ -2,6 +2,7 @@
 checkpoint -> an FP8 one, file by file, without building the model's weights)."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -74,6 +75,31 @@ def save_checkpoint(
     weight block does not divide; the groups of ``fp8fx.checkpoint.load.FUSED``) is written in high precision
     (dequantized), in the ignore list with them, with a warning: vLLM refuses a fused layer of two precisions.
     """
+    _check_arguments(path, experts, max_shard_size)
+    model = compat.compiled_module(model)  # a torch.compile wrapper: the module it compiles, the checkpoint's names
+    path = os.fspath(path)
+    # modules by the names they are saved under: a torch.compile wrapper of a submodule puts "_orig_mod." in its
+    # module's names, which nothing loads (the wrappers hold nothing of their own)
+    modules = {_unwrapped(f): m for f, m in model.named_modules() if compat.compiled_module(m) is m}
+    schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}  # the fp8 linears'
+    layout = _experts_layout(model, modules, experts)
+    schemes, demoted = _fp8_schemes(modules, schemes, layout)
+    ignored, kv, fmt, method = _ignored_and_format(model, modules, schemes, layout, format)
+    tensors = _named_tensors(model, modules, layout, demoted, method)
+    tensors, schemes, ignored = _hub_named(model, tensors, schemes, ignored, layout)
+    qc = formats.quantization_config(schemes, ignored, kv, fmt)
+    if config_json is None:
+        hf, source = getattr(model, "config", None), getattr(model, "_fp8fx_source", {})
+        config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})
+    config_text = _config_text(config_json, qc, "save_checkpoint")  # refused before any file is written
+    _write_checkpoint(path, tensors, max_shard_size, config_text)
+    log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
+    return qc
+
+
+def _check_arguments(path: Union[str, os.PathLike], experts: Optional[str], max_shard_size: Optional[int]) -> None:
+    """Refuse arguments ``save_checkpoint`` does not take, and a ``path`` that is a file or already holds a
+    checkpoint: a shard or index left from another save would be read back with this model's config."""
     if experts not in (None, "per-expert", "fused"):
         raise ValueError(f"save_checkpoint: experts={experts!r} is not 'per-expert', 'fused' or None (per expert "
                          "where transformers loads them so)")
@@ -82,16 +108,27 @@ def save_checkpoint(
                          "(an int, e.g. 5 * 2**30), or None for one file")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"save_checkpoint: {os.fspath(path)} is a file; pass a new or empty directory")
-    model = compat.compiled_module(model)  # a torch.compile wrapper: the module it compiles, the checkpoint's names
     if os.path.isdir(path) and any(f.endswith((".safetensors", INDEX_SUFFIX)) for f in os.listdir(path)):
-        # a shard or index left from another save would be read back with this model's config
         raise ValueError(f"save_checkpoint: {path} already holds a checkpoint (safetensors or an index); "
                          "pass an empty or new directory")
-    path = os.fspath(path)
-    # modules by the names they are saved under: a torch.compile wrapper of a submodule puts "_orig_mod." in its
-    # module's names, which nothing loads (the wrappers hold nothing of their own)
-    modules = {_unwrapped(f): m for f, m in model.named_modules() if compat.compiled_module(m) is m}
-    schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}
+
+
+@dataclasses.dataclass(frozen=True)
+class _ExpertsLayout:
+    """How ``save_checkpoint`` writes the model's experts modules, by saved name (``_experts_layout``)."""
+
+    modules: dict[str, nn.Module]  # every experts module
+    quantized: dict[str, nn.Module]  # those in fp8
+    split: dict[str, nn.Module]  # those written per expert; the others are written fused
+    hub_fused: bool  # fused in the hub's layout: transformers reads no per-expert tensors of the model
+    names: dict[str, str]  # the per-expert projections' names (moe_ckpt.PROJ, or the hub's: Mixtral's w1 / w3 / w2)
+
+
+def _experts_layout(model: nn.Module, modules: Mapping[str, nn.Module], experts: Optional[str]) -> _ExpertsLayout:
+    """Which experts modules are written per expert and under which projection names: per expert where they split
+    and transformers loads them so, fused otherwise (``experts="fused"``, experts that do not split, or a model
+    transformers loads from fused experts only, where ``experts="per-expert"`` is refused: it would load random
+    experts, with no error)."""
     all_experts = {f: m for f, m in modules.items() if moe.is_experts(m)}
     quantized_experts = {f: m for f, m in all_experts.items() if moe.is_quantized_experts(m)}
     # experts that can be written per expert: quantized ones, and those in high precision that split exactly
@@ -124,9 +161,21 @@ def save_checkpoint(
                 "transformers and vLLM will not find the experts; fp8fx convert, from the original checkpoint, "
                 "writes its names", type(model).__name__, "/".join(leaves.values()),
             )
+    return _ExpertsLayout(all_experts, quantized_experts, split, hub_fused, names)
+
+
+def _fp8_schemes(
+    modules: Mapping[str, nn.Module], schemes: Mapping[str, Any], layout: _ExpertsLayout
+) -> tuple[dict[str, Any], list[str]]:
+    """The scheme of every layer written in fp8 - the linear layers' ``schemes``, and the experts' under the module
+    names they are written with (compressed-tensors targets) -, and the fp8 linears written in high precision
+    instead (``_split_groups``). Refuses a model with no fp8 layer left, unprocessed weights, or an fp8 tensor cast by
+    hand, which would be written under fp8 names with the wrong values."""
+    schemes = dict(schemes)
+    quantized_experts = layout.quantized
     for f, m in quantized_experts.items():  # named as the checkpoint names them (compressed-tensors targets)
-        schemes.update({n: moe.experts_scheme(m) for n in (moe_ckpt.per_expert_modules(f, m, names) if f in split
-                                                          else [f])})
+        schemes.update({n: moe.experts_scheme(m) for n in (moe_ckpt.per_expert_modules(f, m, layout.names)
+                                                          if f in layout.split else [f])})
     if not schemes:
         raise ValueError(
             "save_checkpoint: the model has no fp8fx-quantized layer; quantize_ it or load_checkpoint first"
@@ -151,9 +200,17 @@ def save_checkpoint(
         raise ValueError(f"save_checkpoint: every fp8 layer of the model ({', '.join(demoted)}) is in a fused group "
                          "whose other layers stay in high precision, and would be written in high precision; "
                          "quantize with a scheme the whole group takes (nothing was written)")
-    # linear layers and experts modules in high precision
+    return schemes, demoted
+
+
+def _ignored_and_format(
+    model: nn.Module, modules: Mapping[str, nn.Module], schemes: Mapping[str, Any], layout: _ExpertsLayout,
+    format: Optional[str],
+) -> tuple[list[str], bool, Optional[str], str]:
+    """The ignore list (linear layers and experts modules in high precision), whether the KV-cache scheme is declared,
+    the format asked for (else the one the model was loaded from) and the quant_method it gives."""
     ignored = [f for f, m in modules.items() if isinstance(m, nn.Linear) and f not in schemes
-               or f in all_experts and f not in quantized_experts]
+               or f in layout.modules and f not in layout.quantized]
     source = getattr(model, "_fp8fx_source", {})
     # KV-cache scales declared (kv_cache_scheme) where the model has them, unless they came from a checkpoint
     # that held them without declaring an fp8 KV cache: the saved one says what its source said
@@ -163,9 +220,18 @@ def save_checkpoint(
     if method == "compressed-tensors":  # its ignore list matches names exactly (or "re:"): experts written per
         # expert need their experts' modules too; fp8's ignored_layers covers the modules under an entry (fp8fx,
         # transformers), and vLLM skips the experts module itself (its FusedMoE layer)
-        ignored += [n for f in ignored if f in split and f not in quantized_experts
-                    for n in moe_ckpt.per_expert_modules(f, split[f], names)]
+        ignored += [n for f in ignored if f in layout.split and f not in layout.quantized
+                    for n in moe_ckpt.per_expert_modules(f, layout.split[f], layout.names)]
+    return ignored, kv, fmt, method
 
+
+def _named_tensors(
+    model: nn.Module, modules: Mapping[str, nn.Module], layout: _ExpertsLayout, demoted: list[str], method: str
+) -> dict[str, torch.Tensor]:
+    """The tensors to write under the model's names: experts written per expert split into theirs, the ``demoted``
+    layers' weights dequantized without their scales, tied weights once, block scales named as ``method`` names
+    them. Refuses two tensors that would take one name."""
+    split = layout.split
     tensors: dict[str, torch.Tensor] = {}
     origin: dict[str, str] = {}  # saved name -> the state_dict name it comes from
     seen: set[tuple] = set()
@@ -176,7 +242,7 @@ def save_checkpoint(
         owner, _, leaf = name.rpartition(".")
         if owner in split and leaf in _EXPERT_LEAVES:
             if owner in pending:  # all of its expert tensors at the first of them; any other tensor of it as it is
-                for n, v in moe_ckpt.per_expert_tensors(owner, pending.pop(owner), block_leaf, names).items():
+                for n, v in moe_ckpt.per_expert_tensors(owner, pending.pop(owner), block_leaf, layout.names).items():
                     _put(tensors, origin, n, v, raw)
             continue
         if owner in demoted and leaf in _SCALES:
@@ -190,20 +256,30 @@ def save_checkpoint(
         if leaf == "weight_scale_inv" and method == "compressed-tensors":
             name = f"{owner}.weight_scale"
         _put(tensors, origin, name, t.detach(), raw)
-    # the hub's layout where transformers renames the model's MoE blocks (Mixtral's block_sparse_moe, GraniteMoE's
-    # input_linear for experts.gate_up_proj)
-    if split or hub_fused:
+    return tensors
+
+
+def _hub_named(
+    model: nn.Module, tensors: dict[str, torch.Tensor], schemes: dict[str, Any], ignored: list[str],
+    layout: _ExpertsLayout,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
+    """``tensors``, ``schemes`` and ``ignored`` in the hub's layout where transformers renames the model's MoE blocks
+    (Mixtral's block_sparse_moe, GraniteMoE's input_linear for experts.gate_up_proj) and experts are written per
+    expert or fused as the hub holds them; as they are otherwise."""
+    if layout.split or layout.hub_fused:
         hub = renames.hub_names(model, set(tensors) | {f"{m}.weight" for m in (*schemes, *ignored)},
-                                {f.rpartition(".")[0] for f in all_experts})
+                                {f.rpartition(".")[0] for f in layout.modules})
         if hub:
             tensors = {hub[n]: t for n, t in tensors.items()}
             schemes = {hub[f"{m}.weight"].rpartition(".")[0]: s for m, s in schemes.items()}
             ignored = [hub[f"{m}.weight"].rpartition(".")[0] for m in ignored]
-    qc = formats.quantization_config(schemes, ignored, kv, fmt)
-    if config_json is None:
-        hf = getattr(model, "config", None)
-        config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})
-    config_text = _config_text(config_json, qc, "save_checkpoint")  # refused before any file is written
+    return tensors, schemes, ignored
+
+
+def _write_checkpoint(path: str, tensors: Mapping[str, torch.Tensor], max_shard_size: Optional[int],
+                      config_text: str) -> None:
+    """Write the shards (one file, or files of at most ``max_shard_size`` bytes), the index where there are several,
+    and config.json: the only step that writes anything, run once every check has passed."""
     shards = [tensors] if max_shard_size is None else _split(tensors, max_shard_size)
     created = not os.path.isdir(path)
     os.makedirs(path, exist_ok=True)
@@ -219,8 +295,6 @@ def save_checkpoint(
     except BaseException:  # a full disk, say: no partial checkpoint left behind
         _remove(written, path if created else None)
         raise
-    log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
-    return qc
 
 
 def _unwrapped(name: str) -> str:
