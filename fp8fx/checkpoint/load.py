@@ -276,6 +276,10 @@ class _Loader:
         self.not_quantized: dict[str, str] = {}
         self.items: list[tuple[Entry, Callable[[torch.Tensor], None]]] = []
         self.planned: set[str] = set()  # state keys (first alias) to load
+        # checkpoint names of a tied tensor that the checkpoint also holds under the name that loads: compared with
+        # it, not loaded (reported unexpected); and those read before it, first alias -> [(name, entry, tensor)]
+        self.tied_copies: list[str] = []
+        self.tied_pending: dict[str, list[tuple[str, Entry, torch.Tensor]]] = {}
         self.staged: dict[str, torch.Tensor] = {}  # state key (first alias) -> new tensor
         self.kv: dict[str, dict[str, float]] = {}
         self.kv_entries: dict[tuple[str, str], Entry] = {}
@@ -425,9 +429,8 @@ class _Loader:
 
     def _plan_state(self, key: str, entry: Entry) -> None:
         target = self.state[key]
-        first = self.aliases[id(target)][0]
-        if first in self.planned:  # a tied tensor given twice: the first one loads
-            return
+        aliases = self.aliases[id(target)]
+        first = aliases[0]
         owner = key.rpartition(".")[0]
         if entry.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             why = self.not_quantized.get(owner) or self.moe.not_quantized.get(owner) or "not a linear layer"
@@ -441,6 +444,19 @@ class _Loader:
             )
         if entry.dtype.is_floating_point != target.dtype.is_floating_point:
             raise CheckpointError(f"{entry}: the model's {key} is {target.dtype}; wrong model or checkpoint")
+        # A tied tensor (lm_head.weight tied to model.embed_tokens.weight) that the checkpoint holds under several
+        # of its names: the name that loads is the model's own first one (state_dict order: the module that owns
+        # the parameter, the input embedding in HF models), never the file's order (safetensors sorts names, so
+        # lm_head came first and its values went into the embedding). That is what vLLM and HF users get: vLLM
+        # skips lm_head.weight when tie_word_embeddings is set, HF ties lm_head to embed_tokens after loading;
+        # both keep embed_tokens' values. The other names are not loaded (LoadReport.unexpected) but read and
+        # compared with it: different values mean the checkpoint is of an untied model, and keeping either one
+        # would silently drop the other, so that is refused, naming both.
+        loads = next(k for k in aliases if k in self.entries)
+        if key != loads:
+            self.tied_copies.append(key)
+            self.items.append((entry, lambda t: self._check_tied_copy(first, loads, key, entry, t)))
+            return
         self.planned.add(first)
         self.items.append((entry, lambda t: self._load_state(first, target, t)))
 
@@ -609,6 +625,31 @@ class _Loader:
 
     def _load_state(self, key: str, target: torch.Tensor, t: torch.Tensor) -> None:
         self.staged[key] = _cast(t, target.dtype, key)
+        for name, entry, copy in self.tied_pending.pop(key, []):
+            self._compare_tied(key, name, entry, copy)
+
+    def _check_tied_copy(self, first: str, loads: str, key: str, entry: Entry, t: torch.Tensor) -> None:
+        """``key``, another name of the tied tensor that loads from ``loads``: its values must be the same."""
+        copy = _cast(t, self.state[first].dtype, key)
+        if first in self.staged:
+            self._compare_tied(first, key, entry, copy)
+        else:  # read before the one that loads: kept until it arrives
+            self.tied_pending.setdefault(first, []).append((key, entry, copy))
+
+    def _compare_tied(self, first: str, key: str, entry: Entry, copy: torch.Tensor) -> None:
+        kept = self.staged[first]
+        if kept.is_floating_point():
+            differ = int((~torch.isclose(kept, copy, rtol=0, atol=0, equal_nan=True)).sum())
+        else:
+            differ = int((kept != copy).sum())
+        if differ:
+            loads = next(k for k in self.aliases[id(self.state[first])] if k in self.entries)
+            raise CheckpointError(
+                f"{self.entries[loads]} and {entry}: the model ties {key} to {loads} (one tensor), but the checkpoint "
+                f"holds different values for them ({differ} of {copy.numel()} differ); build the model with them "
+                f"untied (embeddings: tie_word_embeddings=False) to load both, or drop {key} from the checkpoint to "
+                f"load {loads} into both"
+            )
 
     def _load_weight(self, lin: _Linear, i: int, entry: Entry, t: torch.Tensor) -> None:
         if lin.config is None:
@@ -785,7 +826,7 @@ class _Loader:
         for fqn, scales in self.kv.items():
             attach_kv_scales(self.modules[fqn], scales, self.device)
         report.kv_scales = {f: dict(s) for f, s in self.kv.items()}
-        report.unexpected = self._stored_unexpected()
+        report.unexpected = self._stored_unexpected() + [self.entries[n].source or n for n in self.tied_copies]
 
 
 def _join(prefix: str, name: str) -> str:

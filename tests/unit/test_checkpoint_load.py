@@ -1068,3 +1068,33 @@ def test_float16_model_refuses_fp8_scales_beyond_its_range(tmp_path, granularity
     model = meta_tiny(dtype=torch.float16)
     load_checkpoint(model, write_checkpoint(tmp_path / "d", tensors, qc), progress=False)
     assert torch.isfinite(model.get_submodule(DOWN).weight).all()
+
+
+def test_tied_weight_given_under_both_names(tmp_path):
+    """lm_head tied to embed_tokens and the checkpoint holding both names: the file's first one (lm_head: safetensors
+    sorts names) loaded into the embedding. Now model.embed_tokens.weight loads (as vLLM and HF transformers keep
+    it) and lm_head.weight is reported unused; two different values are refused, the model unchanged."""
+    def tied_model():
+        with torch.device("meta"):
+            model = Tiny().bfloat16()
+        model.lm_head.weight = model.model.embed_tokens.weight
+        return model
+
+    state = bf16_state()
+    embed = state["model.embed_tokens.weight"] = state["model.embed_tokens.weight"][:, :H].contiguous()
+    state["lm_head.weight"] = embed.clone()
+    model = tied_model()
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "same", state), progress=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(model.model.embed_tokens.weight, embed)
+    assert report.unexpected == ["lm_head.weight"]
+
+    state["lm_head.weight"] = torch.full_like(embed, 7.0)
+    model = tied_model()
+    snap = snapshot(model)
+    match = (r"^model\.embed_tokens\.weight \(bfloat16 \[128, 64\] in model\.safetensors\) and lm_head\.weight "
+             r"\(bfloat16 \[128, 64\] in model\.safetensors\): the model ties lm_head\.weight to "
+             r"model\.embed_tokens\.weight \(one tensor\), but the checkpoint holds different values for them")
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(model, write_checkpoint(tmp_path / "differ", state), progress=False)
+    assert_unchanged(model, snap)
