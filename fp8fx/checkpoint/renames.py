@@ -68,13 +68,39 @@ def _user_renames(key_mapping: Optional[Mapping[str, str]], where: str) -> list[
         if not isinstance(pattern, str) or not isinstance(replacement, str):
             raise TypeError(f"{where}: key_mapping entry {pattern!r}: {replacement!r} is not str -> str")
         try:
-            groups = re.compile(pattern).groups
+            compiled = re.compile(pattern)
         except re.error as e:
             raise ValueError(f"{where}: key_mapping pattern {pattern!r} is not a regex ({e})") from None
-        if "\\1" in replacement and groups < 1:
-            raise ValueError(f"{where}: key_mapping entry {pattern!r}: {replacement!r} refers to group 1, which the "
-                             "pattern does not have")
+        # every group reference (\N, \g<N>, \g<name>), not \1 alone: one the pattern lacks failed later, as tensors
+        # missing from the checkpoint
+        for text, ref in _group_refs(replacement):
+            if not (ref <= compiled.groups if isinstance(ref, int) else ref in compiled.groupindex):
+                named = f", named {', '.join(compiled.groupindex)}" if compiled.groupindex else ""
+                shown = ref if text[1:].isdigit() else text  # \2 as "group 2", \g<x> as it is written
+                raise ValueError(
+                    f"{where}: key_mapping entry {pattern!r}: {replacement!r} refers to group {shown}, which the "
+                    f"pattern does not have (it has {compiled.groups} group{'s' * (compiled.groups != 1)}{named}); "
+                    "refer to one of its groups or add the group to the pattern"
+                )
+        try:  # re's own reading of the replacement (a bad escape such as \q): nothing is replaced in ""
+            compiled.sub(replacement, "")
+        except (re.error, IndexError) as e:  # IndexError: python 3.11's unknown group name
+            raise ValueError(f"{where}: key_mapping entry {pattern!r}: {replacement!r} is not a replacement for that "
+                             f"pattern ({e})") from None
     return list(key_mapping.items())
+
+
+def _group_refs(replacement: str) -> list[tuple[str, int | str]]:
+    r"""The group references of a ``re.sub`` replacement: (their text, the group number or name). ``\\`` is an
+    escaped backslash; ``\0`` and three-digit ``\NNN`` are octal escapes, not references (as ``re`` reads them)."""
+    refs: list[tuple[str, int | str]] = []
+    for m in re.finditer(r"\\(?:g<([^>]*)>|([0-7]{3}|0[0-7]{0,2}|\d\d?)|.)", replacement, re.S):
+        name, digits = m[1], m[2]
+        if name is not None:
+            refs.append((m[0], int(name) if name.isdigit() else name))
+        elif digits is not None and not (digits[0] == "0" or len(digits) == 3):
+            refs.append((m[0], int(digits)))
+    return refs
 
 
 def transformers_renamer(model: nn.Module, user: list[tuple[str, str]]) -> Optional[Renamer]:
@@ -92,6 +118,15 @@ def transformers_renamer(model: nn.Module, user: list[tuple[str, str]]) -> Optio
         return None
     renamings = []
     for pattern, replacement in user:
+        # transformers substitutes the text \1 alone (WeightRenaming.rename_source_key): any other reference would
+        # stay in the names as it is, and the load fail later on missing tensors
+        other = [text for text, ref in _group_refs(replacement) if text != "\\1"]
+        if other:
+            raise ValueError(
+                f"key_mapping entry {pattern!r}: {replacement!r}: transformers' key renaming (which fp8fx applies, as "
+                f"from_pretrained(key_mapping=) does) substitutes only \\1 and would leave {other[0]} in the names as "
+                "text; capture the part to keep in one group and write \\1, or split the entry in several"
+            )
         try:
             renamings.append(weight_renaming(source_patterns=pattern, target_patterns=replacement))
         except Exception as e:  # transformers' own checks of a pattern: the user's to fix

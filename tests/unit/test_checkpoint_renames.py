@@ -136,6 +136,12 @@ def test_key_mapping_of_a_plain_model(tmp_path):
     ([("a", "b")], TypeError, "not a dict"),
     ({r"\.ffn\.": 1}, TypeError, "is not str -> str"),
     ({r"\.ffn\.": r".mlp.\1"}, ValueError, "refers to group 1, which the pattern does not have"),
+    ({r"\.(ffn)\.": r".mlp.\2"}, ValueError, r"'\.mlp\.\\\\2' refers to group 2, which the pattern does not have \(it "
+     r"has 1 group\)"),
+    ({r"\.ffn\.": r".mlp.\g<1>"}, ValueError, r"refers to group \\g<1>, which the pattern does not have"),
+    ({r"\.(?P<x>ffn)\.": r".\g<y>."}, ValueError, r"refers to group \\g<y>, which the pattern does not have \(it "
+     r"has 1 group, named x\)"),
+    ({r"\.ffn\.": r".mlp\q"}, ValueError, r"'\.mlp\\\\q' is not a replacement for that pattern \(bad escape"),
     ({r"\.ffn\.down_proj": ".mlp.down_proj"}, CheckpointError,
      r"model\.layers\.0\.mlp\.gate_proj\.weight is missing from the checkpoint; the checkpoint has 4 tensors the "
      r"model has no place for \(model\.layers\.\d\.ffn\.(gate|up)_proj\.weight \.\.\.\): if it names modules "
@@ -274,3 +280,15 @@ def test_convert_reports_linear_weights_it_cannot_place(tmp_path):
     assert read_checkpoint(tmp_path / "dst")[1]["model.layers.0.ffn.gate_proj.weight"].dtype == torch.bfloat16
     fixed = convert(path, tmp_path / "fixed", key_mapping={r"\.ffn\.": ".mlp."}, model=meta_tiny(), progress=False)
     assert not any(".ffn." in m for m in fixed.not_quantized)
+
+
+def test_group_references_transformers_would_leave_as_text_are_refused():
+    """transformers' key renaming (used whenever it is installed) substitutes \\1 only: \\2 or \\g<1>, valid for
+    the pattern, stayed in the names as text and the load failed later on missing tensors."""
+    model = meta_tiny()
+    names = ["transformer.layers.0.mlp.up_proj.weight"]
+    for replacement in (r"model.\2.\1.", r"model.\g<1>.", r"model.\g<0>"):
+        with pytest.raises(ValueError, match=r"substitutes only \\1"):
+            renames.resolve(model, {r"^transformer\.(layers)\.(0)\.": replacement}, "t", names)
+    rename = renames.resolve(model, {r"^transformer\.(layers)\.": r"model.\1."}, "t", names)
+    assert rename(names[0]) == "model.layers.0.mlp.up_proj.weight"
