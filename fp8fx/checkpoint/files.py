@@ -95,6 +95,20 @@ def read_header(file: str) -> dict[str, Entry]:
     header.pop("__metadata__", None)
     data_start, entries = 8 + n, {}
     for name, info in header.items():
+        stored = info.get("dtype") if isinstance(info, dict) else None
+        if isinstance(stored, str) and stored not in DTYPES:
+            # A valid entry (safetensors writes U16/U32/U64, F8_E8M0, F4, ...) that fp8fx has no reading for: not a
+            # corrupt file. Refused here, for the whole checkpoint, even when the model would never use this tensor
+            # (an unused tensor of a dtype fp8fx reads only draws an "unexpected" warning): every consumer of an
+            # Entry (load.py's and convert's plans, the experts' checks) decides on entry.dtype, a torch dtype of
+            # DTYPES, before anything is read or changed; deferring the refusal to when the tensor is needed would
+            # need each of them to carry and refuse an unreadable entry, and a torch dtype for it (torch.uint32 ...)
+            # would let them cast it as if it were a value fp8fx understands (a U32 or E8M0 scale read as a float).
+            raise CheckpointError(
+                f"{name} in {file}: dtype {stored} is not one fp8fx reads (it reads {', '.join(sorted(DTYPES))}); "
+                "fp8fx checks every tensor's header before loading, so this refuses the checkpoint even where the "
+                "model does not use the tensor: re-save the checkpoint with it in one of those dtypes, or without it"
+            )
         try:
             dtype = DTYPES[info["dtype"]]
             shape = tuple(int(d) for d in info["shape"])

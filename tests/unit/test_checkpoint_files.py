@@ -114,8 +114,25 @@ def test_tensors_sharing_bytes_or_a_name(tmp_path):
 def test_unknown_dtype(tmp_path):
     header = json.dumps({"a.weight": {"dtype": "F4", "shape": [2], "data_offsets": [0, 1]}}).encode()
     (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(1))
-    with pytest.raises(CheckpointError, match=r"a\.weight in .*corrupt header entry"):
+    with pytest.raises(CheckpointError, match=r"a\.weight in .*model\.safetensors: dtype F4 is not one fp8fx reads"):
         read_checkpoint(str(tmp_path))
+    for bad in ({"shape": [2], "data_offsets": [0, 1]}, {"dtype": 4, "shape": [2], "data_offsets": [0, 1]}, "F32"):
+        header = json.dumps({"a.weight": bad}).encode()
+        (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(1))
+        with pytest.raises(CheckpointError, match=r"a\.weight in .*corrupt header entry"):
+            read_checkpoint(str(tmp_path))
+
+
+@pytest.mark.parametrize("dtype,name", [(torch.uint32, "U32"), (torch.float8_e8m0fnu, "F8_E8M0")])
+def test_valid_file_with_a_dtype_fp8fx_does_not_read(tmp_path, dtype, name):
+    """safetensors writes (and reads) these; the error called the file corrupt and said to re-download it."""
+    file = str(tmp_path / "model.safetensors")
+    save_file({"a.weight": torch.zeros(2, 2), "a.weight_scale": torch.ones(2, 1).to(dtype)}, file)
+    with pytest.raises(CheckpointError) as e:
+        read_header(file)
+    msg = str(e.value)
+    assert msg.startswith(f"a.weight_scale in {file}: dtype {name} is not one fp8fx reads (it reads BF16, ")
+    assert "corrupt" not in msg and "re-download" not in msg and "re-save" in msg
 
 
 def _sharded(tmp_path):
