@@ -165,13 +165,23 @@ def _ct_config(where: str, group: Mapping[str, Any]) -> Fp8Config:
         weight = PerRow()
     elif strategy == "block":
         block = w.get("block_structure")
-        if not (isinstance(block, (list, tuple)) and len(block) == 2):
-            raise ValueError(f"{where}.weights.block_structure={block!r} must be [block_n, block_k]")
+        if not (isinstance(block, (list, tuple)) and len(block) == 2
+                and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+            raise ValueError(f"{where}.weights.block_structure={block!r} must be [block_n, block_k] of positive ints, "
+                             "e.g. [128, 128]")
         weight = PerBlock(*block)
     else:
         raise ValueError(f"{where}.weights.strategy={strategy!r} is not one of 'tensor', 'channel', 'block'")
     static = not a.get("dynamic", True)
     act_strategy = a.get("strategy")
+    # what Fp8Config would refuse, refused here in config.json's terms (its own messages name Fp8Config / PerGroup
+    # fields, which a checkpoint's config does not have)
+    if static and isinstance(weight, PerBlock):
+        raise ValueError(
+            f"{where}.input_activations.dynamic=false (static scales) with {where}.weights.strategy='block': "
+            "block-scaled weights take dynamic activations; set input_activations dynamic true, strategy 'group', "
+            f"group_size {weight.block_k}"
+        )
     if static:
         if act_strategy != "tensor":
             raise ValueError(
@@ -184,7 +194,23 @@ def _ct_config(where: str, group: Mapping[str, Any]) -> Fp8Config:
     elif act_strategy == "tensor":
         act = PerTensor()
     elif act_strategy == "group":
-        act = PerGroup(a.get("group_size"))
+        size = a.get("group_size")
+        if not isinstance(weight, PerBlock):
+            raise ValueError(
+                f"{where}.input_activations.strategy='group' needs block-scaled weights ({where}.weights.strategy="
+                f"'block'), not {strategy!r}; use strategy 'token' (per-token scales) for these weights"
+            )
+        if not (type(size) is int and size == weight.block_k):  # one activation scale per weight block along K
+            blocks = f"{where}.weights.block_structure={list(block)}"
+            if size is None:
+                raise ValueError(f"{where}.input_activations.group_size=None: strategy 'group' needs the weights' "
+                                 f"block_k, {weight.block_k} ({blocks}); set it to {weight.block_k}")
+            if type(size) is not int:  # 64.0, "64", true
+                raise ValueError(f"{where}.input_activations.group_size={size!r}: not an int; it must be the "
+                                 f"weights' block_k ({blocks}): set it to {weight.block_k}")
+            raise ValueError(f"{where}.input_activations.group_size={size!r} must match the weights' block_k "
+                             f"({blocks}): set it to {weight.block_k}")
+        act = PerGroup(size)
     else:
         raise ValueError(
             f"{where}.input_activations.strategy={act_strategy!r} is not one of 'token', 'tensor', 'group'"

@@ -514,3 +514,42 @@ def test_from_config_refuses_modules_to_convert(value):
     transformers = pytest.importorskip("transformers")
     with pytest.raises(ValueError, match=r"modules_to_convert'\]=\['embed_tokens'\]"):
         Fp8Config.from_config(transformers.FineGrainedFP8Config(modules_to_convert=["embed_tokens"]))
+
+
+_CT_BLOCK = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "block",
+             "block_structure": [128, 64]}
+
+
+def _ct_group_acts(**kw):
+    return {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "group", **kw}
+
+
+@pytest.mark.parametrize("weights,acts,match", [
+    (_CT_BLOCK, _ct_group_acts(), r"config_groups\.group_0\.input_activations\.group_size=None: strategy 'group' "
+     r"needs the weights' block_k, 64 \(config_groups\.group_0\.weights\.block_structure=\[128, 64\]\)"),
+    (_CT_BLOCK, _ct_group_acts(group_size=128), r"config_groups\.group_0\.input_activations\.group_size=128 must "
+     r"match .*block_structure=\[128, 64\]\): set it to 64"),
+    (_CT_BLOCK, _ct_group_acts(group_size="64"), r"input_activations\.group_size='64': .* set it to 64"),
+    ({**_CT_BLOCK, "strategy": "channel", "block_structure": None}, _ct_group_acts(group_size=64),
+     r"config_groups\.group_0\.input_activations\.strategy='group' needs block-scaled weights "
+     r"\(config_groups\.group_0\.weights\.strategy='block'\), not 'channel'; use strategy 'token'"),
+    ({**_CT_BLOCK, "block_structure": [128, 0]}, _ct_group_acts(group_size=64),
+     r"config_groups\.group_0\.weights\.block_structure=\[128, 0\] must be \[block_n, block_k\] of positive ints"),
+    (_CT_BLOCK, {**_ct_group_acts(), "dynamic": False, "strategy": "tensor"},
+     r"config_groups\.group_0\.input_activations\.dynamic=false .* block-scaled weights take dynamic activations"),
+])
+def test_compressed_tensors_group_activations_name_the_config_field(weights, acts, match):
+    """compressed-tensors block weights with group activations: a missing or mismatched group_size was reported as
+    Python objects ('PerGroup.group_size=None must be a positive int', 'use PerGroup(128)'), not as config.json's
+    field and the value it needs."""
+    from fp8fx.checkpoint import CheckpointError
+    from fp8fx.checkpoint.formats import parse
+
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+          "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+    with pytest.raises(CheckpointError, match=match) as e:
+        parse({"quantization_config": qc})
+    assert "PerGroup" not in str(e.value) and "PerBlock" not in str(e.value) and "Fp8Config" not in str(e.value)
+    good = parse({"quantization_config": {**qc, "config_groups": {"group_0": {
+        "targets": ["Linear"], "weights": _CT_BLOCK, "input_activations": _ct_group_acts(group_size=64)}}}})
+    assert str(good.config.scheme()) == "w:per-block(128x64) a:per-group(1x64)"
