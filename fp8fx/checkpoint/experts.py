@@ -67,6 +67,46 @@ def check_finite(entry: Entry, t: torch.Tensor, fqn: str) -> None:
         raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {fqn!r} to the ignore list")
 
 
+def count_unloadable(t: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, float]:
+    """(NaN/Inf values, finite values that a cast to ``dtype`` makes infinite, the largest of those) of a
+    checkpoint expert weight, in one pass of ``chunked.count_nonfinite``'s row chunks (as ``load.py``'s
+    ``_count_unloadable``): a bf16 expert loaded into a float16 model holds 65504 at most."""
+    if t.dtype == dtype or not t.is_floating_point() or torch.finfo(dtype).max >= torch.finfo(t.dtype).max:
+        return chunked.count_nonfinite(t), 0, 0.0
+    x = t.reshape(1, -1) if t.dim() < 2 else t
+    step = max(1, chunked.CHUNK_NUMEL // max(x[0].numel() if len(x) else 1, 1))
+    nonfinite = overflow = 0
+    largest = 0.0
+    for i in range(0, x.shape[0], step):
+        c = x[i : i + step].reshape(-1)
+        finite = torch.isfinite(c)
+        nonfinite += int((~finite).sum())
+        over = torch.isinf(c.to(dtype)) & finite
+        n = int(over.sum())
+        if n:
+            overflow += n
+            largest = max(largest, float(c[over].abs().max()))
+    return nonfinite, overflow, largest
+
+
+def dequantized_overflow(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype) -> int:
+    """Values of one expert's dequantized fp8 weight ``q`` [rows, cols] (``quant.dequantize``: fp8 * scale in
+    float32, then ``dtype``, as the experts module's ``gate_up_proj`` / ``down_proj`` views) that are inf, counted
+    a chunk of whole scale rows at a time."""
+    rows, cols = q.shape
+    if block[0] == -1:  # one scale for all rows
+        b_r, step = rows, max(1, chunked.CHUNK_NUMEL // max(cols, 1))
+    else:
+        b_r = quant.resolve_block(block, rows, cols)[0]
+        step = b_r * max(1, chunked.CHUNK_NUMEL // max(cols * b_r, 1))
+    scale = scale.reshape(quant.scale_shape((rows, cols), block))
+    total = 0
+    for i in range(0, rows, step):
+        s = scale if block[0] == -1 else scale[i // b_r : -(-(i + step) // b_r)]
+        total += int(torch.isinf(quant.dequantize(q[i : i + step], s, block, dtype)).sum())
+    return total
+
+
 @dataclasses.dataclass
 class Experts:
     """One experts module being loaded."""
@@ -80,6 +120,9 @@ class Experts:
     method: Optional[Fp8MoEMethod] = None
     stage: Optional[nn.Module] = None  # stand-in that Fp8MoEMethod loads into
     plain: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # high precision, assembled
+    # (base, expert) -> [(largest scale, its entry)] of weight scales whose 448 * scale the model's dtype cannot
+    # hold (float16): finish() counts the inf values of those experts' dequantized weights
+    wide_scales: dict[tuple[str, int], list[tuple[float, Entry]]] = dataclasses.field(default_factory=dict)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -335,6 +378,14 @@ class ExpertsLoader:
     def _load(self, ex: Experts, entry: Entry, name: str, shard, e, t: torch.Tensor, scale: bool) -> None:
         if ex.config is None:  # high precision: assemble [E, rows, cols]
             param = ex.module._parameters[name]
+            # as load.py's _cast: a finite value the model's dtype cannot hold (1e5 in a float16 model) would be inf
+            _, overflow, largest = count_unloadable(t, param.dtype)
+            if overflow:
+                raise CheckpointError(
+                    f"{entry}: {overflow} of its {t.dtype} values are beyond {param.dtype}'s range (at most "
+                    f"{torch.finfo(param.dtype).max:g}; the largest is {largest:g}) and would load as inf; build the "
+                    "model in bfloat16 or float32"
+                )
             if name not in ex.plain:
                 ex.plain[name] = torch.empty(param.shape, dtype=param.dtype, device=self.device)
             dest = ex.plain[name][e]
@@ -342,14 +393,42 @@ class ExpertsLoader:
                 dest = dest[Fp8MoEMethod._rows(shard, dest.shape[0])]
             dest.copy_(t)
             return
+        dtype = ex.module._parameters[W13].dtype  # the stage's, and the dequantized views'
         if scale:
             t = check_scale_values(entry, t)
+            if not name.endswith("_input_scale"):
+                self._note_wide_scales(ex, entry, name, e, t, dtype)
             target = ex.stage._parameters[name]
             if e is None and t.numel() < target.numel():  # one value per expert or per module: every slot
                 t = t.reshape(-1, *[1] * (target.dim() - 1)).expand(target.shape)
         else:  # bf16 experts before quantizing, fp8 ones as stored (0x7F / 0xFF are fp8 NaN), as linear weights
-            check_finite(entry, t, ex.fqn)
+            # the pass that looks for NaN/Inf also counts the values the model's dtype cannot hold: quantized online,
+            # an expert's gate/up is assembled in a buffer of that dtype (1e5 becomes inf in a float16 model, its
+            # scale inf) and every expert's dequantized view is in that dtype (inf again): outputs NaN. Raised while
+            # streaming: nothing was swapped into the model yet (commit), so the model stays as it was.
+            bad, overflow, largest = count_unloadable(t, dtype)
+            if bad:
+                raise CheckpointError(
+                    f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {ex.fqn!r} to the ignore list"
+                )
+            if overflow:
+                raise CheckpointError(
+                    f"{entry}: {overflow} of its {t.dtype} values are beyond {dtype}'s range (at most "
+                    f"{torch.finfo(dtype).max:g}; the largest is {largest:g}) and would load as inf, quantized online "
+                    f"into {dtype} experts (scale or dequantized weight inf, outputs NaN); build the model in "
+                    "bfloat16 or float32"
+                )
         ex.method.weight_loader(ex.stage, name, t, shard, e)
+
+    @staticmethod
+    def _note_wide_scales(ex: Experts, entry: Entry, name: str, e, t: torch.Tensor, dtype: torch.dtype) -> None:
+        """The experts whose dequantized views (fp8 * scale, in the model's dtype) reach 448 * a scale beyond the
+        dtype's range (float16: a scale above 65504 / 448 = 146.2): finish() counts the values that would be inf."""
+        base = W13 if name.startswith(W13) else W2
+        top = t.reshape(t.shape[0], -1).amax(dim=1) if e is None else t.max().reshape(1)  # fused: [E, ...]
+        wide = torch.isinf((top * quant.FP8_MAX).to(dtype)).nonzero().flatten().tolist()
+        for i in wide:
+            ex.wide_scales.setdefault((base, i if e is None else e), []).append((float(top[i]), entry))
 
     # --- 3. finish, 4. commit ----------------------------------------------------------------
     def finish(self) -> None:
@@ -359,6 +438,34 @@ class ExpertsLoader:
                     ex.method.process_weights_after_loading(ex.stage)
                 except (RuntimeError, ValueError) as err:
                     raise CheckpointError(str(err)) from None
+                self._check_dequantized_range(ex)
+
+    @staticmethod
+    def _check_dequantized_range(ex: Experts) -> None:
+        """fp8 experts whose dequantized views would hold inf in the model's dtype (a float16 model, a scale above
+        65504 / 448 = 146.2) are refused, before commit: the model is unchanged. Only experts with such a scale are
+        counted (a second pass over their fp8 weights); experts whose fp8 values stay small enough load."""
+        if not ex.wide_scales:
+            return
+        stage, dtype = ex.stage, ex.module._parameters[W13].dtype
+        for base in (W13, W2):
+            q = stage._parameters[base].data
+            scales = stage._parameters[base + ("_scale_inv" if stage._fp8fx_block_scales else "_scale")].data
+            count, named = 0, []
+            for (b, e), wide in sorted(ex.wide_scales.items(), key=lambda item: item[0][1]):
+                if b != base:
+                    continue
+                n = dequantized_overflow(q[e], scales[e], stage._fp8fx_w_block, dtype)
+                if n:
+                    count += n
+                    named += wide
+            if count:
+                largest, entry = max(named, key=lambda p: p[0])
+                raise CheckpointError(
+                    f"{entry}: a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is beyond {dtype}'s "
+                    f"range (at most {torch.finfo(dtype).max:g}): {count} values of {ex.fqn}.{base}'s dequantized "
+                    "weight would be inf (outputs NaN); build the model in bfloat16 or float32"
+                )
 
     def commit(self, report) -> None:
         """Swap the new expert tensors in (nothing here can fail)."""

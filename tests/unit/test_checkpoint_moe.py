@@ -306,3 +306,85 @@ def test_expert_scales_in_the_shapes_checkpoints_store(tmp_path, granularity, fu
     model = meta_model(path)
     load_checkpoint(model, path, progress=False)
     assert is_quantized_experts(model.get_submodule(EXPERTS))
+
+
+# --- a float16 model and values beyond its range ------------------------------------------------
+def _float16_refused(tmp_path, cfg, tensors, qc, match, config=None):
+    """Loading into a float16 model raises a CheckpointError matching ``match``, the model unchanged; a bfloat16
+    model loads the same checkpoint with finite experts."""
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
+    model = meta_model(path, torch.float16)
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(model, path, config, progress=False)
+    assert snapshot(model) == snap and not hasattr(model, "_fp8fx_source")
+    assert all(p.is_meta for p in model.parameters())
+    model = meta_model(path, torch.bfloat16)  # bfloat16 holds it
+    load_checkpoint(model, path, config, progress=False)
+    experts = model.get_submodule(EXPERTS)
+    assert torch.isfinite(experts.gate_up_proj).all() and torch.isfinite(experts.down_proj).all()
+    return path
+
+
+def _per_expert_bf16(state):
+    tensors = {k: v for k, v in state.items() if not k.startswith(EXPERTS + ".")}
+    for e in range(E):
+        gate, up = state[f"{EXPERTS}.gate_up_proj"][e].chunk(2)
+        tensors.update({f"{EXPERTS}.{e}.gate_proj.weight": gate.clone(), f"{EXPERTS}.{e}.up_proj.weight": up.clone(),
+                        f"{EXPERTS}.{e}.down_proj.weight": state[f"{EXPERTS}.down_proj"][e].clone()})
+    return tensors
+
+
+@pytest.mark.parametrize("layout", ["per expert", "fused", "per expert, ignored"])
+@pytest.mark.parametrize("base", ["gate_up_proj", "down_proj"])
+def test_float16_model_refuses_bf16_experts_beyond_its_range(tmp_path, layout, base, state=[]):
+    """bf16 experts loaded into a float16 model, one expert weight 1e5: quantized online, gate/up was assembled in a
+    float16 buffer as inf (its scale inf) and gate_up_proj / down_proj views held inf; left in high precision
+    (ignored), the float16 expert tensor held inf: outputs NaN, silently. Refused while streaming, model unchanged."""
+    cfg = moe_config("mixtral")
+    if not state:
+        state.append(reference_model(cfg).state_dict())
+    s = {k: v.clone() for k, v in state[0].items()}
+    s[f"{EXPERTS}.{base}"][1, 3, 5] = 1e5  # gate_up_proj row 3: expert 1's gate_proj
+    tensors = s if layout == "fused" else _per_expert_bf16(s)
+    proj = "gate_proj" if base == "gate_up_proj" else "down_proj"
+    name = rf"{EXPERTS}\.{base}" if layout == "fused" else rf"{EXPERTS}\.1\.{proj}\.weight"
+    ignored = ["lm_head"] + ([EXPERTS] if "ignored" in layout else [])
+    online = "" if "ignored" in layout else (r", quantized online into torch\.float16 experts \(scale or "
+                                             r"dequantized weight inf, outputs NaN\)")
+    match = (rf"^{name} \(bfloat16 .*\): 1 of its torch\.bfloat16 values are beyond torch\.float16's range "
+             rf"\(at most 65504; the largest is 99840\) and would load as inf{online}; build the model in bfloat16 or "
+             r"float32$")
+    _float16_refused(tmp_path, cfg, tensors, None, match, fp8fx.Fp8Config(ignored_layers=ignored))
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "channel", "block"])
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("base", ["gate_up_proj", "down_proj"])
+def test_float16_model_refuses_fp8_expert_scales_beyond_its_range(tmp_path, granularity, fused, base, state=[]):
+    """An fp8 checkpoint whose expert 1's gate_proj or down_proj reaches 1e5 (scale 1e5 / 448) loaded into a float16
+    model: the dequantized float16 gate_up_proj / down_proj view held inf and the outputs were NaN, silently (per
+    tensor, gate's scale also became the one of its up rows). Refused, the model unchanged; a scale that large over
+    fp8 values small enough to stay finite loads."""
+    cfg = moe_config("qwen3_moe")
+    if not state:
+        state.append(reference_model(cfg).state_dict())
+    s = {k: v.clone() for k, v in state[0].items()}
+    s[f"{EXPERTS}.{base}"][1, 3, 5] = 1e5  # gate_up_proj row 3: gate_proj
+    ct = granularity == "channel"
+    tensors, qc, _ = moe_checkpoint(s, granularity, fused=fused, ct=ct)
+    leaf = "scale_inv" if granularity == "block" else "scale"
+    proj = "gate_proj" if base == "gate_up_proj" else "down_proj"
+    scale = rf"{EXPERTS}\.{base}_{leaf}" if fused else rf"{EXPERTS}\.1\.{proj}\.weight_{leaf}"
+    match = (rf"^{scale} \(float32 .*\): a scale of 222\.857 times fp8 values up to 448 is beyond torch\.float16's "
+             rf"range \(at most 65504\): 1 values of {EXPERTS}\.{base}'s dequantized weight would be inf "
+             r"\(outputs NaN\); build the model in bfloat16 or float32$")
+    _float16_refused(tmp_path, cfg, tensors, qc, match)
+    # a large scale whose fp8 values stay below 65504 / scale: no value is inf, it loads
+    weight = f"{EXPERTS}.{base}" if fused else f"{EXPERTS}.1.{proj}.weight"
+    tensors[weight] = tensors[weight].float().clamp(-64, 64).to(FP8)
+    path = write_moe(tmp_path / "small", cfg, tensors, qc)
+    model = meta_model(path, torch.float16)
+    load_checkpoint(model, path, progress=False)
+    experts = model.get_submodule(EXPERTS)
+    assert is_quantized_experts(experts) and torch.isfinite(getattr(experts, base)).all()
