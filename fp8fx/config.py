@@ -303,6 +303,16 @@ class Fp8Config:
                 "embeddings; re-export the checkpoint with those tables in bf16/fp16 and modules_to_convert null "
                 "(or [])"
             )
+        # FineGrainedFP8Config's storage options other than its defaults: scales stored as float8_e8m0fnu
+        # ("ue8m0") and FP4-packed experts ("fp4"), which fp8fx reads neither of (``dequantize`` is a transformers
+        # loading option, not a property of the checkpoint)
+        for field, default in (("scale_fmt", "float"), ("expert_dtype", "fp8")):
+            if config.get(field, default) != default:
+                raise ValueError(
+                    f"quantization_config[{field!r}]={config[field]!r}: fp8fx reads fp8 weights with float32 scales "
+                    f"({field}={default!r}); load this checkpoint with transformers, or re-export it with {field} "
+                    f"{default!r}"
+                )
         key = "ignored_layers" if config.get("ignored_layers") else "modules_to_not_convert"
         ignored = config.get(key)
         if ignored is not None:
