@@ -67,46 +67,6 @@ def check_finite(entry: Entry, t: torch.Tensor, fqn: str) -> None:
         raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {fqn!r} to the ignore list")
 
 
-def count_unloadable(t: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, float]:
-    """(NaN/Inf values, finite values that a cast to ``dtype`` makes infinite, the largest of those) of a
-    checkpoint expert weight, in one pass of ``chunked.count_nonfinite``'s row chunks (as ``load.py``'s
-    ``_count_unloadable``): a bf16 expert loaded into a float16 model holds 65504 at most."""
-    if t.dtype == dtype or not t.is_floating_point() or torch.finfo(dtype).max >= torch.finfo(t.dtype).max:
-        return chunked.count_nonfinite(t), 0, 0.0
-    x = t.reshape(1, -1) if t.dim() < 2 else t
-    step = max(1, chunked.CHUNK_NUMEL // max(x[0].numel() if len(x) else 1, 1))
-    nonfinite = overflow = 0
-    largest = 0.0
-    for i in range(0, x.shape[0], step):
-        c = x[i : i + step].reshape(-1)
-        finite = torch.isfinite(c)
-        nonfinite += int((~finite).sum())
-        over = torch.isinf(c.to(dtype)) & finite
-        n = int(over.sum())
-        if n:
-            overflow += n
-            largest = max(largest, float(c[over].abs().max()))
-    return nonfinite, overflow, largest
-
-
-def dequantized_overflow(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype) -> int:
-    """Values of one expert's dequantized fp8 weight ``q`` [rows, cols] (``quant.dequantize``: fp8 * scale in
-    float32, then ``dtype``, as the experts module's ``gate_up_proj`` / ``down_proj`` views) that are inf, counted
-    a chunk of whole scale rows at a time."""
-    rows, cols = q.shape
-    if block[0] == -1:  # one scale for all rows
-        b_r, step = rows, max(1, chunked.CHUNK_NUMEL // max(cols, 1))
-    else:
-        b_r = quant.resolve_block(block, rows, cols)[0]
-        step = b_r * max(1, chunked.CHUNK_NUMEL // max(cols * b_r, 1))
-    scale = scale.reshape(quant.scale_shape((rows, cols), block))
-    total = 0
-    for i in range(0, rows, step):
-        s = scale if block[0] == -1 else scale[i // b_r : -(-(i + step) // b_r)]
-        total += int(torch.isinf(quant.dequantize(q[i : i + step], s, block, dtype)).sum())
-    return total
-
-
 @dataclasses.dataclass
 class Experts:
     """One experts module being loaded."""
@@ -379,7 +339,7 @@ class ExpertsLoader:
         if ex.config is None:  # high precision: assemble [E, rows, cols]
             param = ex.module._parameters[name]
             # as load.py's _cast: a finite value the model's dtype cannot hold (1e5 in a float16 model) would be inf
-            _, overflow, largest = count_unloadable(t, param.dtype)
+            _, overflow, largest = chunked.count_unloadable(t, param.dtype)
             if overflow:
                 raise CheckpointError(
                     f"{entry}: {overflow} of its {t.dtype} values are beyond {param.dtype}'s range (at most "
@@ -406,7 +366,7 @@ class ExpertsLoader:
             # an expert's gate/up is assembled in a buffer of that dtype (1e5 becomes inf in a float16 model, its
             # scale inf) and every expert's dequantized view is in that dtype (inf again): outputs NaN. Raised while
             # streaming: nothing was swapped into the model yet (commit), so the model stays as it was.
-            bad, overflow, largest = count_unloadable(t, dtype)
+            bad, overflow, largest = chunked.count_unloadable(t, dtype)
             if bad:
                 raise CheckpointError(
                     f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {ex.fqn!r} to the ignore list"
@@ -455,7 +415,7 @@ class ExpertsLoader:
             for (b, e), wide in sorted(ex.wide_scales.items(), key=lambda item: item[0][1]):
                 if b != base:
                     continue
-                n = dequantized_overflow(q[e], scales[e], stage._fp8fx_w_block, dtype)
+                n = chunked.dequantized_overflow(q[e], scales[e], stage._fp8fx_w_block, dtype)
                 if n:
                     count += n
                     named += wide

@@ -140,46 +140,10 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
     return out
 
 
-def _count_unloadable(t: torch.Tensor, dtype: torch.dtype) -> tuple[int, int, float]:
-    """(NaN/Inf values, finite values that a cast to ``dtype`` makes infinite, the largest of those) of a
-    checkpoint weight, in one pass of ``chunked.count_nonfinite``'s row chunks: a weight quantized online is
-    first copied into a ``dtype`` buffer (a bf16 checkpoint loaded into a float16 model: 65504 at most)."""
-    if t.dtype == dtype or not t.is_floating_point() or torch.finfo(dtype).max >= torch.finfo(t.dtype).max:
-        return chunked.count_nonfinite(t), 0, 0.0
-    x = t.reshape(1, -1) if t.dim() < 2 else t
-    step = max(1, chunked.CHUNK_NUMEL // max(x[0].numel() if len(x) else 1, 1))
-    nonfinite = overflow = 0
-    largest = 0.0
-    for i in range(0, x.shape[0], step):
-        c = x[i : i + step].reshape(-1)
-        finite = torch.isfinite(c)
-        nonfinite += int((~finite).sum())
-        over = torch.isinf(c.to(dtype)) & finite
-        n = int(over.sum())
-        if n:
-            overflow += n
-            largest = max(largest, float(c[over].abs().max()))
-    return nonfinite, overflow, largest
-
-
 def _dequantized_overflow(layer: nn.Module, dtype: torch.dtype) -> int:
-    """Values of a loaded fp8 linear's dequantized ``weight`` view (``quant.dequantize``: fp8 * scale in float32,
-    then ``dtype``) that are inf, counted a chunk of whole scale rows at a time."""
-    q = layer._parameters["weight"].data
+    """Values of a loaded fp8 linear's dequantized ``weight`` view that are inf (``chunked.dequantized_overflow``)."""
     scale = layer._parameters["weight_scale_inv" if layer._fp8fx_block_scales else "weight_scale"].data
-    block = layer._fp8fx_w_block
-    rows, cols = q.shape
-    if block[0] == -1:  # one scale for all rows
-        b_r, step = rows, max(1, chunked.CHUNK_NUMEL // max(cols, 1))
-    else:
-        b_r = quant.resolve_block(block, rows, cols)[0]
-        step = b_r * max(1, chunked.CHUNK_NUMEL // max(cols * b_r, 1))
-    scale = scale.reshape(quant.scale_shape((rows, cols), block))
-    total = 0
-    for i in range(0, rows, step):
-        s = scale if block[0] == -1 else scale[i // b_r : -(-(i + step) // b_r)]
-        total += int(torch.isinf(quant.dequantize(q[i : i + step], s, block, dtype)).sum())
-    return total
+    return chunked.dequantized_overflow(layer._parameters["weight"].data, scale, layer._fp8fx_w_block, dtype)
 
 
 def _check_load_args(config, device, fused) -> None:
@@ -660,7 +624,7 @@ class _Loader:
         # online, the weight is first copied into a buffer of that dtype (Fp8LinearMethod.weight_loader), where
         # 1e5 becomes inf in a float16 model, its scale inf and the layer's outputs NaN. Raised while streaming,
         # as _cast does: nothing was swapped into the model yet (commit), so the model stays as it was.
-        bad, overflow, largest = _count_unloadable(t, dtype)
+        bad, overflow, largest = chunked.count_unloadable(t, dtype)
         if bad:
             raise CheckpointError(
                 f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {lin.fqn!r} to the ignore list"

@@ -61,3 +61,43 @@ def count_nonfinite(x: torch.Tensor, chunk_numel: int = CHUNK_NUMEL) -> int:
         else:
             total += int((~torch.isfinite(c)).sum())
     return total
+
+
+def count_unloadable(t: torch.Tensor, dtype: torch.dtype, chunk_numel: int = CHUNK_NUMEL) -> tuple[int, int, float]:
+    """(NaN/Inf values, finite values that a cast to ``dtype`` makes infinite, the largest of those) of a checkpoint
+    weight, in one pass of row chunks: a weight quantized online is first copied into a ``dtype`` buffer (a bf16
+    checkpoint loaded into a float16 model holds 65504 at most)."""
+    if t.dtype == dtype or not t.is_floating_point() or torch.finfo(dtype).max >= torch.finfo(t.dtype).max:
+        return count_nonfinite(t, chunk_numel), 0, 0.0
+    x = t.reshape(1, -1) if t.dim() < 2 else t
+    step = max(1, chunk_numel // max(x[0].numel() if len(x) else 1, 1))
+    nonfinite = overflow = 0
+    largest = 0.0
+    for i in range(0, x.shape[0], step):
+        c = x[i : i + step].reshape(-1)
+        finite = torch.isfinite(c)
+        nonfinite += int((~finite).sum())
+        over = torch.isinf(c.to(dtype)) & finite
+        n = int(over.sum())
+        if n:
+            overflow += n
+            largest = max(largest, float(c[over].abs().max()))
+    return nonfinite, overflow, largest
+
+
+def dequantized_overflow(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int], dtype: torch.dtype,
+                         chunk_numel: int = CHUNK_NUMEL) -> int:
+    """Values of the dequantized fp8 weight ``q`` [rows, cols] (``quant.dequantize``: fp8 * scale in float32, then
+    ``dtype``, as a quantized layer's ``weight`` view) that are inf, counted a chunk of whole scale rows at a time."""
+    rows, cols = q.shape
+    if block[0] == -1:  # one scale for all rows
+        b_r, step = rows, max(1, chunk_numel // max(cols, 1))
+    else:
+        b_r = quant.resolve_block(block, rows, cols)[0]
+        step = b_r * max(1, chunk_numel // max(cols * b_r, 1))
+    scale = scale.reshape(quant.scale_shape((rows, cols), block))
+    total = 0
+    for i in range(0, rows, step):
+        s = scale if block[0] == -1 else scale[i // b_r : -(-(i + step) // b_r)]
+        total += int(torch.isinf(quant.dequantize(q[i : i + step], s, block, dtype)).sum())
+    return total
