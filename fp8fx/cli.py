@@ -32,8 +32,7 @@ import fp8fx
 from fp8fx import quant
 from fp8fx.config import Fp8Config
 from fp8fx.weights import moe
-from fp8fx.weights.linear import skip_reason
-from fp8fx.weights.quantize import check_ignored_layers
+from fp8fx.weights.quantize import LinearDecider, check_ignored_layers
 
 log = logging.getLogger("fp8fx")
 
@@ -252,8 +251,9 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
 
 def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: dict, layer_config=None):
     """Trace ``model`` (unquantized, on meta) with the fp8fx passes and decide each site by the rules of
-    ``quantize_`` (``skip_reason``; experts modules by the MoE rules): (site rows, rows of weights no site
-    covers, number of graphs). ``layer_config(fqn)``: a layer's config, None to keep it as it is."""
+    ``quantize_`` (its own ``LinearDecider``: ignored, skip_reason, tied weights, routers; experts modules by the
+    MoE rules): (site rows, rows of weights no site covers, number of graphs). ``layer_config(fqn)``: a layer's
+    config, None to keep it as it is."""
     layer_config = layer_config or (lambda fqn: config)
     backend = fp8fx.Fp8Backend(compiler="eager")
     # every site of an unquantized model is "not fp8": not news here; torch logs a traced op's failure at length
@@ -275,6 +275,7 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
             lg.setLevel(levels[name])
 
     modules = dict(model.named_modules())
+    decide = LinearDecider(model)
     rows = []
     counted: set[str] = set()  # a layer called more than once is several sites, its bytes saved once
     for site in backend.report.sites:
@@ -283,7 +284,7 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
         if cfg is None:
             reason = "kept in high precision by the quantization_config (ignore / no matching group)"
         elif isinstance(module, nn.Linear):
-            reason = skip_reason(module, site.fqn, cfg)
+            reason = decide(site.fqn, module, cfg)[0]
         else:
             reason = "not an nn.Linear weight (quantize_ quantizes nn.Linear layers)"
         first = reason is None and site.fqn not in counted

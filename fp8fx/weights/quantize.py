@@ -72,26 +72,14 @@ def quantize_(
     check_ignored_layers(config, [fqn for fqn, _ in modules], f"this {type(model).__name__}", "quantized", prefix)
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
-    # a weight shared by several modules (tied lm_head / embeddings); one module registered under two names
-    # (``self.last = self.layers[-1]``) shares nothing
-    owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(owning module): its parameter's name}
-    for owner, mod in model.named_modules(prefix=prefix, remove_duplicate=False):
-        for leaf, p in mod._parameters.items():
-            if p is not None:
-                owners.setdefault(id(p), {}).setdefault(id(mod), f"{owner}.{leaf}" if owner else leaf)
-    routers = moe.routers(model, prefix)
+    decide = LinearDecider(model, prefix)
     for fqn, module in modules:
         if not isinstance(module, nn.Linear):
             continue
-        others = owners.get(id(module._parameters.get("weight")), {})
-        shared = [n for m, n in others.items() if m != id(module)]
-        # quantizing one user of a tied weight unties it (the other keeps bf16); checkpoints store it once
-        reason = f"weight tied to {shared[0]}" if shared else skip_reason(module, fqn, config)
-        if reason is None and fqn in routers:
-            reason = routers[fqn]
+        reason, on_purpose = decide(fqn, module, config)
         if reason is None:
             plan.append((fqn, module))
-        elif strict and reason != "in ignored_layers" and not shared and fqn not in routers:
+        elif strict and not on_purpose:
             raise ValueError(f"{fqn}: {reason}")
         else:
             skipped.append((fqn, module, reason))
@@ -152,7 +140,7 @@ def quantize_(
             # a weight shared by several layers: each one's name and reason (the two above are the last one's)
             module.weight._fp8fx_owners = {**getattr(module.weight, "_fp8fx_owners", {}), fqn: reason}
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
-    moe.tag_routers(model, routers, prefix)
+    moe.tag_routers(model, decide.routers, prefix)
     method = Fp8LinearMethod(config)
     for fqn, module in plan:
         weight = module._parameters["weight"]
@@ -176,6 +164,36 @@ def quantize_(
     if experts or experts_skipped:
         log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
     return wrapper
+
+
+class LinearDecider:
+    """``quantize_``'s decision for each ``nn.Linear`` of ``model`` (named with ``prefix``, as ``quantize_``'s):
+    ``decide = LinearDecider(model, prefix)``; ``decide(fqn, layer, config)`` -> ``(reason, on_purpose)``: why the
+    layer stays in high precision (None: it is quantized), and whether it is kept so on purpose (ignored, a tied
+    weight, an MoE router), which ``strict`` accepts. ``fp8fx inspect`` predicts each layer with it. The order of
+    the checks is part of the decision: a tied weight is reported as tied even where it is ignored; a router is a
+    router only where nothing else keeps it. ``routers``: ``moe.routers(model, prefix)``, the routers that are no
+    ``nn.Linear`` included."""
+
+    def __init__(self, model: nn.Module, prefix: str = ""):
+        # a weight shared by several modules (tied lm_head / embeddings); one module registered under two names
+        # (``self.last = self.layers[-1]``) shares nothing
+        self.owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(owning module): its parameter's name}
+        for owner, mod in model.named_modules(prefix=prefix, remove_duplicate=False):
+            for leaf, p in mod._parameters.items():
+                if p is not None:
+                    self.owners.setdefault(id(p), {}).setdefault(id(mod), f"{owner}.{leaf}" if owner else leaf)
+        self.routers = moe.routers(model, prefix)
+
+    def __call__(self, fqn: str, layer: nn.Module, config: Fp8Config) -> tuple[Optional[str], bool]:
+        others = self.owners.get(id(layer._parameters.get("weight")), {})
+        shared = [n for m, n in others.items() if m != id(layer)]
+        if shared:  # quantizing one user of a tied weight unties it (the other keeps bf16); checkpoints store it once
+            return f"weight tied to {shared[0]}", True
+        reason = skip_reason(layer, fqn, config)
+        if fqn in self.routers:
+            return reason or self.routers[fqn], True
+        return reason, reason == "in ignored_layers"
 
 
 def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> None:

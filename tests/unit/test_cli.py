@@ -349,3 +349,27 @@ def test_block_size_flag_replaces_a_configs_per_channel_weights(capsys, models_p
                          "--block-size", "128,128")
     assert code == 0, err
     assert "config w:per-block(128x128) a:per-token" in out and "512x256  would be   w:per-block(128x128)" in out
+
+
+def test_inspect_predicts_tied_weights_and_routers_as_quantize_(capsys, tmp_path):
+    """A tied lm_head and Qwen2-MoE's shared_expert_gate (an nn.Linear router) stay in high precision under
+    quantize_; inspect said they "would be" rewritten. Every linear's prediction is now quantize_'s own, reason text
+    included."""
+    cfg = transformers.Qwen2MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                                      max_position_embeddings=64, tie_word_embeddings=True)
+    cfg.save_pretrained(tmp_path)
+    code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+    assert code == 0, err
+    sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
+    assert sites["lm_head"]["reason"] == "weight tied to model.embed_tokens.weight"
+    assert sites["model.layers.0.mlp.shared_expert_gate"]["reason"].startswith("routes tokens to model.layers.0.mlp")
+    model = transformers.Qwen2MoeForCausalLM(cfg).to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config())
+    linears = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
+    assert linears and all(fqn in sites for fqn, _ in linears)
+    for fqn, module in linears:
+        reason = getattr(module.weight, "_fp8fx_skip_reason", None)  # set by quantize_ on the layers it skips
+        assert (sites[fqn]["would_rewrite"], sites[fqn]["reason"]) == (reason is None, reason or ""), fqn
+
