@@ -56,7 +56,47 @@ def _transposed(node) -> fx.Node | None:
     return None
 
 
-def _linear_operands(node: fx.Node):
+# casts and copies of a tensor: a weight read as ``w.to(x.dtype)``, ``w.contiguous()``
+_CASTS = ("to", "type", "float", "half", "bfloat16", "double", "contiguous")
+_CAST_FUNCTIONS = (torch.Tensor.to, torch.Tensor.type, torch.Tensor.contiguous)
+
+
+def _cast_source(node) -> fx.Node | None:
+    """``n`` if ``node`` is a cast or ``contiguous`` of ``n`` (``n.to(..)``, ``n.float()`` ...), else None."""
+    if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
+        return None
+    if node.op == "call_method" and node.target in _CASTS or (
+            node.op == "call_function" and node.target in _CAST_FUNCTIONS):
+        return node.args[0]
+    return None
+
+
+def _is_weight(node, ctx: PassContext) -> bool:
+    """``node`` is a module's weight, read directly or through casts: a graph input that is an ``nn.Parameter``
+    (or a tensor ``quantize_`` tagged), a parameter by ``get_attr``, or an fp8fx dequantize (of a quantized one)."""
+    for _ in range(6):
+        src = _cast_source(node)
+        if src is None:
+            break
+        node = src
+    if _from_dequantize(node):
+        return True
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "placeholder":
+        real = ctx.example.get(node)
+    elif node.op == "get_attr":
+        try:
+            real = operator.attrgetter(node.target)(node.graph.owning_module)
+        except AttributeError:
+            return False
+    else:
+        return False
+    return isinstance(real, torch.nn.Parameter) or any(
+        hasattr(real, tag) for tag in ("_fp8fx_fqn", "_fp8fx_skip_reason", "_fp8fx_owners"))
+
+
+def _linear_operands(node: fx.Node, ctx: PassContext):
     """(x, weight, bias) of a linear site, or None."""
     if node.op != "call_function":
         return None
@@ -67,8 +107,9 @@ def _linear_operands(node: fx.Node):
         w = _transposed(node.args[1])
         wv = fake_value(w) if w is not None else None
         # a matmul with a transposed operand is a linear when that operand is a quantized weight, or a 2-D
-        # tensor (reported as not quantized); q @ k.transpose(-1, -2) of attention is neither
-        if w is not None and (_from_dequantize(w) or getattr(wv, "ndim", 2) == 2):
+        # weight (reported as not quantized); q @ k.transpose(-1, -2) of attention, a CLIP-style text @ image.t()
+        # of two activations, are neither: no sites
+        if w is not None and (_from_dequantize(w) or getattr(wv, "ndim", 2) == 2 and _is_weight(w, ctx)):
             return node.args[0], w, None
     return None
 
@@ -158,7 +199,7 @@ class LinearPass(Fp8Pass):
         for node in list(graph.nodes):
             if _mutates(node):  # a quantization taken before an in-place write must not be reused after it
                 quantized.clear()
-            operands = _linear_operands(node)
+            operands = _linear_operands(node, ctx)
             if operands is None:
                 continue
             x, w, bias = operands

@@ -710,3 +710,34 @@ def test_linears_sharing_a_parameter_are_each_reported_under_their_own_name():
     assert [(s.fqn, s.rewritten, s.reason) for s in quantized_report(SharedParameter(), 3).sites] == [
         ("enc", False, "not quantized: weight tied to dec.weight"),
         ("dec", False, "not quantized: weight tied to enc.weight")]
+
+
+class Similarity(nn.Module):
+    """CLIP's logits: ``text @ image.t()``, a matmul of two activations (no weight); ``proj`` a matmul with a
+    transposed weight (in ignored_layers: a site, not rewritten)."""
+
+    def __init__(self):
+        super().__init__()
+        self.img, self.txt = nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)
+        self.proj = nn.Linear(64, 64, bias=False)
+
+    def forward(self, a, b):
+        i, t = self.img(a), self.txt(b)
+        return torch.matmul(t, i.t()), t @ self.proj.weight.t()
+
+
+def test_a_matmul_of_two_activations_is_no_site(caplog):
+    """text @ image.t() was reported as an unquantized linear site "matmul", with a warning to run quantize_."""
+    model = Similarity().to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["proj"]))
+    backend = Fp8Backend(compiler="eager")
+    a, b = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(3, 64, dtype=torch.bfloat16)
+    with torch.no_grad(), caplog.at_level("WARNING", logger="fp8fx"):
+        out = torch.compile(model, backend=backend)(a, b)
+        ref = model(a, b)
+    assert [(s.fqn, s.rewritten, s.reason) for s in backend.report.sites] == [
+        ("img", True, ""), ("txt", True, ""), ("proj", False, "not quantized: in ignored_layers")], str(backend.report)
+    assert not [r for r in caplog.records if "quantize_" in r.getMessage() or "matmul" in r.getMessage()]
+    assert "2 of 3 sites rewritten" in str(backend.report)
+    assert ((out[0].float() - ref[0].float()).norm() / ref[0].float().norm()).item() < 0.1
+
