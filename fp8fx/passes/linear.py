@@ -71,6 +71,25 @@ def _cast_source(node) -> fx.Node | None:
     return None
 
 
+def _noop_cast_source(node) -> fx.Node | None:
+    """``n`` if ``node`` is a cast or ``contiguous`` of ``n`` that changes neither its dtype, device nor shape
+    (by the fake values), so it computes what ``n`` holds: ``w.to(x.dtype)`` where ``w`` is already in it."""
+    src = _cast_source(node)
+    before, after = fake_value(src), fake_value(node)
+    if src is None or not isinstance(before, torch.Tensor) or not isinstance(after, torch.Tensor):
+        return None
+    if (before.dtype, before.device, tuple(before.shape)) != (after.dtype, after.device, tuple(after.shape)):
+        return None
+    return src
+
+
+def _without_noop_casts(node):
+    """``node`` read through its no-op casts and ``contiguous`` calls (see ``_noop_cast_source``)."""
+    while (src := _noop_cast_source(node)) is not None:
+        node = src
+    return node
+
+
 def _is_weight(node, ctx: PassContext) -> bool:
     """``node`` is a module's weight, read directly or through casts: a graph input that is an ``nn.Parameter``
     (or a tensor ``quantize_`` tagged), a parameter by ``get_attr``, or an fp8fx dequantize (of a quantized one)."""
@@ -97,14 +116,17 @@ def _is_weight(node, ctx: PassContext) -> bool:
 
 
 def _linear_operands(node: fx.Node, ctx: PassContext):
-    """(x, weight, bias) of a linear site, or None."""
+    """(x, weight, bias) of a linear site, or None. The weight is seen through casts and ``contiguous`` calls
+    that change nothing (``F.linear(x, w.to(x.dtype))`` of a ``w`` already in that dtype)."""
     if node.op != "call_function":
         return None
     if node.target in _LINEAR:
         args = list(node.args) + [None] * 3
-        return node.kwargs.get("input", args[0]), node.kwargs.get("weight", args[1]), node.kwargs.get("bias", args[2])
+        w = _without_noop_casts(node.kwargs.get("weight", args[1]))
+        return node.kwargs.get("input", args[0]), w, node.kwargs.get("bias", args[2])
     if node.target in _MATMUL and len(node.args) == 2:
-        w = _transposed(node.args[1])
+        w = _transposed(_without_noop_casts(node.args[1]))
+        w = _without_noop_casts(w)
         wv = fake_value(w) if w is not None else None
         # a matmul with a transposed operand is a linear when that operand is a quantized weight, or a 2-D
         # weight (reported as not quantized); q @ k.transpose(-1, -2) of attention, a CLIP-style text @ image.t()
@@ -272,8 +294,8 @@ class LinearPass(Fp8Pass):
             if tagged:
                 return f"not quantized: {tagged}"
             if _from_dequantize(w):
-                return ("weight is a slice or view of a quantized weight (e.g. one expert of stacked experts), not "
-                        "a whole quantized layer: computed with the dequantized weight")
+                return (f"weight is read through {_ops_to_dequantize(w)} of a quantized weight, not the quantized "
+                        "weight itself: computed with the dequantized weight")
             return "weight is not an fp8fx-quantized weight (run fp8fx.quantize_ or load an fp8 checkpoint)"
         wv = fake_value(w)
         if isinstance(wv, torch.Tensor) and wv.dim() != 2:
@@ -356,6 +378,23 @@ class LinearPass(Fp8Pass):
         return str(scheme), y
 
 
+def _ops_to_dequantize(node: fx.Node) -> str:
+    """The ops between a weight and the dequantize it is read from, the weight's side first, each with what it does
+    where that is a cast to another dtype or an index: ``float (call_method: a cast to float32)``."""
+    ops = []
+    while isinstance(node, fx.Node) and node.target not in _DEQUANT:
+        target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+        what = node.op
+        before, after = fake_value(node.args[0]), fake_value(node)
+        if _cast_source(node) is not None and getattr(before, "dtype", None) != getattr(after, "dtype", None):
+            what += f": a cast to {getattr(after, 'dtype', '?')}".replace("torch.", "")
+        elif node.target in (operator.getitem, torch.select, torch.narrow) or node.target in ("select", "narrow"):
+            what += ": an index or slice, e.g. one expert of stacked experts"
+        ops.append(f"{target} ({what})")
+        node = node.args[0]
+    return " of ".join(ops)
+
+
 def _replace(graph: fx.Graph, node: fx.Node, new: fx.Node) -> None:
     """``new`` takes ``node``'s place, its users and its source metadata (module stack, stack trace);
     the weight's dequantize (and transpose) that fed only ``node`` go with it. No graph-wide dead-code
@@ -367,6 +406,7 @@ def _replace(graph: fx.Graph, node: fx.Node, new: fx.Node) -> None:
     graph.erase_node(node)
     while inputs:
         producer = inputs.pop()
-        if not producer.users and (producer.target in _DEQUANT or _transposed(producer) is not None):
+        if not producer.users and (producer.target in _DEQUANT or _transposed(producer) is not None
+                                   or _noop_cast_source(producer) is not None):
             inputs.extend(a for a in producer.all_input_nodes if a.op in ("call_function", "call_method"))
             graph.erase_node(producer)

@@ -3,6 +3,7 @@ import expecttest
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 import fp8fx
 from fp8fx.backend import Fp8Backend
@@ -741,3 +742,51 @@ def test_a_matmul_of_two_activations_is_no_site(caplog):
     assert "2 of 3 sites rewritten" in str(backend.report)
     assert ((out[0].float() - ref[0].float()).norm() / ref[0].float().norm()).item() < 0.1
 
+
+class WeightForms(nn.Module):
+    def __init__(self, form):
+        super().__init__()
+        self.form, self.lin = form, nn.Linear(64, 32)
+
+    def forward(self, x):
+        w, b = self.lin.weight, self.lin.bias
+        if self.form == "matmul_of_to":
+            return x @ w.to(x.dtype).t() + b
+        if self.form == "float":
+            return F.linear(x.float(), w.float(), b.float())
+        weight = {"to": lambda: w.to(x.dtype), "to_device": lambda: w.to(x.device), "type": lambda: w.type(x.dtype),
+                  "bfloat16": lambda: w.bfloat16(), "contiguous": lambda: w.contiguous(),
+                  "contiguous_to": lambda: w.contiguous().to(torch.bfloat16)}[self.form]()
+        return F.linear(x, weight, b)
+
+
+@pytest.mark.parametrize("form", ["to", "to_device", "type", "bfloat16", "contiguous", "contiguous_to", "matmul_of_to"])
+def test_a_weight_read_through_a_cast_that_changes_nothing_is_rewritten(form):
+    """F.linear(x, w.to(x.dtype)) of a w already in x's dtype, or of w.contiguous(): it was left with the reason
+    "weight is a slice or view of a quantized weight (e.g. one expert of stacked experts)"."""
+    torch.manual_seed(0)
+    model = WeightForms(form).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    backend = Fp8Backend(compiler="eager")
+    codes = record_graphs_after_passes(backend)
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        ref = model(x)
+    [site] = backend.report.sites
+    assert (site.fqn, site.rewritten, site.scheme) == ("lin", True, "w:per-channel a:per-token"), str(backend.report)
+    # the cast went with the weight's dequantize: nothing computes the dequantized weight any more
+    assert "fp8fx.dequantize" not in codes[0] and "fp8fx.scaled_mm" in codes[0], codes[0]
+    assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.06
+
+
+def test_a_weight_read_through_a_cast_to_another_dtype_names_it():
+    model = WeightForms("float").to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    [site] = backend.report.sites
+    assert not site.rewritten and site.reason == (
+        "weight is read through float (call_method: a cast to float32) of a quantized weight, not the quantized "
+        "weight itself: computed with the dequantized weight")
