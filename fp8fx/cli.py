@@ -84,8 +84,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", metavar="N,K", help="block-scaled weights, e.g. 128,128")
     p.add_argument("--activation-scheme", choices=["dynamic", "static"])
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    p.add_argument("--seq-len", type=int, default=16, help="tokens of the traced input of an HF model (default 16)")
-    p.add_argument("--input-shape", metavar="D0,D1,...", help="shape of the float input when the factory returns a model only")
+    p.add_argument("--seq-len", type=int, help="tokens of the traced input of an HF config folder / config.json MODEL "
+                   "(default 16)")
+    p.add_argument("--input-shape", metavar="D0,D1,...",
+                   help="shape of the float input of a module:factory MODEL whose factory returns a model only")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.set_defaults(func=inspect_command)
 
@@ -113,7 +115,7 @@ def _parser() -> argparse.ArgumentParser:
 # -- inspect ------------------------------------------------------------------------------------------
 def inspect_command(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
-    if args.seq_len < 1:
+    if args.seq_len is not None and args.seq_len < 1:
         raise UsageError(f"--seq-len {args.seq_len}: the traced input needs at least one token")
     model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
     config, layer_config = make_config(args, hf_quant)
@@ -131,15 +133,29 @@ def inspect_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_meta_model(spec: str, dtype: torch.dtype, seq_len: int, input_shape: Optional[str]):
-    """(model on the meta device, args, kwargs to call it with, the HF quantization_config or None)."""
+def load_meta_model(spec: str, dtype: torch.dtype, seq_len: Optional[int], input_shape: Optional[str]):
+    """(model on the meta device, args, kwargs to call it with, the HF quantization_config or None). ``seq_len``
+    (None: 16) is for an HF MODEL only, ``input_shape`` for a factory that returns a model only: given to another
+    MODEL, either is refused (it would be ignored)."""
     path = Path(spec)
     if path.is_dir() or path.name == "config.json":
-        return _hf_model(path, dtype, seq_len)
+        if input_shape is not None:
+            raise UsageError(
+                f"--input-shape {input_shape!r}: it applies to a MODEL given as module:factory (or file.py:factory) "
+                f"whose factory returns a model only; {spec} is an HF config, traced with input ids of --seq-len "
+                "tokens: drop --input-shape (--seq-len N sets the length)"
+            )
+        return _hf_model(path, dtype, 16 if seq_len is None else seq_len)
     if ":" not in spec or path.exists():
         raise UsageError(
             f"MODEL {spec!r} is neither a folder with a config.json, a config.json, nor module:factory "
             "(e.g. mypkg.models:make_model or models.py:make_model)"
+        )
+    if seq_len is not None:
+        raise UsageError(
+            f"--seq-len {seq_len}: it applies to a MODEL given as an HF config folder or config.json only; {spec} is "
+            "a module:factory, traced with the example args it returns or a float input of --input-shape: drop "
+            "--seq-len"
         )
     factory = _factory(spec)
     try:
@@ -153,6 +169,12 @@ def load_meta_model(spec: str, dtype: torch.dtype, seq_len: int, input_shape: Op
     if not isinstance(model, nn.Module):
         raise UsageError(f"{spec} returned {type(model).__name__}, not an nn.Module (or (module, example_args))")
     model = model.to(device="meta", dtype=dtype).eval()
+    if call_args is not None and input_shape is not None:
+        raise UsageError(
+            f"--input-shape {input_shape!r}: it applies to a module:factory MODEL whose factory returns a model only; "
+            f"{spec} returned (model, example_args), and those are traced: drop --input-shape, or return the model "
+            "alone"
+        )
     if call_args is None:
         if input_shape is None:
             raise UsageError(f"{spec} returned a model without example inputs; pass --input-shape (e.g. 4,256) or "

@@ -373,3 +373,22 @@ def test_inspect_predicts_tied_weights_and_routers_as_quantize_(capsys, tmp_path
         reason = getattr(module.weight, "_fp8fx_skip_reason", None)  # set by quantize_ on the layers it skips
         assert (sites[fqn]["would_rewrite"], sites[fqn]["reason"]) == (reason is None, reason or ""), fqn
 
+
+def test_inspect_refuses_options_its_model_does_not_use(capsys, llama_dir, models_py):
+    """--input-shape of an HF folder or of a factory that returns example args, --seq-len of a factory: accepted,
+    ignored, exit code 0."""
+    code, out, err = run(capsys, "inspect", str(llama_dir), "--input-shape", "4,4096")
+    assert code == 2 and out == ""
+    one_line_error(err, "--input-shape '4,4096'", "module:factory", "returns a model only", "HF config",
+                   "--seq-len")
+    code, out, err = run(capsys, "inspect", f"{models_py}:mlp_with_input", "--input-shape", "7,7,7")
+    assert code == 2 and out == ""
+    one_line_error(err, "--input-shape '7,7,7'", "mlp_with_input returned (model, example_args)",
+                   "returns a model only")
+    for factory in ("mlp_with_input", "mlp"):
+        code, out, err = run(capsys, "inspect", f"{models_py}:{factory}", "--input-shape", "2,256", "--seq-len", "99")
+        assert code == 2 and out == ""
+        one_line_error(err, "--seq-len 99", "HF config folder or config.json", "module:factory")
+    code, out, err = run(capsys, "inspect", str(llama_dir), "--seq-len", "8", "--json")  # where they apply: as before
+    assert code == 0, err
+
