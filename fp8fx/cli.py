@@ -210,6 +210,10 @@ def _hf_model(path: Path, dtype: torch.dtype, seq_len: int):
 
 def _factory(spec: str):
     module_name, _, attr = spec.rpartition(":")
+    cwd = os.getcwd()
+    # the current folder first, as under python -m fp8fx (the installed fp8fx script puts its own folder there):
+    # for this import only, sys.path is as it was afterwards
+    sys.path.insert(0, cwd)
     try:
         if module_name.endswith(".py"):
             if not os.path.isfile(module_name):
@@ -222,7 +226,18 @@ def _factory(spec: str):
     except UsageError:
         raise
     except Exception as e:  # noqa: BLE001 - ImportError, a SyntaxError or whatever the module raises on import
-        raise UsageError(f"cannot import {module_name!r} (MODEL {spec!r}): {type(e).__name__}: {_first_line(e)}") from e
+        where = ""
+        if isinstance(e, ModuleNotFoundError) and e.name and f"{module_name}.".startswith(f"{e.name}."):
+            # MODEL's module itself (or its package) is nowhere, not a module it imports
+            where = (f"; it is looked for in the current folder ({cwd}) and on sys.path: run fp8fx from the folder "
+                     f"that holds it, install it, or give its file, {module_name.replace('.', '/')}.py:{attr}")
+        raise UsageError(f"cannot import {module_name!r} (MODEL {spec!r}): {type(e).__name__}: {_first_line(e)}"
+                         f"{where}") from e
+    finally:
+        try:
+            sys.path.remove(cwd)  # the first one: the one put there above
+        except ValueError:  # the module took it out itself
+            pass
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UsageError(f"{module_name} has no function {attr!r} (MODEL {spec!r})")

@@ -392,3 +392,37 @@ def test_inspect_refuses_options_its_model_does_not_use(capsys, llama_dir, model
     code, out, err = run(capsys, "inspect", str(llama_dir), "--seq-len", "8", "--json")  # where they apply: as before
     assert code == 0, err
 
+
+MODULE_IN_CWD = """
+from torch import nn
+import torch
+
+def make():
+    return nn.Sequential(nn.Linear(256, 128)), (torch.zeros(2, 256),)
+"""
+
+
+def test_factory_module_in_the_current_folder(capsys, tmp_path, monkeypatch):
+    """The installed fp8fx script does not put the current folder on sys.path (python -m fp8fx does): MODEL
+    mod:factory of a mod.py in the current folder failed to import. It imports now, and sys.path is left as it was."""
+    (tmp_path / "fp8fx_cwd_models.py").write_text(textwrap.dedent(MODULE_IN_CWD))
+    bin_dir = tmp_path / "bin"  # as a console script runs: sys.path[0] is the script's folder, not the current one
+    bin_dir.mkdir()
+    (bin_dir / "fp8fx_script.py").write_text("import sys\nfrom fp8fx.cli import main\nsys.exit(main())\n")
+    env = {**__import__("os").environ, "PYTHONPATH": str(pathlib.Path(__file__).parents[2])}
+    proc = subprocess.run([sys.executable, str(bin_dir / "fp8fx_script.py"), "inspect", "fp8fx_cwd_models:make"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines()[-1].startswith("1 of 1 linear sites would be rewritten")
+    # in this process: the same, with the current folder off sys.path, and sys.path as it was afterwards
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    monkeypatch.delitem(sys.modules, "fp8fx_cwd_models", raising=False)
+    before = list(sys.path)
+    code, out, err = run(capsys, "inspect", "fp8fx_cwd_models:make")
+    sys.modules.pop("fp8fx_cwd_models", None)
+    assert code == 0, err
+    assert sys.path == before
+    code, _, err = run(capsys, "inspect", "fp8fx_no_such_module:make")
+    assert code == 2 and sys.path == before
+    one_line_error(err, "cannot import 'fp8fx_no_such_module'", f"the current folder ({tmp_path})")
