@@ -171,11 +171,28 @@ class Fp8Backend:
             for fn in after_compile:
                 fn()
         except BaseException as e:  # Dynamo may run the frame eagerly instead: nothing of this graph was rewritten
+            if compat.is_dynamo_retrace(e):  # not a failure: Dynamo drops this graph and traces the frame again
+                self._discard(index, dump)
+                raise
             self.report.fail_graph(index, f"the graph failed to compile ({type(e).__name__}: {str(e)[:200]})")
             if dump:
                 dump.finish(self.report, code)
             raise
         return self._done(compiled, index, dump, code)
+
+    def _discard(self, index: int, dump: Optional[GraphDump]) -> None:
+        """Undo what the attempt at graph ``index`` left: its sites and kernels in the report, and its dump files
+        (``graph<index>_*``) with the hook that would write its bytecode. The attempt that follows, the same
+        frame traced again, is graph ``index``."""
+        log.debug("fp8fx: graph %d discarded by Dynamo, which traces the frame again", index)
+        self.report.discard_graph(index)
+        if dump is None:
+            return
+        compat.forget_dynamo_bytecode()
+        prefix = f"graph{index:03d}_"  # GraphDump.write's names; report.json/.txt are written only by a finished graph
+        for name in os.listdir(dump.dir):
+            if name.startswith(prefix):
+                os.remove(os.path.join(dump.dir, name))
 
     def _inductor(self, gm: fx.GraphModule, example_inputs: Sequence[Any], index: int, code: list[str]):
         # the pass manager takes Inductor's post-grad post pass slot for its cache key: a pass of the user's

@@ -95,6 +95,16 @@ class Report:
                                                     kernel="")
                 log.warning("fp8fx: %s %s not rewritten: %s", site.kind, site.fqn, reason)
 
+    def discard_graph(self, graph: int) -> None:
+        """Forget graph ``graph``, the last one begun: Dynamo discarded that attempt and traces the frame again, and
+        the graph of the new attempt takes its index. Its sites, kernels and failure go; lines already logged about
+        its sites stay (and are not logged again for the same site and reason)."""
+        self.sites = [s for s in self.sites if s.graph != graph]
+        self.kernels.pop(graph, None)
+        self.failed.pop(graph, None)
+        if self.graphs == graph + 1:  # the passes counted it (the attempt may have ended before they ran)
+            self.graphs = graph
+
     @property
     def rewritten(self) -> list[Site]:
         return [s for s in self.sites if s.rewritten]

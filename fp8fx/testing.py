@@ -80,7 +80,12 @@ def assert_compiles_once(
 
     def counting(gm, example_inputs):
         graphs[-1] += 1
-        return backend(gm, example_inputs)
+        try:
+            return backend(gm, example_inputs)
+        except BaseException as e:
+            if compat.is_dynamo_retrace(e):  # Dynamo drops this graph and traces the frame again: not a graph
+                graphs[-1] -= 1
+            raise
 
     if hasattr(backend, "reset"):  # torch._dynamo.reset() calls it (Fp8Backend: frees its dump folder)
         counting.reset = backend.reset

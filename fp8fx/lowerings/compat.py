@@ -190,6 +190,30 @@ def after_dynamo_bytecode(callback: Callable[[types.CodeType, types.CodeType], N
     return True
 
 
+def forget_dynamo_bytecode() -> None:
+    """Unregisters the hook of the last ``after_dynamo_bytecode`` call, whose callback has not run yet (a backend
+    call whose graph Dynamo discards: the callback must not write about it). Not from inside the callback."""
+    while _bytecode_hooks:
+        _bytecode_hooks.pop().remove()
+
+
+def is_dynamo_retrace(exc: BaseException) -> bool:
+    """``exc``, raised inside a backend, means: Dynamo discards this attempt at the graph and traces the frame
+    again (the backend is called again for the new graph); not a failure of the backend.
+
+    Of the ``torch._dynamo.exc.RestartAnalysis`` family only ``TensorifyScalarRestartAnalysis`` is that, on torch
+    2.11 and 2.13: AOTAutograd raises it (inside Inductor's compile, with dynamic shapes) when it turns a Python
+    float of the graph into a tensor, and Dynamo's ``OutputGraph.call_user_compiler`` re-raises it unchanged, so
+    ``convert_frame`` restarts the analysis. Any other ``RestartAnalysis`` a backend raised is wrapped into
+    ``BackendCompilerFailed`` there: the compile fails (a real failure). ``SkipFrame`` passes through as well,
+    but the frame then runs uncompiled, never traced again; ``ShortenTraceback`` (``BackendCompilerFailed``) is
+    a failure."""
+    from torch._dynamo import exc as dynamo_exc
+
+    retrace = getattr(dynamo_exc, "TensorifyScalarRestartAnalysis", None)
+    return retrace is not None and isinstance(exc, retrace)
+
+
 def dynamo_events() -> tuple[list[str], list[str]]:
     """Dynamo's process-wide record so far: the reason of every graph break and of every guard failure
     that made it recompile (first lines). Compare two snapshots to see what a piece of code caused. A
@@ -209,5 +233,7 @@ __all__ = [
     "capture_output_code",
     "compile_fx",
     "dynamo_events",
+    "forget_dynamo_bytecode",
+    "is_dynamo_retrace",
     "one_pass_row_reductions",
 ]

@@ -1,4 +1,7 @@
 """fp8fx.testing: each helper passes on a good model and fails, saying why, when it should."""
+import json
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -135,3 +138,84 @@ def test_assert_compiles_once_lets_a_reset_free_the_backends_dump_folder(tmp_pat
         backends.append(fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path)))
         assert_compiles_once(model, [(torch.randn(2, 64, dtype=torch.bfloat16),)], backend=backends[-1])
     assert [b.dump_dir for b in backends] == [str(tmp_path)] * 2 and not (tmp_path / "backend2").exists()
+
+
+def tiny_llama():
+    """A one-layer random HF Llama, quantized but for lm_head (as tests/e2e/test_llama.py builds it)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    return model
+
+
+def test_readme_example_on_a_tiny_llama():
+    """README's example with Inductor and dynamic shapes: Dynamo traced the frame again after AOTAutograd raised
+    TensorifyScalarRestartAnalysis inside the backend, and the helper counted the discarded attempt as a second
+    graph ("2 graphs for input 0, graph breaks: ['a break Dynamo recorded no reason for ...']")."""
+    x_small, x_large = torch.randint(0, 512, (2, 8)), torch.randint(0, 512, (4, 32))
+    backend = testing.assert_compiles_once(tiny_llama(), [(x_small,), (x_large,)])
+    testing.assert_rewritten(backend, "model.layers.*")
+    testing.assert_not_rewritten(backend, "lm_head")
+    assert backend.report.graphs == 1 and not backend.report.failed
+
+
+def test_a_retraced_graph_is_reported_once(tmp_path, caplog):
+    """The attempt Dynamo discarded (TensorifyScalarRestartAnalysis raised inside the backend) was reported as graph
+    0 "failed to compile, nothing in it rewritten", with a WARNING per layer, and every site was listed twice. Now
+    it leaves nothing: not in the report, not in the dump folder; the exception still reaches Dynamo."""
+    model = tiny_llama()
+    backend = fp8fx.Fp8Backend(dump_dir=str(tmp_path))
+    calls, retraces = [], []
+
+    def counting(gm, example_inputs):
+        calls.append(backend.report.graphs)
+        try:
+            return backend(gm, example_inputs)
+        except BaseException as e:
+            retraces.append(type(e).__name__)
+            raise
+
+    counting.reset = backend.reset
+    torch._dynamo.reset()
+    with caplog.at_level("INFO", logger="fp8fx"), torch.no_grad():
+        torch.compile(model, backend=counting, dynamic=True)(torch.randint(0, 512, (2, 16)))
+    torch._dynamo.reset()
+    # the case this checks: the first attempt raised (unchanged) and Dynamo called the backend again for graph 0
+    assert retraces == ["TensorifyScalarRestartAnalysis"] and calls == [0, 0]
+    report = backend.report
+    assert report.graphs == 1 and not report.failed and list(report.kernels) == [0]
+    fqns = [s.fqn for s in report.sites]
+    assert sorted(fqns) == sorted(set(fqns)) and len(fqns) == 8  # 7 projections and lm_head, each once
+    assert {s.fqn for s in report.rewritten} == {f"model.layers.0.{p}" for p in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+        "mlp.up_proj", "mlp.down_proj")}
+    assert "failed to compile" not in str(report) and "7 of 8 sites rewritten in 1 graph(s)" in str(report)
+    assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+    assert "failed to compile" not in caplog.text
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert all(f.startswith("graph000_") or f.startswith("report.") for f in files), files
+    assert "failed" not in (tmp_path / "report.json").read_text()
+    assert json.loads((tmp_path / "graph000_3_report.json").read_text())["totals"]["sites"] == 8
+    assert any(f.startswith("graph000_4_dynamo_bytecode") for f in files)  # the retrace's hook wrote it
+
+
+@pytest.mark.parametrize("error", [RuntimeError("inductor fell over"),
+                                   torch._dynamo.exc.RestartAnalysis("not from the backend's retrace")])
+def test_a_genuine_failure_in_the_backend_is_still_reported(monkeypatch, error):
+    """Only the exception Dynamo traces the frame again for is not a failure: any other (a RestartAnalysis too,
+    which Dynamo wraps into BackendCompilerFailed when a backend raises it) leaves the graph reported failed."""
+    def fail(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(compat, "compile_fx", fail)
+    backend = fp8fx.Fp8Backend()
+    with pytest.raises(Exception, match=str(error)):
+        testing.assert_compiles_once(mlp(), inputs(2), backend=backend)
+    why = f"the graph failed to compile ({type(error).__name__}: {error})"
+    assert backend.report.failed == {0: why}
+    assert backend.report.sites and not backend.report.rewritten
+    assert {s.fqn: s.reason for s in backend.report.sites} == {"up": why, "head": "not quantized: in ignored_layers"}
+    assert f"graph 0 failed to compile, nothing in it rewritten: {why}" in str(backend.report)
