@@ -52,6 +52,22 @@ def check_scale_dtype(s: Entry) -> None:
         raise CheckpointError(f"{s}: scales are float32 (or bf16/fp16); re-export the checkpoint")
 
 
+def check_weight_values(entry: Entry, t: torch.Tensor, dtype: torch.dtype, owner: str, into: str) -> None:
+    """Refuses a checkpoint weight quantized online with NaN/Inf values, or with values the model's ``dtype`` cannot
+    hold (``into``: what they would become inf in), in one pass (``chunked.count_unloadable``)."""
+    bad, overflow, largest = chunked.count_unloadable(t, dtype)
+    if bad:
+        raise CheckpointError(
+            f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {owner!r} to the ignore list"
+        )
+    if overflow:
+        raise CheckpointError(
+            f"{entry}: {overflow} of its {t.dtype} values are beyond {dtype}'s range (at most "
+            f"{torch.finfo(dtype).max:g}; the largest is {largest:g}) and would load as inf, quantized online {into}; "
+            "build the model in bfloat16 or float32"
+        )
+
+
 def check_scale_values(entry: Entry, t: torch.Tensor) -> torch.Tensor:
     """``t`` as float32 if every value is a positive finite float, else a ``CheckpointError``."""
     t = t.float()
@@ -366,18 +382,8 @@ class ExpertsLoader:
             # an expert's gate/up is assembled in a buffer of that dtype (1e5 becomes inf in a float16 model, its
             # scale inf) and every expert's dequantized view is in that dtype (inf again): outputs NaN. Raised while
             # streaming: nothing was swapped into the model yet (commit), so the model stays as it was.
-            bad, overflow, largest = chunked.count_unloadable(t, dtype)
-            if bad:
-                raise CheckpointError(
-                    f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {ex.fqn!r} to the ignore list"
-                )
-            if overflow:
-                raise CheckpointError(
-                    f"{entry}: {overflow} of its {t.dtype} values are beyond {dtype}'s range (at most "
-                    f"{torch.finfo(dtype).max:g}; the largest is {largest:g}) and would load as inf, quantized online "
-                    f"into {dtype} experts (scale or dequantized weight inf, outputs NaN); build the model in "
-                    "bfloat16 or float32"
-                )
+            check_weight_values(entry, t, dtype, ex.fqn,
+                                f"into {dtype} experts (scale or dequantized weight inf, outputs NaN)")
         ex.method.weight_loader(ex.stage, name, t, shard, e)
 
     @staticmethod

@@ -24,7 +24,7 @@ from torch import nn
 
 from fp8fx import quant
 from fp8fx.checkpoint import formats, renames
-from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values
+from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values, check_weight_values
 from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
 from fp8fx.config import Fp8Config, PerBlock, PerRow
 from fp8fx.lowerings import compat
@@ -624,17 +624,7 @@ class _Loader:
         # online, the weight is first copied into a buffer of that dtype (Fp8LinearMethod.weight_loader), where
         # 1e5 becomes inf in a float16 model, its scale inf and the layer's outputs NaN. Raised while streaming,
         # as _cast does: nothing was swapped into the model yet (commit), so the model stays as it was.
-        bad, overflow, largest = chunked.count_unloadable(t, dtype)
-        if bad:
-            raise CheckpointError(
-                f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {lin.fqn!r} to the ignore list"
-            )
-        if overflow:
-            raise CheckpointError(
-                f"{entry}: {overflow} of its {t.dtype} values are beyond {dtype}'s range (at most "
-                f"{torch.finfo(dtype).max:g}; the largest is {largest:g}) and would load as inf, quantized online "
-                f"from a {dtype} copy (weight scale inf, outputs NaN); build the model in bfloat16 or float32"
-            )
+        check_weight_values(entry, t, dtype, lin.fqn, f"from a {dtype} copy (weight scale inf, outputs NaN)")
         lin.method.weight_loader(lin.stage, "weight", t, lin.shard_id(i))
 
     def _load_scale(self, lin: _Linear, name: str, i: int, entry: Entry, t: torch.Tensor) -> None:
