@@ -245,6 +245,7 @@ def _size(n: int) -> str:
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)
 _SOURCE_NODES = re.compile(r"#.*Source Nodes: \[([^\]]*)\]")
 _CALL = re.compile(r"^\s*(?:\w+ = )?([\w.]+)\(")
+_MOE_OPS = ("torch.ops.fp8fx.fused_moe",)  # fp8fx's MoE op: an extern kernel on every device
 _TEMPLATE_PARAMS = re.compile(r"\b(BLOCK_[MNK]|num_stages|num_warps)\s*(?::\s*tl\.constexpr\s*)?=\s*(\d+)")
 
 
@@ -255,9 +256,9 @@ def generated_kernels(code: str) -> list[str]:
 
 def gemm_kernels(code: str) -> dict[str, str]:
     """{graph node name: the GEMM called for it}: the first extern kernel or Triton template whose name
-    has "mm" (or "mlp": ``fp8fx.gated_mlp``), else the first other generated kernel with "mm" in its name
-    (a fused kernel named after the ops it covers, e.g. an activation quantization fused with the prologue
-    of a GEMM)."""
+    has "mm" (or "mlp": ``fp8fx.gated_mlp``), or fp8fx's MoE op (``fp8fx.fused_moe``, an extern kernel),
+    else the first other generated kernel with "mm" in its name (a fused kernel named after the ops it
+    covers, e.g. an activation quantization fused with the prologue of a GEMM)."""
     generated = set(generated_kernels(code))
     candidates: dict[str, list[tuple[bool, str]]] = {}
     nodes: list[str] = []
@@ -269,7 +270,8 @@ def gemm_kernels(code: str) -> dict[str, str]:
         call = _CALL.match(line)
         callee = _callee(call.group(1)) if call else ""
         extern = callee.startswith(("extern_kernels.", "torch.ops."))
-        if any(part in callee.rpartition(".")[2] for part in ("mm", "mlp")) and (extern or callee in generated):
+        gemm = any(part in callee.rpartition(".")[2] for part in ("mm", "mlp")) and (extern or callee in generated)
+        if gemm or callee in _MOE_OPS:  # not a generated kernel named after an input's cast fused with it
             for n in nodes:
                 candidates.setdefault(n, []).append((extern or callee.startswith("triton_tem_"), callee))
     return {

@@ -561,7 +561,7 @@ class MoePass(Fp8Pass):
             except _NoMatch as e:
                 ctx.report.add(Site("moe", site.fqn, False, str(e), "", ctx.graph_index,
                                     weight_shape=Site.shape_of(fake_value(site.dequant.get("w13"))),
-                                    node=site.region[-1].name if site.region else ""))
+                                    node=Site.origin_of(site.region[-1]) if site.region else ""))
                 continue
             token = Site.token_of(ctx.example.get(site.dequant["w13"].args[0]))  # before the rewrite erases it
             shape = Site.shape_of(fake_value(site.dequant["w13"]))

@@ -129,6 +129,20 @@ def test_hf_experts_rewritten_into_fused_moe(impl, dtype, config, ep):
     assert rel_err(out - x, bf16 - x) < 0.1
 
 
+def test_inductor_kernel_column_names_fused_moe():
+    """Under Inductor the MoE site's kernel column names the extern fp8fx.fused_moe it runs (it was empty: the
+    lookup took GEMMs by "mm" / "mlp" in their names only)."""
+    torch._dynamo.reset()
+    model = hf_experts("grouped_mm", torch.bfloat16)
+    x, ids, w = inputs(torch.bfloat16)
+    fp8fx.quantize_(model, CONFIGS["per-channel"])
+    backend = fp8fx.Fp8Backend()
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True)(x, ids, w)
+    (site,) = backend.report.sites
+    assert (site.kind, site.rewritten, site.kernel) == ("moe", True, "extern fp8fx.fused_moe"), str(backend.report)
+
+
 def test_unrolled_per_expert_loop_of_the_reference_example():
     example = _example()
     torch.manual_seed(0)
