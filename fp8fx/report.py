@@ -80,8 +80,7 @@ class Report:
         self.sites.append(site)
         if not site.rewritten and (site.fqn, site.reason) not in self._logged:
             self._logged.add((site.fqn, site.reason))
-            # a layer the user chose to ignore is expected: info; anything else deserves a look
-            level = logging.INFO if site.reason.endswith("in ignored_layers") else logging.WARNING
+            level = logging.INFO if _by_design(site.reason) else logging.WARNING
             log.log(level, "fp8fx: %s %s not rewritten: %s", site.kind, site.fqn, site.reason)
 
     def fail_graph(self, graph: int, reason: str) -> None:
@@ -209,12 +208,24 @@ class Report:
         return "\n".join(lines)
 
     def _sites(self, graph: Optional[int]) -> list[Site]:
-        return self.sites if graph is None else [s for s in self.sites if s.graph == graph]
+        if graph is None:
+            return self.sites
+        known = set(range(self.graphs)) | {s.graph for s in self.sites} | set(self.failed)
+        if graph not in known:  # (an empty report of a graph that does not exist read as "nothing rewritten")
+            raise ValueError(f"Report: no graph {graph!r}; it holds graphs {sorted(known)}")
+        return [s for s in self.sites if s.graph == graph]
 
     def __str__(self) -> str:
         return self.table()
 
     __repr__ = __str__
+
+
+def _by_design(reason: str) -> bool:
+    """A layer kept in high precision by choice, logged at INFO: one the user ignored, an MoE router or gate (vLLM
+    keeps them too), a weight tied to another (an lm_head tied to its embedding). Anything else deserves a look."""
+    return reason.endswith("in ignored_layers") or "an MoE router or gate" in reason or reason.startswith(
+        "not quantized: weight tied to ")
 
 
 def _bytes_saved(sites: Iterable[Site]) -> int:

@@ -66,7 +66,6 @@ def test_json_schema(report):
     assert [s["fqn"] for s in data["sites"]] == ["a", "b", "head"]
     assert data["sites"][2]["reason"] == "not quantized: in ignored_layers"
     assert json.loads(report.to_json(0)) == data  # one graph: the graph's report is the whole report
-    assert json.loads(report.to_json(1))["sites"] == []
 
 
 def test_table(report):
@@ -231,3 +230,25 @@ def test_reading_output_code():
         "relu": "extern addmm",
         "linear_1": "extern addmm",
     }
+
+
+def test_layers_kept_in_high_precision_by_design_log_at_info(caplog):
+    """An ignored layer, an MoE router and a tied lm_head are choices (vLLM keeps routers and tied heads in high
+    precision too): INFO, not a WARNING at every compile; any other reason is a WARNING."""
+    report = Report()
+    by_design = ["not quantized: in ignored_layers", "not quantized: weight tied to model.embed_tokens.weight",
+                 "not quantized: routes tokens to model.layers.0.mlp.experts (an MoE router or gate: high precision, "
+                 "as vLLM keeps it)"]
+    with caplog.at_level(logging.INFO, logger="fp8fx"):
+        for i, reason in enumerate(by_design + ["weight is not an fp8fx-quantized weight"]):
+            report.add(Site("linear", f"layer{i}", False, reason, "", 0))
+    levels = [r.levelno for r in caplog.records if r.name == "fp8fx"]
+    assert levels == [logging.INFO] * 3 + [logging.WARNING], levels
+
+
+def test_a_graph_the_report_does_not_hold_is_refused(report):
+    """report.table(graph=99) read as an empty graph, "0 of 0 sites rewritten", as if nothing was rewritten."""
+    for show in (report.table, report.to_json, report.to_dict):
+        with pytest.raises(ValueError, match=r"Report: no graph 99; it holds graphs \[0\]"):
+            show(graph=99)
+    assert "2 of 3 sites rewritten in graph 0" in report.table(graph=0)
