@@ -420,8 +420,8 @@ def mma_tile_config(m: int, n: int, k: int) -> dict:
     per thread, triton 3.6 / 3.9; tests/kernels/test_compile_sm90.py).
 
     Up to 16 rows of a weight with fewer 64-wide N tiles than the H200's 132 SMs (and K of 1024-8191: each split
-    keeps 2+ steps): 32-wide tiles with K split in 4, which fill the GPU (run 18, 24 tiles
-    a shape, CUDA-graph replays after a clean L2 flush). fp8 activations (call 4, `tune_gemm.py --ms 16`): qkv 6144x4096 0.0140 ms
+    keeps 2+ steps): 32-wide tiles with K split in 4, which fill the GPU (run 18, 24 tiles a shape, CUDA-graph
+    replays after a clean L2 flush). fp8 activations (call 4, `tune_gemm.py --ms 16`): qkv 6144x4096 0.0140 ms
     against 0.0169 for the unsplit 64-wide tile (96 programs) and 0.0203 for cuBLAS; o 4096x4096 0.0129 against
     0.0160 and 0.0173 (the best, 64-wide split in 4, 0.0127). Weight-only, 16-bit activations (call 3,
     `--weight-only`): qkv 0.0169 against 0.0231 and bf16 cuBLAS 0.0187; o 0.0148 against 0.0227 and 0.0161.
