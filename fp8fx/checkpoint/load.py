@@ -31,7 +31,7 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
 from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, kv_scale_target
-from fp8fx.weights.kv_cache import check_kv_scale_layout, kv_slot_error, outermost_attentions
+from fp8fx.weights.kv_cache import check_kv_scale_layout, kv_cache_attentions, kv_slot_error
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.moe import is_quantized_experts
 from fp8fx.weights.quantize import check_ignored_layers
@@ -667,8 +667,9 @@ class _Loader:
             # an fp8 KV cache the checkpoint declares gives every attention its scales: compressed-tensors'
             # kv_cache_scheme, or, in the fp8 format (which has no such field), the scales themselves; other
             # scales complete only their own layer (vLLM reads them only for an fp8 KV cache it is asked for).
-            # Attentions inside another attention (BERT's BertSelfAttention) get none of their own.
-            declared = outermost_attentions(self.modules) if self.kv_declared else []
+            # Attentions inside another attention (BERT's BertSelfAttention) get none of their own, nor do those with
+            # no KV cache (a vision tower's CLIPAttention beside a decoder's LlamaAttention: kv_cache_attentions).
+            declared = kv_cache_attentions(self.modules) if self.kv_declared else []
             owners = list(self.kv) + [f for f in declared if f not in self.kv]
             for fqn in owners:
                 scales = self.kv.setdefault(fqn, {})

@@ -127,3 +127,22 @@ def outermost_attentions(modules: Mapping[str, nn.Module]) -> list[str]:
     found = [fqn for fqn, m in modules.items() if is_attention(m)]
     outer = set(found)
     return [fqn for fqn in found if not any(fqn.startswith(f"{o}.") for o in outer)]
+
+
+def has_kv_cache_mark(module: nn.Module) -> bool:
+    """Whether ``module`` carries transformers' mark of an attention that reads and writes the KV cache: a
+    ``layer_idx`` (its slot in the ``Cache``), which decoder self- and cross-attentions have (``LlamaAttention``,
+    ``MllamaTextCrossAttention``) and vision / audio encoder attentions do not (``CLIPAttention``, Qwen2-VL's
+    ``VisionAttention``, ``MllamaVisionAttention``, ``SiglipAttention``)."""
+    return getattr(module, "layer_idx", None) is not None
+
+
+def kv_cache_attentions(modules: Mapping[str, nn.Module]) -> list[str]:
+    """The outermost attentions of ``modules`` that have a KV cache, which a declared fp8 KV cache gives scales (as
+    vLLM gives ``Fp8KVCacheMethod`` to its ``Attention`` layers only, not to the cacheless ``MultiHeadAttention`` /
+    ``MMEncoderAttention`` of vision towers): where some of them carry a ``layer_idx`` (``has_kv_cache_mark``: a
+    transformers model), those; the others are encoder attentions (a vision tower's), with no KV cache to scale. A
+    model none of whose attentions carries one: all of them."""
+    outer = outermost_attentions(modules)
+    cached = [fqn for fqn in outer if has_kv_cache_mark(modules[fqn])]
+    return cached or outer

@@ -594,6 +594,60 @@ def test_kv_scheme_without_scales_defaults_with_a_warning(tmp_path, caplog):
     assert "kv-cache scales" in str(report)
 
 
+def _tiny_vlm(transformers, kind):
+    """A tiny vision-language model of transformers, in bf16 on the CPU: LLaVA (CLIP vision tower, Llama decoder) or
+    Mllama (its own vision tower; a decoder with a cross-attention layer, which has a KV cache)."""
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                vocab_size=256, pad_token_id=0)
+    if kind == "llava":
+        vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                               num_attention_heads=2, image_size=32, patch_size=8, projection_dim=32)
+        config = transformers.LlavaConfig(vision_config=vision, text_config=transformers.LlamaConfig(**text),
+                                          image_token_index=255)
+        return transformers.LlavaForConditionalGeneration(config).bfloat16()
+    config = transformers.MllamaConfig(
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_global_layers=1,
+                           attention_heads=2, image_size=32, patch_size=8, vision_output_dim=64,
+                           intermediate_layers_indices=[0], max_num_tiles=2, supported_aspect_ratios=[[1, 1], [1, 2]]),
+        text_config=dict(text, cross_attention_layers=[1]))
+    return transformers.MllamaForConditionalGeneration(config).bfloat16()
+
+
+@pytest.mark.parametrize("kind", ["llava", "mllama"])
+def test_declared_kv_cache_gives_vision_tower_attentions_no_scales(tmp_path, kind):
+    """A declared fp8 KV cache with no scales in the checkpoint, on a vision-language model: the decoder's attentions
+    (self- and Mllama's cross-attention, which have a KV cache: transformers gives them a layer_idx) default to 1.0;
+    the vision tower's (CLIPAttention, MllamaVisionAttention: no KV cache, no layer_idx) get none, as vLLM gives
+    Fp8KVCacheMethod to its Attention layers only, not to the cacheless encoder attention of a vision tower. They got
+    k_scale / v_scale = 1.0, and save_checkpoint wrote them, tensors vLLM has no place for."""
+    from safetensors import safe_open
+
+    from fp8fx.checkpoint import save_checkpoint
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    path = tmp_path / "c"
+    _tiny_vlm(transformers, kind).save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "is_checkpoint_fp8_serialized": False,
+                                     "activation_scheme": "dynamic", "kv_cache_scheme": "static"}
+    (path / "config.json").write_text(json.dumps(config))
+    model = _tiny_vlm(transformers, kind)
+    report = load_checkpoint(model, path, progress=False)
+    decoder = {"llava": ["model.language_model.layers.0.self_attn", "model.language_model.layers.1.self_attn"],
+               "mllama": ["model.language_model.layers.0.self_attn", "model.language_model.layers.1.cross_attn"]}[kind]
+    assert sorted(report.kv_scales) == decoder
+    assert all(s == {"k_scale": 1.0, "v_scale": 1.0} for s in report.kv_scales.values())
+    tower = model.model.vision_tower if kind == "llava" else model.model.vision_model
+    assert not any(n.endswith(("k_scale", "v_scale")) for n, _ in tower.named_buffers())
+    save_checkpoint(model, tmp_path / "saved", format="compressed-tensors")
+    with safe_open(str(tmp_path / "saved" / "model.safetensors"), "pt") as f:
+        saved = sorted(n for n in f.keys() if n.endswith(("k_scale", "v_scale")))
+    assert saved == sorted(f"{a}.{s}" for a in decoder for s in ("k_scale", "v_scale"))
+    saved_qc = json.loads((tmp_path / "saved" / "config.json").read_text())["quantization_config"]
+    assert saved_qc["kv_cache_scheme"] is not None
+
+
 def test_kv_scale_clashing_with_a_model_attribute_is_refused_unchanged(tmp_path):
     """An attention module whose ``k_scale`` is a plain float (not a buffer): ``register_buffer`` would refuse it
     after the linears were swapped in; the loader refuses the checkpoint before, naming the attribute."""
