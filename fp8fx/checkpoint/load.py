@@ -240,10 +240,10 @@ class _Loader:
         self.not_quantized: dict[str, str] = {}
         self.items: list[tuple[Entry, Callable[[torch.Tensor], None]]] = []
         self.planned: set[str] = set()  # state keys (first alias) to load
-        # checkpoint names of a tied tensor that the checkpoint also holds under the name that loads: compared with
-        # it, not loaded (reported unexpected); and those read before it, first alias -> [(name, entry, tensor)]
+        # checkpoint names of a tied tensor that the checkpoint also holds under the name that loads: not loaded
+        # (reported unexpected) but compared with it, once every other tensor is read (``stream``)
         self.tied_copies: list[str] = []
-        self.tied_pending: dict[str, list[tuple[str, Entry, torch.Tensor]]] = {}
+        self.tied_items: list[tuple[Entry, Callable[[torch.Tensor], None]]] = []
         self.staged: dict[str, torch.Tensor] = {}  # state key (first alias) -> new tensor
         self.kv: dict[str, dict[str, float]] = {}
         self.kv_entries: dict[tuple[str, str], Entry] = {}
@@ -419,7 +419,7 @@ class _Loader:
         loads = next(k for k in aliases if k in self.entries)
         if key != loads:
             self.tied_copies.append(key)
-            self.items.append((entry, lambda t: self._check_tied_copy(first, loads, key, entry, t)))
+            self.tied_items.append((entry, lambda t: self._compare_tied(first, key, entry, t)))
             return
         self.planned.add(first)
         self.items.append((entry, lambda t: self._load_state(first, target, t)))
@@ -579,8 +579,12 @@ class _Loader:
         by_file: dict[str, list] = {f: [] for f in files}
         for entry, load in self.items:
             by_file[entry.file].append((entry, load))
+        # the other names of tied tensors last: what they are compared with is staged by then, and no copy of them
+        # waits in memory for it (one tensor read at a time, as everywhere here)
+        tied = sorted(self.tied_items, key=lambda item: (files.index(item[0].file), item[0].start))
         for file in _progress(files, progress, "fp8fx: loading"):
-            for entry, load in sorted(by_file[file], key=lambda item: item[0].start):
+            for entry, load in [*sorted(by_file[file], key=lambda item: item[0].start),
+                                *(item for item in tied if file == files[-1])]:
                 tensor = read_tensor(entry)
                 load(tensor.to(self.device))
                 del tensor
@@ -589,28 +593,25 @@ class _Loader:
 
     def _load_state(self, key: str, target: torch.Tensor, t: torch.Tensor) -> None:
         self.staged[key] = _cast(t, target.dtype, key)
-        for name, entry, copy in self.tied_pending.pop(key, []):
-            self._compare_tied(key, name, entry, copy)
 
-    def _check_tied_copy(self, first: str, loads: str, key: str, entry: Entry, t: torch.Tensor) -> None:
-        """``key``, another name of the tied tensor that loads from ``loads``: its values must be the same."""
-        copy = _cast(t, self.state[first].dtype, key)
-        if first in self.staged:
-            self._compare_tied(first, key, entry, copy)
-        else:  # read before the one that loads: kept until it arrives
-            self.tied_pending.setdefault(first, []).append((key, entry, copy))
-
-    def _compare_tied(self, first: str, key: str, entry: Entry, copy: torch.Tensor) -> None:
+    def _compare_tied(self, first: str, key: str, entry: Entry, t: torch.Tensor) -> None:
+        """``key``, another name of the tied tensor staged under ``first``: its values must be the same (compared
+        in row chunks, in the model's dtype)."""
         kept = self.staged[first]
-        if kept.is_floating_point():
-            differ = int((~torch.isclose(kept, copy, rtol=0, atol=0, equal_nan=True)).sum())
-        else:
-            differ = int((kept != copy).sum())
+        loads = next(k for k in self.aliases[id(self.state[first])] if k in self.entries)
+        if t.shape != kept.shape:
+            raise CheckpointError(f"{entry}: the model ties {key} to {loads} ({list(kept.shape)}), but the checkpoint's "
+                                  f"{key} is {list(t.shape)}; wrong model or checkpoint")
+        flat_kept, flat = kept.reshape(-1), t.reshape(-1)
+        differ = 0
+        for i in range(0, flat.numel(), chunked.CHUNK_NUMEL):
+            a, b = flat_kept[i : i + chunked.CHUNK_NUMEL], flat[i : i + chunked.CHUNK_NUMEL].to(kept.dtype)
+            same = torch.isclose(a, b, rtol=0, atol=0, equal_nan=True) if a.is_floating_point() else a == b
+            differ += int((~same).sum())
         if differ:
-            loads = next(k for k in self.aliases[id(self.state[first])] if k in self.entries)
             raise CheckpointError(
                 f"{self.entries[loads]} and {entry}: the model ties {key} to {loads} (one tensor), but the checkpoint "
-                f"holds different values for them ({differ} of {copy.numel()} differ); build the model with them "
+                f"holds different values for them ({differ} of {t.numel()} differ); build the model with them "
                 f"untied (embeddings: tie_word_embeddings=False) to load both, or drop {key} from the checkpoint to "
                 f"load {loads} into both"
             )
