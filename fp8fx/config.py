@@ -303,16 +303,14 @@ class Fp8Config:
                 "embeddings; re-export the checkpoint with those tables in bf16/fp16 and modules_to_convert null "
                 "(or [])"
             )
-        # FineGrainedFP8Config's storage options other than its defaults: scales stored as float8_e8m0fnu
-        # ("ue8m0") and FP4-packed experts ("fp4"), which fp8fx reads neither of (``dequantize`` is a transformers
-        # loading option, not a property of the checkpoint)
-        for field, default in (("scale_fmt", "float"), ("expert_dtype", "fp8")):
-            if config.get(field, default) != default:
-                raise ValueError(
-                    f"quantization_config[{field!r}]={config[field]!r}: fp8fx reads fp8 weights with float32 scales "
-                    f"({field}={default!r}); load this checkpoint with transformers, or re-export it with {field} "
-                    f"{default!r}"
-                )
+        # FP4-packed experts (FineGrainedFP8Config's expert_dtype="fp4"), which fp8fx does not read. (scale_fmt="ue8m0"
+        # is not refused here: DeepSeek-V3.1's checkpoints declare it over float32 power-of-two scales, which load as
+        # any; scales stored as E8M0 are refused by their tensors' dtype. ``dequantize`` is a transformers option.)
+        if config.get("expert_dtype", "fp8") != "fp8":
+            raise ValueError(
+                f"quantization_config['expert_dtype']={config['expert_dtype']!r}: fp8fx reads fp8 experts "
+                "(expert_dtype='fp8'); load this checkpoint with transformers, or re-export it with fp8 experts"
+            )
         key = "ignored_layers" if config.get("ignored_layers") else "modules_to_not_convert"
         ignored = config.get(key)
         if ignored is not None:

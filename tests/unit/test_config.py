@@ -516,18 +516,19 @@ def test_from_config_refuses_modules_to_convert(value):
         Fp8Config.from_config(transformers.FineGrainedFP8Config(modules_to_convert=["embed_tokens"]))
 
 
-@pytest.mark.parametrize("field,value", [("scale_fmt", "ue8m0"), ("expert_dtype", "fp4")])
-def test_from_config_refuses_storage_it_cannot_read(field, value):
-    """FineGrainedFP8Config's float8_e8m0fnu scales (scale_fmt="ue8m0") and FP4-packed experts (expert_dtype="fp4"):
-    from_config dropped both fields and claimed a plain fp8 checkpoint."""
-    with pytest.raises(ValueError, match=rf"quantization_config\['{field}'\]='{value}': fp8fx reads .* re-export"):
-        Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [128, 128], field: value})
+def test_from_config_refuses_fp4_experts_and_reads_ue8m0_scale_format():
+    """FineGrainedFP8Config's FP4-packed experts (expert_dtype="fp4") were dropped and the config claimed fp8 ones.
+    scale_fmt="ue8m0" reads as any fp8 config: DeepSeek-V3.1 declares it over float32 power-of-two scales (scales
+    stored as E8M0 are refused by their tensors' dtype, fp8fx.checkpoint.files)."""
+    with pytest.raises(ValueError, match=r"quantization_config\['expert_dtype'\]='fp4': fp8fx reads fp8 experts"):
+        Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": [128, 128], "expert_dtype": "fp4"})
+    deepseek_v31 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+                    "weight_block_size": [128, 128]}
+    assert Fp8Config.from_config(deepseek_v31).weight_block_size == (128, 128)
     transformers = pytest.importorskip("transformers")
-    with pytest.raises(ValueError, match=rf"quantization_config\['{field}'\]='{value}'"):
-        Fp8Config.from_config(transformers.FineGrainedFP8Config(**{field: value}))
-    # the defaults (what FineGrainedFP8Config().to_dict() writes) read as before
-    config = Fp8Config.from_config({"quant_method": "fp8", "scale_fmt": "float", "expert_dtype": "fp8"})
-    assert config.is_checkpoint_fp8_serialized
+    with pytest.raises(ValueError, match=r"quantization_config\['expert_dtype'\]='fp4'"):
+        Fp8Config.from_config(transformers.FineGrainedFP8Config(expert_dtype="fp4"))
+    assert Fp8Config.from_config(transformers.FineGrainedFP8Config(scale_fmt="ue8m0")).is_checkpoint_fp8_serialized
 
 
 _CT_BLOCK = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False, "strategy": "block",
