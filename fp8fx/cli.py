@@ -13,6 +13,7 @@ Errors are one line on stderr, exit code 2.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -157,12 +158,13 @@ def load_meta_model(spec: str, dtype: torch.dtype, seq_len: Optional[int], input
             "a module:factory, traced with the example args it returns or a float input of --input-shape: drop "
             "--seq-len"
         )
-    factory = _factory(spec)
-    try:
-        with torch.device("meta"):
-            made = factory()
-    except Exception as e:  # noqa: BLE001 - the user's code: say what failed, in one line
-        raise UsageError(f"{spec}() failed: {type(e).__name__}: {_first_line(e)}") from e
+    with _current_folder_on_path():  # the factory may import its own modules while it runs, too
+        factory = _factory(spec)
+        try:
+            with torch.device("meta"):
+                made = factory()
+        except Exception as e:  # noqa: BLE001 - the user's code: say what failed, in one line
+            raise UsageError(f"{spec}() failed: {type(e).__name__}: {_first_line(e)}") from e
     if isinstance(made, tuple) and len(made) != 2:
         raise UsageError(f"{spec} returned a tuple of {len(made)}; return a model or (model, example_args)")
     model, call_args = made if isinstance(made, tuple) else (made, None)
@@ -208,12 +210,23 @@ def _hf_model(path: Path, dtype: torch.dtype, seq_len: int):
     return model.eval(), (ids,), kwargs, quant_config
 
 
+@contextlib.contextmanager
+def _current_folder_on_path():
+    """The current folder first on sys.path while MODEL's factory is imported and called, as under python -m fp8fx
+    (the installed fp8fx script puts its own folder there); sys.path is as it was afterwards."""
+    cwd = os.getcwd()
+    sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:  # the entry put there (by identity: the user's own entry for the folder, if any, stays)
+        for i, entry in enumerate(sys.path):
+            if entry is cwd:
+                del sys.path[i]
+                break
+
+
 def _factory(spec: str):
     module_name, _, attr = spec.rpartition(":")
-    cwd = os.getcwd()
-    # the current folder first, as under python -m fp8fx (the installed fp8fx script puts its own folder there):
-    # for this import only, sys.path is as it was afterwards
-    sys.path.insert(0, cwd)
     try:
         if module_name.endswith(".py"):
             if not os.path.isfile(module_name):
@@ -229,15 +242,10 @@ def _factory(spec: str):
         where = ""
         if isinstance(e, ModuleNotFoundError) and e.name and f"{module_name}.".startswith(f"{e.name}."):
             # MODEL's module itself (or its package) is nowhere, not a module it imports
-            where = (f"; it is looked for in the current folder ({cwd}) and on sys.path: run fp8fx from the folder "
-                     f"that holds it, install it, or give its file, {module_name.replace('.', '/')}.py:{attr}")
+            where = (f"; it is looked for in the current folder ({os.getcwd()}) and on sys.path: run fp8fx from the "
+                     f"folder that holds it, install it, or give its file, {module_name.replace('.', '/')}.py:{attr}")
         raise UsageError(f"cannot import {module_name!r} (MODEL {spec!r}): {type(e).__name__}: {_first_line(e)}"
                          f"{where}") from e
-    finally:
-        try:
-            sys.path.remove(cwd)  # the first one: the one put there above
-        except ValueError:  # the module took it out itself
-            pass
     factory = getattr(module, attr, None)
     if not callable(factory):
         raise UsageError(f"{module_name} has no function {attr!r} (MODEL {spec!r})")

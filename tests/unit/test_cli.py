@@ -394,18 +394,26 @@ def test_inspect_refuses_options_its_model_does_not_use(capsys, llama_dir, model
 
 
 MODULE_IN_CWD = """
-from torch import nn
 import torch
 
 def make():
-    return nn.Sequential(nn.Linear(256, 128)), (torch.zeros(2, 256),)
+    from fp8fx_cwd_layers import layers  # a module of the same folder, imported as the factory runs
+    return layers(), (torch.zeros(2, 256),)
+"""
+LAYERS_IN_CWD = """
+from torch import nn
+
+def layers():
+    return nn.Sequential(nn.Linear(256, 128))
 """
 
 
 def test_factory_module_in_the_current_folder(capsys, tmp_path, monkeypatch):
     """The installed fp8fx script does not put the current folder on sys.path (python -m fp8fx does): MODEL
-    mod:factory of a mod.py in the current folder failed to import. It imports now, and sys.path is left as it was."""
+    mod:factory of a mod.py in the current folder failed to import. It imports now, and so do the modules of that folder
+    the factory imports as it runs; sys.path is left as it was."""
     (tmp_path / "fp8fx_cwd_models.py").write_text(textwrap.dedent(MODULE_IN_CWD))
+    (tmp_path / "fp8fx_cwd_layers.py").write_text(textwrap.dedent(LAYERS_IN_CWD))
     bin_dir = tmp_path / "bin"  # as a console script runs: sys.path[0] is the script's folder, not the current one
     bin_dir.mkdir()
     (bin_dir / "fp8fx_script.py").write_text("import sys\nfrom fp8fx.cli import main\nsys.exit(main())\n")
@@ -418,9 +426,11 @@ def test_factory_module_in_the_current_folder(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(sys, "path", [p for p in sys.path if p not in ("", str(tmp_path))])
     monkeypatch.delitem(sys.modules, "fp8fx_cwd_models", raising=False)
+    monkeypatch.delitem(sys.modules, "fp8fx_cwd_layers", raising=False)
     before = list(sys.path)
     code, out, err = run(capsys, "inspect", "fp8fx_cwd_models:make")
     sys.modules.pop("fp8fx_cwd_models", None)
+    sys.modules.pop("fp8fx_cwd_layers", None)
     assert code == 0, err
     assert sys.path == before
     code, _, err = run(capsys, "inspect", "fp8fx_no_such_module:make")
