@@ -3,6 +3,7 @@ loaded into models that transformers builds from the checkpoint's config.json on
 compared with float32 models holding the dequantized weights. Also: the loaded model under
 torch.compile, and the streaming memory bounds of loading a bf16 checkpoint and of convert."""
 import json
+import logging
 
 import pytest
 import torch
@@ -93,7 +94,7 @@ def test_llama_checkpoint(tmp_path, fmt):
     assert rel_err(logits, float_logits(cfg, state, deq, IDS)) < 0.02  # eager: bf16 compute (~0.7%)
 
 
-def test_deepseek_v3_block_checkpoint(tmp_path):
+def test_deepseek_v3_block_checkpoint(tmp_path, caplog):
     """DeepSeek-V3's own format: quant_method fp8, weight_block_size [128, 128], no ignored layers,
     weight_scale_inv per block, lm_head stored in bf16."""
     cfg = deepseek_config()
@@ -120,6 +121,12 @@ def test_deepseek_v3_block_checkpoint(tmp_path):
     with torch.no_grad():
         logits = model(IDS).logits.float()
     assert rel_err(logits, float_logits(cfg, state, deq, IDS)) < 0.02  # eager: bf16 compute (~0.7%)
+    # the lm_head the checkpoint keeps in high precision is a choice, as vLLM makes it: no warning at compile
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with caplog.at_level(logging.INFO, logger="fp8fx"), torch.no_grad():
+        torch.compile(model, backend=backend)(IDS)
+    lm_head = [r for r in caplog.records if r.name == "fp8fx" and "lm_head not rewritten" in r.getMessage()]
+    assert [r.levelno for r in lm_head] == [logging.INFO], [r.getMessage() for r in lm_head]
 
 
 def test_deepseek_v3_mla_group_is_saved_in_one_precision(tmp_path, caplog):
