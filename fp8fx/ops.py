@@ -105,12 +105,15 @@ def dequantize(
     input_scale: Optional[torch.Tensor] = None,
     act_block: Optional[list[int]] = None,
 ) -> torch.Tensor:
-    _check_dequantize_args(q, scale, block)
+    _check_dequantize_args(q, scale, block, dtype)
     return quant.dequantize(q, scale, block, dtype).contiguous()
 
 
-def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, block) -> None:
+def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype) -> None:
     check_block(block, "block")
+    if q.dtype != quant.FP8_DTYPE:  # a 16-bit weight would be multiplied by a scale as if it held fp8 codes
+        raise ValueError(f"fp8fx.dequantize: q is {q.dtype}; it dequantizes {quant.FP8_DTYPE} codes")
+    _check_out_dtype("fp8fx.dequantize", "dtype", dtype)
     if q.dim() < 2:
         raise ValueError(f"fp8fx.dequantize: q has shape {list(q.shape)}; it dequantizes a [N, K] weight (or experts' "
                          "[E, N, K])")
@@ -119,7 +122,7 @@ def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, block) -> None:
 
 @dequantize.register_fake
 def _(q, scale, block, dtype, input_scale=None, act_block=None):
-    _check_dequantize_args(q, scale, block)
+    _check_dequantize_args(q, scale, block, dtype)
     return q.new_empty(q.shape, dtype=dtype)
 
 
@@ -148,11 +151,18 @@ def _check_bias(bias: Optional[torch.Tensor], n: int, what: str) -> None:
 
 
 def _check_scale_size(what: str, name: str, scale: torch.Tensor, of: str, shape, block) -> None:
-    """``scale`` holds as many values as ``block`` over a tensor of ``shape`` (described as ``of``) needs."""
-    want = math.prod(quant.scale_shape(shape, block))
+    """``scale`` holds as many values as ``block`` over a tensor of ``shape`` (described as ``of``) needs, and, where
+    they form a grid of several rows and columns of blocks, a row of the grid in its last dim: the kernels read it
+    row-major, so a transposed grid ([K/bk, N/bn] from a converter) had the count and was read scrambled."""
+    grid = quant.scale_shape(shape, block)
+    want = math.prod(grid)
     if scale.numel() != want:
         raise ValueError(f"{what}: {name} has {scale.numel()} elements (shape {list(scale.shape)}); block "
                          f"{list(block)} of {of} needs {want}")
+    if grid[-1] > 1 and want > grid[-1] and (scale.dim() == 0 or scale.shape[-1] != grid[-1]):
+        raise ValueError(f"{what}: {name} has shape {list(scale.shape)}; block {list(block)} of {of} needs a grid "
+                         f"of scales {list(grid)} (rows of blocks, then one scale a column block, in the last dim): a "
+                         "transposed or flattened grid would be read scrambled")
 
 
 def _check_weight(what: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, w_block) -> None:

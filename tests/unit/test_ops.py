@@ -1,6 +1,7 @@
 """The fp8fx custom ops: opcheck, semantics against the float64 reference, compiled == eager."""
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fp8fx import ops, quant
 from fp8fx.ops import fp8_linear
@@ -149,6 +150,33 @@ def test_more_bad_operands_are_clear_errors():
     with pytest.raises(ValueError, match=r"dequantize: scale has 5 elements .* block \[1, -1\] of a \[64, 96\] weight "
                                          r"needs 64"):
         torch.ops.fp8fx.dequantize(wq, ws[:5], [1, -1], torch.bfloat16)
+
+
+def test_scales_read_in_the_wrong_layout_are_refused():
+    """A 128x128 block scale grid stored transposed ([K/128, N/128], as a converter may write it) has the right count
+    and was read scrambled (5.8% off with random scales); dequantize multiplied a 16-bit weight by a scale as if it held
+    fp8 codes, and cast to an integer dtype. Each is refused, by the real op and by its fake (torch.compile's trace)."""
+    torch.manual_seed(0)
+    wq, ws = quant.quantize(torch.randn(256, 384), [128, 128])  # ws: [2, 3]
+    xq, xs = quant.quantize(torch.randn(5, 384), [1, 128])
+    grid = r"w_scale has shape \[3, 2\]; block \[128, 128\] of a \[256, 384\] weight needs a grid of scales \[2, 3\]"
+    with pytest.raises(ValueError, match=grid):
+        torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws.t().contiguous(), None, [1, 128], [128, 128], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"scale has shape \[6\]; .* needs a grid of scales \[2, 3\]"):
+        torch.ops.fp8fx.dequantize(wq, ws.reshape(-1), [128, 128], torch.bfloat16)
+    y = torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws, None, [1, 128], [128, 128], torch.float32)  # the right layout runs
+    x3q, x3s = quant.quantize(torch.randn(2, 3, 384), [1, 128])  # activation groups of a 3-D input: [2, 3, 3]
+    assert torch.ops.fp8fx.scaled_mm(x3q, x3s, wq, ws, None, [1, 128], [128, 128], torch.float32).shape == (2, 3, 256)
+    assert y.shape == (5, 256)
+    with pytest.raises(ValueError, match=r"fp8fx.dequantize: q is torch.bfloat16; it dequantizes torch.float8_e4m3fn"):
+        torch.ops.fp8fx.dequantize(wq.bfloat16(), ws, [128, 128], torch.bfloat16)
+    with pytest.raises(ValueError, match=r"fp8fx.dequantize: dtype=torch.int32; the result is bf16, fp16 or fp32"):
+        torch.ops.fp8fx.dequantize(wq, ws, [128, 128], torch.int32)
+    ws_t = ws.t().contiguous()
+    with FakeTensorMode() as mode:  # the fake checks the same
+        fakes = [mode.from_tensor(t) for t in (xq, xs, wq, ws_t)]
+        with pytest.raises(ValueError, match=grid):
+            torch.ops.fp8fx.scaled_mm(*fakes[:3], fakes[3], None, [1, 128], [128, 128], torch.bfloat16)
 
 
 def test_no_k_at_all():
