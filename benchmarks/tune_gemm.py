@@ -14,6 +14,7 @@
     python benchmarks/tune_gemm.py --gemv          # M = 1: the GEMV kernel's tiles against the tensor-core tile,
                                                    # as single GEMMs and as the fused MLP's down GEMM
     python benchmarks/tune_gemm.py --gemv --block  # the same with 1x128 / 128x128 block scales
+    python benchmarks/tune_gemm.py --gemv --k-stages 1,2,3,4  # GEMV tiles with the K loop pipelined (K_STAGES)
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
     python benchmarks/tune_gemm.py --weight-only   # M = 16, bf16 activations and the fp8 weight (the fallback for
                                                    # GPUs without fp8 tensor cores) against bf16 cuBLAS
@@ -178,15 +179,25 @@ def sweep_codes(ms=(1, 16), dim=4096, hidden=14336, rounds=7):
               flush=True)
 
 
-def gemv_candidates(k: int) -> list[dict]:
+def gemv_candidates(k: int, k_stages=(1,)) -> list[dict]:
     """``fp8_gemv_kernel`` tiles: 1-8 warps splitting K (BLOCK_K = 512 per warp), 2-8 weight rows a program, K split
-    so that the splits' steps are equal (up to 8 splits)."""
+    so that the splits' steps are equal (up to 8 splits). With ``k_stages`` beyond 1 (the K loop's loads pipelined
+    through shared memory, ``K_STAGES``): the run-16 winners' neighbourhood only (1-4 warps, 2-8 rows, K split in 1
+    or 2), each at every stage count."""
+    if tuple(k_stages) == (1,):
+        out = []
+        for warps, rows in itertools.product([1, 2, 4, 8], [2, 4, 8]):
+            steps = -(-k // (512 * warps))
+            for split in [s for s in (1, 2, 4, 7, 8) if steps % s == 0]:
+                out.append(dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=512 * warps, num_warps=warps,
+                                num_stages=1, SPLIT_K=split))
+        return out
     out = []
-    for warps, rows in itertools.product([1, 2, 4, 8], [2, 4, 8]):
+    for (warps, rows), st in itertools.product([(1, 2), (1, 4), (2, 2), (2, 4), (2, 8), (4, 4)], k_stages):
         steps = -(-k // (512 * warps))
-        for split in [s for s in (1, 2, 4, 7, 8) if steps % s == 0]:
+        for split in [s for s in (1, 2) if steps % s == 0 and steps // s >= st]:
             out.append(dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
-                            SPLIT_K=split))
+                            SPLIT_K=split, K_STAGES=st))
     return out
 
 
@@ -203,7 +214,7 @@ def _duel(label: str, runs: dict, bytes_: int, rounds: int) -> dict:
     return med
 
 
-def sweep_gemv_blocks(shapes, rounds=5):
+def sweep_gemv_blocks(shapes, rounds=5, k_stages=(1,)):
     """M = 1 with 1x128 activation groups and 128x128 weight blocks (DeepSeek-V3 style): GEMV tiles against the
     tensor-core block kernel (``mma_tile_config``, BLOCK_K = the group), interleaved rounds, graph replays."""
     blocks = dict(a_block=(1, 128), b_block=(128, 128))
@@ -213,9 +224,9 @@ def sweep_gemv_blocks(shapes, rounds=5):
         gemm = lambda cfg: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
         ref = gemm(mma_tile_config(1, n, k)).float()
         results = []
-        for warps, rows in itertools.product([1, 2, 4], [2, 4, 8]):
+        for warps, rows, st in itertools.product([1, 2, 4], [2, 4, 8], k_stages):
             cfg = dict(GEMV=True, BLOCK_M=1, BLOCK_N=rows, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
-                       SPLIT_K=1)
+                       SPLIT_K=1, K_STAGES=st)
             assert (gemm(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
             results.append((time_ms(lambda: gemm(cfg), True), cfg))
         results.sort(key=lambda r: r[0])
@@ -225,7 +236,7 @@ def sweep_gemv_blocks(shapes, rounds=5):
                                                "mma block tile": lambda: gemm(mma_tile_config(1, n, k))}, n * k, rounds)
 
 
-def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5):
+def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5, k_stages=(1,)):
     """M = 1. Each layer's GEMM (fp8 codes in): every GEMV candidate, then the best against the tensor-core tile
     (``mma_tile_config``) and cuBLAS in ``rounds`` interleaved rounds. Then the fused MLP with the down GEMM as a
     GEMV (h quantized as loaded) against its tensor-core down tile, the same way. CUDA-graph replays, L2 clean."""
@@ -238,7 +249,7 @@ def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5):
         gemm = lambda cfg: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)  # noqa: E731
         ref = gemm(mma_tile_config(1, n, k)).float()
         results = []
-        for cfg in gemv_candidates(k):
+        for cfg in gemv_candidates(k, k_stages):
             try:
                 assert (gemm(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
                 results.append((time_ms(lambda: gemm(cfg), True), cfg))
@@ -260,7 +271,7 @@ def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5):
         xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16, configs=(None, c2))
     ref = run(down_tile_config(1, dim, hidden, gemv=False)).float()
     results = []
-    for cfg in gemv_candidates(hidden):
+    for cfg in gemv_candidates(hidden, k_stages):
         try:
             assert (run(cfg).float() - ref).abs().max() <= 2e-2 * ref.abs().max()
             results.append((time_ms(lambda: run(cfg), True), cfg))
@@ -276,7 +287,7 @@ def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5):
           3 * dim * hidden, rounds)
 
 
-def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5, groups=None):
+def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5, groups=None, k_stages=(1,)):
     """The fused MLP with h quantized in 1 x G groups by the gate/up kernel's epilogue (``h_group``: fp8 codes and
     group scales leave it; the down GEMM reads them as K-grouped activations) against per-token h (quantized as the
     down GEMM loads it): a sweep of both kernels' tiles per group size, then the best of each in ``rounds``
@@ -301,7 +312,7 @@ def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5, groups=None):
             firsts = [dict(gated_tile_config(m, hidden, dim), BLOCK_N=g, num_stages=st, num_warps=w)
                       for st, w in ((3, 4), (4, 4), (4, 8))]
             if m == 1:
-                downs = [c for c in gemv_candidates(hidden) if c["num_warps"] <= 2 and c["BLOCK_N"] <= 4]
+                downs = [c for c in gemv_candidates(hidden, k_stages) if c["num_warps"] <= 2 and c["BLOCK_N"] <= 4]
             else:
                 downs = [dict(BLOCK_M=max(bm, 16), BLOCK_N=bn, BLOCK_K=g, GROUP_M=1, num_warps=w, num_stages=4,
                               SPLIT_K=sk)
@@ -356,18 +367,23 @@ def main(argv=None):
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
     p.add_argument("--weight-only", action="store_true",
                    help="M = 16 with bf16 activations (no activation scale), against bf16 cuBLAS")
+    p.add_argument("--k-stages", default="1",
+                   help="--gemv / --groups at M = 1: comma-separated pipeline depths of the GEMV's K loop (K_STAGES)")
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
+    k_stages = tuple(int(s) for s in args.k_stages.split(","))
     if args.gated_ncu:
         return gated_ncu()
     if args.codes:
         return sweep_codes()
     if args.groups:
         return sweep_groups(tuple(int(m) for m in (args.ms or "1,16,64").split(",")),
-                            groups=tuple(int(g) for g in args.h_groups.split(",")))
+                            groups=tuple(int(g) for g in args.h_groups.split(",")), k_stages=k_stages)
     if args.gemv:
         shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
-        return sweep_gemv_blocks(shapes) if args.block else sweep_gemv(shapes)
+        if args.block:
+            return sweep_gemv_blocks(shapes, k_stages=k_stages)
+        return sweep_gemv(shapes, k_stages=k_stages)
     if args.gated or args.gated_pdl:
         return sweep_gated(tiles=args.gated, tma=args.tma, wide_k=args.wide_k, bm64=args.bm64, narrow=args.narrow)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}

@@ -298,7 +298,7 @@ def fp8_gemv_kernel(
     B_BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12,
-    FP8_MAX: tl.constexpr = 448.0, PDL_WAIT: tl.constexpr = False,
+    FP8_MAX: tl.constexpr = 448.0, PDL_WAIT: tl.constexpr = False, K_STAGES: tl.constexpr = 1,
 ):
     """y[N] = a[K] . b[N, K] on the CUDA cores: each program streams BLOCK_N weight rows (over its split of K) in
     [BLOCK_N, BLOCK_K] tiles of 16-byte loads straight into registers - no shared memory, no tensor-core tile padded
@@ -324,7 +324,7 @@ def fp8_gemv_kernel(
                                           PARTS_BLOCK, EPS, FP8_MAX, 1), 0)  # [1] -> its element
         a_q_inv = tl.math.div_rn(1.0, a_q_scale)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
+    for k in tl.range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K)), num_stages=K_STAGES):
         if EVEN_K:  # no K mask: the weight loads stay 16 bytes wide whatever Triton knows of K
             b = tl.load(b_tile + b_offs, mask=n_ok[:, None], other=0.0)
             a = tl.load(a_ptr + a_offs)

@@ -241,7 +241,8 @@ def compile_gemv(a_dtype: str, cfg: dict, a_quant: int = 0, b_rowwise: bool = Tr
     consts = dict(A_FP8=a_dtype == "fp8e4nv" or a_quant > 0, A_GROUPED=blocks, B_ROWWISE=b_rowwise and not blocks,
                   B_GROUPED=blocks, B_BLOCK_N=128 if blocks else 1, GROUP_K=128 if blocks else 1, HAS_BIAS=True,
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"], EVEN_K=True, A_QUANT=a_quant,
-                  N_PARTS=448, PARTS_BLOCK=parts_block(448, 1), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl)
+                  N_PARTS=448, PARTS_BLOCK=parts_block(448, 1), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl,
+                  K_STAGES=cfg.get("K_STAGES", 1))
     return compile_kernel(fp8_gemv_kernel, types, consts, GEMV_POINTERS + ["N", "K", "stride_bn"], cfg["num_warps"],
                           cfg["num_stages"])
 
