@@ -372,26 +372,31 @@ def fp8_gemv_kernel(
 GEMV_MAX_M = 1
 
 
-def gemv_config(n: int, k: int, k_grouped: bool = False) -> dict:
+def gemv_config(n: int, k: int, k_grouped: bool = False, a_quant: bool = False) -> dict:
     """``fp8_gemv_kernel``'s tile for a weight [n, k]: BLOCK_N rows of BLOCK_K = 16 x 32 x num_warps bytes a step,
     so each thread loads 16 bytes of each row and the warps split K, not N: the activation slice a thread
     multiplies is then the one it loads itself (an fp8 a needs no exchange through shared memory; with 4 warps
-    split over N, each step's a went through shared memory between two barriers).
+    split over N, each step's a went through shared memory between two barriers). The K loop's loads are
+    pipelined through shared memory, ``K_STAGES`` deep (cp.async): more bytes in flight per register, where loads
+    straight into registers (``K_STAGES=1``) held the down GEMM at 69-71% of the copy speed.
 
-    From the H200 sweeps (run 16, `tune_gemm.py --gemv [--block]`, 9-36 tiles a shape, CUDA-graph replays after
-    a clean L2 flush): small programs win - 2 rows and 1 warp at K = 4096 (qkv 6144x4096 0.0123 ms against 0.0166
-    for the tensor-core tile; gate_up 28672x4096 0.0339 against 0.0332), 4 rows and 2 warps at K = 14336 (down
-    0.0204 against 0.0221; in the fused MLP, quantizing h as it loads it, the whole op 0.0536 against 0.0569).
-    With K groups (``k_grouped``: 1x128 / 128x128 block scales), 4 rows at K = 4096 too (qkv 0.0138 against 0.0153
-    with 2 rows and 0.0177 for the tensor-core block tile; down 0.0226 against 0.0250).
+    From the H200 sweeps (CUDA-graph replays after a clean L2 flush; run 19 call 1, `tune_gemm.py --gemv
+    --k-stages 1,2,3,4`, 37-44 tiles a shape; run 16 for the unpipelined shapes):
+    - K = 14336 (down): 4 rows, 2 warps, 3 stages 0.0195 ms against 0.0203 unpipelined (the sweep's best, 1 warp
+      and 4 stages, 0.0194). In the fused MLP, quantizing h as it loads it (``a_quant``), 8 rows: the whole op
+      0.0505 ms against 0.0512 with 4 rows and 0.0534 unpipelined; with h's codes in 1 x 32 groups, 4 rows:
+      0.0493 against 0.0501.
+    - K = 4096 (qkv 6144x4096): 4 rows, 1 warp, 3 stages 0.0121 ms against 0.0125 (2 rows, unpipelined). With K
+      groups (``k_grouped``: 1x128 / 128x128 block scales) 4 rows was already the best unpipelined (run 16: qkv
+      0.0138 against 0.0153 with 2 rows and 0.0177 for the tensor-core block tile).
     No split K was among any shape's best; a weight of few rows (under 512 programs) has K split in halves
     while each split keeps 4 K steps."""
-    block_n, warps = (4, 2) if k >= 8192 else (4 if k_grouped else 2, 1)
+    block_n, warps = (8 if a_quant else 4, 2) if k >= 8192 else (4, 1)
     split, steps = 1, triton.cdiv(k, 512 * warps)
     while triton.cdiv(n, block_n) * split < 512 and steps >= 8 * split:
         split *= 2
     return dict(GEMV=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
-                SPLIT_K=split)
+                SPLIT_K=split, K_STAGES=3)
 
 
 def tile_config(m: int, n: int, k: int, k_grouped: bool = False) -> dict:

@@ -259,31 +259,43 @@ def ptx_loops(ptx: str) -> list[str]:
     return loops
 
 
+@pytest.mark.parametrize("pipelined", [True, False], ids=["k_stages", "registers"])
 @pytest.mark.parametrize("n,k", [(4096, 14336), (28672, 4096), (6144, 4096)])
 @pytest.mark.parametrize("a_dtype,a_quant,blocks", [
     ("fp8e4nv", 0, False), ("bf16", 0, False), ("bf16", QUANT_ROWS, False), ("bf16", QUANT_TENSOR, False),
     ("bf16", QUANT_STATIC, False), ("fp8e4nv", 0, True), ("bf16", 0, True)])
-def test_gemv_compiles_for_sm90(n, k, a_dtype, a_quant, blocks):
+def test_gemv_compiles_for_sm90(n, k, a_dtype, a_quant, blocks, pipelined):
     """The one-row kernel at its Llama-3-8B tiles: fp8 codes, weight-only bf16, and the fused MLP's down GEMM (bf16
-    h quantized as loaded, a programmatic dependent launch). Nothing spills; the weight arrives in 16-byte loads
-    straight to registers, BLOCK_N of them a thread and step; with fp8 codes the step's K loop exchanges nothing
-    through shared memory (the warps split K: each thread multiplies the a slice it loaded). With 128x128 weight
-    blocks (and 1x128 activation groups), the scales of a thread's 16 bytes of a row are one load, not 16."""
-    cfg = gemv_config(n, k, k_grouped=blocks)
+    h quantized as loaded, a programmatic dependent launch). Nothing spills. As configured (``K_STAGES`` > 1) the
+    weight arrives in 16-byte asynchronous copies to shared memory (cp.async, the loop pipelined), BLOCK_N of them
+    a thread and step, read back 16 bytes at a time; with ``K_STAGES=1`` in 16-byte loads straight to registers,
+    and with fp8 codes the step's K loop then exchanges nothing through shared memory (the warps split K: each
+    thread multiplies the a slice it loaded). With 128x128 weight blocks (and 1x128 activation groups), the scales
+    of a thread's 16 bytes of a row are one load, not 16."""
+    cfg = gemv_config(n, k, k_grouped=blocks, a_quant=a_quant > 0)
+    assert (cfg["K_STAGES"] > 1) == (cfg["num_stages"] == 1)  # the loop's own pipelining, not the launch option
+    cfg = cfg if pipelined else {**cfg, "K_STAGES": 1}
     pdl = a_quant > 0
     kernel = compile_gemv(a_dtype, cfg, a_quant, pdl=pdl, blocks=blocks)
     assert stack_bytes(kernel) == 0, stack_bytes(kernel)
     (loop,) = ptx_loops(kernel.asm["ptx"])
-    assert loop.count("ld.global.v4.b32") >= cfg["BLOCK_N"], loop.count("ld.global.v4.b32")
-    assert "cp.async" not in loop
-    if blocks:  # BLOCK_N weight rows' scales and a's: one (scalar) load each per thread and step
-        scalar = len(re.findall(r"ld\.global(\.[a-z]+)*\.b32 ", loop))
+    if pipelined:
+        copies = len(re.findall(r"cp\.async\.cg\.shared\.global \[[^]]+\], \[[^]]+\], 0x10", loop))
+        assert copies >= cfg["BLOCK_N"], copies
+        assert loop.count("ld.shared.v4.b32") >= cfg["BLOCK_N"], loop.count("ld.shared.v4.b32")
+        assert "ld.global.v4" not in loop
+    else:
+        assert loop.count("ld.global.v4.b32") >= cfg["BLOCK_N"], loop.count("ld.global.v4.b32")
+        assert "cp.async" not in loop
+    if blocks:  # BLOCK_N weight rows' scales and a's: one (scalar) load or 4-byte copy each per thread and step
+        scalar = len(re.findall(r"ld\.global(\.[a-z]+)*\.b32 |cp\.async\.ca\.shared\.global .*, 0x4", loop))
         assert scalar <= cfg["BLOCK_N"] + 1, scalar
-    if a_dtype == "fp8e4nv" and not blocks:  # (with block scales at 2 warps, triton 3.6 - not 3.9 - moves the
-        # spread of a piece's scales through shared memory; that kernel still beat the tensor-core tile, run 16)
+    if a_dtype == "fp8e4nv" and not blocks and not pipelined:  # (with block scales at 2 warps, triton 3.6 - not
+        # 3.9 - moves the spread of a piece's scales through shared memory; that kernel still beat the tensor-core
+        # tile, run 16)
         assert "bar.sync" not in loop and ".shared" not in loop, "a's slice must not go through shared memory"
     if a_quant:
         assert "cvt.rn.satfinite.e4m3x2.f32" in loop, "h must be rounded to fp8 codes"
         ptx = kernel.asm["ptx"]
         before = ptx[:ptx.index("griddepcontrol.wait")]
-        assert not re.search(r"\b(ld\.global|atom\.|red\.|st\.global)", before), before[-2000:]
+        assert not re.search(r"\b(ld\.global|cp\.async|atom\.|red\.|st\.global)", before), before[-2000:]
