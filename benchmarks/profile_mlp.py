@@ -2,7 +2,7 @@
 Inductor's generated code for fp8fx, written under --out.
 
     python benchmarks/profile_mlp.py --out DIR [--m 4096] [--max-autotune] [--fuse-horizontal] [--fuse-mlp]
-                                     [--fp8fx-only]
+                                     [--h-group G] [--fp8fx-only]
 
 Each table ends with the block's time as a CUDA-graph replay next to the sum of its kernels' GPU times:
 at decode sizes the difference is what the launches between kernels cost.
@@ -51,6 +51,8 @@ def main():
     p.add_argument("--max-autotune", action="store_true")
     p.add_argument("--fuse-horizontal", action="store_true", help="Fp8Backend(fuse_horizontal=True): gate/up as one GEMM")
     p.add_argument("--fuse-mlp", action="store_true", help="Fp8Backend(fuse_mlp=True): the MLP in two kernels (decode)")
+    p.add_argument("--h-group", type=int, default=0,
+                   help="with --fuse-mlp: Fp8Backend(mlp_h_group=G), h quantized in 1 x G groups (0: per token)")
     p.add_argument("--fp8fx-only", action="store_true", help="no torchao and bf16 tables (their compiles take ~1 min)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -67,12 +69,14 @@ def main():
     cfg = {"max_autotune": True} if args.max_autotune else {}
     mod = fresh()
     fp8fx.quantize_(mod, fp8fx.Fp8Config())
-    backend = fp8fx.Fp8Backend(inductor_config=cfg, fuse_horizontal=args.fuse_horizontal, fuse_mlp=args.fuse_mlp)
+    backend = fp8fx.Fp8Backend(inductor_config=cfg, fuse_horizontal=args.fuse_horizontal, fuse_mlp=args.fuse_mlp,
+                               **({"mlp_h_group": args.h_group} if args.h_group else {}))
     fn = torch.compile(mod, backend=backend)
     with torch.no_grad():
         _, code = run_and_get_code(fn, x)
     tag = "fp8fx" + "".join(suffix for on, suffix in (
-        (args.max_autotune, "_autotune"), (args.fuse_horizontal, "_fused"), (args.fuse_mlp, "_mlp")) if on)
+        (args.max_autotune, "_autotune"), (args.fuse_horizontal, "_fused"), (args.fuse_mlp, "_mlp"),
+        (args.h_group, f"_g{args.h_group}")) if on)
     with open(os.path.join(args.out, f"{tag}_code.py"), "w") as f:
         f.write("\n\n# ----\n\n".join(code))
     report = [f"== {tag} M={args.m}", kernel_table(fn, x)]

@@ -287,7 +287,7 @@ def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5, k_stages=(1,)):
           3 * dim * hidden, rounds)
 
 
-def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5, groups=None, k_stages=(1,)):
+def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5, groups=None, k_stages=(1,), tma=False):
     """The fused MLP with h quantized in 1 x G groups by the gate/up kernel's epilogue (``h_group``: fp8 codes and
     group scales leave it; the down GEMM reads them as K-grouped activations) against per-token h (quantized as the
     down GEMM loads it): a sweep of both kernels' tiles per group size, then the best of each in ``rounds``
@@ -309,7 +309,7 @@ def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5, groups=None, 
             args = [xq, xs, *w1, *w3, *w2, None, [1, -1], [1, -1], [1, g], [1, -1], None, "silu", torch.bfloat16,
                     torch.bfloat16, False]
             ref = ops._gated_mlp_reference(*args).float()
-            firsts = [dict(gated_tile_config(m, hidden, dim), BLOCK_N=g, num_stages=st, num_warps=w)
+            firsts = [dict(gated_tile_config(m, hidden, dim, g), BLOCK_N=g, num_stages=st, num_warps=w)
                       for st, w in ((3, 4), (4, 4), (4, 8))]
             if m == 1:
                 downs = [c for c in gemv_candidates(hidden, k_stages) if c["num_warps"] <= 2 and c["BLOCK_N"] <= 4]
@@ -317,6 +317,7 @@ def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5, groups=None, 
                 downs = [dict(BLOCK_M=max(bm, 16), BLOCK_N=bn, BLOCK_K=g, GROUP_M=1, num_warps=w, num_stages=4,
                               SPLIT_K=sk)
                          for bn, w, sk in [*itertools.product([64, 128], [4], [1, 2, 4, 8]), (128, 8, 2), (128, 8, 4)]]
+                downs += [{**c, "TMA": True} for c in downs] if tma else []  # the weight by TMA copies
             results = []
             for c1, c2 in [(c, None) for c in firsts] + [(None, c) for c in downs]:
                 try:
@@ -378,7 +379,8 @@ def main(argv=None):
         return sweep_codes()
     if args.groups:
         return sweep_groups(tuple(int(m) for m in (args.ms or "1,16,64").split(",")),
-                            groups=tuple(int(g) for g in args.h_groups.split(",")), k_stages=k_stages)
+                            groups=tuple(int(g) for g in args.h_groups.split(",")), k_stages=k_stages,
+                            tma=args.tma)
     if args.gemv:
         shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
         if args.block:

@@ -137,14 +137,15 @@ def gated_gemm_kernel(
         tl.store(parts_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, amax, mask=m_ok)
 
 
-def gated_tile_config(m: int, n: int, k: int) -> dict:
+def gated_tile_config(m: int, n: int, k: int, h_group: int = 0) -> dict:
     """Tiles of the gate/up kernel: BLOCK_N rows of gate and of up per program, i.e. the bytes per program
     of ``fp8_gemm``'s decode tile (64 rows) on a fused gate/up weight. The best of the H200 sweep at M=1
     (run 10: 32- and 64-wide, 4 and 6 stages within 5%); at M=64 64-wide tiles were 8% faster but spill 344
-    bytes per thread (sm_90)."""
+    bytes per thread (sm_90). With h in groups (``h_group``: BLOCK_N is the group) above 16 rows, 8 warps: at
+    M=64 and G=128 the op 0.0625 ms against 0.0659 with 4 (H200 run 19, `tune_gemm.py --groups --ms 64`)."""
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
-    return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=8 if h_group >= 128 else 4, num_stages=4)
 
 
 def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0) -> dict:
@@ -159,11 +160,16 @@ def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0
     (M=64: 0.0991 ms for the whole MLP against 0.1363 split in 2 with 32-wide N tiles)."""
     if gemv and gemv_fits(m, n, k):
         return gemv_config(n, k, k_grouped=bool(h_group), a_quant=not h_group)
-    if h_group:  # fp8 codes in K groups (fp8_gemm's K step is a group): the best of the H200 sweep at G = 128 (run 17,
-        # `tune_gemm.py --groups`, the op as a CUDA-graph replay): M=16 64-wide N tiles, K split in 8, 0.0565 ms
-        # against 0.0582 with `mma_tile_config`'s; M=64 128-wide, split in 8, 0.0658 against 0.0766
-        return dict(BLOCK_M=16 if m <= 16 else 64, BLOCK_N=64 if m <= 16 else 128, BLOCK_K=h_group, GROUP_M=1,
-                    num_warps=4, num_stages=4, SPLIT_K=8 if k >= 8192 else 1)
+    if h_group:  # fp8 codes in K groups (fp8_gemm's K step is a group): the best of the H200 sweeps at G = 128
+        # (`tune_gemm.py --groups`, the op as a CUDA-graph replay): M=16 64-wide N tiles, K split in 8, 0.0565 ms
+        # against 0.0582 with `mma_tile_config`'s (run 17); M=64 64-wide, split in 4, the weight by TMA copies,
+        # 0.0630 against 0.0659 for run 17's 128-wide tiles split in 8 (run 19, with the TMA variants swept too;
+        # with the gate/up kernel's 8 warps the op took 0.0603)
+        if m <= 16:
+            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=h_group, GROUP_M=1, num_warps=4, num_stages=4,
+                        SPLIT_K=8 if k >= 8192 else 1)
+        return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=h_group, GROUP_M=1, num_warps=4, num_stages=4,
+                    SPLIT_K=4 if k >= 8192 else 1, TMA=True)
     cfg = mma_tile_config(m, n, k)
     if m <= 16 and cfg.get("SPLIT_K", 1) > 1:
         return {**cfg, "BLOCK_N": 128, "num_stages": 4, "SPLIT_K": 8}
@@ -225,7 +231,7 @@ def gated_mlp(
     (s1, rows1), (s3, rows3) = _vector(s1, i), _vector(s3, i)
     if rows1 != rows3:  # one layout for both: the per-tensor one as a vector
         s1, s3 = s1.expand(i).contiguous(), s3.expand(i).contiguous()
-    cfg1 = dict(configs[0] or gated_tile_config(m, i, k))
+    cfg1 = dict(configs[0] or gated_tile_config(m, i, k, h_group))
     cfg2 = {"SPLIT_K": 1, **(configs[1] or down_tile_config(m, n, i, h_group=h_group))}
     if h_group:  # a group is one N tile of the first kernel
         if configs[0] and cfg1["BLOCK_N"] != h_group:

@@ -201,7 +201,7 @@ def test_gated_gemm_with_h_groups_compiles_for_sm90(m, promote):
     of the epilogue. Nothing spilled with fast accumulation (the backend's default); promoting the wgmma sums every
     K step (use_fast_accum=False, M > 16) holds a second pair of [64, 128] accumulators and spills 72 bytes a thread
     (triton 3.9), a case not timed."""
-    cfg = {**gated_tile_config(m, 14336, 4096), "BLOCK_N": 128}
+    cfg = {**gated_tile_config(m, 14336, 4096, 128), "BLOCK_N": 128}
     types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*fp8e4nv",
                                       "*fp32", "*i32"]))
     types.update({name: "i32" for name in GATED_INTS})
