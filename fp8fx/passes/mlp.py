@@ -13,7 +13,7 @@ Matches (after the linear pass), with the same ``xq`` / ``x_scale`` feeding gate
 or gate and up as one merged layer (Phi-3's ``gate_up_proj``, vLLM's merged column layout: gate rows first)::
 
     gu = fp8fx.scaled_mm(xq, x_scale, w13, s13, None, x_block, w_block, dtype, fast)
-    g, u = gu.chunk(2, dim=-1)                          # or torch.chunk / split into two equal halves; or
+    g, u = gu.chunk(2, dim=-1)                          # or torch.chunk / split(I) / split([I, I]); or
                                                         # u, g = ...: the activation on the second half
 
 Rewrites to ``y = fp8fx.gated_mlp(xq, x_scale, w1, s1, w3, s3, w2, s2, b2, ...)`` (a merged layer's halves
@@ -139,7 +139,10 @@ def _half(node) -> Optional[tuple[fx.Node, int, fx.Node]]:
         return None
     width = out.shape[-1]
     is_chunk = cut.target in (torch.chunk, torch.Tensor.chunk, "chunk")
-    if not isinstance(width, int) or width % 2 or size != (2 if is_chunk else width // 2):
+    halves = 2 if is_chunk else width // 2
+    if isinstance(size, (list, tuple)) and not is_chunk:  # split(gu, [I, I]): the same two halves
+        size = size[0] if len(size) == 2 and size[0] == size[1] else None
+    if not isinstance(width, int) or width % 2 or size != halves:
         return None
     return gemm, node.args[1], cut
 
@@ -187,9 +190,9 @@ def _product_behind(h) -> tuple[Optional[fx.Node], list[fx.Node]]:
     for _ in range(4):
         if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method"):
             return None, []
-        if _is_mul(node):
+        if _is_mul(node) and len(node.all_input_nodes) == 2:
             return (node, between[::-1]) if len(node.args) == 2 and not node.kwargs else (None, [])
-        if len(node.all_input_nodes) != 1:
+        if len(node.all_input_nodes) != 1:  # (a product with a number, h * 0.5, is one: it blocks the fusion)
             return None, []
         between.append(node)
         node = node.all_input_nodes[0]
@@ -231,6 +234,13 @@ def _match_product(h: fx.Node, quant, down: fx.Node, h_static) -> tuple[Optional
                 return mlp, ""
             what = _name_of(act) + (" in place" if _in_place(act) else "")
             return mlp, f"the activation is {what}; the fused MLP takes SiLU or GELU (out of place)"
+    for act, up in (h.args, reversed(h.args)):  # gate and up indexed out of one GEMM's output (gu[..., :I])
+        sliced = _sliced(_input(act)) if isinstance(act, fx.Node) and act.op in ("call_function", "call_method") \
+            else None
+        if sliced is not None and sliced is _sliced(up):
+            mlp = _Mlp(sliced, sliced, act, h, quant, down, h_static, [_input(act), up])
+            return mlp, ("gate and up are indexed out of one projection's output; the fused MLP takes its two halves "
+                         "as chunk(2, -1) or split(I, -1) cuts them")
     for act, up in (h.args, reversed(h.args)):  # act(g) written as several ops (gelu_new: 0.5 * g * (1 + tanh..))
         if not isinstance(act, fx.Node) or _is_gemm(act) or _half(act):
             continue
@@ -247,6 +257,14 @@ def _match_product(h: fx.Node, quant, down: fx.Node, h_static) -> tuple[Optional
                 return mlp, f"{_name_of(extra)} between a projection and the product{why}{several}"
             return mlp, "the activation is several ops, not one SiLU or GELU op (what the fused MLP takes)"
     return None, ""
+
+
+def _sliced(node) -> Optional[fx.Node]:
+    """The GEMM whose output ``node`` indexes with slices (``gu[..., :I]``), else None."""
+    if not (isinstance(node, fx.Node) and node.target is operator.getitem and _is_gemm(node.args[0])):
+        return None
+    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
+    return node.args[0] if any(isinstance(i, slice) for i in index) else None
 
 
 def _gemm_behind(node: fx.Node, depth: int = 6) -> Optional[fx.Node]:
