@@ -76,7 +76,7 @@ def main():
         _, code = run_and_get_code(fn, x)
     tag = "fp8fx" + "".join(suffix for on, suffix in (
         (args.max_autotune, "_autotune"), (args.fuse_horizontal, "_fused"), (args.fuse_mlp, "_mlp"),
-        (args.h_group, f"_g{args.h_group}")) if on)
+        (args.fuse_mlp and args.h_group, f"_g{args.h_group}")) if on)
     with open(os.path.join(args.out, f"{tag}_code.py"), "w") as f:
         f.write("\n\n# ----\n\n".join(code))
     report = [f"== {tag} M={args.m}", kernel_table(fn, x)]

@@ -43,8 +43,9 @@ cudagraph trees warm up in theirs) and would be shared by graphs replayed on uno
 
 One row (M = 1, ``GEMV_MAX_M``; every scheme, K groups of a multiple of 16): ``fp8_gemv_kernel`` instead, on
 the CUDA cores. A 16-row tensor-core tile would be 15/16 padding, and its weight tiles pass through shared memory;
-the GEMV's programs are 1-2 warps that load 2-4 weight rows 16 bytes a thread straight into registers and
-keep a float32 product per element. On the H200 (run 16, CUDA-graph replays, the two in the same process):
+the GEMV's programs are 1-2 warps that stream 4-8 weight rows 16 bytes a thread (through a 3-stage cp.async
+pipeline in shared memory since run 19, ``K_STAGES``; no tensor-core operand staging) and keep a float32 product
+per element. On the H200 (run 16, before the pipelining; CUDA-graph replays, the two in the same process):
 qkv 6144x4096 0.0123 ms against 0.0166, down 4096x14336 0.0198 against 0.0221, gate 14336x4096 0.0206 against
 0.0216, gate_up 28672x4096 0.0343 against 0.0332 (the one shape it loses, by 3%: weights of over 4x more rows than
 columns stay on the tensor-core tile, ``gemv_fits``); the MLP block through the default backend 0.0639 ms against
@@ -301,8 +302,9 @@ def fp8_gemv_kernel(
     FP8_MAX: tl.constexpr = 448.0, PDL_WAIT: tl.constexpr = False, K_STAGES: tl.constexpr = 1,
 ):
     """y[N] = a[K] . b[N, K] on the CUDA cores: each program streams BLOCK_N weight rows (over its split of K) in
-    [BLOCK_N, BLOCK_K] tiles of 16-byte loads straight into registers - no shared memory, no tensor-core tile padded
-    from 1 row to 16 - and keeps a float32 product per loaded element, summed over K once at the end. Products
+    [BLOCK_N, BLOCK_K] tiles of 16-byte loads - straight into registers with ``K_STAGES=1``, else pipelined
+    ``K_STAGES`` deep through shared memory (cp.async), never a tensor-core tile padded from 1 row to 16 - and
+    keeps a float32 product per loaded element, summed over K once at the end. Products
     of fp8 codes are exact in float32; the sums round as a tensor core's float32 accumulation does, in another
     order. The activation's scale (per tensor = per row here) and b's are applied after the sum; scales that
     change along K (``A_GROUPED``: a's [1, K / GROUP_K], ``B_GROUPED``: b's [N / B_BLOCK_N, K / GROUP_K]) multiply
@@ -372,7 +374,7 @@ def fp8_gemv_kernel(
 GEMV_MAX_M = 1
 
 
-def gemv_config(n: int, k: int, k_grouped: bool = False, a_quant: bool = False) -> dict:
+def gemv_config(n: int, k: int, a_quant: bool = False) -> dict:
     """``fp8_gemv_kernel``'s tile for a weight [n, k]: BLOCK_N rows of BLOCK_K = 16 x 32 x num_warps bytes a step,
     so each thread loads 16 bytes of each row and the warps split K, not N: the activation slice a thread
     multiplies is then the one it loads itself (an fp8 a needs no exchange through shared memory; with 4 warps
@@ -382,13 +384,14 @@ def gemv_config(n: int, k: int, k_grouped: bool = False, a_quant: bool = False) 
 
     From the H200 sweeps (CUDA-graph replays after a clean L2 flush; run 19 call 1, `tune_gemm.py --gemv
     --k-stages 1,2,3,4`, 37-44 tiles a shape; run 16 for the unpipelined shapes):
-    - K = 14336 (down): 4 rows, 2 warps, 3 stages 0.0195 ms against 0.0203 unpipelined (the sweep's best, 1 warp
-      and 4 stages, 0.0194). In the fused MLP, quantizing h as it loads it (``a_quant``), 8 rows: the whole op
-      0.0505 ms against 0.0512 with 4 rows and 0.0534 unpipelined; with h's codes in 1 x 32 groups, 4 rows:
-      0.0493 against 0.0501.
-    - K = 4096 (qkv 6144x4096): 4 rows, 1 warp, 3 stages 0.0121 ms against 0.0125 (2 rows, unpipelined). With K
-      groups (``k_grouped``: 1x128 / 128x128 block scales) 4 rows was already the best unpipelined (run 16: qkv
-      0.0138 against 0.0153 with 2 rows and 0.0177 for the tensor-core block tile).
+    - K = 14336 (down): 4 rows, 2 warps, 3 stages 0.0195 ms in the sweep, whose best (1 warp, 4 stages) took
+      0.0194 against 0.0203 unpipelined in 5 interleaved rounds. In the fused MLP, quantizing h as it loads it
+      (``a_quant``), 8 rows: the whole op 0.0507 ms against 0.0534 unpipelined in 5 rounds (in the sweep 8 rows
+      0.0505, 4 rows 0.0512); with h's codes in 1 x 32 groups, 4 rows: 0.0495 against 0.0501 in 5 rounds.
+    - K = 4096 (qkv 6144x4096): 4 rows, 1 warp, 3 stages, the sweep's best: 0.0120 ms against 0.0125 (2 rows,
+      unpipelined) in 5 rounds. With K groups (1x128 / 128x128 block scales) 4 rows was already the best
+      unpipelined (run 16: qkv 0.0138 against 0.0153 with 2 rows and 0.0177 for the tensor-core block tile);
+      their pipelined tile was not timed.
     No split K was among any shape's best; a weight of few rows (under 512 programs) has K split in halves
     while each split keeps 4 K steps."""
     block_n, warps = (8 if a_quant else 4, 2) if k >= 8192 else (4, 1)
@@ -399,10 +402,11 @@ def gemv_config(n: int, k: int, k_grouped: bool = False, a_quant: bool = False) 
                 SPLIT_K=split, K_STAGES=3)
 
 
-def tile_config(m: int, n: int, k: int, k_grouped: bool = False) -> dict:
+def tile_config(m: int, n: int, k: int, a_quant: bool = False) -> dict:
     """The kernel and tiles ``fp8_gemm`` runs for [m, k] x [n, k]: the GEMV kernel where ``gemv_fits``
-    (``gemv_config``), else ``mma_tile_config`` (whose BLOCK_K ``fp8_gemm`` sets to the K group, if any)."""
-    return gemv_config(n, k, k_grouped) if gemv_fits(m, n, k) else mma_tile_config(m, n, k)
+    (``gemv_config``; ``a_quant``: it quantizes a 16-bit a as it loads it), else ``mma_tile_config`` (whose BLOCK_K
+    ``fp8_gemm`` sets to the K group, if any)."""
+    return gemv_config(n, k, a_quant) if gemv_fits(m, n, k) else mma_tile_config(m, n, k)
 
 
 def gemv_fits(m: int, n: int, k: int) -> bool:
@@ -470,8 +474,8 @@ def imprecise_k(cfg: dict, fast_accum: bool) -> Optional[int]:
 def _weight_descriptor(b: torch.Tensor, cfg: dict):
     """A host tensor descriptor of the weight ``b`` [N, K] in ``cfg``'s [BLOCK_N, BLOCK_K] tiles (the kernel's
     loads become Hopper TMA copies, zero-filled past the edges), or None where TMA cannot address it: rows
-    and base must be 16-byte aligned. Opt-in per tile configuration (``TMA=True``), not yet timed on the
-    H200; ``tune_gemm.py`` sweeps it."""
+    and base must be 16-byte aligned. Per tile configuration (``TMA=True``): the fused MLP's down GEMM of h in
+    groups above 16 rows takes it (``gated_mlp.down_tile_config``, H200 run 19); ``tune_gemm.py --tma`` sweeps it."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     n, k = b.shape
@@ -559,7 +563,7 @@ def fp8_gemm(
     group_k = [blk[1] for blk, mode in ((a_block, a_mode), (b_block, b_mode)) if mode == PER_K_GROUP]
     if len(set(group_k)) > 1:
         raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
-    cfg = dict(config or tile_config(m, n, k, k_grouped=bool(group_k)))
+    cfg = dict(config or tile_config(m, n, k, a_quant=a_quant != NO_QUANT))
     gemv = cfg.pop("GEMV", False)
     # the GEMV scales a thread's 16 bytes of a row by one K group's scale: groups of a multiple of 16 (the ops send
     # groups of 32-256, ops._k_groups_agree)
@@ -568,7 +572,7 @@ def fp8_gemm(
                          f"16; got M={m}, K groups {group_k}")
     if group_k and not gemv:  # the tensor-core kernel scales each K step's partial product: a step is a group
         cfg["BLOCK_K"] = group_k[0]
-    if not gemv:  # the GEMV kernel loads into registers, no shared memory
+    if not gemv:  # (the GEMV pipelines its loads by its own K_STAGES, not by the launch's num_stages)
         cfg["num_stages"] = pipeline_stages(cfg, a.element_size())  # a 16-bit a (weight-only, a_quant) doubles its tile
     cfg.setdefault("SPLIT_K", 1)
     split_k = cfg["SPLIT_K"]

@@ -141,8 +141,10 @@ def gated_tile_config(m: int, n: int, k: int, h_group: int = 0) -> dict:
     """Tiles of the gate/up kernel: BLOCK_N rows of gate and of up per program, i.e. the bytes per program
     of ``fp8_gemm``'s decode tile (64 rows) on a fused gate/up weight. The best of the H200 sweep at M=1
     (run 10: 32- and 64-wide, 4 and 6 stages within 5%); at M=64 64-wide tiles were 8% faster but spill 344
-    bytes per thread (sm_90). With h in groups (``h_group``: BLOCK_N is the group) above 16 rows, 8 warps: at
-    M=64 and G=128 the op 0.0625 ms against 0.0659 with 4 (H200 run 19, `tune_gemm.py --groups --ms 64`)."""
+    bytes per thread (sm_90). With h in groups of 128 (``h_group``: BLOCK_N is the group) above 16 rows, 8 warps:
+    at M=64 the op 0.0625 ms against 0.0659 with 4 (H200 run 19, `tune_gemm.py --groups --ms 64`: each candidate
+    timed once in the sweep; with the down tile below, 0.0603 in 5 interleaved rounds). Groups of 32 and 64 keep 4
+    (not swept above 16 rows)."""
     if m <= 16:
         return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, num_warps=4, num_stages=4)
     return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, num_warps=8 if h_group >= 128 else 4, num_stages=4)
@@ -150,8 +152,8 @@ def gated_tile_config(m: int, n: int, k: int, h_group: int = 0) -> dict:
 
 def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0) -> dict:
     """The down GEMM's kernel and tiles. Where ``gemv_fits`` (one row; with ``gemv``) the GEMV kernel, quantizing h
-    as it loads each K step of it (``gemv_config``; the fused MLP at M=1 0.0505 ms against 0.0568 with the
-    tensor-core tile below, H200 run 19). Up to 16 rows and a long K (Llama-3-8B's 14336): 128-wide N
+    as it loads each K step of it (``gemv_config``; the fused MLP at M=1 0.0507 ms against 0.0568 with the
+    tensor-core tile below, 5 interleaved rounds, H200 run 19). Up to 16 rows and a long K (Llama-3-8B's 14336): 128-wide N
     tiles with K split in 8, 4 stages - the best of the H200 sweep of 36 (run 11 call 1, `tune_gemm.py --gated
     --tma`, the whole op as a CUDA-graph replay: 0.0637 ms at M=1 and 0.0649 at M=16 against 0.0657 and 0.0671
     with `mma_tile_config`'s 64-wide tiles split in 4; TMA weight loads were 0.1-0.5 us faster still, within the
@@ -159,12 +161,13 @@ def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0
     converted to fp8 in registers; M=64's [64, 256] one spilled 680 bytes per thread, sm_90) and K split in 4
     (M=64: 0.0991 ms for the whole MLP against 0.1363 split in 2 with 32-wide N tiles)."""
     if gemv and gemv_fits(m, n, k):
-        return gemv_config(n, k, k_grouped=bool(h_group), a_quant=not h_group)
+        return gemv_config(n, k, a_quant=not h_group)
     if h_group:  # fp8 codes in K groups (fp8_gemm's K step is a group): the best of the H200 sweeps at G = 128
         # (`tune_gemm.py --groups`, the op as a CUDA-graph replay): M=16 64-wide N tiles, K split in 8, 0.0565 ms
         # against 0.0582 with `mma_tile_config`'s (run 17); M=64 64-wide, split in 4, the weight by TMA copies,
         # 0.0630 against 0.0659 for run 17's 128-wide tiles split in 8 (run 19, with the TMA variants swept too;
-        # with the gate/up kernel's 8 warps the op took 0.0603)
+        # with the gate/up kernel's 8 warps the op took 0.0603). Groups of 32 and 64 take the same tiles, correct
+        # (tests) but not timed above 16 rows
         if m <= 16:
             return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=h_group, GROUP_M=1, num_warps=4, num_stages=4,
                         SPLIT_K=8 if k >= 8192 else 1)

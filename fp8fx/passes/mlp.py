@@ -13,7 +13,8 @@ Matches (after the linear pass), with the same ``xq`` / ``x_scale`` feeding gate
 or gate and up as one merged layer (Phi-3's ``gate_up_proj``, vLLM's merged column layout: gate rows first)::
 
     gu = fp8fx.scaled_mm(xq, x_scale, w13, s13, None, x_block, w_block, dtype, fast)
-    g, u = gu.chunk(2, dim=-1)                          # or torch.chunk / split(I) / split([I, I]); or
+    g, u = gu.chunk(2, dim=-1)                          # or torch.chunk / split(I) / split([I, I]) /
+                                                        # gu[..., :I], gu[..., I:]; or
                                                         # u, g = ...: the activation on the second half
 
 Rewrites to ``y = fp8fx.gated_mlp(xq, x_scale, w1, s1, w3, s3, w2, s2, b2, ...)`` (a merged layer's halves
@@ -60,7 +61,8 @@ class _Mlp:
     quant: list[fx.Node]  # the quantization's nodes (quantize and its getitems, or quantize_static)
     down: fx.Node
     h_static: Optional[fx.Node]
-    halves: list[fx.Node] = dataclasses.field(default_factory=list)  # merged: the chunk, gate's and up's getitem
+    # merged: the chunk (none where the halves are indexed out), gate's and up's getitem
+    halves: list[fx.Node] = dataclasses.field(default_factory=list)
     gate_half: int = 0  # merged: which half of the merged output the activation reads (vLLM's layout: the first)
     between: list[fx.Node] = dataclasses.field(default_factory=list)  # no-ops from the product to its quantization
 
@@ -120,9 +122,12 @@ def _quantized(down: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node], Optional
 _CHUNK = (torch.chunk, torch.split, torch.Tensor.chunk, torch.Tensor.split)
 
 
-def _half(node) -> Optional[tuple[fx.Node, int, fx.Node]]:
+def _half(node) -> Optional[tuple[fx.Node, int, Optional[fx.Node]]]:
     """(GEMM, 0 or 1, the chunk / split node) when ``node`` is the first or second half of a GEMM's output cut
-    in two along its last dim (``gu.chunk(2, -1)``, ``torch.split(gu, I, -1)``), else None."""
+    in two along its last dim (``gu.chunk(2, -1)``, ``torch.split(gu, I, -1)``, ``split(gu, [I, I], -1)``), or
+    (GEMM, 0 or 1, None) when it indexes that half out (``gu[..., :I]``, ``gu[..., I:]``), else None."""
+    if isinstance(node, fx.Node) and node.target is operator.getitem and _is_gemm(node.args[0]):
+        return _sliced_half(node)
     if not (isinstance(node, fx.Node) and node.target is operator.getitem and node.args[1] in (0, 1)):
         return None
     cut = node.args[0]
@@ -147,14 +152,34 @@ def _half(node) -> Optional[tuple[fx.Node, int, fx.Node]]:
     return gemm, node.args[1], cut
 
 
+def _sliced_half(node: fx.Node) -> Optional[tuple[fx.Node, int, None]]:
+    """`_half` of ``gemm[..., :W/2]`` / ``gemm[..., W/2:]`` (or ``[:, :W/2]`` with one full slice per other dim)."""
+    gemm, index = node.args
+    index = index if isinstance(index, tuple) else (index,)
+    out = fake_value(gemm)
+    full = slice(None)
+    if out is None or not index or not isinstance(index[-1], slice) or index[-1].step not in (None, 1):
+        return None
+    if index[:-1] != (Ellipsis,) and (len(index) != out.dim() or any(i != full for i in index[:-1])):
+        return None
+    width = out.shape[-1]
+    if not isinstance(width, int) or width % 2:
+        return None
+    start, stop = index[-1].start or 0, index[-1].stop
+    stop = width if stop is None or (isinstance(stop, int) and stop >= width) else stop
+    halves = {(0, width // 2): 0, (width // 2, width): 1}
+    return (gemm, halves[(start, stop)], None) if (start, stop) in halves else None
+
+
 def _gate_up(act_input, up) -> Optional[tuple[fx.Node, fx.Node, list[fx.Node], int]]:
     """(gate GEMM, up GEMM, [], 0) for two GEMMs, or (merged GEMM, the same, [chunk, gate's getitem, up's
     getitem], the gate's half: 0 or 1) for the two halves of one, else None."""
     if _is_gemm(act_input) and _is_gemm(up):
         return (act_input, up, [], 0) if act_input is not up else None  # act(g) * g: no gate/up pair
     gate, other = _half(act_input), _half(up)
-    if gate and other and gate[1] != other[1] and gate[2] is other[2]:
-        return gate[0], gate[0], [gate[2], act_input, up], gate[1]
+    if gate and other and gate[1] != other[1] and gate[0] is other[0] and gate[2] is other[2]:
+        cut = [gate[2]] if gate[2] is not None else []  # (indexed halves have no cut node)
+        return gate[0], gate[0], [*cut, act_input, up], gate[1]
     return None
 
 
@@ -234,13 +259,6 @@ def _match_product(h: fx.Node, quant, down: fx.Node, h_static) -> tuple[Optional
                 return mlp, ""
             what = _name_of(act) + (" in place" if _in_place(act) else "")
             return mlp, f"the activation is {what}; the fused MLP takes SiLU or GELU (out of place)"
-    for act, up in (h.args, reversed(h.args)):  # gate and up indexed out of one GEMM's output (gu[..., :I])
-        sliced = _sliced(_input(act)) if isinstance(act, fx.Node) and act.op in ("call_function", "call_method") \
-            else None
-        if sliced is not None and sliced is _sliced(up):
-            mlp = _Mlp(sliced, sliced, act, h, quant, down, h_static, [_input(act), up])
-            return mlp, ("gate and up are indexed out of one projection's output; the fused MLP takes its two halves "
-                         "as chunk(2, -1) or split(I, -1) cuts them")
     for act, up in (h.args, reversed(h.args)):  # act(g) written as several ops (gelu_new: 0.5 * g * (1 + tanh..))
         if not isinstance(act, fx.Node) or _is_gemm(act) or _half(act):
             continue
@@ -257,14 +275,6 @@ def _match_product(h: fx.Node, quant, down: fx.Node, h_static) -> tuple[Optional
                 return mlp, f"{_name_of(extra)} between a projection and the product{why}{several}"
             return mlp, "the activation is several ops, not one SiLU or GELU op (what the fused MLP takes)"
     return None, ""
-
-
-def _sliced(node) -> Optional[fx.Node]:
-    """The GEMM whose output ``node`` indexes with slices (``gu[..., :I]``), else None."""
-    if not (isinstance(node, fx.Node) and node.target is operator.getitem and _is_gemm(node.args[0])):
-        return None
-    index = node.args[1] if isinstance(node.args[1], tuple) else (node.args[1],)
-    return node.args[0] if any(isinstance(i, slice) for i in index) else None
 
 
 def _gemm_behind(node: fx.Node, depth: int = 6) -> Optional[fx.Node]:
@@ -336,9 +346,10 @@ class GatedMlpPass(Fp8Pass):
                     "per-tensor / per-row scales only")
         sole = lambda n, user: list(n.users) == [user]  # noqa: E731
         quantize, outputs = mlp.quant[0], mlp.quant[1:] or mlp.quant  # what only down may read
-        if mlp.merged:  # gu -> chunk -> (gate half -> act, up half -> mul)
-            cut, first, second = mlp.halves
-            gate_ok = sole(gate, cut) and set(cut.users) == {first, second} and sole(first, mlp.act)
+        if mlp.merged:  # gu -> chunk -> (gate half -> act, up half -> mul), or gu -> (gu[..., :I], gu[..., I:])
+            *cut, first, second = mlp.halves
+            gate_ok = (sole(gate, cut[0]) and set(cut[0].users) == {first, second} if cut else
+                       set(gate.users) == {first, second}) and sole(first, mlp.act)
             up_ok = sole(second, mlp.mul)
         else:
             gate_ok, up_ok = sole(gate, mlp.act), sole(up, mlp.mul)

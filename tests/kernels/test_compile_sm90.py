@@ -87,12 +87,11 @@ def test_fp8_gemm_compiles_for_sm90(layout, m, n, k):
 @pytest.mark.parametrize("m", [16, 64])
 def test_down_gemm_of_h_groups_compiles_for_sm90(m):
     """The fused MLP's down GEMM with h in 1x128 groups (fp8 codes, [M, I / 128] scales, per-channel weight) at its
-    default tile: no spill at 16 rows; at 64 rows (a [64, 64] accumulator per 4 warps since run 19, the weight by
-    TMA copies) none with triton 3.9 either; run 17's [64, 128] tile spilled 40 bytes a thread, which the bound
-    still admits."""
+    default tile: no spill at 16 rows, nor at 64 rows (a [64, 64] accumulator per 4 warps since run 19, the weight
+    by TMA copies; run 17's [64, 128] tile spilled 40 bytes a thread with triton 3.9)."""
     kernel = compile_for_hopper("fp8e4nv", (False, True, True, False), down_tile_config(m, 4096, 14336, h_group=128))
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
-    assert stack_bytes(kernel) <= (0 if m <= 16 else 64), stack_bytes(kernel)
+    assert stack_bytes(kernel) == 0, stack_bytes(kernel)
 
 
 def test_promotion_reaches_the_hopper_code():
@@ -272,8 +271,7 @@ def test_gemv_compiles_for_sm90(n, k, a_dtype, a_quant, blocks, pipelined):
     and with fp8 codes the step's K loop then exchanges nothing through shared memory (the warps split K: each
     thread multiplies the a slice it loaded). With 128x128 weight blocks (and 1x128 activation groups), the scales
     of a thread's 16 bytes of a row are one load, not 16."""
-    cfg = gemv_config(n, k, k_grouped=blocks, a_quant=a_quant > 0)
-    assert (cfg["K_STAGES"] > 1) == (cfg["num_stages"] == 1)  # the loop's own pipelining, not the launch option
+    cfg = gemv_config(n, k, a_quant=a_quant > 0)
     cfg = cfg if pipelined else {**cfg, "K_STAGES": 1}
     pdl = a_quant > 0
     kernel = compile_gemv(a_dtype, cfg, a_quant, pdl=pdl, blocks=blocks)

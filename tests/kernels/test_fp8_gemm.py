@@ -165,7 +165,10 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
         assert tile_config(2, n, k) == mma_tile_config(2, n, k) and "GEMV" not in tile_config(2, n, k)
     assert tile_config(1, 28672, 4096) == mma_tile_config(1, 28672, 4096)
     assert tile_config(0, 4096, 4096) == mma_tile_config(0, 4096, 4096)  # an empty batch: no GEMV launch
-    assert tile_config(1, 6144, 4096, k_grouped=True)["BLOCK_N"] == 4  # block scales: 4 rows a program at K = 4096
+    # run 19's pipelined tiles: 4 rows a program (8 where the GEMV quantizes a 16-bit a as it loads it, asked for
+    # through tile_config as fp8_gemm asks when given no config), the K loop 3 stages deep
+    assert [tile_config(1, 4096, 14336, a_quant=q)["BLOCK_N"] for q in (False, True)] == [4, 8]
+    assert tile_config(1, 6144, 4096)["BLOCK_N"] == 4 and tile_config(1, 6144, 4096)["K_STAGES"] == 3
     # 2-16 rows of a weight of fewer 64-wide tiles than SMs: 32-wide tiles, K split in 4 (run 18); wide weights,
     # short K and more rows keep their tiles
     for n, k, split in [(6144, 4096, 4), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4), (6144, 512, 1)]:
