@@ -193,24 +193,27 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
 
 
 MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "fp8fx_fused_mlp",
-                "fp8fx_fused_mlp_g128", "fp8fx_mma", "fp8fx_fused_mlp_mma", "inductor_scaled_mm", "torchao_rowwise")
-# the default --variants: the *_mma ones are for comparing kernels (the GEMV off), on request
-DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith("_mma"))
+                "fp8fx_fused_mlp_g128", "fp8fx_mma", "fp8fx_fused_mlp_mma", "fp8fx_fused_mlp_k1", "inductor_scaled_mm",
+                "torchao_rowwise")
+# the default --variants: the *_mma ones (the GEMV off) and *_k1 (its loads unpipelined) compare kernels, on request
+DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith(("_mma", "_k1")))
 
 
-def without_gemv(fn):
-    """``fn`` with fp8fx's GEMMs of one row on the tensor-core tiles (``fp8_gemm.GEMV_MAX_M = 0`` while it runs:
-    the kernel is chosen at each call, so a CUDA graph captured through this keeps them): the ``*_mma`` variants,
-    the kernels before the GEMV one, timed next to it."""
+def with_kernel_setting(fn, name: str, value):
+    """``fn`` with ``fp8fx.kernels.fp8_gemm``'s ``name`` set to ``value`` while it runs (the kernel and its tile are
+    chosen at each call, so a CUDA graph captured through this keeps them): ``GEMV_MAX_M = 0`` for the ``*_mma``
+    variants (one-row GEMMs on the tensor-core tiles, the kernels before the GEMV one), ``GEMV_K_STAGES = 1`` for
+    ``*_k1`` (the GEMV's loads unpipelined, as before run 19), each timed next to the default."""
     from fp8fx.kernels import fp8_gemm as kernels
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        saved, kernels.GEMV_MAX_M = kernels.GEMV_MAX_M, 0
+        saved = getattr(kernels, name)
+        setattr(kernels, name, value)
         try:
             return fn(*args, **kwargs)
         finally:
-            kernels.GEMV_MAX_M = saved
+            setattr(kernels, name, saved)
     return call
 
 
@@ -248,9 +251,13 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAUL
         variants["fp8fx_fused_mlp_g128"], _ = fp8fx_module(fresh(), {"fuse_mlp": True, "mlp_h_group": 128},
                                                            dynamic=False)
     if "fp8fx_mma" in only:
-        variants["fp8fx_mma"] = without_gemv(fp8fx_module(fresh(), dynamic=False)[0])
+        variants["fp8fx_mma"] = with_kernel_setting(fp8fx_module(fresh(), dynamic=False)[0], "GEMV_MAX_M", 0)
     if "fp8fx_fused_mlp_mma" in only:
-        variants["fp8fx_fused_mlp_mma"] = without_gemv(fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0])
+        variants["fp8fx_fused_mlp_mma"] = with_kernel_setting(
+            fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0], "GEMV_MAX_M", 0)
+    if "fp8fx_fused_mlp_k1" in only:
+        variants["fp8fx_fused_mlp_k1"] = with_kernel_setting(
+            fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0], "GEMV_K_STAGES", 1)
     if "inductor_scaled_mm" in only:
         variants["inductor_scaled_mm"] = torch.compile(ScaledMMMLP(fresh()), dynamic=False)
     if "torchao_rowwise" in only:

@@ -372,6 +372,9 @@ def fp8_gemv_kernel(
 
 # 1: one-row GEMMs take the GEMV kernel (the CUDA cores, no padded tensor-core tile; it takes one row), 0: none
 GEMV_MAX_M = 1
+# the GEMV's K loop pipeline depth (``K_STAGES``; 1: loads straight to registers, as before run 19), read at each
+# call: bench_linear.py's ``*_k1`` variants set it to 1 while they run, to time the two in one process
+GEMV_K_STAGES = 3
 
 
 def gemv_config(n: int, k: int, a_quant: bool = False) -> dict:
@@ -399,7 +402,7 @@ def gemv_config(n: int, k: int, a_quant: bool = False) -> dict:
     while triton.cdiv(n, block_n) * split < 512 and steps >= 8 * split:
         split *= 2
     return dict(GEMV=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
-                SPLIT_K=split, K_STAGES=3)
+                SPLIT_K=split, K_STAGES=GEMV_K_STAGES)
 
 
 def tile_config(m: int, n: int, k: int, a_quant: bool = False) -> dict:

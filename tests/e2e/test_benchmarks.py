@@ -25,27 +25,29 @@ def test_bench_moe_layer_cpu_smoke(tmp_path):
     assert all(r["moe_sites_rewritten"] == 1 and r["err_vs_bf16"] < 0.1 for r in rows), rows
 
 
-def test_without_gemv_holds_the_tensor_core_tiles_for_one_call(monkeypatch):
-    """bench_linear.py's ``*_mma`` variants: inside the wrapped call one-row GEMMs take the tensor-core tiles (what
-    a CUDA graph captured through it keeps), after it the GEMV kernel again, also when the call raises."""
+def test_kernel_settings_hold_for_one_call(monkeypatch):
+    """bench_linear.py's ``*_mma`` and ``*_k1`` variants: inside the wrapped call one-row GEMMs take the tensor-core
+    tiles, or the GEMV with its loads unpipelined (what a CUDA graph captured through it keeps), after it the
+    pipelined GEMV again, also when the call raises."""
     import sys
 
     monkeypatch.syspath_prepend("benchmarks")
     monkeypatch.delitem(sys.modules, "bench_linear", raising=False)
-    from bench_linear import without_gemv
+    from bench_linear import with_kernel_setting
 
     from fp8fx.kernels import fp8_gemm as kernels
     from fp8fx.kernels.gated_mlp import down_tile_config
 
-    seen = []  # the op's tiles and the fused MLP's down GEMM's (a module that must read the switch at each call)
-    wrapped = without_gemv(lambda: seen.extend([kernels.tile_config(1, 4096, 14336), down_tile_config(1, 4096, 14336)]))
-    wrapped()
-    assert seen[0] == kernels.mma_tile_config(1, 4096, 14336)
-    assert seen[1] == down_tile_config(1, 4096, 14336, gemv=False)
-    assert kernels.tile_config(1, 4096, 14336)["GEMV"] and down_tile_config(1, 4096, 14336)["GEMV"]
+    def tiles():  # the op's tile and the fused MLP's down GEMM's (a module that must read the switch at each call)
+        return [kernels.tile_config(1, 4096, 14336), down_tile_config(1, 4096, 14336)]
+    mma, k1 = with_kernel_setting(tiles, "GEMV_MAX_M", 0)(), with_kernel_setting(tiles, "GEMV_K_STAGES", 1)()
+    assert mma == [kernels.mma_tile_config(1, 4096, 14336), down_tile_config(1, 4096, 14336, gemv=False)]
+    assert all(cfg["GEMV"] and cfg["K_STAGES"] == 1 for cfg in k1), k1
+    assert all(cfg["GEMV"] and cfg["K_STAGES"] == 3 for cfg in tiles())
 
     def fails():
         raise RuntimeError("capture failed")
-    with pytest.raises(RuntimeError):
-        without_gemv(fails)()
-    assert kernels.GEMV_MAX_M == 1
+    for name, value in (("GEMV_MAX_M", 0), ("GEMV_K_STAGES", 1)):
+        with pytest.raises(RuntimeError):
+            with_kernel_setting(fails, name, value)()
+    assert kernels.GEMV_MAX_M == 1 and kernels.GEMV_K_STAGES == 3
