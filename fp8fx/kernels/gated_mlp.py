@@ -153,11 +153,11 @@ def gated_tile_config(m: int, n: int, k: int, h_group: int = 0) -> dict:
 def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0) -> dict:
     """The down GEMM's kernel and tiles. Where ``gemv_fits`` (one row; with ``gemv``) the GEMV kernel, quantizing h
     as it loads each K step of it (``gemv_config``; the fused MLP at M=1 0.0507 ms against 0.0568 with the
-    tensor-core tile below, 5 interleaved rounds, H200 run 19). Up to 16 rows and a long K (Llama-3-8B's 14336): 128-wide N
-    tiles with K split in 8, 4 stages - the best of the H200 sweep of 36 (run 11 call 1, `tune_gemm.py --gated
-    --tma`, the whole op as a CUDA-graph replay: 0.0637 ms at M=1 and 0.0649 at M=16 against 0.0657 and 0.0671
-    with `mma_tile_config`'s 64-wide tiles split in 4; TMA weight loads were 0.1-0.5 us faster still, within the
-    run's spread). Otherwise ``mma_tile_config``'s, with BLOCK_K at most 128 above 16 rows (a 16-bit h tile is
+    tensor-core tile below, 5 interleaved rounds, H200 run 19). Up to 16 rows and a long K (Llama-3-8B's 14336):
+    128-wide N tiles with K split in 8, 4 stages - the best of the H200 sweep of 36 (run 11 call 1, `tune_gemm.py
+    --gated --tma`, the whole op as a CUDA-graph replay: 0.0637 ms at M=1 and 0.0649 at M=16 against 0.0657 and
+    0.0671 with `mma_tile_config`'s 64-wide tiles split in 4; TMA weight loads were 0.1-0.5 us faster still, within
+    the run's spread). Otherwise ``mma_tile_config``'s, with BLOCK_K at most 128 above 16 rows (a 16-bit h tile is
     converted to fp8 in registers; M=64's [64, 256] one spilled 680 bytes per thread, sm_90) and K split in 4
     (M=64: 0.0991 ms for the whole MLP against 0.1363 split in 2 with 32-wide N tiles)."""
     if gemv and gemv_fits(m, n, k):
