@@ -384,7 +384,8 @@ class ExpertsLoader:
             # streaming: nothing was swapped into the model yet (commit), so the model stays as it was.
             check_weight_values(entry, t, dtype, ex.fqn,
                                 f"into {dtype} experts (scale or dequantized weight inf, outputs NaN)")
-        ex.method.weight_loader(ex.stage, name, t, shard, e)
+        # a weight's NaN/Inf were refused just above, in the pass that checks its range: not scanned again there
+        ex.method.weight_loader(ex.stage, name, t, shard, e, values_checked=not scale)
 
     @staticmethod
     def _note_wide_scales(ex: Experts, entry: Entry, name: str, e, t: torch.Tensor, dtype: torch.dtype) -> None:

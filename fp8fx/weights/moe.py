@@ -290,10 +290,14 @@ class Fp8MoEMethod:
         loaded: torch.Tensor,
         shard_id: Optional[str] = None,
         expert_id: Optional[int] = None,
+        *,
+        values_checked: bool = False,
     ) -> None:
         """Copy ``loaded`` into ``layer.<name>`` (an HF or vLLM name, see the module docstring): all
         experts (``expert_id=None``: ``[E, ...]``), one expert, or shard ``"w1"`` / ``"w3"`` (gate / up
-        rows of gate_up_proj) or ``"w2"`` of one expert. Online, bf16 tensors are quantized here."""
+        rows of gate_up_proj) or ``"w2"`` of one expert. Online, bf16 tensors are quantized here, after a pass
+        that refuses NaN/Inf - skipped with ``values_checked`` where the caller's own pass over the tensor did that
+        (``fp8fx.load_checkpoint``: one pass over each expert tensor, not two)."""
         name = _ALIASES.get(name, name)
         base = W13 if name.startswith(W13) else W2 if name.startswith(W2) else None
         prefix = layer._fp8fx_prefix
@@ -319,7 +323,8 @@ class Fp8MoEMethod:
                 "(the completeness check counts elements)"
             )
         if name == base and online:
-            self._check_online(f"{prefix}.{name} (expert {expert_id}, shard {shard_id})", loaded, prefix)
+            self._check_online(f"{prefix}.{name} (expert {expert_id}, shard {shard_id})", loaded, prefix,
+                               values_checked)
             self._load_online(layer, base, loaded, shard_id, expert_id)
             layer._fp8fx_arrived.add(arrival)
             return
@@ -347,7 +352,7 @@ class Fp8MoEMethod:
             self._count(layer, base, expert_id, dest.numel())
 
     @staticmethod
-    def _check_online(what: str, loaded: torch.Tensor, prefix: str) -> None:
+    def _check_online(what: str, loaded: torch.Tensor, prefix: str, values_checked: bool = False) -> None:
         """Online, the loader quantizes what it gets: high-precision finite values only. An fp8 tensor was taken for
         real values (a second, wrong quantization); a NaN / Inf made its expert's scale NaN / Inf."""
         if loaded.dtype not in quant.HIGH_PRECISION:
@@ -355,7 +360,7 @@ class Fp8MoEMethod:
                    if loaded.dtype == quant.FP8_DTYPE else "")
             raise ValueError(f"{what}: the tensor is {loaded.dtype}; online quantization takes bf16/fp16/fp32 expert "
                              f"weights{fix}")
-        bad = chunked.count_nonfinite(loaded)
+        bad = 0 if values_checked else chunked.count_nonfinite(loaded)
         if bad:
             raise ValueError(f"{what} has {bad} NaN/Inf values; fix the weights or add {prefix!r} to ignored_layers")
 

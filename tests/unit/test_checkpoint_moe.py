@@ -196,6 +196,34 @@ def test_bf16_experts_quantized_while_streaming_equal_quantize_(tmp_path):
                                                     p.view(torch.uint8) if p.dtype == FP8 else p), name
 
 
+def test_bf16_experts_are_scanned_once(tmp_path, monkeypatch):
+    """Each bf16 expert tensor quantized online is read once for NaN/Inf and range (the loader's pass), not a second
+    time by Fp8MoEMethod.weight_loader's own NaN/Inf pass (an audit found every online expert scanned twice)."""
+    from fp8fx.weights import chunked
+
+    cfg = moe_config("qwen3_moe")
+    state = reference_model(cfg).state_dict()
+    path = write_moe(tmp_path / "ckpt", cfg, state, None, shards=2)
+    scans, depth = [], [0]  # the passes over a tensor: calls not made from inside another counted call
+
+    def counted(fn, real):
+        def call(t, *args, **kwargs):
+            if not depth[0]:
+                scans.append((fn, t.shape))
+            depth[0] += 1
+            try:
+                return real(t, *args, **kwargs)
+            finally:
+                depth[0] -= 1
+        return call
+    for fn in ("count_nonfinite", "count_unloadable"):
+        monkeypatch.setattr(chunked, fn, counted(fn, getattr(chunked, fn)))
+    load_checkpoint(meta_model(path), path, fp8fx.Fp8Config(ignored_layers=["lm_head"]), progress=False)
+    expert_shapes = {tuple(state[f"{EXPERTS}.{b}"].shape) for b in ("gate_up_proj", "down_proj")}
+    expert_scans = [(fn, tuple(shape)) for fn, shape in scans if tuple(shape) in expert_shapes]
+    assert sorted(expert_scans) == sorted(("count_unloadable", shape) for shape in expert_shapes), scans
+
+
 # --- bad checkpoints ----------------------------------------------------------------------------
 def _drop(key):
     return lambda t, qc: t.pop(key)
