@@ -61,11 +61,28 @@ def check_weight_values(entry: Entry, t: torch.Tensor, dtype: torch.dtype, owner
             f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {owner!r} to the ignore list"
         )
     if overflow:
-        raise CheckpointError(
-            f"{entry}: {overflow} of its {t.dtype} values are beyond {dtype}'s range (at most "
-            f"{torch.finfo(dtype).max:g}; the largest is {largest:g}) and would load as inf, quantized online {into}; "
-            "build the model in bfloat16 or float32"
-        )
+        raise beyond_range_error(entry, t.dtype, dtype, overflow, largest, f", quantized online {into}")
+
+
+def beyond_range_error(entry: Entry, stored: torch.dtype, dtype: torch.dtype, overflow: int, largest: float,
+                       how: str = "") -> CheckpointError:
+    """The error of a checkpoint tensor (of ``stored`` dtype) with ``overflow`` finite values, up to ``largest``, that
+    a cast to the model's ``dtype`` makes inf (``how``: where that cast happens)."""
+    return CheckpointError(
+        f"{entry}: {overflow} of its {stored} values are beyond {dtype}'s range (at most {torch.finfo(dtype).max:g}; "
+        f"the largest is {largest:g}) and would load as inf{how}; build the model in bfloat16 or float32"
+    )
+
+
+def dequantized_range_error(entry: Entry, largest: float, dtype: torch.dtype, count: int,
+                            weight: str) -> CheckpointError:
+    """The error of an fp8 ``weight`` (a layer, or an experts module's tensor) whose scale, up to ``largest`` (from
+    ``entry``), makes ``count`` values of its dequantized view (fp8 * scale in the model's ``dtype``) inf."""
+    return CheckpointError(
+        f"{entry}: a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is beyond {dtype}'s range (at most "
+        f"{torch.finfo(dtype).max:g}): {count} values of {weight}'s dequantized weight would be inf (outputs NaN); "
+        "build the model in bfloat16 or float32"
+    )
 
 
 def check_scale_values(entry: Entry, t: torch.Tensor) -> torch.Tensor:
@@ -357,11 +374,7 @@ class ExpertsLoader:
             # as load.py's _cast: a finite value the model's dtype cannot hold (1e5 in a float16 model) would be inf
             _, overflow, largest = chunked.count_unloadable(t, param.dtype)
             if overflow:
-                raise CheckpointError(
-                    f"{entry}: {overflow} of its {t.dtype} values are beyond {param.dtype}'s range (at most "
-                    f"{torch.finfo(param.dtype).max:g}; the largest is {largest:g}) and would load as inf; build the "
-                    "model in bfloat16 or float32"
-                )
+                raise beyond_range_error(entry, t.dtype, param.dtype, overflow, largest)
             if name not in ex.plain:
                 ex.plain[name] = torch.empty(param.shape, dtype=param.dtype, device=self.device)
             dest = ex.plain[name][e]
@@ -428,11 +441,7 @@ class ExpertsLoader:
                     named += wide
             if count:
                 largest, entry = max(named, key=lambda p: p[0])
-                raise CheckpointError(
-                    f"{entry}: a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is beyond {dtype}'s "
-                    f"range (at most {torch.finfo(dtype).max:g}): {count} values of {ex.fqn}.{base}'s dequantized "
-                    "weight would be inf (outputs NaN); build the model in bfloat16 or float32"
-                )
+                raise dequantized_range_error(entry, largest, dtype, count, f"{ex.fqn}.{base}")
 
     def commit(self, report) -> None:
         """Swap the new expert tensors in (nothing here can fail)."""

@@ -25,6 +25,7 @@ from torch import nn
 from fp8fx import quant
 from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values, check_weight_values
+from fp8fx.checkpoint.experts import dequantized_range_error
 from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
 from fp8fx.config import Fp8Config, PerBlock, PerRow
 from fp8fx.lowerings import compat
@@ -734,11 +735,7 @@ class _Loader:
         count = _dequantized_overflow(lin.stage, dtype)
         if count:
             largest, entry = max(lin.wide_scales, key=lambda p: p[0])
-            raise CheckpointError(
-                f"{entry}: a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is beyond {dtype}'s range "
-                f"(at most {torch.finfo(dtype).max:g}): {count} values of {lin.fqn}'s dequantized weight would be "
-                "inf (outputs NaN); build the model in bfloat16 or float32"
-            )
+            raise dequantized_range_error(entry, largest, dtype, count, lin.fqn)
 
     # --- 4. commit ---------------------------------------------------------------------------
     def commit(self, report: LoadReport) -> None:
