@@ -16,6 +16,8 @@
     python benchmarks/tune_gemm.py --gemv --block  # the same with 1x128 / 128x128 block scales
     python benchmarks/tune_gemm.py --gemv --k-stages 1,2,3,4  # GEMV tiles with the K loop pipelined (K_STAGES)
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
+    python benchmarks/tune_gemm.py --gated --swap  # M = 16: its down GEMM transposed (SWAP_AB) or not
+    python benchmarks/tune_gemm.py --swap --ms 16  # the decode GEMMs' tiles, each also transposed
     python benchmarks/tune_gemm.py --weight-only   # M = 16, bf16 activations and the fp8 weight (the fallback for
                                                    # GPUs without fp8 tensor cores) against bf16 cuBLAS
 
@@ -40,6 +42,11 @@ def candidates(m, block: bool, tma: bool = False, bm64: bool = False, narrow: bo
     """(BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, SPLIT_K, TMA)."""
     return [(*c, t) for c in _tiles(m, block, bm64, narrow, small_m, wide_n)
             for t in ((False, True) if tma else (False,))]
+
+
+def with_swaps(cands: list[tuple]) -> list[tuple]:
+    """``candidates`` each with SWAP_AB False, and again True where its N tile is 64+ rows (wgmma's left operand)."""
+    return [(*c, False) for c in cands] + [(*c, True) for c in cands if c[1] >= 64]
 
 
 def _tiles(m, block: bool, bm64: bool = False, narrow: bool = False, small_m: bool = False, wide_n: bool = False):
@@ -336,6 +343,47 @@ def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5, groups=None, 
         _duel(f"fused MLP M={m}", runs, 3 * dim * hidden, rounds)
 
 
+def sweep_swap(ms=(16,), dim=4096, hidden=14336, rounds=5, tma=False):
+    """2-16 rows: the fused MLP's down GEMM (its tensor-core kernel) with the product transposed (``SWAP_AB``: the
+    weight tile is wgmma's left operand, fp8 straight from shared memory, against mma.sync on the weight tile
+    converted in registers), per-token h and h in 1x128 groups; each candidate once, then the best against the
+    default and the untransposed tile in ``rounds`` interleaved rounds. CUDA-graph replays of the op, L2 clean.
+    (Run 20 swept the gate/up kernel transposed too - 64 and 128 weight rows, 4 and 8 warps - and it lost at
+    M = 16, 0.0604 ms against 0.0578, and tied at M = 1; that variant is not in the kernel.)"""
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels.gated_mlp import QUANT_GROUPS, down_tile_config, gated_mlp
+
+    for m in ms:
+        (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
+        runs = {}
+        for g in (0, 128):
+            run = lambda c2=None, g=g: gated_mlp(  # noqa: E731
+                xq, xs, *w1, *w3, *w2, None, QUANT_GROUPS if g else kernels.QUANT_ROWS, None, torch.bfloat16,
+                torch.bfloat16, configs=(None, c2), h_group=g)
+            ref = run().float()
+            downs = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=sk,
+                          SWAP_AB=swap, TMA=t)
+                     for bn, sk, swap, t in itertools.product([64, 128], [4, 8, 16], (False, True),
+                                                              (False, True) if tma else (False,))]
+            results = []
+            for c2 in downs:
+                try:
+                    got = run(c2).float()
+                    assert (got - ref).abs().max() <= 2e-2 * ref.abs().max(), (got - ref).abs().max()
+                    results.append((time_ms(lambda: run(c2), True), c2))
+                except Exception as exc:  # noqa: BLE001 - a tile that does not compile is not a candidate
+                    print(f"M={m} G={g}: {c2} failed: {str(exc).splitlines()[0][:160]}")
+            results.sort(key=lambda r: r[0])
+            label = f"G={g}" if g else "per-token h"
+            print(f"swap M={m} {label} ({len(results)} ran; default {down_tile_config(m, dim, hidden, h_group=g)}): "
+                  + " ; ".join(f"{t:.4f} {c}" for t, c in results[:6]), flush=True)
+            runs[f"{label} default"] = run
+            runs[f"{label} best"] = lambda run=run, c=results[0][1]: run(c)
+            best_mma = next(c for _, c in results if not c["SWAP_AB"])
+            runs[f"{label} best untransposed"] = lambda run=run, c=best_mma: run(c)
+        _duel(f"fused MLP M={m}", runs, 3 * dim * hidden, rounds)
+
+
 def gated_ncu(ms=(1, 16), dim=4096, hidden=14336):
     """Three plain calls of the fused MLP op per M, nothing timed: for ncu (device_run.sh's ncu stage)."""
     from fp8fx.kernels import fp8_gemm as kernels
@@ -363,6 +411,9 @@ def main(argv=None):
     p.add_argument("--codes", action="store_true", help="the fused MLP with exact h codes or by the reciprocal")
     p.add_argument("--gemv", action="store_true", help="M = 1: GEMV tiles against the tensor-core tile")
     p.add_argument("--groups", action="store_true", help="the fused MLP with h in 1 x G groups, M = 1, 16, 64")
+    p.add_argument("--swap", action="store_true",
+                   help="tiles with the product transposed (SWAP_AB) at M <= 16: the fused MLP's down GEMM (with "
+                        "--gated), or in the decode sweep each candidate of 64+ weight rows also transposed")
     p.add_argument("--ms", help="comma-separated token counts (--groups: 1,16,64; the decode sweep: 1,64)")
     p.add_argument("--h-groups", default="32,64,128", help="--groups: comma-separated group sizes")
     p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
@@ -386,6 +437,8 @@ def main(argv=None):
         if args.block:
             return sweep_gemv_blocks(shapes, k_stages=k_stages)
         return sweep_gemv(shapes, k_stages=k_stages)
+    if args.swap and args.gated:
+        return sweep_swap(tuple(int(m) for m in (args.ms or "16").split(",")), tma=args.tma)
     if args.gated or args.gated_pdl:
         return sweep_gated(tiles=args.gated, tma=args.tma, wide_k=args.wide_k, bm64=args.bm64, narrow=args.narrow)
     shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
@@ -402,10 +455,11 @@ def main(argv=None):
         gemm = lambda cfg=None: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
         ref = gemm().float()
         results, graph = [], not args.block
-        for bm, bn, bk, gm, warps, stages, split, tma in candidates(m, args.block, args.tma, args.bm64, args.narrow,
-                                                                            args.small_m, args.wide_n):
+        cands = candidates(m, args.block, args.tma, args.bm64, args.narrow, args.small_m, args.wide_n)
+        for bm, bn, bk, gm, warps, stages, split, tma, swap in (with_swaps(cands) if args.swap else
+                                                                [(*c, False) for c in cands]):
             cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages, SPLIT_K=split,
-                       TMA=tma)
+                       TMA=tma, SWAP_AB=swap)
             try:
                 assert (gemm(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
                 results.append((time_ms(lambda: gemm(cfg), graph), cfg))

@@ -204,6 +204,11 @@ def fp8_gemm_kernel(
     # A_QUANT's codes: the correctly rounded quotient (`_codes_of`), or the product by the reciprocal (a code one
     # step off at a rounding tie) - kept for tune_gemm.py --codes to time the two side by side
     EXACT_CODES: tl.constexpr = True,
+    # the product computed transposed, y.T = b @ a.T: the weight tile is the dot's left operand (BLOCK_N rows, a
+    # multiple of 64: Hopper's wgmma, fp8 straight from shared memory) and the few activation rows its right one
+    # (BLOCK_M of 16 or more), where an [BM <= 16, BK] x [BK, BN] dot runs mma.sync on the weight tile converted
+    # in registers; the accumulator is transposed back once, before the epilogue
+    SWAP_AB: tl.constexpr = False,
 ):
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
@@ -244,7 +249,7 @@ def fp8_gemm_kernel(
         # N tile, each K step), and with an IEEE division per element the fused MLP took 0.146 ms at M=1 (0.068
         # with the reciprocal; H200, RESULTS.md run 10)
         a_q_inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), a_q_scale)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
         k_left = K - k * BLOCK_K
         a = tl.load(a_tile + a_offs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
@@ -262,14 +267,23 @@ def fp8_gemm_kernel(
         elif not A_FP8:  # weight-only: upcast the fp8 weight tile, 16-bit dot
             b = b.to(a.dtype)
         if A_GROUPED or B_GROUPED:
-            part = tl.dot(a, b)
+            if SWAP_AB:
+                part = tl.dot(b.T, a.T)  # [BN, BM]
+            else:
+                part = tl.dot(a, b)
             if A_GROUPED:
-                part *= tl.load(a_scale_ptrs + k * stride_ask, mask=offs_m < M, other=0.0)[:, None]
+                a_k = tl.load(a_scale_ptrs + k * stride_ask, mask=offs_m < M, other=0.0)
+                part *= a_k[None, :] if SWAP_AB else a_k[:, None]
             if B_GROUPED:
-                part *= tl.load(b_scale_ptrs + k * stride_bsk, mask=offs_n < N, other=0.0)[None, :]
+                b_k = tl.load(b_scale_ptrs + k * stride_bsk, mask=offs_n < N, other=0.0)
+                part *= b_k[:, None] if SWAP_AB else b_k[None, :]
             acc += part
+        elif SWAP_AB:
+            acc = tl.dot(b.T, a.T, acc, max_num_imprecise_acc=IMPRECISE_K)
         else:
             acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_K)
+    if SWAP_AB:
+        acc = acc.T  # [BM, BN], as the epilogue takes it
 
     # epilogue: the scales that are constant along K, bias, cast
     if A_QUANT:
@@ -405,11 +419,11 @@ def gemv_config(n: int, k: int, a_quant: bool = False) -> dict:
                 SPLIT_K=split, K_STAGES=GEMV_K_STAGES)
 
 
-def tile_config(m: int, n: int, k: int, a_quant: bool = False) -> dict:
+def tile_config(m: int, n: int, k: int, a_quant: bool = False, weight_only: bool = False) -> dict:
     """The kernel and tiles ``fp8_gemm`` runs for [m, k] x [n, k]: the GEMV kernel where ``gemv_fits``
     (``gemv_config``; ``a_quant``: it quantizes a 16-bit a as it loads it), else ``mma_tile_config`` (whose BLOCK_K
     ``fp8_gemm`` sets to the K group, if any)."""
-    return gemv_config(n, k, a_quant) if gemv_fits(m, n, k) else mma_tile_config(m, n, k)
+    return gemv_config(n, k, a_quant) if gemv_fits(m, n, k) else mma_tile_config(m, n, k, weight_only)
 
 
 def gemv_fits(m: int, n: int, k: int) -> bool:
@@ -421,7 +435,7 @@ def gemv_fits(m: int, n: int, k: int) -> bool:
     return 0 < m <= GEMV_MAX_M and n <= 4 * k
 
 
-def mma_tile_config(m: int, n: int, k: int) -> dict:
+def mma_tile_config(m: int, n: int, k: int, weight_only: bool = False) -> dict:
     """Tiles by problem size, from benchmarks/tune_gemm.py on the H200 (torch 2.11, triton 3.6; times of
     CUDA-graph replays, 2026-11-29): decode streams the weight, so narrow N tiles give every SM its own
     slice and deep pipelining keeps enough bytes in flight. M=1: gate_up 28672x4096 0.0309 ms (3.81 TB/s
@@ -437,13 +451,25 @@ def mma_tile_config(m: int, n: int, k: int) -> dict:
     against 0.0169 for the unsplit 64-wide tile (96 programs) and 0.0203 for cuBLAS; o 4096x4096 0.0129 against
     0.0160 and 0.0173 (the best, 64-wide split in 4, 0.0127). Weight-only, 16-bit activations (call 3,
     `--weight-only`): qkv 0.0169 against 0.0231 and bf16 cuBLAS 0.0187; o 0.0148 against 0.0227 and 0.0161.
-    128x128 weight blocks take the same tile there; not timed with it."""
+    128x128 weight blocks take the same tile there; not timed with it.
+
+    Since run 20 these two split tiles of fp8 activations compute the product transposed (``SWAP_AB``: the 64
+    weight rows are wgmma's left operand, fp8 from shared memory; `tune_gemm.py --swap --ms 16`, each candidate
+    timed once): qkv 64-wide split in 4 0.0143 ms against 0.0150 for the 32-wide mma.sync tile (o 4096x4096 not
+    timed transposed), down 4096x14336 0.0222 against 0.0228. Weight-only (``weight_only``: 16-bit activations, the
+    weight upcast in registers) keeps run 18's tiles, the ones timed against bf16 cuBLAS; so does the unsplit
+    64-wide tile of a weight with many N tiles (gate_up), not swept transposed. On GPUs without wgmma (before
+    sm_90) a transposed tile runs mma.sync, correct but not timed."""
     long_k = k >= 8192
     if m <= 16:
+        swap = {} if weight_only else {"SWAP_AB": True}
         if 1024 <= k < 8192 and triton.cdiv(n, 64) < 132:
+            if swap:
+                return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=4,
+                            **swap)
             return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=4)
         if long_k:  # few N tiles (4096 / 64): split K to fill the GPU
-            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6, SPLIT_K=4)
+            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6, SPLIT_K=4, **swap)
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     if m <= 64:
         if long_k:  # 64-wide N tiles, K split in 2 (256 programs): 0.0235 ms against 0.0248 for 32-wide unsplit
@@ -566,7 +592,7 @@ def fp8_gemm(
     group_k = [blk[1] for blk, mode in ((a_block, a_mode), (b_block, b_mode)) if mode == PER_K_GROUP]
     if len(set(group_k)) > 1:
         raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
-    cfg = dict(config or tile_config(m, n, k, a_quant=a_quant != NO_QUANT))
+    cfg = dict(config or tile_config(m, n, k, a_quant=a_quant != NO_QUANT, weight_only=not a_fp8))
     gemv = cfg.pop("GEMV", False)
     # the GEMV scales a thread's 16 bytes of a row by one K group's scale: groups of a multiple of 16 (the ops send
     # groups of 32-256, ops._k_groups_agree)

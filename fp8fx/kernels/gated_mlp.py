@@ -153,29 +153,32 @@ def gated_tile_config(m: int, n: int, k: int, h_group: int = 0) -> dict:
 def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0) -> dict:
     """The down GEMM's kernel and tiles. Where ``gemv_fits`` (one row; with ``gemv``) the GEMV kernel, quantizing h
     as it loads each K step of it (``gemv_config``; the fused MLP at M=1 0.0507 ms against 0.0568 with the
-    tensor-core tile below, 5 interleaved rounds, H200 run 19). Up to 16 rows and a long K (Llama-3-8B's 14336):
-    128-wide N tiles with K split in 8, 4 stages - the best of the H200 sweep of 36 (run 11 call 1, `tune_gemm.py
-    --gated --tma`, the whole op as a CUDA-graph replay: 0.0637 ms at M=1 and 0.0649 at M=16 against 0.0657 and
-    0.0671 with `mma_tile_config`'s 64-wide tiles split in 4; TMA weight loads were 0.1-0.5 us faster still, within
-    the run's spread). Otherwise ``mma_tile_config``'s, with BLOCK_K at most 128 above 16 rows (a 16-bit h tile is
-    converted to fp8 in registers; M=64's [64, 256] one spilled 680 bytes per thread, sm_90) and K split in 4
-    (M=64: 0.0991 ms for the whole MLP against 0.1363 split in 2 with 32-wide N tiles)."""
+    tensor-core tile below, 5 interleaved rounds, H200 run 19). Up to 16 rows with K split (Llama-3-8B's 14336):
+    the product transposed (``SWAP_AB``: 64 weight rows are wgmma's left operand, fp8 from shared memory, where a
+    16-row activation tile on the left runs mma.sync on the weight tile converted in registers), K split in 4, the
+    weight by TMA copies - the best of the H200 sweep (run 20 call 1, `tune_gemm.py --gated --swap --tma`, the op
+    as a CUDA-graph replay; 5 interleaved rounds at M=16): 0.0554 ms against 0.0578 for run 11's 128-wide mma.sync
+    tiles split in 8 (which had beaten `mma_tile_config`'s 64-wide split in 4 by 3%, run 11). Otherwise
+    ``mma_tile_config``'s, with BLOCK_K at most 128 above 16 rows (a 16-bit h tile is converted to fp8 in registers;
+    M=64's [64, 256] one spilled 680 bytes per thread, sm_90) and K split in 4 (M=64: 0.0991 ms for the whole MLP
+    against 0.1363 split in 2 with 32-wide N tiles)."""
     if gemv and gemv_fits(m, n, k):
         return gemv_config(n, k, a_quant=not h_group)
     if h_group:  # fp8 codes in K groups (fp8_gemm's K step is a group): the best of the H200 sweeps at G = 128
-        # (`tune_gemm.py --groups`, the op as a CUDA-graph replay): M=16 64-wide N tiles, K split in 8, 0.0565 ms
-        # against 0.0582 with `mma_tile_config`'s (run 17); M=64 64-wide, split in 4, the weight by TMA copies,
-        # 0.0630 against 0.0659 for run 17's 128-wide tiles split in 8 (run 19, with the TMA variants swept too;
-        # with the gate/up kernel's 8 warps the op took 0.0603). Groups of 32 and 64 take the same tiles, correct
-        # (tests) but not timed above 16 rows
+        # (the op as a CUDA-graph replay): M=16 transposed as above, 64-wide, K split in 4, TMA, 0.0548 ms against
+        # 0.0565 for run 17's mma.sync tile split in 8 (run 20, `tune_gemm.py --gated --swap --tma`, 5 rounds);
+        # M=64 64-wide, split in 4, the weight by TMA copies, 0.0630 against 0.0659 for run 17's 128-wide tiles
+        # split in 8 (run 19, `--groups --tma`; with the gate/up kernel's 8 warps the op took 0.0603). Groups of
+        # 32 and 64 take the same tiles, correct (tests) but not timed with them
         if m <= 16:
             return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=h_group, GROUP_M=1, num_warps=4, num_stages=4,
-                        SPLIT_K=8 if k >= 8192 else 1)
+                        SPLIT_K=4 if k >= 8192 else 1, SWAP_AB=True, TMA=True)
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=h_group, GROUP_M=1, num_warps=4, num_stages=4,
                     SPLIT_K=4 if k >= 8192 else 1, TMA=True)
     cfg = mma_tile_config(m, n, k)
     if m <= 16 and cfg.get("SPLIT_K", 1) > 1:
-        return {**cfg, "BLOCK_N": 128, "num_stages": 4, "SPLIT_K": 8}
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=4,
+                    SWAP_AB=True, TMA=True)
     if cfg["BLOCK_K"] > 128:
         cfg = {**cfg, "BLOCK_N": 64, "BLOCK_K": 128, "num_stages": 4, "SPLIT_K": 4}
     return cfg

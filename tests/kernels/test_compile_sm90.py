@@ -71,7 +71,7 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool 
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
                   SPLIT_K=cfg.get("SPLIT_K", 1), A_QUANT=a_quant, N_PARTS=448,
                   PARTS_BLOCK=parts_block(448, cfg["BLOCK_M"]), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl,
-                  B_DESC=bool(cfg.get("TMA")), EXACT_CODES=exact_codes)
+                  B_DESC=bool(cfg.get("TMA")), EXACT_CODES=exact_codes, SWAP_AB=cfg.get("SWAP_AB", False))
     aligned = POINTERS + ["N", "K", "stride_am", "stride_bn", "stride_ym"]
     stages = pipeline_stages({**cfg, "BLOCK_K": consts["BLOCK_K"]}, 1 if a_dtype == "fp8e4nv" else 2)
     return compile_kernel(fp8_gemm_kernel, types, consts, aligned, cfg["num_warps"], stages)
@@ -169,7 +169,7 @@ def test_down_gemm_quantizing_bf16_activations_compiles_for_sm90(a_quant, m):
     before = ptx[:ptx.index("griddepcontrol.wait")]
     assert not re.search(r"\b(ld\.global|cp\.async|atom\.|red\.|st\.global)", before), before[-2000:]
     assert "cp.async" in ptx, "the weight tiles are loaded through the pipeline (as in a real call)"
-    # M=1's tile (128-wide N, split in 8) keeps 0-16 bytes on the stack (8 with a static scale, 16 per tensor,
+    # M=1's tile (up to 16 rows: transposed, 64-wide N, split in 4, TMA) keeps 0-16 bytes on the stack (per tensor,
     # whose programs each reduce every row's maxima, 256 at a time: `parts_block`); M=64's per tensor 272
     assert stack_bytes(kernel) <= (16 if m == 1 else 0 if a_quant != QUANT_TENSOR else 272), stack_bytes(kernel)
 
@@ -212,6 +212,29 @@ def test_gated_gemm_with_h_groups_compiles_for_sm90(m, promote):
                             cfg["num_warps"], stages)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert stack_bytes(kernel) <= (128 if promote and m > 16 else 0), stack_bytes(kernel)
+
+
+@pytest.mark.parametrize("which", ["qkv", "down", "fused down", "fused down, h groups"])
+def test_transposed_tiles_run_wgmma_on_sm90(which):
+    """The tiles of 2-16 rows that compute the product transposed (``SWAP_AB``, run 20): the weight tile is the
+    left operand of Hopper's wgmma (fp8 from shared memory), not mma.sync on a weight tile converted in registers;
+    nothing spills. (Before, every 16-row tile compiled to mma.sync.)"""
+    layout, a_dtype, a_quant = LAYOUTS["per-row"], "fp8e4nv", 0
+    if which == "qkv":
+        cfg = tile_config(16, 6144, 4096)
+    elif which == "down":
+        cfg = tile_config(16, 4096, 14336)
+    elif which == "fused down":
+        cfg, a_dtype, a_quant = down_tile_config(16, 4096, 14336), "bf16", QUANT_ROWS
+    else:  # h in 1x128 groups: fp8 codes with per-K-step scales (the blocks layout, per-row weight scales aside)
+        cfg, layout = down_tile_config(16, 4096, 14336, h_group=128), LAYOUTS["blocks"]
+    assert cfg.get("SWAP_AB"), cfg
+    kernel = compile_for_hopper(a_dtype, layout, cfg, a_quant=a_quant)
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "mma.sync" not in ptx, which
+    assert kernel.metadata.shared <= 227 * 1024 and stack_bytes(kernel) == 0, stack_bytes(kernel)
+    plain = compile_for_hopper(a_dtype, layout, {**cfg, "SWAP_AB": False}, a_quant=a_quant)
+    assert "mma.sync" in plain.asm["ptx"] and "wgmma" not in plain.asm["ptx"]  # the 16-row tile untransposed
 
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 14336), (1, 28672, 4096), (16, 4096, 14336), (64, 6144, 4096)])

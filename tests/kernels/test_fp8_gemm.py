@@ -45,6 +45,9 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
     configs = [mma_tile_config(cfg_m, n, k) for cfg_m in (1, 64, 4096)] + [{**mma_tile_config(1, n, k), "SPLIT_K": 3}]
     configs += [mma_tile_config(cfg_m, 4096, 14336) for cfg_m in (1, 64)]  # the long-K (split) decode tiles
     configs += [{**cfg, "TMA": True} for cfg in configs[:2]]  # the weight by TMA copies (rows of K % 16 == 0 bytes)
+    # the product transposed (wgmma with the weight tile on the left), split K or not, TMA or not
+    configs += [{**mma_tile_config(1, n, k), "SWAP_AB": True, "SPLIT_K": split, "TMA": tma}
+                for split in (1, 3) for tma in (False, True)]
     if m == 1:  # the GEMV kernel: its tile, split K (ragged splits), a K step that leaves a ragged last one
         configs += [gemv_config(n, k), {**gemv_config(n, k), "SPLIT_K": 3}, {**gemv_config(n, k), "BLOCK_K": 128},
                     gemv_config(4096, 14336)]
@@ -169,12 +172,15 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
     # through tile_config as fp8_gemm asks when given no config), the K loop 3 stages deep
     assert [tile_config(1, 4096, 14336, a_quant=q)["BLOCK_N"] for q in (False, True)] == [4, 8]
     assert tile_config(1, 6144, 4096)["BLOCK_N"] == 4 and tile_config(1, 6144, 4096)["K_STAGES"] == 3
-    # 2-16 rows of a weight of fewer 64-wide tiles than SMs: 32-wide tiles, K split in 4 (run 18); wide weights,
-    # short K and more rows keep their tiles
+    # 2-16 rows of a weight of fewer 64-wide tiles than SMs, or of a long K: K split in 4, the product transposed
+    # (64 weight rows on wgmma's left, run 20); weight-only keeps run 18's 32-wide mma.sync tiles; wide weights,
+    # short K and more rows keep their tiles, not transposed
     for n, k, split in [(6144, 4096, 4), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4), (6144, 512, 1)]:
-        cfg = tile_config(16, n, k)
-        assert cfg.get("SPLIT_K", 1) == split and cfg["BLOCK_N"] == (32 if k < 8192 and split > 1 else 64), (n, k)
-    assert tile_config(64, 6144, 4096).get("SPLIT_K", 1) == 1
+        cfg, wo = tile_config(16, n, k), tile_config(16, n, k, weight_only=True)
+        assert cfg.get("SPLIT_K", 1) == wo.get("SPLIT_K", 1) == split and cfg["BLOCK_N"] == 64, (n, k)
+        assert cfg.get("SWAP_AB", False) == (split > 1) and not wo.get("SWAP_AB", False), (n, k)
+        assert wo["BLOCK_N"] == (32 if k < 8192 and split > 1 else 64), (n, k)
+    assert tile_config(64, 6144, 4096).get("SPLIT_K", 1) == 1 and "SWAP_AB" not in tile_config(64, 4096, 14336)
     xq, xs, wq, ws, _ = operands(2, 64, 96, [1, -1], [1, -1], "cpu")
     with pytest.raises(ValueError, match=r"GEMV kernel \(config GEMV=True\) takes one row .* got M=2"):
         fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=gemv_config(64, 96))
@@ -271,6 +277,10 @@ INTERPRETER_CHECK = textwrap.dedent(
         # a wrong scale must show: drop the weight scale
         y_bad = fp8_gemm(xq, wq, xs, torch.ones_like(ws), bias, torch.float32, config=cfg)
         assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 0.1
+        # the product transposed (SWAP_AB: y.T = w @ x.T, the accumulator transposed back), split K or not
+        for split_k in (1, 3):
+            y_swap = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config={**cfg, "SPLIT_K": split_k, "SWAP_AB": True})
+            assert ((y_swap.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k, split_k)
     # K-varying scales: 1x32 activation groups with 32x32 weight blocks, ragged N and K
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=1)
     for m, n, k in [(3, 40, 70), (17, 64, 96)]:
@@ -278,6 +288,10 @@ INTERPRETER_CHECK = textwrap.dedent(
         ref = reference(xq, xs, [1, 32], wq, ws, [32, 32], bias, torch.float32)
         y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config=cfg, a_block=(1, 32), b_block=(32, 32))
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k)
+        # transposed: each K step's activation scales along the accumulator's columns, the weight's along its rows
+        y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config={**cfg, "SWAP_AB": True}, a_block=(1, 32),
+                     b_block=(32, 32))
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k, "swap")
         y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config={**cfg, "SPLIT_K": 2}, a_block=(1, 32),
                      b_block=(32, 32))  # per-K-step scales indexed by the absolute K step in every split
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k, "split")
@@ -292,6 +306,8 @@ INTERPRETER_CHECK = textwrap.dedent(
         ref = x.double() @ quant.dequantize(wq, ws, wb, torch.float64).t()
         y = fp8_gemm(x, wq, None, ws, None, torch.float32, config=cfg, b_block=wb)
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-3, wb
+        y = fp8_gemm(x, wq, None, ws, None, torch.float32, config={**cfg, "SWAP_AB": True}, b_block=wb)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-3, (wb, "swap")
     # the GEMV kernel (one row): ragged N and K, K split evenly and not (96 in 6 steps of 16 over 4 splits: the
     # last split has none), K steps that leave a ragged last one; weight-only with row blocks of the weight scale
     for (n, k), (xb, wb) in [((40, 96), ([1, -1], [1, -1])), ((33, 70), ([-1, -1], [-1, -1])),
