@@ -265,7 +265,11 @@ def test_gated_mlp_op_cpu_within_fp8_error_of_float64(scheme, act):
 def test_gated_mlp_op_cuda(m, scheme, act):
     """Two kernels for m <= 64 (65: the unfused ops), the down GEMM's K (8232) split for m <= 16: as accurate
     against float64 as the unfused ops, and close to them, row by row (rows 1000x apart: see the
-    interpreter check)."""
+    interpreter check). Since the 2-16-row down GEMMs run on wgmma (``SWAP_AB``, run 20), the fused and the unfused
+    down GEMM (TMA and cp.async pipelines) no longer give the same bits: on the H200 0.3-0.5% apart in rows near the
+    truth, up to 3.3% in rows that per-tensor or static h leaves 50-100% off it (with the 16-row mma.sync tiles
+    before, bit-equal; `runs/2026-11-30-h200-run20-call4-diag-fused-vs-unfused.txt`): the closeness bound grows
+    with the row's own quantization error."""
     args, ws = mlp_operands(m, 1024, 8192 + 40, 1000, scheme, "cuda", row_gain=torch.logspace(0, 3, m), act=act)
     y = ops.gated_mlp(*args)
     unfused = ops._gated_mlp_reference(*args)
@@ -273,9 +277,9 @@ def test_gated_mlp_op_cuda(m, scheme, act):
     assert y.shape == (m, 1000) and y.dtype == torch.bfloat16
     for r in range(m):
         assert rel(y[r], want[r]) < rel(unfused[r], want[r]) * 1.25 + 1e-3, r
-        # the two differ by float32 sum orders (an h a bf16 step off) and the odd fp8 code: a wrong scale,
-        # row or weight is > 10% off
-        assert rel(y[r], unfused[r]) < 0.015, r
+        # the two differ by sum orders (an h a bf16 step off) and the odd fp8 code: a wrong scale, row or weight
+        # is > 10% off
+        assert rel(y[r], unfused[r]) < 0.015 + 0.05 * rel(unfused[r], want[r]), r
 
 
 @pytest.mark.cuda
