@@ -113,7 +113,8 @@ def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, block, dtype: t
     check_block(block, "block")
     if q.dtype != quant.FP8_DTYPE:  # a 16-bit weight would be multiplied by a scale as if it held fp8 codes
         raise ValueError(f"fp8fx.dequantize: q is {q.dtype}; it dequantizes {quant.FP8_DTYPE} codes")
-    _check_out_dtype("fp8fx.dequantize", "dtype", dtype)
+    if dtype not in quant.COMPUTE_DTYPES:  # float64 too: a quantized layer's reference (model.double())
+        raise ValueError(f"fp8fx.dequantize: dtype={dtype}; the result is bf16, fp16, fp32 or fp64")
     if q.dim() < 2:
         raise ValueError(f"fp8fx.dequantize: q has shape {list(q.shape)}; it dequantizes a [N, K] weight (or experts' "
                          "[E, N, K])")

@@ -17,6 +17,9 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)  # activations, outputs, unquantized weights
+# what a quantized layer may compute in: the fp8 GEMMs' dtypes, and float64 - the dequantized weight as a reference
+# (``model.double()``), which the passes leave to torch with a reason in the report
+COMPUTE_DTYPES = HIGH_PRECISION + (torch.float64,)
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 # amax below this is treated as this, so all-zero tiles get a finite, non-zero scale and
 # q == 0; values smaller than AMAX_EPS / 448 in such tiles flush to zero.
@@ -100,8 +103,10 @@ def quantize(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, torch
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor, block: Sequence[int], dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """q.float() * scale (broadcast per tile) in ``dtype``."""
-    return (q.float() * expand_scale(scale.float(), q.shape, block)).to(dtype)
+    """q.float() * scale (broadcast per tile) in ``dtype``; in float64 for float64, where the product is exact (in
+    float32 a code's 4 significant bits times a scale's 24 can round)."""
+    wide = torch.float64 if dtype == torch.float64 else torch.float32
+    return (q.to(wide) * expand_scale(scale.to(wide), q.shape, block)).to(dtype)
 
 
 def rows_of(x: torch.Tensor):

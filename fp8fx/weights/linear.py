@@ -49,7 +49,11 @@ def fp8_apply(self, fn, recurse=True):
     the fp8 tensors and their float32 scales follow device moves but not dtype casts, which would turn them into
     bf16 tensors that no longer hold the quantized values. A floating-point cast instead becomes the module's compute
     dtype (the dequantized view's and the output's, as for a bf16 model cast), and casts the other parameters
-    (bias). Whether ``fn`` casts is read from what it does to an empty tensor of the same dtype and device."""
+    (bias). Whether ``fn`` casts is read from what it does to an empty tensor of the same dtype and device.
+    float64 (``model.double()``) is the quantized model's reference: its fp8 weights dequantized exactly, the
+    layers run by torch (the passes leave float64 linears and experts unrewritten, saying so in the report). A cast
+    to another dtype (an 8-bit float) is refused naming the layer, after the modules before it were cast: their own
+    ``_apply`` ran first."""
     kept = {id(t) for n, t in self._parameters.items() if t is not None and _kept(n, t)}
 
     def apply(t: torch.Tensor) -> torch.Tensor:
@@ -63,11 +67,11 @@ def fp8_apply(self, fn, recurse=True):
         device = next((t.device for t in self._parameters.values() if t is not None), None)
         cast = fn(torch.empty(0, dtype=dtype, device=device)).dtype
         if cast != dtype and cast.is_floating_point:
-            if cast not in quant.HIGH_PRECISION:
+            if cast not in quant.COMPUTE_DTYPES:
                 name = getattr(self._parameters.get("weight"), "_fp8fx_fqn", type(self).__name__)
                 raise ValueError(
-                    f"{name}: cast to {cast}, but fp8 layers compute in bf16/fp16/fp32; cast the model to one of "
-                    f"these (this layer and the modules after it were not converted)"
+                    f"{name}: cast to {cast}, but fp8 layers compute in bf16/fp16/fp32 (or fp64, as a reference); "
+                    f"cast the model to one of these (this layer and the modules after it were not converted)"
                 )
     tags = {n: {a: v for a, v in vars(t).items() if a.startswith("_fp8fx_")}
             for n, t in self._parameters.items() if t is not None}

@@ -170,7 +170,7 @@ def test_scales_read_in_the_wrong_layout_are_refused():
     assert y.shape == (5, 256)
     with pytest.raises(ValueError, match=r"fp8fx.dequantize: q is torch.bfloat16; it dequantizes torch.float8_e4m3fn"):
         torch.ops.fp8fx.dequantize(wq.bfloat16(), ws, [128, 128], torch.bfloat16)
-    with pytest.raises(ValueError, match=r"fp8fx.dequantize: dtype=torch.int32; the result is bf16, fp16 or fp32"):
+    with pytest.raises(ValueError, match=r"fp8fx.dequantize: dtype=torch.int32; the result is bf16, fp16, fp32 or fp64"):
         torch.ops.fp8fx.dequantize(wq, ws, [128, 128], torch.int32)
     ws_t = ws.t().contiguous()
     with FakeTensorMode() as mode:  # the fake checks the same

@@ -592,11 +592,45 @@ def test_a_quantized_model_moves_to_the_gpu_and_compiles():
     assert len(backend.report.rewritten) == 3
 
 
+def test_a_float64_cast_is_the_quantized_models_exact_reference():
+    """``model.double()`` of a quantized model: the fp8 weights and float32 scales stay as they are, the layers
+    compute in float64 with the weights dequantized exactly (the product of code and scale in float64: 4 bits times
+    24 may round in float32), and the compiled model leaves them to torch, saying why in the report. Before, the
+    cast was refused after the modules ahead of the first fp8 layer had been cast (a half-cast model)."""
+    model = _mlp()
+    fp8fx.quantize_(model)
+    before = _fp8_tensors(model)
+    assert model.double() is model
+    after = _fp8_tensors(model)
+    assert all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in after)
+    assert model[0]._fp8fx_dtype == torch.float64 and model[0].bias.dtype == torch.float64
+    x = torch.randn(3, 128, dtype=torch.float64)
+    want = x
+    for i, layer in enumerate(model):
+        if isinstance(layer, nn.Linear):
+            q, s = layer._parameters["weight"], layer._parameters["weight_scale"]
+            w = q.double() * s.double()  # per-channel [N, 1]: exact in float64
+            want = want @ w.t() + (layer.bias if layer.bias is not None else 0)
+        else:
+            want = layer(want)
+    got = model(x)
+    assert got.dtype == torch.float64 and torch.allclose(got, want, rtol=1e-12, atol=1e-12)
+    q0, s0 = model[0]._parameters["weight"], model[0]._parameters["weight_scale"]
+    assert model[0].weight.dtype == torch.float64 and torch.equal(model[0].weight, q0.double() * s0.double())
+    assert not torch.equal(q0.float() * s0, q0.double() * s0.double())  # float32's products round: not exact
+    backend = fp8fx.Fp8Backend()
+    assert torch.allclose(torch.compile(model, backend=backend)(x), want, rtol=1e-12, atol=1e-12)
+    reasons = {site.fqn: site.reason for site in backend.report.sites}
+    assert not backend.report.rewritten and set(reasons) == {"0", "2", "3"}, reasons
+    assert all("activation dtype torch.float64 is not bf16/fp16/fp32" in r for r in reasons.values()), reasons
+
+
 def test_a_cast_to_a_dtype_fp8_layers_cannot_compute_in_is_refused_naming_the_layer():
     model = _mlp()
     fp8fx.quantize_(model)
-    with pytest.raises(ValueError, match=r"^0: cast to torch.float64, but fp8 layers compute in bf16/fp16/fp32"):
-        model.double()
+    with pytest.raises(ValueError, match=r"^0: cast to torch.float8_e5m2, but fp8 layers compute in bf16/fp16/fp32 "
+                                         r"\(or fp64, as a reference\)"):
+        model.to(torch.float8_e5m2)
     assert model[0]._fp8fx_dtype == torch.bfloat16 and model[0].bias.dtype == torch.bfloat16
 
 
@@ -614,6 +648,10 @@ def test_a_dtype_cast_keeps_quantized_experts_fp8():
     assert all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in after)
     assert experts._fp8fx_dtype == torch.float16 and experts.gate_up_proj.dtype == torch.float16
     assert rel_err(experts(x.half(), ids, weights.half()), ref) < 0.02
+    experts.double()  # the reference: the fp8 experts dequantized exactly, in float64
+    assert all(torch.equal(t, before[k]) for k, t in _fp8_tensors(experts).items())
+    assert experts._fp8fx_dtype == torch.float64 and experts.gate_up_proj.dtype == torch.float64
+    assert rel_err(experts(x.double(), ids, weights.double()), ref) < 0.02
 
 
 def test_calibrate_refuses_a_layer_whose_inputs_were_all_zero():
