@@ -40,7 +40,7 @@ from torch import fx
 
 from fp8fx.ops import GATED_GROUPS_MAX_M, GATED_MAX_M, _tensor_or_row
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
-from fp8fx.passes.linear import _name_of
+from fp8fx.passes.linear import _cast_source, _name_of, _noop_cast_source
 from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
@@ -187,8 +187,10 @@ _DROPOUT = (torch.nn.functional.dropout, torch.dropout, torch.ops.aten.dropout.d
 
 
 def _no_op(node: fx.Node) -> bool:
-    """An op that returns its input's values (eval-mode dropout, a cast to the dtype it has, contiguous, clone),
-    which a fused MLP may take away."""
+    """An op that returns its input's values (eval-mode dropout, a cast to the dtype it has or contiguous - the
+    linear pass's ``_noop_cast_source`` - clone), which a fused MLP may take away."""
+    if _noop_cast_source(node) is not None:
+        return True
     source = node.all_input_nodes[0] if node.all_input_nodes else None
     out, src = fake_value(node), fake_value(source)
     if not (isinstance(out, torch.Tensor) and isinstance(src, torch.Tensor) and out.dtype == src.dtype
@@ -199,13 +201,13 @@ def _no_op(node: fx.Node) -> bool:
         p = node.kwargs.get("p", args[1] if args[1] is not None else 0.5)
         train = node.kwargs.get("train", node.kwargs.get("training", args[2] if args[2] is not None else True))
         return train is False or p == 0
-    return node.op == "call_method" and node.target in ("to", "type", "contiguous", "clone") or \
-        node.op == "call_function" and node.target in (torch.clone,)
+    return node.op == "call_method" and node.target == "clone" or node.op == "call_function" and node.target in (
+        torch.clone, torch.Tensor.clone)
 
 
 def _is_cast(node) -> bool:
-    return isinstance(node, fx.Node) and node.op == "call_method" and node.target in (
-        "to", "type", "float", "half", "bfloat16", "double")
+    """A dtype cast (the linear pass's ``_cast_source``, ``contiguous`` aside)."""
+    return _cast_source(node) is not None and node.target not in ("contiguous", torch.Tensor.contiguous)
 
 
 def _product_behind(h) -> tuple[Optional[fx.Node], list[fx.Node]]:
