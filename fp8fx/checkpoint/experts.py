@@ -85,6 +85,13 @@ def dequantized_range_error(entry: Entry, largest: float, dtype: torch.dtype, co
     )
 
 
+def beyond_dequantized_range(scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Which of ``scales`` (float32) take a dequantized view (fp8 * scale, in the model's ``dtype``) to inf at the
+    largest fp8 value (float16: a scale above 65504 / 448 = 146.2); the loaders then count the values that would be
+    (``chunked.dequantized_overflow``)."""
+    return torch.isinf((scales.float() * quant.FP8_MAX).to(dtype))
+
+
 def check_scale_values(entry: Entry, t: torch.Tensor) -> torch.Tensor:
     """``t`` as float32 if every value is a positive finite float, else a ``CheckpointError``."""
     t = t.float()
@@ -406,7 +413,7 @@ class ExpertsLoader:
         dtype's range (float16: a scale above 65504 / 448 = 146.2): finish() counts the values that would be inf."""
         base = W13 if name.startswith(W13) else W2
         top = t.reshape(t.shape[0], -1).amax(dim=1) if e is None else t.max().reshape(1)  # fused: [E, ...]
-        wide = torch.isinf((top * quant.FP8_MAX).to(dtype)).nonzero().flatten().tolist()
+        wide = beyond_dequantized_range(top, dtype).nonzero().flatten().tolist()
         for i in wide:
             ex.wide_scales.setdefault((base, i if e is None else e), []).append((float(top[i]), entry))
 

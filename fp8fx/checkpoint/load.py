@@ -25,7 +25,7 @@ from torch import nn
 from fp8fx import quant
 from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values, check_weight_values
-from fp8fx.checkpoint.experts import dequantized_range_error
+from fp8fx.checkpoint.experts import beyond_dequantized_range, dequantized_range_error
 from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
 from fp8fx.config import Fp8Config, PerBlock, PerRow
 from fp8fx.lowerings import compat
@@ -634,10 +634,9 @@ class _Loader:
         if name != "input_scale":
             # the dequantized .weight view (fp8 * scale, in the model's dtype) reaches 448 * scale: where that is
             # beyond the dtype's range (float16: 65504), finish() counts the values that would be inf
-            dtype = lin.module.weight.dtype
-            largest = float(t.float().max())
-            if torch.isinf(torch.tensor(largest * quant.FP8_MAX, dtype=torch.float32).to(dtype)):
-                lin.wide_scales.append((largest, entry))
+            top = t.max()
+            if beyond_dequantized_range(top, lin.module.weight.dtype):
+                lin.wide_scales.append((float(top), entry))
         lin.method.weight_loader(lin.stage, name, t, lin.shard_id(i))
 
     def _load_rows(self, lin: _Linear, name: str, i: int, t: torch.Tensor) -> None:
