@@ -64,10 +64,11 @@ def check_weight_values(entry: Entry, t: torch.Tensor, dtype: torch.dtype, owner
         raise beyond_range_error(entry, t.dtype, dtype, overflow, largest, f", quantized online {into}")
 
 
-def beyond_range_error(entry: Entry, stored: torch.dtype, dtype: torch.dtype, overflow: int, largest: float,
+def beyond_range_error(entry: Entry | str, stored: torch.dtype, dtype: torch.dtype, overflow: int, largest: float,
                        how: str = "") -> CheckpointError:
-    """The error of a checkpoint tensor (of ``stored`` dtype) with ``overflow`` finite values, up to ``largest``, that
-    a cast to the model's ``dtype`` makes inf (``how``: where that cast happens)."""
+    """The error of a checkpoint tensor (its entry, or the parameter it loads into, of ``stored`` dtype) with
+    ``overflow`` finite values, up to ``largest``, that a cast to the model's ``dtype`` makes inf (``how``: where
+    that cast happens)."""
     return CheckpointError(
         f"{entry}: {overflow} of its {stored} values are beyond {dtype}'s range (at most {torch.finfo(dtype).max:g}; "
         f"the largest is {largest:g}) and would load as inf{how}; build the model in bfloat16 or float32"

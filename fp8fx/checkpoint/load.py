@@ -25,7 +25,7 @@ from torch import nn
 from fp8fx import quant
 from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values, check_weight_values
-from fp8fx.checkpoint.experts import beyond_dequantized_range, dequantized_range_error
+from fp8fx.checkpoint.experts import beyond_dequantized_range, beyond_range_error, dequantized_range_error
 from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
 from fp8fx.config import Fp8Config, PerBlock, PerRow
 from fp8fx.lowerings import compat
@@ -133,11 +133,10 @@ def _cast(t: torch.Tensor, dtype: torch.dtype, key: str) -> torch.Tensor:
     out = t.to(dtype)
     if out.dtype == t.dtype or not out.is_floating_point() or torch.finfo(out.dtype).max >= torch.finfo(t.dtype).max:
         return out
-    overflow = int((torch.isinf(out) & torch.isfinite(t)).sum())
+    lost = torch.isinf(out) & torch.isfinite(t)
+    overflow = int(lost.sum())
     if overflow:
-        raise CheckpointError(f"{key}: {overflow} of its {t.dtype} values are beyond {dtype}'s range (at most "
-                              f"{torch.finfo(dtype).max:g}) and would load as inf; build the model in bfloat16 or "
-                              "float32")
+        raise beyond_range_error(key, t.dtype, dtype, overflow, float(t[lost].abs().max()))
     return out
 
 

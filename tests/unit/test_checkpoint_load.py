@@ -1071,7 +1071,7 @@ def test_values_a_float16_model_cannot_hold_are_refused(tmp_path):
     path = write_checkpoint(tmp_path / "c", state)
     model = meta_tiny().to(torch.float16)
     with pytest.raises(CheckpointError, match=rf"{key}: 1 of its torch.bfloat16 values are beyond torch.float16's "
-                                              r"range \(at most 65504\) and would load as inf"):
+                                              r"range \(at most 65504; the largest is 99840\) and would load as inf"):
         load_checkpoint(model, path, fp8fx.Fp8Config(ignored_layers=list(LINEARS)), progress=False)
 
 
