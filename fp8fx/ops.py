@@ -317,6 +317,44 @@ def _adjacent(ts: list[torch.Tensor]) -> Optional[torch.Tensor]:
     return base.as_strided((rows, *base.shape[1:]), base.stride(), base.storage_offset())
 
 
+def _adjacent_with_gaps(biases: list[Optional[torch.Tensor]], sizes: list[int]) -> Optional[torch.Tensor]:
+    """The one ``[sum sizes]`` tensor whose rows the given ``biases`` are, with the shards that have none between
+    them, or None. For shards with and without a bias (Whisper's k_proj has none) ``fp8fx.passes.horizontal`` moves
+    the biases into one tensor that holds zeros in the gaps and nothing else; so the storage must be exactly that
+    tensor - the gaps are then no one else's rows."""
+    present = [(i, b) for i, b in enumerate(biases) if b is not None]
+    base = present[0][1]
+    total = sum(sizes)
+    if base.untyped_storage().nbytes() != total * base.element_size():
+        return None
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    for i, b in present:
+        same = b.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+        if not same or b.dim() != 1 or not b.is_contiguous() or b.storage_offset() != offsets[i] or b.dtype != base.dtype:
+            return None
+    return base.as_strided((total,), (1,), 0)
+
+
+def _bias_view(biases: list[Optional[torch.Tensor]], sizes: list[int]) -> Optional[torch.Tensor]:
+    """The one tensor whose back-to-back rows the shards' biases are (``_adjacent``; with shards that have none,
+    ``_adjacent_with_gaps``), or None."""
+    if all(b is not None for b in biases):
+        return _adjacent(biases)
+    return _adjacent_with_gaps(biases, sizes) if any(b is not None for b in biases) else None
+
+
+def _fused_bias(biases: list[Optional[torch.Tensor]], sizes: list[int]) -> Optional[torch.Tensor]:
+    """The bias of the shards' one GEMM: None where no shard has one; the one tensor the biases are rows of
+    (``_bias_view``), else their concatenation with zeros for the shards without a bias."""
+    present = [b for b in biases if b is not None]
+    if not present:
+        return None
+    view = _bias_view(biases, sizes)
+    if view is not None:
+        return view
+    return torch.cat([b if b is not None else present[0].new_zeros(n) for b, n in zip(biases, sizes)])
+
+
 def _per_channel(wqs: list[torch.Tensor], ss: list[torch.Tensor]) -> torch.Tensor:
     """Per-tensor shard scales as one per-channel scale ``[sum N_i, 1]``: each shard's scale over its rows."""
     return torch.cat([s.float().reshape(1).expand(w.shape[0]) for w, s in zip(wqs, ss)]).reshape(-1, 1)
@@ -336,8 +374,8 @@ def scaled_mm_fused(
 ) -> torch.Tensor:
     """``cat([scaled_mm(xq, x_scale, wqs[i], w_scales[i], biases[i], ...)], -1)`` as ONE GEMM when the
     weights (and per-channel or block scales) are back-to-back slices of one tensor, which
-    ``fp8fx.passes.horizontal`` arranges, and the biases all given or all None; otherwise one GEMM per
-    weight (same result). Per-tensor shards keep their own scales: the one GEMM takes them as a
+    ``fp8fx.passes.horizontal`` arranges (with biases, ``_fused_bias``: a shard without one adds zeros); otherwise
+    one GEMM per weight (same result). Per-tensor shards keep their own scales: the one GEMM takes them as a
     per-channel scale vector."""
     _check_fused_args(xq, x_scale, wqs, w_scales, biases, x_block, w_block, out_dtype)
     w = _adjacent(wqs)
@@ -347,10 +385,8 @@ def scaled_mm_fused(
     # each shard's scale rows stack into the fused weight's: not [-1, G] blocks (one scale row a weight)
     blocks_fit = (rows == 1 or rows == -1 and w_block[1] == -1 or rows > 1
                   and all(wq.shape[0] % rows == 0 for wq in wqs[:-1]))
-    same_bias = all(b is None for b in biases) or all(b is not None for b in biases)
-    if w is not None and s is not None and blocks_fit and same_bias:
-        b = None if biases[0] is None else _adjacent(biases)
-        b = torch.cat(biases) if biases[0] is not None and b is None else b
+    if w is not None and s is not None and blocks_fit:
+        b = _fused_bias(biases, [wq.shape[0] for wq in wqs])
         return scaled_mm(xq, x_scale, w, s, b, x_block, [1, -1] if per_tensor else w_block, out_dtype, use_fast_accum)
     parts = [
         scaled_mm(xq, x_scale, wq, ws, b, x_block, w_block, out_dtype, use_fast_accum)

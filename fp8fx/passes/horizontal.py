@@ -11,7 +11,8 @@ Rewrites to::
     y_i = y[..., offset_i : offset_i + N_i]
 
 Once the graph is compiled, the parameters are moved into one tensor each for weights, scales and
-biases (the model's parameters become back-to-back views of it, so memory does not grow), and
+biases (the model's parameters become back-to-back views of it, so memory does not grow; a shard without a bias -
+Whisper's k_proj - leaves zeros between the others', in a tensor that holds nothing else), and
 ``scaled_mm_fused`` then runs one GEMM on the whole. Per-channel and block scales concatenate exactly
 (blocks need every N_i but the last to be a multiple of the block's rows). Per-tensor shards keep their
 weights and their own scales: the fused GEMM takes the shards' scales as one per-channel scale vector
@@ -22,8 +23,8 @@ and its own scale.) A parameter replaced afterwards by another tensor is still u
 per weight.
 
 Layers called again with the same weights (shared layers, ALBERT) are fused at every call, into the same tensor. A
-GEMM that reads a group's activation but is kept out of the group (no bias where the others have one, weight scales
-of another granularity) says why in the report.
+GEMM that reads a group's activation but is kept out of the group (weight scales of another granularity, another
+output dtype) says why in the report.
 """
 from __future__ import annotations
 
@@ -65,29 +66,36 @@ def _rebind(params: list[torch.Tensor], fused: torch.Tensor) -> None:
 
 
 def share_memory(weights, scales, biases, w_block) -> None:
-    """Move the shards' parameters into one tensor each (what ``scaled_mm_fused`` runs as one GEMM).
-    Everything is built before the first parameter changes. Parameters that already are (a recompile)
-    stay where they are: graphs captured earlier (CUDA graphs) keep their addresses."""
+    """Move the shards' parameters into one tensor each (what ``scaled_mm_fused`` runs as one GEMM). ``biases``: one
+    per shard, None for a shard without one (its rows of the fused bias are zeros). Everything is built before the
+    first parameter changes. Parameters that already are (a recompile) stay where they are: graphs captured
+    earlier (CUDA graphs) keep their addresses."""
     adjacent = fp8fx.ops._adjacent
+    sizes = [w.shape[0] for w in weights]
+    has_bias = any(b is not None for b in biases)
     if (
         adjacent(weights) is not None
         and (tuple(w_block) == (-1, -1) or adjacent([s.reshape(-1, s.shape[-1]) for s in scales]) is not None)
-        and (not biases or adjacent(biases) is not None)
+        and (not has_bias or fp8fx.ops._bias_view(biases, sizes) is not None)
     ):
         return
     with torch.no_grad():
         weight, scale = fuse_weights(weights, scales, w_block)
-        bias = torch.cat(biases) if biases else None
+        # a tensor of its own (the gaps' zeros are then no one else's rows: ``ops._adjacent_with_gaps``)
+        bias = fp8fx.ops._fused_bias(biases, sizes).clone() if has_bias else None
     _rebind(weights, weight)
     if scale is not None:
         _rebind(scales, scale)
-    if bias is not None:
-        _rebind(biases, bias)
+    if bias is not None:  # each bias becomes a view of its rows; a shard without one leaves zeros there
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        for b, offset, n in zip(biases, offsets, sizes):
+            if b is not None:
+                b.data = bias.narrow(0, offset, n)
 
 
 class _GroupKey(NamedTuple):
     """What GEMMs must share to run as one: the quantized activation and its scale (the same input), the scale
-    layouts, the output dtype, fast accumulation, and whether they have a bias (all or none)."""
+    layouts, the output dtype and fast accumulation (with or without a bias: a shard without one adds zeros)."""
 
     xq: fx.Node
     x_scale: Any
@@ -95,7 +103,6 @@ class _GroupKey(NamedTuple):
     w_block: tuple
     dtype: torch.dtype
     fast: bool
-    no_bias: bool
 
 
 class HorizontalFusionPass(Fp8Pass):
@@ -109,7 +116,7 @@ class HorizontalFusionPass(Fp8Pass):
         for node in gm.graph.nodes:
             if node.op == "call_function" and node.target is _SCALED_MM:
                 xq, x_scale, _, _, bias, x_block, w_block, dtype, fast = node.args
-                groups[_GroupKey(xq, x_scale, tuple(x_block), tuple(w_block), dtype, fast, bias is None)].append(node)
+                groups[_GroupKey(xq, x_scale, tuple(x_block), tuple(w_block), dtype, fast)].append(node)
         fused = 0
         claimed: dict[fx.Node, str] = {}  # weight -> the group it was fused with in this graph
         fused_groups: set[tuple] = set()  # the weights of each group fused in this graph
@@ -139,8 +146,8 @@ class HorizontalFusionPass(Fp8Pass):
 
     @staticmethod
     def _explain_singles(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
-        """A GEMM alone in its group while others read the same activation (v without the bias q and k have, a
-        per-tensor shard among per-channel ones) says what kept it apart."""
+        """A GEMM alone in its group while others read the same activation (a per-tensor shard among per-channel
+        ones, another output dtype) says what kept it apart."""
         by_input: dict[tuple, list[_GroupKey]] = defaultdict(list)
         for key in groups:
             by_input[(key.xq, key.x_scale)].append(key)
@@ -151,9 +158,7 @@ class HorizontalFusionPass(Fp8Pass):
                 other = max((k for k in keys if k != key), key=lambda k: len(groups[k]))
                 names = site_names(ctx, groups[other])
                 has = "has" if len(groups[other]) == 1 else "have"
-                if key.no_bias != other.no_bias:
-                    why = f"no bias where {names} {has} one" if key.no_bias else f"a bias where {names} {has} none"
-                elif key.w_block != other.w_block:
+                if key.w_block != other.w_block:
                     why = (f"{granularity_from_block(list(key.w_block), weight=True)} weight scales where {names} "
                            f"{has} {granularity_from_block(list(other.w_block), weight=True)}")
                 elif key.dtype != other.dtype:
@@ -204,9 +209,9 @@ class HorizontalFusionPass(Fp8Pass):
     def _fuse(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> fx.Node:
         graph = gm.graph
         first = nodes[0]
-        xq, x_scale, _, _, bias, x_block, w_block, dtype, fast = first.args
+        xq, x_scale, _, _, _, x_block, w_block, dtype, fast = first.args
         column = lambda i: [n.args[i] for n in nodes]  # noqa: E731
-        biases = column(4)  # all None or all tensors (grouping key)
+        biases = column(4)  # a tensor or None each
         args = (xq, x_scale, column(2), column(3), biases, x_block, w_block, dtype, fast)
         with graph.inserting_before(first):
             y = graph.call_function(_FUSED, args)
@@ -222,7 +227,7 @@ class HorizontalFusionPass(Fp8Pass):
                 node.replace_all_uses_with(part)
                 offset += size
         real = lambda i: [ctx.example[a] for a in column(i)]  # noqa: E731  the parameters themselves
-        params = (real(2), real(3), real(4) if bias is not None else [], w_block)
+        params = (real(2), real(3), [None if b is None else ctx.example[b] for b in biases], w_block)
         for node in nodes:
             graph.erase_node(node)
         # after compilation: AOTAutograd re-reads the inputs' layout as Dynamo recorded it
