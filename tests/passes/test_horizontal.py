@@ -248,6 +248,25 @@ def test_shards_with_and_without_a_bias_are_fused(granularity):
         assert rel_err(one.float(), apart.float()) < 1e-3
 
 
+@pytest.mark.cuda
+def test_shards_with_and_without_a_bias_fused_on_the_gpu():
+    """Whisper's q/k/v (k without a bias) through Inductor on the GPU, as one GEMM of fp8fx's Triton kernel (5 rows)
+    with the zero-gapped bias, against the unfused graph; and under CUDA graphs."""
+    torch.manual_seed(0)
+    model = WhisperQKV(calls=2).to(torch.bfloat16).cuda()
+    fp8fx.quantize_(model)
+    x = torch.randn(5, 64, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        plain = torch.compile(model, backend=fp8fx.Fp8Backend())(x)
+        torch._dynamo.reset()
+        backend = fp8fx.Fp8Backend(fuse_horizontal=True, cudagraphs=True)
+        compiled = torch.compile(model, backend=backend)
+        outs = [compiled(x).clone() for _ in range(3)]
+    assert all(s.scheme.endswith("fused(q_proj,k_proj,v_proj)") for s in backend.report.sites)
+    assert fp8fx.ops._bias_view([model.q_proj.bias, None, model.v_proj.bias], [64, 32, 32]) is not None
+    assert all(torch.equal(o, outs[0]) for o in outs) and rel_err(outs[0].float(), plain.float()) < 1e-3
+
+
 def test_a_gemm_left_out_of_its_group_says_why():
     """One shard per tensor among per-channel ones: the odd one out had no note."""
     torch.manual_seed(0)
