@@ -88,10 +88,9 @@ class BiasedQKV(torch.nn.Module):
         return self.q_proj(x), self.k_proj(x), self.v_proj(x)
 
 
-@pytest.mark.parametrize("granularity", [fp8fx.PerRow(), fp8fx.PerTensor()])
-def test_fused_with_biases(granularity):
-    torch.manual_seed(0)
-    model = BiasedQKV().to(torch.bfloat16)
+def plain_and_fused(model, granularity):
+    """``model`` (seeded) quantized with ``granularity``, compiled without and with horizontal fusion, on one input:
+    (the input, the unfused output, the fused output, the fused compile's backend)."""
     fp8fx.quantize_(model, fp8fx.Fp8Config(weight_granularity=granularity))
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -99,6 +98,14 @@ def test_fused_with_biases(granularity):
         torch._dynamo.reset()
         backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
         fused = torch.compile(model, backend=backend)(x)
+    return x, plain, fused, backend
+
+
+@pytest.mark.parametrize("granularity", [fp8fx.PerRow(), fp8fx.PerTensor()])
+def test_fused_with_biases(granularity):
+    torch.manual_seed(0)
+    model = BiasedQKV().to(torch.bfloat16)
+    _, plain, fused, backend = plain_and_fused(model, granularity)
     assert all(s.scheme.endswith("fused(q_proj,k_proj,v_proj)") for s in backend.report.sites)
     biases = [m.bias for m in (model.q_proj, model.k_proj, model.v_proj)]
     assert fp8fx.ops._adjacent(biases) is not None  # one tensor now
@@ -219,14 +226,7 @@ def test_shards_with_and_without_a_bias_are_fused(granularity):
     with those zeros between them, and nothing else; a bias replaced afterwards still computes right."""
     torch.manual_seed(0)
     model = WhisperQKV().to(torch.bfloat16)
-    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_granularity=granularity))
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        plain = torch.compile(model, backend=fp8fx.Fp8Backend(compiler="eager"))(x)
-        torch._dynamo.reset()
-        backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
-        compiled = torch.compile(model, backend=backend)
-        fused = compiled(x)
+    x, plain, fused, backend = plain_and_fused(model, granularity)
     assert [s.scheme.split(" ", 2)[2] for s in backend.report.sites] == ["fused(q_proj,k_proj,v_proj)"] * 3
     assert rel_err(fused.float(), plain.float()) < 1e-3
     q_b, v_b = model.q_proj.bias, model.v_proj.bias
