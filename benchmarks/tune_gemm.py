@@ -375,6 +375,9 @@ def sweep_swap(ms=(16,), dim=4096, hidden=14336, rounds=5, tma=False):
                     print(f"M={m} G={g}: {c2} failed: {str(exc).splitlines()[0][:160]}")
             results.sort(key=lambda r: r[0])
             label = f"G={g}" if g else "per-token h"
+            if not any(c["SWAP_AB"] for _, c in results) or all(c["SWAP_AB"] for _, c in results):
+                print(f"swap M={m} {label}: the transposed or the untransposed tiles all failed; nothing to compare")
+                continue
             print(f"swap M={m} {label} ({len(results)} ran; default {down_tile_config(m, dim, hidden, h_group=g)}): "
                   + " ; ".join(f"{t:.4f} {c}" for t, c in results[:6]), flush=True)
             runs[f"{label} default"] = run
@@ -483,8 +486,9 @@ def main(argv=None):
         tbs = lambda t: n * k / t / 1e9  # noqa: E731  weight bytes / ms -> TB/s
         tflops = lambda t: 2 * m * n * k / t / 1e9  # noqa: E731
         top3 = " ; ".join(f"{t:.4f} {c}" for t, c in results[1:4])
+        now = tile_config(m, n, k, transposed=not args.weight_only)  # fp8_gemm's default for these activations
         print(f"{name} M={m}: best {best_t:.4f} ms ({tbs(best_t):.2f} TB/s, {tflops(best_t):.0f} TFLOP/s) {best} | "
-              f"current {current:.4f} ms {tile_config(m, n, k)} | cuBLAS {cublas:.4f} ms "
+              f"current {current:.4f} ms {now} | cuBLAS {cublas:.4f} ms "
               f"(best vs cuBLAS {cublas / best_t:.2f}x) | next: {top3}", flush=True)
 
 

@@ -41,7 +41,9 @@ class Fp8Backend:
       an opaque kernel.
     - ``use_fast_accum``: let fp8 GEMMs (linears and the fused MoE's) accumulate in Hopper's fast
       mode, without promoting partial sums to fp32 every K step (as torchao's float8 inference does;
-      measured accuracy in benchmarks/RESULTS.md). Default True.
+      measured accuracy in benchmarks/RESULTS.md). Default True. It applies where a GEMM runs on wgmma:
+      cuBLAS, tiles of 64+ rows and, since run 20, the transposed tiles of 2-16 rows; the one-row GEMV
+      and the untransposed 16-row tiles (mma.sync) always sum in float32.
     - ``cudagraphs``: run the compiled graphs as CUDA graphs (Inductor's cudagraph trees), which
       decode-sized batches need to reach their speed. Default False.
     - ``weight_only``: fp8 weights with 16-bit activations and math (``fp8fx.weight_only_mm``); None

@@ -62,9 +62,12 @@ def _(x, block):
     return x.new_empty(x.shape, dtype=quant.FP8_DTYPE), x.new_empty(_act_scale_shape(x, block), dtype=torch.float32)
 
 
-def _check_out_dtype(what: str, name: str, dtype: torch.dtype) -> None:
-    if dtype not in quant.HIGH_PRECISION:
-        raise ValueError(f"{what}: {name}={dtype}; the result is bf16, fp16 or fp32")
+def _check_out_dtype(what: str, name: str, dtype: torch.dtype, reference: bool = False) -> None:
+    """``dtype`` is one the op computes in: bf16, fp16, fp32 - or, with ``reference`` (dequantize: a float64 model),
+    float64 too."""
+    if dtype not in (quant.COMPUTE_DTYPES if reference else quant.HIGH_PRECISION):
+        kinds = "bf16, fp16, fp32 or fp64" if reference else "bf16, fp16 or fp32"
+        raise ValueError(f"{what}: {name}={dtype}; the result is {kinds}")
 
 
 def check_static_scale(scale: torch.Tensor, what: str = "fp8fx.quantize_static: the static input scale") -> None:
@@ -113,8 +116,7 @@ def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, block, dtype: t
     check_block(block, "block")
     if q.dtype != quant.FP8_DTYPE:  # a 16-bit weight would be multiplied by a scale as if it held fp8 codes
         raise ValueError(f"fp8fx.dequantize: q is {q.dtype}; it dequantizes {quant.FP8_DTYPE} codes")
-    if dtype not in quant.COMPUTE_DTYPES:  # float64 too: a quantized layer's reference (model.double())
-        raise ValueError(f"fp8fx.dequantize: dtype={dtype}; the result is bf16, fp16, fp32 or fp64")
+    _check_out_dtype("fp8fx.dequantize", "dtype", dtype, reference=True)  # float64: a layer's reference
     if q.dim() < 2:
         raise ValueError(f"fp8fx.dequantize: q has shape {list(q.shape)}; it dequantizes a [N, K] weight (or experts' "
                          "[E, N, K])")
@@ -317,20 +319,28 @@ def _adjacent(ts: list[torch.Tensor]) -> Optional[torch.Tensor]:
     return base.as_strided((rows, *base.shape[1:]), base.stride(), base.storage_offset())
 
 
+# a bias parameter's tag: the storage (data_ptr) of the zero-gapped bias tensor fp8fx.passes.horizontal moved it into
+BIAS_GAPS = "_fp8fx_bias_gaps"
+
+
 def _adjacent_with_gaps(biases: list[Optional[torch.Tensor]], sizes: list[int]) -> Optional[torch.Tensor]:
     """The one ``[sum sizes]`` tensor whose rows the given ``biases`` are, with the shards that have none between
     them, or None. For shards with and without a bias (Whisper's k_proj has none) ``fp8fx.passes.horizontal`` moves
-    the biases into one tensor that holds zeros in the gaps and nothing else; so the storage must be exactly that
-    tensor - the gaps are then no one else's rows."""
+    the biases into one tensor that holds zeros in the gaps and nothing else, and tags each bias with it
+    (``BIAS_GAPS``): only that tensor is taken - the layout alone would also take a model's own fused bias whose
+    rows between the two are another layer's."""
     present = [(i, b) for i, b in enumerate(biases) if b is not None]
     base = present[0][1]
     total = sum(sizes)
-    if base.untyped_storage().nbytes() != total * base.element_size():
+    storage = base.untyped_storage().data_ptr()
+    if base.untyped_storage().nbytes() != total * base.element_size() or any(
+            getattr(b, BIAS_GAPS, None) != storage for _, b in present):
         return None
     offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     for i, b in present:
         same = b.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-        if not same or b.dim() != 1 or not b.is_contiguous() or b.storage_offset() != offsets[i] or b.dtype != base.dtype:
+        if (not same or b.dim() != 1 or not b.is_contiguous() or b.storage_offset() != offsets[i]
+                or b.dtype != base.dtype):
             return None
     return base.as_strided((total,), (1,), 0)
 

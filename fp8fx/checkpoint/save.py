@@ -86,6 +86,11 @@ def save_checkpoint(
     schemes, demoted = _fp8_schemes(modules, schemes, layout)
     ignored, kv, fmt, method = _ignored_and_format(model, modules, schemes, layout, format)
     tensors = _named_tensors(model, modules, layout, demoted, method)
+    wide = [n for n, t in tensors.items() if t.is_floating_point() and t.dtype.itemsize > 4]
+    if wide:  # load_checkpoint reads bf16/fp16/fp32 next to the fp8 tensors: refused here, not when loaded
+        raise ValueError(f"save_checkpoint: {wide[0]} is {tensors[wide[0]].dtype} ({len(wide)} such tensors); a "
+                         f"quantized model cast to float64 is a reference, its checkpoint holds bf16/fp16/fp32 tensors:"
+                         f" cast it back (model.to(torch.bfloat16)), then save (nothing was written)")
     tensors, schemes, ignored = _hub_named(model, tensors, schemes, ignored, layout)
     qc = formats.quantization_config(schemes, ignored, kv, fmt)
     if config_json is None:

@@ -419,11 +419,23 @@ def gemv_config(n: int, k: int, a_quant: bool = False) -> dict:
                 SPLIT_K=split, K_STAGES=GEMV_K_STAGES)
 
 
-def tile_config(m: int, n: int, k: int, a_quant: bool = False, weight_only: bool = False) -> dict:
+def tile_config(m: int, n: int, k: int, a_quant: bool = False, transposed: bool = True) -> dict:
     """The kernel and tiles ``fp8_gemm`` runs for [m, k] x [n, k]: the GEMV kernel where ``gemv_fits``
     (``gemv_config``; ``a_quant``: it quantizes a 16-bit a as it loads it), else ``mma_tile_config`` (whose BLOCK_K
-    ``fp8_gemm`` sets to the K group, if any)."""
-    return gemv_config(n, k, a_quant) if gemv_fits(m, n, k) else mma_tile_config(m, n, k, weight_only)
+    ``fp8_gemm`` sets to the K group, if any; ``transposed``: its transposed tiles of 2-16 rows)."""
+    return gemv_config(n, k, a_quant) if gemv_fits(m, n, k) else mma_tile_config(m, n, k, transposed)
+
+
+def hopper_features(device: torch.device) -> bool:
+    """Whether the tiles that were timed on the H200 with Hopper's features apply on ``device``: the transposed
+    tiles (``SWAP_AB``: wgmma) and TMA weight copies. Not on CUDA GPUs before sm_90 (no wgmma, no TMA: their 16-row
+    tiles stay untransposed, as measured in run 18); on the CPU the interpreter runs the H200's tiles."""
+    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def without_hopper_features(cfg: dict) -> dict:
+    """``cfg`` untransposed and with pointer loads (``hopper_features``)."""
+    return {key: v for key, v in cfg.items() if key not in ("SWAP_AB", "TMA")}
 
 
 def gemv_fits(m: int, n: int, k: int) -> bool:
@@ -435,7 +447,7 @@ def gemv_fits(m: int, n: int, k: int) -> bool:
     return 0 < m <= GEMV_MAX_M and n <= 4 * k
 
 
-def mma_tile_config(m: int, n: int, k: int, weight_only: bool = False) -> dict:
+def mma_tile_config(m: int, n: int, k: int, transposed: bool = True) -> dict:
     """Tiles by problem size, from benchmarks/tune_gemm.py on the H200 (torch 2.11, triton 3.6; times of
     CUDA-graph replays, 2026-11-29): decode streams the weight, so narrow N tiles give every SM its own
     slice and deep pipelining keeps enough bytes in flight. M=1: gate_up 28672x4096 0.0309 ms (3.81 TB/s
@@ -446,23 +458,27 @@ def mma_tile_config(m: int, n: int, k: int, weight_only: bool = False) -> dict:
     per thread, triton 3.6 / 3.9; tests/kernels/test_compile_sm90.py).
 
     Up to 16 rows of a weight with fewer 64-wide N tiles than the H200's 132 SMs (and K of 1024-8191: each split
-    keeps 2+ steps): 32-wide tiles with K split in 4, which fill the GPU (run 18, 24 tiles a shape, CUDA-graph
-    replays after a clean L2 flush). fp8 activations (call 4, `tune_gemm.py --ms 16`): qkv 6144x4096 0.0140 ms
-    against 0.0169 for the unsplit 64-wide tile (96 programs) and 0.0203 for cuBLAS; o 4096x4096 0.0129 against
-    0.0160 and 0.0173 (the best, 64-wide split in 4, 0.0127). Weight-only, 16-bit activations (call 3,
-    `--weight-only`): qkv 0.0169 against 0.0231 and bf16 cuBLAS 0.0187; o 0.0148 against 0.0227 and 0.0161.
-    128x128 weight blocks take the same tile there; not timed with it.
+    keeps 2+ steps): 32-wide tiles with K split in 4 (untransposed: see below), which fill the GPU (run 18, 24
+    tiles a shape, CUDA-graph replays after a clean L2 flush). fp8 activations (call 4, `tune_gemm.py --ms 16`):
+    qkv 6144x4096 0.0140 ms against 0.0169 for the unsplit 64-wide tile (96 programs) and 0.0203 for cuBLAS; o
+    4096x4096 0.0129 against 0.0160 and 0.0173 (the best, 64-wide split in 4, 0.0127). Weight-only, 16-bit
+    activations (call 3, `--weight-only`): qkv 0.0169 against 0.0231 and bf16 cuBLAS 0.0187; o 0.0148 against
+    0.0227 and 0.0161.
+    128x128 weight blocks take the same tiles there; not timed with them.
 
-    Since run 20 these two split tiles of fp8 activations compute the product transposed (``SWAP_AB``: the 64
-    weight rows are wgmma's left operand, fp8 from shared memory; `tune_gemm.py --swap --ms 16`, each candidate
-    timed once): qkv 64-wide split in 4 0.0143 ms against 0.0150 for the 32-wide mma.sync tile (o 4096x4096 not
-    timed transposed), down 4096x14336 0.0222 against 0.0228. Weight-only (``weight_only``: 16-bit activations, the
-    weight upcast in registers) keeps run 18's tiles, the ones timed against bf16 cuBLAS; so does the unsplit
-    64-wide tile of a weight with many N tiles (gate_up), not swept transposed. On GPUs without wgmma (before
-    sm_90) a transposed tile runs mma.sync, correct but not timed."""
+    ``transposed`` (``fp8_gemm``: fp8 activations, where ``hopper_features``): since run 20 these two split tiles
+    compute the product transposed (``SWAP_AB``: 64 weight rows are wgmma's left operand, fp8 from shared memory;
+    `tune_gemm.py --swap --ms 16`, each candidate timed once): qkv 64-wide split in 4 0.0143 ms against 0.0150 for
+    the 32-wide mma.sync tile (the unsplit transposed tile, 96 programs, 0.0137; o 4096x4096 not timed
+    transposed); down 4096x14336 0.0222 against 0.0228 (the same tile untransposed 0.0226 in the same sweep: a tie
+    for this GEMM alone; the fused MLP's down GEMM, transposed, gained 4%, ``gated_mlp.down_tile_config``). With
+    fast accumulation (``fast_accum``) the transposed tiles sum in wgmma's reduced precision where the mma.sync
+    tiles summed in float32 (``imprecise_k``). Weight-only (16-bit activations, the weight upcast in registers)
+    keeps run 18's tiles, the ones timed against bf16 cuBLAS; so does the unsplit 64-wide tile of a weight with
+    many N tiles (gate_up), not swept transposed."""
     long_k = k >= 8192
     if m <= 16:
-        swap = {} if weight_only else {"SWAP_AB": True}
+        swap = {"SWAP_AB": True} if transposed else {}
         if 1024 <= k < 8192 and triton.cdiv(n, 64) < 132:
             if swap:
                 return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=4,
@@ -594,7 +610,9 @@ def fp8_gemm(
     group_k = [blk[1] for blk, mode in ((a_block, a_mode), (b_block, b_mode)) if mode == PER_K_GROUP]
     if len(set(group_k)) > 1:
         raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
-    cfg = dict(config or tile_config(m, n, k, a_quant=a_quant != NO_QUANT, weight_only=not a_fp8))
+    cfg = dict(config or tile_config(m, n, k, a_quant=a_quant != NO_QUANT, transposed=a_fp8))
+    if config is None and not hopper_features(a.device):
+        cfg = without_hopper_features(cfg)
     gemv = cfg.pop("GEMV", False)
     # the GEMV scales a thread's 16 bytes of a row by one K group's scale: groups of a multiple of 16 (the ops send
     # groups of 32-256, ops._k_groups_agree)
@@ -619,8 +637,8 @@ def fp8_gemm(
         raise ValueError(f"fp8_gemm: split-K needs {tiles} int32 tickets; got {tickets.numel()} {tickets.dtype}")
     n_parts = a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1
     pdl_launch = {"launch_pdl": True} if pdl else {}
-    if gemv:
-        cfg.pop("TMA", None), cfg.pop("BLOCK_M")
+    if gemv:  # (its own loads and dot: the tensor-core kernel's TMA and SWAP_AB do not apply)
+        cfg.pop("TMA", None), cfg.pop("SWAP_AB", None), cfg.pop("BLOCK_M")
         fp8_gemv_kernel[(tiles * split_k,)](
             a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets,
             n, k, a.stride(1), b.stride(0), y.stride(2), y.stride(0), a_scale.stride(1), b_scale.stride(0),

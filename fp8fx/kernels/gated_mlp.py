@@ -40,7 +40,8 @@ import triton.language as tl
 from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _scale_of
 from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
-from fp8fx.kernels.fp8_gemm import gemv_config, gemv_fits, mma_tile_config, pipeline_stages
+from fp8fx.kernels.fp8_gemm import gemv_config, gemv_fits, hopper_features, mma_tile_config, pipeline_stages
+from fp8fx.kernels.fp8_gemm import without_hopper_features
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
 # h quantized in 1 x h_group groups by the gate/up kernel's epilogue (an N tile of it per group), read by the down
@@ -170,7 +171,7 @@ def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0
         # M=64 64-wide, split in 4, the weight by TMA copies, 0.0630 against 0.0659 for run 17's 128-wide tiles
         # split in 8 (run 19, `--groups --tma`; with the gate/up kernel's 8 warps the op took 0.0603). Groups of
         # 32 and 64 take the same tiles, correct (tests) but not timed with them
-        if m <= 16:
+        if m <= 16:  # (K < 8192, unsplit: transposed too, not timed)
             return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=h_group, GROUP_M=1, num_warps=4, num_stages=4,
                         SPLIT_K=4 if k >= 8192 else 1, SWAP_AB=True, TMA=True)
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=h_group, GROUP_M=1, num_warps=4, num_stages=4,
@@ -238,7 +239,9 @@ def gated_mlp(
     if rows1 != rows3:  # one layout for both: the per-tensor one as a vector
         s1, s3 = s1.expand(i).contiguous(), s3.expand(i).contiguous()
     cfg1 = dict(configs[0] or gated_tile_config(m, i, k, h_group))
-    cfg2 = {"SPLIT_K": 1, **(configs[1] or down_tile_config(m, n, i, h_group=h_group))}
+    down = down_tile_config(m, n, i, h_group=h_group)
+    down = down if hopper_features(xq.device) else without_hopper_features(down)
+    cfg2 = {"SPLIT_K": 1, **(configs[1] or down)}
     if h_group:  # a group is one N tile of the first kernel
         if configs[0] and cfg1["BLOCK_N"] != h_group:
             raise ValueError(f"gated_mlp: h_group={h_group} is the gate/up kernel's BLOCK_N; configs[0] has "

@@ -56,13 +56,15 @@ def fuse_weights(
     return torch.cat(ws), torch.cat([s.reshape(-1, s.shape[-1]) for s in ss])
 
 
-def _rebind(params: list[torch.Tensor], fused: torch.Tensor) -> None:
+def _rebind(params: list[Optional[torch.Tensor]], fused: torch.Tensor, sizes: Optional[list[int]] = None) -> None:
     """Each parameter becomes a view of its rows of ``fused`` (same values; memory shared).
-    Rows are dim 0: weights [N, K], scales [N, 1] or [N / bn, K / bk], biases [N]."""
+    Rows are dim 0: weights [N, K], scales [N, 1] or [N / bn, K / bk], biases [N]. With ``sizes`` (each shard's
+    rows), a None parameter (a shard without a bias) leaves its rows of ``fused`` to no one."""
     offset = 0
-    for p in params:
-        p.data = fused.narrow(0, offset, p.shape[0]).view(p.shape)
-        offset += p.shape[0]
+    for i, p in enumerate(params):
+        if p is not None:
+            p.data = fused.narrow(0, offset, p.shape[0]).view(p.shape)
+        offset += p.shape[0] if sizes is None else sizes[i]
 
 
 def share_memory(weights, scales, biases, w_block) -> None:
@@ -87,10 +89,11 @@ def share_memory(weights, scales, biases, w_block) -> None:
     if scale is not None:
         _rebind(scales, scale)
     if bias is not None:  # each bias becomes a view of its rows; a shard without one leaves zeros there
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-        for b, offset, n in zip(biases, offsets, sizes):
-            if b is not None:
-                b.data = bias.narrow(0, offset, n)
+        _rebind(biases, bias, sizes)
+        if any(b is None for b in biases):  # what ops._adjacent_with_gaps takes: this tensor, its gaps zeros
+            for b in biases:
+                if b is not None:
+                    setattr(b, fp8fx.ops.BIAS_GAPS, bias.untyped_storage().data_ptr())
 
 
 class _GroupKey(NamedTuple):

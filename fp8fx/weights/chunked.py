@@ -87,8 +87,9 @@ def count_unloadable(t: torch.Tensor, dtype: torch.dtype, chunk_numel: int = CHU
 
 def dequantized_overflow(q: torch.Tensor, scale: torch.Tensor, block: Sequence[int], dtype: torch.dtype,
                          chunk_numel: int = CHUNK_NUMEL) -> int:
-    """Values of the dequantized fp8 weight ``q`` [rows, cols] (``quant.dequantize``: fp8 * scale in float32, then
-    ``dtype``, as a quantized layer's ``weight`` view) that are inf, counted a chunk of whole scale rows at a time."""
+    """Values of the dequantized fp8 weight ``q`` [rows, cols] (``quant.dequantize``: fp8 * scale in float32 - float64
+    for float64 -, then ``dtype``, as a quantized layer's ``weight`` view) that are inf, counted a chunk of whole
+    scale rows at a time."""
     rows, cols = q.shape
     if block[0] == -1:  # one scale for all rows
         b_r, step = rows, max(1, chunk_numel // max(cols, 1))

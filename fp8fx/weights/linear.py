@@ -71,7 +71,8 @@ def fp8_apply(self, fn, recurse=True):
                 name = getattr(self._parameters.get("weight"), "_fp8fx_fqn", type(self).__name__)
                 raise ValueError(
                     f"{name}: cast to {cast}, but fp8 layers compute in bf16/fp16/fp32 (or fp64, as a reference); "
-                    f"cast the model to one of these (this layer and the modules after it were not converted)"
+                    f"cast the model to one of these (the modules before this layer were converted, this layer "
+                    f"and the ones after it were not)"
                 )
     tags = {n: {a: v for a, v in vars(t).items() if a.startswith("_fp8fx_")}
             for n, t in self._parameters.items() if t is not None}

@@ -121,7 +121,7 @@ def test_split_k_variant_compiles_for_sm90(layout, split_k):
 def test_weight_only_variant_compiles_for_sm90(layout, m):
     """bf16 activations (their scale is a per-tensor 1.0), fp8 weight upcast in the kernel."""
     _, _, b_row, b_grp = LAYOUTS[layout]
-    kernel = compile_for_hopper("bf16", (False, False, b_row, b_grp), tile_config(m, 4096, 4096))
+    kernel = compile_for_hopper("bf16", (False, False, b_row, b_grp), tile_config(m, 4096, 4096, transposed=False))
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
 
 

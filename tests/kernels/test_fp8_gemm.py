@@ -85,17 +85,37 @@ def test_cublas_block_dispatch_rule():
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 3, 16, 80, 2048, 2049])
-@pytest.mark.parametrize("k", [384, 512])
+@pytest.mark.parametrize("m,k", [(m, k) for m in (1, 3, 16, 80, 2048, 2049) for k in (384, 512)]
+                         + [(3, 1024), (16, 1024), (3, 7168), (16, 7168)])
 def test_block_scaled_op_cuda_matches_reference(m, k):
     """The CUDA op with 1x128 x 128x128 blocks: cuBLAS's block GEMM where ``cublas_block_fits`` (M > 64 and
-    a multiple of 16, K/128 a multiple of 4 here), the Triton kernel elsewhere; bias added either way."""
+    a multiple of 16, K/128 a multiple of 4 here), the Triton kernel elsewhere (at 2-16 rows and K >= 1024 its
+    transposed, split tile, each K step's scales on the transposed accumulator); bias added either way."""
     n = 256
     xq, xs, wq, ws, bias = operands(m, n, k, [1, 128], [128, 128], "cuda")
     ref = reference(xq, xs, [1, 128], wq, ws, [128, 128], bias, torch.bfloat16)
     y = torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws, bias.bfloat16(), [1, 128], [128, 128], torch.bfloat16)
     err = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
     assert err < 1e-2, (m, k, err)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k", [(16, 4096, 14336), (3, 6144, 4096)])
+def test_transposed_tiles_with_fast_accumulation_cuda(m, n, k):
+    """The 2-16-row tiles transposed since run 20 run wgmma, which with fast accumulation (the backend's default)
+    sums each split's K (3584 of Llama-3-8B's down) without promoting to float32, where the mma.sync tiles summed in
+    float32: against float64 on the same codes, within twice cuBLAS's error with fast accumulation."""
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
+
+    assert tile_config(m, n, k).get("SWAP_AB")
+    xq, xs, wq, ws, _ = operands(m, n, k, [1, -1], [1, -1], "cuda")
+    ref = reference(xq, xs, [1, -1], wq, ws, [1, -1], None, torch.float32)
+    err = lambda y: ((y.double().cpu() - ref).norm() / ref.norm()).item()  # noqa: E731
+    ours = err(fp8_gemm(xq, wq, xs, ws, None, torch.float32, fast_accum=True))
+    cublas = err(torch._scaled_mm(xq, wq.t(), scale_a=xs.reshape(-1, 1), scale_b=ws.reshape(1, -1),
+                                  out_dtype=torch.float32, use_fast_accum=True))
+    promoted = err(fp8_gemm(xq, wq, xs, ws, None, torch.float32, fast_accum=False))
+    assert ours <= max(2 * cublas, 1e-6) and promoted <= 1.5 * ours + 1e-6, (ours, cublas, promoted)
 
 
 @pytest.mark.cuda
@@ -176,7 +196,7 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
     # (64 weight rows on wgmma's left, run 20); weight-only keeps run 18's 32-wide mma.sync tiles; wide weights,
     # short K and more rows keep their tiles, not transposed
     for n, k, split in [(6144, 4096, 4), (4096, 4096, 4), (28672, 4096, 1), (4096, 14336, 4), (6144, 512, 1)]:
-        cfg, wo = tile_config(16, n, k), tile_config(16, n, k, weight_only=True)
+        cfg, wo = tile_config(16, n, k), tile_config(16, n, k, transposed=False)
         assert cfg.get("SPLIT_K", 1) == wo.get("SPLIT_K", 1) == split and cfg["BLOCK_N"] == 64, (n, k)
         assert cfg.get("SWAP_AB", False) == (split > 1) and not wo.get("SWAP_AB", False), (n, k)
         assert wo["BLOCK_N"] == (32 if k < 8192 and split > 1 else 64), (n, k)

@@ -1,4 +1,6 @@
 """Horizontal fusion of fp8 GEMMs that share their input (q/k/v, gate/up)."""
+from unittest import mock
+
 import pytest
 import torch
 
@@ -235,12 +237,14 @@ def test_shards_with_and_without_a_bias_are_fused(granularity):
     whole = fp8fx.ops._bias_view([q_b, None, v_b], [64, 32, 32])
     assert whole is not None and torch.equal(whole[64:96], torch.zeros(32, dtype=torch.bfloat16))
     # the op: one GEMM with the gaps' zeros, the same as one GEMM per shard; a bias replaced afterwards (a tensor of
-    # its own) is concatenated with zeros for k at each call
+    # its own), or biases that lie in a tensor of the same layout whose gap holds another layer's rows (a model's
+    # own [q; k; v] bias, untagged), are concatenated with zeros for k at each call
     xq, xs = torch.ops.fp8fx.quantize(x, [1, -1])
     layers = (model.q_proj, model.k_proj, model.v_proj)
     weights, scales = [m._parameters["weight"] for m in layers], [m._parameters["weight_scale"] for m in layers]
     block = [1, -1] if isinstance(granularity, fp8fx.PerRow) else [-1, -1]
-    for biases in ([q_b, None, v_b], [q_b.detach() + 1, None, v_b]):
+    own = torch.randn(128, dtype=torch.bfloat16)
+    for biases in ([q_b, None, v_b], [q_b.detach() + 1, None, v_b], [own[:64], None, own[96:]]):
         assert (fp8fx.ops._bias_view(biases, [64, 32, 32]) is None) == (biases[0] is not q_b)
         one = torch.ops.fp8fx.scaled_mm_fused(xq, xs, weights, scales, biases, [1, -1], block, torch.bfloat16, True)
         apart = torch.cat([torch.ops.fp8fx.scaled_mm(xq, xs, w, s, b, [1, -1], block, torch.bfloat16, True)
@@ -261,7 +265,11 @@ def test_shards_with_and_without_a_bias_fused_on_the_gpu():
         torch._dynamo.reset()
         backend = fp8fx.Fp8Backend(fuse_horizontal=True, cudagraphs=True)
         compiled = torch.compile(model, backend=backend)
-        outs = [compiled(x).clone() for _ in range(3)]
+        found = []  # whether each call outside the graph replays found the zero-gapped bias (else: a concatenation)
+        gaps = fp8fx.ops._adjacent_with_gaps
+        with mock.patch.object(fp8fx.ops, "_adjacent_with_gaps", lambda b, n: found.append(gaps(b, n)) or found[-1]):
+            outs = [compiled(x).clone() for _ in range(3)]
+    assert found and all(f is not None for f in found)
     assert all(s.scheme.endswith("fused(q_proj,k_proj,v_proj)") for s in backend.report.sites)
     assert fp8fx.ops._bias_view([model.q_proj.bias, None, model.v_proj.bias], [64, 32, 32]) is not None
     assert all(torch.equal(o, outs[0]) for o in outs) and rel_err(outs[0].float(), plain.float()) < 1e-3

@@ -625,6 +625,22 @@ def test_a_float64_cast_is_the_quantized_models_exact_reference():
     assert all("activation dtype torch.float64 is not bf16/fp16/fp32" in r for r in reasons.values()), reasons
 
 
+def test_a_float64_reference_is_not_saved(tmp_path):
+    """save_checkpoint wrote a float64-cast quantized model's biases as F64, which load_checkpoint then refused: the
+    error came after the files were written."""
+    model = _mlp()
+    fp8fx.quantize_(model)
+    model.double()
+    with pytest.raises(ValueError, match=r"save_checkpoint: 0.bias is torch.float64 \(2 such tensors\); a quantized "
+                                         r"model cast to float64 is a reference.*cast it back \(model.to\(torch."
+                                         r"bfloat16\)\), then save \(nothing was written\)"):
+        fp8fx.save_checkpoint(model, tmp_path / "ckpt")
+    assert not (tmp_path / "ckpt").exists()
+    model.to(torch.bfloat16)
+    fp8fx.save_checkpoint(model, tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "model.safetensors").exists()
+
+
 def test_a_cast_to_a_dtype_fp8_layers_cannot_compute_in_is_refused_naming_the_layer():
     model = _mlp()
     fp8fx.quantize_(model)
