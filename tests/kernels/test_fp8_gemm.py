@@ -365,6 +365,13 @@ INTERPRETER_CHECK = textwrap.dedent(
     ref = x.double() @ quant.dequantize(wq, ws, (1, -1), torch.float64).t()
     y = fp8_gemm(x, wq, None, ws, None, torch.float32, b_block=(1, -1))
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-3
+    # the same with fp8 activations: the default tile is transposed (SWAP_AB, K split in 4; ragged N)
+    from fp8fx.kernels.fp8_gemm import tile_config
+    assert tile_config(3, 40, 1024).get("SWAP_AB")
+    xq, xs, wq, ws, bias = operands(3, 40, 1024, [1, -1], [1, -1], "cpu")
+    ref = reference(xq, xs, [1, -1], wq, ws, [1, -1], bias, torch.float32)
+    y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
     print("interpreter ok")
     """
 )
