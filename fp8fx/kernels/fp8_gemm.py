@@ -426,15 +426,13 @@ def tile_config(m: int, n: int, k: int, a_quant: bool = False, transposed: bool 
     return gemv_config(n, k, a_quant) if gemv_fits(m, n, k) else mma_tile_config(m, n, k, transposed)
 
 
-def hopper_features(device: torch.device) -> bool:
-    """Whether the tiles that were timed on the H200 with Hopper's features apply on ``device``: the transposed
-    tiles (``SWAP_AB``: wgmma) and TMA weight copies. Not on CUDA GPUs before sm_90 (no wgmma, no TMA: their 16-row
-    tiles stay untransposed, as measured in run 18); on the CPU the interpreter runs the H200's tiles."""
-    return device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def without_hopper_features(cfg: dict) -> dict:
-    """``cfg`` untransposed and with pointer loads (``hopper_features``)."""
+def for_device(cfg: dict, device: torch.device) -> dict:
+    """A default tile ``cfg`` as it runs on ``device``: the tiles timed on the H200 with Hopper's features - the
+    transposed tiles (``SWAP_AB``: wgmma) and TMA weight copies - untransposed and with pointer loads on CUDA GPUs
+    before sm_90 (no wgmma, no TMA: their 16-row tiles stay as measured in run 18); on the CPU the interpreter runs
+    the H200's tiles."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0):
+        return cfg
     return {key: v for key, v in cfg.items() if key not in ("SWAP_AB", "TMA")}
 
 
@@ -466,7 +464,7 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True) -> dict:
     0.0227 and 0.0161.
     128x128 weight blocks take the same tiles there; not timed with them.
 
-    ``transposed`` (``fp8_gemm``: fp8 activations, where ``hopper_features``): since run 20 these two split tiles
+    ``transposed`` (``fp8_gemm``: fp8 activations, on Hopper: ``for_device``): since run 20 these two split tiles
     compute the product transposed (``SWAP_AB``: 64 weight rows are wgmma's left operand, fp8 from shared memory;
     `tune_gemm.py --swap --ms 16`, each candidate timed once): qkv 64-wide split in 4 0.0143 ms against 0.0150 for
     the 32-wide mma.sync tile (the unsplit transposed tile, 96 programs, 0.0137; o 4096x4096 not timed
@@ -478,14 +476,14 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True) -> dict:
     many N tiles (gate_up), not swept transposed."""
     long_k = k >= 8192
     if m <= 16:
-        swap = {"SWAP_AB": True} if transposed else {}
         if 1024 <= k < 8192 and triton.cdiv(n, 64) < 132:
-            if swap:
+            if transposed:  # 64 weight rows: wgmma's left operand
                 return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=4,
-                            **swap)
+                            SWAP_AB=True)
             return dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=4)
         if long_k:  # few N tiles (4096 / 64): split K to fill the GPU
-            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6, SPLIT_K=4, **swap)
+            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=6, SPLIT_K=4,
+                        SWAP_AB=transposed)
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     if m <= 64:
         if long_k:  # 64-wide N tiles, K split in 2 (256 programs): 0.0235 ms against 0.0248 for 32-wide unsplit
@@ -610,9 +608,7 @@ def fp8_gemm(
     group_k = [blk[1] for blk, mode in ((a_block, a_mode), (b_block, b_mode)) if mode == PER_K_GROUP]
     if len(set(group_k)) > 1:
         raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
-    cfg = dict(config or tile_config(m, n, k, a_quant=a_quant != NO_QUANT, transposed=a_fp8))
-    if config is None and not hopper_features(a.device):
-        cfg = without_hopper_features(cfg)
+    cfg = dict(config or for_device(tile_config(m, n, k, a_quant=a_quant != NO_QUANT, transposed=a_fp8), a.device))
     gemv = cfg.pop("GEMV", False)
     # the GEMV scales a thread's 16 bytes of a row by one K group's scale: groups of a multiple of 16 (the ops send
     # groups of 32-256, ops._k_groups_agree)

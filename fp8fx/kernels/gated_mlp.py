@@ -40,8 +40,7 @@ import triton.language as tl
 from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _scale_of
 from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
-from fp8fx.kernels.fp8_gemm import gemv_config, gemv_fits, hopper_features, mma_tile_config, pipeline_stages
-from fp8fx.kernels.fp8_gemm import without_hopper_features
+from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
 # h quantized in 1 x h_group groups by the gate/up kernel's epilogue (an N tile of it per group), read by the down
@@ -239,9 +238,7 @@ def gated_mlp(
     if rows1 != rows3:  # one layout for both: the per-tensor one as a vector
         s1, s3 = s1.expand(i).contiguous(), s3.expand(i).contiguous()
     cfg1 = dict(configs[0] or gated_tile_config(m, i, k, h_group))
-    down = down_tile_config(m, n, i, h_group=h_group)
-    down = down if hopper_features(xq.device) else without_hopper_features(down)
-    cfg2 = {"SPLIT_K": 1, **(configs[1] or down)}
+    cfg2 = {"SPLIT_K": 1, **(configs[1] or for_device(down_tile_config(m, n, i, h_group=h_group), xq.device))}
     if h_group:  # a group is one N tile of the first kernel
         if configs[0] and cfg1["BLOCK_N"] != h_group:
             raise ValueError(f"gated_mlp: h_group={h_group} is the gate/up kernel's BLOCK_N; configs[0] has "
