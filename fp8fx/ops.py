@@ -329,19 +329,17 @@ def _adjacent_with_gaps(biases: list[Optional[torch.Tensor]], sizes: list[int]) 
     the biases into one tensor that holds zeros in the gaps and nothing else, and tags each bias with it
     (``BIAS_GAPS``): only that tensor is taken - the layout alone would also take a model's own fused bias whose
     rows between the two are another layer's."""
-    present = [(i, b) for i, b in enumerate(biases) if b is not None]
-    base = present[0][1]
-    total = sum(sizes)
-    storage = base.untyped_storage().data_ptr()
-    if base.untyped_storage().nbytes() != total * base.element_size() or any(
-            getattr(b, BIAS_GAPS, None) != storage for _, b in present):
+    base = next(b for b in biases if b is not None)
+    storage, total = base.untyped_storage(), sum(sizes)
+    if storage.nbytes() != total * base.element_size():
         return None
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    for i, b in present:
-        same = b.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-        if (not same or b.dim() != 1 or not b.is_contiguous() or b.storage_offset() != offsets[i]
-                or b.dtype != base.dtype):
+    offset = 0
+    for b, n in zip(biases, sizes):
+        if b is not None and (b.untyped_storage().data_ptr() != storage.data_ptr()
+                              or getattr(b, BIAS_GAPS, None) != storage.data_ptr() or b.dim() != 1
+                              or not b.is_contiguous() or b.storage_offset() != offset or b.dtype != base.dtype):
             return None
+        offset += n
     return base.as_strided((total,), (1,), 0)
 
 
