@@ -15,6 +15,7 @@
 #          tma: its sweep with TMA weight loads too;
 #          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles;
 #          flush: flush_study.py; ncu: ncu on the fused MLP's kernels; ncupipes: their pipe use and stalls;
+#          ncu64: ncu on them at M = 64, h in 1x128 groups; m64: tune_gemm.py --m64;
 #          rows: rows_study.py; narrow: down-GEMM tiles of 16-32 rows;
 #          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles; widen: in 64-128-wide tiles, K split)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
@@ -71,6 +72,15 @@ if has ncu; then  # hardware counters of the fused decode MLP's two kernels (3 c
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
     --section LaunchStats --section SchedulerStats python3 benchmarks/tune_gemm.py --gated-ncu > "$OUT/ncu.txt" 2>&1
   grep -E "gated_gemm_kernel|fp8_gemm_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|One or More|No Eligible" "$OUT/ncu.txt" | head -120
+fi
+if has ncu64; then  # the same counters at M = 64 with h in 1x128 groups (3 calls)
+  timeout 200 ncu --clock-control none -k regex:'gated_gemm_kernel|fp8_gemm_kernel' --launch-count 6 \
+    --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats --section Occupancy \
+    --section LaunchStats python3 benchmarks/tune_gemm.py --gated-ncu --ms 64 --h-groups 128 > "$OUT/ncu64.txt" 2>&1
+  grep -E "gated_gemm_kernel|fp8_gemm_kernel|Duration|DRAM Throughput|Memory Throughput|Achieved Occupancy|Registers Per|Stall|One or More|No Eligible|Block Limit" "$OUT/ncu64.txt" | head -80
+fi
+if has m64; then  # M = 64 with h in groups: the down GEMM grouped vs per row, deeper pipelines, G = 64 vs 128
+  timeout 420 python3 benchmarks/tune_gemm.py --m64 2>&1 | tee "$OUT/m64.txt"
 fi
 if has ncupipes; then  # the fused MLP's kernels at M = 1: which pipes and stalls bound them
   timeout 100 ncu --clock-control none -k regex:'gated_gemm_kernel|fp8_gemm_kernel' --launch-count 2 \

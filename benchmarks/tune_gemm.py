@@ -16,6 +16,8 @@
     python benchmarks/tune_gemm.py --gemv --block  # the same with 1x128 / 128x128 block scales
     python benchmarks/tune_gemm.py --gemv --k-stages 1,2,3,4  # GEMV tiles with the K loop pipelined (K_STAGES)
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
+    python benchmarks/tune_gemm.py --m64           # M = 64, h in groups: where the down GEMM's time goes, deeper
+                                                   # pipelines, the gate/up kernel's stages, G = 64 against 128
     python benchmarks/tune_gemm.py --gated --swap  # M = 16: its down GEMM transposed (SWAP_AB) or not
     python benchmarks/tune_gemm.py --swap --ms 16  # the decode GEMMs' tiles, each also transposed
     python benchmarks/tune_gemm.py --weight-only   # M = 16, bf16 activations and the fp8 weight (the fallback for
@@ -25,9 +27,11 @@ Every candidate is checked against the current configuration's output before it 
 """
 import argparse
 import itertools
+import sys
 
 import torch
 import triton
+import triton.language as tl
 
 from bench_linear import bench, cublas_blockwise  # run as a script: benchmarks/ is on sys.path
 from fp8fx import quant
@@ -343,6 +347,127 @@ def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5, groups=None, 
         _duel(f"fused MLP M={m}", runs, 3 * dim * hidden, rounds)
 
 
+def sweep_m64(m=64, dim=4096, hidden=14336, rounds=5, groups=(64, 128)):
+    """M = 64 with h in 1 x G groups (run 20: the block 1.63-1.66x bf16 against the 1.7x goal), three questions:
+    (1) the down GEMM alone with h's K-grouped scales against the same codes with one scale per row (the
+    grouped kernel scales each K step's partial product, so it waits for every wgmma; per row it chains them) -
+    is that wait what it loses?; (2) deeper pipelines than the 4 stages run 19 swept (bytes in flight per SM);
+    (3) the gate/up kernel's stages and warps, and G = 64 (224 programs of the gate/up kernel where G = 128 gives
+    112 for 132 SMs). CUDA-graph replays, L2 clean; the best of each in ``rounds`` interleaved rounds."""
+    from fp8fx.kernels.gated_mlp import QUANT_GROUPS, down_tile_config, gated_mlp, gated_tile_config
+
+    (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
+    torch.manual_seed(1)
+    h = torch.randn(m, hidden, device="cuda") * torch.rand(m, hidden // 128, 1, device="cuda").repeat_interleave(
+        128, 1).reshape(m, hidden)
+    downs = [dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=sk, TMA=tma)
+             for bn, sk, st, w, tma in [
+                 *((64, 4, st, 4, tma) for st in (4, 5, 6, 8) for tma in (True, False)),
+                 *((64, 2, st, 4, True) for st in (6, 8, 10, 12)),
+                 *((64, 8, st, 4, True) for st in (3, 4)),
+                 *((128, sk, st, w, True) for sk in (2, 4) for st in (4, 6) for w in (4, 8))]]
+    # (1)
+    for g in groups:
+        hq_g, hs_g = quant.quantize(h, [1, g])
+        hq_r, hs_r = quant.quantize(h, [1, -1])
+        refs = {name: (q.float() * s.repeat_interleave(g, 1)[:, :hidden] if name == "groups" else q.float() * s)
+                @ (w2[0].float() * w2[1].reshape(-1, 1)).t() for name, q, s in (("groups", hq_g, hs_g),
+                                                                                   ("rows", hq_r, hs_r))}
+        runs = {}
+        for cfg in downs:
+            cfg = {**cfg, "BLOCK_K": g}
+            for name, args in (("groups", (hq_g, w2[0], hs_g, w2[1])), ("rows", (hq_r, w2[0], hs_r, w2[1]))):
+                run = lambda c=cfg, a=args, grouped=name == "groups": fp8_gemm(  # noqa: E731
+                    *a, None, torch.bfloat16, config=c, a_block=(1, g) if grouped else None)
+                try:
+                    err = (run().float() - refs[name]).abs().max()
+                    assert err <= 1e-2 * refs[name].abs().max(), f"off by {err}"
+                    runs[f"{name} {cfg}"] = (time_ms(run, True), run)
+                except Exception as exc:  # noqa: BLE001 - a tile that does not fit is not a candidate
+                    print(f"down G={g} {name} {cfg} failed: {str(exc).splitlines()[0][:120]}")
+        for name in ("groups", "rows"):
+            best = sorted((t, k) for k, (t, _) in runs.items() if k.startswith(name))
+            print(f"down M={m} G={g} {name}: " + " ; ".join(f"{t:.4f} {k}" for t, k in best[:6]), flush=True)
+        tops = {k: runs[k][1] for k in [min((t, k) for k, (t, _) in runs.items() if k.startswith(n))[1]
+                                        for n in ("groups", "rows")]}
+        default = {**down_tile_config(m, dim, hidden, h_group=g), "BLOCK_K": g}
+        tops["groups default"] = lambda: fp8_gemm(hq_g, w2[0], hs_g, w2[1], None, torch.bfloat16, config=default,
+                                                  a_block=(1, g))
+        _duel(f"down GEMM M={m} G={g}", tops, dim * hidden, rounds)
+    # (2), (3): the op
+    runs = {}
+    for g in groups:
+        op = lambda c1=None, c2=None, g=g: gated_mlp(  # noqa: E731
+            xq, xs, *w1, *w3, *w2, None, QUANT_GROUPS, None, torch.bfloat16, torch.bfloat16, configs=(c1, c2),
+            h_group=g)
+        ref = op().float()
+        ref = op().float()
+        firsts = [dict(gated_tile_config(m, hidden, dim, g), BLOCK_N=g, num_stages=st, num_warps=w)
+                  for st in (3, 4, 5, 6) for w in (4, 8)]
+        results = []
+        for c1, c2 in [(c, None) for c in firsts] + [(None, {**c, "BLOCK_K": g}) for c in downs]:
+            try:
+                err = (op(c1, c2).float() - ref).abs().max()
+                assert err <= 1e-2 * ref.abs().max(), f"off by {err}"
+                results.append((time_ms(lambda: op(c1, c2), True), c1, c2))
+            except Exception as exc:  # noqa: BLE001
+                print(f"op G={g} {c1 or c2} failed: {str(exc).splitlines()[0][:120]}")
+        results.sort(key=lambda r: r[0])
+        best1 = min((r for r in results if r[1] is not None), key=lambda r: r[0])[1]
+        best2 = min((r for r in results if r[2] is not None), key=lambda r: r[0])[2]
+        print(f"op M={m} G={g}: " + " ; ".join(f"{t:.4f} {c1 or c2}" for t, c1, c2 in results[:8]), flush=True)
+        runs[f"G={g} default"] = op
+        runs[f"G={g} best"] = lambda op=op, b1=best1, b2=best2: op(b1, b2)
+    _duel(f"fused MLP M={m}", runs, 3 * dim * hidden, rounds)
+
+
+def balance_probe(m=64, rounds=5):
+    """Would the gate/up kernel stream faster on all 132 SMs? At M = 64 with h in 1x128 groups it runs one program
+    per group: 112 for Llama-3-8B's 14336 columns. Times the kernel alone (CUDA-graph replays, L2 clean) on shapes
+    of the same weight bytes (2 x 14336 x 4096): 112 programs over K = 4096 against 132 programs (16896 columns)
+    over K = 3456, and the 224 programs of 1x64 groups. A stream-K split of the real shape would give each SM the
+    second one's work (3584 K steps / 132)."""
+    from fp8fx.kernels.gated_mlp import gated_gemm_kernel, gated_tile_config
+
+    def launch(n, k, g, warps):
+        torch.manual_seed(0)
+        xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, -1])
+        w1, w3 = (quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1]) for _ in range(2))
+        h = torch.empty(m, n, device="cuda", dtype=quant.FP8_DTYPE)
+        parts = torch.empty(m, n // g, device="cuda")
+        cfg = dict(gated_tile_config(m, n, k, g), BLOCK_N=g, num_warps=warps)
+        return lambda: gated_gemm_kernel[(n // g,)](
+            xq, w1[0], w3[0], xs.reshape(-1), w1[1].reshape(-1), w3[1].reshape(-1), h, parts, parts, m, n, k, 0,
+            xq.stride(0), 1, w1[0].stride(0), 1, h.stride(0), parts.stride(0), A_ROWWISE=True, W_ROWWISE=True, ACT=0,
+            IMPRECISE_K=None, H_GROUPS=True, H_DTYPE=tl.bfloat16, **cfg)
+
+    runs = {"112 x K 4096 (G=128, 8 warps)": launch(14336, 4096, 128, 8),
+            "132 x K 3456 (G=128, 8 warps)": launch(16896, 3456, 128, 8),
+            "132 x K 3456 (G=128, 4 warps)": launch(16896, 3456, 128, 4),
+            "224 x K 4096 (G=64, 4 warps)": launch(14336, 4096, 64, 4),
+            "264 x K 3456 (G=64, 4 warps)": launch(33792 // 2, 3456, 64, 4)}
+    for fn in runs.values():
+        fn()
+    _duel(f"gate/up kernel alone M={m}", runs, 2 * 14336 * 4096, rounds)
+
+
+def down_duel(m=64, g=128, rounds=7, dim=4096, hidden=14336):
+    """The fused MLP op at M = 64, h in 1 x g groups, with the down-GEMM tiles that ``sweep_m64`` put first (each
+    timed once there, within 1.5% of each other) against the default, in ``rounds`` interleaved rounds."""
+    from fp8fx.kernels.gated_mlp import QUANT_GROUPS, gated_mlp
+
+    (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
+    tiles = {"64 wide, 4 stages (default)": (64, 4, 4), "64 wide, 5 stages": (64, 4, 5), "64 wide, 6 stages": (64, 4, 6),
+             "128 wide, 8 warps, 6 stages": (128, 8, 6), "128 wide, 4 warps, 6 stages": (128, 4, 6)}
+    runs = {name: lambda bn=bn, w=w, st=st: gated_mlp(
+        xq, xs, *w1, *w3, *w2, None, QUANT_GROUPS, None, torch.bfloat16, torch.bfloat16, h_group=g,
+        configs=(None, dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=g, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=4,
+                            TMA=True))) for name, (bn, w, st) in tiles.items()}
+    for fn in runs.values():
+        fn()
+    _duel(f"fused MLP M={m} G={g}, down tiles", runs, 3 * dim * hidden, rounds)
+
+
 def sweep_swap(ms=(16,), dim=4096, hidden=14336, rounds=5, tma=False):
     """2-16 rows: the fused MLP's down GEMM (its tensor-core kernel) with the product transposed (``SWAP_AB``: the
     weight tile is wgmma's left operand, fp8 straight from shared memory, against mma.sync on the weight tile
@@ -387,15 +512,17 @@ def sweep_swap(ms=(16,), dim=4096, hidden=14336, rounds=5, tma=False):
         _duel(f"fused MLP M={m}", runs, 3 * dim * hidden, rounds)
 
 
-def gated_ncu(ms=(1, 16), dim=4096, hidden=14336):
-    """Three plain calls of the fused MLP op per M, nothing timed: for ncu (device_run.sh's ncu stage)."""
+def gated_ncu(ms=(1, 16), dim=4096, hidden=14336, h_group=0):
+    """Three plain calls of the fused MLP op per M (h per token, or in 1 x ``h_group`` groups), nothing timed: for
+    ncu (device_run.sh's ncu stage)."""
     from fp8fx.kernels import fp8_gemm as kernels
-    from fp8fx.kernels.gated_mlp import gated_mlp
+    from fp8fx.kernels.gated_mlp import QUANT_GROUPS, gated_mlp
 
     for m in ms:
         (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
         for _ in range(3):
-            gated_mlp(xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16)
+            gated_mlp(xq, xs, *w1, *w3, *w2, None, QUANT_GROUPS if h_group else kernels.QUANT_ROWS, None,
+                      torch.bfloat16, torch.bfloat16, h_group=h_group)
         torch.cuda.synchronize()
 
 
@@ -410,10 +537,14 @@ def main(argv=None):
                    help="down-GEMM tiles of 16-32 rows, K split in 1-4 (with --gated: the fused MLP's down GEMM)")
     p.add_argument("--wide-n", action="store_true", help="M = 64 in 64-row tiles 64-128 wide, K split in 2-8")
     p.add_argument("--small-m", action="store_true", help="M = 64 in row tiles of 16 or 32 (the decode sweep)")
-    p.add_argument("--gated-ncu", action="store_true", help="three plain calls of the fused MLP at M = 1, 16")
+    p.add_argument("--gated-ncu", action="store_true", help="three plain calls of the fused MLP at M = 1, 16 (--ms; --h-groups G: h in groups)")
     p.add_argument("--codes", action="store_true", help="the fused MLP with exact h codes or by the reciprocal")
     p.add_argument("--gemv", action="store_true", help="M = 1: GEMV tiles against the tensor-core tile")
     p.add_argument("--groups", action="store_true", help="the fused MLP with h in 1 x G groups, M = 1, 16, 64")
+    p.add_argument("--m64", action="store_true",
+                   help="M = 64, h in groups: the down GEMM grouped vs per row, deeper pipelines, G = 64 vs 128")
+    p.add_argument("--balance", action="store_true", help="--m64: the gate/up kernel alone on 112 vs 132 programs")
+    p.add_argument("--duel", action="store_true", help="--m64: the op with sweep_m64's best down tiles, 7 rounds")
     p.add_argument("--swap", action="store_true",
                    help="tiles with the product transposed (SWAP_AB) at M <= 16: the fused MLP's down GEMM (with "
                         "--gated), or in the decode sweep each candidate of 64+ weight rows also transposed")
@@ -427,10 +558,13 @@ def main(argv=None):
     p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
     k_stages = tuple(int(s) for s in args.k_stages.split(","))
-    if args.gated_ncu:
-        return gated_ncu()
+    if args.gated_ncu:  # --ms, and --h-groups G (one) for h in groups
+        return gated_ncu(tuple(int(m) for m in (args.ms or "1,16").split(",")),
+                         h_group=int(args.h_groups) if "--h-groups" in (argv or sys.argv) else 0)
     if args.codes:
         return sweep_codes()
+    if args.m64:
+        return balance_probe() if args.balance else down_duel() if args.duel else sweep_m64()
     if args.groups:
         return sweep_groups(tuple(int(m) for m in (args.ms or "1,16,64").split(",")),
                             groups=tuple(int(g) for g in args.h_groups.split(",")), k_stages=k_stages,
