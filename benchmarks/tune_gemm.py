@@ -16,7 +16,6 @@
     python benchmarks/tune_gemm.py --gemv --block  # the same with 1x128 / 128x128 block scales
     python benchmarks/tune_gemm.py --gemv --k-stages 1,2,3,4  # GEMV tiles with the K loop pipelined (K_STAGES)
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
-    python benchmarks/tune_gemm.py --gated-tma     # the fused MLP with its gate/up weight tiles by TMA or cp.async
     python benchmarks/tune_gemm.py --m64           # M = 64, h in groups: where the down GEMM's time goes, deeper
                                                    # pipelines, the gate/up kernel's stages, G = 64 against 128
     python benchmarks/tune_gemm.py --gated --swap  # M = 16: its down GEMM transposed (SWAP_AB) or not
@@ -438,8 +437,7 @@ def balance_probe(m=64, rounds=5):
         parts = torch.empty(m, n // g, device="cuda")
         cfg = dict(gated_tile_config(m, n, k, g), BLOCK_N=g, num_warps=warps)
         return lambda: gated_gemm_kernel[(n // g,)](
-            xq, w1[0], w3[0], xs.reshape(-1), w1[1].reshape(-1), w3[1].reshape(-1), h, parts, parts, None, None,
-            m, n, k, 0,
+            xq, w1[0], w3[0], xs.reshape(-1), w1[1].reshape(-1), w3[1].reshape(-1), h, parts, parts, m, n, k, 0,
             xq.stride(0), 1, w1[0].stride(0), 1, h.stride(0), parts.stride(0), A_ROWWISE=True, W_ROWWISE=True, ACT=0,
             IMPRECISE_K=None, H_GROUPS=True, H_DTYPE=tl.bfloat16, **cfg)
 
@@ -468,28 +466,6 @@ def down_duel(m=64, g=128, rounds=7, dim=4096, hidden=14336):
     for fn in runs.values():
         fn()
     _duel(f"fused MLP M={m} G={g}, down tiles", runs, 3 * dim * hidden, rounds)
-
-
-def gate_up_tma_duel(ms=(1, 16, 64), rounds=7, dim=4096, hidden=14336):
-    """The fused MLP op with the gate/up kernel's weight tiles by TMA copies (``TMA`` in its tile) against pointer
-    loads (cp.async), per-token h (up to 16 rows, where the pass fuses it) and h in 1x128 groups; the down GEMM at its
-    default. CUDA-graph replays, L2 clean, ``rounds`` interleaved rounds per M."""
-    from fp8fx.kernels import fp8_gemm as kernels
-    from fp8fx.kernels.gated_mlp import QUANT_GROUPS, gated_mlp, gated_tile_config
-
-    for m in ms:
-        (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
-        runs = {}
-        for g in ((0, 128) if m <= 16 else (128,)):
-            cfg = {**gated_tile_config(m, hidden, dim, g), **({"BLOCK_N": g} if g else {})}
-            for tma in (False, True):
-                runs[f"{'G=128' if g else 'per-token h'}{', TMA' if tma else ''}"] = \
-                    lambda g=g, c={**cfg, "TMA": tma}: gated_mlp(
-                        xq, xs, *w1, *w3, *w2, None, QUANT_GROUPS if g else kernels.QUANT_ROWS, None, torch.bfloat16,
-                        torch.bfloat16, configs=(c, None), h_group=g)
-        for fn in runs.values():
-            fn()
-        _duel(f"fused MLP M={m}, gate/up weight loads", runs, 3 * dim * hidden, rounds)
 
 
 def sweep_swap(ms=(16,), dim=4096, hidden=14336, rounds=5, tma=False):
@@ -567,8 +543,6 @@ def main(argv=None):
     p.add_argument("--groups", action="store_true", help="the fused MLP with h in 1 x G groups, M = 1, 16, 64")
     p.add_argument("--m64", action="store_true",
                    help="M = 64, h in groups: the down GEMM grouped vs per row, deeper pipelines, G = 64 vs 128")
-    p.add_argument("--gated-tma", action="store_true",
-                   help="the fused MLP at M = 1, 16, 64 with the gate/up kernel's weight by TMA copies or not")
     p.add_argument("--balance", action="store_true", help="--m64: the gate/up kernel alone on 112 vs 132 programs")
     p.add_argument("--duel", action="store_true", help="--m64: the op with sweep_m64's best down tiles, 7 rounds")
     p.add_argument("--swap", action="store_true",
@@ -589,8 +563,6 @@ def main(argv=None):
                          h_group=int(args.h_groups) if "--h-groups" in (argv or sys.argv) else 0)
     if args.codes:
         return sweep_codes()
-    if args.gated_tma:
-        return gate_up_tma_duel()
     if args.m64:
         return balance_probe() if args.balance else down_duel() if args.duel else sweep_m64()
     if args.groups:

@@ -40,8 +40,7 @@ import triton.language as tl
 from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _scale_of
 from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
-from fp8fx.kernels.fp8_gemm import _weight_descriptor, for_device, gemv_config, gemv_fits, mma_tile_config
-from fp8fx.kernels.fp8_gemm import pipeline_stages
+from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
 # h quantized in 1 x h_group groups by the gate/up kernel's epilogue (an N tile of it per group), read by the down
@@ -56,8 +55,6 @@ def gated_gemm_kernel(
     # tensors: x fp8 [M, K]; gate, up fp8 [N, K] (same strides); h [M, N] 16-bit; parts float32
     # [M, cdiv(N, BLOCK_N)]; tickets: the next kernel's, zeroed here
     a_ptr, w1_ptr, w3_ptr, a_scale_ptr, s1_ptr, s3_ptr, h_ptr, parts_ptr, tickets_ptr,
-    # W_DESC: gate's and up's [BLOCK_N, BLOCK_K] tiles through host tensor descriptors (Hopper's TMA), else None
-    w1_desc, w3_desc,
     M, N, K, n_tickets,
     stride_am, stride_ak, stride_wn, stride_wk, stride_hm, stride_pm,
     A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
@@ -67,7 +64,6 @@ def gated_gemm_kernel(
     # rounded first as the model rounds it (H_DTYPE); else h_ptr is h in H_DTYPE and parts_ptr its tile maxima
     H_GROUPS: tl.constexpr = False, H_DTYPE: tl.constexpr = None, EPS: tl.constexpr = 1e-12,
     FP8_MAX: tl.constexpr = 448.0,
-    W_DESC: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     # the down GEMM runs next on this stream: its tickets start at zero without a launch of their own
@@ -91,13 +87,9 @@ def gated_gemm_kernel(
     for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_tile + a_offs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        if W_DESC:  # bulk copies into shared memory, zero past N and K
-            g = w1_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
-            u = w3_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
-        else:
-            w_mask = (offs_k[:, None] < k_left) & n_ok[None, :]
-            g = tl.load(w1_ptr + w_base + w_offs, mask=w_mask, other=0.0)
-            u = tl.load(w3_ptr + w_base + w_offs, mask=w_mask, other=0.0)
+        w_mask = (offs_k[:, None] < k_left) & n_ok[None, :]
+        g = tl.load(w1_ptr + w_base + w_offs, mask=w_mask, other=0.0)
+        u = tl.load(w3_ptr + w_base + w_offs, mask=w_mask, other=0.0)
         acc_g = tl.dot(a, g, acc_g, max_num_imprecise_acc=IMPRECISE_K)
         acc_u = tl.dot(a, u, acc_u, max_num_imprecise_acc=IMPRECISE_K)
         a_offs += BLOCK_K * stride_ak
@@ -247,7 +239,7 @@ def gated_mlp(
     (s1, rows1), (s3, rows3) = _vector(s1, i), _vector(s3, i)
     if rows1 != rows3:  # one layout for both: the per-tensor one as a vector
         s1, s3 = s1.expand(i).contiguous(), s3.expand(i).contiguous()
-    cfg1 = dict(configs[0] or for_device(gated_tile_config(m, i, k, h_group), xq.device))
+    cfg1 = dict(configs[0] or gated_tile_config(m, i, k, h_group))
     cfg2 = {"SPLIT_K": 1, **(configs[1] or for_device(down_tile_config(m, n, i, h_group=h_group), xq.device))}
     if h_group:  # a group is one N tile of the first kernel
         if configs[0] and cfg1["BLOCK_N"] != h_group:
@@ -267,21 +259,16 @@ def gated_mlp(
     bias = None if bias is None else bias.contiguous()
     if pdl is None:
         pdl = xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (9, 0)
-    descs = (None, None)
-    if cfg1.pop("TMA", False):  # gate's and up's tiles by TMA copies, where their rows and bases allow it
-        descs = tuple(_weight_descriptor(w, cfg1) for w in (w1, w3))
-        descs = (None, None) if None in descs else descs
     grid = (triton.cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
     # Triton compiles for and launches on the current device: make it xq's
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
         gated_gemm_kernel[grid](
-            xq, w1, w3, x_scale, s1, s3, h, parts, tickets, *descs,
+            xq, w1, w3, x_scale, s1, s3, h, parts, tickets,
             m, i, k, split_tiles,
             xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), h.stride(0), parts.stride(0),
             A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=rows1 or rows3, ACT=ACTIVATIONS[act],
             IMPRECISE_K=imprecise_k(cfg1, fast_accum), PDL_TRIGGER=pdl, H_GROUPS=bool(h_group),
-            H_DTYPE=_TL_DTYPES[h_dtype], EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, W_DESC=descs[0] is not None,
-            **cfg1,
+            H_DTYPE=_TL_DTYPES[h_dtype], EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **cfg1,
         )
         if h_group:  # h arrives as fp8 codes with [M, I / h_group] scales: K-grouped activations
             return fp8_gemm(h, w2, parts, s2, bias, out_dtype, config=cfg2, a_block=(1, h_group),

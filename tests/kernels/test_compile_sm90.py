@@ -181,10 +181,10 @@ def test_gated_gemm_compiles_for_sm90(m, w_rowwise, act):
     cfg = gated_tile_config(m, 14336, 4096)
     types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*bf16",
                                       "*fp32", "*i32"]))
-    types.update({"w1_desc": None, "w3_desc": None, **{name: "i32" for name in GATED_INTS}})
+    types.update({name: "i32" for name in GATED_INTS})
     consts = dict(A_ROWWISE=m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act], IMPRECISE_K=None, BLOCK_M=cfg["BLOCK_M"],
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True, H_GROUPS=False, H_DTYPE=None,
-                  EPS=1e-12, FP8_MAX=448.0, W_DESC=False)
+                  EPS=1e-12, FP8_MAX=448.0)
     stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
     kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
                             cfg["num_warps"], stages)
@@ -203,36 +203,15 @@ def test_gated_gemm_with_h_groups_compiles_for_sm90(m, promote):
     cfg = {**gated_tile_config(m, 14336, 4096, 128), "BLOCK_N": 128}
     types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*fp8e4nv",
                                       "*fp32", "*i32"]))
-    types.update({"w1_desc": None, "w3_desc": None, **{name: "i32" for name in GATED_INTS}})
+    types.update({name: "i32" for name in GATED_INTS})
     consts = dict(A_ROWWISE=m > 1, W_ROWWISE=True, ACT=0, IMPRECISE_K=promote, BLOCK_M=cfg["BLOCK_M"],
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True, H_GROUPS=True, H_DTYPE=tl.bfloat16,
-                  EPS=1e-12, FP8_MAX=448.0, W_DESC=False)
+                  EPS=1e-12, FP8_MAX=448.0)
     stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
     kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
                             cfg["num_warps"], stages)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert stack_bytes(kernel) <= (128 if promote and m > 16 else 0), stack_bytes(kernel)
-
-
-@pytest.mark.parametrize("m,h_group", [(1, 0), (16, 0), (16, 128), (64, 128)])
-def test_gated_gemm_tma_compiles_for_sm90(m, h_group):
-    """``TMA=True`` in the gate/up kernel's tile: gate's and up's tiles arrive by bulk tensor copies, more than one in
-    flight; nothing spills."""
-    cfg = {**gated_tile_config(m, 14336, 4096, h_group), **({"BLOCK_N": h_group} if h_group else {})}
-    h_type = "*fp8e4nv" if h_group else "*bf16"
-    types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", h_type, "*fp32",
-                                      "*i32"]))
-    desc = f"tensordesc<fp8e4nv[{cfg['BLOCK_N']}, {cfg['BLOCK_K']}]>"
-    types.update({"w1_desc": desc, "w3_desc": desc, **{name: "i32" for name in GATED_INTS}})
-    consts = dict(A_ROWWISE=m > 1, W_ROWWISE=True, ACT=0, IMPRECISE_K=None, BLOCK_M=cfg["BLOCK_M"],
-                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True, H_GROUPS=bool(h_group),
-                  H_DTYPE=tl.bfloat16, EPS=1e-12, FP8_MAX=448.0, W_DESC=True)
-    stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
-    kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
-                            cfg["num_warps"], stages)
-    ptx = kernel.asm["ptx"]
-    assert kernel.metadata.shared <= 227 * 1024 and stack_bytes(kernel) == 0, stack_bytes(kernel)
-    assert ptx.count("cp.async.bulk.tensor") >= 2, "gate's and up's loads must be TMA copies"
 
 
 @pytest.mark.parametrize("which", ["qkv", "down", "fused down", "fused down, h groups"])

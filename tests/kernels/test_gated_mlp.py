@@ -96,7 +96,7 @@ INTERPRETER_CHECK = textwrap.dedent("""
         tickets = torch.full((37,), 7, dtype=torch.int32)
         per_row = s1.numel() > 1
         gated_gemm_kernel[(triton.cdiv(m, cfg["BLOCK_M"]) * parts.shape[1],)](
-            xq, w1, w3, xs.reshape(-1), s1.reshape(-1), s3.reshape(-1), h, parts, tickets, None, None, m, i, k, 37,
+            xq, w1, w3, xs.reshape(-1), s1.reshape(-1), s3.reshape(-1), h, parts, tickets, m, i, k, 37,
             xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), h.stride(0), parts.stride(0),
             A_ROWWISE=xs.numel() > 1, W_ROWWISE=per_row, ACT=ACTIVATIONS[act], IMPRECISE_K=None, **cfg)
         # the reference's bits: g and u are float32 sums in another order than the reference's, which could move
@@ -148,7 +148,7 @@ INTERPRETER_CHECK = textwrap.dedent("""
         scales = torch.full((m, triton.cdiv(i, g)), -1.0)
         tickets = torch.full((3,), 7, dtype=torch.int32)
         gated_gemm_kernel[(triton.cdiv(m, cfg["BLOCK_M"]) * scales.shape[1],)](
-            xq, w1, w3, xs.reshape(-1), s1.reshape(-1), s3.reshape(-1), hq, scales, tickets, None, None, m, i, k, 3,
+            xq, w1, w3, xs.reshape(-1), s1.reshape(-1), s3.reshape(-1), hq, scales, tickets, m, i, k, 3,
             xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), hq.stride(0), scales.stride(0),
             A_ROWWISE=xs.numel() > 1, W_ROWWISE=s1.numel() > 1, ACT=0, IMPRECISE_K=None, H_GROUPS=True,
             H_DTYPE=tl.bfloat16, EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **cfg)
@@ -183,7 +183,7 @@ INTERPRETER_CHECK = textwrap.dedent("""
     scales = torch.full((3, 3), -1.0)
     cfg = {**gated_tile_config(3, 96, 160), "BLOCK_N": 32}
     gated_gemm_kernel[(triton.cdiv(3, cfg["BLOCK_M"]) * 3,)](
-        xq, w1, w3, xs.reshape(-1), s1.reshape(-1), s3.reshape(-1), hq, scales, scales, None, None, 3, 96, 160, 0,
+        xq, w1, w3, xs.reshape(-1), s1.reshape(-1), s3.reshape(-1), hq, scales, scales, 3, 96, 160, 0,
         xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), hq.stride(0), scales.stride(0),
         A_ROWWISE=True, W_ROWWISE=True, ACT=0, IMPRECISE_K=None, H_GROUPS=True, H_DTYPE=tl.bfloat16,
         EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **cfg)
@@ -197,38 +197,6 @@ INTERPRETER_CHECK = textwrap.dedent("""
 
 def test_gated_mlp_kernels_under_triton_interpreter():
     assert "interpreter ok" in run_under_triton_interpreter(["-c", INTERPRETER_CHECK])
-
-
-TMA_CHECK = textwrap.dedent("""
-    import torch
-    from fp8fx.kernels.fp8_gemm import tile_config
-    from fp8fx.kernels.gated_mlp import gated_mlp, gated_tile_config
-    from tests.kernels.test_gated_mlp import h_quant_of, mlp_operands
-
-    # gate's and up's tiles through tensor descriptors (TMA=True in the gate/up kernel's tile) give the pointer
-    # loads' bits: ragged I (the last N tile zero-filled past it), K a multiple of 16 but not of BLOCK_K, per-token
-    # h and h in 1x128 groups (ragged: 300 columns), 1-17 rows
-    for m, k, i, scheme in [(1, 304, 200, "per-token/per-channel"), (5, 272, 130, "per-token/per-tensor"),
-                            (17, 400, 300, "h in 1x128 groups")]:
-        args, _ = mlp_operands(m, k, i, 72, scheme)
-        h_quant, h_group = h_quant_of(args[11], args[13])
-        cfg1 = {**gated_tile_config(m, i, k, h_group), **({"BLOCK_N": h_group} if h_group else {})}
-        cfg2 = tile_config(m, 72, i)
-        run = lambda c1: gated_mlp(*args[:9], h_quant, args[13], torch.bfloat16, torch.bfloat16, configs=(c1, cfg2),
-                                   h_group=h_group)
-        plain, tma = run(cfg1), run({**cfg1, "TMA": True})
-        assert torch.equal(plain, tma), (m, k, i, scheme, (plain.float() - tma.float()).abs().max())
-    print("tma ok")
-""")
-
-
-def test_gated_gemm_tma_weight_loads_under_triton_interpreter():
-    """The gate/up kernel's opt-in TMA weight loads (``TMA=True`` in its tile) against its pointer loads, bit for bit
-    (the interpreter's descriptors: triton 3.9; 3.6's interpreter cannot run them)."""
-    triton = pytest.importorskip("triton")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
-        pytest.skip(f"triton {triton.__version__}'s interpreter does not run tensor descriptors (3.9 does)")
-    assert "tma ok" in run_under_triton_interpreter(["-c", TMA_CHECK])
 
 
 def test_gated_mlp_op_checks_its_arguments():
