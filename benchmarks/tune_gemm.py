@@ -16,6 +16,7 @@
     python benchmarks/tune_gemm.py --gemv --block  # the same with 1x128 / 128x128 block scales
     python benchmarks/tune_gemm.py --gemv --k-stages 1,2,3,4  # GEMV tiles with the K loop pipelined (K_STAGES)
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
+    python benchmarks/tune_gemm.py --hbm           # each decode GEMM's TB/s on its weight at its default tile
     python benchmarks/tune_gemm.py --m64           # M = 64, h in groups: where the down GEMM's time goes, deeper
                                                    # pipelines, the gate/up kernel's stages, G = 64 against 128
     python benchmarks/tune_gemm.py --gated --swap  # M = 16: its down GEMM transposed (SWAP_AB) or not
@@ -421,34 +422,96 @@ def sweep_m64(m=64, dim=4096, hidden=14336, rounds=5, groups=(64, 128)):
     _duel(f"fused MLP M={m}", runs, 3 * dim * hidden, rounds)
 
 
+def _gate_up_launch(m, n, k, g=0, **tile):
+    """A closure launching the fused MLP's gate/up kernel alone on random fp8 operands (per-token x, per-channel
+    weights): h per token (``g`` 0: 16-bit h and its tile maxima) or in 1 x g groups, the default tile but for
+    ``tile``."""
+    from fp8fx.kernels.gated_mlp import gated_gemm_kernel, gated_tile_config
+
+    torch.manual_seed(0)
+    xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, -1])
+    w1, w3 = (quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1]) for _ in range(2))
+    cfg = {**gated_tile_config(m, n, k, g), **({"BLOCK_N": g} if g else {}), **tile}
+    h = torch.empty(m, n, device="cuda", dtype=quant.FP8_DTYPE if g else torch.bfloat16)
+    parts = torch.empty(m, triton.cdiv(n, cfg["BLOCK_N"]), device="cuda")
+    grid = (triton.cdiv(m, cfg["BLOCK_M"]) * parts.shape[1],)
+    return lambda: gated_gemm_kernel[grid](
+        xq, w1[0], w3[0], xs.reshape(-1), w1[1].reshape(-1), w3[1].reshape(-1), h, parts, parts, m, n, k, 0,
+        xq.stride(0), 1, w1[0].stride(0), 1, h.stride(0), parts.stride(0), A_ROWWISE=m > 1, W_ROWWISE=True, ACT=0,
+        IMPRECISE_K=None, H_GROUPS=bool(g), H_DTYPE=tl.bfloat16, **cfg)
+
+
 def balance_probe(m=64, rounds=5):
     """Would the gate/up kernel stream faster on all 132 SMs? At M = 64 with h in 1x128 groups it runs one program
     per group: 112 for Llama-3-8B's 14336 columns. Times the kernel alone (CUDA-graph replays, L2 clean) on shapes
     of the same weight bytes (2 x 14336 x 4096): 112 programs over K = 4096 against 132 programs (16896 columns)
     over K = 3456, and the 224 programs of 1x64 groups. A stream-K split of the real shape would give each SM the
     second one's work (3584 K steps / 132)."""
-    from fp8fx.kernels.gated_mlp import gated_gemm_kernel, gated_tile_config
-
-    def launch(n, k, g, warps):
-        torch.manual_seed(0)
-        xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, -1])
-        w1, w3 = (quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1]) for _ in range(2))
-        h = torch.empty(m, n, device="cuda", dtype=quant.FP8_DTYPE)
-        parts = torch.empty(m, n // g, device="cuda")
-        cfg = dict(gated_tile_config(m, n, k, g), BLOCK_N=g, num_warps=warps)
-        return lambda: gated_gemm_kernel[(n // g,)](
-            xq, w1[0], w3[0], xs.reshape(-1), w1[1].reshape(-1), w3[1].reshape(-1), h, parts, parts, m, n, k, 0,
-            xq.stride(0), 1, w1[0].stride(0), 1, h.stride(0), parts.stride(0), A_ROWWISE=True, W_ROWWISE=True, ACT=0,
-            IMPRECISE_K=None, H_GROUPS=True, H_DTYPE=tl.bfloat16, **cfg)
-
-    runs = {"112 x K 4096 (G=128, 8 warps)": launch(14336, 4096, 128, 8),
-            "132 x K 3456 (G=128, 8 warps)": launch(16896, 3456, 128, 8),
-            "132 x K 3456 (G=128, 4 warps)": launch(16896, 3456, 128, 4),
-            "224 x K 4096 (G=64, 4 warps)": launch(14336, 4096, 64, 4),
-            "264 x K 3456 (G=64, 4 warps)": launch(33792 // 2, 3456, 64, 4)}
+    runs = {"112 x K 4096 (G=128, 8 warps)": _gate_up_launch(m, 14336, 4096, 128, num_warps=8),
+            "132 x K 3456 (G=128, 8 warps)": _gate_up_launch(m, 16896, 3456, 128, num_warps=8),
+            "132 x K 3456 (G=128, 4 warps)": _gate_up_launch(m, 16896, 3456, 128, num_warps=4),
+            "224 x K 4096 (G=64, 4 warps)": _gate_up_launch(m, 14336, 4096, 64, num_warps=4),
+            "264 x K 3456 (G=64, 4 warps)": _gate_up_launch(m, 16896, 3456, 64, num_warps=4)}
     for fn in runs.values():
         fn()
     _duel(f"gate/up kernel alone M={m}", runs, 2 * 14336 * 4096, rounds)
+
+
+def _read_speed() -> float:
+    """TB/s of a sum over 2 GiB of bf16 (the GPU's read speed, what a weight stream can reach)."""
+    big = torch.ones(2**30, device="cuda", dtype=torch.bfloat16)
+    return big.numel() * 2 / triton.testing.do_bench(lambda: big.sum(), rep=200, return_mode="median") / 1e9
+
+
+def hbm_table(ms=(1, 16, 64), rounds=3, dim=4096, hidden=14336):
+    """Issue 4's "each GEMM >= 75% of HBM bandwidth on its weight bytes", at the default tiles: every Llama-3-8B
+    decode GEMM (fp8_gemm, per-token x, per-channel weights) and the fused MLP's two kernels alone (gate/up per token
+    and with h in 1x128 groups; its down GEMM on h as that kernel leaves it), as CUDA-graph replays after a clean L2
+    flush (the median of ``rounds`` interleaved rounds), each against the H200's read speed measured here (a sum
+    over 2 GiB) and the 4.25 TB/s copy of ANCHORS.md."""
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels.gated_mlp import down_tile_config
+
+    read = _read_speed()
+    print(f"read speed (sum of 2 GiB): {read:.2f} TB/s; copy (ANCHORS.md): 4.25 TB/s", flush=True)
+    for m in ms:
+        runs, nbytes = {}, {}
+        for name, (n, k) in SHAPES.items():
+            if name == "gate":
+                continue
+            wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])
+            xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, -1])
+            runs[name] = lambda xq=xq, xs=xs, wq=wq, ws=ws: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16)
+            nbytes[name] = n * k
+        for g in (0, 128) if m <= 16 else (128,):
+            label = "h in 1x128 groups" if g else "per-token h"
+            runs[f"fused gate/up kernel, {label}"] = _gate_up_launch(m, hidden, dim, g)
+            nbytes[f"fused gate/up kernel, {label}"] = 2 * hidden * dim
+            torch.manual_seed(1)
+            h = torch.randn(m, hidden, device="cuda")
+            w2, s2 = quant.quantize(torch.randn(dim, hidden, device="cuda") / hidden**0.5, [1, -1])
+            cfg = down_tile_config(m, dim, hidden, h_group=g)
+            if g:
+                hq, hs = quant.quantize(h, [1, g])
+                down = lambda hq=hq, hs=hs, w2=w2, s2=s2, cfg=cfg: fp8_gemm(  # noqa: E731
+                    hq, w2, hs, s2, None, torch.bfloat16, config=cfg, a_block=(1, g))
+            else:  # 16-bit h quantized as it is loaded, from the gate/up kernel's tile maxima (32-wide tiles)
+                hb = h.bfloat16()
+                parts = hb.float().abs().reshape(m, -1, 32).amax(-1)
+                down = lambda hb=hb, parts=parts, w2=w2, s2=s2, cfg=cfg: fp8_gemm(  # noqa: E731
+                    hb, w2, parts, s2, None, torch.bfloat16, config=cfg, a_quant=kernels.QUANT_ROWS)
+            runs[f"fused down GEMM, {label}"], nbytes[f"fused down GEMM, {label}"] = down, dim * hidden
+        for fn in runs.values():
+            fn()
+        times = {name: [] for name in runs}
+        for r in range(rounds):
+            for name in (list(runs) if r % 2 else list(runs)[::-1]):
+                times[name].append(time_ms(runs[name], True))
+        for name, t in times.items():
+            t = sorted(t)[len(t) // 2]
+            tbs = nbytes[name] / t / 1e9
+            print(f"M={m} {name}: {t:.4f} ms, {nbytes[name] / 1e6:.1f} MB, {tbs:.2f} TB/s = {tbs / read:.0%} of the "
+                  f"read speed, {tbs / 4.25:.0%} of the copy", flush=True)
 
 
 def down_duel(m=64, g=128, rounds=7, dim=4096, hidden=14336):
@@ -543,6 +606,8 @@ def main(argv=None):
     p.add_argument("--groups", action="store_true", help="the fused MLP with h in 1 x G groups, M = 1, 16, 64")
     p.add_argument("--m64", action="store_true",
                    help="M = 64, h in groups: the down GEMM grouped vs per row, deeper pipelines, G = 64 vs 128")
+    p.add_argument("--hbm", action="store_true",
+                   help="each decode GEMM and fused-MLP kernel at its default tile: TB/s on its weight, M = 1, 16, 64")
     p.add_argument("--balance", action="store_true", help="--m64: the gate/up kernel alone on 112 vs 132 programs")
     p.add_argument("--duel", action="store_true", help="--m64: the op with sweep_m64's best down tiles, 7 rounds")
     p.add_argument("--swap", action="store_true",
@@ -565,6 +630,8 @@ def main(argv=None):
         return sweep_codes()
     if args.m64:
         return balance_probe() if args.balance else down_duel() if args.duel else sweep_m64()
+    if args.hbm:
+        return hbm_table()
     if args.groups:
         return sweep_groups(tuple(int(m) for m in (args.ms or "1,16,64").split(",")),
                             groups=tuple(int(g) for g in args.h_groups.split(",")), k_stages=k_stages,
