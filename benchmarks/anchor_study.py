@@ -1,0 +1,67 @@
+"""Why does the decode MLP block's bf16 anchor move between device calls? (Runs 17-21 at M = 1: bf16 Inductor
+0.0864-0.0987 ms, fp8fx's fused MLP 0.0532-0.0544.) One process, the Llama-3-8B MLP at M = 1: two separate
+``torch.compile``s of the bf16 module, the bf16 module eager (cuBLAS), and fp8fx's fused MLP, as CUDA-graph replays
+after a clean L2 flush in interleaved rounds; then the kernels each runs (``torch.profiler``, plain calls).
+
+    python benchmarks/anchor_study.py [--m 1] [--rounds 7]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from bench_linear import MLP, bench, fp8fx_module  # run as a script: benchmarks/ is on sys.path
+
+
+def kernels(fn, x, steps=5) -> list[str]:
+    """``fn(x)``'s GPU kernels per call: (ms, name) lines."""
+    with torch.no_grad():
+        fn(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                fn(x)
+            torch.cuda.synchronize()
+    return [f"{e.device_time_total / steps / 1000:.4f} ms x{e.count // steps} {e.key[:100]}"
+            for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--m", type=int, default=1)
+    p.add_argument("--rounds", type=int, default=7)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    base = MLP().to("cuda", torch.bfloat16)
+    for w in base.parameters():
+        w.data /= w.shape[1] ** 0.5
+    state = {k: v.clone() for k, v in base.state_dict().items()}
+
+    def fresh():
+        m = MLP().to("cuda", torch.bfloat16)
+        m.load_state_dict(state)
+        return m
+
+    variants = {"bf16 Inductor A": torch.compile(fresh(), dynamic=False),
+                "bf16 Inductor B": torch.compile(fresh(), dynamic=False),
+                "bf16 eager": fresh(),
+                "fp8fx fused MLP": fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0]}
+    x = torch.randn(args.m, 4096, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for fn in variants.values():
+            fn(x)
+        times = {name: [] for name in variants}
+        for r in range(args.rounds):
+            for name in (list(variants) if r % 2 else list(variants)[::-1]):
+                times[name].append(bench(variants[name], x, True))
+    for name, t in times.items():
+        t = sorted(t)
+        print(f"M={args.m} {name}: median {t[len(t) // 2]:.4f} ms (rounds {t[0]:.4f}-{t[-1]:.4f})", flush=True)
+    for name, fn in variants.items():
+        print(f"== {name}\n  " + "\n  ".join(kernels(fn, x)), flush=True)
+
+
+if __name__ == "__main__":
+    main()
