@@ -17,6 +17,7 @@
     python benchmarks/tune_gemm.py --gemv --k-stages 1,2,3,4  # GEMV tiles with the K loop pipelined (K_STAGES)
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
     python benchmarks/tune_gemm.py --hbm           # each decode GEMM's TB/s on its weight at its default tile
+    python benchmarks/tune_gemm.py --tma-a         # fp8 activation tiles by TMA or cp.async (M = 16, 64)
     python benchmarks/tune_gemm.py --m64           # M = 64, h in groups: where the down GEMM's time goes, deeper
                                                    # pipelines, the gate/up kernel's stages, G = 64 against 128
     python benchmarks/tune_gemm.py --gated --swap  # M = 16: its down GEMM transposed (SWAP_AB) or not
@@ -531,6 +532,47 @@ def down_duel(m=64, g=128, rounds=7, dim=4096, hidden=14336):
     _duel(f"fused MLP M={m} G={g}, down tiles", runs, 3 * dim * hidden, rounds)
 
 
+def tma_a_duel(ms=(16, 64), rounds=7, dim=4096, hidden=14336):
+    """fp8 activation tiles by TMA copies (``TMA_A`` in a tile) against pointer loads (cp.async) at the default
+    tiles: the decode GEMMs alone (per-token x; with the weight by TMA too), the fused MLP's down GEMM alone (h in
+    1x128 groups) and the fused MLP op. CUDA-graph replays, L2 clean, ``rounds`` interleaved rounds per M."""
+    from fp8fx.kernels.gated_mlp import QUANT_GROUPS, down_tile_config, gated_mlp
+
+    for m in ms:
+        runs, nbytes = {}, {}
+        for name, (n, k) in SHAPES.items():
+            if name == "gate":
+                continue
+            wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])
+            xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, -1])
+            cfg = tile_config(m, n, k)
+            for label, extra in (("", {}), (", TMA_A", {"TMA_A": True}), (", TMA + TMA_A", {"TMA": True, "TMA_A": True})):
+                runs[name + label] = lambda xq=xq, xs=xs, wq=wq, ws=ws, c={**cfg, **extra}: fp8_gemm(
+                    xq, wq, xs, ws, None, torch.bfloat16, config=c)
+                nbytes[name + label] = n * k
+        hq, hs = quant.quantize(torch.randn(m, hidden, device="cuda"), [1, 128])
+        w2, s2 = quant.quantize(torch.randn(dim, hidden, device="cuda") / hidden**0.5, [1, -1])
+        cfg = down_tile_config(m, dim, hidden, h_group=128)
+        (xq, xs), w1, w3, w2_ = _gated_problem(m, dim, hidden)
+        for label, extra in (("", {}), (", TMA_A", {"TMA_A": True})):
+            runs["fused down, h groups" + label] = lambda c={**cfg, **extra}: fp8_gemm(
+                hq, w2, hs, s2, None, torch.bfloat16, config=c, a_block=(1, 128))
+            nbytes["fused down, h groups" + label] = dim * hidden
+            runs["fused MLP op, h groups" + label] = lambda c={**cfg, **extra}: gated_mlp(
+                xq, xs, *w1, *w3, *w2_, None, QUANT_GROUPS, None, torch.bfloat16, torch.bfloat16, configs=(None, c),
+                h_group=128)
+            nbytes["fused MLP op, h groups" + label] = 3 * dim * hidden
+        for fn in runs.values():
+            fn()
+        times = {name: [] for name in runs}
+        for r in range(rounds):
+            for name in (list(runs) if r % 2 else list(runs)[::-1]):
+                times[name].append(time_ms(runs[name], True))
+        for name, t in times.items():
+            t = sorted(t)[len(t) // 2]
+            print(f"M={m} {name}: {t:.4f} ms ({nbytes[name] / t / 1e9:.2f} TB/s)", flush=True)
+
+
 def sweep_swap(ms=(16,), dim=4096, hidden=14336, rounds=5, tma=False):
     """2-16 rows: the fused MLP's down GEMM (its tensor-core kernel) with the product transposed (``SWAP_AB``: the
     weight tile is wgmma's left operand, fp8 straight from shared memory, against mma.sync on the weight tile
@@ -608,6 +650,8 @@ def main(argv=None):
                    help="M = 64, h in groups: the down GEMM grouped vs per row, deeper pipelines, G = 64 vs 128")
     p.add_argument("--hbm", action="store_true",
                    help="each decode GEMM and fused-MLP kernel at its default tile: TB/s on its weight, M = 1, 16, 64")
+    p.add_argument("--tma-a", action="store_true",
+                   help="M = 16, 64: fp8 activation tiles by TMA (TMA_A) or not, the decode GEMMs and the fused MLP")
     p.add_argument("--balance", action="store_true", help="--m64: the gate/up kernel alone on 112 vs 132 programs")
     p.add_argument("--duel", action="store_true", help="--m64: the op with sweep_m64's best down tiles, 7 rounds")
     p.add_argument("--swap", action="store_true",
@@ -632,6 +676,8 @@ def main(argv=None):
         return balance_probe() if args.balance else down_duel() if args.duel else sweep_m64()
     if args.hbm:
         return hbm_table()
+    if args.tma_a:
+        return tma_a_duel()
     if args.groups:
         return sweep_groups(tuple(int(m) for m in (args.ms or "1,16,64").split(",")),
                             groups=tuple(int(g) for g in args.h_groups.split(",")), k_stages=k_stages,

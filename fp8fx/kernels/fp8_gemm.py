@@ -180,8 +180,9 @@ def fp8_gemm_kernel(
     # tensors (split-K: y is the float32 partials [SPLIT_K, M, N], out the result, tickets one int32 per
     # output tile, zero on entry)
     a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, tickets_ptr,
-    # B_DESC: b's [BLOCK_N, BLOCK_K] tiles through a host tensor descriptor (Hopper's TMA), else None
-    b_desc,
+    # B_DESC: b's [BLOCK_N, BLOCK_K] tiles through a host tensor descriptor (Hopper's TMA), else None; A_DESC: a's
+    # [BLOCK_M, BLOCK_K] tiles (fp8 activations)
+    b_desc, a_desc,
     # sizes
     M, N, K,
     # strides
@@ -209,6 +210,7 @@ def fp8_gemm_kernel(
     # (BLOCK_M of 16 or more), where an [BM <= 16, BK] x [BK, BN] dot runs mma.sync on the weight tile converted
     # in registers; the accumulator is transposed back once, before the epilogue
     SWAP_AB: tl.constexpr = False,
+    A_DESC: tl.constexpr = False,
 ):
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
@@ -252,7 +254,10 @@ def fp8_gemm_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
         k_left = K - k * BLOCK_K
-        a = tl.load(a_tile + a_offs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
+        if A_DESC:  # bulk copies into shared memory, zero past M and K
+            a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+        else:
+            a = tl.load(a_tile + a_offs, mask=(offs_m[:, None] < M) & (offs_k[None, :] < k_left), other=0.0)
         if B_DESC:  # bulk copies into shared memory, zero past N and K
             b = b_desc.load([pid_n * BLOCK_N, k * BLOCK_K]).T
         else:
@@ -433,7 +438,7 @@ def for_device(cfg: dict, device: torch.device) -> dict:
     the H200's tiles."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0):
         return cfg
-    return {key: v for key, v in cfg.items() if key not in ("SWAP_AB", "TMA")}
+    return {key: v for key, v in cfg.items() if key not in ("SWAP_AB", "TMA", "TMA_A")}
 
 
 def gemv_fits(m: int, n: int, k: int) -> bool:
@@ -516,17 +521,16 @@ def imprecise_k(cfg: dict, fast_accum: bool) -> Optional[int]:
     return None if fast_accum else cfg["BLOCK_K"]
 
 
-def _weight_descriptor(b: torch.Tensor, cfg: dict):
-    """A host tensor descriptor of the weight ``b`` [N, K] in ``cfg``'s [BLOCK_N, BLOCK_K] tiles (the kernel's
-    loads become Hopper TMA copies, zero-filled past the edges), or None where TMA cannot address it: rows
-    and base must be 16-byte aligned. Per tile configuration (``TMA=True``): the fused MLP's down GEMM of h in
-    groups above 16 rows takes it (``gated_mlp.down_tile_config``, H200 run 19); ``tune_gemm.py --tma`` sweeps it."""
+def _descriptor(t: torch.Tensor, rows: int, block_k: int):
+    """A host tensor descriptor of ``t`` [R, K] in [rows, block_k] tiles (the kernel's loads become Hopper TMA
+    copies, zero-filled past the edges), or None where TMA cannot address it: rows and base must be 16-byte aligned.
+    Per tile configuration: ``TMA=True`` the weight (the fused MLP's down GEMM of h in groups takes it,
+    ``gated_mlp.down_tile_config``, H200 run 19; ``tune_gemm.py --tma`` sweeps it), ``TMA_A=True`` fp8 activations."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    n, k = b.shape
-    if b.stride(1) != 1 or (b.stride(0) * b.element_size()) % 16 or b.data_ptr() % 16:
+    if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
         return None
-    return TensorDescriptor(b, [n, k], [b.stride(0), 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, block_k])
 
 
 def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[int, int]], what: str):
@@ -634,7 +638,7 @@ def fp8_gemm(
     n_parts = a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1
     pdl_launch = {"launch_pdl": True} if pdl else {}
     if gemv:  # (its own loads and dot: the tensor-core kernel's TMA and SWAP_AB do not apply)
-        cfg.pop("TMA", None), cfg.pop("SWAP_AB", None), cfg.pop("BLOCK_M")
+        cfg.pop("TMA", None), cfg.pop("TMA_A", None), cfg.pop("SWAP_AB", None), cfg.pop("BLOCK_M")
         fp8_gemv_kernel[(tiles * split_k,)](
             a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets,
             n, k, a.stride(1), b.stride(0), y.stride(2), y.stride(0), a_scale.stride(1), b_scale.stride(0),
@@ -645,9 +649,12 @@ def fp8_gemm(
             EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, **cfg, **pdl_launch,
         )
         return out
-    b_desc = _weight_descriptor(b, cfg) if cfg.pop("TMA", False) else None
+    b_desc = _descriptor(b, cfg["BLOCK_N"], cfg["BLOCK_K"]) if cfg.pop("TMA", False) else None
+    # (a 16-bit a - weight-only, a_quant - is converted in registers as it is loaded: pointer loads)
+    a_tma = cfg.pop("TMA_A", False) and a.element_size() == 1
+    a_desc = _descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"]) if a_tma else None
     fp8_gemm_kernel[(tiles * split_k,)](
-        a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets, b_desc,
+        a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets, b_desc, a_desc,
         m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(1), y.stride(2), y.stride(0),
         a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
@@ -655,6 +662,7 @@ def fp8_gemm(
         B_ROWWISE=b_mode == PER_ROW, B_GROUPED=b_mode == PER_K_GROUP,
         B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8, IMPRECISE_K=imprecise_k(cfg, fast_accum),
         A_QUANT=a_quant, N_PARTS=n_parts, PARTS_BLOCK=parts_block(n_parts, cfg["BLOCK_M"]),
-        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, B_DESC=b_desc is not None, **cfg, **pdl_launch,
+        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, B_DESC=b_desc is not None,
+        A_DESC=a_desc is not None, **cfg, **pdl_launch,
     )
     return out

@@ -22,7 +22,7 @@ from fp8fx.kernels.fp8_gemm import imprecise_k, mma_tile_config as tile_config, 
 from fp8fx.kernels.gated_mlp import ACTIVATIONS, down_tile_config, gated_gemm_kernel, gated_tile_config  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr", "out_ptr", "tickets_ptr"]
-# (fp8_gemm_kernel's b_desc follows the pointers: a tensor descriptor type, or the constant None)
+# (fp8_gemm_kernel's b_desc and a_desc follow the pointers: a tensor descriptor type, or the constant None)
 INTS = ["M", "N", "K", "stride_am", "stride_ak", "stride_bn", "stride_bk", "stride_ym", "stride_yn", "stride_ys",
         "stride_asm", "stride_ask", "stride_bsn", "stride_bsk"]
 GATED_POINTERS = ["a_ptr", "w1_ptr", "w3_ptr", "a_scale_ptr", "s1_ptr", "s3_ptr", "h_ptr", "parts_ptr", "tickets_ptr"]
@@ -64,6 +64,8 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool 
     a_row, a_grp, b_row, b_grp = layout
     block_k = 128 if (a_grp or b_grp) else cfg["BLOCK_K"]
     types["b_desc"] = f"tensordesc<fp8e4nv[{cfg['BLOCK_N']}, {block_k}]>" if cfg.get("TMA") else None
+    a_tma = cfg.get("TMA_A") and a_dtype == "fp8e4nv"
+    types["a_desc"] = f"tensordesc<fp8e4nv[{cfg['BLOCK_M']}, {block_k}]>" if a_tma else None
     types.update({name: "i32" for name in INTS})
     promote = imprecise_k({"BLOCK_K": block_k}, fast_accum)
     consts = dict(A_ROWWISE=a_row, A_GROUPED=a_grp, B_ROWWISE=b_row, B_GROUPED=b_grp, B_BLOCK_N=128 if b_grp else 1,
@@ -71,7 +73,8 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool 
                   BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
                   SPLIT_K=cfg.get("SPLIT_K", 1), A_QUANT=a_quant, N_PARTS=448,
                   PARTS_BLOCK=parts_block(448, cfg["BLOCK_M"]), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl,
-                  B_DESC=bool(cfg.get("TMA")), EXACT_CODES=exact_codes, SWAP_AB=cfg.get("SWAP_AB", False))
+                  B_DESC=bool(cfg.get("TMA")), EXACT_CODES=exact_codes, SWAP_AB=cfg.get("SWAP_AB", False),
+                  A_DESC=bool(a_tma))
     aligned = POINTERS + ["N", "K", "stride_am", "stride_bn", "stride_ym"]
     stages = pipeline_stages({**cfg, "BLOCK_K": consts["BLOCK_K"]}, 1 if a_dtype == "fp8e4nv" else 2)
     return compile_kernel(fp8_gemm_kernel, types, consts, aligned, cfg["num_warps"], stages)
@@ -92,6 +95,22 @@ def test_down_gemm_of_h_groups_compiles_for_sm90(m):
     kernel = compile_for_hopper("fp8e4nv", (False, True, True, False), down_tile_config(m, 4096, 14336, h_group=128))
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert stack_bytes(kernel) == 0, stack_bytes(kernel)
+
+
+@pytest.mark.parametrize("m", [16, 64])
+def test_activation_tma_compiles_for_sm90(m):
+    """``TMA_A=True``: the fused MLP's down GEMM of h in 1x128 groups (transposed at 16 rows) with its fp8 h tiles by
+    TMA copies too - both operands' loads bulk tensor copies, nothing spilled."""
+    cfg = down_tile_config(m, 4096, 14336, h_group=128)
+    assert cfg.get("TMA"), cfg
+    kernel = compile_for_hopper("fp8e4nv", (False, True, True, False), {**cfg, "TMA_A": True})
+    weight_only_tma = compile_for_hopper("fp8e4nv", (False, True, True, False), cfg).asm["ptx"]
+    ptx = kernel.asm["ptx"]
+    assert kernel.metadata.shared <= 227 * 1024 and stack_bytes(kernel) == 0, stack_bytes(kernel)
+    # twice the bulk copies of the tile with the weight alone by TMA (a's as many as b's), and none of the cp.async
+    # copies that a's pointer loads pipeline through there
+    assert ptx.count("cp.async.bulk.tensor") == 2 * weight_only_tma.count("cp.async.bulk.tensor") > 0
+    assert "cp.async.cg" in weight_only_tma and "cp.async.cg" not in ptx and "cp.async.ca" not in ptx
 
 
 def test_promotion_reaches_the_hopper_code():

@@ -48,6 +48,8 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
     # the product transposed (wgmma with the weight tile on the left), split K or not, TMA or not
     configs += [{**mma_tile_config(1, n, k), "SWAP_AB": True, "SPLIT_K": split, "TMA": tma}
                 for split in (1, 3) for tma in (False, True)]
+    # the activations by TMA copies too (TMA_A; ragged M), transposed or not
+    configs += [{**cfg, "TMA_A": True} for cfg in configs[-1:] + [{**mma_tile_config(64, n, k), "TMA": True}]]
     if m == 1:  # the GEMV kernel: its tile, split K (ragged splits), a K step that leaves a ragged last one
         configs += [gemv_config(n, k), {**gemv_config(n, k), "SPLIT_K": 3}, {**gemv_config(n, k), "BLOCK_K": 128},
                     gemv_config(4096, 14336)]
@@ -387,8 +389,9 @@ TMA_CHECK = textwrap.dedent(
     from fp8fx import quant
     from fp8fx.kernels.fp8_gemm import fp8_gemm, mma_tile_config as tile_config
 
-    # the weight through a tensor descriptor (TMA=True) gives the pointer loads' bits: ragged N, K a multiple of
-    # 16 but not of BLOCK_K (the last K tile zero-filled), split K, per-row and 128x128 blocks, weight-only
+    # the weight (TMA=True) or the fp8 activations (TMA_A=True) through a tensor descriptor give the pointer loads'
+    # bits: ragged M and N, K a multiple of 16 but not of BLOCK_K (the last K tile zero-filled), split K, per-row
+    # and 128x128 blocks, weight-only (16-bit activations: TMA_A leaves them to pointer loads)
     g = torch.Generator().manual_seed(0)
     for m, n, k, x_block, w_block, split in [(1, 200, 304, [1, -1], [1, -1], 1), (7, 130, 1008, [1, -1], [-1, -1], 3),
                                              (3, 257, 384, [1, 128], [128, 128], 2)]:
@@ -397,20 +400,24 @@ TMA_CHECK = textwrap.dedent(
         blocks = dict(a_block=tuple(x_block), b_block=tuple(w_block)) if w_block[1] != -1 else {}
         cfg = {**tile_config(1, n, k), "SPLIT_K": split}
         plain = fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)
-        tma = fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config={**cfg, "TMA": True}, **blocks)
-        assert torch.equal(plain, tma), (m, n, k, (plain.float() - tma.float()).abs().max())
+        # the weight, the activations (TMA_A: ragged M too), or both by TMA; transposed (SWAP_AB) or not
+        for extra in ({"TMA": True}, {"TMA_A": True}, {"TMA": True, "TMA_A": True},
+                      {"TMA": True, "TMA_A": True, "SWAP_AB": not cfg.get("SWAP_AB", False), "BLOCK_N": 64}):
+            tma = fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config={**cfg, **extra}, **blocks)
+            assert torch.equal(plain, tma), (m, n, k, extra, (plain.float() - tma.float()).abs().max())
     x = torch.randn(5, 304, generator=g).to(torch.bfloat16)
     wq, ws = quant.quantize(torch.randn(100, 304, generator=g), [1, -1])
     cfg = tile_config(1, 100, 304)
     assert torch.equal(fp8_gemm(x, wq, None, ws, None, torch.bfloat16, config=cfg),
-                       fp8_gemm(x, wq, None, ws, None, torch.bfloat16, config={**cfg, "TMA": True}))
+                       fp8_gemm(x, wq, None, ws, None, torch.bfloat16, config={**cfg, "TMA": True, "TMA_A": True}))
     print("tma ok")
     """
 )
 
 
 def test_tma_weight_loads_under_triton_interpreter():
-    """The opt-in TMA weight loads (``TMA=True`` in a tile configuration) against the pointer loads, bit for bit
+    """The opt-in TMA loads (``TMA=True``: the weight, ``TMA_A=True``: fp8 activations, in a tile configuration)
+    against the pointer loads, bit for bit
     (the interpreter's descriptors: triton 3.9; 3.6's interpreter cannot run them)."""
     triton = pytest.importorskip("triton")
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
