@@ -1,31 +1,18 @@
 """Why does the decode MLP block's bf16 anchor move between device calls? (Runs 17-21 at M = 1: bf16 Inductor
 0.0864-0.0987 ms, fp8fx's fused MLP 0.0532-0.0544.) One process, the Llama-3-8B MLP at M = 1: two separate
 ``torch.compile``s of the bf16 module, the bf16 module eager (cuBLAS), and fp8fx's fused MLP, as CUDA-graph replays
-after a clean L2 flush in interleaved rounds; then the kernels each runs (``torch.profiler``, plain calls).
+after a clean L2 flush in interleaved rounds; then the kernels each runs (``profile_mlp.kernel_table``).
 
-    python benchmarks/anchor_study.py [--m 1] [--rounds 7]
+    PYTHONPATH=. python benchmarks/anchor_study.py [--m 1] [--rounds 7]
 """
 from __future__ import annotations
 
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from bench_linear import MLP, bench, fp8fx_module  # run as a script: benchmarks/ is on sys.path
-
-
-def kernels(fn, x, steps=5) -> list[str]:
-    """``fn(x)``'s GPU kernels per call: (ms, name) lines."""
-    with torch.no_grad():
-        fn(x)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                fn(x)
-            torch.cuda.synchronize()
-    return [f"{e.device_time_total / steps / 1000:.4f} ms x{e.count // steps} {e.key[:100]}"
-            for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
+from benchmarks.bench_linear import MLP, bench, fp8fx_module
+from benchmarks.profile_mlp import kernel_table
 
 
 def main(argv=None):
@@ -60,7 +47,7 @@ def main(argv=None):
         t = sorted(t)
         print(f"M={args.m} {name}: median {t[len(t) // 2]:.4f} ms (rounds {t[0]:.4f}-{t[-1]:.4f})", flush=True)
     for name, fn in variants.items():
-        print(f"== {name}\n  " + "\n  ".join(kernels(fn, x)), flush=True)
+        print(f"== {name}\n{kernel_table(fn, x)}", flush=True)
 
 
 if __name__ == "__main__":

@@ -214,14 +214,20 @@ def gemv_candidates(k: int, k_stages=(1,)) -> list[dict]:
     return out
 
 
-def _duel(label: str, runs: dict, bytes_: int, rounds: int) -> dict:
+def _medians(runs: dict, rounds: int) -> dict:
     """Each of ``runs`` timed as CUDA-graph replays in ``rounds`` interleaved rounds (every other round in reverse
-    order); prints and returns the medians, with the bandwidth on ``bytes_``."""
+    order): the median ms of each."""
     times = {name: [] for name in runs}
     for r in range(rounds):
         for name in (list(runs) if r % 2 else list(runs)[::-1]):
             times[name].append(time_ms(runs[name], True))
-    med = {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+    return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
+
+
+def _duel(label: str, runs: dict, bytes_: int, rounds: int) -> dict:
+    """Each of ``runs`` timed as CUDA-graph replays in ``rounds`` interleaved rounds (every other round in reverse
+    order); prints and returns the medians, with the bandwidth on ``bytes_``."""
+    med = _medians(runs, rounds)
     print(f"{label}: " + ", ".join(f"{name} {t:.4f} ms ({bytes_ / t / 1e9:.2f} TB/s)" for name, t in med.items()),
           flush=True)
     return med
@@ -458,6 +464,15 @@ def balance_probe(m=64, rounds=5):
     _duel(f"gate/up kernel alone M={m}", runs, 2 * 14336 * 4096, rounds)
 
 
+def _layer_operands(m: int):
+    """(name, N, K, xq, xs, wq, ws) of each Llama-3-8B layer GEMM (gate and up as one gate_up): fp8 per-token x [m, K],
+    per-channel weight [N, K]."""
+    for name, (n, k) in SHAPES.items():
+        if name != "gate":
+            wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])
+            yield (name, n, k, *quant.quantize(torch.randn(m, k, device="cuda"), [1, -1]), wq, ws)
+
+
 def _read_speed() -> float:
     """TB/s of a sum over 2 GiB of bf16 (the GPU's read speed, what a weight stream can reach)."""
     big = torch.ones(2**30, device="cuda", dtype=torch.bfloat16)
@@ -477,11 +492,7 @@ def hbm_table(ms=(1, 16, 64), rounds=3, dim=4096, hidden=14336):
     print(f"read speed (sum of 2 GiB): {read:.2f} TB/s; copy (ANCHORS.md): 4.25 TB/s", flush=True)
     for m in ms:
         runs, nbytes = {}, {}
-        for name, (n, k) in SHAPES.items():
-            if name == "gate":
-                continue
-            wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])
-            xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, -1])
+        for name, n, k, xq, xs, wq, ws in _layer_operands(m):
             runs[name] = lambda xq=xq, xs=xs, wq=wq, ws=ws: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16)
             nbytes[name] = n * k
         for g in (0, 128) if m <= 16 else (128,):
@@ -504,12 +515,7 @@ def hbm_table(ms=(1, 16, 64), rounds=3, dim=4096, hidden=14336):
             runs[f"fused down GEMM, {label}"], nbytes[f"fused down GEMM, {label}"] = down, dim * hidden
         for fn in runs.values():
             fn()
-        times = {name: [] for name in runs}
-        for r in range(rounds):
-            for name in (list(runs) if r % 2 else list(runs)[::-1]):
-                times[name].append(time_ms(runs[name], True))
-        for name, t in times.items():
-            t = sorted(t)[len(t) // 2]
+        for name, t in _medians(runs, rounds).items():
             tbs = nbytes[name] / t / 1e9
             print(f"M={m} {name}: {t:.4f} ms, {nbytes[name] / 1e6:.1f} MB, {tbs:.2f} TB/s = {tbs / read:.0%} of the "
                   f"read speed, {tbs / 4.25:.0%} of the copy", flush=True)
@@ -540,11 +546,7 @@ def tma_a_duel(ms=(16, 64), rounds=7, dim=4096, hidden=14336):
 
     for m in ms:
         runs, nbytes = {}, {}
-        for name, (n, k) in SHAPES.items():
-            if name == "gate":
-                continue
-            wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])
-            xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, -1])
+        for name, n, k, xq, xs, wq, ws in _layer_operands(m):
             cfg = tile_config(m, n, k)
             for label, extra in (("", {}), (", TMA_A", {"TMA_A": True}), (", TMA + TMA_A", {"TMA": True, "TMA_A": True})):
                 runs[name + label] = lambda xq=xq, xs=xs, wq=wq, ws=ws, c={**cfg, **extra}: fp8_gemm(
@@ -564,12 +566,7 @@ def tma_a_duel(ms=(16, 64), rounds=7, dim=4096, hidden=14336):
             nbytes["fused MLP op, h groups" + label] = 3 * dim * hidden
         for fn in runs.values():
             fn()
-        times = {name: [] for name in runs}
-        for r in range(rounds):
-            for name in (list(runs) if r % 2 else list(runs)[::-1]):
-                times[name].append(time_ms(runs[name], True))
-        for name, t in times.items():
-            t = sorted(t)[len(t) // 2]
+        for name, t in _medians(runs, rounds).items():
             print(f"M={m} {name}: {t:.4f} ms ({nbytes[name] / t / 1e9:.2f} TB/s)", flush=True)
 
 
