@@ -29,7 +29,6 @@ Every candidate is checked against the current configuration's output before it 
 """
 import argparse
 import itertools
-import sys
 
 import torch
 import triton
@@ -409,7 +408,6 @@ def sweep_m64(m=64, dim=4096, hidden=14336, rounds=5, groups=(64, 128)):
             xq, xs, *w1, *w3, *w2, None, QUANT_GROUPS, None, torch.bfloat16, torch.bfloat16, configs=(c1, c2),
             h_group=g)
         ref = op().float()
-        ref = op().float()
         firsts = [dict(gated_tile_config(m, hidden, dim, g), BLOCK_N=g, num_stages=st, num_warps=w)
                   for st in (3, 4, 5, 6) for w in (4, 8)]
         results = []
@@ -451,17 +449,20 @@ def _gate_up_launch(m, n, k, g=0, **tile):
 def balance_probe(m=64, rounds=5):
     """Would the gate/up kernel stream faster on all 132 SMs? At M = 64 with h in 1x128 groups it runs one program
     per group: 112 for Llama-3-8B's 14336 columns. Times the kernel alone (CUDA-graph replays, L2 clean) on shapes
-    of the same weight bytes (2 x 14336 x 4096): 112 programs over K = 4096 against 132 programs (16896 columns)
+    of about the same weight bytes (2 x 14336 x 4096): 112 programs over K = 4096 against 132 programs (16896 columns)
     over K = 3456, and the 224 programs of 1x64 groups. A stream-K split of the real shape would give each SM the
     second one's work (3584 K steps / 132)."""
-    runs = {"112 x K 4096 (G=128, 8 warps)": _gate_up_launch(m, 14336, 4096, 128, num_warps=8),
-            "132 x K 3456 (G=128, 8 warps)": _gate_up_launch(m, 16896, 3456, 128, num_warps=8),
-            "132 x K 3456 (G=128, 4 warps)": _gate_up_launch(m, 16896, 3456, 128, num_warps=4),
-            "224 x K 4096 (G=64, 4 warps)": _gate_up_launch(m, 14336, 4096, 64, num_warps=4),
-            "264 x K 3456 (G=64, 4 warps)": _gate_up_launch(m, 16896, 3456, 64, num_warps=4)}
+    shapes = {"112 x K 4096 (G=128, 8 warps)": (14336, 4096, 128, 8),
+              "132 x K 3456 (G=128, 8 warps)": (16896, 3456, 128, 8),
+              "132 x K 3456 (G=128, 4 warps)": (16896, 3456, 128, 4),
+              "224 x K 4096 (G=64, 4 warps)": (14336, 4096, 64, 4),
+              "264 x K 3456 (G=64, 4 warps)": (16896, 3456, 64, 4)}
+    runs = {name: _gate_up_launch(m, n, k, g, num_warps=w) for name, (n, k, g, w) in shapes.items()}
     for fn in runs.values():
         fn()
-    _duel(f"gate/up kernel alone M={m}", runs, 2 * 14336 * 4096, rounds)
+    for name, t in _medians(runs, rounds).items():  # (16896 x 3456 is 0.56% fewer bytes than 14336 x 4096)
+        n, k = shapes[name][:2]
+        print(f"gate/up kernel alone M={m}, {name}: {t:.4f} ms ({2 * n * k / t / 1e9:.2f} TB/s)", flush=True)
 
 
 def _layer_operands(m: int):
@@ -523,16 +524,19 @@ def hbm_table(ms=(1, 16, 64), rounds=3, dim=4096, hidden=14336):
 
 def down_duel(m=64, g=128, rounds=7, dim=4096, hidden=14336):
     """The fused MLP op at M = 64, h in 1 x g groups, with the down-GEMM tiles that ``sweep_m64`` put first (each
-    timed once there, within 1.5% of each other) against the default, in ``rounds`` interleaved rounds."""
+    timed once there, within 1.5% of each other) and the default (``down_tile_config``; run 21 timed this before the
+    default became the 5-stage tile), in ``rounds`` interleaved rounds."""
     from fp8fx.kernels.gated_mlp import QUANT_GROUPS, gated_mlp
 
     (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
-    tiles = {"64 wide, 4 stages (default)": (64, 4, 4), "64 wide, 5 stages": (64, 4, 5), "64 wide, 6 stages": (64, 4, 6),
+    tiles = {"64 wide, 4 stages": (64, 4, 4), "64 wide, 5 stages": (64, 4, 5), "64 wide, 6 stages": (64, 4, 6),
              "128 wide, 8 warps, 6 stages": (128, 8, 6), "128 wide, 4 warps, 6 stages": (128, 4, 6)}
-    runs = {name: lambda bn=bn, w=w, st=st: gated_mlp(
-        xq, xs, *w1, *w3, *w2, None, QUANT_GROUPS, None, torch.bfloat16, torch.bfloat16, h_group=g,
-        configs=(None, dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=g, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=4,
-                            TMA=True))) for name, (bn, w, st) in tiles.items()}
+    op = lambda cfg=None: gated_mlp(xq, xs, *w1, *w3, *w2, None, QUANT_GROUPS, None, torch.bfloat16,  # noqa: E731
+                                    torch.bfloat16, h_group=g, configs=(None, cfg))
+    runs = {"default": op}
+    runs.update({name: lambda bn=bn, w=w, st=st: op(dict(
+        BLOCK_M=64, BLOCK_N=bn, BLOCK_K=g, GROUP_M=1, num_warps=w, num_stages=st, SPLIT_K=4, TMA=True))
+        for name, (bn, w, st) in tiles.items()})
     for fn in runs.values():
         fn()
     _duel(f"fused MLP M={m} G={g}, down tiles", runs, 3 * dim * hidden, rounds)
@@ -540,21 +544,24 @@ def down_duel(m=64, g=128, rounds=7, dim=4096, hidden=14336):
 
 def tma_a_duel(ms=(16, 64), rounds=7, dim=4096, hidden=14336):
     """fp8 activation tiles by TMA copies (``TMA_A`` in a tile) against pointer loads (cp.async) at the default
-    tiles: the decode GEMMs alone (per-token x; with the weight by TMA too), the fused MLP's down GEMM alone (h in
-    1x128 groups) and the fused MLP op. CUDA-graph replays, L2 clean, ``rounds`` interleaved rounds per M."""
+    tiles: the decode GEMMs alone (per-token x; with the weight by TMA too; run 21 timed this before the 64-row
+    default took both), the fused MLP's down GEMM alone (h in 1x128 groups) and the fused MLP op. CUDA-graph
+    replays, L2 clean, ``rounds`` interleaved rounds per M."""
     from fp8fx.kernels.gated_mlp import QUANT_GROUPS, down_tile_config, gated_mlp
 
     for m in ms:
         runs, nbytes = {}, {}
         for name, n, k, xq, xs, wq, ws in _layer_operands(m):
-            cfg = tile_config(m, n, k)
-            for label, extra in (("", {}), (", TMA_A", {"TMA_A": True}), (", TMA + TMA_A", {"TMA": True, "TMA_A": True})):
+            # the default tile with pointer loads for both operands (at 17-64 rows the default takes both by TMA)
+            cfg = {key: v for key, v in tile_config(m, n, k).items() if key not in ("TMA", "TMA_A")}
+            for label, extra in ((", pointer loads", {}), (", TMA_A", {"TMA_A": True}),
+                                 (", TMA + TMA_A", {"TMA": True, "TMA_A": True})):
                 runs[name + label] = lambda xq=xq, xs=xs, wq=wq, ws=ws, c={**cfg, **extra}: fp8_gemm(
                     xq, wq, xs, ws, None, torch.bfloat16, config=c)
                 nbytes[name + label] = n * k
         hq, hs = quant.quantize(torch.randn(m, hidden, device="cuda"), [1, 128])
         w2, s2 = quant.quantize(torch.randn(dim, hidden, device="cuda") / hidden**0.5, [1, -1])
-        cfg = down_tile_config(m, dim, hidden, h_group=128)
+        cfg = down_tile_config(m, dim, hidden, h_group=128)  # (the weight by TMA, h by pointer loads)
         (xq, xs), w1, w3, w2_ = _gated_problem(m, dim, hidden)
         for label, extra in (("", {}), (", TMA_A", {"TMA_A": True})):
             runs["fused down, h groups" + label] = lambda c={**cfg, **extra}: fp8_gemm(
@@ -639,7 +646,8 @@ def main(argv=None):
                    help="down-GEMM tiles of 16-32 rows, K split in 1-4 (with --gated: the fused MLP's down GEMM)")
     p.add_argument("--wide-n", action="store_true", help="M = 64 in 64-row tiles 64-128 wide, K split in 2-8")
     p.add_argument("--small-m", action="store_true", help="M = 64 in row tiles of 16 or 32 (the decode sweep)")
-    p.add_argument("--gated-ncu", action="store_true", help="three plain calls of the fused MLP at M = 1, 16 (--ms; --h-groups G: h in groups)")
+    p.add_argument("--gated-ncu", action="store_true",
+                   help="three plain calls of the fused MLP at M = 1, 16 (--ms; --h-groups G: h in groups)")
     p.add_argument("--codes", action="store_true", help="the fused MLP with exact h codes or by the reciprocal")
     p.add_argument("--gemv", action="store_true", help="M = 1: GEMV tiles against the tensor-core tile")
     p.add_argument("--groups", action="store_true", help="the fused MLP with h in 1 x G groups, M = 1, 16, 64")
@@ -655,8 +663,9 @@ def main(argv=None):
                    help="tiles with the product transposed (SWAP_AB) at M <= 16: the fused MLP's down GEMM (with "
                         "--gated), or in the decode sweep each candidate of 64+ weight rows also transposed")
     p.add_argument("--ms", help="comma-separated token counts (--groups: 1,16,64; the decode sweep: 1,64)")
-    p.add_argument("--h-groups", default="32,64,128", help="--groups: comma-separated group sizes")
-    p.add_argument("--tma", action="store_true", help="each decode / down-GEMM candidate also with TMA weight loads")
+    p.add_argument("--h-groups", help="--groups: comma-separated group sizes (32,64,128); --gated-ncu: one")
+    p.add_argument("--tma", action="store_true",
+                   help="each decode / down-GEMM candidate also with TMA loads (the decode sweep: of both operands)")
     p.add_argument("--weight-only", action="store_true",
                    help="M = 16 with bf16 activations (no activation scale), against bf16 cuBLAS")
     p.add_argument("--k-stages", default="1",
@@ -666,7 +675,7 @@ def main(argv=None):
     k_stages = tuple(int(s) for s in args.k_stages.split(","))
     if args.gated_ncu:  # --ms, and --h-groups G (one) for h in groups
         return gated_ncu(tuple(int(m) for m in (args.ms or "1,16").split(",")),
-                         h_group=int(args.h_groups) if "--h-groups" in (argv or sys.argv) else 0)
+                         h_group=int(args.h_groups or 0))
     if args.codes:
         return sweep_codes()
     if args.m64:
@@ -677,7 +686,7 @@ def main(argv=None):
         return tma_a_duel()
     if args.groups:
         return sweep_groups(tuple(int(m) for m in (args.ms or "1,16,64").split(",")),
-                            groups=tuple(int(g) for g in args.h_groups.split(",")), k_stages=k_stages,
+                            groups=tuple(int(g) for g in (args.h_groups or "32,64,128").split(",")), k_stages=k_stages,
                             tma=args.tma)
     if args.gemv:
         shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
@@ -706,7 +715,7 @@ def main(argv=None):
         for bm, bn, bk, gm, warps, stages, split, tma, swap in (with_swaps(cands) if args.swap else
                                                                 [(*c, False) for c in cands]):
             cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=gm, num_warps=warps, num_stages=stages, SPLIT_K=split,
-                       TMA=tma, SWAP_AB=swap)
+                       TMA=tma, TMA_A=tma, SWAP_AB=swap)  # (--tma: both operands by TMA, as the 64-row default)
             try:
                 assert (gemm(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
                 results.append((time_ms(lambda: gemm(cfg), graph), cfg))

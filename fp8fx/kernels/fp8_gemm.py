@@ -433,7 +433,8 @@ def tile_config(m: int, n: int, k: int, a_quant: bool = False, transposed: bool 
 
 def for_device(cfg: dict, device: torch.device) -> dict:
     """A default tile ``cfg`` as it runs on ``device``: the tiles timed on the H200 with Hopper's features - the
-    transposed tiles (``SWAP_AB``: wgmma) and TMA weight copies - untransposed and with pointer loads on CUDA GPUs
+    transposed tiles (``SWAP_AB``: wgmma) and TMA copies of the weight (``TMA``) and of fp8 activations
+    (``TMA_A``) - untransposed and with pointer loads on CUDA GPUs
     before sm_90 (no wgmma, no TMA: their 16-row tiles stay as measured in run 18); on the CPU the interpreter runs
     the H200's tiles."""
     if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0):
@@ -491,9 +492,10 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True) -> dict:
                         SWAP_AB=transposed)
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4)
     if m <= 64:
-        # fp8 activations: both operands by TMA copies (run 21 call 7, `tune_gemm.py --tma-a`, 7 interleaved rounds
-        # at M = 64: qkv 0.0151 ms against 0.0159 with pointer loads, o 0.0143 against 0.0154, gate_up 0.0364
-        # against 0.0372, down 0.0234 against 0.0237; at 16 rows, transposed, a tie: not taken there)
+        # fp8 activations: both operands by TMA copies (H200 run 21 call 7, `tune_gemm.py --tma-a`, 7 interleaved
+        # rounds at M = 64: qkv 0.0151 ms against 0.0159 with pointer loads, o 0.0143 against 0.0154, gate_up 0.0364
+        # against 0.0372, down 0.0234 against 0.0237; at 16 rows a tie or a loss - gate_up's TMA_A alone 0.0342
+        # against 0.0336 - so the tiles of up to 16 rows keep theirs)
         tma = dict(TMA=True, TMA_A=True) if transposed else {}
         if long_k:  # 64-wide N tiles, K split in 2 (256 programs): 0.0235 ms against 0.0248 for 32-wide unsplit
             # tiles (128 programs for 132 SMs) at down 4096x14336 (run 13 call 3, `tune_gemm.py --wide-n`)
@@ -617,6 +619,8 @@ def fp8_gemm(
     if len(set(group_k)) > 1:
         raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
     cfg = dict(config or for_device(tile_config(m, n, k, a_quant=a_quant != NO_QUANT, transposed=a_fp8), a.device))
+    if a_quant != NO_QUANT and not config:  # (a 16-bit a: the 64-row tiles' TMA copies were timed for fp8 a only)
+        cfg.pop("TMA", None), cfg.pop("TMA_A", None)
     gemv = cfg.pop("GEMV", False)
     # the GEMV scales a thread's 16 bytes of a row by one K group's scale: groups of a multiple of 16 (the ops send
     # groups of 32-256, ops._k_groups_agree)

@@ -169,15 +169,16 @@ def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0
         # 0.0565 for run 17's mma.sync tile split in 8 (run 20, `tune_gemm.py --gated --swap --tma`, 5 rounds);
         # M=64 64-wide, split in 4, the weight by TMA copies, 0.0630 against 0.0659 for run 17's 128-wide tiles
         # split in 8 (run 19, `--groups --tma`; with the gate/up kernel's 8 warps the op took 0.0603), 5 stages deep:
-        # 0.0585 against 0.0608 with 4 (run 21, `tune_gemm.py --m64 --duel`, 7 interleaved rounds; 6 stages 0.0591,
-        # 128-wide tiles 0.0586-0.0588). Groups of 32 and 64 take the same tiles, correct (tests) but not timed with
-        # them
+        # 0.0585 against 0.0608 with 4 (H200 run 21, `tune_gemm.py --m64 --duel`, 7 interleaved rounds; 6 stages
+        # 0.0591, 128-wide tiles 0.0586-0.0588). h's tiles by TMA too (TMA_A) measured 1% faster in run 21 (the op
+        # 0.0572 against 0.0576), inside the rounds' spread and not run through the GPU tests: not taken. Groups of
+        # 32 and 64 take the same tiles, correct (tests) but not timed with them
         if m <= 16:  # (K < 8192, unsplit: transposed too, not timed)
             return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=h_group, GROUP_M=1, num_warps=4, num_stages=4,
                         SPLIT_K=4 if k >= 8192 else 1, SWAP_AB=True, TMA=True)
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=h_group, GROUP_M=1, num_warps=4, num_stages=5,
                     SPLIT_K=4 if k >= 8192 else 1, TMA=True)
-    # (16-bit h: the 64-row tiles' TMA copies of fp8 activations and weights, run 21, not timed with it)
+    # (16-bit h: the 64-row tiles' TMA copies of fp8 activations and weights, H200 run 21, were not timed with it)
     cfg = {key: v for key, v in mma_tile_config(m, n, k).items() if key not in ("TMA", "TMA_A")}
     if m <= 16 and cfg.get("SPLIT_K", 1) > 1:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=4,

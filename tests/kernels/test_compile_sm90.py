@@ -97,14 +97,21 @@ def test_down_gemm_of_h_groups_compiles_for_sm90(m):
     assert stack_bytes(kernel) == 0, stack_bytes(kernel)
 
 
-@pytest.mark.parametrize("m", [16, 64])
-def test_activation_tma_compiles_for_sm90(m):
-    """``TMA_A=True``: the fused MLP's down GEMM of h in 1x128 groups (transposed at 16 rows) with its fp8 h tiles by
-    TMA copies too - both operands' loads bulk tensor copies, nothing spilled."""
-    cfg = down_tile_config(m, 4096, 14336, h_group=128)
-    assert cfg.get("TMA"), cfg
-    kernel = compile_for_hopper("fp8e4nv", (False, True, True, False), {**cfg, "TMA_A": True})
-    weight_only_tma = compile_for_hopper("fp8e4nv", (False, True, True, False), cfg).asm["ptx"]
+@pytest.mark.parametrize("which", ["default 64 rows, down", "default 64 rows, qkv", "h groups 16 rows",
+                                   "h groups 64 rows"])
+def test_activation_tma_compiles_for_sm90(which):
+    """``TMA_A=True``: fp8 activation tiles by TMA copies - the 64-row decode tiles' default (with the weight's,
+    long K split in 2 and not), and opted into on the fused MLP's down GEMM of h in 1x128 groups (transposed at 16
+    rows): every load of both operands a bulk copy, nothing spilled."""
+    layout = LAYOUTS["per-row"]
+    if which.startswith("default"):
+        cfg = tile_config(64, *((4096, 14336) if which.endswith("down") else (6144, 4096)))
+        assert cfg.get("TMA") and cfg.get("TMA_A"), cfg
+    else:
+        layout = (False, True, True, False)  # h's K groups, per-channel weight scales
+        cfg = {**down_tile_config(16 if "16" in which else 64, 4096, 14336, h_group=128), "TMA_A": True}
+    kernel = compile_for_hopper("fp8e4nv", layout, cfg)
+    weight_only_tma = compile_for_hopper("fp8e4nv", layout, {**cfg, "TMA_A": False}).asm["ptx"]
     ptx = kernel.asm["ptx"]
     assert kernel.metadata.shared <= 227 * 1024 and stack_bytes(kernel) == 0, stack_bytes(kernel)
     # twice the bulk copies of the tile with the weight alone by TMA (a's as many as b's), and none of the cp.async
@@ -165,9 +172,10 @@ def test_fp8_gemm_tiles_do_not_spill_much(layout, m, n, k, bound):
     addresses carried through the K loop the prefill tile spilled 592-808; with 32-bit offsets from
     64-bit tile bases 112-280. Decode tiles with BLOCK_K = 128 spill nothing (16 bytes: M=64, block scales,
     triton 3.9); M=64 with a long K (BLOCK_K = 256, 64-wide N tiles, K split in 2) spills nothing either."""
-    for fast in (False, True):
-        kernel = compile_for_hopper("fp8e4nv", LAYOUTS[layout], tile_config(m, n, k), fast)
-        assert stack_bytes(kernel) <= bound, (fast, stack_bytes(kernel))
+    # (the 64-row tiles also with pointer loads: their default takes TMA copies since run 21)
+    for fast, transposed in ((False, True), (True, True), (False, False)):
+        kernel = compile_for_hopper("fp8e4nv", LAYOUTS[layout], tile_config(m, n, k, transposed=transposed), fast)
+        assert stack_bytes(kernel) <= bound, (fast, transposed, stack_bytes(kernel))
 
 
 @pytest.mark.parametrize("a_quant", [QUANT_ROWS, QUANT_TENSOR, QUANT_STATIC])

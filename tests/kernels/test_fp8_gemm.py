@@ -29,7 +29,9 @@ def operands(m, n, k, x_block, w_block, device, seed=0):
     return [t.to(device) for t in (xq, xs, wq, ws, bias)]
 
 
-SHAPES = [(1, 96, 160), (7, 200, 300), (16, 4096, 512), (64, 130, 1000), (129, 257, 384)]
+# (40, 200, 512): 17-64 rows with K a multiple of 16, where the default 64-row tile loads both operands by TMA
+# (elsewhere the descriptors cannot address the rows and the kernel takes pointer loads)
+SHAPES = [(1, 96, 160), (7, 200, 300), (16, 4096, 512), (40, 200, 512), (64, 130, 1000), (129, 257, 384)]
 SCHEMES = [([1, -1], [1, -1]), ([-1, -1], [-1, -1]), ([1, -1], [-1, -1])]
 
 
@@ -43,13 +45,14 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
     xq, xs, wq, ws, bias = operands(m, n, k, x_block, w_block, "cuda")
     ref = reference(xq, xs, x_block, wq, ws, w_block, bias, dtype)
     configs = [mma_tile_config(cfg_m, n, k) for cfg_m in (1, 64, 4096)] + [{**mma_tile_config(1, n, k), "SPLIT_K": 3}]
+    configs.append(mma_tile_config(64, n, k, transposed=False))  # the 64-row tile with pointer loads (no TMA)
     configs += [mma_tile_config(cfg_m, 4096, 14336) for cfg_m in (1, 64)]  # the long-K (split) decode tiles
     configs += [{**cfg, "TMA": True} for cfg in configs[:2]]  # the weight by TMA copies (rows of K % 16 == 0 bytes)
     # the product transposed (wgmma with the weight tile on the left), split K or not, TMA or not
     configs += [{**mma_tile_config(1, n, k), "SWAP_AB": True, "SPLIT_K": split, "TMA": tma}
                 for split in (1, 3) for tma in (False, True)]
-    # the activations by TMA copies too (TMA_A; ragged M), transposed or not
-    configs += [{**cfg, "TMA_A": True} for cfg in configs[-1:] + [{**mma_tile_config(64, n, k), "TMA": True}]]
+    # the activations by TMA copies too (TMA_A; ragged M), transposed (the 64-row default above has both untransposed)
+    configs.append({**configs[-1], "TMA_A": True})
     if m == 1:  # the GEMV kernel: its tile, split K (ragged splits), a K step that leaves a ragged last one
         configs += [gemv_config(n, k), {**gemv_config(n, k), "SPLIT_K": 3}, {**gemv_config(n, k), "BLOCK_K": 128},
                     gemv_config(4096, 14336)]
@@ -132,12 +135,14 @@ def test_fp8_gemm_cuda_addresses_past_2_31(cfg_m):
     xq = (torch.rand(m, k, device="cuda", generator=g) * 2 - 1).to(quant.FP8_DTYPE)  # codes in [-1, 1]
     xs = torch.rand(m, 1, device="cuda", generator=g) + 0.5
     wq, ws = (t.cuda() for t in quant.quantize(torch.randn(n, k), [1, -1]))
-    cfg = {**mma_tile_config(cfg_m, n, k), "SPLIT_K": 2 if cfg_m == 1 else 1}
-    y = fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=cfg)
-    rows = torch.tensor([0, 1, m // 2, m - 2, m - 1])
-    ref = reference(xq[rows], xs[rows], [1, -1], wq, ws, [1, -1], None, torch.float32)
-    err = ((y[rows].double().cpu() - ref).abs().max() / ref.abs().max()).item()
-    assert err < 1e-3, (cfg, err)
+    # pointer loads (transposed=False: no TMA copies; the 64-bit bases are what is tested) and the default tile
+    for cfg in ({**mma_tile_config(cfg_m, n, k, transposed=False), "SPLIT_K": 2 if cfg_m == 1 else 1},
+                mma_tile_config(cfg_m, n, k)):
+        y = fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=cfg)
+        rows = torch.tensor([0, 1, m // 2, m - 2, m - 1])
+        ref = reference(xq[rows], xs[rows], [1, -1], wq, ws, [1, -1], None, torch.float32)
+        err = ((y[rows].double().cpu() - ref).abs().max() / ref.abs().max()).item()
+        assert err < 1e-3, (cfg, err)
 
 
 @pytest.mark.cuda
@@ -415,7 +420,7 @@ TMA_CHECK = textwrap.dedent(
 )
 
 
-def test_tma_weight_loads_under_triton_interpreter():
+def test_tma_loads_under_triton_interpreter():
     """The opt-in TMA loads (``TMA=True``: the weight, ``TMA_A=True``: fp8 activations, in a tile configuration)
     against the pointer loads, bit for bit
     (the interpreter's descriptors: triton 3.9; 3.6's interpreter cannot run them)."""
