@@ -44,14 +44,18 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
 
     xq, xs, wq, ws, bias = operands(m, n, k, x_block, w_block, "cuda")
     ref = reference(xq, xs, x_block, wq, ws, w_block, bias, dtype)
+    # (the 64-row default loads both operands by TMA copies where the rows allow it; pointers64: the same tile with
+    # pointer loads)
+    pointers64 = mma_tile_config(64, n, k, transposed=False)
     configs = [mma_tile_config(cfg_m, n, k) for cfg_m in (1, 64, 4096)] + [{**mma_tile_config(1, n, k), "SPLIT_K": 3}]
-    configs.append(mma_tile_config(64, n, k, transposed=False))  # the 64-row tile with pointer loads (no TMA)
+    configs.append(pointers64)
     configs += [mma_tile_config(cfg_m, 4096, 14336) for cfg_m in (1, 64)]  # the long-K (split) decode tiles
-    configs += [{**cfg, "TMA": True} for cfg in configs[:2]]  # the weight by TMA copies (rows of K % 16 == 0 bytes)
+    # the weight alone by TMA copies (rows of K % 16 == 0 bytes)
+    configs += [{**cfg, "TMA": True} for cfg in (configs[0], pointers64)]
     # the product transposed (wgmma with the weight tile on the left), split K or not, TMA or not
     configs += [{**mma_tile_config(1, n, k), "SWAP_AB": True, "SPLIT_K": split, "TMA": tma}
                 for split in (1, 3) for tma in (False, True)]
-    # the activations by TMA copies too (TMA_A; ragged M), transposed (the 64-row default above has both untransposed)
+    # the activations by TMA copies too (TMA_A; ragged M) in the transposed tile
     configs.append({**configs[-1], "TMA_A": True})
     if m == 1:  # the GEMV kernel: its tile, split K (ragged splits), a K step that leaves a ragged last one
         configs += [gemv_config(n, k), {**gemv_config(n, k), "SPLIT_K": 3}, {**gemv_config(n, k), "BLOCK_K": 128},
