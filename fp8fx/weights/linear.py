@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from fp8fx import quant
+from fp8fx.ops import BIAS_GAPS
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
 from fp8fx.weights import chunked
 from fp8fx.weights.counter import CopyNumelCounter
@@ -81,6 +82,10 @@ def fp8_apply(self, fn, recurse=True):
         for a, v in tags.get(n, {}).items():
             if t is not None and not hasattr(t, a):
                 setattr(t, a, v)
+        # but not the zero-gapped bias storage it lay in (fp8fx.passes.horizontal): a moved or cast bias is a tensor
+        # of its own, which ops._adjacent_with_gaps concatenates with zeros
+        if t is not None and getattr(t, BIAS_GAPS, None) not in (None, t.untyped_storage().data_ptr()):
+            delattr(t, BIAS_GAPS)
     if dtype is not None and cast != dtype and cast.is_floating_point:
         self._fp8fx_dtype = cast
     return self

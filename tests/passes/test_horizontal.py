@@ -250,6 +250,14 @@ def test_shards_with_and_without_a_bias_are_fused(granularity):
         apart = torch.cat([torch.ops.fp8fx.scaled_mm(xq, xs, w, s, b, [1, -1], block, torch.bfloat16, True)
                            for w, s, b in zip(weights, scales, biases)], -1)
         assert rel_err(one.float(), apart.float()) < 1e-3
+    # a cast (as a device move) gives each bias storage of its own: the tag of the zero-gapped tensor goes with it
+    # (it named storage no bias lies in any more); the fp8 weight stays
+    model.half()
+    q_b, v_b = model.q_proj.bias, model.v_proj.bias
+    assert q_b.dtype == torch.float16 and q_b.untyped_storage().data_ptr() != v_b.untyped_storage().data_ptr()
+    assert not hasattr(q_b, fp8fx.ops.BIAS_GAPS) and not hasattr(v_b, fp8fx.ops.BIAS_GAPS)
+    assert fp8fx.ops._bias_view([q_b, None, v_b], [64, 32, 32]) is None
+    assert model.q_proj._parameters["weight"].dtype == fp8fx.quant.FP8_DTYPE
 
 
 @pytest.mark.cuda
