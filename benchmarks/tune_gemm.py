@@ -305,6 +305,23 @@ def sweep_gemv(shapes, dim=4096, hidden=14336, rounds=5, k_stages=(1,)):
           3 * dim * hidden, rounds)
 
 
+def _tile_sweep(op, ref, firsts: list, downs: list, label: str):
+    """``op(c1, c2)`` - the fused MLP op with the gate/up kernel's tile ``c1`` or the down GEMM's ``c2``, the other at
+    its default - timed once per candidate (a CUDA-graph replay) whose output is within 1% of ``ref``'s largest value:
+    (the results sorted by time, the best gate/up tile, the best down tile)."""
+    results = []
+    for c1, c2 in [(c, None) for c in firsts] + [(None, c) for c in downs]:
+        try:
+            err = (op(c1, c2).float() - ref).abs().max()
+            assert err <= 1e-2 * ref.abs().max(), f"off by {err}"
+            results.append((time_ms(lambda: op(c1, c2), True), c1, c2))
+        except Exception as exc:  # noqa: BLE001 - a tile that does not compile is not a candidate
+            print(f"{label}: {c1 or c2} failed: {str(exc).splitlines()[0][:160]}")
+    results.sort(key=lambda r: r[0])
+    best = lambda i: min((r for r in results if r[i] is not None), key=lambda r: r[0])[i]  # noqa: E731
+    return results, best(1), best(2)
+
+
 def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5, groups=None, k_stages=(1,), tma=False):
     """The fused MLP with h quantized in 1 x G groups by the gate/up kernel's epilogue (``h_group``: fp8 codes and
     group scales leave it; the down GEMM reads them as K-grouped activations) against per-token h (quantized as the
@@ -336,17 +353,8 @@ def sweep_groups(ms=(1, 16, 64), dim=4096, hidden=14336, rounds=5, groups=None, 
                               SPLIT_K=sk)
                          for bn, w, sk in [*itertools.product([64, 128], [4], [1, 2, 4, 8]), (128, 8, 2), (128, 8, 4)]]
                 downs += [{**c, "TMA": True} for c in downs] if tma else []  # the weight by TMA copies
-            results = []
-            for c1, c2 in [(c, None) for c in firsts] + [(None, c) for c in downs]:
-                try:
-                    got = grouped(g, c1, c2).float()
-                    assert (got - ref).abs().max() <= 1e-2 * ref.abs().max(), (got - ref).abs().max()
-                    results.append((time_ms(lambda: grouped(g, c1, c2), True), c1, c2))
-                except Exception as exc:  # noqa: BLE001 - a tile that does not compile is not a candidate
-                    print(f"M={m} G={g}: {c1 or c2} failed: {str(exc).splitlines()[0][:160]}")
-            results.sort(key=lambda r: r[0])
-            best1 = min((r for r in results if r[1] is not None), key=lambda r: r[0])[1]
-            best2 = min((r for r in results if r[2] is not None), key=lambda r: r[0])[2]
+            results, best1, best2 = _tile_sweep(lambda c1, c2, g=g: grouped(g, c1, c2), ref, firsts, downs,
+                                                f"M={m} G={g}")
             print(f"M={m} G={g} ({len(results)} ran; default {down_tile_config(m, dim, hidden, h_group=g)}): "
                   + " ; ".join(f"{t:.4f} {c1 or c2}" for t, c1, c2 in results[:5]), flush=True)
             runs[f"G={g} default"] = lambda g=g: grouped(g)
@@ -410,17 +418,7 @@ def sweep_m64(m=64, dim=4096, hidden=14336, rounds=5, groups=(64, 128)):
         ref = op().float()
         firsts = [dict(gated_tile_config(m, hidden, dim, g), BLOCK_N=g, num_stages=st, num_warps=w)
                   for st in (3, 4, 5, 6) for w in (4, 8)]
-        results = []
-        for c1, c2 in [(c, None) for c in firsts] + [(None, {**c, "BLOCK_K": g}) for c in downs]:
-            try:
-                err = (op(c1, c2).float() - ref).abs().max()
-                assert err <= 1e-2 * ref.abs().max(), f"off by {err}"
-                results.append((time_ms(lambda: op(c1, c2), True), c1, c2))
-            except Exception as exc:  # noqa: BLE001
-                print(f"op G={g} {c1 or c2} failed: {str(exc).splitlines()[0][:120]}")
-        results.sort(key=lambda r: r[0])
-        best1 = min((r for r in results if r[1] is not None), key=lambda r: r[0])[1]
-        best2 = min((r for r in results if r[2] is not None), key=lambda r: r[0])[2]
+        results, best1, best2 = _tile_sweep(op, ref, firsts, [{**c, "BLOCK_K": g} for c in downs], f"op G={g}")
         print(f"op M={m} G={g}: " + " ; ".join(f"{t:.4f} {c1 or c2}" for t, c1, c2 in results[:8]), flush=True)
         runs[f"G={g} default"] = op
         runs[f"G={g} best"] = lambda op=op, b1=best1, b2=best2: op(b1, b2)
