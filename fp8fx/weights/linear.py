@@ -22,8 +22,8 @@ import torch
 from torch import nn
 
 from fp8fx import quant
-from fp8fx.ops import BIAS_GAPS
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
+from fp8fx.ops import BIAS_GAPS
 from fp8fx.weights import chunked
 from fp8fx.weights.counter import CopyNumelCounter
 
