@@ -16,6 +16,9 @@
 #          widek: its sweep with K steps of 256 and 512; bm64: it and the decode GEMMs with 64-row tiles;
 #          flush: flush_study.py; ncu: ncu on the fused MLP's kernels; ncupipes: their pipe use and stalls;
 #          ncu64: ncu on them at M = 64, h in 1x128 groups; m64: tune_gemm.py --m64;
+#          hbm: tune_gemm.py --hbm (each decode kernel alone, TB/s on its weight); hbmchain: the same as chains of
+#          launches (--chain-mb 256, cuBLAS fp8 too); modeltests: the cuda tests of tests/e2e, passes, unit and
+#          test_fp8_gemm.py's (40, 200, 512) shape;
 #          rows: rows_study.py; narrow: down-GEMM tiles of 16-32 rows;
 #          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles; widen: in 64-128-wide tiles, K split)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
@@ -87,6 +90,16 @@ if has ncupipes; then  # the fused MLP's kernels at M = 1: which pipes and stall
     --section ComputeWorkloadAnalysis --section InstructionStats --section WarpStateStats \
     python3 benchmarks/tune_gemm.py --gated-ncu > "$OUT/ncu-pipes.txt" 2>&1
   grep -E "gated_gemm_kernel|fp8_gemm_kernel|Pipe|Issue|Ipc|Stall|stall|Executed Instructions" "$OUT/ncu-pipes.txt" | head -80
+fi
+if has modeltests; then  # what runs the tiles through the passes and models, and the TMA-addressable 17-64-row shape
+  timeout 300 $P -m cuda tests/e2e tests/passes tests/unit 2>&1 | tee "$OUT/pytest-cuda-model.log" | tail -5
+  timeout 150 $P -m cuda $gemm -k "40-200-512" 2>&1 | tee "$OUT/pytest-cuda-gemm40.log" | tail -5
+fi
+if has hbm; then  # each decode GEMM and fused-MLP kernel alone at its default tile, one launch per replay
+  timeout 200 python3 benchmarks/tune_gemm.py --hbm 2>&1 | tee "$OUT/hbm.txt"
+fi
+if has hbmchain; then  # the same, each timed in a chain of launches on >= 256 MB of weights, cuBLAS fp8 too
+  timeout 240 python3 benchmarks/tune_gemm.py --hbm --chain-mb 256 2>&1 | tee "$OUT/hbm-chain.txt"
 fi
 if has rows; then  # prefill SiLU*mul + quantization: Inductor's one-pass kernel against hand-written row loops
   timeout 120 python3 benchmarks/rows_study.py 2>&1 | tee "$OUT/rows.txt"

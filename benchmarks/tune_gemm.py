@@ -17,6 +17,7 @@
     python benchmarks/tune_gemm.py --gemv --k-stages 1,2,3,4  # GEMV tiles with the K loop pipelined (K_STAGES)
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
     python benchmarks/tune_gemm.py --hbm           # each decode GEMM's TB/s on its weight at its default tile
+    python benchmarks/tune_gemm.py --hbm --chain-mb 256  # the same, each kernel timed in a chain of launches
     python benchmarks/tune_gemm.py --tma-a         # fp8 activation tiles by TMA or cp.async (M = 16, 64)
     python benchmarks/tune_gemm.py --m64           # M = 64, h in groups: where the down GEMM's time goes, deeper
                                                    # pipelines, the gate/up kernel's stages, G = 64 against 128
@@ -478,46 +479,82 @@ def _read_speed() -> float:
     return big.numel() * 2 / triton.testing.do_bench(lambda: big.sum(), rep=200, return_mode="median") / 1e9
 
 
-def hbm_table(ms=(1, 16, 64), rounds=3, dim=4096, hidden=14336):
-    """Issue 4's "each GEMM >= 75% of HBM bandwidth on its weight bytes", at the default tiles: every Llama-3-8B
-    decode GEMM (fp8_gemm, per-token x, per-channel weights) and the fused MLP's two kernels alone (gate/up per token
-    and with h in 1x128 groups; its down GEMM on h as that kernel leaves it), as CUDA-graph replays after a clean L2
-    flush (the median of ``rounds`` interleaved rounds), each against the H200's read speed measured here (a sum
-    over 2 GiB) and the 4.25 TB/s copy of ANCHORS.md."""
+def _hbm_makers(m: int, dim: int = 4096, hidden: int = 14336, cublas: bool = False) -> dict:
+    """name -> (weight bytes, maker): each maker call draws fresh random operands and returns a closure launching
+    one kernel on them at its default tile: every Llama-3-8B decode GEMM (``fp8_gemm``, per-token x, per-channel
+    weights; with ``cublas`` also ``torch._scaled_mm`` on the same operands) and the fused MLP's two kernels alone
+    (gate/up per token and with h in 1x128 groups; its down GEMM on h as that kernel leaves it)."""
     from fp8fx.kernels import fp8_gemm as kernels
     from fp8fx.kernels.gated_mlp import down_tile_config
 
-    read = _read_speed()
-    print(f"read speed (sum of 2 GiB): {read:.2f} TB/s; copy (ANCHORS.md): 4.25 TB/s", flush=True)
-    for m in ms:
-        runs, nbytes = {}, {}
-        for name, n, k, xq, xs, wq, ws in _layer_operands(m):
-            runs[name] = lambda xq=xq, xs=xs, wq=wq, ws=ws: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16)
-            nbytes[name] = n * k
-        for g in (0, 128) if m <= 16 else (128,):
-            label = "h in 1x128 groups" if g else "per-token h"
-            runs[f"fused gate/up kernel, {label}"] = _gate_up_launch(m, hidden, dim, g)
-            nbytes[f"fused gate/up kernel, {label}"] = 2 * hidden * dim
-            torch.manual_seed(1)
+    def layer(n, k, scaled_mm=False):
+        def make():
+            wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])
+            xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, -1])
+            if scaled_mm:
+                ws_row = ws.reshape(1, -1).contiguous()
+                return lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16)
+            return lambda: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16)
+        return n * k, make
+
+    def down(g):
+        def make():
             h = torch.randn(m, hidden, device="cuda")
             w2, s2 = quant.quantize(torch.randn(dim, hidden, device="cuda") / hidden**0.5, [1, -1])
             cfg = down_tile_config(m, dim, hidden, h_group=g)
             if g:
                 hq, hs = quant.quantize(h, [1, g])
-                down = lambda hq=hq, hs=hs, w2=w2, s2=s2, cfg=cfg: fp8_gemm(  # noqa: E731
-                    hq, w2, hs, s2, None, torch.bfloat16, config=cfg, a_block=(1, g))
-            else:  # 16-bit h quantized as it is loaded, from the gate/up kernel's tile maxima (32-wide tiles)
-                hb = h.bfloat16()
-                parts = hb.float().abs().reshape(m, -1, 32).amax(-1)
-                down = lambda hb=hb, parts=parts, w2=w2, s2=s2, cfg=cfg: fp8_gemm(  # noqa: E731
-                    hb, w2, parts, s2, None, torch.bfloat16, config=cfg, a_quant=kernels.QUANT_ROWS)
-            runs[f"fused down GEMM, {label}"], nbytes[f"fused down GEMM, {label}"] = down, dim * hidden
+                return lambda: fp8_gemm(hq, w2, hs, s2, None, torch.bfloat16, config=cfg, a_block=(1, g))
+            # 16-bit h quantized as it is loaded, from the gate/up kernel's tile maxima (32-wide tiles)
+            hb = h.bfloat16()
+            parts = hb.float().abs().reshape(m, -1, 32).amax(-1)
+            return lambda: fp8_gemm(hb, w2, parts, s2, None, torch.bfloat16, config=cfg, a_quant=kernels.QUANT_ROWS)
+        return dim * hidden, make
+
+    makers = {}
+    for name, (n, k) in SHAPES.items():
+        if name != "gate":
+            makers[name] = layer(n, k)
+            if cublas:
+                makers[f"{name}, cuBLAS fp8"] = layer(n, k, scaled_mm=True)
+    for g in (0, 128) if m <= 16 else (128,):
+        label = "h in 1x128 groups" if g else "per-token h"
+        makers[f"fused gate/up kernel, {label}"] = (2 * hidden * dim, lambda g=g: _gate_up_launch(m, hidden, dim, g))
+        makers[f"fused down GEMM, {label}"] = down(g)
+    return makers
+
+
+def hbm_table(ms=(1, 16, 64), rounds=3, dim=4096, hidden=14336, chain_bytes=0):
+    """Issue 4's "each GEMM >= 75% of HBM bandwidth on its weight bytes", at the default tiles (``_hbm_makers``), as
+    CUDA-graph replays after a clean L2 flush (the median of ``rounds`` interleaved rounds), each against the H200's
+    read speed measured here (a sum over 2 GiB) and the 4.25 TB/s copy of ANCHORS.md.
+
+    ``chain_bytes``: each replay is a chain of R launches of the kernel, each on operands of its own (R = the
+    weights' bytes over ``chain_bytes``, 2-16), and its time is the replay's over R: the kernel as a decode step runs
+    it, one launch after another in one graph, its start overlapping nothing but not waiting on a graph launch
+    either. cuBLAS fp8 (``torch._scaled_mm``) is timed the same way. 0: one launch per replay (runs 16-21)."""
+    read = _read_speed()
+    print(f"read speed (sum of 2 GiB): {read:.2f} TB/s; copy (ANCHORS.md): 4.25 TB/s"
+          + (f"; chains of >= {chain_bytes / 1e6:.0f} MB of weights" if chain_bytes else "; one launch per replay"),
+          flush=True)
+    for m in ms:
+        runs, nbytes, chain = {}, {}, {}
+        for name, (size, make) in _hbm_makers(m, dim, hidden, cublas=bool(chain_bytes)).items():
+            torch.manual_seed(len(name))
+            reps = min(16, max(2, -(-chain_bytes // size))) if chain_bytes else 1
+            launches = [make() for _ in range(reps)]
+            runs[name] = launches[0] if reps == 1 else lambda launches=launches: [f() for f in launches]
+            nbytes[name], chain[name] = size, reps
         for fn in runs.values():
             fn()
         for name, t in _medians(runs, rounds).items():
+            t /= chain[name]
             tbs = nbytes[name] / t / 1e9
-            print(f"M={m} {name}: {t:.4f} ms, {nbytes[name] / 1e6:.1f} MB, {tbs:.2f} TB/s = {tbs / read:.0%} of the "
-                  f"read speed, {tbs / 4.25:.0%} of the copy", flush=True)
+            print(f"M={m} {name}: {t:.4f} ms" + (f" (chain of {chain[name]})" if chain_bytes else "")
+                  + f", {nbytes[name] / 1e6:.1f} MB, {tbs:.2f} TB/s = {tbs / read:.0%} of the read speed, "
+                  f"{tbs / 4.25:.0%} of the copy", flush=True)
+        del runs
+        torch.cuda.empty_cache()
 
 
 def down_duel(m=64, g=128, rounds=7, dim=4096, hidden=14336):
@@ -653,6 +690,9 @@ def main(argv=None):
                    help="M = 64, h in groups: the down GEMM grouped vs per row, deeper pipelines, G = 64 vs 128")
     p.add_argument("--hbm", action="store_true",
                    help="each decode GEMM and fused-MLP kernel at its default tile: TB/s on its weight, M = 1, 16, 64")
+    p.add_argument("--chain-mb", type=int, default=0,
+                   help="--hbm: time each kernel as a chain of launches on >= this many MB of weights (2-16 launches, "
+                        "each on operands of its own), as a decode step runs them; cuBLAS fp8 too")
     p.add_argument("--tma-a", action="store_true",
                    help="M = 16, 64: fp8 activation tiles by TMA (TMA_A) or not, the decode GEMMs and the fused MLP")
     p.add_argument("--balance", action="store_true", help="--m64: the gate/up kernel alone on 112 vs 132 programs")
@@ -679,7 +719,7 @@ def main(argv=None):
     if args.m64:
         return balance_probe() if args.balance else down_duel() if args.duel else sweep_m64()
     if args.hbm:
-        return hbm_table()
+        return hbm_table(tuple(int(m) for m in (args.ms or "1,16,64").split(",")), chain_bytes=args.chain_mb << 20)
     if args.tma_a:
         return tma_a_duel()
     if args.groups:
