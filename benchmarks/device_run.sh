@@ -18,7 +18,7 @@
 #          ncu64: ncu on them at M = 64, h in 1x128 groups; m64: tune_gemm.py --m64;
 #          hbm: tune_gemm.py --hbm (each decode kernel alone, TB/s on its weight); hbmchain: the same as chains of
 #          launches (--chain-mb 256, cuBLAS fp8 too); modeltests: the cuda tests of tests/e2e, passes, unit and
-#          test_fp8_gemm.py's (40, 200, 512) shape;
+#          test_fp8_gemm.py's (40, 200, 512) shape; smalln: tune_gemm.py --small-n (qkv, o at 16-64 rows, chained);
 #          rows: rows_study.py; narrow: down-GEMM tiles of 16-32 rows;
 #          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles; widen: in 64-128-wide tiles, K split)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
@@ -100,6 +100,9 @@ if has hbm; then  # each decode GEMM and fused-MLP kernel alone at its default t
 fi
 if has hbmchain; then  # the same, each timed in a chain of launches on >= 256 MB of weights, cuBLAS fp8 too
   timeout 240 python3 benchmarks/tune_gemm.py --hbm --chain-mb 256 2>&1 | tee "$OUT/hbm-chain.txt"
+fi
+if has smalln; then  # qkv and o at 16, 32, 64 rows: tiles of every width, split and transposition, as chains
+  timeout 330 python3 benchmarks/tune_gemm.py --small-n 2>&1 | tee "$OUT/small-n.txt"
 fi
 if has rows; then  # prefill SiLU*mul + quantization: Inductor's one-pass kernel against hand-written row loops
   timeout 120 python3 benchmarks/rows_study.py 2>&1 | tee "$OUT/rows.txt"

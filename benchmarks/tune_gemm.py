@@ -18,6 +18,7 @@
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
     python benchmarks/tune_gemm.py --hbm           # each decode GEMM's TB/s on its weight at its default tile
     python benchmarks/tune_gemm.py --hbm --chain-mb 256  # the same, each kernel timed in a chain of launches
+    python benchmarks/tune_gemm.py --small-n       # qkv, o at 16-64 rows: every width / split / transposition, chained
     python benchmarks/tune_gemm.py --tma-a         # fp8 activation tiles by TMA or cp.async (M = 16, 64)
     python benchmarks/tune_gemm.py --m64           # M = 64, h in groups: where the down GEMM's time goes, deeper
                                                    # pipelines, the gate/up kernel's stages, G = 64 against 128
@@ -517,6 +518,10 @@ def _hbm_makers(m: int, dim: int = 4096, hidden: int = 14336, cublas: bool = Fal
             makers[name] = layer(n, k)
             if cublas:
                 makers[f"{name}, cuBLAS fp8"] = layer(n, k, scaled_mm=True)
+    if cublas:  # what a plain read of each weight size reaches the same way: the bandwidth a kernel of that size has
+        for size in sorted({makers[name][0] for name in makers}):
+            makers[f"read of {size / 1e6:.1f} MB (torch.sum)"] = (size, lambda size=size: torch.ones(
+                size // 2, device="cuda", dtype=torch.bfloat16).sum)
     for g in (0, 128) if m <= 16 else (128,):
         label = "h in 1x128 groups" if g else "per-token h"
         makers[f"fused gate/up kernel, {label}"] = (2 * hidden * dim, lambda g=g: _gate_up_launch(m, hidden, dim, g))
@@ -532,7 +537,8 @@ def hbm_table(ms=(1, 16, 64), rounds=3, dim=4096, hidden=14336, chain_bytes=0):
     ``chain_bytes``: each replay is a chain of R launches of the kernel, each on operands of its own (R = the
     weights' bytes over ``chain_bytes``, 2-16), and its time is the replay's over R: the kernel as a decode step runs
     it, one launch after another in one graph, its start overlapping nothing but not waiting on a graph launch
-    either. cuBLAS fp8 (``torch._scaled_mm``) is timed the same way. 0: one launch per replay (runs 16-21)."""
+    either. cuBLAS fp8 (``torch._scaled_mm``) and a plain read of each weight size (``torch.sum``) are timed the same
+    way. 0: one launch per replay (runs 16-21)."""
     read = _read_speed()
     print(f"read speed (sum of 2 GiB): {read:.2f} TB/s; copy (ANCHORS.md): 4.25 TB/s"
           + (f"; chains of >= {chain_bytes / 1e6:.0f} MB of weights" if chain_bytes else "; one launch per replay"),
@@ -555,6 +561,47 @@ def hbm_table(ms=(1, 16, 64), rounds=3, dim=4096, hidden=14336, chain_bytes=0):
                   f"{tbs / 4.25:.0%} of the copy", flush=True)
         del runs
         torch.cuda.empty_cache()
+
+
+def sweep_small_n(ms=(16, 32, 64), shapes=("qkv", "o"), chain_bytes=256 << 20):
+    """The decode GEMMs with few 64-wide N tiles (qkv 6144x4096: 96, o 4096x4096: 64, for 132 SMs) at 2-64 rows:
+    tiles 32-128 wide, K split in 1-8, transposed or not, weight (and at 17-64 rows activation) by TMA or not, each
+    timed as a chain of launches on >= ``chain_bytes`` of weights (``hbm_table``: as a decode step runs them) next
+    to the default tile and cuBLAS fp8, each checked against the default's output first."""
+    from fp8fx.kernels import fp8_gemm as kernels
+
+    for name, m in itertools.product(shapes, ms):
+        n, k = SHAPES[name]
+        reps = min(16, max(2, -(-chain_bytes // (n * k))))
+        torch.manual_seed(m)
+        ops_ = [(*quant.quantize(torch.randn(m, k, device="cuda"), [1, -1]),
+                 *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])) for _ in range(reps)]
+        chain = lambda cfg=None: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)  # noqa: E731
+                                  for xq, xs, wq, ws in ops_][0]
+        ref = chain().float()
+        if m <= 16:
+            tiles = itertools.product([16], [32, 64], [4, 6], [1, 2, 4, 8], [False, True], [False])
+        else:
+            tiles = itertools.product([64], [32, 64, 128], [4, 5], [1, 2, 4], [True], [False, True])
+        results = []
+        for bm, bn, stages, split, tma, tma_a in tiles:
+            for swap in (False, True) if bn >= 64 else (False,):
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=stages,
+                           SPLIT_K=split, TMA=tma, TMA_A=tma_a, SWAP_AB=swap)
+                try:
+                    assert (chain(cfg).float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+                    results.append((time_ms(lambda cfg=cfg: chain(cfg), True) / reps, cfg))
+                except Exception:  # noqa: BLE001 - out of shared memory etc.: not a candidate
+                    continue
+        results.sort(key=lambda r: r[0])
+        current = time_ms(chain, True) / reps
+        scaled = [(xq, wq.t(), xs, ws.reshape(1, -1).contiguous()) for xq, xs, wq, ws in ops_]
+        cublas = time_ms(lambda: [torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+                                  for a, b, sa, sb in scaled], True) / reps
+        tbs = lambda t: n * k / t / 1e9  # noqa: E731  weight bytes / ms -> TB/s
+        print(f"{name} M={m} (chains of {reps}): default {current:.4f} ms ({tbs(current):.2f} TB/s) "
+              f"{kernels.tile_config(m, n, k)} | cuBLAS fp8 {cublas:.4f} | "
+              + " ; ".join(f"{t:.4f} ({tbs(t):.2f} TB/s) {c}" for t, c in results[:5]), flush=True)
 
 
 def down_duel(m=64, g=128, rounds=7, dim=4096, hidden=14336):
@@ -693,6 +740,8 @@ def main(argv=None):
     p.add_argument("--chain-mb", type=int, default=0,
                    help="--hbm: time each kernel as a chain of launches on >= this many MB of weights (2-16 launches, "
                         "each on operands of its own), as a decode step runs them; cuBLAS fp8 too")
+    p.add_argument("--small-n", action="store_true",
+                   help="qkv and o at 16-64 rows (--ms): tiles of every width, split and transposition, as chains")
     p.add_argument("--tma-a", action="store_true",
                    help="M = 16, 64: fp8 activation tiles by TMA (TMA_A) or not, the decode GEMMs and the fused MLP")
     p.add_argument("--balance", action="store_true", help="--m64: the gate/up kernel alone on 112 vs 132 programs")
@@ -722,6 +771,8 @@ def main(argv=None):
         return hbm_table(tuple(int(m) for m in (args.ms or "1,16,64").split(",")), chain_bytes=args.chain_mb << 20)
     if args.tma_a:
         return tma_a_duel()
+    if args.small_n:
+        return sweep_small_n(tuple(int(m) for m in (args.ms or "16,32,64").split(",")))
     if args.groups:
         return sweep_groups(tuple(int(m) for m in (args.ms or "1,16,64").split(",")),
                             groups=tuple(int(g) for g in (args.h_groups or "32,64,128").split(",")), k_stages=k_stages,
