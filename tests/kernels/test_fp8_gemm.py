@@ -50,6 +50,7 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
     configs = [mma_tile_config(cfg_m, n, k) for cfg_m in (1, 64, 4096)] + [{**mma_tile_config(1, n, k), "SPLIT_K": 3}]
     configs.append(pointers64)
     configs += [mma_tile_config(cfg_m, 4096, 14336) for cfg_m in (1, 64)]  # the long-K (split) decode tiles
+    configs.append(mma_tile_config(64, 4096, 4096))  # 64 rows of a weight with few N tiles: 32 wide, split K
     # the weight alone by TMA copies (rows of K % 16 == 0 bytes)
     configs += [{**cfg, "TMA": True} for cfg in (configs[0], pointers64)]
     # the product transposed (wgmma with the weight tile on the left), split K or not, TMA or not
@@ -211,7 +212,13 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
         assert cfg.get("SPLIT_K", 1) == wo.get("SPLIT_K", 1) == split and cfg["BLOCK_N"] == 64, (n, k)
         assert cfg.get("SWAP_AB", False) == (split > 1) and not wo.get("SWAP_AB", False), (n, k)
         assert wo["BLOCK_N"] == (32 if k < 8192 and split > 1 else 64), (n, k)
-    assert tile_config(64, 6144, 4096).get("SPLIT_K", 1) == 1 and "SWAP_AB" not in tile_config(64, 4096, 14336)
+    # 64 rows of fp8 activations: few 64-wide N tiles (qkv, o) -> 32 wide, K split in 2 (run 22); wide weights, 32
+    # rows (where that tile lost) and weight-only (16-bit activations) keep the unsplit 64-wide tile
+    for m, n, block_n, split in [(64, 6144, 32, 2), (64, 4096, 32, 2), (64, 28672, 64, 1), (32, 4096, 64, 1)]:
+        cfg = tile_config(m, n, 4096)
+        assert (cfg["BLOCK_N"], cfg.get("SPLIT_K", 1)) == (block_n, split) and cfg["TMA"] and cfg["TMA_A"], (n, cfg)
+    assert tile_config(64, 6144, 4096, transposed=False).get("SPLIT_K", 1) == 1
+    assert "SWAP_AB" not in tile_config(64, 4096, 14336)
     xq, xs, wq, ws, _ = operands(2, 64, 96, [1, -1], [1, -1], "cpu")
     with pytest.raises(ValueError, match=r"GEMV kernel \(config GEMV=True\) takes one row .* got M=2"):
         fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=gemv_config(64, 96))
