@@ -19,7 +19,7 @@
 #          hbm: tune_gemm.py --hbm (each decode kernel alone, TB/s on its weight); hbmchain: the same as chains of
 #          launches (--chain-mb 256, cuBLAS fp8 too); modeltests: the cuda tests of tests/e2e, passes, unit and
 #          test_fp8_gemm.py's (40, 200, 512) shape; smalln: tune_gemm.py --small-n (qkv, o at 16-64 rows, chained);
-#          smallduel: their 64-row default against the one before (at 32 and 64 rows) (7 rounds) and its fp8_gemm cuda tests;
+#          smallduel: their 17-64-row tiles against each other (at 24-64 rows) (7 rounds) and its fp8_gemm cuda tests;
 #          rows: rows_study.py; narrow: down-GEMM tiles of 16-32 rows;
 #          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles; widen: in 64-128-wide tiles, K split)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
@@ -105,7 +105,7 @@ fi
 if has smalln; then  # qkv and o at 16, 32, 64 rows: tiles of every width, split and transposition, as chains
   timeout 330 python3 benchmarks/tune_gemm.py --small-n 2>&1 | tee "$OUT/small-n.txt"
 fi
-if has smallduel; then  # run 22's 64-row tile of qkv and o against the one before, then the GPU tests it takes
+if has smallduel; then  # qkv and o at 24-64 rows: the tiles against each other, then the fp8_gemm GPU tests
   timeout 150 python3 benchmarks/tune_gemm.py --small-n --duel 2>&1 | tee "$OUT/small-n-duel.txt"
   timeout 240 $P -m cuda $gemm -k "test_fp8_gemm_cuda and not 16-4096-512 or op_cuda or split" 2>&1 | tee "$OUT/pytest-cuda-gemm.log" | tail -5
 fi

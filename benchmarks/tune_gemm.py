@@ -19,7 +19,7 @@
     python benchmarks/tune_gemm.py --hbm           # each decode GEMM's TB/s on its weight at its default tile
     python benchmarks/tune_gemm.py --hbm --chain-mb 256  # the same, each kernel timed in a chain of launches
     python benchmarks/tune_gemm.py --small-n       # qkv, o at 16-64 rows: every width / split / transposition, chained
-    python benchmarks/tune_gemm.py --small-n --duel  # their 64-row default against the one before, 7 rounds
+    python benchmarks/tune_gemm.py --small-n --duel  # their 17-64-row tiles against each other, 7 rounds
     python benchmarks/tune_gemm.py --tma-a         # fp8 activation tiles by TMA or cp.async (M = 16, 64)
     python benchmarks/tune_gemm.py --m64           # M = 64, h in groups: where the down GEMM's time goes, deeper
                                                    # pipelines, the gate/up kernel's stages, G = 64 against 128
@@ -605,25 +605,33 @@ def sweep_small_n(ms=(16, 32, 64), shapes=("qkv", "o"), chain_bytes=256 << 20):
               + " ; ".join(f"{t:.4f} ({tbs(t):.2f} TB/s) {c}" for t, c in results[:5]), flush=True)
 
 
-def small_n_duel(ms=(32, 64), shapes=("qkv", "o"), rounds=7, chain_bytes=256 << 20):
-    """Run 22's 64-row tile of weights with few N tiles (32 wide, K split in 2: ``tile_config(64, n, k)``) against
-    the unsplit 64-wide tile before it, at ``ms`` rows, each as a chain of launches (``sweep_small_n``), in
-    ``rounds`` interleaved rounds."""
+def small_n_duel(ms=(24, 32, 48, 64), shapes=("qkv", "o"), rounds=7, chain_bytes=256 << 20):
+    """Tiles of 17-64 rows for weights with few N tiles (qkv, o) against each other at ``ms`` rows, each as a chain
+    of launches (``sweep_small_n``), in ``rounds`` interleaved rounds: the unsplit 64-wide tile (the default before
+    run 22), run 22's 64-row tile (32 wide, K split in 2, both operands by TMA: ``tile_config(64, n, k)``), and
+    the 32-row sweep's best (32 wide, K split in 2 or 4, the weight alone by TMA)."""
     from fp8fx.kernels.fp8_gemm import tile_config
 
-    before = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5, TMA=True, TMA_A=True)
+    unsplit = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5, TMA=True, TMA_A=True)
     for name, m in itertools.product(shapes, ms):
         n, k = SHAPES[name]
+        split = {**unsplit, "BLOCK_N": 32, "TMA_A": False}
+        tiles = {"64 wide, unsplit": unsplit, "32 wide, split 2, TMA both": tile_config(64, n, k),
+                 "32 wide, split 2, TMA weight": {**split, "SPLIT_K": 2},
+                 "32 wide, split 4, TMA weight": {**split, "SPLIT_K": 4}}
         reps = min(16, max(2, -(-chain_bytes // (n * k))))
         torch.manual_seed(m)
         ops_ = [(*quant.quantize(torch.randn(m, k, device="cuda"), [1, -1]),
                  *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])) for _ in range(reps)]
         runs = {label: lambda cfg=cfg: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)
                                         for xq, xs, wq, ws in ops_]
-                for label, cfg in (("64 wide, unsplit", before), ("32 wide, split K", tile_config(64, n, k)))}
+                for label, cfg in tiles.items()}
         outs = [run()[0].float() for run in runs.values()]
-        assert (outs[0] - outs[1]).abs().max() <= 1e-2 * outs[0].abs().max()
-        _duel(f"{name} M={m}, chains of {reps}, ms per launch x {reps}", runs, reps * n * k, rounds)
+        assert all((out - outs[0]).abs().max() <= 1e-2 * outs[0].abs().max() for out in outs)
+        med = _medians(runs, rounds)
+        print(f"{name} M={m} (chains of {reps}), ms per launch: "
+              + ", ".join(f"{label} {t / reps:.4f} ({reps * n * k / t / 1e9:.2f} TB/s)" for label, t in med.items()),
+              flush=True)
 
 
 def down_duel(m=64, g=128, rounds=7, dim=4096, hidden=14336):
@@ -768,7 +776,7 @@ def main(argv=None):
                    help="M = 16, 64: fp8 activation tiles by TMA (TMA_A) or not, the decode GEMMs and the fused MLP")
     p.add_argument("--balance", action="store_true", help="--m64: the gate/up kernel alone on 112 vs 132 programs")
     p.add_argument("--duel", action="store_true", help="--m64: the op with sweep_m64's best down tiles, 7 rounds; "
-                   "--small-n: the 64-row tile of qkv and o against the one before it, at 32 and 64 rows")
+                   "--small-n: tiles of qkv and o at 24-64 rows against each other")
     p.add_argument("--swap", action="store_true",
                    help="tiles with the product transposed (SWAP_AB) at M <= 16: the fused MLP's down GEMM (with "
                         "--gated), or in the decode sweep each candidate of 64+ weight rows also transposed")

@@ -51,6 +51,7 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
     configs.append(pointers64)
     configs += [mma_tile_config(cfg_m, 4096, 14336) for cfg_m in (1, 64)]  # the long-K (split) decode tiles
     configs.append(mma_tile_config(64, 4096, 4096))  # 64 rows of a weight with few N tiles: 32 wide, split K
+    configs.append({**configs[-1], "SPLIT_K": 4, "TMA_A": False})  # the same with the weight alone by TMA
     # the weight alone by TMA copies (rows of K % 16 == 0 bytes)
     configs += [{**cfg, "TMA": True} for cfg in (configs[0], pointers64)]
     # the product transposed (wgmma with the weight tile on the left), split K or not, TMA or not
