@@ -500,13 +500,16 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True) -> dict:
         if long_k:  # 64-wide N tiles, K split in 2 (256 programs): 0.0235 ms against 0.0248 for 32-wide unsplit
             # tiles (128 programs for 132 SMs) at down 4096x14336 (run 13 call 3, `tune_gemm.py --wide-n`)
             return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=2, **tma)
-        if transposed and m == 64 and 1024 <= k < 8192 and triton.cdiv(n, 64) < 132:
-            # 64 rows of a weight with few 64-wide N tiles (o 4096x4096: 64 programs, qkv 6144x4096: 96, for 132
-            # SMs): 32-wide tiles, K split in 2 (4x and 3x the programs). H200 run 22 (`tune_gemm.py --small-n
-            # --duel`, each kernel timed as a chain of launches on operands of their own, 7 interleaved rounds): o
-            # 0.0110 ms against 0.0120, qkv 0.0129 against 0.0132. At 32 rows the same tile lost (o 0.0135 against
-            # 0.0117, qkv 0.0164 against 0.0132): 17-63 rows keep the unsplit tile (33-63 not timed)
-            return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5, SPLIT_K=2, **tma)
+        if transposed and 1024 <= k < 8192 and triton.cdiv(n, 64) < 132:
+            # a weight with few 64-wide N tiles (o 4096x4096: 64 programs, qkv 6144x4096: 96, for 132 SMs): 32-wide
+            # tiles, K split in 2 (4x and 3x the programs). H200 run 22 (`tune_gemm.py --small-n --duel`, each
+            # kernel timed as a chain of launches on operands of their own, 7 interleaved rounds, ms per launch):
+            # 64 rows with both operands by TMA: o 0.0110 against 0.0119 unsplit, qkv 0.0129 against 0.0132;
+            # 24-48 rows with the weight alone by TMA (the activations' TMA copies lost there: qkv 0.0144-0.0168):
+            # o 0.0110-0.0112 against 0.0116-0.0118, qkv 0.0128-0.0130 against 0.0130-0.0133. 17-23 rows run
+            # the same 64-row tile as 24 (more of its rows masked)
+            split = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5, SPLIT_K=2)
+            return {**split, **tma, "TMA_A": m == 64}
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5, **tma)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 

@@ -51,7 +51,8 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
     configs.append(pointers64)
     configs += [mma_tile_config(cfg_m, 4096, 14336) for cfg_m in (1, 64)]  # the long-K (split) decode tiles
     configs.append(mma_tile_config(64, 4096, 4096))  # 64 rows of a weight with few N tiles: 32 wide, split K
-    configs.append({**configs[-1], "SPLIT_K": 4, "TMA_A": False})  # the same with the weight alone by TMA
+    configs.append(mma_tile_config(32, 4096, 4096))  # the same at 17-63 rows: the weight alone by TMA
+    configs.append({**configs[-1], "SPLIT_K": 4})
     # the weight alone by TMA copies (rows of K % 16 == 0 bytes)
     configs += [{**cfg, "TMA": True} for cfg in (configs[0], pointers64)]
     # the product transposed (wgmma with the weight tile on the left), split K or not, TMA or not
@@ -213,11 +214,12 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
         assert cfg.get("SPLIT_K", 1) == wo.get("SPLIT_K", 1) == split and cfg["BLOCK_N"] == 64, (n, k)
         assert cfg.get("SWAP_AB", False) == (split > 1) and not wo.get("SWAP_AB", False), (n, k)
         assert wo["BLOCK_N"] == (32 if k < 8192 and split > 1 else 64), (n, k)
-    # 64 rows of fp8 activations: few 64-wide N tiles (qkv, o) -> 32 wide, K split in 2 (run 22); wide weights, 32
-    # rows (where that tile lost) and weight-only (16-bit activations) keep the unsplit 64-wide tile
-    for m, n, block_n, split in [(64, 6144, 32, 2), (64, 4096, 32, 2), (64, 28672, 64, 1), (32, 4096, 64, 1)]:
+    # 17-64 rows of fp8 activations: few 64-wide N tiles (qkv, o) -> 32 wide, K split in 2, the activations by TMA
+    # at 64 rows only (run 22); wide weights and weight-only (16-bit activations) keep the unsplit 64-wide tile
+    for m, n, block_n, split, tma_a in [(64, 6144, 32, 2, True), (64, 4096, 32, 2, True), (32, 4096, 32, 2, False),
+                                        (17, 6144, 32, 2, False), (64, 28672, 64, 1, True)]:
         cfg = tile_config(m, n, 4096)
-        assert (cfg["BLOCK_N"], cfg.get("SPLIT_K", 1)) == (block_n, split) and cfg["TMA"] and cfg["TMA_A"], (n, cfg)
+        assert (cfg["BLOCK_N"], cfg.get("SPLIT_K", 1), cfg["TMA_A"]) == (block_n, split, tma_a) and cfg["TMA"], cfg
     assert tile_config(64, 6144, 4096, transposed=False).get("SPLIT_K", 1) == 1
     assert "SWAP_AB" not in tile_config(64, 4096, 14336)
     xq, xs, wq, ws, _ = operands(2, 64, 96, [1, -1], [1, -1], "cpu")
