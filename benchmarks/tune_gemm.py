@@ -548,7 +548,7 @@ def hbm_table(ms=(1, 16, 64), rounds=3, dim=4096, hidden=14336, chain_bytes=0):
         runs, nbytes, chain = {}, {}, {}
         for name, (size, make) in _hbm_makers(m, dim, hidden, cublas=bool(chain_bytes)).items():
             torch.manual_seed(len(name))
-            reps = min(16, max(2, -(-chain_bytes // size))) if chain_bytes else 1
+            reps = _chain_len(size, chain_bytes) if chain_bytes else 1
             launches = [make() for _ in range(reps)]
             runs[name] = launches[0] if reps == 1 else lambda launches=launches: [f() for f in launches]
             nbytes[name], chain[name] = size, reps
@@ -564,6 +564,20 @@ def hbm_table(ms=(1, 16, 64), rounds=3, dim=4096, hidden=14336, chain_bytes=0):
         torch.cuda.empty_cache()
 
 
+def _chain_len(size: int, chain_bytes: int) -> int:
+    """How many launches a chain of kernels on ``size`` bytes of weight each takes to stream ``chain_bytes``: 2-16."""
+    return min(16, max(2, -(-chain_bytes // size)))
+
+
+def _chain_operands(m: int, n: int, k: int, chain_bytes: int) -> list:
+    """(xq, xs, wq, ws) per launch of a chain (``_chain_len``): fp8 per-token x [m, k], per-channel weight [n, k],
+    each launch's of its own, seeded by m."""
+    torch.manual_seed(m)
+    return [(*quant.quantize(torch.randn(m, k, device="cuda"), [1, -1]),
+             *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1]))
+            for _ in range(_chain_len(n * k, chain_bytes))]
+
+
 def sweep_small_n(ms=(16, 32, 64), shapes=("qkv", "o"), chain_bytes=256 << 20):
     """The decode GEMMs with few 64-wide N tiles (qkv 6144x4096: 96, o 4096x4096: 64, for 132 SMs) at 2-64 rows:
     tiles 32-128 wide, K split in 1-8, transposed or not, weight (and at 17-64 rows activation) by TMA or not, each
@@ -573,10 +587,8 @@ def sweep_small_n(ms=(16, 32, 64), shapes=("qkv", "o"), chain_bytes=256 << 20):
 
     for name, m in itertools.product(shapes, ms):
         n, k = SHAPES[name]
-        reps = min(16, max(2, -(-chain_bytes // (n * k))))
-        torch.manual_seed(m)
-        ops_ = [(*quant.quantize(torch.randn(m, k, device="cuda"), [1, -1]),
-                 *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])) for _ in range(reps)]
+        ops_ = _chain_operands(m, n, k, chain_bytes)
+        reps = len(ops_)
         chain = lambda cfg=None: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)  # noqa: E731
                                   for xq, xs, wq, ws in ops_][0]
         ref = chain().float()
@@ -619,10 +631,8 @@ def small_n_duel(ms=(24, 32, 48, 64), shapes=("qkv", "o"), rounds=7, chain_bytes
         tiles = {"64 wide, unsplit": unsplit, "32 wide, split 2, TMA both": tile_config(64, n, k),
                  "32 wide, split 2, TMA weight": {**split, "SPLIT_K": 2},
                  "32 wide, split 4, TMA weight": {**split, "SPLIT_K": 4}}
-        reps = min(16, max(2, -(-chain_bytes // (n * k))))
-        torch.manual_seed(m)
-        ops_ = [(*quant.quantize(torch.randn(m, k, device="cuda"), [1, -1]),
-                 *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])) for _ in range(reps)]
+        ops_ = _chain_operands(m, n, k, chain_bytes)
+        reps = len(ops_)
         runs = {label: lambda cfg=cfg: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)
                                         for xq, xs, wq, ws in ops_]
                 for label, cfg in tiles.items()}
