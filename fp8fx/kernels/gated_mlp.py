@@ -178,8 +178,9 @@ def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0
                         SPLIT_K=4 if k >= 8192 else 1, SWAP_AB=True, TMA=True)
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=h_group, GROUP_M=1, num_warps=4, num_stages=5,
                     SPLIT_K=4 if k >= 8192 else 1, TMA=True)
-    # (16-bit h: the 64-row tiles' TMA copies of fp8 activations and weights, H200 run 21, were not timed with it)
-    cfg = {key: v for key, v in mma_tile_config(m, n, k).items() if key not in ("TMA", "TMA_A")}
+    # 16-bit h: the tiles of 16-bit activations (transposed=False), not those timed with fp8 ones (run 21's TMA
+    # copies of both operands at 64 rows, run 22's split tiles of weights with few N tiles at 17-64 rows)
+    cfg = mma_tile_config(m, n, k, transposed=False)
     if m <= 16 and cfg.get("SPLIT_K", 1) > 1:
         return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=4,
                     SWAP_AB=True, TMA=True)
