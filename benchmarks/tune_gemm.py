@@ -491,8 +491,7 @@ def _hbm_makers(m: int, dim: int = 4096, hidden: int = 14336, cublas: bool = Fal
 
     def layer(n, k, scaled_mm=False):
         def make():
-            wq, ws = quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])
-            xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, -1])
+            xq, xs, wq, ws = _operands(m, n, k)
             if scaled_mm:
                 ws_row = ws.reshape(1, -1).contiguous()
                 return lambda: torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws_row, out_dtype=torch.bfloat16)
@@ -569,13 +568,16 @@ def _chain_len(size: int, chain_bytes: int) -> int:
     return min(16, max(2, -(-chain_bytes // size)))
 
 
+def _operands(m: int, n: int, k: int) -> tuple:
+    """(xq, xs, wq, ws): random fp8 per-token x [m, k] and per-channel weight [n, k] on the GPU."""
+    return (*quant.quantize(torch.randn(m, k, device="cuda"), [1, -1]),
+            *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1]))
+
+
 def _chain_operands(m: int, n: int, k: int, chain_bytes: int) -> list:
-    """(xq, xs, wq, ws) per launch of a chain (``_chain_len``): fp8 per-token x [m, k], per-channel weight [n, k],
-    each launch's of its own, seeded by m."""
+    """``_operands`` per launch of a chain (``_chain_len``), each launch's of its own, seeded by m."""
     torch.manual_seed(m)
-    return [(*quant.quantize(torch.randn(m, k, device="cuda"), [1, -1]),
-             *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1]))
-            for _ in range(_chain_len(n * k, chain_bytes))]
+    return [_operands(m, n, k) for _ in range(_chain_len(n * k, chain_bytes))]
 
 
 def sweep_small_n(ms=(16, 32, 64), shapes=("qkv", "o"), chain_bytes=256 << 20):
