@@ -20,7 +20,7 @@
 #          launches (--chain-mb 256, cuBLAS fp8 too); modeltests: the cuda tests of tests/e2e, passes, unit and
 #          test_fp8_gemm.py's (40, 200, 512) shape; smalln: tune_gemm.py --small-n (qkv, o at 16-64 rows, chained);
 #          smallduel: their 17-64-row tiles against each other (at 24-64 rows) (7 rounds) and its fp8_gemm cuda tests;
-#          rows: rows_study.py; narrow: down-GEMM tiles of 16-32 rows;
+#          rows: rows_study.py; prefill: prefill_study.py --sweep (PREFILL_MS, PREFILL_ROUNDS); narrow: down-GEMM tiles of 16-32 rows;
 #          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles; widen: in 64-128-wide tiles, K split)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
@@ -108,6 +108,10 @@ fi
 if has smallduel; then  # qkv and o at 24-64 rows: the tiles against each other, then the fp8_gemm GPU tests
   timeout 150 python3 benchmarks/tune_gemm.py --small-n --duel 2>&1 | tee "$OUT/small-n-duel.txt"
   timeout 240 $P -m cuda $gemm -k "test_fp8_gemm_cuda and not 16-4096-512 or op_cuda or split" 2>&1 | tee "$OUT/pytest-cuda-gemm.log" | tail -5
+fi
+if has prefill; then  # prefill: act * mul in the gate/up kernel's epilogue against cuBLAS + Inductor (prefill_study.py)
+  timeout 420 python3 benchmarks/prefill_study.py --sweep --ms ${PREFILL_MS:-2048,4096} --rounds ${PREFILL_ROUNDS:-5} \
+    --out "$OUT" 2>&1 | tee "$OUT/prefill.txt"
 fi
 if has rows; then  # prefill SiLU*mul + quantization: Inductor's one-pass kernel against hand-written row loops
   timeout 120 python3 benchmarks/rows_study.py 2>&1 | tee "$OUT/rows.txt"

@@ -449,6 +449,11 @@ GATED_MAX_M = 16
 # against 0.1304 with per-token h; 0.0524 vs 0.0541 at M=1, 0.0565 vs 0.0578 at M=16.
 GATED_GROUPS_MAX_M = 64
 GATED_H_GROUPS = (32, 64, 128)  # the group sizes the kernels take (a group is one N tile of the gate/up kernel)
+# Tokens from which the gated MLP with per-token h runs its prefill kernels (``fp8fx.kernels.gated_mlp.gated_prefill``:
+# act * mul in the gate/up GEMM's epilogue, a streaming quantization of h, cuBLAS's down GEMM). Llama-3-8B MLP block
+# on the H200 (run 23, benchmarks/prefill_study.py): 0.6049 ms against 0.6516 unfused at M=2048, 1.1911 against
+# 1.2597 at 4096.
+GATED_PREFILL_MIN_M = 2048
 
 
 def _h_group(h_block, w2_block) -> int:
@@ -507,6 +512,32 @@ def _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_b
     return scaled_mm(hq, h_scale, w2, s2, bias, h_block, w2_block, out_dtype, use_fast_accum)
 
 
+def gated_prefill_reason(m: int, k: int, i: int, n: int, x_block, w_block, h_block, w2_block, h_static, h_dtype,
+                         out_dtype) -> str:
+    """Why a gated MLP of ``m`` tokens, x [m, k], gate / up [i, k], down [n, i] does not take the prefill kernels
+    (``GATED_PREFILL_MIN_M``), or "" where it does (given row-major, aligned operands: ``gated_mlp.prefill_fits``)."""
+    if m < GATED_PREFILL_MIN_M:
+        return f"{m} tokens: the prefill kernels start at {GATED_PREFILL_MIN_M}"
+    if not _tensor_or_row(x_block, w_block) or tuple(w2_block) not in ((-1, -1), (1, -1)):
+        return f"blocks x {list(x_block)}, w {list(w_block)}, down {list(w2_block)}: per-tensor / per-row scales only"
+    if h_static is not None or tuple(h_block) != (1, -1):
+        return "h is quantized per tensor or with a static scale: the prefill kernels quantize it per token"
+    if h_dtype not in (torch.bfloat16, torch.float16) or out_dtype != torch.bfloat16:
+        return f"h in {h_dtype}, out in {out_dtype}: the prefill kernels take a 16-bit h and a bf16 output"
+    if k % 16 or i % 16 or n % 16:
+        return f"K={k}, I={i}, N={n}: the prefill kernels' copies and cuBLAS take multiples of 16"
+    return ""
+
+
+def _gated_prefill_fits(x2, w1, w3, w2, x_block, w_block, h_block, w2_block, h_static, h_dtype, out_dtype) -> bool:
+    from fp8fx.kernels.gated_mlp import prefill_fits
+
+    m, k = x2.shape
+    return (not gated_prefill_reason(m, k, w1.shape[0], w2.shape[0], x_block, w_block, h_block, w2_block, h_static,
+                                     h_dtype, out_dtype)
+            and prefill_fits(x2, w1, w3, h_dtype))
+
+
 @torch.library.custom_op(f"{_LIB}::gated_mlp", mutates_args=())
 def gated_mlp(
     xq: torch.Tensor,
@@ -554,6 +585,13 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
     _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
     x2 = quant.as_rows(xq)
     m = x2.shape[0]
+    if _gated_prefill_fits(x2, w1, w3, w2, x_block, w_block, h_block, w2_block, h_static, h_dtype, out_dtype):
+        from fp8fx.kernels.gated_mlp import gated_prefill, quantize_rows
+
+        h, parts = gated_prefill(x2, x_scale, w1, s1, w3, s3, h_dtype, act, use_fast_accum)
+        hq, h_scale = quantize_rows(h, parts)
+        y = cublas_scaled_mm(hq, h_scale, w2, s2, bias, h_block, w2_block, out_dtype, use_fast_accum)
+        return y.reshape(*xq.shape[:-1], w2.shape[0])
     h_group = _h_group(h_block, w2_block) if h_static is None else 0
     if not (0 < m <= TRITON_MAX_M and _tensor_or_row(x_block, w_block)
             and (_tensor_or_row(h_block, w2_block) or h_group)):

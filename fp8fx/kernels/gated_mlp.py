@@ -38,7 +38,7 @@ import triton
 import triton.language as tl
 
 from fp8fx import ops, quant
-from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _scale_of
+from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _rows_amax, _scale_of
 from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
 from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages
 
@@ -48,6 +48,36 @@ ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8
 QUANT_GROUPS = 4
 H_GROUPS = ops.GATED_H_GROUPS
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE: tl.constexpr,
+             W_ROWWISE: tl.constexpr, ACT: tl.constexpr, H_DTYPE: tl.constexpr):
+    """The gate/up kernels' epilogue: the scales of the rows ``offs_m`` and columns ``offs_n``, then act(g) * u
+    rounded as the model's 16-bit ops round it (g, u, act(g) and h in H_DTYPE)."""
+    m_ok = offs_m < M
+    n_ok = offs_n < N
+    if A_ROWWISE:
+        a_s = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+    else:
+        a_s = tl.load(a_scale_ptr)
+    if W_ROWWISE:
+        s1 = tl.load(s1_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        s3 = tl.load(s3_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+    else:
+        s1 = tl.load(s1_ptr)
+        s3 = tl.load(s3_ptr)
+    g = (acc_g * a_s * s1).to(H_DTYPE).to(tl.float32)
+    u = (acc_u * a_s * s3).to(H_DTYPE).to(tl.float32)
+    if ACT == 0:  # silu
+        g = g / (1.0 + tl.exp(-g))
+    elif ACT == 1:  # gelu: 0.5 g (1 + erf(g / sqrt(2)))
+        g = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
+    else:  # gelu, tanh approximation: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (e^2z + 1)
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        g = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+    g = g.to(H_DTYPE).to(tl.float32)
+    return (g * u).to(H_DTYPE)
 
 
 @triton.jit
@@ -97,32 +127,11 @@ def gated_gemm_kernel(
     if PDL_TRIGGER:  # the weights are read: the down GEMM's programs may start (they wait for this grid's memory)
         tl.extra.cuda.gdc_launch_dependents()
 
-    # epilogue: the scales, then act(g) * u rounded as the model's 16-bit ops round it
-    if A_ROWWISE:
-        a_s = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
-    else:
-        a_s = tl.load(a_scale_ptr)
-    if W_ROWWISE:
-        s1 = tl.load(s1_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-        s3 = tl.load(s3_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-    else:
-        s1 = tl.load(s1_ptr)
-        s3 = tl.load(s3_ptr)
     if H_DTYPE is None:
-        h_dtype = h_ptr.dtype.element_ty
+        h_dtype: tl.constexpr = h_ptr.dtype.element_ty
     else:
-        h_dtype = H_DTYPE
-    g = (acc_g * a_s * s1).to(h_dtype).to(tl.float32)
-    u = (acc_u * a_s * s3).to(h_dtype).to(tl.float32)
-    if ACT == 0:  # silu
-        g = g / (1.0 + tl.exp(-g))
-    elif ACT == 1:  # gelu: 0.5 g (1 + erf(g / sqrt(2)))
-        g = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
-    else:  # gelu, tanh approximation: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (e^2z + 1)
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        g = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
-    g = g.to(h_dtype).to(tl.float32)
-    h = (g * u).to(h_dtype)
+        h_dtype: tl.constexpr = H_DTYPE
+    h = _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE, ACT, h_dtype)
     in_bounds = m_ok[:, None] & n_ok[None, :]
     h_ptrs = h_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_hm + tl.arange(0, BLOCK_M)[:, None] * stride_hm
     amax = tl.reduce(tl.where(in_bounds, tl.abs(h.to(tl.float32)), 0.0), 1, _max_nan)  # [BM] over this tile
@@ -135,6 +144,79 @@ def gated_gemm_kernel(
     else:
         tl.store(h_ptrs + offs_n[None, :], h, mask=in_bounds)
         tl.store(parts_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, amax, mask=m_ok)
+
+
+@triton.jit
+def gated_prefill_kernel(
+    # x fp8 [M, K] as a tensor descriptor of [BLOCK_M, BLOCK_K] tiles; w the gate and up weights [N, K] as one
+    # [2, N, K] descriptor of [2, BLOCK_N, BLOCK_K] tiles (up first with UP_FIRST); h [M, N] 16-bit, a descriptor
+    # of [BLOCK_M, BLOCK_N] tiles; parts float32 [M, cdiv(N, BLOCK_N)]
+    x_desc, w_desc, h_desc, a_scale_ptr, s1_ptr, s3_ptr, parts_ptr,
+    M, N, K, stride_pm,
+    A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PROGRAMS: tl.constexpr, UP_FIRST: tl.constexpr = False,
+):
+    """``gated_gemm_kernel`` for prefill. Persistent: ``PROGRAMS`` programs walk the output tiles, GROUP_M row
+    tiles at a time (the weight tiles they share stay in L2), and the K loop of the next tile is in flight during
+    a tile's epilogue (``flatten``). Every operand tile comes by TMA copies, the gate and up tiles of the same
+    BLOCK_N outputs as one [2 BLOCK_N, BLOCK_K] tile, so a K step is one 2 BLOCK_N-wide dot (wgmma m64n256k32 at
+    BLOCK_N = 128) instead of two BLOCK_N-wide ones, which re-read the x tile from shared memory: on the H200 at
+    4096 x 28672 x 4096, two 128-wide dots ran at 0.77x cuBLAS's gate/up GEMM, one 256-wide at 0.96x (run 23).
+
+    Against cuBLAS's gate/up GEMM followed by act * mul and the per-token quantization of h, the [M, 2 N] 16-bit
+    g and u never reach memory: h [M, N] does, with each row's maxima per tile, and the quantization of h is a
+    streaming pass (``quantize_rows_kernel``) with no row reduction left in it."""
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    k_steps = tl.cdiv(K, BLOCK_K)
+    tiles_in_group = GROUP_M * num_pid_n
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True):
+        first_m = (tile // tiles_in_group) * GROUP_M
+        rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % tiles_in_group) % rows_in_group
+        pid_n = (tile % tiles_in_group) // rows_in_group
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k in range(k_steps):  # past K, M and N the copies read zeros
+            a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            w = tl.reshape(w_desc.load([0, pid_n * BLOCK_N, k * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
+            acc = tl.dot(a, w.T, acc, max_num_imprecise_acc=IMPRECISE_K)
+        first, second = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        if UP_FIRST:
+            acc_g, acc_u = second, first
+        else:
+            acc_g, acc_u = first, second
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        h = _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE, ACT,
+                     h_desc.dtype)
+        h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h)  # clipped at M and N
+        # columns past N are act(0) * 0 = 0: no mask needed for the maxima
+        amax = tl.reduce(tl.abs(h.to(tl.float32)), 1, _max_nan)
+        tl.store(parts_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, amax, mask=offs_m < M)
+
+
+@triton.jit
+def quantize_rows_kernel(
+    # h [M, N] 16-bit, its row maxima per tile parts [M, N_PARTS]; out: codes fp8 [M, N], scales float32 [M]
+    h_ptr, parts_ptr, q_ptr, scale_ptr, M, N, stride_hm, stride_pm, stride_qm,
+    N_PARTS: tl.constexpr, PARTS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EPS: tl.constexpr, FP8_MAX: tl.constexpr,
+):
+    """``fp8fx.quant.quantize(h, [1, -1])``'s codes and scales from h and its partial row maxima: each program
+    reduces its rows' maxima (from L2: N_PARTS floats a row), then streams its [BLOCK_M, BLOCK_N] tile of h."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok = offs_m < M
+    scale = _scale_of(_rows_amax(parts_ptr, offs_m, M, stride_pm, 1, N_PARTS, PARTS_BLOCK), EPS, FP8_MAX)
+    inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), scale)
+    mask = m_ok[:, None] & (offs_n[None, :] < N)
+    rows = offs_m[:, None].to(tl.int64)
+    h = tl.load(h_ptr + rows * stride_hm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
+    codes = _codes_of(h, scale[:, None], inv[:, None], FP8_MAX)
+    tl.store(q_ptr + rows * stride_qm + offs_n[None, :], codes.to(q_ptr.dtype.element_ty), mask=mask)
+    if tl.program_id(1) == 0:
+        tl.store(scale_ptr + offs_m, scale, mask=m_ok)
 
 
 def gated_tile_config(m: int, n: int, k: int, h_group: int = 0) -> dict:
@@ -187,6 +269,73 @@ def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0
     if cfg["BLOCK_K"] > 128:
         cfg = {**cfg, "BLOCK_N": 64, "BLOCK_K": 128, "num_stages": 4, "SPLIT_K": 4}
     return cfg
+
+
+def prefill_tile_config(m: int, n: int, k: int) -> dict:
+    """Tiles of ``gated_prefill_kernel``: 128 rows by BLOCK_N of gate and of up (a 128 x 256 product a K step, two
+    wgmma accumulators), K steps of 128, 8 warps (two warpgroups), GROUP_M row tiles per sweep of the weight."""
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=16, num_warps=8, num_stages=4)
+
+
+def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
+                  s3: torch.Tensor, h_dtype: torch.dtype, act: str = "silu", fast_accum: bool = False,
+                  config: Optional[dict] = None, programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(h [M, I] in ``h_dtype``, its row maxima per tile [M, ceil(I / BLOCK_N)]) = ``act(g) * u`` by
+    ``gated_prefill_kernel``; the operands as ``gated_mlp``'s, as ``prefill_fits`` takes them. ``programs``: the
+    persistent grid (default: the GPU's SMs; on the CPU 4)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    (m, k), i = xq.shape, w1.shape[0]
+    cfg = dict(config or prefill_tile_config(m, i, k))
+    (s1, rows1), (s3, rows3) = _vector(s1, i), _vector(s3, i)
+    if rows1 != rows3:
+        s1, s3 = s1.expand(i).contiguous(), s3.expand(i).contiguous()
+    x_scale = x_scale.float().reshape(-1).contiguous()
+    bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
+    # gate and up as one [2, I, K] tensor: the second one's offset from the first is its leading stride (any
+    # distance of a multiple of 16 bytes: the copies read the two weights' own rows only)
+    up_first = w3.data_ptr() < w1.data_ptr()
+    low, high = (w3, w1) if up_first else (w1, w3)
+    pair = TensorDescriptor(low, [2, i, k], [high.data_ptr() - low.data_ptr(), k, 1], [2, bn, bk])
+    h = torch.empty(m, i, device=xq.device, dtype=h_dtype)
+    parts = torch.empty(m, triton.cdiv(i, bn), device=xq.device, dtype=torch.float32)
+    if programs is None:
+        programs = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 4
+    programs = max(1, min(programs, triton.cdiv(m, bm) * parts.shape[1]))
+    with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
+        gated_prefill_kernel[(programs,)](
+            TensorDescriptor(xq, [m, k], [k, 1], [bm, bk]), pair, TensorDescriptor(h, [m, i], [i, 1], [bm, bn]),
+            x_scale, s1, s3, parts, m, i, k, parts.stride(0),
+            A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=rows1 or rows3, ACT=ACTIVATIONS[act],
+            IMPRECISE_K=imprecise_k({"BLOCK_K": bk}, fast_accum), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            PROGRAMS=programs, UP_FIRST=up_first, **cfg,
+        )
+    return h, parts
+
+
+def prefill_fits(xq: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, h_dtype: torch.dtype) -> bool:
+    """Whether ``gated_prefill`` takes these operands (TMA copies): x [M, K], gate and up [I, K] row-major with
+    16-byte aligned bases and K a multiple of 16, two distinct weights, and h's rows of a multiple of 16 bytes."""
+    k, i = xq.shape[-1], w1.shape[0]
+    return (all(t.stride(-1) == 1 and t.stride(0) == k and t.data_ptr() % 16 == 0 for t in (xq, w1, w3))
+            and k % 16 == 0 and (i * h_dtype.itemsize) % 16 == 0 and w1.data_ptr() != w3.data_ptr())
+
+
+def quantize_rows(h: torch.Tensor, parts: torch.Tensor, block: tuple[int, int] = (8, 512)
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(fp8 codes [M, N], float32 scales [M, 1]) of h [M, N] per row, from its partial row maxima ``parts``
+    [M, P] (``gated_prefill``'s): ``fp8fx.quant.quantize(h, [1, -1])``'s bits without its row reduction."""
+    m, n = h.shape
+    q = torch.empty(m, n, device=h.device, dtype=quant.FP8_DTYPE)
+    scale = torch.empty(m, 1, device=h.device, dtype=torch.float32)
+    bm, bn = block
+    with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
+        quantize_rows_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+            h, parts, q, scale, m, n, h.stride(0), parts.stride(0), q.stride(0),
+            N_PARTS=parts.shape[1], PARTS_BLOCK=triton.next_power_of_2(parts.shape[1]), BLOCK_M=bm, BLOCK_N=bn,
+            EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, num_warps=4,
+        )
+    return q, scale
 
 
 def _vector(scale: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:

@@ -38,7 +38,7 @@ from typing import Optional
 import torch
 from torch import fx
 
-from fp8fx.ops import GATED_GROUPS_MAX_M, GATED_MAX_M, _tensor_or_row
+from fp8fx.ops import GATED_GROUPS_MAX_M, GATED_MAX_M, GATED_PREFILL_MIN_M, _tensor_or_row, gated_prefill_reason
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
 from fp8fx.passes.linear import _cast_source, _name_of, _noop_cast_source
 from fp8fx.report import Site
@@ -296,6 +296,16 @@ def _gemm_behind(node: fx.Node, depth: int = 6) -> Optional[fx.Node]:
     return None
 
 
+def _rows(mlp: _Mlp) -> Optional[int]:
+    """The MLP's static token count, None where it is dynamic."""
+    rows = 1
+    for d in fake_value(mlp.gate.args[0]).shape[:-1]:
+        if not isinstance(d, int):
+            return None
+        rows *= d
+    return rows
+
+
 class GatedMlpPass(Fp8Pass):
     """``h_group``: quantize a fused MLP's intermediate in 1 x ``h_group`` groups where the graph quantizes it
     dynamically (per token or per tensor; a static scale stays), which fuses up to ``GATED_GROUPS_MAX_M`` tokens."""
@@ -313,7 +323,9 @@ class GatedMlpPass(Fp8Pass):
             if mlp is None:
                 continue
             names = site_names(ctx, mlp.gemms)
-            group = self.h_group if self.h_group and mlp.h_static is None else None
+            prefill = not reason and (_rows(mlp) or 0) >= GATED_PREFILL_MIN_M
+            # h in groups is for decode (the Triton down GEMM reads them); prefill's cuBLAS down takes h per token
+            group = self.h_group if self.h_group and mlp.h_static is None and not prefill else None
             static_kept = bool(self.h_group) and mlp.h_static is not None  # a calibrated scale stays as it is
             reason = reason or self._why_not(mlp, GATED_GROUPS_MAX_M if group else GATED_MAX_M, static_kept)
             if reason:
@@ -322,7 +334,9 @@ class GatedMlpPass(Fp8Pass):
             new = self._fuse(gm.graph, mlp, group)
             how = (f", h in 1x{group} groups" if group else
                    ", h's static scale kept: mlp_h_group applies to dynamic ones" if static_kept else "")
-            amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, 2 kernels{how})", node=Site.origin_of(new))
+            what = ("prefill: act * mul in the gate/up GEMM's epilogue, h quantized per token, cuBLAS down"
+                    if prefill else f"2 kernels{how}")
+            amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, {what})", node=Site.origin_of(new))
             fused += len(mlp.gemms)
         gm.recompile()
         return fused
@@ -359,12 +373,19 @@ class GatedMlpPass(Fp8Pass):
         if not (gate_ok and up_ok and sole(mlp.act, mlp.mul) and all(sole(a, b) for a, b in zip(chain, chain[1:]))
                 and all(sole(n, down) for n in outputs) and set(quantize.users) <= set(outputs) | {down}):
             return "an intermediate (gate, up, act, their product or its quantization) has another reader"
-        rows = 1
-        for d in fake_value(gate.args[0]).shape[:-1]:
-            if not isinstance(d, int):
-                return ("the token count is dynamic: decode graphs with a static batch are fused (torch.compile(..., "
-                        "dynamic=False), or torch._dynamo.mark_static on the batch dimension)")
-            rows *= d
+        rows = _rows(mlp)
+        if rows is None:
+            return ("the token count is dynamic: graphs with a static one are fused, decode up to "
+                    f"{GATED_MAX_M} tokens and prefill from {GATED_PREFILL_MIN_M} (torch.compile(..., dynamic=False), "
+                    "or torch._dynamo.mark_static on the batch dimension)")
+        prefill = ""
+        if rows >= GATED_PREFILL_MIN_M:
+            w1 = fake_value(gate.args[2])
+            prefill = gated_prefill_reason(rows, w1.shape[1], w1.shape[0] // (2 if mlp.merged else 1),
+                                           fake_value(down.args[2]).shape[0], x_block, w_block, h_block, w2_block,
+                                           mlp.h_static, fake_value(mlp.mul).dtype, down.args[7])
+            if not prefill:
+                return ""
         if not 0 < rows <= max_rows:
             if max_rows == GATED_GROUPS_MAX_M:
                 why = "with h in 1 x G groups, up to the Triton GEMMs' 64"
@@ -374,8 +395,9 @@ class GatedMlpPass(Fp8Pass):
             else:
                 why = ("with per-token h slower than the unfused GEMMs at 64 on the H200; Fp8Backend(mlp_h_group=128) "
                        f"fuses up to {GATED_GROUPS_MAX_M}")
-            return (f"{rows} tokens: the fused MLP is for 1-{max_rows} tokens ({why}); larger batches keep the GEMMs "
-                    "with each quantization fused into its producer")
+            return (f"{rows} tokens: the fused MLP is for 1-{max_rows} tokens ({why}) and from {GATED_PREFILL_MIN_M}"
+                    f"{' but ' + prefill if prefill else ''}; other batches keep the GEMMs with each quantization "
+                    "fused into its producer")
         return ""
 
     @staticmethod

@@ -20,6 +20,7 @@ from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, fp8_g
 from fp8fx.kernels.fp8_gemm import fp8_gemv_kernel, gemv_config  # noqa: E402
 from fp8fx.kernels.fp8_gemm import imprecise_k, mma_tile_config as tile_config, pipeline_stages  # noqa: E402
 from fp8fx.kernels.gated_mlp import ACTIVATIONS, down_tile_config, gated_gemm_kernel, gated_tile_config  # noqa: E402
+from fp8fx.kernels.gated_mlp import gated_prefill_kernel, prefill_tile_config, quantize_rows_kernel  # noqa: E402
 
 POINTERS = ["a_ptr", "b_ptr", "y_ptr", "a_scale_ptr", "b_scale_ptr", "bias_ptr", "out_ptr", "tickets_ptr"]
 # (fp8_gemm_kernel's b_desc and a_desc follow the pointers: a tensor descriptor type, or the constant None)
@@ -239,6 +240,36 @@ def test_gated_gemm_with_h_groups_compiles_for_sm90(m, promote):
                             cfg["num_warps"], stages)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert stack_bytes(kernel) <= (128 if promote and m > 16 else 0), stack_bytes(kernel)
+
+
+@pytest.mark.parametrize("promote", [None, 128])
+@pytest.mark.parametrize("x_rowwise,act", [(True, "silu"), (False, "gelu_tanh")])
+def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, act):
+    """The prefill gate/up kernel at its default tile (Llama-3-8B, M = 4096): each K step is one m64n256k32 wgmma per
+    warpgroup on the gate and up tiles loaded together (a [2, 128, 128] TMA copy seen as [256, 128] in shared
+    memory), h stored by TMA copies; its stages fit in shared memory. Nothing spills with fast accumulation (the
+    backend's default); promoting the sums every K step (use_fast_accum=False) spills 64 bytes a thread (triton 3.9,
+    not timed).
+    The quantization of h compiles too."""
+    cfg = prefill_tile_config(4096, 14336, 4096)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    types = {"x_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "w_desc": f"tensordesc<fp8e4nv[2, {bn}, {bk}]>",
+             "h_desc": f"tensordesc<bf16[{bm}, {bn}]>", "a_scale_ptr": "*fp32", "s1_ptr": "*fp32", "s3_ptr": "*fp32",
+             "parts_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_pm": "i32"}
+    consts = dict(A_ROWWISE=x_rowwise, W_ROWWISE=True, ACT=ACTIVATIONS[act], IMPRECISE_K=promote, BLOCK_M=bm,
+                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], PROGRAMS=132, UP_FIRST=False)
+    kernel = compile_kernel(gated_prefill_kernel, types, consts, ["a_scale_ptr", "s1_ptr", "s3_ptr", "parts_ptr", "N",
+                                                                  "K"], cfg["num_warps"], cfg["num_stages"])
+    ptx = kernel.asm["ptx"]
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) == {"m64n256k32"}
+    assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
+    assert stack_bytes(kernel) <= (64 if promote else 0), stack_bytes(kernel)
+    types = dict(zip(["h_ptr", "parts_ptr", "q_ptr", "scale_ptr"], ["*bf16", "*fp32", "*fp8e4nv", "*fp32"]))
+    types.update({name: "i32" for name in ("M", "N", "stride_hm", "stride_pm", "stride_qm")})
+    quant_kernel = compile_kernel(quantize_rows_kernel, types, dict(N_PARTS=112, PARTS_BLOCK=128, BLOCK_M=8,
+                                                                    BLOCK_N=512, EPS=1e-12, FP8_MAX=448.0),
+                                  ["h_ptr", "parts_ptr", "q_ptr", "scale_ptr", "N", "stride_hm", "stride_qm"], 4, 1)
+    assert quant_kernel.asm["cubin"] and stack_bytes(quant_kernel) == 0
 
 
 @pytest.mark.parametrize("which", ["qkv", "down", "fused down", "fused down, h groups"])

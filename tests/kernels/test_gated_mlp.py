@@ -408,3 +408,122 @@ def test_merged_gate_up_views_on_the_gpu():
         x = torch.randn(3, 1024, device="cuda", dtype=torch.bfloat16)
         assert rel(fused(x), plain(x)) < 0.02
     assert all("gated MLP" in s.scheme for s in fused_backend.report.sites), str(fused_backend.report)
+
+
+PREFILL_CHECK = textwrap.dedent("""
+    import torch, triton
+    from tests.triton_rounding import round_to_nearest
+
+    round_to_nearest()  # the GPU's conversions: the kernels are held to their reference's bits
+    from fp8fx import ops, quant
+    from fp8fx.kernels.gated_mlp import gated_prefill, prefill_fits, quantize_rows
+    from tests.kernels.test_gated_mlp import mlp_operands, rel
+
+    # gated_prefill (4 persistent programs over more tiles than that, ragged M, N and K tiles), gate's weight before
+    # up's in memory or after it, each scheme and activation, rows 1000x apart; then quantize_rows
+    tile = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2)
+    worst_seen = 0.0
+    for m, k, i, scheme, act, up_first in [(70, 96, 80, "per-token/per-channel", "silu", False),
+                                          (33, 160, 200, "per-tensor/per-tensor", "gelu", True),
+                                          (65, 48, 48, "per-token/per-tensor", "gelu_tanh", True)]:
+        args, _ = mlp_operands(m, k, i, 24, scheme, row_gain=torch.logspace(0, 3, m), act=act)
+        xq, xs, w1, s1, w3, s3 = args[:6]
+        x_block, w_block = args[9], args[10]
+        pair = torch.empty(2, i, k, dtype=w1.dtype)  # one allocation: which weight comes first is up to the caller
+        pair[int(up_first)], pair[1 - int(up_first)] = w1, w3
+        w1, w3 = pair[int(up_first)], pair[1 - int(up_first)]
+        assert prefill_fits(xq, w1, w3, torch.bfloat16)
+        want = ops.GATED_ACTIVATIONS[act](ops.scaled_mm(xq, xs, w1, s1, None, x_block, w_block, torch.bfloat16)) * \\
+            ops.scaled_mm(xq, xs, w3, s3, None, x_block, w_block, torch.bfloat16)
+        h, parts = gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, config=tile)
+        # the bits of the reference's h but where g or u sit at a bf16 rounding boundary (float32 sums in another
+        # order); GELU's erf and tanh forms differ in ~2% of the bits
+        same = (h == want).float().mean().item()
+        assert same >= 0.97, (scheme, act, same)
+        # (the erf and tanh forms of GELU also differ near zero, where h is small next to its row's largest)
+        row_max = want.float().abs().amax(1, keepdim=True)
+        close = (h.float() - want.float()).abs() <= want.float().abs() * 2**-6 + row_max * 2**-12 + 1e-6
+        assert close.all(), (scheme, act, h[~close][:5], want[~close][:5])
+        tiles = torch.nn.functional.pad(h.float().abs(), (0, parts.shape[1] * 32 - i))
+        assert torch.equal(parts, tiles.reshape(m, parts.shape[1], 32).amax(-1)), scheme
+        # quantize_rows: fp8fx.quant's per-token codes and scales of h, to the bit, from the partial maxima
+        for block in ((8, 64), (1, 256)):
+            q, s = quantize_rows(h, parts, block)
+            want_q, want_s = quant.quantize(h, [1, -1])
+            assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s.float())
+        # the three steps of the op's prefill path against its unfused ops, row by row
+        hq, h_scale = quantize_rows(h, parts)
+        args[2], args[4], args[11] = w1, w3, [1, -1]  # h per token, whatever the scheme's
+        y = ops.scaled_mm(hq, h_scale, *args[6:9], [1, -1], args[12], torch.bfloat16)
+        ref = ops._gated_mlp_reference(*args)
+        worst = max(rel(y[r], ref[r]) for r in range(m))
+        worst_seen = max(worst_seen, worst)
+        assert worst < 0.01, (scheme, act, worst)
+
+    # a NaN in one gate row makes h's column NaN: NaN maxima and NaN scales and codes where quant.quantize has them;
+    # an all-zero row of x: the EPS floor
+    args, _ = mlp_operands(40, 64, 64, 8, "per-token/per-channel")
+    xq, xs, w1, s1, w3, s3 = args[:6]
+    w1 = w1.clone()
+    w1.view(torch.uint8)[5] = 0x7F  # e4m3fn NaN
+    xq = xq.clone()
+    xq[1] = 0
+    h, parts = gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, config=tile)
+    q, s = quantize_rows(h, parts)
+    want_q, want_s = quant.quantize(h, [1, -1])
+    assert want_s.isnan().any() and torch.equal(s.isnan(), want_s.isnan())
+    assert torch.equal(s.nan_to_num(0.0), want_s.float().nan_to_num(0.0))
+    assert torch.equal(q.float().isnan(), want_q.float().isnan())
+    print("prefill ok", worst_seen)
+""")
+
+
+def test_prefill_kernels_under_triton_interpreter():
+    assert "prefill ok" in run_under_triton_interpreter(["-c", PREFILL_CHECK])
+
+
+def test_prefill_fits_and_reasons():
+    """What the prefill kernels take (TMA copies: row-major, 16-byte rows; per-token h, per-tensor / per-row
+    scales, from GATED_PREFILL_MIN_M tokens), and the reason given for what they do not."""
+    from fp8fx.kernels.gated_mlp import prefill_fits
+
+    x = torch.empty(4, 64, dtype=quant.FP8_DTYPE)
+    w = torch.empty(2, 48, 64, dtype=quant.FP8_DTYPE)
+    assert prefill_fits(x, w[0], w[1], torch.bfloat16) and prefill_fits(x, w[1], w[0], torch.float16)
+    assert not prefill_fits(x, w[0], w[0], torch.bfloat16)  # one weight for both
+    column_major = torch.empty(64, 48, dtype=quant.FP8_DTYPE).t()
+    assert not prefill_fits(x, column_major, w[1], torch.bfloat16)  # not row-major
+    odd = torch.empty(4, 40, dtype=quant.FP8_DTYPE)
+    assert not prefill_fits(odd, torch.empty(48, 40, dtype=quant.FP8_DTYPE), torch.empty(48, 40, dtype=quant.FP8_DTYPE),
+                            torch.bfloat16)  # 40-byte rows
+    m = ops.GATED_PREFILL_MIN_M
+    ok = ([1, -1], [1, -1], [1, -1], [1, -1], None, torch.bfloat16, torch.bfloat16)
+    assert ops.gated_prefill_reason(m, 4096, 14336, 4096, *ok) == ""
+    assert ops.gated_prefill_reason(m - 1, 4096, 14336, 4096, *ok).startswith(f"{m - 1} tokens")
+    for i, value, words in ((2, [-1, -1], "per token"), (4, torch.ones(1), "per token"), (0, [1, 128], "per-row"),
+                            (5, torch.float32, "16-bit h"), (6, torch.float16, "bf16 output")):
+        bad = list(ok)
+        bad[i] = value
+        assert words in ops.gated_prefill_reason(m, 4096, 14336, 4096, *bad), (i, value)
+    assert "multiples of 16" in ops.gated_prefill_reason(m, 4096, 14330, 4096, *ok)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [ops.GATED_PREFILL_MIN_M, ops.GATED_PREFILL_MIN_M + 77])
+@pytest.mark.parametrize("scheme,act", [("per-token/per-channel", "silu"), ("per-token/per-tensor", "gelu_tanh"),
+                                        ("per-tensor/per-tensor", "silu")])
+def test_gated_mlp_prefill_cuda(m, scheme, act):
+    """From GATED_PREFILL_MIN_M tokens with per-token h (the per-tensor scheme's h made per token): the prefill
+    kernels (gate/up with act * mul in its epilogue on wgmma, the streaming quantization of h, cuBLAS's down), as
+    accurate against float64 as the unfused ops and close to them row by row (rows 1000x apart); bit-equal
+    replays of a CUDA graph."""
+    args, ws = mlp_operands(m, 512, 400, 272, scheme, "cuda", row_gain=torch.logspace(0, 3, m), act=act)
+    args[11] = [1, -1]
+    y = ops.gated_mlp(*args)
+    unfused = ops._gated_mlp_reference(*args)
+    want = truth(args, ws)
+    assert y.shape == (m, 272) and y.dtype == torch.bfloat16
+    errs = torch.tensor([[rel(y[r], want[r]), rel(unfused[r], want[r]), rel(y[r], unfused[r])] for r in range(m)])
+    assert (errs[:, 0] < errs[:, 1] * 1.25 + 1e-3).all(), errs[:, :2].max(0)
+    assert (errs[:, 2] < 0.015 + 0.05 * errs[:, 1]).all(), errs[:, 2].max()
+    assert_graph_replays_equal(lambda: ops.gated_mlp(*args), y)

@@ -441,3 +441,36 @@ def test_ops_between_that_change_values_say_so(cls, train, reason):
     y, report, code = run(model, torch.randn(4, 64, dtype=torch.bfloat16), fuse_mlp=True)
     assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
     assert len(report.sites) == 3 and all(s.rewritten and reason in s.scheme for s in report.sites), str(report)
+
+
+PREFILL_M = fp8fx.ops.GATED_PREFILL_MIN_M
+
+
+@pytest.mark.parametrize("shape", [(PREFILL_M, 64), (2, PREFILL_M // 2 + 3, 64)])
+@pytest.mark.parametrize("h_group", [None, 128])
+def test_prefill_mlp_is_fused_from_its_token_count(shape, h_group):
+    """From GATED_PREFILL_MIN_M tokens (static) a gated MLP with per-token h is one op again, whose CUDA path runs the
+    prefill kernels; h stays per token with mlp_h_group (groups are for the decode kernels) and the report says
+    which path. The CPU op runs the unfused ops: the unfused graph's output to the bit."""
+    model, ref = quantized()
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    kwargs = {"mlp_h_group": h_group} if h_group else {}
+    y, report, code = run(model, x, fuse_mlp=True, **kwargs)
+    torch._dynamo.reset()
+    unfused, _, _ = run(model, x)
+    assert code.count("fp8fx.gated_mlp.default(") == 1 and "[1, -1], [1, -1], [1, -1], [1, -1], None" in code
+    assert torch.equal(y, unfused) and rel_err(y, ref(x.double())) < 0.08
+    assert all(s.rewritten and s.scheme.endswith(
+        "fused(gate_proj,up_proj,down_proj: gated MLP, prefill: act * mul in the gate/up GEMM's epilogue, h "
+        "quantized per token, cuBLAS down)") for s in report.sites), str(report)
+
+
+def test_prefill_mlp_with_per_tensor_h_says_why():
+    config = fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor())
+    model, _ = quantized(config=config)
+    m = fp8fx.ops.GATED_PREFILL_MIN_M
+    _, report, code = run(model, torch.randn(m, 64, dtype=torch.bfloat16), fuse_mlp=True)
+    assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
+    assert all(f"{m} tokens: the fused MLP is for 1-16 tokens" in s.scheme and f"and from {m} but h is quantized per "
+               "tensor or with a static scale: the prefill kernels quantize it per token" in s.scheme
+               for s in report.sites), str(report)
