@@ -451,9 +451,10 @@ GATED_GROUPS_MAX_M = 64
 GATED_H_GROUPS = (32, 64, 128)  # the group sizes the kernels take (a group is one N tile of the gate/up kernel)
 # Tokens from which the gated MLP with per-token h runs its prefill kernels (``fp8fx.kernels.gated_mlp.gated_prefill``:
 # act * mul in the gate/up GEMM's epilogue, a streaming quantization of h, cuBLAS's down GEMM). Llama-3-8B MLP block
-# on the H200 (run 23, benchmarks/prefill_study.py): 0.6049 ms against 0.6516 unfused at M=2048, 1.1911 against
-# 1.2597 at 4096.
-GATED_PREFILL_MIN_M = 2048
+# on the H200 (run 23, benchmarks/prefill_study.py, the kernels called one by one after a compiled quantization of
+# x, 5 interleaved rounds): 0.3041 ms against 0.3521 unfused at M=1024 (call 3), 0.6049 against 0.6516 at 2048 and
+# 1.1911 against 1.2597 at 4096 (call 2). Below 1024 not timed.
+GATED_PREFILL_MIN_M = 1024
 
 
 def _h_group(h_block, w2_block) -> int:
