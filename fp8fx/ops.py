@@ -451,10 +451,11 @@ GATED_GROUPS_MAX_M = 64
 GATED_H_GROUPS = (32, 64, 128)  # the group sizes the kernels take (a group is one N tile of the gate/up kernel)
 # Tokens from which the gated MLP with per-token h runs its prefill kernels (``fp8fx.kernels.gated_mlp.gated_prefill``:
 # act * mul in the gate/up GEMM's epilogue, a streaming quantization of h, cuBLAS's down GEMM). Llama-3-8B MLP block
-# on the H200 (run 23, benchmarks/prefill_study.py, the kernels called one by one after a compiled quantization of
-# x, 5 interleaved rounds): 0.3041 ms against 0.3521 unfused at M=1024 (call 3), 0.6049 against 0.6516 at 2048 and
-# 1.1911 against 1.2597 at 4096 (call 2). Below 1024 not timed.
-GATED_PREFILL_MIN_M = 1024
+# on the H200 through Fp8Backend(fuse_mlp=True), plain calls (run 23 call 4, bench_linear.py, 7 interleaved rounds):
+# 0.6028 ms against 0.6435 unfused at M=2048, 1.1984 against 1.2609 at 4096 - but 0.4166 against 0.3429 at 1024,
+# where the op's host time (its checks, two Triton launches, cuBLAS) outlasts the GPU's: the kernels alone, called
+# one by one, took 0.3041 ms there against 0.3521 (call 3). With CUDA graphs 1024 would gain; not timed.
+GATED_PREFILL_MIN_M = 2048
 
 
 def _h_group(h_block, w2_block) -> int:
@@ -562,9 +563,12 @@ def gated_mlp(
 ) -> torch.Tensor:
     """``scaled_mm(quantize(act(g) * u), w2) + bias`` with ``g``, ``u`` = ``scaled_mm(xq, w1 / w3)`` in
     ``h_dtype``, h quantized with ``h_block`` (or the static ``h_static``): a gated MLP after the linear pass
-    (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens, ``GATED_GROUPS_MAX_M`` with h in groups). On CUDA for
+    (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens, ``GATED_GROUPS_MAX_M`` with h in groups, and from
+    ``GATED_PREFILL_MIN_M``). On CUDA for
     M <= ``TRITON_MAX_M`` with per-tensor / per-row scales, h also in 1 x G groups (``GATED_H_GROUPS``): two
-    kernels (``fp8fx.kernels.gated_mlp``); otherwise these same ops one by one."""
+    kernels (``fp8fx.kernels.gated_mlp``); from ``GATED_PREFILL_MIN_M`` with per-token h (``gated_prefill_reason``)
+    the prefill kernels (``gated_mlp.gated_prefill``, ``quantize_rows``, cuBLAS's down); otherwise these same ops
+    one by one."""
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
     _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
     return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,

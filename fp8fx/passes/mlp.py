@@ -1,4 +1,4 @@
-"""Gated-MLP fusion for decode: gate, up, act * mul, its quantization and down as one op (SwiGLU, GeGLU).
+"""Gated-MLP fusion for decode and prefill: gate, up, act * mul, its quantization and down as one op (SwiGLU, GeGLU).
 
 Matches (after the linear pass), with the same ``xq`` / ``x_scale`` feeding gate and up::
 
@@ -24,7 +24,10 @@ gaps, and this drops the act * mul + quantization kernel and the split-K ticket 
 
 Only where the graph's token count is static and at most ``fp8fx.ops.GATED_MAX_M`` (16: measured faster
 there, slower at 64; larger batches keep the Triton / cuBLAS GEMMs with the quantization fused into the
-producers by Inductor) and the scales are per-tensor / per-row. With ``h_group`` (``Fp8Backend(mlp_h_group=G)``)
+producers by Inductor) and the scales are per-tensor / per-row; or at least ``fp8fx.ops.GATED_PREFILL_MIN_M``
+(2048) with h quantized per token (``fp8fx.ops.gated_prefill_reason``), where the op runs the prefill kernels
+(``fp8fx.kernels.gated_mlp.gated_prefill``: act * mul in the gate/up GEMM's epilogue, so g and u never reach
+memory, then a streaming quantization of h and cuBLAS's down GEMM). With ``h_group`` (``Fp8Backend(mlp_h_group=G)``)
 a dynamic quantization of h becomes one in 1 x G groups, made by the first kernel's epilogue, and MLPs of up to
 ``GATED_GROUPS_MAX_M`` (64) tokens are fused. Every matched MLP that is not fused says why in its three sites'
 report lines.
