@@ -58,7 +58,7 @@ class Fp8Backend:
       loads it (``fp8fx.passes.mlp``), where the unfused MLP takes three GEMMs and a quantization kernel
       (Llama-3-8B MLP on the H200: 1.22-1.24x faster than unfused at 1 and 16 tokens, run 12); and in graphs
       of ``fp8fx.ops.GATED_PREFILL_MIN_M`` (2048) tokens or more with per-token h, as the prefill kernels: gate/up
-      with act(g) * up in its epilogue, a streaming quantization of h, cuBLAS's down (1.05-1.07x faster than
+      with act(g) * up in its epilogue, a streaming quantization of h, cuBLAS's down (1.04-1.07x faster than
       unfused at 2048 and 4096 tokens, run 23). Default False.
     - ``mlp_h_group``: with ``fuse_mlp``, quantize the fused MLP's intermediate ``act(g) * up`` in 1 x G groups
       (G of 32, 64, 128; 128 measured fastest) instead of the graph's per-token (or per-tensor) dynamic scale, in
