@@ -515,9 +515,9 @@ def _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_b
 
 
 def gated_prefill_reason(m: int, k: int, i: int, n: int, x_block, w_block, h_block, w2_block, h_static, h_dtype,
-                         out_dtype) -> str:
-    """Why a gated MLP of ``m`` tokens, x [m, k], gate / up [i, k], down [n, i] does not take the prefill kernels
-    (``GATED_PREFILL_MIN_M``), or "" where it does (given row-major, aligned operands: ``gated_mlp.prefill_fits``)."""
+                         out_dtype, device: Optional[torch.device] = None) -> str:
+    """Why a gated MLP of ``m`` tokens, x [m, k], gate / up [i, k], down [n, i] on ``device`` does not take the
+    prefill kernels (``GATED_PREFILL_MIN_M``), or "" where it does."""
     if m < GATED_PREFILL_MIN_M:
         return f"{m} tokens: the prefill kernels start at {GATED_PREFILL_MIN_M}"
     if not _tensor_or_row(x_block, w_block) or tuple(w2_block) not in ((-1, -1), (1, -1)):
@@ -528,16 +528,15 @@ def gated_prefill_reason(m: int, k: int, i: int, n: int, x_block, w_block, h_blo
         return f"h in {h_dtype}, out in {out_dtype}: the prefill kernels take a 16-bit h and a bf16 output"
     if k % 16 or i % 16 or n % 16:
         return f"K={k}, I={i}, N={n}: the prefill kernels' copies and cuBLAS take multiples of 16"
+    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"the prefill kernels need sm_90 (TMA copies, wgmma); this GPU is sm_{major}{minor}"
     return ""
 
 
-def _gated_prefill_fits(x2, w1, w3, w2, x_block, w_block, h_block, w2_block, h_static, h_dtype, out_dtype) -> bool:
-    from fp8fx.kernels.gated_mlp import prefill_fits
-
-    m, k = x2.shape
-    return (not gated_prefill_reason(m, k, w1.shape[0], w2.shape[0], x_block, w_block, h_block, w2_block, h_static,
-                                     h_dtype, out_dtype)
-            and prefill_fits(x2, w1, w3, h_dtype))
+def _tma_rows(t: torch.Tensor) -> torch.Tensor:
+    """t [R, K] as the prefill kernels' TMA copies take it: row-major, 16-byte aligned (else a contiguous copy)."""
+    return t if t.stride(-1) == 1 and t.stride(0) == t.shape[1] and t.data_ptr() % 16 == 0 else t.contiguous()
 
 
 @torch.library.custom_op(f"{_LIB}::gated_mlp", mutates_args=())
@@ -590,10 +589,16 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
     _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
     x2 = quant.as_rows(xq)
     m = x2.shape[0]
-    if _gated_prefill_fits(x2, w1, w3, w2, x_block, w_block, h_block, w2_block, h_static, h_dtype, out_dtype):
+    if not gated_prefill_reason(m, x2.shape[1], w1.shape[0], w2.shape[0], x_block, w_block, h_block, w2_block,
+                                h_static, h_dtype, out_dtype, x2.device):
         from fp8fx.kernels.gated_mlp import gated_prefill, quantize_rows
 
-        h, parts = gated_prefill(x2, x_scale, w1, s1, w3, s3, h_dtype, act, use_fast_accum)
+        # a weight the copies cannot address (transposed, unaligned) is copied, as cuBLAS's path copies it
+        # (``_row_major``); gate and up one tensor (tied) get a second one: their pair is [2, I, K]
+        w1p, w3p = _tma_rows(w1), _tma_rows(w3)
+        if w1p.data_ptr() == w3p.data_ptr():
+            w3p = w3p.clone()
+        h, parts = gated_prefill(_tma_rows(x2), x_scale, w1p, s1, w3p, s3, h_dtype, act, use_fast_accum)
         hq, h_scale = quantize_rows(h, parts)
         y = cublas_scaled_mm(hq, h_scale, w2, s2, bias, h_block, w2_block, out_dtype, use_fast_accum)
         return y.reshape(*xq.shape[:-1], w2.shape[0])

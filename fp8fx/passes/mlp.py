@@ -309,6 +309,16 @@ def _rows(mlp: _Mlp) -> Optional[int]:
     return rows
 
 
+def _prefill_reason(mlp: _Mlp) -> str:
+    """``fp8fx.ops.gated_prefill_reason`` for the matched MLP (its static token count, shapes, blocks, dtypes and the
+    weights' device)."""
+    gate, down = mlp.gate, mlp.down
+    w1 = fake_value(gate.args[2])
+    return gated_prefill_reason(_rows(mlp) or 0, w1.shape[1], w1.shape[0] // (2 if mlp.merged else 1),
+                                fake_value(down.args[2]).shape[0], *gate.args[5:7], *down.args[5:7], mlp.h_static,
+                                fake_value(mlp.mul).dtype, down.args[7], w1.device)
+
+
 class GatedMlpPass(Fp8Pass):
     """``h_group``: quantize a fused MLP's intermediate in 1 x ``h_group`` groups where the graph quantizes it
     dynamically (per token or per tensor; a static scale stays), which fuses up to ``GATED_GROUPS_MAX_M`` tokens."""
@@ -326,7 +336,7 @@ class GatedMlpPass(Fp8Pass):
             if mlp is None:
                 continue
             names = site_names(ctx, mlp.gemms)
-            prefill = not reason and (_rows(mlp) or 0) >= GATED_PREFILL_MIN_M
+            prefill = not reason and (_rows(mlp) or 0) >= GATED_PREFILL_MIN_M and not _prefill_reason(mlp)
             # h in groups is for decode (the Triton down GEMM reads them); prefill's cuBLAS down takes h per token
             group = self.h_group if self.h_group and mlp.h_static is None and not prefill else None
             static_kept = bool(self.h_group) and mlp.h_static is not None  # a calibrated scale stays as it is
@@ -381,14 +391,9 @@ class GatedMlpPass(Fp8Pass):
             return ("the token count is dynamic: graphs with a static one are fused, decode up to "
                     f"{GATED_MAX_M} tokens and prefill from {GATED_PREFILL_MIN_M} (torch.compile(..., dynamic=False), "
                     "or torch._dynamo.mark_static on the batch dimension)")
-        prefill = ""
-        if rows >= GATED_PREFILL_MIN_M:
-            w1 = fake_value(gate.args[2])
-            prefill = gated_prefill_reason(rows, w1.shape[1], w1.shape[0] // (2 if mlp.merged else 1),
-                                           fake_value(down.args[2]).shape[0], x_block, w_block, h_block, w2_block,
-                                           mlp.h_static, fake_value(mlp.mul).dtype, down.args[7])
-            if not prefill:
-                return ""
+        prefill = _prefill_reason(mlp) if rows >= GATED_PREFILL_MIN_M else ""
+        if rows >= GATED_PREFILL_MIN_M and not prefill:
+            return ""
         if not 0 < rows <= max_rows:
             if max_rows == GATED_GROUPS_MAX_M:
                 why = "with h in 1 x G groups, up to the Triton GEMMs' 64"

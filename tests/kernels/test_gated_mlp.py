@@ -460,20 +460,22 @@ PREFILL_CHECK = textwrap.dedent("""
         worst_seen = max(worst_seen, worst)
         assert worst < 0.01, (scheme, act, worst)
 
-    # a NaN in one gate row makes h's column NaN: NaN maxima and NaN scales and codes where quant.quantize has them;
-    # an all-zero row of x: the EPS floor
+    # a NaN code in one row of x makes that row of h NaN: its maxima, scale and codes NaN, as quant.quantize has
+    # them, and no other row's (a max that dropped NaN would make them finite, one that spread it would reach the
+    # others); an all-zero row of x: h zero, its scale the EPS floor
     args, _ = mlp_operands(40, 64, 64, 8, "per-token/per-channel")
     xq, xs, w1, s1, w3, s3 = args[:6]
-    w1 = w1.clone()
-    w1.view(torch.uint8)[5] = 0x7F  # e4m3fn NaN
     xq = xq.clone()
+    xq.view(torch.uint8)[2, 7] = 0x7F  # e4m3fn NaN
     xq[1] = 0
     h, parts = gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, config=tile)
     q, s = quantize_rows(h, parts)
     want_q, want_s = quant.quantize(h, [1, -1])
-    assert want_s.isnan().any() and torch.equal(s.isnan(), want_s.isnan())
+    nan_rows = s.reshape(-1).isnan()
+    assert nan_rows.tolist() == [r == 2 for r in range(40)], nan_rows
     assert torch.equal(s.nan_to_num(0.0), want_s.float().nan_to_num(0.0))
-    assert torch.equal(q.float().isnan(), want_q.float().isnan())
+    assert s[1].item() == (torch.tensor(quant.AMAX_EPS) / quant.FP8_MAX).item() and not q[1].float().any()
+    assert torch.equal(q.float().isnan(), want_q.float().isnan()) and q[2].float().isnan().all()
     print("prefill ok", worst_seen)
 """)
 
@@ -508,18 +510,44 @@ def test_prefill_fits_and_reasons():
     assert "multiples of 16" in ops.gated_prefill_reason(m, 4096, 14330, 4096, *ok)
 
 
+def _laid_out(w1, w3, layout):
+    """gate and up as a model may hold them: apart (gate allocated first), up allocated first, the two row halves of
+    one merged weight (Phi-3's gate_up_proj), or gate transposed in memory (a column-major [I, K] view)."""
+    if layout == "up first":
+        pair = torch.stack([w3, w1])
+        return pair[1], pair[0]
+    if layout == "merged":
+        merged = torch.cat([w1, w3])
+        return merged[:w1.shape[0]], merged[w1.shape[0]:]
+    if layout == "gate column-major":
+        return w1.t().contiguous().t(), w3
+    return w1, w3
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [ops.GATED_PREFILL_MIN_M, ops.GATED_PREFILL_MIN_M + 77])
-@pytest.mark.parametrize("scheme,act", [("per-token/per-channel", "silu"), ("per-token/per-tensor", "gelu_tanh"),
-                                        ("per-tensor/per-tensor", "silu")])
-def test_gated_mlp_prefill_cuda(m, scheme, act):
+@pytest.mark.parametrize("scheme,act,layout", [
+    ("per-token/per-channel", "silu", "apart"), ("per-token/per-tensor", "gelu_tanh", "apart"),
+    ("per-tensor/per-tensor", "silu", "apart"), ("per-token/per-channel", "silu", "up first"),
+    ("per-token/per-channel", "silu", "merged"), ("per-token/per-channel", "silu", "gate column-major")])
+def test_gated_mlp_prefill_cuda(monkeypatch, m, scheme, act, layout):
     """From GATED_PREFILL_MIN_M tokens with per-token h (the per-tensor scheme's h made per token): the prefill
-    kernels (gate/up with act * mul in its epilogue on wgmma, the streaming quantization of h, cuBLAS's down), as
-    accurate against float64 as the unfused ops and close to them row by row (rows 1000x apart); bit-equal
-    replays of a CUDA graph."""
+    kernels (gate/up with act * mul in its epilogue on wgmma, the streaming quantization of h, cuBLAS's down) - run,
+    not the unfused ops - whatever the gate and up weights' places in memory; as accurate against float64 as the
+    unfused ops and close to them row by row (rows 1000x apart); bit-equal replays of a CUDA graph."""
+    from fp8fx.kernels import gated_mlp as module
+
+    calls = []
+    real = module.gated_prefill
+    monkeypatch.setattr(module, "gated_prefill", lambda *a, **k: calls.append(a[2].data_ptr() < a[4].data_ptr())
+                        or real(*a, **k))
     args, ws = mlp_operands(m, 512, 400, 272, scheme, "cuda", row_gain=torch.logspace(0, 3, m), act=act)
     args[11] = [1, -1]
+    args[2], args[4] = _laid_out(args[2], args[4], layout)
     y = ops.gated_mlp(*args)
+    assert calls, "the op ran the unfused ops"
+    if layout in ("up first", "merged"):  # the kernel saw gate's weight after up's, or before it
+        assert calls[0] == (layout == "merged"), (layout, calls)
     unfused = ops._gated_mlp_reference(*args)
     want = truth(args, ws)
     assert y.shape == (m, 272) and y.dtype == torch.bfloat16

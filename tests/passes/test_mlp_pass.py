@@ -474,3 +474,16 @@ def test_prefill_mlp_with_per_tensor_h_says_why():
     assert all(f"{m} tokens: the fused MLP is for 1-16 tokens" in s.scheme and f"and from {m} but h is quantized per "
                "tensor or with a static scale: the prefill kernels quantize it per token" in s.scheme
                for s in report.sites), str(report)
+
+
+def test_prefill_refused_with_h_groups_says_why():
+    """mlp_h_group set, 2048 tokens, per-tensor h (which the prefill kernels do not take): the reason names the
+    group limit (64) and the prefill one, not advice to set the option already set."""
+    config = fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor())
+    model, _ = quantized(config=config)
+    _, report, code = run(model, torch.randn(PREFILL_M, 64, dtype=torch.bfloat16), fuse_mlp=True, mlp_h_group=128)
+    assert "gated_mlp" not in code
+    for site in report.sites:
+        assert f"{PREFILL_M} tokens: the fused MLP is for 1-64 tokens (with h in 1 x G groups" in site.scheme, str(report)
+        assert "but h is quantized per tensor or with a static scale" in site.scheme, str(report)
+        assert "Fp8Backend(mlp_h_group=128) fuses" not in site.scheme, str(report)
