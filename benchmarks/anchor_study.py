@@ -11,7 +11,7 @@ import argparse
 
 import torch
 
-from benchmarks.bench_linear import MLP, bench, fp8fx_module
+from benchmarks.bench_linear import bench, fp8fx_module, mlp_factory
 from benchmarks.profile_mlp import kernel_table
 
 
@@ -20,16 +20,7 @@ def main(argv=None):
     p.add_argument("--m", type=int, default=1)
     p.add_argument("--rounds", type=int, default=7)
     args = p.parse_args(argv)
-    torch.manual_seed(0)
-    base = MLP().to("cuda", torch.bfloat16)
-    for w in base.parameters():
-        w.data /= w.shape[1] ** 0.5
-    state = {k: v.clone() for k, v in base.state_dict().items()}
-
-    def fresh():
-        m = MLP().to("cuda", torch.bfloat16)
-        m.load_state_dict(state)
-        return m
+    fresh = mlp_factory("cuda")
 
     variants = {"bf16 Inductor A": torch.compile(fresh(), dynamic=False),
                 "bf16 Inductor B": torch.compile(fresh(), dynamic=False),

@@ -218,14 +218,11 @@ def with_kernel_setting(fn, name: str, value):
     return call
 
 
-def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAULT_VARIANTS, save=lambda: None,
-            rounds=1):
-    """The MLP block at each M for the ``only`` variants; ``save()`` after each M. ``rounds`` > 1: the variants
-    are timed in turn, ``rounds`` times over (each round in another order), and each row gets its median over
-    the rounds and every round's time (``ms_rounds``): a ratio's spread from round to round is then known
-    (run 13: one variant's time moved 5% between device calls, as wide as a goal's margin)."""
-    torch.manual_seed(0)
-    base = MLP().to(device, torch.bfloat16)  # weights scaled so activations stay O(1)
+def mlp_factory(device, seed: int = 0):
+    """A function returning a new bf16 Llama-3-8B MLP on ``device`` each call, every one with the same weights (drawn
+    once from ``seed``, scaled so activations stay O(1)): one per variant, as each quantizes or compiles its own."""
+    torch.manual_seed(seed)
+    base = MLP().to(device, torch.bfloat16)
     for p in base.parameters():
         p.data /= p.shape[1] ** 0.5
     state = {k: v.clone() for k, v in base.state_dict().items()}
@@ -234,7 +231,16 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAUL
         m = MLP().to(device, torch.bfloat16)
         m.load_state_dict(state)
         return m
+    return fresh
 
+
+def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAULT_VARIANTS, save=lambda: None,
+            rounds=1):
+    """The MLP block at each M for the ``only`` variants; ``save()`` after each M. ``rounds`` > 1: the variants
+    are timed in turn, ``rounds`` times over (each round in another order), and each row gets its median over
+    the rounds and every round's time (``ms_rounds``): a ratio's spread from round to round is then known
+    (run 13: one variant's time moved 5% between device calls, as wide as a goal's margin)."""
+    fresh = mlp_factory(device)
     ref_mod = fresh().float()
     # every variant compiled for each M with static shapes, as decode's CUDA graphs are per batch size (the fused
     # MLP pass fuses only a static token count): until run 13 only the fused MLP was, and the others' second M

@@ -24,7 +24,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_linear import DIM, MLP, fp8fx_module, rel_err, torchao_rowwise  # noqa: E402
+from benchmarks.bench_linear import DIM, MLP, fp8fx_module, mlp_factory, rel_err, torchao_rowwise  # noqa: E402
 from fp8fx import quant  # noqa: E402
 from fp8fx.kernels import gated_mlp as gm  # noqa: E402
 
@@ -121,17 +121,7 @@ def sweep(ops: Operands, m: int, out: list) -> tuple[dict, tuple]:
 
 
 def block_rounds(ms: list[int], rounds: int, tiles: dict, out: list) -> None:
-    torch.manual_seed(0)
-    base = MLP().to("cuda", torch.bfloat16)
-    for p in base.parameters():
-        p.data /= p.shape[1] ** 0.5
-    state = {k: v.clone() for k, v in base.state_dict().items()}
-
-    def fresh():
-        mod = MLP().to("cuda", torch.bfloat16)
-        mod.load_state_dict(state)
-        return mod
-
+    fresh = mlp_factory("cuda")
     ref_mod = fresh().float()
     ops = Operands(fresh())
     variants = {"bf16_inductor": torch.compile(fresh(), dynamic=False),
@@ -179,14 +169,10 @@ def main(argv=None):
     tiles = {}
     try:
         if args.sweep:
-            torch.manual_seed(0)
-            base = MLP().to("cuda", torch.bfloat16)
-            for prm in base.parameters():
-                prm.data /= prm.shape[1] ** 0.5
-            ops = Operands(base)
+            ops = Operands(mlp_factory("cuda")())
             for m in ms:
                 tiles[m] = sweep(ops, m, out)
-            del ops, base
+            del ops
         block_rounds(ms, args.rounds, tiles, out)
     finally:
         with open(os.path.join(args.out, "prefill_study.json"), "w") as f:
