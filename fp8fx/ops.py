@@ -534,11 +534,6 @@ def gated_prefill_reason(m: int, k: int, i: int, n: int, x_block, w_block, h_blo
     return ""
 
 
-def _tma_rows(t: torch.Tensor) -> torch.Tensor:
-    """t [R, K] as the prefill kernels' TMA copies take it: row-major, 16-byte aligned (else a contiguous copy)."""
-    return t if t.stride(-1) == 1 and t.stride(0) == t.shape[1] and t.data_ptr() % 16 == 0 else t.contiguous()
-
-
 @torch.library.custom_op(f"{_LIB}::gated_mlp", mutates_args=())
 def gated_mlp(
     xq: torch.Tensor,
@@ -593,12 +588,7 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
                                 h_static, h_dtype, out_dtype, x2.device):
         from fp8fx.kernels.gated_mlp import gated_prefill, quantize_rows
 
-        # a weight the copies cannot address (transposed, unaligned) is copied, as cuBLAS's path copies it
-        # (``_row_major``); gate and up one tensor (tied) get a second one: their pair is [2, I, K]
-        w1p, w3p = _tma_rows(w1), _tma_rows(w3)
-        if w1p.data_ptr() == w3p.data_ptr():
-            w3p = w3p.clone()
-        h, parts = gated_prefill(_tma_rows(x2), x_scale, w1p, s1, w3p, s3, h_dtype, act, use_fast_accum)
+        h, parts = gated_prefill(x2, x_scale, w1, s1, w3, s3, h_dtype, act, use_fast_accum)
         hq, h_scale = quantize_rows(h, parts)
         y = cublas_scaled_mm(hq, h_scale, w2, s2, bias, h_block, w2_block, out_dtype, use_fast_accum)
         return y.reshape(*xq.shape[:-1], w2.shape[0])

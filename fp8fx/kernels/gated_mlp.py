@@ -295,15 +295,19 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
                   s3: torch.Tensor, h_dtype: torch.dtype, act: str = "silu", fast_accum: bool = False,
                   config: Optional[dict] = None, programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [M, I] in ``h_dtype``, its row maxima per tile [M, ceil(I / BLOCK_N)]) = ``act(g) * u`` by
-    ``gated_prefill_kernel``; the operands as ``gated_mlp``'s, as ``prefill_fits`` takes them. ``programs``: the
-    persistent grid (default: the GPU's SMs; on the CPU 4)."""
+    ``gated_prefill_kernel``; the operands as ``gated_mlp``'s, K a multiple of 16 and h's rows of a multiple of 16
+    bytes. An operand the TMA copies cannot address (transposed, unaligned) is copied first, as cuBLAS's path copies
+    a transposed weight (``fp8fx.ops._row_major``), and one tensor for both gate and up (tied) gets a second one:
+    their pair is [2, I, K] (``prefill_fits``: no copy needed). ``programs``: the persistent grid (default: the
+    GPU's SMs; on the CPU 4)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
+    xq, w1, w3 = (t if _tma_addressable(t) else t.contiguous() for t in (xq, w1, w3))
+    if w1.data_ptr() == w3.data_ptr():
+        w3 = w3.clone()
     (m, k), i = xq.shape, w1.shape[0]
     cfg = dict(config or prefill_tile_config(m, i, k))
-    (s1, rows1), (s3, rows3) = _vector(s1, i), _vector(s3, i)
-    if rows1 != rows3:
-        s1, s3 = s1.expand(i).contiguous(), s3.expand(i).contiguous()
+    s1, s3, w_rowwise = _gate_up_scales(s1, s3, i)
     x_scale = x_scale.float().reshape(-1).contiguous()
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     # gate and up as one [2, I, K] tensor: the second one's offset from the first is its leading stride (any
@@ -320,18 +324,24 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
         gated_prefill_kernel[(programs,)](
             TensorDescriptor(xq, [m, k], [k, 1], [bm, bk]), pair, TensorDescriptor(h, [m, i], [i, 1], [bm, bn]),
             x_scale, s1, s3, parts, m, i, k, parts.stride(0),
-            A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=rows1 or rows3, ACT=ACTIVATIONS[act],
+            A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
             IMPRECISE_K=imprecise_k({"BLOCK_K": bk}, fast_accum), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             PROGRAMS=programs, UP_FIRST=up_first, **cfg,
         )
     return h, parts
 
 
+def _tma_addressable(t: torch.Tensor) -> bool:
+    """Whether the TMA copies read t [R, K] as it is: row-major, its base 16-byte aligned."""
+    return t.stride(-1) == 1 and t.stride(0) == t.shape[1] and t.data_ptr() % 16 == 0
+
+
 def prefill_fits(xq: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, h_dtype: torch.dtype) -> bool:
-    """Whether ``gated_prefill`` takes these operands (TMA copies): x [M, K], gate and up [I, K] row-major with
-    16-byte aligned bases and K a multiple of 16, two distinct weights, and h's rows of a multiple of 16 bytes."""
+    """Whether ``gated_prefill`` takes these operands without a copy (TMA copies): x [M, K], gate and up [I, K]
+    row-major with 16-byte aligned bases and K a multiple of 16, two distinct weights, and h's rows of a multiple
+    of 16 bytes."""
     k, i = xq.shape[-1], w1.shape[0]
-    return (all(t.stride(-1) == 1 and t.stride(0) == k and t.data_ptr() % 16 == 0 for t in (xq, w1, w3))
+    return (all(_tma_addressable(t) and t.shape[1] == k for t in (xq, w1, w3))
             and k % 16 == 0 and (i * h_dtype.itemsize) % 16 == 0 and w1.data_ptr() != w3.data_ptr())
 
 
@@ -358,6 +368,15 @@ def _vector(scale: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
         raise ValueError(f"gated_mlp: a gate/up weight scale has {scale.numel()} elements; per-tensor (1) or "
                          f"per-channel ({n}) scales only")
     return scale.float().reshape(-1).contiguous(), scale.numel() == n and n > 1
+
+
+def _gate_up_scales(s1: torch.Tensor, s3: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """(gate's, up's float32 scale vectors, per-row?) in one layout for both: a per-tensor scale beside a
+    per-channel one becomes a vector too."""
+    (s1, rows1), (s3, rows3) = _vector(s1, n), _vector(s3, n)
+    if rows1 != rows3:
+        s1, s3 = s1.expand(n).contiguous(), s3.expand(n).contiguous()
+    return s1, s3, rows1 or rows3
 
 
 def gated_mlp(
@@ -402,9 +421,7 @@ def gated_mlp(
     xq, w1, w3 = (t if t.stride(-1) == 1 else t.contiguous() for t in (xq, w1, w3))
     if w1.stride() != w3.stride():
         w1, w3 = w1.contiguous(), w3.contiguous()
-    (s1, rows1), (s3, rows3) = _vector(s1, i), _vector(s3, i)
-    if rows1 != rows3:  # one layout for both: the per-tensor one as a vector
-        s1, s3 = s1.expand(i).contiguous(), s3.expand(i).contiguous()
+    s1, s3, w_rowwise = _gate_up_scales(s1, s3, i)
     cfg1 = dict(configs[0] or gated_tile_config(m, i, k, h_group))
     cfg2 = {"SPLIT_K": 1, **(configs[1] or for_device(down_tile_config(m, n, i, h_group=h_group), xq.device))}
     if h_group:  # a group is one N tile of the first kernel
@@ -432,7 +449,7 @@ def gated_mlp(
             xq, w1, w3, x_scale, s1, s3, h, parts, tickets,
             m, i, k, split_tiles,
             xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), h.stride(0), parts.stride(0),
-            A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=rows1 or rows3, ACT=ACTIVATIONS[act],
+            A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
             IMPRECISE_K=imprecise_k(cfg1, fast_accum), PDL_TRIGGER=pdl, H_GROUPS=bool(h_group),
             H_DTYPE=_TL_DTYPES[h_dtype], EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **cfg1,
         )
