@@ -20,7 +20,7 @@
 #          launches (--chain-mb 256, cuBLAS fp8 too); modeltests: the cuda tests of tests/e2e, passes, unit and
 #          test_fp8_gemm.py's (40, 200, 512) shape; smalln: tune_gemm.py --small-n (qkv, o at 16-64 rows, chained);
 #          smallduel: their 17-64-row tiles against each other (at 24-64 rows) (7 rounds) and its fp8_gemm cuda tests;
-#          rows: rows_study.py; prefill: prefill_study.py --sweep (PREFILL_MS, PREFILL_ROUNDS); narrow: down-GEMM tiles of 16-32 rows;
+#          rows: rows_study.py; ncuprefill: ncu on the prefill kernels and cuBLAS's; prefill: prefill_study.py --sweep (PREFILL_MS, PREFILL_ROUNDS); narrow: down-GEMM tiles of 16-32 rows;
 #          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles; widen: in 64-128-wide tiles, K split)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
@@ -112,6 +112,13 @@ fi
 if has prefill; then  # prefill: act * mul in the gate/up kernel's epilogue against cuBLAS + Inductor (prefill_study.py)
   timeout 420 python3 benchmarks/prefill_study.py --sweep --ms ${PREFILL_MS:-2048,4096} --rounds ${PREFILL_ROUNDS:-5} \
     --out "$OUT" 2>&1 | tee "$OUT/prefill.txt"
+fi
+if has ncuprefill; then  # hardware counters of the prefill kernels at 2048 tokens, each launched once, and cuBLAS's
+  timeout 240 ncu --clock-control none -k regex:'gated_prefill|quantize_rows|nvjet|gemm|xmma|cutlass' \
+    --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
+    --section LaunchStats --section WarpStateStats --section SchedulerStats \
+    python3 benchmarks/prefill_study.py --ncu-driver --ms 2048 > "$OUT/ncu-prefill.txt" 2>&1
+  grep -E "gated_prefill|quantize_rows|nvjet|gemm|xmma|cutlass|Duration|SM Busy|Compute \(SM\) Throughput|Memory Throughput|DRAM Throughput|Issue Slots Busy|Registers Per|Achieved Occupancy|Stall|No Eligible|Executed Ipc|Warp Cycles Per Issued" "$OUT/ncu-prefill.txt" | head -120
 fi
 if has rows; then  # prefill SiLU*mul + quantization: Inductor's one-pass kernel against hand-written row loops
   timeout 120 python3 benchmarks/rows_study.py 2>&1 | tee "$OUT/rows.txt"

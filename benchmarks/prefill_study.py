@@ -9,9 +9,13 @@ streams h to fp8 with no reduction left. This script times, on one GPU, in one p
    act * mul + quantization (each once, ``do_bench``);
 2. the block: fp8fx as it compiles today, torchao float8 row-wise, bf16 Inductor and the new path (x quantized by a
    compiled kernel, ``gated_prefill``, ``quantize_rows``, cuBLAS down) in interleaved rounds, with each one's error
-   against the float32 MLP.
+   against the float32 MLP;
+3. ``--profile``: where each compiled block's GPU time goes (torch.profiler: every kernel of a call, its time, and
+   the call's span from its first kernel's start to its last one's end, the gaps between kernels included);
+4. ``--down``: the down GEMM with h quantized as it loads it (``fp8_gemm``'s ``A_QUANT``, the decode path's) against
+   ``quantize_rows`` + cuBLAS's down GEMM.
 
-    python benchmarks/prefill_study.py --ms 2048,4096 --rounds 7 [--sweep] [--out DIR]
+    python benchmarks/prefill_study.py --ms 2048,4096 --rounds 7 [--sweep] [--profile] [--down] [--out DIR]
 """
 from __future__ import annotations
 
@@ -120,6 +124,111 @@ def sweep(ops: Operands, m: int, out: list) -> tuple[dict, tuple]:
     return _tile(best[1]), best_q[1]
 
 
+DOWN_TILES = [  # fp8_gemm configs for the down GEMM with h quantized in its loads (A_QUANT rows)
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=True),
+    dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, TMA=True),
+]
+
+
+def down_probe(ops: Operands, m: int, out: list) -> None:
+    """The down GEMM with h quantized in its loads against ``quantize_rows`` + cuBLAS (each timed once)."""
+    from fp8fx.kernels import fp8_gemm as fg
+
+    x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
+    xq, xs = ops.x_quant(x)
+    h, parts = ops.gate_up(xq, xs, None)
+
+    def two_passes():
+        hq, hs = gm.quantize_rows(h, parts)
+        return torch._scaled_mm(hq, ops.w2.t(), scale_a=hs, scale_b=ops.s2r, out_dtype=torch.bfloat16,
+                                use_fast_accum=True)
+
+    want = two_passes()
+    base = _ms(two_passes)
+    hq, hs = gm.quantize_rows(h, parts)
+    cublas = _ms(lambda: torch._scaled_mm(hq, ops.w2.t(), scale_a=hs, scale_b=ops.s2r, out_dtype=torch.bfloat16,
+                                          use_fast_accum=True))
+    out.append({"M": m, "what": "quantize_rows + cuBLAS down", "ms": base, "cublas_down_ms": cublas})
+    print(f"M={m} quantize_rows + cuBLAS down {base:.4f} ms (cuBLAS down alone {cublas:.4f})", flush=True)
+    for cfg in DOWN_TILES:
+        for exact in (True, False):
+            run = lambda: fg.fp8_gemm(h, ops.w2, parts, ops.s2r, None, torch.bfloat16,  # noqa: E731
+                                      config={**cfg, "EXACT_CODES": exact}, fast_accum=True, a_quant=fg.QUANT_ROWS)
+            tag = {k: v for k, v in cfg.items() if k != "TMA"} | {"EXACT_CODES": exact}
+            try:
+                err = rel_err(run(), want)
+                ms = _ms(run)
+            except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result too
+                print(f"M={m} down A_QUANT {tag}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                out.append({"M": m, "what": "down A_QUANT", "tile": tag, "error": str(e)[:300]})
+                continue
+            out.append({"M": m, "what": "down A_QUANT", "tile": tag, "ms": ms, "vs_two_passes": base / ms,
+                        "err_vs_two_passes": err})
+            print(f"M={m} down A_QUANT {tag}: {ms:.4f} ms ({base / ms:.3f}x quantize_rows + cuBLAS), "
+                  f"vs them {err:.2e}", flush=True)
+
+
+def ncu_driver(m: int) -> None:
+    """One launch each, for ncu: the gate/up kernel, cuBLAS's gate/up GEMM, quantize_rows, cuBLAS's down GEMM."""
+    ops = Operands(mlp_factory("cuda")())
+    x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
+    xq, xs = ops.x_quant(x)
+    h, parts = ops.gate_up(xq, xs, None)  # compiles; the launches below are the ones to read
+    hq, hs = gm.quantize_rows(h, parts)
+    torch.cuda.synchronize()
+    ops.gate_up(xq, xs, None)
+    torch._scaled_mm(xq, ops.w13.t(), scale_a=xs.reshape(-1, 1).float(), scale_b=ops.s13, out_dtype=torch.bfloat16,
+                     use_fast_accum=True)
+    gm.quantize_rows(h, parts)
+    torch._scaled_mm(hq, ops.w2.t(), scale_a=hs, scale_b=ops.s2r, out_dtype=torch.bfloat16, use_fast_accum=True)
+    torch.cuda.synchronize()
+
+
+def profile(ms: list[int], out: list, calls: int = 20) -> None:
+    """Each compiled block's kernels per call (torch.profiler), their GPU time and the call's span."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    fresh = mlp_factory("cuda")
+    variants = {"fp8fx_fused_mlp": fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0],
+                "fp8fx": fp8fx_module(fresh(), dynamic=False)[0]}
+    ao, why = torchao_rowwise(fresh())
+    if ao is not None:
+        variants["torchao_rowwise"] = torch.compile(ao, dynamic=False)
+    for m in ms:
+        x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
+        for name, fn in variants.items():
+            with torch.no_grad():
+                for _ in range(3):
+                    fn(x)
+                torch.cuda.synchronize()
+                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+                    for _ in range(calls):
+                        fn(x)
+                    torch.cuda.synchronize()
+            kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                             key=lambda e: e.time_range.start)
+            per_call = len(kernels) // calls
+            if not per_call or len(kernels) % calls:
+                print(f"M={m} {name}: {len(kernels)} kernels in {calls} calls, not a whole number a call", flush=True)
+                continue
+            spans, busy, rows = [], [], {}
+            for c in range(calls):
+                ks = kernels[c * per_call:(c + 1) * per_call]
+                spans.append((ks[-1].time_range.end - ks[0].time_range.start) / 1e3)
+                busy.append(sum(k.time_range.elapsed_us() for k in ks) / 1e3)
+                for i, k in enumerate(ks):
+                    rows.setdefault((i, k.name[:90]), []).append(k.time_range.elapsed_us() / 1e3)
+            span, gpu = statistics.median(spans), statistics.median(busy)
+            out.append({"M": m, "what": "profile", "variant": name, "span_ms": span, "kernels_ms": gpu,
+                        "kernels": [{"name": n, "ms": statistics.median(t)} for (_, n), t in sorted(rows.items())]})
+            print(f"M={m} {name}: {per_call} kernels a call, span {span:.4f} ms, kernels {gpu:.4f} ms, gaps "
+                  f"{span - gpu:.4f} ms", flush=True)
+            for (_, n), t in sorted(rows.items()):
+                print(f"    {statistics.median(t):.4f} ms  {n}", flush=True)
+
+
 def block_rounds(ms: list[int], rounds: int, tiles: dict, out: list) -> None:
     fresh = mlp_factory("cuda")
     ref_mod = fresh().float()
@@ -162,9 +271,15 @@ def main(argv=None):
     p.add_argument("--ms", default="2048,4096")
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--profile", action="store_true", help="each block's kernels per call (torch.profiler)")
+    p.add_argument("--down", action="store_true", help="the down GEMM with h quantized in its loads")
+    p.add_argument("--ncu-driver", action="store_true", help="one launch of each prefill kernel (for ncu), then exit")
+    p.add_argument("--no-rounds", action="store_true", help="skip the timed block rounds")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
+    if args.ncu_driver:
+        return ncu_driver(ms[0])
     out: list = []
     tiles = {}
     try:
@@ -173,7 +288,15 @@ def main(argv=None):
             for m in ms:
                 tiles[m] = sweep(ops, m, out)
             del ops
-        block_rounds(ms, args.rounds, tiles, out)
+        if args.down:
+            ops = Operands(mlp_factory("cuda")())
+            for m in ms:
+                down_probe(ops, m, out)
+            del ops
+        if args.profile:
+            profile(ms, out)
+        if not args.no_rounds:
+            block_rounds(ms, args.rounds, tiles, out)
     finally:
         with open(os.path.join(args.out, "prefill_study.json"), "w") as f:
             json.dump({"torch": torch.__version__, "rows": out}, f, indent=1, default=str)
