@@ -12,10 +12,13 @@ streams h to fp8 with no reduction left. This script times, on one GPU, in one p
    against the float32 MLP;
 3. ``--profile``: where each compiled block's GPU time goes (torch.profiler: every kernel of a call, its time, and
    the call's span from its first kernel's start to its last one's end, the gaps between kernels included);
-4. ``--down``: the down GEMM with h quantized as it loads it (``fp8_gemm``'s ``A_QUANT``, the decode path's) against
+4. ``--gate-up NAME=FILE,...``: the gate/up kernel of this tree against those in the FILEs (``git show
+   REV:fp8fx/kernels/gated_mlp.py > FILE``), and this tree's at the ``GATE_UP_TILES``, in interleaved rounds;
+5. ``--down``: the down GEMM with h quantized as it loads it (``fp8_gemm``'s ``A_QUANT``, the decode path's) against
    ``quantize_rows`` + cuBLAS's down GEMM.
 
-    python benchmarks/prefill_study.py --ms 2048,4096 --rounds 7 [--sweep] [--profile] [--down] [--out DIR]
+    python benchmarks/prefill_study.py --ms 2048,4096 --rounds 7 [--sweep] [--profile] [--gate-up NAME=FILE,...] [--down]
+        [--out DIR]
 """
 from __future__ import annotations
 
@@ -24,6 +27,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
@@ -124,6 +128,61 @@ def sweep(ops: Operands, m: int, out: list) -> tuple[dict, tuple]:
     return _tile(best[1]), best_q[1]
 
 
+GATE_UP_TILES = {  # name: (config, programs per SM)
+    "4 stages": (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=16, num_warps=8, num_stages=4), 1),
+    "GROUP_M 8": (dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3), 1),
+}
+
+
+def gate_up_ab(ops: Operands, baselines: str, m: int, rounds: int, out: list) -> None:
+    """This tree's gate/up kernel against those of the files in ``baselines`` (``NAME=FILE,...``; same tile), and
+    at ``GATE_UP_TILES``, in interleaved rounds."""
+    import importlib.util
+
+    modules = {}
+    for item in baselines.split(","):
+        name, path = item.split("=")
+        spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
+        modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[name])
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
+    xq, xs = ops.x_quant(x)
+    args = (xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16)
+    xs2 = xs.reshape(-1, 1).float()
+    g, u = (torch._scaled_mm(xq, w.t(), scale_a=xs2, scale_b=s.reshape(1, -1).float(), out_dtype=torch.bfloat16,
+                             use_fast_accum=True) for w, s in ((ops.w1, ops.s1), (ops.w3, ops.s3)))
+    want = (torch.nn.functional.silu(g) * u).float()
+    variants = {"cuBLAS gate_up": lambda: torch._scaled_mm(xq, ops.w13.t(), scale_a=xs2, scale_b=ops.s13,
+                                                           out_dtype=torch.bfloat16, use_fast_accum=True),
+                **{name: (lambda mod=mod: mod.gated_prefill(*args, fast_accum=True)) for name, mod in modules.items()},
+                "this tree": lambda: gm.gated_prefill(*args, fast_accum=True)}
+    for name, (cfg, per_sm) in GATE_UP_TILES.items():
+        variants[name] = (lambda c=cfg, p=per_sm: gm.gated_prefill(*args, fast_accum=True, config=c, programs=p * sms))
+    for name in list(variants):
+        try:
+            r = variants[name]()
+            if name != "cuBLAS gate_up":
+                err = rel_err(r[0], want)
+                out.append({"M": m, "what": "gate_up h error vs cuBLAS + eager", "variant": name, "rel_err": err})
+                print(f"M={m} {name}: h vs cuBLAS + eager silu * mul {err:.2e}", flush=True)
+        except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result too
+            print(f"M={m} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+            out.append({"M": m, "what": "gate_up", "variant": name, "error": str(e)[:300]})
+            del variants[name]
+    times = {name: [] for name in variants}
+    names = list(variants)
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(_ms(variants[name]))
+    for name in names:
+        med = statistics.median(times[name])
+        ratio = statistics.median(a / b for a, b in zip(times["cuBLAS gate_up"], times[name]))
+        out.append({"M": m, "what": "gate_up", "variant": name, "ms": med, "vs_cublas": ratio, "ms_rounds": times[name]})
+        print(f"M={m} gate_up {name}: {med:.4f} ms, {ratio:.3f}x cuBLAS gate_up (rounds "
+              f"{min(times[name]):.4f}-{max(times[name]):.4f})", flush=True)
+
+
 DOWN_TILES = [  # fp8_gemm configs for the down GEMM with h quantized in its loads (A_QUANT rows)
     dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=3, TMA=True),
     dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, num_warps=8, num_stages=3, TMA=True),
@@ -207,6 +266,31 @@ def profile(ms: list[int], out: list, calls: int = 20) -> None:
                     for _ in range(calls):
                         fn(x)
                     torch.cuda.synchronize()
+            host = []
+            with torch.no_grad():
+                torch.cuda.synchronize()
+                for _ in range(calls):
+                    t0 = time.perf_counter()
+                    fn(x)
+                    host.append((time.perf_counter() - t0) * 1e3)
+                torch.cuda.synchronize()
+            out.append({"M": m, "what": "host ms a call", "variant": name, "ms": statistics.median(host)})
+            print(f"M={m} {name}: host {statistics.median(host):.4f} ms a call (no sync)", flush=True)
+            if name == "fp8fx_fused_mlp":  # where the host time goes
+                import cProfile
+                import io
+                import pstats
+
+                prof_py = cProfile.Profile()
+                with torch.no_grad():
+                    prof_py.enable()
+                    for _ in range(calls):
+                        fn(x)
+                    prof_py.disable()
+                    torch.cuda.synchronize()
+                text = io.StringIO()
+                pstats.Stats(prof_py, stream=text).sort_stats("tottime").print_stats(25)
+                print(text.getvalue()[-6000:], flush=True)
             kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
                              key=lambda e: e.time_range.start)
             per_call = len(kernels) // calls
@@ -272,6 +356,7 @@ def main(argv=None):
     p.add_argument("--rounds", type=int, default=7)
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--profile", action="store_true", help="each block's kernels per call (torch.profiler)")
+    p.add_argument("--gate-up", default="", metavar="NAME=FILE,...", help="the gate/up kernel against FILEs', tiles")
     p.add_argument("--down", action="store_true", help="the down GEMM with h quantized in its loads")
     p.add_argument("--ncu-driver", action="store_true", help="one launch of each prefill kernel (for ncu), then exit")
     p.add_argument("--no-rounds", action="store_true", help="skip the timed block rounds")
@@ -287,6 +372,11 @@ def main(argv=None):
             ops = Operands(mlp_factory("cuda")())
             for m in ms:
                 tiles[m] = sweep(ops, m, out)
+            del ops
+        if args.gate_up:
+            ops = Operands(mlp_factory("cuda")())
+            for m in ms:
+                gate_up_ab(ops, args.gate_up, m, args.rounds, out)
             del ops
         if args.down:
             ops = Operands(mlp_factory("cuda")())

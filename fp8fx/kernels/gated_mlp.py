@@ -59,31 +59,62 @@ _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.floa
 
 
 @triton.jit
-def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE: tl.constexpr,
-             W_ROWWISE: tl.constexpr, ACT: tl.constexpr, H_DTYPE: tl.constexpr):
-    """The gate/up kernels' epilogue: the scales of the rows ``offs_m`` and columns ``offs_n``, then act(g) * u
-    rounded as the model's 16-bit ops round it (g, u, act(g) and h in H_DTYPE)."""
-    m_ok = offs_m < M
-    n_ok = offs_n < N
+def _inv_one_plus_exp2(y):
+    """1 / (1 + 2^y) in two approximate PTX instructions and an add: ex2.approx.ftz and rcp.approx.ftz (the
+    hardware's special-function unit, 2 and 1 ulp). The same as ``1.0 / (1.0 + tl.exp2(y))`` but for subnormals
+    (flushed: 1 + a subnormal is 1 either way), without the range fix-ups that Triton's non-ftz ex2 and
+    ``div.full`` add around each (three instructions each, sm_90 SASS)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .f32 e; ex2.approx.ftz.f32 e, $1; add.ftz.f32 e, e, 0f3F800000; rcp.approx.ftz.f32 $0, e; }",
+        "=f,f", [y], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _prefetch_l1(ptrs):
+    """PTX ``prefetch.global.L1`` of ``ptrs`` (a hint: no result, no fault)."""
+    tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _gated_scales(offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE: tl.constexpr,
+                  W_ROWWISE: tl.constexpr):
+    """(x's scale of the rows ``offs_m`` [BM, 1], gate's and up's of the columns ``offs_n`` [1, BN]; or scalars
+    where per tensor) for ``_gated_h``: 0 past M and N."""
     if A_ROWWISE:
-        a_s = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
+        a_s = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
     else:
         a_s = tl.load(a_scale_ptr)
     if W_ROWWISE:
-        s1 = tl.load(s1_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
-        s3 = tl.load(s3_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        s1 = tl.load(s1_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        s3 = tl.load(s3_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
     else:
         s1 = tl.load(s1_ptr)
         s3 = tl.load(s3_ptr)
+    return a_s, s1, s3
+
+
+@triton.jit
+def _gated_h(acc_g, acc_u, a_s, s1, s3, ACT: tl.constexpr, H_DTYPE: tl.constexpr, PTX_MATH: tl.constexpr = False):
+    """The gate/up kernels' epilogue: act(g) * u with the scales of ``_gated_scales``, rounded as the model's 16-bit
+    ops round it (g, u, act(g) and h in H_DTYPE). ``PTX_MATH`` (CUDA only; the interpreter runs no PTX): silu's
+    and gelu-tanh's 1 / (1 + e^x) by ``_inv_one_plus_exp2``, 5 instructions an element where ``tl.exp`` and the
+    division take 11 (sm_90 SASS): the prefill kernel's epilogue is not overlapped with its tensor-core work."""
     g = (acc_g * a_s * s1).to(H_DTYPE).to(tl.float32)
     u = (acc_u * a_s * s3).to(H_DTYPE).to(tl.float32)
     if ACT == 0:  # silu
-        g = g / (1.0 + tl.exp(-g))
+        if PTX_MATH:
+            g = g * _inv_one_plus_exp2(g * -1.4426950408889634)  # e^-g = 2^(-g log2(e))
+        else:
+            g = g / (1.0 + tl.exp(-g))
     elif ACT == 1:  # gelu: 0.5 g (1 + erf(g / sqrt(2)))
         g = 0.5 * g * (1.0 + tl.math.erf(g * 0.7071067811865476))
     else:  # gelu, tanh approximation: 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) = 1 - 2 / (e^2z + 1)
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        g = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
+        if PTX_MATH:
+            g = 0.5 * g * (2.0 - 2.0 * _inv_one_plus_exp2(z * 2.8853900817779268))  # e^2z = 2^(2z log2(e))
+        else:
+            g = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
     g = g.to(H_DTYPE).to(tl.float32)
     return (g * u).to(H_DTYPE)
 
@@ -139,7 +170,8 @@ def gated_gemm_kernel(
         h_dtype: tl.constexpr = h_ptr.dtype.element_ty
     else:
         h_dtype: tl.constexpr = H_DTYPE
-    h = _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE, ACT, h_dtype)
+    a_s, s1, s3 = _gated_scales(offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE)
+    h = _gated_h(acc_g, acc_u, a_s, s1, s3, ACT, h_dtype)
     in_bounds = m_ok[:, None] & n_ok[None, :]
     h_ptrs = h_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_hm + tl.arange(0, BLOCK_M)[:, None] * stride_hm
     amax = tl.reduce(tl.where(in_bounds, tl.abs(h.to(tl.float32)), 0.0), 1, _max_nan)  # [BM] over this tile
@@ -163,7 +195,7 @@ def gated_prefill_kernel(
     M, N, K, stride_pm,
     A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PROGRAMS: tl.constexpr, UP_FIRST: tl.constexpr = False,
+    PROGRAMS: tl.constexpr, UP_FIRST: tl.constexpr = False, PTX_MATH: tl.constexpr = False,
 ):
     """``gated_gemm_kernel`` for prefill. Persistent: ``PROGRAMS`` programs walk the output tiles, GROUP_M row
     tiles at a time (the weight tiles they share stay in L2), and the K loop of the next tile is in flight during
@@ -184,6 +216,13 @@ def gated_prefill_kernel(
         rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (tile % tiles_in_group) % rows_in_group
         pid_n = (tile % tiles_in_group) // rows_in_group
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        if PTX_MATH:  # the epilogue's scales into L1 now, their latency hidden behind the K loop (loaded into
+            # registers here, the 66 of them a thread spilled 528 bytes; sm_90)
+            _prefetch_l1(a_scale_ptr + tl.minimum(offs_m, M - 1) if A_ROWWISE else a_scale_ptr)
+            _prefetch_l1(s1_ptr + tl.minimum(offs_n, N - 1) if W_ROWWISE else s1_ptr)
+            _prefetch_l1(s3_ptr + tl.minimum(offs_n, N - 1) if W_ROWWISE else s3_ptr)
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k in range(k_steps):  # past K, M and N the copies read zeros
             a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
@@ -194,10 +233,8 @@ def gated_prefill_kernel(
             acc_g, acc_u = second, first
         else:
             acc_g, acc_u = first, second
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        h = _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE, ACT,
-                     h_desc.dtype)
+        a_s, s1, s3 = _gated_scales(offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE)
+        h = _gated_h(acc_g, acc_u, a_s, s1, s3, ACT, h_desc.dtype, PTX_MATH)
         h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h)  # clipped at M and N
         # columns past N are act(0) * 0 = 0: no mask needed for the maxima
         amax = tl.reduce(tl.abs(h.to(tl.float32)), 1, _max_nan)
@@ -326,7 +363,7 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
             x_scale, s1, s3, parts, m, i, k, parts.stride(0),
             A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
             IMPRECISE_K=imprecise_k({"BLOCK_K": bk}, fast_accum), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            PROGRAMS=programs, UP_FIRST=up_first, **cfg,
+            PROGRAMS=programs, UP_FIRST=up_first, PTX_MATH=xq.is_cuda and torch.version.hip is None, **cfg,
         )
     return h, parts
 
