@@ -70,36 +70,25 @@ def _inv_one_plus_exp2(y):
 
 
 @triton.jit
-def _prefetch_l1(ptrs):
-    """PTX ``prefetch.global.L1`` of ``ptrs`` (a hint: no result, no fault)."""
-    tl.inline_asm_elementwise("prefetch.global.L1 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _gated_scales(offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE: tl.constexpr,
-                  W_ROWWISE: tl.constexpr):
-    """(x's scale of the rows ``offs_m`` [BM, 1], gate's and up's of the columns ``offs_n`` [1, BN]; or scalars
-    where per tensor) for ``_gated_h``: 0 past M and N."""
+def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE: tl.constexpr,
+             W_ROWWISE: tl.constexpr, ACT: tl.constexpr, H_DTYPE: tl.constexpr, PTX_MATH: tl.constexpr = False):
+    """The gate/up kernels' epilogue: the scales of the rows ``offs_m`` and columns ``offs_n``, then act(g) * u
+    rounded as the model's 16-bit ops round it (g, u, act(g) and h in H_DTYPE). ``PTX_MATH`` (CUDA only; the
+    interpreter runs no PTX): silu's and gelu-tanh's 1 / (1 + e^x) by ``_inv_one_plus_exp2``, 5 instructions an
+    element where ``tl.exp`` and the division take 11 (sm_90 SASS): the prefill kernel's epilogue is not overlapped
+    with its tensor-core work."""
+    m_ok = offs_m < M
+    n_ok = offs_n < N
     if A_ROWWISE:
-        a_s = tl.load(a_scale_ptr + offs_m, mask=offs_m < M, other=0.0)[:, None]
+        a_s = tl.load(a_scale_ptr + offs_m, mask=m_ok, other=0.0)[:, None]
     else:
         a_s = tl.load(a_scale_ptr)
     if W_ROWWISE:
-        s1 = tl.load(s1_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
-        s3 = tl.load(s3_ptr + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        s1 = tl.load(s1_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
+        s3 = tl.load(s3_ptr + offs_n, mask=n_ok, other=0.0)[None, :]
     else:
         s1 = tl.load(s1_ptr)
         s3 = tl.load(s3_ptr)
-    return a_s, s1, s3
-
-
-@triton.jit
-def _gated_h(acc_g, acc_u, a_s, s1, s3, ACT: tl.constexpr, H_DTYPE: tl.constexpr, PTX_MATH: tl.constexpr = False):
-    """The gate/up kernels' epilogue: act(g) * u with the scales of ``_gated_scales``, rounded as the model's 16-bit
-    ops round it (g, u, act(g) and h in H_DTYPE). ``PTX_MATH`` (CUDA only; the interpreter runs no PTX): silu's
-    and gelu-tanh's 1 / (1 + e^x) by ``_inv_one_plus_exp2``, 5 instructions an element where ``tl.exp`` and the
-    division take 11 (sm_90 SASS): the prefill kernel's epilogue is not overlapped with its tensor-core work."""
     g = (acc_g * a_s * s1).to(H_DTYPE).to(tl.float32)
     u = (acc_u * a_s * s3).to(H_DTYPE).to(tl.float32)
     if ACT == 0:  # silu
@@ -170,8 +159,7 @@ def gated_gemm_kernel(
         h_dtype: tl.constexpr = h_ptr.dtype.element_ty
     else:
         h_dtype: tl.constexpr = H_DTYPE
-    a_s, s1, s3 = _gated_scales(offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE)
-    h = _gated_h(acc_g, acc_u, a_s, s1, s3, ACT, h_dtype)
+    h = _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE, ACT, h_dtype)
     in_bounds = m_ok[:, None] & n_ok[None, :]
     h_ptrs = h_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_hm + tl.arange(0, BLOCK_M)[:, None] * stride_hm
     amax = tl.reduce(tl.where(in_bounds, tl.abs(h.to(tl.float32)), 0.0), 1, _max_nan)  # [BM] over this tile
@@ -216,13 +204,6 @@ def gated_prefill_kernel(
         rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
         pid_m = first_m + (tile % tiles_in_group) % rows_in_group
         pid_n = (tile % tiles_in_group) // rows_in_group
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        if PTX_MATH:  # the epilogue's scales into L1 now, their latency hidden behind the K loop (loaded into
-            # registers here, the 66 of them a thread spilled 528 bytes; sm_90)
-            _prefetch_l1(a_scale_ptr + tl.minimum(offs_m, M - 1) if A_ROWWISE else a_scale_ptr)
-            _prefetch_l1(s1_ptr + tl.minimum(offs_n, N - 1) if W_ROWWISE else s1_ptr)
-            _prefetch_l1(s3_ptr + tl.minimum(offs_n, N - 1) if W_ROWWISE else s3_ptr)
         acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
         for k in range(k_steps):  # past K, M and N the copies read zeros
             a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
@@ -233,8 +214,12 @@ def gated_prefill_kernel(
             acc_g, acc_u = second, first
         else:
             acc_g, acc_u = first, second
-        a_s, s1, s3 = _gated_scales(offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE)
-        h = _gated_h(acc_g, acc_u, a_s, s1, s3, ACT, h_desc.dtype, PTX_MATH)
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # (the epilogue's scales loaded before the K loop spilled 528 bytes a thread; prefetched into L1 there, the
+        # kernel measured 1% slower: H200 run 24)
+        h = _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE, ACT,
+                     h_desc.dtype, PTX_MATH)
         h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h)  # clipped at M and N
         # columns past N are act(0) * 0 = 0: no mask needed for the maxima
         amax = tl.reduce(tl.abs(h.to(tl.float32)), 1, _max_nan)
