@@ -246,8 +246,7 @@ def ncu_driver(m: int) -> None:
 
 def profile(ms: list[int], out: list, calls: int = 20) -> None:
     """Each compiled block's kernels per call (torch.profiler), their GPU time and the call's span."""
-    from torch.profiler import ProfilerActivity
-    from torch.profiler import profile as torch_profile
+    from benchmarks.profile_mlp import profiled
 
     fresh = mlp_factory("cuda")
     variants = {"fp8fx_fused_mlp": fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0],
@@ -258,14 +257,7 @@ def profile(ms: list[int], out: list, calls: int = 20) -> None:
     for m in ms:
         x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
         for name, fn in variants.items():
-            with torch.no_grad():
-                for _ in range(3):
-                    fn(x)
-                torch.cuda.synchronize()
-                with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
-                    for _ in range(calls):
-                        fn(x)
-                    torch.cuda.synchronize()
+            prof = profiled(fn, x, calls)
             host = []
             with torch.no_grad():
                 torch.cuda.synchronize()

@@ -20,7 +20,8 @@ import fp8fx
 from benchmarks.bench_linear import FALLBACKS, MLP, bench, torchao_rowwise
 
 
-def kernel_table(fn, x, steps=10):
+def profiled(fn, x, steps=10):
+    """torch.profiler's record of ``steps`` calls of ``fn(x)`` on the GPU, after three warm-up calls."""
     with torch.no_grad():
         for _ in range(3):
             fn(x)
@@ -29,6 +30,11 @@ def kernel_table(fn, x, steps=10):
             for _ in range(steps):
                 fn(x)
             torch.cuda.synchronize()
+    return prof
+
+
+def kernel_table(fn, x, steps=10):
+    prof = profiled(fn, x, steps)
     rows = []
     for e in prof.key_averages():
         if e.device_type == torch.autograd.DeviceType.CUDA and e.count:
