@@ -63,8 +63,9 @@ def _inv_one_plus_exp2(y):
     """1 / (1 + 2^y) in two approximate PTX instructions and an add: ex2.approx.ftz and rcp.approx.ftz, the
     special-function unit's approximations that Triton's own ``tl.exp`` (ex2.approx) and fp32 division
     (``div.full``: rcp.approx and a multiply) use, without the range fix-ups those add around each (a compare and
-    two predicated multiplies each, sm_90 SASS). The result differs only where a subnormal is flushed: 1 + a
-    subnormal is 1 either way, and past the fix-ups' ranges e^x is inf and the reciprocal 0, as before."""
+    two predicated multiplies each, sm_90 SASS). The result differs only where a subnormal is flushed to zero:
+    2^y below 2^-126 (1 + it is 1 either way), and 1 / (1 + 2^y) below 2^-126, i.e. silu(g) for g in about
+    [-88.7, -87.3], some 1e-36, becomes 0 (beyond that range it was 0 already)."""
     return tl.inline_asm_elementwise(
         "{ .reg .f32 e; ex2.approx.ftz.f32 e, $1; add.ftz.f32 e, e, 0f3F800000; rcp.approx.ftz.f32 $0, e; }",
         "=f,f", [y], dtype=tl.float32, is_pure=True, pack=1)
