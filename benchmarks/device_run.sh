@@ -113,7 +113,7 @@ if has prefill; then  # prefill: act * mul in the gate/up kernel's epilogue agai
   timeout 420 python3 benchmarks/prefill_study.py --sweep --ms ${PREFILL_MS:-2048,4096} --rounds ${PREFILL_ROUNDS:-5} \
     --out "$OUT" 2>&1 | tee "$OUT/prefill.txt"
 fi
-if has ncuprefill; then  # hardware counters of the prefill kernels at 2048 tokens, each launched once, and cuBLAS's
+if has ncuprefill; then  # hardware counters of the prefill kernels at 2048 tokens (launched 2-3 times) and cuBLAS's
   timeout 240 ncu --clock-control none -k regex:'gated_prefill|quantize_rows|nvjet|gemm|xmma|cutlass' \
     --section SpeedOfLight --section ComputeWorkloadAnalysis --section MemoryWorkloadAnalysis --section Occupancy \
     --section LaunchStats --section WarpStateStats --section SchedulerStats \

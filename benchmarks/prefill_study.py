@@ -18,7 +18,8 @@ streams h to fp8 with no reduction left. This script times, on one GPU, in one p
    ``quantize_rows`` + cuBLAS's down GEMM.
 
     python benchmarks/prefill_study.py --ms 2048,4096 --rounds 7 [--sweep] [--profile] [--gate-up NAME=FILE,...] [--down]
-        [--out DIR]
+        [--no-rounds] [--out DIR]
+    python benchmarks/prefill_study.py --ncu-driver --ms 2048   (under ncu: device_run.sh stage ncuprefill)
 """
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ def gate_up_ab(ops: Operands, baselines: str, m: int, rounds: int, out: list) ->
 
     modules = {}
     for item in baselines.split(","):
-        name, path = item.split("=")
+        name, path = item.split("=", 1)
         spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
         modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(modules[name])
@@ -175,9 +176,10 @@ def gate_up_ab(ops: Operands, baselines: str, m: int, rounds: int, out: list) ->
     for r in range(rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:
             times[name].append(_ms(variants[name]))
+    base = times.get("cuBLAS gate_up") or [float("nan")] * rounds  # (cuBLAS failed: no ratios)
     for name in names:
         med = statistics.median(times[name])
-        ratio = statistics.median(a / b for a, b in zip(times["cuBLAS gate_up"], times[name]))
+        ratio = statistics.median(a / b for a, b in zip(base, times[name]))
         out.append({"M": m, "what": "gate_up", "variant": name, "ms": med, "vs_cublas": ratio, "ms_rounds": times[name]})
         print(f"M={m} gate_up {name}: {med:.4f} ms, {ratio:.3f}x cuBLAS gate_up (rounds "
               f"{min(times[name]):.4f}-{max(times[name]):.4f})", flush=True)
@@ -229,7 +231,8 @@ def down_probe(ops: Operands, m: int, out: list) -> None:
 
 
 def ncu_driver(m: int) -> None:
-    """One launch each, for ncu: the gate/up kernel, cuBLAS's gate/up GEMM, quantize_rows, cuBLAS's down GEMM."""
+    """The launches for ncu: the gate/up kernel and quantize_rows twice each (the first compiles them; ncu reads
+    both launches), then the gate/up kernel, cuBLAS's gate/up GEMM, quantize_rows and cuBLAS's down GEMM once."""
     ops = Operands(mlp_factory("cuda")())
     x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
     xq, xs = ops.x_quant(x)
@@ -254,6 +257,8 @@ def profile(ms: list[int], out: list, calls: int = 20) -> None:
     ao, why = torchao_rowwise(fresh())
     if ao is not None:
         variants["torchao_rowwise"] = torch.compile(ao, dynamic=False)
+    else:
+        print(why, flush=True)
     for m in ms:
         x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
         for name, fn in variants.items():

@@ -75,10 +75,10 @@ def _inv_one_plus_exp2(y):
 def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE: tl.constexpr,
              W_ROWWISE: tl.constexpr, ACT: tl.constexpr, H_DTYPE: tl.constexpr, PTX_MATH: tl.constexpr = False):
     """The gate/up kernels' epilogue: the scales of the rows ``offs_m`` and columns ``offs_n``, then act(g) * u
-    rounded as the model's 16-bit ops round it (g, u, act(g) and h in H_DTYPE). ``PTX_MATH`` (CUDA only; the
-    interpreter runs no PTX): silu's and gelu-tanh's 1 / (1 + e^x) by ``_inv_one_plus_exp2``, 5 instructions an
-    element where ``tl.exp`` and the division take 11 (sm_90 SASS): the prefill kernel's epilogue is not overlapped
-    with its tensor-core work."""
+    rounded as the model's 16-bit ops round it (g, u, act(g) and h in H_DTYPE). ``PTX_MATH`` (compiled for CUDA
+    only; Triton's interpreter runs no PTX): silu's and gelu-tanh's 1 / (1 + e^x) by ``_inv_one_plus_exp2``: silu
+    in 5 instructions an element where ``tl.exp`` and the division take 11, gelu-tanh about 4 fewer (sm_90 SASS).
+    It matters in the prefill kernel, whose epilogue is not overlapped with its tensor-core work."""
     m_ok = offs_m < M
     n_ok = offs_n < N
     if A_ROWWISE:
@@ -352,9 +352,18 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
             x_scale, s1, s3, parts, m, i, k, parts.stride(0),
             A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
             IMPRECISE_K=imprecise_k({"BLOCK_K": bk}, fast_accum), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            PROGRAMS=programs, UP_FIRST=up_first, PTX_MATH=xq.is_cuda and torch.version.hip is None, **cfg,
+            PROGRAMS=programs, UP_FIRST=up_first, PTX_MATH=_compiles_ptx(xq), **cfg,
         )
     return h, parts
+
+
+def _compiles_ptx(t: torch.Tensor) -> bool:
+    """Whether the kernels run compiled for an NVIDIA GPU on t's device (so inline PTX is theirs to use): CUDA,
+    not ROCm, and not Triton's interpreter (``TRITON_INTERPRET=1`` makes every ``triton.jit`` kernel an
+    ``InterpretedFunction``, on CPU and CUDA tensors alike)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return t.is_cuda and torch.version.hip is None and not isinstance(gated_prefill_kernel, InterpretedFunction)
 
 
 def _tma_addressable(t: torch.Tensor) -> bool:

@@ -476,6 +476,9 @@ PREFILL_CHECK = textwrap.dedent("""
     assert torch.equal(s.nan_to_num(0.0), want_s.float().nan_to_num(0.0))
     assert s[1].item() == (torch.tensor(quant.AMAX_EPS) / quant.FP8_MAX).item() and not q[1].float().any()
     assert torch.equal(q.float().isnan(), want_q.float().isnan()) and q[2].float().isnan().all()
+    from types import SimpleNamespace
+    from fp8fx.kernels.gated_mlp import _compiles_ptx
+    assert not _compiles_ptx(SimpleNamespace(is_cuda=True))  # the interpreter runs no inline PTX, CUDA tensors or not
     print("prefill ok", worst_seen)
 """)
 
@@ -487,8 +490,13 @@ def test_prefill_kernels_under_triton_interpreter():
 def test_prefill_fits_and_reasons():
     """What the prefill kernels take (TMA copies: row-major, 16-byte rows; per-token h, per-tensor / per-row
     scales, from GATED_PREFILL_MIN_M tokens), and the reason given for what they do not."""
-    from fp8fx.kernels.gated_mlp import prefill_fits
+    from types import SimpleNamespace
 
+    from fp8fx.kernels.gated_mlp import _compiles_ptx, prefill_fits
+
+    # the prefill kernel's PTX epilogue: compiled CUDA kernels only (the interpreter's case: PREFILL_CHECK)
+    assert _compiles_ptx(SimpleNamespace(is_cuda=True)) == (torch.version.hip is None)
+    assert not _compiles_ptx(torch.empty(1))
     x = torch.empty(4, 64, dtype=quant.FP8_DTYPE)
     w = torch.empty(2, 48, 64, dtype=quant.FP8_DTYPE)
     assert prefill_fits(x, w[0], w[1], torch.bfloat16) and prefill_fits(x, w[1], w[0], torch.float16)
