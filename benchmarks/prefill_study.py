@@ -247,6 +247,15 @@ def ncu_driver(m: int) -> None:
     torch.cuda.synchronize()
 
 
+def _add_torchao(variants: dict, fresh) -> None:
+    """torchao float8 row-wise, compiled, into ``variants`` (the MLP from ``fresh``), or why it is missing printed."""
+    ao, why = torchao_rowwise(fresh())
+    if ao is not None:
+        variants["torchao_rowwise"] = torch.compile(ao, dynamic=False)
+    else:
+        print(why, flush=True)
+
+
 def profile(ms: list[int], out: list, calls: int = 20) -> None:
     """Each compiled block's kernels per call (torch.profiler), their GPU time and the call's span."""
     from benchmarks.profile_mlp import profiled
@@ -254,11 +263,7 @@ def profile(ms: list[int], out: list, calls: int = 20) -> None:
     fresh = mlp_factory("cuda")
     variants = {"fp8fx_fused_mlp": fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0],
                 "fp8fx": fp8fx_module(fresh(), dynamic=False)[0]}
-    ao, why = torchao_rowwise(fresh())
-    if ao is not None:
-        variants["torchao_rowwise"] = torch.compile(ao, dynamic=False)
-    else:
-        print(why, flush=True)
+    _add_torchao(variants, fresh)
     for m in ms:
         x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
         for name, fn in variants.items():
@@ -318,11 +323,7 @@ def block_rounds(ms: list[int], rounds: int, tiles: dict, out: list) -> None:
                 "fp8fx": fp8fx_module(fresh(), dynamic=False)[0],
                 # the op's prefill kernels from GATED_PREFILL_MIN_M tokens (below: the unfused GEMMs, as fp8fx)
                 "fp8fx_fused_mlp": fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0]}
-    ao, why = torchao_rowwise(fresh())
-    if ao is not None:
-        variants["torchao_rowwise"] = torch.compile(ao, dynamic=False)
-    else:
-        print(why, flush=True)
+    _add_torchao(variants, fresh)
     for m in ms:
         tile, block = tiles.get(m, (None, QUANT_BLOCKS[0]))
         variants_m = {**variants, "fp8fx_prefill_epilogue": ops.new_path(tile, block)}
