@@ -528,9 +528,9 @@ def gated_prefill_reason(m: int, k: int, i: int, n: int, x_block, w_block, h_blo
         return f"h in {h_dtype}, out in {out_dtype}: the prefill kernels take a 16-bit h and a bf16 output"
     if k % 16 or i % 16 or n % 16:
         return f"K={k}, I={i}, N={n}: the prefill kernels' copies and cuBLAS take multiples of 16"
-    if device is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"the prefill kernels need sm_90 (TMA copies, wgmma); this GPU is sm_{major}{minor}"
+    capability = torch.cuda.get_device_capability(device) if device is not None and device.type == "cuda" else None
+    if capability is not None and capability < (9, 0):
+        return f"the prefill kernels need sm_90 (TMA copies, wgmma); this GPU is sm_{capability[0]}{capability[1]}"
     return ""
 
 

@@ -336,11 +336,12 @@ class GatedMlpPass(Fp8Pass):
             if mlp is None:
                 continue
             names = site_names(ctx, mlp.gemms)
-            prefill = not reason and (_rows(mlp) or 0) >= GATED_PREFILL_MIN_M and not _prefill_reason(mlp)
+            prefill_why = reason or _prefill_reason(mlp)  # "": the op will run the prefill kernels
             # h in groups is for decode (the Triton down GEMM reads them); prefill's cuBLAS down takes h per token
-            group = self.h_group if self.h_group and mlp.h_static is None and not prefill else None
+            group = self.h_group if self.h_group and mlp.h_static is None and prefill_why else None
             static_kept = bool(self.h_group) and mlp.h_static is not None  # a calibrated scale stays as it is
-            reason = reason or self._why_not(mlp, GATED_GROUPS_MAX_M if group else GATED_MAX_M, static_kept)
+            reason = reason or self._why_not(mlp, GATED_GROUPS_MAX_M if group else GATED_MAX_M, static_kept,
+                                             prefill_why)
             if reason:
                 amend_sites(ctx, mlp.gemms, f"not fused into a gated MLP ({names}): {reason}")
                 continue
@@ -348,14 +349,15 @@ class GatedMlpPass(Fp8Pass):
             how = (f", h in 1x{group} groups" if group else
                    ", h's static scale kept: mlp_h_group applies to dynamic ones" if static_kept else "")
             what = ("prefill: act * mul in the gate/up GEMM's epilogue, h quantized per token, cuBLAS down"
-                    if prefill else f"2 kernels{how}")
+                    if not prefill_why else f"2 kernels{how}")
             amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, {what})", node=Site.origin_of(new))
             fused += len(mlp.gemms)
         gm.recompile()
         return fused
 
     @staticmethod
-    def _why_not(mlp: _Mlp, max_rows: int, static_kept: bool = False) -> str:
+    def _why_not(mlp: _Mlp, max_rows: int, static_kept: bool, prefill_why: str) -> str:
+        """Why the matched MLP is not fused ("" where it is); ``prefill_why``: ``_prefill_reason(mlp)``."""
         gate, up, down = mlp.gate, mlp.up, mlp.down
         static = [n.args[0].target is _QUANTIZE_STATIC for n in (gate, up) if isinstance(n.args[0], fx.Node)]
         if gate.args[:2] != up.args[:2] and static == [True, True]:
@@ -391,7 +393,7 @@ class GatedMlpPass(Fp8Pass):
             return ("the token count is dynamic: graphs with a static one are fused, decode up to "
                     f"{GATED_MAX_M} tokens and prefill from {GATED_PREFILL_MIN_M} (torch.compile(..., dynamic=False), "
                     "or torch._dynamo.mark_static on the batch dimension)")
-        prefill = _prefill_reason(mlp) if rows >= GATED_PREFILL_MIN_M else ""
+        prefill = prefill_why if rows >= GATED_PREFILL_MIN_M else ""
         if rows >= GATED_PREFILL_MIN_M and not prefill:
             return ""
         if not 0 < rows <= max_rows:
