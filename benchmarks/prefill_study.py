@@ -71,27 +71,41 @@ class Operands:
         return gm.gated_prefill(xq, xs, self.w1, self.s1, self.w3, self.s3, torch.bfloat16, fast_accum=True,
                                 config=tile)
 
+    def cublas_gate_up(self, xq, xs):
+        """cuBLAS's merged gate/up GEMM (g and u in bf16), per-token x."""
+        return torch._scaled_mm(xq, self.w13.t(), scale_a=xs.reshape(-1, 1).float(), scale_b=self.s13,
+                                out_dtype=torch.bfloat16, use_fast_accum=True)
+
+    def cublas_g_u(self, xq, xs):
+        """(g, u): cuBLAS's gate and up GEMMs one by one, per-token x."""
+        return tuple(torch._scaled_mm(xq, w.t(), scale_a=xs.reshape(-1, 1).float(), scale_b=s.reshape(1, -1).float(),
+                                      out_dtype=torch.bfloat16, use_fast_accum=True)
+                     for w, s in ((self.w1, self.s1), (self.w3, self.s3)))
+
+    def eager_h(self, g, u):
+        """act(g) * u in eager ops: what the gate/up kernel's h is checked against (g, u: ``cublas_g_u``'s)."""
+        return torch.nn.functional.silu(g) * u
+
+    def cublas_down(self, hq, hs):
+        return torch._scaled_mm(hq, self.w2.t(), scale_a=hs, scale_b=self.s2r, out_dtype=torch.bfloat16,
+                                use_fast_accum=True)
+
     def new_path(self, tile: dict | None = None, block=QUANT_BLOCKS[0]):
         def run(x):
             xq, xs = self.x_quant(x)
             h, parts = self.gate_up(xq, xs, tile)
-            hq, hs = gm.quantize_rows(h, parts, block)
-            return torch._scaled_mm(hq, self.w2.t(), scale_a=hs, scale_b=self.s2r, out_dtype=torch.bfloat16,
-                                    use_fast_accum=True)
+            return self.cublas_down(*gm.quantize_rows(h, parts, block))
         return run
 
 
 def sweep(ops: Operands, m: int, out: list) -> tuple[dict, tuple]:
     x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
     xq, xs = ops.x_quant(x)
-    xs2 = xs.reshape(-1, 1).float()
-    cublas = _ms(lambda: torch._scaled_mm(xq, ops.w13.t(), scale_a=xs2, scale_b=ops.s13, out_dtype=torch.bfloat16,
-                                          use_fast_accum=True))
+    cublas = _ms(lambda: ops.cublas_gate_up(xq, xs))
     out.append({"M": m, "what": "cuBLAS gate_up", "ms": cublas})
     print(f"M={m} cuBLAS gate_up {cublas:.4f} ms", flush=True)
-    g, u = (torch._scaled_mm(xq, w.t(), scale_a=xs2, scale_b=s.reshape(1, -1).float(), out_dtype=torch.bfloat16,
-                             use_fast_accum=True) for w, s in ((ops.w1, ops.s1), (ops.w3, ops.s3)))
-    want = torch.nn.functional.silu(g) * u
+    g, u = ops.cublas_g_u(xq, xs)
+    want = ops.eager_h(g, u)
     best = (float("inf"), None)
     for t in TILES:
         tile = _tile(t)
@@ -150,12 +164,8 @@ def gate_up_ab(ops: Operands, baselines: str, m: int, rounds: int, out: list) ->
     x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
     xq, xs = ops.x_quant(x)
     args = (xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16)
-    xs2 = xs.reshape(-1, 1).float()
-    g, u = (torch._scaled_mm(xq, w.t(), scale_a=xs2, scale_b=s.reshape(1, -1).float(), out_dtype=torch.bfloat16,
-                             use_fast_accum=True) for w, s in ((ops.w1, ops.s1), (ops.w3, ops.s3)))
-    want = (torch.nn.functional.silu(g) * u).float()
-    variants = {"cuBLAS gate_up": lambda: torch._scaled_mm(xq, ops.w13.t(), scale_a=xs2, scale_b=ops.s13,
-                                                           out_dtype=torch.bfloat16, use_fast_accum=True),
+    want = ops.eager_h(*ops.cublas_g_u(xq, xs)).float()
+    variants = {"cuBLAS gate_up": lambda: ops.cublas_gate_up(xq, xs),
                 **{name: (lambda mod=mod: mod.gated_prefill(*args, fast_accum=True)) for name, mod in modules.items()},
                 "this tree": lambda: gm.gated_prefill(*args, fast_accum=True)}
     for name, (cfg, per_sm) in GATE_UP_TILES.items():
@@ -201,15 +211,12 @@ def down_probe(ops: Operands, m: int, out: list) -> None:
     h, parts = ops.gate_up(xq, xs, None)
 
     def two_passes():
-        hq, hs = gm.quantize_rows(h, parts)
-        return torch._scaled_mm(hq, ops.w2.t(), scale_a=hs, scale_b=ops.s2r, out_dtype=torch.bfloat16,
-                                use_fast_accum=True)
+        return ops.cublas_down(*gm.quantize_rows(h, parts))
 
     want = two_passes()
     base = _ms(two_passes)
     hq, hs = gm.quantize_rows(h, parts)
-    cublas = _ms(lambda: torch._scaled_mm(hq, ops.w2.t(), scale_a=hs, scale_b=ops.s2r, out_dtype=torch.bfloat16,
-                                          use_fast_accum=True))
+    cublas = _ms(lambda: ops.cublas_down(hq, hs))
     out.append({"M": m, "what": "quantize_rows + cuBLAS down", "ms": base, "cublas_down_ms": cublas})
     print(f"M={m} quantize_rows + cuBLAS down {base:.4f} ms (cuBLAS down alone {cublas:.4f})", flush=True)
     for cfg in DOWN_TILES:
@@ -240,10 +247,9 @@ def ncu_driver(m: int) -> None:
     hq, hs = gm.quantize_rows(h, parts)
     torch.cuda.synchronize()
     ops.gate_up(xq, xs, None)
-    torch._scaled_mm(xq, ops.w13.t(), scale_a=xs.reshape(-1, 1).float(), scale_b=ops.s13, out_dtype=torch.bfloat16,
-                     use_fast_accum=True)
+    ops.cublas_gate_up(xq, xs)
     gm.quantize_rows(h, parts)
-    torch._scaled_mm(hq, ops.w2.t(), scale_a=hs, scale_b=ops.s2r, out_dtype=torch.bfloat16, use_fast_accum=True)
+    ops.cublas_down(hq, hs)
     torch.cuda.synchronize()
 
 
