@@ -468,7 +468,7 @@ def test_prefill_mlp_is_fused_from_its_token_count(shape, h_group):
 def test_prefill_mlp_with_per_tensor_h_says_why():
     config = fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor())
     model, _ = quantized(config=config)
-    m = fp8fx.ops.GATED_PREFILL_MIN_M
+    m = PREFILL_M
     _, report, code = run(model, torch.randn(m, 64, dtype=torch.bfloat16), fuse_mlp=True)
     assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
     assert all(f"{m} tokens: the fused MLP is for 1-16 tokens" in s.scheme and f"and from {m} but h is quantized per "
