@@ -149,6 +149,9 @@ GATE_UP_TILES = {  # name: (config, programs per SM)
 }
 
 
+TAIL_SPLITS = (1, 2, 3, 6)  # gated_prefill's tail_split values timed beside its default (gate_up_ab)
+
+
 def gate_up_ab(ops: Operands, baselines: str, m: int, rounds: int, out: list) -> None:
     """This tree's gate/up kernel against those of the files in ``baselines`` (``NAME=FILE,...``; same tile), and
     at ``GATE_UP_TILES``, in interleaved rounds."""
@@ -170,13 +173,19 @@ def gate_up_ab(ops: Operands, baselines: str, m: int, rounds: int, out: list) ->
                 "this tree": lambda: gm.gated_prefill(*args, fast_accum=True)}
     for name, (cfg, per_sm) in GATE_UP_TILES.items():
         variants[name] = (lambda c=cfg, p=per_sm: gm.gated_prefill(*args, fast_accum=True, config=c, programs=p * sms))
+    for split in TAIL_SPLITS:
+        variants[f"this tree, tail split {split}"] = lambda t=split: gm.gated_prefill(*args, fast_accum=True, tail_split=t)
+    mine = gm.gated_prefill(*args, fast_accum=True)[0]
     for name in list(variants):
         try:
             r = variants[name]()
             if name != "cuBLAS gate_up":
                 err = rel_err(r[0], want)
-                out.append({"M": m, "what": "gate_up h error vs cuBLAS + eager", "variant": name, "rel_err": err})
-                print(f"M={m} {name}: h vs cuBLAS + eager silu * mul {err:.2e}", flush=True)
+                same = (r[0] == mine).float().mean().item()
+                out.append({"M": m, "what": "gate_up h error vs cuBLAS + eager", "variant": name, "rel_err": err,
+                            "same_bits_as_this_tree": same})
+                print(f"M={m} {name}: h vs cuBLAS + eager silu * mul {err:.2e}; bits as this tree's {same:.6f}",
+                      flush=True)
         except Exception as e:  # noqa: BLE001 - a tile that does not compile is a result too
             print(f"M={m} {name}: {type(e).__name__}: {str(e)[:300]}", flush=True)
             out.append({"M": m, "what": "gate_up", "variant": name, "error": str(e)[:300]})

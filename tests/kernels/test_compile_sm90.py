@@ -42,15 +42,14 @@ UNIT = ["stride_ak", "stride_bk", "stride_yn", "stride_ask", "stride_bsk", "stri
 
 
 def compile_kernel(fn, types: dict, consts: dict, aligned: list, num_warps: int, num_stages: int):
-    """``fn`` compiled for sm_90 as Triton's JIT compiles a real call: ``types`` (pointers and ints) then
-    ``consts``, in the kernel's parameter order (the signature's order gives the constexprs' indices); the
-    ``UNIT`` strides are the constant 1; ``aligned``: the arguments the JIT would see divisible by 16
-    (pointers, sizes, leading strides)."""
+    """``fn`` compiled for sm_90 as Triton's JIT compiles a real call: ``types`` (pointers and ints) and
+    ``consts`` name every parameter of the kernel; the ``UNIT`` strides are the constant 1; ``aligned``: the
+    arguments the JIT would see divisible by 16 (pointers, sizes, leading strides)."""
     # constants among the arguments: the unit strides, and any given as a value rather than a type string
     units = {name: 1 if name in UNIT else t for name, t in types.items() if name in UNIT or not isinstance(t, str)}
-    signature = {**{k: "constexpr" if k in units else t for k, t in types.items()},
-                 **{name: "constexpr" for name in consts}}
-    names = list(signature)
+    names = list(fn.arg_names)
+    assert set(names) == set(types) | set(consts), set(names) ^ (set(types) | set(consts))
+    signature = {k: "constexpr" if k in units or k in consts else types[k] for k in names}
     src = ASTSource(fn=fn, signature=signature,
                     constexprs={(names.index(k),): v for k, v in {**units, **consts}.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned})
@@ -257,15 +256,26 @@ def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, a
              "h_desc": f"tensordesc<bf16[{bm}, {bn}]>", "a_scale_ptr": "*fp32", "s1_ptr": "*fp32", "s3_ptr": "*fp32",
              "parts_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_pm": "i32"}
     consts = dict(A_ROWWISE=x_rowwise, W_ROWWISE=True, ACT=ACTIVATIONS[act], IMPRECISE_K=promote, BLOCK_M=bm,
-                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], PROGRAMS=132, UP_FIRST=False, PTX_MATH=True)
-    kernel = compile_kernel(gated_prefill_kernel, types, consts, ["a_scale_ptr", "s1_ptr", "s3_ptr", "parts_ptr", "N",
-                                                                  "K"], cfg["num_warps"], cfg["num_stages"])
+                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], PROGRAMS=132, UP_FIRST=False, PTX_MATH=True,
+                  first_tile=0, ws_ptr=None, tickets_ptr=None, TAIL_SPLIT=1)
+    aligned = ["a_scale_ptr", "s1_ptr", "s3_ptr", "parts_ptr", "N", "K"]
+    kernel = compile_kernel(gated_prefill_kernel, {**types, "tiles": "i32"}, consts, aligned, cfg["num_warps"],
+                            cfg["num_stages"])
     ptx = kernel.asm["ptx"]
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) == {"m64n256k32"}
-    # the epilogue's 1 / (1 + e^x) as the GPU runs it (PTX_MATH): flush-to-zero ex2 and rcp, no division
+    # the epilogue's 1 / (1 + e^x) as the GPU runs it (PTX_MATH): flush-to-zero ex2 and rcp, no division; g, u and
+    # act(g) rounded to bf16 by Veltkamp's split (unfused .rn multiply and adds), not by conversions: only h's
+    # conversion to bf16 is one, in pairs
     assert "rcp.approx.ftz.f32" in ptx and "ex2.approx.ftz.f32" in ptx and not re.search(r"div\.\w+\.f32", ptx)
+    assert "mul.rn.f32" in ptx and "cvt.rn.bf16.f32" not in ptx and "cvt.rn.bf16x2.f32" in ptx
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
     assert stack_bytes(kernel) <= (72 if promote else 0), stack_bytes(kernel)
+    # the last round's tiles split along K (a second launch): it compiles, with its partial sums
+    tail = compile_kernel(gated_prefill_kernel, {**types, "tiles": "i32", "first_tile": "i32", "ws_ptr": "*fp32",
+                                                 "tickets_ptr": "*i32"},
+                          {**{k: v for k, v in consts.items() if k not in ("first_tile", "ws_ptr", "tickets_ptr")},
+                           "TAIL_SPLIT": 4}, aligned + ["ws_ptr"], cfg["num_warps"], cfg["num_stages"])
+    assert "atom.global.gpu.acq_rel.add" in tail.asm["ptx"] and tail.metadata.shared <= 227 * 1024
     types = dict(zip(["h_ptr", "parts_ptr", "q_ptr", "scale_ptr"], ["*bf16", "*fp32", "*fp8e4nv", "*fp32"]))
     types.update({name: "i32" for name in ("M", "N", "stride_hm", "stride_pm", "stride_qm")})
     quant_kernel = compile_kernel(quantize_rows_kernel, types, dict(N_PARTS=112, PARTS_BLOCK=128, BLOCK_M=8,
