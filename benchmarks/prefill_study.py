@@ -149,9 +149,6 @@ GATE_UP_TILES = {  # name: (config, programs per SM)
 }
 
 
-TAIL_SPLITS = (1, 2, 3, 6)  # gated_prefill's tail_split values timed beside its default (gate_up_ab)
-
-
 def gate_up_ab(ops: Operands, baselines: str, m: int, rounds: int, out: list) -> None:
     """This tree's gate/up kernel against those of the files in ``baselines`` (``NAME=FILE,...``; same tile), and
     at ``GATE_UP_TILES``, in interleaved rounds."""
@@ -173,8 +170,6 @@ def gate_up_ab(ops: Operands, baselines: str, m: int, rounds: int, out: list) ->
                 "this tree": lambda: gm.gated_prefill(*args, fast_accum=True)}
     for name, (cfg, per_sm) in GATE_UP_TILES.items():
         variants[name] = (lambda c=cfg, p=per_sm: gm.gated_prefill(*args, fast_accum=True, config=c, programs=p * sms))
-    for split in TAIL_SPLITS:
-        variants[f"this tree, tail split {split}"] = lambda t=split: gm.gated_prefill(*args, fast_accum=True, tail_split=t)
     mine = gm.gated_prefill(*args, fast_accum=True)[0]
     for name in list(variants):
         try:

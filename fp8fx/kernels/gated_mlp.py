@@ -55,7 +55,6 @@ ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8
 # GEMM as fp8 codes with K-grouped scales; the other QUANT_* are fp8_gemm's A_QUANT modes
 QUANT_GROUPS = 4
 H_GROUPS = ops.GATED_H_GROUPS
-TAIL_SPLIT_MOST = 4  # gated_prefill's programs a tile of its last round at most (tail_split_for)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -74,15 +73,15 @@ def _inv_one_plus_exp2(y):
 
 @triton.jit
 def _bf16_grid(x):
-    """x rounded to bfloat16 (round to nearest even) and kept float32, in three FMA-pipe instructions: Veltkamp's
+    """x rounded to bfloat16 (to nearest, ties to even) and kept float32, in three FMA-pipe instructions: Veltkamp's
     split with sigma = 2^16 + 1 (0f47800080) keeps the 24 - 16 = 8 significant bits bfloat16 has. The ``.rn``
     suffixes keep ptxas from fusing the multiply and the subtraction into an FMA, which would break the split.
-    ``x.to(tl.bfloat16).to(tl.float32)`` compiles to F2F conversions (and F2FP pairs) on sm_90, which run on the
-    16-results-a-clock pipe that the epilogue's ex2 and rcp also use. Checked over every float32 on the CPU: the same
-    bits as the conversion for every finite |x| in [2^-126, 5.19e33]; -0 gives +0; below 2^-126 (float32
-    subnormals) it rounds to 8 significant bits where bfloat16's own subnormals have fewer; from 5.19e33 up the
-    product overflows and the result is NaN (the epilogue's g and u reach that only with activation and weight
-    scales some 1e28 apart)."""
+    ``x.to(tl.bfloat16).to(tl.float32)`` compiles to F2F conversions on sm_90 (and F2FP for pairs), which run on the
+    16-results-a-clock pipe the epilogue's ex2 and rcp use too. Checked over every float32 on the CPU: the
+    conversion's bits for every |x| in [2^-126, 5.19e33] (on the H200, the prefill kernel's h bit for bit as with the
+    conversions); -0 gives +0; below 2^-126 (float32 subnormals) it keeps 8 significant bits where bfloat16's own
+    subnormals have fewer; from 5.19e33 up the product overflows and the result is NaN (the epilogue's g and u get
+    there only with activation and weight scales some 1e28 apart)."""
     return tl.inline_asm_elementwise(
         "{ .reg .f32 p, d; mul.rn.f32 p, $1, 0f47800080; sub.rn.f32 d, $1, p; add.rn.f32 $0, p, d; }",
         "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
@@ -90,7 +89,7 @@ def _bf16_grid(x):
 
 @triton.jit
 def _rounded(x, H_DTYPE: tl.constexpr, PTX_MATH: tl.constexpr):
-    """x rounded to H_DTYPE and back to float32 (``_bf16_grid`` for bfloat16 where PTX runs)."""
+    """x rounded to H_DTYPE and back to float32 (by ``_bf16_grid`` for bfloat16 where PTX runs)."""
     if PTX_MATH and H_DTYPE == tl.bfloat16:
         return _bf16_grid(x)
     return x.to(H_DTYPE).to(tl.float32)
@@ -211,11 +210,6 @@ def gated_prefill_kernel(
     A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr, UP_FIRST: tl.constexpr = False, PTX_MATH: tl.constexpr = False,
-    # tiles [0, tiles) whole, by PROGRAMS persistent programs; with TAIL_SPLIT > 1 instead tiles [first_tile, tiles),
-    # each by TAIL_SPLIT programs (one launch of that many a tile) that write float32 partial sums
-    # [TAIL_SPLIT, BLOCK_M, 2 BLOCK_N] to ``ws_ptr``, the last of them to take the tile's int32 ticket (``tickets_ptr``,
-    # zero on entry) running its epilogue
-    tiles=None, first_tile=0, ws_ptr=None, tickets_ptr=None, TAIL_SPLIT: tl.constexpr = 1,
 ):
     """``gated_gemm_kernel`` for prefill. Persistent: ``PROGRAMS`` programs walk the output tiles, GROUP_M row
     tiles at a time (the weight tiles they share stay in L2), and the K loop of the next tile is in flight during
@@ -226,11 +220,6 @@ def gated_prefill_kernel(
     The epilogue's activation in PTX (``PTX_MATH``, set on CUDA by ``gated_prefill``): 0.964x -> 0.977x cuBLAS at
     M = 2048, 0.967x -> 0.972x at 4096 (run 24, 7 interleaved rounds).
 
-    The last round of tiles, where fewer tiles than programs are left (``TAIL_SPLIT``): a second launch splits each
-    of those tiles' K loops over TAIL_SPLIT programs, so the round takes about 1 / TAIL_SPLIT of a tile's time
-    and all of the GPU's SMs (the persistent loop cannot take a split tile in its stride: its epilogue made
-    conditional, Triton no longer overlaps the next tile's loads with it).
-
     Against cuBLAS's gate/up GEMM followed by act * mul and the per-token quantization of h, the [M, 2 N] 16-bit
     g and u never reach memory: h [M, N] does, with each row's maxima per tile, and the quantization of h is a
     streaming pass (``quantize_rows_kernel``) with no row reduction left in it."""
@@ -238,84 +227,31 @@ def gated_prefill_kernel(
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
     tiles_in_group = GROUP_M * num_pid_n
-    if TAIL_SPLIT > 1:
-        tile = first_tile + tl.program_id(0) // TAIL_SPLIT
-        part = tl.program_id(0) % TAIL_SPLIT
-        pid_m, pid_n = _grouped_tile(tile, num_pid_m, tiles_in_group, GROUP_M)
-        acc = _gate_up_sum(x_desc, w_desc, pid_m, pid_n, part * k_steps // TAIL_SPLIT,
-                           (part + 1) * k_steps // TAIL_SPLIT, BLOCK_M, BLOCK_N, BLOCK_K, IMPRECISE_K)
-        acc, last = _sum_parts(acc, ws_ptr, tickets_ptr, tile - first_tile, part, TAIL_SPLIT, BLOCK_M, 2 * BLOCK_N)
-        if last:
-            _prefill_epilogue(acc, h_desc, a_scale_ptr, s1_ptr, s3_ptr, parts_ptr, pid_m, pid_n, M, N, stride_pm,
-                              A_ROWWISE, W_ROWWISE, ACT, BLOCK_M, BLOCK_N, UP_FIRST, PTX_MATH)
-    else:
-        for tile in tl.range(tl.program_id(0), tiles, PROGRAMS, flatten=True):
-            pid_m, pid_n = _grouped_tile(tile, num_pid_m, tiles_in_group, GROUP_M)
-            acc = _gate_up_sum(x_desc, w_desc, pid_m, pid_n, 0, k_steps, BLOCK_M, BLOCK_N, BLOCK_K, IMPRECISE_K)
-            _prefill_epilogue(acc, h_desc, a_scale_ptr, s1_ptr, s3_ptr, parts_ptr, pid_m, pid_n, M, N, stride_pm,
-                              A_ROWWISE, W_ROWWISE, ACT, BLOCK_M, BLOCK_N, UP_FIRST, PTX_MATH)
-
-
-@triton.jit
-def _grouped_tile(tile, num_pid_m, tiles_in_group, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n) of the prefill kernel's tile: GROUP_M row tiles a sweep of the weight's column tiles."""
-    first_m = (tile // tiles_in_group) * GROUP_M
-    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
-    return first_m + (tile % tiles_in_group) % rows_in_group, (tile % tiles_in_group) // rows_in_group
-
-
-@triton.jit
-def _gate_up_sum(x_desc, w_desc, pid_m, pid_n, k_lo, k_hi, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, IMPRECISE_K: tl.constexpr):
-    """The [BLOCK_M, 2 BLOCK_N] sums of the tile's gate and up products over the K steps [k_lo, k_hi)."""
-    acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-    for k in range(k_lo, k_hi):  # past K, M and N the copies read zeros
-        a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
-        w = tl.reshape(w_desc.load([0, pid_n * BLOCK_N, k * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
-        acc = tl.dot(a, w.T, acc, max_num_imprecise_acc=IMPRECISE_K)
-    return acc
-
-
-@triton.jit
-def _sum_parts(acc, ws_ptr, tickets_ptr, slot, part, SPLIT: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """(the tile's whole sum, True) for the last of its SPLIT programs to finish, (acc, False) for the others. Each
-    writes its partial sum ``acc`` (split ``part`` of the tile in ``slot``), then takes the tile's ticket; the last
-    sums the SPLIT partials in split order, so the bits do not depend on which finished last. The barrier orders
-    every thread's partial before the (release) ticket, taken by one thread, as ``fp8_gemm._store_tile`` does; the
-    reads go to L2 (``.cg``), past this SM's L1."""
-    offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
-    base = ws_ptr + slot.to(tl.int64) * (SPLIT * ROWS * COLS)
-    tl.store(base + part * (ROWS * COLS) + offs, acc)
-    tl.debug_barrier()
-    last = tl.atomic_add(tickets_ptr + slot, 1, sem="acq_rel") == SPLIT - 1
-    if last:
-        acc = tl.zeros((ROWS, COLS), dtype=tl.float32)
-        for s in tl.static_range(SPLIT):
-            acc += tl.load(base + s * (ROWS * COLS) + offs, cache_modifier=".cg")
-    return acc, last
-
-
-@triton.jit
-def _prefill_epilogue(acc, h_desc, a_scale_ptr, s1_ptr, s3_ptr, parts_ptr, pid_m, pid_n, M, N, stride_pm,
-                      A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, UP_FIRST: tl.constexpr, PTX_MATH: tl.constexpr):
-    """``gated_prefill_kernel``'s epilogue for its tile (pid_m, pid_n): h = act(g) * u stored by a TMA copy, its
-    rows' maxima to ``parts``."""
-    first, second = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-    if UP_FIRST:
-        acc_g, acc_u = second, first
-    else:
-        acc_g, acc_u = first, second
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    # (the epilogue's scales loaded before the K loop spilled 528 bytes a thread; prefetched into L1 there, the
-    # kernel measured 1% slower: H200 run 24)
-    h = _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE, ACT,
-                 h_desc.dtype, PTX_MATH)
-    h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h)  # clipped at M and N
-    # columns past N are act(0) * 0 = 0: no mask needed for the maxima
-    amax = tl.reduce(tl.abs(h.to(tl.float32)), 1, _max_nan)
-    tl.store(parts_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, amax, mask=offs_m < M)
+    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True):
+        first_m = (tile // tiles_in_group) * GROUP_M
+        rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (tile % tiles_in_group) % rows_in_group
+        pid_n = (tile % tiles_in_group) // rows_in_group
+        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
+        for k in range(k_steps):  # past K, M and N the copies read zeros
+            a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
+            w = tl.reshape(w_desc.load([0, pid_n * BLOCK_N, k * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
+            acc = tl.dot(a, w.T, acc, max_num_imprecise_acc=IMPRECISE_K)
+        first, second = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
+        if UP_FIRST:
+            acc_g, acc_u = second, first
+        else:
+            acc_g, acc_u = first, second
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        # (the epilogue's scales loaded before the K loop spilled 528 bytes a thread; prefetched into L1 there, the
+        # kernel measured 1% slower: H200 run 24)
+        h = _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE, ACT,
+                     h_desc.dtype, PTX_MATH)
+        h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h)  # clipped at M and N
+        # columns past N are act(0) * 0 = 0: no mask needed for the maxima
+        amax = tl.reduce(tl.abs(h.to(tl.float32)), 1, _max_nan)
+        tl.store(parts_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, amax, mask=offs_m < M)
 
 
 @triton.jit
@@ -407,15 +343,13 @@ def prefill_tile_config(m: int, n: int, k: int) -> dict:
 
 def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
                   s3: torch.Tensor, h_dtype: torch.dtype, act: str = "silu", fast_accum: bool = False,
-                  config: Optional[dict] = None, programs: Optional[int] = None,
-                  tail_split: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: Optional[dict] = None, programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [M, I] in ``h_dtype``, its row maxima per tile [M, ceil(I / BLOCK_N)]) = ``act(g) * u`` by
     ``gated_prefill_kernel``; the operands as ``gated_mlp``'s, K a multiple of 16 and h's rows of a multiple of 16
     bytes. An operand the TMA copies cannot address (transposed, unaligned) is copied first, as cuBLAS's path copies
     a transposed weight (``fp8fx.ops._row_major``), and one tensor for both gate and up (tied) gets a second one:
     their pair is [2, I, K] (``prefill_fits``: no copy needed). ``programs``: the persistent grid (default: the
-    GPU's SMs; on the CPU 4). ``tail_split``: how many programs share each tile of the last round, where fewer tiles
-    than programs are left (default ``tail_split_for``'s; 1: none)."""
+    GPU's SMs; on the CPU 4)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     xq, w1, w3 = (t if _tma_addressable(t) else t.contiguous() for t in (xq, w1, w3))
@@ -435,33 +369,16 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
     parts = torch.empty(m, triton.cdiv(i, bn), device=xq.device, dtype=torch.float32)
     if programs is None:
         programs = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 4
-    tiles = triton.cdiv(m, bm) * parts.shape[1]
-    programs = max(1, min(programs, tiles))
-    split = tail_split_for(tiles, programs, triton.cdiv(k, bk)) if tail_split is None else tail_split
-    whole = tiles - tiles % programs if split > 1 else tiles
-    descs = (TensorDescriptor(xq, [m, k], [k, 1], [bm, bk]), pair, TensorDescriptor(h, [m, i], [i, 1], [bm, bn]))
-    args = (*descs, x_scale, s1, s3, parts, m, i, k, parts.stride(0))
-    consts = dict(A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
-                  IMPRECISE_K=imprecise_k({"BLOCK_K": bk}, fast_accum), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                  PROGRAMS=programs, UP_FIRST=up_first, PTX_MATH=_compiles_ptx(xq), **cfg)
+    programs = max(1, min(programs, triton.cdiv(m, bm) * parts.shape[1]))
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
-        gated_prefill_kernel[(programs,)](*args, tiles=whole, **consts)
-        if whole < tiles:  # the last round's tiles, each over ``split`` programs
-            ws = torch.empty((tiles - whole) * split, bm, 2 * bn, device=xq.device, dtype=torch.float32)
-            tickets = torch.zeros(tiles - whole, device=xq.device, dtype=torch.int32)
-            gated_prefill_kernel[((tiles - whole) * split,)](*args, tiles=tiles, first_tile=whole, ws_ptr=ws,
-                                                             tickets_ptr=tickets, TAIL_SPLIT=split, **consts)
+        gated_prefill_kernel[(programs,)](
+            TensorDescriptor(xq, [m, k], [k, 1], [bm, bk]), pair, TensorDescriptor(h, [m, i], [i, 1], [bm, bn]),
+            x_scale, s1, s3, parts, m, i, k, parts.stride(0),
+            A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
+            IMPRECISE_K=imprecise_k({"BLOCK_K": bk}, fast_accum), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+            PROGRAMS=programs, UP_FIRST=up_first, PTX_MATH=_compiles_ptx(xq), **cfg,
+        )
     return h, parts
-
-
-def tail_split_for(tiles: int, programs: int, k_steps: int, most: int = TAIL_SPLIT_MOST) -> int:
-    """How many programs share each tile of ``gated_prefill``'s last round (1: none): where ``programs`` do not
-    divide the tiles and the remainder fills at most half of them, as many as keep the remainder within one round
-    of the programs, at most ``most`` and at least 2 K steps each."""
-    left = tiles % programs
-    if tiles <= programs or not left:
-        return 1
-    return max(1, min(programs // left, most, k_steps // 2))
 
 
 def _compiles_ptx(t: torch.Tensor) -> bool:

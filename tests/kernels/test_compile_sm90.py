@@ -256,11 +256,9 @@ def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, a
              "h_desc": f"tensordesc<bf16[{bm}, {bn}]>", "a_scale_ptr": "*fp32", "s1_ptr": "*fp32", "s3_ptr": "*fp32",
              "parts_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_pm": "i32"}
     consts = dict(A_ROWWISE=x_rowwise, W_ROWWISE=True, ACT=ACTIVATIONS[act], IMPRECISE_K=promote, BLOCK_M=bm,
-                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], PROGRAMS=132, UP_FIRST=False, PTX_MATH=True,
-                  first_tile=0, ws_ptr=None, tickets_ptr=None, TAIL_SPLIT=1)
-    aligned = ["a_scale_ptr", "s1_ptr", "s3_ptr", "parts_ptr", "N", "K"]
-    kernel = compile_kernel(gated_prefill_kernel, {**types, "tiles": "i32"}, consts, aligned, cfg["num_warps"],
-                            cfg["num_stages"])
+                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], PROGRAMS=132, UP_FIRST=False, PTX_MATH=True)
+    kernel = compile_kernel(gated_prefill_kernel, types, consts, ["a_scale_ptr", "s1_ptr", "s3_ptr", "parts_ptr", "N",
+                                                                  "K"], cfg["num_warps"], cfg["num_stages"])
     ptx = kernel.asm["ptx"]
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) == {"m64n256k32"}
     # the epilogue's 1 / (1 + e^x) as the GPU runs it (PTX_MATH): flush-to-zero ex2 and rcp, no division; g, u and
@@ -270,12 +268,6 @@ def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, a
     assert "mul.rn.f32" in ptx and "cvt.rn.bf16.f32" not in ptx and "cvt.rn.bf16x2.f32" in ptx
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
     assert stack_bytes(kernel) <= (72 if promote else 0), stack_bytes(kernel)
-    # the last round's tiles split along K (a second launch): it compiles, with its partial sums
-    tail = compile_kernel(gated_prefill_kernel, {**types, "tiles": "i32", "first_tile": "i32", "ws_ptr": "*fp32",
-                                                 "tickets_ptr": "*i32"},
-                          {**{k: v for k, v in consts.items() if k not in ("first_tile", "ws_ptr", "tickets_ptr")},
-                           "TAIL_SPLIT": 4}, aligned + ["ws_ptr"], cfg["num_warps"], cfg["num_stages"])
-    assert "atom.global.gpu.acq_rel.add" in tail.asm["ptx"] and tail.metadata.shared <= 227 * 1024
     types = dict(zip(["h_ptr", "parts_ptr", "q_ptr", "scale_ptr"], ["*bf16", "*fp32", "*fp8e4nv", "*fp32"]))
     types.update({name: "i32" for name in ("M", "N", "stride_hm", "stride_pm", "stride_qm")})
     quant_kernel = compile_kernel(quantize_rows_kernel, types, dict(N_PARTS=112, PARTS_BLOCK=128, BLOCK_M=8,

@@ -480,16 +480,6 @@ PREFILL_CHECK = textwrap.dedent("""
     from fp8fx.kernels.gated_mlp import _compiles_ptx
     assert not _compiles_ptx(SimpleNamespace(is_cuda=True))  # the interpreter runs no inline PTX, CUDA tensors or not
 
-    # the last round's tiles split along K (9 tiles on 4 programs: the 9th by 2, 3 or 4 programs over 8 K steps): h and
-    # its maxima as the unsplit kernel's but where a sum's rounding moved g or u across a bf16 rounding boundary
-    args, _ = mlp_operands(70, 256, 80, 8, "per-token/per-channel", row_gain=torch.logspace(0, 3, 70))
-    xq, xs, w1, s1, w3, s3 = args[:6]
-    whole, whole_parts = gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, config=tile, tail_split=1)
-    for split in (2, 3, 4, None):
-        h, parts = gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, config=tile, tail_split=split)
-        assert (h == whole).float().mean().item() >= 0.99, split
-        assert torch.allclose(h.float(), whole.float(), rtol=2**-7, atol=0) and torch.equal(
-            parts, torch.nn.functional.pad(h.float().abs(), (0, 16)).reshape(70, 3, 32).amax(-1)), split
     print("prefill ok", worst_seen)
 """)
 
@@ -533,9 +523,9 @@ def test_prefill_fits_and_reasons():
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_gated_prefill_kernel_cuda(monkeypatch, act):
     """The prefill gate/up kernel as the GPU runs it (the PTX epilogue: ex2 / rcp and bf16 rounding by
-    ``_bf16_grid``): h has the reference's bits but where g or u sit at a bf16 rounding boundary, and nearly all of
-    the epilogue compiled without PTX (``tl.exp``, division, conversions); its maxima are h's. The last round split
-    along K (``tail_split``, 24 tiles on 10 programs) gives the same h but for such boundaries."""
+    ``_bf16_grid``): h has the reference's bits but where g or u sit at a bf16 rounding boundary, as many of them as
+    the epilogue compiled without PTX (``tl.exp``, division, conversions) has, and nearly all of that one's bits;
+    its maxima are h's."""
     from fp8fx.kernels import gated_mlp as module
 
     m, k, i = 300, 1024, 1000
@@ -554,15 +544,8 @@ def test_gated_prefill_kernel_cuda(monkeypatch, act):
     with monkeypatch.context() as patch:
         patch.setattr(module, "_compiles_ptx", lambda t: False)
         plain, _ = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act)
-    assert (h == plain).float().mean().item() >= 0.999
-    assert module.tail_split_for(3 * 8, 10, k // 128) == 2
-    whole, _ = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, programs=10, tail_split=1)
-    for split in (None, 4):
-        split_h, split_parts = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, programs=10,
-                                                    tail_split=split)
-        assert (split_h == whole).float().mean().item() >= 0.99 and torch.equal(split_parts.isnan(), parts.isnan())
-        assert torch.allclose(split_h.float(), whole.float(), rtol=2**-7, atol=1e-6)
-
+    same, plain_same = (h == want).float().mean().item(), (plain == want).float().mean().item()
+    assert same >= plain_same - 1e-3 and (h == plain).float().mean().item() >= 0.995, (same, plain_same)
 
 def _laid_out(w1, w3, layout):
     """gate and up as a model may hold them: apart (gate allocated first), up allocated first, the two row halves of
