@@ -525,17 +525,17 @@ def test_gated_prefill_kernel_cuda(monkeypatch, act):
     """The prefill gate/up kernel as the GPU runs it (the PTX epilogue: ex2 / rcp and bf16 rounding by
     ``_bf16_grid``): h has the reference's bits but where g or u sit at a bf16 rounding boundary, as many of them as
     the epilogue compiled without PTX (``tl.exp``, division, conversions) has, and nearly all of that one's bits;
-    its maxima are h's."""
+    its maxima are h's. Not counted: silu(g) for g in [-88.7, -87.3], which the PTX epilogue flushes to zero
+    (``_inv_one_plus_exp2``; 0.11% of this data's h, whose rows reach 1000x the first's)."""
     from fp8fx.kernels import gated_mlp as module
 
     m, k, i = 300, 1024, 1000
     args, _ = mlp_operands(m, k, i, 8, "per-token/per-channel", "cuda", row_gain=torch.logspace(0, 3, m), act=act)
     xq, xs, w1, s1, w3, s3 = args[:6]
     x_block, w_block = args[9], args[10]
-    want = ops.GATED_ACTIVATIONS[act](ops.scaled_mm(xq, xs, w1, s1, None, x_block, w_block, torch.bfloat16)) * \
-        ops.scaled_mm(xq, xs, w3, s3, None, x_block, w_block, torch.bfloat16)
+    g = ops.scaled_mm(xq, xs, w1, s1, None, x_block, w_block, torch.bfloat16)
+    want = ops.GATED_ACTIVATIONS[act](g) * ops.scaled_mm(xq, xs, w3, s3, None, x_block, w_block, torch.bfloat16)
     h, parts = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act)
-    assert (h == want).float().mean().item() >= 0.97
     row_max = want.float().abs().amax(1, keepdim=True)
     assert ((h.float() - want.float()).abs() <= want.float().abs() * 2**-6 + row_max * 2**-12 + 1e-6).all()
     bn = module.prefill_tile_config(m, i, k)["BLOCK_N"]
@@ -544,8 +544,11 @@ def test_gated_prefill_kernel_cuda(monkeypatch, act):
     with monkeypatch.context() as patch:
         patch.setattr(module, "_compiles_ptx", lambda t: False)
         plain, _ = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act)
-    same, plain_same = (h == want).float().mean().item(), (plain == want).float().mean().item()
-    assert same >= plain_same - 1e-3 and (h == plain).float().mean().item() >= 0.995, (same, plain_same)
+    counted = ((g.float() + 88.0).abs() > 0.8) if act == "silu" else torch.ones_like(h, dtype=torch.bool)
+    assert counted.float().mean().item() > 0.99
+    same, plain_same = ((h == want)[counted].float().mean().item(), (plain == want)[counted].float().mean().item())
+    assert same >= 0.97 and same >= plain_same - 1e-4, (same, plain_same)
+    assert (h == plain)[counted].float().mean().item() >= 0.9999
 
 def _laid_out(w1, w3, layout):
     """gate and up as a model may hold them: apart (gate allocated first), up allocated first, the two row halves of
