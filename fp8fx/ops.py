@@ -129,23 +129,6 @@ def _(q, scale, block, dtype, input_scale=None, act_block=None):
     return q.new_empty(q.shape, dtype=dtype)
 
 
-# custom_op's register_kernel wraps a kernel in Python layers that run on every call (an output-aliasing check, a frame
-# that disables dynamo, a lookup of the kernel by device type): 40 us a call on the H200's host (torch 2.11; 0.43 ms
-# against 0.35 for the fused MLP's CUDA kernel called directly, in no_grad; the rest is the autograd key's
-# redispatch, which inference_mode skips). fp8fx's CUDA kernels are registered with the dispatcher directly instead:
-# they never return an input or a view of one (what the aliasing check is for), and dynamo puts the ops in its graphs
-# as they are. The ops' CPU kernels (their reference semantics) keep custom_op's.
-_CUDA_KERNELS = torch.library.Library(_LIB, "IMPL")
-
-
-def _cuda_kernel(name: str):
-    """Registers the decorated function as the CUDA kernel of ``fp8fx::name``."""
-    def register(fn):
-        _CUDA_KERNELS.impl(name, fn, "CUDA")
-        return fn
-    return register
-
-
 # --- scaled GEMM ---------------------------------------------------------------------------
 @torch.library.custom_op(f"{_LIB}::scaled_mm", mutates_args=())
 def scaled_mm(
@@ -239,8 +222,8 @@ def _k_groups_agree(x_block, w_block) -> bool:
 TRITON_MAX_M = 64
 
 
-@_cuda_kernel("scaled_mm")
-def _scaled_mm_cuda(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
+@scaled_mm.register_kernel("cuda")
+def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
     k, n = xq.shape[-1], wq.shape[0]
     _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)
     x2 = quant.as_rows(xq)  # [M, K]
@@ -594,8 +577,8 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
     return xq.new_empty((*xq.shape[:-1], w2.shape[0]), dtype=out_dtype)
 
 
-@_cuda_kernel("gated_mlp")
-def _gated_mlp_cuda(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act, h_dtype,
+@gated_mlp.register_kernel("cuda")
+def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act, h_dtype,
       out_dtype, use_fast_accum=False):
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
     _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
@@ -665,8 +648,8 @@ def _(x, wq, w_scale, bias, w_block):
     return x.new_empty((*x.shape[:-1], wq.shape[0]))
 
 
-@_cuda_kernel("weight_only_mm")
-def _weight_only_mm_cuda(x, wq, w_scale, bias, w_block):
+@weight_only_mm.register_kernel("cuda")
+def _(x, wq, w_scale, bias, w_block):
     from fp8fx.kernels.fp8_gemm import fp8_gemm
 
     _check_weight_only_args(x, wq, w_scale, bias, w_block)
@@ -829,8 +812,8 @@ def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
     )
 
 
-@_cuda_kernel("fused_moe")
-def _fused_moe_cuda(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
+@fused_moe.register_kernel("cuda")
+def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
       a2_scale=None, use_fast_accum=False):
     from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
 
