@@ -218,7 +218,11 @@ def gated_prefill_kernel(
     BLOCK_N = 128) instead of two BLOCK_N-wide ones, which re-read the x tile from shared memory: on the H200 at
     4096 x 28672 x 4096, two 128-wide dots ran at 0.77x cuBLAS's gate/up GEMM, one 256-wide at 0.96x (run 23).
     The epilogue's activation in PTX (``PTX_MATH``, set on CUDA by ``gated_prefill``): 0.964x -> 0.977x cuBLAS at
-    M = 2048, 0.967x -> 0.972x at 4096 (run 24, 7 interleaved rounds).
+    M = 2048, 0.967x -> 0.972x at 4096 (run 24, 7 interleaved rounds). Its bf16 roundings of g, u and act(g) on the
+    FMA pipe (``_bf16_grid``), the same bits: 0.974-0.984x -> 0.979-0.996x at 2048, 0.978-0.985x -> 0.990-1.020x at
+    4096 (run 25, two calls). The last round of tiles split along K over the idle SMs, in a second launch, lost
+    (0.968-0.994x at 4096, run 25): flattened with the others, the split made the epilogue conditional and Triton no
+    longer overlapped the next tile's loads with it.
 
     Against cuBLAS's gate/up GEMM followed by act * mul and the per-token quantization of h, the [M, 2 N] 16-bit
     g and u never reach memory: h [M, N] does, with each row's maxima per tile, and the quantization of h is a
