@@ -479,7 +479,6 @@ PREFILL_CHECK = textwrap.dedent("""
     from types import SimpleNamespace
     from fp8fx.kernels.gated_mlp import _compiles_ptx
     assert not _compiles_ptx(SimpleNamespace(is_cuda=True))  # the interpreter runs no inline PTX, CUDA tensors or not
-
     print("prefill ok", worst_seen)
 """)
 
@@ -549,6 +548,7 @@ def test_gated_prefill_kernel_cuda(monkeypatch, act):
     same, plain_same = ((h == want)[counted].float().mean().item(), (plain == want)[counted].float().mean().item())
     assert same >= 0.97 and same >= plain_same - 1e-4, (same, plain_same)
     assert (h == plain)[counted].float().mean().item() >= 0.9999
+
 
 def _laid_out(w1, w3, layout):
     """gate and up as a model may hold them: apart (gate allocated first), up allocated first, the two row halves of
