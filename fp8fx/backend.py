@@ -12,6 +12,7 @@ from fp8fx.dump import GraphDump
 from fp8fx.lowerings import aten, compat
 from fp8fx.ops import GATED_H_GROUPS
 from fp8fx.passes import PassManager, default_passes
+from fp8fx.passes.base import may_record_grad
 from fp8fx.passes.horizontal import AFTER_COMPILE
 from fp8fx.report import Report
 
@@ -210,6 +211,8 @@ class Fp8Backend:
             compiled = compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
         code += captured
         self.report.add_output_code(index, "\n".join(code), gm)
+        if not may_record_grad(gm.graph):  # an inference graph (compiled under no_grad)
+            compiled = compat.below_autograd(compiled)
         return compiled
 
     def _dump(self, gm: fx.GraphModule, index: int) -> Optional[GraphDump]:

@@ -8,6 +8,7 @@ import re
 import sys
 from typing import Any, Optional
 
+import torch
 from torch import fx
 from torch.utils import _pytree as pytree
 
@@ -53,6 +54,21 @@ def amend_sites(ctx: PassContext, nodes: list[fx.Node], note: str, node: Optiona
             i = n.meta["fp8fx_site"]
             site = ctx.report.sites[i]
             ctx.report.sites[i] = dataclasses.replace(site, scheme=f"{site.scheme} {note}", node=node or site.node)
+
+
+def switches_grad_mode(graph: fx.Graph) -> bool:
+    """Whether Dynamo's graph switches grad mode inside: ``torch.enable_grad()`` / ``no_grad()`` in the traced code
+    become ``torch._C._set_grad_enabled`` calls (or a ``wrap_with_set_grad_enabled`` region)."""
+    return any(node.op == "call_function" and (node.target is torch._C._set_grad_enabled
+                                               or "set_grad_enabled" in str(node.target))
+               for node in graph.nodes)
+
+
+def may_record_grad(graph: fx.Graph) -> bool:
+    """Whether ops of ``graph`` may record autograd history: grad was enabled where it was traced, or the graph
+    enables it somewhere inside. A node whose value requires grad then needs its op's autograd formula (fp8fx's ops
+    have none)."""
+    return torch.is_grad_enabled() or switches_grad_mode(graph)
 
 
 def fake_value(node: Any) -> Any:

@@ -32,7 +32,7 @@ from torch import fx
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block
-from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, module_path, set_fake_value
+from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad, module_path, set_fake_value
 from fp8fx.report import Site
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
@@ -311,7 +311,7 @@ class LinearPass(Fp8Pass):
         if isinstance(bv, torch.Tensor) and (bv.dim() != 1 or n is not None and bv.shape[0] != n):
             # F.linear broadcasts a [1, N] bias; the fp8 ops take one value per output column
             return f"bias of shape {list(bv.shape)}, not [{n}]"
-        if torch.is_grad_enabled() and (xv.requires_grad or getattr(bv, "requires_grad", False)):
+        if (xv.requires_grad or getattr(bv, "requires_grad", False)) and may_record_grad(x.graph):
             return (
                 "traced with autograd (activation or bias requires grad); fp8fx rewrites inference: "
                 "call the compiled model under torch.no_grad() or torch.inference_mode()"

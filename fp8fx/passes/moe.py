@@ -51,7 +51,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block
-from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, module_path, set_fake_value
+from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad, module_path, set_fake_value
 from fp8fx.report import Site
 
 _DEQUANT = (torch.ops.fp8fx.dequantize, torch.ops.fp8fx.dequantize.default)
@@ -675,7 +675,7 @@ class MoePass(Fp8Pass):
         if ids not in fp8fx.ops.EXPERT_ID_DTYPES or wts not in _ACT_DTYPES:  # what fused_moe takes
             raise _NoMatch(f"the routing gives {ids} expert ids and {wts} weights; fused_moe takes int32 / int64 ids "
                            "and bf16 / fp16 / fp32 weights")
-        if torch.is_grad_enabled() and (x.requires_grad or fake_value(by_role["wts"]).requires_grad):
+        if (x.requires_grad or fake_value(by_role["wts"]).requires_grad) and may_record_grad(out.graph):
             raise _NoMatch(
                 "traced with autograd (hidden states or routing weights require grad); fp8fx rewrites inference: "
                 "call the compiled model under torch.no_grad() or torch.inference_mode()"
