@@ -76,7 +76,7 @@ class Fp8Backend:
 
     ``report`` lists every linear site of every graph this backend compiled. A graph compiled under
     ``torch.no_grad()`` runs with the autograd dispatch keys excluded, as under ``torch.inference_mode()``
-    (``compat.below_autograd``): fp8fx's ops then skip custom_op's autograd kernel, 60-95 us a call of host time
+    (``compat.below_autograd``): fp8fx's ops then skip custom_op's autograd kernel, 62-95 us a call of host time
     on the H200's host; its outputs are ordinary tensors, as under no_grad.
     """
 

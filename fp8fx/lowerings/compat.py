@@ -77,13 +77,14 @@ def compile_fx(
 
 
 def below_autograd(compiled: Callable) -> Callable:
-    """``compiled`` run with the autograd dispatch keys excluded, for a graph compiled with grad disabled that does
-    not enable it: such a graph records nothing for autograd, and Dynamo's guard on grad mode
-    keeps it to calls made with grad disabled (``fp8fx.passes.base.switches_grad_mode``). What it saves: an op that has no autograd formula (fp8fx's, defined by
-    ``torch.library.custom_op``) still passes through custom_op's autograd kernel under ``no_grad`` (a Python
-    frame and a redispatch), about 60 us a call on the H200's host (torch 2.11: the fused MLP op 0.43 ms a call
-    in no_grad, 0.37 in inference_mode, which excludes the same keys). ``compiled``'s attributes (``_boxed_call``
-    and the like, which its callers read) carry over."""
+    """``compiled`` run with the autograd dispatch keys excluded, as ``torch.inference_mode()`` excludes them but
+    without making inference tensors: for a graph compiled with grad disabled that does not enable it inside
+    (``fp8fx.passes.base.may_record_grad``), which records nothing for autograd, and which Dynamo's guard on grad
+    mode keeps to calls made with grad disabled. What it saves: an op without an autograd formula (fp8fx's, defined
+    by ``torch.library.custom_op``) still passes through custom_op's autograd kernel under ``no_grad`` (a Python
+    frame and a redispatch): 62-95 us a call of the fused MLP op on the H200's host (torch 2.11; 0.43 ms a call
+    in no_grad, 0.37 in inference_mode). ``compiled``'s attributes (``_boxed_call`` and the like, which its
+    callers read) carry over."""
     def run(*args):
         with torch._C._AutoDispatchBelowAutograd():
             return compiled(*args)
