@@ -7,6 +7,7 @@ from torch import nn
 import fp8fx
 from fp8fx.lowerings import compat
 
+
 def _records_autograd(args):
     """Whether a product of a tensor that requires grad records autograd history here."""
     return (args[0] * 2).grad_fn is not None
