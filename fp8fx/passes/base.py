@@ -58,10 +58,9 @@ def amend_sites(ctx: PassContext, nodes: list[fx.Node], note: str, node: Optiona
 
 def switches_grad_mode(graph: fx.Graph) -> bool:
     """Whether Dynamo's graph switches grad mode inside: ``torch.enable_grad()`` / ``no_grad()`` in the traced code
-    become ``torch._C._set_grad_enabled`` calls (or a ``wrap_with_set_grad_enabled`` region)."""
-    return any(node.op == "call_function" and (node.target is torch._C._set_grad_enabled
-                                               or "set_grad_enabled" in str(node.target))
-               for node in graph.nodes)
+    become ``torch._C._set_grad_enabled`` calls (or a ``wrap_with_set_grad_enabled`` region): both targets' names
+    hold "set_grad_enabled"."""
+    return any(node.op == "call_function" and "set_grad_enabled" in str(node.target) for node in graph.nodes)
 
 
 def may_record_grad(graph: fx.Graph) -> bool:
