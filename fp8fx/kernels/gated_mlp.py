@@ -49,6 +49,7 @@ from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _rows_amax, _scale_of
 from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
 from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages
+from fp8fx.kernels.launch import Relaunch
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
 # h quantized in 1 x h_group groups by the gate/up kernel's epilogue (an N tile of it per group), read by the down
@@ -333,6 +334,11 @@ def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0
     return cfg
 
 
+# the prefill kernels run in plain calls, where Triton's per-call binding was a measured part of the op's host time
+# (fp8fx.kernels.launch)
+_GATED_PREFILL, _QUANTIZE_ROWS = Relaunch(gated_prefill_kernel), Relaunch(quantize_rows_kernel)
+
+
 def prefill_tile_config(m: int, n: int, k: int) -> dict:
     """Tiles of ``gated_prefill_kernel``: 128 rows by 128 of gate and 128 of up (one [128, 256] product a K step),
     K steps of 128, 8 warps (two warpgroups of 64 rows), 16 row tiles per sweep of the weight, 3 stages. The best of
@@ -375,7 +381,7 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
         programs = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 4
     programs = max(1, min(programs, triton.cdiv(m, bm) * parts.shape[1]))
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
-        gated_prefill_kernel[(programs,)](
+        _GATED_PREFILL[(programs,)](
             TensorDescriptor(xq, [m, k], [k, 1], [bm, bk]), pair, TensorDescriptor(h, [m, i], [i, 1], [bm, bn]),
             x_scale, s1, s3, parts, m, i, k, parts.stride(0),
             A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
@@ -417,7 +423,7 @@ def quantize_rows(h: torch.Tensor, parts: torch.Tensor, block: tuple[int, int] =
     scale = torch.empty(m, 1, device=h.device, dtype=torch.float32)
     bm, bn = block
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
-        quantize_rows_kernel[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        _QUANTIZE_ROWS[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
             h, parts, q, scale, m, n, h.stride(0), parts.stride(0), q.stride(0),
             N_PARTS=parts.shape[1], PARTS_BLOCK=triton.next_power_of_2(parts.shape[1]), BLOCK_M=bm, BLOCK_N=bn,
             EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, num_warps=4,

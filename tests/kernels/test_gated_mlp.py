@@ -595,3 +595,26 @@ def test_gated_mlp_prefill_cuda(monkeypatch, m, scheme, act, layout):
     assert (errs[:, 0] < errs[:, 1] * 1.25 + 1e-3).all(), errs[:, :2].max(0)
     assert (errs[:, 2] < 0.015 + 0.05 * errs[:, 1]).all(), errs[:, 2].max()
     assert_graph_replays_equal(lambda: ops.gated_mlp(*args), y)
+
+
+@pytest.mark.cuda
+def test_relaunch_matches_triton_cuda(monkeypatch):
+    """The prefill kernels launched through their compiled kernels after the first call (``launch.Relaunch``) give
+    the bits of Triton's own launch path, across token counts that share a launch key (256, 512) and ones that do
+    not (257: not a multiple of 16), called in an order that reuses each key's kernel."""
+    from fp8fx.kernels import gated_mlp as module
+
+    for m in (256, 257, 512, 257, 256):
+        args, _ = mlp_operands(m, 512, 384, 8, "per-token/per-channel", "cuda", seed=m)
+        xq, xs, w1, s1, w3, s3 = args[:6]
+        h, parts = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16)
+        got = (h, parts, *module.quantize_rows(h, parts))
+        with monkeypatch.context() as patch:  # Triton's path, every call
+            patch.setattr(module, "_GATED_PREFILL", module.gated_prefill_kernel)
+            patch.setattr(module, "_QUANTIZE_ROWS", module.quantize_rows_kernel)
+            h0, parts0 = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16)
+            want = (h0, parts0, *module.quantize_rows(h0, parts0))
+        for a, b in zip(got, want):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == quant.FP8_DTYPE else a,
+                               b.view(torch.uint8) if b.dtype == quant.FP8_DTYPE else b), m
+    assert len(module._GATED_PREFILL._compiled) >= 2  # the two keys' kernels, each reused once at least

@@ -1,0 +1,204 @@
+"""Host time of the fused MLP's prefill op, piece by piece, and the block with and without ``Relaunch`` (H200 study,
+issue 3).
+
+Run 25 measured the fused block's host time above its GPU time at 2048 tokens (0.625 against 0.523 ms a call) and
+the fused op's own host time (0.33-0.35 ms called directly) without breaking it down. This script, in one process:
+
+1. the host time a call (no sync; bursts of ``--calls`` calls after a sync, median over ``--bursts``) of the op
+   through ``torch.ops`` (no_grad, and below autograd as ``Fp8Backend`` runs no-grad graphs), its CUDA function
+   called directly, and each piece of it: the checks, ``gated_prefill``, ``quantize_rows``, the down GEMM, the
+   bare launches of the two kernels through Triton's ``kernel[grid]`` and through their compiled kernels, the
+   tensor descriptors, the allocations; each launch-bearing piece both with ``Relaunch`` (this tree) and with
+   Triton's path (``--ab``);
+2. whether the blocks' host time depends on the GPU: each compiled block's host time a call with the GPU idle at
+   the burst's start and with the GPU held busy (``torch.cuda._sleep``) through the whole burst;
+3. the compiled blocks (fused MLP with ``Relaunch`` and with Triton's path, unfused fp8fx, torchao) in interleaved
+   rounds of ``bench_linear.bench`` (``do_bench``, L2 flushed before each call), as ``bench_linear.py`` times them.
+
+    python benchmarks/host_study.py --ms 2048,4096 [--rounds 7] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from benchmarks.bench_linear import DIM, bench, fp8fx_module, mlp_factory, torchao_rowwise  # noqa: E402
+from benchmarks.prefill_study import Operands  # noqa: E402
+from fp8fx import ops, quant  # noqa: E402
+from fp8fx.kernels import gated_mlp as gm  # noqa: E402
+
+
+def host_ms(fn, calls: int, bursts: int, busy_cycles: int = 0) -> float:
+    """Median over bursts of the host time a call of fn() (no sync inside a burst). ``busy_cycles``: the GPU is
+    first given a sleep that outlasts the burst, so no call can wait on it finishing anything."""
+    times = []
+    for _ in range(bursts):
+        torch.cuda.synchronize()
+        if busy_cycles:
+            torch.cuda._sleep(busy_cycles)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) * 1e3 / calls)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
+@contextlib.contextmanager
+def triton_path():
+    """The prefill kernels launched through Triton's ``kernel[grid]`` on every call (as before ``Relaunch``)."""
+    saved = gm._GATED_PREFILL, gm._QUANTIZE_ROWS
+    gm._GATED_PREFILL, gm._QUANTIZE_ROWS = gm.gated_prefill_kernel, gm.quantize_rows_kernel
+    try:
+        yield
+    finally:
+        gm._GATED_PREFILL, gm._QUANTIZE_ROWS = saved
+
+
+def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
+    xq, xs = quant.quantize(x, [1, -1])
+    row, bf16 = [1, -1], torch.bfloat16
+    args = (xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, ops_.w2, ops_.s2, None, row, row, row, row, None, "silu",
+            bf16, bf16, True)
+    impl = ops.gated_mlp._backend_fns["cuda"]
+    h, parts = gm.gated_prefill(xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, bf16, "silu", True)
+    hq, hs = gm.quantize_rows(h, parts)
+    cfg = gm.prefill_tile_config(m, ops_.w1.shape[0], DIM)
+    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    i = ops_.w1.shape[0]
+    low, high = sorted((ops_.w1, ops_.w3), key=lambda t: t.data_ptr())
+    descs = (TensorDescriptor(xq, [m, DIM], [DIM, 1], [bm, bk]),
+             TensorDescriptor(low, [2, i, DIM], [high.data_ptr() - low.data_ptr(), DIM, 1], [2, bn, bk]),
+             TensorDescriptor(h, [m, i], [i, 1], [bm, bn]))
+    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    s1, s3 = ops_.s1.float().reshape(-1).contiguous(), ops_.s3.float().reshape(-1).contiguous()
+    launch_args = (*descs, xs.float().reshape(-1), s1, s3, parts, m, i, DIM, parts.stride(0))
+    launch_kw = dict(A_ROWWISE=True, W_ROWWISE=True, ACT=0, IMPRECISE_K=gm.imprecise_k({"BLOCK_K": bk}, True),
+                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=programs, UP_FIRST=low is ops_.w3, PTX_MATH=True,
+                     GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    compiled = gm.gated_prefill_kernel[(programs,)](*launch_args, **launch_kw)
+    names = gm.gated_prefill_kernel.arg_names
+    positional = (*launch_args, *(launch_kw[n] for n in names[len(launch_args):]))
+
+    def op_below_autograd():
+        with torch._C._AutoDispatchBelowAutograd():
+            ops.gated_mlp(*args)
+
+    def checks():
+        ops._check_gated_mlp_args(xq, ops_.w1, ops_.w3, ops_.w2, None, row, row, row, row, None, "silu")
+        ops._check_gated_mlp_tensors(xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, ops_.w2, ops_.s2, row, row, row,
+                                     bf16, bf16)
+        ops.gated_prefill_reason(m, DIM, i, DIM, row, row, row, row, None, bf16, bf16, xq.device)
+
+    def device_context():
+        with torch.cuda.device(xq.device):
+            pass
+
+    cases = {
+        "op (torch.ops, no_grad)": lambda: ops.gated_mlp(*args),
+        "op (torch.ops, below autograd)": op_below_autograd,
+        "op's CUDA function": lambda: impl(*args),
+        "checks (args, tensors, prefill reason)": checks,
+        "gated_prefill": lambda: gm.gated_prefill(xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, bf16, "silu", True),
+        "quantize_rows": lambda: gm.quantize_rows(h, parts),
+        "cublas_scaled_mm (down)": lambda: ops.cublas_scaled_mm(hq, hs, ops_.w2, ops_.s2, None, row, row, bf16, True),
+        "torch._scaled_mm (down, scales ready)": lambda: torch._scaled_mm(
+            hq, ops_.w2.t(), scale_a=hs, scale_b=ops_.s2r, out_dtype=bf16, use_fast_accum=True),
+        "gate/up launch, kernel[grid]": lambda: gm.gated_prefill_kernel[(programs,)](*launch_args, **launch_kw),
+        "gate/up launch, compiled[grid]": lambda: compiled[(programs, 1, 1)](*positional),
+        "3 TensorDescriptors": lambda: [TensorDescriptor(d.base, d.shape, d.strides, d.block_shape) for d in descs],
+        "2 torch.empty": lambda: (torch.empty(m, i, device="cuda", dtype=bf16),
+                                  torch.empty(m, parts.shape[1], device="cuda")),
+        "torch.cuda.device(x.device) enter/exit": device_context,
+    }
+    ab = {"op (torch.ops, below autograd)", "op's CUDA function", "gated_prefill", "quantize_rows"}
+    with torch.no_grad():
+        for name, fn in cases.items():
+            fn()
+            row_ = {"M": m, "what": "host ms a call", "case": name, "ms": host_ms(fn, calls, bursts)}
+            if name in ab:
+                with triton_path():
+                    fn()
+                    row_["ms_triton_path"] = host_ms(fn, calls, bursts)
+            out.append(row_)
+            extra = f"  (Triton's path {row_['ms_triton_path']:.4f})" if "ms_triton_path" in row_ else ""
+            print(f"M={m} {name:45s} {row_['ms']:.4f} ms{extra}", flush=True)
+
+
+def blocks(ms: list[int], rounds: int, calls: int, bursts: int, out: list) -> None:
+    fresh = mlp_factory("cuda")
+    fused = fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0]
+    variants = {"fp8fx_fused_mlp": fused, "fp8fx": fp8fx_module(fresh(), dynamic=False)[0]}
+    ao, why = torchao_rowwise(fresh())
+    if ao is not None:
+        variants["torchao_rowwise"] = torch.compile(ao, dynamic=False)
+    else:
+        print(why, flush=True)
+
+    names = [*variants, "fp8fx_fused_mlp_triton_path"]
+    for m in ms:
+        x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            for name in names:
+                with triton_path() if name.endswith("triton_path") else contextlib.nullcontext():
+                    fn = variants[name.replace("_triton_path", "")]
+                    fn(x)
+                    idle = host_ms(lambda: fn(x), calls, bursts)
+                    busy = host_ms(lambda: fn(x), calls, bursts, busy_cycles=100_000_000)
+                out.append({"M": m, "what": "block host ms a call", "variant": name, "idle": idle, "busy": busy})
+                print(f"M={m} {name:32s} host {idle:.4f} ms a call (GPU idle at start), {busy:.4f} (GPU busy)",
+                      flush=True)
+            times = {n: [] for n in names}
+            for r in range(rounds):
+                order = names[r % len(names):] + names[:r % len(names)]
+                for name in order:
+                    with triton_path() if name.endswith("triton_path") else contextlib.nullcontext():
+                        times[name].append(bench(variants[name.replace("_triton_path", "")], x, graph=False))
+            for name, t in times.items():
+                out.append({"M": m, "what": "block ms (bench)", "variant": name, "ms": statistics.median(t),
+                            "rounds": t})
+                print(f"M={m} {name:32s} {statistics.median(t):.4f} ms (median of {rounds})", flush=True)
+            if "torchao_rowwise" in times:
+                ao_t = times["torchao_rowwise"]
+                for name in ("fp8fx_fused_mlp", "fp8fx_fused_mlp_triton_path"):
+                    ratios = [a / b for a, b in zip(ao_t, times[name])]
+                    print(f"M={m} {name} vs torchao: median of per-round ratios {statistics.median(ratios):.3f}x "
+                          f"({min(ratios):.3f}-{max(ratios):.3f})", flush=True)
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ms", default="2048,4096")
+    p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--bursts", type=int, default=15)
+    p.add_argument("--no-blocks", action="store_true")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = p.parse_args(argv)
+    ms = [int(v) for v in args.ms.split(",")]
+    out: list = []
+    try:
+        ops_ = Operands(mlp_factory("cuda")())
+        for m in ms:
+            pieces(m, ops_, args.calls, args.bursts, out)
+        del ops_
+        if not args.no_blocks:
+            blocks(ms, args.rounds, args.calls, args.bursts, out)
+    finally:
+        with open(os.path.join(args.out, "host_study.json"), "w") as f:
+            json.dump({"torch": torch.__version__, "rows": out}, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Launching a Triton kernel again without Triton's per-call binding (``Relaunch``).
+
+``kernel[grid](*args, **kwargs)`` binds the arguments to the signature, specializes each one (its dtype, a pointer's
+16-byte alignment, an int equal to 1 or a multiple of 16), formats the compile options into a string for the cache
+key and looks the compiled kernel up, on every call. Prefill without CUDA graphs pays that in each of its calls, and
+the fused MLP's op launched two such kernels a call (its host time above its GPU time at 2048 tokens on the H200,
+benchmarks/RESULTS.md run 25). ``Relaunch(kernel)[grid](...)`` goes through Triton once per launch key and then
+calls the compiled kernel directly: ``CompiledKernel[grid](*args)``, where Triton's own ``run`` ends (triton 3.6
+and 3.9 alike), with the same stream, launch hooks and argument handling (host tensor descriptors included).
+
+The launch key is at least as fine as Triton's own: the current device, every constexpr's value and every compile
+option's (``num_warps``, ...), and for each other argument what Triton specializes on - a tensor's dtype and
+alignment, an int's equality to 1, divisibility by 16 and width, a bool's value, a tensor descriptor's dtype, block
+shape, padding and its shape's and strides' divisibility. A compiled kernel found under it is the one Triton would
+have picked. What this skips: Triton's check that the kernel's globals did not change since it compiled (fp8fx's
+kernels read module constants only), and a change of ``triton.knobs`` debug or instrumentation settings between
+calls (they are part of Triton's key, not of this one). Under ``TRITON_INTERPRET=1`` nothing is compiled, so every
+call takes Triton's path.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+_I32 = (-(2 ** 31), 2 ** 31)
+
+
+def _spec(value: Any) -> Any:
+    """What Triton's specialization of a non-constexpr argument depends on (a conservative superset)."""
+    if isinstance(value, torch.Tensor):
+        return (value.dtype, value.data_ptr() % 16 == 0)
+    kind = type(value)
+    if kind is int:
+        return ("i", value == 1, value % 16 == 0, _I32[0] <= value < _I32[1], value < 2 ** 63)
+    if kind is bool:
+        return ("b", value)
+    if kind is float:
+        return "f"
+    if value is None:
+        return None
+    if hasattr(value, "block_shape"):  # triton.tools.tensor_descriptor.TensorDescriptor
+        return ("d", value.base.dtype, *value.block_shape, value.padding, getattr(value, "round_f32_to_tf32", False),
+                value.base.data_ptr() % 16 == 0, *[s % 16 == 0 for s in value.shape],
+                *[s % 16 == 0 for s in value.strides])
+    return ("v", kind, value)  # anything else by value (must be hashable; Triton would key it by value too)
+
+
+class Relaunch:
+    """``Relaunch(kernel)[grid](*args, **kwargs)``: launches like ``kernel[grid](*args, **kwargs)``; after a launch
+    key's first call, straight through its compiled kernel (module docstring)."""
+
+    def __init__(self, fn: Any):
+        self.fn = fn
+        self._compiled: dict = {}
+        self._params = None  # from the signature, at the first compiled launch (_signature)
+
+    def __getitem__(self, grid: tuple) -> Callable[..., None]:
+        return lambda *args, **kwargs: self._launch(grid, args, kwargs)
+
+    def _signature(self):
+        if self._params is None:
+            params = self.fn.params
+            constexprs = [p.num for p in params if p.is_constexpr]
+            self._params = (
+                {p.name: p.is_constexpr for p in params},  # constexpr?
+                [(p.name, p.default if p.has_default else None) for p in params],
+                constexprs[0] if constexprs else len(params),  # how many leading arguments are not constexprs
+                frozenset(p.name for p in params if not p.is_constexpr),
+            )
+        return self._params
+
+    def _key(self, args: tuple, kwargs: dict) -> tuple:
+        constexpr, _, leading, runtime = self._signature()
+        if len(args) <= leading:  # the usual call: runtime arguments by position, constexprs and options by name
+            key = (torch.cuda.current_device(), *map(_spec, args))
+        else:
+            key = (torch.cuda.current_device(),
+                   *[value if constexpr[name] else _spec(value) for name, value in zip(self.fn.arg_names, args)])
+        if kwargs.keys().isdisjoint(runtime):
+            return (*key, *kwargs.items())
+        return (*key, *[(name, _spec(value) if name in runtime else value) for name, value in kwargs.items()])
+
+    def _launch(self, grid: tuple, args: tuple, kwargs: dict) -> None:
+        key = None if self._params is None else self._key(args, kwargs)
+        kernel = self._compiled.get(key)
+        if kernel is None:
+            kernel = self.fn[grid](*args, **kwargs)
+            if hasattr(kernel, "packed_metadata") and hasattr(kernel, "function"):  # a CompiledKernel
+                self._compiled[key if key is not None else self._key(args, kwargs)] = kernel
+            return
+        defaults = self._params[1]
+        grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)  # the runner indexes all 3
+        kernel[grid](*args, *(kwargs[name] if name in kwargs else default for name, default in defaults[len(args):]))
