@@ -264,11 +264,18 @@ def cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype
     if tuple(x_block) == (-1, -1) and tuple(w_block) == (-1, -1):
         scale_a, scale_b = x_scale.float().reshape(()), w_scale.float().reshape(())
     else:  # row-wise: scale_a [M, 1], scale_b [1, N]
-        scale_a = x_scale.float().reshape(-1, 1).expand(m, 1).contiguous()
-        scale_b = w_scale.float().reshape(1, -1).expand(1, n).contiguous()
+        scale_a, scale_b = _scale_as(x_scale, (m, 1)), _scale_as(w_scale, (1, n))
     y = torch._scaled_mm(x2.contiguous(), _row_major(wq).t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
                          use_fast_accum=use_fast_accum)
     return y if bias is None else y + bias.to(out_dtype)
+
+
+def _scale_as(scale: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """A per-tensor or per-row / per-column scale as the float32 [M, 1] or [1, N] torch._scaled_mm takes; as it is
+    where it already is one (``quantize_rows``'s [M, 1] scales: a call's host time counts at prefill)."""
+    if scale.dtype == torch.float32 and scale.shape == shape and scale.is_contiguous():
+        return scale
+    return scale.float().reshape((-1, 1) if shape[1] == 1 else (1, -1)).expand(shape).contiguous()
 
 
 def _row_major(wq: torch.Tensor) -> torch.Tensor:
