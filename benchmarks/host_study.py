@@ -13,9 +13,10 @@ the fused op's own host time (0.33-0.35 ms called directly) without breaking it 
 2. whether the blocks' host time depends on the GPU: each compiled block's host time a call with the GPU idle at
    the burst's start and with the GPU held busy (``torch.cuda._sleep``) through the whole burst;
 3. the compiled blocks (fused MLP with ``Relaunch`` and with Triton's path, unfused fp8fx, torchao) in interleaved
-   rounds of ``bench_linear.bench`` (``do_bench``, L2 flushed before each call), as ``bench_linear.py`` times them.
+   rounds of ``bench_linear.bench`` (``do_bench``, L2 flushed before each call), as ``bench_linear.py`` times them;
+4. each block's plain call against a CUDA-graph replay of it, after the same flush: what the host costs it.
 
-    python benchmarks/host_study.py --ms 2048,4096 [--rounds 7] [--out DIR]
+    python benchmarks/host_study.py --ms 2048,4096 [--rounds 7] [--no-pieces] [--no-blocks] [--out DIR]
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from benchmarks.bench_linear import DIM, bench, fp8fx_module, mlp_factory, torchao_rowwise  # noqa: E402
+from benchmarks.bench_linear import DIM, bench, capture, fp8fx_module, l2_flushes, mlp_factory, replay_ms  # noqa: E402
+from benchmarks.bench_linear import torchao_rowwise  # noqa: E402
 from benchmarks.prefill_study import Operands  # noqa: E402
 from fp8fx import ops, quant  # noqa: E402
 from fp8fx.kernels import gated_mlp as gm  # noqa: E402
@@ -50,6 +52,22 @@ def host_ms(fn, calls: int, bursts: int, busy_cycles: int = 0) -> float:
         times.append((time.perf_counter() - t0) * 1e3 / calls)
     torch.cuda.synchronize()
     return statistics.median(times)
+
+
+def plain_ms(fn, reps: int = 100) -> float:
+    """Median ms of fn() timed by its own events, each after do_bench's flush (as ``replay_ms`` times replays)."""
+    flush = l2_flushes()["dirty"]
+    for _ in range(3):
+        fn()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        flush()
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
 @contextlib.contextmanager
@@ -121,6 +139,12 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
         "2 torch.empty": lambda: (torch.empty(m, i, device="cuda", dtype=bf16),
                                   torch.empty(m, parts.shape[1], device="cuda")),
         "torch.cuda.device(x.device) enter/exit": device_context,
+        "get_device_properties": lambda: torch.cuda.get_device_properties(xq.device).multi_processor_count,
+        "_gate_up_scales + x_scale prep": lambda: (gm._gate_up_scales(ops_.s1, ops_.s3, i),
+                                                   xs.float().reshape(-1).contiguous()),
+        "_tma_addressable x3 + _compiles_ptx": lambda: ([gm._tma_addressable(t) for t in (xq, ops_.w1, ops_.w3)],
+                                                        gm._compiles_ptx(xq)),
+        "Relaunch key (gate/up)": lambda: gm._GATED_PREFILL._key(launch_args, launch_kw),
     }
     ab = {"op (torch.ops, below autograd)", "op's CUDA function", "gated_prefill", "quantize_rows"}
     with torch.no_grad():
@@ -169,6 +193,20 @@ def blocks(ms: list[int], rounds: int, calls: int, bursts: int, out: list) -> No
                 out.append({"M": m, "what": "block ms (bench)", "variant": name, "ms": statistics.median(t),
                             "rounds": t})
                 print(f"M={m} {name:32s} {statistics.median(t):.4f} ms (median of {rounds})", flush=True)
+            # plain calls against CUDA-graph replays of the same call, both after do_bench's flush: where the plain
+            # call is slower, the host (launch gaps), not the kernels, set its time
+            for name in variants:
+                plain, replay = [], []
+                graph = capture(variants[name], x)
+                for _ in range(3):
+                    plain.append(plain_ms(lambda: variants[name](x)))
+                    replay.append(replay_ms(graph, l2_flushes()["dirty"], 100))
+                del graph
+                row = {"M": m, "what": "plain vs graph ms", "variant": name, "plain": statistics.median(plain),
+                       "graph": statistics.median(replay)}
+                out.append(row)
+                print(f"M={m} {name:32s} plain {row['plain']:.4f} ms, CUDA-graph replay {row['graph']:.4f} ms "
+                      f"(same flush)", flush=True)
             if "torchao_rowwise" in times:
                 ao_t = times["torchao_rowwise"]
                 for name in ("fp8fx_fused_mlp", "fp8fx_fused_mlp_triton_path"):
@@ -184,15 +222,17 @@ def main(argv=None):
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--bursts", type=int, default=15)
     p.add_argument("--no-blocks", action="store_true")
+    p.add_argument("--no-pieces", action="store_true")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
     out: list = []
     try:
-        ops_ = Operands(mlp_factory("cuda")())
-        for m in ms:
-            pieces(m, ops_, args.calls, args.bursts, out)
-        del ops_
+        if not args.no_pieces:
+            ops_ = Operands(mlp_factory("cuda")())
+            for m in ms:
+                pieces(m, ops_, args.calls, args.bursts, out)
+            del ops_
         if not args.no_blocks:
             blocks(ms, args.rounds, args.calls, args.bursts, out)
     finally:
