@@ -12,8 +12,9 @@ the fused op's own host time (0.33-0.35 ms called directly) without breaking it 
    Triton's path (``--ab``);
 2. whether the blocks' host time depends on the GPU: each compiled block's host time a call with the GPU idle at
    the burst's start and with the GPU held busy (``torch.cuda._sleep``) through the whole burst;
-3. the compiled blocks (fused MLP with ``Relaunch`` and with Triton's path, unfused fp8fx, torchao) in interleaved
-   rounds of ``bench_linear.bench`` (``do_bench``, L2 flushed before each call), as ``bench_linear.py`` times them;
+3. the compiled blocks (fused MLP with its ops called directly and through the dispatcher, unfused fp8fx, torchao)
+   in interleaved rounds of ``bench_linear.bench`` (``do_bench``, L2 flushed before each call), as
+   ``bench_linear.py`` times them;
 4. each block's plain call against a CUDA-graph replay of it, after the same flush: what the host costs it.
 
     python benchmarks/host_study.py --ms 2048,4096 [--rounds 7] [--no-pieces] [--no-blocks] [--out DIR]
@@ -127,6 +128,7 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
         "op (torch.ops, no_grad)": lambda: ops.gated_mlp(*args),
         "op (torch.ops, below autograd)": op_below_autograd,
         "op's CUDA function": lambda: impl(*args),
+        "fp8fx.ops.direct.gated_mlp (Inductor's call)": lambda: ops.direct.gated_mlp(*args),
         "checks (args, tensors, prefill reason)": checks,
         "gated_prefill": lambda: gm.gated_prefill(xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, bf16, "silu", True),
         "quantize_rows": lambda: gm.quantize_rows(h, parts),
@@ -161,34 +163,35 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
 
 
 def blocks(ms: list[int], rounds: int, calls: int, bursts: int, out: list) -> None:
+    """The compiled blocks: fused MLP with fp8fx's ops called directly (the default) and through the dispatcher
+    (``direct_calls=False``), unfused fp8fx, torchao."""
     fresh = mlp_factory("cuda")
-    fused = fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0]
-    variants = {"fp8fx_fused_mlp": fused, "fp8fx": fp8fx_module(fresh(), dynamic=False)[0]}
+    variants = {
+        "fp8fx_fused_mlp": fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0],
+        "fp8fx_fused_mlp_dispatcher": fp8fx_module(fresh(), {"fuse_mlp": True, "direct_calls": False},
+                                                   dynamic=False)[0],
+        "fp8fx": fp8fx_module(fresh(), dynamic=False)[0],
+    }
     ao, why = torchao_rowwise(fresh())
     if ao is not None:
         variants["torchao_rowwise"] = torch.compile(ao, dynamic=False)
     else:
         print(why, flush=True)
-
-    names = [*variants, "fp8fx_fused_mlp_triton_path"]
+    names = list(variants)
     for m in ms:
         x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
-            for name in names:
-                with triton_path() if name.endswith("triton_path") else contextlib.nullcontext():
-                    fn = variants[name.replace("_triton_path", "")]
-                    fn(x)
-                    idle = host_ms(lambda: fn(x), calls, bursts)
-                    busy = host_ms(lambda: fn(x), calls, bursts, busy_cycles=100_000_000)
+            for name, fn in variants.items():
+                fn(x)
+                idle = host_ms(lambda: fn(x), calls, bursts)
+                busy = host_ms(lambda: fn(x), calls, bursts, busy_cycles=100_000_000)
                 out.append({"M": m, "what": "block host ms a call", "variant": name, "idle": idle, "busy": busy})
                 print(f"M={m} {name:32s} host {idle:.4f} ms a call (GPU idle at start), {busy:.4f} (GPU busy)",
                       flush=True)
             times = {n: [] for n in names}
             for r in range(rounds):
-                order = names[r % len(names):] + names[:r % len(names)]
-                for name in order:
-                    with triton_path() if name.endswith("triton_path") else contextlib.nullcontext():
-                        times[name].append(bench(variants[name.replace("_triton_path", "")], x, graph=False))
+                for name in names[r % len(names):] + names[:r % len(names)]:
+                    times[name].append(bench(variants[name], x, graph=False))
             for name, t in times.items():
                 out.append({"M": m, "what": "block ms (bench)", "variant": name, "ms": statistics.median(t),
                             "rounds": t})
@@ -209,7 +212,7 @@ def blocks(ms: list[int], rounds: int, calls: int, bursts: int, out: list) -> No
                       f"(same flush)", flush=True)
             if "torchao_rowwise" in times:
                 ao_t = times["torchao_rowwise"]
-                for name in ("fp8fx_fused_mlp", "fp8fx_fused_mlp_triton_path"):
+                for name in ("fp8fx_fused_mlp", "fp8fx_fused_mlp_dispatcher", "fp8fx"):
                     ratios = [a / b for a, b in zip(ao_t, times[name])]
                     print(f"M={m} {name} vs torchao: median of per-round ratios {statistics.median(ratios):.3f}x "
                           f"({min(ratios):.3f}-{max(ratios):.3f})", flush=True)

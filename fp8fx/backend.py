@@ -1,6 +1,7 @@
 """``fp8_backend`` / ``Fp8Backend``: Dynamo graph -> fp8fx passes -> Inductor."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import weakref
@@ -10,6 +11,7 @@ from torch import fx
 
 from fp8fx.dump import GraphDump
 from fp8fx.lowerings import aten, compat
+from fp8fx import ops
 from fp8fx.ops import GATED_H_GROUPS
 from fp8fx.passes import PassManager, default_passes
 from fp8fx.passes.base import may_record_grad
@@ -73,6 +75,11 @@ class Fp8Backend:
       quantization of a 4096- or 14336-wide activation then reads it once instead of twice. Default
       16384 (Llama-3-8B MLP block at M=4096 on the H200, two runs: 1.345 and 1.330 ms against 1.379 and
       1.574 with Inductor's heuristic; M <= 2048 within run-to-run spread); None keeps Inductor's.
+    - ``direct_calls``: Inductor's code calls fp8fx's ops as plain functions (``fp8fx.ops.direct``: the kernel the
+      op would dispatch to, its checks included; ``compat.direct_op_calls``), not through the dispatcher, which
+      boxes their arguments into Python and runs custom_op's layers on every call (0.03-0.06 ms of the fused MLP's
+      prefill op on the H200's host, benchmarks/RESULTS.md run 26). Default True; False keeps
+      ``torch.ops.fp8fx.*`` calls (their names still show in profiler traces either way).
 
     ``report`` lists every linear site of every graph this backend compiled. A graph compiled under
     ``torch.no_grad()`` runs with the autograd dispatch keys excluded, as under ``torch.inference_mode()``
@@ -94,6 +101,7 @@ class Fp8Backend:
         fuse_mlp: bool = False,
         mlp_h_group: Optional[int] = None,
         one_pass_rows: Optional[int] = ONE_PASS_ROWS,
+        direct_calls: bool = True,
     ):
         if compiler not in _COMPILERS:
             raise ValueError(f"Fp8Backend(compiler={compiler!r}): use one of {_COMPILERS}")
@@ -102,7 +110,7 @@ class Fp8Backend:
         if one_pass_rows is not None and (type(one_pass_rows) is not int or one_pass_rows < 1):
             raise ValueError(f"Fp8Backend(one_pass_rows={one_pass_rows!r}): a positive int (row length) or None")
         flags = dict(use_fast_accum=use_fast_accum, cudagraphs=cudagraphs, fuse_horizontal=fuse_horizontal,
-                     fuse_mlp=fuse_mlp)
+                     fuse_mlp=fuse_mlp, direct_calls=direct_calls)
         for name, value in flags.items():  # a truthy string ("false") would switch the option on
             if type(value) is not bool:
                 raise ValueError(f"Fp8Backend({name}={value!r}): True or False")
@@ -119,7 +127,8 @@ class Fp8Backend:
             raise ValueError(f"Fp8Backend(weight_only=True, {', '.join(f'{n}=True' for n in given)}): the fusions "
                              "rewrite fp8 GEMMs, and weight-only GEMMs take 16-bit activations; drop one")
         inductor_only = {"cudagraphs": cudagraphs is True, "inductor_config": bool(inductor_config),
-                         "lowering": lowering != "aten", "one_pass_rows": one_pass_rows != ONE_PASS_ROWS}
+                         "lowering": lowering != "aten", "one_pass_rows": one_pass_rows != ONE_PASS_ROWS,
+                         "direct_calls": direct_calls is not True}
         if compiler == "eager" and any(inductor_only.values()):
             given = [name for name, set_ in inductor_only.items() if set_]
             raise ValueError(f"Fp8Backend(compiler='eager') with {', '.join(given)}: options of Inductor, which this "
@@ -141,6 +150,7 @@ class Fp8Backend:
         dump_dir = os.path.expanduser(dump_dir) if isinstance(dump_dir, str) else dump_dir  # '~/dumps': the home's
         _check_dump_dir(dump_dir)  # last: it makes the folder
         self.one_pass_rows = one_pass_rows
+        self.direct_calls = direct_calls
         self.lowering = lowering
         self.compiler = compiler
         # the folder asked for, as made now (a later chdir does not move it); dump_dir may become a subfolder of it
@@ -158,6 +168,7 @@ class Fp8Backend:
             "fuse_mlp": fuse_mlp,
             "mlp_h_group": mlp_h_group,
             "one_pass_rows": one_pass_rows,
+            "direct_calls": direct_calls,
             "inductor_config": sorted((k, compat.custom_pass_key(v)) for k, v in self.inductor_config.items()),
         }
         passes = default_passes(use_fast_accum=use_fast_accum, weight_only=weight_only, fuse_horizontal=fuse_horizontal,
@@ -210,7 +221,8 @@ class Fp8Backend:
         user_pass = self.inductor_config.get(key, compat.inductor_config_value(key))
         patches = {**self.inductor_config, key: self.pass_manager.with_user_pass(user_pass)}
         decomps = aten.decompositions() if self.lowering == "aten" and aten.applies(example_inputs) else None
-        with compat.capture_output_code() as captured, compat.one_pass_row_reductions(self.one_pass_rows):
+        direct = compat.direct_op_calls(vars(ops.direct)) if self.direct_calls else contextlib.nullcontext()
+        with compat.capture_output_code() as captured, compat.one_pass_row_reductions(self.one_pass_rows), direct:
             compiled = compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
         code += captured
         self.report.add_output_code(index, "\n".join(code), gm)

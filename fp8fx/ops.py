@@ -23,14 +23,38 @@ Blocks are ``[rows, cols]`` lists over a 2-D view with ``-1`` = whole dim (see `
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+import types
+from typing import Callable, Optional, Sequence
 
 import torch
 
 from fp8fx import quant
+from fp8fx.lowerings import compat
 
 # Everything here is functional (no op mutates its inputs).
 _LIB = "fp8fx"
+# each op's Python functions, as defined here: {name: function} for any device (custom_op's own) and for CUDA;
+# ``direct`` calls them without the dispatcher
+_DEFAULT_FNS: dict[str, Callable] = {}
+_CUDA_FNS: dict[str, Callable] = {}
+_OPS: dict[str, object] = {}  # name: its CustomOpDef
+
+
+def _op(name: str) -> Callable[[Callable], "torch._library.custom_ops.CustomOpDef"]:
+    """``torch.library.custom_op("fp8fx::<name>", mutates_args=())``, keeping the function it wraps for ``direct``."""
+    def define(fn: Callable):
+        _DEFAULT_FNS[name] = fn
+        _OPS[name] = torch.library.custom_op(f"{_LIB}::{name}", mutates_args=())(fn)
+        return _OPS[name]
+    return define
+
+
+def _on_cuda(op) -> Callable[[Callable], Callable]:
+    """``op.register_kernel("cuda")``, keeping the kernel function for ``direct``."""
+    def register(fn: Callable) -> Callable:
+        _CUDA_FNS[next(name for name, defined in _OPS.items() if defined is op)] = fn
+        return op.register_kernel("cuda")(fn)
+    return register
 
 
 def _ceil_div(a, b):
@@ -49,7 +73,7 @@ def check_block(block: Sequence[int], what: str) -> None:
 
 
 # --- quantize -------------------------------------------------------------------------------
-@torch.library.custom_op(f"{_LIB}::quantize", mutates_args=())
+@_op("quantize")
 def quantize(x: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     check_block(block, "block")
     q, scale = quant.quantize_rows(x, block)
@@ -86,7 +110,7 @@ def _check_positive_value(scale: torch.Tensor, what: str) -> None:
             raise ValueError(f"{what} is {value}; a static scale must be a positive finite float")
 
 
-@torch.library.custom_op(f"{_LIB}::quantize_static", mutates_args=())
+@_op("quantize_static")
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     check_static_scale(scale)
     return quant.quantize_with_scale(quant.as_rows(x), scale, [-1, -1]).reshape(x.shape).contiguous()
@@ -99,7 +123,7 @@ def _(x, scale):
 
 
 # --- dequantize (the weight view) ----------------------------------------------------------
-@torch.library.custom_op(f"{_LIB}::dequantize", mutates_args=())
+@_op("dequantize")
 def dequantize(
     q: torch.Tensor,
     scale: torch.Tensor,
@@ -130,7 +154,7 @@ def _(q, scale, block, dtype, input_scale=None, act_block=None):
 
 
 # --- scaled GEMM ---------------------------------------------------------------------------
-@torch.library.custom_op(f"{_LIB}::scaled_mm", mutates_args=())
+@_op("scaled_mm")
 def scaled_mm(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
@@ -222,7 +246,7 @@ def _k_groups_agree(x_block, w_block) -> bool:
 TRITON_MAX_M = 64
 
 
-@scaled_mm.register_kernel("cuda")
+@_on_cuda(scaled_mm)
 def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
     k, n = xq.shape[-1], wq.shape[0]
     _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)
@@ -375,7 +399,7 @@ def _per_channel(wqs: list[torch.Tensor], ss: list[torch.Tensor]) -> torch.Tenso
     return torch.cat([s.float().reshape(1).expand(w.shape[0]) for w, s in zip(wqs, ss)]).reshape(-1, 1)
 
 
-@torch.library.custom_op(f"{_LIB}::scaled_mm_fused", mutates_args=())
+@_op("scaled_mm_fused")
 def scaled_mm_fused(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
@@ -541,7 +565,7 @@ def gated_prefill_reason(m: int, k: int, i: int, n: int, x_block, w_block, h_blo
     return ""
 
 
-@torch.library.custom_op(f"{_LIB}::gated_mlp", mutates_args=())
+@_op("gated_mlp")
 def gated_mlp(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
@@ -584,7 +608,7 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
     return xq.new_empty((*xq.shape[:-1], w2.shape[0]), dtype=out_dtype)
 
 
-@gated_mlp.register_kernel("cuda")
+@_on_cuda(gated_mlp)
 def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act, h_dtype,
       out_dtype, use_fast_accum=False):
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
@@ -640,7 +664,7 @@ def _check_weight_only_args(x, wq, w_scale, bias, w_block) -> None:
     _check_bias(bias, wq.shape[0], "fp8fx.weight_only_mm")
 
 
-@torch.library.custom_op(f"{_LIB}::weight_only_mm", mutates_args=())
+@_op("weight_only_mm")
 def weight_only_mm(
     x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, bias: Optional[torch.Tensor], w_block: list[int]
 ) -> torch.Tensor:
@@ -655,7 +679,7 @@ def _(x, wq, w_scale, bias, w_block):
     return x.new_empty((*x.shape[:-1], wq.shape[0]))
 
 
-@weight_only_mm.register_kernel("cuda")
+@_on_cuda(weight_only_mm)
 def _(x, wq, w_scale, bias, w_block):
     from fp8fx.kernels.fp8_gemm import fp8_gemm
 
@@ -743,7 +767,7 @@ def fused_moe_reference(
     return (y * weights).reshape(t, k, h).sum(dim=1).to(out_dtype)
 
 
-@torch.library.custom_op(f"{_LIB}::fused_moe", mutates_args=())
+@_op("fused_moe")
 def fused_moe(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -819,7 +843,7 @@ def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
     )
 
 
-@fused_moe.register_kernel("cuda")
+@_on_cuda(fused_moe)
 def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
       a2_scale=None, use_fast_accum=False):
     from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
@@ -838,3 +862,29 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
     return fused_moe_reference(
         x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
     )
+
+
+# --- the ops as plain function calls -------------------------------------------------------------------------
+def _direct_call(name: str) -> Callable:
+    default, cuda = _DEFAULT_FNS[name], _CUDA_FNS.get(name, _DEFAULT_FNS[name])
+    label = f"{_LIB}::{name}"
+
+    def call(*args, **kwargs):
+        fn = cuda if args[0].is_cuda else default
+        if compat.profiler_on():  # the op's name in traces, as a dispatched call has it
+            with torch.profiler.record_function(label):
+                return fn(*args, **kwargs)
+        return fn(*args, **kwargs)
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = f"torch.ops.{_LIB}.{name}(*args, **kwargs)'s kernel, called without the dispatcher."
+    return call
+
+
+# ``direct.<op>(*args, **kwargs)`` runs what ``torch.ops.fp8fx.<op>(*args, **kwargs)`` runs: the op's CUDA kernel
+# function for CUDA tensors (the first argument's device), its own function elsewhere, checks included. What it
+# leaves out: the dispatcher boxing ~18 arguments into Python and custom_op's autograd, aliasing and
+# ``_disable_dynamo`` layers, 0.03-0.06 ms of the fused MLP's prefill op on the H200's host (benchmarks/RESULTS.md
+# run 26), and torch.library's switch that disables a kernel. Inductor's code calls these for fp8fx's fallback
+# kernels under ``Fp8Backend`` (``direct_calls``; ``fp8fx.lowerings.compat.direct_op_calls``). The ops have no
+# autograd formula, and the graphs calling these record no gradient (the passes rewrite no site that does).
+direct = types.SimpleNamespace(**{name: _direct_call(name) for name in _DEFAULT_FNS})

@@ -255,13 +255,15 @@ def _size(n: int) -> str:
 #     triton_poi_fused_relu_0 = async_compile.triton('triton_poi_fused_relu_0', '''...''')
 # and precedes the calls it makes for a group of graph nodes with
 #     # Topologically Sorted Source Nodes: [scaled_mm_default, relu], Original ATen: [...]
-# then calls an extern kernel (extern_kernels.addmm(...), torch.ops.fp8fx.scaled_mm.default(...)) or a
+# then calls an extern kernel (extern_kernels.addmm(...), torch.ops.fp8fx.scaled_mm.default(...), or
+# fp8fx_direct.scaled_mm(...): fp8fx's op called without the dispatcher, ``Fp8Backend(direct_calls=True)``) or a
 # generated one (triton_tem_fused_mm_0.run(...), cpp_fused_relu_0(...)). Checked on torch 2.13 (CPU)
 # and 2.11 (CUDA); Triton GEMM templates (max_autotune) only from Inductor's source, not in a real run.
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)
 _SOURCE_NODES = re.compile(r"#.*Source Nodes: \[([^\]]*)\]")
 _CALL = re.compile(r"^\s*(?:\w+ = )?([\w.]+)\(")
-_MOE_OPS = ("torch.ops.fp8fx.fused_moe",)  # fp8fx's MoE op: an extern kernel on every device
+_MOE_OPS = ("torch.ops.fp8fx.fused_moe", "fp8fx_direct.fused_moe")  # fp8fx's MoE op: an extern kernel everywhere
+_EXTERN = ("extern_kernels.", "torch.ops.", "fp8fx_direct.")
 _TEMPLATE_PARAMS = re.compile(r"\b(BLOCK_[MNK]|num_stages|num_warps)\s*(?::\s*tl\.constexpr\s*)?=\s*(\d+)")
 
 
@@ -285,7 +287,7 @@ def gemm_kernels(code: str) -> dict[str, str]:
             continue
         call = _CALL.match(line)
         callee = _callee(call.group(1)) if call else ""
-        extern = callee.startswith(("extern_kernels.", "torch.ops."))
+        extern = callee.startswith(_EXTERN)
         gemm = any(part in callee.rpartition(".")[2] for part in ("mm", "mlp")) and (extern or callee in generated)
         if gemm or callee in _MOE_OPS:  # not a generated kernel named after an input's cast fused with it
             for n in nodes:
@@ -304,6 +306,8 @@ def _callee(text: str) -> str:
 
 def _describe(callee: str, code: str, generated: set[str]) -> str:
     if callee not in generated:
+        if callee.startswith("fp8fx_direct."):
+            return "extern fp8fx." + callee.removeprefix("fp8fx_direct.")
         return "extern " + callee.removeprefix("extern_kernels.").removeprefix("torch.ops.")
     if callee.startswith("triton_tem_"):
         return " ".join(["template", callee] + [f"{k}={v}" for k, v in _template_params(callee, code)])

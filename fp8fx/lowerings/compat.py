@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -91,6 +92,58 @@ def below_autograd(compiled: Callable) -> Callable:
 
     run.__dict__.update(getattr(compiled, "__dict__", {}))
     return run
+
+
+_DIRECT = threading.local()  # .names: the fp8fx ops this thread's Inductor codegen calls directly, while set
+
+
+@contextlib.contextmanager
+def direct_op_calls(names: Sequence[str], namespace: str = "fp8fx.ops.direct") -> Iterator[None]:
+    """While it is open, Inductor's Python wrapper code calls the fallback kernels of the ops ``fp8fx::<name>`` as
+    ``<namespace>.<name>(...)`` (imported as ``fp8fx_direct``) instead of ``torch.ops.fp8fx.<name>.default(...)``:
+    the same arguments, the same buffer name. Through ``CUSTOM_EXTERN_KERNEL_CODEGEN``, Inductor's table of custom
+    codegen for fallback kernels (torch 2.11 and 2.13); its entries for fp8fx's ops write the default call (an
+    ``ExternKernelAllocLine``) outside this context, so another backend's graphs are untouched. Where the table is
+    missing (another torch), the ops are called through the dispatcher, as before."""
+    try:
+        from torch._inductor.codegen.custom_extern_kernel_codegen import CUSTOM_EXTERN_KERNEL_CODEGEN, CustomCodegen
+    except ImportError:
+        yield
+        return
+    for name in names:
+        CUSTOM_EXTERN_KERNEL_CODEGEN.setdefault(f"torch.ops.fp8fx.{name}.default",
+                                                CustomCodegen(python=_DirectCall(name, namespace)))
+    saved = getattr(_DIRECT, "names", None)
+    _DIRECT.names = frozenset(names)
+    try:
+        yield
+    finally:
+        _DIRECT.names = saved
+
+
+class _DirectCall:
+    """The Python wrapper codegen of one fp8fx op's fallback kernel (``direct_op_calls``)."""
+
+    def __init__(self, name: str, namespace: str):
+        self.name, self.namespace = name, namespace
+
+    def __call__(self, node: Any, writeline: Callable[[Any], None]) -> None:
+        from torch._inductor.codegen.wrapper import ExternKernelAllocLine
+        from torch._inductor.virtualized import V
+
+        wrapper = V.graph.wrapper_code
+        if self.name not in (getattr(_DIRECT, "names", None) or ()):
+            writeline(ExternKernelAllocLine(wrapper, node))  # what Inductor writes without this entry
+            return
+        module, _, attr = self.namespace.rpartition(".")
+        wrapper.add_import_once(f"from {module} import {attr} as fp8fx_direct")
+        args = ", ".join([*node.codegen_args(), *node.codegen_kwargs()])
+        writeline(f"{node.get_name()} = fp8fx_direct.{self.name}({args})")
+
+
+def profiler_on() -> bool:
+    """Whether a torch profiler (``torch.profiler.profile``, ``torch.autograd.profiler.profile``) is recording."""
+    return torch.autograd.profiler._is_profiler_enabled
 
 
 class _OnePassRows:

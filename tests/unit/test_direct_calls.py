@@ -1,0 +1,85 @@
+"""``Fp8Backend(direct_calls=True)`` (the default): Inductor's code calls fp8fx's ops as plain functions
+(``fp8fx.ops.direct``, ``compat.direct_op_calls``) instead of through the dispatcher - the same kernels on the same
+arguments, so the same bits; the report still names the GEMMs; profiles still show the ops; ``direct_calls=False`` and
+graphs compiled outside fp8fx's backend keep ``torch.ops.fp8fx.*`` calls."""
+import pytest
+import torch
+from torch import nn
+from torch._inductor.utils import run_and_get_code
+
+import fp8fx
+from fp8fx import ops
+
+
+class GatedMlp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+        self.gate, self.up = nn.Linear(64, 128, bias=False), nn.Linear(64, 128, bias=False)
+        self.down = nn.Linear(128, 64, bias=False)
+
+    def forward(self, x):
+        x = self.proj(x)
+        return self.down(nn.functional.silu(self.gate(x)) * self.up(x))
+
+
+def _compiled(direct_calls: bool, **options):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GatedMlp().to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config())
+    backend = fp8fx.Fp8Backend(direct_calls=direct_calls, **options)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out, code = run_and_get_code(torch.compile(model, backend=backend), x)
+    return out, "\n".join(code), backend
+
+
+@pytest.mark.parametrize("fuse_mlp", [False, True])
+def test_direct_calls_run_the_ops_kernels_with_the_same_bits(fuse_mlp):
+    out, code, backend = _compiled(True, fuse_mlp=fuse_mlp)
+    ref, ref_code, ref_backend = _compiled(False, fuse_mlp=fuse_mlp)
+    assert torch.equal(out, ref)
+    gemms = ["scaled_mm", "gated_mlp"] if fuse_mlp else ["scaled_mm"] * 4
+    assert "from fp8fx.ops import direct as fp8fx_direct" in code
+    for op in set(gemms):
+        assert code.count(f"= fp8fx_direct.{op}(") == gemms.count(op), code
+        assert f"torch.ops.fp8fx.{op}.default(" not in code.replace(f"'torch.ops.fp8fx.{op}.default'", "")
+        assert ref_code.count(f"= torch.ops.fp8fx.{op}.default(") == gemms.count(op) and "fp8fx_direct" not in ref_code
+    # the report reads the GEMM each site runs from the code, either way
+    kernels = {s.fqn: s.kernel for s in backend.report.sites}
+    assert kernels == {s.fqn: s.kernel for s in ref_backend.report.sites}
+    assert set(kernels.values()) == {f"extern fp8fx.{op}" for op in gemms}, kernels
+
+
+def test_every_op_has_a_direct_call_with_its_name_in_profiles():
+    assert set(vars(ops.direct)) == {"quantize", "quantize_static", "dequantize", "scaled_mm", "scaled_mm_fused",
+                                     "gated_mlp", "weight_only_mm", "fused_moe"}
+    assert all(hasattr(torch.ops.fp8fx, name) for name in vars(ops.direct))
+    assert set(ops._CUDA_FNS) == {"scaled_mm", "gated_mlp", "weight_only_mm", "fused_moe"}
+    x = torch.randn(4, 64)
+    q, s = ops.direct.quantize(x, [1, -1])
+    q2, s2 = torch.ops.fp8fx.quantize(x, [1, -1])
+    assert torch.equal(q.view(torch.uint8), q2.view(torch.uint8)) and torch.equal(s, s2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        ops.direct.quantize(x, [1, -1])
+    assert "fp8fx::quantize" in {e.name for e in prof.events()}
+    with pytest.raises(ValueError, match="block"):  # the op's own checks run
+        ops.direct.quantize(x, [0, 128])
+
+
+def test_other_compilers_keep_the_op_calls():
+    """After fp8fx's backend has compiled with direct calls, a graph compiled by plain Inductor calls the ops
+    through the dispatcher (the codegen entries are fp8fx's only while its backend compiles)."""
+    _compiled(True)
+    torch._dynamo.reset()
+    _, code = run_and_get_code(torch.compile(lambda x: torch.ops.fp8fx.quantize(x * 2, [1, -1])), torch.randn(4, 64))
+    assert "torch.ops.fp8fx.quantize.default(" in "\n".join(code) and "fp8fx_direct" not in "\n".join(code)
+
+
+def test_the_option_is_checked_and_keys_the_cache():
+    with pytest.raises(ValueError, match="direct_calls='no'"):
+        fp8fx.Fp8Backend(direct_calls="no")
+    with pytest.raises(ValueError, match="compiler='eager'.*direct_calls"):
+        fp8fx.Fp8Backend(compiler="eager", direct_calls=False)
+    assert fp8fx.Fp8Backend(direct_calls=False).cache_key() != fp8fx.Fp8Backend().cache_key()
