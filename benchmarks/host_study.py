@@ -162,6 +162,43 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
             print(f"M={m} {name:45s} {row_['ms']:.4f} ms{extra}", flush=True)
 
 
+def interleaved(m: int, calls: int, rounds: int, out: list) -> None:
+    """Host time a call of the fused op through ``torch.ops`` (below autograd) and through ``fp8fx.ops.direct``, and
+    of the compiled fused block with and without ``direct_calls``: bursts of each in turn, ``rounds`` times, so that
+    the host's drift (which moved single measurements by up to 2x in run 26) falls on all alike."""
+    fresh = mlp_factory("cuda")
+    ops_ = Operands(fresh())
+    x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
+    xq, xs = quant.quantize(x, [1, -1])
+    row, bf16 = [1, -1], torch.bfloat16
+    args = (xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, ops_.w2, ops_.s2, None, row, row, row, row, None, "silu",
+            bf16, bf16, True)
+
+    def op_below_autograd():
+        with torch._C._AutoDispatchBelowAutograd():
+            ops.gated_mlp(*args)
+
+    def direct_below_autograd():
+        with torch._C._AutoDispatchBelowAutograd():
+            ops.direct.gated_mlp(*args)
+    blocks_ = {name: fp8fx_module(fresh(), {"fuse_mlp": True, "direct_calls": name.endswith("direct")},
+                                  dynamic=False)[0] for name in ("block, direct", "block, dispatcher")}
+    fns = {"op, torch.ops": op_below_autograd, "op, direct": direct_below_autograd,
+           **{name: (lambda b: lambda: b(x))(b) for name, b in blocks_.items()}}
+    times = {name: [] for name in fns}
+    with torch.no_grad():
+        for fn in fns.values():
+            fn()
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                times[name].append(host_ms(fn, calls, 1))
+    for name, t in times.items():
+        out.append({"M": m, "what": "host ms a call, interleaved", "case": name, "ms": statistics.median(t),
+                    "rounds": t})
+        print(f"M={m} {name:20s} host {statistics.median(t):.4f} ms a call (median of {rounds} interleaved bursts; "
+              f"quartiles {statistics.quantiles(t)[0]:.4f}-{statistics.quantiles(t)[2]:.4f})", flush=True)
+
+
 def blocks(ms: list[int], rounds: int, calls: int, bursts: int, out: list) -> None:
     """The compiled blocks: fused MLP with fp8fx's ops called directly (the default) and through the dispatcher
     (``direct_calls=False``), unfused fp8fx, torchao."""
@@ -226,6 +263,8 @@ def main(argv=None):
     p.add_argument("--bursts", type=int, default=15)
     p.add_argument("--no-blocks", action="store_true")
     p.add_argument("--no-pieces", action="store_true")
+    p.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
+                   help="the op and the fused block with and without direct calls, in interleaved bursts")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     ms = [int(v) for v in args.ms.split(",")]
@@ -236,6 +275,9 @@ def main(argv=None):
             for m in ms:
                 pieces(m, ops_, args.calls, args.bursts, out)
             del ops_
+        if args.interleaved:
+            for m in ms:
+                interleaved(m, args.calls, args.interleaved, out)
         if not args.no_blocks:
             blocks(ms, args.rounds, args.calls, args.bursts, out)
     finally:

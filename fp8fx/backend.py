@@ -77,8 +77,9 @@ class Fp8Backend:
       1.574 with Inductor's heuristic; M <= 2048 within run-to-run spread); None keeps Inductor's.
     - ``direct_calls``: Inductor's code calls fp8fx's ops as plain functions (``fp8fx.ops.direct``: the kernel the
       op would dispatch to, its checks included; ``compat.direct_op_calls``), not through the dispatcher, which
-      boxes their arguments into Python and runs custom_op's layers on every call (0.03-0.06 ms of the fused MLP's
-      prefill op on the H200's host, benchmarks/RESULTS.md run 26). Default True; False keeps
+      boxes their arguments into Python and runs custom_op's layers on every call (0.05-0.075 ms less host time a
+      call of the fused MLP's prefill op on the H200's host, 0.04-0.10 ms a compiled block; benchmarks/RESULTS.md
+      run 26). Default True; False keeps
       ``torch.ops.fp8fx.*`` calls (their names still show in profiler traces either way).
 
     ``report`` lists every linear site of every graph this backend compiled. A graph compiled under

@@ -883,8 +883,9 @@ def _direct_call(name: str) -> Callable:
 # ``direct.<op>(*args, **kwargs)`` runs what ``torch.ops.fp8fx.<op>(*args, **kwargs)`` runs: the op's CUDA kernel
 # function for CUDA tensors (the first argument's device), its own function elsewhere, checks included. What it
 # leaves out: the dispatcher boxing ~18 arguments into Python and custom_op's autograd, aliasing and
-# ``_disable_dynamo`` layers, 0.03-0.06 ms of the fused MLP's prefill op on the H200's host (benchmarks/RESULTS.md
-# run 26), and torch.library's switch that disables a kernel. Inductor's code calls these for fp8fx's fallback
-# kernels under ``Fp8Backend`` (``direct_calls``; ``fp8fx.lowerings.compat.direct_op_calls``). The ops have no
-# autograd formula, and the graphs calling these record no gradient (the passes rewrite no site that does).
+# ``_disable_dynamo`` layers (0.05-0.075 ms a call of the fused MLP's prefill op on the H200's host,
+# benchmarks/RESULTS.md run 26), and torch.library's switch that disables a kernel. Inductor's code calls these for
+# fp8fx's fallback kernels under ``Fp8Backend`` (``direct_calls``; ``fp8fx.lowerings.compat.direct_op_calls``). The
+# ops have no autograd formula, and the graphs calling these record no gradient (the passes rewrite no site that
+# does).
 direct = types.SimpleNamespace(**{name: _direct_call(name) for name in _DEFAULT_FNS})
