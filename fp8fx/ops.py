@@ -144,7 +144,7 @@ def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, block, dtype: t
     if q.dim() < 2:
         raise ValueError(f"fp8fx.dequantize: q has shape {list(q.shape)}; it dequantizes a [N, K] weight (or experts' "
                          "[E, N, K])")
-    _check_scale_size("fp8fx.dequantize", "scale", scale, f"a {list(q.shape)} weight", q.shape, block)
+    _check_scale_size("fp8fx.dequantize", "scale", scale, lambda: f"a {list(q.shape)} weight", q.shape, block)
 
 
 @dequantize.register_fake
@@ -177,17 +177,18 @@ def _check_bias(bias: Optional[torch.Tensor], n: int, what: str) -> None:
         raise ValueError(f"{what}: bias has shape {list(bias.shape)}; it must be [{n}] (one per output column)")
 
 
-def _check_scale_size(what: str, name: str, scale: torch.Tensor, of: str, shape, block) -> None:
-    """``scale`` holds as many values as ``block`` over a tensor of ``shape`` (described as ``of``) needs, and, where
-    they form a grid of several rows and columns of blocks, a row of the grid in its last dim: the kernels read it
-    row-major, so a transposed grid ([K/bk, N/bn] from a converter) had the count and was read scrambled."""
+def _check_scale_size(what: str, name: str, scale: torch.Tensor, of: Callable[[], str], shape, block) -> None:
+    """``scale`` holds as many values as ``block`` over a tensor of ``shape`` (described as ``of()``, formatted only
+    for an error: the ops check on every call) needs, and, where they form a grid of several rows and columns of
+    blocks, a row of the grid in its last dim: the kernels read it row-major, so a transposed grid ([K/bk, N/bn]
+    from a converter) had the count and was read scrambled."""
     grid = quant.scale_shape(shape, block)
     want = math.prod(grid)
     if scale.numel() != want:
         raise ValueError(f"{what}: {name} has {scale.numel()} elements (shape {list(scale.shape)}); block "
-                         f"{list(block)} of {of} needs {want}")
+                         f"{list(block)} of {of()} needs {want}")
     if grid[-1] > 1 and want > grid[-1] and (scale.dim() == 0 or scale.shape[-1] != grid[-1]):
-        raise ValueError(f"{what}: {name} has shape {list(scale.shape)}; block {list(block)} of {of} needs a grid "
+        raise ValueError(f"{what}: {name} has shape {list(scale.shape)}; block {list(block)} of {of()} needs a grid "
                          f"of scales {list(grid)} (rows of blocks, then one scale a column block, in the last dim): a "
                          "transposed or flattened grid would be read scrambled")
 
@@ -200,7 +201,7 @@ def _check_weight(what: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.T
     if x.shape[-1] != wq.shape[1]:
         raise ValueError(f"{what}: the activation's K is {x.shape[-1]} ({list(x.shape)}) but the weight is "
                          f"{list(wq.shape)}; they must agree")
-    _check_scale_size(what, "w_scale", w_scale, f"a {list(wq.shape)} weight", wq.shape, w_block)
+    _check_scale_size(what, "w_scale", w_scale, lambda: f"a {list(wq.shape)} weight", wq.shape, w_block)
 
 
 def _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype) -> None:
@@ -211,7 +212,7 @@ def _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_
         raise ValueError(f"fp8fx.scaled_mm: xq is {xq.dtype}; it takes the fp8 codes of the activation "
                          "(fp8fx.quantize / quantize_static), or use fp8fx.weight_only_mm for 16-bit activations")
     _check_weight("fp8fx.scaled_mm", xq, wq, w_scale, w_block)
-    _check_scale_size("fp8fx.scaled_mm", "x_scale", x_scale, f"a {list(xq.shape)} activation",
+    _check_scale_size("fp8fx.scaled_mm", "x_scale", x_scale, lambda: f"a {list(xq.shape)} activation",
                       (quant.rows_of(xq), xq.shape[-1]), x_block)  # rows_of: as_rows of a strided xq would copy
     _check_bias(bias, wq.shape[0], "fp8fx.scaled_mm")
     _check_out_dtype("fp8fx.scaled_mm", "out_dtype", out_dtype)
@@ -448,8 +449,8 @@ def _check_fused_args(xq, x_scale, wqs, w_scales, biases, x_block, w_block, out_
     if xq.dtype != quant.FP8_DTYPE:
         raise ValueError(f"{what}: xq is {xq.dtype}; it takes the fp8 codes of the activation (fp8fx.quantize / "
                          "quantize_static)")
-    _check_scale_size(what, "x_scale", x_scale, f"a {list(xq.shape)} activation", (quant.rows_of(xq), xq.shape[-1]),
-                      x_block)
+    _check_scale_size(what, "x_scale", x_scale, lambda: f"a {list(xq.shape)} activation",
+                      (quant.rows_of(xq), xq.shape[-1]), x_block)
     _check_out_dtype(what, "out_dtype", out_dtype)
     for i, (wq, ws, b) in enumerate(zip(wqs, w_scales, biases)):
         _check_weight(f"{what} (weight {i})", xq, wq, ws, w_block)
@@ -521,13 +522,13 @@ def _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_blo
     what = "fp8fx.gated_mlp"
     if xq.dtype != quant.FP8_DTYPE:
         raise ValueError(f"{what}: xq is {xq.dtype}; it takes the fp8 codes of the activation (fp8fx.quantize)")
-    _check_scale_size(what, "x_scale", x_scale, f"a {list(xq.shape)} activation", (quant.rows_of(xq), xq.shape[-1]),
-                      x_block)
+    _check_scale_size(what, "x_scale", x_scale, lambda: f"a {list(xq.shape)} activation",
+                      (quant.rows_of(xq), xq.shape[-1]), x_block)
     _check_weight(f"{what} (gate)", xq, w1, s1, w_block)
     _check_weight(f"{what} (up)", xq, w3, s3, w_block)
     if w2.dtype != quant.FP8_DTYPE:
         raise ValueError(f"{what} (down): the weight is {w2.dtype}; it must be {quant.FP8_DTYPE}")
-    _check_scale_size(f"{what} (down)", "w_scale", s2, f"a {list(w2.shape)} weight", w2.shape, w2_block)
+    _check_scale_size(f"{what} (down)", "w_scale", s2, lambda: f"a {list(w2.shape)} weight", w2.shape, w2_block)
     _check_out_dtype(what, "h_dtype", h_dtype)
     _check_out_dtype(what, "out_dtype", out_dtype)
 
@@ -817,7 +818,8 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_
         if w.dtype != quant.FP8_DTYPE:
             raise ValueError(f"fp8fx.fused_moe: {name} is {w.dtype}; the experts' weights must be {quant.FP8_DTYPE} "
                              "(fp8fx.quantize_ or load_checkpoint makes them)")
-        _check_scale_size("fp8fx.fused_moe", f"{name}_scale", scale, f"{name} {list(w.shape)}", w.shape, w_block)
+        _check_scale_size("fp8fx.fused_moe", f"{name}_scale", scale, lambda: f"{name} {list(w.shape)}", w.shape,
+                          w_block)
     for name, scale in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
         if scale is not None:  # one positive finite value (0 made every output 0, Inf / NaN every output NaN)
             check_static_scale(scale, f"fp8fx.fused_moe: {name}")
