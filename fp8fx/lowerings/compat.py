@@ -132,7 +132,7 @@ class _DirectCall:
         from torch._inductor.virtualized import V
 
         wrapper = V.graph.wrapper_code
-        if self.name not in (getattr(_DIRECT, "names", None) or ()):
+        if self.name not in (getattr(_DIRECT, "names", None) or ()) or V.graph.cpp_wrapper:  # C++: no Python calls
             writeline(ExternKernelAllocLine(wrapper, node))  # what Inductor writes without this entry
             return
         module, _, attr = self.namespace.rpartition(".")

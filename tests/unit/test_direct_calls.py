@@ -83,3 +83,11 @@ def test_the_option_is_checked_and_keys_the_cache():
     with pytest.raises(ValueError, match="compiler='eager'.*direct_calls"):
         fp8fx.Fp8Backend(compiler="eager", direct_calls=False)
     assert fp8fx.Fp8Backend(direct_calls=False).cache_key() != fp8fx.Fp8Backend().cache_key()
+
+
+def test_cpp_wrapper_code_calls_the_ops_as_before():
+    """Inductor's C++ wrapper (``cpp_wrapper=True``) has no Python call to make: the ops run through the dispatcher
+    there, with the same bits."""
+    out, code, _ = _compiled(True, inductor_config={"cpp_wrapper": True})
+    ref, _, _ = _compiled(False)
+    assert torch.equal(out, ref) and "fp8fx_direct" not in code
