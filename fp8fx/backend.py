@@ -9,9 +9,9 @@ from typing import Any, Mapping, Optional, Sequence
 
 from torch import fx
 
+from fp8fx import ops
 from fp8fx.dump import GraphDump
 from fp8fx.lowerings import aten, compat
-from fp8fx import ops
 from fp8fx.ops import GATED_H_GROUPS
 from fp8fx.passes import PassManager, default_passes
 from fp8fx.passes.base import may_record_grad
@@ -79,8 +79,8 @@ class Fp8Backend:
       op would dispatch to, its checks included; ``compat.direct_op_calls``), not through the dispatcher, which
       boxes their arguments into Python and runs custom_op's layers on every call (0.05-0.075 ms less host time a
       call of the fused MLP's prefill op on the H200's host, 0.04-0.10 ms a compiled block; benchmarks/RESULTS.md
-      run 26). Default True; False keeps
-      ``torch.ops.fp8fx.*`` calls (their names still show in profiler traces either way).
+      run 26). Default True; False keeps ``torch.ops.fp8fx.*`` calls (the ops' names show in profiler traces
+      either way).
 
     ``report`` lists every linear site of every graph this backend compiled. A graph compiled under
     ``torch.no_grad()`` runs with the autograd dispatch keys excluded, as under ``torch.inference_mode()``
@@ -222,7 +222,7 @@ class Fp8Backend:
         user_pass = self.inductor_config.get(key, compat.inductor_config_value(key))
         patches = {**self.inductor_config, key: self.pass_manager.with_user_pass(user_pass)}
         decomps = aten.decompositions() if self.lowering == "aten" and aten.applies(example_inputs) else None
-        direct = compat.direct_op_calls(vars(ops.direct)) if self.direct_calls else contextlib.nullcontext()
+        direct = compat.direct_op_calls(list(vars(ops.direct))) if self.direct_calls else contextlib.nullcontext()
         with compat.capture_output_code() as captured, compat.one_pass_row_reductions(self.one_pass_rows), direct:
             compiled = compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
         code += captured

@@ -19,6 +19,9 @@ Blocks are ``[rows, cols]`` lists over a 2-D view with ``-1`` = whole dim (see `
   activation in one GEMM (``fp8fx.passes.horizontal``).
 - ``weight_only_mm(x, wq, w_scale, bias, w_block)``: ``x @ dequant(wq).T + bias`` with 16-bit
   activations (the fallback for GPUs without fp8 tensor cores).
+
+``direct.<op>(...)`` calls what ``torch.ops.fp8fx.<op>(...)`` dispatches to, without the dispatcher (what
+Inductor's code calls under ``Fp8Backend``; see ``direct`` at the end).
 """
 from __future__ import annotations
 
