@@ -1,23 +1,25 @@
-"""Host time of the fused MLP's prefill op, piece by piece, and the block with and without ``Relaunch`` (H200 study,
-issue 3).
+"""Host time of the fused MLP's prefill op, piece by piece, and of the compiled blocks (H200 study, issue 3).
 
 Run 25 measured the fused block's host time above its GPU time at 2048 tokens (0.625 against 0.523 ms a call) and
 the fused op's own host time (0.33-0.35 ms called directly) without breaking it down. This script, in one process:
 
 1. the host time a call (no sync; bursts of ``--calls`` calls after a sync, median over ``--bursts``) of the op
    through ``torch.ops`` (no_grad, and below autograd as ``Fp8Backend`` runs no-grad graphs), its CUDA function
-   called directly, and each piece of it: the checks, ``gated_prefill``, ``quantize_rows``, the down GEMM, the
-   bare launches of the two kernels through Triton's ``kernel[grid]`` and through their compiled kernels, the
-   tensor descriptors, the allocations; each launch-bearing piece both with ``Relaunch`` (this tree) and with
-   Triton's path (``--ab``);
+   called directly, ``fp8fx.ops.direct`` (what Inductor's code calls), and each piece of it: the checks,
+   ``gated_prefill``, ``quantize_rows``, the down GEMM, the bare launches of the gate/up kernel through Triton's
+   ``kernel[grid]`` and through its compiled kernel, the tensor descriptors, the allocations; each launch-bearing
+   piece both with ``Relaunch`` (this tree) and with Triton's path;
 2. whether the blocks' host time depends on the GPU: each compiled block's host time a call with the GPU idle at
    the burst's start and with the GPU held busy (``torch.cuda._sleep``) through the whole burst;
 3. the compiled blocks (fused MLP with its ops called directly and through the dispatcher, unfused fp8fx, torchao)
    in interleaved rounds of ``bench_linear.bench`` (``do_bench``, L2 flushed before each call), as
    ``bench_linear.py`` times them;
-4. each block's plain call against a CUDA-graph replay of it, after the same flush: what the host costs it.
+4. each block's plain call against a CUDA-graph replay of it, after the same flush: what the host costs it;
+5. ``--interleaved ROUNDS``: the op through ``torch.ops`` and ``fp8fx.ops.direct``, and the fused block compiled
+   with and without direct calls, in bursts taken in turn (single measurements drift up to 2x on these hosts).
 
-    python benchmarks/host_study.py --ms 2048,4096 [--rounds 7] [--no-pieces] [--no-blocks] [--out DIR]
+    python benchmarks/host_study.py --ms 2048,4096 [--rounds 7] [--no-pieces] [--no-blocks] [--interleaved 60]
+        [--out DIR]
 """
 from __future__ import annotations
 
