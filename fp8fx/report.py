@@ -262,8 +262,7 @@ def _size(n: int) -> str:
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)
 _SOURCE_NODES = re.compile(r"#.*Source Nodes: \[([^\]]*)\]")
 _CALL = re.compile(r"^\s*(?:\w+ = )?([\w.]+)\(")
-_MOE_OPS = ("torch.ops.fp8fx.fused_moe", "fp8fx_direct.fused_moe")  # fp8fx's MoE op: an extern kernel everywhere
-_EXTERN = ("extern_kernels.", "torch.ops.", "fp8fx_direct.")
+_MOE_OPS = ("torch.ops.fp8fx.fused_moe",)  # fp8fx's MoE op: an extern kernel on every device
 _TEMPLATE_PARAMS = re.compile(r"\b(BLOCK_[MNK]|num_stages|num_warps)\s*(?::\s*tl\.constexpr\s*)?=\s*(\d+)")
 
 
@@ -287,7 +286,7 @@ def gemm_kernels(code: str) -> dict[str, str]:
             continue
         call = _CALL.match(line)
         callee = _callee(call.group(1)) if call else ""
-        extern = callee.startswith(_EXTERN)
+        extern = callee.startswith(("extern_kernels.", "torch.ops."))
         gemm = any(part in callee.rpartition(".")[2] for part in ("mm", "mlp")) and (extern or callee in generated)
         if gemm or callee in _MOE_OPS:  # not a generated kernel named after an input's cast fused with it
             for n in nodes:
@@ -299,15 +298,16 @@ def gemm_kernels(code: str) -> dict[str, str]:
 
 
 def _callee(text: str) -> str:
-    """``triton_x.run`` -> ``triton_x``; ``torch.ops.ns.op.overload`` -> ``torch.ops.ns.op``."""
+    """``triton_x.run`` -> ``triton_x``; ``torch.ops.ns.op.overload`` -> ``torch.ops.ns.op``; an fp8fx op called
+    without the dispatcher, ``fp8fx_direct.op``, -> ``torch.ops.fp8fx.op``, the same op."""
     text = text.removesuffix(".run")
+    if text.startswith("fp8fx_direct."):
+        return "torch.ops.fp8fx." + text.removeprefix("fp8fx_direct.")
     return ".".join(text.split(".")[:4]) if text.startswith("torch.ops.") else text
 
 
 def _describe(callee: str, code: str, generated: set[str]) -> str:
     if callee not in generated:
-        if callee.startswith("fp8fx_direct."):
-            return "extern fp8fx." + callee.removeprefix("fp8fx_direct.")
         return "extern " + callee.removeprefix("extern_kernels.").removeprefix("torch.ops.")
     if callee.startswith("triton_tem_"):
         return " ".join(["template", callee] + [f"{k}={v}" for k, v in _template_params(callee, code)])
