@@ -52,11 +52,11 @@ def _op(name: str) -> Callable[[Callable], "torch._library.custom_ops.CustomOpDe
     return define
 
 
-def _on_cuda(op) -> Callable[[Callable], Callable]:
-    """``op.register_kernel("cuda")``, keeping the kernel function for ``direct``."""
+def _on_cuda(name: str) -> Callable[[Callable], Callable]:
+    """``register_kernel("cuda")`` of the op ``name``, keeping the kernel function for ``direct``."""
     def register(fn: Callable) -> Callable:
-        _CUDA_FNS[next(name for name, defined in _OPS.items() if defined is op)] = fn
-        return op.register_kernel("cuda")(fn)
+        _CUDA_FNS[name] = fn
+        return _OPS[name].register_kernel("cuda")(fn)
     return register
 
 
@@ -250,7 +250,7 @@ def _k_groups_agree(x_block, w_block) -> bool:
 TRITON_MAX_M = 64
 
 
-@_on_cuda(scaled_mm)
+@_on_cuda("scaled_mm")
 def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
     k, n = xq.shape[-1], wq.shape[0]
     _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)
@@ -612,7 +612,7 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
     return xq.new_empty((*xq.shape[:-1], w2.shape[0]), dtype=out_dtype)
 
 
-@_on_cuda(gated_mlp)
+@_on_cuda("gated_mlp")
 def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act, h_dtype,
       out_dtype, use_fast_accum=False):
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
@@ -683,7 +683,7 @@ def _(x, wq, w_scale, bias, w_block):
     return x.new_empty((*x.shape[:-1], wq.shape[0]))
 
 
-@_on_cuda(weight_only_mm)
+@_on_cuda("weight_only_mm")
 def _(x, wq, w_scale, bias, w_block):
     from fp8fx.kernels.fp8_gemm import fp8_gemm
 
@@ -848,7 +848,7 @@ def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
     )
 
 
-@_on_cuda(fused_moe)
+@_on_cuda("fused_moe")
 def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
       a2_scale=None, use_fast_accum=False):
     from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
