@@ -84,14 +84,29 @@ def triton_path():
         gm._GATED_PREFILL, gm._QUANTIZE_ROWS = saved
 
 
-def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
+def fused_op_inputs(m: int, ops_: Operands) -> tuple:
+    """(x [m, DIM] bf16, its per-token codes and scales, the fused MLP op's arguments on them as the pass emits
+    them: per-token x and h, per-channel weights, silu, bf16, fast accumulation)."""
     x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
     xq, xs = quant.quantize(x, [1, -1])
     row, bf16 = [1, -1], torch.bfloat16
-    args = (xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, ops_.w2, ops_.s2, None, row, row, row, row, None, "silu",
-            bf16, bf16, True)
+    return x, xq, xs, (xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, ops_.w2, ops_.s2, None, row, row, row, row, None,
+                       "silu", bf16, bf16, True)
+
+
+def below_autograd(fn):
+    """fn() with the autograd dispatch keys excluded, as ``Fp8Backend`` runs graphs compiled under no_grad."""
+    def run():
+        with torch._C._AutoDispatchBelowAutograd():
+            fn()
+    return run
+
+
+def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    _, xq, xs, args = fused_op_inputs(m, ops_)
+    row, bf16 = [1, -1], torch.bfloat16
     impl = ops.gated_mlp._backend_fns["cuda"]
     h, parts = gm.gated_prefill(xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, bf16, "silu", True)
     hq, hs = gm.quantize_rows(h, parts)
@@ -112,10 +127,6 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
     names = gm.gated_prefill_kernel.arg_names
     positional = (*launch_args, *(launch_kw[n] for n in names[len(launch_args):]))
 
-    def op_below_autograd():
-        with torch._C._AutoDispatchBelowAutograd():
-            ops.gated_mlp(*args)
-
     def checks():
         ops._check_gated_mlp_args(xq, ops_.w1, ops_.w3, ops_.w2, None, row, row, row, row, None, "silu")
         ops._check_gated_mlp_tensors(xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, ops_.w2, ops_.s2, row, row, row,
@@ -128,7 +139,7 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
 
     cases = {
         "op (torch.ops, no_grad)": lambda: ops.gated_mlp(*args),
-        "op (torch.ops, below autograd)": op_below_autograd,
+        "op (torch.ops, below autograd)": below_autograd(lambda: ops.gated_mlp(*args)),
         "op's CUDA function": lambda: impl(*args),
         "fp8fx.ops.direct.gated_mlp (Inductor's call)": lambda: ops.direct.gated_mlp(*args),
         "checks (args, tensors, prefill reason)": checks,
@@ -170,22 +181,11 @@ def interleaved(m: int, calls: int, rounds: int, out: list) -> None:
     the host's drift (which moved single measurements by up to 2x in run 26) falls on all alike."""
     fresh = mlp_factory("cuda")
     ops_ = Operands(fresh())
-    x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
-    xq, xs = quant.quantize(x, [1, -1])
-    row, bf16 = [1, -1], torch.bfloat16
-    args = (xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, ops_.w2, ops_.s2, None, row, row, row, row, None, "silu",
-            bf16, bf16, True)
-
-    def op_below_autograd():
-        with torch._C._AutoDispatchBelowAutograd():
-            ops.gated_mlp(*args)
-
-    def direct_below_autograd():
-        with torch._C._AutoDispatchBelowAutograd():
-            ops.direct.gated_mlp(*args)
+    x, _, _, args = fused_op_inputs(m, ops_)
     blocks_ = {name: fp8fx_module(fresh(), {"fuse_mlp": True, "direct_calls": name.endswith("direct")},
                                   dynamic=False)[0] for name in ("block, direct", "block, dispatcher")}
-    fns = {"op, torch.ops": op_below_autograd, "op, direct": direct_below_autograd,
+    fns = {"op, torch.ops": below_autograd(lambda: ops.gated_mlp(*args)),
+           "op, direct": below_autograd(lambda: ops.direct.gated_mlp(*args)),
            **{name: (lambda b: lambda: b(x))(b) for name, b in blocks_.items()}}
     times = {name: [] for name in fns}
     with torch.no_grad():
