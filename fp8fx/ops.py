@@ -300,9 +300,13 @@ def cublas_scaled_mm(x2, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype
 
 def _scale_as(scale: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     """A per-tensor or per-row / per-column scale as the float32 [M, 1] or [1, N] torch._scaled_mm takes; as it is
-    where it already is one (``quantize_rows``'s [M, 1] scales: a call's host time counts at prefill)."""
-    if scale.dtype == torch.float32 and scale.shape == shape and scale.is_contiguous():
-        return scale
+    where it already is one (``quantize_rows``'s [M, 1] scales: a call's host time counts at prefill), a view of it
+    where it holds the values in order (a per-channel [N, 1] weight scale as [1, N]: one op, not four)."""
+    if scale.dtype == torch.float32 and scale.is_contiguous():
+        if scale.shape == shape:
+            return scale
+        if scale.numel() == shape[0] * shape[1]:
+            return scale.view(shape)
     return scale.float().reshape((-1, 1) if shape[1] == 1 else (1, -1)).expand(shape).contiguous()
 
 

@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 
 from fp8fx import quant
+from fp8fx.kernels.launch import cdiv, next_power_of_2
 
 # scale layouts, on the host (the kernel takes them as constexpr flags: Triton kernels may not read
 # module globals unless they are tl.constexpr objects)
@@ -417,8 +418,8 @@ def gemv_config(n: int, k: int, a_quant: bool = False) -> dict:
     No split K was among any shape's best; a weight of few rows (under 512 programs) has K split in halves
     while each split keeps 4 K steps."""
     block_n, warps = (8 if a_quant else 4, 2) if k >= 8192 else (4, 1)
-    split, steps = 1, triton.cdiv(k, 512 * warps)
-    while triton.cdiv(n, block_n) * split < 512 and steps >= 8 * split:
+    split, steps = 1, cdiv(k, 512 * warps)
+    while cdiv(n, block_n) * split < 512 and steps >= 8 * split:
         split *= 2
     return dict(GEMV=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
                 SPLIT_K=split, K_STAGES=GEMV_K_STAGES)
@@ -482,7 +483,7 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True) -> dict:
     many N tiles (gate_up), not swept transposed."""
     long_k = k >= 8192
     if m <= 16:
-        if 1024 <= k < 8192 and triton.cdiv(n, 64) < 132:
+        if 1024 <= k < 8192 and cdiv(n, 64) < 132:
             if transposed:  # 64 weight rows: wgmma's left operand
                 return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=4,
                             SWAP_AB=True)
@@ -500,7 +501,7 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True) -> dict:
         if long_k:  # 64-wide N tiles, K split in 2 (256 programs): 0.0235 ms against 0.0248 for 32-wide unsplit
             # tiles (128 programs for 132 SMs) at down 4096x14336 (run 13 call 3, `tune_gemm.py --wide-n`)
             return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=2, **tma)
-        if transposed and 1024 <= k < 8192 and triton.cdiv(n, 64) < 132:
+        if transposed and 1024 <= k < 8192 and cdiv(n, 64) < 132:
             # a weight with few 64-wide N tiles (o 4096x4096: 64 programs, qkv 6144x4096: 96, for 132 SMs): 32-wide
             # tiles, K split in 2 (4x and 3x the programs). H200 run 22 (`tune_gemm.py --small-n --duel`, each
             # kernel timed as a chain of launches on operands of their own, 7 interleaved rounds, ms per launch):
@@ -518,7 +519,7 @@ def parts_block(n_parts: int, block_m: int) -> int:
     """How many of a row's partial maxima ``A_QUANT`` reads per round trip: all of a decode row's (448 for
     Llama-3-8B's 14336-wide intermediate in 32-wide tiles: 2 round trips of 256 instead of 7 of 64) within
     4096 values per program (32 float32 registers a thread at 4 warps)."""
-    return max(16, min(triton.next_power_of_2(n_parts), 256, 4096 // block_m))
+    return max(16, min(next_power_of_2(n_parts), 256, 4096 // block_m))
 
 
 def pipeline_stages(cfg: dict, a_bytes: int) -> int:
@@ -643,7 +644,7 @@ def fp8_gemm(
         cfg["num_stages"] = pipeline_stages(cfg, a.element_size())  # a 16-bit a (weight-only, a_quant) doubles its tile
     cfg.setdefault("SPLIT_K", 1)
     split_k = cfg["SPLIT_K"]
-    tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+    tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
     # split-K: float32 partials [SPLIT_K, M, N], summed in the kernel by each tile's last split
     y = torch.empty(split_k, m, n, device=a.device, dtype=out_dtype if split_k == 1 else torch.float32)
     out = y[0] if split_k == 1 else torch.empty(m, n, device=a.device, dtype=out_dtype)

@@ -58,6 +58,7 @@ import triton.language as tl
 
 from fp8fx import quant
 from fp8fx.kernels.fp8_gemm import _max_nan, _scale_of, _to_fp8_range, imprecise_k
+from fp8fx.kernels.launch import cdiv, next_power_of_2
 
 
 # -- 1. routing: pairs sorted and padded by expert ------------------------------------------------
@@ -405,18 +406,18 @@ def quantize_act(a: torch.Tensor, act_block, static: Optional[torch.Tensor],
         a = a.contiguous()
     q = torch.empty(r, c, device=a.device, dtype=quant.FP8_DTYPE)
     group = c if static is not None or act_block[1] == -1 else act_block[1]
-    n_groups = 1 if static is not None else triton.cdiv(c, group)
+    n_groups = 1 if static is not None else cdiv(c, group)
     scale = static.float().reshape(1, 1) if static is not None else torch.empty(
         r, n_groups, device=a.device, dtype=torch.float32
     )
     parts = amax_parts.contiguous() if amax_parts is not None and static is None and n_groups == 1 else None
     if r and c:
-        quantize_rows_kernel[(r, triton.cdiv(c, group))](
+        quantize_rows_kernel[(r, cdiv(c, group))](
             a, q, scale, scale, scale if parts is None else parts,
             c, a.stride(0), q.stride(0), scale.stride(0), scale.stride(1),
             0 if parts is None else parts.stride(0), 0 if parts is None else parts.shape[1],
-            GROUP=group, CHUNK=min(triton.next_power_of_2(group), 1024), STATIC=static is not None,
-            PARTS=0 if parts is None else triton.next_power_of_2(parts.shape[1]),
+            GROUP=group, CHUNK=min(next_power_of_2(group), 1024), STATIC=static is not None,
+            PARTS=0 if parts is None else next_power_of_2(parts.shape[1]),
             EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, num_warps=4,
         )
     return q, scale
@@ -454,9 +455,9 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
     i = w13.shape[1] // 2
     dtype = quant.FP8_DTYPE if fuse_group else torch.float32
     inter = (torch.zeros if zero_unrouted else torch.empty)(s, i, device=xq.device, dtype=dtype)
-    groups = triton.cdiv(i, consts["BLOCK_N"]) if fuse_group or amax_out else 1
+    groups = cdiv(i, consts["BLOCK_N"]) if fuse_group or amax_out else 1
     i_scale = torch.empty(s, groups, device=xq.device, dtype=torch.float32)
-    grid = (block_expert.numel(), triton.cdiv(i, consts["BLOCK_N"]))
+    grid = (block_expert.numel(), cdiv(i, consts["BLOCK_N"]))
     moe_gemm13_kernel[grid](
         xq, w13, inter, x_scale, s13, sorted_pair, block_expert, i_scale,
         s, i, w13.shape[2],
@@ -525,7 +526,7 @@ def fused_moe(
     # float32 otherwise (an fp16 term can overflow where the sum would not). Rows of pairs routed
     # nowhere are never written; the combine skips them (no memset).
     y = torch.empty(s, h, device=x.device, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
-    grid = (block_expert.numel(), triton.cdiv(h, tiles2["BLOCK_N"]))
+    grid = (block_expert.numel(), cdiv(h, tiles2["BLOCK_N"]))
     moe_gemm2_kernel[grid](
         iq, w2, y, i_scale, s2, topk_weights.reshape(-1).contiguous(), sorted_pair, block_expert,
         s, h, iq.shape[1],
@@ -534,8 +535,8 @@ def fused_moe(
         W_BLOCK_N=s2_rows, **consts2, **cfg2,
     )
     out = torch.empty(t, h, device=x.device, dtype=out_dtype)
-    block_h = min(1024, triton.next_power_of_2(h))
-    combine_kernel[(t, triton.cdiv(h, block_h))](
+    block_h = min(1024, next_power_of_2(h))
+    combine_kernel[(t, cdiv(h, block_h))](
         y, ids, out, h, y.stride(0), out.stride(0), E=e, K_TOP=k_top, BLOCK_H=block_h, num_warps=4,
     )
     return out

@@ -49,7 +49,7 @@ from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _rows_amax, _scale_of
 from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
 from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages
-from fp8fx.kernels.launch import Relaunch
+from fp8fx.kernels.launch import Relaunch, cdiv, next_power_of_2
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
 # h quantized in 1 x h_group groups by the gate/up kernel's epilogue (an N tile of it per group), read by the down
@@ -368,7 +368,7 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
     (m, k), i = xq.shape, w1.shape[0]
     cfg = dict(config or prefill_tile_config(m, i, k))
     s1, s3, w_rowwise = _gate_up_scales(s1, s3, i)
-    x_scale = x_scale.float().reshape(-1).contiguous()
+    x_scale = _flat_f32(x_scale)
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
     # gate and up as one [2, I, K] tensor: the second one's offset from the first is its leading stride (any
     # distance of a multiple of 16 bytes: the copies read the two weights' own rows only)
@@ -376,10 +376,10 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
     low, high = (w3, w1) if up_first else (w1, w3)
     pair = TensorDescriptor(low, [2, i, k], [high.data_ptr() - low.data_ptr(), k, 1], [2, bn, bk])
     h = torch.empty(m, i, device=xq.device, dtype=h_dtype)
-    parts = torch.empty(m, triton.cdiv(i, bn), device=xq.device, dtype=torch.float32)
+    parts = torch.empty(m, cdiv(i, bn), device=xq.device, dtype=torch.float32)
     if programs is None:
         programs = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 4
-    programs = max(1, min(programs, triton.cdiv(m, bm) * parts.shape[1]))
+    programs = max(1, min(programs, cdiv(m, bm) * parts.shape[1]))
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
         _GATED_PREFILL[(programs,)](
             TensorDescriptor(xq, [m, k], [k, 1], [bm, bk]), pair, TensorDescriptor(h, [m, i], [i, 1], [bm, bn]),
@@ -423,12 +423,18 @@ def quantize_rows(h: torch.Tensor, parts: torch.Tensor, block: tuple[int, int] =
     scale = torch.empty(m, 1, device=h.device, dtype=torch.float32)
     bm, bn = block
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
-        _QUANTIZE_ROWS[(triton.cdiv(m, bm), triton.cdiv(n, bn))](
+        _QUANTIZE_ROWS[(cdiv(m, bm), cdiv(n, bn))](
             h, parts, q, scale, m, n, h.stride(0), parts.stride(0), q.stride(0),
-            N_PARTS=parts.shape[1], PARTS_BLOCK=triton.next_power_of_2(parts.shape[1]), BLOCK_M=bm, BLOCK_N=bn,
+            N_PARTS=parts.shape[1], PARTS_BLOCK=next_power_of_2(parts.shape[1]), BLOCK_M=bm, BLOCK_N=bn,
             EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, num_warps=4,
         )
     return q, scale
+
+
+def _flat_f32(t: torch.Tensor) -> torch.Tensor:
+    """t's values as a contiguous float32 tensor, for a kernel that reads them by pointer in order (its shape does not
+    matter): t itself where it already is one, with no op called (each costs the host some microseconds a call)."""
+    return t if t.dtype == torch.float32 and t.is_contiguous() else t.float().contiguous()
 
 
 def _vector(scale: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
@@ -436,7 +442,7 @@ def _vector(scale: torch.Tensor, n: int) -> tuple[torch.Tensor, bool]:
     if scale.numel() not in (1, n):
         raise ValueError(f"gated_mlp: a gate/up weight scale has {scale.numel()} elements; per-tensor (1) or "
                          f"per-channel ({n}) scales only")
-    return scale.float().reshape(-1).contiguous(), scale.numel() == n and n > 1
+    return _flat_f32(scale), scale.numel() == n and n > 1
 
 
 def _gate_up_scales(s1: torch.Tensor, s3: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -444,7 +450,7 @@ def _gate_up_scales(s1: torch.Tensor, s3: torch.Tensor, n: int) -> tuple[torch.T
     per-channel one becomes a vector too."""
     (s1, rows1), (s3, rows3) = _vector(s1, n), _vector(s3, n)
     if rows1 != rows3:
-        s1, s3 = s1.expand(n).contiguous(), s3.expand(n).contiguous()
+        s1, s3 = s1.reshape(-1).expand(n).contiguous(), s3.reshape(-1).expand(n).contiguous()
     return s1, s3, rows1 or rows3
 
 
@@ -499,11 +505,11 @@ def gated_mlp(
                              f"{cfg1['BLOCK_N']}")
         cfg1["BLOCK_N"] = h_group
     cfg1["num_stages"] = pipeline_stages({**cfg1, "BLOCK_N": 2 * cfg1["BLOCK_N"]}, 1)  # gate and up tiles
-    split_tiles = triton.cdiv(m, cfg2["BLOCK_M"]) * triton.cdiv(n, cfg2["BLOCK_N"]) if cfg2["SPLIT_K"] > 1 else 0
+    split_tiles = cdiv(m, cfg2["BLOCK_M"]) * cdiv(n, cfg2["BLOCK_N"]) if cfg2["SPLIT_K"] > 1 else 0
     tickets = torch.empty(max(split_tiles, 1), device=xq.device, dtype=torch.int32)  # zeroed by the first kernel
     h = torch.empty(m, i, device=xq.device, dtype=quant.FP8_DTYPE if h_group else h_dtype)
-    parts = torch.empty(m, triton.cdiv(i, cfg1["BLOCK_N"]), device=xq.device, dtype=torch.float32)
-    x_scale = x_scale.float().reshape(-1).contiguous()
+    parts = torch.empty(m, cdiv(i, cfg1["BLOCK_N"]), device=xq.device, dtype=torch.float32)
+    x_scale = _flat_f32(x_scale)
     # everything the down GEMM reads is ready before the first launch: a copy or cast launched between the two
     # kernels would become the down GEMM's predecessor (no overlap)
     h_scale = h_static.float().reshape(1).contiguous() if h_quant == QUANT_STATIC else parts
@@ -511,7 +517,7 @@ def gated_mlp(
     bias = None if bias is None else bias.contiguous()
     if pdl is None:
         pdl = xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (9, 0)
-    grid = (triton.cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
+    grid = (cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
     # Triton compiles for and launches on the current device: make it xq's
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
         gated_gemm_kernel[grid](

@@ -26,6 +26,19 @@ import torch
 _I32 = (-(2 ** 31), 2 ** 31)
 
 
+# Host arithmetic of launches. ``triton.cdiv`` and ``triton.next_power_of_2`` are ``ConstexprFunction``s in triton 3.6
+# and 3.9: called from the host, each unwraps its arguments as constexprs, 4-6 us a call on CI's CPU against well
+# under 1 us for the arithmetic itself, and a prefill MLP op called five of them.
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) of two ints (``triton.cdiv``'s value)."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The least power of 2 >= n for n >= 1, and 0 for 0 (``triton.next_power_of_2``'s values)."""
+    return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
 def _spec(value: Any) -> Any:
     """What Triton's specialization of a non-constexpr argument depends on (a conservative superset)."""
     if isinstance(value, torch.Tensor):

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from fp8fx.kernels.launch import Relaunch
+from fp8fx.kernels.launch import Relaunch, cdiv, next_power_of_2
 
 CONSTEXPR = "tl.constexpr"  # how the stand-in marks its constexpr parameters
 
@@ -132,3 +132,15 @@ def test_arguments_by_position_or_by_name_key_as_triton_binds_them():
     launch[(1,)](x, 32, 0.25, flag=True, FLAG=4)  # a float's value is not specialized on
     assert [e[0] for e in fn.log] == ["triton", "triton", "direct", "triton", "direct", "direct"]
     assert fn.log[2][3] == (x, 48, 0.5, True, 4, 8) and fn.log[5][3] == (x, 32, 0.25, True, 4, 8)
+
+
+def test_host_arithmetic_is_tritons():
+    """``cdiv`` and ``next_power_of_2`` (plain ints, for the host) give ``triton.cdiv``'s and
+    ``triton.next_power_of_2``'s values."""
+    import triton
+
+    values = [0, 1, 2, 3, 15, 16, 17, 127, 128, 129, 4095, 4096, 14336, 2 ** 31 - 1, 2 ** 31, 2 ** 40 + 3]
+    for a in values:
+        assert next_power_of_2(a) == triton.next_power_of_2(a), a
+        for b in (1, 7, 16, 128, 512):
+            assert cdiv(a, b) == triton.cdiv(a, b), (a, b)

@@ -375,10 +375,12 @@ def test_fakes_refuse_what_the_real_impls_refuse():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_scale_as_gives_scaled_mms_layout_and_reuses_one_already_in_it(shape, given, dtype):
     """torch._scaled_mm's row-wise scales: float32 [M, 1] for A and [1, N] for B, from a per-tensor scale or one
-    per row / column in any of the shapes fp8fx holds them; a scale already in that layout is passed as it is."""
+    per row / column in any of the shapes fp8fx holds them; a scale already in that layout is passed as it is, a
+    contiguous float32 one of the same values in order as a view of it."""
     s = torch.rand(given, dtype=dtype) + 0.5
     got = ops._scale_as(s, shape)
     assert got.shape == shape and got.dtype == torch.float32 and got.is_contiguous()
     assert torch.equal(got, s.float().reshape(-1).expand(max(shape)).reshape(shape) if s.numel() == 1
                        else s.float().reshape(shape))
     assert (got is s) == (dtype == torch.float32 and tuple(given) == shape)
+    assert (got.data_ptr() == s.data_ptr()) == (dtype == torch.float32 and s.numel() == shape[0] * shape[1])
