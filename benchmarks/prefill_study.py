@@ -15,12 +15,10 @@ streams h to fp8 with no reduction left. This script times, on one GPU, in one p
 4. ``--gate-up NAME=FILE,...``: the gate/up kernel of this tree against those in the FILEs (``git show
    REV:fp8fx/kernels/gated_mlp.py > FILE``), and this tree's at the ``GATE_UP_TILES``, in interleaved rounds;
 5. ``--down``: the down GEMM with h quantized as it loads it (``fp8_gemm``'s ``A_QUANT``, the decode path's) against
-   ``quantize_rows`` + cuBLAS's down GEMM;
-6. ``--quant-order``: ``quantize_rows`` reading h last-written first against first to last, between the gate/up
-   kernel and the down GEMM (each kernel's time by CUDA events).
+   ``quantize_rows`` + cuBLAS's down GEMM.
 
     python benchmarks/prefill_study.py --ms 2048,4096 --rounds 7 [--sweep] [--profile] [--gate-up NAME=FILE,...] [--down]
-        [--quant-order] [--no-rounds] [--out DIR]
+        [--no-rounds] [--out DIR]
     python benchmarks/prefill_study.py --ncu-driver --ms 2048   (under ncu: device_run.sh stage ncuprefill)
 """
 from __future__ import annotations
@@ -268,47 +266,6 @@ def _add_torchao(variants: dict, fresh) -> None:
         print(why, flush=True)
 
 
-def quant_order(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> None:
-    """``quantize_rows`` reading h last-written first (``reverse``, the default) against first to last, each right
-    after the gate/up kernel wrote h and before cuBLAS's down GEMM reads its codes: per kernel (CUDA events between
-    the launches; the L2 flushed before each chain), orders in turn over ``rounds``, median of ``reps`` chains."""
-    x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
-    xq, xs = ops.x_quant(x)
-    h, parts = ops.gate_up(xq, xs, None)
-    (q0, s0), (q1, s1) = gm.quantize_rows(h, parts, reverse=False), gm.quantize_rows(h, parts, reverse=True)
-    same = torch.equal(q0.view(torch.uint8), q1.view(torch.uint8)) and torch.equal(s0, s1)
-    flush = torch.empty(512 << 20, dtype=torch.uint8, device="cuda")
-    names = ("forward", "reverse")
-    times = {name: {"gate_up": [], "quantize_rows": [], "down": [], "chain": []} for name in names}
-    for r in range(rounds):
-        for name in names[r % 2:] + names[:r % 2]:
-            events = []
-            for _ in range(reps):
-                flush.zero_()
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-                ev[0].record()
-                h, parts = ops.gate_up(xq, xs, None)
-                ev[1].record()
-                hq, hs = gm.quantize_rows(h, parts, reverse=name == "reverse")
-                ev[2].record()
-                ops.cublas_down(hq, hs)
-                ev[3].record()
-                events.append(ev)
-            torch.cuda.synchronize()
-            for key, (a, b) in (("gate_up", (0, 1)), ("quantize_rows", (1, 2)), ("down", (2, 3)), ("chain", (0, 3))):
-                times[name][key].append(statistics.median(ev[a].elapsed_time(ev[b]) for ev in events))
-    for name in names:
-        row = {key: statistics.median(v) for key, v in times[name].items()}
-        out.append({"M": m, "what": "quantize_rows order", "order": name, "bits_equal_orders": same, **row,
-                    "rounds": times[name]})
-        print(f"M={m} quantize_rows {name}: " + ", ".join(f"{k} {v:.4f}" for k, v in row.items())
-              + f" ms; codes equal in both orders: {same}", flush=True)
-    for key in ("quantize_rows", "down", "chain"):
-        r = sorted(a / b for a, b in zip(times["forward"][key], times["reverse"][key]))
-        print(f"M={m} {key}: forward / reverse median {statistics.median(r):.3f} (rounds {r[0]:.3f}-{r[-1]:.3f})",
-              flush=True)
-
-
 def profile(ms: list[int], out: list, calls: int = 20) -> None:
     """Each compiled block's kernels per call (torch.profiler), their GPU time and the call's span."""
     from benchmarks.profile_mlp import profiled
@@ -409,7 +366,6 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="each block's kernels per call (torch.profiler)")
     p.add_argument("--gate-up", default="", metavar="NAME=FILE,...", help="the gate/up kernel against FILEs', tiles")
     p.add_argument("--down", action="store_true", help="the down GEMM with h quantized in its loads")
-    p.add_argument("--quant-order", action="store_true", help="quantize_rows reading h last-written first or not")
     p.add_argument("--ncu-driver", action="store_true", help="one launch of each prefill kernel (for ncu), then exit")
     p.add_argument("--no-rounds", action="store_true", help="skip the timed block rounds")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -434,11 +390,6 @@ def main(argv=None):
             ops = Operands(mlp_factory("cuda")())
             for m in ms:
                 down_probe(ops, m, out)
-            del ops
-        if args.quant_order:
-            ops = Operands(mlp_factory("cuda")())
-            for m in ms:
-                quant_order(ops, m, args.rounds, out)
             del ops
         if args.profile:
             profile(ms, out)

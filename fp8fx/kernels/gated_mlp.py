@@ -264,26 +264,12 @@ def quantize_rows_kernel(
     # h [M, N] 16-bit, its row maxima per tile parts [M, N_PARTS]; out: codes fp8 [M, N], scales float32 [M]
     h_ptr, parts_ptr, q_ptr, scale_ptr, M, N, stride_hm, stride_pm, stride_qm,
     N_PARTS: tl.constexpr, PARTS_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    EPS: tl.constexpr, FP8_MAX: tl.constexpr, GROUP_M: tl.constexpr = 1, REVERSE: tl.constexpr = False,
+    EPS: tl.constexpr, FP8_MAX: tl.constexpr,
 ):
     """``fp8fx.quant.quantize(h, [1, -1])``'s codes and scales from h and its partial row maxima: each program
-    reduces its rows' maxima (from L2: N_PARTS floats a row), then streams its [BLOCK_M, BLOCK_N] tile of h.
-
-    The tiles are numbered as ``gated_prefill_kernel`` numbers its own (GROUP_M row tiles at a time, rows fastest)
-    and, with ``REVERSE``, walked last to first: the part of h that kernel wrote last is read first, while it is
-    still in L2 (h is 59-117 MB at Llama-3-8B's 2048-4096 tokens, the H200's L2 50 MB)."""
-    num_m = tl.cdiv(M, BLOCK_M)
-    num_n = tl.cdiv(N, BLOCK_N)
-    tile = tl.program_id(0)
-    if REVERSE:
-        tile = num_m * num_n - 1 - tile
-    in_group = GROUP_M * num_n
-    first_m = (tile // in_group) * GROUP_M
-    rows_in_group = tl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % in_group) % rows_in_group
-    pid_n = (tile % in_group) // rows_in_group
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    reduces its rows' maxima (from L2: N_PARTS floats a row), then streams its [BLOCK_M, BLOCK_N] tile of h."""
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok = offs_m < M
     scale = _scale_of(_rows_amax(parts_ptr, offs_m, M, stride_pm, 1, N_PARTS, PARTS_BLOCK), EPS, FP8_MAX)
     inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), scale)
@@ -292,7 +278,7 @@ def quantize_rows_kernel(
     h = tl.load(h_ptr + rows * stride_hm + offs_n[None, :], mask=mask, other=0.0).to(tl.float32)
     codes = _codes_of(h, scale[:, None], inv[:, None], FP8_MAX)
     tl.store(q_ptr + rows * stride_qm + offs_n[None, :], codes.to(q_ptr.dtype.element_ty), mask=mask)
-    if pid_n == 0:
+    if tl.program_id(1) == 0:
         tl.store(scale_ptr + offs_m, scale, mask=m_ok)
 
 
@@ -428,25 +414,19 @@ def prefill_fits(xq: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, h_dtype: 
             and k % 16 == 0 and (i * h_dtype.itemsize) % 16 == 0 and w1.data_ptr() != w3.data_ptr())
 
 
-def quantize_rows(h: torch.Tensor, parts: torch.Tensor, block: tuple[int, int] = (8, 512), reverse: bool = True,
-                  sweep_rows: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(h: torch.Tensor, parts: torch.Tensor, block: tuple[int, int] = (8, 512)
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 codes [M, N], float32 scales [M, 1]) of h [M, N] per row, from its partial row maxima ``parts``
-    [M, P] (``gated_prefill``'s): ``fp8fx.quant.quantize(h, [1, -1])``'s bits without its row reduction.
-    ``reverse``: h's tiles are read last-written first, taking ``gated_prefill``'s order, ``sweep_rows`` rows at a
-    time (default: its tiles' GROUP_M x BLOCK_M); else first to last in that order. The bits are the same."""
+    [M, P] (``gated_prefill``'s): ``fp8fx.quant.quantize(h, [1, -1])``'s bits without its row reduction."""
     m, n = h.shape
     q = torch.empty(m, n, device=h.device, dtype=quant.FP8_DTYPE)
     scale = torch.empty(m, 1, device=h.device, dtype=torch.float32)
     bm, bn = block
-    if sweep_rows is None:
-        tile = prefill_tile_config(m, n, 0)
-        sweep_rows = tile["GROUP_M"] * tile["BLOCK_M"]
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
-        _QUANTIZE_ROWS[(cdiv(m, bm) * cdiv(n, bn),)](
+        _QUANTIZE_ROWS[(cdiv(m, bm), cdiv(n, bn))](
             h, parts, q, scale, m, n, h.stride(0), parts.stride(0), q.stride(0),
             N_PARTS=parts.shape[1], PARTS_BLOCK=next_power_of_2(parts.shape[1]), BLOCK_M=bm, BLOCK_N=bn,
-            EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, GROUP_M=max(1, sweep_rows // bm), REVERSE=reverse,
-            num_warps=4,
+            EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, num_warps=4,
         )
     return q, scale
 

@@ -271,8 +271,7 @@ def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, a
     types = dict(zip(["h_ptr", "parts_ptr", "q_ptr", "scale_ptr"], ["*bf16", "*fp32", "*fp8e4nv", "*fp32"]))
     types.update({name: "i32" for name in ("M", "N", "stride_hm", "stride_pm", "stride_qm")})
     quant_kernel = compile_kernel(quantize_rows_kernel, types, dict(N_PARTS=112, PARTS_BLOCK=128, BLOCK_M=8,
-                                                                    BLOCK_N=512, EPS=1e-12, FP8_MAX=448.0, GROUP_M=256,
-                                                                    REVERSE=True),
+                                                                    BLOCK_N=512, EPS=1e-12, FP8_MAX=448.0),
                                   ["h_ptr", "parts_ptr", "q_ptr", "scale_ptr", "N", "stride_hm", "stride_qm"], 4, 1)
     assert quant_kernel.asm["cubin"] and stack_bytes(quant_kernel) == 0
 
