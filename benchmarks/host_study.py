@@ -16,18 +16,25 @@ the fused op's own host time (0.33-0.35 ms called directly) without breaking it 
    ``bench_linear.py`` times them;
 4. each block's plain call against a CUDA-graph replay of it, after the same flush: what the host costs it;
 5. ``--interleaved ROUNDS``: the op through ``torch.ops`` and ``fp8fx.ops.direct``, and the fused block compiled
-   with and without direct calls, in bursts taken in turn (single measurements drift up to 2x on these hosts).
+   with and without direct calls, in bursts taken in turn (single measurements drift up to 2x on these hosts); with
+   ``--against DIR``, also the op's CUDA function and the fused block of an earlier revision of fp8fx, copied into
+   DIR as the package ``fp8fx_rev`` by ``--make-rev REV DIR`` (on a machine with the git history; its ops register
+   as ``torch.ops.fp8fx_rev``, so both load in one process).
 
     python benchmarks/host_study.py --ms 2048,4096 [--rounds 7] [--no-pieces] [--no-blocks] [--interleaved 60]
-        [--out DIR]
+        [--against DIR] [--out DIR]
+    python benchmarks/host_study.py --make-rev REV DIR
 """
 from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
+import re
 import statistics
+import subprocess
 import sys
 import time
 
@@ -175,10 +182,28 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
             print(f"M={m} {name:45s} {row_['ms']:.4f} ms{extra}", flush=True)
 
 
-def interleaved(m: int, calls: int, rounds: int, out: list) -> None:
+def make_rev(rev: str, dest: str) -> None:
+    """fp8fx at git revision ``rev`` as the package ``fp8fx_rev`` under ``dest``: every whole word ``fp8fx`` in its
+    Python files renamed (imports, the op library's name, the logger's)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    files = subprocess.run(["git", "ls-tree", "-r", "--name-only", rev, "fp8fx"], cwd=root, check=True,
+                           capture_output=True, text=True).stdout.split()
+    for path in files:
+        text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=root, check=True, capture_output=True).stdout
+        target = os.path.join(dest, "fp8fx_rev" + path[len("fp8fx"):])
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        if path.endswith(".py"):
+            text = re.sub(rb"\bfp8fx\b", b"fp8fx_rev", text)
+        with open(target, "wb") as f:
+            f.write(text)
+    print(f"fp8fx at {rev} -> {dest}/fp8fx_rev ({len(files)} files)")
+
+
+def interleaved(m: int, calls: int, rounds: int, out: list, against: str = "") -> None:
     """Host time a call of the fused op through ``torch.ops`` (below autograd) and through ``fp8fx.ops.direct``, and
     of the compiled fused block with and without ``direct_calls``: bursts of each in turn, ``rounds`` times, so that
-    the host's drift (which moved single measurements by up to 2x in run 26) falls on all alike."""
+    the host's drift (which moved single measurements by up to 2x in run 26) falls on all alike. ``against``: a
+    directory holding ``fp8fx_rev`` (``make_rev``): its op's CUDA function and fused block join the rounds."""
     fresh = mlp_factory("cuda")
     ops_ = Operands(fresh())
     x, _, _, args = fused_op_inputs(m, ops_)
@@ -186,7 +211,17 @@ def interleaved(m: int, calls: int, rounds: int, out: list) -> None:
                                   dynamic=False)[0] for name in ("block, direct", "block, dispatcher")}
     fns = {"op, torch.ops": below_autograd(lambda: ops.gated_mlp(*args)),
            "op, direct": below_autograd(lambda: ops.direct.gated_mlp(*args)),
+           "op's CUDA function": below_autograd(lambda: ops._CUDA_FNS["gated_mlp"](*args)),
            **{name: (lambda b: lambda: b(x))(b) for name, b in blocks_.items()}}
+    if against:
+        sys.path.insert(0, against)
+        rev = importlib.import_module("fp8fx_rev")
+        importlib.import_module("fp8fx_rev.ops")
+        fns["op's CUDA function, rev"] = below_autograd(lambda: rev.ops._CUDA_FNS["gated_mlp"](*args))
+        module = fresh()
+        rev.quantize_(module, rev.Fp8Config())
+        block_rev = torch.compile(module, backend=rev.Fp8Backend(fuse_mlp=True), dynamic=False)
+        fns["block, direct, rev"] = lambda: block_rev(x)
     times = {name: [] for name in fns}
     with torch.no_grad():
         for fn in fns.values():
@@ -197,8 +232,13 @@ def interleaved(m: int, calls: int, rounds: int, out: list) -> None:
     for name, t in times.items():
         out.append({"M": m, "what": "host ms a call, interleaved", "case": name, "ms": statistics.median(t),
                     "rounds": t})
-        print(f"M={m} {name:20s} host {statistics.median(t):.4f} ms a call (median of {rounds} interleaved bursts; "
+        print(f"M={m} {name:26s} host {statistics.median(t):.4f} ms a call (median of {rounds} interleaved bursts; "
               f"quartiles {statistics.quantiles(t)[0]:.4f}-{statistics.quantiles(t)[2]:.4f})", flush=True)
+    for new, old in (("op's CUDA function", "op's CUDA function, rev"), ("block, direct", "block, direct, rev")):
+        if old in times:
+            d = [b - a for a, b in zip(times[new], times[old])]
+            print(f"M={m} {new}: {statistics.median(d):.4f} ms a call less than at the revision (median of per-round "
+                  f"differences; faster in {sum(v > 0 for v in d)} of {len(d)} rounds)", flush=True)
 
 
 def blocks(ms: list[int], rounds: int, calls: int, bursts: int, out: list) -> None:
@@ -267,8 +307,12 @@ def main(argv=None):
     p.add_argument("--no-pieces", action="store_true")
     p.add_argument("--interleaved", type=int, default=0, metavar="ROUNDS",
                    help="the op and the fused block with and without direct calls, in interleaved bursts")
+    p.add_argument("--against", default="", metavar="DIR", help="a directory holding fp8fx_rev (--make-rev)")
+    p.add_argument("--make-rev", nargs=2, metavar=("REV", "DIR"), help="copy fp8fx at REV into DIR, then exit")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
+    if args.make_rev:
+        return make_rev(*args.make_rev)
     ms = [int(v) for v in args.ms.split(",")]
     out: list = []
     try:
@@ -279,7 +323,7 @@ def main(argv=None):
             del ops_
         if args.interleaved:
             for m in ms:
-                interleaved(m, args.calls, args.interleaved, out)
+                interleaved(m, args.calls, args.interleaved, out, args.against)
         if not args.no_blocks:
             blocks(ms, args.rounds, args.calls, args.bursts, out)
     finally:
