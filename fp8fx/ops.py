@@ -20,11 +20,12 @@ Blocks are ``[rows, cols]`` lists over a 2-D view with ``-1`` = whole dim (see `
 - ``weight_only_mm(x, wq, w_scale, bias, w_block)``: ``x @ dequant(wq).T + bias`` with 16-bit
   activations (the fallback for GPUs without fp8 tensor cores).
 
-``direct.<op>(...)`` calls what ``torch.ops.fp8fx.<op>(...)`` dispatches to, without the dispatcher (what
-Inductor's code calls under ``Fp8Backend``; see ``direct`` at the end).
+``direct.<op>(...)`` calls what ``torch.ops.fp8fx.<op>(...)`` dispatches to, without the dispatcher and, on CUDA, without
+the argument checks a graph's trace ran (what Inductor's code calls under ``Fp8Backend``; see ``direct`` at the end).
 """
 from __future__ import annotations
 
+import functools
 import math
 import types
 from typing import Callable, Optional, Sequence
@@ -52,11 +53,20 @@ def _op(name: str) -> Callable[[Callable], "torch._library.custom_ops.CustomOpDe
     return define
 
 
-def _on_cuda(name: str) -> Callable[[Callable], Callable]:
-    """``register_kernel("cuda")`` of the op ``name``, keeping the kernel function for ``direct``."""
+def _on_cuda(name: str, checks: Optional[Callable] = None) -> Callable[[Callable], Callable]:
+    """``register_kernel("cuda")`` of the op ``name``, keeping the kernel function for ``direct``. ``checks``: run on
+    the arguments before the function by the registered kernel (the op's fake impl runs them when a graph is
+    traced), not by ``direct``, which Inductor's code calls on arguments its trace checked."""
     def register(fn: Callable) -> Callable:
         _CUDA_FNS[name] = fn
-        return _OPS[name].register_kernel("cuda")(fn)
+        if checks is None:
+            return _OPS[name].register_kernel("cuda")(fn)
+
+        @functools.wraps(fn)
+        def checked(*args, **kwargs):
+            checks(*args, **kwargs)
+            return fn(*args, **kwargs)
+        return _OPS[name].register_kernel("cuda")(checked)
     return register
 
 
@@ -250,10 +260,13 @@ def _k_groups_agree(x_block, w_block) -> bool:
 TRITON_MAX_M = 64
 
 
-@_on_cuda("scaled_mm")
+def _scaled_mm_checks(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
+    _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)
+
+
+@_on_cuda("scaled_mm", checks=_scaled_mm_checks)
 def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accum=False):
     k, n = xq.shape[-1], wq.shape[0]
-    _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)
     x2 = quant.as_rows(xq)  # [M, K]
     m = x2.shape[0]
     if k == 0:  # an empty sum: the bias (or zeros), as the reference gives it
@@ -608,19 +621,23 @@ def gated_mlp(
                                 h_static, act, h_dtype, out_dtype, use_fast_accum)
 
 
+def _gated_mlp_checks(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act,
+                      h_dtype, out_dtype, use_fast_accum=False):
+    _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
+    _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
+
+
 @gated_mlp.register_fake
 def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act, h_dtype,
       out_dtype, use_fast_accum=False):
-    _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
-    _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
+    _gated_mlp_checks(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act,
+                      h_dtype, out_dtype)
     return xq.new_empty((*xq.shape[:-1], w2.shape[0]), dtype=out_dtype)
 
 
-@_on_cuda("gated_mlp")
+@_on_cuda("gated_mlp", checks=_gated_mlp_checks)
 def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block, h_static, act, h_dtype,
       out_dtype, use_fast_accum=False):
-    _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
-    _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
     x2 = quant.as_rows(xq)
     m = x2.shape[0]
     if not gated_prefill_reason(m, x2.shape[1], w1.shape[0], w2.shape[0], x_block, w_block, h_block, w2_block,
@@ -890,11 +907,13 @@ def _direct_call(name: str) -> Callable:
 
 
 # ``direct.<op>(*args, **kwargs)`` runs what ``torch.ops.fp8fx.<op>(*args, **kwargs)`` runs: the op's CUDA kernel
-# function for CUDA tensors (the first argument's device), its own function elsewhere, checks included. What it
-# leaves out: the dispatcher boxing ~18 arguments into Python and custom_op's autograd, aliasing and
-# ``_disable_dynamo`` layers (0.05-0.075 ms a call of the fused MLP's prefill op on the H200's host,
-# benchmarks/RESULTS.md run 26), and torch.library's switch that disables a kernel. Inductor's code calls these for
-# fp8fx's fallback kernels under ``Fp8Backend`` (``direct_calls``; ``fp8fx.lowerings.compat.direct_op_calls``). The
-# ops have no autograd formula, and the graphs calling these record no gradient (the passes rewrite no site that
-# does).
+# function for CUDA tensors (the first argument's device), its own function elsewhere. What it leaves out: the
+# dispatcher boxing ~18 arguments into Python and custom_op's autograd, aliasing and ``_disable_dynamo`` layers
+# (0.05-0.075 ms a call of the fused MLP's prefill op on the H200's host, benchmarks/RESULTS.md run 26), torch.library's
+# switch that disables a kernel, and on CUDA the checks of scaled_mm's and gated_mlp's arguments (``_on_cuda``'s
+# ``checks``: 10-25 us a call): it is for arguments a graph's trace checked, where the op's fake impl ran those same
+# checks on their dtypes and shapes, which Inductor's code keeps (its inputs' sizes asserted or guarded). Inductor's
+# code calls these for fp8fx's fallback kernels under ``Fp8Backend`` (``direct_calls``;
+# ``fp8fx.lowerings.compat.direct_op_calls``); call ``torch.ops.fp8fx.<op>`` anywhere else. The ops have no autograd
+# formula, and the graphs calling these record no gradient (the passes rewrite no site that does).
 direct = types.SimpleNamespace(**{name: _direct_call(name) for name in _DEFAULT_FNS})

@@ -91,3 +91,24 @@ def test_cpp_wrapper_code_calls_the_ops_as_before():
     out, code, _ = _compiled(True, inductor_config={"cpp_wrapper": True})
     ref, _, _ = _compiled(False)
     assert torch.equal(out, ref) and "fp8fx_direct" not in code
+
+
+def test_cuda_kernels_check_their_arguments_where_direct_calls_leave_that_to_the_trace():
+    """The registered CUDA kernels of scaled_mm and gated_mlp check their arguments before anything else (here on
+    CPU tensors, so the check is all that can run); ``direct`` calls the kernel function without them, for arguments
+    whose dtypes and shapes the op's fake impl checked when the graph was traced (the same checks, same errors)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    x = torch.randn(4, 64, dtype=torch.bfloat16)  # 16-bit where the fp8 codes belong
+    w = torch.zeros(32, 64, dtype=torch.float8_e4m3fn)
+    s, row, bf16 = torch.ones(32, 1), [1, -1], torch.bfloat16
+    cases = {"scaled_mm": (x, torch.ones(4, 1), w, s, None, row, row, bf16),
+             "gated_mlp": (x, torch.ones(4, 1), w, s, w, s, w.t().contiguous(), torch.ones(64, 1), None, row, row,
+                           row, row, None, "silu", bf16, bf16)}
+    for name, args in cases.items():
+        kernel = ops._OPS[name]._backend_fns["cuda"]
+        with pytest.raises(ValueError, match=f"fp8fx.{name}: xq is torch.bfloat16"):
+            kernel(*args)
+        with FakeTensorMode(allow_non_fake_inputs=True) as mode, \
+                pytest.raises(ValueError, match=f"fp8fx.{name}: xq is torch.bfloat16"):
+            getattr(torch.ops.fp8fx, name)(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])
