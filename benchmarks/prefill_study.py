@@ -15,10 +15,12 @@ streams h to fp8 with no reduction left. This script times, on one GPU, in one p
 4. ``--gate-up NAME=FILE,...``: the gate/up kernel of this tree against those in the FILEs (``git show
    REV:fp8fx/kernels/gated_mlp.py > FILE``), and this tree's at the ``GATE_UP_TILES``, in interleaved rounds;
 5. ``--down``: the down GEMM with h quantized as it loads it (``fp8_gemm``'s ``A_QUANT``, the decode path's) against
-   ``quantize_rows`` + cuBLAS's down GEMM.
+   ``quantize_rows`` + cuBLAS's down GEMM;
+6. ``--rounding``: the gate/up kernel with and without the model's bf16 roundings of g, u and act(g), against cuBLAS's
+   gate and up GEMMs, back to back.
 
     python benchmarks/prefill_study.py --ms 2048,4096 --rounds 7 [--sweep] [--profile] [--gate-up NAME=FILE,...] [--down]
-        [--no-rounds] [--out DIR]
+        [--rounding] [--no-rounds] [--out DIR]
     python benchmarks/prefill_study.py --ncu-driver --ms 2048   (under ncu: device_run.sh stage ncuprefill)
 """
 from __future__ import annotations
@@ -266,6 +268,51 @@ def _add_torchao(variants: dict, fresh) -> None:
         print(why, flush=True)
 
 
+def rounding(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> None:
+    """The gate/up kernel with the model's bf16 roundings of g, u and act(g) (the default) and without them (float32
+    until h), and cuBLAS's gate and up GEMMs: each the median of ``reps`` calls in a row (CUDA events, no flush, as
+    a block's calls follow one another), in turn over ``rounds``; with each h's error against float64's
+    act(g) * u of the same codes."""
+    x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
+    xq, xs = ops.x_quant(x)
+    w1, w3 = (quant.dequantize(w, s, [1, -1], torch.float64) for w, s in ((ops.w1, ops.s1), (ops.w3, ops.s3)))
+    xd = quant.dequantize(xq, xs, [1, -1], torch.float64)
+    ref = torch.nn.functional.silu(xd @ w1.t()) * (xd @ w3.t())
+    del w1, w3, xd
+    cases = {"model rounding": lambda: gm.gated_prefill(xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16,
+                                                        fast_accum=True),
+             "float32 g, u": lambda: gm.gated_prefill(xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16,
+                                                      fast_accum=True, model_rounding=False),
+             "cuBLAS gate + up": lambda: ops.cublas_g_u(xq, xs)}
+    for name in ("model rounding", "float32 g, u"):
+        h = cases[name]()[0].double()
+        err = ((h - ref).norm() / ref.norm()).item()
+        out.append({"M": m, "what": "h error vs float64", "case": name, "rel_err": err})
+        print(f"M={m} {name}: h relative error vs float64 {err:.3e}", flush=True)
+    del ref
+    names = list(cases)
+    times = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            events = []
+            for _ in range(reps):
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+                ev[0].record()
+                cases[name]()
+                ev[1].record()
+                events.append(ev)
+            torch.cuda.synchronize()
+            times[name].append(statistics.median(a.elapsed_time(b) for a, b in events))
+    for name in names:
+        out.append({"M": m, "what": "gate/up ms, chained", "case": name, "ms": statistics.median(times[name]),
+                    "rounds": times[name]})
+        print(f"M={m} {name}: {statistics.median(times[name]):.4f} ms", flush=True)
+    for name in ("model rounding", "float32 g, u"):
+        r = sorted(a / b for a, b in zip(times["cuBLAS gate + up"], times[name]))
+        print(f"M={m} {name} vs cuBLAS gate + up: {statistics.median(r):.3f}x (rounds {r[0]:.3f}-{r[-1]:.3f})",
+              flush=True)
+
+
 def profile(ms: list[int], out: list, calls: int = 20) -> None:
     """Each compiled block's kernels per call (torch.profiler), their GPU time and the call's span."""
     from benchmarks.profile_mlp import profiled
@@ -366,6 +413,7 @@ def main(argv=None):
     p.add_argument("--profile", action="store_true", help="each block's kernels per call (torch.profiler)")
     p.add_argument("--gate-up", default="", metavar="NAME=FILE,...", help="the gate/up kernel against FILEs', tiles")
     p.add_argument("--down", action="store_true", help="the down GEMM with h quantized in its loads")
+    p.add_argument("--rounding", action="store_true", help="the gate/up kernel with and without the model's roundings")
     p.add_argument("--ncu-driver", action="store_true", help="one launch of each prefill kernel (for ncu), then exit")
     p.add_argument("--no-rounds", action="store_true", help="skip the timed block rounds")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -390,6 +438,11 @@ def main(argv=None):
             ops = Operands(mlp_factory("cuda")())
             for m in ms:
                 down_probe(ops, m, out)
+            del ops
+        if args.rounding:
+            ops = Operands(mlp_factory("cuda")())
+            for m in ms:
+                rounding(ops, m, args.rounds, out)
             del ops
         if args.profile:
             profile(ms, out)

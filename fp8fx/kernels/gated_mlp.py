@@ -29,8 +29,9 @@ the first kernel, so its epilogue has the group's amax in registers and writes h
 it re-quantizes h, which is what kept per-token h from 64 tokens (``GATED_GROUPS_MAX_M``).
 
 Prefill (``gated_prefill``, from ``fp8fx.ops.GATED_PREFILL_MIN_M`` tokens): ``gated_prefill_kernel`` is the gate/up
-kernel made persistent, its operands by TMA copies and gate and up as one 256-wide wgmma per K step; h leaves it
-16-bit with its row maxima per tile, ``quantize_rows_kernel`` streams h to per-token fp8 codes, and cuBLAS runs the
+kernel made persistent, its operands by TMA copies and gate and up as one 256-wide wgmma per K step; g, u and
+act(g) stay float32 in its epilogue (the decode kernel rounds them as the model does), h leaves it 16-bit with its
+row maxima per tile, ``quantize_rows_kernel`` streams h to per-token fp8 codes, and cuBLAS runs the
 down GEMM (Inductor's Triton templates reached 0.74-0.93x of it at prefill, ANCHORS.md). What this removes from the
 unfused MLP: cuBLAS writing g and u ([M, 2 I] 16-bit: 235 MB at Llama-3-8B's M = 4096) and Inductor's act * mul +
 quantization reading them back in a one-pass row reduction at half the HBM speed (0.125 ms there, against 0.050
@@ -98,9 +99,11 @@ def _rounded(x, H_DTYPE: tl.constexpr, PTX_MATH: tl.constexpr):
 
 @triton.jit
 def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE: tl.constexpr,
-             W_ROWWISE: tl.constexpr, ACT: tl.constexpr, H_DTYPE: tl.constexpr, PTX_MATH: tl.constexpr = False):
+             W_ROWWISE: tl.constexpr, ACT: tl.constexpr, H_DTYPE: tl.constexpr, PTX_MATH: tl.constexpr = False,
+             MODEL_ROUNDING: tl.constexpr = True):
     """The gate/up kernels' epilogue: the scales of the rows ``offs_m`` and columns ``offs_n``, then act(g) * u
-    rounded as the model's 16-bit ops round it (g, u, act(g) and h in H_DTYPE). ``PTX_MATH`` (compiled for CUDA
+    rounded as the model's 16-bit ops round it (g, u, act(g) and h in H_DTYPE; with ``MODEL_ROUNDING`` off g, u
+    and act(g) stay float32). ``PTX_MATH`` (compiled for CUDA
     only; Triton's interpreter runs no PTX): silu's and gelu-tanh's 1 / (1 + e^x) by ``_inv_one_plus_exp2``: silu
     in 5 instructions an element where ``tl.exp`` and the division take 11, gelu-tanh about 4 fewer (sm_90 SASS).
     It matters in the prefill kernel, whose epilogue is not overlapped with its tensor-core work."""
@@ -116,8 +119,11 @@ def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_
     else:
         s1 = tl.load(s1_ptr)
         s3 = tl.load(s3_ptr)
-    g = _rounded(acc_g * a_s * s1, H_DTYPE, PTX_MATH)
-    u = _rounded(acc_u * a_s * s3, H_DTYPE, PTX_MATH)
+    g = acc_g * a_s * s1
+    u = acc_u * a_s * s3
+    if MODEL_ROUNDING:  # (off: g, u and act(g) stay float32, only h is rounded: the prefill kernel's default)
+        g = _rounded(g, H_DTYPE, PTX_MATH)
+        u = _rounded(u, H_DTYPE, PTX_MATH)
     if ACT == 0:  # silu
         if PTX_MATH:
             g = g * _inv_one_plus_exp2(g * -1.4426950408889634)  # e^-g = 2^(-g log2(e))
@@ -131,7 +137,8 @@ def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_
             g = 0.5 * g * (2.0 - 2.0 * _inv_one_plus_exp2(z * 2.8853900817779268))  # e^2z = 2^(2z log2(e))
         else:
             g = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * z) + 1.0))
-    g = _rounded(g, H_DTYPE, PTX_MATH)
+    if MODEL_ROUNDING:
+        g = _rounded(g, H_DTYPE, PTX_MATH)
     return (g * u).to(H_DTYPE)
 
 
@@ -211,8 +218,10 @@ def gated_prefill_kernel(
     A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr, UP_FIRST: tl.constexpr = False, PTX_MATH: tl.constexpr = False,
+    MODEL_ROUNDING: tl.constexpr = False,
 ):
-    """``gated_gemm_kernel`` for prefill. Persistent: ``PROGRAMS`` programs walk the output tiles, GROUP_M row
+    """``gated_gemm_kernel`` for prefill, with g, u and act(g) in float32 (``MODEL_ROUNDING``: rounded to h's dtype
+    as the model's 16-bit ops round them, as the decode kernel does). Persistent: ``PROGRAMS`` programs walk the output tiles, GROUP_M row
     tiles at a time (the weight tiles they share stay in L2), and the K loop of the next tile is in flight during
     a tile's epilogue (``flatten``). Every operand tile comes by TMA copies, the gate and up tiles of the same
     BLOCK_N outputs as one [2 BLOCK_N, BLOCK_K] tile, so a K step is one 2 BLOCK_N-wide dot (wgmma m64n256k32 at
@@ -224,6 +233,12 @@ def gated_prefill_kernel(
     4096 (run 25, two calls). The last round of tiles split along K over the idle SMs, in a second launch, lost
     (0.968-0.994x at 4096, run 25): flattened with the others, the split made the epilogue conditional and Triton no
     longer overlapped the next tile's loads with it.
+
+    Why float32 until h (run 27): the three roundings are 9 FMA-pipe instructions an element of an epilogue the tensor
+    cores wait on. Without them the kernel took 0.3610 ms against 0.3735 at M = 2048 and 0.7377 against 0.7938 at 4096
+    (H200, 9 interleaved rounds, calls back to back), and h came closer to float64's act(g) * u of the same codes
+    (relative error 2.44e-3 against 3.79e-3). Inductor does not round inside its fused act * mul either: fp8fx's
+    unfused graph rounds g and u only as cuBLAS's bf16 outputs.
 
     Against cuBLAS's gate/up GEMM followed by act * mul and the per-token quantization of h, the [M, 2 N] 16-bit
     g and u never reach memory: h [M, N] does, with each row's maxima per tile, and the quantization of h is a
@@ -252,7 +267,7 @@ def gated_prefill_kernel(
         # (the epilogue's scales loaded before the K loop spilled 528 bytes a thread; prefetched into L1 there, the
         # kernel measured 1% slower: H200 run 24)
         h = _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE, ACT,
-                     h_desc.dtype, PTX_MATH)
+                     h_desc.dtype, PTX_MATH, MODEL_ROUNDING)
         h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h)  # clipped at M and N
         # columns past N are act(0) * 0 = 0: no mask needed for the maxima
         amax = tl.reduce(tl.abs(h.to(tl.float32)), 1, _max_nan)
@@ -353,13 +368,16 @@ def prefill_tile_config(m: int, n: int, k: int) -> dict:
 
 def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
                   s3: torch.Tensor, h_dtype: torch.dtype, act: str = "silu", fast_accum: bool = False,
-                  config: Optional[dict] = None, programs: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: Optional[dict] = None, programs: Optional[int] = None, model_rounding: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [M, I] in ``h_dtype``, its row maxima per tile [M, ceil(I / BLOCK_N)]) = ``act(g) * u`` by
     ``gated_prefill_kernel``; the operands as ``gated_mlp``'s, K a multiple of 16 and h's rows of a multiple of 16
     bytes. An operand the TMA copies cannot address (transposed, unaligned) is copied first, as cuBLAS's path copies
     a transposed weight (``fp8fx.ops._row_major``), and one tensor for both gate and up (tied) gets a second one:
     their pair is [2, I, K] (``prefill_fits``: no copy needed). ``programs``: the persistent grid (default: the
-    GPU's SMs; on the CPU 4)."""
+    GPU's SMs; on the CPU 4). g, u and act(g) stay float32 and h alone is rounded (``gated_prefill_kernel``);
+    ``model_rounding=True`` rounds them as the model's 16-bit ops do (the kernel before run 27; for
+    ``benchmarks/prefill_study.py --rounding``, which times what those roundings cost)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     xq, w1, w3 = (t if _tma_addressable(t) else t.contiguous() for t in (xq, w1, w3))
@@ -386,7 +404,7 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
             x_scale, s1, s3, parts, m, i, k, parts.stride(0),
             A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
             IMPRECISE_K=imprecise_k({"BLOCK_K": bk}, fast_accum), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            PROGRAMS=programs, UP_FIRST=up_first, PTX_MATH=_compiles_ptx(xq), **cfg,
+            PROGRAMS=programs, UP_FIRST=up_first, PTX_MATH=_compiles_ptx(xq), MODEL_ROUNDING=model_rounding, **cfg,
         )
     return h, parts
 

@@ -433,17 +433,24 @@ PREFILL_CHECK = textwrap.dedent("""
         pair[int(up_first)], pair[1 - int(up_first)] = w1, w3
         w1, w3 = pair[int(up_first)], pair[1 - int(up_first)]
         assert prefill_fits(xq, w1, w3, torch.bfloat16)
-        want = ops.GATED_ACTIVATIONS[act](ops.scaled_mm(xq, xs, w1, s1, None, x_block, w_block, torch.bfloat16)) * \\
-            ops.scaled_mm(xq, xs, w3, s3, None, x_block, w_block, torch.bfloat16)
-        h, parts = gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, config=tile)
-        # the bits of the reference's h but where g or u sit at a bf16 rounding boundary (float32 sums in another
-        # order); GELU's erf and tanh forms differ in ~2% of the bits
-        same = (h == want).float().mean().item()
-        assert same >= 0.97, (scheme, act, same)
-        # (the erf and tanh forms of GELU also differ near zero, where h is small next to its row's largest)
-        row_max = want.float().abs().amax(1, keepdim=True)
-        close = (h.float() - want.float()).abs() <= want.float().abs() * 2**-6 + row_max * 2**-12 + 1e-6
-        assert close.all(), (scheme, act, h[~close][:5], want[~close][:5])
+        g, u = (ops.scaled_mm(xq, xs, w, s, None, x_block, w_block, torch.float32) for w, s in ((w1, s1), (w3, s3)))
+        # g, u and act(g) in float32, h rounded once (the default); the model's roundings of each (model_rounding)
+        for model_rounding in (True, False):
+            if model_rounding:
+                g16, u16 = g.bfloat16(), u.bfloat16()
+                want = ops.GATED_ACTIVATIONS[act](g16) * u16
+            else:
+                want = (ops.GATED_ACTIVATIONS[act](g) * u).bfloat16()
+            h, parts = gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, config=tile,
+                                     model_rounding=model_rounding)
+            # the bits of the reference's h but where g, u or h sit at a bf16 rounding boundary (float32 sums in
+            # another order); GELU's erf and tanh forms differ in ~2% of the bits
+            same = (h == want).float().mean().item()
+            assert same >= (0.97 if model_rounding or act != "silu" else 0.995), (scheme, act, model_rounding, same)
+            # (the erf and tanh forms of GELU also differ near zero, where h is small next to its row's largest)
+            row_max = want.float().abs().amax(1, keepdim=True)
+            close = (h.float() - want.float()).abs() <= want.float().abs() * 2**-6 + row_max * 2**-12 + 1e-6
+            assert close.all(), (scheme, act, h[~close][:5], want[~close][:5])
         tiles = torch.nn.functional.pad(h.float().abs(), (0, parts.shape[1] * 32 - i))
         assert torch.equal(parts, tiles.reshape(m, parts.shape[1], 32).amax(-1)), scheme
         # quantize_rows: fp8fx.quant's per-token codes and scales of h, to the bit, from the partial maxima
@@ -451,11 +458,10 @@ PREFILL_CHECK = textwrap.dedent("""
             q, s = quantize_rows(h, parts, block)
             want_q, want_s = quant.quantize(h, [1, -1])
             assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(s, want_s.float())
-        # the three steps of the op's prefill path against its unfused ops, row by row
+        # the three steps of the op's prefill path against the down GEMM of the reference h's codes, row by row
         hq, h_scale = quantize_rows(h, parts)
-        args[2], args[4], args[11] = w1, w3, [1, -1]  # h per token, whatever the scheme's
         y = ops.scaled_mm(hq, h_scale, *args[6:9], [1, -1], args[12], torch.bfloat16)
-        ref = ops._gated_mlp_reference(*args)
+        ref = ops.scaled_mm(*quant.quantize(want, [1, -1]), *args[6:9], [1, -1], args[12], torch.bfloat16)
         worst = max(rel(y[r], ref[r]) for r in range(m))
         worst_seen = max(worst_seen, worst)
         assert worst < 0.01, (scheme, act, worst)
@@ -521,33 +527,38 @@ def test_prefill_fits_and_reasons():
 @pytest.mark.cuda
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_gated_prefill_kernel_cuda(monkeypatch, act):
-    """The prefill gate/up kernel as the GPU runs it (the PTX epilogue: ex2 / rcp and bf16 rounding by
-    ``_bf16_grid``): h has the reference's bits but where g or u sit at a bf16 rounding boundary, as many of them as
-    the epilogue compiled without PTX (``tl.exp``, division, conversions) has, and nearly all of that one's bits;
-    its maxima are h's. Not counted: silu(g) for g in [-88.7, -87.3], which the PTX epilogue flushes to zero
-    (``_inv_one_plus_exp2``; 0.11% of this data's h, whose rows reach 1000x the first's)."""
+    """The prefill gate/up kernel as the GPU runs it (the PTX epilogue: ex2 / rcp; with ``model_rounding``, bf16
+    roundings of g, u and act(g) by ``_bf16_grid``): h has the reference's bits but where g, u or h sit at a bf16
+    rounding boundary, as many of them as the epilogue compiled without PTX (``tl.exp``, division, conversions) has,
+    and nearly all of that one's bits; its maxima are h's. Not counted: silu(g) for g in [-88.7, -87.3], which the
+    PTX epilogue flushes to zero (``_inv_one_plus_exp2``; 0.11% of this data's h, whose rows reach 1000x the
+    first's)."""
     from fp8fx.kernels import gated_mlp as module
 
     m, k, i = 300, 1024, 1000
     args, _ = mlp_operands(m, k, i, 8, "per-token/per-channel", "cuda", row_gain=torch.logspace(0, 3, m), act=act)
     xq, xs, w1, s1, w3, s3 = args[:6]
     x_block, w_block = args[9], args[10]
-    g = ops.scaled_mm(xq, xs, w1, s1, None, x_block, w_block, torch.bfloat16)
-    want = ops.GATED_ACTIVATIONS[act](g) * ops.scaled_mm(xq, xs, w3, s3, None, x_block, w_block, torch.bfloat16)
-    h, parts = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act)
-    row_max = want.float().abs().amax(1, keepdim=True)
-    assert ((h.float() - want.float()).abs() <= want.float().abs() * 2**-6 + row_max * 2**-12 + 1e-6).all()
-    bn = module.prefill_tile_config(m, i, k)["BLOCK_N"]
-    padded = torch.nn.functional.pad(h.float().abs(), (0, parts.shape[1] * bn - i))
-    assert torch.equal(parts, padded.reshape(m, parts.shape[1], bn).amax(-1))
-    with monkeypatch.context() as patch:
-        patch.setattr(module, "_compiles_ptx", lambda t: False)
-        plain, _ = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act)
-    counted = ((g.float() + 88.0).abs() > 0.8) if act == "silu" else torch.ones_like(h, dtype=torch.bool)
+    g, u = (ops.scaled_mm(xq, xs, w, s, None, x_block, w_block, torch.float32) for w, s in ((w1, s1), (w3, s3)))
+    counted = ((g + 88.0).abs() > 0.8) if act == "silu" else torch.ones_like(g, dtype=torch.bool)
     assert counted.float().mean().item() > 0.99
-    same, plain_same = ((h == want)[counted].float().mean().item(), (plain == want)[counted].float().mean().item())
-    assert same >= 0.97 and same >= plain_same - 1e-4, (same, plain_same)
-    assert (h == plain)[counted].float().mean().item() >= 0.9999
+    for model_rounding in (False, True):
+        if model_rounding:  # the model's: g and u out of bf16 GEMMs, act(g) * u in bf16 ops
+            want = ops.GATED_ACTIVATIONS[act](g.bfloat16()) * u.bfloat16()
+        else:  # float32 until h (the default)
+            want = (ops.GATED_ACTIVATIONS[act](g) * u).bfloat16()
+        h, parts = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, model_rounding=model_rounding)
+        row_max = want.float().abs().amax(1, keepdim=True)
+        assert ((h.float() - want.float()).abs() <= want.float().abs() * 2**-6 + row_max * 2**-12 + 1e-6).all()
+        bn = module.prefill_tile_config(m, i, k)["BLOCK_N"]
+        padded = torch.nn.functional.pad(h.float().abs(), (0, parts.shape[1] * bn - i))
+        assert torch.equal(parts, padded.reshape(m, parts.shape[1], bn).amax(-1))
+        with monkeypatch.context() as patch:
+            patch.setattr(module, "_compiles_ptx", lambda t: False)
+            plain, _ = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, model_rounding=model_rounding)
+        same, plain_same = ((h == want)[counted].float().mean().item(), (plain == want)[counted].float().mean().item())
+        assert same >= 0.97 and same >= plain_same - 1e-4, (model_rounding, same, plain_same)
+        assert (h == plain)[counted].float().mean().item() >= 0.9999, model_rounding
 
 
 def _laid_out(w1, w3, layout):
@@ -574,7 +585,8 @@ def test_gated_mlp_prefill_cuda(monkeypatch, m, scheme, act, layout):
     """From GATED_PREFILL_MIN_M tokens with per-token h (the per-tensor scheme's h made per token): the prefill
     kernels (gate/up with act * mul in its epilogue on wgmma, the streaming quantization of h, cuBLAS's down) - run,
     not the unfused ops - whatever the gate and up weights' places in memory; as accurate against float64 as the
-    unfused ops and close to them row by row (rows 1000x apart); bit-equal replays of a CUDA graph."""
+    unfused ops and closer to them row by row than either is to float64 (rows 1000x apart: the two round h apart,
+    float32 against the model's bf16 ops, so some fp8 codes of h differ); bit-equal replays of a CUDA graph."""
     from fp8fx.kernels import gated_mlp as module
 
     calls = []
@@ -593,7 +605,7 @@ def test_gated_mlp_prefill_cuda(monkeypatch, m, scheme, act, layout):
     assert y.shape == (m, 272) and y.dtype == torch.bfloat16
     errs = torch.tensor([[rel(y[r], want[r]), rel(unfused[r], want[r]), rel(y[r], unfused[r])] for r in range(m)])
     assert (errs[:, 0] < errs[:, 1] * 1.25 + 1e-3).all(), errs[:, :2].max(0)
-    assert (errs[:, 2] < 0.015 + 0.05 * errs[:, 1]).all(), errs[:, 2].max()
+    assert (errs[:, 2] < errs[:, 1] + 1e-3).all() and errs[:, 2].median() < 0.5 * errs[:, 1].median(), errs.median(0)
     assert_graph_replays_equal(lambda: ops.gated_mlp(*args), y)
 
 
