@@ -280,7 +280,7 @@ def rounding(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> N
     ref = torch.nn.functional.silu(xd @ w1.t()) * (xd @ w3.t())
     del w1, w3, xd
     cases = {"model rounding": lambda: gm.gated_prefill(xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16,
-                                                        fast_accum=True),
+                                                        fast_accum=True, model_rounding=True),
              "float32 g, u": lambda: gm.gated_prefill(xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16,
                                                       fast_accum=True, model_rounding=False),
              "cuBLAS gate + up": lambda: ops.cublas_g_u(xq, xs)}
