@@ -283,12 +283,20 @@ def rounding(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> N
                                                         fast_accum=True, model_rounding=True),
              "float32 g, u": lambda: gm.gated_prefill(xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16,
                                                       fast_accum=True, model_rounding=False),
+             "float32, silu by tanh": lambda: gm.gated_prefill(xq, xs, ops.w1, ops.s1, ops.w3, ops.s3,
+                                                               torch.bfloat16, fast_accum=True, tanh_silu=True),
              "cuBLAS gate + up": lambda: ops.cublas_g_u(xq, xs)}
-    for name in ("model rounding", "float32 g, u"):
-        h = cases[name]()[0].double()
-        err = ((h - ref).norm() / ref.norm()).item()
-        out.append({"M": m, "what": "h error vs float64", "case": name, "rel_err": err})
-        print(f"M={m} {name}: h relative error vs float64 {err:.3e}", flush=True)
+    kernels = [name for name in cases if not name.startswith("cuBLAS")]
+    h32 = ref.bfloat16()  # float64's h, rounded once
+    for name in kernels:
+        h = cases[name]()[0]
+        err = ((h.double() - ref).norm() / ref.norm()).item()
+        same = (h == h32).float().mean().item()
+        worst = ((h.double() - ref).abs() / ref.abs().amax(1, keepdim=True)).max().item()
+        out.append({"M": m, "what": "h error vs float64", "case": name, "rel_err": err, "bits_as_float64_rounded": same,
+                    "worst_vs_row_max": worst})
+        print(f"M={m} {name}: h relative error vs float64 {err:.3e}; bits of float64's h rounded to bf16 in "
+              f"{same:.4f}; worst error / its row's max {worst:.2e}", flush=True)
     del ref
     names = list(cases)
     times = {name: [] for name in names}
@@ -307,7 +315,10 @@ def rounding(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> N
         out.append({"M": m, "what": "gate/up ms, chained", "case": name, "ms": statistics.median(times[name]),
                     "rounds": times[name]})
         print(f"M={m} {name}: {statistics.median(times[name]):.4f} ms", flush=True)
-    for name in ("model rounding", "float32 g, u"):
+    for name in kernels[1:]:
+        r = sorted(a / b for a, b in zip(times[kernels[0]], times[name]))
+        print(f"M={m} {name} vs {kernels[0]}: {statistics.median(r):.3f}x (rounds {r[0]:.3f}-{r[-1]:.3f})", flush=True)
+    for name in kernels:
         r = sorted(a / b for a, b in zip(times["cuBLAS gate + up"], times[name]))
         print(f"M={m} {name} vs cuBLAS gate + up: {statistics.median(r):.3f}x (rounds {r[0]:.3f}-{r[-1]:.3f})",
               flush=True)

@@ -98,9 +98,16 @@ def _rounded(x, H_DTYPE: tl.constexpr, PTX_MATH: tl.constexpr):
 
 
 @triton.jit
+def _tanh_approx(x):
+    """tanh(x) by the special-function unit's ``tanh.approx.f32`` (sm_75+): one instruction, relative error at most
+    2^-10.99 (PTX ISA)."""
+    return tl.inline_asm_elementwise("tanh.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True, pack=1)
+
+
+@triton.jit
 def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE: tl.constexpr,
              W_ROWWISE: tl.constexpr, ACT: tl.constexpr, H_DTYPE: tl.constexpr, PTX_MATH: tl.constexpr = False,
-             MODEL_ROUNDING: tl.constexpr = True):
+             MODEL_ROUNDING: tl.constexpr = True, TANH_SILU: tl.constexpr = False):
     """The gate/up kernels' epilogue: the scales of the rows ``offs_m`` and columns ``offs_n``, then act(g) * u
     rounded as the model's 16-bit ops round it (g, u, act(g) and h in H_DTYPE; with ``MODEL_ROUNDING`` off g, u
     and act(g) stay float32). ``PTX_MATH`` (compiled for CUDA
@@ -124,6 +131,12 @@ def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_
     if MODEL_ROUNDING:  # (off: g, u and act(g) stay float32, only h is rounded: the prefill kernel's default)
         g = _rounded(g, H_DTYPE, PTX_MATH)
         u = _rounded(u, H_DTYPE, PTX_MATH)
+    if ACT == 0 and TANH_SILU and PTX_MATH and not MODEL_ROUNDING:
+        # silu(g) u = (g u / 2)(1 + tanh(g / 2)): one special-function instruction an element where ex2 and rcp are
+        # two (a study's switch, benchmarks/prefill_study.py --rounding)
+        half = 0.5 * g
+        half_gu = half * u
+        return (half_gu + half_gu * _tanh_approx(half)).to(H_DTYPE)
     if ACT == 0:  # silu
         if PTX_MATH:
             g = g * _inv_one_plus_exp2(g * -1.4426950408889634)  # e^-g = 2^(-g log2(e))
@@ -218,7 +231,7 @@ def gated_prefill_kernel(
     A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr, UP_FIRST: tl.constexpr = False, PTX_MATH: tl.constexpr = False,
-    MODEL_ROUNDING: tl.constexpr = False,
+    MODEL_ROUNDING: tl.constexpr = False, TANH_SILU: tl.constexpr = False,
 ):
     """``gated_gemm_kernel`` for prefill, with g, u and act(g) in float32 (``MODEL_ROUNDING``: rounded to h's dtype
     as the model's 16-bit ops round them, as the decode kernel does). Persistent: ``PROGRAMS`` programs walk the output tiles, GROUP_M row
@@ -267,7 +280,7 @@ def gated_prefill_kernel(
         # (the epilogue's scales loaded before the K loop spilled 528 bytes a thread; prefetched into L1 there, the
         # kernel measured 1% slower: H200 run 24)
         h = _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE, ACT,
-                     h_desc.dtype, PTX_MATH, MODEL_ROUNDING)
+                     h_desc.dtype, PTX_MATH, MODEL_ROUNDING, TANH_SILU)
         h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h)  # clipped at M and N
         # columns past N are act(0) * 0 = 0: no mask needed for the maxima
         amax = tl.reduce(tl.abs(h.to(tl.float32)), 1, _max_nan)
@@ -368,8 +381,8 @@ def prefill_tile_config(m: int, n: int, k: int) -> dict:
 
 def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
                   s3: torch.Tensor, h_dtype: torch.dtype, act: str = "silu", fast_accum: bool = False,
-                  config: Optional[dict] = None, programs: Optional[int] = None, model_rounding: bool = False
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+                  config: Optional[dict] = None, programs: Optional[int] = None, model_rounding: bool = False,
+                  tanh_silu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [M, I] in ``h_dtype``, its row maxima per tile [M, ceil(I / BLOCK_N)]) = ``act(g) * u`` by
     ``gated_prefill_kernel``; the operands as ``gated_mlp``'s, K a multiple of 16 and h's rows of a multiple of 16
     bytes. An operand the TMA copies cannot address (transposed, unaligned) is copied first, as cuBLAS's path copies
@@ -404,7 +417,8 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
             x_scale, s1, s3, parts, m, i, k, parts.stride(0),
             A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
             IMPRECISE_K=imprecise_k({"BLOCK_K": bk}, fast_accum), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            PROGRAMS=programs, UP_FIRST=up_first, PTX_MATH=_compiles_ptx(xq), MODEL_ROUNDING=model_rounding, **cfg,
+            PROGRAMS=programs, UP_FIRST=up_first, PTX_MATH=_compiles_ptx(xq), MODEL_ROUNDING=model_rounding,
+            TANH_SILU=tanh_silu, **cfg,
         )
     return h, parts
 

@@ -242,13 +242,16 @@ def test_gated_gemm_with_h_groups_compiles_for_sm90(m, promote):
 
 
 @pytest.mark.parametrize("promote", [None, 128])
-@pytest.mark.parametrize("x_rowwise,act", [(True, "silu"), (False, "gelu_tanh")])
-def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, act):
+@pytest.mark.parametrize("x_rowwise,act,epilogue", [(True, "silu", "float32"), (False, "gelu_tanh", "float32"),
+                                                    (True, "silu", "model rounding"), (True, "silu", "tanh silu")])
+def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, act, epilogue):
     """The prefill gate/up kernel at its default tile (Llama-3-8B, M = 4096): each K step is one m64n256k32 wgmma per
     warpgroup on the gate and up tiles loaded together (a [2, 128, 128] TMA copy seen as [256, 128] in shared
     memory), h stored by TMA copies; its stages fit in shared memory. Nothing spills with fast accumulation (the
     backend's default); promoting the sums every K step (use_fast_accum=False) spills 72 bytes a thread (triton 3.9;
-    not timed). The epilogue's activation is the PTX one the GPU runs (``PTX_MATH``).
+    not timed). The epilogue's activation is the PTX one the GPU runs (``PTX_MATH``), g, u and act(g) in float32
+    (the default), rounded to bf16 as the model rounds them (``MODEL_ROUNDING``), or silu by tanh.approx
+    (``TANH_SILU``).
     The quantization of h compiles too."""
     cfg = prefill_tile_config(4096, 14336, 4096)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
@@ -256,16 +259,22 @@ def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, a
              "h_desc": f"tensordesc<bf16[{bm}, {bn}]>", "a_scale_ptr": "*fp32", "s1_ptr": "*fp32", "s3_ptr": "*fp32",
              "parts_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_pm": "i32"}
     consts = dict(A_ROWWISE=x_rowwise, W_ROWWISE=True, ACT=ACTIVATIONS[act], IMPRECISE_K=promote, BLOCK_M=bm,
-                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], PROGRAMS=132, UP_FIRST=False, PTX_MATH=True)
+                  BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], PROGRAMS=132, UP_FIRST=False, PTX_MATH=True,
+                  MODEL_ROUNDING=epilogue == "model rounding", TANH_SILU=epilogue == "tanh silu")
     kernel = compile_kernel(gated_prefill_kernel, types, consts, ["a_scale_ptr", "s1_ptr", "s3_ptr", "parts_ptr", "N",
                                                                   "K"], cfg["num_warps"], cfg["num_stages"])
     ptx = kernel.asm["ptx"]
     assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) == {"m64n256k32"}
-    # the epilogue's 1 / (1 + e^x) as the GPU runs it (PTX_MATH): flush-to-zero ex2 and rcp, no division; g, u and
-    # act(g) rounded to bf16 by Veltkamp's split (unfused .rn multiply and adds), not by conversions: only h's
-    # conversion to bf16 is one, in pairs
-    assert "rcp.approx.ftz.f32" in ptx and "ex2.approx.ftz.f32" in ptx and not re.search(r"div\.\w+\.f32", ptx)
-    assert "mul.rn.f32" in ptx and "cvt.rn.bf16.f32" not in ptx and "cvt.rn.bf16x2.f32" in ptx
+    # the epilogue's 1 / (1 + e^x) as the GPU runs it (PTX_MATH): flush-to-zero ex2 and rcp, no division (or one
+    # tanh.approx for silu); with the model's roundings, g, u and act(g) rounded to bf16 by Veltkamp's split
+    # (unfused .rn multiply and adds), not by conversions: either way only h's conversion to bf16 is one, in pairs
+    if epilogue == "tanh silu":
+        assert "tanh.approx.f32" in ptx and "ex2.approx" not in ptx and "rcp.approx" not in ptx
+    else:
+        assert "rcp.approx.ftz.f32" in ptx and "ex2.approx.ftz.f32" in ptx and "tanh.approx" not in ptx
+    assert not re.search(r"div\.\w+\.f32", ptx)
+    assert ("mul.rn.f32" in ptx) == (epilogue == "model rounding")
+    assert "cvt.rn.bf16.f32" not in ptx and "cvt.rn.bf16x2.f32" in ptx
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
     assert stack_bytes(kernel) <= (72 if promote else 0), stack_bytes(kernel)
     types = dict(zip(["h_ptr", "parts_ptr", "q_ptr", "scale_ptr"], ["*bf16", "*fp32", "*fp8e4nv", "*fp32"]))
