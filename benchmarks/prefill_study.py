@@ -16,8 +16,8 @@ streams h to fp8 with no reduction left. This script times, on one GPU, in one p
    REV:fp8fx/kernels/gated_mlp.py > FILE``), and this tree's at the ``GATE_UP_TILES``, in interleaved rounds;
 5. ``--down``: the down GEMM with h quantized as it loads it (``fp8_gemm``'s ``A_QUANT``, the decode path's) against
    ``quantize_rows`` + cuBLAS's down GEMM;
-6. ``--rounding``: the gate/up kernel with and without the model's bf16 roundings of g, u and act(g), against cuBLAS's
-   gate and up GEMMs, back to back.
+6. ``--rounding``: the gate/up kernel with and without the model's bf16 roundings of g, u and act(g) (and silu by
+   tanh.approx), against cuBLAS's gate and up GEMMs, back to back.
 
     python benchmarks/prefill_study.py --ms 2048,4096 --rounds 7 [--sweep] [--profile] [--gate-up NAME=FILE,...] [--down]
         [--rounding] [--no-rounds] [--out DIR]
@@ -269,8 +269,8 @@ def _add_torchao(variants: dict, fresh) -> None:
 
 
 def rounding(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> None:
-    """The gate/up kernel with the model's bf16 roundings of g, u and act(g) (the default) and without them (float32
-    until h), and cuBLAS's gate and up GEMMs: each the median of ``reps`` calls in a row (CUDA events, no flush, as
+    """The gate/up kernel with the model's bf16 roundings of g, u and act(g), without them (float32 until h; silu by
+    ex2 and rcp, or by tanh.approx, the default), and cuBLAS's gate and up GEMMs: each the median of ``reps`` calls in a row (CUDA events, no flush, as
     a block's calls follow one another), in turn over ``rounds``; with each h's error against float64's
     act(g) * u of the same codes."""
     x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
@@ -282,7 +282,7 @@ def rounding(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> N
     cases = {"model rounding": lambda: gm.gated_prefill(xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16,
                                                         fast_accum=True, model_rounding=True),
              "float32 g, u": lambda: gm.gated_prefill(xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16,
-                                                      fast_accum=True, model_rounding=False),
+                                                      fast_accum=True, model_rounding=False, tanh_silu=False),
              "float32, silu by tanh": lambda: gm.gated_prefill(xq, xs, ops.w1, ops.s1, ops.w3, ops.s3,
                                                                torch.bfloat16, fast_accum=True, tanh_silu=True),
              "cuBLAS gate + up": lambda: ops.cublas_g_u(xq, xs)}

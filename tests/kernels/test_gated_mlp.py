@@ -527,10 +527,11 @@ def test_prefill_fits_and_reasons():
 @pytest.mark.cuda
 @pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
 def test_gated_prefill_kernel_cuda(monkeypatch, act):
-    """The prefill gate/up kernel as the GPU runs it (the PTX epilogue: ex2 / rcp; with ``model_rounding``, bf16
-    roundings of g, u and act(g) by ``_bf16_grid``): h has the reference's bits but where g, u or h sit at a bf16
-    rounding boundary, as many of them as the epilogue compiled without PTX (``tl.exp``, division, conversions) has,
-    and nearly all of that one's bits; its maxima are h's. Not counted: silu(g) for g in [-88.7, -87.3], which the
+    """The prefill gate/up kernel as the GPU runs it (the PTX epilogue: silu by tanh.approx, or ex2 / rcp; with
+    ``model_rounding``, bf16 roundings of g, u and act(g) by ``_bf16_grid``): h within 2^-6 of the reference's
+    (relative) and, but for tanh.approx's silu, its bits but where g, u or h sit at a bf16 rounding boundary, as many
+    of them as the epilogue compiled without PTX (``tl.exp``, division, conversions) has, and nearly all of that
+    one's bits; its maxima are h's. Not counted: silu(g) for g in [-88.7, -87.3], which the
     PTX epilogue flushes to zero (``_inv_one_plus_exp2``; 0.11% of this data's h, whose rows reach 1000x the
     first's)."""
     from fp8fx.kernels import gated_mlp as module
@@ -542,12 +543,13 @@ def test_gated_prefill_kernel_cuda(monkeypatch, act):
     g, u = (ops.scaled_mm(xq, xs, w, s, None, x_block, w_block, torch.float32) for w, s in ((w1, s1), (w3, s3)))
     counted = ((g + 88.0).abs() > 0.8) if act == "silu" else torch.ones_like(g, dtype=torch.bool)
     assert counted.float().mean().item() > 0.99
-    for model_rounding in (False, True):
+    for model_rounding, tanh_silu in ((False, True), (False, False), (True, False)):
         if model_rounding:  # the model's: g and u out of bf16 GEMMs, act(g) * u in bf16 ops
             want = ops.GATED_ACTIVATIONS[act](g.bfloat16()) * u.bfloat16()
-        else:  # float32 until h (the default)
+        else:  # float32 until h (the default, silu by tanh.approx)
             want = (ops.GATED_ACTIVATIONS[act](g) * u).bfloat16()
-        h, parts = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, model_rounding=model_rounding)
+        h, parts = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, model_rounding=model_rounding,
+                                        tanh_silu=tanh_silu)
         row_max = want.float().abs().amax(1, keepdim=True)
         assert ((h.float() - want.float()).abs() <= want.float().abs() * 2**-6 + row_max * 2**-12 + 1e-6).all()
         bn = module.prefill_tile_config(m, i, k)["BLOCK_N"]
@@ -555,10 +557,15 @@ def test_gated_prefill_kernel_cuda(monkeypatch, act):
         assert torch.equal(parts, padded.reshape(m, parts.shape[1], bn).amax(-1))
         with monkeypatch.context() as patch:
             patch.setattr(module, "_compiles_ptx", lambda t: False)
-            plain, _ = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, model_rounding=model_rounding)
+            plain, _ = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, model_rounding=model_rounding,
+                                            tanh_silu=tanh_silu)
         same, plain_same = ((h == want)[counted].float().mean().item(), (plain == want)[counted].float().mean().item())
-        assert same >= 0.97 and same >= plain_same - 1e-4, (model_rounding, same, plain_same)
-        assert (h == plain)[counted].float().mean().item() >= 0.9999, model_rounding
+        as_plain = (h == plain)[counted].float().mean().item()
+        if tanh_silu and act == "silu":  # tanh.approx (relative 2^-11) moves h across some bf16 rounding boundaries
+            assert same >= 0.8 and as_plain >= 0.8, (same, plain_same, as_plain)
+        else:
+            assert same >= 0.97 and same >= plain_same - 1e-4, (model_rounding, same, plain_same)
+            assert as_plain >= 0.9999, (model_rounding, as_plain)
 
 
 def _laid_out(w1, w3, layout):
