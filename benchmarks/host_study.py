@@ -129,6 +129,7 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
     launch_args = (*descs, xs.float().reshape(-1), s1, s3, parts, m, i, DIM, parts.stride(0))
     launch_kw = dict(A_ROWWISE=True, W_ROWWISE=True, ACT=0, IMPRECISE_K=gm.imprecise_k({"BLOCK_K": bk}, True),
                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=programs, UP_FIRST=low is ops_.w3, PTX_MATH=True,
+                     TANH_SILU=True,
                      GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     compiled = gm.gated_prefill_kernel[(programs,)](*launch_args, **launch_kw)
     names = gm.gated_prefill_kernel.arg_names
@@ -162,8 +163,7 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
                                   torch.empty(m, parts.shape[1], device="cuda")),
         "torch.cuda.device(x.device) enter/exit": device_context,
         "get_device_properties": lambda: torch.cuda.get_device_properties(xq.device).multi_processor_count,
-        "_gate_up_scales + x_scale prep": lambda: (gm._gate_up_scales(ops_.s1, ops_.s3, i),
-                                                   xs.float().reshape(-1).contiguous()),
+        "_gate_up_scales + x_scale prep": lambda: (gm._gate_up_scales(ops_.s1, ops_.s3, i), gm._flat_f32(xs)),
         "_tma_addressable x3 + _compiles_ptx": lambda: ([gm._tma_addressable(t) for t in (xq, ops_.w1, ops_.w3)],
                                                         gm._compiles_ptx(xq)),
         "Relaunch key (gate/up)": lambda: gm._GATED_PREFILL._key(launch_args, launch_kw),
@@ -211,12 +211,16 @@ def interleaved(m: int, calls: int, rounds: int, out: list, against: str = "") -
                                   dynamic=False)[0] for name in ("block, direct", "block, dispatcher")}
     fns = {"op, torch.ops": below_autograd(lambda: ops.gated_mlp(*args)),
            "op, direct": below_autograd(lambda: ops.direct.gated_mlp(*args)),
-           "op's CUDA function": below_autograd(lambda: ops._CUDA_FNS["gated_mlp"](*args)),
+           "op's function, direct": below_autograd(lambda: ops._CUDA_FNS["gated_mlp"](*args)),
+           "op's CUDA kernel (checked)": below_autograd(lambda: (ops._gated_mlp_checks(*args),
+                                                                 ops._CUDA_FNS["gated_mlp"](*args))),
            **{name: (lambda b: lambda: b(x))(b) for name, b in blocks_.items()}}
     if against:
         sys.path.insert(0, against)
         rev = importlib.import_module("fp8fx_rev")
         importlib.import_module("fp8fx_rev.ops")
+        # (the revision's function has the checks in it: set against this tree's direct one, the difference counts
+        # them too; against the checked kernel, not)
         fns["op's CUDA function, rev"] = below_autograd(lambda: rev.ops._CUDA_FNS["gated_mlp"](*args))
         module = fresh()
         rev.quantize_(module, rev.Fp8Config())
@@ -234,7 +238,8 @@ def interleaved(m: int, calls: int, rounds: int, out: list, against: str = "") -
                     "rounds": t})
         print(f"M={m} {name:26s} host {statistics.median(t):.4f} ms a call (median of {rounds} interleaved bursts; "
               f"quartiles {statistics.quantiles(t)[0]:.4f}-{statistics.quantiles(t)[2]:.4f})", flush=True)
-    for new, old in (("op's CUDA function", "op's CUDA function, rev"), ("block, direct", "block, direct, rev")):
+    for new, old in (("op's function, direct", "op's CUDA function, rev"),
+                     ("op's CUDA kernel (checked)", "op's CUDA function, rev"), ("block, direct", "block, direct, rev")):
         if old in times:
             d = [b - a for a, b in zip(times[new], times[old])]
             print(f"M={m} {new}: {statistics.median(d):.4f} ms a call less than at the revision (median of per-round "

@@ -270,15 +270,18 @@ def _add_torchao(variants: dict, fresh) -> None:
 
 def rounding(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> None:
     """The gate/up kernel with the model's bf16 roundings of g, u and act(g), without them (float32 until h; silu by
-    ex2 and rcp, or by tanh.approx, the default), and cuBLAS's gate and up GEMMs: each the median of ``reps`` calls in a row (CUDA events, no flush, as
-    a block's calls follow one another), in turn over ``rounds``; with each h's error against float64's
-    act(g) * u of the same codes."""
+    ex2 and rcp, or by tanh.approx, the default), and cuBLAS's gate and up GEMMs: each the median of ``reps`` calls
+    in a row (CUDA events, no flush, as a block's calls follow one another), in turn over ``rounds``; with each h's
+    error against float64's act(g) * u of the same codes, and against the float32 epilogue with ex2 / rcp (the same
+    GEMM, so the epilogues' own differences: where g > 0, relative; everywhere, over the row's largest)."""
     x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
     xq, xs = ops.x_quant(x)
     w1, w3 = (quant.dequantize(w, s, [1, -1], torch.float64) for w, s in ((ops.w1, ops.s1), (ops.w3, ops.s3)))
     xd = quant.dequantize(xq, xs, [1, -1], torch.float64)
-    ref = torch.nn.functional.silu(xd @ w1.t()) * (xd @ w3.t())
-    del w1, w3, xd
+    g = xd @ w1.t()
+    ref = torch.nn.functional.silu(g) * (xd @ w3.t())
+    g_pos = g > 0
+    del w1, w3, xd, g
     cases = {"model rounding": lambda: gm.gated_prefill(xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16,
                                                         fast_accum=True, model_rounding=True),
              "float32 g, u": lambda: gm.gated_prefill(xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16,
@@ -288,13 +291,21 @@ def rounding(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> N
              "cuBLAS gate + up": lambda: ops.cublas_g_u(xq, xs)}
     kernels = [name for name in cases if not name.startswith("cuBLAS")]
     h32 = ref.bfloat16()  # float64's h, rounded once
+    base = cases["float32 g, u"]()[0].float()  # the epilogues against each other, where the GEMM's error is shared
+    row_max = base.abs().amax(1, keepdim=True)
     for name in kernels:
         h = cases[name]()[0]
+        diff = (h.float() - base).abs()
+        vs_base = {"bits_as_float32_ex2": (h.float() == base).float().mean().item(),
+                   "worst_rel_where_g_pos": (diff / base.abs().clamp_min(1e-30))[g_pos & (base != 0)].max().item(),
+                   "worst_vs_row_max": (diff / row_max).max().item()}
+        print(f"M={m} {name} against float32 g, u with ex2 / rcp: " + ", ".join(f"{k} {v:.3e}" for k, v in
+                                                                                  vs_base.items()), flush=True)
         err = ((h.double() - ref).norm() / ref.norm()).item()
         same = (h == h32).float().mean().item()
         worst = ((h.double() - ref).abs() / ref.abs().amax(1, keepdim=True)).max().item()
         out.append({"M": m, "what": "h error vs float64", "case": name, "rel_err": err, "bits_as_float64_rounded": same,
-                    "worst_vs_row_max": worst})
+                    "worst_vs_row_max": worst, "vs_float32_ex2": vs_base})
         print(f"M={m} {name}: h relative error vs float64 {err:.3e}; bits of float64's h rounded to bf16 in "
               f"{same:.4f}; worst error / its row's max {worst:.2e}", flush=True)
     del ref

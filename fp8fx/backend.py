@@ -76,8 +76,8 @@ class Fp8Backend:
       16384 (Llama-3-8B MLP block at M=4096 on the H200, two runs: 1.345 and 1.330 ms against 1.379 and
       1.574 with Inductor's heuristic; M <= 2048 within run-to-run spread); None keeps Inductor's.
     - ``direct_calls``: Inductor's code calls fp8fx's ops as plain functions (``fp8fx.ops.direct``: the kernel the
-      op would dispatch to, without the argument checks the op's fake impl ran when the graph was traced;
-      ``compat.direct_op_calls``), not through the dispatcher, which
+      op would dispatch to, for scaled_mm and gated_mlp without the dtype and shape checks the op's fake impl ran when
+      the graph was traced; ``compat.direct_op_calls``), not through the dispatcher, which
       boxes their arguments into Python and runs custom_op's layers on every call (0.05-0.075 ms less host time a
       call of the fused MLP's prefill op on the H200's host, 0.04-0.10 ms a compiled block; benchmarks/RESULTS.md
       run 26). Default True; False keeps ``torch.ops.fp8fx.*`` calls (the ops' names show in profiler traces

@@ -20,8 +20,9 @@ Blocks are ``[rows, cols]`` lists over a 2-D view with ``-1`` = whole dim (see `
 - ``weight_only_mm(x, wq, w_scale, bias, w_block)``: ``x @ dequant(wq).T + bias`` with 16-bit
   activations (the fallback for GPUs without fp8 tensor cores).
 
-``direct.<op>(...)`` calls what ``torch.ops.fp8fx.<op>(...)`` dispatches to, without the dispatcher and, on CUDA, without
-the argument checks a graph's trace ran (what Inductor's code calls under ``Fp8Backend``; see ``direct`` at the end).
+``direct.<op>(...)`` calls what ``torch.ops.fp8fx.<op>(...)`` dispatches to, without the dispatcher and, for
+scaled_mm and gated_mlp on CUDA, without the dtype and shape checks a graph's trace ran (what Inductor's code calls
+under ``Fp8Backend``; see ``direct`` at the end).
 """
 from __future__ import annotations
 
@@ -610,8 +611,8 @@ def gated_mlp(
     """``scaled_mm(quantize(act(g) * u), w2) + bias`` with ``g``, ``u`` = ``scaled_mm(xq, w1 / w3)`` in
     ``h_dtype``, h quantized with ``h_block`` (or the static ``h_static``): a gated MLP after the linear pass
     (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens, ``GATED_GROUPS_MAX_M`` with h in groups, and from
-    ``GATED_PREFILL_MIN_M``). On CUDA for
-    M <= ``TRITON_MAX_M`` with per-tensor / per-row scales, h also in 1 x G groups (``GATED_H_GROUPS``): two
+    ``GATED_PREFILL_MIN_M``; the prefill kernels keep g, u and act(g) in float32, ``gated_mlp.gated_prefill``). On
+    CUDA for M <= ``TRITON_MAX_M`` with per-tensor / per-row scales, h also in 1 x G groups (``GATED_H_GROUPS``): two
     kernels (``fp8fx.kernels.gated_mlp``); from ``GATED_PREFILL_MIN_M`` with per-token h (``gated_prefill_reason``)
     the prefill kernels (``gated_mlp.gated_prefill``, ``quantize_rows``, cuBLAS's down); otherwise these same ops
     one by one."""
@@ -911,8 +912,10 @@ def _direct_call(name: str) -> Callable:
 # dispatcher boxing ~18 arguments into Python and custom_op's autograd, aliasing and ``_disable_dynamo`` layers
 # (0.05-0.075 ms a call of the fused MLP's prefill op on the H200's host, benchmarks/RESULTS.md run 26), torch.library's
 # switch that disables a kernel, and on CUDA the checks of scaled_mm's and gated_mlp's arguments (``_on_cuda``'s
-# ``checks``: 10-25 us a call): it is for arguments a graph's trace checked, where the op's fake impl ran those same
-# checks on their dtypes and shapes, which Inductor's code keeps (its inputs' sizes asserted or guarded). Inductor's
+# ``checks``: 10-25 us a call; the other ops' kernels check as before): it is for arguments a graph's trace checked,
+# where the op's fake impl ran those same checks on their dtypes and shapes, which Inductor's code keeps (its inputs'
+# sizes asserted or guarded); a static scale's value, which a fake tensor does not have, is checked when it is
+# loaded (``_check_positive_value``). Inductor's
 # code calls these for fp8fx's fallback kernels under ``Fp8Backend`` (``direct_calls``;
 # ``fp8fx.lowerings.compat.direct_op_calls``); call ``torch.ops.fp8fx.<op>`` anywhere else. The ops have no autograd
 # formula, and the graphs calling these record no gradient (the passes rewrite no site that does).

@@ -112,8 +112,9 @@ def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_
     rounded as the model's 16-bit ops round it (g, u, act(g) and h in H_DTYPE; with ``MODEL_ROUNDING`` off g, u
     and act(g) stay float32). ``PTX_MATH`` (compiled for CUDA
     only; Triton's interpreter runs no PTX): silu's and gelu-tanh's 1 / (1 + e^x) by ``_inv_one_plus_exp2``: silu
-    in 5 instructions an element where ``tl.exp`` and the division take 11, gelu-tanh about 4 fewer (sm_90 SASS).
-    It matters in the prefill kernel, whose epilogue is not overlapped with its tensor-core work."""
+    in 5 instructions an element where ``tl.exp`` and the division take 11, gelu-tanh about 4 fewer (sm_90 SASS);
+    with ``TANH_SILU`` (and float32 g, u) silu by one ``tanh.approx``. It matters in the prefill kernel, whose
+    epilogue is not overlapped with its tensor-core work."""
     m_ok = offs_m < M
     n_ok = offs_n < N
     if A_ROWWISE:
@@ -135,8 +136,10 @@ def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_
         # silu(g) u = (g u / 2)(1 + tanh(g / 2)): one special-function instruction an element where ex2 and rcp are
         # two. The prefill kernel's default: 0.3531 ms against 0.3653 at M = 2048, 0.7302 against 0.7462 at 4096
         # (H200 run 27, 9 rounds). Its error: tanh's relative 2^-11 makes silu's at most 2^-12 relative for g > 0 and
-        # |g| 2^-12 absolute for g < 0; h's error against float64 did not change in 4 digits (2.441e-3: the fp8
-        # GEMM's fast accumulation and h's bf16 rounding are the larger)
+        # |g| 2^-12 absolute for g < 0 - there, below g = -7.6 (silu's size under that bound), silu(g) keeps no
+        # correct bits and may come out 0; an error of at most 2^-12 of |g u|, where the row's largest h is usually
+        # far larger. h's error against float64 did not change in 4 digits (2.441e-3: the fp8 GEMM's fast
+        # accumulation and h's bf16 rounding are the larger)
         half = 0.5 * g
         half_gu = half * u
         return (half_gu + half_gu * _tanh_approx(half)).to(H_DTYPE)
@@ -243,9 +246,10 @@ def gated_prefill_kernel(
     BLOCK_N outputs as one [2 BLOCK_N, BLOCK_K] tile, so a K step is one 2 BLOCK_N-wide dot (wgmma m64n256k32 at
     BLOCK_N = 128) instead of two BLOCK_N-wide ones, which re-read the x tile from shared memory: on the H200 at
     4096 x 28672 x 4096, two 128-wide dots ran at 0.77x cuBLAS's gate/up GEMM, one 256-wide at 0.96x (run 23).
-    The epilogue's activation in PTX (``PTX_MATH``, set on CUDA by ``gated_prefill``): 0.964x -> 0.977x cuBLAS at
-    M = 2048, 0.967x -> 0.972x at 4096 (run 24, 7 interleaved rounds). Its bf16 roundings of g, u and act(g) on the
-    FMA pipe (``_bf16_grid``), the same bits: 0.974-0.984x -> 0.979-0.996x at 2048, 0.978-0.985x -> 0.990-1.020x at
+    The epilogue's activation in PTX (``PTX_MATH``, set on CUDA by ``gated_prefill``; ex2 and rcp until run 27, silu
+    by tanh.approx since, ``TANH_SILU``): 0.964x -> 0.977x cuBLAS at M = 2048, 0.967x -> 0.972x at 4096 (run 24, 7
+    interleaved rounds). Its bf16 roundings of g, u and act(g) on the FMA pipe (``_bf16_grid``; with
+    ``MODEL_ROUNDING`` since run 27), the same bits as conversions: 0.974-0.984x -> 0.979-0.996x at 2048, 0.978-0.985x -> 0.990-1.020x at
     4096 (run 25, two calls). The last round of tiles split along K over the idle SMs, in a second launch, lost
     (0.968-0.994x at 4096, run 25): flattened with the others, the split made the epilogue conditional and Triton no
     longer overlapped the next tile's loads with it.

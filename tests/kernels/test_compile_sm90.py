@@ -249,9 +249,9 @@ def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, a
     warpgroup on the gate and up tiles loaded together (a [2, 128, 128] TMA copy seen as [256, 128] in shared
     memory), h stored by TMA copies; its stages fit in shared memory. Nothing spills with fast accumulation (the
     backend's default); promoting the sums every K step (use_fast_accum=False) spills 72 bytes a thread (triton 3.9;
-    not timed). The epilogue's activation is the PTX one the GPU runs (``PTX_MATH``), g, u and act(g) in float32
-    (the default), rounded to bf16 as the model rounds them (``MODEL_ROUNDING``), or silu by tanh.approx
-    (``TANH_SILU``).
+    not timed). The epilogue's activation is the PTX one the GPU runs (``PTX_MATH``), with g, u and act(g) in float32
+    and ex2 / rcp (the kernel's defaults; gelu-tanh's epilogue in ``gated_prefill``), rounded to bf16 as the model
+    rounds them (``MODEL_ROUNDING``), or silu by tanh.approx (``TANH_SILU``, ``gated_prefill``'s for silu).
     The quantization of h compiles too."""
     cfg = prefill_tile_config(4096, 14336, 4096)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]

@@ -451,8 +451,8 @@ PREFILL_CHECK = textwrap.dedent("""
             row_max = want.float().abs().amax(1, keepdim=True)
             close = (h.float() - want.float()).abs() <= want.float().abs() * 2**-6 + row_max * 2**-12 + 1e-6
             assert close.all(), (scheme, act, h[~close][:5], want[~close][:5])
-        tiles = torch.nn.functional.pad(h.float().abs(), (0, parts.shape[1] * 32 - i))
-        assert torch.equal(parts, tiles.reshape(m, parts.shape[1], 32).amax(-1)), scheme
+            tiles = torch.nn.functional.pad(h.float().abs(), (0, parts.shape[1] * 32 - i))
+            assert torch.equal(parts, tiles.reshape(m, parts.shape[1], 32).amax(-1)), (scheme, model_rounding)
         # quantize_rows: fp8fx.quant's per-token codes and scales of h, to the bit, from the partial maxima
         for block in ((8, 64), (1, 256)):
             q, s = quantize_rows(h, parts, block)
@@ -464,7 +464,7 @@ PREFILL_CHECK = textwrap.dedent("""
         ref = ops.scaled_mm(*quant.quantize(want, [1, -1]), *args[6:9], [1, -1], args[12], torch.bfloat16)
         worst = max(rel(y[r], ref[r]) for r in range(m))
         worst_seen = max(worst_seen, worst)
-        assert worst < 0.01, (scheme, act, worst)
+        assert worst < 1e-3, (scheme, act, worst)  # (h's few bits apart from want's can move a code of h)
 
     # a NaN code in one row of x makes that row of h NaN: its maxima, scale and codes NaN, as quant.quantize has
     # them, and no other row's (a max that dropped NaN would make them finite, one that spread it would reach the
@@ -532,7 +532,7 @@ def test_gated_prefill_kernel_cuda(monkeypatch, act):
     (relative) and, but for tanh.approx's silu, its bits but where g, u or h sit at a bf16 rounding boundary, as many
     of them as the epilogue compiled without PTX (``tl.exp``, division, conversions) has, and nearly all of that
     one's bits; its maxima are h's. Not counted: silu(g) for g in [-88.7, -87.3], which the
-    PTX epilogue flushes to zero (``_inv_one_plus_exp2``; 0.11% of this data's h, whose rows reach 1000x the
+    ex2 / rcp epilogue flushes to zero (``_inv_one_plus_exp2``; 0.11% of this data's h, whose rows reach 1000x the
     first's)."""
     from fp8fx.kernels import gated_mlp as module
 
@@ -563,6 +563,10 @@ def test_gated_prefill_kernel_cuda(monkeypatch, act):
         as_plain = (h == plain)[counted].float().mean().item()
         if tanh_silu and act == "silu":  # tanh.approx (relative 2^-11) moves h across some bf16 rounding boundaries
             assert same >= 0.8 and as_plain >= 0.8, (same, plain_same, as_plain)
+            # where g > 0 silu's error is at most 2^-12 relative: h and the reference's then round to the same bf16
+            # value or to neighbours, one unit in the last place apart (<= |want| 2^-7)
+            pos = counted & (g > 0)
+            assert ((h.float() - want.float()).abs() <= want.float().abs() * 2**-7)[pos].all()
         else:
             assert same >= 0.97 and same >= plain_same - 1e-4, (model_rounding, same, plain_same)
             assert as_plain >= 0.9999, (model_rounding, as_plain)

@@ -109,6 +109,10 @@ def test_cuda_kernels_check_their_arguments_where_direct_calls_leave_that_to_the
         kernel = ops._OPS[name]._backend_fns["cuda"]
         with pytest.raises(ValueError, match=f"fp8fx.{name}: xq is torch.bfloat16"):
             kernel(*args)
+        try:  # the function direct calls: past the checks (here it fails further on, at the CUDA launch)
+            ops._CUDA_FNS[name](*args)
+        except Exception as e:  # noqa: BLE001 - whatever it is, it is not the check's error
+            assert f"fp8fx.{name}: xq is" not in str(e), e
         with FakeTensorMode(allow_non_fake_inputs=True) as mode, \
                 pytest.raises(ValueError, match=f"fp8fx.{name}: xq is torch.bfloat16"):
             getattr(torch.ops.fp8fx, name)(*[mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args])

@@ -384,3 +384,21 @@ def test_scale_as_gives_scaled_mms_layout_and_reuses_one_already_in_it(shape, gi
                        else s.float().reshape(shape))
     assert (got is s) == (dtype == torch.float32 and tuple(given) == shape)
     assert (got.data_ptr() == s.data_ptr()) == (dtype == torch.float32 and s.numel() == shape[0] * shape[1])
+    # the host's cost: no tensor op for one in layout, one (a view) for a float32 one in order, more otherwise
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Count() as count:
+        ops._scale_as(s, shape)
+    if dtype == torch.float32 and s.numel() == shape[0] * shape[1]:
+        assert count.ops == ([] if tuple(given) == shape else [torch.ops.aten.view.default]), count.ops
+    else:
+        assert len(count.ops) > 1, count.ops
