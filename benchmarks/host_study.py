@@ -239,7 +239,8 @@ def interleaved(m: int, calls: int, rounds: int, out: list, against: str = "") -
         print(f"M={m} {name:26s} host {statistics.median(t):.4f} ms a call (median of {rounds} interleaved bursts; "
               f"quartiles {statistics.quantiles(t)[0]:.4f}-{statistics.quantiles(t)[2]:.4f})", flush=True)
     for new, old in (("op's function, direct", "op's CUDA function, rev"),
-                     ("op's CUDA kernel (checked)", "op's CUDA function, rev"), ("block, direct", "block, direct, rev")):
+                     ("op's CUDA kernel (checked)", "op's CUDA function, rev"),
+                     ("block, direct", "block, direct, rev")):
         if old in times:
             d = [b - a for a, b in zip(times[new], times[old])]
             print(f"M={m} {new}: {statistics.median(d):.4f} ms a call less than at the revision (median of per-round "

@@ -239,20 +239,20 @@ def gated_prefill_kernel(
     PROGRAMS: tl.constexpr, UP_FIRST: tl.constexpr = False, PTX_MATH: tl.constexpr = False,
     MODEL_ROUNDING: tl.constexpr = False, TANH_SILU: tl.constexpr = False,
 ):
-    """``gated_gemm_kernel`` for prefill, with g, u and act(g) in float32 (``MODEL_ROUNDING``: rounded to h's dtype
-    as the model's 16-bit ops round them, as the decode kernel does). Persistent: ``PROGRAMS`` programs walk the output tiles, GROUP_M row
-    tiles at a time (the weight tiles they share stay in L2), and the K loop of the next tile is in flight during
-    a tile's epilogue (``flatten``). Every operand tile comes by TMA copies, the gate and up tiles of the same
-    BLOCK_N outputs as one [2 BLOCK_N, BLOCK_K] tile, so a K step is one 2 BLOCK_N-wide dot (wgmma m64n256k32 at
-    BLOCK_N = 128) instead of two BLOCK_N-wide ones, which re-read the x tile from shared memory: on the H200 at
-    4096 x 28672 x 4096, two 128-wide dots ran at 0.77x cuBLAS's gate/up GEMM, one 256-wide at 0.96x (run 23).
-    The epilogue's activation in PTX (``PTX_MATH``, set on CUDA by ``gated_prefill``; ex2 and rcp until run 27, silu
-    by tanh.approx since, ``TANH_SILU``): 0.964x -> 0.977x cuBLAS at M = 2048, 0.967x -> 0.972x at 4096 (run 24, 7
+    """``gated_gemm_kernel`` for prefill, with g, u and act(g) in float32 (``MODEL_ROUNDING``: rounded to h's dtype as
+    the model's 16-bit ops round them, as the decode kernel does). Persistent: ``PROGRAMS`` programs walk the output
+    tiles, GROUP_M row tiles at a time (the weight tiles they share stay in L2), and the K loop of the next tile is in
+    flight during a tile's epilogue (``flatten``). Every operand tile comes by TMA copies, the gate and up tiles of
+    the same BLOCK_N outputs as one [2 BLOCK_N, BLOCK_K] tile, so a K step is one 2 BLOCK_N-wide dot (wgmma m64n256k32
+    at BLOCK_N = 128) instead of two BLOCK_N-wide ones, which re-read the x tile from shared memory: on the H200 at
+    4096 x 28672 x 4096, two 128-wide dots ran at 0.77x cuBLAS's gate/up GEMM, one 256-wide at 0.96x (run 23). The
+    epilogue's activation in PTX (``PTX_MATH``, set on CUDA by ``gated_prefill``; ex2 and rcp until run 27, silu by
+    tanh.approx since, ``TANH_SILU``): 0.964x -> 0.977x cuBLAS at M = 2048, 0.967x -> 0.972x at 4096 (run 24, 7
     interleaved rounds). Its bf16 roundings of g, u and act(g) on the FMA pipe (``_bf16_grid``; with
-    ``MODEL_ROUNDING`` since run 27), the same bits as conversions: 0.974-0.984x -> 0.979-0.996x at 2048, 0.978-0.985x -> 0.990-1.020x at
-    4096 (run 25, two calls). The last round of tiles split along K over the idle SMs, in a second launch, lost
-    (0.968-0.994x at 4096, run 25): flattened with the others, the split made the epilogue conditional and Triton no
-    longer overlapped the next tile's loads with it.
+    ``MODEL_ROUNDING`` since run 27), the same bits as conversions: 0.974-0.984x -> 0.979-0.996x at 2048, 0.978-0.985x
+    -> 0.990-1.020x at 4096 (run 25, two calls). The last round of tiles split along K over the idle SMs, in a second
+    launch, lost (0.968-0.994x at 4096, run 25): flattened with the others, the split made the epilogue conditional
+    and Triton no longer overlapped the next tile's loads with it.
 
     Why float32 until h (run 27): the three roundings are 9 FMA-pipe instructions an element of an epilogue the tensor
     cores wait on. Without them the kernel took 0.3610 ms against 0.3735 at M = 2048 and 0.7377 against 0.7938 at 4096
