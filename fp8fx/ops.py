@@ -34,6 +34,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from fp8fx import quant
+from fp8fx.kernels.launch import cdiv  # (no Triton import: launch.py imports torch only)
 from fp8fx.lowerings import compat
 
 # Everything here is functional (no op mutates its inputs).
@@ -71,14 +72,10 @@ def _on_cuda(name: str, checks: Optional[Callable] = None) -> Callable[[Callable
     return register
 
 
-def _ceil_div(a, b):
-    return -(-a // b)
-
-
 def _act_scale_shape(x: torch.Tensor, block: Sequence[int]):
     m, k = quant.rows_of(x), x.shape[-1]
     b_m, b_k = block
-    return (1 if b_m == -1 else _ceil_div(m, b_m), 1 if b_k == -1 else _ceil_div(k, b_k))
+    return (1 if b_m == -1 else cdiv(m, b_m), 1 if b_k == -1 else cdiv(k, b_k))
 
 
 def check_block(block: Sequence[int], what: str) -> None:

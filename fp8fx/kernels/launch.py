@@ -30,7 +30,7 @@ _I32 = (-(2 ** 31), 2 ** 31)
 # and 3.9: called from the host, each unwraps its arguments as constexprs, 4-6 us a call on CI's CPU against well
 # under 1 us for the arithmetic itself, and a prefill MLP op called five of them.
 def cdiv(a: int, b: int) -> int:
-    """ceil(a / b) of two ints (``triton.cdiv``'s value)."""
+    """ceil(a / b) of two ints (``triton.cdiv``'s value); SymInts too (``fp8fx.ops``' fake scale shapes)."""
     return -(-a // b)
 
 
