@@ -17,10 +17,11 @@ streams h to fp8 with no reduction left. This script times, on one GPU, in one p
 5. ``--down``: the down GEMM with h quantized as it loads it (``fp8_gemm``'s ``A_QUANT``, the decode path's) against
    ``quantize_rows`` + cuBLAS's down GEMM;
 6. ``--rounding``: the gate/up kernel with and without the model's bf16 roundings of g, u and act(g) (and silu by
-   tanh.approx), against cuBLAS's gate and up GEMMs, back to back.
+   tanh.approx), against cuBLAS's gate and up GEMMs, back to back;
+7. ``--tail``: the gate/up kernel with its last, partial round of tiles in whole tiles and in half tiles.
 
     python benchmarks/prefill_study.py --ms 2048,4096 --rounds 7 [--sweep] [--profile] [--gate-up NAME=FILE,...] [--down]
-        [--rounding] [--no-rounds] [--out DIR]
+        [--rounding] [--tail] [--no-rounds] [--out DIR]
     python benchmarks/prefill_study.py --ncu-driver --ms 2048   (under ncu: device_run.sh stage ncuprefill)
 """
 from __future__ import annotations
@@ -38,6 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_linear import DIM, MLP, fp8fx_module, mlp_factory, rel_err, torchao_rowwise  # noqa: E402
 from fp8fx import quant  # noqa: E402
 from fp8fx.kernels import gated_mlp as gm  # noqa: E402
+from fp8fx.kernels.launch import cdiv  # noqa: E402
 
 TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
     (128, 128, 128, 16, 8, 4), (128, 128, 128, 8, 8, 4), (128, 128, 128, 8, 8, 3), (128, 128, 128, 16, 8, 3),
@@ -309,6 +311,12 @@ def rounding(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> N
         print(f"M={m} {name}: h relative error vs float64 {err:.3e}; bits of float64's h rounded to bf16 in "
               f"{same:.4f}; worst error / its row's max {worst:.2e}", flush=True)
     del ref
+    _chained_rounds(cases, kernels, m, rounds, out, reps)
+
+
+def _chained_rounds(cases: dict, kernels: list, m: int, rounds: int, out: list, reps: int) -> None:
+    """Each case the median of ``reps`` calls in a row (CUDA events, no flush), in turn over ``rounds``; the
+    ``kernels`` against the first of them and against the case "cuBLAS gate + up", as medians of per-round ratios."""
     names = list(cases)
     times = {name: [] for name in names}
     for r in range(rounds):
@@ -333,6 +341,26 @@ def rounding(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> N
         r = sorted(a / b for a, b in zip(times["cuBLAS gate + up"], times[name]))
         print(f"M={m} {name} vs cuBLAS gate + up: {statistics.median(r):.3f}x (rounds {r[0]:.3f}-{r[-1]:.3f})",
               flush=True)
+
+
+def tail(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> None:
+    """The gate/up kernel with its last, partial round of tiles in whole tiles and in half tiles
+    (``gm.prefill_tail_split``), against cuBLAS's gate and up GEMMs, back to back (``_chained_rounds``); the h of
+    the two against each other."""
+    xq, xs = ops.x_quant(torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16))
+    args = (xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16)
+    tiles = cdiv(m, 128) * cdiv(ops.w1.shape[0], 128)  # (prefill_tile_config's 128 x 128 tiles)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    split = gm.prefill_tail_split(tiles, sms, 128)
+    cases = {"whole tiles": lambda: gm.gated_prefill(*args, fast_accum=True, tail_split=False),
+             "last round in half tiles": lambda: gm.gated_prefill(*args, fast_accum=True),
+             "cuBLAS gate + up": lambda: ops.cublas_g_u(xq, xs)}
+    whole, halves = cases["whole tiles"]()[0], cases["last round in half tiles"]()[0]
+    same = (whole == halves).float().mean().item()
+    out.append({"M": m, "what": "tail split", "tiles": tiles, "programs": sms, "split": split, "same_h_bits": same})
+    print(f"M={m}: {tiles} tiles on {sms} programs, last round {tiles % sms} tiles, split {split}; h bits equal in "
+          f"{same:.6f}", flush=True)
+    _chained_rounds(cases, ["whole tiles", "last round in half tiles"], m, rounds, out, reps)
 
 
 def profile(ms: list[int], out: list, calls: int = 20) -> None:
@@ -436,6 +464,7 @@ def main(argv=None):
     p.add_argument("--gate-up", default="", metavar="NAME=FILE,...", help="the gate/up kernel against FILEs', tiles")
     p.add_argument("--down", action="store_true", help="the down GEMM with h quantized in its loads")
     p.add_argument("--rounding", action="store_true", help="the gate/up kernel with and without the model's roundings")
+    p.add_argument("--tail", action="store_true", help="the gate/up kernel's last round in whole and in half tiles")
     p.add_argument("--ncu-driver", action="store_true", help="one launch of each prefill kernel (for ncu), then exit")
     p.add_argument("--no-rounds", action="store_true", help="skip the timed block rounds")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -465,6 +494,11 @@ def main(argv=None):
             ops = Operands(mlp_factory("cuda")())
             for m in ms:
                 rounding(ops, m, args.rounds, out)
+            del ops
+        if args.tail:
+            ops = Operands(mlp_factory("cuda")())
+            for m in ms:
+                tail(ops, m, args.rounds, out)
             del ops
         if args.profile:
             profile(ms, out)

@@ -140,7 +140,7 @@ def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_
         # correct bits and may come out 0; an error of at most 2^-12 of |g u|, where the row's largest h is usually
         # far larger. h's error against float64 did not change in 4 digits (2.441e-3: the fp8 GEMM's fast
         # accumulation and h's bf16 rounding are the larger)
-        half = 0.5 * g
+        half = 0.5 * g  # (no instruction of its own: ptxas makes it the multiply's .D2 modifier)
         half_gu = half * u
         return (half_gu + half_gu * _tanh_approx(half)).to(H_DTYPE)
     if ACT == 0:  # silu
@@ -233,11 +233,11 @@ def gated_prefill_kernel(
     # [2, N, K] descriptor of [2, BLOCK_N, BLOCK_K] tiles (up first with UP_FIRST); h [M, N] 16-bit, a descriptor
     # of [BLOCK_M, BLOCK_N] tiles; parts float32 [M, cdiv(N, BLOCK_N)]
     x_desc, w_desc, h_desc, a_scale_ptr, s1_ptr, s3_ptr, parts_ptr,
-    M, N, K, stride_pm,
+    M, N, K, stride_pm, xt_desc, ht_desc,
     A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PROGRAMS: tl.constexpr, UP_FIRST: tl.constexpr = False, PTX_MATH: tl.constexpr = False,
-    MODEL_ROUNDING: tl.constexpr = False, TANH_SILU: tl.constexpr = False,
+    MODEL_ROUNDING: tl.constexpr = False, TANH_SILU: tl.constexpr = False, TAIL_SPLIT: tl.constexpr = 1,
 ):
     """``gated_gemm_kernel`` for prefill, with g, u and act(g) in float32 (``MODEL_ROUNDING``: rounded to h's dtype as
     the model's 16-bit ops round them, as the decode kernel does). Persistent: ``PROGRAMS`` programs walk the output
@@ -266,32 +266,62 @@ def gated_prefill_kernel(
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     k_steps = tl.cdiv(K, BLOCK_K)
+    tiles = num_pid_m * num_pid_n
+    tail = tiles % PROGRAMS if TAIL_SPLIT > 1 else 0  # (gated_prefill: TAIL_SPLIT * tail <= PROGRAMS)
+    for tile in tl.range(tl.program_id(0), tiles - tail, PROGRAMS, flatten=True):
+        pid_m, pid_n = _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M)
+        _prefill_tile(x_desc, w_desc, h_desc, pid_m, 0, pid_n, k_steps, M, N, a_scale_ptr, s1_ptr, s3_ptr, parts_ptr,
+                      stride_pm, A_ROWWISE, W_ROWWISE, ACT, IMPRECISE_K, BLOCK_M, BLOCK_M, BLOCK_N, BLOCK_K, UP_FIRST,
+                      PTX_MATH, MODEL_ROUNDING, TANH_SILU)
+    if TAIL_SPLIT > 1:  # the last, partial round: each tile's rows in TAIL_SPLIT parts, one program each
+        for part in range(tl.program_id(0), tail * TAIL_SPLIT, PROGRAMS):
+            pid_m, pid_n = _grouped_tile(tiles - tail + part // TAIL_SPLIT, num_pid_m, num_pid_n, GROUP_M)
+            _prefill_tile(xt_desc, w_desc, ht_desc, pid_m, part % TAIL_SPLIT, pid_n, k_steps, M, N, a_scale_ptr,
+                          s1_ptr, s3_ptr, parts_ptr, stride_pm, A_ROWWISE, W_ROWWISE, ACT, IMPRECISE_K, BLOCK_M,
+                          BLOCK_M // TAIL_SPLIT, BLOCK_N, BLOCK_K, UP_FIRST, PTX_MATH, MODEL_ROUNDING, TANH_SILU)
+
+
+@triton.jit
+def _grouped_tile(tile, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """(row tile, column tile) of the persistent walk's ``tile``: GROUP_M row tiles at a time, down each column tile
+    of them, so the weight tiles they share stay in L2."""
     tiles_in_group = GROUP_M * num_pid_n
-    for tile in tl.range(tl.program_id(0), num_pid_m * num_pid_n, PROGRAMS, flatten=True):
-        first_m = (tile // tiles_in_group) * GROUP_M
-        rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
-        pid_m = first_m + (tile % tiles_in_group) % rows_in_group
-        pid_n = (tile % tiles_in_group) // rows_in_group
-        acc = tl.zeros((BLOCK_M, 2 * BLOCK_N), dtype=tl.float32)
-        for k in range(k_steps):  # past K, M and N the copies read zeros
-            a = x_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
-            w = tl.reshape(w_desc.load([0, pid_n * BLOCK_N, k * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
-            acc = tl.dot(a, w.T, acc, max_num_imprecise_acc=IMPRECISE_K)
-        first, second = tl.split(tl.permute(tl.reshape(acc, (BLOCK_M, 2, BLOCK_N)), (0, 2, 1)))
-        if UP_FIRST:
-            acc_g, acc_u = second, first
-        else:
-            acc_g, acc_u = first, second
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        # (the epilogue's scales loaded before the K loop spilled 528 bytes a thread; prefetched into L1 there, the
-        # kernel measured 1% slower: H200 run 24)
-        h = _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE, ACT,
-                     h_desc.dtype, PTX_MATH, MODEL_ROUNDING, TANH_SILU)
-        h_desc.store([pid_m * BLOCK_M, pid_n * BLOCK_N], h)  # clipped at M and N
-        # columns past N are act(0) * 0 = 0: no mask needed for the maxima
-        amax = tl.reduce(tl.abs(h.to(tl.float32)), 1, _max_nan)
-        tl.store(parts_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, amax, mask=offs_m < M)
+    first_m = (tile // tiles_in_group) * GROUP_M
+    rows_in_group = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (tile % tiles_in_group) % rows_in_group, (tile % tiles_in_group) // rows_in_group
+
+
+@triton.jit
+def _prefill_tile(x_desc, w_desc, h_desc, pid_m, part, pid_n, k_steps, M, N, a_scale_ptr, s1_ptr, s3_ptr, parts_ptr,
+                  stride_pm, A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr,
+                  IMPRECISE_K: tl.constexpr, BLOCK_M: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, UP_FIRST: tl.constexpr, PTX_MATH: tl.constexpr, MODEL_ROUNDING: tl.constexpr,
+                  TANH_SILU: tl.constexpr):
+    """``gated_prefill_kernel``'s output tile: the ROWS rows ``part`` of the row tile ``pid_m`` (all BLOCK_M rows of
+    it in the main loop) by the column tile ``pid_n``: the K loop, the epilogue, h by a TMA copy and its rows' maxima.
+    (The first row is computed where each use is: one value of it kept across the K loop made the main loop carry it
+    through the flattened loop instead of pid_m, and promoted sums spilled 104 bytes a thread where they spill 72:
+    sm_90, triton 3.9.)"""
+    acc = tl.zeros((ROWS, 2 * BLOCK_N), dtype=tl.float32)
+    for k in range(k_steps):  # past K, M and N the copies read zeros
+        a = x_desc.load([pid_m * BLOCK_M + part * ROWS, k * BLOCK_K])
+        w = tl.reshape(w_desc.load([0, pid_n * BLOCK_N, k * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
+        acc = tl.dot(a, w.T, acc, max_num_imprecise_acc=IMPRECISE_K)
+    first, second = tl.split(tl.permute(tl.reshape(acc, (ROWS, 2, BLOCK_N)), (0, 2, 1)))
+    if UP_FIRST:
+        acc_g, acc_u = second, first
+    else:
+        acc_g, acc_u = first, second
+    offs_m = pid_m * BLOCK_M + part * ROWS + tl.arange(0, ROWS)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # (the epilogue's scales loaded before the K loop spilled 528 bytes a thread; prefetched into L1 there, the
+    # kernel measured 1% slower: H200 run 24)
+    h = _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_ROWWISE, W_ROWWISE, ACT,
+                 h_desc.dtype, PTX_MATH, MODEL_ROUNDING, TANH_SILU)
+    h_desc.store([pid_m * BLOCK_M + part * ROWS, pid_n * BLOCK_N], h)  # clipped at M and N
+    # columns past N are act(0) * 0 = 0: no mask needed for the maxima
+    amax = tl.reduce(tl.abs(h.to(tl.float32)), 1, _max_nan)
+    tl.store(parts_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, amax, mask=offs_m < M)
 
 
 @triton.jit
@@ -389,7 +419,7 @@ def prefill_tile_config(m: int, n: int, k: int) -> dict:
 def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
                   s3: torch.Tensor, h_dtype: torch.dtype, act: str = "silu", fast_accum: bool = False,
                   config: Optional[dict] = None, programs: Optional[int] = None, model_rounding: bool = False,
-                  tanh_silu: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                  tanh_silu: bool = True, tail_split: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(h [M, I] in ``h_dtype``, its row maxima per tile [M, ceil(I / BLOCK_N)]) = ``act(g) * u`` by
     ``gated_prefill_kernel``; the operands as ``gated_mlp``'s, K a multiple of 16 and h's rows of a multiple of 16
     bytes. An operand the TMA copies cannot address (transposed, unaligned) is copied first, as cuBLAS's path copies
@@ -398,7 +428,9 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
     GPU's SMs; on the CPU 4). g, u and act(g) stay float32 and h alone is rounded (``gated_prefill_kernel``);
     ``model_rounding=True`` rounds them as the model's 16-bit ops do (the kernel before run 27; for
     ``benchmarks/prefill_study.py --rounding``, which times what those roundings cost). ``tanh_silu`` (the default,
-    with float32 g and u, compiled for CUDA): silu by ``tanh.approx`` (``_gated_h``), else by ex2 and rcp."""
+    with float32 g and u, compiled for CUDA): silu by ``tanh.approx`` (``_gated_h``), else by ex2 and rcp.
+    ``tail_split`` (the default): the last, partial round of tiles in half tiles where that round has at most half as
+    many tiles as there are programs (``prefill_tail_split``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     xq, w1, w3 = (t if _tma_addressable(t) else t.contiguous() for t in (xq, w1, w3))
@@ -418,17 +450,32 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
     parts = torch.empty(m, cdiv(i, bn), device=xq.device, dtype=torch.float32)
     if programs is None:
         programs = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 4
-    programs = max(1, min(programs, cdiv(m, bm) * parts.shape[1]))
+    tiles = cdiv(m, bm) * parts.shape[1]
+    programs = max(1, min(programs, tiles))
+    split = prefill_tail_split(tiles, programs, bm) if tail_split else 1
+    xt, ht = ((TensorDescriptor(xq, [m, k], [k, 1], [bm // split, bk]),
+               TensorDescriptor(h, [m, i], [i, 1], [bm // split, bn])) if split > 1 else (None, None))
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
         _GATED_PREFILL[(programs,)](
             TensorDescriptor(xq, [m, k], [k, 1], [bm, bk]), pair, TensorDescriptor(h, [m, i], [i, 1], [bm, bn]),
-            x_scale, s1, s3, parts, m, i, k, parts.stride(0),
+            x_scale, s1, s3, parts, m, i, k, parts.stride(0), xt, ht,
             A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
             IMPRECISE_K=imprecise_k({"BLOCK_K": bk}, fast_accum), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
             PROGRAMS=programs, UP_FIRST=up_first, PTX_MATH=_compiles_ptx(xq), MODEL_ROUNDING=model_rounding,
-            TANH_SILU=tanh_silu, **cfg,
+            TANH_SILU=tanh_silu, TAIL_SPLIT=split, **cfg,
         )
     return h, parts
+
+
+def prefill_tail_split(tiles: int, programs: int, block_m: int) -> int:
+    """In how many row parts ``gated_prefill_kernel`` runs each tile of its last round: 2 where that round is partial
+    (``tiles % programs`` tiles) and its halves find a program each, with halves of 16 rows at least, else 1 (no
+    split). The half tiles of that round end it in about half a tile's time where whole ones take a whole one: at
+    Llama-3-8B's 4096 tokens 3584 tiles on 132 programs are 27 full rounds and 20 tiles (28 tile times before, 27.5
+    after, if a half tile takes half the time). At 2048 tokens the last round's 76 tiles make 152 halves, more than
+    132: no split. (Split along K instead, that round lost, run 25: its partial sums cost more than the round.)"""
+    tail = tiles % programs
+    return 2 if 0 < 2 * tail <= programs and block_m >= 32 else 1
 
 
 def _compiles_ptx(t: torch.Tensor) -> bool:

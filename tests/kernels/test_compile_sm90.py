@@ -242,9 +242,10 @@ def test_gated_gemm_with_h_groups_compiles_for_sm90(m, promote):
 
 
 @pytest.mark.parametrize("promote", [None, 128])
-@pytest.mark.parametrize("x_rowwise,act,epilogue", [(True, "silu", "float32"), (False, "gelu_tanh", "float32"),
-                                                    (True, "silu", "model rounding"), (True, "silu", "tanh silu")])
-def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, act, epilogue):
+@pytest.mark.parametrize("x_rowwise,act,epilogue,split", [
+    (True, "silu", "float32", 1), (False, "gelu_tanh", "float32", 1), (True, "silu", "model rounding", 1),
+    (True, "silu", "tanh silu", 1), (True, "silu", "tanh silu", 2)])
+def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, act, epilogue, split):
     """The prefill gate/up kernel at its default tile (Llama-3-8B, M = 4096): each K step is one m64n256k32 wgmma per
     warpgroup on the gate and up tiles loaded together (a [2, 128, 128] TMA copy seen as [256, 128] in shared
     memory), h stored by TMA copies; its stages fit in shared memory. Nothing spills with fast accumulation (the
@@ -252,7 +253,8 @@ def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, a
     not timed). The epilogue's activation is the PTX one the GPU runs (``PTX_MATH``), with g, u and act(g) in float32
     and ex2 / rcp (the kernel's defaults; gelu-tanh's epilogue in ``gated_prefill``), rounded to bf16 as the model
     rounds them (``MODEL_ROUNDING``), or silu by tanh.approx (``TANH_SILU``, ``gated_prefill``'s for silu).
-    The quantization of h compiles too."""
+    With the last round in half tiles (``TAIL_SPLIT``, 4096 tokens' case) those 64 x 256 tiles run m64n128k32 on each
+    warpgroup, in the same shared memory, and nothing more spills. The quantization of h compiles too."""
     cfg = prefill_tile_config(4096, 14336, 4096)
     bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     types = {"x_desc": f"tensordesc<fp8e4nv[{bm}, {bk}]>", "w_desc": f"tensordesc<fp8e4nv[2, {bn}, {bk}]>",
@@ -260,11 +262,16 @@ def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, a
              "parts_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32", "stride_pm": "i32"}
     consts = dict(A_ROWWISE=x_rowwise, W_ROWWISE=True, ACT=ACTIVATIONS[act], IMPRECISE_K=promote, BLOCK_M=bm,
                   BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], PROGRAMS=132, UP_FIRST=False, PTX_MATH=True,
-                  MODEL_ROUNDING=epilogue == "model rounding", TANH_SILU=epilogue == "tanh silu")
+                  MODEL_ROUNDING=epilogue == "model rounding", TANH_SILU=epilogue == "tanh silu", TAIL_SPLIT=split)
+    if split > 1:
+        types.update(xt_desc=f"tensordesc<fp8e4nv[{bm // split}, {bk}]>", ht_desc=f"tensordesc<bf16[{bm // split}, {bn}]>")
+    else:
+        consts.update(xt_desc=None, ht_desc=None)
     kernel = compile_kernel(gated_prefill_kernel, types, consts, ["a_scale_ptr", "s1_ptr", "s3_ptr", "parts_ptr", "N",
                                                                   "K"], cfg["num_warps"], cfg["num_stages"])
     ptx = kernel.asm["ptx"]
-    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) == {"m64n256k32"}
+    assert set(re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)) == (
+        {"m64n256k32"} if split == 1 else {"m64n256k32", "m64n128k32"})
     # the epilogue's 1 / (1 + e^x) as the GPU runs it (PTX_MATH): flush-to-zero ex2 and rcp, no division (or one
     # tanh.approx for silu); with the model's roundings, g, u and act(g) rounded to bf16 by Veltkamp's split
     # (unfused .rn multiply and adds), not by conversions: either way only h's conversion to bf16 is one, in pairs
@@ -274,7 +281,8 @@ def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, a
         assert "rcp.approx.ftz.f32" in ptx and "ex2.approx.ftz.f32" in ptx and "tanh.approx" not in ptx
     assert not re.search(r"div\.\w+\.f32", ptx)
     assert ("mul.rn.f32" in ptx) == (epilogue == "model rounding")
-    assert "cvt.rn.bf16.f32" not in ptx and "cvt.rn.bf16x2.f32" in ptx
+    # (the half tiles' h leaves the PTX as single conversions, which ptxas pairs: 96 F2FP.BF16.F32.PACK_AB, 64 + 32)
+    assert ("cvt.rn.bf16.f32" not in ptx or split > 1) and "cvt.rn.bf16x2.f32" in ptx
     assert kernel.metadata.shared <= 227 * 1024, kernel.metadata.shared
     assert stack_bytes(kernel) <= (72 if promote else 0), stack_bytes(kernel)
     types = dict(zip(["h_ptr", "parts_ptr", "q_ptr", "scale_ptr"], ["*bf16", "*fp32", "*fp8e4nv", "*fp32"]))

@@ -416,11 +416,12 @@ PREFILL_CHECK = textwrap.dedent("""
 
     round_to_nearest()  # the GPU's conversions: the kernels are held to their reference's bits
     from fp8fx import ops, quant
-    from fp8fx.kernels.gated_mlp import gated_prefill, prefill_fits, quantize_rows
+    from fp8fx.kernels.gated_mlp import gated_prefill, prefill_fits, prefill_tail_split, quantize_rows
     from tests.kernels.test_gated_mlp import mlp_operands, rel
 
-    # gated_prefill (4 persistent programs over more tiles than that, ragged M, N and K tiles), gate's weight before
-    # up's in memory or after it, each scheme and activation, rows 1000x apart; then quantize_rows
+    # gated_prefill (4 persistent programs over more tiles than that, ragged M, N and K tiles; the last, partial
+    # round in half tiles, some of them wholly past M, or not), gate's weight before up's in memory or after it, each
+    # scheme and activation, rows 1000x apart; then quantize_rows
     tile = dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=32, GROUP_M=2, num_warps=4, num_stages=2)
     worst_seen = 0.0
     for m, k, i, scheme, act, up_first in [(70, 96, 80, "per-token/per-channel", "silu", False),
@@ -434,15 +435,16 @@ PREFILL_CHECK = textwrap.dedent("""
         w1, w3 = pair[int(up_first)], pair[1 - int(up_first)]
         assert prefill_fits(xq, w1, w3, torch.bfloat16)
         g, u = (ops.scaled_mm(xq, xs, w, s, None, x_block, w_block, torch.float32) for w, s in ((w1, s1), (w3, s3)))
+        assert prefill_tail_split(triton.cdiv(m, 32) * triton.cdiv(i, 32), 4, 32) == 2, (m, i)
         # g, u and act(g) in float32, h rounded once (the default); the model's roundings of each (model_rounding)
-        for model_rounding in (True, False):
+        for model_rounding, tail_split in ((True, True), (False, True), (False, False)):
             if model_rounding:
                 g16, u16 = g.bfloat16(), u.bfloat16()
                 want = ops.GATED_ACTIVATIONS[act](g16) * u16
             else:
                 want = (ops.GATED_ACTIVATIONS[act](g) * u).bfloat16()
             h, parts = gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, config=tile,
-                                     model_rounding=model_rounding)
+                                     model_rounding=model_rounding, tail_split=tail_split)
             # the bits of the reference's h but where g, u or h sit at a bf16 rounding boundary (float32 sums in
             # another order); GELU's erf and tanh forms differ in ~2% of the bits
             same = (h == want).float().mean().item()
@@ -493,6 +495,20 @@ def test_prefill_kernels_under_triton_interpreter():
     assert "prefill ok" in run_under_triton_interpreter(["-c", PREFILL_CHECK])
 
 
+def test_prefill_tail_split():
+    """The last, partial round of the prefill kernel's tiles runs in half tiles where its halves find a program
+    each: Llama-3-8B's gate/up at 4096 tokens (3584 tiles, 20 in the last round on 132 SMs), not at 2048 (76 tiles:
+    152 halves), nor where the rounds are full or the halves would have fewer than 16 rows."""
+    from fp8fx.kernels.gated_mlp import prefill_tail_split
+
+    assert prefill_tail_split(32 * 112, 132, 128) == 2
+    assert prefill_tail_split(16 * 112, 132, 128) == 1
+    assert prefill_tail_split(24 * 112, 132, 128) == 2  # 3072 tokens: 48 tiles in the last round
+    assert prefill_tail_split(2 * 132, 132, 128) == 1 and prefill_tail_split(66, 66, 128) == 1
+    assert prefill_tail_split(9, 4, 32) == 2 and prefill_tail_split(9, 4, 16) == 1
+    assert prefill_tail_split(11, 4, 128) == 1  # 3 left over: 6 halves for 4 programs
+
+
 def test_prefill_fits_and_reasons():
     """What the prefill kernels take (TMA copies: row-major, 16-byte rows; per-token h, per-tensor / per-row
     scales, from GATED_PREFILL_MIN_M tokens), and the reason given for what they do not."""
@@ -533,7 +549,7 @@ def test_gated_prefill_kernel_cuda(monkeypatch, act):
     of them as the epilogue compiled without PTX (``tl.exp``, division, conversions) has, and nearly all of that
     one's bits; its maxima are h's. Not counted: silu(g) for g in [-88.7, -87.3], which the
     ex2 / rcp epilogue flushes to zero (``_inv_one_plus_exp2``; 0.11% of this data's h, whose rows reach 1000x the
-    first's)."""
+    first's). The last round of tiles in half tiles gives those h too."""
     from fp8fx.kernels import gated_mlp as module
 
     m, k, i = 300, 1024, 1000
@@ -570,6 +586,17 @@ def test_gated_prefill_kernel_cuda(monkeypatch, act):
         else:
             assert same >= 0.97 and same >= plain_same - 1e-4, (model_rounding, same, plain_same)
             assert as_plain >= 0.9999, (model_rounding, as_plain)
+    # the last round in half tiles: 24 tiles on 10 programs leave 4, run as 8 halves of 64 rows (m64n128 wgmma on each
+    # warpgroup where whole tiles run m64n256): the same h as whole tiles, and the maxima of what it wrote
+    assert module.prefill_tail_split(24, 10, 128) == 2
+    ref, _ = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act)
+    for tail_split in (True, False):
+        h, parts = module.gated_prefill(xq, xs, w1, s1, w3, s3, torch.bfloat16, act, programs=10, tail_split=tail_split)
+        assert (h == ref).float().mean().item() >= 0.9999, tail_split
+        row_max = ref.float().abs().amax(1, keepdim=True)
+        assert ((h.float() - ref.float()).abs() <= ref.float().abs() * 2**-7 + row_max * 2**-12).all(), tail_split
+        padded = torch.nn.functional.pad(h.float().abs(), (0, parts.shape[1] * bn - i))
+        assert torch.equal(parts, padded.reshape(m, parts.shape[1], bn).amax(-1)), tail_split
 
 
 def _laid_out(w1, w3, layout):
