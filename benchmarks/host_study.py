@@ -126,10 +126,11 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
              TensorDescriptor(h, [m, i], [i, 1], [bm, bn]))
     programs = torch.cuda.get_device_properties(0).multi_processor_count
     s1, s3 = ops_.s1.float().reshape(-1).contiguous(), ops_.s3.float().reshape(-1).contiguous()
-    launch_args = (*descs, xs.float().reshape(-1), s1, s3, parts, m, i, DIM, parts.stride(0))
+    # (whole tiles only: the last round's half-tile descriptors, xt_desc and ht_desc, None as at 2048 tokens)
+    launch_args = (*descs, xs.float().reshape(-1), s1, s3, parts, m, i, DIM, parts.stride(0), None, None)
     launch_kw = dict(A_ROWWISE=True, W_ROWWISE=True, ACT=0, IMPRECISE_K=gm.imprecise_k({"BLOCK_K": bk}, True),
                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=programs, UP_FIRST=low is ops_.w3, PTX_MATH=True,
-                     TANH_SILU=True,
+                     MODEL_ROUNDING=False, TANH_SILU=True, TAIL_SPLIT=1,
                      GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     compiled = gm.gated_prefill_kernel[(programs,)](*launch_args, **launch_kw)
     names = gm.gated_prefill_kernel.arg_names
