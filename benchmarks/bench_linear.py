@@ -411,17 +411,21 @@ def cpu_smoke():
     return err if anchor.startswith("not run") else max(err, float(anchor))
 
 
-def compile_time():
-    """First call (Dynamo + passes + Inductor) of the fp8fx MLP block at M=2048; run it in two fresh
-    processes sharing TORCHINDUCTOR_CACHE_DIR to see a cold and a warm cache."""
+COMPILE_TIME_VARIANTS = {"fp8fx": {}, "fp8fx_fused_mlp": {"fuse_mlp": True}}
+
+
+def compile_time(variant: str = "fp8fx"):
+    """First call (Dynamo + passes + Inductor, and the fp8fx kernels' Triton compiles) of the fp8fx MLP block at
+    M=2048, as ``variant`` compiles it (one of ``COMPILE_TIME_VARIANTS``); run it in two fresh processes sharing
+    TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR to see a cold and a warm cache."""
     mlp = MLP().cuda().to(torch.bfloat16)
     x = torch.randn(2048, DIM, device="cuda", dtype=torch.bfloat16)
-    fn, _ = fp8fx_module(mlp)
+    fn, _ = fp8fx_module(mlp, COMPILE_TIME_VARIANTS[variant], dynamic=False if variant != "fp8fx" else None)
     start = time.perf_counter()
     with torch.no_grad():
         fn(x)
     torch.cuda.synchronize()
-    print(f"fp8fx mlp first call: {time.perf_counter() - start:.2f} s")
+    print(f"{variant} mlp first call: {time.perf_counter() - start:.2f} s")
     return 0
 
 
@@ -430,13 +434,15 @@ def main(argv=None, parser_class=argparse.ArgumentParser, prog=None):
     p = parser_class(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("--out", default="bench_out")
     p.add_argument("--ms", default="1,16,64,256,2048,4096")
-    p.add_argument("--compile-time", action="store_true", help="only time the first call of the fp8fx MLP")
+    p.add_argument("--compile-time", action="store_true",
+                   help="only time the first call of the MLP block as one variant (--variants fp8fx or fp8fx_fused_mlp)")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--skip-gemms", action="store_true")
     p.add_argument("--skip-mlp", action="store_true")
     p.add_argument("--kernels", action="store_true", help="also block-scaled and weight-only GEMMs")
-    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
-                   help=f"the MLP block's variants, comma-separated, of {', '.join(MLP_VARIANTS)}")
+    p.add_argument("--variants", default=None,
+                   help=f"the MLP block's variants, comma-separated, of {', '.join(MLP_VARIANTS)} (default: "
+                        f"{', '.join(DEFAULT_VARIANTS)}; with --compile-time: fp8fx)")
     p.add_argument("--rounds", type=int, default=1,
                    help="time the MLP variants in turn this many times over (medians, every round kept in the JSON)")
     p.add_argument("--graph-max-m", type=int, default=256,
@@ -445,10 +451,12 @@ def main(argv=None, parser_class=argparse.ArgumentParser, prog=None):
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"--rounds {args.rounds}: at least 1")
-    variants = args.variants.split(",")
+    variants = (args.variants or (",".join(DEFAULT_VARIANTS) if not args.compile_time else "fp8fx")).split(",")
     unknown = sorted(set(variants) - set(MLP_VARIANTS))
     if unknown:
         p.error(f"--variants: unknown {unknown}; choose from {', '.join(MLP_VARIANTS)}")
+    if args.compile_time and (len(variants) != 1 or variants[0] not in COMPILE_TIME_VARIANTS):
+        p.error(f"--compile-time --variants {args.variants}: one of {', '.join(COMPILE_TIME_VARIANTS)}")
     if args.cpu_smoke:
         return 0 if cpu_smoke() < 0.1 else 1
     try:
@@ -460,7 +468,7 @@ def main(argv=None, parser_class=argparse.ArgumentParser, prog=None):
     if not torch.cuda.is_available():
         p.error("the benchmark times CUDA kernels and needs a CUDA GPU; on CPU, --cpu-smoke runs it tiny")
     if args.compile_time:
-        return compile_time()
+        return compile_time(variants[0])
     os.makedirs(args.out, exist_ok=True)
     import triton
 

@@ -270,6 +270,15 @@ def test_bench_cpu_smoke(capsys):
     assert "3 of 3 sites rewritten" in out and "cpu smoke: mlp rel err vs bf16" in out
 
 
+def test_bench_compile_time_variants(capsys):
+    """--compile-time times one of the variants it knows (the fp8fx block, unfused or with its fused MLP); others are a
+    one-line error before anything needs a GPU."""
+    for variants in ("bf16_inductor", "fp8fx,fp8fx_fused_mlp"):
+        code, _, err = run(capsys, "bench", "--compile-time", "--variants", variants)
+        assert code == 2
+        one_line_error(err, f"--compile-time --variants {variants}: one of fp8fx, fp8fx_fused_mlp")
+
+
 def test_installed_command():
     """pyproject declares the command, and the process exits 2 with one line on stderr."""
     with open(pathlib.Path(__file__).parents[2] / "pyproject.toml") as f:
