@@ -435,7 +435,7 @@ def main(argv=None, parser_class=argparse.ArgumentParser, prog=None):
     p.add_argument("--out", default="bench_out")
     p.add_argument("--ms", default="1,16,64,256,2048,4096")
     p.add_argument("--compile-time", action="store_true",
-                   help="only time the first call of the MLP block as one variant (--variants fp8fx or fp8fx_fused_mlp)")
+                   help="only time the MLP block's first call, as one variant (--variants fp8fx or fp8fx_fused_mlp)")
     p.add_argument("--cpu-smoke", action="store_true")
     p.add_argument("--skip-gemms", action="store_true")
     p.add_argument("--skip-mlp", action="store_true")

@@ -264,7 +264,8 @@ def test_gated_prefill_compiles_to_one_wide_wgmma_for_sm90(promote, x_rowwise, a
                   BLOCK_N=bn, BLOCK_K=bk, GROUP_M=cfg["GROUP_M"], PROGRAMS=132, UP_FIRST=False, PTX_MATH=True,
                   MODEL_ROUNDING=epilogue == "model rounding", TANH_SILU=epilogue == "tanh silu", TAIL_SPLIT=split)
     if split > 1:
-        types.update(xt_desc=f"tensordesc<fp8e4nv[{bm // split}, {bk}]>", ht_desc=f"tensordesc<bf16[{bm // split}, {bn}]>")
+        types.update(xt_desc=f"tensordesc<fp8e4nv[{bm // split}, {bk}]>",
+                     ht_desc=f"tensordesc<bf16[{bm // split}, {bn}]>")
     else:
         consts.update(xt_desc=None, ht_desc=None)
     kernel = compile_kernel(gated_prefill_kernel, types, consts, ["a_scale_ptr", "s1_ptr", "s3_ptr", "parts_ptr", "N",
