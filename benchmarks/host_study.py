@@ -46,6 +46,7 @@ from benchmarks.bench_linear import torchao_rowwise  # noqa: E402
 from benchmarks.prefill_study import Operands  # noqa: E402
 from fp8fx import ops, quant  # noqa: E402
 from fp8fx.kernels import gated_mlp as gm  # noqa: E402
+from fp8fx.kernels.launch import sm_count  # noqa: E402
 
 
 def host_ms(fn, calls: int, bursts: int, busy_cycles: int = 0) -> float:
@@ -163,7 +164,9 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
         "2 torch.empty": lambda: (torch.empty(m, i, device="cuda", dtype=bf16),
                                   torch.empty(m, parts.shape[1], device="cuda")),
         "torch.cuda.device(x.device) enter/exit": device_context,
-        "get_device_properties": lambda: torch.cuda.get_device_properties(xq.device).multi_processor_count,
+        "get_device_properties (before run 28)": (
+            lambda: torch.cuda.get_device_properties(xq.device).multi_processor_count),
+        "sm_count (its cached lookup since)": lambda: sm_count(xq.device),
         "_gate_up_scales + x_scale prep": lambda: (gm._gate_up_scales(ops_.s1, ops_.s3, i), gm._flat_f32(xs)),
         "_tma_addressable x3 + _compiles_ptx": lambda: ([gm._tma_addressable(t) for t in (xq, ops_.w1, ops_.w3)],
                                                         gm._compiles_ptx(xq)),

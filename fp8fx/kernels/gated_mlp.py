@@ -50,7 +50,7 @@ from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _rows_amax, _scale_of
 from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
 from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages
-from fp8fx.kernels.launch import Relaunch, cdiv, next_power_of_2
+from fp8fx.kernels.launch import Relaunch, cdiv, next_power_of_2, sm_count
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
 # h quantized in 1 x h_group groups by the gate/up kernel's epilogue (an N tile of it per group), read by the down
@@ -451,7 +451,7 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
     h = torch.empty(m, i, device=xq.device, dtype=h_dtype)
     parts = torch.empty(m, cdiv(i, bn), device=xq.device, dtype=torch.float32)
     if programs is None:
-        programs = torch.cuda.get_device_properties(xq.device).multi_processor_count if xq.is_cuda else 4
+        programs = sm_count(xq.device) if xq.is_cuda else 4
     tiles = cdiv(m, bm) * parts.shape[1]
     programs = max(1, min(programs, tiles))
     split = prefill_tail_split(tiles, programs, bm) if tail_split else 1

@@ -19,6 +19,7 @@ call takes Triton's path.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import torch
@@ -37,6 +38,17 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The least power of 2 >= n for n >= 1, and 0 for 0 (``triton.next_power_of_2``'s values)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of the CUDA ``device``: ``torch.cuda.get_device_properties``'s count, looked up once a device (the
+    lookup took 4 us a prefill op call on the H200's host, run 28's ``host_study.py``)."""
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def _spec(value: Any) -> Any:

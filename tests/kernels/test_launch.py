@@ -144,3 +144,22 @@ def test_host_arithmetic_is_tritons():
         assert next_power_of_2(a) == triton.next_power_of_2(a), a
         for b in (1, 7, 16, 128, 512):
             assert cdiv(a, b) == triton.cdiv(a, b), (a, b)
+
+
+def test_sm_count_is_looked_up_once_a_device(monkeypatch):
+    """``sm_count`` asks ``torch.cuda.get_device_properties`` once per device index (the device's own index, or the
+    current device's for a bare "cuda"), then answers from its cache."""
+    from types import SimpleNamespace
+
+    from fp8fx.kernels import launch
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda index: asked.append(index) or SimpleNamespace(multi_processor_count=100 + index))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    launch._sm_count.cache_clear()
+    try:
+        counts = [launch.sm_count(torch.device(d)) for d in ("cuda:0", "cuda:1", "cuda:0", "cuda", "cuda:1")]
+        assert counts == [100, 101, 100, 101, 101] and asked == [0, 1]
+    finally:
+        launch._sm_count.cache_clear()  # (the fake counts must not outlive the test)
