@@ -349,17 +349,18 @@ def tail(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> None:
     the two against each other."""
     xq, xs = ops.x_quant(torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16))
     args = (xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16)
-    tiles = cdiv(m, 128) * cdiv(ops.w1.shape[0], 128)  # (prefill_tile_config's 128 x 128 tiles)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    split = gm.prefill_tail_split(tiles, sms, 128)
+    cfg = gm.prefill_tile_config(m, ops.w1.shape[0], DIM)
+    tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(ops.w1.shape[0], cfg["BLOCK_N"])
+    sms = min(torch.cuda.get_device_properties(0).multi_processor_count, tiles)  # (gated_prefill's programs)
+    split = gm.prefill_tail_split(tiles, sms, cfg["BLOCK_M"])
     cases = {"whole tiles": lambda: gm.gated_prefill(*args, fast_accum=True, tail_split=False),
              "last round in half tiles": lambda: gm.gated_prefill(*args, fast_accum=True),
              "cuBLAS gate + up": lambda: ops.cublas_g_u(xq, xs)}
     whole, halves = cases["whole tiles"]()[0], cases["last round in half tiles"]()[0]
-    same = (whole == halves).float().mean().item()
+    same = torch.equal(whole, halves)
     out.append({"M": m, "what": "tail split", "tiles": tiles, "programs": sms, "split": split, "same_h_bits": same})
-    print(f"M={m}: {tiles} tiles on {sms} programs, last round {tiles % sms} tiles, split {split}; h bits equal in "
-          f"{same:.6f}", flush=True)
+    print(f"M={m}: {tiles} tiles on {sms} programs, last round {tiles % sms} tiles, split {split}; the same h bits: "
+          f"{same}", flush=True)
     _chained_rounds(cases, ["whole tiles", "last round in half tiles"], m, rounds, out, reps)
 
 

@@ -254,7 +254,8 @@ def gated_prefill_kernel(
     launch, lost (0.968-0.994x at 4096, run 25): flattened with the others, the split made the epilogue conditional
     and Triton no longer overlapped the next tile's loads with it. Since run 28 that round runs in half tiles after
     the flattened loop, in the same launch (``TAIL_SPLIT``, ``prefill_tail_split``): the kernel 1.018x at 4096
-    tokens, 1.016x at 3072, the same h bits (H200, calls back to back, 9 rounds); the loop's SASS is unchanged.
+    tokens, 1.016x at 3072, the same h bits (H200, calls back to back, 9 rounds); unsplit, its SASS is the kernel's
+    before (sm_90, triton 3.9).
 
     Why float32 until h (run 27): the three roundings are 9 FMA-pipe instructions an element of an epilogue the tensor
     cores wait on. Without them the kernel took 0.3610 ms against 0.3735 at M = 2048 and 0.7377 against 0.7938 at 4096
@@ -432,7 +433,7 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
     ``benchmarks/prefill_study.py --rounding``, which times what those roundings cost). ``tanh_silu`` (the default,
     with float32 g and u, compiled for CUDA): silu by ``tanh.approx`` (``_gated_h``), else by ex2 and rcp.
     ``tail_split`` (the default): the last, partial round of tiles in half tiles where that round has at most half as
-    many tiles as there are programs (``prefill_tail_split``)."""
+    many tiles as there are programs and the halves have 16 rows or more (``prefill_tail_split``)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     xq, w1, w3 = (t if _tma_addressable(t) else t.contiguous() for t in (xq, w1, w3))
