@@ -1,7 +1,7 @@
 """Where the time goes: kernel-level profile of the Llama-3-8B MLP block (fp8fx vs torchao), and
 Inductor's generated code for fp8fx, written under --out.
 
-    python benchmarks/profile_mlp.py --out DIR [--m 4096] [--max-autotune] [--fuse-horizontal] [--fuse-mlp]
+    python benchmarks/profile_mlp.py --out DIR [--m 4096] [--max-autotune] [--coordinate-descent] [--fuse-horizontal] [--fuse-mlp]
                                      [--h-group G] [--fp8fx-only]
 
 Each table ends with the block's time as a CUDA-graph replay next to the sum of its kernels' GPU times:
@@ -55,6 +55,8 @@ def main():
     p.add_argument("--out", default="profile_out")
     p.add_argument("--m", type=int, default=4096)
     p.add_argument("--max-autotune", action="store_true")
+    p.add_argument("--coordinate-descent", action="store_true",
+                   help="Inductor's coordinate_descent_tuning for fp8fx's graph (its reduction and pointwise kernels)")
     p.add_argument("--fuse-horizontal", action="store_true", help="Fp8Backend(fuse_horizontal=True): gate/up as one GEMM")
     p.add_argument("--fuse-mlp", action="store_true", help="Fp8Backend(fuse_mlp=True): the MLP in two kernels (decode)")
     p.add_argument("--h-group", type=int, default=0,
@@ -73,6 +75,8 @@ def main():
         return m
 
     cfg = {"max_autotune": True} if args.max_autotune else {}
+    if args.coordinate_descent:
+        cfg["coordinate_descent_tuning"] = True
     mod = fresh()
     fp8fx.quantize_(mod, fp8fx.Fp8Config())
     backend = fp8fx.Fp8Backend(inductor_config=cfg, fuse_horizontal=args.fuse_horizontal, fuse_mlp=args.fuse_mlp,
@@ -81,7 +85,7 @@ def main():
     with torch.no_grad():
         _, code = run_and_get_code(fn, x)
     tag = "fp8fx" + "".join(suffix for on, suffix in (
-        (args.max_autotune, "_autotune"), (args.fuse_horizontal, "_fused"), (args.fuse_mlp, "_mlp"),
+        (args.max_autotune, "_autotune"), (args.coordinate_descent, "_cd"), (args.fuse_horizontal, "_fused"), (args.fuse_mlp, "_mlp"),
         (args.fuse_mlp and args.h_group, f"_g{args.h_group}")) if on)
     with open(os.path.join(args.out, f"{tag}_code.py"), "w") as f:
         f.write("\n\n# ----\n\n".join(code))
