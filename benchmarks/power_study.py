@@ -10,8 +10,8 @@ another order):
 - ``capped``: calls back to back for ``--seconds`` after ``--warm`` seconds of the same (the power controller at
   its steady state): ms a call, mJ a call from NVML's energy counter, mean W and the SM clock NVML reported
   after each batch of calls (MHz, median), and the share of those samples with the software power cap active;
-- ``clocked``: the median of single calls each after an idle ``--gap`` ms (CUDA events; the GPU cools between):
-  the time at the clock the GPU holds when not capped.
+- ``clocked``: the median of single calls each after an idle ``--gap`` ms (CUDA events; the GPU cools between,
+  and a spin kernel holds it while the host queues the call): the time at the clock the GPU holds when not capped.
 
 Cases at each M of ``--ms``: the compiled blocks (fp8fx with the fused MLP, torchao float8 row-wise when
 installed, optionally bf16 Inductor: ``--bf16``) and the gate/up GEMMs alone (``gated_prefill`` against cuBLAS's
@@ -35,6 +35,7 @@ from benchmarks.bench_linear import DIM, fp8fx_module, mlp_factory  # noqa: E402
 from benchmarks.prefill_study import Operands, _add_torchao  # noqa: E402
 
 BATCH = 10  # calls enqueued between clock samples (and host syncs): the host stays ahead of the GPU
+SPIN_MS, SPIN_HZ = 3.0, 1.98e9  # ``clocked``'s hold before each call: over a compiled block's host time (~0.5 ms)
 
 
 class Nvml:
@@ -87,12 +88,16 @@ def capped(fn, nvml: Nvml, seconds: float, warm: float) -> dict:
 
 
 def clocked(fn, gap_ms: float, reps: int = 30) -> float:
-    """Median ms of single calls, each after ``gap_ms`` of idle GPU."""
+    """Median ms of single calls, each after ``gap_ms`` of idle GPU. A spin kernel of ``SPIN_MS`` holds the GPU
+    before each call's start event, so the host has queued the call's kernels by the time the GPU reaches them:
+    the events time the GPU, not the host's launches (without it, run 29 call 3 timed the fused block at 0.95 ms
+    at 2048 tokens, its host time, against 0.63 back to back)."""
     times = []
     for _ in range(reps):
         torch.cuda.synchronize()
         time.sleep(gap_ms / 1e3)
         ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        torch.cuda._sleep(int(SPIN_MS * 1e-3 * SPIN_HZ))
         ev[0].record()
         fn()
         ev[1].record()
