@@ -17,7 +17,8 @@ Cases at each M of ``--ms``: the compiled blocks (fp8fx with the fused MLP, torc
 installed, optionally bf16 Inductor: ``--bf16``) and the gate/up GEMMs alone (``gated_prefill`` against cuBLAS's
 gate and up GEMMs, as ``prefill_study.py --rounding`` times them).
 
-    python benchmarks/power_study.py --ms 4096 --rounds 3 [--seconds 2] [--warm 1] [--gap 5] [--bf16] [--out DIR]
+    python benchmarks/power_study.py --ms 4096 --rounds 3 [--seconds 2] [--warm 1] [--gap 5] [--bf16] [--no-blocks]
+        [--tiles GROUP_M:STAGES,...] [--out DIR]
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_linear import DIM, fp8fx_module, mlp_factory  # noqa: E402
 from benchmarks.prefill_study import Operands, _add_torchao  # noqa: E402
+from fp8fx.kernels import gated_mlp as gm  # noqa: E402
 
 BATCH = 10  # calls enqueued between clock samples (and host syncs): the host stays ahead of the GPU
 SPIN_MS, SPIN_HZ = 3.0, 1.98e9  # ``clocked``'s hold before each call: over a compiled block's host time (~0.5 ms)
@@ -106,12 +108,16 @@ def clocked(fn, gap_ms: float, reps: int = 30) -> float:
     return statistics.median(times)
 
 
-def cases_at(m: int, blocks: dict, ops: Operands) -> dict:
+def cases_at(m: int, blocks: dict, ops: Operands, tiles: list[tuple[int, int]]) -> dict:
     x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
     xq, xs = ops.x_quant(x)
     cases = {f"block {name}": (lambda f=f: f(x)) for name, f in blocks.items()}
     cases["gate/up: gated_prefill"] = lambda: ops.gate_up(xq, xs, None)
     cases["gate/up: cuBLAS gate + up"] = lambda: ops.cublas_g_u(xq, xs)
+    default = gm.prefill_tile_config(m, ops.w1.shape[0], DIM)
+    for group, stages in tiles:  # the default tile with other row tiles a sweep / pipeline depths
+        tile = {**default, "GROUP_M": group, "num_stages": stages}
+        cases[f"gate/up: gated_prefill GROUP_M={group}, {stages} stages"] = lambda t=tile: ops.gate_up(xq, xs, t)
     return cases
 
 
@@ -123,22 +129,28 @@ def main(argv=None):
     p.add_argument("--warm", type=float, default=1.0)
     p.add_argument("--gap", type=float, default=5.0)
     p.add_argument("--bf16", action="store_true", help="also the bf16 Inductor block")
+    p.add_argument("--no-blocks", action="store_true", help="the gate/up GEMMs only")
+    p.add_argument("--tiles", default="", metavar="GROUP_M:STAGES,...",
+                   help="also the gate/up kernel's default tile with these row tiles a sweep and pipeline depths")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("power_study.py measures a GPU's energy counter: no CUDA device here")
     nvml = Nvml(torch.cuda.current_device())
     print(f"{torch.cuda.get_device_name()}, power limit {nvml.power_cap:.0f} W, torch {torch.__version__}", flush=True)
+    tiles = [tuple(int(v) for v in t.split(":")) for t in args.tiles.split(",") if t]
     fresh = mlp_factory("cuda")
-    blocks = {"fp8fx_fused_mlp": fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0]}
-    _add_torchao(blocks, fresh)
-    if args.bf16:
-        blocks["bf16_inductor"] = torch.compile(fresh(), dynamic=False)
+    blocks = {}
+    if not args.no_blocks:
+        blocks["fp8fx_fused_mlp"] = fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0]
+        _add_torchao(blocks, fresh)
+        if args.bf16:
+            blocks["bf16_inductor"] = torch.compile(fresh(), dynamic=False)
     ops = Operands(fresh())
     out = []
     with torch.no_grad():
         for m in (int(v) for v in args.ms.split(",")):
-            cases = cases_at(m, blocks, ops)
+            cases = cases_at(m, blocks, ops, tiles)
             for fn in cases.values():  # compile and warm every case first
                 fn()
             names = list(cases)
@@ -156,8 +168,10 @@ def main(argv=None):
                 print(f"M={m} {name}: capped {med['ms']:.4f} ms, {med['mJ']:.1f} mJ, {med['W']:.0f} W, "
                       f"{med['sm_mhz']:.0f} MHz (cap active in {med['capped_share']:.0%} of samples); "
                       f"clocked {med['clocked_ms']:.4f} ms", flush=True)
-            for a, b in (("block torchao_rowwise", "block fp8fx_fused_mlp"),
-                         ("gate/up: cuBLAS gate + up", "gate/up: gated_prefill")):
+            pairs = [("block torchao_rowwise", "block fp8fx_fused_mlp"), *[
+                ("gate/up: gated_prefill", name) for name in names if name.startswith("gate/up: gated_prefill ")],
+                *[("gate/up: cuBLAS gate + up", name) for name in names if name.startswith("gate/up: gated")]]
+            for a, b in pairs:
                 if a in results and b in results:
                     ratio = {k: statistics.median(ra[k] / rb[k] for ra, rb in zip(results[a], results[b]))
                              for k in ("ms", "mJ", "clocked_ms")}
