@@ -409,14 +409,19 @@ _GATED_PREFILL, _QUANTIZE_ROWS = Relaunch(gated_prefill_kernel), Relaunch(quanti
 
 def prefill_tile_config(m: int, n: int, k: int) -> dict:
     """Tiles of ``gated_prefill_kernel``: 128 rows by 128 of gate and 128 of up (one [128, 256] product a K step),
-    K steps of 128, 8 warps (two warpgroups of 64 rows), 16 row tiles per sweep of the weight, 3 stages. The best of
+    K steps of 128, 8 warps (two warpgroups of 64 rows), 32 row tiles per sweep of the weight, 3 stages. The best of
     the H200 sweep (run 23 call 3, Llama-3-8B's gate/up, `prefill_study.py --sweep`, each tile timed once) at
     M = 2048 and 4096: 0.975x and 0.956x cuBLAS's gate/up GEMM (which writes g and u and does no act * mul),
     against 0.945-0.963x with 4 stages, 0.916-0.962x with 8 or 32 row tiles a sweep, 0.77-0.79x with K steps of
     256 (2 stages) and 0.79-0.83x with 64-wide N tiles (4 warps); at M = 1024 every 128 x 128 x 128 tile within 1%
-    (0.965-0.977x). ``PROGRAMS`` is a constant of the kernel: weights of fewer tiles than SMs compile once per
-    tile count (small models; Llama-3-8B's 14336 has 112 N tiles, 1792 tiles at 2048 tokens)."""
-    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=16, num_warps=8, num_stages=3)
+    (0.965-0.977x). Since run 29, 32 row tiles a sweep, not 16: at 4096 tokens (32 row tiles) one sweep reads the
+    weights from memory once instead of twice, and the kernel took 0.7437 ms against 0.7586 a call back to back
+    under the H200's 700 W power cap (1.020x, 3 rounds within 0.743-0.746 and 0.750-0.761; energy 513 against
+    524 mJ a call) and 0.6214 against 0.6280 ms called alone (1.010x; `power_study.py --tiles`, run 29 call 5;
+    8 row tiles a sweep: 0.981x). Up to 2048 tokens (16 row tiles) the walk is the same either way.
+    ``PROGRAMS`` is a constant of the kernel: weights of fewer tiles than SMs compile once per tile count (small
+    models; Llama-3-8B's 14336 has 112 N tiles, 1792 tiles at 2048 tokens)."""
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=32, num_warps=8, num_stages=3)
 
 
 def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
