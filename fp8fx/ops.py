@@ -489,10 +489,14 @@ GATED_ACTIVATIONS = {
     "gelu": torch.nn.functional.gelu,
     "gelu_tanh": lambda g: torch.nn.functional.gelu(g, approximate="tanh"),
 }
-# Tokens up to which fp8fx.passes.mlp fuses a gated MLP. Llama-3-8B MLP block on the H200 (run 10, CUDA-graph
-# replays): fused vs unfused 0.0682 vs 0.0756 ms at M=1, 0.0694 vs 0.0771 at M=16, but 0.1347 vs 0.0775 at
-# M=64, where each of the down GEMM's N tiles re-reads (and re-quantizes) the whole [64, I] intermediate.
+# Tokens up to which fp8fx.passes.mlp fuses a gated MLP in two kernels, the down GEMM quantizing h as it loads it.
+# Llama-3-8B MLP block on the H200 (run 10, CUDA-graph replays): fused vs unfused 0.0682 vs 0.0756 ms at M=1,
+# 0.0694 vs 0.0771 at M=16, but 0.1347 vs 0.0775 at M=64, where each of the down GEMM's N tiles re-reads (and
+# re-quantizes) the whole [64, I] intermediate. Per-tensor and static h stop here.
 GATED_MAX_M = 16
+# Per-token h from GATED_ROWS_MIN_M tokens up to GATED_ROWS_MAX_M: three kernels (``fp8fx.kernels.gated_mlp``: h
+# leaves the gate/up kernel 16-bit and ``quantize_rows`` quantizes it once for the down GEMM).
+GATED_ROWS_MIN_M, GATED_ROWS_MAX_M = GATED_MAX_M + 1, 64
 # The intermediate h quantized in 1 x G groups (Fp8Backend(mlp_h_group=G)) instead: the gate/up kernel's epilogue
 # writes its fp8 codes, so the down GEMM reads fp8 and no N tile re-quantizes h. Fused up to 64 tokens (the
 # Triton GEMMs' range); the op alone on the H200 (run 17, tune_gemm.py --groups, G = 128): 0.0631 ms at M=64

@@ -49,7 +49,7 @@ import triton.language as tl
 from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _rows_amax, _scale_of
 from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
-from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages
+from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages, tile_config
 from fp8fx.kernels.launch import Relaunch, cdiv, next_power_of_2, sm_count
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
@@ -402,6 +402,10 @@ def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0
     return cfg
 
 
+# Per-token h from this many tokens (up to ``ops.GATED_ROWS_MAX_M``) goes through ``quantize_rows`` between the two
+# GEMMs (``gated_mlp``): below it, the down GEMM quantizing h as it loads it was the faster (``ops.GATED_MAX_M``)
+ROWS_PASS_MIN_M = ops.GATED_ROWS_MIN_M
+
 # the prefill kernels run in plain calls, where Triton's per-call binding was a measured part of the op's host time
 # (fp8fx.kernels.launch)
 _GATED_PREFILL, _QUANTIZE_ROWS = Relaunch(gated_prefill_kernel), Relaunch(quantize_rows_kernel)
@@ -577,7 +581,12 @@ def gated_mlp(
     ``QUANT_GROUPS`` (1 x ``h_group`` groups, ``H_GROUPS``; the first kernel's BLOCK_N is the group).
     ``configs``: tiles of the two kernels (default: ``gated_tile_config``, ``down_tile_config``). ``pdl``: the down
     GEMM a programmatic dependent launch of the first kernel (default: on CUDA GPUs of compute capability 9.0+,
-    where the hardware has it), so its launch overlaps the first kernel's end."""
+    where the hardware has it), so its launch overlaps the first kernel's end.
+
+    Per-token h from ``ROWS_PASS_MIN_M`` tokens: three kernels. The gate/up kernel writes h 16-bit with its tile
+    maxima, ``quantize_rows`` makes its per-token codes once (h is [M <= 64, I]: 1.8 MB at Llama-3-8B's 64 tokens),
+    and the down GEMM reads fp8 h with its per-token scale (``fp8_gemm``'s tiles for fp8 activations, ``configs[1]``),
+    where in two kernels each of its N tiles would re-quantize all of h (``GATED_MAX_M``)."""
     m, k = xq.shape
     i, n = w1.shape[0], w2.shape[0]
     if w3.shape != w1.shape or w1.shape[1] != k or w2.shape[1] != i:
@@ -594,8 +603,13 @@ def gated_mlp(
     if w1.stride() != w3.stride():
         w1, w3 = w1.contiguous(), w3.contiguous()
     s1, s3, w_rowwise = _gate_up_scales(s1, s3, i)
-    cfg1 = dict(configs[0] or gated_tile_config(m, i, k, h_group))
-    cfg2 = {"SPLIT_K": 1, **(configs[1] or for_device(down_tile_config(m, n, i, h_group=h_group), xq.device))}
+    rows_pass = h_quant == QUANT_ROWS and m >= ROWS_PASS_MIN_M  # h per token through quantize_rows (see below)
+    if rows_pass:  # the gate/up tile of h in groups of 128 there (8 warps; its maxima are quantize_rows' parts)
+        cfg1 = dict(configs[0] or {**gated_tile_config(m, i, k, 128), "BLOCK_N": 128})
+        cfg2 = {"SPLIT_K": 1, **(configs[1] or for_device(tile_config(m, n, i), xq.device))}  # fp8 h, per token
+    else:
+        cfg1 = dict(configs[0] or gated_tile_config(m, i, k, h_group))
+        cfg2 = {"SPLIT_K": 1, **(configs[1] or for_device(down_tile_config(m, n, i, h_group=h_group), xq.device))}
     if h_group:  # a group is one N tile of the first kernel
         if configs[0] and cfg1["BLOCK_N"] != h_group:
             raise ValueError(f"gated_mlp: h_group={h_group} is the gate/up kernel's BLOCK_N; configs[0] has "
@@ -614,6 +628,7 @@ def gated_mlp(
     bias = None if bias is None else bias.contiguous()
     if pdl is None:
         pdl = xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (9, 0)
+    pdl = pdl and not rows_pass  # (quantize_rows runs between the two GEMMs, launched as any kernel)
     grid = (cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
     # Triton compiles for and launches on the current device: make it xq's
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
@@ -628,5 +643,9 @@ def gated_mlp(
         if h_group:  # h arrives as fp8 codes with [M, I / h_group] scales: K-grouped activations
             return fp8_gemm(h, w2, parts, s2, bias, out_dtype, config=cfg2, a_block=(1, h_group),
                             fast_accum=fast_accum, tickets=tickets, pdl=pdl)
+        if rows_pass:
+            hq, hs = quantize_rows(h, parts)
+            return fp8_gemm(hq, w2, hs, s2, bias, out_dtype, config=cfg2, a_block=(1, -1), fast_accum=fast_accum,
+                            tickets=tickets)
         return fp8_gemm(h, w2, h_scale, s2, bias, out_dtype, config=cfg2, fast_accum=fast_accum, a_quant=h_quant,
                         tickets=tickets, pdl=pdl)

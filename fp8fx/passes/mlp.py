@@ -24,7 +24,9 @@ gaps, and this drops the act * mul + quantization kernel and the split-K ticket 
 
 Only where the graph's token count is static and at most ``fp8fx.ops.GATED_MAX_M`` (16: measured faster
 there, slower at 64; larger batches keep the Triton / cuBLAS GEMMs with the quantization fused into the
-producers by Inductor) and the scales are per-tensor / per-row; or at least ``fp8fx.ops.GATED_PREFILL_MIN_M``
+producers by Inductor) and the scales are per-tensor / per-row - with h per token up to ``GATED_ROWS_MAX_M`` (64),
+from ``GATED_ROWS_MIN_M`` (17) as three kernels, h quantized once between the two GEMMs; or at least
+``fp8fx.ops.GATED_PREFILL_MIN_M``
 (2048) with h quantized per token (``fp8fx.ops.gated_prefill_reason``), where the op runs the prefill kernels
 (``fp8fx.kernels.gated_mlp.gated_prefill``: act * mul in the gate/up GEMM's epilogue, so g and u never reach
 memory, then a streaming quantization of h and cuBLAS's down GEMM). With ``h_group`` (``Fp8Backend(mlp_h_group=G)``)
@@ -41,7 +43,8 @@ from typing import Optional
 import torch
 from torch import fx
 
-from fp8fx.ops import GATED_GROUPS_MAX_M, GATED_MAX_M, GATED_PREFILL_MIN_M, _tensor_or_row, gated_prefill_reason
+from fp8fx.ops import GATED_GROUPS_MAX_M, GATED_MAX_M, GATED_PREFILL_MIN_M, GATED_ROWS_MAX_M, GATED_ROWS_MIN_M
+from fp8fx.ops import _tensor_or_row, gated_prefill_reason
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
 from fp8fx.passes.linear import _cast_source, _name_of, _noop_cast_source
 from fp8fx.report import Site
@@ -340,24 +343,31 @@ class GatedMlpPass(Fp8Pass):
             # h in groups is for decode (the Triton down GEMM reads them); prefill's cuBLAS down takes h per token
             group = self.h_group if self.h_group and mlp.h_static is None and prefill_why else None
             static_kept = bool(self.h_group) and mlp.h_static is not None  # a calibrated scale stays as it is
-            reason = reason or self._why_not(mlp, GATED_GROUPS_MAX_M if group else GATED_MAX_M, static_kept,
-                                             prefill_why)
+            per_token = mlp.h_static is None and list(mlp.down.args[5]) == [1, -1]
+            max_rows = GATED_GROUPS_MAX_M if group else GATED_ROWS_MAX_M if per_token else GATED_MAX_M
+            reason = reason or self._why_not(mlp, max_rows, static_kept, prefill_why,
+                                             "groups" if group else "per token" if per_token else "")
             if reason:
                 amend_sites(ctx, mlp.gemms, f"not fused into a gated MLP ({names}): {reason}")
                 continue
+            three = per_token and not group and _rows(mlp) >= GATED_ROWS_MIN_M  # (before the fusion erases gate)
             new = self._fuse(gm.graph, mlp, group)
             how = (f", h in 1x{group} groups" if group else
                    ", h's static scale kept: mlp_h_group applies to dynamic ones" if static_kept else "")
             what = ("prefill: act * mul in the gate/up GEMM's epilogue, h quantized per token, cuBLAS down"
-                    if not prefill_why else f"2 kernels{how}")
+                    if not prefill_why else
+                    "3 kernels: act * mul in the gate/up GEMM's epilogue, h quantized per token, the down GEMM"
+                    if three else f"2 kernels{how}")
             amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, {what})", node=Site.origin_of(new))
             fused += len(mlp.gemms)
         gm.recompile()
         return fused
 
     @staticmethod
-    def _why_not(mlp: _Mlp, max_rows: int, static_kept: bool, prefill_why: str) -> str:
-        """Why the matched MLP is not fused ("" where it is); ``prefill_why``: ``_prefill_reason(mlp)``."""
+    def _why_not(mlp: _Mlp, max_rows: int, static_kept: bool, prefill_why: str, h_mode: str) -> str:
+        """Why the matched MLP is not fused ("" where it is); ``prefill_why``: ``_prefill_reason(mlp)``; ``h_mode``:
+        "groups" (``h_group``), "per token" (h's dynamic per-token scale) or "" (per tensor, static), which set
+        ``max_rows``."""
         gate, up, down = mlp.gate, mlp.up, mlp.down
         static = [n.args[0].target is _QUANTIZE_STATIC for n in (gate, up) if isinstance(n.args[0], fx.Node)]
         if gate.args[:2] != up.args[:2] and static == [True, True]:
@@ -397,14 +407,17 @@ class GatedMlpPass(Fp8Pass):
         if rows >= GATED_PREFILL_MIN_M and not prefill:
             return ""
         if not 0 < rows <= max_rows:
-            if max_rows == GATED_GROUPS_MAX_M:
-                why = "with h in 1 x G groups, up to the Triton GEMMs' 64"
+            if h_mode == "groups":
+                why = f"with h in 1 x G groups, up to the Triton GEMMs' {GATED_GROUPS_MAX_M}"
+            elif h_mode == "per token":
+                why = f"with per-token h, up to the Triton GEMMs' {GATED_ROWS_MAX_M}"
             elif static_kept:
                 why = ("h has a static scale, which mlp_h_group leaves as it is; with it the fused MLP was slower "
                        "than the unfused GEMMs at 64 on the H200")
             else:
-                why = ("with per-token h slower than the unfused GEMMs at 64 on the H200; Fp8Backend(mlp_h_group=128) "
-                       f"fuses up to {GATED_GROUPS_MAX_M}")
+                why = ("with h per tensor or by a static scale, which each N tile of the down GEMM applies to all of "
+                       "h: slower than the unfused GEMMs at 64 on the H200; per-token h and Fp8Backend(mlp_h_group=128) "
+                       f"fuse up to {GATED_GROUPS_MAX_M}")
             return (f"{rows} tokens: the fused MLP is for 1-{max_rows} tokens ({why}) and from {GATED_PREFILL_MIN_M}"
                     f"{' but ' + prefill if prefill else ''}; other batches keep the GEMMs with each quantization "
                     "fused into its producer")

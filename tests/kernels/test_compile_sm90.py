@@ -241,6 +241,30 @@ def test_gated_gemm_with_h_groups_compiles_for_sm90(m, promote):
     assert stack_bytes(kernel) <= (128 if promote and m > 16 else 0), stack_bytes(kernel)
 
 
+@pytest.mark.parametrize("m", [17, 64])
+@pytest.mark.parametrize("promote", [None, 128])
+def test_gated_gemm_of_per_token_h_through_quantize_rows_compiles_for_sm90(m, promote):
+    """Per-token h at 17-64 tokens (``gated_mlp.ROWS_PASS_MIN_M``): the gate/up kernel in the tile of h in groups of
+    128 (64 x 128, 8 warps), h out 16-bit with its tile maxima for ``quantize_rows``, no PDL trigger (the next kernel
+    is quantize_rows). The stack bound as with h in groups (the promoted sums' second pair of accumulators)."""
+    from fp8fx.kernels.gated_mlp import ROWS_PASS_MIN_M
+
+    assert m >= ROWS_PASS_MIN_M
+    cfg = {**gated_tile_config(m, 14336, 4096, 128), "BLOCK_N": 128}
+    types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*bf16",
+                                      "*fp32", "*i32"]))
+    types.update({name: "i32" for name in GATED_INTS})
+    consts = dict(A_ROWWISE=True, W_ROWWISE=True, ACT=0, IMPRECISE_K=promote, BLOCK_M=cfg["BLOCK_M"],
+                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=False, H_GROUPS=False,
+                  H_DTYPE=tl.bfloat16, EPS=1e-12, FP8_MAX=448.0)
+    stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
+    kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
+                            cfg["num_warps"], stages)
+    assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+    assert stack_bytes(kernel) <= (128 if promote else 0), stack_bytes(kernel)
+    assert "griddepcontrol" not in kernel.asm["ptx"]
+
+
 @pytest.mark.parametrize("promote", [None, 128])
 @pytest.mark.parametrize("x_rowwise,act,epilogue,split", [
     (True, "silu", "float32", 1), (False, "gelu_tanh", "float32", 1), (True, "silu", "model rounding", 1),

@@ -112,6 +112,10 @@ INTERPRETER_CHECK = textwrap.dedent("""
     # 2. the whole MLP against its unfused ops (the reference op), split K or not, each h scheme; rows 1000x
     # apart: per token, the small rows keep their own scale; per tensor, they share the large rows' (and
     # mostly flush to zero) - a kernel that mixed the two up fails the small rows
+    # (per-token h at 17 tokens: three kernels, quantize_rows between the GEMMs - counted)
+    import fp8fx.kernels.gated_mlp as GM
+    rows_calls, real_quantize_rows = [], GM.quantize_rows
+    GM.quantize_rows = lambda h, parts, *a: rows_calls.append(h.shape[0]) or real_quantize_rows(h, parts, *a)
     worst_seen = 0.0
     shapes = [(1, 160, 96, 72), (3, 300, 200, 130), (17, 256, 100, 64)]
     cases = [(*shape, scheme, "silu") for shape in shapes for scheme in SCHEMES]
@@ -130,6 +134,9 @@ INTERPRETER_CHECK = textwrap.dedent("""
             # h a bf16 step off here and there, the odd fp8 code one step off (the kernel quantizes by the
             # scale's reciprocal, the reference divides): a wrong scale, row or weight is off by > 10%
             assert worst < 0.01, (m, scheme, act, split, worst)
+    per_token = [name for name, (_, _, h_block, static) in SCHEMES.items() if h_block == [1, -1] and static is None]
+    assert rows_calls == [17] * 2 * len(per_token), rows_calls  # each split, each per-token scheme at 17 rows
+    GM.quantize_rows = real_quantize_rows
 
     # 3. h in 1 x G groups: the gate/up kernel's epilogue writes quant.quantize(h, [1, G])'s codes and scales (G its
     # BLOCK_N; 100 and 270 columns leave a ragged last group), rows 1000x apart; a group scale of the wrong row or
@@ -263,7 +270,8 @@ def test_gated_mlp_op_cpu_within_fp8_error_of_float64(scheme, act):
 @pytest.mark.parametrize("scheme,act", [(scheme, "silu") for scheme in SCHEMES] + [
     ("per-token/per-channel", "gelu"), ("per-token/per-channel", "gelu_tanh")])
 def test_gated_mlp_op_cuda(m, scheme, act):
-    """Two kernels for m <= 64 (65: the unfused ops), the down GEMM's K (8232) split for m <= 16: as accurate
+    """Two kernels for m <= 64 (with per-token h three from 17: h quantized once between the GEMMs; 65: the unfused
+    ops), the down GEMM's K (8232) split for m <= 16: as accurate
     against float64 as the unfused ops, and close to them, row by row (rows 1000x apart: see the
     interpreter check). Since the 2-16-row down GEMMs run on wgmma (``SWAP_AB``, run 20), the fused and the unfused
     down GEMM (TMA and cp.async pipelines) no longer give the same bits: on the H200 0.3-0.5% apart in rows near the
@@ -352,11 +360,28 @@ def test_gated_mlp_h_groups_cuda_graph_replays(m):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("h_group,tokens", [(None, 4), (128, 4), (128, 40)])
+@pytest.mark.parametrize("m", [17, 64])
+def test_gated_mlp_rows_pass_cuda_graph_replays(m):
+    """Per-token h at 17-64 tokens, Llama-3-8B sizes, default tiles: the gate/up kernel, quantize_rows and the down
+    GEMM (K split behind the first kernel's tickets): plain calls and graph replays bit-equal (no PDL on this path:
+    ``pdl`` is ignored), close to the unfused ops."""
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels.gated_mlp import ROWS_PASS_MIN_M, gated_mlp
+
+    assert m >= ROWS_PASS_MIN_M
+    args, _ = mlp_operands(m, 4096, 14336, 4096, "per-token/per-channel", "cuda")
+    run = lambda pdl=None: gated_mlp(*args[:9], kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16,  # noqa: E731
+                                     pdl=pdl)
+    check_replays(run, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("h_group,tokens", [(None, 4), (None, 40), (128, 4), (128, 40)])
 def test_fused_mlp_under_inductor_cudagraph_trees(h_group, tokens):
     """Fp8Backend(fuse_mlp=True, cudagraphs=True) on a decode batch: the MLP runs as fp8fx.gated_mlp and each
-    call (warm-up, recording, replays) matches the unfused compiled model; with h in 1x128 groups (also past 16
-    tokens) it is as accurate as the unfused model against the float32 MLP."""
+    call (warm-up, recording, replays) matches the unfused compiled model (per-token h past 16 tokens: three
+    kernels); with h in 1x128 groups (also past 16 tokens) it is as accurate as the unfused model against the float32
+    MLP."""
     import copy
 
     from benchmarks.bench_linear import MLP
@@ -387,7 +412,8 @@ def test_fused_mlp_under_inductor_cudagraph_trees(h_group, tokens):
             # the unfused graph quantizes Inductor's float32 act * mul, the op the model's bf16 one: codes near
             # a rounding boundary differ (~3% of them by one fp8 step)
             assert rel(y, want) < 0.02, step
-    how = f"gated MLP, 2 kernels, h in 1x{h_group} groups)" if h_group else "gated MLP, 2 kernels)"
+    how = (f"gated MLP, 2 kernels, h in 1x{h_group} groups)" if h_group else "gated MLP, 2 kernels)" if tokens <= 16
+           else "gated MLP, 3 kernels: act * mul in the gate/up GEMM's epilogue, h quantized per token, the down GEMM)")
     assert all(s.scheme.endswith(how) for s in fused_backend.report.sites), str(fused_backend.report)
 
 

@@ -250,6 +250,36 @@ def test_h_groups_fuse_up_to_64_tokens(group, tokens):
         str(report)
 
 
+@pytest.mark.parametrize("tokens,kernels", [(16, "2 kernels"), (17, "3 kernels"), (64, "3 kernels")])
+def test_per_token_h_fuses_up_to_64_tokens(tokens, kernels):
+    """h per token (the graph's own scheme) is fused up to 64 tokens: two kernels up to 16, three from 17 (h quantized
+    once between the GEMMs, ``fp8fx.kernels.gated_mlp.ROWS_PASS_MIN_M``), as the report says; on the CPU the op is
+    the unfused ops, so the output is the unfused graph's."""
+    from fp8fx.kernels.gated_mlp import ROWS_PASS_MIN_M
+
+    assert ROWS_PASS_MIN_M == fp8fx.ops.GATED_ROWS_MIN_M == 17
+    model, ref = quantized()
+    x = torch.randn(tokens, 64, dtype=torch.bfloat16)
+    y, report, code = run(model, x, fuse_mlp=True)
+    torch._dynamo.reset()
+    unfused, _, _ = run(model, x)
+    assert code.count("fp8fx.gated_mlp.default(") == 1 and "[1, -1], [1, -1], [1, -1], [1, -1], None" in code
+    assert torch.equal(y, unfused) and rel_err(y, ref(x.double())) < 0.08
+    what = ("3 kernels: act * mul in the gate/up GEMM's epilogue, h quantized per token, the down GEMM"
+            if kernels == "3 kernels" else "2 kernels")
+    assert all(s.rewritten and s.scheme.endswith(f"fused(gate_proj,up_proj,down_proj: gated MLP, {what})")
+               for s in report.sites), str(report)
+
+
+def test_per_tensor_h_stops_at_16_tokens():
+    config = fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor())
+    model, _ = quantized(config=config)
+    _, report, code = run(model, torch.randn(17, 64, dtype=torch.bfloat16), fuse_mlp=True)
+    assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
+    assert all("17 tokens: the fused MLP is for 1-16 tokens (with h per tensor or by a static scale" in s.scheme
+               for s in report.sites), str(report)
+
+
 def test_h_groups_stop_at_64_tokens():
     model, _ = quantized()
     _, report, code = run(model, torch.randn(65, 64, dtype=torch.bfloat16), fuse_mlp=True, mlp_h_group=128)
@@ -298,8 +328,8 @@ def test_off_by_default():
 
 
 @pytest.mark.parametrize("case,reason", [
-    ("batch of 17", "17 tokens: the fused MLP is for 1-16 tokens (with per-token h slower than the unfused GEMMs at "
-                    "64 on the H200; Fp8Backend(mlp_h_group=128) fuses up to 64)"),
+    ("batch of 65", "65 tokens: the fused MLP is for 1-64 tokens (with per-token h, up to the Triton GEMMs' 64) and "
+                    "from 2048"),
     ("dynamic", "the token count is dynamic"),
     ("leaky", "an intermediate (gate, up, act, their product or its quantization) has another reader"),
     ("blocks", "per-tensor / per-row scales only"),
@@ -314,7 +344,7 @@ def test_not_fused_says_why(case, reason):
     cls = {"leaky": LeakyMLP, "relu": ReluMLP, "in place": InPlaceMLP, "gelu_new": GeluNewMLP}.get(case, MLP)
     scales = {"input_scales": dict.fromkeys(["gate_proj", "up_proj", "down_proj"], 0.05)} if case == "static" else {}
     model, _ = quantized(cls, config, **scales)  # static: a calibrated input scale per layer
-    x = torch.randn(17 if case == "batch of 17" else 4, 64, dtype=torch.bfloat16)
+    x = torch.randn(65 if case == "batch of 65" else 4, 64, dtype=torch.bfloat16)
     y, report, code = run(model, x, fuse_mlp=True, dynamic=case == "dynamic")
     assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
     assert len(report.sites) == 3 and all(s.rewritten for s in report.sites)
