@@ -611,10 +611,11 @@ def gated_mlp(
 ) -> torch.Tensor:
     """``scaled_mm(quantize(act(g) * u), w2) + bias`` with ``g``, ``u`` = ``scaled_mm(xq, w1 / w3)`` in
     ``h_dtype``, h quantized with ``h_block`` (or the static ``h_static``): a gated MLP after the linear pass
-    (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens, ``GATED_GROUPS_MAX_M`` with h in groups, and from
+    (``fp8fx.passes.mlp``, up to ``GATED_MAX_M`` tokens, ``GATED_ROWS_MAX_M`` with h per token,
+    ``GATED_GROUPS_MAX_M`` with h in groups, and from
     ``GATED_PREFILL_MIN_M``; the prefill kernels keep g, u and act(g) in float32, ``gated_mlp.gated_prefill``). On
     CUDA for M <= ``TRITON_MAX_M`` with per-tensor / per-row scales, h also in 1 x G groups (``GATED_H_GROUPS``): two
-    kernels (``fp8fx.kernels.gated_mlp``); from ``GATED_PREFILL_MIN_M`` with per-token h (``gated_prefill_reason``)
+    kernels (``fp8fx.kernels.gated_mlp``; three with per-token h from ``GATED_ROWS_MIN_M`` tokens); from ``GATED_PREFILL_MIN_M`` with per-token h (``gated_prefill_reason``)
     the prefill kernels (``gated_mlp.gated_prefill``, ``quantize_rows``, cuBLAS's down); otherwise these same ops
     one by one."""
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)

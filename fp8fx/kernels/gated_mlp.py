@@ -22,6 +22,10 @@ from the unfused graph's where Inductor kept h in float32.
 Run for M <= ``fp8fx.ops.TRITON_MAX_M`` with per-tensor / per-channel weights and per-token / per-tensor
 activations; the pass (``fp8fx.passes.mlp``) emits it up to ``GATED_MAX_M`` = 16 tokens, where it was measured
 faster than the unfused GEMMs (at 64, each of the down GEMM's N tiles reads the whole [64, I] intermediate).
+With per-token h, 17-64 tokens (``ROWS_PASS_MIN_M``, ``ops.GATED_ROWS_MAX_M``) run three kernels: the first writes
+h 16-bit with its tile maxima, ``quantize_rows_kernel`` (the prefill one) makes its codes once, and ``fp8_gemm``
+reads fp8 h (Llama-3-8B's MLP block on the H200, run 29: 0.0627 ms at 64 tokens against 0.0688 unfused, 1.73x
+bf16; 0.0600 at 32 against 0.0774).
 
 With h in 1 x G groups (``QUANT_GROUPS``, ``h_group``; ``Fp8Backend(mlp_h_group=G)``) a group is one N tile of
 the first kernel, so its epilogue has the group's amax in registers and writes h's fp8 codes and group scales

@@ -401,7 +401,7 @@ class GatedMlpPass(Fp8Pass):
         rows = _rows(mlp)
         if rows is None:
             return ("the token count is dynamic: graphs with a static one are fused, decode up to "
-                    f"{GATED_MAX_M} tokens and prefill from {GATED_PREFILL_MIN_M} (torch.compile(..., dynamic=False), "
+                    f"{max_rows} tokens and prefill from {GATED_PREFILL_MIN_M} (torch.compile(..., dynamic=False), "
                     "or torch._dynamo.mark_static on the batch dimension)")
         prefill = prefill_why if rows >= GATED_PREFILL_MIN_M else ""
         if rows >= GATED_PREFILL_MIN_M and not prefill:
