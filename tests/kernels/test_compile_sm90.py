@@ -201,21 +201,27 @@ def test_down_gemm_quantizing_bf16_activations_compiles_for_sm90(a_quant, m):
     assert stack_bytes(kernel) <= (16 if m == 1 else 0 if a_quant != QUANT_TENSOR else 272), stack_bytes(kernel)
 
 
-@pytest.mark.parametrize("m", [1, 16, 64])
-@pytest.mark.parametrize("w_rowwise,act", [(False, "silu"), (True, "silu"), (True, "gelu"), (True, "gelu_tanh")])
-def test_gated_gemm_compiles_for_sm90(m, w_rowwise, act):
-    """Gate and up tiles against one x tile, act(g) * up in the epilogue (Llama-3-8B: I = 14336, K = 4096)."""
-    cfg = gated_tile_config(m, 14336, 4096)
-    types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*bf16",
+def compile_gated(cfg: dict, h_type: str, **consts):
+    """``gated_gemm_kernel`` compiled for sm_90 with the tile ``cfg``, h of ``h_type`` ("*bf16", or "*fp8e4nv" with
+    H_GROUPS) and ``consts`` on top of the fixed ones (Llama-3-8B: I = 14336, K = 4096)."""
+    types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", h_type,
                                       "*fp32", "*i32"]))
     types.update({name: "i32" for name in GATED_INTS})
-    consts = dict(A_ROWWISE=m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act], IMPRECISE_K=None, BLOCK_M=cfg["BLOCK_M"],
-                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True, H_GROUPS=False, H_DTYPE=None,
-                  EPS=1e-12, FP8_MAX=448.0)
+    consts = {**dict(W_ROWWISE=True, ACT=0, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                     H_GROUPS=False, H_DTYPE=None, EPS=1e-12, FP8_MAX=448.0), **consts}
     stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
     kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
                             cfg["num_warps"], stages)
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+    return kernel
+
+
+@pytest.mark.parametrize("m", [1, 16, 64])
+@pytest.mark.parametrize("w_rowwise,act", [(False, "silu"), (True, "silu"), (True, "gelu"), (True, "gelu_tanh")])
+def test_gated_gemm_compiles_for_sm90(m, w_rowwise, act):
+    """Gate and up tiles against one x tile, act(g) * up in the epilogue (Llama-3-8B: I = 14336, K = 4096)."""
+    kernel = compile_gated(gated_tile_config(m, 14336, 4096), "*bf16", A_ROWWISE=m > 1, W_ROWWISE=w_rowwise,
+                           ACT=ACTIVATIONS[act], IMPRECISE_K=None, PDL_TRIGGER=True)
     assert stack_bytes(kernel) == 0, stack_bytes(kernel)
     assert "griddepcontrol.launch_dependents" in kernel.asm["ptx"]  # lets the down GEMM launch early
 
@@ -227,17 +233,8 @@ def test_gated_gemm_with_h_groups_compiles_for_sm90(m, promote):
     of the epilogue. Nothing spilled with fast accumulation (the backend's default); promoting the wgmma sums every
     K step (use_fast_accum=False, M > 16) holds a second pair of [64, 128] accumulators and spills 72 bytes a thread
     (triton 3.9), a case not timed."""
-    cfg = {**gated_tile_config(m, 14336, 4096, 128), "BLOCK_N": 128}
-    types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*fp8e4nv",
-                                      "*fp32", "*i32"]))
-    types.update({name: "i32" for name in GATED_INTS})
-    consts = dict(A_ROWWISE=m > 1, W_ROWWISE=True, ACT=0, IMPRECISE_K=promote, BLOCK_M=cfg["BLOCK_M"],
-                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=True, H_GROUPS=True, H_DTYPE=tl.bfloat16,
-                  EPS=1e-12, FP8_MAX=448.0)
-    stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
-    kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
-                            cfg["num_warps"], stages)
-    assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+    kernel = compile_gated({**gated_tile_config(m, 14336, 4096, 128), "BLOCK_N": 128}, "*fp8e4nv", A_ROWWISE=m > 1,
+                           IMPRECISE_K=promote, PDL_TRIGGER=True, H_GROUPS=True, H_DTYPE=tl.bfloat16)
     assert stack_bytes(kernel) <= (128 if promote and m > 16 else 0), stack_bytes(kernel)
 
 
@@ -250,17 +247,8 @@ def test_gated_gemm_of_per_token_h_through_quantize_rows_compiles_for_sm90(m, pr
     from fp8fx.kernels.gated_mlp import ROWS_PASS_MIN_M
 
     assert m >= ROWS_PASS_MIN_M
-    cfg = {**gated_tile_config(m, 14336, 4096, 128), "BLOCK_N": 128}
-    types = dict(zip(GATED_POINTERS, ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*bf16",
-                                      "*fp32", "*i32"]))
-    types.update({name: "i32" for name in GATED_INTS})
-    consts = dict(A_ROWWISE=True, W_ROWWISE=True, ACT=0, IMPRECISE_K=promote, BLOCK_M=cfg["BLOCK_M"],
-                  BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], PDL_TRIGGER=False, H_GROUPS=False,
-                  H_DTYPE=tl.bfloat16, EPS=1e-12, FP8_MAX=448.0)
-    stages = pipeline_stages({**cfg, "BLOCK_N": 2 * cfg["BLOCK_N"]}, 1)
-    kernel = compile_kernel(gated_gemm_kernel, types, consts, GATED_POINTERS + ["N", "K", "stride_am", "stride_wn"],
-                            cfg["num_warps"], stages)
-    assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+    kernel = compile_gated({**gated_tile_config(m, 14336, 4096, 128), "BLOCK_N": 128}, "*bf16", A_ROWWISE=True,
+                           IMPRECISE_K=promote, PDL_TRIGGER=False, H_DTYPE=tl.bfloat16)
     assert stack_bytes(kernel) <= (128 if promote else 0), stack_bytes(kernel)
     assert "griddepcontrol" not in kernel.asm["ptx"]
 
