@@ -1,21 +1,26 @@
 """Time and energy per call under the H200's power cap: the prefill MLP block and its gate/up GEMMs (issue 3).
 
 ``bench_linear.py`` times prefill by plain calls through ``do_bench``: ~100 ms of calls back to back, during which
-the H200 draws up to its power limit and lowers its SM clock (run 29 call 2: 1470-1545 MHz, nvidia-smi's throttle
-reason 0x4, software power cap, where a CUDA-graph replay of the same block, timed call by call, ran at 1980 MHz
-and matched the profiler's kernel sum). Under the cap a variant's speed follows its energy per call as much as its
-time at full clock. This script measures both, for each case in turn over ``--rounds`` rounds (each round in
-another order):
+the H200 draws up to its power limit and lowers its SM clock (run 29 call 2: 1470-1545 MHz in most samples
+flagged with nvidia-smi's throttle reason 0x4, software power cap, while a CUDA-graph replay of the same block,
+timed replay by replay, matched the profiler's kernel sum). Under the cap a variant's speed follows its energy
+per call as much as its time at full clock. This script measures both, for each case in turn over ``--rounds``
+rounds (each round in another order):
 
 - ``capped``: calls back to back for ``--seconds`` after ``--warm`` seconds of the same (the power controller at
   its steady state): ms a call, mJ a call from NVML's energy counter, mean W and the SM clock NVML reported
-  after each batch of calls (MHz, median), and the share of those samples with the software power cap active;
+  after each batch of calls (MHz, median), and the share of those samples with the software power cap active.
+  The host keeps a batch queued ahead of the GPU (it waits for the batch before last, not the last one). In run
+  29's calls it synchronized after each batch of 10, so the GPU idled while the next batch's first launch was
+  queued, and those runs' ms and W count it: each variant's own host latency to its first kernel, an estimated
+  0.1 ms a batch of 12 ms at 4096 tokens (not measured);
 - ``clocked``: the median of single calls each after an idle ``--gap`` ms (CUDA events; the GPU cools between,
   and a spin kernel holds it while the host queues the call): the time at the clock the GPU holds when not capped.
 
 Cases at each M of ``--ms``: the compiled blocks (fp8fx with the fused MLP, torchao float8 row-wise when
 installed, optionally bf16 Inductor: ``--bf16``) and the gate/up GEMMs alone (``gated_prefill`` against cuBLAS's
-gate and up GEMMs, as ``prefill_study.py --rounding`` times them).
+gate and up GEMMs, as ``prefill_study.py --rounding`` times them). Needs pynvml (``nvidia-ml-py``, in the device
+image; not a dependency of fp8fx).
 
     python benchmarks/power_study.py --ms 4096 --rounds 3 [--seconds 2] [--warm 1] [--gap 5] [--bf16] [--no-blocks]
         [--tiles GROUP_M:STAGES,...] [--out DIR]
@@ -36,7 +41,7 @@ from benchmarks.bench_linear import DIM, fp8fx_module, mlp_factory  # noqa: E402
 from benchmarks.prefill_study import Operands, _add_torchao  # noqa: E402
 from fp8fx.kernels import gated_mlp as gm  # noqa: E402
 
-BATCH = 10  # calls enqueued between clock samples (and host syncs): the host stays ahead of the GPU
+BATCH = 10  # calls between clock samples; the host runs up to two batches ahead of the GPU
 SPIN_MS, SPIN_HZ = 3.0, 1.98e9  # ``clocked``'s hold before each call: over a compiled block's host time (~0.5 ms)
 
 
@@ -50,8 +55,11 @@ class Nvml:
         self.nv = pynvml
         # NVML numbers GPUs by PCI bus; CUDA_VISIBLE_DEVICES may reorder them: find torch's by its UUID
         uuid = str(torch.cuda.get_device_properties(index).uuid)
-        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
-        self.handle = next((h for h in handles if uuid in str(pynvml.nvmlDeviceGetUUID(h))), handles[index])
+        handles = [h for h in (pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount()))
+                   if uuid in str(pynvml.nvmlDeviceGetUUID(h))]
+        if len(handles) != 1:  # (another GPU's counter would time nothing of ours)
+            raise RuntimeError(f"power_study.py: NVML lists {len(handles)} GPUs of UUID {uuid} (torch's cuda:{index})")
+        self.handle = handles[0]
         self.power_cap = pynvml.nvmlDeviceGetPowerManagementLimit(self.handle) / 1000  # W
         self.sw_cap = getattr(pynvml, "nvmlClocksThrottleReasonSwPowerCap", 0x4)
 
@@ -68,14 +76,17 @@ class Nvml:
 def capped(fn, nvml: Nvml, seconds: float, warm: float) -> dict:
     """``fn`` called back to back: ``warm`` seconds, then ``seconds`` measured (time, energy, clock samples)."""
     def run_for(duration: float, samples: list | None):
-        calls, end = 0, time.perf_counter() + duration
+        calls, end, queued = 0, time.perf_counter() + duration, []
         while time.perf_counter() < end:
             for _ in range(BATCH):
                 fn()
             calls += BATCH
-            if samples is not None:
+            queued.append(torch.cuda.Event())
+            queued[-1].record()
+            if len(queued) > 2:  # the GPU keeps the last batch to run while the host queues the next one
+                queued.pop(0).synchronize()
+            if samples is not None:  # (the GPU is within two batches of the host here)
                 samples.append((nvml.clock_mhz(), nvml.capped()))
-            torch.cuda.synchronize()  # (the host waits here, so the samples follow the GPU's progress)
         return calls
 
     run_for(warm, None)
@@ -83,10 +94,12 @@ def capped(fn, nvml: Nvml, seconds: float, warm: float) -> dict:
     torch.cuda.synchronize()
     e0, t0 = nvml.energy_mj(), time.perf_counter()
     calls = run_for(seconds, samples)
+    torch.cuda.synchronize()
     t1, e1 = time.perf_counter(), nvml.energy_mj()
     wall = t1 - t0
     return {"ms": 1e3 * wall / calls, "mJ": (e1 - e0) / calls, "W": (e1 - e0) / 1e3 / wall, "calls": calls,
-            "sm_mhz": statistics.median(c for c, _ in samples), "capped_share": sum(c for _, c in samples) / len(samples)}
+            "sm_mhz": statistics.median(c for c, _ in samples),
+            "capped_share": sum(c for _, c in samples) / len(samples)}
 
 
 def clocked(fn, gap_ms: float, reps: int = 30) -> float:
@@ -132,7 +145,7 @@ def main(argv=None):
     p.add_argument("--no-blocks", action="store_true", help="the gate/up GEMMs only")
     p.add_argument("--tiles", default="", metavar="GROUP_M:STAGES,...",
                    help="also the gate/up kernel's default tile with these row tiles a sweep and pipeline depths")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=".")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("power_study.py measures a GPU's energy counter: no CUDA device here")

@@ -1,8 +1,8 @@
 """Where the time goes: kernel-level profile of the Llama-3-8B MLP block (fp8fx vs torchao), and
 Inductor's generated code for fp8fx, written under --out.
 
-    python benchmarks/profile_mlp.py --out DIR [--m 4096] [--max-autotune] [--coordinate-descent] [--fuse-horizontal] [--fuse-mlp]
-                                     [--h-group G] [--fp8fx-only]
+    python benchmarks/profile_mlp.py --out DIR [--m 4096] [--max-autotune] [--coordinate-descent]
+                                     [--fuse-horizontal] [--fuse-mlp] [--h-group G] [--fp8fx-only]
 
 Each table ends with the block's time as a CUDA-graph replay next to the sum of its kernels' GPU times:
 at decode sizes the difference is what the launches between kernels cost.
@@ -85,8 +85,8 @@ def main():
     with torch.no_grad():
         _, code = run_and_get_code(fn, x)
     tag = "fp8fx" + "".join(suffix for on, suffix in (
-        (args.max_autotune, "_autotune"), (args.coordinate_descent, "_cd"), (args.fuse_horizontal, "_fused"), (args.fuse_mlp, "_mlp"),
-        (args.fuse_mlp and args.h_group, f"_g{args.h_group}")) if on)
+        (args.max_autotune, "_autotune"), (args.coordinate_descent, "_cd"), (args.fuse_horizontal, "_fused"),
+        (args.fuse_mlp, "_mlp"), (args.fuse_mlp and args.h_group, f"_g{args.h_group}")) if on)
     with open(os.path.join(args.out, f"{tag}_code.py"), "w") as f:
         f.write("\n\n# ----\n\n".join(code))
     report = [f"== {tag} M={args.m}", kernel_table(fn, x)]

@@ -495,7 +495,9 @@ GATED_ACTIVATIONS = {
 # re-quantizes) the whole [64, I] intermediate. Per-tensor and static h stop here.
 GATED_MAX_M = 16
 # Per-token h from GATED_ROWS_MIN_M tokens up to GATED_ROWS_MAX_M: three kernels (``fp8fx.kernels.gated_mlp``: h
-# leaves the gate/up kernel 16-bit and ``quantize_rows`` quantizes it once for the down GEMM).
+# leaves the gate/up kernel 16-bit and ``quantize_rows`` quantizes it once for the down GEMM). Llama-3-8B MLP block
+# on the H200 (run 29, CUDA-graph replays): 0.0627 ms at 64 tokens against 0.0688 unfused, 0.0600 at 32 against
+# 0.0774; the range's other token counts not timed.
 GATED_ROWS_MIN_M, GATED_ROWS_MAX_M = GATED_MAX_M + 1, 64
 # The intermediate h quantized in 1 x G groups (Fp8Backend(mlp_h_group=G)) instead: the gate/up kernel's epilogue
 # writes its fp8 codes, so the down GEMM reads fp8 and no N tile re-quantizes h. Fused up to 64 tokens (the
@@ -615,9 +617,9 @@ def gated_mlp(
     ``GATED_GROUPS_MAX_M`` with h in groups, and from
     ``GATED_PREFILL_MIN_M``; the prefill kernels keep g, u and act(g) in float32, ``gated_mlp.gated_prefill``). On
     CUDA for M <= ``TRITON_MAX_M`` with per-tensor / per-row scales, h also in 1 x G groups (``GATED_H_GROUPS``): two
-    kernels (``fp8fx.kernels.gated_mlp``; three with per-token h from ``GATED_ROWS_MIN_M`` tokens); from ``GATED_PREFILL_MIN_M`` with per-token h (``gated_prefill_reason``)
-    the prefill kernels (``gated_mlp.gated_prefill``, ``quantize_rows``, cuBLAS's down); otherwise these same ops
-    one by one."""
+    kernels (``fp8fx.kernels.gated_mlp``; three with per-token h from ``GATED_ROWS_MIN_M`` tokens); from
+    ``GATED_PREFILL_MIN_M`` with per-token h (``gated_prefill_reason``) the prefill kernels
+    (``gated_mlp.gated_prefill``, ``quantize_rows``, cuBLAS's down); otherwise these same ops one by one."""
     _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_block, h_static, act)
     _check_gated_mlp_tensors(xq, x_scale, w1, s1, w3, s3, w2, s2, x_block, w_block, w2_block, h_dtype, out_dtype)
     return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,

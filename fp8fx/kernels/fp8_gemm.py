@@ -496,15 +496,16 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True) -> dict:
         # fp8 activations: both operands by TMA copies at 64 rows (H200 run 21 call 7, `tune_gemm.py --tma-a`, 7
         # interleaved rounds at M = 64: qkv 0.0151 ms against 0.0159 with pointer loads, o 0.0143 against 0.0154,
         # gate_up 0.0364 against 0.0372, down 0.0234 against 0.0237; at 16 rows a tie or a loss - gate_up's TMA_A
-        # alone 0.0342 against 0.0336 - so the tiles of up to 16 rows keep theirs). At 17-63 rows the weight alone:
-        # the activation's copies, a 64-row box over fewer rows, lost wherever timed - qkv and o at 24-48 rows (run
-        # 22, below), the fused MLP's down GEMM 4096x14336 at 32 rows 0.0187 ms against 0.0232 (run 29 calls 9 and
-        # 11, the block's profile; the block 0.0600 against 0.0654, the unfused one 0.0774 against 0.0806) - and
-        # gate_up's 64-wide tile (the last one here) follows them, not timed at 17-63 rows
-        tma = dict(TMA=True, TMA_A=m == 64) if transposed else {}
+        # alone 0.0342 against 0.0336 - so the tiles of up to 16 rows keep theirs). At 17-63 rows the split tiles
+        # below take the weight alone: the activation's copies, a 64-row box over fewer rows, lost there - qkv and o
+        # at 24-48 rows (run 22), the fused MLP's down GEMM 4096x14336 at 32 rows 0.0187 ms against 0.0232 (run 29
+        # calls 9 and 11, the block's profile; the block 0.0600 against 0.0654, the unfused one 0.0774 against
+        # 0.0806). The unsplit 64-wide tile (gate_up's, the last one here) keeps both: not timed at 17-63 rows
+        tma = dict(TMA=True, TMA_A=True) if transposed else {}
         if long_k:  # 64-wide N tiles, K split in 2 (256 programs): 0.0235 ms against 0.0248 for 32-wide unsplit
             # tiles (128 programs for 132 SMs) at down 4096x14336 (run 13 call 3, `tune_gemm.py --wide-n`)
-            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=2, **tma)
+            return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=2,
+                        **{**tma, "TMA_A": m == 64} if tma else {})
         if transposed and 1024 <= k < 8192 and cdiv(n, 64) < 132:
             # a weight with few 64-wide N tiles (o 4096x4096: 64 programs, qkv 6144x4096: 96, for 132 SMs): 32-wide
             # tiles, K split in 2 (4x and 3x the programs). H200 run 22 (`tune_gemm.py --small-n --duel`, each
@@ -513,7 +514,8 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True) -> dict:
             # 24-48 rows with the weight alone by TMA (the activations' TMA copies lost there: qkv 0.0144-0.0168):
             # o 0.0110-0.0112 against 0.0116-0.0118, qkv 0.0128-0.0130 against 0.0130-0.0133. 17-23 rows run
             # the same 64-row tile as 24 (more of its rows masked)
-            return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5, SPLIT_K=2, **tma)
+            split = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5, SPLIT_K=2)
+            return {**split, **tma, "TMA_A": m == 64}
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5, **tma)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, GROUP_M=8, num_warps=8, num_stages=4)
 

@@ -1,4 +1,5 @@
-"""A gated MLP's three FP8 GEMMs in two kernels, for decode-sized M, and its prefill kernels (Triton).
+"""A gated MLP's three FP8 GEMMs in two kernels (three with per-token h at 17-64 tokens), for decode-sized M, and its
+prefill kernels (Triton).
 
     y = down(act(gate(x)) * up(x))    x: fp8 [M, K] with its scale; gate, up: [I, K]; down: [N, I]
 
@@ -22,10 +23,10 @@ from the unfused graph's where Inductor kept h in float32.
 Run for M <= ``fp8fx.ops.TRITON_MAX_M`` with per-tensor / per-channel weights and per-token / per-tensor
 activations; the pass (``fp8fx.passes.mlp``) emits it up to ``GATED_MAX_M`` = 16 tokens, where it was measured
 faster than the unfused GEMMs (at 64, each of the down GEMM's N tiles reads the whole [64, I] intermediate).
-With per-token h, 17-64 tokens (``ROWS_PASS_MIN_M``, ``ops.GATED_ROWS_MAX_M``) run three kernels: the first writes
-h 16-bit with its tile maxima, ``quantize_rows_kernel`` (the prefill one) makes its codes once, and ``fp8_gemm``
-reads fp8 h (Llama-3-8B's MLP block on the H200, run 29: 0.0627 ms at 64 tokens against 0.0688 unfused, 1.73x
-bf16; 0.0600 at 32 against 0.0774).
+With per-token h, 17-64 tokens (``ops.GATED_ROWS_MIN_M``, ``ops.GATED_ROWS_MAX_M``) run three kernels: the first
+writes h 16-bit with its tile maxima, ``quantize_rows_kernel`` (the prefill one) makes its codes once, and
+``fp8_gemm`` reads fp8 h (Llama-3-8B's MLP block on the H200, run 29: 0.0627 ms at 64 tokens against 0.0688
+unfused, 1.73x bf16; 0.0600 at 32 against 0.0774; other token counts of the range not timed).
 
 With h in 1 x G groups (``QUANT_GROUPS``, ``h_group``; ``Fp8Backend(mlp_h_group=G)``) a group is one N tile of
 the first kernel, so its epilogue has the group's amax in registers and writes h's fp8 codes and group scales
@@ -406,10 +407,6 @@ def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0
     return cfg
 
 
-# Per-token h from this many tokens (up to ``ops.GATED_ROWS_MAX_M``) goes through ``quantize_rows`` between the two
-# GEMMs (``gated_mlp``): below it, the down GEMM quantizing h as it loads it was the faster (``ops.GATED_MAX_M``)
-ROWS_PASS_MIN_M = ops.GATED_ROWS_MIN_M
-
 # the prefill kernels run in plain calls, where Triton's per-call binding was a measured part of the op's host time
 # (fp8fx.kernels.launch)
 _GATED_PREFILL, _QUANTIZE_ROWS = Relaunch(gated_prefill_kernel), Relaunch(quantize_rows_kernel)
@@ -522,7 +519,8 @@ def prefill_fits(xq: torch.Tensor, w1: torch.Tensor, w3: torch.Tensor, h_dtype: 
 def quantize_rows(h: torch.Tensor, parts: torch.Tensor, block: tuple[int, int] = (8, 512)
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """(fp8 codes [M, N], float32 scales [M, 1]) of h [M, N] per row, from its partial row maxima ``parts``
-    [M, P] (``gated_prefill``'s): ``fp8fx.quant.quantize(h, [1, -1])``'s bits without its row reduction."""
+    [M, P] (``gated_prefill``'s, or the decode ``gated_gemm_kernel``'s in ``gated_mlp``'s three-kernel route):
+    ``fp8fx.quant.quantize(h, [1, -1])``'s bits without its row reduction."""
     m, n = h.shape
     q = torch.empty(m, n, device=h.device, dtype=quant.FP8_DTYPE)
     scale = torch.empty(m, 1, device=h.device, dtype=torch.float32)
@@ -579,18 +577,21 @@ def gated_mlp(
     pdl: Optional[bool] = None,
     h_group: int = 0,
 ) -> torch.Tensor:
-    """``down(act(gate(x)) * up(x))`` in two kernels. xq: fp8 [M, K] with ``x_scale`` per token ([M] / [M, 1])
-    or per tensor; w1 (gate), w3 (up): fp8 [I, K]; w2 (down): fp8 [N, I]; weight scales per tensor or per
-    channel. ``h_quant``: ``QUANT_ROWS`` (per token), ``QUANT_TENSOR``, ``QUANT_STATIC`` (``h_static``) or
-    ``QUANT_GROUPS`` (1 x ``h_group`` groups, ``H_GROUPS``; the first kernel's BLOCK_N is the group).
+    """``down(act(gate(x)) * up(x))`` in two kernels (three with per-token h, below). xq: fp8 [M, K] with
+    ``x_scale`` per token ([M] / [M, 1]) or per tensor; w1 (gate), w3 (up): fp8 [I, K]; w2 (down): fp8 [N, I]; weight
+    scales per tensor or per channel. ``h_quant``: ``QUANT_ROWS`` (per token), ``QUANT_TENSOR``, ``QUANT_STATIC``
+    (``h_static``) or ``QUANT_GROUPS`` (1 x ``h_group`` groups, ``H_GROUPS``; the first kernel's BLOCK_N is the group).
     ``configs``: tiles of the two kernels (default: ``gated_tile_config``, ``down_tile_config``). ``pdl``: the down
     GEMM a programmatic dependent launch of the first kernel (default: on CUDA GPUs of compute capability 9.0+,
     where the hardware has it), so its launch overlaps the first kernel's end.
 
-    Per-token h from ``ROWS_PASS_MIN_M`` tokens: three kernels. The gate/up kernel writes h 16-bit with its tile
-    maxima, ``quantize_rows`` makes its per-token codes once (h is [M <= 64, I]: 1.8 MB at Llama-3-8B's 64 tokens),
-    and the down GEMM reads fp8 h with its per-token scale (``fp8_gemm``'s tiles for fp8 activations, ``configs[1]``),
-    where in two kernels each of its N tiles would re-quantize all of h (``GATED_MAX_M``)."""
+    Per-token h from ``ops.GATED_ROWS_MIN_M`` (17) tokens: three kernels. The gate/up kernel writes h 16-bit with its
+    tile maxima, ``quantize_rows`` makes its per-token codes once (h is [M <= 64, I]: 1.8 MB at Llama-3-8B's 64
+    tokens), and the down GEMM reads fp8 h with its per-token scale (``fp8_gemm``'s tiles for fp8 activations,
+    ``configs[1]``), where in two kernels each of its N tiles would re-quantize all of h (``ops.GATED_MAX_M``). Up to
+    16 tokens the two kernels stay, as tuned since run 10; the three were not timed there. The gate/up kernel takes
+    the tile of h in groups of 128 (64 x 128, 8 warps: its best at 64 tokens, run 19), not compared with the
+    32-wide one on this route."""
     m, k = xq.shape
     i, n = w1.shape[0], w2.shape[0]
     if w3.shape != w1.shape or w1.shape[1] != k or w2.shape[1] != i:
@@ -607,18 +608,16 @@ def gated_mlp(
     if w1.stride() != w3.stride():
         w1, w3 = w1.contiguous(), w3.contiguous()
     s1, s3, w_rowwise = _gate_up_scales(s1, s3, i)
-    rows_pass = h_quant == QUANT_ROWS and m >= ROWS_PASS_MIN_M  # h per token through quantize_rows (see below)
-    if rows_pass:  # the gate/up tile of h in groups of 128 there (8 warps; its maxima are quantize_rows' parts)
-        cfg1 = dict(configs[0] or {**gated_tile_config(m, i, k, 128), "BLOCK_N": 128})
-        cfg2 = {"SPLIT_K": 1, **(configs[1] or for_device(tile_config(m, n, i), xq.device))}  # fp8 h, per token
-    else:
-        cfg1 = dict(configs[0] or gated_tile_config(m, i, k, h_group))
-        cfg2 = {"SPLIT_K": 1, **(configs[1] or for_device(down_tile_config(m, n, i, h_group=h_group), xq.device))}
-    if h_group:  # a group is one N tile of the first kernel
-        if configs[0] and cfg1["BLOCK_N"] != h_group:
-            raise ValueError(f"gated_mlp: h_group={h_group} is the gate/up kernel's BLOCK_N; configs[0] has "
-                             f"{cfg1['BLOCK_N']}")
-        cfg1["BLOCK_N"] = h_group
+    rows_pass = h_quant == QUANT_ROWS and m >= ops.GATED_ROWS_MIN_M  # h per token through quantize_rows (docstring)
+    tile_group = h_group or (128 if rows_pass else 0)  # the rows pass takes the gate/up tile of h in groups of 128
+    cfg1 = dict(configs[0] or gated_tile_config(m, i, k, tile_group))
+    down = tile_config(m, n, i) if rows_pass else down_tile_config(m, n, i, h_group=h_group)  # (rows: fp8 h)
+    cfg2 = {"SPLIT_K": 1, **(configs[1] or for_device(down, xq.device))}
+    if h_group and configs[0] and cfg1["BLOCK_N"] != h_group:  # a group is one N tile of the first kernel
+        raise ValueError(f"gated_mlp: h_group={h_group} is the gate/up kernel's BLOCK_N; configs[0] has "
+                         f"{cfg1['BLOCK_N']}")
+    if tile_group and not configs[0]:
+        cfg1["BLOCK_N"] = tile_group
     cfg1["num_stages"] = pipeline_stages({**cfg1, "BLOCK_N": 2 * cfg1["BLOCK_N"]}, 1)  # gate and up tiles
     split_tiles = cdiv(m, cfg2["BLOCK_M"]) * cdiv(n, cfg2["BLOCK_N"]) if cfg2["SPLIT_K"] > 1 else 0
     tickets = torch.empty(max(split_tiles, 1), device=xq.device, dtype=torch.int32)  # zeroed by the first kernel

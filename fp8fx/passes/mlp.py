@@ -344,13 +344,12 @@ class GatedMlpPass(Fp8Pass):
             group = self.h_group if self.h_group and mlp.h_static is None and prefill_why else None
             static_kept = bool(self.h_group) and mlp.h_static is not None  # a calibrated scale stays as it is
             per_token = mlp.h_static is None and list(mlp.down.args[5]) == [1, -1]
-            max_rows = GATED_GROUPS_MAX_M if group else GATED_ROWS_MAX_M if per_token else GATED_MAX_M
-            reason = reason or self._why_not(mlp, max_rows, static_kept, prefill_why,
-                                             "groups" if group else "per token" if per_token else "")
+            h_mode = "groups" if group else "per token" if per_token else ""
+            reason = reason or self._why_not(mlp, h_mode, static_kept, prefill_why)
             if reason:
                 amend_sites(ctx, mlp.gemms, f"not fused into a gated MLP ({names}): {reason}")
                 continue
-            three = per_token and not group and _rows(mlp) >= GATED_ROWS_MIN_M  # (before the fusion erases gate)
+            three = h_mode == "per token" and (_rows(mlp) or 0) >= GATED_ROWS_MIN_M  # (before _fuse erases gate)
             new = self._fuse(gm.graph, mlp, group)
             how = (f", h in 1x{group} groups" if group else
                    ", h's static scale kept: mlp_h_group applies to dynamic ones" if static_kept else "")
@@ -364,10 +363,11 @@ class GatedMlpPass(Fp8Pass):
         return fused
 
     @staticmethod
-    def _why_not(mlp: _Mlp, max_rows: int, static_kept: bool, prefill_why: str, h_mode: str) -> str:
-        """Why the matched MLP is not fused ("" where it is); ``prefill_why``: ``_prefill_reason(mlp)``; ``h_mode``:
-        "groups" (``h_group``), "per token" (h's dynamic per-token scale) or "" (per tensor, static), which set
-        ``max_rows``."""
+    def _why_not(mlp: _Mlp, h_mode: str, static_kept: bool, prefill_why: str) -> str:
+        """Why the matched MLP is not fused ("" where it is); ``h_mode``: "groups" (``h_group``), "per token" (h's
+        dynamic per-token scale) or "" (per tensor, static), which sets the most decode tokens fused;
+        ``prefill_why``: ``_prefill_reason(mlp)``."""
+        max_rows = {"groups": GATED_GROUPS_MAX_M, "per token": GATED_ROWS_MAX_M}.get(h_mode, GATED_MAX_M)
         gate, up, down = mlp.gate, mlp.up, mlp.down
         static = [n.args[0].target is _QUANTIZE_STATIC for n in (gate, up) if isinstance(n.args[0], fx.Node)]
         if gate.args[:2] != up.args[:2] and static == [True, True]:
@@ -416,8 +416,8 @@ class GatedMlpPass(Fp8Pass):
                        "than the unfused GEMMs at 64 on the H200")
             else:
                 why = ("with h per tensor or by a static scale, which each N tile of the down GEMM applies to all of "
-                       "h: slower than the unfused GEMMs at 64 on the H200; per-token h and Fp8Backend(mlp_h_group=128) "
-                       f"fuse up to {GATED_GROUPS_MAX_M}")
+                       "h: slower than the unfused GEMMs at 64 on the H200; per-token h and "
+                       f"Fp8Backend(mlp_h_group=128) fuse up to {GATED_GROUPS_MAX_M}")
             return (f"{rows} tokens: the fused MLP is for 1-{max_rows} tokens ({why}) and from {GATED_PREFILL_MIN_M}"
                     f"{' but ' + prefill if prefill else ''}; other batches keep the GEMMs with each quantization "
                     "fused into its producer")

@@ -238,19 +238,18 @@ def test_gated_gemm_with_h_groups_compiles_for_sm90(m, promote):
     assert stack_bytes(kernel) <= (128 if promote and m > 16 else 0), stack_bytes(kernel)
 
 
-@pytest.mark.parametrize("m", [17, 64])
 @pytest.mark.parametrize("promote", [None, 128])
-def test_gated_gemm_of_per_token_h_through_quantize_rows_compiles_for_sm90(m, promote):
-    """Per-token h at 17-64 tokens (``gated_mlp.ROWS_PASS_MIN_M``): the gate/up kernel in the tile of h in groups of
-    128 (64 x 128, 8 warps), h out 16-bit with its tile maxima for ``quantize_rows``, no PDL trigger (the next kernel
-    is quantize_rows). The stack bound as with h in groups (the promoted sums' second pair of accumulators)."""
-    from fp8fx.kernels.gated_mlp import ROWS_PASS_MIN_M
+def test_gated_gemm_of_per_token_h_through_quantize_rows_compiles_for_sm90(promote):
+    """Per-token h at 17-64 tokens (``ops.GATED_ROWS_MIN_M``, one tile for the whole range): the gate/up kernel in the
+    tile of h in groups of 128 (64 x 128, 8 warps), h out 16-bit with its tile maxima for ``quantize_rows``, no PDL
+    trigger. Nothing spilled with fast accumulation; the promoted sums' second pair of accumulators within the bound
+    of h in groups."""
+    from fp8fx import ops
 
-    assert m >= ROWS_PASS_MIN_M
-    kernel = compile_gated({**gated_tile_config(m, 14336, 4096, 128), "BLOCK_N": 128}, "*bf16", A_ROWWISE=True,
+    assert gated_tile_config(ops.GATED_ROWS_MIN_M, 14336, 4096, 128) == gated_tile_config(64, 14336, 4096, 128)
+    kernel = compile_gated({**gated_tile_config(64, 14336, 4096, 128), "BLOCK_N": 128}, "*bf16", A_ROWWISE=True,
                            IMPRECISE_K=promote, PDL_TRIGGER=False, H_DTYPE=tl.bfloat16)
     assert stack_bytes(kernel) <= (128 if promote else 0), stack_bytes(kernel)
-    assert "griddepcontrol" not in kernel.asm["ptx"]
 
 
 @pytest.mark.parametrize("promote", [None, 128])

@@ -117,7 +117,7 @@ INTERPRETER_CHECK = textwrap.dedent("""
     rows_calls, real_quantize_rows = [], GM.quantize_rows
     GM.quantize_rows = lambda h, parts, *a: rows_calls.append(h.shape[0]) or real_quantize_rows(h, parts, *a)
     worst_seen = 0.0
-    shapes = [(1, 160, 96, 72), (3, 300, 200, 130), (17, 256, 100, 64)]
+    shapes = [(1, 160, 96, 72), (3, 300, 200, 130), (17, 256, 300, 64)]  # (17: h's maxima in 3 parts of 128)
     cases = [(*shape, scheme, "silu") for shape in shapes for scheme in SCHEMES]
     cases += [(3, 300, 200, 130, "per-token/per-channel", act) for act in ("gelu", "gelu_tanh")]
     for m, k, i, n, scheme, act in cases:
@@ -361,18 +361,21 @@ def test_gated_mlp_h_groups_cuda_graph_replays(m):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [17, 64])
-def test_gated_mlp_rows_pass_cuda_graph_replays(m):
+def test_gated_mlp_rows_pass_cuda_graph_replays(monkeypatch, m):
     """Per-token h at 17-64 tokens, Llama-3-8B sizes, default tiles: the gate/up kernel, quantize_rows and the down
     GEMM (K split behind the first kernel's tickets): plain calls and graph replays bit-equal (no PDL on this path:
     ``pdl`` is ignored), close to the unfused ops."""
     from fp8fx.kernels import fp8_gemm as kernels
-    from fp8fx.kernels.gated_mlp import ROWS_PASS_MIN_M, gated_mlp
+    from fp8fx.kernels import gated_mlp as module
 
-    assert m >= ROWS_PASS_MIN_M
+    assert m >= ops.GATED_ROWS_MIN_M
+    calls, real = [], module.quantize_rows
+    monkeypatch.setattr(module, "quantize_rows", lambda h, parts, *a: calls.append(h.shape) or real(h, parts, *a))
     args, _ = mlp_operands(m, 4096, 14336, 4096, "per-token/per-channel", "cuda")
-    run = lambda pdl=None: gated_mlp(*args[:9], kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16,  # noqa: E731
-                                     pdl=pdl)
+    run = lambda pdl=None: module.gated_mlp(*args[:9], kernels.QUANT_ROWS, None, torch.bfloat16,  # noqa: E731
+                                            torch.bfloat16, pdl=pdl)
     check_replays(run, args)
+    assert calls and set(calls) == {(m, 14336)}, calls  # the three-kernel route ran
 
 
 @pytest.mark.cuda

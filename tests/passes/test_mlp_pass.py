@@ -253,11 +253,9 @@ def test_h_groups_fuse_up_to_64_tokens(group, tokens):
 @pytest.mark.parametrize("tokens,kernels", [(16, "2 kernels"), (17, "3 kernels"), (64, "3 kernels")])
 def test_per_token_h_fuses_up_to_64_tokens(tokens, kernels):
     """h per token (the graph's own scheme) is fused up to 64 tokens: two kernels up to 16, three from 17 (h quantized
-    once between the GEMMs, ``fp8fx.kernels.gated_mlp.ROWS_PASS_MIN_M``), as the report says; on the CPU the op is
+    once between the GEMMs, ``fp8fx.ops.GATED_ROWS_MIN_M``), as the report says; on the CPU the op is
     the unfused ops, so the output is the unfused graph's."""
-    from fp8fx.kernels.gated_mlp import ROWS_PASS_MIN_M
-
-    assert ROWS_PASS_MIN_M == fp8fx.ops.GATED_ROWS_MIN_M == 17
+    assert fp8fx.ops.GATED_ROWS_MIN_M == 17 and fp8fx.ops.GATED_ROWS_MAX_M == 64
     model, ref = quantized()
     x = torch.randn(tokens, 64, dtype=torch.bfloat16)
     y, report, code = run(model, x, fuse_mlp=True)
