@@ -61,7 +61,7 @@ class Fp8Backend:
       loads it (``fp8fx.passes.mlp``), where the unfused MLP takes three GEMMs and a quantization kernel
       (Llama-3-8B MLP on the H200: 1.22-1.24x faster than unfused at 1 and 16 tokens, run 12); with h per token
       (the default scheme) in graphs of 17-64 tokens as three, h quantized once between the two GEMMs (1.10x
-      faster than unfused at 64 tokens, 1.29x at 32, run 29); and in graphs
+      faster than unfused at 64 tokens, 1.29-1.34x at 32, run 29); and in graphs
       of ``fp8fx.ops.GATED_PREFILL_MIN_M`` (2048) tokens or more with per-token h, as the prefill kernels: gate/up
       with act(g) * up in its epilogue, a streaming quantization of h, cuBLAS's down (1.04-1.07x faster than
       unfused at 2048 and 4096 tokens, run 23). Default False.

@@ -497,7 +497,7 @@ GATED_MAX_M = 16
 # Per-token h from GATED_ROWS_MIN_M tokens up to GATED_ROWS_MAX_M: three kernels (``fp8fx.kernels.gated_mlp``: h
 # leaves the gate/up kernel 16-bit and ``quantize_rows`` quantizes it once for the down GEMM). Llama-3-8B MLP block
 # on the H200 (run 29, CUDA-graph replays): 0.0627 ms at 64 tokens against 0.0688 unfused, 0.0600 at 32 against
-# 0.0774; the range's other token counts not timed.
+# 0.0774-0.0806; the range's other token counts not timed.
 GATED_ROWS_MIN_M, GATED_ROWS_MAX_M = GATED_MAX_M + 1, 64
 # The intermediate h quantized in 1 x G groups (Fp8Backend(mlp_h_group=G)) instead: the gate/up kernel's epilogue
 # writes its fp8 codes, so the down GEMM reads fp8 and no N tile re-quantizes h. Fused up to 64 tokens (the

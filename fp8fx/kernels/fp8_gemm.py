@@ -499,8 +499,8 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True) -> dict:
         # alone 0.0342 against 0.0336 - so the tiles of up to 16 rows keep theirs). At 17-63 rows the split tiles
         # below take the weight alone: the activation's copies, a 64-row box over fewer rows, lost there - qkv and o
         # at 24-48 rows (run 22), the fused MLP's down GEMM 4096x14336 at 32 rows 0.0187 ms against 0.0232 (run 29
-        # calls 9 and 11, the block's profile; the block 0.0600 against 0.0654, the unfused one 0.0774 against
-        # 0.0806). The unsplit 64-wide tile (gate_up's, the last one here) keeps both: not timed at 17-63 rows
+        # calls 9 and 11, the block's profile; the fused block 0.0600 against 0.0654, calls 8 and 12). The unsplit
+        # 64-wide tile (gate_up's, the last one here) keeps both: not timed at 17-63 rows
         tma = dict(TMA=True, TMA_A=True) if transposed else {}
         if long_k:  # 64-wide N tiles, K split in 2 (256 programs): 0.0235 ms against 0.0248 for 32-wide unsplit
             # tiles (128 programs for 132 SMs) at down 4096x14336 (run 13 call 3, `tune_gemm.py --wide-n`)

@@ -26,7 +26,7 @@ faster than the unfused GEMMs (at 64, each of the down GEMM's N tiles reads the 
 With per-token h, 17-64 tokens (``ops.GATED_ROWS_MIN_M``, ``ops.GATED_ROWS_MAX_M``) run three kernels: the first
 writes h 16-bit with its tile maxima, ``quantize_rows_kernel`` (the prefill one) makes its codes once, and
 ``fp8_gemm`` reads fp8 h (Llama-3-8B's MLP block on the H200, run 29: 0.0627 ms at 64 tokens against 0.0688
-unfused, 1.73x bf16; 0.0600 at 32 against 0.0774; other token counts of the range not timed).
+unfused, 1.73x bf16; 0.0600 at 32 against 0.0774-0.0806; other token counts of the range not timed).
 
 With h in 1 x G groups (``QUANT_GROUPS``, ``h_group``; ``Fp8Backend(mlp_h_group=G)``) a group is one N tile of
 the first kernel, so its epilogue has the group's amax in registers and writes h's fp8 codes and group scales
