@@ -271,9 +271,8 @@ def test_gated_mlp_op_cpu_within_fp8_error_of_float64(scheme, act):
     ("per-token/per-channel", "gelu"), ("per-token/per-channel", "gelu_tanh")])
 def test_gated_mlp_op_cuda(m, scheme, act):
     """Two kernels for m <= 64 (with per-token h three from 17: h quantized once between the GEMMs; 65: the unfused
-    ops), the down GEMM's K (8232) split for m <= 16: as accurate
-    against float64 as the unfused ops, and close to them, row by row (rows 1000x apart: see the
-    interpreter check). Since the 2-16-row down GEMMs run on wgmma (``SWAP_AB``, run 20), the fused and the unfused
+    ops), the down GEMM's K (8232) split for m <= 16: as accurate against float64 as the unfused ops, and close to
+    them, row by row (rows 1000x apart: see the interpreter check). Since the 2-16-row down GEMMs run on wgmma (``SWAP_AB``, run 20), the fused and the unfused
     down GEMM (TMA and cp.async pipelines) no longer give the same bits: on the H200 0.3-0.5% apart in rows near the
     truth, up to 3.3% in rows that per-tensor or static h leaves 50-100% off it (with the 16-row mma.sync tiles
     before, bit-equal; `runs/2026-11-30-h200-run20-call4-diag-fused-vs-unfused.txt`): the closeness bound grows
