@@ -21,7 +21,9 @@
 #          test_fp8_gemm.py's (40, 200, 512) shape; smalln: tune_gemm.py --small-n (qkv, o at 16-64 rows, chained);
 #          smallduel: their 17-64-row tiles against each other (at 24-64 rows) (7 rounds) and its fp8_gemm cuda tests;
 #          rows: rows_study.py; ncuprefill: ncu on the prefill kernels and cuBLAS's; prefill: prefill_study.py --sweep (PREFILL_MS, PREFILL_ROUNDS); narrow: down-GEMM tiles of 16-32 rows;
-#          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles; widen: in 64-128-wide tiles, K split)
+#          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles; widen: in 64-128-wide tiles, K split;
+#          rowstests: the cuda tests of per-token h at 17-64 tokens (three kernels); power: power_study.py at 2048 and
+#          4096; decode32: the decode MLP block at 32 tokens, every variant)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -185,6 +187,17 @@ if has widen; then  # the decode GEMMs gate_up and down at M = 64 in 64-row tile
 fi
 if has tma; then  # the fused MLP's tiles, each down GEMM tile with TMA weight loads and with pointer loads
   timeout 300 python3 benchmarks/tune_gemm.py --gated --tma 2>&1 | tee "$OUT/tune-tma.txt"
+fi
+if has rowstests; then  # per-token h at 17-64 tokens (three kernels) and the long-K tile's pointer loads at 17-63 rows
+  timeout 240 $P -m cuda tests/kernels/test_gated_mlp.py -k "rows_pass or cudagraph_trees or op_cuda" 2>&1 \
+    | tee "$OUT/pytest-cuda-rows.log" | tail -5
+fi
+if has power; then  # the prefill block and its gate/up GEMMs under the power cap and at full clock (run 29)
+  timeout 420 python3 benchmarks/power_study.py --ms 2048,4096 --rounds 3 --bf16 --out "$OUT" 2>&1 | tee "$OUT/power.txt"
+fi
+if has decode32; then  # the decode MLP block at 32 tokens: the default's three kernels, unfused, in groups, anchors
+  timeout 330 python3 benchmarks/bench_linear.py --out "$OUT/decode32" --skip-gemms --ms 32 --rounds 7 --graph-max-m 64 \
+    --variants bf16_inductor,torchao_rowwise,fp8fx,fp8fx_fused_mlp,fp8fx_fused_mlp_g128 2>&1 | tee "$OUT/decode32.txt"
 fi
 if has flush; then  # the decode MLP block's replay time after a dirty, a clean and no L2 flush
   timeout 330 python3 benchmarks/flush_study.py --ms 1,16 2>&1 | tee "$OUT/flush.txt"
