@@ -194,27 +194,31 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
 
 MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "fp8fx_fused_mlp",
                 "fp8fx_fused_mlp_g128", "fp8fx_fused_mlp_g32", "fp8fx_mma", "fp8fx_fused_mlp_mma", "fp8fx_fused_mlp_k1",
-                "inductor_scaled_mm", "torchao_rowwise")
-# the default --variants: the *_mma ones (the GEMV off) and *_k1 (its loads unpipelined) compare kernels, on request
+                "fp8fx_fused_mlp_rows", "inductor_scaled_mm", "torchao_rowwise")
+# the default --variants: the *_mma ones (the GEMV off), *_k1 (its loads unpipelined) and *_rows (per-token h through
+# quantize_rows at 1-16 tokens too) compare kernels, on request
 # g32: h in 1x32 groups, the fused MLP's fastest op at M = 1 (H200 run 19: 0.0495 ms against 0.0507 per token)
-DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith(("_mma", "_k1", "_g32")))
+DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith(("_mma", "_k1", "_g32", "_rows")))
 
 
-def with_kernel_setting(fn, name: str, value):
-    """``fn`` with ``fp8fx.kernels.fp8_gemm``'s ``name`` set to ``value`` while it runs (the kernel and its tile are
-    chosen at each call, so a CUDA graph captured through this keeps them): ``GEMV_MAX_M = 0`` for the ``*_mma``
-    variants (one-row GEMMs on the tensor-core tiles, the kernels before the GEMV one), ``GEMV_K_STAGES = 1`` for
-    ``*_k1`` (the GEMV's loads unpipelined, as before run 19), each timed next to the default."""
-    from fp8fx.kernels import fp8_gemm as kernels
+def with_kernel_setting(fn, name: str, value, module=None):
+    """``fn`` with ``module``'s (default ``fp8fx.kernels.fp8_gemm``) ``name`` set to ``value`` while it runs (the
+    kernel and its tile are chosen at each call, so a CUDA graph captured through this keeps them):
+    ``GEMV_MAX_M = 0`` for the ``*_mma`` variants (one-row GEMMs on the tensor-core tiles, the kernels before the GEMV
+    one), ``GEMV_K_STAGES = 1`` for ``*_k1`` (the GEMV's loads unpipelined, as before run 19), ``fp8fx.ops``'
+    ``GATED_ROWS_MIN_M = 1`` for ``fp8fx_fused_mlp_rows`` (per-token h through ``quantize_rows`` at 1-16 tokens too,
+    where the two kernels run by default: not timed against them as of run 29), each timed next to the default."""
+    if module is None:
+        from fp8fx.kernels import fp8_gemm as module
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
-        saved = getattr(kernels, name)
-        setattr(kernels, name, value)
+        saved = getattr(module, name)
+        setattr(module, name, value)
         try:
             return fn(*args, **kwargs)
         finally:
-            setattr(kernels, name, saved)
+            setattr(module, name, saved)
     return call
 
 
@@ -266,6 +270,9 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAUL
     if "fp8fx_fused_mlp_k1" in only:
         variants["fp8fx_fused_mlp_k1"] = with_kernel_setting(
             fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0], "GEMV_K_STAGES", 1)
+    if "fp8fx_fused_mlp_rows" in only:
+        variants["fp8fx_fused_mlp_rows"] = with_kernel_setting(
+            fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0], "GATED_ROWS_MIN_M", 1, module=fp8fx.ops)
     if "inductor_scaled_mm" in only:
         variants["inductor_scaled_mm"] = torch.compile(ScaledMMMLP(fresh()), dynamic=False)
     if "torchao_rowwise" in only:

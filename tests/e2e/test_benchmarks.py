@@ -26,9 +26,9 @@ def test_bench_moe_layer_cpu_smoke(tmp_path):
 
 
 def test_kernel_settings_hold_for_one_call(monkeypatch):
-    """bench_linear.py's ``*_mma`` and ``*_k1`` variants: inside the wrapped call one-row GEMMs take the tensor-core
-    tiles, or the GEMV with its loads unpipelined (what a CUDA graph captured through it keeps), after it the
-    pipelined GEMV again, also when the call raises."""
+    """bench_linear.py's ``*_mma``, ``*_k1`` and ``*_rows`` variants: inside the wrapped call one-row GEMMs take the
+    tensor-core tiles, or the GEMV with its loads unpipelined (what a CUDA graph captured through it keeps), or per-token
+    h its three kernels from 1 token; after it the defaults again, also when the call raises."""
     import sys
 
     monkeypatch.syspath_prepend("benchmarks")
@@ -51,3 +51,11 @@ def test_kernel_settings_hold_for_one_call(monkeypatch):
         with pytest.raises(RuntimeError):
             with_kernel_setting(fails, name, value)()
     assert kernels.GEMV_MAX_M == 1 and kernels.GEMV_K_STAGES == 3
+    # fp8fx_fused_mlp_rows: the three-kernel route of per-token h from 1 token, fp8fx.ops' switch, which gated_mlp
+    # reads at each call
+    from fp8fx import ops
+
+    assert with_kernel_setting(lambda: ops.GATED_ROWS_MIN_M, "GATED_ROWS_MIN_M", 1, module=ops)() == 1
+    with pytest.raises(RuntimeError):
+        with_kernel_setting(fails, "GATED_ROWS_MIN_M", 1, module=ops)()
+    assert ops.GATED_ROWS_MIN_M == 17
