@@ -125,7 +125,7 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
     descs = (TensorDescriptor(xq, [m, DIM], [DIM, 1], [bm, bk]),
              TensorDescriptor(low, [2, i, DIM], [high.data_ptr() - low.data_ptr(), DIM, 1], [2, bn, bk]),
              TensorDescriptor(h, [m, i], [i, 1], [bm, bn]))
-    programs = torch.cuda.get_device_properties(0).multi_processor_count
+    programs = sm_count(torch.device("cuda"))  # (gated_prefill's)
     s1, s3 = ops_.s1.float().reshape(-1).contiguous(), ops_.s3.float().reshape(-1).contiguous()
     # (whole tiles only: the last round's half-tile descriptors, xt_desc and ht_desc, None as at 2048 tokens)
     launch_args = (*descs, xs.float().reshape(-1), s1, s3, parts, m, i, DIM, parts.stride(0), None, None)

@@ -39,7 +39,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_linear import DIM, MLP, fp8fx_module, mlp_factory, rel_err, torchao_rowwise  # noqa: E402
 from fp8fx import quant  # noqa: E402
 from fp8fx.kernels import gated_mlp as gm  # noqa: E402
-from fp8fx.kernels.launch import cdiv  # noqa: E402
+from fp8fx.kernels.launch import cdiv, sm_count  # noqa: E402
 
 TILES = [  # (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages)
     (128, 128, 128, 16, 8, 4), (128, 128, 128, 8, 8, 4), (128, 128, 128, 8, 8, 3), (128, 128, 128, 16, 8, 3),
@@ -164,7 +164,7 @@ def gate_up_ab(ops: Operands, baselines: str, m: int, rounds: int, out: list) ->
         spec = importlib.util.spec_from_file_location(f"baseline_{name}", path)
         modules[name] = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(modules[name])
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(torch.device("cuda"))
     x = torch.randn(m, DIM, device="cuda", dtype=torch.bfloat16)
     xq, xs = ops.x_quant(x)
     args = (xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16)
@@ -351,7 +351,7 @@ def tail(ops: Operands, m: int, rounds: int, out: list, reps: int = 20) -> None:
     args = (xq, xs, ops.w1, ops.s1, ops.w3, ops.s3, torch.bfloat16)
     cfg = gm.prefill_tile_config(m, ops.w1.shape[0], DIM)
     tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(ops.w1.shape[0], cfg["BLOCK_N"])
-    sms = min(torch.cuda.get_device_properties(0).multi_processor_count, tiles)  # (gated_prefill's programs)
+    sms = min(sm_count(torch.device("cuda")), tiles)  # (gated_prefill's programs)
     split = gm.prefill_tail_split(tiles, sms, cfg["BLOCK_M"])
     cases = {"whole tiles": lambda: gm.gated_prefill(*args, fast_accum=True, tail_split=False),
              "last round in half tiles": lambda: gm.gated_prefill(*args, fast_accum=True),
