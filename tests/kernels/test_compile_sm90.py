@@ -411,3 +411,72 @@ def test_gemv_compiles_for_sm90(n, k, a_dtype, a_quant, blocks, pipelined):
         ptx = kernel.asm["ptx"]
         before = ptx[:ptx.index("griddepcontrol.wait")]
         assert not re.search(r"\b(ld\.global|cp\.async|atom\.|red\.|st\.global)", before), before[-2000:]
+
+
+def compile_one_launch(m: int, h_group: int, a_quant: int = QUANT_ROWS):
+    """``gated_mlp_kernel`` (the gated MLP in one launch) compiled for sm_90 at Llama-3-8B's shapes (I = 14336, K = N =
+    4096) with the two kernels' default tiles: per-token h quantized by the down tiles, or h in 1 x ``h_group``
+    groups."""
+    from fp8fx.kernels.gated_mlp import gated_mlp_kernel
+
+    cfg1 = gated_tile_config(m, 14336, 4096, h_group)
+    if h_group:
+        cfg1["BLOCK_N"] = h_group
+    cfg2 = down_tile_config(m, 4096, 14336, gemv=False, h_group=h_group)
+    h_type = "*fp8e4nv" if h_group else "*bf16"
+    types = dict(zip(GATED_POINTERS[:-1], ["*fp8e4nv", "*fp8e4nv", "*fp8e4nv", "*fp32", "*fp32", "*fp32", h_type,
+                                           "*fp32"]))
+    types.update({name: "i32" for name in GATED_INTS if name not in ("N", "n_tickets")}, I="i32")
+    down = dict(zip(POINTERS, [h_type, "*fp8e4nv", "*fp32", "*fp32", "*fp32", "*bf16", "*bf16", "*i32"]))
+    down.update({name: 1 if name in UNIT else "i32" for name in INTS})
+    down.update(b_desc=f"tensordesc<fp8e4nv[{cfg2['BLOCK_N']}, {cfg2['BLOCK_K']}]>", a_desc=None)
+    types.update({f"d_{name}": t for name, t in down.items()}, bar_ptr="*i32", n_tickets="i32")
+    consts = dict(A_ROWWISE=m > 1, W_ROWWISE=True, ACT=0, IMPRECISE_K=None, BLOCK_M=cfg1["BLOCK_M"],
+                  BLOCK_N=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"], H_GROUPS=bool(h_group), H_DTYPE=tl.bfloat16,
+                  EPS=1e-12, FP8_MAX=448.0, PHASES=3)
+    quant = 0 if h_group else a_quant
+    consts.update({f"d_{name}": v for name, v in dict(
+        A_ROWWISE=False, A_GROUPED=bool(h_group), B_ROWWISE=True, B_GROUPED=False, B_BLOCK_N=1, HAS_BIAS=False,
+        A_FP8=True, IMPRECISE_K=None, BLOCK_M=cfg2["BLOCK_M"], BLOCK_N=cfg2["BLOCK_N"], BLOCK_K=cfg2["BLOCK_K"],
+        GROUP_M=cfg2["GROUP_M"], SPLIT_K=cfg2["SPLIT_K"], A_QUANT=quant, N_PARTS=14336 // cfg1["BLOCK_N"],
+        PARTS_BLOCK=parts_block(14336 // cfg1["BLOCK_N"], cfg2["BLOCK_M"]), EPS=1e-12, FP8_MAX=448.0, B_DESC=True,
+        A_DESC=False, SWAP_AB=cfg2.get("SWAP_AB", False)).items()})
+    assert cfg1["num_warps"] == cfg2["num_warps"]
+    aligned = GATED_POINTERS[:-1] + ["K", "stride_am", "stride_wn", "bar_ptr"] + [
+        f"d_{name}" for name in POINTERS + ["N", "K", "stride_am", "stride_bn", "stride_ym"]]
+    return compile_kernel(gated_mlp_kernel, types, consts, aligned, cfg1["num_warps"], 4)
+
+
+def resources(kernel) -> dict:
+    """cuobjdump's resource usage of the compiled kernel: REG, STACK, SHARED, ..."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        out = subprocess.run([tool, "-res-usage", path], capture_output=True, text=True, check=True).stdout
+    return {key: int(value) for key, value in re.findall(r"(\w+):(\d+)", out)}
+
+
+@pytest.mark.parametrize("m,h_group,a_quant", [(2, 0, QUANT_ROWS), (16, 0, QUANT_ROWS), (16, 0, QUANT_TENSOR),
+                                               (16, 128, 0), (16, 32, 0)])
+def test_one_launch_mlp_compiles_for_sm90(m, h_group, a_quant):
+    """The gated MLP in one launch (2-16 tokens): no spills, two programs fit an SM (its registers and shared memory:
+    ``ONE_LAUNCH_PER_SM``), and the grid barrier is one thread's atomics a program - the arrival a release, the spin
+    an acquire, at gpu scope - between the CTA barriers that order the other threads' stores and loads (sm_90,
+    triton 3.9: 144 registers a thread, 47 KB of shared memory at 16 rows and per-token h: 3 programs an SM)."""
+    from fp8fx.kernels.gated_mlp import ONE_LAUNCH_PER_SM
+
+    kernel = compile_one_launch(m, h_group, a_quant)
+    use = resources(kernel)
+    assert use["STACK"] == 0, use
+    regs = -(-use["REG"] * 32 // 256) * 256 * 4  # 4 warps, registers allocated per warp in 256s
+    assert 65536 // regs >= ONE_LAUNCH_PER_SM and 228 * 1024 // (kernel.metadata.shared + 1024) >= ONE_LAUNCH_PER_SM
+    ptx = kernel.asm["ptx"]
+    # one thread's atomics, their results shared through shared memory: the arrival and the departure (and split K's
+    # tickets) acq_rel; the spin on the arrivals an acquire load (Triton makes the add of 0 one)
+    atomics = re.findall(r"@%p\d+ atom\.global\.gpu\.acq_rel\.add\.u32", ptx)
+    assert len(atomics) == 3, atomics
+    spin = ptx[ptx.index(atomics[0]):]
+    assert re.search(r"@%p\d+ ld\.global\.gpu\.acquire\.b32", spin[:spin.index("wgmma")]), "the spin's acquire"
+    assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx  # the down tiles as fp8_gemm_kernel's (TMA, wgmma)
