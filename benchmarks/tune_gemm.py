@@ -745,6 +745,60 @@ def sweep_swap(ms=(16,), dim=4096, hidden=14336, rounds=5, tma=False):
         _duel(f"fused MLP M={m}", runs, 3 * dim * hidden, rounds)
 
 
+def sweep_one_launch(ms=(16,), dim=4096, hidden=14336, rounds=5):
+    """2-16 rows: the fused MLP in one launch (``gated_mlp_kernel``) over its gate/up tiles (32-128 wide, 3-6 stages,
+    the down tiles at the same depth: one launch has one) and programs an SM (1-4, as many as fit), per-token h;
+    each candidate once, then the best four against the two kernels in ``rounds`` interleaved rounds. CUDA-graph
+    replays of the op, L2 clean."""
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels import gated_mlp as module
+
+    for m in ms:
+        (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
+        down = module.down_tile_config(m, dim, hidden)
+
+        def run(c1=None, stages=None, per_sm=None, one=True):
+            c2 = None if stages is None else {**down, "num_stages": stages}
+            saved = module.ONE_LAUNCH_PER_SM
+            module.ONE_LAUNCH_PER_SM = per_sm or saved
+            try:
+                return module.gated_mlp(xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16,
+                                        torch.bfloat16, configs=(c1, c2), one_launch=one)
+            finally:
+                module.ONE_LAUNCH_PER_SM = saved
+
+        def with_prefetch(fn):
+            module.ONE_LAUNCH_PREFETCH = True
+            try:
+                return fn()
+            finally:
+                module.ONE_LAUNCH_PREFETCH = False
+
+        ref = run(one=False).float()
+        assert torch.equal(with_prefetch(run), run()), "the prefetch changes no bits"
+        results = []
+        for bn, stages, per_sm in itertools.product((32, 64, 128), (3, 4, 6), (1, 2, 3, 4)):
+            c1 = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, num_warps=4, num_stages=stages)
+            try:
+                got = run(c1, stages, per_sm).float()
+                assert torch.equal(got, ref) or (got - ref).abs().max() <= 2e-2 * ref.abs().max()
+                results.append((time_ms(lambda c1=c1, s=stages, p=per_sm: run(c1, s, p), True), (bn, stages, per_sm)))
+            except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit is not a candidate
+                print(f"one launch M={m} {bn} wide, {stages} stages, {per_sm} an SM: failed: "
+                      f"{str(exc).splitlines()[0][:160]}")
+        results.sort(key=lambda r: r[0])
+        print(f"one launch M={m} ({len(results)} ran; (gate/up width, stages, programs an SM)): "
+              + " ; ".join(f"{t:.4f} {c}" for t, c in results[:8]), flush=True)
+        runs = {"two kernels": lambda: run(one=False), "one launch (default)": lambda: run()}
+        for _, (bn, stages, per_sm) in results[:3]:
+            c1 = dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, num_warps=4, num_stages=stages)
+            runs[f"one launch {bn} wide, {stages} stages, {per_sm} an SM"] = (
+                lambda c1=c1, s=stages, p=per_sm: run(c1, s, p))
+            runs[f"one launch {bn} wide, {stages} stages, {per_sm} an SM, prefetch"] = (
+                lambda c1=c1, s=stages, p=per_sm: with_prefetch(lambda: run(c1, s, p)))
+        _duel(f"fused MLP M={m}", runs, 3 * dim * hidden, rounds)
+
+
 def gated_ncu(ms=(1, 16), dim=4096, hidden=14336, h_group=0):
     """Three plain calls of the fused MLP op per M (h per token, or in 1 x ``h_group`` groups), nothing timed: for
     ncu (device_run.sh's ncu stage)."""
@@ -764,6 +818,7 @@ def main(argv=None):
     p.add_argument("--block", action="store_true")
     p.add_argument("--gated", action="store_true")
     p.add_argument("--gated-pdl", action="store_true", help="--gated without the tile sweep, M = 1 and 16")
+    p.add_argument("--one-launch", action="store_true", help="the fused MLP in one launch: tiles, programs an SM")
     p.add_argument("--wide-k", action="store_true", help="--gated with K steps of 256 and 512")
     p.add_argument("--bm64", action="store_true", help="64-row tiles (wgmma) at M <= 16; the decode sweep at M = 1, 16")
     p.add_argument("--narrow", action="store_true",
@@ -827,6 +882,8 @@ def main(argv=None):
         if args.block:
             return sweep_gemv_blocks(shapes, k_stages=k_stages)
         return sweep_gemv(shapes, k_stages=k_stages)
+    if args.one_launch:
+        return sweep_one_launch(tuple(int(m) for m in (args.ms or "16").split(",")))
     if args.swap and args.gated:
         return sweep_swap(tuple(int(m) for m in (args.ms or "16").split(",")), tma=args.tma)
     if args.gated or args.gated_pdl:

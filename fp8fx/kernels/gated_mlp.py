@@ -54,7 +54,7 @@ import triton.language as tl
 
 from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _rows_amax, _scale_of
-from fp8fx.kernels.fp8_gemm import _gemm_tile, fp8_gemm, fp8_gemm_kernel, gemm_launch, imprecise_k
+from fp8fx.kernels.fp8_gemm import _gemm_tile, _tile_of, fp8_gemm, fp8_gemm_kernel, gemm_launch, imprecise_k
 from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages, tile_config
 from fp8fx.kernels.launch import Relaunch, cdiv, next_power_of_2, sm_count
 
@@ -272,6 +272,15 @@ def _grid_arrive(bar_ptr):
 
 
 @triton.jit
+def _prefetch_rows(ptrs, size):
+    """Ask L2 for ``size`` bytes (a multiple of 16; none if 0) from each of ``ptrs`` (16-byte aligned): one bulk
+    prefetch a row (sm_90's ``cp.async.bulk.prefetch.L2``), nothing waited for."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, size + tl.zeros(ptrs.shape, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def _grid_depart(bar_ptr):
     """The barrier's counters back to zero for the next launch, by the last program to get here: it is past the
     barrier only when every program is, so no program still reads the arrivals."""
@@ -304,6 +313,9 @@ def gated_mlp_kernel(
     # 3: both GEMMs in one launch, the grid barrier between them; 1 / 2: the gate/up / down tiles alone (Triton's
     # interpreter runs one program after another, so no barrier can hold there: it runs the two as two launches)
     PHASES: tl.constexpr = 3,
+    # before the barrier, each program asks L2 for the down weight rows of its down tiles (``_prefetch_rows``; CUDA
+    # only, rows 16-byte aligned), so a program out of gate/up tiles streams the down weight while others finish
+    PREFETCH: tl.constexpr = False,
 ):
     """The gated MLP in one launch (``gated_mlp`` up to 16 tokens): a persistent grid walks the gate/up kernel's
     tiles (``_gated_tile``), waits at a grid-wide barrier until h and its maxima are all written, then walks the
@@ -319,10 +331,18 @@ def gated_mlp_kernel(
             _gated_tile(tile, a_ptr, w1_ptr, w3_ptr, a_scale_ptr, s1_ptr, s3_ptr, h_ptr, parts_ptr, M, I, K, stride_am,
                         stride_ak, stride_wn, stride_wk, stride_hm, stride_pm, A_ROWWISE, W_ROWWISE, ACT, IMPRECISE_K,
                         BLOCK_M, BLOCK_N, BLOCK_K, False, H_GROUPS, H_DTYPE, EPS, FP8_MAX)
+    tiles = tl.cdiv(d_M, d_BLOCK_M) * tl.cdiv(d_N, d_BLOCK_N) * d_SPLIT_K
+    if PREFETCH:
+        for tile in range(pid, tiles, programs):
+            _, _, _, pid_n, k_first, k_steps = _tile_of(tile, d_M, d_N, d_K, d_BLOCK_M, d_BLOCK_N, d_BLOCK_K,
+                                                        d_GROUP_M, d_SPLIT_K)
+            start = k_first * d_BLOCK_K
+            size = tl.maximum(tl.minimum(k_steps * d_BLOCK_K, d_K - start), 0) // 16 * 16
+            rows = tl.minimum(pid_n * d_BLOCK_N + tl.arange(0, d_BLOCK_N), d_N - 1)
+            _prefetch_rows(d_b_ptr + rows.to(tl.int64) * d_stride_bn + start, size)
     if PHASES == 3:
         _grid_arrive(bar_ptr)
     if PHASES >= 2:
-        tiles = tl.cdiv(d_M, d_BLOCK_M) * tl.cdiv(d_N, d_BLOCK_N) * d_SPLIT_K
         for tile in range(pid, tiles, programs):
             _gemm_tile(tile, d_a_ptr, d_b_ptr, d_y_ptr, d_a_scale_ptr, d_b_scale_ptr, d_bias_ptr, d_out_ptr,
                        d_tickets_ptr, d_b_desc, d_a_desc, d_M, d_N, d_K, d_stride_am, d_stride_ak, d_stride_bn,
@@ -686,6 +706,8 @@ def _barrier(device: torch.device) -> Optional[torch.Tensor]:
     return bar
 # Programs per SM of the one-launch MLP (fewer where the compiled kernel's registers or shared memory allow fewer)
 ONE_LAUNCH_PER_SM = 2
+# the one-launch MLP's programs prefetch their down weight rows into L2 before the barrier (``PREFETCH``)
+ONE_LAUNCH_PREFETCH = False
 _RESIDENT: dict[tuple, int] = {}
 
 
@@ -726,6 +748,8 @@ def _one_launch(gate_up: dict, i: int, n_tickets: int, down) -> bool:
     if bar is None:
         return False
     options["launch_cooperative_grid"] = True
+    w2 = args["d_b_ptr"]
+    args["PREFETCH"] = ONE_LAUNCH_PREFETCH and w2.stride(0) % 16 == 0 and w2.data_ptr() % 16 == 0
     key = (xq.device.index, *options.values(), *[(name, args[name]) for name in _constexprs() if name in args])
     fits = _RESIDENT.get(key)
     if fits is None:  # compiled (not launched) once a variant, its binary loaded for its register count

@@ -413,7 +413,7 @@ def test_gemv_compiles_for_sm90(n, k, a_dtype, a_quant, blocks, pipelined):
         assert not re.search(r"\b(ld\.global|cp\.async|atom\.|red\.|st\.global)", before), before[-2000:]
 
 
-def compile_one_launch(m: int, h_group: int, a_quant: int = QUANT_ROWS):
+def compile_one_launch(m: int, h_group: int, a_quant: int = QUANT_ROWS, prefetch: bool = False):
     """``gated_mlp_kernel`` (the gated MLP in one launch) compiled for sm_90 at Llama-3-8B's shapes (I = 14336, K = N =
     4096) with the two kernels' default tiles: per-token h quantized by the down tiles, or h in 1 x ``h_group``
     groups."""
@@ -433,7 +433,7 @@ def compile_one_launch(m: int, h_group: int, a_quant: int = QUANT_ROWS):
     types.update({f"d_{name}": t for name, t in down.items()}, bar_ptr="*i32", n_tickets="i32")
     consts = dict(A_ROWWISE=m > 1, W_ROWWISE=True, ACT=0, IMPRECISE_K=None, BLOCK_M=cfg1["BLOCK_M"],
                   BLOCK_N=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"], H_GROUPS=bool(h_group), H_DTYPE=tl.bfloat16,
-                  EPS=1e-12, FP8_MAX=448.0, PHASES=3)
+                  EPS=1e-12, FP8_MAX=448.0, PHASES=3, PREFETCH=prefetch)
     quant = 0 if h_group else a_quant
     consts.update({f"d_{name}": v for name, v in dict(
         A_ROWWISE=False, A_GROUPED=bool(h_group), B_ROWWISE=True, B_GROUPED=False, B_BLOCK_N=1, HAS_BIAS=False,
@@ -458,16 +458,17 @@ def resources(kernel) -> dict:
     return {key: int(value) for key, value in re.findall(r"(\w+):(\d+)", out)}
 
 
-@pytest.mark.parametrize("m,h_group,a_quant", [(2, 0, QUANT_ROWS), (16, 0, QUANT_ROWS), (16, 0, QUANT_TENSOR),
-                                               (16, 128, 0), (16, 32, 0)])
-def test_one_launch_mlp_compiles_for_sm90(m, h_group, a_quant):
+@pytest.mark.parametrize("m,h_group,a_quant,prefetch", [
+    (2, 0, QUANT_ROWS, False), (16, 0, QUANT_ROWS, False), (16, 0, QUANT_ROWS, True), (16, 0, QUANT_TENSOR, False),
+    (16, 128, 0, False), (16, 32, 0, True)])
+def test_one_launch_mlp_compiles_for_sm90(m, h_group, a_quant, prefetch):
     """The gated MLP in one launch (2-16 tokens): no spills, two programs fit an SM (its registers and shared memory:
     ``ONE_LAUNCH_PER_SM``), and the grid barrier is one thread's atomics a program - the arrival a release, the spin
     an acquire, at gpu scope - between the CTA barriers that order the other threads' stores and loads (sm_90,
     triton 3.9: 144 registers a thread, 47 KB of shared memory at 16 rows and per-token h: 3 programs an SM)."""
     from fp8fx.kernels.gated_mlp import ONE_LAUNCH_PER_SM
 
-    kernel = compile_one_launch(m, h_group, a_quant)
+    kernel = compile_one_launch(m, h_group, a_quant, prefetch)
     use = resources(kernel)
     assert use["STACK"] == 0, use
     regs = -(-use["REG"] * 32 // 256) * 256 * 4  # 4 warps, registers allocated per warp in 256s
@@ -480,3 +481,6 @@ def test_one_launch_mlp_compiles_for_sm90(m, h_group, a_quant):
     spin = ptx[ptx.index(atomics[0]):]
     assert re.search(r"@%p\d+ ld\.global\.gpu\.acquire\.b32", spin[:spin.index("wgmma")]), "the spin's acquire"
     assert "wgmma" in ptx and "cp.async.bulk.tensor" in ptx  # the down tiles as fp8_gemm_kernel's (TMA, wgmma)
+    # the down weight rows asked of L2 before the barrier (PREFETCH), not otherwise
+    prefetches = ptx[:ptx.index(atomics[0])].count("cp.async.bulk.prefetch.L2.global")
+    assert prefetches == (1 if prefetch else 0), prefetches
