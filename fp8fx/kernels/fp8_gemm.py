@@ -232,6 +232,8 @@ def _gemm_tile(
     # in registers; the accumulator is transposed back once, before the epilogue
     SWAP_AB: tl.constexpr = False,
     A_DESC: tl.constexpr = False,
+    # the K loop's pipeline depth (None: the launch's num_stages): gated_mlp_kernel's two loops take their own
+    K_STAGES: tl.constexpr = None,
 ):
     split, pid, pid_m, pid_n, k_first, k_steps = _tile_of(program, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
                                                           SPLIT_K)
@@ -258,7 +260,7 @@ def _gemm_tile(
         # with the reciprocal; H200, RESULTS.md run 10)
         a_q_inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), a_q_scale)
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
+    for k in tl.range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K)), num_stages=K_STAGES):
         k_left = K - k * BLOCK_K
         if A_DESC:  # bulk copies into shared memory, zero past M and K
             a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])

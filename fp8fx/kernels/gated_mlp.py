@@ -183,6 +183,7 @@ def _gated_tile(
     # rounded first as the model rounds it (H_DTYPE); else h_ptr is h in H_DTYPE and parts_ptr its tile maxima
     H_GROUPS: tl.constexpr = False, H_DTYPE: tl.constexpr = None, EPS: tl.constexpr = 1e-12,
     FP8_MAX: tl.constexpr = 448.0,
+    K_STAGES: tl.constexpr = None,  # the K loop's pipeline depth (None: the launch's num_stages)
 ):
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_pid_n  # N fastest: neighbouring programs share the x tile
@@ -199,7 +200,7 @@ def _gated_tile(
     w_offs = tl.arange(0, BLOCK_N)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # w.T tile: [BK, BN]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
+    for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=K_STAGES):
         k_left = K - k * BLOCK_K
         a = tl.load(a_tile + a_offs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w_mask = (offs_k[:, None] < k_left) & n_ok[None, :]
@@ -316,6 +317,8 @@ def gated_mlp_kernel(
     # before the barrier, each program asks L2 for the down weight rows of its down tiles (``_prefetch_rows``; CUDA
     # only, rows 16-byte aligned), so a program out of gate/up tiles streams the down weight while others finish
     PREFETCH: tl.constexpr = False,
+    # each phase's K loop pipelined as deep as its own tile wants (the launch's num_stages is the gate/up loop's)
+    STAGES1: tl.constexpr = None, STAGES2: tl.constexpr = None,
 ):
     """The gated MLP in one launch (``gated_mlp`` up to 16 tokens): a persistent grid walks the gate/up kernel's
     tiles (``_gated_tile``), waits at a grid-wide barrier until h and its maxima are all written, then walks the
@@ -330,7 +333,7 @@ def gated_mlp_kernel(
         for tile in range(pid, tl.cdiv(M, BLOCK_M) * tl.cdiv(I, BLOCK_N), programs):
             _gated_tile(tile, a_ptr, w1_ptr, w3_ptr, a_scale_ptr, s1_ptr, s3_ptr, h_ptr, parts_ptr, M, I, K, stride_am,
                         stride_ak, stride_wn, stride_wk, stride_hm, stride_pm, A_ROWWISE, W_ROWWISE, ACT, IMPRECISE_K,
-                        BLOCK_M, BLOCK_N, BLOCK_K, False, H_GROUPS, H_DTYPE, EPS, FP8_MAX)
+                        BLOCK_M, BLOCK_N, BLOCK_K, False, H_GROUPS, H_DTYPE, EPS, FP8_MAX, STAGES1)
     tiles = tl.cdiv(d_M, d_BLOCK_M) * tl.cdiv(d_N, d_BLOCK_N) * d_SPLIT_K
     if PREFETCH:
         for tile in range(pid, tiles, programs):
@@ -349,7 +352,7 @@ def gated_mlp_kernel(
                        d_stride_bk, d_stride_ym, d_stride_yn, d_stride_ys, d_stride_asm, d_stride_ask, d_stride_bsn,
                        d_stride_bsk, d_A_ROWWISE, d_A_GROUPED, d_B_ROWWISE, d_B_GROUPED, d_B_BLOCK_N, d_HAS_BIAS,
                        d_A_FP8, d_IMPRECISE_K, d_BLOCK_M, d_BLOCK_N, d_BLOCK_K, d_GROUP_M, d_SPLIT_K, d_A_QUANT,
-                       d_N_PARTS, d_PARTS_BLOCK, d_EPS, d_FP8_MAX, d_B_DESC, True, d_SWAP_AB, d_A_DESC)
+                       d_N_PARTS, d_PARTS_BLOCK, d_EPS, d_FP8_MAX, d_B_DESC, True, d_SWAP_AB, d_A_DESC, STAGES2)
     if PHASES == 3:
         _grid_depart(bar_ptr)
 
@@ -728,15 +731,16 @@ def _constexprs() -> tuple[str, ...]:
     return tuple(p.name for p in gated_mlp_kernel.params if p.is_constexpr)
 
 
-def _one_launch(gate_up: dict, i: int, n_tickets: int, down) -> bool:
-    """``gated_mlp_kernel`` with the gate/up kernel's arguments ``gate_up`` and the down GEMM's launch ``down``
-    (``gemm_launch``); False (nothing launched) while a CUDA graph is captured on a stream without its barrier
+def _one_launch(gate_up: dict, i: int, n_tickets: int, down, stages: int) -> bool:
+    """``gated_mlp_kernel`` with the gate/up kernel's arguments ``gate_up`` (its K loop ``stages`` deep) and the down
+    GEMM's launch ``down`` (``gemm_launch``); False (nothing launched) while a CUDA graph is captured on a stream without its barrier
     counters yet. On CUDA one cooperative launch (the driver checks that every program is resident at once, which
     the grid barrier needs); under Triton's interpreter the two halves as two launches. Programs: ``ONE_LAUNCH_PER_SM``
     an SM, or as many as its registers and shared memory hold, if fewer."""
     consts = {"SWAP_AB": False, **down.consts}
-    options = dict(num_warps=consts.pop("num_warps"), num_stages=consts.pop("num_stages"))
-    args = dict(I=i, n_tickets=n_tickets, **gate_up, **{f"d_{name}": v for name, v in consts.items()},
+    options = dict(num_warps=consts.pop("num_warps"), num_stages=stages)
+    args = dict(I=i, n_tickets=n_tickets, STAGES1=stages, STAGES2=consts.pop("num_stages"), **gate_up,
+                **{f"d_{name}": v for name, v in consts.items()},
                 **{f"d_{name}": v for name, v in zip(fp8_gemm_kernel.arg_names, down.args)})
     xq = gate_up["a_ptr"]
     if not xq.is_cuda:
@@ -849,15 +853,14 @@ def gated_mlp(
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
         if one_launch is None:
             one_launch = ops.GATED_ONE_LAUNCH
-        if one_launch and not rows_pass and not cfg2.get("GEMV") and all(
-                cfg1[key] == cfg2[key] for key in ("num_warps", "num_stages")):
+        if one_launch and not rows_pass and not cfg2.get("GEMV") and cfg1["num_warps"] == cfg2["num_warps"]:
             if h_group:
                 down = gemm_launch(h, w2, parts, s2, bias, out_dtype, config=cfg2, a_block=(1, h_group),
                                    fast_accum=fast_accum, tickets=tickets)
             else:
                 down = gemm_launch(h, w2, h_scale, s2, bias, out_dtype, config=cfg2, fast_accum=fast_accum,
                                    a_quant=h_quant, tickets=tickets)
-            if _one_launch(gate_up, i, split_tiles, down):
+            if _one_launch(gate_up, i, split_tiles, down, cfg1["num_stages"]):
                 return down.out
         gated_gemm_kernel[grid](tickets_ptr=tickets, N=i, n_tickets=split_tiles, PDL_TRIGGER=pdl, **gate_up,
                                 num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"])

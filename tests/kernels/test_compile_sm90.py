@@ -433,7 +433,8 @@ def compile_one_launch(m: int, h_group: int, a_quant: int = QUANT_ROWS, prefetch
     types.update({f"d_{name}": t for name, t in down.items()}, bar_ptr="*i32", n_tickets="i32")
     consts = dict(A_ROWWISE=m > 1, W_ROWWISE=True, ACT=0, IMPRECISE_K=None, BLOCK_M=cfg1["BLOCK_M"],
                   BLOCK_N=cfg1["BLOCK_N"], BLOCK_K=cfg1["BLOCK_K"], H_GROUPS=bool(h_group), H_DTYPE=tl.bfloat16,
-                  EPS=1e-12, FP8_MAX=448.0, PHASES=3, PREFETCH=prefetch)
+                  EPS=1e-12, FP8_MAX=448.0, PHASES=3, PREFETCH=prefetch, STAGES1=cfg1["num_stages"],
+                  STAGES2=cfg2["num_stages"])
     quant = 0 if h_group else a_quant
     consts.update({f"d_{name}": v for name, v in dict(
         A_ROWWISE=False, A_GROUPED=bool(h_group), B_ROWWISE=True, B_GROUPED=False, B_BLOCK_N=1, HAS_BIAS=False,
