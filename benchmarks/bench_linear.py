@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 import fp8fx
-from fp8fx.kernels import gated_mlp as gated_mlp_module
 
 LAYERS = {"gate_up": (28672, 4096), "down": (4096, 14336), "qkv": (6144, 4096)}
 DIM, HIDDEN = 4096, 14336
@@ -195,11 +194,9 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
 
 MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "fp8fx_fused_mlp",
                 "fp8fx_fused_mlp_g128", "fp8fx_fused_mlp_g32", "fp8fx_mma", "fp8fx_fused_mlp_mma", "fp8fx_fused_mlp_k1",
-                "fp8fx_fused_mlp_rows", "fp8fx_fused_mlp_two", "fp8fx_fused_mlp_g128_two", "fp8fx_fused_mlp_1sm",
-                "fp8fx_fused_mlp_3sm", "inductor_scaled_mm", "torchao_rowwise")
+                "fp8fx_fused_mlp_rows", "inductor_scaled_mm", "torchao_rowwise")
 # the default --variants: the *_mma ones (the GEMV off), *_k1 (its loads unpipelined) and *_rows (per-token h through
-# quantize_rows at 1-16 tokens too) compare kernels, on request; so do *_two (the gated MLP's two kernels where the
-# default runs them in one launch, 2-16 tokens) and *_1sm / *_3sm (that launch with 1 / 3 programs an SM, not 2)
+# quantize_rows at 1-16 tokens too) compare kernels, on request
 # g32: h in 1x32 groups, the fused MLP's fastest op at M = 1 (H200 run 19: 0.0495 ms against 0.0507 per token)
 DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith(("_mma", "_k1", "_g32", "_rows")))
 
@@ -276,15 +273,6 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAUL
     if "fp8fx_fused_mlp_rows" in only:
         variants["fp8fx_fused_mlp_rows"] = with_kernel_setting(
             fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0], "GATED_ROWS_MIN_M", 1, module=fp8fx.ops)
-    for name, options in (("fp8fx_fused_mlp_two", {}), ("fp8fx_fused_mlp_g128_two", {"mlp_h_group": 128})):
-        if name in only:
-            variants[name] = with_kernel_setting(fp8fx_module(fresh(), {"fuse_mlp": True, **options}, dynamic=False)[0],
-                                                 "GATED_ONE_LAUNCH", False, module=fp8fx.ops)
-    for per_sm in (1, 3):
-        if f"fp8fx_fused_mlp_{per_sm}sm" in only:
-            variants[f"fp8fx_fused_mlp_{per_sm}sm"] = with_kernel_setting(
-                fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0], "ONE_LAUNCH_PER_SM", per_sm,
-                module=gated_mlp_module)
     if "inductor_scaled_mm" in only:
         variants["inductor_scaled_mm"] = torch.compile(ScaledMMMLP(fresh()), dynamic=False)
     if "torchao_rowwise" in only:

@@ -24,8 +24,7 @@
 #          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles; widen: in 64-128-wide tiles, K split;
 #          rowstests: the cuda tests of per-token h at 17-64 tokens (three kernels); power: power_study.py at 2048 and
 #          4096; decode32: the decode MLP block at 32 tokens, every variant; rows16: per-token h's two kernels against
-#          the three at 1, 4 and 16 tokens; onetests: the cuda tests of the gated MLP in one launch; one: the decode
-#          block at ONE_MS tokens (default 4,16) in one launch against the two kernels, ONE_VARIANTS)
+#          the three at 1, 4 and 16 tokens)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -204,15 +203,6 @@ fi
 if has rows16; then  # per-token h at 1-16 tokens: the two kernels (default) against the three of 17-64 tokens
   timeout 330 python3 benchmarks/bench_linear.py --out "$OUT/rows16" --skip-gemms --ms 1,4,16 --rounds 7 \
     --graph-max-m 64 --variants fp8fx_fused_mlp,fp8fx_fused_mlp_rows 2>&1 | tee "$OUT/rows16.txt"
-fi
-if has onetests; then  # the gated MLP in one launch (2-16 tokens) against its two kernels, in graphs, on two streams
-  timeout 240 $P -m cuda tests/kernels/test_gated_mlp.py -k "one_launch or op_cuda or replays or cudagraph_trees" 2>&1 \
-    | tee "$OUT/pytest-cuda-one.log" | tail -5
-fi
-if has one; then  # the decode MLP block at ONE_MS tokens: one launch (2 programs an SM, 1, 3) against the two kernels
-  timeout 400 python3 benchmarks/bench_linear.py --out "$OUT/one" --skip-gemms --ms "${ONE_MS:-4,16}" --rounds 7 \
-    --graph-max-m 64 --variants "${ONE_VARIANTS:-bf16_inductor,torchao_rowwise,fp8fx_fused_mlp,fp8fx_fused_mlp_two,fp8fx_fused_mlp_1sm,fp8fx_fused_mlp_3sm,fp8fx_fused_mlp_g128,fp8fx_fused_mlp_g128_two}" \
-    2>&1 | tee "$OUT/one.txt"
 fi
 if has flush; then  # the decode MLP block's replay time after a dirty, a clean and no L2 flush
   timeout 330 python3 benchmarks/flush_study.py --ms 1,16 2>&1 | tee "$OUT/flush.txt"

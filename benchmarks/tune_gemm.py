@@ -745,54 +745,6 @@ def sweep_swap(ms=(16,), dim=4096, hidden=14336, rounds=5, tma=False):
         _duel(f"fused MLP M={m}", runs, 3 * dim * hidden, rounds)
 
 
-def sweep_one_launch(ms=(16,), dim=4096, hidden=14336, rounds=5):
-    """2-16 rows: the fused MLP in one launch (``gated_mlp_kernel``) over its gate/up tiles (32-128 wide, 4-6
-    stages) and down tiles (64-128 wide, K split in 2-8, 4-8 stages: each loop pipelined to its own depth), 2
-    programs an SM where they fit, per-token h; each candidate once, then the best three (and each with its down
-    weight prefetched, ``ONE_LAUNCH_PREFETCH``) against the two kernels in ``rounds`` interleaved rounds. CUDA-graph
-    replays of the op, L2 clean. Run 30's first sweep (one depth for both loops, the down tile as the two kernels')
-    had its best at 0.0582 ms against 0.0562 for the two kernels at M = 16."""
-    from fp8fx.kernels import fp8_gemm as kernels
-    from fp8fx.kernels import gated_mlp as module
-
-    for m in ms:
-        (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
-
-        def run(c1=None, c2=None, one=True, prefetch=False):
-            module.ONE_LAUNCH_PREFETCH = prefetch
-            try:
-                return module.gated_mlp(xq, xs, *w1, *w3, *w2, None, kernels.QUANT_ROWS, None, torch.bfloat16,
-                                        torch.bfloat16, configs=(c1, c2), one_launch=one)
-            finally:
-                module.ONE_LAUNCH_PREFETCH = False
-
-        ref = run(one=False).float()
-        assert torch.equal(run(prefetch=True), run()), "the prefetch changes no bits"
-        firsts = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, num_warps=4, num_stages=st)
-                  for bn, st in ((32, 4), (64, 4), (64, 6), (128, 4), (128, 6))]
-        downs = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=st, SPLIT_K=sk,
-                      SWAP_AB=True, TMA=True)
-                 for bn, sk, st in itertools.product((64, 128), (2, 4, 8), (4, 8))]
-        results = []
-        for c1, c2 in itertools.product(firsts, downs):
-            try:
-                got = run(c1, c2).float()
-                assert (got - ref).abs().max() <= 2e-2 * ref.abs().max(), (got - ref).abs().max()
-                results.append((time_ms(lambda c1=c1, c2=c2: run(c1, c2), True), c1, c2))
-            except Exception as exc:  # noqa: BLE001 - a tile that does not compile or fit is not a candidate
-                print(f"one launch M={m} {c1} {c2}: failed: {str(exc).splitlines()[0][:160]}")
-        results.sort(key=lambda r: r[0])
-        brief = lambda c1, c2: (f"gate/up {c1['BLOCK_N']} wide x{c1['num_stages']}, down {c2['BLOCK_N']} wide "  # noqa
-                                f"split {c2['SPLIT_K']} x{c2['num_stages']}")
-        print(f"one launch M={m} ({len(results)} ran): "
-              + " ; ".join(f"{t:.4f} {brief(c1, c2)}" for t, c1, c2 in results[:8]), flush=True)
-        runs = {"two kernels": lambda: run(one=False), "one launch (default tiles)": lambda: run()}
-        for _, c1, c2 in results[:3]:
-            runs[f"one launch {brief(c1, c2)}"] = lambda c1=c1, c2=c2: run(c1, c2)
-            runs[f"one launch {brief(c1, c2)}, prefetch"] = lambda c1=c1, c2=c2: run(c1, c2, prefetch=True)
-        _duel(f"fused MLP M={m}", runs, 3 * dim * hidden, rounds)
-
-
 def gated_ncu(ms=(1, 16), dim=4096, hidden=14336, h_group=0):
     """Three plain calls of the fused MLP op per M (h per token, or in 1 x ``h_group`` groups), nothing timed: for
     ncu (device_run.sh's ncu stage)."""
@@ -812,7 +764,6 @@ def main(argv=None):
     p.add_argument("--block", action="store_true")
     p.add_argument("--gated", action="store_true")
     p.add_argument("--gated-pdl", action="store_true", help="--gated without the tile sweep, M = 1 and 16")
-    p.add_argument("--one-launch", action="store_true", help="the fused MLP in one launch: tiles, programs an SM")
     p.add_argument("--wide-k", action="store_true", help="--gated with K steps of 256 and 512")
     p.add_argument("--bm64", action="store_true", help="64-row tiles (wgmma) at M <= 16; the decode sweep at M = 1, 16")
     p.add_argument("--narrow", action="store_true",
@@ -876,8 +827,6 @@ def main(argv=None):
         if args.block:
             return sweep_gemv_blocks(shapes, k_stages=k_stages)
         return sweep_gemv(shapes, k_stages=k_stages)
-    if args.one_launch:
-        return sweep_one_launch(tuple(int(m) for m in (args.ms or "16").split(",")))
     if args.swap and args.gated:
         return sweep_swap(tuple(int(m) for m in (args.ms or "16").split(",")), tma=args.tma)
     if args.gated or args.gated_pdl:

@@ -499,10 +499,6 @@ GATED_MAX_M = 16
 # on the H200 (run 29, CUDA-graph replays): 0.0627 ms at 64 tokens against 0.0688 unfused, 0.0600 at 32 against
 # 0.0774-0.0806; the range's other token counts not timed.
 GATED_ROWS_MIN_M, GATED_ROWS_MAX_M = GATED_MAX_M + 1, 64
-# Up to GATED_MAX_M tokens (2-16: the down GEMM's tensor-core tiles), the two kernels in one launch
-# (``fp8fx.kernels.gated_mlp.gated_mlp_kernel``: a grid barrier between the gate/up tiles and the down GEMM's); read at
-# each call (``gated_mlp(one_launch=)`` sets it per call)
-GATED_ONE_LAUNCH = True
 # The intermediate h quantized in 1 x G groups (Fp8Backend(mlp_h_group=G)) instead: the gate/up kernel's epilogue
 # writes its fp8 codes, so the down GEMM reads fp8 and no N tile re-quantizes h. Fused up to 64 tokens (the
 # Triton GEMMs' range); the op alone on the H200 (run 17, tune_gemm.py --groups, G = 128): 0.0631 ms at M=64

@@ -61,7 +61,7 @@ carried through the pipelined K loop spilled registers at the prefill tiles.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
@@ -177,29 +177,7 @@ def _store_tile(acc, y_ptr, out_ptr, ticket_ptr, split, row0, local_m, offs_m, o
 
 
 @triton.jit
-def _tile_of(program, M, N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-             GROUP_M: tl.constexpr, SPLIT_K: tl.constexpr):
-    """(split, output tile, its row tile, its column tile, first K step, K steps per split) of ``fp8_gemm_kernel``'s
-    ``program``. Split K: SPLIT_K programs share an output tile, each over its own run of K steps, each writing a
-    float32 partial (y_ptr + split * stride_ys); the last of them to finish sums the partials (``_store_tile``).
-    The output tiles in grouped order: GROUP_M row tiles share the same b columns in L2."""
-    split = program % SPLIT_K
-    pid = program // SPLIT_K
-    num_pid_m = tl.cdiv(M, BLOCK_M)
-    num_pid_n = tl.cdiv(N, BLOCK_N)
-    group = pid // (GROUP_M * num_pid_n)
-    first_m = group * GROUP_M
-    group_size = min(num_pid_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % group_size)
-    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
-    k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps per split
-    return split, pid, pid_m, pid_n, split * k_steps, k_steps
-
-
-@triton.jit
-def _gemm_tile(
-    # the tile (and split) ``program`` of fp8_gemm_kernel's grid: every other argument as the kernel's
-    program,
+def fp8_gemm_kernel(
     # tensors (split-K: y is the float32 partials [SPLIT_K, M, N], out the result, tickets one int32 per
     # output tile, zero on entry)
     a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, tickets_ptr,
@@ -222,6 +200,8 @@ def _gemm_tile(
     # `_a_quant_scale` (a_scale_ptr: the partial row maxima [M, N_PARTS], or the static scale)
     A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12,
     FP8_MAX: tl.constexpr = 448.0,
+    # launched as a programmatic dependent of the kernel before it (PDL, sm_90): wait for its memory first
+    PDL_WAIT: tl.constexpr = False,
     B_DESC: tl.constexpr = False,
     # A_QUANT's codes: the correctly rounded quotient (`_codes_of`), or the product by the reciprocal (a code one
     # step off at a rounding tie) - kept for tune_gemm.py --codes to time the two side by side
@@ -232,13 +212,26 @@ def _gemm_tile(
     # in registers; the accumulator is transposed back once, before the epilogue
     SWAP_AB: tl.constexpr = False,
     A_DESC: tl.constexpr = False,
-    # the K loop's pipeline depth (None: the launch's num_stages): gated_mlp_kernel's two loops take their own
-    K_STAGES: tl.constexpr = None,
 ):
-    split, pid, pid_m, pid_n, k_first, k_steps = _tile_of(program, M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
-                                                          SPLIT_K)
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
+    # split-K: SPLIT_K programs share an output tile, each over its own run of K steps, each writing a
+    # float32 partial (y_ptr + split * stride_ys); the last of them to finish sums the partials (see the end)
+    split = tl.program_id(0) % SPLIT_K
+    pid = tl.program_id(0) // SPLIT_K
+    # grouped ordering of the output tiles: GROUP_M row-tiles share the same b columns in L2
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_pid_n)
+    first_m = group * GROUP_M
+    group_size = min(num_pid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % group_size)
+    pid_n = (pid % (GROUP_M * num_pid_n)) // group_size
+
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps per split
+    k_first = split * k_steps
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
     # 64-bit bases per program, 32-bit offsets within its tiles: [BM, BK] / [BK, BN] tensors of 64-bit
     # addresses carried through the pipelined loop cost 2 registers an element and spilled at the prefill
@@ -260,7 +253,7 @@ def _gemm_tile(
         # with the reciprocal; H200, RESULTS.md run 10)
         a_q_inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), a_q_scale)
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K)), num_stages=K_STAGES):
+    for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
         k_left = K - k * BLOCK_K
         if A_DESC:  # bulk copies into shared memory, zero past M and K
             a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
@@ -314,54 +307,6 @@ def _gemm_tile(
         acc += tl.where(split == 0, bias, 0.0)[None, :]
     _store_tile(acc, y_ptr, out_ptr, tickets_ptr + pid, split, pid_m * BLOCK_M, local_m, offs_m, offs_n, M, N,
                 stride_ym, stride_yn, stride_ys, SPLIT_K)
-
-
-@triton.jit
-def fp8_gemm_kernel(
-    # tensors (split-K: y is the float32 partials [SPLIT_K, M, N], out the result, tickets one int32 per
-    # output tile, zero on entry)
-    a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, tickets_ptr,
-    # B_DESC: b's [BLOCK_N, BLOCK_K] tiles through a host tensor descriptor (Hopper's TMA), else None; A_DESC: a's
-    # [BLOCK_M, BLOCK_K] tiles (fp8 activations)
-    b_desc, a_desc,
-    # sizes
-    M, N, K,
-    # strides
-    stride_am, stride_ak, stride_bn, stride_bk, stride_ym, stride_yn, stride_ys,
-    stride_asm, stride_ask, stride_bsn, stride_bsk,
-    # schemes
-    A_ROWWISE: tl.constexpr, A_GROUPED: tl.constexpr, B_ROWWISE: tl.constexpr, B_GROUPED: tl.constexpr,
-    B_BLOCK_N: tl.constexpr, HAS_BIAS: tl.constexpr,
-    A_FP8: tl.constexpr, IMPRECISE_K: tl.constexpr,
-    # tiles
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    # A_QUANT (QUANT_*): a is 16-bit and quantized to fp8 tile by tile as it is loaded, with the scales of
-    # `_a_quant_scale` (a_scale_ptr: the partial row maxima [M, N_PARTS], or the static scale)
-    A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12,
-    FP8_MAX: tl.constexpr = 448.0,
-    # launched as a programmatic dependent of the kernel before it (PDL, sm_90): wait for its memory first
-    PDL_WAIT: tl.constexpr = False,
-    B_DESC: tl.constexpr = False,
-    # A_QUANT's codes: the correctly rounded quotient (`_codes_of`), or the product by the reciprocal (a code one
-    # step off at a rounding tie) - kept for tune_gemm.py --codes to time the two side by side
-    EXACT_CODES: tl.constexpr = True,
-    # the product computed transposed, y.T = b @ a.T: the weight tile is the dot's left operand (BLOCK_N rows, a
-    # multiple of 64: Hopper's wgmma, fp8 straight from shared memory) and the few activation rows its right one
-    # (BLOCK_M of 16 or more), where an [BM <= 16, BK] x [BK, BN] dot runs mma.sync on the weight tile converted
-    # in registers; the accumulator is transposed back once, before the epilogue
-    SWAP_AB: tl.constexpr = False,
-    A_DESC: tl.constexpr = False,
-):
-    if PDL_WAIT:
-        tl.extra.cuda.gdc_wait()
-    _gemm_tile(
-        tl.program_id(0), a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, tickets_ptr, b_desc,
-        a_desc, M, N, K, stride_am, stride_ak, stride_bn, stride_bk, stride_ym, stride_yn, stride_ys, stride_asm,
-        stride_ask, stride_bsn, stride_bsk, A_ROWWISE, A_GROUPED, B_ROWWISE, B_GROUPED, B_BLOCK_N, HAS_BIAS, A_FP8,
-        IMPRECISE_K, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, SPLIT_K, A_QUANT, N_PARTS, PARTS_BLOCK, EPS, FP8_MAX,
-        B_DESC, EXACT_CODES, SWAP_AB, A_DESC,
-    )
 
 
 @triton.jit
@@ -654,33 +599,6 @@ def fp8_gemm(
     capability 9.0+): this kernel's programs wait for that kernel's whole grid and memory before their first
     access, and start early where it signals ``gdc_launch_dependents`` (``fp8fx.kernels.gated_mlp``).
     """
-    if pdl and (not a.is_cuda or torch.cuda.get_device_capability(a.device) < (9, 0)):
-        raise ValueError(f"fp8_gemm: pdl=True (programmatic dependent launch) needs a CUDA GPU of compute "
-                         f"capability 9.0 or newer; a is on {a.device}")
-    launch = gemm_launch(a, b, a_scale, b_scale, bias, out_dtype, config, a_block, b_block, fast_accum, a_quant,
-                         tickets)
-    pdl_launch = {"launch_pdl": True} if pdl else {}
-    launch.kernel[(launch.programs,)](*launch.args, PDL_WAIT=pdl, **launch.consts, **pdl_launch)
-    return launch.out
-
-
-class GemmLaunch(NamedTuple):
-    """One launch of ``fp8_gemm``'s kernel (``gemm_launch``): ``kernel[(programs,)](*args, **consts)`` writes
-    ``out``; ``consts`` holds the constexprs and the launch options (``num_warps``, ``num_stages``), not PDL_WAIT."""
-    kernel: Any
-    programs: int
-    args: tuple
-    consts: dict
-    out: torch.Tensor
-
-
-def gemm_launch(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: torch.Tensor,
-                bias: Optional[torch.Tensor], out_dtype: torch.dtype, config: Optional[dict] = None,
-                a_block: Optional[tuple[int, int]] = None, b_block: Optional[tuple[int, int]] = None,
-                fast_accum: bool = False, a_quant: int = NO_QUANT, tickets: Optional[torch.Tensor] = None
-                ) -> GemmLaunch:
-    """``fp8_gemm``'s checks, tile, output and kernel arguments, without the launch (``fp8fx.kernels.gated_mlp``'s
-    one-launch MLP runs the tiles inside its own kernel)."""
     m, k = a.shape
     n = b.shape[0]
     if b.shape[1] != k:
@@ -699,6 +617,9 @@ def gemm_launch(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor
         # group scales by row
         raise ValueError(f"fp8_gemm: activation scales per token or per tensor along M, K groups per token "
                          f"([1, G]); got a_block={a_block}")
+    if pdl and (not a.is_cuda or torch.cuda.get_device_capability(a.device) < (9, 0)):
+        raise ValueError(f"fp8_gemm: pdl=True (programmatic dependent launch) needs a CUDA GPU of compute "
+                         f"capability 9.0 or newer; a is on {a.device}")
     if a_quant != NO_QUANT and (a_block is not None or a.element_size() == 1 or a_scale.dtype != torch.float32):
         raise ValueError(f"fp8_gemm: a_quant={a_quant} takes 16/32-bit activations and float32 maxima or scale, no "
                          f"a_block; got {a.dtype}, {a_scale.dtype}, a_block={a_block}")
@@ -739,29 +660,33 @@ def gemm_launch(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor
     elif tickets.numel() < tiles or tickets.dtype != torch.int32:
         raise ValueError(f"fp8_gemm: split-K needs {tiles} int32 tickets; got {tickets.numel()} {tickets.dtype}")
     n_parts = a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1
+    pdl_launch = {"launch_pdl": True} if pdl else {}
     if gemv:  # (its own loads and dot: the tensor-core kernel's TMA and SWAP_AB do not apply)
         cfg.pop("TMA", None), cfg.pop("TMA_A", None), cfg.pop("SWAP_AB", None), cfg.pop("BLOCK_M")
-        return GemmLaunch(fp8_gemv_kernel, tiles * split_k, (
+        fp8_gemv_kernel[(tiles * split_k,)](
             a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets,
             n, k, a.stride(1), b.stride(0), y.stride(2), y.stride(0), a_scale.stride(1), b_scale.stride(0),
-            b_scale.stride(1)), dict(
-            A_FP8=a_fp8, A_GROUPED=a_mode == PER_K_GROUP, B_ROWWISE=b_mode == PER_ROW,
+            b_scale.stride(1), A_FP8=a_fp8, A_GROUPED=a_mode == PER_K_GROUP, B_ROWWISE=b_mode == PER_ROW,
             B_GROUPED=b_mode == PER_K_GROUP, B_BLOCK_N=b_rows, GROUP_K=group_k[0] if group_k else 1,
             HAS_BIAS=bias is not None,
             EVEN_K=k % cfg["BLOCK_K"] == 0, A_QUANT=a_quant, N_PARTS=n_parts, PARTS_BLOCK=parts_block(n_parts, 1),
-            EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **cfg), out)
+            EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, **cfg, **pdl_launch,
+        )
+        return out
     b_desc = _descriptor(b, cfg["BLOCK_N"], cfg["BLOCK_K"]) if cfg.pop("TMA", False) else None
     # (a 16-bit a - weight-only, a_quant - is converted in registers as it is loaded: pointer loads)
     a_tma = cfg.pop("TMA_A", False) and a.element_size() == 1
     a_desc = _descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"]) if a_tma else None
-    return GemmLaunch(fp8_gemm_kernel, tiles * split_k, (
+    fp8_gemm_kernel[(tiles * split_k,)](
         a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets, b_desc, a_desc,
         m, n, k,
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), y.stride(1), y.stride(2), y.stride(0),
-        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1)), dict(
+        a_scale.stride(0), a_scale.stride(1), b_scale.stride(0), b_scale.stride(1),
         A_ROWWISE=a_mode == PER_ROW, A_GROUPED=a_mode == PER_K_GROUP,
         B_ROWWISE=b_mode == PER_ROW, B_GROUPED=b_mode == PER_K_GROUP,
         B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8, IMPRECISE_K=imprecise_k(cfg, fast_accum),
         A_QUANT=a_quant, N_PARTS=n_parts, PARTS_BLOCK=parts_block(n_parts, cfg["BLOCK_M"]),
-        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, B_DESC=b_desc is not None,
-        A_DESC=a_desc is not None, **cfg), out)
+        EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, B_DESC=b_desc is not None,
+        A_DESC=a_desc is not None, **cfg, **pdl_launch,
+    )
+    return out

@@ -45,7 +45,6 @@ for ``quantize_rows``).
 from __future__ import annotations
 
 import contextlib
-import functools
 from typing import Optional
 
 import torch
@@ -54,7 +53,7 @@ import triton.language as tl
 
 from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _rows_amax, _scale_of
-from fp8fx.kernels.fp8_gemm import _gemm_tile, _tile_of, fp8_gemm, fp8_gemm_kernel, gemm_launch, imprecise_k
+from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
 from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages, tile_config
 from fp8fx.kernels.launch import Relaunch, cdiv, next_power_of_2, sm_count
 
@@ -168,13 +167,11 @@ def _gated_h(acc_g, acc_u, offs_m, offs_n, M, N, a_scale_ptr, s1_ptr, s3_ptr, A_
 
 
 @triton.jit
-def _gated_tile(
-    # the N tile (row tile) ``pid`` of gated_gemm_kernel's grid: every other argument as the kernel's
-    pid,
+def gated_gemm_kernel(
     # tensors: x fp8 [M, K]; gate, up fp8 [N, K] (same strides); h [M, N] 16-bit; parts float32
-    # [M, cdiv(N, BLOCK_N)]
-    a_ptr, w1_ptr, w3_ptr, a_scale_ptr, s1_ptr, s3_ptr, h_ptr, parts_ptr,
-    M, N, K,
+    # [M, cdiv(N, BLOCK_N)]; tickets: the next kernel's, zeroed here
+    a_ptr, w1_ptr, w3_ptr, a_scale_ptr, s1_ptr, s3_ptr, h_ptr, parts_ptr, tickets_ptr,
+    M, N, K, n_tickets,
     stride_am, stride_ak, stride_wn, stride_wk, stride_hm, stride_pm,
     A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -183,8 +180,11 @@ def _gated_tile(
     # rounded first as the model rounds it (H_DTYPE); else h_ptr is h in H_DTYPE and parts_ptr its tile maxima
     H_GROUPS: tl.constexpr = False, H_DTYPE: tl.constexpr = None, EPS: tl.constexpr = 1e-12,
     FP8_MAX: tl.constexpr = 448.0,
-    K_STAGES: tl.constexpr = None,  # the K loop's pipeline depth (None: the launch's num_stages)
 ):
+    pid = tl.program_id(0)
+    # the down GEMM runs next on this stream: its tickets start at zero without a launch of their own
+    for t in range(pid, n_tickets, tl.num_programs(0)):
+        tl.store(tickets_ptr + t, 0)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pid_m = pid // num_pid_n  # N fastest: neighbouring programs share the x tile
     pid_n = pid % num_pid_n
@@ -200,7 +200,7 @@ def _gated_tile(
     w_offs = tl.arange(0, BLOCK_N)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # w.T tile: [BK, BN]
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=K_STAGES):
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
         k_left = K - k * BLOCK_K
         a = tl.load(a_tile + a_offs, mask=m_ok[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w_mask = (offs_k[:, None] < k_left) & n_ok[None, :]
@@ -230,131 +230,6 @@ def _gated_tile(
     else:
         tl.store(h_ptrs + offs_n[None, :], h, mask=in_bounds)
         tl.store(parts_ptr + offs_m.to(tl.int64) * stride_pm + pid_n, amax, mask=m_ok)
-
-
-@triton.jit
-def gated_gemm_kernel(
-    # tensors: x fp8 [M, K]; gate, up fp8 [N, K] (same strides); h [M, N] 16-bit; parts float32
-    # [M, cdiv(N, BLOCK_N)]; tickets: the next kernel's, zeroed here
-    a_ptr, w1_ptr, w3_ptr, a_scale_ptr, s1_ptr, s3_ptr, h_ptr, parts_ptr, tickets_ptr,
-    M, N, K, n_tickets,
-    stride_am, stride_ak, stride_wn, stride_wk, stride_hm, stride_pm,
-    A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    PDL_TRIGGER: tl.constexpr = False,  # the down GEMM is a programmatic dependent (PDL): let it launch
-    # H_GROUPS: h leaves as fp8 codes (h_ptr) with one scale per row and N tile (parts_ptr: 1 x BLOCK_N groups),
-    # rounded first as the model rounds it (H_DTYPE); else h_ptr is h in H_DTYPE and parts_ptr its tile maxima
-    H_GROUPS: tl.constexpr = False, H_DTYPE: tl.constexpr = None, EPS: tl.constexpr = 1e-12,
-    FP8_MAX: tl.constexpr = 448.0,
-):
-    pid = tl.program_id(0)
-    # the down GEMM runs next on this stream: its tickets start at zero without a launch of their own
-    for t in range(pid, n_tickets, tl.num_programs(0)):
-        tl.store(tickets_ptr + t, 0)
-    _gated_tile(
-        pid, a_ptr, w1_ptr, w3_ptr, a_scale_ptr, s1_ptr, s3_ptr, h_ptr, parts_ptr, M, N, K, stride_am, stride_ak,
-        stride_wn, stride_wk, stride_hm, stride_pm, A_ROWWISE, W_ROWWISE, ACT, IMPRECISE_K, BLOCK_M, BLOCK_N,
-        BLOCK_K, PDL_TRIGGER, H_GROUPS, H_DTYPE, EPS, FP8_MAX,
-    )
-
-
-@triton.jit
-def _grid_arrive(bar_ptr):
-    """Return once every program of the grid has called this: a barrier across the grid, for a grid whose programs
-    are all resident at once (``gated_mlp``'s cooperative launch: the driver refuses a grid that cannot be).
-    bar_ptr: int32 [2] (arrivals, departures), zero on entry and again after ``_grid_depart``. The CTA barrier
-    orders every thread's stores before the arrival (release, gpu scope, as split K's tickets); the acquire
-    that sees the last arrival orders this program's later loads after every program's stores."""
-    tl.debug_barrier()
-    arrived = tl.atomic_add(bar_ptr, 1, sem="acq_rel", scope="gpu") + 1
-    while arrived < tl.num_programs(0):
-        arrived = tl.atomic_add(bar_ptr, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-
-
-@triton.jit
-def _prefetch_rows(ptrs, size):
-    """Ask L2 for ``size`` bytes (a multiple of 16; none if 0) from each of ``ptrs`` (16-byte aligned): one bulk
-    prefetch a row (sm_90's ``cp.async.bulk.prefetch.L2``), nothing waited for."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.u32 $0, 0; }",
-        "=r,l,r", [ptrs, size + tl.zeros(ptrs.shape, tl.int32)], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _grid_depart(bar_ptr):
-    """The barrier's counters back to zero for the next launch, by the last program to get here: it is past the
-    barrier only when every program is, so no program still reads the arrivals."""
-    departed = tl.atomic_add(bar_ptr + 1, 1, sem="acq_rel", scope="gpu")
-    if departed == tl.num_programs(0) - 1:
-        tl.atomic_xchg(bar_ptr, 0, sem="relaxed", scope="gpu")
-        tl.atomic_xchg(bar_ptr + 1, 0, sem="relaxed", scope="gpu")
-
-
-@triton.jit
-def gated_mlp_kernel(
-    # the gate/up tiles: gated_gemm_kernel's tensors, sizes and strides
-    a_ptr, w1_ptr, w3_ptr, a_scale_ptr, s1_ptr, s3_ptr, h_ptr, parts_ptr,
-    M, I, K, stride_am, stride_ak, stride_wn, stride_wk, stride_hm, stride_pm,
-    # the down GEMM's tiles: fp8_gemm_kernel's arguments (gemm_launch's for h), prefixed d_
-    d_a_ptr, d_b_ptr, d_y_ptr, d_a_scale_ptr, d_b_scale_ptr, d_bias_ptr, d_out_ptr, d_tickets_ptr, d_b_desc,
-    d_a_desc, d_M, d_N, d_K, d_stride_am, d_stride_ak, d_stride_bn, d_stride_bk, d_stride_ym, d_stride_yn,
-    d_stride_ys, d_stride_asm, d_stride_ask, d_stride_bsn, d_stride_bsk,
-    # the barrier's counters (``_grid_arrive``), the down GEMM's split-K tickets to zero (its tiles' count)
-    bar_ptr, n_tickets,
-    A_ROWWISE: tl.constexpr, W_ROWWISE: tl.constexpr, ACT: tl.constexpr, IMPRECISE_K: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, H_GROUPS: tl.constexpr,
-    H_DTYPE: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
-    d_A_ROWWISE: tl.constexpr, d_A_GROUPED: tl.constexpr, d_B_ROWWISE: tl.constexpr, d_B_GROUPED: tl.constexpr,
-    d_B_BLOCK_N: tl.constexpr, d_HAS_BIAS: tl.constexpr, d_A_FP8: tl.constexpr, d_IMPRECISE_K: tl.constexpr,
-    d_BLOCK_M: tl.constexpr, d_BLOCK_N: tl.constexpr, d_BLOCK_K: tl.constexpr, d_GROUP_M: tl.constexpr,
-    d_SPLIT_K: tl.constexpr, d_A_QUANT: tl.constexpr, d_N_PARTS: tl.constexpr, d_PARTS_BLOCK: tl.constexpr,
-    d_EPS: tl.constexpr, d_FP8_MAX: tl.constexpr, d_B_DESC: tl.constexpr, d_A_DESC: tl.constexpr,
-    d_SWAP_AB: tl.constexpr,
-    # 3: both GEMMs in one launch, the grid barrier between them; 1 / 2: the gate/up / down tiles alone (Triton's
-    # interpreter runs one program after another, so no barrier can hold there: it runs the two as two launches)
-    PHASES: tl.constexpr = 3,
-    # before the barrier, each program asks L2 for the down weight rows of its down tiles (``_prefetch_rows``; CUDA
-    # only, rows 16-byte aligned), so a program out of gate/up tiles streams the down weight while others finish
-    PREFETCH: tl.constexpr = False,
-    # each phase's K loop pipelined as deep as its own tile wants (the launch's num_stages is the gate/up loop's)
-    STAGES1: tl.constexpr = None, STAGES2: tl.constexpr = None,
-):
-    """The gated MLP in one launch (``gated_mlp`` up to 16 tokens): a persistent grid walks the gate/up kernel's
-    tiles (``_gated_tile``), waits at a grid-wide barrier until h and its maxima are all written, then walks the
-    down GEMM's tiles (``_gemm_tile``, quantizing h as it loads it or reading its fp8 codes in groups). The two
-    kernels' tiles, code and bits; what goes is the launch between them, the down GEMM's programs starting cold
-    after the gate/up grid has drained, and a last partial round of gate/up programs with the SMs half idle."""
-    pid = tl.program_id(0)
-    programs = tl.num_programs(0)
-    if PHASES % 2 == 1:
-        for t in range(pid, n_tickets, programs):  # the down tiles' split-K tickets, read after the barrier
-            tl.store(d_tickets_ptr + t, 0)
-        for tile in range(pid, tl.cdiv(M, BLOCK_M) * tl.cdiv(I, BLOCK_N), programs):
-            _gated_tile(tile, a_ptr, w1_ptr, w3_ptr, a_scale_ptr, s1_ptr, s3_ptr, h_ptr, parts_ptr, M, I, K, stride_am,
-                        stride_ak, stride_wn, stride_wk, stride_hm, stride_pm, A_ROWWISE, W_ROWWISE, ACT, IMPRECISE_K,
-                        BLOCK_M, BLOCK_N, BLOCK_K, False, H_GROUPS, H_DTYPE, EPS, FP8_MAX, STAGES1)
-    tiles = tl.cdiv(d_M, d_BLOCK_M) * tl.cdiv(d_N, d_BLOCK_N) * d_SPLIT_K
-    if PREFETCH:
-        for tile in range(pid, tiles, programs):
-            _, _, _, pid_n, k_first, k_steps = _tile_of(tile, d_M, d_N, d_K, d_BLOCK_M, d_BLOCK_N, d_BLOCK_K,
-                                                        d_GROUP_M, d_SPLIT_K)
-            start = k_first * d_BLOCK_K
-            size = tl.maximum(tl.minimum(k_steps * d_BLOCK_K, d_K - start), 0) // 16 * 16
-            rows = tl.minimum(pid_n * d_BLOCK_N + tl.arange(0, d_BLOCK_N), d_N - 1)
-            _prefetch_rows(d_b_ptr + rows.to(tl.int64) * d_stride_bn + start, size)
-    if PHASES == 3:
-        _grid_arrive(bar_ptr)
-    if PHASES >= 2:
-        for tile in range(pid, tiles, programs):
-            _gemm_tile(tile, d_a_ptr, d_b_ptr, d_y_ptr, d_a_scale_ptr, d_b_scale_ptr, d_bias_ptr, d_out_ptr,
-                       d_tickets_ptr, d_b_desc, d_a_desc, d_M, d_N, d_K, d_stride_am, d_stride_ak, d_stride_bn,
-                       d_stride_bk, d_stride_ym, d_stride_yn, d_stride_ys, d_stride_asm, d_stride_ask, d_stride_bsn,
-                       d_stride_bsk, d_A_ROWWISE, d_A_GROUPED, d_B_ROWWISE, d_B_GROUPED, d_B_BLOCK_N, d_HAS_BIAS,
-                       d_A_FP8, d_IMPRECISE_K, d_BLOCK_M, d_BLOCK_N, d_BLOCK_K, d_GROUP_M, d_SPLIT_K, d_A_QUANT,
-                       d_N_PARTS, d_PARTS_BLOCK, d_EPS, d_FP8_MAX, d_B_DESC, True, d_SWAP_AB, d_A_DESC, STAGES2)
-    if PHASES == 3:
-        _grid_depart(bar_ptr)
 
 
 @triton.jit
@@ -682,89 +557,6 @@ def _gate_up_scales(s1: torch.Tensor, s3: torch.Tensor, n: int) -> tuple[torch.T
     return s1, s3, rows1 or rows3
 
 
-# The barrier counters of the one-launch MLP: a pair per (device, stream), zero between launches (each launch leaves
-# them so), so no two launches that could run at once share one. They come from one zeroed pool per device, made at
-# the device's first call outside CUDA-graph capture, so a capture stream (torch.cuda.graph's, Inductor's CUDA-graph
-# trees') takes a pair during capture without allocating; a captured graph keeps its pair for as long as the process.
-# A capture before any call on the device, or past BARRIER_SLOTS streams, runs the two kernels.
-BARRIER_SLOTS = 1024
-_BARRIER_POOLS: dict[int, torch.Tensor] = {}
-_BARRIERS: dict[tuple[int, int], torch.Tensor] = {}
-
-
-def _barrier(device: torch.device) -> Optional[torch.Tensor]:
-    """The current stream's barrier counters on ``device`` (int32 [2]), or None where none can be had."""
-    key = (device.index, torch.cuda.current_stream(device).cuda_stream)
-    bar = _BARRIERS.get(key)
-    if bar is None:
-        pool = _BARRIER_POOLS.get(device.index)
-        if pool is None:
-            if torch.cuda.is_current_stream_capturing():
-                return None
-            pool = _BARRIER_POOLS[device.index] = torch.zeros(BARRIER_SLOTS, 2, device=device, dtype=torch.int32)
-        taken = sum(k[0] == device.index for k in _BARRIERS)
-        if taken == BARRIER_SLOTS:
-            return None
-        bar = _BARRIERS[key] = pool[taken]
-    return bar
-# Programs per SM of the one-launch MLP (fewer where the compiled kernel's registers or shared memory allow fewer)
-ONE_LAUNCH_PER_SM = 2
-# the one-launch MLP's programs prefetch their down weight rows into L2 before the barrier (``PREFETCH``)
-ONE_LAUNCH_PREFETCH = False
-_RESIDENT: dict[tuple, int] = {}
-
-
-def resident_per_sm(kernel, device: torch.device) -> int:
-    """How many programs of the compiled ``kernel`` an SM of ``device`` holds at once: its registers (allocated per
-    warp in units of 256), shared memory (1 KiB more a program, reserved by the driver on sm_80+) and threads."""
-    props = torch.cuda.get_device_properties(device)
-    warps = kernel.metadata.num_warps
-    regs = cdiv(kernel.n_regs * 32, 256) * 256 * warps
-    by_regs = props.regs_per_multiprocessor // max(regs, 1)
-    by_shared = props.shared_memory_per_multiprocessor // (kernel.metadata.shared + 1024)
-    by_threads = props.max_threads_per_multi_processor // (32 * warps)
-    return min(by_regs, by_shared, by_threads, 32)
-
-
-@functools.lru_cache(maxsize=None)
-def _constexprs() -> tuple[str, ...]:
-    return tuple(p.name for p in gated_mlp_kernel.params if p.is_constexpr)
-
-
-def _one_launch(gate_up: dict, i: int, n_tickets: int, down, stages: int) -> bool:
-    """``gated_mlp_kernel`` with the gate/up kernel's arguments ``gate_up`` (its K loop ``stages`` deep) and the down
-    GEMM's launch ``down`` (``gemm_launch``); False (nothing launched) while a CUDA graph is captured on a stream without its barrier
-    counters yet. On CUDA one cooperative launch (the driver checks that every program is resident at once, which
-    the grid barrier needs); under Triton's interpreter the two halves as two launches. Programs: ``ONE_LAUNCH_PER_SM``
-    an SM, or as many as its registers and shared memory hold, if fewer."""
-    consts = {"SWAP_AB": False, **down.consts}
-    options = dict(num_warps=consts.pop("num_warps"), num_stages=stages)
-    args = dict(I=i, n_tickets=n_tickets, STAGES1=stages, STAGES2=consts.pop("num_stages"), **gate_up,
-                **{f"d_{name}": v for name, v in consts.items()},
-                **{f"d_{name}": v for name, v in zip(fp8_gemm_kernel.arg_names, down.args)})
-    xq = gate_up["a_ptr"]
-    if not xq.is_cuda:
-        tiles1 = cdiv(gate_up["M"], gate_up["BLOCK_M"]) * cdiv(i, gate_up["BLOCK_N"])
-        gated_mlp_kernel[(tiles1,)](bar_ptr=args["d_tickets_ptr"], PHASES=1, **args, **options)
-        gated_mlp_kernel[(down.programs,)](bar_ptr=args["d_tickets_ptr"], PHASES=2, **args, **options)
-        return True
-    bar = _barrier(xq.device)
-    if bar is None:
-        return False
-    options["launch_cooperative_grid"] = True
-    w2 = args["d_b_ptr"]
-    args["PREFETCH"] = ONE_LAUNCH_PREFETCH and w2.stride(0) % 16 == 0 and w2.data_ptr() % 16 == 0
-    key = (xq.device.index, *options.values(), *[(name, args[name]) for name in _constexprs() if name in args])
-    fits = _RESIDENT.get(key)
-    if fits is None:  # compiled (not launched) once a variant, its binary loaded for its register count
-        kernel = gated_mlp_kernel.warmup(bar_ptr=bar, PHASES=3, **args, **options, grid=(1,))
-        kernel._init_handles()
-        fits = _RESIDENT[key] = resident_per_sm(kernel, xq.device)
-    programs = sm_count(xq.device) * min(ONE_LAUNCH_PER_SM, fits)
-    gated_mlp_kernel[(programs,)](bar_ptr=bar, PHASES=3, **args, **options)
-    return True
-
-
 def gated_mlp(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
@@ -784,7 +576,6 @@ def gated_mlp(
     configs: tuple[Optional[dict], Optional[dict]] = (None, None),
     pdl: Optional[bool] = None,
     h_group: int = 0,
-    one_launch: Optional[bool] = None,
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` in two kernels (three with per-token h, below). xq: fp8 [M, K] with
     ``x_scale`` per token ([M] / [M, 1]) or per tensor; w1 (gate), w3 (up): fp8 [I, K]; w2 (down): fp8 [N, I]; weight
@@ -842,28 +633,16 @@ def gated_mlp(
         pdl = xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (9, 0)
     pdl = pdl and not rows_pass  # (quantize_rows runs between the two GEMMs, launched as any kernel)
     grid = (cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
-    gate_up = dict(a_ptr=xq, w1_ptr=w1, w3_ptr=w3, a_scale_ptr=x_scale, s1_ptr=s1, s3_ptr=s3, h_ptr=h, parts_ptr=parts,
-                   M=m, K=k, stride_am=xq.stride(0), stride_ak=xq.stride(1), stride_wn=w1.stride(0),
-                   stride_wk=w1.stride(1), stride_hm=h.stride(0), stride_pm=parts.stride(0),
-                   A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
-                   IMPRECISE_K=imprecise_k(cfg1, fast_accum), H_GROUPS=bool(h_group), H_DTYPE=_TL_DTYPES[h_dtype],
-                   EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX,
-                   **{key: v for key, v in cfg1.items() if key not in ("num_warps", "num_stages")})
     # Triton compiles for and launches on the current device: make it xq's
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
-        if one_launch is None:
-            one_launch = ops.GATED_ONE_LAUNCH
-        if one_launch and not rows_pass and not cfg2.get("GEMV") and cfg1["num_warps"] == cfg2["num_warps"]:
-            if h_group:
-                down = gemm_launch(h, w2, parts, s2, bias, out_dtype, config=cfg2, a_block=(1, h_group),
-                                   fast_accum=fast_accum, tickets=tickets)
-            else:
-                down = gemm_launch(h, w2, h_scale, s2, bias, out_dtype, config=cfg2, fast_accum=fast_accum,
-                                   a_quant=h_quant, tickets=tickets)
-            if _one_launch(gate_up, i, split_tiles, down, cfg1["num_stages"]):
-                return down.out
-        gated_gemm_kernel[grid](tickets_ptr=tickets, N=i, n_tickets=split_tiles, PDL_TRIGGER=pdl, **gate_up,
-                                num_warps=cfg1["num_warps"], num_stages=cfg1["num_stages"])
+        gated_gemm_kernel[grid](
+            xq, w1, w3, x_scale, s1, s3, h, parts, tickets,
+            m, i, k, split_tiles,
+            xq.stride(0), xq.stride(1), w1.stride(0), w1.stride(1), h.stride(0), parts.stride(0),
+            A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
+            IMPRECISE_K=imprecise_k(cfg1, fast_accum), PDL_TRIGGER=pdl, H_GROUPS=bool(h_group),
+            H_DTYPE=_TL_DTYPES[h_dtype], EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **cfg1,
+        )
         if h_group:  # h arrives as fp8 codes with [M, I / h_group] scales: K-grouped activations
             return fp8_gemm(h, w2, parts, s2, bias, out_dtype, config=cfg2, a_block=(1, h_group),
                             fast_accum=fast_accum, tickets=tickets, pdl=pdl)

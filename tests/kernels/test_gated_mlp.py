@@ -116,8 +116,6 @@ INTERPRETER_CHECK = textwrap.dedent("""
     import fp8fx.kernels.gated_mlp as GM
     rows_calls, real_quantize_rows = [], GM.quantize_rows
     GM.quantize_rows = lambda h, parts, *a: rows_calls.append(h.shape[0]) or real_quantize_rows(h, parts, *a)
-    one_launches, real_one_launch = [], GM._one_launch
-    GM._one_launch = lambda *a: one_launches.append(real_one_launch(*a)) or one_launches[-1]
     worst_seen = 0.0
     shapes = [(1, 160, 96, 72), (3, 300, 200, 130), (17, 256, 300, 64)]  # (17: h's maxima in 3 parts of 128)
     cases = [(*shape, scheme, "silu") for shape in shapes for scheme in SCHEMES]
@@ -130,12 +128,7 @@ INTERPRETER_CHECK = textwrap.dedent("""
         for split in (1, 3):
             cfg2 = {**K.tile_config(m, n, i), "SPLIT_K": split}
             y = gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, bias, h_quant, h_static, torch.bfloat16,
-                          torch.bfloat16, act, configs=(None, cfg2), h_group=h_group, one_launch=False)
-            if 1 < m <= ops.GATED_MAX_M and not cfg2.get("GEMV"):  # the one-launch kernel's halves: the same bits
-                launched = len(one_launches)
-                y1 = gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, bias, h_quant, h_static, torch.bfloat16,
-                               torch.bfloat16, act, configs=(None, cfg2), h_group=h_group, one_launch=True)
-                assert one_launches[launched:] == [True] and torch.equal(y1, y), (m, scheme, act, split)
+                          torch.bfloat16, act, configs=(None, cfg2), h_group=h_group)
             worst = max(rel(y[r], ref[r]) for r in range(m))
             worst_seen = max(worst_seen, worst)
             # h a bf16 step off here and there, the odd fp8 code one step off (the kernel quantizes by the
@@ -143,8 +136,7 @@ INTERPRETER_CHECK = textwrap.dedent("""
             assert worst < 0.01, (m, scheme, act, split, worst)
     per_token = [name for name, (_, _, h_block, static) in SCHEMES.items() if h_block == [1, -1] and static is None]
     assert rows_calls == [17] * 2 * len(per_token), rows_calls  # each split, each per-token scheme at 17 rows
-    assert len(one_launches) == 2 * (len(SCHEMES) + 2), one_launches  # 3 rows: each split, scheme and activation
-    GM.quantize_rows, GM._one_launch = real_quantize_rows, real_one_launch
+    GM.quantize_rows = real_quantize_rows
 
     # 3. h in 1 x G groups: the gate/up kernel's epilogue writes quant.quantize(h, [1, G])'s codes and scales (G its
     # BLOCK_N; 100 and 270 columns leave a ragged last group), rows 1000x apart; a group scale of the wrong row or
@@ -383,56 +375,6 @@ def test_gated_mlp_rows_pass_cuda_graph_replays(monkeypatch, m):
                                             torch.bfloat16, pdl=pdl)
     check_replays(run, args)
     assert calls and set(calls) == {(m, 14336)}, calls  # the three-kernel route ran
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("m", [2, 7, 16])
-@pytest.mark.parametrize("scheme", list(SCHEMES))
-def test_one_launch_gives_the_two_kernels_bits_cuda(monkeypatch, m, scheme):
-    """2-16 tokens at Llama-3-8B sizes, default tiles: the gated MLP in one cooperative launch (the gate/up tiles, the
-    grid barrier, the down GEMM's tiles) gives the two kernels' bits, call after call (its barrier counters back at
-    zero after each), and in CUDA-graph replays (the capture stream takes counters of its own from the pool)."""
-    from fp8fx.kernels import gated_mlp as module
-
-    args, _ = mlp_operands(m, 4096, 14336, 4096, scheme, "cuda", row_gain=torch.logspace(0, 3, m))
-    h_quant, h_group = h_quant_of(args[11], args[13])
-    launches, real = [], module._one_launch
-    monkeypatch.setattr(module, "_one_launch", lambda *a: launches.append(real(*a)) or launches[-1])
-    run = lambda one: module.gated_mlp(*args[:9], h_quant, args[13], torch.bfloat16,  # noqa: E731
-                                       torch.bfloat16, h_group=h_group, one_launch=one)
-    two = run(False)
-    assert launches == []
-    for _ in range(3):
-        assert torch.equal(run(True), two)
-    assert launches == [True] * 3
-    assert_graph_replays_equal(lambda: run(True), two)
-    assert launches == [True] * 4, "captured as one launch"
-    torch.cuda.synchronize()
-    assert all(bar.tolist() == [0, 0] for bar in module._BARRIERS.values())
-    if scheme not in ("static h", "per-tensor/per-tensor"):  # (rows 1000x apart: those leave the small rows far off)
-        assert rel(two, ops._gated_mlp_reference(*args)) < 0.015
-
-
-@pytest.mark.cuda
-def test_one_launch_on_two_streams_cuda():
-    """Two streams, each its own counters: launches on both at once give the bits of launches one after another."""
-    from fp8fx.kernels import gated_mlp as module
-    from fp8fx.kernels.fp8_gemm import QUANT_ROWS
-
-    args, _ = mlp_operands(16, 4096, 14336, 4096, "per-token/per-channel", "cuda")
-    run = lambda: module.gated_mlp(*args[:9], QUANT_ROWS, None, torch.bfloat16, torch.bfloat16,  # noqa: E731
-                                   one_launch=True)
-    want = run()
-    streams = [torch.cuda.Stream() for _ in range(2)]
-    outs = []
-    torch.cuda.synchronize()
-    for _ in range(5):
-        for stream in streams:
-            with torch.cuda.stream(stream):
-                outs.append(run())
-    torch.cuda.synchronize()
-    assert all(torch.equal(y, want) for y in outs)
-    assert len({bar.data_ptr() for bar in module._BARRIERS.values()}) == len(module._BARRIERS) >= 3
 
 
 @pytest.mark.cuda
