@@ -49,7 +49,8 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
     pointers64 = mma_tile_config(64, n, k, transposed=False)
     configs = [mma_tile_config(cfg_m, n, k) for cfg_m in (1, 64, 4096)] + [{**mma_tile_config(1, n, k), "SPLIT_K": 3}]
     configs.append(pointers64)
-    configs += [mma_tile_config(cfg_m, 4096, 14336) for cfg_m in (1, 64)]  # the long-K (split) decode tiles
+    # the long-K (split) decode tiles; 17-63 rows: the weight alone by TMA (run 29)
+    configs += [mma_tile_config(cfg_m, 4096, 14336) for cfg_m in (1, 32, 64)]
     configs.append(mma_tile_config(64, 4096, 4096))  # 64 rows of a weight with few N tiles: 32 wide, split K
     configs.append(mma_tile_config(32, 4096, 4096))  # the same at 17-63 rows: the weight alone by TMA
     configs.append({**configs[-1], "SPLIT_K": 4})
