@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from fp8fx import quant
+from fp8fx.kernels.launch import sm_count
 from fp8fx.lowerings import compat
 
 
@@ -73,7 +74,7 @@ def main():
         q_ref, s_ref = compiled(g, u)
     t = triton.testing.do_bench(lambda: compiled(g, u), warmup=25, rep=100, return_mode="median")
     print(f"M={args.m} Inductor one-pass: {t:.4f} ms ({gbytes / t:.2f} TB/s)", flush=True)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sms = sm_count(g.device)  # (the device g is on, not device 0)
     for per_sm, warps in ((1, 16), (1, 32), (2, 8), (2, 16), (4, 8)):
         q, s = triton_version(g, u, per_sm * sms, warps)
         codes = (q.float() != q_ref.float()).float().mean().item()
