@@ -135,6 +135,28 @@ def timer(fn, x, graph: bool, reps: int = 200):
     return run
 
 
+# a plain-call row whose host time a call is at least this share of its timed ms is marked host-bound: do_bench then
+# times the host as much as the GPU (run 30: the fused MLP at 2048 tokens, 0.718 ms by do_bench against 0.514 ms of
+# GPU time on a slow host)
+HOST_BOUND = 0.9
+
+
+def host_ms(fn, x, calls: int = 20, bursts: int = 5) -> float:
+    """Median host time a call of fn(x), ms: ``bursts`` bursts of ``calls`` calls, each burst after a sync, none
+    waited for - what the host spends issuing one call (the GPU is idle at each burst's start, so it never holds the
+    host back; 20 calls of a block are far from filling the launch queue)."""
+    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    times = []
+    for _ in range(bursts):
+        sync()
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn(x)
+        times.append((time.perf_counter() - start) / calls * 1e3)
+    sync()
+    return statistics.median(times)
+
+
 def rel_err(a, ref):
     return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -304,6 +326,11 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAUL
                 t = statistics.median(times[name])
                 row = {"what": "mlp block", "M": m, "variant": name, "ms": t,
                        "tflops": 3 * 2 * m * DIM * HIDDEN / t / 1e9, "graph_replay": timers[name].graph}
+                if not timers[name].graph:  # plain calls: is the host as slow as the GPU?
+                    row["host_ms"] = host_ms(variants[name], x)
+                    if row["host_ms"] >= HOST_BOUND * t:
+                        print(f"M={m} {name}: host {row['host_ms']:.4f} ms a call against {t:.4f} ms timed: "
+                              "host-bound (do_bench timed the host)", flush=True)
                 rows.append({**row, "ms_rounds": times[name]} if rounds > 1 else row)
             for anchor in ("bf16_inductor", "torchao_rowwise"):
                 for name in names if rounds > 1 and anchor in times else ():
@@ -386,17 +413,21 @@ def plot(rows, path):
 
 
 def ratios_table(rows):
+    """The rows as a markdown table: ms, TFLOP/s, each anchor's ratio, and the host time a call of plain-call MLP
+    rows (``host_ms``), marked where it reaches ``HOST_BOUND`` of the row's ms."""
     lines = ["| what | M | variant | ms | TFLOP/s | vs bf16 | vs torchao | vs Inductor fp8 | vs cuBLAS fp8 GEMM "
-             "| vs cuBLAS block |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| vs cuBLAS block | host ms a call |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     index = {(r["what"], r["M"], r["variant"]): r["ms"] for r in rows}
     for r in rows:
         def ratio(anchor):
             a = index.get((r["what"], r["M"], anchor))
             return f"{a / r['ms']:.2f}x" if a else ""
         bf16 = "bf16_inductor" if r["what"] == "mlp block" else "bf16_cublas"
+        host = r.get("host_ms")
+        host = "" if host is None else f"{host:.4f}" + (" (host-bound)" if host >= HOST_BOUND * r["ms"] else "")
         lines.append(f"| {r['what']} | {r['M']} | {r['variant']} | {r['ms']:.4f} | {r['tflops']:.0f} | "
                      f"{ratio(bf16)} | {ratio('torchao_rowwise')} | {ratio('inductor_scaled_mm')} | "
-                     f"{ratio('fp8_cublas_gemm_only')} | {ratio('cublas_block')} |")
+                     f"{ratio('fp8_cublas_gemm_only')} | {ratio('cublas_block')} | {host} |")
     return "\n".join(lines)
 
 

@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from tests.conftest import run_under_triton_interpreter
 
@@ -59,3 +60,24 @@ def test_kernel_settings_hold_for_one_call(monkeypatch):
     with pytest.raises(RuntimeError):
         with_kernel_setting(fails, "GATED_ROWS_MIN_M", 1, module=ops)()
     assert ops.GATED_ROWS_MIN_M == 17
+
+
+def test_plain_call_rows_carry_their_host_time(monkeypatch):
+    """bench_linear.py's plain-call MLP rows: ``host_ms`` issues ``bursts`` x ``calls`` calls (no sync on the CPU) and
+    returns a time a call; the table shows it, marked host-bound where it reaches ``HOST_BOUND`` of the row's ms
+    (do_bench then timed the host: run 30's fused block at 2048 tokens), and leaves graph-replay rows blank."""
+    import sys
+
+    monkeypatch.syspath_prepend("benchmarks")
+    monkeypatch.delitem(sys.modules, "bench_linear", raising=False)
+    from bench_linear import HOST_BOUND, host_ms, ratios_table
+
+    seen = []
+    assert host_ms(lambda x: seen.append(x), torch.zeros(1), calls=3, bursts=2) > 0 and len(seen) == 6
+    row = {"what": "mlp block", "M": 2048, "tflops": 1.0}
+    table = ratios_table([{**row, "variant": "bf16_inductor", "ms": 1.0},
+                          {**row, "variant": "fused", "ms": 0.7, "host_ms": 0.7 * HOST_BOUND},
+                          {**row, "variant": "torchao_rowwise", "ms": 0.66, "host_ms": 0.3}]).splitlines()
+    assert table[0].endswith("| host ms a call |") and table[2].endswith("|  |")  # bf16: no host time (a replay)
+    assert table[3].endswith(f"| {0.7 * HOST_BOUND:.4f} (host-bound) |"), table[3]
+    assert table[4].endswith("| 0.3000 |") and "1.52x" in table[4], table[4]
