@@ -78,6 +78,6 @@ def test_plain_call_rows_carry_their_host_time(monkeypatch):
     table = ratios_table([{**row, "variant": "bf16_inductor", "ms": 1.0},
                           {**row, "variant": "fused", "ms": 0.7, "host_ms": 0.7 * HOST_BOUND},
                           {**row, "variant": "torchao_rowwise", "ms": 0.66, "host_ms": 0.3}]).splitlines()
-    assert table[0].endswith("| host ms a call |") and table[2].endswith("|  |")  # bf16: no host time (a replay)
+    assert table[0].endswith("| host ms a call |") and table[2].endswith("|  |")  # no host_ms: a graph replay row
     assert table[3].endswith(f"| {0.7 * HOST_BOUND:.4f} (host-bound) |"), table[3]
     assert table[4].endswith("| 0.3000 |") and "1.52x" in table[4], table[4]
