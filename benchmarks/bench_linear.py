@@ -141,17 +141,20 @@ def timer(fn, x, graph: bool, reps: int = 200):
 HOST_BOUND = 0.9
 
 
-def host_ms(fn, x, calls: int = 20, bursts: int = 5) -> float:
-    """Median host time a call of fn(x), ms: ``bursts`` bursts of ``calls`` calls, each burst after a sync, none
+def host_ms(fn, calls: int = 20, bursts: int = 5, busy_cycles: int = 0) -> float:
+    """Median host time a call of fn(), ms: ``bursts`` bursts of ``calls`` calls, each burst after a sync, none
     waited for - what the host spends issuing one call (the GPU is idle at each burst's start, so it never holds the
-    host back; 20 calls of a block are far from filling the launch queue)."""
-    sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+    host back; 20 calls of a block are far from filling the launch queue). ``busy_cycles``: the GPU is first given a
+    sleep that outlasts the burst, so no call can wait on it finishing anything (``host_study.py``)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     times = []
     for _ in range(bursts):
         sync()
+        if busy_cycles:
+            torch.cuda._sleep(busy_cycles)
         start = time.perf_counter()
         for _ in range(calls):
-            fn(x)
+            fn()
         times.append((time.perf_counter() - start) / calls * 1e3)
     sync()
     return statistics.median(times)
@@ -327,7 +330,7 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAUL
                 row = {"what": "mlp block", "M": m, "variant": name, "ms": t,
                        "tflops": 3 * 2 * m * DIM * HIDDEN / t / 1e9, "graph_replay": timers[name].graph}
                 if not timers[name].graph:  # plain calls: is the host as slow as the GPU?
-                    row["host_ms"] = host_ms(variants[name], x)
+                    row["host_ms"] = host_ms(lambda fn=variants[name]: fn(x))
                     if row["host_ms"] >= HOST_BOUND * t:
                         print(f"M={m} {name}: host {row['host_ms']:.4f} ms a call against {t:.4f} ms timed: "
                               "host-bound (do_bench timed the host)", flush=True)

@@ -36,33 +36,16 @@ import re
 import statistics
 import subprocess
 import sys
-import time
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks.bench_linear import DIM, bench, capture, fp8fx_module, l2_flushes, mlp_factory, replay_ms  # noqa: E402
-from benchmarks.bench_linear import torchao_rowwise  # noqa: E402
+from benchmarks.bench_linear import host_ms, torchao_rowwise  # noqa: E402
 from benchmarks.prefill_study import Operands  # noqa: E402
 from fp8fx import ops, quant  # noqa: E402
 from fp8fx.kernels import gated_mlp as gm  # noqa: E402
 from fp8fx.kernels.launch import sm_count  # noqa: E402
-
-
-def host_ms(fn, calls: int, bursts: int, busy_cycles: int = 0) -> float:
-    """Median over bursts of the host time a call of fn() (no sync inside a burst). ``busy_cycles``: the GPU is
-    first given a sleep that outlasts the burst, so no call can wait on it finishing anything."""
-    times = []
-    for _ in range(bursts):
-        torch.cuda.synchronize()
-        if busy_cycles:
-            torch.cuda._sleep(busy_cycles)
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        times.append((time.perf_counter() - t0) * 1e3 / calls)
-    torch.cuda.synchronize()
-    return statistics.median(times)
 
 
 def plain_ms(fn, reps: int = 100) -> float:
