@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from tests.conftest import run_under_triton_interpreter
 
