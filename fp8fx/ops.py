@@ -34,7 +34,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from fp8fx import quant
-from fp8fx.kernels.launch import cdiv  # (no Triton import: launch.py imports torch only)
+from fp8fx.kernels import launch  # (no Triton import: launch.py imports torch only)
+from fp8fx.kernels.launch import cdiv
 from fp8fx.lowerings import compat
 
 # Everything here is functional (no op mutates its inputs).
@@ -584,7 +585,7 @@ def gated_prefill_reason(m: int, k: int, i: int, n: int, x_block, w_block, h_blo
         return f"h in {h_dtype}, out in {out_dtype}: the prefill kernels take a 16-bit h and a bf16 output"
     if k % 16 or i % 16 or n % 16:
         return f"K={k}, I={i}, N={n}: the prefill kernels' copies and cuBLAS take multiples of 16"
-    capability = torch.cuda.get_device_capability(device) if device is not None and device.type == "cuda" else None
+    capability = launch.capability(device) if device is not None and device.type == "cuda" else None
     if capability is not None and capability < (9, 0):
         return f"the prefill kernels need sm_90 (TMA copies, wgmma); this GPU is sm_{capability[0]}{capability[1]}"
     return ""
@@ -647,12 +648,10 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
     m = x2.shape[0]
     if not gated_prefill_reason(m, x2.shape[1], w1.shape[0], w2.shape[0], x_block, w_block, h_block, w2_block,
                                 h_static, h_dtype, out_dtype, x2.device):
-        from fp8fx.kernels.gated_mlp import gated_prefill, quantize_rows
+        from fp8fx.kernels.gated_mlp import prefill_mlp
 
-        h, parts = gated_prefill(x2, x_scale, w1, s1, w3, s3, h_dtype, act, use_fast_accum)
-        hq, h_scale = quantize_rows(h, parts)
-        y = cublas_scaled_mm(hq, h_scale, w2, s2, bias, h_block, w2_block, out_dtype, use_fast_accum)
-        return y.reshape(*xq.shape[:-1], w2.shape[0])
+        y = prefill_mlp(x2, x_scale, w1, s1, w3, s3, w2, s2, bias, w2_block, h_dtype, out_dtype, act, use_fast_accum)
+        return y if xq.dim() == 2 else y.reshape(*xq.shape[:-1], w2.shape[0])
     h_group = _h_group(h_block, w2_block) if h_static is None else 0
     if not (0 < m <= TRITON_MAX_M and _tensor_or_row(x_block, w_block)
             and (_tensor_or_row(h_block, w2_block) or h_group)):
@@ -882,7 +881,7 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
     _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale,
                     out_dtype)
     # the kernel's fp8 x fp8 dots need fp8 tensor cores (compute capability 8.9: Ada, Hopper and later)
-    fp8_cores = torch.cuda.get_device_capability(x.device) >= (8, 9)
+    fp8_cores = launch.capability(x.device) >= (8, 9)
     if fp8_cores and kernel.supports(w_block, act_block, tuple(w13.shape)):
         return kernel.fused_moe(
             x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale,

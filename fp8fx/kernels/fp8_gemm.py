@@ -68,7 +68,7 @@ import triton
 import triton.language as tl
 
 from fp8fx import quant
-from fp8fx.kernels.launch import cdiv, next_power_of_2
+from fp8fx.kernels.launch import capability, cdiv, next_power_of_2
 
 # scale layouts, on the host (the kernel takes them as constexpr flags: Triton kernels may not read
 # module globals unless they are tl.constexpr objects)
@@ -438,7 +438,7 @@ def for_device(cfg: dict, device: torch.device) -> dict:
     (``TMA_A``) - untransposed and with pointer loads on CUDA GPUs
     before sm_90 (no wgmma, no TMA: their 16-row tiles stay as measured in run 18); on the CPU the interpreter runs
     the H200's tiles."""
-    if device.type != "cuda" or torch.cuda.get_device_capability(device) >= (9, 0):
+    if device.type != "cuda" or capability(device) >= (9, 0):
         return cfg
     return {key: v for key, v in cfg.items() if key not in ("SWAP_AB", "TMA", "TMA_A")}
 
@@ -617,7 +617,7 @@ def fp8_gemm(
         # group scales by row
         raise ValueError(f"fp8_gemm: activation scales per token or per tensor along M, K groups per token "
                          f"([1, G]); got a_block={a_block}")
-    if pdl and (not a.is_cuda or torch.cuda.get_device_capability(a.device) < (9, 0)):
+    if pdl and (not a.is_cuda or capability(a.device) < (9, 0)):
         raise ValueError(f"fp8_gemm: pdl=True (programmatic dependent launch) needs a CUDA GPU of compute "
                          f"capability 9.0 or newer; a is on {a.device}")
     if a_quant != NO_QUANT and (a_block is not None or a.element_size() == 1 or a_scale.dtype != torch.float32):

@@ -55,7 +55,7 @@ from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _rows_amax, _scale_of
 from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
 from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages, tile_config
-from fp8fx.kernels.launch import Relaunch, cdiv, next_power_of_2, sm_count
+from fp8fx.kernels.launch import Relaunch, capability, cdiv, next_power_of_2, sm_count, unchecked_descriptor
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
 # h quantized in 1 x h_group groups by the gate/up kernel's epilogue (an N tile of it per group), read by the down
@@ -444,8 +444,16 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
     with float32 g and u, compiled for CUDA): silu by ``tanh.approx`` (``_gated_h``), else by ex2 and rcp.
     ``tail_split`` (the default): the last, partial round of tiles in half tiles where that round has at most half as
     many tiles as there are programs and the halves have 16 rows or more (``prefill_tail_split``)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
+    grid, args, kwargs, h, parts = _gated_prefill_launch(xq, x_scale, w1, s1, w3, s3, h_dtype, act, fast_accum, config,
+                                                         programs, model_rounding, tanh_silu, tail_split)
+    with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
+        _GATED_PREFILL[grid](*args, **kwargs)
+    return h, parts
 
+
+def _gated_prefill_launch(xq, x_scale, w1, s1, w3, s3, h_dtype, act="silu", fast_accum=False, config=None,
+                          programs=None, model_rounding=False, tanh_silu=True, tail_split=True):
+    """``gated_prefill``'s launch of ``gated_prefill_kernel``: (grid, arguments, constexprs and options, h, parts)."""
     xq, w1, w3 = (t if _tma_addressable(t) else t.contiguous() for t in (xq, w1, w3))
     if w1.data_ptr() == w3.data_ptr():
         w3 = w3.clone()
@@ -454,11 +462,6 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
     s1, s3, w_rowwise = _gate_up_scales(s1, s3, i)
     x_scale = _flat_f32(x_scale)
     bm, bn, bk = cfg.pop("BLOCK_M"), cfg.pop("BLOCK_N"), cfg.pop("BLOCK_K")
-    # gate and up as one [2, I, K] tensor: the second one's offset from the first is its leading stride (any
-    # distance of a multiple of 16 bytes: the copies read the two weights' own rows only)
-    up_first = w3.data_ptr() < w1.data_ptr()
-    low, high = (w3, w1) if up_first else (w1, w3)
-    pair = TensorDescriptor(low, [2, i, k], [high.data_ptr() - low.data_ptr(), k, 1], [2, bn, bk])
     h = torch.empty(m, i, device=xq.device, dtype=h_dtype)
     parts = torch.empty(m, cdiv(i, bn), device=xq.device, dtype=torch.float32)
     if programs is None:
@@ -466,18 +469,33 @@ def gated_prefill(xq: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1:
     tiles = cdiv(m, bm) * parts.shape[1]
     programs = max(1, min(programs, tiles))
     split = prefill_tail_split(tiles, programs, bm) if tail_split else 1
-    xt, ht = ((TensorDescriptor(xq, [m, k], [k, 1], [bm // split, bk]),
-               TensorDescriptor(h, [m, i], [i, 1], [bm // split, bn])) if split > 1 else (None, None))
-    with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
-        _GATED_PREFILL[(programs,)](
-            TensorDescriptor(xq, [m, k], [k, 1], [bm, bk]), pair, TensorDescriptor(h, [m, i], [i, 1], [bm, bn]),
-            x_scale, s1, s3, parts, m, i, k, parts.stride(0), xt, ht,
-            A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
-            IMPRECISE_K=imprecise_k({"BLOCK_K": bk}, fast_accum), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-            PROGRAMS=programs, UP_FIRST=up_first, PTX_MATH=_compiles_ptx(xq), MODEL_ROUNDING=model_rounding,
-            TANH_SILU=tanh_silu, TAIL_SPLIT=split, **cfg,
-        )
-    return h, parts
+    up_first = w3.data_ptr() < w1.data_ptr()
+    args = _gated_prefill_args(xq, w3 if up_first else w1, w1 if up_first else w3, h, x_scale, s1, s3, parts,
+                               (bm, bn, bk), split)
+    kwargs = dict(A_ROWWISE=x_scale.numel() == m and m > 1, W_ROWWISE=w_rowwise, ACT=ACTIVATIONS[act],
+                  IMPRECISE_K=imprecise_k({"BLOCK_K": bk}, fast_accum), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                  PROGRAMS=programs, UP_FIRST=up_first, PTX_MATH=_compiles_ptx(xq), MODEL_ROUNDING=model_rounding,
+                  TANH_SILU=tanh_silu, TAIL_SPLIT=split, **cfg)
+    return (programs, 1, 1), args, kwargs, h, parts
+
+
+def _gated_prefill_args(xq, low, high, h, x_scale, s1, s3, parts, blocks: tuple[int, int, int], split: int,
+                        descriptor=None) -> tuple:
+    """``gated_prefill_kernel``'s arguments up to its constexprs. Gate and up are one [2, I, K] tensor: the weight at
+    the higher address (``high``) is at its leading stride from the other (any distance of a multiple of 16 bytes:
+    the copies read the two weights' own rows only). ``descriptor``: the tensor descriptors' constructor (default:
+    Triton's ``TensorDescriptor``, which checks its arguments; a ``PrefillPlan`` takes ``launch.unchecked_descriptor``
+    for operands its first call's checked ones passed)."""
+    if descriptor is None:
+        from triton.tools.tensor_descriptor import TensorDescriptor as descriptor
+
+    (m, k), i = xq.shape, h.shape[1]
+    bm, bn, bk = blocks
+    halves = ((descriptor(xq, [m, k], [k, 1], [bm // split, bk]),
+               descriptor(h, [m, i], [i, 1], [bm // split, bn])) if split > 1 else (None, None))
+    return (descriptor(xq, [m, k], [k, 1], [bm, bk]),
+            descriptor(low, [2, i, k], [high.data_ptr() - low.data_ptr(), k, 1], [2, bn, bk]),
+            descriptor(h, [m, i], [i, 1], [bm, bn]), x_scale, s1, s3, parts, m, i, k, parts.stride(0), *halves)
 
 
 def prefill_tail_split(tiles: int, programs: int, block_m: int) -> int:
@@ -521,17 +539,114 @@ def quantize_rows(h: torch.Tensor, parts: torch.Tensor, block: tuple[int, int] =
     """(fp8 codes [M, N], float32 scales [M, 1]) of h [M, N] per row, from its partial row maxima ``parts``
     [M, P] (``gated_prefill``'s, or the decode ``gated_gemm_kernel``'s in ``gated_mlp``'s three-kernel route):
     ``fp8fx.quant.quantize(h, [1, -1])``'s bits without its row reduction."""
+    grid, args, kwargs, q, scale = _quantize_rows_launch(h, parts, block)
+    with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
+        _QUANTIZE_ROWS[grid](*args, **kwargs)
+    return q, scale
+
+
+def _quantize_rows_launch(h: torch.Tensor, parts: torch.Tensor, block: tuple[int, int] = (8, 512)):
+    """``quantize_rows``'s launch of ``quantize_rows_kernel``: (grid, arguments, constexprs and options, q, scale)."""
     m, n = h.shape
     q = torch.empty(m, n, device=h.device, dtype=quant.FP8_DTYPE)
     scale = torch.empty(m, 1, device=h.device, dtype=torch.float32)
     bm, bn = block
-    with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
-        _QUANTIZE_ROWS[(cdiv(m, bm), cdiv(n, bn))](
-            h, parts, q, scale, m, n, h.stride(0), parts.stride(0), q.stride(0),
-            N_PARTS=parts.shape[1], PARTS_BLOCK=next_power_of_2(parts.shape[1]), BLOCK_M=bm, BLOCK_N=bn,
-            EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, num_warps=4,
-        )
-    return q, scale
+    kwargs = dict(N_PARTS=parts.shape[1], PARTS_BLOCK=next_power_of_2(parts.shape[1]), BLOCK_M=bm, BLOCK_N=bn,
+                  EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, num_warps=4)
+    return (cdiv(m, bm), cdiv(n, bn), 1), _quantize_rows_args(h, parts, q, scale), kwargs, q, scale
+
+
+def _quantize_rows_args(h, parts, q, scale) -> tuple:
+    """``quantize_rows_kernel``'s arguments up to its constexprs."""
+    return h, parts, q, scale, h.shape[0], h.shape[1], h.stride(0), parts.stride(0), q.stride(0)
+
+
+def prefill_mlp(x2: torch.Tensor, x_scale: torch.Tensor, w1: torch.Tensor, s1: torch.Tensor, w3: torch.Tensor,
+                s3: torch.Tensor, w2: torch.Tensor, s2: torch.Tensor, bias: Optional[torch.Tensor], w2_block,
+                h_dtype: torch.dtype, out_dtype: torch.dtype, act: str, fast_accum: bool) -> torch.Tensor:
+    """The gated MLP's prefill route, x2 [M, K]: ``gated_prefill``, ``quantize_rows`` and cuBLAS's down GEMM
+    (``fp8fx.ops.cublas_scaled_mm``), for the op's arguments that ``fp8fx.ops.gated_prefill_reason`` lets through.
+
+    Where the operands are as the kernels read them without a copy or a cast (``_plain_operands``), every call of a
+    shape after its first goes through that shape's ``PrefillPlan``: the same launches, with what they derive from
+    the shapes (tiles, grids, constexprs, the compiled kernels) kept from the first call. What that saves is host
+    time: prefill runs without CUDA graphs, and at 2048 tokens the op's host time was as long as its GPU time
+    (benchmarks/RESULTS.md runs 25-30)."""
+    plain = _plain_operands(x2, x_scale, w1, s1, w3, s3, w2, s2)
+    if plain:
+        key = (x2.device.index, *x2.shape, w1.shape[0], w2.shape[0], h_dtype, out_dtype, act, fast_accum,
+               x_scale.numel(), s1.numel(), w3.data_ptr() < w1.data_ptr())
+        plan = _PLANS.get(key)
+        if plan is not None:
+            return plan(x2, x_scale, w1, s1, w3, s3, w2, s2, bias)
+    grid1, args1, kwargs1, h, parts = _gated_prefill_launch(x2, x_scale, w1, s1, w3, s3, h_dtype, act, fast_accum)
+    with torch.cuda.device(x2.device) if x2.is_cuda else contextlib.nullcontext():
+        _GATED_PREFILL[grid1](*args1, **kwargs1)
+        grid2, args2, kwargs2, hq, h_scale = _quantize_rows_launch(h, parts)
+        _QUANTIZE_ROWS[grid2](*args2, **kwargs2)
+        if plain:
+            gate_up, rows = _GATED_PREFILL.bound(args1, kwargs1), _QUANTIZE_ROWS.bound(args2, kwargs2)
+            if gate_up is not None and rows is not None:  # (compiled kernels: not under the interpreter)
+                if len(_PLANS) >= _MAX_PLANS:
+                    del _PLANS[next(iter(_PLANS))]
+                _PLANS[key] = PrefillPlan(gate_up, grid1, kwargs1, rows, grid2, h_dtype, out_dtype, fast_accum)
+    return ops.cublas_scaled_mm(hq, h_scale, w2, s2, bias, (1, -1), w2_block, out_dtype, fast_accum)
+
+
+_PLANS: dict[tuple, "PrefillPlan"] = {}  # prefill_mlp's, by shape key (see there); the oldest goes past _MAX_PLANS
+_MAX_PLANS = 64
+
+
+def _plain_operands(x2, x_scale, w1, s1, w3, s3, w2, s2) -> bool:
+    """Whether ``prefill_mlp``'s operands are what a ``PrefillPlan`` launches on as they are: x, gate and up
+    row-major [*, K] with 16-byte aligned bases (TMA), gate and up two tensors, down [N, I] row-major; the scales
+    float32, contiguous, 16-byte aligned, x's per token or per tensor, gate's and up's alike (both per channel or
+    both per tensor), down's per channel. Anything else takes the general route, which copies or casts first."""
+    k, i, n = x2.shape[1], w1.shape[0], w2.shape[0]
+    f32 = torch.float32
+    return (x2.stride() == (k, 1) and w1.stride() == (k, 1) and w3.stride() == (k, 1) and w2.stride() == (i, 1)
+            and w1.data_ptr() != w3.data_ptr()
+            and x_scale.dtype == f32 and s1.dtype == f32 and s3.dtype == f32 and s2.dtype == f32
+            and x_scale.is_contiguous() and s1.is_contiguous() and s3.is_contiguous() and s2.is_contiguous()
+            and s1.numel() == s3.numel() and s2.numel() == n
+            and not (x2.data_ptr() | w1.data_ptr() | w3.data_ptr() | x_scale.data_ptr() | s1.data_ptr()
+                     | s3.data_ptr()) & 15)
+
+
+class PrefillPlan:
+    """``prefill_mlp``'s launches for one shape key (the device, M, K, I, N, the dtypes, act, fast accumulation,
+    how x, gate and up are scaled, which of gate and up comes first in memory), from the first call with it: its
+    kernels compiled for that launch key (``launch.Bound``), their grids, tiles and the tail split. A call makes
+    the same launches as the general route with the same arguments for the same operands (``_gated_prefill_args``,
+    ``_quantize_rows_args``), and the down GEMM is ``torch._scaled_mm`` with the scales as they are (per token,
+    per channel: [M, 1] and a [1, N] view). What it leaves out is the general route's host work: configs, checks of
+    each operand's layout, scale glue, launch keys."""
+
+    __slots__ = ("gate_up", "grid1", "blocks", "split", "up_first", "rows", "grid2", "h_dtype", "out_dtype",
+                 "fast_accum")
+
+    def __init__(self, gate_up, grid1, kwargs1: dict, rows, grid2, h_dtype, out_dtype, fast_accum: bool):
+        self.gate_up, self.grid1, self.rows, self.grid2 = gate_up, grid1, rows, grid2
+        self.blocks = (kwargs1["BLOCK_M"], kwargs1["BLOCK_N"], kwargs1["BLOCK_K"])
+        self.split, self.up_first = kwargs1["TAIL_SPLIT"], kwargs1["UP_FIRST"]
+        self.h_dtype, self.out_dtype, self.fast_accum = h_dtype, out_dtype, fast_accum
+
+    def __call__(self, x2, x_scale, w1, s1, w3, s3, w2, s2, bias) -> torch.Tensor:
+        device = x2.device
+        switch = x2.is_cuda and device.index != torch.cuda.current_device()  # (launches go to the current device)
+        with torch.cuda.device(device) if switch else contextlib.nullcontext():
+            (m, _), i = x2.shape, w1.shape[0]
+            h = torch.empty(m, i, device=device, dtype=self.h_dtype)
+            parts = torch.empty(m, cdiv(i, self.blocks[1]), device=device, dtype=torch.float32)
+            low, high = (w3, w1) if self.up_first else (w1, w3)
+            self.gate_up[self.grid1](*_gated_prefill_args(x2, low, high, h, x_scale, s1, s3, parts, self.blocks,
+                                                          self.split, unchecked_descriptor))
+            hq = torch.empty(m, i, device=device, dtype=quant.FP8_DTYPE)
+            h_scale = torch.empty(m, 1, device=device, dtype=torch.float32)
+            self.rows[self.grid2](*_quantize_rows_args(h, parts, hq, h_scale))
+            y = torch._scaled_mm(hq, w2.t(), scale_a=h_scale, scale_b=s2.view(1, -1), out_dtype=self.out_dtype,
+                                 use_fast_accum=self.fast_accum)
+        return y if bias is None else y + bias.to(self.out_dtype)
 
 
 def _flat_f32(t: torch.Tensor) -> torch.Tensor:
@@ -630,7 +745,7 @@ def gated_mlp(
     w2, s2 = w2.contiguous(), s2.float().contiguous()
     bias = None if bias is None else bias.contiguous()
     if pdl is None:
-        pdl = xq.is_cuda and torch.cuda.get_device_capability(xq.device) >= (9, 0)
+        pdl = xq.is_cuda and capability(xq.device) >= (9, 0)
     pdl = pdl and not rows_pass  # (quantize_rows runs between the two GEMMs, launched as any kernel)
     grid = (cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
     # Triton compiles for and launches on the current device: make it xq's

@@ -20,7 +20,7 @@ call takes Triton's path.
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -51,6 +51,17 @@ def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def capability(device: torch.device) -> tuple[int, int]:
+    """The compute capability of the CUDA ``device``, looked up once a device (``torch.cuda.get_device_capability``
+    reads the device's properties on every call: the prefill op asked it on every call)."""
+    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
 def _spec(value: Any) -> Any:
     """What Triton's specialization of a non-constexpr argument depends on (a conservative superset)."""
     if isinstance(value, torch.Tensor):
@@ -69,6 +80,29 @@ def _spec(value: Any) -> Any:
                 value.base.data_ptr() % 16 == 0, *[s % 16 == 0 for s in value.shape],
                 *[s % 16 == 0 for s in value.strides])
     return ("v", kind, value)  # anything else by value (must be hashable; Triton would key it by value too)
+
+
+_DESCRIPTOR: Optional[tuple] = None  # (triton's TensorDescriptor, its fields' defaults), at the first unchecked one
+
+
+def unchecked_descriptor(base: torch.Tensor, shape: list, strides: list, block_shape: list) -> Any:
+    """``TensorDescriptor(base, shape, strides, block_shape)`` (triton.tools.tensor_descriptor) without the checks
+    its ``__post_init__`` runs (base and strides 16-byte aligned, the block shape's powers of 2, ...: 2-3 us a
+    descriptor on CI's CPU, three a prefill call): for arguments the caller knows to pass them, because a checked
+    descriptor of the same shape, strides and block passed them before and it checked the base's alignment itself.
+    The other fields (padding; triton 3.9's ``round_f32_to_tf32``) take their defaults."""
+    global _DESCRIPTOR
+    if _DESCRIPTOR is None:
+        import dataclasses
+
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        _DESCRIPTOR = (TensorDescriptor, {f.name: f.default for f in dataclasses.fields(TensorDescriptor)
+                                          if f.default is not dataclasses.MISSING})
+    cls, defaults = _DESCRIPTOR
+    desc = cls.__new__(cls)
+    desc.__dict__.update(defaults, base=base, shape=shape, strides=strides, block_shape=block_shape)
+    return desc
 
 
 class Relaunch:
@@ -106,6 +140,18 @@ class Relaunch:
             return (*key, *kwargs.items())
         return (*key, *[(name, _spec(value) if name in runtime else value) for name, value in kwargs.items()])
 
+    def bound(self, args: tuple, kwargs: dict) -> Optional["Bound"]:
+        """The compiled kernel that a launch with these arguments went to, bound to its constexpr values
+        (``Bound``); None where no launch compiled one for their launch key yet, and under the interpreter."""
+        if self._params is None:
+            return None
+        kernel = self._compiled.get(self._key(args, kwargs))
+        if kernel is None:
+            return None
+        defaults = self._params[1]
+        return Bound(kernel, len(args),
+                     tuple(kwargs[name] if name in kwargs else default for name, default in defaults[len(args):]))
+
     def _launch(self, grid: tuple, args: tuple, kwargs: dict) -> None:
         key = None if self._params is None else self._key(args, kwargs)
         kernel = self._compiled.get(key)
@@ -117,3 +163,20 @@ class Relaunch:
         defaults = self._params[1]
         grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)  # the runner indexes all 3
         kernel[grid](*args, *(kwargs[name] if name in kwargs else default for name, default in defaults[len(args):]))
+
+
+class Bound:
+    """One compiled kernel of a ``Relaunch`` with the values of its constexprs and options fixed
+    (``Relaunch.bound``). ``bound[grid](*args)`` launches it on ``args``, its leading arguments (as many as at the
+    bind), with no launch key computed: for a caller that keeps every call's arguments to the launch key it was
+    bound at (their dtypes, 16-byte alignments, the ints' and the tensor descriptors' properties), the device
+    current at the bind included. ``grid`` has three entries."""
+
+    __slots__ = ("kernel", "nargs", "tail")
+
+    def __init__(self, kernel: Any, nargs: int, tail: tuple):
+        self.kernel, self.nargs, self.tail = kernel, nargs, tail
+
+    def __getitem__(self, grid: tuple) -> Callable[..., None]:
+        run = self.kernel[grid]
+        return lambda *args: run(*args, *self.tail)

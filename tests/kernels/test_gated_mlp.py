@@ -696,3 +696,190 @@ def test_relaunch_matches_triton_cuda(monkeypatch):
             assert torch.equal(a.view(torch.uint8) if a.dtype == quant.FP8_DTYPE else a,
                                b.view(torch.uint8) if b.dtype == quant.FP8_DTYPE else b), m
     assert len(module._GATED_PREFILL._compiled) >= 2  # the two keys' kernels, each reused once at least
+
+
+class _Recorder:
+    """A triton.jit kernel's launch surface on the real kernel's signature (CPU): ``kernel[grid](*args, **kwargs)``
+    logs the launch and returns a stand-in compiled kernel, whose own launches are logged too."""
+
+    def __init__(self, kernel, log):
+        self.params, self.arg_names, self.log = kernel.params, kernel.arg_names, log
+        self.name = kernel.fn.__name__
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.log.append((self.name, "triton", tuple(grid), args, kwargs))
+            return _CompiledStandIn(self.name, self.log)
+        return run
+
+
+class _CompiledStandIn:
+    def __init__(self, name, log):
+        self.name, self.log, self.packed_metadata, self.function = name, log, (), object()
+
+    def __getitem__(self, grid):
+        return lambda *args: self.log.append((self.name, "compiled", tuple(grid), args))
+
+
+def _same_launch_arg(a, b, fresh):
+    """Whether the plan's argument ``a`` stands where the general route's ``b`` stood: the caller's tensors
+    themselves, the route's own allocations (``fresh``: h, its maxima, h's codes and scales) alike in shape, strides
+    and dtype, descriptors of those over the same shape, strides and block."""
+    if hasattr(b, "block_shape"):
+        return (_same_launch_arg(a.base, b.base, fresh) and list(a.shape) == list(b.shape)
+                and list(a.strides) == list(b.strides) and list(a.block_shape) == list(b.block_shape))
+    if isinstance(b, torch.Tensor):
+        if any(b is t for t in fresh):
+            return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and a is not b
+        return a is b
+    return a == b and type(a) is type(b)
+
+
+@pytest.fixture
+def recorded_prefill(monkeypatch):
+    """The prefill kernels as ``_Recorder``s behind their ``Relaunch``es, no plans yet, ``torch._scaled_mm``'s
+    calls logged and ``_gated_prefill_launch``'s (the general route's) counted: (launch log, scaled_mm log, count)."""
+    from fp8fx.kernels import gated_mlp as module
+    from fp8fx.kernels.launch import Relaunch
+
+    log, mm, general = [], [], []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # (Relaunch's launch key asks it)
+    monkeypatch.setattr(module, "_GATED_PREFILL", Relaunch(_Recorder(module.gated_prefill_kernel, log)))
+    monkeypatch.setattr(module, "_QUANTIZE_ROWS", Relaunch(_Recorder(module.quantize_rows_kernel, log)))
+    monkeypatch.setattr(module, "_PLANS", {})
+    real_mm, real_launch = torch._scaled_mm, module._gated_prefill_launch
+    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: mm.append((a, k)) or real_mm(*a, **k))
+    monkeypatch.setattr(module, "_gated_prefill_launch", lambda *a, **k: general.append(1) or real_launch(*a, **k))
+    return log, mm, general
+
+
+def _prefill_call(args, **change):
+    from fp8fx.kernels.gated_mlp import prefill_mlp
+
+    names = ("xq", "xs", "w1", "s1", "w3", "s3", "w2", "s2", "bias")
+    ops_ = {**dict(zip(names, args[:9])), **change}
+    return prefill_mlp(*(ops_[k] for k in names), [1, -1], torch.bfloat16, torch.bfloat16, "silu", True)
+
+
+@pytest.mark.parametrize("layout", ["apart", "up first"])
+def test_prefill_plan_launches_what_the_general_route_launches(recorded_prefill, layout):
+    """``prefill_mlp``'s second call of a shape goes through its ``PrefillPlan``: the same kernels compiled at the
+    first call (no launch key, no general route), on the same grids, with the same arguments in the same places
+    and the constexprs Triton bound at the first call, and the same down GEMM; a new x of that shape too."""
+    from fp8fx.kernels import gated_mlp as module
+
+    log, mm, general = recorded_prefill
+    args, _ = mlp_operands(48, 64, 96, 32, "per-token/per-channel")
+    args[2], args[4] = _laid_out(args[2], args[4], layout)
+    y1 = _prefill_call(args)
+    assert [(e[0], e[1]) for e in log] == [("gated_prefill_kernel", "triton"), ("quantize_rows_kernel", "triton")]
+    assert len(general) == 1 and len(module._PLANS) == 1
+    x2, xs2 = quant.quantize(torch.randn(48, 64).to(torch.bfloat16), [1, -1])
+    for xq, xs in ((args[0], args[1]), (x2, xs2)):
+        del log[2:], mm[1:]
+        y2 = _prefill_call(args, xq=xq, xs=xs)
+        assert len(general) == 1, "the second call took the general route"
+        assert [(e[0], e[1]) for e in log[2:]] == [("gated_prefill_kernel", "compiled"),
+                                                  ("quantize_rows_kernel", "compiled")]
+        (_, _, grid1, a1, k1), (_, _, grid2, a2, k2) = log[:2]
+        (_, _, pgrid1, p1), (_, _, pgrid2, p2) = log[2:]
+        assert (pgrid1, pgrid2) == (grid1, grid2)
+        h, parts = a1[2].base, a1[6]
+        fresh = (h, parts, a2[2], a2[3])
+        first = (*a1[:2], *a1[2:])
+        swap = {id(args[0]): xq, id(args[1]): xs}  # this call's x in the first call's places
+        want1 = [swap.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in first]
+        want1 = [type(a)(swap.get(id(a.base), a.base), *list(vars(a).values())[1:]) if hasattr(a, "block_shape")
+                 else a for a in want1]
+        for kernel, got, want, kwargs in (("gated_prefill_kernel", p1, want1, k1),
+                                          ("quantize_rows_kernel", p2, a2, k2)):
+            params = getattr(module, kernel).params
+            tail = [kwargs[p.name] if p.name in kwargs else p.default for p in params[len(want):]]
+            assert len(got) == len(params) and list(got[len(want):]) == tail, kernel
+            assert all(_same_launch_arg(g, w, fresh) for g, w in zip(got[:len(want)], want)), kernel
+        assert p2[0] is p1[2].base and p2[1] is p1[6]  # quantize_rows reads the h and maxima the first kernel wrote
+        (ga, gk), (pa, pk) = mm
+        assert pa[0] is p2[2] and pk["scale_a"] is p2[3]  # the down GEMM on this call's codes and scales of h
+        assert pa[1].data_ptr() == ga[1].data_ptr() and pa[1].stride() == ga[1].stride() and pa[1].shape == ga[1].shape
+        assert torch.equal(pk["scale_b"], gk["scale_b"]) and pk["scale_b"].shape == gk["scale_b"].shape
+        assert {k: v for k, v in pk.items() if "scale" not in k} == {k: v for k, v in gk.items() if "scale" not in k}
+        assert y2.shape == y1.shape == (48, 32) and y2.dtype == y1.dtype
+
+
+def test_prefill_plan_keys_on_shape_and_gate_up_order(recorded_prefill):
+    """Another M, and gate and up swapped in memory (the kernel's UP_FIRST), make plans of their own."""
+    from fp8fx.kernels import gated_mlp as module
+
+    _, _, general = recorded_prefill
+    args, _ = mlp_operands(48, 64, 96, 32, "per-token/per-channel")
+    other, _ = mlp_operands(80, 64, 96, 32, "per-token/per-channel")
+    swapped = list(args)
+    swapped[2], swapped[4] = _laid_out(args[2], args[4], "up first" if args[2].data_ptr() < args[4].data_ptr()
+                                       else "apart")
+    for a in (args, other, swapped, args, other, swapped):
+        _prefill_call(a)
+    assert len(general) == 3 and len(module._PLANS) == 3
+
+
+def _not_plain(args, case):
+    xq, xs, w1, s1, w3, s3, w2, s2 = args[:8]
+    if case == "gate column-major":
+        return {"w1": w1.t().contiguous().t()}
+    if case == "x scale not 16-byte aligned":
+        return {"xs": torch.cat([xs.new_zeros(1), xs.reshape(-1)])[1:].reshape(xs.shape)}
+    if case == "x scale float64":
+        return {"xs": xs.double()}
+    if case == "gate per tensor, up per channel":
+        return {"s1": s1.reshape(-1)[:1].clone()}
+    if case == "down per tensor":
+        return {"s2": s2.reshape(-1)[:1].clone()}
+    if case == "one weight for gate and up":
+        return {"w3": w1, "s3": s1}
+    if case == "down transposed":
+        return {"w2": w2.t().contiguous().t()}
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["gate column-major", "x scale not 16-byte aligned", "x scale float64",
+                                  "gate per tensor, up per channel", "down per tensor", "one weight for gate and up",
+                                  "down transposed"])
+def test_operands_a_plan_does_not_take_go_the_general_route(recorded_prefill, case):
+    """Operands the plans' launches would not read as they are (a copy, a cast or an expansion first; an alignment
+    the compiled kernel was not specialized for) go the general route on every call, and make no plan."""
+    from fp8fx.kernels import gated_mlp as module
+
+    _, _, general = recorded_prefill
+    args, _ = mlp_operands(48, 64, 96, 32, "per-token/per-channel")
+    change = _not_plain(args, case)
+    for _ in range(2):
+        _prefill_call(args, **change)
+    assert len(general) == 2 and not module._PLANS, case
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("layout", ["apart", "up first"])
+def test_prefill_plan_gives_the_general_routes_bits_cuda(monkeypatch, layout):
+    """On the GPU, the op's prefill calls through a ``PrefillPlan`` (every call of a shape after its first) give the
+    general route's bits, for the x the plan was made with and for new ones, with and without a bias; and a CUDA
+    graph of the plan's launches replays them bit for bit."""
+    from fp8fx.kernels import gated_mlp as module
+
+    monkeypatch.setattr(module, "_PLANS", {})
+    general = []
+    real = module._gated_prefill_launch
+    monkeypatch.setattr(module, "_gated_prefill_launch", lambda *a, **k: general.append(1) or real(*a, **k))
+    m = ops.GATED_PREFILL_MIN_M + 16
+    args, _ = mlp_operands(m, 512, 400, 272, "per-token/per-channel", "cuda", row_gain=torch.logspace(0, 3, m))
+    args[2], args[4] = _laid_out(args[2], args[4], layout)
+    others = [mlp_operands(m, 512, 400, 272, "per-token/per-channel", "cuda", seed=s)[0][:2] for s in (1, 2)]
+    inputs = [(args[0], args[1]), *others, (args[0], args[1])]
+    for bias in (args[8], None):  # (the plan is the same: the bias is added after the down GEMM)
+        planned = [ops.gated_mlp(xq, xs, *args[2:8], bias, *args[9:]) for xq, xs in inputs]
+        assert len(module._PLANS) == 1 and len(general) == 1, (layout, len(general))
+        with monkeypatch.context() as patch:
+            patch.setattr(module, "_plain_operands", lambda *a: False)  # the general route, every call
+            for (xq, xs), y in zip(inputs, planned):
+                assert torch.equal(ops.gated_mlp(xq, xs, *args[2:8], bias, *args[9:]), y), (layout, bias is None)
+        assert len(general) == 1 + len(inputs), layout
+        del general[1:]
+    assert_graph_replays_equal(lambda: ops.gated_mlp(*args), ops.gated_mlp(*args))

@@ -163,3 +163,55 @@ def test_sm_count_is_looked_up_once_a_device(monkeypatch):
         assert counts == [100, 101, 100, 101, 101] and asked == [0, 1]
     finally:
         launch._sm_count.cache_clear()  # (the fake counts must not outlive the test)
+
+
+def test_capability_is_looked_up_once_a_device(monkeypatch):
+    """``capability`` asks ``torch.cuda.get_device_capability`` once per device index, as ``sm_count`` does."""
+    from fp8fx.kernels import launch
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index: asked.append(index) or (9, index))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    launch._capability.cache_clear()
+    try:
+        got = [launch.capability(torch.device(d)) for d in ("cuda:0", "cuda", "cuda:0", "cuda:1")]
+        assert got == [(9, 0), (9, 1), (9, 0), (9, 1)] and asked == [0, 1]
+    finally:
+        launch._capability.cache_clear()
+
+
+def test_bound_launches_the_keys_compiled_kernel_with_its_constexprs():
+    """``Relaunch.bound``: None before a launch compiled the key's kernel and for another key; after, that kernel,
+    launched on the leading arguments with the constexprs' values of the bind (defaults included) appended, as
+    ``Relaunch`` launches it."""
+    fn = Jit()
+    launch = Relaunch(fn)
+    x = torch.zeros(64)
+    args, kwargs = (x, 32, 0.5, True), {"FLAG": 3, "num_warps": 4}
+    assert launch.bound(args, kwargs) is None
+    launch[(4,)](*args, **kwargs)
+    assert launch.bound((x, 33, 0.5, True), kwargs) is None  # n not a multiple of 16: another key
+    assert launch.bound(args, {"FLAG": 4, "num_warps": 4}) is None
+    bound = launch.bound(args, kwargs)
+    compiled = fn.log[0][1]
+    assert bound.kernel is compiled and bound.nargs == 4
+    y = torch.zeros(64)
+    bound[(2, 3, 1)](y, 48, 0.25, False)
+    assert fn.log[-1] == ("direct", compiled, (2, 3, 1), (y, 48, 0.25, False, 3, 8))
+    assert Relaunch(Jit(interpreted=True)).bound(args, kwargs) is None
+
+
+def test_unchecked_descriptor_is_tritons_descriptor():
+    """``unchecked_descriptor`` builds the ``TensorDescriptor`` Triton's constructor builds from the same arguments
+    (every field, the defaults of the ones it is not given included), without its checks."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from fp8fx.kernels.launch import unchecked_descriptor
+
+    t = torch.zeros(64, 48, dtype=torch.bfloat16)
+    for shape, strides, block in (([64, 48], [48, 1], [16, 16]), ([2, 16, 48], [768, 48, 1], [2, 16, 32])):
+        checked, unchecked = TensorDescriptor(t, shape, strides, block), unchecked_descriptor(t, shape, strides, block)
+        assert type(unchecked) is TensorDescriptor and vars(unchecked) == vars(checked)
+    with pytest.raises(AssertionError):
+        TensorDescriptor(t[:, 1:], [64, 47], [48, 1], [16, 16])  # (what the checks would have said)
+    assert unchecked_descriptor(t[:, 1:], [64, 47], [48, 1], [16, 16]).shape == [64, 47]
