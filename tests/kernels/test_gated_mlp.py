@@ -24,6 +24,15 @@ SCHEMES = {  # x block, weight block, h block, static h scale
 }
 
 
+@pytest.fixture(autouse=True)
+def own_prefill_plans(monkeypatch):
+    """Each test starts with no ``PrefillPlan`` and leaves its own behind it: a plan made by another test for the
+    same shapes would take a test's first prefill call past the general route it checks."""
+    from fp8fx.kernels import gated_mlp as module
+
+    monkeypatch.setattr(module, "_PLANS", {})
+
+
 def h_quant_of(h_block, h_static):
     """The two-kernel function's (h_quant, h_group) for an h block / static scale, as fp8fx.gated_mlp picks them."""
     from fp8fx.kernels import fp8_gemm as K
@@ -656,9 +665,9 @@ def test_gated_mlp_prefill_cuda(monkeypatch, m, scheme, act, layout):
     from fp8fx.kernels import gated_mlp as module
 
     calls = []
-    real = module.gated_prefill
-    monkeypatch.setattr(module, "gated_prefill", lambda *a, **k: calls.append(a[2].data_ptr() < a[4].data_ptr())
-                        or real(*a, **k))
+    real = module._gated_prefill_launch
+    monkeypatch.setattr(module, "_gated_prefill_launch",
+                        lambda *a, **k: calls.append(a[2].data_ptr() < a[4].data_ptr()) or real(*a, **k))
     args, ws = mlp_operands(m, 512, 400, 272, scheme, "cuda", row_gain=torch.logspace(0, 3, m), act=act)
     args[11] = [1, -1]
     args[2], args[4] = _laid_out(args[2], args[4], layout)
@@ -737,7 +746,7 @@ def _same_launch_arg(a, b, fresh):
 
 @pytest.fixture
 def recorded_prefill(monkeypatch):
-    """The prefill kernels as ``_Recorder``s behind their ``Relaunch``es, no plans yet, ``torch._scaled_mm``'s
+    """The prefill kernels as ``_Recorder``s behind their ``Relaunch``es, ``torch._scaled_mm``'s
     calls logged and ``_gated_prefill_launch``'s (the general route's) counted: (launch log, scaled_mm log, count)."""
     from fp8fx.kernels import gated_mlp as module
     from fp8fx.kernels.launch import Relaunch
@@ -746,7 +755,6 @@ def recorded_prefill(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # (Relaunch's launch key asks it)
     monkeypatch.setattr(module, "_GATED_PREFILL", Relaunch(_Recorder(module.gated_prefill_kernel, log)))
     monkeypatch.setattr(module, "_QUANTIZE_ROWS", Relaunch(_Recorder(module.quantize_rows_kernel, log)))
-    monkeypatch.setattr(module, "_PLANS", {})
     real_mm, real_launch = torch._scaled_mm, module._gated_prefill_launch
     monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: mm.append((a, k)) or real_mm(*a, **k))
     monkeypatch.setattr(module, "_gated_prefill_launch", lambda *a, **k: general.append(1) or real_launch(*a, **k))
@@ -814,8 +822,10 @@ def test_prefill_plan_keys_on_shape_and_gate_up_order(recorded_prefill):
     args, _ = mlp_operands(48, 64, 96, 32, "per-token/per-channel")
     other, _ = mlp_operands(80, 64, 96, 32, "per-token/per-channel")
     swapped = list(args)
+    # (merged: gate's rows before up's in one tensor)
     swapped[2], swapped[4] = _laid_out(args[2], args[4], "up first" if args[2].data_ptr() < args[4].data_ptr()
-                                       else "apart")
+                                       else "merged")
+    assert (swapped[2].data_ptr() < swapped[4].data_ptr()) != (args[2].data_ptr() < args[4].data_ptr())
     for a in (args, other, swapped, args, other, swapped):
         _prefill_call(a)
     assert len(general) == 3 and len(module._PLANS) == 3
@@ -864,7 +874,6 @@ def test_prefill_plan_gives_the_general_routes_bits_cuda(monkeypatch, layout):
     graph of the plan's launches replays them bit for bit."""
     from fp8fx.kernels import gated_mlp as module
 
-    monkeypatch.setattr(module, "_PLANS", {})
     general = []
     real = module._gated_prefill_launch
     monkeypatch.setattr(module, "_gated_prefill_launch", lambda *a, **k: general.append(1) or real(*a, **k))
