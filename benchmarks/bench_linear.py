@@ -218,12 +218,15 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
 
 
 MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "fp8fx_fused_mlp",
-                "fp8fx_fused_mlp_g128", "fp8fx_fused_mlp_g32", "fp8fx_mma", "fp8fx_fused_mlp_mma", "fp8fx_fused_mlp_k1",
-                "fp8fx_fused_mlp_rows", "inductor_scaled_mm", "torchao_rowwise")
-# the default --variants: the *_mma ones (the GEMV off), *_k1 (its loads unpipelined) and *_rows (per-token h through
-# quantize_rows at 1-16 tokens too) compare kernels, on request
-# g32: h in 1x32 groups, the fused MLP's fastest op at M = 1 (H200 run 19: 0.0495 ms against 0.0507 per token)
-DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith(("_mma", "_k1", "_g32", "_rows")))
+                "fp8fx_fused_mlp_tokens", "fp8fx_fused_mlp_g128", "fp8fx_fused_mlp_g32", "fp8fx_mma",
+                "fp8fx_fused_mlp_mma", "fp8fx_fused_mlp_k1", "fp8fx_fused_mlp_rows", "inductor_scaled_mm",
+                "torchao_rowwise")
+# fp8fx_fused_mlp: Fp8Backend(fuse_mlp=True) as it is (since run 31 h in 1x128 groups at decode, per token at
+# prefill); _tokens: h per token (mlp_h_group=None); _g128 / _g32: h in 1x128 / 1x32 groups named (g128 is the
+# default's decode scheme). The default --variants leave out g128, g32 (h in 1x32 groups, the fused MLP's fastest op
+# at M = 1 in H200 run 19: 0.0495 ms against 0.0507 per token), the *_mma ones (the GEMV off), *_k1 (its loads
+# unpipelined) and *_rows (per-token h through quantize_rows at 1-16 tokens too): they compare kernels, on request
+DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith(("_mma", "_k1", "_g128", "_g32", "_rows")))
 
 
 def with_kernel_setting(fn, name: str, value, module=None):
@@ -281,8 +284,11 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAUL
         variants["fp8fx_looped_quant"], _ = fp8fx_module(fresh(), {"one_pass_rows": None}, dynamic=False)
     if "fp8fx_fused_gate_up" in only:
         variants["fp8fx_fused_gate_up"], _ = fp8fx_module(fresh(), {"fuse_horizontal": True}, dynamic=False)
-    if "fp8fx_fused_mlp" in only:  # decode: the MLP in two kernels (prefill sizes are left unfused)
+    if "fp8fx_fused_mlp" in only:  # decode: the MLP in two kernels; prefill: the prefill kernels
         variants["fp8fx_fused_mlp"], _ = fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)
+    if "fp8fx_fused_mlp_tokens" in only:  # h per token (three kernels at 17-64 tokens)
+        variants["fp8fx_fused_mlp_tokens"], _ = fp8fx_module(fresh(), {"fuse_mlp": True, "mlp_h_group": None},
+                                                             dynamic=False)
     for g in (128, 32):  # the same with h in 1 x g groups: fused up to 64 tokens
         if f"fp8fx_fused_mlp_g{g}" in only:
             variants[f"fp8fx_fused_mlp_g{g}"], _ = fp8fx_module(fresh(), {"fuse_mlp": True, "mlp_h_group": g},
@@ -291,13 +297,14 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAUL
         variants["fp8fx_mma"] = with_kernel_setting(fp8fx_module(fresh(), dynamic=False)[0], "GEMV_MAX_M", 0)
     if "fp8fx_fused_mlp_mma" in only:
         variants["fp8fx_fused_mlp_mma"] = with_kernel_setting(
-            fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0], "GEMV_MAX_M", 0)
+            fp8fx_module(fresh(), {"fuse_mlp": True, "mlp_h_group": None}, dynamic=False)[0], "GEMV_MAX_M", 0)
     if "fp8fx_fused_mlp_k1" in only:
         variants["fp8fx_fused_mlp_k1"] = with_kernel_setting(
-            fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0], "GEMV_K_STAGES", 1)
+            fp8fx_module(fresh(), {"fuse_mlp": True, "mlp_h_group": None}, dynamic=False)[0], "GEMV_K_STAGES", 1)
     if "fp8fx_fused_mlp_rows" in only:
         variants["fp8fx_fused_mlp_rows"] = with_kernel_setting(
-            fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0], "GATED_ROWS_MIN_M", 1, module=fp8fx.ops)
+            fp8fx_module(fresh(), {"fuse_mlp": True, "mlp_h_group": None}, dynamic=False)[0], "GATED_ROWS_MIN_M", 1,
+            module=fp8fx.ops)
     if "inductor_scaled_mm" in only:
         variants["inductor_scaled_mm"] = torch.compile(ScaledMMMLP(fresh()), dynamic=False)
     if "torchao_rowwise" in only:

@@ -5,7 +5,7 @@ import contextlib
 import logging
 import os
 import weakref
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Union
 
 from torch import fx
 
@@ -23,6 +23,9 @@ log = logging.getLogger("fp8fx")
 _COMPILERS = ("inductor", "eager")
 _LOWERINGS = ("aten", "op")
 ONE_PASS_ROWS = 16384  # Fp8Backend's default one_pass_rows: rows up to a Llama-3 MLP's 14336 reduce in one pass
+# Fp8Backend(fuse_mlp=True)'s groups of the fused decode MLP's intermediate (mlp_h_group="auto"): faster than per-token
+# h at every decode batch timed and closer to the float32 MLP (benchmarks/RESULTS.md run 31)
+MLP_H_GROUP = 128
 # the live backend of this process writing into each dump folder (its real path): a second one writes beside it
 _DUMP_WRITERS: "weakref.WeakValueDictionary[str, Fp8Backend]" = weakref.WeakValueDictionary()
 
@@ -59,18 +62,22 @@ class Fp8Backend:
       merged layer) in graphs of 1-16 tokens (a static decode batch: compile with ``dynamic=False``) runs
       as two kernels, gate/up with act(g) * up in the epilogue and down quantizing the intermediate as it
       loads it (``fp8fx.passes.mlp``), where the unfused MLP takes three GEMMs and a quantization kernel
-      (Llama-3-8B MLP on the H200: 1.22-1.24x faster than unfused at 1 and 16 tokens, run 12); with h per token
-      (the default scheme) in graphs of 17-64 tokens as three, h quantized once between the two GEMMs (1.10x
+      (Llama-3-8B MLP on the H200: 1.22-1.24x faster than unfused at 1 and 16 tokens, run 12); by default
+      h in 1 x 128 groups, up to 64 tokens (``mlp_h_group``); with h per token (``mlp_h_group=None``) in graphs
+      of 17-64 tokens as three, h quantized once between the two GEMMs (1.10x
       faster than unfused at 64 tokens, 1.29-1.34x at 32, run 29); and in graphs
       of ``fp8fx.ops.GATED_PREFILL_MIN_M`` (2048) tokens or more with per-token h, as the prefill kernels: gate/up
       with act(g) * up in its epilogue, a streaming quantization of h, cuBLAS's down (1.04-1.07x faster than
       unfused at 2048 and 4096 tokens, run 23). Default False.
-    - ``mlp_h_group``: with ``fuse_mlp``, quantize the fused MLP's intermediate ``act(g) * up`` in 1 x G groups
-      (G of 32, 64, 128; 128 measured fastest) instead of the graph's per-token (or per-tensor) dynamic scale, in
-      the gate/up kernel's epilogue, so the down GEMM reads fp8 codes; MLPs of up to 64 tokens are then fused
-      (Llama-3-8B on the H200, run 17: 1.63-1.66x bf16 at 64 tokens against 1.53-1.58x unfused; relative error
-      vs float32 0.0622-0.0630 against 0.0635-0.0639 per token). A static scale (``calibrate``) stays as it is.
-      None (default): h as the graph quantizes it.
+    - ``mlp_h_group``: with ``fuse_mlp``, quantize the fused decode MLP's intermediate ``act(g) * up`` in 1 x G
+      groups (G of 32, 64, 128; 128 measured fastest) instead of the graph's per-token (or per-tensor) dynamic
+      scale, in the gate/up kernel's epilogue, so the down GEMM reads fp8 codes; MLPs of up to 64 tokens are then
+      fused. ``"auto"`` (the default): 128 with ``fuse_mlp`` (``MLP_H_GROUP``). Llama-3-8B MLP block on the H200,
+      CUDA-graph replays (run 31): 1.71-1.81x bf16 at 1-64 tokens against 1.65-1.80x with per-token h, faster at
+      each of 1, 2, 4, 8, 16, 32 and 64 tokens; relative error vs the float32 MLP 0.0618-0.0630 against
+      0.0636-0.0645 per token (run 21), as a group's scale is at most its row's. Prefill (2048 tokens or more)
+      keeps h per token (its kernels quantize it so), and a static scale (``calibrate``) stays as it is. None: h as
+      the graph quantizes it (per token: the unfused linears' scheme, as vLLM's dynamic fp8 quantizes activations).
 
     - ``one_pass_rows``: reduce rows of up to this many elements in one pass, held in registers, where
       Inductor's heuristic stops at 1024 (``compat.one_pass_row_reductions``): the per-token
@@ -103,7 +110,7 @@ class Fp8Backend:
         weight_only: Optional[bool] = None,
         fuse_horizontal: bool = False,
         fuse_mlp: bool = False,
-        mlp_h_group: Optional[int] = None,
+        mlp_h_group: Union[int, None, str] = "auto",
         one_pass_rows: Optional[int] = ONE_PASS_ROWS,
         direct_calls: bool = True,
     ):
@@ -118,10 +125,12 @@ class Fp8Backend:
         for name, value in flags.items():  # a truthy string ("false") would switch the option on
             if type(value) is not bool:
                 raise ValueError(f"Fp8Backend({name}={value!r}): True or False")
-        if mlp_h_group is not None and (type(mlp_h_group) is not int or mlp_h_group not in GATED_H_GROUPS):
-            raise ValueError(f"Fp8Backend(mlp_h_group={mlp_h_group!r}): a group size of {list(GATED_H_GROUPS)}, or "
-                             "None (h quantized as the graph does)")
-        if mlp_h_group is not None and not fuse_mlp:
+        if mlp_h_group == "auto" and type(mlp_h_group) is str:
+            mlp_h_group = MLP_H_GROUP if fuse_mlp is True else None
+        elif mlp_h_group is not None and (type(mlp_h_group) is not int or mlp_h_group not in GATED_H_GROUPS):
+            raise ValueError(f"Fp8Backend(mlp_h_group={mlp_h_group!r}): a group size of {list(GATED_H_GROUPS)}, "
+                             "None (h quantized as the graph does) or 'auto' (the default)")
+        elif mlp_h_group is not None and not fuse_mlp:
             raise ValueError(f"Fp8Backend(mlp_h_group={mlp_h_group}): it sets how the fused MLP quantizes its "
                              "intermediate; add fuse_mlp=True")
         if weight_only is not None and type(weight_only) is not bool:

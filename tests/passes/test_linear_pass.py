@@ -161,11 +161,13 @@ def test_cache_key_changes_with_options_and_is_stable():
         Fp8Backend(use_fast_accum=False).cache_key(),
         Fp8Backend(fuse_horizontal=True).cache_key(),
         Fp8Backend(one_pass_rows=None).cache_key(),
+        Fp8Backend(fuse_mlp=True, mlp_h_group=None).cache_key(),
         Fp8Backend(fuse_mlp=True).cache_key(),
-        Fp8Backend(fuse_mlp=True, mlp_h_group=128).cache_key(),
         Fp8Backend(fuse_mlp=True, mlp_h_group=64).cache_key(),
     }
     assert len(keys) == 11
+    # the default groups ("auto") are 128's: the same compiled code, the same key
+    assert Fp8Backend(fuse_mlp=True).cache_key() == Fp8Backend(fuse_mlp=True, mlp_h_group=128).cache_key()
     assert Fp8Backend(cudagraphs=True).inductor_config["triton.cudagraphs"] is True
     assert LinearPass().uuid() == LinearPass().uuid()
 

@@ -121,7 +121,7 @@ def run(model, x, dynamic=None, **options):
 def test_decode_mlp_is_one_op_with_the_unfused_output(cls, config):
     model, ref = quantized(cls, config)
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
-    y, report, code = run(model, x, fuse_mlp=True)
+    y, report, code = run(model, x, fuse_mlp=True, mlp_h_group=None)
     torch._dynamo.reset()
     unfused, _, _ = run(model, x)
     assert code.count("fp8fx.gated_mlp.default(") == 1
@@ -153,7 +153,7 @@ def test_merged_gate_up_is_fused_from_its_halves(split, gate_second, config):
     ref.load_state_dict(model.state_dict())
     fp8fx.quantize_(model, config)
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
-    y, report, code = run(model, x, fuse_mlp=True)
+    y, report, code = run(model, x, fuse_mlp=True, mlp_h_group=None)
     torch._dynamo.reset()
     unfused, _, _ = run(model, x)
     assert code.count("fp8fx.gated_mlp.default(") == 1 and "scaled_mm.default(" not in code
@@ -210,7 +210,7 @@ def test_mixed_schemes_keep_their_own_blocks():
     fp8fx.quantize_(model.down_proj, fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(),
                                                      activation_granularity=fp8fx.PerTensor()))
     x = torch.randn(5, 64, dtype=torch.bfloat16)
-    y, report, code = run(model, x, fuse_mlp=True)
+    y, report, code = run(model, x, fuse_mlp=True, mlp_h_group=None)
     torch._dynamo.reset()
     unfused, _, _ = run(model, x)
     assert code.count("fp8fx.gated_mlp.default(") == 1
@@ -250,6 +250,22 @@ def test_h_groups_fuse_up_to_64_tokens(group, tokens):
         str(report)
 
 
+@pytest.mark.parametrize("tokens", [1, 40])
+def test_h_in_groups_of_128_is_the_fused_decode_mlps_default(tokens):
+    """``Fp8Backend(fuse_mlp=True)`` quantizes a decode MLP's h in 1 x 128 groups (``mlp_h_group="auto"``): the code,
+    output and report of ``mlp_h_group=128``. (Prefill keeps h per token:
+    test_prefill_mlp_is_fused_from_its_token_count.)"""
+    model, ref = quantized()
+    x = torch.randn(tokens, 64, dtype=torch.bfloat16)
+    y, report, code = run(model, x, fuse_mlp=True)
+    torch._dynamo.reset()
+    y128, report128, code128 = run(model, x, fuse_mlp=True, mlp_h_group=128)
+    assert "[1, -1], [1, -1], [1, 128], [1, -1], None" in code and code == code128
+    assert torch.equal(y, y128) and rel_err(y, ref(x.double())) < 0.08
+    assert [s.scheme for s in report.sites] == [s.scheme for s in report128.sites]
+    assert all(s.scheme.endswith("2 kernels, h in 1x128 groups)") for s in report.sites), str(report)
+
+
 @pytest.mark.parametrize("tokens,kernels", [(16, "2 kernels"), (17, "3 kernels"), (64, "3 kernels")])
 def test_per_token_h_fuses_up_to_64_tokens(tokens, kernels):
     """h per token (the graph's own scheme) is fused up to 64 tokens: two kernels up to 16, three from 17 (h quantized
@@ -258,7 +274,7 @@ def test_per_token_h_fuses_up_to_64_tokens(tokens, kernels):
     assert fp8fx.ops.GATED_ROWS_MIN_M == 17 and fp8fx.ops.GATED_ROWS_MAX_M == 64
     model, ref = quantized()
     x = torch.randn(tokens, 64, dtype=torch.bfloat16)
-    y, report, code = run(model, x, fuse_mlp=True)
+    y, report, code = run(model, x, fuse_mlp=True, mlp_h_group=None)
     torch._dynamo.reset()
     unfused, _, _ = run(model, x)
     assert code.count("fp8fx.gated_mlp.default(") == 1 and "[1, -1], [1, -1], [1, -1], [1, -1], None" in code
@@ -272,7 +288,7 @@ def test_per_token_h_fuses_up_to_64_tokens(tokens, kernels):
 def test_per_tensor_h_stops_at_16_tokens():
     config = fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor())
     model, _ = quantized(config=config)
-    _, report, code = run(model, torch.randn(17, 64, dtype=torch.bfloat16), fuse_mlp=True)
+    _, report, code = run(model, torch.randn(17, 64, dtype=torch.bfloat16), fuse_mlp=True, mlp_h_group=None)
     assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
     assert all("17 tokens: the fused MLP is for 1-16 tokens (with h per tensor or by a static scale" in s.scheme
                for s in report.sites), str(report)
@@ -312,6 +328,7 @@ def test_h_group_leaves_a_static_h_scale(tokens):
     (dict(fuse_mlp=True, mlp_h_group=True), "mlp_h_group=True): a group size of"),
     (dict(fuse_mlp=True, mlp_h_group="128"), "mlp_h_group='128'): a group size of"),
     (dict(mlp_h_group=128), "mlp_h_group=128): it sets how the fused MLP quantizes its intermediate; add fuse_mlp=True"),
+    (dict(fuse_mlp=True, mlp_h_group="Auto"), "mlp_h_group='Auto'): a group size of [32, 64, 128], None (h quantized"),
 ])
 def test_h_group_option_is_checked(kwargs, message):
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -343,7 +360,7 @@ def test_not_fused_says_why(case, reason):
     scales = {"input_scales": dict.fromkeys(["gate_proj", "up_proj", "down_proj"], 0.05)} if case == "static" else {}
     model, _ = quantized(cls, config, **scales)  # static: a calibrated input scale per layer
     x = torch.randn(65 if case == "batch of 65" else 4, 64, dtype=torch.bfloat16)
-    y, report, code = run(model, x, fuse_mlp=True, dynamic=case == "dynamic")
+    y, report, code = run(model, x, fuse_mlp=True, mlp_h_group=None, dynamic=case == "dynamic")
     assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
     assert len(report.sites) == 3 and all(s.rewritten for s in report.sites)
     for site in report.sites:
@@ -497,7 +514,7 @@ def test_prefill_mlp_with_per_tensor_h_says_why():
     config = fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor())
     model, _ = quantized(config=config)
     m = PREFILL_M
-    _, report, code = run(model, torch.randn(m, 64, dtype=torch.bfloat16), fuse_mlp=True)
+    _, report, code = run(model, torch.randn(m, 64, dtype=torch.bfloat16), fuse_mlp=True, mlp_h_group=None)
     assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3
     assert all(f"{m} tokens: the fused MLP is for 1-16 tokens" in s.scheme and f"and from {m} but h is quantized per "
                "tensor or with a static scale: the prefill kernels quantize it per token" in s.scheme
