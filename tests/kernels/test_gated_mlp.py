@@ -747,8 +747,9 @@ def _same_launch_arg(a, b, fresh):
 
 @pytest.fixture
 def recorded_prefill(monkeypatch):
-    """The prefill kernels as ``_Recorder``s behind their ``Relaunch``es, ``torch._scaled_mm``'s
-    calls logged and ``_gated_prefill_launch``'s (the general route's) counted: (launch log, scaled_mm log, count)."""
+    """The prefill kernels as ``_Recorder``s behind their ``Relaunch``es, ``torch._scaled_mm``'s calls logged (and
+    answered with zeros) and ``_gated_prefill_launch``'s (the general route's) counted: (launch log, scaled_mm log,
+    count)."""
     from fp8fx.kernels import gated_mlp as module
     from fp8fx.kernels.launch import Relaunch
 
@@ -756,8 +757,10 @@ def recorded_prefill(monkeypatch):
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # (Relaunch's launch key asks it)
     monkeypatch.setattr(module, "_GATED_PREFILL", Relaunch(_Recorder(module.gated_prefill_kernel, log)))
     monkeypatch.setattr(module, "_QUANTIZE_ROWS", Relaunch(_Recorder(module.quantize_rows_kernel, log)))
-    real_mm, real_launch = torch._scaled_mm, module._gated_prefill_launch
-    monkeypatch.setattr(torch, "_scaled_mm", lambda *a, **k: mm.append((a, k)) or real_mm(*a, **k))
+    real_launch = module._gated_prefill_launch
+    # (nothing computed: the stand-ins leave h unwritten; torch 2.11's CPU _scaled_mm takes per-tensor scales only)
+    monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, **k: mm.append(((a, b), k))
+                        or torch.zeros(a.shape[0], b.shape[1], dtype=k["out_dtype"]))
     monkeypatch.setattr(module, "_gated_prefill_launch", lambda *a, **k: general.append(1) or real_launch(*a, **k))
     return log, mm, general
 
