@@ -24,7 +24,8 @@ _COMPILERS = ("inductor", "eager")
 _LOWERINGS = ("aten", "op")
 ONE_PASS_ROWS = 16384  # Fp8Backend's default one_pass_rows: rows up to a Llama-3 MLP's 14336 reduce in one pass
 # Fp8Backend(fuse_mlp=True)'s groups of the fused decode MLP's intermediate (mlp_h_group="auto"): faster than per-token
-# h at every decode batch timed and closer to the float32 MLP (benchmarks/RESULTS.md run 31)
+# h at 1-64 tokens (at one token within 0.6% in a second call) and closer to the float32 MLP (benchmarks/RESULTS.md
+# run 31)
 MLP_H_GROUP = 128
 # the live backend of this process writing into each dump folder (its real path): a second one writes beside it
 _DUMP_WRITERS: "weakref.WeakValueDictionary[str, Fp8Backend]" = weakref.WeakValueDictionary()
@@ -73,9 +74,10 @@ class Fp8Backend:
       groups (G of 32, 64, 128; 128 measured fastest) instead of the graph's per-token (or per-tensor) dynamic
       scale, in the gate/up kernel's epilogue, so the down GEMM reads fp8 codes; MLPs of up to 64 tokens are then
       fused. ``"auto"`` (the default): 128 with ``fuse_mlp`` (``MLP_H_GROUP``). Llama-3-8B MLP block on the H200,
-      CUDA-graph replays (run 31): 1.71-1.81x bf16 at 1-64 tokens against 1.65-1.80x with per-token h, faster at
-      each of 1, 2, 4, 8, 16, 32 and 64 tokens; relative error vs the float32 MLP 0.0618-0.0630 against
-      0.0636-0.0645 per token (run 21), as a group's scale is at most its row's. Prefill (2048 tokens or more)
+      CUDA-graph replays (run 31): 1.71-1.81x bf16 at 2-64 tokens against 1.63-1.75x with per-token h, faster at
+      each of 1, 2, 4, 8, 16, 32 and 64 tokens in one sweep (at one token within 0.6% of it in another call);
+      relative error vs the float32 MLP 0.0618-0.0628 against 0.0628-0.0645 per token, as a group's scale is at
+      most its row's. Prefill (2048 tokens or more)
       keeps h per token (its kernels quantize it so), and a static scale (``calibrate``) stays as it is. None: h as
       the graph quantizes it (per token: the unfused linears' scheme, as vLLM's dynamic fp8 quantizes activations).
 
