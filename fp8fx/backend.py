@@ -127,7 +127,7 @@ class Fp8Backend:
         for name, value in flags.items():  # a truthy string ("false") would switch the option on
             if type(value) is not bool:
                 raise ValueError(f"Fp8Backend({name}={value!r}): True or False")
-        if mlp_h_group == "auto" and type(mlp_h_group) is str:
+        if type(mlp_h_group) is str and mlp_h_group == "auto":
             mlp_h_group = MLP_H_GROUP if fuse_mlp is True else None
         elif mlp_h_group is not None and (type(mlp_h_group) is not int or mlp_h_group not in GATED_H_GROUPS):
             raise ValueError(f"Fp8Backend(mlp_h_group={mlp_h_group!r}): a group size of {list(GATED_H_GROUPS)}, "

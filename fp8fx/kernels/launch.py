@@ -149,8 +149,8 @@ class Relaunch:
         if kernel is None:
             return None
         defaults = self._params[1]
-        return Bound(kernel, len(args),
-                     tuple(kwargs[name] if name in kwargs else default for name, default in defaults[len(args):]))
+        return Bound(kernel, tuple(kwargs[name] if name in kwargs else default
+                                   for name, default in defaults[len(args):]))
 
     def _launch(self, grid: tuple, args: tuple, kwargs: dict) -> None:
         key = None if self._params is None else self._key(args, kwargs)
@@ -172,10 +172,10 @@ class Bound:
     bound at (their dtypes, 16-byte alignments, the ints' and the tensor descriptors' properties), the device
     current at the bind included. ``grid`` has three entries."""
 
-    __slots__ = ("kernel", "nargs", "tail")
+    __slots__ = ("kernel", "tail")
 
-    def __init__(self, kernel: Any, nargs: int, tail: tuple):
-        self.kernel, self.nargs, self.tail = kernel, nargs, tail
+    def __init__(self, kernel: Any, tail: tuple):
+        self.kernel, self.tail = kernel, tail
 
     def __getitem__(self, grid: tuple) -> Callable[..., None]:
         run = self.kernel[grid]

@@ -31,8 +31,8 @@ from ``GATED_ROWS_MIN_M`` (17) as three kernels, h quantized once between the tw
 (``fp8fx.kernels.gated_mlp.gated_prefill``: act * mul in the gate/up GEMM's epilogue, so g and u never reach
 memory, then a streaming quantization of h and cuBLAS's down GEMM). With ``h_group`` (``Fp8Backend(mlp_h_group=G)``;
 G = 128 by default since run 31) a decode MLP's dynamic quantization of h becomes one in 1 x G groups, made by the
-first kernel's epilogue, and MLPs of up to ``GATED_GROUPS_MAX_M`` (64) tokens are fused. Every matched MLP that is not fused says why in its three sites'
-report lines.
+first kernel's epilogue, and MLPs of up to ``GATED_GROUPS_MAX_M`` (64) tokens are fused. Every matched MLP that is
+not fused says why in its three sites' report lines.
 """
 from __future__ import annotations
 

@@ -194,7 +194,7 @@ def test_bound_launches_the_keys_compiled_kernel_with_its_constexprs():
     assert launch.bound(args, {"FLAG": 4, "num_warps": 4}) is None
     bound = launch.bound(args, kwargs)
     compiled = fn.log[0][1]
-    assert bound.kernel is compiled and bound.nargs == 4
+    assert bound.kernel is compiled and bound.tail == (3, 8)
     y = torch.zeros(64)
     bound[(2, 3, 1)](y, 48, 0.25, False)
     assert fn.log[-1] == ("direct", compiled, (2, 3, 1), (y, 48, 0.25, False, 3, 8))
