@@ -798,9 +798,8 @@ def test_prefill_plan_launches_what_the_general_route_launches(recorded_prefill,
         assert (pgrid1, pgrid2) == (grid1, grid2)
         h, parts = a1[2].base, a1[6]
         fresh = (h, parts, a2[2], a2[3])
-        first = (*a1[:2], *a1[2:])
         swap = {id(args[0]): xq, id(args[1]): xs}  # this call's x in the first call's places
-        want1 = [swap.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in first]
+        want1 = [swap.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in a1]
         want1 = [type(a)(swap.get(id(a.base), a.base), *list(vars(a).values())[1:]) if hasattr(a, "block_shape")
                  else a for a in want1]
         for kernel, got, want, kwargs in (("gated_prefill_kernel", p1, want1, k1),
