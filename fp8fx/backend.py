@@ -23,10 +23,6 @@ log = logging.getLogger("fp8fx")
 _COMPILERS = ("inductor", "eager")
 _LOWERINGS = ("aten", "op")
 ONE_PASS_ROWS = 16384  # Fp8Backend's default one_pass_rows: rows up to a Llama-3 MLP's 14336 reduce in one pass
-# Fp8Backend(fuse_mlp=True)'s groups of the fused decode MLP's intermediate (mlp_h_group="auto"): faster than per-token
-# h at 1-64 tokens (at one token within 0.6% in a second call) and closer to the float32 MLP (benchmarks/RESULTS.md
-# run 31)
-MLP_H_GROUP = 128
 # the live backend of this process writing into each dump folder (its real path): a second one writes beside it
 _DUMP_WRITERS: "weakref.WeakValueDictionary[str, Fp8Backend]" = weakref.WeakValueDictionary()
 
@@ -64,7 +60,8 @@ class Fp8Backend:
       as two kernels, gate/up with act(g) * up in the epilogue and down quantizing the intermediate as it
       loads it (``fp8fx.passes.mlp``), where the unfused MLP takes three GEMMs and a quantization kernel
       (Llama-3-8B MLP on the H200: 1.22-1.24x faster than unfused at 1 and 16 tokens, run 12); by default
-      h in 1 x 128 groups, up to 64 tokens (``mlp_h_group``); with h per token (``mlp_h_group=None``) in graphs
+      h in 1 x 128 groups (1 x 32 at one token), up to 64 tokens (``mlp_h_group``); with h per token
+      (``mlp_h_group=None``) in graphs
       of 17-64 tokens as three, h quantized once between the two GEMMs (1.10x
       faster than unfused at 64 tokens, 1.29-1.34x at 32, run 29); and in graphs
       of ``fp8fx.ops.GATED_PREFILL_MIN_M`` (2048) tokens or more with per-token h, as the prefill kernels: gate/up
@@ -73,13 +70,13 @@ class Fp8Backend:
     - ``mlp_h_group``: with ``fuse_mlp``, quantize the fused decode MLP's intermediate ``act(g) * up`` in 1 x G
       groups (G of 32, 64, 128; 128 measured fastest) instead of the graph's per-token (or per-tensor) dynamic
       scale, in the gate/up kernel's epilogue, so the down GEMM reads fp8 codes; MLPs of up to 64 tokens are then
-      fused. ``"auto"`` (the default): 128 with ``fuse_mlp`` (``MLP_H_GROUP``). Llama-3-8B MLP block on the H200,
-      CUDA-graph replays (run 31): 1.71-1.81x bf16 at 2-64 tokens against 1.63-1.75x with per-token h, faster at
-      each of 1, 2, 4, 8, 16, 32 and 64 tokens in one sweep (at one token within 0.6% of it in another call);
-      relative error vs the float32 MLP 0.0618-0.0628 against 0.0628-0.0645 per token, as a group's scale is at
-      most its row's. Prefill (2048 tokens or more)
-      keeps h per token (its kernels quantize it so), and a static scale (``calibrate``) stays as it is. None: h as
-      the graph quantizes it (per token: the unfused linears' scheme, as vLLM's dynamic fp8 quantizes activations).
+      fused. ``"auto"`` (the default): groups of 32 at one token and of 128 from two
+      (``fp8fx.passes.mlp.auto_h_group``). Llama-3-8B MLP block on the H200, CUDA-graph replays (run 31): 1 x 128
+      groups 1.71-1.77x bf16 at 2-64 tokens against 1.63-1.75x with per-token h, faster at each of 1, 2, 4, 8, 16,
+      32 and 64 tokens in one sweep; relative error vs the float32 MLP 0.0618-0.0628 against 0.0628-0.0645 per
+      token, as a group's scale is at most its row's. Prefill (2048 tokens or more) keeps h per token (its kernels
+      quantize it so), and a static scale (``calibrate``) stays as it is. None: h as the graph quantizes it (per
+      token: the unfused linears' scheme, as vLLM's dynamic fp8 quantizes activations).
 
     - ``one_pass_rows``: reduce rows of up to this many elements in one pass, held in registers, where
       Inductor's heuristic stops at 1024 (``compat.one_pass_row_reductions``): the per-token
@@ -128,7 +125,7 @@ class Fp8Backend:
             if type(value) is not bool:
                 raise ValueError(f"Fp8Backend({name}={value!r}): True or False")
         if type(mlp_h_group) is str and mlp_h_group == "auto":
-            mlp_h_group = MLP_H_GROUP if fuse_mlp is True else None
+            mlp_h_group = "auto" if fuse_mlp is True else None  # (the pass picks the groups by token count)
         elif mlp_h_group is not None and (type(mlp_h_group) is not int or mlp_h_group not in GATED_H_GROUPS):
             raise ValueError(f"Fp8Backend(mlp_h_group={mlp_h_group!r}): a group size of {list(GATED_H_GROUPS)}, "
                              "None (h quantized as the graph does) or 'auto' (the default)")

@@ -4,7 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 from torch import fx
@@ -22,7 +22,7 @@ log = logging.getLogger("fp8fx")
 
 def default_passes(
     use_fast_accum: bool = False, weight_only: Optional[bool] = None, fuse_horizontal: bool = False,
-    fuse_mlp: bool = False, mlp_h_group: Optional[int] = None,
+    fuse_mlp: bool = False, mlp_h_group: Union[int, None, str] = None,
 ) -> list[Fp8Pass]:
     return [
         MoePass(use_fast_accum=use_fast_accum),  # first: the experts leave the graph before linears are sought

@@ -354,17 +354,34 @@ def test_gated_mlp_op_runs_its_kernels_for_h_groups(monkeypatch, m, kernels):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 16, 64])
-def test_gated_mlp_h_groups_cuda_graph_replays(m):
+@pytest.mark.parametrize("m,group", [(1, 128), (16, 128), (64, 128), (1, 32)])
+def test_gated_mlp_h_groups_cuda_graph_replays(m, group):
     """h in 1x128 groups at Llama-3-8B sizes, default tiles (the GEMV at M=1; K split in 8 behind the first kernel's
-    tickets above): plain calls, PDL on and off, and graph replays bit-equal; the fused h codes as
-    quant.quantize(h, [1, 128])'s, so the unfused ops with that h block are close."""
+    tickets above), and 1x32 groups at one token (``mlp_h_group="auto"``'s there): plain calls, PDL on and off, and
+    graph replays bit-equal; the fused h codes as quant.quantize(h, [1, G])'s, so the unfused ops with that h block
+    are close."""
     from fp8fx.kernels.gated_mlp import QUANT_GROUPS, gated_mlp
 
     args, _ = mlp_operands(m, 4096, 14336, 4096, "h in 1x128 groups", "cuda")
+    args[11] = [1, group]
     run = lambda pdl=None: gated_mlp(*args[:9], QUANT_GROUPS, None, torch.bfloat16, torch.bfloat16,  # noqa: E731
-                                     pdl=pdl, h_group=128)
+                                     pdl=pdl, h_group=group)
     check_replays(run, args)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 2])
+def test_gated_mlp_op_h_in_1x32_groups_cuda(m):
+    """The op with h in 1x32 groups (the fused MLP's default at one token) against float64 and its unfused ops,
+    row by row, as ``test_gated_mlp_op_cuda`` holds the other schemes."""
+    args, ws = mlp_operands(m, 1024, 8192 + 40, 1000, "h in 1x128 groups", "cuda", row_gain=torch.logspace(0, 3, m))
+    args[11] = [1, 32]
+    y = ops.gated_mlp(*args)
+    unfused = ops._gated_mlp_reference(*args)
+    want = truth(args, ws)
+    for r in range(m):
+        assert rel(y[r], want[r]) < rel(unfused[r], want[r]) * 1.25 + 1e-3, r
+        assert rel(y[r], unfused[r]) < 0.015 + 0.05 * rel(unfused[r], want[r]), r
 
 
 @pytest.mark.cuda

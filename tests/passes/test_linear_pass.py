@@ -162,12 +162,12 @@ def test_cache_key_changes_with_options_and_is_stable():
         Fp8Backend(fuse_horizontal=True).cache_key(),
         Fp8Backend(one_pass_rows=None).cache_key(),
         Fp8Backend(fuse_mlp=True, mlp_h_group=None).cache_key(),
-        Fp8Backend(fuse_mlp=True).cache_key(),
+        Fp8Backend(fuse_mlp=True).cache_key(),  # mlp_h_group="auto": 32 at one token, 128 from two
+        Fp8Backend(fuse_mlp=True, mlp_h_group=128).cache_key(),
         Fp8Backend(fuse_mlp=True, mlp_h_group=64).cache_key(),
     }
-    assert len(keys) == 11
-    # the default groups ("auto") are 128's: the same compiled code, the same key
-    assert Fp8Backend(fuse_mlp=True).cache_key() == Fp8Backend(fuse_mlp=True, mlp_h_group=128).cache_key()
+    assert len(keys) == 12
+    assert Fp8Backend().cache_key() == Fp8Backend(mlp_h_group="auto").cache_key()  # (no fused MLP: no groups)
     assert Fp8Backend(cudagraphs=True).inductor_config["triton.cudagraphs"] is True
     assert LinearPass().uuid() == LinearPass().uuid()
 

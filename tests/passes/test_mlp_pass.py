@@ -250,20 +250,23 @@ def test_h_groups_fuse_up_to_64_tokens(group, tokens):
         str(report)
 
 
-@pytest.mark.parametrize("tokens", [1, 40])
-def test_h_in_groups_of_128_is_the_fused_decode_mlps_default(tokens):
-    """``Fp8Backend(fuse_mlp=True)`` quantizes a decode MLP's h in 1 x 128 groups (``mlp_h_group="auto"``): the code,
-    output and report of ``mlp_h_group=128``. (Prefill keeps h per token:
-    test_prefill_mlp_is_fused_from_its_token_count.)"""
+@pytest.mark.parametrize("tokens,group", [(1, 32), (2, 128), (40, 128)])
+def test_h_in_groups_is_the_fused_decode_mlps_default(tokens, group):
+    """``Fp8Backend(fuse_mlp=True)`` quantizes a decode MLP's h in 1 x 32 groups at one token and 1 x 128 from two
+    (``mlp_h_group="auto"``, ``fp8fx.passes.mlp.auto_h_group``): the code, output and report of that
+    ``mlp_h_group``. (Prefill keeps h per token: test_prefill_mlp_is_fused_from_its_token_count.)"""
+    from fp8fx.passes.mlp import auto_h_group
+
+    assert auto_h_group(tokens) == group
     model, ref = quantized()
     x = torch.randn(tokens, 64, dtype=torch.bfloat16)
     y, report, code = run(model, x, fuse_mlp=True)
     torch._dynamo.reset()
-    y128, report128, code128 = run(model, x, fuse_mlp=True, mlp_h_group=128)
-    assert "[1, -1], [1, -1], [1, 128], [1, -1], None" in code and code == code128
-    assert torch.equal(y, y128) and rel_err(y, ref(x.double())) < 0.08
-    assert [s.scheme for s in report.sites] == [s.scheme for s in report128.sites]
-    assert all(s.scheme.endswith("2 kernels, h in 1x128 groups)") for s in report.sites), str(report)
+    y_g, report_g, code_g = run(model, x, fuse_mlp=True, mlp_h_group=group)
+    assert f"[1, -1], [1, -1], [1, {group}], [1, -1], None" in code and code == code_g
+    assert torch.equal(y, y_g) and rel_err(y, ref(x.double())) < 0.08
+    assert [s.scheme for s in report.sites] == [s.scheme for s in report_g.sites]
+    assert all(s.scheme.endswith(f"2 kernels, h in 1x{group} groups)") for s in report.sites), str(report)
 
 
 @pytest.mark.parametrize("tokens,kernels", [(16, "2 kernels"), (17, "3 kernels"), (64, "3 kernels")])
