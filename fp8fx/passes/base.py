@@ -56,6 +56,16 @@ def amend_sites(ctx: PassContext, nodes: list[fx.Node], note: str, node: Optiona
             ctx.report.sites[i] = dataclasses.replace(site, scheme=f"{site.scheme} {note}", node=node or site.node)
 
 
+def restate_activation(ctx: PassContext, node: fx.Node, scheme: str) -> None:
+    """Make the ``a:...`` part of ``node``'s report site ``a:<scheme>``: a later pass changed how that GEMM's
+    activation is quantized (the fused MLP's h in groups, where the graph quantized it per token or per tensor)."""
+    if "fp8fx_site" in node.meta:
+        i = node.meta["fp8fx_site"]
+        site = ctx.report.sites[i]
+        restated = re.sub(r"\ba:\S+", f"a:{scheme}", site.scheme, count=1)
+        ctx.report.sites[i] = dataclasses.replace(site, scheme=restated)
+
+
 def switches_grad_mode(graph: fx.Graph) -> bool:
     """Whether Dynamo's graph switches grad mode inside: ``torch.enable_grad()`` / ``no_grad()`` in the traced code
     become ``torch._C._set_grad_enabled`` calls (or a ``wrap_with_set_grad_enabled`` region): both targets' names

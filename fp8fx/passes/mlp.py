@@ -45,7 +45,8 @@ from torch import fx
 
 from fp8fx.ops import GATED_GROUPS_MAX_M, GATED_MAX_M, GATED_PREFILL_MIN_M, GATED_ROWS_MAX_M, GATED_ROWS_MIN_M
 from fp8fx.ops import _tensor_or_row, gated_prefill_reason
-from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
+from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, restate_activation, set_fake_value
+from fp8fx.passes.base import site_names
 from fp8fx.passes.linear import _cast_source, _name_of, _noop_cast_source
 from fp8fx.report import Site
 
@@ -370,6 +371,8 @@ class GatedMlpPass(Fp8Pass):
                     if not prefill_why else
                     "3 kernels: act * mul in the gate/up GEMM's epilogue, h quantized per token, the down GEMM"
                     if three else f"2 kernels{how}")
+            if group:  # the down GEMM reads h in groups now, where the graph had it per token or per tensor
+                restate_activation(ctx, mlp.down, f"per-group(1x{group})")
             amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, {what})", node=Site.origin_of(new))
             fused += len(mlp.gemms)
         gm.recompile()

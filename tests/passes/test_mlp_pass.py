@@ -267,6 +267,10 @@ def test_h_in_groups_is_the_fused_decode_mlps_default(tokens, group):
     assert torch.equal(y, y_g) and rel_err(y, ref(x.double())) < 0.08
     assert [s.scheme for s in report.sites] == [s.scheme for s in report_g.sites]
     assert all(s.scheme.endswith(f"2 kernels, h in 1x{group} groups)") for s in report.sites), str(report)
+    # down's activation (h) is now in groups; gate's and up's (x) as the graph quantized it
+    assert {s.fqn: s.scheme.split(" fused(")[0] for s in report.sites} == {
+        "gate_proj": "w:per-channel a:per-token", "up_proj": "w:per-channel a:per-token",
+        "down_proj": f"w:per-channel a:per-group(1x{group})"}, str(report)
 
 
 @pytest.mark.parametrize("tokens,kernels", [(16, "2 kernels"), (17, "3 kernels"), (64, "3 kernels")])
