@@ -30,9 +30,10 @@ from ``GATED_ROWS_MIN_M`` (17) as three kernels, h quantized once between the tw
 (2048) with h quantized per token (``fp8fx.ops.gated_prefill_reason``), where the op runs the prefill kernels
 (``fp8fx.kernels.gated_mlp.gated_prefill``: act * mul in the gate/up GEMM's epilogue, so g and u never reach
 memory, then a streaming quantization of h and cuBLAS's down GEMM). With ``h_group`` (``Fp8Backend(mlp_h_group=G)``;
-G = 128 by default since run 31) a decode MLP's dynamic quantization of h becomes one in 1 x G groups, made by the
-first kernel's epilogue, and MLPs of up to ``GATED_GROUPS_MAX_M`` (64) tokens are fused. Every matched MLP that is
-not fused says why in its three sites' report lines.
+by default G = 32 at one token and 128 from two, ``auto_h_group``) a decode MLP's dynamic quantization of h becomes
+one in 1 x G groups, made by the
+first kernel's epilogue, and MLPs of up to ``GATED_GROUPS_MAX_M`` (64) tokens are fused. Every matched MLP that
+is not fused says why in its three sites' report lines.
 """
 from __future__ import annotations
 
