@@ -221,9 +221,9 @@ MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gat
                 "fp8fx_fused_mlp_tokens", "fp8fx_fused_mlp_g128", "fp8fx_fused_mlp_g32", "fp8fx_mma",
                 "fp8fx_fused_mlp_mma", "fp8fx_fused_mlp_k1", "fp8fx_fused_mlp_rows", "inductor_scaled_mm",
                 "torchao_rowwise")
-# fp8fx_fused_mlp: Fp8Backend(fuse_mlp=True) as it is (since run 31 h in 1x128 groups at decode, per token at
-# prefill); _tokens: h per token (mlp_h_group=None); _g128 / _g32: h in 1x128 / 1x32 groups named (g128 is the
-# default's decode scheme). The default --variants leave out g128, g32 (h in 1x32 groups, the fused MLP's fastest op
+# fp8fx_fused_mlp: Fp8Backend(fuse_mlp=True) as it is (since run 31 h in 1x32 groups at one token, 1x128 from two,
+# per token at prefill); _tokens: h per token (mlp_h_group=None); _g128 / _g32: h in 1x128 / 1x32 groups named at
+# every token count. The default --variants leave out g128, g32 (h in 1x32 groups, the fused MLP's fastest op
 # at M = 1 in H200 run 19: 0.0495 ms against 0.0507 per token), the *_mma ones (the GEMV off), *_k1 (its loads
 # unpipelined) and *_rows (per-token h through quantize_rows at 1-16 tokens too): they compare kernels, on request
 DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith(("_mma", "_k1", "_g128", "_g32", "_rows")))
