@@ -101,22 +101,12 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
     impl = ops.gated_mlp._backend_fns["cuda"]
     h, parts = gm.gated_prefill(xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, bf16, "silu", True)
     hq, hs = gm.quantize_rows(h, parts)
-    cfg = gm.prefill_tile_config(m, ops_.w1.shape[0], DIM)
-    bm, bn, bk = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
     i = ops_.w1.shape[0]
-    low, high = sorted((ops_.w1, ops_.w3), key=lambda t: t.data_ptr())
-    descs = (TensorDescriptor(xq, [m, DIM], [DIM, 1], [bm, bk]),
-             TensorDescriptor(low, [2, i, DIM], [high.data_ptr() - low.data_ptr(), DIM, 1], [2, bn, bk]),
-             TensorDescriptor(h, [m, i], [i, 1], [bm, bn]))
-    programs = sm_count(torch.device("cuda"))  # (gated_prefill's)
-    s1, s3 = ops_.s1.float().reshape(-1).contiguous(), ops_.s3.float().reshape(-1).contiguous()
-    # (whole tiles only: the last round's half-tile descriptors, xt_desc and ht_desc, None as at 2048 tokens)
-    launch_args = (*descs, xs.float().reshape(-1), s1, s3, parts, m, i, DIM, parts.stride(0), None, None)
-    launch_kw = dict(A_ROWWISE=True, W_ROWWISE=True, ACT=0, IMPRECISE_K=gm.imprecise_k({"BLOCK_K": bk}, True),
-                     BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, PROGRAMS=programs, UP_FIRST=low is ops_.w3, PTX_MATH=True,
-                     MODEL_ROUNDING=False, TANH_SILU=True, TAIL_SPLIT=1,
-                     GROUP_M=cfg["GROUP_M"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    compiled = gm.gated_prefill_kernel[(programs,)](*launch_args, **launch_kw)
+    # gated_prefill's own launch (its grid, arguments, constexprs and options), on buffers of its own
+    grid, launch_args, launch_kw, _, _ = gm._gated_prefill_launch(xq, xs, ops_.w1, ops_.s1, ops_.w3, ops_.s3, bf16,
+                                                                  "silu", True)
+    descs = launch_args[:3]  # x, the gate/up pair, h (the last round's half-tile ones, where there are, not timed)
+    compiled = gm.gated_prefill_kernel[grid](*launch_args, **launch_kw)
     names = gm.gated_prefill_kernel.arg_names
     positional = (*launch_args, *(launch_kw[n] for n in names[len(launch_args):]))
 
@@ -141,8 +131,8 @@ def pieces(m: int, ops_: Operands, calls: int, bursts: int, out: list) -> None:
         "cublas_scaled_mm (down)": lambda: ops.cublas_scaled_mm(hq, hs, ops_.w2, ops_.s2, None, row, row, bf16, True),
         "torch._scaled_mm (down, scales ready)": lambda: torch._scaled_mm(
             hq, ops_.w2.t(), scale_a=hs, scale_b=ops_.s2r, out_dtype=bf16, use_fast_accum=True),
-        "gate/up launch, kernel[grid]": lambda: gm.gated_prefill_kernel[(programs,)](*launch_args, **launch_kw),
-        "gate/up launch, compiled[grid]": lambda: compiled[(programs, 1, 1)](*positional),
+        "gate/up launch, kernel[grid]": lambda: gm.gated_prefill_kernel[grid](*launch_args, **launch_kw),
+        "gate/up launch, compiled[grid]": lambda: compiled[grid](*positional),
         "3 TensorDescriptors": lambda: [TensorDescriptor(d.base, d.shape, d.strides, d.block_shape) for d in descs],
         "2 torch.empty": lambda: (torch.empty(m, i, device="cuda", dtype=bf16),
                                   torch.empty(m, parts.shape[1], device="cuda")),
