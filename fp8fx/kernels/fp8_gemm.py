@@ -37,9 +37,9 @@ per output tile for decode shapes whose output tiles are too few to keep every S
 (down 4096x14336 at BLOCK_N=64: 64 tiles for 132 SMs; split in 4 it ran 6% faster on the H200,
 `tile_config`, with the partials then summed by two more kernels). Each split writes a float32 partial
 and the last split of a tile to finish (an int32 ticket per tile) sums them in split order: deterministic,
-and the GEMM's only launch besides zeroing the tickets. The tickets are fresh per call: a buffer kept
-across calls would be allocated, the first time, inside whatever memory pool is active (Inductor's
-cudagraph trees warm up in theirs) and would be shared by graphs replayed on unordered streams.
+and the GEMM's only launch. The tickets count in periods, so a launch captured into a CUDA graph keeps tickets of
+its own that no replay zeroes again (``fp8fx.kernels.tickets``: a memset before each launch cost 1.1 us of qkv's
+10-13); other launches zero fresh ones.
 
 One row (M = 1, ``GEMV_MAX_M``; every scheme, K groups of a multiple of 16): ``fp8_gemv_kernel`` instead, on
 the CUDA cores. A 16-row tensor-core tile would be 15/16 padding, and its weight tiles pass through shared memory;
@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 
 from fp8fx import quant
+from fp8fx.kernels import tickets as _tickets
 from fp8fx.kernels.launch import capability, cdiv, next_power_of_2
 
 # scale layouts, on the host (the kernel takes them as constexpr flags: Triton kernels may not read
@@ -76,6 +77,8 @@ PER_TENSOR, PER_ROW, PER_K_GROUP = 0, 1, 2
 # quantization of 16-bit activations inside the GEMM (``a_quant``): none (a is fp8, or weight-only), per
 # row or per tensor from partial row maxima (the producer's, one per N tile of it), or a static scale
 NO_QUANT, QUANT_ROWS, QUANT_TENSOR, QUANT_STATIC = 0, 1, 2, 3
+# split-K tickets count in periods of this many (``_store_tile``): SPLIT_K is a power of 2 up to it
+TICKET_PERIOD = tl.constexpr(1 << 16)
 
 
 @triton.jit
@@ -164,9 +167,17 @@ def _store_tile(acc, y_ptr, out_ptr, ticket_ptr, split, row0, local_m, offs_m, o
         # whatever the arrival order - and writes the output. This replaces a sum and a cast kernel after the
         # GEMM. The barrier orders every thread's partial before the (release) ticket, taken by one thread;
         # the acquire side reads the partials from L2 (.cg).
+        # With SPLIT_K a power of 2 each split adds TICKET_PERIOD / SPLIT_K, so a tile's counter gains one period a
+        # call and the last split is the one that completes a period, whether the counter started the call at zero
+        # or at a multiple of the period that earlier calls left there: a buffer of tickets can be kept across calls
+        # without being zeroed again (int32 wraps at 2**32, a multiple of the period). Other splits count from zero.
         tl.debug_barrier()
-        ticket = tl.atomic_add(ticket_ptr, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
+        if (SPLIT_K & (SPLIT_K - 1)) == 0:
+            ticket = tl.atomic_add(ticket_ptr, TICKET_PERIOD // SPLIT_K, sem="acq_rel")
+            last = ((ticket + TICKET_PERIOD // SPLIT_K) & (TICKET_PERIOD - 1)) == 0
+        else:
+            last = tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == SPLIT_K - 1
+        if last:
             total = tl.zeros(acc.shape, dtype=tl.float32)
             part_ptrs = y_ptrs  # split s at s * stride_ys: stepped, so no 32-bit product can overflow
             for _ in range(SPLIT_K):
@@ -594,8 +605,10 @@ def fp8_gemm(
 
     ``a_quant`` (``QUANT_ROWS`` / ``QUANT_TENSOR``: ``a_scale`` is ``[M, n]`` partial row maxima of the 16- or
     32-bit ``a``; ``QUANT_STATIC``: one static scale): the kernel quantizes ``a`` per token / per tensor as it loads
-    it, so no quantization pass over ``a`` runs before. ``tickets``: split-K's, zeroed by an earlier kernel on
-    this stream (else zeroed here). ``pdl``: launch as a programmatic dependent of the previous kernel (compute
+    it, so no quantization pass over ``a`` runs before. ``tickets``: split-K's, int32 counters at a multiple of
+    ``TICKET_PERIOD`` (zero with a split that is not a power of 2): zeroed by an earlier kernel on this stream, or
+    left so by earlier launches. Else a launch captured into a CUDA graph takes kept ones of its own
+    (``fp8fx.kernels.tickets``: no memset in the graph) and any other launch zeroes fresh ones. ``pdl``: launch as a programmatic dependent of the previous kernel (compute
     capability 9.0+): this kernel's programs wait for that kernel's whole grid and memory before their first
     access, and start early where it signals ``gdc_launch_dependents`` (``fp8fx.kernels.gated_mlp``).
     """
@@ -656,7 +669,10 @@ def fp8_gemm(
     if split_k == 1:
         tickets = y  # not read
     elif tickets is None:
-        tickets = torch.zeros(tiles, device=a.device, dtype=torch.int32)
+        kept = a.is_cuda and split_k & (split_k - 1) == 0  # (counting in periods takes a split of a power of 2)
+        tickets = _tickets.for_capture(a.device, tiles) if kept else None
+        if tickets is None:
+            tickets = torch.zeros(tiles, device=a.device, dtype=torch.int32)
     elif tickets.numel() < tiles or tickets.dtype != torch.int32:
         raise ValueError(f"fp8_gemm: split-K needs {tiles} int32 tickets; got {tickets.numel()} {tickets.dtype}")
     n_parts = a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1
