@@ -18,6 +18,9 @@
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
     python benchmarks/tune_gemm.py --hbm           # each decode GEMM's TB/s on its weight at its default tile
     python benchmarks/tune_gemm.py --hbm --chain-mb 256  # the same, each kernel timed in a chain of launches
+    python benchmarks/tune_gemm.py --tickets       # split-K decode GEMMs, tickets zeroed each call or kept
+    python benchmarks/tune_gemm.py --read-ceiling  # a read-only kernel at each weight size, timed as the chains
+    python benchmarks/tune_gemm.py --down          # the down GEMM at 17-64 rows: tiles, as chains
     python benchmarks/tune_gemm.py --small-n       # qkv, o at 16-64 rows: every width / split / transposition, chained
     python benchmarks/tune_gemm.py --small-n --duel  # their 17-64-row tiles against each other, 7 rounds
     python benchmarks/tune_gemm.py --tma-a         # fp8 activation tiles by TMA or cp.async (M = 16, 64)
@@ -619,6 +622,46 @@ def sweep_small_n(ms=(16, 32, 64), shapes=("qkv", "o"), chain_bytes=256 << 20):
               + " ; ".join(f"{t:.4f} ({tbs(t):.2f} TB/s) {c}" for t, c in results[:5]), flush=True)
 
 
+def sweep_down(ms=(32, 64), rounds=5, chain_bytes=256 << 20):
+    """The down GEMM 4096x14336 at 17-64 rows, fp8 h per token and in 1 x 128 groups (the fused MLP's default h
+    there), as chains of launches (``hbm_table``; split-K tickets kept, as in a captured decode step since run 32):
+    tiles 32-128 wide, K steps of 128 or 256, 4-6 stages, K split in 2-8, activations by TMA or not, transposed or
+    not, each timed once; the five best re-timed against the default in ``rounds`` interleaved rounds."""
+    from fp8fx.kernels.gated_mlp import down_tile_config
+
+    n, k = SHAPES["down"]
+    for m, g in itertools.product(ms, (0, 128)):
+        torch.manual_seed(m)
+        ops_ = []
+        for _ in range(_chain_len(n * k, chain_bytes)):
+            xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, g or -1])
+            ops_.append((xq, xs, *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])))
+        reps, blocks = len(ops_), dict(a_block=(1, g)) if g else {}
+        chain = lambda cfg=None: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
+                                  for xq, xs, wq, ws in ops_]
+        ref = chain()[0].float()
+        results = []
+        for bn, bk, stages, split, tma_a in itertools.product([32, 64, 128], [128] if g else [128, 256], [4, 6],
+                                                               [2, 4, 8], [False, True]):
+            for swap in (False, True) if bn >= 64 else (False,):
+                cfg = dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=stages,
+                           SPLIT_K=split, TMA=True, TMA_A=tma_a, SWAP_AB=swap)
+                try:
+                    assert (chain(cfg)[0].float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+                    results.append((time_ms(lambda cfg=cfg: chain(cfg), True) / reps, cfg))
+                except Exception:  # noqa: BLE001 - out of shared memory etc.: not a candidate
+                    continue
+        results.sort(key=lambda r: r[0])
+        # the default: fp8_gemm's tile for per-token h, the fused MLP's down tile for h in groups (its route there)
+        default = down_tile_config(m, n, k, h_group=g) if g else None
+        runs = {"default": lambda: chain(default),
+                **{f"#{i + 1} {c}": lambda c=c: chain(c) for i, (_, c) in enumerate(results[:5])}}
+        med = _medians(runs, rounds)
+        label = f"h in 1x{g} groups" if g else "per-token h"
+        print(f"down M={m}, {label} (chains of {reps}; {len(results)} tiles): " + " | ".join(
+            f"{name} {t / reps:.4f} ms ({reps * n * k / t / 1e9:.2f} TB/s)" for name, t in med.items()), flush=True)
+
+
 def small_n_duel(ms=(24, 32, 48, 64), shapes=("qkv", "o"), rounds=7, chain_bytes=256 << 20):
     """Tiles of 17-64 rows for weights with few N tiles (qkv, o) against each other at ``ms`` rows, each as a chain
     of launches (``sweep_small_n``), in ``rounds`` interleaved rounds: the unsplit 64-wide tile (the default before
@@ -644,6 +687,91 @@ def small_n_duel(ms=(24, 32, 48, 64), shapes=("qkv", "o"), rounds=7, chain_bytes
         print(f"{name} M={m} (chains of {reps}), ms per launch: "
               + ", ".join(f"{label} {t / reps:.4f} ({reps * n * k / t / 1e9:.2f} TB/s)" for label, t in med.items()),
               flush=True)
+
+
+def tickets_duel(ms=(2, 16, 32, 64), shapes=("qkv", "o", "down"), rounds=7, chain_bytes=256 << 20):
+    """The split-K decode GEMMs with their tickets zeroed in each call (``torch.zeros``: a memset in the graph before
+    every launch; ``fp8_gemm``'s own choice outside capture, and inside it before run 32) against one kept buffer
+    that no call re-zeroes (``_store_tile`` counts in periods), each as a chain of launches (``hbm_table``) in
+    ``rounds`` interleaved rounds at the default tiles; the fused MLP's down GEMM too (16-bit h quantized as loaded,
+    per token: at up to 16 rows, its route there), as ``_hbm_makers`` launches it."""
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels.gated_mlp import down_tile_config
+
+    kept = torch.zeros(1 << 16, device="cuda", dtype=torch.int32)
+    for m in ms:
+        for name in (*shapes, "fused down") if m <= 16 else shapes:
+            n, k = SHAPES["down" if name == "fused down" else name]
+            ops_ = _chain_operands(m, n, k, chain_bytes)
+            if name == "fused down":  # h as the gate/up kernel leaves it: 16-bit, partial maxima of 32-wide tiles
+                cfg = down_tile_config(m, n, k)
+                ops_ = [(xq.bfloat16(), (xq.float().abs().reshape(m, -1, 32).amax(-1)), wq, ws)
+                        for xq, _, wq, ws in ops_]
+                extra = dict(config=cfg, a_quant=kernels.QUANT_ROWS)
+            else:
+                cfg, extra = kernels.for_device(tile_config(m, n, k), torch.device("cuda")), {}
+            if cfg.get("SPLIT_K", 1) == 1:
+                print(f"{name} M={m}: not split ({cfg}); skipped", flush=True)
+                continue
+            reps = len(ops_)
+            tiles = triton.cdiv(m, cfg["BLOCK_M"]) * triton.cdiv(n, cfg["BLOCK_N"])
+            fresh = lambda: torch.zeros(tiles, device="cuda", dtype=torch.int32)  # noqa: E731  (a memset)
+            runs = {kind: lambda t=t: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, tickets=t(), **extra)
+                                       for xq, xs, wq, ws in ops_]
+                    for kind, t in (("zeroed each call", fresh), ("kept", lambda: kept))}
+            outs = [run()[0] for run in runs.values()]
+            assert torch.equal(outs[0], outs[1]), name
+            med = _medians(runs, rounds)
+            print(f"{name} M={m} (chains of {reps}, SPLIT_K={cfg['SPLIT_K']}), ms per launch: "
+                  + ", ".join(f"{kind} {t / reps:.4f} ({reps * n * k / t / 1e9:.2f} TB/s)" for kind, t in med.items()),
+                  flush=True)
+    assert int((kept & 0xFFFF).count_nonzero()) == 0, "a kept ticket left mid-period"
+
+
+@triton.jit
+def _read_kernel(x_ptr, out_ptr, n, CHUNK: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr):
+    """Each program reads its CHUNK int32s of x, BLOCK at a time (16-byte loads, pipelined STAGES deep), and
+    writes their xor: a plain stream of the bytes, no arithmetic to wait on."""
+    start = tl.program_id(0).to(tl.int64) * CHUNK
+    acc = tl.zeros((BLOCK,), tl.int32)
+    for i in tl.range(0, CHUNK, BLOCK, num_stages=STAGES):
+        offs = start + i + tl.arange(0, BLOCK)
+        acc ^= tl.load(x_ptr + offs, mask=offs < n, other=0)
+    tl.store(out_ptr + tl.program_id(0), tl.xor_sum(acc, 0))
+
+
+def read_ceiling(sizes_mb=(16.8, 25.2, 58.7, 117.4), rounds=5, chain_bytes=256 << 20):
+    """What a kernel that does nothing but read reaches on each decode weight size, timed as ``hbm_table --chain-mb``
+    times the GEMMs (chains of launches on buffers of their own, after a clean L2 flush): a sweep of chunk per
+    program (32 KB to one chunk an SM), load width and pipeline depth, then the best three of each size re-timed in
+    ``rounds`` interleaved rounds. The fastest is a floor on what a standalone kernel of that many bytes costs here;
+    the per-GEMM goal (75% of HBM) is checked against it."""
+    read = _read_speed()
+    print(f"read speed (sum of 2 GiB): {read:.2f} TB/s", flush=True)
+    for mb in sizes_mb:
+        size = int(mb * 1e6) // 16 * 16
+        n = size // 4
+        reps = _chain_len(size, chain_bytes)
+        bufs = [torch.randint(-2**31, 2**31 - 1, (n,), device="cuda", dtype=torch.int32) for _ in range(reps)]
+        out = torch.empty(n // 1024 + 1, device="cuda", dtype=torch.int32)
+        configs = []
+        for chunk_kb, (block, warps), stages in itertools.product(
+                (32, 64, 128, 256, size // 132 >> 10, size // 264 >> 10), ((1024, 4), (2048, 8), (2048, 4)), (1, 3, 4)):
+            chunk = max(block, (chunk_kb << 10) // 4 // block * block)
+            configs.append((chunk, block, warps, stages))
+
+        def run(cfg):
+            chunk, block, warps, stages = cfg
+            return lambda: [_read_kernel[(triton.cdiv(n, chunk),)](b, out, n, CHUNK=chunk, BLOCK=block, STAGES=stages,
+                                                                   num_warps=warps) for b in bufs]
+        timed = sorted((time_ms(run(cfg), True) / reps, cfg) for cfg in dict.fromkeys(configs))
+        best = {f"chunk {c * 4 >> 10} KB, {b * 4} B a step, {w} warps, {s} stages": run((c, b, w, s))
+                for _, (c, b, w, s) in timed[:3]}
+        med = _medians(best, rounds)
+        print(f"read of {size / 1e6:.1f} MB (chains of {reps}; sweep best {timed[0][0]:.4f} ms): " + "; ".join(
+            f"{label} {t / reps:.4f} ms = {size / (t / reps) / 1e9 / read:.0%} of the read speed"
+            for label, t in med.items()), flush=True)
+        del bufs
 
 
 def down_duel(m=64, g=128, rounds=7, dim=4096, hidden=14336):
@@ -782,6 +910,12 @@ def main(argv=None):
     p.add_argument("--chain-mb", type=int, default=0,
                    help="--hbm: time each kernel as a chain of launches on >= this many MB of weights (2-16 launches, "
                         "each on operands of its own), as a decode step runs them; cuBLAS fp8 too")
+    p.add_argument("--tickets", action="store_true",
+                   help="split-K decode GEMMs (--ms: 2,16,32,64) with tickets zeroed each call or kept, as chains")
+    p.add_argument("--down", action="store_true",
+                   help="the down GEMM at 17-64 rows (--ms: 32,64), per-token h and 1x128 groups: tiles, as chains")
+    p.add_argument("--read-ceiling", action="store_true",
+                   help="a kernel that only reads, at each decode weight size, timed as --hbm --chain-mb 256")
     p.add_argument("--small-n", action="store_true",
                    help="qkv and o at 16-64 rows (--ms): tiles of every width, split and transposition, as chains")
     p.add_argument("--tma-a", action="store_true",
@@ -810,6 +944,12 @@ def main(argv=None):
         return sweep_codes()
     if args.m64:
         return balance_probe() if args.balance else down_duel() if args.duel else sweep_m64()
+    if args.tickets:
+        return tickets_duel(tuple(int(m) for m in (args.ms or "2,16,32,64").split(",")))
+    if args.read_ceiling:
+        return read_ceiling()
+    if args.down:
+        return sweep_down(tuple(int(m) for m in (args.ms or "32,64").split(",")))
     if args.hbm:
         return hbm_table(tuple(int(m) for m in (args.ms or "1,16,64").split(",")), chain_bytes=args.chain_mb << 20)
     if args.tma_a:
