@@ -436,11 +436,14 @@ def gemv_config(n: int, k: int, a_quant: bool = False) -> dict:
                 SPLIT_K=split, K_STAGES=GEMV_K_STAGES)
 
 
-def tile_config(m: int, n: int, k: int, a_quant: bool = False, transposed: bool = True) -> dict:
+def tile_config(m: int, n: int, k: int, a_quant: bool = False, transposed: bool = True,
+                k_groups: bool = False) -> dict:
     """The kernel and tiles ``fp8_gemm`` runs for [m, k] x [n, k]: the GEMV kernel where ``gemv_fits``
     (``gemv_config``; ``a_quant``: it quantizes a 16-bit a as it loads it), else ``mma_tile_config`` (whose BLOCK_K
-    ``fp8_gemm`` sets to the K group, if any; ``transposed``: its transposed tiles of 2-16 rows)."""
-    return gemv_config(n, k, a_quant) if gemv_fits(m, n, k) else mma_tile_config(m, n, k, transposed)
+    ``fp8_gemm`` sets to the K group, if any: ``k_groups``; ``transposed``: its transposed tiles of 2-16 rows)."""
+    if gemv_fits(m, n, k):
+        return gemv_config(n, k, a_quant)
+    return mma_tile_config(m, n, k, transposed, long_steps=not (a_quant or k_groups))
 
 
 def for_device(cfg: dict, device: torch.device) -> dict:
@@ -463,7 +466,7 @@ def gemv_fits(m: int, n: int, k: int) -> bool:
     return 0 < m <= GEMV_MAX_M and n <= 4 * k
 
 
-def mma_tile_config(m: int, n: int, k: int, transposed: bool = True) -> dict:
+def mma_tile_config(m: int, n: int, k: int, transposed: bool = True, long_steps: bool = True) -> dict:
     """Tiles by problem size, from benchmarks/tune_gemm.py on the H200 (torch 2.11, triton 3.6; times of
     CUDA-graph replays, 2026-11-29): decode streams the weight, so narrow N tiles give every SM its own
     slice and deep pipelining keeps enough bytes in flight. M=1: gate_up 28672x4096 0.0309 ms (3.81 TB/s
@@ -517,6 +520,16 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True) -> dict:
             # tiles (128 programs for 132 SMs) at down 4096x14336 (run 13 call 3, `tune_gemm.py --wide-n`)
             return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=2,
                         **{**tma, "TMA_A": m == 64} if tma else {})
+        if transposed and long_steps and 1024 <= k < 8192 and cdiv(n, 32) <= 132:
+            # a weight of at most 132 32-wide N tiles (o 4096x4096: 128): one program an SM, each over the whole K
+            # in steps of 512 - no partial sums wait on a ticket after the last weight byte, and 4 stages of 16 KB
+            # of weight keep the bytes in flight that the split tiles below get from two programs an SM. H200 run 32
+            # (`tune_gemm.py --small-n --duel`, chains, 7 interleaved rounds, ms per launch): o at 32 / 48 / 64 rows
+            # 0.0086 / 0.0087 / 0.0088 against 0.0099 / 0.0101 / 0.0099 for the split tiles below, 24 rows 0.0098
+            # against 0.0100. qkv 6144x4096 (192 such programs for 132 SMs: two waves' worth on some) lost it
+            # (0.0148-0.0171 against 0.0116-0.0118); K groups (BLOCK_K = the group) and 16-bit activations
+            # (``long_steps=False``: a 64 x 512 tile of two bytes an element) keep the split tiles, not timed so
+            return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=4)
         if transposed and 1024 <= k < 8192 and cdiv(n, 64) < 132:
             # a weight with few 64-wide N tiles (o 4096x4096: 64 programs, qkv 6144x4096: 96, for 132 SMs): 32-wide
             # tiles, K split in 2 (4x and 3x the programs). H200 run 22 (`tune_gemm.py --small-n --duel`, each
@@ -647,7 +660,8 @@ def fp8_gemm(
     group_k = [blk[1] for blk, mode in ((a_block, a_mode), (b_block, b_mode)) if mode == PER_K_GROUP]
     if len(set(group_k)) > 1:
         raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
-    cfg = dict(config or for_device(tile_config(m, n, k, a_quant=a_quant != NO_QUANT, transposed=a_fp8), a.device))
+    cfg = dict(config or for_device(tile_config(m, n, k, a_quant=a_quant != NO_QUANT, transposed=a_fp8,
+                                                k_groups=bool(group_k)), a.device))
     if a_quant != NO_QUANT and not config:  # (a 16-bit a: the 64-row tiles' TMA copies were timed for fp8 a only)
         cfg.pop("TMA", None), cfg.pop("TMA_A", None)
     gemv = cfg.pop("GEMV", False)

@@ -30,8 +30,10 @@ def operands(m, n, k, x_block, w_block, device, seed=0):
 
 
 # (40, 200, 512): 17-64 rows with K a multiple of 16, where the default 64-row tile loads both operands by TMA
-# (elsewhere the descriptors cannot address the rows and the kernel takes pointer loads)
-SHAPES = [(1, 96, 160), (7, 200, 300), (16, 4096, 512), (40, 200, 512), (64, 130, 1000), (129, 257, 384)]
+# (elsewhere the descriptors cannot address the rows and the kernel takes pointer loads); (40, 4096, 1100): the
+# unsplit tile of K steps of 512 (run 32), the last one ragged
+SHAPES = [(1, 96, 160), (7, 200, 300), (16, 4096, 512), (40, 200, 512), (40, 4096, 1100), (64, 130, 1000),
+          (129, 257, 384)]
 SCHEMES = [([1, -1], [1, -1]), ([-1, -1], [-1, -1]), ([1, -1], [-1, -1])]
 
 
@@ -192,6 +194,21 @@ def test_split_k_under_inductor_cudagraph_trees(m, n):
             torch.testing.assert_close(graphed(x).clone(), want, rtol=0, atol=0)
 
 
+def test_17_to_64_rows_of_few_n_tiles_take_long_unsplit_k_steps():
+    """tile_config at 17-64 rows: o 4096x4096 (128 32-wide N tiles, at most one an SM) one program a tile over the
+    whole K in steps of 512 (H200 run 32); qkv 6144x4096 (192), K groups, 16-bit activations quantized in the kernel
+    and GPUs before Hopper keep the 32-wide split tile; 2-16 rows and the long K of down keep theirs."""
+    from fp8fx.kernels.fp8_gemm import tile_config
+
+    for m in (17, 40, 64):
+        assert tile_config(m, 4096, 4096) == dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4,
+                                                  num_stages=4)
+        for other in (tile_config(m, 6144, 4096), tile_config(m, 4096, 4096, k_groups=True),
+                      tile_config(m, 4096, 4096, a_quant=True), tile_config(m, 4096, 4096, transposed=False)):
+            assert other["BLOCK_K"] == 128, other
+    assert tile_config(16, 4096, 4096)["BLOCK_K"] == 128 and tile_config(64, 4096, 14336)["BLOCK_K"] == 256
+
+
 def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
     """tile_config: the GEMV kernel at M=1 for the Llama-3-8B shapes it won on the H200 (run 16), the tensor-core
     tile for gate_up (28672x4096) and from 2 rows; fp8_gemm refuses a GEMV tile for more rows or for K groups a
@@ -215,11 +232,12 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
         assert cfg.get("SPLIT_K", 1) == wo.get("SPLIT_K", 1) == split and cfg["BLOCK_N"] == 64, (n, k)
         assert cfg.get("SWAP_AB", False) == (split > 1) and not wo.get("SWAP_AB", False), (n, k)
         assert wo["BLOCK_N"] == (32 if k < 8192 and split > 1 else 64), (n, k)
-    # 17-64 rows of fp8 activations: few 64-wide N tiles (qkv, o) -> 32 wide, K split in 2, the activations by TMA
-    # at 64 rows only (run 22); wide weights and weight-only (16-bit activations) keep the unsplit 64-wide tile
+    # 17-64 rows of fp8 activations: few 64-wide N tiles (qkv; o with K groups, its long unsplit steps apart: run
+    # 32) -> 32 wide, K split in 2, the activations by TMA at 64 rows only (run 22); wide weights and weight-only
+    # (16-bit activations) keep the unsplit 64-wide tile
     for m, n, block_n, split, tma_a in [(64, 6144, 32, 2, True), (64, 4096, 32, 2, True), (32, 4096, 32, 2, False),
                                         (17, 6144, 32, 2, False), (64, 28672, 64, 1, True)]:
-        cfg = tile_config(m, n, 4096)
+        cfg = tile_config(m, n, 4096, k_groups=n == 4096)
         assert (cfg["BLOCK_N"], cfg.get("SPLIT_K", 1), cfg["TMA_A"]) == (block_n, split, tma_a) and cfg["TMA"], cfg
     assert tile_config(64, 6144, 4096, transposed=False).get("SPLIT_K", 1) == 1
     assert "SWAP_AB" not in tile_config(64, 4096, 14336)
@@ -398,6 +416,12 @@ INTERPRETER_CHECK = textwrap.dedent(
     from fp8fx.kernels.fp8_gemm import tile_config
     assert tile_config(3, 40, 1024).get("SWAP_AB")
     xq, xs, wq, ws, bias = operands(3, 40, 1024, [1, -1], [1, -1], "cpu")
+    ref = reference(xq, xs, [1, -1], wq, ws, [1, -1], bias, torch.float32)
+    y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32)
+    assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+    # 17-64 rows of a weight of few 32-wide N tiles: one program a tile over the whole K, steps of 512 (ragged N, K)
+    assert tile_config(40, 200, 1100)["BLOCK_K"] == 512 and tile_config(40, 200, 1100).get("SPLIT_K", 1) == 1
+    xq, xs, wq, ws, bias = operands(40, 200, 1100, [1, -1], [1, -1], "cpu")
     ref = reference(xq, xs, [1, -1], wq, ws, [1, -1], bias, torch.float32)
     y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32)
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
