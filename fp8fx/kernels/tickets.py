@@ -40,28 +40,31 @@ class Reserve:
         self._buffers: list[torch.Tensor] = []  # every chunk, kept alive: captured graphs point into them
         self._next = 0  # the first free ticket of the last chunk
         self._warned = False
+        self._lock = threading.Lock()  # (threads capturing graphs at once take disjoint slices)
 
     def left(self) -> int:
         return self._buffers[-1].numel() - self._next if self._buffers else 0
 
     def top_up(self) -> None:
         """A fresh chunk where fewer than ``LOW`` tickets are left (call outside capture only)."""
-        if self.left() < LOW:
-            self._buffers.append(self._allocate(CHUNK, self.device))
-            self._next = 0
+        with self._lock:
+            if self.left() < LOW:
+                self._buffers.append(self._allocate(CHUNK, self.device))
+                self._next = 0
 
     def take(self, count: int) -> Optional[torch.Tensor]:
         """``count`` tickets no launch had before, or None where fewer are left."""
-        if count > self.left():
-            if not self._warned:
-                self._warned = True
-                log.info("fp8fx: split-K tickets for CUDA graphs on %s are used up (a capture before any warm-up "
-                         "call, or more than %d split tiles since the last one); captured split-K launches zero "
-                         "their tickets in the graph until the next call outside capture", self.device, LOW)
-            return None
-        out = self._buffers[-1][self._next:self._next + count]
-        self._next += count
-        return out
+        with self._lock:
+            if count <= self.left():
+                out = self._buffers[-1][self._next:self._next + count]
+                self._next += count
+                return out
+            warn, self._warned = not self._warned, True
+        if warn:
+            log.info("fp8fx: split-K tickets for CUDA graphs on %s are used up (a capture before any warm-up "
+                     "call, or more than %d split tiles since the last one); captured split-K launches zero "
+                     "their tickets in the graph until the next call outside capture", self.device, LOW)
+        return None
 
 
 _RESERVES: dict[torch.device, Reserve] = {}
@@ -75,7 +78,7 @@ def for_capture(device: torch.device, count: int) -> Optional[torch.Tensor]:
     reserve = _RESERVES.get(device)
     if not torch.cuda.is_current_stream_capturing():
         if reserve is None:
-            reserve = _RESERVES[device] = Reserve(device)
+            reserve = _RESERVES.setdefault(device, Reserve(device))
         reserve.top_up()
         return None
     return None if reserve is None else reserve.take(count)
