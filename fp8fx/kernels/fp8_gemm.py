@@ -77,7 +77,7 @@ PER_TENSOR, PER_ROW, PER_K_GROUP = 0, 1, 2
 # quantization of 16-bit activations inside the GEMM (``a_quant``): none (a is fp8, or weight-only), per
 # row or per tensor from partial row maxima (the producer's, one per N tile of it), or a static scale
 NO_QUANT, QUANT_ROWS, QUANT_TENSOR, QUANT_STATIC = 0, 1, 2, 3
-# split-K tickets count in periods of this many (``_store_tile``): SPLIT_K is a power of 2 up to it
+# split-K tickets of a SPLIT_K that is a power of 2 (up to this) count in periods of this many (``_store_tile``)
 TICKET_PERIOD = tl.constexpr(1 << 16)
 
 
@@ -621,9 +621,10 @@ def fp8_gemm(
     it, so no quantization pass over ``a`` runs before. ``tickets``: split-K's, int32 counters at a multiple of
     ``TICKET_PERIOD`` (zero with a split that is not a power of 2): zeroed by an earlier kernel on this stream, or
     left so by earlier launches. Else a launch captured into a CUDA graph takes kept ones of its own
-    (``fp8fx.kernels.tickets``: no memset in the graph) and any other launch zeroes fresh ones. ``pdl``: launch as a programmatic dependent of the previous kernel (compute
-    capability 9.0+): this kernel's programs wait for that kernel's whole grid and memory before their first
-    access, and start early where it signals ``gdc_launch_dependents`` (``fp8fx.kernels.gated_mlp``).
+    (``fp8fx.kernels.tickets``: no memset in the graph) and any other launch zeroes fresh ones. ``pdl``: launch
+    as a programmatic dependent of the previous kernel (compute capability 9.0+): this kernel's programs wait for
+    that kernel's whole grid and memory before their first access, and start early where it signals
+    ``gdc_launch_dependents`` (``fp8fx.kernels.gated_mlp``).
     """
     m, k = a.shape
     n = b.shape[0]

@@ -2,7 +2,7 @@
 
 A split-K GEMM (``fp8fx.kernels.fp8_gemm``) counts the splits of each output tile that have finished on an int32
 ticket per tile. Zeroed fresh in each call (``torch.zeros``), a captured launch carries a memset before it: on the
-H200 that cost 1.1 us a launch of qkv, o and down at 2-64 tokens, 10-12% of qkv's and o's time (run 32,
+H200 that cost 1.1-1.2 us a launch of qkv, o and down at 2-64 tokens, 9-14% of qkv's and o's time (run 32,
 ``benchmarks/tune_gemm.py --tickets``). The kernel counts in periods (``_store_tile``), so a ticket left by
 earlier launches at a multiple of the period serves the next one as it is; nothing has to zero it again.
 
