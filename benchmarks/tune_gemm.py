@@ -21,6 +21,7 @@
     python benchmarks/tune_gemm.py --tickets       # split-K decode GEMMs, tickets zeroed each call or kept
     python benchmarks/tune_gemm.py --read-ceiling  # a read-only kernel at each weight size, timed as the chains
     python benchmarks/tune_gemm.py --down          # the down GEMM at 17-64 rows: tiles, as chains
+    python benchmarks/tune_gemm.py --down --deep   # its default against tiles of K steps of 512, 7 rounds
     python benchmarks/tune_gemm.py --small-n       # qkv, o at 16-64 rows: every width / split / transposition, chained
     python benchmarks/tune_gemm.py --small-n --duel  # their 17-64-row tiles against each other, 7 rounds
     python benchmarks/tune_gemm.py --small-n --deep  # narrow unsplit tiles with K steps of 256-512 instead
@@ -670,6 +671,29 @@ def sweep_down(ms=(32, 64), rounds=5, chain_bytes=256 << 20):
             f"{name} {t / reps:.4f} ms ({reps * n * k / t / 1e9:.2f} TB/s)" for name, t in med.items()), flush=True)
 
 
+def down_deep_duel(ms=(32, 64), rounds=7, chain_bytes=256 << 20):
+    """The down GEMM 4096x14336 at 17-64 rows, fp8 h per token: the default tile against tiles of K steps of 512
+    (o's long-step tile of run 32: 32 wide, unsplit - 128 programs - or split in 2, and 64 wide split in 2), each as a
+    chain of launches (``hbm_table``), in ``rounds`` interleaved rounds."""
+    n, k = SHAPES["down"]
+    deep = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=4)
+    tiles = {"default": None, "32 wide, unsplit, 4 stages": deep,
+             "32 wide, unsplit, 3 stages": {**deep, "num_stages": 3}, "32 wide, split 2": {**deep, "SPLIT_K": 2},
+             "64 wide, split 2, 3 stages": {**deep, "BLOCK_N": 64, "SPLIT_K": 2, "num_stages": 3}}
+    for m in ms:
+        ops_ = _chain_operands(m, n, k, chain_bytes)
+        reps = len(ops_)
+        runs = {label: lambda cfg=cfg: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)
+                                        for xq, xs, wq, ws in ops_]
+                for label, cfg in tiles.items()}
+        outs = [run()[0].float() for run in runs.values()]
+        assert all((out - outs[0]).abs().max() <= 1e-2 * outs[0].abs().max() for out in outs)
+        med = _medians(runs, rounds)
+        print(f"down M={m} (chains of {reps}), ms per launch: "
+              + ", ".join(f"{label} {t / reps:.4f} ({reps * n * k / t / 1e9:.2f} TB/s)" for label, t in med.items()),
+              flush=True)
+
+
 def small_n_duel(ms=(24, 32, 48, 64), shapes=("qkv", "o"), rounds=7, chain_bytes=256 << 20):
     """Tiles of 17-64 rows for weights with few N tiles (qkv, o) against each other at ``ms`` rows, each as a chain
     of launches (``sweep_small_n``), in ``rounds`` interleaved rounds: the unsplit 64-wide tile (the default before
@@ -961,6 +985,8 @@ def main(argv=None):
         return tickets_duel(tuple(int(m) for m in (args.ms or "2,16,32,64").split(",")))
     if args.read_ceiling:
         return read_ceiling()
+    if args.down and args.deep:
+        return down_deep_duel(tuple(int(m) for m in (args.ms or "32,64").split(",")))
     if args.down:
         return sweep_down(tuple(int(m) for m in (args.ms or "32,64").split(",")))
     if args.hbm:
