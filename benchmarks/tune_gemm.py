@@ -779,8 +779,9 @@ def read_ceiling(sizes_mb=(16.8, 25.2, 58.7, 117.4), rounds=5, chain_bytes=256 <
     """What a kernel that does nothing but read reaches on each decode weight size, timed as ``hbm_table --chain-mb``
     times the GEMMs (chains of launches on buffers of their own, after a clean L2 flush): a sweep of chunk per
     program (32 KB to one chunk an SM), load width and pipeline depth, then the best three of each size re-timed in
-    ``rounds`` interleaved rounds. The fastest is a floor on what a standalone kernel of that many bytes costs here;
-    the per-GEMM goal (75% of HBM) is checked against it."""
+    ``rounds`` interleaved rounds. The fastest is what a launch of that many bytes reached here with nothing to do
+    but read them: a GEMM of that weight, which also computes, is not expected to beat it (a better reader than this
+    sweep's may exist); the per-GEMM goal (75% of HBM) is read against it."""
     read = _read_speed()
     print(f"read speed (sum of 2 GiB): {read:.2f} TB/s", flush=True)
     for mb in sizes_mb:
@@ -948,7 +949,8 @@ def main(argv=None):
     p.add_argument("--tickets", action="store_true",
                    help="split-K decode GEMMs (--ms: 2,16,32,64) with tickets zeroed each call or kept, as chains")
     p.add_argument("--deep", action="store_true",
-                   help="--small-n: narrow unsplit tiles with K steps of 256-512 instead")
+                   help="--small-n: narrow unsplit tiles with K steps of 256-512 instead; --down: its default "
+                        "against tiles of K steps of 512")
     p.add_argument("--down", action="store_true",
                    help="the down GEMM at 17-64 rows (--ms: 32,64), per-token h and 1x128 groups: tiles, as chains")
     p.add_argument("--read-ceiling", action="store_true",
