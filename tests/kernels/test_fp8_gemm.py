@@ -196,8 +196,9 @@ def test_split_k_under_inductor_cudagraph_trees(m, n):
 
 def test_17_to_64_rows_of_few_n_tiles_take_long_unsplit_k_steps():
     """tile_config at 17-64 rows: o 4096x4096 (128 32-wide N tiles, at most one an SM) one program a tile over the
-    whole K in steps of 512 (H200 run 32); qkv 6144x4096 (192), K groups, 16-bit activations quantized in the kernel
-    and GPUs before Hopper keep the 32-wide split tile; 2-16 rows and the long K of down keep theirs."""
+    whole K in steps of 512 (H200 run 32); qkv 6144x4096 (192), K groups and 16-bit activations quantized in the
+    kernel keep the 32-wide split tile, GPUs before Hopper (untransposed) the 64-wide one, all in K steps of 128; 2-16
+    rows and the long K of down keep theirs."""
     from fp8fx.kernels.fp8_gemm import tile_config
 
     for m in (17, 40, 64):
