@@ -675,53 +675,52 @@ def down_deep_duel(ms=(32, 64), rounds=7, chain_bytes=256 << 20):
     """The down GEMM 4096x14336 at 17-64 rows, fp8 h per token: the default tile against tiles of K steps of 512
     (o's long-step tile of run 32: 32 wide, unsplit - 128 programs - or split in 2, and 64 wide split in 2), each as a
     chain of launches (``hbm_table``), in ``rounds`` interleaved rounds."""
-    n, k = SHAPES["down"]
-    deep = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=4)
-    tiles = {"default": None, "32 wide, unsplit, 4 stages": deep,
-             "32 wide, unsplit, 3 stages": {**deep, "num_stages": 3}, "32 wide, split 2": {**deep, "SPLIT_K": 2},
-             "64 wide, split 2, 3 stages": {**deep, "BLOCK_N": 64, "SPLIT_K": 2, "num_stages": 3}}
+    tiles = {"default": None, "32 wide, unsplit, 4 stages": LONG_STEPS,
+             "32 wide, unsplit, 3 stages": {**LONG_STEPS, "num_stages": 3},
+             "32 wide, split 2": {**LONG_STEPS, "SPLIT_K": 2},
+             "64 wide, split 2, 3 stages": {**LONG_STEPS, "BLOCK_N": 64, "SPLIT_K": 2, "num_stages": 3}}
     for m in ms:
-        ops_ = _chain_operands(m, n, k, chain_bytes)
-        reps = len(ops_)
-        runs = {label: lambda cfg=cfg: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)
-                                        for xq, xs, wq, ws in ops_]
-                for label, cfg in tiles.items()}
-        outs = [run()[0].float() for run in runs.values()]
-        assert all((out - outs[0]).abs().max() <= 1e-2 * outs[0].abs().max() for out in outs)
-        med = _medians(runs, rounds)
-        print(f"down M={m} (chains of {reps}), ms per launch: "
-              + ", ".join(f"{label} {t / reps:.4f} ({reps * n * k / t / 1e9:.2f} TB/s)" for label, t in med.items()),
-              flush=True)
+        _chain_duel("down", m, tiles, rounds, chain_bytes)
+
+
+# 32-wide tiles over the whole K in steps of 512 (``mma_tile_config``'s tile for o at 17-64 rows since run 32)
+LONG_STEPS = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=4)
+
+
+def _chain_duel(name: str, m: int, tiles: dict, rounds: int, chain_bytes: int) -> None:
+    """``tiles`` (label -> ``fp8_gemm`` config, None: the default) of the decode GEMM ``name`` at ``m`` rows against
+    each other, each as a chain of launches (``hbm_table``) in ``rounds`` interleaved rounds, their outputs checked
+    against the first's; prints ms per launch."""
+    n, k = SHAPES[name]
+    ops_ = _chain_operands(m, n, k, chain_bytes)
+    reps = len(ops_)
+    runs = {label: lambda cfg=cfg: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)
+                                    for xq, xs, wq, ws in ops_]
+            for label, cfg in tiles.items()}
+    outs = [run()[0].float() for run in runs.values()]
+    assert all((out - outs[0]).abs().max() <= 1e-2 * outs[0].abs().max() for out in outs)
+    med = _medians(runs, rounds)
+    print(f"{name} M={m} (chains of {reps}), ms per launch: "
+          + ", ".join(f"{label} {t / reps:.4f} ({reps * n * k / t / 1e9:.2f} TB/s)" for label, t in med.items()),
+          flush=True)
 
 
 def small_n_duel(ms=(24, 32, 48, 64), shapes=("qkv", "o"), rounds=7, chain_bytes=256 << 20):
     """Tiles of 17-64 rows for weights with few N tiles (qkv, o) against each other at ``ms`` rows, each as a chain
     of launches (``sweep_small_n``), in ``rounds`` interleaved rounds: the unsplit 64-wide tile (the default before
-    run 22), run 22's 64-row tile (32 wide, K split in 2, both operands by TMA: ``tile_config(64, n, k)``), and
-    the 32-row sweep's best (32 wide, K split in 2 or 4, the weight alone by TMA)."""
-    from fp8fx.kernels.fp8_gemm import tile_config
-
+    run 22), run 22's 64-row tile (32 wide, K split in 2, both operands by TMA: qkv's ``tile_config(64, n, k)``), and
+    the 32-row sweep's best (32 wide, K split in 2 or 4, the weight alone by TMA); since run 32 also o's long-step
+    tile (``LONG_STEPS``), which ``tile_config(64, 4096, 4096)`` now is."""
     unsplit = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=5, TMA=True, TMA_A=True)
     for name, m in itertools.product(shapes, ms):
-        n, k = SHAPES[name]
         split = {**unsplit, "BLOCK_N": 32, "TMA_A": False}
-        deep = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=4)
-        tiles = {"64 wide, unsplit": unsplit, "32 wide, split 2, TMA both": tile_config(64, n, k),
+        tiles = {"64 wide, unsplit": unsplit,
+                 "32 wide, split 2, TMA both": {**split, "SPLIT_K": 2, "TMA_A": True},  # (run 22's tile at 64 rows)
                  "32 wide, split 2, TMA weight": {**split, "SPLIT_K": 2},
                  "32 wide, split 4, TMA weight": {**split, "SPLIT_K": 4},
                  # run 32's --small-n --deep at 64 rows (each timed once): o 0.0088 ms against 0.0099
-                 "32 wide, unsplit, K steps of 512": deep, "the same, 6 stages": {**deep, "num_stages": 6}}
-        ops_ = _chain_operands(m, n, k, chain_bytes)
-        reps = len(ops_)
-        runs = {label: lambda cfg=cfg: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)
-                                        for xq, xs, wq, ws in ops_]
-                for label, cfg in tiles.items()}
-        outs = [run()[0].float() for run in runs.values()]
-        assert all((out - outs[0]).abs().max() <= 1e-2 * outs[0].abs().max() for out in outs)
-        med = _medians(runs, rounds)
-        print(f"{name} M={m} (chains of {reps}), ms per launch: "
-              + ", ".join(f"{label} {t / reps:.4f} ({reps * n * k / t / 1e9:.2f} TB/s)" for label, t in med.items()),
-              flush=True)
+                 "32 wide, unsplit, K steps of 512": LONG_STEPS, "the same, 6 stages": {**LONG_STEPS, "num_stages": 6}}
+        _chain_duel(name, m, tiles, rounds, chain_bytes)
 
 
 def tickets_duel(ms=(2, 16, 32, 64), shapes=("qkv", "o", "down"), rounds=7, chain_bytes=256 << 20):
@@ -807,7 +806,6 @@ def read_ceiling(sizes_mb=(16.8, 25.2, 58.7, 117.4), rounds=5, chain_bytes=256 <
         print(f"read of {size / 1e6:.1f} MB (chains of {reps}; sweep best {timed[0][0]:.4f} ms): " + "; ".join(
             f"{label} {t / reps:.4f} ms = {size / (t / reps) / 1e9 / read:.0%} of the read speed"
             for label, t in med.items()), flush=True)
-        del bufs
 
 
 def down_duel(m=64, g=128, rounds=7, dim=4096, hidden=14336):
