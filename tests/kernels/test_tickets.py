@@ -11,26 +11,24 @@ import pytest
 import torch
 
 import fp8fx
-from fp8fx import quant
 from fp8fx.kernels import tickets
 from tests.conftest import run_under_triton_interpreter
+from tests.kernels.test_fp8_gemm import operands
 
 KEPT_CHECK = textwrap.dedent(
     """
     import torch
-    from fp8fx import quant
     from fp8fx.kernels.fp8_gemm import TICKET_PERIOD, fp8_gemm, gemv_config
+    from tests.kernels.test_fp8_gemm import operands, reference
 
     period = TICKET_PERIOD.value
-    g = torch.Generator().manual_seed(0)
     tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
     # the tensor-core kernel (3 rows, 3 N tiles) and the GEMV (one row, 16 tiles of 4 rows), K split in 2 and 4
     for m, n, k, cfg in [(3, 96, 1024, {**tile, "SPLIT_K": 4}), (3, 96, 1024, {**tile, "SPLIT_K": 2}),
                          (1, 64, 2048, {**gemv_config(64, 2048), "SPLIT_K": 4})]:
-        xq, xs = quant.quantize(torch.randn(m, k, generator=g), [1, -1])
-        wq, ws = quant.quantize(torch.randn(n, k, generator=g), [1, -1])
+        xq, xs, wq, ws, _ = operands(m, n, k, [1, -1], [1, -1], "cpu")
         fresh = fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=cfg)
-        ref = quant.scaled_mm_reference(xq, xs, [1, -1], wq, ws, [1, -1], None, torch.float64)
+        ref = reference(xq, xs, [1, -1], wq, ws, [1, -1], None, torch.float64)
         assert ((fresh.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, cfg
         tiles = -(-m // cfg.get("BLOCK_M", 1)) * -(-n // cfg["BLOCK_N"])
         # kept tickets, at zero, at 5 periods, and one period short of int32's wrap: three calls each, never re-zeroed
@@ -43,9 +41,8 @@ KEPT_CHECK = textwrap.dedent(
             assert torch.equal(kept[:tiles], want.expand(tiles)), (kept, want)
             assert int(kept[tiles]) == start  # past the tiles: untouched
     # a split that is not a power of 2 counts from zero, one a split
-    xq, xs = quant.quantize(torch.randn(3, 1024, generator=g), [1, -1])
-    wq, ws = quant.quantize(torch.randn(96, 1024, generator=g), [1, -1])
-    ref = quant.scaled_mm_reference(xq, xs, [1, -1], wq, ws, [1, -1], None, torch.float64)
+    xq, xs, wq, ws, _ = operands(3, 96, 1024, [1, -1], [1, -1], "cpu", seed=1)
+    ref = reference(xq, xs, [1, -1], wq, ws, [1, -1], None, torch.float64)
     zeros = torch.zeros(3, dtype=torch.int32)
     y = fp8_gemm(xq, wq, xs, ws, None, torch.float32, config={**tile, "SPLIT_K": 3}, tickets=zeros)
     assert zeros.tolist() == [3, 3, 3] and ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
@@ -109,13 +106,6 @@ def test_for_capture_takes_slices_only_while_capturing(monkeypatch):
     assert tickets._RESERVES[dev].left() == tickets.CHUNK - 11
 
 
-def _split_operands(m=2, n=4096, k=14336, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    xq, xs = quant.quantize(torch.randn(m, k, generator=g), [1, -1])
-    wq, ws = quant.quantize(torch.randn(n, k, generator=g) / k**0.5, [1, -1])
-    return [t.cuda() for t in (xq, xs, wq, ws)]
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [1, 2, 40])
 def test_captured_split_k_keeps_tickets_of_its_own(m):
@@ -126,7 +116,7 @@ def test_captured_split_k_keeps_tickets_of_its_own(m):
     n, k = (256, 14336) if m == 1 else (4096, 14336)
     cfg = {**gemv_config(n, k), "SPLIT_K": 4} if m == 1 else tile_config(m, n, k)
     assert cfg["SPLIT_K"] > 1
-    xq, xs, wq, ws = _split_operands(m, n, k)
+    xq, xs, wq, ws, _ = operands(m, n, k, [1, -1], [1, -1], "cuda")
     want = fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)  # (outside capture: tops the reserve up)
     reserve = tickets._RESERVES[xq.device]
     graphs, outs = [], []
@@ -151,10 +141,10 @@ def test_graphs_replayed_on_two_streams_at_once():
     (their launches free to overlap): each keeps its own tickets, so each gives its eager bits."""
     from fp8fx.kernels.fp8_gemm import fp8_gemm
 
-    ops = [_split_operands(16, seed=s) for s in (0, 1)]
-    wants = [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16) for xq, xs, wq, ws in ops]
+    ops = [operands(16, 4096, 14336, [1, -1], [1, -1], "cuda", seed=s) for s in (0, 1)]
+    wants = [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16) for xq, xs, wq, ws, _ in ops]
     graphs, outs = [], []
-    for xq, xs, wq, ws in ops:
+    for xq, xs, wq, ws, _ in ops:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             outs.append(fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16))
