@@ -18,7 +18,6 @@
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
     python benchmarks/tune_gemm.py --hbm           # each decode GEMM's TB/s on its weight at its default tile
     python benchmarks/tune_gemm.py --hbm --chain-mb 256  # the same, each kernel timed in a chain of launches
-    python benchmarks/tune_gemm.py --ws --shapes down,qkv  # warp-specialized K loops at 16-64 rows, as chains
     python benchmarks/tune_gemm.py --tickets       # split-K decode GEMMs, tickets zeroed each call or kept
     python benchmarks/tune_gemm.py --read-ceiling  # a read-only kernel at each weight size, timed as the chains
     python benchmarks/tune_gemm.py --down          # the down GEMM at 17-64 rows: tiles, as chains
@@ -684,61 +683,6 @@ def down_deep_duel(ms=(32, 64), rounds=7, chain_bytes=256 << 20):
         _chain_duel("down", m, tiles, rounds, chain_bytes)
 
 
-def sweep_ws(ms=(16, 32, 64), shapes=("down", "down-g128", "qkv", "o"), rounds=7, chain_bytes=256 << 20):
-    """Warp-specialized K loops (``WARP_SPEC``: both operands by TMA, Triton's producer warps feed the dot's) at
-    2-64 rows of the decode GEMMs short of 75% of HBM: down 4096x14336 (fp8 x per token; ``down-g128``: in 1 x 128
-    groups, the fused MLP's h there, whose default is ``down_tile_config``'s), qkv, o. Each candidate - the default
-    tile warp-specialized, then 64/128-wide tiles, K steps of 128/256 at 3-8 stages, transposed at up to 32 rows, K
-    split so the grid has 90-300 programs - checked against the default's output and timed once as a chain of
-    launches (``hbm_table``); the default, itself warp-specialized and the three best in ``rounds`` interleaved
-    rounds (``_chain_duel``'s ms per launch)."""
-    from fp8fx.kernels import fp8_gemm as kernels
-    from fp8fx.kernels.gated_mlp import down_tile_config
-
-    ws = dict(TMA=True, TMA_A=True, WARP_SPEC=True)
-    for name, m in itertools.product(shapes, ms):
-        g = 128 if name.endswith("-g128") else 0
-        n, k = SHAPES[name.split("-")[0]]
-        torch.manual_seed(m)
-        ops_ = []
-        for _ in range(_chain_len(n * k, chain_bytes)):
-            xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, g or -1])
-            ops_.append((xq, xs, *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])))
-        reps, blocks = len(ops_), dict(a_block=(1, g)) if g else {}
-        chain = lambda cfg=None: [fp8_gemm(xq, wq, xs, ws_, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
-                                  for xq, xs, wq, ws_ in ops_]
-        default = down_tile_config(m, n, k, h_group=g) if g else kernels.for_device(tile_config(m, n, k),
-                                                                                     torch.device("cuda"))
-        ref = chain(default)[0].float()
-        cands = [{**default, **ws}]
-        swap = m <= 32
-        bm = 64 if not swap else 16 if m <= 16 else 32
-        steps = [(128, 4), (128, 6), (128, 8)] if g else [(128, 4), (128, 6), (256, 3), (256, 4)]
-        for bn, (bk, stages), split in itertools.product([64, 128], steps, [1, 2, 4, 8]):
-            programs = triton.cdiv(m, bm) * triton.cdiv(n, bn) * split
-            if 90 <= programs <= 300 and k // (bk * split) >= 2:
-                cands.append(dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=stages,
-                                  SPLIT_K=split, SWAP_AB=swap, **ws))
-        results = []
-        for cfg in cands:
-            try:
-                assert (chain(cfg)[0].float() - ref).abs().max() <= 1e-2 * ref.abs().max()
-                results.append((time_ms(lambda cfg=cfg: chain(cfg), True) / reps, cfg))
-            except Exception as e:  # noqa: BLE001 - out of shared memory etc.: not a candidate
-                print(f"  {name} M={m} {cfg}: {type(e).__name__} {str(e)[:120]}", flush=True)
-        once = " ; ".join(f"{t:.4f} {c}" for t, c in sorted(results, key=lambda r: r[0])[:5])
-        print(f"{name} M={m}: {len(results)} of {len(cands)} warp-specialized tiles ran; best, each once: {once}",
-              flush=True)
-        best = sorted(results[1:], key=lambda r: r[0])[:3]
-        tiles = {"default": default, "default, warp-specialized": cands[0],
-                 **{f"#{i + 1} {c}": c for i, (_, c) in enumerate(best)}}
-        runs = {label: lambda cfg=cfg: chain(cfg) for label, cfg in tiles.items()}
-        med = _medians(runs, rounds)
-        print(f"{name} M={m} (chains of {reps}), ms per launch: "
-              + ", ".join(f"{label} {t / reps:.4f} ({reps * n * k / t / 1e9:.2f} TB/s)" for label, t in med.items()),
-              flush=True)
-
-
 # 32-wide tiles over the whole K in steps of 512 (``mma_tile_config``'s tile for o at 17-64 rows since run 32)
 LONG_STEPS = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=4)
 
@@ -1000,8 +944,6 @@ def main(argv=None):
     p.add_argument("--chain-mb", type=int, default=0,
                    help="--hbm: time each kernel as a chain of launches on >= this many MB of weights (2-16 launches, "
                         "each on operands of its own), as a decode step runs them; cuBLAS fp8 too")
-    p.add_argument("--ws", action="store_true",
-                   help="warp-specialized K loops (WARP_SPEC) of down, down-g128, qkv, o (--shapes) at 16-64 rows (--ms)")
     p.add_argument("--tickets", action="store_true",
                    help="split-K decode GEMMs (--ms: 2,16,32,64) with tickets zeroed each call or kept, as chains")
     p.add_argument("--deep", action="store_true",
@@ -1029,7 +971,7 @@ def main(argv=None):
                    help="M = 16 with bf16 activations (no activation scale), against bf16 cuBLAS")
     p.add_argument("--k-stages", default="1",
                    help="--gemv / --groups at M = 1: comma-separated pipeline depths of the GEMV's K loop (K_STAGES)")
-    p.add_argument("--shapes", help=f"comma-separated, of {', '.join(SHAPES)} (all; --ws: down-g128 too)")
+    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
     args = p.parse_args(argv)
     k_stages = tuple(int(s) for s in args.k_stages.split(","))
     if args.gated_ncu:  # --ms, and --h-groups G (one) for h in groups
@@ -1039,9 +981,6 @@ def main(argv=None):
         return sweep_codes()
     if args.m64:
         return balance_probe() if args.balance else down_duel() if args.duel else sweep_m64()
-    if args.ws:
-        return sweep_ws(tuple(int(m) for m in (args.ms or "16,32,64").split(",")),
-                        tuple((args.shapes or "down,down-g128,qkv,o").split(",")))
     if args.tickets:
         return tickets_duel(tuple(int(m) for m in (args.ms or "2,16,32,64").split(",")))
     if args.read_ceiling:
@@ -1063,7 +1002,7 @@ def main(argv=None):
                             groups=tuple(int(g) for g in (args.h_groups or "32,64,128").split(",")), k_stages=k_stages,
                             tma=args.tma)
     if args.gemv:
-        shapes = {name: SHAPES[name] for name in (args.shapes or ",".join(SHAPES)).split(",")}
+        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
         if args.block:
             return sweep_gemv_blocks(shapes, k_stages=k_stages)
         return sweep_gemv(shapes, k_stages=k_stages)
@@ -1071,7 +1010,7 @@ def main(argv=None):
         return sweep_swap(tuple(int(m) for m in (args.ms or "16").split(",")), tma=args.tma)
     if args.gated or args.gated_pdl:
         return sweep_gated(tiles=args.gated, tma=args.tma, wide_k=args.wide_k, bm64=args.bm64, narrow=args.narrow)
-    shapes = {name: SHAPES[name] for name in (args.shapes or ",".join(SHAPES)).split(",")}
+    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
     w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}
     decode_ms = (64,) if args.small_m or args.wide_n else (1, 16) if args.bm64 or args.narrow else (1, 64)

@@ -223,10 +223,6 @@ def fp8_gemm_kernel(
     # in registers; the accumulator is transposed back once, before the epilogue
     SWAP_AB: tl.constexpr = False,
     A_DESC: tl.constexpr = False,
-    # the K loop warp-specialized (Triton's automatic warp specialization, sm_90 since triton 3.5): producer warps
-    # issue both operands' TMA copies (A_DESC and B_DESC) into a ring of num_stages buffers, the num_warps
-    # consumer warps run the dots; the partitions sync through mbarriers instead of a wait per K step
-    WARP_SPEC: tl.constexpr = False,
 ):
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
@@ -268,7 +264,7 @@ def fp8_gemm_kernel(
         # with the reciprocal; H200, RESULTS.md run 10)
         a_q_inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), a_q_scale)
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in tl.range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K)), warp_specialize=WARP_SPEC):
+    for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
         k_left = K - k * BLOCK_K
         if A_DESC:  # bulk copies into shared memory, zero past M and K
             a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
@@ -696,9 +692,8 @@ def fp8_gemm(
         raise ValueError(f"fp8_gemm: split-K needs {tiles} int32 tickets; got {tickets.numel()} {tickets.dtype}")
     n_parts = a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1
     pdl_launch = {"launch_pdl": True} if pdl else {}
-    if gemv:  # (its own loads and dot: the tensor-core kernel's TMA, SWAP_AB and WARP_SPEC do not apply)
-        cfg.pop("TMA", None), cfg.pop("TMA_A", None), cfg.pop("SWAP_AB", None), cfg.pop("WARP_SPEC", None)
-        cfg.pop("BLOCK_M")
+    if gemv:  # (its own loads and dot: the tensor-core kernel's TMA and SWAP_AB do not apply)
+        cfg.pop("TMA", None), cfg.pop("TMA_A", None), cfg.pop("SWAP_AB", None), cfg.pop("BLOCK_M")
         fp8_gemv_kernel[(tiles * split_k,)](
             a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets,
             n, k, a.stride(1), b.stride(0), y.stride(2), y.stride(0), a_scale.stride(1), b_scale.stride(0),
@@ -713,10 +708,6 @@ def fp8_gemm(
     # (a 16-bit a - weight-only, a_quant - is converted in registers as it is loaded: pointer loads)
     a_tma = cfg.pop("TMA_A", False) and a.element_size() == 1
     a_desc = _descriptor(a, cfg["BLOCK_M"], cfg["BLOCK_K"]) if a_tma else None
-    # (warp specialization splits a loop of bulk copies from its dots: with pointer loads - a descriptor that cannot
-    # address the rows, a 16-bit a - the loop stays as it is; Triton's Hopper pass asserted on such a loop,
-    # triton-lang/triton#9728)
-    cfg["WARP_SPEC"] = cfg.get("WARP_SPEC", False) and b_desc is not None and a_desc is not None
     fp8_gemm_kernel[(tiles * split_k,)](
         a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets, b_desc, a_desc,
         m, n, k,

@@ -74,7 +74,7 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool 
                   SPLIT_K=cfg.get("SPLIT_K", 1), A_QUANT=a_quant, N_PARTS=448,
                   PARTS_BLOCK=parts_block(448, cfg["BLOCK_M"]), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl,
                   B_DESC=bool(cfg.get("TMA")), EXACT_CODES=exact_codes, SWAP_AB=cfg.get("SWAP_AB", False),
-                  A_DESC=bool(a_tma), WARP_SPEC=cfg.get("WARP_SPEC", False))
+                  A_DESC=bool(a_tma))
     aligned = POINTERS + ["N", "K", "stride_am", "stride_bn", "stride_ym"]
     stages = pipeline_stages({**cfg, "BLOCK_K": consts["BLOCK_K"]}, 1 if a_dtype == "fp8e4nv" else 2)
     return compile_kernel(fp8_gemm_kernel, types, consts, aligned, cfg["num_warps"], stages)
@@ -337,20 +337,6 @@ def test_tma_weight_loads_compile_for_sm90(m, n, k, a_quant):
     kernel = compile_for_hopper("bf16" if a_quant else "fp8e4nv", LAYOUTS["per-row"], cfg, a_quant=a_quant)
     ptx = kernel.asm["ptx"]
     assert ptx.count("cp.async.bulk.tensor") >= 2, "the weight loads must be TMA copies, more than one in flight"
-    assert kernel.metadata.shared <= 227 * 1024 and stack_bytes(kernel) == 0, stack_bytes(kernel)
-
-
-@pytest.mark.parametrize("m,n,k", [(16, 6144, 4096), (32, 4096, 4096), (64, 4096, 14336), (64, 6144, 4096)])
-@pytest.mark.parametrize("layout", ["per-row", "blocks"])
-def test_warp_specialized_k_loop_compiles_for_sm90(m, n, k, layout):
-    """``WARP_SPEC`` (both operands by TMA): Triton's automatic warp specialization splits the K loop into
-    partitions (``ttg.warp_specialize``; 4 consumer warps and 8 more, triton 3.6 and 3.9) that sync through
-    mbarriers; wgmma, nothing spilled. Without it the same tile compiles to one partition."""
-    cfg = {**tile_config(m, n, k), "TMA": True, "TMA_A": True}
-    plain = compile_for_hopper("fp8e4nv", LAYOUTS[layout], cfg)
-    kernel = compile_for_hopper("fp8e4nv", LAYOUTS[layout], {**cfg, "WARP_SPEC": True})
-    assert "ttg.warp_specialize" in kernel.asm["ttgir"] and "ttg.warp_specialize" not in plain.asm["ttgir"]
-    assert kernel.metadata.num_warps > cfg["num_warps"] and "wgmma.mma_async" in kernel.asm["ptx"]
     assert kernel.metadata.shared <= 227 * 1024 and stack_bytes(kernel) == 0, stack_bytes(kernel)
 
 

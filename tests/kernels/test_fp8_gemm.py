@@ -73,33 +73,6 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
         assert err < 1e-2, (cfg, err)  # the output cast to bf16 is the only rounding left
 
 
-WARP_SPEC = dict(TMA=True, TMA_A=True, WARP_SPEC=True)
-
-
-@pytest.mark.cuda
-@pytest.mark.parametrize("m,n,k", [(3, 256, 1024), (40, 4096, 1024), (64, 200, 512), (65, 257, 384), (16, 96, 1100)])
-@pytest.mark.parametrize("x_block,w_block", SCHEMES + [([1, 128], [128, 128])])
-def test_warp_specialized_k_loop_cuda(m, n, k, x_block, w_block):
-    """``WARP_SPEC``: the K loop split by Triton into TMA producer warps and dot consumers (sm_90), at the decode
-    tiles it was timed on - 64-row and transposed 16/32-row tiles, split K or not, K steps of 128-512 - against
-    float64 on ragged M, N and K, and under CUDA-graph replays (kept split-K tickets) the same bits as eager. Rows of
-    K % 16 != 0 bytes (1100) cannot be TMA-addressed: the kernel keeps its pointer loop there."""
-    from fp8fx.kernels.fp8_gemm import fp8_gemm, mma_tile_config
-
-    xq, xs, wq, ws, bias = operands(m, n, k, x_block, w_block, "cuda")
-    ref = reference(xq, xs, x_block, wq, ws, w_block, bias, torch.bfloat16)
-    blocks = dict(a_block=x_block, b_block=w_block) if w_block == [128, 128] else {}
-    configs = [{**mma_tile_config(cfg_m, cfg_n, cfg_k), **WARP_SPEC}
-               for cfg_m, cfg_n, cfg_k in ((64, 4096, 14336), (64, 4096, 4096), (64, 6144, 4096), (16, 6144, 4096))]
-    configs += [{**configs[-1], "BLOCK_M": 32, "SPLIT_K": 1}, {**configs[0], "BLOCK_N": 128, "num_stages": 6}]
-    for cfg in configs:
-        run = lambda: fp8_gemm(xq, wq, xs, ws, bias.bfloat16(), torch.bfloat16, config=cfg, **blocks)  # noqa: E731
-        y = run()
-        err = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
-        assert err < 1e-2, (cfg, err)
-        assert_graph_replays_equal(run, y)
-
-
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [1, 3, 64, 65, 2048])
 def test_scaled_mm_op_cuda_matches_reference(m):
