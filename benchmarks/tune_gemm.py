@@ -18,6 +18,7 @@
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
     python benchmarks/tune_gemm.py --hbm           # each decode GEMM's TB/s on its weight at its default tile
     python benchmarks/tune_gemm.py --hbm --chain-mb 256  # the same, each kernel timed in a chain of launches
+    python benchmarks/tune_gemm.py --rows32        # 17-32 rows in 32-row transposed tiles, as chains
     python benchmarks/tune_gemm.py --tickets       # split-K decode GEMMs, tickets zeroed each call or kept
     python benchmarks/tune_gemm.py --read-ceiling  # a read-only kernel at each weight size, timed as the chains
     python benchmarks/tune_gemm.py --down          # the down GEMM at 17-64 rows: tiles, as chains
@@ -683,6 +684,68 @@ def down_deep_duel(ms=(32, 64), rounds=7, chain_bytes=256 << 20):
         _chain_duel("down", m, tiles, rounds, chain_bytes)
 
 
+def _decode_chain(name: str, m: int, chain_bytes: int) -> tuple:
+    """(chain, reps, n, k, default tile) of the decode GEMM ``name`` (``SHAPES``; ``down-g128``: down with x in 1 x
+    128 groups, the fused MLP's h there, whose default is ``down_tile_config``'s) at ``m`` rows: ``chain(cfg)`` runs
+    ``fp8_gemm`` on each launch's operands of its own (``_chain_len``), fp8 x per token or in the groups."""
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels.gated_mlp import down_tile_config
+
+    g = 128 if name.endswith("-g128") else 0
+    n, k = SHAPES[name.split("-")[0]]
+    torch.manual_seed(m)
+    ops_ = []
+    for _ in range(_chain_len(n * k, chain_bytes)):
+        xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, g or -1])
+        ops_.append((xq, xs, *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])))
+    blocks = dict(a_block=(1, g)) if g else {}
+    chain = lambda cfg=None: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
+                              for xq, xs, wq, ws in ops_]
+    default = down_tile_config(m, n, k, h_group=g) if g else kernels.for_device(tile_config(m, n, k),
+                                                                                 torch.device("cuda"))
+    return chain, len(ops_), n, k, default
+
+
+def sweep_rows32(ms=(32,), duel_ms=(24, 32), shapes=("down", "down-g128", "qkv", "o"), rounds=7,
+                 chain_bytes=256 << 20):
+    """17-32 rows in 32-row transposed tiles (``SWAP_AB``: 64-128 weight rows are wgmma's left operand, the 32
+    activation rows its right one), which no sweep before run 33 tried: the 17-64-row sweeps (``--down``,
+    ``--small-n``) took 64-row tiles, half padding at 32 rows, where the 2-16-row transposed tiles reached 75% of HBM
+    on down. Down (fp8 x per token, and in 1 x 128 groups: ``_decode_chain``), qkv, o at ``ms`` rows: tiles 64/128
+    wide, K steps of 128/256 at 4-8 stages, K split so the grid has 90-600 programs, the weight by TMA, each checked
+    against the default's output and timed once as a chain (``hbm_table``); then at ``duel_ms`` the default against
+    the three best in ``rounds`` interleaved rounds."""
+    for name in shapes:
+        best = []
+        for m in ms:
+            chain, reps, n, k, default = _decode_chain(name, m, chain_bytes)
+            ref = chain(default)[0].float()
+            steps = [(128, 4), (128, 6), (128, 8)] + ([] if name.endswith("-g128") else [(256, 4)])
+            results = []
+            for bn, (bk, stages), split in itertools.product([64, 128], steps, [1, 2, 4, 8]):
+                if not (90 <= triton.cdiv(n, bn) * split <= 600 and k // (bk * split) >= 2):
+                    continue
+                cfg = dict(BLOCK_M=32, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=stages,
+                           SPLIT_K=split, SWAP_AB=True, TMA=True)
+                try:
+                    assert (chain(cfg)[0].float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+                    results.append((time_ms(lambda cfg=cfg: chain(cfg), True) / reps, cfg))
+                except Exception as e:  # noqa: BLE001 - out of shared memory etc.: not a candidate
+                    print(f"  {name} M={m} {cfg}: {type(e).__name__} {str(e)[:120]}", flush=True)
+            results.sort(key=lambda r: r[0])
+            print(f"{name} M={m}: default {time_ms(chain, True) / reps:.4f} ms {default} | {len(results)} tiles, "
+                  "each once: " + " ; ".join(f"{t:.4f} {c}" for t, c in results[:5]), flush=True)
+            best += [c for _, c in results[:3] if c not in best]
+        for m in duel_ms:
+            chain, reps, n, k, default = _decode_chain(name, m, chain_bytes)
+            tiles = {"default": default, **{f"#{i + 1} {c}": c for i, c in enumerate(best[:3])}}
+            outs = [chain(cfg)[0].float() for cfg in tiles.values()]
+            assert all((out - outs[0]).abs().max() <= 1e-2 * outs[0].abs().max() for out in outs)
+            med = _medians({label: lambda cfg=cfg: chain(cfg) for label, cfg in tiles.items()}, rounds)
+            print(f"{name} M={m} (chains of {reps}), ms per launch: " + ", ".join(
+                f"{label} {t / reps:.4f} ({reps * n * k / t / 1e9:.2f} TB/s)" for label, t in med.items()), flush=True)
+
+
 # 32-wide tiles over the whole K in steps of 512 (``mma_tile_config``'s tile for o at 17-64 rows since run 32)
 LONG_STEPS = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=4)
 
@@ -944,6 +1007,9 @@ def main(argv=None):
     p.add_argument("--chain-mb", type=int, default=0,
                    help="--hbm: time each kernel as a chain of launches on >= this many MB of weights (2-16 launches, "
                         "each on operands of its own), as a decode step runs them; cuBLAS fp8 too")
+    p.add_argument("--rows32", action="store_true",
+                   help="17-32 rows in 32-row transposed tiles: down, down-g128, qkv, o (--shapes) at 32 rows (--ms), "
+                        "the best three against the default at 24 and 32")
     p.add_argument("--tickets", action="store_true",
                    help="split-K decode GEMMs (--ms: 2,16,32,64) with tickets zeroed each call or kept, as chains")
     p.add_argument("--deep", action="store_true",
@@ -971,7 +1037,7 @@ def main(argv=None):
                    help="M = 16 with bf16 activations (no activation scale), against bf16 cuBLAS")
     p.add_argument("--k-stages", default="1",
                    help="--gemv / --groups at M = 1: comma-separated pipeline depths of the GEMV's K loop (K_STAGES)")
-    p.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, of {', '.join(SHAPES)}")
+    p.add_argument("--shapes", help=f"comma-separated, of {', '.join(SHAPES)} (all; --rows32: down-g128 too)")
     args = p.parse_args(argv)
     k_stages = tuple(int(s) for s in args.k_stages.split(","))
     if args.gated_ncu:  # --ms, and --h-groups G (one) for h in groups
@@ -981,6 +1047,9 @@ def main(argv=None):
         return sweep_codes()
     if args.m64:
         return balance_probe() if args.balance else down_duel() if args.duel else sweep_m64()
+    if args.rows32:
+        return sweep_rows32(tuple(int(m) for m in (args.ms or "32").split(",")),
+                            shapes=tuple((args.shapes or "down,down-g128,qkv,o").split(",")))
     if args.tickets:
         return tickets_duel(tuple(int(m) for m in (args.ms or "2,16,32,64").split(",")))
     if args.read_ceiling:
@@ -1002,7 +1071,7 @@ def main(argv=None):
                             groups=tuple(int(g) for g in (args.h_groups or "32,64,128").split(",")), k_stages=k_stages,
                             tma=args.tma)
     if args.gemv:
-        shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+        shapes = {name: SHAPES[name] for name in (args.shapes or ",".join(SHAPES)).split(",")}
         if args.block:
             return sweep_gemv_blocks(shapes, k_stages=k_stages)
         return sweep_gemv(shapes, k_stages=k_stages)
@@ -1010,7 +1079,7 @@ def main(argv=None):
         return sweep_swap(tuple(int(m) for m in (args.ms or "16").split(",")), tma=args.tma)
     if args.gated or args.gated_pdl:
         return sweep_gated(tiles=args.gated, tma=args.tma, wide_k=args.wide_k, bm64=args.bm64, narrow=args.narrow)
-    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    shapes = {name: SHAPES[name] for name in (args.shapes or ",".join(SHAPES)).split(",")}
     w_block, a_block = ([128, 128], [1, 128]) if args.block else ([1, -1], [1, -1])
     blocks = dict(a_block=tuple(a_block), b_block=tuple(w_block)) if args.block else {}
     decode_ms = (64,) if args.small_m or args.wide_n else (1, 16) if args.bm64 or args.narrow else (1, 64)

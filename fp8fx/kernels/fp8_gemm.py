@@ -516,11 +516,27 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True, long_steps:
         # calls 9 and 11, the block's profile; the fused block 0.0600 against 0.0654, calls 8 and 12). The unsplit
         # 64-wide tile (gate_up's, the last one here) keeps both: not timed at 17-63 rows
         tma = dict(TMA=True, TMA_A=True) if transposed else {}
+        few_n = 1024 <= k < 8192 and cdiv(n, 64) < 132  # (qkv, o)
+        long_step_class = long_steps and few_n and cdiv(n, 32) <= 132  # (o: the long-step tile below)
+        if transposed and m <= 32 and (long_k or few_n) and not (long_step_class and m > 24):
+            # 17-32 rows transposed in a 32-row tile (64 weight rows are wgmma's left operand, the activation rows
+            # its right one), the weight by TMA, where the 64-row tiles below are half padding or more. H200 run 33
+            # (`tune_gemm.py --rows32`, chains, 7 interleaved rounds, ms per launch, at 24 / 32 rows): down 0.0192 /
+            # 0.0195 against 0.0203 / 0.0201 (K in steps of 256 split in 4); down of x in 1 x 128 groups 0.0204 /
+            # 0.0209 against the fused MLP's 0.0210 / 0.0212 (steps of 128, 6 stages: ``down_tile_config``); qkv
+            # 0.0108 / 0.0108 against 0.0116 / 0.0116 (unsplit: 96 programs; split in 2 0.0109); o 0.0087 against
+            # 0.0098 at 24 rows (split in 2: 128 programs), where at 32 rows the long-step tile below kept its lead
+            # (0.0086 against 0.0089). K groups and 16-bit activations take steps of 128, 6 stages (down's of x in
+            # groups; for qkv and o not timed so)
+            steps = dict(BLOCK_K=256, num_stages=4) if long_steps else dict(BLOCK_K=128, num_stages=6)
+            split = 4 if long_k else 1 if 2 * cdiv(n, 64) > 132 else 2
+            return dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=1, num_warps=4, SPLIT_K=split, SWAP_AB=True, TMA=True,
+                        **steps)
         if long_k:  # 64-wide N tiles, K split in 2 (256 programs): 0.0235 ms against 0.0248 for 32-wide unsplit
             # tiles (128 programs for 132 SMs) at down 4096x14336 (run 13 call 3, `tune_gemm.py --wide-n`)
             return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=256, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=2,
                         **{**tma, "TMA_A": m == 64} if tma else {})
-        if transposed and long_steps and 1024 <= k < 8192 and cdiv(n, 32) <= 132:
+        if transposed and long_step_class:
             # a weight of at most 132 32-wide N tiles (o 4096x4096: 128): one program an SM, each over the whole K
             # in steps of 512 - no partial sums wait on a ticket after the last weight byte, and 4 stages of 16 KB
             # of weight keep the bytes in flight that the split tiles below get from two programs an SM. H200 run 32
@@ -530,7 +546,7 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True, long_steps:
             # (0.0148-0.0171 against 0.0116-0.0118); K groups (BLOCK_K = the group) and 16-bit activations
             # (``long_steps=False``: a 64 x 512 tile of two bytes an element) keep the split tiles, not timed so
             return dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, num_stages=4)
-        if transposed and 1024 <= k < 8192 and cdiv(n, 64) < 132:
+        if transposed and few_n:
             # a weight with few 64-wide N tiles (o 4096x4096: 64 programs, qkv 6144x4096: 96, for 132 SMs): 32-wide
             # tiles, K split in 2 (4x and 3x the programs). H200 run 22 (`tune_gemm.py --small-n --duel`, each
             # kernel timed as a chain of launches on operands of their own, 7 interleaved rounds, ms per launch):

@@ -87,7 +87,7 @@ def test_fp8_gemm_compiles_for_sm90(layout, m, n, k):
     assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("m", [16, 64])
+@pytest.mark.parametrize("m", [16, 32, 64])
 def test_down_gemm_of_h_groups_compiles_for_sm90(m):
     """The fused MLP's down GEMM with h in 1x128 groups (fp8 codes, [M, I / 128] scales, per-channel weight) at its
     default tile: no spill at 16 rows, nor at 64 rows (a [64, 64] accumulator per 4 warps since run 19, the weight
@@ -165,7 +165,7 @@ def stack_bytes(kernel) -> int:
 @pytest.mark.parametrize("layout", ["per-row", "blocks"])
 @pytest.mark.parametrize("m,n,k,bound", [  # every tile_config branch
     (1, 28672, 4096, 0), (1, 6144, 4096, 0), (1, 4096, 14336, 0), (64, 6144, 4096, 16), (64, 4096, 4096, 0),
-    (64, 4096, 14336, 0), (4096, 28672, 4096, 320),
+    (64, 4096, 14336, 0), (24, 4096, 4096, 0), (32, 6144, 4096, 0), (32, 4096, 14336, 0), (4096, 28672, 4096, 320),
 ])
 def test_fp8_gemm_tiles_do_not_spill_much(layout, m, n, k, bound):
     """Registers (stack bytes per thread, triton 3.6 and 3.9): with [BM, BK] / [BK, BN] tensors of 64-bit

@@ -56,6 +56,9 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
     configs.append(mma_tile_config(64, 4096, 4096))  # 64 rows of a weight with few N tiles: 32 wide, split K
     configs.append(mma_tile_config(32, 4096, 4096))  # the same at 17-63 rows: the weight alone by TMA
     configs.append({**configs[-1], "SPLIT_K": 4})
+    # 17-32 rows: 32-row transposed tiles, the weight by TMA (run 33)
+    configs += [mma_tile_config(24, cfg_n, cfg_k) for cfg_n, cfg_k in ((4096, 14336), (6144, 4096), (4096, 4096))]
+    configs.append(mma_tile_config(24, 4096, 14336, long_steps=False))  # (K steps of 128, 6 stages)
     # the weight alone by TMA copies (rows of K % 16 == 0 bytes)
     configs += [{**cfg, "TMA": True} for cfg in (configs[0], pointers64)]
     # the product transposed (wgmma with the weight tile on the left), split K or not, TMA or not
@@ -194,20 +197,46 @@ def test_split_k_under_inductor_cudagraph_trees(m, n):
             torch.testing.assert_close(graphed(x).clone(), want, rtol=0, atol=0)
 
 
-def test_17_to_64_rows_of_few_n_tiles_take_long_unsplit_k_steps():
-    """tile_config at 17-64 rows: o 4096x4096 (128 32-wide N tiles, at most one an SM) one program a tile over the
+def test_25_to_64_rows_of_few_n_tiles_take_long_unsplit_k_steps():
+    """tile_config at 25-64 rows: o 4096x4096 (128 32-wide N tiles, at most one an SM) one program a tile over the
     whole K in steps of 512 (H200 run 32); qkv 6144x4096 (192), K groups and 16-bit activations quantized in the
-    kernel keep the 32-wide split tile, GPUs before Hopper (untransposed) the 64-wide one, all in K steps of 128; 2-16
-    rows and the long K of down keep theirs."""
+    kernel keep other tiles (the 32-row transposed one up to 32 rows, run 33), GPUs before Hopper (untransposed) the
+    64-wide one, all in K steps of 128 or 256; 2-16 rows and the long K of down keep theirs."""
     from fp8fx.kernels.fp8_gemm import tile_config
 
-    for m in (17, 40, 64):
+    for m in (25, 32, 40, 64):
         assert tile_config(m, 4096, 4096) == dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4,
                                                   num_stages=4)
         for other in (tile_config(m, 6144, 4096), tile_config(m, 4096, 4096, k_groups=True),
                       tile_config(m, 4096, 4096, a_quant=True), tile_config(m, 4096, 4096, transposed=False)):
-            assert other["BLOCK_K"] == 128, other
+            assert other["BLOCK_K"] < 512, other
     assert tile_config(16, 4096, 4096)["BLOCK_K"] == 128 and tile_config(64, 4096, 14336)["BLOCK_K"] == 256
+
+
+def test_17_to_32_rows_take_32_row_transposed_tiles():
+    """tile_config at 17-32 rows of fp8 activations (H200 run 33, ``tune_gemm.py --rows32``): down 4096x14336 and
+    qkv 6144x4096 transposed in 32-row tiles, 64 weight rows each, the weight by TMA - down's K split in 4, qkv's not
+    (96 programs), in steps of 256 (128 and 6 stages with K groups or 16-bit activations); o 4096x4096 the same, K
+    split in 2, up to 24 rows, where the long-step tile keeps 25-64; the fused MLP's down GEMM of h in 1 x 128 groups
+    too. 16-bit activations on GPUs before Hopper (untransposed), wide weights (gate_up) and 33-64 rows keep their
+    64-row tiles."""
+    from fp8fx.kernels.fp8_gemm import tile_config
+    from fp8fx.kernels.gated_mlp import down_tile_config
+
+    row32 = dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=1, num_warps=4, SWAP_AB=True, TMA=True)
+    for m in (17, 24, 32):
+        assert tile_config(m, 4096, 14336) == dict(**row32, BLOCK_K=256, num_stages=4, SPLIT_K=4), m
+        assert tile_config(m, 6144, 4096) == dict(**row32, BLOCK_K=256, num_stages=4, SPLIT_K=1), m
+        assert tile_config(m, 4096, 14336, k_groups=True) == dict(**row32, BLOCK_K=128, num_stages=6, SPLIT_K=4)
+        assert down_tile_config(m, 4096, 14336, h_group=128) == dict(**row32, BLOCK_K=128, num_stages=6, SPLIT_K=4)
+        for other in (tile_config(m, 4096, 14336, transposed=False), tile_config(m, 28672, 4096)):
+            assert other["BLOCK_M"] == 64 and not other.get("SWAP_AB"), other
+    for m in (17, 24):
+        assert tile_config(m, 4096, 4096) == dict(**row32, BLOCK_K=256, num_stages=4, SPLIT_K=2), m
+    assert tile_config(25, 4096, 4096)["BLOCK_K"] == 512 and tile_config(25, 4096, 4096, k_groups=True)["BLOCK_M"] == 32
+    for m in (33, 64):
+        assert tile_config(m, 4096, 14336)["BLOCK_M"] == tile_config(m, 6144, 4096)["BLOCK_M"] == 64
+        assert down_tile_config(m, 4096, 14336, h_group=128)["BLOCK_M"] == 64
 
 
 def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
@@ -233,18 +262,19 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
         assert cfg.get("SPLIT_K", 1) == wo.get("SPLIT_K", 1) == split and cfg["BLOCK_N"] == 64, (n, k)
         assert cfg.get("SWAP_AB", False) == (split > 1) and not wo.get("SWAP_AB", False), (n, k)
         assert wo["BLOCK_N"] == (32 if k < 8192 and split > 1 else 64), (n, k)
-    # 17-64 rows of fp8 activations: few 64-wide N tiles (qkv; o with K groups, its long unsplit steps apart: run
+    # 33-64 rows of fp8 activations: few 64-wide N tiles (qkv; o with K groups, its long unsplit steps apart: run
     # 32) -> 32 wide, K split in 2, the activations by TMA at 64 rows only (run 22); wide weights and weight-only
     # (16-bit activations) keep the unsplit 64-wide tile
-    for m, n, block_n, split, tma_a in [(64, 6144, 32, 2, True), (64, 4096, 32, 2, True), (32, 4096, 32, 2, False),
-                                        (17, 6144, 32, 2, False), (64, 28672, 64, 1, True)]:
+    for m, n, block_n, split, tma_a in [(64, 6144, 32, 2, True), (64, 4096, 32, 2, True), (40, 4096, 32, 2, False),
+                                        (33, 6144, 32, 2, False), (64, 28672, 64, 1, True)]:
         cfg = tile_config(m, n, 4096, k_groups=n == 4096)
         assert (cfg["BLOCK_N"], cfg.get("SPLIT_K", 1), cfg["TMA_A"]) == (block_n, split, tma_a) and cfg["TMA"], cfg
     assert tile_config(64, 6144, 4096, transposed=False).get("SPLIT_K", 1) == 1
     assert "SWAP_AB" not in tile_config(64, 4096, 14336)
-    # a long K (down 4096x14336): 64-row tiles, K split in 2, the activation by TMA at 64 rows only (run 29: the
-    # 64-row box over 32 rows cost the fused MLP's down GEMM 0.0232 ms against 0.0187); weight-only: no TMA
-    for m, tma_a in [(17, False), (32, False), (63, False), (64, True)]:
+    # a long K (down 4096x14336) at 33-64 rows: 64-row tiles, K split in 2, the activation by TMA at 64 rows only
+    # (run 29: the 64-row box over 32 rows cost the fused MLP's down GEMM 0.0232 ms against 0.0187); weight-only: no
+    # TMA
+    for m, tma_a in [(33, False), (48, False), (63, False), (64, True)]:
         cfg = tile_config(m, 4096, 14336)
         assert (cfg["BLOCK_M"], cfg["SPLIT_K"], cfg["TMA"], cfg["TMA_A"]) == (64, 2, True, tma_a), (m, cfg)
         assert "TMA" not in tile_config(m, 4096, 14336, transposed=False) and \
@@ -420,7 +450,16 @@ INTERPRETER_CHECK = textwrap.dedent(
     ref = reference(xq, xs, [1, -1], wq, ws, [1, -1], bias, torch.float32)
     y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32)
     assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
-    # 17-64 rows of a weight of few 32-wide N tiles: one program a tile over the whole K, steps of 512 (ragged N, K)
+    # 17-24 rows of a weight of few N tiles: the 32-row transposed tile, K split in 2, the weight by TMA (ragged M,
+    # N, K: 1040 = 4 steps of 256 and 16); of a long K: split in 4 (8200: 32 steps of 256 and 8, by pointer loads)
+    for m, n, k in [(24, 200, 1040), (20, 72, 8200)]:
+        cfg = tile_config(m, n, k)
+        assert cfg["BLOCK_M"] == 32 and cfg["SWAP_AB"] and cfg["SPLIT_K"] == (4 if k > 8192 else 2), cfg
+        xq, xs, wq, ws, bias = operands(m, n, k, [1, -1], [1, -1], "cpu")
+        ref = reference(xq, xs, [1, -1], wq, ws, [1, -1], bias, torch.float32)
+        y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32)
+        assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k)
+    # 25-64 rows of a weight of few 32-wide N tiles: one program a tile over the whole K, steps of 512 (ragged N, K)
     assert tile_config(40, 200, 1100)["BLOCK_K"] == 512 and tile_config(40, 200, 1100).get("SPLIT_K", 1) == 1
     xq, xs, wq, ws, bias = operands(40, 200, 1100, [1, -1], [1, -1], "cpu")
     ref = reference(xq, xs, [1, -1], wq, ws, [1, -1], bias, torch.float32)

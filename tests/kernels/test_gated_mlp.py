@@ -275,7 +275,7 @@ def test_gated_mlp_op_cpu_within_fp8_error_of_float64(scheme, act):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m", [1, 3, 16, 33, 64, 65])
+@pytest.mark.parametrize("m", [1, 3, 16, 24, 33, 64, 65])
 @pytest.mark.parametrize("scheme,act", [(scheme, "silu") for scheme in SCHEMES] + [
     ("per-token/per-channel", "gelu"), ("per-token/per-channel", "gelu_tanh")])
 def test_gated_mlp_op_cuda(m, scheme, act):
@@ -354,7 +354,7 @@ def test_gated_mlp_op_runs_its_kernels_for_h_groups(monkeypatch, m, kernels):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("m,group", [(1, 128), (16, 128), (64, 128), (1, 32)])
+@pytest.mark.parametrize("m,group", [(1, 128), (16, 128), (24, 128), (64, 128), (1, 32)])
 def test_gated_mlp_h_groups_cuda_graph_replays(m, group):
     """h in 1x128 groups at Llama-3-8B sizes, default tiles (the GEMV at M=1; K split in 8 behind the first kernel's
     tickets above), and 1x32 groups at one token (``mlp_h_group="auto"``'s there): plain calls, PDL on and off, and
