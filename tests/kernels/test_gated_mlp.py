@@ -285,7 +285,11 @@ def test_gated_mlp_op_cuda(m, scheme, act):
     down GEMM (TMA and cp.async pipelines) no longer give the same bits: on the H200 0.3-0.5% apart in rows near the
     truth, up to 3.3% in rows that per-tensor or static h leaves 50-100% off it (with the 16-row mma.sync tiles
     before, bit-equal; `runs/2026-11-30-h200-run20-call4-diag-fused-vs-unfused.txt`): the closeness bound grows
-    with the row's own quantization error."""
+    with the row's own quantization error. At 17-32 rows (run 33) the unfused gate and up GEMMs (K = 1024, 129 N
+    tiles) run the 32-row transposed tiles where the fused kernel computes them its own way, so the two h differ by
+    bf16 steps and some of their fp8 codes: up to 2.2% apart (per-token x, per-tensor weights, a row 5% off the truth),
+    both as accurate against float64 (worst rows 5.72% and 5.69%; with the 64-row tiles before, the same bits:
+    `runs/2026-12-01-h200-run33-call5-fused-vs-unfused-24rows.txt`)."""
     args, ws = mlp_operands(m, 1024, 8192 + 40, 1000, scheme, "cuda", row_gain=torch.logspace(0, 3, m), act=act)
     y = ops.gated_mlp(*args)
     unfused = ops._gated_mlp_reference(*args)
@@ -295,7 +299,7 @@ def test_gated_mlp_op_cuda(m, scheme, act):
         assert rel(y[r], want[r]) < rel(unfused[r], want[r]) * 1.25 + 1e-3, r
         # the two differ by sum orders (an h a bf16 step off) and the odd fp8 code: a wrong scale, row or weight
         # is > 10% off
-        assert rel(y[r], unfused[r]) < 0.015 + 0.05 * rel(unfused[r], want[r]), r
+        assert rel(y[r], unfused[r]) < 0.025 + 0.05 * rel(unfused[r], want[r]), r
 
 
 @pytest.mark.cuda
