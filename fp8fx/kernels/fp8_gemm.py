@@ -69,7 +69,7 @@ import triton.language as tl
 
 from fp8fx import quant
 from fp8fx.kernels import tickets as _tickets
-from fp8fx.kernels.launch import capability, cdiv, next_power_of_2
+from fp8fx.kernels.launch import capability, cdiv, next_power_of_2, shared_memory
 
 # scale layouts, on the host (the kernel takes them as constexpr flags: Triton kernels may not read
 # module globals unless they are tl.constexpr objects)
@@ -120,6 +120,17 @@ def _codes_of(v, scale, inv, FP8_MAX: tl.constexpr):
     sign: -0 would come out +0; an inf scale: inf times a zero inv would give NaN)."""
     q = tl.clamp(v * inv, -2 * FP8_MAX, 2 * FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     return _saturate(tl.where(q == 0, q, tl.fma(tl.fma(-q, scale, v), inv, q)), FP8_MAX)
+
+
+@triton.jit
+def _e4m3_from_bits(bits, dtype: tl.constexpr):
+    """fp8 e4m3fn codes held as uint8 (``B_BITS``: Triton has no fp8e4nv type before sm_89) as ``dtype``, exactly, by
+    integer operations: the code's sign and its 7 exponent and mantissa bits moved to an fp16's places read as fp16
+    are its value / 2**8 - e4m3's exponent bias is 7, fp16's 15, and e4m3's subnormals land on fp16's - times 2**8.
+    The NaN codes (0x7F, 0xFF) stay NaN."""
+    b16 = bits.to(tl.uint16)
+    half = (((b16 & 0x80) << 8) | ((b16 & 0x7F) << 7)).to(tl.float16, bitcast=True)
+    return tl.where((b16 & 0x7F) == 0x7F, float("nan"), half.to(tl.float32) * 256.0).to(dtype)
 
 
 @triton.jit
@@ -223,6 +234,9 @@ def fp8_gemm_kernel(
     # in registers; the accumulator is transposed back once, before the epilogue
     SWAP_AB: tl.constexpr = False,
     A_DESC: tl.constexpr = False,
+    # weight-only: b holds the fp8 codes as uint8, decoded by `_e4m3_from_bits` (GPUs before sm_89, where Triton has
+    # no fp8e4nv type)
+    B_BITS: tl.constexpr = False,
 ):
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
@@ -282,7 +296,7 @@ def fp8_gemm_kernel(
             else:
                 a = _saturate(a.to(tl.float32) * a_q_inv[:, None], FP8_MAX).to(b.dtype)
         elif not A_FP8:  # weight-only: upcast the fp8 weight tile, 16-bit dot
-            b = b.to(a.dtype)
+            b = _e4m3_from_bits(b, a.dtype) if B_BITS else b.to(a.dtype)
         if A_GROUPED or B_GROUPED:
             if SWAP_AB:
                 part = tl.dot(b.T, a.T)  # [BN, BM]
@@ -331,6 +345,7 @@ def fp8_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12,
     FP8_MAX: tl.constexpr = 448.0, PDL_WAIT: tl.constexpr = False, K_STAGES: tl.constexpr = 1,
+    B_BITS: tl.constexpr = False,
 ):
     """y[N] = a[K] . b[N, K] on the CUDA cores: each program streams BLOCK_N weight rows (over its split of K) in
     [BLOCK_N, BLOCK_K] tiles of 16-byte loads - straight into registers with ``K_STAGES=1``, else pipelined
@@ -366,7 +381,7 @@ def fp8_gemv_kernel(
             b = tl.load(b_tile + b_offs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(a_ptr + a_offs, mask=k_ok, other=0.0)
         a = a.to(tl.float32)
-        b = b.to(tl.float32)
+        b = _e4m3_from_bits(b, tl.float32) if B_BITS else b.to(tl.float32)
         if A_QUANT:  # the 16-bit row to fp8 codes as fp8_gemm_kernel's A_QUANT makes them
             a = _codes_of(a, a_q_scale, a_q_inv, FP8_MAX).to(b_ptr.dtype.element_ty).to(tl.float32)
         if A_GROUPED or B_GROUPED:
@@ -567,11 +582,22 @@ def parts_block(n_parts: int, block_m: int) -> int:
     return max(16, min(next_power_of_2(n_parts), 256, 4096 // block_m))
 
 
-def pipeline_stages(cfg: dict, a_bytes: int) -> int:
-    """``cfg``'s stages, fewer where an a tile and a b tile per stage would not fit in 200 KiB of
-    shared memory (Hopper has 227; bf16 activations of the weight-only variant double the a tile)."""
+def pipeline_stages(cfg: dict, a_bytes: int, budget: int = 200 * 1024) -> int:
+    """``cfg``'s stages, fewer where an a tile and a b tile per stage would not fit in ``budget`` bytes of shared
+    memory (``stage_budget``; bf16 activations of the weight-only variant double the a tile). Triton's cp.async
+    pipelines hold one stage fewer than their ``num_stages`` (its TMA pipelines, on sm_90 only, all of them)."""
     stage_bytes = cfg["BLOCK_M"] * cfg["BLOCK_K"] * a_bytes + cfg["BLOCK_K"] * cfg["BLOCK_N"]
-    return max(1, min(cfg["num_stages"], (200 * 1024) // stage_bytes))
+    return max(1, min(cfg["num_stages"], budget // stage_bytes))
+
+
+def stage_budget(device: torch.device) -> int:
+    """``pipeline_stages``'s budget on ``device``: 200 KiB - the tiles were timed on the H200, which has 227 - or 1 KiB
+    under what a program may take on a smaller GPU (99 KiB on sm_86 and sm_89: the 4-stage 64 x 512 tile of o at
+    25-64 rows and the weight-only down tile at 17-64 needed 144 KiB there and would not launch). The CPU's
+    interpreter runs the H200's stages."""
+    if device.type != "cuda":
+        return 200 * 1024
+    return min(200 * 1024, shared_memory(device) - 1024)
 
 
 def imprecise_k(cfg: dict, fast_accum: bool) -> Optional[int]:
@@ -682,6 +708,12 @@ def fp8_gemm(
     if a_quant != NO_QUANT and not config:  # (a 16-bit a: the 64-row tiles' TMA copies were timed for fp8 a only)
         cfg.pop("TMA", None), cfg.pop("TMA_A", None)
     gemv = cfg.pop("GEMV", False)
+    # weight-only on a GPU before sm_89 (the fallback's GPUs): Triton has no fp8e4nv type there, so the kernels take
+    # the weight's codes as bytes and decode them (``B_BITS``; a config may ask for it, as the CPU tests do)
+    b_bits = cfg.pop("B_BITS", not a_fp8 and a.is_cuda and capability(a.device) < (8, 9))
+    if b_bits and a_fp8:
+        raise ValueError("fp8_gemm: B_BITS (the weight as bytes) is the weight-only variant's; got fp8 activations")
+    b = b.view(torch.uint8) if b_bits else b
     # the GEMV scales a thread's 16 bytes of a row by one K group's scale: groups of a multiple of 16 (the ops send
     # groups of 32-256, ops._k_groups_agree)
     if gemv and (m != 1 or (group_k and group_k[0] % 16)):
@@ -690,7 +722,8 @@ def fp8_gemm(
     if group_k and not gemv:  # the tensor-core kernel scales each K step's partial product: a step is a group
         cfg["BLOCK_K"] = group_k[0]
     if not gemv:  # (the GEMV pipelines its loads by its own K_STAGES, not by the launch's num_stages)
-        cfg["num_stages"] = pipeline_stages(cfg, a.element_size())  # a 16-bit a (weight-only, a_quant) doubles its tile
+        # (a 16-bit a - weight-only, a_quant - doubles its tile)
+        cfg["num_stages"] = pipeline_stages(cfg, a.element_size(), stage_budget(a.device))
     cfg.setdefault("SPLIT_K", 1)
     split_k = cfg["SPLIT_K"]
     tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
@@ -717,7 +750,7 @@ def fp8_gemm(
             B_GROUPED=b_mode == PER_K_GROUP, B_BLOCK_N=b_rows, GROUP_K=group_k[0] if group_k else 1,
             HAS_BIAS=bias is not None,
             EVEN_K=k % cfg["BLOCK_K"] == 0, A_QUANT=a_quant, N_PARTS=n_parts, PARTS_BLOCK=parts_block(n_parts, 1),
-            EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, **cfg, **pdl_launch,
+            EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, B_BITS=b_bits, **cfg, **pdl_launch,
         )
         return out
     b_desc = _descriptor(b, cfg["BLOCK_N"], cfg["BLOCK_K"]) if cfg.pop("TMA", False) else None
@@ -734,6 +767,6 @@ def fp8_gemm(
         B_BLOCK_N=b_rows, HAS_BIAS=bias is not None, A_FP8=a_fp8, IMPRECISE_K=imprecise_k(cfg, fast_accum),
         A_QUANT=a_quant, N_PARTS=n_parts, PARTS_BLOCK=parts_block(n_parts, cfg["BLOCK_M"]),
         EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, PDL_WAIT=pdl, B_DESC=b_desc is not None,
-        A_DESC=a_desc is not None, **cfg, **pdl_launch,
+        A_DESC=a_desc is not None, B_BITS=b_bits, **cfg, **pdl_launch,
     )
     return out

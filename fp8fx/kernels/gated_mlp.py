@@ -54,7 +54,8 @@ import triton.language as tl
 from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _rows_amax, _scale_of
 from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
-from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages, tile_config
+from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages, stage_budget
+from fp8fx.kernels.fp8_gemm import tile_config
 from fp8fx.kernels.launch import Relaunch, capability, cdiv, next_power_of_2, sm_count, unchecked_descriptor
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
@@ -738,7 +739,8 @@ def gated_mlp(
                          f"{cfg1['BLOCK_N']}")
     if tile_group and not configs[0]:
         cfg1["BLOCK_N"] = tile_group
-    cfg1["num_stages"] = pipeline_stages({**cfg1, "BLOCK_N": 2 * cfg1["BLOCK_N"]}, 1)  # gate and up tiles
+    cfg1["num_stages"] = pipeline_stages({**cfg1, "BLOCK_N": 2 * cfg1["BLOCK_N"]}, 1,  # gate and up tiles
+                                         stage_budget(xq.device))
     split_tiles = cdiv(m, cfg2["BLOCK_M"]) * cdiv(n, cfg2["BLOCK_N"]) if cfg2["SPLIT_K"] > 1 else 0
     tickets = torch.empty(max(split_tiles, 1), device=xq.device, dtype=torch.int32)  # zeroed by the first kernel
     h = torch.empty(m, i, device=xq.device, dtype=quant.FP8_DTYPE if h_group else h_dtype)

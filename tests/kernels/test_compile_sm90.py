@@ -41,7 +41,7 @@ LAYOUTS = {  # (A_ROWWISE, A_GROUPED, B_ROWWISE, B_GROUPED)
 UNIT = ["stride_ak", "stride_bk", "stride_yn", "stride_ask", "stride_bsk", "stride_wk"]
 
 
-def compile_kernel(fn, types: dict, consts: dict, aligned: list, num_warps: int, num_stages: int):
+def compile_kernel(fn, types: dict, consts: dict, aligned: list, num_warps: int, num_stages: int, arch: int = 90):
     """``fn`` compiled for sm_90 as Triton's JIT compiles a real call: ``types`` (pointers and ints) and
     ``consts`` name every parameter of the kernel; the ``UNIT`` strides are the constant 1; ``aligned``: the
     arguments the JIT would see divisible by 16 (pointers, sizes, leading strides)."""
@@ -54,13 +54,17 @@ def compile_kernel(fn, types: dict, consts: dict, aligned: list, num_warps: int,
                     constexprs={(names.index(k),): v for k, v in {**units, **consts}.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned})
     options = {"num_warps": num_warps, "num_stages": num_stages}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    return triton.compile(src, target=GPUTarget("cuda", arch, 32), options=options)
 
 
 def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool = False, a_quant: int = 0,
-                       pdl: bool = False, exact_codes: bool = True):
+                       pdl: bool = False, exact_codes: bool = True, arch: int = 90, budget: int = 200 * 1024,
+                       b_bits: bool = False):
+    """``fp8_gemm_kernel`` compiled for sm_``arch`` at the tile ``cfg``, its stages as ``fp8_gemm`` sets them for a
+    device of ``stage_budget`` ``budget``; ``b_bits``: the weight as bytes (``B_BITS``, weight-only before sm_89)."""
     y_type = "*fp32" if cfg.get("SPLIT_K", 1) > 1 else "*bf16"  # split-K writes float32 partials
-    types = dict(zip(POINTERS, [f"*{a_dtype}", "*fp8e4nv", y_type, "*fp32", "*fp32", "*bf16", "*bf16", "*i32"]))
+    b_type = "*u8" if b_bits else "*fp8e4nv"
+    types = dict(zip(POINTERS, [f"*{a_dtype}", b_type, y_type, "*fp32", "*fp32", "*bf16", "*bf16", "*i32"]))
     a_row, a_grp, b_row, b_grp = layout
     block_k = 128 if (a_grp or b_grp) else cfg["BLOCK_K"]
     types["b_desc"] = f"tensordesc<fp8e4nv[{cfg['BLOCK_N']}, {block_k}]>" if cfg.get("TMA") else None
@@ -74,10 +78,10 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool 
                   SPLIT_K=cfg.get("SPLIT_K", 1), A_QUANT=a_quant, N_PARTS=448,
                   PARTS_BLOCK=parts_block(448, cfg["BLOCK_M"]), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl,
                   B_DESC=bool(cfg.get("TMA")), EXACT_CODES=exact_codes, SWAP_AB=cfg.get("SWAP_AB", False),
-                  A_DESC=bool(a_tma))
+                  A_DESC=bool(a_tma), B_BITS=b_bits)
     aligned = POINTERS + ["N", "K", "stride_am", "stride_bn", "stride_ym"]
-    stages = pipeline_stages({**cfg, "BLOCK_K": consts["BLOCK_K"]}, 1 if a_dtype == "fp8e4nv" else 2)
-    return compile_kernel(fp8_gemm_kernel, types, consts, aligned, cfg["num_warps"], stages)
+    stages = pipeline_stages({**cfg, "BLOCK_K": consts["BLOCK_K"]}, 1 if a_dtype == "fp8e4nv" else 2, budget)
+    return compile_kernel(fp8_gemm_kernel, types, consts, aligned, cfg["num_warps"], stages, arch)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -340,24 +344,74 @@ def test_tma_weight_loads_compile_for_sm90(m, n, k, a_quant):
     assert kernel.metadata.shared <= 227 * 1024 and stack_bytes(kernel) == 0, stack_bytes(kernel)
 
 
+@pytest.mark.parametrize("arch", [80, 86])
+@pytest.mark.parametrize("layout", ["per-row", "blocks"])
+def test_weight_only_compiles_before_sm89_with_the_weight_as_bytes(arch, layout):
+    """Weight-only is the route of GPUs without fp8 tensor cores (compute capability < 8.9), where Triton has no
+    fp8e4nv type: the kernels compiled with an fp8 weight do not build there (which is the bug ``B_BITS`` mends);
+    with the weight as bytes, decoded by integer operations, the tensor-core tile and the GEMV build, on mma.sync,
+    the decode tiles without spills (the prefill tile within what it spills on sm_90: 56 bytes with block scales)."""
+    from fp8fx.kernels.fp8_gemm import tile_config as full_tile_config
+
+    b_row, b_grp = LAYOUTS[layout][2:]
+    with pytest.raises(Exception, match="fp8e4nv not supported"):
+        compile_for_hopper("bf16", (False, False, b_row, b_grp), tile_config(16, 4096, 4096, transposed=False),
+                           arch=arch)
+    for m in (16, 64, 4096):
+        cfg = tile_config(m, 4096, 4096, transposed=False)
+        kernel = compile_for_hopper("bf16", (False, False, b_row, b_grp), cfg, arch=arch, b_bits=True,
+                                    budget=(163 if arch == 80 else 99) * 1024 - 1024)
+        spill = stack_bytes(kernel)
+        assert "mma.sync" in kernel.asm["ptx"] and spill <= (320 if m > 64 else 0), (m, spill)
+    gemv = compile_gemv("bf16", full_tile_config(1, 4096, 14336), b_rowwise=b_row, blocks=b_grp, arch=arch,
+                        b_bits=True)
+    assert gemv.asm["cubin"] and stack_bytes(gemv) == 0
+
+
+SMALL_SHARED = 101376  # what one program may take on sm_86 and sm_89 (99 KiB)
+
+
+@pytest.mark.parametrize("arch,a_dtype", [(89, "fp8e4nv"), (86, "bf16")])
+@pytest.mark.parametrize("m", [1, 16, 24, 32, 64, 4096])
+def test_tiles_fit_the_shared_memory_of_smaller_gpus(arch, a_dtype, m):
+    """GPUs of 99 KiB a program: sm_89 (fp8 tensor cores: the tiles untransposed, pointer loads, ``for_device``) and
+    sm_86 (weight-only, bf16 activations). Every decode and prefill tile at Llama-3-8B's shapes fits with the stages
+    ``fp8_gemm`` gives it there (``stage_budget``); with the H200's 200 KiB budget o's long-step tile (fp8, 25-64 rows)
+    and the weight-only down and prefill tiles took 144 KiB."""
+    over = []
+    for n, k in [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]:
+        cfg = tile_config(m, n, k, transposed=a_dtype == "fp8e4nv")  # (mma_tile_config's: the GEMV apart)
+        cfg = {key: v for key, v in cfg.items() if key not in ("SWAP_AB", "TMA", "TMA_A")}  # (for_device's, sm < 90)
+        bits = dict(arch=arch, b_bits=arch < 89)  # (sm_86: the weight as bytes, B_BITS)
+        kernel = compile_for_hopper(a_dtype, LAYOUTS["per-row"], cfg, budget=SMALL_SHARED - 1024, **bits)
+        assert kernel.metadata.shared <= SMALL_SHARED, (n, k, cfg, kernel.metadata.shared)
+        h200_stages = compile_for_hopper(a_dtype, LAYOUTS["per-row"], cfg, **bits)
+        over += [(n, k)] if h200_stages.metadata.shared > SMALL_SHARED else []
+    want = {(89, 32): [(4096, 4096)], (89, 64): [(4096, 4096)], (86, 24): [(4096, 14336)],
+            (86, 32): [(4096, 14336)], (86, 64): [(4096, 14336)],
+            (86, 4096): [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]}
+    assert over == want.get((arch, m), []), over
+
+
 GEMV_POINTERS = POINTERS
 GEMV_INTS = ["N", "K", "stride_ak", "stride_bn", "stride_yn", "stride_ys", "stride_ask", "stride_bsn", "stride_bsk"]
 
 
 def compile_gemv(a_dtype: str, cfg: dict, a_quant: int = 0, b_rowwise: bool = True, pdl: bool = False,
-                 blocks: bool = False):
-    """``blocks``: 1x128 activation groups and 128x128 weight blocks."""
+                 blocks: bool = False, arch: int = 90, b_bits: bool = False):
+    """``blocks``: 1x128 activation groups and 128x128 weight blocks; ``b_bits``: the weight as bytes (``B_BITS``)."""
     cfg = {k: v for k, v in cfg.items() if k not in ("GEMV", "BLOCK_M")}
     y_type = "*fp32" if cfg["SPLIT_K"] > 1 else "*bf16"
-    types = dict(zip(GEMV_POINTERS, [f"*{a_dtype}", "*fp8e4nv", y_type, "*fp32", "*fp32", "*bf16", "*bf16", "*i32"]))
+    b_type = "*u8" if b_bits else "*fp8e4nv"
+    types = dict(zip(GEMV_POINTERS, [f"*{a_dtype}", b_type, y_type, "*fp32", "*fp32", "*bf16", "*bf16", "*i32"]))
     types.update({name: "i32" for name in GEMV_INTS})
     consts = dict(A_FP8=a_dtype == "fp8e4nv" or a_quant > 0, A_GROUPED=blocks, B_ROWWISE=b_rowwise and not blocks,
                   B_GROUPED=blocks, B_BLOCK_N=128 if blocks else 1, GROUP_K=128 if blocks else 1, HAS_BIAS=True,
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"], EVEN_K=True, A_QUANT=a_quant,
                   N_PARTS=448, PARTS_BLOCK=parts_block(448, 1), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl,
-                  K_STAGES=cfg.get("K_STAGES", 1))
+                  K_STAGES=cfg.get("K_STAGES", 1), B_BITS=b_bits)
     return compile_kernel(fp8_gemv_kernel, types, consts, GEMV_POINTERS + ["N", "K", "stride_bn"], cfg["num_warps"],
-                          cfg["num_stages"])
+                          cfg["num_stages"], arch)
 
 
 def ptx_loops(ptx: str) -> list[str]:

@@ -516,6 +516,78 @@ def test_tma_loads_under_triton_interpreter():
     assert "tma ok" in run_under_triton_interpreter(["-c", TMA_CHECK])
 
 
+BITS_CHECK = textwrap.dedent(
+    """
+    import torch
+    import triton
+    import triton.language as tl
+    from fp8fx import quant
+    from fp8fx.kernels.fp8_gemm import _e4m3_from_bits, fp8_gemm, gemv_config, mma_tile_config
+
+    @triton.jit
+    def decode(bits_ptr, out_ptr, BF16: tl.constexpr):
+        offs = tl.arange(0, 256)
+        bits = tl.load(bits_ptr + offs)
+        tl.store(out_ptr + offs, _e4m3_from_bits(bits, tl.bfloat16 if BF16 else tl.float32))
+
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    want = codes.view(torch.float8_e4m3fn).float()  # every code, subnormals, +-0, NaN (0x7F, 0xFF)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.empty(256, dtype=dtype)
+        decode[(1,)](codes, out, BF16=dtype == torch.bfloat16)
+        assert torch.equal(out.float().isnan(), want.isnan()) and want.isnan().sum() == 2
+        ok = ~want.isnan()
+        assert torch.equal(out.float()[ok], want[ok]) and torch.equal(out.float()[ok].signbit(), want[ok].signbit())
+    # weight-only GEMMs with the weight as bytes give the fp8 weight's bits: the tensor-core tile (ragged M, N, K,
+    # split K, per-row weight scales and 128x128 blocks) and the GEMV (one row, split K); fp16 activations (the
+    # interpreter's bf16 dots are off by orders of magnitude, triton 3.9: the fp8 weight's as much)
+    g = torch.Generator().manual_seed(0)
+    for m, n, k, w_block in [(5, 100, 304, [1, -1]), (3, 257, 384, [128, 128]), (1, 200, 512, [1, -1])]:
+        x = torch.randn(m, k, generator=g).half()
+        wq, ws = quant.quantize(torch.randn(n, k, generator=g), w_block)
+        blocks = dict(b_block=tuple(w_block)) if w_block[1] != -1 else {}
+        tile = mma_tile_config(m, n, k, transposed=False)
+        cfgs = [tile, {**tile, "SPLIT_K": 3}]
+        cfgs += [gemv_config(n, k), {**gemv_config(n, k), "SPLIT_K": 2}] if m == 1 else []
+        for cfg in cfgs:
+            fp8 = fp8_gemm(x, wq, None, ws, None, torch.float32, config=cfg, **blocks)
+            bits = fp8_gemm(x, wq, None, ws, None, torch.float32, config={**cfg, "B_BITS": True}, **blocks)
+            assert torch.equal(fp8, bits), (m, n, k, cfg)
+            ref = x.double() @ quant.dequantize(wq, ws, w_block, torch.float64).t()
+            assert ((bits.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k, cfg)
+    print("bits ok")
+    """
+)
+
+
+def test_weight_as_bytes_under_triton_interpreter():
+    """``B_BITS`` (weight-only on GPUs before sm_89, where Triton has no fp8e4nv type): ``_e4m3_from_bits`` gives
+    torch's value of each of the 256 e4m3fn codes, NaN and signed zeros included, and the weight-only GEMMs - the
+    tensor-core tile and the GEMV - the bits they give on the fp8 weight."""
+    assert "bits ok" in run_under_triton_interpreter(["-c", BITS_CHECK])
+
+
+def test_stage_budget_follows_the_gpu(monkeypatch):
+    """``fp8_gemm``'s pipeline stages fit the GPU's shared memory a program: the H200's tiles on sm_90 (200 KiB of
+    227), fewer stages on GPUs of 163 (sm_80) or 99 KiB (sm_86, sm_89), the H200's on the CPU's interpreter."""
+    from fp8fx.kernels import fp8_gemm as K
+
+    assert K.stage_budget(torch.device("cpu")) == 200 * 1024
+    for optin, want in ((232448, 200 * 1024), (166912, 165888), (101376, 100352)):
+        monkeypatch.setattr(K, "shared_memory", lambda device, optin=optin: optin)
+        assert K.stage_budget(torch.device("cuda", 0)) == want
+    cfg = K.tile_config(32, 4096, 4096)  # o's long-step tile: 48 KiB a stage
+    assert K.pipeline_stages(cfg, 1) == 4 and K.pipeline_stages(cfg, 1, 100352) == 2
+
+
+def test_weight_as_bytes_only_for_weight_only():
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, mma_tile_config
+
+    xq, xs, wq, ws, _ = operands(2, 64, 96, [1, -1], [1, -1], "cpu")
+    with pytest.raises(ValueError, match=r"B_BITS .* weight-only variant's; got fp8 activations"):
+        fp8_gemm(xq, wq, xs, ws, None, torch.float32, config={**mma_tile_config(2, 64, 96), "B_BITS": True})
+
+
 def test_in_kernel_codes_equal_the_ieee_quotients_under_triton_interpreter():
     """``_codes_of`` (reciprocal + two FMAs): the codes of fp8fx.quant's division on 200k values across six decades,
     a rounding tie, inf, NaN, -0, an out-of-range quotient and an inf scale; the plain product by the reciprocal
