@@ -714,7 +714,8 @@ def sweep_rows32(ms=(32,), duel_ms=(24, 32), shapes=("down", "down-g128", "qkv",
     on down. Down (fp8 x per token, and in 1 x 128 groups: ``_decode_chain``), qkv, o at ``ms`` rows: tiles 64/128
     wide, K steps of 128/256 at 4-8 stages, K split so the grid has 90-600 programs, the weight by TMA, each checked
     against the default's output and timed once as a chain (``hbm_table``); then at ``duel_ms`` the default against
-    the three best in ``rounds`` interleaved rounds."""
+    the three best in ``rounds`` interleaved rounds (and a default with both operands by TMA, gate_up's, against
+    itself with the weight alone by TMA: ``--rows32 --shapes gate_up``)."""
     for name in shapes:
         best = []
         for m in ms:
@@ -739,6 +740,8 @@ def sweep_rows32(ms=(32,), duel_ms=(24, 32), shapes=("down", "down-g128", "qkv",
         for m in duel_ms:
             chain, reps, n, k, default = _decode_chain(name, m, chain_bytes)
             tiles = {"default": default, **{f"#{i + 1} {c}": c for i, c in enumerate(best[:3])}}
+            if default.get("TMA_A"):  # (gate_up's 17-63-row tile: the 64-row activation box, untimed there)
+                tiles["the default, the weight alone by TMA"] = {**default, "TMA_A": False}
             outs = [chain(cfg)[0].float() for cfg in tiles.values()]
             assert all((out - outs[0]).abs().max() <= 1e-2 * outs[0].abs().max() for out in outs)
             med = _medians({label: lambda cfg=cfg: chain(cfg) for label, cfg in tiles.items()}, rounds)
