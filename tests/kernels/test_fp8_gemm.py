@@ -343,6 +343,15 @@ def test_weight_only_cuda(m, w_block, k):
     y = torch.ops.fp8fx.weight_only_mm(x.cuda(), wq.cuda(), ws.cuda(), None, w_block)
     err = ((y.double().cpu() - ref).abs().max() / ref.abs().max()).item()
     assert y.dtype == torch.bfloat16 and err < 1e-2, err
+    # the weight as bytes (``B_BITS``, the route before sm_89) forced here: the same bits, the GEMV's and the tile's
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, tile_config
+
+    blocks = dict(b_block=tuple(w_block))
+    cfg = tile_config(m, 200, k, transposed=False)
+    fp8 = fp8_gemm(x.cuda(), wq.cuda(), None, ws.cuda(), None, torch.bfloat16, config=cfg, **blocks)
+    bits = fp8_gemm(x.cuda(), wq.cuda(), None, ws.cuda(), None, torch.bfloat16, config={**cfg, "B_BITS": True},
+                    **blocks)
+    assert torch.equal(fp8, bits), cfg
 
 
 INTERPRETER_CHECK = textwrap.dedent(
