@@ -548,8 +548,9 @@ BITS_CHECK = textwrap.dedent(
         ok = ~want.isnan()
         assert torch.equal(out.float()[ok], want[ok]) and torch.equal(out.float()[ok].signbit(), want[ok].signbit())
     # weight-only GEMMs with the weight as bytes give the fp8 weight's bits: the tensor-core tile (ragged M, N, K,
-    # split K, per-row weight scales and 128x128 blocks) and the GEMV (one row, split K); fp16 activations (the
-    # interpreter's bf16 dots are off by orders of magnitude, triton 3.9: the fp8 weight's as much)
+    # split K, per-row weight scales and 128x128 blocks) and the GEMV (one row, split K); fp16 activations: with bf16
+    # ones the interpreter's weight-only tile is off by orders of magnitude, the fp8 weight's as much (triton 3.9;
+    # the GPU's is right, test_weight_only_cuda)
     g = torch.Generator().manual_seed(0)
     for m, n, k, w_block in [(5, 100, 304, [1, -1]), (3, 257, 384, [128, 128]), (1, 200, 512, [1, -1])]:
         x = torch.randn(m, k, generator=g).half()
