@@ -637,19 +637,10 @@ def sweep_down(ms=(32, 64), rounds=5, chain_bytes=256 << 20):
     there), as chains of launches (``hbm_table``; split-K tickets kept, as in a captured decode step since run 32):
     tiles 32-128 wide, K steps of 128 or 256, 4-6 stages, K split in 2-8, activations by TMA or not, transposed or
     not, each timed once; the five best re-timed against the default in ``rounds`` interleaved rounds."""
-    from fp8fx.kernels.gated_mlp import down_tile_config
-
-    n, k = SHAPES["down"]
     for m, g in itertools.product(ms, (0, 128)):
-        torch.manual_seed(m)
-        ops_ = []
-        for _ in range(_chain_len(n * k, chain_bytes)):
-            xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, g or -1])
-            ops_.append((xq, xs, *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])))
-        reps, blocks = len(ops_), dict(a_block=(1, g)) if g else {}
-        chain = lambda cfg=None: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
-                                  for xq, xs, wq, ws in ops_]
-        ref = chain()[0].float()
+        # the default: fp8_gemm's tile for per-token h, the fused MLP's down tile for h in groups (its route there)
+        chain, reps, n, k, default = _decode_chain("down-g128" if g else "down", m, chain_bytes)
+        ref = chain(default)[0].float()
         results = []
         for bn, bk, stages, split, tma_a in itertools.product([32, 64, 128], [128] if g else [128, 256], [4, 6],
                                                                [2, 4, 8], [False, True]):
@@ -662,8 +653,6 @@ def sweep_down(ms=(32, 64), rounds=5, chain_bytes=256 << 20):
                 except Exception:  # noqa: BLE001 - out of shared memory etc.: not a candidate
                     continue
         results.sort(key=lambda r: r[0])
-        # the default: fp8_gemm's tile for per-token h, the fused MLP's down tile for h in groups (its route there)
-        default = down_tile_config(m, n, k, h_group=g) if g else None
         runs = {"default": lambda: chain(default),
                 **{f"#{i + 1} {c}": lambda c=c: chain(c) for i, (_, c) in enumerate(results[:5])}}
         med = _medians(runs, rounds)
