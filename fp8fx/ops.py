@@ -880,9 +880,8 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
 
     _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale,
                     out_dtype)
-    # the kernel's fp8 x fp8 dots need fp8 tensor cores (compute capability 8.9: Ada, Hopper and later)
-    fp8_cores = launch.capability(x.device) >= (8, 9)
-    if fp8_cores and kernel.supports(w_block, act_block, tuple(w13.shape)):
+    # the kernel's fp8 x fp8 dots need fp8 tensor cores
+    if launch.has_fp8_tensor_cores(x.device) and kernel.supports(w_block, act_block, tuple(w13.shape)):
         return kernel.fused_moe(
             x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale,
             fast_accum=use_fast_accum,

@@ -69,7 +69,7 @@ import triton.language as tl
 
 from fp8fx import quant
 from fp8fx.kernels import tickets as _tickets
-from fp8fx.kernels.launch import capability, cdiv, next_power_of_2, shared_memory
+from fp8fx.kernels.launch import capability, cdiv, has_fp8_tensor_cores, next_power_of_2, shared_memory
 
 # scale layouts, on the host (the kernel takes them as constexpr flags: Triton kernels may not read
 # module globals unless they are tl.constexpr objects)
@@ -710,7 +710,7 @@ def fp8_gemm(
     gemv = cfg.pop("GEMV", False)
     # weight-only on a GPU before sm_89 (the fallback's GPUs): Triton has no fp8e4nv type there, so the kernels take
     # the weight's codes as bytes and decode them (``B_BITS``; a config may ask for it, as the CPU tests do)
-    b_bits = cfg.pop("B_BITS", not a_fp8 and a.is_cuda and capability(a.device) < (8, 9))
+    b_bits = cfg.pop("B_BITS", not a_fp8 and a.is_cuda and not has_fp8_tensor_cores(a.device))
     if b_bits and a_fp8:
         raise ValueError("fp8_gemm: B_BITS (the weight as bytes) is the weight-only variant's; got fp8 activations")
     b = b.view(torch.uint8) if b_bits else b

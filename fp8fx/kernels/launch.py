@@ -62,6 +62,12 @@ def _shared_memory(index: int) -> int:
     return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
 
 
+def has_fp8_tensor_cores(device: torch.device) -> bool:
+    """Whether the CUDA ``device`` multiplies fp8 on its tensor cores: compute capability 8.9 (Ada, Hopper and later),
+    also the first where Triton has the fp8e4nv type."""
+    return capability(device) >= (8, 9)
+
+
 def capability(device: torch.device) -> tuple[int, int]:
     """The compute capability of the CUDA ``device``, looked up once a device (``torch.cuda.get_device_capability``
     reads the device's properties on every call: the prefill op asked it on every call)."""

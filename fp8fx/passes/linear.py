@@ -32,6 +32,7 @@ from torch import fx
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block
+from fp8fx.kernels import launch
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad, module_path, set_fake_value
 from fp8fx.report import Site
 
@@ -196,7 +197,7 @@ def lacks_fp8_tensor_cores(example_inputs) -> bool:
     """True when the graph runs on a CUDA GPU older than compute capability 8.9 (no fp8 tensor cores)."""
     for t in example_inputs:
         if isinstance(t, torch.Tensor) and t.device.type == "cuda":
-            return torch.cuda.get_device_capability(t.device) < (8, 9)
+            return not launch.has_fp8_tensor_cores(t.device)
     return False
 
 
