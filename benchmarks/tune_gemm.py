@@ -574,16 +574,17 @@ def _chain_len(size: int, chain_bytes: int) -> int:
     return min(16, max(2, -(-chain_bytes // size)))
 
 
-def _operands(m: int, n: int, k: int) -> tuple:
-    """(xq, xs, wq, ws): random fp8 per-token x [m, k] and per-channel weight [n, k] on the GPU."""
-    return (*quant.quantize(torch.randn(m, k, device="cuda"), [1, -1]),
+def _operands(m: int, n: int, k: int, x_block=(1, -1)) -> tuple:
+    """(xq, xs, wq, ws): random fp8 x [m, k] (per token, or in ``x_block`` groups) and per-channel weight [n, k] on
+    the GPU."""
+    return (*quant.quantize(torch.randn(m, k, device="cuda"), list(x_block)),
             *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1]))
 
 
-def _chain_operands(m: int, n: int, k: int, chain_bytes: int) -> list:
+def _chain_operands(m: int, n: int, k: int, chain_bytes: int, x_block=(1, -1)) -> list:
     """``_operands`` per launch of a chain (``_chain_len``), each launch's of its own, seeded by m."""
     torch.manual_seed(m)
-    return [_operands(m, n, k) for _ in range(_chain_len(n * k, chain_bytes))]
+    return [_operands(m, n, k, x_block) for _ in range(_chain_len(n * k, chain_bytes))]
 
 
 def sweep_small_n(ms=(16, 32, 64), shapes=("qkv", "o"), chain_bytes=256 << 20, deep=False):
@@ -673,25 +674,28 @@ def down_deep_duel(ms=(32, 64), rounds=7, chain_bytes=256 << 20):
         _chain_duel("down", m, tiles, rounds, chain_bytes)
 
 
-def _decode_chain(name: str, m: int, chain_bytes: int) -> tuple:
-    """(chain, reps, n, k, default tile) of the decode GEMM ``name`` (``SHAPES``; ``down-g128``: down with x in 1 x
-    128 groups, the fused MLP's h there, whose default is ``down_tile_config``'s) at ``m`` rows: ``chain(cfg)`` runs
-    ``fp8_gemm`` on each launch's operands of its own (``_chain_len``), fp8 x per token or in the groups."""
+def _decode_problem(name: str, m: int) -> tuple:
+    """(n, k, x block, default tile) of the decode GEMM ``name`` at ``m`` rows: ``SHAPES``' weight, fp8 x per token
+    and ``fp8_gemm``'s tile; ``down-g128``: down with x in 1 x 128 groups, the fused MLP's h there, and the fused MLP's
+    tile for it (``down_tile_config``)."""
     from fp8fx.kernels import fp8_gemm as kernels
     from fp8fx.kernels.gated_mlp import down_tile_config
 
     g = 128 if name.endswith("-g128") else 0
     n, k = SHAPES[name.split("-")[0]]
-    torch.manual_seed(m)
-    ops_ = []
-    for _ in range(_chain_len(n * k, chain_bytes)):
-        xq, xs = quant.quantize(torch.randn(m, k, device="cuda"), [1, g or -1])
-        ops_.append((xq, xs, *quant.quantize(torch.randn(n, k, device="cuda") / k**0.5, [1, -1])))
-    blocks = dict(a_block=(1, g)) if g else {}
-    chain = lambda cfg=None: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
-                              for xq, xs, wq, ws in ops_]
     default = down_tile_config(m, n, k, h_group=g) if g else kernels.for_device(tile_config(m, n, k),
                                                                                  torch.device("cuda"))
+    return n, k, (1, g or -1), default
+
+
+def _decode_chain(name: str, m: int, chain_bytes: int) -> tuple:
+    """(chain, reps, n, k, default tile) of the decode GEMM ``name`` at ``m`` rows (``_decode_problem``):
+    ``chain(cfg)`` runs ``fp8_gemm`` on each launch's operands of its own (``_chain_operands``)."""
+    n, k, x_block, default = _decode_problem(name, m)
+    ops_ = _chain_operands(m, n, k, chain_bytes, x_block)
+    blocks = dict(a_block=x_block) if x_block[1] != -1 else {}
+    chain = lambda cfg=None: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
+                              for xq, xs, wq, ws in ops_]
     return chain, len(ops_), n, k, default
 
 
@@ -727,15 +731,11 @@ def sweep_rows32(ms=(32,), duel_ms=(24, 32), shapes=("down", "down-g128", "qkv",
                   "each once: " + " ; ".join(f"{t:.4f} {c}" for t, c in results[:5]), flush=True)
             best += [c for _, c in results[:3] if c not in best]
         for m in duel_ms:
-            chain, reps, n, k, default = _decode_chain(name, m, chain_bytes)
+            default = _decode_problem(name, m)[3]
             tiles = {"default": default, **{f"#{i + 1} {c}": c for i, c in enumerate(best[:3])}}
             if default.get("TMA_A"):  # (gate_up's 17-63-row tile: the 64-row activation box, untimed there)
                 tiles["the default, the weight alone by TMA"] = {**default, "TMA_A": False}
-            outs = [chain(cfg)[0].float() for cfg in tiles.values()]
-            assert all((out - outs[0]).abs().max() <= 1e-2 * outs[0].abs().max() for out in outs)
-            med = _medians({label: lambda cfg=cfg: chain(cfg) for label, cfg in tiles.items()}, rounds)
-            print(f"{name} M={m} (chains of {reps}), ms per launch: " + ", ".join(
-                f"{label} {t / reps:.4f} ({reps * n * k / t / 1e9:.2f} TB/s)" for label, t in med.items()), flush=True)
+            _chain_duel(name, m, tiles, rounds, chain_bytes)
 
 
 # 32-wide tiles over the whole K in steps of 512 (``mma_tile_config``'s tile for o at 17-64 rows since run 32)
@@ -743,15 +743,11 @@ LONG_STEPS = dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=512, GROUP_M=1, num_warps=4, n
 
 
 def _chain_duel(name: str, m: int, tiles: dict, rounds: int, chain_bytes: int) -> None:
-    """``tiles`` (label -> ``fp8_gemm`` config, None: the default) of the decode GEMM ``name`` at ``m`` rows against
-    each other, each as a chain of launches (``hbm_table``) in ``rounds`` interleaved rounds, their outputs checked
-    against the first's; prints ms per launch."""
-    n, k = SHAPES[name]
-    ops_ = _chain_operands(m, n, k, chain_bytes)
-    reps = len(ops_)
-    runs = {label: lambda cfg=cfg: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg)
-                                    for xq, xs, wq, ws in ops_]
-            for label, cfg in tiles.items()}
+    """``tiles`` (label -> ``fp8_gemm`` config, None: the default) of the decode GEMM ``name`` (``_decode_chain``) at
+    ``m`` rows against each other, each as a chain of launches (``hbm_table``) in ``rounds`` interleaved rounds,
+    their outputs checked against the first's; prints ms per launch."""
+    chain, reps, n, k, _ = _decode_chain(name, m, chain_bytes)
+    runs = {label: lambda cfg=cfg: chain(cfg) for label, cfg in tiles.items()}
     outs = [run()[0].float() for run in runs.values()]
     assert all((out - outs[0]).abs().max() <= 1e-2 * outs[0].abs().max() for out in outs)
     med = _medians(runs, rounds)
