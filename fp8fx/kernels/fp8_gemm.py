@@ -461,6 +461,9 @@ def tile_config(m: int, n: int, k: int, a_quant: bool = False, transposed: bool 
     return mma_tile_config(m, n, k, transposed, long_steps=not (a_quant or k_groups))
 
 
+HOPPER_ONLY = ("SWAP_AB", "TMA", "TMA_A")  # the tile keys ``for_device`` drops before sm_90
+
+
 def for_device(cfg: dict, device: torch.device) -> dict:
     """A default tile ``cfg`` as it runs on ``device``: the tiles timed on the H200 with Hopper's features - the
     transposed tiles (``SWAP_AB``: wgmma) and TMA copies of the weight (``TMA``) and of fp8 activations
@@ -469,7 +472,7 @@ def for_device(cfg: dict, device: torch.device) -> dict:
     the H200's tiles."""
     if device.type != "cuda" or capability(device) >= (9, 0):
         return cfg
-    return {key: v for key, v in cfg.items() if key not in ("SWAP_AB", "TMA", "TMA_A")}
+    return {key: v for key, v in cfg.items() if key not in HOPPER_ONLY}
 
 
 def gemv_fits(m: int, n: int, k: int) -> bool:

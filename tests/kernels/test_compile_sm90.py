@@ -17,7 +17,7 @@ from triton.compiler import ASTSource  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, fp8_gemm_kernel, parts_block  # noqa: E402
-from fp8fx.kernels.fp8_gemm import fp8_gemv_kernel, gemv_config  # noqa: E402
+from fp8fx.kernels.fp8_gemm import HOPPER_ONLY, fp8_gemv_kernel, gemv_config  # noqa: E402
 from fp8fx.kernels.fp8_gemm import imprecise_k, mma_tile_config as tile_config, pipeline_stages  # noqa: E402
 from fp8fx.kernels.gated_mlp import ACTIVATIONS, down_tile_config, gated_gemm_kernel, gated_tile_config  # noqa: E402
 from fp8fx.kernels.gated_mlp import gated_prefill_kernel, prefill_tile_config, quantize_rows_kernel  # noqa: E402
@@ -381,7 +381,7 @@ def test_tiles_fit_the_shared_memory_of_smaller_gpus(arch, a_dtype, m):
     over = []
     for n, k in [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]:
         cfg = tile_config(m, n, k, transposed=a_dtype == "fp8e4nv")  # (mma_tile_config's: the GEMV apart)
-        cfg = {key: v for key, v in cfg.items() if key not in ("SWAP_AB", "TMA", "TMA_A")}  # (for_device's, sm < 90)
+        cfg = {key: v for key, v in cfg.items() if key not in HOPPER_ONLY}  # (as for_device before sm_90)
         bits = dict(arch=arch, b_bits=arch < 89)  # (sm_86: the weight as bytes, B_BITS)
         kernel = compile_for_hopper(a_dtype, LAYOUTS["per-row"], cfg, budget=SMALL_SHARED - 1024, **bits)
         assert kernel.metadata.shared <= SMALL_SHARED, (n, k, cfg, kernel.metadata.shared)
