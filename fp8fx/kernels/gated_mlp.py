@@ -395,10 +395,12 @@ def down_tile_config(m: int, n: int, k: int, gemv: bool = True, h_group: int = 0
         if m <= 16:  # (K < 8192, unsplit: transposed too, not timed)
             return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=h_group, GROUP_M=1, num_warps=4, num_stages=4,
                         SPLIT_K=4 if k >= 8192 else 1, SWAP_AB=True, TMA=True)
-        if m <= 32 and k >= 8192:  # ``mma_tile_config``'s 17-32-row tile (transposed, 32 rows, 6 stages, K split
-            # in 4): 0.0204 / 0.0209 ms at 24 / 32 rows against 0.0210 / 0.0212 for the 64-row tile below (the GEMM
-            # alone as a chain of launches, H200 run 33, `tune_gemm.py --rows32`, 7 interleaved rounds)
-            return {**mma_tile_config(m, n, k, long_steps=False), "BLOCK_K": h_group}
+        # 17-64 rows: the 64-row tile below. ``mma_tile_config``'s 17-32-row tile (transposed, 32 rows, 6 stages, K
+        # split in 4), taken in run 33 from the GEMM alone as a chain of launches (0.0204 / 0.0209 ms at 24 / 32 rows
+        # against 0.0210 / 0.0212), lost inside the op, behind the gate/up kernel as its programmatic dependent:
+        # 0.0572 / 0.0582 ms for the op against 0.0566 / 0.0571 (H200 run 34 call 3, CUDA-graph replays, 7
+        # interleaved rounds; without PDL 0.0567 / 0.0576 against 0.0573 / 0.0583), the decode block at 32 tokens
+        # 0.0620 against run 31's 0.0592 (call 2)
         return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=h_group, GROUP_M=1, num_warps=4, num_stages=5,
                     SPLIT_K=4 if k >= 8192 else 1, TMA=True)
     # 16-bit h: the tiles of 16-bit activations (transposed=False), not those timed with fp8 ones (run 21's TMA

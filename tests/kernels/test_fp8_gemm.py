@@ -57,7 +57,9 @@ def test_fp8_gemm_cuda(m, n, k, x_block, w_block, dtype):
     configs.append(mma_tile_config(32, 4096, 4096))  # the same at 17-63 rows: the weight alone by TMA
     configs.append({**configs[-1], "SPLIT_K": 4})
     # 17-32 rows: 32-row transposed tiles, the weight by TMA (run 33)
-    configs += [mma_tile_config(24, cfg_n, cfg_k) for cfg_n, cfg_k in ((4096, 14336), (6144, 4096), (4096, 4096))]
+    configs += [mma_tile_config(24, cfg_n, cfg_k)
+                for cfg_n, cfg_k in ((4096, 14336), (6144, 4096), (4096, 4096), (28672, 4096))]  # (gate_up: run 34)
+    configs.append(mma_tile_config(48, 28672, 4096))  # 33-63 rows of gate_up: 64 rows, the weight alone by TMA
     configs.append(mma_tile_config(24, 4096, 14336, long_steps=False))  # (K steps of 128, 6 stages)
     # the weight alone by TMA copies (rows of K % 16 == 0 bytes)
     configs += [{**cfg, "TMA": True} for cfg in (configs[0], pointers64)]
@@ -217,9 +219,9 @@ def test_17_to_32_rows_take_32_row_transposed_tiles():
     """tile_config at 17-32 rows of fp8 activations (H200 run 33, ``tune_gemm.py --rows32``): down 4096x14336 and
     qkv 6144x4096 transposed in 32-row tiles, 64 weight rows each, the weight by TMA - down's K split in 4, qkv's not
     (96 programs), in steps of 256 (128 and 6 stages with K groups or 16-bit activations); o 4096x4096 the same, K
-    split in 2, up to 24 rows, where the long-step tile keeps 25-64; the fused MLP's down GEMM of h in 1 x 128 groups
-    too. 16-bit activations on GPUs before Hopper (untransposed), wide weights (gate_up) and 33-64 rows keep their
-    64-row tiles."""
+    split in 2, up to 24 rows, where the long-step tile keeps 25-64; gate_up 28672x4096 (448 N tiles) unsplit in
+    steps of 128, 4 stages (run 34). 16-bit activations on GPUs before Hopper (untransposed), 33-64 rows and the fused
+    MLP's down GEMM of h in 1 x 128 groups (the 32-row tile lost inside the op, run 34) keep their 64-row tiles."""
     from fp8fx.kernels.fp8_gemm import tile_config
     from fp8fx.kernels.gated_mlp import down_tile_config
 
@@ -228,14 +230,16 @@ def test_17_to_32_rows_take_32_row_transposed_tiles():
         assert tile_config(m, 4096, 14336) == dict(**row32, BLOCK_K=256, num_stages=4, SPLIT_K=4), m
         assert tile_config(m, 6144, 4096) == dict(**row32, BLOCK_K=256, num_stages=4, SPLIT_K=1), m
         assert tile_config(m, 4096, 14336, k_groups=True) == dict(**row32, BLOCK_K=128, num_stages=6, SPLIT_K=4)
-        assert down_tile_config(m, 4096, 14336, h_group=128) == dict(**row32, BLOCK_K=128, num_stages=6, SPLIT_K=4)
-        for other in (tile_config(m, 4096, 14336, transposed=False), tile_config(m, 28672, 4096)):
+        assert tile_config(m, 28672, 4096) == dict(**row32, BLOCK_K=128, num_stages=4), m  # (run 34)
+        for other in (tile_config(m, 4096, 14336, transposed=False), tile_config(m, 28672, 4096, transposed=False),
+                      tile_config(m + 32, 28672, 4096)):
             assert other["BLOCK_M"] == 64 and not other.get("SWAP_AB"), other
     for m in (17, 24):
         assert tile_config(m, 4096, 4096) == dict(**row32, BLOCK_K=256, num_stages=4, SPLIT_K=2), m
     assert tile_config(25, 4096, 4096)["BLOCK_K"] == 512 and tile_config(25, 4096, 4096, k_groups=True)["BLOCK_M"] == 32
     for m in (33, 64):
         assert tile_config(m, 4096, 14336)["BLOCK_M"] == tile_config(m, 6144, 4096)["BLOCK_M"] == 64
+    for m in (17, 32, 64):  # the fused MLP's down GEMM of h in groups: its 64-row tile (run 34: the 32-row one lost)
         assert down_tile_config(m, 4096, 14336, h_group=128)["BLOCK_M"] == 64
 
 
@@ -266,7 +270,8 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
     # 32) -> 32 wide, K split in 2, the activations by TMA at 64 rows only (run 22); wide weights and weight-only
     # (16-bit activations) keep the unsplit 64-wide tile
     for m, n, block_n, split, tma_a in [(64, 6144, 32, 2, True), (64, 4096, 32, 2, True), (40, 4096, 32, 2, False),
-                                        (33, 6144, 32, 2, False), (64, 28672, 64, 1, True)]:
+                                        (33, 6144, 32, 2, False), (48, 28672, 64, 1, False),
+                                        (64, 28672, 64, 1, True)]:
         cfg = tile_config(m, n, 4096, k_groups=n == 4096)
         assert (cfg["BLOCK_N"], cfg.get("SPLIT_K", 1), cfg["TMA_A"]) == (block_n, split, tma_a) and cfg["TMA"], cfg
     assert tile_config(64, 6144, 4096, transposed=False).get("SPLIT_K", 1) == 1
