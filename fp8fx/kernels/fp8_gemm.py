@@ -512,7 +512,7 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True, long_steps:
     fast accumulation (``fast_accum``) the transposed tiles sum in wgmma's reduced precision where the mma.sync
     tiles summed in float32 (``imprecise_k``). Weight-only (16-bit activations, the weight upcast in registers)
     keeps run 18's tiles, the ones timed against bf16 cuBLAS; so does the unsplit 64-wide tile of a weight with
-    many N tiles (gate_up) up to 16 rows, not swept transposed there (at 17-32 rows it is, below)."""
+    many N tiles (gate_up) up to 16 rows, not swept transposed there (at 17-32 rows gate_up's is, below)."""
     long_k = k >= 8192
     if m <= 16:
         if 1024 <= k < 8192 and cdiv(n, 64) < 132:
@@ -533,7 +533,8 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True, long_steps:
         # at 24-48 rows (run 22), the fused MLP's down GEMM 4096x14336 at 32 rows 0.0187 ms against 0.0232 (run 29
         # calls 9 and 11, the block's profile; the fused block 0.0600 against 0.0654, calls 8 and 12) and gate_up
         # 28672x4096 at 48 rows in the unsplit 64-wide tile (the last one here): 0.0374 ms against 0.0359 with the
-        # weight alone by TMA (H200 run 34 call 3, chains, 7 interleaved rounds; at 64 rows 0.0357 against 0.0363)
+        # weight alone by TMA (H200 run 34 call 3, chains, 7 interleaved rounds; at 64 rows 0.0357 against 0.0363),
+        # gate 14336x4096 at 24 / 32 rows 0.0249 / 0.0238 against 0.0189 / 0.0190 (call 4)
         tma = dict(TMA=True, TMA_A=True) if transposed else {}
         few_n = 1024 <= k < 8192 and cdiv(n, 64) < 132  # (qkv, o)
         long_step_class = long_steps and few_n and cdiv(n, 32) <= 132  # (o: the long-step tile below)
@@ -551,12 +552,14 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True, long_steps:
             split = 4 if long_k else 1 if 2 * cdiv(n, 64) > 132 else 2
             return dict(BLOCK_M=32, BLOCK_N=64, GROUP_M=1, num_warps=4, SPLIT_K=split, SWAP_AB=True, TMA=True,
                         **steps)
-        if transposed and m <= 32 and k >= 1024 and not few_n:
-            # a weight of many N tiles (gate_up 28672x4096: 448) at 17-32 rows, unsplit in the same 32-row tile with
-            # K steps of 128: H200 run 34 (`tune_gemm.py --rows32 --shapes gate_up`, chains, 7 interleaved rounds,
-            # ms per launch, at 24 / 32 rows) 0.0329 / 0.0331 (3.57 TB/s) against 0.0488 / 0.0457 for the 64-row
-            # tile of both operands by TMA below (0.0353 / 0.0354 with the weight alone by TMA) and cuBLAS fp8's
-            # 0.0449 / 0.0467 (run 33); K steps of 256 0.0331 / 0.0333
+        if transposed and m <= 32 and k >= 1024 and cdiv(n, 64) > 2 * 132:
+            # a weight of more than two waves of 64-wide N tiles (gate_up 28672x4096: 448) at 17-32 rows, unsplit in
+            # the same 32-row tile with K steps of 128: H200 run 34 (`tune_gemm.py --rows32 --shapes gate_up`,
+            # chains, 7 interleaved rounds, ms per launch, at 24 / 32 rows) 0.0329 / 0.0331 (3.57 TB/s) against
+            # 0.0488 / 0.0457 for the 64-row tile of both operands by TMA below, 0.0353 / 0.0354 with the weight
+            # alone by TMA, cuBLAS fp8 0.0450 (24 rows); K steps of 256 0.0331 / 0.0333. Gate 14336x4096 (224
+            # tiles) keeps the 64-row tile, the weight alone by TMA: 0.0189 / 0.0190 against 0.0192 / 0.0193 in
+            # this tile and 0.0249 / 0.0238 with both operands by TMA (run 34 call 4)
             return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SWAP_AB=True,
                         TMA=True)
         if long_k:  # 64-wide N tiles, K split in 2 (256 programs): 0.0235 ms against 0.0248 for 32-wide unsplit

@@ -220,8 +220,9 @@ def test_17_to_32_rows_take_32_row_transposed_tiles():
     qkv 6144x4096 transposed in 32-row tiles, 64 weight rows each, the weight by TMA - down's K split in 4, qkv's not
     (96 programs), in steps of 256 (128 and 6 stages with K groups or 16-bit activations); o 4096x4096 the same, K
     split in 2, up to 24 rows, where the long-step tile keeps 25-64; gate_up 28672x4096 (448 N tiles) unsplit in
-    steps of 128, 4 stages (run 34). 16-bit activations on GPUs before Hopper (untransposed), 33-64 rows and the fused
-    MLP's down GEMM of h in 1 x 128 groups (the 32-row tile lost inside the op, run 34) keep their 64-row tiles."""
+    steps of 128, 4 stages (run 34). 16-bit activations on GPUs before Hopper (untransposed), 33-64 rows, gate
+    14336x4096 (224 N tiles: the weight alone by TMA) and the fused MLP's down GEMM of h in 1 x 128 groups (the 32-row
+    tile lost inside the op) keep their 64-row tiles (run 34)."""
     from fp8fx.kernels.fp8_gemm import tile_config
     from fp8fx.kernels.gated_mlp import down_tile_config
 
@@ -232,8 +233,9 @@ def test_17_to_32_rows_take_32_row_transposed_tiles():
         assert tile_config(m, 4096, 14336, k_groups=True) == dict(**row32, BLOCK_K=128, num_stages=6, SPLIT_K=4)
         assert tile_config(m, 28672, 4096) == dict(**row32, BLOCK_K=128, num_stages=4), m  # (run 34)
         for other in (tile_config(m, 4096, 14336, transposed=False), tile_config(m, 28672, 4096, transposed=False),
-                      tile_config(m + 32, 28672, 4096)):
+                      tile_config(m + 32, 28672, 4096), tile_config(m, 14336, 4096)):
             assert other["BLOCK_M"] == 64 and not other.get("SWAP_AB"), other
+        assert not tile_config(m, 14336, 4096)["TMA_A"]  # (gate: the weight alone by TMA, run 34)
     for m in (17, 24):
         assert tile_config(m, 4096, 4096) == dict(**row32, BLOCK_K=256, num_stages=4, SPLIT_K=2), m
     assert tile_config(25, 4096, 4096)["BLOCK_K"] == 512 and tile_config(25, 4096, 4096, k_groups=True)["BLOCK_M"] == 32
