@@ -28,8 +28,9 @@ output dtype) says why in the report.
 """
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Optional
+import operator
 from collections import defaultdict
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import fx
@@ -42,6 +43,7 @@ from fp8fx.report import Site
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
 _FUSED = torch.ops.fp8fx.scaled_mm_fused.default
 _STATIC = torch.ops.fp8fx.quantize_static.default
+_QUANTIZE = torch.ops.fp8fx.quantize.default
 # gm.meta key: callables the backend runs once the graph is compiled
 AFTER_COMPILE = "fp8fx_after_compile"
 
@@ -108,6 +110,14 @@ class _GroupKey(NamedTuple):
     fast: bool
 
 
+def _quantized_from(xq: Any) -> Optional[fx.Node]:
+    """The activation that ``xq`` (a GEMM's fp8 input: ``fp8fx.quantize``'s codes or ``quantize_static``) quantizes."""
+    q = xq.args[0] if isinstance(xq, fx.Node) and xq.target is operator.getitem else xq
+    if isinstance(q, fx.Node) and q.target in (_QUANTIZE, _STATIC) and isinstance(q.args[0], fx.Node):
+        return q.args[0]
+    return None
+
+
 class HorizontalFusionPass(Fp8Pass):
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -152,8 +162,19 @@ class HorizontalFusionPass(Fp8Pass):
         """A GEMM alone in its group while others read the same activation (a per-tensor shard among per-channel
         ones, another output dtype) says what kept it apart."""
         by_input: dict[tuple, list[_GroupKey]] = defaultdict(list)
+        by_source: dict[fx.Node, list[_GroupKey]] = defaultdict(list)
         for key in groups:
             by_input[(key.xq, key.x_scale)].append(key)
+            if (source := _quantized_from(key.xq)) is not None:
+                by_source[source].append(key)
+        for keys in by_source.values():  # one activation quantized twice: the linear pass saw a write in between
+            for key in keys:
+                others = [k for k in keys if k.xq is not key.xq]
+                if len(groups[key]) > 1 or not others or key.xq.target is _STATIC:  # (static: _explain_static)
+                    continue
+                names = site_names(ctx, [n for k in others for n in groups[k]])
+                amend_sites(ctx, groups[key], f"not fused horizontally: {names} read the same input, quantized apart "
+                                              "with an in-place write that may reach it in between")
         for keys in by_input.values():
             for key in keys:
                 if len(groups[key]) > 1 or len(keys) < 2:

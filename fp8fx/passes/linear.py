@@ -28,6 +28,7 @@ from typing import Optional
 
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
@@ -182,6 +183,41 @@ def _mutates(node: fx.Node) -> bool:
     return name.endswith("_") and not name.endswith("__") and getattr(node.target, "__module__", "") != "_operator"
 
 
+def _written(node: fx.Node) -> Optional[list]:
+    """The tensors that ``node`` (``_mutates``) writes, where one argument says which: ``x[i] = v``, ``x.mul_(3)``,
+    ``x += y``, ``torch.relu_(x)``, ``F.relu(x, inplace=True)`` write x, ``out=`` its tensor; None where that is not
+    known (an op whose schema may write some of its arguments: all of them count)."""
+    if "out" in node.kwargs:
+        return [node.kwargs["out"]]
+    if not node.args:
+        return None
+    if node.op == "call_method" or node.target is operator.setitem or node.target in _INPLACE_OPERATORS:
+        return [node.args[0]]
+    if node.kwargs.get("inplace") is True or _inplace_positional(node):
+        return [node.args[0]]
+    if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return None
+    return [node.args[0]]  # (torch.relu_ and the like: their first argument)
+
+
+def _storage(node) -> Optional[StorageWeakRef]:
+    """The memory of ``node``'s fake tensor (views share their base's); None where the node records none."""
+    value = fake_value(node) if isinstance(node, fx.Node) else None
+    return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
+
+
+def _may_alias(x: fx.Node, written: Optional[list], inputs: set) -> bool:
+    """Whether the activation ``x`` may share memory with a tensor in ``written`` (``_written``). It may not only
+    where x was computed in this graph - its memory is none of the graph inputs' (``inputs``: two inputs may share
+    memory on a later call though they did not when Dynamo traced; a computed tensor cannot share an input's) - and
+    no written tensor is a view of it. So a KV cache written between q/k/v's projections (``k_cache[..] = k`` before
+    ``v_proj(h)``) leaves h's quantization to v; ``h.mul_(2)`` or a write into a view of h does not."""
+    mine = _storage(x)
+    if written is None or mine is None or mine in inputs:
+        return True
+    return any((theirs := _storage(w)) is None or theirs == mine for w in written)
+
+
 def _inplace_positional(node: fx.Node) -> bool:
     """``inplace`` passed by position (``F.hardtanh(x, -1, 1, True)``)."""
     if not node.args or not callable(node.target):
@@ -219,9 +255,12 @@ class LinearPass(Fp8Pass):
             weight_only = lacks_fp8_tensor_cores(ctx.example.values())
         # one quantization per (activation, scheme): q/k/v and gate/up read the same x
         quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
+        inputs = {_storage(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")} - {None}
         for node in list(graph.nodes):
-            if _mutates(node):  # a quantization taken before an in-place write must not be reused after it
-                quantized.clear()
+            if _mutates(node):  # a quantization taken before an in-place write into x must not be reused after it
+                written = _written(node)
+                for key in [key for key in quantized if _may_alias(key[0], written, inputs)]:
+                    del quantized[key]
             operands = _linear_operands(node, ctx)
             if operands is None:
                 continue

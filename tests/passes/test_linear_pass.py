@@ -520,6 +520,79 @@ def test_quantization_is_not_reused_across_an_in_place_write(compiler, write):
     assert [s.rewritten for s in backend.report.sites] == [True, True]
 
 
+class WriteBetween(nn.Module):
+    """q, k and v read h (computed here); between k's and v's projections something is written in place (a KV cache
+    written as soon as k is ready: a decoder layer may do so)."""
+
+    def __init__(self, write):
+        super().__init__()
+        self.q, self.k, self.v = nn.Linear(64, 64), nn.Linear(64, 32), nn.Linear(64, 32)
+        self.register_buffer("cache", torch.zeros(4, 32))
+        self.write = write
+
+    def forward(self, x):
+        h = x * 2.0
+        q, k = self.q(h), self.k(h)
+        self.write(self, h, k)
+        return q, k, self.v(h)
+
+
+WRITES = {  # what is written, and whether v can still take q's and k's quantization of h
+    "a buffer (the cache)": (lambda m, h, k: m.cache.copy_(k), True),
+    "a buffer by setitem": (lambda m, h, k: m.cache.__setitem__(slice(None), k), True),
+    "h": (lambda m, h, k: h.mul_(3.0), False),
+    "a view of h": (lambda m, h, k: h.view(-1)[:8].zero_(), False),
+    "h by setitem": (lambda m, h, k: h.__setitem__((slice(None), 0), 1.0), False),
+    "a custom op (writes what its schema says)": (lambda m, h, k: torch.ops.fp8fx_test.scale_in_place(m.cache), False),
+}
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_quantization_is_reused_across_a_write_elsewhere(write):
+    """A write that cannot reach h (h computed in the graph, the written tensor none of its views) keeps h's one
+    quantization for v; a write into h or a view of it, or one whose target the pass cannot tell, does not."""
+    torch.manual_seed(0)
+    fn, reused = WRITES[write]
+    ref = WriteBetween(fn).to(torch.bfloat16)
+    model = WriteBetween(fn).to(torch.bfloat16)
+    model.load_state_dict(ref.state_dict())
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    backend = Fp8Backend(compiler="eager")
+    codes = record_graphs_after_passes(backend)
+    with torch.no_grad():
+        want, out = ref(x), torch.compile(model, backend=backend)(x)
+    assert [s.rewritten for s in backend.report.sites] == [True, True, True]
+    assert codes[0].count("fp8fx.quantize.default(") == (1 if reused else 2), codes[0]
+    for got, expected in zip(out, want):  # (v after a write into h reads the written h)
+        assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 0.05
+
+
+def test_quantization_of_an_input_is_not_reused_across_any_write():
+    """x a graph input: another input may share its memory on a later call though it did not when Dynamo traced, so
+    any write between two linears of x re-quantizes it."""
+    torch.manual_seed(0)
+
+    class ReadsInput(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x, other):
+            y = self.a(x)
+            other.add_(1.0)
+            return y, self.b(x)
+
+    model = ReadsInput().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    codes = record_graphs_after_passes(backend)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16),
+                                              torch.zeros(4, 64, dtype=torch.bfloat16))
+    assert codes[0].count("fp8fx.quantize.default(") == 2, codes[0]
+
+
 class FunctionalLinear(nn.Module):
     """A quantized layer's weight and bias through F.linear, its activation by keyword."""
 
