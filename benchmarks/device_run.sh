@@ -24,7 +24,7 @@
 #          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles; widen: in 64-128-wide tiles, K split;
 #          rowstests: the cuda tests of per-token h at 17-64 tokens (three kernels); power: power_study.py at 2048 and
 #          4096; decode32: the decode MLP block at 32 tokens, every variant; rows16: per-token h's two kernels against
-#          the three at 1, 4 and 16 tokens)
+#          the three at 1, 4 and 16 tokens; layer: bench_decoder_layer.py, the whole decoder layer at 1 and 32 tokens)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -199,6 +199,9 @@ fi
 if has decode32; then  # the decode MLP block at 32 tokens: the default's three kernels, unfused, in groups, anchors
   timeout 330 python3 benchmarks/bench_linear.py --out "$OUT/decode32" --skip-gemms --ms 32 --rounds 7 --graph-max-m 64 \
     --variants bf16_inductor,torchao_rowwise,fp8fx,fp8fx_fused_mlp,fp8fx_fused_mlp_g128 2>&1 | tee "$OUT/decode32.txt"
+fi
+if has layer; then  # a whole Llama-3-8B decoder layer at decode: bf16, torchao, fp8fx and fp8fx fused (~4 compiles an M)
+  timeout 450 python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer" --ms 1,32 --rounds 5 2>&1 | tee "$OUT/layer.txt"
 fi
 if has rows16; then  # per-token h at 1-16 tokens: the two kernels (default) against the three of 17-64 tokens
   timeout 330 python3 benchmarks/bench_linear.py --out "$OUT/rows16" --skip-gemms --ms 1,4,16 --rounds 7 \

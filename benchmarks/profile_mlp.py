@@ -60,7 +60,8 @@ def main():
     p.add_argument("--fuse-horizontal", action="store_true", help="Fp8Backend(fuse_horizontal=True): gate/up as one GEMM")
     p.add_argument("--fuse-mlp", action="store_true", help="Fp8Backend(fuse_mlp=True): the MLP in two kernels (decode)")
     p.add_argument("--h-group", type=int, default=0,
-                   help="with --fuse-mlp: Fp8Backend(mlp_h_group=G), h quantized in 1 x G groups (0: per token)")
+                   help="with --fuse-mlp: Fp8Backend(mlp_h_group=G), h quantized in 1 x G groups (0: the backend's "
+                        "default, mlp_h_group='auto': 1x32 groups at one token, 1x128 from two)")
     p.add_argument("--fp8fx-only", action="store_true", help="no torchao and bf16 tables (their compiles take ~1 min)")
     args = p.parse_args()
     os.makedirs(args.out, exist_ok=True)
