@@ -543,7 +543,8 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True, long_steps:
             # its right one), the weight by TMA, where the 64-row tiles below are half padding or more. H200 run 33
             # (`tune_gemm.py --rows32`, chains, 7 interleaved rounds, ms per launch, at 24 / 32 rows): down 0.0192 /
             # 0.0195 against 0.0203 / 0.0201 (K in steps of 256 split in 4); down of x in 1 x 128 groups 0.0204 /
-            # 0.0209 against the fused MLP's 0.0210 / 0.0212 (steps of 128, 6 stages: ``down_tile_config``); qkv
+            # 0.0209 against the fused MLP's 0.0210 / 0.0212 (steps of 128, 6 stages; inside the fused MLP it lost,
+            # run 34: ``down_tile_config`` keeps its 64-row tile); qkv
             # 0.0108 / 0.0108 against 0.0116 / 0.0116 (unsplit: 96 programs; split in 2 0.0109); o 0.0087 against
             # 0.0098 at 24 rows (split in 2: 128 programs), where at 32 rows the long-step tile below kept its lead
             # (0.0086 against 0.0089). K groups and 16-bit activations take steps of 128, 6 stages (down's of x in
@@ -559,7 +560,8 @@ def mma_tile_config(m: int, n: int, k: int, transposed: bool = True, long_steps:
             # 0.0488 / 0.0457 for the 64-row tile of both operands by TMA below, 0.0353 / 0.0354 with the weight
             # alone by TMA, cuBLAS fp8 0.0450 (24 rows); K steps of 256 0.0331 / 0.0333. Gate 14336x4096 (224
             # tiles) keeps the 64-row tile, the weight alone by TMA: 0.0189 / 0.0190 against 0.0192 / 0.0193 in
-            # this tile and 0.0249 / 0.0238 with both operands by TMA (run 34 call 4)
+            # this tile and 0.0249 / 0.0238 with both operands by TMA (run 34 call 4). K groups take the same tile
+            # (steps of a group), not timed so
             return dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SWAP_AB=True,
                         TMA=True)
         if long_k:  # 64-wide N tiles, K split in 2 (256 programs): 0.0235 ms against 0.0248 for 32-wide unsplit

@@ -24,7 +24,8 @@ per weight.
 
 Layers called again with the same weights (shared layers, ALBERT) are fused at every call, into the same tensor. A
 GEMM that reads a group's activation but is kept out of the group (weight scales of another granularity, another
-output dtype) says why in the report.
+output dtype) says why in the report, as does one whose input was quantized apart from the group's: the linear pass
+quantizes an activation again after an in-place write that may reach it.
 """
 from __future__ import annotations
 
@@ -160,21 +161,31 @@ class HorizontalFusionPass(Fp8Pass):
     @staticmethod
     def _explain_singles(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
         """A GEMM alone in its group while others read the same activation (a per-tensor shard among per-channel
-        ones, another output dtype) says what kept it apart."""
+        ones, another output dtype, the activation quantized again after an in-place write) says what kept it
+        apart."""
         by_input: dict[tuple, list[_GroupKey]] = defaultdict(list)
-        by_source: dict[fx.Node, list[_GroupKey]] = defaultdict(list)
+        by_source: dict[tuple, list[_GroupKey]] = defaultdict(list)
         for key in groups:
             by_input[(key.xq, key.x_scale)].append(key)
-            if (source := _quantized_from(key.xq)) is not None:
+            if (source := _quantized_from(key.xq)) is not None and key.xq.target is not _STATIC:  # (_explain_static)
                 by_source[source].append(key)
-        for keys in by_source.values():  # one activation quantized twice: the linear pass saw a write in between
+        # one activation quantized apart for this GEMM (dynamic scales): in other blocks than the others' (a layer's
+        # own activation granularity), or in the same ones again after an in-place write that may reach it (the
+        # linear pass reuses a quantization up to such a write)
+        for keys in by_source.values():
             for key in keys:
                 others = [k for k in keys if k.xq is not key.xq]
-                if len(groups[key]) > 1 or not others or key.xq.target is _STATIC:  # (static: _explain_static)
+                if len(groups[key]) > 1 or not others:
                     continue
-                names = site_names(ctx, [n for k in others for n in groups[k]])
-                amend_sites(ctx, groups[key], f"not fused horizontally: {names} read the same input, quantized apart "
-                                              "with an in-place write that may reach it in between")
+                alike = [k for k in others if k.x_block == key.x_block]
+                names = site_names(ctx, [n for k in alike or others for n in groups[k]])
+                if alike:
+                    why = (f"{names} read the same input, quantized apart with an in-place write that may reach it "
+                           "in between")
+                else:
+                    mine = granularity_from_block(list(key.x_block))
+                    why = f"its input is quantized {mine}, where {names} read it quantized otherwise"
+                amend_sites(ctx, groups[key], f"not fused horizontally: {why}")
         for keys in by_input.values():
             for key in keys:
                 if len(groups[key]) > 1 or len(keys) < 2:

@@ -27,6 +27,7 @@ import operator
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -164,7 +165,7 @@ _INPLACE_OPERATORS = {getattr(operator, f"i{op}") for op in (
 
 def _mutates(node: fx.Node) -> bool:
     """Whether ``node`` may write a tensor in place (``x.mul_(3)``, ``x += y``, ``torch.add(.., out=x)``,
-    ``aten.*_``): conservative, as aliases of the activation are not tracked."""
+    ``aten.*_``): conservative (``_written`` and ``_may_alias`` then say which activations it may reach)."""
     if node.op == "call_method":
         return node.target.endswith("_") and not node.target.endswith("__") or node.target in ("__setitem__",)
     if node.op != "call_function":
@@ -191,17 +192,22 @@ def _written(node: fx.Node) -> Optional[list]:
         return [node.kwargs["out"]]
     if not node.args:
         return None
-    if node.op == "call_method" or node.target is operator.setitem or node.target in _INPLACE_OPERATORS:
-        return [node.args[0]]
-    if node.kwargs.get("inplace") is True or _inplace_positional(node):
-        return [node.args[0]]
     if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return None
-    return [node.args[0]]  # (torch.relu_ and the like: their first argument)
+    return [node.args[0]]  # methods, setitem, in-place operators, inplace=True, torch.relu_ and the like
+
+
+# ops that return their input itself in some modes (``F.dropout(h, p, training=False)``, p = 0) where Dynamo's fake
+# value is a fresh tensor (torch's decomposition clones): their outputs count as their input's memory
+_RETURNS_INPUT = {F.dropout, torch.dropout, F.alpha_dropout, torch.alpha_dropout, F.feature_alpha_dropout,
+                  torch.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d}
 
 
 def _storage(node) -> Optional[StorageWeakRef]:
-    """The memory of ``node``'s fake tensor (views share their base's); None where the node records none."""
+    """The memory of ``node``'s fake tensor (views share their base's; ``_RETURNS_INPUT``'s outputs their input's);
+    None where the node records none."""
+    while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _RETURNS_INPUT and node.args:
+        node = node.args[0]
     value = fake_value(node) if isinstance(node, fx.Node) else None
     return StorageWeakRef(value.untyped_storage()) if isinstance(value, torch.Tensor) else None
 

@@ -353,3 +353,21 @@ def test_qkv_fused_across_a_cache_write_and_kept_apart_across_a_write_into_their
         assert all(scheme.endswith("fused(q,k,v)") for scheme in sites.values()), sites
     for got, expected in zip(out, want):
         assert rel_err(got, expected) < 0.05
+
+
+def test_a_layer_quantizing_its_input_otherwise_says_so():
+    """k's own activation granularity (per tensor where q and v take per token): q and v fuse, k's site says why it
+    stays apart - not an in-place write, which there is none of."""
+    from tests.passes.test_linear_pass import WriteBetween
+
+    torch.manual_seed(0)
+    model = WriteBetween(lambda m, h, k: None).to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["k"]))
+    fp8fx.quantize_(model.k, fp8fx.Fp8Config(activation_granularity=fp8fx.PerTensor()), prefix="k")
+    backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    sites = {s.fqn: s.scheme for s in backend.report.sites}
+    assert sites["q"].endswith("fused(q,v)") and sites["v"].endswith("fused(q,v)"), sites
+    assert sites["k"].endswith("not fused horizontally: its input is quantized per-tensor, where q,v read it "
+                               "quantized otherwise"), sites

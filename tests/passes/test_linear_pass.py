@@ -543,6 +543,8 @@ WRITES = {  # what is written, and whether v can still take q's and k's quantiza
     "h": (lambda m, h, k: h.mul_(3.0), False),
     "a view of h": (lambda m, h, k: h.view(-1)[:8].zero_(), False),
     "h by setitem": (lambda m, h, k: h.__setitem__((slice(None), 0), 1.0), False),
+    # (F.dropout in eval returns h itself, though Dynamo's fake value of it is a fresh tensor)
+    "h through an eval dropout": (lambda m, h, k: F.dropout(h, 0.5, False).mul_(0.0), False),
     "a custom op (writes what its schema says)": (lambda m, h, k: torch.ops.fp8fx_test.scale_in_place(m.cache), False),
 }
 
