@@ -200,8 +200,9 @@ if has decode32; then  # the decode MLP block at 32 tokens: the default's three 
   timeout 330 python3 benchmarks/bench_linear.py --out "$OUT/decode32" --skip-gemms --ms 32 --rounds 7 --graph-max-m 64 \
     --variants bf16_inductor,torchao_rowwise,fp8fx,fp8fx_fused_mlp,fp8fx_fused_mlp_g128 2>&1 | tee "$OUT/decode32.txt"
 fi
-if has layer; then  # a whole Llama-3-8B decoder layer at decode: bf16, torchao, fp8fx and fp8fx fused (~4 compiles an M)
-  timeout 450 python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer" --ms 1,32 --rounds 5 2>&1 | tee "$OUT/layer.txt"
+if has layer; then  # a whole Llama-3-8B decoder layer at decode: bf16, torchao, fp8fx, fp8fx fused (4 compiles an M)
+  timeout 450 python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer" --ms 1,32 --rounds 5 2>&1 \
+    | tee "$OUT/layer.txt"
 fi
 if has rows16; then  # per-token h at 1-16 tokens: the two kernels (default) against the three of 17-64 tokens
   timeout 330 python3 benchmarks/bench_linear.py --out "$OUT/rows16" --skip-gemms --ms 1,4,16 --rounds 7 \
