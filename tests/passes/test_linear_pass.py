@@ -549,25 +549,33 @@ WRITES = {  # what is written, and whether v can still take q's and k's quantiza
 }
 
 
-@pytest.mark.parametrize("write", list(WRITES))
-def test_quantization_is_reused_across_a_write_elsewhere(write):
-    """A write that cannot reach h (h computed in the graph, the written tensor none of its views) keeps h's one
-    quantization for v; a write into h or a view of it, or one whose target the pass cannot tell, does not."""
+def compile_write_between(write: str, **options) -> tuple:
+    """``WriteBetween`` with ``WRITES[write]`` in bf16 (eager: ``want``) and quantized, compiled through
+    ``Fp8Backend(compiler="eager", **options)`` (``out``): (want, out, the backend, the graph's code after the
+    passes)."""
     torch.manual_seed(0)
-    fn, reused = WRITES[write]
+    fn, _ = WRITES[write]
     ref = WriteBetween(fn).to(torch.bfloat16)
     model = WriteBetween(fn).to(torch.bfloat16)
     model.load_state_dict(ref.state_dict())
     fp8fx.quantize_(model)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
-    backend = Fp8Backend(compiler="eager")
+    backend = Fp8Backend(compiler="eager", **options)
     codes = record_graphs_after_passes(backend)
     with torch.no_grad():
         want, out = ref(x), torch.compile(model, backend=backend)(x)
-    assert [s.rewritten for s in backend.report.sites] == [True, True, True]
-    assert codes[0].count("fp8fx.quantize.default(") == (1 if reused else 2), codes[0]
     for got, expected in zip(out, want):  # (v after a write into h reads the written h)
         assert ((got.float() - expected.float()).norm() / expected.float().norm()).item() < 0.05
+    return want, out, backend, codes[0]
+
+
+@pytest.mark.parametrize("write", list(WRITES))
+def test_quantization_is_reused_across_a_write_elsewhere(write):
+    """A write that cannot reach h (h computed in the graph, the written tensor none of its views) keeps h's one
+    quantization for v; a write into h or a view of it, or one whose target the pass cannot tell, does not."""
+    _, _, backend, code = compile_write_between(write)
+    assert [s.rewritten for s in backend.report.sites] == [True, True, True]
+    assert code.count("fp8fx.quantize.default(") == (1 if WRITES[write][1] else 2), code
 
 
 def test_quantization_of_an_input_is_not_reused_across_any_write():
