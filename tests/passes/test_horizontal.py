@@ -331,7 +331,7 @@ def test_qkv_fused_across_a_cache_write_and_kept_apart_across_a_write_into_their
     the report says why."""
     from tests.passes.test_linear_pass import compile_write_between
 
-    _, _, backend, code = compile_write_between(write, fuse_horizontal=True)  # (outputs checked there)
+    backend, code = compile_write_between(write, fuse_horizontal=True)  # (outputs checked there)
     sites = {s.fqn: s.scheme for s in backend.report.sites}
     if write == "h":
         assert code.count("fp8fx.scaled_mm_fused.default(") == 1 and code.count("fp8fx.scaled_mm.default(") == 1
