@@ -40,26 +40,27 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def sm_count(device: torch.device) -> int:
-    """The SMs of the CUDA ``device``: ``torch.cuda.get_device_properties``'s count, looked up once a device (the
-    lookup took 4 us a prefill op call on the H200's host, run 28's ``host_study.py``)."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+def _index(device: torch.device) -> int:
+    """The CUDA ``device``'s index: its own, or the current device's for a bare "cuda"."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
+def _properties(index: int):
+    """``torch.cuda.get_device_properties(index)``, looked up once a device (the lookup took 4 us a prefill op call
+    on the H200's host, run 28's ``host_study.py``)."""
+    return torch.cuda.get_device_properties(index)
+
+
+def sm_count(device: torch.device) -> int:
+    """The SMs of the CUDA ``device`` (``_properties``)."""
+    return _properties(_index(device)).multi_processor_count
 
 
 def shared_memory(device: torch.device) -> int:
     """The bytes of shared memory one program of a kernel may take on the CUDA ``device`` (the opt-in maximum per
-    block: 227 KiB on sm_90, 163 on sm_80, 99 on sm_86 and sm_89), looked up once a device."""
-    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
-
-
-@functools.lru_cache(maxsize=None)
-def _shared_memory(index: int) -> int:
-    return torch.cuda.get_device_properties(index).shared_memory_per_block_optin
+    block: 227 KiB on sm_90, 163 on sm_80, 99 on sm_86 and sm_89; ``_properties``)."""
+    return _properties(_index(device)).shared_memory_per_block_optin
 
 
 def has_fp8_tensor_cores(device: torch.device) -> bool:
@@ -71,7 +72,7 @@ def has_fp8_tensor_cores(device: torch.device) -> bool:
 def capability(device: torch.device) -> tuple[int, int]:
     """The compute capability of the CUDA ``device``, looked up once a device (``torch.cuda.get_device_capability``
     reads the device's properties on every call: the prefill op asked it on every call)."""
-    return _capability(device.index if device.index is not None else torch.cuda.current_device())
+    return _capability(_index(device))
 
 
 @functools.lru_cache(maxsize=None)

@@ -157,12 +157,12 @@ def test_sm_count_is_looked_up_once_a_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_properties",
                         lambda index: asked.append(index) or SimpleNamespace(multi_processor_count=100 + index))
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
-    launch._sm_count.cache_clear()
+    launch._properties.cache_clear()
     try:
         counts = [launch.sm_count(torch.device(d)) for d in ("cuda:0", "cuda:1", "cuda:0", "cuda", "cuda:1")]
         assert counts == [100, 101, 100, 101, 101] and asked == [0, 1]
     finally:
-        launch._sm_count.cache_clear()  # (the fake counts must not outlive the test)
+        launch._properties.cache_clear()  # (the fake counts must not outlive the test)
 
 
 def test_capability_is_looked_up_once_a_device(monkeypatch):
