@@ -600,7 +600,10 @@ def parts_block(n_parts: int, block_m: int) -> int:
     return max(16, min(next_power_of_2(n_parts), 256, 4096 // block_m))
 
 
-def pipeline_stages(cfg: dict, a_bytes: int, budget: int = 200 * 1024) -> int:
+STAGE_BUDGET = 200 * 1024  # shared-memory bytes of a program's pipeline stages: what the tiles were timed with (H200)
+
+
+def pipeline_stages(cfg: dict, a_bytes: int, budget: int = STAGE_BUDGET) -> int:
     """``cfg``'s stages, fewer where an a tile and a b tile per stage would not fit in ``budget`` bytes of shared
     memory (``stage_budget``; bf16 activations of the weight-only variant double the a tile). Triton's cp.async
     pipelines hold one stage fewer than their ``num_stages`` (its TMA pipelines, on sm_90 only, all of them)."""
@@ -614,8 +617,8 @@ def stage_budget(device: torch.device) -> int:
     25-64 rows and the weight-only down tile at 17-64 needed 144 KiB there and would not launch). The CPU's
     interpreter runs the H200's stages."""
     if device.type != "cuda":
-        return 200 * 1024
-    return min(200 * 1024, shared_memory(device) - 1024)
+        return STAGE_BUDGET
+    return min(STAGE_BUDGET, shared_memory(device) - 1024)
 
 
 def imprecise_k(cfg: dict, fast_accum: bool) -> Optional[int]:
