@@ -38,7 +38,7 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp8fx  # noqa: E402
-from bench_linear import MLP, rel_err, timer, torchao_rowwise  # noqa: E402  (run as a script: benchmarks/ on sys.path)
+from bench_linear import MLP, rel_err, timed_in_rounds, timer, torchao_rowwise  # noqa: E402  (benchmarks/ on sys.path)
 
 LLAMA3_8B = dict(dim=4096, hidden=14336, heads=32, kv_heads=8, head_dim=128)
 TINY = dict(dim=256, hidden=512, heads=4, kv_heads=2, head_dim=64)
@@ -172,11 +172,7 @@ def run(ms: list[int], context: int, rounds: int, variants: list[str], dims: dic
                 rows.append(row)
                 if graph:
                     timers[name] = timer(fn, x, True, reps=max(50, 200 // rounds))
-            times = {name: [] for name in timers}
-            for r in range(rounds if timers else 0):
-                names = list(timers)
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    times[name].append(timers[name]())
+            times = timed_in_rounds(timers, rounds)
             for row in rows:
                 if row["variant"] in times:
                     t = times[row["variant"]]

@@ -135,6 +135,17 @@ def timer(fn, x, graph: bool, reps: int = 200):
     return run
 
 
+def timed_in_rounds(timers: dict, rounds: int) -> dict:
+    """name -> each round's time of ``timers``' (``timer``s), timed in turn ``rounds`` times over, each round
+    starting one name later (no variant always runs first or after the same one)."""
+    names = list(timers)
+    times = {name: [] for name in names}
+    for r in range(rounds if names else 0):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            times[name].append(timers[name]())
+    return times
+
+
 # a plain-call row whose host time a call is at least this share of its timed ms is marked host-bound: do_bench then
 # times the host as much as the GPU (run 30: the fused MLP at 2048 tokens, 0.718 ms by do_bench against 0.514 ms of
 # GPU time on a slow host)
@@ -327,11 +338,8 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAUL
                 compile_times[f"mlp {name} first call M={m}"] = time.perf_counter() - start
                 errors[f"mlp M={m} {name}"] = rel_err(y, ref)
                 timers[name] = timer(fn, x, graph, reps=max(50, 200 // rounds))
+            times = timed_in_rounds(timers, rounds)
             names = list(timers)
-            times = {name: [] for name in names}
-            for r in range(rounds):
-                for name in names[r % len(names):] + names[:r % len(names)]:
-                    times[name].append(timers[name]())
             for name in names:
                 t = statistics.median(times[name])
                 row = {"what": "mlp block", "M": m, "variant": name, "ms": t,
