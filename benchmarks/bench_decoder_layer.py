@@ -13,7 +13,8 @@ and q/k/v and o, which the MLP block has not.
 
 Variants: bf16 Inductor; torchao float8 row-wise (its weights per channel, activations per token); fp8fx
 ``Fp8Backend()``; ``fp8fx_fused``: ``Fp8Backend(fuse_horizontal=True, fuse_mlp=True)`` - q/k/v one GEMM, the MLP in
-two kernels. The KV cache stays bf16 in every variant. Each variant is compiled per M (``dynamic=False``, as decode's
+two kernels; ``fp8fx_fused_pdl`` (on request): that, its GEMMs launched as programmatic dependents that let the next
+launch start and prefetch their weight into L2 while they wait (``bench_linear.PDL_KEYS``). The KV cache stays bf16 in every variant. Each variant is compiled per M (``dynamic=False``, as decode's
 CUDA graphs are per batch size) and timed as CUDA-graph replays after a clean L2 flush (``bench_linear.timer``), the
 variants in turn for ``--rounds`` rounds; each row has its median and every round's time, its errors against the
 same layer in float32 - of the layer's update (its output less x: the residual would hide the GEMMs' error), of the
@@ -38,12 +39,15 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp8fx  # noqa: E402
-from bench_linear import MLP, rel_err, timed_in_rounds, timer, torchao_rowwise  # noqa: E402  (benchmarks/ on sys.path)
+from bench_linear import MLP, PDL_KEYS, rel_err, timed_in_rounds, timer, torchao_rowwise  # noqa: E402
+from bench_linear import with_kernel_setting  # noqa: E402  (benchmarks/ on sys.path)
 
 LLAMA3_8B = dict(dim=4096, hidden=14336, heads=32, kv_heads=8, head_dim=128)
 TINY = dict(dim=256, hidden=512, heads=4, kv_heads=2, head_dim=64)
-VARIANTS = ("bf16_inductor", "torchao_rowwise", "fp8fx", "fp8fx_fused")
-BACKENDS = {"fp8fx": {}, "fp8fx_fused": {"fuse_horizontal": True, "fuse_mlp": True}}
+VARIANTS = ("bf16_inductor", "torchao_rowwise", "fp8fx", "fp8fx_fused", "fp8fx_fused_pdl")
+DEFAULT_VARIANTS = VARIANTS[:-1]
+BACKENDS = {"fp8fx": {}, "fp8fx_fused": {"fuse_horizontal": True, "fuse_mlp": True},
+            "fp8fx_fused_pdl": {"fuse_horizontal": True, "fuse_mlp": True}}
 LINEARS = 7  # q, k, v, o, gate, up, down
 
 
@@ -122,7 +126,10 @@ def compiled(variant: str, layer: DecoderLayer):
         return (torch.compile(ao, dynamic=False) if ao is not None else None), None, why
     fp8fx.quantize_(layer, fp8fx.Fp8Config())
     backend = fp8fx.Fp8Backend(**BACKENDS[variant])
-    return torch.compile(layer, backend=backend, dynamic=False), backend, ""
+    fn = torch.compile(layer, backend=backend, dynamic=False)
+    if variant.endswith("_pdl"):  # (set while each call runs, the CUDA graph's capture among them)
+        fn = with_kernel_setting(fn, "DECODE_PDL", PDL_KEYS)
+    return fn, backend, ""
 
 
 def site_counts(backend) -> dict:
@@ -192,7 +199,7 @@ def run(ms: list[int], context: int, rounds: int, variants: list[str], dims: dic
 def fp8fx_ok(row: dict) -> bool:
     """An fp8fx row as it should be: all seven linears rewritten, fused as its backend asks (q/k/v and the MLP's
     three: all but o), every error finite and within fp8's (about 6% on this random data; bf16 alone 0.6%)."""
-    fused = LINEARS - 1 if row["variant"] == "fp8fx_fused" else 0
+    fused = LINEARS - 1 if row["variant"].startswith("fp8fx_fused") else 0
     errors = [row["error"], row["attention_error"], row["kv_error"]]
     return (row["rewritten"] == row["linear_sites"] == LINEARS and row["fused"] == fused
             and all(math.isfinite(e) and e < 0.1 for e in errors))
@@ -218,7 +225,8 @@ def main(argv=None) -> int:
     p.add_argument("--ms", default="1,16,32,64", help="comma-separated batch sizes (one new token a sequence)")
     p.add_argument("--context", type=int, default=1024, help="KV-cache positions a sequence attends over")
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help=f"comma-separated, of {', '.join(VARIANTS)} (default: {', '.join(DEFAULT_VARIANTS)})")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny dims on CPU, the fp8fx variants, no timing")
     args = p.parse_args(argv)
     variants = args.variants.split(",")

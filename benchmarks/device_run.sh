@@ -24,7 +24,9 @@
 #          smallm: the decode GEMMs at M = 64 in 16- and 32-row tiles; widen: in 64-128-wide tiles, K split;
 #          rowstests: the cuda tests of per-token h at 17-64 tokens (three kernels); power: power_study.py at 2048 and
 #          4096; decode32: the decode MLP block at 32 tokens, every variant; rows16: per-token h's two kernels against
-#          the three at 1, 4 and 16 tokens; layer: bench_decoder_layer.py, the whole decoder layer at 1 and 32 tokens)
+#          the three at 1, 4 and 16 tokens; layer: bench_decoder_layer.py, the whole decoder layer at 1 and 32 tokens;
+#          pdlchain: the PDL tile keys' GPU tests, then tune_gemm.py --pdl (decode GEMMs' chains with PDL, its early
+#          trigger, L2 prefetch); layerpdl: the decoder layer and the decode MLP block with and without them)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -203,6 +205,17 @@ fi
 if has layer; then  # a whole Llama-3-8B decoder layer at decode: bf16, torchao, fp8fx, fp8fx fused (4 compiles an M)
   timeout 450 python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer" --ms 1,32 --rounds 5 2>&1 \
     | tee "$OUT/layer.txt"
+fi
+if has pdlchain; then  # the GEMMs launched as programmatic dependents that let the next start and prefetch into L2
+  timeout 150 $P -m cuda $gemm tests/kernels/test_gated_mlp.py -k pdl 2>&1 | tee "$OUT/pytest-cuda-pdl.log" | tail -5
+  timeout 420 python3 benchmarks/tune_gemm.py --pdl 2>&1 | tee "$OUT/pdl-chains.txt"
+fi
+if has layerpdl; then  # the same in a decode step: the decoder layer, then the MLP block, with and without them
+  timeout 300 python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer-pdl" --ms 1,32 --rounds 5 \
+    --variants bf16_inductor,fp8fx_fused,fp8fx_fused_pdl 2>&1 | tee "$OUT/layer-pdl.txt"
+  timeout 280 python3 benchmarks/bench_linear.py --out "$OUT/decode-pdl" --skip-gemms --ms 1,32 --rounds 5 \
+    --graph-max-m 64 --variants bf16_inductor,fp8fx,fp8fx_pdl,fp8fx_fused_mlp,fp8fx_fused_mlp_pdl 2>&1 \
+    | tee "$OUT/decode-pdl.txt" | tail -30
 fi
 if has rows16; then  # per-token h at 1-16 tokens: the two kernels (default) against the three of 17-64 tokens
   timeout 330 python3 benchmarks/bench_linear.py --out "$OUT/rows16" --skip-gemms --ms 1,4,16 --rounds 7 \

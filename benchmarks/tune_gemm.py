@@ -26,6 +26,7 @@
     python benchmarks/tune_gemm.py --small-n       # qkv, o at 16-64 rows: every width / split / transposition, chained
     python benchmarks/tune_gemm.py --small-n --duel  # their 17-64-row tiles against each other, 7 rounds
     python benchmarks/tune_gemm.py --small-n --deep  # narrow unsplit tiles with K steps of 256-512 instead
+    python benchmarks/tune_gemm.py --pdl           # decode GEMMs' chains with PDL, its early trigger, L2 prefetch
     python benchmarks/tune_gemm.py --tma-a         # fp8 activation tiles by TMA or cp.async (M = 16, 64)
     python benchmarks/tune_gemm.py --m64           # M = 64, h in groups: where the down GEMM's time goes, deeper
                                                    # pipelines, the gate/up kernel's stages, G = 64 against 128
@@ -694,8 +695,11 @@ def _decode_chain(name: str, m: int, chain_bytes: int) -> tuple:
     n, k, x_block, default = _decode_problem(name, m)
     ops_ = _chain_operands(m, n, k, chain_bytes, x_block)
     blocks = dict(a_block=x_block) if x_block[1] != -1 else {}
-    chain = lambda cfg=None: [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, **blocks)  # noqa: E731
-                              for xq, xs, wq, ws in ops_]
+
+    def chain(cfg=None):  # (a config's "pdl": each launch a programmatic dependent of the one before, ``pdl_duel``)
+        pdl = bool(cfg and cfg.get("pdl"))
+        cfg = {key: v for key, v in cfg.items() if key != "pdl"} if cfg else cfg
+        return [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, pdl=pdl, **blocks) for xq, xs, wq, ws in ops_]
     return chain, len(ops_), n, k, default
 
 
@@ -754,6 +758,26 @@ def _chain_duel(name: str, m: int, tiles: dict, rounds: int, chain_bytes: int) -
     print(f"{name} M={m} (chains of {reps}), ms per launch: "
           + ", ".join(f"{label} {t / reps:.4f} ({reps * n * k / t / 1e9:.2f} TB/s)" for label, t in med.items()),
           flush=True)
+
+
+def pdl_duel(ms=(1, 16, 32, 64), shapes=("o", "qkv", "down", "gate_up"), rounds=5, chain_bytes=256 << 20,
+             prefetch=(4096, 1 << 20)):
+    """Issue 4's 75% of HBM for the small decode GEMMs, where the Triton tiles were swept out (runs 21-34) and a kernel
+    that only reads o's 16.8 MB reaches 67% alone (run 32): the time a launch loses ramping up and draining, overlapped
+    with the launch before. Each default tile (``_decode_problem``) as a chain of launches (``hbm_table``): plain;
+    each launch a programmatic dependent of the one before (``pdl``: its programs wait for it); each also letting the
+    next launch as soon as its own programs start (``PDL_TRIGGER``: the next one's programs take the SMs this grid
+    leaves, and wait); and each prefetching the first ``prefetch`` bytes of its programs' weight rows into L2 before
+    that wait (``L2_PREFETCH``; 1 MiB: each program's whole K run). ``rounds`` interleaved rounds, outputs checked
+    against the plain chain's; ms per launch and TB/s on the weights."""
+    for name in shapes:
+        for m in ms:
+            default = _decode_problem(name, m)[3]
+            pdl = {**default, "pdl": True}
+            tiles = {"plain": default, "pdl": pdl, "pdl, trigger": {**pdl, "PDL_TRIGGER": True},
+                     **{f"pdl, trigger, prefetch {p}": {**pdl, "PDL_TRIGGER": True, "L2_PREFETCH": p}
+                        for p in prefetch}}
+            _chain_duel(name, m, tiles, rounds, chain_bytes)
 
 
 def small_n_duel(ms=(24, 32, 48, 64), shapes=("qkv", "o"), rounds=7, chain_bytes=256 << 20):
@@ -1009,6 +1033,9 @@ def main(argv=None):
                    help="a kernel that only reads, at each decode weight size, timed as --hbm --chain-mb 256")
     p.add_argument("--small-n", action="store_true",
                    help="qkv and o at 16-64 rows (--ms): tiles of every width, split and transposition, as chains")
+    p.add_argument("--pdl", action="store_true",
+                   help="the decode GEMMs' chains with programmatic dependent launch, its trigger, L2 prefetch "
+                        "(--ms: 1,16,32,64; --shapes: o,qkv,down,gate_up)")
     p.add_argument("--tma-a", action="store_true",
                    help="M = 16, 64: fp8 activation tiles by TMA (TMA_A) or not, the decode GEMMs and the fused MLP")
     p.add_argument("--balance", action="store_true", help="--m64: the gate/up kernel alone on 112 vs 132 programs")
@@ -1048,6 +1075,9 @@ def main(argv=None):
         return sweep_down(tuple(int(m) for m in (args.ms or "32,64").split(",")))
     if args.hbm:
         return hbm_table(tuple(int(m) for m in (args.ms or "1,16,64").split(",")), chain_bytes=args.chain_mb << 20)
+    if args.pdl:
+        return pdl_duel(tuple(int(m) for m in (args.ms or "1,16,32,64").split(",")),
+                        tuple((args.shapes or "o,qkv,down,gate_up").split(",")))
     if args.tma_a:
         return tma_a_duel()
     if args.small_n and args.duel:

@@ -199,6 +199,21 @@ def _store_tile(acc, y_ptr, out_ptr, ticket_ptr, split, row0, local_m, offs_m, o
 
 
 @triton.jit
+def _prefetch_rows(row0, local_n, n_left, stride_bn, nbytes):
+    """Hopper's bulk prefetch (``cp.async.bulk.prefetch.L2``, sm_90): ``nbytes`` from each of the rows ``row0 + r *
+    stride_bn``, r < ``n_left``, into L2, waiting for nothing - a program's weight rows before its ``gdc_wait``, so its
+    weight streams while the kernel before it finishes (weights are constants: nothing that kernel writes). One
+    instruction a row, issued by each thread that holds the row (a few threads each: a prefetch more of a line costs
+    no HBM byte). Rows and ``nbytes`` are multiples of 16 bytes (``fp8_gemm`` checks the weight's); none where
+    ``nbytes`` <= 0."""
+    ok = ((local_n < n_left) & (nbytes > 0)).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
+        "=r,l,r,r", [row0 + local_n * stride_bn, ok, tl.zeros_like(ok) + nbytes], dtype=tl.int32, is_pure=False,
+        pack=1)
+
+
+@triton.jit
 def fp8_gemm_kernel(
     # tensors (split-K: y is the float32 partials [SPLIT_K, M, N], out the result, tickets one int32 per
     # output tile, zero on entry)
@@ -237,9 +252,12 @@ def fp8_gemm_kernel(
     # weight-only: b holds the fp8 codes as uint8, decoded by `_e4m3_from_bits` (GPUs before sm_89, where Triton has
     # no fp8e4nv type)
     B_BITS: tl.constexpr = False,
+    # PDL, sm_90 (``fp8_gemm``'s ``PDL_TRIGGER`` and ``L2_PREFETCH`` tile keys): a program first lets the next kernel
+    # launch (``gdc_launch_dependents``: its programs take each SM this grid leaves, then wait for all of it), and
+    # before its wait prefetches the first L2_PREFETCH bytes of each of its weight rows' K run into L2
+    PDL_TRIGGER: tl.constexpr = False,
+    L2_PREFETCH: tl.constexpr = 0,
 ):
-    if PDL_WAIT:
-        tl.extra.cuda.gdc_wait()
     # split-K: SPLIT_K programs share an output tile, each over its own run of K steps, each writing a
     # float32 partial (y_ptr + split * stride_ys); the last of them to finish sums the partials (see the end)
     split = tl.program_id(0) % SPLIT_K
@@ -258,12 +276,20 @@ def fp8_gemm_kernel(
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps per split
     k_first = split * k_steps
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
+    local_n = tl.arange(0, BLOCK_N)
+    if PDL_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    if L2_PREFETCH:  # (the bytes of the split's K run, rounded down to 16)
+        run = tl.minimum(tl.minimum((k_first + k_steps) * BLOCK_K, K) - k_first * BLOCK_K, L2_PREFETCH) // 16 * 16
+        _prefetch_rows(b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn + k_first * BLOCK_K * stride_bk, local_n,
+                       N - pid_n * BLOCK_N, stride_bn, run)
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
     # 64-bit bases per program, 32-bit offsets within its tiles: [BM, BK] / [BK, BN] tensors of 64-bit
     # addresses carried through the pipelined loop cost 2 registers an element and spilled at the prefill
     # tiles (sm_90, 128x128x128, 8 warps); M * K and M * N pass 2**31 for long prefills (300k x 7168),
     # a tile's offsets (BLOCK_M rows of K) do not
     local_m = tl.arange(0, BLOCK_M)
-    local_n = tl.arange(0, BLOCK_N)
     a_tile = a_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_am
     b_tile = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
     a_offs = local_m[:, None] * stride_am + (k_first * BLOCK_K + offs_k[None, :]) * stride_ak  # [BM, BK]
@@ -345,7 +371,7 @@ def fp8_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12,
     FP8_MAX: tl.constexpr = 448.0, PDL_WAIT: tl.constexpr = False, K_STAGES: tl.constexpr = 1,
-    B_BITS: tl.constexpr = False,
+    B_BITS: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False, L2_PREFETCH: tl.constexpr = 0,
 ):
     """y[N] = a[K] . b[N, K] on the CUDA cores: each program streams BLOCK_N weight rows (over its split of K) in
     [BLOCK_N, BLOCK_K] tiles of 16-byte loads - straight into registers with ``K_STAGES=1``, else pipelined
@@ -354,9 +380,8 @@ def fp8_gemv_kernel(
     of fp8 codes are exact in float32; the sums round as a tensor core's float32 accumulation does, in another
     order. The activation's scale (per tensor = per row here) and b's are applied after the sum; scales that
     change along K (``A_GROUPED``: a's [1, K / GROUP_K], ``B_GROUPED``: b's [N / B_BLOCK_N, K / GROUP_K]) multiply
-    each element as it is loaded (a step spans BLOCK_K / GROUP_K groups)."""
-    if PDL_WAIT:
-        tl.extra.cuda.gdc_wait()
+    each element as it is loaded (a step spans BLOCK_K / GROUP_K groups). ``PDL_TRIGGER``, ``L2_PREFETCH``: as
+    fp8_gemm_kernel's."""
     split = tl.program_id(0) % SPLIT_K
     pid_n = tl.program_id(0) // SPLIT_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -365,6 +390,13 @@ def fp8_gemv_kernel(
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_first = split * k_steps
     b_tile = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
+    if PDL_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+    if L2_PREFETCH:
+        run = tl.minimum(tl.minimum((k_first + k_steps) * BLOCK_K, K) - k_first * BLOCK_K, L2_PREFETCH) // 16 * 16
+        _prefetch_rows(b_tile + k_first * BLOCK_K, tl.arange(0, BLOCK_N), N - pid_n * BLOCK_N, stride_bn, run)
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
     b_offs = tl.arange(0, BLOCK_N)[:, None] * stride_bn + k_first * BLOCK_K + offs_k[None, :]  # [BN, BK], K-major
     a_offs = (k_first * BLOCK_K + offs_k) * stride_ak  # [BK]
     if A_QUANT:  # the row's scale and its reciprocal for `_codes_of`
@@ -658,6 +690,42 @@ def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[
     return mode, scale.float().reshape(-1, cols).contiguous(), 1 if mode == PER_TENSOR else per
 
 
+# Default decode launches (M <= DECODE_PDL_MAX_M, no config given) on sm_90 as programmatic dependents (``pdl``) with
+# these tile keys (``PDL_TRIGGER``, ``L2_PREFETCH``), and the fused MLP's down GEMM, already one, with them: {} (off)
+# until a decode step is timed with them. Read at each call: bench_linear.py's and bench_decoder_layer.py's ``*_pdl``
+# variants set it while they run (``with_kernel_setting``); ``tune_gemm.py --pdl`` times the GEMMs' chains.
+DECODE_PDL: dict = {}
+DECODE_PDL_MAX_M = 64
+
+
+def _prefetchable(b: torch.Tensor) -> bool:
+    """Whether the bulk L2 prefetch can address ``b``'s rows: each starting at a multiple of 16 bytes."""
+    return (b.stride(0) * b.element_size()) % 16 == 0 and b.data_ptr() % 16 == 0
+
+
+def decode_pdl_keys(b: torch.Tensor) -> dict:
+    """``DECODE_PDL``'s tile keys for a launch on the weight ``b``: without ``L2_PREFETCH`` where its rows cannot be
+    prefetched (``_prefetchable``)."""
+    return {key: v for key, v in DECODE_PDL.items() if key != "L2_PREFETCH" or _prefetchable(b)}
+
+
+def _check_pdl_keys(config: dict, pdl: bool, hopper: bool, b: torch.Tensor) -> None:
+    """A tile's ``PDL_TRIGGER`` and ``L2_PREFETCH`` (bytes of each weight row prefetched before the PDL wait): sm_90
+    instructions, the prefetch with ``pdl=True`` only (without the wait it would only run ahead of the loop's own
+    loads), and on a weight whose rows start at multiples of 16 bytes (the bulk prefetch's alignment)."""
+    trigger, prefetch = config.get("PDL_TRIGGER", False), config.get("L2_PREFETCH", 0)
+    if (trigger or prefetch) and not hopper:
+        raise ValueError(f"fp8_gemm: config PDL_TRIGGER={trigger}, L2_PREFETCH={prefetch} need a CUDA GPU of compute "
+                         f"capability 9.0 or newer; b is on {b.device}: leave them out of the config")
+    if prefetch and not pdl:
+        raise ValueError(f"fp8_gemm: config L2_PREFETCH={prefetch} prefetches the weight while the kernel before waits "
+                         f"to finish: launch with pdl=True, or leave it out")
+    if prefetch and (prefetch % 16 or not _prefetchable(b)):
+        raise ValueError(f"fp8_gemm: config L2_PREFETCH={prefetch} takes a multiple of 16 bytes and weight rows at "
+                         f"multiples of 16 bytes; b {list(b.shape)} has rows {b.stride(0) * b.element_size()} bytes "
+                         f"apart, the first {b.data_ptr() % 16} bytes past a multiple of 16: leave L2_PREFETCH out")
+
+
 def fp8_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -687,7 +755,9 @@ def fp8_gemm(
     (``fp8fx.kernels.tickets``: no memset in the graph) and any other launch zeroes fresh ones. ``pdl``: launch
     as a programmatic dependent of the previous kernel (compute capability 9.0+): this kernel's programs wait for
     that kernel's whole grid and memory before their first access, and start early where it signals
-    ``gdc_launch_dependents`` (``fp8fx.kernels.gated_mlp``).
+    ``gdc_launch_dependents`` (``fp8fx.kernels.gated_mlp``; a config's ``PDL_TRIGGER``, which its programs call first).
+    A config's ``L2_PREFETCH`` (with ``pdl``): bytes of each of a program's weight rows prefetched into L2 before its
+    wait (``_prefetch_rows``). ``DECODE_PDL``: both for default launches of up to 64 rows, when set.
     """
     m, k = a.shape
     n = b.shape[0]
@@ -707,9 +777,11 @@ def fp8_gemm(
         # group scales by row
         raise ValueError(f"fp8_gemm: activation scales per token or per tensor along M, K groups per token "
                          f"([1, G]); got a_block={a_block}")
-    if pdl and (not a.is_cuda or capability(a.device) < (9, 0)):
+    hopper = a.is_cuda and capability(a.device) >= (9, 0)
+    if pdl and not hopper:
         raise ValueError(f"fp8_gemm: pdl=True (programmatic dependent launch) needs a CUDA GPU of compute "
                          f"capability 9.0 or newer; a is on {a.device}")
+    _check_pdl_keys(config or {}, pdl, hopper, b)
     if a_quant != NO_QUANT and (a_block is not None or a.element_size() == 1 or a_scale.dtype != torch.float32):
         raise ValueError(f"fp8_gemm: a_quant={a_quant} takes 16/32-bit activations and float32 maxima or scale, no "
                          f"a_block; got {a.dtype}, {a_scale.dtype}, a_block={a_block}")
@@ -728,6 +800,9 @@ def fp8_gemm(
                                                 k_groups=bool(group_k)), a.device))
     if a_quant != NO_QUANT and not config:  # (a 16-bit a: the 64-row tiles' TMA copies were timed for fp8 a only)
         cfg.pop("TMA", None), cfg.pop("TMA_A", None)
+    if DECODE_PDL and not config and not pdl and hopper and m <= DECODE_PDL_MAX_M:
+        pdl = True
+        cfg.update(decode_pdl_keys(b))
     gemv = cfg.pop("GEMV", False)
     # weight-only on a GPU before sm_89 (the fallback's GPUs): Triton has no fp8e4nv type there, so the kernels take
     # the weight's codes as bytes and decode them (``B_BITS``; a config may ask for it, as the CPU tests do)

@@ -53,7 +53,7 @@ import triton.language as tl
 
 from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _rows_amax, _scale_of
-from fp8fx.kernels.fp8_gemm import fp8_gemm, imprecise_k
+from fp8fx.kernels.fp8_gemm import decode_pdl_keys, fp8_gemm, imprecise_k
 from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages, stage_budget
 from fp8fx.kernels.fp8_gemm import tile_config
 from fp8fx.kernels.launch import Relaunch, capability, cdiv, next_power_of_2, sm_count, unchecked_descriptor
@@ -755,6 +755,8 @@ def gated_mlp(
     if pdl is None:
         pdl = xq.is_cuda and capability(xq.device) >= (9, 0)
     pdl = pdl and not rows_pass  # (quantize_rows runs between the two GEMMs, launched as any kernel)
+    if pdl and not configs[1]:  # (off unless set: ``fp8_gemm.DECODE_PDL``)
+        cfg2.update(decode_pdl_keys(w2))
     grid = (cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
     # Triton compiles for and launches on the current device: make it xq's
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():

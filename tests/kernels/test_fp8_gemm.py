@@ -199,6 +199,103 @@ def test_split_k_under_inductor_cudagraph_trees(m, n):
             torch.testing.assert_close(graphed(x).clone(), want, rtol=0, atol=0)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,n,k", [(1, 4096, 14336), (1, 96, 160), (7, 200, 304), (24, 6144, 4096), (24, 28672, 4096),
+                                   (40, 4096, 1104), (64, 4096, 14336)])
+def test_pdl_trigger_and_l2_prefetch_cuda(m, n, k):
+    """The PDL tile keys change no bit: each default tile (the GEMV at one row, split K, K steps of 512 with a ragged
+    last one, ragged N) with ``PDL_TRIGGER`` and an ``L2_PREFETCH`` of 16 bytes, 2 KiB or more than any row's K run
+    gives the plain launch's output; then three GEMMs, each reading the one before's bf16 output (quantized as loaded
+    by a static scale), captured in a CUDA graph with every launch a programmatic dependent that lets the next one
+    start at once: each replay on new x gives the plain launches' output for that x - a GEMM that read its input
+    before the one before had written it would give the last replay's."""
+    from fp8fx.kernels.fp8_gemm import QUANT_STATIC, fp8_gemm, for_device, tile_config
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    xq, xs, wq, ws, bias = operands(m, n, k, [1, -1], [1, -1], "cuda")
+    cfg = for_device(tile_config(m, n, k), xq.device)
+    plain = fp8_gemm(xq, wq, xs, ws, bias.bfloat16(), torch.bfloat16, config=cfg)
+    for prefetch in (16, 2048, 1 << 20):
+        pdl_cfg = {**cfg, "PDL_TRIGGER": True, "L2_PREFETCH": prefetch}
+        assert torch.equal(fp8_gemm(xq, wq, xs, ws, bias.bfloat16(), torch.bfloat16, config=pdl_cfg, pdl=True),
+                           plain), (cfg, prefetch)
+
+    g = torch.Generator().manual_seed(1)
+    weights = [quant.quantize(torch.randn(k, k, generator=g) / k**0.5, [1, -1]) for _ in range(3)]
+    weights = [(w.cuda(), s.cuda()) for w, s in weights]
+    static = torch.tensor([4.0 / 448], device="cuda")
+    x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+
+    def layers(pdl: bool):
+        h = x
+        for w, s in weights:
+            tile = for_device(tile_config(m, k, k, a_quant=True), x.device)
+            tile = {**tile, "PDL_TRIGGER": True, "L2_PREFETCH": 4096} if pdl else tile
+            h = fp8_gemm(h, w, static, s, None, torch.bfloat16, config=tile, a_quant=QUANT_STATIC, pdl=pdl)
+        return h
+
+    x.copy_(torch.randn(m, k, generator=g))
+    layers(True)  # (compiled before the capture)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = layers(True)
+    for _ in range(3):
+        x.copy_(torch.randn(m, k, generator=g))
+        want = layers(False)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(y, want)
+        assert want.abs().max() > 0
+
+
+@pytest.mark.cuda
+def test_decode_pdl_setting_cuda(monkeypatch):
+    """``DECODE_PDL`` set: default launches of 1-64 rows (the GEMV, the 32-row transposed tile, split K) take its keys
+    as programmatic dependents and give the same bits as without, plainly and as CUDA-graph replays; 65 rows and a
+    given config do not take them."""
+    from fp8fx.kernels import fp8_gemm as kernels
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    taken = []
+    keys_of = kernels.decode_pdl_keys
+    monkeypatch.setattr(kernels, "decode_pdl_keys", lambda b: taken.append(keys_of(b)) or taken[-1])
+    for m, n, k in ((1, 4096, 14336), (24, 6144, 4096), (64, 4096, 14336), (65, 256, 512)):
+        xq, xs, wq, ws, _ = operands(m, n, k, [1, -1], [1, -1], "cuda")
+        want = kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16)
+        monkeypatch.setattr(kernels, "DECODE_PDL", {"PDL_TRIGGER": True, "L2_PREFETCH": 4096})
+        taken.clear()
+        run = lambda: kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16)  # noqa: E731
+        assert torch.equal(run(), want), (m, n, k)
+        assert taken == ([] if m > 64 else [{"PDL_TRIGGER": True, "L2_PREFETCH": 4096}]), (m, taken)
+        assert_graph_replays_equal(run, want)
+        taken.clear()
+        kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=kernels.tile_config(m, n, k))
+        assert taken == []
+        monkeypatch.setattr(kernels, "DECODE_PDL", {})
+
+
+def test_pdl_tile_keys_are_checked_before_a_launch():
+    """``PDL_TRIGGER`` / ``L2_PREFETCH`` in a config: sm_90 only (the CPU is refused, naming the keys), the prefetch
+    with ``pdl=True`` only, of a multiple of 16 bytes and on weight rows 16-byte aligned."""
+    from fp8fx.kernels.fp8_gemm import _check_pdl_keys, fp8_gemm
+
+    xq, xs, wq, ws, _ = operands(2, 64, 256, [1, -1], [1, -1], "cpu")
+    for key, value in (("PDL_TRIGGER", True), ("L2_PREFETCH", 2048)):
+        with pytest.raises(ValueError, match=f"{key}.*compute capability 9.0"):
+            fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config={"BLOCK_M": 16, key: value})
+    aligned = torch.empty(64, 256, dtype=torch.uint8)
+    _check_pdl_keys({"PDL_TRIGGER": True}, False, True, aligned)
+    _check_pdl_keys({"PDL_TRIGGER": True, "L2_PREFETCH": 2048}, True, True, aligned)
+    with pytest.raises(ValueError, match="L2_PREFETCH=2048 .*pdl=True"):
+        _check_pdl_keys({"L2_PREFETCH": 2048}, False, True, aligned)
+    with pytest.raises(ValueError, match="L2_PREFETCH=100 takes a multiple of 16"):
+        _check_pdl_keys({"L2_PREFETCH": 100}, True, True, aligned)
+    with pytest.raises(ValueError, match="rows 40 bytes apart"):
+        _check_pdl_keys({"L2_PREFETCH": 2048}, True, True, torch.empty(64, 40, dtype=torch.uint8))
+
+
 def test_25_to_64_rows_of_few_n_tiles_take_long_unsplit_k_steps():
     """tile_config at 25-64 rows: o 4096x4096 (128 32-wide N tiles, at most one an SM) one program a tile over the
     whole K in steps of 512 (H200 run 32); qkv 6144x4096 (192), K groups and 16-bit activations quantized in the
@@ -525,10 +622,10 @@ TMA_CHECK = textwrap.dedent(
 def test_tma_loads_under_triton_interpreter():
     """The opt-in TMA loads (``TMA=True``: the weight, ``TMA_A=True``: fp8 activations, in a tile configuration)
     against the pointer loads, bit for bit
-    (the interpreter's descriptors: triton 3.9; 3.6's interpreter cannot run them)."""
+    (the interpreter's descriptors: triton 3.8 and 3.9; 3.6's interpreter cannot run them)."""
     triton = pytest.importorskip("triton")
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
-        pytest.skip(f"triton {triton.__version__}'s interpreter does not run tensor descriptors (3.9 does)")
+        pytest.skip(f"triton {triton.__version__}'s interpreter does not run tensor descriptors (3.8 and 3.9 do)")
     assert "tma ok" in run_under_triton_interpreter(["-c", TMA_CHECK])
 
 

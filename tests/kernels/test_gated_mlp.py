@@ -322,6 +322,32 @@ def test_gated_mlp_cuda_graph_replays(down):
     check_replays(run, args)
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("m,h_group", [(1, 0), (16, 0), (32, 128)])
+def test_gated_mlp_with_decode_pdl_cuda(monkeypatch, m, h_group):
+    """``fp8_gemm.DECODE_PDL`` set: the down GEMM (already a programmatic dependent of the gate/up kernel) takes its
+    trigger and L2 prefetch - the GEMV at one token, split tiles at 16, h in groups at 32 - and the op's bits do not
+    change, plainly and as CUDA-graph replays."""
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels import gated_mlp as module
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
+    args, _ = mlp_operands(m, 4096, 14336, 4096, "per-token/per-channel", "cuda")
+    xq, xs, w1, s1, w3, s3, w2, s2, bias = args[:9]
+    h_quant = module.QUANT_GROUPS if h_group else kernels.QUANT_ROWS
+    run = lambda: module.gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, bias, h_quant, None,  # noqa: E731
+                                   torch.bfloat16, torch.bfloat16, h_group=h_group)
+    want = run()
+    taken = []
+    keys_of = module.decode_pdl_keys
+    monkeypatch.setattr(module, "decode_pdl_keys", lambda b: taken.append(keys_of(b)) or taken[-1])
+    monkeypatch.setattr(kernels, "DECODE_PDL", {"PDL_TRIGGER": True, "L2_PREFETCH": 1 << 20})
+    assert torch.equal(run(), want)
+    assert taken == [{"PDL_TRIGGER": True, "L2_PREFETCH": 1 << 20}], taken
+    assert_graph_replays_equal(run, want)
+
+
 def check_replays(run, args):
     """``run(pdl)``: plain calls bit-equal to each other, with the down GEMM a programmatic dependent launch (the
     default on the H200) or not, and as CUDA-graph replays; close to the unfused ops."""
