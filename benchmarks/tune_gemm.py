@@ -769,7 +769,8 @@ def pdl_duel(ms=(1, 16, 32, 64), shapes=("o", "qkv", "down", "gate_up"), rounds=
     next launch as soon as its own programs start (``PDL_TRIGGER``: the next one's programs take the SMs this grid
     leaves, and wait); and each prefetching the first ``prefetch`` bytes of its programs' weight rows into L2 before
     that wait (``L2_PREFETCH``; 1 MiB: each program's whole K run). ``rounds`` interleaved rounds, outputs checked
-    against the plain chain's; ms per launch and TB/s on the weights."""
+    against the plain chain's; ms per launch and TB/s on the weights, against the read speed measured first."""
+    print(f"read speed (sum of 2 GiB): {_read_speed():.2f} TB/s", flush=True)
     for name in shapes:
         for m in ms:
             default = _decode_problem(name, m)[3]
