@@ -12,15 +12,16 @@ the MLP block alone, this times what a decode step pays between the GEMMs too (n
 and q/k/v and o, which the MLP block has not.
 
 Variants: bf16 Inductor; torchao float8 row-wise (its weights per channel, activations per token); fp8fx
-``Fp8Backend()``; ``fp8fx_fused``: ``Fp8Backend(fuse_horizontal=True, fuse_mlp=True)`` - q/k/v one GEMM, the MLP in
-two kernels; ``fp8fx_fused_pdl`` (on request): that, its GEMMs launched as programmatic dependents that let the next
-launch start and prefetch their weight into L2 while they wait (``bench_linear.PDL_KEYS``). The KV cache stays bf16 in every variant. Each variant is compiled per M (``dynamic=False``, as decode's
-CUDA graphs are per batch size) and timed as CUDA-graph replays after a clean L2 flush (``bench_linear.timer``), the
-variants in turn for ``--rounds`` rounds; each row has its median and every round's time, its errors against the
-same layer in float32 - of the layer's update (its output less x: the residual would hide the GEMMs' error), of the
-attention branch (o's output) and of the keys and values it wrote into the cache - and for fp8fx how many of the
-layer's seven linears its report says were rewritten and fused. Writes decoder_layer.json after each M; exits 1
-where an fp8fx variant left a linear unrewritten or unfused (``fp8fx_fused``: all but o) or missed fp8's accuracy.
+``Fp8Backend()``; ``fp8fx_fused``: ``Fp8Backend(fuse_horizontal=True, fuse_mlp=True)`` - q/k/v one GEMM, the MLP in two
+kernels; ``fp8fx_fused_pdl`` (on request): that, its GEMMs launched as programmatic dependents that let the next launch
+start and prefetch their weight into L2 while they wait (``bench_linear.PDL_KEYS``). The KV cache stays bf16 in every
+variant. Each variant is compiled per M (``dynamic=False``, as decode's CUDA graphs are per batch size) and timed as
+CUDA-graph replays after a clean L2 flush (``bench_linear.timer``), the variants in turn for ``--rounds`` rounds; each
+row has its median and every round's time, its errors against the same layer in float32 - of the layer's update (its
+output less x: the residual would hide the GEMMs' error), of the attention branch (o's output) and of the keys and
+values it wrote into the cache - and for fp8fx how many of the layer's seven linears its report says were rewritten and
+fused. Writes decoder_layer.json after each M; exits 1 where an fp8fx variant left a linear unrewritten or unfused
+(``fp8fx_fused``: all but o) or missed fp8's accuracy.
 """
 from __future__ import annotations
 

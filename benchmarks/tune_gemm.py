@@ -699,7 +699,8 @@ def _decode_chain(name: str, m: int, chain_bytes: int) -> tuple:
     def chain(cfg=None):  # (a config's "pdl": each launch a programmatic dependent of the one before, ``pdl_duel``)
         pdl = bool(cfg and cfg.get("pdl"))
         cfg = {key: v for key, v in cfg.items() if key != "pdl"} if cfg else cfg
-        return [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, pdl=pdl, **blocks) for xq, xs, wq, ws in ops_]
+        return [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, pdl=pdl, **blocks)
+                for xq, xs, wq, ws in ops_]
     return chain, len(ops_), n, k, default
 
 

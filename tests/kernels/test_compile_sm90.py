@@ -503,8 +503,8 @@ def test_pdl_trigger_and_l2_prefetch_compile_for_sm90(m, n, k):
     before = ptx[:ptx.index("griddepcontrol.wait")]
     assert "griddepcontrol.launch_dependents" in before
     assert re.search(r"@p cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], %r\d+;", before), before[-3000:]
-    assert not re.search(r"\b(ld\.global|cp\.async\.(ca|cg)|cp\.async\.bulk\.tensor|atom\.|red\.|st\.global)", before), \
-        before[-2000:]
+    memory = r"\b(ld\.global|cp\.async\.(ca|cg)|cp\.async\.bulk\.tensor|atom\.|red\.|st\.global)"
+    assert not re.search(memory, before), before[-2000:]
     assert "cp.async.bulk.prefetch" not in ptx[ptx.index("griddepcontrol.wait"):]
     assert "griddepcontrol" not in plain.asm["ptx"].replace("griddepcontrol.wait", "")
     assert stack_bytes(kernel) <= stack_bytes(plain), (stack_bytes(kernel), stack_bytes(plain))
