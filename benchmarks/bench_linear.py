@@ -240,9 +240,9 @@ MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gat
 # programmatic dependents that let the next launch start and prefetch their weight into L2 while they wait:
 # ``PDL_KEYS``, ``fp8_gemm.DECODE_PDL``): they compare kernels, on request
 DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith(("_mma", "_k1", "_g128", "_g32", "_rows", "_pdl")))
-# the *_pdl variants' ``fp8_gemm.DECODE_PDL``: each program's whole K run of weight rows prefetched (1 MiB a row at
-# most)
-PDL_KEYS = {"PDL_TRIGGER": True, "L2_PREFETCH": 1 << 20}
+# the *_pdl variants' ``fp8_gemm.DECODE_PDL``: each program's whole K run of weight rows prefetched (64 KiB a row: more
+# than any Llama-3-8B row's 14336 bytes)
+PDL_KEYS = {"PDL_TRIGGER": True, "L2_PREFETCH": 1 << 16}
 
 
 def with_kernel_setting(fn, name: str, value, module=None):

@@ -79,6 +79,9 @@ PER_TENSOR, PER_ROW, PER_K_GROUP = 0, 1, 2
 NO_QUANT, QUANT_ROWS, QUANT_TENSOR, QUANT_STATIC = 0, 1, 2, 3
 # split-K tickets of a SPLIT_K that is a power of 2 (up to this) count in periods of this many (``_store_tile``)
 TICKET_PERIOD = tl.constexpr(1 << 16)
+# the most bytes one bulk L2 prefetch takes (``_prefetch_rows``): ptxas encodes its size in 16-byte units in 16 bits
+# (UBLKPF.L2 in the SASS of triton 3.9's sm_90 code: 1 MiB - 16 encodes as 0xffff, 1 MiB as zero)
+PREFETCH_MAX = tl.constexpr((1 << 20) - 16)
 
 
 @triton.jit
@@ -199,14 +202,20 @@ def _store_tile(acc, y_ptr, out_ptr, ticket_ptr, split, row0, local_m, offs_m, o
 
 
 @triton.jit
-def _prefetch_rows(row0, local_n, n_left, stride_bn, nbytes):
-    """Hopper's bulk prefetch (``cp.async.bulk.prefetch.L2``, sm_90): ``nbytes`` from each of the rows ``row0 + r *
-    stride_bn``, r < ``n_left``, into L2, waiting for nothing - a program's weight rows before its ``gdc_wait``, so its
-    weight streams while the kernel before it finishes (weights are constants: nothing that kernel writes). One
-    instruction a row, issued by each thread that holds the row (a few threads each: a prefetch more of a line costs
-    no HBM byte). Rows and ``nbytes`` are multiples of 16 bytes (``fp8_gemm`` checks the weight's); none where
-    ``nbytes`` <= 0."""
-    ok = ((local_n < n_left) & (nbytes > 0)).to(tl.int32)
+def _prefetch_rows(row0, local_n, n_left, stride_bn, run, K, BLOCK_N: tl.constexpr):
+    """Hopper's bulk prefetch (``cp.async.bulk.prefetch.L2``, sm_90): ``run`` bytes (at most ``PREFETCH_MAX``) from
+    each of the rows ``row0 + r * stride_bn``, r < ``n_left``, into L2, waiting for nothing - a program's weight rows
+    before its ``gdc_wait``, so its weight streams while the kernel before it finishes (weights are constants: nothing
+    that kernel writes). Rows that are one range (each row's whole K, rows K bytes apart, together within
+    ``PREFETCH_MAX``) take one prefetch; else one a row, issued by each thread that holds the row (a few threads each,
+    in turn: ptxas loops over a warp's distinct addresses; a prefetch more of a line costs no HBM byte). Rows and
+    ``run`` are multiples of 16 bytes (``fp8_gemm`` checks the weight, its K steps and ``L2_PREFETCH``); none where
+    ``run`` <= 0."""
+    rows = tl.minimum(n_left, BLOCK_N)
+    tile = rows.to(tl.int64) * K
+    whole = (run == K) & (stride_bn == K) & (tile <= PREFETCH_MAX)
+    nbytes = tl.where(whole, tile.to(tl.int32), run)
+    ok = ((local_n < tl.where(whole, 1, rows)) & (nbytes > 0)).to(tl.int32)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
         "=r,l,r,r", [row0 + local_n * stride_bn, ok, tl.zeros_like(ok) + nbytes], dtype=tl.int32, is_pure=False,
@@ -282,7 +291,7 @@ def fp8_gemm_kernel(
     if L2_PREFETCH:  # (the bytes of the split's K run, rounded down to 16)
         run = tl.minimum(tl.minimum((k_first + k_steps) * BLOCK_K, K) - k_first * BLOCK_K, L2_PREFETCH) // 16 * 16
         _prefetch_rows(b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn + k_first * BLOCK_K * stride_bk, local_n,
-                       N - pid_n * BLOCK_N, stride_bn, run)
+                       N - pid_n * BLOCK_N, stride_bn, run, K, BLOCK_N)
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
     # 64-bit bases per program, 32-bit offsets within its tiles: [BM, BK] / [BK, BN] tensors of 64-bit
@@ -394,7 +403,8 @@ def fp8_gemv_kernel(
         tl.extra.cuda.gdc_launch_dependents()
     if L2_PREFETCH:
         run = tl.minimum(tl.minimum((k_first + k_steps) * BLOCK_K, K) - k_first * BLOCK_K, L2_PREFETCH) // 16 * 16
-        _prefetch_rows(b_tile + k_first * BLOCK_K, tl.arange(0, BLOCK_N), N - pid_n * BLOCK_N, stride_bn, run)
+        _prefetch_rows(b_tile + k_first * BLOCK_K, tl.arange(0, BLOCK_N), N - pid_n * BLOCK_N, stride_bn, run, K,
+                       BLOCK_N)
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
     b_offs = tl.arange(0, BLOCK_N)[:, None] * stride_bn + k_first * BLOCK_K + offs_k[None, :]  # [BN, BK], K-major
@@ -690,12 +700,21 @@ def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[
     return mode, scale.float().reshape(-1, cols).contiguous(), 1 if mode == PER_TENSOR else per
 
 
-# Default decode launches (M <= DECODE_PDL_MAX_M, no config given) on sm_90 as programmatic dependents (``pdl``) with
-# these tile keys (``PDL_TRIGGER``, ``L2_PREFETCH``), and the fused MLP's down GEMM, already one, with them: {} (off)
-# until a decode step is timed with them. Read at each call: bench_linear.py's and bench_decoder_layer.py's ``*_pdl``
-# variants set it while they run (``with_kernel_setting``); ``tune_gemm.py --pdl`` times the GEMMs' chains.
+# Default decode launches (M <= DECODE_PDL_MAX_M, no config given, ``pdl`` not False) on sm_90 - where they were timed -
+# as programmatic dependents with these tile keys (``PDL_TRIGGER``, ``L2_PREFETCH``), and the fused MLP's down GEMM,
+# already one, with them: {} (off) until a decode step is timed with them. Read at each call: bench_linear.py's and
+# bench_decoder_layer.py's ``*_pdl`` variants set it while they run (``with_kernel_setting``); ``tune_gemm.py --pdl``
+# times the GEMMs' chains. (With ``PDL_TRIGGER`` a kernel launched after one of these as a programmatic dependent
+# starts while it runs: one that reads or writes memory before its ``griddepcontrol.wait`` - which PTX requires
+# first - would race with it. fp8fx's own kernels wait first; a kernel launched plainly waits for the whole grid.)
 DECODE_PDL: dict = {}
 DECODE_PDL_MAX_M = 64
+PDL_KEYS = ("PDL_TRIGGER", "L2_PREFETCH")
+
+
+def _hopper(t: torch.Tensor, exactly: bool = False) -> bool:
+    """Whether ``t`` is on a CUDA GPU of compute capability 9.0 or newer (``exactly``: 9.0, the H200's)."""
+    return t.is_cuda and (capability(t.device) == (9, 0) if exactly else capability(t.device) >= (9, 0))
 
 
 def _prefetchable(b: torch.Tensor) -> bool:
@@ -703,27 +722,40 @@ def _prefetchable(b: torch.Tensor) -> bool:
     return (b.stride(0) * b.element_size()) % 16 == 0 and b.data_ptr() % 16 == 0
 
 
-def decode_pdl_keys(b: torch.Tensor) -> dict:
-    """``DECODE_PDL``'s tile keys for a launch on the weight ``b``: without ``L2_PREFETCH`` where its rows cannot be
-    prefetched (``_prefetchable``)."""
+def decode_pdl_keys(b: torch.Tensor, m: int) -> dict:
+    """``DECODE_PDL``'s tile keys for a default launch of ``m`` rows on the weight ``b``: none past
+    ``DECODE_PDL_MAX_M`` rows or off sm_90, and ``L2_PREFETCH`` left out where ``b``'s rows cannot be prefetched
+    (``_prefetchable``)."""
+    unknown = sorted(set(DECODE_PDL) - set(PDL_KEYS))
+    if unknown:
+        raise ValueError(f"fp8_gemm.DECODE_PDL: keys {unknown}; it takes {list(PDL_KEYS)} only")
+    if not DECODE_PDL or m > DECODE_PDL_MAX_M or not _hopper(b, exactly=True):
+        return {}
     return {key: v for key, v in DECODE_PDL.items() if key != "L2_PREFETCH" or _prefetchable(b)}
 
 
-def _check_pdl_keys(config: dict, pdl: bool, hopper: bool, b: torch.Tensor) -> None:
-    """A tile's ``PDL_TRIGGER`` and ``L2_PREFETCH`` (bytes of each weight row prefetched before the PDL wait): sm_90
-    instructions, the prefetch with ``pdl=True`` only (without the wait it would only run ahead of the loop's own
-    loads), and on a weight whose rows start at multiples of 16 bytes (the bulk prefetch's alignment)."""
-    trigger, prefetch = config.get("PDL_TRIGGER", False), config.get("L2_PREFETCH", 0)
-    if (trigger or prefetch) and not hopper:
-        raise ValueError(f"fp8_gemm: config PDL_TRIGGER={trigger}, L2_PREFETCH={prefetch} need a CUDA GPU of compute "
-                         f"capability 9.0 or newer; b is on {b.device}: leave them out of the config")
-    if prefetch and not pdl:
+def _check_pdl_keys(cfg: dict, pdl: bool, a: torch.Tensor, b: torch.Tensor) -> None:
+    """A launch's tile keys ``PDL_TRIGGER`` and ``L2_PREFETCH`` (bytes of each weight row prefetched before the PDL
+    wait, 16 to ``PREFETCH_MAX`` in steps of 16): sm_90 instructions, the prefetch with ``pdl`` only (without the wait
+    it would only run ahead of the loop's own loads), on a weight whose rows start at multiples of 16 bytes and in K
+    steps of a multiple of 16 (a split's run starts at a step: the bulk prefetch's alignment)."""
+    trigger, prefetch = cfg.get("PDL_TRIGGER", False), cfg.get("L2_PREFETCH", 0)
+    if (trigger or prefetch) and not _hopper(a):
+        raise ValueError(f"fp8_gemm: config PDL_TRIGGER={trigger}, L2_PREFETCH={prefetch} needs a CUDA GPU of "
+                         f"compute capability 9.0 or newer; a is on {a.device}: leave them out of the config")
+    if not prefetch:
+        return
+    if not pdl:
         raise ValueError(f"fp8_gemm: config L2_PREFETCH={prefetch} prefetches the weight while the kernel before waits "
                          f"to finish: launch with pdl=True, or leave it out")
-    if prefetch and (prefetch % 16 or not _prefetchable(b)):
-        raise ValueError(f"fp8_gemm: config L2_PREFETCH={prefetch} takes a multiple of 16 bytes and weight rows at "
-                         f"multiples of 16 bytes; b {list(b.shape)} has rows {b.stride(0) * b.element_size()} bytes "
-                         f"apart, the first {b.data_ptr() % 16} bytes past a multiple of 16: leave L2_PREFETCH out")
+    if not (isinstance(prefetch, int) and 16 <= prefetch <= PREFETCH_MAX.value and prefetch % 16 == 0):
+        raise ValueError(f"fp8_gemm: config L2_PREFETCH={prefetch!r}; it takes a multiple of 16 bytes from 16 to "
+                         f"{PREFETCH_MAX.value} (one bulk prefetch's most)")
+    if not _prefetchable(b) or cfg["BLOCK_K"] % 16:
+        raise ValueError(f"fp8_gemm: config L2_PREFETCH={prefetch} takes weight rows at multiples of 16 bytes and K "
+                         f"steps of a multiple of 16; b {list(b.shape)} has rows {b.stride(0) * b.element_size()} "
+                         f"bytes apart, the first {b.data_ptr() % 16} bytes past a multiple of 16, and BLOCK_K is "
+                         f"{cfg['BLOCK_K']}: leave L2_PREFETCH out")
 
 
 def fp8_gemm(
@@ -739,7 +771,7 @@ def fp8_gemm(
     fast_accum: bool = False,
     a_quant: int = NO_QUANT,
     tickets: Optional[torch.Tensor] = None,
-    pdl: bool = False,
+    pdl: Optional[bool] = None,
 ) -> torch.Tensor:
     """a: [M, K] fp8 (or bf16/fp16 with ``a_scale=None``: weight-only), b: [N, K] fp8.
 
@@ -757,7 +789,7 @@ def fp8_gemm(
     that kernel's whole grid and memory before their first access, and start early where it signals
     ``gdc_launch_dependents`` (``fp8fx.kernels.gated_mlp``; a config's ``PDL_TRIGGER``, which its programs call first).
     A config's ``L2_PREFETCH`` (with ``pdl``): bytes of each of a program's weight rows prefetched into L2 before its
-    wait (``_prefetch_rows``). ``DECODE_PDL``: both for default launches of up to 64 rows, when set.
+    wait (``_prefetch_rows``). ``pdl=None`` (the default): as ``DECODE_PDL`` says (off unless set), False: never.
     """
     m, k = a.shape
     n = b.shape[0]
@@ -777,11 +809,9 @@ def fp8_gemm(
         # group scales by row
         raise ValueError(f"fp8_gemm: activation scales per token or per tensor along M, K groups per token "
                          f"([1, G]); got a_block={a_block}")
-    hopper = a.is_cuda and capability(a.device) >= (9, 0)
-    if pdl and not hopper:
+    if pdl and not _hopper(a):
         raise ValueError(f"fp8_gemm: pdl=True (programmatic dependent launch) needs a CUDA GPU of compute "
                          f"capability 9.0 or newer; a is on {a.device}")
-    _check_pdl_keys(config or {}, pdl, hopper, b)
     if a_quant != NO_QUANT and (a_block is not None or a.element_size() == 1 or a_scale.dtype != torch.float32):
         raise ValueError(f"fp8_gemm: a_quant={a_quant} takes 16/32-bit activations and float32 maxima or scale, no "
                          f"a_block; got {a.dtype}, {a_scale.dtype}, a_block={a_block}")
@@ -800,9 +830,9 @@ def fp8_gemm(
                                                 k_groups=bool(group_k)), a.device))
     if a_quant != NO_QUANT and not config:  # (a 16-bit a: the 64-row tiles' TMA copies were timed for fp8 a only)
         cfg.pop("TMA", None), cfg.pop("TMA_A", None)
-    if DECODE_PDL and not config and not pdl and hopper and m <= DECODE_PDL_MAX_M:
-        pdl = True
-        cfg.update(decode_pdl_keys(b))
+    decode_keys = decode_pdl_keys(b, m) if pdl is None and not config else {}
+    pdl = bool(pdl or decode_keys)
+    cfg.update(decode_keys)
     gemv = cfg.pop("GEMV", False)
     # weight-only on a GPU before sm_89 (the fallback's GPUs): Triton has no fp8e4nv type there, so the kernels take
     # the weight's codes as bytes and decode them (``B_BITS``; a config may ask for it, as the CPU tests do)
@@ -821,6 +851,7 @@ def fp8_gemm(
         # (a 16-bit a - weight-only, a_quant - doubles its tile)
         cfg["num_stages"] = pipeline_stages(cfg, a.element_size(), stage_budget(a.device))
     cfg.setdefault("SPLIT_K", 1)
+    _check_pdl_keys(cfg, pdl, a, b)
     split_k = cfg["SPLIT_K"]
     tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
     # split-K: float32 partials [SPLIT_K, M, N], summed in the kernel by each tile's last split

@@ -72,14 +72,15 @@ def test_kernel_settings_hold_for_one_call(monkeypatch):
         with_kernel_setting(fails, "GATED_ROWS_MIN_M", 1, module=ops)()
     assert ops.GATED_ROWS_MIN_M == 17
     # *_pdl: fp8_gemm.DECODE_PDL, which decode_pdl_keys reads at each call (for default decode launches and the fused
-    # MLP's down GEMM), the prefetch left out on a weight whose rows it cannot address
+    # MLP's down GEMM; as on the H200 here)
     from bench_linear import PDL_KEYS
 
+    monkeypatch.setattr(kernels, "_hopper", lambda t, exactly=False: True)
     w = torch.empty(64, 4096, dtype=torch.uint8)
-    assert with_kernel_setting(lambda: kernels.decode_pdl_keys(w), "DECODE_PDL", PDL_KEYS)() == PDL_KEYS
-    assert with_kernel_setting(lambda: kernels.decode_pdl_keys(w[:, 1:]), "DECODE_PDL", PDL_KEYS)() == {
-        "PDL_TRIGGER": True}
-    assert kernels.DECODE_PDL == {} and kernels.decode_pdl_keys(w) == {}
+    assert with_kernel_setting(lambda: kernels.decode_pdl_keys(w, 1), "DECODE_PDL", PDL_KEYS)() == PDL_KEYS
+    with pytest.raises(RuntimeError):
+        with_kernel_setting(fails, "DECODE_PDL", PDL_KEYS)()
+    assert kernels.DECODE_PDL == {} and kernels.decode_pdl_keys(w, 1) == {}
 
 
 def test_plain_call_rows_carry_their_host_time(monkeypatch):

@@ -507,4 +507,8 @@ def test_pdl_trigger_and_l2_prefetch_compile_for_sm90(m, n, k):
     assert not re.search(memory, before), before[-2000:]
     assert "cp.async.bulk.prefetch" not in ptx[ptx.index("griddepcontrol.wait"):]
     assert "griddepcontrol" not in plain.asm["ptx"].replace("griddepcontrol.wait", "")
+    # and so in the machine code: the trigger (PREEXIT), the L2 prefetches (UBLKPF.L2), then the wait (ACQBULK)
+    code = sass(kernel)
+    order = [code.find(op) for op in ("PREEXIT", "UBLKPF.L2", "ACQBULK")]
+    assert -1 < order[0] < order[1] < order[2] and code.rfind("UBLKPF") < order[2], order
     assert stack_bytes(kernel) <= stack_bytes(plain), (stack_bytes(kernel), stack_bytes(plain))

@@ -204,49 +204,59 @@ def test_split_k_under_inductor_cudagraph_trees(m, n):
                                    (40, 4096, 1104), (64, 4096, 14336)])
 def test_pdl_trigger_and_l2_prefetch_cuda(m, n, k):
     """The PDL tile keys change no bit: each default tile (the GEMV at one row, split K, K steps of 512 with a ragged
-    last one, ragged N) with ``PDL_TRIGGER`` and an ``L2_PREFETCH`` of 16 bytes, 2 KiB or more than any row's K run
-    gives the plain launch's output; then three GEMMs, each reading the one before's bf16 output (quantized as loaded
-    by a static scale), captured in a CUDA graph with every launch a programmatic dependent that lets the next one
-    start at once: each replay on new x gives the plain launches' output for that x - a GEMM that read its input
-    before the one before had written it would give the last replay's."""
-    from fp8fx.kernels.fp8_gemm import QUANT_STATIC, fp8_gemm, for_device, tile_config
+    last one, ragged N; whole rows in one prefetch or one a row) with ``PDL_TRIGGER`` and an ``L2_PREFETCH`` of 16
+    bytes, 2 KiB, 64 KiB (more than any row's K run) or ``PREFETCH_MAX`` gives the plain launch's output."""
+    from fp8fx.kernels.fp8_gemm import PREFETCH_MAX, fp8_gemm, for_device, tile_config
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     xq, xs, wq, ws, bias = operands(m, n, k, [1, -1], [1, -1], "cuda")
     cfg = for_device(tile_config(m, n, k), xq.device)
     plain = fp8_gemm(xq, wq, xs, ws, bias.bfloat16(), torch.bfloat16, config=cfg)
-    for prefetch in (16, 2048, 1 << 20):
+    for prefetch in (16, 2048, 1 << 16, PREFETCH_MAX.value):
         pdl_cfg = {**cfg, "PDL_TRIGGER": True, "L2_PREFETCH": prefetch}
         assert torch.equal(fp8_gemm(xq, wq, xs, ws, bias.bfloat16(), torch.bfloat16, config=pdl_cfg, pdl=True),
                            plain), (cfg, prefetch)
 
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 16, 64])
+def test_pdl_chain_reads_what_the_launch_before_wrote_cuda(m):
+    """A slow GEMM (a 14336 x 14336 weight), then two small ones, each reading the one before's bf16 output (quantized
+    as loaded by a static scale), captured in a CUDA graph with every launch a programmatic dependent that lets the
+    next one start at once and prefetches its weight into L2 while it waits: each replay on new x gives the plain
+    launches' output for that x. A GEMM that read its input before the slow one had written it would give the last
+    replay's (or a mix)."""
+    from fp8fx.kernels.fp8_gemm import QUANT_STATIC, fp8_gemm, for_device, tile_config
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90")
     g = torch.Generator().manual_seed(1)
-    weights = [quant.quantize(torch.randn(k, k, generator=g) / k**0.5, [1, -1]) for _ in range(3)]
+    sizes = [(14336, 14336), (4096, 14336), (1024, 4096)]  # [N, K] of each GEMM, in turn
+    weights = [quant.quantize(torch.randn(n, k, generator=g) / k**0.5, [1, -1]) for n, k in sizes]
     weights = [(w.cuda(), s.cuda()) for w, s in weights]
     static = torch.tensor([4.0 / 448], device="cuda")
-    x = torch.empty(m, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.empty(m, 14336, device="cuda", dtype=torch.bfloat16)
 
     def layers(pdl: bool):
         h = x
-        for w, s in weights:
-            tile = for_device(tile_config(m, k, k, a_quant=True), x.device)
-            tile = {**tile, "PDL_TRIGGER": True, "L2_PREFETCH": 4096} if pdl else tile
+        for (w, s), (n, k) in zip(weights, sizes):
+            tile = for_device(tile_config(m, n, k, a_quant=True), x.device)
+            tile = {**tile, "PDL_TRIGGER": True, "L2_PREFETCH": 1 << 16} if pdl else tile
             h = fp8_gemm(h, w, static, s, None, torch.bfloat16, config=tile, a_quant=QUANT_STATIC, pdl=pdl)
         return h
 
-    x.copy_(torch.randn(m, k, generator=g))
-    layers(True)  # (compiled before the capture)
+    x.copy_(torch.randn(m, 14336, generator=g))
+    assert torch.equal(layers(True), layers(False))  # (and compiled before the capture)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y = layers(True)
-    for _ in range(3):
-        x.copy_(torch.randn(m, k, generator=g))
+    for _ in range(4):
+        x.copy_(torch.randn(m, 14336, generator=g))
         want = layers(False)
         graph.replay()
         torch.cuda.synchronize()
-        assert torch.equal(y, want)
-        assert want.abs().max() > 0
+        assert want.abs().max() > 0 and torch.equal(y, want)
 
 
 @pytest.mark.cuda
@@ -260,7 +270,7 @@ def test_decode_pdl_setting_cuda(monkeypatch):
         pytest.skip("programmatic dependent launch needs sm_90")
     taken = []
     keys_of = kernels.decode_pdl_keys
-    monkeypatch.setattr(kernels, "decode_pdl_keys", lambda b: taken.append(keys_of(b)) or taken[-1])
+    monkeypatch.setattr(kernels, "decode_pdl_keys", lambda b, m: taken.append(keys_of(b, m)) or taken[-1])
     for m, n, k in ((1, 4096, 14336), (24, 6144, 4096), (64, 4096, 14336), (65, 256, 512)):
         xq, xs, wq, ws, _ = operands(m, n, k, [1, -1], [1, -1], "cuda")
         want = kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16)
@@ -268,7 +278,7 @@ def test_decode_pdl_setting_cuda(monkeypatch):
         taken.clear()
         run = lambda: kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16)  # noqa: E731
         assert torch.equal(run(), want), (m, n, k)
-        assert taken == ([] if m > 64 else [{"PDL_TRIGGER": True, "L2_PREFETCH": 4096}]), (m, taken)
+        assert taken == [{} if m > 64 else {"PDL_TRIGGER": True, "L2_PREFETCH": 4096}], (m, taken)
         assert_graph_replays_equal(run, want)
         taken.clear()
         kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=kernels.tile_config(m, n, k))
@@ -276,24 +286,44 @@ def test_decode_pdl_setting_cuda(monkeypatch):
         monkeypatch.setattr(kernels, "DECODE_PDL", {})
 
 
-def test_pdl_tile_keys_are_checked_before_a_launch():
-    """``PDL_TRIGGER`` / ``L2_PREFETCH`` in a config: sm_90 only (the CPU is refused, naming the keys), the prefetch
-    with ``pdl=True`` only, of a multiple of 16 bytes and on weight rows 16-byte aligned."""
-    from fp8fx.kernels.fp8_gemm import _check_pdl_keys, fp8_gemm
+def test_pdl_tile_keys_are_checked_before_a_launch(monkeypatch):
+    """``PDL_TRIGGER`` / ``L2_PREFETCH`` in a config: sm_90 and newer only (the CPU is refused, naming the keys), the
+    prefetch with ``pdl=True`` only, 16 bytes to ``PREFETCH_MAX`` in steps of 16, on weight rows 16-byte aligned and
+    K steps of a multiple of 16. ``DECODE_PDL`` takes those two keys only, on sm_90 only, up to 64 rows, and leaves the
+    prefetch out on a weight it cannot address."""
+    from fp8fx.kernels import fp8_gemm as kernels
 
     xq, xs, wq, ws, _ = operands(2, 64, 256, [1, -1], [1, -1], "cpu")
     for key, value in (("PDL_TRIGGER", True), ("L2_PREFETCH", 2048)):
-        with pytest.raises(ValueError, match=f"{key}.*compute capability 9.0"):
-            fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config={"BLOCK_M": 16, key: value})
-    aligned = torch.empty(64, 256, dtype=torch.uint8)
-    _check_pdl_keys({"PDL_TRIGGER": True}, False, True, aligned)
-    _check_pdl_keys({"PDL_TRIGGER": True, "L2_PREFETCH": 2048}, True, True, aligned)
+        with pytest.raises(ValueError, match=f"{key}.*compute capability 9.0 or newer; a is on cpu"):
+            kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config={**kernels.tile_config(2, 64, 256), key: value})
+    # (the checks past the device's, as on a Hopper GPU)
+    monkeypatch.setattr(kernels, "_hopper", lambda t, exactly=False: True)
+    aligned, tile = torch.empty(64, 256, dtype=torch.uint8), {"BLOCK_K": 128}
+    kernels._check_pdl_keys({**tile, "PDL_TRIGGER": True}, False, xq, aligned)
+    kernels._check_pdl_keys({**tile, "PDL_TRIGGER": True, "L2_PREFETCH": 2048}, True, xq, aligned)
+    kernels._check_pdl_keys({**tile, "L2_PREFETCH": kernels.PREFETCH_MAX.value}, True, xq, aligned)
     with pytest.raises(ValueError, match="L2_PREFETCH=2048 .*pdl=True"):
-        _check_pdl_keys({"L2_PREFETCH": 2048}, False, True, aligned)
-    with pytest.raises(ValueError, match="L2_PREFETCH=100 takes a multiple of 16"):
-        _check_pdl_keys({"L2_PREFETCH": 100}, True, True, aligned)
+        kernels._check_pdl_keys({**tile, "L2_PREFETCH": 2048}, False, xq, aligned)
+    for bad in (100, -16, 1 << 20, 2048.0):
+        with pytest.raises(ValueError, match=f"L2_PREFETCH={bad!r}; it takes a multiple of 16 bytes from 16 to"):
+            kernels._check_pdl_keys({**tile, "L2_PREFETCH": bad}, True, xq, aligned)
     with pytest.raises(ValueError, match="rows 40 bytes apart"):
-        _check_pdl_keys({"L2_PREFETCH": 2048}, True, True, torch.empty(64, 40, dtype=torch.uint8))
+        kernels._check_pdl_keys({**tile, "L2_PREFETCH": 2048}, True, xq, torch.empty(64, 40, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="BLOCK_K is 24"):
+        kernels._check_pdl_keys({"BLOCK_K": 24, "L2_PREFETCH": 2048}, True, xq, aligned)
+
+    keys = {"PDL_TRIGGER": True, "L2_PREFETCH": 4096}
+    assert kernels.decode_pdl_keys(aligned, 1) == {}  # (off by default)
+    monkeypatch.setattr(kernels, "DECODE_PDL", keys)
+    assert kernels.decode_pdl_keys(aligned, 64) == keys and kernels.decode_pdl_keys(aligned, 65) == {}
+    assert kernels.decode_pdl_keys(aligned[:, 1:], 1) == {"PDL_TRIGGER": True}
+    monkeypatch.setattr(kernels, "DECODE_PDL", {**keys, "BLOCK_N": 32})
+    with pytest.raises(ValueError, match=r"DECODE_PDL: keys \['BLOCK_N'\]"):
+        kernels.decode_pdl_keys(aligned, 1)
+    monkeypatch.setattr(kernels, "DECODE_PDL", keys)
+    monkeypatch.setattr(kernels, "_hopper", lambda t, exactly=False: not exactly)  # (a GPU after sm_90: not timed)
+    assert kernels.decode_pdl_keys(aligned, 1) == {}
 
 
 def test_25_to_64_rows_of_few_n_tiles_take_long_unsplit_k_steps():

@@ -341,10 +341,10 @@ def test_gated_mlp_with_decode_pdl_cuda(monkeypatch, m, h_group):
     want = run()
     taken = []
     keys_of = module.decode_pdl_keys
-    monkeypatch.setattr(module, "decode_pdl_keys", lambda b: taken.append(keys_of(b)) or taken[-1])
-    monkeypatch.setattr(kernels, "DECODE_PDL", {"PDL_TRIGGER": True, "L2_PREFETCH": 1 << 20})
+    monkeypatch.setattr(module, "decode_pdl_keys", lambda b, m: taken.append(keys_of(b, m)) or taken[-1])
+    monkeypatch.setattr(kernels, "DECODE_PDL", {"PDL_TRIGGER": True, "L2_PREFETCH": 1 << 16})
     assert torch.equal(run(), want)
-    assert taken == [{"PDL_TRIGGER": True, "L2_PREFETCH": 1 << 20}], taken
+    assert taken == [{"PDL_TRIGGER": True, "L2_PREFETCH": 1 << 16}], taken
     assert_graph_replays_equal(run, want)
 
 
