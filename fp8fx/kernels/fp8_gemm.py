@@ -202,24 +202,36 @@ def _store_tile(acc, y_ptr, out_ptr, ticket_ptr, split, row0, local_m, offs_m, o
 
 
 @triton.jit
-def _prefetch_rows(row0, local_n, n_left, stride_bn, run, K, BLOCK_N: tl.constexpr):
-    """Hopper's bulk prefetch (``cp.async.bulk.prefetch.L2``, sm_90): ``run`` bytes (at most ``PREFETCH_MAX``) from
-    each of the rows ``row0 + r * stride_bn``, r < ``n_left``, into L2, waiting for nothing - a program's weight rows
-    before its ``gdc_wait``, so its weight streams while the kernel before it finishes (weights are constants: nothing
-    that kernel writes). Rows that are one range (each row's whole K, rows K bytes apart, together within
-    ``PREFETCH_MAX``) take one prefetch; else one a row, issued by each thread that holds the row (a few threads each,
-    in turn: ptxas loops over a warp's distinct addresses; a prefetch more of a line costs no HBM byte). Rows and
-    ``run`` are multiples of 16 bytes (``fp8_gemm`` checks the weight, its K steps and ``L2_PREFETCH``); none where
-    ``run`` <= 0."""
+def _prefetch_plan(n_left, stride_bn, k_first, k_steps, K, L2_PREFETCH: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """What a program prefetches of its weight tile (``_prefetch_rows``): per row of the tile r < BLOCK_N, (byte
+    offset from the tile's first row, bytes, whether to). The first ``L2_PREFETCH`` bytes of each of its rows' K run
+    (its split's steps, up to K), in 16-byte units; rows that are one range (each row's whole K, rows K bytes apart,
+    together within ``PREFETCH_MAX``) as one prefetch from row 0. Nothing for rows past ``n_left`` or a split past
+    K."""
+    local_n = tl.arange(0, BLOCK_N)
+    run = tl.minimum(tl.minimum((k_first + k_steps) * BLOCK_K, K) - k_first * BLOCK_K, L2_PREFETCH) // 16 * 16
     rows = tl.minimum(n_left, BLOCK_N)
     tile = rows.to(tl.int64) * K
     whole = (run == K) & (stride_bn == K) & (tile <= PREFETCH_MAX)
-    nbytes = tl.where(whole, tile.to(tl.int32), run)
-    ok = ((local_n < tl.where(whole, 1, rows)) & (nbytes > 0)).to(tl.int32)
+    nbytes = tl.zeros_like(local_n) + tl.where(whole, tile.to(tl.int32), run)
+    on = (local_n < tl.where(whole, 1, rows)) & (nbytes > 0)
+    return local_n.to(tl.int64) * stride_bn + k_first * BLOCK_K, nbytes, on
+
+
+@triton.jit
+def _prefetch_rows(tile_ptr, n_left, stride_bn, k_first, k_steps, K, L2_PREFETCH: tl.constexpr, BLOCK_K: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
+    """Hopper's bulk prefetch (``cp.async.bulk.prefetch.L2``, sm_90) of what ``_prefetch_plan`` says of the weight tile
+    at ``tile_ptr`` into L2, waiting for nothing - a program's weight rows before its ``gdc_wait``, so its weight
+    streams while the kernel before it finishes (weights are constants: nothing that kernel writes). One instruction
+    a range, issued by each thread that holds it (a few threads each, in turn: ptxas loops over a warp's distinct
+    addresses; a prefetch more of a line costs no HBM byte). Ranges start and end at multiples of 16 bytes
+    (``fp8_gemm`` checks the weight, its K steps and ``L2_PREFETCH``) and take at most ``PREFETCH_MAX``."""
+    offs, nbytes, on = _prefetch_plan(n_left, stride_bn, k_first, k_steps, K, L2_PREFETCH, BLOCK_K, BLOCK_N)
     tl.inline_asm_elementwise(
         "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
-        "=r,l,r,r", [row0 + local_n * stride_bn, ok, tl.zeros_like(ok) + nbytes], dtype=tl.int32, is_pure=False,
-        pack=1)
+        "=r,l,r,r", [tile_ptr + offs, on.to(tl.int32), nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -285,13 +297,11 @@ def fp8_gemm_kernel(
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps per split
     k_first = split * k_steps
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
-    local_n = tl.arange(0, BLOCK_N)
     if PDL_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
-    if L2_PREFETCH:  # (the bytes of the split's K run, rounded down to 16)
-        run = tl.minimum(tl.minimum((k_first + k_steps) * BLOCK_K, K) - k_first * BLOCK_K, L2_PREFETCH) // 16 * 16
-        _prefetch_rows(b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn + k_first * BLOCK_K * stride_bk, local_n,
-                       N - pid_n * BLOCK_N, stride_bn, run, K, BLOCK_N)
+    if L2_PREFETCH:  # (b's K stride is 1: ``fp8_gemm`` makes it so, but for K = 1, where nothing is prefetched)
+        _prefetch_rows(b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn, N - pid_n * BLOCK_N, stride_bn, k_first,
+                       k_steps, K, L2_PREFETCH, BLOCK_K, BLOCK_N)
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
     # 64-bit bases per program, 32-bit offsets within its tiles: [BM, BK] / [BK, BN] tensors of 64-bit
@@ -299,6 +309,7 @@ def fp8_gemm_kernel(
     # tiles (sm_90, 128x128x128, 8 warps); M * K and M * N pass 2**31 for long prefills (300k x 7168),
     # a tile's offsets (BLOCK_M rows of K) do not
     local_m = tl.arange(0, BLOCK_M)
+    local_n = tl.arange(0, BLOCK_N)
     a_tile = a_ptr + (pid_m * BLOCK_M).to(tl.int64) * stride_am
     b_tile = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
     a_offs = local_m[:, None] * stride_am + (k_first * BLOCK_K + offs_k[None, :]) * stride_ak  # [BM, BK]
@@ -402,9 +413,7 @@ def fp8_gemv_kernel(
     if PDL_TRIGGER:
         tl.extra.cuda.gdc_launch_dependents()
     if L2_PREFETCH:
-        run = tl.minimum(tl.minimum((k_first + k_steps) * BLOCK_K, K) - k_first * BLOCK_K, L2_PREFETCH) // 16 * 16
-        _prefetch_rows(b_tile + k_first * BLOCK_K, tl.arange(0, BLOCK_N), N - pid_n * BLOCK_N, stride_bn, run, K,
-                       BLOCK_N)
+        _prefetch_rows(b_tile, N - pid_n * BLOCK_N, stride_bn, k_first, k_steps, K, L2_PREFETCH, BLOCK_K, BLOCK_N)
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
     b_offs = tl.arange(0, BLOCK_N)[:, None] * stride_bn + k_first * BLOCK_K + offs_k[None, :]  # [BN, BK], K-major

@@ -617,6 +617,73 @@ def test_fp8_gemm_under_triton_interpreter():
     assert "interpreter ok" in run_under_triton_interpreter(["-c", INTERPRETER_CHECK])
 
 
+PLAN_CHECK = textwrap.dedent(
+    """
+    import torch
+    import triton
+    import triton.language as tl
+    from fp8fx.kernels.fp8_gemm import PREFETCH_MAX, _prefetch_plan
+
+    @triton.jit
+    def plan_kernel(offs_ptr, bytes_ptr, on_ptr, N, K, stride_bn, L2_PREFETCH: tl.constexpr, BLOCK_K: tl.constexpr,
+                    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
+        # what fp8_gemm_kernel's programs would prefetch (its split and tile arithmetic), as byte offsets into b
+        split = tl.program_id(0) % SPLIT_K
+        pid_n = tl.program_id(0) // SPLIT_K
+        k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+        offs, nbytes, on = _prefetch_plan(N - pid_n * BLOCK_N, stride_bn, split * k_steps, k_steps, K, L2_PREFETCH,
+                                          BLOCK_K, BLOCK_N)
+        at = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        tl.store(offs_ptr + at, offs + (pid_n * BLOCK_N).to(tl.int64) * stride_bn)
+        tl.store(bytes_ptr + at, nbytes)
+        tl.store(on_ptr + at, on.to(tl.int32))
+
+    def wanted(n, k, stride, l2, bk, bn, split):
+        # each row's bytes that each split's program should prefetch: its K run, the first l2 bytes, 16-byte units
+        steps = -(-(-(-k // bk)) // split)
+        want = set()
+        for row in range(n):
+            for s in range(split):
+                first = s * steps * bk
+                run = (min(min((s + 1) * steps * bk, k) - first, l2) // 16) * 16
+                want |= {row * stride + first + b for b in range(run)} if run > 0 else set()
+        return want
+
+    # (N, K, row stride, L2_PREFETCH, BLOCK_K, BLOCK_N, SPLIT_K): whole rows of one range, the last tile ragged;
+    # split K with a ragged last split; the prefetch shorter than a row's run; rows wider than K (a slice); splits past
+    # K; a tile over PREFETCH_MAX (one prefetch a row)
+    for n, k, stride, l2, bk, bn, split in [(100, 512, 512, 1 << 16, 128, 32, 1), (100, 1104, 1104, 1 << 16, 512, 32, 2),
+                                            (70, 1104, 1104, 256, 512, 64, 2), (70, 512, 528, 1 << 16, 128, 32, 1),
+                                            (40, 512, 512, 1 << 16, 256, 16, 4), (130, 16384, 16384, 1 << 16, 128, 128, 1)]:
+        programs = -(-n // bn) * split
+        offs = torch.zeros(programs * bn, dtype=torch.int64)
+        nbytes, on = torch.zeros(programs * bn, dtype=torch.int32), torch.zeros(programs * bn, dtype=torch.int32)
+        plan_kernel[(programs,)](offs, nbytes, on, n, k, stride, L2_PREFETCH=l2, BLOCK_K=bk, BLOCK_N=bn, SPLIT_K=split)
+        got, ranges = set(), 0
+        for o, b in zip(offs[on.bool()].tolist(), nbytes[on.bool()].tolist()):
+            assert o % 16 == 0 and b % 16 == 0 and 0 < b <= PREFETCH_MAX.value, (n, k, o, b)
+            assert not got & set(range(o, o + b)), (n, k, o, b)  # (each byte once)
+            got |= set(range(o, o + b))
+            ranges += 1
+        assert got == wanted(n, k, stride, l2, bk, bn, split), (n, k, stride, l2, bk, bn, split)
+        one_range = stride == k and split == 1 and l2 >= k and bn * k <= PREFETCH_MAX.value
+        assert ranges == (-(-n // bn) if one_range else len({o for o in offs[on.bool()].tolist()})), ranges
+        if one_range:  # (whole tiles: one prefetch a program, not one a row)
+            assert ranges < n
+    print("plan ok")
+    """
+)
+
+
+def test_prefetch_plan_under_triton_interpreter():
+    """The weight bytes the PDL prefetch asks for (``_prefetch_plan``, as ``fp8_gemm_kernel``'s programs call it):
+    exactly each row's first ``L2_PREFETCH`` bytes of each split's K run, in 16-byte ranges, each byte once, within the
+    weight (a prefetch is a hint: a wrong address changes no output, only the time). Whole rows that are one range go
+    in one prefetch a program; rows wider than K, splits, a short prefetch and a tile over ``PREFETCH_MAX`` in one a
+    row; splits past K and rows past N in none."""
+    assert "plan ok" in run_under_triton_interpreter(["-c", PLAN_CHECK])
+
+
 TMA_CHECK = textwrap.dedent(
     """
     import torch
