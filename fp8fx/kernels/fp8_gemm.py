@@ -718,7 +718,7 @@ def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[
 # first - would race with it. fp8fx's own kernels wait first; a kernel launched plainly waits for the whole grid.)
 DECODE_PDL: dict = {}
 DECODE_PDL_MAX_M = 64
-PDL_KEYS = ("PDL_TRIGGER", "L2_PREFETCH")
+PDL_TILE_KEYS = ("PDL_TRIGGER", "L2_PREFETCH")
 
 
 def _hopper(t: torch.Tensor, exactly: bool = False) -> bool:
@@ -735,9 +735,9 @@ def decode_pdl_keys(b: torch.Tensor, m: int) -> dict:
     """``DECODE_PDL``'s tile keys for a default launch of ``m`` rows on the weight ``b``: none past
     ``DECODE_PDL_MAX_M`` rows or off sm_90, and ``L2_PREFETCH`` left out where ``b``'s rows cannot be prefetched
     (``_prefetchable``)."""
-    unknown = sorted(set(DECODE_PDL) - set(PDL_KEYS))
+    unknown = sorted(set(DECODE_PDL) - set(PDL_TILE_KEYS))
     if unknown:
-        raise ValueError(f"fp8_gemm.DECODE_PDL: keys {unknown}; it takes {list(PDL_KEYS)} only")
+        raise ValueError(f"fp8_gemm.DECODE_PDL: keys {unknown}; it takes {list(PDL_TILE_KEYS)} only")
     if not DECODE_PDL or m > DECODE_PDL_MAX_M or not _hopper(b, exactly=True):
         return {}
     return {key: v for key, v in DECODE_PDL.items() if key != "L2_PREFETCH" or _prefetchable(b)}
