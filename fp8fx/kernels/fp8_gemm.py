@@ -273,9 +273,9 @@ def fp8_gemm_kernel(
     # weight-only: b holds the fp8 codes as uint8, decoded by `_e4m3_from_bits` (GPUs before sm_89, where Triton has
     # no fp8e4nv type)
     B_BITS: tl.constexpr = False,
-    # PDL, sm_90 (``fp8_gemm``'s ``PDL_TRIGGER`` and ``L2_PREFETCH`` tile keys): a program first lets the next kernel
-    # launch (``gdc_launch_dependents``: its programs take each SM this grid leaves, then wait for all of it), and
-    # before its wait prefetches the first L2_PREFETCH bytes of each of its weight rows' K run into L2
+    # PDL, sm_90 (``fp8_gemm``'s ``PDL_TRIGGER`` and ``L2_PREFETCH`` tile keys): a program prefetches the first
+    # L2_PREFETCH bytes of each of its weight rows' K run into L2 before its wait, and right after it lets the next
+    # kernel launch (``gdc_launch_dependents``: its programs take each SM this grid leaves)
     PDL_TRIGGER: tl.constexpr = False,
     L2_PREFETCH: tl.constexpr = 0,
 ):
@@ -297,13 +297,13 @@ def fp8_gemm_kernel(
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps per split
     k_first = split * k_steps
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
-    if PDL_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
     if L2_PREFETCH:  # (b's K stride is 1: ``fp8_gemm`` makes it so, but for K = 1, where nothing is prefetched)
         _prefetch_rows(b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn, N - pid_n * BLOCK_N, stride_bn, k_first,
                        k_steps, K, L2_PREFETCH, BLOCK_K, BLOCK_N)
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
+    if PDL_TRIGGER:  # (after the wait: ``DECODE_PDL``)
+        tl.extra.cuda.gdc_launch_dependents()
     # 64-bit bases per program, 32-bit offsets within its tiles: [BM, BK] / [BK, BN] tensors of 64-bit
     # addresses carried through the pipelined loop cost 2 registers an element and spilled at the prefill
     # tiles (sm_90, 128x128x128, 8 warps); M * K and M * N pass 2**31 for long prefills (300k x 7168),
@@ -410,12 +410,12 @@ def fp8_gemv_kernel(
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_first = split * k_steps
     b_tile = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
-    if PDL_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
     if L2_PREFETCH:
         _prefetch_rows(b_tile, N - pid_n * BLOCK_N, stride_bn, k_first, k_steps, K, L2_PREFETCH, BLOCK_K, BLOCK_N)
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
+    if PDL_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
     b_offs = tl.arange(0, BLOCK_N)[:, None] * stride_bn + k_first * BLOCK_K + offs_k[None, :]  # [BN, BK], K-major
     a_offs = (k_first * BLOCK_K + offs_k) * stride_ak  # [BK]
     if A_QUANT:  # the row's scale and its reciprocal for `_codes_of`
@@ -713,9 +713,11 @@ def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[
 # as programmatic dependents with these tile keys (``PDL_TRIGGER``, ``L2_PREFETCH``), and the fused MLP's down GEMM,
 # already one, with them: {} (off) until a decode step is timed with them. Read at each call: bench_linear.py's and
 # bench_decoder_layer.py's ``*_pdl`` variants set it while they run (``with_kernel_setting``); ``tune_gemm.py --pdl``
-# times the GEMMs' chains. (With ``PDL_TRIGGER`` a kernel launched after one of these as a programmatic dependent
-# starts while it runs: one that reads or writes memory before its ``griddepcontrol.wait`` - which PTX requires
-# first - would race with it. fp8fx's own kernels wait first; a kernel launched plainly waits for the whole grid.)
+# times the GEMMs' chains. (``PDL_TRIGGER`` comes after the wait: a kernel launched after one of these as a
+# programmatic dependent then starts only once every kernel before this one has finished, as one that triggers
+# after its own wait promises - Inductor's PDL code (``triton.enable_pdl``) waits only before reading what the kernel
+# just before it wrote. It still starts while this one runs: one that touches this one's output before its
+# ``griddepcontrol.wait`` would race with it; fp8fx's and Inductor's kernels wait first.)
 DECODE_PDL: dict = {}
 DECODE_PDL_MAX_M = 64
 PDL_TILE_KEYS = ("PDL_TRIGGER", "L2_PREFETCH")
@@ -796,7 +798,7 @@ def fp8_gemm(
     (``fp8fx.kernels.tickets``: no memset in the graph) and any other launch zeroes fresh ones. ``pdl``: launch
     as a programmatic dependent of the previous kernel (compute capability 9.0+): this kernel's programs wait for
     that kernel's whole grid and memory before their first access, and start early where it signals
-    ``gdc_launch_dependents`` (``fp8fx.kernels.gated_mlp``; a config's ``PDL_TRIGGER``, which its programs call first).
+    ``gdc_launch_dependents`` (``fp8fx.kernels.gated_mlp``; a config's ``PDL_TRIGGER``: right after their wait).
     A config's ``L2_PREFETCH`` (with ``pdl``): bytes of each of a program's weight rows prefetched into L2 before its
     wait (``_prefetch_rows``). ``pdl=None`` (the default): as ``DECODE_PDL`` says (off unless set), False: never.
     """

@@ -487,9 +487,10 @@ def test_gemv_compiles_for_sm90(n, k, a_dtype, a_quant, blocks, pipelined):
                                    (32, 4096, 4096), (64, 4096, 14336), (16, 4096, 4096)])
 def test_pdl_trigger_and_l2_prefetch_compile_for_sm90(m, n, k):
     """``PDL_TRIGGER`` and ``L2_PREFETCH`` at the decode tiles (the GEMV at one row: down; qkv's tensor-core tile,
-    ``gemv_fits``): each program lets the next kernel launch and prefetches its weight rows into L2 - one bulk
-    prefetch a row, predicated - before ``griddepcontrol.wait``, and reads or writes no memory before it. Nothing more
-    spills than without them."""
+    ``gemv_fits``): each program prefetches its weight rows into L2 - bulk prefetches, predicated - before
+    ``griddepcontrol.wait``, and reads or writes no memory before it; it lets the next kernel launch after the wait
+    (not before: a kernel launched after it may take every kernel before it as finished). Nothing more spills than
+    without them."""
     from fp8fx.kernels.fp8_gemm import gemv_fits
 
     cfg = tile_config(m, n, k)
@@ -501,14 +502,15 @@ def test_pdl_trigger_and_l2_prefetch_compile_for_sm90(m, n, k):
                          for kw in ({}, dict(trigger=True, prefetch=2048)))
     ptx = kernel.asm["ptx"]
     before = ptx[:ptx.index("griddepcontrol.wait")]
-    assert "griddepcontrol.launch_dependents" in before
+    assert "griddepcontrol.launch_dependents" not in before
+    assert "griddepcontrol.launch_dependents" in ptx[ptx.index("griddepcontrol.wait"):]
     assert re.search(r"@p cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], %r\d+;", before), before[-3000:]
     memory = r"\b(ld\.global|cp\.async\.(ca|cg)|cp\.async\.bulk\.tensor|atom\.|red\.|st\.global)"
     assert not re.search(memory, before), before[-2000:]
     assert "cp.async.bulk.prefetch" not in ptx[ptx.index("griddepcontrol.wait"):]
     assert "griddepcontrol" not in plain.asm["ptx"].replace("griddepcontrol.wait", "")
-    # and so in the machine code: the trigger (PREEXIT), the L2 prefetches (UBLKPF.L2), then the wait (ACQBULK)
+    # and so in the machine code: the L2 prefetches (UBLKPF.L2), the wait (ACQBULK), then the trigger (PREEXIT)
     code = sass(kernel)
-    order = [code.find(op) for op in ("PREEXIT", "UBLKPF.L2", "ACQBULK")]
-    assert -1 < order[0] < order[1] < order[2] and code.rfind("UBLKPF") < order[2], order
+    order = [code.find(op) for op in ("UBLKPF.L2", "ACQBULK", "PREEXIT")]
+    assert -1 < order[0] < order[1] < order[2] and code.rfind("UBLKPF") < order[1], order
     assert stack_bytes(kernel) <= stack_bytes(plain), (stack_bytes(kernel), stack_bytes(plain))
