@@ -13,8 +13,10 @@ and q/k/v and o, which the MLP block has not.
 
 Variants: bf16 Inductor; torchao float8 row-wise (its weights per channel, activations per token); fp8fx
 ``Fp8Backend()``; ``fp8fx_fused``: ``Fp8Backend(fuse_horizontal=True, fuse_mlp=True)`` - q/k/v one GEMM, the MLP in two
-kernels; ``fp8fx_fused_pdl`` (on request): that, its GEMMs launched as programmatic dependents that let the next launch
-start and prefetch their weight into L2 while they wait (``bench_linear.PDL_KEYS``). The KV cache stays bf16 in every
+kernels; on request, ``bf16_inductor_pdl``: Inductor's kernels launched as programmatic dependents (its
+``triton.enable_pdl``: each starts while the one before runs, waits before it reads what that one wrote, and lets the
+next start once it has read), and ``fp8fx_fused_pdl``: the fused variant so, and its GEMMs programmatic dependents that
+prefetch their weight into L2 while they wait and let the next start once they have waited (``bench_linear.PDL_KEYS``). The KV cache stays bf16 in every
 variant. Each variant is compiled per M (``dynamic=False``, as decode's CUDA graphs are per batch size) and timed as
 CUDA-graph replays after a clean L2 flush (``bench_linear.timer``), the variants in turn for ``--rounds`` rounds; each
 row has its median and every round's time, its errors against the same layer in float32 - of the layer's update (its
@@ -45,10 +47,11 @@ from bench_linear import with_kernel_setting  # noqa: E402  (benchmarks/ on sys.
 
 LLAMA3_8B = dict(dim=4096, hidden=14336, heads=32, kv_heads=8, head_dim=128)
 TINY = dict(dim=256, hidden=512, heads=4, kv_heads=2, head_dim=64)
-VARIANTS = ("bf16_inductor", "torchao_rowwise", "fp8fx", "fp8fx_fused", "fp8fx_fused_pdl")
-DEFAULT_VARIANTS = VARIANTS[:-1]
+VARIANTS = ("bf16_inductor", "torchao_rowwise", "fp8fx", "fp8fx_fused", "bf16_inductor_pdl", "fp8fx_fused_pdl")
+DEFAULT_VARIANTS = VARIANTS[:4]
+PDL = {"triton.enable_pdl": True}  # Inductor's kernels as programmatic dependents (the *_pdl variants)
 BACKENDS = {"fp8fx": {}, "fp8fx_fused": {"fuse_horizontal": True, "fuse_mlp": True},
-            "fp8fx_fused_pdl": {"fuse_horizontal": True, "fuse_mlp": True}}
+            "fp8fx_fused_pdl": {"fuse_horizontal": True, "fuse_mlp": True, "inductor_config": PDL}}
 LINEARS = 7  # q, k, v, o, gate, up, down
 
 
@@ -120,8 +123,8 @@ def layer_factory(dims: dict, device, seed: int = 0):
 
 def compiled(variant: str, layer: DecoderLayer):
     """(the compiled layer, fp8fx's backend or None, why it is missing: "" where it is not)."""
-    if variant == "bf16_inductor":
-        return torch.compile(layer, dynamic=False), None, ""
+    if variant.startswith("bf16_inductor"):
+        return torch.compile(layer, dynamic=False, options=PDL if variant.endswith("_pdl") else None), None, ""
     if variant == "torchao_rowwise":
         ao, why = torchao_rowwise(layer)
         return (torch.compile(ao, dynamic=False) if ao is not None else None), None, why
@@ -248,7 +251,7 @@ def main(argv=None) -> int:
         with open(os.path.join(args.out, "decoder_layer.json"), "w") as f:
             json.dump(dict(meta=meta, **result), f, indent=1)
     if args.cpu_smoke:
-        result = run([3], 16, 1, ["fp8fx", "fp8fx_fused"], TINY, "cpu", save)
+        result = run([3], 16, 1, ["fp8fx", "fp8fx_fused", "fp8fx_fused_pdl"], TINY, "cpu", save)
     else:
         result = run([int(m) for m in args.ms.split(",")], args.context, args.rounds, variants, LLAMA3_8B, "cuda",
                      save)

@@ -26,8 +26,9 @@
 #          4096; decode32: the decode MLP block at 32 tokens, every variant; rows16: per-token h's two kernels against
 #          the three at 1, 4 and 16 tokens; layer: bench_decoder_layer.py, the whole decoder layer at 1 and 32 tokens;
 #          pdltests: the PDL tile keys' GPU tests; pdlchain: tune_gemm.py --pdl (decode GEMMs' chains with PDL, its
-#          early trigger, L2 prefetch); layerpdl: the decoder layer (``layer``'s variants and the fused one with
-#          them); decodepdl: the decode MLP block with and without them)
+#          early trigger, L2 prefetch); layerpdl: the decoder layer, bf16 and fp8fx fused with and without PDL
+#          (Inductor's triton.enable_pdl; fp8fx's too, DECODE_PDL), torchao; decodepdl: the decode MLP block with and
+#          without fp8fx's)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -213,9 +214,10 @@ fi
 if has pdlchain; then  # those launches' chains: each decode GEMM at 1-64 rows, plain / PDL / trigger / prefetch
   timeout 420 python3 benchmarks/tune_gemm.py --pdl 2>&1 | tee "$OUT/pdl-chains.txt"
 fi
-if has layerpdl; then  # the same in a decode step: the decoder layer, every variant and the fused one with them
+if has layerpdl; then  # the same in a decode step: the decoder layer, bf16 and fp8fx fused each with and without PDL
   timeout 560 python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer-pdl" --ms 1,32 --rounds 5 \
-    --variants bf16_inductor,torchao_rowwise,fp8fx,fp8fx_fused,fp8fx_fused_pdl 2>&1 | tee "$OUT/layer-pdl.txt"
+    --variants bf16_inductor,bf16_inductor_pdl,torchao_rowwise,fp8fx_fused,fp8fx_fused_pdl 2>&1 \
+    | tee "$OUT/layer-pdl.txt"
 fi
 if has decodepdl; then  # and the decode MLP block
   timeout 280 python3 benchmarks/bench_linear.py --out "$OUT/decode-pdl" --skip-gemms --ms 1,32 --rounds 5 \
