@@ -737,10 +737,12 @@ def decode_pdl_keys(b: torch.Tensor, m: int) -> dict:
     """``DECODE_PDL``'s tile keys for a default launch of ``m`` rows on the weight ``b``: none past
     ``DECODE_PDL_MAX_M`` rows or off sm_90, and ``L2_PREFETCH`` left out where ``b``'s rows cannot be prefetched
     (``_prefetchable``)."""
+    if not DECODE_PDL:  # (the default: nothing more on each op's call)
+        return {}
     unknown = sorted(set(DECODE_PDL) - set(PDL_TILE_KEYS))
     if unknown:
         raise ValueError(f"fp8_gemm.DECODE_PDL: keys {unknown}; it takes {list(PDL_TILE_KEYS)} only")
-    if not DECODE_PDL or m > DECODE_PDL_MAX_M or not _hopper(b, exactly=True):
+    if m > DECODE_PDL_MAX_M or not _hopper(b, exactly=True):
         return {}
     return {key: v for key, v in DECODE_PDL.items() if key != "L2_PREFETCH" or _prefetchable(b)}
 
