@@ -16,14 +16,14 @@ Variants: bf16 Inductor; torchao float8 row-wise (its weights per channel, activ
 kernels; on request, ``bf16_inductor_pdl``: Inductor's kernels launched as programmatic dependents (its
 ``triton.enable_pdl``: each starts while the one before runs, waits before it reads what that one wrote, and lets the
 next start once it has read), and ``fp8fx_fused_pdl``: the fused variant so, and its GEMMs programmatic dependents that
-prefetch their weight into L2 while they wait and let the next start once they have waited (``bench_linear.PDL_KEYS``). The KV cache stays bf16 in every
-variant. Each variant is compiled per M (``dynamic=False``, as decode's CUDA graphs are per batch size) and timed as
-CUDA-graph replays after a clean L2 flush (``bench_linear.timer``), the variants in turn for ``--rounds`` rounds; each
-row has its median and every round's time, its errors against the same layer in float32 - of the layer's update (its
-output less x: the residual would hide the GEMMs' error), of the attention branch (o's output) and of the keys and
-values it wrote into the cache - and for fp8fx how many of the layer's seven linears its report says were rewritten and
-fused. Writes decoder_layer.json after each M; exits 1 where an fp8fx variant left a linear unrewritten or unfused
-(``fp8fx_fused``: all but o) or missed fp8's accuracy.
+prefetch their weight into L2 while they wait and let the next start once they have waited (``bench_linear.PDL_KEYS``).
+The KV cache stays bf16 in every variant. Each variant is compiled per M (``dynamic=False``, as decode's CUDA graphs are
+per batch size) and timed as CUDA-graph replays after a clean L2 flush (``bench_linear.timer``), the variants in turn
+for ``--rounds`` rounds; each row has its median and every round's time, its errors against the same layer in float32 -
+of the layer's update (its output less x: the residual would hide the GEMMs' error), of the attention branch (o's
+output) and of the keys and values it wrote into the cache - and for fp8fx how many of the layer's seven linears its
+report says were rewritten and fused. Writes decoder_layer.json after each M; exits 1 where an fp8fx variant left a
+linear unrewritten or unfused (``fp8fx_fused``: all but o) or missed fp8's accuracy.
 """
 from __future__ import annotations
 

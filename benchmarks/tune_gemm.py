@@ -769,13 +769,12 @@ def pdl_duel(ms=(1, 16, 32, 64), shapes=("o", "qkv", "down", "gate_up"), rounds=
              prefetch=(4096, 1 << 16)):
     """Issue 4's 75% of HBM for the small decode GEMMs, where the Triton tiles were swept out (runs 21-34) and a kernel
     that only reads o's 16.8 MB reaches 67% alone (run 32): the time a launch loses ramping up and draining, overlapped
-    with the launch before. Each default tile (``_decode_problem``) as a chain of launches (``hbm_table``): plain;
-    each launch a programmatic dependent of the one before (``pdl``: its programs wait for it); each also letting the
-    next launch as soon as its own programs have waited (``PDL_TRIGGER``: the next one's programs take the SMs this
-    grid leaves, and wait); and each prefetching the first ``prefetch`` bytes of its programs' weight rows into L2 before
-    that wait (``L2_PREFETCH``; 64 KiB: each program's whole K run). ``rounds`` interleaved rounds, outputs checked
-    bit for bit against the plain chain's; ms per launch and TB/s on the weights, against the read speed measured
-    first."""
+    with the launch before. Each default tile (``_decode_problem``) as a chain of launches (``hbm_table``): plain; each
+    launch a programmatic dependent of the one before (``pdl``: its programs wait for it); each also letting the next
+    launch as soon as its own programs have waited (``PDL_TRIGGER``: the next one's programs take the SMs this grid
+    leaves, and wait); and each prefetching the first ``prefetch`` bytes of its programs' weight rows into L2 before
+    that wait (``L2_PREFETCH``; 64 KiB: each program's whole K run). ``rounds`` interleaved rounds, outputs checked bit
+    for bit against the plain chain's; ms per launch and TB/s on the weights, against the read speed measured first."""
     print(f"read speed (sum of 2 GiB): {_read_speed():.2f} TB/s", flush=True)
     for name in shapes:
         for m in ms:

@@ -222,9 +222,9 @@ def test_pdl_trigger_and_l2_prefetch_cuda(m, n, k):
 @pytest.mark.cuda
 @pytest.mark.parametrize("m", [1, 16, 64])
 def test_pdl_chain_reads_what_the_launch_before_wrote_cuda(m):
-    """A slow GEMM (a 14336 x 14336 weight), then two small ones, each reading the one before's bf16 output (quantized
-    as loaded by a static scale), captured in a CUDA graph with every launch a programmatic dependent that lets the
-    next one start once it has waited and prefetches its weight into L2 while it waits: each replay on new x gives the plain
+    """A slow GEMM (a 14336 x 14336 weight), then two small ones, each reading the one before's bf16 output (quantized as
+    loaded by a static scale), captured in a CUDA graph with every launch a programmatic dependent that lets the next
+    one start once it has waited and prefetches its weight into L2 while it waits: each replay on new x gives the plain
     launches' output for that x. A GEMM that read its input before the slow one had written it would give the last
     replay's (or a mix)."""
     from fp8fx.kernels.fp8_gemm import QUANT_STATIC, fp8_gemm, for_device, tile_config
@@ -296,7 +296,8 @@ def test_pdl_tile_keys_are_checked_before_a_launch(monkeypatch):
     xq, xs, wq, ws, _ = operands(2, 64, 256, [1, -1], [1, -1], "cpu")
     for key, value in (("PDL_TRIGGER", True), ("L2_PREFETCH", 2048)):
         with pytest.raises(ValueError, match=f"{key}.*compute capability 9.0 or newer; a is on cpu"):
-            kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config={**kernels.tile_config(2, 64, 256), key: value})
+            kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16,
+                             config={**kernels.tile_config(2, 64, 256), key: value})
     # (the checks past the device's, as on a Hopper GPU)
     monkeypatch.setattr(kernels, "_hopper", lambda t, exactly=False: True)
     aligned, tile = torch.empty(64, 256, dtype=torch.uint8), {"BLOCK_K": 128}
@@ -652,13 +653,15 @@ PLAN_CHECK = textwrap.dedent(
     # (N, K, row stride, L2_PREFETCH, BLOCK_K, BLOCK_N, SPLIT_K): whole rows of one range, the last tile ragged;
     # split K with a ragged last split; the prefetch shorter than a row's run; rows wider than K (a slice); splits past
     # K; a tile over PREFETCH_MAX (one prefetch a row)
-    for n, k, stride, l2, bk, bn, split in [(100, 512, 512, 1 << 16, 128, 32, 1), (100, 1104, 1104, 1 << 16, 512, 32, 2),
-                                            (70, 1104, 1104, 256, 512, 64, 2), (70, 512, 528, 1 << 16, 128, 32, 1),
-                                            (40, 512, 512, 1 << 16, 256, 16, 4), (130, 16384, 16384, 1 << 16, 128, 128, 1)]:
+    cases = [(100, 512, 512, 1 << 16, 128, 32, 1), (100, 1104, 1104, 1 << 16, 512, 32, 2),
+             (70, 1104, 1104, 256, 512, 64, 2), (70, 512, 528, 1 << 16, 128, 32, 1), (40, 512, 512, 1 << 16, 256, 16, 4),
+             (130, 16384, 16384, 1 << 16, 128, 128, 1)]
+    for n, k, stride, l2, bk, bn, split in cases:
         programs = -(-n // bn) * split
         offs = torch.zeros(programs * bn, dtype=torch.int64)
         nbytes, on = torch.zeros(programs * bn, dtype=torch.int32), torch.zeros(programs * bn, dtype=torch.int32)
-        plan_kernel[(programs,)](offs, nbytes, on, n, k, stride, L2_PREFETCH=l2, BLOCK_K=bk, BLOCK_N=bn, SPLIT_K=split)
+        plan_kernel[(programs,)](offs, nbytes, on, n, k, stride, L2_PREFETCH=l2, BLOCK_K=bk, BLOCK_N=bn,
+                                 SPLIT_K=split)
         got, ranges = set(), 0
         for o, b in zip(offs[on.bool()].tolist(), nbytes[on.bool()].tolist()):
             assert o % 16 == 0 and b % 16 == 0 and 0 < b <= PREFETCH_MAX.value, (n, k, o, b)
