@@ -235,6 +235,21 @@ def _prefetch_rows(tile_ptr, n_left, stride_bn, k_first, k_steps, K, L2_PREFETCH
 
 
 @triton.jit
+def _pdl_start(b_tile, n_left, stride_bn, k_first, k_steps, K, PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
+               L2_PREFETCH: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A GEMM program's start as a programmatic dependent (the kernels' ``PDL_*`` and ``L2_PREFETCH``): its weight
+    tile's rows at ``b_tile`` prefetched into L2 (``_prefetch_rows``; b's K stride is 1: ``fp8_gemm`` makes it so, but
+    for K = 1, where nothing is prefetched), the wait for the kernel before, then - after the wait: ``DECODE_PDL`` -
+    the next kernel let launch. Before it the program touches no memory."""
+    if L2_PREFETCH:
+        _prefetch_rows(b_tile, n_left, stride_bn, k_first, k_steps, K, L2_PREFETCH, BLOCK_K, BLOCK_N)
+    if PDL_WAIT:
+        tl.extra.cuda.gdc_wait()
+    if PDL_TRIGGER:
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
 def fp8_gemm_kernel(
     # tensors (split-K: y is the float32 partials [SPLIT_K, M, N], out the result, tickets one int32 per
     # output tile, zero on entry)
@@ -297,13 +312,6 @@ def fp8_gemm_kernel(
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)  # K steps per split
     k_first = split * k_steps
     offs_k = tl.arange(0, BLOCK_K)  # [BK]
-    if L2_PREFETCH:  # (b's K stride is 1: ``fp8_gemm`` makes it so, but for K = 1, where nothing is prefetched)
-        _prefetch_rows(b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn, N - pid_n * BLOCK_N, stride_bn, k_first,
-                       k_steps, K, L2_PREFETCH, BLOCK_K, BLOCK_N)
-    if PDL_WAIT:
-        tl.extra.cuda.gdc_wait()
-    if PDL_TRIGGER:  # (after the wait: ``DECODE_PDL``)
-        tl.extra.cuda.gdc_launch_dependents()
     # 64-bit bases per program, 32-bit offsets within its tiles: [BM, BK] / [BK, BN] tensors of 64-bit
     # addresses carried through the pipelined loop cost 2 registers an element and spilled at the prefill
     # tiles (sm_90, 128x128x128, 8 warps); M * K and M * N pass 2**31 for long prefills (300k x 7168),
@@ -316,6 +324,8 @@ def fp8_gemm_kernel(
     b_offs = local_n[None, :] * stride_bn + (k_first * BLOCK_K + offs_k[:, None]) * stride_bk  # b.T: [BK, BN]
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM], K group 0
     b_scale_ptrs = b_scale_ptr + (offs_n // B_BLOCK_N) * stride_bsn  # [BN], K block 0
+    _pdl_start(b_tile, N - pid_n * BLOCK_N, stride_bn, k_first, k_steps, K, PDL_WAIT, PDL_TRIGGER, L2_PREFETCH, BLOCK_K,
+               BLOCK_N)
     if A_QUANT:
         a_q_scale = _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT, N_PARTS, PARTS_BLOCK, EPS,
                                    FP8_MAX, BLOCK_M)
@@ -410,12 +420,8 @@ def fp8_gemv_kernel(
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_first = split * k_steps
     b_tile = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
-    if L2_PREFETCH:
-        _prefetch_rows(b_tile, N - pid_n * BLOCK_N, stride_bn, k_first, k_steps, K, L2_PREFETCH, BLOCK_K, BLOCK_N)
-    if PDL_WAIT:
-        tl.extra.cuda.gdc_wait()
-    if PDL_TRIGGER:
-        tl.extra.cuda.gdc_launch_dependents()
+    _pdl_start(b_tile, N - pid_n * BLOCK_N, stride_bn, k_first, k_steps, K, PDL_WAIT, PDL_TRIGGER, L2_PREFETCH, BLOCK_K,
+               BLOCK_N)
     b_offs = tl.arange(0, BLOCK_N)[:, None] * stride_bn + k_first * BLOCK_K + offs_k[None, :]  # [BN, BK], K-major
     a_offs = (k_first * BLOCK_K + offs_k) * stride_ak  # [BK]
     if A_QUANT:  # the row's scale and its reciprocal for `_codes_of`
@@ -725,7 +731,10 @@ PDL_TILE_KEYS = ("PDL_TRIGGER", "L2_PREFETCH")
 
 def _hopper(t: torch.Tensor, exactly: bool = False) -> bool:
     """Whether ``t`` is on a CUDA GPU of compute capability 9.0 or newer (``exactly``: 9.0, the H200's)."""
-    return t.is_cuda and (capability(t.device) == (9, 0) if exactly else capability(t.device) >= (9, 0))
+    if not t.is_cuda:
+        return False
+    cap = capability(t.device)
+    return cap == (9, 0) if exactly else cap >= (9, 0)
 
 
 def _prefetchable(b: torch.Tensor) -> bool:

@@ -53,10 +53,10 @@ import triton.language as tl
 
 from fp8fx import ops, quant
 from fp8fx.kernels.fp8_gemm import QUANT_ROWS, QUANT_STATIC, QUANT_TENSOR, _codes_of, _max_nan, _rows_amax, _scale_of
-from fp8fx.kernels.fp8_gemm import decode_pdl_keys, fp8_gemm, imprecise_k
+from fp8fx.kernels.fp8_gemm import _hopper, decode_pdl_keys, fp8_gemm, imprecise_k
 from fp8fx.kernels.fp8_gemm import for_device, gemv_config, gemv_fits, mma_tile_config, pipeline_stages, stage_budget
 from fp8fx.kernels.fp8_gemm import tile_config
-from fp8fx.kernels.launch import Relaunch, capability, cdiv, next_power_of_2, sm_count, unchecked_descriptor
+from fp8fx.kernels.launch import Relaunch, cdiv, next_power_of_2, sm_count, unchecked_descriptor
 
 ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2}  # the kernel's ACT for fp8fx.ops.GATED_ACTIVATIONS
 # h quantized in 1 x h_group groups by the gate/up kernel's epilogue (an N tile of it per group), read by the down
@@ -753,7 +753,7 @@ def gated_mlp(
     w2, s2 = w2.contiguous(), s2.float().contiguous()
     bias = None if bias is None else bias.contiguous()
     if pdl is None:
-        pdl = xq.is_cuda and capability(xq.device) >= (9, 0)
+        pdl = _hopper(xq)
     pdl = pdl and not rows_pass  # (quantize_rows runs between the two GEMMs, launched as any kernel)
     if pdl and not configs[1]:  # (off unless set: ``fp8_gemm.DECODE_PDL``)
         cfg2.update(decode_pdl_keys(w2, m))
