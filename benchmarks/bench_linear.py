@@ -132,6 +132,9 @@ def timer(fn, x, graph: bool, reps: int = 200):
     else:
         run = lambda: triton.testing.do_bench(lambda: fn(x), warmup=25, rep=100, return_mode="median")  # noqa: E731
     run.graph = g is not None
+    # the graph holds the addresses of fn's weights and buffers, not the tensors: keep them alive while it replays
+    # (run 35: a decoder layer freed after its capture faulted at its next replay)
+    run.keeps = (fn, x)
     return run
 
 
@@ -240,9 +243,10 @@ MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gat
 # programmatic dependents that let the next launch start and prefetch their weight into L2 while they wait:
 # ``PDL_KEYS``, ``fp8_gemm.DECODE_PDL``): they compare kernels, on request
 DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith(("_mma", "_k1", "_g128", "_g32", "_rows", "_pdl")))
-# the *_pdl variants' ``fp8_gemm.DECODE_PDL``: each program's whole K run of weight rows prefetched (64 KiB a row: more
-# than any Llama-3-8B row's 14336 bytes)
-PDL_KEYS = {"PDL_TRIGGER": True, "L2_PREFETCH": 1 << 16}
+# the *_pdl variants' ``fp8_gemm.DECODE_PDL``: the next launch let in once each program has waited, no L2 prefetch
+# (run 35's chains: prefetching 4 KiB or whole rows made every decode GEMM 3-50% slower, the trigger alone sped o up
+# 1.08-1.11x)
+PDL_KEYS = {"PDL_TRIGGER": True}
 
 
 def with_kernel_setting(fn, name: str, value, module=None):

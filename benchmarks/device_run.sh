@@ -28,7 +28,8 @@
 #          pdltests: the PDL tile keys' GPU tests; pdlchain: tune_gemm.py --pdl (decode GEMMs' chains with PDL, its
 #          early trigger, L2 prefetch); layerpdl: the decoder layer, bf16 and fp8fx fused with and without PDL
 #          (Inductor's triton.enable_pdl; fp8fx's too, DECODE_PDL), torchao; decodepdl: the decode MLP block with and
-#          without fp8fx's)
+#          without fp8fx's; layerdiag: the layer,
+#          every variant but fp8fx_fused_ipdl)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -218,6 +219,11 @@ if has layerpdl; then  # the same in a decode step: the decoder layer, bf16 and 
   timeout 560 python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer-pdl" --ms 1,32 --rounds 5 \
     --variants bf16_inductor,bf16_inductor_pdl,torchao_rowwise,fp8fx_fused,fp8fx_fused_pdl 2>&1 \
     | tee "$OUT/layer-pdl.txt"
+fi
+if has layerdiag; then  # the decoder layer without PDL, then each PDL variant in a process of its own next to bf16
+  timeout 420 python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer" --ms 1,32 --rounds 5 \
+    --variants bf16_inductor,torchao_rowwise,fp8fx,fp8fx_fused,bf16_inductor_pdl,fp8fx_fused_gpdl,fp8fx_fused_pdl \
+    2>&1 | tee "$OUT/layer.txt" | grep -v "^[01]  "
 fi
 if has decodepdl; then  # and the decode MLP block
   timeout 280 python3 benchmarks/bench_linear.py --out "$OUT/decode-pdl" --skip-gemms --ms 1,32 --rounds 5 \

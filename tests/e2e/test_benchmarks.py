@@ -104,3 +104,25 @@ def test_plain_call_rows_carry_their_host_time(monkeypatch):
     assert table[0].endswith("| host ms a call |") and table[2].endswith("|  |")  # no host_ms: a graph replay row
     assert table[3].endswith(f"| {0.7 * HOST_BOUND:.4f} (host-bound) |"), table[3]
     assert table[4].endswith("| 0.3000 |") and "1.52x" in table[4], table[4]
+
+
+def test_timer_keeps_what_its_graph_replays(monkeypatch):
+    """``bench_linear.timer``'s callable keeps the function it times and its input alive: a CUDA graph holds only
+    their addresses, and a decoder layer freed after its capture faulted at its next replay (H200 run 35)."""
+    import gc
+    import sys
+    import weakref
+
+    monkeypatch.syspath_prepend("benchmarks")
+    monkeypatch.delitem(sys.modules, "bench_linear", raising=False)
+    from bench_linear import timer
+
+    layer, x = torch.nn.Linear(4, 4), torch.randn(2, 4)
+    alive = weakref.ref(layer)
+    run = timer(layer, x, graph=False)
+    del layer
+    gc.collect()
+    assert alive() is not None and run.keeps[0] is alive()
+    del run
+    gc.collect()
+    assert alive() is None
