@@ -15,8 +15,9 @@ Variants: bf16 Inductor; torchao float8 row-wise (its weights per channel, activ
 ``Fp8Backend()``; ``fp8fx_fused``: ``Fp8Backend(fuse_horizontal=True, fuse_mlp=True)`` - q/k/v one GEMM, the MLP in two
 kernels; on request, ``bf16_inductor_pdl``: Inductor's kernels launched as programmatic dependents (its
 ``triton.enable_pdl``: each starts while the one before runs, waits before it reads what that one wrote, and lets the
-next start once it has read), and ``fp8fx_fused_pdl``: the fused variant so, and its GEMMs programmatic dependents that
-prefetch their weight into L2 while they wait and let the next start once they have waited (``bench_linear.PDL_KEYS``).
+next start once it has read), and ``fp8fx_fused_pdl``: the fused variant so, and its decode GEMMs (programmatic
+dependents on sm_90 by default, ``fp8_gemm.DECODE_PDL``) letting the next start once they have waited
+(``bench_linear.PDL_KEYS``); ``fp8fx_fused_ipdl`` / ``fp8fx_fused_gpdl``: Inductor's part alone / fp8fx's alone.
 The KV cache stays bf16 in every variant. Each variant is compiled per M (``dynamic=False``, as decode's CUDA graphs are
 per batch size) and timed as CUDA-graph replays after a clean L2 flush (``bench_linear.timer``), the variants in turn
 for ``--rounds`` rounds; each row has its median and every round's time, its errors against the same layer in float32 -

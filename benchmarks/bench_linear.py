@@ -239,13 +239,12 @@ MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gat
 # per token at prefill); _tokens: h per token (mlp_h_group=None); _g128 / _g32: h in 1x128 / 1x32 groups named at
 # every token count. The default --variants leave out g128, g32 (h in 1x32 groups, the fused MLP's fastest op
 # at M = 1 in H200 run 19: 0.0495 ms against 0.0507 per token), the *_mma ones (the GEMV off), *_k1 (its loads
-# unpipelined), *_rows (per-token h through quantize_rows at 1-16 tokens too) and *_pdl (decode GEMMs launched as
-# programmatic dependents that let the next launch start and prefetch their weight into L2 while they wait:
-# ``PDL_KEYS``, ``fp8_gemm.DECODE_PDL``): they compare kernels, on request
+# unpipelined), *_rows (per-token h through quantize_rows at 1-16 tokens too) and *_pdl (decode GEMMs - programmatic
+# dependents on sm_90 by default - letting the next launch start once they have waited: ``PDL_KEYS``,
+# ``fp8_gemm.DECODE_PDL``): they compare kernels, on request
 DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith(("_mma", "_k1", "_g128", "_g32", "_rows", "_pdl")))
-# the *_pdl variants' ``fp8_gemm.DECODE_PDL``: the next launch let in once each program has waited, no L2 prefetch
-# (run 35's chains: prefetching 4 KiB or whole rows made every decode GEMM 3-50% slower, the trigger alone sped o up
-# 1.08-1.11x)
+# the *_pdl variants' ``fp8_gemm.DECODE_PDL``: the next launch let in once each program has waited (run 35's chains:
+# o 1.09-1.11x faster with it, qkv and down at 16 rows 0.86x and 0.90x)
 PDL_KEYS = {"PDL_TRIGGER": True}
 
 

@@ -26,7 +26,7 @@
 #          4096; decode32: the decode MLP block at 32 tokens, every variant; rows16: per-token h's two kernels against
 #          the three at 1, 4 and 16 tokens; layer: bench_decoder_layer.py, the whole decoder layer at 1 and 32 tokens;
 #          pdltests: the PDL tile keys' GPU tests; pdlchain: tune_gemm.py --pdl (decode GEMMs' chains with PDL, its
-#          early trigger, L2 prefetch); layerpdl: the decoder layer, bf16 and fp8fx fused with and without PDL
+#          early trigger); layerpdl: the decoder layer, bf16 and fp8fx fused with and without PDL
 #          (Inductor's triton.enable_pdl; fp8fx's too, DECODE_PDL), torchao; decodepdl: the decode MLP block with and
 #          without fp8fx's; layerdiag: the layer,
 #          every variant but fp8fx_fused_ipdl)
@@ -209,10 +209,10 @@ if has layer; then  # a whole Llama-3-8B decoder layer at decode: bf16, torchao,
   timeout 450 python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer" --ms 1,32 --rounds 5 2>&1 \
     | tee "$OUT/layer.txt"
 fi
-if has pdltests; then  # the GEMMs launched as programmatic dependents that let the next start and prefetch into L2
+if has pdltests; then  # the GEMMs launched as programmatic dependents that let the next start
   timeout 240 $P -m cuda $gemm tests/kernels/test_gated_mlp.py -k pdl 2>&1 | tee "$OUT/pytest-cuda-pdl.log" | tail -5
 fi
-if has pdlchain; then  # those launches' chains: each decode GEMM at 1-64 rows, plain / PDL / trigger / prefetch
+if has pdlchain; then  # those launches' chains: each decode GEMM at 1-64 rows, plain / PDL / trigger
   timeout 420 python3 benchmarks/tune_gemm.py --pdl 2>&1 | tee "$OUT/pdl-chains.txt"
 fi
 if has layerpdl; then  # the same in a decode step: the decoder layer, bf16 and fp8fx fused each with and without PDL

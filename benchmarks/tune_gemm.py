@@ -26,7 +26,7 @@
     python benchmarks/tune_gemm.py --small-n       # qkv, o at 16-64 rows: every width / split / transposition, chained
     python benchmarks/tune_gemm.py --small-n --duel  # their 17-64-row tiles against each other, 7 rounds
     python benchmarks/tune_gemm.py --small-n --deep  # narrow unsplit tiles with K steps of 256-512 instead
-    python benchmarks/tune_gemm.py --pdl           # decode GEMMs' chains with PDL, its early trigger, L2 prefetch
+    python benchmarks/tune_gemm.py --pdl           # decode GEMMs' chains with PDL and its early trigger
     python benchmarks/tune_gemm.py --tma-a         # fp8 activation tiles by TMA or cp.async (M = 16, 64)
     python benchmarks/tune_gemm.py --m64           # M = 64, h in groups: where the down GEMM's time goes, deeper
                                                    # pipelines, the gate/up kernel's stages, G = 64 against 128
@@ -765,24 +765,21 @@ def _chain_duel(name: str, m: int, tiles: dict, rounds: int, chain_bytes: int, e
           flush=True)
 
 
-def pdl_duel(ms=(1, 16, 32, 64), shapes=("o", "qkv", "down", "gate_up"), rounds=5, chain_bytes=256 << 20,
-             prefetch=(4096, 1 << 16)):
+def pdl_duel(ms=(1, 16, 32, 64), shapes=("o", "qkv", "down", "gate_up"), rounds=5, chain_bytes=256 << 20):
     """Issue 4's 75% of HBM for the small decode GEMMs, where the Triton tiles were swept out (runs 21-34) and a kernel
     that only reads o's 16.8 MB reaches 67% alone (run 32): the time a launch loses ramping up and draining, overlapped
     with the launch before. Each default tile (``_decode_problem``) as a chain of launches (``hbm_table``): plain; each
     launch a programmatic dependent of the one before (``pdl``: its programs wait for it); each also letting the next
     launch as soon as its own programs have waited (``PDL_TRIGGER``: the next one's programs take the SMs this grid
-    leaves, and wait); and each prefetching the first ``prefetch`` bytes of its programs' weight rows into L2 before
-    that wait (``L2_PREFETCH``; 64 KiB: each program's whole K run). ``rounds`` interleaved rounds, outputs checked bit
-    for bit against the plain chain's; ms per launch and TB/s on the weights, against the read speed measured first."""
+    leaves, and wait). ``rounds`` interleaved rounds, outputs checked bit for bit against the plain chain's; ms per
+    launch and TB/s on the weights, against the read speed measured first. (Run 35 timed a third: each program also
+    prefetching its weight rows into L2 before the wait, 2-52% slower everywhere, then removed.)"""
     print(f"read speed (sum of 2 GiB): {_read_speed():.2f} TB/s", flush=True)
     for name in shapes:
         for m in ms:
             default = _decode_problem(name, m)[3]
             pdl = {**default, "pdl": True}
-            tiles = {"plain": default, "pdl": pdl, "pdl, trigger": {**pdl, "PDL_TRIGGER": True},
-                     **{f"pdl, trigger, prefetch {p}": {**pdl, "PDL_TRIGGER": True, "L2_PREFETCH": p}
-                        for p in prefetch}}
+            tiles = {"plain": default, "pdl": pdl, "pdl, trigger": {**pdl, "PDL_TRIGGER": True}}
             _chain_duel(name, m, tiles, rounds, chain_bytes, exact=True)
 
 
@@ -1040,7 +1037,7 @@ def main(argv=None):
     p.add_argument("--small-n", action="store_true",
                    help="qkv and o at 16-64 rows (--ms): tiles of every width, split and transposition, as chains")
     p.add_argument("--pdl", action="store_true",
-                   help="the decode GEMMs' chains with programmatic dependent launch, its trigger, L2 prefetch "
+                   help="the decode GEMMs' chains with programmatic dependent launch and its trigger "
                         "(--ms: 1,16,32,64; --shapes: o,qkv,down,gate_up)")
     p.add_argument("--tma-a", action="store_true",
                    help="M = 16, 64: fp8 activation tiles by TMA (TMA_A) or not, the decode GEMMs and the fused MLP")

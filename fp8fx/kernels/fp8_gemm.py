@@ -79,9 +79,6 @@ PER_TENSOR, PER_ROW, PER_K_GROUP = 0, 1, 2
 NO_QUANT, QUANT_ROWS, QUANT_TENSOR, QUANT_STATIC = 0, 1, 2, 3
 # split-K tickets of a SPLIT_K that is a power of 2 (up to this) count in periods of this many (``_store_tile``)
 TICKET_PERIOD = tl.constexpr(1 << 16)
-# the most bytes one bulk L2 prefetch takes (``_prefetch_rows``): ptxas encodes its size in 16-byte units in 16 bits
-# (UBLKPF.L2 in the SASS of triton 3.9's sm_90 code: 1 MiB - 16 encodes as 0xffff, 1 MiB as zero)
-PREFETCH_MAX = tl.constexpr((1 << 20) - 16)
 
 
 @triton.jit
@@ -202,47 +199,11 @@ def _store_tile(acc, y_ptr, out_ptr, ticket_ptr, split, row0, local_m, offs_m, o
 
 
 @triton.jit
-def _prefetch_plan(n_left, stride_bn, k_first, k_steps, K, L2_PREFETCH: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """What a program prefetches of its weight tile (``_prefetch_rows``): per row of the tile r < BLOCK_N, (byte
-    offset from the tile's first row, bytes, whether to). The first ``L2_PREFETCH`` bytes of each of its rows' K run
-    (its split's steps, up to K), in 16-byte units; rows that are one range (each row's whole K, rows K bytes apart,
-    together within ``PREFETCH_MAX``) as one prefetch from row 0. Nothing for rows past ``n_left`` or a split past
-    K."""
-    local_n = tl.arange(0, BLOCK_N)
-    run = tl.minimum(tl.minimum((k_first + k_steps) * BLOCK_K, K) - k_first * BLOCK_K, L2_PREFETCH) // 16 * 16
-    rows = tl.minimum(n_left, BLOCK_N)
-    tile = rows.to(tl.int64) * K
-    whole = (run == K) & (stride_bn == K) & (tile <= PREFETCH_MAX)
-    nbytes = tl.zeros_like(local_n) + tl.where(whole, tile.to(tl.int32), run)
-    on = (local_n < tl.where(whole, 1, rows)) & (nbytes > 0)
-    return local_n.to(tl.int64) * stride_bn + k_first * BLOCK_K, nbytes, on
-
-
-@triton.jit
-def _prefetch_rows(tile_ptr, n_left, stride_bn, k_first, k_steps, K, L2_PREFETCH: tl.constexpr, BLOCK_K: tl.constexpr,
-                   BLOCK_N: tl.constexpr):
-    """Hopper's bulk prefetch (``cp.async.bulk.prefetch.L2``, sm_90) of what ``_prefetch_plan`` says of the weight tile
-    at ``tile_ptr`` into L2, waiting for nothing - a program's weight rows before its ``gdc_wait``, so its weight
-    streams while the kernel before it finishes (weights are constants: nothing that kernel writes). One instruction
-    a range, issued by each thread that holds it (a few threads each, in turn: ptxas loops over a warp's distinct
-    addresses; a prefetch more of a line costs no HBM byte). Ranges start and end at multiples of 16 bytes
-    (``fp8_gemm`` checks the weight, its K steps and ``L2_PREFETCH``) and take at most ``PREFETCH_MAX``."""
-    offs, nbytes, on = _prefetch_plan(n_left, stride_bn, k_first, k_steps, K, L2_PREFETCH, BLOCK_K, BLOCK_N)
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $3; mov.b32 $0, 0; }",
-        "=r,l,r,r", [tile_ptr + offs, on.to(tl.int32), nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def _pdl_start(b_tile, n_left, stride_bn, k_first, k_steps, K, PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr,
-               L2_PREFETCH: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr):
-    """A GEMM program's start as a programmatic dependent (the kernels' ``PDL_*`` and ``L2_PREFETCH``): its weight
-    tile's rows at ``b_tile`` prefetched into L2 (``_prefetch_rows``; b's K stride is 1: ``fp8_gemm`` makes it so, but
-    for K = 1, where nothing is prefetched), the wait for the kernel before, then - after the wait: ``DECODE_PDL`` -
-    the next kernel let launch. Before it the program touches no memory."""
-    if L2_PREFETCH:
-        _prefetch_rows(b_tile, n_left, stride_bn, k_first, k_steps, K, L2_PREFETCH, BLOCK_K, BLOCK_N)
+def _pdl_start(PDL_WAIT: tl.constexpr, PDL_TRIGGER: tl.constexpr):
+    """A GEMM program's start as a programmatic dependent (the kernels' ``PDL_*``): the wait for the kernel before,
+    then - after the wait: ``DECODE_PDL`` - the next kernel let launch. Before it the program touches no memory.
+    (H200 run 35 also prefetched each program's weight rows into L2 before the wait, Hopper's bulk
+    ``cp.async.bulk.prefetch.L2``: every decode GEMM's chain ran 2-52% slower with it, so it is gone.)"""
     if PDL_WAIT:
         tl.extra.cuda.gdc_wait()
     if PDL_TRIGGER:
@@ -288,11 +249,9 @@ def fp8_gemm_kernel(
     # weight-only: b holds the fp8 codes as uint8, decoded by `_e4m3_from_bits` (GPUs before sm_89, where Triton has
     # no fp8e4nv type)
     B_BITS: tl.constexpr = False,
-    # PDL, sm_90 (``fp8_gemm``'s ``PDL_TRIGGER`` and ``L2_PREFETCH`` tile keys): a program prefetches the first
-    # L2_PREFETCH bytes of each of its weight rows' K run into L2 before its wait, and right after it lets the next
-    # kernel launch (``gdc_launch_dependents``: its programs take each SM this grid leaves)
+    # PDL, sm_90 (``fp8_gemm``'s ``PDL_TRIGGER`` tile key): right after its wait a program lets the next kernel
+    # launch (``gdc_launch_dependents``: its programs take each SM this grid leaves)
     PDL_TRIGGER: tl.constexpr = False,
-    L2_PREFETCH: tl.constexpr = 0,
 ):
     # split-K: SPLIT_K programs share an output tile, each over its own run of K steps, each writing a
     # float32 partial (y_ptr + split * stride_ys); the last of them to finish sums the partials (see the end)
@@ -324,8 +283,7 @@ def fp8_gemm_kernel(
     b_offs = local_n[None, :] * stride_bn + (k_first * BLOCK_K + offs_k[:, None]) * stride_bk  # b.T: [BK, BN]
     a_scale_ptrs = a_scale_ptr + offs_m * stride_asm  # [BM], K group 0
     b_scale_ptrs = b_scale_ptr + (offs_n // B_BLOCK_N) * stride_bsn  # [BN], K block 0
-    _pdl_start(b_tile, N - pid_n * BLOCK_N, stride_bn, k_first, k_steps, K, PDL_WAIT, PDL_TRIGGER, L2_PREFETCH, BLOCK_K,
-               BLOCK_N)
+    _pdl_start(PDL_WAIT, PDL_TRIGGER)
     if A_QUANT:
         a_q_scale = _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT, N_PARTS, PARTS_BLOCK, EPS,
                                    FP8_MAX, BLOCK_M)
@@ -401,7 +359,7 @@ def fp8_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12,
     FP8_MAX: tl.constexpr = 448.0, PDL_WAIT: tl.constexpr = False, K_STAGES: tl.constexpr = 1,
-    B_BITS: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False, L2_PREFETCH: tl.constexpr = 0,
+    B_BITS: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
 ):
     """y[N] = a[K] . b[N, K] on the CUDA cores: each program streams BLOCK_N weight rows (over its split of K) in
     [BLOCK_N, BLOCK_K] tiles of 16-byte loads - straight into registers with ``K_STAGES=1``, else pipelined
@@ -410,8 +368,7 @@ def fp8_gemv_kernel(
     of fp8 codes are exact in float32; the sums round as a tensor core's float32 accumulation does, in another
     order. The activation's scale (per tensor = per row here) and b's are applied after the sum; scales that
     change along K (``A_GROUPED``: a's [1, K / GROUP_K], ``B_GROUPED``: b's [N / B_BLOCK_N, K / GROUP_K]) multiply
-    each element as it is loaded (a step spans BLOCK_K / GROUP_K groups). ``PDL_TRIGGER``, ``L2_PREFETCH``: as
-    fp8_gemm_kernel's."""
+    each element as it is loaded (a step spans BLOCK_K / GROUP_K groups). ``PDL_TRIGGER``: as fp8_gemm_kernel's."""
     split = tl.program_id(0) % SPLIT_K
     pid_n = tl.program_id(0) // SPLIT_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -420,8 +377,7 @@ def fp8_gemv_kernel(
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_first = split * k_steps
     b_tile = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
-    _pdl_start(b_tile, N - pid_n * BLOCK_N, stride_bn, k_first, k_steps, K, PDL_WAIT, PDL_TRIGGER, L2_PREFETCH, BLOCK_K,
-               BLOCK_N)
+    _pdl_start(PDL_WAIT, PDL_TRIGGER)
     b_offs = tl.arange(0, BLOCK_N)[:, None] * stride_bn + k_first * BLOCK_K + offs_k[None, :]  # [BN, BK], K-major
     a_offs = (k_first * BLOCK_K + offs_k) * stride_ak  # [BK]
     if A_QUANT:  # the row's scale and its reciprocal for `_codes_of`
@@ -715,18 +671,25 @@ def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[
     return mode, scale.float().reshape(-1, cols).contiguous(), 1 if mode == PER_TENSOR else per
 
 
-# Default decode launches (M <= DECODE_PDL_MAX_M, no config given, ``pdl`` not False) on sm_90 - where they were timed -
-# as programmatic dependents with these tile keys (``PDL_TRIGGER``, ``L2_PREFETCH``), and the fused MLP's down GEMM,
-# already one, with them: {} (off) until a decode step is timed with them. Read at each call: bench_linear.py's and
-# bench_decoder_layer.py's ``*_pdl`` variants set it while they run (``with_kernel_setting``); ``tune_gemm.py --pdl``
-# times the GEMMs' chains. (``PDL_TRIGGER`` comes after the wait: a kernel launched after one of these as a
-# programmatic dependent then starts only once every kernel before this one has finished, as one that triggers
-# after its own wait promises - Inductor's PDL code (``triton.enable_pdl``) waits only before reading what the kernel
-# just before it wrote. It still starts while this one runs: one that touches this one's output before its
-# ``griddepcontrol.wait`` would race with it; fp8fx's and Inductor's kernels wait first.)
-DECODE_PDL: dict = {}
+# Default decode launches (M <= DECODE_PDL_MAX_M, no config given, ``pdl`` not False) on sm_90 - where they were
+# timed - go as programmatic dependents of the kernel before them (launched while it drains; each program waits for
+# it before its first access) with these tile keys; the fused MLP's down GEMM, one already, takes the keys. None:
+# launched plainly. Read at each call: bench_linear.py's and bench_decoder_layer.py's ``*_pdl`` variants set it
+# while they run (``with_kernel_setting``); ``tune_gemm.py --pdl`` times the GEMMs' chains.
+# H200 run 35 (torch 2.11, triton 3.6): as dependents without keys, each decode GEMM's chain of launches ran 1.003-1.036x
+# faster (o, qkv, down, gate_up at 1-64 rows), and a whole Llama-3-8B decoder layer at one token 1.018x (fp8fx's GEMMs
+# follow Inductor's kernels there; timed with ``PDL_TRIGGER``, which does nothing where no kernel after them is a
+# dependent). With ``PDL_TRIGGER`` (the next launch let in right after the wait) o's chain ran 1.09-1.11x faster, but
+# qkv's at 1 and 16 rows 0.96x and 0.86x, down's at 16 0.90x (the next GEMM's programs sit on the SMs this one
+# needs): so it is not the default. It pays where the next kernel is a dependent: with Inductor's
+# ``triton.enable_pdl`` too, that layer ran 1.049x faster than fp8fx without PDL. (``PDL_TRIGGER`` comes after the
+# wait: a kernel launched after one of these as a programmatic dependent then starts only once every kernel before
+# this one has finished, as one that triggers after its own wait promises - Inductor's PDL code waits only before
+# reading what the kernel just before it wrote. It still starts while this one runs: one that touches this one's
+# output before its ``griddepcontrol.wait`` would race with it; fp8fx's and Inductor's kernels wait first.)
+DECODE_PDL: Optional[dict] = {}
 DECODE_PDL_MAX_M = 64
-PDL_TILE_KEYS = ("PDL_TRIGGER", "L2_PREFETCH")
+PDL_TILE_KEYS = ("PDL_TRIGGER",)
 
 
 def _hopper(t: torch.Tensor, exactly: bool = False) -> bool:
@@ -737,47 +700,25 @@ def _hopper(t: torch.Tensor, exactly: bool = False) -> bool:
     return cap == (9, 0) if exactly else cap >= (9, 0)
 
 
-def _prefetchable(b: torch.Tensor) -> bool:
-    """Whether the bulk L2 prefetch can address ``b``'s rows: each starting at a multiple of 16 bytes."""
-    return (b.stride(0) * b.element_size()) % 16 == 0 and b.data_ptr() % 16 == 0
-
-
-def decode_pdl_keys(b: torch.Tensor, m: int) -> dict:
-    """``DECODE_PDL``'s tile keys for a default launch of ``m`` rows on the weight ``b``: none past
-    ``DECODE_PDL_MAX_M`` rows or off sm_90, and ``L2_PREFETCH`` left out where ``b``'s rows cannot be prefetched
-    (``_prefetchable``)."""
-    if not DECODE_PDL:  # (the default: nothing more on each op's call)
-        return {}
+def decode_pdl_keys(b: torch.Tensor, m: int) -> Optional[dict]:
+    """How a default launch of ``m`` rows on the weight ``b`` goes (``DECODE_PDL``): None - plainly (``DECODE_PDL``
+    None, more than ``DECODE_PDL_MAX_M`` rows, or not on sm_90) - or as a programmatic dependent with these tile
+    keys."""
+    if DECODE_PDL is None:
+        return None
     unknown = sorted(set(DECODE_PDL) - set(PDL_TILE_KEYS))
     if unknown:
-        raise ValueError(f"fp8_gemm.DECODE_PDL: keys {unknown}; it takes {list(PDL_TILE_KEYS)} only")
+        raise ValueError(f"fp8_gemm.DECODE_PDL: keys {unknown}; it takes {list(PDL_TILE_KEYS)} only (or is None: off)")
     if m > DECODE_PDL_MAX_M or not _hopper(b, exactly=True):
-        return {}
-    return {key: v for key, v in DECODE_PDL.items() if key != "L2_PREFETCH" or _prefetchable(b)}
+        return None
+    return dict(DECODE_PDL)
 
 
-def _check_pdl_keys(cfg: dict, pdl: bool, a: torch.Tensor, b: torch.Tensor) -> None:
-    """A launch's tile keys ``PDL_TRIGGER`` and ``L2_PREFETCH`` (bytes of each weight row prefetched before the PDL
-    wait, 16 to ``PREFETCH_MAX`` in steps of 16): sm_90 instructions, the prefetch with ``pdl`` only (without the wait
-    it would only run ahead of the loop's own loads), on a weight whose rows start at multiples of 16 bytes and in K
-    steps of a multiple of 16 (a split's run starts at a step: the bulk prefetch's alignment)."""
-    trigger, prefetch = cfg.get("PDL_TRIGGER", False), cfg.get("L2_PREFETCH", 0)
-    if (trigger or prefetch) and not _hopper(a):
-        raise ValueError(f"fp8_gemm: config PDL_TRIGGER={trigger}, L2_PREFETCH={prefetch} needs a CUDA GPU of "
-                         f"compute capability 9.0 or newer; a is on {a.device}: leave them out of the config")
-    if not prefetch:
-        return
-    if not pdl:
-        raise ValueError(f"fp8_gemm: config L2_PREFETCH={prefetch} prefetches the weight while the kernel before waits "
-                         f"to finish: launch with pdl=True, or leave it out")
-    if not (isinstance(prefetch, int) and 16 <= prefetch <= PREFETCH_MAX.value and prefetch % 16 == 0):
-        raise ValueError(f"fp8_gemm: config L2_PREFETCH={prefetch!r}; it takes a multiple of 16 bytes from 16 to "
-                         f"{PREFETCH_MAX.value} (one bulk prefetch's most)")
-    if not _prefetchable(b) or cfg["BLOCK_K"] % 16:
-        raise ValueError(f"fp8_gemm: config L2_PREFETCH={prefetch} takes weight rows at multiples of 16 bytes and K "
-                         f"steps of a multiple of 16; b {list(b.shape)} has rows {b.stride(0) * b.element_size()} "
-                         f"bytes apart, the first {b.data_ptr() % 16} bytes past a multiple of 16, and BLOCK_K is "
-                         f"{cfg['BLOCK_K']}: leave L2_PREFETCH out")
+def _check_pdl_keys(cfg: dict, a: torch.Tensor) -> None:
+    """A launch's tile key ``PDL_TRIGGER``: an sm_90 instruction."""
+    if cfg.get("PDL_TRIGGER", False) and not _hopper(a):
+        raise ValueError(f"fp8_gemm: config PDL_TRIGGER=True needs a CUDA GPU of compute capability 9.0 or newer; a is "
+                         f"on {a.device}: leave it out of the config")
 
 
 def fp8_gemm(
@@ -810,8 +751,7 @@ def fp8_gemm(
     as a programmatic dependent of the previous kernel (compute capability 9.0+): this kernel's programs wait for
     that kernel's whole grid and memory before their first access, and start early where it signals
     ``gdc_launch_dependents`` (``fp8fx.kernels.gated_mlp``; a config's ``PDL_TRIGGER``: right after their wait).
-    A config's ``L2_PREFETCH`` (with ``pdl``): bytes of each of a program's weight rows prefetched into L2 before its
-    wait (``_prefetch_rows``). ``pdl=None`` (the default): as ``DECODE_PDL`` says (off unless set), False: never.
+    ``pdl=None`` (the default): as ``DECODE_PDL`` says (decode launches on sm_90 without a config), False: never.
     """
     m, k = a.shape
     n = b.shape[0]
@@ -852,9 +792,9 @@ def fp8_gemm(
                                                 k_groups=bool(group_k)), a.device))
     if a_quant != NO_QUANT and not config:  # (a 16-bit a: the 64-row tiles' TMA copies were timed for fp8 a only)
         cfg.pop("TMA", None), cfg.pop("TMA_A", None)
-    decode_keys = decode_pdl_keys(b, m) if pdl is None and not config else {}
-    pdl = bool(pdl or decode_keys)
-    cfg.update(decode_keys)
+    decode_keys = decode_pdl_keys(b, m) if pdl is None and not config else None
+    pdl = bool(pdl) or decode_keys is not None
+    cfg.update(decode_keys or {})
     gemv = cfg.pop("GEMV", False)
     # weight-only on a GPU before sm_89 (the fallback's GPUs): Triton has no fp8e4nv type there, so the kernels take
     # the weight's codes as bytes and decode them (``B_BITS``; a config may ask for it, as the CPU tests do)
@@ -873,7 +813,7 @@ def fp8_gemm(
         # (a 16-bit a - weight-only, a_quant - doubles its tile)
         cfg["num_stages"] = pipeline_stages(cfg, a.element_size(), stage_budget(a.device))
     cfg.setdefault("SPLIT_K", 1)
-    _check_pdl_keys(cfg, pdl, a, b)
+    _check_pdl_keys(cfg, a)
     split_k = cfg["SPLIT_K"]
     tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
     # split-K: float32 partials [SPLIT_K, M, N], summed in the kernel by each tile's last split

@@ -82,7 +82,7 @@ def test_kernel_settings_hold_for_one_call(monkeypatch):
     assert with_kernel_setting(lambda: kernels.decode_pdl_keys(w, 1), "DECODE_PDL", PDL_KEYS)() == PDL_KEYS
     with pytest.raises(RuntimeError):
         with_kernel_setting(fails, "DECODE_PDL", PDL_KEYS)()
-    assert kernels.DECODE_PDL == {} and kernels.decode_pdl_keys(w, 1) == {}
+    assert kernels.DECODE_PDL == {} and kernels.decode_pdl_keys(w, 1) == {}  # (the default: PDL without keys)
 
 
 def test_plain_call_rows_carry_their_host_time(monkeypatch):

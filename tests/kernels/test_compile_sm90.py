@@ -59,7 +59,7 @@ def compile_kernel(fn, types: dict, consts: dict, aligned: list, num_warps: int,
 
 def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool = False, a_quant: int = 0,
                        pdl: bool = False, exact_codes: bool = True, arch: int = 90, budget: int = 200 * 1024,
-                       b_bits: bool = False, trigger: bool = False, prefetch: int = 0):
+                       b_bits: bool = False, trigger: bool = False):
     """``fp8_gemm_kernel`` compiled for sm_``arch`` at the tile ``cfg``, its stages as ``fp8_gemm`` sets them for a
     device of ``stage_budget`` ``budget``; ``b_bits``: the weight as bytes (``B_BITS``, weight-only before sm_89)."""
     y_type = "*fp32" if cfg.get("SPLIT_K", 1) > 1 else "*bf16"  # split-K writes float32 partials
@@ -78,7 +78,7 @@ def compile_for_hopper(a_dtype: str, layout: tuple, cfg: dict, fast_accum: bool 
                   SPLIT_K=cfg.get("SPLIT_K", 1), A_QUANT=a_quant, N_PARTS=448,
                   PARTS_BLOCK=parts_block(448, cfg["BLOCK_M"]), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl,
                   B_DESC=bool(cfg.get("TMA")), EXACT_CODES=exact_codes, SWAP_AB=cfg.get("SWAP_AB", False),
-                  A_DESC=bool(a_tma), B_BITS=b_bits, PDL_TRIGGER=trigger, L2_PREFETCH=prefetch)
+                  A_DESC=bool(a_tma), B_BITS=b_bits, PDL_TRIGGER=trigger)
     aligned = POINTERS + ["N", "K", "stride_am", "stride_bn", "stride_ym"]
     stages = pipeline_stages({**cfg, "BLOCK_K": consts["BLOCK_K"]}, 1 if a_dtype == "fp8e4nv" else 2, budget)
     return compile_kernel(fp8_gemm_kernel, types, consts, aligned, cfg["num_warps"], stages, arch)
@@ -414,7 +414,7 @@ GEMV_INTS = ["N", "K", "stride_ak", "stride_bn", "stride_yn", "stride_ys", "stri
 
 
 def compile_gemv(a_dtype: str, cfg: dict, a_quant: int = 0, b_rowwise: bool = True, pdl: bool = False,
-                 blocks: bool = False, arch: int = 90, b_bits: bool = False, trigger: bool = False, prefetch: int = 0):
+                 blocks: bool = False, arch: int = 90, b_bits: bool = False, trigger: bool = False):
     """``blocks``: 1x128 activation groups and 128x128 weight blocks; ``b_bits``: the weight as bytes (``B_BITS``)."""
     cfg = {k: v for k, v in cfg.items() if k not in ("GEMV", "BLOCK_M")}
     y_type = "*fp32" if cfg["SPLIT_K"] > 1 else "*bf16"
@@ -425,7 +425,7 @@ def compile_gemv(a_dtype: str, cfg: dict, a_quant: int = 0, b_rowwise: bool = Tr
                   B_GROUPED=blocks, B_BLOCK_N=128 if blocks else 1, GROUP_K=128 if blocks else 1, HAS_BIAS=True,
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"], EVEN_K=True, A_QUANT=a_quant,
                   N_PARTS=448, PARTS_BLOCK=parts_block(448, 1), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl,
-                  K_STAGES=cfg.get("K_STAGES", 1), B_BITS=b_bits, PDL_TRIGGER=trigger, L2_PREFETCH=prefetch)
+                  K_STAGES=cfg.get("K_STAGES", 1), B_BITS=b_bits, PDL_TRIGGER=trigger)
     return compile_kernel(fp8_gemv_kernel, types, consts, GEMV_POINTERS + ["N", "K", "stride_bn"], cfg["num_warps"],
                           cfg["num_stages"], arch)
 
@@ -485,32 +485,29 @@ def test_gemv_compiles_for_sm90(n, k, a_dtype, a_quant, blocks, pipelined):
 
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 14336), (1, 6144, 4096), (24, 28672, 4096), (24, 6144, 4096),
                                    (32, 4096, 4096), (64, 4096, 14336), (16, 4096, 4096)])
-def test_pdl_trigger_and_l2_prefetch_compile_for_sm90(m, n, k):
-    """``PDL_TRIGGER`` and ``L2_PREFETCH`` at the decode tiles (the GEMV at one row: down; qkv's tensor-core tile,
-    ``gemv_fits``): each program prefetches its weight rows into L2 - bulk prefetches, predicated - before
-    ``griddepcontrol.wait``, and reads or writes no memory before it; it lets the next kernel launch after the wait
-    (not before: a kernel launched after it may take every kernel before it as finished). Nothing more spills than
-    without them."""
+def test_pdl_trigger_compiles_for_sm90(m, n, k):
+    """``PDL_TRIGGER`` at the decode tiles (the GEMV at one row: down; qkv's tensor-core tile, ``gemv_fits``): each
+    program reads or writes no memory before ``griddepcontrol.wait`` and lets the next kernel launch after it (not
+    before: a kernel launched after it may take every kernel before it as finished). Nothing more spills than
+    without it."""
     from fp8fx.kernels.fp8_gemm import gemv_fits
 
     cfg = tile_config(m, n, k)
     if m == 1 and gemv_fits(m, n, k):
         cfg = gemv_config(n, k)
-        plain, kernel = (compile_gemv("fp8e4nv", cfg, pdl=True, **kw) for kw in ({}, dict(trigger=True, prefetch=2048)))
+        plain, kernel = (compile_gemv("fp8e4nv", cfg, pdl=True, **kw) for kw in ({}, dict(trigger=True)))
     else:
         plain, kernel = (compile_for_hopper("fp8e4nv", LAYOUTS["per-row"], cfg, pdl=True, **kw)
-                         for kw in ({}, dict(trigger=True, prefetch=2048)))
+                         for kw in ({}, dict(trigger=True)))
     ptx = kernel.asm["ptx"]
     before = ptx[:ptx.index("griddepcontrol.wait")]
     assert "griddepcontrol.launch_dependents" not in before
     assert "griddepcontrol.launch_dependents" in ptx[ptx.index("griddepcontrol.wait"):]
-    assert re.search(r"@p cp\.async\.bulk\.prefetch\.L2\.global \[%rd\d+\], %r\d+;", before), before[-3000:]
     memory = r"\b(ld\.global|cp\.async\.(ca|cg)|cp\.async\.bulk\.tensor|atom\.|red\.|st\.global)"
     assert not re.search(memory, before), before[-2000:]
-    assert "cp.async.bulk.prefetch" not in ptx[ptx.index("griddepcontrol.wait"):]
     assert "griddepcontrol" not in plain.asm["ptx"].replace("griddepcontrol.wait", "")
-    # and so in the machine code: the L2 prefetches (UBLKPF.L2), the wait (ACQBULK), then the trigger (PREEXIT)
+    # and so in the machine code: the wait (ACQBULK), then the trigger (PREEXIT)
     code = sass(kernel)
-    order = [code.find(op) for op in ("UBLKPF.L2", "ACQBULK", "PREEXIT")]
-    assert -1 < order[0] < order[1] < order[2] and code.rfind("UBLKPF") < order[1], order
+    order = [code.find(op) for op in ("ACQBULK", "PREEXIT")]
+    assert -1 < order[0] < order[1], order
     assert stack_bytes(kernel) <= stack_bytes(plain), (stack_bytes(kernel), stack_bytes(plain))

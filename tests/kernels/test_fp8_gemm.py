@@ -202,21 +202,19 @@ def test_split_k_under_inductor_cudagraph_trees(m, n):
 @pytest.mark.cuda
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 14336), (1, 96, 160), (7, 200, 304), (24, 6144, 4096), (24, 28672, 4096),
                                    (40, 4096, 1104), (64, 4096, 14336)])
-def test_pdl_trigger_and_l2_prefetch_cuda(m, n, k):
-    """The PDL tile keys change no bit: each default tile (the GEMV at one row, split K, K steps of 512 with a ragged
-    last one, ragged N; whole rows in one prefetch or one a row) with ``PDL_TRIGGER`` and an ``L2_PREFETCH`` of 16
-    bytes, 2 KiB, 64 KiB (more than any row's K run) or ``PREFETCH_MAX`` gives the plain launch's output."""
-    from fp8fx.kernels.fp8_gemm import PREFETCH_MAX, fp8_gemm, for_device, tile_config
+def test_pdl_launches_and_trigger_cuda(m, n, k):
+    """Launched as a programmatic dependent, with and without ``PDL_TRIGGER``, each default tile (the GEMV at one
+    row, split K, K steps of 512 with a ragged last one, ragged N) gives the plain launch's bits."""
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, for_device, tile_config
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90")
     xq, xs, wq, ws, bias = operands(m, n, k, [1, -1], [1, -1], "cuda")
     cfg = for_device(tile_config(m, n, k), xq.device)
-    plain = fp8_gemm(xq, wq, xs, ws, bias.bfloat16(), torch.bfloat16, config=cfg)
-    for prefetch in (16, 2048, 1 << 16, PREFETCH_MAX.value):
-        pdl_cfg = {**cfg, "PDL_TRIGGER": True, "L2_PREFETCH": prefetch}
+    plain = fp8_gemm(xq, wq, xs, ws, bias.bfloat16(), torch.bfloat16, config=cfg, pdl=False)
+    for pdl_cfg in (cfg, {**cfg, "PDL_TRIGGER": True}):
         assert torch.equal(fp8_gemm(xq, wq, xs, ws, bias.bfloat16(), torch.bfloat16, config=pdl_cfg, pdl=True),
-                           plain), (cfg, prefetch)
+                           plain), pdl_cfg
 
 
 @pytest.mark.cuda
@@ -224,8 +222,7 @@ def test_pdl_trigger_and_l2_prefetch_cuda(m, n, k):
 def test_pdl_chain_reads_what_the_launch_before_wrote_cuda(m):
     """A slow GEMM (a 14336 x 14336 weight), then two small ones, each reading the one before's bf16 output (quantized as
     loaded by a static scale), captured in a CUDA graph with every launch a programmatic dependent that lets the next
-    one start once it has waited and prefetches its weight into L2 while it waits: each replay on new x gives the plain
-    launches' output for that x. A GEMM that read its input before the slow one had written it would give the last
+    one start once it has waited: each replay on new x gives the plain launches' output for that x. A GEMM that read its input before the slow one had written it would give the last
     replay's (or a mix)."""
     from fp8fx.kernels.fp8_gemm import QUANT_STATIC, fp8_gemm, for_device, tile_config
 
@@ -242,7 +239,7 @@ def test_pdl_chain_reads_what_the_launch_before_wrote_cuda(m):
         h = x
         for (w, s), (n, k) in zip(weights, sizes):
             tile = for_device(tile_config(m, n, k, a_quant=True), x.device)
-            tile = {**tile, "PDL_TRIGGER": True, "L2_PREFETCH": 1 << 16} if pdl else tile
+            tile = {**tile, "PDL_TRIGGER": True} if pdl else tile
             h = fp8_gemm(h, w, static, s, None, torch.bfloat16, config=tile, a_quant=QUANT_STATIC, pdl=pdl)
         return h
 
@@ -261,9 +258,9 @@ def test_pdl_chain_reads_what_the_launch_before_wrote_cuda(m):
 
 @pytest.mark.cuda
 def test_decode_pdl_setting_cuda(monkeypatch):
-    """``DECODE_PDL`` set: default launches of 1-64 rows (the GEMV, the 32-row transposed tile, split K) take its keys
-    as programmatic dependents and give the same bits as without, plainly and as CUDA-graph replays; 65 rows and a
-    given config do not take them."""
+    """``DECODE_PDL``: default launches of 1-64 rows (the GEMV, the 32-row transposed tile, split K) go as programmatic
+    dependents - by default without keys, or with ``PDL_TRIGGER`` - and give the same bits as plain launches, called
+    and as CUDA-graph replays; 65 rows and a given config go plainly."""
     from fp8fx.kernels import fp8_gemm as kernels
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -273,58 +270,48 @@ def test_decode_pdl_setting_cuda(monkeypatch):
     monkeypatch.setattr(kernels, "decode_pdl_keys", lambda b, m: taken.append(keys_of(b, m)) or taken[-1])
     for m, n, k in ((1, 4096, 14336), (24, 6144, 4096), (64, 4096, 14336), (65, 256, 512)):
         xq, xs, wq, ws, _ = operands(m, n, k, [1, -1], [1, -1], "cuda")
-        want = kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16)
-        monkeypatch.setattr(kernels, "DECODE_PDL", {"PDL_TRIGGER": True, "L2_PREFETCH": 4096})
-        taken.clear()
+        want = kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, pdl=False)
         run = lambda: kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16)  # noqa: E731
-        assert torch.equal(run(), want), (m, n, k)
-        assert taken == [{} if m > 64 else {"PDL_TRIGGER": True, "L2_PREFETCH": 4096}], (m, taken)
-        assert_graph_replays_equal(run, want)
+        for keys in ({}, {"PDL_TRIGGER": True}):
+            monkeypatch.setattr(kernels, "DECODE_PDL", keys)
+            taken.clear()
+            assert torch.equal(run(), want), (m, n, k, keys)
+            assert taken == [None if m > 64 else keys], (m, taken)
+            assert_graph_replays_equal(run, want)
         taken.clear()
         kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=kernels.tile_config(m, n, k))
         assert taken == []
-        monkeypatch.setattr(kernels, "DECODE_PDL", {})
 
 
 def test_pdl_tile_keys_are_checked_before_a_launch(monkeypatch):
-    """``PDL_TRIGGER`` / ``L2_PREFETCH`` in a config: sm_90 and newer only (the CPU is refused, naming the keys), the
-    prefetch with ``pdl=True`` only, 16 bytes to ``PREFETCH_MAX`` in steps of 16, on weight rows 16-byte aligned and
-    K steps of a multiple of 16. ``DECODE_PDL`` takes those two keys only, on sm_90 only, up to 64 rows, and leaves the
-    prefetch out on a weight it cannot address."""
+    """``PDL_TRIGGER`` in a config: sm_90 and newer only (the CPU is refused, naming the key). ``DECODE_PDL``: on by
+    default without keys, ``PDL_TRIGGER`` its only key, on sm_90 only, up to 64 rows; None turns it off."""
     from fp8fx.kernels import fp8_gemm as kernels
 
     xq, xs, wq, ws, _ = operands(2, 64, 256, [1, -1], [1, -1], "cpu")
-    for key, value in (("PDL_TRIGGER", True), ("L2_PREFETCH", 2048)):
-        with pytest.raises(ValueError, match=f"{key}.*compute capability 9.0 or newer; a is on cpu"):
-            kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16,
-                             config={**kernels.tile_config(2, 64, 256), key: value})
-    # (the checks past the device's, as on a Hopper GPU)
+    with pytest.raises(ValueError, match="PDL_TRIGGER=True needs a CUDA GPU of compute capability 9.0 or newer; a is "
+                                         "on cpu"):
+        kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16,
+                         config={**kernels.tile_config(2, 64, 256), "PDL_TRIGGER": True})
+    w = torch.empty(64, 256, dtype=torch.uint8)
+    assert kernels.DECODE_PDL == {} and kernels.decode_pdl_keys(w, 1) is None  # (not on sm_90: the CPU)
+    # (as on the H200)
     monkeypatch.setattr(kernels, "_hopper", lambda t, exactly=False: True)
-    aligned, tile = torch.empty(64, 256, dtype=torch.uint8), {"BLOCK_K": 128}
-    kernels._check_pdl_keys({**tile, "PDL_TRIGGER": True}, False, xq, aligned)
-    kernels._check_pdl_keys({**tile, "PDL_TRIGGER": True, "L2_PREFETCH": 2048}, True, xq, aligned)
-    kernels._check_pdl_keys({**tile, "L2_PREFETCH": kernels.PREFETCH_MAX.value}, True, xq, aligned)
-    with pytest.raises(ValueError, match="L2_PREFETCH=2048 .*pdl=True"):
-        kernels._check_pdl_keys({**tile, "L2_PREFETCH": 2048}, False, xq, aligned)
-    for bad in (100, -16, 1 << 20, 2048.0):
-        with pytest.raises(ValueError, match=f"L2_PREFETCH={bad!r}; it takes a multiple of 16 bytes from 16 to"):
-            kernels._check_pdl_keys({**tile, "L2_PREFETCH": bad}, True, xq, aligned)
-    with pytest.raises(ValueError, match="rows 40 bytes apart"):
-        kernels._check_pdl_keys({**tile, "L2_PREFETCH": 2048}, True, xq, torch.empty(64, 40, dtype=torch.uint8))
-    with pytest.raises(ValueError, match="BLOCK_K is 24"):
-        kernels._check_pdl_keys({"BLOCK_K": 24, "L2_PREFETCH": 2048}, True, xq, aligned)
-
-    keys = {"PDL_TRIGGER": True, "L2_PREFETCH": 4096}
-    assert kernels.decode_pdl_keys(aligned, 1) == {}  # (off by default)
+    kernels._check_pdl_keys({"PDL_TRIGGER": True}, xq)
+    assert kernels.decode_pdl_keys(w, 64) == {} and kernels.decode_pdl_keys(w, 65) is None
+    keys = {"PDL_TRIGGER": True}
     monkeypatch.setattr(kernels, "DECODE_PDL", keys)
-    assert kernels.decode_pdl_keys(aligned, 64) == keys and kernels.decode_pdl_keys(aligned, 65) == {}
-    assert kernels.decode_pdl_keys(aligned[:, 1:], 1) == {"PDL_TRIGGER": True}
-    monkeypatch.setattr(kernels, "DECODE_PDL", {**keys, "BLOCK_N": 32})
-    with pytest.raises(ValueError, match=r"DECODE_PDL: keys \['BLOCK_N'\]"):
-        kernels.decode_pdl_keys(aligned, 1)
+    assert kernels.decode_pdl_keys(w, 1) == keys and kernels.decode_pdl_keys(w, 1) is not keys
+    monkeypatch.setattr(kernels, "DECODE_PDL", None)
+    assert kernels.decode_pdl_keys(w, 1) is None
+    for bad in ({"L2_PREFETCH": 4096}, {**keys, "BLOCK_N": 32}):
+        monkeypatch.setattr(kernels, "DECODE_PDL", bad)
+        with pytest.raises(ValueError, match=r"DECODE_PDL: keys \['(L2_PREFETCH|BLOCK_N)'\]; it takes "
+                                             r"\['PDL_TRIGGER'\]"):
+            kernels.decode_pdl_keys(w, 1)
     monkeypatch.setattr(kernels, "DECODE_PDL", keys)
     monkeypatch.setattr(kernels, "_hopper", lambda t, exactly=False: not exactly)  # (a GPU after sm_90: not timed)
-    assert kernels.decode_pdl_keys(aligned, 1) == {}
+    assert kernels.decode_pdl_keys(w, 1) is None
 
 
 def test_25_to_64_rows_of_few_n_tiles_take_long_unsplit_k_steps():
@@ -616,75 +603,6 @@ INTERPRETER_CHECK = textwrap.dedent(
 
 def test_fp8_gemm_under_triton_interpreter():
     assert "interpreter ok" in run_under_triton_interpreter(["-c", INTERPRETER_CHECK])
-
-
-PLAN_CHECK = textwrap.dedent(
-    """
-    import torch
-    import triton
-    import triton.language as tl
-    from fp8fx.kernels.fp8_gemm import PREFETCH_MAX, _prefetch_plan
-
-    @triton.jit
-    def plan_kernel(offs_ptr, bytes_ptr, on_ptr, N, K, stride_bn, L2_PREFETCH: tl.constexpr, BLOCK_K: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
-        # what fp8_gemm_kernel's programs would prefetch (its split and tile arithmetic), as byte offsets into b
-        split = tl.program_id(0) % SPLIT_K
-        pid_n = tl.program_id(0) // SPLIT_K
-        k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
-        offs, nbytes, on = _prefetch_plan(N - pid_n * BLOCK_N, stride_bn, split * k_steps, k_steps, K, L2_PREFETCH,
-                                          BLOCK_K, BLOCK_N)
-        at = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(offs_ptr + at, offs + (pid_n * BLOCK_N).to(tl.int64) * stride_bn)
-        tl.store(bytes_ptr + at, nbytes)
-        tl.store(on_ptr + at, on.to(tl.int32))
-
-    def wanted(n, k, stride, l2, bk, bn, split):
-        # each row's bytes that each split's program should prefetch: its K run, the first l2 bytes, 16-byte units
-        steps = -(-(-(-k // bk)) // split)
-        want = set()
-        for row in range(n):
-            for s in range(split):
-                first = s * steps * bk
-                run = (min(min((s + 1) * steps * bk, k) - first, l2) // 16) * 16
-                want |= {row * stride + first + b for b in range(run)} if run > 0 else set()
-        return want
-
-    # (N, K, row stride, L2_PREFETCH, BLOCK_K, BLOCK_N, SPLIT_K): whole rows of one range, the last tile ragged;
-    # split K with a ragged last split; the prefetch shorter than a row's run; rows wider than K (a slice); splits past
-    # K; a tile over PREFETCH_MAX (one prefetch a row)
-    cases = [(100, 512, 512, 1 << 16, 128, 32, 1), (100, 1104, 1104, 1 << 16, 512, 32, 2),
-             (70, 1104, 1104, 256, 512, 64, 2), (70, 512, 528, 1 << 16, 128, 32, 1), (40, 512, 512, 1 << 16, 256, 16, 4),
-             (130, 16384, 16384, 1 << 16, 128, 128, 1)]
-    for n, k, stride, l2, bk, bn, split in cases:
-        programs = -(-n // bn) * split
-        offs = torch.zeros(programs * bn, dtype=torch.int64)
-        nbytes, on = torch.zeros(programs * bn, dtype=torch.int32), torch.zeros(programs * bn, dtype=torch.int32)
-        plan_kernel[(programs,)](offs, nbytes, on, n, k, stride, L2_PREFETCH=l2, BLOCK_K=bk, BLOCK_N=bn,
-                                 SPLIT_K=split)
-        got, ranges = set(), 0
-        for o, b in zip(offs[on.bool()].tolist(), nbytes[on.bool()].tolist()):
-            assert o % 16 == 0 and b % 16 == 0 and 0 < b <= PREFETCH_MAX.value, (n, k, o, b)
-            assert not got & set(range(o, o + b)), (n, k, o, b)  # (each byte once)
-            got |= set(range(o, o + b))
-            ranges += 1
-        assert got == wanted(n, k, stride, l2, bk, bn, split), (n, k, stride, l2, bk, bn, split)
-        one_range = stride == k and split == 1 and l2 >= k and bn * k <= PREFETCH_MAX.value
-        assert ranges == (-(-n // bn) if one_range else len({o for o in offs[on.bool()].tolist()})), ranges
-        if one_range:  # (whole tiles: one prefetch a program, not one a row)
-            assert ranges < n
-    print("plan ok")
-    """
-)
-
-
-def test_prefetch_plan_under_triton_interpreter():
-    """The weight bytes the PDL prefetch asks for (``_prefetch_plan``, as ``fp8_gemm_kernel``'s programs call it):
-    exactly each row's first ``L2_PREFETCH`` bytes of each split's K run, in 16-byte ranges, each byte once, within the
-    weight (a prefetch is a hint: a wrong address changes no output, only the time). Whole rows that are one range go
-    in one prefetch a program; rows wider than K, splits, a short prefetch and a tile over ``PREFETCH_MAX`` in one a
-    row; splits past K and rows past N in none."""
-    assert "plan ok" in run_under_triton_interpreter(["-c", PLAN_CHECK])
 
 
 TMA_CHECK = textwrap.dedent(

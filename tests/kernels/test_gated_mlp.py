@@ -325,9 +325,9 @@ def test_gated_mlp_cuda_graph_replays(down):
 @pytest.mark.cuda
 @pytest.mark.parametrize("m,h_group", [(1, 0), (16, 0), (32, 128)])
 def test_gated_mlp_with_decode_pdl_cuda(monkeypatch, m, h_group):
-    """``fp8_gemm.DECODE_PDL`` set: the down GEMM (already a programmatic dependent of the gate/up kernel) takes its
-    trigger and L2 prefetch - the GEMV at one token, split tiles at 16, h in groups at 32 - and the op's bits do not
-    change, plainly and as CUDA-graph replays."""
+    """``fp8_gemm.DECODE_PDL`` with ``PDL_TRIGGER``: the down GEMM (already a programmatic dependent of the gate/up
+    kernel) takes the trigger - the GEMV at one token, split tiles at 16, h in groups at 32 - and the op's bits do not
+    change from ``DECODE_PDL`` None's, called and as CUDA-graph replays."""
     from fp8fx.kernels import fp8_gemm as kernels
     from fp8fx.kernels import gated_mlp as module
 
@@ -338,13 +338,14 @@ def test_gated_mlp_with_decode_pdl_cuda(monkeypatch, m, h_group):
     h_quant = module.QUANT_GROUPS if h_group else kernels.QUANT_ROWS
     run = lambda: module.gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, bias, h_quant, None,  # noqa: E731
                                    torch.bfloat16, torch.bfloat16, h_group=h_group)
+    monkeypatch.setattr(kernels, "DECODE_PDL", None)
     want = run()
     taken = []
     keys_of = module.decode_pdl_keys
     monkeypatch.setattr(module, "decode_pdl_keys", lambda b, m: taken.append(keys_of(b, m)) or taken[-1])
-    monkeypatch.setattr(kernels, "DECODE_PDL", {"PDL_TRIGGER": True, "L2_PREFETCH": 1 << 16})
+    monkeypatch.setattr(kernels, "DECODE_PDL", {"PDL_TRIGGER": True})
     assert torch.equal(run(), want)
-    assert taken == [{"PDL_TRIGGER": True, "L2_PREFETCH": 1 << 16}], taken
+    assert taken == [{"PDL_TRIGGER": True}], taken
     assert_graph_replays_equal(run, want)
 
 
