@@ -49,14 +49,16 @@ from bench_linear import with_kernel_setting  # noqa: E402  (benchmarks/ on sys.
 LLAMA3_8B = dict(dim=4096, hidden=14336, heads=32, kv_heads=8, head_dim=128)
 TINY = dict(dim=256, hidden=512, heads=4, kv_heads=2, head_dim=64)
 VARIANTS = ("bf16_inductor", "torchao_rowwise", "fp8fx", "fp8fx_fused", "bf16_inductor_pdl", "fp8fx_fused_pdl",
-            "fp8fx_fused_ipdl", "fp8fx_fused_gpdl")
+            "fp8fx_fused_ipdl", "fp8fx_fused_gpdl", "fp8fx_fused_nopdl")
 DEFAULT_VARIANTS = VARIANTS[:4]
 # the *_pdl variants: Inductor's kernels (``PDL``) and fp8fx's decode GEMMs (``fp8_gemm.DECODE_PDL``) as programmatic
-# dependents; *_ipdl Inductor's alone, *_gpdl fp8fx's alone
+# dependents; *_ipdl Inductor's alone, *_gpdl fp8fx's alone; *_nopdl: fp8fx's decode GEMMs launched plainly (as before
+# run 35; ``DECODE_PDL = None``)
 PDL = {"triton.enable_pdl": True}
 FUSED = {"fuse_horizontal": True, "fuse_mlp": True}
 BACKENDS = {"fp8fx": {}, "fp8fx_fused": FUSED, "fp8fx_fused_pdl": {**FUSED, "inductor_config": PDL},
-            "fp8fx_fused_ipdl": {**FUSED, "inductor_config": PDL}, "fp8fx_fused_gpdl": FUSED}
+            "fp8fx_fused_ipdl": {**FUSED, "inductor_config": PDL}, "fp8fx_fused_gpdl": FUSED,
+            "fp8fx_fused_nopdl": FUSED}
 LINEARS = 7  # q, k, v, o, gate, up, down
 
 
@@ -138,6 +140,8 @@ def compiled(variant: str, layer: DecoderLayer):
     fn = torch.compile(layer, backend=backend, dynamic=False)
     if variant.endswith(("_pdl", "_gpdl")):  # (set while each call runs, the CUDA graph's capture among them)
         fn = with_kernel_setting(fn, "DECODE_PDL", PDL_KEYS)
+    elif variant.endswith("_nopdl"):
+        fn = with_kernel_setting(fn, "DECODE_PDL", None)
     return fn, backend, ""
 
 

@@ -234,15 +234,16 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
 MLP_VARIANTS = ("bf16_inductor", "fp8fx", "fp8fx_looped_quant", "fp8fx_fused_gate_up", "fp8fx_fused_mlp",
                 "fp8fx_fused_mlp_tokens", "fp8fx_fused_mlp_g128", "fp8fx_fused_mlp_g32", "fp8fx_mma",
                 "fp8fx_fused_mlp_mma", "fp8fx_fused_mlp_k1", "fp8fx_fused_mlp_rows", "fp8fx_pdl", "fp8fx_fused_mlp_pdl",
-                "inductor_scaled_mm", "torchao_rowwise")
+                "fp8fx_nopdl", "fp8fx_fused_mlp_nopdl", "inductor_scaled_mm", "torchao_rowwise")
 # fp8fx_fused_mlp: Fp8Backend(fuse_mlp=True) as it is (since run 31 h in 1x32 groups at one token, 1x128 from two,
 # per token at prefill); _tokens: h per token (mlp_h_group=None); _g128 / _g32: h in 1x128 / 1x32 groups named at
 # every token count. The default --variants leave out g128, g32 (h in 1x32 groups, the fused MLP's fastest op
 # at M = 1 in H200 run 19: 0.0495 ms against 0.0507 per token), the *_mma ones (the GEMV off), *_k1 (its loads
 # unpipelined), *_rows (per-token h through quantize_rows at 1-16 tokens too) and *_pdl (decode GEMMs - programmatic
 # dependents on sm_90 by default - letting the next launch start once they have waited: ``PDL_KEYS``,
-# ``fp8_gemm.DECODE_PDL``): they compare kernels, on request
-DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS if not v.endswith(("_mma", "_k1", "_g128", "_g32", "_rows", "_pdl")))
+# ``fp8_gemm.DECODE_PDL``), *_nopdl (those GEMMs launched plainly, as before run 35): they compare kernels, on request
+DEFAULT_VARIANTS = tuple(v for v in MLP_VARIANTS
+                         if not v.endswith(("_mma", "_k1", "_g128", "_g32", "_rows", "_pdl", "_nopdl")))
 # the *_pdl variants' ``fp8_gemm.DECODE_PDL``: the next launch let in once each program has waited (run 35's chains:
 # o 1.09-1.11x faster with it, qkv and down at 16 rows 0.86x and 0.90x)
 PDL_KEYS = {"PDL_TRIGGER": True}
@@ -255,7 +256,7 @@ def with_kernel_setting(fn, name: str, value, module=None):
     one), ``GEMV_K_STAGES = 1`` for ``*_k1`` (the GEMV's loads unpipelined, as before run 19), ``fp8fx.ops``'
     ``GATED_ROWS_MIN_M = 1`` for ``fp8fx_fused_mlp_rows`` (per-token h through ``quantize_rows`` at 1-16 tokens too,
     where the two kernels run by default: not timed against them as of run 29), ``DECODE_PDL = PDL_KEYS`` for
-    ``*_pdl``, each timed next to the default."""
+    ``*_pdl`` and None for ``*_nopdl``, each timed next to the default."""
     if module is None:
         from fp8fx.kernels import fp8_gemm as module
 
@@ -325,11 +326,11 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAUL
         variants["fp8fx_fused_mlp_rows"] = with_kernel_setting(
             fp8fx_module(fresh(), {"fuse_mlp": True, "mlp_h_group": None}, dynamic=False)[0], "GATED_ROWS_MIN_M", 1,
             module=fp8fx.ops)
-    if "fp8fx_pdl" in only:
-        variants["fp8fx_pdl"] = with_kernel_setting(fp8fx_module(fresh(), dynamic=False)[0], "DECODE_PDL", PDL_KEYS)
-    if "fp8fx_fused_mlp_pdl" in only:
-        variants["fp8fx_fused_mlp_pdl"] = with_kernel_setting(
-            fp8fx_module(fresh(), {"fuse_mlp": True}, dynamic=False)[0], "DECODE_PDL", PDL_KEYS)
+    for suffix, decode_pdl in (("_pdl", PDL_KEYS), ("_nopdl", None)):
+        for base, options in (("fp8fx", {}), ("fp8fx_fused_mlp", {"fuse_mlp": True})):
+            if base + suffix in only:
+                variants[base + suffix] = with_kernel_setting(
+                    fp8fx_module(fresh(), options, dynamic=False)[0], "DECODE_PDL", decode_pdl)
     if "inductor_scaled_mm" in only:
         variants["inductor_scaled_mm"] = torch.compile(ScaledMMMLP(fresh()), dynamic=False)
     if "torchao_rowwise" in only:

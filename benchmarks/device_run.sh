@@ -28,8 +28,8 @@
 #          pdltests: the PDL tile keys' GPU tests; pdlchain: tune_gemm.py --pdl (decode GEMMs' chains with PDL, its
 #          early trigger); layerpdl: the decoder layer, bf16 and fp8fx fused with and without PDL
 #          (Inductor's triton.enable_pdl; fp8fx's too, DECODE_PDL), torchao; decodepdl: the decode MLP block with and
-#          without fp8fx's; layerdiag: the layer,
-#          every variant but fp8fx_fused_ipdl)
+#          without fp8fx's (the default), with the trigger (*_pdl); layerpdl2: the layer at LAYER_MS
+#          (1 32), a process each, with and without fp8fx's PDL (default), the trigger, Inductor's)
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -220,15 +220,19 @@ if has layerpdl; then  # the same in a decode step: the decoder layer, bf16 and 
     --variants bf16_inductor,bf16_inductor_pdl,torchao_rowwise,fp8fx_fused,fp8fx_fused_pdl 2>&1 \
     | tee "$OUT/layer-pdl.txt"
 fi
-if has layerdiag; then  # the decoder layer without PDL, then each PDL variant in a process of its own next to bf16
-  timeout 420 python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer" --ms 1,32 --rounds 5 \
-    --variants bf16_inductor,torchao_rowwise,fp8fx,fp8fx_fused,bf16_inductor_pdl,fp8fx_fused_gpdl,fp8fx_fused_pdl \
-    2>&1 | tee "$OUT/layer.txt" | grep -v "^[01]  "
+if has layerpdl2; then  # the decoder layer, a process for each M (run 35: compiles slowed down in one for all):
+  # bf16, torchao, fp8fx fused with its decode GEMMs as PDL dependents (the default since run 35) and without, with
+  # the trigger, and with Inductor's PDL
+  v=bf16_inductor,torchao_rowwise,fp8fx_fused,fp8fx_fused_nopdl,fp8fx_fused_gpdl,bf16_inductor_pdl,fp8fx_fused_pdl
+  for m in ${LAYER_MS:-1 32}; do
+    timeout ${LAYER_TIMEOUT:-270} python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer-m$m" --ms $m --rounds 5 \
+      --variants $v 2>&1 | tee "$OUT/layer-m$m.txt" | grep -v "^[0-9]  \|^---\|^graph"
+  done
 fi
 if has decodepdl; then  # and the decode MLP block
+  v=bf16_inductor,fp8fx,fp8fx_nopdl,fp8fx_pdl,fp8fx_fused_mlp,fp8fx_fused_mlp_nopdl,fp8fx_fused_mlp_pdl
   timeout 280 python3 benchmarks/bench_linear.py --out "$OUT/decode-pdl" --skip-gemms --ms 1,32 --rounds 5 \
-    --graph-max-m 64 --variants bf16_inductor,fp8fx,fp8fx_pdl,fp8fx_fused_mlp,fp8fx_fused_mlp_pdl 2>&1 \
-    | tee "$OUT/decode-pdl.txt" | tail -30
+    --graph-max-m 64 --variants $v 2>&1 | tee "$OUT/decode-pdl.txt" | tail -30
 fi
 if has rows16; then  # per-token h at 1-16 tokens: the two kernels (default) against the three of 17-64 tokens
   timeout 330 python3 benchmarks/bench_linear.py --out "$OUT/rows16" --skip-gemms --ms 1,4,16 --rounds 7 \
