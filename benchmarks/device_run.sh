@@ -26,10 +26,9 @@
 #          4096; decode32: the decode MLP block at 32 tokens, every variant; rows16: per-token h's two kernels against
 #          the three at 1, 4 and 16 tokens; layer: bench_decoder_layer.py, the whole decoder layer at 1 and 32 tokens;
 #          pdltests: the PDL tile keys' GPU tests; pdlchain: tune_gemm.py --pdl (decode GEMMs' chains with PDL, its
-#          early trigger); layerpdl: the decoder layer, bf16 and fp8fx fused with and without PDL
-#          (Inductor's triton.enable_pdl; fp8fx's too, DECODE_PDL), torchao; decodepdl: the decode MLP block with and
-#          without fp8fx's (the default), with the trigger (*_pdl); layerpdl2: the layer at LAYER_MS
-#          (1 32), a process each, with and without fp8fx's PDL (default), the trigger, Inductor's)
+#          early trigger); layerpdl: the decoder layer at LAYER_MS (1 32), a process each: bf16 and fp8fx fused with
+#          and without PDL (Inductor's triton.enable_pdl; fp8fx's DECODE_PDL - the default - and its trigger),
+#          torchao; decodepdl: the decode MLP block with and without fp8fx's PDL, with the trigger (*_pdl))
 # Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
 # session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
 # "bench,moelayer --skip-gemms --kernels" (~5 min).
@@ -215,12 +214,8 @@ fi
 if has pdlchain; then  # those launches' chains: each decode GEMM at 1-64 rows, plain / PDL / trigger
   timeout 420 python3 benchmarks/tune_gemm.py --pdl 2>&1 | tee "$OUT/pdl-chains.txt"
 fi
-if has layerpdl; then  # the same in a decode step: the decoder layer, bf16 and fp8fx fused each with and without PDL
-  timeout 560 python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer-pdl" --ms 1,32 --rounds 5 \
-    --variants bf16_inductor,bf16_inductor_pdl,torchao_rowwise,fp8fx_fused,fp8fx_fused_pdl 2>&1 \
-    | tee "$OUT/layer-pdl.txt"
-fi
-if has layerpdl2; then  # the decoder layer, a process for each M (run 35: compiles slowed down in one for all):
+if has layerpdl; then  # the same in a decode step: the decoder layer, a process for each M (run 35: compiles slowed
+  # down in one for all):
   # bf16, torchao, fp8fx fused with its decode GEMMs as PDL dependents (the default since run 35) and without, with
   # the trigger, and with Inductor's PDL
   v=bf16_inductor,torchao_rowwise,fp8fx_fused,fp8fx_fused_nopdl,fp8fx_fused_gpdl,bf16_inductor_pdl,fp8fx_fused_pdl

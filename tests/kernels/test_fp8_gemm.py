@@ -222,8 +222,8 @@ def test_pdl_launches_and_trigger_cuda(m, n, k):
 def test_pdl_chain_reads_what_the_launch_before_wrote_cuda(m):
     """A slow GEMM (a 14336 x 14336 weight), then two small ones, each reading the one before's bf16 output (quantized as
     loaded by a static scale), captured in a CUDA graph with every launch a programmatic dependent that lets the next
-    one start once it has waited: each replay on new x gives the plain launches' output for that x. A GEMM that read its input before the slow one had written it would give the last
-    replay's (or a mix)."""
+    one start once it has waited: each replay on new x gives the plain launches' output for that x. A GEMM that read
+    its input before the slow one had written it would give the last replay's (or a mix)."""
     from fp8fx.kernels.fp8_gemm import QUANT_STATIC, fp8_gemm, for_device, tile_config
 
     if torch.cuda.get_device_capability() < (9, 0):
