@@ -28,10 +28,12 @@
 #          pdltests: the PDL tile keys' GPU tests; pdlchain: tune_gemm.py --pdl (decode GEMMs' chains with PDL, its
 #          early trigger); layerpdl: the decoder layer at LAYER_MS (1 32), a process each: bf16 and fp8fx fused with
 #          and without PDL (Inductor's triton.enable_pdl; fp8fx's DECODE_PDL - the default - and its trigger),
-#          torchao; decodepdl: the decode MLP block with and without fp8fx's PDL, with the trigger (*_pdl))
-# Carry .whl (expecttest, depyf, astor, dill, torchao). One device call runs at most 10 minutes; the
-# session has 30 (a cold start costs 1-2): e.g. "cudatests,decode", "moetests,gemmtests,moesweep" (~9 min),
-# "bench,moelayer --skip-gemms --kernels" (~5 min).
+#          torchao; decodepdl: the decode MLP block with and without fp8fx's PDL, with the trigger (*_pdl);
+#          xcuda: every cuda test under pytest-xdist; l2next: tune_gemm.py --l2-next)
+# Carry .whl (expecttest, depyf, astor, dill, torchao; pytest-xdist and execnet for xcuda). One device call runs at
+# most 10 minutes; the session has 30 (a cold start costs 1-2): e.g. "xcuda" (every cuda test, ~6 min in run 36),
+# "moetests,gemmtests,moesweep" (~9 min), "bench,moelayer --skip-gemms --kernels" (~5 min). Env: XDIST_N, XCUDA_TIMEOUT
+# (xcuda), LAYER_MS, LAYER_TIMEOUT, LAYER_VARIANTS (layerpdl).
 set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,compile,bench,moe
@@ -133,7 +135,14 @@ fi
 if has fusiontests; then  # Inductor's generated code on the GPU (kernel counts)
   timeout 150 $P -m cuda tests/e2e/test_fusion.py 2>&1 | tee "$OUT/pytest-cuda-fusion.log" | tail -5
 fi
-if has tests || has cudatests || has restcuda; then  # ~390 s on the H200 since run 13's long-K GEMM tiles
+if has l2next; then  # o's weight prefetched into L2 during attention, after the qkv GEMM, or not
+  timeout 150 python3 benchmarks/tune_gemm.py --l2-next 2>&1 | tee "$OUT/l2-next.txt"
+fi
+if has xcuda; then  # every cuda test, XDIST_N processes on the one GPU (carry pytest-xdist, execnet): run 36 found
+  # the cuda suite at 236 tests past a call's 10 minutes in one process (46 done in 480 s: compiles, not the GPU)
+  timeout ${XCUDA_TIMEOUT:-420} $P -n ${XDIST_N:-12} -m cuda tests 2>&1 | tee "$OUT/pytest-cuda-x.log" | tail -5
+fi
+if has tests || has cudatests || has restcuda; then  # one process: past 480 s since run 36 (xcuda instead)
   timeout 480 $P -m cuda --ignore=$moe tests 2>&1 | tee "$OUT/pytest-cuda.log" | tail -5
 fi
 if has tests; then
@@ -218,7 +227,7 @@ if has layerpdl; then  # the same in a decode step: the decoder layer, a process
   # down in one for all):
   # bf16, torchao, fp8fx fused with its decode GEMMs as PDL dependents (the default since run 35) and without, with
   # the trigger, and with Inductor's PDL
-  v=bf16_inductor,torchao_rowwise,fp8fx_fused,fp8fx_fused_nopdl,fp8fx_fused_gpdl,bf16_inductor_pdl,fp8fx_fused_pdl
+  v=${LAYER_VARIANTS:-bf16_inductor,torchao_rowwise,fp8fx_fused,fp8fx_fused_nopdl,fp8fx_fused_gpdl,bf16_inductor_pdl,fp8fx_fused_pdl}
   for m in ${LAYER_MS:-1 32}; do
     timeout ${LAYER_TIMEOUT:-270} python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer-m$m" --ms $m --rounds 5 \
       --variants $v 2>&1 | tee "$OUT/layer-m$m.txt" | grep -v "^[0-9]  \|^---\|^graph"

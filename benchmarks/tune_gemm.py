@@ -27,6 +27,7 @@
     python benchmarks/tune_gemm.py --small-n --duel  # their 17-64-row tiles against each other, 7 rounds
     python benchmarks/tune_gemm.py --small-n --deep  # narrow unsplit tiles with K steps of 256-512 instead
     python benchmarks/tune_gemm.py --pdl           # decode GEMMs' chains with PDL and its early trigger
+    python benchmarks/tune_gemm.py --l2-next       # o's weight prefetched into L2 during attention, or not
     python benchmarks/tune_gemm.py --tma-a         # fp8 activation tiles by TMA or cp.async (M = 16, 64)
     python benchmarks/tune_gemm.py --m64           # M = 64, h in groups: where the down GEMM's time goes, deeper
                                                    # pipelines, the gate/up kernel's stages, G = 64 against 128
@@ -886,6 +887,76 @@ def read_ceiling(sizes_mb=(16.8, 25.2, 58.7, 117.4), rounds=5, chain_bytes=256 <
             for label, t in med.items()), flush=True)
 
 
+@triton.jit
+def _l2_prefetch_kernel(x_ptr, nbytes, CHUNK: tl.constexpr, PIECE: tl.constexpr):
+    """Each program asks the L2 for its CHUNK bytes of x, PIECE bytes an instruction (``cp.async.bulk.prefetch.L2``:
+    no registers, no shared memory, nothing to wait on), then exits."""
+    offs = tl.program_id(0).to(tl.int64) * CHUNK + tl.arange(0, CHUNK // PIECE).to(tl.int64) * PIECE
+    size = tl.minimum(nbytes - offs, PIECE).to(tl.int32)
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.gt.s32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r", [x_ptr + offs, size], dtype=tl.int32, is_pure=False, pack=1)
+
+
+def l2_prefetch(x: torch.Tensor, chunk: int = 128 << 10, piece: int = 4 << 10) -> None:
+    """Launch ``_l2_prefetch_kernel`` over x's bytes (contiguous, 16-byte aligned, a multiple of 16 bytes long): one
+    warp a program, one piece a thread (fewer pieces than 32 would be issued by several threads each)."""
+    nbytes = x.numel() * x.element_size()
+    assert x.is_contiguous() and nbytes % 16 == 0 and x.data_ptr() % 16 == 0
+    _l2_prefetch_kernel[(triton.cdiv(nbytes, chunk),)](x.view(torch.uint8), nbytes, CHUNK=chunk, PIECE=piece,
+                                                       num_warps=1)
+
+
+def l2_next_study(ms=(1, 32), rounds=7, copies=8, ctx=1024):
+    """Where a decode step's HBM idles: between the q/k/v GEMM and o sit RoPE, the KV-cache write and attention, which
+    at one sequence read a few MB in a latency-bound ~10-20 us. A GEMM of o's size cannot reach 75% of the read speed
+    as a launch of its own (``read_ceiling``: 67%); this asks whether its weight, prefetched into L2 right after the
+    q/k/v GEMM while attention runs, makes o's launch fast enough to pay for the prefetch's launch.
+
+    ``copies`` layers' worth of qkv / o weights and KV caches of ``ctx`` positions (bf16, 8 KV heads, GQA), each layer
+    as: qkv GEMM, [prefetch of o's weight,] SDPA, o GEMM. Variants: "plain"; "prefetch" (``l2_prefetch`` of o's
+    weight after the qkv GEMM); "no o" (the o GEMM left out: what o adds is the difference); "prefetch only"
+    (qkv, prefetch, SDPA: what the prefetch launch costs by itself). CUDA-graph replays after a clean L2 flush,
+    ``rounds`` interleaved rounds; o's outputs with the prefetch checked bit for bit against plain."""
+    import torch.nn.functional as F
+
+    read = _read_speed()
+    print(f"read speed (sum of 2 GiB): {read:.2f} TB/s", flush=True)
+    for m in ms:
+        torch.manual_seed(m)
+        layers = []
+        for _ in range(copies):
+            xq, xs, wqkv, sqkv = _operands(m, *SHAPES["qkv"])
+            xo, so_, wo, so = _operands(m, *SHAPES["o"])
+            q = torch.randn(1, 32, m, 128, device="cuda", dtype=torch.bfloat16)
+            kv = torch.randn(2, 1, 8, ctx, 128, device="cuda", dtype=torch.bfloat16)
+            layers.append((xq, xs, wqkv, sqkv, xo, so_, wo, so, q, kv))
+
+        def step(prefetch: bool, o: bool = True):
+            def run():
+                outs = []
+                for xq, xs, wqkv, sqkv, xo, so_, wo, so, q, kv in layers:
+                    fp8_gemm(xq, wqkv, xs, sqkv, None, torch.bfloat16)
+                    if prefetch:
+                        l2_prefetch(wo)
+                    F.scaled_dot_product_attention(q, kv[0], kv[1], enable_gqa=True)
+                    if o:
+                        outs.append(fp8_gemm(xo, wo, so_, so, None, torch.bfloat16))
+                return outs
+            return run
+        runs = {"plain": step(False), "prefetch": step(True), "no o": step(False, o=False),
+                "prefetch only": step(True, o=False)}
+        assert all(torch.equal(a, b) for a, b in zip(runs["plain"](), runs["prefetch"]()))
+        med = {name: t / copies for name, t in _medians(runs, rounds).items()}
+        o_bytes = SHAPES["o"][0] * SHAPES["o"][1]
+        o_plain, o_pf = med["plain"] - med["no o"], med["prefetch"] - med["prefetch only"]
+        print(f"M={m} ({copies} layers), ms per layer: " + ", ".join(f"{k} {v:.4f}" for k, v in med.items())
+              + f" | o adds {o_plain:.4f} ms plain ({o_bytes / o_plain / 1e9 / read:.0%} of the read speed), "
+              f"{o_pf:.4f} after the prefetch ({o_bytes / o_pf / 1e9 / read:.0%}); the prefetch launch costs "
+              f"{med['prefetch only'] - med['no o']:.4f}; net per layer {med['plain'] - med['prefetch']:+.4f} ms",
+              flush=True)
+
+
 def down_duel(m=64, g=128, rounds=7, dim=4096, hidden=14336):
     """The fused MLP op at M = 64, h in 1 x g groups, with the down-GEMM tiles that ``sweep_m64`` put first (each
     timed once there, within 1.5% of each other) and the default (``down_tile_config``; run 21 timed this before the
@@ -1039,6 +1110,8 @@ def main(argv=None):
     p.add_argument("--pdl", action="store_true",
                    help="the decode GEMMs' chains with programmatic dependent launch and its trigger "
                         "(--ms: 1,16,32,64; --shapes: o,qkv,down,gate_up)")
+    p.add_argument("--l2-next", action="store_true",
+                   help="o's weight prefetched into L2 during attention, after the qkv GEMM (--ms: 1,32)")
     p.add_argument("--tma-a", action="store_true",
                    help="M = 16, 64: fp8 activation tiles by TMA (TMA_A) or not, the decode GEMMs and the fused MLP")
     p.add_argument("--balance", action="store_true", help="--m64: the gate/up kernel alone on 112 vs 132 programs")
@@ -1081,6 +1154,8 @@ def main(argv=None):
     if args.pdl:
         return pdl_duel(tuple(int(m) for m in (args.ms or "1,16,32,64").split(",")),
                         tuple((args.shapes or "o,qkv,down,gate_up").split(",")))
+    if args.l2_next:
+        return l2_next_study(tuple(int(m) for m in (args.ms or "1,32").split(",")))
     if args.tma_a:
         return tma_a_duel()
     if args.small_n and args.duel:
