@@ -687,6 +687,9 @@ def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[
 # this one has finished, as one that triggers after its own wait promises - Inductor's PDL code waits only before
 # reading what the kernel just before it wrote. It still starts while this one runs: one that touches this one's
 # output before its ``griddepcontrol.wait`` would race with it; fp8fx's and Inductor's kernels wait first.)
+# H200 run 36, the default itself against None in that layer (fp8fx fused, 5 rounds, a process for each M): 1.4% faster
+# at one token, within 0.3% at 16, 24, 32 and 64 tokens (one 32-token process with five variants had it 1.6% slower;
+# one with three, a tie): kept up to 64 rows.
 DECODE_PDL: Optional[dict] = {}
 DECODE_PDL_MAX_M = 64
 PDL_TILE_KEYS = ("PDL_TRIGGER",)
