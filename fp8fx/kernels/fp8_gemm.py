@@ -671,25 +671,25 @@ def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[
     return mode, scale.float().reshape(-1, cols).contiguous(), 1 if mode == PER_TENSOR else per
 
 
-# Default decode launches (M <= DECODE_PDL_MAX_M, no config given, ``pdl`` not False) on sm_90 - where they were
-# timed - go as programmatic dependents of the kernel before them (launched while it drains; each program waits for
-# it before its first access) with these tile keys; the fused MLP's down GEMM, one already, takes the keys. None:
-# launched plainly. Read at each call: bench_linear.py's and bench_decoder_layer.py's ``*_pdl`` variants set it
-# while they run (``with_kernel_setting``); ``tune_gemm.py --pdl`` times the GEMMs' chains.
-# H200 run 35 (torch 2.11, triton 3.6): as dependents without keys, each decode GEMM's chain of launches ran 1.003-1.036x
-# faster (o, qkv, down, gate_up at 1-64 rows), and a whole Llama-3-8B decoder layer at one token 1.018x (fp8fx's GEMMs
-# follow Inductor's kernels there; timed with ``PDL_TRIGGER``, which does nothing where no kernel after them is a
-# dependent). With ``PDL_TRIGGER`` (the next launch let in right after the wait) o's chain ran 1.09-1.11x faster, but
-# qkv's at 1 and 16 rows 0.96x and 0.86x, down's at 16 0.90x (the next GEMM's programs sit on the SMs this one
-# needs): so it is not the default. It pays where the next kernel is a dependent: with Inductor's
-# ``triton.enable_pdl`` too, that layer ran 1.049x faster than fp8fx without PDL. (``PDL_TRIGGER`` comes after the
-# wait: a kernel launched after one of these as a programmatic dependent then starts only once every kernel before
-# this one has finished, as one that triggers after its own wait promises - Inductor's PDL code waits only before
-# reading what the kernel just before it wrote. It still starts while this one runs: one that touches this one's
-# output before its ``griddepcontrol.wait`` would race with it; fp8fx's and Inductor's kernels wait first.)
+# Default decode launches (M <= DECODE_PDL_MAX_M, no config given, ``pdl`` not False) on sm_90 - where they were timed -
+# go as programmatic dependents of the kernel before them (launched while it drains; each program waits for it before
+# its first access) with these tile keys; the fused MLP's down GEMM, one already, takes the keys. None: launched
+# plainly. Read at each call: bench_linear.py's and bench_decoder_layer.py's ``*_pdl`` variants set it while they run
+# (``with_kernel_setting``); ``tune_gemm.py --pdl`` times the GEMMs' chains.
+# H200 run 35 (torch 2.11, triton 3.6): as dependents without keys, each decode GEMM's chain of launches ran
+# 1.003-1.036x faster (o, qkv, down, gate_up at 1-64 rows), and a whole Llama-3-8B decoder layer at one token 1.018x
+# (fp8fx's GEMMs follow Inductor's kernels there; timed with ``PDL_TRIGGER``, which does nothing where no kernel after
+# them is a dependent). With ``PDL_TRIGGER`` (the next launch let in right after the wait) o's chain ran 1.09-1.11x
+# faster, but qkv's at 1 and 16 rows 0.96x and 0.86x, down's at 16 0.90x (the next GEMM's programs sit on the SMs this
+# one needs): so it is not the default. It pays where the next kernel is a dependent: with Inductor's
+# ``triton.enable_pdl`` too, that layer ran 1.049x faster than fp8fx without PDL. (``PDL_TRIGGER`` comes after the wait:
+# a kernel launched after one of these as a programmatic dependent then starts only once every kernel before this one
+# has finished, as one that triggers after its own wait promises - Inductor's PDL code waits only before reading what
+# the kernel just before it wrote. It still starts while this one runs: one that touches this one's output before its
+# ``griddepcontrol.wait`` would race with it; fp8fx's and Inductor's kernels wait first.)
 # H200 run 36, the default itself against None in that layer (fp8fx fused, 5 rounds, a process for each M): 1.4% faster
-# at one token, within 0.3% at 16, 24, 32 and 64 tokens (one 32-token process with five variants had it 1.6% slower;
-# one with three, a tie): kept up to 64 rows.
+# at one token, within 0.3% at 16, 24, 32 and 64 tokens (one 32-token process with five variants had it 1.6% slower; one
+# with three, a tie): kept up to 64 rows.
 DECODE_PDL: Optional[dict] = {}
 DECODE_PDL_MAX_M = 64
 PDL_TILE_KEYS = ("PDL_TRIGGER",)
