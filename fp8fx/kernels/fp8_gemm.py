@@ -349,6 +349,34 @@ def fp8_gemm_kernel(
 
 
 @triton.jit
+def _gemv_products(a, b, k0, offs_n, n_ok, K, a_scale_ptr, b_scale_ptr, stride_ask, stride_bsn, stride_bsk, a_q_scale,
+                   a_q_inv, A_QUANT: tl.constexpr, A_GROUPED: tl.constexpr, B_GROUPED: tl.constexpr,
+                   B_BLOCK_N: tl.constexpr, GROUP_K: tl.constexpr, FP8_MAX: tl.constexpr, B_BITS: tl.constexpr,
+                   B_DTYPE: tl.constexpr):
+    """``fp8_gemv_kernel``'s float32 products [BN, W] of a loaded slice of a [W] and of b's codes [BN, W] (B_DTYPE's,
+    or bytes: ``B_BITS``), both from K index ``k0`` on; scales that change along K applied."""
+    W: tl.constexpr = a.shape[0]
+    a = a.to(tl.float32)
+    b = _e4m3_from_bits(b, tl.float32) if B_BITS else b.to(tl.float32)
+    if A_QUANT:  # the 16-bit row to fp8 codes as fp8_gemm_kernel's A_QUANT makes them
+        a = _codes_of(a, a_q_scale, a_q_inv, FP8_MAX).to(B_DTYPE).to(tl.float32)
+    if A_GROUPED or B_GROUPED:
+        # the K groups of the slice's 16-element pieces (a thread's 16 bytes of a row: one group when 16 | GROUP_K),
+        # their scales loaded once a piece and spread over its 16 elements
+        piece = k0 + 16 * tl.arange(0, W // 16)
+        group = piece // GROUP_K
+        g_ok = piece < K
+        if A_GROUPED:
+            sa = tl.load(a_scale_ptr + group * stride_ask, mask=g_ok, other=0.0)
+            a *= tl.reshape(tl.broadcast_to(sa[:, None], (W // 16, 16)), (W,))
+        if B_GROUPED:
+            sb = tl.load(b_scale_ptr + (offs_n // B_BLOCK_N)[:, None] * stride_bsn + group[None, :] * stride_bsk,
+                         mask=n_ok[:, None] & g_ok[None, :], other=0.0)
+            b *= tl.reshape(tl.broadcast_to(sb[:, :, None], (b.shape[0], W // 16, 16)), (b.shape[0], W))
+    return a[None, :] * b
+
+
+@triton.jit
 def fp8_gemv_kernel(
     # as fp8_gemm_kernel's, for one row of a (M == 1): y the float32 partials [SPLIT_K, 1, N] under split K
     a_ptr, b_ptr, y_ptr, a_scale_ptr, b_scale_ptr, bias_ptr, out_ptr, tickets_ptr,
@@ -359,7 +387,7 @@ def fp8_gemv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
     A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1, PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12,
     FP8_MAX: tl.constexpr = 448.0, PDL_WAIT: tl.constexpr = False, K_STAGES: tl.constexpr = 1,
-    B_BITS: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False,
+    B_BITS: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = False, PRE_WAIT: tl.constexpr = 0,
 ):
     """y[N] = a[K] . b[N, K] on the CUDA cores: each program streams BLOCK_N weight rows (over its split of K) in
     [BLOCK_N, BLOCK_K] tiles of 16-byte loads - straight into registers with ``K_STAGES=1``, else pipelined
@@ -368,7 +396,8 @@ def fp8_gemv_kernel(
     of fp8 codes are exact in float32; the sums round as a tensor core's float32 accumulation does, in another
     order. The activation's scale (per tensor = per row here) and b's are applied after the sum; scales that
     change along K (``A_GROUPED``: a's [1, K / GROUP_K], ``B_GROUPED``: b's [N / B_BLOCK_N, K / GROUP_K]) multiply
-    each element as it is loaded (a step spans BLOCK_K / GROUP_K groups). ``PDL_TRIGGER``: as fp8_gemm_kernel's."""
+    each element as it is loaded (a step spans BLOCK_K / GROUP_K groups). ``PDL_TRIGGER``, ``PRE_WAIT``: as
+    fp8_gemm_kernel's (here the first 1, 2 or 4 steps)."""
     split = tl.program_id(0) % SPLIT_K
     pid_n = tl.program_id(0) // SPLIT_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -377,15 +406,33 @@ def fp8_gemv_kernel(
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_first = split * k_steps
     b_tile = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
+    if PRE_WAIT:  # the weight's first PRE_WAIT steps of this split, loaded before the wait (`_pdl_start`)
+        offs_pre = tl.arange(0, PRE_WAIT * BLOCK_K)
+        # (the split's own steps only; with EVEN_K a multiple of BLOCK_K, so the loads stay 16 bytes wide)
+        k_stop = tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K)) * BLOCK_K
+        k_ok_pre = k_first * BLOCK_K + offs_pre < (k_stop if EVEN_K else tl.minimum(k_stop, K))
+        b_pre = tl.load(b_tile + tl.arange(0, BLOCK_N)[:, None] * stride_bn + k_first * BLOCK_K + offs_pre[None, :],
+                        mask=n_ok[:, None] & k_ok_pre[None, :], other=0.0)
+        a_offs_pre = (k_first * BLOCK_K + offs_pre) * stride_ak
     _pdl_start(PDL_WAIT, PDL_TRIGGER)
     b_offs = tl.arange(0, BLOCK_N)[:, None] * stride_bn + k_first * BLOCK_K + offs_k[None, :]  # [BN, BK], K-major
     a_offs = (k_first * BLOCK_K + offs_k) * stride_ak  # [BK]
+    a_q_scale, a_q_inv = 1.0, 1.0
     if A_QUANT:  # the row's scale and its reciprocal for `_codes_of`
         a_q_scale = tl.sum(_a_quant_scale(a_scale_ptr, tl.arange(0, 1), 1, 0, stride_ask, A_QUANT, N_PARTS,
                                           PARTS_BLOCK, EPS, FP8_MAX, 1), 0)  # [1] -> its element
         a_q_inv = tl.math.div_rn(1.0, a_q_scale)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k in tl.range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K)), num_stages=K_STAGES):
+    k_end = tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))
+    if PRE_WAIT:  # the steps loaded before the wait, now multiplied (a is the kernel before's to write)
+        a_pre = tl.load(a_ptr + a_offs_pre, mask=k_ok_pre, other=0.0)
+        part = _gemv_products(a_pre, b_pre, k_first * BLOCK_K, offs_n, n_ok, K, a_scale_ptr, b_scale_ptr, stride_ask,
+                              stride_bsn, stride_bsk, a_q_scale, a_q_inv, A_QUANT, A_GROUPED, B_GROUPED, B_BLOCK_N,
+                              GROUP_K, FP8_MAX, B_BITS, b_ptr.dtype.element_ty)
+        acc += tl.sum(tl.reshape(part, (BLOCK_N, PRE_WAIT, BLOCK_K)), axis=1)
+        b_offs += PRE_WAIT * BLOCK_K
+        a_offs += PRE_WAIT * BLOCK_K * stride_ak
+    for k in tl.range(k_first + PRE_WAIT, k_end, num_stages=K_STAGES):
         if EVEN_K:  # no K mask: the weight loads stay 16 bytes wide whatever Triton knows of K
             b = tl.load(b_tile + b_offs, mask=n_ok[:, None], other=0.0)
             a = tl.load(a_ptr + a_offs)
@@ -393,24 +440,9 @@ def fp8_gemv_kernel(
             k_ok = offs_k < K - k * BLOCK_K
             b = tl.load(b_tile + b_offs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             a = tl.load(a_ptr + a_offs, mask=k_ok, other=0.0)
-        a = a.to(tl.float32)
-        b = _e4m3_from_bits(b, tl.float32) if B_BITS else b.to(tl.float32)
-        if A_QUANT:  # the 16-bit row to fp8 codes as fp8_gemm_kernel's A_QUANT makes them
-            a = _codes_of(a, a_q_scale, a_q_inv, FP8_MAX).to(b_ptr.dtype.element_ty).to(tl.float32)
-        if A_GROUPED or B_GROUPED:
-            # the K groups of the step's 16-element pieces (a thread's 16 bytes of a row: one group when
-            # 16 | GROUP_K), their scales loaded once a piece and spread over its 16 elements
-            piece = k * BLOCK_K + 16 * tl.arange(0, BLOCK_K // 16)
-            group = piece // GROUP_K
-            g_ok = piece < K
-            if A_GROUPED:
-                sa = tl.load(a_scale_ptr + group * stride_ask, mask=g_ok, other=0.0)
-                a *= tl.reshape(tl.broadcast_to(sa[:, None], (BLOCK_K // 16, 16)), (BLOCK_K,))
-            if B_GROUPED:
-                sb = tl.load(b_scale_ptr + (offs_n // B_BLOCK_N)[:, None] * stride_bsn + group[None, :] * stride_bsk,
-                             mask=n_ok[:, None] & g_ok[None, :], other=0.0)
-                b *= tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, BLOCK_K // 16, 16)), (BLOCK_N, BLOCK_K))
-        acc += a[None, :] * b
+        acc += _gemv_products(a, b, k * BLOCK_K, offs_n, n_ok, K, a_scale_ptr, b_scale_ptr, stride_ask, stride_bsn,
+                              stride_bsk, a_q_scale, a_q_inv, A_QUANT, A_GROUPED, B_GROUPED, B_BLOCK_N, GROUP_K,
+                              FP8_MAX, B_BITS, b_ptr.dtype.element_ty)
         b_offs += BLOCK_K
         a_offs += BLOCK_K * stride_ak
     y = tl.sum(acc, axis=1)  # [BN]
@@ -690,9 +722,17 @@ def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[
 # H200 run 36, the default itself against None in that layer (fp8fx fused, 5 rounds, a process for each M): 1.4% faster
 # at one token, within 0.3% at 16, 24, 32 and 64 tokens (one 32-token process with five variants had it 1.6% slower; one
 # with three, a tie): kept up to 64 rows.
+# ``PRE_WAIT`` (H200 run 37: the GEMV's first K steps of the weight loaded before the wait, into registers) is not
+# in the default either. In chains of one-row launches with ``PDL_TRIGGER`` it paid: qkv 0.0079 ms a launch with 4
+# steps (76% of the read speed) against 0.0092 with the trigger alone and 0.0087 without it, down 0.0155 with 2
+# (0.0164 / 0.0167); o none (0.0064 against 0.0062). Without the trigger it changed nothing, or lost up to 8%
+# with 4 steps. In the decoder layer at one token it lost: 1.3% (2 steps) and 1.9% (4) on the default, a tie (2)
+# and 3.8% (4) with Inductor's PDL and the trigger. The tensor-core tiles' first step loaded so ran 1.0-1.5x slower
+# at 16-64 rows, so those tiles take no ``PRE_WAIT``.
 DECODE_PDL: Optional[dict] = {}
 DECODE_PDL_MAX_M = 64
-PDL_TILE_KEYS = ("PDL_TRIGGER",)
+PDL_TILE_KEYS = ("PDL_TRIGGER", "PRE_WAIT")
+PRE_WAIT_STEPS = (0, 1, 2, 4)  # ``PRE_WAIT``'s values: K steps of the weight loaded before the wait
 
 
 def _hopper(t: torch.Tensor, exactly: bool = False) -> bool:
@@ -718,10 +758,19 @@ def decode_pdl_keys(b: torch.Tensor, m: int) -> Optional[dict]:
 
 
 def _check_pdl_keys(cfg: dict, a: torch.Tensor) -> None:
-    """A launch's tile key ``PDL_TRIGGER``: an sm_90 instruction."""
+    """A launch's tile keys ``PDL_TRIGGER`` (an sm_90 instruction) and ``PRE_WAIT`` (the GEMV kernel's only:
+    ``PRE_WAIT_STEPS``, its first K steps of the weight loaded before the PDL wait; without PDL there is no wait, and
+    the steps are only peeled off the loop)."""
     if cfg.get("PDL_TRIGGER", False) and not _hopper(a):
         raise ValueError(f"fp8_gemm: config PDL_TRIGGER=True needs a CUDA GPU of compute capability 9.0 or newer; a is "
                          f"on {a.device}: leave it out of the config")
+    if cfg.get("PRE_WAIT", 0) and not cfg.get("GEMV", False):
+        raise ValueError(f"fp8_gemm: config PRE_WAIT={cfg['PRE_WAIT']!r} is the GEMV kernel's (GEMV=True, one row); "
+                         f"the tensor-core tiles ran 1.0-1.5x slower with their first step loaded before the wait "
+                         f"(H200 run 37): leave it out of the config")
+    if cfg.get("PRE_WAIT", 0) not in PRE_WAIT_STEPS:
+        raise ValueError(f"fp8_gemm: config PRE_WAIT={cfg['PRE_WAIT']!r}; it takes one of {list(PRE_WAIT_STEPS)} (K "
+                         f"steps of the weight loaded before the PDL wait)")
 
 
 def fp8_gemm(
@@ -797,8 +846,12 @@ def fp8_gemm(
         cfg.pop("TMA", None), cfg.pop("TMA_A", None)
     decode_keys = decode_pdl_keys(b, m) if pdl is None and not config else None
     pdl = bool(pdl) or decode_keys is not None
+    gemv = cfg.get("GEMV", False)
+    if decode_keys and not gemv:  # (``PRE_WAIT`` is the GEMV's: `_check_pdl_keys`)
+        decode_keys = {key: v for key, v in decode_keys.items() if key != "PRE_WAIT"}
     cfg.update(decode_keys or {})
-    gemv = cfg.pop("GEMV", False)
+    _check_pdl_keys(cfg, a)
+    cfg.pop("GEMV", False)
     # weight-only on a GPU before sm_89 (the fallback's GPUs): Triton has no fp8e4nv type there, so the kernels take
     # the weight's codes as bytes and decode them (``B_BITS``; a config may ask for it, as the CPU tests do)
     b_bits = cfg.pop("B_BITS", not a_fp8 and a.is_cuda and not has_fp8_tensor_cores(a.device))
@@ -816,7 +869,6 @@ def fp8_gemm(
         # (a 16-bit a - weight-only, a_quant - doubles its tile)
         cfg["num_stages"] = pipeline_stages(cfg, a.element_size(), stage_budget(a.device))
     cfg.setdefault("SPLIT_K", 1)
-    _check_pdl_keys(cfg, a)
     split_k = cfg["SPLIT_K"]
     tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
     # split-K: float32 partials [SPLIT_K, M, N], summed in the kernel by each tile's last split

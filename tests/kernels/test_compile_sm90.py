@@ -414,7 +414,8 @@ GEMV_INTS = ["N", "K", "stride_ak", "stride_bn", "stride_yn", "stride_ys", "stri
 
 
 def compile_gemv(a_dtype: str, cfg: dict, a_quant: int = 0, b_rowwise: bool = True, pdl: bool = False,
-                 blocks: bool = False, arch: int = 90, b_bits: bool = False, trigger: bool = False):
+                 blocks: bool = False, arch: int = 90, b_bits: bool = False, trigger: bool = False,
+                 pre_wait: int = 0):
     """``blocks``: 1x128 activation groups and 128x128 weight blocks; ``b_bits``: the weight as bytes (``B_BITS``)."""
     cfg = {k: v for k, v in cfg.items() if k not in ("GEMV", "BLOCK_M")}
     y_type = "*fp32" if cfg["SPLIT_K"] > 1 else "*bf16"
@@ -425,7 +426,7 @@ def compile_gemv(a_dtype: str, cfg: dict, a_quant: int = 0, b_rowwise: bool = Tr
                   B_GROUPED=blocks, B_BLOCK_N=128 if blocks else 1, GROUP_K=128 if blocks else 1, HAS_BIAS=True,
                   BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=cfg["SPLIT_K"], EVEN_K=True, A_QUANT=a_quant,
                   N_PARTS=448, PARTS_BLOCK=parts_block(448, 1), EPS=1e-12, FP8_MAX=448.0, PDL_WAIT=pdl,
-                  K_STAGES=cfg.get("K_STAGES", 1), B_BITS=b_bits, PDL_TRIGGER=trigger)
+                  K_STAGES=cfg.get("K_STAGES", 1), B_BITS=b_bits, PDL_TRIGGER=trigger, PRE_WAIT=pre_wait)
     return compile_kernel(fp8_gemv_kernel, types, consts, GEMV_POINTERS + ["N", "K", "stride_bn"], cfg["num_warps"],
                           cfg["num_stages"], arch)
 
@@ -511,3 +512,24 @@ def test_pdl_trigger_compiles_for_sm90(m, n, k):
     order = [code.find(op) for op in ("ACQBULK", "PREEXIT")]
     assert -1 < order[0] < order[1], order
     assert stack_bytes(kernel) <= stack_bytes(plain), (stack_bytes(kernel), stack_bytes(plain))
+
+
+@pytest.mark.parametrize("n,k,pre", [(4096, 14336, 1), (4096, 14336, 2), (6144, 4096, 2), (6144, 4096, 4),
+                                     (4096, 4096, 4)])
+@pytest.mark.parametrize("a_quant", [0, QUANT_ROWS])
+def test_weight_loaded_before_the_wait_compiles_for_sm90(n, k, pre, a_quant):
+    """``PRE_WAIT`` at the GEMV's decode tiles (fp8 codes; bf16 h quantized as loaded, the fused MLP's down GEMM):
+    before ``griddepcontrol.wait`` each program loads - the weight's first steps, 16 bytes at a time - and writes
+    nothing (no store, no atomic, no asynchronous copy); the rest of the weight still streams through the one
+    pipelined loop. Nothing spills."""
+    cfg = gemv_config(n, k, a_quant=a_quant > 0)
+    a_dtype = "bf16" if a_quant else "fp8e4nv"
+    plain, kernel = (compile_gemv(a_dtype, cfg, a_quant, pdl=True, pre_wait=p) for p in (0, pre))
+    ptx = kernel.asm["ptx"]
+    before = ptx[:ptx.index("griddepcontrol.wait")]
+    assert len(re.findall(r"\bld\.global(\.[a-z0-9]+)*\.v4\.b32\b", before)) >= pre * cfg["BLOCK_N"], before[-2000:]
+    assert not re.search(r"\b(atom\.|red\.|st\.global|cp\.async)", before), before[-2000:]
+    plain_ptx = plain.asm["ptx"]
+    assert "ld.global" not in plain_ptx[:plain_ptx.index("griddepcontrol.wait")]
+    assert len(ptx_loops(ptx)) == len(ptx_loops(plain_ptx)) == 1
+    assert stack_bytes(kernel) == 0, stack_bytes(kernel)

@@ -203,8 +203,10 @@ def test_split_k_under_inductor_cudagraph_trees(m, n):
 @pytest.mark.parametrize("m,n,k", [(1, 4096, 14336), (1, 96, 160), (7, 200, 304), (24, 6144, 4096), (24, 28672, 4096),
                                    (40, 4096, 1104), (64, 4096, 14336)])
 def test_pdl_launches_and_trigger_cuda(m, n, k):
-    """Launched as a programmatic dependent, with and without ``PDL_TRIGGER``, each default tile (the GEMV at one
-    row, split K, K steps of 512 with a ragged last one, ragged N) gives the plain launch's bits."""
+    """Launched as a programmatic dependent, with and without ``PDL_TRIGGER``, each default tile (the GEMV at one row,
+    split K, K steps of 512 with a ragged last one, ragged N) gives the plain launch's bits; the GEMV's with its
+    weight's first step loaded before the wait too (``PRE_WAIT``), and with its first 2 or 4 the same sums in
+    another order."""
     from fp8fx.kernels.fp8_gemm import fp8_gemm, for_device, tile_config
 
     if torch.cuda.get_device_capability() < (9, 0):
@@ -212,9 +214,13 @@ def test_pdl_launches_and_trigger_cuda(m, n, k):
     xq, xs, wq, ws, bias = operands(m, n, k, [1, -1], [1, -1], "cuda")
     cfg = for_device(tile_config(m, n, k), xq.device)
     plain = fp8_gemm(xq, wq, xs, ws, bias.bfloat16(), torch.bfloat16, config=cfg, pdl=False)
-    for pdl_cfg in (cfg, {**cfg, "PDL_TRIGGER": True}):
+    pre_cfgs = [{**cfg, "PRE_WAIT": 1}, {**cfg, "PDL_TRIGGER": True, "PRE_WAIT": 1}] if cfg.get("GEMV") else []
+    for pdl_cfg in (cfg, {**cfg, "PDL_TRIGGER": True}, *pre_cfgs):
         assert torch.equal(fp8_gemm(xq, wq, xs, ws, bias.bfloat16(), torch.bfloat16, config=pdl_cfg, pdl=True),
                            plain), pdl_cfg
+    for steps in (2, 4) if cfg.get("GEMV") else ():
+        early = fp8_gemm(xq, wq, xs, ws, bias.bfloat16(), torch.bfloat16, config={**cfg, "PRE_WAIT": steps}, pdl=True)
+        torch.testing.assert_close(early, plain, rtol=1e-2, atol=1e-2 * plain.abs().max().item())
 
 
 @pytest.mark.cuda
@@ -222,8 +228,9 @@ def test_pdl_launches_and_trigger_cuda(m, n, k):
 def test_pdl_chain_reads_what_the_launch_before_wrote_cuda(m):
     """A slow GEMM (a 14336 x 14336 weight), then two small ones, each reading the one before's bf16 output (quantized as
     loaded by a static scale), captured in a CUDA graph with every launch a programmatic dependent that lets the next
-    one start once it has waited: each replay on new x gives the plain launches' output for that x. A GEMM that read
-    its input before the slow one had written it would give the last replay's (or a mix)."""
+    one start once it has waited, the GEMV (one row) with its weight's first step loaded before (``PRE_WAIT``) or not:
+    each replay on new x gives the plain launches' output for that x. A GEMM that read its input before the slow one
+    had written it would give the last replay's (or a mix)."""
     from fp8fx.kernels.fp8_gemm import QUANT_STATIC, fp8_gemm, for_device, tile_config
 
     if torch.cuda.get_device_capability() < (9, 0):
@@ -235,32 +242,35 @@ def test_pdl_chain_reads_what_the_launch_before_wrote_cuda(m):
     static = torch.tensor([4.0 / 448], device="cuda")
     x = torch.empty(m, 14336, device="cuda", dtype=torch.bfloat16)
 
-    def layers(pdl: bool):
+    def layers(pdl: bool, pre_wait: int = 0):
         h = x
         for (w, s), (n, k) in zip(weights, sizes):
             tile = for_device(tile_config(m, n, k, a_quant=True), x.device)
             tile = {**tile, "PDL_TRIGGER": True} if pdl else tile
+            tile = {**tile, "PRE_WAIT": pre_wait} if pdl and tile.get("GEMV") else tile
             h = fp8_gemm(h, w, static, s, None, torch.bfloat16, config=tile, a_quant=QUANT_STATIC, pdl=pdl)
         return h
 
-    x.copy_(torch.randn(m, 14336, generator=g))
-    assert torch.equal(layers(True), layers(False))  # (and compiled before the capture)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = layers(True)
-    for _ in range(4):
+    for pre_wait in (0, 1):
         x.copy_(torch.randn(m, 14336, generator=g))
-        want = layers(False)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert want.abs().max() > 0 and torch.equal(y, want)
+        assert torch.equal(layers(True, pre_wait), layers(False))  # (and compiled before the capture)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = layers(True, pre_wait)
+        for _ in range(4):
+            x.copy_(torch.randn(m, 14336, generator=g))
+            want = layers(False)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert want.abs().max() > 0 and torch.equal(y, want), pre_wait
 
 
 @pytest.mark.cuda
 def test_decode_pdl_setting_cuda(monkeypatch):
     """``DECODE_PDL``: default launches of 1-64 rows (the GEMV, the 32-row transposed tile, split K) go as programmatic
-    dependents - by default without keys, or with ``PDL_TRIGGER`` - and give the same bits as plain launches, called
-    and as CUDA-graph replays; 65 rows and a given config go plainly."""
+    dependents - by default without keys, or with ``PDL_TRIGGER``, and ``PRE_WAIT`` (the GEMV's: the tensor-core
+    tiles leave it) - and give the same bits as plain launches, called and as CUDA-graph replays; 65 rows and a given
+    config go plainly."""
     from fp8fx.kernels import fp8_gemm as kernels
 
     if torch.cuda.get_device_capability() != (9, 0):
@@ -272,7 +282,7 @@ def test_decode_pdl_setting_cuda(monkeypatch):
         xq, xs, wq, ws, _ = operands(m, n, k, [1, -1], [1, -1], "cuda")
         want = kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, pdl=False)
         run = lambda: kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16)  # noqa: E731
-        for keys in ({}, {"PDL_TRIGGER": True}):
+        for keys in ({}, {"PDL_TRIGGER": True}, {"PDL_TRIGGER": True, "PRE_WAIT": 1}):  # (PRE_WAIT: the GEMV's)
             monkeypatch.setattr(kernels, "DECODE_PDL", keys)
             taken.clear()
             assert torch.equal(run(), want), (m, n, k, keys)
@@ -307,7 +317,7 @@ def test_pdl_tile_keys_are_checked_before_a_launch(monkeypatch):
     for bad in ({"L2_PREFETCH": 4096}, {**keys, "BLOCK_N": 32}):
         monkeypatch.setattr(kernels, "DECODE_PDL", bad)
         with pytest.raises(ValueError, match=r"DECODE_PDL: keys \['(L2_PREFETCH|BLOCK_N)'\]; it takes "
-                                             r"\['PDL_TRIGGER'\]"):
+                                             r"\['PDL_TRIGGER', 'PRE_WAIT'\]"):
             kernels.decode_pdl_keys(w, 1)
     monkeypatch.setattr(kernels, "DECODE_PDL", keys)
     monkeypatch.setattr(kernels, "_hopper", lambda t, exactly=False: not exactly)  # (a GPU after sm_90: not timed)
@@ -645,6 +655,69 @@ def test_tma_loads_under_triton_interpreter():
     if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 7):
         pytest.skip(f"triton {triton.__version__}'s interpreter does not run tensor descriptors (3.8 and 3.9 do)")
     assert "tma ok" in run_under_triton_interpreter(["-c", TMA_CHECK])
+
+
+PRE_WAIT_CHECK = textwrap.dedent(
+    """
+    import torch
+    from fp8fx import quant
+    from fp8fx.kernels.fp8_gemm import QUANT_ROWS, fp8_gemm, gemv_config, mma_tile_config
+
+    # the GEMV's first 1, 2 or 4 K steps of the weight loaded before the (PDL) wait and multiplied after it, the rest
+    # in the loop: ragged N and K (EVEN_K off), split K with splits shorter than PRE_WAIT and one of no step at all,
+    # per-row scales, 1 x 32 / 8 x 32 K groups, 16-bit activations quantized as loaded, weight-only
+    g = torch.Generator().manual_seed(0)
+    checked = 0
+    for n, k, x_block, w_block in [(72, 1040, [1, -1], [1, -1]), (40, 288, [1, 32], [8, 32])]:
+        xq, xs = quant.quantize(torch.randn(1, k, generator=g), x_block)
+        wq, ws = quant.quantize(torch.randn(n, k, generator=g), w_block)
+        grouped = w_block[1] != -1
+        blocks = dict(a_block=tuple(x_block), b_block=tuple(w_block)) if grouped else {}
+        ref = quant.scaled_mm_reference(xq, xs, x_block, wq, ws, w_block, None, torch.float64)
+        runs = [("fp8", lambda cfg: fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=cfg, **blocks), ref)]
+        if not grouped:  # 16-bit activations: quantized per row as loaded; weight-only
+            x16 = torch.randn(1, k, generator=g)
+            parts = x16.abs().reshape(1, -1, 16).amax(-1)
+            runs.append(("a_quant", lambda cfg: fp8_gemm(x16, wq, parts, ws, None, torch.float32, config=cfg,
+                                                          a_quant=QUANT_ROWS), None))
+            x16h = x16.half()
+            wo_ref = x16h.double() @ quant.dequantize(wq, ws, w_block, torch.float64).t()
+            runs.append(("weight-only", lambda cfg: fp8_gemm(x16h, wq, None, ws, None, torch.float32, config=cfg),
+                         wo_ref))
+        # 9 K steps (the last ragged): unsplit; split in 2 (5 and 4 steps); in 4 (3, 3, 3 and none)
+        gemv = {**gemv_config(n, k), "BLOCK_K": 32 if grouped else 128}
+        for cfg in (gemv, {**gemv, "SPLIT_K": 2}, {**gemv, "SPLIT_K": 4}):
+            for pre in (1, 2, 4):
+                for label, run, want in runs:
+                    plain, early = run(cfg), run({**cfg, "PRE_WAIT": pre})
+                    if pre == 1:  # the same products summed in the same order
+                        assert torch.equal(plain, early), (label, n, k, cfg, (plain - early).abs().max())
+                    else:
+                        err = (plain.double() - early.double()).abs().max() / plain.abs().max()
+                        assert 0 < plain.abs().max() and err < 1e-6, (label, n, k, cfg, pre, err)
+                    if want is not None:
+                        err = (early.double() - want).abs().max() / want.abs().max()
+                        assert err < (1e-3 if label == "weight-only" else 1e-5), (label, n, k, cfg, pre, err)
+                    checked += 1
+    # (a PRE_WAIT the GEMV does not take; the tensor-core tiles take none)
+    for cfg, msg in [({**gemv, "PRE_WAIT": 3}, "config PRE_WAIT=3; it takes one of [0, 1, 2, 4]"),
+                     ({**mma_tile_config(2, n, k), "PRE_WAIT": 1}, "config PRE_WAIT=1 is the GEMV kernel's")]:
+        try:
+            fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=cfg, **blocks)
+            raise AssertionError(f"{cfg} accepted")
+        except ValueError as e:
+            assert msg in str(e), e
+    print("pre-wait ok", checked)
+    """
+)
+
+
+def test_weight_loaded_before_the_wait_under_triton_interpreter():
+    """``PRE_WAIT`` (the GEMV's first K steps of the weight loaded before the PDL wait, multiplied after it) gives
+    the plain loop's bits with one step and the same products summed in another order with 2 or 4, in every scheme
+    the GEMV takes; the tensor-core kernel refuses it."""
+    out = run_under_triton_interpreter(["-c", PRE_WAIT_CHECK])
+    assert "pre-wait ok" in out and int(out.split("pre-wait ok")[1].split()[0]) == 36, out
 
 
 BITS_CHECK = textwrap.dedent(
