@@ -49,16 +49,18 @@ from bench_linear import with_kernel_setting  # noqa: E402  (benchmarks/ on sys.
 LLAMA3_8B = dict(dim=4096, hidden=14336, heads=32, kv_heads=8, head_dim=128)
 TINY = dict(dim=256, hidden=512, heads=4, kv_heads=2, head_dim=64)
 VARIANTS = ("bf16_inductor", "torchao_rowwise", "fp8fx", "fp8fx_fused", "bf16_inductor_pdl", "fp8fx_fused_pdl",
-            "fp8fx_fused_ipdl", "fp8fx_fused_gpdl", "fp8fx_fused_nopdl")
+            "fp8fx_fused_ipdl", "fp8fx_fused_gpdl", "fp8fx_fused_nopdl", "fp8fx_fused_pre", "fp8fx_fused_pdlpre")
 DEFAULT_VARIANTS = VARIANTS[:4]
 # the *_pdl variants: Inductor's kernels (``PDL``) and fp8fx's decode GEMMs (``fp8_gemm.DECODE_PDL``) as programmatic
 # dependents; *_ipdl Inductor's alone, *_gpdl fp8fx's alone; *_nopdl: fp8fx's decode GEMMs launched plainly (as before
-# run 35; ``DECODE_PDL = None``)
+# run 35; ``DECODE_PDL = None``); *_pre: fp8fx's decode GEMMs loading their weight's first K steps before their wait
+# (``DECODE_PDL = {"PRE_WAIT": --pre-wait}``), *_pdlpre: *_pdl so
 PDL = {"triton.enable_pdl": True}
 FUSED = {"fuse_horizontal": True, "fuse_mlp": True}
 BACKENDS = {"fp8fx": {}, "fp8fx_fused": FUSED, "fp8fx_fused_pdl": {**FUSED, "inductor_config": PDL},
             "fp8fx_fused_ipdl": {**FUSED, "inductor_config": PDL}, "fp8fx_fused_gpdl": FUSED,
-            "fp8fx_fused_nopdl": FUSED}
+            "fp8fx_fused_nopdl": FUSED, "fp8fx_fused_pre": FUSED,
+            "fp8fx_fused_pdlpre": {**FUSED, "inductor_config": PDL}}
 LINEARS = 7  # q, k, v, o, gate, up, down
 
 
@@ -128,8 +130,9 @@ def layer_factory(dims: dict, device, seed: int = 0):
     return fresh
 
 
-def compiled(variant: str, layer: DecoderLayer):
-    """(the compiled layer, fp8fx's backend or None, why it is missing: "" where it is not)."""
+def compiled(variant: str, layer: DecoderLayer, pre_wait: int = 1):
+    """(the compiled layer, fp8fx's backend or None, why it is missing: "" where it is not); ``pre_wait``: the *pre
+    variants' ``PRE_WAIT``."""
     if variant.startswith("bf16_inductor"):
         return torch.compile(layer, dynamic=False, options=PDL if variant.endswith("_pdl") else None), None, ""
     if variant == "torchao_rowwise":
@@ -142,6 +145,10 @@ def compiled(variant: str, layer: DecoderLayer):
         fn = with_kernel_setting(fn, "DECODE_PDL", PDL_KEYS)
     elif variant.endswith("_nopdl"):
         fn = with_kernel_setting(fn, "DECODE_PDL", None)
+    elif variant.endswith("_pre"):
+        fn = with_kernel_setting(fn, "DECODE_PDL", {"PRE_WAIT": pre_wait})
+    elif variant.endswith("_pdlpre"):
+        fn = with_kernel_setting(fn, "DECODE_PDL", {**PDL_KEYS, "PRE_WAIT": pre_wait})
     return fn, backend, ""
 
 
@@ -163,9 +170,30 @@ def errors_against(layer: DecoderLayer, out: tuple, ref_layer: DecoderLayer, ref
                 kv_error=max(rel_err(got, want) for got, want in written))
 
 
+def kernel_trace(fn, x: torch.Tensor, steps: int = 10) -> str:
+    """The kernels of one call of ``fn(x)`` in launch order, each one's GPU time (start to end: with programmatic
+    dependent launch, the time it waited included) averaged over ``steps`` plain calls (torch.profiler, after
+    ``profile_mlp.profiled``'s warm-up calls); a line each, and their sum."""
+    from profile_mlp import profiled
+
+    prof = profiled(fn, x, steps)
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if not events or len(events) % steps:
+        return f"({len(events)} GPU events in {steps} calls: not a whole number a call)"
+    per = len(events) // steps
+    calls = [events[i * per:(i + 1) * per] for i in range(steps)]
+    if any([e.name for e in call] != [e.name for e in calls[0]] for call in calls):
+        return "(the calls launched different kernels)"
+    us = [statistics.median(call[i].time_range.elapsed_us() for call in calls) for i in range(per)]
+    lines = [f"{t:8.2f} us  {e.name[:100]}" for t, e in zip(us, calls[0])]
+    return "\n".join(lines + [f"{sum(us):8.2f} us  in {per} kernels"])
+
+
 def run(ms: list[int], context: int, rounds: int, variants: list[str], dims: dict, device: str,
-        save=lambda result: None) -> dict:
-    """Each of ``variants`` at each M (``save(result)`` after each M): its errors, report counts and times."""
+        save=lambda result: None, pre_wait: int = 1, kernels: bool = False) -> dict:
+    """Each of ``variants`` at each M (``save(result)`` after each M): its errors, report counts and times;
+    ``kernels``: also its kernels' GPU times in launch order (``kernel_trace``), printed."""
     fresh = layer_factory(dims, device)
     result = dict(rows=[], missing={})
     graph = device == "cuda"
@@ -179,7 +207,7 @@ def run(ms: list[int], context: int, rounds: int, variants: list[str], dims: dic
             for name in variants:
                 start = time.perf_counter()
                 layer = fresh(m, context)
-                fn, backend, why = compiled(name, layer)
+                fn, backend, why = compiled(name, layer, pre_wait)
                 if fn is None:
                     result["missing"][name] = why
                     continue
@@ -192,6 +220,8 @@ def run(ms: list[int], context: int, rounds: int, variants: list[str], dims: dic
                 rows.append(row)
                 if graph:
                     timers[name] = timer(fn, x, True, reps=max(50, 200 // rounds))
+                if graph and kernels:
+                    print(f"M={m} {name} kernels, in launch order:\n{kernel_trace(fn, x)}", flush=True)
             times = timed_in_rounds(timers, rounds)
             for row in rows:
                 if row["variant"] in times:
@@ -240,6 +270,8 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, of {', '.join(VARIANTS)} (default: {', '.join(DEFAULT_VARIANTS)})")
+    p.add_argument("--kernels", action="store_true", help="each variant's kernels in launch order, their GPU times")
+    p.add_argument("--pre-wait", type=int, default=1, help="the *pre variants' PRE_WAIT (K steps: 1, 2 or 4)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny dims on CPU, the fp8fx variants, no timing")
     args = p.parse_args(argv)
     variants = args.variants.split(",")
@@ -262,8 +294,9 @@ def main(argv=None) -> int:
     if args.cpu_smoke:
         result = run([3], 16, 1, ["fp8fx", "fp8fx_fused", "fp8fx_fused_pdl"], TINY, "cpu", save)
     else:
+        meta["pre_wait"] = args.pre_wait
         result = run([int(m) for m in args.ms.split(",")], args.context, args.rounds, variants, LLAMA3_8B, "cuda",
-                     save)
+                     save, args.pre_wait, args.kernels)
     print(meta)
     print(table(result["rows"]))
     if result["missing"]:

@@ -29,11 +29,13 @@
 #          early trigger); layerpdl: the decoder layer at LAYER_MS (1 32), a process each: bf16 and fp8fx fused with
 #          and without PDL (Inductor's triton.enable_pdl; fp8fx's DECODE_PDL - the default - and its trigger),
 #          torchao; decodepdl: the decode MLP block with and without fp8fx's PDL, with the trigger (*_pdl);
-#          xcuda: every cuda test under pytest-xdist; l2next: tune_gemm.py --l2-next)
+#          xcuda: every cuda test under pytest-xdist; l2next: tune_gemm.py --l2-next; prewait: tune_gemm.py --pre-wait
+#          (the decode GEMMs' chains with their first K steps loaded before the PDL wait) and its cuda tests)
 # Carry .whl (expecttest, depyf, astor, dill, torchao; pytest-xdist and execnet for xcuda). One device call runs at
 # most 10 minutes; the session has 30 (a cold start costs 1-2): e.g. "xcuda" (every cuda test, ~6 min in run 36),
 # "moetests,gemmtests,moesweep" (~9 min), "bench,moelayer --skip-gemms --kernels" (~5 min). Env: XDIST_N, XCUDA_TIMEOUT
-# (xcuda), LAYER_MS, LAYER_TIMEOUT, LAYER_VARIANTS (layerpdl).
+# (xcuda), LAYER_MS, LAYER_TIMEOUT, LAYER_VARIANTS, LAYER_PRE_WAIT (layerpdl: the *pre variants' K steps), LAYER_ARGS
+# (more bench_decoder_layer.py arguments: --kernels).
 set -uo pipefail
 what=${1:-all}; shift || true
 [ "$what" = all ] && what=tests,compile,bench,moe
@@ -230,8 +232,12 @@ if has layerpdl; then  # the same in a decode step: the decoder layer, a process
   v=${LAYER_VARIANTS:-bf16_inductor,torchao_rowwise,fp8fx_fused,fp8fx_fused_nopdl,fp8fx_fused_gpdl,bf16_inductor_pdl,fp8fx_fused_pdl}
   for m in ${LAYER_MS:-1 32}; do
     timeout ${LAYER_TIMEOUT:-270} python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer-m$m" --ms $m --rounds 5 \
-      --variants $v 2>&1 | tee "$OUT/layer-m$m.txt" | grep -v "^[0-9]  \|^---\|^graph"
+      --variants $v --pre-wait ${LAYER_PRE_WAIT:-1} ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer-m$m.txt" | grep -v "^[0-9]  \|^---\|^graph"
   done
+fi
+if has prewait; then  # the weight's first K steps loaded before the PDL wait: its GPU tests, then the chains
+  timeout 150 $P -m cuda $gemm -k "pdl or before_the_wait" 2>&1 | tee "$OUT/pytest-cuda-prewait.log" | tail -5
+  timeout 400 python3 benchmarks/tune_gemm.py --pre-wait 2>&1 | tee "$OUT/prewait-chains.txt"
 fi
 if has decodepdl; then  # and the decode MLP block
   v=bf16_inductor,fp8fx,fp8fx_nopdl,fp8fx_pdl,fp8fx_fused_mlp,fp8fx_fused_mlp_nopdl,fp8fx_fused_mlp_pdl

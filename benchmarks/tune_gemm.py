@@ -784,6 +784,27 @@ def pdl_duel(ms=(1, 16, 32, 64), shapes=("o", "qkv", "down", "gate_up"), rounds=
             _chain_duel(name, m, tiles, rounds, chain_bytes, exact=True)
 
 
+def pre_wait_duel(ms=(1,), shapes=("o", "qkv", "down"), rounds=5, chain_bytes=256 << 20):
+    """The launch's ramp, overlapped with the launch before by more than its programs' start (``pdl_duel``): each
+    program also loads its weight's first K steps before its wait (``PRE_WAIT``: the GEMV's first 1, 2 or 4 steps),
+    while the kernel before still runs - into registers, not L2, where run 35's prefetch before the wait lost
+    everywhere. Each default tile (``_decode_problem``: the GEMV at one row) as a chain of launches (``hbm_table``),
+    each launch a programmatic dependent of the one before, with and without ``PDL_TRIGGER`` (which lets the next
+    launch's programs - and their early loads - in as soon as this one's have waited), in ``rounds`` interleaved
+    rounds; ms per launch and TB/s on the weights, against the read speed measured first. (H200 run 37 timed the
+    tensor-core tiles' first step so too, at 16-64 rows: 1.0-1.5x slower everywhere, so they take no ``PRE_WAIT``.)"""
+    print(f"read speed (sum of 2 GiB): {_read_speed():.2f} TB/s", flush=True)
+    for name in shapes:
+        for m in ms:
+            default = _decode_problem(name, m)[3]
+            pdl = {**default, "pdl": True}
+            tiles = {"pdl": pdl, "pdl, trigger": {**pdl, "PDL_TRIGGER": True}}
+            for steps in (1, 2, 4) if default.get("GEMV") else ():
+                tiles[f"pdl, pre {steps}"] = {**pdl, "PRE_WAIT": steps}
+                tiles[f"pdl, trigger, pre {steps}"] = {**pdl, "PDL_TRIGGER": True, "PRE_WAIT": steps}
+            _chain_duel(name, m, tiles, rounds, chain_bytes)
+
+
 def small_n_duel(ms=(24, 32, 48, 64), shapes=("qkv", "o"), rounds=7, chain_bytes=256 << 20):
     """Tiles of 17-64 rows for weights with few N tiles (qkv, o) against each other at ``ms`` rows, each as a chain
     of launches (``sweep_small_n``), in ``rounds`` interleaved rounds: the unsplit 64-wide tile (the default before
@@ -1112,6 +1133,8 @@ def main(argv=None):
     p.add_argument("--pdl", action="store_true",
                    help="the decode GEMMs' chains with programmatic dependent launch and its trigger "
                         "(--ms: 1,16,32,64; --shapes: o,qkv,down,gate_up)")
+    p.add_argument("--pre-wait", action="store_true",
+                   help="the decode GEMMs' chains as PDL dependents with their first K steps loaded before the wait")
     p.add_argument("--l2-next", action="store_true",
                    help="o's weight prefetched into L2 during attention, after the qkv GEMM (--ms: 1,32)")
     p.add_argument("--tma-a", action="store_true",
@@ -1156,6 +1179,9 @@ def main(argv=None):
     if args.pdl:
         return pdl_duel(tuple(int(m) for m in (args.ms or "1,16,32,64").split(",")),
                         tuple((args.shapes or "o,qkv,down,gate_up").split(",")))
+    if args.pre_wait:
+        return pre_wait_duel(tuple(int(m) for m in (args.ms or "1").split(",")),
+                             tuple((args.shapes or "o,qkv,down").split(",")))
     if args.l2_next:
         return l2_next_study(tuple(int(m) for m in (args.ms or "1,32").split(",")))
     if args.tma_a:
