@@ -464,8 +464,9 @@ def fp8_gemv_kernel(
 # 1: one-row GEMMs take the GEMV kernel (the CUDA cores, no padded tensor-core tile; it takes one row), 0: none
 GEMV_MAX_M = 1
 # the GEMV's K loop pipeline depth (``K_STAGES``; 1: loads straight to registers, as before run 19), read at each
-# call: bench_linear.py's ``*_k1`` variants set it to 1 while they run, to time the two in one process
-GEMV_K_STAGES = 3
+# call: bench_linear.py's ``*_k1`` variants set it to 1 while they run, to time the two in one process. None: by K
+# (``gemv_config``)
+GEMV_K_STAGES: Optional[int] = None
 
 
 def gemv_config(n: int, k: int, a_quant: bool = False) -> dict:
@@ -487,13 +488,19 @@ def gemv_config(n: int, k: int, a_quant: bool = False) -> dict:
       unpipelined (run 16: qkv 0.0138 against 0.0153 with 2 rows and 0.0177 for the tensor-core block tile);
       their pipelined tile was not timed.
     No split K was among any shape's best; a weight of few rows (under 512 programs) has K split in halves
-    while each split keeps 4 K steps."""
+    while each split keeps 4 K steps.
+
+    Since run 35 these launches go as programmatic dependents (``DECODE_PDL``). Timed so, as chains of launches (H200
+    run 37: call 6 `tune_gemm.py --gemv-pdl`, 25 tiles a shape and 5 rounds; call 7 `--gemv-pdl --duel`, 7 rounds),
+    K below 8192 takes 4 stages, the same tile otherwise (the best of both sweeps): o 4096x4096 0.0065 ms against
+    0.0068 / 0.0067 with 3, qkv 0.0086 against 0.0088 in both calls. K of 8192 and more keeps run 19's 3: down
+    4096x14336 0.0169 ms with 3 against 0.0171 with 4 (call 7)."""
     block_n, warps = (8 if a_quant else 4, 2) if k >= 8192 else (4, 1)
     split, steps = 1, cdiv(k, 512 * warps)
     while cdiv(n, block_n) * split < 512 and steps >= 8 * split:
         split *= 2
     return dict(GEMV=True, BLOCK_M=1, BLOCK_N=block_n, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
-                SPLIT_K=split, K_STAGES=GEMV_K_STAGES)
+                SPLIT_K=split, K_STAGES=GEMV_K_STAGES or (3 if k >= 8192 else 4))
 
 
 def tile_config(m: int, n: int, k: int, a_quant: bool = False, transposed: bool = True,

@@ -382,9 +382,12 @@ def test_one_row_takes_the_gemv_kernel_where_it_was_measured_faster():
     assert tile_config(1, 28672, 4096) == mma_tile_config(1, 28672, 4096)
     assert tile_config(0, 4096, 4096) == mma_tile_config(0, 4096, 4096)  # an empty batch: no GEMV launch
     # run 19's pipelined tiles: 4 rows a program (8 where the GEMV quantizes a 16-bit a as it loads it, asked for
-    # through tile_config as fp8_gemm asks when given no config), the K loop 3 stages deep
+    # through tile_config as fp8_gemm asks when given no config), the K loop 3 stages deep at K of 8192 and more,
+    # 4 below it (run 37: as programmatic dependents)
     assert [tile_config(1, 4096, 14336, a_quant=q)["BLOCK_N"] for q in (False, True)] == [4, 8]
-    assert tile_config(1, 6144, 4096)["BLOCK_N"] == 4 and tile_config(1, 6144, 4096)["K_STAGES"] == 3
+    assert [tile_config(1, 4096, 14336, a_quant=q)["K_STAGES"] for q in (False, True)] == [3, 3]
+    assert tile_config(1, 6144, 4096)["BLOCK_N"] == 4 and tile_config(1, 6144, 4096)["K_STAGES"] == 4
+    assert tile_config(1, 4096, 4096)["K_STAGES"] == 4 and tile_config(1, 1024, 8192)["K_STAGES"] == 3
     # 2-16 rows of a weight of fewer 64-wide tiles than SMs, or of a long K: K split in 4, the product transposed
     # (64 weight rows on wgmma's left, run 20); weight-only keeps run 18's 32-wide mma.sync tiles; wide weights,
     # short K and more rows keep their tiles, not transposed
