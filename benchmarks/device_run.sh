@@ -30,7 +30,9 @@
 #          and without PDL (Inductor's triton.enable_pdl; fp8fx's DECODE_PDL - the default - and its trigger),
 #          torchao; decodepdl: the decode MLP block with and without fp8fx's PDL, with the trigger (*_pdl);
 #          xcuda: every cuda test under pytest-xdist; l2next: tune_gemm.py --l2-next; prewait: tune_gemm.py --pre-wait
-#          (the decode GEMMs' chains with their first K steps loaded before the PDL wait) and its cuda tests)
+#          (the decode GEMMs' chains with their first K steps loaded before the PDL wait) and its cuda tests;
+#          gemvpdl: tune_gemm.py --gemv-pdl, GEMV_PDL_TIMEOUT; gemvstages: its default at 3 and 4 K stages, and
+#          the GPU tests of GEMV launches)
 # Carry .whl (expecttest, depyf, astor, dill, torchao; pytest-xdist and execnet for xcuda). One device call runs at
 # most 10 minutes; the session has 30 (a cold start costs 1-2): e.g. "xcuda" (every cuda test, ~6 min in run 36),
 # "moetests,gemmtests,moesweep" (~9 min), "bench,moelayer --skip-gemms --kernels" (~5 min). Env: XDIST_N, XCUDA_TIMEOUT
@@ -238,6 +240,14 @@ fi
 if has prewait; then  # the weight's first K steps loaded before the PDL wait: its GPU tests, then the chains
   timeout 150 $P -m cuda $gemm -k "pdl or before_the_wait" 2>&1 | tee "$OUT/pytest-cuda-prewait.log" | tail -5
   timeout 400 python3 benchmarks/tune_gemm.py --pre-wait 2>&1 | tee "$OUT/prewait-chains.txt"
+fi
+if has gemvpdl; then  # the one-row GEMV's tiles for o and qkv as chains of programmatic dependents
+  timeout ${GEMV_PDL_TIMEOUT:-300} python3 benchmarks/tune_gemm.py --gemv-pdl 2>&1 | tee "$OUT/gemv-pdl.txt"
+fi
+if has gemvstages; then  # its default at 3 and 4 K stages, then the GPU tests of GEMV launches at the default
+  timeout 100 python3 benchmarks/tune_gemm.py --gemv-pdl --duel 2>&1 | tee "$OUT/gemv-stages.txt"
+  k="(fp8_gemm_cuda and 96-160) or pdl or split_k or weight_only_cuda or before_the_wait"
+  timeout 150 $P -n 8 -m cuda $gemm -k "$k" 2>&1 | tee "$OUT/pytest-cuda-gemv.log" | tail -5
 fi
 if has decodepdl; then  # and the decode MLP block
   v=bf16_inductor,fp8fx,fp8fx_nopdl,fp8fx_pdl,fp8fx_fused_mlp,fp8fx_fused_mlp_nopdl,fp8fx_fused_mlp_pdl

@@ -805,6 +805,44 @@ def pre_wait_duel(ms=(1,), shapes=("o", "qkv", "down"), rounds=5, chain_bytes=25
             _chain_duel(name, m, tiles, rounds, chain_bytes)
 
 
+def gemv_pdl_sweep(shapes=("o", "qkv"), rounds=5, chain_bytes=256 << 20, k_stages=(2, 3, 4)):
+    """The one-row GEMV's tiles (``gemv_candidates`` at ``k_stages``) as they run by default since run 35: as chains of
+    programmatic dependents (``pdl_duel``), where run 19 chose them as single launches. Each tile checked against the
+    default's output and timed once; then the default against the best three in ``rounds`` interleaved rounds, as
+    dependents and with ``PDL_TRIGGER`` too."""
+    for name in shapes:
+        chain, reps, n, k, default = _decode_chain(name, 1, chain_bytes)
+        ref = chain(default)[0].float()
+        results = []
+        for cfg in gemv_candidates(k, k_stages):
+            try:
+                assert (chain({**cfg, "pdl": True})[0].float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+                results.append((time_ms(lambda cfg=cfg: chain({**cfg, "pdl": True}), True) / reps, cfg))
+            except Exception as e:  # noqa: BLE001 - out of shared memory etc.: not a candidate
+                print(f"  {name} {cfg}: {type(e).__name__} {str(e)[:120]}", flush=True)
+        results.sort(key=lambda r: r[0])
+        print(f"{name} M=1: default {time_ms(lambda: chain({**default, 'pdl': True}), True) / reps:.4f} ms {default} | "
+              f"{len(results)} tiles, each once: " + " ; ".join(f"{t:.4f} {c}" for t, c in results[:5]), flush=True)
+        for trigger in (False, True):
+            keys = {"pdl": True, **({"PDL_TRIGGER": True} if trigger else {})}
+            tiles = {"default": {**default, **keys}, **{f"#{i + 1} {c}": {**c, **keys}
+                                                        for i, (_, c) in enumerate(results[:3])}}
+            print("with the trigger:" if trigger else "as dependents:", flush=True)
+            _chain_duel(name, 1, tiles, rounds, chain_bytes)
+
+
+def gemv_stages_duel(shapes=("o", "qkv", "down"), rounds=7, chain_bytes=256 << 20):
+    """The one-row GEMV's default tile (``gemv_config``) at 3 and 4 ``K_STAGES``, each as a chain of programmatic
+    dependents (``gemv_pdl_sweep``), with and without ``PDL_TRIGGER``, in ``rounds`` interleaved rounds."""
+    for name in shapes:
+        default = _decode_problem(name, 1)[3]
+        tiles = {f"{st} stages{', trigger' if trigger else ''}": {**default, "K_STAGES": st, "pdl": True,
+                                                                   **({"PDL_TRIGGER": True} if trigger else {})}
+                 for trigger in (False, True) for st in (3, 4)}
+        print(f"{name}: default {default}", flush=True)
+        _chain_duel(name, 1, tiles, rounds, chain_bytes)
+
+
 def small_n_duel(ms=(24, 32, 48, 64), shapes=("qkv", "o"), rounds=7, chain_bytes=256 << 20):
     """Tiles of 17-64 rows for weights with few N tiles (qkv, o) against each other at ``ms`` rows, each as a chain
     of launches (``sweep_small_n``), in ``rounds`` interleaved rounds: the unsplit 64-wide tile (the default before
@@ -1135,6 +1173,9 @@ def main(argv=None):
                         "(--ms: 1,16,32,64; --shapes: o,qkv,down,gate_up)")
     p.add_argument("--pre-wait", action="store_true",
                    help="the decode GEMMs' chains as PDL dependents with their first K steps loaded before the wait")
+    p.add_argument("--gemv-pdl", action="store_true",
+                   help="the one-row GEMV's tiles as chains of programmatic dependents (--shapes: o,qkv); with "
+                        "--duel: its default at 3 and 4 K stages (o, qkv, down)")
     p.add_argument("--l2-next", action="store_true",
                    help="o's weight prefetched into L2 during attention, after the qkv GEMM (--ms: 1,32)")
     p.add_argument("--tma-a", action="store_true",
@@ -1179,6 +1220,10 @@ def main(argv=None):
     if args.pdl:
         return pdl_duel(tuple(int(m) for m in (args.ms or "1,16,32,64").split(",")),
                         tuple((args.shapes or "o,qkv,down,gate_up").split(",")))
+    if args.gemv_pdl and args.duel:
+        return gemv_stages_duel(tuple((args.shapes or "o,qkv,down").split(",")))
+    if args.gemv_pdl:
+        return gemv_pdl_sweep(tuple((args.shapes or "o,qkv").split(",")))
     if args.pre_wait:
         return pre_wait_duel(tuple(int(m) for m in (args.ms or "1").split(",")),
                              tuple((args.shapes or "o,qkv,down").split(",")))
