@@ -172,7 +172,7 @@ def errors_against(layer: DecoderLayer, out: tuple, ref_layer: DecoderLayer, ref
 
 def kernel_trace(fn, x: torch.Tensor, steps: int = 10) -> str:
     """The kernels of one call of ``fn(x)`` in launch order, each one's GPU time (start to end: with programmatic
-    dependent launch, the time it waited included) averaged over ``steps`` plain calls (torch.profiler, after
+    dependent launch, the time it waited included), the median of ``steps`` plain calls (torch.profiler, after
     ``profile_mlp.profiled``'s warm-up calls); a line each, and their sum."""
     from profile_mlp import profiled
 

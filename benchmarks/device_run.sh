@@ -234,7 +234,8 @@ if has layerpdl; then  # the same in a decode step: the decoder layer, a process
   v=${LAYER_VARIANTS:-bf16_inductor,torchao_rowwise,fp8fx_fused,fp8fx_fused_nopdl,fp8fx_fused_gpdl,bf16_inductor_pdl,fp8fx_fused_pdl}
   for m in ${LAYER_MS:-1 32}; do
     timeout ${LAYER_TIMEOUT:-270} python3 benchmarks/bench_decoder_layer.py --out "$OUT/layer-m$m" --ms $m --rounds 5 \
-      --variants $v --pre-wait ${LAYER_PRE_WAIT:-1} ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer-m$m.txt" | grep -v "^[0-9]  \|^---\|^graph"
+      --variants $v --pre-wait ${LAYER_PRE_WAIT:-1} ${LAYER_ARGS:-} 2>&1 | tee "$OUT/layer-m$m.txt" \
+      | grep -v "^[0-9]  \|^---\|^graph"
   done
 fi
 if has prewait; then  # the weight's first K steps loaded before the PDL wait: its GPU tests, then the chains

@@ -791,8 +791,10 @@ def pre_wait_duel(ms=(1,), shapes=("o", "qkv", "down"), rounds=5, chain_bytes=25
     everywhere. Each default tile (``_decode_problem``: the GEMV at one row) as a chain of launches (``hbm_table``),
     each launch a programmatic dependent of the one before, with and without ``PDL_TRIGGER`` (which lets the next
     launch's programs - and their early loads - in as soon as this one's have waited), in ``rounds`` interleaved
-    rounds; ms per launch and TB/s on the weights, against the read speed measured first. (H200 run 37 timed the
-    tensor-core tiles' first step so too, at 16-64 rows: 1.0-1.5x slower everywhere, so they take no ``PRE_WAIT``.)"""
+    rounds; ms per launch and TB/s on the weights, against the read speed measured first. (H200 run 37 call 1 timed
+    the tensor-core tiles' first step so too, ``--ms 1,16,32,64 --shapes o,qkv,down,gate_up`` with
+    runs/2026-12-02-h200-run37-call1-tensor-core-pre-wait.patch: 1.0-1.5x slower everywhere, so they take no
+    ``PRE_WAIT``.)"""
     print(f"read speed (sum of 2 GiB): {_read_speed():.2f} TB/s", flush=True)
     for name in shapes:
         for m in ms:

@@ -396,8 +396,10 @@ def fp8_gemv_kernel(
     of fp8 codes are exact in float32; the sums round as a tensor core's float32 accumulation does, in another
     order. The activation's scale (per tensor = per row here) and b's are applied after the sum; scales that
     change along K (``A_GROUPED``: a's [1, K / GROUP_K], ``B_GROUPED``: b's [N / B_BLOCK_N, K / GROUP_K]) multiply
-    each element as it is loaded (a step spans BLOCK_K / GROUP_K groups). ``PDL_TRIGGER``, ``PRE_WAIT``: as
-    fp8_gemm_kernel's (here the first 1, 2 or 4 steps)."""
+    each element as it is loaded (a step spans BLOCK_K / GROUP_K groups). ``PDL_TRIGGER``: as fp8_gemm_kernel's.
+    ``PRE_WAIT`` (1, 2 or 4): the program's first K steps of the weight are loaded before the PDL wait - while the
+    kernel before still runs - and multiplied after it, so the weight must not be what that kernel writes (fp8fx's
+    are parameters, quantized at load time)."""
     split = tl.program_id(0) % SPLIT_K
     pid_n = tl.program_id(0) // SPLIT_K
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -730,12 +732,13 @@ def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[
 # at one token, within 0.3% at 16, 24, 32 and 64 tokens (one 32-token process with five variants had it 1.6% slower; one
 # with three, a tie): kept up to 64 rows.
 # ``PRE_WAIT`` (H200 run 37: the GEMV's first K steps of the weight loaded before the wait, into registers) is not
-# in the default either. In chains of one-row launches with ``PDL_TRIGGER`` it paid: qkv 0.0079 ms a launch with 4
-# steps (76% of the read speed) against 0.0092 with the trigger alone and 0.0087 without it, down 0.0155 with 2
-# (0.0164 / 0.0167); o none (0.0064 against 0.0062). Without the trigger it changed nothing, or lost up to 8%
-# with 4 steps. In the decoder layer at one token it lost: 1.3% (2 steps) and 1.9% (4) on the default, a tie (2)
-# and 3.8% (4) with Inductor's PDL and the trigger. The tensor-core tiles' first step loaded so ran 1.0-1.5x slower
-# at 16-64 rows, so those tiles take no ``PRE_WAIT``.
+# in the default either (where set, the weights of one-row default launches must not be what the kernel just before
+# writes: fp8fx's are parameters). In chains of one-row launches with ``PDL_TRIGGER`` it paid: qkv 0.0079 ms a
+# launch with 4 steps (75-76% of the read speed) against 0.0092 with the trigger alone and 0.0087 without it, down
+# 0.0155 with 2 (0.0164 / 0.0167); o none (0.0064 against 0.0062). Without the trigger it changed nothing, or lost
+# up to 8% with 4 steps. In the decoder layer at one token it lost: 1.3% (2 steps) and 1.9% (4) on the default, a
+# tie (2) and 3.8% (4) with Inductor's PDL and the trigger. The tensor-core tiles' first step loaded so ran 1.0-1.5x
+# slower at 16-64 rows, so those tiles take no ``PRE_WAIT``.
 DECODE_PDL: Optional[dict] = {}
 DECODE_PDL_MAX_M = 64
 PDL_TILE_KEYS = ("PDL_TRIGGER", "PRE_WAIT")
