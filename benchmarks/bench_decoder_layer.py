@@ -271,7 +271,7 @@ def main(argv=None) -> int:
     p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
                    help=f"comma-separated, of {', '.join(VARIANTS)} (default: {', '.join(DEFAULT_VARIANTS)})")
     p.add_argument("--kernels", action="store_true", help="each variant's kernels in launch order, their GPU times")
-    p.add_argument("--pre-wait", type=int, default=1, help="the *pre variants' PRE_WAIT (K steps: 1, 2 or 4)")
+    p.add_argument("--pre-wait", type=int, default=1, choices=(1, 2, 4), help="the *pre variants' PRE_WAIT (K steps)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny dims on CPU, the fp8fx variants, no timing")
     args = p.parse_args(argv)
     variants = args.variants.split(",")

@@ -495,8 +495,9 @@ def gemv_config(n: int, k: int, a_quant: bool = False) -> dict:
     Since run 35 these launches go as programmatic dependents (``DECODE_PDL``). Timed so, as chains of launches (H200
     run 37: call 6 `tune_gemm.py --gemv-pdl`, 25 tiles a shape and 5 rounds; call 7 `--gemv-pdl --duel`, 7 rounds),
     K below 8192 takes 4 stages, the same tile otherwise (the best of both sweeps): o 4096x4096 0.0065 ms against
-    0.0068 / 0.0067 with 3, qkv 0.0086 against 0.0088 in both calls. K of 8192 and more keeps run 19's 3: down
-    4096x14336 0.0169 ms with 3 against 0.0171 with 4 (call 7)."""
+    0.0068 / 0.0067 with 3, qkv 0.0086 against 0.0088 in both calls (with ``PDL_TRIGGER``, not the default: o 0.0059
+    against 0.0062, qkv 0.0094 against 0.0092). K of 8192 and more keeps run 19's 3: down 4096x14336 0.0169 ms with 3
+    against 0.0171 with 4 (call 7). Only the H200 timed these depths, as it did every tile here."""
     block_n, warps = (8 if a_quant else 4, 2) if k >= 8192 else (4, 1)
     split, steps = 1, cdiv(k, 512 * warps)
     while cdiv(n, block_n) * split < 512 and steps >= 8 * split:
@@ -733,12 +734,12 @@ def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[
 # with three, a tie): kept up to 64 rows.
 # ``PRE_WAIT`` (H200 run 37: the GEMV's first K steps of the weight loaded before the wait, into registers) is not
 # in the default either (where set, the weights of one-row default launches must not be what the kernel just before
-# writes: fp8fx's are parameters). In chains of one-row launches with ``PDL_TRIGGER`` it paid: qkv 0.0079 ms a
-# launch with 4 steps (75-76% of the read speed) against 0.0092 with the trigger alone and 0.0087 without it, down
-# 0.0155 with 2 (0.0164 / 0.0167); o none (0.0064 against 0.0062). Without the trigger it changed nothing, or lost
-# up to 8% with 4 steps. In the decoder layer at one token it lost: 1.3% (2 steps) and 1.9% (4) on the default, a
-# tie (2) and 3.8% (4) with Inductor's PDL and the trigger. The tensor-core tiles' first step loaded so ran 1.0-1.5x
-# slower at 16-64 rows, so those tiles take no ``PRE_WAIT``.
+# writes: fp8fx's are parameters). In chains of one-row launches with ``PDL_TRIGGER``, qkv ran 0.0079 ms a launch
+# with 4 steps (75-76% of the read speed) against 0.0092 with the trigger alone and 0.0087 without it, down 0.0155
+# with 2 (0.0164 / 0.0167) but 0.0189 with 4; o lost at every count (0.0064-0.0066 against 0.0062). Without the
+# trigger it changed nothing, or lost up to 8% with 4 steps. In the decoder layer at one token it lost: 1.3% (2
+# steps) and 1.9% (4) on the default, a tie (2) and 3.8% (4) with Inductor's PDL and the trigger. The tensor-core
+# tiles' first step loaded so ran 1.0-1.5x slower at 16-64 rows, so those tiles take no ``PRE_WAIT``.
 DECODE_PDL: Optional[dict] = {}
 DECODE_PDL_MAX_M = 64
 PDL_TILE_KEYS = ("PDL_TRIGGER", "PRE_WAIT")
@@ -753,18 +754,27 @@ def _hopper(t: torch.Tensor, exactly: bool = False) -> bool:
     return cap == (9, 0) if exactly else cap >= (9, 0)
 
 
-def decode_pdl_keys(b: torch.Tensor, m: int) -> Optional[dict]:
+def decode_pdl_keys(b: torch.Tensor, m: int, gemv: bool = False) -> Optional[dict]:
     """How a default launch of ``m`` rows on the weight ``b`` goes (``DECODE_PDL``): None - plainly (``DECODE_PDL``
     None, more than ``DECODE_PDL_MAX_M`` rows, or not on sm_90) - or as a programmatic dependent with these tile
-    keys."""
+    keys; ``PRE_WAIT`` only where the launch takes the GEMV kernel (``gemv``: the tensor-core tiles take none). The
+    setting is checked at every launch, whatever it applies to."""
     if DECODE_PDL is None:
         return None
     unknown = sorted(set(DECODE_PDL) - set(PDL_TILE_KEYS))
     if unknown:
         raise ValueError(f"fp8_gemm.DECODE_PDL: keys {unknown}; it takes {list(PDL_TILE_KEYS)} only (or is None: off)")
+    _check_pre_wait(DECODE_PDL.get("PRE_WAIT", 0), "fp8_gemm.DECODE_PDL: PRE_WAIT")
     if m > DECODE_PDL_MAX_M or not _hopper(b, exactly=True):
         return None
-    return dict(DECODE_PDL)
+    return {key: v for key, v in DECODE_PDL.items() if gemv or key != "PRE_WAIT"}
+
+
+def _check_pre_wait(steps, what: str) -> None:
+    """``PRE_WAIT``'s value: an int of ``PRE_WAIT_STEPS`` (K steps of the weight loaded before the PDL wait)."""
+    if type(steps) is not int or steps not in PRE_WAIT_STEPS:
+        raise ValueError(f"{what}={steps!r}; it takes one of {list(PRE_WAIT_STEPS)} (K steps of the weight loaded "
+                         f"before the PDL wait)")
 
 
 def _check_pdl_keys(cfg: dict, a: torch.Tensor) -> None:
@@ -778,9 +788,7 @@ def _check_pdl_keys(cfg: dict, a: torch.Tensor) -> None:
         raise ValueError(f"fp8_gemm: config PRE_WAIT={cfg['PRE_WAIT']!r} is the GEMV kernel's (GEMV=True, one row); "
                          f"the tensor-core tiles ran 1.0-1.5x slower with their first step loaded before the wait "
                          f"(H200 run 37): leave it out of the config")
-    if cfg.get("PRE_WAIT", 0) not in PRE_WAIT_STEPS:
-        raise ValueError(f"fp8_gemm: config PRE_WAIT={cfg['PRE_WAIT']!r}; it takes one of {list(PRE_WAIT_STEPS)} (K "
-                         f"steps of the weight loaded before the PDL wait)")
+    _check_pre_wait(cfg.get("PRE_WAIT", 0), "fp8_gemm: config PRE_WAIT")
 
 
 def fp8_gemm(
@@ -854,11 +862,9 @@ def fp8_gemm(
                                                 k_groups=bool(group_k)), a.device))
     if a_quant != NO_QUANT and not config:  # (a 16-bit a: the 64-row tiles' TMA copies were timed for fp8 a only)
         cfg.pop("TMA", None), cfg.pop("TMA_A", None)
-    decode_keys = decode_pdl_keys(b, m) if pdl is None and not config else None
-    pdl = bool(pdl) or decode_keys is not None
     gemv = cfg.get("GEMV", False)
-    if decode_keys and not gemv:  # (``PRE_WAIT`` is the GEMV's: `_check_pdl_keys`)
-        decode_keys = {key: v for key, v in decode_keys.items() if key != "PRE_WAIT"}
+    decode_keys = decode_pdl_keys(b, m, gemv=gemv) if pdl is None and not config else None
+    pdl = bool(pdl) or decode_keys is not None
     cfg.update(decode_keys or {})
     _check_pdl_keys(cfg, a)
     cfg.pop("GEMV", False)

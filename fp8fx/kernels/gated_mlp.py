@@ -756,7 +756,7 @@ def gated_mlp(
         pdl = _hopper(xq)
     pdl = pdl and not rows_pass  # (quantize_rows runs between the two GEMMs, launched as any kernel)
     if pdl and not configs[1]:  # (``fp8_gemm.DECODE_PDL``'s tile keys)
-        cfg2.update(decode_pdl_keys(w2, m) or {})
+        cfg2.update(decode_pdl_keys(w2, m, gemv=cfg2.get("GEMV", False)) or {})
     grid = (cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
     # Triton compiles for and launches on the current device: make it xq's
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():

@@ -277,7 +277,8 @@ def test_decode_pdl_setting_cuda(monkeypatch):
         pytest.skip("DECODE_PDL applies on sm_90 only, where it is timed")
     taken = []
     keys_of = kernels.decode_pdl_keys
-    monkeypatch.setattr(kernels, "decode_pdl_keys", lambda b, m: taken.append(keys_of(b, m)) or taken[-1])
+    monkeypatch.setattr(kernels, "decode_pdl_keys",
+                        lambda b, m, gemv=False: taken.append(keys_of(b, m, gemv=gemv)) or taken[-1])
     for m, n, k in ((1, 4096, 14336), (24, 6144, 4096), (64, 4096, 14336), (65, 256, 512)):
         xq, xs, wq, ws, _ = operands(m, n, k, [1, -1], [1, -1], "cuda")
         want = kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, pdl=False)
@@ -286,7 +287,8 @@ def test_decode_pdl_setting_cuda(monkeypatch):
             monkeypatch.setattr(kernels, "DECODE_PDL", keys)
             taken.clear()
             assert torch.equal(run(), want), (m, n, k, keys)
-            assert taken == [None if m > 64 else keys], (m, taken)
+            gemv_keys = keys if m == 1 else {key: v for key, v in keys.items() if key != "PRE_WAIT"}
+            assert taken == [None if m > 64 else gemv_keys], (m, taken)
             assert_graph_replays_equal(run, want)
         taken.clear()
         kernels.fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=kernels.tile_config(m, n, k))
@@ -295,7 +297,8 @@ def test_decode_pdl_setting_cuda(monkeypatch):
 
 def test_pdl_tile_keys_are_checked_before_a_launch(monkeypatch):
     """``PDL_TRIGGER`` in a config: sm_90 and newer only (the CPU is refused, naming the key). ``DECODE_PDL``: on by
-    default without keys, ``PDL_TRIGGER`` its only key, on sm_90 only, up to 64 rows; None turns it off."""
+    default without keys, ``PDL_TRIGGER`` and ``PRE_WAIT`` (the GEMV's alone, of 0, 1, 2, 4) its keys, on sm_90
+    only, up to 64 rows; None turns it off."""
     from fp8fx.kernels import fp8_gemm as kernels
 
     xq, xs, wq, ws, _ = operands(2, 64, 256, [1, -1], [1, -1], "cpu")
@@ -319,6 +322,15 @@ def test_pdl_tile_keys_are_checked_before_a_launch(monkeypatch):
         with pytest.raises(ValueError, match=r"DECODE_PDL: keys \['(L2_PREFETCH|BLOCK_N)'\]; it takes "
                                              r"\['PDL_TRIGGER', 'PRE_WAIT'\]"):
             kernels.decode_pdl_keys(w, 1)
+    # PRE_WAIT: the GEMV's (gemv=True) alone; a value it does not take refused at any launch, wherever it applies
+    monkeypatch.setattr(kernels, "DECODE_PDL", {**keys, "PRE_WAIT": 2})
+    assert kernels.decode_pdl_keys(w, 1, gemv=True) == {**keys, "PRE_WAIT": 2}
+    assert kernels.decode_pdl_keys(w, 16) == kernels.decode_pdl_keys(w, 1) == keys
+    for bad in (3, 2.0, True, "2"):
+        monkeypatch.setattr(kernels, "DECODE_PDL", {"PRE_WAIT": bad})
+        for m in (1, 65):
+            with pytest.raises(ValueError, match=rf"DECODE_PDL: PRE_WAIT={bad!r}; it takes one of \[0, 1, 2, 4\]"):
+                kernels.decode_pdl_keys(w, m, gemv=True)
     monkeypatch.setattr(kernels, "DECODE_PDL", keys)
     monkeypatch.setattr(kernels, "_hopper", lambda t, exactly=False: not exactly)  # (a GPU after sm_90: not timed)
     assert kernels.decode_pdl_keys(w, 1) is None
@@ -667,11 +679,12 @@ PRE_WAIT_CHECK = textwrap.dedent(
     from fp8fx.kernels.fp8_gemm import QUANT_ROWS, fp8_gemm, gemv_config, mma_tile_config
 
     # the GEMV's first 1, 2 or 4 K steps of the weight loaded before the (PDL) wait and multiplied after it, the rest
-    # in the loop: ragged N and K (EVEN_K off), split K with splits shorter than PRE_WAIT and one of no step at all,
-    # per-row scales, 1 x 32 / 8 x 32 K groups, 16-bit activations quantized as loaded, weight-only
+    # in the loop: ragged N (70 rows, 4 a program) and K (EVEN_K off), split K with splits shorter than PRE_WAIT and
+    # one of no step at all, per-row scales, 1 x 32 / 8 x 32 K groups, 16-bit activations quantized as loaded,
+    # weight-only (the weight as fp8 and as bytes)
     g = torch.Generator().manual_seed(0)
     checked = 0
-    for n, k, x_block, w_block in [(72, 1040, [1, -1], [1, -1]), (40, 288, [1, 32], [8, 32])]:
+    for n, k, x_block, w_block in [(70, 1040, [1, -1], [1, -1]), (40, 288, [1, 32], [8, 32])]:
         xq, xs = quant.quantize(torch.randn(1, k, generator=g), x_block)
         wq, ws = quant.quantize(torch.randn(n, k, generator=g), w_block)
         grouped = w_block[1] != -1
@@ -687,6 +700,9 @@ PRE_WAIT_CHECK = textwrap.dedent(
             wo_ref = x16h.double() @ quant.dequantize(wq, ws, w_block, torch.float64).t()
             runs.append(("weight-only", lambda cfg: fp8_gemm(x16h, wq, None, ws, None, torch.float32, config=cfg),
                          wo_ref))
+            # (the weight as bytes, decoded in the kernel: B_BITS, GPUs before sm_89)
+            runs.append(("weight-only", lambda cfg: fp8_gemm(x16h, wq, None, ws, None, torch.float32,
+                                                              config={**cfg, "B_BITS": True}), wo_ref))
         # 9 K steps (the last ragged): unsplit; split in 2 (5 and 4 steps); in 4 (3, 3, 3 and none)
         gemv = {**gemv_config(n, k), "BLOCK_K": 32 if grouped else 128}
         for cfg in (gemv, {**gemv, "SPLIT_K": 2}, {**gemv, "SPLIT_K": 4}):
@@ -720,7 +736,7 @@ def test_weight_loaded_before_the_wait_under_triton_interpreter():
     the plain loop's bits with one step and the same products summed in another order with 2 or 4, in every scheme
     the GEMV takes; the tensor-core kernel refuses it."""
     out = run_under_triton_interpreter(["-c", PRE_WAIT_CHECK])
-    assert "pre-wait ok" in out and int(out.split("pre-wait ok")[1].split()[0]) == 36, out
+    assert "pre-wait ok" in out and int(out.split("pre-wait ok")[1].split()[0]) == 45, out
 
 
 BITS_CHECK = textwrap.dedent(

@@ -327,7 +327,7 @@ def test_gated_mlp_cuda_graph_replays(down):
 def test_gated_mlp_with_decode_pdl_cuda(monkeypatch, m, h_group):
     """``fp8_gemm.DECODE_PDL`` with ``PDL_TRIGGER``: the down GEMM (already a programmatic dependent of the gate/up
     kernel) takes the trigger - the GEMV at one token, split tiles at 16, h in groups at 32 - and the op's bits do not
-    change from ``DECODE_PDL`` None's, called and as CUDA-graph replays."""
+    change from ``DECODE_PDL`` None's, called and as CUDA-graph replays; with ``PRE_WAIT`` too (the GEMV's alone)."""
     from fp8fx.kernels import fp8_gemm as kernels
     from fp8fx.kernels import gated_mlp as module
 
@@ -342,11 +342,39 @@ def test_gated_mlp_with_decode_pdl_cuda(monkeypatch, m, h_group):
     want = run()
     taken = []
     keys_of = module.decode_pdl_keys
-    monkeypatch.setattr(module, "decode_pdl_keys", lambda b, m: taken.append(keys_of(b, m)) or taken[-1])
-    monkeypatch.setattr(kernels, "DECODE_PDL", {"PDL_TRIGGER": True})
-    assert torch.equal(run(), want)
-    assert taken == [{"PDL_TRIGGER": True}], taken
-    assert_graph_replays_equal(run, want)
+    monkeypatch.setattr(module, "decode_pdl_keys",
+                        lambda b, m, gemv=False: taken.append(keys_of(b, m, gemv=gemv)) or taken[-1])
+    for keys in ({"PDL_TRIGGER": True}, {"PDL_TRIGGER": True, "PRE_WAIT": 1}):  # (PRE_WAIT: the GEMV's, one token)
+        monkeypatch.setattr(kernels, "DECODE_PDL", keys)
+        taken.clear()
+        assert torch.equal(run(), want)
+        assert taken == [keys if m == 1 else {"PDL_TRIGGER": True}], taken
+        assert_graph_replays_equal(run, want)
+
+
+@pytest.mark.parametrize("m", [1, 2, 16])
+def test_down_gemm_takes_pre_wait_only_as_a_gemv(monkeypatch, m):
+    """``fp8_gemm.DECODE_PDL``'s ``PRE_WAIT`` reaches the fused MLP's down GEMM only where that is the GEMV (one
+    token): a tensor-core down tile given it would be refused (``fp8_gemm``: "the GEMV kernel's"). The two kernels
+    are stubbed (no GPU here), the launch's config recorded, as on sm_90."""
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels import gated_mlp as module
+
+    args, _ = mlp_operands(m, 64, 128, 64, "per-token/per-channel", "cpu")
+    xq, xs, w1, s1, w3, s3, w2, s2, bias = args[:9]
+    for mod in (kernels, module):
+        monkeypatch.setattr(mod, "_hopper", lambda t, exactly=False: True)
+    monkeypatch.setattr(kernels, "DECODE_PDL", {"PRE_WAIT": 2})
+
+    class Stub:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: None
+    monkeypatch.setattr(module, "gated_gemm_kernel", Stub())
+    given = []
+    monkeypatch.setattr(module, "fp8_gemm", lambda *a, config=None, **kw: given.append(config))
+    module.gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, bias, kernels.QUANT_ROWS, None, torch.bfloat16, torch.bfloat16)
+    (cfg,) = given
+    assert cfg.get("GEMV", False) == (m == 1) and cfg.get("PRE_WAIT") == (2 if m == 1 else None), cfg
 
 
 def check_replays(run, args):
