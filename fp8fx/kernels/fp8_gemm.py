@@ -407,11 +407,12 @@ def fp8_gemv_kernel(
     n_ok = offs_n < N
     k_steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_first = split * k_steps
+    k_end = tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))
     b_tile = b_ptr + (pid_n * BLOCK_N).to(tl.int64) * stride_bn
     if PRE_WAIT:  # the weight's first PRE_WAIT steps of this split, loaded before the wait (`_pdl_start`)
         offs_pre = tl.arange(0, PRE_WAIT * BLOCK_K)
         # (the split's own steps only; with EVEN_K a multiple of BLOCK_K, so the loads stay 16 bytes wide)
-        k_stop = tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K)) * BLOCK_K
+        k_stop = k_end * BLOCK_K
         k_ok_pre = k_first * BLOCK_K + offs_pre < (k_stop if EVEN_K else tl.minimum(k_stop, K))
         b_pre = tl.load(b_tile + tl.arange(0, BLOCK_N)[:, None] * stride_bn + k_first * BLOCK_K + offs_pre[None, :],
                         mask=n_ok[:, None] & k_ok_pre[None, :], other=0.0)
@@ -425,7 +426,6 @@ def fp8_gemv_kernel(
                                           PARTS_BLOCK, EPS, FP8_MAX, 1), 0)  # [1] -> its element
         a_q_inv = tl.math.div_rn(1.0, a_q_scale)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    k_end = tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))
     if PRE_WAIT:  # the steps loaded before the wait, now multiplied (a is the kernel before's to write)
         a_pre = tl.load(a_ptr + a_offs_pre, mask=k_ok_pre, other=0.0)
         part = _gemv_products(a_pre, b_pre, k_first * BLOCK_K, offs_n, n_ok, K, a_scale_ptr, b_scale_ptr, stride_ask,
