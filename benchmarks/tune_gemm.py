@@ -40,6 +40,7 @@ Every candidate is checked against the current configuration's output before it 
 """
 import argparse
 import itertools
+from typing import Optional
 
 import torch
 import triton
@@ -650,11 +651,8 @@ def sweep_down(ms=(32, 64), rounds=5, chain_bytes=256 << 20):
             for swap in (False, True) if bn >= 64 else (False,):
                 cfg = dict(BLOCK_M=64, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=stages,
                            SPLIT_K=split, TMA=True, TMA_A=tma_a, SWAP_AB=swap)
-                try:
-                    assert (chain(cfg)[0].float() - ref).abs().max() <= 1e-2 * ref.abs().max()
-                    results.append((time_ms(lambda cfg=cfg: chain(cfg), True) / reps, cfg))
-                except Exception:  # noqa: BLE001 - out of shared memory etc.: not a candidate
-                    continue
+                t = _chain_tile_ms(chain, cfg, ref, reps)
+                results += [(t, cfg)] if t is not None else []
         results.sort(key=lambda r: r[0])
         runs = {"default": lambda: chain(default),
                 **{f"#{i + 1} {c}": lambda c=c: chain(c) for i, (_, c) in enumerate(results[:5])}}
@@ -674,6 +672,19 @@ def down_deep_duel(ms=(32, 64), rounds=7, chain_bytes=256 << 20):
              "64 wide, split 2, 3 stages": {**LONG_STEPS, "BLOCK_N": 64, "SPLIT_K": 2, "num_stages": 3}}
     for m in ms:
         _chain_duel("down", m, tiles, rounds, chain_bytes)
+
+
+def _chain_tile_ms(chain, cfg: dict, ref: torch.Tensor, reps: int, failed: str = "") -> Optional[float]:
+    """ms per launch of ``chain(cfg)`` (``_decode_chain``: ``reps`` launches), timed once its first launch's output is
+    within 1% of ``ref``'s largest value; None for a tile that fails (out of shared memory etc.: not a candidate),
+    printed after ``failed`` where it is given."""
+    try:
+        assert (chain(cfg)[0].float() - ref).abs().max() <= 1e-2 * ref.abs().max()
+        return time_ms(lambda: chain(cfg), True) / reps
+    except Exception as e:  # noqa: BLE001 - out of shared memory etc.: not a candidate
+        if failed:
+            print(f"  {failed} {cfg}: {type(e).__name__} {str(e)[:120]}", flush=True)
+        return None
 
 
 def _decode_problem(name: str, m: int) -> tuple:
@@ -727,11 +738,8 @@ def sweep_rows32(ms=(32,), duel_ms=(24, 32), shapes=("down", "down-g128", "qkv",
                     continue
                 cfg = dict(BLOCK_M=32, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=1, num_warps=4, num_stages=stages,
                            SPLIT_K=split, SWAP_AB=True, TMA=True)
-                try:
-                    assert (chain(cfg)[0].float() - ref).abs().max() <= 1e-2 * ref.abs().max()
-                    results.append((time_ms(lambda cfg=cfg: chain(cfg), True) / reps, cfg))
-                except Exception as e:  # noqa: BLE001 - out of shared memory etc.: not a candidate
-                    print(f"  {name} M={m} {cfg}: {type(e).__name__} {str(e)[:120]}", flush=True)
+                t = _chain_tile_ms(chain, cfg, ref, reps, failed=f"{name} M={m}")
+                results += [(t, cfg)] if t is not None else []
             results.sort(key=lambda r: r[0])
             print(f"{name} M={m}: default {time_ms(chain, True) / reps:.4f} ms {default} | {len(results)} tiles, "
                   "each once: " + " ; ".join(f"{t:.4f} {c}" for t, c in results[:5]), flush=True)
@@ -817,11 +825,8 @@ def gemv_pdl_sweep(shapes=("o", "qkv"), rounds=5, chain_bytes=256 << 20, k_stage
         ref = chain(default)[0].float()
         results = []
         for cfg in gemv_candidates(k, k_stages):
-            try:
-                assert (chain({**cfg, "pdl": True})[0].float() - ref).abs().max() <= 1e-2 * ref.abs().max()
-                results.append((time_ms(lambda cfg=cfg: chain({**cfg, "pdl": True}), True) / reps, cfg))
-            except Exception as e:  # noqa: BLE001 - out of shared memory etc.: not a candidate
-                print(f"  {name} {cfg}: {type(e).__name__} {str(e)[:120]}", flush=True)
+            t = _chain_tile_ms(chain, {**cfg, "pdl": True}, ref, reps, failed=name)
+            results += [(t, cfg)] if t is not None else []
         results.sort(key=lambda r: r[0])
         print(f"{name} M=1: default {time_ms(lambda: chain({**default, 'pdl': True}), True) / reps:.4f} ms {default} | "
               f"{len(results)} tiles, each once: " + " ; ".join(f"{t:.4f} {c}" for t, c in results[:5]), flush=True)
