@@ -31,8 +31,8 @@
 #          torchao; decodepdl: the decode MLP block with and without fp8fx's PDL, with the trigger (*_pdl);
 #          xcuda: every cuda test under pytest-xdist; l2next: tune_gemm.py --l2-next; prewait: tune_gemm.py --pre-wait
 #          (the decode GEMMs' chains with their first K steps loaded before the PDL wait) and its cuda tests;
-#          gemvpdl: tune_gemm.py --gemv-pdl, GEMV_PDL_TIMEOUT; gemvstages: its default at 3 and 4 K stages, and
-#          the GPU tests of GEMV launches)
+#          gemvpdl: tune_gemm.py --gemv-pdl, GEMV_PDL_TIMEOUT; warps8: tune_gemm.py --warps8; gemvstages: its default
+#          at 3 and 4 K stages, and the GPU tests of GEMV launches)
 # Carry .whl (expecttest, depyf, astor, dill, torchao; pytest-xdist and execnet for xcuda). One device call runs at
 # most 10 minutes; the session has 30 (a cold start costs 1-2): e.g. "xcuda" (every cuda test, ~6 min in run 36),
 # "moetests,gemmtests,moesweep" (~9 min), "bench,moelayer --skip-gemms --kernels" (~5 min). Env: XDIST_N, XCUDA_TIMEOUT
@@ -241,6 +241,9 @@ fi
 if has prewait; then  # the weight's first K steps loaded before the PDL wait: its GPU tests, then the chains
   timeout 150 $P -m cuda $gemm -k "pdl or before_the_wait" 2>&1 | tee "$OUT/pytest-cuda-prewait.log" | tail -5
   timeout 400 python3 benchmarks/tune_gemm.py --pre-wait 2>&1 | tee "$OUT/prewait-chains.txt"
+fi
+if has warps8; then  # the decode GEMMs' 17-64-row default tiles with 8 warps, as chains
+  timeout 200 python3 benchmarks/tune_gemm.py --warps8 2>&1 | tee "$OUT/warps8.txt"
 fi
 if has gemvpdl; then  # the one-row GEMV's tiles for o and qkv as chains of programmatic dependents
   timeout ${GEMV_PDL_TIMEOUT:-300} python3 benchmarks/tune_gemm.py --gemv-pdl 2>&1 | tee "$OUT/gemv-pdl.txt"

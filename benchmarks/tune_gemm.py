@@ -838,6 +838,24 @@ def gemv_pdl_sweep(shapes=("o", "qkv"), rounds=5, chain_bytes=256 << 20, k_stage
             _chain_duel(name, 1, tiles, rounds, chain_bytes)
 
 
+def warps_duel(ms=(32, 64), shapes=("down", "qkv", "o"), rounds=7, chain_bytes=256 << 20):
+    """The decode GEMMs' 17-64-row default tiles (``_decode_problem``) with 8 warps, two warpgroups sharing each K
+    step's dot, where every sweep since run 13 ran 4 (one warpgroup, whose dots' waits the loads queue behind: down at
+    32-64 rows streams as slowly as its memory time plus its tensor time, 0.020 ms against 0.014 + 0.004), and with 8
+    warps 2 stages deeper where shared memory holds them; as chains of launches (``_chain_duel``), ``rounds``
+    interleaved rounds."""
+    from fp8fx.kernels.fp8_gemm import pipeline_stages
+
+    for name, m in itertools.product(shapes, ms):
+        default = _decode_problem(name, m)[3]
+        wide = {**default, "num_warps": 8}
+        tiles = {"default (4 warps)": default, "8 warps": wide}
+        deeper = {**wide, "num_stages": default["num_stages"] + 2}
+        if pipeline_stages(deeper, 1) > default["num_stages"]:  # (else shared memory holds no more)
+            tiles[f"8 warps, {deeper['num_stages']} stages"] = deeper
+        _chain_duel(name, m, tiles, rounds, chain_bytes)
+
+
 def gemv_stages_duel(shapes=("o", "qkv", "down"), rounds=7, chain_bytes=256 << 20):
     """The one-row GEMV's default tile (``gemv_config``) at 3 and 4 ``K_STAGES``, each as a chain of programmatic
     dependents (``gemv_pdl_sweep``), with and without ``PDL_TRIGGER``, in ``rounds`` interleaved rounds."""
@@ -1185,6 +1203,7 @@ def main(argv=None):
                         "--duel: its default at 3 and 4 K stages (o, qkv, down)")
     p.add_argument("--l2-next", action="store_true",
                    help="o's weight prefetched into L2 during attention, after the qkv GEMM (--ms: 1,32)")
+    p.add_argument("--warps8", action="store_true", help="decode GEMMs at 32, 64 rows: default tiles with 8 warps")
     p.add_argument("--tma-a", action="store_true",
                    help="M = 16, 64: fp8 activation tiles by TMA (TMA_A) or not, the decode GEMMs and the fused MLP")
     p.add_argument("--balance", action="store_true", help="--m64: the gate/up kernel alone on 112 vs 132 programs")
@@ -1236,6 +1255,8 @@ def main(argv=None):
                              tuple((args.shapes or "o,qkv,down").split(",")))
     if args.l2_next:
         return l2_next_study(tuple(int(m) for m in (args.ms or "1,32").split(",")))
+    if args.warps8:
+        return warps_duel()
     if args.tma_a:
         return tma_a_duel()
     if args.small_n and args.duel:
