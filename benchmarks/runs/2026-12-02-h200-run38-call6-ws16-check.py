@@ -1,4 +1,6 @@
-"""run 38 call 6: which of the 16-row down tiles with the activation by TMA is wrong (the WS one or its twin)."""
+"""H200 run 38 call 6: which of the 16-row down tiles with the activation by TMA is wrong, the warp-specialized one or
+its twin. Needs fp8_gemm_kernel's WARP_SPEC key: apply 2026-12-02-h200-run38-call1-warp-spec.patch's change to
+fp8fx/kernels/fp8_gemm.py first (git apply --include=fp8fx/kernels/fp8_gemm.py). Run from the repository root."""
 import torch
 from fp8fx.kernels.fp8_gemm import fp8_gemm, mma_tile_config
 torch.manual_seed(0)
