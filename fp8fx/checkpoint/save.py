@@ -513,6 +513,7 @@ def convert(
     report.quantized = {m: str(s) for m, s in schemes.items() if m not in expert_plan}
     report.experts = {s: str(config.scheme()) for f, reason in experts.items() if not reason for s in stored(f)}
     report.not_quantized = {m: r for m, r in plan.items() if r}
+    _check_convert_names(entries, schemes, expert_tensors, scale_name, src)
 
     config_text = _config_text(config_json, qc, "convert")
     created = not os.path.isdir(dst)
@@ -561,6 +562,35 @@ def convert(
         src, dst, len(report.quantized), len(report.experts),
     )
     return report
+
+
+def _check_convert_names(entries, schemes, expert_tensors, scale_name: str, src: str) -> None:
+    """Refuses, before anything is written, a source that is not all high precision: an fp8 tensor (an fp8
+    checkpoint without a quantization_config, whose output no loader could read), or a tensor under a name that a
+    scale convert writes would take (a stale ``weight_scale`` beside a bf16 weight: one of the two would be lost,
+    and loading would scale the weight by the wrong one, silently)."""
+    for entry in entries.values():
+        if entry.dtype.is_floating_point and entry.dtype.itemsize == 1:
+            raise CheckpointError(
+                f"{entry}: an fp8 tensor, but {src}/config.json has no quantization_config: convert takes a "
+                "bf16/fp16/fp32 checkpoint; an fp8 checkpoint needs its quantization_config to be loaded as stored"
+            )
+    stored = {e.source or e.name for e in entries.values()}
+    for entry in entries.values():
+        name = entry.source or entry.name
+        owner, _, leaf = name.rpartition(".")
+        if entry.name in expert_tensors:
+            out = name + scale_name[len("weight"):] if len(entry.shape) == 3 else f"{owner}.{scale_name}"
+        elif leaf == "weight" and owner in schemes:
+            out = f"{owner}.{scale_name}"
+        else:
+            continue
+        if out in stored:
+            raise CheckpointError(
+                f"{src}: {out} is already in the checkpoint, beside the bf16 weight {name} that convert quantizes "
+                f"and whose new scale it writes under that name; remove the stale tensor from the checkpoint "
+                f"(or add {owner!r} to ignored_layers)"
+            )
 
 
 def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused) -> dict[str, str]:

@@ -363,6 +363,28 @@ def test_convert_refuses(tmp_path):
         convert(bad, tmp_path / "out2", model=meta_tiny(), progress=False)
 
 
+def test_convert_refuses_a_checkpoint_that_is_not_all_bf16(tmp_path):
+    """A stale scale beside a bf16 weight took the name of the scale convert writes: one of the two was lost (the
+    last in the file won) and the output loaded with the weight scaled by 123, silently. An fp8 weight in a checkpoint
+    without a quantization_config was written as stored, into an output no loader reads. Both are refused before
+    anything is written."""
+    state = bf16_state()
+    stale = dict(state, **{"model.layers.0.mlp.up_proj.weight_scale": torch.full((96, 1), 123.0)})
+    src = write_checkpoint(tmp_path / "stale", stale)
+    with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.up_proj\.weight_scale is already in the "
+                                              r"checkpoint, beside the bf16 weight model\.layers\.0\.mlp\.up_proj"
+                                              r"\.weight .*remove the stale tensor"):
+        convert(src, tmp_path / "out", model=meta_tiny(), progress=False)
+    assert not (tmp_path / "out").exists()
+    fp8 = dict(state, **{"model.layers.1.mlp.down_proj.weight":
+                         state["model.layers.1.mlp.down_proj.weight"].to(torch.float8_e4m3fn)})
+    src = write_checkpoint(tmp_path / "fp8", fp8)
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.1\.mlp\.down_proj\.weight \(float8_e4m3fn .*: an "
+                                              r"fp8 tensor, but .* has no quantization_config"):
+        convert(src, tmp_path / "out", model=meta_tiny(), progress=False)
+    assert not (tmp_path / "out").exists()
+
+
 def test_save_arguments_and_a_compiled_model(tmp_path):
     """max_shard_size 0 or '5GB' (one file per tensor, or a bare TypeError), a path that is a file (a bare
     FileExistsError); a torch.compile wrapper was saved under _orig_mod.* names nothing loads."""
