@@ -498,9 +498,10 @@ class _Loader:
             lin.method = Fp8LinearMethod(lin.config)
             lin.stage = nn.Linear(k, n, bias=False, device="meta")
             try:
-                lin.method.create_weights(lin.stage, k, lin.sizes, lin.module.weight.dtype, device=self.device)
+                lin.method.create_weights(lin.stage, k, lin.sizes, lin.module.weight.dtype, device=self.device,
+                                          prefix=lin.fqn)
             except ValueError as e:  # e.g. fused block layer whose shards do not start on block rows
-                raise CheckpointError(f"{lin.fqn} (fused from {list(lin.shards)}): {e}") from None
+                raise CheckpointError(f"{e} (the layer fused from {list(lin.shards)})") from None  # (e names fqn)
 
     def _check_weight_dtype(self, lin: _Linear, w: Entry) -> None:
         fp8 = w.dtype == quant.FP8_DTYPE
@@ -626,7 +627,7 @@ class _Loader:
         # 1e5 becomes inf in a float16 model, its scale inf and the layer's outputs NaN. Raised while streaming,
         # as _cast does: nothing was swapped into the model yet (commit), so the model stays as it was.
         check_weight_values(entry, t, dtype, lin.fqn, f"from a {dtype} copy (weight scale inf, outputs NaN)")
-        lin.method.weight_loader(lin.stage, "weight", t, lin.shard_id(i))
+        lin.method.weight_loader(lin.stage, "weight", t, lin.shard_id(i), values_checked=True)
 
     def _load_scale(self, lin: _Linear, name: str, i: int, entry: Entry, t: torch.Tensor) -> None:
         t = check_scale_values(entry, t)

@@ -179,8 +179,11 @@ class Fp8LinearMethod:
         output_partition_sizes: Sequence[int],
         params_dtype: torch.dtype,
         device: Optional[torch.device] = None,
+        prefix: str = "",
     ) -> None:
+        """``prefix``: the layer's name in its model, which every error of the loader names (default: its class)."""
         n, k = sum(output_partition_sizes), input_size
+        layer._fp8fx_prefix = prefix or type(layer).__name__
         layer._fp8fx_partitions = tuple(output_partition_sizes)
         layer._fp8fx_dtype = params_dtype
         layer._fp8fx_w_block = list(self.scheme.weight.block)
@@ -206,7 +209,8 @@ class Fp8LinearMethod:
         w = self.scheme.weight
         if layer._fp8fx_block_scales and any(size % w.block_n for size in output_partition_sizes[:-1]):
             raise ValueError(
-                f"output partitions {list(output_partition_sizes)} of a fused {w} layer: every partition but the "
+                f"{layer._fp8fx_prefix}: output partitions {list(output_partition_sizes)} of a fused {w} layer: "
+                "every partition but the "
                 f"last must be a multiple of block_n={w.block_n}, so that no scale block spans two partitions"
             )
         layer._parameters["weight"] = param(torch.empty(n, k, dtype=quant.FP8_DTYPE, device=device))
@@ -225,14 +229,30 @@ class Fp8LinearMethod:
 
     # -- load --------------------------------------------------------------------------------
     def weight_loader(
-        self, layer: nn.Module, name: str, loaded: torch.Tensor, shard_id: Optional[int] = None
+        self, layer: nn.Module, name: str, loaded: torch.Tensor, shard_id: Optional[int] = None,
+        values_checked: bool = False,
     ) -> None:
         """Copy ``loaded`` into ``layer.<name>``: the whole tensor (``shard_id=None``) or logical
-        shard ``shard_id`` of the fused output dim (e.g. q/k/v = 0/1/2)."""
+        shard ``shard_id`` of the fused output dim (e.g. q/k/v = 0/1/2). Refused before anything changes: a shard id
+        out of range, a scale that is not a positive finite float, and online a weight that is not bf16/fp16/fp32 or
+        holds NaN/Inf or values the layer's dtype cannot hold - that pass over the weight skipped with
+        ``values_checked``, where the caller's own pass did it (``quantize_``, ``load_checkpoint``)."""
+        who = layer._fp8fx_prefix
         target = layer._parameters.get(name)
         if target is None:
-            raise KeyError(f"{type(layer).__name__} has no fp8fx parameter {name!r}")
+            takes = [n for n in ("weight", "weight_scale", "weight_scale_inv", "input_scale") if n in layer._parameters]
+            raise KeyError(f"{who}: no fp8fx parameter {name!r}; it takes {takes}")
+        sizes = layer._fp8fx_partitions
+        if shard_id is not None and not (isinstance(shard_id, int) and 0 <= shard_id < len(sizes)):
+            raise ValueError(f"{who}.{name}: shard_id={shard_id!r}, but the layer's output partitions are "
+                             f"{list(sizes)}: pass 0..{len(sizes) - 1}, or None for the whole tensor")
         online_weight = name == "weight" and not self.config.is_checkpoint_fp8_serialized
+        if name != "weight":  # the kernels multiply by them: a 0, <0, NaN or Inf made the outputs zero or NaN
+            why = quant.bad_scales(loaded.detach().float().reshape(loaded.shape or (1,)))
+            if why:
+                raise ValueError(f"{who}.{name} (shard {shard_id}): {why}: re-export the checkpoint")
+        if online_weight:
+            self._check_online(layer, loaded, shard_id, values_checked)
         if online_weight and target.is_meta and shard_id is None and self._can_adopt(layer, target, loaded):
             # the whole weight in the layer's dtype: quantize it as it is, no second bf16 copy
             layer._parameters["weight"] = nn.Parameter(loaded, requires_grad=False)
@@ -245,28 +265,29 @@ class Fp8LinearMethod:
             layer._parameters["weight"] = target
         if name == "weight" and self.config.is_checkpoint_fp8_serialized and loaded.dtype != quant.FP8_DTYPE:
             raise ValueError(
-                f"{type(layer).__name__}: weight of dtype {loaded.dtype} for an fp8-serialized layer; load the "
+                f"{who}: weight of dtype {loaded.dtype} for an fp8-serialized layer; load the "
                 "fp8 weight with its scale, or quantize bf16 weights with Fp8Config(is_checkpoint_fp8_serialized=False)"
             )
         if name == "weight" and shard_id is not None and shard_id in layer._fp8fx_shards_loaded:
             # completeness is counted in elements: a repeat would stand in for a shard never loaded
             raise ValueError(
-                f"{type(layer).__name__}: weight shard {shard_id} was loaded twice; each shard of "
+                f"{who}: weight shard {shard_id} was loaded twice; each shard of "
                 f"{list(layer._fp8fx_partitions)} must arrive once"
                 + ("" if self.config.is_checkpoint_fp8_serialized else " (it is quantized when all have)")
             )
         if name == "weight" and layer._fp8fx_copied + loaded.numel() > target.numel():
             # a whole weight again, or a shard after the whole: online, it would be copied raw into the fp8 weight
             raise ValueError(
-                f"{type(layer).__name__}: weight (shard {shard_id}) of {loaded.numel()} elements, but "
+                f"{who}: weight (shard {shard_id}) of {loaded.numel()} elements, but "
                 f"{layer._fp8fx_copied} of the weight's {target.numel()} were loaded before; the whole weight, or "
                 "each of its shards, must arrive once"
             )
         dest = self._shard_slice(layer, name, target.data, shard_id)
         if not same_layout(name, tuple(loaded.shape), tuple(dest.shape)):
             raise ValueError(
-                f"{name} shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit the "
-                f"parameter slice of shape {tuple(dest.shape)}"
+                f"{who}.{name} shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit the "
+                f"parameter slice of shape {tuple(dest.shape)} (output partitions {list(sizes)}); load the "
+                "checkpoint's tensor for this layer and shard"
             )
         with CopyNumelCounter() as counter:
             dest.copy_(loaded.reshape(dest.shape))
@@ -278,6 +299,27 @@ class Fp8LinearMethod:
             layer._fp8fx_copied += counter.copied_numel
             if layer._fp8fx_copied >= target.numel():
                 self._quantize_online(layer)
+
+    @staticmethod
+    def _check_online(layer: nn.Module, loaded: torch.Tensor, shard_id: Optional[int], values_checked: bool) -> None:
+        """Online, the loader quantizes what it gets, through a buffer of the layer's dtype: high-precision values
+        it holds only. An fp8 tensor was taken for real values (a second, wrong quantization); a NaN / Inf, or a
+        value past a float16 layer's 65504, made the scale NaN / Inf."""
+        who, dtype = layer._fp8fx_prefix, layer._fp8fx_dtype
+        if loaded.dtype not in quant.HIGH_PRECISION:
+            fix = (" (an fp8 checkpoint: load it as stored, with Fp8Config(is_checkpoint_fp8_serialized=True))"
+                   if loaded.dtype == quant.FP8_DTYPE else "")
+            raise ValueError(f"{who}.weight (shard {shard_id}): the tensor is {loaded.dtype}; online quantization "
+                             f"takes bf16/fp16/fp32 weights{fix}")
+        if values_checked:
+            return
+        bad, overflow, largest = chunked.count_unloadable(loaded.detach(), dtype)
+        if bad or overflow:
+            raise ValueError(
+                f"{who}.weight (shard {shard_id}) has {bad} NaN/Inf values and {overflow} that a {dtype} copy makes "
+                f"inf (largest {largest:g}); fix the weights, load them into a wider dtype, or add {who!r} to "
+                "ignored_layers"
+            )
 
     @staticmethod
     def _can_adopt(layer: nn.Module, target: torch.Tensor, loaded: torch.Tensor) -> bool:
@@ -319,7 +361,7 @@ class Fp8LinearMethod:
         if layer._fp8fx_processed:
             return
         params = layer._parameters
-        name = type(layer).__name__
+        name = layer._fp8fx_prefix
         if params["weight"].dtype != quant.FP8_DTYPE:
             raise RuntimeError(
                 f"{name}: weight received {layer._fp8fx_copied} of {params['weight'].numel()} elements; "

@@ -324,7 +324,7 @@ class Fp8MoEMethod:
             )
         if name == base and online:
             self._check_online(f"{prefix}.{name} (expert {expert_id}, shard {shard_id})", loaded, prefix,
-                               values_checked)
+                               values_checked, layer._fp8fx_dtype)
             self._load_online(layer, base, loaded, shard_id, expert_id)
             layer._fp8fx_arrived.add(arrival)
             return
@@ -352,17 +352,25 @@ class Fp8MoEMethod:
             self._count(layer, base, expert_id, dest.numel())
 
     @staticmethod
-    def _check_online(what: str, loaded: torch.Tensor, prefix: str, values_checked: bool = False) -> None:
-        """Online, the loader quantizes what it gets: high-precision finite values only. An fp8 tensor was taken for
-        real values (a second, wrong quantization); a NaN / Inf made its expert's scale NaN / Inf."""
+    def _check_online(what: str, loaded: torch.Tensor, prefix: str, values_checked: bool = False,
+                      dtype: Optional[torch.dtype] = None) -> None:
+        """Online, the loader quantizes what it gets, through a staging buffer of the layer's ``dtype``:
+        high-precision values it holds only. An fp8 tensor was taken for real values (a second, wrong
+        quantization); a NaN / Inf, or a value past float16 experts' 65504, made its expert's scale NaN / Inf."""
         if loaded.dtype not in quant.HIGH_PRECISION:
             fix = (" (an fp8 checkpoint: load it as stored, with Fp8Config(is_checkpoint_fp8_serialized=True))"
                    if loaded.dtype == quant.FP8_DTYPE else "")
             raise ValueError(f"{what}: the tensor is {loaded.dtype}; online quantization takes bf16/fp16/fp32 expert "
                              f"weights{fix}")
-        bad = 0 if values_checked else chunked.count_nonfinite(loaded)
+        if values_checked:
+            return
+        bad, overflow, largest = chunked.count_unloadable(loaded, dtype or loaded.dtype)
         if bad:
             raise ValueError(f"{what} has {bad} NaN/Inf values; fix the weights or add {prefix!r} to ignored_layers")
+        if overflow:
+            raise ValueError(f"{what} has {overflow} values that the experts' {dtype} copy makes inf (largest "
+                             f"{largest:g}); fix the weights, build the experts in a wider dtype, or add {prefix!r} to "
+                             "ignored_layers")
 
     @staticmethod
     def _check_scales(what: str, scales: torch.Tensor) -> None:

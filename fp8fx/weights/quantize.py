@@ -145,8 +145,8 @@ def quantize_(
     for fqn, module in plan:
         weight = module._parameters["weight"]
         n, k = weight.shape
-        method.create_weights(module, k, [n], weight.dtype, device=weight.device)
-        method.weight_loader(module, "weight", weight.detach())
+        method.create_weights(module, k, [n], weight.dtype, device=weight.device, prefix=fqn)
+        method.weight_loader(module, "weight", weight.detach(), values_checked=True)  # (checked above, with the rest)
         del weight
         if fqn in scales:
             method.weight_loader(module, "input_scale", torch.tensor([scales[fqn]], dtype=torch.float32))

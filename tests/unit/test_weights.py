@@ -1,6 +1,7 @@
 """Load-time weight hooks: quantize_, Fp8LinearMethod (online shards, serialized), bad input."""
 import collections
 import gc
+import re
 import weakref
 
 import pytest
@@ -368,6 +369,68 @@ def test_loaders_refuse_tensors_that_only_have_the_right_size():
     Fp8MoEMethod(block).create_weights(experts, 1, 256, 128, torch.bfloat16, device="cpu")
     with pytest.raises(ValueError, match=r"shape \(128, 256\) does not fit the slice of shape \(256, 128\)"):
         Fp8MoEMethod(block).weight_loader(experts, "w2_weight", torch.zeros(128, 256).to(torch.float8_e4m3fn), "w2", 0)
+
+
+def test_linear_loader_refuses_bad_input_before_changing_anything():
+    """Fp8LinearMethod.weight_loader, as vLLM's engines call it: a shard id out of range raised an IndexError after
+    the receive buffer had replaced the meta weight; scales of 0, <0, NaN or Inf were taken (outputs zero, NaN or
+    sign-flipped); online, a NaN weight gave a NaN scale, an fp8 tensor was read as real values, and a float32 1e5
+    became inf in a float16 layer's buffer. Each is refused naming the layer (``prefix``), the value and the fix,
+    and the layer keeps every tensor as it was."""
+    fqn = "model.layers.0.self_attn.qkv_proj"
+    where = re.escape(fqn)
+
+    def fresh(config, dtype=torch.bfloat16):
+        layer = nn.Linear(64, 32, bias=False, device="meta")
+        method = Fp8LinearMethod(config)
+        method.create_weights(layer, 64, [16, 16], dtype, device="cpu", prefix=fqn)
+        return layer, method
+
+    def state(layer):
+        return {k: (v.device, v.dtype, None if v.is_meta else v.view(torch.uint8).clone())
+                for k, v in layer._parameters.items() if v is not None}
+
+    def same(a, b):
+        return a.keys() == b.keys() and all(x[:2] == y[:2] and (x[2] is None) == (y[2] is None)
+                                            and (x[2] is None or torch.equal(x[2], y[2])) for x, y in
+                                            ((a[k], b[k]) for k in a))
+
+    static = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static")
+    for config in (Fp8Config(), static):
+        layer, method = fresh(config)
+        before = state(layer)
+        for shard in (2, -1, "q"):
+            with pytest.raises(ValueError, match=rf"^{where}\.weight: shard_id={shard!r}, but the layer's output "
+                                                 r"partitions are \[16, 16\]: pass 0\.\.1, or None"):
+                method.weight_loader(layer, "weight", torch.randn(16, 64).to(torch.float8_e4m3fn), shard)
+        with pytest.raises(KeyError, match=rf"{where}: no fp8fx parameter 'weight_scale_inv'; it takes \['weight'"):
+            method.weight_loader(layer, "weight_scale_inv", torch.ones(1))
+        assert same(before, state(layer))
+    layer, method = fresh(static)
+    before = state(layer)
+    for name in ("weight_scale", "input_scale"):
+        for value in (0.0, -1.0, float("nan"), float("inf")):
+            with pytest.raises(ValueError, match=rf"^{where}\.{name} \(shard 1\): 1 scales are not positive finite "
+                                                 r"floats .*re-export the checkpoint"):
+                method.weight_loader(layer, name, torch.tensor([value]), 1)
+    assert same(before, state(layer))
+    layer, method = fresh(Fp8Config())
+    before = state(layer)
+    nan = torch.randn(16, 64, dtype=torch.bfloat16)
+    nan[3, 3] = float("nan")
+    with pytest.raises(ValueError, match=rf"^{where}\.weight \(shard 0\) has 1 NaN/Inf values and 0 .*ignored_layers"):
+        method.weight_loader(layer, "weight", nan, 0)
+    with pytest.raises(ValueError, match=rf"^{where}\.weight \(shard 0\): the tensor is torch.float8_e4m3fn; "
+                                         r"online .*is_checkpoint_fp8_serialized=True"):
+        method.weight_loader(layer, "weight", torch.randn(16, 64).to(torch.float8_e4m3fn), 0)
+    assert same(before, state(layer))
+    layer, method = fresh(Fp8Config(), torch.float16)
+    wide = torch.randn(16, 64)
+    wide[0, 0] = 1e5
+    with pytest.raises(ValueError, match=rf"^{where}\.weight \(shard 1\) has 0 NaN/Inf values and 1 that a "
+                                         r"torch.float16 copy makes inf \(largest 100000\)"):
+        method.weight_loader(layer, "weight", wide, 1)
+    assert layer._parameters["weight"].is_meta and layer._fp8fx_copied == 0
 
 
 def test_serialized_linear_needs_its_fp8_weight_and_every_scale():
