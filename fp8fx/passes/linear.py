@@ -139,6 +139,16 @@ def _linear_operands(node: fx.Node, ctx: PassContext):
     return None
 
 
+def _other_arguments(node: fx.Node) -> str:
+    """Why a linear site with arguments beyond its operands stays as it is, or "": ``out=`` (the rewritten op
+    returns a new tensor, and the buffer the program reads after the call would keep its old values)."""
+    extra = sorted(set(node.kwargs) - {"input", "weight", "bias"})
+    if not extra:
+        return ""
+    return (f"called with {', '.join(f'{k}=' for k in extra)}, which the fp8 op does not write: computed with the "
+            "dequantized weight (drop the out= buffer and assign the result to rewrite it)")
+
+
 def _name_of(node: fx.Node) -> str:
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     return f"{target} ({node.op})"
@@ -272,7 +282,7 @@ class LinearPass(Fp8Pass):
                 continue
             x, w, bias = operands
             fqn = self._fqn(node, w, ctx)
-            reason = self._why_not(x, w, bias, ctx, fqn)
+            reason = _other_arguments(node) or self._why_not(x, w, bias, ctx, fqn)
             if reason:
                 ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index,
                                     weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node)))

@@ -117,6 +117,37 @@ def test_matmul_forms_are_rewritten():
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.06
 
 
+class IntoABuffer(nn.Module):
+    """A linear written into a buffer the caller passes (``out=``), then read from it."""
+
+    def __init__(self, matmul: bool):
+        super().__init__()
+        self.a, self.matmul = nn.Linear(64, 32, bias=False), matmul
+
+    def forward(self, x, buf):
+        if self.matmul:
+            torch.matmul(x, self.a.weight.T, out=buf)
+        else:
+            F.linear(x, self.a.weight, out=buf)
+        return buf * 2
+
+
+@pytest.mark.parametrize("matmul", [False, True])
+def test_a_linear_into_an_out_buffer_is_reported_not_rewritten(matmul):
+    """The rewrite dropped ``out=``: the buffer kept its zeros and the model returned them. The site stays as it is,
+    its reason in the report, and the output is eager's."""
+    model = IntoABuffer(matmul).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x, torch.zeros(4, 32, dtype=torch.bfloat16))
+        ref = model(x, torch.zeros(4, 32, dtype=torch.bfloat16))
+    [site] = backend.report.sites
+    assert not site.rewritten and site.fqn == "a" and "called with out=" in site.reason
+    assert torch.equal(out, ref) and ref.abs().sum() > 0
+
+
 def test_autograd_graph_is_reported_not_rewritten():
     model = ThreeLinear().to(torch.bfloat16)
     fp8fx.quantize_(model)
