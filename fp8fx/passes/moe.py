@@ -238,13 +238,19 @@ class _Interpreter:
         return self._idx_op(node)
 
     def _clamp(self, node):
-        """Index bookkeeping (ids clamped to [0, E - 1]); in place only on a tensor the region made."""
+        """Index bookkeeping: ids clamped to [0, E - 1] or wider are the ids (the identity on every id fused_moe
+        takes); in place only on a tensor the region made. A narrower clamp (``ids.clamp(0, 3)`` of 8 experts) sends
+        pairs to other experts than their ids: its result is an index computed from the ids, which no expert weight
+        may be gathered by (``_getitem``)."""
         src = self._of(node.args[0])
         if src.kind != "ids_part":
             self._idx_op(node)
         if node.target in ("clamp_", "clip_"):
             self._check_owned(node, node.args[0])
-        return src if src.kind in ("ids", "ids_part") else _IDX
+        low, high = (_arg(node, i, n) for i, n in ((1, "min"), (2, "max")))
+        identity = (low is None or isinstance(low, (int, float)) and low <= 0) and (
+            high is None or isinstance(high, (int, float)) and high >= self.experts - 1)
+        return src if src.kind in ("ids", "ids_part") and identity else _IDX
 
     def _masked_fill(self, node):
         """``v.masked_fill(sentinel, c)``: the identity on the ids fused_moe takes, so ``v`` keeps its label."""
@@ -362,6 +368,9 @@ class _Interpreter:
                     self._fail(node, f"selects expert {index} of {self.experts}")
                 return dataclasses.replace(val, expert=index)  # w[e]: one expert of a loop
             if isinstance(index, fx.Node) and val.expert is None and not val.t:
+                if self._of(index).kind not in ("ids", "ids_part"):  # w[E - 1 - ids]: other experts than the ids
+                    self._fail(node, "gathers an expert weight by an index computed from the routing ids, not by "
+                                     "the ids themselves")
                 return dataclasses.replace(val, expert="pairs")  # w[expert_ids]: gathered per (token, k)
             self._fail(node, "indexes an expert weight other than by expert")
         if isinstance(index, fx.Node):

@@ -221,6 +221,8 @@ class LoopExperts(nn.Module):
         lambda i, w: (i[:, :1].expand(-1, K), w),
         lambda i, w: (i.t().reshape(i.shape), w),
     )),
+    # ids clamped narrower than [0, E - 1]: pairs of expert E - 1 ran expert E - 2's weights, and were rewritten
+    (dict(routing=lambda i, w: (i.clamp(0, E - 2), w)), "multiplies values that fused_moe does not multiply"),
 ])
 def test_other_experts_are_left_as_they_are_with_the_reason(variant, reason):
     model = Block(LoopExperts(**variant)).to(torch.bfloat16)
@@ -240,6 +242,8 @@ def test_other_experts_are_left_as_they_are_with_the_reason(variant, reason):
 @pytest.mark.parametrize("variant", [
     dict(eq_method=True),  # the graph torch 2.11 records for `top_k_index == e`
     dict(mask_from=E),  # outputs masked where top_k_index >= E: never, for the ids fused_moe takes
+    dict(routing=lambda i, w: (i.clamp(0, E - 1), w)),  # the identity on every id
+    dict(routing=lambda i, w: (i.clamp(min=-1), w)),
 ])
 def test_unrolled_loop_forms_rewritten(variant):
     model = Block(LoopExperts(**variant)).to(torch.bfloat16)
@@ -250,6 +254,45 @@ def test_unrolled_loop_forms_rewritten(variant):
     fp8fx.testing.assert_rewritten(report, "experts")
     assert targets(gm).count(torch.ops.fp8fx.fused_moe.default) == 1 and torch.ops.fp8fx.dequantize not in targets(gm)
     assert torch.equal(out, x + fused_reference(model.experts, x, ids, w, torch.bfloat16))
+
+
+class GatheredExperts(nn.Module):
+    """Each (token, k) pair's expert weights gathered by an index of the routing ids (``index(ids)``), as
+    transformers' batched experts do with the ids themselves."""
+
+    def __init__(self, index):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) / H**0.5)
+        self.down_proj = nn.Parameter(torch.randn(E, H, I, generator=g) / I**0.5)
+        self.index = index
+
+    def forward(self, x, top_k_index, top_k_weights):
+        ids = self.index(top_k_index.reshape(-1))
+        xs = x.repeat_interleave(K, dim=0)
+        gate, up = torch.bmm(self.gate_up_proj[ids], xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(self.down_proj[ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return (y * top_k_weights.reshape(-1, 1)).view(x.shape[0], K, H).sum(dim=1).to(x.dtype)
+
+
+@pytest.mark.parametrize("index,rewritten", [(lambda ids: ids, True), (lambda ids: (E - 1) - ids, False),
+                                             (lambda ids: ids.clamp(0, E - 2), False)])
+def test_expert_weights_gathered_by_other_than_the_ids_are_left_alone(index, rewritten):
+    """``w[E - 1 - ids]`` or ``w[ids.clamp(0, E - 2)]`` gathers other experts than the ids name: rewritten, fused_moe
+    ran each pair on its id's expert (a relative error of 1.2 against the model)."""
+    model = Block(GatheredExperts(index)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x, ids, w = inputs(torch.bfloat16)
+    with torch.no_grad():
+        eager = model(x, ids, w)
+        out, gm, report = compile_capture(model, x, ids, w)
+    moe = [s for s in report.sites if s.kind == "moe"]
+    assert [(s.fqn, s.rewritten) for s in moe] == [("experts", rewritten)], moe
+    if rewritten:
+        assert rel_err(out - x, eager - x) < 0.1
+    else:
+        assert "gathers an expert weight by an index computed from the routing ids" in moe[0].reason
+        assert torch.equal(out, eager)
 
 
 def test_experts_called_twice_are_not_merged():
