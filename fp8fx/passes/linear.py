@@ -149,6 +149,50 @@ def _other_arguments(node: fx.Node) -> str:
             "dequantized weight (drop the out= buffer and assign the result to rewrite it)")
 
 
+def _hop_operands(node: fx.Node) -> list:
+    """The operands a higher-order op passes to its bodies' placeholders, in their order: ``cond``'s tuple,
+    ``invoke_subgraph``'s after its identifier, the others' after their bodies (``tag_activation_checkpoint``)."""
+    if node.target is torch.ops.higher_order.cond:
+        return list(node.args[3]) if len(node.args) > 3 else []
+    start = 2 if node.target is getattr(torch.ops.higher_order, "invoke_subgraph", None) else 1
+    return [a for a in node.args[start:] if not (isinstance(a, fx.Node) and a.op == "get_attr")]
+
+
+def _report_nested(graph: fx.Graph, ctx: PassContext) -> None:
+    """Quantized weights read inside a higher-order op's bodies (``torch.cond``, activation checkpointing, a
+    ``nested_compile_region`` called more than once): fp8fx's passes rewrite the top-level graph, so each is
+    reported, once for each call of the op, as computed with the dequantized weight - nothing silently left
+    undone (those sites were in no report: "0 of 0 sites")."""
+    owner = graph.owning_module
+    for node in graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+            continue
+        bodies = [getattr(owner, a.target, None) for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr"]
+        operands = _hop_operands(node)
+        named: set[str] = set()
+        for body in bodies:
+            if not isinstance(body, fx.GraphModule):
+                continue
+            places = [p for p in body.graph.nodes if p.op == "placeholder"]
+            outer = dict(zip(places, operands)) if len(places) == len(operands) else {}
+            for dq in body.graph.nodes:
+                if dq.op != "call_function" or dq.target not in _DEQUANT:
+                    continue
+                source = outer.get(dq.args[0])
+                real = ctx.example.get(source) if isinstance(source, fx.Node) else None
+                fqn = getattr(real, "_fp8fx_fqn", None) or f"{node.name}.{dq.name}"
+                if fqn in named:
+                    continue
+                named.add(fqn)
+                value = fake_value(dq)
+                ctx.report.add(Site(
+                    "moe" if getattr(value, "ndim", 2) == 3 else "linear", fqn, False,
+                    f"read inside {node.target.name()} ({node.name}), whose bodies fp8fx's passes do not rewrite: "
+                    "computed with the dequantized weight (call the layer outside it to rewrite it)", "",
+                    ctx.graph_index, weight_shape=Site.shape_of(value), node=node.name,
+                ))
+
+
 def _name_of(node: fx.Node) -> str:
     target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
     return f"{target} ({node.op})"
@@ -301,6 +345,7 @@ class LinearPass(Fp8Pass):
             ctx.report.add(Site("linear", fqn, True, "", scheme, ctx.graph_index, **details))
             count += 1
         self._report_other_readers(graph, ctx)
+        _report_nested(graph, ctx)
         gm.recompile()
         return count
 

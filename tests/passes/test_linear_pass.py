@@ -148,6 +148,43 @@ def test_a_linear_into_an_out_buffer_is_reported_not_rewritten(matmul):
     assert torch.equal(out, ref) and ref.abs().sum() > 0
 
 
+class InsideHigherOrderOps(nn.Module):
+    """Linears called inside a higher-order op's body: a block compiled once and called twice
+    (``nested_compile_region``), activation checkpointing, ``torch.cond``."""
+
+    def __init__(self, mode: str):
+        super().__init__()
+        self.a, self.b, self.mode = nn.Linear(64, 64), nn.Linear(64, 64), mode
+
+    def forward(self, x):
+        if self.mode == "nested_compile_region":
+            block = torch.compiler.nested_compile_region(lambda layer, t: torch.relu(layer(t)))
+            return block(self.b, block(self.a, x))
+        if self.mode == "checkpoint":
+            return torch.utils.checkpoint.checkpoint(self.a, x, use_reentrant=False)
+        return torch.cond(x.sum() > 0, lambda t: self.a(t), lambda t: 2 * self.a(t), (x,))
+
+
+@pytest.mark.parametrize("mode,sites", [("nested_compile_region", ["a", "b"]), ("checkpoint", ["a"]),
+                                        ("cond", ["a"])])
+def test_linears_inside_higher_order_ops_are_reported(mode, sites):
+    """The passes rewrite the top-level graph: the linears inside these bodies ran on their dequantized weights in no
+    report ("0 of 0 sites"). Each is now a site, not rewritten, naming the op, once for each call of it."""
+    if mode == "nested_compile_region" and not hasattr(torch.compiler, "nested_compile_region"):
+        pytest.skip("this torch has no torch.compiler.nested_compile_region")
+    model = InsideHigherOrderOps(mode).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        ref = model(x)
+    assert [s.fqn for s in backend.report.sites] == sites and not backend.report.rewritten
+    op = {"nested_compile_region": "invoke_subgraph", "checkpoint": "tag_activation_checkpoint"}.get(mode, mode)
+    assert all(s.reason.startswith(f"read inside {op} (") for s in backend.report.sites), backend.report.sites
+    assert torch.equal(out, ref)
+
+
 def test_autograd_graph_is_reported_not_rewritten():
     model = ThreeLinear().to(torch.bfloat16)
     fp8fx.quantize_(model)
