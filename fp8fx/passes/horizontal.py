@@ -119,6 +119,34 @@ def _quantized_from(xq: Any) -> Optional[fx.Node]:
     return None
 
 
+def _strided_view(nodes: list[fx.Node], ctx: PassContext) -> str:
+    """Why the GEMMs' outputs cannot become column slices of one output, or "": a ``.view`` of one of them that a
+    slice's strides do not allow (``q(x).view(-1)``: rows of the slice are the fused row's length apart), tried on
+    the fake tensors. (Fused, the graph failed to compile.)"""
+    outs = [fake_value(n) for n in nodes]
+    if not all(isinstance(o, torch.Tensor) and o.dim() >= 1 for o in outs):
+        return ""
+    mode = getattr(outs[0], "fake_mode", None)
+    if mode is None:
+        return ""
+    offset = 0
+    with mode:
+        fused = outs[0].new_empty((*outs[0].shape[:-1], sum(o.shape[-1] for o in outs)))
+        for node, out in zip(nodes, outs):
+            part = fused.narrow(-1, offset, out.shape[-1])
+            offset += out.shape[-1]
+            for user in node.users:
+                if not (user.op == "call_method" and user.target == "view" or user.target is torch.Tensor.view):
+                    continue
+                shape = fx.node.map_aggregate(user.args[1:], fake_value)
+                try:
+                    part.view(*shape)
+                except (RuntimeError, ValueError):  # (ValueError: from fake tensors' stride checks)
+                    return (f"{site_names(ctx, [node])}'s output is viewed ({user.name}) in a way that a column slice "
+                            "of one fused output cannot be (reshape instead of view to fuse them)")
+    return ""
+
+
 class HorizontalFusionPass(Fp8Pass):
     def __init__(self, enabled: bool):
         self.enabled = enabled
@@ -237,7 +265,7 @@ class HorizontalFusionPass(Fp8Pass):
             rows = [fake_value(n.args[2]).shape[0] for n in nodes[:-1]]
             if any(r % w_block[0] for r in rows):
                 return f"output sizes {rows} are not multiples of the {w_block[0]}-row weight blocks"
-        return ""
+        return _strided_view(nodes, ctx)
 
 
     @staticmethod

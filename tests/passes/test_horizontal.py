@@ -285,6 +285,37 @@ def test_shards_with_and_without_a_bias_fused_on_the_gpu():
     assert all(torch.equal(o, outs[0]) for o in outs) and rel_err(outs[0].float(), plain.float()) < 1e-3
 
 
+class ViewedQK(torch.nn.Module):
+    """q and k read the same input; their outputs are viewed (``.view``) as ``shape``."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.q_proj, self.k_proj, self.shape = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32), shape
+
+    def forward(self, x):
+        return self.q_proj(x).view(*self.shape) * self.k_proj(x).view(*self.shape)
+
+
+@pytest.mark.parametrize("shape,fused", [((-1,), False), ((5, 4, 8), True)])
+def test_outputs_viewed_across_rows_are_not_fused(shape, fused):
+    """``q(x).view(-1)`` holds for a linear's own output, not for a column slice of a fused one (its rows are the
+    fused row's length apart): fused, the graph failed to compile. A view that splits the last dim still fuses."""
+    torch.manual_seed(0)
+    model = ViewedQK(shape).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    schemes, out = compile_fused(model, x)
+    with torch.no_grad():
+        ref = model(x)
+    if fused:
+        assert schemes[("q_proj", 0)].endswith("fused(q_proj,k_proj)")
+    else:
+        assert schemes[("q_proj", 0)].endswith("not fused with q_proj,k_proj: q_proj's output is viewed (view) in a "
+                                               "way that a column slice of one fused output cannot be (reshape "
+                                               "instead of view to fuse them)"), schemes
+    assert rel_err(out.float(), ref.float()) < 0.1
+
+
 def test_a_gemm_left_out_of_its_group_says_why():
     """One shard per tensor among per-channel ones: the odd one out had no note."""
     torch.manual_seed(0)
