@@ -124,12 +124,17 @@ class Report:
         ``torch.compiler.disable``, or never called). ``model`` may be the ``torch.compile`` wrapper."""
         from fp8fx.lowerings import compat
 
-        model = compat.compiled_module(model)  # the compiled module's own names, as the sites have them
+        model = compat.compiled_module(model)
         modules = dict(model.named_modules())
         sites = {s.fqn for s in self.sites}
         found = []
         for name, p in model.named_parameters():
             owner, _, leaf = name.rpartition(".")
+            # a quantized weight's site bears the name quantize_ / load_checkpoint gave it (the whole model's, where
+            # one block of it was compiled: "0.q" for the block's "q"); the others' the compiled module's own names
+            tag = getattr(p, "_fp8fx_fqn", None)
+            if tag in sites:
+                continue
             if p.dim() >= 2 and owner not in sites and not leaf.endswith(("_scale", "_scale_inv")):  # a weight's
                 dtype = str(p.dtype).removeprefix("torch.")
                 found.append((name, Site.shape_of(p), dtype, type(modules[owner]).__name__))

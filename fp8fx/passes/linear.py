@@ -180,7 +180,8 @@ def _report_nested(graph: fx.Graph, ctx: PassContext) -> None:
                     continue
                 source = outer.get(dq.args[0])
                 real = ctx.example.get(source) if isinstance(source, fx.Node) else None
-                fqn = getattr(real, "_fp8fx_fqn", None) or f"{node.name}.{dq.name}"
+                fqn = getattr(real, "_fp8fx_fqn", None)
+                fqn = f"{node.name}.{dq.name}" if fqn is None else fqn
                 if fqn in named:
                     continue
                 named.add(fqn)
@@ -357,7 +358,8 @@ class LinearPass(Fp8Pass):
         for node in graph.nodes:
             if node.op != "call_function" or node.target not in _DEQUANT or not node.users:
                 continue
-            fqn = getattr(ctx.example.get(node.args[0]), "_fp8fx_fqn", None) or node.name
+            fqn = getattr(ctx.example.get(node.args[0]), "_fp8fx_fqn", None)
+            fqn = node.name if fqn is None else fqn
             readers = ", ".join(sorted(
                 {f"{_name_of(r)} of its transpose" for u in node.users if _transposed(u) is node for r in u.users}
                 | {_name_of(u) for u in node.users if _transposed(u) is not node}
@@ -385,7 +387,8 @@ class LinearPass(Fp8Pass):
         path = module_path(node)
         if path in getattr(real, "_fp8fx_owners", {}):  # a weight several layers share: the one running here
             return path
-        return getattr(real, "_fp8fx_fqn", None) or path or node.name
+        tag = getattr(real, "_fp8fx_fqn", None)  # ("" for a quantized root module: its name in named_modules)
+        return tag if tag is not None else path or node.name
 
     @staticmethod
     def _why_not(x, w, bias, ctx: PassContext, fqn: str = "") -> str:

@@ -176,6 +176,38 @@ def test_unhandled_weights_list_linears_in_no_graph():
     assert [name for name, *_ in backend.report.unhandled_weights(model)] == ["b.weight"]
 
 
+def test_unhandled_weights_of_one_compiled_block_and_of_a_root_linear():
+    """One block of a quantized model compiled alone: its sites bear the model's names (``0.q``), its parameters
+    the block's (``q.weight``), and both were listed as unhandled though both were rewritten. A quantized root
+    linear's site was named after Dynamo's node (``linear``), its weight listed too."""
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.o = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.o(torch.relu(self.q(x)))
+
+    model = nn.Sequential(Block(), Block()).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    block = torch.compile(model[0], backend=backend)
+    with torch.no_grad():
+        block(x)
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("0.q", True), ("0.o", True)]
+    assert backend.report.unhandled_weights(block) == []
+    linear = nn.Linear(64, 32).to(torch.bfloat16)
+    fp8fx.quantize_(linear)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    compiled = torch.compile(linear, backend=backend)
+    with torch.no_grad():
+        compiled(x)
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("", True)]
+    assert backend.report.unhandled_weights(compiled) == []
+
+
 Q = "'" * 3  # the triple quote around a kernel's source in the output code
 # Trimmed from the output code of a 2-layer MLP that Fp8Backend compiled on the H200 (torch 2.11, M=8):
 # Inductor fused each activation quantization into a Triton kernel named after the ops it covers,
