@@ -203,8 +203,8 @@ class HorizontalFusionPass(Fp8Pass):
         for keys in by_source.values():
             for key in keys:
                 others = [k for k in keys if k.xq is not key.xq]
-                if len(groups[key]) > 1 or not others:
-                    continue
+                if len(groups[key]) > 1 or not others or len(by_input[(key.xq, key.x_scale)]) > 1:
+                    continue  # (another group reads this very quantization: what kept them apart is said below)
                 alike = [k for k in others if k.x_block == key.x_block]
                 names = site_names(ctx, [n for k in alike or others for n in groups[k]])
                 if alike:

@@ -316,6 +316,32 @@ def test_outputs_viewed_across_rows_are_not_fused(shape, fused):
     assert rel_err(out.float(), ref.float()) < 0.1
 
 
+def test_a_gemm_left_out_only_for_its_weight_scales_gets_that_reason_alone():
+    """w reads the same quantized input as k and v (all per-token) and is kept apart by its per-tensor weight scales
+    only; a note that its input was "quantized otherwise" than q's (whose 1x128 groups quantize it apart) came first,
+    and was wrong."""
+
+    class Four(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = torch.nn.Linear(256, 256), torch.nn.Linear(256, 128)
+            self.v, self.w = torch.nn.Linear(256, 128), torch.nn.Linear(256, 128)
+
+        def forward(self, x):
+            return torch.cat([self.q(x), self.k(x), self.v(x), self.w(x)], -1)
+
+    torch.manual_seed(0)
+    model = Four().to(torch.bfloat16)
+    fp8fx.quantize_(model.q, fp8fx.Fp8Config(weight_block_size=[128, 128]), prefix="q")
+    for name in "kv":
+        fp8fx.quantize_(getattr(model, name), fp8fx.Fp8Config(), prefix=name)
+    per_tensor = fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerRow())
+    fp8fx.quantize_(model.w, per_tensor, prefix="w")
+    schemes, _ = compile_fused(model, torch.randn(3, 256, dtype=torch.bfloat16))
+    assert schemes[("w", 3)] == ("w:per-tensor a:per-token not fused horizontally: per-tensor weight scales where k,v "
+                                 "have per-row")
+
+
 def test_a_gemm_left_out_of_its_group_says_why():
     """One shard per tensor among per-channel ones: the odd one out had no note."""
     torch.manual_seed(0)
