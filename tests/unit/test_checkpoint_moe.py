@@ -329,11 +329,19 @@ def test_expert_scales_in_the_shapes_checkpoints_store(tmp_path, granularity, fu
     cfg = moe_config("qwen3_moe")
     tensors, qc, _ = moe_checkpoint(reference_model(cfg).state_dict(), granularity, fused=fused, static=static,
                                     ct=granularity == "channel")
+    canonical = write_moe(tmp_path / "canonical", cfg, dict(tensors), qc)
     _scales_reshaped(tensors, suffixes, shape)
     path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
     model = meta_model(path)
     load_checkpoint(model, path, progress=False)
     assert is_quantized_experts(model.get_submodule(EXPERTS))
+    ref = meta_model(canonical)  # the same scales in the layout the loaders keep: every expert tensor bit-equal
+    load_checkpoint(ref, canonical, progress=False)
+    bits = {k: v.view(torch.uint8) if v.element_size() == 1 else v for k, v in
+            model.get_submodule(EXPERTS).state_dict().items()}
+    expected = ref.get_submodule(EXPERTS).state_dict()
+    assert bits.keys() == expected.keys()
+    assert all(torch.equal(bits[k], v.view(torch.uint8) if v.element_size() == 1 else v) for k, v in expected.items())
 
 
 # --- a float16 model and values beyond its range ------------------------------------------------
