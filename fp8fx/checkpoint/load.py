@@ -33,7 +33,7 @@ from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
 from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, kv_scale_target
 from fp8fx.weights.kv_cache import check_kv_scale_layout, kv_cache_attentions, kv_slot_error
-from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, is_foreign_linear, is_quantized, skip_reason
+from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.moe import is_quantized_experts
 from fp8fx.weights.quantize import check_ignored_layers
 
@@ -217,6 +217,7 @@ def load_checkpoint(
     loader.finish(report)
     loader.commit(report)
     model._fp8fx_source = {"format": fmt.name, "config": config_json, "kv_cache": loader.kv_declared}
+    guard_casts(model)
     log.info("fp8fx: loaded %s", str(report).splitlines()[-1])
     return report
 

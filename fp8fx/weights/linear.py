@@ -54,7 +54,8 @@ def fp8_apply(self, fn, recurse=True):
     float64 (``model.double()``) is the quantized model's reference: its fp8 weights dequantized exactly, the
     layers run by torch (the passes leave float64 linears and experts unrewritten, saying so in the report). A cast
     to another dtype (an 8-bit float) is refused naming the layer, after the modules before it were cast: their own
-    ``_apply`` ran first."""
+    ``_apply`` ran first; the model ``quantize_`` / ``load_checkpoint`` was given refuses it before that
+    (``guard_casts``)."""
     kept = {id(t) for n, t in self._parameters.items() if t is not None and _kept(n, t)}
 
     def apply(t: torch.Tensor) -> torch.Tensor:
@@ -73,7 +74,8 @@ def fp8_apply(self, fn, recurse=True):
                 raise ValueError(
                     f"{name}: cast to {cast}, but fp8 layers compute in bf16/fp16/fp32 (or fp64, as a reference); "
                     f"cast the model to one of these (the modules before this layer were converted, this layer "
-                    f"and the ones after it were not)"
+                    f"and the ones after it were not: cast the model quantize_ or load_checkpoint was given, which "
+                    f"refuses it before converting anything)"
                 )
     tags = {n: {a: v for a, v in vars(t).items() if a.startswith("_fp8fx_")}
             for n, t in self._parameters.items() if t is not None}
@@ -89,6 +91,41 @@ def fp8_apply(self, fn, recurse=True):
     if dtype is not None and cast != dtype and cast.is_floating_point:
         self._fp8fx_dtype = cast
     return self
+
+
+def _refused_cast(module: nn.Module, fn) -> Optional[str]:
+    """The error ``fp8_apply`` raises for the cast ``fn`` at the first fp8 module of ``module``'s tree (one whose
+    compute dtype it would make an 8-bit float), or None. Each is probed with an empty tensor, as ``fp8_apply``
+    does."""
+    for m in module.modules():
+        dtype = getattr(m, "_fp8fx_dtype", None)
+        if dtype is None or not getattr(type(m), "_apply", None) is fp8_apply:
+            continue
+        device = next((t.device for t in m._parameters.values() if t is not None), None)
+        cast = fn(torch.empty(0, dtype=dtype, device=device)).dtype
+        if cast != dtype and cast.is_floating_point and cast not in quant.COMPUTE_DTYPES:
+            name = getattr(m._parameters.get("weight"), "_fp8fx_fqn", None) or getattr(m, "_fp8fx_prefix", "")
+            return (f"{name or type(m).__name__}: cast to {cast}, but fp8 layers compute in bf16/fp16/fp32 (or fp64, "
+                    "as a reference); cast the model to one of these")
+    return None
+
+
+def _checked_apply(self, fn, recurse=True):
+    """A quantized model's own ``_apply`` (``guard_casts``): a cast that an fp8 layer of it refuses raises before any
+    module of the model is converted, then the model's class' ``_apply`` runs as always."""
+    refused = _refused_cast(self, fn)
+    if refused:
+        raise ValueError(f"{refused} (nothing was converted)")
+    return type(self)._apply(self, fn, recurse)
+
+
+def guard_casts(model: nn.Module) -> None:
+    """Has ``model.to(dtype)`` (``.half()``, ...) refuse a cast its fp8 layers cannot compute in before it converts
+    anything: torch converts the modules one by one, so the first fp8 layer's refusal (``fp8_apply``) came after the
+    modules before it had been cast, leaving a model of two dtypes. The check is ``model``'s own ``_apply``, an
+    attribute of this instance (its class is left as it is); a cast of a submodule alone keeps ``fp8_apply``'s."""
+    if getattr(type(model), "_apply", None) is not fp8_apply and "_apply" not in vars(model):
+        model._apply = _checked_apply.__get__(model)
 
 
 def fp8_class(cls: type) -> type:

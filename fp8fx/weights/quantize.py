@@ -15,7 +15,7 @@ from fp8fx.config import Fp8Config, entry_covers
 from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
-from fp8fx.weights.linear import Fp8LinearMethod, is_foreign_linear, is_quantized, skip_reason
+from fp8fx.weights.linear import Fp8LinearMethod, guard_casts, is_foreign_linear, is_quantized, skip_reason
 
 log = logging.getLogger("fp8fx")
 
@@ -163,6 +163,8 @@ def quantize_(
         moe.quantize_experts(module, fqn, config, static)
     if experts or experts_skipped:
         log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
+    if plan or experts:
+        guard_casts(model)
     return wrapper
 
 

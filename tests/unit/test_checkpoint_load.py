@@ -468,6 +468,17 @@ def test_fused_per_tensor_shards_requantized_to_max_scale(tmp_path):
     assert rel_err(qkv.weight, want) < 0.05  # requantizing the smaller shards costs fp8 rounding once more
 
 
+def test_a_loaded_model_refuses_a_cast_to_an_8_bit_float_before_converting_anything(tmp_path):
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor")
+    model = meta_tiny()
+    load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    dtypes = {k: v.dtype for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.self_attn\.q_proj: cast to torch\.float8_e5m2, .*"
+                                         r"\(nothing was converted\)$"):
+        model.to(torch.float8_e5m2)
+    assert {k: v.dtype for k, v in model.state_dict().items()} == dtypes
+
+
 def test_fused_block_shard_not_on_block_rows(tmp_path):
     """A fused block-scaled layer whose first shard (k_proj: 32 rows here) is not a multiple of
     block_n=64: its scale blocks would span two shards."""

@@ -705,12 +705,28 @@ def test_a_float64_reference_is_not_saved(tmp_path):
 
 
 def test_a_cast_to_a_dtype_fp8_layers_cannot_compute_in_is_refused_naming_the_layer():
-    model = _mlp()
+    """Refused before any module is converted: torch casts module by module, and the first fp8 layer's refusal came
+    after the LayerNorm before it had become float8_e5m2 (a model of two dtypes whose forward failed). A cast of one
+    submodule alone is still refused at its first fp8 layer, which says what was converted."""
+    model = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16)
     fp8fx.quantize_(model)
-    with pytest.raises(ValueError, match=r"^0: cast to torch.float8_e5m2, but fp8 layers compute in bf16/fp16/fp32 "
-                                         r"\(or fp64, as a reference\)"):
+    before = {k: v.view(torch.uint8) if v.element_size() == 1 else v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^1: cast to torch.float8_e5m2, but fp8 layers compute in bf16/fp16/fp32 "
+                                         r"\(or fp64, as a reference\); cast the model to one of these \(nothing was "
+                                         r"converted\)$"):
         model.to(torch.float8_e5m2)
-    assert model[0]._fp8fx_dtype == torch.bfloat16 and model[0].bias.dtype == torch.bfloat16
+    after = model.state_dict()
+    assert all(v.dtype == after[k].dtype or v.element_size() == 1 for k, v in before.items())
+    assert all(torch.equal(v, after[k].view(torch.uint8) if v.dtype == torch.uint8 else after[k])
+               for k, v in before.items())
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert model(x).dtype == torch.bfloat16  # still runs
+    with pytest.raises(ValueError, match=r"^3: cast to torch.float8_e5m2, .*the modules before this layer were "
+                                         r"converted"):
+        model[2:].to(torch.float8_e5m2)  # a submodule: no check of its own before torch's
+    assert model[3]._fp8fx_dtype == torch.bfloat16 and model[3].bias.dtype == torch.bfloat16
+    model.to(torch.float16)  # a cast they compute in goes through the check
+    assert model[1]._fp8fx_dtype == torch.float16 and model[0].weight.dtype == torch.float16
 
 
 def test_a_dtype_cast_keeps_quantized_experts_fp8():
