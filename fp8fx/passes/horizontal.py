@@ -136,7 +136,7 @@ def _strided_view(nodes: list[fx.Node], ctx: PassContext) -> str:
             part = fused.narrow(-1, offset, out.shape[-1])
             offset += out.shape[-1]
             for user in node.users:
-                if not (user.op == "call_method" and user.target == "view" or user.target is torch.Tensor.view):
+                if not ((user.op == "call_method" and user.target == "view") or user.target is torch.Tensor.view):
                     continue
                 shape = fx.node.map_aggregate(user.args[1:], fake_value)
                 try:

@@ -64,19 +64,11 @@ def fp8_apply(self, fn, recurse=True):
         probe = fn(torch.empty(0, dtype=t.dtype, device=t.device))
         return fn(t) if probe.dtype == t.dtype else t.to(device=probe.device)
 
-    dtype = getattr(self, "_fp8fx_dtype", None)
-    if dtype is not None:
-        device = next((t.device for t in self._parameters.values() if t is not None), None)
-        cast = fn(torch.empty(0, dtype=dtype, device=device)).dtype
-        if cast != dtype and cast.is_floating_point:
-            if cast not in quant.COMPUTE_DTYPES:
-                name = getattr(self._parameters.get("weight"), "_fp8fx_fqn", type(self).__name__)
-                raise ValueError(
-                    f"{name}: cast to {cast}, but fp8 layers compute in bf16/fp16/fp32 (or fp64, as a reference); "
-                    f"cast the model to one of these (the modules before this layer were converted, this layer "
-                    f"and the ones after it were not: cast the model quantize_ or load_checkpoint was given, which "
-                    f"refuses it before converting anything)"
-                )
+    dtype, cast, refused = _cast_of(self, fn)
+    if refused:
+        raise ValueError(f"{refused} (the modules before this layer were converted, this layer and the ones after it "
+                         "were not: cast the model quantize_ or load_checkpoint was given, which refuses it before "
+                         "converting anything)")
     tags = {n: {a: v for a, v in vars(t).items() if a.startswith("_fp8fx_")}
             for n, t in self._parameters.items() if t is not None}
     super(type(self), self)._apply(apply, recurse)
@@ -93,29 +85,29 @@ def fp8_apply(self, fn, recurse=True):
     return self
 
 
-def _refused_cast(module: nn.Module, fn) -> Optional[str]:
-    """The error ``fp8_apply`` raises for the cast ``fn`` at the first fp8 module of ``module``'s tree (one whose
-    compute dtype it would make an 8-bit float), or None. Each is probed with an empty tensor, as ``fp8_apply``
-    does."""
-    for m in module.modules():
-        dtype = getattr(m, "_fp8fx_dtype", None)
-        if dtype is None or not getattr(type(m), "_apply", None) is fp8_apply:
-            continue
-        device = next((t.device for t in m._parameters.values() if t is not None), None)
-        cast = fn(torch.empty(0, dtype=dtype, device=device)).dtype
-        if cast != dtype and cast.is_floating_point and cast not in quant.COMPUTE_DTYPES:
-            name = getattr(m._parameters.get("weight"), "_fp8fx_fqn", None) or getattr(m, "_fp8fx_prefix", "")
-            return (f"{name or type(m).__name__}: cast to {cast}, but fp8 layers compute in bf16/fp16/fp32 (or fp64, "
-                    "as a reference); cast the model to one of these")
-    return None
+def _cast_of(module: nn.Module, fn) -> tuple[Optional[torch.dtype], Optional[torch.dtype], str]:
+    """(compute dtype, what the cast ``fn`` makes of it, why that is refused or "") of a quantized module, read from
+    what ``fn`` does to an empty tensor of that dtype; (None, None, "") for a module without one. An 8-bit float (no
+    fp8 layer computes in one) is refused, naming the layer."""
+    dtype = getattr(module, "_fp8fx_dtype", None)
+    if dtype is None:
+        return None, None, ""
+    device = next((t.device for t in module._parameters.values() if t is not None), None)
+    cast = fn(torch.empty(0, dtype=dtype, device=device)).dtype
+    if cast == dtype or not cast.is_floating_point or cast in quant.COMPUTE_DTYPES:
+        return dtype, cast, ""
+    name = getattr(module._parameters.get("weight"), "_fp8fx_fqn", None) or getattr(module, "_fp8fx_prefix", "")
+    return dtype, cast, (f"{name or type(module).__name__}: cast to {cast}, but fp8 layers compute in bf16/fp16/fp32 "
+                         "(or fp64, as a reference); cast the model to one of these")
 
 
 def _checked_apply(self, fn, recurse=True):
     """A quantized model's own ``_apply`` (``guard_casts``): a cast that an fp8 layer of it refuses raises before any
     module of the model is converted, then the model's class' ``_apply`` runs as always."""
-    refused = _refused_cast(self, fn)
-    if refused:
-        raise ValueError(f"{refused} (nothing was converted)")
+    for m in self.modules():
+        refused = _cast_of(m, fn)[2] if getattr(type(m), "_apply", None) is fp8_apply else ""
+        if refused:
+            raise ValueError(f"{refused} (nothing was converted)")
     return type(self)._apply(self, fn, recurse)
 
 
