@@ -120,6 +120,26 @@ def guard_casts(model: nn.Module) -> None:
         model._apply = _checked_apply.__get__(model)
 
 
+def check_online(what: str, loaded: torch.Tensor, dtype: torch.dtype, prefix: str, kind: str,
+                 values_checked: bool = False) -> None:
+    """Online, the loaders (``Fp8LinearMethod``, ``Fp8MoEMethod``) quantize what they get, through a buffer of the
+    layer's ``dtype``: high-precision values it holds only. An fp8 tensor was taken for real values (a second, wrong
+    quantization); a NaN / Inf, or a value past a float16 buffer's 65504, made the scale NaN / Inf. The pass over the
+    values is skipped with ``values_checked``, where the caller's own pass did it."""
+    if loaded.dtype not in quant.HIGH_PRECISION:
+        fix = (" (an fp8 checkpoint: load it as stored, with Fp8Config(is_checkpoint_fp8_serialized=True))"
+               if loaded.dtype == quant.FP8_DTYPE else "")
+        raise ValueError(f"{what}: the tensor is {loaded.dtype}; online quantization takes bf16/fp16/fp32 {kind}{fix}")
+    if values_checked:
+        return
+    bad, overflow, largest = chunked.count_unloadable(loaded.detach(), dtype)
+    if bad:
+        raise ValueError(f"{what} has {bad} NaN/Inf values; fix the weights or add {prefix!r} to ignored_layers")
+    if overflow:
+        raise ValueError(f"{what} has {overflow} values that a {dtype} copy makes inf (largest {largest:g}); fix the "
+                         f"weights, load them into a wider dtype, or add {prefix!r} to ignored_layers")
+
+
 def fp8_class(cls: type) -> type:
     """The subclass of ``cls`` whose ``weight`` is the dequantized view (one per class, cached)."""
     if getattr(cls, "_fp8fx_quantized", False):
@@ -281,7 +301,8 @@ class Fp8LinearMethod:
             if why:
                 raise ValueError(f"{who}.{name} (shard {shard_id}): {why}: re-export the checkpoint")
         if online_weight:
-            self._check_online(layer, loaded, shard_id, values_checked)
+            check_online(f"{who}.weight (shard {shard_id})", loaded, layer._fp8fx_dtype, who, "weights",
+                         values_checked)
         if online_weight and target.is_meta and shard_id is None and self._can_adopt(layer, target, loaded):
             # the whole weight in the layer's dtype: quantize it as it is, no second bf16 copy
             layer._parameters["weight"] = nn.Parameter(loaded, requires_grad=False)
@@ -328,27 +349,6 @@ class Fp8LinearMethod:
             layer._fp8fx_copied += counter.copied_numel
             if layer._fp8fx_copied >= target.numel():
                 self._quantize_online(layer)
-
-    @staticmethod
-    def _check_online(layer: nn.Module, loaded: torch.Tensor, shard_id: Optional[int], values_checked: bool) -> None:
-        """Online, the loader quantizes what it gets, through a buffer of the layer's dtype: high-precision values
-        it holds only. An fp8 tensor was taken for real values (a second, wrong quantization); a NaN / Inf, or a
-        value past a float16 layer's 65504, made the scale NaN / Inf."""
-        who, dtype = layer._fp8fx_prefix, layer._fp8fx_dtype
-        if loaded.dtype not in quant.HIGH_PRECISION:
-            fix = (" (an fp8 checkpoint: load it as stored, with Fp8Config(is_checkpoint_fp8_serialized=True))"
-                   if loaded.dtype == quant.FP8_DTYPE else "")
-            raise ValueError(f"{who}.weight (shard {shard_id}): the tensor is {loaded.dtype}; online quantization "
-                             f"takes bf16/fp16/fp32 weights{fix}")
-        if values_checked:
-            return
-        bad, overflow, largest = chunked.count_unloadable(loaded.detach(), dtype)
-        if bad or overflow:
-            raise ValueError(
-                f"{who}.weight (shard {shard_id}) has {bad} NaN/Inf values and {overflow} that a {dtype} copy makes "
-                f"inf (largest {largest:g}); fix the weights, load them into a wider dtype, or add {who!r} to "
-                "ignored_layers"
-            )
 
     @staticmethod
     def _can_adopt(layer: nn.Module, target: torch.Tensor, loaded: torch.Tensor) -> bool:

@@ -37,7 +37,7 @@ from torch import nn
 from fp8fx import quant
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
 from fp8fx.weights import chunked
-from fp8fx.weights.linear import fp8_apply, same_layout
+from fp8fx.weights.linear import check_online, fp8_apply, same_layout
 
 log = logging.getLogger("fp8fx")
 
@@ -323,8 +323,8 @@ class Fp8MoEMethod:
                 "(the completeness check counts elements)"
             )
         if name == base and online:
-            self._check_online(f"{prefix}.{name} (expert {expert_id}, shard {shard_id})", loaded, prefix,
-                               values_checked, layer._fp8fx_dtype)
+            check_online(f"{prefix}.{name} (expert {expert_id}, shard {shard_id})", loaded, layer._fp8fx_dtype,
+                         prefix, "expert weights", values_checked)
             self._load_online(layer, base, loaded, shard_id, expert_id)
             layer._fp8fx_arrived.add(arrival)
             return
@@ -350,27 +350,6 @@ class Fp8MoEMethod:
         if name == base:
             layer._fp8fx_arrived.add(arrival)
             self._count(layer, base, expert_id, dest.numel())
-
-    @staticmethod
-    def _check_online(what: str, loaded: torch.Tensor, prefix: str, values_checked: bool = False,
-                      dtype: Optional[torch.dtype] = None) -> None:
-        """Online, the loader quantizes what it gets, through a staging buffer of the layer's ``dtype``:
-        high-precision values it holds only. An fp8 tensor was taken for real values (a second, wrong
-        quantization); a NaN / Inf, or a value past float16 experts' 65504, made its expert's scale NaN / Inf."""
-        if loaded.dtype not in quant.HIGH_PRECISION:
-            fix = (" (an fp8 checkpoint: load it as stored, with Fp8Config(is_checkpoint_fp8_serialized=True))"
-                   if loaded.dtype == quant.FP8_DTYPE else "")
-            raise ValueError(f"{what}: the tensor is {loaded.dtype}; online quantization takes bf16/fp16/fp32 expert "
-                             f"weights{fix}")
-        if values_checked:
-            return
-        bad, overflow, largest = chunked.count_unloadable(loaded, dtype or loaded.dtype)
-        if bad:
-            raise ValueError(f"{what} has {bad} NaN/Inf values; fix the weights or add {prefix!r} to ignored_layers")
-        if overflow:
-            raise ValueError(f"{what} has {overflow} values that the experts' {dtype} copy makes inf (largest "
-                             f"{largest:g}); fix the weights, build the experts in a wider dtype, or add {prefix!r} to "
-                             "ignored_layers")
 
     @staticmethod
     def _check_scales(what: str, scales: torch.Tensor) -> None:
