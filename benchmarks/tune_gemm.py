@@ -840,10 +840,11 @@ def gemv_pdl_sweep(shapes=("o", "qkv"), rounds=5, chain_bytes=256 << 20, k_stage
 
 def warps_duel(ms=(32, 64), shapes=("down", "qkv", "o"), rounds=7, chain_bytes=256 << 20):
     """The decode GEMMs' 17-64-row default tiles (``_decode_problem``) with 8 warps, two warpgroups sharing each K
-    step's dot, where every sweep since run 13 ran 4 (one warpgroup, whose dots' waits the loads queue behind: down at
-    32-64 rows streams as slowly as its memory time plus its tensor time, 0.020 ms against 0.014 + 0.004), and with 8
-    warps 2 stages deeper where shared memory holds them; as chains of launches (``_chain_duel``), ``rounds``
-    interleaved rounds."""
+    step's dot, where every sweep since run 13 ran 4; and with 8 warps 2 stages deeper where shared memory holds them;
+    as chains of launches (``_chain_duel``), ``rounds`` interleaved rounds. The guess it tested: down at 32-64 rows
+    streams as slowly as its memory time plus its tensor time (0.020 ms against 0.014 + 0.004), as if one
+    warpgroup's waits on its dots held up its loads. H200 run 38 call 3: slower or a tie in all 6 cells, so the
+    defaults keep 4 warps."""
     from fp8fx.kernels.fp8_gemm import pipeline_stages
 
     for name, m in itertools.product(shapes, ms):
