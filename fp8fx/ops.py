@@ -79,6 +79,13 @@ def _act_scale_shape(x: torch.Tensor, block: Sequence[int]):
     return (1 if b_m == -1 else cdiv(m, b_m), 1 if b_k == -1 else cdiv(k, b_k))
 
 
+def _check_rows(x: torch.Tensor, what: str) -> None:
+    """``x`` is [..., K]: a 0-d tensor has no K (the impls failed with a bare IndexError, and quantize_static's fake
+    returned a tensor its real impl could not)."""
+    if x.dim() == 0:
+        raise ValueError(f"{what} is a 0-d tensor; it takes activations of shape [..., K]")
+
+
 def check_block(block: Sequence[int], what: str) -> None:
     if len(block) != 2 or any(b == 0 or b < -1 for b in block):
         raise ValueError(f"fp8fx: {what}={list(block)} is not a block; use [rows, cols] with -1 for a whole dim")
@@ -88,6 +95,7 @@ def check_block(block: Sequence[int], what: str) -> None:
 @_op("quantize")
 def quantize(x: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     check_block(block, "block")
+    _check_rows(x, "fp8fx.quantize: x")
     q, scale = quant.quantize_rows(x, block)
     return q.contiguous(), scale.contiguous()  # the layout the fake impl promises, whatever x's strides
 
@@ -95,6 +103,7 @@ def quantize(x: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Ten
 @quantize.register_fake
 def _(x, block):
     check_block(block, "block")  # every fake checks what its real impls check: torch.compile fails at trace time
+    _check_rows(x, "fp8fx.quantize: x")
     return x.new_empty(x.shape, dtype=quant.FP8_DTYPE), x.new_empty(_act_scale_shape(x, block), dtype=torch.float32)
 
 
@@ -125,12 +134,14 @@ def _check_positive_value(scale: torch.Tensor, what: str) -> None:
 @_op("quantize_static")
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     check_static_scale(scale)
+    _check_rows(x, "fp8fx.quantize_static: x")
     return quant.quantize_with_scale(quant.as_rows(x), scale, [-1, -1]).reshape(x.shape).contiguous()
 
 
 @quantize_static.register_fake
 def _(x, scale):
     check_static_scale(scale)  # (its value is not read from a FakeTensor)
+    _check_rows(x, "fp8fx.quantize_static: x")
     return x.new_empty(x.shape, dtype=quant.FP8_DTYPE)
 
 
@@ -220,6 +231,7 @@ def _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_
     """What every real implementation of scaled_mm checks before it computes."""
     check_block(x_block, "x_block")
     check_block(w_block, "w_block")
+    _check_rows(xq, "fp8fx.scaled_mm: xq")
     if xq.dtype != quant.FP8_DTYPE:
         raise ValueError(f"fp8fx.scaled_mm: xq is {xq.dtype}; it takes the fp8 codes of the activation "
                          "(fp8fx.quantize / quantize_static), or use fp8fx.weight_only_mm for 16-bit activations")
@@ -361,13 +373,16 @@ def _adjacent(ts: list[torch.Tensor]) -> Optional[torch.Tensor]:
     """The single tensor that ``ts`` are back-to-back row slices of (one storage, contiguous), or None."""
     base = ts[0]
     offset = base.storage_offset()
+    # row-major strides, compared as they are: is_contiguous() ignores a size-1 dim's stride, so two one-row column
+    # halves of one [2, 2K] tensor passed for back-to-back rows, and the fused view read the tensor's second row
+    row_major = torch.empty(0, device="meta").new_empty(base.shape).stride()
     for t in ts:
         same = t.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
-        if not same or not t.is_contiguous() or t.storage_offset() != offset or t.shape[1:] != base.shape[1:]:
+        if not same or t.stride() != row_major or t.storage_offset() != offset or t.shape[1:] != base.shape[1:]:
             return None
         offset += t.numel()
     rows = sum(t.shape[0] for t in ts)
-    return base.as_strided((rows, *base.shape[1:]), base.stride(), base.storage_offset())
+    return base.as_strided((rows, *base.shape[1:]), row_major, base.storage_offset())
 
 
 # a bias parameter's tag: the storage (data_ptr) of the zero-gapped bias tensor fp8fx.passes.horizontal moved it into
@@ -439,7 +454,8 @@ def scaled_mm_fused(
     _check_fused_args(xq, x_scale, wqs, w_scales, biases, x_block, w_block, out_dtype)
     w = _adjacent(wqs)
     per_tensor = tuple(w_block) == (-1, -1)
-    s = _per_channel(wqs, w_scales) if per_tensor else _adjacent([t.reshape(-1, t.shape[-1]) for t in w_scales])
+    s = _per_channel(wqs, w_scales) if per_tensor else _adjacent([t.reshape(-1, t.shape[-1] if t.dim() else 1)
+                                                                   for t in w_scales])  # (a 0-d scale: one block)
     rows = w_block[0]
     # each shard's scale rows stack into the fused weight's: not [-1, G] blocks (one scale row a weight)
     blocks_fit = (rows == 1 or rows == -1 and w_block[1] == -1 or rows > 1
@@ -855,6 +871,9 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_
 
 
 def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
+    if w13.dim() != 3:  # (one expert's [2I, H] slice: a bare unpacking error before)
+        raise ValueError(f"fp8fx.fused_moe: w13 has shape {list(w13.shape)}; it must be [E, 2I, H], every expert's "
+                         "gate and up rows")
     e, two_i, h = w13.shape
     torch._check(x.dim() == 2 and x.shape[1] == h, lambda: f"fp8fx.fused_moe: x {tuple(x.shape)} is not [T, {h}]")
     torch._check(

@@ -23,12 +23,15 @@ from fp8fx.ops import check_block, check_static_scale
 
 def _quantize(x, block):
     check_block(block, "block")  # the op's own checks: the decomposition replaces it under compile
-    return quant.quantize_rows(x, block)
+    q, scale = quant.quantize_rows(x, block)
+    # the layout the op and its fake promise: a transposed x gave codes of its strides, which a .view traced
+    # against the fake then could not take (free where x is row-major, as it is at every linear)
+    return q.contiguous(), scale.contiguous()
 
 
 def _quantize_static(x, scale):
     check_static_scale(scale)
-    return quant.quantize_with_scale(quant.as_rows(x), scale, [-1, -1]).reshape(x.shape)
+    return quant.quantize_with_scale(quant.as_rows(x), scale, [-1, -1]).reshape(x.shape).contiguous()
 
 
 def applies(example_inputs) -> bool:

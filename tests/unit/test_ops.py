@@ -402,3 +402,68 @@ def test_scale_as_gives_scaled_mms_layout_and_reuses_one_already_in_it(shape, gi
         assert count.ops == ([] if tuple(given) == shape else [torch.ops.aten.view.default]), count.ops
     else:
         assert len(count.ops) > 1, count.ops
+
+
+def test_fused_gemm_does_not_take_column_halves_of_one_row_for_back_to_back_rows():
+    """Two one-row weights cut as the column halves of one [2, 128] tensor: ``is_contiguous()`` ignores a size-1 dim's
+    stride, so they passed for back-to-back rows and the one GEMM read the tensor's second row as the second weight."""
+    torch.manual_seed(0)
+    parent = torch.randn(2, 128).to(quant.FP8_DTYPE)
+    wqs = [parent[0:1, :64], parent[0:1, 64:]]
+    xq = torch.randn(3, 64).to(quant.FP8_DTYPE)
+    one, scales = torch.tensor([1.0]), [torch.tensor([1.0])] * 2
+    fused = ops.scaled_mm_fused(xq, one, wqs, scales, [None, None], [-1, -1], [-1, -1], torch.float32)
+    apart = [ops.scaled_mm(xq, one, w, s, None, [-1, -1], [-1, -1], torch.float32) for w, s in zip(wqs, scales)]
+    assert torch.equal(fused, torch.cat(apart, -1))
+
+
+def test_fused_gemm_takes_the_0d_block_scales_scaled_mm_takes():
+    """A weight of one 128x128 block may carry its scale as a 0-d tensor: scaled_mm took it, scaled_mm_fused raised an
+    IndexError where its fake returned a result."""
+    torch.manual_seed(0)
+    xq, x_scale = torch.randn(3, 96).to(quant.FP8_DTYPE), torch.tensor([0.5])
+    wqs = [torch.randn(64, 96).to(quant.FP8_DTYPE), torch.randn(32, 96).to(quant.FP8_DTYPE)]
+    scales = [torch.tensor(0.01), torch.tensor(0.02)]
+    fused = ops.scaled_mm_fused(xq, x_scale, wqs, scales, [None, None], [-1, -1], [128, 128], torch.float32)
+    apart = [ops.scaled_mm(xq, x_scale, w, s, None, [-1, -1], [128, 128], torch.float32) for w, s in zip(wqs, scales)]
+    assert torch.equal(fused, torch.cat(apart, -1))
+
+
+def test_quantize_decompositions_return_the_layout_of_the_ops():
+    """The ATen decompositions (CUDA graphs) gave a transposed x's codes its strides, where the op and its fake
+    promise row-major ones: a ``.view`` traced against the fake failed once the decomposition replaced the op."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fp8fx.lowerings import aten
+
+    def f(x):
+        q, s = torch.ops.fp8fx.quantize(x.t(), [1, -1])
+        return q.view(-1), s, torch.ops.fp8fx.quantize_static(x.t(), torch.tensor([0.01])).view(-1)
+
+    x = torch.randn(64, 32)
+    gm = make_fx(f, decomposition_table=aten.decompositions(), tracing_mode="fake")(x)
+    assert torch.ops.fp8fx.quantize.default not in {n.target for n in gm.graph.nodes}  # decomposed
+    for got, want in zip(gm(x), f(x)):
+        assert torch.equal(got.view(torch.uint8) if got.element_size() == 1 else got,
+                           want.view(torch.uint8) if want.element_size() == 1 else want)
+
+
+def test_shapes_the_ops_cannot_take_are_refused_by_name():
+    """A 0-d activation (a bare IndexError; quantize_static's fake returned a tensor its real impl could not), and one
+    expert's [2I, H] slice as fused_moe's w13 (a bare unpacking error)."""
+    scalar = torch.tensor(1.0)
+    for call, what in ((lambda: torch.ops.fp8fx.quantize(scalar, [1, -1]), "quantize: x"),
+                       (lambda: torch.ops.fp8fx.quantize_static(scalar, torch.tensor([0.5])), "quantize_static: x"),
+                       (lambda: torch.ops.fp8fx.scaled_mm(scalar.to(quant.FP8_DTYPE), torch.tensor([1.0]),
+                                                          torch.zeros(4, 1, dtype=quant.FP8_DTYPE), torch.tensor([1.0]),
+                                                          None, [-1, -1], [-1, -1], torch.float32), "scaled_mm: xq")):
+        with pytest.raises(ValueError, match=rf"^fp8fx\.{what} is a 0-d tensor; it takes activations of shape"):
+            call()
+    with FakeTensorMode(), pytest.raises(ValueError, match=r"^fp8fx\.quantize_static: x is a 0-d tensor"):
+        torch.ops.fp8fx.quantize_static(torch.tensor(1.0), torch.tensor([0.5]))
+    e, h, i = 4, 64, 32
+    w13, w2 = torch.zeros(e, 2 * i, h, dtype=quant.FP8_DTYPE), torch.zeros(e, h, i, dtype=quant.FP8_DTYPE)
+    x, weights, ids = torch.randn(3, h, dtype=torch.bfloat16), torch.rand(3, 2, dtype=torch.bfloat16), torch.zeros(3, 2)
+    with pytest.raises(ValueError, match=r"^fp8fx\.fused_moe: w13 has shape \[64, 64\]; it must be \[E, 2I, H\]"):
+        torch.ops.fp8fx.fused_moe(x, weights, ids.long(), w13[0], torch.tensor([1.0]), w2, torch.ones(e), [-1, -1],
+                                  [1, -1], torch.bfloat16)
