@@ -171,6 +171,9 @@ def load_meta_model(spec: str, dtype: torch.dtype, seq_len: Optional[int], input
     if not isinstance(model, nn.Module):
         raise UsageError(f"{spec} returned {type(model).__name__}, not an nn.Module (or (module, example_args))")
     model = model.to(device="meta", dtype=dtype).eval()
+    if call_args is not None and not isinstance(call_args, (tuple, list)):  # a bare tensor was iterated row by row
+        raise UsageError(f"{spec} returned (model, {type(call_args).__name__}); the example args are a tuple or list "
+                         "of the forward's arguments: return (model, (x,))")
     if call_args is not None and input_shape is not None:
         raise UsageError(
             f"--input-shape {input_shape!r}: it applies to a module:factory MODEL whose factory returns a model only; "
@@ -192,19 +195,20 @@ def _hf_model(path: Path, dtype: torch.dtype, seq_len: int):
     folder = path if path.is_dir() else path.parent
     if not (folder / "config.json").is_file():
         raise UsageError(f"{folder} has no config.json; give an HF model folder or its config.json")
-    try:
+    try:  # (transformers' own errors for a bad field: a dataclass validation error, a ZeroDivisionError, ...)
         config = transformers.AutoConfig.from_pretrained(str(folder))
-    except (ValueError, OSError, KeyError) as e:
-        raise UsageError(f"{folder / 'config.json'} is not a config transformers can read: {_first_line(e)}") from e
-    quant_config = getattr(config, "quantization_config", None)
-    if quant_config is not None:  # fp8fx applies it; transformers must not try its own quantizer
-        del config.quantization_config
-        quant_config = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
-    with torch.device("meta"):
-        try:
-            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-        except ValueError:  # not a causal LM: the bare model
-            model = transformers.AutoModel.from_config(config, dtype=dtype)
+        quant_config = getattr(config, "quantization_config", None)
+        if quant_config is not None:  # fp8fx applies it; transformers must not try its own quantizer
+            del config.quantization_config
+            quant_config = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
+        with torch.device("meta"):
+            try:
+                model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+            except ValueError:  # not a causal LM: the bare model
+                model = transformers.AutoModel.from_config(config, dtype=dtype)
+    except Exception as e:  # noqa: BLE001 - named for the user, the original chained
+        raise UsageError(f"{folder / 'config.json'} is not a config transformers can build a model from: "
+                         f"{type(e).__name__}: {_first_line(e)}") from e
     kwargs = {"use_cache": False} if "use_cache" in pyinspect.signature(model.forward).parameters else {}
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     return model.eval(), (ids,), kwargs, quant_config

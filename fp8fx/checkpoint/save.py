@@ -433,12 +433,17 @@ def meta_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = Non
     (no memory), in ``dtype`` (default: the config's dtype, else bf16). Needs transformers."""
     import transformers
 
-    cfg = transformers.AutoConfig.from_pretrained(os.fspath(path))
-    dtype = dtype or getattr(cfg, "dtype", None) or torch.bfloat16
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
-    with torch.device("meta"):
-        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    try:  # (transformers' own errors for a bad field: a dataclass validation error, a ZeroDivisionError, ...)
+        cfg = transformers.AutoConfig.from_pretrained(os.fspath(path))
+        dtype = dtype or getattr(cfg, "dtype", None) or torch.bfloat16
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+        with torch.device("meta"):
+            return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+    except Exception as e:  # noqa: BLE001 - named for the user below, the original chained
+        first = (str(e).strip().splitlines() or [""])[0]
+        raise CheckpointError(f"{os.fspath(path)}/config.json: transformers cannot build the model it describes "
+                              f"({type(e).__name__}: {first}); fix the config, or pass model=") from e
 
 
 def convert(
@@ -483,8 +488,10 @@ def convert(
         raise ValueError(f"convert: dst {dst} is src; write the fp8 checkpoint to a new directory")
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise ValueError(f"convert: dst {dst} is a file; pass a new or empty directory")
-    if os.path.isdir(dst) and any(f.endswith((".safetensors", INDEX_SUFFIX)) for f in os.listdir(dst)):
-        raise ValueError(f"convert: {dst} already holds safetensors files; pass an empty or new directory")
+    if os.path.isdir(dst) and os.listdir(dst):  # its config.json, tokenizer, ... would be overwritten
+        held = sorted(os.listdir(dst))
+        raise ValueError(f"convert: {dst} already holds files ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
+                         "; pass an empty or new directory")
     config_json = read_config(src)
     if config_json.get("quantization_config") is not None:
         raise CheckpointError(

@@ -388,7 +388,9 @@ class LinearPass(Fp8Pass):
         if path in getattr(real, "_fp8fx_owners", {}):  # a weight several layers share: the one running here
             return path
         tag = getattr(real, "_fp8fx_fqn", None)  # ("" for a quantized root module: its name in named_modules)
-        return tag if tag is not None else path or node.name
+        if tag is not None:
+            return tag
+        return path if path is not None else node.name  # ("" for the root module too, not Dynamo's node name)
 
     @staticmethod
     def _why_not(x, w, bias, ctx: PassContext, fqn: str = "") -> str:

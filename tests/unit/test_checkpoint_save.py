@@ -346,12 +346,19 @@ def test_convert_refuses(tmp_path):
     src = write_checkpoint(tmp_path / "src", bf16_state())
     with pytest.raises(ValueError, match="static activation scales need fp8fx.calibrate"):
         convert(src, tmp_path / "out", fp8fx.Fp8Config(activation_scheme="static"), model=meta_tiny())
-    with pytest.raises(ValueError, match="already holds safetensors files"):
+    with pytest.raises(ValueError, match=r"already holds files \(config\.json, model\.safetensors\)"):
         convert(src, fp8, model=meta_tiny())
     (tmp_path / "stale").mkdir()  # an index left from another save: the new shards would be read through it
     (tmp_path / "stale" / "model.safetensors.index.json").write_text("{}")
-    with pytest.raises(ValueError, match="already holds safetensors files"):
+    with pytest.raises(ValueError, match="already holds files"):
         convert(src, tmp_path / "stale", model=meta_tiny())
+    (tmp_path / "mine").mkdir()  # the user's own config.json and notes: convert wrote over the config
+    (tmp_path / "mine" / "config.json").write_text('{"mine": 1}')
+    (tmp_path / "mine" / "notes.txt").write_text("notes")
+    with pytest.raises(ValueError, match=r"mine already holds files \(config\.json, notes\.txt\); pass an empty"):
+        convert(src, tmp_path / "mine", model=meta_tiny())
+    assert (tmp_path / "mine" / "config.json").read_text() == '{"mine": 1}'
+    assert sorted(os.listdir(tmp_path / "mine")) == ["config.json", "notes.txt"]
     (tmp_path / "a_file").write_text("")
     with pytest.raises(ValueError, match=r"convert: dst .*a_file is a file; pass a new or empty directory"):
         convert(src, tmp_path / "a_file", model=meta_tiny())  # it was "[Errno 17] File exists"

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fp8fx
+from fp8fx.checkpoint.files import write_file
 from fp8fx.cli import main
 from tests.conftest import rel_err
 
@@ -92,6 +93,12 @@ class Twice(nn.Module):
 
 def twice():
     return Twice(), (torch.zeros(4, 256),)
+
+def bare_example():
+    return mlp(), torch.zeros(4, 256)
+
+def root_linear():
+    return nn.Linear(256, 64), (torch.zeros(4, 256),)
 """
 
 
@@ -182,6 +189,37 @@ def test_bad_factories(capsys, models_py):
     code, _, err = run(capsys, "inspect", f"{bad}:make")
     assert code == 2
     one_line_error(err, f"cannot import '{bad}'", "SyntaxError")
+
+
+def test_factory_examples_not_in_a_tuple_and_a_root_linear(capsys, models_py):
+    """A bare example tensor was iterated row by row (traced with [256]-shaped rows, or a TypeError); a model that is
+    itself a linear was listed twice, its site named after Dynamo's node ("linear") where named_modules says ""."""
+    code, _, err = run(capsys, "inspect", f"{models_py}:bare_example")
+    assert code == 2
+    one_line_error(err, "bare_example returned (model, Tensor); the example args are a tuple or list", "(model, (x,))")
+    code, out, err = run(capsys, "inspect", f"{models_py}:root_linear", "--json")
+    assert code == 0, err
+    report = json.loads(out)
+    assert [(s["fqn"], s["would_rewrite"]) for s in report["sites"]] == [("", True)] and not report["other_weights"]
+
+
+def test_a_config_transformers_cannot_build_from_is_one_line(capsys, llama_dir, tmp_path):
+    """A bad field (0 attention heads: a ZeroDivisionError inside transformers) ended inspect and convert in a
+    traceback."""
+    data = json.loads((llama_dir / "config.json").read_text())
+    data["num_attention_heads"] = 0
+    (llama_dir / "config.json").write_text(json.dumps(data))
+    code, _, err = run(capsys, "inspect", str(llama_dir))
+    assert code == 2
+    one_line_error(err, "config.json is not a config transformers can build a model from: ZeroDivisionError")
+    del data["quantization_config"]
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "config.json").write_text(json.dumps(data))
+    write_file(str(src / "model.safetensors"), {"lm_head.weight": torch.zeros(512, 256, dtype=torch.bfloat16)})
+    code, _, err = run(capsys, "convert", str(src), str(tmp_path / "out"))
+    assert code == 2 and not (tmp_path / "out").exists()
+    one_line_error(err, "config.json: transformers cannot build the model it describes (ZeroDivisionError")
 
 
 def test_bad_configs(capsys, llama_dir, tmp_path):
