@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import collections
 import fnmatch
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
 
@@ -57,7 +57,7 @@ def assert_kernel_count(report: Union[Report, Fp8Backend], expected: int, graph:
 
 def assert_compiles_once(
     fn: Callable,
-    inputs: Sequence[Sequence[Any]],
+    inputs: Iterable[Sequence[Any]],
     *,
     backend: Optional[Callable] = None,
     dynamic: Optional[bool] = True,
@@ -68,6 +68,7 @@ def assert_compiles_once(
     ``None`` a new shape recompiles). Returns the backend, to read its report. Resets Dynamo's caches first
     (``torch._dynamo.reset()``): every call compiles ``fn`` anew, and the recompiles of earlier calls would
     otherwise reach Dynamo's recompile limit (8), after which it runs ``fn`` uncompiled."""
+    inputs = list(inputs)  # (a generator: the checks below used it up, and no call ran)
     if not inputs:
         raise ValueError("assert_compiles_once needs at least one argument tuple in inputs")
     bare = next((i for i, args in enumerate(inputs) if not isinstance(args, (tuple, list))), None)

@@ -364,6 +364,10 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     if isinstance(batches, torch.Tensor):  # iterating it would run one batch per row
         raise ValueError(f"calibrate: batches is a tensor {list(batches.shape)}; pass an iterable of batches, e.g. "
                          "[x] for one batch")
+    # a misspelt entry would measure, and then quantize statically, the layer it was meant to keep (quantize_ refuses
+    # it too)
+    check_ignored_layers(config, [fqn for fqn, _ in model.named_modules(prefix=prefix)],
+                         f"this {type(model).__name__}", "measured", prefix)
     amax: dict[str, float] = {}
     batch_no = [0]
     modules = [(fqn, m) for fqn, m in model.named_modules(prefix=prefix) if not config.is_ignored(fqn)]

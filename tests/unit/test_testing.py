@@ -118,6 +118,9 @@ def test_bad_arguments():
     # bare tensors: a batch of one ran the model on its single row ([64], not [1, 64]) and passed
     with pytest.raises(ValueError, match=r"inputs\[0\] is a Tensor, not an argument tuple; pass \[\(x1,\), \(x2,\)\]"):
         testing.assert_compiles_once(mlp(), [torch.randn(1, 64), torch.randn(2, 64)])
+    # a generator: the checks used it up, no call ran, and an IndexError came out of the helper
+    backend = testing.assert_compiles_once(mlp(), (args for args in inputs(2, 4)), backend=eager_backend())
+    assert backend.report.rewritten
     # a count as a string ("expected 2 ... generated 1" though it was 2), a list of patterns as one argument
     with pytest.raises(TypeError, match=r"assert_kernel_count\(expected='2'\): a count / graph index"):
         testing.assert_kernel_count(fp8fx.Fp8Backend(), "2")

@@ -1,5 +1,6 @@
 """Load-time weight hooks: quantize_, Fp8LinearMethod (online shards, serialized), bad input."""
 import collections
+import functools
 import gc
 import re
 import weakref
@@ -532,6 +533,19 @@ def test_prefix_names_a_model_quantized_part_by_part():
         torch.compile(model, backend=backend)(x)
     sites = {s.fqn: s.rewritten for s in backend.report.sites}
     assert sites == {"blocks.0.0": True, "blocks.0.2": True, "blocks.1.0": True, "blocks.1.2": False}
+
+
+def test_calibrate_refuses_an_ignored_layers_entry_that_names_no_module():
+    """The entry was taken (quantize_ refuses it): the layer meant to stay high precision would be measured, then
+    quantized statically."""
+    x = torch.randn(2, 8)
+    static = functools.partial(Fp8Config, activation_scheme="static")
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    with pytest.raises(ValueError, match=r"^Fp8Config\.ignored_layers: '9' names no module of this Sequential.*"
+                                         r"\(nothing was measured\)"):
+        fp8fx.calibrate(model, [(x,)], static(ignored_layers=["9"]))
+    assert not model[0]._forward_pre_hooks
+    assert list(fp8fx.calibrate(model, [(x,)], static(ignored_layers=["2"]))) == ["0"]
 
 
 def test_calibrate_without_batches_is_an_error():
