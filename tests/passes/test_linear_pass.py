@@ -83,6 +83,14 @@ def forward(self, L_self_modules_up_parameters_weight_ : torch.nn.parameter.Para
         )
 
 
+def eager_and_compiled(model, *args):
+    """(eager output, compiled output, backend) of ``model`` on ``args`` under ``torch.no_grad()``, compiled with
+    ``Fp8Backend(compiler="eager")`` (the passes without Inductor)."""
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        return model(*args), torch.compile(model, backend=backend)(*args), backend
+
+
 def test_rewritten_count_with_one_ignored_layer():
     model = ThreeLinear().to(torch.bfloat16)
     fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["head"]))
@@ -108,11 +116,7 @@ def test_unquantized_model_reports_every_site():
 def test_matmul_forms_are_rewritten():
     model = MatmulForms().to(torch.bfloat16)
     fp8fx.quantize_(model)
-    x = torch.randn(3, 64, dtype=torch.bfloat16)
-    backend = Fp8Backend(compiler="eager")
-    with torch.no_grad():
-        out = torch.compile(model, backend=backend)(x)
-        ref = model(x)
+    ref, out, backend = eager_and_compiled(model, torch.randn(3, 64, dtype=torch.bfloat16))
     assert len(backend.report.rewritten) == 2
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.06
 
@@ -174,11 +178,7 @@ def test_linears_inside_higher_order_ops_are_reported(mode, sites):
         pytest.skip("this torch has no torch.compiler.nested_compile_region")
     model = InsideHigherOrderOps(mode).to(torch.bfloat16)
     fp8fx.quantize_(model)
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
-    backend = Fp8Backend(compiler="eager")
-    with torch.no_grad():
-        out = torch.compile(model, backend=backend)(x)
-        ref = model(x)
+    ref, out, backend = eager_and_compiled(model, torch.randn(4, 64, dtype=torch.bfloat16))
     assert [s.fqn for s in backend.report.sites] == sites and not backend.report.rewritten
     op = {"nested_compile_region": "invoke_subgraph", "checkpoint": "tag_activation_checkpoint"}.get(mode, mode)
     assert all(s.reason.startswith(f"read inside {op} (") for s in backend.report.sites), backend.report.sites
@@ -691,10 +691,7 @@ def test_functional_linear_by_keyword_and_its_bias(bias_2d, rewritten):
     torch.manual_seed(0)
     model = FunctionalLinear(bias_2d).to(torch.bfloat16)
     fp8fx.quantize_(model)
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
-    backend = Fp8Backend(compiler="eager")
-    with torch.no_grad():
-        ref, out = model(x), torch.compile(model, backend=backend)(x)
+    ref, out, backend = eager_and_compiled(model, torch.randn(4, 64, dtype=torch.bfloat16))
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.05
     [site] = backend.report.sites
     assert site.fqn == "a" and site.rewritten == rewritten
@@ -758,10 +755,7 @@ def test_stacked_expert_weights_are_not_rewritten_as_linears():
     model = GeluMoE().to(torch.bfloat16)
     fp8fx.quantize_(model)
     x, ids, wts = torch.randn(5, 64, dtype=torch.bfloat16), torch.randint(0, 4, (5, 2)), torch.rand(5, 2).bfloat16()
-    backend = Fp8Backend(compiler="eager")
-    with torch.no_grad():
-        ref = model(x, ids, wts)
-        out = torch.compile(model, backend=backend)(x, ids, wts)
+    ref, out, backend = eager_and_compiled(model, x, ids, wts)
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     linear = [s for s in backend.report.sites if s.kind == "linear"]
     assert len(linear) == 2 and not any(s.rewritten for s in linear), linear
