@@ -39,6 +39,10 @@ def _store_layout(bn, mt):
     return gl.BlockedLayout([8, 1], [lanes_n, 32 // lanes_n], [1, 4], [0, 1])
 
 
+# the CTA-wide barrier: ``thread_barrier`` in triton 3.6, ``barrier`` in 3.8
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+
 @gluon.jit
 def _pdl_wait():
     gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
@@ -135,7 +139,7 @@ def decode_kernel(w_desc, x_desc, xs_ptr, ws_ptr, y_ptr, out_ptr, ticket_ptr, M,
     at = offs_m[None, :] * N + offs_n[:, None]
     if SPLIT > 1:
         gl.store(y_ptr + split * M * N + at, total, mask=mask)
-        gl.thread_barrier()
+        _cta_barrier()
         ticket = gl.atomic_add(ticket_ptr + pid_n, PERIOD // SPLIT, sem="acq_rel")
         if ((ticket + PERIOD // SPLIT) & (PERIOD - 1)) == 0:
             total = gl.zeros([BN, MT], gl.float32, store)

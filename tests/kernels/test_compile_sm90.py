@@ -535,3 +535,37 @@ def test_weight_loaded_before_the_wait_compiles_for_sm90(n, k, pre, a_quant):
     assert "ld.global" not in plain_ptx[:plain_ptx.index("griddepcontrol.wait")]
     assert len(ptx_loops(ptx)) == len(ptx_loops(plain_ptx)) == 1
     assert stack_bytes(kernel) == 0, stack_bytes(kernel)
+
+
+@pytest.mark.parametrize("rows,split,fast", [(16, 1, False), (64, 2, True)])
+def test_gluon_decode_study_compiles_for_sm90(rows, split, fast):
+    """benchmarks/gluon_decode.py (H200 run 39, a study outside fp8fx) keeps compiling for sm_90 on CI's Triton: its
+    point, the weight's TMA copies issued before ``griddepcontrol.wait`` and the activation's after, is in the PTX."""
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+    try:
+        import gluon_decode
+    finally:
+        sys.path.pop(0)
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    fn = gluon_decode.decode_kernel
+    names = list(fn.arg_names)
+    layouts = {r: gl.NVMMASharedLayout.get_default_for([r, 128], gl.float8e4nv) for r in (64, rows)}
+    types = dict(w_desc=f"tensordesc<fp8e4nv[64, 128],{layouts[64]!r}>",
+                 x_desc=f"tensordesc<fp8e4nv[{rows}, 128],{layouts[rows]!r}>", xs_ptr="*fp32", ws_ptr="*fp32",
+                 y_ptr="*fp32" if split > 1 else "*bf16", out_ptr="*bf16", ticket_ptr="*i32", M="i32", N="i32",
+                 K="i32")
+    consts = dict(BN=64, MT=rows, KSUB=2, STAGES=4, SPLIT=split, PDL=True, TRIGGER=True, FAST=fast)
+    src = GluonASTSource(fn=fn, signature={k: "constexpr" if k in consts else types[k] for k in names},
+                         constexprs={(names.index(k),): v for k, v in consts.items()},
+                         attrs={(names.index(k),): [["tt.divisibility", 16]]
+                                for k in ["xs_ptr", "ws_ptr", "y_ptr", "out_ptr", "ticket_ptr", "N", "K"]})
+    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
+    wait = ptx.index("griddepcontrol.wait")
+    copies = [m.start() for m in re.finditer(r"cp\.async\.bulk\.tensor", ptx)]
+    # the ring's 4 stages of 2 weight boxes before the wait, the activation's 8 after it (and the loop's refills)
+    assert sum(c < wait for c in copies) == 8 and sum(c > wait for c in copies) >= 8
+    assert "wgmma.mma_async" in ptx and ".local" not in ptx
