@@ -204,16 +204,25 @@ def _check_scale_size(what: str, name: str, scale: torch.Tensor, of: Callable[[]
     """``scale`` holds as many values as ``block`` over a tensor of ``shape`` (described as ``of()``, formatted only
     for an error: the ops check on every call) needs, and, where they form a grid of several rows and columns of
     blocks, a row of the grid in its last dim: the kernels read it row-major, so a transposed grid ([K/bk, N/bn]
-    from a converter) had the count and was read scrambled."""
+    from a converter) had the count and was read scrambled. Trailing 1s of the grid and of the scale do not count:
+    experts' per-channel scales [E, R, 1] (or [E, R]) have R in their last dim that counts, and [R, E] is refused."""
     grid = quant.scale_shape(shape, block)
     want = math.prod(grid)
     if scale.numel() != want:
         raise ValueError(f"{what}: {name} has {scale.numel()} elements (shape {list(scale.shape)}); block "
                          f"{list(block)} of {of()} needs {want}")
-    if grid[-1] > 1 and want > grid[-1] and (scale.dim() == 0 or scale.shape[-1] != grid[-1]):
+    row = _without_trailing_ones(grid)
+    if len(row) > 1 and want > row[-1] and _without_trailing_ones(scale.shape)[-1:] != row[-1:]:
         raise ValueError(f"{what}: {name} has shape {list(scale.shape)}; block {list(block)} of {of()} needs a grid "
                          f"of scales {list(grid)} (rows of blocks, then one scale a column block, in the last dim): a "
                          "transposed or flattened grid would be read scrambled")
+
+
+def _without_trailing_ones(shape) -> tuple:
+    shape = tuple(shape)
+    while shape and shape[-1] == 1:
+        shape = shape[:-1]
+    return shape
 
 
 def _check_weight(what: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, w_block) -> None:

@@ -179,6 +179,30 @@ def test_scales_read_in_the_wrong_layout_are_refused():
             torch.ops.fp8fx.scaled_mm(*fakes[:3], fakes[3], None, [1, 128], [128, 128], torch.bfloat16)
 
 
+
+def test_experts_per_channel_scales_in_the_wrong_layout_are_refused():
+    """Experts' per-channel scales have the grid [E, R, 1]; a [R, E] scale has its count, and fused_moe read it
+    scrambled (45% off) and dequantize too, where the grid check skipped grids whose last dim is 1. [E, R] and
+    [E, R, 1] run the same."""
+    torch.manual_seed(0)
+    e, i, h = 4, 16, 32
+    q13, s13 = quant.quantize(torch.randn(e, 2 * i, h), [1, -1])
+    q2, s2 = quant.quantize(torch.randn(e, h, i), [1, -1])
+    x, w, ids = torch.randn(3, h), torch.rand(3, 2), torch.tensor([[0, 1], [2, 3], [1, 2]])
+    moe = lambda s: torch.ops.fp8fx.fused_moe(x, w, ids, q13, s, q2, s2, [1, -1], [1, -1], torch.float32)  # noqa: E731
+    flat = s13.reshape(e, 2 * i)
+    assert torch.equal(moe(s13), moe(flat))
+    grid = r"w13_scale has shape \[32, 4\]; block \[1, -1\] of w13 \[4, 32, 32\] needs a grid of scales \[4, 32, 1\]"
+    with pytest.raises(ValueError, match=grid):
+        moe(flat.t().contiguous())
+    with pytest.raises(ValueError, match=r"dequantize: scale has shape \[32, 4\]; .* needs a grid of scales \[4, 32, 1\]"):
+        torch.ops.fp8fx.dequantize(q13, flat.t().contiguous(), [1, -1], torch.float32)
+    with pytest.raises(ValueError, match=r"scale has shape \[128\]; .* needs a grid of scales \[4, 32, 1\]"):
+        torch.ops.fp8fx.dequantize(q13, flat.reshape(-1), [1, -1], torch.float32)
+    ws = quant.quantize(torch.randn(64, 96), [1, -1])[1]  # a 2-D weight's per-channel scale: [N, 1], [N] or [1, N]
+    for s in (ws, ws.reshape(-1), ws.reshape(1, -1)):
+        torch.ops.fp8fx.dequantize(quant.quantize(torch.randn(64, 96), [1, -1])[0], s, [1, -1], torch.float32)
+
 def test_no_k_at_all():
     """K = 0: reshape(-1, 0) cannot tell M, so the real ops failed where their fake ones promised [M, 0] and
     [M, 1] (compiled code traced, then failed when it ran)."""
