@@ -289,7 +289,7 @@ def _(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype, use_fast_accu
     k, n = xq.shape[-1], wq.shape[0]
     x2 = quant.as_rows(xq)  # [M, K]
     m = x2.shape[0]
-    if k == 0:  # an empty sum: the bias (or zeros), as the reference gives it
+    if k == 0 or n == 0:  # an empty sum or an empty output: the bias (or zeros), as the reference gives it
         return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
     if _tensor_or_row(x_block, w_block) and 0 < m <= TRITON_MAX_M:
         from fp8fx.kernels.fp8_gemm import fp8_gemm
@@ -671,6 +671,9 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
       out_dtype, use_fast_accum=False):
     x2 = quant.as_rows(xq)
     m = x2.shape[0]
+    if 0 in (m, x2.shape[1], w1.shape[0], w2.shape[0]):  # empty: no tile, descriptor or scale layout takes it
+        return _gated_mlp_reference(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_block,
+                                    h_static, act, h_dtype, out_dtype, use_fast_accum)
     if not gated_prefill_reason(m, x2.shape[1], w1.shape[0], w2.shape[0], x_block, w_block, h_block, w2_block,
                                 h_static, h_dtype, out_dtype, x2.device):
         from fp8fx.kernels.gated_mlp import prefill_mlp
@@ -740,7 +743,7 @@ def _(x, wq, w_scale, bias, w_block):
     _check_weight_only_args(x, wq, w_scale, bias, w_block)
     x2 = quant.as_rows(x)
     # the Triton GEMM applies K-varying weight scales per K step (its K tile: a group of 32-256, a power of 2)
-    if (0 in x2.shape or x.dtype not in (torch.bfloat16, torch.float16)
+    if (0 in x2.shape or wq.shape[0] == 0 or x.dtype not in (torch.bfloat16, torch.float16)
             or not _k_groups_agree([-1, -1], w_block)):
         return _weight_only_reference(x, wq, w_scale, bias, w_block)
     y = fp8_gemm(x2.contiguous(), wq, None, w_scale, bias, x.dtype, b_block=tuple(w_block))
@@ -909,12 +912,12 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
     _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale,
                     out_dtype)
     # the kernel's fp8 x fp8 dots need fp8 tensor cores
-    if launch.has_fp8_tensor_cores(x.device) and kernel.supports(w_block, act_block, tuple(w13.shape)):
+    if kernel.supports(w_block, act_block, tuple(w13.shape)) and launch.has_fp8_tensor_cores(x.device):
         return kernel.fused_moe(
             x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale,
             fast_accum=use_fast_accum,
         )
-    # older GPUs, and what the kernel does not take (K groups other than 32, 64, 128): the (slow,
+    # older GPUs, no experts, and what the kernel does not take (K groups other than 32, 64, 128): the (slow,
     # per-expert) reference
     return fused_moe_reference(
         x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale

@@ -378,7 +378,9 @@ def supports(w_block, act_block, w13_shape: Optional[tuple] = None) -> bool:
     every K-varying scale uses the same group GK in {32, 64, 128} (the fp8 dot's smallest K on sm_90 is
     32; BLOCK_K = GK, and BLOCK_N = GK with fused quantization: 256 spills registers and 512 exceeds
     shared memory at these tiles) and, given w13's shape ``[E, 2I, H]``, weight blocks do not straddle
-    gate and up (I % rows == 0)."""
+    gate and up (I % rows == 0), and there is an expert (E = 0 leaves no expert's tile to size the grid by)."""
+    if w13_shape is not None and w13_shape[0] == 0:
+        return False
     groups = {g for g in (_k_group(w_block), _k_group(act_block)) if g is not None}
     if act_block[0] not in (1, -1) or (act_block[0] == -1 and act_block[1] != -1):
         return False

@@ -1,11 +1,13 @@
 """The fp8fx custom ops: opcheck, semantics against the float64 reference, compiled == eager."""
+import textwrap
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fp8fx import ops, quant
 from fp8fx.ops import fp8_linear
-from tests.conftest import rel_err
+from tests.conftest import rel_err, run_under_triton_interpreter
 
 BLOCKS = {"per-tensor": [-1, -1], "per-row": [1, -1], "per-group": [1, 32], "per-block": [32, 32]}
 
@@ -491,3 +493,32 @@ def test_shapes_the_ops_cannot_take_are_refused_by_name():
     with pytest.raises(ValueError, match=r"^fp8fx\.fused_moe: w13 has shape \[64, 64\]; it must be \[E, 2I, H\]"):
         torch.ops.fp8fx.fused_moe(x, weights, ids.long(), w13[0], torch.tensor([1.0]), w2, torch.ones(e), [-1, -1],
                                   [1, -1], torch.bfloat16)
+
+
+def test_cuda_impls_of_empty_operands_match_the_cpu_under_the_interpreter():
+    """N = 0, I = 0, K = 0 (prefill route) and E = 0: the CPU ops give an answer, and the CUDA impls failed on a TMA
+    descriptor of an empty shape, a scale reshape, a division by E or a misleading a_scale error. Each CUDA impl
+    (``ops._CUDA_FNS``: what the op runs on a GPU after its checks) runs here on CPU tensors under Triton's
+    interpreter and gives the CPU op's result."""
+    script = textwrap.dedent("""
+        import torch
+        from fp8fx import ops, quant
+        g = torch.Generator().manual_seed(0)
+        q = lambda shape, blk: quant.quantize(torch.randn(*shape, generator=g), blk)
+        R, bf16 = [1, -1], torch.bfloat16
+        def same(name, *args):
+            want, got = getattr(ops, name)(*args), ops._CUDA_FNS[name](*args)
+            assert got.shape == want.shape and torch.equal(got, want), (name, got.shape, want.shape)
+        xq, xs = q((24, 256), R); wq, ws = q((0, 256), R)
+        same("scaled_mm", xq, xs, wq, ws, None, R, R, bf16)
+        same("weight_only_mm", torch.randn(3, 256, generator=g).bfloat16(), wq, ws, None, R)
+        for m, k, i, hb in ((3, 64, 0, [1, 32]), (ops.GATED_PREFILL_MIN_M, 0, 32, [1, -1])):
+            xq, xs = q((m, k), R); w1, s1 = q((i, k), R); w2, s2 = q((16, i), R)
+            same("gated_mlp", xq, xs, w1, s1, w1.clone(), s1, w2, s2, torch.ones(16), R, R, hb, R, None, "silu", bf16,
+                 bf16, False)
+        w13, s13 = q((0, 32, 64), R); w2, s2 = q((0, 64, 16), R)
+        x, w, ids = torch.randn(2, 64, generator=g).bfloat16(), torch.rand(2, 2), torch.full((2, 2), -1)
+        same("fused_moe", x, w, ids, w13, s13, w2, s2, R, R, bf16)
+        print("empty operands: ok")
+    """)
+    assert "empty operands: ok" in run_under_triton_interpreter(["-c", script])
