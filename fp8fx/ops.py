@@ -879,6 +879,9 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_
     for name, scale in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
         if scale is not None:  # one positive finite value (0 made every output 0, Inf / NaN every output NaN)
             check_static_scale(scale, f"fp8fx.fused_moe: {name}")
+    if a13_scale is not None and tuple(act_block) != (-1, -1):  # (the block was ignored: x quantized per tensor)
+        raise ValueError(f"fp8fx.fused_moe: a13_scale (a static per-tensor scale of x) with act_block="
+                         f"{list(act_block)}; a static scale is per tensor: act_block=[-1, -1]")
     _check_out_dtype("fp8fx.fused_moe", "out_dtype", out_dtype)
 
 

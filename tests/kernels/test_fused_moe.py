@@ -181,6 +181,10 @@ def test_bad_dtypes_and_scale_sizes_name_the_tensors():
     for bad in (0.0, -1.0, float("inf"), float("nan")):  # 0: every output 0; Inf / NaN: every output NaN
         with pytest.raises(ValueError, match=r"fused_moe: a2_scale is .*; a static scale must be a positive finite"):
             moe(x, w, ids, q13, s13, q2, s2, [1, -1], [-1, -1], torch.bfloat16, torch.ones(1), torch.tensor([bad]))
+    for block in ([1, -1], [1, 32]):  # x's static scale is per tensor: the block was silently ignored
+        with pytest.raises(ValueError, match=rf"fused_moe: a13_scale \(a static per-tensor scale of x\) with "
+                                             rf"act_block=\{block}; a static scale is per tensor: act_block=\[-1, -1\]"):
+            moe(x, w, ids, q13, s13, q2, s2, [1, -1], block, torch.bfloat16, torch.ones(1), torch.ones(1))
 
 
 def test_pairs_routed_nowhere_contribute_nothing_whatever_their_weight():
