@@ -274,6 +274,17 @@ class _Loader:
                 f"{entries[bad[0]]} (and {len(bad) - 1} more) is a scale that no layer takes: "
                 f"{self._why_unexpected(bad[0])}"
             )
+        # a weight or bias of a module the model has, without that parameter (a bias=False layer): dropped, the
+        # layer would run without it - silently wrong outputs; on a quantized layer ``_plan_linear`` refuses it too
+        lost = [n for n in self.unexpected if n.rpartition(".")[2] in ("weight", "bias")
+                and n.rpartition(".")[0] in self.modules]
+        if lost:
+            owner, _, leaf = lost[0].rpartition(".")
+            raise CheckpointError(
+                f"{entries[lost[0]]} (and {len(lost) - 1} more) has no place in {owner}, a "
+                f"{type(self.modules[owner]).__name__} without a {leaf}: it would run without it. Build the model "
+                f"with it (the layer's {leaf} in the model's config), or drop the tensor from the checkpoint"
+            )
         if self.unexpected:
             log.warning(
                 "fp8fx: %d checkpoint tensors have no place in the model and are not loaded: %s%s",

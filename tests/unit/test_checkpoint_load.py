@@ -912,6 +912,19 @@ def test_unexpected_plain_tensors_are_reported_not_loaded(tmp_path, caplog):
     assert "1 checkpoint tensors have no place in the model" in caplog.text
 
 
+
+def test_a_bias_for_a_layer_without_one_is_refused(tmp_path):
+    """A checkpoint bias for a bias=False layer the model has (lm_head, not quantized): it was dropped with a warning
+    and the layer ran without it, silently wrong; refused before anything is loaded, naming the tensor and the fix."""
+    state = bf16_state()
+    state["lm_head.bias"] = torch.ones(state["lm_head.weight"].shape[0], dtype=torch.bfloat16)
+    model = meta_tiny()
+    with pytest.raises(CheckpointError, match=r"lm_head.bias \(bfloat16 \[\d+\] in model.safetensors\) \(and 0 "
+                                              r"more\) has no place in lm_head, a Linear without a bias: it would run"):
+        load_checkpoint(model, write_checkpoint(tmp_path / "c", state), fp8fx.Fp8Config(ignored_layers=["lm_head"]),
+                        progress=False)
+    assert model.lm_head.weight.is_meta and model.lm_head.bias is None  # nothing loaded
+
 def test_tied_weights(tmp_path):
     """lm_head tied to embed_tokens: the checkpoint holds one of them; lm_head is not quantized
     (its weight is the embedding) and both names keep sharing one tensor."""
