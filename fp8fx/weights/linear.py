@@ -14,6 +14,7 @@ linear pass. ``state_dict()`` reads ``_parameters`` and so holds the fp8 tensors
 """
 from __future__ import annotations
 
+import functools
 import logging
 import math
 from typing import Optional, Sequence
@@ -115,9 +116,10 @@ def guard_casts(model: nn.Module) -> None:
     """Has ``model.to(dtype)`` (``.half()``, ...) refuse a cast its fp8 layers cannot compute in before it converts
     anything: torch converts the modules one by one, so the first fp8 layer's refusal (``fp8_apply``) came after the
     modules before it had been cast, leaving a model of two dtypes. The check is ``model``'s own ``_apply``, an
-    attribute of this instance (its class is left as it is); a cast of a submodule alone keeps ``fp8_apply``'s."""
+    attribute of this instance (its class is left as it is); a cast of a submodule alone keeps ``fp8_apply``'s. It is a
+    ``functools.partial`` of a module-level function, so the model still pickles (a bound method does not)."""
     if getattr(type(model), "_apply", None) is not fp8_apply and "_apply" not in vars(model):
-        model._apply = _checked_apply.__get__(model)
+        model._apply = functools.partial(_checked_apply, model)
 
 
 def check_online(what: str, loaded: torch.Tensor, dtype: torch.dtype, prefix: str, kind: str,
@@ -149,9 +151,22 @@ def fp8_class(cls: type) -> type:
             f"Fp8{cls.__name__}",
             (cls,),
             {"weight": property(_dequantized_weight), "_apply": fp8_apply, "_fp8fx_quantized": True,
-             "__module__": cls.__module__},
+             "__module__": cls.__module__, "__reduce_ex__": reduce_made_class, "_fp8fx_maker": fp8_class},
         )
     return _FP8_CLASSES[cls]
+
+
+def reduce_made_class(module: nn.Module, protocol: int):
+    """``__reduce_ex__`` of the classes ``fp8_class`` (and ``fp8fx.weights.moe``'s ``fp8_experts_class``) make: a
+    pickle (``torch.save(model)``, multiprocessing) names no such class by module and name (there is none to look
+    up), but the maker and the class it was made from, which remakes it; the state as ``nn.Module`` pickles it."""
+    cls = type(module)
+    return _remade, (cls._fp8fx_maker, cls.__mro__[1]), module.__getstate__()
+
+
+def _remade(maker, base: type) -> nn.Module:
+    cls = maker(base)
+    return cls.__new__(cls)
 
 
 def is_quantized(module: nn.Module) -> bool:

@@ -550,3 +550,29 @@ def test_router_rule_takes_only_expert_by_hidden_weights():
     block.router = nn.Module()
     block.router.weight = nn.Parameter(torch.randn(E, H))
     assert list(routers(block)) == ["router"]
+
+
+def test_a_quantized_model_pickles_and_computes_the_same():
+    """quantize_ made each layer's class with ``type`` under its base's module, where no such name is: pickling the
+    model (``torch.save(model)``, multiprocessing) failed on an ``Fp8Linear`` / ``Fp8Experts`` lookup. It pickles,
+    and the copy (``torch.load``; ``copy.deepcopy``, which takes the same ``__reduce_ex__``) has the same classes, the
+    same fp8 state and the same outputs. (torch's plain ``pickle.loads`` of any fp8 tensor fails, torch 2.13: its
+    ``dumps`` is checked here.)"""
+    import copy as copy_
+    import io
+    import pickle
+
+    block = Block().to(torch.bfloat16)
+    fp8fx.quantize_(block)
+    assert pickle.dumps(block)
+    buf = io.BytesIO()
+    torch.save(block, buf)
+    buf.seek(0)
+    for copy in (torch.load(buf, weights_only=False), copy_.deepcopy(block)):
+        assert type(copy.proj) is type(block.proj) and type(copy.experts) is type(block.experts)
+        assert is_quantized_experts(copy.experts) and copy.proj.state_dict().keys() == block.proj.state_dict().keys()
+        x, (ids, w) = torch.randn(6, H, dtype=torch.bfloat16), routing()
+        assert torch.equal(copy.proj(x), block.proj(x))
+        assert torch.equal(copy.experts(x, ids, w), block.experts(x, ids, w))
+        with pytest.raises(ValueError, match=r"nothing was converted"):  # the copy's own cast guard (guard_casts)
+            copy.to(torch.float8_e4m3fn)
