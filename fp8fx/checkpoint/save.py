@@ -18,7 +18,7 @@ from fp8fx.checkpoint import experts as moe_ckpt
 from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config, read_tensor
 from fp8fx.checkpoint.files import write_file
-from fp8fx.checkpoint.load import FUSED, LoadReport, _progress, check_checkpoint_ignores
+from fp8fx.checkpoint.load import FUSED, LoadReport, _looks_like_scale, _progress, check_checkpoint_ignores
 from fp8fx.config import Fp8Config, PerBlock, PerTensor
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked, moe
@@ -575,7 +575,8 @@ def _check_convert_names(entries, schemes, expert_tensors, scale_name: str, src:
     """Refuses, before anything is written, a source that is not all high precision: an fp8 tensor (an fp8
     checkpoint without a quantization_config, whose output no loader could read), or a tensor under a name that a
     scale convert writes would take (a stale ``weight_scale`` beside a bf16 weight: one of the two would be lost,
-    and loading would scale the weight by the wrong one, silently)."""
+    and loading would scale the weight by the wrong one, silently), or any other scale but a KV-cache one (a stray
+    ``input_scale`` was copied through, into a checkpoint whose config says dynamic activations: no loader read it)."""
     for entry in entries.values():
         if entry.dtype.is_floating_point and entry.dtype.itemsize == 1:
             raise CheckpointError(
@@ -597,6 +598,13 @@ def _check_convert_names(entries, schemes, expert_tensors, scale_name: str, src:
                 f"{src}: {out} is already in the checkpoint, beside the bf16 weight {name} that convert quantizes "
                 f"and whose new scale it writes under that name; remove the stale tensor from the checkpoint "
                 f"(or add {owner!r} to ignored_layers)"
+            )
+    for entry in entries.values():  # (load_checkpoint refuses the source for it too; convert copied it through)
+        name = entry.source or entry.name
+        if _looks_like_scale(name) and name.rpartition(".")[2] not in KV_SCALE_NAMES:
+            raise CheckpointError(
+                f"{entry}: a scale in a checkpoint without a quantization_config ({src}/config.json), which no layer "
+                "of the converted checkpoint would take (its config says what convert writes); remove the tensor"
             )
 
 

@@ -383,6 +383,12 @@ def test_convert_refuses_a_checkpoint_that_is_not_all_bf16(tmp_path):
                                               r"\.weight .*remove the stale tensor"):
         convert(src, tmp_path / "out", model=meta_tiny(), progress=False)
     assert not (tmp_path / "out").exists()
+    stray = dict(state, **{"model.layers.0.mlp.up_proj.input_scale": torch.tensor([0.5])})  # copied through before,
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.0\.mlp\.up_proj\.input_scale \(float32 \[1\] in "
+                                              r"model\.safetensors\): a scale in a checkpoint without a "
+                                              r"quantization_config .* remove the tensor"):  # into what nothing loads
+        convert(write_checkpoint(tmp_path / "stray", stray), tmp_path / "out", model=meta_tiny(), progress=False)
+    assert not (tmp_path / "out").exists()
     fp8 = dict(state, **{"model.layers.1.mlp.down_proj.weight":
                          state["model.layers.1.mlp.down_proj.weight"].to(torch.float8_e4m3fn)})
     src = write_checkpoint(tmp_path / "fp8", fp8)
