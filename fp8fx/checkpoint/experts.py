@@ -207,7 +207,13 @@ class ExpertsLoader:
             ex.naming = naming
             if leaf not in LEAF:
                 raise CheckpointError(f"{entry}: an expert takes {sorted(LEAF)}, not {leaf!r}; wrong checkpoint")
-            ex.per_expert[(e, SHARD[proj], leaf)] = entry
+            key = (e, SHARD[proj], leaf)
+            if key in ex.per_expert:  # experts.1. and experts.01.: one would be read, the other dropped silently
+                raise CheckpointError(
+                    f"{entry}: expert {e}'s {proj}.{leaf} of {ex.fqn} is also given as {ex.per_expert[key].name}; "
+                    "keep one"
+                )
+            ex.per_expert[key] = entry
             return True
         owner, _, leaf = name.rpartition(".")
         if owner in self.experts and leaf in FUSED_NAMES:

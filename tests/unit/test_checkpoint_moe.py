@@ -265,6 +265,10 @@ BAD = {
                           rf"{EXPERTS}\.down_proj_scale .*needs shape \[4\] \(one per expert\)"),
     "fused scale missing": ("block", dict(fused=True), _drop(f"{EXPERTS}.gate_up_proj_scale_inv"),
                             rf"{EXPERTS}\.gate_up_proj_scale_inv is missing .*blocks 16x32"),
+    "expert index twice": ("tensor", {}, _set(f"{EXPERTS}.03.gate_proj.weight",  # one of the two was dropped
+                                              lambda t: t[f"{P}.gate_proj.weight"].clone()),
+                           rf"{EXPERTS}\.0?3\.gate_proj\.weight .*expert 3's gate_proj\.weight of {EXPERTS} is also "
+                           rf"given as {EXPERTS}\.0?3\.gate_proj\.weight; keep one"),
     "unknown expert tensor": ("tensor", {}, _set("model.layers.0.mlp.experts.0.gate_proj.weight_scale_x",
                                                              torch.ones(1)), r"an expert takes .*not 'weight_scale_x'"),
 }
