@@ -214,6 +214,20 @@ def _from_dequantize(node) -> bool:
     return _dequantize_of(node) is not None
 
 
+def _kept_expert(w, ctx: PassContext) -> bool:
+    """Whether ``w`` is read, through indexes, views or casts, from stacked experts that quantize_ or a loader kept in
+    high precision (tagged ``_fp8fx_moe_role`` and ``_fp8fx_skip_reason``: one expert of a loop over them). The MoE
+    pass reports those experts as one site with that reason; a linear site per expert GEMM told the user to run
+    quantize_ on what they had ignored on purpose."""
+    node = w
+    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and node.args:
+        if node.target in _DEQUANT:
+            return False
+        node = node.args[0]
+    real = ctx.example.get(node) if isinstance(node, fx.Node) else None
+    return bool(getattr(real, "_fp8fx_moe_role", None) and getattr(real, "_fp8fx_skip_reason", None))
+
+
 _INPLACE_OPERATORS = {getattr(operator, f"i{op}") for op in (
     "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift")}
 
@@ -328,6 +342,8 @@ class LinearPass(Fp8Pass):
             x, w, bias = operands
             fqn = self._fqn(node, w, ctx)
             reason = _other_arguments(node) or self._why_not(x, w, bias, ctx, fqn)
+            if reason and _kept_expert(w, ctx):  # the MoE pass's site of the experts says why they stay bf16
+                continue
             if reason:
                 ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index,
                                     weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node)))

@@ -340,6 +340,21 @@ def test_experts_quantize_skipped_are_reported_with_its_reason():
     assert torch.ops.fp8fx.dequantize not in targets(gm) and torch._grouped_mm in targets(gm)
 
 
+
+@pytest.mark.parametrize("config", [fp8fx.Fp8Config(ignored_layers=["experts"]),
+                                    fp8fx.Fp8Config(weight_block_size=[128, 128])])  # 128 does not divide I = 64
+def test_experts_kept_in_bf16_in_a_loop_are_one_site(config):
+    """The example's loop over experts that quantize_ kept in bf16 (ignored, or a block that does not divide them):
+    one site, the experts', with quantize_'s reason. Each expert GEMM was a linear site of its own too (8 here), each
+    telling the user to run quantize_, at WARNING."""
+    model = Block(LoopExperts()).to(torch.bfloat16)
+    fp8fx.quantize_(model, config)
+    with torch.no_grad():
+        _, _, report = compile_capture(model, *inputs(torch.bfloat16))
+    (site,) = report.sites
+    assert (site.kind, site.fqn, site.rewritten) == ("moe", "experts", False)
+    assert site.reason.startswith("not quantized: "), site.reason
+
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 def test_ungated_experts_are_reported_with_the_reason(impl):
     """Nemotron-H's experts (has_gate=False: down_proj(act_fn(up_proj(x)))) are nothing fused_moe computes: quantize_
