@@ -18,7 +18,7 @@ import dataclasses
 import hashlib
 import json
 import re
-from typing import Any, Optional, Sequence, Union
+from typing import Any, Mapping, Optional, Sequence, Union
 
 ACTIVATION_SCHEMES = ("static", "dynamic")
 
@@ -366,3 +366,18 @@ class Fp8Config:
         if name.endswith("self_attn.prob_output_scale"):
             return name.replace(".prob_output_scale", ".attn.prob_scale")
         return None
+
+
+def config_or(config: Any, default: Optional[Fp8Config], where: str) -> Optional[Fp8Config]:
+    """``config``, an ``Fp8Config`` (``default`` for None), as ``where`` (e.g. "quantize_") takes it: a
+    quantization_config dict, or the class itself, failed deep inside with an AttributeError or a TypeError."""
+    if config is None:
+        return default
+    if isinstance(config, Fp8Config):
+        return config
+    if config is Fp8Config:
+        raise ValueError(f"{where}(config=Fp8Config): the class; pass an instance, e.g. Fp8Config()")
+    fix = ("; for a quantization_config dict pass Fp8Config.from_config(it)" if isinstance(config, Mapping)
+           or callable(getattr(config, "to_dict", None)) else "")
+    raise ValueError(f"{where}(config={config!r:.80}): a {type(config).__name__}; it takes an Fp8Config or None{fix}")
+

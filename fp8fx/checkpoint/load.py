@@ -27,7 +27,7 @@ from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values, check_weight_values
 from fp8fx.checkpoint.experts import beyond_dequantized_range, beyond_range_error, dequantized_range_error
 from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
-from fp8fx.config import Fp8Config, PerBlock, PerRow
+from fp8fx.config import Fp8Config, PerBlock, PerRow, config_or
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
@@ -148,9 +148,7 @@ def _dequantized_overflow(layer: nn.Module, dtype: torch.dtype) -> int:
 
 def _check_load_args(config, device, fused) -> None:
     """``load_checkpoint``'s arguments, before anything is read."""
-    if config is not None and not isinstance(config, Fp8Config):
-        raise ValueError(f"load_checkpoint(config={config!r}): an Fp8Config or None (the checkpoint's own); for a "
-                         "quantization_config dict pass Fp8Config.from_config(it)")
+    config_or(config, None, "load_checkpoint")  # (None: the checkpoint's own)
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError) as e:

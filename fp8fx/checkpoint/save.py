@@ -19,7 +19,7 @@ from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config, read_tensor
 from fp8fx.checkpoint.files import write_file
 from fp8fx.checkpoint.load import FUSED, LoadReport, _looks_like_scale, _progress, check_checkpoint_ignores
-from fp8fx.config import Fp8Config, PerBlock, PerTensor
+from fp8fx.config import Fp8Config, PerBlock, PerTensor, config_or
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES
@@ -478,7 +478,7 @@ def convert(
     ``experts``: the experts modules quantized).
     """
     src, dst = os.fspath(src), os.fspath(dst)
-    config = config or Fp8Config()
+    config = config_or(config, Fp8Config(), "convert")
     if config.is_checkpoint_fp8_serialized or config.activation_scheme != "dynamic":
         raise ValueError(
             "convert quantizes bf16 weights with dynamic activations: use Fp8Config(is_checkpoint_fp8_serialized="

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fp8fx import quant
-from fp8fx.config import Fp8Config, entry_covers
+from fp8fx.config import Fp8Config, config_or, entry_covers
 from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
@@ -51,7 +51,7 @@ def quantize_(
     A ``torch.compile`` wrapper is quantized through the model it wraps, under the model's own names (not
     ``_orig_mod.<name>``), and returned.
     """
-    config = config or Fp8Config()
+    config = config_or(config, Fp8Config(), "quantize_")
     check_prefix(prefix, "quantize_")
     wrapper, model = model, compat.compiled_module(model)  # torch.compile's wrapper: the model's own names
     if type(strict) is not bool:  # "no" would read as True
@@ -253,6 +253,9 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
                         prefix="") -> dict[str, float]:
     """``input_scales`` as floats, checked against ``planned`` (the names that take a scale: linears, and the
     experts' ``{fqn}.gate_up_proj`` / ``{fqn}.down_proj``) and ``not_quantized`` (name -> why)."""
+    if input_scales is not None and not isinstance(input_scales, Mapping):  # (a list, a tensor: a bare TypeError)
+        raise ValueError(f"quantize_(input_scales={input_scales!r:.80}): a {type(input_scales).__name__}; it takes "
+                         "a dict of layer name -> scale, as fp8fx.calibrate(model, batches) returns")
     if config.activation_scheme != "static":
         if input_scales:
             raise ValueError("input_scales is only used with activation_scheme='static'")
@@ -358,9 +361,11 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     takes one dict too). The model runs in eval mode (dropout off) and is put back as it was; a ``torch.compile``
     wrapper runs the model it wraps, eagerly, and the scales carry the model's own names.
     """
-    config = config or Fp8Config(activation_scheme="static")
+    config = config_or(config, Fp8Config(activation_scheme="static"), "calibrate")
     check_prefix(prefix, "calibrate")
     model = compat.compiled_module(model)  # torch.compile's wrapper: the model's own names, run eagerly
+    if not isinstance(batches, Iterable) or isinstance(batches, (str, bytes)):
+        raise ValueError(f"calibrate: batches is {batches!r:.80}; pass an iterable of batches, e.g. [x] for one batch")
     if isinstance(batches, torch.Tensor):  # iterating it would run one batch per row
         raise ValueError(f"calibrate: batches is a tensor {list(batches.shape)}; pass an iterable of batches, e.g. "
                          "[x] for one batch")

@@ -1051,7 +1051,9 @@ def test_load_arguments_are_checked_before_reading(tmp_path, monkeypatch):
     model = meta_tiny()
     snap = snapshot(model)
     monkeypatch.setattr(load_mod, "read_tensor", lambda *a, **k: pytest.fail("a tensor was read"))
-    cases = [(dict(config={"quant_method": "fp8"}), r"config=\{'quant_method': 'fp8'\}\): an Fp8Config or None"),
+    cases = [(dict(config={"quant_method": "fp8"}), r"config=\{'quant_method': 'fp8'\}\): a dict; it takes an "
+                                                      r"Fp8Config or None; for a quantization_config dict pass "
+                                                      r"Fp8Config.from_config"),
              (dict(device="meta"), r"device='meta'\): the tensors need a real device"),
              (dict(fused={"qkv_proj": "q_proj"}), r"fused=\{'qkv_proj': 'q_proj'\}\): the checkpoint module names")]
     if not torch.cuda.is_available():

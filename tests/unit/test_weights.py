@@ -807,3 +807,27 @@ def test_a_compiled_module_is_calibrated_and_quantized_under_its_own_names():
     assert fp8fx.quantize_(compiled, config, input_scales=scales) is compiled
     assert [fp8fx.weights.is_quantized(model[i]) for i in (0, 2, 3)] == [True, True, False]
     assert model[0]._parameters["weight"]._fp8fx_fqn == "0"
+
+
+def test_arguments_of_the_wrong_type_are_named():
+    """A quantization_config dict or the Fp8Config class as config, a list or a tensor as input_scales, None as
+    calibrate's batches: each failed deep inside (an AttributeError, a TypeError, an ambiguous tensor truth value);
+    each is refused naming the argument and the fix, the model unchanged."""
+    model = _mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calibrate = lambda m, config: fp8fx.calibrate(m, [], config)  # noqa: E731
+    for where, call in (("quantize_", fp8fx.quantize_), ("calibrate", calibrate)):
+        with pytest.raises(ValueError, match=rf"{where}\(config=\{{'quant_method': 'fp8'\}}\): a dict; it takes an "
+                                             r"Fp8Config or None; for a quantization_config dict pass Fp8Config"):
+            call(model, config={"quant_method": "fp8"})
+        with pytest.raises(ValueError, match=rf"{where}\(config=Fp8Config\): the class; pass an instance"):
+            call(model, config=Fp8Config)
+    static = Fp8Config(activation_scheme="static")
+    for scales in ([0.1, 0.2], torch.tensor([0.1, 0.2])):
+        with pytest.raises(ValueError, match=rf"quantize_\(input_scales=.*\): a {type(scales).__name__}; it takes a "
+                                             r"dict of layer name -> scale"):
+            fp8fx.quantize_(model, static, input_scales=scales)
+    with pytest.raises(ValueError, match=r"calibrate: batches is None; pass an iterable of batches"):
+        fp8fx.calibrate(model, None)
+    assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
