@@ -68,7 +68,7 @@ class QuantFormat:
         if self.name == "none":
             return f"bf16/fp16, quantized online ({self.config.scheme()})"
         if self.name == "fp8":
-            return f"fp8 ({self.config.scheme()})"
+            return f"fp8{', read with config=' if self.from_user else ''} ({self.config.scheme()})"
         schemes = sorted({str(c.scheme()) for _, c in self.groups})
         return f"compressed-tensors ({', '.join(schemes)})"
 

@@ -214,7 +214,10 @@ def load_checkpoint(
     loader.stream(files, report, progress)
     loader.finish(report)
     loader.commit(report)
-    model._fp8fx_source = {"format": fmt.name, "config": config_json, "kv_cache": loader.kv_declared}
+    # the format as stored (config.json's quant_method; a config= passed here says how it was read, not what it is:
+    # save_checkpoint's default format is this one)
+    stored = (config_json.get("quantization_config") or {}).get("quant_method") if fmt.from_user else fmt.name
+    model._fp8fx_source = {"format": stored, "config": config_json, "kv_cache": loader.kv_declared}
     guard_casts(model)
     log.info("fp8fx: loaded %s", str(report).splitlines()[-1])
     return report
