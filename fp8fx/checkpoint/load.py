@@ -193,6 +193,11 @@ def load_checkpoint(
     path = os.fspath(path)
     model = compat.compiled_module(model)  # a torch.compile wrapper: the module it compiles, the checkpoint's names
     _check_load_args(config, device, fused)
+    wrapped = [f for f, m in model.named_modules() if f and compat.compiled_module(m) is not m]
+    if wrapped:  # its names have "_orig_mod.", the checkpoint's (save_checkpoint's) do not
+        raise ValueError(f"load_checkpoint: {wrapped[0]} (and {len(wrapped) - 1} more) is a torch.compile wrapper of a "
+                         "submodule, whose names the checkpoint does not have (save_checkpoint writes them without "
+                         "_orig_mod.); load into the model first, then compile its submodules")
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
     entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "load_checkpoint", entries), path)

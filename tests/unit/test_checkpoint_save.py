@@ -510,6 +510,12 @@ def test_a_compiled_submodule_is_saved_under_the_models_names(tmp_path):
         assert t.dtype == state[name].dtype and torch.equal(t.view(torch.uint8), state[name].view(torch.uint8)), name
     with torch.no_grad():
         assert torch.equal(loaded(IDS), expected)
+    compiled = meta_tiny()  # the same structure, its layer compiled before the load: its names have _orig_mod.
+    compiled.model.layers[0] = torch.compile(compiled.model.layers[0])
+    with pytest.raises(ValueError, match=r"load_checkpoint: model.layers.0 \(and 0 more\) is a torch.compile wrapper "
+                                         r"of a submodule.*load into the model first, then compile its submodules"):
+        load_checkpoint(compiled, tmp_path / "saved", progress=False)
+    assert all(p.is_meta for p in compiled.parameters())
 
 
 def test_names_that_collide_without_orig_mod_are_refused(tmp_path):
