@@ -112,7 +112,8 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
         if not is_experts(experts) or fqn == prefix:
             continue
         parent = fqn.rpartition(".")[0]  # the MoE block
-        count, hidden = experts._parameters[W13].shape[0], experts._parameters[W13].shape[-1]
+        w13 = experts._parameters[W13].shape  # [E, 2I, H], or [E, H, 2I] transposed (GPT-OSS: is_transposed)
+        count, hidden = w13[0], w13[1] if getattr(experts, "is_transposed", False) is True else w13[-1]
         for child_name, child in modules[parent].named_children():
             linears = [(n, m) for n, m in child.named_modules() if isinstance(m, nn.Linear)]
             weight = child._parameters.get("weight")

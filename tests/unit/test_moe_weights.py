@@ -576,3 +576,27 @@ def test_a_quantized_model_pickles_and_computes_the_same():
         assert torch.equal(copy.experts(x, ids, w), block.experts(x, ids, w))
         with pytest.raises(ValueError, match=r"nothing was converted"):  # the copy's own cast guard (guard_casts)
             copy.to(torch.float8_e4m3fn)
+
+
+def test_the_router_of_transposed_experts_is_found():
+    """GPT-OSS: experts stored transposed ([E, H, 2I], is_transposed) and a router that is no nn.Linear ([E, H]):
+    the router's H was read from gate_up_proj's last dim (2I there), so it was not found, and the report told the
+    user to run quantize_ on it instead of naming it a router."""
+
+    class Router(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(4, 64))
+
+    class TransposedExperts(nn.Module):
+        is_transposed = True
+
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj = nn.Parameter(torch.randn(4, 64, 96))
+            self.down_proj = nn.Parameter(torch.randn(4, 48, 64))
+
+    block = nn.Module()
+    block.router, block.experts = Router(), TransposedExperts()
+    assert moe.routers(block) == {"router": "routes tokens to experts (an MoE router or gate: high precision, as "
+                                            "vLLM keeps it)"}
