@@ -111,8 +111,12 @@ def read_header(file: str) -> dict[str, Entry]:
             )
         try:
             dtype = DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(o) for o in info["data_offsets"])
+            shape, offsets = info["shape"], info["data_offsets"]
+            # lists of ints, as safetensors writes and reads them (int() took "12" as (1, 2), 2.9 as 2, True as 1)
+            if not all(isinstance(v, list) and all(type(d) is int for d in v) for v in (shape, offsets)):
+                raise TypeError
+            shape = tuple(shape)
+            begin, end = offsets
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(
                 f"{name} in {file}: corrupt header entry {info!r}; expected dtype one of {sorted(DTYPES)}, "
@@ -237,11 +241,12 @@ def read_checkpoint(path: str) -> tuple[list[str], dict[str, Entry]]:
                 f"names in {path}"
             )
         for shard in files:
-            if not os.path.exists(os.path.join(path, shard)):
+            if not os.path.isfile(os.path.join(path, shard)):  # ("" or a directory: a bare IsADirectoryError)
                 first = next(n for n, f in weight_map.items() if f == shard)
+                what = "a directory" if os.path.isdir(os.path.join(path, shard)) else "missing"
                 raise CheckpointError(
-                    f"{index} names shard {shard!r} (holding {first} and others), which is missing from {path}; "
-                    "download every shard"
+                    f"{index} names shard {shard!r} (holding {first} and others), which is {what} in {path}; every "
+                    "shard must be a file of it: download every shard, or fix the index"
                 )
     else:
         files = sorted(os.path.basename(f) for f in glob.glob(os.path.join(glob.escape(path), "*.safetensors")))

@@ -116,7 +116,10 @@ def test_unknown_dtype(tmp_path):
     (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(1))
     with pytest.raises(CheckpointError, match=r"a\.weight in .*model\.safetensors: dtype F4 is not one fp8fx reads"):
         read_checkpoint(str(tmp_path))
-    for bad in ({"shape": [2], "data_offsets": [0, 1]}, {"dtype": 4, "shape": [2], "data_offsets": [0, 1]}, "F32"):
+    # shapes safetensors refuses: int() read "12" as (1, 2), 2.9 as 2, True as 1
+    shapes = [{"dtype": "U8", "shape": s, "data_offsets": [0, 2]} for s in ("12", [2.9], [True, 2], [2, None])]
+    for bad in ({"shape": [2], "data_offsets": [0, 1]}, {"dtype": 4, "shape": [2], "data_offsets": [0, 1]}, "F32",
+                *shapes, {"dtype": "U8", "shape": [2], "data_offsets": "02"}):
         header = json.dumps({"a.weight": bad}).encode()
         (tmp_path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(1))
         with pytest.raises(CheckpointError, match=r"a\.weight in .*corrupt header entry"):
@@ -162,6 +165,19 @@ def test_index_naming_a_missing_shard(tmp_path):
         match=r"names shard 'model-00002-of-00002.safetensors' \(holding b\.weight and others\), which is missing",
     ):
         read_checkpoint(str(tmp_path))
+
+
+def test_index_naming_a_shard_that_is_no_file(tmp_path):
+    """"" or a subdirectory as a shard: a bare IsADirectoryError that named no index entry."""
+    _sharded(tmp_path)
+    (tmp_path / "sub").mkdir()
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    for shard in ("", "sub"):
+        index["weight_map"]["b.weight"] = shard
+        (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+        with pytest.raises(CheckpointError, match=rf"names shard '{shard}' \(holding b\.weight and others\), which is "
+                                                  r"a directory in .*; every shard must be a file of it"):
+            read_checkpoint(str(tmp_path))
 
 
 def test_index_placing_a_tensor_in_the_wrong_shard(tmp_path):
