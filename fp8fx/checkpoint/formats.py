@@ -128,6 +128,7 @@ def _compressed_tensors(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
         targets = group.get("targets") or []
         if isinstance(targets, str) or not targets:
             raise ValueError(f"{where}.targets={targets!r} must be a non-empty list, e.g. ['Linear']")
+        _check_patterns(targets, f"{where}.targets", "class names, module names or 're:' patterns")
         groups.append((tuple(targets), _ct_config(where, group)))
     if not groups:
         raise ValueError("no config_groups: nothing says how the layers are quantized")
@@ -135,8 +136,19 @@ def _compressed_tensors(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
     if fmt not in ("float-quantized", "naive-quantized"):
         raise ValueError(f"format={fmt!r} is not an fp8 storage format; fp8fx loads 'float-quantized' checkpoints")
     ignore = qc.get("ignore") or []
-    check_name_list(ignore, "ignore", "module names or 're:' patterns")
+    _check_patterns(ignore, "ignore", "module names or 're:' patterns")
     return QuantFormat("compressed-tensors", groups[0][1], tuple(groups), tuple(ignore), kv)
+
+
+def _check_patterns(names: Any, where: str, what: str) -> None:
+    """A list of strings whose ``re:`` patterns compile (a bad one raised re.error once a layer was matched)."""
+    check_name_list(names, where, what)
+    for name in names:
+        if name.startswith("re:"):
+            try:
+                re.compile(name[3:])
+            except re.error as e:
+                raise ValueError(f"{where}: {name!r} is not a regular expression ({e}); fix the pattern") from None
 
 
 def _ct_args(where: str, args: Optional[Mapping[str, Any]]) -> Mapping[str, Any]:
@@ -145,6 +157,8 @@ def _ct_args(where: str, args: Optional[Mapping[str, Any]]) -> Mapping[str, Any]
             f"{where} is null (weight-only fp8); fp8fx runs W8A8 GEMMs: quantize activations too "
             "(e.g. input_activations strategy 'token', dynamic true)"
         )
+    if not isinstance(args, Mapping):
+        raise ValueError(f"{where}={args!r:.80} must be a mapping, e.g. {{'type': 'float', 'num_bits': 8, ...}}")
     if args.get("type") != "float" or args.get("num_bits") != 8 or args.get("symmetric", True) is not True:
         raise ValueError(
             f"{where}: type={args.get('type')!r} num_bits={args.get('num_bits')!r} "

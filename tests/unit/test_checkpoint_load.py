@@ -848,6 +848,22 @@ BAD = {
         r"^config\.json quantization_config \(quant_method='compressed-tensors'\): config_groups\.group_0\.weights: "
         r"type='int'",
     ),
+    # each failed with a bare AttributeError, TypeError or re.error (the last two once a layer was matched)
+    "compressed-tensors activations that are no mapping": (
+        _case(lambda t, qc: qc["config_groups"]["group_0"].update(input_activations="dynamic"), "channel", ct=True),
+        r"^config\.json quantization_config \(quant_method='compressed-tensors'\): config_groups\.group_0\."
+        r"input_activations='dynamic' must be a mapping",
+    ),
+    "compressed-tensors targets that are no names": (
+        _case(lambda t, qc: qc["config_groups"]["group_0"].update(targets=[5]), "channel", ct=True),
+        r"^config\.json quantization_config \(quant_method='compressed-tensors'\): config_groups\.group_0\.targets="
+        r"\[5\] must be a list of class names, module names or 're:' patterns",
+    ),
+    "compressed-tensors ignore pattern that does not compile": (
+        _case(lambda t, qc: qc.update(ignore=["re:layers.(0"]), "channel", ct=True),
+        r"^config\.json quantization_config \(quant_method='compressed-tensors'\): ignore: 're:layers\.\(0' is not a "
+        r"regular expression \(missing \)",
+    ),
 }
 
 
