@@ -335,6 +335,8 @@ def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
         x = x.reshape(-1, x.shape[-1])
         ids = ids.reshape(x.shape[0], -1)
         w13 = mod.gate_up_proj  # [E, 2I, H]
+        # no act_fn (a loop calling F.silu, examples/moe_reference.py): SiLU, the one activation the MoE pass fuses
+        act = mod.act_fn if getattr(mod, "act_fn", None) is not None else nn.functional.silu
         name13, name2 = moe.input_scale_names(fqn)
         for e in ids.unique().tolist():
             if not 0 <= e < w13.shape[0]:  # an expert-parallel sentinel: no expert of this module
@@ -342,7 +344,7 @@ def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
             xe = x[(ids == e).any(-1)]
             gate, up = nn.functional.linear(xe, w13[e]).chunk(2, dim=-1)
             _record(amax, name13, xe.abs().max().float().item(), batch_no[0])
-            _record(amax, name2, (mod.act_fn(gate) * up).abs().max().float().item(), batch_no[0])
+            _record(amax, name2, (act(gate) * up).abs().max().float().item(), batch_no[0])
 
     return record
 
@@ -353,8 +355,8 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     """Static activation scales ``{fqn: amax / 448}`` from running ``model`` (eager) on ``batches``; ``prefix``
     as ``quantize_``'s (the fqns are ``prefix.<name in model>``). An experts module (``fp8fx.weights.moe``) gets
     two: ``{fqn}.gate_up_proj``, the amax of the tokens routed to its experts, and ``{fqn}.down_proj``, of
-    ``act(gate) * up`` over each expert's tokens (computed here as the module computes it), vLLM's static MoE
-    scales after their max over experts.
+    ``act(gate) * up`` over each expert's tokens (computed here with the module's act_fn; SiLU, the activation the
+    MoE pass fuses, for a module with none), vLLM's static MoE scales after their max over experts.
 
     Each batch is passed as ``model(**batch)`` if it is a mapping whose keys are the forward's parameters (a
     tokenizer's output), ``model(*batch)`` if it is a tuple or list, else ``model(batch)`` (a model whose forward
@@ -377,8 +379,8 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     batch_no = [0]
     modules = [(fqn, m) for fqn, m in model.named_modules(prefix=prefix) if not config.is_ignored(fqn)]
     experts = [(fqn, m) for fqn, m in modules if moe.is_experts(m) and moe.skip_reason(m, fqn, config) is None]
-    for fqn, module in experts:  # before the first hook
-        if not _silu_experts(module):
+    for fqn, module in experts:  # before the first hook (no act_fn: measured with SiLU, ``_experts_recorder``)
+        if getattr(module, "act_fn", None) is not None and not _silu_experts(module):
             raise ValueError(
                 f"calibrate: {fqn} computes its experts with act_fn={getattr(module, 'act_fn', None)!r}, not "
                 "act_fn(gate) * up with SiLU (what fp8fx.fused_moe runs, and what calibrate measures); add it to "

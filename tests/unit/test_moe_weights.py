@@ -510,9 +510,11 @@ def test_router_modules_that_are_no_linear_are_reported(tmp_path):
         assert loaded.get_submodule(fqn)._parameters["weight"]._fp8fx_skip_reason.startswith("routes tokens to")
 
 
-def test_calibrate_refuses_experts_it_cannot_measure():
-    """calibrate computes each expert's act_fn(gate) * up: a module with no act_fn, or another activation, gets an
-    error that names it and the fix, before any hook is set (it crashed inside the forward with AttributeError)."""
+def test_calibrate_measures_experts_without_an_act_fn_with_silu():
+    """calibrate computes each expert's act_fn(gate) * up. A module with no act_fn (a loop calling F.silu, as
+    examples/moe_reference.py) is quantized by quantize_ and fused by the MoE pass when its graph computes SiLU: it
+    is measured with SiLU (calibrate refused it, while static quantize_ asked for its scales from calibrate); one
+    with another act_fn stays bf16 (no scales); the scales serve quantize_."""
 
     class Model(nn.Module):
         def __init__(self):
@@ -525,19 +527,19 @@ def test_calibrate_refuses_experts_it_cannot_measure():
     model = Model().to(torch.bfloat16)
     ids, w = routing()
     batch = (torch.randn(6, H, dtype=torch.bfloat16), ids, w.to(torch.bfloat16))
-    with pytest.raises(ValueError, match=r"calibrate: experts computes its experts with act_fn=None, .* add it to "
-                                         r"ignored_layers \(nothing was measured\)"):
-        fp8fx.calibrate(model, [batch])
-    assert not any(m._forward_pre_hooks for m in model.modules())
+    plain = fp8fx.calibrate(model, [batch])
+    assert sorted(plain) == ["experts.down_proj", "experts.gate_up_proj"]
     model.experts.act_fn = nn.GELU()  # quantize_ leaves such experts in bf16: no scales to measure
     assert fp8fx.calibrate(model, [batch]) == {}
     model.experts.act_fn = nn.SiLU()
-    scales = fp8fx.calibrate(model, [batch])
-    assert sorted(scales) == ["experts.down_proj", "experts.gate_up_proj"]
+    assert fp8fx.calibrate(model, [batch]) == plain
     x = batch[0].float()
-    assert scales["experts.gate_up_proj"] == pytest.approx(x.abs().max().item() / 448)  # every token is routed
+    assert plain["experts.gate_up_proj"] == pytest.approx(x.abs().max().item() / 448)  # every token is routed
     assert sorted(fp8fx.calibrate(model, [batch], Fp8Config(activation_scheme="static",
                                                             ignored_layers=["experts"]))) == []
+    del model.experts.act_fn
+    fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales=plain)
+    assert is_quantized_experts(model.experts)
 
 
 def test_router_rule_takes_only_expert_by_hidden_weights():
