@@ -739,7 +739,10 @@ def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[
 # with 2 (0.0164 / 0.0167) but 0.0189 with 4; o lost at every count (0.0064-0.0066 against 0.0062). Without the
 # trigger it changed nothing, or lost up to 8% with 4 steps. In the decoder layer at one token it lost: 1.3% (2
 # steps) and 1.9% (4) on the default, a tie (2) and 3.8% (4) with Inductor's PDL and the trigger. The tensor-core
-# tiles' first step loaded so ran 1.0-1.5x slower at 16-64 rows, so those tiles take no ``PRE_WAIT``.
+# tiles' first step loaded so ran 1.0-1.5x slower at 16-64 rows, so those tiles take no ``PRE_WAIT``. What these tiles
+# cannot do - their shared-memory ring is the compiler's - a Gluon kernel did (benchmarks/gluon_decode.py, H200 run 39):
+# the weight's first K steps copied into its own ring before the wait. As PDL chains it ran qkv 1.06-1.12x faster than
+# these tiles at 16-64 rows (60-65% of the read speed), but o 0.78-0.94x: not adopted.
 DECODE_PDL: Optional[dict] = {}
 DECODE_PDL_MAX_M = 64
 PDL_TILE_KEYS = ("PDL_TRIGGER", "PRE_WAIT")
