@@ -8,7 +8,10 @@ parameters::
 Rewrites to::
 
     y = fp8fx.scaled_mm_fused(xq, x_scale, [wq_i], [s_i], [b_i], x_block, w_block, dtype, fast)
-    y_i = y[..., offset_i : offset_i + N_i]
+    y_i = y[..., offset_i : offset_i + N_i]        # .contiguous() where y_i leaves the graph
+
+Each y_i is then a column slice, its rows the fused row's length apart: a group is kept apart where anything its
+outputs reach through views depends on that layout (``_layout_bound``).
 
 Once the graph is compiled, the parameters are moved into one tensor each for weights, scales and
 biases (the model's parameters become back-to-back views of it, so memory does not grow; a shard without a bias -
@@ -119,10 +122,31 @@ def _quantized_from(xq: Any) -> Optional[fx.Node]:
     return None
 
 
-def _strided_view(nodes: list[fx.Node], ctx: PassContext) -> str:
-    """Why the GEMMs' outputs cannot become column slices of one output, or "": a ``.view`` of one of them that a
-    slice's strides do not allow (``q(x).view(-1)``: rows of the slice are the fused row's length apart), tried on
-    the fake tensors. (Fused, the graph failed to compile.)"""
+# ops whose result is (or may be) a view of their first argument: a fused GEMM's output slice reaches their users too
+_ALIASING_METHODS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "unsqueeze", "squeeze", "t", "flatten",
+    "unflatten", "expand", "expand_as", "narrow", "detach", "to", "type", "type_as", "split", "chunk", "unbind",
+    "__getitem__", "movedim", "swapaxes", "mT", "select", "unfold",
+})
+_ALIASING_FUNCTIONS = frozenset({
+    torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.flatten, torch.narrow,
+    torch.t, operator.getitem, torch.split, torch.chunk, torch.unbind, torch.detach, torch.movedim, torch.swapaxes,
+    torch.select, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.transpose, torch.Tensor.permute,
+    torch.Tensor.unsqueeze, torch.Tensor.flatten, torch.Tensor.narrow, torch.Tensor.to, torch.Tensor.detach,
+})
+# ops that read or change a tensor's layout itself: Dynamo baked the unfused output's strides into the graph
+# (``as_strided(q, ..., (q.stride(0), ...))``), or the op rewrites the storage the fused output shares
+_LAYOUT_OPS = frozenset({"as_strided", "as_strided_", "resize_", "resize_as_", "set_", "storage_offset"})
+
+
+def _layout_bound(nodes: list[fx.Node], ctx: PassContext) -> str:
+    """Why the GEMMs' outputs cannot become column slices of one output, or "". Fused, each output is a slice whose
+    rows are the fused row's length apart, where each GEMM's own output is contiguous. Followed through every op
+    that may return a view of it (``_ALIASING_*``), each replayed on the fake slice, nothing may: fail on the slice
+    (``q(x).view(-1)``: the graph failed to compile), nor read or change the layout itself (``as_strided`` with
+    strides Dynamo recorded from the unfused output, ``resize_``: wrong numbers). Any other op reads values only
+    (arithmetic, SDPA, ``cat``, ``contiguous``), whatever the strides. An output that leaves the graph gets a
+    contiguous copy of its columns (``_leaves_graph``, ``_fuse``)."""
     outs = [fake_value(n) for n in nodes]
     if not all(isinstance(o, torch.Tensor) and o.dim() >= 1 for o in outs):
         return ""
@@ -133,17 +157,57 @@ def _strided_view(nodes: list[fx.Node], ctx: PassContext) -> str:
     with mode:
         fused = outs[0].new_empty((*outs[0].shape[:-1], sum(o.shape[-1] for o in outs)))
         for node, out in zip(nodes, outs):
-            part = fused.narrow(-1, offset, out.shape[-1])
+            why = _slice_use(node, fused.narrow(-1, offset, out.shape[-1]))
             offset += out.shape[-1]
-            for user in node.users:
-                if not ((user.op == "call_method" and user.target == "view") or user.target is torch.Tensor.view):
-                    continue
-                shape = fx.node.map_aggregate(user.args[1:], fake_value)
-                try:
-                    part.view(*shape)
-                except (RuntimeError, ValueError):  # (ValueError: from fake tensors' stride checks)
-                    return (f"{site_names(ctx, [node])}'s output is viewed ({user.name}) in a way that a column slice "
-                            "of one fused output cannot be (reshape instead of view to fuse them)")
+            if why:
+                return f"{site_names(ctx, [node])}'s output {why}"
+    return ""
+
+
+def _aliases(user: fx.Node) -> bool:
+    return (user.op == "call_method" and user.target in _ALIASING_METHODS
+            or user.op == "call_function" and user.target in _ALIASING_FUNCTIONS)
+
+
+def _leaves_graph(node: fx.Node) -> bool:
+    """Whether ``node``'s value, or a view of it (``_ALIASING_*``), is an output of the graph: the caller's code
+    expects a tensor of its own (its ``q.view(-1)`` failed on a column slice of the fused output)."""
+    todo, seen = [node], set()
+    while todo:
+        for user in todo.pop().users:
+            if user.op == "output":
+                return True
+            if _aliases(user) and user not in seen:
+                seen.add(user)
+                todo.append(user)
+    return False
+
+
+def _slice_use(node: fx.Node, part: Any) -> str:
+    """How the users of ``node``, replayed with ``part`` (a fake column slice of the fused output, or what a view
+    op made of it) in its place, depend on its layout: "" where none does (``_layout_bound``)."""
+    todo, seen = [(node, part)], set()
+    while todo:
+        node, part = todo.pop()
+        for user in node.users:
+            name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
+            if name in _LAYOUT_OPS or user.target is torch.as_strided:
+                return f"is given to {name} ({user.name}), which reads or changes its strides"
+            if not _aliases(user) or user in seen:
+                continue
+            seen.add(user)
+            replace = lambda a, node=node, part=part: part if a is node else fake_value(a)  # noqa: E731
+            args = fx.node.map_aggregate(user.args, replace)
+            kwargs = fx.node.map_aggregate(user.kwargs, replace)
+            try:
+                if user.op == "call_method":
+                    result = getattr(args[0], user.target)(*args[1:], **kwargs)
+                else:
+                    result = user.target(*args, **kwargs)
+            except (RuntimeError, ValueError, TypeError):  # (ValueError: from fake tensors' stride checks)
+                return (f"is viewed ({user.name}) in a way that a column slice of one fused output cannot be "
+                        "(reshape instead of view to fuse them)")
+            todo.append((user, result))
     return ""
 
 
@@ -265,7 +329,7 @@ class HorizontalFusionPass(Fp8Pass):
             rows = [fake_value(n.args[2]).shape[0] for n in nodes[:-1]]
             if any(r % w_block[0] for r in rows):
                 return f"output sizes {rows} are not multiples of the {w_block[0]}-row weight blocks"
-        return _strided_view(nodes, ctx)
+        return _layout_bound(nodes, ctx)
 
 
     @staticmethod
@@ -286,6 +350,9 @@ class HorizontalFusionPass(Fp8Pass):
                 size = fake_value(node.args[2]).shape[0]
                 part = graph.call_function(torch.narrow, (y, -1, offset, size))
                 set_fake_value(part, torch.narrow, part.args)
+                if _leaves_graph(node):  # the caller gets a tensor of its own, laid out as the GEMM's would be
+                    part = graph.call_method("contiguous", (part,))
+                    set_fake_value(part, torch.Tensor.contiguous, part.args)
                 part.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
                 node.replace_all_uses_with(part)
                 offset += size

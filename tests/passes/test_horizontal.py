@@ -1,4 +1,5 @@
 """Horizontal fusion of fp8 GEMMs that share their input (q/k/v, gate/up)."""
+import copy
 from unittest import mock
 
 import pytest
@@ -314,6 +315,57 @@ def test_outputs_viewed_across_rows_are_not_fused(shape, fused):
                                                "way that a column slice of one fused output cannot be (reshape "
                                                "instead of view to fuse them)"), schemes
     assert rel_err(out.float(), ref.float()) < 0.1
+
+
+
+class TailedQK(torch.nn.Module):
+    """q and k read the same input; ``tail(q, k)`` is what the rest of the model does with their outputs."""
+
+    def __init__(self, tail):
+        super().__init__()
+        self.q_proj, self.k_proj, self.tail = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32), tail
+
+    def forward(self, x):
+        return self.tail(self.q_proj(x), self.k_proj(x))
+
+
+LAYOUT_TAILS = {  # each valid on a linear's own (contiguous) output
+    # Dynamo records q.stride(0) of the unfused output: on a column slice of the fused one it read k's columns
+    "as_strided": (lambda q, k: torch.as_strided(q, (4, 2, 16), (q.stride(0), 16, 1)).sum(1) + k[:, :16],
+                   "is given to as_strided"),
+    # (Dynamo breaks the graph at resize_: q leaves the graph, fused, as a contiguous copy; wrong numbers before)
+    "resize_": (lambda q, k: q.resize_(128).view(4, 32) + k, None),
+    # a view reached through ops that may return the tensor itself, and a view by keyword: the compile failed
+    "to().view": (lambda q, k: q.to(torch.bfloat16).view(-1) + k.view(-1), "is viewed"),
+    "view(size=)": (lambda q, k: q.view(size=(128,)) + k.view(size=(128,)), "is viewed"),
+    "returned": (lambda q, k: (q, k), None),
+}
+
+
+@pytest.mark.parametrize("tail", list(LAYOUT_TAILS))
+def test_outputs_whose_layout_matters_are_kept_apart_or_copied(tail):
+    """Fused, each GEMM's output is a column slice of one wider output, its rows the fused row's length apart. Where
+    something depends on that layout - reached through any op that may return a view - the group stays apart, with
+    the reason (as_strided: wrong numbers before; a view through .to or by keyword: a failed compile); an output the
+    graph returns is fused and the caller gets a contiguous tensor of its own (its q.view(-1) failed; resize_ after a
+    graph break: wrong numbers)."""
+    fn, reason = LAYOUT_TAILS[tail]
+    torch.manual_seed(0)
+    model = TailedQK(fn).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ref = copy.deepcopy(model).double()(x.double())
+    schemes, out = compile_fused(model, x)
+    if reason is None:
+        assert schemes[("q_proj", 0)].endswith("fused(q_proj,k_proj)"), schemes
+    if tail == "returned":
+        assert all(o.is_contiguous() and o.view(-1).numel() == 128 for o in out)
+        out, ref = torch.cat(out, -1), torch.cat(ref, -1)
+    if reason is not None:
+        assert schemes[("q_proj", 0)].startswith("w:per-channel a:per-token not fused with q_proj,k_proj: q_proj's "
+                                                 f"output {reason}"), schemes
+    assert rel_err(out.double(), ref) < 0.05
 
 
 def test_a_gemm_left_out_only_for_its_weight_scales_gets_that_reason_alone():
