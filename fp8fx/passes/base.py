@@ -41,9 +41,14 @@ class Fp8Pass:
 
 
 def site_names(ctx: PassContext, nodes: list[fx.Node]) -> str:
-    """The report sites of ``nodes`` by their last FQN part, comma-separated (``q_proj,k_proj,v_proj``)."""
-    return ",".join(ctx.report.sites[n.meta["fp8fx_site"]].fqn.rsplit(".", 1)[-1]
-                    for n in nodes if "fp8fx_site" in n.meta)
+    """The report sites of ``nodes`` by their last FQN part, comma-separated (``q_proj,k_proj,v_proj``), or by their
+    full names where those parts repeat (the k/v of every layer's cross-attention read one encoder output: one group
+    across layers, which read ``fused(k_proj,v_proj,k_proj,v_proj)``)."""
+    fqns = [ctx.report.sites[n.meta["fp8fx_site"]].fqn for n in nodes if "fp8fx_site" in n.meta]
+    last = [f.rsplit(".", 1)[-1] for f in fqns]
+    if len(set(last)) == len(last) or len(set(fqns)) < len(fqns):  # (one layer called twice: its name twice)
+        return ",".join(last)
+    return ",".join(fqns)
 
 
 def amend_sites(ctx: PassContext, nodes: list[fx.Node], note: str, node: Optional[str] = None) -> None:

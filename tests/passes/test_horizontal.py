@@ -468,3 +468,36 @@ def test_a_layer_quantizing_its_input_otherwise_says_so():
     assert sites["q"].endswith("fused(q,v)") and sites["v"].endswith("fused(q,v)"), sites
     assert sites["k"].endswith("not fused horizontally: its input is quantized per-tensor, where q,v read it "
                                "quantized otherwise"), sites
+
+
+def test_a_group_across_layers_is_named_in_full():
+    """Every layer's cross-attention k/v read the same encoder output: one GEMM across layers. Its note named them by
+    their last part only, fused(k_proj,v_proj,k_proj,v_proj); it names them in full."""
+
+    class CrossAttn(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.k_proj, self.v_proj = torch.nn.Linear(64, 32), torch.nn.Linear(64, 32)
+
+        def forward(self, x, enc):
+            return x + self.k_proj(enc).sum(0) * self.v_proj(enc).sum(0)
+
+    class Decoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList([CrossAttn(), CrossAttn()])
+
+        def forward(self, x, enc):
+            for layer in self.layers:
+                x = layer(x, enc)
+            return x
+
+    torch.manual_seed(0)
+    model = Decoder().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(3, 32, dtype=torch.bfloat16),
+                                              torch.randn(5, 64, dtype=torch.bfloat16))
+    names = "layers.0.k_proj,layers.0.v_proj,layers.1.k_proj,layers.1.v_proj"
+    assert [s.scheme for s in backend.report.sites] == [f"w:per-channel a:per-token fused({names})"] * 4
