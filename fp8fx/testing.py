@@ -75,6 +75,9 @@ def assert_compiles_once(
     if bare is not None:  # a bare tensor would be unpacked row by row into arguments
         raise ValueError(f"assert_compiles_once: inputs[{bare}] is a {type(inputs[bare]).__name__}, not an argument "
                          "tuple; pass [(x1,), (x2,)] for one argument per call")
+    if backend is not None and not callable(backend):  # ("inductor": failed inside Dynamo, after the reset below)
+        raise ValueError(f"assert_compiles_once(backend={backend!r}): a backend callable, e.g. fp8fx.Fp8Backend(...) "
+                         "or fp8fx.fp8_backend (None: Fp8Backend())")
     torch._dynamo.reset()
     backend = backend if backend is not None else Fp8Backend()
     graphs: list[int] = []  # graphs compiled during each call

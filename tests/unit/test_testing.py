@@ -118,6 +118,10 @@ def test_bad_arguments():
     # bare tensors: a batch of one ran the model on its single row ([64], not [1, 64]) and passed
     with pytest.raises(ValueError, match=r"inputs\[0\] is a Tensor, not an argument tuple; pass \[\(x1,\), \(x2,\)\]"):
         testing.assert_compiles_once(mlp(), [torch.randn(1, 64), torch.randn(2, 64)])
+    # torch.compile's spelling of a backend: a TypeError inside Dynamo, blamed on the helper's own wrapper
+    with pytest.raises(ValueError, match=r"assert_compiles_once\(backend='inductor'\): a backend callable, e.g. "
+                                         r"fp8fx.Fp8Backend"):
+        testing.assert_compiles_once(mlp(), inputs(2, 4), backend="inductor")
     # a generator: the checks used it up, no call ran, and an IndexError came out of the helper
     backend = testing.assert_compiles_once(mlp(), (args for args in inputs(2, 4)), backend=eager_backend())
     assert backend.report.rewritten
