@@ -301,14 +301,21 @@ class HorizontalFusionPass(Fp8Pass):
         """GEMMs of one input quantized with static scales: each layer quantizes it with its own input_scale, so
         they read different fp8 activations and cannot run as one GEMM."""
         by_x: dict[fx.Node, list[_GroupKey]] = defaultdict(list)
+        dynamic: dict[fx.Node, list[fx.Node]] = defaultdict(list)  # input -> the GEMMs quantizing it dynamically
         for key in groups:
             if isinstance(key.xq, fx.Node) and key.xq.target is _STATIC:
                 by_x[key.xq.args[0]].append(key)
-        for keys in by_x.values():
+            elif (source := _quantized_from(key.xq)) is not None:
+                dynamic[source] += groups[key]
+        for x, keys in by_x.items():
+            nodes = [n for k in keys for n in groups[k]]
             if len(keys) > 1:
-                nodes = [n for k in keys for n in groups[k]]
                 amend_sites(ctx, nodes, f"not fused horizontally: static activations, each layer quantizes the input "
                                         f"{site_names(ctx, nodes)} read with its own input_scale")
+            elif dynamic.get(x):  # one static layer among dynamic ones: it said nothing
+                verb = "quantizes" if len(dynamic[x]) == 1 else "quantize"
+                amend_sites(ctx, nodes, f"not fused horizontally: it quantizes the input with its own static "
+                                        f"input_scale, where {site_names(ctx, dynamic[x])} {verb} it dynamically")
 
     def _why_not(self, nodes: list[fx.Node], ctx: PassContext) -> str:
         inputs = [a for n in nodes for a in n.args[2:5] if a is not None]

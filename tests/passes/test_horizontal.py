@@ -431,6 +431,16 @@ def test_static_activations_say_why_they_are_not_fused():
     schemes, _ = compile_fused(model, x)
     assert all(s.endswith("not fused horizontally: static activations, each layer quantizes the input "
                           "q_proj,k_proj,v_proj read with its own input_scale") for s in schemes.values())
+    # one static layer among dynamic ones: k and v fuse, q said nothing
+    model = BiasedQKV().to(torch.bfloat16)
+    scales = fp8fx.calibrate(model, [x])
+    fp8fx.quantize_(model.q_proj, config, prefix="q_proj", input_scales={"q_proj": scales["q_proj"]})
+    for name in ("k_proj", "v_proj"):
+        fp8fx.quantize_(getattr(model, name), prefix=name)
+    schemes, _ = compile_fused(model, x)
+    assert schemes[("q_proj", 0)].endswith("not fused horizontally: it quantizes the input with its own static "
+                                           "input_scale, where k_proj,v_proj quantize it dynamically"), schemes
+    assert schemes[("k_proj", 1)].endswith("fused(k_proj,v_proj)"), schemes
 
 
 @pytest.mark.parametrize("write", ["a buffer (the cache)", "h"])
