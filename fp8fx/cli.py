@@ -189,8 +189,18 @@ def load_meta_model(spec: str, dtype: torch.dtype, seq_len: Optional[int], input
     return model, call_args, {}, None
 
 
+def _transformers():
+    """transformers, or a usage error saying how to get it (fp8fx does not depend on it: README's install)."""
+    try:
+        import transformers
+    except ImportError:
+        raise UsageError("this needs transformers to build the model from its config.json: pip install transformers "
+                         "(or pass a model factory, module:function)") from None
+    return transformers
+
+
 def _hf_model(path: Path, dtype: torch.dtype, seq_len: int):
-    import transformers
+    transformers = _transformers()
 
     folder = path if path.is_dir() else path.parent
     if not (folder / "config.json").is_file():
@@ -444,6 +454,7 @@ def convert_command(args: argparse.Namespace) -> int:
             raise UsageError(f"--rename {bad[0]!r}: give REGEX=REPLACEMENT, e.g. "
                              "--rename '\\.block_sparse_moe\\.=.mlp.'")
         key_mapping = dict(r.rsplit("=", 1) for r in args.rename)
+    _transformers()  # (convert builds the model from src's config.json to tell the linear weights apart)
     try:
         report = convert(args.src, args.dst, config, format=args.format, key_mapping=key_mapping,
                          progress=not args.no_progress)

@@ -431,7 +431,11 @@ def _config_text(config_json: Any, qc: dict, what: str) -> str:
 def meta_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None) -> nn.Module:
     """The HF transformers causal-LM that ``path/config.json`` describes, built on the meta device
     (no memory), in ``dtype`` (default: the config's dtype, else bf16). Needs transformers."""
-    import transformers
+    try:
+        import transformers
+    except ImportError:  # (fp8fx does not depend on it)
+        raise ImportError("fp8fx.checkpoint.meta_model (convert's default model) builds the model with transformers: "
+                          "pip install transformers, or pass convert(model=...)") from None
 
     try:  # (transformers' own errors for a bad field: a dataclass validation error, a ZeroDivisionError, ...)
         cfg = transformers.AutoConfig.from_pretrained(os.fspath(path))
