@@ -1,12 +1,16 @@
 """Reading what the compiler did: compile a small model with ``Fp8Backend(dump_dir=...)``, then walk the folder
 in name order, which is the order things happened.
 
-    python examples/inspect_dumps.py [--dump-dir fp8fx_dump] [--device cuda] [--size 4096]
+    python examples/inspect_dumps.py [--dump-dir DIR] [--device cuda] [--size 4096]
+
+It writes a dump of its own small model (default: a fresh temporary folder, kept and printed; a ``--dump-dir`` it
+is given loses the graph and report files an earlier dump left there, as ``Fp8Backend(dump_dir=...)`` does).
 """
 import argparse
 import json
 import os
 import re
+import tempfile
 
 import torch
 from torch import nn
@@ -43,7 +47,7 @@ def describe(name: str) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dump-dir", default="fp8fx_dump")
+    parser.add_argument("--dump-dir", default=None, help="where to dump (default: a new temporary folder)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", type=int, default=256, help="model width (multiple of 128)")
     args = parser.parse_args()
@@ -51,7 +55,7 @@ def main():
     torch.manual_seed(0)
     model = MLP(args.size).to(args.device, torch.bfloat16)
     fp8fx.quantize_(model)
-    backend = fp8fx.Fp8Backend(dump_dir=args.dump_dir)
+    backend = fp8fx.Fp8Backend(dump_dir=args.dump_dir or tempfile.mkdtemp(prefix="fp8fx_dump_"))
     with torch.no_grad():
         torch.compile(model, backend=backend)(torch.randn(8, args.size, device=args.device, dtype=torch.bfloat16))
 
@@ -61,7 +65,7 @@ def main():
     for name in names:
         print(f"  {name:40s} {describe(name)}")
 
-    after = next(n for n in names if n.startswith("graph000_1_"))
+    after = next(n for n in names if n.startswith("graph000_1_") and n.endswith("_after_LinearPass.py"))
     print(f"\nthe fp8 ops in {after}:")
     with open(os.path.join(dump_dir, after)) as f:
         for line in f:

@@ -62,7 +62,7 @@ def main():
         if type(module).__name__.endswith("Experts"):
             site = sites.get(fqn)
             if site is None:
-                status = "not rewritten: in no site (no fp8fx pass handles experts yet)"
+                status = "not rewritten: in no site (no pass matched how it computes its experts)"
             else:
                 status = "rewritten" if site.rewritten else f"not rewritten: {site.reason}"
             weights = [f"{n.rpartition('.')[2]} {'x'.join(map(str, shape))} {dtype}"

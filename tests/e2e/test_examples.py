@@ -112,6 +112,10 @@ def test_inspect_dumps(runs):
     for name in files:
         assert f"  {name}" in out
     assert out.count("extern fp8fx.scaled_mm") >= 3 and "3 of 3 sites rewritten" in out
+    # the rewrite it describes, in the file after the linear pass (it showed the MoE pass's, not yet rewritten)
+    ops = out.split("the fp8 ops in ")[1].split("\n\n")[0]
+    assert ops.startswith("graph000_1_02_after_LinearPass.py:")
+    assert ops.count("torch.ops.fp8fx.quantize.default(") == 2 and ops.count("torch.ops.fp8fx.scaled_mm.default(") == 3
 
 
 def test_load_checkpoint(runs):
