@@ -36,7 +36,7 @@ def main():
 
     with tempfile.TemporaryDirectory() as tmp:
         path = args.checkpoint or tmp
-        writer = None if args.checkpoint else write_tiny_checkpoint(path)
+        writer = None if args.checkpoint else write_tiny_checkpoint(path).to(args.device)
         model = meta_model(path)  # the HF model config.json describes, on the meta device
         print(fp8fx.load_checkpoint(model, path, device=args.device, progress=False))
 
