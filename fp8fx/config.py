@@ -380,4 +380,3 @@ def config_or(config: Any, default: Optional[Fp8Config], where: str) -> Optional
     fix = ("; for a quantization_config dict pass Fp8Config.from_config(it)" if isinstance(config, Mapping)
            or callable(getattr(config, "to_dict", None)) else "")
     raise ValueError(f"{where}(config={config!r:.80}): a {type(config).__name__}; it takes an Fp8Config or None{fix}")
-
