@@ -181,7 +181,6 @@ def test_scales_read_in_the_wrong_layout_are_refused():
             torch.ops.fp8fx.scaled_mm(*fakes[:3], fakes[3], None, [1, 128], [128, 128], torch.bfloat16)
 
 
-
 def test_experts_per_channel_scales_in_the_wrong_layout_are_refused():
     """Experts' per-channel scales have the grid [E, R, 1]; a [R, E] scale has its count, and fused_moe read it
     scrambled (45% off) and dequantize too, where the grid check skipped grids whose last dim is 1. [E, R] and
@@ -204,6 +203,7 @@ def test_experts_per_channel_scales_in_the_wrong_layout_are_refused():
     ws = quant.quantize(torch.randn(64, 96), [1, -1])[1]  # a 2-D weight's per-channel scale: [N, 1], [N] or [1, N]
     for s in (ws, ws.reshape(-1), ws.reshape(1, -1)):
         torch.ops.fp8fx.dequantize(quant.quantize(torch.randn(64, 96), [1, -1])[0], s, [1, -1], torch.float32)
+
 
 def test_no_k_at_all():
     """K = 0: reshape(-1, 0) cannot tell M, so the real ops failed where their fake ones promised [M, 0] and
