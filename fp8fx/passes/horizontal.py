@@ -338,7 +338,6 @@ class HorizontalFusionPass(Fp8Pass):
                 return f"output sizes {rows} are not multiples of the {w_block[0]}-row weight blocks"
         return _layout_bound(nodes, ctx)
 
-
     @staticmethod
     def _fuse(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> fx.Node:
         graph = gm.graph

@@ -317,7 +317,6 @@ def test_outputs_viewed_across_rows_are_not_fused(shape, fused):
     assert rel_err(out.float(), ref.float()) < 0.1
 
 
-
 class TailedQK(torch.nn.Module):
     """q and k read the same input; ``tail(q, k)`` is what the rest of the model does with their outputs."""
 

@@ -340,7 +340,6 @@ def test_experts_quantize_skipped_are_reported_with_its_reason():
     assert torch.ops.fp8fx.dequantize not in targets(gm) and torch._grouped_mm in targets(gm)
 
 
-
 @pytest.mark.parametrize("config", [fp8fx.Fp8Config(ignored_layers=["experts"]),
                                     fp8fx.Fp8Config(weight_block_size=[128, 128])])  # 128 does not divide I = 64
 def test_experts_kept_in_bf16_in_a_loop_are_one_site(config):
@@ -354,6 +353,7 @@ def test_experts_kept_in_bf16_in_a_loop_are_one_site(config):
     (site,) = report.sites
     assert (site.kind, site.fqn, site.rewritten) == ("moe", "experts", False)
     assert site.reason.startswith("not quantized: "), site.reason
+
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
 def test_ungated_experts_are_reported_with_the_reason(impl):

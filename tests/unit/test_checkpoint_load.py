@@ -928,7 +928,6 @@ def test_unexpected_plain_tensors_are_reported_not_loaded(tmp_path, caplog):
     assert "1 checkpoint tensors have no place in the model" in caplog.text
 
 
-
 def test_a_bias_for_a_layer_without_one_is_refused(tmp_path):
     """A checkpoint bias for a bias=False layer the model has (lm_head, not quantized): it was dropped with a warning
     and the layer ran without it, silently wrong; refused before anything is loaded, naming the tensor and the fix."""
@@ -940,6 +939,7 @@ def test_a_bias_for_a_layer_without_one_is_refused(tmp_path):
         load_checkpoint(model, write_checkpoint(tmp_path / "c", state), fp8fx.Fp8Config(ignored_layers=["lm_head"]),
                         progress=False)
     assert model.lm_head.weight.is_meta and model.lm_head.bias is None  # nothing loaded
+
 
 def test_tied_weights(tmp_path):
     """lm_head tied to embed_tokens: the checkpoint holds one of them; lm_head is not quantized

@@ -139,7 +139,6 @@ def test_loaded_format_and_kv_scales_survive_a_roundtrip(tmp_path):
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "tiny"
 
 
-
 def test_a_checkpoint_read_with_a_config_is_saved_in_its_own_format(tmp_path):
     """A compressed-tensors per-channel checkpoint read with config= (serialized, per row): the model was recorded
     as loaded from "fp8" whatever config.json said, and save_checkpoint's default then refused it (fp8 holds no
@@ -153,6 +152,7 @@ def test_a_checkpoint_read_with_a_config_is_saved_in_its_own_format(tmp_path):
     assert report.format.startswith("fp8, read with config= (w:per-channel")
     assert_same_state(model, loaded)
     assert save_checkpoint(loaded, tmp_path / "again")["quant_method"] == "compressed-tensors"
+
 
 def test_fused_model_roundtrip_and_shards(tmp_path):
     """A fused model saves its fused names; a sharded save has an index and loads back identically."""

@@ -222,7 +222,6 @@ def test_a_config_transformers_cannot_build_from_is_one_line(capsys, llama_dir, 
     one_line_error(err, "config.json: transformers cannot build the model it describes (ZeroDivisionError")
 
 
-
 def test_commands_that_need_transformers_say_so(capsys, llama_dir, tmp_path, monkeypatch):
     """fp8fx does not depend on transformers (README's install): inspect of an HF folder and convert ended in a
     ModuleNotFoundError traceback, exit 1; each is a one-line error saying what to install, exit 2."""
@@ -235,6 +234,7 @@ def test_commands_that_need_transformers_say_so(capsys, llama_dir, tmp_path, mon
     with pytest.raises(ImportError, match=r"meta_model \(convert's default model\) builds the model with "
                                           r"transformers: pip install transformers"):
         fp8fx.checkpoint.meta_model(llama_dir)
+
 
 def test_bad_configs(capsys, llama_dir, tmp_path):
     code, _, err = run(capsys, "inspect", str(llama_dir), "--block-size", "128")
