@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import types
+import typing
 from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
@@ -38,20 +39,37 @@ def inductor_config_value(key: str) -> Any:
     return value
 
 
+_FITS = ((bool, lambda v: type(v) is bool), (int, lambda v: type(v) is int),
+         (float, lambda v: type(v) in (int, float)), (str, lambda v: isinstance(v, str)))
+
+
 def inductor_config_type_error(key: str, value: Any) -> Optional[str]:
-    """Why ``value`` does not fit option ``key`` of ``torch._inductor.config``, judged by the type of the value it
-    has now (a bool takes a bool, an int an int, a float a number, a str a str; a custom pass slot a callable or
-    None; an option that is None now anything), or None where it fits."""
+    """Why ``value`` does not fit option ``key`` of ``torch._inductor.config``, or None where it fits: a bool takes a
+    bool, an int an int, a float a number, a str a str; a custom pass slot a callable or None. The type is the
+    option's declared one where the config module keeps it (``Optional[int]`` for ``cpp.simdlen``, None by default:
+    a str was taken there, judged by the value it had then), else that of its current value; an option of another
+    type (a list, a dict) is not checked."""
     current = inductor_config_value(key)
     if "custom" in key and key.endswith("pass"):
         return None if value is None or callable(value) else (
             "a callable graph pass (or a torch._inductor.custom_graph_pass.CustomGraphPass), or None")
-    for kind, fits in ((bool, lambda v: type(v) is bool), (int, lambda v: type(v) is int),
-                       (float, lambda v: type(v) in (int, float)), (str, lambda v: isinstance(v, str))):
-        if type(current) is kind:
-            article = "an" if kind is int else "a"
-            return None if fits(value) else f"{article} {kind.__name__}, as its current value {current!r}"
-    return None
+    from torch._inductor import config
+
+    declared = getattr(getattr(config, "_config", {}).get(key), "value_type", None)  # (torch 2.11 and 2.13 alike)
+    if declared is None:
+        kinds: tuple = (type(current),)
+    elif typing.get_origin(declared) in (typing.Union, types.UnionType):  # Optional[int] (2.11), int | None (2.13)
+        kinds = typing.get_args(declared)
+    else:
+        kinds = (declared,)  # (list[str]: no kind of _FITS, not checked)
+    optional = type(None) in kinds
+    known = [(kind, fits) for kind, fits in _FITS if kind in kinds]
+    if not known or len(known) < len([k for k in kinds if k is not type(None)]) or value is None and optional:
+        return None  # (a list, a dict, a union of other types: not checked)
+    if any(fits(value) for _, fits in known):
+        return None
+    wanted = " or ".join(f"{'an' if kind is int else 'a'} {kind.__name__}" for kind, _ in known)
+    return f"{wanted}{' (or None)' if optional else ''}, as the option is declared (now {current!r})"
 
 
 def custom_pass_key(value: Any) -> Any:

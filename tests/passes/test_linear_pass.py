@@ -494,14 +494,19 @@ def test_a_dump_dir_under_home_is_expanded(tmp_path, monkeypatch):
 
 def test_inductor_config_values_are_checked_at_construction():
     """A value of the wrong type failed inside the first compile (a custom pass that is no callable), or was
-    taken as it is ("false" switched max_autotune on)."""
-    for options, match in [({"max_autotune": "false"}, r"'max_autotune': 'false'\}\): a bool, as its current value"),
+    taken as it is ("false" switched max_autotune on). An option that is None now is checked by its declared type
+    (cpp.simdlen, Optional[int]: "fast" was taken and the compile ran)."""
+    for options, match in [({"max_autotune": "false"}, r"'max_autotune': 'false'\}\): a bool, as the option is "
+                                                        r"declared \(now False\)"),
                            ({"compile_threads": "four"}, r"'compile_threads': 'four'\}\): an int"),
                            ({"post_grad_custom_pre_pass": 3}, r"'post_grad_custom_pre_pass': 3\}\): a callable"),
-                           ({"triton.cudagraphs": 1}, r"'triton.cudagraphs': 1\}\): a bool")]:
+                           ({"triton.cudagraphs": 1}, r"'triton.cudagraphs': 1\}\): a bool"),
+                           ({"cpp.simdlen": "fast"}, r"'cpp.simdlen': 'fast'\}\): an int \(or None\)")]:
         with pytest.raises(ValueError, match=match):
             Fp8Backend(inductor_config=options)
-    Fp8Backend(inductor_config={"max_autotune": True, "compile_threads": 1, "post_grad_custom_pre_pass": None})
+    Fp8Backend(inductor_config={"max_autotune": True, "compile_threads": 1, "post_grad_custom_pre_pass": None,
+                                "cpp.simdlen": None})
+    Fp8Backend(inductor_config={"cpp.simdlen": 8})
 
 
 def test_weight_only_rewrite():
