@@ -159,7 +159,8 @@ class Fp8Backend:
         if cudagraphs and (inductor_config or {}).get("triton.cudagraphs", True) is not True:
             raise ValueError(f"Fp8Backend(cudagraphs=True, inductor_config={{'triton.cudagraphs': "
                              f"{inductor_config['triton.cudagraphs']!r}}}): the two disagree; keep one")
-        dump_dir = os.path.expanduser(dump_dir) if isinstance(dump_dir, str) else dump_dir  # '~/dumps': the home's
+        if isinstance(dump_dir, (str, os.PathLike)):  # '~/dumps': the home's (a Path too: it made a folder named ~)
+            dump_dir = os.path.expanduser(os.fspath(dump_dir))
         _check_dump_dir(dump_dir)  # last: it makes the folder
         self.one_pass_rows = one_pass_rows
         self.direct_calls = direct_calls

@@ -127,13 +127,16 @@ class Report:
         model = compat.compiled_module(model)
         modules = dict(model.named_modules())
         sites = {s.fqn for s in self.sites}
+        rewritten = {s.fqn for s in self.sites if s.rewritten}
         found = []
         for name, p in model.named_parameters():
             owner, _, leaf = name.rpartition(".")
             # a quantized weight's site bears the name quantize_ / load_checkpoint gave it (the whole model's, where
-            # one block of it was compiled: "0.q" for the block's "q"); the others' the compiled module's own names
+            # one block of it was compiled: "0.q" for the block's "q"); the others' the compiled module's own names.
+            # A tag of a site that was not rewritten covers that site's module only: an embedding whose weight a
+            # tied lm_head (kept in bf16) shares is still listed, under its own name
             tag = getattr(p, "_fp8fx_fqn", None)
-            if tag in sites:
+            if tag in rewritten or tag in sites and owner == tag:
                 continue
             if p.dim() >= 2 and owner not in sites and not leaf.endswith(("_scale", "_scale_inv")):  # a weight's
                 dtype = str(p.dtype).removeprefix("torch.")

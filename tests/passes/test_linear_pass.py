@@ -1,4 +1,6 @@
 """The linear pass on Dynamo graphs: graph after the pass, site counts, recompiles, cache key."""
+import pathlib
+
 import expecttest
 import pytest
 import torch
@@ -490,6 +492,8 @@ def test_a_dump_dir_under_home_is_expanded(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     backend = Fp8Backend(dump_dir="~/dumps")
     assert backend.dump_dir == str(tmp_path / "home" / "dumps") and not (tmp_path / "~").exists()
+    backend = Fp8Backend(dump_dir=pathlib.Path("~/paths"))  # a Path too (it made ./~/paths)
+    assert backend.dump_dir == str(tmp_path / "home" / "paths") and not (tmp_path / "~").exists()
 
 
 def test_inductor_config_values_are_checked_at_construction():

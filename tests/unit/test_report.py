@@ -176,6 +176,28 @@ def test_unhandled_weights_list_linears_in_no_graph():
     assert [name for name, *_ in backend.report.unhandled_weights(model)] == ["b.weight"]
 
 
+def test_unhandled_weights_list_an_embedding_a_kept_lm_head_shares():
+    """lm_head tied to the embedding (kept in bf16, its site says why): the shared tensor carries lm_head's name, and
+    the embedding, which no pass looks at, vanished from the list."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.proj, self.lm_head = nn.Embedding(100, 64), nn.Linear(64, 64), nn.Linear(64, 100)
+            self.lm_head.weight = self.embed.weight
+
+        def forward(self, ids):
+            return self.lm_head(self.proj(self.embed(ids)))
+
+    model = Tied().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.arange(5))
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("proj", True), ("lm_head", False)]
+    assert backend.report.unhandled_weights(model) == [("embed.weight", (100, 64), "bfloat16", "Embedding")]
+
+
 def test_unhandled_weights_of_one_compiled_block_and_of_a_root_linear():
     """One block of a quantized model compiled alone: its sites bear the model's names (``0.q``), its parameters
     the block's (``q.weight``), and both were listed as unhandled though both were rewritten. A quantized root
