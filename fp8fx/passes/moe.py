@@ -285,6 +285,13 @@ class _Interpreter:
     # shape ops
     def _view(self, node):
         src = self._of(node.args[0])
+        if src.kind not in (*_INDEX_KINDS, "ids_part", "ids_sort"):  # a value: weights, activations, outputs
+            before, after = fake_value(node.args[0]), fake_value(node)
+            if (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor) and before.is_floating_point()
+                    and (not after.is_floating_point() or after.dtype.itemsize == 1)):
+                # (routing weights .to(int64) are all 0: the model's output was 0, fused_moe's not)
+                self._fail(node, f"casts a value to {after.dtype}, which changes it (fused_moe computes on the values "
+                                 "as they are)")
         if src.kind in (*_INDEX_KINDS, "ids_part", "wts"):
             if not self._all_idx_args(node):
                 self._fail(node, "reshapes with a non-index argument")
@@ -416,11 +423,16 @@ class _Interpreter:
         shape = _shape(node.args[0])
         if v.kind in _INDEX_KINDS:
             return _IDX
-        if v.kind == "wts" and v.expert is not None and dim in (-1, len(shape) - 1):
-            return v  # sum over k of the masked routing weights: expert e's weight per token
+        if v.kind == "wts" and v.expert is not None and dim in (-1, len(shape) - 1) and len(shape) > 1 \
+                and shape[-1] == self.k:
+            return v  # sum over k of the masked routing weights [..., T, K]: expert e's weight per token (over all
+            # pairs flattened, it was one weight for every token)
         if v.kind == "out" and v.expert is None and isinstance(dim, int):
             d = dim % len(shape)
-            if d != len(shape) + v.fdim and shape[d] == self.k:
+            # pairs token-major ([T, K, H]: k just before the features, when they are last); [K, T, H].sum(0) of the
+            # same pairs had k's size and added up other tokens' pairs
+            k_dim = len(shape) + v.fdim - 1 if v.fdim == -1 else d
+            if d != len(shape) + v.fdim and d == k_dim and shape[d] == self.k:
                 return Val("sum", "all", fdim=v.fdim)
         self._fail(node, "sums something other than the k weighted expert outputs of each token")
 

@@ -295,6 +295,52 @@ def test_expert_weights_gathered_by_other_than_the_ids_are_left_alone(index, rew
         assert torch.equal(out, eager)
 
 
+class PairsSummed(GatheredExperts):
+    """The gathered pairs [T * K, H] weighted and summed per token, ``tail(y, w, t)`` standing for how."""
+
+    def __init__(self, tail):
+        super().__init__(lambda ids: ids)
+        self.tail = tail
+
+    def forward(self, x, top_k_index, top_k_weights):
+        ids = top_k_index.reshape(-1)
+        xs = x.repeat_interleave(K, dim=0)
+        gate, up = torch.bmm(self.gate_up_proj[ids], xs.unsqueeze(-1)).squeeze(-1).chunk(2, dim=-1)
+        y = torch.bmm(self.down_proj[ids], (F.silu(gate) * up).unsqueeze(-1)).squeeze(-1)
+        return self.tail(y, top_k_weights, x.shape[0]).to(x.dtype)
+
+
+ODD_SUMS = {  # each rewritten into fused_moe before, computing something else (relative errors 0.86-1.07, or 0 vs 18.8)
+    "k-major pairs summed over dim 0": (
+        lambda: PairsSummed(lambda y, w, t: (y * w.reshape(-1, 1)).view(K, t, H).sum(dim=0)),
+        "sums something other than the k weighted expert outputs"),
+    "weights cast to int64": (
+        lambda: PairsSummed(lambda y, w, t: (y * w.to(torch.int64).reshape(-1, 1)).view(t, K, H).sum(dim=1)),
+        "casts a value to torch.int64, which changes it"),
+    "a loop's weights summed over every pair": (
+        lambda: LoopExperts(routing=lambda ids, w: (ids.reshape(-1), w.reshape(-1))),
+        "sums something other than the k weighted expert outputs"),
+}
+
+
+@pytest.mark.parametrize("case", list(ODD_SUMS))
+def test_pairs_weighted_or_summed_otherwise_are_left_alone(case):
+    """Pairs viewed k-major and summed over k's dim (other tokens' pairs added), routing weights cast to an integer
+    (all 0), a loop's masked weights summed over all pairs flattened (one weight for every token): each was
+    rewritten into fused_moe. Each is left alone now, with the reason, and computes what the model does."""
+    make, reason = ODD_SUMS[case]
+    model = Block(make()).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x, ids, w = inputs(torch.bfloat16)
+    with torch.no_grad():
+        eager = model(x, ids, w)
+        out, gm, report = compile_capture(model, x, ids, w)
+    (moe,) = [s for s in report.sites if s.kind == "moe"]
+    assert not moe.rewritten and reason in moe.reason, moe
+    assert torch.ops.fp8fx.fused_moe.default not in targets(gm)
+    assert torch.equal(out, eager)
+
+
 def test_experts_called_twice_are_not_merged():
     class Twice(Block):
         def forward(self, x, top_k_index, top_k_weights):
