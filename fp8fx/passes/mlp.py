@@ -173,8 +173,10 @@ def _sliced_half(node: fx.Node) -> Optional[tuple[fx.Node, int, None]]:
     width = out.shape[-1]
     if not isinstance(width, int) or width % 2:
         return None
-    start, stop = index[-1].start or 0, index[-1].stop
-    stop = width if stop is None or (isinstance(stop, int) and stop >= width) else stop
+    start, stop = index[-1].start, index[-1].stop
+    if not all(b is None or type(b) is int for b in (start, stop)):
+        return None
+    start, stop, _ = slice(start, stop).indices(width)  # gu[..., -I:] is gu[..., I:] (it was neither fused nor said)
     halves = {(0, width // 2): 0, (width // 2, width): 1}
     return (gemm, halves[(start, stop)], None) if (start, stop) in halves else None
 

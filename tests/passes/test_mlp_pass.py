@@ -65,6 +65,8 @@ class MergedMLP(nn.Module):
             "split keywords": lambda: torch.split(tensor=gu, split_size_or_sections=self.hidden, dim=-1),
             "split sections": lambda: gu.split([self.hidden, self.hidden], dim=-1),
             "slices": lambda: (gu[..., :self.hidden], gu[..., self.hidden:]),
+            # the same halves with negative bounds: neither fused nor reported before
+            "negative slices": lambda: (gu[..., :-self.hidden], gu[..., -self.hidden:]),
         }[self.split]()
         if self.gate_second:  # up rows first
             gate, up = up, gate
@@ -138,7 +140,8 @@ def test_decode_mlp_is_one_op_with_the_unfused_output(cls, config):
 @pytest.mark.parametrize("split,gate_second", [("chunk", False), ("split", False), ("keywords", False),
                                                ("split keywords", False), ("chunk", True), ("split", True),
                                                ("split sections", False), ("split sections", True),
-                                               ("slices", False), ("slices", True)])
+                                               ("slices", False), ("slices", True), ("negative slices", False),
+                                               ("negative slices", True)])
 @pytest.mark.parametrize("config", [
     fp8fx.Fp8Config(),
     fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor()),
