@@ -199,15 +199,25 @@ def _name_of(node: fx.Node) -> str:
     return f"{target} ({node.op})"
 
 
-def _dequantize_of(node, depth: int = 6) -> Optional[fx.Node]:
-    """The dequantize node ``node`` is (or is a view, slice, cast or index of, a few ops back), or None."""
+def _read_from(node, depth: int = 6) -> Optional[fx.Node]:
+    """What ``node`` is read from through views, slices, casts or indexes (each op's first input, ``depth`` nodes at
+    most): the first dequantize on the way, else the node those ops start from (a placeholder: a parameter); None
+    where the chain is longer or an op has no input."""
     for _ in range(depth):
-        if not isinstance(node, fx.Node) or node.op not in ("call_function", "call_method") or not node.args:
+        if not isinstance(node, fx.Node):
             return None
-        if node.target in _DEQUANT:
+        if node.op not in ("call_function", "call_method") or node.target in _DEQUANT:
             return node
+        if not node.args:
+            return None
         node = node.args[0]
     return None
+
+
+def _dequantize_of(node, depth: int = 6) -> Optional[fx.Node]:
+    """The dequantize node ``node`` is (or is a view, slice, cast or index of, a few ops back), or None."""
+    source = _read_from(node, depth)
+    return source if source is not None and source.target in _DEQUANT else None
 
 
 def _from_dequantize(node) -> bool:
@@ -219,12 +229,8 @@ def _kept_expert(w, ctx: PassContext) -> bool:
     high precision (tagged ``_fp8fx_moe_role`` and ``_fp8fx_skip_reason``: one expert of a loop over them). The MoE
     pass reports those experts as one site with that reason; a linear site per expert GEMM told the user to run
     quantize_ on what they had ignored on purpose."""
-    node = w
-    while isinstance(node, fx.Node) and node.op in ("call_function", "call_method") and node.args:
-        if node.target in _DEQUANT:
-            return False
-        node = node.args[0]
-    real = ctx.example.get(node) if isinstance(node, fx.Node) else None
+    source = _read_from(w)
+    real = ctx.example.get(source) if source is not None and source.op not in ("call_function", "call_method") else None
     return bool(getattr(real, "_fp8fx_moe_role", None) and getattr(real, "_fp8fx_skip_reason", None))
 
 
