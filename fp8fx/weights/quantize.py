@@ -373,11 +373,11 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
                          "[x] for one batch")
     # a misspelt entry would measure, and then quantize statically, the layer it was meant to keep (quantize_ refuses
     # it too)
-    check_ignored_layers(config, [fqn for fqn, _ in model.named_modules(prefix=prefix)],
-                         f"this {type(model).__name__}", "measured", prefix)
+    named = list(model.named_modules(prefix=prefix))
+    check_ignored_layers(config, [fqn for fqn, _ in named], f"this {type(model).__name__}", "measured", prefix)
     amax: dict[str, float] = {}
     batch_no = [0]
-    modules = [(fqn, m) for fqn, m in model.named_modules(prefix=prefix) if not config.is_ignored(fqn)]
+    modules = [(fqn, m) for fqn, m in named if not config.is_ignored(fqn)]
     experts = [(fqn, m) for fqn, m in modules if moe.is_experts(m) and moe.skip_reason(m, fqn, config) is None]
     for fqn, module in experts:  # before the first hook (no act_fn: measured with SiLU, ``_experts_recorder``)
         if getattr(module, "act_fn", None) is not None and not _silu_experts(module):
