@@ -211,18 +211,11 @@ def _check_scale_size(what: str, name: str, scale: torch.Tensor, of: Callable[[]
     if scale.numel() != want:
         raise ValueError(f"{what}: {name} has {scale.numel()} elements (shape {list(scale.shape)}); block "
                          f"{list(block)} of {of()} needs {want}")
-    row = _without_trailing_ones(grid)
-    if len(row) > 1 and want > row[-1] and _without_trailing_ones(scale.shape)[-1:] != row[-1:]:
+    row = quant.without_trailing_ones(grid)
+    if len(row) > 1 and want > row[-1] and quant.without_trailing_ones(scale.shape)[-1:] != row[-1:]:
         raise ValueError(f"{what}: {name} has shape {list(scale.shape)}; block {list(block)} of {of()} needs a grid "
                          f"of scales {list(grid)} (rows of blocks, then one scale a column block, in the last dim): a "
                          "transposed or flattened grid would be read scrambled")
-
-
-def _without_trailing_ones(shape) -> tuple:
-    shape = tuple(shape)
-    while shape and shape[-1] == 1:
-        shape = shape[:-1]
-    return shape
 
 
 def _check_weight(what: str, x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, w_block) -> None:

@@ -32,6 +32,15 @@ def resolve_block(block: Sequence[int], rows: int, cols: int) -> tuple[int, int]
     return (max(rows, 1) if b_r == -1 else b_r, max(cols, 1) if b_c == -1 else b_c)
 
 
+def without_trailing_ones(shape) -> tuple:
+    """``shape`` without its trailing 1-dims: a scale's layout whatever 1s it is stored with ([N] / [N, 1], [E, R] /
+    [E, R, 1])."""
+    shape = tuple(shape)
+    while shape and shape[-1] == 1:
+        shape = shape[:-1]
+    return shape
+
+
 def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
     """Shape of the scale of a tensor of ``shape`` quantized with ``block``."""
     *lead, rows, cols = shape

@@ -212,13 +212,7 @@ def same_layout(name: str, loaded: tuple, dest: tuple) -> bool:
     [E, rows, 1]). Only the element count agreeing is not enough: a transposed tensor has it too."""
     if name == "weight":
         return loaded == dest
-
-    def trimmed(shape: tuple) -> tuple:
-        while shape and shape[-1] == 1:
-            shape = shape[:-1]
-        return shape
-
-    return trimmed(loaded) == trimmed(dest)
+    return quant.without_trailing_ones(loaded) == quant.without_trailing_ones(dest)
 
 
 class Fp8LinearMethod:
