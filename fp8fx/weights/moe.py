@@ -209,6 +209,8 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
     w13, w2 = module._parameters[W13], module._parameters[W2]
     if w13.dtype not in quant.HIGH_PRECISION or w2.dtype not in quant.HIGH_PRECISION:
         return f"expert weight dtype {w13.dtype} is not bf16/fp16/fp32"
+    if w13.dtype != w2.dtype:  # (the fp8 module dequantizes both to one dtype, w13's)
+        return f"gate_up_proj is {w13.dtype} but down_proj {w2.dtype}: fp8fx's experts take one dtype for both"
     e, two_i, h = w13.shape
     if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
         return f"gate_up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not [E, 2I, H] and [E, H, I]"

@@ -285,14 +285,19 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
             "calibrate with batches that reach it, or add it to ignored_layers (nothing was quantized)"
         )
     checked = {}
-    for fqn, value in given.items():  # as floats: what is checked here is what the layers get
+    for fqn, value in given.items():  # as the layers get them, float32: what is checked here is what they hold
         try:
             scale = None if isinstance(value, (str, bytes, bool)) else float(value)  # a number or a 1-element tensor
         except (TypeError, ValueError, RuntimeError):
             scale = None
-        if scale is None or not 0 < scale < float("inf"):
-            raise ValueError(f"input_scales[{fqn!r}]={value!r} must be a positive finite float (nothing was quantized)")
-        checked[fqn] = scale
+        # a normal float32 (a subnormal one's reciprocal, which the kernels multiply by, is inf)
+        as_f32 = None if scale is None else float(torch.tensor(scale, dtype=torch.float32))
+        if as_f32 is None or not torch.finfo(torch.float32).tiny <= as_f32 < float("inf"):
+            f32 = "" if scale is None or not 0 < scale < float("inf") else (
+                f" in float32's normal range, 1.2e-38 to 3.4e38 (the scales' dtype: it holds this one as {as_f32})")
+            raise ValueError(f"input_scales[{fqn!r}]={value!r} must be a positive finite float{f32} (nothing was "
+                             "quantized)")
+        checked[fqn] = as_f32
     return checked
 
 

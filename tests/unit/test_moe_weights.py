@@ -150,6 +150,27 @@ def test_hf_layouts_fused_moe_cannot_compute_stay_bf16_with_the_reason(flag, val
     assert fp8fx.weights.is_quantized(model.proj)  # the rest of the model is quantized
 
 
+def test_experts_of_two_dtypes_stay_as_they_are_with_the_reason():
+    """fp16 gate_up_proj, bf16 down_proj with a value past fp16's range: the experts' loader read down_proj as fp16
+    and refused it after the rest of the model and gate_up_proj were fp8, down_proj's values gone; an fp32 down_proj
+    came back fp16."""
+    model = Block()
+    model.proj.half()
+    model.experts.gate_up_proj.data = model.experts.gate_up_proj.data.half()
+    w2 = model.experts.down_proj.data.to(torch.bfloat16)
+    w2[0, 0, 0] = 1e5
+    model.experts.down_proj.data = w2
+    fp8fx.quantize_(model)
+    assert not is_quantized_experts(model.experts) and fp8fx.weights.is_quantized(model.proj)
+    assert torch.equal(model.experts.down_proj, w2)
+    assert model.experts.gate_up_proj._fp8fx_skip_reason == (
+        "gate_up_proj is torch.float16 but down_proj torch.bfloat16: fp8fx's experts take one dtype for both")
+    with pytest.raises(ValueError, match=r"^experts: gate_up_proj is torch.float16 but down_proj torch.bfloat16"):
+        fp8fx.quantize_(Block().to(torch.bfloat16).apply(
+            lambda m: setattr(m.gate_up_proj, "data", m.gate_up_proj.data.half()) if isinstance(m, Experts) else None),
+            strict=True)
+
+
 def test_experts_with_another_activation_stay_bf16_with_the_reason():
     """fused_moe computes SiLU(gate) * up: experts with another act_fn were quantized, and the MoE pass then left them
     unfused (the model's own code on dequantized weights: fp8 error, no speedup)."""

@@ -120,6 +120,13 @@ def test_static_needs_input_scales_and_calibrate_provides_them():
         with pytest.raises(ValueError, match=r"input_scales\['3'\]=.* must be a positive finite float \(nothing was"):
             fp8fx.quantize_(model, config, input_scales={"0": 1.0, "2": torch.tensor(0.5), "3": bad})
     assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
+    # checked as float32, the scales' dtype: 1e39 is inf there and 1e-46 zero (the last layer's loader refused
+    # them after the layers before it were fp8), and a subnormal one's reciprocal is inf
+    for bad, held in ((1e39, "inf"), (1e-46, "0.0"), (1e-40, r"9\.9999\d*e-41")):
+        with pytest.raises(ValueError, match=rf"input_scales\['3'\]={re.escape(repr(bad))} must be a positive finite float in "
+                                             rf"float32's normal range, .*it holds this one as {held}\) \(nothing"):
+            fp8fx.quantize_(model, config, input_scales={"0": 1.0, "2": 0.5, "3": bad})
+    assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
     batches = [torch.randn(4, 128, dtype=torch.bfloat16) for _ in range(3)]
     scales = fp8fx.calibrate(model, batches)
     assert set(scales) == {"0", "2", "3"}
