@@ -341,6 +341,11 @@ class Fp8LinearMethod:
                 f"{layer._fp8fx_copied} of the weight's {target.numel()} were loaded before; the whole weight, or "
                 "each of its shards, must arrive once"
             )
+        one_per_shard = name == "input_scale" or (name == "weight_scale" and isinstance(self.scheme.weight, PerTensor))
+        if shard_id is None and one_per_shard and len(sizes) > 1 and loaded.numel() == 1:
+            # a layer fused in the checkpoint (Phi-3's qkv_proj, gate_up_proj) into one of logical partitions: its
+            # one scale is every shard's, as vLLM's fused loaders take it (the weight then needs no requantizing)
+            loaded = loaded.reshape(1).expand(len(sizes))
         dest = self._shard_slice(layer, name, target.data, shard_id)
         if not same_layout(name, tuple(loaded.shape), tuple(dest.shape)):
             raise ValueError(

@@ -256,6 +256,30 @@ def test_serialized_per_tensor_shards_requantized_to_max_scale():
     assert torch.equal(layer._parameters["weight"][96:].view(torch.uint8), q_last.view(torch.uint8))
 
 
+def test_serialized_layer_fused_in_the_checkpoint_takes_its_one_scale_for_every_shard():
+    """A checkpoint that stores q/k/v as one tensor with one weight_scale and input_scale (Phi-3's qkv_proj), loaded
+    whole into a layer of logical partitions: vLLM's fused loaders take the scale for every shard; it was refused."""
+    sizes = [64, 32, 32]
+    layer = nn.Linear(64, 128, bias=False, device="meta")
+    method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static"))
+    method.create_weights(layer, 64, sizes, torch.bfloat16, device="cpu", prefix="qkv_proj")
+    w = torch.randn(128, 64)
+    q, s = quant.quantize(w, [-1, -1])
+    method.weight_loader(layer, "weight", q)
+    method.weight_loader(layer, "weight_scale", s.reshape(()))
+    method.weight_loader(layer, "input_scale", torch.tensor(0.25))
+    method.process_weights_after_loading(layer)
+    assert torch.equal(layer._parameters["weight"].view(torch.uint8), q.view(torch.uint8))  # no requantizing
+    assert layer.weight_scale.item() == s.item() and layer.input_scale.item() == 0.25
+    assert rel_err(layer.weight.float(), w) < 0.05
+    # a scale of another count is still refused, the layer unchanged
+    layer = nn.Linear(64, 128, bias=False, device="meta")
+    method.create_weights(layer, 64, sizes, torch.bfloat16, device="cpu", prefix="qkv_proj")
+    with pytest.raises(ValueError, match=r"^qkv_proj.weight_scale shard None: checkpoint tensor of shape \(2,\)"):
+        method.weight_loader(layer, "weight_scale", torch.tensor([0.5, 0.5]))
+    assert (layer._parameters["weight_scale"] < 0).all()  # still the never-loaded marker
+
+
 def test_loader_rejects_wrong_shard_shape():
     layer = nn.Linear(64, 96, bias=False, device="meta")
     method = Fp8LinearMethod(Fp8Config())
