@@ -60,8 +60,8 @@ def _transposed(node) -> fx.Node | None:
 
 
 # casts and copies of a tensor: a weight read as ``w.to(x.dtype)``, ``w.contiguous()``
-_CASTS = ("to", "type", "float", "half", "bfloat16", "double", "contiguous")
-_CAST_FUNCTIONS = (torch.Tensor.to, torch.Tensor.type, torch.Tensor.contiguous)
+_CASTS = ("to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous")
+_CAST_FUNCTIONS = (torch.Tensor.to, torch.Tensor.type, torch.Tensor.type_as, torch.Tensor.contiguous)
 
 
 def _cast_source(node) -> fx.Node | None:
@@ -137,6 +137,17 @@ def _linear_operands(node: fx.Node, ctx: PassContext):
         if w is not None and (_from_dequantize(w) or getattr(wv, "ndim", 2) == 2 and _is_weight(w, ctx)):
             return node.args[0], w, None
     return None
+
+
+def _weight_written(w: fx.Node, writes: dict) -> str:
+    """Why a site whose dequantized weight was written in place before it (``w.mul_(2)``, ``w[:16] = 0``: the
+    layer's weight is a fresh dequantized tensor at each read, and the linear reads what was written) stays as it
+    is, or "": the fp8 op would read the quantized weight, without the write."""
+    writers = writes.get(_storage(w), [])
+    if not writers:
+        return ""
+    return (f"the dequantized weight is written in place by {', '.join(sorted({_name_of(n) for n in writers}))} "
+            "before the linear: computed with the dequantized weight")
 
 
 def _other_arguments(node: fx.Node) -> str:
@@ -234,18 +245,31 @@ def _kept_expert(w, ctx: PassContext) -> bool:
     return bool(getattr(real, "_fp8fx_moe_role", None) and getattr(real, "_fp8fx_skip_reason", None))
 
 
-_INPLACE_OPERATORS = {getattr(operator, f"i{op}") for op in (
-    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift", "rshift")}
+_INPLACE_NAMES = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul", "and", "or", "xor", "lshift",
+                  "rshift")
+_INPLACE_OPERATORS = {getattr(operator, f"i{op}") for op in _INPLACE_NAMES}
+_INPLACE_DUNDERS = {f"__i{op}__" for op in _INPLACE_NAMES}  # h.__imul__(2), as a method call
+# higher-order ops that write none of their operands (torch forbids it in their bodies); any other - a user's
+# Triton kernel (``triton_kernel_wrapper_mutation``), one torch adds later - may write what it is given
+_PURE_HOPS = ("cond", "while_loop", "invoke_subgraph", "tag_activation_checkpoint", "wrap", "map_impl", "scan",
+              "associative_scan", "flex_attention")
+
+
+def _writing_hop(node: fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.HigherOrderOperator) and node.target.name() not in _PURE_HOPS
 
 
 def _mutates(node: fx.Node) -> bool:
     """Whether ``node`` may write a tensor in place (``x.mul_(3)``, ``x += y``, ``torch.add(.., out=x)``,
     ``aten.*_``): conservative (``_written`` and ``_may_alias`` then say which activations it may reach)."""
     if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__") or node.target in ("__setitem__",)
+        return (node.target.endswith("_") and not node.target.endswith("__")
+                or node.target == "__setitem__" or node.target in _INPLACE_DUNDERS)
     if node.op != "call_function":
         return False
     if "out" in node.kwargs or node.target is operator.setitem or node.target in _INPLACE_OPERATORS:
+        return True
+    if _writing_hop(node):
         return True
     if node.kwargs.get("inplace") is True or _inplace_positional(node):  # F.relu(x, inplace=True), nn.ReLU(True)
         return True
@@ -263,6 +287,9 @@ def _written(node: fx.Node) -> Optional[list]:
     """The tensors that ``node`` (``_mutates``) writes, where one argument says which: ``x[i] = v``, ``x.mul_(3)``,
     ``x += y``, ``torch.relu_(x)``, ``F.relu(x, inplace=True)`` write x, ``out=`` its tensor; None where that is not
     known (an op whose schema may write some of its arguments: all of them count)."""
+    if _writing_hop(node):  # a user's Triton kernel: any tensor it takes (which it writes is not recorded)
+        operands = node.kwargs.get("kwargs")
+        return [v for v in operands.values() if isinstance(v, fx.Node)] if isinstance(operands, dict) else None
     if "out" in node.kwargs:
         return [node.kwargs["out"]]
     if not node.args:
@@ -337,17 +364,22 @@ class LinearPass(Fp8Pass):
         # one quantization per (activation, scheme): q/k/v and gate/up read the same x
         quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
         inputs = {_storage(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")} - {None}
+        writes: dict[StorageWeakRef, list[fx.Node]] = {}  # memory -> the in-place writes into it so far
         for node in list(graph.nodes):
             if _mutates(node):  # a quantization taken before an in-place write into x must not be reused after it
                 written = _written(node)
                 for key in [key for key in quantized if _may_alias(key[0], written, inputs)]:
                     del quantized[key]
+                for t in written if written is not None else node.all_input_nodes:
+                    if (memory := _storage(t)) is not None:
+                        writes.setdefault(memory, []).append(node)
             operands = _linear_operands(node, ctx)
             if operands is None:
                 continue
             x, w, bias = operands
             fqn = self._fqn(node, w, ctx)
-            reason = _other_arguments(node) or self._why_not(x, w, bias, ctx, fqn)
+            reason = (_other_arguments(node) or self._why_not(x, w, bias, ctx, fqn)
+                      or _weight_written(w, writes))
             if reason and _kept_expert(w, ctx):  # the MoE pass's site of the experts says why they stay bf16
                 continue
             if reason:
@@ -377,11 +409,16 @@ class LinearPass(Fp8Pass):
         ``addmm``, a matmul without a transpose ...) run on the dequantized weight: each goes into the report
         with its readers, unless a site of this graph already names it (nothing is silently left undone)."""
         named = {site.fqn: i for i, site in enumerate(ctx.report.sites) if site.graph == ctx.graph_index}
+        # a weight without quantize_'s name tag (Fp8LinearMethod used directly): its site found by the weight
+        by_weight = {site.weight_id: site.fqn for site in ctx.report.sites
+                     if site.graph == ctx.graph_index and site.weight_id}
         for node in graph.nodes:
             if node.op != "call_function" or node.target not in _DEQUANT or not node.users:
                 continue
-            fqn = getattr(ctx.example.get(node.args[0]), "_fp8fx_fqn", None)
-            fqn = node.name if fqn is None else fqn
+            real = ctx.example.get(node.args[0])
+            fqn = getattr(real, "_fp8fx_fqn", None)
+            if fqn is None:
+                fqn = by_weight.get(Site.token_of(real), node.name) if real is not None else node.name
             readers = ", ".join(sorted(
                 {f"{_name_of(r)} of its transpose" for u in node.users if _transposed(u) is node for r in u.users}
                 | {_name_of(u) for u in node.users if _transposed(u) is not node}
@@ -417,7 +454,8 @@ class LinearPass(Fp8Pass):
     @staticmethod
     def _why_not(x, w, bias, ctx: PassContext, fqn: str = "") -> str:
         if not isinstance(w, fx.Node) or w.target not in _DEQUANT:
-            real = ctx.example.get(w) if isinstance(w, fx.Node) else None
+            source = _read_from(w)  # the parameter's tags, also through a cast of it (w.type_as(x), w.float())
+            real = ctx.example.get(source) if source is not None else None
             tagged = getattr(real, "_fp8fx_owners", {}).get(fqn) or getattr(real, "_fp8fx_skip_reason", None)
             if tagged:
                 return f"not quantized: {tagged}"

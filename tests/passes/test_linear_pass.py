@@ -561,6 +561,7 @@ IN_PLACE = {
     "relu(inplace=True)": lambda x: torch.nn.functional.relu(x, inplace=True),
     "nn.ReLU(inplace=True)": nn.ReLU(inplace=True),
     "hardtanh(x, -0.5, 0.5, True)": lambda x: torch.nn.functional.hardtanh(x, -0.5, 0.5, True),
+    "x.__imul__(3) (a method call)": lambda x: x.__imul__(3.0),
 }
 
 
@@ -912,11 +913,13 @@ class WeightForms(nn.Module):
             return F.linear(x.float(), w.float(), b.float())
         weight = {"to": lambda: w.to(x.dtype), "to_device": lambda: w.to(x.device), "type": lambda: w.type(x.dtype),
                   "bfloat16": lambda: w.bfloat16(), "contiguous": lambda: w.contiguous(),
-                  "contiguous_to": lambda: w.contiguous().to(torch.bfloat16)}[self.form]()
+                  "contiguous_to": lambda: w.contiguous().to(torch.bfloat16),
+                  "type_as": lambda: w.type_as(x)}[self.form]()
         return F.linear(x, weight, b)
 
 
-@pytest.mark.parametrize("form", ["to", "to_device", "type", "bfloat16", "contiguous", "contiguous_to", "matmul_of_to"])
+@pytest.mark.parametrize("form", ["to", "to_device", "type", "bfloat16", "contiguous", "contiguous_to", "matmul_of_to",
+                                  "type_as"])
 def test_a_weight_read_through_a_cast_that_changes_nothing_is_rewritten(form):
     """F.linear(x, w.to(x.dtype)) of a w already in x's dtype, or of w.contiguous(): it was left with the reason
     "weight is a slice or view of a quantized weight (e.g. one expert of stacked experts)"."""
@@ -946,3 +949,96 @@ def test_a_weight_read_through_a_cast_to_another_dtype_names_it():
     assert not site.rewritten and site.reason == (
         "weight is read through float (call_method: a cast to float32) of a quantized weight, not the quantized "
         "weight itself: computed with the dequantized weight")
+
+
+def test_a_users_triton_kernel_counts_as_a_write_into_what_it_takes():
+    """Dynamo records a user's Triton kernel as the higher-order op triton_kernel_wrapper_mutation, its tensors in
+    kwargs["kwargs"]: a quantization of h taken before it was reused after it (h *= 10 in the kernel: k's output a
+    tenth of eager's)."""
+    from fp8fx.passes.linear import _mutates, _written
+
+    graph = torch.fx.Graph()
+    h, other = graph.placeholder("h"), graph.placeholder("other")
+    kernel = graph.call_function(torch.ops.higher_order.triton_kernel_wrapper_mutation, (), dict(
+        kernel_idx=0, constant_args_idx=0, grid=[(1, 1, 1)], tma_descriptor_metadata={},
+        kwargs={"x_ptr": h, "n": 4}))
+    pure = graph.call_function(torch.ops.higher_order.tag_activation_checkpoint, (other,))
+    assert _mutates(kernel) and _written(kernel) == [h]
+    assert not _mutates(pure)
+
+
+class WrittenWeight(nn.Module):
+    """The layer's weight (dequantized afresh at each read) written in place before the linear reads it."""
+
+    def __init__(self, form):
+        super().__init__()
+        self.form, self.lin = form, nn.Linear(64, 32, bias=False)
+
+    def forward(self, x):
+        w = self.lin.weight
+        if self.form == "mul_":
+            w.mul_(2.0)
+        else:
+            w[:16] = 0.0
+        return F.linear(x, w)
+
+
+@pytest.mark.parametrize("form,writer", [("mul_", "mul_ (call_method)"), ("setitem", "setitem (call_function)")])
+def test_a_dequantized_weight_written_before_its_linear_is_not_rewritten(form, writer):
+    """The fp8 op read the quantized weight without the write (w[:16] = 0: channels of 1.6 where eager has 0)."""
+    torch.manual_seed(0)
+    model = WrittenWeight(form).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        ref, out = model(x), torch.compile(model, backend=backend)(x)
+    [site] = backend.report.sites
+    assert (site.fqn, site.rewritten, site.reason) == ("lin", False, (
+        f"the dequantized weight is written in place by {writer} before the linear: computed with the dequantized "
+        "weight"))
+    assert torch.equal(out, ref)
+
+
+def test_a_weight_loaded_by_fp8_linear_method_read_elsewhere_is_one_site():
+    """A layer built through Fp8LinearMethod (no quantize_ name tag) whose weight a norm also reads: the reader got a
+    second, not-rewritten site named after Dynamo's node ("dequantize_1"), and "1 of 2 sites rewritten"."""
+
+    class NormScaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 32, bias=False)
+
+        def forward(self, x):
+            return self.proj(x) * self.proj.weight.norm()
+
+    model = NormScaled().to(torch.bfloat16)
+    w = model.proj.weight.detach().clone()
+    del model.proj._parameters["weight"]
+    method = fp8fx.Fp8LinearMethod(fp8fx.Fp8Config())
+    method.create_weights(model.proj, 64, [32], torch.bfloat16, prefix="proj")
+    method.weight_loader(model.proj, "weight", w)
+    method.process_weights_after_loading(model.proj)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    [site] = backend.report.sites
+    assert site.fqn == "proj" and site.rewritten and site.scheme.endswith(
+        "also read by norm (call_method) (on the dequantized weight)"), str(backend.report)
+
+
+def test_an_ignored_layer_read_through_a_cast_says_it_is_ignored():
+    """CastedLinear (nanoGPT): F.linear(x, self.weight.type_as(x)) of fp32 weights; the ignored head was reported
+    as "not an fp8fx-quantized weight (run fp8fx.quantize_ ...)" with a warning."""
+
+    class Casted(nn.Linear):
+        def forward(self, x):
+            return F.linear(x, self.weight.type_as(x))
+
+    model = nn.Sequential(nn.Linear(64, 64), Casted(64, 16, bias=False))
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["1"]))
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16).float())
+    assert [(s.fqn, s.rewritten, s.reason) for s in backend.report.sites] == [
+        ("0", True, ""), ("1", False, "not quantized: in ignored_layers")], str(backend.report)
