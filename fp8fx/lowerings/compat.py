@@ -82,17 +82,33 @@ def compile_fx(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
     config_patches: Optional[dict] = None,
-    extra_decompositions: Optional[dict] = None,
+    extra_decompositions: Optional[Callable[[], dict]] = None,
 ):
-    """Inductor's compile entry point (``torch._inductor.compile_fx.compile_fx``); extra
-    decompositions are added to Inductor's own table (passing a table replaces Inductor's)."""
+    """Inductor's compile entry point (``torch._inductor.compile_fx.compile_fx``); the table that
+    ``extra_decompositions()`` returns is added to Inductor's own (passing a table replaces Inductor's).
+    ``extra_decompositions`` is a module-level function: the merged table pickles as a call to it (see
+    ``_DecompTable``)."""
     from torch._inductor.compile_fx import compile_fx as _compile_fx
-    from torch._inductor.decomposition import select_decomp_table
 
-    decomps = None
-    if extra_decompositions:
-        decomps = {**select_decomp_table(), **extra_decompositions}
+    decomps = _DecompTable(extra_decompositions) if extra_decompositions is not None else None
     return _compile_fx(gm, example_inputs, config_patches=config_patches or {}, decompositions=decomps)
+
+
+class _DecompTable(dict):
+    """Inductor's decomposition table with ``extra()``'s entries added, that pickles as the name of ``extra``.
+    torch 2.13 puts the table a compile is given into the FX graph cache's key, by pickling it, and its ATen
+    entries (C++ functions) do not pickle: every compile bypassed the cache. What the table holds is keyed
+    already: Inductor's own by the torch version, fp8fx's by the pass manager's uuid (the sources of
+    fp8fx.lowerings). torch 2.11 keeps the table out of the key."""
+
+    def __init__(self, extra: Callable[[], dict]):
+        from torch._inductor.decomposition import select_decomp_table
+
+        super().__init__({**select_decomp_table(), **extra()})
+        self.extra = extra
+
+    def __reduce__(self):
+        return _DecompTable, (self.extra,)
 
 
 def below_autograd(compiled: Callable) -> Callable:

@@ -275,6 +275,32 @@ def test_cache_key_reaches_inductor(monkeypatch):
     assert seen["max_autotune"] is False
 
 
+def test_graph_with_the_aten_lowering_is_cached(monkeypatch, tmp_path):
+    """The CUDA default, ``lowering="aten"``, gives Inductor a decomposition table; torch 2.13 pickles it into the
+    FX graph cache's key, and its C++ entries did not pickle: every compile bypassed the cache (2.11 keeps the
+    table out of the key). Forced here on CPU: the second compile of the same graph is a cache hit."""
+    from torch._dynamo.utils import counters
+
+    from fp8fx.lowerings import aten
+
+    monkeypatch.setattr(aten, "applies", lambda example_inputs: True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    decomposed = []
+    real = aten._quantize
+    monkeypatch.setattr(aten, "_quantize", lambda *a: decomposed.append(1) or real(*a))
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    for attempt in range(2):
+        torch._dynamo.reset()
+        counters.clear()
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16)
+        fp8fx.quantize_(model)
+        with torch.no_grad():
+            torch.compile(model, backend=Fp8Backend(lowering="aten"))(x)
+        hits = counters["inductor"]["fxgraph_cache_hit"]
+        assert (hits, counters["inductor"]["fxgraph_cache_bypass"]) == (attempt, 0), dict(counters["inductor"])
+    assert decomposed  # the table was in use
+
+
 def test_bad_backend_option():
     with pytest.raises(ValueError, match=r"Fp8Backend\(compiler='tvm'\): use one of"):
         Fp8Backend(compiler="tvm")
