@@ -10,10 +10,10 @@ NaN while 2.13 and Inductor saturate (FACTS.md, checked on both), and the clamp 
 """
 from __future__ import annotations
 
-import math
 from typing import Optional, Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false  # (torch 2.11 and 2.13)
 
 FP8_DTYPE = torch.float8_e4m3fn
 HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)  # activations, outputs, unquantized weights
@@ -36,7 +36,7 @@ def without_trailing_ones(shape) -> tuple:
     """``shape`` without its trailing 1-dims: a scale's layout whatever 1s it is stored with ([N] / [N, 1], [E, R] /
     [E, R, 1])."""
     shape = tuple(shape)
-    while shape and shape[-1] == 1:
+    while shape and guard_or_false(shape[-1] == 1):  # (an unbacked size, a batch marked so, is taken as not 1)
         shape = shape[:-1]
     return shape
 
@@ -44,10 +44,10 @@ def without_trailing_ones(shape) -> tuple:
 def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
     """Shape of the scale of a tensor of ``shape`` quantized with ``block``."""
     *lead, rows, cols = shape
-    b_r, b_c = resolve_block(block, rows, cols)
-    # a whole-dim block is one scale even for an empty dim (M == 0: an empty batch, an idle expert)
-    n_r = 1 if block[0] == -1 else math.ceil(rows / b_r)
-    n_c = 1 if block[1] == -1 else math.ceil(cols / b_c)
+    # a whole-dim block is one scale even for an empty dim (M == 0: an empty batch, an idle expert); integer
+    # ceil-division, which asks no question of a symbolic size (an unbacked batch: max() and / guarded on it)
+    n_r = 1 if block[0] == -1 else -(-rows // block[0])
+    n_c = 1 if block[1] == -1 else -(-cols // block[1])
     return (*lead, n_r, n_c)
 
 

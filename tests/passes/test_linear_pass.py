@@ -211,6 +211,29 @@ def test_at_most_one_recompile_across_batch_sizes_and_no_graph_break():
     assert sum(torch._dynamo.utils.counters["graph_break"].values()) == 0
 
 
+@pytest.mark.parametrize("config", [
+    fp8fx.Fp8Config(),
+    fp8fx.Fp8Config(weight_block_size=[16, 32]),
+    fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor()),
+], ids=["per-channel", "block", "per-tensor"])
+def test_an_unbacked_batch_dim_serves_every_batch_in_one_graph(config):
+    """A batch dim marked unbacked (torch._dynamo.decorators.mark_unbacked: no guard, no recompile, 0 and 1
+    included) compiles: the ops' shape checks asked questions of it that it cannot answer (is u0 == ceil(u0 / 1),
+    is u0 < 1), and compiling failed for every scheme. Each batch computes exactly what a graph compiled for its
+    own static shape does."""
+    model = ThreeLinear().to(torch.bfloat16)
+    fp8fx.quantize_(model, config)
+    backend = Fp8Backend()
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    with torch.no_grad():
+        for m in (4, 1, 0, 7):
+            x = torch.randn(m, 64, dtype=torch.bfloat16)
+            static = torch.compile(model, backend=Fp8Backend(), dynamic=False)(x)
+            torch._dynamo.decorators.mark_unbacked(x, 0)
+            assert torch.equal(compiled(x), static)
+    assert backend.report.graphs == 1 and len(backend.report.rewritten) == 3
+
+
 def fp8fx_eager_reference(model, x):
     """The W8A8 computation of ``model`` with the same ops, in eager mode."""
     from fp8fx.ops import fp8_linear
