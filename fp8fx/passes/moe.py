@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, statically_known_true
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
@@ -129,6 +129,8 @@ _METHODS = {
     "ge": "ge", "__ge__": "ge", "greater_equal": "ge", "clamp": "clamp", "clamp_": "clamp", "clip": "clamp",
     "clip_": "clamp", "masked_fill": "masked_fill", "masked_fill_": "masked_fill",
 }
+_RUNTIME_ASSERTS = (torch.ops.aten._assert_scalar.default, torch._check,
+                    torch.ops.aten.sym_constrain_range_for_size.default)
 _GEMM_OPS = {"transformers::grouped_mm_fallback"}  # HF's CPU / non-bf16 grouped GEMM custom op
 
 
@@ -510,6 +512,15 @@ def _describe(node: fx.Node) -> str:
     return f"{node.op} {_op_name(node)}"
 
 
+def _reason(e: Exception) -> str:
+    if not isinstance(e, GuardOnDataDependentSymNode):
+        return str(e)
+    # the checks compare sizes; an unbacked one (torch._dynamo.decorators.mark_unbacked) answers none of them
+    return ("the experts' shapes cannot be compared at trace time: the token count is unbacked (marked with "
+            "mark_unbacked, or data-dependent); mark the batch dim dynamic instead (torch._dynamo.mark_dynamic), "
+            f"or leave it static ({str(e).splitlines()[0][:120]})")
+
+
 def _shape(node) -> tuple:
     v = fake_value(node)
     return tuple(v.shape) if isinstance(v, torch.Tensor) else ()
@@ -579,8 +590,8 @@ class MoePass(Fp8Pass):
         for site in self._sites(graph, ctx):
             try:
                 operands = self._check(site, ctx)
-            except _NoMatch as e:
-                ctx.report.add(Site("moe", site.fqn, False, str(e), "", ctx.graph_index,
+            except (_NoMatch, GuardOnDataDependentSymNode) as e:
+                ctx.report.add(Site("moe", site.fqn, False, _reason(e), "", ctx.graph_index,
                                     weight_shape=Site.shape_of(fake_value(site.dequant.get("w13"))),
                                     node=Site.origin_of(site.region[-1]) if site.region else ""))
                 continue
@@ -633,7 +644,8 @@ class MoePass(Fp8Pass):
         then ``* s1``) once, in the first experts module that needs it, for every later layer too. Such sizes are
         no output of the experts (they stay in the graph; the region reads them as inputs): the size nodes read
         by later code, with the size nodes they are computed from, when none of them reads a tensor of the
-        region."""
+        region. Likewise the runtime assertions Dynamo records on such sizes (a batch size marked unbacked:
+        ``Eq(u1, u0)``, the routing's token count against the hidden states'), which stay in the graph."""
         region = set(site.region)
         sizes: set[fx.Node] = set()  # computed from outside values and other such sizes only (graph order)
         for n in site.region:
@@ -641,7 +653,7 @@ class MoePass(Fp8Pass):
                     a in sizes or a not in region for a in n.all_input_nodes):
                 sizes.add(n)
         shared: set[fx.Node] = set()
-        todo = [n for n in sizes if any(u not in region for u in n.users)]
+        todo = [n for n in sizes if n.target in _RUNTIME_ASSERTS or any(u not in region for u in n.users)]
         while todo:
             n = todo.pop()
             if n not in shared:
@@ -722,7 +734,7 @@ class MoePass(Fp8Pass):
                 raise _NoMatch(f"the experts read {n.name}, which is not a tensor")
             elif not v.dtype.is_floating_point and v.dim() == 2:
                 roles[n] = "ids"
-            elif v.dim() == 2 and tuple(v.shape) == tuple(out_shape) and v.shape[1] == h:
+            elif v.dim() == 2 and all(statically_known_true(a == b) for a, b in zip(v.shape, (out_shape[0], h))):
                 roles[n] = "x"
             elif v.dim() == 2 and v.dtype.is_floating_point:
                 roles[n] = "wts"

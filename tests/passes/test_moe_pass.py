@@ -455,6 +455,25 @@ def test_traced_with_autograd_is_not_rewritten():
     assert not site.rewritten and site.reason.startswith("traced with autograd")
 
 
+def test_an_unbacked_token_count_leaves_the_experts_with_the_reason():
+    """A token count marked unbacked (mark_unbacked) answers no comparison of sizes, which the pass's checks make:
+    the graph failed to compile. The experts now run as the model wrote them, reported with the reason and the fix;
+    Dynamo's runtime assertions on the sizes (``Eq(u1, u0)``) are no part of the experts."""
+    model = hf_experts("grouped_mm", torch.bfloat16)
+    with torch.no_grad():
+        fp8fx.quantize_(model)
+        x, ids, w = inputs(torch.bfloat16)
+        eager = model(x, ids, w)
+        for t in (x, ids, w):
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        out, gm, report = compile_capture(model, x, ids, w)
+    (site,) = report.sites
+    assert not site.rewritten and site.reason.startswith(
+        "the experts' shapes cannot be compared at trace time: the token count is unbacked")
+    assert "mark the batch dim dynamic instead (torch._dynamo.mark_dynamic)" in site.reason
+    assert torch.ops.fp8fx.fused_moe.default not in targets(gm) and torch.equal(out, eager)
+
+
 def test_pass_runs_first_and_its_uuid_follows_its_source():
     passes = default_passes()
     assert isinstance(passes[0], MoePass)
