@@ -267,16 +267,32 @@ def _size(n: int) -> str:
 # fp8fx_direct.scaled_mm(...): fp8fx's op called without the dispatcher, ``Fp8Backend(direct_calls=True)``) or a
 # generated one (triton_tem_fused_mm_0.run(...), cpp_fused_relu_0(...)). Checked on torch 2.13 (CPU)
 # and 2.11 (CUDA); Triton GEMM templates (max_autotune) only from Inductor's source, not in a real run.
+# The C++ wrapper (``cpp_wrapper=True``) is a Python string of C++ source: a C++ kernel is defined as
+#     extern "C"  void  cpp_fused_relu_0(at::BFloat16* in_out_ptr0)
+#     {
+# (after a declaration of it ending in ";"), the comments start with "//", an fp8fx op is called through the
+# dispatcher (``findSchemaOrThrow("fp8fx::scaled_mm", "")``; torch 2.11: through Python, the op named as
+# ``PyUnicode_FromString("torch.ops.fp8fx.scaled_mm.default")``), an ATen one as ``aoti_torch_cpu_addmm_out(...)``
+# inside ``AOTI_TORCH_ERROR_CODE_CHECK(...)``.
+# Checked on torch 2.13 and 2.11 (CPU).
 _KERNEL_DEF = re.compile(r"^(\w+) = async_compile\.\w+\(", re.M)
-_SOURCE_NODES = re.compile(r"#.*Source Nodes: \[([^\]]*)\]")
+_CPP_KERNEL_DEF = re.compile(r'^extern "C"\s+void\s+(\w+)\([^;{]*\)\s*\{', re.M)
+_CPP_WRAPPER = "CppWrapperCodeCache"  # what loads a C++ wrapper's source
+_SOURCE_NODES = re.compile(r"(?:#|//).*Source Nodes: \[([^\]]*)\]")
 _CALL = re.compile(r"^\s*(?:\w+ = )?([\w.]+)\(")
+# a custom op called from C++: through the dispatcher (2.13), through Python (2.11)
+_CPP_OP_CALL = re.compile(r'(?:findSchemaOrThrow\("|PyUnicode_FromString\("torch\.ops\.)(\w+)(?:::|\.)(\w+)')
+_CPP_ATEN_CALL = re.compile(r"\baoti_torch_(?:cpu|cuda)_(\w+?)(?:_out)?\(")  # an ATen op called from C++
 _MOE_OPS = ("torch.ops.fp8fx.fused_moe",)  # fp8fx's MoE op: an extern kernel on every device
 _TEMPLATE_PARAMS = re.compile(r"\b(BLOCK_[MNK]|num_stages|num_warps)\s*(?::\s*tl\.constexpr\s*)?=\s*(\d+)")
 
 
 def generated_kernels(code: str) -> list[str]:
-    """Names of the kernels Inductor generated (Triton, C++), in definition order."""
-    return _KERNEL_DEF.findall(code)
+    """Names of the kernels Inductor generated (Triton, C++), in definition order (a C++ wrapper's after the
+    Python wrapper's)."""
+    # (the Python wrapper's C++ kernels are strings whose function is named "kernel": only the C++ wrapper's count)
+    cpp = _CPP_KERNEL_DEF.findall(code) if _CPP_WRAPPER in code else []
+    return list(dict.fromkeys(_KERNEL_DEF.findall(code) + cpp))
 
 
 def gemm_kernels(code: str) -> dict[str, str]:
@@ -292,8 +308,9 @@ def gemm_kernels(code: str) -> dict[str, str]:
         if source:
             nodes = [n.strip() for n in source.group(1).split(",") if n.strip()]
             continue
-        call = _CALL.match(line)
-        callee = _callee(call.group(1)) if call else ""
+        call, op_call, aten_call = _CALL.match(line), _CPP_OP_CALL.search(line), _CPP_ATEN_CALL.search(line)
+        callee = ("torch.ops.{}.{}".format(*op_call.groups()) if op_call else
+                  "extern_kernels." + aten_call.group(1) if aten_call else _callee(call.group(1)) if call else "")
         extern = callee.startswith(("extern_kernels.", "torch.ops."))
         gemm = any(part in callee.rpartition(".")[2] for part in ("mm", "mlp")) and (extern or callee in generated)
         if gemm or callee in _MOE_OPS:  # not a generated kernel named after an input's cast fused with it

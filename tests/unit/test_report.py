@@ -286,6 +286,24 @@ def test_reading_output_code():
     }
 
 
+@pytest.mark.parametrize("cpp_wrapper", [False, True])
+def test_the_cpp_wrapper_output_code_is_read_as_the_python_one(cpp_wrapper):
+    """Inductor's C++ wrapper (``cpp_wrapper=True``) writes its kernels and calls in C++: none was counted, so
+    ``assert_kernel_count(backend, 0)`` passed whatever was generated, and no site named its GEMM. Both wrappers of
+    one model give the same kernels and the same GEMM a site."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["2"]))
+    backend = fp8fx.Fp8Backend(inductor_config={"cpp_wrapper": cpp_wrapper})
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert backend.report.kernels == {0: ["cpp_fused_relu_0"]}
+    assert [s.kernel for s in backend.report.sites] == ["extern fp8fx.scaled_mm", "extern addmm"]
+    fp8fx.testing.assert_kernel_count(backend, 1)
+    with pytest.raises(AssertionError, match="expected 0 generated kernels"):
+        fp8fx.testing.assert_kernel_count(backend, 0)
+
+
 def test_layers_kept_in_high_precision_by_design_log_at_info(caplog):
     """An ignored layer, an MoE router and a tied lm_head are choices (vLLM keeps routers and tied heads in high
     precision too): INFO, not a WARNING at every compile; any other reason is a WARNING."""
