@@ -35,10 +35,16 @@ def _quantize_static(x, scale):
 
 
 def applies(example_inputs) -> bool:
-    """The decompositions are for graphs on CUDA."""
+    """The decompositions are for graphs on CUDA whose sizes have hints: the quantization's math (fp8fx.quant)
+    branches on sizes (an empty tensor, a ragged last block), which an unbacked size (a batch marked with
+    ``mark_unbacked``) cannot answer; such a graph keeps the ops opaque, their kernels quantizing at run time."""
     import torch
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
+    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
+    return (any(t.device.type == "cuda" for t in tensors)
+            and not any(free_unbacked_symbols(t.shape) for t in tensors)
+            and not any(free_unbacked_symbols(v) for v in example_inputs if isinstance(v, torch.SymInt)))
 
 
 def decompositions():

@@ -216,22 +216,44 @@ def test_at_most_one_recompile_across_batch_sizes_and_no_graph_break():
     fp8fx.Fp8Config(weight_block_size=[16, 32]),
     fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor()),
 ], ids=["per-channel", "block", "per-tensor"])
-def test_an_unbacked_batch_dim_serves_every_batch_in_one_graph(config):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_an_unbacked_batch_dim_serves_every_batch_in_one_graph(config, device):
     """A batch dim marked unbacked (torch._dynamo.decorators.mark_unbacked: no guard, no recompile, 0 and 1
     included) compiles: the ops' shape checks asked questions of it that it cannot answer (is u0 == ceil(u0 / 1),
     is u0 < 1), and compiling failed for every scheme. Each batch computes exactly what a graph compiled for its
-    own static shape does."""
-    model = ThreeLinear().to(torch.bfloat16)
+    own static shape does with the ops opaque (on CUDA the unbacked graph keeps them so: the ATen lowering of the
+    quantization branches on sizes)."""
+    model = ThreeLinear().to(device, torch.bfloat16)
     fp8fx.quantize_(model, config)
     backend = Fp8Backend()
     compiled = torch.compile(model, backend=backend, fullgraph=True)
     with torch.no_grad():
         for m in (4, 1, 0, 7):
-            x = torch.randn(m, 64, dtype=torch.bfloat16)
-            static = torch.compile(model, backend=Fp8Backend(), dynamic=False)(x)
+            x = torch.randn(m, 64, dtype=torch.bfloat16, device=device)
+            static = torch.compile(model, backend=Fp8Backend(lowering="op"), dynamic=False)(x)
             torch._dynamo.decorators.mark_unbacked(x, 0)
             assert torch.equal(compiled(x), static)
     assert backend.report.graphs == 1 and len(backend.report.rewritten) == 3
+
+
+def test_the_aten_lowering_leaves_graphs_with_unbacked_sizes_opaque():
+    """The quantization's ATen decomposition branches on sizes (an empty tensor, a ragged last block), which an
+    unbacked size cannot answer: on CUDA such a graph failed to compile. It keeps the ops opaque instead; a
+    symbolic size with a hint (a dynamic batch) is decomposed as before."""
+    from torch._dynamo.source import ConstantSource
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    from fp8fx.lowerings import aten
+
+    env = ShapeEnv()
+    with FakeTensorMode(shape_env=env):  # fake CUDA tensors: no GPU needed
+        u0 = env.create_unbacked_symint()
+        s0 = env.create_symintnode(env.create_symbol(8, source=ConstantSource("s0")), hint=8)
+        static, dynamic, unbacked = (torch.empty(m, 64, device="cuda") for m in (4, s0, u0))
+    assert aten.applies([static]) and aten.applies([s0, dynamic])
+    assert not aten.applies([unbacked]) and not aten.applies([u0, static])
+    assert not aten.applies([torch.zeros(4, 64)])  # (CPU)
 
 
 def fp8fx_eager_reference(model, x):
