@@ -32,7 +32,6 @@ import types
 from typing import Callable, Optional, Sequence
 
 import torch
-from torch.fx.experimental.symbolic_shapes import guard_or_false  # (torch 2.11 and 2.13)
 
 from fp8fx import quant
 from fp8fx.kernels import launch  # (no Triton import: launch.py imports torch only)
@@ -209,14 +208,14 @@ def _check_scale_size(what: str, name: str, scale: torch.Tensor, of: Callable[[]
     experts' per-channel scales [E, R, 1] (or [E, R]) have R in their last dim that counts, and [R, E] is refused."""
     grid = quant.scale_shape(shape, block)
     want = math.prod(grid)
-    # guard_or_false: where the sizes are symbolic and unbacked (a batch marked so), a check that cannot be decided
-    # at trace time is left to the call, which checks real sizes
-    if guard_or_false(scale.numel() != want):
+    # where the sizes are symbolic and unbacked (a batch marked so), a check that cannot be decided at trace time is
+    # left to the call, which checks real sizes
+    if quant.known(scale.numel() != want):
         raise ValueError(f"{what}: {name} has {scale.numel()} elements (shape {list(scale.shape)}); block "
                          f"{list(block)} of {of()} needs {want}")
     row = quant.without_trailing_ones(grid)
-    last = quant.without_trailing_ones(scale.shape)[-1:]
-    if len(row) > 1 and guard_or_false(want > row[-1]) and (not last or guard_or_false(last[0] != row[-1])):
+    if len(row) > 1 and quant.known(want > row[-1]) and (
+            not (last := quant.without_trailing_ones(scale.shape)[-1:]) or quant.known(last[0] != row[-1])):
         raise ValueError(f"{what}: {name} has shape {list(scale.shape)}; block {list(block)} of {of()} needs a grid "
                          f"of scales {list(grid)} (rows of blocks, then one scale a column block, in the last dim): a "
                          "transposed or flattened grid would be read scrambled")

@@ -32,11 +32,18 @@ def resolve_block(block: Sequence[int], rows: int, cols: int) -> tuple[int, int]
     return (max(rows, 1) if b_r == -1 else b_r, max(cols, 1) if b_c == -1 else b_c)
 
 
+def known(cond) -> bool:
+    """``cond`` (a size comparison), where it is a plain bool; a symbolic one only where it can be decided without a
+    guard (an unbacked size, a batch marked so, answers no question: False). Plain bools skip torch's helper: the
+    ops check sizes on every call."""
+    return cond if type(cond) is bool else guard_or_false(cond)
+
+
 def without_trailing_ones(shape) -> tuple:
     """``shape`` without its trailing 1-dims: a scale's layout whatever 1s it is stored with ([N] / [N, 1], [E, R] /
     [E, R, 1])."""
     shape = tuple(shape)
-    while shape and guard_or_false(shape[-1] == 1):  # (an unbacked size, a batch marked so, is taken as not 1)
+    while shape and known(shape[-1] == 1):  # (an unbacked size is taken as not 1)
         shape = shape[:-1]
     return shape
 
