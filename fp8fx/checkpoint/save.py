@@ -96,10 +96,34 @@ def save_checkpoint(
     if config_json is None:
         hf, source = getattr(model, "config", None), getattr(model, "_fp8fx_source", {})
         config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})
+    config_json = _untied_config(model, config_json)
     config_text = _config_text(config_json, qc, "save_checkpoint")  # refused before any file is written
     _write_checkpoint(path, tensors, max_shard_size, config_text)
     log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
     return qc
+
+
+def _untied_config(model: nn.Module, config_json: dict) -> dict:
+    """``config_json`` with ``tie_word_embeddings: false`` where it says true but the model's output embeddings are
+    no longer its input embeddings (an lm_head quantized on its own, ``quantize_(model.lm_head, ...)``: the README's
+    untying): HF, vLLM and load_checkpoint tie them again from the config, dropping the fp8 lm_head or refusing
+    it. The model's own config is not changed."""
+    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
+    if not (callable(get_in) and callable(get_out)):
+        return config_json
+    inp, out = get_in(), get_out()
+    if inp is None or out is None or out._parameters.get("weight") is inp._parameters.get("weight"):
+        return config_json
+    fixed = dict(config_json)
+    if isinstance(fixed.get("text_config"), dict):  # (multimodal configs tie in their text config)
+        fixed["text_config"] = dict(fixed["text_config"])
+    for where in (fixed, fixed.get("text_config")):
+        if isinstance(where, dict) and where.get("tie_word_embeddings") is True:
+            where["tie_word_embeddings"] = False
+            log.warning("fp8fx: save_checkpoint writes tie_word_embeddings: false: the model's output embeddings "
+                        "are not its input embeddings (an lm_head quantized on its own is untied), though its "
+                        "config says they are tied (the model's config is unchanged)")
+    return fixed
 
 
 def _check_arguments(path: Union[str, os.PathLike], experts: Optional[str], max_shard_size: Optional[int]) -> None:

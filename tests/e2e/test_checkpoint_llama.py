@@ -173,6 +173,30 @@ def test_deepseek_v3_mla_group_is_saved_in_one_precision(tmp_path, caplog):
     assert f"{attn[0]}.q_b_proj" in report.quantized
 
 
+def test_an_lm_head_quantized_on_its_own_is_saved_untied(tmp_path, caplog):
+    """Quantizing a tied lm_head on its own unties it (README); the saved config.json still said
+    tie_word_embeddings: true, so the model it describes tied lm_head again and load_checkpoint refused the
+    checkpoint's fp8 lm_head (HF and vLLM tie it too). The config is written untied, with a warning; the model's own
+    config is unchanged."""
+    from fp8fx.checkpoint import save_checkpoint
+
+    cfg = llama_config(layers=1)
+    cfg.tie_word_embeddings = True
+    model = reference_model(cfg)
+    config = fp8fx.Fp8Config()
+    fp8fx.quantize_(model.model.layers[0], config, prefix="model.layers.0")
+    fp8fx.quantize_(model.lm_head, config, prefix="lm_head")
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        save_checkpoint(model, tmp_path / "saved")
+    assert "writes tie_word_embeddings: false" in caplog.text and model.config.tie_word_embeddings
+    assert json.loads((tmp_path / "saved" / "config.json").read_text())["tie_word_embeddings"] is False
+    again = meta_model(tmp_path / "saved")
+    report = load_checkpoint(again, tmp_path / "saved", progress=False)
+    assert "lm_head" in report.quantized
+    with torch.no_grad():
+        assert torch.equal(again(IDS).logits, model(IDS).logits)
+
+
 def test_loaded_checkpoint_compiles_with_fp8_backend(tmp_path):
     cfg = llama_config()
     state = reference_model(cfg).state_dict()
