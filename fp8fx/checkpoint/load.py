@@ -649,7 +649,7 @@ class _Loader:
 
     def _load_scale(self, lin: _Linear, name: str, i: int, entry: Entry, t: torch.Tensor) -> None:
         t = check_scale_values(entry, t)
-        if name != "input_scale":
+        if name != "input_scale" and t.numel():  # (a layer of no rows has no scale: nothing to dequantize)
             # the dequantized .weight view (fp8 * scale, in the model's dtype) reaches 448 * scale: where that is
             # beyond the dtype's range (float16: 65504), finish() counts the values that would be inf
             top = t.max()

@@ -541,3 +541,22 @@ def test_save_refuses_an_fp8_layer_whose_weight_is_no_longer_fp8(tmp_path):
                                          r"not torch.float8_e4m3fn .*nothing was written"):
         save_checkpoint(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("config", [fp8fx.Fp8Config(), fp8fx.Fp8Config(weight_block_size=[128, 128])],
+                         ids=["per-channel", "block"])
+def test_a_layer_of_no_rows_loads_back(tmp_path, config):
+    """nn.Linear(128, 0) quantizes and saves with a [0, 1] / [0, 1] scale; loading it failed on the range check of
+    its scale (max() of no values, a raw torch error)."""
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.ModuleDict({"empty": torch.nn.Linear(128, 0), "full": torch.nn.Linear(128, 128)}).bfloat16()
+
+    saved = model()
+    fp8fx.quantize_(saved, config)
+    save_checkpoint(saved, tmp_path / "saved")
+    with torch.device("meta"):
+        loaded = model()
+    report = load_checkpoint(loaded, tmp_path / "saved", progress=False)
+    assert sorted(report.quantized) == ["empty", "full"]
+    assert_same_state(saved, loaded)
