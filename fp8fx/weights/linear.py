@@ -27,6 +27,7 @@ from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, gr
 from fp8fx.ops import BIAS_GAPS
 from fp8fx.weights import chunked
 from fp8fx.weights.counter import CopyNumelCounter
+from fp8fx.weights.kv_cache import KV_SCALE_NAMES
 
 log = logging.getLogger("fp8fx")
 
@@ -95,11 +96,37 @@ def _cast_of(module: nn.Module, fn) -> tuple[Optional[torch.dtype], Optional[tor
         return None, None, ""
     device = next((t.device for t in module._parameters.values() if t is not None), None)
     cast = fn(torch.empty(0, dtype=dtype, device=device)).dtype
-    if cast == dtype or not cast.is_floating_point or cast in quant.COMPUTE_DTYPES:
-        return dtype, cast, ""
     name = getattr(module._parameters.get("weight"), "_fp8fx_fqn", None) or getattr(module, "_fp8fx_prefix", "")
-    return dtype, cast, (f"{name or type(module).__name__}: cast to {cast}, but fp8 layers compute in bf16/fp16/fp32 "
-                         "(or fp64, as a reference); cast the model to one of these")
+    name = name or type(module).__name__
+    if cast == dtype or not cast.is_floating_point:
+        return dtype, cast, ""
+    if cast in quant.COMPUTE_DTYPES:
+        return dtype, cast, _overflow_of(module, name, cast)
+    return dtype, cast, (f"{name}: cast to {cast}, but fp8 layers compute in bf16/fp16/fp32 (or fp64, as a "
+                         "reference); cast the model to one of these")
+
+
+def _overflow_of(module: nn.Module, name: str, cast: torch.dtype) -> str:
+    """Why the dequantized weights of ``module`` (fp8 * scale, the ``.weight`` view and the reference kernels) would
+    hold inf in ``cast`` (float16: a scale above 65504 / 448 = 146.2 where the fp8 values reach that far), or "".
+    load_checkpoint refuses such a layer for a float16 model; a cast of the loaded model to float16 made it, with no
+    error. The fp8 tensors are counted only where their largest scale is beyond the range."""
+    p, suffix = module._parameters, "_scale_inv" if getattr(module, "_fp8fx_block_scales", False) else "_scale"
+    for w in ("weight", "gate_up_proj", "down_proj"):
+        q, scale = p.get(w), p.get(w + suffix)
+        if q is None or scale is None or q.dtype != quant.FP8_DTYPE or not scale.numel():
+            continue
+        largest = float(scale.detach().float().max())
+        if not math.isinf(largest * quant.FP8_MAX) and not torch.isinf(torch.tensor(largest * quant.FP8_MAX).to(cast)):
+            continue
+        block = module._fp8fx_w_block
+        count = sum(chunked.dequantized_overflow(qe.detach(), se.detach(), block, cast)
+                    for qe, se in (zip(q, scale) if q.dim() == 3 else [(q, scale)]))
+        if count:
+            return (f"{name}: cast to {cast}, but a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is "
+                    f"beyond {cast}'s range (at most {torch.finfo(cast).max:g}): {count} values of its dequantized "
+                    f"{w} would be inf (outputs NaN); keep the model in bfloat16 or float32")
+    return ""
 
 
 def _checked_apply(self, fn, recurse=True):
@@ -109,12 +136,21 @@ def _checked_apply(self, fn, recurse=True):
         refused = _cast_of(m, fn)[2] if getattr(type(m), "_apply", None) is fp8_apply else ""
         if refused:
             raise ValueError(f"{refused} (nothing was converted)")
-    return type(self)._apply(self, fn, recurse)
+    # the KV-cache scales (float32 buffers of the attentions, kv_cache.attach_kv_scales) follow device moves but not
+    # dtype casts, as the layers' scales do: bf16 rounded 0.0123 to 0.01233 (and save_checkpoint wrote that)
+    kv = [(m, n, b) for m in self.modules() for n, b in m._buffers.items()
+          if n in KV_SCALE_NAMES and b is not None and b.dtype == torch.float32]
+    out = type(self)._apply(self, fn, recurse)
+    for m, n, before in kv:
+        after = m._buffers.get(n)
+        if after is not None and after.dtype != torch.float32:
+            m._buffers[n] = before.to(after.device)
+    return out
 
 
 def guard_casts(model: nn.Module) -> None:
-    """Has ``model.to(dtype)`` (``.half()``, ...) refuse a cast its fp8 layers cannot compute in before it converts
-    anything: torch converts the modules one by one, so the first fp8 layer's refusal (``fp8_apply``) came after the
+    """Has ``model.to(dtype)`` (``.half()``, ...) keep its KV-cache scales float32 and refuse a cast its fp8 layers
+    cannot compute in (or whose range their dequantized weights exceed) before it converts anything: torch converts the modules one by one, so the first fp8 layer's refusal (``fp8_apply``) came after the
     modules before it had been cast, leaving a model of two dtypes. The check is ``model``'s own ``_apply``, an
     attribute of this instance (its class is left as it is); a cast of a submodule alone keeps ``fp8_apply``'s. It is a
     ``functools.partial`` of a module-level function, so the model still pickles (a bound method does not)."""

@@ -479,6 +479,50 @@ def test_a_loaded_model_refuses_a_cast_to_an_8_bit_float_before_converting_anyth
     assert {k: v.dtype for k, v in model.state_dict().items()} == dtypes
 
 
+def test_a_cast_to_float16_past_the_dequantized_range_is_refused_before_converting_anything(tmp_path):
+    """load_checkpoint refuses an fp8 layer whose scale takes its dequantized weight past float16's 65504 for a
+    float16 model; ``.half()`` of the loaded bf16 model made the same layer, with inf weights and NaN outputs, and
+    no error. The cast is refused naming the layer, the model unchanged, the layer's own cast too; a scale whose
+    fp8 values stay small enough casts."""
+    state = bf16_state()
+    q_proj = "model.layers.0.self_attn.q_proj.weight"
+    state[q_proj] = state[q_proj].clone()
+    state[q_proj][3, 5] = 1e5  # per-channel: row 3's scale 99840 / 448 = 222.9 (1e5 in bf16), its fp8 code 448 at (3, 5)
+    tensors, qc, _ = fp8_checkpoint(state, "channel", ct=True)
+    model = meta_tiny()
+    load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    snap = snapshot(model)
+    match = (r"^model\.layers\.0\.self_attn\.q_proj: cast to torch\.float16, but a scale of 22\d\.\d+ times fp8 "
+             r"values up to 448 is beyond torch\.float16's range \(at most 65504\): 1 values of its dequantized weight "
+             r"would be inf \(outputs NaN\); keep the model in bfloat16 or float32 \(nothing was converted\)$")
+    with pytest.raises(ValueError, match=match):
+        model.half()
+    assert snapshot(model) == snap  # the same tensors, of the same dtypes
+    with pytest.raises(ValueError, match="beyond torch.float16's range"):
+        model.model.layers[0].self_attn.q_proj.half()
+    model.float()  # (float32 holds it)
+    assert torch.isfinite(model.model.layers[0].self_attn.q_proj.weight).all()
+    small = meta_tiny()
+    load_checkpoint(small, write_checkpoint(tmp_path / "d", *fp8_checkpoint(bf16_state(), "channel", ct=True)[:2]),
+                    progress=False)
+    small.half()
+    assert small.model.layers[0].self_attn.q_proj.weight.dtype == torch.float16
+
+
+def test_kv_scales_stay_float32_through_a_cast(tmp_path):
+    """KV-cache scales are float32 buffers of the attentions; ``model.to(torch.bfloat16)`` cast them (0.0123 became
+    0.01233, which save_checkpoint then wrote), where the layers' scales stay float32. They follow device moves only."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.0123)
+    model = meta_tiny()
+    load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    model.to(torch.float16)
+    attn = model.model.layers[0].self_attn
+    assert attn.k_scale.dtype == torch.float32 and attn.k_scale.item() == torch.tensor(0.0123).item()
+    assert attn.q_proj.weight.dtype == torch.float16
+
+
 def test_fused_block_shard_not_on_block_rows(tmp_path):
     """A fused block-scaled layer whose first shard (k_proj: 32 rows here) is not a multiple of
     block_n=64: its scale blocks would span two shards."""
