@@ -109,6 +109,7 @@ class _Linear:
     plain: dict[str, torch.Tensor] = dataclasses.field(default_factory=dict)  # weight / bias being assembled
     # (largest scale, its entry) of weight scales whose 448 * scale the model's dtype cannot hold (float16)
     wide_scales: list[tuple[float, Entry]] = dataclasses.field(default_factory=list)
+    bias_of: Optional[str] = None  # the layer whose bias this one shares (one Parameter, saved once)
 
     @property
     def serialized(self) -> bool:
@@ -474,6 +475,17 @@ class _Loader:
         """The unplaced tensors as the checkpoint names them (before any rename)."""
         return [self.entries[n].source or n for n in self.unexpected]
 
+    def _shared_bias_owner(self, lin: _Linear) -> Optional[str]:
+        """The layer of the model whose bias ``lin``'s is (one Parameter: save_checkpoint writes it once), where
+        the checkpoint holds it under that layer's name and that layer is loaded here; else None."""
+        for key in self.aliases.get(id(lin.module.bias), []):
+            owner, _, leaf = key.rpartition(".")
+            if key != f"{lin.fqn}.bias" and leaf == "bias" and key in self.entries and owner in self.linears:
+                other = self.linears[owner]
+                if len(other.shards) == 1 and other.module.bias is lin.module.bias:
+                    return owner
+        return None
+
     def _plan_linear(self, lin: _Linear) -> None:
         """Check a fp8fx linear's tensors (dtypes, shapes, scales) and plan their loading."""
         k, n = lin.module.in_features, lin.module.out_features
@@ -500,6 +512,10 @@ class _Loader:
             self._plan_scales(lin, need, todo)
         for i in range(len(lin.shards)):
             if lin.module.bias is not None:
+                if ("bias", i) not in todo and len(lin.shards) == 1:
+                    lin.bias_of = self._shared_bias_owner(lin)
+                    if lin.bias_of is not None:
+                        continue
                 b = need("bias", i)
                 if tuple(b.shape) != (lin.sizes[i],) or b.dtype not in quant.HIGH_PRECISION:
                     raise CheckpointError(f"{b}: expected a bf16/fp16/fp32 bias of shape [{lin.sizes[i]}]")
@@ -770,6 +786,7 @@ class _Loader:
                 module._parameters[name] = nn.Parameter(t, requires_grad=False)
             if len(lin.shards) > 1:
                 report.fused[lin.fqn] = tuple(s.rpartition(".")[2] for s in lin.shards)
+
             if lin.config is None:
                 continue
             module._parameters.update({n: p for n, p in lin.stage._parameters.items() if p is not None})
@@ -779,6 +796,9 @@ class _Loader:
             module.__class__ = fp8_class(type(module))
             module._parameters["weight"]._fp8fx_fqn = lin.fqn
             report.quantized[lin.fqn] = str(lin.config.scheme())
+        for lin in self.linears.values():  # a shared bias: the other layer's new one (all are in by now)
+            if lin.bias_of is not None:
+                lin.module._parameters["bias"] = self.linears[lin.bias_of].module._parameters["bias"]
         for fqn, reason in self.not_quantized.items():
             weight = self.modules[fqn]._parameters.get("weight")
             if weight is not None:  # read back by the compile report

@@ -560,3 +560,23 @@ def test_a_layer_of_no_rows_loads_back(tmp_path, config):
     report = load_checkpoint(loaded, tmp_path / "saved", progress=False)
     assert sorted(report.quantized) == ["empty", "full"]
     assert_same_state(saved, loaded)
+
+
+def test_a_bias_shared_by_two_layers_loads_back_shared(tmp_path):
+    """Two quantized layers sharing one bias Parameter: save_checkpoint writes it once (under the first name), and
+    load_checkpoint asked for it under each layer's name ("b.bias is missing"). The second layer now takes the first
+    one's: the same values, still one Parameter."""
+    def model():
+        torch.manual_seed(0)
+        layers = torch.nn.ModuleDict({"a": torch.nn.Linear(64, 64), "b": torch.nn.Linear(64, 64)}).bfloat16()
+        layers.b.bias = layers.a.bias
+        return layers
+
+    saved = model()
+    fp8fx.quantize_(saved, fp8fx.Fp8Config())
+    save_checkpoint(saved, tmp_path / "saved")
+    with torch.device("meta"):
+        loaded = model()
+    report = load_checkpoint(loaded, tmp_path / "saved", progress=False)
+    assert sorted(report.quantized) == ["a", "b"] and loaded.a.bias is loaded.b.bias
+    assert_same_state(saved, loaded)
