@@ -76,9 +76,11 @@ def check_kv_scale(name: str, value: torch.Tensor) -> float:
     """The scale as a float; ValueError naming ``name`` unless it is one positive finite float."""
     check_kv_scale_layout(name, value.shape, value.dtype)
     scale = value.float().item()
-    if not (math.isfinite(scale) and scale > 0):
+    # a subnormal float32 (1e-40) is positive, but 1 / scale, what the KV cache is quantized with, is inf
+    if not (math.isfinite(scale) and scale >= torch.finfo(torch.float32).tiny):
         raise ValueError(
-            f"{name}={scale}: a KV-cache scale must be a positive finite float; fix or drop the tensor "
+            f"{name}={scale}: a KV-cache scale must be a positive finite float32 of normal range (at least "
+            f"{torch.finfo(torch.float32).tiny:g}: 1 / scale is taken); fix or drop the tensor "
             "(an absent k_scale / v_scale takes the layer's other one, or 1.0)"
         )
     return scale

@@ -879,6 +879,11 @@ BAD = {
         _case(lambda t, qc: t.update({"model.layers.1.self_attn.v_scale": torch.tensor(-2.0)})),
         r"^model\.layers\.1\.self_attn\.v_scale=-2\.0: a KV-cache scale must be a positive finite float",
     ),
+    "subnormal KV scale": (  # positive, but 1 / scale, what the KV cache is quantized with, was inf
+        _case(lambda t, qc: t.update({"model.layers.1.self_attn.v_scale": torch.tensor(1e-40)})),
+        r"^model\.layers\.1\.self_attn\.v_scale=9\.9999\d+e-41: a KV-cache scale must be a positive finite float32 of "
+        r"normal range \(at least 1\.17549e-38: 1 / scale is taken\)",
+    ),
     "non-scalar KV scale": (
         _case(lambda t, qc: t.update({"model.layers.1.self_attn.k_proj.output_scale": torch.ones(4)})),
         r"^model\.layers\.1\.self_attn\.k_proj\.output_scale: a KV-cache scale is one value, got shape \[4\]",
