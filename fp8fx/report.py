@@ -26,7 +26,7 @@ class Site:
     reason: str  # why not rewritten; "" when rewritten
     scheme: str  # e.g. "w:per-channel a:per-token"; "" when the weight is not fp8
     graph: int  # index of the compiled graph (in compile order) the site was seen in
-    weight_shape: tuple[int, ...] = ()  # of the high-precision weight, e.g. (N, K); () when unknown
+    weight_shape: tuple[int, ...] = ()  # of the high-precision weight, e.g. (N, K); () when unknown, -1 a symbolic dim
     bytes_saved: int = 0  # high-precision weight bytes minus the fp8 weight and its scales; 0 if not rewritten
     kernel: str = ""  # the GEMM Inductor generated for the site, e.g. "extern fp8fx.scaled_mm"; "" when unknown
     node: str = ""  # Dynamo's name for the site's call (``Site.origin_of``), to find it in Inductor's code
@@ -55,9 +55,10 @@ class Site:
 
     @staticmethod
     def shape_of(value: Any) -> tuple[int, ...]:
-        """Static shape of a (fake) tensor, () for anything else."""
+        """Shape of a (fake) tensor, () for anything else; -1 for a symbolic dim (a weight of dynamic size: int() of
+        it guarded, forcing the dim static - a recompile per size - or failing on an unbacked one)."""
         shape = getattr(value, "shape", None)
-        return tuple(int(d) for d in shape) if shape is not None else ()
+        return tuple(d if type(d) is int else -1 for d in shape) if shape is not None else ()
 
     @staticmethod
     def saved_bytes(weight: Any, scale: Any) -> int:

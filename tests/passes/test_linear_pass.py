@@ -236,6 +236,34 @@ def test_an_unbacked_batch_dim_serves_every_batch_in_one_graph(config, device):
     assert backend.report.graphs == 1 and len(backend.report.rewritten) == 3
 
 
+@pytest.mark.parametrize("mode", ["dynamic", "unbacked"])
+def test_a_linear_of_a_weight_of_dynamic_size_keeps_it_dynamic(mode):
+    """F.linear against an activation of varying rows (scores against a memory bank) is a site the report lists;
+    its weight's shape was read with int(), which forced the size static: a graph per size with dynamic=True, a
+    failed compile with the size unbacked. The report now writes -1 for the symbolic dim."""
+    class Retrieval(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+
+        def forward(self, x, memory):
+            return F.linear(self.proj(x), memory)
+
+    model = Retrieval().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend()
+    compiled = torch.compile(model, backend=backend, dynamic=True if mode == "dynamic" else None)
+    with torch.no_grad():
+        for rows in (5, 9, 17):
+            x, memory = torch.randn(4, 64, dtype=torch.bfloat16), torch.randn(rows, 64, dtype=torch.bfloat16)
+            if mode == "unbacked":
+                torch._dynamo.decorators.mark_unbacked(memory, 0)
+            assert compiled(x, memory).shape == (4, rows)
+    proj, scores = backend.report.sites
+    assert backend.report.graphs == 1 and proj.rewritten and proj.weight_shape == (64, 64)
+    assert not scores.rewritten and scores.weight_shape == (-1, 64)
+
+
 def test_the_aten_lowering_leaves_graphs_with_unbacked_sizes_opaque():
     """The quantization's ATen decomposition branches on sizes (an empty tensor, a ragged last block), which an
     unbacked size cannot answer: on CUDA such a graph failed to compile. It keeps the ops opaque instead; a
@@ -287,7 +315,7 @@ def test_cache_key_changes_with_options_and_is_stable():
     assert LinearPass().uuid() == LinearPass().uuid()
 
 
-@pytest.mark.parametrize("module", ["fp8fx.quant", "fp8fx.lowerings.aten", "fp8fx.lowerings.compat"])
+@pytest.mark.parametrize("module", ["fp8fx.quant", "fp8fx.lowerings.aten", "fp8fx.lowerings.compat", "fp8fx.ops"])
 def test_cache_key_follows_the_sources_that_shape_compiled_code(monkeypatch, module):
     """An edit of the quantization math, its ATen decomposition or the Inductor hooks changes the key:
     AOTAutograd's own cache key does not see the decomposition table (a stale graph came back on 2.11)."""
