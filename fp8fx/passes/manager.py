@@ -100,10 +100,12 @@ class _WithUserPass(compat.CustomGraphPass):
 
 def _sources_hash() -> str:
     """Hash of the sources that change compiled output without being a pass: fp8fx.quant (the math the
-    decompositions emit), fp8fx.lowerings.aten (the decompositions) and fp8fx.lowerings.compat."""
+    decompositions emit), fp8fx.lowerings.aten (the decompositions), fp8fx.lowerings.compat, and fp8fx.ops, whose
+    fake implementations' shapes and strides and whose signatures the compiled wrapper holds (assert_size_stride,
+    the direct calls): a cached wrapper of an older ops.py failed at its first call."""
     import inspect
 
-    from fp8fx import quant
+    from fp8fx import ops, quant
     from fp8fx.lowerings import aten, compat
 
-    return hashlib.sha256("".join(inspect.getsource(m) for m in (quant, aten, compat)).encode()).hexdigest()
+    return hashlib.sha256("".join(inspect.getsource(m) for m in (quant, aten, compat, ops)).encode()).hexdigest()
