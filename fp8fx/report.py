@@ -149,7 +149,12 @@ class Report:
         kernel of each site. ``gm`` is the graph Inductor compiled (the output code names its nodes)."""
         origin = {n.name: Site.origin_of(n) for n in gm.graph.nodes}
         self.kernels[graph] = generated_kernels(code)
-        chosen = {origin.get(name, name): kernel for name, kernel in gemm_kernels(code).items()}
+        # several nodes of one origin: a GEMM's slices (fp8fx.passes.horizontal) share their linear's, and may
+        # feed another GEMM (q @ k.T: bmm). fp8fx's ops and templates first, then other extern kernels, then
+        # generated ones; of equals, the first in the code
+        chosen: dict[str, str] = {}
+        for name, kernel in sorted(gemm_kernels(code).items(), key=lambda item: _kernel_rank(item[1])):
+            chosen.setdefault(origin.get(name, name), kernel)
         self.sites = [
             dataclasses.replace(s, kernel=chosen[s.node]) if s.graph == graph and s.node in chosen else s
             for s in self.sites
@@ -321,6 +326,11 @@ def gemm_kernels(code: str) -> dict[str, str]:
         n: _describe(next((c for gemm, c in calls if gemm), calls[0][1]), code, generated)
         for n, calls in candidates.items()
     }
+
+
+def _kernel_rank(kernel: str) -> int:
+    """0: an fp8fx op or a GEMM template, 1: another extern kernel, 2: a generated kernel (``_describe``'s)."""
+    return 0 if kernel.startswith(("extern fp8fx.", "template ")) else 1 if kernel.startswith("extern ") else 2
 
 
 def _callee(text: str) -> str:

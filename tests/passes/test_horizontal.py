@@ -510,3 +510,25 @@ def test_a_group_across_layers_is_named_in_full():
                                               torch.randn(5, 64, dtype=torch.bfloat16))
     names = "layers.0.k_proj,layers.0.v_proj,layers.1.k_proj,layers.1.v_proj"
     assert [s.scheme for s in backend.report.sites] == [f"w:per-channel a:per-token fused({names})"] * 4
+
+
+class MatmulAttention(torch.nn.Module):
+    def __init__(self, h=64):
+        super().__init__()
+        self.q, self.k, self.v = (torch.nn.Linear(h, h, bias=False) for _ in range(3))
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        return torch.softmax(q @ k.transpose(-1, -2) / 8, -1) @ v
+
+
+def test_fused_sites_name_their_gemm_not_the_matmul_their_slices_feed():
+    """q's slice of the fused GEMM carries q's origin (its meta), and where it feeds q @ k.T Inductor lists it in
+    the bmm's group: the report named "extern bmm" as q's, k's and v's kernel. fp8fx's op comes first now."""
+    model = MatmulAttention().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(fuse_horizontal=True)
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=False)(torch.randn(2, 3, 64, dtype=torch.bfloat16))
+    assert [(s.fqn, s.kernel) for s in backend.report.sites] == [
+        (p, "extern fp8fx.scaled_mm_fused") for p in ("q", "k", "v")]
