@@ -233,7 +233,7 @@ class Fp8Backend:
         key = "post_grad_custom_post_pass"
         user_pass = self.inductor_config.get(key, compat.inductor_config_value(key))
         patches = {**self.inductor_config, key: self.pass_manager.with_user_pass(user_pass)}
-        decomps = aten.decompositions if self.lowering == "aten" and aten.applies(example_inputs) else None
+        decomps = aten.decompositions if self.lowering == "aten" and aten.applies(example_inputs, gm) else None
         direct = compat.direct_op_calls(list(vars(ops.direct))) if self.direct_calls else contextlib.nullcontext()
         with compat.capture_output_code() as captured, compat.one_pass_row_reductions(self.one_pass_rows), direct:
             compiled = compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)

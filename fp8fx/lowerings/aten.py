@@ -34,17 +34,27 @@ def _quantize_static(x, scale):
     return quant.quantize_with_scale(quant.as_rows(x), scale, [-1, -1]).reshape(x.shape).contiguous()
 
 
-def applies(example_inputs) -> bool:
-    """The decompositions are for graphs on CUDA whose sizes have hints: the quantization's math (fp8fx.quant)
-    branches on sizes (an empty tensor, a ragged last block), which an unbacked size (a batch marked with
-    ``mark_unbacked``) cannot answer; such a graph keeps the ops opaque, their kernels quantizing at run time."""
+def applies(example_inputs, gm) -> bool:
+    """The decompositions are for graphs on CUDA whose quantized activations have sizes with hints: the
+    quantization's math (fp8fx.quant) branches on sizes (an empty tensor, a ragged last block), which an unbacked
+    size cannot answer (a batch marked with ``mark_unbacked``, rows picked by a mask: compiling failed). Such a
+    graph keeps the ops opaque, their kernels quantizing at run time. ``gm``: the graph after fp8fx's passes."""
     import torch
     from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
 
-    tensors = [t for t in example_inputs if isinstance(t, torch.Tensor)]
-    return (any(t.device.type == "cuda" for t in tensors)
-            and not any(free_unbacked_symbols(t.shape) for t in tensors)
-            and not any(free_unbacked_symbols(v) for v in example_inputs if isinstance(v, torch.SymInt)))
+    def unbacked(node) -> bool:
+        v = node.meta.get("val", node.meta.get("example_value")) if hasattr(node, "meta") else None
+        return isinstance(v, torch.Tensor) and bool(free_unbacked_symbols(v.shape))
+
+    ops = (torch.ops.fp8fx.quantize.default, torch.ops.fp8fx.quantize_static.default)
+    return _on_cuda(example_inputs) and not any(
+        unbacked(n.args[0]) for n in gm.graph.nodes if n.op == "call_function" and n.target in ops)
+
+
+def _on_cuda(example_inputs) -> bool:
+    import torch
+
+    return any(isinstance(t, torch.Tensor) and t.device.type == "cuda" for t in example_inputs)
 
 
 def decompositions():

@@ -11,7 +11,7 @@ import fp8fx
 from fp8fx.backend import Fp8Backend
 from fp8fx.passes import LinearPass, PassManager
 from fp8fx.report import Report
-from tests.conftest import record_graphs_after_passes
+from tests.conftest import record_graphs_after_passes, rel_err
 
 
 class TwoLinear(nn.Module):
@@ -264,24 +264,49 @@ def test_a_linear_of_a_weight_of_dynamic_size_keeps_it_dynamic(mode):
     assert not scores.rewritten and scores.weight_shape == (-1, 64)
 
 
-def test_the_aten_lowering_leaves_graphs_with_unbacked_sizes_opaque():
-    """The quantization's ATen decomposition branches on sizes (an empty tensor, a ragged last block), which an
-    unbacked size cannot answer: on CUDA such a graph failed to compile. It keeps the ops opaque instead; a
-    symbolic size with a hint (a dynamic batch) is decomposed as before."""
-    from torch._dynamo.source import ConstantSource
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+class MaskedRows(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 32)
 
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x[x[:, 0] > 0])))  # rows picked by a mask: an unbacked count
+
+
+@pytest.mark.parametrize("rows", ["static", "dynamic", "unbacked", "masked"])
+def test_the_aten_lowering_leaves_activations_of_unbacked_rows_opaque(monkeypatch, tmp_path, rows):
+    """The quantization's ATen decomposition (CUDA's default, taken here on CPU) branches on sizes (an empty
+    tensor, a ragged last block), which an unbacked size cannot answer: a batch marked unbacked, or rows picked by a
+    mask inside the graph, failed to compile. Such activations keep the ops opaque; static and dynamic (backed)
+    sizes are decomposed, as before. Either way the graph computes what the opaque ops do."""
     from fp8fx.lowerings import aten
 
-    env = ShapeEnv()
-    with FakeTensorMode(shape_env=env):  # fake CUDA tensors: no GPU needed
-        u0 = env.create_unbacked_symint()
-        s0 = env.create_symintnode(env.create_symbol(8, source=ConstantSource("s0")), hint=8)
-        static, dynamic, unbacked = (torch.empty(m, 64, device="cuda") for m in (4, s0, u0))
-    assert aten.applies([static]) and aten.applies([s0, dynamic])
-    assert not aten.applies([unbacked]) and not aten.applies([u0, static])
-    assert not aten.applies([torch.zeros(4, 64)])  # (CPU)
+    monkeypatch.setattr(aten, "_on_cuda", lambda example_inputs: True)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # (a cache hit traces no decomposition)
+    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
+    decomposed = []
+    real = aten._quantize
+    monkeypatch.setattr(aten, "_quantize", lambda *a: decomposed.append(1) or real(*a))
+    torch.manual_seed(0)
+    model = (MaskedRows() if rows == "masked" else nn.Sequential(nn.Linear(64, 64), nn.ReLU(),
+                                                                 nn.Linear(64, 32))).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = torch.compile(model, backend=Fp8Backend(lowering="op"), fullgraph=True, dynamic=False)(x)
+        torch._dynamo.reset()
+        assert not decomposed
+        if rows == "unbacked":
+            torch._dynamo.decorators.mark_unbacked(x, 0)
+        dynamic = {"static": False, "dynamic": True}.get(rows)
+        backend = Fp8Backend(lowering="aten")
+        got = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)(x)
+    assert bool(decomposed) == (rows in ("static", "dynamic"))
+    assert len(backend.report.rewritten) == 2
+    if rows in ("unbacked", "masked"):  # the same ops: the same bits (decomposed, Inductor may fold 1 / 448)
+        assert torch.equal(got, want)
+    else:
+        assert rel_err(got, want) < 1e-2
 
 
 def fp8fx_eager_reference(model, x):
@@ -356,7 +381,7 @@ def test_graph_with_the_aten_lowering_is_cached(monkeypatch, tmp_path):
 
     from fp8fx.lowerings import aten
 
-    monkeypatch.setattr(aten, "applies", lambda example_inputs: True)
+    monkeypatch.setattr(aten, "applies", lambda example_inputs, gm: True)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     decomposed = []
     real = aten._quantize
