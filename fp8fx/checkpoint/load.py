@@ -786,7 +786,6 @@ class _Loader:
                 module._parameters[name] = nn.Parameter(t, requires_grad=False)
             if len(lin.shards) > 1:
                 report.fused[lin.fqn] = tuple(s.rpartition(".")[2] for s in lin.shards)
-
             if lin.config is None:
                 continue
             module._parameters.update({n: p for n, p in lin.stage._parameters.items() if p is not None})

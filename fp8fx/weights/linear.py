@@ -117,7 +117,7 @@ def _overflow_of(module: nn.Module, name: str, cast: torch.dtype) -> str:
         if q is None or scale is None or q.dtype != quant.FP8_DTYPE or not scale.numel():
             continue
         largest = float(scale.detach().float().max())
-        if not math.isinf(largest * quant.FP8_MAX) and not torch.isinf(torch.tensor(largest * quant.FP8_MAX).to(cast)):
+        if not torch.isinf(torch.tensor(largest * quant.FP8_MAX).to(cast)):  # (rounded as the cast rounds)
             continue
         block = module._fp8fx_w_block
         count = sum(chunked.dequantized_overflow(qe.detach(), se.detach(), block, cast)
@@ -150,8 +150,9 @@ def _checked_apply(self, fn, recurse=True):
 
 def guard_casts(model: nn.Module) -> None:
     """Has ``model.to(dtype)`` (``.half()``, ...) keep its KV-cache scales float32 and refuse a cast its fp8 layers
-    cannot compute in (or whose range their dequantized weights exceed) before it converts anything: torch converts the modules one by one, so the first fp8 layer's refusal (``fp8_apply``) came after the
-    modules before it had been cast, leaving a model of two dtypes. The check is ``model``'s own ``_apply``, an
+    cannot compute in (or whose range their dequantized weights exceed) before it converts anything: torch converts
+    the modules one by one, so the first fp8 layer's refusal (``fp8_apply``) came after the modules before it had
+    been cast, leaving a model of two dtypes. The check is ``model``'s own ``_apply``, an
     attribute of this instance (its class is left as it is); a cast of a submodule alone keeps ``fp8_apply``'s. It is a
     ``functools.partial`` of a module-level function, so the model still pickles (a bound method does not)."""
     if getattr(type(model), "_apply", None) is not fp8_apply and "_apply" not in vars(model):
