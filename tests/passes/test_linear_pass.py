@@ -283,7 +283,6 @@ def test_the_aten_lowering_leaves_activations_of_unbacked_rows_opaque(monkeypatc
 
     monkeypatch.setattr(aten, "_on_cuda", lambda example_inputs: True)
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # (a cache hit traces no decomposition)
-    monkeypatch.setattr(torch._dynamo.config, "capture_dynamic_output_shape_ops", True)
     decomposed = []
     real = aten._quantize
     monkeypatch.setattr(aten, "_quantize", lambda *a: decomposed.append(1) or real(*a))
@@ -293,14 +292,17 @@ def test_the_aten_lowering_leaves_activations_of_unbacked_rows_opaque(monkeypatc
     fp8fx.quantize_(model)
     x = torch.randn(8, 64, dtype=torch.bfloat16)
     with torch.no_grad():
-        want = torch.compile(model, backend=Fp8Backend(lowering="op"), fullgraph=True, dynamic=False)(x)
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            want = torch.compile(model, backend=Fp8Backend(lowering="op"), fullgraph=True, dynamic=False)(x)
         torch._dynamo.reset()
         assert not decomposed
         if rows == "unbacked":
             torch._dynamo.decorators.mark_unbacked(x, 0)
         dynamic = {"static": False, "dynamic": True}.get(rows)
         backend = Fp8Backend(lowering="aten")
-        got = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)(x)
+        # (Dynamo's config patched, not monkeypatched: torch 2.11's config module lost the option on undo)
+        with torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True):
+            got = torch.compile(model, backend=backend, fullgraph=True, dynamic=dynamic)(x)
     assert bool(decomposed) == (rows in ("static", "dynamic"))
     assert len(backend.report.rewritten) == 2
     if rows in ("unbacked", "masked"):  # the same ops: the same bits (decomposed, Inductor may fold 1 / 448)
