@@ -588,10 +588,16 @@ def convert(
     except BaseException:  # e.g. NaN in a later file: leave no partial checkpoint behind
         _remove(written, dst if created else None)
         raise
-    for f in os.listdir(src):
+    left = []  # what is not carried over, said (a folder: an original/ of another format, a tokenizer's)
+    for f in sorted(os.listdir(src)):
         full = os.path.join(src, f)
-        if os.path.isfile(full) and not (f.endswith((".safetensors", INDEX_SUFFIX, *_PICKLES)) or f == CONFIG):
+        if os.path.isdir(full) or f.endswith(_PICKLES):
+            left.append(f + "/" if os.path.isdir(full) else f)
+        elif os.path.isfile(full) and not (f.endswith((".safetensors", INDEX_SUFFIX)) or f == CONFIG):
             shutil.copy2(full, os.path.join(dst, f))
+    if left:
+        log.warning("fp8fx: convert did not copy %s from %s (folders and pickled weights are not carried over): copy "
+                    "what the converted checkpoint needs by hand", ", ".join(left), src)
     log.info(
         "fp8fx: converted %s -> %s: %d linear weights and %d experts modules quantized",
         src, dst, len(report.quantized), len(report.experts),

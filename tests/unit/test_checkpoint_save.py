@@ -267,14 +267,18 @@ def test_save_refuses_a_directory_that_holds_a_checkpoint(tmp_path):
      (fp8fx.Fp8Config(weight_block_size=[64, 64]), "fp8")],
     ids=["per-channel", "block"],
 )
-def test_convert_then_load_equals_quantize_(tmp_path, config, method):
+def test_convert_then_load_equals_quantize_(tmp_path, caplog, config, method):
     """convert writes what load_checkpoint turns into exactly the model quantize_ makes; layers the
-    block does not divide stay bf16 and are listed in the ignore list."""
+    block does not divide stay bf16 and are listed in the ignore list. Other files are copied; folders and pickles
+    are not, with a warning naming them (they were left silently)."""
     state = bf16_state()
     src = write_checkpoint(tmp_path / "src", state, shards=2, extra_config={"model_type": "tiny"})
     (src / "tokenizer.json").write_text("{}")
     (src / "training_args.bin").write_bytes(b"not copied")
-    report = convert(src, tmp_path / "dst", config, model=meta_tiny(), progress=False)
+    (src / "original").mkdir()
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        report = convert(src, tmp_path / "dst", config, model=meta_tiny(), progress=False)
+    assert f"convert did not copy original/, training_args.bin from {src}" in caplog.text
     dst = tmp_path / "dst"
     assert sorted(p.name for p in dst.iterdir()) == [
         "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
