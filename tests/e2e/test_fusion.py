@@ -21,8 +21,6 @@ class NormLinear(nn.Module):
         return self.proj(self.norm(x))
 
 
-
-
 def triton_kernels(code: str) -> list[str]:
     """Source of each Triton kernel in Inductor's output code."""
     return re.findall(r"@triton\.jit\ndef (.*?)(?=\n'''|\n\"\"\")", code, flags=re.S)

@@ -86,7 +86,6 @@ def test_hub_mixtral_fp8_checkpoint_loads_as_the_models_own_layout(tmp_path, gra
     assert_same_state(expected, model)
 
 
-
 def test_ignored_layers_match_the_checkpoints_names(tmp_path):
     """Experts a checkpoint keeps bf16 and lists under its own name stay bf16 (matched as the checkpoint
     names them: before, the renamed experts were taken as fp8 and their bf16 weights refused)."""
