@@ -108,6 +108,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="how the checkpoint's names map to the model's, as from_pretrained(key_mapping=) takes it "
                    "(repeatable; added to the renames transformers applies to the model; the output keeps the "
                    "checkpoint's names)")
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="quantize the output embeddings too (vLLM and transformers load lm_head in bf16 only: the "
+                   "checkpoint then loads in fp8fx alone)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=convert_command)
     return parser
@@ -291,17 +294,25 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
         changes: dict[str, Any] = {}
         if args.ignore:
             changes["ignored_layers"] = tuple(config.ignored_layers or ()) + tuple(args.ignore)
-        if args.block_size:  # the flag says the weights' scales: it replaces the config's (a per-channel one too)
+        # a flag replaces what the config says of its part, and the granularities that follow from it go back to
+        # their defaults for the new value (a compressed-tensors config spells its activations' out: per-group(1x128)
+        # of a 128x128 block, which a 64x64 block refuses; per-row, which static activations refuse)
+        if args.block_size:  # the weights' scales: they replace the config's (a per-channel one too)
             changes["weight_block_size"] = _ints(args.block_size, "--block-size")
             changes["weight_granularity"] = None
         if args.activation_scheme:
             changes["activation_scheme"] = args.activation_scheme
-        return dataclasses.replace(config, **changes)
+        try:
+            return dataclasses.replace(config, **changes)
+        except ValueError:  # the config's activations do not go with the flags: the flags' defaults, else the error
+            if not (args.block_size or args.activation_scheme) or config.activation_granularity is None:
+                raise
+            return dataclasses.replace(config, **changes, activation_granularity=None)
 
     try:
         config = with_flags(fmt.config if fmt else Fp8Config())
-        if fmt is None or fmt.name != "compressed-tensors":
-            return config, lambda fqn: config
+        if fmt is None or fmt.name != "compressed-tensors":  # (transformers' modules_to_not_convert, as it reads it)
+            return config, lambda fqn: None if fmt and formats.transformers_skips(fqn, fmt.hf_ignore) else config
         groups = {id(c): with_flags(c) for _, c in fmt.groups}
         return config, lambda fqn: (lambda c: None if c is None else groups[id(c)])(fmt.layer_config(fqn, ("Linear",)))
     except ValueError as e:
@@ -457,7 +468,7 @@ def convert_command(args: argparse.Namespace) -> int:
     _transformers()  # (convert builds the model from src's config.json to tell the linear weights apart)
     try:
         report = convert(args.src, args.dst, config, format=args.format, key_mapping=key_mapping,
-                         progress=not args.no_progress)
+                         quantize_lm_head=args.quantize_lm_head, progress=not args.no_progress)
     except (CheckpointError, ValueError, OSError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
     print(report)

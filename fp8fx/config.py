@@ -145,6 +145,15 @@ def _granularity(text: Any, field: str) -> Optional[Granularity]:
     return PerGroup(int(m[2])) if m[2] else PerBlock(int(m[3]), int(m[4]))
 
 
+_OTHER_FP8_METHODS = {
+    "fbgemm_fp8": "FBGEMM's fp8 checkpoints (per-channel weight scales, per-token activations bounded by "
+                  "activation_scale_ub) are not an fp8 config; fp8fx does not load them as such: build the scheme with "
+                  "Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=fp8fx.PerRow()) and its ignore list",
+    "ptpc_fp8": "vLLM's online per-token / per-channel method; its scheme is Fp8Config(weight_granularity="
+                "fp8fx.PerRow()) (fp8fx's default online scheme)",
+}
+
+
 def entry_covers(entry: str, fqn: str) -> bool:
     """An ``ignored_layers`` entry covers ``fqn``: the same module, or one under it."""
     return fqn == entry or fqn.startswith(entry + ".")
@@ -277,7 +286,8 @@ class Fp8Config:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
         """Build from a checkpoint's ``quantization_config`` dict (a ``quant_method`` with "fp8" in it, vLLM's rule,
-        or none: fp8fx's own ``to_dict``), or a transformers config object of one (``FineGrainedFP8Config``)."""
+        or none: fp8fx's own ``to_dict``), or a transformers config object of one (``FineGrainedFP8Config``).
+        ``fbgemm_fp8`` and ``ptpc_fp8`` are refused: their schemes are not what this dict reads as."""
         if not isinstance(config, dict) and callable(getattr(config, "to_dict", None)):
             config = config.to_dict()
         if not isinstance(config, dict):
@@ -289,6 +299,10 @@ class Fp8Config:
                 f"quantization_config quant_method={quant_method!r} is not fp8: Fp8Config reads fp8 configs; "
                 "compressed-tensors checkpoints load through fp8fx.load_checkpoint (fp8fx.checkpoint.formats.parse)"
             )
+        # fp8 methods whose scheme the fields below do not say: read as this config, they gave per-tensor scales
+        other = _OTHER_FP8_METHODS.get(str(quant_method).lower())
+        if other:
+            raise ValueError(f"quantization_config quant_method={quant_method!r}: {other}")
         # transformers' FineGrainedFP8Config.modules_to_convert names nn.Embedding tables (by name suffix) that its
         # checkpoint stores in fp8 (FP8Embedding, transformers 5.24: replace_with_fp8_embedding), on top of the
         # linears. It is not an allowlist of linears, so it cannot be honoured as "everything else is ignored"; and

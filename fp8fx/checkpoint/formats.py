@@ -31,6 +31,9 @@ class QuantFormat:
     ignore: tuple[str, ...] = ()
     kv_cache: bool = False  # the checkpoint declares static KV-cache scales
     from_user: bool = False  # the config is the one passed to load_checkpoint, not config.json's
+    # transformers' ``modules_to_not_convert`` (an fp8 config without ``ignored_layers``), read as transformers reads
+    # it (``transformers_skips``): MiniMax-M2 lists "gate", every module named so; Fp8Config's prefixes miss them
+    hf_ignore: tuple[str, ...] = ()
     # module -> the checkpoint's names for it where a rename changed them (fp8fx.checkpoint.renames): the
     # ignore list and targets were written against the checkpoint's names and match either
     sources: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, hash=False, compare=False)
@@ -45,7 +48,7 @@ class QuantFormat:
 
     def is_ignored(self, fqn: str, classes: Sequence[str] = ()) -> bool:
         if self.name != "compressed-tensors":
-            return any(self.config.is_ignored(n) for n in self._names(fqn))
+            return any(self.config.is_ignored(n) or transformers_skips(n, self.hf_ignore) for n in self._names(fqn))
         return any(matches(n, classes, self.ignore) for n in self._names(fqn))
 
     def layer_config(self, fqn: str, classes: Sequence[str]) -> Optional[Fp8Config]:
@@ -73,6 +76,16 @@ class QuantFormat:
         return f"compressed-tensors ({', '.join(schemes)})"
 
 
+def transformers_skips(fqn: str, patterns: Sequence[str]) -> bool:
+    """transformers' reading of ``modules_to_not_convert`` (``should_convert_module``, 5.x): an entry matches ``fqn``
+    as a regex from its start up to a module boundary (a name or prefix: "layers.1" covers "layers.1.mlp", not
+    "layers.11"), or as a suffix of it ("down_proj" covers every down projection)."""
+    for p in patterns:
+        if fqn.endswith(p) or re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", fqn):
+            return True
+    return False
+
+
 def matches(fqn: str, classes: Sequence[str], patterns: Sequence[str]) -> bool:
     """compressed-tensors matching: an exact name, a ``re:`` pattern (``re.match``) or one of ``classes``."""
     for p in patterns:
@@ -94,7 +107,15 @@ def parse(config_json: Mapping[str, Any], user: Optional[Fp8Config] = None) -> Q
     method = qc.get("quant_method")
     try:
         if method == "fp8":
-            return QuantFormat("fp8", Fp8Config.from_config(qc), kv_cache=kv)
+            config = Fp8Config.from_config(qc)
+            hf = () if qc.get("ignored_layers") else tuple(qc.get("modules_to_not_convert") or ())
+            for pattern in hf:  # (a str list: Fp8Config.from_config checked it)
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise ValueError(f"modules_to_not_convert entry {pattern!r} is not a regex ({e}); transformers "
+                                     "reads each as a name, a regex or a suffix") from None
+            return QuantFormat("fp8", config, kv_cache=kv, hf_ignore=hf)
         if method == "compressed-tensors":
             return _compressed_tensors(qc, kv)
     except ValueError as e:

@@ -38,25 +38,37 @@ def resolve(model: nn.Module, key_mapping: Optional[Mapping[str, str]], where: s
             names: Iterable[str] = ()) -> Optional[Renamer]:
     """The renaming to apply to checkpoint names for ``model``: ``key_mapping`` (checked here: a dict of regex ->
     str, each pattern found in one of the checkpoint's ``names`` at least) then transformers' renames of the model,
-    or None when there are none. A name that already has its place in the model (a parameter or buffer, or a tensor
-    of one of its modules) keeps it: a checkpoint in the model's own layout (``save_checkpoint(experts="fused")``
-    writes one) loads as it is, whatever renames the hub layout needs."""
+    or None when there are none. ``key_mapping`` applies to every name, as ``from_pretrained(key_mapping=)`` does
+    (``q_proj.kernel`` -> ``q_proj.weight`` renames a tensor of a module the model has). The model's own renames
+    skip a name that already has its place in the model (a parameter or buffer, or a tensor of one of its modules):
+    a checkpoint in the model's own layout (``save_checkpoint(experts="fused")`` writes one) loads as it is,
+    whatever renames the hub layout needs."""
     user = _user_renames(key_mapping, where)
     names = list(names)
     for pattern, replacement in user if names else ():
         if not any(re.search(pattern, n) for n in names):  # a mistake: it was asked for
             raise ValueError(f"{where}: key_mapping pattern {pattern!r} (-> {replacement!r}) is in no tensor name of "
                              f"the checkpoint (e.g. {sorted(names)[:2]}); correct or drop it")
-    renamer = transformers_renamer(model, user)
-    if renamer is None and user:
-        def renamer(name: str) -> str:  # no transformers: each pattern replaces its first match, in turn
+    by_user = transformers_renamer(model, user, model_renames=False) if user else None
+    if by_user is None and user:
+        def by_user(name: str) -> str:  # no transformers: each pattern replaces its first match, in turn
             for pattern, replacement in user:
                 name = re.sub(pattern, replacement, name, count=1)
             return name
-    if renamer is None:
+    by_model = transformers_renamer(model, [])
+    if by_user is None and by_model is None:
         return None
     placed = set(model.state_dict(keep_vars=True)) | {f for f, _ in model.named_modules() if f}
-    return lambda name: name if name in placed or name.rpartition(".")[0] in placed else renamer(name)
+
+    def renamer(name: str) -> str:
+        # transformers applies the user's renames, then the model's, each to what the one before left (in one
+        # rename_source_key call): the same, in two steps, with the model's skipped for a name in place
+        name = by_user(name) if by_user is not None else name
+        if by_model is None or name in placed or name.rpartition(".")[0] in placed:
+            return name
+        return by_model(name)
+
+    return renamer
 
 
 def _user_renames(key_mapping: Optional[Mapping[str, str]], where: str) -> list[tuple[str, str]]:
@@ -103,10 +115,11 @@ def _group_refs(replacement: str) -> list[tuple[str, int | str]]:
     return refs
 
 
-def transformers_renamer(model: nn.Module, user: list[tuple[str, str]]) -> Optional[Renamer]:
+def transformers_renamer(model: nn.Module, user: list[tuple[str, str]], model_renames: bool = True
+                         ) -> Optional[Renamer]:
     """transformers' renaming of checkpoint keys: ``user`` (regex, replacement) pairs, as ``from_pretrained(
-    key_mapping=...)`` takes them, then the renames of ``model``'s conversion mapping (a transformers model), or
-    None: no transformers, no renames, or an API it no longer has. ``conversion_mapping`` and
+    key_mapping=...)`` takes them, then (``model_renames``) the renames of ``model``'s conversion mapping (a
+    transformers model), or None: no transformers, no renames, or an API it no longer has. ``conversion_mapping`` and
     ``core_model_loading`` are internal modules of transformers 5: if they change, the model's renames are left out
     with a warning and ``resolve`` applies ``user`` itself."""
     try:
@@ -131,7 +144,7 @@ def transformers_renamer(model: nn.Module, user: list[tuple[str, str]]) -> Optio
             renamings.append(weight_renaming(source_patterns=pattern, target_patterns=replacement))
         except Exception as e:  # transformers' own checks of a pattern: the user's to fix
             raise ValueError(f"key_mapping entry {pattern!r}: {replacement!r}: {type(e).__name__}: {e}") from None
-    if isinstance(model, PreTrainedModel):
+    if model_renames and isinstance(model, PreTrainedModel):
         try:
             transforms = conversion_mapping.get_model_conversion_mapping(model, add_legacy=True)
         except Exception as e:  # an internal API of transformers: say so, go on without it

@@ -97,6 +97,11 @@ def save_checkpoint(
         hf, source = getattr(model, "config", None), getattr(model, "_fp8fx_source", {})
         config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})
     config_json = _untied_config(model, config_json)
+    head = output_embeddings(model, {f: m for f, m in model.named_modules() if isinstance(m, nn.Linear)})
+    if head is not None and head in schemes:
+        log.warning("fp8fx: save_checkpoint writes the output embeddings %s in fp8: vLLM and transformers load lm_head "
+                    "in bf16 only, so this checkpoint loads in fp8fx alone; quantize_ with %r in ignored_layers for "
+                    "one they load", head, head)
     config_text = _config_text(config_json, qc, "save_checkpoint")  # refused before any file is written
     _write_checkpoint(path, tensors, max_shard_size, config_text)
     log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
@@ -137,9 +142,13 @@ def _check_arguments(path: Union[str, os.PathLike], experts: Optional[str], max_
                          "(an int, e.g. 5 * 2**30), or None for one file")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"save_checkpoint: {os.fspath(path)} is a file; pass a new or empty directory")
-    if os.path.isdir(path) and any(f.endswith((".safetensors", INDEX_SUFFIX)) for f in os.listdir(path)):
-        raise ValueError(f"save_checkpoint: {path} already holds a checkpoint (safetensors or an index); "
-                         "pass an empty or new directory")
+    # another model's weights or config: a shard or index would be read back with this model's config, and this
+    # config would describe the pickled weights beside it (a tokenizer's files may be there: they are kept)
+    held = sorted(f for f in os.listdir(path) if f.endswith((".safetensors", INDEX_SUFFIX) + _PICKLES) or f == CONFIG
+                  ) if os.path.isdir(path) else []
+    if held:
+        raise ValueError(f"save_checkpoint: {os.fspath(path)} already holds a checkpoint ({', '.join(held[:3])}"
+                         f"{', ...' if len(held) > 3 else ''}); pass an empty or new directory (nothing was written)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -483,6 +492,7 @@ def convert(
     format: Optional[str] = None,
     fused: Optional[Mapping[str, Any]] = None,
     key_mapping: Optional[Mapping[str, str]] = None,
+    quantize_lm_head: bool = False,
     progress: bool = True,
 ) -> LoadReport:
     """Turn the bf16/fp16 safetensors checkpoint in ``src`` into an FP8 one in ``dst``, one file at a time.
@@ -493,7 +503,10 @@ def convert(
     checkpoint name (``load_checkpoint`` fuses shards). Layers the config ignores, tied weights and
     weights a block does not divide stay bf16 and go to the new config's ignore list, and so do the layers
     engines fuse with them (``q_proj`` of a ``k_proj`` / ``v_proj`` kept bf16: vLLM refuses a fused layer of two
-    precisions). Output files mirror the input's; other files of ``src`` (tokenizer, ...) are copied, pickles are not.
+    precisions). The model's output embeddings (``lm_head``) stay bf16 unless ``quantize_lm_head``: vLLM and
+    transformers read an fp8 checkpoint's ``lm_head`` as bf16 (it is an embedding to them, no linear layer), so an fp8
+    one loads in fp8fx alone. Output files mirror the input's; other files of ``src`` (tokenizer, ...) are copied;
+    folders, pickles and safetensors files outside the index are not (a warning names them).
     MoE experts (modules with 3-D ``gate_up_proj`` / ``down_proj``) are quantized per expert in the layout
     the checkpoint has: per-expert ``<experts>.<e>.gate_proj.weight`` (or ``w1`` ...) with their own
     ``weight_scale`` / ``weight_scale_inv``, or fused ``gate_up_proj`` / ``down_proj`` with
@@ -530,7 +543,9 @@ def convert(
     entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "convert", entries), src)
     check_checkpoint_ignores(config, model, entries, f"the checkpoint {src} (or its model)", "written")
     config = renames.with_stored_ignores(config, sources)
-    plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused))
+    if type(quantize_lm_head) is not bool:
+        raise TypeError(f"convert: quantize_lm_head={quantize_lm_head!r} is not True or False")
+    plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused), quantize_lm_head)
     expert_plan, expert_tensors, experts = moe_ckpt.convert_plan(dict(model.named_modules()), entries, config)
     plan.update(expert_plan)
     schemes = {m: config.scheme() for m, reason in plan.items() if not reason}
@@ -564,7 +579,8 @@ def convert(
                 report.tensors += 1
                 report.bytes_read += entry.nbytes
                 name = entry.source or entry.name  # as stored
-                owner, _, leaf = name.rpartition(".")
+                owner = name.rpartition(".")[0]
+                leaf = entry.name.rpartition(".")[2]  # the model's (key_mapping may rename a leaf: .kernel -> .weight)
                 if entry.name in expert_tensors:
                     moe_ckpt.check_finite(entry, t, expert_tensors[entry.name])
                     if t.dim() == 3:  # fused [E, rows, cols]: per-expert scales under the fused names
@@ -591,18 +607,30 @@ def convert(
     left = []  # what is not carried over, said (a folder: an original/ of another format, a tokenizer's)
     for f in sorted(os.listdir(src)):
         full = os.path.join(src, f)
-        if os.path.isdir(full) or f.endswith(_PICKLES):
+        # (safetensors files the index does not name: an adapter's, Mistral's consolidated.safetensors)
+        if os.path.isdir(full) or f.endswith(_PICKLES) or f.endswith(".safetensors") and full not in files:
             left.append(f + "/" if os.path.isdir(full) else f)
         elif os.path.isfile(full) and not (f.endswith((".safetensors", INDEX_SUFFIX)) or f == CONFIG):
             shutil.copy2(full, os.path.join(dst, f))
     if left:
-        log.warning("fp8fx: convert did not copy %s from %s (folders and pickled weights are not carried over): copy "
-                    "what the converted checkpoint needs by hand", ", ".join(left), src)
+        log.warning("fp8fx: convert did not copy %s from %s (folders, pickled weights and safetensors files outside the "
+                    "checkpoint's index are not carried over): copy what the converted checkpoint needs by hand",
+                    ", ".join(left), src)
     log.info(
         "fp8fx: converted %s -> %s: %d linear weights and %d experts modules quantized",
         src, dst, len(report.quantized), len(report.experts),
     )
     return report
+
+
+def output_embeddings(model: nn.Module, linears: Mapping[str, nn.Module]) -> Optional[str]:
+    """The name of a transformers model's output embeddings (``lm_head``) when they are one of ``linears``."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):  # (a model that has none may raise instead of returning None)
+        return None
+    return next((f for f, m in linears.items() if m is head), None) if head is not None else None
 
 
 def _check_convert_names(entries, schemes, expert_tensors, scale_name: str, src: str) -> None:
@@ -620,7 +648,7 @@ def _check_convert_names(entries, schemes, expert_tensors, scale_name: str, src:
     stored = {e.source or e.name for e in entries.values()}
     for entry in entries.values():
         name = entry.source or entry.name
-        owner, _, leaf = name.rpartition(".")
+        owner, leaf = name.rpartition(".")[0], entry.name.rpartition(".")[2]
         if entry.name in expert_tensors:
             out = name + scale_name[len("weight"):] if len(entry.shape) == 3 else f"{owner}.{scale_name}"
         elif leaf == "weight" and owner in schemes:
@@ -642,20 +670,24 @@ def _check_convert_names(entries, schemes, expert_tensors, scale_name: str, src:
             )
 
 
-def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused) -> dict[str, str]:
+def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_lm_head: bool) -> dict[str, str]:
     """Checkpoint module of every linear weight -> "" to quantize it, else why it stays bf16."""
     modules = dict(model.named_modules())
     linears = {f: m for f, m in modules.items() if isinstance(m, nn.Linear)}
+    head = output_embeddings(model, linears) if not quantize_lm_head else None
     routers = moe.routers(model)
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
     plan = {}
+    covered = set()  # the model's linears a checkpoint weight loads into
     for name, entry in entries.items():
         owner, _, leaf = name.rpartition(".")
         parent, _, child = owner.rpartition(".")
         fused_into = [f"{parent}.{f}" if parent else f for f, parts in fused.items() if child in parts]
         fqn = owner if owner in linears else next((f for f in fused_into if f in linears), None)
+        if leaf == "weight" and fqn is not None:
+            covered.add(fqn)
         if leaf == "weight" and fqn is None and len(entry.shape) == 2 and owner not in modules:
             # a checkpoint weight no module of the model has (a name the renames did not map: --rename): written as
             # stored, in the ignore list, and reported (it was left bf16 under a config that claimed every Linear)
@@ -670,6 +702,9 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused) -> dict[s
             reason = "weight tied to another parameter"
         elif fqn in routers:
             reason = routers[fqn]
+        elif fqn == head:
+            reason = ("the output embeddings: vLLM and transformers load lm_head in bf16 only (quantize_lm_head=True, "
+                      "--quantize-lm-head: fp8, for fp8fx alone)")
         elif len(entry.shape) != 2 or entry.dtype not in quant.HIGH_PRECISION:
             reason = f"{entry} is not a 2-D bf16/fp16/fp32 weight"
         elif isinstance(w, PerBlock) and (entry.shape[0] % w.block_n or entry.shape[1] % w.block_k):
@@ -677,6 +712,15 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused) -> dict[s
         else:
             reason = ""
         plan[owner] = reason
+    # a linear of the model without its weight in the checkpoint (a tied one may leave it out): its output would not
+    # load (load_checkpoint refuses it), so nothing is written (a name the renames missed: --rename / key_mapping)
+    missing = [f for f, m in linears.items() if f not in covered and uses[id(m._parameters["weight"])] == 1]
+    if missing:
+        raise CheckpointError(
+            f"convert: the model's linear layer {missing[0]} has no weight in the checkpoint ({missing[0]}.weight"
+            f"{f' and {len(missing) - 1} more layers' if len(missing) > 1 else ''}); a checkpoint its config.json does "
+            "not describe, a missing shard, or names to map with --rename (key_mapping=); nothing was written"
+        )
     for group in _fused_groups(plan):  # as save_checkpoint: a fused group is written in one precision
         kept = [m for m in group if plan[m]]
         for m in group if kept else ():

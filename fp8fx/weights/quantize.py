@@ -245,7 +245,8 @@ def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, un
         if not any(entry_covers(entry, fqn) for fqn in names):
             raise ValueError(
                 f"Fp8Config.ignored_layers: {entry!r} names no module of {where}{_did_you_mean(entry, names)}; "
-                f"correct or remove the entry (nothing was {undone})"
+                f"correct or remove the entry: a module's full name or a prefix of names, no regex or suffix "
+                f"(nothing was {undone})"
             )
 
 

@@ -270,7 +270,7 @@ def test_convert_peak_is_one_output_file_plus_one_bf16_tensor(tmp_path):
     state = reference_model(cfg).state_dict()
     src = write_checkpoint(tmp_path / "src", state, shards=4, extra_config=cfg.to_dict())
     report, peak = peak_allocated(lambda: convert(src, tmp_path / "dst", progress=False))
-    assert len(report.quantized) == 29  # lm_head too: the default config ignores nothing
+    assert len(report.quantized) == 28 and list(report.not_quantized) == ["lm_head"]  # bf16 by default
     files = sorted((tmp_path / "dst").glob("*.safetensors"))
     assert len(files) == 4
     largest_file = max(f.stat().st_size for f in files)
@@ -279,7 +279,7 @@ def test_convert_peak_is_one_output_file_plus_one_bf16_tensor(tmp_path):
     assert total > 1.5 * bound
     assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
     qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
-    assert qc["quant_method"] == "compressed-tensors" and qc["ignore"] == []
+    assert qc["quant_method"] == "compressed-tensors" and qc["ignore"] == ["lm_head"]
 
 
 # --- on the GPU ------------------------------------------------------------------------------------

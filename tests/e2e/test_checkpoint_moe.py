@@ -77,11 +77,13 @@ def _saved(path):
 
 
 def _fp8_and_bf16_experts(name):
-    """A 2-layer model with layer 0's experts in fp8 (16x32 blocks) and layer 1's left bf16."""
+    """A 2-layer model with layer 0's experts in fp8 (16x32 blocks) and layer 1's left bf16 (lm_head too, as the
+    checkpoints vLLM and transformers load)."""
     import fp8fx
 
     model = reference_model(moe_config(name, layers=2))
-    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_block_size=[16, 32], ignored_layers=["model.layers.1.mlp.experts"]))
+    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_block_size=[16, 32],
+                                           ignored_layers=["model.layers.1.mlp.experts", "lm_head"]))
     return model
 
 

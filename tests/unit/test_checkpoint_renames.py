@@ -216,15 +216,59 @@ def test_convert_reports_expert_weights_it_cannot_place(tmp_path):
     assert set(stray) <= set(qc["ignore"])
 
 
-def test_names_the_model_has_are_not_renamed(tmp_path):
+def test_the_models_renames_skip_names_the_model_has(tmp_path, monkeypatch):
     """A checkpoint in the model's own layout (save_checkpoint writes one) loads as it is, whatever renames a hub
-    layout would need: a rename applies only to a name with no place in the model (transformers' renames of some
-    models change the model's own names, e.g. laguna's shared_experts)."""
+    layout would need: the model's renames apply only to a name with no place in the model (transformers' renames of
+    some models change the model's own names, e.g. laguna's shared_experts). A stand-in for such a model's renames:
+    .mlp. -> .ffn., which would leave every MLP weight unloaded."""
+    real = renames.transformers_renamer
+    monkeypatch.setattr(renames, "transformers_renamer", lambda model, user, model_renames=True: (
+        (lambda n: n.replace(".mlp.", ".ffn.")) if model_renames else real(model, user, model_renames)))
     path = _tiny_checkpoint(tmp_path, lambda k: k)
     model, expected = meta_tiny(), meta_tiny()
-    load_checkpoint(model, path, key_mapping={r"\.mlp\.": ".ffn."}, progress=False)
+    assert renames.resolve(model, None, "test")("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert renames.resolve(model, None, "test")("model.layers.0.mlp.extra.weight") == "model.layers.0.ffn.extra.weight"
+    load_checkpoint(model, path, progress=False)
+    monkeypatch.setattr(renames, "transformers_renamer", real)
     load_checkpoint(expected, path, progress=False)
     assert_same_state(expected, model)
+
+
+def test_key_mapping_renames_a_tensor_of_a_module_the_model_has(tmp_path):
+    """key_mapping applies to every name, as from_pretrained(key_mapping=) does: q_proj.kernel -> q_proj.weight
+    renames a tensor of a module the model has (it was kept as it was: convert exited 0 with q_proj left bf16 under
+    its old name and declared fp8, and neither load_checkpoint nor transformers could load the output)."""
+    path = _tiny_checkpoint(tmp_path, lambda k: k.replace("q_proj.weight", "q_proj.kernel"))
+    plain = _tiny_checkpoint(tmp_path / "plain", lambda k: k)
+    mapping = {r"\.kernel$": ".weight"}
+    model, expected = meta_tiny(), meta_tiny()
+    load_checkpoint(model, path, key_mapping=mapping, progress=False)
+    load_checkpoint(expected, plain, progress=False)
+    assert_same_state(expected, model)
+    # convert quantizes it and writes it under its stored name, which loads back with the same key_mapping
+    out, plain_out = tmp_path / "fp8", tmp_path / "plain_fp8"
+    report = convert(path, out, key_mapping=mapping, model=meta_tiny(), progress=False)
+    convert(plain, plain_out, model=meta_tiny(), progress=False)
+    q = "model.layers.0.self_attn.q_proj"
+    assert q in report.quantized
+    stored = read_checkpoint(out)[1]
+    assert stored[f"{q}.kernel"].dtype == torch.float8_e4m3fn and f"{q}.weight_scale" in stored
+    model, expected = meta_tiny(), meta_tiny()
+    load_checkpoint(model, out, key_mapping=mapping, progress=False)
+    load_checkpoint(expected, plain_out, progress=False)
+    assert_same_state(expected, model)
+
+
+def test_convert_refuses_a_checkpoint_without_a_linears_weight(tmp_path):
+    """A linear of the model whose weight the checkpoint lacks: convert exited 0, its output declared the layer fp8
+    and no loader could read it. Refused, naming the layer, and nothing is written."""
+    q = "model.layers.0.self_attn.q_proj"
+    torch.manual_seed(0)
+    state = {k: v for k, v in Tiny().bfloat16().state_dict().items() if k != f"{q}.weight"}
+    path = write_checkpoint(tmp_path / "ckpt", state)
+    with pytest.raises(CheckpointError, match=rf"linear layer {q} has no weight in the checkpoint.*--rename"):
+        convert(path, tmp_path / "out", model=meta_tiny(), progress=False)
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_weights_scales_follow_a_rename_of_the_weight(tmp_path):
@@ -264,21 +308,28 @@ def test_autofp8_kv_cache_scheme_string_is_kept_on_save(tmp_path):
 
 def test_convert_reports_linear_weights_it_cannot_place(tmp_path):
     """A checkpoint whose MLP is stored as ``ffn``, converted without the rename: its six MLP weights were written
-    bf16 under a quantization_config claiming every Linear, with "0 not quantized"; now each is reported and in the
-    ignore list. A key_mapping pattern found in no tensor name (here written the wrong way round) is refused."""
+    bf16 under a quantization_config claiming every Linear, with "0 not quantized". The model's MLP layers have no
+    weight in it, so convert refuses it and says to map the names; a weight no module has beside all the model's
+    (``extra``) is written as stored, reported and in the ignore list. A key_mapping pattern found in no tensor
+    name (here written the wrong way round) is refused."""
     path = _tiny_checkpoint(tmp_path, lambda k: k.replace(".mlp.", ".ffn."))
     with pytest.raises(ValueError, match=r"convert: key_mapping pattern .* \(-> '.ffn.'\) is in no tensor name"):
         convert(path, tmp_path / "wrong", key_mapping={r"\.mlp\.": ".ffn."}, model=meta_tiny(), progress=False)
     assert not (tmp_path / "wrong").exists()
-    report = convert(path, tmp_path / "dst", model=meta_tiny(), progress=False)
-    stray = {m: r for m, r in report.not_quantized.items() if ".ffn." in m}
-    assert len(stray) == 6 and all(r.startswith("no module of the model has this weight") for r in stray.values())
-    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
-    ignored = qc.get("ignore", qc.get("ignored_layers"))
-    assert set(stray) <= set(ignored)
-    assert read_checkpoint(tmp_path / "dst")[1]["model.layers.0.ffn.gate_proj.weight"].dtype == torch.bfloat16
+    with pytest.raises(CheckpointError, match=r"linear layer model\.layers\.0\.mlp\.\w+ has no weight .* and 5 more"):
+        convert(path, tmp_path / "dst", model=meta_tiny(), progress=False)
+    assert not (tmp_path / "dst").exists()
     fixed = convert(path, tmp_path / "fixed", key_mapping={r"\.ffn\.": ".mlp."}, model=meta_tiny(), progress=False)
-    assert not any(".ffn." in m for m in fixed.not_quantized)
+    assert not fixed.not_quantized and len(fixed.quantized) == len(LINEARS) + 1  # and lm_head
+    torch.manual_seed(0)
+    state = dict(Tiny().bfloat16().state_dict(), **{"model.layers.0.extra.weight": torch.ones(4, 8)})
+    report = convert(write_checkpoint(tmp_path / "extra", state), tmp_path / "extra_fp8", model=meta_tiny(),
+                     progress=False)
+    assert report.not_quantized == {"model.layers.0.extra": "no module of the model has this weight (written as "
+                                                            "stored); map its name with --rename"}
+    qc = json.loads((tmp_path / "extra_fp8" / "config.json").read_text())["quantization_config"]
+    assert "model.layers.0.extra" in qc.get("ignore", qc.get("ignored_layers"))
+    assert read_checkpoint(tmp_path / "extra_fp8")[1]["model.layers.0.extra.weight"].dtype == torch.float32
 
 
 def test_group_references_transformers_would_leave_as_text_are_refused():

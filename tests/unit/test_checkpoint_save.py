@@ -10,7 +10,7 @@ import torch
 
 import fp8fx
 from fp8fx.checkpoint import CheckpointError, convert, load_checkpoint, save_checkpoint
-from fp8fx.checkpoint.files import read_checkpoint, read_header
+from fp8fx.checkpoint.files import read_checkpoint, read_header, write_file
 from fp8fx.checkpoint.load import FUSED
 from tests.unit.test_checkpoint_load import (
     FP8,
@@ -223,7 +223,7 @@ def test_load_and_convert_refuse_an_ignored_layer_that_names_nothing(tmp_path):
     config = fp8fx.Fp8Config(ignored_layers=["lm_haed"])
     model = meta_tiny()
     before = {k: (v.dtype, v.device) for k, v in model.state_dict().items()}
-    msg = r"ignored_layers: 'lm_haed' names no module of .* \(did you mean 'lm_head'\?\); correct or remove the entry"
+    msg = r"ignored_layers: 'lm_haed' names no module of .* \(did you mean 'lm_head'\?\); correct or remove the entry: a module.s full name or a prefix of names, no regex or suffix"
     with pytest.raises(ValueError, match=msg + r" \(nothing was loaded\)"):
         load_checkpoint(model, tmp_path / "bf16", config, progress=False)
     assert {k: (v.dtype, v.device) for k, v in model.state_dict().items()} == before
@@ -258,6 +258,21 @@ def test_save_refuses_a_directory_that_holds_a_checkpoint(tmp_path):
     with pytest.raises(ValueError, match=r"already holds a checkpoint .*pass an empty or new directory"):
         save_checkpoint(model, tmp_path / "x")
     assert sorted(os.listdir(tmp_path / "x")) == before
+    # another model's config.json or pickled weights: the config was overwritten, the .bin left beside the fp8 files
+    for held in ("config.json", "pytorch_model.bin"):
+        other = tmp_path / held.replace(".", "_")
+        other.mkdir()
+        (other / held).write_text("{}")
+        (other / "tokenizer.json").write_text("{}")
+        with pytest.raises(ValueError, match=rf"already holds a checkpoint \({held}\)"):
+            save_checkpoint(model, other)
+        assert sorted(os.listdir(other)) == sorted([held, "tokenizer.json"])
+        assert (other / held).read_text() == "{}"
+    tokenizer_only = tmp_path / "tok"
+    tokenizer_only.mkdir()
+    (tokenizer_only / "tokenizer.json").write_text("{}")
+    save_checkpoint(model, tokenizer_only)  # a tokenizer saved first is the usual order
+    assert {"tokenizer.json", "config.json", "model.safetensors"} <= set(os.listdir(tokenizer_only))
 
 
 # --- convert -------------------------------------------------------------------------------------
@@ -276,9 +291,10 @@ def test_convert_then_load_equals_quantize_(tmp_path, caplog, config, method):
     (src / "tokenizer.json").write_text("{}")
     (src / "training_args.bin").write_bytes(b"not copied")
     (src / "original").mkdir()
+    write_file(str(src / "adapter_model.safetensors"), {"a": torch.ones(2)})  # outside the index: dropped silently
     with caplog.at_level(logging.WARNING, logger="fp8fx"):
         report = convert(src, tmp_path / "dst", config, model=meta_tiny(), progress=False)
-    assert f"convert did not copy original/, training_args.bin from {src}" in caplog.text
+    assert f"convert did not copy adapter_model.safetensors, original/, training_args.bin from {src}" in caplog.text
     dst = tmp_path / "dst"
     assert sorted(p.name for p in dst.iterdir()) == [
         "config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",

@@ -1,6 +1,7 @@
 """The fp8fx command: exit codes and output on bad paths, bad configs and good models."""
 import json
 import pathlib
+import re
 import subprocess
 import sys
 import textwrap
@@ -257,6 +258,50 @@ def test_bad_configs(capsys, llama_dir, tmp_path):
     one_line_error(err, "invalid choice: 'sometimes'")
 
 
+def test_flags_over_a_compressed_tensors_config(capsys, llama_dir, tmp_path):
+    """--block-size and --activation-scheme over a compressed-tensors config, which spells its activations'
+    granularity out: they failed, blaming activation_granularity (which the user never set), where the same flags
+    over the fp8 config of the same scheme worked. The granularities that follow from a flag go back to its
+    defaults."""
+    f8 = {"num_bits": 8, "type": "float", "symmetric": True}
+
+    def ct(weights, activations):
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "config_groups": {"g": {"targets": ["Linear"], "weights": {**f8, "dynamic": False, **weights},
+                                        "input_activations": {**f8, **activations}}}}
+
+    cases = [
+        (ct({"strategy": "block", "block_structure": [128, 128]}, {"strategy": "group", "group_size": 128,
+                                                                    "dynamic": True}),
+         ["--block-size", "64,64"], "w:per-block(64x64) a:per-group(1x64)"),
+        (ct({"strategy": "channel"}, {"strategy": "token", "dynamic": True}), ["--activation-scheme", "static"],
+         "w:per-channel a:static per-tensor"),
+        (ct({"strategy": "channel"}, {"strategy": "token", "dynamic": True}), ["--activation-scheme", "dynamic"],
+         "w:per-channel a:per-token"),  # the scheme it has: its granularity is kept
+    ]
+    for qc, flags, scheme in cases:
+        path = tmp_path / "quant.json"
+        path.write_text(json.dumps(qc))
+        code, out, err = run(capsys, "inspect", str(llama_dir), "--config", str(path), *flags)
+        assert code == 0, (flags, err)
+        assert f"config {scheme}" in out, out
+
+
+def test_modules_to_not_convert_is_read_as_transformers_reads_it(capsys, llama_dir):
+    """transformers' FineGrainedFP8 configs list modules_to_not_convert entries matched as names, regexes or
+    suffixes (MiniMax-M2: "gate"); read as prefixes, "down_proj" kept no layer, and inspect called every down
+    projection fp8."""
+    data = json.loads((llama_dir / "config.json").read_text())
+    data["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                   "modules_to_not_convert": ["down_proj", "lm_head"]}
+    (llama_dir / "config.json").write_text(json.dumps(data))
+    code, out, err = run(capsys, "inspect", str(llama_dir))
+    assert code == 0, err
+    rows = [line for line in out.splitlines() if "mlp.down_proj" in line]
+    assert len(rows) == 2 and all("kept in high precision by the quantization_config" in r for r in rows), out
+    assert any("up_proj" in line and "would be" in line for line in out.splitlines()), out
+
+
 def test_help(capsys):
     for argv in (["--help"], ["inspect", "--help"], ["convert", "--help"], ["bench", "--help"]):
         code, out, _ = run(capsys, *argv)
@@ -282,11 +327,19 @@ def test_convert_block_checkpoint_loads_back(capsys, tmp_path):
     cfg = llama_config()
     model = reference_model(cfg)
     src = write_checkpoint(tmp_path / "src", model.state_dict(), shards=2, extra_config=cfg.to_dict())
-    code, out, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--scheme", "block", "--ignore", "lm_head",
-                         "--no-progress")
+    code, out, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--scheme", "block", "--no-progress")
     assert code == 0, err
     qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
-    assert qc["weight_block_size"] == [128, 128] and "lm_head" in qc["ignored_layers"]
+    # lm_head stays bf16 by default: vLLM and transformers load it so (an fp8 one made a checkpoint only fp8fx loads)
+    assert qc["weight_block_size"] == [128, 128] and qc["ignored_layers"] == ["lm_head"]
+    assert re.search(r"not quantized +lm_head +the output embeddings: vLLM and transformers load lm_head in bf16", out)
+    code, _, err = run(capsys, "convert", str(src), str(tmp_path / "head"), "--scheme", "block", "--quantize-lm-head",
+                       "--no-progress")
+    assert code == 0, err
+    qc = json.loads((tmp_path / "head" / "config.json").read_text())["quantization_config"]
+    from fp8fx.checkpoint.files import read_checkpoint
+
+    assert qc["ignored_layers"] == [] and "lm_head.weight_scale_inv" in read_checkpoint(tmp_path / "head")[1]
     loaded = fp8fx.checkpoint.meta_model(tmp_path / "dst")
     fp8fx.load_checkpoint(loaded, tmp_path / "dst")
     assert loaded.model.layers[0].mlp.down_proj.weight_scale_inv.shape == (2, 4)

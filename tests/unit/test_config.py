@@ -496,6 +496,10 @@ def test_from_config_takes_fp8_configs_only():
         Fp8Config.from_config({"quant_method": "fp8", "ignored_layers": 5})
     with pytest.raises(ValueError, match=r"weight_block_size=128 must be"):
         Fp8Config.from_config({"quant_method": "fp8", "weight_block_size": 128})
+    # fp8 methods of other schemes: FBGEMM's per-channel weights read as per-tensor ones, with no error
+    for method in ("fbgemm_fp8", "ptpc_fp8"):
+        with pytest.raises(ValueError, match=rf"quant_method={method!r}: .*weight_granularity=fp8fx\.PerRow\(\)"):
+            Fp8Config.from_config({"quant_method": method, "modules_to_not_convert": ["lm_head"]})
     transformers = pytest.importorskip("transformers")
     config = Fp8Config.from_config(transformers.FineGrainedFP8Config())
     assert config.is_checkpoint_fp8_serialized and config.weight_block_size == (128, 128)
