@@ -134,6 +134,10 @@ _ALIASING_FUNCTIONS = frozenset({
     torch.select, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.transpose, torch.Tensor.permute,
     torch.Tensor.unsqueeze, torch.Tensor.flatten, torch.Tensor.narrow, torch.Tensor.to, torch.Tensor.detach,
 })
+# methods that return their tensor itself where it already has the dtype / device asked for (``.float()`` of a float32
+# output), and attributes that are views (Dynamo records ``q.mT`` as ``getattr(q, "mT")``)
+_CASTS = frozenset({"float", "half", "bfloat16", "double", "cpu", "cuda", "contiguous", "requires_grad_"})
+_VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 # ops that read or change a tensor's layout itself: Dynamo baked the unfused output's strides into the graph
 # (``as_strided(q, ..., (q.stride(0), ...))``), or the op rewrites the storage the fused output shares
 _LAYOUT_OPS = frozenset({"as_strided", "as_strided_", "resize_", "resize_as_", "set_", "storage_offset"})
@@ -146,7 +150,8 @@ def _layout_bound(nodes: list[fx.Node], ctx: PassContext) -> str:
     (``q(x).view(-1)``: the graph failed to compile), nor read or change the layout itself (``as_strided`` with
     strides Dynamo recorded from the unfused output, ``resize_``: wrong numbers). Any other op reads values only
     (arithmetic, SDPA, ``cat``, ``contiguous``), whatever the strides. An output that leaves the graph gets a
-    contiguous copy of its columns (``_leaves_graph``, ``_fuse``)."""
+    contiguous copy of its columns, and so does one given to an op that may read it by its layout (a custom op of
+    another library, a higher-order op: ``_needs_own_layout``, ``_fuse``)."""
     outs = [fake_value(n) for n in nodes]
     if not all(isinstance(o, torch.Tensor) and o.dim() >= 1 for o in outs):
         return ""
@@ -165,17 +170,42 @@ def _layout_bound(nodes: list[fx.Node], ctx: PassContext) -> str:
 
 
 def _aliases(user: fx.Node) -> bool:
-    return (user.op == "call_method" and user.target in _ALIASING_METHODS
-            or user.op == "call_function" and user.target in _ALIASING_FUNCTIONS)
+    """Whether ``user`` may return its first argument or a view of it: a view op, a cast that may be a no-op, an
+    in-place method (``k.mul_(2)`` returns ``k``), a view attribute."""
+    if user.op == "call_method":
+        name = user.target
+        return (name in _ALIASING_METHODS or name in _CASTS
+                or name.endswith("_") and not name.startswith("_"))
+    return user.op == "call_function" and (
+        user.target in _ALIASING_FUNCTIONS
+        or user.target is getattr and len(user.args) == 2 and user.args[1] in _VIEW_ATTRIBUTES)
 
 
-def _leaves_graph(node: fx.Node) -> bool:
-    """Whether ``node``'s value, or a view of it (``_ALIASING_*``), is an output of the graph: the caller's code
-    expects a tensor of its own (its ``q.view(-1)`` failed on a column slice of the fused output)."""
+def _opaque(user: fx.Node) -> bool:
+    """Whether ``user`` may read its inputs by their memory layout: a custom op of another library (a C++ or Triton
+    kernel that takes its input as contiguous rows), a higher-order op (``torch.cond``, a checkpointed region, a user
+    Triton kernel: their bodies were traced with the GEMM's own, contiguous output) or a submodule call. ATen's,
+    torch's functions and Tensor methods read values whatever the strides; fp8fx's ops too."""
+    if user.op == "call_module":
+        return True
+    if user.op != "call_function":
+        return False
+    target = user.target
+    if isinstance(target, torch._ops.HigherOrderOperator):
+        return True
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        return target.namespace not in ("aten", "prims", "fp8fx")
+    return False
+
+
+def _needs_own_layout(node: fx.Node) -> bool:
+    """Whether ``node``'s value, or what may alias it (``_aliases``), is an output of the graph or reaches an op that
+    may read it by its layout (``_opaque``): the caller's code (its ``q.view(-1)``) or the op's kernel expects the
+    GEMM's contiguous output, and a column slice of the fused output failed there or read wrong numbers."""
     todo, seen = [node], set()
     while todo:
         for user in todo.pop().users:
-            if user.op == "output":
+            if user.op == "output" or _opaque(user):
                 return True
             if _aliases(user) and user not in seen:
                 seen.add(user)
@@ -202,6 +232,8 @@ def _slice_use(node: fx.Node, part: Any) -> str:
             try:
                 if user.op == "call_method":
                     result = getattr(args[0], user.target)(*args[1:], **kwargs)
+                elif user.target is getattr:
+                    result = getattr(*args)
                 else:
                     result = user.target(*args, **kwargs)
             except (RuntimeError, ValueError, TypeError):  # (ValueError: from fake tensors' stride checks)
@@ -356,7 +388,7 @@ class HorizontalFusionPass(Fp8Pass):
                 size = fake_value(node.args[2]).shape[0]
                 part = graph.call_function(torch.narrow, (y, -1, offset, size))
                 set_fake_value(part, torch.narrow, part.args)
-                if _leaves_graph(node):  # the caller gets a tensor of its own, laid out as the GEMM's would be
+                if _needs_own_layout(node):  # the caller / the op gets a tensor of its own, laid out as the GEMM's
                     part = graph.call_method("contiguous", (part,))
                     set_fake_value(part, torch.Tensor.contiguous, part.args)
                 part.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
