@@ -169,6 +169,11 @@ def _layout_bound(nodes: list[fx.Node], ctx: PassContext) -> str:
     return ""
 
 
+def _weight_scales(w_block) -> str:
+    """A weight's scale granularity as the report's schemes name it (per-channel, not per-row)."""
+    return str(granularity_from_block(list(w_block), weight=True)).replace("per-row", "per-channel")
+
+
 def _aliases(user: fx.Node) -> bool:
     """Whether ``user`` may return its first argument or a view of it: a view op, a cast that may be a no-op, an
     in-place method (``k.mul_(2)`` returns ``k``), a view attribute."""
@@ -318,8 +323,7 @@ class HorizontalFusionPass(Fp8Pass):
                 names = site_names(ctx, groups[other])
                 has = "has" if len(groups[other]) == 1 else "have"
                 if key.w_block != other.w_block:
-                    why = (f"{granularity_from_block(list(key.w_block), weight=True)} weight scales where {names} "
-                           f"{has} {granularity_from_block(list(other.w_block), weight=True)}")
+                    why = f"{_weight_scales(key.w_block)} weight scales where {names} {has} {_weight_scales(other.w_block)}"
                 elif key.dtype != other.dtype:
                     why = f"output dtype {key.dtype} where {names} {has} {other.dtype}"
                 elif key.fast != other.fast:

@@ -447,8 +447,10 @@ class LinearPass(Fp8Pass):
         if path in getattr(real, "_fp8fx_owners", {}):  # a weight several layers share: the one running here
             return path
         tag = getattr(real, "_fp8fx_fqn", None)  # ("" for a quantized root module: its name in named_modules)
-        if tag is not None:
+        if tag:
             return tag
+        if tag == "":  # a layer quantized on its own (quantize_(layer)): its path in the compiled model, if any
+            return path or ""
         return path if path is not None else node.name  # ("" for the root module too, not Dynamo's node name)
 
     @staticmethod

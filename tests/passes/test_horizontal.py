@@ -433,7 +433,7 @@ def test_a_gemm_left_out_only_for_its_weight_scales_gets_that_reason_alone():
     fp8fx.quantize_(model.w, per_tensor, prefix="w")
     schemes, _ = compile_fused(model, torch.randn(3, 256, dtype=torch.bfloat16))
     assert schemes[("w", 3)] == ("w:per-tensor a:per-token not fused horizontally: per-tensor weight scales where k,v "
-                                 "have per-row")
+                                 "have per-channel")
 
 
 def test_a_gemm_left_out_of_its_group_says_why():
@@ -444,9 +444,30 @@ def test_a_gemm_left_out_of_its_group_says_why():
         granularity = fp8fx.PerTensor() if name == "k_proj" else fp8fx.PerRow()
         fp8fx.quantize_(getattr(model, name), fp8fx.Fp8Config(weight_granularity=granularity), prefix=name)
     schemes, _ = compile_fused(model, torch.randn(5, 64, dtype=torch.bfloat16))
+    # (per-channel, as the sites' own schemes say: it said per-row)
     assert schemes[("k_proj", 1)].endswith(
-        "not fused horizontally: per-tensor weight scales where q_proj,v_proj have per-row")
+        "not fused horizontally: per-tensor weight scales where q_proj,v_proj have per-channel")
     assert schemes[("v_proj", 2)].endswith("fused(q_proj,v_proj)")
+
+
+def test_layers_quantized_one_by_one_keep_their_names():
+    """quantize_(layer) without prefix= tags the layer's weight with the name "": every site of the model was named
+    "", and the fusion wrote fused(,). Each site is named by its path in the compiled model."""
+    torch.manual_seed(0)
+    model = BiasedQKV().to(torch.bfloat16)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        granularity = fp8fx.PerTensor() if name == "k_proj" else fp8fx.PerRow()
+        fp8fx.quantize_(getattr(model, name), fp8fx.Fp8Config(weight_granularity=granularity))
+    schemes, _ = compile_fused(model, torch.randn(5, 64, dtype=torch.bfloat16))
+    assert [fqn for fqn, _ in schemes] == ["q_proj", "k_proj", "v_proj"]
+    assert schemes[("q_proj", 0)].endswith("fused(q_proj,v_proj)")
+    assert schemes[("k_proj", 1)].endswith("per-tensor weight scales where q_proj,v_proj have per-channel")
+    layer = torch.nn.Linear(64, 32).to(torch.bfloat16)  # compiled on its own, the root: its name is ""
+    fp8fx.quantize_(layer)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(layer, backend=backend)(torch.randn(5, 64, dtype=torch.bfloat16))
+    assert [s.fqn for s in backend.report.sites] == [""]
 
 
 def test_layers_called_again_with_the_same_weights_are_fused_at_every_call():
