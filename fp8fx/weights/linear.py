@@ -14,9 +14,10 @@ linear pass. ``state_dict()`` reads ``_parameters`` and so holds the fp8 tensors
 """
 from __future__ import annotations
 
-import functools
+import copy
 import logging
 import math
+import weakref
 from typing import Optional, Sequence
 
 import torch
@@ -148,15 +149,46 @@ def _checked_apply(self, fn, recurse=True):
     return out
 
 
+class _CheckedApply:
+    """``model._apply`` as ``guard_casts`` sets it: ``_checked_apply`` of the model it holds by a weak reference (a
+    strong one made a cycle, model -> its ``__dict__`` -> the model, so ``del model`` freed nothing, GPU memory
+    included, until Python's cyclic collector ran). A deep copy of the model gets one of the copy (the copy is in
+    ``memo`` before its ``__dict__`` is copied); a pickle holds the model itself, which the pickle memoizes."""
+
+    __slots__ = ("_model",)
+
+    def __init__(self, model: nn.Module):
+        self._model = weakref.ref(model)
+
+    def __call__(self, fn, recurse=True):
+        return _checked_apply(self._model(), fn, recurse)
+
+    def __deepcopy__(self, memo):
+        model = self._model()
+        copied = memo.get(id(model), model)
+        # the fp8fx tags of parameters no fp8fx class holds (a layer ignored_layers keeps: its report reason): a deep
+        # copy of a Parameter keeps its data alone. The model's _modules come before this _apply in its __dict__, so
+        # their copies are in memo by now (the quantized layers' own copies carry theirs: reduce_made_class)
+        for p in model.parameters() if copied is not model else ():
+            new = memo.get(id(p))
+            for k, v in vars(p).items() if new is not None else ():
+                if k.startswith("_fp8fx_") and k != "_fp8fx_token" and not hasattr(new, k):
+                    setattr(new, k, copy.deepcopy(v, memo))
+        return _CheckedApply(copied)
+
+    def __reduce__(self):
+        return _CheckedApply, (self._model(),)
+
+
 def guard_casts(model: nn.Module) -> None:
     """Has ``model.to(dtype)`` (``.half()``, ...) keep its KV-cache scales float32 and refuse a cast its fp8 layers
     cannot compute in (or whose range their dequantized weights exceed) before it converts anything: torch converts
     the modules one by one, so the first fp8 layer's refusal (``fp8_apply``) came after the modules before it had
     been cast, leaving a model of two dtypes. The check is ``model``'s own ``_apply``, an
     attribute of this instance (its class is left as it is); a cast of a submodule alone keeps ``fp8_apply``'s. It is a
-    ``functools.partial`` of a module-level function, so the model still pickles (a bound method does not)."""
+    ``_CheckedApply``, so the model still pickles (a bound method does not) and is freed as soon as it is dropped."""
     if getattr(type(model), "_apply", None) is not fp8_apply and "_apply" not in vars(model):
-        model._apply = functools.partial(_checked_apply, model)
+        model._apply = _CheckedApply(model)
 
 
 def check_online(what: str, loaded: torch.Tensor, dtype: torch.dtype, prefix: str, kind: str,
@@ -188,7 +220,8 @@ def fp8_class(cls: type) -> type:
             f"Fp8{cls.__name__}",
             (cls,),
             {"weight": property(_dequantized_weight), "_apply": fp8_apply, "_fp8fx_quantized": True,
-             "__module__": cls.__module__, "__reduce_ex__": reduce_made_class, "_fp8fx_maker": fp8_class},
+             "__module__": cls.__module__, "__reduce_ex__": reduce_made_class, "__setstate__": setstate_made_class,
+             "_fp8fx_maker": fp8_class},
         )
     return _FP8_CLASSES[cls]
 
@@ -198,7 +231,29 @@ def reduce_made_class(module: nn.Module, protocol: int):
     pickle (``torch.save(model)``, multiprocessing) names no such class by module and name (there is none to look
     up), but the maker and the class it was made from, which remakes it; the state as ``nn.Module`` pickles it."""
     cls = type(module)
-    return _remade, (cls._fp8fx_maker, cls.__mro__[1]), module.__getstate__()
+    # the parameters' fp8fx tags (_fp8fx_fqn, _fp8fx_moe_role, ...: what the passes find a layer by) travel in the
+    # state: a deep copy of a Parameter keeps its data alone (a copied model's MoE experts were not fused)
+    tags = {name: {k: v for k, v in vars(p).items() if k.startswith("_fp8fx_") and k != "_fp8fx_token"}
+            for name, p in module._parameters.items() if p is not None}  # (a token names one tensor: report.py)
+    return _remade, (cls._fp8fx_maker, cls.__mro__[1]), {**module.__getstate__(), _TAGS: tags}
+
+
+_TAGS = "_fp8fx_parameter_tags"
+
+
+def setstate_made_class(module: nn.Module, state: dict) -> None:
+    """``__setstate__`` of the classes ``fp8_class`` / ``fp8_experts_class`` make: ``nn.Module``'s, then each
+    parameter's fp8fx tags put back (``reduce_made_class``)."""
+    state = dict(state)
+    tags = state.pop(_TAGS, {})
+    nn.Module.__setstate__(module, state)
+    for name, attrs in tags.items():
+        p = module._parameters.get(name)
+        for k, v in attrs.items() if p is not None else ():
+            setattr(p, k, v)
+    for p in module._parameters.values():  # a pickle keeps a parameter's __dict__: the copy is another tensor
+        if p is not None and "_fp8fx_token" in vars(p):
+            del p._fp8fx_token
 
 
 def _remade(maker, base: type) -> nn.Module:

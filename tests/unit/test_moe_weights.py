@@ -601,6 +601,38 @@ def test_a_quantized_model_pickles_and_computes_the_same():
         assert torch.equal(copy.experts(x, ids, w), block.experts(x, ids, w))
         with pytest.raises(ValueError, match=r"nothing was converted"):  # the copy's own cast guard (guard_casts)
             copy.to(torch.float8_e4m3fn)
+        assert copy._apply._model() is copy
+        # the parameters' fp8fx tags, which the passes find layers by (a deep copy dropped them: its experts were
+        # not fused); a token names one tensor, and is the copy's own
+        for (name, p), q in zip(block.named_parameters(), copy.parameters()):
+            tags = {k: v for k, v in vars(p).items() if k.startswith("_fp8fx_") and k != "_fp8fx_token"}
+            assert {k: v for k, v in vars(q).items() if k in tags} == tags, name
+            assert "_fp8fx_token" not in vars(q)
+        assert [n for n, q in copy.named_parameters() if getattr(q, "_fp8fx_fqn", None)] == [
+            "proj.weight", "experts.gate_up_proj", "experts.down_proj"]
+
+
+def test_a_quantized_model_is_freed_when_dropped():
+    """guard_casts held the model in its own __dict__ (model._apply = partial(..., model)): a cycle, so del freed
+    nothing (GPU memory included) until Python's cyclic collector ran. A deep copy of a model with a layer kept in
+    high precision keeps that layer's report reason."""
+    import copy
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        block = Block().to(torch.bfloat16)
+        fp8fx.quantize_(block)
+        ref = weakref.ref(block)
+        del block
+        assert ref() is None
+    finally:
+        gc.enable()
+    block = Block().to(torch.bfloat16)
+    fp8fx.quantize_(block, fp8fx.Fp8Config(ignored_layers=["proj"]))
+    reason = block.proj.weight._fp8fx_skip_reason
+    assert copy.deepcopy(block).proj.weight._fp8fx_skip_reason == reason
 
 
 def test_the_router_of_transposed_experts_is_found():
