@@ -29,6 +29,7 @@ dequantized views (``torch.ops.fp8fx.dequantize`` of the fp8 tensor and its scal
 from __future__ import annotations
 
 import logging
+import operator
 from typing import Optional
 
 import torch
@@ -314,6 +315,14 @@ class Fp8MoEMethod:
         if shard_id is not None and expert_id is None:
             raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r} needs an expert_id")
         experts = layer._parameters[name].shape[0]
+        if expert_id is not None:  # an int (True is 1 and indexes as a mask: data[True] = q wrote every expert)
+            given = expert_id
+            try:
+                expert_id = operator.index(expert_id) if not isinstance(expert_id, bool) else None
+            except TypeError:
+                expert_id = None
+            if expert_id is None:
+                raise ValueError(f"{prefix}.{name}: expert_id={given!r} is not an expert's index; pass an int")
         if expert_id is not None and not 0 <= expert_id < experts:
             raise ValueError(f"{prefix}.{name}: expert_id={expert_id} is out of range for {experts} experts")
         online = not self.config.is_checkpoint_fp8_serialized
@@ -420,18 +429,19 @@ class Fp8MoEMethod:
             self._quantize_expert(layer, base, expert_id, loaded)
             return
         key = (base, expert_id)
+        rows = self._rows(shard_id, expert_shape[0])
+        fits = torch.empty(expert_shape, device="meta")[rows].shape  # checked before a staging buffer is made
+        if not same_layout("weight", tuple(loaded.shape), tuple(fits)):
+            raise ValueError(
+                f"{layer._fp8fx_prefix}.{base} expert {expert_id} shard {shard_id}: tensor of shape "
+                f"{tuple(loaded.shape)} does not fit the slice of shape {tuple(fits)}"
+            )
         staging = layer._fp8fx_staging.get(key)
         if staging is None:
             staging = torch.empty(expert_shape, dtype=layer._fp8fx_dtype, device=target.device)
             layer._fp8fx_staging[key] = staging
             layer._fp8fx_staging[key + ("rows",)] = set()
-        rows = self._rows(shard_id, expert_shape[0])
         dest = staging[rows]
-        if not same_layout("weight", tuple(loaded.shape), tuple(dest.shape)):
-            raise ValueError(
-                f"{layer._fp8fx_prefix}.{base} expert {expert_id} shard {shard_id}: tensor of shape "
-                f"{tuple(loaded.shape)} does not fit the slice of shape {tuple(dest.shape)}"
-            )
         dest.copy_(loaded.reshape(dest.shape))
         arrived = layer._fp8fx_staging[key + ("rows",)]
         arrived.add(shard_id)
@@ -442,10 +452,11 @@ class Fp8MoEMethod:
     def _quantize_expert(self, layer, base: str, e: int, w: torch.Tensor) -> None:
         """One expert's high-precision ``w: [rows, cols]`` -> fp8 slot ``e`` and its scale."""
         q, scale = chunked.quantize(w.to(layer._parameters[base].device), self.scheme.weight.block)
-        layer._parameters[base].data[e] = q
         scale_name = base + ("_scale_inv" if layer._fp8fx_block_scales else "_scale")
         dest = layer._parameters[scale_name].data[e]
-        dest.copy_(scale.reshape(dest.shape))
+        scale = scale.reshape(dest.shape)  # (shapes checked before either tensor is written)
+        layer._parameters[base].data[e] = q
+        dest.copy_(scale)
         layer._fp8fx_done[base][e] = q.numel()
 
     # -- finish ------------------------------------------------------------------------------

@@ -418,6 +418,12 @@ def test_online_loader_takes_finite_high_precision_weights_only(shard, expert):
     bad.view(-1)[7] = float("nan")
     with pytest.raises(ValueError, match=where + r" has 1 NaN/Inf values; .* 'model.layers.0.mlp.experts' to ignored"):
         method.weight_loader(layer, "gate_up_proj", bad, shard, expert)
+    # a shape that does not fit (a shard's staging buffer was made before the check, and stayed), and expert_id=True
+    # (True indexes as a mask: every expert's codes were written before a scale's shape failed)
+    with pytest.raises(ValueError, match=rf"tensor of shape \([\d, ]*{H + 1}\) does not fit"):
+        method.weight_loader(layer, "gate_up_proj", torch.ones(*shape[:-1], H + 1, dtype=torch.bfloat16), shard, expert)
+    with pytest.raises(ValueError, match=r"gate_up_proj: expert_id=True is not an expert's index; pass an int"):
+        method.weight_loader(layer, "gate_up_proj", torch.ones(shape[-2:], dtype=torch.bfloat16), shard, True)
     assert all(torch.equal(before[k], v.view(torch.uint8)) for k, v in layer.state_dict().items())
     assert not layer._fp8fx_staging and not layer._fp8fx_arrived and not layer._fp8fx_done["gate_up_proj"].any()
     # float16 experts stage what they get in float16: a float32 1e5 became inf there, and so did its expert's scale
