@@ -86,6 +86,14 @@ def _check_rows(x: torch.Tensor, what: str) -> None:
         raise ValueError(f"{what} is a 0-d tensor; it takes activations of shape [..., K]")
 
 
+def _check_high_precision(x: torch.Tensor, what: str) -> None:
+    """What the quantizers take: real values in bf16, fp16, fp32 or fp64 (an int or bool tensor was quantized as
+    numbers, fp8 codes quantized again)."""
+    _check_rows(x, what)
+    if x.dtype not in quant.COMPUTE_DTYPES:
+        raise ValueError(f"{what} is {x.dtype}; it quantizes bf16/fp16/fp32/fp64 activations")
+
+
 def check_block(block: Sequence[int], what: str) -> None:
     if len(block) != 2 or any(b == 0 or b < -1 for b in block):
         raise ValueError(f"fp8fx: {what}={list(block)} is not a block; use [rows, cols] with -1 for a whole dim")
@@ -95,7 +103,7 @@ def check_block(block: Sequence[int], what: str) -> None:
 @_op("quantize")
 def quantize(x: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     check_block(block, "block")
-    _check_rows(x, "fp8fx.quantize: x")
+    _check_high_precision(x, "fp8fx.quantize: x")
     q, scale = quant.quantize_rows(x, block)
     return q.contiguous(), scale.contiguous()  # the layout the fake impl promises, whatever x's strides
 
@@ -103,7 +111,7 @@ def quantize(x: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Ten
 @quantize.register_fake
 def _(x, block):
     check_block(block, "block")  # every fake checks what its real impls check: torch.compile fails at trace time
-    _check_rows(x, "fp8fx.quantize: x")
+    _check_high_precision(x, "fp8fx.quantize: x")
     return x.new_empty(x.shape, dtype=quant.FP8_DTYPE), x.new_empty(_act_scale_shape(x, block), dtype=torch.float32)
 
 
@@ -134,14 +142,14 @@ def _check_positive_value(scale: torch.Tensor, what: str) -> None:
 @_op("quantize_static")
 def quantize_static(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     check_static_scale(scale)
-    _check_rows(x, "fp8fx.quantize_static: x")
+    _check_high_precision(x, "fp8fx.quantize_static: x")
     return quant.quantize_with_scale(quant.as_rows(x), scale, [-1, -1]).reshape(x.shape).contiguous()
 
 
 @quantize_static.register_fake
 def _(x, scale):
     check_static_scale(scale)  # (its value is not read from a FakeTensor)
-    _check_rows(x, "fp8fx.quantize_static: x")
+    _check_high_precision(x, "fp8fx.quantize_static: x")
     return x.new_empty(x.shape, dtype=quant.FP8_DTYPE)
 
 
@@ -198,6 +206,8 @@ def scaled_mm(
 def _check_bias(bias: Optional[torch.Tensor], n: int, what: str) -> None:
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"{what}: bias has shape {list(bias.shape)}; it must be [{n}] (one per output column)")
+    if bias is not None and bias.dtype not in quant.COMPUTE_DTYPES:  # a complex bias lost its imaginary part
+        raise ValueError(f"{what}: bias is {bias.dtype}; it must be bf16, fp16, fp32 or fp64")
 
 
 def _check_scale_size(what: str, name: str, scale: torch.Tensor, of: Callable[[], str], shape, block) -> None:
@@ -206,6 +216,8 @@ def _check_scale_size(what: str, name: str, scale: torch.Tensor, of: Callable[[]
     blocks, a row of the grid in its last dim: the kernels read it row-major, so a transposed grid ([K/bk, N/bn]
     from a converter) had the count and was read scrambled. Trailing 1s of the grid and of the scale do not count:
     experts' per-channel scales [E, R, 1] (or [E, R]) have R in their last dim that counts, and [R, E] is refused."""
+    if scale.dtype not in quant.COMPUTE_DTYPES:  # an int32 scale of 0.02s held 0s: the output was all zeros
+        raise ValueError(f"{what}: {name} is {scale.dtype}; scales are float32 (bf16/fp16/fp64 are read as float32)")
     grid = quant.scale_shape(shape, block)
     want = math.prod(grid)
     # where the sizes are symbolic and unbacked (a batch marked so), a check that cannot be decided at trace time is
@@ -481,6 +493,7 @@ def _check_fused_args(xq, x_scale, wqs, w_scales, biases, x_block, w_block, out_
     depending on where its weight lay in memory); the activation, its scale and out_dtype as scaled_mm checks
     them, so the fake refuses what every real call refuses."""
     what = "fp8fx.scaled_mm_fused"
+    _check_rows(xq, f"{what}: xq")
     if not (len(wqs) == len(w_scales) == len(biases) >= 1):
         raise ValueError(f"{what}: {len(wqs)} weights, {len(w_scales)} scales and {len(biases)} biases; "
                          "give one scale and one bias (or None) for each of at least one weight")
@@ -549,6 +562,7 @@ def _check_gated_mlp_args(xq, w1, w3, w2, bias, x_block, w_block, h_block, w2_bl
         check_block(block, what)
     if act not in GATED_ACTIVATIONS:
         raise ValueError(f"fp8fx.gated_mlp: act={act!r}; one of {list(GATED_ACTIVATIONS)}")
+    _check_rows(xq, "fp8fx.gated_mlp: xq")
     k, i = xq.shape[-1], w1.shape[0]
     if tuple(w1.shape) != (i, k) or tuple(w3.shape) != (i, k) or w2.dim() != 2 or w2.shape[1] != i:
         raise ValueError(f"fp8fx.gated_mlp: x [..., {k}], gate {list(w1.shape)}, up {list(w3.shape)}, down "
@@ -704,6 +718,7 @@ def _weight_only_reference(x, wq, w_scale, bias, w_block):
 
 
 def _check_weight_only_x(x: torch.Tensor) -> None:
+    _check_rows(x, "fp8fx.weight_only_mm: x")
     if x.dtype not in quant.HIGH_PRECISION:  # fp8 codes would be multiplied without their scale
         raise ValueError(f"fp8fx.weight_only_mm: x is {x.dtype}; it takes bf16/fp16/fp32 activations (for fp8 "
                          "activation codes and their scale, use fp8fx.scaled_mm)")

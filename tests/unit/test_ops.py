@@ -485,6 +485,16 @@ def test_shapes_the_ops_cannot_take_are_refused_by_name():
                                                           None, [-1, -1], [-1, -1], torch.float32), "scaled_mm: xq")):
         with pytest.raises(ValueError, match=rf"^fp8fx\.{what} is a 0-d tensor; it takes activations of shape"):
             call()
+    fp8 = scalar.to(quant.FP8_DTYPE)
+    w, s = torch.zeros(4, 1, dtype=quant.FP8_DTYPE), torch.tensor([1.0])
+    for call, what in ((lambda: torch.ops.fp8fx.scaled_mm_fused(fp8, s, [w], [s], [None], [-1, -1], [-1, -1],
+                                                                torch.float32), "scaled_mm_fused: xq"),
+                       (lambda: torch.ops.fp8fx.gated_mlp(fp8, s, w, s, w, s, w.t(), s, None, [-1, -1], [-1, -1],
+                                                          [1, -1], [-1, -1], None, "silu", torch.float32,
+                                                          torch.float32), "gated_mlp: xq"),
+                       (lambda: torch.ops.fp8fx.weight_only_mm(scalar, w, s, None, [-1, -1]), "weight_only_mm: x")):
+        with pytest.raises(ValueError, match=rf"^fp8fx\.{what} is a 0-d tensor"):  # (they raised IndexError)
+            call()
     with FakeTensorMode(), pytest.raises(ValueError, match=r"^fp8fx\.quantize_static: x is a 0-d tensor"):
         torch.ops.fp8fx.quantize_static(torch.tensor(1.0), torch.tensor([0.5]))
     e, h, i = 4, 64, 32
@@ -493,6 +503,29 @@ def test_shapes_the_ops_cannot_take_are_refused_by_name():
     with pytest.raises(ValueError, match=r"^fp8fx\.fused_moe: w13 has shape \[64, 64\]; it must be \[E, 2I, H\]"):
         torch.ops.fp8fx.fused_moe(x, weights, ids.long(), w13[0], torch.tensor([1.0]), w2, torch.ones(e), [-1, -1],
                                   [1, -1], torch.bfloat16)
+
+
+def test_dtypes_the_ops_cannot_take_are_refused_by_name():
+    """An int32 scale (of values it truncated to 0: the output was all zeros), a complex bias (its imaginary part
+    dropped with a UserWarning) and int / bool / fp8 activations given to the quantizers (quantized as numbers) ran
+    without an error."""
+    xq, x_scale = quant.quantize(torch.randn(3, 8), [1, -1])
+    wq, w_scale = quant.quantize(torch.randn(4, 8), [1, -1])
+    mm = lambda **kw: torch.ops.fp8fx.scaled_mm(**{**dict(  # noqa: E731
+        xq=xq, x_scale=x_scale, wq=wq, w_scale=w_scale, bias=None, x_block=[1, -1], w_block=[1, -1],
+        out_dtype=torch.float32), **kw})
+    assert mm().shape == (3, 4)
+    with pytest.raises(ValueError, match=r"^fp8fx\.scaled_mm: w_scale is torch\.int32; scales are float32"):
+        mm(w_scale=w_scale.int())
+    with pytest.raises(ValueError, match=r"^fp8fx\.scaled_mm: x_scale is torch\.float8_e4m3fn; scales are float32"):
+        mm(x_scale=x_scale.to(quant.FP8_DTYPE))
+    with pytest.raises(ValueError, match=r"^fp8fx\.scaled_mm: bias is torch\.complex64; it must be bf16, fp16"):
+        mm(bias=torch.zeros(4, dtype=torch.complex64))
+    for x in (torch.ones(2, 8, dtype=torch.int64), torch.ones(2, 8, dtype=torch.bool), xq):
+        with pytest.raises(ValueError, match=rf"^fp8fx\.quantize: x is {x.dtype}; it quantizes bf16/fp16/fp32/fp64"):
+            torch.ops.fp8fx.quantize(x, [1, -1])
+        with pytest.raises(ValueError, match=rf"^fp8fx\.quantize_static: x is {x.dtype}; it quantizes"):
+            torch.ops.fp8fx.quantize_static(x, torch.tensor([0.5]))
 
 
 def test_cuda_impls_of_empty_operands_match_the_cpu_under_the_interpreter():
