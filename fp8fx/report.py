@@ -127,11 +127,19 @@ class Report:
 
         model = compat.compiled_module(model)
         modules = dict(model.named_modules())
-        sites = {s.fqn for s in self.sites}
-        rewritten = {s.fqn for s in self.sites if s.rewritten}
+        params = list(model.named_parameters())
+        # a rewritten site knows its weight by the tensor (``weight_id``): its module is covered, whatever names
+        # another model compiled with the same backend has (its "b" hid this model's "b", which never ran); the
+        # rest are matched by name
+        tokens = {s.weight_id for s in self.sites if s.weight_id}
+        by_tensor = {n.rpartition(".")[0] for n, p in params if getattr(p, "_fp8fx_token", None) in tokens}
+        sites = {s.fqn for s in self.sites if not s.weight_id}
+        rewritten = {s.fqn for s in self.sites if s.rewritten and not s.weight_id}
         found = []
-        for name, p in model.named_parameters():
+        for name, p in params:
             owner, _, leaf = name.rpartition(".")
+            if owner in by_tensor:
+                continue
             # a quantized weight's site bears the name quantize_ / load_checkpoint gave it (the whole model's, where
             # one block of it was compiled: "0.q" for the block's "q"); the others' the compiled module's own names.
             # A tag of a site that was not rewritten covers that site's module only: an embedding whose weight a

@@ -174,6 +174,20 @@ def test_unhandled_weights_list_linears_in_no_graph():
         torch.compile(model, backend=backend)(torch.randn(2, 8))
     assert [s.fqn for s in backend.report.sites] == ["a"]
     assert [name for name, *_ in backend.report.unhandled_weights(model)] == ["b.weight"]
+    # another model compiled with the same backend, whose own "b" runs: this model's b is still unhandled (the
+    # sites were matched by name, and the other model's rewritten "b" hid it)
+
+    class Other(Model):
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    other = Other()
+    fp8fx.quantize_(other)
+    with torch.no_grad():
+        torch.compile(other, backend=backend)(torch.randn(2, 8))
+    assert [s.fqn for s in backend.report.sites] == ["a", "a", "b"]
+    assert [name for name, *_ in backend.report.unhandled_weights(model)] == ["b.weight"]
+    assert backend.report.unhandled_weights(other) == []
 
 
 def test_unhandled_weights_list_an_embedding_a_kept_lm_head_shares():
