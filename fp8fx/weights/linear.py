@@ -410,10 +410,6 @@ class Fp8LinearMethod:
             layer._fp8fx_copied = loaded.numel()
             self._quantize_online(layer)
             return
-        if name == "weight" and target.is_meta:  # the receive buffer: where create_weights said, or where it comes from
-            device = layer._fp8fx_device if layer._fp8fx_device is not None else loaded.device
-            target = nn.Parameter(torch.empty_like(target, device=device), requires_grad=False)
-            layer._parameters["weight"] = target
         if name == "weight" and self.config.is_checkpoint_fp8_serialized and loaded.dtype != quant.FP8_DTYPE:
             raise ValueError(
                 f"{who}: weight of dtype {loaded.dtype} for an fp8-serialized layer; load the "
@@ -438,13 +434,18 @@ class Fp8LinearMethod:
             # a layer fused in the checkpoint (Phi-3's qkv_proj, gate_up_proj) into one of logical partitions: its
             # one scale is every shard's, as vLLM's fused loaders take it (the weight then needs no requantizing)
             loaded = loaded.reshape(1).expand(len(sizes))
-        dest = self._shard_slice(layer, name, target.data, shard_id)
+        dest = self._shard_slice(layer, name, target.data, shard_id)  # (of the meta weight too: shapes only)
         if not same_layout(name, tuple(loaded.shape), tuple(dest.shape)):
             raise ValueError(
                 f"{who}.{name} shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit the "
                 f"parameter slice of shape {tuple(dest.shape)} (output partitions {list(sizes)}); load the "
                 "checkpoint's tensor for this layer and shard"
             )
+        if name == "weight" and target.is_meta:  # the receive buffer, once every check passed: where create_weights
+            device = layer._fp8fx_device if layer._fp8fx_device is not None else loaded.device  # said, or the tensor's
+            target = nn.Parameter(torch.empty_like(target, device=device), requires_grad=False)
+            layer._parameters["weight"] = target
+            dest = self._shard_slice(layer, name, target.data, shard_id)
         with CopyNumelCounter() as counter:
             dest.copy_(loaded.reshape(dest.shape))
         if name == "weight" and shard_id is not None:

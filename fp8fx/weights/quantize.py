@@ -377,6 +377,9 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     if isinstance(batches, torch.Tensor):  # iterating it would run one batch per row
         raise ValueError(f"calibrate: batches is a tensor {list(batches.shape)}; pass an iterable of batches, e.g. "
                          "[x] for one batch")
+    if isinstance(batches, Mapping):  # one tokenizer output: iterating it ran the model on its keys (strings)
+        raise ValueError(f"calibrate: batches is one mapping (keys {list(batches)[:3]}), a single batch; pass an "
+                         "iterable of batches, e.g. [batch] for one batch")
     # a misspelt entry would measure, and then quantize statically, the layer it was meant to keep (quantize_ refuses
     # it too)
     named = list(model.named_modules(prefix=prefix))

@@ -437,6 +437,12 @@ def test_linear_loader_refuses_bad_input_before_changing_anything():
                 method.weight_loader(layer, "weight", torch.randn(16, 64).to(torch.float8_e4m3fn), shard)
         with pytest.raises(KeyError, match=rf"{where}: no fp8fx parameter 'weight_scale_inv'; it takes \['weight'"):
             method.weight_loader(layer, "weight_scale_inv", torch.ones(1))
+        # a shard of the wrong shape, a whole weight too large: the receive buffer replaced the meta weight first
+        wq = (lambda t: t.to(torch.float8_e4m3fn)) if config is static else (lambda t: t.to(torch.bfloat16))
+        with pytest.raises(ValueError, match=r"shard 0: checkpoint tensor of shape \(32, 16\) does not fit"):
+            method.weight_loader(layer, "weight", wq(torch.randn(32, 16)), 0)
+        with pytest.raises(ValueError, match=r"weight \(shard None\) of 4096 elements, but 0 of the weight's 2048"):
+            method.weight_loader(layer, "weight", wq(torch.randn(64, 64)), None)
         assert same(before, state(layer))
     layer, method = fresh(static)
     before = state(layer)
@@ -630,6 +636,10 @@ def test_more_bad_arguments_named():
     assert model[0].weight.dtype == torch.float32
     with pytest.raises(ValueError, match=r"calibrate: batches is a tensor \[4, 8\]; pass an iterable of batches"):
         fp8fx.calibrate(model, torch.randn(4, 8))
+    # one tokenizer output (a mapping): the model ran on its keys, a TypeError naming neither batches nor the fix
+    with pytest.raises(ValueError, match=r"calibrate: batches is one mapping \(keys \['input_ids'\]\), a single "
+                                         r"batch; pass an iterable of batches, e.g. \[batch\]"):
+        fp8fx.calibrate(model, {"input_ids": torch.randn(4, 8)})
 
 
 def _fp8_tensors(model):
