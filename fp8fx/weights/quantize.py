@@ -1,6 +1,7 @@
 """``quantize_``: an already-built bf16/fp16 model -> fp8 weights, layer by layer."""
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import logging
@@ -63,11 +64,13 @@ def quantize_(
         )
     modules = list(model.named_modules(prefix=prefix))
     done = [name for name, m in modules if is_quantized(m) or moe.is_quantized_experts(m)]
-    if done:
+    resume = (config, prefix, strict)  # a quantize_ that failed on the way (_Undo): the same call finishes it
+    if done and vars(model).get(_UNFINISHED) != resume:
         raise RuntimeError(
             f"quantize_: {done[0]} (and {len(done) - 1} more) is already fp8-quantized; quantize_ a fresh "
             "bf16 model instead of quantizing twice"
         )
+    modules = [(name, m) for name, m in modules if name not in done]
 
     check_ignored_layers(config, [fqn for fqn, _ in modules], f"this {type(model).__name__}", "quantized", prefix)
     plan: list[tuple[str, nn.Linear]] = []
@@ -142,30 +145,74 @@ def quantize_(
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
     moe.tag_routers(model, decide.routers, prefix)
     method = Fp8LinearMethod(config)
+    undo = _Undo(model, resume, len(plan) + len(experts) + len(done))
     for fqn, module in plan:
-        weight = module._parameters["weight"]
-        n, k = weight.shape
-        method.create_weights(module, k, [n], weight.dtype, device=weight.device, prefix=fqn)
-        method.weight_loader(module, "weight", weight.detach(), values_checked=True)  # (checked above, with the rest)
-        del weight
-        if fqn in scales:
-            method.weight_loader(module, "input_scale", torch.tensor([scales[fqn]], dtype=torch.float32))
-        method.process_weights_after_loading(module)
-        module._parameters["weight"]._fp8fx_fqn = fqn
-        if module.bias is not None:  # the layer is frozen fp8 from here on
-            module.bias.requires_grad_(False)
+        with undo.layer(fqn, module):
+            weight = module._parameters["weight"]
+            n, k = weight.shape
+            method.create_weights(module, k, [n], weight.dtype, device=weight.device, prefix=fqn)
+            method.weight_loader(module, "weight", weight.detach(), values_checked=True)  # (checked above)
+            del weight
+            if fqn in scales:
+                method.weight_loader(module, "input_scale", torch.tensor([scales[fqn]], dtype=torch.float32))
+            method.process_weights_after_loading(module)
+            module._parameters["weight"]._fp8fx_fqn = fqn
+            if module.bias is not None:  # the layer is frozen fp8 from here on
+                module.bias.requires_grad_(False)
     log.info("fp8fx: quantized %d linear layers (%s), skipped %d", len(plan), config.scheme(), len(skipped))
     for fqn, module, reason in experts_skipped:
         moe.tag_skipped(module, fqn, reason)
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
     for fqn, module in experts:
         static = tuple(scales[name] for name in moe.input_scale_names(fqn)) if scales else None
-        moe.quantize_experts(module, fqn, config, static)
+        with undo.layer(fqn, module):
+            moe.quantize_experts(module, fqn, config, static)
     if experts or experts_skipped:
         log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
-    if plan or experts:
+    vars(model).pop(_UNFINISHED, None)
+    if plan or experts or done:
         guard_casts(model)
     return wrapper
+
+
+_UNFINISHED = "_fp8fx_unfinished"
+
+
+class _Undo:
+    """What ``quantize_`` does when it fails on the way, after every check passed (an out-of-memory error in a late
+    layer: a half-quantized model was left, which quantize_ then refused to finish). The layer it was quantizing is
+    put back as it was (class, attributes, parameter and buffer dicts, its parameters' fp8fx tags and requires_grad);
+    the layers before it stay fp8 (their bf16 weights are freed one by one: keeping them all to undo everything would
+    hold the bf16 and the fp8 model at once); the model is marked so that the same ``quantize_`` call finishes the
+    rest, and the error says so."""
+
+    def __init__(self, model: nn.Module, key: tuple, total: int):
+        self.model, self.key, self.total, self.done = model, key, total, 0
+
+    @contextlib.contextmanager
+    def layer(self, fqn: str, module: nn.Module):
+        cls, attrs = module.__class__, {**vars(module), "_parameters": dict(module._parameters),
+                                        "_buffers": dict(module._buffers)}
+        params = [(p, p.requires_grad, {k: v for k, v in vars(p).items() if k.startswith("_fp8fx_")})
+                  for p in module._parameters.values() if p is not None]
+        try:
+            yield
+        except BaseException as error:
+            module.__class__ = cls
+            vars(module).clear()
+            vars(module).update(attrs)
+            for p, grad, tags in params:
+                for k in [k for k in vars(p) if k.startswith("_fp8fx_") and k not in tags]:
+                    delattr(p, k)
+                vars(p).update(tags)
+                p.requires_grad_(grad)
+            vars(self.model)[_UNFINISHED] = self.key
+            if isinstance(error, Exception):
+                error.add_note(
+                    f"fp8fx: quantize_ stopped at {fqn}, which is as it was; {self.done} of {self.total} layers are "
+                    "fp8 by now: call quantize_ again with the same arguments to finish (it goes on from there)")
+            raise
+        self.done += 1
 
 
 class LinearDecider:

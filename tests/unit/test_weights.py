@@ -1,5 +1,6 @@
 """Load-time weight hooks: quantize_, Fp8LinearMethod (online shards, serialized), bad input."""
 import collections
+import copy
 import functools
 import gc
 import re
@@ -872,3 +873,43 @@ def test_arguments_of_the_wrong_type_are_named():
         fp8fx.calibrate(model, None)
     assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_called_again(monkeypatch):
+    """An error in a late layer's quantization (out of memory on a full GPU) left that layer half changed (a plain
+    Linear with fp8fx attributes) and the model refused by the next quantize_ ("already fp8-quantized"). The layer
+    is put back as it was, the error says how far it got, and the same call finishes the model: as one quantize_
+    of it would have; another config is refused."""
+    from fp8fx.weights import chunked
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32)).bfloat16()
+    fresh = copy.deepcopy(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    real, calls = chunked.quantize, []
+
+    def failing_second(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "quantize", failing_second)
+    with pytest.raises(torch.OutOfMemoryError) as failure:
+        fp8fx.quantize_(model)
+    assert "quantize_ stopped at 1, which is as it was; 1 of 3 layers are fp8 by now: call quantize_ again" in str(
+        failure.value.__notes__)
+    assert type(model[1]) is nn.Linear and not [a for a in vars(model[1]) if a.startswith("_fp8fx")]
+    assert all(torch.equal(model.state_dict()[k], before[k]) for k in ("1.weight", "1.bias", "2.weight", "2.bias"))
+    assert not [a for a in vars(model[1].weight) if a.startswith("_fp8fx")]
+    with pytest.raises(RuntimeError, match=r"0 \(and 0 more\) is already fp8-quantized"):
+        fp8fx.quantize_(model, Fp8Config(weight_granularity=fp8fx.PerTensor()))
+    fp8fx.quantize_(model)
+    fp8fx.quantize_(fresh)
+    assert all(type(a) is type(b) for a, b in zip(model, fresh))
+    assert model.state_dict().keys() == fresh.state_dict().keys()
+    assert all(torch.equal(v.view(torch.uint8) if v.dtype.itemsize == 1 else v, fresh.state_dict()[k].view(
+        torch.uint8) if v.dtype.itemsize == 1 else fresh.state_dict()[k]) for k, v in model.state_dict().items())
+    assert "_fp8fx_unfinished" not in vars(model)
+    with pytest.raises(RuntimeError, match="already fp8-quantized"):  # done: not a third time
+        fp8fx.quantize_(model)
