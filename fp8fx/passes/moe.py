@@ -726,7 +726,7 @@ class MoePass(Fp8Pass):
         """Role of each tensor the region reads from outside: ``x`` [T, H], ``ids`` [T, K] int, ``wts``
         [T, K] float; SymInts are sizes."""
         roles = {}
-        for n in external:
+        for n in sorted(external, key=lambda n: n.name):  # (a set: the reason names the same input every compile)
             v = fake_value(n)
             if isinstance(v, (int, torch.SymInt)):
                 roles[n] = "sym"
@@ -738,6 +738,10 @@ class MoePass(Fp8Pass):
                 roles[n] = "x"
             elif v.dim() == 2 and v.dtype.is_floating_point:
                 roles[n] = "wts"
+            elif v.dim() > 2 and (statically_known_true(v.shape[-1] == h) or not v.dtype.is_floating_point):
+                # [B, T, H] hidden states or [B, T, K] routing: a batch dim the experts loop over as tokens
+                raise _NoMatch(f"the experts read {n.name} {tuple(v.shape)}: fused_moe takes [T, H] hidden states and "
+                               "[T, K] routing; flatten the tokens before the experts (x.view(-1, H))")
             else:
                 raise _NoMatch(f"the experts read {n.name} {tuple(v.shape)} besides their inputs (a bias? a norm?)")
         counts = {r: list(roles.values()).count(r) for r in ("x", "ids", "wts")}

@@ -373,6 +373,26 @@ def test_routing_dtypes_fused_moe_does_not_take_are_left_with_the_reason(ids_dty
     assert torch.equal(out, eager)
 
 
+def test_batched_hidden_states_are_left_with_the_reason():
+    """[B, T, H] hidden states and [B, T, K] routing: the reason named one of them (which, by set order) as something
+    the experts read besides their inputs ("a bias? a norm?"). It says fused_moe takes [T, H] and what to do."""
+    example = _example()
+    torch.manual_seed(0)
+    model = Block(example.Experts(E, H, I)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x, ids, w = inputs(torch.bfloat16)
+    t = x.shape[0] // 2 * 2
+    x, ids, w = x[:t].view(2, t // 2, H), ids[:t].view(2, t // 2, -1), w[:t].view(2, t // 2, -1)
+    with torch.no_grad():
+        out, _, report = compile_capture(model, x, ids, w)
+        eager = model(x, ids, w)
+    (site,) = [s for s in report.sites if s.kind == "moe"]
+    assert not site.rewritten and site.reason.endswith(
+        "fused_moe takes [T, H] hidden states and [T, K] routing; flatten the tokens before the experts (x.view(-1, "
+        "H))"), site.reason
+    assert torch.equal(out, eager)
+
+
 def test_experts_quantize_skipped_are_reported_with_its_reason():
     model = hf_experts("grouped_mm", torch.bfloat16)
     model.experts.is_concatenated = False  # a layout fused_moe does not compute: quantize_ leaves it in bf16
