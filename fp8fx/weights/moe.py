@@ -450,8 +450,11 @@ class Fp8MoEMethod:
             self._quantize_expert(layer, base, expert_id, staging)
 
     def _quantize_expert(self, layer, base: str, e: int, w: torch.Tensor) -> None:
-        """One expert's high-precision ``w: [rows, cols]`` -> fp8 slot ``e`` and its scale."""
-        q, scale = chunked.quantize(w.to(layer._parameters[base].device), self.scheme.weight.block)
+        """One expert's high-precision ``w: [rows, cols]`` -> fp8 slot ``e`` and its scale, quantized from the layer's
+        dtype as the shards' staging buffer holds them (an fp32 tensor quantized as it came gave other codes than the
+        same values in w1 / w3 shards, and than linear layers, which the loader takes through that dtype too)."""
+        w = w.to(device=layer._parameters[base].device, dtype=layer._fp8fx_dtype)
+        q, scale = chunked.quantize(w, self.scheme.weight.block)
         scale_name = base + ("_scale_inv" if layer._fp8fx_block_scales else "_scale")
         dest = layer._parameters[scale_name].data[e]
         scale = scale.reshape(dest.shape)  # (shapes checked before either tensor is written)

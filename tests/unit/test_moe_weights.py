@@ -459,6 +459,25 @@ def test_online_expert_quantized_when_both_halves_arrive_bit_identical(config):
                            whole._parameters[name]), name
     with pytest.raises(ValueError, match="online quantization computes the scales"):
         method.weight_loader(layer, scale, torch.ones(1), "w1", 0)
+    # float32 weights into bf16 experts: the same codes however they arrive (whole, per expert, or in w1 / w3 shards
+    # through the bf16 staging buffer), as quantize_ of the bf16 model gives (whole ones were quantized from fp32)
+    wide = torch.randn(E, 2 * I, H, generator=torch.Generator().manual_seed(1))
+    loads = {"whole": lambda m, l: m.weight_loader(l, "gate_up_proj", wide),
+             "experts": lambda m, l: [m.weight_loader(l, "gate_up_proj", wide[e], None, e) for e in range(E)],
+             "shards": lambda m, l: [m.weight_loader(l, "w13_weight", wide[e, half * I:(half + 1) * I], w, e)
+                                     for e in range(E) for half, w in enumerate(("w1", "w3"))]}
+    codes = {}
+    for how, load in loads.items():
+        layer = nn.Module()
+        method.create_weights(layer, E, H, I, torch.bfloat16)
+        load(method, layer)
+        codes[how] = (layer._parameters["gate_up_proj"].view(torch.uint8), layer._parameters[scale])
+    for how in ("experts", "shards"):
+        assert torch.equal(codes[how][0], codes["whole"][0]) and torch.equal(codes[how][1], codes["whole"][1]), how
+    bf16 = Experts().to(torch.bfloat16)
+    bf16.gate_up_proj.data.copy_(wide)
+    fp8fx.quantize_(bf16, config)
+    assert torch.equal(bf16._parameters["gate_up_proj"].view(torch.uint8), codes["whole"][0])
 
 
 @pytest.mark.parametrize("name,router", [("phimoe", "mlp.router"), ("qwen2_moe", "mlp.shared_expert_gate")])
