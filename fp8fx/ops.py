@@ -198,7 +198,10 @@ def scaled_mm(
     use_fast_accum: bool = False,
 ) -> torch.Tensor:
     """``use_fast_accum`` lets Hopper's fp8 tensor cores skip the periodic promotion of partial
-    sums to fp32 (cuBLAS's fast-accumulation mode); the CPU reference always accumulates in fp32."""
+    sums to fp32 (cuBLAS's fast-accumulation mode); the CPU reference always accumulates in fp32.
+    Scales are positive finite floats (the loaders and ``quantize`` make no others; reading them here would cost a
+    GPU sync a call): with an inf scale the output is undefined, NaN from the reference, which scales each element,
+    and +-inf or NaN from the GPU kernels, which scale the sums."""
     _check_scaled_mm_args(xq, x_scale, wq, w_scale, bias, x_block, w_block, out_dtype)
     return quant.scaled_mm_reference(xq, x_scale, x_block, wq, w_scale, w_block, bias, out_dtype)
 
