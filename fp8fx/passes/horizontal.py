@@ -133,6 +133,9 @@ _ALIASING_FUNCTIONS = frozenset({
     torch.t, operator.getitem, torch.split, torch.chunk, torch.unbind, torch.detach, torch.movedim, torch.swapaxes,
     torch.select, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.transpose, torch.Tensor.permute,
     torch.Tensor.unsqueeze, torch.Tensor.flatten, torch.Tensor.narrow, torch.Tensor.to, torch.Tensor.detach,
+    # ``q += 1``: Dynamo records the in-place operators as functions, which return their tensor
+    operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+    operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul,
 })
 # methods that return their tensor itself where it already has the dtype / device asked for (``.float()`` of a float32
 # output), and attributes that are views (Dynamo records ``q.mT`` as ``getattr(q, "mT")``)

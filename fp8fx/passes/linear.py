@@ -416,7 +416,7 @@ class LinearPass(Fp8Pass):
             if node.op != "call_function" or node.target not in _DEQUANT or not node.users:
                 continue
             real = ctx.example.get(node.args[0])
-            fqn = getattr(real, "_fp8fx_fqn", None)
+            fqn = getattr(real, "_fp8fx_fqn", None) or None  # ("": a layer quantized on its own, named by its path)
             if fqn is None:
                 fqn = by_weight.get(Site.token_of(real), node.name) if real is not None else node.name
             readers = ", ".join(sorted(

@@ -157,11 +157,16 @@ class _CheckedApply:
 
     __slots__ = ("_model",)
 
-    def __init__(self, model: nn.Module):
-        self._model = weakref.ref(model)
+    def __init__(self, model: Optional[nn.Module]):
+        self._model = weakref.ref(model) if model is not None else lambda: None
 
     def __call__(self, fn, recurse=True):
-        return _checked_apply(self._model(), fn, recurse)
+        model = self._model()
+        if model is None:  # a copy.copy of a model shares its __dict__'s guard, which outlived the model it guards
+            raise RuntimeError(
+                "fp8fx: this model was copied with copy.copy from a quantized model that is gone, and its cast guard "
+                "was that model's; copy quantized models with copy.deepcopy (or keep the original)")
+        return _checked_apply(model, fn, recurse)
 
     def __deepcopy__(self, memo):
         model = self._model()
@@ -177,7 +182,7 @@ class _CheckedApply:
         return _CheckedApply(copied)
 
     def __reduce__(self):
-        return _CheckedApply, (self._model(),)
+        return _CheckedApply, (self._model(),)  # (None where it is gone: the copy's casts say so when called)
 
 
 def guard_casts(model: nn.Module) -> None:

@@ -132,6 +132,9 @@ def quantize_(
     if not plan and not experts:
         _nothing_to_quantize(model, modules, skipped + experts_skipped, strict)
     planned = [fqn for fqn, _ in plan] + [name for fqn, _ in experts for name in moe.input_scale_names(fqn)]
+    # a resumed call takes the same input_scales: those of the layers quantized before it failed are known names
+    planned += [n for fqn, m in model.named_modules(prefix=prefix) if fqn in done
+                for n in (moe.input_scale_names(fqn) if moe.is_quantized_experts(m) else [fqn])]
     not_quantized = {fqn: reason for fqn, _, reason in skipped}
     not_quantized.update({name: reason for fqn, _, reason in experts_skipped for name in moe.input_scale_names(fqn)})
     scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix)
@@ -145,7 +148,7 @@ def quantize_(
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
     moe.tag_routers(model, decide.routers, prefix)
     method = Fp8LinearMethod(config)
-    undo = _Undo(model, resume, len(plan) + len(experts) + len(done))
+    undo = _Undo(model, resume, len(plan) + len(experts) + len(done), len(done))
     for fqn, module in plan:
         with undo.layer(fqn, module):
             weight = module._parameters["weight"]
@@ -186,8 +189,8 @@ class _Undo:
     hold the bf16 and the fp8 model at once); the model is marked so that the same ``quantize_`` call finishes the
     rest, and the error says so."""
 
-    def __init__(self, model: nn.Module, key: tuple, total: int):
-        self.model, self.key, self.total, self.done = model, key, total, 0
+    def __init__(self, model: nn.Module, key: tuple, total: int, done: int):
+        self.model, self.key, self.total, self.done = model, key, total, done
 
     @contextlib.contextmanager
     def layer(self, fqn: str, module: nn.Module):

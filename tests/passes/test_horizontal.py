@@ -328,6 +328,11 @@ class TailedQK(torch.nn.Module):
         return self.tail(self.q_proj(x), self.k_proj(x))
 
 
+def _added_in_place_and_returned(q, k):
+    q += 1  # (Dynamo: operator.iadd, which returns q)
+    return q, k
+
+
 LAYOUT_TAILS = {  # each valid on a linear's own (contiguous) output
     # Dynamo records q.stride(0) of the unfused output: on a column slice of the fused one it read k's columns
     "as_strided": (lambda q, k: torch.as_strided(q, (4, 2, 16), (q.stride(0), 16, 1)).sum(1) + k[:, :16],
@@ -343,6 +348,7 @@ LAYOUT_TAILS = {  # each valid on a linear's own (contiguous) output
     "returned": (lambda q, k: (q, k), None),
     # returned through them (an in-place op returns its tensor): the caller's view(-1) failed
     "returned bfloat16() / mul_": (lambda q, k: (q.bfloat16(), k.mul_(2)), None),
+    "returned after +=": (_added_in_place_and_returned, None),
 }
 
 
@@ -462,6 +468,23 @@ def test_layers_quantized_one_by_one_keep_their_names():
     assert [fqn for fqn, _ in schemes] == ["q_proj", "k_proj", "v_proj"]
     assert schemes[("q_proj", 0)].endswith("fused(q_proj,v_proj)")
     assert schemes[("k_proj", 1)].endswith("per-tensor weight scales where q_proj,v_proj have per-channel")
+    # a weight that something else reads too: the note on its site (a second site named "" was added)
+
+    class AlsoSummed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj = torch.nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.q_proj(x) + self.q_proj.weight.sum()
+
+    model = AlsoSummed().to(torch.bfloat16)
+    fp8fx.quantize_(model.q_proj)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(5, 64, dtype=torch.bfloat16))
+    (site,) = backend.report.sites
+    assert site.fqn == "q_proj" and site.rewritten and "; also read by sum" in site.scheme
     layer = torch.nn.Linear(64, 32).to(torch.bfloat16)  # compiled on its own, the root: its name is ""
     fp8fx.quantize_(layer)
     backend = fp8fx.Fp8Backend(compiler="eager")

@@ -658,6 +658,13 @@ def test_a_quantized_model_is_freed_when_dropped():
     fp8fx.quantize_(block, fp8fx.Fp8Config(ignored_layers=["proj"]))
     reason = block.proj.weight._fp8fx_skip_reason
     assert copy.deepcopy(block).proj.weight._fp8fx_skip_reason == reason
+    # a shallow copy shares the original's guard (its __dict__'s): once the original is gone, its casts say so
+    original = Block().to(torch.bfloat16)
+    fp8fx.quantize_(original)
+    shallow = copy.copy(original)
+    del original
+    with pytest.raises(RuntimeError, match=r"copied with copy\.copy from a quantized model that is gone.*deepcopy"):
+        shallow.to(torch.float32)
 
 
 def test_the_router_of_transposed_experts_is_found():

@@ -913,3 +913,25 @@ def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_c
     assert "_fp8fx_unfinished" not in vars(model)
     with pytest.raises(RuntimeError, match="already fp8-quantized"):  # done: not a third time
         fp8fx.quantize_(model)
+    # static activations: the same input_scales again (the finished layers' were refused as unknown names), and a
+    # second failure counts the layers done before it
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32)).bfloat16()
+    static = Fp8Config(activation_scheme="static")
+    scales = fp8fx.calibrate(model, [torch.randn(4, 64, dtype=torch.bfloat16)])
+    calls.clear()
+    with pytest.raises(torch.OutOfMemoryError):
+        fp8fx.quantize_(model, static, input_scales=scales)
+    calls[:] = [1, 1, 1]  # the next quantize fails too
+
+    def failing_once_more(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(chunked, "quantize", failing_once_more)
+    with pytest.raises(torch.OutOfMemoryError) as failure:
+        fp8fx.quantize_(model, static, input_scales=scales)
+    assert "1 of 3 layers are fp8 by now" in str(failure.value.__notes__)
+    fp8fx.quantize_(model, static, input_scales=scales)
+    assert [m.input_scale.item() for m in model] == [torch.tensor(scales[n]).item() for n in ("0", "1", "2")]
