@@ -613,8 +613,8 @@ def convert(
         elif os.path.isfile(full) and not (f.endswith((".safetensors", INDEX_SUFFIX)) or f == CONFIG):
             shutil.copy2(full, os.path.join(dst, f))
     if left:
-        log.warning("fp8fx: convert did not copy %s from %s (folders, pickled weights and safetensors files outside the "
-                    "checkpoint's index are not carried over): copy what the converted checkpoint needs by hand",
+        log.warning("fp8fx: convert did not copy %s from %s (folders, pickled weights and safetensors files outside "
+                    "the checkpoint's index are not carried over): copy what the converted checkpoint needs by hand",
                     ", ".join(left), src)
     log.info(
         "fp8fx: converted %s -> %s: %d linear weights and %d experts modules quantized",

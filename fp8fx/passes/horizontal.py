@@ -326,7 +326,8 @@ class HorizontalFusionPass(Fp8Pass):
                 names = site_names(ctx, groups[other])
                 has = "has" if len(groups[other]) == 1 else "have"
                 if key.w_block != other.w_block:
-                    why = f"{_weight_scales(key.w_block)} weight scales where {names} {has} {_weight_scales(other.w_block)}"
+                    mine, theirs = _weight_scales(key.w_block), _weight_scales(other.w_block)
+                    why = f"{mine} weight scales where {names} {has} {theirs}"
                 elif key.dtype != other.dtype:
                     why = f"output dtype {key.dtype} where {names} {has} {other.dtype}"
                 elif key.fast != other.fast:

@@ -392,7 +392,8 @@ def _(x):
 
 OPAQUE_TAILS = {
     "custom op": lambda q, k: (_rowsum_of_rows(q), k),
-    "torch.cond": lambda q, k: (torch.cond(k.sum() > -1e9, lambda t: t.view(-1) * 2, lambda t: t.view(-1) + 1, (q,)), k),
+    "torch.cond": lambda q, k: (torch.cond(k.sum() > -1e9, lambda t: t.view(-1) * 2, lambda t: t.view(-1) + 1,
+                                           (q,)), k),
 }
 
 

@@ -226,8 +226,9 @@ def test_the_models_renames_skip_names_the_model_has(tmp_path, monkeypatch):
         (lambda n: n.replace(".mlp.", ".ffn.")) if model_renames else real(model, user, model_renames)))
     path = _tiny_checkpoint(tmp_path, lambda k: k)
     model, expected = meta_tiny(), meta_tiny()
-    assert renames.resolve(model, None, "test")("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
-    assert renames.resolve(model, None, "test")("model.layers.0.mlp.extra.weight") == "model.layers.0.ffn.extra.weight"
+    rename = renames.resolve(model, None, "test")
+    assert rename("model.layers.0.mlp.up_proj.weight") == "model.layers.0.mlp.up_proj.weight"
+    assert rename("model.layers.0.mlp.extra.weight") == "model.layers.0.ffn.extra.weight"
     load_checkpoint(model, path, progress=False)
     monkeypatch.setattr(renames, "transformers_renamer", real)
     load_checkpoint(expected, path, progress=False)

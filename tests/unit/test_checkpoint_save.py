@@ -223,7 +223,8 @@ def test_load_and_convert_refuse_an_ignored_layer_that_names_nothing(tmp_path):
     config = fp8fx.Fp8Config(ignored_layers=["lm_haed"])
     model = meta_tiny()
     before = {k: (v.dtype, v.device) for k, v in model.state_dict().items()}
-    msg = r"ignored_layers: 'lm_haed' names no module of .* \(did you mean 'lm_head'\?\); correct or remove the entry: a module.s full name or a prefix of names, no regex or suffix"
+    msg = (r"ignored_layers: 'lm_haed' names no module of .* \(did you mean 'lm_head'\?\); correct or remove the "
+           r"entry: a module.s full name or a prefix of names, no regex or suffix")
     with pytest.raises(ValueError, match=msg + r" \(nothing was loaded\)"):
         load_checkpoint(model, tmp_path / "bf16", config, progress=False)
     assert {k: (v.dtype, v.device) for k, v in model.state_dict().items()} == before

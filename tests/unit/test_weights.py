@@ -181,7 +181,8 @@ def test_misspelt_names_are_refused_unchanged():
     nothing quantized (a typo would otherwise quantize the layer meant to stay high precision)."""
     headed = nn.Sequential(collections.OrderedDict(body=_mlp(), lm_head=nn.Linear(64, 32).to(torch.bfloat16)))
     with pytest.raises(ValueError, match=r"ignored_layers: 'lm_haed' names no module of this Sequential \(did you "
-                                         r"mean 'lm_head'\?\); correct or remove the entry: .* \(nothing was quantized\)"):
+                                         r"mean 'lm_head'\?\); correct or remove the entry: .* \(nothing was "
+                                         r"quantized\)"):
         fp8fx.quantize_(headed, Fp8Config(ignored_layers=["body.3", "lm_haed"]))
     assert not any(fp8fx.weights.is_quantized(m) for m in headed.modules())
     fp8fx.quantize_(headed, Fp8Config(ignored_layers=["body.3", "lm_head"]))  # a prefix or an exact name
@@ -886,15 +887,19 @@ def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_c
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32)).bfloat16()
     fresh = copy.deepcopy(model)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    real, calls = chunked.quantize, []
+    real = chunked.quantize
 
-    def failing_second(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 2:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(*args, **kwargs)
+    def failing_at(n):  # chunked.quantize raising at its n-th call from now
+        calls = []
 
-    monkeypatch.setattr(chunked, "quantize", failing_second)
+        def quantize(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == n:
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return real(*args, **kwargs)
+        return quantize
+
+    monkeypatch.setattr(chunked, "quantize", failing_at(2))
     with pytest.raises(torch.OutOfMemoryError) as failure:
         fp8fx.quantize_(model)
     assert "quantize_ stopped at 1, which is as it was; 1 of 3 layers are fp8 by now: call quantize_ again" in str(
@@ -904,6 +909,7 @@ def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_c
     assert not [a for a in vars(model[1].weight) if a.startswith("_fp8fx")]
     with pytest.raises(RuntimeError, match=r"0 \(and 0 more\) is already fp8-quantized"):
         fp8fx.quantize_(model, Fp8Config(weight_granularity=fp8fx.PerTensor()))
+    monkeypatch.setattr(chunked, "quantize", real)
     fp8fx.quantize_(model)
     fp8fx.quantize_(fresh)
     assert all(type(a) is type(b) for a, b in zip(model, fresh))
@@ -918,20 +924,13 @@ def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_c
     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32)).bfloat16()
     static = Fp8Config(activation_scheme="static")
     scales = fp8fx.calibrate(model, [torch.randn(4, 64, dtype=torch.bfloat16)])
-    calls.clear()
+    monkeypatch.setattr(chunked, "quantize", failing_at(2))
     with pytest.raises(torch.OutOfMemoryError):
         fp8fx.quantize_(model, static, input_scales=scales)
-    calls[:] = [1, 1, 1]  # the next quantize fails too
-
-    def failing_once_more(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 4:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(chunked, "quantize", failing_once_more)
+    monkeypatch.setattr(chunked, "quantize", failing_at(1))  # the next layer fails too
     with pytest.raises(torch.OutOfMemoryError) as failure:
         fp8fx.quantize_(model, static, input_scales=scales)
-    assert "1 of 3 layers are fp8 by now" in str(failure.value.__notes__)
+    assert "stopped at 1, which is as it was; 1 of 3 layers are fp8 by now" in str(failure.value.__notes__)
+    monkeypatch.setattr(chunked, "quantize", real)
     fp8fx.quantize_(model, static, input_scales=scales)
     assert [m.input_scale.item() for m in model] == [torch.tensor(scales[n]).item() for n in ("0", "1", "2")]
