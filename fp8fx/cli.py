@@ -294,9 +294,9 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
         changes: dict[str, Any] = {}
         if args.ignore:
             changes["ignored_layers"] = tuple(config.ignored_layers or ()) + tuple(args.ignore)
-        # a flag replaces what the config says of its part, and the granularities that follow from it go back to
-        # their defaults for the new value (a compressed-tensors config spells its activations' out: per-group(1x128)
-        # of a 128x128 block, which a 64x64 block refuses; per-row, which static activations refuse)
+        # a flag replaces what the config says of its part; the config's activation granularity stays where it goes
+        # with the flags, else it goes back to the default for them (a compressed-tensors config spells it out:
+        # per-group(1x128) of a 128x128 block, which a 64x64 block refuses; per-row, which static activations refuse)
         if args.block_size:  # the weights' scales: they replace the config's (a per-channel one too)
             changes["weight_block_size"] = _ints(args.block_size, "--block-size")
             changes["weight_granularity"] = None
