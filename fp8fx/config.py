@@ -127,8 +127,13 @@ class LayerScheme:
     def __str__(self) -> str:
         act = "static per-tensor" if self.static_activation else str(self.activation)
         act = act.replace("per-row", "per-token")
-        weight = str(self.weight).replace("per-row", "per-channel")
-        return f"w:{weight} a:{act}"
+        return f"w:{weight_granularity_name(self.weight)} a:{act}"
+
+
+def weight_granularity_name(granularity: Granularity) -> str:
+    """A weight's scale granularity as the report's schemes name it: per-channel (one scale per output row), not
+    per-row."""
+    return str(granularity).replace("per-row", "per-channel")
 
 
 def _granularity(text: Any, field: str) -> Optional[Granularity]:

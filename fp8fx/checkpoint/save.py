@@ -97,7 +97,7 @@ def save_checkpoint(
         hf, source = getattr(model, "config", None), getattr(model, "_fp8fx_source", {})
         config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})
     config_json = _untied_config(model, config_json)
-    head = output_embeddings(model, {f: m for f, m in model.named_modules() if isinstance(m, nn.Linear)})
+    head = output_embeddings(model, {f: m for f, m in modules.items() if isinstance(m, nn.Linear)})
     if head is not None and head in schemes:
         log.warning("fp8fx: save_checkpoint writes the output embeddings %s in fp8: vLLM and transformers load lm_head "
                     "in bf16 only, so this checkpoint loads in fp8fx alone; quantize_ with %r in ignored_layers for "

@@ -40,7 +40,7 @@ import torch
 from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
-from fp8fx.config import granularity_from_block
+from fp8fx.config import granularity_from_block, weight_granularity_name
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
 from fp8fx.report import Site
 
@@ -170,11 +170,6 @@ def _layout_bound(nodes: list[fx.Node], ctx: PassContext) -> str:
             if why:
                 return f"{site_names(ctx, [node])}'s output {why}"
     return ""
-
-
-def _weight_scales(w_block) -> str:
-    """A weight's scale granularity as the report's schemes name it (per-channel, not per-row)."""
-    return str(granularity_from_block(list(w_block), weight=True)).replace("per-row", "per-channel")
 
 
 def _aliases(user: fx.Node) -> bool:
@@ -326,7 +321,8 @@ class HorizontalFusionPass(Fp8Pass):
                 names = site_names(ctx, groups[other])
                 has = "has" if len(groups[other]) == 1 else "have"
                 if key.w_block != other.w_block:
-                    mine, theirs = _weight_scales(key.w_block), _weight_scales(other.w_block)
+                    mine, theirs = (weight_granularity_name(granularity_from_block(list(b), weight=True))
+                                    for b in (key.w_block, other.w_block))
                     why = f"{mine} weight scales where {names} {has} {theirs}"
                 elif key.dtype != other.dtype:
                     why = f"output dtype {key.dtype} where {names} {has} {other.dtype}"

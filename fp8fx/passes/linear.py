@@ -33,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
-from fp8fx.config import LayerScheme, granularity_from_block
+from fp8fx.config import LayerScheme, granularity_from_block, weight_granularity_name
 from fp8fx.kernels import launch
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad, module_path, set_fake_value
 from fp8fx.report import Site
@@ -525,7 +525,7 @@ class LinearPass(Fp8Pass):
             y = graph.call_function(torch.ops.fp8fx.weight_only_mm.default, args)
         set_fake_value(y, torch.ops.fp8fx.weight_only_mm.default, args)
         _replace(graph, node, y)
-        weight = str(granularity_from_block(w_block, weight=True)).replace("per-row", "per-channel")
+        weight = weight_granularity_name(granularity_from_block(w_block, weight=True))
         return f"w:{weight} a:{fake_value(x).dtype} (weight-only)".replace("torch.", ""), y
 
     def _rewrite(self, graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias, quantized: dict) -> tuple[str, fx.Node]:

@@ -176,8 +176,8 @@ class _CheckedApply:
         # their copies are in memo by now (the quantized layers' own copies carry theirs: reduce_made_class)
         for p in model.parameters() if copied is not model else ():
             new = memo.get(id(p))
-            for k, v in vars(p).items() if new is not None else ():
-                if k.startswith("_fp8fx_") and k != "_fp8fx_token" and not hasattr(new, k):
+            for k, v in carried_tags(p).items() if new is not None else ():
+                if not hasattr(new, k):
                     setattr(new, k, copy.deepcopy(v, memo))
         return _CheckedApply(copied)
 
@@ -238,12 +238,17 @@ def reduce_made_class(module: nn.Module, protocol: int):
     cls = type(module)
     # the parameters' fp8fx tags (_fp8fx_fqn, _fp8fx_moe_role, ...: what the passes find a layer by) travel in the
     # state: a deep copy of a Parameter keeps its data alone (a copied model's MoE experts were not fused)
-    tags = {name: {k: v for k, v in vars(p).items() if k.startswith("_fp8fx_") and k != "_fp8fx_token"}
-            for name, p in module._parameters.items() if p is not None}  # (a token names one tensor: report.py)
+    tags = {name: carried_tags(p) for name, p in module._parameters.items() if p is not None}
     return _remade, (cls._fp8fx_maker, cls.__mro__[1]), {**module.__getstate__(), _TAGS: tags}
 
 
 _TAGS = "_fp8fx_parameter_tags"
+
+
+def carried_tags(p: torch.Tensor) -> dict:
+    """The fp8fx tags a copy of parameter ``p`` carries: all but ``_fp8fx_token``, which names one tensor
+    (``report.Site.token_of``)."""
+    return {k: v for k, v in vars(p).items() if k.startswith("_fp8fx_") and k != "_fp8fx_token"}
 
 
 def setstate_made_class(module: nn.Module, state: dict) -> None:
