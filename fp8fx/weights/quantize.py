@@ -63,11 +63,11 @@ def quantize_(
             "use Fp8Config(is_checkpoint_fp8_serialized=False) or load the fp8 checkpoint instead"
         )
     modules = list(model.named_modules(prefix=prefix))
-    done = [name for name, m in modules if is_quantized(m) or moe.is_quantized_experts(m)]
+    done = {name: m for name, m in modules if is_quantized(m) or moe.is_quantized_experts(m)}
     resume = (config, prefix, strict)  # a quantize_ that failed on the way (_Undo): the same call finishes it
     if done and vars(model).get(_UNFINISHED) != resume:
         raise RuntimeError(
-            f"quantize_: {done[0]} (and {len(done) - 1} more) is already fp8-quantized; quantize_ a fresh "
+            f"quantize_: {next(iter(done))} (and {len(done) - 1} more) is already fp8-quantized; quantize_ a fresh "
             "bf16 model instead of quantizing twice"
         )
     modules = [(name, m) for name, m in modules if name not in done]
@@ -133,8 +133,8 @@ def quantize_(
         _nothing_to_quantize(model, modules, skipped + experts_skipped, strict)
     planned = [fqn for fqn, _ in plan] + [name for fqn, _ in experts for name in moe.input_scale_names(fqn)]
     # a resumed call takes the same input_scales: those of the layers quantized before it failed are known names
-    planned += [n for fqn, m in model.named_modules(prefix=prefix) if fqn in done
-                for n in (moe.input_scale_names(fqn) if moe.is_quantized_experts(m) else [fqn])]
+    planned += [n for fqn, m in done.items() for n in (moe.input_scale_names(fqn) if moe.is_quantized_experts(m)
+                                                       else [fqn])]
     not_quantized = {fqn: reason for fqn, _, reason in skipped}
     not_quantized.update({name: reason for fqn, _, reason in experts_skipped for name in moe.input_scale_names(fqn)})
     scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix)
