@@ -119,6 +119,27 @@ class _Linear:
         return None if len(self.shards) == 1 else i
 
 
+def output_embeddings(model: nn.Module, modules: Mapping[str, nn.Module]) -> Optional[str]:
+    """The name of the linear layer that is a model's output embeddings (``lm_head``), which fp8 checkpoints keep in
+    high precision (vLLM and transformers never quantize it for the fp8 format; DeepSeek-V3's config does not list
+    it), else None. ``get_output_embeddings()`` says which module it is; one that wraps a single linear (a head
+    with its own scaling or softcapping around ``nn.Linear``) names that linear. Where the method is missing or
+    gives none (not a transformers model; a speech backbone), the name says it: ``lm_head`` (vLLM's rule). ``modules``:
+    ``model.named_modules()``'s."""
+    get = getattr(model, "get_output_embeddings", None)
+    try:
+        head = get() if callable(get) else None
+    except (AttributeError, NotImplementedError):  # (a model that has none may raise instead of returning None)
+        head = None
+    if not isinstance(head, nn.Module):
+        return "lm_head" if isinstance(modules.get("lm_head"), nn.Linear) else None
+    name = next((f for f, m in modules.items() if m is head), None)
+    if name is None or isinstance(head, nn.Linear):
+        return name
+    inner = [f for f, m in head.named_modules() if isinstance(m, nn.Linear)]
+    return (f"{name}.{inner[0]}" if name else inner[0]) if len(inner) == 1 else None
+
+
 def check_checkpoint_ignores(config: Fp8Config, model: nn.Module, entries: Mapping[str, Entry], where: str,
                              undone: str) -> None:
     """``check_ignored_layers`` for a user's config against a checkpoint: its entries may name the model's modules
@@ -302,6 +323,7 @@ class _Loader:
         """The linear layers loaded through fp8fx: quantized ones and ones fused from several
         checkpoint modules; every other parameter is loaded as it is."""
         prefixes = {name.rpartition(".")[0] for name in entries}
+        head = output_embeddings(self.model, self.modules)  # (fp8 checkpoints keep it high precision: below)
         for fqn, module in self.modules.items():
             if not isinstance(module, nn.Linear):
                 continue
@@ -315,7 +337,7 @@ class _Loader:
                     )
                 shards = tuple(parts)
             config, reason = self._layer_config(fqn, module, shards)
-            if config is not None and config.is_checkpoint_fp8_serialized and self._output_embedding(fqn):
+            if config is not None and config.is_checkpoint_fp8_serialized and fqn == head:
                 weight = entries.get(f"{fqn}.weight")
                 if weight is not None and weight.dtype != quant.FP8_DTYPE and f"{fqn}.weight_scale" not in entries:
                     config, reason = None, "output embeddings stored in high precision"
@@ -327,13 +349,6 @@ class _Loader:
             self.linears[fqn] = lin
             for i, shard in enumerate(shards):
                 self.shard_of[shard] = (lin, i)
-
-    def _output_embedding(self, fqn: str) -> bool:
-        """lm_head, which fp8 checkpoints keep in high precision unless they say otherwise (vLLM and HF
-        transformers never quantize it for the fp8 format: DeepSeek-V3's config does not list it)."""
-        get = getattr(self.model, "get_output_embeddings", None)
-        out = get() if callable(get) else None
-        return self.modules.get(fqn) is out if isinstance(out, nn.Module) else fqn == "lm_head"
 
     def _layer_config(self, fqn: str, module: nn.Linear, shards: Sequence[str]):
         """(config, "") for a layer to quantize, else (None, why not). The shards of a fused layer

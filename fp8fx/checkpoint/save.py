@@ -19,6 +19,7 @@ from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config, read_tensor
 from fp8fx.checkpoint.files import write_file
 from fp8fx.checkpoint.load import FUSED, LoadReport, _looks_like_scale, _progress, check_checkpoint_ignores
+from fp8fx.checkpoint.load import output_embeddings
 from fp8fx.config import Fp8Config, PerBlock, PerTensor, config_or
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked, moe
@@ -97,7 +98,7 @@ def save_checkpoint(
         hf, source = getattr(model, "config", None), getattr(model, "_fp8fx_source", {})
         config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})
     config_json = _untied_config(model, config_json)
-    head = output_embeddings(model, {f: m for f, m in modules.items() if isinstance(m, nn.Linear)})
+    head = output_embeddings(model, modules)
     if head is not None and head in schemes:
         log.warning("fp8fx: save_checkpoint writes the output embeddings %s in fp8: vLLM and transformers load lm_head "
                     "in bf16 only, so this checkpoint loads in fp8fx alone; quantize_ with %r in ignored_layers for "
@@ -623,16 +624,6 @@ def convert(
     return report
 
 
-def output_embeddings(model: nn.Module, linears: Mapping[str, nn.Module]) -> Optional[str]:
-    """The name of a transformers model's output embeddings (``lm_head``) when they are one of ``linears``."""
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        head = get() if callable(get) else None
-    except (AttributeError, NotImplementedError):  # (a model that has none may raise instead of returning None)
-        return None
-    return next((f for f, m in linears.items() if m is head), None) if head is not None else None
-
-
 def _check_convert_names(entries, schemes, expert_tensors, scale_name: str, src: str) -> None:
     """Refuses, before anything is written, a source that is not all high precision: an fp8 tensor (an fp8
     checkpoint without a quantization_config, whose output no loader could read), or a tensor under a name that a
@@ -674,7 +665,7 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
     """Checkpoint module of every linear weight -> "" to quantize it, else why it stays bf16."""
     modules = dict(model.named_modules())
     linears = {f: m for f, m in modules.items() if isinstance(m, nn.Linear)}
-    head = output_embeddings(model, linears) if not quantize_lm_head else None
+    head = output_embeddings(model, modules) if not quantize_lm_head else None
     routers = moe.routers(model)
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):

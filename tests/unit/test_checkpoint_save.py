@@ -314,7 +314,9 @@ def test_convert_then_load_equals_quantize_(tmp_path, caplog, config, method):
     if method == "fp8":  # q_proj [64, 64] takes the block, but engines fuse it with k_proj: bf16 with it
         q = [f"model.layers.{i}.self_attn.q_proj" for i in range(2)]
         assert report.not_quantized[q[0]].startswith("fused with model.layers.0.self_attn.k_proj into one layer")
-        config = dataclasses.replace(config, ignored_layers=q)
+        # lm_head, named so in a model without get_output_embeddings, stays bf16 as in a transformers model
+        assert report.not_quantized["lm_head"].startswith("the output embeddings: vLLM and transformers load")
+        config = dataclasses.replace(config, ignored_layers=q + ["lm_head"])
     fp8fx.quantize_(ref, config)
     assert_same_state(ref, loaded)
 
@@ -370,8 +372,8 @@ def test_convert_for_a_fused_model(tmp_path):
     convert(src, tmp_path / "dst", model=meta_tiny(fused=True), progress=False)
     assert "model.layers.0.self_attn.k_proj.weight_scale" in read_header(str(tmp_path / "dst" / "model.safetensors"))
     loaded = meta_tiny(fused=True)
-    load_checkpoint(loaded, tmp_path / "dst", progress=False)
-    assert_same_state(quantized_tiny(fp8fx.Fp8Config(), fused=True), loaded)
+    load_checkpoint(loaded, tmp_path / "dst", progress=False)  # (lm_head: the output embeddings, kept bf16)
+    assert_same_state(quantized_tiny(fp8fx.Fp8Config(ignored_layers=["lm_head"]), fused=True), loaded)
 
 
 def test_convert_refuses(tmp_path):
@@ -601,3 +603,54 @@ def test_a_bias_shared_by_two_layers_loads_back_shared(tmp_path):
     report = load_checkpoint(loaded, tmp_path / "saved", progress=False)
     assert sorted(report.quantized) == ["a", "b"] and loaded.a.bias is loaded.b.bias
     assert_same_state(saved, loaded)
+
+
+class _ScaledHead(torch.nn.Module):
+    """An output head that wraps its linear (logit scaling around ``nn.Linear``, as some models have)."""
+
+    def __init__(self, linear):
+        super().__init__()
+        self.proj = linear
+
+    def forward(self, x):
+        return self.proj(x) * 0.5
+
+
+class _TinyWrappedHead(Tiny):
+    def __init__(self, fused=False, layers=2):
+        super().__init__(fused, layers)
+        self.head = _ScaledHead(self.lm_head)
+        del self.lm_head
+
+    def forward(self, ids):
+        return self.head(self.model(ids))
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def test_output_embeddings_behind_a_wrapper_are_the_linear_it_wraps(tmp_path, caplog):
+    """get_output_embeddings() may give a module that wraps the linear: convert keeps that linear bf16 (it was
+    quantized: a checkpoint vLLM and transformers read wrong) and save_checkpoint warns when it is fp8."""
+    from fp8fx.checkpoint.load import output_embeddings
+    with torch.device("meta"):
+        model = _TinyWrappedHead().bfloat16()
+    assert output_embeddings(model, dict(model.named_modules())) == "head.proj"
+    model.head.extra = torch.nn.Linear(64, 64)  # a head of two linears names neither
+    assert output_embeddings(model, dict(model.named_modules())) is None
+    assert output_embeddings(Tiny(), dict(Tiny().named_modules())) == "lm_head"  # no get_output_embeddings: by name
+
+    state = {("head.proj.weight" if k == "lm_head.weight" else k): v for k, v in bf16_state().items()}
+    src = write_checkpoint(tmp_path / "src", state, extra_config={"model_type": "tiny"})
+    with torch.device("meta"):
+        model = _TinyWrappedHead().bfloat16()
+    report = convert(src, tmp_path / "dst", fp8fx.Fp8Config(), model=model, progress=False)
+    assert report.not_quantized["head.proj"].startswith("the output embeddings: vLLM and transformers load")
+    with safe_open(str(tmp_path / "dst" / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("head.proj.weight").dtype == torch.bfloat16 and "head.proj.weight_scale" not in f.keys()
+
+    model = _TinyWrappedHead().bfloat16()
+    fp8fx.quantize_(model, fp8fx.Fp8Config())
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        save_checkpoint(model, tmp_path / "saved")
+    assert "save_checkpoint writes the output embeddings head.proj in fp8" in caplog.text
