@@ -223,6 +223,8 @@ def load_checkpoint(
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
     entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "load_checkpoint", entries), path)
+    entries, cut_from = renames.cut(entries, model, path)
+    sources = {**sources, **cut_from}
     if config is not None:
         check_checkpoint_ignores(config, model, entries, f"this {type(model).__name__} or the checkpoint {path}",
                                  "loaded")

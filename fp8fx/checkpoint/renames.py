@@ -19,8 +19,10 @@ names back. ``save_checkpoint`` writes experts per expert in the hub's layout: t
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import logging
+import math
 import re
 from typing import Callable, Iterable, Mapping, Optional
 
@@ -201,6 +203,131 @@ def apply(entries: Mapping[str, Entry], renamer: Optional[Renamer],
         log.info("fp8fx: %d checkpoint tensors renamed to the model's names (e.g. %s -> %s)",
                  sum(e.source is not None for e in out.values()), old[0], new)
     return out, {m: tuple(s) for m, s in modules.items()}
+
+
+def cut(entries: Mapping[str, Entry], model: nn.Module, where: str
+        ) -> tuple[dict[str, Entry], dict[str, tuple[str, ...]]]:
+    """(``entries`` with each tensor that transformers cuts into several of ``model``'s as it loads replaced by its
+    parts, the model's modules -> the checkpoint modules cut into them). The cuts are the model's conversion mapping's
+    ``WeightConverter`` s of one source and a single ``Chunk`` / ``Split`` along rows (Dinov2's SwiGLU
+    ``mlp.weights_in`` -> ``gate_proj``, ``up_proj``; GTE's ``qkv_proj`` -> q/k/v). A part of a row-major tensor is a
+    range of its bytes, so a part is an ``Entry`` of those bytes, read and checked as any other. The weight's scales
+    follow its rows: a per-tensor scale (one value) serves every part, per-channel scales and 128x128-block scales
+    are cut with the rows (at block edges: a cut inside a block is refused). Converters of other operations
+    (``PermuteForRope``, ``Interleave``) are not applied: their tensors stay as stored and the load names them."""
+    converters = _row_cutters(model)
+    if not converters:
+        return dict(entries), {}
+    params = {n: p.shape for n, p in model.named_parameters(remove_duplicate=False)}
+    placed = set(model.state_dict(keep_vars=True))
+    parts: dict[str, list[tuple[str, Entry]]] = {}  # stored name -> (model name, entry)
+    owners: dict[str, tuple[list[str], list[int], int]] = {}  # stored owner -> (model owners, rows, total)
+    leftover: dict[str, list[str]] = {}  # stored name -> targets whose rows come from the owner's weight
+    for name, entry in entries.items():
+        if name in placed:
+            continue
+        conv = next((c for c in converters if c.rename_source_key(name)[1] is not None), None)
+        if conv is None:
+            continue
+        targets = [_retargeted(conv, t).rename_source_key(name)[0] for t in conv.target_patterns]
+        if not all(t in params for t in targets):  # a scale matched by a pattern without ".weight" (attn.qkv)
+            leftover[name] = targets
+            continue
+        rows = [params[t][0] if params[t] else 1 for t in targets]
+        if not entry.shape or sum(rows) != entry.shape[0]:
+            raise CheckpointError(
+                f"{where}: {entry} is cut by transformers into {', '.join(targets)} of {rows} rows (the model's "
+                f"sizes), {sum(rows)} in all: wrong checkpoint or config for this model"
+            )
+        parts[name] = [(t, _rows(entry, t, r0, r)) for t, r0, r in zip(targets, _starts(rows), rows)]
+        if name.endswith(".weight"):
+            owners[name[:-len(".weight")]] = ([t.rpartition(".")[0] for t in targets], rows, entry.shape[0])
+    for owner, (new_owners, rows, total) in owners.items():  # the weight's scales, cut as its rows
+        for leaf in ("weight_scale", "weight_scale_inv", "input_scale"):
+            name = f"{owner}.{leaf}"
+            if name in entries and name not in parts:
+                targets = leftover.pop(name, None) or [f"{o}.{leaf}" for o in new_owners]
+                parts[name] = _cut_scale(entries[name], targets, rows, total, where)
+    for name, targets in leftover.items():
+        raise CheckpointError(
+            f"{where}: {entries[name]} is cut by transformers into {', '.join(targets)}, but no weight of those "
+            "rows is in the checkpoint: wrong checkpoint for this model"
+        )
+    out = {name: entry for name, entry in entries.items() if name not in parts}
+    sources: dict[str, list[str]] = {}
+    for name, cut_into in parts.items():
+        for new, entry in cut_into:
+            if new in out:
+                raise CheckpointError(
+                    f"{where}: {entry.source} and {out[new].source or out[new].name} both load as {new} (transformers"
+                    " cuts the first into it): keep one"
+                )
+            out[new] = entry
+            stored_owner, new_owner = name.rpartition(".")[0], new.rpartition(".")[0]
+            if stored_owner != new_owner and stored_owner not in sources.setdefault(new_owner, []):
+                sources[new_owner].append(stored_owner)
+    if parts:
+        log.info("fp8fx: %d checkpoint tensors cut into the model's as transformers cuts them (e.g. %s -> %s)",
+                 len(parts), next(iter(parts)), ", ".join(n for n, _ in next(iter(parts.values()))))
+    return out, {m: tuple(s) for m, s in sources.items()}
+
+
+def _row_cutters(model: nn.Module) -> list:
+    """The model's ``WeightConverter`` s that ``cut`` applies (none without transformers, for a model it did not
+    build, or where its internal ``conversion_mapping`` / ``core_model_loading`` moved)."""
+    try:
+        from transformers import PreTrainedModel, conversion_mapping, core_model_loading
+
+        if not isinstance(model, PreTrainedModel):
+            return []
+        converter, chunk, split = core_model_loading.WeightConverter, core_model_loading.Chunk, core_model_loading.Split
+        transforms = conversion_mapping.get_model_conversion_mapping(model, add_legacy=True)
+    except Exception:  # noqa: BLE001 - no transformers, or its internals moved: nothing is cut
+        return []
+    out = []
+    for t in transforms:
+        ops = getattr(t, "operations", None) or []
+        if not isinstance(t, converter) or len(t.source_patterns) != 1 or len(t.target_patterns) < 2 or len(ops) != 1:
+            continue
+        op = ops[0]
+        if op.dim == 0 and (type(op) is split or (type(op) is chunk and op.num_shards_attribute is None)):
+            out.append(t)
+    return out
+
+
+def _retargeted(converter, target: str):
+    """``converter`` renaming to ``target`` (transformers renames a key it cuts to the first target only). Its
+    sources, which the targets' group references (``\\1``) refer to, are the same: its guard against a new pattern
+    is for sources and targets changed apart."""
+    one = copy.copy(converter)
+    object.__setattr__(one, "target_patterns", [target])
+    return one
+
+
+def _starts(rows: list[int]) -> list[int]:
+    return [sum(rows[:i]) for i in range(len(rows))]
+
+
+def _rows(entry: Entry, name: str, start: int, count: int) -> Entry:
+    """Rows ``[start, start + count)`` of ``entry`` (row-major: one range of its bytes) as the model's ``name``."""
+    row = entry.nbytes // entry.shape[0] if entry.shape[0] else 0
+    return dataclasses.replace(entry, name=name, shape=(count, *entry.shape[1:]), start=entry.start + start * row,
+                               end=entry.start + (start + count) * row, source=entry.source or entry.name)
+
+
+def _cut_scale(entry: Entry, targets: list[str], rows: list[int], total: int, where: str) -> list[tuple[str, Entry]]:
+    """A weight's scale cut as its ``rows`` (of ``total``): one value for every part, else one scale a row or a
+    block of rows, cut at the same rows."""
+    if math.prod(entry.shape) == 1:
+        return [(t, dataclasses.replace(entry, name=t, source=entry.source or entry.name)) for t in targets]
+    per = total // entry.shape[0] if entry.shape and entry.shape[0] and total % entry.shape[0] == 0 else 0
+    if not per or any(r % per for r in rows):
+        raise CheckpointError(
+            f"{where}: {entry} is the scale of a weight transformers cuts into parts of {rows} rows, and its "
+            f"{entry.shape[0] if entry.shape else 0} rows of scales (of {total} weight rows) cannot be cut there "
+            "(a block of rows across two parts); quantize the parts apart, or load the bf16 checkpoint"
+        )
+    return [(t, _rows(entry, t, r0 // per, r // per)) for t, r0, r in zip(targets, _starts(rows), rows)]
 
 
 def renamed(names: Iterable[str], renamer: Renamer) -> dict[str, str]:

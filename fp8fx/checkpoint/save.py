@@ -546,7 +546,8 @@ def convert(
     config = renames.with_stored_ignores(config, sources)
     if type(quantize_lm_head) is not bool:
         raise TypeError(f"convert: quantize_lm_head={quantize_lm_head!r} is not True or False")
-    plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused), quantize_lm_head)
+    _, cut_into = renames.cut(entries, model, src)  # (convert writes the stored tensors: not cut, kept bf16)
+    plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused), quantize_lm_head, cut_into)
     expert_plan, expert_tensors, experts = moe_ckpt.convert_plan(dict(model.named_modules()), entries, config)
     plan.update(expert_plan)
     schemes = {m: config.scheme() for m, reason in plan.items() if not reason}
@@ -661,8 +662,10 @@ def _check_convert_names(entries, schemes, expert_tensors, scale_name: str, src:
             )
 
 
-def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_lm_head: bool) -> dict[str, str]:
-    """Checkpoint module of every linear weight -> "" to quantize it, else why it stays bf16."""
+def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_lm_head: bool,
+                  cut_into: Mapping[str, tuple[str, ...]]) -> dict[str, str]:
+    """Checkpoint module of every linear weight -> "" to quantize it, else why it stays bf16. ``cut_into``: the
+    model's modules -> the checkpoint's that transformers cuts into them (``renames.cut``)."""
     modules = dict(model.named_modules())
     linears = {f: m for f, m in modules.items() if isinstance(m, nn.Linear)}
     head = output_embeddings(model, modules) if not quantize_lm_head else None
@@ -671,7 +674,11 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
     plan = {}
-    covered = set()  # the model's linears a checkpoint weight loads into
+    covered = {f for f in cut_into if f in linears}  # the model's linears a checkpoint weight loads into
+    cuts: dict[str, list[str]] = {}
+    for part, owners in cut_into.items():
+        for owner in owners:
+            cuts.setdefault(owner, []).append(part)
     for name, entry in entries.items():
         owner, _, leaf = name.rpartition(".")
         parent, _, child = owner.rpartition(".")
@@ -679,6 +686,12 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
         fqn = owner if owner in linears else next((f for f in fused_into if f in linears), None)
         if leaf == "weight" and fqn is not None:
             covered.add(fqn)
+        if leaf == "weight" and owner in cuts:
+            # one tensor here, several layers in the model: quantized as one, a per-tensor scale would span the
+            # layers and a block of rows could straddle a cut that no loader could then make
+            plan[owner] = (f"transformers cuts it into {', '.join(cuts[owner])} as it loads (written as stored); "
+                           "load_checkpoint quantizes the parts: load the bf16 checkpoint, then save_checkpoint")
+            continue
         if leaf == "weight" and fqn is None and len(entry.shape) == 2 and owner not in modules:
             # a checkpoint weight no module of the model has (a name the renames did not map: --rename): written as
             # stored, in the ignore list, and reported (it was left bf16 under a config that claimed every Linear)
