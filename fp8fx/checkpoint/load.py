@@ -729,9 +729,10 @@ class _Loader:
                 for name in DEFAULTED:
                     if name in scales:
                         continue
-                    if kv_slot_error(self.modules[fqn], fqn, name) is not None:
+                    if kv_slot_error(self.modules[fqn], fqn, name, default=True) is not None:
                         # the model uses the name for something else (MiMo-V2-Flash's attention has a float
-                        # v_scale): a default is not forced on it; a scale the checkpoint holds there is refused
+                        # v_scale, Gemma3n's audio attention a q_scale buffer): a default is not forced on it; a
+                        # scale the checkpoint holds there is refused
                         taken.append(f"{fqn}.{name}")
                         continue
                     # one of k_scale / v_scale given (or a legacy kv_scale): both take it, as vLLM's

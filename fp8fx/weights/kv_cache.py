@@ -86,10 +86,14 @@ def check_kv_scale(name: str, value: torch.Tensor) -> float:
     return scale
 
 
-def kv_slot_error(module: nn.Module, fqn: str, name: str) -> Optional[str]:
+def kv_slot_error(module: nn.Module, fqn: str, name: str, default: bool = False) -> Optional[str]:
     """Why the KV-cache scale ``name`` cannot be attached to ``module`` (at ``fqn``) as a buffer, or None: not a
-    KV-cache scale name, or an attribute of that name that is not a buffer (a float, a parameter, a submodule),
-    which ``register_buffer`` refuses."""
+    KV-cache scale name; an attribute of that name that is not a buffer (a float, a parameter, a submodule), which
+    ``register_buffer`` refuses; or a buffer of the model's own that its forward computes with (Gemma3n's audio
+    attention scales its queries by a non-persistent ``q_scale``): a checkpoint tensor would replace it unseen. A
+    persistent buffer of its own is part of the model's state, which a checkpoint tensor loads as any other, but a
+    ``default`` (a scale the checkpoint does not hold) never replaces it. Buffers fp8fx attached
+    (``attach_kv_scales``) are free."""
     where = f"{fqn}.{name}" if fqn else name
     if name not in KV_SCALE_NAMES:
         return f"{where}: {name!r} is not a KV-cache scale; use one of {KV_SCALE_NAMES}"
@@ -99,18 +103,26 @@ def kv_slot_error(module: nn.Module, fqn: str, name: str) -> Optional[str]:
             f"({type(getattr(module, name)).__name__}) that is not a buffer, so the KV-cache scale cannot be "
             f"attached there; rename that attribute in the model, or drop the {name} tensors from the checkpoint"
         )
+    own = name in module._buffers and name not in module.__dict__.get("_fp8fx_kv_scales", ())
+    if own and (default or name in module._non_persistent_buffers_set):
+        return (
+            f"{where}: {type(module).__name__} already has a buffer {name!r} of its own (not in its state_dict), "
+            f"which its forward computes with, so the KV-cache scale cannot replace it; rename that buffer in the "
+            f"model, or drop the {name} tensors from the checkpoint"
+        )
     return None
 
 
 def attach_kv_scales(module: nn.Module, scales: Mapping[str, float], device=None) -> None:
     """Register ``scales`` (``{"k_scale": 0.02, ...}``) on ``module`` as float32 ``[]`` buffers: all of them, or
-    (ValueError, see ``kv_slot_error``) none."""
+    (ValueError, see ``kv_slot_error``) none. The names are kept on the module, so they stay fp8fx's."""
     for name in scales:
         why = kv_slot_error(module, "", name)
         if why is not None:
             raise ValueError(why)
     for name, value in scales.items():
         module.register_buffer(name, torch.tensor(float(value), dtype=torch.float32, device=device))
+    module._fp8fx_kv_scales = frozenset(module.__dict__.get("_fp8fx_kv_scales", ())) | set(scales)
 
 
 def kv_scales(module: nn.Module) -> dict[str, float]:

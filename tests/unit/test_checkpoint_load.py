@@ -737,6 +737,30 @@ def test_kv_default_where_the_model_has_its_own_attribute_is_not_set(tmp_path, c
     assert "1 KV-cache scales the checkpoint does not hold are not set" in caplog.text
 
 
+def test_a_buffer_of_the_models_own_named_as_a_kv_scale_is_kept(tmp_path):
+    """A buffer the model computes with under a KV-cache scale's name (Gemma3n's audio attention scales its queries
+    by a non-persistent q_scale): a default does not replace it (listed as not set) and a checkpoint tensor for it is
+    refused, naming it, the model unchanged. Before, both replaced it silently (0.125 became 1.0)."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    model = meta_tiny()
+    attn0 = model.model.layers[0].self_attn
+    attn0.register_buffer("v_scale", torch.tensor(0.125), persistent=False)
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "a", tensors, qc), progress=False)
+    assert attn0.v_scale.item() == 0.125 and report.kv_not_set == ["model.layers.0.self_attn.v_scale"]
+    assert attn0.k_scale.item() == 1.0 and model.model.layers[1].self_attn.v_scale.item() == 1.0
+
+    tensors["model.layers.0.self_attn.q_scale"] = torch.tensor(0.02)
+    model = meta_tiny()
+    model.model.layers[0].self_attn.register_buffer("q_scale", torch.tensor(0.0883), persistent=False)
+    snap = snapshot(model)
+    match = (r"model\.layers\.0\.self_attn\.q_scale: TinyAttention already has a buffer 'q_scale' of its own \(not "
+             r"in its state_dict\)")
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(model, write_checkpoint(tmp_path / "b", tensors, qc), progress=False)
+    assert snapshot(model) == snap and model.model.layers[0].self_attn.q_scale.item() == pytest.approx(0.0883)
+
+
 @pytest.mark.parametrize("name", ["model.layers.0.mlp.k_scale", "model.layers.0.k_scale", "model.embed_tokens.kv_scale"])
 def test_kv_scale_addressed_to_a_module_that_is_not_an_attention_is_refused(tmp_path, name):
     """vLLM drops a KV-cache scale whose module is no attention; fp8fx attached it to the MLP, the decoder layer or the
