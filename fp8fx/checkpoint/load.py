@@ -17,6 +17,7 @@ import copy
 import dataclasses
 import logging
 import os
+import re
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
@@ -62,6 +63,8 @@ class LoadReport:
     # defaults not set because the model uses the name for an attribute of its own: "<attention fqn>.v_scale"
     kv_not_set: list[str] = dataclasses.field(default_factory=list)
     unexpected: list[str] = dataclasses.field(default_factory=list)  # checkpoint tensors the model has no use for
+    # tensors the model's class says to skip (transformers' _keys_to_ignore_on_load_unexpected: DeepSeek-V3's MTP layer)
+    skipped: list[str] = dataclasses.field(default_factory=list)
     tensors: int = 0
     bytes_read: int = 0
 
@@ -82,6 +85,9 @@ class LoadReport:
             rows.append(("kv-cache scales", fqn, text))
         rows += [("kv-cache scales", n, "not set: the model has an attribute of that name") for n in self.kv_not_set]
         rows += [("unexpected", n, "not loaded") for n in self.unexpected]
+        if self.skipped:
+            rows.append(("skipped", f"{self.skipped[0]} and {len(self.skipped) - 1} more",
+                         "not loaded: the model's class skips them (_keys_to_ignore_on_load_unexpected)"))
         width = max([len(r[1]) for r in rows] + [4])
         lines = [f"{r[0]:<15} {r[1]:<{width}}  {r[2]}" for r in rows]
         lines.append(
@@ -280,6 +286,10 @@ class _Loader:
         self.kv_entries: dict[tuple[str, str], Entry] = {}
         self.buffers: dict[tuple[str, str], torch.Tensor] = {}
         self.unexpected: list[str] = []
+        # what transformers skips without a word, by the model's patterns: layers the checkpoint holds and the model
+        # does not build (DeepSeek-V3's multi-token-prediction layer 61, which vLLM skips too)
+        self.skip = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+        self.skipped: list[str] = []
         self.entries: dict[str, Entry] = {}  # the checkpoint's tensors by the model's names (plan)
         self.routers = moe_weights.routers(model)  # MoE routers: bf16 where the checkpoint is quantized online
         self.moe = ExpertsLoader(self.modules, fmt, device, self.items)
@@ -411,7 +421,10 @@ class _Loader:
         if name in self.state:
             self._plan_state(name, entry)
             return True
-        self.unexpected.append(name)
+        if any(p.search(name) for p in self.skip):
+            self.skipped.append(entry.source or name)
+        else:
+            self.unexpected.append(name)
         return False
 
     def _why_unexpected(self, name: str) -> str:
@@ -834,6 +847,7 @@ class _Loader:
             attach_kv_scales(self.modules[fqn], scales, self.device)
         report.kv_scales = {f: dict(s) for f, s in self.kv.items()}
         report.unexpected = self._stored_unexpected() + [self.entries[n].source or n for n in self.tied_copies]
+        report.skipped = list(self.skipped)
 
 
 def _join(prefix: str, name: str) -> str:

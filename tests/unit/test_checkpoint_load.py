@@ -1267,3 +1267,23 @@ def test_tied_weight_given_under_both_names(tmp_path):
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(model, write_checkpoint(tmp_path / "differ", state), progress=False)
     assert_unchanged(model, snap)
+
+
+def test_tensors_the_models_class_skips_are_not_loaded_and_reported(tmp_path):
+    """DeepSeek-V3's fp8 checkpoints hold its multi-token-prediction layer (model.layers.61), which the HF model does
+    not build and transformers skips by the class's _keys_to_ignore_on_load_unexpected (vLLM skips it too): its
+    weight_scale_inv tensors made the checkpoint refused as scales no layer takes. They are skipped, and reported."""
+    torch.manual_seed(0)
+    extra = {k.replace("layers.1.", "layers.2."): v for k, v in bf16_state().items() if ".layers.1." in k}
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "block")
+    tensors.update(extra)
+    tensors["model.layers.2.mlp.down_proj.weight_scale_inv"] = torch.ones(2, 3)
+    path = write_checkpoint(tmp_path / "c", tensors, qc)
+    model = meta_tiny()
+    with pytest.raises(CheckpointError, match=r"model\.layers\.2\.mlp\.down_proj\.weight_scale_inv .* no layer takes"):
+        load_checkpoint(model, path, progress=False)
+    model._keys_to_ignore_on_load_unexpected = [r"model\.layers\.2\..*"]
+    report = load_checkpoint(model, path, progress=False)
+    assert len(report.skipped) == len(extra) + 1 and not report.unexpected
+    assert "not loaded: the model's class skips them (_keys_to_ignore_on_load_unexpected)" in str(report)
+    assert is_quantized(model.model.layers[1].mlp.down_proj)
