@@ -145,17 +145,7 @@ class Fp8Backend:
             given = [name for name, set_ in inductor_only.items() if set_]
             raise ValueError(f"Fp8Backend(compiler='eager') with {', '.join(given)}: options of Inductor, which this "
                              "compiler does not run; drop them or use compiler='inductor'")
-        if inductor_config is not None and not isinstance(inductor_config, Mapping):
-            raise ValueError(f"Fp8Backend(inductor_config={inductor_config!r}): a dict of torch._inductor.config "
-                             "options, e.g. {'max_autotune': True}")
-        unknown = [k for k in (inductor_config or {}) if not compat.is_inductor_config(k)]
-        if unknown:
-            raise ValueError(f"Fp8Backend(inductor_config={{{unknown[0]!r}: ...}}): not an option of "
-                             "torch._inductor.config (nested ones are dotted: 'triton.cudagraphs')")
-        for key, value in (inductor_config or {}).items():  # a wrong type failed only inside the first compile
-            why = compat.inductor_config_type_error(key, value)
-            if why:
-                raise ValueError(f"Fp8Backend(inductor_config={{{key!r}: {value!r}}}): {why}")
+        _check_inductor_config(inductor_config, "Fp8Backend(inductor_config=")
         if cudagraphs and (inductor_config or {}).get("triton.cudagraphs", True) is not True:
             raise ValueError(f"Fp8Backend(cudagraphs=True, inductor_config={{'triton.cudagraphs': "
                              f"{inductor_config['triton.cudagraphs']!r}}}): the two disagree; keep one")
@@ -193,14 +183,20 @@ class Fp8Backend:
         """Changes whenever a pass's source or an option changes (fed to Inductor's FX-graph cache)."""
         return self.pass_manager.uuid()
 
-    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any]):
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence[Any], *, mode: Optional[str] = None,
+                 options: Optional[dict[str, Any]] = None):
+        """Compile one graph Dynamo captured. ``mode`` and ``options`` are ``torch.compile``'s, which it hands to its
+        backend: Inductor's options of that mode, then ``options``, go over this backend's ``inductor_config`` for
+        this compilation (as ``torch.compile(mode=..., options=...)`` sets them for Inductor)."""
+        call_config = _call_config(mode, options, self.compiler)  # (refused before anything is traced or reported)
         index = self.report.graphs
         dump = self._dump(gm, index)
         code: list[str] = []
         try:
             (dump.passes(self.pass_manager) if dump else self.pass_manager).run(gm, example_inputs, self.report)
             after_compile = gm.meta.pop(AFTER_COMPILE, ())  # e.g. moving fused weights into one tensor
-            compiled = gm.forward if self.compiler == "eager" else self._inductor(gm, example_inputs, index, code)
+            compiled = (gm.forward if self.compiler == "eager"
+                        else self._inductor(gm, example_inputs, index, code, call_config))
             for fn in after_compile:
                 fn()
         except BaseException as e:  # Dynamo may run the frame eagerly instead: nothing of this graph was rewritten
@@ -227,12 +223,14 @@ class Fp8Backend:
             if name.startswith(prefix):
                 os.remove(os.path.join(dump.dir, name))
 
-    def _inductor(self, gm: fx.GraphModule, example_inputs: Sequence[Any], index: int, code: list[str]):
+    def _inductor(self, gm: fx.GraphModule, example_inputs: Sequence[Any], index: int, code: list[str],
+                  call_config: Mapping[str, Any]):
         # the pass manager takes Inductor's post-grad post pass slot for its cache key: a pass of the user's
-        # there (this backend's inductor_config, or torch._inductor.config) runs with it
+        # there (torch.compile's options, this backend's inductor_config, or torch._inductor.config) runs with it
         key = "post_grad_custom_post_pass"
-        user_pass = self.inductor_config.get(key, compat.inductor_config_value(key))
-        patches = {**self.inductor_config, key: self.pass_manager.with_user_pass(user_pass)}
+        config = {**self.inductor_config, **call_config}
+        user_pass = config.get(key, compat.inductor_config_value(key))
+        patches = {**config, key: self.pass_manager.with_user_pass(user_pass)}
         decomps = aten.decompositions if self.lowering == "aten" and aten.applies(example_inputs, gm) else None
         direct = compat.direct_op_calls(list(vars(ops.direct))) if self.direct_calls else contextlib.nullcontext()
         with compat.capture_output_code() as captured, compat.one_pass_row_reductions(self.one_pass_rows), direct:
@@ -304,8 +302,41 @@ def _check_dump_dir(dump_dir: Optional[str]) -> None:
         raise ValueError(f"Fp8Backend(dump_dir={dump_dir!r}): cannot write into that folder; pass a writable one")
 
 
-def fp8_backend(gm: fx.GraphModule, example_inputs: Sequence[Any]):
-    """``torch.compile(model, backend=fp8fx.fp8_backend)``: ``Fp8Backend()`` with default options.
-    Each call site of ``torch.compile`` gets the same stateless default; use ``Fp8Backend`` to read
-    the report."""
-    return Fp8Backend()(gm, example_inputs)
+def _check_inductor_config(config: Optional[Mapping[str, Any]], where: str) -> None:
+    """ValueError (``where`` + what was given + why) unless ``config`` is None or a dict of torch._inductor.config
+    options with values of their types."""
+    if config is not None and not isinstance(config, Mapping):
+        raise ValueError(f"{where}{config!r}): a dict of torch._inductor.config options, e.g. {{'max_autotune': True}}")
+    unknown = [k for k in (config or {}) if not compat.is_inductor_config(k)]
+    if unknown:
+        raise ValueError(f"{where}{{{unknown[0]!r}: ...}}): not an option of torch._inductor.config (nested ones are "
+                         "dotted: 'triton.cudagraphs')")
+    for key, value in (config or {}).items():  # a wrong type failed only inside the first compile
+        why = compat.inductor_config_type_error(key, value)
+        if why:
+            raise ValueError(f"{where}{{{key!r}: {value!r}}}): {why}")
+
+
+def _call_config(mode: Optional[str], options: Optional[Mapping[str, Any]], compiler: str) -> dict[str, Any]:
+    """The Inductor options of ``torch.compile(mode=..., options=...)``: the mode's, then ``options``."""
+    if mode is None and not options:
+        return {}
+    if compiler == "eager":
+        given = ", ".join(f"{n}={v!r}" for n, v in (("mode", mode), ("options", options)) if v)
+        raise ValueError(f"torch.compile({given}) with Fp8Backend(compiler='eager'): options of Inductor, which this "
+                         "compiler does not run; drop them or use compiler='inductor'")
+    config = {}
+    if mode is not None:
+        config = compat.inductor_mode_options(mode)
+        if config is None:
+            raise ValueError(f"torch.compile(mode={mode!r}): not one of Inductor's modes "
+                             f"{compat.inductor_modes()}; pass one of them, or options=")
+    _check_inductor_config(options, "torch.compile(options=")
+    return {**config, **(options or {})}
+
+
+def fp8_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any):
+    """``torch.compile(model, backend=fp8fx.fp8_backend)``: ``Fp8Backend()`` with default options (``mode`` and
+    ``options`` of torch.compile as ``Fp8Backend`` takes them). Each call site of ``torch.compile`` gets the same
+    stateless default; use ``Fp8Backend`` to read the report."""
+    return Fp8Backend()(gm, example_inputs, **compile_kwargs)

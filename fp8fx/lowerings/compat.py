@@ -29,6 +29,24 @@ def compiled_module(model: Any) -> Any:
     return inner if isinstance(inner, torch.nn.Module) else model
 
 
+def inductor_mode_options(mode: str) -> Optional[dict[str, Any]]:
+    """The ``torch._inductor.config`` options ``torch.compile(mode=mode)`` sets (``{"triton.cudagraphs": True}`` for
+    "reduce-overhead"), or None for a mode Inductor does not have."""
+    from torch import _inductor
+
+    try:
+        return dict(_inductor.list_mode_options(mode))
+    except RuntimeError:  # "Unrecognized mode=..." (torch 2.11 and 2.13)
+        return None
+
+
+def inductor_modes() -> list[str]:
+    """The modes ``torch.compile(mode=)`` takes."""
+    from torch import _inductor
+
+    return list(_inductor.list_mode_options())
+
+
 def inductor_config_value(key: str) -> Any:
     """The current value of option ``key`` of ``torch._inductor.config`` (dotted for nested ones)."""
     from torch._inductor import config

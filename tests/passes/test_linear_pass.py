@@ -375,6 +375,43 @@ def test_cache_key_reaches_inductor(monkeypatch):
     assert seen["max_autotune"] is False
 
 
+@pytest.mark.parametrize("backend_of", [lambda: Fp8Backend(inductor_config={"max_autotune": False}),
+                                        lambda: fp8fx.fp8_backend], ids=["Fp8Backend", "fp8_backend"])
+def test_torch_compile_mode_and_options_reach_inductor(monkeypatch, backend_of):
+    """torch.compile hands its mode= and options= to a custom backend, which took neither: a bare TypeError. The mode's
+    Inductor options, then options=, go over the backend's inductor_config; a mode or option Inductor does not have,
+    and Inductor's options for compiler='eager', are refused naming them."""
+    from fp8fx.lowerings import compat
+
+    seen = []
+    real = compat.compile_fx
+
+    def spy(gm, example_inputs, config_patches=None, extra_decompositions=None):
+        seen.append(dict(config_patches))
+        return real(gm, example_inputs, config_patches, extra_decompositions)
+
+    monkeypatch.setattr(compat, "compile_fx", spy)
+    x = torch.randn(2, 8)
+    for kwargs, want in [(dict(mode="max-autotune-no-cudagraphs"), {"max_autotune": True,
+                                                                     "coordinate_descent_tuning": True}),
+                         (dict(options={"max_autotune": True, "epilogue_fusion": False}),
+                          {"max_autotune": True, "epilogue_fusion": False})]:
+        torch._dynamo.reset()
+        with torch.no_grad():
+            torch.compile(nn.Linear(8, 8), backend=backend_of(), **kwargs)(x)
+        assert {k: seen[-1][k] for k in want} == want
+    for kwargs, match in [(dict(mode="fastest"), r"torch\.compile\(mode='fastest'\): not one of Inductor's modes"),
+                          (dict(options={"no_such": 1}), r"torch\.compile\(options=\{'no_such': \.\.\.\}\): not an "
+                                                         "option of torch._inductor.config")]:
+        torch._dynamo.reset()
+        with pytest.raises(Exception, match=match), torch.no_grad():
+            torch.compile(nn.Linear(8, 8), backend=backend_of(), **kwargs)(x)
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"torch\.compile\(mode='reduce-overhead'\) with Fp8Backend\(compiler='eager'\)"):
+        with torch.no_grad():
+            torch.compile(nn.Linear(8, 8), backend=Fp8Backend(compiler="eager"), mode="reduce-overhead")(x)
+
+
 def test_graph_with_the_aten_lowering_is_cached(monkeypatch, tmp_path):
     """The CUDA default, ``lowering="aten"``, gives Inductor a decomposition table; torch 2.13 pickles it into the
     FX graph cache's key, and its C++ entries did not pickle: every compile bypassed the cache (2.11 keeps the
