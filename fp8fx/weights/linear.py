@@ -216,6 +216,27 @@ def check_online(what: str, loaded: torch.Tensor, dtype: torch.dtype, prefix: st
                          f"weights, load them into a wider dtype, or add {prefix!r} to ignored_layers")
 
 
+def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
+    """``Module._load_from_state_dict`` of a quantized layer or experts module: an fp8 parameter's tensor of another
+    dtype (a bf16 state dict loaded into the quantized model) is refused, naming it, and nothing of the module is
+    loaded. Copied in, its values were cast to fp8 and read as codes under the old scales (outputs off by ~100%)."""
+    error_msgs = args[-1]
+    for name, codes in self._parameters.items():
+        given = state_dict.get(prefix + name)
+        if codes is None or not _kept(name, codes) or name.endswith(("scale", "scale_inv")):
+            continue
+        if isinstance(given, torch.Tensor) and given.dtype != codes.dtype:
+            error_msgs.append(
+                f"{prefix}{name}: a {given.dtype} tensor for a module fp8fx quantized (its {name} is {codes.dtype} "
+                "codes scaled by its scales), whose values would be taken as codes; load 16-bit weights into the model "
+                "before fp8fx.quantize_, or fp8 ones with their scales (a state_dict of the quantized model, "
+                "fp8fx.load_checkpoint)"
+            )
+            return
+    made = next(c for c in type(self).__mro__ if "_fp8fx_maker" in c.__dict__)
+    super(made, self)._load_from_state_dict(state_dict, prefix, *args)
+
+
 def fp8_class(cls: type) -> type:
     """The subclass of ``cls`` whose ``weight`` is the dequantized view (one per class, cached)."""
     if getattr(cls, "_fp8fx_quantized", False):
@@ -225,6 +246,7 @@ def fp8_class(cls: type) -> type:
             f"Fp8{cls.__name__}",
             (cls,),
             {"weight": property(_dequantized_weight), "_apply": fp8_apply, "_fp8fx_quantized": True,
+             "_load_from_state_dict": fp8_load_from_state_dict,
              "__module__": cls.__module__, "__reduce_ex__": reduce_made_class, "__setstate__": setstate_made_class,
              "_fp8fx_maker": fp8_class},
         )

@@ -38,7 +38,8 @@ from torch import nn
 from fp8fx import quant
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
 from fp8fx.weights import chunked
-from fp8fx.weights.linear import check_online, fp8_apply, reduce_made_class, same_layout, setstate_made_class
+from fp8fx.weights.linear import check_online, fp8_apply, fp8_load_from_state_dict, reduce_made_class, same_layout
+from fp8fx.weights.linear import setstate_made_class
 
 log = logging.getLogger("fp8fx")
 
@@ -75,6 +76,7 @@ def fp8_experts_class(cls: type) -> type:
         return cls
     if cls not in _FP8_CLASSES:
         attrs = {W13: _view(W13), W2: _view(W2), "_apply": fp8_apply, "_fp8fx_moe": True, "__module__": cls.__module__,
+                 "_load_from_state_dict": fp8_load_from_state_dict,
                  "__reduce_ex__": reduce_made_class, "__setstate__": setstate_made_class,
                  "_fp8fx_maker": fp8_experts_class}
         _FP8_CLASSES[cls] = type(f"Fp8{cls.__name__}", (cls,), attrs)

@@ -689,3 +689,26 @@ def test_the_router_of_transposed_experts_is_found():
     block.router, block.experts = Router(), TransposedExperts()
     assert moe.routers(block) == {"router": "routes tokens to experts (an MoE router or gate: high precision, as "
                                             "vLLM keeps it)"}
+
+
+def test_a_16_bit_state_dict_into_quantized_layers_is_refused_naming_the_tensor():
+    """A bf16 state dict loaded into the quantized model (load_state_dict(strict=False): only weight_scale was said to
+    be missing): its weights were cast into the fp8 codes and read under the old scales. Each quantized linear and
+    experts module refuses it, naming the tensor, and keeps its own."""
+    bf16 = Block().to(torch.bfloat16)
+    model = Block(seed=1).to(torch.bfloat16)
+    fp8fx.quantize_(model, Fp8Config())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError) as info:
+        model.load_state_dict(bf16.state_dict(), strict=False)
+    for name in ("proj.weight", "experts.gate_up_proj"):
+        assert (f"{name}: a torch.bfloat16 tensor for a module fp8fx quantized (its {name.rpartition('.')[2]} is "
+                "torch.float8_e4m3fn codes scaled by its scales)") in str(info.value)
+    after = model.state_dict()
+    assert all(torch.equal(before[k].view(torch.uint8) if before[k].dtype.itemsize == 1 else before[k],
+                           after[k].view(torch.uint8) if after[k].dtype.itemsize == 1 else after[k])
+               for k in ("proj.weight", "proj.weight_scale", "experts.gate_up_proj", "experts.down_proj"))
+    fp8fx.quantize_(bf16, Fp8Config())
+    model.load_state_dict(bf16.state_dict())  # the quantized model's own state dict loads as before
+    x = torch.randn(3, H, dtype=torch.bfloat16)
+    assert torch.equal(model.proj(x), bf16.proj(x))
