@@ -620,3 +620,40 @@ def test_fused_sites_name_their_gemm_not_the_matmul_their_slices_feed():
         torch.compile(model, backend=backend, dynamic=False)(torch.randn(2, 3, 64, dtype=torch.bfloat16))
     assert [(s.fqn, s.kernel) for s in backend.report.sites] == [
         (p, "extern fp8fx.scaled_mm_fused") for p in ("q", "k", "v")]
+
+
+class RaggedQKV(torch.nn.Module):
+    """q of 48 rows: a checkpoint's 32x32 weight blocks end it in half a block (DeepSeek-V3's weight_scale_inv is
+    ceil-sized), which fused above k and v would put k's first rows in q's last block of scales."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(64, n, bias=False) for n in (48, 32, 32))
+
+    def forward(self, x):
+        return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+
+
+def test_block_scaled_shards_that_end_inside_a_block_are_not_fused(tmp_path):
+    """Loaded with 32x32 blocks, q (48 rows) ends inside a block: q/k/v are not fused, each site saying why, and
+    every output stays within fp8's error of the float64 reference of the stored weights (fused, k's and v's scale
+    rows would have been read one block off)."""
+    from tests.unit.test_checkpoint_load import quantization_config, ref_dequantize, ref_quantize, write_checkpoint
+
+    torch.manual_seed(0)
+    state = {k: v.bfloat16() for k, v in RaggedQKV().state_dict().items()}
+    tensors, deq = {}, {}
+    for name, w in state.items():
+        tensors[name], tensors[name + "_scale_inv"] = ref_quantize(w, "block")
+        deq[name] = ref_dequantize(tensors[name], tensors[name + "_scale_inv"], "block")
+    path = write_checkpoint(tmp_path, tensors, quantization_config("block", (32, 32), False, False, []))
+    with torch.device("meta"):
+        model = RaggedQKV().bfloat16()
+    fp8fx.load_checkpoint(model, path, progress=False)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    schemes, out = compile_fused(model, x)
+    for i, name in enumerate(("q_proj", "k_proj", "v_proj")):
+        assert schemes[(name, i)] == ("w:per-block(32x32) a:per-group(1x32) not fused with q_proj,k_proj,v_proj: "
+                                      "output sizes [48, 32] are not multiples of the 32-row weight blocks")
+    for got, name in zip(out, ("q_proj.weight", "k_proj.weight", "v_proj.weight")):
+        assert rel_err(got.float(), x.double() @ deq[name].T) < 0.05

@@ -916,6 +916,16 @@ BAD = {
         _case(lambda t, qc: t.update({f"{DOWN}.weight": t[f"{DOWN}.weight"][:, :64].contiguous()})),
         rf"^{DOWN}\.weight \(float8_e4m3fn \[64, 64\] .*\): {DOWN} takes \[rows, 96\] weights",
     ),
+    # a bias is copied into the layer's, which broadcasts: one of one value went into every output channel
+    "bias of one value": (
+        _case(lambda t, qc: t.update({"model.layers.0.self_attn.q_proj.bias": torch.ones(1, dtype=torch.bfloat16)})),
+        r"^model\.layers\.0\.self_attn\.q_proj\.bias \(bfloat16 \[1\] .*\): expected a bf16/fp16/fp32 bias of shape "
+        r"\[64\]",
+    ),
+    "bias of one row too many": (
+        _case(lambda t, qc: t.update({"model.layers.0.self_attn.q_proj.bias": torch.ones(65, dtype=torch.bfloat16)})),
+        r"^model\.layers\.0\.self_attn\.q_proj\.bias \(bfloat16 \[65\] .*\): expected a bf16/fp16/fp32 bias of shape",
+    ),
     "unsupported compressed-tensors weights": (
         _case(lambda t, qc: qc["config_groups"]["group_0"]["weights"].update(type="int"), "channel", ct=True),
         r"^config\.json quantization_config \(quant_method='compressed-tensors'\): config_groups\.group_0\.weights: "
