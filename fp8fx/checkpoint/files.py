@@ -213,9 +213,16 @@ def read_config(path: str) -> dict[str, Any]:
 
 
 def index_file(path: str) -> Optional[str]:
+    """The checkpoint's safetensors index, or None. transformers' own name for it is taken where there are several:
+    Mistral's repositories hold ``consolidated.safetensors.index.json`` (its own format) beside it, and transformers
+    and vLLM load the directory through ``model.safetensors.index.json``."""
     found = sorted(glob.glob(os.path.join(glob.escape(path), "*" + INDEX_SUFFIX)))
+    standard = os.path.join(path, "model" + INDEX_SUFFIX)
+    if len(found) > 1 and standard in found:
+        return standard
     if len(found) > 1:
-        raise CheckpointError(f"{path}: several safetensors indexes {found}; keep one")
+        raise CheckpointError(f"{path}: several safetensors indexes {found}, none of them model{INDEX_SUFFIX} "
+                              "(which transformers and vLLM read); keep one")
     return found[0] if found else None
 
 

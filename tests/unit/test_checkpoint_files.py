@@ -157,6 +157,22 @@ def test_sharded_checkpoint_through_its_index(tmp_path):
     assert entries["b.weight"].shape == (3,) and entries["b.weight"].file == files[1]
 
 
+def test_a_second_index_beside_transformers_one_is_not_read(tmp_path):
+    """Mistral's repositories hold its own consolidated.safetensors.index.json beside model.safetensors.index.json:
+    the directory loads through the latter, as in transformers and vLLM (it was refused as "several indexes");
+    two indexes neither of which is transformers' are refused, naming them."""
+    _sharded(tmp_path)
+    save_file({"w": torch.ones(2)}, str(tmp_path / "consolidated.safetensors"))
+    (tmp_path / "consolidated.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "consolidated.safetensors"}}))
+    files, entries = read_checkpoint(str(tmp_path))
+    assert len(files) == 2 and "w" not in entries and "b.weight" in entries
+    os.rename(tmp_path / "model.safetensors.index.json", tmp_path / "other.safetensors.index.json")
+    with pytest.raises(CheckpointError, match=r"several safetensors indexes .*, none of them "
+                                              r"model\.safetensors\.index\.json \(which transformers and vLLM read\)"):
+        read_checkpoint(str(tmp_path))
+
+
 def test_index_naming_a_missing_shard(tmp_path):
     _sharded(tmp_path)
     os.remove(tmp_path / "model-00002-of-00002.safetensors")
