@@ -932,5 +932,12 @@ def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_c
         fp8fx.quantize_(model, static, input_scales=scales)
     assert "stopped at 1, which is as it was; 1 of 3 layers are fp8 by now" in str(failure.value.__notes__)
     monkeypatch.setattr(chunked, "quantize", real)
+    # other scales (calibrated again) would leave layer 0 with the first ones: refused, naming it and both values
+    other = {n: v * 10 for n, v in scales.items()}
+    with pytest.raises(ValueError, match=rf"quantize_: 0 was quantized with the input scale {scales['0']:.6g} by the "
+                                         rf"call that stopped on the way, and input_scales now gives it "
+                                         rf"{torch.tensor(other['0']).item():.6g}"):
+        fp8fx.quantize_(model, static, input_scales=other)
+    assert type(model[1]) is nn.Linear
     fp8fx.quantize_(model, static, input_scales=scales)
     assert [m.input_scale.item() for m in model] == [torch.tensor(scales[n]).item() for n in ("0", "1", "2")]
