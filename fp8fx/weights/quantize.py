@@ -334,7 +334,9 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
             raise ValueError("input_scales is only used with activation_scheme='static'")
         return {}
     given = dict(input_scales or {})
+    others = []  # scales of other parts, or of this part under its own names (calibrate(part) without prefix=)
     if prefix:  # the scales of a whole model (calibrate(model)), this part quantized: its own
+        others = [fqn for fqn in given if not entry_covers(prefix, fqn)]
         given = {fqn: v for fqn, v in given.items() if entry_covers(prefix, fqn)}
     for fqn in given:
         if fqn in not_quantized:  # e.g. calibrated with a config that did not ignore it: the scale has no use
@@ -347,6 +349,13 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
     missing = [fqn for fqn in planned if fqn not in given]
     if missing:
         shown = _shown(missing)
+        if not given and others:
+            raise ValueError(
+                f"activation_scheme='static' needs an input scale for every quantized layer; missing {shown}: "
+                f"input_scales names no layer under prefix={prefix!r} (e.g. {others[0]!r}); scales of this part alone "
+                f"take its prefix too: fp8fx.calibrate(part, batches, prefix={prefix!r}), or pass the whole model's "
+                "fp8fx.calibrate(model, batches) (nothing was quantized)"
+            )
         if not given:
             raise ValueError(f"activation_scheme='static' needs an input scale for every quantized layer; missing "
                              f"{shown}; pass input_scales=fp8fx.calibrate(model, batches)")
