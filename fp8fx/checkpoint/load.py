@@ -597,6 +597,12 @@ class _Loader:
                 expect = quant.scale_shape((rows, k), w.block)
                 ok = tuple(s.shape) == expect
                 target, shape_text = "weight_scale_inv", f"shape {list(expect)} = ceil([{rows}, {k}] / {list(w.block)})"
+            elif ("weight_scale_inv", i) in todo and ("weight_scale", i) not in todo:  # block scales, read otherwise
+                raise CheckpointError(
+                    f"{todo[('weight_scale_inv', i)]}: block scales, where {self.fmt.declared_by} says {w} weights "
+                    f"({self.fmt.describe()}); the checkpoint's config needs its weight_block_size ([128, 128] for "
+                    "DeepSeek-V3's) to read them"
+                )
             elif isinstance(w, PerRow):
                 s = need("weight_scale", i, " (per-channel)")
                 ok = s.shape in ((rows, 1), (rows,))

@@ -916,6 +916,12 @@ BAD = {
         _case(lambda t, qc: t.update({f"{DOWN}.weight": t[f"{DOWN}.weight"][:, :64].contiguous()})),
         rf"^{DOWN}\.weight \(float8_e4m3fn \[64, 64\] .*\): {DOWN} takes \[rows, 96\] weights",
     ),
+    # it said "weight_scale is missing from the checkpoint (per-tensor)", naming neither the block scales nor the fix
+    "block scales under a config without weight_block_size": (
+        _case(lambda t, qc: qc.pop("weight_block_size"), "block"),
+        r"^model\.layers\.0\.self_attn\.q_proj\.weight_scale_inv \(float32 \[2, 2\] .*\): block scales, where its "
+        r"quantization_config says per-tensor weights .*; the checkpoint's config needs its weight_block_size",
+    ),
     # a bias is copied into the layer's, which broadcasts: one of one value went into every output channel
     "bias of one value": (
         _case(lambda t, qc: t.update({"model.layers.0.self_attn.q_proj.bias": torch.ones(1, dtype=torch.bfloat16)})),
