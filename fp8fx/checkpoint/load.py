@@ -739,8 +739,9 @@ class _Loader:
             # kv_cache_scheme, or, in the fp8 format (which has no such field), the scales themselves; other
             # scales complete only their own layer (vLLM reads them only for an fp8 KV cache it is asked for).
             # Attentions inside another attention (BERT's BertSelfAttention) get none of their own, nor do those with
-            # no KV cache (a vision tower's CLIPAttention beside a decoder's LlamaAttention: kv_cache_attentions).
-            declared = kv_cache_attentions(self.modules) if self.kv_declared else []
+            # no KV cache (a vision tower's CLIPAttention beside a decoder's LlamaAttention, an encoder's attentions:
+            # kv_cache_attentions).
+            declared = kv_cache_attentions(self.modules, self.model) if self.kv_declared else []
             owners = list(self.kv) + [f for f in declared if f not in self.kv]
             for fqn in owners:
                 scales = self.kv.setdefault(fqn, {})

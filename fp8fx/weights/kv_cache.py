@@ -151,12 +151,30 @@ def has_kv_cache_mark(module: nn.Module) -> bool:
     return getattr(module, "layer_idx", None) is not None
 
 
-def kv_cache_attentions(modules: Mapping[str, nn.Module]) -> list[str]:
+def kv_cache_attentions(modules: Mapping[str, nn.Module], model: Optional[nn.Module] = None) -> list[str]:
     """The outermost attentions of ``modules`` that have a KV cache, which a declared fp8 KV cache gives scales (as
     vLLM gives ``Fp8KVCacheMethod`` to its ``Attention`` layers only, not to the cacheless ``MultiHeadAttention`` /
-    ``MMEncoderAttention`` of vision towers): where some of them carry a ``layer_idx`` (``has_kv_cache_mark``: a
-    transformers model), those; the others are encoder attentions (a vision tower's), with no KV cache to scale. A
-    model none of whose attentions carries one: all of them."""
+    ``MMEncoderAttention`` of vision towers): those inside the decoder ``model.get_decoder()`` returns where it is one
+    of its modules (Gemma4's language model, whose vision and audio towers' attentions carry a ``layer_idx`` too;
+    an encoder-decoder's decoder); of them, where some carry a ``layer_idx`` (``has_kv_cache_mark``: a transformers
+    model), those, the others being encoder attentions (a vision tower's), with no KV cache to scale. A model none
+    of whose attentions carries one: all of them."""
     outer = outermost_attentions(modules)
+    decoder = _decoder_name(model, modules)
+    if decoder is not None:
+        outer = [fqn for fqn in outer if not decoder or fqn.startswith(f"{decoder}.")]
     cached = [fqn for fqn in outer if has_kv_cache_mark(modules[fqn])]
     return cached or outer
+
+
+def _decoder_name(model: Optional[nn.Module], modules: Mapping[str, nn.Module]) -> Optional[str]:
+    """The name of the module ``model.get_decoder()`` returns among ``modules`` ("" for the model itself), or None:
+    no such method, no decoder, or one that is not among them."""
+    get = getattr(model, "get_decoder", None)
+    try:
+        decoder = get() if callable(get) else None
+    except (AttributeError, NotImplementedError, TypeError):  # (a model with none may raise instead)
+        return None
+    if not isinstance(decoder, nn.Module):
+        return None
+    return next((fqn for fqn, m in modules.items() if m is decoder), None)

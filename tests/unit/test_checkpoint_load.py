@@ -703,6 +703,27 @@ def test_declared_kv_cache_gives_vision_tower_attentions_no_scales(tmp_path, kin
     assert saved_qc["kv_cache_scheme"] is not None
 
 
+def test_declared_kv_cache_attentions_are_the_decoders_even_where_towers_carry_a_layer_idx():
+    """Gemma4's vision and audio towers' attentions carry a layer_idx (the mark of a decoder attention elsewhere): a
+    declared fp8 KV cache gave them scales too (28 of 58 attentions at Gemma4's sizes). Those of the decoder
+    get_decoder() returns are chosen."""
+    from fp8fx.weights.kv_cache import kv_cache_attentions
+
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "Gemma4Config"):
+        pytest.skip("transformers without Gemma4")
+    from transformers.models.gemma4 import configuration_gemma4 as c
+
+    config = transformers.Gemma4Config(text_config=c.Gemma4TextConfig(num_hidden_layers=2),
+                                       vision_config=c.Gemma4VisionConfig(num_hidden_layers=2),
+                                       audio_config=c.Gemma4AudioConfig(num_hidden_layers=2))
+    with torch.device("meta"):
+        model = transformers.Gemma4ForConditionalGeneration(config)
+    modules = dict(model.named_modules())
+    assert any("_tower." in f for f in kv_cache_attentions(modules))  # layer_idx alone: the towers' too
+    assert kv_cache_attentions(modules, model) == [f"model.language_model.layers.{i}.self_attn" for i in range(2)]
+
+
 def test_kv_scale_clashing_with_a_model_attribute_is_refused_unchanged(tmp_path):
     """An attention module whose ``k_scale`` is a plain float (not a buffer): ``register_buffer`` would refuse it
     after the linears were swapped in; the loader refuses the checkpoint before, naming the attribute."""
