@@ -16,7 +16,7 @@ from fp8fx.ops import GATED_H_GROUPS
 from fp8fx.passes import PassManager, default_passes
 from fp8fx.passes.base import may_record_grad
 from fp8fx.passes.horizontal import AFTER_COMPILE
-from fp8fx.report import Report
+from fp8fx.report import Report, Site
 
 log = logging.getLogger("fp8fx")
 
@@ -282,7 +282,32 @@ class Fp8Backend:
         self.report.log_graph(index)
         if dump:
             dump.finish(self.report, output_code)
+        if index in self.report.frames and self.report.frame_weights.get(index):
+            return _watch_reuse(compiled, self.report, index)
         return compiled
+
+
+def _watch_reuse(compiled, report: Report, index: int):
+    """``compiled`` calling ``report.reused`` the first time it runs with another module's weights: graph ``index``
+    traced one module's forward, and Dynamo runs its code for every module of that class (``Report.frames``). Only
+    such graphs are watched; the check is one identity test of the first weight a call."""
+    positions = [p for _, p in report.frame_weights[index]]
+    seen: set[int] = set()
+    last: list[Any] = [None]
+
+    def look(args) -> None:
+        weight = args[positions[0]]
+        if weight is not last[0]:
+            last[0] = weight
+            token = Site.token_of(weight)
+            if token not in seen:
+                seen.add(token)
+                report.reused(index, [args[p] for p in positions])
+
+    def run(*args):  # (Dynamo calls a backend's function with the inputs as arguments, Inductor's too)
+        look(args)
+        return compiled(*args)
+    return run
 
 
 def _check_dump_dir(dump_dir: Optional[str]) -> None:

@@ -75,6 +75,13 @@ class Report:
         self.graphs = 0
         self.kernels: dict[int, list[str]] = {}  # graph index -> names of the kernels Inductor generated
         self.failed: dict[int, str] = {}  # graph index -> why it did not compile (its sites, if any, say it too)
+        # graph index -> the module whose forward it traced, where that is not the compiled model (a block's forward
+        # after a graph break in it): Dynamo runs the graph's code again for the other modules of that class it
+        # meets, with their weights, without a new graph; the backend watches the weights it is called with
+        # (frame_weights: site index -> the graph input of its weight) and adds the sites of each new module
+        # (``reused``), under that module's names
+        self.frames: dict[int, str] = {}
+        self.frame_weights: dict[int, list[tuple[int, int]]] = {}
         self._logged: set[tuple[str, str]] = set()
 
     def add(self, site: Site) -> None:
@@ -102,6 +109,8 @@ class Report:
         self.sites = [s for s in self.sites if s.graph != graph]
         self.kernels.pop(graph, None)
         self.failed.pop(graph, None)
+        self.frames.pop(graph, None)
+        self.frame_weights.pop(graph, None)
         if self.graphs == graph + 1:  # the passes counted it (the attempt may have ended before they ran)
             self.graphs = graph
 
@@ -152,6 +161,22 @@ class Report:
                 found.append((name, Site.shape_of(p), dtype, type(modules[owner]).__name__))
         return found
 
+    def reused(self, graph: int, weights: list[Any]) -> None:
+        """Graph ``graph``, a frame of one module's forward (``frames``), ran with another module's ``weights`` (its
+        inputs at ``frame_weights``' positions): that module's layers are sites of the graph too, rewritten as the
+        first module's, named by their weights' tags (else by the first one's names under the new module)."""
+        root = self.frames[graph]
+        first, known = None, {s.fqn for s in self.sites if s.graph == graph}
+        for (i, _), weight in zip(self.frame_weights[graph], weights):
+            site = self.sites[i]
+            tag = getattr(weight, "_fp8fx_fqn", None)
+            if first is None and tag and site.fqn.startswith(f"{root}.") and tag.endswith(site.fqn[len(root):]):
+                first = tag[:len(tag) - len(site.fqn) + len(root)]
+            fqn = tag or (f"{first}{site.fqn[len(root):]}" if first is not None else "")
+            if fqn and fqn not in known:
+                known.add(fqn)
+                self.add(dataclasses.replace(site, fqn=fqn, weight_id=Site.token_of(weight)))
+
     def add_output_code(self, graph: int, code: str, gm: Any) -> None:
         """Record what Inductor generated for ``graph`` from its output code: the kernels, and the GEMM
         kernel of each site. ``gm`` is the graph Inductor compiled (the output code names its nodes)."""
@@ -200,8 +225,8 @@ class Report:
                 "bytes_saved": _bytes_saved(sites),
                 "kernels": sum(len(k) for k in kernels.values()),
             },
-            "graphs": [{"index": g, "kernels": k, **({"failed": self.failed[g]} if g in self.failed else {})}
-                       for g, k in kernels.items()],
+            "graphs": [{"index": g, "kernels": k, **({"failed": self.failed[g]} if g in self.failed else {}),
+                        **({"frame": self.frames[g]} if g in self.frames else {})} for g, k in kernels.items()],
             "sites": [{k: v for k, v in dataclasses.asdict(s).items() if k != "weight_id"} for s in sites],
         }
 
@@ -227,6 +252,8 @@ class Report:
         lines.append(total)
         lines += [f"graph {g} failed to compile, nothing in it rewritten: {why}" for g, why in self.failed.items()
                   if graph in (None, g)]
+        lines += [f"graph {g} traced {root}'s forward, a frame Dynamo runs again for other modules of its class: "
+                  "their sites are listed as they run" for g, root in self.frames.items() if graph in (None, g)]
         return "\n".join(lines)
 
     def _sites(self, graph: Optional[int]) -> list[Site]:

@@ -378,6 +378,16 @@ class LinearPass(Fp8Pass):
                 continue
             x, w, bias = operands
             fqn = self._fqn(node, w, ctx)
+            path = module_path(node)
+            if path and fqn.endswith(f".{path}") and ctx.graph_index not in ctx.report.frames:
+                # the layer's path in the graph is relative to a module other than the compiled model: the graph
+                # traced that module's forward, a frame of its own (after a graph break), which Dynamo runs again
+                # for the other modules of its class without a new graph (Report.frames)
+                ctx.report.frames[ctx.graph_index] = fqn[:-len(path) - 1]
+            source = w.args[0] if isinstance(w, fx.Node) and w.target in _DEQUANT else _read_from(w)
+            if isinstance(source, fx.Node) and source.op == "placeholder":  # where its weight comes in (frames)
+                position = next(i for i, n in enumerate(graph.find_nodes(op="placeholder")) if n is source)
+                ctx.report.frame_weights.setdefault(ctx.graph_index, []).append((len(ctx.report.sites), position))
             reason = (_other_arguments(node) or self._why_not(x, w, bias, ctx, fqn)
                       or _weight_written(w, writes))
             if reason and _kept_expert(w, ctx):  # the MoE pass's site of the experts says why they stay bf16

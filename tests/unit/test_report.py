@@ -190,6 +190,50 @@ def test_unhandled_weights_list_linears_in_no_graph():
     assert backend.report.unhandled_weights(other) == []
 
 
+class _BrokenBlock(nn.Module):
+    """A block whose forward breaks the graph (a data-dependent branch of attention, say): Dynamo compiles its forward
+    as a frame of its own, once, and runs that code for every block."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_blocks_that_run_a_frame_compiled_for_another_are_sites_too(compiler):
+    """The graphs of l0's forward run for l1 too (no new graph: its weights are the graphs' inputs), and l1's layers
+    ran rewritten but were in no site: the report held 2 of the 4 layers and unhandled_weights listed l1's. They are
+    added the first time the graphs run with l1's weights, named by them; a block compiled alone still leaves the
+    other block's layers unhandled (they never ran compiled)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_BrokenBlock(), _BrokenBlock()).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    backend = fp8fx.Fp8Backend(compiler=compiler)
+    with torch.no_grad():
+        want = model(x)
+        compiled = torch.compile(model, backend=backend)
+        got = compiled(x)
+        compiled(x)
+    assert torch.allclose(got.float(), want.float(), rtol=0.1, atol=0.05)
+    sites = [(s.graph, s.fqn, s.rewritten) for s in backend.report.sites]
+    assert sorted(sites) == [(0, "0.a", True), (0, "1.a", True), (1, "0.b", True), (1, "1.b", True)]
+    assert backend.report.unhandled_weights(model) == []
+    assert "graph 0 traced 0's forward, a frame Dynamo runs again for other modules of its class" in str(backend.report)
+    torch._dynamo.reset()
+    backend = fp8fx.Fp8Backend(compiler=compiler)
+    with torch.no_grad():
+        torch.compile(model[0], backend=backend)(x)
+        model[1](x)
+    assert [s.fqn for s in backend.report.sites] == ["0.a", "0.b"]
+    assert [n for n, *_ in backend.report.unhandled_weights(model)] == ["1.a.weight", "1.b.weight"]
+
+
 def test_unhandled_weights_list_an_embedding_a_kept_lm_head_shares():
     """lm_head tied to the embedding (kept in bf16, its site says why): the shared tensor carries lm_head's name, and
     the embedding, which no pass looks at, vanished from the list."""
