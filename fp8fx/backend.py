@@ -233,7 +233,8 @@ class Fp8Backend:
         patches = {**config, key: self.pass_manager.with_user_pass(user_pass)}
         decomps = aten.decompositions if self.lowering == "aten" and aten.applies(example_inputs, gm) else None
         direct = compat.direct_op_calls(list(vars(ops.direct))) if self.direct_calls else contextlib.nullcontext()
-        with compat.capture_output_code() as captured, compat.one_pass_row_reductions(self.one_pass_rows), direct:
+        rows = compat.one_pass_row_reductions(self.one_pass_rows, config.get("inductor_choices_class"))
+        with compat.capture_output_code() as captured, rows, direct:
             compiled = compat.compile_fx(gm, example_inputs, config_patches=patches, extra_decompositions=decomps)
         code += captured
         self.report.add_output_code(index, "\n".join(code), gm)

@@ -240,7 +240,7 @@ class _OnePassRows:
 
 
 @contextlib.contextmanager
-def one_pass_row_reductions(limit: Optional[int]) -> Iterator[None]:
+def one_pass_row_reductions(limit: Optional[int], choices_class: Optional[type] = None) -> Iterator[None]:
     """Inside the block, Inductor reduces rows (reductions along the contiguous last dimension) of up
     to ``limit`` elements in one pass, the row held in registers (a "persistent" reduction), one program
     per row. Its own heuristic does that only up to 1024 elements (a smaller ``limit`` changes nothing);
@@ -249,14 +249,17 @@ def one_pass_row_reductions(limit: Optional[int]) -> Iterator[None]:
     few rows (decode) are split into three kernels. ``None`` leaves Inductor's heuristics alone.
 
     Installed through Inductor's choices handler (``V.set_choices_handler``, thread-local, restored on
-    exit) for this block only. Inductor's FX-graph cache key does not see the handler: a caller must put
-    ``limit`` into its own key (``Fp8Backend`` does, through its pass manager's uuid)."""
+    exit) for this block only, over ``choices_class()`` where given (an ``inductor_choices_class`` of the
+    compilation's config patches: Inductor builds its default handler from the config once, at its first use in a
+    thread, which is before the patches apply) else Inductor's handler. Inductor's FX-graph cache key does not see
+    the handler: a caller must put ``limit`` into its own key (``Fp8Backend`` does, through its pass manager's
+    uuid)."""
     if limit is None:
         yield
         return
     from torch._inductor.virtualized import V
 
-    with V.set_choices_handler(_OnePassRows(V.choices, limit)):
+    with V.set_choices_handler(_OnePassRows(choices_class() if choices_class is not None else V.choices, limit)):
         yield
 
 

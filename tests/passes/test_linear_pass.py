@@ -412,6 +412,28 @@ def test_torch_compile_mode_and_options_reach_inductor(monkeypatch, backend_of):
             torch.compile(nn.Linear(8, 8), backend=Fp8Backend(compiler="eager"), mode="reduce-overhead")(x)
 
 
+def test_an_inductor_choices_class_of_the_config_is_used_under_one_pass_rows():
+    """one_pass_rows installs its handler over Inductor's choices, which Inductor builds from the config once a
+    thread, before a compilation's patches apply: an inductor_choices_class in inductor_config was never used. The
+    handler is now built over that class."""
+    from torch._inductor.choices import InductorChoices
+
+    made = []
+
+    class Counting(InductorChoices):
+        def __init__(self):
+            super().__init__()
+            made.append(self)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.LayerNorm(64)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(inductor_config={"inductor_choices_class": Counting, "fx_graph_cache": False})
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert made
+
+
 def test_graph_with_the_aten_lowering_is_cached(monkeypatch, tmp_path):
     """The CUDA default, ``lowering="aten"``, gives Inductor a decomposition table; torch 2.13 pickles it into the
     FX graph cache's key, and its C++ entries did not pickle: every compile bypassed the cache (2.11 keeps the
