@@ -263,6 +263,34 @@ def test_streaming_bf16_load_peak_is_fp8_model_plus_one_bf16_tensor(tmp_path):
     assert peak >= final  # the measurement sees the loaded model
 
 
+def test_fp8_shards_of_a_fused_layer_are_requantized_within_the_bound(tmp_path):
+    """Per-tensor gate and up shards (8 MiB each in bf16) loaded into a fused gate_up_proj are requantized to their
+    max scale a few rows at a time: the peak stays under the loaded model + one bf16 tensor + the workspace. The
+    whole fused weight's float32 temporaries peaked at 72 MiB here, 3x the bound."""
+    from torch import nn
+
+    h, i = 1024, 4096
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj, self.down_proj = nn.Linear(h, 2 * i, bias=False), nn.Linear(i, h, bias=False)
+
+    torch.manual_seed(0)
+    tensors = {}
+    for name, w in (("gate_proj", torch.randn(i, h)), ("up_proj", torch.randn(i, h) * 4), ("down_proj",
+                                                                                          torch.randn(h, i))):
+        q, scale = ref_quantize(w.bfloat16(), "tensor")
+        tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"] = q, scale.reshape(())
+    path = write_checkpoint(tmp_path, tensors, {"quant_method": "fp8", "activation_scheme": "dynamic"})
+    with torch.device("meta"):
+        model = MLP().bfloat16()
+    report, peak = peak_allocated(lambda: load_checkpoint(model, path, progress=False))
+    assert report.fused == {"gate_up_proj": ("gate_proj", "up_proj")}
+    bound = unique_bytes(list(model.parameters())) + i * h * 2 + 16 * chunked.CHUNK_NUMEL
+    assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
+
+
 def test_convert_peak_is_one_output_file_plus_one_bf16_tensor(tmp_path):
     """convert holds one output file at a time: peak <= largest output file + largest bf16 tensor +
     workspace, well below the fp8 model."""
