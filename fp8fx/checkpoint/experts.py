@@ -185,6 +185,12 @@ class ExpertsLoader:
             reason = moe.skip_reason(ex.module, ex.fqn, config)
             if reason is not None:
                 return None, reason
+        elif (reason := moe.layout_reason(ex.module)) is not None:  # its fp8 experts cannot be kept high precision
+            raise CheckpointError(
+                f"{ex.fqn}: the checkpoint's fp8 experts would load into a {type(ex.module).__name__} whose {reason}; "
+                "fp8fx's experts take [E, 2I, H] / [E, H, I] weights: load a bf16 checkpoint (quantized online, these "
+                "experts stay bf16), or add the module to ignored_layers of a bf16 load"
+            )
         return config, ""
 
     def route(self, name: str, entry: Entry) -> bool:

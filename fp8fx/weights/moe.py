@@ -194,15 +194,9 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
     """Why the experts ``module`` cannot be quantized with ``config`` (by ``quantize_``), or None."""
     if config.is_ignored(fqn):
         return "in ignored_layers"
-    # flags of HF's @use_experts_implementation: layouts fused_moe does not compute
-    for flag, value, what in (
-        ("is_transposed", True, "transposed expert weights ([E, H, 2I])"),
-        ("is_concatenated", False, "interleaved gate/up rows"),
-        ("has_bias", True, "expert biases"),
-        ("has_post_expert_norm", True, "a norm after each expert"),
-    ):
-        if getattr(module, flag, not value) == value:
-            return f"{what} are not supported by fp8fx.fused_moe"
+    why = layout_reason(module)
+    if why is not None:
+        return why
     from fp8fx.weights.quantize import _silu_experts  # quantize imports this module
 
     # fused_moe computes SiLU(gate) * up: experts with another act_fn would be quantized and never fused (fp8 error,
@@ -215,10 +209,26 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
         return f"expert weight dtype {w13.dtype} is not bf16/fp16/fp32"
     if w13.dtype != w2.dtype:  # (the fp8 module dequantizes both to one dtype, w13's)
         return f"gate_up_proj is {w13.dtype} but down_proj {w2.dtype}: fp8fx's experts take one dtype for both"
+    return block_error(config.scheme(), w13.shape[1] // 2)
+
+
+def layout_reason(module: nn.Module) -> Optional[str]:
+    """Why fp8fx's experts cannot hold ``module``'s weights, or None: a layout HF's flags declare that fused_moe does
+    not compute, or weights that are not [E, 2I, H] / [E, H, I] (Llama-4's experts, [E, H, 2I] with no flag)."""
+    # flags of HF's @use_experts_implementation: layouts fused_moe does not compute
+    for flag, value, what in (
+        ("is_transposed", True, "transposed expert weights ([E, H, 2I])"),
+        ("is_concatenated", False, "interleaved gate/up rows"),
+        ("has_bias", True, "expert biases"),
+        ("has_post_expert_norm", True, "a norm after each expert"),
+    ):
+        if getattr(module, flag, not value) == value:
+            return f"{what} are not supported by fp8fx.fused_moe"
+    w13, w2 = module._parameters[W13], module._parameters[W2]
     e, two_i, h = w13.shape
     if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
         return f"gate_up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not [E, 2I, H] and [E, H, I]"
-    return block_error(config.scheme(), two_i // 2)
+    return None
 
 
 class Fp8MoEMethod:
