@@ -9,6 +9,7 @@ from torch import nn
 
 import fp8fx
 from fp8fx.report import SCHEMA, Report, Site, gemm_kernels, generated_kernels
+from tests.passes.test_dumps import Broken
 
 
 class ThreeLayer(nn.Module):
@@ -190,20 +191,6 @@ def test_unhandled_weights_list_linears_in_no_graph():
     assert backend.report.unhandled_weights(other) == []
 
 
-class _BrokenBlock(nn.Module):
-    """A block whose forward breaks the graph (a data-dependent branch of attention, say): Dynamo compiles its forward
-    as a frame of its own, once, and runs that code for every block."""
-
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
-
-    def forward(self, x):
-        x = self.a(x)
-        torch._dynamo.graph_break()
-        return self.b(x)
-
-
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
 def test_blocks_that_run_a_frame_compiled_for_another_are_sites_too(compiler):
     """The graphs of l0's forward run for l1 too (no new graph: its weights are the graphs' inputs), and l1's layers
@@ -211,7 +198,7 @@ def test_blocks_that_run_a_frame_compiled_for_another_are_sites_too(compiler):
     added the first time the graphs run with l1's weights, named by them; a block compiled alone still leaves the
     other block's layers unhandled (they never ran compiled)."""
     torch.manual_seed(0)
-    model = nn.Sequential(_BrokenBlock(), _BrokenBlock()).to(torch.bfloat16)
+    model = nn.Sequential(Broken(), Broken()).to(torch.bfloat16)  # (a graph break in each block's forward)
     fp8fx.quantize_(model)
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     backend = fp8fx.Fp8Backend(compiler=compiler)
