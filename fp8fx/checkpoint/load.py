@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import re
@@ -125,6 +126,12 @@ class _Linear:
         return None if len(self.shards) == 1 else i
 
 
+def _block_rows(fmt: formats.QuantFormat, stored: str) -> Optional[int]:
+    """The rows of a weight block of checkpoint module ``stored`` by its quantization config, or None."""
+    config = fmt.layer_config(stored, ("Linear",))
+    return config.weight.block_n if config is not None and isinstance(config.weight, PerBlock) else None
+
+
 def output_embeddings(model: nn.Module, modules: Mapping[str, nn.Module]) -> Optional[str]:
     """The name of the linear layer that is a model's output embeddings (``lm_head``), which fp8 checkpoints keep in
     high precision (vLLM and transformers never quantize it for the fp8 format; DeepSeek-V3's config does not list
@@ -229,12 +236,12 @@ def load_checkpoint(
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
     entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "load_checkpoint", entries), path)
-    entries, cut_from = renames.cut(entries, model, path)
-    sources = {**sources, **cut_from}
+    fmt = dataclasses.replace(formats.parse(config_json, config), sources=sources)
+    entries, cut_from = renames.cut(entries, model, path, functools.partial(_block_rows, fmt))
+    fmt = dataclasses.replace(fmt, sources={**sources, **cut_from})
     if config is not None:
         check_checkpoint_ignores(config, model, entries, f"this {type(model).__name__} or the checkpoint {path}",
                                  "loaded")
-    fmt = dataclasses.replace(formats.parse(config_json, config), sources=sources)
     if not fmt.config.is_checkpoint_fp8_serialized and fmt.config.activation_scheme == "static":
         # weights quantized online hold no input scales: found out after streaming the whole checkpoint otherwise
         # (a bf16 checkpoint with a static config given, or a config.json saying fp8, not serialized, static)

@@ -205,15 +205,17 @@ def apply(entries: Mapping[str, Entry], renamer: Optional[Renamer],
     return out, {m: tuple(s) for m, s in modules.items()}
 
 
-def cut(entries: Mapping[str, Entry], model: nn.Module, where: str
+def cut(entries: Mapping[str, Entry], model: nn.Module, where: str,
+        block_rows: Callable[[str], Optional[int]] = lambda owner: None
         ) -> tuple[dict[str, Entry], dict[str, tuple[str, ...]]]:
     """(``entries`` with each tensor that transformers cuts into several of ``model``'s as it loads replaced by its
     parts, the model's modules -> the checkpoint modules cut into them). The cuts are the model's conversion mapping's
     ``WeightConverter`` s of one source and a single ``Chunk`` / ``Split`` along rows (Dinov2's SwiGLU
     ``mlp.weights_in`` -> ``gate_proj``, ``up_proj``; GTE's ``qkv_proj`` -> q/k/v). A part of a row-major tensor is a
     range of its bytes, so a part is an ``Entry`` of those bytes, read and checked as any other. The weight's scales
-    follow its rows: a per-tensor scale (one value) serves every part, per-channel scales and 128x128-block scales
-    are cut with the rows (at block edges: a cut inside a block is refused). Converters of other operations
+    follow its rows: a per-tensor scale (one value) serves every part, per-channel scales and block scales are cut
+    with the rows (``block_rows(stored module)``: its config's block height; a cut inside a block is refused).
+    Converters of other operations
     (``PermuteForRope``, ``Interleave``) are not applied: their tensors stay as stored and the load names them."""
     converters = _row_cutters(model)
     if not converters:
@@ -247,7 +249,7 @@ def cut(entries: Mapping[str, Entry], model: nn.Module, where: str
             name = f"{owner}.{leaf}"
             if name in entries and name not in parts:
                 targets = leftover.pop(name, None) or [f"{o}.{leaf}" for o in new_owners]
-                parts[name] = _cut_scale(entries[name], targets, rows, total, where)
+                parts[name] = _cut_scale(entries[name], targets, rows, total, block_rows(owner), where)
     for name, targets in leftover.items():
         raise CheckpointError(
             f"{where}: {entries[name]} is cut by transformers into {', '.join(targets)}, but no weight of those "
@@ -280,7 +282,8 @@ def _row_cutters(model: nn.Module) -> list:
 
         if not isinstance(model, PreTrainedModel):
             return []
-        converter, chunk, split = core_model_loading.WeightConverter, core_model_loading.Chunk, core_model_loading.Split
+        converter, chunk = core_model_loading.WeightConverter, core_model_loading.Chunk
+        split = getattr(core_model_loading, "Split", None)  # (5.24 has it, 5.17 not)
         transforms = conversion_mapping.get_model_conversion_mapping(model, add_legacy=True)
     except Exception:  # noqa: BLE001 - no transformers, or its internals moved: nothing is cut
         return []
@@ -315,19 +318,22 @@ def _rows(entry: Entry, name: str, start: int, count: int) -> Entry:
                                end=entry.start + (start + count) * row, source=entry.source or entry.name)
 
 
-def _cut_scale(entry: Entry, targets: list[str], rows: list[int], total: int, where: str) -> list[tuple[str, Entry]]:
-    """A weight's scale cut as its ``rows`` (of ``total``): one value for every part, else one scale a row or a
-    block of rows, cut at the same rows."""
+def _cut_scale(entry: Entry, targets: list[str], rows: list[int], total: int, block: Optional[int],
+               where: str) -> list[tuple[str, Entry]]:
+    """A weight's scale cut as its ``rows`` (of ``total``): one value for every part, one scale a row (per-channel),
+    or one a ``block`` of rows, cut where the parts start (each at a block edge; the last block may be ragged)."""
     if math.prod(entry.shape) == 1:
         return [(t, dataclasses.replace(entry, name=t, source=entry.source or entry.name)) for t in targets]
-    per = total // entry.shape[0] if entry.shape and entry.shape[0] and total % entry.shape[0] == 0 else 0
-    if not per or any(r % per for r in rows):
+    per = 1 if entry.shape and entry.shape[0] == total else block
+    starts = _starts(rows)
+    if not per or not entry.shape or entry.shape[0] != -(-total // per) or any(r0 % per for r0 in starts):
         raise CheckpointError(
             f"{where}: {entry} is the scale of a weight transformers cuts into parts of {rows} rows, and its "
-            f"{entry.shape[0] if entry.shape else 0} rows of scales (of {total} weight rows) cannot be cut there "
-            "(a block of rows across two parts); quantize the parts apart, or load the bf16 checkpoint"
+            f"{entry.shape[0] if entry.shape else 0} rows of scales ({f'{per}-row blocks' if per else 'no block size in the config'}, "
+            f"of {total} weight rows) cannot be cut there (a block of rows across two parts); quantize the parts "
+            "apart, or load the bf16 checkpoint"
         )
-    return [(t, _rows(entry, t, r0 // per, r // per)) for t, r0, r in zip(targets, _starts(rows), rows)]
+    return [(t, _rows(entry, t, r0 // per, -(-r // per))) for t, r0, r in zip(targets, starts, rows)]
 
 
 def renamed(names: Iterable[str], renamer: Renamer) -> dict[str, str]:

@@ -103,26 +103,28 @@ def test_an_fp8_checkpoint_quantized_fused_loads_its_parts_exactly(tmp_path, gra
     assert torch.isfinite(out).all()
 
 
-def test_block_scales_a_cut_would_split_are_refused_and_nothing_changes(tmp_path):
-    """gate_up_proj's 192 rows are cut at 96, inside its second 64-row block: the scale of rows 64-127 belongs to
-    both parts, so the checkpoint is refused, naming it, and the model is left as it was."""
+@pytest.mark.parametrize("block", [64, 128])
+def test_block_scales_a_cut_would_split_are_refused_and_nothing_changes(tmp_path, block):
+    """gate_up_proj's 192 rows are cut at 96, inside its second 64-row block (or its first 128-row one, of 2 block
+    rows: taken for 96-row blocks, it loaded up_proj's rows 96-127 under the wrong scale): the scale of those rows
+    belongs to both parts, so the checkpoint is refused, naming it, and the model is left as it was."""
     stored = hub_checkpoint(tmp_path / "bf16")
     tensors = {}
     for name, t in stored.items():
         if name.endswith("proj.weight"):
-            tensors[name], tensors[name + "_scale_inv"] = ref_quantize(t, "block", (64, 64))
+            tensors[name], tensors[name + "_scale_inv"] = ref_quantize(t, "block", (block, block))
         else:
             tensors[name] = t
     path = tmp_path / "fp8"
     path.mkdir()
     safetensors_torch.save_file(tensors, str(path / "model.safetensors"))
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
-    config["quantization_config"] = quantization_config("block", (64, 64), False, False, ["lm_head"])
+    config["quantization_config"] = quantization_config("block", (block, block), False, False, ["lm_head"])
     (path / "config.json").write_text(json.dumps(config))
     model = fp8fx.checkpoint.meta_model(path)
     snap = snapshot(model)
-    match = (r"mlp\.gate_up_proj\.weight_scale_inv \(float32 \[3, 1\] .*\) is the scale of a weight transformers "
-             r"cuts into parts of \[96, 96\] rows, and its 3 rows of scales \(of 192 weight rows\) cannot be cut")
+    match = (r"proj\.weight_scale_inv \(float32 \[\d, 1\] .*\) is the scale of a weight transformers cuts into parts of "
+             rf"\[\d+(, \d+)+\] rows, and its \d rows of scales \({block}-row blocks, of \d+ weight rows\) cannot be cut")
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(model, path, progress=False)
     assert_unchanged(model, snap)
@@ -162,3 +164,18 @@ def test_convert_writes_a_tensor_transformers_cuts_as_stored_and_its_load_keeps_
     assert mlp.gate_proj.weight.dtype == torch.bfloat16
     assert torch.equal(torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]), stored[f"{fused}.weight"])
     assert loaded.model.L_module.layers[0].self_attn.o_proj.weight_scale.dtype == torch.float32
+
+
+def test_scales_are_cut_by_the_configs_block_height():
+    """A cut is judged by the config's block height, not a height guessed from the scale's rows: 2 rows of 128-row
+    block scales for 192 rows were taken for 96-row blocks, and a cut at 96 (inside the first block) accepted."""
+    from fp8fx.checkpoint.files import Entry
+    from fp8fx.checkpoint.renames import _cut_scale
+
+    scale = Entry("w.weight_scale_inv", "f", torch.float32, (2, 1), 0, 8)
+    with pytest.raises(CheckpointError, match=r"its 2 rows of scales \(128-row blocks, of 192 weight rows\) cannot"):
+        _cut_scale(scale, ["a", "b"], [96, 96], 192, 128, "ckpt")
+    with pytest.raises(CheckpointError, match=r"its 2 rows of scales \(no block size in the config, of 192"):
+        _cut_scale(scale, ["a", "b"], [96, 96], 192, None, "ckpt")
+    ragged = _cut_scale(scale, ["a", "b"], [128, 64], 192, 128, "ckpt")  # the last block ragged: one row each
+    assert [(n, e.shape, e.start, e.end) for n, e in ragged] == [("a", (1, 1), 0, 4), ("b", (1, 1), 4, 8)]
