@@ -294,16 +294,20 @@ def _watch_reuse(compiled, report: Report, index: int):
     such graphs are watched; the check is one identity test of the first weight a call."""
     positions = [p for _, p in report.frame_weights[index]]
     seen: set[int] = set()
-    last: list[Any] = [None]
+    last = [0]  # id() of the first weight of the last call: no reference, which would keep a dropped model alive
 
     def look(args) -> None:
         weight = args[positions[0]]
-        if weight is not last[0]:
-            last[0] = weight
+        if id(weight) != last[0]:
+            last[0] = id(weight)
             token = Site.token_of(weight)
             if token not in seen:
                 seen.add(token)
-                report.reused(index, [args[p] for p in positions])
+                try:
+                    report.reused(index, [args[p] for p in positions])
+                except Exception as e:  # noqa: BLE001 - the report's, never the model's failure
+                    log.warning("fp8fx: graph %d: the report could not add the sites of another module running it "
+                                "(%s: %s)", index, type(e).__name__, e)
 
     def run(*args):  # (Dynamo calls a backend's function with the inputs as arguments, Inductor's too)
         look(args)

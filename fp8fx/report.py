@@ -252,8 +252,9 @@ class Report:
         lines.append(total)
         lines += [f"graph {g} failed to compile, nothing in it rewritten: {why}" for g, why in self.failed.items()
                   if graph in (None, g)]
-        lines += [f"graph {g} traced {root}'s forward, a frame Dynamo runs again for other modules of its class: "
-                  "their sites are listed as they run" for g, root in self.frames.items() if graph in (None, g)]
+        lines += [f"graph {g} traced {root}'s forward, whose code Dynamo runs for any other module of its class it "
+                  "meets (a block after a graph break): their sites are listed as they run" for g, root in
+                  self.frames.items() if graph in (None, g)]
         return "\n".join(lines)
 
     def _sites(self, graph: Optional[int]) -> list[Site]:

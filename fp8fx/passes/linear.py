@@ -385,13 +385,15 @@ class LinearPass(Fp8Pass):
                 # for the other modules of its class without a new graph (Report.frames)
                 ctx.report.frames[ctx.graph_index] = fqn[:-len(path) - 1]
             source = w.args[0] if isinstance(w, fx.Node) and w.target in _DEQUANT else _read_from(w)
-            if isinstance(source, fx.Node) and source.op == "placeholder":  # where its weight comes in (frames)
-                position = next(i for i, n in enumerate(graph.find_nodes(op="placeholder")) if n is source)
-                ctx.report.frame_weights.setdefault(ctx.graph_index, []).append((len(ctx.report.sites), position))
+            # where the site's weight comes in, for Report.frames (the site is added below, or skipped)
+            weight_input = (next(i for i, n in enumerate(graph.find_nodes(op="placeholder")) if n is source)
+                            if isinstance(source, fx.Node) and source.op == "placeholder" else None)
             reason = (_other_arguments(node) or self._why_not(x, w, bias, ctx, fqn)
                       or _weight_written(w, writes))
             if reason and _kept_expert(w, ctx):  # the MoE pass's site of the experts says why they stay bf16
                 continue
+            if weight_input is not None:
+                ctx.report.frame_weights.setdefault(ctx.graph_index, []).append((len(ctx.report.sites), weight_input))
             if reason:
                 ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index,
                                     weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node)))

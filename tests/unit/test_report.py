@@ -1,7 +1,9 @@
 """The report: sites with weight shape, bytes saved and kernel; JSON schema; table; one log line per graph."""
 import dataclasses
+import gc
 import json
 import logging
+import weakref
 
 import pytest
 import torch
@@ -211,7 +213,13 @@ def test_blocks_that_run_a_frame_compiled_for_another_are_sites_too(compiler):
     sites = [(s.graph, s.fqn, s.rewritten) for s in backend.report.sites]
     assert sorted(sites) == [(0, "0.a", True), (0, "1.a", True), (1, "0.b", True), (1, "1.b", True)]
     assert backend.report.unhandled_weights(model) == []
-    assert "graph 0 traced 0's forward, a frame Dynamo runs again for other modules of its class" in str(backend.report)
+    assert "graph 0 traced 0's forward, whose code Dynamo runs for any other module of its class" in str(backend.report)
+    refs = [weakref.ref(p) for p in model.parameters()]  # the watch keeps no weight alive (it kept the last one)
+    del model, compiled, backend
+    gc.collect()
+    assert not [r for r in refs if r() is not None]
+    model = nn.Sequential(Broken(), Broken()).to(torch.bfloat16)
+    fp8fx.quantize_(model)
     torch._dynamo.reset()
     backend = fp8fx.Fp8Backend(compiler=compiler)
     with torch.no_grad():
@@ -219,6 +227,34 @@ def test_blocks_that_run_a_frame_compiled_for_another_are_sites_too(compiler):
         model[1](x)
     assert [s.fqn for s in backend.report.sites] == ["0.a", "0.b"]
     assert [n for n, *_ in backend.report.unhandled_weights(model)] == ["1.a.weight", "1.b.weight"]
+
+
+def test_a_frame_with_experts_kept_bf16_runs_and_names_its_sites():
+    """A GEMM of experts kept in bf16 adds no linear site: its weight was recorded for the frame all the same, and
+    the next block's first call failed in the report (IndexError) instead of running."""
+    from tests.passes.test_moe_pass import H, LoopExperts, inputs
+
+    class Decoder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.experts = nn.Linear(H, H), LoopExperts()
+
+        def forward(self, x, ids, w):
+            h = self.q(x)
+            h = h + self.experts(h, ids, w)
+            torch._dynamo.graph_break()
+            return h
+
+    model = nn.Sequential(Decoder(), Decoder()).to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["0.experts", "1.experts"]))
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    x, ids, w = inputs(torch.bfloat16)
+    with torch.no_grad():
+        want = model[1](model[0](x, ids, w), ids, w)
+        compiled = torch.compile(lambda x: model[1](model[0](x, ids, w), ids, w), backend=backend)
+        got = compiled(x)
+    assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.05  # q's fp8 activations
+    assert sorted(s.fqn for s in backend.report.sites if s.kind == "linear") == ["0.q", "1.q"]
 
 
 def test_unhandled_weights_list_an_embedding_a_kept_lm_head_shares():
