@@ -215,8 +215,8 @@ def cut(entries: Mapping[str, Entry], model: nn.Module, where: str,
     range of its bytes, so a part is an ``Entry`` of those bytes, read and checked as any other. The weight's scales
     follow its rows: a per-tensor scale (one value) serves every part, per-channel scales and block scales are cut
     with the rows (``block_rows(stored module)``: its config's block height; a cut inside a block is refused).
-    Converters of other operations
-    (``PermuteForRope``, ``Interleave``) are not applied: their tensors stay as stored and the load names them."""
+    Converters of other operations (``PermuteForRope``, ``Interleave``) are not applied: their tensors stay as
+    stored and the load names them."""
     converters = _row_cutters(model)
     if not converters:
         return dict(entries), {}
@@ -327,11 +327,11 @@ def _cut_scale(entry: Entry, targets: list[str], rows: list[int], total: int, bl
     per = 1 if entry.shape and entry.shape[0] == total else block
     starts = _starts(rows)
     if not per or not entry.shape or entry.shape[0] != -(-total // per) or any(r0 % per for r0 in starts):
+        blocks = f"{per}-row blocks" if per else "no block size in the config"
         raise CheckpointError(
             f"{where}: {entry} is the scale of a weight transformers cuts into parts of {rows} rows, and its "
-            f"{entry.shape[0] if entry.shape else 0} rows of scales ({f'{per}-row blocks' if per else 'no block size in the config'}, "
-            f"of {total} weight rows) cannot be cut there (a block of rows across two parts); quantize the parts "
-            "apart, or load the bf16 checkpoint"
+            f"{entry.shape[0] if entry.shape else 0} rows of scales ({blocks}, of {total} weight rows) cannot be cut "
+            "there (a block of rows across two parts); quantize the parts apart, or load the bf16 checkpoint"
         )
     return [(t, _rows(entry, t, r0 // per, -(-r // per))) for t, r0, r in zip(targets, starts, rows)]
 

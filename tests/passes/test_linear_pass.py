@@ -407,7 +407,8 @@ def test_torch_compile_mode_and_options_reach_inductor(monkeypatch, backend_of):
         with pytest.raises(Exception, match=match), torch.no_grad():
             torch.compile(nn.Linear(8, 8), backend=backend_of(), **kwargs)(x)
     torch._dynamo.reset()
-    with pytest.raises(Exception, match=r"torch\.compile\(mode='reduce-overhead'\) with Fp8Backend\(compiler='eager'\)"):
+    eager = r"torch\.compile\(mode='reduce-overhead'\) with Fp8Backend\(compiler='eager'\)"
+    with pytest.raises(Exception, match=eager):
         with torch.no_grad():
             torch.compile(nn.Linear(8, 8), backend=Fp8Backend(compiler="eager"), mode="reduce-overhead")(x)
 

@@ -123,8 +123,9 @@ def test_block_scales_a_cut_would_split_are_refused_and_nothing_changes(tmp_path
     (path / "config.json").write_text(json.dumps(config))
     model = fp8fx.checkpoint.meta_model(path)
     snap = snapshot(model)
-    match = (r"proj\.weight_scale_inv \(float32 \[\d, 1\] .*\) is the scale of a weight transformers cuts into parts of "
-             rf"\[\d+(, \d+)+\] rows, and its \d rows of scales \({block}-row blocks, of \d+ weight rows\) cannot be cut")
+    match = (r"proj\.weight_scale_inv \(float32 \[\d, 1\] .*\) is the scale of a weight transformers cuts into "
+             rf"parts of \[\d+(, \d+)+\] rows, and its \d rows of scales \({block}-row blocks, of \d+ weight rows\) "
+             "cannot be cut")
     with pytest.raises(CheckpointError, match=match):
         load_checkpoint(model, path, progress=False)
     assert_unchanged(model, snap)
@@ -138,8 +139,9 @@ def test_a_stored_tensor_of_other_rows_than_its_parts_is_refused(tmp_path):
     safetensors_torch.save_file(tensors, str(tmp_path / "model.safetensors"))
     model = fp8fx.checkpoint.meta_model(tmp_path)
     snap = snapshot(model)
-    with pytest.raises(CheckpointError, match=rf"{name} \(bfloat16 \[190, 64\] .*\) is cut by transformers into "
-                                              r"model\.L_module\.layers\.0\.mlp\.gate_proj\.weight, .* of \[96, 96\] rows"):
+    match = (rf"{name} \(bfloat16 \[190, 64\] .*\) is cut by transformers into "
+             r"model\.L_module\.layers\.0\.mlp\.gate_proj\.weight, .* of \[96, 96\] rows")
+    with pytest.raises(CheckpointError, match=match):
         load_checkpoint(model, tmp_path, progress=False)
     assert_unchanged(model, snap)
 

@@ -561,8 +561,8 @@ def test_prefix_names_a_model_quantized_part_by_part():
         fp8fx.quantize_(model.blocks[1], Fp8Config(ignored_layers=["blocks.1.3", "blocks.0"]), prefix="blocks.1")
     own_names = fp8fx.calibrate(model.blocks[1], [x], Fp8Config(activation_scheme="static", ignored_layers=["2"]))
     with pytest.raises(ValueError, match=r"missing \['blocks\.1\.0'\]: input_scales names no layer under "
-                                         r"prefix='blocks\.1' \(e\.g\. '0'\); scales of this part alone take its prefix "
-                                         r"too: fp8fx\.calibrate\(part, batches, prefix='blocks\.1'\)"):
+                                         r"prefix='blocks\.1' \(e\.g\. '0'\); scales of this part alone take its "
+                                         r"prefix too: fp8fx\.calibrate\(part, batches, prefix='blocks\.1'\)"):
         fp8fx.quantize_(model.blocks[1], config, input_scales=own_names, prefix="blocks.1")  # ({"0": ...})
     with pytest.raises(ValueError, match=r"input_scales\['blocks.1.9'\]: no linear layer"):
         fp8fx.quantize_(model.blocks[1], config, input_scales={**scales, "blocks.1.9": 1.0}, prefix="blocks.1")
