@@ -291,7 +291,7 @@ class Fp8Backend:
 def _watch_reuse(compiled, report: Report, index: int):
     """``compiled`` calling ``report.reused`` the first time it runs with another module's weights: graph ``index``
     traced one module's forward, and Dynamo runs its code for every module of that class (``Report.frames``). Only
-    such graphs are watched; the check is one identity test of the first weight a call."""
+    such graphs are watched; the check is one id() comparison of the first weight a call."""
     positions = [p for _, p in report.frame_weights[index]]
     seen: set[int] = set()
     last = [0]  # id() of the first weight of the last call: no reference, which would keep a dropped model alive
