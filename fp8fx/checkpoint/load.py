@@ -87,7 +87,8 @@ class LoadReport:
         rows += [("kv-cache scales", n, "not set: the model has an attribute of that name") for n in self.kv_not_set]
         rows += [("unexpected", n, "not loaded") for n in self.unexpected]
         if self.skipped:
-            rows.append(("skipped", f"{self.skipped[0]} and {len(self.skipped) - 1} more",
+            more = f" and {len(self.skipped) - 1} more" if len(self.skipped) > 1 else ""
+            rows.append(("skipped", f"{self.skipped[0]}{more}",
                          "not loaded: the model's class skips them (_keys_to_ignore_on_load_unexpected)"))
         width = max([len(r[1]) for r in rows] + [4])
         lines = [f"{r[0]:<15} {r[1]:<{width}}  {r[2]}" for r in rows]

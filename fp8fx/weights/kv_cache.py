@@ -106,9 +106,10 @@ def kv_slot_error(module: nn.Module, fqn: str, name: str, default: bool = False)
     own = name in module._buffers and name not in module.__dict__.get("_fp8fx_kv_scales", ())
     if own and (default or name in module._non_persistent_buffers_set):
         return (
-            f"{where}: {type(module).__name__} already has a buffer {name!r} of its own (not in its state_dict), "
-            f"which its forward computes with, so the KV-cache scale cannot replace it; rename that buffer in the "
-            f"model, or drop the {name} tensors from the checkpoint"
+            f"{where}: {type(module).__name__} already has a buffer {name!r} of its own"
+            f"{' (not in its state_dict)' if name in module._non_persistent_buffers_set else ''}, which its forward "
+            f"computes with, so the KV-cache scale cannot replace it; rename that buffer in the model, or drop the "
+            f"{name} tensors from the checkpoint"
         )
     return None
 
