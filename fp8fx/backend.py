@@ -189,6 +189,9 @@ class Fp8Backend:
         backend: Inductor's options of that mode, then ``options``, go over this backend's ``inductor_config`` for
         this compilation (as ``torch.compile(mode=..., options=...)`` sets them for Inductor)."""
         call_config = _call_config(mode, options, self.compiler)  # (refused before anything is traced or reported)
+        if self.inductor_config.get("triton.cudagraphs") and call_config.get("triton.cudagraphs", True) is not True:
+            raise ValueError("torch.compile(options={'triton.cudagraphs': False}) with Fp8Backend(cudagraphs=True) "
+                             "or its inductor_config's: the two disagree; keep one")
         index = self.report.graphs
         dump = self._dump(gm, index)
         code: list[str] = []

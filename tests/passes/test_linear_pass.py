@@ -406,6 +406,12 @@ def test_torch_compile_mode_and_options_reach_inductor(monkeypatch, backend_of):
         torch._dynamo.reset()
         with pytest.raises(Exception, match=match), torch.no_grad():
             torch.compile(nn.Linear(8, 8), backend=backend_of(), **kwargs)(x)
+    torch._dynamo.reset()  # options that undo the backend's own CUDA graphs: refused as its constructor refuses them
+    with pytest.raises(Exception, match=r"torch\.compile\(options=\{'triton\.cudagraphs': False\}\) with "
+                                        r"Fp8Backend\(cudagraphs=True\) or its inductor_config's: the two disagree"):
+        with torch.no_grad():
+            torch.compile(nn.Linear(8, 8), backend=Fp8Backend(cudagraphs=True),
+                          options={"triton.cudagraphs": False})(x)
     torch._dynamo.reset()
     eager = r"torch\.compile\(mode='reduce-overhead'\) with Fp8Backend\(compiler='eager'\)"
     with pytest.raises(Exception, match=eager):
