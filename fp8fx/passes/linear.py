@@ -364,6 +364,7 @@ class LinearPass(Fp8Pass):
         # one quantization per (activation, scheme): q/k/v and gate/up read the same x
         quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
         inputs = {_storage(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")} - {None}
+        positions = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}  # the graph's inputs, in order
         writes: dict[StorageWeakRef, list[fx.Node]] = {}  # memory -> the in-place writes into it so far
         for node in list(graph.nodes):
             if _mutates(node):  # a quantization taken before an in-place write into x must not be reused after it
@@ -386,8 +387,7 @@ class LinearPass(Fp8Pass):
                 ctx.report.frames[ctx.graph_index] = fqn[:-len(path) - 1]
             source = w.args[0] if isinstance(w, fx.Node) and w.target in _DEQUANT else _read_from(w)
             # where the site's weight comes in, for Report.frames (the site is added below, or skipped)
-            weight_input = (next(i for i, n in enumerate(graph.find_nodes(op="placeholder")) if n is source)
-                            if isinstance(source, fx.Node) and source.op == "placeholder" else None)
+            weight_input = positions.get(source) if isinstance(source, fx.Node) else None
             reason = (_other_arguments(node) or self._why_not(x, w, bias, ctx, fqn)
                       or _weight_written(w, writes))
             if reason and _kept_expert(w, ctx):  # the MoE pass's site of the experts says why they stay bf16

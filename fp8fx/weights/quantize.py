@@ -133,12 +133,12 @@ def quantize_(
         _nothing_to_quantize(model, modules, skipped + experts_skipped, strict)
     planned = [fqn for fqn, _ in plan] + [name for fqn, _ in experts for name in moe.input_scale_names(fqn)]
     # a resumed call takes the same input_scales: those of the layers quantized before it failed are known names
-    planned += [n for fqn, m in done.items() for n in (moe.input_scale_names(fqn) if moe.is_quantized_experts(m)
-                                                       else [fqn])]
+    held = _held_input_scales(done)
+    planned += list(held)
     not_quantized = {fqn: reason for fqn, _, reason in skipped}
     not_quantized.update({name: reason for fqn, _, reason in experts_skipped for name in moe.input_scale_names(fqn)})
     scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix)
-    _check_resumed_scales(done, scales)
+    _check_resumed_scales(held, scales)
 
     for fqn, module, reason in skipped:  # tags the report reads back from the compiled graph's inputs
         if module.weight is not None:
@@ -301,25 +301,33 @@ def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, un
             )
 
 
-def _check_resumed_scales(done: Mapping[str, nn.Module], scales: Mapping[str, float]) -> None:
-    """A resumed call (``_Undo``) is the failed one again: the layers it had quantized hold their static input
-    scales, and ``scales`` must give them the same ones (float32), or the model would end up calibrated two ways."""
+def _held_input_scales(done: Mapping[str, nn.Module]) -> dict[str, Optional[torch.Tensor]]:
+    """The layers quantized before (a resumed call) by their names in ``input_scales`` -> the static input scale each
+    holds (None under dynamic activations): a linear's, or an experts module's two (``moe.input_scale_names``)."""
+    held = {}
     for fqn, module in done.items():
         if moe.is_quantized_experts(module):
-            held = {name: module._parameters.get(f"{name.rpartition('.')[2]}_input_scale")
-                    for name in moe.input_scale_names(fqn)}
+            for name in moe.input_scale_names(fqn):
+                held[name] = module._parameters.get(f"{name.rpartition('.')[2]}_input_scale")
         else:
-            held = {fqn: module._parameters.get("input_scale")}
-        for name, scale in held.items():
-            if scale is None or name not in scales:
-                continue
-            given = float(torch.tensor(scales[name], dtype=torch.float32))
-            if scale.float().item() != given:
-                raise ValueError(
-                    f"quantize_: {name} was quantized with the input scale {scale.float().item():.6g} by the call "
-                    f"that stopped on the way, and input_scales now gives it {given:.6g}; finish with that call's "
-                    "input_scales, or quantize_ a fresh bf16 model with the new ones (nothing more was quantized)"
-                )
+            held[fqn] = module._parameters.get("input_scale")
+    return held
+
+
+def _check_resumed_scales(held: Mapping[str, Optional[torch.Tensor]], scales: Mapping[str, float]) -> None:
+    """A resumed call (``_Undo``) is the failed one again: the layers it had quantized hold their static input
+    scales (``held``), and ``scales`` must give them the same ones (float32), or the model would end up calibrated
+    two ways."""
+    for name, scale in held.items():
+        if scale is None or name not in scales:
+            continue
+        given = float(torch.tensor(scales[name], dtype=torch.float32))
+        if scale.float().item() != given:
+            raise ValueError(
+                f"quantize_: {name} was quantized with the input scale {scale.float().item():.6g} by the call "
+                f"that stopped on the way, and input_scales now gives it {given:.6g}; finish with that call's "
+                "input_scales, or quantize_ a fresh bf16 model with the new ones (nothing more was quantized)"
+            )
 
 
 def _check_input_scales(config, planned: list[str], input_scales, not_quantized: Mapping[str, str],
