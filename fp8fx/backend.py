@@ -233,7 +233,8 @@ class Fp8Backend:
         key = "post_grad_custom_post_pass"
         config = {**self.inductor_config, **call_config}
         user_pass = config.get(key, compat.inductor_config_value(key))
-        patches = {**config, key: self.pass_manager.with_user_pass(user_pass)}
+        names = [n.name for n in gm.graph.nodes]  # (the names the report matches the output code by)
+        patches = {**config, key: self.pass_manager.with_user_pass(user_pass, names)}
         decomps = aten.decompositions if self.lowering == "aten" and aten.applies(example_inputs, gm) else None
         direct = compat.direct_op_calls(list(vars(ops.direct))) if self.direct_calls else contextlib.nullcontext()
         rows = compat.one_pass_row_reductions(self.one_pass_rows, config.get("inductor_choices_class"))

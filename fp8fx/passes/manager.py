@@ -36,10 +36,10 @@ def default_passes(
 class PassManager(compat.CustomGraphPass):
     """Runs ``passes`` on each Dynamo graph; recorded sites go to ``report``.
 
-    It is also installed as Inductor's ``post_grad_custom_post_pass`` (where it changes nothing, but runs a
-    pass of the user's that was there: ``with_user_pass``) so that its ``uuid()`` — the pass uuids plus the
-    backend options — is part of Inductor's FX-graph cache key: a changed pass or option never reuses a stale
-    compiled artifact.
+    Its key is also in Inductor's ``post_grad_custom_post_pass`` slot (``with_user_pass``: it changes nothing
+    there, but runs a pass of the user's that was there), so that its ``uuid()`` — the pass uuids plus the backend
+    options — is part of Inductor's FX-graph cache key: a changed pass or option never reuses a stale compiled
+    artifact.
     """
 
     def __init__(self, passes: Sequence[Fp8Pass], options: dict[str, Any]):
@@ -62,14 +62,21 @@ class PassManager(compat.CustomGraphPass):
     def __call__(self, graph: fx.Graph) -> None:
         return None
 
-    def with_user_pass(self, user_pass: Optional[Callable[[fx.Graph], Any]]) -> Callable[[fx.Graph], Any]:
-        """What goes in Inductor's ``post_grad_custom_post_pass`` slot when the user has a pass there too: both,
-        the user's run. A ``CustomGraphPass`` of the user's keys the cache with this one; a plain function cannot
-        be keyed, and Inductor bypasses its FX-graph cache for it, as it does without fp8fx."""
-        if user_pass is None or user_pass is self:
-            return self
+    def with_user_pass(self, user_pass: Optional[Callable[[fx.Graph], Any]],
+                       names: Sequence[str] = ()) -> Callable[[fx.Graph], Any]:
+        """What goes in Inductor's ``post_grad_custom_post_pass`` slot for one graph: this manager keyed with the
+        graph's node ``names``, and a pass of the user's that was there, which runs. A ``CustomGraphPass`` of the
+        user's keys the cache with this one; a plain function cannot be keyed, and Inductor bypasses its FX-graph
+        cache for it, as it does without fp8fx.
+
+        Why the names: the report finds each site's kernel by the Dynamo node names Inductor's output code cites,
+        and the cache is keyed on the graph after AOTAutograd, which has none of them. Two graphs that differ only
+        in those names (an ``nn.Sequential`` and a hand-written forward of the same layers) would share an artifact
+        that cites the first one's names, and the second's report would lose its kernels."""
+        if user_pass is None or isinstance(user_pass, _GraphKey) and user_pass.manager is self:
+            return _GraphKey(self, names)
         if isinstance(user_pass, compat.CustomGraphPass):
-            return _WithUserPass(self, user_pass)
+            return _GraphKey(self, names, user_pass)
         return lambda graph: user_pass(graph)
 
     def uuid(self) -> str:
@@ -84,18 +91,22 @@ class PassManager(compat.CustomGraphPass):
         return hashlib.sha256(json.dumps(key, sort_keys=True, default=str).encode()).hexdigest()
 
 
-class _WithUserPass(compat.CustomGraphPass):
-    def __init__(self, manager: PassManager, user_pass: compat.CustomGraphPass):
-        self.manager, self.user_pass = manager, user_pass
+class _GraphKey(compat.CustomGraphPass):
+    """``PassManager.with_user_pass``'s slot: the manager's key, one graph's node names, and the user's pass."""
+
+    def __init__(self, manager: PassManager, names: Sequence[str],
+                 user_pass: Optional[compat.CustomGraphPass] = None):
+        self.manager, self.names, self.user_pass = manager, list(names), user_pass
 
     def __call__(self, graph: fx.Graph) -> None:
-        self.user_pass(graph)
+        if self.user_pass is not None:
+            self.user_pass(graph)
 
     def uuid(self) -> Optional[str]:
-        user = self.user_pass.uuid()
+        user = self.user_pass.uuid() if self.user_pass is not None else ""
         if user is None:  # the user's pass says it cannot be keyed
             return None
-        return hashlib.sha256(f"{self.manager.uuid()} {user}".encode()).hexdigest()
+        return hashlib.sha256(json.dumps([self.manager.uuid(), self.names, user]).encode()).hexdigest()
 
 
 def _sources_hash() -> str:

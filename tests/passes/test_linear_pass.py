@@ -1,4 +1,5 @@
 """The linear pass on Dynamo graphs: graph after the pass, site counts, recompiles, cache key."""
+import collections
 import pathlib
 
 import expecttest
@@ -357,7 +358,8 @@ def test_cache_key_follows_the_sources_that_shape_compiled_code(monkeypatch, mod
 
 
 def test_cache_key_reaches_inductor(monkeypatch):
-    """The pass manager is Inductor's post-grad custom pass, whose uuid() is part of the FX-graph cache key."""
+    """The pass manager, keyed with the graph's node names, is Inductor's post-grad custom pass, whose uuid() is
+    part of the FX-graph cache key."""
     from fp8fx.lowerings import compat
 
     seen = {}
@@ -371,7 +373,11 @@ def test_cache_key_reaches_inductor(monkeypatch):
     backend = Fp8Backend(inductor_config={"max_autotune": False})
     with torch.no_grad():
         torch.compile(nn.Linear(8, 8), backend=backend)(torch.randn(2, 8))
-    assert seen["post_grad_custom_post_pass"].uuid() == backend.cache_key()
+    slot = seen["post_grad_custom_post_pass"]  # the backend's key and the graph's node names
+    assert slot.uuid() == backend.pass_manager.with_user_pass(None, slot.names).uuid()
+    assert slot.names[-1] == "output" and len(slot.names) > 3  # every node of the Dynamo graph
+    other = Fp8Backend(use_fast_accum=True).pass_manager.with_user_pass(None, slot.names)
+    assert other.uuid() != slot.uuid() != backend.pass_manager.with_user_pass(None, slot.names[:-1]).uuid()
     assert seen["max_autotune"] is False
 
 
@@ -465,6 +471,43 @@ def test_graph_with_the_aten_lowering_is_cached(monkeypatch, tmp_path):
         hits = counters["inductor"]["fxgraph_cache_hit"]
         assert (hits, counters["inductor"]["fxgraph_cache_bypass"]) == (attempt, 0), dict(counters["inductor"])
     assert decomposed  # the table was in use
+
+
+class _HandWritten(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.head = nn.Linear(64, 128), nn.Linear(128, 16)
+
+    def forward(self, x):
+        hidden = self.up(x)
+        return self.head(torch.relu(hidden))
+
+
+def test_report_kernels_do_not_depend_on_the_graph_cache(monkeypatch, tmp_path):
+    """An nn.Sequential and a hand-written forward of the same layers give one graph after AOTAutograd, but Dynamo
+    names their nodes apart, and the report finds a site's kernel by the names the output code cites: the second
+    model, a cache hit on the first's artifact, reported no kernel for its bf16 head. The graph's names are in the
+    cache key now: that is a miss, and the same model compiled again still hits."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+
+    def sequential():
+        return nn.Sequential(collections.OrderedDict(up=nn.Linear(64, 128), act=nn.ReLU(), head=nn.Linear(128, 16)))
+
+    seen = []
+    for make in (sequential, _HandWritten, _HandWritten):
+        torch._dynamo.reset()
+        counters.clear()
+        model = make().to(torch.bfloat16)
+        fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["head"]))
+        backend = Fp8Backend()
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(x)
+        seen.append((counters["inductor"]["fxgraph_cache_hit"], {s.fqn: s.kernel for s in backend.report.sites}))
+    kernels = {"up": "extern fp8fx.scaled_mm", "head": "extern addmm"}
+    assert seen == [(0, kernels), (0, kernels), (1, kernels)]
 
 
 def test_bad_backend_option():
