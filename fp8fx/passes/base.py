@@ -25,6 +25,23 @@ class PassContext:
     report: Report
     graph_index: int
     example: dict[fx.Node, Any]
+    positions: dict[fx.Node, int] = dataclasses.field(init=False, repr=False)  # placeholder -> its input's index
+
+    def __post_init__(self):
+        self.positions = {n: i for i, n in enumerate(self.example)}
+
+    def frame_site(self, fqn: str, path: Optional[str], weight: Any) -> None:
+        """What ``Report.frames`` needs of the site the caller adds next (``fqn``, whose module Dynamo names ``path``
+        in the graph, with the weight ``weight``): where the layer's name ends in a ``path`` relative to another
+        module than the compiled model, the graph traced that module's forward, a frame of its own (after a graph
+        break) that Dynamo runs again for the other modules of its class without a new graph; and which graph input
+        the weight is, where it is one."""
+        frames = self.report.frames
+        if path and fqn.endswith(f".{path}") and self.graph_index not in frames:
+            frames[self.graph_index] = fqn[:-len(path) - 1]
+        if isinstance(weight, fx.Node) and weight in self.positions:
+            entry = (len(self.report.sites), self.positions[weight])
+            self.report.frame_weights.setdefault(self.graph_index, []).append(entry)
 
 
 class Fp8Pass:

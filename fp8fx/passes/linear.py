@@ -364,7 +364,6 @@ class LinearPass(Fp8Pass):
         # one quantization per (activation, scheme): q/k/v and gate/up read the same x
         quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
         inputs = {_storage(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")} - {None}
-        positions = {n: i for i, n in enumerate(graph.find_nodes(op="placeholder"))}  # the graph's inputs, in order
         writes: dict[StorageWeakRef, list[fx.Node]] = {}  # memory -> the in-place writes into it so far
         for node in list(graph.nodes):
             if _mutates(node):  # a quantization taken before an in-place write into x must not be reused after it
@@ -379,21 +378,12 @@ class LinearPass(Fp8Pass):
                 continue
             x, w, bias = operands
             fqn = self._fqn(node, w, ctx)
-            path = module_path(node)
-            if path and fqn.endswith(f".{path}") and ctx.graph_index not in ctx.report.frames:
-                # the layer's path in the graph is relative to a module other than the compiled model: the graph
-                # traced that module's forward, a frame of its own (after a graph break), which Dynamo runs again
-                # for the other modules of its class without a new graph (Report.frames)
-                ctx.report.frames[ctx.graph_index] = fqn[:-len(path) - 1]
-            source = w.args[0] if isinstance(w, fx.Node) and w.target in _DEQUANT else _read_from(w)
-            # where the site's weight comes in, for Report.frames (the site is added below, or skipped)
-            weight_input = positions.get(source) if isinstance(source, fx.Node) else None
             reason = (_other_arguments(node) or self._why_not(x, w, bias, ctx, fqn)
                       or _weight_written(w, writes))
             if reason and _kept_expert(w, ctx):  # the MoE pass's site of the experts says why they stay bf16
                 continue
-            if weight_input is not None:
-                ctx.report.frame_weights.setdefault(ctx.graph_index, []).append((len(ctx.report.sites), weight_input))
+            source = w.args[0] if isinstance(w, fx.Node) and w.target in _DEQUANT else _read_from(w)
+            ctx.frame_site(fqn, module_path(node), source)  # (the site is added below)
             if reason:
                 ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index,
                                     weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node)))

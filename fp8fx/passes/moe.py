@@ -588,6 +588,7 @@ class MoePass(Fp8Pass):
         count = 0
         self._report_unquantized(graph, ctx)
         for site in self._sites(graph, ctx):
+            ctx.frame_site(site.fqn, site.path, site.dequant["w13"].args[0] if "w13" in site.dequant else None)
             try:
                 operands = self._check(site, ctx)
             except (_NoMatch, GuardOnDataDependentSymNode) as e:
@@ -633,6 +634,8 @@ class MoePass(Fp8Pass):
             reason, fqn = getattr(real, "_fp8fx_skip_reason", None), getattr(real, "_fp8fx_fqn", None)
             if reason and getattr(real, "_fp8fx_moe_role", None) and fqn not in seen:
                 seen.add(fqn)
+                path = next((module_path(u) for u in node.users if module_path(u)), None)  # (its readers')
+                ctx.frame_site(fqn, path, node)
                 ctx.report.add(Site("moe", fqn, False, f"not quantized: {reason}", "", ctx.graph_index,
                                     weight_shape=Site.shape_of(real)))
 

@@ -229,9 +229,12 @@ def test_blocks_that_run_a_frame_compiled_for_another_are_sites_too(compiler):
     assert [n for n, *_ in backend.report.unhandled_weights(model)] == ["1.a.weight", "1.b.weight"]
 
 
-def test_a_frame_with_experts_kept_bf16_runs_and_names_its_sites():
+@pytest.mark.parametrize("kept", [True, False], ids=["experts-bf16", "experts-fp8"])
+def test_a_frame_with_experts_runs_and_names_its_sites(kept):
     """A GEMM of experts kept in bf16 adds no linear site: its weight was recorded for the frame all the same, and
-    the next block's first call failed in the report (IndexError) instead of running."""
+    the next block's first call failed in the report (IndexError) instead of running. The experts of the blocks that
+    run the frame are sites too, fp8 or kept (only the linears were added, and unhandled_weights listed the
+    experts of block 1)."""
     from tests.passes.test_moe_pass import H, LoopExperts, inputs
 
     class Decoder(nn.Module):
@@ -246,7 +249,7 @@ def test_a_frame_with_experts_kept_bf16_runs_and_names_its_sites():
             return h
 
     model = nn.Sequential(Decoder(), Decoder()).to(torch.bfloat16)
-    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["0.experts", "1.experts"]))
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["0.experts", "1.experts"] if kept else []))
     backend = fp8fx.Fp8Backend(compiler="eager")
     x, ids, w = inputs(torch.bfloat16)
     with torch.no_grad():
@@ -254,7 +257,10 @@ def test_a_frame_with_experts_kept_bf16_runs_and_names_its_sites():
         compiled = torch.compile(lambda x: model[1](model[0](x, ids, w), ids, w), backend=backend)
         got = compiled(x)
     assert ((got.float() - want.float()).norm() / want.float().norm()).item() < 0.05  # q's fp8 activations
-    assert sorted(s.fqn for s in backend.report.sites if s.kind == "linear") == ["0.q", "1.q"]
+    sites = sorted((s.kind, s.fqn, s.rewritten) for s in backend.report.sites)
+    assert sites == [("linear", "0.q", True), ("linear", "1.q", True), ("moe", "0.experts", not kept),
+                     ("moe", "1.experts", not kept)]
+    assert backend.report.unhandled_weights(model) == []
 
 
 def test_unhandled_weights_list_an_embedding_a_kept_lm_head_shares():
