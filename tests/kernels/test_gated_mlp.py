@@ -6,6 +6,7 @@ gate/up kernel's intermediate, its partial row maxima and the tickets it zeroes,
 its unfused ops, row by row to 1% (2.5e-4 seen; swapped gate/up scales were 39% off, a per-tensor h run per
 row 95%). On the GPU: the op against its unfused ops and float64, CUDA-graph replays, PDL on and off.
 """
+import math
 import textwrap
 
 import pytest
@@ -65,12 +66,20 @@ def mlp_operands(m, k, i, n, scheme, device="cpu", seed=0, row_gain=None, dtype=
     return [a.to(device) if isinstance(a, torch.Tensor) else a for a in args], [w.to(device) for w in ws]
 
 
+# The activations by their formulas, not fp8fx's table (ops.GATED_ACTIVATIONS): a wrong entry there must fail
+TRUE_ACTIVATIONS = {
+    "silu": lambda g: g / (1 + torch.exp(-g)),
+    "gelu": lambda g: 0.5 * g * (1 + torch.erf(g / math.sqrt(2))),
+    "gelu_tanh": lambda g: 0.5 * g * (1 + torch.tanh(math.sqrt(2 / math.pi) * (g + 0.044715 * g**3))),
+}
+
+
 def truth(args, ws):
     """float64 down(act(gate(x)) * up(x)) + bias on the dequantized x and the unquantized weights."""
     xq, xs, x_block, bias = args[0], args[1], args[9], args[8]
     x = quant.dequantize(xq.cpu(), xs.cpu(), x_block, torch.float64)
     w1, w3, w2 = (w.cpu().double() for w in ws)
-    h = ops.GATED_ACTIVATIONS[args[14]](x @ w1.t()) * (x @ w3.t())
+    h = TRUE_ACTIVATIONS[args[14]](x @ w1.t()) * (x @ w3.t())
     return h @ w2.t() + bias.cpu().double()
 
 
@@ -264,6 +273,15 @@ def test_gated_mlp_op_checks_its_tensors_cuda():
     for bad, match in bad_tensor_args("cuda"):
         with pytest.raises(ValueError, match=match):
             ops.gated_mlp(*bad)
+
+
+def test_gated_activations_are_their_formulas():
+    """fp8fx's table, which the kernels' activations are held to bit by bit, against the formulas in float64:
+    gelu and gelu_tanh are 1e-3 apart, which no MLP's fp8 error (3-4%) would show."""
+    g = torch.linspace(-8, 8, 4001, dtype=torch.float64)
+    assert set(ops.GATED_ACTIVATIONS) == set(TRUE_ACTIVATIONS)
+    for act, formula in TRUE_ACTIVATIONS.items():
+        torch.testing.assert_close(ops.GATED_ACTIVATIONS[act](g), formula(g), rtol=1e-12, atol=1e-12, msg=act)
 
 
 @pytest.mark.parametrize("scheme,act", [(scheme, "silu") for scheme in SCHEMES] + [
