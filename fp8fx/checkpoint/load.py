@@ -34,7 +34,7 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
 from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, kv_scale_target
-from fp8fx.weights.kv_cache import check_kv_scale_layout, kv_cache_attentions, kv_slot_error
+from fp8fx.weights.kv_cache import check_kv_scale_layout, getter_module, kv_cache_attentions, kv_slot_error
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.moe import is_quantized_experts
 from fp8fx.weights.quantize import check_ignored_layers
@@ -140,14 +140,9 @@ def output_embeddings(model: nn.Module, modules: Mapping[str, nn.Module]) -> Opt
     with its own scaling or softcapping around ``nn.Linear``) names that linear. Where the method is missing or
     gives none (not a transformers model; a speech backbone), the name says it: ``lm_head`` (vLLM's rule). ``modules``:
     ``model.named_modules()``'s."""
-    get = getattr(model, "get_output_embeddings", None)
-    try:
-        head = get() if callable(get) else None
-    except (AttributeError, NotImplementedError):  # (a model that has none may raise instead of returning None)
-        head = None
-    if not isinstance(head, nn.Module):
+    head, name = getter_module(model, "get_output_embeddings", modules)
+    if head is None:
         return "lm_head" if isinstance(modules.get("lm_head"), nn.Linear) else None
-    name = next((f for f, m in modules.items() if m is head), None)
     if name is None or isinstance(head, nn.Linear):
         return name
     inner = [f for f, m in head.named_modules() if isinstance(m, nn.Linear)]

@@ -161,21 +161,24 @@ def kv_cache_attentions(modules: Mapping[str, nn.Module], model: Optional[nn.Mod
     model), those, the others being encoder attentions (a vision tower's), with no KV cache to scale. A model none
     of whose attentions carries one: all of them."""
     outer = outermost_attentions(modules)
-    decoder = _decoder_name(model, modules)
+    decoder = getter_module(model, "get_decoder", modules)[1]
     if decoder is not None:
         outer = [fqn for fqn in outer if not decoder or fqn.startswith(f"{decoder}.")]
     cached = [fqn for fqn in outer if has_kv_cache_mark(modules[fqn])]
     return cached or outer
 
 
-def _decoder_name(model: Optional[nn.Module], modules: Mapping[str, nn.Module]) -> Optional[str]:
-    """The name of the module ``model.get_decoder()`` returns among ``modules`` ("" for the model itself), or None:
-    no such method, no decoder, or one that is not among them."""
-    get = getattr(model, "get_decoder", None)
+def getter_module(model: Optional[nn.Module], method: str,
+                  modules: Mapping[str, nn.Module]) -> tuple[Optional[nn.Module], Optional[str]]:
+    """What a transformers getter of ``model`` (``get_decoder``, ``get_output_embeddings``) returns, and its name
+    among ``modules`` ("" for the model itself): (None, None) where the model has no such method, the method raises
+    (a model that has no such part may raise instead of returning None) or returns no module; (module, None) where
+    the module is not among ``modules``."""
+    get = getattr(model, method, None)
     try:
-        decoder = get() if callable(get) else None
-    except (AttributeError, NotImplementedError, TypeError):  # (a model with none may raise instead)
-        return None
-    if not isinstance(decoder, nn.Module):
-        return None
-    return next((fqn for fqn, m in modules.items() if m is decoder), None)
+        found = get() if callable(get) else None
+    except (AttributeError, NotImplementedError, TypeError):
+        return None, None
+    if not isinstance(found, nn.Module):
+        return None, None
+    return found, next((fqn for fqn, m in modules.items() if m is found), None)
