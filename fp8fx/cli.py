@@ -76,11 +76,12 @@ def _parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fp8fx", description="FP8 inference through torch.compile: inspect a model, benchmark.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
-    p = sub.add_parser("inspect", help="which linear layers of MODEL fp8fx would rewrite, and why not (no GPU, no weights)",
+    p = sub.add_parser("inspect",
+                       help="which linear layers of MODEL fp8fx would rewrite, and why not (no GPU, no weights)",
                        description=__doc__.split("\n\n")[2])
     p.add_argument("model", metavar="MODEL", help="HF config folder / config.json, or module:factory / file.py:factory")
-    p.add_argument("--config", metavar="FILE", help="JSON quantization config (a checkpoint's quantization_config, or a "
-                   "config.json holding one); default: the model's own quantization_config, else Fp8Config()")
+    p.add_argument("--config", metavar="FILE", help="JSON quantization config (a checkpoint's quantization_config, or "
+                   "a config.json holding one); default: the model's own quantization_config, else Fp8Config()")
     p.add_argument("--ignore", metavar="FQN", action="append", default=[], help="add to ignored_layers (repeatable)")
     p.add_argument("--block-size", metavar="N,K", help="block-scaled weights, e.g. 128,128")
     p.add_argument("--activation-scheme", choices=["dynamic", "static"])
@@ -100,7 +101,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("src", metavar="SRC", help="folder with config.json and *.safetensors")
     p.add_argument("dst", metavar="DST", help="new or empty folder for the fp8 checkpoint")
     p.add_argument("--scheme", choices=list(SCHEMES), default="per-channel",
-                   help="weight scales (default per-channel; activations are dynamic per-token, 1x128 groups for block)")
+                   help="weight scales (default per-channel; activations are dynamic per-token, 1x128 groups for "
+                   "block)")
     p.add_argument("--ignore", metavar="FQN", action="append", default=[], help="keep this layer in bf16 (repeatable)")
     p.add_argument("--format", choices=["fp8", "compressed-tensors"],
                    help="quantization_config format (default: fp8 where it can express the scheme)")
@@ -367,7 +369,8 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     for fqn, module in modules.items():  # experts: the MoE pass rewrites what quantize_ quantizes
         if moe.is_experts(module) and fqn not in seen:
             cfg = layer_config(fqn)
-            reason = "kept in high precision by the quantization_config" if cfg is None else moe.skip_reason(module, fqn, cfg)
+            reason = ("kept in high precision by the quantization_config" if cfg is None
+                      else moe.skip_reason(module, fqn, cfg))
             w13, w2 = module._parameters[moe.W13], module._parameters[moe.W2]
             saved = sum(_saved(list(w.shape), w.element_size(), cfg) for w in (w13, w2)) if reason is None else 0
             rows.append({"graph": None, "kind": "moe", "fqn": fqn, "weight_shape": list(w13.shape),
@@ -413,7 +416,8 @@ def _table(spec: str, cls: str, config: Fp8Config, rows: list[dict], others: lis
                   for o in others]
     done = [r for r in rows if r["would_rewrite"]]
     saved = sum(r["bytes_saved"] for r in done)
-    lines += ["", f"{len(done)} of {len(rows)} linear sites would be rewritten; {saved / 2**20:.1f} MiB of weights saved"]
+    lines += ["", f"{len(done)} of {len(rows)} linear sites would be rewritten; {saved / 2**20:.1f} MiB of weights "
+              "saved"]
     return "\n".join(lines)
 
 

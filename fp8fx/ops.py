@@ -810,7 +810,8 @@ def _moe_quantize_act(a: torch.Tensor, act_block, static_scale: Optional[torch.T
 
 
 def fused_moe_reference(
-    x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None, a2_scale=None
+    x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
+    a2_scale=None,
 ) -> torch.Tensor:
     """The semantics of ``fp8fx.fused_moe`` in plain torch (float32), one expert at a time."""
     t, h = x.shape

@@ -202,7 +202,8 @@ class Report:
             line += f", {len(self.kernels[graph])} kernels generated"
         missed = [f"{s.fqn} ({s.reason})" for s in sites if not s.rewritten]
         if missed:
-            line += "; not rewritten: " + ", ".join(missed[:3]) + (f" and {len(missed) - 3} more" if len(missed) > 3 else "")
+            more = f" and {len(missed) - 3} more" if len(missed) > 3 else ""
+            line += "; not rewritten: " + ", ".join(missed[:3]) + more
         if graph in self.failed:
             line += f"; failed to compile: {self.failed[graph]}"
         return line

@@ -94,7 +94,8 @@ class LoadReport:
         lines = [f"{r[0]:<15} {r[1]:<{width}}  {r[2]}" for r in rows]
         lines.append(
             f"{self.path} ({self.format}): {len(self.quantized)} linear layers quantized, {len(self.not_quantized)} "
-            f"not, {len(self.fused)} fused; {len(self.experts)} experts modules quantized; kv-cache scales on {len(self.kv_scales)} modules "
+            f"not, {len(self.fused)} fused; {len(self.experts)} experts modules quantized; kv-cache scales on "
+            f"{len(self.kv_scales)} modules "
             f"({len(self.kv_defaults)} defaulted); {self.tensors} tensors, {self.bytes_read / 2**20:.1f} MiB read"
         )
         return "\n".join(lines)
@@ -433,9 +434,9 @@ class _Loader:
     def _why_unexpected(self, name: str) -> str:
         kv = kv_scale_target(name)
         if kv is not None and kv[0] in self.modules:
-            return (f"a KV-cache scale ({kv[1]}) addressed to {kv[0]}, a {type(self.modules[kv[0]]).__name__}: KV-cache "
-                    "scales belong to attention modules (class names ending in 'Attention'); rename the tensor to its "
-                    "attention's <attention>.k_scale / .v_scale, or drop it")
+            return (f"a KV-cache scale ({kv[1]}) addressed to {kv[0]}, a {type(self.modules[kv[0]]).__name__}: "
+                    "KV-cache scales belong to attention modules (class names ending in 'Attention'); rename the "
+                    "tensor to its attention's <attention>.k_scale / .v_scale, or drop it")
         owner = name.rpartition(".")[0]
         why = self.not_quantized.get(owner) or self.moe.not_quantized.get(owner)
         if why:
@@ -674,8 +675,8 @@ class _Loader:
         kept = self.staged[first]
         loads = next(k for k in self.aliases[id(self.state[first])] if k in self.entries)
         if t.shape != kept.shape:
-            raise CheckpointError(f"{entry}: the model ties {key} to {loads} ({list(kept.shape)}), but the checkpoint's "
-                                  f"{key} is {list(t.shape)}; wrong model or checkpoint")
+            raise CheckpointError(f"{entry}: the model ties {key} to {loads} ({list(kept.shape)}), but the "
+                                  f"checkpoint's {key} is {list(t.shape)}; wrong model or checkpoint")
         flat_kept, flat = kept.reshape(-1), t.reshape(-1)
         differ = 0
         for i in range(0, flat.numel(), chunked.CHUNK_NUMEL):

@@ -29,7 +29,8 @@ from fp8fx.weights.linear import is_quantized, layer_scheme
 log = logging.getLogger("fp8fx")
 
 # an fp8 experts module's tensors that per-expert names replace
-_EXPERT_LEAVES = {base + suffix for base in (moe.W13, moe.W2) for suffix in ("", "_scale", "_scale_inv", "_input_scale")}
+_EXPERT_LEAVES = {base + suffix for base in (moe.W13, moe.W2)
+                  for suffix in ("", "_scale", "_scale_inv", "_input_scale")}
 _SCALES = ("weight_scale", "weight_scale_inv", "input_scale")  # a linear's, dropped where it is written dequantized
 
 INDEX = "model" + INDEX_SUFFIX
@@ -230,8 +231,9 @@ def _fp8_schemes(
                 want = (quant.FP8_DTYPE if n in ("weight", moe.W13, moe.W2)
                         else torch.float32 if n.endswith(("scale", "scale_inv")) else None)
                 if t is not None and want is not None and t.dtype != want:
-                    raise ValueError(f"save_checkpoint: {f}.{n} of the fp8 layer {f} is {t.dtype}, not {want} (cast "
-                                     "after quantize_?); quantize_ the bf16 model again, then save (nothing was written)")
+                    raise ValueError(f"save_checkpoint: {f}.{n} of the fp8 layer {f} is {t.dtype}, not {want} "
+                                     "(cast after quantize_?); quantize_ the bf16 model again, then save (nothing was "
+                                     "written)")
     demoted = _split_groups(modules, schemes)
     for f in demoted:
         del schemes[f]
@@ -594,7 +596,8 @@ def convert(
                     continue
                 bad = 0 if entry.name in expert_tensors else chunked.count_nonfinite(t)
                 if bad:
-                    raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix it or add {owner!r} to ignored_layers")
+                    raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix it or add {owner!r} to "
+                                          "ignored_layers")
                 q, scale = chunked.quantize(t, config.weight.block)
                 del t
                 out[name] = q

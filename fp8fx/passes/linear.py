@@ -530,7 +530,8 @@ class LinearPass(Fp8Pass):
         weight = weight_granularity_name(granularity_from_block(w_block, weight=True))
         return f"w:{weight} a:{fake_value(x).dtype} (weight-only)".replace("torch.", ""), y
 
-    def _rewrite(self, graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias, quantized: dict) -> tuple[str, fx.Node]:
+    def _rewrite(self, graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias,
+                 quantized: dict) -> tuple[str, fx.Node]:
         wq, w_scale, w_block, _dtype, input_scale, act_block = (list(w.args) + [None, None])[:6]
         input_scale = w.kwargs.get("input_scale", input_scale)
         act_block = w.kwargs.get("act_block", act_block) or [1, -1]

@@ -26,10 +26,10 @@ GEMM's output, that output times its routing weight, and sums of those. Every no
 (a GEMM contracts a weight over its stored input dim; chunk(2) splits the features of the first GEMM;
 only SiLU; each expert output is weighted once by its own routing weight; the sum covers every expert
 once and runs over k; top_k_index and top_k_weights are read whole: views keeping every (token, k) pair,
-gathers by a tensor, not ``[:, :1]``, ``[:, [1, 0]]`` or ``expand``); anything else (another activation, a bias, a norm, a scale, a mutation of an
-input, an op the pass does not know) leaves the region as it is, reported with the node and the
-reason. Trusted, not proven: the index bookkeeping (sorts, gathers, scatters, clamps) pairs each token with
-its k-th expert, as the model's own code intends.
+gathers by a tensor, not ``[:, :1]``, ``[:, [1, 0]]`` or ``expand``); anything else (another activation, a bias,
+a norm, a scale, a mutation of an input, an op the pass does not know) leaves the region as it is, reported with
+the node and the reason. Trusted, not proven: the index bookkeeping (sorts, gathers, scatters, clamps) pairs each
+token with its k-th expert, as the model's own code intends.
 
 Expert-parallel sentinels: transformers 5.17 (and later versions on an expert-parallel module) guard
 against routing ids ``>= num_experts``: ``sentinel = top_k_index >= E`` (any view of it), ids clamped to
@@ -69,7 +69,8 @@ class Val:
     (sort(ids): values and permutation), ``sentinel`` (ids >= E: false for every id fused_moe takes),
     ``ids_part`` (some of the ids: sliced, reordered or broadcast along k; only their sentinel flags are
     read), ``wts`` (routing weights, every (token, k) pair's), ``x`` (hidden states), ``w13`` / ``w2``
-    (weights), ``g1`` (first GEMM), ``chunks`` / ``gate`` / ``up``, ``act`` (SiLU(gate)), ``h`` (act * up), ``y`` (second GEMM),
+    (weights), ``g1`` (first GEMM), ``chunks`` / ``gate`` / ``up``, ``act`` (SiLU(gate)), ``h`` (act * up), ``y``
+    (second GEMM),
     ``out`` (y times its routing weight), ``zero`` (a fresh accumulator), ``sum`` (the combine).
     ``expert``: for values, None for every (token, k) pair at once (grouped / gathered forms) or an int for
     one expert of an unrolled loop; for weights, None (all experts, stacked), ``"pairs"`` (gathered per
@@ -487,7 +488,8 @@ class _Interpreter:
         if w.t != want_t:
             self._fail(node, f"contracts {w.kind} over its output dim (the weight is used transposed)")
         # stacked weights need a grouped GEMM, weights gathered per pair a batched one, one expert's any
-        grouped = node.target in _GROUPED or isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+        grouped = node.target in _GROUPED or isinstance(node.target,
+                                                        (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
         if (w.expert is None) != grouped or w.expert == "pairs" and node.target not in _BATCHED:
             self._fail(node, f"is not a GEMM for {w.kind} {'stacked' if w.expert is None else w.expert}")
         expert = w.expert if isinstance(w.expert, int) else None
@@ -695,7 +697,8 @@ class MoePass(Fp8Pass):
         inputs.update({n: Val(r) if r != "sym" else _IDX for n, r in roles.items()})
         by_role = {r: n for n, r in roles.items()}
         if {"x", "ids", "wts"} - set(by_role):
-            raise _NoMatch(f"the experts do not read hidden_states, top_k_index and top_k_weights (found {sorted(by_role)})")
+            raise _NoMatch("the experts do not read hidden_states, top_k_index and top_k_weights "
+                           f"(found {sorted(by_role)})")
         interp = _Interpreter(inputs, e, two_i // 2, h, _shape(by_role["ids"])[1])
         interp.run(site.region)
         result = interp.val.get(out)
@@ -749,7 +752,8 @@ class MoePass(Fp8Pass):
                 raise _NoMatch(f"the experts read {n.name} {tuple(v.shape)} besides their inputs (a bias? a norm?)")
         counts = {r: list(roles.values()).count(r) for r in ("x", "ids", "wts")}
         if any(c > 1 for c in counts.values()):
-            raise _NoMatch(f"cannot tell hidden_states, top_k_index and top_k_weights apart among {sorted(n.name for n in roles)}")
+            raise _NoMatch("cannot tell hidden_states, top_k_index and top_k_weights apart among "
+                           f"{sorted(n.name for n in roles)}")
         return roles
 
     # -- rewriting

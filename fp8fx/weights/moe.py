@@ -290,7 +290,8 @@ class Fp8MoEMethod:
         for name, (rows, cols) in ((W13, (2 * i, h)), (W2, (h, i))):
             layer._parameters[name] = param((e, rows, cols), quant.FP8_DTYPE)
             if isinstance(w, PerBlock):
-                layer._parameters[name + "_scale_inv"] = param(quant.scale_shape((e, rows, cols), w.block), fill=_UNLOADED)
+                layer._parameters[name + "_scale_inv"] = param(quant.scale_shape((e, rows, cols), w.block),
+                                                               fill=_UNLOADED)
             elif isinstance(w, PerRow):
                 layer._parameters[name + "_scale"] = param((e, rows, 1), fill=_UNLOADED)
             else:  # per-tensor: one per expert; w13 arrives as one per shard (w1, w3) from checkpoints
@@ -426,7 +427,8 @@ class Fp8MoEMethod:
         if expert_id is None:  # all experts at once: quantize expert by expert, no copy
             if tuple(loaded.shape) != tuple(target.shape):
                 raise ValueError(
-                    f"{layer._fp8fx_prefix}.{base}: tensor of shape {tuple(loaded.shape)} does not fit {tuple(target.shape)}"
+                    f"{layer._fp8fx_prefix}.{base}: tensor of shape {tuple(loaded.shape)} does not fit "
+                    f"{tuple(target.shape)}"
                 )
             for e in range(target.shape[0]):
                 self._quantize_expert(layer, base, e, loaded[e])
@@ -491,7 +493,8 @@ class Fp8MoEMethod:
                 )
             for name in (base + "_scale", base + "_scale_inv", base + "_input_scale"):
                 if name in params and (params[name].data == _UNLOADED).any():
-                    raise ValueError(f"{prefix}.{name} was never loaded (for some experts); load it from the checkpoint")
+                    raise ValueError(f"{prefix}.{name} was never loaded (for some experts); load it from the "
+                                     "checkpoint")
         if isinstance(self.scheme.weight, PerTensor) and params[W13 + "_scale"].dim() == 2:
             self._requantize_w13(layer)
         for base in (W13, W2):
