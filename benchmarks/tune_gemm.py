@@ -27,6 +27,7 @@
     python benchmarks/tune_gemm.py --small-n --duel  # their 17-64-row tiles against each other, 7 rounds
     python benchmarks/tune_gemm.py --small-n --deep  # narrow unsplit tiles with K steps of 256-512 instead
     python benchmarks/tune_gemm.py --pdl           # decode GEMMs' chains with PDL and its early trigger
+    python benchmarks/tune_gemm.py --accum         # ... promoted against fast accumulation (the backend's default)
     python benchmarks/tune_gemm.py --l2-next       # o's weight prefetched into L2 during attention, or not
     python benchmarks/tune_gemm.py --tma-a         # fp8 activation tiles by TMA or cp.async (M = 16, 64)
     python benchmarks/tune_gemm.py --m64           # M = 64, h in groups: where the down GEMM's time goes, deeper
@@ -708,10 +709,11 @@ def _decode_chain(name: str, m: int, chain_bytes: int) -> tuple:
     ops_ = _chain_operands(m, n, k, chain_bytes, x_block)
     blocks = dict(a_block=x_block) if x_block[1] != -1 else {}
 
-    def chain(cfg=None):  # (a config's "pdl": each launch a programmatic dependent of the one before, ``pdl_duel``)
-        pdl = bool(cfg and cfg.get("pdl"))
-        cfg = {key: v for key, v in cfg.items() if key != "pdl"} if cfg else cfg
-        return [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, pdl=pdl, **blocks)
+    def chain(cfg=None):  # (a config's "pdl": each launch a programmatic dependent of the one before, ``pdl_duel``;
+        # "fast": Hopper's fast accumulation, ``accum_duel``)
+        pdl, fast = bool(cfg and cfg.get("pdl")), bool(cfg and cfg.get("fast"))
+        cfg = {key: v for key, v in cfg.items() if key not in ("pdl", "fast")} if cfg else cfg
+        return [fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, config=cfg, pdl=pdl, fast_accum=fast, **blocks)
                 for xq, xs, wq, ws in ops_]
     return chain, len(ops_), n, k, default
 
@@ -790,6 +792,27 @@ def pdl_duel(ms=(1, 16, 32, 64), shapes=("o", "qkv", "down", "gate_up"), rounds=
             pdl = {**default, "pdl": True}
             tiles = {"plain": default, "pdl": pdl, "pdl, trigger": {**pdl, "PDL_TRIGGER": True}}
             _chain_duel(name, m, tiles, rounds, chain_bytes, exact=True)
+
+
+def accum_duel(ms=(16, 32, 64), shapes=("o", "qkv", "down", "down-g128", "gate_up"), rounds=5,
+               chain_bytes=256 << 20):
+    """Every per-GEMM share of HBM since run 21 (``hbm_table``, ``pdl_duel``, run 40's study) was timed with
+    ``fp8_gemm``'s default, ``fast_accum=False``: each K step's product promoted into the float32 sum, which waits
+    for the step's wgmma before the next is issued. ``Fp8Backend``'s default is ``use_fast_accum=True``: one
+    accumulator over K, the dots left in flight, the way the decode step runs. Run 38 found the tiles' times fit the
+    sum of their memory and tensor times, not their maximum; this asks whether promotion is that sum. Each default
+    tile at 16-64 rows (the one-row GEMV has no wgmma), promoted and fast, plain and as PDL dependents with the
+    trigger, as chains (``hbm_table``) in ``rounds`` interleaved rounds; ms per launch and TB/s on the weights."""
+    read = _read_speed()
+    print(f"read speed (sum of 2 GiB): {read:.2f} TB/s", flush=True)
+    for name in shapes:
+        for m in ms:
+            default = _decode_problem(name, m)[3]
+            trigger = {"pdl": True, "PDL_TRIGGER": True}
+            tiles = {"promoted": default, "fast": {**default, "fast": True},
+                     "promoted, pdl+trigger": {**default, **trigger}, "fast, pdl+trigger": {**default, **trigger,
+                                                                                             "fast": True}}
+            _chain_duel(name, m, tiles, rounds, chain_bytes)
 
 
 def pre_wait_duel(ms=(1,), shapes=("o", "qkv", "down"), rounds=5, chain_bytes=256 << 20):
@@ -1194,6 +1217,9 @@ def main(argv=None):
                    help="a kernel that only reads, at each decode weight size, timed as --hbm --chain-mb 256")
     p.add_argument("--small-n", action="store_true",
                    help="qkv and o at 16-64 rows (--ms): tiles of every width, split and transposition, as chains")
+    p.add_argument("--accum", action="store_true",
+                   help="the decode GEMMs' chains with promoted and fast accumulation, plain and as PDL dependents "
+                        "(--ms: 16,32,64; --shapes: o,qkv,down,down-g128,gate_up)")
     p.add_argument("--pdl", action="store_true",
                    help="the decode GEMMs' chains with programmatic dependent launch and its trigger "
                         "(--ms: 1,16,32,64; --shapes: o,qkv,down,gate_up)")
@@ -1244,6 +1270,9 @@ def main(argv=None):
         return sweep_down(tuple(int(m) for m in (args.ms or "32,64").split(",")))
     if args.hbm:
         return hbm_table(tuple(int(m) for m in (args.ms or "1,16,64").split(",")), chain_bytes=args.chain_mb << 20)
+    if args.accum:
+        return accum_duel(tuple(int(m) for m in (args.ms or "16,32,64").split(",")),
+                          tuple((args.shapes or "o,qkv,down,down-g128,gate_up").split(",")))
     if args.pdl:
         return pdl_duel(tuple(int(m) for m in (args.ms or "1,16,32,64").split(",")),
                         tuple((args.shapes or "o,qkv,down,gate_up").split(",")))
