@@ -8,7 +8,7 @@ bit-identical to ``quant.quantize``; the temporaries are those of one chunk.
 """
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -27,15 +27,17 @@ def _row_step(rows: int, cols: int, block: Sequence[int], chunk_numel: int) -> i
 
 
 def quantize(
-    x: torch.Tensor, block: Sequence[int], chunk_numel: int = CHUNK_NUMEL
+    x: torch.Tensor, block: Sequence[int], chunk_numel: int = CHUNK_NUMEL, out: Optional[torch.Tensor] = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``quant.quantize(x, block)`` for a 2-D ``x: [N, K]``, computed ``chunk_numel`` elements at a time."""
+    """``quant.quantize(x, block)`` for a 2-D ``x: [N, K]``, computed ``chunk_numel`` elements at a time; the codes
+    written into ``out`` (an fp8 ``[N, K]``, e.g. a slice of a larger weight) where given."""
     rows, cols = x.shape
     step = _row_step(rows, cols, block, chunk_numel)
     if rows <= step:
-        return quant.quantize(x, block)
+        q, scale = quant.quantize(x, block)
+        return (q, scale) if out is None else (out.copy_(q), scale)
     chunks = [x[i : i + step] for i in range(0, rows, step)]
-    q = torch.empty(x.shape, dtype=quant.FP8_DTYPE, device=x.device)  # q: [N, K]
+    q = torch.empty(x.shape, dtype=quant.FP8_DTYPE, device=x.device) if out is None else out  # q: [N, K]
     if block[0] == -1:  # one scale over all rows: its max first, then the casts
         scale = torch.stack([quant.compute_scale(c, block) for c in chunks]).amax(dim=0)  # [1, n_c]
         for i, c in zip(range(0, rows, step), chunks):

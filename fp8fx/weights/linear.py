@@ -344,7 +344,8 @@ class Fp8LinearMethod:
 
     Online (``is_checkpoint_fp8_serialized=False``): the bf16 weight is received into a high-precision
     buffer and quantized as soon as its last element has arrived (counted by ``CopyNumelCounter``),
-    so loading holds at most one bf16 weight per layer in flight. Serialized: fp8 weights and scales
+    so loading holds at most one bf16 weight per layer in flight; the shards of a fused layer whose scales are their
+    rows' own (per channel, or blocks within a shard) are quantized as they arrive, with no buffer. Serialized: fp8 weights and scales
     are copied as stored; per-shard per-tensor scales of a fused layer are requantized to their max
     in ``process_weights_after_loading``.
     """
@@ -473,6 +474,9 @@ class Fp8LinearMethod:
                 f"parameter slice of shape {tuple(dest.shape)} (output partitions {list(sizes)}); load the "
                 "checkpoint's tensor for this layer and shard"
             )
+        if online_weight and shard_id is not None and self._quantizes_shards(layer):
+            self._quantize_shard(layer, loaded, shard_id)
+            return
         if name == "weight" and target.is_meta:  # the receive buffer, once every check passed: where create_weights
             device = layer._fp8fx_device if layer._fp8fx_device is not None else loaded.device  # said, or the tensor's
             target = nn.Parameter(torch.empty_like(target, device=device), requires_grad=False)
@@ -513,11 +517,50 @@ class Fp8LinearMethod:
             return dest[shard_id : shard_id + 1]
         return dest
 
+    def _quantizes_shards(self, layer: nn.Module) -> bool:
+        """Online, each shard of a fused layer is quantized as it arrives where its scales are its rows' own
+        (per-channel; blocks where no block spans two partitions): the result is the whole weight's, bit for bit,
+        and no bf16 copy of the whole weight is held. A per-tensor scale needs every shard's values first."""
+        w = self.scheme.weight
+        if isinstance(w, PerRow):
+            return True
+        return isinstance(w, PerBlock) and not any(size % w.block_n for size in layer._fp8fx_partitions[:-1])
+
+    def _quantize_shard(self, layer: nn.Module, loaded: torch.Tensor, shard_id: int) -> None:
+        """Quantize shard ``shard_id`` (checked by ``weight_loader``) into the layer's fp8 weight and scales, held
+        aside (``_fp8fx_shard_parts``) until the last shard makes them the layer's parameters: until then the layer
+        is as unloaded as with the bf16 receive buffer."""
+        n, k = layer._parameters["weight"].shape
+        block = self.scheme.weight.block
+        if getattr(layer, "_fp8fx_shard_parts", None) is None:
+            device = layer._fp8fx_device if layer._fp8fx_device is not None else loaded.device
+            q = torch.empty(n, k, dtype=quant.FP8_DTYPE, device=device)
+            scale = torch.empty(quant.scale_shape((n, k), block), dtype=torch.float32, device=device)
+            layer._fp8fx_shard_parts = (q, scale)
+        q, scale = layer._fp8fx_shard_parts
+        sizes = layer._fp8fx_partitions
+        start, size = sum(sizes[:shard_id]), sizes[shard_id]
+        # (cast to the layer's dtype first, as the copy into its bf16 receive buffer would)
+        part = loaded.to(device=q.device, dtype=layer._fp8fx_dtype)
+        _, part_scale = chunked.quantize(part, block, out=q.narrow(0, start, size))
+        rows = 1 if isinstance(self.scheme.weight, PerRow) else self.scheme.weight.block_n
+        scale.narrow(0, start // rows, part_scale.shape[0]).copy_(part_scale)
+        layer._fp8fx_shards_loaded.add(shard_id)
+        layer._fp8fx_copied += loaded.numel()
+        if layer._fp8fx_copied >= n * k:
+            del layer._fp8fx_shard_parts
+            self._install(layer, q, scale)
+
     def _quantize_online(self, layer: nn.Module) -> None:
         """bf16 weight (fully loaded) -> fp8 weight + scale; the bf16 tensor is dropped."""
         q, scale = chunked.quantize(layer._parameters["weight"].data, self.scheme.weight.block)
         if isinstance(self.scheme.weight, PerTensor):
             scale = scale.reshape(1)
+        self._install(layer, q, scale)
+
+    @staticmethod
+    def _install(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """The quantized weight and its scale become the layer's parameters; the layer is an fp8 layer."""
         layer._parameters["weight"] = nn.Parameter(q, requires_grad=False)
         scale_name = "weight_scale_inv" if layer._fp8fx_block_scales else "weight_scale"
         layer._parameters[scale_name] = nn.Parameter(scale, requires_grad=False)

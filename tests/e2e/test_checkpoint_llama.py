@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import fp8fx
+from fp8fx import quant
 from fp8fx.checkpoint import convert, load_checkpoint, meta_model
 from fp8fx.weights import chunked
 from tests.conftest import rel_err
@@ -289,6 +290,39 @@ def test_fp8_shards_of_a_fused_layer_are_requantized_within_the_bound(tmp_path):
     assert report.fused == {"gate_up_proj": ("gate_proj", "up_proj")}
     bound = unique_bytes(list(model.parameters())) + i * h * 2 + 16 * chunked.CHUNK_NUMEL
     assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
+
+
+@pytest.mark.parametrize("granularity", ["channel", "block"])
+def test_bf16_shards_of_a_fused_layer_are_quantized_as_they_arrive(tmp_path, granularity):
+    """bf16 gate and up shards (8 MiB each) loaded online into a fused gate_up_proj with per-channel or 128x128 block
+    scales: each shard is quantized as it arrives, its rows' scales being its own, so the peak stays under the loaded
+    model + one bf16 tensor + the workspace, and the weight is the whole one's quantization bit for bit. The layer
+    held its whole bf16 weight (16 MiB) until the last shard arrived: the peak was above this bound."""
+    from torch import nn
+
+    h, i = 1024, 4096
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate_up_proj, self.down_proj = nn.Linear(h, 2 * i, bias=False), nn.Linear(i, h, bias=False)
+
+    torch.manual_seed(0)
+    tensors = {"gate_proj.weight": torch.randn(i, h).bfloat16(), "up_proj.weight": torch.randn(i, h).bfloat16() * 4,
+               "down_proj.weight": torch.randn(h, i).bfloat16()}
+    path = write_checkpoint(tmp_path, tensors)
+    with torch.device("meta"):
+        model = MLP().bfloat16()
+    config = fp8fx.Fp8Config(weight_block_size=[128, 128] if granularity == "block" else None)
+    report, peak = peak_allocated(lambda: load_checkpoint(model, path, config, progress=False))
+    assert report.fused == {"gate_up_proj": ("gate_proj", "up_proj")}
+    bound = unique_bytes(list(model.parameters())) + i * h * 2 + 16 * chunked.CHUNK_NUMEL
+    assert peak <= bound, f"peak {peak / 2**20:.1f} MiB > {bound / 2**20:.1f} MiB"
+    block = [128, 128] if granularity == "block" else [1, -1]
+    q, scale = quant.quantize(torch.cat([tensors["gate_proj.weight"], tensors["up_proj.weight"]]), block)
+    layer = model.gate_up_proj
+    assert torch.equal(layer._parameters["weight"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(layer.weight_scale_inv if granularity == "block" else layer.weight_scale, scale)
 
 
 def test_convert_peak_is_one_output_file_plus_one_bf16_tensor(tmp_path):

@@ -206,28 +206,40 @@ def test_copy_numel_counter_counts_narrowed_copies():
     assert c.copied_numel == 24
 
 
-def test_online_shards_quantize_when_last_element_arrives():
-    """A fused qkv-like layer loaded shard by shard, out of order, from bf16 tensors."""
-    sizes = [128, 64, 64]
-    full = torch.randn(sum(sizes), 128, dtype=torch.bfloat16)
-    layer = nn.Linear(128, sum(sizes), bias=False, device="meta")
-    method = Fp8LinearMethod(Fp8Config())
-    method.create_weights(layer, 128, sizes, torch.bfloat16, device="cpu")
+@pytest.mark.parametrize("granularity,sizes", [
+    ("channel", [128, 64, 64]), ("block", [128, 256, 72]), ("block", [100, 64, 64]), ("tensor", [128, 64, 64])],
+    ids=["channel", "block", "block-across-shards", "tensor"])
+def test_online_shards_quantize_when_last_element_arrives(granularity, sizes):
+    """A fused qkv-like layer loaded shard by shard, out of order, from bf16 tensors: the whole weight's
+    quantization, bit for bit. Where each shard's rows have scales of their own (per channel; 128x128 blocks with
+    every partition but the last on block rows) a shard is quantized as it arrives and no bf16 weight is held;
+    where a scale spans shards (per tensor; a block across two) they wait in a bf16 receive buffer."""
+    full = torch.randn(sum(sizes), 200, dtype=torch.bfloat16)
+    layer = nn.Linear(200, sum(sizes), bias=False, device="meta")
+    block = {"channel": [1, -1], "block": [128, 128], "tensor": [-1, -1]}[granularity]
+    config = Fp8Config(weight_block_size=[128, 128]) if granularity == "block" else Fp8Config(
+        weight_granularity=fp8fx.PerRow() if granularity == "channel" else fp8fx.PerTensor())
+    method = Fp8LinearMethod(config)
+    method.create_weights(layer, 200, sizes, torch.bfloat16, device="cpu")
     assert layer.weight.is_meta  # nothing materialized before the first shard
-    offsets = [0, 128, 192]
+    offsets = [0, sizes[0], sizes[0] + sizes[1]]
+    streamed = granularity == "channel" or granularity == "block" and sizes[0] % 128 == 0 == sizes[1] % 128
     for shard in (2, 0):
         method.weight_loader(layer, "weight", full[offsets[shard] : offsets[shard] + sizes[shard]], shard_id=shard)
         assert layer._parameters["weight"].dtype == torch.bfloat16  # not complete yet
-    with pytest.raises(RuntimeError, match="received 24576 of 32768 elements"):
+        assert layer._parameters["weight"].is_meta == streamed  # (streamed: no bf16 weight held)
+    with pytest.raises(RuntimeError, match=f"received {200 * (sizes[0] + sizes[2])} of {200 * sum(sizes)} elements"):
         method.process_weights_after_loading(layer)
-    method.weight_loader(layer, "weight", full[128:192], shard_id=1)
+    method.weight_loader(layer, "weight", full[offsets[1] : offsets[2]], shard_id=1)
     assert layer._parameters["weight"].dtype == torch.float8_e4m3fn
-    q, s = quant.quantize(full, [1, -1])
+    q, s = quant.quantize(full, block)
+    scale_name = "weight_scale_inv" if granularity == "block" else "weight_scale"
+    s = s.reshape(1) if granularity == "tensor" else s
     assert torch.equal(layer._parameters["weight"].view(torch.uint8), q.view(torch.uint8))
-    assert torch.equal(layer.weight_scale, s)
+    assert torch.equal(getattr(layer, scale_name), s)
     method.process_weights_after_loading(layer)
     method.process_weights_after_loading(layer)  # idempotent
-    assert torch.equal(layer.weight_scale, s)
+    assert torch.equal(getattr(layer, scale_name), s)
 
 
 def test_serialized_per_tensor_shards_requantized_to_max_scale():
