@@ -542,3 +542,32 @@ def test_prefill_refused_with_h_groups_says_why():
         assert f"{PREFILL_M} tokens: the fused MLP is for 1-64 tokens (with h in 1 x G groups" in site.scheme, str(report)
         assert "but h is quantized per tensor or with a static scale" in site.scheme, str(report)
         assert "Fp8Backend(mlp_h_group=128) fuses" not in site.scheme, str(report)
+
+
+class ActLeakMLP(MLP):
+    """SiLU(gate) is read again besides the product."""
+
+    def forward(self, x):
+        a = nn.functional.silu(self.gate_proj(x))
+        return self.down_proj(a * self.up_proj(x)), a.sum()
+
+
+class GateHalfLeakMLP(MergedMLP):
+    """The merged layer's gate half is read again besides the activation."""
+
+    def forward(self, x):
+        g, u = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(nn.functional.silu(g) * u), g.sum()
+
+
+@pytest.mark.parametrize("cls", [ActLeakMLP, GateHalfLeakMLP])
+def test_an_intermediate_read_elsewhere_is_not_fused_and_compiles(cls):
+    """Fused anyway, the graph failed to compile (the activation or gate half could not be erased)."""
+    model, _ = quantized(cls)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    (y0, s0), _, _ = run(model, x, fuse_mlp=False)
+    torch._dynamo.reset()
+    (y, s), report, code = run(model, x, fuse_mlp=True, mlp_h_group=None)
+    assert "gated_mlp" not in code
+    assert all("has another reader" in site.scheme for site in report.sites), str(report)
+    assert torch.equal(y, y0) and torch.equal(s, s0)

@@ -531,3 +531,81 @@ def test_device_capability_query_inside_the_experts_is_taken():
     assert site.rewritten, site.reason
     assert torch.cuda.get_device_capability not in targets(graphs[0])  # dead once the experts are fused
     assert torch.equal(out, x + fused_reference(model.experts, x, ids, w, torch.bfloat16))
+
+
+@pytest.mark.parametrize("variant,reason", [
+    # ids clamped from 1: expert 0's pairs run expert 1 in the model; fused_moe would run them on expert 0
+    (dict(routing=lambda i, w: (i.clamp(1, E - 1), w)), "multiplies values that fused_moe does not multiply"),
+    (dict(routing=lambda i, w: (i.clamp(min=1), w)), "multiplies values that fused_moe does not multiply"),
+    # expert 0 looped over twice: the model adds its output twice, fused_moe once
+    (dict(experts=[*range(E), 0]), "adds expert(s) [0] twice"),
+], ids=["clamp-1-E", "clamp-min-1", "an-expert-twice"])
+def test_experts_computing_something_else_are_left_alone(variant, reason):
+    model = Block(LoopExperts(**variant)).to(torch.bfloat16)
+    x, ids, w = inputs(torch.bfloat16)
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        eager = model(x, ids, w)
+        out, gm, report = compile_capture(model, x, ids, w)
+    moe = [s for s in report.sites if s.kind == "moe"]
+    assert [(s.fqn, s.rewritten) for s in moe] == [("experts", False)], moe
+    assert reason in moe[0].reason, moe[0].reason
+    assert torch.ops.fp8fx.fused_moe.default not in targets(gm)
+    assert torch.allclose(out, eager, rtol=0.02, atol=0.02)
+
+
+class CrossedUp(LoopExperts):
+    """Expert e's SiLU(gate) times expert e+1's up."""
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in range(E):
+            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
+            gate, _ = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            _, up = F.linear(x, self.gate_up_proj[(e + 1) % E]).chunk(2, dim=-1)
+            out = out + weight * F.linear(F.silu(gate) * up, self.down_proj[e])
+        return out.to(x.dtype)
+
+
+class TransposedW13(LoopExperts):
+    """H == 2I here: x @ w13[e] (the weight used transposed) has the right shape and computes something else."""
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in range(E):
+            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
+            gate, up = F.linear(x, self.gate_up_proj[e].t()).chunk(2, dim=-1)
+            out = out + weight * F.linear(F.silu(gate) * up, self.down_proj[e])
+        return out.to(x.dtype)
+
+
+@pytest.mark.parametrize("cls,reason", [(CrossedUp, ""), (TransposedW13, "contracts w13 over its output dim")])
+def test_experts_mixing_their_weights_are_left_alone(cls, reason):
+    model = Block(cls()).to(torch.bfloat16)
+    x, ids, w = inputs(torch.bfloat16)
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        eager = model(x, ids, w)
+        out, gm, report = compile_capture(model, x, ids, w)
+    moe = [s for s in report.sites if s.kind == "moe"]
+    assert [(s.fqn, s.rewritten) for s in moe] == [("experts", False)], moe
+    assert reason in moe[0].reason, moe[0].reason
+    assert torch.allclose(out, eager, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_fused_moe_takes_the_backends_use_fast_accum(fast):
+    model = Block(LoopExperts()).to(torch.bfloat16)
+    x, ids, w = inputs(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend, graphs = fp8fx.Fp8Backend(compiler="eager", use_fast_accum=fast), []
+
+    def capture(gm, example_inputs):
+        compiled = backend(gm, example_inputs)
+        graphs.append(gm)
+        return compiled
+
+    with torch.no_grad():
+        torch.compile(model, backend=capture, fullgraph=True)(x, ids, w)
+    [node] = [n for n in graphs[0].graph.nodes if n.target is torch.ops.fp8fx.fused_moe.default]
+    assert node.args[12] is fast

@@ -3,6 +3,7 @@ block as ``block_sparse_moe`` where transformers 5 builds ``mlp``; load_checkpoi
 transformers applies (or a user's key_mapping), match ignore lists written with the checkpoint's names, and refuse
 mappings that merge two tensors, leaving the model unchanged."""
 import json
+import re
 
 import pytest
 import torch
@@ -343,3 +344,38 @@ def test_group_references_transformers_would_leave_as_text_are_refused():
             renames.resolve(model, {r"^transformer\.(layers)\.(0)\.": replacement}, "t", names)
     rename = renames.resolve(model, {r"^transformer\.(layers)\.": r"model.\1."}, "t", names)
     assert rename(names[0]) == "model.layers.0.mlp.up_proj.weight"
+
+
+class _Up(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp = nn.Module()
+        self.mlp.up_proj = nn.Linear(4, 4, bias=False)
+
+
+def test_without_transformers_each_key_mapping_pattern_replaces_its_first_match(monkeypatch):
+    monkeypatch.setattr(renames, "transformers_renamer", lambda *a, **k: None)  # as where transformers is absent
+    rename = renames.resolve(_Up(), {r"proj": "linear"}, "test", names=["mlp.proj_a.proj.weight"])
+    assert rename("mlp.proj_a.proj.weight") == "mlp.linear_a.proj.weight"
+
+
+def test_model_renames_skip_the_scales_of_a_module_the_model_has(monkeypatch):
+    """An fp8 checkpoint in the model's own layout loaded into the bf16 model: the scale is no parameter yet, but its
+    module is one of the model's; the model's renames must not move it away from its weight."""
+    monkeypatch.setattr(renames, "transformers_renamer", lambda model, user, model_renames=True: (
+        (lambda n: n.replace("mlp.", "ffn.")) if model_renames else None))
+    rename = renames.resolve(_Up(), None, "test")
+    assert rename("mlp.up_proj.weight") == "mlp.up_proj.weight"
+    assert rename("mlp.up_proj.weight_scale") == "mlp.up_proj.weight_scale"
+    assert rename("mlp.other.weight") == "ffn.other.weight"
+
+
+def test_a_weight_renamed_to_a_3d_experts_leaf_takes_its_scales_along():
+    """GraniteMoE-like: ``input_linear.weight`` -> ``experts.gate_up_proj``, a leaf that is no ".weight"."""
+    rename = lambda n: re.sub(r"input_linear\.weight$", "experts.gate_up_proj", n)  # noqa: E731
+    names = ["m.input_linear.weight", "m.input_linear.weight_scale", "m.input_linear.input_scale"]
+    assert renames.renamed(names, rename) == {
+        "m.input_linear.weight": "m.experts.gate_up_proj",
+        "m.input_linear.weight_scale": "m.experts.gate_up_proj_scale",
+        "m.input_linear.input_scale": "m.experts.gate_up_proj_input_scale",
+    }

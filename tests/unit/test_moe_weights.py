@@ -712,3 +712,30 @@ def test_a_16_bit_state_dict_into_quantized_layers_is_refused_naming_the_tensor(
     model.load_state_dict(bf16.state_dict())  # the quantized model's own state dict loads as before
     x = torch.randn(3, H, dtype=torch.bfloat16)
     assert torch.equal(model.proj(x), bf16.proj(x))
+
+
+def test_w13_input_scale_is_the_max_of_w1_and_w3_whatever_their_order():
+    """w1's static input scale larger than w3's and loaded first: the max is kept (each test sent w3's larger, last)."""
+    method, layer = serialized(dict(activation_scheme="static"))
+    for e in range(E):
+        for shard, s in (("w1", 2.0), ("w3", 0.5)):
+            method.weight_loader(layer, "w13_weight", torch.zeros(I, H, dtype=torch.float8_e4m3fn), shard, e)
+            method.weight_loader(layer, "w13_weight_scale", torch.tensor(1.0), shard, e)
+            method.weight_loader(layer, "w13_input_scale", torch.tensor(s), shard, e)
+        method.weight_loader(layer, "w2_weight", torch.zeros(H, I, dtype=torch.float8_e4m3fn), "w2", e)
+        method.weight_loader(layer, "w2_weight_scale", torch.tensor(1.0), "w2", e)
+        method.weight_loader(layer, "w2_input_scale", torch.tensor(1.0), "w2", e)
+    method.process_weights_after_loading(layer)
+    assert layer.gate_up_proj_input_scale.item() == 2.0
+
+
+@pytest.mark.parametrize("expert_id", [-1, -E])
+def test_a_negative_expert_id_is_refused_and_changes_nothing(expert_id):
+    """vLLM's expert-parallel map gives -1 to experts another rank holds: indexing with it would overwrite the last
+    expert and count it loaded."""
+    method, layer = serialized({})
+    before = {k: v.view(torch.uint8).clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(ValueError, match="out of range"):
+        method.weight_loader(layer, "w13_weight", torch.ones(I, H).to(torch.float8_e4m3fn), "w1", expert_id)
+    assert all(torch.equal(before[k], v.view(torch.uint8)) for k, v in layer.state_dict().items())
+    assert not layer._fp8fx_done["gate_up_proj"].any()
