@@ -439,7 +439,9 @@ def _remove(written: list, created_dir: Optional[str]) -> None:
 
 
 def _write_index(path: str, weight_map: Mapping[str, str], total: int, written: list) -> None:
-    if len(set(weight_map.values())) > 1:
+    """The index, where loaders need one: several files, or one not named ``model.safetensors`` (convert keeps a
+    source's ``model-00001-of-00001.safetensors``, which transformers finds through the index only)."""
+    if set(weight_map.values()) - {"model.safetensors"}:
         index = {"metadata": {"total_size": total}, "weight_map": dict(weight_map)}
         _write_text(path, INDEX, json.dumps(index, indent=2), written)
 

@@ -321,6 +321,33 @@ def test_convert_then_load_equals_quantize_(tmp_path, caplog, config, method):
     assert_same_state(ref, loaded)
 
 
+def test_convert_keeps_the_index_of_a_one_file_checkpoint(tmp_path):
+    """A source of one model-00001-of-00001.safetensors and its index (a layout transformers writes): the output
+    kept the file's name but had no index, and transformers finds such a file through the index only."""
+    src = write_checkpoint(tmp_path / "src", bf16_state(), extra_config={"model_type": "tiny"})
+    names = safetensors_names(src / "model.safetensors")
+    (src / "model.safetensors").rename(src / "model-00001-of-00001.safetensors")
+    (src / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {n: "model-00001-of-00001.safetensors" for n in names}}))
+    convert(src, tmp_path / "dst", model=meta_tiny(), progress=False)
+    index = json.loads((tmp_path / "dst" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"model-00001-of-00001.safetensors"}
+    assert set(index["weight_map"]) == set(safetensors_names(tmp_path / "dst" / "model-00001-of-00001.safetensors"))
+    loaded = meta_tiny()
+    load_checkpoint(loaded, tmp_path / "dst", progress=False)
+    # a plain model.safetensors stays alone, as before
+    convert(write_checkpoint(tmp_path / "one", bf16_state(), extra_config={"model_type": "tiny"}), tmp_path / "d2",
+            model=meta_tiny(), progress=False)
+    assert sorted(p.name for p in (tmp_path / "d2").iterdir()) == ["config.json", "model.safetensors"]
+
+
+def safetensors_names(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return list(f.keys())
+
+
 def test_convert_failing_in_a_later_file_leaves_no_partial_checkpoint(tmp_path, monkeypatch):
     from fp8fx.checkpoint import save
 
