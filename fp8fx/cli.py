@@ -130,6 +130,14 @@ def inspect_command(args: argparse.Namespace) -> int:
                              f"this {type(model).__name__}", "inspected")
     except ValueError as e:
         raise UsageError(f"--ignore: {e}") from None
+    from_file = tuple(n for n in config.ignored_layers or () if n not in args.ignore)
+    if args.config and from_file:  # (said, not refused: a checkpoint's config may name its own modules, which
+        try:                        # load_checkpoint maps to the model's)
+            check_ignored_layers(Fp8Config(ignored_layers=from_file), [f for f, _ in model.named_modules()],
+                                 f"this {type(model).__name__}", "inspected")
+        except ValueError as e:
+            log.warning("fp8fx inspect: --config %s: %s; the layer it meant stays as predicted below (a module of "
+                        "the checkpoint's own, not the model's, is mapped by load_checkpoint)", args.config, e)
     rows, others, graphs = predict(model, config, call_args, call_kwargs, layer_config)
     if args.json:
         print(json.dumps({"model": args.model, "config": config.to_dict(), "graphs": graphs, "sites": rows,

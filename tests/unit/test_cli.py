@@ -1,5 +1,6 @@
 """The fp8fx command: exit codes and output on bad paths, bad configs and good models."""
 import json
+import logging
 import pathlib
 import re
 import subprocess
@@ -300,6 +301,20 @@ def test_modules_to_not_convert_is_read_as_transformers_reads_it(capsys, llama_d
     rows = [line for line in out.splitlines() if "mlp.down_proj" in line]
     assert len(rows) == 2 and all("kept in high precision by the quantization_config" in r for r in rows), out
     assert any("up_proj" in line and "would be" in line for line in out.splitlines()), out
+
+
+def test_a_config_file_ignoring_no_module_is_said(capsys, llama_dir, tmp_path, caplog):
+    """--ignore with a typo is refused, as quantize_ refuses it; the same typo in a --config file's ignored_layers
+    went by in silence while the layer meant to stay bf16 showed as rewritten. It is said now (not refused: a
+    checkpoint's config may name the checkpoint's modules, which load_checkpoint maps)."""
+    path = tmp_path / "q.json"
+    path.write_text(json.dumps({"quant_method": "fp8", "activation_scheme": "dynamic",
+                                "ignored_layers": ["lm_head", "model.layers.1.mlp.down_prj"]}))
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        code, out, err = run(capsys, "inspect", str(llama_dir), "--config", str(path), "--json")
+    assert code == 0, err
+    assert f"--config {path}: Fp8Config.ignored_layers: 'model.layers.1.mlp.down_prj' names no module" in caplog.text
+    assert "did you mean 'model.layers.1.mlp.down_proj'" in caplog.text
 
 
 def test_help(capsys):
