@@ -8,7 +8,7 @@ import json
 import logging
 import os
 import shutil
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -322,8 +322,7 @@ def _write_checkpoint(path: str, tensors: Mapping[str, torch.Tensor], max_shard_
     """Write the shards (one file, or files of at most ``max_shard_size`` bytes), the index where there are several,
     and config.json: the only step that writes anything, run once every check has passed."""
     shards = [tensors] if max_shard_size is None else _split(tensors, max_shard_size)
-    created = not os.path.isdir(path)
-    os.makedirs(path, exist_ok=True)
+    created = _make_dirs(path)
     weight_map: dict[str, str] = {}
     total = 0
     written: list[str] = []
@@ -334,7 +333,7 @@ def _write_checkpoint(path: str, tensors: Mapping[str, torch.Tensor], max_shard_
         _write_index(path, weight_map, total, written)
         _write_text(path, CONFIG, config_text, written)
     except BaseException:  # a full disk, say: no partial checkpoint left behind
-        _remove(written, path if created else None)
+        _remove(written, created)
         raise
 
 
@@ -429,13 +428,24 @@ def _write_shard(path: str, file: str, tensors: Mapping[str, torch.Tensor], weig
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _remove(written: list, created_dir: Optional[str]) -> None:
-    """Remove the files a failed save wrote (and the directory it created, if it is empty)."""
+def _make_dirs(path: str) -> list[str]:
+    """``os.makedirs(path)``; the folders it made, deepest first (``_remove`` takes them back)."""
+    made, head = [], os.path.abspath(path)
+    while not os.path.isdir(head):
+        made.append(head)
+        head = os.path.dirname(head)
+    os.makedirs(path, exist_ok=True)
+    return made
+
+
+def _remove(written: list, created_dirs: Sequence[str]) -> None:
+    """Remove the files a failed save wrote, and the folders it made (``_make_dirs``) that are empty then."""
     for file in written:
         if os.path.exists(file):
             os.remove(file)
-    if created_dir is not None and not os.listdir(created_dir):
-        os.rmdir(created_dir)
+    for folder in created_dirs:
+        if os.path.isdir(folder) and not os.listdir(folder):
+            os.rmdir(folder)
 
 
 def _write_index(path: str, weight_map: Mapping[str, str], total: int, written: list) -> None:
@@ -544,6 +554,7 @@ def convert(
             f"{src}/config.json already has a quantization_config; convert takes a bf16/fp16 checkpoint"
         )
     files, entries = read_checkpoint(src)
+    _check_high_precision(entries, src)
     model = model if model is not None else meta_model(src)
     entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "convert", entries), src)
     check_checkpoint_ignores(config, model, entries, f"the checkpoint {src} (or its model)", "written")
@@ -556,7 +567,8 @@ def convert(
     plan.update(expert_plan)
     schemes = {m: config.scheme() for m, reason in plan.items() if not reason}
     if not schemes:
-        raise ValueError(f"convert: no linear weight of {src} can be quantized with {config.scheme()}: {plan}")
+        raise ValueError(f"convert: no linear weight of {src} can be quantized with {config.scheme()}: "
+                         f"{_plan_summary(plan)}")
     # the new quantization_config, the report and the tensors under the checkpoint's names
     stored = functools.partial(renames.stored, sources=sources)
     plan = {s: r for m, r in plan.items() for s in stored(m)}
@@ -565,15 +577,16 @@ def convert(
     qc = formats.quantization_config(schemes, sorted(m for m, r in plan.items() if r), False, format)
     block_inv = qc["quant_method"] == "fp8" and isinstance(config.weight, PerBlock)
     scale_name = "weight_scale_inv" if block_inv else "weight_scale"
-    report = LoadReport(src, f"bf16 -> {qc['quant_method']} ({config.scheme()})")
+    short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # the source's, as read
+    source = "/".join(short[d] for d in short if any(e.dtype == d for e in entries.values())) or "bf16"
+    report = LoadReport(src, f"{source} -> {qc['quant_method']} ({config.scheme()})")
     report.quantized = {m: str(s) for m, s in schemes.items() if m not in expert_plan}
     report.experts = {s: str(config.scheme()) for f, reason in experts.items() if not reason for s in stored(f)}
     report.not_quantized = {m: r for m, r in plan.items() if r}
     _check_convert_names(entries, schemes, expert_tensors, scale_name, src)
 
     config_text = _config_text(config_json, qc, "convert")
-    created = not os.path.isdir(dst)
-    os.makedirs(dst, exist_ok=True)
+    created = _make_dirs(dst)
     weight_map: dict[str, str] = {}
     total = 0
     written: list[str] = []
@@ -609,7 +622,7 @@ def convert(
         _write_index(dst, weight_map, total, written)
         _write_text(dst, CONFIG, config_text, written)
     except BaseException:  # e.g. NaN in a later file: leave no partial checkpoint behind
-        _remove(written, dst if created else None)
+        _remove(written, created)
         raise
     left = []  # what is not carried over, said (a folder: an original/ of another format, a tokenizer's)
     for f in sorted(os.listdir(src)):
@@ -617,6 +630,8 @@ def convert(
         # (safetensors files the index does not name: an adapter's, Mistral's consolidated.safetensors)
         if os.path.isdir(full) or f.endswith(_PICKLES) or f.endswith(".safetensors") and full not in files:
             left.append(f + "/" if os.path.isdir(full) else f)
+        elif not os.path.exists(full):  # a link to nothing (a cleared cache's tokenizer.json)
+            left.append(f"{f} (a broken link)")
         elif os.path.isfile(full) and not (f.endswith((".safetensors", INDEX_SUFFIX)) or f == CONFIG):
             shutil.copy2(full, os.path.join(dst, f))
     if left:
@@ -630,18 +645,32 @@ def convert(
     return report
 
 
-def _check_convert_names(entries, schemes, expert_tensors, scale_name: str, src: str) -> None:
-    """Refuses, before anything is written, a source that is not all high precision: an fp8 tensor (an fp8
-    checkpoint without a quantization_config, whose output no loader could read), or a tensor under a name that a
-    scale convert writes would take (a stale ``weight_scale`` beside a bf16 weight: one of the two would be lost,
-    and loading would scale the weight by the wrong one, silently), or any other scale but a KV-cache one (a stray
-    ``input_scale`` was copied through, into a checkpoint whose config says dynamic activations: no loader read it)."""
+def _check_high_precision(entries, src: str) -> None:
+    """Refuses an fp8 tensor in convert's source (an fp8 checkpoint without a quantization_config, whose output no
+    loader could read), before the plan, which would call its every layer unquantizable."""
     for entry in entries.values():
         if entry.dtype.is_floating_point and entry.dtype.itemsize == 1:
             raise CheckpointError(
                 f"{entry}: an fp8 tensor, but {src}/config.json has no quantization_config: convert takes a "
                 "bf16/fp16/fp32 checkpoint; an fp8 checkpoint needs its quantization_config to be loaded as stored"
             )
+
+
+def _plan_summary(plan: Mapping[str, str], shown: int = 2) -> str:
+    """Why no layer can be quantized, by reason: its count and the first ``shown`` layers (the plan's every layer
+    made one line of tens of KB)."""
+    by_reason: dict[str, list[str]] = {}
+    for fqn, reason in plan.items():
+        by_reason.setdefault(reason, []).append(fqn)
+    parts = [f"{len(f)} layer{'s' * (len(f) > 1)} ({', '.join(f[:shown])}{', ...' if len(f) > shown else ''}): "
+             f"{reason}" for reason, f in sorted(by_reason.items(), key=lambda item: -len(item[1]))]
+    return "; ".join(parts[:4]) + (f"; and {len(parts) - 4} more reasons" if len(parts) > 4 else "")
+
+
+def _check_convert_names(entries, schemes, expert_tensors, scale_name: str, src: str) -> None:
+    """Refuses, before anything is written, a tensor under a name that a scale convert writes would take (a stale ``weight_scale`` beside a bf16 weight: one of the two would be lost,
+    and loading would scale the weight by the wrong one, silently), or any other scale but a KV-cache one (a stray
+    ``input_scale`` was copied through, into a checkpoint whose config says dynamic activations: no loader read it)."""
     stored = {e.source or e.name for e in entries.values()}
     for entry in entries.values():
         name = entry.source or entry.name
@@ -721,6 +750,14 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
         else:
             reason = ""
         plan[owner] = reason
+    asked = output_embeddings(model, modules) if quantize_lm_head else None
+    if asked in linears and asked not in covered:  # asked for by name, stored as another tensor: said, not skipped
+        weight = linears[asked]._parameters["weight"]
+        tied = next((n for n, p in model.named_parameters(remove_duplicate=False)
+                     if p is weight and n != f"{asked}.weight"), "another parameter")
+        plan[asked] = (f"tied to {tied}, which the checkpoint stores for both (not a linear weight of it): not "
+                       "quantized, quantize_lm_head notwithstanding")
+        log.warning("fp8fx: convert: quantize_lm_head: %s %s", asked, plan[asked])
     # a linear of the model without its weight in the checkpoint (a tied one may leave it out): its output would not
     # load (load_checkpoint refuses it), so nothing is written (a name the renames missed: --rename / key_mapping)
     missing = [f for f, m in linears.items() if f not in covered and uses[id(m._parameters["weight"])] == 1]

@@ -341,6 +341,45 @@ def test_convert_keeps_the_index_of_a_one_file_checkpoint(tmp_path):
     assert sorted(p.name for p in (tmp_path / "d2").iterdir()) == ["config.json", "model.safetensors"]
 
 
+def test_convert_says_why_no_layer_can_be_quantized_in_one_short_line(tmp_path):
+    """Every layer of the tiny model is too small for 128x128 blocks: the error gave the whole plan, tens of KB on one
+    line for a 32-layer model; now each reason once, with a count and two layers. An fp8 source without its
+    quantization_config got that same dump (every weight "not bf16") before the error that names its cause."""
+    src = write_checkpoint(tmp_path / "src", bf16_state(), extra_config={"model_type": "tiny"})
+    with pytest.raises(ValueError, match=r"can be quantized with w:per-block\(128x128\) a:per-group\(1x128\): "
+                                         r"\d+ layers \([^)]*, \.\.\.\): weight \[\d+, \d+\] is not divisible") as e:
+        convert(src, tmp_path / "dst", fp8fx.Fp8Config(weight_block_size=[128, 128]), model=meta_tiny(),
+                progress=False)
+    assert len(str(e.value)) < 800 and "\n" not in str(e.value)
+    state = {n: t.to(torch.float8_e4m3fn) if n.endswith("proj.weight") else t for n, t in bf16_state().items()}
+    fp8 = write_checkpoint(tmp_path / "fp8", state, extra_config={"model_type": "tiny"})
+    with pytest.raises(CheckpointError, match="an fp8 tensor, but .* has no quantization_config"):
+        convert(fp8, tmp_path / "dst", model=meta_tiny(), progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_convert_reports_a_tied_head_asked_for_a_broken_link_and_the_source_dtype(tmp_path, caplog):
+    """--quantize-lm-head on a head tied to the embedding (no lm_head.weight stored) had no row in the report and no
+    word; a side file that is a broken link was neither copied nor named; an fp32 source was reported as bf16."""
+    class Tied(Tiny):
+        def __init__(self):
+            super().__init__()
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    state = {n: t.float() for n, t in bf16_state().items() if n != "lm_head.weight"}
+    src = write_checkpoint(tmp_path / "src", state, extra_config={"model_type": "tiny"})
+    os.symlink(tmp_path / "gone.json", src / "tokenizer.json")
+    with torch.device("meta"):
+        model = Tied().bfloat16()
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        report = convert(src, tmp_path / "dst", model=model, quantize_lm_head=True, progress=False)
+    assert report.not_quantized["lm_head"].startswith("tied to model.embed_tokens.weight, which the checkpoint "
+                                                      "stores for both")
+    assert "quantize_lm_head: lm_head tied to model.embed_tokens.weight" in caplog.text
+    assert "convert did not copy tokenizer.json (a broken link)" in caplog.text
+    assert report.format.startswith("fp32 -> compressed-tensors")
+
+
 def safetensors_names(path):
     from safetensors import safe_open
 
@@ -361,9 +400,10 @@ def test_convert_failing_in_a_later_file_leaves_no_partial_checkpoint(tmp_path, 
     state[second][0, 0] = float("nan")  # in the second of two files
     src = write_checkpoint(tmp_path / "src", state, shards=2, extra_config={"model_type": "tiny"})
     with pytest.raises(CheckpointError, match="NaN/Inf"):
-        convert(src, tmp_path / "dst", model=meta_tiny(), progress=False)
+        convert(src, tmp_path / "new" / "deeper" / "dst", model=meta_tiny(), progress=False)
     assert written == ["model-00001-of-00002.safetensors"]  # the first file was written ...
-    assert not (tmp_path / "dst").exists()  # ... then removed, with the folder convert made
+    assert not (tmp_path / "new").exists()  # ... then removed, with the folders convert made (new/ and deeper/ were
+    # left)
 
 
 @pytest.mark.parametrize("how", ["save", "convert"])
