@@ -477,8 +477,9 @@ def _config_text(config_json: Any, qc: dict, what: str) -> str:
 
 
 def meta_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = None) -> nn.Module:
-    """The HF transformers causal-LM that ``path/config.json`` describes, built on the meta device
-    (no memory), in ``dtype`` (default: the config's dtype, else bf16). Needs transformers."""
+    """The HF transformers model that ``path/config.json`` describes, built on the meta device (no memory), in
+    ``dtype`` (default: the config's dtype, else bf16): the class its ``architectures`` names (a ``BertModel``, a
+    ``T5ForConditionalGeneration``), else the causal LM of its model type. Needs transformers."""
     try:
         import transformers
     except ImportError:  # (fp8fx does not depend on it)
@@ -490,7 +491,11 @@ def meta_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = Non
         dtype = dtype or getattr(cfg, "dtype", None) or torch.bfloat16
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
+        named = [getattr(transformers, a, None) for a in getattr(cfg, "architectures", None) or ()]
+        cls = next((c for c in named if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)), None)
         with torch.device("meta"):
+            if cls is not None:  # (the class the checkpoint was saved from: its names are the checkpoint's)
+                return cls._from_config(cfg, dtype=dtype).eval()
             return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     except Exception as e:  # noqa: BLE001 - named for the user below, the original chained
         first = (str(e).strip().splitlines() or [""])[0]

@@ -363,6 +363,26 @@ def test_convert_block_checkpoint_loads_back(capsys, tmp_path):
         assert rel_err(loaded(ids).logits.float(), model(ids).logits.float()) < 0.1
 
 
+def test_convert_builds_the_class_the_config_names(capsys, tmp_path):
+    """A BertModel checkpoint: convert built every checkpoint as a causal LM (a BertLMHeadModel, whose names are under
+    "bert.") and refused it with advice to --rename; it builds config.json's architectures class now."""
+    cfg = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                  intermediate_size=128)
+    torch.manual_seed(0)
+    model = transformers.BertModel(cfg).eval()
+    model.to(torch.bfloat16).save_pretrained(tmp_path / "src")
+    code, out, err = run(capsys, "convert", str(tmp_path / "src"), str(tmp_path / "dst"), "--no-progress")
+    assert code == 0, err
+    loaded = fp8fx.checkpoint.meta_model(tmp_path / "dst")
+    assert type(loaded) is transformers.BertModel
+    report = fp8fx.load_checkpoint(loaded, tmp_path / "dst", progress=False)
+    assert len(report.quantized) == 2 * 6 + 1  # q, k, v, attention and intermediate/output dense, and the pooler
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        want = model.to(torch.bfloat16)(ids).last_hidden_state.float()
+        assert rel_err(loaded(ids).last_hidden_state.float(), want) < 0.1
+
+
 def test_convert_rename(capsys, tmp_path):
     """--rename maps the checkpoint's names to the model's (the output keeps the checkpoint's); a bad one is one line."""
     from tests.e2e.test_checkpoint_llama import llama_config, reference_model
