@@ -566,6 +566,7 @@ def convert(
     config = renames.with_stored_ignores(config, sources)
     if type(quantize_lm_head) is not bool:
         raise TypeError(f"convert: quantize_lm_head={quantize_lm_head!r} is not True or False")
+    _check_model_state(model, entries, src)
     _, cut_into = renames.cut(entries, model, src)  # (convert writes the stored tensors: not cut, kept bf16)
     plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused), quantize_lm_head, cut_into)
     expert_plan, expert_tensors, experts = moe_ckpt.convert_plan(dict(model.named_modules()), entries, config)
@@ -650,6 +651,33 @@ def convert(
     return report
 
 
+def _check_model_state(model: nn.Module, entries, src: str) -> None:
+    """Refuses, before anything is written, what ``load_checkpoint`` would refuse in the output for the tensors that
+    are not linear or expert weights convert plans: a tensor of another shape than the model's of that name (a config
+    of other sizes), and a parameter of another module (an embedding, a norm) that no tensor holds, under any of its
+    tied names (a --rename that missed it). Linear layers are checked by the plan (fused and cut ones too), experts
+    by theirs."""
+    state = model.state_dict(keep_vars=True)
+    for name, entry in entries.items():
+        target = state.get(name)
+        if target is not None and tuple(entry.shape) != tuple(target.shape):
+            raise CheckpointError(f"{entry}: the model's {name} has shape {list(target.shape)}; a config.json of "
+                                  "other sizes, or the wrong checkpoint (nothing was written)")
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    modules = dict(model.named_modules())
+    missing = [keys[0] for keys in names.values()
+               if not any(k in entries for k in keys)
+               and not any(isinstance(modules[k.rpartition(".")[0]], nn.Linear) or state[k].dim() == 3 for k in keys)]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise CheckpointError(
+            f"convert: the model's {missing[0]} has no tensor in the checkpoint{more}; a checkpoint its config.json "
+            "does not describe, a missing shard, or names to map with --rename (key_mapping=); nothing was written"
+        )
+
+
 def _check_high_precision(entries, src: str) -> None:
     """Refuses an fp8 tensor in convert's source (an fp8 checkpoint without a quantization_config, whose output no
     loader could read), before the plan, which would call its every layer unquantizable."""
@@ -673,9 +701,10 @@ def _plan_summary(plan: Mapping[str, str], shown: int = 2) -> str:
 
 
 def _check_convert_names(entries, schemes, expert_tensors, scale_name: str, src: str) -> None:
-    """Refuses, before anything is written, a tensor under a name that a scale convert writes would take (a stale ``weight_scale`` beside a bf16 weight: one of the two would be lost,
-    and loading would scale the weight by the wrong one, silently), or any other scale but a KV-cache one (a stray
-    ``input_scale`` was copied through, into a checkpoint whose config says dynamic activations: no loader read it)."""
+    """Refuses, before anything is written, a tensor under a name that a scale convert writes would take (a stale
+    ``weight_scale`` beside a bf16 weight: one of the two would be lost, and loading would scale the weight by the
+    wrong one, silently), or any other scale but a KV-cache one (a stray ``input_scale`` was copied through, into a
+    checkpoint whose config says dynamic activations: no loader read it)."""
     stored = {e.source or e.name for e in entries.values()}
     for entry in entries.values():
         name = entry.source or entry.name

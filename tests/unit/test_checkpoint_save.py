@@ -380,6 +380,24 @@ def test_convert_reports_a_tied_head_asked_for_a_broken_link_and_the_source_dtyp
     assert report.format.startswith("fp32 -> compressed-tensors")
 
 
+@pytest.mark.parametrize("case", ["other-sizes", "missing-embedding"])
+def test_convert_refuses_what_load_would_refuse_in_its_output(tmp_path, case):
+    """A config.json of other sizes than the weights, or a --rename that left the embedding out: convert checked the
+    linear weights alone and wrote a checkpoint load_checkpoint then refused."""
+    state = bf16_state()
+    if case == "other-sizes":
+        state["model.embed_tokens.weight"] = torch.zeros(state["model.embed_tokens.weight"].shape[0] + 1, 64,
+                                                          dtype=torch.bfloat16)
+        message = r"the model's model.embed_tokens.weight has shape \[\d+, 64\]; a config.json of other sizes"
+    else:
+        state["backbone.embed_tokens.weight"] = state.pop("model.embed_tokens.weight")
+        message = r"the model's model.embed_tokens.weight has no tensor in the checkpoint; .* nothing was written"
+    src = write_checkpoint(tmp_path / "src", state, extra_config={"model_type": "tiny"})
+    with pytest.raises(CheckpointError, match=message):
+        convert(src, tmp_path / "dst", model=meta_tiny(), progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
 def safetensors_names(path):
     from safetensors import safe_open
 
