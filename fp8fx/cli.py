@@ -33,7 +33,7 @@ import fp8fx
 from fp8fx import quant
 from fp8fx.config import Fp8Config
 from fp8fx.weights import moe
-from fp8fx.weights.quantize import LinearDecider, check_ignored_layers
+from fp8fx.weights.quantize import LinearDecider, check_ignored_layers, did_you_mean
 
 log = logging.getLogger("fp8fx")
 
@@ -130,14 +130,16 @@ def inspect_command(args: argparse.Namespace) -> int:
                              f"this {type(model).__name__}", "inspected")
     except ValueError as e:
         raise UsageError(f"--ignore: {e}") from None
-    from_file = tuple(n for n in config.ignored_layers or () if n not in args.ignore)
-    if args.config and from_file:  # (said, not refused: a checkpoint's config may name its own modules, which
-        try:                        # load_checkpoint maps to the model's)
-            check_ignored_layers(Fp8Config(ignored_layers=from_file), [f for f, _ in model.named_modules()],
-                                 f"this {type(model).__name__}", "inspected")
-        except ValueError as e:
-            log.warning("fp8fx inspect: --config %s: %s; the layer it meant stays as predicted below (a module of "
-                        "the checkpoint's own, not the model's, is mapped by load_checkpoint)", args.config, e)
+    # the --config file's entries that name nothing, not even as part of a name (transformers reads its
+    # modules_to_not_convert as substrings: MiniMax-M2's "gate"): said, not refused, as a checkpoint's config may
+    # name its own modules, which load_checkpoint maps to the model's
+    names = [f for f, _ in model.named_modules() if f]
+    unmatched = [n for n in config.ignored_layers or () if n not in args.ignore and not any(n in f for f in names)]
+    if args.config and unmatched:
+        log.warning("fp8fx inspect: --config %s: ignored_layers %s name no module of this %s%s; the layers they "
+                    "meant are predicted below as the rest (a name of the checkpoint's own, which load_checkpoint "
+                    "maps, is fine)", args.config, unmatched, type(model).__name__,
+                    did_you_mean(unmatched[0], names))
     rows, others, graphs = predict(model, config, call_args, call_kwargs, layer_config)
     if args.json:
         print(json.dumps({"model": args.model, "config": config.to_dict(), "graphs": graphs, "sites": rows,

@@ -66,9 +66,12 @@ def resolve(model: nn.Module, key_mapping: Optional[Mapping[str, str]], where: s
         # transformers applies the user's renames, then the model's, each to what the one before left (in one
         # rename_source_key call): the same, in two steps, with the model's skipped for a name in place
         name = by_user(name) if by_user is not None else name
-        if by_model is None or name in placed or name.rpartition(".")[0] in placed:
+        if by_model is None or name in placed:
             return name
-        return by_model(name)
+        new, owner = by_model(name), name.rpartition(".")[0]
+        # a tensor of a module the model has (a scale, no parameter yet) stays with it; a rename of the leaf alone
+        # goes through (transformers' legacy LayerNorm.gamma / .beta -> .weight / .bias)
+        return name if owner in placed and new.rpartition(".")[0] != owner else new
 
     return renamer
 

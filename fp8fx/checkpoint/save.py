@@ -7,6 +7,7 @@ import functools
 import json
 import logging
 import os
+import re
 import shutil
 from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
@@ -492,7 +493,9 @@ def meta_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = Non
         if isinstance(dtype, str):
             dtype = getattr(torch, dtype)
         named = [getattr(transformers, a, None) for a in getattr(cfg, "architectures", None) or ()]
-        cls = next((c for c in named if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)), None)
+        # (a class of this config's: a fine-tune may keep its base's architectures, a Mistral config naming Llama)
+        cls = next((c for c in named if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)
+                    and isinstance(cfg, c.config_class)), None)
         with torch.device("meta"):
             if cls is not None:  # (the class the checkpoint was saved from: its names are the checkpoint's)
                 return cls._from_config(cfg, dtype=dtype).eval()
@@ -573,8 +576,9 @@ def convert(
     plan.update(expert_plan)
     schemes = {m: config.scheme() for m, reason in plan.items() if not reason}
     if not schemes:
-        raise ValueError(f"convert: no linear weight of {src} can be quantized with {config.scheme()}: "
-                         f"{_plan_summary(plan)}")
+        why = _plan_summary(plan) if plan else (f"{type(model).__name__} has no nn.Linear (or experts module) whose "
+                                                "weight the checkpoint holds (GPT-2's Conv1D layers are no linears)")
+        raise ValueError(f"convert: no linear weight of {src} can be quantized with {config.scheme()}: {why}")
     # the new quantization_config, the report and the tensors under the checkpoint's names
     stored = functools.partial(renames.stored, sources=sources)
     plan = {s: r for m, r in plan.items() for s in stored(m)}
@@ -626,20 +630,21 @@ def convert(
             total += _write_shard(dst, os.path.basename(file), out, weight_map, written)
             del out
         _write_index(dst, weight_map, total, written)
-        _write_text(dst, CONFIG, config_text, written)
-    except BaseException:  # e.g. NaN in a later file: leave no partial checkpoint behind
+        left = []  # what is not carried over, said (a folder: an original/ of another format, a tokenizer's)
+        for f in sorted(os.listdir(src)):
+            full = os.path.join(src, f)
+            # (safetensors files the index does not name: an adapter's, Mistral's consolidated.safetensors)
+            if os.path.isdir(full) or f.endswith(_PICKLES) or f.endswith(".safetensors") and full not in files:
+                left.append(f + "/" if os.path.isdir(full) else f)
+            elif not os.path.exists(full):  # a link to nothing (a cleared cache's tokenizer.json)
+                left.append(f"{f} (a broken link)")
+            elif os.path.isfile(full) and not (f.endswith((".safetensors", INDEX_SUFFIX)) or f == CONFIG):
+                written.append(os.path.join(dst, f))  # (before the copy, as _write_shard: a full disk halfway)
+                shutil.copy2(full, written[-1])
+        _write_text(dst, CONFIG, config_text, written)  # last: a folder with config.json is a whole checkpoint
+    except BaseException:  # e.g. NaN in a later file, a full disk: leave no partial checkpoint behind
         _remove(written, created)
         raise
-    left = []  # what is not carried over, said (a folder: an original/ of another format, a tokenizer's)
-    for f in sorted(os.listdir(src)):
-        full = os.path.join(src, f)
-        # (safetensors files the index does not name: an adapter's, Mistral's consolidated.safetensors)
-        if os.path.isdir(full) or f.endswith(_PICKLES) or f.endswith(".safetensors") and full not in files:
-            left.append(f + "/" if os.path.isdir(full) else f)
-        elif not os.path.exists(full):  # a link to nothing (a cleared cache's tokenizer.json)
-            left.append(f"{f} (a broken link)")
-        elif os.path.isfile(full) and not (f.endswith((".safetensors", INDEX_SUFFIX)) or f == CONFIG):
-            shutil.copy2(full, os.path.join(dst, f))
     if left:
         log.warning("fp8fx: convert did not copy %s from %s (folders, pickled weights and safetensors files outside "
                     "the checkpoint's index are not carried over): copy what the converted checkpoint needs by hand",
@@ -666,10 +671,14 @@ def _check_model_state(model: nn.Module, entries, src: str) -> None:
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))
+    # what transformers never saves or lets be missing (Marian's sinusoidal embed_positions): regexes of names
+    unsaved = [p for attr in ("_keys_to_ignore_on_save", "_keys_to_ignore_on_load_missing")
+               for p in getattr(model, attr, None) or ()]
     missing = [keys[0] for keys in names.values()
                if not any(k in entries for k in keys)
-               and not any(isinstance(modules[k.rpartition(".")[0]], nn.Linear) or state[k].dim() == 3 for k in keys)]
+               and not any(isinstance(modules[k.rpartition(".")[0]], nn.Linear) or state[k].dim() == 3
+                           or any(re.search(p, k) for p in unsaved) for k in keys)]
     if missing:
         more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
         raise CheckpointError(
@@ -785,8 +794,9 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
             reason = ""
         plan[owner] = reason
     asked = output_embeddings(model, modules) if quantize_lm_head else None
-    if asked in linears and asked not in covered:  # asked for by name, stored as another tensor: said, not skipped
-        weight = linears[asked]._parameters["weight"]
+    weight = linears[asked]._parameters["weight"] if asked in linears else None
+    if weight is not None and asked not in covered and uses[id(weight)] > 1:  # asked for by name, stored as another
+        # tensor: said, not skipped
         tied = next((n for n, p in model.named_parameters(remove_duplicate=False)
                      if p is weight and n != f"{asked}.weight"), "another parameter")
         plan[asked] = (f"tied to {tied}, which the checkpoint stores for both (not a linear weight of it): not "

@@ -73,7 +73,9 @@ class PassManager(compat.CustomGraphPass):
         and the cache is keyed on the graph after AOTAutograd, which has none of them. Two graphs that differ only
         in those names (an ``nn.Sequential`` and a hand-written forward of the same layers) would share an artifact
         that cites the first one's names, and the second's report would lose its kernels."""
-        if user_pass is None or isinstance(user_pass, _GraphKey) and user_pass.manager is self:
+        if isinstance(user_pass, _GraphKey) and user_pass.manager is self:  # (this manager's own key, leaked into
+            user_pass = user_pass.user_pass                                # a global config: what it wrapped)
+        if user_pass is None:
             return _GraphKey(self, names)
         if isinstance(user_pass, compat.CustomGraphPass):
             return _GraphKey(self, names, user_pass)
@@ -106,6 +108,7 @@ class _GraphKey(compat.CustomGraphPass):
         user = self.user_pass.uuid() if self.user_pass is not None else ""
         if user is None:  # the user's pass says it cannot be keyed
             return None
+        user = user.hex() if isinstance(user, bytes) else str(user)  # (torch's own example returns bytes)
         return hashlib.sha256(json.dumps([self.manager.uuid(), self.names, user]).encode()).hexdigest()
 
 

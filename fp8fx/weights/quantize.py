@@ -272,7 +272,7 @@ def _shown(names: list[str]) -> str:
     return f"{names[:3]}{' ...' if len(names) > 3 else ''}"
 
 
-def _did_you_mean(name: str, names: Iterable[str]) -> str:
+def did_you_mean(name: str, names: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, list(names), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
@@ -295,7 +295,7 @@ def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, un
             continue  # a model-wide config quantizing one part (prefix): the entry is another part's
         if not any(entry_covers(entry, fqn) for fqn in names):
             raise ValueError(
-                f"Fp8Config.ignored_layers: {entry!r} names no module of {where}{_did_you_mean(entry, names)}; "
+                f"Fp8Config.ignored_layers: {entry!r} names no module of {where}{did_you_mean(entry, names)}; "
                 f"correct or remove the entry: a module's full name or a prefix of names, no regex or suffix "
                 f"(nothing was {undone})"
             )
@@ -352,7 +352,7 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
         elif fqn not in planned:
             raise ValueError(
                 f"input_scales[{fqn!r}]: no linear layer (or experts' gate_up_proj / down_proj) of the model has "
-                f"that name{_did_you_mean(fqn, planned)}; correct or remove the entry (nothing was quantized)"
+                f"that name{did_you_mean(fqn, planned)}; correct or remove the entry (nothing was quantized)"
             )
     missing = [fqn for fqn in planned if fqn not in given]
     if missing:

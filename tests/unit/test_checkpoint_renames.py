@@ -379,3 +379,11 @@ def test_a_weight_renamed_to_a_3d_experts_leaf_takes_its_scales_along():
         "m.input_linear.weight_scale": "m.experts.gate_up_proj_scale",
         "m.input_linear.input_scale": "m.experts.gate_up_proj_input_scale",
     }
+
+
+def test_model_renames_of_a_leaf_alone_go_through(monkeypatch):
+    """transformers' legacy LayerNorm.gamma / .beta -> .weight / .bias keep the module: the rename goes through (a
+    module the model has kept every tensor of its as stored, and a legacy checkpoint's norms went missing)."""
+    monkeypatch.setattr(renames, "transformers_renamer", lambda model, user, model_renames=True: (
+        (lambda n: re.sub(r"\.gamma$", ".weight", n)) if model_renames else None))
+    assert renames.resolve(_Up(), None, "test")("mlp.up_proj.gamma") == "mlp.up_proj.weight"

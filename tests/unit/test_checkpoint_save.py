@@ -4,9 +4,11 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 
 import pytest
 import torch
+from torch import nn
 
 import fp8fx
 from fp8fx.checkpoint import CheckpointError, convert, load_checkpoint, save_checkpoint
@@ -380,11 +382,20 @@ def test_convert_reports_a_tied_head_asked_for_a_broken_link_and_the_source_dtyp
     assert report.format.startswith("fp32 -> compressed-tensors")
 
 
-@pytest.mark.parametrize("case", ["other-sizes", "missing-embedding"])
+@pytest.mark.parametrize("case", ["other-sizes", "missing-embedding", "never-saved"])
 def test_convert_refuses_what_load_would_refuse_in_its_output(tmp_path, case):
     """A config.json of other sizes than the weights, or a --rename that left the embedding out: convert checked the
-    linear weights alone and wrote a checkpoint load_checkpoint then refused."""
+    linear weights alone and wrote a checkpoint load_checkpoint then refused. A parameter the model's class never
+    saves (Marian's sinusoidal embed_positions: ``_keys_to_ignore_on_save``) may be missing."""
     state = bf16_state()
+    if case == "never-saved":
+        del state["model.embed_tokens.weight"]
+        src = write_checkpoint(tmp_path / "src", state, extra_config={"model_type": "tiny"})
+        model = meta_tiny()
+        model._keys_to_ignore_on_save = [r"model\.embed_tokens\.weight"]
+        convert(src, tmp_path / "dst", model=model, progress=False)
+        assert (tmp_path / "dst" / "config.json").exists()
+        return
     if case == "other-sizes":
         state["model.embed_tokens.weight"] = torch.zeros(state["model.embed_tokens.weight"].shape[0] + 1, 64,
                                                           dtype=torch.bfloat16)
@@ -396,6 +407,44 @@ def test_convert_refuses_what_load_would_refuse_in_its_output(tmp_path, case):
     with pytest.raises(CheckpointError, match=message):
         convert(src, tmp_path / "dst", model=meta_tiny(), progress=False)
     assert not (tmp_path / "dst").exists()
+
+
+def test_convert_failing_at_a_side_file_leaves_nothing(tmp_path, monkeypatch):
+    """The tokenizer's copy failing (a full disk) after the shards were written left a checkpoint without it, which
+    blocked a second try ("already holds files")."""
+    src = write_checkpoint(tmp_path / "src", bf16_state(), extra_config={"model_type": "tiny"})
+    (src / "tokenizer.json").write_text("{}")
+
+    def full(a, b):
+        open(b, "w").write("{")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copy2", full)
+    with pytest.raises(OSError, match="No space left"):
+        convert(src, tmp_path / "dst", model=meta_tiny(), progress=False)
+    assert not (tmp_path / "dst").exists()
+
+
+def test_convert_of_a_model_without_linears_says_so(tmp_path):
+    class Embedding(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Embedding(8, 4)
+
+    src = write_checkpoint(tmp_path / "src", {"embed.weight": torch.ones(8, 4, dtype=torch.bfloat16)})
+    with pytest.raises(ValueError, match=r"a:per-token: Embedding has no nn.Linear \(or experts module\) whose"):
+        convert(src, tmp_path / "dst", model=Embedding(), progress=False)
+
+
+def test_meta_model_builds_the_architectures_class_of_this_config(tmp_path):
+    """A fine-tune may keep its base's architectures (a Mistral config naming LlamaForCausalLM): that class cannot
+    take the config (no attention_bias), and meta_model failed where it had built the Mistral causal LM."""
+    import transformers
+
+    cfg = transformers.MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
+    cfg.save_pretrained(tmp_path)
+    assert type(fp8fx.checkpoint.meta_model(tmp_path)) is transformers.MistralForCausalLM
 
 
 def safetensors_names(path):
