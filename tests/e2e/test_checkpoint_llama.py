@@ -264,19 +264,24 @@ def test_streaming_bf16_load_peak_is_fp8_model_plus_one_bf16_tensor(tmp_path):
     assert peak >= final  # the measurement sees the loaded model
 
 
-def test_fp8_shards_of_a_fused_layer_are_requantized_within_the_bound(tmp_path):
-    """Per-tensor gate and up shards (8 MiB each in bf16) loaded into a fused gate_up_proj are requantized to their
-    max scale a few rows at a time: the peak stays under the loaded model + one bf16 tensor + the workspace. The
-    whole fused weight's float32 temporaries peaked at 72 MiB here, 3x the bound."""
+def meta_gate_up_mlp(h, i):
+    """A model whose gate_up_proj fuses a checkpoint's gate_proj and up_proj, on the meta device, in bf16."""
     from torch import nn
-
-    h, i = 1024, 4096
 
     class MLP(nn.Module):
         def __init__(self):
             super().__init__()
             self.gate_up_proj, self.down_proj = nn.Linear(h, 2 * i, bias=False), nn.Linear(i, h, bias=False)
 
+    with torch.device("meta"):
+        return MLP().bfloat16()
+
+
+def test_fp8_shards_of_a_fused_layer_are_requantized_within_the_bound(tmp_path):
+    """Per-tensor gate and up shards (8 MiB each in bf16) loaded into a fused gate_up_proj are requantized to their
+    max scale a few rows at a time: the peak stays under the loaded model + one bf16 tensor + the workspace. The
+    whole fused weight's float32 temporaries peaked at 72 MiB here, 3x the bound."""
+    h, i = 1024, 4096
     torch.manual_seed(0)
     tensors = {}
     for name, w in (("gate_proj", torch.randn(i, h)), ("up_proj", torch.randn(i, h) * 4), ("down_proj",
@@ -284,8 +289,7 @@ def test_fp8_shards_of_a_fused_layer_are_requantized_within_the_bound(tmp_path):
         q, scale = ref_quantize(w.bfloat16(), "tensor")
         tensors[f"{name}.weight"], tensors[f"{name}.weight_scale"] = q, scale.reshape(())
     path = write_checkpoint(tmp_path, tensors, {"quant_method": "fp8", "activation_scheme": "dynamic"})
-    with torch.device("meta"):
-        model = MLP().bfloat16()
+    model = meta_gate_up_mlp(h, i)
     report, peak = peak_allocated(lambda: load_checkpoint(model, path, progress=False))
     assert report.fused == {"gate_up_proj": ("gate_proj", "up_proj")}
     bound = unique_bytes(list(model.parameters())) + i * h * 2 + 16 * chunked.CHUNK_NUMEL
@@ -298,21 +302,12 @@ def test_bf16_shards_of_a_fused_layer_are_quantized_as_they_arrive(tmp_path, gra
     scales: each shard is quantized as it arrives, its rows' scales being its own, so the peak stays under the loaded
     model + one bf16 tensor + the workspace, and the weight is the whole one's quantization bit for bit. The layer
     held its whole bf16 weight (16 MiB) until the last shard arrived: the peak was above this bound."""
-    from torch import nn
-
     h, i = 1024, 4096
-
-    class MLP(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.gate_up_proj, self.down_proj = nn.Linear(h, 2 * i, bias=False), nn.Linear(i, h, bias=False)
-
     torch.manual_seed(0)
     tensors = {"gate_proj.weight": torch.randn(i, h).bfloat16(), "up_proj.weight": torch.randn(i, h).bfloat16() * 4,
                "down_proj.weight": torch.randn(h, i).bfloat16()}
     path = write_checkpoint(tmp_path, tensors)
-    with torch.device("meta"):
-        model = MLP().bfloat16()
+    model = meta_gate_up_mlp(h, i)
     config = fp8fx.Fp8Config(weight_block_size=[128, 128] if granularity == "block" else None)
     report, peak = peak_allocated(lambda: load_checkpoint(model, path, config, progress=False))
     assert report.fused == {"gate_up_proj": ("gate_proj", "up_proj")}
