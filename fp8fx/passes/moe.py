@@ -70,8 +70,7 @@ class Val:
     ``ids_part`` (some of the ids: sliced, reordered or broadcast along k; only their sentinel flags are
     read), ``wts`` (routing weights, every (token, k) pair's), ``x`` (hidden states), ``w13`` / ``w2``
     (weights), ``g1`` (first GEMM), ``chunks`` / ``gate`` / ``up``, ``act`` (SiLU(gate)), ``h`` (act * up), ``y``
-    (second GEMM),
-    ``out`` (y times its routing weight), ``zero`` (a fresh accumulator), ``sum`` (the combine).
+    (second GEMM), ``out`` (y times its routing weight), ``zero`` (a fresh accumulator), ``sum`` (the combine).
     ``expert``: for values, None for every (token, k) pair at once (grouped / gathered forms) or an int for
     one expert of an unrolled loop; for weights, None (all experts, stacked), ``"pairs"`` (gathered per
     pair) or an int; for ``sum``, the frozenset of experts summed so far, or ``"all"``. ``fdim``: the feature

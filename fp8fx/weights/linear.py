@@ -345,9 +345,9 @@ class Fp8LinearMethod:
     Online (``is_checkpoint_fp8_serialized=False``): the bf16 weight is received into a high-precision
     buffer and quantized as soon as its last element has arrived (counted by ``CopyNumelCounter``),
     so loading holds at most one bf16 weight per layer in flight; the shards of a fused layer whose scales are their
-    rows' own (per channel, or blocks within a shard) are quantized as they arrive, with no buffer. Serialized: fp8 weights and scales
-    are copied as stored; per-shard per-tensor scales of a fused layer are requantized to their max
-    in ``process_weights_after_loading``.
+    rows' own (per channel, or blocks within a shard) are quantized as they arrive, with no buffer. Serialized: fp8
+    weights and scales are copied as stored; per-shard per-tensor scales of a fused layer are requantized to their
+    max in ``process_weights_after_loading``.
     """
 
     def __init__(self, config: Fp8Config, scheme: Optional[LayerScheme] = None):
