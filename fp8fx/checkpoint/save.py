@@ -668,9 +668,7 @@ def _check_model_state(model: nn.Module, entries, src: str) -> None:
         if target is not None and tuple(entry.shape) != tuple(target.shape):
             raise CheckpointError(f"{entry}: the model's {name} has shape {list(target.shape)}; a config.json of "
                                   "other sizes, or the wrong checkpoint (nothing was written)")
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
+    names = _parameter_names(model)
     modules = dict(model.named_modules(remove_duplicate=False))
     # what transformers never saves or lets be missing (Marian's sinusoidal embed_positions): regexes of names
     unsaved = [p for attr in ("_keys_to_ignore_on_save", "_keys_to_ignore_on_load_missing")
@@ -685,6 +683,14 @@ def _check_model_state(model: nn.Module, entries, src: str) -> None:
             f"convert: the model's {missing[0]} has no tensor in the checkpoint{more}; a checkpoint its config.json "
             "does not describe, a missing shard, or names to map with --rename (key_mapping=); nothing was written"
         )
+
+
+def _parameter_names(model: nn.Module) -> dict[int, list[str]]:
+    """id() of each parameter of ``model`` -> its names (several where tied: lm_head.weight and embed_tokens.weight)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
 
 
 def _check_high_precision(entries, src: str) -> None:
@@ -747,9 +753,8 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
     linears = {f: m for f, m in modules.items() if isinstance(m, nn.Linear)}
     head = output_embeddings(model, modules) if not quantize_lm_head else None
     routers = moe.routers(model)
-    uses: dict[int, int] = {}
-    for _, p in model.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
+    names = _parameter_names(model)
+    uses = {key: len(tied) for key, tied in names.items()}
     plan = {}
     covered = {f for f in cut_into if f in linears}  # the model's linears a checkpoint weight loads into
     cuts: dict[str, list[str]] = {}
@@ -797,8 +802,7 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
     weight = linears[asked]._parameters["weight"] if asked in linears else None
     if weight is not None and asked not in covered and uses[id(weight)] > 1:  # asked for by name, stored as another
         # tensor: said, not skipped
-        tied = next((n for n, p in model.named_parameters(remove_duplicate=False)
-                     if p is weight and n != f"{asked}.weight"), "another parameter")
+        tied = next((n for n in names[id(weight)] if n != f"{asked}.weight"), "another parameter")
         plan[asked] = (f"tied to {tied}, which the checkpoint stores for both (not a linear weight of it): not "
                        "quantized, quantize_lm_head notwithstanding")
         log.warning("fp8fx: convert: quantize_lm_head: %s %s", asked, plan[asked])

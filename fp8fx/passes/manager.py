@@ -33,13 +33,13 @@ def default_passes(
     ]
 
 
-class PassManager(compat.CustomGraphPass):
+class PassManager:
     """Runs ``passes`` on each Dynamo graph; recorded sites go to ``report``.
 
-    Its key is also in Inductor's ``post_grad_custom_post_pass`` slot (``with_user_pass``: it changes nothing
-    there, but runs a pass of the user's that was there), so that its ``uuid()`` — the pass uuids plus the backend
-    options — is part of Inductor's FX-graph cache key: a changed pass or option never reuses a stale compiled
-    artifact.
+    Its key is also in Inductor's ``post_grad_custom_post_pass`` slot (``with_user_pass``: a ``_GraphKey``, which
+    changes nothing there but runs a pass of the user's that was there), so that its ``uuid()`` — the pass uuids plus
+    the backend options — is part of Inductor's FX-graph cache key: a changed pass or option never reuses a stale
+    compiled artifact.
     """
 
     def __init__(self, passes: Sequence[Fp8Pass], options: dict[str, Any]):
@@ -57,10 +57,6 @@ class PassManager(compat.CustomGraphPass):
             total += n
         gm.graph.lint()
         return total
-
-    # CustomGraphPass: post-grad hook (no-op) + cache key.
-    def __call__(self, graph: fx.Graph) -> None:
-        return None
 
     def with_user_pass(self, user_pass: Optional[Callable[[fx.Graph], Any]],
                        names: Sequence[str] = ()) -> Callable[[fx.Graph], Any]:

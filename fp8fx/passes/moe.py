@@ -635,7 +635,7 @@ class MoePass(Fp8Pass):
             reason, fqn = getattr(real, "_fp8fx_skip_reason", None), getattr(real, "_fp8fx_fqn", None)
             if reason and getattr(real, "_fp8fx_moe_role", None) and fqn not in seen:
                 seen.add(fqn)
-                path = next((module_path(u) for u in node.users if module_path(u)), None)  # (its readers')
+                path = next(filter(None, map(module_path, node.users)), None)  # (its readers')
                 ctx.frame_site(fqn, path, node)
                 ctx.report.add(Site("moe", fqn, False, f"not quantized: {reason}", "", ctx.graph_index,
                                     weight_shape=Site.shape_of(real)))
