@@ -792,7 +792,7 @@ class _Loader:
             module._buffers[name].fill_(unset)
             self.model._init_weights(module)
             new = module._buffers[name]
-            if (new.isnan() if buf.dtype.is_floating_point else new == unset).all():
+            if (new.isnan() if _is_float(buf.dtype) else new == unset).all():
                 raise CheckpointError(
                     f"{_join(fqn, name)}: a non-persistent buffer on the meta device that no checkpoint holds, and "
                     f"{type(self.model).__name__}._init_weights does not compute it; build the model with its buffers "
@@ -865,9 +865,16 @@ def _join(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
 def _unset(dtype: torch.dtype):
-    """A value no initializer writes everywhere: NaN for floats, the minimum for integers."""
-    return float("nan") if dtype.is_floating_point else torch.iinfo(dtype).min if dtype != torch.bool else False
+    """A value no initializer writes everywhere: NaN for floats and complex numbers (rotary tables: Llama-4's
+    ``freqs_cis``), the minimum for integers."""
+    if _is_float(dtype):
+        return float("nan")
+    return torch.iinfo(dtype).min if dtype != torch.bool else False
 
 
 def _looks_like_scale(name: str) -> bool:

@@ -1082,42 +1082,44 @@ def test_lm_head_left_in_high_precision_by_an_fp8_checkpoint(tmp_path):
 
 
 class WithBuffer(Tiny):
-    """A non-persistent buffer that no checkpoint holds (like rotary inv_freq)."""
+    """A non-persistent buffer that no checkpoint holds (like rotary inv_freq, or Llama-4's complex freqs_cis)."""
 
-    def __init__(self):
+    def __init__(self, dtype=torch.float32):
         super().__init__()
-        self.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+        self.register_buffer("inv_freq", torch.arange(4.0).to(dtype), persistent=False)
 
 
 class WithInit(WithBuffer):
     """... and an initializer that computes it, as HF's PreTrainedModel._init_weights does (or not)."""
 
-    def __init__(self, init):
-        super().__init__()
+    def __init__(self, init, dtype=torch.float32):
+        super().__init__(dtype)
         self.init = init
 
     def _init_weights(self, module):
         self.init(module)
 
 
-def test_meta_buffers_are_computed_or_refused(tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.complex64], ids=["float", "complex"])
+def test_meta_buffers_are_computed_or_refused(tmp_path, dtype):
     path = write_checkpoint(tmp_path / "c", bf16_state())
     with torch.device("meta"):  # no initializer: refused before anything loads
-        model = WithBuffer().bfloat16()
+        model = WithBuffer(dtype)
     snap = snapshot(model)
     with pytest.raises(CheckpointError, match=r"^inv_freq: a non-persistent buffer on the meta device"):
         load_checkpoint(model, path, progress=False)
     assert_unchanged(model, snap)
     with torch.device("meta"):  # an initializer that does not write it: refused after streaming
-        model = WithInit(lambda m: None).bfloat16()
+        model = WithInit(lambda m: None, dtype)
     snap = snapshot(model)
     with pytest.raises(CheckpointError, match=r"^inv_freq: .* WithInit\._init_weights does not compute it"):
         load_checkpoint(model, path, progress=False)
     assert_unchanged(model, snap)
+    want = torch.tensor([1.0, 0.5, 0.25, 0.125]).to(dtype) * (1 + 1j if dtype.is_complex else 1)
     with torch.device("meta"):  # one that does: computed on the load device
-        model = WithInit(lambda m: m.inv_freq.copy_(torch.tensor([1.0, 0.5, 0.25, 0.125]))).bfloat16()
+        model = WithInit(lambda m: m.inv_freq.copy_(want), dtype)
     load_checkpoint(model, path, progress=False)
-    assert torch.equal(model.inv_freq, torch.tensor([1.0, 0.5, 0.25, 0.125], dtype=torch.bfloat16))
+    assert torch.equal(model.inv_freq, want)
 
 
 @pytest.mark.parametrize("damage", ["truncated", "corrupt header", "missing shard"])
