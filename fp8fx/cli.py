@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -124,22 +125,21 @@ def inspect_command(args: argparse.Namespace) -> int:
     if args.seq_len is not None and args.seq_len < 1:
         raise UsageError(f"--seq-len {args.seq_len}: the traced input needs at least one token")
     model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
-    config, layer_config = make_config(args, hf_quant)
+    config, layer_config, config_format, ignores = make_config(args, hf_quant)
     try:  # as quantize_ would: an --ignore that names no module keeps nothing in bf16
         check_ignored_layers(Fp8Config(ignored_layers=tuple(args.ignore)), [f for f, _ in model.named_modules()],
                              f"this {type(model).__name__}", "inspected")
     except ValueError as e:
         raise UsageError(f"--ignore: {e}") from None
-    # the --config file's entries that name nothing, not even as part of a name (transformers reads its
-    # modules_to_not_convert as substrings: MiniMax-M2's "gate"): said, not refused, as a checkpoint's config may
-    # name its own modules, which load_checkpoint maps to the model's
-    names = [f for f, _ in model.named_modules() if f]
-    unmatched = [n for n in config.ignored_layers or () if n not in args.ignore and not any(n in f for f in names)]
-    if args.config and unmatched:
-        log.warning("fp8fx inspect: --config %s: ignored_layers %s name no module of this %s%s; the layers they "
-                    "meant are predicted below as the rest (a name of the checkpoint's own, which load_checkpoint "
-                    "maps, is fine)", args.config, unmatched, type(model).__name__,
-                    did_you_mean(unmatched[0], names))
+    if args.config:  # the --config file's entries that name nothing: said, not refused, as a checkpoint's config
+        # may name its own modules, which load_checkpoint maps to the model's
+        names = [f for f, _ in model.named_modules() if f]
+        unmatched = [n for n in ignores(model) if n not in args.ignore]
+        if unmatched:
+            log.warning("fp8fx inspect: --config %s: %s %s name no module of this %s%s; the layers they meant are "
+                        "predicted below as the rest (a name of the checkpoint's own, which load_checkpoint maps, is "
+                        "fine)", args.config, "ignore" if config_format == "compressed-tensors" else "ignored_layers",
+                        unmatched, type(model).__name__, _ignore_hint(unmatched[0], names))
     rows, others, graphs = predict(model, config, call_args, call_kwargs, layer_config)
     if args.json:
         print(json.dumps({"model": args.model, "config": config.to_dict(), "graphs": graphs, "sites": rows,
@@ -281,10 +281,23 @@ def _factory(spec: str):
     return factory
 
 
+def _ignore_hint(entry: str, names: Sequence[str]) -> str:
+    """The closest module name to an ignore entry that names none; for a 're:' pattern (matched from the start of
+    names: compressed-tensors uses re.match) the same pattern from anywhere in the name, where that matches."""
+    if not entry.startswith("re:"):
+        return did_you_mean(entry, names)
+    try:
+        found = sum(1 for n in names if re.match(".*" + entry[3:], n))
+    except re.error:
+        return ""
+    return f" ('re:' patterns match from the start of a name: 're:.*{entry[3:]}' would match {found})" if found else ""
+
+
 def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
     """The config file, else the model's quantization_config, else Fp8Config(); then the flags.
     Returns (the config to show, ``layer_config(fqn)``: a layer's config or None when the
-    quantization_config keeps it in high precision — compressed-tensors configs are per layer)."""
+    quantization_config keeps it in high precision — compressed-tensors configs are per layer, the format's
+    name, ``ignores(model)``: the entries of its ignore list that match no module of ``model``)."""
     base = hf_quant
     if args.config:
         try:
@@ -321,12 +334,26 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
                 raise
             return dataclasses.replace(config, **changes, activation_granularity=None)
 
+    def ignores(model: nn.Module) -> list[str]:
+        if fmt is None:
+            return []
+        if fmt.name != "compressed-tensors":  # entries read as parts of names (transformers' modules_to_not_convert
+            # reads them so: MiniMax-M2's "gate")
+            names = [f for f, _ in model.named_modules() if f]
+            return [n for n in fmt.config.ignored_layers or () if not any(n in f for f in names)]
+        # exact names, 're:' patterns or class names (a "Linear" entry names nn.Linear's subclasses too)
+        modules = [(f, tuple(c.__name__ for c in type(m).__mro__)) for f, m in model.named_modules() if f]
+        return [n for n in fmt.ignore if not any(formats.matches(f, classes, (n,)) for f, classes in modules)]
+
     try:
         config = with_flags(fmt.config if fmt else Fp8Config())
-        if fmt is None or fmt.name != "compressed-tensors":  # (transformers' modules_to_not_convert, as it reads it)
-            return config, lambda fqn: None if fmt and formats.transformers_skips(fqn, fmt.hf_ignore) else config
+        name = fmt.name if fmt else "none"
+        if name != "compressed-tensors":  # (transformers' modules_to_not_convert, as it reads it)
+            return config, lambda fqn: None if fmt and formats.transformers_skips(fqn, fmt.hf_ignore) else config, \
+                name, ignores
         groups = {id(c): with_flags(c) for _, c in fmt.groups}
-        return config, lambda fqn: (lambda c: None if c is None else groups[id(c)])(fmt.layer_config(fqn, ("Linear",)))
+        return (config, lambda fqn: (lambda c: None if c is None else groups[id(c)])(fmt.layer_config(fqn, ("Linear",))),
+                name, ignores)
     except ValueError as e:
         raise UsageError(f"bad config: {e}") from e
 

@@ -321,6 +321,24 @@ def test_a_config_file_ignoring_no_module_is_said(capsys, llama_dir, tmp_path, c
     with caplog.at_level(logging.WARNING, logger="fp8fx"):
         code, out, err = run(capsys, "inspect", str(llama_dir), "--config", str(path))
     assert code == 0 and "name no module" not in caplog.text, caplog.text
+    # compressed-tensors' ignore list: exact names, 're:' patterns (re.match, from the start) and class names
+    ct = {"quant_method": "compressed-tensors", "format": "float-quantized",
+          "config_groups": {"g0": {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float",
+                                                                     "strategy": "channel", "dynamic": False},
+                                       "input_activations": {"num_bits": 8, "type": "float", "strategy": "token",
+                                                             "dynamic": True}}}}
+    path.write_text(json.dumps({**ct, "ignore": ["lm_head", "re:.*o_proj", "LlamaMLP", "re:o_proj",
+                                                 "model.layers.1.mlp.down_prj"]}))
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        code, out, err = run(capsys, "inspect", str(llama_dir), "--config", str(path), "--json")
+    assert code == 0, err
+    assert (f"--config {path}: ignore ['re:o_proj', 'model.layers.1.mlp.down_prj'] name no module of this "
+            "LlamaForCausalLM ('re:' patterns match from the start of a name: 're:.*o_proj' would match 2)") in caplog.text
+    caplog.clear()
+    path.write_text(json.dumps({**ct, "ignore": ["lm_head", "re:.*o_proj", "LlamaMLP"]}))
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        code, out, err = run(capsys, "inspect", str(llama_dir), "--config", str(path))
+    assert code == 0 and "name no module" not in caplog.text, caplog.text
 
 
 def test_help(capsys):
