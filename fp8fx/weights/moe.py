@@ -500,7 +500,12 @@ class Fp8MoEMethod:
         for base in (W13, W2):
             name = base + "_input_scale"
             if name in params:
-                params[name] = nn.Parameter(params[name].data.max().reshape(1), requires_grad=False)
+                scales = params[name].data
+                if scales.numel() > 1 and scales.min() != scales.max():  # (vLLM says so too)
+                    log.warning("fp8fx: %s.%s: the experts' static input scales differ (%.6g to %.6g): fused_moe "
+                                "takes one, their max (no expert's activations clip; those of smaller scales lose "
+                                "precision)", prefix, name, scales.min().item(), scales.max().item())
+                params[name] = nn.Parameter(scales.max().reshape(1), requires_grad=False)
             params[base]._fp8fx_moe_role = ROLES[base]
         layer._fp8fx_processed = True
 

@@ -309,7 +309,8 @@ def test_a_transposed_shard_is_refused(fp8_ckpt):
         method.weight_loader(layer, "w13_weight", t, "w1", 0)
 
 
-def test_serialized_static_input_scales_collapse_to_their_max():
+def test_serialized_static_input_scales_collapse_to_their_max(caplog):
+    """... and it is said (as vLLM says it), since experts of smaller scales lose precision."""
     method, layer = serialized({"activation_scheme": "static"})
     assert layer.gate_up_proj_input_scale.shape == (E,)
     for e in range(E):
@@ -320,7 +321,10 @@ def test_serialized_static_input_scales_collapse_to_their_max():
         method.weight_loader(layer, "w2_weight", torch.zeros(H, I, dtype=torch.float8_e4m3fn), "w2", e)
         method.weight_loader(layer, "w2_weight_scale", torch.tensor(1.0), "w2", e)
         method.weight_loader(layer, "w2_input_scale", torch.tensor(0.5 - 0.1 * e), "w2", e)
-    method.process_weights_after_loading(layer)
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        method.process_weights_after_loading(layer)
+    assert "experts.gate_up_proj_input_scale: the experts' static input scales differ (1.1 to 1.4)" in caplog.text
+    assert "experts.down_proj_input_scale: the experts' static input scales differ (0.2 to 0.5)" in caplog.text
     assert torch.allclose(layer.gate_up_proj_input_scale, torch.tensor([1.4])) and layer.gate_up_proj_input_scale.shape == (1,)
     assert torch.allclose(layer.down_proj_input_scale, torch.tensor([0.5]))
 
@@ -714,7 +718,7 @@ def test_a_16_bit_state_dict_into_quantized_layers_is_refused_naming_the_tensor(
     assert torch.equal(model.proj(x), bf16.proj(x))
 
 
-def test_w13_input_scale_is_the_max_of_w1_and_w3_whatever_their_order():
+def test_w13_input_scale_is_the_max_of_w1_and_w3_whatever_their_order(caplog):
     """w1's static input scale larger than w3's and loaded first: the max is kept (each test sent w3's larger, last)."""
     method, layer = serialized(dict(activation_scheme="static"))
     for e in range(E):
@@ -725,8 +729,10 @@ def test_w13_input_scale_is_the_max_of_w1_and_w3_whatever_their_order():
         method.weight_loader(layer, "w2_weight", torch.zeros(H, I, dtype=torch.float8_e4m3fn), "w2", e)
         method.weight_loader(layer, "w2_weight_scale", torch.tensor(1.0), "w2", e)
         method.weight_loader(layer, "w2_input_scale", torch.tensor(1.0), "w2", e)
-    method.process_weights_after_loading(layer)
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        method.process_weights_after_loading(layer)
     assert layer.gate_up_proj_input_scale.item() == 2.0
+    assert "differ" not in caplog.text  # (one scale for every expert)
 
 
 @pytest.mark.parametrize("expert_id", [-1, -E])
