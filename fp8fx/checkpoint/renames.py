@@ -323,10 +323,13 @@ def _rows(entry: Entry, name: str, start: int, count: int) -> Entry:
 
 def _cut_scale(entry: Entry, targets: list[str], rows: list[int], total: int, block: Optional[int],
                where: str) -> list[tuple[str, Entry]]:
-    """A weight's scale cut as its ``rows`` (of ``total``): one value for every part, one scale a row (per-channel),
-    or one a ``block`` of rows, cut where the parts start (each at a block edge; the last block may be ragged)."""
+    """A weight's scale cut as its ``rows`` (of ``total``): one value for every part, one value a part (a per-tensor
+    scale a shard, as vLLM's fused layers keep them), one scale a row (per-channel), or one a ``block`` of rows, cut
+    where the parts start (each at a block edge; the last block may be ragged)."""
     if math.prod(entry.shape) == 1:
         return [(t, dataclasses.replace(entry, name=t, source=entry.source or entry.name)) for t in targets]
+    if block is None and tuple(entry.shape) == (len(targets),) and len(targets) != total:  # ([n, 1]: rows of blocks)
+        return [(t, _rows(entry, t, i, 1)) for i, t in enumerate(targets)]
     per = 1 if entry.shape and entry.shape[0] == total else block
     starts = _starts(rows)
     if not per or not entry.shape or entry.shape[0] != -(-total // per) or any(r0 % per for r0 in starts):

@@ -62,17 +62,29 @@ def test_a_bf16_checkpoint_loads_as_transformers_cuts_it(tmp_path):
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("granularity,ct", [("tensor", False), ("channel", True), ("block", False)])
+@pytest.mark.parametrize("granularity,ct", [("tensor", False), ("channel", True), ("block", False), ("shard", False)])
 def test_an_fp8_checkpoint_quantized_fused_loads_its_parts_exactly(tmp_path, granularity, ct):
     """Each part holds the stored codes of its rows and the scales of them: one per-tensor scale for every part,
-    per-channel and 32x32-block scales cut with the rows."""
+    per-channel and 32x32-block scales cut with the rows, a per-tensor scale a part (``shard``: a vector of one value
+    a part, as vLLM keeps the scales of a fused layer) to its part."""
     stored = hub_checkpoint(tmp_path / "bf16")
     tensors, parts = {}, {}
     for name, t in stored.items():
         if not name.endswith("proj.weight"):
             tensors[name] = t
             continue
-        q, s = ref_quantize(t, granularity)
+        if granularity == "shard" and len(cut_names(name)) > 1:
+            codes = [ref_quantize(c, "tensor") for c in t.chunk(len(cut_names(name)))]
+            tensors[name] = torch.cat([q for q, _ in codes])
+            tensors[name.replace(".weight", ".weight_scale")] = torch.stack([s.reshape(()) for _, s in codes])
+            for part, (q, s) in zip(cut_names(name), codes):
+                parts[part] = (q, s.reshape(()))
+            continue
+        q, s = ref_quantize(t, "tensor" if granularity == "shard" else granularity)
+        if granularity == "shard":
+            tensors[name], tensors[name.replace(".weight", ".weight_scale")] = q, s.reshape(())
+            parts[cut_names(name)[0]] = (q, s.reshape(()))
+            continue
         leaf = "weight_scale_inv" if granularity == "block" else "weight_scale"
         tensors[name], tensors[name.replace(".weight", f".{leaf}")] = q, (s.reshape(()) if granularity == "tensor"
                                                                            else s)
@@ -86,7 +98,8 @@ def test_an_fp8_checkpoint_quantized_fused_loads_its_parts_exactly(tmp_path, gra
     path.mkdir()
     safetensors_torch.save_file(tensors, str(path / "model.safetensors"))
     config = json.loads((tmp_path / "bf16" / "config.json").read_text())
-    config["quantization_config"] = quantization_config(granularity, (32, 32), False, ct, ["lm_head"])
+    config["quantization_config"] = quantization_config("tensor" if granularity == "shard" else granularity,
+                                                        (32, 32), False, ct, ["lm_head"])
     (path / "config.json").write_text(json.dumps(config))
 
     model = fp8fx.checkpoint.meta_model(path)
