@@ -26,6 +26,7 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES
 from fp8fx.weights.linear import is_quantized, layer_scheme
+from fp8fx.weights.quantize import check_finished
 
 log = logging.getLogger("fp8fx")
 
@@ -80,6 +81,7 @@ def save_checkpoint(
     """
     _check_arguments(path, experts, max_shard_size)
     model = compat.compiled_module(model)  # a torch.compile wrapper: the module it compiles, the checkpoint's names
+    check_finished(model, "save_checkpoint")  # its bf16 layers would be written as ignored on purpose
     path = os.fspath(path)
     # modules by the names they are saved under: a torch.compile wrapper of a submodule puts "_orig_mod." in its
     # module's names, which nothing loads (the wrappers hold nothing of their own)

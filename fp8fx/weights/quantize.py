@@ -182,6 +182,16 @@ def quantize_(
 _UNFINISHED = "_fp8fx_unfinished"
 
 
+def check_finished(model: nn.Module, what: str) -> None:
+    """Refuses a model (or one with a submodule) that a failed ``quantize_`` left half-quantized (``_Undo``):
+    ``what`` names the caller, which has done nothing yet."""
+    fqn = next((f for f, m in model.named_modules() if _UNFINISHED in vars(m)), None)
+    if fqn is not None:
+        raise ValueError(
+            f"{what}: {fqn or 'the model'} is half-quantized (a quantize_ call on it stopped on the way, its later "
+            "layers still bf16): call quantize_ again with the same arguments to finish it first (nothing was done)")
+
+
 class _Undo:
     """What ``quantize_`` does when it fails on the way, after every check passed (an out-of-memory error in a late
     layer: a half-quantized model was left, which quantize_ then refused to finish). The layer it was quantizing is

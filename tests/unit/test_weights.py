@@ -893,7 +893,7 @@ def test_arguments_of_the_wrong_type_are_named():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
-def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_called_again(monkeypatch):
+def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_called_again(monkeypatch, tmp_path):
     """An error in a late layer's quantization (out of memory on a full GPU) left that layer half changed (a plain
     Linear with fp8fx attributes) and the model refused by the next quantize_ ("already fp8-quantized"). The layer
     is put back as it was, the error says how far it got, and the same call finishes the model: as one quantize_
@@ -926,6 +926,13 @@ def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_c
     assert not [a for a in vars(model[1].weight) if a.startswith("_fp8fx")]
     with pytest.raises(RuntimeError, match=r"0 \(and 0 more\) is already fp8-quantized"):
         fp8fx.quantize_(model, Fp8Config(weight_granularity=fp8fx.PerTensor()))
+    # saved now, its bf16 layers were written as kept on purpose (in the ignore list): refused, nothing written
+    parent = nn.Sequential(model)
+    for m in (model, parent):
+        with pytest.raises(ValueError, match=r"^save_checkpoint: (the model|0) is half-quantized .* call quantize_ "
+                                             r"again with the same arguments to finish it first"):
+            fp8fx.save_checkpoint(m, tmp_path / "out")
+        assert not (tmp_path / "out").exists()
     monkeypatch.setattr(chunked, "quantize", real)
     fp8fx.quantize_(model)
     fp8fx.quantize_(fresh)
