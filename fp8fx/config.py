@@ -15,8 +15,10 @@ type              block        scale shape for a ``[N, K]`` tensor
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import hashlib
 import json
+import logging
 import re
 from typing import Any, Mapping, Optional, Sequence, Union
 
@@ -162,6 +164,26 @@ _OTHER_FP8_METHODS = {
 def entry_covers(entry: str, fqn: str) -> bool:
     """An ``ignored_layers`` entry covers ``fqn``: the same module, or one under it."""
     return fqn == entry or fqn.startswith(entry + ".")
+
+
+def warn_misspelt(config: Mapping[str, Any], known: frozenset, where: str) -> None:
+    """Warns of each key of ``config`` that is not ``known`` but close to a known key it lacks: a misspelt key (an
+    "activation_shceme": "static") was read as absent, its value dropped in silence. Other unknown keys (other
+    tools' options) are let be, as vLLM and transformers let them be."""
+    for unknown in sorted(k for k in config if isinstance(k, str) and k not in known):
+        close = difflib.get_close_matches(unknown, sorted(known), n=1, cutoff=0.8)
+        if close and close[0] not in config:
+            logging.getLogger("fp8fx").warning(
+                "fp8fx: %s[%r]=%r is not a key fp8fx reads (did you mean %r?): it is ignored, and %s is left to its "
+                "default", where, unknown, config[unknown], close[0], close[0])
+
+
+# the keys of an fp8 quantization_config that Fp8Config.from_config reads (or knows: transformers' options)
+_READ_KEYS = frozenset({
+    "quant_method", "activation_scheme", "is_checkpoint_fp8_serialized", "ignored_layers", "modules_to_not_convert",
+    "weight_block_size", "weight_granularity", "activation_granularity", "modules_to_convert", "expert_dtype",
+    "scale_fmt", "dequantize",
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -330,13 +352,14 @@ class Fp8Config:
                 f"quantization_config['expert_dtype']={config['expert_dtype']!r}: fp8fx reads fp8 experts "
                 "(expert_dtype='fp8'); load this checkpoint with transformers, or re-export it with fp8 experts"
             )
+        warn_misspelt(config, _READ_KEYS, "quantization_config")
         key = "ignored_layers" if config.get("ignored_layers") else "modules_to_not_convert"
         ignored = config.get(key)
         if ignored is not None:
             check_name_list(ignored, f"quantization_config[{key!r}]")
         block = config.get("weight_block_size")
         # vLLM's rule, unless the dict says (to_dict writes it: an online config reads back as online)
-        given = config.get("is_checkpoint_fp8_serialized", "fp8" in str(quant_method))
+        given = config.get("is_checkpoint_fp8_serialized", "fp8" in str(quant_method).lower())  # (vLLM lowercases)
         if type(given) is not bool:
             raise ValueError(f"quantization_config: is_checkpoint_fp8_serialized={given!r}; true or false")
         out = cls(

@@ -16,7 +16,7 @@ import re
 from typing import Any, Mapping, Optional, Sequence
 
 from fp8fx.checkpoint.files import CheckpointError
-from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerGroup, PerRow, PerTensor, check_name_list
+from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerGroup, PerRow, PerTensor, check_name_list, warn_misspelt
 
 FORMATS = ("fp8", "compressed-tensors")
 
@@ -115,7 +115,9 @@ def parse(config_json: Mapping[str, Any], user: Optional[Fp8Config] = None) -> Q
                 except re.error as e:
                     raise ValueError(f"modules_to_not_convert entry {pattern!r} is not a regex ({e}); transformers "
                                      "reads each as a name, a regex or a suffix") from None
-            return QuantFormat("fp8", config, kv_cache=kv, hf_ignore=hf)
+            # (an online config, fp8fx's to_dict: the weights are bf16/fp16, quantized as they load)
+            return QuantFormat("fp8" if config.is_checkpoint_fp8_serialized else "none", config, kv_cache=kv,
+                               hf_ignore=hf)
         if method == "compressed-tensors":
             return _compressed_tensors(qc, kv)
     except ValueError as e:
@@ -130,11 +132,22 @@ def _kv_cache(qc: Mapping[str, Any]) -> bool:
     """The checkpoint declares static KV-cache scales: compressed-tensors' scheme dict, or AutoFP8 / Quark's
     ``"kv_cache_scheme": "static"``."""
     scheme = qc.get("kv_cache_scheme")
+    if scheme is not None and scheme != "static" and not isinstance(scheme, dict):  # "Static", true: no KV cache
+        raise CheckpointError(f"config.json: kv_cache_scheme={scheme!r} is neither a compressed-tensors scheme (a "
+                              "mapping: type float, num_bits 8, dynamic false) nor \"static\"; fix it, or remove it "
+                              "for a checkpoint without KV-cache scales")
     if isinstance(scheme, dict) and (scheme.get("type", "float") != "float" or scheme.get("num_bits", 8) != 8):
         # an int8 (or other) KV cache read as fp8 scales would be wrong by its whole format
         raise CheckpointError(f"config.json: kv_cache_scheme={scheme!r} is not an fp8 (8-bit float) KV cache; fp8fx "
                               "reads fp8 KV-cache scales only")
-    return scheme == "static" or isinstance(scheme, dict) and not scheme.get("dynamic", False)
+    try:
+        return scheme == "static" or isinstance(scheme, dict) and not _flag(scheme, "dynamic", False,
+                                                                            "kv_cache_scheme")
+    except ValueError as e:
+        raise CheckpointError(f"config.json: {e}") from None
+
+
+_CT_KEYS = frozenset({"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme"})  # (that fp8fx reads)
 
 
 def _compressed_tensors(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
@@ -156,6 +169,7 @@ def _compressed_tensors(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
     fmt = qc.get("format", "float-quantized")
     if fmt not in ("float-quantized", "naive-quantized"):
         raise ValueError(f"format={fmt!r} is not an fp8 storage format; fp8fx loads 'float-quantized' checkpoints")
+    warn_misspelt(qc, _CT_KEYS, "compressed-tensors quantization_config")
     ignore = qc.get("ignore") or []
     _check_patterns(ignore, "ignore", "module names or 're:' patterns")
     return QuantFormat("compressed-tensors", groups[0][1], tuple(groups), tuple(ignore), kv)
@@ -188,10 +202,18 @@ def _ct_args(where: str, args: Optional[Mapping[str, Any]]) -> Mapping[str, Any]
     return args
 
 
+def _flag(args: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
+    """A JSON boolean: the string "false" is true to Python, and was read so."""
+    value = args.get(key, default)
+    if type(value) is not bool:
+        raise ValueError(f"{where}.{key}={value!r} is not a JSON boolean: write true or false, unquoted")
+    return value
+
+
 def _ct_config(where: str, group: Mapping[str, Any]) -> Fp8Config:
     w = _ct_args(f"{where}.weights", group.get("weights"))
     a = _ct_args(f"{where}.input_activations", group.get("input_activations"))
-    if w.get("dynamic", False):
+    if _flag(w, "dynamic", False, f"{where}.weights"):
         raise ValueError(f"{where}.weights.dynamic=true: weights need stored scales (dynamic false)")
     strategy = w.get("strategy")
     if strategy == "tensor":
@@ -207,7 +229,7 @@ def _ct_config(where: str, group: Mapping[str, Any]) -> Fp8Config:
         weight = PerBlock(*block)
     else:
         raise ValueError(f"{where}.weights.strategy={strategy!r} is not one of 'tensor', 'channel', 'block'")
-    static = not a.get("dynamic", True)
+    static = not _flag(a, "dynamic", True, f"{where}.input_activations")
     act_strategy = a.get("strategy")
     # what Fp8Config would refuse, refused here in config.json's terms (its own messages name Fp8Config / PerGroup
     # fields, which a checkpoint's config does not have)

@@ -236,9 +236,12 @@ def load_checkpoint(
     fmt = dataclasses.replace(formats.parse(config_json, config), sources=sources)
     entries, cut_from = renames.cut(entries, model, path, functools.partial(_block_rows, fmt))
     fmt = dataclasses.replace(fmt, sources={**sources, **cut_from})
-    if config is not None:
-        check_checkpoint_ignores(config, model, entries, f"this {type(model).__name__} or the checkpoint {path}",
-                                 "loaded")
+    # a user's config, or one config.json holds for quantizing online (fp8fx's own to_dict): a layer it names that
+    # neither the model nor the checkpoint has was meant to stay bf16 and would be quantized. The ignore list of an
+    # fp8 checkpoint is the producer's record of what it left bf16: its tensors say so too, and load them as stored
+    if config is not None or not fmt.config.is_checkpoint_fp8_serialized and fmt.name != "compressed-tensors":
+        check_checkpoint_ignores(fmt.config if config is None else config, model, entries,
+                                 f"this {type(model).__name__} or the checkpoint {path}", "loaded")
     if not fmt.config.is_checkpoint_fp8_serialized and fmt.config.activation_scheme == "static":
         # weights quantized online hold no input scales: found out after streaming the whole checkpoint otherwise
         # (a bf16 checkpoint with a static config given, or a config.json saying fp8, not serialized, static)

@@ -593,6 +593,27 @@ def test_online_static_load_is_refused_before_reading(tmp_path, monkeypatch):
     assert snapshot(model) == snap
 
 
+def test_a_checkpoint_with_an_online_config_is_a_bf16_one(tmp_path):
+    """config.json holding an online config (fp8fx's own to_dict, is_checkpoint_fp8_serialized false): the load was
+    named "fp8", so save_checkpoint, keeping the format loaded, refused the per-channel model it had just loaded;
+    and a misspelt ignored_layers entry quantized the layer it meant, where the same config as config= is refused."""
+    qc = fp8fx.Fp8Config(ignored_layers=["lm_head"]).to_dict()
+    path = write_checkpoint(tmp_path / "c", bf16_state(), qc=qc)
+    model = meta_tiny()
+    report = load_checkpoint(model, path, progress=False)
+    assert report.format == "bf16/fp16, quantized online (w:per-channel a:per-token)"
+    assert "lm_head" in report.not_quantized and "model.layers.0.mlp.down_proj" in report.quantized
+    fp8fx.save_checkpoint(model, tmp_path / "out")
+    assert load_checkpoint(meta_tiny(), tmp_path / "out", progress=False).quantized == report.quantized
+    typo = write_checkpoint(tmp_path / "t", bf16_state(), qc={**qc, "ignored_layers": ["model.layers.0.mlp.down_prj"]})
+    model = meta_tiny()
+    snap = snapshot(model)
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.down_prj' names no module of this Tiny or the "
+                                         r"checkpoint .*did you mean 'model.layers.0.mlp.down_proj'"):
+        load_checkpoint(model, typo, progress=False)
+    assert snapshot(model) == snap
+
+
 def test_legacy_kv_scale_serves_both(tmp_path):
     """The deprecated single ``kv_scale``: read as k_scale, and v_scale follows it (vLLM's rule)."""
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
@@ -1167,6 +1188,35 @@ def test_a_kv_cache_scheme_that_is_not_fp8_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"kv_cache_scheme=.*'type': 'int'.* is not an fp8 \(8-bit float\) KV"):
         formats.parse({"quantization_config": qc})
     assert formats.parse({"quantization_config": {**qc, "kv_cache_scheme": {"type": "float", "num_bits": 8}}}).kv_cache
+
+
+@pytest.mark.parametrize("where,value", [("weights", "false"), ("input_activations", "false"), ("kv", "false"),
+                                         ("kv", "Static"), ("kv", True)])
+def test_compressed_tensors_flags_must_be_json_booleans(where, value, caplog):
+    """"dynamic": "false" (a string) is true to Python: static input activations were read as dynamic, a weights
+    flag was refused as "dynamic=true", a KV-cache scheme (or "Static", true) declared no KV cache. Each is refused,
+    naming the field; and a misspelt top-level key ("ignores") is warned about."""
+    import logging
+
+    from fp8fx.checkpoint import formats
+
+    args = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "ignores": ["lm_head"],
+          "config_groups": {"g": {"targets": ["Linear"], "weights": dict(args), "input_activations": dict(args)}}}
+    if where == "kv":
+        qc["kv_cache_scheme"] = {**args, "dynamic": value} if value == "false" else value
+        match = (r"kv_cache_scheme.dynamic='false' is not a JSON boolean" if value == "false" else
+                 rf"kv_cache_scheme={value!r} is neither a compressed-tensors scheme")
+    else:
+        qc["config_groups"]["g"][where]["dynamic"] = value
+        match = rf"config_groups\.g\.{where}\.dynamic='false' is not a JSON boolean: write true or false, unquoted"
+    with pytest.raises(CheckpointError, match=match):
+        formats.parse({"quantization_config": qc})
+    qc = {**qc, "kv_cache_scheme": None}
+    qc["config_groups"]["g"] = {"targets": ["Linear"], "weights": dict(args), "input_activations": dict(args)}
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        assert formats.parse({"quantization_config": qc}).config.activation_scheme == "static"
+    assert "quantization_config['ignores']=['lm_head'] is not a key fp8fx reads (did you mean 'ignore'?)" in caplog.text
 
 
 def test_load_arguments_are_checked_before_reading(tmp_path, monkeypatch):

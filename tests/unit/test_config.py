@@ -202,13 +202,28 @@ def test_get_name():
 
 @pytest.mark.parametrize(
     "quant_method, serialized",
-    [("fp8", True), ("modelopt_fp8", True), ("fp8_static", True), ("", False)],
+    [("fp8", True), ("modelopt_fp8", True), ("fp8_static", True), ("FP8", True), ("", False)],
 )
 def test_from_config_serialized_flag(quant_method, serialized):
     """vLLM's rule: "fp8" in quant_method means serialized (other methods are refused: the next tests)."""
     cfg = Fp8Config.from_config({"quant_method": quant_method, "activation_scheme": "dynamic"})
     assert cfg.is_checkpoint_fp8_serialized is serialized
     assert cfg.weight == (PerTensor() if serialized else PerRow())
+
+
+def test_a_misspelt_key_is_warned_about_naming_the_key_it_resembles(caplog):
+    """An "activation_shceme": "static" was read as no activation_scheme (dynamic), in silence; other tools' keys
+    (DeepSeek-V3's "fmt") and a misspelling next to the right key are let be."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        cfg = Fp8Config.from_config({"quant_method": "fp8", "activation_shceme": "static", "weight_block_szie": [64, 64],
+                                     "fmt": "e4m3", "ignored_layer": ["lm_head"], "ignored_layers": ["lm_head"]})
+    assert cfg.activation_scheme == "dynamic" and cfg.weight_block_size is None
+    assert ("quantization_config['activation_shceme']='static' is not a key fp8fx reads (did you mean "
+            "'activation_scheme'?): it is ignored, and activation_scheme is left to its default") in caplog.text
+    assert "quantization_config['weight_block_szie']=[64, 64] is not a key" in caplog.text
+    assert "fmt" not in caplog.text and "ignored_layer'" not in caplog.text
 
 
 def test_from_config_without_quant_method_is_online():
