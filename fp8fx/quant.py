@@ -198,14 +198,16 @@ _REQUANTIZE_NUMEL = 1 << 18  # elements requantize_shards converts at a time (as
 
 
 def bad_scales(t: torch.Tensor) -> Optional[str]:
-    """Why ``t`` (scales, as float32) cannot dequantize - how many are not positive finite floats, the first of them
-    and where - or None: a 0, <0, NaN or Inf scale makes its outputs zero or NaN, silently."""
-    bad = ~(torch.isfinite(t) & (t > 0))
+    """Why ``t`` (scales, as float32) cannot dequantize - how many are not positive finite floats of float32's normal
+    range, the first of them and where - or None: a 0, <0, NaN or Inf scale makes its outputs zero or NaN, silently,
+    and a subnormal one (below 1.2e-38) an inf 1 / scale (static activations are divided by it; fp8fx's own scales
+    are at least 1e-12 / 448)."""
+    bad = ~(torch.isfinite(t) & (t >= torch.finfo(torch.float32).tiny))
     if not bad.any():
         return None
     where = tuple(bad.nonzero()[0].tolist())
     return (f"{bad.sum().item()} scales are not positive finite floats ({t[where].item()} at {list(where)}); a scale "
-            "of 0, <0, NaN or Inf cannot dequantize")
+            "of 0, <0, below float32's normal range (1.2e-38), NaN or Inf cannot dequantize")
 
 
 def max_input_scale(scales: Sequence[torch.Tensor]) -> torch.Tensor:

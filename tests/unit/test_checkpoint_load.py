@@ -937,6 +937,11 @@ BAD = {
         _case(lambda t, qc: t.update({f"{DOWN}.input_scale": torch.tensor([-1.0])}), static=True),
         rf"^{DOWN}\.input_scale .*\(-1\.0 at \[0\]\)",
     ),
+    "subnormal input scale": (  # positive, but static activations are divided by it (quantize_ refused it)
+        _case(lambda t, qc: t.update({f"{DOWN}.input_scale": torch.tensor([1e-40])}), static=True),
+        rf"^{DOWN}\.input_scale .*: 1 scales are not positive finite floats \(9\.99\d+e-41 at \[0\]\); a scale of 0, "
+        r"<0, below float32's normal range \(1\.2e-38\)",
+    ),
     "missing input scale": (
         _case(lambda t, qc: t.pop(f"{DOWN}.input_scale"), static=True),
         rf"^{DOWN}\.input_scale is missing from the checkpoint \(activation_scheme static\)",
