@@ -325,7 +325,7 @@ def _write_checkpoint(path: str, tensors: Mapping[str, torch.Tensor], max_shard_
     """Write the shards (one file, or files of at most ``max_shard_size`` bytes), the index where there are several,
     and config.json: the only step that writes anything, run once every check has passed."""
     shards = [tensors] if max_shard_size is None else _split(tensors, max_shard_size)
-    created = _make_dirs(path)
+    created = _make_dirs(path, "save_checkpoint")
     weight_map: dict[str, str] = {}
     total = 0
     written: list[str] = []
@@ -431,13 +431,22 @@ def _write_shard(path: str, file: str, tensors: Mapping[str, torch.Tensor], weig
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _make_dirs(path: str) -> list[str]:
-    """``os.makedirs(path)``; the folders it made, deepest first (``_remove`` takes them back)."""
+def _make_dirs(path: str, what: str) -> list[str]:
+    """``os.makedirs(path)``; the folders it made, deepest first (``_remove`` takes them back). An error names the
+    directory of ``what`` (save_checkpoint's path, convert's DST) and the fix, with the OS error's type."""
     made, head = [], os.path.abspath(path)
     while not os.path.isdir(head):
         made.append(head)
         head = os.path.dirname(head)
-    os.makedirs(path, exist_ok=True)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        _remove([], made)
+        blocker = next((p for p in reversed(made) if os.path.lexists(p)), None)  # a file, or a link to nothing
+        why = (f"{blocker} is {'a broken link' if os.path.islink(blocker) else 'a file'}" if blocker
+               else e.strerror or str(e))
+        raise type(e)(e.errno, f"{what}: cannot make the directory {path}: {why}; pass a new or empty directory "
+                      "where you can write (nothing was written)") from None
     return made
 
 
@@ -598,7 +607,7 @@ def convert(
     _check_convert_names(entries, schemes, expert_tensors, scale_name, src)
 
     config_text = _config_text(config_json, qc, "convert")
-    created = _make_dirs(dst)
+    created = _make_dirs(dst, "convert")
     weight_map: dict[str, str] = {}
     total = 0
     written: list[str] = []

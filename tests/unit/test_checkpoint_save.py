@@ -580,6 +580,15 @@ def test_save_arguments_and_a_compiled_model(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"save_checkpoint: .*file is a file; pass a new or empty directory"):
         save_checkpoint(model, tmp_path / "file")
+    # a folder under a file, a broken link: a bare "[Errno 20] Not a directory" / "[Errno 17] File exists"
+    with pytest.raises(NotADirectoryError, match=r"^\[Errno 20\] save_checkpoint: cannot make the directory .*file/a/b"
+                                                 r": .*file is a file; pass a new or empty directory"):
+        save_checkpoint(model, tmp_path / "file" / "a" / "b")
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(OSError, match=r"save_checkpoint: cannot make the directory .*link/c: .*link is a "
+                                      r"broken link; .*\(nothing was written\)"):
+        save_checkpoint(model, tmp_path / "link" / "c")
+    assert sorted(os.listdir(tmp_path)) == ["file", "link"]
     save_checkpoint(torch.compile(model), tmp_path / "compiled")
     names = read_checkpoint(tmp_path / "compiled")[1]
     assert names and not any(n.startswith("_orig_mod.") for n in names)
