@@ -151,6 +151,8 @@ class ExpertsLoader:
         self.fmt, self.device, self.items = fmt, device, items
         self.experts = {f: Experts(f, m) for f, m in modules.items() if moe.is_experts(m)}
         self.not_quantized: dict[str, str] = {}  # experts fqn -> why it stays in high precision
+        # what a "missing from the checkpoint" error says to do (the loader's: names to map where tensors are unplaced)
+        self.missing_fix: Callable[[], str] = lambda: "wrong checkpoint for this model, or a shard is missing"
 
     # --- 1. plan ---------------------------------------------------------------------------
     def find(self, names) -> None:
@@ -265,7 +267,7 @@ class ExpertsLoader:
             if key not in todo:
                 raise CheckpointError(
                     f"{ex.name(*key)} is missing from the checkpoint{why}; {ex.fqn} has {experts} experts, each "
-                    f"needs {'/'.join(ex.naming or NAMINGS[0])}: wrong checkpoint for this model, or a shard is missing"
+                    f"needs {'/'.join(ex.naming or NAMINGS[0])}: {self.missing_fix()}"
                 )
             return todo.pop(key)
 

@@ -291,7 +291,10 @@ class _Loader:
         self.staged: dict[str, torch.Tensor] = {}  # state key (first alias) -> new tensor
         self.kv: dict[str, dict[str, float]] = {}
         self.kv_entries: dict[tuple[str, str], Entry] = {}
-        self.buffers: dict[tuple[str, str], torch.Tensor] = {}
+        # (module, name) -> a tensor on meta that no checkpoint holds and the model's _init_weights computes (finish):
+        # non-persistent buffers (rotary inv_freq), and what transformers lets checkpoints leave out
+        # (_keys_to_ignore_on_load_missing: Marian's sinusoidal embed_positions, its final_logits_bias)
+        self.computed: dict[tuple[str, str], torch.Tensor] = {}
         self.unexpected: list[str] = []
         # what transformers skips without a word, by the model's patterns: layers the checkpoint holds and the model
         # does not build (DeepSeek-V3's multi-token-prediction layer 61, which vLLM skips too)
@@ -300,6 +303,7 @@ class _Loader:
         self.entries: dict[str, Entry] = {}  # the checkpoint's tensors by the model's names (plan)
         self.routers = moe_weights.routers(model)  # MoE routers: bf16 where the checkpoint is quantized online
         self.moe = ExpertsLoader(self.modules, fmt, device, self.items)
+        self.moe.missing_fix = self._missing_fix
 
     # --- 1. plan -----------------------------------------------------------------------------
     def plan(self, entries: dict[str, Entry]) -> None:
@@ -482,10 +486,21 @@ class _Loader:
 
     def _check_missing_state(self, used: set[str]) -> None:
         handled = {f"{fqn}.{leaf}" for fqn in self.linears for leaf in ("weight", "bias")} | self.moe.handled()
+        # what transformers lets checkpoints leave out: computed by the model's initializer where still on meta
+        optional = [re.compile(p) for p in getattr(self.model, "_keys_to_ignore_on_load_missing", None) or ()]
         missing = []
         for keys in self.aliases.values():
-            if not any(k in used or k in handled for k in keys):
+            if any(k in used or k in handled for k in keys):
+                continue
+            if not any(p.search(k) for p in optional for k in keys):
                 missing.append(keys[0])
+            elif self.state[keys[0]].is_meta:
+                if not hasattr(self.model, "_init_weights"):
+                    raise CheckpointError(f"{keys[0]}: on the meta device and not in the checkpoint, and "
+                                          f"{type(self.model).__name__} has no _init_weights to compute it; build the "
+                                          "model with it on a real device")
+                fqn, _, leaf = keys[0].rpartition(".")
+                self.computed[(fqn, leaf)] = self.state[keys[0]]
         if missing:
             hint = ""
             if any(self.state[k].dim() == 3 for k in missing):
@@ -650,7 +665,7 @@ class _Loader:
                         f"{_join(fqn, name)}: a non-persistent buffer on the meta device that no checkpoint holds; "
                         "build the model with its buffers on a real device (only parameters on meta)"
                     )
-                self.buffers[(fqn, name)] = buf
+                self.computed[(fqn, name)] = buf
 
     # --- 2. stream ---------------------------------------------------------------------------
     def stream(self, files: Sequence[str], report: LoadReport, progress: bool) -> None:
@@ -673,26 +688,13 @@ class _Loader:
         self.staged[key] = _cast(t, target.dtype, key)
 
     def _compare_tied(self, first: str, key: str, entry: Entry, t: torch.Tensor) -> None:
-        """``key``, another name of the tied tensor staged under ``first``: its values must be the same (compared
-        in row chunks, in the model's dtype)."""
-        kept = self.staged[first]
-        loads = next(k for k in self.aliases[id(self.state[first])] if k in self.entries)
-        if t.shape != kept.shape:
-            raise CheckpointError(f"{entry}: the model ties {key} to {loads} ({list(kept.shape)}), but the "
-                                  f"checkpoint's {key} is {list(t.shape)}; wrong model or checkpoint")
-        flat_kept, flat = kept.reshape(-1), t.reshape(-1)
-        differ = 0
-        for i in range(0, flat.numel(), chunked.CHUNK_NUMEL):
-            a, b = flat_kept[i : i + chunked.CHUNK_NUMEL], flat[i : i + chunked.CHUNK_NUMEL].to(kept.dtype)
-            same = torch.isclose(a, b, rtol=0, atol=0, equal_nan=True) if a.is_floating_point() else a == b
-            differ += int((~same).sum())
-        if differ:
-            raise CheckpointError(
-                f"{self.entries[loads]} and {entry}: the model ties {key} to {loads} (one tensor), but the checkpoint "
-                f"holds different values for them ({differ} of {t.numel()} differ); build the model with them "
-                f"untied (embeddings: tie_word_embeddings=False) to load both, or drop {key} from the checkpoint to "
-                f"load {loads} into both"
-            )
+        """``key``, another name of the tied tensor staged under ``first``: its values must be the same."""
+        loads = self.tied_source(key)
+        compare_tied(self.entries[loads], loads, self.staged[first], entry, key, t)
+
+    def tied_source(self, key: str) -> str:
+        """The name that loads the tied tensor ``key`` (a name in ``tied_copies``) also names."""
+        return next(k for k in self.aliases[id(self.state[key])] if k in self.entries)
 
     def _load_weight(self, lin: _Linear, i: int, entry: Entry, t: torch.Tensor) -> None:
         if lin.config is None:
@@ -788,20 +790,24 @@ class _Loader:
                     why = kv_slot_error(self.modules[fqn], fqn, name)
                     if why is not None:
                         raise CheckpointError(why)
-        for (fqn, name), buf in self.buffers.items():
+        for (fqn, name), old in self.computed.items():
             module = copy.deepcopy(self.modules[fqn])
             module.to_empty(device=self.device, recurse=False)
-            unset = _unset(buf.dtype)
-            module._buffers[name].fill_(unset)
-            self.model._init_weights(module)
-            new = module._buffers[name]
-            if (new.isnan() if _is_float(buf.dtype) else new == unset).all():
+            slot = module._parameters if name in module._parameters else module._buffers
+            unset = _unset(old.dtype)
+            with torch.no_grad():  # (HF's initializers write under no_grad; a plain one writing a parameter in place)
+                slot[name].fill_(unset)
+                self.model._init_weights(module)
+            new = slot[name]
+            if (new.isnan() if _is_float(old.dtype) else new == unset).all():
+                what = ("a non-persistent buffer" if name in module._non_persistent_buffers_set else
+                        "a tensor the model's class lets checkpoints leave out (_keys_to_ignore_on_load_missing)")
                 raise CheckpointError(
-                    f"{_join(fqn, name)}: a non-persistent buffer on the meta device that no checkpoint holds, and "
-                    f"{type(self.model).__name__}._init_weights does not compute it; build the model with its buffers "
-                    "on a real device (only parameters on meta)"
+                    f"{_join(fqn, name)}: {what}, on the meta device, that no checkpoint holds, and "
+                    f"{type(self.model).__name__}._init_weights does not compute it; build the model with it on a "
+                    "real device"
                 )
-            self.buffers[(fqn, name)] = module._buffers[name]
+            self.computed[(fqn, name)] = new.detach()
 
     def _check_dequantized_range(self, lin: _Linear) -> None:
         """An fp8 layer whose dequantized ``.weight`` view would hold inf in the model's dtype (a float16 model, a
@@ -855,13 +861,39 @@ class _Loader:
             if fqn and is_foreign_linear(module) and fqn not in self.routers and fqn not in report.not_quantized:
                 report.not_quantized[fqn] = (f"{type(module).__name__} is no nn.Linear: fp8fx quantizes nn.Linear "
                                              "layers and experts modules (loaded as stored)")
-        for (fqn, name), buf in self.buffers.items():
-            self.modules[fqn]._buffers[name] = buf
+        for (fqn, name), new in self.computed.items():
+            module = self.modules[fqn]
+            if name in module._parameters:
+                module._parameters[name] = nn.Parameter(new, requires_grad=module._parameters[name].requires_grad)
+            else:
+                module._buffers[name] = new
         for fqn, scales in self.kv.items():
             attach_kv_scales(self.modules[fqn], scales, self.device)
         report.kv_scales = {f: dict(s) for f, s in self.kv.items()}
         report.unexpected = self._stored_unexpected() + [self.entries[n].source or n for n in self.tied_copies]
         report.skipped = list(self.skipped)
+
+
+def compare_tied(kept_entry: Entry, loads: str, kept: torch.Tensor, entry: Entry, key: str, t: torch.Tensor) -> None:
+    """Refuses a checkpoint whose tensor ``t`` (``entry``, for the model's ``key``) holds other values than ``kept``
+    (``kept_entry``, which loads the tensor the model ties ``key`` to, as ``loads``): compared in row chunks, in
+    ``kept``'s dtype."""
+    if t.shape != kept.shape:
+        raise CheckpointError(f"{entry}: the model ties {key} to {loads} ({list(kept.shape)}), but the "
+                              f"checkpoint's {key} is {list(t.shape)}; wrong model or checkpoint")
+    flat_kept, flat = kept.reshape(-1), t.reshape(-1)
+    differ = 0
+    for i in range(0, flat.numel(), chunked.CHUNK_NUMEL):
+        a, b = flat_kept[i : i + chunked.CHUNK_NUMEL], flat[i : i + chunked.CHUNK_NUMEL].to(kept.dtype)
+        same = torch.isclose(a, b, rtol=0, atol=0, equal_nan=True) if a.is_floating_point() else a == b
+        differ += int((~same).sum())
+    if differ:
+        raise CheckpointError(
+            f"{kept_entry} and {entry}: the model ties {key} to {loads} (one tensor), but the checkpoint "
+            f"holds different values for them ({differ} of {t.numel()} differ); build the model with them "
+            f"untied (embeddings: tie_word_embeddings=False) to load both, or drop {key} from the checkpoint to "
+            f"load {loads} into both"
+        )
 
 
 def _join(prefix: str, name: str) -> str:

@@ -2,14 +2,16 @@
 checkpoint -> an FP8 one, file by file, without building the model's weights)."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import logging
 import os
 import re
+import secrets
 import shutil
-from typing import Any, Iterable, Mapping, Optional, Sequence, Union
+from typing import Any, Iterable, Mapping, Optional, Union
 
 import torch
 from torch import nn
@@ -19,12 +21,13 @@ from fp8fx.checkpoint import experts as moe_ckpt
 from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config, read_tensor
 from fp8fx.checkpoint.files import write_file
-from fp8fx.checkpoint.load import FUSED, LoadReport, _looks_like_scale, _progress, check_checkpoint_ignores
+from fp8fx.checkpoint.load import FUSED, LoadReport, _Loader, _looks_like_scale, _progress, check_checkpoint_ignores
+from fp8fx.checkpoint.load import compare_tied
 from fp8fx.checkpoint.load import output_embeddings
 from fp8fx.config import Fp8Config, PerBlock, PerTensor, config_or
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked, moe
-from fp8fx.weights.kv_cache import KV_SCALE_NAMES
+from fp8fx.weights.kv_cache import KV_SCALE_NAMES, check_kv_scale
 from fp8fx.weights.linear import is_quantized, layer_scheme
 from fp8fx.weights.quantize import check_finished
 
@@ -325,19 +328,14 @@ def _write_checkpoint(path: str, tensors: Mapping[str, torch.Tensor], max_shard_
     """Write the shards (one file, or files of at most ``max_shard_size`` bytes), the index where there are several,
     and config.json: the only step that writes anything, run once every check has passed."""
     shards = [tensors] if max_shard_size is None else _split(tensors, max_shard_size)
-    created = _make_dirs(path, "save_checkpoint")
     weight_map: dict[str, str] = {}
     total = 0
-    written: list[str] = []
-    try:
+    with _staged(path, "save_checkpoint") as stage:  # a full disk, a kill: no partial checkpoint at path
         for i, shard in enumerate(shards):
             file = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            total += _write_shard(path, file, shard, weight_map, written)
-        _write_index(path, weight_map, total, written)
-        _write_text(path, CONFIG, config_text, written)
-    except BaseException:  # a full disk, say: no partial checkpoint left behind
-        _remove(written, created)
-        raise
+            total += _write_shard(stage, file, shard, weight_map)
+        _write_index(stage, weight_map, total)
+        _write_text(stage, CONFIG, config_text)
 
 
 def _unwrapped(name: str) -> str:
@@ -422,18 +420,54 @@ def _split(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str
     return shards
 
 
-def _write_shard(path: str, file: str, tensors: Mapping[str, torch.Tensor], weight_map: dict, written: list) -> int:
-    """Write one safetensors file; record its tensors in ``weight_map`` and its path in ``written`` (before
-    writing: a write that fails halfway leaves a file for the caller to remove); return its data bytes."""
-    written.append(os.path.join(path, file))
-    write_file(written[-1], tensors, metadata={"format": "pt"})
+def _write_shard(path: str, file: str, tensors: Mapping[str, torch.Tensor], weight_map: dict) -> int:
+    """Write one safetensors file; record its tensors in ``weight_map``; return its data bytes."""
+    write_file(os.path.join(path, file), tensors, metadata={"format": "pt"})
     weight_map.update({name: file for name in tensors})
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def _make_dirs(path: str, what: str) -> list[str]:
-    """``os.makedirs(path)``; the folders it made, deepest first (``_remove`` takes them back). An error names the
-    directory of ``what`` (save_checkpoint's path, convert's DST) and the fix, with the OS error's type."""
+_STAGE = ".fp8fx-partial-"  # in the name of the folder a save or convert writes in before it is done
+
+
+@contextlib.contextmanager
+def _staged(path: str, what: str):
+    """The folder to write ``path``'s files in: a new one, which becomes ``path`` when the block ends (renamed to it
+    where ``path`` does not exist; where it is an empty folder, made inside it, its files moved up: the same file
+    system, a mount point too). A process killed on the way (a SIGTERM: timeout, Slurm, docker stop) leaves
+    ``path`` as it was, and the hidden ``*.fp8fx-partial-*`` folder, which a new run warns about and ignores; an
+    exception (a full disk, NaN in a later file, Ctrl-C) removes the folder and the parents ``what`` made."""
+    path = os.path.abspath(path)
+    exists = os.path.isdir(path)
+    parent, name = (path, "") if exists else os.path.split(path)
+    created = _make_dirs(parent, what, path)
+    prefix = f".{name}{_STAGE}" if name else _STAGE
+    leftovers = sorted(f for f in os.listdir(parent) if f.startswith(prefix))
+    if leftovers:
+        log.warning("fp8fx: %s: %s holds %s, left by a %s that was stopped on the way: remove it (this one writes "
+                    "a folder of its own)", what, parent, ", ".join(leftovers), what)
+    stage = os.path.join(parent, f"{prefix}{os.getpid()}-{secrets.token_hex(4)}")
+    try:
+        _make_dirs(stage, what)
+        yield stage
+        if exists:
+            for f in os.listdir(stage):
+                os.replace(os.path.join(stage, f), os.path.join(path, f))
+            os.rmdir(stage)
+        else:
+            os.rename(stage, path)
+    except BaseException:
+        shutil.rmtree(stage, ignore_errors=True)
+        for folder in created:
+            if os.path.isdir(folder) and not os.listdir(folder):
+                os.rmdir(folder)
+        raise
+
+
+def _make_dirs(path: str, what: str, shown: Optional[str] = None) -> list[str]:
+    """``os.makedirs(path)``; the folders it made, deepest first. An error names the directory of ``what``
+    (save_checkpoint's path, convert's DST: ``shown``, where ``path`` is its parent) and the fix, with the OS error's
+    type."""
     made, head = [], os.path.abspath(path)
     while not os.path.isdir(head):
         made.append(head)
@@ -441,36 +475,27 @@ def _make_dirs(path: str, what: str) -> list[str]:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        _remove([], made)
+        for folder in made:  # (those made before the error)
+            if os.path.isdir(folder) and not os.listdir(folder):
+                os.rmdir(folder)
         blocker = next((p for p in reversed(made) if os.path.lexists(p)), None)  # a file, or a link to nothing
         why = (f"{blocker} is {'a broken link' if os.path.islink(blocker) else 'a file'}" if blocker
                else e.strerror or str(e))
-        raise type(e)(e.errno, f"{what}: cannot make the directory {path}: {why}; pass a new or empty directory "
-                      "where you can write (nothing was written)") from None
+        raise type(e)(e.errno, f"{what}: cannot make the directory {shown or path}: {why}; pass a new or empty "
+                      "directory where you can write (nothing was written)") from None
     return made
 
 
-def _remove(written: list, created_dirs: Sequence[str]) -> None:
-    """Remove the files a failed save wrote, and the folders it made (``_make_dirs``) that are empty then."""
-    for file in written:
-        if os.path.exists(file):
-            os.remove(file)
-    for folder in created_dirs:
-        if os.path.isdir(folder) and not os.listdir(folder):
-            os.rmdir(folder)
-
-
-def _write_index(path: str, weight_map: Mapping[str, str], total: int, written: list) -> None:
+def _write_index(path: str, weight_map: Mapping[str, str], total: int) -> None:
     """The index, where loaders need one: several files, or one not named ``model.safetensors`` (convert keeps a
     source's ``model-00001-of-00001.safetensors``, which transformers finds through the index only)."""
     if set(weight_map.values()) - {"model.safetensors"}:
         index = {"metadata": {"total_size": total}, "weight_map": dict(weight_map)}
-        _write_text(path, INDEX, json.dumps(index, indent=2), written)
+        _write_text(path, INDEX, json.dumps(index, indent=2))
 
 
-def _write_text(path: str, file: str, text: str, written: list) -> None:
-    written.append(os.path.join(path, file))  # before writing, as _write_shard
-    with open(written[-1], "w") as f:
+def _write_text(path: str, file: str, text: str) -> None:
+    with open(os.path.join(path, file), "w") as f:
         f.write(text)
 
 
@@ -563,8 +588,8 @@ def convert(
         raise ValueError(f"convert: dst {dst} is src; write the fp8 checkpoint to a new directory")
     if os.path.exists(dst) and not os.path.isdir(dst):
         raise ValueError(f"convert: dst {dst} is a file; pass a new or empty directory")
-    if os.path.isdir(dst) and os.listdir(dst):  # its config.json, tokenizer, ... would be overwritten
-        held = sorted(os.listdir(dst))
+    held = sorted(f for f in os.listdir(dst) if not f.startswith(_STAGE)) if os.path.isdir(dst) else []
+    if held:  # its config.json, tokenizer, ... would be overwritten (a stopped convert's folder: warned about)
         raise ValueError(f"convert: {dst} already holds files ({', '.join(held[:3])}{', ...' if len(held) > 3 else ''})"
                          "; pass an empty or new directory")
     config_json = read_config(src)
@@ -581,7 +606,7 @@ def convert(
     if type(quantize_lm_head) is not bool:
         raise TypeError(f"convert: quantize_lm_head={quantize_lm_head!r} is not True or False")
     _check_model_state(model, entries, src)
-    _, cut_into = renames.cut(entries, model, src)  # (convert writes the stored tensors: not cut, kept bf16)
+    cut_entries, cut_into = renames.cut(entries, model, src)  # (convert writes the stored tensors: not cut, bf16)
     plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused), quantize_lm_head, cut_into)
     expert_plan, expert_tensors, experts = moe_ckpt.convert_plan(dict(model.named_modules()), entries, config)
     plan.update(expert_plan)
@@ -605,13 +630,24 @@ def convert(
     report.experts = {s: str(config.scheme()) for f, reason in experts.items() if not reason for s in stored(f)}
     report.not_quantized = {m: r for m, r in plan.items() if r}
     _check_convert_names(entries, schemes, expert_tensors, scale_name, src)
+    # what load_checkpoint's plan refuses in this source it refuses in the output, which holds the same tensors but
+    # for the linear weights' codes and scales: a tensor of no place (a bias of a bias-less layer), a dtype the model
+    # cannot take, a KV-cache scale of a module that is no attention. Planned on the meta device: nothing is read
+    # or staged, the model is not changed (convert's own checks above name its own fixes first)
+    dry = _Loader(model, formats.QuantFormat("none", config, sources=sources), torch.device("meta"),
+                  dict(FUSED if fused is None else fused))
+    dry.plan(cut_entries)
+    kv_scales = {e.name for e in dry.kv_entries.values()}  # their values are checked as they are read (below)
 
+    for key in dry.tied_copies:  # a tied tensor stored under two names: the same values, as load checks (the two
+        loads = dry.tied_source(key)  # read before anything is written, a pair at a time: a vocab-sized pair at most)
+        compare_tied(cut_entries[loads], loads, read_tensor(cut_entries[loads]), cut_entries[key], key,
+                     read_tensor(cut_entries[key]))
     config_text = _config_text(config_json, qc, "convert")
-    created = _make_dirs(dst, "convert")
     weight_map: dict[str, str] = {}
     total = 0
-    written: list[str] = []
-    try:
+    # e.g. NaN in a later file, a full disk, a kill (timeout's or Slurm's SIGTERM): no partial checkpoint at dst
+    with _staged(dst, "convert") as stage:
         for file in _progress(files, progress, "fp8fx: converting"):
             out: dict[str, torch.Tensor] = {}
             for entry in sorted((e for e in entries.values() if e.file == file), key=lambda e: e.start):
@@ -619,6 +655,11 @@ def convert(
                 report.tensors += 1
                 report.bytes_read += entry.nbytes
                 name = entry.source or entry.name  # as stored
+                if entry.name in kv_scales:  # (load_checkpoint's check: 0, <0, subnormal, NaN, Inf)
+                    try:
+                        check_kv_scale(entry.name, t)
+                    except ValueError as e:
+                        raise CheckpointError(str(e)) from None
                 owner = name.rpartition(".")[0]
                 leaf = entry.name.rpartition(".")[2]  # the model's (key_mapping may rename a leaf: .kernel -> .weight)
                 if entry.name in expert_tensors:
@@ -638,24 +679,22 @@ def convert(
                 del t
                 out[name] = q
                 out[f"{owner}.{scale_name}"] = scale.reshape(1) if isinstance(config.weight, PerTensor) else scale
-            total += _write_shard(dst, os.path.basename(file), out, weight_map, written)
+            total += _write_shard(stage, os.path.basename(file), out, weight_map)
             del out
-        _write_index(dst, weight_map, total, written)
+        _write_index(stage, weight_map, total)
         left = []  # what is not carried over, said (a folder: an original/ of another format, a tokenizer's)
         for f in sorted(os.listdir(src)):
             full = os.path.join(src, f)
+            if _STAGE in f:  # (this convert's own staging folder, where dst is inside src)
+                continue
             # (safetensors files the index does not name: an adapter's, Mistral's consolidated.safetensors)
             if os.path.isdir(full) or f.endswith(_PICKLES) or f.endswith(".safetensors") and full not in files:
                 left.append(f + "/" if os.path.isdir(full) else f)
             elif not os.path.exists(full):  # a link to nothing (a cleared cache's tokenizer.json)
                 left.append(f"{f} (a broken link)")
             elif os.path.isfile(full) and not (f.endswith((".safetensors", INDEX_SUFFIX)) or f == CONFIG):
-                written.append(os.path.join(dst, f))  # (before the copy, as _write_shard: a full disk halfway)
-                shutil.copy2(full, written[-1])
-        _write_text(dst, CONFIG, config_text, written)  # last: a folder with config.json is a whole checkpoint
-    except BaseException:  # e.g. NaN in a later file, a full disk: leave no partial checkpoint behind
-        _remove(written, created)
-        raise
+                shutil.copy2(full, os.path.join(stage, f))
+        _write_text(stage, CONFIG, config_text)
     if left:
         log.warning("fp8fx: convert did not copy %s from %s (folders, pickled weights and safetensors files outside "
                     "the checkpoint's index are not carried over): copy what the converted checkpoint needs by hand",
@@ -681,9 +720,9 @@ def _check_model_state(model: nn.Module, entries, src: str) -> None:
                                   "other sizes, or the wrong checkpoint (nothing was written)")
     names = _parameter_names(model)
     modules = dict(model.named_modules(remove_duplicate=False))
-    # what transformers never saves or lets be missing (Marian's sinusoidal embed_positions): regexes of names
-    unsaved = [p for attr in ("_keys_to_ignore_on_save", "_keys_to_ignore_on_load_missing")
-               for p in getattr(model, attr, None) or ()]
+    # what transformers lets be missing (Marian's sinusoidal embed_positions), which load_checkpoint computes with the
+    # model's _init_weights: regexes of names
+    unsaved = getattr(model, "_keys_to_ignore_on_load_missing", None) or ()
     missing = [keys[0] for keys in names.values()
                if not any(k in entries for k in keys)
                and not any(isinstance(modules[k.rpartition(".")[0]], nn.Linear) or state[k].dim() == 3

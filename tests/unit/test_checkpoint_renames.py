@@ -204,17 +204,21 @@ def test_convert_of_hub_mixtral_keeps_its_layout(tmp_path):
     assert read_checkpoint(tmp_path / "kept")[1][f"{HUB}.experts.0.w1.weight"].dtype == torch.bfloat16
 
 
-def test_convert_reports_expert_weights_it_cannot_place(tmp_path):
-    """Per-expert weights under a container neither the model nor a rename knows: reported, kept bf16, ignored."""
+def test_convert_refuses_expert_weights_it_cannot_place(tmp_path):
+    """Per-expert weights under a container neither the model nor a rename knows: they were written bf16 and
+    ignored, and load_checkpoint refused the output (the model's experts missing). Refused before writing, as load
+    refuses them, naming the names to map."""
     cfg = moe_config("mixtral")
     src = bf16_checkpoint(tmp_path / "src", cfg, reference_model(cfg).state_dict(), "mixtral")
     moved = _moved(src, tmp_path / "moved", ".mlp.experts.", ".moe_block.experts.")
-    report = convert(moved, tmp_path / "dst", CONFIGS["per-channel"], progress=False)
-    stray = {m: r for m, r in report.not_quantized.items() if "moe_block" in m}
-    assert stray and all("where the model has no experts module" in r for r in stray.values()), report.not_quantized
-    assert not report.experts
-    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
-    assert set(stray) <= set(qc["ignore"])
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.0\.mlp\.experts\.0\.gate_proj\.weight is missing from "
+                                              r"the checkpoint; .* the checkpoint has \d+ tensors the model has no place "
+                                              r"for \(model\.layers\.\d\.moe_block\.experts.* pass key_mapping="):
+        convert(moved, tmp_path / "dst", CONFIGS["per-channel"], progress=False)
+    assert not (tmp_path / "dst").exists()
+    mapping = {r"\.moe_block\.": ".mlp."}  # (the output keeps the checkpoint's names: loaded with the same mapping)
+    convert(moved, tmp_path / "dst", CONFIGS["per-channel"], progress=False, key_mapping=mapping)
+    assert load_checkpoint(meta_model(tmp_path / "dst"), tmp_path / "dst", progress=False, key_mapping=mapping).experts
 
 
 def test_the_models_renames_skip_names_the_model_has(tmp_path, monkeypatch):

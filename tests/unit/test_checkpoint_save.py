@@ -18,11 +18,13 @@ from tests.unit.test_checkpoint_load import (
     FP8,
     IDS,
     LINEARS,
+    VOCAB,
     Tiny,
     bf16_state,
     fp8_checkpoint,
     fuse,
     meta_tiny,
+    snapshot,
     write_checkpoint,
 )
 
@@ -360,19 +362,20 @@ def test_convert_says_why_no_layer_can_be_quantized_in_one_short_line(tmp_path):
     assert not (tmp_path / "dst").exists()
 
 
+class _TiedTiny(Tiny):
+    def __init__(self):
+        super().__init__()
+        self.lm_head.weight = self.model.embed_tokens.weight
+
+
 def test_convert_reports_a_tied_head_asked_for_a_broken_link_and_the_source_dtype(tmp_path, caplog):
     """--quantize-lm-head on a head tied to the embedding (no lm_head.weight stored) had no row in the report and no
     word; a side file that is a broken link was neither copied nor named; an fp32 source was reported as bf16."""
-    class Tied(Tiny):
-        def __init__(self):
-            super().__init__()
-            self.lm_head.weight = self.model.embed_tokens.weight
-
-    state = {n: t.float() for n, t in bf16_state().items() if n != "lm_head.weight"}
+    state = {n: t.float() if t.is_floating_point() else t for n, t in bf16_state().items() if n != "lm_head.weight"}
     src = write_checkpoint(tmp_path / "src", state, extra_config={"model_type": "tiny"})
     os.symlink(tmp_path / "gone.json", src / "tokenizer.json")
     with torch.device("meta"):
-        model = Tied().bfloat16()
+        model = _TiedTiny().bfloat16()
     with caplog.at_level(logging.WARNING, logger="fp8fx"):
         report = convert(src, tmp_path / "dst", model=model, quantize_lm_head=True, progress=False)
     assert report.not_quantized["lm_head"].startswith("tied to model.embed_tokens.weight, which the checkpoint "
@@ -382,19 +385,65 @@ def test_convert_reports_a_tied_head_asked_for_a_broken_link_and_the_source_dtyp
     assert report.format.startswith("fp32 -> compressed-tensors")
 
 
-@pytest.mark.parametrize("case", ["other-sizes", "missing-embedding", "never-saved"])
+@pytest.mark.parametrize("case", ["other-sizes", "missing-embedding", "never-saved", "bias-of-no-layer",
+                                  "integer-norm", "tied-apart", "zero-kv-scale", "kv-scale-of-an-mlp"])
 def test_convert_refuses_what_load_would_refuse_in_its_output(tmp_path, case):
     """A config.json of other sizes than the weights, or a --rename that left the embedding out: convert checked the
     linear weights alone and wrote a checkpoint load_checkpoint then refused. A parameter the model's class never
-    saves (Marian's sinusoidal embed_positions: ``_keys_to_ignore_on_save``) may be missing."""
+    saves (Marian's sinusoidal embed_positions: ``_keys_to_ignore_on_save``) may be missing. The rest of load's plan
+    and value checks too, now that convert runs load's plan over its source: a bias of a bias-less layer, an integer
+    norm, a tied head stored with other values, a KV-cache scale of 0 or of an MLP."""
     state = bf16_state()
-    if case == "never-saved":
+    model = meta_tiny()
+    refusals = {  # case -> (change to the source, what the error says)
+        "bias-of-no-layer": ({"model.layers.0.self_attn.o_proj.bias": torch.zeros(64, dtype=torch.bfloat16)},
+                             r"o_proj\.bias \(bfloat16 \[64\] .*\) \(and 0 more\) has no place in "),
+        "integer-norm": ({"model.layers.0.norm.weight": torch.ones(64, dtype=torch.int32)},
+                         r"norm\.weight \(int32 \[64\] .*\): the model's model\.layers\.0\.norm\.weight is "
+                         r"torch\.bfloat16"),
+        "tied-apart": ({"lm_head.weight": state["lm_head.weight"] * 2},
+                       r"the model ties lm_head\.weight to model\.embed_tokens\.weight \(one tensor\), but the "
+                       r"checkpoint holds different values"),
+        "zero-kv-scale": ({"model.layers.0.self_attn.k_scale": torch.tensor(0.0)},
+                          r"k_scale=0\.0: a KV-cache scale must be a positive finite float32"),
+        "kv-scale-of-an-mlp": ({"model.layers.0.mlp.k_scale": torch.tensor(1.0)},
+                               r"is a scale that no layer takes: a KV-cache scale \(k_scale\) addressed to "
+                               r"model\.layers\.0\.mlp"),
+    }
+    if case in refusals:
+        change, message = refusals[case]
+        if case == "tied-apart":
+            state["model.embed_tokens.weight"] = state["lm_head.weight"].clone()
+            with torch.device("meta"):
+                model = _TiedTiny().bfloat16()
+        src = write_checkpoint(tmp_path / "src", {**state, **change}, extra_config={"model_type": "tiny"})
+        snap = snapshot(model)
+        with pytest.raises(CheckpointError, match=message):
+            convert(src, tmp_path / "dst", model=model, progress=False)
+        assert not (tmp_path / "dst").exists() and snapshot(model) == snap
+        del state["lm_head.weight"]  # (the same head stored once: converted)
+        if case == "tied-apart":
+            convert(write_checkpoint(tmp_path / "one", state, extra_config={"model_type": "tiny"}), tmp_path / "dst",
+                    model=model, progress=False)
+        return
+    if case == "never-saved":  # converted, and loaded back with the table computed by the model's initializer
         del state["model.embed_tokens.weight"]
         src = write_checkpoint(tmp_path / "src", state, extra_config={"model_type": "tiny"})
-        model = meta_tiny()
-        model._keys_to_ignore_on_save = [r"model\.embed_tokens\.weight"]
-        convert(src, tmp_path / "dst", model=model, progress=False)
-        assert (tmp_path / "dst" / "config.json").exists()
+
+        def lets_it_miss(init=lambda m: m.weight.copy_(torch.ones_like(m.weight)) if isinstance(m, nn.Embedding)
+                         else None):
+            model = meta_tiny()
+            model._keys_to_ignore_on_load_missing, model._init_weights = [r"model\.embed_tokens\.weight"], init
+            return model
+
+        convert(src, tmp_path / "dst", model=lets_it_miss(), progress=False)
+        model = lets_it_miss()
+        load_checkpoint(model, tmp_path / "dst", progress=False)
+        assert torch.equal(model.model.embed_tokens.weight, torch.ones(VOCAB, 64, dtype=torch.bfloat16))
+        assert model.model.embed_tokens.weight.requires_grad  # (as built)
+        with pytest.raises(CheckpointError, match=r"^model\.embed_tokens\.weight: a tensor the model's class lets "
+                                                  r"checkpoints leave out .*Tiny\._init_weights does not compute it"):
+            load_checkpoint(lets_it_miss(lambda m: None), tmp_path / "dst", progress=False)
         return
     if case == "other-sizes":
         state["model.embed_tokens.weight"] = torch.zeros(state["model.embed_tokens.weight"].shape[0] + 1, 64,
@@ -496,6 +545,57 @@ def test_a_write_failing_halfway_leaves_no_partial_checkpoint(tmp_path, monkeypa
             src = write_checkpoint(tmp_path / "src", bf16_state(), shards=2, extra_config={"model_type": "tiny"})
             convert(src, tmp_path / "dst", model=meta_tiny(), progress=False)
     assert len(calls) == 2 and not (tmp_path / "dst").exists()
+
+
+@pytest.mark.parametrize("how", ["convert into a new folder", "save into an empty folder"])
+def test_a_killed_write_leaves_the_destination_as_it_was(tmp_path, how, caplog):
+    """SIGTERM (timeout, Slurm, docker stop) after the first shard: its default action ends the process with no
+    Python cleanup, and left a DST of one shard that every later run refused ("already holds files"). The files go
+    to a hidden folder that becomes DST when complete: DST is as it was, and the next run says what to remove."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    src = write_checkpoint(tmp_path / "src", bf16_state(), shards=2, extra_config={"model_type": "tiny"})
+    dst = tmp_path / "dst"
+    if how.startswith("save"):
+        dst.mkdir()
+        (dst / "tokenizer.json").write_text("{}")  # (the user's: kept)
+    call = ("convert(src, dst, model=meta_tiny(), progress=False)" if how.startswith("convert") else
+            "m = meta_tiny(); load_checkpoint(m, src, progress=False); "
+            "save_checkpoint(m, dst, max_shard_size=64 << 10)")
+    script = textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {os.getcwd()!r})
+        from fp8fx.checkpoint import convert, load_checkpoint, save, save_checkpoint
+        from tests.unit.test_checkpoint_load import meta_tiny
+        real = save.write_file
+        def killed_after(file, tensors, metadata=None):
+            real(file, tensors, metadata=metadata)
+            os.kill(os.getpid(), signal.SIGTERM)
+        save.write_file = killed_after
+        src, dst = {str(src)!r}, {str(dst)!r}
+        {call}
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert done.returncode == -signal.SIGTERM, done.stderr
+    parent = dst if how.startswith("save") else tmp_path
+    left = [f for f in os.listdir(parent) if ".fp8fx-partial-" in f]
+    assert len(left) == 1 and os.listdir(parent / left[0])  # (the shard written before the kill)
+    if how.startswith("convert"):
+        assert not dst.exists()
+    else:
+        assert sorted(os.listdir(dst)) == sorted(["tokenizer.json", left[0]])
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        if how.startswith("convert"):
+            convert(src, dst, model=meta_tiny(), progress=False)
+        else:
+            model = meta_tiny()
+            load_checkpoint(model, src, progress=False)
+            save_checkpoint(model, dst, max_shard_size=64 << 10)
+    assert f"holds {left[0]}, left by a" in caplog.text and "that was stopped on the way: remove it" in caplog.text
+    assert load_checkpoint(meta_tiny(), dst, progress=False).quantized
 
 
 def test_convert_for_a_fused_model(tmp_path):
