@@ -50,7 +50,8 @@ class Fp8Backend:
     - ``cudagraphs``: run the compiled graphs as CUDA graphs (Inductor's cudagraph trees), which
       decode-sized batches need to reach their speed. Default False.
     - ``weight_only``: fp8 weights with 16-bit activations and math (``fp8fx.weight_only_mm``); None
-      (default) picks it on GPUs without fp8 tensor cores (compute capability < 8.9).
+      (default) picks it on GPUs without fp8 tensor cores (compute capability < 8.9). MoE experts are then
+      left to run on their dequantized weights (``fused_moe`` takes fp8 activations only), reported so.
     - ``fuse_horizontal``: fuse GEMMs that read the same input (q/k/v, gate/up) into one
       (``fp8fx.passes.horizontal``): once compiled, the fused layers' weights (and per-channel or block
       scales) are moved into one tensor and run as one GEMM; per-tensor shards keep their own scales, taken

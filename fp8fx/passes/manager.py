@@ -25,7 +25,8 @@ def default_passes(
     fuse_mlp: bool = False, mlp_h_group: Union[int, None, str] = None,
 ) -> list[Fp8Pass]:
     return [
-        MoePass(use_fast_accum=use_fast_accum),  # first: the experts leave the graph before linears are sought
+        # first: the experts leave the graph before linears are sought
+        MoePass(use_fast_accum=use_fast_accum, weight_only=weight_only),
         LinearPass(use_fast_accum=use_fast_accum, weight_only=weight_only, fusing=fuse_mlp or fuse_horizontal),
         # before horizontal fusion: a fused MLP reads gate and up apart
         GatedMlpPass(enabled=fuse_mlp, h_group=mlp_h_group),

@@ -52,6 +52,7 @@ import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad, module_path, set_fake_value
+from fp8fx.passes.linear import lacks_fp8_tensor_cores
 from fp8fx.report import Site
 
 _DEQUANT = (torch.ops.fp8fx.dequantize, torch.ops.fp8fx.dequantize.default)
@@ -580,17 +581,30 @@ class _Site:
     region: list[fx.Node]  # the nodes its forward created, in graph order
 
 
+WEIGHT_ONLY = ("weight-only (16-bit activations): fp8fx.fused_moe computes with fp8 activations only, so the experts "
+               "run on their dequantized fp8 weights, in 16-bit math")
+
+
 class MoePass(Fp8Pass):
-    def __init__(self, use_fast_accum: bool = False):
+    """``weight_only``: the backend's (None: decided per graph, on GPUs without fp8 tensor cores): the experts are
+    left to run on their dequantized weights, reported as such, since fused_moe has no 16-bit-activation path."""
+
+    def __init__(self, use_fast_accum: bool = False, weight_only: Optional[bool] = None):
         self.use_fast_accum = use_fast_accum  # the experts' fp8 GEMMs in Hopper's fast accumulation mode
+        self.weight_only = weight_only
 
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         graph = gm.graph
         count = 0
         self._report_unquantized(graph, ctx)
+        weight_only = self.weight_only
+        if weight_only is None:
+            weight_only = lacks_fp8_tensor_cores(ctx.example.values())
         for site in self._sites(graph, ctx):
             ctx.frame_site(site.fqn, site.path, site.dequant["w13"].args[0] if "w13" in site.dequant else None)
             try:
+                if weight_only:
+                    raise _NoMatch(WEIGHT_ONLY)
                 operands = self._check(site, ctx)
             except (_NoMatch, GuardOnDataDependentSymNode) as e:
                 ctx.report.add(Site("moe", site.fqn, False, _reason(e), "", ctx.graph_index,

@@ -597,3 +597,27 @@ def test_fused_moe_takes_the_backends_use_fast_accum(fast):
         torch.compile(model, backend=capture, fullgraph=True)(x, ids, w)
     [node] = [n for n in graphs[0].graph.nodes if n.target is torch.ops.fp8fx.fused_moe.default]
     assert node.args[12] is fast
+
+
+def test_weight_only_leaves_the_experts_on_their_dequantized_weights():
+    """weight_only (forced, or picked on GPUs without fp8 tensor cores) rewrote the linears to 16-bit activations but
+    the experts into fused_moe, fp8 activations and all (the MoE pass was never told): they are left to run on their
+    dequantized weights now, with the reason, and compute what the dequantized weights give."""
+    model = hf_experts("grouped_mm", torch.bfloat16)
+    x, ids, w = inputs(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend, graphs = fp8fx.Fp8Backend(compiler="eager", weight_only=True), []
+
+    def capture(gm, example_inputs):
+        compiled = backend(gm, example_inputs)
+        graphs.append(gm)
+        return compiled
+
+    with torch.no_grad():
+        out = torch.compile(model, backend=capture, fullgraph=True)(x, ids, w)
+        eager = model(x, ids, w)  # (the module's own code on its dequantized .weight views)
+    (site,) = backend.report.sites
+    assert (site.kind, site.fqn, site.rewritten) == ("moe", "experts", False)
+    assert site.reason.startswith("weight-only (16-bit activations): fp8fx.fused_moe computes with fp8 activations")
+    assert torch.ops.fp8fx.fused_moe.default not in targets(graphs[0])
+    assert torch.equal(out, eager)
