@@ -175,7 +175,12 @@ class Report:
             fqn = tag or (f"{first}{site.fqn[len(root):]}" if first is not None else "")
             if fqn and fqn not in known:
                 known.add(fqn)
-                self.add(dataclasses.replace(site, fqn=fqn, weight_id=Site.token_of(weight)))
+                reason = site.reason
+                suffix = site.fqn[len(root):] if site.fqn.startswith(root) else None
+                if suffix is not None and fqn.endswith(suffix) and root:  # the reason names the first module's
+                    # layers ("routes tokens to model.layers.0.mlp.experts"): this module's, by its own names
+                    reason = re.sub(rf"(?<![\w.]){re.escape(root)}(?![\w])", fqn[:len(fqn) - len(suffix)], reason)
+                self.add(dataclasses.replace(site, fqn=fqn, reason=reason, weight_id=Site.token_of(weight)))
 
     def add_output_code(self, graph: int, code: str, gm: Any) -> None:
         """Record what Inductor generated for ``graph`` from its output code: the kernels, and the GEMM

@@ -857,10 +857,15 @@ class _Loader:
         self.moe.commit(report)
         self.moe.tag_skipped(self.modules)
         moe_weights.tag_routers(self.model, self.routers)
-        for fqn, module in self.modules.items():  # linear-like layers that are no nn.Linear (GPT-2's Conv1D): said
-            if fqn and is_foreign_linear(module) and fqn not in self.routers and fqn not in report.not_quantized:
+        for fqn, module in self.modules.items():  # linear-like layers that are no nn.Linear (GPT-2's Conv1D) and
+            # experts fp8fx does not read (DBRX's): said
+            if not fqn or fqn in self.routers or fqn in report.not_quantized:
+                continue
+            if is_foreign_linear(module):
                 report.not_quantized[fqn] = (f"{type(module).__name__} is no nn.Linear: fp8fx quantizes nn.Linear "
                                              "layers and experts modules (loaded as stored)")
+            elif (why := moe_weights.foreign_experts(module)) is not None:
+                report.not_quantized[fqn] = f"{why} (loaded as stored)"
         for (fqn, name), new in self.computed.items():
             module = self.modules[fqn]
             if name in module._parameters:

@@ -37,8 +37,12 @@ class PassContext:
         break) that Dynamo runs again for the other modules of its class without a new graph; and which graph input
         the weight is, where it is one."""
         frames = self.report.frames
-        if path and fqn.endswith(f".{path}") and self.graph_index not in frames:
-            frames[self.graph_index] = fqn[:-len(path) - 1]
+        if self.graph_index not in frames:
+            if path and fqn.endswith(f".{path}"):
+                frames[self.graph_index] = fqn[:-len(path) - 1]
+            elif not path and fqn and weight is not None:  # the layer is the frame's own module: a graph of its
+                # forward resumed after a break inside it (HF's per-expert loop at nonzero())
+                frames[self.graph_index] = fqn
         if isinstance(weight, fx.Node) and weight in self.positions:
             entry = (len(self.report.sites), self.positions[weight])
             self.report.frame_weights.setdefault(self.graph_index, []).append(entry)

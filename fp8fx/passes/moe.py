@@ -601,7 +601,7 @@ class MoePass(Fp8Pass):
         if weight_only is None:
             weight_only = lacks_fp8_tensor_cores(ctx.example.values())
         for site in self._sites(graph, ctx):
-            ctx.frame_site(site.fqn, site.path, site.dequant["w13"].args[0] if "w13" in site.dequant else None)
+            ctx.frame_site(site.fqn, site.path, next(iter(site.dequant.values())).args[0] if site.dequant else None)
             try:
                 if weight_only:
                     raise _NoMatch(WEIGHT_ONLY)

@@ -103,6 +103,23 @@ def is_ungated_experts(module: nn.Module) -> bool:
 UNGATED = "ungated experts (down_proj(act_fn(up_proj(x))), no gate) are not supported by fp8fx.fused_moe"
 
 
+def foreign_experts(module: nn.Module) -> Optional[str]:
+    """Why fp8fx leaves ``module``'s experts as they are, where it holds experts in a layout fp8fx does not read
+    (DBRX's ``DbrxExperts``: ``mlp.w1`` / ``v1`` / ``w2``, 2-D [E * I, H]): a class named ``*Experts`` with a
+    ``num_experts`` of 2 or more and parameters no ``nn.Linear`` owns; else None. Nothing quantized them, and they
+    were in no report line (their router was quantized, as no experts module was found beside it)."""
+    count = getattr(module, "num_experts", None)
+    if (not type(module).__name__.endswith("Experts") or type(count) is not int or count < 2 or is_experts(module)
+            or is_ungated_experts(module) or is_quantized_experts(module)):
+        return None
+    owners = {id(p) for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    names = [n for n, p in module.named_parameters() if id(p) not in owners]
+    if not names:  # a list of MLPs of nn.Linear layers: those are quantized one by one
+        return None
+    return (f"{type(module).__name__} holds its {count} experts as {', '.join(names[:4])}"
+            f"{' ...' if len(names) > 4 else ''}, a layout fp8fx does not read: left in high precision")
+
+
 def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
     """fqn -> why it stays in high precision, for the ``nn.Linear`` layers that route tokens to experts: in the
     MoE block holding an experts module, a linear child of the block, or the only linear of a child of the
@@ -113,11 +130,14 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
     modules = dict(model.named_modules(prefix=prefix))
     found: dict[str, str] = {}
     for fqn, experts in modules.items():
-        if not is_experts(experts) or fqn == prefix:
+        if fqn == prefix or not (is_experts(experts) or foreign_experts(experts)):
             continue
         parent = fqn.rpartition(".")[0]  # the MoE block
-        w13 = experts._parameters[W13].shape  # [E, 2I, H], or [E, H, 2I] transposed (GPT-OSS: is_transposed)
-        count, hidden = w13[0], w13[1] if getattr(experts, "is_transposed", False) is True else w13[-1]
+        if is_experts(experts):
+            w13 = experts._parameters[W13].shape  # [E, 2I, H], or [E, H, 2I] transposed (GPT-OSS: is_transposed)
+            count, hidden = w13[0], w13[1] if getattr(experts, "is_transposed", False) is True else w13[-1]
+        else:  # (DBRX's router: a linear inside a router module)
+            count, hidden = experts.num_experts, getattr(experts, "hidden_size", None)
         for child_name, child in modules[parent].named_children():
             linears = [(n, m) for n, m in child.named_modules() if isinstance(m, nn.Linear)]
             weight = child._parameters.get("weight")

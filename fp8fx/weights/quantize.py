@@ -173,6 +173,8 @@ def quantize_(
             moe.quantize_experts(module, fqn, config, static)
     if experts or experts_skipped:
         log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
+    if plan or experts:  # (with nothing quantized, _nothing_to_quantize said it)
+        _left_alone(modules, decide.routers)
     vars(model).pop(_UNFINISHED, None)
     if plan or experts or done:
         guard_casts(model)
@@ -275,6 +277,19 @@ def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> No
     if strict and (not skipped or any(reason != "in ignored_layers" for _, _, reason in skipped)):
         raise ValueError(message)
     log.warning("fp8fx: %s", message)
+
+
+def _left_alone(modules, routers) -> None:
+    """Warns of the modules with weights that quantize_ passes by, by kind: linear-like modules that are no
+    ``nn.Linear`` (GPT-2's ``Conv1D``) and experts of a layout fp8fx does not read (DBRX's): they stay in high
+    precision (the compile report lists their weights as unhandled). Routers are meant to."""
+    kinds: dict[str, list[str]] = {}
+    for fqn, m in modules:
+        why = moe.foreign_experts(m) or (f"{type(m).__name__} is no nn.Linear" if is_foreign_linear(m) else None)
+        if why and fqn not in routers:
+            kinds.setdefault(why, []).append(fqn)
+    for why, fqns in kinds.items():
+        log.warning("fp8fx: quantize_ left %d modules in high precision (%s): %s", len(fqns), _shown(fqns), why)
 
 
 def _shown(names: list[str]) -> str:

@@ -202,3 +202,55 @@ def test_static_moe_from_calibrate_cuda():
     moe = [s for s in backend.report.sites if s.kind == "moe"]
     assert {s.fqn for s in moe if s.rewritten} == EXPERTS and all("a:static per-tensor" in s.scheme for s in moe)
     assert rel_err(out, ref) < 0.1
+
+
+def test_experts_of_a_layout_fp8fx_does_not_read_are_said_and_their_router_kept(caplog, tmp_path):
+    """DBRX holds its experts as 2-D ``mlp.w1`` / ``v1`` / ``w2`` [E * I, H], which no fp8fx path reads: they stayed
+    bf16 in silence (no log line, no load report row), and the router beside them, found only next to experts modules
+    fp8fx reads, was quantized to fp8 (vLLM keeps routers in high precision: fp8 logits flip top-k choices)."""
+    import logging
+
+    config = transformers.DbrxConfig(vocab_size=256, d_model=128, n_layers=2, n_heads=4, max_seq_len=64,
+                                     attn_config={"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
+                                     ffn_config={"ffn_hidden_size": 64, "moe_num_experts": 8, "moe_top_k": 2})
+    torch.manual_seed(0)
+    model = transformers.DbrxForCausalLM(config).to(torch.bfloat16).eval()
+    routers = {f"transformer.blocks.{i}.ffn.router.layer" for i in range(2)}
+    experts = {f"transformer.blocks.{i}.ffn.experts" for i in range(2)}
+    assert set(fp8fx.weights.moe.routers(model)) == routers
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    assert all(model.get_submodule(r).weight.dtype == torch.bfloat16 for r in routers)
+    assert ("quantize_ left 2 modules in high precision (['transformer.blocks.0.ffn.experts', "
+            "'transformer.blocks.1.ffn.experts']): DbrxExperts holds its 8 experts as mlp.w1, mlp.v1, mlp.w2, a "
+            "layout fp8fx does not read: left in high precision") in caplog.text
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randint(0, 256, (2, 10)))
+    sites = {s.fqn: s for s in backend.report.sites}
+    assert all(not sites[r].rewritten and "routes tokens to" in sites[r].reason for r in routers)
+    # a bf16 checkpoint of it: the load report says so too
+    transformers.DbrxForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    report = fp8fx.load_checkpoint(fp8fx.checkpoint.meta_model(tmp_path), tmp_path, progress=False)
+    assert all(report.not_quantized[e].startswith("DbrxExperts holds its 8 experts as mlp.w1") for e in experts)
+    assert all("routes tokens to" in report.not_quantized[r] for r in routers)
+
+
+def test_every_block_of_a_reused_frame_is_reported_under_its_own_names():
+    """HF's per-expert loop (experts_implementation='eager') breaks the graph inside the experts' forward; Dynamo
+    runs the graphs of layer 0's blocks for layer 1. Layer 1's experts were in no site (their fp8 weights listed as
+    unhandled: the resumed graphs inside the experts' forward were no frames of the report), and layer 1's router
+    said it routes tokens to layer 0's experts (the first module's reason, copied)."""
+    model = tiny("mixtral", "eager")
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(ids)
+    sites = backend.report.sites
+    moe_sites = [s for s in sites if s.kind == "moe"]
+    assert {s.fqn for s in moe_sites} == EXPERTS and not any(s.rewritten for s in moe_sites)
+    for i in range(LAYERS):
+        [router] = {s.reason for s in sites if s.fqn == f"model.layers.{i}.mlp.gate"}
+        assert f"routes tokens to model.layers.{i}.mlp.experts " in router
+    assert not [w for w in backend.report.unhandled_weights(model) if ".experts." in w[0]]

@@ -642,6 +642,10 @@ def test_nothing_to_quantize_says_why(caplog):
     with caplog.at_level("WARNING", logger="fp8fx"):
         fp8fx.quantize_(nn.Sequential(nn.Linear(8, 8)), Fp8Config(ignored_layers=["0"]), strict=True)
     assert "1 layer (0): in ignored_layers" in caplog.text
+    caplog.clear()  # with something quantized (GPT-2 with its head untied) the Conv1D layers went by in silence
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        fp8fx.quantize_(nn.Sequential(Conv1DLike(), Conv1DLike(), nn.Linear(8, 8)))
+    assert "quantize_ left 2 modules in high precision (['0', '1']): Conv1DLike is no nn.Linear" in caplog.text
 
 
 def test_more_bad_arguments_named():
