@@ -266,8 +266,11 @@ def load_checkpoint(
 
 
 class _Loader:
-    def __init__(self, model: nn.Module, fmt: formats.QuantFormat, device: torch.device, fused: dict):
-        self.model, self.fmt, self.device, self.fused = model, fmt, device, fused
+    def __init__(self, model: nn.Module, fmt: formats.QuantFormat, device: torch.device, fused: dict,
+                 dry: bool = False):
+        # dry: convert's plan of its source (nothing loaded: buffers and left-out tensors are not computed, unplaced
+        # tensors are copied as stored)
+        self.model, self.fmt, self.device, self.fused, self.dry = model, fmt, device, fused, dry
         self.modules = dict(model.named_modules())
         done = [f for f, m in self.modules.items() if is_quantized(m) or is_quantized_experts(m)]
         if done:
@@ -318,7 +321,8 @@ class _Loader:
         for lin in self.linears.values():
             self._plan_linear(lin)
         self.moe.plan()
-        self._check_meta_buffers()
+        if not self.dry:
+            self._check_meta_buffers()
         bad = [n for n in self.unexpected if _looks_like_scale(n)]
         if bad:
             raise CheckpointError(
@@ -336,7 +340,7 @@ class _Loader:
                 f"{type(self.modules[owner]).__name__} without a {leaf}: it would run without it. Build the model "
                 f"with it (the layer's {leaf} in the model's config), or drop the tensor from the checkpoint"
             )
-        if self.unexpected:
+        if self.unexpected and not self.dry:
             log.warning(
                 "fp8fx: %d checkpoint tensors have no place in the model and are not loaded: %s%s",
                 len(self.unexpected), self._stored_unexpected()[:5], " ..." if len(self.unexpected) > 5 else "",
@@ -494,7 +498,7 @@ class _Loader:
                 continue
             if not any(p.search(k) for p in optional for k in keys):
                 missing.append(keys[0])
-            elif self.state[keys[0]].is_meta:
+            elif self.state[keys[0]].is_meta and not self.dry:
                 if not hasattr(self.model, "_init_weights"):
                     raise CheckpointError(f"{keys[0]}: on the meta device and not in the checkpoint, and "
                                           f"{type(self.model).__name__} has no _init_weights to compute it; build the "

@@ -439,6 +439,10 @@ def _staged(path: str, what: str):
     exception (a full disk, NaN in a later file, Ctrl-C) removes the folder and the parents ``what`` made."""
     path = os.path.abspath(path)
     exists = os.path.isdir(path)
+    if not exists and os.path.lexists(path):  # a broken link (a file was refused before): refused before writing
+        raise FileExistsError(17, f"{what}: cannot make the directory {path}: it is "
+                              f"{'a broken link' if os.path.islink(path) else 'a file'}; pass a new or empty "
+                              "directory where you can write (nothing was written)")
     parent, name = (path, "") if exists else os.path.split(path)
     created = _make_dirs(parent, what, path)
     prefix = f".{name}{_STAGE}" if name else _STAGE
@@ -635,7 +639,7 @@ def convert(
     # cannot take, a KV-cache scale of a module that is no attention. Planned on the meta device: nothing is read
     # or staged, the model is not changed (convert's own checks above name its own fixes first)
     dry = _Loader(model, formats.QuantFormat("none", config, sources=sources), torch.device("meta"),
-                  dict(FUSED if fused is None else fused))
+                  dict(FUSED if fused is None else fused), dry=True)
     dry.plan(cut_entries)
     kv_scales = {e.name for e in dry.kv_entries.values()}  # their values are checked as they are read (below)
 

@@ -458,6 +458,17 @@ def test_convert_refuses_what_load_would_refuse_in_its_output(tmp_path, case):
     assert not (tmp_path / "dst").exists()
 
 
+def test_convert_plans_a_meta_model_without_computing_its_buffers(tmp_path):
+    """convert reads no buffer: its plan of the source (load's, dry) refused a meta-built model whose non-persistent
+    buffer no initializer computes, which convert had converted before."""
+    src = write_checkpoint(tmp_path / "src", bf16_state(), extra_config={"model_type": "tiny"})
+    with torch.device("meta"):
+        model = Tiny().bfloat16()
+        model.register_buffer("inv_freq", torch.arange(4.0), persistent=False)
+    convert(src, tmp_path / "dst", model=model, progress=False)
+    assert load_checkpoint(meta_tiny(), tmp_path / "dst", progress=False).quantized
+
+
 def test_convert_failing_at_a_side_file_leaves_nothing(tmp_path, monkeypatch):
     """The tokenizer's copy failing (a full disk) after the shards were written left a checkpoint without it, which
     blocked a second try ("already holds files")."""
@@ -688,7 +699,10 @@ def test_save_arguments_and_a_compiled_model(tmp_path):
     with pytest.raises(OSError, match=r"save_checkpoint: cannot make the directory .*link/c: .*link is a "
                                       r"broken link; .*\(nothing was written\)"):
         save_checkpoint(model, tmp_path / "link" / "c")
-    assert sorted(os.listdir(tmp_path)) == ["file", "link"]
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # DST itself a broken link: refused before writing
+    with pytest.raises(OSError, match=r"save_checkpoint: cannot make the directory .*dangling: it is a broken link"):
+        save_checkpoint(model, tmp_path / "dangling")
+    assert sorted(os.listdir(tmp_path)) == ["dangling", "file", "link"]
     save_checkpoint(torch.compile(model), tmp_path / "compiled")
     names = read_checkpoint(tmp_path / "compiled")[1]
     assert names and not any(n.startswith("_orig_mod.") for n in names)
