@@ -66,9 +66,9 @@ def inputs(dtype, seed=1):
     return torch.randn(T, H, generator=g).to(dtype), ids, (w / w.sum(-1, keepdim=True)).to(dtype)
 
 
-def compile_capture(model, *args, grad=False):
-    """(output, the graph after fp8fx's passes, the report), with Fp8Backend's passes and no Inductor."""
-    backend = fp8fx.Fp8Backend(compiler="eager")
+def compile_capture(model, *args, grad=False, **options):
+    """(output, the graph after fp8fx's passes, the report), with Fp8Backend's passes (``options``) and no Inductor."""
+    backend = fp8fx.Fp8Backend(compiler="eager", **options)
     graphs = []
 
     def capture(gm, example_inputs):
@@ -586,16 +586,8 @@ def test_fused_moe_takes_the_backends_use_fast_accum(fast):
     model = Block(LoopExperts()).to(torch.bfloat16)
     x, ids, w = inputs(torch.bfloat16)
     fp8fx.quantize_(model)
-    backend, graphs = fp8fx.Fp8Backend(compiler="eager", use_fast_accum=fast), []
-
-    def capture(gm, example_inputs):
-        compiled = backend(gm, example_inputs)
-        graphs.append(gm)
-        return compiled
-
-    with torch.no_grad():
-        torch.compile(model, backend=capture, fullgraph=True)(x, ids, w)
-    [node] = [n for n in graphs[0].graph.nodes if n.target is torch.ops.fp8fx.fused_moe.default]
+    _, gm, _ = compile_capture(model, x, ids, w, use_fast_accum=fast)
+    [node] = [n for n in gm.graph.nodes if n.target is torch.ops.fp8fx.fused_moe.default]
     assert node.args[12] is fast
 
 
@@ -606,18 +598,11 @@ def test_weight_only_leaves_the_experts_on_their_dequantized_weights():
     model = hf_experts("grouped_mm", torch.bfloat16)
     x, ids, w = inputs(torch.bfloat16)
     fp8fx.quantize_(model)
-    backend, graphs = fp8fx.Fp8Backend(compiler="eager", weight_only=True), []
-
-    def capture(gm, example_inputs):
-        compiled = backend(gm, example_inputs)
-        graphs.append(gm)
-        return compiled
-
+    out, gm, report = compile_capture(model, x, ids, w, weight_only=True)
     with torch.no_grad():
-        out = torch.compile(model, backend=capture, fullgraph=True)(x, ids, w)
         eager = model(x, ids, w)  # (the module's own code on its dequantized .weight views)
-    (site,) = backend.report.sites
+    (site,) = report.sites
     assert (site.kind, site.fqn, site.rewritten) == ("moe", "experts", False)
     assert site.reason.startswith("weight-only (16-bit activations): fp8fx.fused_moe computes with fp8 activations")
-    assert torch.ops.fp8fx.fused_moe.default not in targets(graphs[0])
+    assert torch.ops.fp8fx.fused_moe.default not in targets(gm)
     assert torch.equal(out, eager)
