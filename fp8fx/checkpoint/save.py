@@ -462,10 +462,15 @@ def _staged(path: str, what: str):
             os.rename(stage, path)
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
-        for folder in created:
-            if os.path.isdir(folder) and not os.listdir(folder):
-                os.rmdir(folder)
+        _remove_empty(created)
         raise
+
+
+def _remove_empty(folders: list[str]) -> None:
+    """Remove the folders (``_make_dirs``' list, deepest first) that are empty: those a failed write made."""
+    for folder in folders:
+        if os.path.isdir(folder) and not os.listdir(folder):
+            os.rmdir(folder)
 
 
 def _make_dirs(path: str, what: str, shown: Optional[str] = None) -> list[str]:
@@ -479,9 +484,7 @@ def _make_dirs(path: str, what: str, shown: Optional[str] = None) -> list[str]:
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:
-        for folder in made:  # (those made before the error)
-            if os.path.isdir(folder) and not os.listdir(folder):
-                os.rmdir(folder)
+        _remove_empty(made)  # (those made before the error)
         blocker = next((p for p in reversed(made) if os.path.lexists(p)), None)  # a file, or a link to nothing
         why = (f"{blocker} is {'a broken link' if os.path.islink(blocker) else 'a file'}" if blocker
                else e.strerror or str(e))
