@@ -128,8 +128,13 @@ class Experts:
     @property
     def shape(self) -> tuple[int, int, int]:
         """(E, H, I)"""
-        e, two_i, h = self.module._parameters[W13].shape
-        return e, h, two_i // 2
+        return moe.sizes(self.module)
+
+    @property
+    def transposed(self) -> bool:
+        """The model's experts are [E, H, 2I] / [E, I, H] (``moe.is_transposed``). Their bf16 fused tensors come in
+        that layout; fp8 ones (fp8fx's own) and per-expert ones ([rows, cols] as linear layers) in fused_moe's."""
+        return moe.is_transposed(self.module)
 
     def rows_cols(self, shard: str) -> tuple[int, int]:
         _, h, i = self.shape
@@ -190,8 +195,9 @@ class ExpertsLoader:
         elif (reason := moe.layout_reason(ex.module)) is not None:  # its fp8 experts cannot be kept high precision
             raise CheckpointError(
                 f"{ex.fqn}: the checkpoint's fp8 experts would load into a {type(ex.module).__name__} whose {reason}; "
-                "fp8fx's experts take [E, 2I, H] / [E, H, I] weights: load a bf16 checkpoint (quantized online, these "
-                "experts stay bf16), or add the module to ignored_layers of a bf16 load"
+                "fp8fx's experts take [E, 2I, H] / [E, H, I] weights (or, transposed, [E, H, 2I] / [E, I, H]): load a "
+                "bf16 checkpoint (quantized online, these experts stay bf16), or add the module to ignored_layers of a "
+                "bf16 load"
             )
         return config, ""
 
@@ -249,9 +255,8 @@ class ExpertsLoader:
                 ex.method = Fp8MoEMethod(ex.config)
                 ex.stage = nn.Module()
                 try:
-                    ex.method.create_weights(
-                        ex.stage, e, h, i, ex.module._parameters[W13].dtype, device=self.device, prefix=ex.fqn
-                    )
+                    ex.method.create_weights(ex.stage, e, h, i, ex.module._parameters[W13].dtype, device=self.device,
+                                             prefix=ex.fqn, transposed=ex.transposed)
                 except ValueError as err:  # e.g. a block that does not divide intermediate_size
                     raise CheckpointError(f"{err} ({self.fmt.describe()})") from None
             if ex.fused:
@@ -309,9 +314,11 @@ class ExpertsLoader:
         for base, (rows, cols) in ((W13, (2 * i, h)), (W2, (h, i))):
             w = need(base)
             self._check_weight_dtype(ex, w)
-            if tuple(w.shape) != (experts, rows, cols):
+            stored = (cols, rows) if ex.transposed and w.dtype != quant.FP8_DTYPE else (rows, cols)
+            if tuple(w.shape) != (experts, *stored):
+                layout = " (the model's layout, is_transposed)" if stored != (rows, cols) else ""
                 raise CheckpointError(
-                    f"{w}: {ex.fqn}.{base} is [{experts}, {rows}, {cols}] (E, H, I = {list(ex.shape)}); wrong "
+                    f"{w}: {ex.fqn}.{base} is {[experts, *stored]}{layout} (E, H, I = {list(ex.shape)}); wrong "
                     "checkpoint for this model"
                 )
             self._add(w, ex, base, None, None)
@@ -400,6 +407,8 @@ class ExpertsLoader:
             if name not in ex.plain:
                 ex.plain[name] = torch.empty(param.shape, dtype=param.dtype, device=self.device)
             dest = ex.plain[name][e]
+            if shard is not None and ex.transposed:  # an expert's [rows, cols], as a linear layer's
+                dest = dest.t()
             if shard in ("w1", "w3"):
                 dest = dest[Fp8MoEMethod._rows(shard, dest.shape[0])]
             dest.copy_(t)
@@ -419,6 +428,8 @@ class ExpertsLoader:
             # streaming: nothing was swapped into the model yet (commit), so the model stays as it was.
             check_weight_values(entry, t, dtype, ex.fqn,
                                 f"into {dtype} experts (scale or dequantized weight inf, outputs NaN)")
+            if e is None and ex.transposed and t.dtype != quant.FP8_DTYPE:  # the model's layout: fused_moe's
+                t = t.transpose(1, 2)
         # a weight's NaN/Inf were refused just above, in the pass that checks its range: not scanned again there
         ex.method.weight_loader(ex.stage, name, t, shard, e, values_checked=not scale)
 

@@ -162,6 +162,8 @@ class _Interpreter:
     def __init__(self, inputs: dict[fx.Node, Val], e: int, i: int, h: int, k: int):
         self.val: dict[fx.Node, Optional[Val]] = dict(inputs)
         self.inputs = set(inputs)
+        # the hidden states and their views: rows in the input's order (the dense form's GEMM reads one of them)
+        self.plain_x = {n for n, v in inputs.items() if v.kind == "x"}
         self.experts, self.inter, self.hidden, self.k = e, i, h, k
 
     def run(self, region: list[fx.Node]) -> None:
@@ -305,6 +307,8 @@ class _Interpreter:
         p = len(before) + src.fdim  # feature dim, counted from the front
         name = _op_name(node)
         if before == after and name != "squeeze":  # to, contiguous, clone, float, same-shape views
+            if node.args[0] in self.plain_x and fake_value(node).dtype == fake_value(node.args[0]).dtype:
+                self.plain_x.add(node)
             return src
         if name == "unsqueeze":
             q = _arg(node, 1, "dim") % (len(before) + 1)
@@ -323,6 +327,8 @@ class _Interpreter:
             self._fail(node, "reshapes the feature dim")
         else:  # view / reshape / flatten / expand of the leading dims only
             p = len(after) - 1
+            if node.args[0] in self.plain_x and name in ("view", "reshape", "flatten"):
+                self.plain_x.add(node)
         return dataclasses.replace(src, fdim=p - len(after))
 
     def _routing(self, node, src: Val, every: bool) -> Val:
@@ -372,18 +378,18 @@ class _Interpreter:
             return val  # some of the sentinel flags (all false), in some order
         if val.kind in ("idx", "mask"):
             return _IDX
-        if val.kind in ("w13", "w2"):
-            if isinstance(index, int) and val.expert is None and not val.t:
+        if val.kind in ("w13", "w2"):  # (stacked and transposed: the last two dims swapped, the experts' dim first)
+            if isinstance(index, int) and val.expert is None:
                 if not 0 <= index < self.experts:
                     self._fail(node, f"selects expert {index} of {self.experts}")
                 return dataclasses.replace(val, expert=index)  # w[e]: one expert of a loop
-            if isinstance(index, fx.Node) and val.expert is None and not val.t:
+            if isinstance(index, fx.Node) and val.expert is None:
                 if self._of(index).kind not in ("ids", "ids_part"):  # w[E - 1 - ids]: other experts than the ids
                     self._fail(node, "gathers an expert weight by an index computed from the routing ids, not by "
                                      "the ids themselves")
                 return dataclasses.replace(val, expert="pairs")  # w[expert_ids]: gathered per (token, k)
             self._fail(node, "indexes an expert weight other than by expert")
-        if isinstance(index, fx.Node):
+        if isinstance(index, fx.Node) and val.expert != "dense":  # (dense rows are each their expert's by position)
             return val  # rows gathered or un-sorted: the feature dim stays
         self._fail(node, "slices a hidden state")
 
@@ -487,9 +493,12 @@ class _Interpreter:
         want_t = not linear and not weight_first
         if w.t != want_t:
             self._fail(node, f"contracts {w.kind} over its output dim (the weight is used transposed)")
-        # stacked weights need a grouped GEMM, weights gathered per pair a batched one, one expert's any
+        # stacked weights need a grouped GEMM (or a batched one over expert-major rows: the dense form), weights
+        # gathered per pair a batched one, one expert's any
         grouped = node.target in _GROUPED or isinstance(node.target,
                                                         (torch._ops.OpOverload, torch._ops.OpOverloadPacket))
+        if self._dense_gemm(node, w, act, act_node):
+            return Val("g1" if w.kind == "w13" else "y", "dense", fdim=-1)
         if (w.expert is None) != grouped or w.expert == "pairs" and node.target not in _BATCHED:
             self._fail(node, f"is not a GEMM for {w.kind} {'stacked' if w.expert is None else w.expert}")
         expert = w.expert if isinstance(w.expert, int) else None
@@ -500,6 +509,31 @@ class _Interpreter:
         if act.fdim != contracted or _shape(act_node)[contracted] != need[1]:
             self._fail(node, "contracts the activation over a dim other than its features")
         return Val("g1" if w.kind == "w13" else "y", expert, fdim=-2 if weight_first else -1)
+
+
+    def _dense_gemm(self, node, w: Val, act: Val, act_node) -> bool:
+        """Whether ``node`` is a GEMM of the dense form (Llama-4's experts: every expert on its own E-th of the rows,
+        the router's weights already on the rows)::
+
+            x.view(E, -1, H) @ w13 (stacked, [E, H, 2I]) -> chunk -> SiLU(gate) * up -> @ w2 -> .view(-1, H)
+
+        A batched GEMM of a stacked weight and a 3-D activation of E leading rows, which is hidden states reached
+        from the input by views only (row r of the input is then expert r // (R / E)'s, in every view: views keep
+        the order of the rows) or the dense h. Anything else of a dense value (a gather of its rows, a sum, a
+        routing weight) breaks another rule."""
+        if node.target not in _BATCHED or w.expert is not None or w.t is not True:
+            return False
+        shape = _shape(act_node)
+        if len(shape) != 3 or len(_shape(node)) != 3 or not statically_known_true(shape[0] == self.experts):
+            return False
+        if w.kind == "w13":
+            if act.kind != "x" or act_node not in self.plain_x:
+                return False
+        elif act.kind != "h" or act.expert != "dense":
+            return False
+        if act.fdim != -1 or shape[-1] != (self.hidden if w.kind == "w13" else self.inter):
+            self._fail(node, "contracts the activation over a dim other than its features")
+        return True
 
 
 def _op_name(node: fx.Node) -> str:
@@ -709,25 +743,33 @@ class MoePass(Fp8Pass):
         roles = self._interface(external, _shape(out), e, h)
         inputs.update({n: Val(r) if r != "sym" else _IDX for n, r in roles.items()})
         by_role = {r: n for n, r in roles.items()}
-        if {"x", "ids", "wts"} - set(by_role):
+        dense = set(by_role) - {"sym"} == {"x"}  # no routing read: the dense form, or nothing fused_moe computes
+        if {"x", "ids", "wts"} - set(by_role) and not dense:
             raise _NoMatch("the experts do not read hidden_states, top_k_index and top_k_weights "
                            f"(found {sorted(by_role)})")
-        interp = _Interpreter(inputs, e, two_i // 2, h, _shape(by_role["ids"])[1])
+        interp = _Interpreter(inputs, e, two_i // 2, h, 1 if dense else _shape(by_role["ids"])[1])
         interp.run(site.region)
         result = interp.val.get(out)
-        if result is None or result.kind != "sum" or result.fdim != -1:
+        if dense:
+            if result is None or result != Val("y", "dense") or _shape(out) != _shape(by_role["x"]):
+                raise _NoMatch(
+                    f"the experts read hidden states only, and their output {out.name} is not each expert's output "
+                    "on its E-th of the rows (the dense form: x.view(E, -1, H) @ w13 ... @ w2, as Llama-4's); "
+                    "fused_moe also takes top_k_index and top_k_weights"
+                )
+        elif result is None or result.kind != "sum" or result.fdim != -1:
             raise _NoMatch(f"the experts' output {out.name} is not the sum of the weighted expert outputs")
-        if result.expert != "all" and result.expert != frozenset(range(e)):
+        elif result.expert != "all" and result.expert != frozenset(range(e)):
             missing = sorted(set(range(e)) - set(result.expert))
             raise _NoMatch(f"the experts' output {out.name} leaves out experts {missing}")
         x = fake_value(by_role["x"])
         if x.dtype not in _ACT_DTYPES:
             raise _NoMatch(f"hidden_states dtype {x.dtype} is not bf16/fp16/fp32")
-        ids, wts = fake_value(by_role["ids"]).dtype, fake_value(by_role["wts"]).dtype
+        ids, wts = (torch.int64, x.dtype) if dense else (fake_value(by_role[r]).dtype for r in ("ids", "wts"))
         if ids not in fp8fx.ops.EXPERT_ID_DTYPES or wts not in _ACT_DTYPES:  # what fused_moe takes
             raise _NoMatch(f"the routing gives {ids} expert ids and {wts} weights; fused_moe takes int32 / int64 ids "
                            "and bf16 / fp16 / fp32 weights")
-        if (x.requires_grad or fake_value(by_role["wts"]).requires_grad) and may_record_grad(out.graph):
+        if (x.requires_grad or not dense and fake_value(by_role["wts"]).requires_grad) and may_record_grad(out.graph):
             raise _NoMatch(
                 "traced with autograd (hidden states or routing weights require grad); fp8fx rewrites inference: "
                 "call the compiled model under torch.no_grad() or torch.inference_mode()"
@@ -738,7 +780,8 @@ class MoePass(Fp8Pass):
                 if order(a) > order(first_user)]
         if late:
             raise _NoMatch(f"{late} are computed after the experts' output is first used")
-        return {"out": out, "first_user": first_user, "x": by_role["x"], "ids": by_role["ids"], "wts": by_role["wts"]}
+        return {"out": out, "first_user": first_user, "x": by_role["x"], "ids": by_role.get("ids"),
+                "wts": by_role.get("wts"), "dense": dense}
 
     @staticmethod
     def _interface(external: set[fx.Node], out_shape: tuple, e: int, h: int) -> dict[fx.Node, str]:
@@ -777,10 +820,17 @@ class MoePass(Fp8Pass):
         act_block = act_block or [1, -1]
         if a13 is not None:
             act_block = [-1, -1]
-        args = (operands["x"], operands["wts"], operands["ids"], w13q, w13s, w2q, w2s, list(w_block), list(act_block),
-                fake_value(out).dtype, a13, a2, self.use_fast_accum)
         region = set(site.region)
         with graph.inserting_before(operands["first_user"]):
+            wts, ids = operands["wts"], operands["ids"]
+            if operands["dense"]:
+                routing = graph.call_function(dense_routing, (operands["x"], fake_value(w13q).shape[0]))
+                set_fake_value(routing, dense_routing, routing.args)
+                wts, ids = (graph.call_function(operator.getitem, (routing, i)) for i in (0, 1))
+                for i, node in enumerate((wts, ids)):
+                    node.meta["example_value"] = routing.meta["example_value"][i]
+            args = (operands["x"], wts, ids, w13q, w13s, w2q, w2s, list(w_block), list(act_block),
+                    fake_value(out).dtype, a13, a2, self.use_fast_accum)
             fused = graph.call_function(torch.ops.fp8fx.fused_moe.default, args)
         set_fake_value(fused, torch.ops.fp8fx.fused_moe.default, args)
         fused.meta.update({k: v for k, v in out.meta.items() if k not in ("example_value", "val")})
@@ -788,9 +838,23 @@ class MoePass(Fp8Pass):
         out.replace_all_uses_with(fused, delete_user_cb=lambda user: user not in region)
         for node in reversed(site.region):
             graph.erase_node(node)
-        scheme = LayerScheme(granularity_from_block(w_block, weight=True), granularity_from_block(act_block),
-                             a13 is not None)
-        return str(scheme), saved, Site.origin_of(fused)
+        scheme = str(LayerScheme(granularity_from_block(w_block, weight=True), granularity_from_block(act_block),
+                                 a13 is not None))
+        if operands["dense"]:
+            scheme += DENSE
+        return scheme, saved, Site.origin_of(fused)
+
+
+DENSE = (" (dense: every expert on its E-th of the rows, as the model computes them; fused_moe does not skip the "
+         "rows the router zeroed)")
+
+
+def dense_routing(x: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fused_moe's routing of the dense form: row r of ``x`` [E * T, H] goes to expert r // T, with weight 1 (the
+    router's weights are already on the rows). [R, 1] weights of x's dtype and [R, 1] int64 ids."""
+    rows = x.shape[0]
+    ids = torch.arange(experts, device=x.device).view(experts, 1).expand(experts, rows // experts).reshape(rows, 1)
+    return torch.ones(rows, 1, dtype=x.dtype, device=x.device), ids
 
 
 def _dequant_args(node: fx.Node) -> list:

@@ -63,9 +63,11 @@ def _view(name: str) -> property:
     def get(self) -> torch.Tensor:
         p = self._parameters
         scale = p[name + ("_scale_inv" if self._fp8fx_block_scales else "_scale")]
-        return torch.ops.fp8fx.dequantize(
+        w = torch.ops.fp8fx.dequantize(
             p[name], scale, self._fp8fx_w_block, self._fp8fx_dtype, p.get(name + "_input_scale"), self._fp8fx_act_block
         )
+        # experts the model stores transposed (``is_transposed``) see their own layout; fp8fx keeps fused_moe's
+        return w.transpose(1, 2) if self._fp8fx_transposed else w
 
     return property(get, doc=f"{name} dequantized from its fp8 tensor and scale (fp8fx)")
 
@@ -91,6 +93,28 @@ def is_experts(module: nn.Module) -> bool:
     """A module holding experts as 3-D ``gate_up_proj`` and ``down_proj`` parameters (bf16 or fp8)."""
     p = module._parameters
     return all(isinstance(p.get(n), torch.Tensor) and p[n].dim() == 3 for n in (W13, W2))
+
+
+def is_transposed(module: nn.Module) -> bool:
+    """Whether the experts ``module`` holds its weights transposed, [E, H, 2I] / [E, I, H] (its code computes
+    ``x @ w``): HF's ``is_transposed`` flag says so (Aria), or, with no flag, the shapes do (Llama-4's
+    ``Llama4TextExperts``; the two layouts cannot be confused: [E, a, b] with w2 [E, b, a/2] against w2 [E, b/2, a]).
+    fp8fx stores the fp8 tensors of either in fused_moe's [E, 2I, H] / [E, H, I] and hands the model transposed views
+    (``_fp8fx_transposed``); the state dict and checkpoints hold fused_moe's layout."""
+    if is_quantized_experts(module):
+        return module._fp8fx_transposed
+    flag = getattr(module, "is_transposed", None)
+    if flag is not None:
+        return flag is True
+    e, a, b = module._parameters[W13].shape
+    return b % 2 == 0 and tuple(module._parameters[W2].shape) == (e, b // 2, a)
+
+
+def sizes(module: nn.Module) -> tuple[int, int, int]:
+    """(E, H, I) of an experts module: high precision in either layout (``is_transposed``), or quantized."""
+    e, a, b = module._parameters[W13].shape
+    h, two_i = (a, b) if is_transposed(module) and not is_quantized_experts(module) else (b, a)
+    return e, h, two_i // 2
 
 
 def is_ungated_experts(module: nn.Module) -> bool:
@@ -134,8 +158,7 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
             continue
         parent = fqn.rpartition(".")[0]  # the MoE block
         if is_experts(experts):
-            w13 = experts._parameters[W13].shape  # [E, 2I, H], or [E, H, 2I] transposed (GPT-OSS: is_transposed)
-            count, hidden = w13[0], w13[1] if getattr(experts, "is_transposed", False) is True else w13[-1]
+            count, hidden, _ = sizes(experts)
         else:  # (DBRX's router: a linear inside a router module)
             count, hidden = experts.num_experts, getattr(experts, "hidden_size", None)
         for child_name, child in modules[parent].named_children():
@@ -229,15 +252,14 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
         return f"expert weight dtype {w13.dtype} is not bf16/fp16/fp32"
     if w13.dtype != w2.dtype:  # (the fp8 module dequantizes both to one dtype, w13's)
         return f"gate_up_proj is {w13.dtype} but down_proj {w2.dtype}: fp8fx's experts take one dtype for both"
-    return block_error(config.scheme(), w13.shape[1] // 2)
+    return block_error(config.scheme(), sizes(module)[2])
 
 
 def layout_reason(module: nn.Module) -> Optional[str]:
     """Why fp8fx's experts cannot hold ``module``'s weights, or None: a layout HF's flags declare that fused_moe does
-    not compute, or weights that are not [E, 2I, H] / [E, H, I] (Llama-4's experts, [E, H, 2I] with no flag)."""
+    not compute, or weights that are neither [E, 2I, H] / [E, H, I] nor, transposed, [E, H, 2I] / [E, I, H]."""
     # flags of HF's @use_experts_implementation: layouts fused_moe does not compute
     for flag, value, what in (
-        ("is_transposed", True, "transposed expert weights ([E, H, 2I])"),
         ("is_concatenated", False, "interleaved gate/up rows"),
         ("has_bias", True, "expert biases"),
         ("has_post_expert_norm", True, "a norm after each expert"),
@@ -245,9 +267,14 @@ def layout_reason(module: nn.Module) -> Optional[str]:
         if getattr(module, flag, not value) == value:
             return f"{what} are not supported by fp8fx.fused_moe"
     w13, w2 = module._parameters[W13], module._parameters[W2]
-    e, two_i, h = w13.shape
-    if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
-        return f"gate_up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not [E, 2I, H] and [E, H, I]"
+    if is_transposed(module):
+        e, h, two_i = w13.shape
+        fits, layout = tuple(w2.shape) == (e, two_i // 2, h), "[E, H, 2I] and [E, I, H] (is_transposed)"
+    else:
+        e, two_i, h = w13.shape
+        fits, layout = tuple(w2.shape) == (e, h, two_i // 2), "[E, 2I, H] and [E, H, I]"
+    if two_i % 2 or not fits:
+        return f"gate_up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not {layout}"
     return None
 
 
@@ -279,9 +306,12 @@ class Fp8MoEMethod:
         *,
         tp_size: int = 1,
         prefix: str = "",
+        transposed: bool = False,
     ) -> None:
         """Registers the fp8 tensors and scales on ``layer`` (replacing any bf16 ``gate_up_proj`` /
-        ``down_proj``) and swaps its class; ``intermediate_size`` is this rank's I."""
+        ``down_proj``) and swaps its class; ``intermediate_size`` is this rank's I. ``transposed``: the model's code
+        reads [E, H, 2I] / [E, I, H] (``is_transposed``): the fp8 tensors, and what ``weight_loader`` takes, are still
+        [E, 2I, H] / [E, H, I]; the views the model reads are transposed."""
         e, h, i = num_experts, hidden_size, intermediate_size
         prefix = prefix or type(layer).__name__
         error = block_error(self.scheme, i, tp_size)
@@ -294,6 +324,7 @@ class Fp8MoEMethod:
         layer._fp8fx_act_block = list(self.scheme.activation.block)
         layer._fp8fx_block_scales = isinstance(w, PerBlock)
         layer._fp8fx_intermediate = i
+        layer._fp8fx_transposed = transposed
         layer._fp8fx_processed = False
         layer._fp8fx_done = {W13: torch.zeros(e, dtype=torch.int64), W2: torch.zeros(e, dtype=torch.int64)}
         # (base, expert_id, shard_id) of the weights loaded (None: all experts / the whole expert): no load may
@@ -547,9 +578,12 @@ def quantize_experts(module: nn.Module, fqn: str, config: Fp8Config,
     the bf16 tensors are released when this returns. ``input_scales``: the static activation scales of
     gate_up_proj's and down_proj's inputs (``calibrate``), with ``activation_scheme='static'``."""
     w13, w2 = module._parameters[W13], module._parameters[W2]
-    e, two_i, h = w13.shape
+    e, h, i = sizes(module)
+    transposed = is_transposed(module)
+    if transposed:  # fp8fx stores fused_moe's layout (the views transpose it back)
+        w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
     method = Fp8MoEMethod(config)
-    method.create_weights(module, e, h, two_i // 2, w13.dtype, device=w13.device, prefix=fqn)
+    method.create_weights(module, e, h, i, w13.dtype, device=w13.device, prefix=fqn, transposed=transposed)
     method.weight_loader(module, W13, w13.detach())
     method.weight_loader(module, W2, w2.detach())
     del w13, w2

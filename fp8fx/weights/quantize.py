@@ -442,24 +442,30 @@ def _silu_experts(module: nn.Module) -> bool:
 
 def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
     """A forward pre-hook of an experts module ``forward(hidden_states, top_k_index, top_k_weights)`` (HF's):
-    the amax of the tokens its experts get, and of each expert's ``act_fn(gate) * up`` on them."""
+    the amax of the tokens its experts get, and of each expert's ``act_fn(gate) * up`` on them. An experts module
+    called with the hidden states only (Llama-4's dense form, ``fp8fx.passes.moe``): expert e's rows are the e-th
+    E-th of them."""
 
     def record(mod, args, kwargs):
         bound = inspect.signature(mod.forward).bind(*args, **kwargs).arguments
-        x, ids = list(bound.values())[:2]
+        x, ids = (list(bound.values()) + [None])[:2]
+        w13 = mod.gate_up_proj.transpose(1, 2) if moe.is_transposed(mod) else mod.gate_up_proj  # [E, 2I, H]
+        experts = w13.shape[0]
+        if ids is None and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] % experts == 0:
+            ids = torch.arange(experts, device=x.device).repeat_interleave(x.shape[0] // experts)
         if not (isinstance(ids, torch.Tensor) and not ids.is_floating_point() and not ids.is_complex()):
             raise ValueError(
                 f"calibrate: {fqn}'s forward takes {list(bound)[:3]}; it measures experts modules called as HF's, "
-                "forward(hidden_states, top_k_index, top_k_weights): add the module to ignored_layers"
+                "forward(hidden_states, top_k_index, top_k_weights), or Llama-4's forward(hidden_states) on [E * T, "
+                "H]: add the module to ignored_layers"
             )
         x = x.reshape(-1, x.shape[-1])
         ids = ids.reshape(x.shape[0], -1)
-        w13 = mod.gate_up_proj  # [E, 2I, H]
         # no act_fn (a loop calling F.silu, examples/moe_reference.py): SiLU, the one activation the MoE pass fuses
         act = mod.act_fn if getattr(mod, "act_fn", None) is not None else nn.functional.silu
         name13, name2 = moe.input_scale_names(fqn)
         for e in ids.unique().tolist():
-            if not 0 <= e < w13.shape[0]:  # an expert-parallel sentinel: no expert of this module
+            if not 0 <= e < experts:  # an expert-parallel sentinel: no expert of this module
                 continue
             xe = x[(ids == e).any(-1)]
             gate, up = nn.functional.linear(xe, w13[e]).chunk(2, dim=-1)

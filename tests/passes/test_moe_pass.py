@@ -606,3 +606,129 @@ def test_weight_only_leaves_the_experts_on_their_dequantized_weights():
     assert site.reason.startswith("weight-only (16-bit activations): fp8fx.fused_moe computes with fp8 activations")
     assert torch.ops.fp8fx.fused_moe.default not in targets(gm)
     assert torch.equal(out, eager)
+
+
+# -- experts stored transposed ([E, H, 2I] / [E, I, H]): Aria's (HF's is_transposed) and Llama-4's dense form ----------
+def llama4_experts(cls=None):
+    config = transformers.Llama4TextConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, hidden_act="silu")
+    torch.manual_seed(0)
+    experts = (cls or transformers.models.llama4.modeling_llama4.Llama4TextExperts)(config)
+    nn.init.normal_(experts.gate_up_proj, std=H**-0.5)
+    nn.init.normal_(experts.down_proj, std=I**-0.5)
+    return experts
+
+
+class DenseBlock(nn.Module):
+    """Llama-4's MoE block around its experts: every expert on every token, the router's weights on the rows (zero
+    where it did not route the token)."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, scores):  # scores [T, E]
+        routed = x.repeat(E, 1) * scores.t().reshape(-1, 1)
+        return x + self.experts(routed).view(E, -1, H).sum(0)
+
+
+def router_scores(dtype, top_k=1, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(T, E, generator=g)
+    top, idx = logits.topk(top_k, dim=1)
+    return torch.sigmoid(torch.full_like(logits, float("-inf")).scatter(1, idx, top)).to(dtype)
+
+
+@pytest.mark.parametrize("config,top_k", [("per-channel", 1), ("per-tensor", 2), ("block", 1)])
+def test_llama4_dense_experts_rewritten_into_fused_moe(config, top_k):
+    model = DenseBlock(llama4_experts()).to(torch.bfloat16).eval()
+    x, scores = inputs(torch.bfloat16)[0], router_scores(torch.bfloat16, top_k)
+    with torch.no_grad():
+        bf16 = model(x, scores)
+        fp8fx.quantize_(model, CONFIGS[config])
+        assert model.experts.gate_up_proj.shape == (E, H, 2 * I)  # the model's layout, a view of fused_moe's
+        eager = model(x, scores)
+        out, gm, report = compile_capture(model, x, scores)
+    (site,) = report.sites
+    assert (site.kind, site.fqn, site.rewritten, site.weight_shape) == ("moe", "experts", True, (E, 2 * I, H))
+    assert site.scheme == str(CONFIGS[config].scheme()) + fp8fx.passes.moe.DENSE
+    found = targets(gm)
+    assert found.count(torch.ops.fp8fx.fused_moe.default) == 1 and torch.bmm not in found
+    # exactly fused_moe on the module's fp8 tensors, row r on expert r // T with weight 1
+    routed = x.repeat(E, 1) * scores.t().reshape(-1, 1)
+    ids = torch.arange(E).repeat_interleave(T).view(-1, 1)
+    ones = torch.ones(E * T, 1, dtype=torch.bfloat16)
+    assert torch.equal(out, x + fused_reference(model.experts, routed, ids, ones, torch.bfloat16).view(E, T, H).sum(0))
+    assert rel_err(out - x, eager - x) < 0.05  # activation quantization
+    assert rel_err(out - x, bf16 - x) < 0.1
+
+
+class DenseReversed(transformers.models.llama4.modeling_llama4.Llama4TextExperts):
+    """Rows reversed before the dense GEMMs: row r runs expert (R - 1 - r) // T, not r // T."""
+
+    def forward(self, hidden_states):
+        rows = hidden_states.shape[0]
+        return super().forward(hidden_states[torch.arange(rows - 1, -1, -1)])
+
+
+class DenseSwapped(transformers.models.llama4.modeling_llama4.Llama4TextExperts):
+    """Rows token-major ([T, E, H] made expert-major by a transpose): row r runs expert r % E."""
+
+    def forward(self, hidden_states):
+        x = hidden_states.view(-1, E, H).transpose(0, 1)
+        gate, up = torch.bmm(x, self.gate_up_proj).chunk(2, dim=-1)
+        return torch.bmm(up * self.act_fn(gate), self.down_proj).transpose(0, 1).reshape(-1, H)
+
+
+class DenseSummed(transformers.models.llama4.modeling_llama4.Llama4TextExperts):
+    """The experts' outputs summed inside the module: one row per token, no longer each row's expert output."""
+
+    def forward(self, hidden_states):
+        return super().forward(hidden_states).view(E, -1, H).sum(0)
+
+
+class DenseOutput(DenseBlock):
+    def forward(self, x, scores):
+        routed = x.repeat(E, 1) * scores.t().reshape(-1, 1)
+        out = self.experts(routed)
+        return x + (out if out.shape[0] == x.shape[0] else out.view(E, -1, H).sum(0))
+
+
+@pytest.mark.parametrize("cls,reason", [
+    (DenseReversed, "is not a GEMM for w13 stacked"),
+    (DenseSwapped, "transposes a hidden state"),
+    (DenseSummed, "the experts do not read hidden_states"),  # (an output of other rows: no input is its x)
+], ids=["reversed-rows", "token-major", "summed-inside"])
+def test_dense_experts_computing_something_else_are_left_alone(cls, reason):
+    model = DenseOutput(llama4_experts(cls)).to(torch.bfloat16).eval()
+    x, scores = inputs(torch.bfloat16)[0], router_scores(torch.bfloat16)
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        eager = model(x, scores)
+        out, gm, report = compile_capture(model, x, scores)
+    (site,) = [s for s in report.sites if s.kind == "moe"]
+    assert not site.rewritten and reason in site.reason, site.reason
+    assert torch.ops.fp8fx.fused_moe.default not in targets(gm)
+    assert torch.allclose(out, eager, rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_aria_transposed_experts_rewritten_into_fused_moe(impl):
+    """HF's is_transposed experts (Aria: [E, H, 2I] / [E, I, H], which its checkpoints hold) were left bf16: fp8fx
+    stores fused_moe's layout and hands the model transposed views."""
+    config = transformers.AriaTextConfig(hidden_size=H, intermediate_size=I, moe_num_experts=E, moe_topk=K)
+    config._experts_implementation = impl
+    torch.manual_seed(0)
+    experts = transformers.models.aria.modeling_aria.AriaExperts(config)
+    nn.init.normal_(experts.gate_up_proj, std=H**-0.5)
+    nn.init.normal_(experts.down_proj, std=I**-0.5)
+    model = Block(experts).to(torch.bfloat16).eval()
+    x, ids, w = inputs(torch.bfloat16)
+    with torch.no_grad():
+        bf16 = model(x, ids, w)
+        fp8fx.quantize_(model)
+        assert model.experts.gate_up_proj.shape == (E, H, 2 * I)
+        out, gm, report = compile_capture(model, x, ids, w)
+    (site,) = report.sites
+    assert site.rewritten and site.scheme == str(fp8fx.Fp8Config().scheme()), site
+    assert torch.equal(out, x + fused_reference(model.experts, x, ids, w, torch.bfloat16))
+    assert rel_err(out - x, bf16 - x) < 0.1

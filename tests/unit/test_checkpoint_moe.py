@@ -430,28 +430,40 @@ def test_float16_model_refuses_fp8_expert_scales_beyond_its_range(tmp_path, gran
     assert is_quantized_experts(experts) and torch.isfinite(getattr(experts, base)).all()
 
 
-@pytest.mark.parametrize("layout", ["flagged", "llama4"])
-def test_fp8_experts_into_a_module_of_another_layout_are_refused_naming_it(tmp_path, layout):
-    """An experts module whose weights are transposed - flagged (HF's is_transposed) or not (Llama-4's [E, H, 2I] /
-    [E, I, H]) - cannot hold fp8fx's experts: a bf16 checkpoint keeps it bf16 (quantized online); an fp8 one was read
-    as [E, 2I, H], refused as "wrong checkpoint" with dimensions the model does not have, or accepted and failing in
-    forward. It is refused naming the layout, the model unchanged."""
-    from torch import nn
-
+def test_fp8_experts_into_a_module_flagged_transposed_of_other_shapes_are_refused_naming_it(tmp_path):
+    """An experts module HF flags is_transposed whose weights are not [E, H, 2I] / [E, I, H]: an fp8 checkpoint was
+    read as [E, 2I, H], accepted and failing in forward. It is refused naming the layout, the model unchanged."""
     cfg = moe_config("mixtral")
     tensors, qc, _ = moe_checkpoint(reference_model(cfg).state_dict(), "channel", naming="hf", ct=True)
     path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
     model = meta_model(path)
-    experts = model.get_submodule(EXPERTS)
-    if layout == "flagged":
-        experts.is_transposed = True
-        match = r"whose transposed expert weights \(\[E, H, 2I\]\) are not supported by fp8fx\.fused_moe"
-    else:
-        experts.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I, device="meta", dtype=torch.bfloat16))
-        experts.down_proj = nn.Parameter(torch.empty(E, I, H, device="meta", dtype=torch.bfloat16))
-        match = r"whose gate_up_proj \[4, 64, 64\] and down_proj \[4, 32, 64\] are not \[E, 2I, H\] and \[E, H, I\]"
+    model.get_submodule(EXPERTS).is_transposed = True
     snap = snapshot(model)
     with pytest.raises(CheckpointError, match=rf"^{EXPERTS}: the checkpoint's fp8 experts would load into a "
-                                              rf"MixtralExperts {match}"):
+                                              r"MixtralExperts whose gate_up_proj \[4, 64, 64\] and down_proj "
+                                              r"\[4, 64, 32\] are not \[E, H, 2I\] and \[E, I, H\] \(is_transposed\)"):
         load_checkpoint(model, path, progress=False)
     assert snapshot(model) == snap
+
+
+@pytest.mark.parametrize("granularity,fused", [("tensor", False), ("block", True)])
+def test_fp8_experts_into_a_module_stored_transposed(tmp_path, granularity, fused):
+    """Experts HF flags is_transposed hold [E, H, 2I] / [E, I, H] (Aria; the model computes x @ w): an fp8 checkpoint's experts
+    (per expert, as linear layers, or fused in fused_moe's layout, as fp8fx writes them) load into fused_moe's layout,
+    and the model reads transposed views of exactly what a module of the usual layout holds."""
+    from torch import nn
+
+    cfg = moe_config("mixtral")
+    tensors, qc, _ = moe_checkpoint(reference_model(cfg).state_dict(), granularity, fused=fused)
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
+    usual = meta_model(path)
+    load_checkpoint(usual, path, progress=False)
+    model = meta_model(path)
+    experts = model.get_submodule(EXPERTS)
+    experts.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I, device="meta", dtype=torch.bfloat16))
+    experts.down_proj = nn.Parameter(torch.empty(E, I, H, device="meta", dtype=torch.bfloat16))
+    experts.is_transposed = True  # (Llama-4's, with no flag: tests/e2e/test_moe_models.py)
+    load_checkpoint(model, path, progress=False)
+    assert is_quantized_experts(experts) and experts._fp8fx_transposed
+    for name in ("gate_up_proj", "down_proj"):
+        assert torch.equal(getattr(experts, name), getattr(usual.get_submodule(EXPERTS), name).transpose(1, 2))
