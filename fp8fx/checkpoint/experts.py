@@ -549,6 +549,8 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
             for name, _ in items:
                 m = _PER_EXPERT.match(name)
                 expect = ex.rows_cols(SHARD[m[3]]) if m else (e,) + ((2 * i, h) if name.endswith(W13) else (h, i))
+                if not m and ex.transposed:  # fused, in the model's layout (convert writes fused_moe's)
+                    expect = (e, expect[2], expect[1])
                 if tuple(entries[name].shape) != expect:
                     raise CheckpointError(
                         f"{entries[name]}: expected {list(expect)} for {fqn} (E, H, I = {list(ex.shape)}); wrong "

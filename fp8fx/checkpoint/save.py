@@ -29,7 +29,7 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES, check_kv_scale
 from fp8fx.weights.linear import is_quantized, layer_scheme
-from fp8fx.weights.quantize import check_finished
+from fp8fx.weights.quantize import _shown, check_finished
 
 log = logging.getLogger("fp8fx")
 
@@ -196,6 +196,11 @@ def _experts_layout(model: nn.Module, modules: Mapping[str, nn.Module], experts:
         if f not in split:
             log.info("fp8fx: save_checkpoint writes %s fused: its experts do not split (%s)", f,
                      moe_ckpt.split_reason(m))
+    flipped = [f for f, m in quantized_experts.items() if f not in split and moe.is_transposed(m)]
+    if flipped:
+        log.warning("fp8fx: save_checkpoint writes the fp8 experts of %s fused in fused_moe's layout, [E, 2I, H] / "
+                    "[E, H, I], not the model's transposed [E, H, 2I] / [E, I, H]: fp8fx.load_checkpoint reads them "
+                    "back; a reader that takes fused experts in the model's layout would not", _shown(flipped))
     names = moe_ckpt.PROJ
     if split:  # the projections' names of the model's hub checkpoints (Mixtral's w1 / w3 / w2), where known
         leaves = renames.hub_expert_leaves(model)
@@ -672,6 +677,8 @@ def convert(
                 if entry.name in expert_tensors:
                     moe_ckpt.check_finite(entry, t, expert_tensors[entry.name])
                     if t.dim() == 3:  # fused [E, rows, cols]: per-expert scales under the fused names
+                        if moe.is_transposed(model.get_submodule(expert_tensors[entry.name])):
+                            t = t.transpose(1, 2)  # the model's layout: fused_moe's is written (as save_checkpoint)
                         out[name], out[name + scale_name[len("weight"):]] = moe_ckpt.quantize_fused(t, config)
                         del t
                         continue
