@@ -5,7 +5,8 @@ bf16 through Inductor, in one process on the GPU.
     python benchmarks/bench_moe_layer.py --cpu-smoke   # tiny dims on CPU: the fp8fx path still works
 
 The layer is the ``mlp`` of a one-layer transformers model with the real model's MoE dimensions
-(Qwen3-30B-A3B: E=128, top-8, H=2048, I=768; Mixtral-8x7B: E=8, top-2, H=4096, I=14336), its experts
+(Qwen3-30B-A3B: E=128, top-8, H=2048, I=768; Mixtral-8x7B: E=8, top-2, H=4096, I=14336; Llama-4 Scout: E=16,
+top-1, H=5120, I=8192, dense experts and a shared expert), its experts
 run with transformers' ``grouped_mm`` implementation. fp8fx: ``quantize_(Fp8Config())`` (per-channel
 experts, per-token activations) + ``Fp8Backend()``; the MoE pass rewrites the experts into
 ``fp8fx.fused_moe``, the router stays bf16. Every row is timed as CUDA-graph replays of the compiled
@@ -34,6 +35,11 @@ MODELS = {  # transformers config class name, MoE dimensions
                        num_experts_per_tok=8, norm_topk_prob=True, head_dim=128)),
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(hidden_size=4096, intermediate_size=14336, num_local_experts=8, num_experts_per_tok=2)),
+    # Llama-4 Scout's MoE layer: every expert on every token (the dense form; fp8fx does not skip the zero rows), and
+    # a shared expert; experts [E, H, 2I]
+    "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
+               dict(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_local_experts=16,
+                    num_experts_per_tok=1, head_dim=128, interleave_moe_layer_step=1, no_rope_layers=[1])),
 }
 TINY = dict(hidden_size=128, moe_intermediate_size=64, intermediate_size=64, num_experts=8, num_local_experts=8)
 
@@ -48,8 +54,14 @@ def moe_layer(name: str, device: str, tiny: bool):
     torch.manual_seed(0)
     with torch.device(device):
         model = getattr(transformers, model_name)(config).to(torch.bfloat16).eval()
-    model.set_experts_implementation("grouped_mm")
-    return model.model.layers[0].mlp, config.hidden_size
+    decoder = model.model.layers[0]
+    if hasattr(decoder, "mlp"):
+        model.set_experts_implementation("grouped_mm")
+    return getattr(decoder, "mlp", None) or decoder.feed_forward, config.hidden_size
+
+
+def _out(y):
+    return y[0] if isinstance(y, tuple) else y  # (Llama-4's block: (output, router logits))
 
 
 def run(name: str, tokens: list[int], device: str, tiny: bool) -> list[dict]:
@@ -57,15 +69,15 @@ def run(name: str, tokens: list[int], device: str, tiny: bool) -> list[dict]:
     xs = {t: torch.randn(1, t, hidden, device=device, dtype=torch.bfloat16) for t in tokens}
     bf16 = torch.compile(layer, dynamic=False)
     with torch.no_grad():
-        refs = {t: bf16(x) for t, x in xs.items()}
+        refs = {t: _out(bf16(x)) for t, x in xs.items()}
         times = {t: time_ms(lambda x=x: bf16(x), graph=True) for t, x in xs.items()} if device == "cuda" else {}
         torch._dynamo.reset()
-        fp8fx.quantize_(layer, fp8fx.Fp8Config(ignored_layers=["gate"]))
+        fp8fx.quantize_(layer, fp8fx.Fp8Config())  # (the router is found and kept in bf16)
         backend = fp8fx.Fp8Backend()
         fp8 = torch.compile(layer, backend=backend, dynamic=False)
         rows = []
         for t, x in xs.items():
-            out = fp8(x)
+            out = _out(fp8(x))
             row = dict(model=name, tokens=t, err_vs_bf16=rel_err(out, refs[t]))
             if device == "cuda":
                 row["bf16_inductor_ms"] = times[t]
