@@ -841,7 +841,7 @@ class MoePass(Fp8Pass):
         scheme = str(LayerScheme(granularity_from_block(w_block, weight=True), granularity_from_block(act_block),
                                  a13 is not None))
         if operands["dense"]:
-            scheme += DENSE
+            scheme += ROUTED if _route_dense(graph, fused) else DENSE
         return scheme, saved, Site.origin_of(fused)
 
 
@@ -855,6 +855,130 @@ def dense_routing(x: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Te
     rows = x.shape[0]
     ids = torch.arange(experts, device=x.device).view(experts, 1).expand(experts, rows // experts).reshape(rows, 1)
     return torch.ones(rows, 1, dtype=x.dtype, device=x.device), ids
+
+
+ROUTED = (" (routed: the router's top-k of the dense form, its weights on the input rows, as vLLM's "
+          "apply_router_weight_on_input)")
+_SCORE_OPS = {"float": "float", "to": "to", "sigmoid": "sigmoid"}  # method names; functions below
+_SIGMOID = (torch.sigmoid, torch.nn.functional.sigmoid, torch.special.expit)
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(statically_known_true(x == y) for x, y in zip(a, b))
+
+
+def _call(node, names: tuple, functions: tuple = ()) -> bool:
+    return isinstance(node, fx.Node) and (node.op == "call_method" and node.target in names
+                                          or node.op == "call_function" and node.target in functions)
+
+
+def _router_of(scores: fx.Node, t, e) -> Optional[tuple[fx.Node, fx.Node, list]]:
+    """(top values, top ids, the elementwise ops from them to ``scores``) where ``scores`` [T, E] is the router's
+    top-k of its logits scattered into -inf and mapped by elementwise ops with a sigmoid among them (Llama-4's
+    ``Llama4Router``: ``sigmoid(full_like(logits, -inf).scatter_(1, ids, values).float()).to(dtype)``): every score of
+    an expert the router did not pick is sigmoid(-inf) = 0, exactly. Else None."""
+    ops: list = []
+    node = scores
+    while not _call(node, ("scatter_", "scatter"), (torch.scatter,)):
+        if _call(node, ("float",)):
+            ops.append(("float",))
+        elif _call(node, ("to",)) and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs:
+            ops.append(("to", node.args[1]))
+        elif _call(node, ("sigmoid",), _SIGMOID) and len(node.args) == 1 and not node.kwargs:
+            ops.append(("sigmoid",))
+        else:
+            return None
+        node = node.args[0]
+    if ("sigmoid",) not in ops or len(node.users) != 1:
+        return None
+    target, dim, ids, values = (_arg(node, i, n) for i, n in enumerate(("self", "dim", "index", "src")))
+    if node.kwargs.keys() - {"dim", "index", "src"} or not isinstance(dim, int) or dim % 2 != 1:
+        return None
+    if not (_call(target, (), (torch.full_like,)) and target.args[1:] == (float("-inf"),) and not target.kwargs
+            and len(target.users) == 1 and _same(_shape(target), (t, e))):
+        return None
+    if not (_call(ids, (), (operator.getitem,)) and _call(values, (), (operator.getitem,))
+            and ids.args[0] is values.args[0] and (values.args[1], ids.args[1]) == (0, 1)):
+        return None
+    topk = ids.args[0]
+    if not _call(topk, ("topk",), (torch.topk,)) or _arg(topk, 2, "dim", -1) % 2 != 1 \
+            or _arg(topk, 3, "largest", True) is not True or len(_shape(ids)) != 2:
+        return None
+    return values, ids, ops[::-1]
+
+
+def _route_dense(graph: fx.Graph, fused: fx.Node) -> bool:
+    """The dense form's fused_moe rewritten to route each token to its top-k experts only, where the block around the
+    experts is Llama-4's (``Llama4TextMoe``)::
+
+        rows = x.repeat(E, 1) * scores.transpose(0, 1).reshape(-1, 1)   # scores: ``_router_of``
+        out = fused_moe(rows, ...).reshape(E, -1, H).sum(0)
+
+    becomes fused_moe on the T * K rows ``x[t] * score(t, k)`` with the router's ids, summed over k: the rows of the
+    experts the router did not pick are 0 there, and so are their outputs (a zero row quantizes to zeros: 0 in every
+    scheme). True if rewritten; else the graph is unchanged."""
+    rows = fused.args[0]
+    e, two_i, h = _shape(fused.args[3])
+    if len(fused.users) != 1 or not _call(rows, ("mul",), (operator.mul, torch.mul)) or len(rows.args) != 2:
+        return False
+    view = next(iter(fused.users))
+    total = _shape(rows)[0]
+    if not _call(view, ("reshape", "view")) or len(view.users) != 1 or len(_shape(view)) != 3 \
+            or not statically_known_true(_shape(view)[0] == e):
+        return False
+    combine = next(iter(view.users))
+    if not (_call(combine, ("sum",), (torch.sum,)) and _arg(combine, 1, "dim") in (0, [0], (0,))
+            and not combine.kwargs.keys() - {"dim"} and len(combine.args) <= 2):
+        return False
+    rep, column = rows.args if _call(rows.args[0], ("repeat",)) else rows.args[::-1]
+    if not (_call(rep, ("repeat",)) and len(rep.args) == 3 and rep.args[2] == 1 and len(_shape(rep.args[0])) == 2
+            and statically_known_true(rep.args[1] == e)) or not _call(column, ("reshape", "view")):
+        return False
+    x = rep.args[0]
+    t = _shape(x)[0]
+    transposed = column.args[0]
+    if not (_same(_shape(column), (total, 1)) and _call(transposed, ("transpose", "t"), (torch.transpose, torch.t))
+            and (transposed.target in ("t", torch.t) or sorted(d % 2 for d in transposed.args[1:3]) == [0, 1])):
+        return False
+    router = _router_of(transposed.args[0], t, e)
+    if router is None:
+        return False
+    values, ids, ops = router
+    with graph.inserting_before(combine):
+        routed = graph.call_function(router_weighted_rows, (x, values, ids, tuple(ops)))
+        set_fake_value(routed, router_weighted_rows, routed.args)
+        parts = [graph.call_function(operator.getitem, (routed, i)) for i in range(3)]
+        for i, part in enumerate(parts):
+            part.meta["example_value"] = routed.meta["example_value"][i]
+        args = (*parts, *fused.args[3:])
+        sparse = graph.call_function(torch.ops.fp8fx.fused_moe.default, args)
+        set_fake_value(sparse, torch.ops.fp8fx.fused_moe.default, args)
+        sparse.meta.update({k: v for k, v in fused.meta.items() if k not in ("example_value", "val")})
+        out = graph.call_function(sum_over_k, (sparse, _shape(ids)[1]))
+        set_fake_value(out, sum_over_k, out.args)
+    combine.replace_all_uses_with(out)
+    dead = [combine, view, fused, *fused.args[1:3], fused.args[1].args[0], rows, rep, column, transposed]
+    for node in dead:
+        if not node.users:
+            graph.erase_node(node)
+    return True
+
+
+def router_weighted_rows(x: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, ops: tuple):
+    """fused_moe's operands for the router's top-k with its weights on the input (``_route_dense``): rows [T * K, H]
+    ``x[t] * score(t, k)``, with ``score`` the router's ``ops`` on its top-k ``values`` (as the model maps every
+    logit), [T * K, 1] weights 1 and [T * K, 1] ids."""
+    scores = values
+    for op, *arg in ops:
+        scores = scores.float() if op == "float" else scores.to(*arg) if op == "to" else torch.sigmoid(scores)
+    t, k = ids.shape
+    rows = (x.unsqueeze(1) * scores.unsqueeze(2)).reshape(t * k, x.shape[-1])
+    return rows, torch.ones(t * k, 1, dtype=rows.dtype, device=x.device), ids.reshape(t * k, 1)
+
+
+def sum_over_k(y: torch.Tensor, k: int) -> torch.Tensor:
+    """fused_moe's [T * K, H] outputs of ``router_weighted_rows``' rows, summed over each token's K experts."""
+    return y.view(-1, k, y.shape[-1]).sum(1)
 
 
 def _dequant_args(node: fx.Node) -> list:

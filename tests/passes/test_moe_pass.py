@@ -6,6 +6,7 @@ import importlib.util
 import operator
 import pathlib
 import sys
+import types
 
 import pytest
 import torch
@@ -734,3 +735,91 @@ def test_aria_transposed_experts_rewritten_into_fused_moe(impl):
     assert site.rewritten and site.scheme == str(fp8fx.Fp8Config().scheme()), site
     assert torch.equal(out, x + fused_reference(model.experts, x, ids, w, torch.bfloat16))
     assert rel_err(out - x, bf16 - x) < 0.1
+
+
+# -- Llama-4's MoE block: the dense form routed by the router's top-k -----------------------------------------------
+def llama4_block(top_k, router_forward=None):
+    l4 = transformers.models.llama4.modeling_llama4
+    config = transformers.Llama4TextConfig(hidden_size=H, intermediate_size=I, num_local_experts=E, hidden_act="silu",
+                                           num_experts_per_tok=top_k)
+    torch.manual_seed(0)
+    block = l4.Llama4TextMoe(config)
+    nn.init.normal_(block.experts.gate_up_proj, std=H**-0.5)
+    nn.init.normal_(block.experts.down_proj, std=I**-0.5)
+    if router_forward is not None:
+        block.router.forward = types.MethodType(router_forward, block.router)
+    return block.to(torch.bfloat16).eval()
+
+
+def zero_filled(self, hidden_states):
+    """sigmoid of the top-k scattered into zeros: the experts the router did not pick get weight 0.5, not 0."""
+    logits = F.linear(hidden_states, self.weight)
+    top, idx = torch.topk(logits, self.top_k, dim=1)
+    return torch.sigmoid(torch.zeros_like(logits).scatter_(1, idx, top).float()).to(logits.dtype), logits
+
+
+def softmax_scores(self, hidden_states):
+    logits = F.linear(hidden_states, self.weight)
+    return torch.softmax(logits.float(), dim=1).to(logits.dtype), logits
+
+
+def _moe_pass_only(model, x, monkeypatch=None):
+    graphs, report = [], fp8fx.report.Report()
+
+    def moe_only(gm, example_inputs):
+        fp8fx.passes.PassManager([MoePass()], {}).run(gm, example_inputs, report)
+        graphs.append(gm)
+        return gm.forward
+
+    with torch.no_grad():
+        out = torch.compile(model, backend=moe_only, fullgraph=True)(x)[0]
+    torch._dynamo.reset()
+    return out, graphs[0], report
+
+
+@pytest.mark.parametrize("top_k", [1, 2])
+def test_llama4_block_routed_by_its_router(top_k, monkeypatch):
+    """Llama-4's block feeds its experts every token once per expert, weighted by a sigmoid of the router's top-k
+    scattered into -inf (0 for every expert it did not pick): the pass runs fused_moe on the T * K rows the router
+    picked instead of the E * T rows, and gives what the dense rewrite gives (bit for bit at top-1; at top-2 the K
+    outputs are added in another order)."""
+    model = llama4_block(top_k)
+    x = inputs(torch.bfloat16)[0]
+    with torch.no_grad():
+        bf16 = model(x)[0]
+        fp8fx.quantize_(model)
+        eager = model(x)[0]
+    routed, gm, report = _moe_pass_only(model, x)
+    (site,) = [s for s in report.sites if s.kind == "moe"]
+    assert site.rewritten and site.scheme.endswith(fp8fx.passes.moe.ROUTED), site
+    found = targets(gm)
+    assert found.count(torch.ops.fp8fx.fused_moe.default) == 1
+    assert fp8fx.passes.moe.router_weighted_rows in found and not {torch.bmm, fp8fx.passes.moe.dense_routing} & set(
+        found)
+    [node] = [n for n in gm.graph.nodes if n.target is torch.ops.fp8fx.fused_moe.default]
+    assert node.meta["example_value"].shape == (T * top_k, H)  # T * K rows, not E * T
+    monkeypatch.setattr(fp8fx.passes.moe, "_route_dense", lambda graph, fused: False)
+    dense, _, report = _moe_pass_only(model, x)
+    assert report.sites[0].scheme.endswith(fp8fx.passes.moe.DENSE)
+    if top_k == 1:
+        assert torch.equal(routed, dense)
+    else:
+        assert rel_err(routed, dense) < 0.01
+    assert rel_err(routed, eager) < 0.05
+    assert rel_err(routed, bf16) < 0.1
+
+
+@pytest.mark.parametrize("router", [zero_filled, softmax_scores], ids=["scattered-into-zeros", "softmax"])
+def test_llama4_block_whose_router_weights_every_expert_stays_dense(router):
+    """Scores that are not 0 for the experts the router did not pick: every expert's output counts, so the dense
+    rewrite stays (routing by the top-k would drop them)."""
+    model = llama4_block(1, router)
+    x = inputs(torch.bfloat16)[0]
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        eager = model(x)[0]
+    out, gm, report = _moe_pass_only(model, x)
+    (site,) = [s for s in report.sites if s.kind == "moe"]
+    assert site.rewritten and site.scheme.endswith(fp8fx.passes.moe.DENSE), site
+    assert fp8fx.passes.moe.dense_routing in targets(gm)
+    assert rel_err(out, eager) < 0.05
