@@ -84,6 +84,19 @@ def run(name: str, tokens: list[int], device: str, tiny: bool) -> list[dict]:
                 row["fp8fx_ms"] = time_ms(lambda x=x: fp8(x), graph=True)
                 row["vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_ms"]
             rows.append(row)
+        if name == "llama4":  # the dense rewrite alone (routing off): what fp8 gains before routing does
+            torch._dynamo.reset()
+            routed = fp8fx.passes.moe._route_dense
+            fp8fx.passes.moe._route_dense = lambda graph, fused: False
+            try:
+                dense = torch.compile(layer, backend=fp8fx.Fp8Backend(), dynamic=False)
+                for row, x in zip(rows, xs.values()):
+                    row["err_dense_vs_bf16"] = rel_err(_out(dense(x)), refs[row["tokens"]])
+                    if device == "cuda":
+                        row["fp8fx_dense_ms"] = time_ms(lambda x=x: dense(x), graph=True)
+                        row["dense_vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_dense_ms"]
+            finally:
+                fp8fx.passes.moe._route_dense = routed
     print(backend.report)
     moe_sites = [s for s in backend.report.sites if s.kind == "moe"]
     for row in rows:  # one graph per token count (dynamic=False): its one MoE site, rewritten or not
