@@ -105,8 +105,9 @@ def parse(config_json: Mapping[str, Any], user: Optional[Fp8Config] = None) -> Q
     if qc is None:
         return QuantFormat("none", Fp8Config())
     method = qc.get("quant_method")
+    name = method.lower() if isinstance(method, str) else method  # (vLLM lowercases it: "FP8" is fp8)
     try:
-        if method == "fp8":
+        if name == "fp8":
             config = Fp8Config.from_config(qc)
             hf = () if qc.get("ignored_layers") else tuple(qc.get("modules_to_not_convert") or ())
             for pattern in hf:  # (a str list: Fp8Config.from_config checked it)
@@ -118,7 +119,7 @@ def parse(config_json: Mapping[str, Any], user: Optional[Fp8Config] = None) -> Q
             # (an online config, fp8fx's to_dict: the weights are bf16/fp16, quantized as they load)
             return QuantFormat("fp8" if config.is_checkpoint_fp8_serialized else "none", config, kv_cache=kv,
                                hf_ignore=hf)
-        if method == "compressed-tensors":
+        if name == "compressed-tensors":
             return _compressed_tensors(qc, kv)
     except ValueError as e:
         raise CheckpointError(f"config.json quantization_config (quant_method={method!r}): {e}") from None

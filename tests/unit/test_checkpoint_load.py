@@ -1381,3 +1381,19 @@ def test_tensors_the_models_class_skips_are_not_loaded_and_reported(tmp_path):
     assert len(report.skipped) == len(extra) + 1 and not report.unexpected
     assert "not loaded: the model's class skips them (_keys_to_ignore_on_load_unexpected)" in str(report)
     assert is_quantized(model.model.layers[1].mlp.down_proj)
+
+
+@pytest.mark.parametrize("method", ["FP8", "Fp8", "Compressed-Tensors"])
+def test_quant_method_is_read_as_vllm_reads_it_whatever_its_case(method):
+    """vLLM lowercases quant_method ("FP8" is its fp8): load_checkpoint refused "FP8" as a format it does not load,
+    while Fp8Config.from_config took it."""
+    from fp8fx.checkpoint import formats
+
+    args = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    qc = ({"quant_method": method, "activation_scheme": "static"} if "fp8" in method.lower() else
+          {"quant_method": method, "format": "float-quantized",
+           "config_groups": {"g": {"targets": ["Linear"], "weights": dict(args), "input_activations": dict(args)}}})
+    parsed = formats.parse({"quantization_config": qc})
+    assert parsed.config.is_checkpoint_fp8_serialized and parsed.config.activation_scheme == "static"
+    with pytest.raises(CheckpointError, match=r"quant_method='FP4' is not a format fp8fx loads"):
+        formats.parse({"quantization_config": {"quant_method": "FP4"}})
