@@ -452,6 +452,14 @@ def _staged(path: str, what: str):
     created = _make_dirs(parent, what, path)
     prefix = f".{name}{_STAGE}" if name else _STAGE
     leftovers = sorted(f for f in os.listdir(parent) if f.startswith(prefix))
+    live = [(f, pid) for f in leftovers if (pid := _writer(f)) is not None]
+    if live:  # two runs into one DST: the later one failed at its end, or their files mixed in an existing folder
+        _remove_empty(created)
+        folder, pid = live[0]
+        raise FileExistsError(17, f"{what}: process {pid} of this machine is writing {path} now (in "
+                              f"{os.path.join(parent, folder)}): wait for it to end, or pick another directory; if "
+                              "no such run is going (a process of that number that is no fp8fx run), remove that "
+                              "folder (nothing was written)")
     if leftovers:
         log.warning("fp8fx: %s: %s holds %s, left by a %s that was stopped on the way: remove it (this one writes "
                     "a folder of its own)", what, parent, ", ".join(leftovers), what)
@@ -460,15 +468,40 @@ def _staged(path: str, what: str):
         _make_dirs(stage, what)
         yield stage
         if exists:
-            for f in os.listdir(stage):
+            names = os.listdir(stage)
+            clash = [f for f in names if os.path.lexists(os.path.join(path, f))]
+            if clash:  # (the folder held none of them when this run began: save and convert refuse that)
+                raise FileExistsError(17, f"{what}: {clash[0]} appeared in {path} while this run wrote (another run "
+                                      f"into the same directory?): this run's files were removed, {path}'s kept")
+            for f in names:
                 os.replace(os.path.join(stage, f), os.path.join(path, f))
             os.rmdir(stage)
         else:
-            os.rename(stage, path)
+            try:
+                os.rename(stage, path)
+            except OSError as e:
+                if not os.path.lexists(path):
+                    raise
+                raise FileExistsError(17, f"{what}: {path} was made by another process while this run wrote (another "
+                                      f"run into the same directory?): this run's files were removed, {path} is "
+                                      "theirs") from None
     except BaseException:
         shutil.rmtree(stage, ignore_errors=True)
         _remove_empty(created)
         raise
+
+
+def _writer(folder: str) -> Optional[int]:
+    """The process of this machine that writes into stage ``folder`` (``_staged``'s name holds its number) while it
+    runs, or None: no such process (one stopped on the way left the folder)."""
+    try:
+        pid = int(folder.rpartition(_STAGE)[2].split("-")[0])
+        os.kill(pid, 0)  # (signal 0: is there such a process)
+    except (ValueError, ProcessLookupError, OverflowError):
+        return None
+    except PermissionError:  # another user's
+        return pid
+    return pid
 
 
 def _remove_empty(folders: list[str]) -> None:

@@ -609,6 +609,63 @@ def test_a_killed_write_leaves_the_destination_as_it_was(tmp_path, how, caplog):
     assert load_checkpoint(meta_tiny(), dst, progress=False).quantized
 
 
+@pytest.mark.parametrize("how", ["convert into a new folder", "save into an empty folder"])
+def test_two_runs_into_one_destination(tmp_path, how, monkeypatch, caplog):
+    """Two runs writing one DST at once: the second failed at its very end with a bare OSError (a new DST: the first
+    had renamed its folder to it) or replaced the first's files with its own (an existing folder: a mix of two
+    checkpoints), and called the first's live folder a leftover to remove. A run that finds another one writing DST
+    now is refused before writing, naming the process; one whose DST changes under it while it writes removes its own
+    files and says so, DST left as the other run made it."""
+    import subprocess
+    import sys
+
+    from fp8fx.checkpoint import save
+
+    src = write_checkpoint(tmp_path / "src", bf16_state(), shards=2, extra_config={"model_type": "tiny"})
+    dst = tmp_path / "dst"
+    parent = tmp_path
+    if how.startswith("save"):
+        dst.mkdir()
+        (dst / "tokenizer.json").write_text("{}")  # (the user's: kept)
+        parent = dst
+
+    def run():
+        if how.startswith("convert"):
+            convert(src, dst, model=meta_tiny(), progress=False)
+        else:
+            model = meta_tiny()
+            load_checkpoint(model, src, progress=False)
+            save_checkpoint(model, dst, max_shard_size=64 << 10)
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:  # the other run's folder, by a live process
+        busy = parent / f"{'.dst' if how.startswith('convert') else ''}.fp8fx-partial-{other.pid}-0a1b2c3d"
+        busy.mkdir()
+        before = sorted(os.listdir(parent))
+        with pytest.raises(FileExistsError, match=rf"process {other.pid} of this machine is writing {dst} now \(in "
+                                                  rf"{busy}\): wait for it to end, or pick another directory"):
+            run()
+        assert sorted(os.listdir(parent)) == before
+    finally:
+        other.kill()
+        other.wait()
+    busy.rmdir()
+    # the other run finishes while this one writes
+    real = save.write_file
+
+    def theirs_lands(file, tensors, metadata=None):
+        real(file, tensors, metadata=metadata)
+        dst.mkdir(exist_ok=True)
+        (dst / os.path.basename(file)).write_bytes(b"theirs")
+
+    monkeypatch.setattr(save, "write_file", theirs_lands)
+    with pytest.raises(FileExistsError, match="while this run wrote \\(another run into the same directory\\?\\): "
+                                              "this run's files were removed"):
+        run()
+    assert not [f for f in os.listdir(parent) if ".fp8fx-partial-" in f]
+    assert {(dst / f).read_bytes() for f in os.listdir(dst) if f.endswith(".safetensors")} == {b"theirs"}
+
+
 def test_convert_for_a_fused_model(tmp_path):
     """Separate q/k/v and gate/up weights are quantized one by one (own per-channel scales); loading
     them into the fused model gives what quantize_ gives on the fused model."""
