@@ -923,8 +923,7 @@ def _route_dense(graph: fx.Graph, fused: fx.Node) -> bool:
         return False
     view = next(iter(fused.users))
     total = _shape(rows)[0]
-    if not _call(view, ("reshape", "view")) or len(view.users) != 1 or len(_shape(view)) != 3 \
-            or not statically_known_true(_shape(view)[0] == e):
+    if not _call(view, ("reshape", "view")) or len(view.users) != 1 or not _same(_shape(view), (e, total // e, h)):
         return False
     combine = next(iter(view.users))
     if not (_call(combine, ("sum",), (torch.sum,)) and _arg(combine, 1, "dim") in (0, [0], (0,))
