@@ -879,7 +879,11 @@ def _router_of(scores: fx.Node, t, e) -> Optional[tuple[fx.Node, fx.Node, list]]
     an expert the router did not pick is sigmoid(-inf) = 0, exactly. Else None."""
     ops: list = []
     node = scores
+    if any(_in_place(u) for u in scores.users):  # (the model's later reads of the scores see that change)
+        return None
     while not _call(node, ("scatter_", "scatter"), (torch.scatter,)):
+        if node is not scores and len(node.users) != 1:
+            return None
         if _call(node, ("float",)):
             ops.append(("float",))
         elif _call(node, ("to",)) and len(node.args) == 2 and isinstance(node.args[1], torch.dtype) and not node.kwargs:
@@ -889,8 +893,8 @@ def _router_of(scores: fx.Node, t, e) -> Optional[tuple[fx.Node, fx.Node, list]]
         else:
             return None
         node = node.args[0]
-    if ("sigmoid",) not in ops or len(node.users) != 1:
-        return None
+    if len(node.users) != 1 or _scores(ops[::-1], torch.tensor(float("-inf"), dtype=fake_value(node).dtype)) != 0:
+        return None  # (an expert the router did not pick must weigh exactly 0: sigmoid(-inf), not sigmoid twice)
     target, dim, ids, values = (_arg(node, i, n) for i, n in enumerate(("self", "dim", "index", "src")))
     if node.kwargs.keys() - {"dim", "index", "src"} or not isinstance(dim, int) or dim % 2 != 1:
         return None
@@ -902,9 +906,18 @@ def _router_of(scores: fx.Node, t, e) -> Optional[tuple[fx.Node, fx.Node, list]]
         return None
     topk = ids.args[0]
     if not _call(topk, ("topk",), (torch.topk,)) or _arg(topk, 2, "dim", -1) % 2 != 1 \
-            or _arg(topk, 3, "largest", True) is not True or len(_shape(ids)) != 2:
+            or _arg(topk, 3, "largest", True) is not True or len(_shape(ids)) != 2 \
+            or not _same(_shape(ids), (t, _shape(ids)[1])) or not _same(_shape(values), _shape(ids)):
         return None
     return values, ids, ops[::-1]
+
+
+def _in_place(node: fx.Node) -> bool:
+    """``node`` changes a tensor it reads (``add_``, ``x[i] = v``, ``out=``)."""
+    name = node.target if node.op == "call_method" else getattr(node.target, "__name__", "")
+    return (node.op in ("call_method", "call_function") and isinstance(name, str)
+            and (name.endswith("_") and not name.endswith("__") or name in ("setitem", "copy_"))
+            or "out" in node.kwargs)
 
 
 def _route_dense(graph: fx.Graph, fused: fx.Node) -> bool:
@@ -943,7 +956,13 @@ def _route_dense(graph: fx.Graph, fused: fx.Node) -> bool:
     if router is None:
         return False
     values, ids, ops = router
-    with graph.inserting_before(combine):
+    # the routed rows are computed where the model's rows are: a tensor changed in place between the router's top-k and
+    # the combine (the hidden states, the top-k values) would give other rows there than the model's; none may be
+    order = _order(graph)
+    if any(_in_place(n) and n.args[0] is not values.args[0] for n in graph.nodes
+           if order(values.args[0]) < order(n) < order(combine) and not _call(n, ("scatter_",))):
+        return False
+    with graph.inserting_before(rows):
         routed = graph.call_function(router_weighted_rows, (x, values, ids, tuple(ops)))
         set_fake_value(routed, router_weighted_rows, routed.args)
         parts = [graph.call_function(operator.getitem, (routed, i)) for i in range(3)]
@@ -953,6 +972,7 @@ def _route_dense(graph: fx.Graph, fused: fx.Node) -> bool:
         sparse = graph.call_function(torch.ops.fp8fx.fused_moe.default, args)
         set_fake_value(sparse, torch.ops.fp8fx.fused_moe.default, args)
         sparse.meta.update({k: v for k, v in fused.meta.items() if k not in ("example_value", "val")})
+    with graph.inserting_before(combine):
         out = graph.call_function(sum_over_k, (sparse, _shape(ids)[1]))
         set_fake_value(out, sum_over_k, out.args)
     combine.replace_all_uses_with(out)
@@ -967,12 +987,17 @@ def router_weighted_rows(x: torch.Tensor, values: torch.Tensor, ids: torch.Tenso
     """fused_moe's operands for the router's top-k with its weights on the input (``_route_dense``): rows [T * K, H]
     ``x[t] * score(t, k)``, with ``score`` the router's ``ops`` on its top-k ``values`` (as the model maps every
     logit), [T * K, 1] weights 1 and [T * K, 1] ids."""
-    scores = values
-    for op, *arg in ops:
-        scores = scores.float() if op == "float" else scores.to(*arg) if op == "to" else torch.sigmoid(scores)
+    scores = _scores(ops, values)
     t, k = ids.shape
     rows = (x.unsqueeze(1) * scores.unsqueeze(2)).reshape(t * k, x.shape[-1])
     return rows, torch.ones(t * k, 1, dtype=rows.dtype, device=x.device), ids.reshape(t * k, 1)
+
+
+def _scores(ops: tuple, values: torch.Tensor) -> torch.Tensor:
+    """The router's elementwise ``ops`` (``_router_of``) on ``values``."""
+    for op, *arg in ops:
+        values = values.float() if op == "float" else values.to(*arg) if op == "to" else torch.sigmoid(values)
+    return values
 
 
 def sum_over_k(y: torch.Tensor, k: int) -> torch.Tensor:

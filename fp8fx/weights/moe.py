@@ -67,7 +67,8 @@ def _view(name: str) -> property:
             p[name], scale, self._fp8fx_w_block, self._fp8fx_dtype, p.get(name + "_input_scale"), self._fp8fx_act_block
         )
         # experts the model stores transposed (``is_transposed``) see their own layout; fp8fx keeps fused_moe's
-        return w.transpose(1, 2) if self._fp8fx_transposed else w
+        # (getattr: a module pickled before fp8fx held transposed experts has no flag, and is not transposed)
+        return w.transpose(1, 2) if getattr(self, "_fp8fx_transposed", False) else w
 
     return property(get, doc=f"{name} dequantized from its fp8 tensor and scale (fp8fx)")
 
@@ -102,7 +103,7 @@ def is_transposed(module: nn.Module) -> bool:
     fp8fx stores the fp8 tensors of either in fused_moe's [E, 2I, H] / [E, H, I] and hands the model transposed views
     (``_fp8fx_transposed``); the state dict and checkpoints hold fused_moe's layout."""
     if is_quantized_experts(module):
-        return module._fp8fx_transposed
+        return getattr(module, "_fp8fx_transposed", False)
     flag = getattr(module, "is_transposed", None)
     if flag is not None:
         return flag is True

@@ -763,6 +763,25 @@ def softmax_scores(self, hidden_states):
     return torch.softmax(logits.float(), dim=1).to(logits.dtype), logits
 
 
+def sigmoid_twice(self, hidden_states):
+    """A sigmoid in the chain, but sigmoid(sigmoid(-inf)) = 0.5: every expert weighs."""
+    scores, logits = Llama4Router_forward(self, hidden_states)
+    return torch.sigmoid(scores), logits
+
+
+def values_changed(self, hidden_states):
+    """The top-k values changed in place after the model scattered them: routed rows built later read the change."""
+    logits = F.linear(hidden_states, self.weight)
+    top, idx = torch.topk(logits, self.top_k, dim=1)
+    scores = torch.sigmoid(torch.full_like(logits, float("-inf")).scatter_(1, idx, top).float()).to(logits.dtype)
+    top.mul_(-1.0)
+    return scores, logits
+
+
+def Llama4Router_forward(self, hidden_states):
+    return transformers.models.llama4.modeling_llama4.Llama4Router.forward(self, hidden_states)
+
+
 def _moe_pass_only(model, x, monkeypatch=None):
     graphs, report = [], fp8fx.report.Report()
 
@@ -809,10 +828,12 @@ def test_llama4_block_routed_by_its_router(top_k, monkeypatch):
     assert rel_err(routed, bf16) < 0.1
 
 
-@pytest.mark.parametrize("router", [zero_filled, softmax_scores], ids=["scattered-into-zeros", "softmax"])
+@pytest.mark.parametrize("router", [zero_filled, softmax_scores, sigmoid_twice, values_changed],
+                         ids=["scattered-into-zeros", "softmax", "sigmoid-twice", "values-changed-in-place"])
 def test_llama4_block_whose_router_weights_every_expert_stays_dense(router):
     """Scores that are not 0 for the experts the router did not pick: every expert's output counts, so the dense
-    rewrite stays (routing by the top-k would drop them)."""
+    rewrite stays (routing by the top-k would drop them); so does a router whose top-k values change after they were
+    scattered (routed rows would read the change)."""
     model = llama4_block(1, router)
     x = inputs(torch.bfloat16)[0]
     fp8fx.quantize_(model)
@@ -822,4 +843,27 @@ def test_llama4_block_whose_router_weights_every_expert_stays_dense(router):
     (site,) = [s for s in report.sites if s.kind == "moe"]
     assert site.rewritten and site.scheme.endswith(fp8fx.passes.moe.DENSE), site
     assert fp8fx.passes.moe.dense_routing in targets(gm)
+    assert rel_err(out, eager) < 0.05
+
+
+def test_llama4_block_changing_its_hidden_states_after_the_experts_stays_dense():
+    """The block scales its hidden states in place after the experts read them: routed rows are built from the hidden
+    states where the model's rows were, and a change between the router and the combine keeps the dense form."""
+    def forward(self, hidden_states):
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        scores, logits = self.router(hidden_states)
+        routed = self.experts(hidden_states.repeat(scores.shape[1], 1) * scores.transpose(0, 1).reshape(-1, 1))
+        hidden_states.mul_(3.0)
+        out = self.shared_expert(hidden_states)
+        return out + routed.reshape(scores.shape[1], -1, routed.shape[-1]).sum(dim=0), logits
+
+    model = llama4_block(1)
+    model.forward = types.MethodType(forward, model)
+    x = inputs(torch.bfloat16)[0]
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        eager = model(x.clone())[0]
+    out, gm, report = _moe_pass_only(model, x.clone())
+    (site,) = [s for s in report.sites if s.kind == "moe"]
+    assert site.rewritten and site.scheme.endswith(fp8fx.passes.moe.DENSE), site
     assert rel_err(out, eager) < 0.05

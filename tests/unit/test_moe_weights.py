@@ -745,3 +745,19 @@ def test_a_negative_expert_id_is_refused_and_changes_nothing(expert_id):
         method.weight_loader(layer, "w13_weight", torch.ones(I, H).to(torch.float8_e4m3fn), "w1", expert_id)
     assert all(torch.equal(before[k], v.view(torch.uint8)) for k, v in layer.state_dict().items())
     assert not layer._fp8fx_done["gate_up_proj"].any()
+
+
+def test_experts_quantized_before_transposed_layouts_still_read_their_weights():
+    """A quantized experts module pickled before fp8fx took transposed experts has no ``_fp8fx_transposed``: its
+    views raised AttributeError inside the property, and nn.Module's __getattr__ then handed the model the raw fp8
+    tensor (unscaled codes)."""
+    from fp8fx.weights import moe
+
+    module = torch.nn.Module()
+    module.gate_up_proj = torch.nn.Parameter(torch.randn(2, 8, 16, dtype=torch.bfloat16))
+    module.down_proj = torch.nn.Parameter(torch.randn(2, 16, 4, dtype=torch.bfloat16))
+    moe.quantize_experts(module, "experts", fp8fx.Fp8Config())
+    want = module.gate_up_proj
+    del module._fp8fx_transposed
+    assert module.gate_up_proj.dtype == torch.bfloat16 and torch.equal(module.gate_up_proj, want)
+    assert not moe.is_transposed(module)
