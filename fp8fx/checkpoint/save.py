@@ -479,7 +479,7 @@ def _staged(path: str, what: str):
         else:
             try:
                 os.rename(stage, path)
-            except OSError as e:
+            except OSError:
                 if not os.path.lexists(path):
                     raise
                 raise FileExistsError(17, f"{what}: {path} was made by another process while this run wrote (another "

@@ -448,8 +448,9 @@ def test_fp8_experts_into_a_module_flagged_transposed_of_other_shapes_are_refuse
 
 @pytest.mark.parametrize("granularity,fused", [("tensor", False), ("block", True)])
 def test_fp8_experts_into_a_module_stored_transposed(tmp_path, granularity, fused):
-    """Experts HF flags is_transposed hold [E, H, 2I] / [E, I, H] (Aria; the model computes x @ w): an fp8 checkpoint's experts
-    (per expert, as linear layers, or fused in fused_moe's layout, as fp8fx writes them) load into fused_moe's layout,
+    """Experts HF flags is_transposed hold [E, H, 2I] / [E, I, H] (Aria; the model computes x @ w): an fp8
+    checkpoint's experts (per expert, as linear layers, or fused in fused_moe's layout, as fp8fx writes them) load
+    into fused_moe's layout,
     and the model reads transposed views of exactly what a module of the usual layout holds."""
     from torch import nn
 
