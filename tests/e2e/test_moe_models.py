@@ -53,6 +53,15 @@ def run(model, backend):
 EXPERTS = {f"model.layers.{i}.mlp.experts" for i in range(LAYERS)}
 
 
+def moe_only(report):
+    """A torch.compile backend running the MoE pass alone (into ``report``), and no compiler."""
+    def backend(gm, example_inputs):
+        PassManager([MoePass()], {}).run(gm, example_inputs, report)
+        return gm.forward
+
+    return backend
+
+
 @pytest.mark.parametrize("name,impl,compiler", [
     ("mixtral", "grouped_mm", "inductor"),
     ("qwen3_moe", "batched_mm", "eager"),
@@ -73,12 +82,7 @@ def test_tiny_deepseek_v3_experts():
     and against bf16 (the whole backend: the next test)."""
     model = tiny("deepseek_v3", "grouped_mm")
     report = Report()
-
-    def moe_only(gm, example_inputs):
-        PassManager([MoePass()], {}).run(gm, example_inputs, report)
-        return gm.forward
-
-    out, eager, ref = run(model, moe_only)
+    out, eager, ref = run(model, moe_only(report))
     assert {s.fqn for s in report.sites if s.rewritten} == EXPERTS and len(report.sites) == LAYERS
     assert rel_err(out, eager) < 0.05  # measured 0.031: activation quantization of the experts
     assert rel_err(out, ref) < 0.1  # measured 0.075
@@ -278,23 +282,18 @@ def test_tiny_llama4_experts_in_fp8(top_k):
     rows) were left bf16: they are quantized, and its dense experts code becomes one fused_moe in every layer."""
     model = tiny_llama4(top_k)
     report = Report()
-
-    def moe_only(gm, example_inputs):
-        PassManager([MoePass()], {}).run(gm, example_inputs, report)
-        return gm.forward
-
-    out, eager, ref = run(model, moe_only)
+    out, eager, ref = run(model, moe_only(report))
     assert {s.fqn for s in report.sites if s.rewritten} == LLAMA4_EXPERTS and len(report.sites) == LAYERS
     assert all(s.scheme.endswith(fp8fx.passes.moe.ROUTED) for s in report.sites)
-    assert rel_err(out, eager) < 0.05  # measured 0.013-0.018 (top 1 / 2): activation quantization
-    assert rel_err(eager, ref) < 0.1  # measured 0.046-0.05: fp8 weights, run by the model's own code
+    assert rel_err(out, eager) < 0.05  # measured 0.010 / 0.011 (top 1 / 2): activation quantization of the experts
+    assert rel_err(eager, ref) < 0.1  # measured 0.062 / 0.060: fp8 weights, run by the model's own code
     backend = fp8fx.Fp8Backend()
     with torch.no_grad():
         whole = torch.compile(model, backend=backend, fullgraph=True)(
             torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))).logits.float()
     fp8fx.testing.assert_rewritten(backend, "model.layers.*.feed_forward.experts", "model.layers.*.self_attn.*")
     assert not [n for n, *_ in backend.report.unhandled_weights(model) if "experts" in n]
-    assert rel_err(whole, ref) < 0.1  # measured 0.06-0.07
+    assert rel_err(whole, ref) < 0.12  # measured 0.087 / 0.079 (CPU, torch 2.13): every linear and the experts in fp8
 
 
 def test_tiny_llama4_checkpoints(tmp_path, caplog):

@@ -558,6 +558,16 @@ def test_a_write_failing_halfway_leaves_no_partial_checkpoint(tmp_path, monkeypa
     assert len(calls) == 2 and not (tmp_path / "dst").exists()
 
 
+def write_into(how, src, dst):
+    """convert ``src`` into ``dst``, or load it and save_checkpoint into ``dst`` (``how``: "convert ..." / "save ...")."""
+    if how.startswith("convert"):
+        convert(src, dst, model=meta_tiny(), progress=False)
+    else:
+        model = meta_tiny()
+        load_checkpoint(model, src, progress=False)
+        save_checkpoint(model, dst, max_shard_size=64 << 10)
+
+
 @pytest.mark.parametrize("how", ["convert into a new folder", "save into an empty folder"])
 def test_a_killed_write_leaves_the_destination_as_it_was(tmp_path, how, caplog):
     """SIGTERM (timeout, Slurm, docker stop) after the first shard: its default action ends the process with no
@@ -599,12 +609,7 @@ def test_a_killed_write_leaves_the_destination_as_it_was(tmp_path, how, caplog):
     else:
         assert sorted(os.listdir(dst)) == sorted(["tokenizer.json", left[0]])
     with caplog.at_level(logging.WARNING, logger="fp8fx"):
-        if how.startswith("convert"):
-            convert(src, dst, model=meta_tiny(), progress=False)
-        else:
-            model = meta_tiny()
-            load_checkpoint(model, src, progress=False)
-            save_checkpoint(model, dst, max_shard_size=64 << 10)
+        write_into(how, src, dst)
     assert f"holds {left[0]}, left by a" in caplog.text and "that was stopped on the way: remove it" in caplog.text
     assert load_checkpoint(meta_tiny(), dst, progress=False).quantized
 
@@ -629,14 +634,6 @@ def test_two_runs_into_one_destination(tmp_path, how, monkeypatch, caplog):
         (dst / "tokenizer.json").write_text("{}")  # (the user's: kept)
         parent = dst
 
-    def run():
-        if how.startswith("convert"):
-            convert(src, dst, model=meta_tiny(), progress=False)
-        else:
-            model = meta_tiny()
-            load_checkpoint(model, src, progress=False)
-            save_checkpoint(model, dst, max_shard_size=64 << 10)
-
     other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:  # the other run's folder, by a live process
         busy = parent / f"{'.dst' if how.startswith('convert') else ''}.fp8fx-partial-{other.pid}-0a1b2c3d"
@@ -644,7 +641,7 @@ def test_two_runs_into_one_destination(tmp_path, how, monkeypatch, caplog):
         before = sorted(os.listdir(parent))
         with pytest.raises(FileExistsError, match=rf"process {other.pid} of this machine is writing {dst} now \(in "
                                                   rf"{busy}\): wait for it to end, or pick another directory"):
-            run()
+            write_into(how, src, dst)
         assert sorted(os.listdir(parent)) == before
     finally:
         other.kill()
@@ -661,7 +658,7 @@ def test_two_runs_into_one_destination(tmp_path, how, monkeypatch, caplog):
     monkeypatch.setattr(save, "write_file", theirs_lands)
     with pytest.raises(FileExistsError, match="while this run wrote \\(another run into the same directory\\?\\): "
                                               "this run's files were removed"):
-        run()
+        write_into(how, src, dst)
     assert not [f for f in os.listdir(parent) if ".fp8fx-partial-" in f]
     assert {(dst / f).read_bytes() for f in os.listdir(dst) if f.endswith(".safetensors")} == {b"theirs"}
 
