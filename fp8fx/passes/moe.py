@@ -859,7 +859,6 @@ def dense_routing(x: torch.Tensor, experts: int) -> tuple[torch.Tensor, torch.Te
 
 ROUTED = (" (routed: the router's top-k of the dense form, its weights on the input rows, as vLLM's "
           "apply_router_weight_on_input)")
-_SCORE_OPS = {"float": "float", "to": "to", "sigmoid": "sigmoid"}  # method names; functions below
 _SIGMOID = (torch.sigmoid, torch.nn.functional.sigmoid, torch.special.expit)
 
 
@@ -872,8 +871,8 @@ def _call(node, names: tuple, functions: tuple = ()) -> bool:
                                           or node.op == "call_function" and node.target in functions)
 
 
-def _router_of(scores: fx.Node, t, e) -> Optional[tuple[fx.Node, fx.Node, list]]:
-    """(top values, top ids, the elementwise ops from them to ``scores``) where ``scores`` [T, E] is the router's
+def _router_of(scores: fx.Node, t, e) -> Optional[tuple[fx.Node, fx.Node, list, fx.Node]]:
+    """(top values, top ids, the elementwise ops from them to ``scores``, the scatter) where ``scores`` [T, E] is the router's
     top-k of its logits scattered into -inf and mapped by elementwise ops with a sigmoid among them (Llama-4's
     ``Llama4Router``: ``sigmoid(full_like(logits, -inf).scatter_(1, ids, values).float()).to(dtype)``): every score of
     an expert the router did not pick is sigmoid(-inf) = 0, exactly. Else None."""
@@ -909,7 +908,7 @@ def _router_of(scores: fx.Node, t, e) -> Optional[tuple[fx.Node, fx.Node, list]]
             or _arg(topk, 3, "largest", True) is not True or len(_shape(ids)) != 2 \
             or not _same(_shape(ids), (t, _shape(ids)[1])) or not _same(_shape(values), _shape(ids)):
         return None
-    return values, ids, ops[::-1]
+    return values, ids, ops[::-1], node
 
 
 def _in_place(node: fx.Node) -> bool:
@@ -955,12 +954,12 @@ def _route_dense(graph: fx.Graph, fused: fx.Node) -> bool:
     router = _router_of(transposed.args[0], t, e)
     if router is None:
         return False
-    values, ids, ops = router
+    values, ids, ops, scatter = router
     # the routed rows are computed where the model's rows are: a tensor changed in place between the router's top-k and
-    # the combine (the hidden states, the top-k values) would give other rows there than the model's; none may be
+    # the combine (the hidden states, the top-k values) would give other rows there than the model's; none may be,
+    # but the router's own scatter into its fresh -inf tensor
     order = _order(graph)
-    if any(_in_place(n) and n.args[0] is not values.args[0] for n in graph.nodes
-           if order(values.args[0]) < order(n) < order(combine) and not _call(n, ("scatter_",))):
+    if any(_in_place(n) and n is not scatter for n in graph.nodes if order(values.args[0]) < order(n) < order(combine)):
         return False
     with graph.inserting_before(rows):
         routed = graph.call_function(router_weighted_rows, (x, values, ids, tuple(ops)))

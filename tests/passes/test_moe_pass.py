@@ -846,14 +846,18 @@ def test_llama4_block_whose_router_weights_every_expert_stays_dense(router):
     assert rel_err(out, eager) < 0.05
 
 
-def test_llama4_block_changing_its_hidden_states_after_the_experts_stays_dense():
-    """The block scales its hidden states in place after the experts read them: routed rows are built from the hidden
+@pytest.mark.parametrize("change", [
+    lambda x: x.mul_(3.0),
+    lambda x: x.scatter_(1, torch.zeros(x.shape[0], 1, dtype=torch.int64, device=x.device), 5.0),  # (the router's
+], ids=["mul_", "scatter_"])                                                                    # own op, elsewhere)
+def test_llama4_block_changing_its_hidden_states_after_the_experts_stays_dense(change):
+    """The block changes its hidden states in place after the experts read them: routed rows are built from the hidden
     states where the model's rows were, and a change between the router and the combine keeps the dense form."""
     def forward(self, hidden_states):
         hidden_states = hidden_states.reshape(-1, self.hidden_dim)
         scores, logits = self.router(hidden_states)
         routed = self.experts(hidden_states.repeat(scores.shape[1], 1) * scores.transpose(0, 1).reshape(-1, 1))
-        hidden_states.mul_(3.0)
+        change(hidden_states)
         out = self.shared_expert(hidden_states)
         return out + routed.reshape(scores.shape[1], -1, routed.shape[-1]).sum(dim=0), logits
 
