@@ -441,7 +441,8 @@ def _staged(path: str, what: str):
     where ``path`` does not exist; where it is an empty folder, made inside it, its files moved up: the same file
     system, a mount point too). A process killed on the way (a SIGTERM: timeout, Slurm, docker stop) leaves
     ``path`` as it was, and the hidden ``*.fp8fx-partial-*`` folder, which a new run warns about and ignores; an
-    exception (a full disk, NaN in a later file, Ctrl-C) removes the folder and the parents ``what`` made."""
+    exception (a full disk, NaN in a later file, Ctrl-C) removes the folder and the parents ``what`` made. A folder
+    whose run is writing now (its lock held: ``_hold``) stops a second run into ``path`` before it writes."""
     path = os.path.abspath(path)
     exists = os.path.isdir(path)
     if not exists and os.path.lexists(path):  # a broken link (a file was refused before): refused before writing
@@ -452,21 +453,22 @@ def _staged(path: str, what: str):
     created = _make_dirs(parent, what, path)
     prefix = f".{name}{_STAGE}" if name else _STAGE
     leftovers = sorted(f for f in os.listdir(parent) if f.startswith(prefix))
-    live = [(f, pid) for f in leftovers if (pid := _writer(f)) is not None]
+    live = [f for f in leftovers if _writing(os.path.join(parent, f))]
     if live:  # two runs into one DST: the later one failed at its end, or their files mixed in an existing folder
         _remove_empty(created)
-        folder, pid = live[0]
-        raise FileExistsError(17, f"{what}: process {pid} of this machine is writing {path} now (in "
-                              f"{os.path.join(parent, folder)}): wait for it to end, or pick another directory; if "
-                              "no such run is going (a process of that number that is no fp8fx run), remove that "
-                              "folder (nothing was written)")
-    if leftovers:
+        raise FileExistsError(17, f"{what}: another run is writing {path} now (in {os.path.join(parent, live[0])}): "
+                              "wait for it to end, or pick another directory (nothing was written)")
+    stopped = [f for f in leftovers if f not in live]
+    if stopped:
         log.warning("fp8fx: %s: %s holds %s, left by a %s that was stopped on the way: remove it (this one writes "
-                    "a folder of its own)", what, parent, ", ".join(leftovers), what)
+                    "a folder of its own)", what, parent, ", ".join(stopped), what)
     stage = os.path.join(parent, f"{prefix}{os.getpid()}-{secrets.token_hex(4)}")
+    lock = None
     try:
         _make_dirs(stage, what)
+        lock = _hold(stage)
         yield stage
+        lock = _release(lock, stage)
         if exists:
             names = os.listdir(stage)
             clash = [f for f in names if os.path.lexists(os.path.join(path, f))]
@@ -486,22 +488,52 @@ def _staged(path: str, what: str):
                                       f"run into the same directory?): this run's files were removed, {path} is "
                                       "theirs") from None
     except BaseException:
+        _release(lock, stage)
         shutil.rmtree(stage, ignore_errors=True)
         _remove_empty(created)
         raise
 
 
-def _writer(folder: str) -> Optional[int]:
-    """The process of this machine that writes into stage ``folder`` (``_staged``'s name holds its number) while it
-    runs, or None: no such process (one stopped on the way left the folder)."""
+_LOCK = ".fp8fx-writing"  # in a stage folder while its run writes: a lock that run holds (``_hold``)
+
+
+def _hold(stage: str):
+    """An exclusive lock on a file in ``stage``, held while this run writes there: another run tells a live writer's
+    folder from one a stopped run left by whether it gets the lock (the system drops it when its process ends,
+    however it ends: no process number, which a later process, another machine or a container's pid 1 reuses). None
+    where the system has no ``flock`` (every leftover is then taken as stopped)."""
     try:
-        pid = int(folder.rpartition(_STAGE)[2].split("-")[0])
-        os.kill(pid, 0)  # (signal 0: is there such a process)
-    except (ValueError, ProcessLookupError, OverflowError):
+        import fcntl
+    except ImportError:
         return None
-    except PermissionError:  # another user's
-        return pid
-    return pid
+    fd = os.open(os.path.join(stage, _LOCK), os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    return fd
+
+
+def _release(lock, stage: str) -> None:
+    """Lets ``_hold``'s lock go and removes its file (before the stage's files become the checkpoint); None."""
+    if lock is not None:
+        os.close(lock)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(stage, _LOCK))
+    return None
+
+
+def _writing(folder: str) -> bool:
+    """Whether a run holds ``folder``'s lock (``_hold``) now: it is writing there."""
+    try:
+        import fcntl
+        fd = os.open(os.path.join(folder, _LOCK), os.O_RDONLY)
+    except (ImportError, OSError):  # no lock file: its run was stopped before it took one, or after it let go
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # (BlockingIOError: held)
+        return True
+    finally:
+        os.close(fd)  # (and with it the lock this call may have taken)
+    return False
 
 
 def _remove_empty(folders: list[str]) -> None:

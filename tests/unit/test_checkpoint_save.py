@@ -619,8 +619,9 @@ def test_two_runs_into_one_destination(tmp_path, how, monkeypatch, caplog):
     """Two runs writing one DST at once: the second failed at its very end with a bare OSError (a new DST: the first
     had renamed its folder to it) or replaced the first's files with its own (an existing folder: a mix of two
     checkpoints), and called the first's live folder a leftover to remove. A run that finds another one writing DST
-    now is refused before writing, naming the process; one whose DST changes under it while it writes removes its own
-    files and says so, DST left as the other run made it."""
+    now (its folder's lock held) is refused before writing; a folder whose run is gone is a leftover, whatever process
+    has its number now; a run whose DST changes under it while it writes removes its own files and says so, DST left
+    as the other run made it."""
     import subprocess
     import sys
 
@@ -634,19 +635,32 @@ def test_two_runs_into_one_destination(tmp_path, how, monkeypatch, caplog):
         (dst / "tokenizer.json").write_text("{}")  # (the user's: kept)
         parent = dst
 
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:  # the other run's folder, by a live process
-        busy = parent / f"{'.dst' if how.startswith('convert') else ''}.fp8fx-partial-{other.pid}-0a1b2c3d"
-        busy.mkdir()
+    busy = parent / f"{'.dst' if how.startswith('convert') else ''}.fp8fx-partial-{os.getpid()}-0a1b2c3d"
+    busy.mkdir()
+    holder = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_CREAT | os.O_RDWR); "
+              "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)")
+    other = subprocess.Popen([sys.executable, "-c", holder, str(busy / save._LOCK)], stdout=subprocess.PIPE, text=True)
+    try:  # the other run's folder, its lock held by a live process
+        assert other.stdout.readline() == "held\n"
         before = sorted(os.listdir(parent))
-        with pytest.raises(FileExistsError, match=rf"process {other.pid} of this machine is writing {dst} now \(in "
-                                                  rf"{busy}\): wait for it to end, or pick another directory"):
+        with pytest.raises(FileExistsError, match=rf"another run is writing {dst} now \(in {busy}\): wait for it to "
+                                                  "end, or pick another directory"):
             write_into(how, src, dst)
         assert sorted(os.listdir(parent)) == before
     finally:
         other.kill()
         other.wait()
-    busy.rmdir()
+    # the same folder once its run is gone: a leftover, whatever process has that number now (this one: a container's
+    # pid 1 is every run's)
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        write_into(how, src, dst)
+    assert f"holds {busy.name}, left by a" in caplog.text
+    shutil.rmtree(busy)
+    for f in os.listdir(dst):  # (back to the destination as it was)
+        if f != "tokenizer.json":
+            os.remove(dst / f)
+    if how.startswith("convert"):
+        dst.rmdir()
     # the other run finishes while this one writes
     real = save.write_file
 
