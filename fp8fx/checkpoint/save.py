@@ -31,6 +31,11 @@ from fp8fx.weights.kv_cache import KV_SCALE_NAMES, check_kv_scale
 from fp8fx.weights.linear import is_quantized, layer_scheme
 from fp8fx.weights.quantize import _shown, check_finished
 
+try:
+    import fcntl  # (POSIX: the lock that tells a live writer's folder, ``_hold``)
+except ImportError:
+    fcntl = None
+
 log = logging.getLogger("fp8fx")
 
 # an fp8 experts module's tensors that per-expert names replace
@@ -458,10 +463,9 @@ def _staged(path: str, what: str):
         _remove_empty(created)
         raise FileExistsError(17, f"{what}: another run is writing {path} now (in {os.path.join(parent, live[0])}): "
                               "wait for it to end, or pick another directory (nothing was written)")
-    stopped = [f for f in leftovers if f not in live]
-    if stopped:
+    if leftovers:  # (none live: their runs were stopped)
         log.warning("fp8fx: %s: %s holds %s, left by a %s that was stopped on the way: remove it (this one writes "
-                    "a folder of its own)", what, parent, ", ".join(stopped), what)
+                    "a folder of its own)", what, parent, ", ".join(leftovers), what)
     stage = os.path.join(parent, f"{prefix}{os.getpid()}-{secrets.token_hex(4)}")
     lock = None
     try:
@@ -502,9 +506,7 @@ def _hold(stage: str):
     folder from one a stopped run left by whether it gets the lock (the system drops it when its process ends,
     however it ends: no process number, which a later process, another machine or a container's pid 1 reuses). None
     where the system has no ``flock`` (every leftover is then taken as stopped)."""
-    try:
-        import fcntl
-    except ImportError:
+    if fcntl is None:
         return None
     fd = os.open(os.path.join(stage, _LOCK), os.O_CREAT | os.O_RDWR, 0o644)
     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -522,10 +524,11 @@ def _release(lock, stage: str) -> None:
 
 def _writing(folder: str) -> bool:
     """Whether a run holds ``folder``'s lock (``_hold``) now: it is writing there."""
+    if fcntl is None:
+        return False
     try:
-        import fcntl
         fd = os.open(os.path.join(folder, _LOCK), os.O_RDONLY)
-    except (ImportError, OSError):  # no lock file: its run was stopped before it took one, or after it let go
+    except OSError:  # no lock file: its run was stopped before it took one, or after it let go
         return False
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
