@@ -824,11 +824,7 @@ class MoePass(Fp8Pass):
         with graph.inserting_before(operands["first_user"]):
             wts, ids = operands["wts"], operands["ids"]
             if operands["dense"]:
-                routing = graph.call_function(dense_routing, (operands["x"], fake_value(w13q).shape[0]))
-                set_fake_value(routing, dense_routing, routing.args)
-                wts, ids = (graph.call_function(operator.getitem, (routing, i)) for i in (0, 1))
-                for i, node in enumerate((wts, ids)):
-                    node.meta["example_value"] = routing.meta["example_value"][i]
+                wts, ids = _parts(graph, dense_routing, (operands["x"], fake_value(w13q).shape[0]), 2)
             args = (operands["x"], wts, ids, w13q, w13s, w2q, w2s, list(w_block), list(act_block),
                     fake_value(out).dtype, a13, a2, self.use_fast_accum)
             fused = graph.call_function(torch.ops.fp8fx.fused_moe.default, args)
@@ -962,12 +958,7 @@ def _route_dense(graph: fx.Graph, fused: fx.Node) -> bool:
     if any(_in_place(n) and n is not scatter for n in graph.nodes if order(values.args[0]) < order(n) < order(combine)):
         return False
     with graph.inserting_before(rows):
-        routed = graph.call_function(router_weighted_rows, (x, values, ids, tuple(ops)))
-        set_fake_value(routed, router_weighted_rows, routed.args)
-        parts = [graph.call_function(operator.getitem, (routed, i)) for i in range(3)]
-        for i, part in enumerate(parts):
-            part.meta["example_value"] = routed.meta["example_value"][i]
-        args = (*parts, *fused.args[3:])
+        args = (*_parts(graph, router_weighted_rows, (x, values, ids, tuple(ops)), 3), *fused.args[3:])
         sparse = graph.call_function(torch.ops.fp8fx.fused_moe.default, args)
         set_fake_value(sparse, torch.ops.fp8fx.fused_moe.default, args)
         sparse.meta.update({k: v for k, v in fused.meta.items() if k not in ("example_value", "val")})
@@ -980,6 +971,17 @@ def _route_dense(graph: fx.Graph, fused: fx.Node) -> bool:
         if not node.users:
             graph.erase_node(node)
     return True
+
+
+def _parts(graph: fx.Graph, fn, args: tuple, n: int) -> list[fx.Node]:
+    """The ``n`` outputs of ``fn(*args)`` (a tuple of tensors) as nodes, with their fake values, at the graph's
+    insertion point."""
+    call = graph.call_function(fn, args)
+    set_fake_value(call, fn, args)
+    parts = [graph.call_function(operator.getitem, (call, i)) for i in range(n)]
+    for i, part in enumerate(parts):
+        part.meta["example_value"] = call.meta["example_value"][i]
+    return parts
 
 
 def router_weighted_rows(x: torch.Tensor, values: torch.Tensor, ids: torch.Tensor, ops: tuple):
