@@ -132,8 +132,8 @@ class Experts:
 
     @property
     def transposed(self) -> bool:
-        """The model's experts are [E, H, 2I] / [E, I, H] (``moe.is_transposed``). Their bf16 fused tensors come in
-        that layout; fp8 ones (fp8fx's own) and per-expert ones ([rows, cols] as linear layers) in fused_moe's."""
+        """The model's experts are [E, H, 2I] / [E, I, H] (``moe.is_transposed``); which checkpoint tensors come in
+        that layout: ``in_model_layout``."""
         return moe.is_transposed(self.module)
 
     def rows_cols(self, shard: str) -> tuple[int, int]:
@@ -314,7 +314,7 @@ class ExpertsLoader:
         for base, (rows, cols) in ((W13, (2 * i, h)), (W2, (h, i))):
             w = need(base)
             self._check_weight_dtype(ex, w)
-            stored = (cols, rows) if ex.transposed and w.dtype != quant.FP8_DTYPE else (rows, cols)
+            stored = (cols, rows) if in_model_layout(ex.module, w.dtype) else (rows, cols)
             if tuple(w.shape) != (experts, *stored):
                 layout = " (the model's layout, is_transposed)" if stored != (rows, cols) else ""
                 raise CheckpointError(
@@ -428,7 +428,7 @@ class ExpertsLoader:
             # streaming: nothing was swapped into the model yet (commit), so the model stays as it was.
             check_weight_values(entry, t, dtype, ex.fqn,
                                 f"into {dtype} experts (scale or dequantized weight inf, outputs NaN)")
-            if e is None and ex.transposed and t.dtype != quant.FP8_DTYPE:  # the model's layout: fused_moe's
+            if e is None and in_model_layout(ex.module, t.dtype):  # -> fused_moe's
                 t = t.transpose(1, 2)
         # a weight's NaN/Inf were refused just above, in the pass that checks its range: not scanned again there
         ex.method.weight_loader(ex.stage, name, t, shard, e, values_checked=not scale)
@@ -549,7 +549,7 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
             for name, _ in items:
                 m = _PER_EXPERT.match(name)
                 expect = ex.rows_cols(SHARD[m[3]]) if m else (e,) + ((2 * i, h) if name.endswith(W13) else (h, i))
-                if not m and ex.transposed:  # fused, in the model's layout (convert writes fused_moe's)
+                if not m and in_model_layout(ex.module, entries[name].dtype):  # (convert writes fused_moe's)
                     expect = (e, expect[2], expect[1])
                 if tuple(entries[name].shape) != expect:
                     raise CheckpointError(
@@ -563,6 +563,14 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
            "renames of this model nor key_mapping map to it); kept bf16")
     plan.update({mod: why.format(prefix) for mod, prefix in stray.items()})
     return plan, tensors, reasons
+
+
+def in_model_layout(module: nn.Module, dtype: torch.dtype) -> bool:
+    """Whether a fused checkpoint tensor (``gate_up_proj`` / ``down_proj``) of ``dtype`` for the experts ``module``
+    holds the model's transposed layout, [E, H, 2I] / [E, I, H]: a high-precision one of experts stored transposed
+    (``moe.is_transposed``: Llama-4's hub tensors). An fp8 one holds fused_moe's [E, 2I, H] / [E, H, I], as fp8fx
+    writes them; per-expert tensors are [rows, cols], as a linear layer's."""
+    return dtype != quant.FP8_DTYPE and moe.is_transposed(module)
 
 
 def quantize_fused(t: torch.Tensor, config: Fp8Config) -> tuple[torch.Tensor, torch.Tensor]:

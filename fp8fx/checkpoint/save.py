@@ -745,8 +745,8 @@ def convert(
                 if entry.name in expert_tensors:
                     moe_ckpt.check_finite(entry, t, expert_tensors[entry.name])
                     if t.dim() == 3:  # fused [E, rows, cols]: per-expert scales under the fused names
-                        if moe.is_transposed(model.get_submodule(expert_tensors[entry.name])):
-                            t = t.transpose(1, 2)  # the model's layout: fused_moe's is written (as save_checkpoint)
+                        if moe_ckpt.in_model_layout(model.get_submodule(expert_tensors[entry.name]), t.dtype):
+                            t = t.transpose(1, 2)  # fused_moe's layout is written (as save_checkpoint)
                         out[name], out[name + scale_name[len("weight"):]] = moe_ckpt.quantize_fused(t, config)
                         del t
                         continue
