@@ -786,20 +786,28 @@ def fp8_linear(
 # MoE: fused_moe (owned by the MoE work, issue 5; fp8fx.passes.moe emits it)
 # =============================================================================================
 # fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype,
-#           a13_scale=None, a2_scale=None, use_fast_accum=False) -> out [T, H] in out_dtype
+#           a13_scale=None, a2_scale=None, use_fast_accum=False, w13_bias=None, w2_bias=None, interleaved=False,
+#           activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0) -> out [T, H] in out_dtype
 #
 #   x: [T, H] (bf16/fp16/fp32); topk_ids: [T, K] int (the experts each token is routed to; ids outside
 #   [0, E) contribute nothing: expert-parallel sentinels); topk_weights: [T, K] (routing weights).
-#   w13: [E, 2I, H] fp8 (rows [0, I) gate, [I, 2I) up), w2: [E, H, I] fp8; their scales are laid out
-#   ``[E, rows/bR, cols/bC]`` for ``w_block`` (any shape of that numel: per-tensor [E], per-channel
-#   [E, rows, 1], blocks [E, rows/bn, cols/bk]).
+#   w13: [E, 2I, H] fp8 (rows [0, I) gate, [I, 2I) up; ``interleaved``: rows 2j gate j, 2j + 1 up j, as GPT-OSS
+#   stores them), w2: [E, H, I] fp8; their scales are laid out ``[E, rows/bR, cols/bC]`` for ``w_block`` (any
+#   shape of that numel: per-tensor [E], per-channel [E, rows, 1], blocks [E, rows/bn, cols/bk]).
+#   w13_bias: [E, 2I] (w13's rows' order), w2_bias: [E, H]: each expert's biases, added before the activation
+#   and before the routing weight.
 #
-#   out[t] = sum_k topk_weights[t, k] * w2[e] @ q(silu(g) * u),  (g, u) = w13[e] @ q(x[t]),  e = topk_ids[t, k]
+#   out[t] = sum_k topk_weights[t, k] * (w2[e] @ q(act(g, u)) + b2[e]),  (g, u) = w13[e] @ q(x[t]) + b13[e],
+#   e = topk_ids[t, k];  act = "silu": silu(g) * u;  "swiglu_oai" (GPT-OSS, vLLM's swigluoai):
+#   g' * sigmoid(alpha * g') * (u' + 1) with g' = min(g, limit), u' = clamp(u, -limit, limit)
 #
 # where q() quantizes activations to fp8 as ``act_block`` says (per token [1, -1], 1 x bk groups, per
 # tensor [-1, -1]; with a static ``a13_scale`` / ``a2_scale`` [1]: that per-tensor scale): x once per
 # token, the intermediate once per (token, expert) row. GEMMs accumulate in float32 (``use_fast_accum``:
-# Hopper's fast fp8 accumulation, as for scaled_mm), SiLU*mul and the weighted sum are float32.
+# Hopper's fast fp8 accumulation, as for scaled_mm), biases, the activation and the weighted sum are float32.
+MOE_ACTIVATIONS = ("silu", "swiglu_oai")
+
+
 def _moe_quantize_act(a: torch.Tensor, act_block, static_scale: Optional[torch.Tensor]):
     """a: [M, C] -> (dequantized a as the GEMM sees it: float32 [M, C])."""
     if static_scale is not None:
@@ -809,9 +817,19 @@ def _moe_quantize_act(a: torch.Tensor, act_block, static_scale: Optional[torch.T
     return quant.dequantize(q, scale, act_block)
 
 
+def moe_activation(g1: torch.Tensor, interleaved: bool, activation: str, alpha: float, limit: float) -> torch.Tensor:
+    """fused_moe's activation of the first GEMM's output ``g1`` [..., 2I] (biases added): [..., I]."""
+    gate, up = (g1[..., 0::2], g1[..., 1::2]) if interleaved else g1.chunk(2, dim=-1)
+    if activation == "silu":
+        return torch.nn.functional.silu(gate) * up
+    gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
+    return gate * torch.sigmoid(gate * alpha) * (up + 1)
+
+
 def fused_moe_reference(
     x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
-    a2_scale=None,
+    a2_scale=None, w13_bias=None, w2_bias=None, interleaved=False, activation="silu", swiglu_alpha=1.702,
+    swiglu_limit=7.0,
 ) -> torch.Tensor:
     """The semantics of ``fp8fx.fused_moe`` in plain torch (float32), one expert at a time."""
     t, h = x.shape
@@ -826,13 +844,17 @@ def fused_moe_reference(
     inter = x.new_zeros((t * k, two_i // 2), dtype=torch.float32)  # [S, I]
     for e in experts:
         rows = (ids == e).nonzero().flatten()
-        gate, up = (xd[token[rows]] @ quant.dequantize(w13[e], s13[e], w_block).t()).chunk(2, dim=-1)
-        inter[rows] = torch.nn.functional.silu(gate) * up
+        g1 = xd[token[rows]] @ quant.dequantize(w13[e], s13[e], w_block).t()
+        if w13_bias is not None:
+            g1 = g1 + w13_bias[e].float()
+        inter[rows] = moe_activation(g1, interleaved, activation, swiglu_alpha, swiglu_limit)
     inter = _moe_quantize_act(inter, act_block, a2_scale)
     y = x.new_zeros((t * k, h), dtype=torch.float32)  # [S, H]
     for e in experts:
         rows = (ids == e).nonzero().flatten()
         y[rows] = inter[rows] @ quant.dequantize(w2[e], s2[e], w_block).t()
+        if w2_bias is not None:
+            y[rows] += w2_bias[e].float()
     # pairs routed to no expert contribute nothing, whatever their weight (a NaN one too, as in the kernel)
     routed = ((ids >= 0) & (ids < n_experts)).unsqueeze(-1)
     weights = torch.where(routed, topk_weights.reshape(-1, 1).float(), 0.0)  # [S, 1]
@@ -854,19 +876,27 @@ def fused_moe(
     a13_scale: Optional[torch.Tensor] = None,
     a2_scale: Optional[torch.Tensor] = None,
     use_fast_accum: bool = False,
+    w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None,
+    interleaved: bool = False,
+    activation: str = "silu",
+    swiglu_alpha: float = 1.702,
+    swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale,
-                    out_dtype)
+                    out_dtype, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit)
     return fused_moe_reference(
-        x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
+        x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale,
+        w13_bias, w2_bias, interleaved, activation, swiglu_alpha, swiglu_limit,
     )
 
 
 @fused_moe.register_fake
 def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
-      a2_scale=None, use_fast_accum=False):
+      a2_scale=None, use_fast_accum=False, w13_bias=None, w2_bias=None, interleaved=False, activation="silu",
+      swiglu_alpha=1.702, swiglu_limit=7.0):
     _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale,
-                    out_dtype)
+                    out_dtype, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit)
     return x.new_empty((x.shape[0], w2.shape[1]), dtype=out_dtype)
 
 
@@ -874,7 +904,8 @@ EXPERT_ID_DTYPES = (torch.int32, torch.int64)  # what fused_moe's topk_ids may b
 
 
 def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale,
-                    a2_scale, out_dtype) -> None:
+                    a2_scale, out_dtype, w13_bias=None, w2_bias=None, activation="silu", swiglu_alpha=1.702,
+                    swiglu_limit=7.0) -> None:
     """What every real implementation of fused_moe checks before it computes."""
     check_block(w_block, "w_block")
     check_block(act_block, "act_block")
@@ -898,6 +929,19 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_
         raise ValueError(f"fp8fx.fused_moe: a13_scale (a static per-tensor scale of x) with act_block="
                          f"{list(act_block)}; a static scale is per tensor: act_block=[-1, -1]")
     _check_out_dtype("fp8fx.fused_moe", "out_dtype", out_dtype)
+    e, two_i, h = w13.shape
+    for name, bias, shape in (("w13_bias", w13_bias, (e, two_i)), ("w2_bias", w2_bias, (e, h))):
+        if bias is None:
+            continue
+        torch._check(tuple(bias.shape) == shape, lambda: f"fp8fx.fused_moe: {name} has shape {list(bias.shape)}; it "
+                     f"must be {list(shape)} (each expert's bias, in its weight's row order)")
+        if bias.dtype not in quant.COMPUTE_DTYPES:
+            raise ValueError(f"fp8fx.fused_moe: {name} is {bias.dtype}; biases are bf16, fp16, fp32 or fp64")
+    if activation not in MOE_ACTIVATIONS:
+        raise ValueError(f"fp8fx.fused_moe: activation={activation!r}; it computes {list(MOE_ACTIVATIONS)}")
+    if activation == "swiglu_oai" and not (math.isfinite(swiglu_alpha) and swiglu_limit > 0):
+        raise ValueError(f"fp8fx.fused_moe: swiglu_alpha={swiglu_alpha}, swiglu_limit={swiglu_limit}; the clamped "
+                         "SwiGLU takes a finite alpha and a limit > 0 (GPT-OSS: 1.702 and 7.0)")
 
 
 def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
@@ -924,21 +968,25 @@ def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
 
 @_on_cuda("fused_moe")
 def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
-      a2_scale=None, use_fast_accum=False):
+      a2_scale=None, use_fast_accum=False, w13_bias=None, w2_bias=None, interleaved=False, activation="silu",
+      swiglu_alpha=1.702, swiglu_limit=7.0):
     from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
 
     _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale,
-                    out_dtype)
+                    out_dtype, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit)
+    gated = dict(w13_bias=w13_bias, w2_bias=w2_bias, interleaved=interleaved, activation=activation,
+                 swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
     # the kernel's fp8 x fp8 dots need fp8 tensor cores
-    if kernel.supports(w_block, act_block, tuple(w13.shape)) and launch.has_fp8_tensor_cores(x.device):
+    if kernel.supports(w_block, act_block, tuple(w13.shape), interleaved) and launch.has_fp8_tensor_cores(x.device):
         return kernel.fused_moe(
             x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale,
-            fast_accum=use_fast_accum,
+            fast_accum=use_fast_accum, **gated,
         )
     # older GPUs, no experts, and what the kernel does not take (K groups other than 32, 64, 128): the (slow,
     # per-expert) reference
     return fused_moe_reference(
-        x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale
+        x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale,
+        **gated,
     )
 
 

@@ -208,14 +208,18 @@ def _block_rows(sorted_pair_ptr, block_expert_ptr, S, K_TOP: tl.constexpr, TOKEN
 @triton.jit
 def moe_gemm13_kernel(
     # tensors
-    a_ptr, w_ptr, inter_ptr, a_scale_ptr, w_scale_ptr, sorted_pair_ptr, block_expert_ptr, inter_scale_ptr,
-    # sizes: N = I (the intermediate), K = H
-    S, N, K,
+    a_ptr, w_ptr, inter_ptr, a_scale_ptr, w_scale_ptr, sorted_pair_ptr, block_expert_ptr, inter_scale_ptr, bias_ptr,
+    # sizes: N = I (the intermediate), K = H; UP_SHIFT: up j's row after gate j's (I, or 1 interleaved)
+    S, N, K, UP_SHIFT,
+    # the clamped SwiGLU's (SWIGLU_OAI) alpha and limit
+    alpha, limit,
     # strides
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_im, stride_in,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_ism, stride_isg,
+    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_ism, stride_isg, stride_be, stride_bn,
     # schemes: K-varying scales (per K step) or not (epilogue); weight rows per scale row
     K_TOP: tl.constexpr, K_GROUPED: tl.constexpr, W_BLOCK_N: tl.constexpr, IMPRECISE_K: tl.constexpr,
+    # gate j's row: ROW_STEP * j (2: gate and up rows interleaved, as GPT-OSS stores them); biases; the activation
+    ROW_STEP: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU_OAI: tl.constexpr,
     # QUANT_OUT: the intermediate leaves as fp8 with one scale per row of each N tile (1 x BLOCK_N groups);
     # AMAX_OUT: it leaves as float32, with each row's amax over each N tile (for the per-row quantization)
     QUANT_OUT: tl.constexpr, AMAX_OUT: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -231,14 +235,16 @@ def moe_gemm13_kernel(
     # 64-bit row / tile bases, 32-bit offsets within a tile (see fp8_gemm: [BM, BK] / [BK, BN] tensors of
     # 64-bit addresses carried through the pipelined loop spilled registers)
     a_rows = a_ptr + rows[:, None] * stride_am  # [BM, 1]: the gathered tokens
-    g_tile = w_ptr + expert.to(tl.int64) * stride_we + (tl.program_id(1) * BLOCK_N).to(tl.int64) * stride_wn
-    u_tile = g_tile + N * stride_wn  # up rows are I further down (I * H < 2**31 within one expert)
+    g_rows = offs_n * ROW_STEP  # [BN]: w13's rows of these gate columns; up's are UP_SHIFT further
+    g_tile = w_ptr + expert.to(tl.int64) * stride_we + (tl.program_id(1) * BLOCK_N * ROW_STEP).to(tl.int64) * stride_wn
+    u_tile = g_tile + UP_SHIFT * stride_wn  # (2I * H < 2**31 within one expert)
     a_offs = offs_k[None, :] * stride_ak  # [1, BK]
-    w_offs = tl.arange(0, BLOCK_N)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # gate.T / up.T tile: [BK, BN]
+    # gate.T / up.T tile: [BK, BN]
+    w_offs = tl.arange(0, BLOCK_N)[None, :] * (ROW_STEP * stride_wn) + offs_k[:, None] * stride_wk
     a_s_ptrs = a_scale_ptr + rows * stride_asm  # [BM]
     ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
-    g_s_ptrs = ws_base + (offs_n // W_BLOCK_N) * stride_wsn  # [BN]
-    u_s_ptrs = ws_base + ((offs_n + N) // W_BLOCK_N) * stride_wsn
+    g_s_ptrs = ws_base + (g_rows // W_BLOCK_N) * stride_wsn  # [BN]
+    u_s_ptrs = ws_base + ((g_rows + UP_SHIFT) // W_BLOCK_N) * stride_wsn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -259,12 +265,21 @@ def moe_gemm13_kernel(
         a_offs += BLOCK_K * stride_ak
         w_offs += BLOCK_K * stride_wk
 
-    # epilogue: the scales constant along K, SiLU(gate) * up
+    # epilogue: the scales constant along K, the biases, act(gate, up)
     if not K_GROUPED:
         a_s = tl.load(a_s_ptrs, mask=valid, other=0.0)[:, None]
         acc_g *= a_s * tl.load(g_s_ptrs, mask=n_ok, other=0.0)[None, :]
         acc_u *= a_s * tl.load(u_s_ptrs, mask=n_ok, other=0.0)[None, :]
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u  # columns past N are 0: their weights loaded as 0
+    if HAS_BIAS:
+        b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + g_rows * stride_bn
+        acc_g += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        acc_u += tl.load(b_ptrs + UP_SHIFT * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    # columns past N are 0 (weights and biases loaded as 0), and so is either activation of them
+    if SWIGLU_OAI:  # GPT-OSS: gate clamped above, up on both sides; (up + 1) * gate * sigmoid(alpha * gate)
+        g = tl.minimum(acc_g, limit)
+        h = g / (1.0 + tl.exp(-alpha * g)) * (tl.minimum(tl.maximum(acc_u, -limit), limit) + 1.0)
+    else:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     i_ptrs = inter_ptr + pair[:, None] * stride_im + offs_n[None, :] * stride_in
     i_mask = valid[:, None] & n_ok[None, :]
     if QUANT_OUT or AMAX_OUT:
@@ -282,14 +297,14 @@ def moe_gemm13_kernel(
 @triton.jit
 def moe_gemm2_kernel(
     # tensors
-    a_ptr, w_ptr, y_ptr, a_scale_ptr, w_scale_ptr, topk_weights_ptr, sorted_pair_ptr, block_expert_ptr,
+    a_ptr, w_ptr, y_ptr, a_scale_ptr, w_scale_ptr, topk_weights_ptr, sorted_pair_ptr, block_expert_ptr, bias_ptr,
     # sizes: N = H, K = I
     S, N, K,
     # strides
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_ym, stride_yn,
-    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk,
+    stride_asm, stride_ask, stride_wse, stride_wsn, stride_wsk, stride_be, stride_bn,
     # schemes
-    K_GROUPED: tl.constexpr, W_BLOCK_N: tl.constexpr, IMPRECISE_K: tl.constexpr,
+    K_GROUPED: tl.constexpr, W_BLOCK_N: tl.constexpr, IMPRECISE_K: tl.constexpr, HAS_BIAS: tl.constexpr,
     # tiles
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -319,9 +334,12 @@ def moe_gemm2_kernel(
         a_offs += BLOCK_K * stride_ak
         w_offs += BLOCK_K * stride_wk
 
-    # epilogue: the scales constant along K and the routing weight of each pair
+    # epilogue: the scales constant along K, the bias and the routing weight of each pair
     if not K_GROUPED:
         acc *= tl.load(a_s_ptrs, mask=valid, other=0.0)[:, None] * tl.load(w_s_ptrs, mask=n_ok, other=0.0)[None, :]
+    if HAS_BIAS:
+        b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + offs_n * stride_bn
+        acc += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     acc *= tl.load(topk_weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + pair[:, None] * stride_ym + offs_n[None, :] * stride_yn
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=valid[:, None] & n_ok[None, :])
@@ -373,12 +391,13 @@ def _k_group(block) -> Optional[int]:
     return None if block[1] == -1 else block[1]
 
 
-def supports(w_block, act_block, w13_shape: Optional[tuple] = None) -> bool:
+def supports(w_block, act_block, w13_shape: Optional[tuple] = None, interleaved: bool = False) -> bool:
     """Per-tensor / per-channel / block weights with per-tensor / per-token / 1 x GK activations, where
     every K-varying scale uses the same group GK in {32, 64, 128} (the fp8 dot's smallest K on sm_90 is
     32; BLOCK_K = GK, and BLOCK_N = GK with fused quantization: 256 spills registers and 512 exceeds
     shared memory at these tiles) and, given w13's shape ``[E, 2I, H]``, weight blocks do not straddle
-    gate and up (I % rows == 0), and there is an expert (E = 0 leaves no expert's tile to size the grid by)."""
+    gate and up (I % rows == 0; interleaved rows mix them in any block, each row with its block's scale), and there
+    is an expert (E = 0 leaves no expert's tile to size the grid by)."""
     if w13_shape is not None and w13_shape[0] == 0:
         return False
     groups = {g for g in (_k_group(w_block), _k_group(act_block)) if g is not None}
@@ -386,7 +405,7 @@ def supports(w_block, act_block, w13_shape: Optional[tuple] = None) -> bool:
         return False
     if w_block[0] == -1 and w_block[1] != -1:  # whole-column K groups: not a layout checkpoints use
         return False
-    if w13_shape is not None and _k_group(w_block) is not None and (w13_shape[1] // 2) % w_block[0]:
+    if w13_shape is not None and not interleaved and _k_group(w_block) is not None and (w13_shape[1] // 2) % w_block[0]:
         return False
     return len(groups) <= 1 and groups <= {32, 64, 128}
 
@@ -448,24 +467,35 @@ def _weight_scale(scale: torch.Tensor, w: torch.Tensor, w_block) -> tuple[torch.
     return s, strides, quant.resolve_block(w_block, rows, cols)[0]
 
 
+def _bias(bias: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """(pointer, expert stride, row stride) of a [E, R] bias; with none, any tensor and strides 0 (not read)."""
+    return (fallback, 0, 0) if bias is None else (bias, bias.stride(0), bias.stride(1))
+
+
 def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_expert, k_top, s, fuse_group,
-            zero_unrouted, consts, cfg, amax_out=False):
+            zero_unrouted, consts, cfg, amax_out=False, gated: Optional[dict] = None):
     """Step 3: the intermediate ``[S, I]``: float32, or with ``fuse_group`` (== BLOCK_N) already fp8 with its
     ``[S, I / group]`` scales. Rows of pairs routed nowhere (ids outside [0, E)) are never written and never
     read by the second GEMM; ``zero_unrouted`` zeroes them for an amax over the whole tensor. ``amax_out``:
-    (float32 intermediate, each row's amax over each N tile ``[S, I / BLOCK_N]``)."""
+    (float32 intermediate, each row's amax over each N tile ``[S, I / BLOCK_N]``). ``gated``: fused_moe's
+    ``w13_bias``, ``interleaved``, ``activation``, ``swiglu_alpha`` and ``swiglu_limit``."""
+    gated = gated or {}
     i = w13.shape[1] // 2
+    interleaved = gated.get("interleaved", False)
+    bias = _bias(gated.get("w13_bias"), s13)
     dtype = quant.FP8_DTYPE if fuse_group else torch.float32
     inter = (torch.zeros if zero_unrouted else torch.empty)(s, i, device=xq.device, dtype=dtype)
     groups = cdiv(i, consts["BLOCK_N"]) if fuse_group or amax_out else 1
     i_scale = torch.empty(s, groups, device=xq.device, dtype=torch.float32)
     grid = (block_expert.numel(), cdiv(i, consts["BLOCK_N"]))
     moe_gemm13_kernel[grid](
-        xq, w13, inter, x_scale, s13, sorted_pair, block_expert, i_scale,
-        s, i, w13.shape[2],
+        xq, w13, inter, x_scale, s13, sorted_pair, block_expert, i_scale, bias[0],
+        s, i, w13.shape[2], 1 if interleaved else i, gated.get("swiglu_alpha", 1.0), gated.get("swiglu_limit", 1.0),
         xq.stride(0), xq.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
-        *_act_strides(x_scale), *s13_strides, i_scale.stride(0), i_scale.stride(1),
-        K_TOP=k_top, W_BLOCK_N=s13_rows, QUANT_OUT=bool(fuse_group), AMAX_OUT=amax_out and not fuse_group,
+        *_act_strides(x_scale), *s13_strides, i_scale.stride(0), i_scale.stride(1), *bias[1:],
+        K_TOP=k_top, W_BLOCK_N=s13_rows, ROW_STEP=2 if interleaved else 1, HAS_BIAS=bias[0] is not s13,
+        SWIGLU_OAI=gated.get("activation", "silu") == "swiglu_oai", QUANT_OUT=bool(fuse_group),
+        AMAX_OUT=amax_out and not fuse_group,
         EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **consts, **cfg,
     )
     return (inter, i_scale) if fuse_group or amax_out else inter
@@ -474,12 +504,14 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
 def fused_moe(
     x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype,
     a13_scale=None, a2_scale=None, config: Optional[dict] = None, fast_accum: bool = False,
-    quantize: QuantizeAct = quantize_act, fuse_quant: bool = True,
+    quantize: QuantizeAct = quantize_act, fuse_quant: bool = True, w13_bias: Optional[torch.Tensor] = None,
+    w2_bias: Optional[torch.Tensor] = None, interleaved: bool = False, activation: str = "silu",
+    swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
 ) -> torch.Tensor:
     """``fp8fx.fused_moe`` (see fp8fx/ops.py) for the schemes ``supports`` accepts. ``quantize``
     quantizes the activations (``torch_quantize_act`` for Triton's interpreter). With 1 x GK activation
     groups and ``fuse_quant`` the first GEMM's epilogue quantizes the intermediate (N tiles of GK)."""
-    if not supports(w_block, act_block, tuple(w13.shape)):
+    if not supports(w_block, act_block, tuple(w13.shape), interleaved):
         raise NotImplementedError(
             f"fused_moe kernel: w_block={list(w_block)}, act_block={list(act_block)}, w13 {tuple(w13.shape)}"
         )
@@ -487,7 +519,11 @@ def fused_moe(
     e, two_i, _ = w13.shape
     k_top = topk_ids.shape[1]
     s = t * k_top
-    if s == 0 or h == 0 or two_i == 0:  # no pairs, or an empty sum: zeros (the tiles below need H, I > 0)
+    if s == 0 or h == 0 or two_i == 0:  # no pairs, or an empty sum (the tiles below need H, I > 0)
+        if s and h and w2_bias is not None:  # I = 0: each routed pair's w2 bias, weighted
+            from fp8fx.ops import fused_moe_reference
+            return fused_moe_reference(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block,
+                                       out_dtype, w2_bias=w2_bias)
         return x.new_zeros((t, h), dtype=out_dtype)
     group_k = _k_group(w_block) or _k_group(act_block)
     cfg = dict(config or tile_config(s / e, two_i, h, k_grouped=group_k is not None))
@@ -515,7 +551,9 @@ def fused_moe(
     zero_unrouted = a2_scale is None and tuple(act_block) == (-1, -1)
     per_row = a2_scale is None and tuple(act_block) == (1, -1)  # the first GEMM leaves partial row maxima
     inter = _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_expert, k_top, s, fuse_group,
-                    zero_unrouted, consts, cfg, amax_out=per_row)
+                    zero_unrouted, consts, cfg, amax_out=per_row,
+                    gated=dict(w13_bias=w13_bias, interleaved=interleaved, activation=activation,
+                               swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit))
     if fuse_group:
         iq, i_scale = inter
     elif per_row:
@@ -528,13 +566,14 @@ def fused_moe(
     # float32 otherwise (an fp16 term can overflow where the sum would not). Rows of pairs routed
     # nowhere are never written; the combine skips them (no memset).
     y = torch.empty(s, h, device=x.device, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
+    bias2 = _bias(w2_bias, s2)
     grid = (block_expert.numel(), cdiv(h, tiles2["BLOCK_N"]))
     moe_gemm2_kernel[grid](
-        iq, w2, y, i_scale, s2, topk_weights.reshape(-1).contiguous(), sorted_pair, block_expert,
+        iq, w2, y, i_scale, s2, topk_weights.reshape(-1).contiguous(), sorted_pair, block_expert, bias2[0],
         s, h, iq.shape[1],
         iq.stride(0), iq.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), y.stride(1),
-        *_act_strides(i_scale), *s2_strides,
-        W_BLOCK_N=s2_rows, **consts2, **cfg2,
+        *_act_strides(i_scale), *s2_strides, *bias2[1:],
+        W_BLOCK_N=s2_rows, HAS_BIAS=w2_bias is not None, **consts2, **cfg2,
     )
     out = torch.empty(t, h, device=x.device, dtype=out_dtype)
     block_h = min(1024, next_power_of_2(h))

@@ -40,6 +40,7 @@ mask is the identity and is accepted; a ``masked_fill`` by any other mask is not
 from __future__ import annotations
 
 import dataclasses
+import math
 import operator
 import types
 from typing import Any, Optional
@@ -75,12 +76,20 @@ class Val:
     ``expert``: for values, None for every (token, k) pair at once (grouped / gathered forms) or an int for
     one expert of an unrolled loop; for weights, None (all experts, stacked), ``"pairs"`` (gathered per
     pair) or an int; for ``sum``, the frozenset of experts summed so far, or ``"all"``. ``fdim``: the feature
-    dim (negative) of hidden-state-like values. ``t``: weights whose stored ``[rows, cols]`` are transposed."""
+    dim (negative) of hidden-state-like values. ``t``: weights whose stored ``[rows, cols]`` are transposed.
+    ``b``: a GEMM's output with its expert's bias added (``b13`` / ``b2``: the biases, whole or gathered like
+    weights).
+
+    GPT-OSS's clamped SwiGLU: ``gate_c`` / ``up_c`` (gate clamped above / up on both sides at ``p = (limit,)``),
+    ``gate_a`` (gate_c times alpha: ``p = (limit, alpha)``), ``sig`` (its sigmoid), ``glu`` (gate_c * sig), ``up1``
+    (up_c + 1); ``h`` is then up1 * glu."""
 
     kind: str
     expert: Any = None
     fdim: int = -1
     t: bool = False
+    b: bool = False
+    p: tuple = ()
 
 
 _IDX = Val("idx")
@@ -103,7 +112,7 @@ def _function_names() -> dict:
         torch.nonzero: "idx_op", torch.greater: "idx_op", operator.gt: "idx_op", operator.sub: "idx_op",
         torch.sum: "sum", torch.chunk: "chunk", torch.unsqueeze: "view", torch.squeeze: "view", torch.t: "transpose",
         torch.transpose: "transpose", torch.permute: "transpose", torch.reshape: "view", torch.flatten: "view",
-        torch.repeat_interleave: "view", f.silu: "silu", torch.index_add: "index_add",
+        torch.repeat_interleave: "view", f.silu: "silu", torch.index_add: "index_add", torch.sigmoid: "sigmoid",
         torch._grouped_mm: "gemm", torch.bmm: "gemm", torch.mm: "gemm", torch.matmul: "gemm",
         operator.matmul: "gemm", torch._C._nn.linear: "gemm", f.linear: "gemm",
         torch._C._set_grad_enabled: "grad_mode",
@@ -128,7 +137,7 @@ _METHODS = {
     "size": "meta", "argsort": "sort", "sort": "sort", "greater": "idx_op", "nonzero": "idx_op",
     "__eq__": "eq",  # torch 2.11's Dynamo records `ids == e` as a call of the method
     "ge": "ge", "__ge__": "ge", "greater_equal": "ge", "clamp": "clamp", "clamp_": "clamp", "clip": "clamp",
-    "clip_": "clamp", "masked_fill": "masked_fill", "masked_fill_": "masked_fill",
+    "clip_": "clamp", "masked_fill": "masked_fill", "masked_fill_": "masked_fill", "sigmoid": "sigmoid", "add_": "add",
 }
 _RUNTIME_ASSERTS = (torch.ops.aten._assert_scalar.default, torch._check,
                     torch.ops.aten.sym_constrain_range_for_size.default)
@@ -165,6 +174,23 @@ class _Interpreter:
         # the hidden states and their views: rows in the input's order (the dense form's GEMM reads one of them)
         self.plain_x = {n for n, v in inputs.items() if v.kind == "x"}
         self.experts, self.inter, self.hidden, self.k = e, i, h, k
+        # what the region computes where fused_moe has a choice, one entry per place it shows: w13's rows split in
+        # ``halves`` or ``interleaved``; the activation (``("silu",)``, ``("swiglu_oai", alpha, limit)``); whether
+        # each first / second GEMM output had its bias added. ``form`` checks that each has one value.
+        self.seen: dict[str, set] = {"layout": set(), "activation": set(), "b13": set(), "b2": set()}
+
+    def form(self) -> dict[str, Any]:
+        """fused_moe's arguments for what the region computes (``interleaved``, ``activation`` and its alpha and
+        limit, which biases it adds), or ``_NoMatch`` where parts of it differ."""
+        for what, values in self.seen.items():
+            if len(values) > 1:
+                raise _NoMatch(f"the experts compute in more than one way ({what}: {sorted(map(str, values))}); "
+                               "fused_moe computes every expert alike")
+        one = {what: next(iter(values), None) for what, values in self.seen.items()}
+        act = one["activation"] or ("silu",)
+        return {"interleaved": one["layout"] == "interleaved", "activation": act[0],
+                "swiglu_alpha": act[1] if len(act) > 1 else 1.702, "swiglu_limit": act[2] if len(act) > 1 else 7.0,
+                "b13": bool(one["b13"]), "b2": bool(one["b2"])}
 
     def run(self, region: list[fx.Node]) -> None:
         for node in region:
@@ -248,6 +274,8 @@ class _Interpreter:
         pairs to other experts than their ids: its result is an index computed from the ids, which no expert weight
         may be gathered by (``_getitem``)."""
         src = self._of(node.args[0])
+        if src.kind in ("gate", "up"):
+            return self._clamp_half(node, src)
         if src.kind != "ids_part":
             self._idx_op(node)
         if node.target in ("clamp_", "clip_"):
@@ -256,6 +284,20 @@ class _Interpreter:
         identity = (low is None or isinstance(low, (int, float)) and low <= 0) and (
             high is None or isinstance(high, (int, float)) and high >= self.experts - 1)
         return src if src.kind in ("ids", "ids_part") and identity else _IDX
+
+    def _clamp_half(self, node, src: Val) -> Val:
+        """GPT-OSS's clamps: the gate at most ``limit``, the up half within [-limit, limit]."""
+        low, high = (_arg(node, i, n) for i, n in ((1, "min"), (2, "max")))
+        if node.op == "call_method" and node.target.endswith("_"):
+            self._fail(node, "clamps a half of w13's GEMM in place")
+        if not (isinstance(high, (int, float)) and high > 0 and math.isfinite(high)):
+            self._fail(node, "clamps a half of w13's GEMM with no finite positive upper bound")
+        if src.kind == "gate" and low is None:
+            return dataclasses.replace(src, kind="gate_c", p=(float(high),))
+        if src.kind == "up" and isinstance(low, (int, float)) and low == -high:
+            return dataclasses.replace(src, kind="up_c", p=(float(high),))
+        self._fail(node, "clamps a half of w13's GEMM other than as GPT-OSS's SwiGLU does (gate.clamp(max=limit), "
+                         "up.clamp(-limit, limit))")
 
     def _masked_fill(self, node):
         """``v.masked_fill(sentinel, c)``: the identity on the ids fused_moe takes, so ``v`` keeps its label."""
@@ -366,8 +408,12 @@ class _Interpreter:
     def _getitem(self, node):
         src, index = node.args
         if isinstance(src, fx.Node) and self._of(src).kind == "chunks":
-            return Val(("gate", "up")[index], self._of(src).expert, self._of(src).fdim)
+            return dataclasses.replace(self._of(src), kind=("gate", "up")[index])
         val = self._of(src)
+        if val.kind == "g1" and not isinstance(index, fx.Node):
+            return self._half(node, val)
+        if val.kind in ("b13", "b2"):
+            return self._bias_of(node, val, index)
         if val.kind == "ids_sort":
             return Val("ids") if index == 0 else _IDX
         if not self._all_idx_args(node):
@@ -393,6 +439,63 @@ class _Interpreter:
             return val  # rows gathered or un-sorted: the feature dim stays
         self._fail(node, "slices a hidden state")
 
+    def _half(self, node, v: Val) -> Val:
+        """The gate or up half of w13's GEMM output by slicing its features: ``[..., :I]`` / ``[..., I:]``, or GPT-OSS's
+        interleaved rows ``[..., ::2]`` / ``[..., 1::2]``."""
+        src, index = node.args
+        index = index if isinstance(index, tuple) else (index,)
+        n = len(_shape(src))
+        if index.count(Ellipsis) == 1:
+            at = index.index(Ellipsis)
+            index = index[:at] + (slice(None),) * (n - len(index) + 1) + index[at + 1:]
+        index = index + (slice(None),) * (n - len(index))
+        fd = n + v.fdim
+        if len(index) != n or not all(isinstance(i, slice) for i in index) or any(
+                i != slice(None) for d, i in enumerate(index) if d != fd):
+            self._fail(node, "indexes w13's GEMM output other than by slicing its features")
+        sl, two_i = index[fd], 2 * self.inter
+        start, stop, step = sl.start or 0, two_i if sl.stop is None else min(sl.stop, two_i), sl.step or 1
+        halves = {(0, self.inter, 1): "gate", (self.inter, two_i, 1): "up"}
+        interleaved = {(0, two_i, 2): "gate", (1, two_i, 2): "up"}
+        if not all(isinstance(a, int) for a in (start, stop, step)):
+            self._fail(node, "slices w13's GEMM output by a computed bound")
+        if (start, stop, step) in halves:
+            self.seen["layout"].add("halves")
+        elif (start, stop, step) in interleaved:
+            self.seen["layout"].add("interleaved")
+        else:
+            self._fail(node, f"slices w13's GEMM output [{sl.start}:{sl.stop}:{sl.step}] of {two_i} features, not its "
+                             "gate or up half (the first or last I, or the even or odd ones)")
+        self.seen["b13"].add(v.b)
+        return dataclasses.replace(v, kind={**halves, **interleaved}[(start, stop, step)])
+
+    def _bias_of(self, node, v: Val, index) -> Val:
+        """An expert bias selected as the weights are: ``b[e]`` (a loop over experts), ``b[ids]`` (per pair)."""
+        if v.expert is None and isinstance(index, int) and 0 <= index < self.experts:
+            return dataclasses.replace(v, expert=index)
+        if v.expert is None and isinstance(index, fx.Node) and self._of(index).kind in ("ids", "ids_part"):
+            return dataclasses.replace(v, expert="pairs")
+        self._fail(node, "indexes an expert bias other than by expert or by the routing ids")
+
+    def _add_bias(self, node, v: Val, bias: Val) -> Val:
+        """A first (second) GEMM's output plus w13's (w2's) bias of the same expert(s), along the features."""
+        if (v.kind, bias.kind) not in (("g1", "b13"), ("y", "b2")):
+            self._fail(node, f"adds {bias.kind} to {v.kind}, not the bias of its own GEMM")
+        if v.b:
+            self._fail(node, "adds a bias twice")
+        same = v.expert == bias.expert if isinstance(v.expert, int) else v.expert is None and bias.expert == "pairs"
+        if not same:
+            self._fail(node, f"adds the bias of expert(s) {bias.expert} to the output of expert(s) {v.expert}")
+        if v.fdim != -1 or _shape(node) != _shape(node.args[0] if self._of(node.args[0]) is v else node.args[1]):
+            self._fail(node, "adds a bias other than along the GEMM output's features")
+        return dataclasses.replace(v, b=True)
+
+    def _sigmoid(self, node):
+        v = self._of(node.args[0])
+        if v.kind != "gate_a":
+            self._fail(node, "applies a sigmoid to something other than the clamped gate times alpha")
+        return dataclasses.replace(v, kind="sig")
+
     # math
     def _silu(self, node):
         v = self._of(node.args[0])
@@ -408,6 +511,8 @@ class _Interpreter:
         shape = _shape(node.args[0])
         if v.kind != "g1" or chunks != 2 or dim % len(shape) != len(shape) + v.fdim:
             self._fail(node, "splits something other than the features of w13's GEMM in two")
+        self.seen["layout"].add("halves")
+        self.seen["b13"].add(v.b)
         return dataclasses.replace(v, kind="chunks")
 
     def _mul(self, node):
@@ -417,11 +522,23 @@ class _Interpreter:
         if kinds <= set(_INDEX_KINDS):
             return _IDX
         if kinds == {"act", "up"} and a.expert == b.expert and a.fdim == b.fdim:
+            self.seen["activation"].add(("silu",))
             return dataclasses.replace(by["act"], kind="h")
+        number = [x for x in node.args[:2] if isinstance(x, (int, float))]
+        if kinds == {"gate_c", "idx"} and len(number) == 1 and math.isfinite(number[0]):  # gate * alpha
+            return dataclasses.replace(by["gate_c"], kind="gate_a", p=(*by["gate_c"].p, float(number[0])))
+        same = a.expert == b.expert and a.fdim == b.fdim
+        if kinds == {"gate_c", "sig"} and same and by["sig"].p[0] == by["gate_c"].p[0]:
+            return dataclasses.replace(by["sig"], kind="glu")  # gate * sigmoid(alpha * gate)
+        if kinds == {"up1", "glu"} and same and by["up1"].p == by["glu"].p[:1]:
+            limit, alpha = by["glu"].p
+            self.seen["activation"].add(("swiglu_oai", alpha, limit))
+            return dataclasses.replace(by["glu"], kind="h", p=())
         if kinds == {"wts", "mask"} and by["wts"].expert is None:
             return Val("wts", by["mask"].expert)
         if kinds == {"y", "wts"} and by["y"].expert == by["wts"].expert:
-            return dataclasses.replace(by["y"], kind="out")
+            self.seen["b2"].add(by["y"].b)
+            return dataclasses.replace(by["y"], kind="out", b=False)
         if kinds == {"y", "wts"}:
             self._fail(node, f"weights expert {by['y'].expert} with the routing weight of expert {by['wts'].expert}")
         self._fail(node, "multiplies values that fused_moe does not multiply")
@@ -449,7 +566,23 @@ class _Interpreter:
         a, b = (self._of(x) for x in node.args[:2])
         if {a.kind, b.kind} <= set(_INDEX_KINDS):
             return _IDX
+        if node.op == "call_method" and node.target == "add_":
+            return self._add_in_place(node, a, b)
+        if {a.kind, b.kind} & {"b13", "b2"}:
+            return self._add_bias(node, *((a, b) if b.kind in ("b13", "b2") else (b, a)))
+        if {a.kind, b.kind} == {"up_c", "idx"} and 1 in node.args[:2]:  # GPT-OSS's up + 1
+            return dataclasses.replace(a if a.kind == "up_c" else b, kind="up1")
         return self._accumulate(node, a, b)
+
+    def _add_in_place(self, node, target: Val, other: Val) -> Val:
+        """``g1.add_(b13[...])`` / ``y.add_(b2[...])`` (HF's experts with biases): the GEMM's output, which nothing
+        has read yet (its views would see the bias too), holds its bias from here on."""
+        out = self._add_bias(node, target, other)
+        seen = [u.name for u in node.args[0].users if u is not node and u in self.val]
+        if seen:
+            self._fail(node, f"adds a bias in place to a GEMM output {seen} read before")
+        self.val[node.args[0]] = out
+        return out
 
     def _accumulate(self, node, acc: Val, new: Val) -> Val:
         """acc (a fresh zero or a partial sum) + new (a weighted expert output or a partial sum)."""
@@ -740,7 +873,9 @@ class MoePass(Fp8Pass):
                 raise _NoMatch(f"{d.name} dequantizes a weight that is not one of this module's experts")
             inputs[d] = Val(role)
         external = {a for n in site.region if n.target not in _DEQUANT for a in n.all_input_nodes if a not in region}
-        roles = self._interface(external, _shape(out), e, h)
+        biases = self._biases(external, ctx, e, two_i, h)
+        inputs.update({n: Val(r) for n, r in biases.items()})
+        roles = self._interface(external - set(biases), _shape(out), e, h)
         inputs.update({n: Val(r) if r != "sym" else _IDX for n, r in roles.items()})
         by_role = {r: n for n, r in roles.items()}
         dense = set(by_role) - {"sym"} == {"x"}  # no routing read: the dense form, or nothing fused_moe computes
@@ -780,8 +915,23 @@ class MoePass(Fp8Pass):
                 if order(a) > order(first_user)]
         if late:
             raise _NoMatch(f"{late} are computed after the experts' output is first used")
+        form = interp.form()
+        by_bias = {r: n for n, r in biases.items()}
+        form.update((r, by_bias[r] if form[r] else None) for r in ("b13", "b2"))
         return {"out": out, "first_user": first_user, "x": by_role["x"], "ids": by_role.get("ids"),
-                "wts": by_role.get("wts"), "dense": dense}
+                "wts": by_role.get("wts"), "dense": dense, "form": form}
+
+    def _biases(self, external: set[fx.Node], ctx: PassContext, e, two_i, h) -> dict[fx.Node, str]:
+        """The expert biases the region reads (``b13`` [E, 2I], ``b2`` [E, H]: GPT-OSS's, tagged by quantize_)."""
+        found = {n: self._role(n, ctx) for n in external if self._role(n, ctx) in ("b13", "b2")}
+        if len(set(found.values())) != len(found):
+            raise _NoMatch(f"the experts read more than one tensor of a bias ({sorted(n.name for n in found)})")
+        for n, role in found.items():
+            want = (e, two_i) if role == "b13" else (e, h)
+            if not all(statically_known_true(a == b) for a, b in zip(_shape(n), want)) or len(_shape(n)) != 2:
+                raise _NoMatch(f"the experts read {n.name} {list(_shape(n))} as a {role} bias; fused_moe adds "
+                               f"[{', '.join(map(str, want))}]")
+        return found
 
     @staticmethod
     def _interface(external: set[fx.Node], out_shape: tuple, e: int, h: int) -> dict[fx.Node, str]:
@@ -827,6 +977,11 @@ class MoePass(Fp8Pass):
                 wts, ids = _parts(graph, dense_routing, (operands["x"], fake_value(w13q).shape[0]), 2)
             args = (operands["x"], wts, ids, w13q, w13s, w2q, w2s, list(w_block), list(act_block),
                     fake_value(out).dtype, a13, a2, self.use_fast_accum)
+            form = operands["form"]
+            gated = (form["b13"], form["b2"], form["interleaved"], form["activation"], form["swiglu_alpha"],
+                     form["swiglu_limit"])
+            if gated != (None, None, False, "silu", 1.702, 7.0):  # (SiLU experts' calls as before: their dumps)
+                args += gated
             fused = graph.call_function(torch.ops.fp8fx.fused_moe.default, args)
         set_fake_value(fused, torch.ops.fp8fx.fused_moe.default, args)
         fused.meta.update({k: v for k, v in out.meta.items() if k not in ("example_value", "val")})
@@ -838,7 +993,18 @@ class MoePass(Fp8Pass):
                                  a13 is not None))
         if operands["dense"]:
             scheme += ROUTED if _route_dense(graph, fused) else DENSE
-        return scheme, saved, Site.origin_of(fused)
+        return scheme + _form_note(operands["form"]), saved, Site.origin_of(fused)
+
+
+def _form_note(form: dict) -> str:
+    """What the report's scheme says of experts that are not plain SiLU(gate) * up (GPT-OSS's)."""
+    parts = ["biases" if form["b13"] is not None and form["b2"] is not None else "w13 bias" if form["b13"] is not None
+             else "w2 bias" if form["b2"] is not None else None,
+             "interleaved gate/up" if form["interleaved"] else None,
+             f"clamped SwiGLU (alpha {form['swiglu_alpha']:g}, limit {form['swiglu_limit']:g})"
+             if form["activation"] == "swiglu_oai" else None]
+    parts = [p for p in parts if p]
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 DENSE = (" (dense: every expert on its E-th of the rows, as the model computes them; fused_moe does not skip the "

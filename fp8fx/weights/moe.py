@@ -45,6 +45,8 @@ log = logging.getLogger("fp8fx")
 
 W13, W2 = "gate_up_proj", "down_proj"
 ROLES = {W13: "w13", W2: "w2"}  # tagged on the fp8 tensors as ``_fp8fx_moe_role`` for the MoE pass
+# the experts' biases (GPT-OSS), high precision as the model holds them, tagged for the MoE pass too
+BIASES = {W13 + "_bias": "b13", W2 + "_bias": "b2"}
 
 _ALIASES = {
     f"{v}_{suffix}": f"{hf}{hf_suffix}"
@@ -258,15 +260,11 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
 
 def layout_reason(module: nn.Module) -> Optional[str]:
     """Why fp8fx's experts cannot hold ``module``'s weights, or None: a layout HF's flags declare that fused_moe does
-    not compute, or weights that are neither [E, 2I, H] / [E, H, I] nor, transposed, [E, H, 2I] / [E, I, H]."""
-    # flags of HF's @use_experts_implementation: layouts fused_moe does not compute
-    for flag, value, what in (
-        ("is_concatenated", False, "interleaved gate/up rows"),
-        ("has_bias", True, "expert biases"),
-        ("has_post_expert_norm", True, "a norm after each expert"),
-    ):
-        if getattr(module, flag, not value) == value:
-            return f"{what} are not supported by fp8fx.fused_moe"
+    not compute, or weights that are neither [E, 2I, H] / [E, H, I] nor, transposed, [E, H, 2I] / [E, I, H].
+    Interleaved gate/up rows (``is_concatenated=False``) and biases (``has_bias``: ``gate_up_proj_bias`` [E, 2I],
+    ``down_proj_bias`` [E, H], kept as they are) are GPT-OSS's, which fused_moe computes."""
+    if getattr(module, "has_post_expert_norm", False) is True:  # HF @use_experts_implementation's flag
+        return "a norm after each expert is not supported by fp8fx.fused_moe"
     w13, w2 = module._parameters[W13], module._parameters[W2]
     if is_transposed(module):
         e, h, two_i = w13.shape
@@ -276,6 +274,10 @@ def layout_reason(module: nn.Module) -> Optional[str]:
         fits, layout = tuple(w2.shape) == (e, h, two_i // 2), "[E, 2I, H] and [E, H, I]"
     if two_i % 2 or not fits:
         return f"gate_up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not {layout}"
+    for name, shape in ((W13 + "_bias", (e, two_i)), (W2 + "_bias", (e, h))):
+        bias = module._parameters.get(name)
+        if bias is not None and tuple(bias.shape) != shape:
+            return f"{name} {list(bias.shape)} is not {list(shape)} (each expert's bias)"
     return None
 
 
@@ -559,6 +561,9 @@ class Fp8MoEMethod:
                                 "precision)", prefix, name, scales.min().item(), scales.max().item())
                 params[name] = nn.Parameter(scales.max().reshape(1), requires_grad=False)
             params[base]._fp8fx_moe_role = ROLES[base]
+        for name, role in BIASES.items():
+            if isinstance(params.get(name), torch.Tensor):
+                params[name]._fp8fx_moe_role = role
         layer._fp8fx_processed = True
 
     @staticmethod

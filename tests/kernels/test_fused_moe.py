@@ -135,6 +135,8 @@ def test_registration_schema_and_fake():
     x, w, ids = routed(3)
     args = (x, w, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16, None, None)
     torch.library.opcheck(torch.ops.fp8fx.fused_moe.default, args, test_utils=("test_faketensor",))
+    gated = (*args, False, *gpt_oss_form().values())
+    torch.library.opcheck(torch.ops.fp8fx.fused_moe.default, gated, test_utils=("test_faketensor",))
 
 
 def test_bad_shapes_name_the_tensors():
@@ -185,6 +187,72 @@ def test_bad_dtypes_and_scale_sizes_name_the_tensors():
         with pytest.raises(ValueError, match=rf"fused_moe: a13_scale \(a static per-tensor scale of x\) with "
                                              rf"act_block=\{block}; a static scale is per tensor: act_block="):
             moe(x, w, ids, q13, s13, q2, s2, [1, -1], block, torch.bfloat16, torch.ones(1), torch.ones(1))
+
+
+def gpt_oss_form(seed=2):
+    """fused_moe's GPT-OSS arguments: biases of each expert, interleaved gate/up rows, the clamped SwiGLU at a limit
+    these random experts reach (most gates and ups are clamped at GPT-OSS's 7 only for real activations)."""
+    g = torch.Generator().manual_seed(seed)
+    return dict(w13_bias=torch.randn(E, 2 * I, generator=g).bfloat16(),
+                w2_bias=torch.randn(E, H, generator=g).bfloat16(), interleaved=True, activation="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=0.75)
+
+
+def exact_gpt_oss(x, w, ids, w13, w2, form):
+    """GPT-OSS's experts (HF's GptOssExperts: interleaved gate/up, biases, clamped SwiGLU), unquantized, float64."""
+    b13, b2 = form["w13_bias"].double(), form["w2_bias"].double()
+    alpha, limit = form["swiglu_alpha"], form["swiglu_limit"]
+    out = torch.zeros(x.shape[0], H, dtype=torch.float64)
+    for i in range(x.shape[0]):
+        for k in range(K):
+            e = ids[i, k]
+            gu = w13[e].double() @ x[i].double() + b13[e]
+            gate, up = gu[0::2].clamp(max=limit), gu[1::2].clamp(-limit, limit)
+            out[i] += w[i, k].double() * (w2[e].double() @ (gate * torch.sigmoid(alpha * gate) * (up + 1)) + b2[e])
+    return out
+
+
+@pytest.mark.parametrize("scheme", ["per-channel", "block"])
+def test_reference_gpt_oss_form_matches_float64(scheme):
+    """Biases, interleaved rows and the clamped SwiGLU against GPT-OSS's experts in float64; each of them left out
+    (or another limit) misses it by far more than fp8's error."""
+    w_block, act_block, _ = SCHEMES[scheme]
+    q13, s13, q2, s2, w13, w2 = experts(w_block)
+    x, w, ids = routed(40)
+    form = gpt_oss_form()
+    truth = exact_gpt_oss(x, w, ids, w13, w2, form)
+    moe = torch.ops.fp8fx.fused_moe
+    out = moe(x, w, ids, q13, s13, q2, s2, w_block, act_block, torch.float32, None, None, False, *form.values())
+    assert rel_err(out, truth) < 0.04  # 0.022 measured
+    for wrong in (dict(w13_bias=None), dict(w2_bias=None), dict(interleaved=False), dict(activation="silu"),
+                  dict(swiglu_limit=7.0), dict(swiglu_alpha=0.5)):
+        bad = moe(x, w, ids, q13, s13, q2, s2, w_block, act_block, torch.float32, None, None, False,
+                  *{**form, **wrong}.values())
+        assert rel_err(bad, truth) > 0.1, wrong
+
+
+def test_gpt_oss_form_bad_arguments_name_them():
+    q13, s13, q2, s2, *_ = experts([1, -1])
+    x, w, ids = routed(3)
+    form = gpt_oss_form()
+
+    def moe(**kw):
+        args = {**form, **kw}
+        return torch.ops.fp8fx.fused_moe(x, w, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.bfloat16, None, None,
+                                         False, *args.values())
+    with pytest.raises(RuntimeError, match=r"fused_moe: w13_bias has shape \[8, 128\]; it must be \[8, 256\]"):
+        moe(w13_bias=form["w13_bias"][:, :I])
+    with pytest.raises(RuntimeError, match=r"fused_moe: w2_bias has shape \[256\]; it must be \[8, 256\]"):
+        moe(w2_bias=form["w2_bias"][0])
+    with pytest.raises(ValueError, match=r"fused_moe: w2_bias is torch.int64; biases are bf16"):
+        moe(w2_bias=form["w2_bias"].long())
+    with pytest.raises(ValueError, match=r"fused_moe: activation='gelu'; it computes \['silu', 'swiglu_oai'\]"):
+        moe(activation="gelu")
+    for limit in (0.0, -7.0, float("nan")):
+        with pytest.raises(ValueError, match=r"swiglu_limit=.*; the clamped SwiGLU takes a finite alpha and a limit"):
+            moe(swiglu_limit=limit)
+    with pytest.raises(ValueError, match=r"swiglu_alpha=inf"):
+        moe(swiglu_alpha=float("inf"))
+    assert moe().shape == (3, H)  # the same arguments, none of them wrong
 
 
 def test_pairs_routed_nowhere_contribute_nothing_whatever_their_weight():
@@ -368,6 +436,22 @@ INTERPRETER_CHECK = textwrap.dedent(
             q_ref, s_ref = torch_quantize_act(inter[routed], ab, None)
             assert torch.equal(i_scale[routed], s_ref), (wb, ab)
             assert (iq[routed].view(torch.uint8) == q_ref.view(torch.uint8)).float().mean() > 0.9, (wb, ab)
+    # GPT-OSS's experts: biases, interleaved gate/up rows (16-row blocks holding both: no halves could have them),
+    # the clamped SwiGLU at a limit these values pass; expert 4 idle, expert 2 crowded
+    for wb, ab in [([1, -1], [1, -1]), ([16, 32], [1, 32]), ([-1, -1], [-1, -1])]:
+        q13, s13 = quant.quantize(torch.randn(E, 2 * I, H, generator=g) / 8, wb)
+        q2, s2 = quant.quantize(torch.randn(E, H, I, generator=g) / 6, wb)
+        form = dict(w13_bias=torch.randn(E, 2 * I, generator=g).bfloat16(), w2_bias=torch.randn(E, H, generator=g),
+                    interleaved=True, activation="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=1.5)
+        x = 3 * torch.randn(21, H, generator=g).bfloat16()
+        ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(21)])
+        ids[:, 0] = 2
+        ids[ids == 4] = -1
+        w = torch.rand(21, 3, generator=g)
+        ref = ops.fused_moe_reference(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, **form)
+        y = fused_moe(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, config=cfg, quantize=torch_quantize_act,
+                      fuse_quant=False, **form)
+        assert ((y - ref).norm() / ref.norm()).item() < 1e-4, (wb, ab, "gpt-oss")
     # ids as a strided view (one column of a [T, 2] tensor, a sentinel in every third row): pair p must be
     # read at ids[p] by the align kernel and by the combine
     import fp8fx.kernels.fused_moe as km
@@ -489,6 +573,32 @@ def test_fused_moe_kernel_cuda(t, scheme, routing):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("t", [1, 3, 257])
+@pytest.mark.parametrize("scheme", ["per-channel", "per-tensor", "block"])
+def test_fused_moe_kernel_gpt_oss_cuda(t, scheme):
+    """GPT-OSS's form (biases, interleaved rows, clamped SwiGLU) on the GPU, every tile configuration, bounded as
+    test_fused_moe_kernel_cuda bounds the SiLU experts."""
+    from fp8fx.kernels.fused_moe import fused_moe, tile_config
+
+    w_block, act_block, _ = SCHEMES[scheme]
+    q13, s13, q2, s2, w13, w2 = experts(w_block)
+    x, w, ids = routed(t)
+    form = gpt_oss_form()
+    ref = ops.fused_moe_reference(x, w, ids, q13, s13, q2, s2, w_block, act_block, torch.float32, **form)
+    truth = exact_gpt_oss(x, w, ids, w13, w2, form)
+    ref_err = rel_err(ref, truth)
+    cuda = [v.cuda() for v in (x, w, ids, q13, s13, q2, s2)]
+    cform = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in form.items()}
+    for ppe in (1, 32, 1024):
+        cfg = tile_config(ppe, 2 * I, H, k_grouped=w_block[1] != -1 or act_block[1] != -1)
+        y = fused_moe(*cuda, w_block, act_block, torch.float32, config=cfg, **cform).cpu()
+        assert rel_err(y, truth) < 1.1 * ref_err + 2e-3, (ppe, rel_err(y, truth), ref_err)
+        assert rel_err(y, ref) < 3e-2, (ppe, rel_err(y, ref))
+    y = torch.ops.fp8fx.fused_moe(*cuda, w_block, act_block, torch.bfloat16, None, None, False, *cform.values())
+    assert rel_err(y.cpu(), ref) < 3e-2 and rel_err(y.cpu(), truth) < 1.1 * ref_err + 5e-3
+
+
+@pytest.mark.cuda
 def test_fused_moe_cuda_addresses_past_2_31():
     """S * H = (40000 tokens x top-8) x 7168 > 2**31 elements in the [S, H] combine buffer: the pairs past
     that point are only right with 64-bit row bases (x itself, 40000 x 7168, stays under 2**31)."""
@@ -583,7 +693,8 @@ def compile_for_hopper(kernel, pointers: dict, ints: list, consts: dict, cfg: di
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {**pointers, **{n: "i32" for n in ints}, **{n: "constexpr" for n in consts}}
+    signature = {**pointers, **{n: "fp32" if n in ("alpha", "limit") else "i32" for n in ints},
+                 **{n: "constexpr" for n in consts}}
     names = list(signature)
     aligned = list(pointers) + [n for n in ("stride_am", "stride_we", "stride_wn", "stride_wse", "stride_xm",
                                             "stride_qm") if n in ints]
@@ -593,11 +704,13 @@ def compile_for_hopper(kernel, pointers: dict, ints: list, consts: dict, cfg: di
                           options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]})
 
 
-@pytest.mark.parametrize("pairs_per_expert,i,h,grouped", [  # every tile configuration; Qwen3-30B-A3B, Mixtral-8x7B
-    (1, 768, 2048, False), (32, 14336, 4096, False), (1024, 768, 2048, False), (1024, 14336, 4096, False),
-    (1, 768, 2048, True), (1024, 14336, 4096, True),  # 128x128 blocks, 1x128 activation groups
+@pytest.mark.parametrize("pairs_per_expert,i,h,grouped,gpt_oss", [  # every tile configuration; Qwen3-30B-A3B,
+    (1, 768, 2048, False, False), (32, 14336, 4096, False, False),  # Mixtral-8x7B
+    (1024, 768, 2048, False, False), (1024, 14336, 4096, False, False),
+    (1, 768, 2048, True, False), (1024, 14336, 4096, True, False),  # 128x128 blocks, 1x128 activation groups
+    (1, 2880, 2880, False, True), (1024, 2880, 2880, True, True),  # GPT-OSS: biases, interleaved rows, its SwiGLU
 ])
-def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
+def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped, gpt_oss):
     """What the interpreter does not check (Triton's front-end rules, the NVIDIA back end, shared memory)."""
     pytest.importorskip("triton")
     from fp8fx import quant
@@ -612,6 +725,7 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
     if grouped:
         cfg["BLOCK_N"] = 128  # the activation groups: the first GEMM quantizes its own output
     schemes = {"K_GROUPED": grouped, "W_BLOCK_N": 128 if grouped else 1, "IMPRECISE_K": imprecise_k(cfg, False)}
+    form = {"ROW_STEP": 2 if gpt_oss else 1, "HAS_BIAS": gpt_oss, "SWIGLU_OAI": gpt_oss}
     tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     tiles2 = {k: cfg2[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     quant_out = {"QUANT_OUT": grouped, "AMAX_OUT": not grouped, "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX}
@@ -623,9 +737,10 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
     def gemm13(schemes, inter="*fp8e4nv" if grouped else "*fp32"):
         return compile_for_hopper(
             moe_gemm13_kernel, {**ptr, "inter_ptr": inter, "a_scale_ptr": "*fp32",
-                                "w_scale_ptr": "*fp32", **routing, "inter_scale_ptr": "*fp32"},
-            ["S", "N", "K", *strides, "stride_im", "stride_in", *scale_strides, "stride_ism", "stride_isg"],
-            {"K_TOP": 8, **schemes, **quant_out, **tiles}, cfg)
+                                "w_scale_ptr": "*fp32", **routing, "inter_scale_ptr": "*fp32", "bias_ptr": "*bf16"},
+            ["S", "N", "K", "UP_SHIFT", "alpha", "limit", *strides, "stride_im", "stride_in", *scale_strides,
+             "stride_ism", "stride_isg", "stride_be", "stride_bn"],
+            {"K_TOP": 8, **schemes, **form, **quant_out, **tiles}, cfg)
 
     k13 = gemm13(schemes)
     if not grouped and tiles["BLOCK_M"] >= 64:  # wgmma tiles: promotion per K step shows as fp32 adds
@@ -634,8 +749,9 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped):
         assert k13.asm["ptx"].count("add.f32") > fast.asm["ptx"].count("add.f32")
     k2 = compile_for_hopper(
         moe_gemm2_kernel, {**ptr, "y_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
-                           "topk_weights_ptr": "*fp32", **routing},
-        ["S", "N", "K", *strides, "stride_ym", "stride_yn", *scale_strides], {**schemes, **tiles2}, cfg2)
+                           "topk_weights_ptr": "*fp32", **routing, "bias_ptr": "*bf16"},
+        ["S", "N", "K", *strides, "stride_ym", "stride_yn", *scale_strides, "stride_be", "stride_bn"],
+        {**schemes, "HAS_BIAS": gpt_oss, **tiles2}, cfg2)
     kernels = [k13, k2]
     if grouped:  # 128x128 weight blocks with per-token activations: the float32 intermediate and its row maxima
         quant_out.update(QUANT_OUT=False, AMAX_OUT=True)
