@@ -6,7 +6,7 @@ import difflib
 import inspect
 import logging
 import math
-from typing import Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -440,9 +440,24 @@ def _silu_experts(module: nn.Module) -> bool:
     return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is nn.functional.silu
 
 
+def _gate_of(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The experts' activation of their first GEMM's output [..., 2I]: HF's ``_apply_gate``, which its grouped_mm /
+    batched_mm code calls (GPT-OSS's interleaved, clamped SwiGLU; ``act_fn(gate) * up`` by default); else
+    ``act_fn(gate) * up`` of the halves, SiLU for a module with no act_fn (a loop calling F.silu,
+    examples/moe_reference.py: the activation the MoE pass fuses)."""
+    if callable(getattr(mod, "_apply_gate", None)):
+        return mod._apply_gate
+    act = mod.act_fn if getattr(mod, "act_fn", None) is not None else nn.functional.silu
+
+    def gated(g1: torch.Tensor) -> torch.Tensor:
+        gate, up = g1.chunk(2, dim=-1)
+        return act(gate) * up
+    return gated
+
+
 def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
     """A forward pre-hook of an experts module ``forward(hidden_states, top_k_index, top_k_weights)`` (HF's):
-    the amax of the tokens its experts get, and of each expert's ``act_fn(gate) * up`` on them. An experts module
+    the amax of the tokens its experts get, and of each expert's activation (``_gate_of``) on them. An experts module
     called with the hidden states only (Llama-4's dense form, ``fp8fx.passes.moe``): expert e's rows are the e-th
     E-th of them."""
 
@@ -461,16 +476,16 @@ def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
             )
         x = x.reshape(-1, x.shape[-1])
         ids = ids.reshape(x.shape[0], -1)
-        # no act_fn (a loop calling F.silu, examples/moe_reference.py): SiLU, the one activation the MoE pass fuses
-        act = mod.act_fn if getattr(mod, "act_fn", None) is not None else nn.functional.silu
+        gated = _gate_of(mod)
+        b13 = getattr(mod, moe.W13 + "_bias", None)  # GPT-OSS's
         name13, name2 = moe.input_scale_names(fqn)
         for e in ids.unique().tolist():
             if not 0 <= e < experts:  # an expert-parallel sentinel: no expert of this module
                 continue
             xe = x[(ids == e).any(-1)]
-            gate, up = nn.functional.linear(xe, w13[e]).chunk(2, dim=-1)
+            h = gated(nn.functional.linear(xe, w13[e], None if b13 is None else b13[e]))
             _record(amax, name13, xe.abs().max().float().item(), batch_no[0])
-            _record(amax, name2, (act(gate) * up).abs().max().float().item(), batch_no[0])
+            _record(amax, name2, h.abs().max().float().item(), batch_no[0])
 
     return record
 
@@ -481,8 +496,8 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     """Static activation scales ``{fqn: amax / 448}`` from running ``model`` (eager) on ``batches``; ``prefix``
     as ``quantize_``'s (the fqns are ``prefix.<name in model>``). An experts module (``fp8fx.weights.moe``) gets
     two: ``{fqn}.gate_up_proj``, the amax of the tokens routed to its experts, and ``{fqn}.down_proj``, of
-    ``act(gate) * up`` over each expert's tokens (computed here with the module's act_fn; SiLU, the activation the
-    MoE pass fuses, for a module with none), vLLM's static MoE scales after their max over experts.
+    the activation over each expert's tokens (HF's ``_apply_gate``: GPT-OSS's clamped SwiGLU of its biased output;
+    else ``act_fn(gate) * up``, SiLU for a module with none), vLLM's static MoE scales after their max over experts.
 
     Each batch is passed as ``model(**batch)`` if it is a mapping whose keys are the forward's parameters (a
     tokenizer's output), ``model(*batch)`` if it is a tuple or list, else ``model(batch)`` (a model whose forward
@@ -508,7 +523,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     batch_no = [0]
     modules = [(fqn, m) for fqn, m in named if not config.is_ignored(fqn)]
     experts = [(fqn, m) for fqn, m in modules if moe.is_experts(m) and moe.skip_reason(m, fqn, config) is None]
-    for fqn, module in experts:  # before the first hook (no act_fn: measured with SiLU, ``_experts_recorder``)
+    for fqn, module in experts:  # before the first hook (no act_fn: measured with SiLU, ``_gate_of``)
         if getattr(module, "act_fn", None) is not None and not _silu_experts(module):
             raise ValueError(
                 f"calibrate: {fqn} computes its experts with act_fn={getattr(module, 'act_fn', None)!r}, not "
