@@ -396,14 +396,15 @@ def test_batched_hidden_states_are_left_with_the_reason():
 
 def test_experts_quantize_skipped_are_reported_with_its_reason():
     model = hf_experts("grouped_mm", torch.bfloat16)
-    model.experts.has_post_expert_norm = True  # what fused_moe does not compute: quantize_ leaves it in bf16
+    model.experts.act_fn = torch.nn.GELU()  # what fused_moe does not compute: quantize_ leaves it in bf16
     fp8fx.quantize_(model)
     x, ids, w = inputs(torch.bfloat16)
     with torch.no_grad():
         out, gm, report = compile_capture(model, x, ids, w)
     (site,) = report.sites
     assert (site.fqn, site.rewritten) == ("experts", False)
-    assert site.reason == "not quantized: a norm after each expert is not supported by fp8fx.fused_moe"
+    assert site.reason == "not quantized: act_fn=GELU(approximate='none') is not SiLU: fp8fx.fused_moe computes " \
+                          "SiLU(gate) * up"
     assert torch.ops.fp8fx.dequantize not in targets(gm) and torch._grouped_mm in targets(gm)
 
 
