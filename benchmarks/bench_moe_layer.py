@@ -6,7 +6,8 @@ bf16 through Inductor, in one process on the GPU.
 
 The layer is the ``mlp`` of a one-layer transformers model with the real model's MoE dimensions
 (Qwen3-30B-A3B: E=128, top-8, H=2048, I=768; Mixtral-8x7B: E=8, top-2, H=4096, I=14336; Llama-4 Scout: E=16,
-top-1, H=5120, I=8192, dense experts and a shared expert), its experts
+top-1, H=5120, I=8192, dense experts and a shared expert; GPT-OSS-20B / 120B: E=32 / 128, top-4, H=I=2880,
+biases, interleaved gate/up rows, a clamped SwiGLU), its experts
 run with transformers' ``grouped_mm`` implementation. fp8fx: ``quantize_(Fp8Config())`` (per-channel
 experts, per-token activations) + ``Fp8Backend()``; the MoE pass rewrites the experts into
 ``fp8fx.fused_moe``, the router stays bf16. Every row is timed as CUDA-graph replays of the compiled
@@ -40,6 +41,13 @@ MODELS = {  # transformers config class name, MoE dimensions
     "llama4": ("Llama4TextConfig", "Llama4ForCausalLM",
                dict(hidden_size=5120, intermediate_size=8192, intermediate_size_mlp=16384, num_local_experts=16,
                     num_experts_per_tok=1, head_dim=128, interleave_moe_layer_step=1, no_rope_layers=[1])),
+    # GPT-OSS-20B / 120B: experts [E, H, 2I] with gate and up rows interleaved, biases, a clamped SwiGLU
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM",
+                dict(hidden_size=2880, intermediate_size=2880, num_local_experts=32, num_experts_per_tok=4,
+                     head_dim=64)),
+    "gpt_oss_120b": ("GptOssConfig", "GptOssForCausalLM",
+                     dict(hidden_size=2880, intermediate_size=2880, num_local_experts=128, num_experts_per_tok=4,
+                          head_dim=64)),
 }
 TINY = dict(hidden_size=128, moe_intermediate_size=64, intermediate_size=64, num_experts=8, num_local_experts=8)
 

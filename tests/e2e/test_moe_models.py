@@ -377,7 +377,7 @@ def gpt_oss_exact(mlp, x: torch.Tensor) -> torch.Tensor:
     SwiGLU at alpha 1.702, limit 7): [T, H]."""
     e, x = mlp.experts, x.reshape(-1, x.shape[-1])
     _, scores, top = mlp.router(x)
-    x, out = x.double(), torch.zeros(x.shape, dtype=torch.float64)
+    x, out = x.double(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for t in range(x.shape[0]):
         for k in range(top.shape[1]):
             i = top[t, k]
@@ -484,3 +484,21 @@ def test_gpt_oss_checkpoints_and_static_scales(tmp_path):
         for other in (loaded, again):
             for name, t in other.get_submodule(fqn).state_dict().items():
                 assert torch.equal(t.view(torch.uint8), state[name].view(torch.uint8)), (fqn, name)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("block", [None, [128, 128]])
+def test_tiny_gpt_oss_experts_in_fp8_cuda(block):
+    """GPT-OSS's experts on the GPU through Inductor: fp8fx's fused MoE kernels with biases, interleaved rows (128-row
+    blocks holding 64 gate and 64 up rows) and the clamped SwiGLU, within the CPU run's bound of the float64 block."""
+    model = tiny_gpt_oss().cuda()
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(3, 7, 256, generator=torch.Generator().manual_seed(1)).bfloat16().cuda()
+    backend = fp8fx.Fp8Backend()
+    with torch.no_grad():
+        truth = gpt_oss_exact(mlp, x)
+        fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"], weight_block_size=block))
+        out = torch.compile(mlp, backend=backend, fullgraph=True)(x)[0].reshape(-1, 256)
+    [site] = [s for s in backend.report.sites if s.kind == "moe"]
+    assert site.rewritten and site.scheme.endswith(GPT_OSS_FORM), (site.reason, site.scheme)
+    assert rel_err(out, truth) < 0.08
