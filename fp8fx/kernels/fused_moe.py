@@ -1,9 +1,11 @@
 """Fused FP8 Mixture-of-Experts (Triton): ``fp8fx.fused_moe`` for per-tensor, per-channel and block scales.
 
-    out[t] = sum_k w[t, k] * w2[e] @ q(silu(g) * u),   (g, u) = w13[e] @ q(x[t]),   e = ids[t, k]
+    out[t] = sum_k w[t, k] * (w2[e] @ q(act(g, u)) + b2[e]),   (g, u) = w13[e] @ q(x[t]) + b13[e],   e = ids[t, k]
 
+act: silu(g) * u, or GPT-OSS's clamped SwiGLU (``SWIGLU_OAI``); the biases are optional (``HAS_BIAS``).
 Layouts: x ``[T, H]``; ``ids`` / ``w`` ``[T, K]``; S = T * K (token, k) pairs, pair p = t * K + k.
-w13 ``[E, 2I, H]`` fp8 (rows [0, I) gate, [I, 2I) up), w2 ``[E, H, I]`` fp8. Every scale is read through
+w13 ``[E, 2I, H]`` fp8 (rows [0, I) gate, [I, 2I) up; interleaved, ``ROW_STEP`` = 2: row 2j gate j, 2j + 1 up j),
+w2 ``[E, H, I]`` fp8; biases ``[E, 2I]`` (w13's row order) and ``[E, H]``. Every scale is read through
 strides, so one kernel takes every layout:
 
 ==========================  =====================================  =====================================
@@ -23,14 +25,14 @@ blocks with 1x128 activation groups) multiply each K step's partial product, so 
    ``sorted_pair [P]`` (padding = S), ``block_expert [P / BLOCK_M]`` (-1: no work).
 2. ``quantize_rows_kernel``: x to fp8 per token (or per 1 x GK group, or with a static scale), one pass.
 3. ``moe_gemm13_kernel``: per (row block, N tile of I): the block's tokens of x times the gate and the up
-   tile of its expert's w13 (fp8 tensor-core dots, fp32 accumulators), scales, SiLU(g) * u in the
+   tile of its expert's w13 (fp8 tensor-core dots, fp32 accumulators), scales, biases, act(g, u) in the
    epilogue -> ``inter [S, I]`` (fp32).
 4. ``quantize_rows_kernel`` again: ``inter`` to fp8 per pair row (or static scale), in one pass over
    ``inter``: step 3's epilogue leaves each row's amax over each of its N tiles. With 1 x GK
-   activation groups step 3's epilogue does it all instead (its N tiles are the groups): SiLU*mul and the
+   activation groups step 3's epilogue does it all instead (its N tiles are the groups): the activation and the
    requantization in one kernel, no float32 intermediate in memory.
 5. ``moe_gemm2_kernel``: per (row block, N tile of H): the block's rows of ``inter`` times its expert's w2,
-   scales and the pair's routing weight in the epilogue -> ``y [S, H]`` in the output dtype.
+   scales, the bias and the pair's routing weight in the epilogue -> ``y [S, H]`` in the output dtype.
 6. ``combine_kernel``: out[t] = the sum of its pairs' rows of y in float32, in k order (deterministic, no
    atomics), pairs routed nowhere skipped.
 
