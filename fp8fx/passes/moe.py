@@ -17,17 +17,24 @@ or its CPU fallback op, un-sort, sum over k), ``batched_mm`` (weights gathered p
     out = fp8fx.fused_moe(x, top_k_weights, top_k_index, w13q, w13_scale, w2q, w2_scale,
                           w_block, act_block, out.dtype, a13_scale, a2_scale)
 
+and for GPT-OSS's experts (HF's ``GptOssExperts``: each GEMM's output plus its expert's bias, gathered like the
+weights and added in place; gate / up as the even / odd features; ``(up.clamp(-L, L) + 1) * g * sigmoid(g * alpha)``
+with ``g = gate.clamp(max=L)``) the same call with ``w13_bias``, ``w2_bias``, ``interleaved=True`` and
+``activation="swiglu_oai"``, alpha and L read from the graph's constants.
+
 Routing (the router, top-k, its normalisation) is outside the experts module and stays the model's.
 
 A region is rewritten only if it computes what fused_moe computes. ``_Interpreter`` follows each node
 in graph order and labels what it holds (``Val``): index bookkeeping, hidden states, a weight (which
 expert, transposed or not), the first GEMM's output, gate / up halves, SiLU(gate) * up, the second
 GEMM's output, that output times its routing weight, and sums of those. Every node must fit one rule
-(a GEMM contracts a weight over its stored input dim; chunk(2) splits the features of the first GEMM;
-only SiLU; each expert output is weighted once by its own routing weight; the sum covers every expert
+(a GEMM contracts a weight over its stored input dim; chunk(2) or slices of the first or last I (or the even or odd)
+features split the first GEMM's output; SiLU(gate) * up or GPT-OSS's clamped SwiGLU, one of them in every expert; a
+bias only of its own GEMM and expert, before the activation / the routing weight; each expert output is weighted once
+by its own routing weight; the sum covers every expert
 once and runs over k; top_k_index and top_k_weights are read whole: views keeping every (token, k) pair,
-gathers by a tensor, not ``[:, :1]``, ``[:, [1, 0]]`` or ``expand``); anything else (another activation, a bias,
-a norm, a scale, a mutation of an input, an op the pass does not know) leaves the region as it is, reported with
+gathers by a tensor, not ``[:, :1]``, ``[:, [1, 0]]`` or ``expand``); anything else (another activation, a bias
+of something else, a norm, a scale, a mutation of an input, an op the pass does not know) leaves the region as it is, reported with
 the node and the reason. Trusted, not proven: the index bookkeeping (sorts, gathers, scatters, clamps) pairs each
 token with its k-th expert, as the model's own code intends.
 
