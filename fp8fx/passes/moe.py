@@ -31,11 +31,10 @@ GEMM's output, that output times its routing weight, and sums of those. Every no
 (a GEMM contracts a weight over its stored input dim; chunk(2) or slices of the first or last I (or the even or odd)
 features split the first GEMM's output; SiLU(gate) * up or GPT-OSS's clamped SwiGLU, one of them in every expert; a
 bias only of its own GEMM and expert, before the activation / the routing weight; each expert output is weighted once
-by its own routing weight; the sum covers every expert
-once and runs over k; top_k_index and top_k_weights are read whole: views keeping every (token, k) pair,
-gathers by a tensor, not ``[:, :1]``, ``[:, [1, 0]]`` or ``expand``); anything else (another activation, a bias
-of something else, a norm, a scale, a mutation of an input, an op the pass does not know) leaves the region as it is, reported with
-the node and the reason. Trusted, not proven: the index bookkeeping (sorts, gathers, scatters, clamps) pairs each
+by its own routing weight; the sum covers every expert once and runs over k; top_k_index and top_k_weights are read
+whole: views keeping every (token, k) pair, gathers by a tensor, not ``[:, :1]``, ``[:, [1, 0]]`` or ``expand``);
+anything else (another activation, a bias of something else, a norm, a scale, a mutation of an input, an op the pass
+does not know) leaves the region as it is, reported with the node and the reason. Trusted, not proven: the index bookkeeping (sorts, gathers, scatters, clamps) pairs each
 token with its k-th expert, as the model's own code intends.
 
 Expert-parallel sentinels: transformers 5.17 (and later versions on an expert-parallel module) guard
