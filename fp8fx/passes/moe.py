@@ -34,8 +34,8 @@ bias only of its own GEMM and expert, before the activation / the routing weight
 by its own routing weight; the sum covers every expert once and runs over k; top_k_index and top_k_weights are read
 whole: views keeping every (token, k) pair, gathers by a tensor, not ``[:, :1]``, ``[:, [1, 0]]`` or ``expand``);
 anything else (another activation, a bias of something else, a norm, a scale, a mutation of an input, an op the pass
-does not know) leaves the region as it is, reported with the node and the reason. Trusted, not proven: the index bookkeeping (sorts, gathers, scatters, clamps) pairs each
-token with its k-th expert, as the model's own code intends.
+does not know) leaves the region as it is, reported with the node and the reason. Trusted, not proven: the index
+bookkeeping (sorts, gathers, scatters, clamps) pairs each token with its k-th expert, as the model's own code intends.
 
 Expert-parallel sentinels: transformers 5.17 (and later versions on an expert-parallel module) guard
 against routing ids ``>= num_experts``: ``sentinel = top_k_index >= E`` (any view of it), ids clamped to
@@ -1040,8 +1040,8 @@ def _call(node, names: tuple, functions: tuple = ()) -> bool:
 
 
 def _router_of(scores: fx.Node, t, e) -> Optional[tuple[fx.Node, fx.Node, list, fx.Node]]:
-    """(top values, top ids, the elementwise ops from them to ``scores``, the scatter) where ``scores`` [T, E] is the router's
-    top-k of its logits scattered into -inf and mapped by elementwise ops with a sigmoid among them (Llama-4's
+    """(top values, top ids, the elementwise ops from them to ``scores``, the scatter) where ``scores`` [T, E] is the
+    router's top-k of its logits scattered into -inf and mapped by elementwise ops with a sigmoid among them (Llama-4's
     ``Llama4Router``: ``sigmoid(full_like(logits, -inf).scatter_(1, ids, values).float()).to(dtype)``): every score of
     an expert the router did not pick is sigmoid(-inf) = 0, exactly. Else None."""
     ops: list = []
