@@ -194,7 +194,8 @@ def gpt_oss_form(seed=2):
     these random experts reach (most gates and ups are clamped at GPT-OSS's 7 only for real activations)."""
     g = torch.Generator().manual_seed(seed)
     return dict(w13_bias=torch.randn(E, 2 * I, generator=g).bfloat16(),
-                w2_bias=torch.randn(E, H, generator=g).bfloat16(), interleaved=True, activation="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=0.75)
+                w2_bias=torch.randn(E, H, generator=g).bfloat16(), interleaved=True, activation="swiglu_oai",
+                swiglu_alpha=1.702, swiglu_limit=0.75)
 
 
 def exact_gpt_oss(x, w, ids, w13, w2, form):
