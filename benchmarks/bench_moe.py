@@ -2,7 +2,9 @@
 
     python benchmarks/bench_moe.py [--out DIR] [--tokens 16,4096] [--schemes per-channel,block] [--sweep] [--cpu-smoke]
 
-Shapes: Qwen3-30B-A3B (E=128, top-8, H=2048, I=768) and Mixtral-8x7B (E=8, top-2, H=4096, I=14336).
+Shapes: Qwen3-30B-A3B (E=128, top-8, H=2048, I=768) and Mixtral-8x7B (E=8, top-2, H=4096, I=14336); GPT-OSS-20B
+/ 120B (E=32 / 128, top-4, H=I=2880: fp8fx with its biases, interleaved rows and clamped SwiGLU, against the op's
+reference; the anchors are timed as SiLU experts of those shapes).
 What is timed is the experts computation with SiLU*mul and the combine (routing excluded, as in
 ANCHORS.md), from bf16 tokens and a given top-k to the bf16 output:
   * bf16 ``torch._grouped_mm``: sort pairs by expert, gather, grouped GEMM w13, SiLU*mul, grouped GEMM
@@ -39,7 +41,8 @@ from bench_linear import FALLBACKS, bench, rel_err  # noqa: E402  (run as a scri
 from fp8fx import ops, quant  # noqa: E402
 from fp8fx.kernels import fused_moe as moe_kernel  # noqa: E402
 
-SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336)}  # E, top-k, H, I
+SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336),  # E, top-k, H, I
+          "gpt_oss": (32, 4, 2880, 2880), "gpt_oss_120b": (128, 4, 2880, 2880)}  # (timed with SiLU*mul)
 HBM_TBPS = 4.25
 SWEEPS = {  # flat: both GEMMs; "gemm2": the second GEMM's own tiles (the first has two accumulators)
     "per-channel": [
@@ -61,6 +64,19 @@ SWEEPS = {  # flat: both GEMMs; "gemm2": the second GEMM's own tiles (the first 
         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4, gemm2=dict(BLOCK_N=256)),
         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
     ],
+    # decode tiles (a few pairs per expert: the weights streamed), for --sweep-set decode
+    "decode": [
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=3),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=6),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=4),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=3),
+        dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_N=32)),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_N=64)),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=4),
+    ],
 }
 
 
@@ -73,6 +89,14 @@ def problem(shape, tokens, device, seed=0):
     logits = torch.randn(tokens, e, device=device, generator=g)
     weights, ids = torch.softmax(logits, -1).topk(k, dim=-1)
     return x, (weights / weights.sum(-1, keepdim=True)).float(), ids, w13, w2
+
+
+def gpt_oss_form(e, h, i, device) -> dict:
+    """fused_moe's GPT-OSS arguments (biases, interleaved rows, the clamped SwiGLU at alpha 1.702, limit 7)."""
+    g = torch.Generator(device=device).manual_seed(1)
+    return dict(w13_bias=torch.randn(e, 2 * i, device=device, generator=g).bfloat16(),
+                w2_bias=torch.randn(e, h, device=device, generator=g).bfloat16(), interleaved=True,
+                activation="swiglu_oai", swiglu_alpha=1.702, swiglu_limit=7.0)
 
 
 def _grouped(x, weights, ids, e):
@@ -148,32 +172,34 @@ SCHEMES = {  # name: (expert weight block, activation block)
 }
 
 
-def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", profile: bool = False) -> dict:
+def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", profile: bool = False,
+              sweep_set: str = "") -> dict:
     e, k, h, i = SHAPES[shape]
     w_block, act_block = SCHEMES[scheme]
     if device != "cuda":  # tiny CPU shapes: blocks that fit them
         w_block, act_block = [min(b, 32) if b > 0 else b for b in w_block], [min(b, 32) if b > 0 else b for b in act_block]
     x, weights, ids, w13, w2 = problem(shape, tokens, device)
+    form = gpt_oss_form(e, h, i, device) if shape.startswith("gpt_oss") else {}
     q13, s13 = quant.quantize(w13, w_block)
     q2, s2 = quant.quantize(w2, w_block)
     # the anchors' fp8 path is row-wise whatever fp8fx uses
     r13, rs13 = quant.quantize(w13, [1, -1])
     r2, rs2 = quant.quantize(w2, [1, -1])
-    # the bf16 computation is the reference both fp8 paths are measured against
+    # the bf16 computation is the reference both fp8 paths are measured against (GPT-OSS's form: fp8fx against the
+    # op's reference, the anchors timed as SiLU experts)
     ref = bf16_grouped(x, weights, ids, w13, w2).float()
     graph = device == "cuda"  # every row as CUDA-graph replays (a compiled model's decode and prefill)
     row = dict(shape=shape, scheme=scheme, tokens=tokens, E=e, top_k=k, H=h, I=i)
     fp8 = lambda cfg=None, fast=False: moe_kernel.fused_moe(  # noqa: E731
-        x, weights, ids, q13, s13, q2, s2, w_block, act_block, torch.bfloat16, config=cfg, fast_accum=fast
+        x, weights, ids, q13, s13, q2, s2, w_block, act_block, torch.bfloat16, config=cfg, fast_accum=fast, **form
     )
     out = fp8()
-    row["fp8fx_err_vs_bf16"] = rel_err(out, ref)
-    row["fp8fx_err_vs_op_reference"] = rel_err(
-        out,
-        ops.fused_moe_reference(
-            x, weights, ids, q13, s13, q2, s2, w_block, act_block, torch.float32
-        ),
-    )
+    op_ref = ops.fused_moe_reference(x, weights, ids, q13, s13, q2, s2, w_block, act_block, torch.float32, **form)
+    if form:
+        ref = op_ref
+    else:
+        row["fp8fx_err_vs_bf16"] = rel_err(out, ref)
+    row["fp8fx_err_vs_op_reference"] = rel_err(out, op_ref)
     if device != "cuda":
         return row
     s13v, s2v = rs13.reshape(e, -1).float().contiguous(), rs2.reshape(e, -1).float().contiguous()
@@ -184,7 +210,9 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
         "fp8fx_fast_accum": lambda: fp8(fast=True),
     }
     try:
-        row["scaled_grouped_err_vs_bf16"] = rel_err(timings["scaled_grouped_mm"](), ref)
+        anchor_out = timings["scaled_grouped_mm"]()
+        if not form:
+            row["scaled_grouped_err_vs_bf16"] = rel_err(anchor_out, ref)
     except Exception as exc:  # noqa: BLE001 - an anchor that cannot run is reported, not fatal
         row["scaled_grouped_mm_error"] = repr(exc)[:300]
         timings.pop("scaled_grouped_mm")
@@ -215,7 +243,7 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
             row[f"{name}_kernels"] = kernel_ms(timings[name])
     if sweep:
         row["sweep"] = []
-        for cfg in SWEEPS[scheme]:
+        for cfg in SWEEPS[sweep_set or scheme]:
             try:
                 ms = time_ms(lambda: fp8(dict(cfg), True), graph)
                 err = rel_err(fp8(dict(cfg), True), ref)
@@ -233,6 +261,7 @@ def main(argv=None) -> int:
     p.add_argument("--shapes", default="qwen3,mixtral")
     p.add_argument("--schemes", default="per-channel,block")
     p.add_argument("--sweep", action="store_true", help="time tile configurations (fast accumulation)")
+    p.add_argument("--sweep-set", default="", help="the SWEEPS entry to time (default: the scheme's)")
     p.add_argument("--profile", action="store_true", help="per-kernel GPU time (torch.profiler)")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny shapes on CPU (Triton interpreter)")
     args = p.parse_args(argv)
@@ -249,7 +278,7 @@ def main(argv=None) -> int:
         for t in tokens:
             start = time.perf_counter()
             try:
-                row = run_shape(shape, t, device, args.sweep, scheme, args.profile)
+                row = run_shape(shape, t, device, args.sweep, scheme, args.profile, args.sweep_set)
             except Exception as exc:  # noqa: BLE001 - one row's failure is reported, the others still run
                 traceback.print_exc()
                 row, failed = dict(shape=shape, scheme=scheme, tokens=t, error=repr(exc)[:500]), True
