@@ -256,7 +256,8 @@ class ExpertsLoader:
                 ex.stage = nn.Module()
                 try:
                     ex.method.create_weights(ex.stage, e, h, i, ex.module._parameters[W13].dtype, device=self.device,
-                                             prefix=ex.fqn, transposed=ex.transposed)
+                                             prefix=ex.fqn, transposed=ex.transposed,
+                                             interleaved=moe.is_interleaved(ex.module))
                 except ValueError as err:  # e.g. a block that does not divide intermediate_size
                     raise CheckpointError(f"{err} ({self.fmt.describe()})") from None
             if ex.fused:

@@ -113,6 +113,13 @@ def is_transposed(module: nn.Module) -> bool:
     return b % 2 == 0 and tuple(module._parameters[W2].shape) == (e, b // 2, a)
 
 
+def is_interleaved(module: nn.Module) -> bool:
+    """Whether the experts ``module``'s gate and up rows alternate (HF's ``is_concatenated=False``: GPT-OSS)."""
+    if is_quantized_experts(module):
+        return getattr(module, "_fp8fx_interleaved", False)
+    return getattr(module, "is_concatenated", True) is False
+
+
 def sizes(module: nn.Module) -> tuple[int, int, int]:
     """(E, H, I) of an experts module: high precision in either layout (``is_transposed``), or quantized."""
     e, a, b = module._parameters[W13].shape
@@ -310,11 +317,13 @@ class Fp8MoEMethod:
         tp_size: int = 1,
         prefix: str = "",
         transposed: bool = False,
+        interleaved: bool = False,
     ) -> None:
         """Registers the fp8 tensors and scales on ``layer`` (replacing any bf16 ``gate_up_proj`` /
         ``down_proj``) and swaps its class; ``intermediate_size`` is this rank's I. ``transposed``: the model's code
         reads [E, H, 2I] / [E, I, H] (``is_transposed``): the fp8 tensors, and what ``weight_loader`` takes, are still
-        [E, 2I, H] / [E, H, I]; the views the model reads are transposed."""
+        [E, 2I, H] / [E, H, I]; the views the model reads are transposed. ``interleaved``: w13's gate and up rows
+        alternate (GPT-OSS's; HF's ``is_concatenated=False``): its w1 / w3 shards have no rows of their own."""
         e, h, i = num_experts, hidden_size, intermediate_size
         prefix = prefix or type(layer).__name__
         error = block_error(self.scheme, i, tp_size)
@@ -328,6 +337,7 @@ class Fp8MoEMethod:
         layer._fp8fx_block_scales = isinstance(w, PerBlock)
         layer._fp8fx_intermediate = i
         layer._fp8fx_transposed = transposed
+        layer._fp8fx_interleaved = interleaved
         layer._fp8fx_processed = False
         layer._fp8fx_done = {W13: torch.zeros(e, dtype=torch.int64), W2: torch.zeros(e, dtype=torch.int64)}
         # (base, expert_id, shard_id) of the weights loaded (None: all experts / the whole expert): no load may
@@ -381,6 +391,9 @@ class Fp8MoEMethod:
             raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r}; {base} takes {list(_SHARDS[base])} or None")
         if shard_id is not None and expert_id is None:
             raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r} needs an expert_id")
+        if shard_id in ("w1", "w3") and getattr(layer, "_fp8fx_interleaved", False):
+            raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r} of experts whose gate and up rows alternate "
+                             "(interleaved, as GPT-OSS's): load gate_up_proj whole, all experts or one expert's [2I, H]")
         experts = layer._parameters[name].shape[0]
         if expert_id is not None:  # an int (True is 1 and indexes as a mask: data[True] = q wrote every expert)
             given = expert_id
@@ -589,7 +602,8 @@ def quantize_experts(module: nn.Module, fqn: str, config: Fp8Config,
     if transposed:  # fp8fx stores fused_moe's layout (the views transpose it back)
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
     method = Fp8MoEMethod(config)
-    method.create_weights(module, e, h, i, w13.dtype, device=w13.device, prefix=fqn, transposed=transposed)
+    method.create_weights(module, e, h, i, w13.dtype, device=w13.device, prefix=fqn, transposed=transposed,
+                          interleaved=is_interleaved(module))
     method.weight_loader(module, W13, w13.detach())
     method.weight_loader(module, W2, w2.detach())
     del w13, w2

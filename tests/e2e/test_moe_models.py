@@ -481,6 +481,8 @@ def test_gpt_oss_checkpoints_and_static_scales(tmp_path):
     for fqn in experts:
         state = model.get_submodule(fqn).state_dict()
         assert {"gate_up_proj_bias", "down_proj_bias"} <= state.keys()
+        # (shards of rows that alternate are refused by the loader: tests/unit/test_moe_weights.py)
+        assert all(fp8fx.weights.moe.is_interleaved(m.get_submodule(fqn)) for m in (model, loaded, again))
         for other in (loaded, again):
             for name, t in other.get_submodule(fqn).state_dict().items():
                 assert torch.equal(t.view(torch.uint8), state[name].view(torch.uint8)), (fqn, name)

@@ -310,6 +310,24 @@ def test_a_transposed_shard_is_refused(fp8_ckpt):
         method.weight_loader(layer, "w13_weight", t, "w1", 0)
 
 
+@pytest.mark.parametrize("online", [True, False])
+def test_interleaved_experts_take_no_gate_or_up_shard(online):
+    """GPT-OSS's gate and up rows alternate: a w1 shard has no rows of its own (it went to rows [0, I), half of them
+    up's). Refused, naming the fix, and nothing loaded; the whole expert is taken."""
+    layer = nn.Module()
+    method = Fp8MoEMethod(Fp8Config(is_checkpoint_fp8_serialized=not online))
+    method.create_weights(layer, E, H, I, torch.bfloat16, interleaved=True)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    dtype = torch.bfloat16 if online else torch.float8_e4m3fn
+    for shard in ("w1", "w3"):
+        with pytest.raises(ValueError, match=rf"gate_up_proj: shard_id='{shard}' of experts whose gate and up rows "
+                                             r"alternate \(interleaved, as GPT-OSS's\): load gate_up_proj whole"):
+            method.weight_loader(layer, "w13_weight", torch.randn(I, H).to(dtype), shard, 0)
+    assert all(torch.equal(before[k].view(torch.uint8), v.view(torch.uint8)) for k, v in layer.state_dict().items())
+    method.weight_loader(layer, "w13_weight", torch.randn(2 * I, H).to(dtype), None, 0)  # one whole expert
+    assert int(layer._fp8fx_done["gate_up_proj"][0]) == 2 * I * H
+
+
 def test_serialized_static_input_scales_collapse_to_their_max(caplog):
     """... and it is said (as vLLM says it), since experts of smaller scales lose precision."""
     method, layer = serialized({"activation_scheme": "static"})
