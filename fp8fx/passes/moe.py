@@ -84,7 +84,8 @@ class Val:
     pair) or an int; for ``sum``, the frozenset of experts summed so far, or ``"all"``. ``fdim``: the feature
     dim (negative) of hidden-state-like values. ``t``: weights whose stored ``[rows, cols]`` are transposed.
     ``b``: a GEMM's output with its expert's bias added (``b13`` / ``b2``: the biases, whole or gathered like
-    weights).
+    weights). ``order``: of ids, and of what is gathered by them or computed per pair, the order of the pairs: ``""``
+    top_k_index's, ``"sorted"`` sort()'s values (a grouped GEMM's rows), ``"gathered"`` any other.
 
     GPT-OSS's clamped SwiGLU: ``gate_c`` / ``up_c`` (gate clamped above / up on both sides at ``p = (limit,)``),
     ``gate_a`` (gate_c times alpha: ``p = (limit, alpha)``), ``sig`` (its sigmoid), ``glu`` (gate_c * sig), ``up1``
@@ -96,6 +97,7 @@ class Val:
     t: bool = False
     b: bool = False
     p: tuple = ()
+    order: str = ""
 
 
 _IDX = Val("idx")
@@ -209,7 +211,11 @@ class _Interpreter:
             if any(getattr(self.val.get(a), "kind", None) == "ids_part" for a in read):
                 self._fail(node, "reads some of the routing ids (top_k_index sliced, reordered or broadcast along k); "
                                  "fused_moe reads every (token, k) pair")
-            self.val[node] = getattr(self, f"_{op}")(node)
+            try:
+                self.val[node] = getattr(self, f"_{op}")(node)
+            except (IndexError, KeyError, TypeError, ValueError) as e:  # arguments in a form no rule reads
+                raise _NoMatch(f"{node.name} ({_describe(node)}) passes its arguments in a form the MoE pass does not "
+                               f"read ({type(e).__name__}: {e})") from None
 
     # helpers
     def _of(self, a) -> Optional[Val]:
@@ -224,6 +230,16 @@ class _Interpreter:
 
     def _all_idx(self, node: fx.Node) -> bool:
         return all(v is not None and v.kind in _INDEX_KINDS for v in self._operands(node))
+
+    def _binary(self, node: fx.Node) -> tuple:
+        """The two operands of an add / mul however they are passed (``torch.add(input=x, other=y)``); more (add's
+        ``alpha``, an ``out``) are refused: fused_moe computes plain sums and products."""
+        first = "self" if node.op == "call_method" else "input"
+        extra = {k: v for k, v in node.kwargs.items() if k not in (first, "other")}
+        if len(node.args) > 2 or extra.keys() - {"alpha"} or extra.get("alpha", 1) != 1:
+            self._fail(node, f"takes more than two operands ({list(node.args[2:]) or extra}); fused_moe adds and "
+                             "multiplies plainly")
+        return _arg(node, 0, first), _arg(node, 1, "other")
 
     def _fail(self, node: fx.Node, what: str):
         kinds = ", ".join(v.kind if v else "?" for v in self._operands(node))
@@ -279,7 +295,7 @@ class _Interpreter:
         takes); in place only on a tensor the region made. A narrower clamp (``ids.clamp(0, 3)`` of 8 experts) sends
         pairs to other experts than their ids: its result is an index computed from the ids, which no expert weight
         may be gathered by (``_getitem``)."""
-        src = self._of(node.args[0])
+        src = self._of(_arg(node, 0, "self" if node.op == "call_method" else "input"))
         if src.kind in ("gate", "up"):
             return self._clamp_half(node, src)
         if src.kind != "ids_part":
@@ -421,11 +437,13 @@ class _Interpreter:
         if val.kind in ("b13", "b2"):
             return self._bias_of(node, val, index)
         if val.kind == "ids_sort":
-            return Val("ids") if index == 0 else _IDX
+            return Val("ids", order="sorted") if index == 0 else _IDX
         if not self._all_idx_args(node):
             self._fail(node, "indexes with a non-index value")
         if val.kind in ("ids", "ids_part", "wts"):
-            return self._routing(node, val, _keeps_pairs(node))
+            out = self._routing(node, val, _keeps_pairs(node))
+            gather = any(isinstance(i, fx.Node) for i in (index if isinstance(index, tuple) else (index,)))
+            return dataclasses.replace(out, order="gathered") if gather and out.kind == "ids" else out
         if val.kind == "sentinel":
             return val  # some of the sentinel flags (all false), in some order
         if val.kind in ("idx", "mask"):
@@ -439,7 +457,8 @@ class _Interpreter:
                 if self._of(index).kind not in ("ids", "ids_part"):  # w[E - 1 - ids]: other experts than the ids
                     self._fail(node, "gathers an expert weight by an index computed from the routing ids, not by "
                                      "the ids themselves")
-                return dataclasses.replace(val, expert="pairs")  # w[expert_ids]: gathered per (token, k)
+                # w[expert_ids]: gathered per (token, k), in the order of those ids
+                return dataclasses.replace(val, expert="pairs", order=self._of(index).order)
             self._fail(node, "indexes an expert weight other than by expert")
         if isinstance(index, fx.Node) and val.expert != "dense":  # (dense rows are each their expert's by position)
             return val  # rows gathered or un-sorted: the feature dim stays
@@ -480,7 +499,7 @@ class _Interpreter:
         if v.expert is None and isinstance(index, int) and 0 <= index < self.experts:
             return dataclasses.replace(v, expert=index)
         if v.expert is None and isinstance(index, fx.Node) and self._of(index).kind in ("ids", "ids_part"):
-            return dataclasses.replace(v, expert="pairs")
+            return dataclasses.replace(v, expert="pairs", order=self._of(index).order)
         self._fail(node, "indexes an expert bias other than by expert or by the routing ids")
 
     def _add_bias(self, node, v: Val, bias: Val) -> Val:
@@ -492,19 +511,25 @@ class _Interpreter:
         same = v.expert == bias.expert if isinstance(v.expert, int) else v.expert is None and bias.expert == "pairs"
         if not same:
             self._fail(node, f"adds the bias of expert(s) {bias.expert} to the output of expert(s) {v.expert}")
-        if v.fdim != -1 or _shape(node) != _shape(node.args[0] if self._of(node.args[0]) is v else node.args[1]):
+        if v.expert is None and bias.order != v.order:  # (b[ids] on rows sorted by expert: other experts' biases)
+            self._fail(node, f"adds a bias gathered in the pairs' {bias.order or 'routing'} order to GEMM rows in "
+                             f"their {v.order or 'routing'} order")
+        a, b = self._binary(node)
+        if v.fdim != -1 or _shape(node) != _shape(a if self._of(a) is v else b):
             self._fail(node, "adds a bias other than along the GEMM output's features")
         return dataclasses.replace(v, b=True)
 
     def _sigmoid(self, node):
-        v = self._of(node.args[0])
+        v = self._of(_arg(node, 0, "self" if node.op == "call_method" else "input"))
         if v.kind != "gate_a":
             self._fail(node, "applies a sigmoid to something other than the clamped gate times alpha")
         return dataclasses.replace(v, kind="sig")
 
     # math
     def _silu(self, node):
-        v = self._of(node.args[0])
+        v = self._of(_arg(node, 0, "input"))
+        if _arg(node, 1, "inplace", False):
+            self._fail(node, "applies SiLU in place")
         if v.kind != "gate":
             self._fail(node, "applies SiLU to something other than the gate half of w13's GEMM")
         return dataclasses.replace(v, kind="act")
@@ -522,7 +547,8 @@ class _Interpreter:
         return dataclasses.replace(v, kind="chunks")
 
     def _mul(self, node):
-        a, b = (self._of(x) for x in node.args[:2])
+        operands = self._binary(node)
+        a, b = (self._of(x) for x in operands)
         kinds = {a.kind, b.kind}
         by = {a.kind: a, b.kind: b}
         if kinds <= set(_INDEX_KINDS):
@@ -530,7 +556,7 @@ class _Interpreter:
         if kinds == {"act", "up"} and a.expert == b.expert and a.fdim == b.fdim:
             self.seen["activation"].add(("silu",))
             return dataclasses.replace(by["act"], kind="h")
-        number = [x for x in node.args[:2] if isinstance(x, (int, float))]
+        number = [x for x in operands if isinstance(x, (int, float))]
         if kinds == {"gate_c", "idx"} and len(number) == 1 and math.isfinite(number[0]):  # gate * alpha
             return dataclasses.replace(by["gate_c"], kind="gate_a", p=(*by["gate_c"].p, float(number[0])))
         same = a.expert == b.expert and a.fdim == b.fdim
@@ -569,24 +595,33 @@ class _Interpreter:
         self._fail(node, "sums something other than the k weighted expert outputs of each token")
 
     def _add(self, node):
-        a, b = (self._of(x) for x in node.args[:2])
-        if {a.kind, b.kind} <= set(_INDEX_KINDS):
+        if self._all_idx(node):
             return _IDX
+        operands = self._binary(node)
+        a, b = (self._of(x) for x in operands)
         if node.op == "call_method" and node.target == "add_":
             return self._add_in_place(node, a, b)
         if {a.kind, b.kind} & {"b13", "b2"}:
             return self._add_bias(node, *((a, b) if b.kind in ("b13", "b2") else (b, a)))
-        if {a.kind, b.kind} == {"up_c", "idx"} and 1 in node.args[:2]:  # GPT-OSS's up + 1
+        if {a.kind, b.kind} == {"up_c", "idx"} and any(x == 1 and not isinstance(x, fx.Node) for x in operands):
             return dataclasses.replace(a if a.kind == "up_c" else b, kind="up1")
         return self._accumulate(node, a, b)
 
     def _add_in_place(self, node, target: Val, other: Val) -> Val:
         """``g1.add_(b13[...])`` / ``y.add_(b2[...])`` (HF's experts with biases): the GEMM's output, which nothing
-        has read yet (its views would see the bias too), holds its bias from here on."""
+        has read yet, holds its bias from here on. Every tensor sharing its memory would see the bias too: the views
+        it was made by (``bmm(...).squeeze(1)``) may have no other reader (the GEMM's output as another view, read
+        after the add, was labelled without the bias)."""
         out = self._add_bias(node, target, other)
         seen = [u.name for u in node.args[0].users if u is not node and u in self.val]
         if seen:
             self._fail(node, f"adds a bias in place to a GEMM output {seen} read before")
+        base = node.args[0]
+        while _op(base) in ("view", "transpose") and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+            if len(base.users) != 1:
+                self._fail(node, f"adds a bias in place to a view of {base.name}, which is read otherwise too "
+                                 f"({sorted(u.name for u in base.users)})")
         self.val[node.args[0]] = out
         return out
 
@@ -608,6 +643,8 @@ class _Interpreter:
 
     def _index_add(self, node):
         target, dim, _, source = (_arg(node, i, n) for i, n in enumerate(("self", "dim", "index", "source")))
+        if _arg(node, 4, "alpha", 1) != 1:
+            self._fail(node, "adds scaled (alpha) expert outputs")
         acc, src = self._of(target), self._of(source)
         if dim % len(_shape(target)) == len(_shape(target)) + src.fdim:
             self._fail(node, "adds along the feature dim")
@@ -647,7 +684,9 @@ class _Interpreter:
         contracted = -2 if weight_first else -1
         if act.fdim != contracted or _shape(act_node)[contracted] != need[1]:
             self._fail(node, "contracts the activation over a dim other than its features")
-        return Val("g1" if w.kind == "w13" else "y", expert, fdim=-2 if weight_first else -1)
+        # rows: a grouped GEMM's sorted by expert (sort()'s order), a batched one's as its weights were gathered
+        order = "sorted" if w.expert is None else w.order if w.expert == "pairs" else ""
+        return Val("g1" if w.kind == "w13" else "y", expert, fdim=-2 if weight_first else -1, order=order)
 
 
     def _dense_gemm(self, node, w: Val, act: Val, act_node) -> bool:
