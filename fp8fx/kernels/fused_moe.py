@@ -2,7 +2,8 @@
 
     out[t] = sum_k w[t, k] * (w2[e] @ q(act(g, u)) + b2[e]),   (g, u) = w13[e] @ q(x[t]) + b13[e],   e = ids[t, k]
 
-act: silu(g) * u, or GPT-OSS's clamped SwiGLU (``SWIGLU_OAI``); the biases are optional (``HAS_BIAS``).
+act: silu(g) * u, GPT-OSS's clamped SwiGLU or DeepSeek-V4's clamped SiLU (``ACT``); the biases are optional
+(``HAS_BIAS``).
 Layouts: x ``[T, H]``; ``ids`` / ``w`` ``[T, K]``; S = T * K (token, k) pairs, pair p = t * K + k.
 w13 ``[E, 2I, H]`` fp8 (rows [0, I) gate, [I, 2I) up; interleaved, ``ROW_STEP`` = 2: row 2j gate j, 2j + 1 up j),
 w2 ``[E, H, I]`` fp8; biases ``[E, 2I]`` (w13's row order) and ``[E, H]``. Every scale is read through
@@ -213,7 +214,7 @@ def moe_gemm13_kernel(
     a_ptr, w_ptr, inter_ptr, a_scale_ptr, w_scale_ptr, sorted_pair_ptr, block_expert_ptr, inter_scale_ptr, bias_ptr,
     # sizes: N = I (the intermediate), K = H; UP_SHIFT: up j's row after gate j's (I, or 1 interleaved)
     S, N, K, UP_SHIFT,
-    # the clamped SwiGLU's (SWIGLU_OAI) alpha and limit
+    # the clamped activations' alpha and limit (ACT 1 and 2)
     alpha, limit,
     # strides
     stride_am, stride_ak, stride_we, stride_wn, stride_wk, stride_im, stride_in,
@@ -221,7 +222,7 @@ def moe_gemm13_kernel(
     # schemes: K-varying scales (per K step) or not (epilogue); weight rows per scale row
     K_TOP: tl.constexpr, K_GROUPED: tl.constexpr, W_BLOCK_N: tl.constexpr, IMPRECISE_K: tl.constexpr,
     # gate j's row: ROW_STEP * j (2: gate and up rows interleaved, as GPT-OSS stores them); biases; the activation
-    ROW_STEP: tl.constexpr, HAS_BIAS: tl.constexpr, SWIGLU_OAI: tl.constexpr,
+    ROW_STEP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
     # QUANT_OUT: the intermediate leaves as fp8 with one scale per row of each N tile (1 x BLOCK_N groups);
     # AMAX_OUT: it leaves as float32, with each row's amax over each N tile (for the per-row quantization)
     QUANT_OUT: tl.constexpr, AMAX_OUT: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -277,9 +278,12 @@ def moe_gemm13_kernel(
         acc_g += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         acc_u += tl.load(b_ptrs + UP_SHIFT * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     # columns past N are 0 (weights and biases loaded as 0), and so is either activation of them
-    if SWIGLU_OAI:  # GPT-OSS: gate clamped above, up on both sides; (up + 1) * gate * sigmoid(alpha * gate)
+    if ACT == 1:  # GPT-OSS: gate clamped above, up on both sides; (up + 1) * gate * sigmoid(alpha * gate)
         g = tl.minimum(acc_g, limit)
         h = g / (1.0 + tl.exp(-alpha * g)) * (tl.minimum(tl.maximum(acc_u, -limit), limit) + 1.0)
+    elif ACT == 2:  # DeepSeek-V4: SiLU of the gate clamped above, times up clamped on both sides
+        g = tl.minimum(acc_g, limit)
+        h = g / (1.0 + tl.exp(-g)) * tl.minimum(tl.maximum(acc_u, -limit), limit)
     else:
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     i_ptrs = inter_ptr + pair[:, None] * stride_im + offs_n[None, :] * stride_in
@@ -469,6 +473,9 @@ def _weight_scale(scale: torch.Tensor, w: torch.Tensor, w_block) -> tuple[torch.
     return s, strides, quant.resolve_block(w_block, rows, cols)[0]
 
 
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1, "silu_clamped": 2}  # fused_moe's activation -> moe_gemm13_kernel's ACT
+
+
 def _bias(bias: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """(pointer, expert stride, row stride) of a [E, R] bias; with none, any tensor and strides 0 (not read)."""
     return (fallback, 0, 0) if bias is None else (bias, bias.stride(0), bias.stride(1))
@@ -496,7 +503,7 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
         xq.stride(0), xq.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
         *_act_strides(x_scale), *s13_strides, i_scale.stride(0), i_scale.stride(1), *bias[1:],
         K_TOP=k_top, W_BLOCK_N=s13_rows, ROW_STEP=2 if interleaved else 1, HAS_BIAS=bias[0] is not s13,
-        SWIGLU_OAI=gated.get("activation", "silu") == "swiglu_oai", QUANT_OUT=bool(fuse_group),
+        ACT=ACTIVATIONS[gated.get("activation", "silu")], QUANT_OUT=bool(fuse_group),
         AMAX_OUT=amax_out and not fuse_group,
         EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **consts, **cfg,
     )

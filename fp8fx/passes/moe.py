@@ -195,9 +195,10 @@ class _Interpreter:
                 raise _NoMatch(f"the experts compute in more than one way ({what}: {sorted(map(str, values))}); "
                                "fused_moe computes every expert alike")
         one = {what: next(iter(values), None) for what, values in self.seen.items()}
-        act = one["activation"] or ("silu",)
+        act = one["activation"] or ("silu",)  # ("silu",), ("swiglu_oai", alpha, limit), ("silu_clamped", limit)
         return {"interleaved": one["layout"] == "interleaved", "activation": act[0],
-                "swiglu_alpha": act[1] if len(act) > 1 else 1.702, "swiglu_limit": act[2] if len(act) > 1 else 7.0,
+                "swiglu_alpha": act[1] if act[0] == "swiglu_oai" else 1.702,
+                "swiglu_limit": act[-1] if act[0] != "silu" else 7.0,
                 "b13": bool(one["b13"]), "b2": bool(one["b2"])}
 
     def run(self, region: list[fx.Node]) -> None:
@@ -530,9 +531,9 @@ class _Interpreter:
         v = self._of(_arg(node, 0, "input"))
         if _arg(node, 1, "inplace", False):
             self._fail(node, "applies SiLU in place")
-        if v.kind != "gate":
+        if v.kind not in ("gate", "gate_c"):
             self._fail(node, "applies SiLU to something other than the gate half of w13's GEMM")
-        return dataclasses.replace(v, kind="act")
+        return dataclasses.replace(v, kind="act")  # (of the clamped gate: p = (limit,))
 
     def _chunk(self, node):
         v = self._of(node.args[0])
@@ -553,9 +554,12 @@ class _Interpreter:
         by = {a.kind: a, b.kind: b}
         if kinds <= set(_INDEX_KINDS):
             return _IDX
-        if kinds == {"act", "up"} and a.expert == b.expert and a.fdim == b.fdim:
+        if kinds == {"act", "up"} and a.expert == b.expert and a.fdim == b.fdim and not by["act"].p:
             self.seen["activation"].add(("silu",))
             return dataclasses.replace(by["act"], kind="h")
+        if kinds == {"act", "up_c"} and a.expert == b.expert and a.fdim == b.fdim and by["act"].p == by["up_c"].p:
+            self.seen["activation"].add(("silu_clamped", by["act"].p[0]))  # DeepSeek-V4's swiglu_limit
+            return dataclasses.replace(by["act"], kind="h", p=())
         number = [x for x in operands if isinstance(x, (int, float))]
         if kinds == {"gate_c", "idx"} and len(number) == 1 and math.isfinite(number[0]):  # gate * alpha
             return dataclasses.replace(by["gate_c"], kind="gate_a", p=(*by["gate_c"].p, float(number[0])))
@@ -1047,7 +1051,8 @@ def _form_note(form: dict) -> str:
              else "w2 bias" if form["b2"] is not None else None,
              "interleaved gate/up" if form["interleaved"] else None,
              f"clamped SwiGLU (alpha {form['swiglu_alpha']:g}, limit {form['swiglu_limit']:g})"
-             if form["activation"] == "swiglu_oai" else None]
+             if form["activation"] == "swiglu_oai" else None,
+             f"clamped SiLU (limit {form['swiglu_limit']:g})" if form["activation"] == "silu_clamped" else None]
     parts = [p for p in parts if p]
     return f" ({', '.join(parts)})" if parts else ""
 

@@ -417,7 +417,8 @@ def test_tiny_gpt_oss_experts_in_fp8(impl):
 
 def _gate(gate_up, up_limit=7.0, alpha=1.702, one=1, act=None):
     """GPT-OSS's _apply_gate with one thing changed."""
-    gate, up = gate_up[..., ::2].clamp(max=7.0), gate_up[..., 1::2].clamp(-up_limit, up_limit)
+    gate, up = gate_up[..., ::2].clamp(max=7.0), gate_up[..., 1::2]
+    up = up if up_limit is None else up.clamp(-up_limit, up_limit)
     return (up if one is None else up + one) * (act(gate) if act else gate * torch.sigmoid(gate * alpha))
 
 
@@ -427,8 +428,8 @@ def _gate(gate_up, up_limit=7.0, alpha=1.702, one=1, act=None):
     ("up + 2", dict(one=2), "adds values other than weighted expert outputs (operands: up_c)"),
     ("a sigmoid without alpha", dict(act=lambda g: g * torch.sigmoid(g)), "applies a sigmoid to something other than "
                                                                           "the clamped gate times alpha"),
-    ("SiLU of the clamped gate (DeepSeek-V4's)", dict(one=None, act=torch.nn.functional.silu),
-     "applies SiLU to something other than the gate half of w13's GEMM"),
+    ("SiLU of the clamped gate times the unclamped up", dict(one=None, up_limit=None, act=torch.nn.functional.silu),
+     "multiplies values that fused_moe does not multiply (operands: up, act)"),
 ])
 def test_gpt_oss_experts_computing_otherwise_stay_as_they_are(what, change, reason):
     """Experts whose activation is not fused_moe's are left to the model's own code, with the node that differs."""
@@ -598,3 +599,30 @@ def test_gpt_oss_experts_code_variants(what, forward, gate, reason):
     else:
         assert not site.rewritten and reason in site.reason, (what, site.reason)
         assert torch.equal(out, eager)
+
+
+def test_clamped_silu_experts_in_fp8():
+    """DeepSeek-V4's (and HY-V4's) experts: SiLU of the gate clamped above times up clamped on both sides
+    (``swiglu_limit``), here on GPT-OSS's interleaved rows and biases: fused_moe's ``silu_clamped``, against the block
+    written out in float64."""
+    model = tiny_gpt_oss()
+    mlp = model.model.layers[0].mlp
+    mlp.experts._apply_gate = lambda gu: _gate(gu, one=None, act=torch.nn.functional.silu)
+    x = torch.randn(3, 7, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
+    e = mlp.experts
+    with torch.no_grad():
+        _, scores, top = mlp.router(x.reshape(-1, 256))
+        truth = torch.zeros(21, 256, dtype=torch.float64)
+        for t, xt in enumerate(x.reshape(-1, 256).double()):
+            for k in range(top.shape[1]):
+                i = top[t, k]
+                gu = xt @ e.gate_up_proj[i].double() + e.gate_up_proj_bias[i].double()
+                h = torch.nn.functional.silu(gu[0::2].clamp(max=7.0)) * gu[1::2].clamp(-7.0, 7.0)
+                truth[t] += scores[t, k].double() * (h @ e.down_proj[i].double() + e.down_proj_bias[i].double())
+        fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+        report = Report()
+        out = torch.compile(mlp, backend=moe_only(report), fullgraph=True)(x)[0].reshape(-1, 256)
+    [site] = report.sites
+    assert site.rewritten and site.scheme.endswith("(biases, interleaved gate/up, clamped SiLU (limit 7))"), (
+        site.reason, site.scheme)
+    assert rel_err(out, truth) < 0.08

@@ -199,7 +199,8 @@ def gpt_oss_form(seed=2):
 
 
 def exact_gpt_oss(x, w, ids, w13, w2, form):
-    """GPT-OSS's experts (HF's GptOssExperts: interleaved gate/up, biases, clamped SwiGLU), unquantized, float64."""
+    """GPT-OSS's experts (HF's GptOssExperts: interleaved gate/up, biases, clamped SwiGLU; or ``silu_clamped``,
+    DeepSeek-V4's), unquantized, float64."""
     b13, b2 = form["w13_bias"].double(), form["w2_bias"].double()
     alpha, limit = form["swiglu_alpha"], form["swiglu_limit"]
     out = torch.zeros(x.shape[0], H, dtype=torch.float64)
@@ -208,24 +209,29 @@ def exact_gpt_oss(x, w, ids, w13, w2, form):
             e = ids[i, k]
             gu = w13[e].double() @ x[i].double() + b13[e]
             gate, up = gu[0::2].clamp(max=limit), gu[1::2].clamp(-limit, limit)
-            out[i] += w[i, k].double() * (w2[e].double() @ (gate * torch.sigmoid(alpha * gate) * (up + 1)) + b2[e])
+            h = F.silu(gate) * up if form["activation"] == "silu_clamped" else gate * torch.sigmoid(alpha * gate) * (
+                up + 1)
+            out[i] += w[i, k].double() * (w2[e].double() @ h + b2[e])
     return out
 
 
 @pytest.mark.parametrize("scheme", ["per-channel", "block"])
-def test_reference_gpt_oss_form_matches_float64(scheme):
-    """Biases, interleaved rows and the clamped SwiGLU against GPT-OSS's experts in float64; each of them left out
-    (or another limit) misses it by far more than fp8's error."""
+@pytest.mark.parametrize("activation", ["swiglu_oai", "silu_clamped"])
+def test_reference_gpt_oss_form_matches_float64(scheme, activation):
+    """Biases, interleaved rows and the clamped SwiGLU (or DeepSeek-V4's clamped SiLU) against the experts in float64;
+    each of them left out (or another limit, alpha or activation) misses it by far more than fp8's error."""
     w_block, act_block, _ = SCHEMES[scheme]
     q13, s13, q2, s2, w13, w2 = experts(w_block)
     x, w, ids = routed(40)
-    form = gpt_oss_form()
+    form = {**gpt_oss_form(), "activation": activation}
+    other = "silu_clamped" if activation == "swiglu_oai" else "swiglu_oai"
     truth = exact_gpt_oss(x, w, ids, w13, w2, form)
     moe = torch.ops.fp8fx.fused_moe
     out = moe(x, w, ids, q13, s13, q2, s2, w_block, act_block, torch.float32, None, None, False, *form.values())
     assert rel_err(out, truth) < 0.04  # 0.022 measured
-    for wrong in (dict(w13_bias=None), dict(w2_bias=None), dict(interleaved=False), dict(activation="silu"),
-                  dict(swiglu_limit=7.0), dict(swiglu_alpha=0.5)):
+    wrongs = [dict(w13_bias=None), dict(w2_bias=None), dict(interleaved=False), dict(activation="silu"),
+              dict(swiglu_limit=7.0), dict(activation=other)] + [dict(swiglu_alpha=0.5)] * (activation == "swiglu_oai")
+    for wrong in wrongs:
         bad = moe(x, w, ids, q13, s13, q2, s2, w_block, act_block, torch.float32, None, None, False,
                   *{**form, **wrong}.values())
         assert rel_err(bad, truth) > 0.1, wrong
@@ -246,7 +252,8 @@ def test_gpt_oss_form_bad_arguments_name_them():
         moe(w2_bias=form["w2_bias"][0])
     with pytest.raises(ValueError, match=r"fused_moe: w2_bias is torch.int64; biases are bf16"):
         moe(w2_bias=form["w2_bias"].long())
-    with pytest.raises(ValueError, match=r"fused_moe: activation='gelu'; it computes \['silu', 'swiglu_oai'\]"):
+    with pytest.raises(ValueError, match=r"fused_moe: activation='gelu'; it computes \['silu', 'swiglu_oai', "
+                                         r"'silu_clamped'\]"):
         moe(activation="gelu")
     for limit in (0.0, -7.0, float("nan")):
         with pytest.raises(ValueError, match=r"swiglu_limit=.*; the clamped SwiGLU takes a finite alpha and a limit"):
@@ -449,10 +456,12 @@ INTERPRETER_CHECK = textwrap.dedent(
         ids[:, 0] = 2
         ids[ids == 4] = -1
         w = torch.rand(21, 3, generator=g)
-        ref = ops.fused_moe_reference(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, **form)
-        y = fused_moe(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, config=cfg, quantize=torch_quantize_act,
-                      fuse_quant=False, **form)
-        assert ((y - ref).norm() / ref.norm()).item() < 1e-4, (wb, ab, "gpt-oss")
+        for activation in ("swiglu_oai", "silu_clamped"):  # (DeepSeek-V4's: SiLU of the clamped gate)
+            form["activation"] = activation
+            ref = ops.fused_moe_reference(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, **form)
+            y = fused_moe(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, config=cfg,
+                          quantize=torch_quantize_act, fuse_quant=False, **form)
+            assert ((y - ref).norm() / ref.norm()).item() < 1e-4, (wb, ab, activation)
     # ids as a strided view (one column of a [T, 2] tensor, a sentinel in every third row): pair p must be
     # read at ids[p] by the align kernel and by the combine
     import fp8fx.kernels.fused_moe as km
@@ -576,7 +585,8 @@ def test_fused_moe_kernel_cuda(t, scheme, routing):
 @pytest.mark.cuda
 @pytest.mark.parametrize("t", [1, 3, 257])
 @pytest.mark.parametrize("scheme", ["per-channel", "per-tensor", "block"])
-def test_fused_moe_kernel_gpt_oss_cuda(t, scheme):
+@pytest.mark.parametrize("activation", ["swiglu_oai", "silu_clamped"])
+def test_fused_moe_kernel_gpt_oss_cuda(t, scheme, activation):
     """GPT-OSS's form (biases, interleaved rows, clamped SwiGLU) on the GPU, every tile configuration, bounded as
     test_fused_moe_kernel_cuda bounds the SiLU experts."""
     from fp8fx.kernels.fused_moe import fused_moe, tile_config
@@ -584,7 +594,7 @@ def test_fused_moe_kernel_gpt_oss_cuda(t, scheme):
     w_block, act_block, _ = SCHEMES[scheme]
     q13, s13, q2, s2, w13, w2 = experts(w_block)
     x, w, ids = routed(t)
-    form = gpt_oss_form()
+    form = {**gpt_oss_form(), "activation": activation}
     ref = ops.fused_moe_reference(x, w, ids, q13, s13, q2, s2, w_block, act_block, torch.float32, **form)
     truth = exact_gpt_oss(x, w, ids, w13, w2, form)
     ref_err = rel_err(ref, truth)
@@ -726,7 +736,7 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped, gpt
     if grouped:
         cfg["BLOCK_N"] = 128  # the activation groups: the first GEMM quantizes its own output
     schemes = {"K_GROUPED": grouped, "W_BLOCK_N": 128 if grouped else 1, "IMPRECISE_K": imprecise_k(cfg, False)}
-    form = {"ROW_STEP": 2 if gpt_oss else 1, "HAS_BIAS": gpt_oss, "SWIGLU_OAI": gpt_oss}
+    form = {"ROW_STEP": 2 if gpt_oss else 1, "HAS_BIAS": gpt_oss, "ACT": 1 if gpt_oss else 0}
     tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     tiles2 = {k: cfg2[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     quant_out = {"QUANT_OUT": grouped, "AMAX_OUT": not grouped, "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX}
