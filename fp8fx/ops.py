@@ -800,13 +800,13 @@ def fp8_linear(
 #   out[t] = sum_k topk_weights[t, k] * (w2[e] @ q(act(g, u)) + b2[e]),  (g, u) = w13[e] @ q(x[t]) + b13[e],
 #   e = topk_ids[t, k];  act = "silu": silu(g) * u;  with g' = min(g, limit), u' = clamp(u, -limit, limit):
 #   "swiglu_oai" (GPT-OSS, vLLM's swigluoai) g' * sigmoid(alpha * g') * (u' + 1), "silu_clamped" (DeepSeek-V4's
-#   swiglu_limit) silu(g') * u'
+#   swiglu_limit) silu(g') * u';  "gelu_tanh" (Gemma-4): gelu(g, approximate="tanh") * u
 #
 # where q() quantizes activations to fp8 as ``act_block`` says (per token [1, -1], 1 x bk groups, per
 # tensor [-1, -1]; with a static ``a13_scale`` / ``a2_scale`` [1]: that per-tensor scale): x once per
 # token, the intermediate once per (token, expert) row. GEMMs accumulate in float32 (``use_fast_accum``:
 # Hopper's fast fp8 accumulation, as for scaled_mm), biases, the activation and the weighted sum are float32.
-MOE_ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamped")
+MOE_ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamped", "gelu_tanh")
 
 
 def _moe_quantize_act(a: torch.Tensor, act_block, static_scale: Optional[torch.Tensor]):
@@ -823,6 +823,8 @@ def moe_activation(g1: torch.Tensor, interleaved: bool, activation: str, alpha: 
     gate, up = (g1[..., 0::2], g1[..., 1::2]) if interleaved else g1.chunk(2, dim=-1)
     if activation == "silu":
         return torch.nn.functional.silu(gate) * up
+    if activation == "gelu_tanh":
+        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     if activation == "silu_clamped":
         return torch.nn.functional.silu(gate) * up
@@ -942,7 +944,7 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_
             raise ValueError(f"fp8fx.fused_moe: {name} is {bias.dtype}; biases are bf16, fp16, fp32 or fp64")
     if activation not in MOE_ACTIVATIONS:
         raise ValueError(f"fp8fx.fused_moe: activation={activation!r}; it computes {list(MOE_ACTIVATIONS)}")
-    if activation != "silu" and not (math.isfinite(swiglu_alpha) and swiglu_limit > 0):
+    if activation in ("swiglu_oai", "silu_clamped") and not (math.isfinite(swiglu_alpha) and swiglu_limit > 0):
         raise ValueError(f"fp8fx.fused_moe: swiglu_alpha={swiglu_alpha}, swiglu_limit={swiglu_limit}; the clamped "
                          "SwiGLU takes a finite alpha and a limit > 0 (GPT-OSS: 1.702 and 7.0)")
 

@@ -2,8 +2,8 @@
 
     out[t] = sum_k w[t, k] * (w2[e] @ q(act(g, u)) + b2[e]),   (g, u) = w13[e] @ q(x[t]) + b13[e],   e = ids[t, k]
 
-act: silu(g) * u, GPT-OSS's clamped SwiGLU or DeepSeek-V4's clamped SiLU (``ACT``); the biases are optional
-(``HAS_BIAS``).
+act: silu(g) * u, GPT-OSS's clamped SwiGLU, DeepSeek-V4's clamped SiLU or Gemma-4's GELU (tanh) (``ACT``); the
+biases are optional (``HAS_BIAS``).
 Layouts: x ``[T, H]``; ``ids`` / ``w`` ``[T, K]``; S = T * K (token, k) pairs, pair p = t * K + k.
 w13 ``[E, 2I, H]`` fp8 (rows [0, I) gate, [I, 2I) up; interleaved, ``ROW_STEP`` = 2: row 2j gate j, 2j + 1 up j),
 w2 ``[E, H, I]`` fp8; biases ``[E, 2I]`` (w13's row order) and ``[E, H]``. Every scale is read through
@@ -284,6 +284,9 @@ def moe_gemm13_kernel(
     elif ACT == 2:  # DeepSeek-V4: SiLU of the gate clamped above, times up clamped on both sides
         g = tl.minimum(acc_g, limit)
         h = g / (1.0 + tl.exp(-g)) * tl.minimum(tl.maximum(acc_u, -limit), limit)
+    elif ACT == 3:  # Gemma-4: GELU's tanh approximation of the gate, times up; (1 + tanh(z)) / 2 = 1 - 1 / (1 + e^2z)
+        z = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
+        h = acc_g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * z))) * acc_u
     else:
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     i_ptrs = inter_ptr + pair[:, None] * stride_im + offs_n[None, :] * stride_in
@@ -473,7 +476,8 @@ def _weight_scale(scale: torch.Tensor, w: torch.Tensor, w_block) -> tuple[torch.
     return s, strides, quant.resolve_block(w_block, rows, cols)[0]
 
 
-ACTIVATIONS = {"silu": 0, "swiglu_oai": 1, "silu_clamped": 2}  # fused_moe's activation -> moe_gemm13_kernel's ACT
+# fused_moe's activation -> moe_gemm13_kernel's ACT
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1, "silu_clamped": 2, "gelu_tanh": 3}
 
 
 def _bias(bias: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple[torch.Tensor, int, int]:

@@ -121,6 +121,7 @@ def _function_names() -> dict:
         torch.sum: "sum", torch.chunk: "chunk", torch.unsqueeze: "view", torch.squeeze: "view", torch.t: "transpose",
         torch.transpose: "transpose", torch.permute: "transpose", torch.reshape: "view", torch.flatten: "view",
         torch.repeat_interleave: "view", f.silu: "silu", torch.index_add: "index_add", torch.sigmoid: "sigmoid",
+        f.gelu: "gelu",
         torch._grouped_mm: "gemm", torch.bmm: "gemm", torch.mm: "gemm", torch.matmul: "gemm",
         operator.matmul: "gemm", torch._C._nn.linear: "gemm", f.linear: "gemm",
         torch._C._set_grad_enabled: "grad_mode",
@@ -195,10 +196,11 @@ class _Interpreter:
                 raise _NoMatch(f"the experts compute in more than one way ({what}: {sorted(map(str, values))}); "
                                "fused_moe computes every expert alike")
         one = {what: next(iter(values), None) for what, values in self.seen.items()}
-        act = one["activation"] or ("silu",)  # ("silu",), ("swiglu_oai", alpha, limit), ("silu_clamped", limit)
+        # ("silu",), ("gelu_tanh",), ("swiglu_oai", alpha, limit), ("silu_clamped", limit)
+        act = one["activation"] or ("silu",)
         return {"interleaved": one["layout"] == "interleaved", "activation": act[0],
                 "swiglu_alpha": act[1] if act[0] == "swiglu_oai" else 1.702,
-                "swiglu_limit": act[-1] if act[0] != "silu" else 7.0,
+                "swiglu_limit": act[-1] if act[0] in ("swiglu_oai", "silu_clamped") else 7.0,
                 "b13": bool(one["b13"]), "b2": bool(one["b2"])}
 
     def run(self, region: list[fx.Node]) -> None:
@@ -527,6 +529,14 @@ class _Interpreter:
         return dataclasses.replace(v, kind="sig")
 
     # math
+    def _gelu(self, node):
+        """Gemma-4's act_fn: GELU's tanh approximation of the gate half (the exact GELU fused_moe does not compute)."""
+        v = self._of(_arg(node, 0, "input"))
+        if v.kind != "gate" or _arg(node, 1, "approximate", "none") != "tanh":
+            self._fail(node, "applies a GELU other than the tanh approximation, or to something other than the gate "
+                             "half of w13's GEMM")
+        return dataclasses.replace(v, kind="act", p=("gelu_tanh",))
+
     def _silu(self, node):
         v = self._of(_arg(node, 0, "input"))
         if _arg(node, 1, "inplace", False):
@@ -554,9 +564,9 @@ class _Interpreter:
         by = {a.kind: a, b.kind: b}
         if kinds <= set(_INDEX_KINDS):
             return _IDX
-        if kinds == {"act", "up"} and a.expert == b.expert and a.fdim == b.fdim and not by["act"].p:
-            self.seen["activation"].add(("silu",))
-            return dataclasses.replace(by["act"], kind="h")
+        if kinds == {"act", "up"} and a.expert == b.expert and a.fdim == b.fdim and by["act"].p in ((), ("gelu_tanh",)):
+            self.seen["activation"].add(by["act"].p or ("silu",))
+            return dataclasses.replace(by["act"], kind="h", p=())
         if kinds == {"act", "up_c"} and a.expert == b.expert and a.fdim == b.fdim and by["act"].p == by["up_c"].p:
             self.seen["activation"].add(("silu_clamped", by["act"].p[0]))  # DeepSeek-V4's swiglu_limit
             return dataclasses.replace(by["act"], kind="h", p=())
@@ -1052,7 +1062,8 @@ def _form_note(form: dict) -> str:
              "interleaved gate/up" if form["interleaved"] else None,
              f"clamped SwiGLU (alpha {form['swiglu_alpha']:g}, limit {form['swiglu_limit']:g})"
              if form["activation"] == "swiglu_oai" else None,
-             f"clamped SiLU (limit {form['swiglu_limit']:g})" if form["activation"] == "silu_clamped" else None]
+             f"clamped SiLU (limit {form['swiglu_limit']:g})" if form["activation"] == "silu_clamped" else None,
+             "GELU (tanh)" if form["activation"] == "gelu_tanh" else None]
     parts = [p for p in parts if p]
     return f" ({', '.join(parts)})" if parts else ""
 

@@ -250,13 +250,14 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
     why = layout_reason(module)
     if why is not None:
         return why
-    from fp8fx.weights.quantize import _silu_experts  # quantize imports this module
+    from fp8fx.weights.quantize import fusable_act  # quantize imports this module
 
-    # fused_moe computes SiLU(gate) * up: experts with another act_fn would be quantized and never fused (fp8 error,
-    # no speedup). A module with no act_fn (a loop calling F.silu) is left to the MoE pass, which reads its graph.
+    # fused_moe computes act(gate) * up with SiLU or GELU (tanh): experts with another act_fn would be quantized and
+    # never fused (fp8 error, no speedup). A module with no act_fn (a loop calling F.silu; GPT-OSS's _apply_gate) is
+    # left to the MoE pass, which reads its graph.
     act = getattr(module, "act_fn", None)
-    if act is not None and not _silu_experts(module):
-        return f"act_fn={act!r} is not SiLU: fp8fx.fused_moe computes SiLU(gate) * up"
+    if act is not None and not fusable_act(module):
+        return f"act_fn={act!r} is not SiLU or GELU (tanh): fp8fx.fused_moe computes act(gate) * up with one of them"
     w13, w2 = module._parameters[W13], module._parameters[W2]
     if w13.dtype not in quant.HIGH_PRECISION or w2.dtype not in quant.HIGH_PRECISION:
         return f"expert weight dtype {w13.dtype} is not bf16/fp16/fp32"
@@ -393,7 +394,8 @@ class Fp8MoEMethod:
             raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r} needs an expert_id")
         if shard_id in ("w1", "w3") and getattr(layer, "_fp8fx_interleaved", False):
             raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r} of experts whose gate and up rows alternate "
-                             "(interleaved, as GPT-OSS's): load gate_up_proj whole, all experts or one expert's [2I, H]")
+                             "(interleaved, as GPT-OSS's): load gate_up_proj whole, all experts or one expert's "
+                             "[2I, H]")
         experts = layer._parameters[name].shape[0]
         if expert_id is not None:  # an int (True is 1 and indexes as a mask: data[True] = q wrote every expert)
             given = expert_id

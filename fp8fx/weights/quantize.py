@@ -434,10 +434,18 @@ def _record(amax: dict[str, float], name: str, value: float, batch_no: int) -> N
     amax[name] = max(amax.get(name, 0.0), value)
 
 
-def _silu_experts(module: nn.Module) -> bool:
-    """The experts module's ``act_fn`` is a one-argument SiLU (nn.SiLU, transformers' SiLUActivation, F.silu)."""
+def fusable_act(module: nn.Module) -> bool:
+    """The experts module's ``act_fn`` is one fused_moe computes: a one-argument SiLU (nn.SiLU, transformers'
+    SiLUActivation, F.silu) or GELU's tanh approximation (nn.GELU("tanh"), transformers' GELUTanh: Gemma-4's; not its
+    Python formula, ``use_gelu_tanh_python``, whose ops the MoE pass does not read)."""
     act = getattr(module, "act_fn", None)
-    return isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is nn.functional.silu
+    if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is nn.functional.silu:
+        return True
+    if isinstance(act, nn.GELU):
+        return act.approximate == "tanh"
+    inner = getattr(act, "act", None)  # transformers' GELUTanh: functools.partial(F.gelu, approximate="tanh")
+    return (type(act).__name__ in ("GELUTanh", "PytorchGELUTanh") and getattr(inner, "func", None) is
+            nn.functional.gelu and getattr(inner, "keywords", {}) == {"approximate": "tanh"})
 
 
 def _gate_of(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -524,11 +532,11 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     modules = [(fqn, m) for fqn, m in named if not config.is_ignored(fqn)]
     experts = [(fqn, m) for fqn, m in modules if moe.is_experts(m) and moe.skip_reason(m, fqn, config) is None]
     for fqn, module in experts:  # before the first hook (no act_fn: measured with SiLU, ``_gate_of``)
-        if getattr(module, "act_fn", None) is not None and not _silu_experts(module):
+        if getattr(module, "act_fn", None) is not None and not fusable_act(module):
             raise ValueError(
                 f"calibrate: {fqn} computes its experts with act_fn={getattr(module, 'act_fn', None)!r}, not "
-                "act_fn(gate) * up with SiLU (what fp8fx.fused_moe runs, and what calibrate measures); add it to "
-                "ignored_layers (nothing was measured)"
+                "act_fn(gate) * up with SiLU or GELU (tanh) (what fp8fx.fused_moe runs, and what calibrate measures); "
+                "add it to ignored_layers (nothing was measured)"
             )
     hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no), with_kwargs=True)
              for fqn, module in experts]

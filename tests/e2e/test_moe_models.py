@@ -626,3 +626,24 @@ def test_clamped_silu_experts_in_fp8():
     assert site.rewritten and site.scheme.endswith("(biases, interleaved gate/up, clamped SiLU (limit 7))"), (
         site.reason, site.scheme)
     assert rel_err(out, truth) < 0.08
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_gelu_tanh_experts_in_fp8(impl):
+    """Experts whose act_fn is GELU's tanh approximation (Gemma-4's: transformers' GELUTanh) were left bf16: quantized,
+    and rewritten into fused_moe's ``gelu_tanh``, within fp8's error of the model's own code on the same fp8 weights;
+    calibrate measures them (it refused them)."""
+    from transformers.activations import GELUTanh
+
+    model = tiny("mixtral", impl)
+    for i in range(LAYERS):
+        model.model.layers[i].mlp.experts.act_fn = GELUTanh()
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    report = Report()
+    out, eager, ref = run(model, moe_only(report))
+    assert {s.fqn for s in report.sites if s.rewritten} == EXPERTS, [s.reason for s in report.sites]
+    assert all(s.scheme == "w:per-channel a:per-token (GELU (tanh))" for s in report.sites)
+    assert rel_err(out, eager) < 0.05  # activation quantization of the experts
+    assert set(fp8fx.calibrate(tiny("mixtral", impl).apply(
+        lambda m: setattr(m, "act_fn", GELUTanh()) if hasattr(m, "gate_up_proj") else None), [ids])) >= {
+        f"{e}.{w}" for e in EXPERTS for w in ("gate_up_proj", "down_proj")}

@@ -201,7 +201,7 @@ class LoopExperts(nn.Module):
 
 
 @pytest.mark.parametrize("variant,reason", [
-    (dict(act=F.gelu), "gelu (call_function gelu) is not part of an experts computation"),
+    (dict(act=F.gelu), "gelu (call_function gelu) applies a GELU other than the tanh approximation"),  # (the exact)
     (dict(scale=2.0), "multiplies values that fused_moe does not multiply"),
     (dict(experts=range(E - 1)), f"leaves out experts [{E - 1}]"),
     (dict(shift=1), "weights expert 1 with the routing weight of expert 0"),
@@ -403,8 +403,8 @@ def test_experts_quantize_skipped_are_reported_with_its_reason():
         out, gm, report = compile_capture(model, x, ids, w)
     (site,) = report.sites
     assert (site.fqn, site.rewritten) == ("experts", False)
-    assert site.reason == "not quantized: act_fn=GELU(approximate='none') is not SiLU: fp8fx.fused_moe computes " \
-                          "SiLU(gate) * up"
+    assert site.reason == "not quantized: act_fn=GELU(approximate='none') is not SiLU or GELU (tanh): " \
+                          "fp8fx.fused_moe computes act(gate) * up with one of them"
     assert torch.ops.fp8fx.dequantize not in targets(gm) and torch._grouped_mm in targets(gm)
 
 

@@ -180,7 +180,8 @@ def test_experts_with_another_activation_stay_bf16_with_the_reason():
     fp8fx.quantize_(model)
     assert model.experts.gate_up_proj.dtype == torch.bfloat16 and fp8fx.weights.is_quantized(model.proj)
     assert model.experts.gate_up_proj._fp8fx_skip_reason == (
-        "act_fn=GELU(approximate='none') is not SiLU: fp8fx.fused_moe computes SiLU(gate) * up")
+        "act_fn=GELU(approximate='none') is not SiLU or GELU (tanh): fp8fx.fused_moe computes act(gate) * up with one "
+        "of them")
     model = Block().to(torch.bfloat16)
     model.experts.act_fn = nn.GELU()
     with pytest.raises(ValueError, match=r"^experts: act_fn=GELU\(approximate='none'\) is not SiLU"):
