@@ -20,7 +20,9 @@ or its CPU fallback op, un-sort, sum over k), ``batched_mm`` (weights gathered p
 and for GPT-OSS's experts (HF's ``GptOssExperts``: each GEMM's output plus its expert's bias, gathered like the
 weights and added in place; gate / up as the even / odd features; ``(up.clamp(-L, L) + 1) * g * sigmoid(g * alpha)``
 with ``g = gate.clamp(max=L)``) the same call with ``w13_bias``, ``w2_bias``, ``interleaved=True`` and
-``activation="swiglu_oai"``, alpha and L read from the graph's constants.
+``activation="swiglu_oai"``, alpha and L read from the graph's constants; DeepSeek-V4's ``silu(gate.clamp(max=L)) *
+up.clamp(-L, L)`` as ``activation="silu_clamped"``, and Gemma-4's ``gelu(gate, approximate="tanh") * up`` as
+``activation="gelu_tanh"``.
 
 Routing (the router, top-k, its normalisation) is outside the experts module and stays the model's.
 
@@ -29,7 +31,7 @@ in graph order and labels what it holds (``Val``): index bookkeeping, hidden sta
 expert, transposed or not), the first GEMM's output, gate / up halves, SiLU(gate) * up, the second
 GEMM's output, that output times its routing weight, and sums of those. Every node must fit one rule
 (a GEMM contracts a weight over its stored input dim; chunk(2) or slices of the first or last I (or the even or odd)
-features split the first GEMM's output; SiLU(gate) * up or GPT-OSS's clamped SwiGLU, one of them in every expert; a
+features split the first GEMM's output; one of fused_moe's activations (above), the same in every expert; a
 bias only of its own GEMM and expert, before the activation / the routing weight; each expert output is weighted once
 by its own routing weight; the sum covers every expert once and runs over k; top_k_index and top_k_weights are read
 whole: views keeping every (token, k) pair, gathers by a tensor, not ``[:, :1]``, ``[:, [1, 0]]`` or ``expand``);
@@ -89,7 +91,8 @@ class Val:
 
     GPT-OSS's clamped SwiGLU: ``gate_c`` / ``up_c`` (gate clamped above / up on both sides at ``p = (limit,)``),
     ``gate_a`` (gate_c times alpha: ``p = (limit, alpha)``), ``sig`` (its sigmoid), ``glu`` (gate_c * sig), ``up1``
-    (up_c + 1); ``h`` is then up1 * glu."""
+    (up_c + 1); ``h`` is then up1 * glu. ``act``'s ``p``: ``()`` SiLU of the gate, ``(limit,)`` of gate_c
+    (DeepSeek-V4's, times up_c), ``("gelu_tanh",)`` GELU (tanh) of the gate (Gemma-4's)."""
 
     kind: str
     expert: Any = None
@@ -184,7 +187,7 @@ class _Interpreter:
         self.plain_x = {n for n, v in inputs.items() if v.kind == "x"}
         self.experts, self.inter, self.hidden, self.k = e, i, h, k
         # what the region computes where fused_moe has a choice, one entry per place it shows: w13's rows split in
-        # ``halves`` or ``interleaved``; the activation (``("silu",)``, ``("swiglu_oai", alpha, limit)``); whether
+        # ``halves`` or ``interleaved``; the activation (``form``'s tuples); whether
         # each first / second GEMM output had its bias added. ``form`` checks that each has one value.
         self.seen: dict[str, set] = {"layout": set(), "activation": set(), "b13": set(), "b2": set()}
 
@@ -311,7 +314,7 @@ class _Interpreter:
         return src if src.kind in ("ids", "ids_part") and identity else _IDX
 
     def _clamp_half(self, node, src: Val) -> Val:
-        """GPT-OSS's clamps: the gate at most ``limit``, the up half within [-limit, limit]."""
+        """GPT-OSS's and DeepSeek-V4's clamps: the gate at most ``limit``, the up half within [-limit, limit]."""
         low, high = (_arg(node, i, n) for i, n in ((1, "min"), (2, "max")))
         if node.op == "call_method" and node.target.endswith("_"):
             self._fail(node, "clamps a half of w13's GEMM in place")
