@@ -87,7 +87,8 @@ class Val:
     dim (negative) of hidden-state-like values. ``t``: weights whose stored ``[rows, cols]`` are transposed.
     ``b``: a GEMM's output with its expert's bias added (``b13`` / ``b2``: the biases, whole or gathered like
     weights). ``order``: of ids, and of what is gathered by them or computed per pair, the order of the pairs: ``""``
-    top_k_index's, ``"sorted"`` sort()'s values (a grouped GEMM's rows), ``"gathered"`` any other.
+    top_k_index's, ``"sorted"`` an ascending sort's (a grouped GEMM's rows), ``"gathered:<node>"`` that index node's
+    gather; of a sort's permutation ``"perm:<ids node>"``.
 
     GPT-OSS's clamped SwiGLU: ``gate_c`` / ``up_c`` (gate clamped above / up on both sides at ``p = (limit,)``),
     ``gate_a`` (gate_c times alpha: ``p = (limit, alpha)``), ``sig`` (its sigmoid), ``glu`` (gate_c * sig), ``up1``
@@ -260,10 +261,17 @@ class _Interpreter:
     _floordiv = _idx_op
 
     def _sort(self, node):
+        """sort / argsort of the flat ids, ascending: ``ids_sort`` ([0] the ids in sorted order, [1] the permutation
+        that sorts them), or argsort's permutation (``ids[perm]``: the ids in sorted order). Any other sort (of
+        [T, K] ids: within each token; descending) is index bookkeeping of no known order."""
         self._idx_op(node)
-        if _op_name(node) == "sort" and self._of(node.args[0]).kind == "ids":
-            return Val("ids_sort")  # [0]: the ids sorted, [1]: the permutation
-        return _IDX
+        src = _arg(node, 0, "self" if node.op == "call_method" else "input")
+        if (self._of(src).kind != "ids" or len(_shape(src)) != 1 or _arg(node, 2, "descending", False)
+                or node.kwargs.keys() - {"input", "self", "dim", "descending", "stable"}):
+            return _IDX
+        if _op_name(node) == "sort":
+            return Val("ids_sort", order=f"perm:{src.name}")
+        return Val("idx", order=f"perm:{src.name}")
 
     def _grad_mode(self, node):
         return None
@@ -443,13 +451,18 @@ class _Interpreter:
         if val.kind in ("b13", "b2"):
             return self._bias_of(node, val, index)
         if val.kind == "ids_sort":
-            return Val("ids", order="sorted") if index == 0 else _IDX
+            return Val("ids", order="sorted") if index == 0 else Val("idx", order=val.order)
         if not self._all_idx_args(node):
             self._fail(node, "indexes with a non-index value")
         if val.kind in ("ids", "ids_part", "wts"):
             out = self._routing(node, val, _keeps_pairs(node))
-            gather = any(isinstance(i, fx.Node) for i in (index if isinstance(index, tuple) else (index,)))
-            return dataclasses.replace(out, order="gathered") if gather and out.kind == "ids" else out
+            gathers = [i for i in (index if isinstance(index, tuple) else (index,)) if isinstance(i, fx.Node)]
+            if out.kind != "ids" or not gathers:
+                return out
+            # ids[perm] of their own ascending sort: sorted; by anything else: the order of that index node
+            by = gathers[0] if len(gathers) == 1 else None
+            sorted_ = by is not None and self._of(by).order == f"perm:{src.name}"
+            return dataclasses.replace(out, order="sorted" if sorted_ else f"gathered:{by.name if by else node.name}")
         if val.kind == "sentinel":
             return val  # some of the sentinel flags (all false), in some order
         if val.kind in ("idx", "mask"):
@@ -541,9 +554,10 @@ class _Interpreter:
         return dataclasses.replace(v, kind="act", p=("gelu_tanh",))
 
     def _silu(self, node):
-        v = self._of(_arg(node, 0, "input"))
-        if _arg(node, 1, "inplace", False):
-            self._fail(node, "applies SiLU in place")
+        src = _arg(node, 0, "input")
+        v = self._of(src)
+        if _arg(node, 1, "inplace", False) and len(getattr(src, "users", ())) != 1:  # (nn.SiLU(inplace=True))
+            self._fail(node, "applies SiLU in place to a gate read otherwise too")
         if v.kind not in ("gate", "gate_c"):
             self._fail(node, "applies SiLU to something other than the gate half of w13's GEMM")
         return dataclasses.replace(v, kind="act")  # (of the clamped gate: p = (limit,))

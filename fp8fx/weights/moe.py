@@ -257,7 +257,10 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
     # left to the MoE pass, which reads its graph.
     act = getattr(module, "act_fn", None)
     if act is not None and not fusable_act(module):
-        return f"act_fn={act!r} is not SiLU or GELU (tanh): fp8fx.fused_moe computes act(gate) * up with one of them"
+        python = " (GELU's tanh formula in Python, use_gelu_tanh_python=True)" if callable(getattr(act, "act", None)) \
+            and getattr(act.act, "__name__", "") == "_gelu_tanh_python" else ""
+        return (f"act_fn={act!r}{python} is not SiLU or GELU (tanh): fp8fx.fused_moe computes act(gate) * up with one "
+                "of them")
     w13, w2 = module._parameters[W13], module._parameters[W2]
     if w13.dtype not in quant.HIGH_PRECISION or w2.dtype not in quant.HIGH_PRECISION:
         return f"expert weight dtype {w13.dtype} is not bf16/fp16/fp32"

@@ -151,6 +151,24 @@ def test_hf_layouts_fused_moe_cannot_compute_stay_bf16_with_the_reason(flag, val
     assert fp8fx.weights.is_quantized(model.proj)  # the rest of the model is quantized
 
 
+def test_gelu_tanh_experts_are_taken_its_python_formula_is_not():
+    """GELU's tanh approximation through F.gelu (nn.GELU("tanh"), transformers' GELUTanh) is fused_moe's
+    ``gelu_tanh``: quantized. Its Python formula (``use_gelu_tanh_python=True``: tanh, pow, ... ops the MoE pass does
+    not read) stays bf16, the reason naming the flag its repr hides."""
+    transformers_activations = pytest.importorskip("transformers.activations")
+    for act in (nn.GELU(approximate="tanh"), transformers_activations.GELUTanh()):
+        model = Block().to(torch.bfloat16)
+        model.experts.act_fn = act
+        fp8fx.quantize_(model)
+        assert is_quantized_experts(model.experts), act
+    model = Block().to(torch.bfloat16)
+    model.experts.act_fn = transformers_activations.GELUTanh(use_gelu_tanh_python=True)
+    fp8fx.quantize_(model)
+    assert model.experts.gate_up_proj._fp8fx_skip_reason == (
+        "act_fn=GELUTanh() (GELU's tanh formula in Python, use_gelu_tanh_python=True) is not SiLU or GELU (tanh): "
+        "fp8fx.fused_moe computes act(gate) * up with one of them")
+
+
 def test_experts_of_two_dtypes_stay_as_they_are_with_the_reason():
     """fp16 gate_up_proj, bf16 down_proj with a value past fp16's range: the experts' loader read down_proj as fp16
     and refused it after the rest of the model and gate_up_proj were fp8, down_proj's values gone; an fp32 down_proj
