@@ -492,6 +492,7 @@ class ExpertsLoader:
             module.__class__ = moe.fp8_experts_class(type(module))
             for base in (W13, W2):
                 module._parameters[base]._fp8fx_fqn = ex.fqn
+            moe.tag_biases(module)  # (loaded as plain tensors, into the module itself)
             report.experts[ex.fqn] = str(ex.config.scheme())
         for fqn, reason in self.not_quantized.items():
             report.not_quantized[fqn] = reason

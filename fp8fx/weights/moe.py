@@ -579,9 +579,7 @@ class Fp8MoEMethod:
                                 "precision)", prefix, name, scales.min().item(), scales.max().item())
                 params[name] = nn.Parameter(scales.max().reshape(1), requires_grad=False)
             params[base]._fp8fx_moe_role = ROLES[base]
-        for name, role in BIASES.items():
-            if isinstance(params.get(name), torch.Tensor):
-                params[name]._fp8fx_moe_role = role
+        tag_biases(layer)
         layer._fp8fx_processed = True
 
     @staticmethod
@@ -594,6 +592,14 @@ class Fp8MoEMethod:
             if scales[e, 0] != scales[e, 1]:
                 q[e], _ = quant.requantize_shards(q[e], [scales[e, 0], scales[e, 1]], [i, i])
         params[W13 + "_scale"] = nn.Parameter(scales.amax(dim=1), requires_grad=False)
+
+
+def tag_biases(module: nn.Module) -> None:
+    """Tags the experts' biases (GPT-OSS's ``gate_up_proj_bias`` / ``down_proj_bias``) for the MoE pass, which passes
+    them to fused_moe: where the weights are quantized, and where ``load_checkpoint`` puts the checkpoint's in."""
+    for name, role in BIASES.items():
+        if isinstance(module._parameters.get(name), torch.Tensor):
+            module._parameters[name]._fp8fx_moe_role = role
 
 
 def quantize_experts(module: nn.Module, fqn: str, config: Fp8Config,

@@ -424,8 +424,9 @@ def _gate(gate_up, up_limit=7.0, alpha=1.702, one=1, act=None):
 
 def test_gpt_oss_checkpoints_and_static_scales(tmp_path):
     """GPT-OSS's bf16 hub layout (fused, transposed, interleaved, with biases) loads online into what quantize_ makes,
-    and an fp8fx fp8 checkpoint loads back bit for bit, biases included. calibrate measures the experts' second
-    input as the model computes it (HF's _apply_gate on the biased first GEMM), not SiLU(gate) * up of halves."""
+    and an fp8fx fp8 checkpoint loads back bit for bit, biases included; both are fused. calibrate measures the
+    experts' second input as the model computes it (HF's _apply_gate on the biased first GEMM), not SiLU(gate) * up of
+    halves."""
     model = tiny_gpt_oss()
     model.save_pretrained(tmp_path / "bf16")
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -459,6 +460,11 @@ def test_gpt_oss_checkpoints_and_static_scales(tmp_path):
         assert {"gate_up_proj_bias", "down_proj_bias"} <= state.keys()
         # (shards of rows that alternate are refused by the loader: tests/unit/test_moe_weights.py)
         assert all(fp8fx.weights.moe.is_interleaved(m.get_submodule(fqn)) for m in (model, loaded, again))
+    for m in (loaded, again):  # fused as quantize_'s are: the loaded biases are tagged for the MoE pass (they were not)
+        report = Report()
+        with torch.no_grad():
+            torch.compile(m, backend=moe_only(report), fullgraph=True)(ids)
+        assert {s.fqn for s in report.sites if s.rewritten} == experts, [s.reason for s in report.sites]
         for other in (loaded, again):
             for name, t in other.get_submodule(fqn).state_dict().items():
                 assert torch.equal(t.view(torch.uint8), state[name].view(torch.uint8)), (fqn, name)
