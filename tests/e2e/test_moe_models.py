@@ -492,7 +492,7 @@ def _grouped_forward(b13_ids="sorted", b2_ids="sorted", alpha=None):
     """HF's grouped_mm experts code with GPT-OSS's biases, written out, one thing changeable: the ids each bias is
     gathered by (``"sorted"``, as HF: the rows' experts; ``"argsort"``: the same by ``ids[argsort(ids)]``;
     ``"routing"``: top_k_index's order, other experts' biases on rows sorted by expert; ``"descending"``: sorted the
-    other way) or the first bias added by ``torch.add(..., alpha=)``."""
+    other way; ``"per token"``: each token's k ids sorted) or the first bias added by ``torch.add(..., alpha=)``."""
     from transformers.integrations.moe import _grouped_mm
 
     def forward(self, x, top_k_index, top_k_weights):
@@ -502,7 +502,8 @@ def _grouped_forward(b13_ids="sorted", b2_ids="sorted", alpha=None):
         offsets = torch.cumsum(torch.histc(ids_sorted.float(), bins=self.num_experts, min=0,
                                            max=self.num_experts - 1), dim=0, dtype=torch.int32)
         by = {"sorted": lambda: ids_sorted, "routing": lambda: ids, "argsort": lambda: ids[torch.argsort(ids)],
-              "descending": lambda: torch.sort(ids, descending=True)[0]}
+              "descending": lambda: torch.sort(ids, descending=True)[0],
+              "per token": lambda: torch.sort(top_k_index)[0].reshape(-1)}
         g1 = _grouped_mm(x[perm // k], self.gate_up_proj, offs=offsets)
         if alpha is None:
             g1.add_(self.gate_up_proj_bias[by[b13_ids]()])
@@ -517,21 +518,30 @@ def _grouped_forward(b13_ids="sorted", b2_ids="sorted", alpha=None):
     return forward
 
 
-def _batched_forward(view_first=False):
+def _batched_forward(view_first=False, bias_perm=None):
     """HF's batched_mm experts code with GPT-OSS's biases; ``view_first``: the first GEMM's output read through one
-    view of its bmm, the bias added in place through another (which the first sees too)."""
+    view of its bmm, the bias added in place through another (which the first sees too); ``bias_perm``: the pairs
+    taken in their experts' sorted order (``sort(ids)[1]``), w13's bias gathered by that permutation (``"same"``) or
+    by the descending sort's (``"other"``)."""
     def forward(self, x, top_k_index, top_k_weights):
         k, t, h = top_k_index.shape[-1], x.shape[0], x.shape[-1]
         weights, ids = top_k_weights.reshape(-1), top_k_index.reshape(-1)
-        o = torch.bmm(x.repeat_interleave(k, dim=0).unsqueeze(1), self.gate_up_proj[ids])
+        rows = b13_rows = torch.arange(ids.shape[0])
+        if bias_perm is not None:
+            rows = torch.sort(ids)[1]
+            b13_rows = rows if bias_perm == "same" else torch.sort(ids, descending=True)[1]
+        o = torch.bmm(x.repeat_interleave(k, dim=0)[rows].unsqueeze(1), self.gate_up_proj[ids[rows]])
         g1 = o.squeeze(1)
         if view_first:
-            o.squeeze(1).add_(self.gate_up_proj_bias[ids])
+            o.squeeze(1).add_(self.gate_up_proj_bias[ids[b13_rows]])
         else:
-            g1.add_(self.gate_up_proj_bias[ids])
-        y = torch.bmm(self._apply_gate(g1).unsqueeze(1), self.down_proj[ids]).squeeze(1)
-        y.add_(self.down_proj_bias[ids])
-        return (y * weights.unsqueeze(-1)).view(t, k, h).sum(dim=1).to(x.dtype)
+            g1.add_(self.gate_up_proj_bias[ids[b13_rows]])
+        y = torch.bmm(self._apply_gate(g1).unsqueeze(1), self.down_proj[ids[rows]]).squeeze(1)
+        y.add_(self.down_proj_bias[ids[rows]])
+        y = y * weights[rows].unsqueeze(-1)
+        unsort = torch.empty_like(rows)
+        unsort[rows] = torch.arange(rows.shape[0])
+        return y[unsort].view(t, k, h).sum(dim=1).to(x.dtype)
     return forward
 
 
@@ -548,6 +558,7 @@ def _keyword_gate(gate_up):
     ("grouped, written out", _grouped_forward(), None, None),
     ("batched, written out", _batched_forward(), None, None),
     ("w13 bias by ids[argsort(ids)]", _grouped_forward(b13_ids="argsort"), None, None),
+    ("batched in sorted order, w13 bias by the same permutation", _batched_forward(bias_perm="same"), None, None),
     ("keyword operands", None, lambda gu: _keyword_gate(gu), None),
     # another computation: left as it is (each was rewritten wrongly, 0.28-0.60 off the model, before its check)
     ("w13 bias of the routing order on sorted rows", _grouped_forward(b13_ids="routing"), None,
@@ -556,6 +567,10 @@ def _keyword_gate(gate_up):
      "adds a bias gathered in the pairs' routing order to GEMM rows in their sorted order"),
     ("w13 bias of the descending order on sorted rows", _grouped_forward(b13_ids="descending"), None,
      "indexes an expert bias other than by expert or by the routing ids"),
+    ("w13 bias of each token's sorted ids on sorted rows", _grouped_forward(b13_ids="per token"), None,
+     "indexes an expert bias other than by expert or by the routing ids"),
+    ("batched in sorted order, w13 bias by another permutation", _batched_forward(bias_perm="other"), None,
+     "adds a bias gathered in the pairs' gathered:b13_rows order to GEMM rows in their sorted order"),
     ("a bias added with alpha", _grouped_forward(alpha=2.0), None, "takes more than two operands ({'alpha': 2.0})"),
     ("up + 1 with alpha", None, lambda gu: torch.add(gu[..., 1::2].clamp(-7.0, 7.0), 1, alpha=3) * (
         gu[..., ::2].clamp(max=7.0) * torch.sigmoid(gu[..., ::2].clamp(max=7.0) * 1.702)),
