@@ -177,6 +177,11 @@ def _arg(node: fx.Node, i: int, name: str, default=None):
     return node.kwargs[name] if name in node.kwargs else node.args[i] if len(node.args) > i else default
 
 
+def _input(node: fx.Node):
+    """The tensor an op or a method reads first (``self`` of a method, ``input`` of a function), however passed."""
+    return _arg(node, 0, "self" if node.op == "call_method" else "input")
+
+
 # -- the interpreter ----------------------------------------------------------------------------
 class _Interpreter:
     """Labels every node of ``region`` (graph order); raises ``_NoMatch`` at the first that breaks a rule."""
@@ -246,7 +251,7 @@ class _Interpreter:
         if len(node.args) > 2 or extra.keys() - {"alpha"} or extra.get("alpha", 1) != 1:
             self._fail(node, f"takes more than two operands ({list(node.args[2:]) or extra}); fused_moe adds and "
                              "multiplies plainly")
-        return _arg(node, 0, first), _arg(node, 1, "other")
+        return _input(node), _arg(node, 1, "other")
 
     def _fail(self, node: fx.Node, what: str):
         kinds = ", ".join(v.kind if v else "?" for v in self._operands(node))
@@ -265,7 +270,7 @@ class _Interpreter:
         that sorts them), or argsort's permutation (``ids[perm]``: the ids in sorted order). Any other sort (of
         [T, K] ids: within each token; descending) is index bookkeeping of no known order."""
         self._idx_op(node)
-        src = _arg(node, 0, "self" if node.op == "call_method" else "input")
+        src = _input(node)
         if (self._of(src).kind != "ids" or len(_shape(src)) != 1 or _arg(node, 2, "descending", False)
                 or node.kwargs.keys() - {"input", "self", "dim", "descending", "stable"}):
             return _IDX
@@ -309,7 +314,7 @@ class _Interpreter:
         takes); in place only on a tensor the region made. A narrower clamp (``ids.clamp(0, 3)`` of 8 experts) sends
         pairs to other experts than their ids: its result is an index computed from the ids, which no expert weight
         may be gathered by (``_getitem``)."""
-        src = self._of(_arg(node, 0, "self" if node.op == "call_method" else "input"))
+        src = self._of(_input(node))
         if src.kind in ("gate", "up"):
             return self._clamp_half(node, src)
         if src.kind != "ids_part":
@@ -521,8 +526,9 @@ class _Interpreter:
             return dataclasses.replace(v, expert="pairs", order=self._of(index).order)
         self._fail(node, "indexes an expert bias other than by expert or by the routing ids")
 
-    def _add_bias(self, node, v: Val, bias: Val) -> Val:
-        """A first (second) GEMM's output plus w13's (w2's) bias of the same expert(s), along the features."""
+    def _add_bias(self, node, v: Val, bias: Val, v_node: fx.Node) -> Val:
+        """A first (second) GEMM's output (``v``, held by ``v_node``) plus w13's (w2's) bias of the same expert(s),
+        along the features."""
         if (v.kind, bias.kind) not in (("g1", "b13"), ("y", "b2")):
             self._fail(node, f"adds {bias.kind} to {v.kind}, not the bias of its own GEMM")
         if v.b:
@@ -533,13 +539,12 @@ class _Interpreter:
         if v.expert is None and bias.order != v.order:  # (b[ids] on rows sorted by expert: other experts' biases)
             self._fail(node, f"adds a bias gathered in the pairs' {bias.order or 'routing'} order to GEMM rows in "
                              f"their {v.order or 'routing'} order")
-        a, b = self._binary(node)
-        if v.fdim != -1 or _shape(node) != _shape(a if self._of(a) is v else b):
+        if v.fdim != -1 or _shape(node) != _shape(v_node):
             self._fail(node, "adds a bias other than along the GEMM output's features")
         return dataclasses.replace(v, b=True)
 
     def _sigmoid(self, node):
-        v = self._of(_arg(node, 0, "self" if node.op == "call_method" else "input"))
+        v = self._of(_input(node))
         if v.kind != "gate_a":
             self._fail(node, "applies a sigmoid to something other than the clamped gate times alpha")
         return dataclasses.replace(v, kind="sig")
@@ -547,14 +552,14 @@ class _Interpreter:
     # math
     def _gelu(self, node):
         """Gemma-4's act_fn: GELU's tanh approximation of the gate half (the exact GELU fused_moe does not compute)."""
-        v = self._of(_arg(node, 0, "input"))
+        v = self._of(_input(node))
         if v.kind != "gate" or _arg(node, 1, "approximate", "none") != "tanh":
             self._fail(node, "applies a GELU other than the tanh approximation, or to something other than the gate "
                              "half of w13's GEMM")
         return dataclasses.replace(v, kind="act", p=("gelu_tanh",))
 
     def _silu(self, node):
-        src = _arg(node, 0, "input")
+        src = _input(node)
         v = self._of(src)
         if _arg(node, 1, "inplace", False) and len(getattr(src, "users", ())) != 1:  # (nn.SiLU(inplace=True))
             self._fail(node, "applies SiLU in place to a gate read otherwise too")
@@ -633,7 +638,8 @@ class _Interpreter:
         if node.op == "call_method" and node.target == "add_":
             return self._add_in_place(node, a, b)
         if {a.kind, b.kind} & {"b13", "b2"}:
-            return self._add_bias(node, *((a, b) if b.kind in ("b13", "b2") else (b, a)))
+            value = 1 if a.kind in ("b13", "b2") else 0
+            return self._add_bias(node, (a, b)[value], (b, a)[value], operands[value])
         if {a.kind, b.kind} == {"up_c", "idx"} and any(x == 1 and not isinstance(x, fx.Node) for x in operands):
             return dataclasses.replace(a if a.kind == "up_c" else b, kind="up1")
         return self._accumulate(node, a, b)
@@ -643,7 +649,7 @@ class _Interpreter:
         has read yet, holds its bias from here on. Every tensor sharing its memory would see the bias too: the views
         it was made by (``bmm(...).squeeze(1)``) may have no other reader (the GEMM's output as another view, read
         after the add, was labelled without the bias)."""
-        out = self._add_bias(node, target, other)
+        out = self._add_bias(node, target, other, node.args[0])
         seen = [u.name for u in node.args[0].users if u is not node and u in self.val]
         if seen:
             self._fail(node, f"adds a bias in place to a GEMM output {seen} read before")
