@@ -494,8 +494,8 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
     ``w13_bias``, ``interleaved``, ``activation``, ``swiglu_alpha`` and ``swiglu_limit``."""
     gated = gated or {}
     i = w13.shape[1] // 2
-    interleaved = gated.get("interleaved", False)
-    bias = _bias(gated.get("w13_bias"), s13)
+    interleaved, b13 = gated.get("interleaved", False), gated.get("w13_bias")
+    bias = _bias(b13, s13)
     dtype = quant.FP8_DTYPE if fuse_group else torch.float32
     inter = (torch.zeros if zero_unrouted else torch.empty)(s, i, device=xq.device, dtype=dtype)
     groups = cdiv(i, consts["BLOCK_N"]) if fuse_group or amax_out else 1
@@ -506,7 +506,7 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
         s, i, w13.shape[2], 1 if interleaved else i, gated.get("swiglu_alpha", 1.0), gated.get("swiglu_limit", 1.0),
         xq.stride(0), xq.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
         *_act_strides(x_scale), *s13_strides, i_scale.stride(0), i_scale.stride(1), *bias[1:],
-        K_TOP=k_top, W_BLOCK_N=s13_rows, ROW_STEP=2 if interleaved else 1, HAS_BIAS=bias[0] is not s13,
+        K_TOP=k_top, W_BLOCK_N=s13_rows, ROW_STEP=2 if interleaved else 1, HAS_BIAS=b13 is not None,
         ACT=ACTIVATIONS[gated.get("activation", "silu")], QUANT_OUT=bool(fuse_group),
         AMAX_OUT=amax_out and not fuse_group,
         EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **consts, **cfg,
