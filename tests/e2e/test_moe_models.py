@@ -372,9 +372,9 @@ def tiny_gpt_oss(impl="grouped_mm"):
     return model
 
 
-def gpt_oss_exact(mlp, x: torch.Tensor) -> torch.Tensor:
+def gpt_oss_exact(mlp, x: torch.Tensor, activation: str = "swiglu_oai") -> torch.Tensor:
     """GPT-OSS's MLP block in float64 from its bf16 weights, written out (interleaved rows, biases, the clamped
-    SwiGLU at alpha 1.702, limit 7): [T, H]."""
+    SwiGLU at alpha 1.702, limit 7; ``"silu_clamped"``: DeepSeek-V4's SiLU of the clamped gate instead): [T, H]."""
     e, x = mlp.experts, x.reshape(-1, x.shape[-1])
     _, scores, top = mlp.router(x)
     x, out = x.double(), torch.zeros(x.shape, dtype=torch.float64, device=x.device)
@@ -383,7 +383,8 @@ def gpt_oss_exact(mlp, x: torch.Tensor) -> torch.Tensor:
             i = top[t, k]
             gu = x[t] @ e.gate_up_proj[i].double() + e.gate_up_proj_bias[i].double()
             gate, up = gu[0::2].clamp(max=7.0), gu[1::2].clamp(-7.0, 7.0)
-            h = gate * torch.sigmoid(1.702 * gate) * (up + 1)
+            h = torch.nn.functional.silu(gate) * up if activation == "silu_clamped" else gate * torch.sigmoid(
+                1.702 * gate) * (up + 1)
             out[t] += scores[t, k].double() * (h @ e.down_proj[i].double() + e.down_proj_bias[i].double())
     return out
 
@@ -620,16 +621,8 @@ def test_clamped_silu_experts_in_fp8():
     mlp = model.model.layers[0].mlp
     mlp.experts._apply_gate = lambda gu: _gate(gu, one=None, act=torch.nn.functional.silu)
     x = torch.randn(3, 7, 256, generator=torch.Generator().manual_seed(1)).bfloat16()
-    e = mlp.experts
     with torch.no_grad():
-        _, scores, top = mlp.router(x.reshape(-1, 256))
-        truth = torch.zeros(21, 256, dtype=torch.float64)
-        for t, xt in enumerate(x.reshape(-1, 256).double()):
-            for k in range(top.shape[1]):
-                i = top[t, k]
-                gu = xt @ e.gate_up_proj[i].double() + e.gate_up_proj_bias[i].double()
-                h = torch.nn.functional.silu(gu[0::2].clamp(max=7.0)) * gu[1::2].clamp(-7.0, 7.0)
-                truth[t] += scores[t, k].double() * (h @ e.down_proj[i].double() + e.down_proj_bias[i].double())
+        truth = gpt_oss_exact(mlp, x, "silu_clamped")
         fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
         report = Report()
         out = torch.compile(mlp, backend=moe_only(report), fullgraph=True)(x)[0].reshape(-1, 256)
