@@ -787,7 +787,7 @@ def fp8_linear(
 # =============================================================================================
 # fused_moe(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype,
 #           a13_scale=None, a2_scale=None, use_fast_accum=False, w13_bias=None, w2_bias=None, interleaved=False,
-#           activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0) -> out [T, H] in out_dtype
+#           activation="silu", swiglu_alpha=1.702, swiglu_limit=7.0, gated=True) -> out [T, H] in out_dtype
 #
 #   x: [T, H] (bf16/fp16/fp32); topk_ids: [T, K] int (the experts each token is routed to; ids outside
 #   [0, E) contribute nothing: expert-parallel sentinels); topk_weights: [T, K] (routing weights).
@@ -800,13 +800,17 @@ def fp8_linear(
 #   out[t] = sum_k topk_weights[t, k] * (w2[e] @ q(act(g, u)) + b2[e]),  (g, u) = w13[e] @ q(x[t]) + b13[e],
 #   e = topk_ids[t, k];  act = "silu": silu(g) * u;  with g' = min(g, limit), u' = clamp(u, -limit, limit):
 #   "swiglu_oai" (GPT-OSS, vLLM's swigluoai) g' * sigmoid(alpha * g') * (u' + 1), "silu_clamped" (DeepSeek-V4's
-#   swiglu_limit) silu(g') * u';  "gelu_tanh" (Gemma-4): gelu(g, approximate="tanh") * u
+#   swiglu_limit) silu(g') * u';  "gelu_tanh" (Gemma-4): gelu(g, approximate="tanh") * u;  "gelu": gelu(g) * u (erf);
+#   "relu2": relu(g)**2 * u.  ``gated=False`` (ungated experts, Nemotron-H's ``down(act(up(x)))``): w13 is [E, I, H],
+#   up alone, and act = silu(u), gelu_tanh(u), gelu(u) or relu2(u) (``UNGATED_ACTIVATIONS``; no bias split, no
+#   interleaving).
 #
 # where q() quantizes activations to fp8 as ``act_block`` says (per token [1, -1], 1 x bk groups, per
 # tensor [-1, -1]; with a static ``a13_scale`` / ``a2_scale`` [1]: that per-tensor scale): x once per
 # token, the intermediate once per (token, expert) row. GEMMs accumulate in float32 (``use_fast_accum``:
 # Hopper's fast fp8 accumulation, as for scaled_mm), biases, the activation and the weighted sum are float32.
-MOE_ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamped", "gelu_tanh")
+MOE_ACTIVATIONS = ("silu", "swiglu_oai", "silu_clamped", "gelu_tanh", "gelu", "relu2")
+UNGATED_ACTIVATIONS = ("silu", "gelu_tanh", "gelu", "relu2")  # one-input functions: what ungated experts may use
 
 
 def _moe_quantize_act(a: torch.Tensor, act_block, static_scale: Optional[torch.Tensor]):
@@ -818,13 +822,19 @@ def _moe_quantize_act(a: torch.Tensor, act_block, static_scale: Optional[torch.T
     return quant.dequantize(q, scale, act_block)
 
 
-def moe_activation(g1: torch.Tensor, interleaved: bool, activation: str, alpha: float, limit: float) -> torch.Tensor:
-    """fused_moe's activation of the first GEMM's output ``g1`` [..., 2I] (biases added): [..., I]."""
+def moe_activation(g1: torch.Tensor, interleaved: bool, activation: str, alpha: float, limit: float,
+                   gated: bool = True) -> torch.Tensor:
+    """fused_moe's activation of the first GEMM's output ``g1`` [..., 2I] (biases added): [..., I]; ungated, of
+    ``g1`` [..., I] itself."""
+    if activation in UNGATED_ACTIVATIONS:
+        f = torch.nn.functional
+        unary = {"silu": f.silu, "gelu": f.gelu, "gelu_tanh": functools.partial(f.gelu, approximate="tanh"),
+                 "relu2": lambda v: f.relu(v).square()}[activation]
+        if not gated:
+            return unary(g1)
+        gate, up = (g1[..., 0::2], g1[..., 1::2]) if interleaved else g1.chunk(2, dim=-1)
+        return unary(gate) * up
     gate, up = (g1[..., 0::2], g1[..., 1::2]) if interleaved else g1.chunk(2, dim=-1)
-    if activation == "silu":
-        return torch.nn.functional.silu(gate) * up
-    if activation == "gelu_tanh":
-        return torch.nn.functional.gelu(gate, approximate="tanh") * up
     gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     if activation == "silu_clamped":
         return torch.nn.functional.silu(gate) * up
@@ -834,11 +844,12 @@ def moe_activation(g1: torch.Tensor, interleaved: bool, activation: str, alpha: 
 def fused_moe_reference(
     x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
     a2_scale=None, w13_bias=None, w2_bias=None, interleaved=False, activation="silu", swiglu_alpha=1.702,
-    swiglu_limit=7.0,
+    swiglu_limit=7.0, gated=True,
 ) -> torch.Tensor:
     """The semantics of ``fp8fx.fused_moe`` in plain torch (float32), one expert at a time."""
     t, h = x.shape
-    n_experts, two_i, _ = w13.shape
+    n_experts, rows13, _ = w13.shape
+    inter_size = rows13 // 2 if gated else rows13
     k = topk_ids.shape[1]
     ids = topk_ids.reshape(-1)  # [S], S = T * K pairs, token-major
     token = torch.arange(t * k, device=x.device) // k  # [S]
@@ -846,13 +857,13 @@ def fused_moe_reference(
     s13 = w13_scale.reshape(quant.scale_shape(w13.shape, w_block))  # [E, 2I/bR, H/bC]
     s2 = w2_scale.reshape(quant.scale_shape(w2.shape, w_block))  # [E, H/bR, I/bC]
     experts = [e for e in ids.unique().tolist() if 0 <= e < n_experts]
-    inter = x.new_zeros((t * k, two_i // 2), dtype=torch.float32)  # [S, I]
+    inter = x.new_zeros((t * k, inter_size), dtype=torch.float32)  # [S, I]
     for e in experts:
         rows = (ids == e).nonzero().flatten()
         g1 = xd[token[rows]] @ quant.dequantize(w13[e], s13[e], w_block).t()
         if w13_bias is not None:
             g1 = g1 + w13_bias[e].float()
-        inter[rows] = moe_activation(g1, interleaved, activation, swiglu_alpha, swiglu_limit)
+        inter[rows] = moe_activation(g1, interleaved, activation, swiglu_alpha, swiglu_limit, gated)
     inter = _moe_quantize_act(inter, act_block, a2_scale)
     y = x.new_zeros((t * k, h), dtype=torch.float32)  # [S, H]
     for e in experts:
@@ -887,21 +898,22 @@ def fused_moe(
     activation: str = "silu",
     swiglu_alpha: float = 1.702,
     swiglu_limit: float = 7.0,
+    gated: bool = True,
 ) -> torch.Tensor:
     _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale,
-                    out_dtype, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit)
+                    out_dtype, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, interleaved, gated)
     return fused_moe_reference(
         x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale,
-        w13_bias, w2_bias, interleaved, activation, swiglu_alpha, swiglu_limit,
+        w13_bias, w2_bias, interleaved, activation, swiglu_alpha, swiglu_limit, gated,
     )
 
 
 @fused_moe.register_fake
 def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
       a2_scale=None, use_fast_accum=False, w13_bias=None, w2_bias=None, interleaved=False, activation="silu",
-      swiglu_alpha=1.702, swiglu_limit=7.0):
+      swiglu_alpha=1.702, swiglu_limit=7.0, gated=True):
     _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale,
-                    out_dtype, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit)
+                    out_dtype, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, interleaved, gated)
     return x.new_empty((x.shape[0], w2.shape[1]), dtype=out_dtype)
 
 
@@ -910,11 +922,15 @@ EXPERT_ID_DTYPES = (torch.int32, torch.int64)  # what fused_moe's topk_ids may b
 
 def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale,
                     a2_scale, out_dtype, w13_bias=None, w2_bias=None, activation="silu", swiglu_alpha=1.702,
-                    swiglu_limit=7.0) -> None:
+                    swiglu_limit=7.0, interleaved=False, gated=True) -> None:
     """What every real implementation of fused_moe checks before it computes."""
     check_block(w_block, "w_block")
     check_block(act_block, "act_block")
-    _check_moe_shapes(x, topk_weights, topk_ids, w13, w2)
+    if not gated and (interleaved or activation not in UNGATED_ACTIVATIONS):
+        raise ValueError(f"fp8fx.fused_moe: gated=False with interleaved={interleaved}, activation={activation!r}; "
+                         f"ungated experts have no gate rows to interleave, and act is one of "
+                         f"{list(UNGATED_ACTIVATIONS)} of up")
+    _check_moe_shapes(x, topk_weights, topk_ids, w13, w2, gated)
     if topk_ids.dtype not in EXPERT_ID_DTYPES:  # the CUDA routing computes in the ids' dtype
         raise ValueError(f"fp8fx.fused_moe: topk_ids is {topk_ids.dtype}; expert ids are int32 or int64")
     if x.dtype not in quant.HIGH_PRECISION:  # fp8 codes would be used without their scale
@@ -934,8 +950,8 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_
         raise ValueError(f"fp8fx.fused_moe: a13_scale (a static per-tensor scale of x) with act_block="
                          f"{list(act_block)}; a static scale is per tensor: act_block=[-1, -1]")
     _check_out_dtype("fp8fx.fused_moe", "out_dtype", out_dtype)
-    e, two_i, h = w13.shape
-    for name, bias, shape in (("w13_bias", w13_bias, (e, two_i)), ("w2_bias", w2_bias, (e, h))):
+    e, rows13, h = w13.shape
+    for name, bias, shape in (("w13_bias", w13_bias, (e, rows13)), ("w2_bias", w2_bias, (e, h))):
         if bias is None:
             continue
         torch._check(tuple(bias.shape) == shape, lambda: f"fp8fx.fused_moe: {name} has shape {list(bias.shape)}; it "
@@ -949,20 +965,21 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_
                          "SwiGLU takes a finite alpha and a limit > 0 (GPT-OSS: 1.702 and 7.0)")
 
 
-def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
+def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2, gated=True) -> None:
+    shape13 = "[E, 2I, H]" if gated else "[E, I, H]"
     if w13.dim() != 3:  # (one expert's [2I, H] slice: a bare unpacking error before)
-        raise ValueError(f"fp8fx.fused_moe: w13 has shape {list(w13.shape)}; it must be [E, 2I, H], every expert's "
-                         "gate and up rows")
-    e, two_i, h = w13.shape
+        raise ValueError(f"fp8fx.fused_moe: w13 has shape {list(w13.shape)}; it must be {shape13}, every expert's "
+                         + ("gate and up rows" if gated else "up rows (gated=False)"))
+    e, rows13, h = w13.shape
     torch._check(x.dim() == 2 and x.shape[1] == h, lambda: f"fp8fx.fused_moe: x {tuple(x.shape)} is not [T, {h}]")
     torch._check(
-        two_i % 2 == 0,
+        not gated or rows13 % 2 == 0,
         lambda: f"fp8fx.fused_moe: w13 {tuple(w13.shape)} has an odd number of rows; it must be [E, 2I, H] "
         "(gate rows, then up rows)",
     )
     torch._check(
-        tuple(w2.shape) == (e, h, two_i // 2),
-        lambda: f"fp8fx.fused_moe: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} are not [E, 2I, H] and [E, H, I]",
+        tuple(w2.shape) == (e, h, rows13 // 2 if gated else rows13),
+        lambda: f"fp8fx.fused_moe: w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} are not {shape13} and [E, H, I]",
     )
     torch._check(
         topk_ids.shape == topk_weights.shape and topk_ids.dim() == 2 and topk_ids.shape[0] == x.shape[0],
@@ -974,24 +991,25 @@ def _check_moe_shapes(x, topk_weights, topk_ids, w13, w2) -> None:
 @_on_cuda("fused_moe")
 def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale=None,
       a2_scale=None, use_fast_accum=False, w13_bias=None, w2_bias=None, interleaved=False, activation="silu",
-      swiglu_alpha=1.702, swiglu_limit=7.0):
+      swiglu_alpha=1.702, swiglu_limit=7.0, gated=True):
     from fp8fx.kernels import fused_moe as kernel  # triton is imported only when a CUDA MoE runs
 
     _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_scale, w2_scale, a13_scale, a2_scale,
-                    out_dtype, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit)
-    gated = dict(w13_bias=w13_bias, w2_bias=w2_bias, interleaved=interleaved, activation=activation,
-                 swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit)
+                    out_dtype, w13_bias, w2_bias, activation, swiglu_alpha, swiglu_limit, interleaved, gated)
+    form = dict(w13_bias=w13_bias, w2_bias=w2_bias, interleaved=interleaved, activation=activation,
+                swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, gated=gated)
     # the kernel's fp8 x fp8 dots need fp8 tensor cores
-    if kernel.supports(w_block, act_block, tuple(w13.shape), interleaved) and launch.has_fp8_tensor_cores(x.device):
+    if kernel.supports(w_block, act_block, tuple(w13.shape), interleaved, gated) \
+            and launch.has_fp8_tensor_cores(x.device):
         return kernel.fused_moe(
             x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale,
-            fast_accum=use_fast_accum, **gated,
+            fast_accum=use_fast_accum, **form,
         )
     # older GPUs, no experts, and what the kernel does not take (K groups other than 32, 64, 128): the (slow,
     # per-expert) reference
     return fused_moe_reference(
         x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype, a13_scale, a2_scale,
-        **gated,
+        **form,
     )
 
 

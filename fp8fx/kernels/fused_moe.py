@@ -2,8 +2,9 @@
 
     out[t] = sum_k w[t, k] * (w2[e] @ q(act(g, u)) + b2[e]),   (g, u) = w13[e] @ q(x[t]) + b13[e],   e = ids[t, k]
 
-act: silu(g) * u, GPT-OSS's clamped SwiGLU, DeepSeek-V4's clamped SiLU or Gemma-4's GELU (tanh) (``ACT``); the
-biases are optional (``HAS_BIAS``).
+act: silu(g) * u, GPT-OSS's clamped SwiGLU, DeepSeek-V4's clamped SiLU, Gemma-4's GELU (tanh) or the exact GELU
+(``ACT``); the biases are optional (``HAS_BIAS``). Ungated experts (``GATED`` false: Nemotron-H's) have no gate: w13
+``[E, I, H]`` holds up alone and act is one of SiLU, the GELUs or the squared ReLU of it.
 Layouts: x ``[T, H]``; ``ids`` / ``w`` ``[T, K]``; S = T * K (token, k) pairs, pair p = t * K + k.
 w13 ``[E, 2I, H]`` fp8 (rows [0, I) gate, [I, 2I) up; interleaved, ``ROW_STEP`` = 2: row 2j gate j, 2j + 1 up j),
 w2 ``[E, H, I]`` fp8; biases ``[E, 2I]`` (w13's row order) and ``[E, H]``. Every scale is read through
@@ -223,6 +224,8 @@ def moe_gemm13_kernel(
     K_TOP: tl.constexpr, K_GROUPED: tl.constexpr, W_BLOCK_N: tl.constexpr, IMPRECISE_K: tl.constexpr,
     # gate j's row: ROW_STEP * j (2: gate and up rows interleaved, as GPT-OSS stores them); biases; the activation
     ROW_STEP: tl.constexpr, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+    # GATED: act(gate) * up; else w13 holds one I-row block (ungated experts, Nemotron-H's) and the output is act(w13 x)
+    GATED: tl.constexpr,
     # QUANT_OUT: the intermediate leaves as fp8 with one scale per row of each N tile (1 x BLOCK_N groups);
     # AMAX_OUT: it leaves as float32, with each row's amax over each N tile (for the per-row quantization)
     QUANT_OUT: tl.constexpr, AMAX_OUT: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr,
@@ -255,16 +258,20 @@ def moe_gemm13_kernel(
         a = tl.load(a_rows + a_offs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
         w_mask = (offs_k[:, None] < k_left) & n_ok[None, :]
         g = tl.load(g_tile + w_offs, mask=w_mask, other=0.0)
-        u = tl.load(u_tile + w_offs, mask=w_mask, other=0.0)
+        if GATED:  # (constexpr: an ungated kernel has no up tile; the gated one's instructions as before)
+            u = tl.load(u_tile + w_offs, mask=w_mask, other=0.0)
         if K_GROUPED:
             a_s = tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)[:, None]
             g_s = tl.load(g_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
-            u_s = tl.load(u_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            if GATED:
+                u_s = tl.load(u_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
             acc_g += tl.dot(a, g) * (a_s * g_s)
-            acc_u += tl.dot(a, u) * (a_s * u_s)
+            if GATED:
+                acc_u += tl.dot(a, u) * (a_s * u_s)
         else:
             acc_g = tl.dot(a, g, acc_g, max_num_imprecise_acc=IMPRECISE_K)
-            acc_u = tl.dot(a, u, acc_u, max_num_imprecise_acc=IMPRECISE_K)
+            if GATED:
+                acc_u = tl.dot(a, u, acc_u, max_num_imprecise_acc=IMPRECISE_K)
         a_offs += BLOCK_K * stride_ak
         w_offs += BLOCK_K * stride_wk
 
@@ -272,23 +279,33 @@ def moe_gemm13_kernel(
     if not K_GROUPED:
         a_s = tl.load(a_s_ptrs, mask=valid, other=0.0)[:, None]
         acc_g *= a_s * tl.load(g_s_ptrs, mask=n_ok, other=0.0)[None, :]
-        acc_u *= a_s * tl.load(u_s_ptrs, mask=n_ok, other=0.0)[None, :]
+        if GATED:
+            acc_u *= a_s * tl.load(u_s_ptrs, mask=n_ok, other=0.0)[None, :]
     if HAS_BIAS:
         b_ptrs = bias_ptr + expert.to(tl.int64) * stride_be + g_rows * stride_bn
         acc_g += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        acc_u += tl.load(b_ptrs + UP_SHIFT * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    # columns past N are 0 (weights and biases loaded as 0), and so is either activation of them
+        if GATED:
+            acc_u += tl.load(b_ptrs + UP_SHIFT * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+    # columns past N are 0 (weights and biases loaded as 0), and so is every activation of them
     if ACT == 1:  # GPT-OSS: gate clamped above, up on both sides; (up + 1) * gate * sigmoid(alpha * gate)
         g = tl.minimum(acc_g, limit)
         h = g / (1.0 + tl.exp(-alpha * g)) * (tl.minimum(tl.maximum(acc_u, -limit), limit) + 1.0)
     elif ACT == 2:  # DeepSeek-V4: SiLU of the gate clamped above, times up clamped on both sides
         g = tl.minimum(acc_g, limit)
         h = g / (1.0 + tl.exp(-g)) * tl.minimum(tl.maximum(acc_u, -limit), limit)
-    elif ACT == 3:  # Gemma-4: GELU's tanh approximation of the gate, times up; (1 + tanh(z)) / 2 = 1 - 1 / (1 + e^2z)
-        z = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
-        h = acc_g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * z))) * acc_u
-    else:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    else:  # act(gate) (* up where GATED)
+        if ACT == 3:  # Gemma-4: GELU's tanh approximation; (1 + tanh(z)) / 2 = 1 - 1 / (1 + e^2z)
+            z = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)
+            h = acc_g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * z)))
+        elif ACT == 4:  # the exact GELU: x * (1 + erf(x / sqrt(2))) / 2
+            h = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476))
+        elif ACT == 5:  # Nemotron-H's squared ReLU
+            r = tl.maximum(acc_g, 0.0)
+            h = r * r
+        else:
+            h = acc_g / (1.0 + tl.exp(-acc_g))
+        if GATED:
+            h = h * acc_u
     i_ptrs = inter_ptr + pair[:, None] * stride_im + offs_n[None, :] * stride_in
     i_mask = valid[:, None] & n_ok[None, :]
     if QUANT_OUT or AMAX_OUT:
@@ -400,13 +417,14 @@ def _k_group(block) -> Optional[int]:
     return None if block[1] == -1 else block[1]
 
 
-def supports(w_block, act_block, w13_shape: Optional[tuple] = None, interleaved: bool = False) -> bool:
+def supports(w_block, act_block, w13_shape: Optional[tuple] = None, interleaved: bool = False,
+             gated: bool = True) -> bool:
     """Per-tensor / per-channel / block weights with per-tensor / per-token / 1 x GK activations, where
     every K-varying scale uses the same group GK in {32, 64, 128} (the fp8 dot's smallest K on sm_90 is
     32; BLOCK_K = GK, and BLOCK_N = GK with fused quantization: 256 spills registers and 512 exceeds
     shared memory at these tiles) and, given w13's shape ``[E, 2I, H]``, weight blocks do not straddle
-    gate and up (I % rows == 0; interleaved rows mix them in any block, each row with its block's scale), and there
-    is an expert (E = 0 leaves no expert's tile to size the grid by)."""
+    gate and up (I % rows == 0; interleaved rows mix them in any block, each row with its block's scale; ungated
+    experts' w13 is up alone), and there is an expert (E = 0 leaves no expert's tile to size the grid by)."""
     if w13_shape is not None and w13_shape[0] == 0:
         return False
     groups = {g for g in (_k_group(w_block), _k_group(act_block)) if g is not None}
@@ -414,7 +432,8 @@ def supports(w_block, act_block, w13_shape: Optional[tuple] = None, interleaved:
         return False
     if w_block[0] == -1 and w_block[1] != -1:  # whole-column K groups: not a layout checkpoints use
         return False
-    if w13_shape is not None and not interleaved and _k_group(w_block) is not None and (w13_shape[1] // 2) % w_block[0]:
+    if w13_shape is not None and gated and not interleaved and _k_group(w_block) is not None \
+            and (w13_shape[1] // 2) % w_block[0]:
         return False
     return len(groups) <= 1 and groups <= {32, 64, 128}
 
@@ -477,7 +496,7 @@ def _weight_scale(scale: torch.Tensor, w: torch.Tensor, w_block) -> tuple[torch.
 
 
 # fused_moe's activation -> moe_gemm13_kernel's ACT
-ACTIVATIONS = {"silu": 0, "swiglu_oai": 1, "silu_clamped": 2, "gelu_tanh": 3}
+ACTIVATIONS = {"silu": 0, "swiglu_oai": 1, "silu_clamped": 2, "gelu_tanh": 3, "gelu": 4, "relu2": 5}
 
 
 def _bias(bias: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -491,9 +510,10 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
     ``[S, I / group]`` scales. Rows of pairs routed nowhere (ids outside [0, E)) are never written and never
     read by the second GEMM; ``zero_unrouted`` zeroes them for an amax over the whole tensor. ``amax_out``:
     (float32 intermediate, each row's amax over each N tile ``[S, I / BLOCK_N]``). ``gated``: fused_moe's
-    ``w13_bias``, ``interleaved``, ``activation``, ``swiglu_alpha`` and ``swiglu_limit``."""
+    ``w13_bias``, ``interleaved``, ``activation``, ``swiglu_alpha``, ``swiglu_limit`` and ``gated`` (False: w13 is
+    ``[E, I, H]``, the intermediate act(w13 x))."""
     gated = gated or {}
-    i = w13.shape[1] // 2
+    i = w13.shape[1] // 2 if gated.get("gated", True) else w13.shape[1]
     interleaved, b13 = gated.get("interleaved", False), gated.get("w13_bias")
     bias = _bias(b13, s13)
     dtype = quant.FP8_DTYPE if fuse_group else torch.float32
@@ -507,7 +527,7 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
         xq.stride(0), xq.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
         *_act_strides(x_scale), *s13_strides, i_scale.stride(0), i_scale.stride(1), *bias[1:],
         K_TOP=k_top, W_BLOCK_N=s13_rows, ROW_STEP=2 if interleaved else 1, HAS_BIAS=b13 is not None,
-        ACT=ACTIVATIONS[gated.get("activation", "silu")], QUANT_OUT=bool(fuse_group),
+        ACT=ACTIVATIONS[gated.get("activation", "silu")], GATED=gated.get("gated", True), QUANT_OUT=bool(fuse_group),
         AMAX_OUT=amax_out and not fuse_group,
         EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **consts, **cfg,
     )
@@ -519,24 +539,24 @@ def fused_moe(
     a13_scale=None, a2_scale=None, config: Optional[dict] = None, fast_accum: bool = False,
     quantize: QuantizeAct = quantize_act, fuse_quant: bool = True, w13_bias: Optional[torch.Tensor] = None,
     w2_bias: Optional[torch.Tensor] = None, interleaved: bool = False, activation: str = "silu",
-    swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0,
+    swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, gated: bool = True,
 ) -> torch.Tensor:
     """``fp8fx.fused_moe`` (see fp8fx/ops.py) for the schemes ``supports`` accepts. ``quantize``
     quantizes the activations (``torch_quantize_act`` for Triton's interpreter). With 1 x GK activation
     groups and ``fuse_quant`` the first GEMM's epilogue quantizes the intermediate (N tiles of GK)."""
-    if not supports(w_block, act_block, tuple(w13.shape), interleaved):
+    if not supports(w_block, act_block, tuple(w13.shape), interleaved, gated):
         raise NotImplementedError(
             f"fused_moe kernel: w_block={list(w_block)}, act_block={list(act_block)}, w13 {tuple(w13.shape)}"
         )
     t, h = x.shape
-    e, two_i, _ = w13.shape
+    e, two_i, _ = w13.shape  # (ungated: [E, I, H])
     k_top = topk_ids.shape[1]
     s = t * k_top
     if s == 0 or h == 0 or two_i == 0:  # no pairs, or an empty sum (the tiles below need H, I > 0)
         if s and h and w2_bias is not None:  # I = 0: each routed pair's w2 bias, weighted
             from fp8fx.ops import fused_moe_reference
             return fused_moe_reference(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block,
-                                       out_dtype, w2_bias=w2_bias)
+                                       out_dtype, w2_bias=w2_bias, gated=gated)
         return x.new_zeros((t, h), dtype=out_dtype)
     group_k = _k_group(w_block) or _k_group(act_block)
     cfg = dict(config or tile_config(s / e, two_i, h, k_grouped=group_k is not None))
@@ -566,7 +586,7 @@ def fused_moe(
     inter = _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_expert, k_top, s, fuse_group,
                     zero_unrouted, consts, cfg, amax_out=per_row,
                     gated=dict(w13_bias=w13_bias, interleaved=interleaved, activation=activation,
-                               swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit))
+                               swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, gated=gated))
     if fuse_group:
         iq, i_scale = inter
     elif per_row:
