@@ -404,11 +404,11 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
                      "bytes_saved": _saved(site.weight_shape, module.weight.element_size(), cfg) if first else 0})
     seen = {s.fqn for s in backend.report.sites}
     for fqn, module in modules.items():  # experts: the MoE pass rewrites what quantize_ quantizes
-        if moe.is_experts(module) and fqn not in seen:
+        if moe.is_any_experts(module) and fqn not in seen:
             cfg = layer_config(fqn)
             reason = ("kept in high precision by the quantization_config" if cfg is None
                       else moe.skip_reason(module, fqn, cfg))
-            w13, w2 = module._parameters[moe.W13], module._parameters[moe.W2]
+            w13, w2 = module._parameters[moe.w13_name(module)], module._parameters[moe.W2]
             saved = sum(_saved(list(w.shape), w.element_size(), cfg) for w in (w13, w2)) if reason is None else 0
             rows.append({"graph": None, "kind": "moe", "fqn": fqn, "weight_shape": list(w13.shape),
                          "would_rewrite": reason is None, "scheme": str(cfg.scheme()) if reason is None else "",

@@ -125,7 +125,8 @@ def _function_names() -> dict:
         torch.sum: "sum", torch.chunk: "chunk", torch.unsqueeze: "view", torch.squeeze: "view", torch.t: "transpose",
         torch.transpose: "transpose", torch.permute: "transpose", torch.reshape: "view", torch.flatten: "view",
         torch.repeat_interleave: "view", f.silu: "silu", torch.index_add: "index_add", torch.sigmoid: "sigmoid",
-        f.gelu: "gelu",
+        f.gelu: "gelu", f.relu: "relu", torch.relu: "relu", torch.square: "square", torch.pow: "pow",
+        operator.pow: "pow",
         torch._grouped_mm: "gemm", torch.bmm: "gemm", torch.mm: "gemm", torch.matmul: "gemm",
         operator.matmul: "gemm", torch._C._nn.linear: "gemm", f.linear: "gemm",
         torch._C._set_grad_enabled: "grad_mode",
@@ -151,6 +152,7 @@ _METHODS = {
     "__eq__": "eq",  # torch 2.11's Dynamo records `ids == e` as a call of the method
     "ge": "ge", "__ge__": "ge", "greater_equal": "ge", "clamp": "clamp", "clamp_": "clamp", "clip": "clamp",
     "clip_": "clamp", "masked_fill": "masked_fill", "masked_fill_": "masked_fill", "sigmoid": "sigmoid", "add_": "add",
+    "relu": "relu", "square": "square", "pow": "pow", "__pow__": "pow",
 }
 _RUNTIME_ASSERTS = (torch.ops.aten._assert_scalar.default, torch._check,
                     torch.ops.aten.sym_constrain_range_for_size.default)
@@ -186,8 +188,9 @@ def _input(node: fx.Node):
 class _Interpreter:
     """Labels every node of ``region`` (graph order); raises ``_NoMatch`` at the first that breaks a rule."""
 
-    def __init__(self, inputs: dict[fx.Node, Val], e: int, i: int, h: int, k: int):
+    def __init__(self, inputs: dict[fx.Node, Val], e: int, i: int, h: int, k: int, gated: bool = True):
         self.val: dict[fx.Node, Optional[Val]] = dict(inputs)
+        self.gated = gated  # False: w13 is up alone (Nemotron-H's experts), act(up) is the intermediate
         self.inputs = set(inputs)
         # the hidden states and their views: rows in the input's order (the dense form's GEMM reads one of them)
         self.plain_x = {n for n, v in inputs.items() if v.kind == "x"}
@@ -205,9 +208,9 @@ class _Interpreter:
                 raise _NoMatch(f"the experts compute in more than one way ({what}: {sorted(map(str, values))}); "
                                "fused_moe computes every expert alike")
         one = {what: next(iter(values), None) for what, values in self.seen.items()}
-        # ("silu",), ("gelu_tanh",), ("swiglu_oai", alpha, limit), ("silu_clamped", limit)
+        # ("silu",), ("gelu_tanh",), ("gelu",), ("relu2",), ("swiglu_oai", alpha, limit), ("silu_clamped", limit)
         act = one["activation"] or ("silu",)
-        return {"interleaved": one["layout"] == "interleaved", "activation": act[0],
+        return {"interleaved": one["layout"] == "interleaved", "activation": act[0], "gated": self.gated,
                 "swiglu_alpha": act[1] if act[0] == "swiglu_oai" else 1.702,
                 "swiglu_limit": act[-1] if act[0] in ("swiglu_oai", "silu_clamped") else 7.0,
                 "b13": bool(one["b13"]), "b2": bool(one["b2"])}
@@ -491,6 +494,8 @@ class _Interpreter:
     def _half(self, node, v: Val) -> Val:
         """The gate or up half of w13's GEMM output by slicing its features: ``[..., :I]`` / ``[..., I:]``, or GPT-OSS's
         interleaved rows ``[..., ::2]`` / ``[..., 1::2]``."""
+        if not self.gated:
+            self._fail(node, "slices the output of up's GEMM: ungated experts have no gate half")
         src, index = node.args
         index = index if isinstance(index, tuple) else (index,)
         n = len(_shape(src))
@@ -550,22 +555,58 @@ class _Interpreter:
         return dataclasses.replace(v, kind="sig")
 
     # math
+    def _activated(self, node, v: Val, name: str) -> Val:
+        """fused_moe's activation ``name`` of the gate half (``act``: ``p`` names it, () for SiLU; times up next), or,
+        for ungated experts, of up's whole GEMM output (``h``: the intermediate, the second GEMM's input)."""
+        if v.kind == "gate":
+            return dataclasses.replace(v, kind="act", p=() if name == "silu" else (name,))
+        if v.kind == "g1" and not self.gated:
+            self.seen["activation"].add((name,))
+            self.seen["b13"].add(v.b)
+            return dataclasses.replace(v, kind="h", p=())
+        what = "the gate half of w13's GEMM" if self.gated else "the output of up's GEMM (ungated experts)"
+        self._fail(node, f"applies {name} to something other than {what}")
+
+    def _in_place_ok(self, node, what: str) -> None:
+        src = _input(node)
+        if _arg(node, 1, "inplace", False) and len(getattr(src, "users", ())) != 1:  # (nn.SiLU(inplace=True))
+            self._fail(node, f"applies {what} in place to a value read otherwise too")
+
     def _gelu(self, node):
-        """Gemma-4's act_fn: GELU's tanh approximation of the gate half (the exact GELU fused_moe does not compute)."""
-        v = self._of(_input(node))
-        if v.kind != "gate" or _arg(node, 1, "approximate", "none") != "tanh":
-            self._fail(node, "applies a GELU other than the tanh approximation, or to something other than the gate "
-                             "half of w13's GEMM")
-        return dataclasses.replace(v, kind="act", p=("gelu_tanh",))
+        """GELU of the gate (ungated: of up's output): the tanh approximation (Gemma-4's act_fn) or the exact one."""
+        approximate = _arg(node, 1, "approximate", "none")
+        if approximate not in ("none", "tanh"):
+            self._fail(node, f"applies a GELU with approximate={approximate!r}")
+        return self._activated(node, self._of(_input(node)), "gelu_tanh" if approximate == "tanh" else "gelu")
 
     def _silu(self, node):
-        src = _input(node)
-        v = self._of(src)
-        if _arg(node, 1, "inplace", False) and len(getattr(src, "users", ())) != 1:  # (nn.SiLU(inplace=True))
-            self._fail(node, "applies SiLU in place to a gate read otherwise too")
-        if v.kind not in ("gate", "gate_c"):
-            self._fail(node, "applies SiLU to something other than the gate half of w13's GEMM")
-        return dataclasses.replace(v, kind="act")  # (of the clamped gate: p = (limit,))
+        self._in_place_ok(node, "SiLU")
+        v = self._of(_input(node))
+        if v.kind == "gate_c":
+            return dataclasses.replace(v, kind="act")  # (of the clamped gate: p = (limit,))
+        return self._activated(node, v, "silu")
+
+    def _relu(self, node):
+        """The first half of the squared ReLU (transformers' ReLUSquaredActivation: relu, then square): ``relu``, whose
+        ``p`` keeps what it was applied to. A ReLU nothing squares reaches no rule (fused_moe has no plain ReLU)."""
+        self._in_place_ok(node, "ReLU")
+        v = self._of(_input(node))
+        if v.kind != "gate" and (v.kind != "g1" or self.gated):
+            self._fail(node, "applies ReLU to something other than the gate half of w13's GEMM (or, ungated, up's "
+                             "output)")
+        return dataclasses.replace(v, kind="relu", p=(v.kind,))
+
+    def _square(self, node):
+        v = self._of(_input(node))
+        if v.kind != "relu":
+            self._fail(node, "squares something other than a ReLU of the gate (or, ungated, of up's output)")
+        return self._activated(node, dataclasses.replace(v, kind=v.p[0], p=()), "relu2")
+
+    def _pow(self, node):
+        exponent = _arg(node, 1, "exponent")
+        if isinstance(exponent, fx.Node) or exponent != 2 or isinstance(exponent, bool):
+            self._fail(node, f"raises to the power {exponent}, not 2 (the squared ReLU)")
+        return self._square(node)
 
     def _chunk(self, node):
         v = self._of(node.args[0])
@@ -573,8 +614,9 @@ class _Interpreter:
             return _IDX
         chunks, dim = _arg(node, 1, "chunks"), _arg(node, 2, "dim", 0)
         shape = _shape(node.args[0])
-        if v.kind != "g1" or chunks != 2 or dim % len(shape) != len(shape) + v.fdim:
-            self._fail(node, "splits something other than the features of w13's GEMM in two")
+        if v.kind != "g1" or chunks != 2 or dim % len(shape) != len(shape) + v.fdim or not self.gated:
+            self._fail(node, "splits something other than the features of w13's GEMM in two" + (
+                "" if self.gated else " (ungated experts: up's output has no gate half)"))
         self.seen["layout"].add("halves")
         self.seen["b13"].add(v.b)
         return dataclasses.replace(v, kind="chunks")
@@ -586,7 +628,8 @@ class _Interpreter:
         by = {a.kind: a, b.kind: b}
         if kinds <= set(_INDEX_KINDS):
             return _IDX
-        if kinds == {"act", "up"} and a.expert == b.expert and a.fdim == b.fdim and by["act"].p in ((), ("gelu_tanh",)):
+        if kinds == {"act", "up"} and a.expert == b.expert and a.fdim == b.fdim and by["act"].p in (
+                (), ("gelu_tanh",), ("gelu",), ("relu2",)):
             self.seen["activation"].add(by["act"].p or ("silu",))
             return dataclasses.replace(by["act"], kind="h", p=())
         if kinds == {"act", "up_c"} and a.expert == b.expert and a.fdim == b.fdim and by["act"].p == by["up_c"].p:
@@ -947,6 +990,8 @@ class MoePass(Fp8Pass):
             )
         out = outputs[0]
         e, two_i, h = _shape(site.dequant["w13"])
+        i = _shape(site.dequant["w2"])[-1]
+        gated = not statically_known_true(two_i == i)  # ungated experts' w13 is up alone: [E, I, H]
         inputs: dict[fx.Node, Val] = {}
         dequants = [n for n in site.region if n.target in _DEQUANT]
         for d in dequants:
@@ -964,7 +1009,8 @@ class MoePass(Fp8Pass):
         if {"x", "ids", "wts"} - set(by_role) and not dense:
             raise _NoMatch("the experts do not read hidden_states, top_k_index and top_k_weights "
                            f"(found {sorted(by_role)})")
-        interp = _Interpreter(inputs, e, two_i // 2, h, 1 if dense else _shape(by_role["ids"])[1])
+        interp = _Interpreter(inputs, e, two_i // 2 if gated else i, h, 1 if dense else _shape(by_role["ids"])[1],
+                              gated)
         interp.run(site.region)
         result = interp.val.get(out)
         if dense:
@@ -1060,10 +1106,10 @@ class MoePass(Fp8Pass):
             args = (operands["x"], wts, ids, w13q, w13s, w2q, w2s, list(w_block), list(act_block),
                     fake_value(out).dtype, a13, a2, self.use_fast_accum)
             form = operands["form"]
-            gated = (form["b13"], form["b2"], form["interleaved"], form["activation"], form["swiglu_alpha"],
-                     form["swiglu_limit"])
-            if gated != (None, None, False, "silu", 1.702, 7.0):  # (SiLU experts' calls as before: their dumps)
-                args += gated
+            extra = (form["b13"], form["b2"], form["interleaved"], form["activation"], form["swiglu_alpha"],
+                     form["swiglu_limit"], form["gated"])
+            if extra != (None, None, False, "silu", 1.702, 7.0, True):  # (SiLU experts' calls as before: their dumps)
+                args += extra if not form["gated"] else extra[:-1]
             fused = graph.call_function(torch.ops.fp8fx.fused_moe.default, args)
         set_fake_value(fused, torch.ops.fp8fx.fused_moe.default, args)
         fused.meta.update({k: v for k, v in out.meta.items() if k not in ("example_value", "val")})
@@ -1079,14 +1125,18 @@ class MoePass(Fp8Pass):
 
 
 def _form_note(form: dict) -> str:
-    """What the report's scheme says of experts that are not plain SiLU(gate) * up (GPT-OSS's)."""
-    parts = ["biases" if form["b13"] is not None and form["b2"] is not None else "w13 bias" if form["b13"] is not None
+    """What the report's scheme says of experts that are not plain SiLU(gate) * up (GPT-OSS's, Nemotron-H's)."""
+    parts = ["ungated" if not form["gated"] else None,
+             "biases" if form["b13"] is not None and form["b2"] is not None else "w13 bias" if form["b13"] is not None
              else "w2 bias" if form["b2"] is not None else None,
              "interleaved gate/up" if form["interleaved"] else None,
              f"clamped SwiGLU (alpha {form['swiglu_alpha']:g}, limit {form['swiglu_limit']:g})"
              if form["activation"] == "swiglu_oai" else None,
              f"clamped SiLU (limit {form['swiglu_limit']:g})" if form["activation"] == "silu_clamped" else None,
-             "GELU (tanh)" if form["activation"] == "gelu_tanh" else None]
+             "GELU (tanh)" if form["activation"] == "gelu_tanh" else None,
+             "GELU" if form["activation"] == "gelu" else None,
+             "squared ReLU" if form["activation"] == "relu2" else None,
+             "SiLU" if form["activation"] == "silu" and not form["gated"] else None]
     parts = [p for p in parts if p]
     return f" ({', '.join(parts)})" if parts else ""
 

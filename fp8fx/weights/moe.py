@@ -44,9 +44,10 @@ from fp8fx.weights.linear import setstate_made_class
 log = logging.getLogger("fp8fx")
 
 W13, W2 = "gate_up_proj", "down_proj"
-ROLES = {W13: "w13", W2: "w2"}  # tagged on the fp8 tensors as ``_fp8fx_moe_role`` for the MoE pass
+UP = "up_proj"  # ungated experts' first weight, in w13's place (HF's has_gate=False: Nemotron-H's [E, I, H])
+ROLES = {W13: "w13", UP: "w13", W2: "w2"}  # tagged on the fp8 tensors as ``_fp8fx_moe_role`` for the MoE pass
 # the experts' biases (GPT-OSS), high precision as the model holds them, tagged for the MoE pass too
-BIASES = {W13 + "_bias": "b13", W2 + "_bias": "b2"}
+BIASES = {W13 + "_bias": "b13", UP + "_bias": "b13", W2 + "_bias": "b2"}
 
 _ALIASES = {
     f"{v}_{suffix}": f"{hf}{hf_suffix}"
@@ -55,7 +56,7 @@ _ALIASES = {
         ("weight", ""), ("weight_scale", "_scale"), ("weight_scale_inv", "_scale_inv"), ("input_scale", "_input_scale")
     )
 }
-_SHARDS = {W13: ("w1", "w3"), W2: ("w2",)}
+_SHARDS = {W13: ("w1", "w3"), UP: (), W2: ("w2",)}
 _UNLOADED = torch.finfo(torch.float32).min  # marks a scale that was never loaded
 _FP8_CLASSES: dict[type, type] = {}
 
@@ -64,6 +65,8 @@ _FP8_CLASSES: dict[type, type] = {}
 def _view(name: str) -> property:
     def get(self) -> torch.Tensor:
         p = self._parameters
+        if name not in p:  # (the other first weight's view: gate_up_proj of ungated experts, up_proj of gated ones)
+            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         scale = p[name + ("_scale_inv" if self._fp8fx_block_scales else "_scale")]
         w = torch.ops.fp8fx.dequantize(
             p[name], scale, self._fp8fx_w_block, self._fp8fx_dtype, p.get(name + "_input_scale"), self._fp8fx_act_block
@@ -76,12 +79,14 @@ def _view(name: str) -> property:
 
 
 def fp8_experts_class(cls: type) -> type:
-    """The subclass of ``cls`` whose ``gate_up_proj`` / ``down_proj`` are dequantized views (cached)."""
+    """The subclass of ``cls`` whose ``gate_up_proj`` (or, ungated, ``up_proj``) and ``down_proj`` are dequantized
+    views (cached). A view of a name the module has no fp8 tensor of raises AttributeError, as a missing attribute
+    does (``hasattr`` on the other name stays False)."""
     if getattr(cls, "_fp8fx_moe", False):
         return cls
     if cls not in _FP8_CLASSES:
-        attrs = {W13: _view(W13), W2: _view(W2), "_apply": fp8_apply, "_fp8fx_moe": True, "__module__": cls.__module__,
-                 "_load_from_state_dict": fp8_load_from_state_dict,
+        attrs = {W13: _view(W13), UP: _view(UP), W2: _view(W2), "_apply": fp8_apply, "_fp8fx_moe": True,
+                 "__module__": cls.__module__, "_load_from_state_dict": fp8_load_from_state_dict,
                  "__reduce_ex__": reduce_made_class, "__setstate__": setstate_made_class,
                  "_fp8fx_maker": fp8_experts_class}
         _FP8_CLASSES[cls] = type(f"Fp8{cls.__name__}", (cls,), attrs)
@@ -98,6 +103,18 @@ def is_experts(module: nn.Module) -> bool:
     return all(isinstance(p.get(n), torch.Tensor) and p[n].dim() == 3 for n in (W13, W2))
 
 
+def is_any_experts(module: nn.Module) -> bool:
+    """Gated experts (``is_experts``) or ungated ones (``is_ungated_experts``): what ``quantize_``, ``calibrate`` and
+    the MoE pass take. The checkpoint code reads gated experts only (``is_experts``); ungated ones are refused there
+    (``fp8fx.checkpoint``)."""
+    return is_experts(module) or is_ungated_experts(module)
+
+
+def w13_name(module: nn.Module) -> str:
+    """The name of the experts' first weight (fused_moe's w13): ``gate_up_proj``, or ``up_proj`` for ungated experts."""
+    return UP if is_ungated_experts(module) else W13
+
+
 def is_transposed(module: nn.Module) -> bool:
     """Whether the experts ``module`` holds its weights transposed, [E, H, 2I] / [E, I, H] (its code computes
     ``x @ w``): HF's ``is_transposed`` flag says so (Aria), or, with no flag, the shapes do (Llama-4's
@@ -107,7 +124,7 @@ def is_transposed(module: nn.Module) -> bool:
     if is_quantized_experts(module):
         return getattr(module, "_fp8fx_transposed", False)
     flag = getattr(module, "is_transposed", None)
-    if flag is not None:
+    if flag is not None or is_ungated_experts(module):  # (ungated [E, a, b] / [E, b, a]: no shape tells them apart)
         return flag is True
     e, a, b = module._parameters[W13].shape
     return b % 2 == 0 and tuple(module._parameters[W2].shape) == (e, b // 2, a)
@@ -121,20 +138,19 @@ def is_interleaved(module: nn.Module) -> bool:
 
 
 def sizes(module: nn.Module) -> tuple[int, int, int]:
-    """(E, H, I) of an experts module: high precision in either layout (``is_transposed``), or quantized."""
-    e, a, b = module._parameters[W13].shape
-    h, two_i = (a, b) if is_transposed(module) and not is_quantized_experts(module) else (b, a)
-    return e, h, two_i // 2
+    """(E, H, I) of an experts module (gated or not): high precision in either layout (``is_transposed``), or
+    quantized."""
+    e, a, b = module._parameters[w13_name(module)].shape
+    h, rows = (a, b) if is_transposed(module) and not is_quantized_experts(module) else (b, a)
+    return e, h, rows // 2 if w13_name(module) == W13 else rows
 
 
 def is_ungated_experts(module: nn.Module) -> bool:
     """Experts with no gate (HF's ``has_gate=False``, Nemotron-H: ``down_proj(act_fn(up_proj(x)))``): 3-D
-    ``up_proj`` [E, I, H] and ``down_proj``, no ``gate_up_proj``. fused_moe computes gated experts only."""
+    ``up_proj`` [E, I, H] and ``down_proj`` (bf16 or fp8), no ``gate_up_proj``. fused_moe computes them with
+    ``gated=False``."""
     p = module._parameters
-    return W13 not in p and all(isinstance(p.get(n), torch.Tensor) and p[n].dim() == 3 for n in ("up_proj", W2))
-
-
-UNGATED = "ungated experts (down_proj(act_fn(up_proj(x))), no gate) are not supported by fp8fx.fused_moe"
+    return W13 not in p and all(isinstance(p.get(n), torch.Tensor) and p[n].dim() == 3 for n in (UP, W2))
 
 
 def foreign_experts(module: nn.Module) -> Optional[str]:
@@ -164,10 +180,10 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
     modules = dict(model.named_modules(prefix=prefix))
     found: dict[str, str] = {}
     for fqn, experts in modules.items():
-        if fqn == prefix or not (is_experts(experts) or foreign_experts(experts)):
+        if fqn == prefix or not (is_any_experts(experts) or foreign_experts(experts)):
             continue
         parent = fqn.rpartition(".")[0]  # the MoE block
-        if is_experts(experts):
+        if is_any_experts(experts):
             count, hidden, _ = sizes(experts)
         else:  # (DBRX's router: a linear inside a router module)
             count, hidden = experts.num_experts, getattr(experts, "hidden_size", None)
@@ -194,43 +210,36 @@ _ROUTES = "routes tokens to {} (an MoE router or gate: high precision, as vLLM k
 
 def tag_routers(model: nn.Module, found: dict[str, str], prefix: str = "") -> None:
     """Tags the weights of ``found``'s routers that are no ``nn.Linear`` (``routers``) with why they stay in high
-    precision, which the compile report reads back (it said "not an fp8fx-quantized weight: run quantize_"); and
-    the tensors of ungated experts (``is_ungated_experts``), for the MoE pass's report (they were in none)."""
+    precision, which the compile report reads back (it said "not an fp8fx-quantized weight: run quantize_")."""
     modules = dict(model.named_modules(prefix=prefix))
     for fqn, reason in found.items():
         module = modules.get(fqn)
         if module is not None and not isinstance(module, nn.Linear):
             module._parameters["weight"]._fp8fx_skip_reason = reason
             module._parameters["weight"]._fp8fx_fqn = fqn
-    for fqn, module in modules.items():
-        if is_ungated_experts(module):
-            for name, role in (("up_proj", "w13"), (W2, "w2")):
-                p = module._parameters[name]
-                p._fp8fx_skip_reason, p._fp8fx_fqn, p._fp8fx_moe_role = UNGATED, fqn, role
-            log.info("fp8fx: %s not quantized: %s", fqn, UNGATED)
 
 
-def input_scale_names(fqn: str) -> tuple[str, str]:
+def input_scale_names(fqn: str, module: Optional[nn.Module] = None) -> tuple[str, str]:
     """The names of an experts module's two static activation scales in ``calibrate``'s and ``quantize_``'s
-    ``input_scales``: those of its gate_up_proj's and its down_proj's inputs."""
-    return f"{fqn}.{W13}", f"{fqn}.{W2}"
+    ``input_scales``: those of its gate_up_proj's (ungated ``module``: up_proj's) and its down_proj's inputs."""
+    return f"{fqn}.{W13 if module is None else w13_name(module)}", f"{fqn}.{W2}"
 
 
 def experts_scheme(module: nn.Module) -> LayerScheme:
     """The scheme a quantized experts module runs with, read back from the module."""
-    static = f"{W13}_input_scale" in module._parameters
+    static = f"{w13_name(module)}_input_scale" in module._parameters
     act = granularity_from_block([-1, -1] if static else module._fp8fx_act_block)
     return LayerScheme(granularity_from_block(module._fp8fx_w_block, weight=True), act, static)
 
 
-def block_error(scheme: LayerScheme, intermediate: int, tp_size: int = 1) -> Optional[str]:
+def block_error(scheme: LayerScheme, intermediate: int, tp_size: int = 1, gated: bool = True) -> Optional[str]:
     """Why ``scheme``'s weight blocks cannot cut experts of ``intermediate_size`` I, or None: w1 and w3
-    are stacked in w13, so a scale block must not span both (I % block_n); a sharded I is w2's K
-    dim on every rank, so it must hold whole blocks (I % block_k)."""
+    are stacked in w13, so a scale block must not span both (I % block_n; ungated experts have up alone); a sharded
+    I is w2's K dim on every rank, so it must hold whole blocks (I % block_k)."""
     w = scheme.weight
     if not isinstance(w, PerBlock):
         return None
-    if intermediate % w.block_n:
+    if gated and intermediate % w.block_n:
         return (
             f"intermediate_size={intermediate} is not divisible by weight_block_size block_n={w.block_n} "
             "(a scale block of gate_up_proj would span gate and up); use per-channel scales or a block_n dividing it"
@@ -250,23 +259,25 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
     why = layout_reason(module)
     if why is not None:
         return why
-    from fp8fx.weights.quantize import fusable_act  # quantize imports this module
+    from fp8fx.weights.quantize import fused_activation  # quantize imports this module
 
-    # fused_moe computes act(gate) * up with SiLU or GELU (tanh): experts with another act_fn would be quantized and
-    # never fused (fp8 error, no speedup). A module with no act_fn (a loop calling F.silu; GPT-OSS's _apply_gate) is
-    # left to the MoE pass, which reads its graph.
+    # fused_moe computes act(gate) * up (ungated: act(up)) with SiLU, the GELUs or the squared ReLU: experts with
+    # another act_fn would be quantized and never fused (fp8 error, no speedup). A module with no act_fn (a loop
+    # calling F.silu; GPT-OSS's _apply_gate) is left to the MoE pass, which reads its graph.
     act = getattr(module, "act_fn", None)
-    if act is not None and not fusable_act(module):
-        python = " (GELU's tanh formula in Python, use_gelu_tanh_python=True)" if callable(getattr(act, "act", None)) \
-            and getattr(act.act, "__name__", "") == "_gelu_tanh_python" else ""
-        return (f"act_fn={act!r}{python} is not SiLU or GELU (tanh): fp8fx.fused_moe computes act(gate) * up with one "
-                "of them")
-    w13, w2 = module._parameters[W13], module._parameters[W2]
+    if act is not None and fused_activation(module) is None:
+        inner = getattr(getattr(act, "act", None), "__name__", "")
+        python = {"_gelu_tanh_python": " (GELU's tanh formula in Python, use_gelu_tanh_python=True)",
+                  "_gelu_python": " (GELU's erf formula in Python, use_gelu_python=True)"}.get(inner, "")
+        formula = "act(gate) * up" if is_experts(module) else "act(up) (ungated)"
+        return (f"act_fn={act!r}{python} is not SiLU, GELU (exact or tanh) or the squared ReLU: fp8fx.fused_moe "
+                f"computes {formula} with one of them")
+    w13, w2 = module._parameters[w13_name(module)], module._parameters[W2]
     if w13.dtype not in quant.HIGH_PRECISION or w2.dtype not in quant.HIGH_PRECISION:
         return f"expert weight dtype {w13.dtype} is not bf16/fp16/fp32"
     if w13.dtype != w2.dtype:  # (the fp8 module dequantizes both to one dtype, w13's)
-        return f"gate_up_proj is {w13.dtype} but down_proj {w2.dtype}: fp8fx's experts take one dtype for both"
-    return block_error(config.scheme(), sizes(module)[2])
+        return f"{w13_name(module)} is {w13.dtype} but down_proj {w2.dtype}: fp8fx's experts take one dtype for both"
+    return block_error(config.scheme(), sizes(module)[2], gated=is_experts(module))
 
 
 def layout_reason(module: nn.Module) -> Optional[str]:
@@ -276,16 +287,20 @@ def layout_reason(module: nn.Module) -> Optional[str]:
     ``down_proj_bias`` [E, H], kept as they are) are GPT-OSS's, which fused_moe computes."""
     if getattr(module, "has_post_expert_norm", False) is True:  # HF @use_experts_implementation's flag
         return "a norm after each expert is not supported by fp8fx.fused_moe"
-    w13, w2 = module._parameters[W13], module._parameters[W2]
+    name13 = w13_name(module)
+    gated = name13 == W13
+    w13, w2 = module._parameters[name13], module._parameters[W2]
     if is_transposed(module):
-        e, h, two_i = w13.shape
-        fits, layout = tuple(w2.shape) == (e, two_i // 2, h), "[E, H, 2I] and [E, I, H] (is_transposed)"
+        e, h, rows = w13.shape
+        i = rows // 2 if gated else rows
+        fits, layout = tuple(w2.shape) == (e, i, h), f"[E, H, {'2I' if gated else 'I'}] and [E, I, H] (is_transposed)"
     else:
-        e, two_i, h = w13.shape
-        fits, layout = tuple(w2.shape) == (e, h, two_i // 2), "[E, 2I, H] and [E, H, I]"
-    if two_i % 2 or not fits:
-        return f"gate_up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not {layout}"
-    for name, shape in ((W13 + "_bias", (e, two_i)), (W2 + "_bias", (e, h))):
+        e, rows, h = w13.shape
+        i = rows // 2 if gated else rows
+        fits, layout = tuple(w2.shape) == (e, h, i), f"[E, {'2I' if gated else 'I'}, H] and [E, H, I]"
+    if (gated and rows % 2) or not fits:
+        return f"{name13} {list(w13.shape)} and down_proj {list(w2.shape)} are not {layout}"
+    for name, shape in ((name13 + "_bias", (e, rows)), (W2 + "_bias", (e, h))):
         bias = module._parameters.get(name)
         if bias is not None and tuple(bias.shape) != shape:
             return f"{name} {list(bias.shape)} is not {list(shape)} (each expert's bias)"
@@ -322,17 +337,23 @@ class Fp8MoEMethod:
         prefix: str = "",
         transposed: bool = False,
         interleaved: bool = False,
+        gated: bool = True,
     ) -> None:
         """Registers the fp8 tensors and scales on ``layer`` (replacing any bf16 ``gate_up_proj`` /
         ``down_proj``) and swaps its class; ``intermediate_size`` is this rank's I. ``transposed``: the model's code
         reads [E, H, 2I] / [E, I, H] (``is_transposed``): the fp8 tensors, and what ``weight_loader`` takes, are still
         [E, 2I, H] / [E, H, I]; the views the model reads are transposed. ``interleaved``: w13's gate and up rows
-        alternate (GPT-OSS's; HF's ``is_concatenated=False``): its w1 / w3 shards have no rows of their own."""
+        alternate (GPT-OSS's; HF's ``is_concatenated=False``): its w1 / w3 shards have no rows of their own.
+        ``gated=False``: ungated experts (Nemotron-H's): ``up_proj`` [E, I, H] in gate_up_proj's place, loaded whole
+        (no w1 / w3 shards)."""
         e, h, i = num_experts, hidden_size, intermediate_size
         prefix = prefix or type(layer).__name__
-        error = block_error(self.scheme, i, tp_size)
+        error = block_error(self.scheme, i, tp_size, gated)
         if error:
             raise ValueError(f"{prefix}: {error}")
+        if interleaved and not gated:
+            raise ValueError(f"{prefix}: interleaved=True with gated=False: ungated experts have no gate rows")
+        w13 = W13 if gated else UP
         w = self.scheme.weight
         layer._fp8fx_prefix = prefix
         layer._fp8fx_dtype = params_dtype
@@ -343,7 +364,7 @@ class Fp8MoEMethod:
         layer._fp8fx_transposed = transposed
         layer._fp8fx_interleaved = interleaved
         layer._fp8fx_processed = False
-        layer._fp8fx_done = {W13: torch.zeros(e, dtype=torch.int64), W2: torch.zeros(e, dtype=torch.int64)}
+        layer._fp8fx_done = {w13: torch.zeros(e, dtype=torch.int64), W2: torch.zeros(e, dtype=torch.int64)}
         # (base, expert_id, shard_id) of the weights loaded (None: all experts / the whole expert): no load may
         # overlap an earlier one (the completeness check counts elements; online, a repeat would be dropped)
         layer._fp8fx_arrived = set()
@@ -355,7 +376,7 @@ class Fp8MoEMethod:
             return nn.Parameter(t, requires_grad=False)
 
         serialized = self.config.is_checkpoint_fp8_serialized
-        for name, (rows, cols) in ((W13, (2 * i, h)), (W2, (h, i))):
+        for name, (rows, cols) in ((w13, (2 * i if gated else i, h)), (W2, (h, i))):
             layer._parameters[name] = param((e, rows, cols), quant.FP8_DTYPE)
             if isinstance(w, PerBlock):
                 layer._parameters[name + "_scale_inv"] = param(quant.scale_shape((e, rows, cols), w.block),
@@ -363,7 +384,7 @@ class Fp8MoEMethod:
             elif isinstance(w, PerRow):
                 layer._parameters[name + "_scale"] = param((e, rows, 1), fill=_UNLOADED)
             else:  # per-tensor: one per expert; w13 arrives as one per shard (w1, w3) from checkpoints
-                shape = (e, 2) if serialized and name == W13 else (e,)
+                shape = (e, 2) if serialized and name == W13 else (e,)  # (ungated: up, one scale)
                 layer._parameters[name + "_scale"] = param(shape, fill=_UNLOADED)
             if self.scheme.static_activation:
                 layer._parameters[name + "_input_scale"] = param((e,), fill=_UNLOADED)
@@ -385,14 +406,19 @@ class Fp8MoEMethod:
         rows of gate_up_proj) or ``"w2"`` of one expert. Online, bf16 tensors are quantized here, after a pass
         that refuses NaN/Inf - skipped with ``values_checked`` where the caller's own pass over the tensor did that
         (``fp8fx.load_checkpoint``: one pass over each expert tensor, not two)."""
+        w13 = w13_name(layer)
         name = _ALIASES.get(name, name)
-        base = W13 if name.startswith(W13) else W2 if name.startswith(W2) else None
+        if w13 == UP and name.startswith(W13):  # vLLM's w13_ names: the first weight, up_proj here
+            name = UP + name[len(W13):]
+        base = w13 if name.startswith(w13) else W2 if name.startswith(W2) else None
         prefix = layer._fp8fx_prefix
         if base is None or name not in layer._parameters:
-            accepted = sorted(n for n in layer._parameters if n.startswith((W13, W2)))
+            accepted = sorted(n for n in layer._parameters if n.startswith((w13, W2)))
             raise KeyError(f"{prefix}: no fp8fx expert tensor {name!r}; it takes {accepted} (or vLLM's w13_/w2_ names)")
         if shard_id is not None and shard_id not in _SHARDS[base]:
-            raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r}; {base} takes {list(_SHARDS[base])} or None")
+            raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r}; {base} takes {list(_SHARDS[base])} or None"
+                             + (" (ungated experts: up_proj whole, all experts or one expert's [I, H])"
+                                if base == UP else ""))
         if shard_id is not None and expert_id is None:
             raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r} needs an expert_id")
         if shard_id in ("w1", "w3") and getattr(layer, "_fp8fx_interleaved", False):
@@ -555,7 +581,8 @@ class Fp8MoEMethod:
         if layer._fp8fx_processed:
             return
         params, prefix = layer._parameters, layer._fp8fx_prefix
-        for base in (W13, W2):
+        w13 = w13_name(layer)
+        for base in (w13, W2):
             per_expert = params[base][0].numel()
             missing = (layer._fp8fx_done[base] < per_expert).nonzero().flatten().tolist()
             if missing:
@@ -567,9 +594,9 @@ class Fp8MoEMethod:
                 if name in params and (params[name].data == _UNLOADED).any():
                     raise ValueError(f"{prefix}.{name} was never loaded (for some experts); load it from the "
                                      "checkpoint")
-        if isinstance(self.scheme.weight, PerTensor) and params[W13 + "_scale"].dim() == 2:
+        if isinstance(self.scheme.weight, PerTensor) and params[w13 + "_scale"].dim() == 2:
             self._requantize_w13(layer)
-        for base in (W13, W2):
+        for base in (w13, W2):
             name = base + "_input_scale"
             if name in params:
                 scales = params[name].data
@@ -607,22 +634,23 @@ def quantize_experts(module: nn.Module, fqn: str, config: Fp8Config,
     """``quantize_``'s step for one experts module (checked by ``skip_reason``): bf16 -> fp8, in place;
     the bf16 tensors are released when this returns. ``input_scales``: the static activation scales of
     gate_up_proj's and down_proj's inputs (``calibrate``), with ``activation_scheme='static'``."""
-    w13, w2 = module._parameters[W13], module._parameters[W2]
+    name13 = w13_name(module)
+    w13, w2 = module._parameters[name13], module._parameters[W2]
     e, h, i = sizes(module)
     transposed = is_transposed(module)
     if transposed:  # fp8fx stores fused_moe's layout (the views transpose it back)
         w13, w2 = w13.transpose(1, 2), w2.transpose(1, 2)
     method = Fp8MoEMethod(config)
     method.create_weights(module, e, h, i, w13.dtype, device=w13.device, prefix=fqn, transposed=transposed,
-                          interleaved=is_interleaved(module))
-    method.weight_loader(module, W13, w13.detach())
+                          interleaved=is_interleaved(module), gated=name13 == W13)
+    method.weight_loader(module, name13, w13.detach())
     method.weight_loader(module, W2, w2.detach())
     del w13, w2
     if method.scheme.static_activation:  # every expert's: the max over experts is what the module keeps
-        for base, scale in zip((W13, W2), input_scales):
+        for base, scale in zip((name13, W2), input_scales):
             method.weight_loader(module, base + "_input_scale", torch.full((e,), scale, dtype=torch.float32))
     method.process_weights_after_loading(module)
-    for base in (W13, W2):
+    for base in (name13, W2):
         module._parameters[base]._fp8fx_fqn = fqn
     if getattr(getattr(module, "config", None), "_experts_implementation", None) == "eager":
         log.warning(
@@ -634,7 +662,7 @@ def quantize_experts(module: nn.Module, fqn: str, config: Fp8Config,
 
 def tag_skipped(module: nn.Module, fqn: str, reason: str) -> None:
     """Marks the bf16 expert tensors of a module ``quantize_`` left alone, for the MoE pass's report."""
-    for base in (W13, W2):
+    for base in (W13, UP, W2):
         p = module._parameters.get(base)
         if p is not None:
             p._fp8fx_skip_reason, p._fp8fx_fqn, p._fp8fx_moe_role = reason, fqn, ROLES[base]

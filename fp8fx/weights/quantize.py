@@ -30,14 +30,16 @@ def quantize_(
     prefix: str = "",
 ) -> nn.Module:
     """Quantize every ``nn.Linear`` of ``model`` in place (online: ``config`` must not be serialized),
-    and every experts module (3-D ``gate_up_proj`` / ``down_proj``, ``fp8fx.weights.moe``).
+    and every experts module (3-D ``gate_up_proj`` / ``down_proj``, or ungated ``up_proj`` / ``down_proj``:
+    ``fp8fx.weights.moe``).
 
     Each layer goes through ``Fp8LinearMethod`` and its bf16 weight is released before the next
     layer starts. Layers that cannot be quantized (ignored, shape not divisible by the block,
     unsupported dtype) stay as they are, their weight tagged with the reason for the report; with
     ``strict=True`` any such layer other than an ignored one raises instead. Static activations
     (``activation_scheme="static"``) need ``input_scales``: ``{fqn: scale}`` for every quantized layer, and
-    for an experts module ``{fqn}.gate_up_proj`` and ``{fqn}.down_proj`` (the inputs of its two GEMMs), e.g.
+    for an experts module ``{fqn}.gate_up_proj`` (ungated: ``{fqn}.up_proj``) and ``{fqn}.down_proj`` (the inputs
+    of its two GEMMs), e.g.
     from ``fp8fx.calibrate``. Every check runs before the first layer changes.
 
     ``prefix``: the name of ``model`` inside the model it belongs to (vLLM's ``prefix``), for a model quantized
@@ -86,16 +88,14 @@ def quantize_(
             raise ValueError(f"{fqn}: {reason}")
         else:
             skipped.append((fqn, module, reason))
-    # experts modules (3-D gate_up_proj [E, 2I, H] / down_proj [E, H, I]): fp8fx.weights.moe
+    # experts modules (3-D gate_up_proj [E, 2I, H] or ungated up_proj [E, I, H], and down_proj [E, H, I]):
+    # fp8fx.weights.moe
     experts: list[tuple[str, nn.Module]] = []
     experts_skipped: list[tuple[str, nn.Module, str]] = []
     for fqn, module in modules:
-        if moe.is_ungated_experts(module):  # kept in high precision, as its report line says: strict refuses it
-            reason = "in ignored_layers" if config.is_ignored(fqn) else moe.UNGATED
-        elif not moe.is_experts(module):
+        if not moe.is_any_experts(module):
             continue
-        else:
-            reason = moe.skip_reason(module, fqn, config)
+        reason = moe.skip_reason(module, fqn, config)
         if reason is None:
             experts.append((fqn, module))
         elif strict and reason != "in ignored_layers":
@@ -117,7 +117,7 @@ def quantize_(
                 "(nothing was quantized)"
             )
     for fqn, module in experts:
-        for name in (moe.W13, moe.W2):
+        for name in (moe.w13_name(module), moe.W2):
             if module._parameters[name].is_meta:
                 raise ValueError(
                     f"{fqn}.{name} is on the meta device: quantize_ needs the weights' values; build the model with "
@@ -131,12 +131,12 @@ def quantize_(
                 )
     if not plan and not experts:
         _nothing_to_quantize(model, modules, skipped + experts_skipped, strict)
-    planned = [fqn for fqn, _ in plan] + [name for fqn, _ in experts for name in moe.input_scale_names(fqn)]
+    planned = [fqn for fqn, _ in plan] + [name for fqn, m in experts for name in moe.input_scale_names(fqn, m)]
     # a resumed call takes the same input_scales: those of the layers quantized before it failed are known names
     held = _held_input_scales(done)
     planned += list(held)
     not_quantized = {fqn: reason for fqn, _, reason in skipped}
-    not_quantized.update({name: reason for fqn, _, reason in experts_skipped for name in moe.input_scale_names(fqn)})
+    not_quantized.update({name: reason for fqn, m, reason in experts_skipped for name in moe.input_scale_names(fqn, m)})
     scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix)
     _check_resumed_scales(held, scales)
 
@@ -168,7 +168,7 @@ def quantize_(
         moe.tag_skipped(module, fqn, reason)
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
     for fqn, module in experts:
-        static = tuple(scales[name] for name in moe.input_scale_names(fqn)) if scales else None
+        static = tuple(scales[name] for name in moe.input_scale_names(fqn, module)) if scales else None
         with undo.layer(fqn, module):
             moe.quantize_experts(module, fqn, config, static)
     if experts or experts_skipped:
@@ -332,7 +332,7 @@ def _held_input_scales(done: Mapping[str, nn.Module]) -> dict[str, Optional[torc
     held = {}
     for fqn, module in done.items():
         if moe.is_quantized_experts(module):
-            for name in moe.input_scale_names(fqn):
+            for name in moe.input_scale_names(fqn, module):
                 held[name] = module._parameters.get(f"{name.rpartition('.')[2]}_input_scale")
         else:
             held[fqn] = module._parameters.get("input_scale")
@@ -434,25 +434,34 @@ def _record(amax: dict[str, float], name: str, value: float, batch_no: int) -> N
     amax[name] = max(amax.get(name, 0.0), value)
 
 
-def fusable_act(module: nn.Module) -> bool:
-    """The experts module's ``act_fn`` is one fused_moe computes: a one-argument SiLU (nn.SiLU, transformers'
-    SiLUActivation, F.silu) or GELU's tanh approximation (nn.GELU("tanh"), transformers' GELUTanh: Gemma-4's; not its
-    Python formula, ``use_gelu_tanh_python``, whose ops the MoE pass does not read)."""
+def fused_activation(module: nn.Module) -> Optional[str]:
+    """fused_moe's name of the experts module's ``act_fn`` where it computes it, else None: a one-argument SiLU
+    (nn.SiLU, transformers' SiLUActivation, F.silu) ``"silu"``; GELU's tanh approximation (nn.GELU("tanh"),
+    transformers' GELUTanh: Gemma-4's) ``"gelu_tanh"``; the exact GELU (nn.GELU(), transformers' GELUActivation)
+    ``"gelu"``; the squared ReLU (transformers' ReLUSquaredActivation, "relu2": Nemotron-H's) ``"relu2"``. Not the
+    Python formulas (``use_gelu_tanh_python``, ``use_gelu_python``), whose ops the MoE pass does not read."""
     act = getattr(module, "act_fn", None)
     if isinstance(act, nn.SiLU) or type(act).__name__ == "SiLUActivation" or act is nn.functional.silu:
-        return True
+        return "silu"
     if isinstance(act, nn.GELU):
-        return act.approximate == "tanh"
+        return {"tanh": "gelu_tanh", "none": "gelu"}.get(act.approximate)
+    if type(act).__name__ == "ReLUSquaredActivation":
+        return "relu2"
     inner = getattr(act, "act", None)  # transformers' GELUTanh: functools.partial(F.gelu, approximate="tanh")
-    return (type(act).__name__ in ("GELUTanh", "PytorchGELUTanh") and getattr(inner, "func", None) is
-            nn.functional.gelu and getattr(inner, "keywords", {}) == {"approximate": "tanh"})
+    if (type(act).__name__ in ("GELUTanh", "PytorchGELUTanh") and getattr(inner, "func", None) is
+            nn.functional.gelu and getattr(inner, "keywords", {}) == {"approximate": "tanh"}):
+        return "gelu_tanh"
+    return "gelu" if type(act).__name__ == "GELUActivation" and inner is nn.functional.gelu else None
 
 
 def _gate_of(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     """The experts' activation of their first GEMM's output [..., 2I]: HF's ``_apply_gate``, which its grouped_mm /
     batched_mm code calls (GPT-OSS's interleaved, clamped SwiGLU; ``act_fn(gate) * up`` by default); else
     ``act_fn(gate) * up`` of the halves, SiLU for a module with no act_fn (a loop calling F.silu,
-    examples/moe_reference.py: the activation the MoE pass fuses)."""
+    examples/moe_reference.py: the activation the MoE pass fuses). Ungated experts: ``act_fn`` of the output [..., I]
+    (HF's grouped_mm / batched_mm code for ``has_gate=False``)."""
+    if moe.is_ungated_experts(mod):
+        return mod.act_fn
     if callable(getattr(mod, "_apply_gate", None)):
         return mod._apply_gate
     act = mod.act_fn if getattr(mod, "act_fn", None) is not None else nn.functional.silu
@@ -472,7 +481,8 @@ def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
     def record(mod, args, kwargs):
         bound = inspect.signature(mod.forward).bind(*args, **kwargs).arguments
         x, ids = (list(bound.values()) + [None])[:2]
-        w13 = mod.gate_up_proj.transpose(1, 2) if moe.is_transposed(mod) else mod.gate_up_proj  # [E, 2I, H]
+        w13 = getattr(mod, moe.w13_name(mod))
+        w13 = w13.transpose(1, 2) if moe.is_transposed(mod) else w13  # [E, 2I, H] (ungated: [E, I, H])
         experts = w13.shape[0]
         if ids is None and isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[0] % experts == 0:
             ids = torch.arange(experts, device=x.device).repeat_interleave(x.shape[0] // experts)
@@ -485,8 +495,8 @@ def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
         x = x.reshape(-1, x.shape[-1])
         ids = ids.reshape(x.shape[0], -1)
         gated = _gate_of(mod)
-        b13 = getattr(mod, moe.W13 + "_bias", None)  # GPT-OSS's
-        name13, name2 = moe.input_scale_names(fqn)
+        b13 = getattr(mod, moe.w13_name(mod) + "_bias", None)  # GPT-OSS's
+        name13, name2 = moe.input_scale_names(fqn, mod)
         for e in ids.unique().tolist():
             if not 0 <= e < experts:  # an expert-parallel sentinel: no expert of this module
                 continue
@@ -531,7 +541,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     batch_no = [0]
     modules = [(fqn, m) for fqn, m in named if not config.is_ignored(fqn)]
     # (skip_reason leaves out the experts quantize_ keeps bf16, an act_fn fused_moe does not compute among them)
-    experts = [(fqn, m) for fqn, m in modules if moe.is_experts(m) and moe.skip_reason(m, fqn, config) is None]
+    experts = [(fqn, m) for fqn, m in modules if moe.is_any_experts(m) and moe.skip_reason(m, fqn, config) is None]
     hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no), with_kwargs=True)
              for fqn, module in experts]
     for fqn, module in modules:
@@ -570,7 +580,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
             "calibrate with more or other batches, or add the layers to ignored_layers"
         )
     unseen = [fqn for fqn, m in modules if isinstance(m, nn.Linear) and fqn not in amax]
-    unseen += [name for fqn, _ in experts for name in moe.input_scale_names(fqn) if name not in amax]
+    unseen += [name for fqn, m in experts for name in moe.input_scale_names(fqn, m) if name not in amax]
     if unseen:  # quantize_ will ask for their scales
         log.warning("fp8fx: calibrate: %s received no input during calibration (a branch the batches did not take, "
                     "or a layer called through its weight, F.linear(x, layer.weight)), so they get no input scale; "
