@@ -35,6 +35,9 @@ from fp8fx.weights import chunked, moe
 from fp8fx.weights.moe import W13, W2, Fp8MoEMethod
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+UNGATED_LOAD = ("ungated experts (up_proj / down_proj): load_checkpoint reads gated experts only and loads these as "
+                "stored, in high precision; fp8fx.quantize_(experts_module, config, prefix=<its name>) quantizes them "
+                "after loading")
 ONE_VALUE = ((), (1,), (1, 1))
 
 # checkpoint projection -> Fp8MoEMethod shard; the two namings of per-expert checkpoints
@@ -156,6 +159,8 @@ class ExpertsLoader:
         self.fmt, self.device, self.items = fmt, device, items
         self.experts = {f: Experts(f, m) for f, m in modules.items() if moe.is_experts(m)}
         self.not_quantized: dict[str, str] = {}  # experts fqn -> why it stays in high precision
+        # ungated experts (Nemotron-H's up_proj / down_proj): loaded as stored, into the module, and said so
+        self.not_quantized.update({f: UNGATED_LOAD for f, m in modules.items() if moe.is_ungated_experts(m)})
         # what a "missing from the checkpoint" error says to do (the loader's: names to map where tensors are unplaced)
         self.missing_fix: Callable[[], str] = lambda: "wrong checkpoint for this model, or a shard is missing"
 

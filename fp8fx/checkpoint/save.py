@@ -94,6 +94,11 @@ def save_checkpoint(
     # modules by the names they are saved under: a torch.compile wrapper of a submodule puts "_orig_mod." in its
     # module's names, which nothing loads (the wrappers hold nothing of their own)
     modules = {_unwrapped(f): m for f, m in model.named_modules() if compat.compiled_module(m) is m}
+    ungated = [f for f, m in modules.items() if moe.is_quantized_experts(m) and moe.is_ungated_experts(m)]
+    if ungated:  # (their up_proj would be written under a name no loader reads as fp8 experts)
+        raise ValueError(f"save_checkpoint: {ungated[0]} ({len(ungated)} such modules) holds ungated experts in fp8 "
+                         f"({moe.UP} / {moe.W2}, Nemotron-H's); fp8fx writes no checkpoint of them yet: save the bf16 "
+                         "model and quantize_ it after loading (nothing was written)")
     schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}  # the fp8 linears'
     layout = _experts_layout(model, modules, experts)
     schemes, demoted = _fp8_schemes(modules, schemes, layout)

@@ -663,3 +663,71 @@ def test_in_place_silu_act_fn_experts_in_fp8():
     out, eager, ref = run(model, moe_only(report))
     assert {s.fqn for s in report.sites if s.rewritten} == EXPERTS, [s.reason for s in report.sites]
     assert rel_err(out, eager) < 0.05
+
+
+def tiny_nemotron_h():
+    """A tiny random Nemotron-H of MoE and attention layers (no Mamba): ungated experts of squared ReLU, a shared
+    expert, decisive routers (as tiny() does)."""
+    config = transformers.NemotronHConfig(
+        vocab_size=512, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+        layers_block_type=["moe", "attention", "moe"], moe_intermediate_size=128, moe_shared_expert_intermediate_size=128,
+        n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, intermediate_size=256)
+    torch.manual_seed(0)
+    model = transformers.NemotronHForCausalLM(config).to(torch.bfloat16).eval()
+    with torch.no_grad():
+        for i in (0, 2):
+            model.model.layers[i].mixer.gate.weight.mul_(10)
+    return model
+
+
+NEMOTRON_EXPERTS = {f"model.layers.{i}.mixer.experts" for i in (0, 2)}
+
+
+@pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
+def test_tiny_nemotron_h_ungated_experts_in_fp8(impl):
+    """Nemotron-H's ungated experts (down(relu(up(x))^2)) were left bf16: quantized and fused through Inductor, the
+    logits within fp8's error of the bf16 model's (the experts alone: tests/passes/test_moe_pass.py)."""
+    model = tiny_nemotron_h()
+    model.set_experts_implementation(impl)
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    backend = fp8fx.Fp8Backend()
+    with torch.no_grad():
+        ref = model(ids, use_cache=False).logits.float()
+        fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]), strict=True)
+        out = torch.compile(model, backend=backend, fullgraph=True)(ids, use_cache=False).logits.float()
+    sites = {s.fqn: s for s in backend.report.sites if s.kind == "moe"}
+    assert set(sites) == NEMOTRON_EXPERTS and all(
+        s.rewritten and s.scheme == "w:per-channel a:per-token (ungated, squared ReLU)" for s in sites.values())
+    assert not [n for n, *_ in backend.report.unhandled_weights(model) if "experts" in n]
+    assert rel_err(out, ref) < 0.15  # fp8 everywhere but lm_head and the routers: measured 0.098 (CPU, torch 2.13)
+
+
+def test_nemotron_h_checkpoints_say_what_they_leave(tmp_path):
+    """load_checkpoint reads gated experts only: a bf16 Nemotron-H checkpoint loads its ungated experts as stored, says
+    so in its report and in the compile report, and quantize_ of the experts modules (prefix=) finishes them, fused;
+    an fp8fx model of fp8 ungated experts is not saved (nothing written), rather than written under names nothing
+    reads back."""
+    model = tiny_nemotron_h()
+    model.save_pretrained(tmp_path / "bf16")
+    config = fp8fx.Fp8Config(ignored_layers=["lm_head"])
+    loaded = fp8fx.checkpoint.meta_model(tmp_path / "bf16")
+    report = fp8fx.load_checkpoint(loaded, tmp_path / "bf16", config, progress=False)
+    assert set(report.not_quantized) >= NEMOTRON_EXPERTS and not report.experts
+    assert all("load_checkpoint reads gated experts only" in report.not_quantized[f] for f in NEMOTRON_EXPERTS)
+    assert "model.layers.1.mixer.q_proj" in report.quantized
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    compiled = Report()
+    with torch.no_grad():
+        torch.compile(loaded, backend=moe_only(compiled), fullgraph=True)(ids, use_cache=False)
+    assert {s.fqn for s in compiled.sites if not s.rewritten} == NEMOTRON_EXPERTS
+    assert all("load_checkpoint reads gated experts only" in s.reason for s in compiled.sites)
+    for fqn in sorted(NEMOTRON_EXPERTS):
+        fp8fx.quantize_(loaded.get_submodule(fqn), config, prefix=fqn)
+    again = Report()
+    with torch.no_grad():
+        torch.compile(loaded, backend=moe_only(again), fullgraph=True)(ids, use_cache=False)
+    assert {s.fqn for s in again.sites if s.rewritten} == NEMOTRON_EXPERTS, [s.reason for s in again.sites]
+    with pytest.raises(ValueError, match=r"save_checkpoint: model.layers.0.mixer.experts \(2 such modules\) holds "
+                                         r"ungated experts in fp8 .* \(nothing was written\)"):
+        fp8fx.save_checkpoint(loaded, tmp_path / "fp8")
+    assert not (tmp_path / "fp8").exists()
