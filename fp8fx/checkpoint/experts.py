@@ -32,21 +32,17 @@ from fp8fx import quant
 from fp8fx.checkpoint.files import CheckpointError, Entry
 from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor
 from fp8fx.weights import chunked, moe
-from fp8fx.weights.moe import W13, W2, Fp8MoEMethod
+from fp8fx.weights.moe import UP, W13, W2, Fp8MoEMethod
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-UNGATED_LOAD = ("ungated experts (up_proj / down_proj): load_checkpoint reads gated experts only and loads these as "
-                "stored, in high precision; fp8fx.quantize_(experts_module, config, prefix=<its name>) quantizes them "
-                "after loading")
 ONE_VALUE = ((), (1,), (1, 1))
 
 # checkpoint projection -> Fp8MoEMethod shard; the two namings of per-expert checkpoints
 SHARD = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2", "w1": "w1", "w3": "w3", "w2": "w2"}
 NAMINGS = (("gate_proj", "up_proj", "down_proj"), ("w1", "w3", "w2"))
-BASE = {"w1": W13, "w3": W13, "w2": W2}
 LEAF = {"weight": "", "weight_scale": "_scale", "weight_scale_inv": "_scale_inv", "input_scale": "_input_scale"}
 _PER_EXPERT = re.compile(r"^(.+)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.([a-z_]+)$")
-FUSED_NAMES = {b + s: b + s for b in (W13, W2) for s in LEAF.values()}
+FUSED_NAMES = {b + s: b + s for b in (W13, UP, W2) for s in LEAF.values()}
 FUSED_NAMES.update({f"{v}_{leaf}": b + s for v, b in (("w13", W13), ("w2", W2)) for leaf, s in LEAF.items()})
 
 
@@ -134,6 +130,24 @@ class Experts:
         return moe.sizes(self.module)
 
     @property
+    def gated(self) -> bool:
+        """False for ungated experts (Nemotron-H's ``up_proj`` [E, I, H] in gate_up_proj's place: per expert, up_proj
+        alone, shard w3, which is the whole of each expert's w13)."""
+        return moe.is_experts(self.module)
+
+    @property
+    def w13(self) -> str:
+        return moe.w13_name(self.module)
+
+    def base(self, shard: str) -> str:
+        """The module tensor a per-expert shard (w1 / w3 / w2) goes into."""
+        return W2 if shard == "w2" else self.w13
+
+    def loader_shard(self, shard: Optional[str]) -> Optional[str]:
+        """``Fp8MoEMethod.weight_loader``'s shard id of a per-expert shard: an ungated expert's up_proj is its whole w13."""
+        return None if shard == "w3" and not self.gated else shard
+
+    @property
     def transposed(self) -> bool:
         """The model's experts are [E, H, 2I] / [E, I, H] (``moe.is_transposed``); which checkpoint tensors come in
         that layout: ``in_model_layout``."""
@@ -157,10 +171,8 @@ class ExpertsLoader:
 
     def __init__(self, modules: dict[str, nn.Module], fmt, device: torch.device, items: list):
         self.fmt, self.device, self.items = fmt, device, items
-        self.experts = {f: Experts(f, m) for f, m in modules.items() if moe.is_experts(m)}
+        self.experts = {f: Experts(f, m) for f, m in modules.items() if moe.is_any_experts(m)}
         self.not_quantized: dict[str, str] = {}  # experts fqn -> why it stays in high precision
-        # ungated experts (Nemotron-H's up_proj / down_proj): loaded as stored, into the module, and said so
-        self.not_quantized.update({f: UNGATED_LOAD for f, m in modules.items() if moe.is_ungated_experts(m)})
         # what a "missing from the checkpoint" error says to do (the loader's: names to map where tensors are unplaced)
         self.missing_fix: Callable[[], str] = lambda: "wrong checkpoint for this model, or a shard is missing"
 
@@ -218,6 +230,9 @@ class ExpertsLoader:
                     "num_local_experts in config.json); wrong checkpoint for this model"
                 )
             naming = next(n for n in NAMINGS if proj in n)
+            if not ex.gated and SHARD[proj] == "w1":
+                raise CheckpointError(f"{entry}: {ex.fqn} holds ungated experts (up_proj and down_proj, no gate: "
+                                      f"{type(ex.module).__name__}); wrong checkpoint for this model")
             if ex.naming not in (None, naming):
                 raise CheckpointError(
                     f"{entry}: {ex.fqn} mixes {'/'.join(ex.naming)} and {'/'.join(naming)} expert names; "
@@ -238,6 +253,10 @@ class ExpertsLoader:
         if owner in self.experts and leaf in FUSED_NAMES:
             ex = self.experts[owner]
             hf = FUSED_NAMES[leaf]
+            if hf.startswith(W13) and not ex.gated:  # vLLM's w13_ names: up_proj's here
+                hf = UP + hf[len(W13):]
+            elif hf.startswith(UP) and ex.gated:  # (a gated module's own state has no up_proj)
+                return False
             if hf in ex.fused:
                 raise CheckpointError(f"{entry}: {ex.fqn}.{hf} is also given as {ex.fused[hf].name}; keep one")
             ex.fused[hf] = entry
@@ -246,7 +265,7 @@ class ExpertsLoader:
 
     def handled(self) -> set[str]:
         """State keys this loader fills."""
-        return {f"{f}.{b}" for f in self.experts for b in (W13, W2)}
+        return {f"{f}.{b}" for f, ex in self.experts.items() for b in (ex.w13, W2)}
 
     def plan(self) -> None:
         for ex in self.experts.values():
@@ -260,9 +279,9 @@ class ExpertsLoader:
                 ex.method = Fp8MoEMethod(ex.config)
                 ex.stage = nn.Module()
                 try:
-                    ex.method.create_weights(ex.stage, e, h, i, ex.module._parameters[W13].dtype, device=self.device,
-                                             prefix=ex.fqn, transposed=ex.transposed,
-                                             interleaved=moe.is_interleaved(ex.module))
+                    ex.method.create_weights(ex.stage, e, h, i, ex.module._parameters[ex.w13].dtype,
+                                             device=self.device, prefix=ex.fqn, transposed=ex.transposed,
+                                             interleaved=moe.is_interleaved(ex.module), gated=ex.gated)
                 except ValueError as err:  # e.g. a block that does not divide intermediate_size
                     raise CheckpointError(f"{err} ({self.fmt.describe()})") from None
             if ex.fused:
@@ -278,12 +297,12 @@ class ExpertsLoader:
             if key not in todo:
                 raise CheckpointError(
                     f"{ex.name(*key)} is missing from the checkpoint{why}; {ex.fqn} has {experts} experts, each "
-                    f"needs {'/'.join(ex.naming or NAMINGS[0])}: {self.missing_fix()}"
+                    f"needs {'/'.join((ex.naming or NAMINGS[0])[0 if ex.gated else 1:])}: {self.missing_fix()}"
                 )
             return todo.pop(key)
 
         for e in range(experts):
-            for shard in ("w1", "w3", "w2"):
+            for shard in ("w1", "w3", "w2") if ex.gated else ("w3", "w2"):
                 rows, cols = ex.rows_cols(shard)
                 w = need((e, shard, "weight"))
                 self._check_weight_dtype(ex, w)
@@ -292,7 +311,7 @@ class ExpertsLoader:
                         f"{w}: an expert's {shard} weight of {ex.fqn} is [{rows}, {cols}] "
                         f"(E, H, I = {list(ex.shape)}); wrong checkpoint for this model"
                     )
-                self._add(w, ex, BASE[shard], shard, e)
+                self._add(w, ex, ex.base(shard), shard, e)
                 if ex.serialized:
                     self._plan_scales(ex, (rows, cols), shard, e, todo, need, lambda leaf, e=e, s=shard: (e, s, leaf))
         self._reject_leftovers(ex, todo)
@@ -317,7 +336,7 @@ class ExpertsLoader:
             return todo.pop(name)
 
         _, h, i = ex.shape
-        for base, (rows, cols) in ((W13, (2 * i, h)), (W2, (h, i))):
+        for base, (rows, cols) in ((ex.w13, (2 * i if ex.gated else i, h)), (W2, (h, i))):
             w = need(base)
             self._check_weight_dtype(ex, w)
             stored = (cols, rows) if in_model_layout(ex.module, w.dtype) else (rows, cols)
@@ -357,7 +376,7 @@ class ExpertsLoader:
 
         w, (rows, cols) = scheme.weight, shape
         fused = e is None
-        base, shard = (where, None) if fused else (BASE[where], where)
+        base, shard = (where, None) if fused else (ex.base(where), where)
         lead = (ex.shape[0],) if fused else ()
         if isinstance(w, PerBlock):
             names = [leaf for leaf in ("weight_scale_inv", "weight_scale") if has(leaf)]
@@ -415,11 +434,11 @@ class ExpertsLoader:
             dest = ex.plain[name][e]
             if shard is not None and ex.transposed:  # an expert's [rows, cols], as a linear layer's
                 dest = dest.t()
-            if shard in ("w1", "w3"):
+            if shard in ("w1", "w3") and ex.gated:
                 dest = dest[Fp8MoEMethod._rows(shard, dest.shape[0])]
             dest.copy_(t)
             return
-        dtype = ex.module._parameters[W13].dtype  # the stage's, and the dequantized views'
+        dtype = ex.module._parameters[ex.w13].dtype  # the stage's, and the dequantized views'
         if scale:
             t = check_scale_values(entry, t)
             if not name.endswith("_input_scale"):
@@ -437,13 +456,13 @@ class ExpertsLoader:
             if e is None and in_model_layout(ex.module, t.dtype):  # -> fused_moe's
                 t = t.transpose(1, 2)
         # a weight's NaN/Inf were refused just above, in the pass that checks its range: not scanned again there
-        ex.method.weight_loader(ex.stage, name, t, shard, e, values_checked=not scale)
+        ex.method.weight_loader(ex.stage, name, t, ex.loader_shard(shard), e, values_checked=not scale)
 
     @staticmethod
     def _note_wide_scales(ex: Experts, entry: Entry, name: str, e, t: torch.Tensor, dtype: torch.dtype) -> None:
         """The experts whose dequantized views (fp8 * scale, in the model's dtype) reach 448 * a scale beyond the
         dtype's range (float16: a scale above 65504 / 448 = 146.2): finish() counts the values that would be inf."""
-        base = W13 if name.startswith(W13) else W2
+        base = ex.w13 if name.startswith(ex.w13) else W2
         top = t.reshape(t.shape[0], -1).amax(dim=1) if e is None else t.max().reshape(1)  # fused: [E, ...]
         wide = beyond_dequantized_range(top, dtype).nonzero().flatten().tolist()
         for i in wide:
@@ -466,8 +485,8 @@ class ExpertsLoader:
         counted (a second pass over their fp8 weights); experts whose fp8 values stay small enough load."""
         if not ex.wide_scales:
             return
-        stage, dtype = ex.stage, ex.module._parameters[W13].dtype
-        for base in (W13, W2):
+        stage, dtype = ex.stage, ex.module._parameters[ex.w13].dtype
+        for base in (ex.w13, W2):
             q = stage._parameters[base].data
             scales = stage._parameters[base + ("_scale_inv" if stage._fp8fx_block_scales else "_scale")].data
             count, named = 0, []
@@ -495,7 +514,7 @@ class ExpertsLoader:
                 if attr.startswith("_fp8fx_"):
                     setattr(module, attr, value)
             module.__class__ = moe.fp8_experts_class(type(module))
-            for base in (W13, W2):
+            for base in (ex.w13, W2):
                 module._parameters[base]._fp8fx_fqn = ex.fqn
             moe.tag_biases(module)  # (loaded as plain tensors, into the module itself)
             report.experts[ex.fqn] = str(ex.config.scheme())
@@ -514,7 +533,7 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
     docstring): ``(plan, tensors, experts)`` with ``plan``: checkpoint module (``<fqn>.<e>.gate_proj`` ...,
     or ``<fqn>`` when fused) -> "" to quantize it, else why it stays bf16 (all of one experts module alike);
     ``tensors``: weight name -> its experts fqn, for the weights to quantize; ``experts``: fqn -> reason."""
-    experts = {f: m for f, m in modules.items() if moe.is_experts(m)}
+    experts = {f: m for f, m in modules.items() if moe.is_any_experts(m)}
     found: dict[str, list[tuple[str, str]]] = {}  # fqn -> [(tensor name, checkpoint module)]
     # per-expert weights under a container the model does not have, even after the renames
     # (fp8fx.checkpoint.renames; hub Mixtral's block_sparse_moe.experts.E.w1 are renamed to mlp.experts): they stay
@@ -530,7 +549,7 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
             stray[name.rpartition(".")[0]] = m[1]
             continue
         owner, _, leaf = name.rpartition(".")
-        if owner in experts and leaf in (W13, W2):
+        if owner in experts and leaf in (moe.w13_name(experts[owner]), W2):
             found.setdefault(owner, []).append((name, owner))
     plan: dict[str, str] = {}
     tensors: dict[str, str] = {}
@@ -555,7 +574,8 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
             e, h, i = ex.shape
             for name, _ in items:
                 m = _PER_EXPERT.match(name)
-                expect = ex.rows_cols(SHARD[m[3]]) if m else (e,) + ((2 * i, h) if name.endswith(W13) else (h, i))
+                rows13 = 2 * i if ex.gated else i
+                expect = ex.rows_cols(SHARD[m[3]]) if m else (e,) + ((rows13, h) if name.endswith(ex.w13) else (h, i))
                 if not m and in_model_layout(ex.module, entries[name].dtype):  # (convert writes fused_moe's)
                     expect = (e, expect[2], expect[1])
                 if tuple(entries[name].shape) != expect:

@@ -98,7 +98,7 @@ def save_checkpoint(
     if ungated:  # (their up_proj would be written under a name no loader reads as fp8 experts)
         raise ValueError(f"save_checkpoint: {ungated[0]} ({len(ungated)} such modules) holds ungated experts in fp8 "
                          f"({moe.UP} / {moe.W2}, Nemotron-H's); fp8fx writes no checkpoint of them yet: save the bf16 "
-                         "model and quantize_ it after loading (nothing was written)")
+                         "model, which load_checkpoint quantizes online (nothing was written)")
     schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}  # the fp8 linears'
     layout = _experts_layout(model, modules, experts)
     schemes, demoted = _fp8_schemes(modules, schemes, layout)

@@ -702,31 +702,52 @@ def test_tiny_nemotron_h_ungated_experts_in_fp8(impl):
     assert rel_err(out, ref) < 0.15  # fp8 everywhere but lm_head and the routers: measured 0.098 (CPU, torch 2.13)
 
 
-def test_nemotron_h_checkpoints_say_what_they_leave(tmp_path):
-    """load_checkpoint reads gated experts only: a bf16 Nemotron-H checkpoint loads its ungated experts as stored, says
-    so in its report and in the compile report, and quantize_ of the experts modules (prefix=) finishes them, fused;
-    an fp8fx model of fp8 ungated experts is not saved (nothing written), rather than written under names nothing
-    reads back."""
+def test_nemotron_h_checkpoints(tmp_path):
+    """Nemotron-H's hub layout (backbone., ungated experts per expert: experts.<e>.up_proj / down_proj) loads online
+    into what quantize_ makes, bit for bit, and fused (load_checkpoint refused it: 32 tensors with no place); convert
+    writes them per expert in fp8 (per channel, per tensor, blocks), which loads back bit for bit; an experts module
+    in the ignore list loads as stored and says why; save_checkpoint of fp8 ungated experts is refused (nothing
+    written) rather than written under names nothing reads back."""
+    from fp8fx.checkpoint.save import convert
+
     model = tiny_nemotron_h()
     model.save_pretrained(tmp_path / "bf16")
     config = fp8fx.Fp8Config(ignored_layers=["lm_head"])
     loaded = fp8fx.checkpoint.meta_model(tmp_path / "bf16")
     report = fp8fx.load_checkpoint(loaded, tmp_path / "bf16", config, progress=False)
-    assert set(report.not_quantized) >= NEMOTRON_EXPERTS and not report.experts
-    assert all("load_checkpoint reads gated experts only" in report.not_quantized[f] for f in NEMOTRON_EXPERTS)
-    assert "model.layers.1.mixer.q_proj" in report.quantized
+    assert set(report.experts) == NEMOTRON_EXPERTS and "model.layers.1.mixer.q_proj" in report.quantized
+    fp8fx.quantize_(model, config)
+    for fqn in NEMOTRON_EXPERTS:
+        mine, theirs = (m.get_submodule(fqn).state_dict() for m in (model, loaded))
+        assert mine.keys() == theirs.keys() == {"up_proj", "up_proj_scale", "down_proj", "down_proj_scale"}
+        assert all(torch.equal(mine[k].view(torch.uint8), theirs[k].view(torch.uint8)) for k in mine), fqn
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     compiled = Report()
     with torch.no_grad():
         torch.compile(loaded, backend=moe_only(compiled), fullgraph=True)(ids, use_cache=False)
-    assert {s.fqn for s in compiled.sites if not s.rewritten} == NEMOTRON_EXPERTS
-    assert all("load_checkpoint reads gated experts only" in s.reason for s in compiled.sites)
-    for fqn in sorted(NEMOTRON_EXPERTS):
-        fp8fx.quantize_(loaded.get_submodule(fqn), config, prefix=fqn)
-    again = Report()
-    with torch.no_grad():
-        torch.compile(loaded, backend=moe_only(again), fullgraph=True)(ids, use_cache=False)
-    assert {s.fqn for s in again.sites if s.rewritten} == NEMOTRON_EXPERTS, [s.reason for s in again.sites]
+    assert {s.fqn for s in compiled.sites if s.rewritten} == NEMOTRON_EXPERTS, [s.reason for s in compiled.sites]
+    for name, cfg in (("channel", config), ("tensor", fp8fx.Fp8Config(ignored_layers=["lm_head"],
+                                                                      weight_granularity=fp8fx.PerTensor())),
+                      ("blocks", fp8fx.Fp8Config(ignored_layers=["lm_head"], weight_block_size=[64, 128]))):
+        # convert writes them per expert in fp8 (it left them bf16: "no module of the model has this weight"), and
+        # load_checkpoint reads those back as quantize_ makes them
+        convert(tmp_path / "bf16", tmp_path / name, cfg, progress=False)
+        fresh, again = tiny_nemotron_h(), fp8fx.checkpoint.meta_model(tmp_path / name)
+        fp8fx.quantize_(fresh, cfg)
+        report = fp8fx.load_checkpoint(again, tmp_path / name, progress=False)
+        assert set(report.experts) == NEMOTRON_EXPERTS, name
+        for fqn in NEMOTRON_EXPERTS:
+            mine, theirs = (m.get_submodule(fqn).state_dict() for m in (fresh, again))
+            assert mine.keys() == theirs.keys()
+            assert all(torch.equal(mine[k].view(torch.uint8), theirs[k].view(torch.uint8)) for k in mine), (name, fqn)
+    kept = fp8fx.checkpoint.meta_model(tmp_path / "bf16")
+    ignoring = fp8fx.Fp8Config(ignored_layers=["lm_head", "model.layers.0.mixer.experts"])
+    report = fp8fx.load_checkpoint(kept, tmp_path / "bf16", ignoring, progress=False)
+    assert set(report.experts) == {"model.layers.2.mixer.experts"}
+    assert report.not_quantized["model.layers.0.mixer.experts"] == "in ignored_layers"
+    reference = tiny_nemotron_h().model.layers[0].mixer.experts
+    assert all(torch.equal(getattr(kept.model.layers[0].mixer.experts, n), getattr(reference, n))
+               for n in ("up_proj", "down_proj"))
     with pytest.raises(ValueError, match=r"save_checkpoint: model.layers.0.mixer.experts \(2 such modules\) holds "
                                          r"ungated experts in fp8 .* \(nothing was written\)"):
         fp8fx.save_checkpoint(loaded, tmp_path / "fp8")
