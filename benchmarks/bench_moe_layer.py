@@ -7,7 +7,8 @@ bf16 through Inductor, in one process on the GPU.
 The layer is the ``mlp`` of a one-layer transformers model with the real model's MoE dimensions
 (Qwen3-30B-A3B: E=128, top-8, H=2048, I=768; Mixtral-8x7B: E=8, top-2, H=4096, I=14336; Llama-4 Scout: E=16,
 top-1, H=5120, I=8192, dense experts and a shared expert; GPT-OSS-20B / 120B: E=32 / 128, top-4, H=I=2880,
-biases, interleaved gate/up rows, a clamped SwiGLU), its experts
+biases, interleaved gate/up rows, a clamped SwiGLU; Nemotron-3-Nano-30B-A3B's shape: E=128, top-6, H=2688, I=1856,
+ungated experts of squared ReLU and a shared expert), its experts
 run with transformers' ``grouped_mm`` implementation. fp8fx: ``quantize_(Fp8Config())`` (per-channel
 experts, per-token activations) + ``Fp8Backend()``; the MoE pass rewrites the experts into
 ``fp8fx.fused_moe``, the router stays bf16. Every row is timed as CUDA-graph replays of the compiled
@@ -48,8 +49,15 @@ MODELS = {  # transformers config class name, MoE dimensions
     "gpt_oss_120b": ("GptOssConfig", "GptOssForCausalLM",
                      dict(hidden_size=2880, intermediate_size=2880, num_local_experts=128, num_experts_per_tok=4,
                           head_dim=64)),
+    # Nemotron-H's MoE layer (Nemotron-3-Nano-30B-A3B's dimensions): ungated experts, down(relu(up(x))^2), [E, I, H];
+    # a shared expert of the same form
+    "nemotron_h": ("NemotronHConfig", "NemotronHForCausalLM",
+                   dict(hidden_size=2688, moe_intermediate_size=1856, moe_shared_expert_intermediate_size=3712,
+                        n_routed_experts=128, num_experts_per_tok=6, n_group=1, topk_group=1, head_dim=128,
+                        layers_block_type=["moe"])),
 }
-TINY = dict(hidden_size=128, moe_intermediate_size=64, intermediate_size=64, num_experts=8, num_local_experts=8)
+TINY = dict(hidden_size=128, moe_intermediate_size=64, intermediate_size=64, num_experts=8, num_local_experts=8,
+            n_routed_experts=8, moe_shared_expert_intermediate_size=64)
 
 
 def moe_layer(name: str, device: str, tiny: bool):
@@ -57,15 +65,17 @@ def moe_layer(name: str, device: str, tiny: bool):
 
     config_name, model_name, dims = MODELS[name]
     dims = {**dims, **{k: v for k, v in TINY.items() if k in dims}} if tiny else dims
-    config = getattr(transformers, config_name)(vocab_size=128, num_hidden_layers=1, num_attention_heads=16,
-                                                num_key_value_heads=4, **dims)
+    layers = {} if "layers_block_type" in dims else dict(num_hidden_layers=1)  # (Nemotron-H: its block list)
+    config = getattr(transformers, config_name)(vocab_size=128, num_attention_heads=16, num_key_value_heads=4,
+                                                **layers, **dims)
     torch.manual_seed(0)
     with torch.device(device):
         model = getattr(transformers, model_name)(config).to(torch.bfloat16).eval()
     decoder = model.model.layers[0]
-    if hasattr(decoder, "mlp"):
+    if hasattr(decoder, "mlp") or hasattr(decoder, "mixer"):
         model.set_experts_implementation("grouped_mm")
-    return getattr(decoder, "mlp", None) or decoder.feed_forward, config.hidden_size
+    layer = getattr(decoder, "mlp", None) or getattr(decoder, "mixer", None) or decoder.feed_forward
+    return layer, config.hidden_size
 
 
 def _out(y):
