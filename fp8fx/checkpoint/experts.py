@@ -634,10 +634,13 @@ def split_reason(module: nn.Module) -> Optional[str]:
                               ("has_post_expert_norm", True, "a norm after each expert")):  # as moe.skip_reason
         if getattr(module, flag, not value) == value:
             return what
-    w13, w2 = module._parameters[W13], module._parameters[W2]
-    e, two_i, h = w13.shape
-    if two_i % 2 or tuple(w2.shape) != (e, h, two_i // 2):
+    gated = moe.is_experts(module)
+    w13, w2 = module._parameters[moe.w13_name(module)], module._parameters[W2]
+    e, rows, h = w13.shape
+    if gated and (rows % 2 or tuple(w2.shape) != (e, h, rows // 2)):
         return f"gate_up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not [E, 2I, H] and [E, H, I]"
+    if not gated and tuple(w2.shape) != (e, h, rows):
+        return f"up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not [E, I, H] and [E, H, I]"
     return None
 
 
@@ -646,13 +649,14 @@ def per_expert_tensors(fqn: str, module: nn.Module, block_leaf: str = "weight_sc
     """The tensors of an experts module under per-expert names (``<fqn>.<e>.gate_proj.weight``, ``.weight_scale`` /
     ``block_leaf`` for blocks, ``.input_scale``; ``up_proj``, ``down_proj``; ``names``: shard -> projection, Mixtral's
     ``w1`` / ``w3`` / ``w2``), views of the module's tensors: w13 rows split into gate and up (its per-tensor scale
-    given to both), static input scales given to every expert; a module in high precision has weights only.
-    ``load_checkpoint`` reads them back into the same tensors."""
+    given to both; ungated experts: up_proj whole), static input scales given to every expert; a module in high
+    precision has weights only. ``load_checkpoint`` reads them back into the same tensors."""
     p = module._parameters
     quantized = moe.is_quantized_experts(module)
     block = quantized and module._fp8fx_block_scales
     out: dict[str, torch.Tensor] = {}
-    for base, shards in ((W13, ("w1", "w3")), (W2, ("w2",))):
+    first = (W13, ("w1", "w3")) if moe.is_experts(module) else (UP, ("w3",))
+    for base, shards in (first, (W2, ("w2",))):
         q = p[base].detach()
         scale = p[base + ("_scale_inv" if block else "_scale")].detach() if quantized else None
         act = p.get(base + "_input_scale")
@@ -675,4 +679,5 @@ def per_expert_tensors(fqn: str, module: nn.Module, block_leaf: str = "weight_sc
 
 def per_expert_modules(fqn: str, module: nn.Module, names: dict[str, str] = PROJ) -> list[str]:
     """The checkpoint module names ``per_expert_tensors`` writes for ``module``."""
-    return [f"{fqn}.{e}.{names[s]}" for e in range(module._parameters[W13].shape[0]) for s in ("w1", "w3", "w2")]
+    shards = ("w1", "w3", "w2") if moe.is_experts(module) else ("w3", "w2")
+    return [f"{fqn}.{e}.{names[s]}" for e in range(module._parameters[W2].shape[0]) for s in shards]

@@ -381,12 +381,18 @@ def hub_expert_leaves(model: nn.Module) -> Optional[dict[str, str]]:
 
 def per_expert_loadable(model: nn.Module) -> Optional[bool]:
     """Whether transformers loads ``model``'s experts from per-expert tensors: True where its conversion mapping merges
-    them into the experts modules (gate, up and down: Mixtral, Qwen3-MoE, DeepSeek-V3), False for another transformers
-    model, whose checkpoints hold its experts fused (GraniteMoE's ``input_linear`` / ``output_linear``, renamed; GPT-OSS
-    as the model names them) and which loads per-expert tensors nowhere (random experts, with no error), None where
-    unknown (not a transformers model, no transformers, an API it no longer has)."""
+    them into the experts modules (gate, up and down: Mixtral, Qwen3-MoE, DeepSeek-V3; up and down of ungated experts:
+    Nemotron-H), False for another transformers model, whose checkpoints hold its experts fused (GraniteMoE's
+    ``input_linear`` / ``output_linear``, renamed; GPT-OSS as the model names them) and which loads per-expert tensors
+    nowhere (random experts, with no error), None where unknown (not a transformers model, no transformers, an API it
+    no longer has)."""
+    from fp8fx.weights import moe  # (the experts' kind: gated ones need a gate converter too)
+
     leaves = _expert_leaves(model)
-    return None if leaves is None else {"gate_proj", "up_proj", "down_proj"} <= set(leaves)
+    if leaves is None:
+        return None
+    gated = any(moe.is_experts(m) for m in model.modules())
+    return ({"gate_proj"} if gated else set()) | {"up_proj", "down_proj"} <= set(leaves)
 
 
 def _expert_leaves(model: nn.Module) -> Optional[dict[str, str]]:
@@ -409,6 +415,8 @@ def _expert_leaves(model: nn.Module) -> Optional[dict[str, str]]:
         target = str(t.target_patterns[0])
         if target.endswith("experts.gate_up_proj") and len(names) == 2:
             leaves["gate_proj"], leaves["up_proj"] = names
+        elif target.endswith("experts.up_proj") and len(names) == 1:  # ungated experts' (Nemotron-H's)
+            leaves["up_proj"] = names[0]
         elif target.endswith("experts.down_proj") and len(names) == 1:
             leaves["down_proj"] = names[0]
     return leaves

@@ -39,7 +39,7 @@ except ImportError:
 log = logging.getLogger("fp8fx")
 
 # an fp8 experts module's tensors that per-expert names replace
-_EXPERT_LEAVES = {base + suffix for base in (moe.W13, moe.W2)
+_EXPERT_LEAVES = {base + suffix for base in (moe.W13, moe.UP, moe.W2)
                   for suffix in ("", "_scale", "_scale_inv", "_input_scale")}
 _SCALES = ("weight_scale", "weight_scale_inv", "input_scale")  # a linear's, dropped where it is written dequantized
 
@@ -94,11 +94,6 @@ def save_checkpoint(
     # modules by the names they are saved under: a torch.compile wrapper of a submodule puts "_orig_mod." in its
     # module's names, which nothing loads (the wrappers hold nothing of their own)
     modules = {_unwrapped(f): m for f, m in model.named_modules() if compat.compiled_module(m) is m}
-    ungated = [f for f, m in modules.items() if moe.is_quantized_experts(m) and moe.is_ungated_experts(m)]
-    if ungated:  # (their up_proj would be written under a name no loader reads as fp8 experts)
-        raise ValueError(f"save_checkpoint: {ungated[0]} ({len(ungated)} such modules) holds ungated experts in fp8 "
-                         f"({moe.UP} / {moe.W2}, Nemotron-H's); fp8fx writes no checkpoint of them yet: save the bf16 "
-                         "model, which load_checkpoint quantizes online (nothing was written)")
     schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}  # the fp8 linears'
     layout = _experts_layout(model, modules, experts)
     schemes, demoted = _fp8_schemes(modules, schemes, layout)
@@ -185,7 +180,7 @@ def _experts_layout(model: nn.Module, modules: Mapping[str, nn.Module], experts:
     and transformers loads them so, fused otherwise (``experts="fused"``, experts that do not split, or a model
     transformers loads from fused experts only, where ``experts="per-expert"`` is refused: it would load random
     experts, with no error)."""
-    all_experts = {f: m for f, m in modules.items() if moe.is_experts(m)}
+    all_experts = {f: m for f, m in modules.items() if moe.is_any_experts(m)}
     quantized_experts = {f: m for f, m in all_experts.items() if moe.is_quantized_experts(m)}
     # experts that can be written per expert: quantized ones, and those in high precision that split exactly
     splittable = {f: m for f, m in all_experts.items() if f in quantized_experts or moe_ckpt.split_reason(m) is None}
@@ -249,7 +244,7 @@ def _fp8_schemes(
     for f, m in modules.items():  # a tensor cast by hand would be written under fp8 names with the wrong values
         if f in schemes or f in quantized_experts:
             for n, t in m._parameters.items():
-                want = (quant.FP8_DTYPE if n in ("weight", moe.W13, moe.W2)
+                want = (quant.FP8_DTYPE if n in ("weight", moe.W13, moe.UP, moe.W2)
                         else torch.float32 if n.endswith(("scale", "scale_inv")) else None)
                 if t is not None and want is not None and t.dtype != want:
                     raise ValueError(f"save_checkpoint: {f}.{n} of the fp8 layer {f} is {t.dtype}, not {want} "

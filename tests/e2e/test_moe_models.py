@@ -1,6 +1,7 @@
 """Tiny random HF MoE models (transformers 5) through Fp8Backend on CPU: every experts module rewritten into
 fp8fx.fused_moe, one graph (fullgraph), logits close to the bf16 model's."""
 import pytest
+import safetensors
 import torch
 
 import fp8fx
@@ -706,8 +707,8 @@ def test_nemotron_h_checkpoints(tmp_path):
     """Nemotron-H's hub layout (backbone., ungated experts per expert: experts.<e>.up_proj / down_proj) loads online
     into what quantize_ makes, bit for bit, and fused (load_checkpoint refused it: 32 tensors with no place); convert
     writes them per expert in fp8 (per channel, per tensor, blocks), which loads back bit for bit; an experts module
-    in the ignore list loads as stored and says why; save_checkpoint of fp8 ungated experts is refused (nothing
-    written) rather than written under names nothing reads back."""
+    in the ignore list loads as stored and says why; save_checkpoint writes them per expert (the hub's names) or fused,
+    and both load back bit for bit."""
     from fp8fx.checkpoint.save import convert
 
     model = tiny_nemotron_h()
@@ -748,10 +749,19 @@ def test_nemotron_h_checkpoints(tmp_path):
     reference = tiny_nemotron_h().model.layers[0].mixer.experts
     assert all(torch.equal(getattr(kept.model.layers[0].mixer.experts, n), getattr(reference, n))
                for n in ("up_proj", "down_proj"))
-    with pytest.raises(ValueError, match=r"save_checkpoint: model.layers.0.mixer.experts \(2 such modules\) holds "
-                                         r"ungated experts in fp8 .* \(nothing was written\)"):
-        fp8fx.save_checkpoint(loaded, tmp_path / "fp8")
-    assert not (tmp_path / "fp8").exists()
+    for experts in (None, "fused"):  # save_checkpoint: per expert in the hub's names (backbone.), or fused
+        out = tmp_path / f"saved-{experts}"
+        fp8fx.save_checkpoint(loaded, out, experts=experts)
+        with safetensors.safe_open(out / "model.safetensors", "pt") as f:
+            names = set(f.keys())
+        assert ("backbone.layers.0.mixer.experts.7.up_proj.weight_scale" in names if experts is None
+                else "model.layers.0.mixer.experts.up_proj_scale" in names), sorted(names)[:8]
+        back = fp8fx.checkpoint.meta_model(out)
+        assert set(fp8fx.load_checkpoint(back, out, progress=False).experts) == NEMOTRON_EXPERTS
+        for fqn in NEMOTRON_EXPERTS:
+            mine, theirs = (m.get_submodule(fqn).state_dict() for m in (loaded, back))
+            assert mine.keys() == theirs.keys()
+            assert all(torch.equal(mine[k].view(torch.uint8), theirs[k].view(torch.uint8)) for k in mine), fqn
 
 
 @pytest.mark.cuda
