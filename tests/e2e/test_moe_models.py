@@ -634,23 +634,26 @@ def test_clamped_silu_experts_in_fp8():
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
-def test_gelu_tanh_experts_in_fp8(impl):
-    """Experts whose act_fn is GELU's tanh approximation (Gemma-4's: transformers' GELUTanh) were left bf16: quantized,
-    and rewritten into fused_moe's ``gelu_tanh``, within fp8's error of the model's own code on the same fp8 weights;
-    calibrate measures them (it refused them)."""
-    from transformers.activations import GELUTanh
+@pytest.mark.parametrize("act,form", [("GELUTanh", "GELU (tanh)"), ("GELUActivation", "GELU"),
+                                      ("ReLUSquaredActivation", "squared ReLU")])
+def test_gelu_and_relu2_experts_in_fp8(impl, act, form):
+    """Experts whose act_fn is GELU's tanh approximation (Gemma-4's: transformers' GELUTanh), the exact GELU or the
+    squared ReLU were left bf16: quantized, and rewritten into fused_moe's ``gelu_tanh`` / ``gelu`` / ``relu2``, within
+    fp8's error of the model's own code on the same fp8 weights; calibrate measures them (it refused them)."""
+    import transformers.activations
 
+    make = getattr(transformers.activations, act)
     model = tiny("mixtral", impl)
     for i in range(LAYERS):
-        model.model.layers[i].mlp.experts.act_fn = GELUTanh()
+        model.model.layers[i].mlp.experts.act_fn = make()
     ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
     report = Report()
     out, eager, ref = run(model, moe_only(report))
     assert {s.fqn for s in report.sites if s.rewritten} == EXPERTS, [s.reason for s in report.sites]
-    assert all(s.scheme == "w:per-channel a:per-token (GELU (tanh))" for s in report.sites)
+    assert all(s.scheme == f"w:per-channel a:per-token ({form})" for s in report.sites)
     assert rel_err(out, eager) < 0.05  # activation quantization of the experts
     assert set(fp8fx.calibrate(tiny("mixtral", impl).apply(
-        lambda m: setattr(m, "act_fn", GELUTanh()) if hasattr(m, "gate_up_proj") else None), [ids])) >= {
+        lambda m: setattr(m, "act_fn", make()) if hasattr(m, "gate_up_proj") else None), [ids])) >= {
         f"{e}.{w}" for e in EXPERTS for w in ("gate_up_proj", "down_proj")}
 
 

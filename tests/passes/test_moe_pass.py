@@ -201,7 +201,8 @@ class LoopExperts(nn.Module):
 
 
 @pytest.mark.parametrize("variant,reason", [
-    (dict(act=F.gelu), "gelu (call_function gelu) applies a GELU other than the tanh approximation"),  # (the exact)
+    (dict(act=F.mish), "mish (call_function mish) is not part of an experts computation fused_moe knows"),
+    (dict(act=F.relu), "multiplies values that fused_moe does not multiply"),  # relu(gate) * up: no square
     (dict(scale=2.0), "multiplies values that fused_moe does not multiply"),
     (dict(experts=range(E - 1)), f"leaves out experts [{E - 1}]"),
     (dict(shift=1), "weights expert 1 with the routing weight of expert 0"),
@@ -396,14 +397,14 @@ def test_batched_hidden_states_are_left_with_the_reason():
 
 def test_experts_quantize_skipped_are_reported_with_its_reason():
     model = hf_experts("grouped_mm", torch.bfloat16)
-    model.experts.act_fn = torch.nn.GELU()  # what fused_moe does not compute: quantize_ leaves it in bf16
+    model.experts.act_fn = torch.nn.Mish()  # what fused_moe does not compute: quantize_ leaves it in bf16
     fp8fx.quantize_(model)
     x, ids, w = inputs(torch.bfloat16)
     with torch.no_grad():
         out, gm, report = compile_capture(model, x, ids, w)
     (site,) = report.sites
     assert (site.fqn, site.rewritten) == ("experts", False)
-    assert site.reason == "not quantized: act_fn=GELU(approximate='none') is not SiLU or GELU (tanh): " \
+    assert site.reason == "not quantized: act_fn=Mish() is not SiLU, GELU (exact or tanh) or the squared ReLU: " \
                           "fp8fx.fused_moe computes act(gate) * up with one of them"
     assert torch.ops.fp8fx.dequantize not in targets(gm) and torch._grouped_mm in targets(gm)
 

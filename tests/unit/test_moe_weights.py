@@ -165,8 +165,8 @@ def test_gelu_tanh_experts_are_taken_its_python_formula_is_not():
     model.experts.act_fn = transformers_activations.GELUTanh(use_gelu_tanh_python=True)
     fp8fx.quantize_(model)
     assert model.experts.gate_up_proj._fp8fx_skip_reason == (
-        "act_fn=GELUTanh() (GELU's tanh formula in Python, use_gelu_tanh_python=True) is not SiLU or GELU (tanh): "
-        "fp8fx.fused_moe computes act(gate) * up with one of them")
+        "act_fn=GELUTanh() (GELU's tanh formula in Python, use_gelu_tanh_python=True) is not SiLU, GELU (exact or "
+        "tanh) or the squared ReLU: fp8fx.fused_moe computes act(gate) * up with one of them")
 
 
 def test_experts_of_two_dtypes_stay_as_they_are_with_the_reason():
@@ -191,21 +191,26 @@ def test_experts_of_two_dtypes_stay_as_they_are_with_the_reason():
 
 
 def test_experts_with_another_activation_stay_bf16_with_the_reason():
-    """fused_moe computes SiLU(gate) * up: experts with another act_fn were quantized, and the MoE pass then left them
-    unfused (the model's own code on dequantized weights: fp8 error, no speedup)."""
+    """fused_moe computes act(gate) * up of SiLU, the GELUs and the squared ReLU: experts with another act_fn were
+    quantized, and the MoE pass then left them unfused (the model's own code on dequantized weights: fp8 error, no
+    speedup). The exact GELU is taken (it was refused before fused_moe computed it)."""
     model = Block().to(torch.bfloat16)
-    model.experts.act_fn = nn.GELU()
+    model.experts.act_fn = nn.Mish()
     fp8fx.quantize_(model)
     assert model.experts.gate_up_proj.dtype == torch.bfloat16 and fp8fx.weights.is_quantized(model.proj)
     assert model.experts.gate_up_proj._fp8fx_skip_reason == (
-        "act_fn=GELU(approximate='none') is not SiLU or GELU (tanh): fp8fx.fused_moe computes act(gate) * up with one "
-        "of them")
+        "act_fn=Mish() is not SiLU, GELU (exact or tanh) or the squared ReLU: fp8fx.fused_moe computes act(gate) * up "
+        "with one of them")
     model = Block().to(torch.bfloat16)
-    model.experts.act_fn = nn.GELU()
-    with pytest.raises(ValueError, match=r"^experts: act_fn=GELU\(approximate='none'\) is not SiLU"):
+    model.experts.act_fn = nn.Mish()
+    with pytest.raises(ValueError, match=r"^experts: act_fn=Mish\(\) is not SiLU"):
         fp8fx.quantize_(model, strict=True)  # strict: the error, nothing quantized
     assert model.proj.weight.dtype == torch.bfloat16
     model.experts.act_fn = nn.SiLU()
+    fp8fx.quantize_(model)
+    assert is_quantized_experts(model.experts)
+    model = Block().to(torch.bfloat16)
+    model.experts.act_fn = nn.GELU()
     fp8fx.quantize_(model)
     assert is_quantized_experts(model.experts)
 
@@ -619,7 +624,7 @@ def test_calibrate_measures_experts_without_an_act_fn_with_silu():
     batch = (torch.randn(6, H, dtype=torch.bfloat16), ids, w.to(torch.bfloat16))
     plain = fp8fx.calibrate(model, [batch])
     assert sorted(plain) == ["experts.down_proj", "experts.gate_up_proj"]
-    model.experts.act_fn = nn.GELU()  # quantize_ leaves such experts in bf16: no scales to measure
+    model.experts.act_fn = nn.Mish()  # quantize_ leaves such experts in bf16: no scales to measure
     assert fp8fx.calibrate(model, [batch]) == {}
     model.experts.act_fn = nn.SiLU()
     assert fp8fx.calibrate(model, [batch]) == plain
