@@ -438,7 +438,7 @@ def nemotron_h_experts(impl, act="relu2"):
 
 def nemotron_h_exact(experts, x, ids, w):
     """Ungated experts written out in float64 from the module's (bf16 or dequantized) weights."""
-    out = torch.zeros(x.shape, dtype=torch.float64)
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
     for t in range(x.shape[0]):
         for k in range(ids.shape[1]):
             e = ids[t, k]
