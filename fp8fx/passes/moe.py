@@ -21,8 +21,11 @@ and for GPT-OSS's experts (HF's ``GptOssExperts``: each GEMM's output plus its e
 weights and added in place; gate / up as the even / odd features; ``(up.clamp(-L, L) + 1) * g * sigmoid(g * alpha)``
 with ``g = gate.clamp(max=L)``) the same call with ``w13_bias``, ``w2_bias``, ``interleaved=True`` and
 ``activation="swiglu_oai"``, alpha and L read from the graph's constants; DeepSeek-V4's ``silu(gate.clamp(max=L)) *
-up.clamp(-L, L)`` as ``activation="silu_clamped"``, and Gemma-4's ``gelu(gate, approximate="tanh") * up`` as
-``activation="gelu_tanh"``.
+up.clamp(-L, L)`` as ``activation="silu_clamped"``, Gemma-4's ``gelu(gate, approximate="tanh") * up`` as
+``activation="gelu_tanh"``, the exact GELU as ``"gelu"`` and ``relu(gate).square() * up`` (transformers'
+ReLUSquaredActivation: relu, then square or ``** 2``) as ``"relu2"``. Ungated experts (HF's ``has_gate=False``,
+Nemotron-H's: w13 is ``up_proj`` [E, I, H], as w2's I tells) compute ``act(up)`` with no split: the same call with
+``gated=False``.
 
 Routing (the router, top-k, its normalisation) is outside the experts module and stays the model's.
 
