@@ -513,7 +513,7 @@ class ExpertsLoader:
             for attr, value in vars(ex.stage).items():
                 if attr.startswith("_fp8fx_"):
                     setattr(module, attr, value)
-            module.__class__ = moe.fp8_experts_class(type(module))
+            module.__class__ = moe.fp8_experts_class(type(module), ex.w13)
             for base in (ex.w13, W2):
                 module._parameters[base]._fp8fx_fqn = ex.fqn
             moe.tag_biases(module)  # (loaded as plain tensors, into the module itself)

@@ -28,6 +28,7 @@ dequantized views (``torch.ops.fp8fx.dequantize`` of the fp8 tensor and its scal
 """
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from typing import Optional
@@ -58,15 +59,13 @@ _ALIASES = {
 }
 _SHARDS = {W13: ("w1", "w3"), UP: (), W2: ("w2",)}
 _UNLOADED = torch.finfo(torch.float32).min  # marks a scale that was never loaded
-_FP8_CLASSES: dict[type, type] = {}
+_FP8_CLASSES: dict[tuple[type, str], type] = {}  # (class, first weight name) -> its fp8 subclass
 
 
 # -- the dequantized views --------------------------------------------------------------------
 def _view(name: str) -> property:
     def get(self) -> torch.Tensor:
         p = self._parameters
-        if name not in p:  # (the other first weight's view: gate_up_proj of ungated experts, up_proj of gated ones)
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
         scale = p[name + ("_scale_inv" if self._fp8fx_block_scales else "_scale")]
         w = torch.ops.fp8fx.dequantize(
             p[name], scale, self._fp8fx_w_block, self._fp8fx_dtype, p.get(name + "_input_scale"), self._fp8fx_act_block
@@ -78,19 +77,18 @@ def _view(name: str) -> property:
     return property(get, doc=f"{name} dequantized from its fp8 tensor and scale (fp8fx)")
 
 
-def fp8_experts_class(cls: type) -> type:
-    """The subclass of ``cls`` whose ``gate_up_proj`` (or, ungated, ``up_proj``) and ``down_proj`` are dequantized
-    views (cached). A view of a name the module has no fp8 tensor of raises AttributeError, as a missing attribute
-    does (``hasattr`` on the other name stays False)."""
+def fp8_experts_class(cls: type, first: str = W13) -> type:
+    """The subclass of ``cls`` whose ``first`` weight (``gate_up_proj``, or ``up_proj`` of ungated experts) and
+    ``down_proj`` are dequantized views (cached); the other first name stays as ``cls`` has it."""
     if getattr(cls, "_fp8fx_moe", False):
         return cls
-    if cls not in _FP8_CLASSES:
-        attrs = {W13: _view(W13), UP: _view(UP), W2: _view(W2), "_apply": fp8_apply, "_fp8fx_moe": True,
+    if (cls, first) not in _FP8_CLASSES:
+        attrs = {first: _view(first), W2: _view(W2), "_apply": fp8_apply, "_fp8fx_moe": True,
                  "__module__": cls.__module__, "_load_from_state_dict": fp8_load_from_state_dict,
                  "__reduce_ex__": reduce_made_class, "__setstate__": setstate_made_class,
-                 "_fp8fx_maker": fp8_experts_class}
-        _FP8_CLASSES[cls] = type(f"Fp8{cls.__name__}", (cls,), attrs)
-    return _FP8_CLASSES[cls]
+                 "_fp8fx_maker": functools.partial(fp8_experts_class, first=first)}  # (a pickle remakes it so)
+        _FP8_CLASSES[(cls, first)] = type(f"Fp8{cls.__name__}", (cls,), attrs)
+    return _FP8_CLASSES[(cls, first)]
 
 
 def is_quantized_experts(module: nn.Module) -> bool:
@@ -388,7 +386,7 @@ class Fp8MoEMethod:
                 layer._parameters[name + "_scale"] = param(shape, fill=_UNLOADED)
             if self.scheme.static_activation:
                 layer._parameters[name + "_input_scale"] = param((e,), fill=_UNLOADED)
-        layer.__class__ = fp8_experts_class(type(layer))
+        layer.__class__ = fp8_experts_class(type(layer), w13)
 
     # -- load --------------------------------------------------------------------------------
     def weight_loader(
