@@ -963,3 +963,24 @@ def test_llama4_block_changing_its_hidden_states_after_the_experts_stays_dense(c
     (site,) = [s for s in report.sites if s.kind == "moe"]
     assert site.rewritten and site.scheme.endswith(fp8fx.passes.moe.DENSE), site
     assert rel_err(out, eager) < 0.05
+
+
+def test_ungated_experts_copied_and_pickled_stay_fused():
+    """A deep copy and a torch.save / torch.load round trip of quantized ungated experts keep their class (the view of
+    up_proj, none of gate_up_proj) and their tags: the copies are fused as the original is."""
+    import copy
+    import io
+
+    model = nemotron_h_experts("grouped_mm")
+    fp8fx.quantize_(model)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    x, ids, w = inputs(torch.bfloat16)
+    for other in (copy.deepcopy(model), torch.load(buffer, weights_only=False)):
+        assert type(other.experts) is type(model.experts)
+        assert hasattr(other.experts, "up_proj") and not hasattr(other.experts, "gate_up_proj")
+        with torch.no_grad():
+            _, _, report = compile_capture(other, x, ids, w)
+        (site,) = report.sites
+        assert site.rewritten and site.scheme.endswith("(ungated, squared ReLU)"), site.reason
