@@ -571,9 +571,24 @@ class _Interpreter:
         self._fail(node, f"applies {name} to something other than {what}")
 
     def _in_place_ok(self, node, what: str) -> None:
+        """An activation with ``inplace=True`` (nn.SiLU(inplace=True)) changes its input and every tensor it is a view
+        of: none of them may be read otherwise (a later read would see the activation the pass does not label)."""
         src = _input(node)
-        if _arg(node, 1, "inplace", False) and len(getattr(src, "users", ())) != 1:  # (nn.SiLU(inplace=True))
+        if not _arg(node, 1, "inplace", False):
+            return
+        if len(getattr(src, "users", ())) != 1:
             self._fail(node, f"applies {what} in place to a value read otherwise too")
+        self._views_unread(node, src, f"applies {what} in place to")
+
+    def _views_unread(self, node, src: fx.Node, what: str) -> None:
+        """``node`` changes ``src`` in place: the tensors ``src`` is a view of (view / transpose ops, walked to their
+        base) may have no reader but the next view (HF's ``bmm(...).squeeze(1)``), or they would see the change."""
+        base = src
+        while _op(base) in ("view", "transpose") and isinstance(base.args[0], fx.Node):
+            base = base.args[0]
+            if len(base.users) != 1:
+                self._fail(node, f"{what} a view of {base.name}, which is read otherwise too "
+                                 f"({sorted(u.name for u in base.users)})")
 
     def _gelu(self, node):
         """GELU of the gate (ungated: of up's output): the tanh approximation (Gemma-4's act_fn) or the exact one."""
@@ -699,12 +714,7 @@ class _Interpreter:
         seen = [u.name for u in node.args[0].users if u is not node and u in self.val]
         if seen:
             self._fail(node, f"adds a bias in place to a GEMM output {seen} read before")
-        base = node.args[0]
-        while _op(base) in ("view", "transpose") and isinstance(base.args[0], fx.Node):
-            base = base.args[0]
-            if len(base.users) != 1:
-                self._fail(node, f"adds a bias in place to a view of {base.name}, which is read otherwise too "
-                                 f"({sorted(u.name for u in base.users)})")
+        self._views_unread(node, node.args[0], "adds a bias in place to")
         self.val[node.args[0]] = out
         return out
 

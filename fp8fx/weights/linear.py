@@ -113,7 +113,7 @@ def _overflow_of(module: nn.Module, name: str, cast: torch.dtype) -> str:
     load_checkpoint refuses such a layer for a float16 model; a cast of the loaded model to float16 made it, with no
     error. The fp8 tensors are counted only where their largest scale is beyond the range."""
     p, suffix = module._parameters, "_scale_inv" if getattr(module, "_fp8fx_block_scales", False) else "_scale"
-    for w in ("weight", "gate_up_proj", "down_proj"):
+    for w in ("weight", "gate_up_proj", "up_proj", "down_proj"):  # (up_proj: ungated experts' first weight)
         q, scale = p.get(w), p.get(w + suffix)
         if q is None or scale is None or q.dtype != quant.FP8_DTYPE or not scale.numel():
             continue

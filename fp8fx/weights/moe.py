@@ -102,9 +102,8 @@ def is_experts(module: nn.Module) -> bool:
 
 
 def is_any_experts(module: nn.Module) -> bool:
-    """Gated experts (``is_experts``) or ungated ones (``is_ungated_experts``): what ``quantize_``, ``calibrate`` and
-    the MoE pass take. The checkpoint code reads gated experts only (``is_experts``); ungated ones are refused there
-    (``fp8fx.checkpoint``)."""
+    """Gated experts (``is_experts``) or ungated ones (``is_ungated_experts``): what ``quantize_``, ``calibrate``, the
+    MoE pass and the checkpoint code take."""
     return is_experts(module) or is_ungated_experts(module)
 
 

@@ -460,7 +460,7 @@ def _gate_of(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     ``act_fn(gate) * up`` of the halves, SiLU for a module with no act_fn (a loop calling F.silu,
     examples/moe_reference.py: the activation the MoE pass fuses). Ungated experts: ``act_fn`` of the output [..., I]
     (HF's grouped_mm / batched_mm code for ``has_gate=False``)."""
-    if moe.is_ungated_experts(mod):
+    if moe.is_ungated_experts(mod):  # (calibrate refused those with no act_fn before it ran)
         return mod.act_fn
     if callable(getattr(mod, "_apply_gate", None)):
         return mod._apply_gate
@@ -542,6 +542,13 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     modules = [(fqn, m) for fqn, m in named if not config.is_ignored(fqn)]
     # (skip_reason leaves out the experts quantize_ keeps bf16, an act_fn fused_moe does not compute among them)
     experts = [(fqn, m) for fqn, m in modules if moe.is_any_experts(m) and moe.skip_reason(m, fqn, config) is None]
+    for fqn, m in experts:  # (gated experts with none are measured with SiLU; ungated ones have no default)
+        if moe.is_ungated_experts(m) and getattr(m, "act_fn", None) is None:
+            raise ValueError(
+                f"calibrate: {fqn} holds ungated experts with no act_fn; calibrate measures down_proj's input as "
+                "act_fn(up_proj(x)): give the module its activation as act_fn, or add it to ignored_layers (nothing "
+                "was run)"
+            )
     hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no), with_kwargs=True)
              for fqn, module in experts]
     for fqn, module in modules:

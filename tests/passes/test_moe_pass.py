@@ -498,12 +498,17 @@ def test_ungated_experts_of_another_activation_stay_bf16_with_the_reason(what, a
     assert not report.unhandled_weights(model)
 
 
-def _ungated_forward(split=False, power=2, relu_only=False):
+def _ungated_forward(split=False, power=2, relu_only=False, alias=False):
     """NemotronHExperts' batched_mm code with one thing changed."""
     def forward(self, hidden_states, top_k_index, top_k_weights):
         ids = top_k_index.reshape(-1)
         x = hidden_states.repeat_interleave(top_k_index.shape[1], dim=0)
         up = torch.bmm(self.up_proj[ids], x.unsqueeze(-1)).squeeze(-1)
+        if alias:  # a ReLU in place on a view of up, whose result is not read: up is relu(up) from here on
+            F.relu(up.view(up.shape), inplace=True)
+            h = F.silu(up)
+            y = torch.bmm(self.down_proj[ids], h.unsqueeze(-1)).squeeze(-1) * top_k_weights.reshape(-1, 1)
+            return y.view(-1, top_k_index.shape[1], y.shape[-1]).sum(dim=1)
         if split:  # a gate half of an ungated output
             gate, up = up.chunk(2, dim=-1)
             up = F.silu(gate) * up
@@ -520,6 +525,9 @@ def _ungated_forward(split=False, power=2, relu_only=False):
     ("relu(x) ** 3", dict(power=3), "raises to the power 3, not 2 (the squared ReLU)"),
     ("a ReLU alone", dict(relu_only=True), "multiplies w2 (expert pairs) with relu"),
     ("a gate half of up's output", dict(split=True), "(ungated experts: up's output has no gate half)"),
+    # (rewritten as silu(up) before: the in-place ReLU of an alias was not seen)
+    ("an in-place ReLU of a view of up", dict(alias=True), "applies ReLU in place to a view of up, which is read "
+                                                           "otherwise too"),
 ])
 def test_ungated_experts_code_variants(monkeypatch, what, kw, reason):
     """What the ungated rules take (relu then pow 2) and what they refuse, each with the node and the reason."""
@@ -984,3 +992,26 @@ def test_ungated_experts_copied_and_pickled_stay_fused():
             _, _, report = compile_capture(other, x, ids, w)
         (site,) = report.sites
         assert site.rewritten and site.scheme.endswith("(ungated, squared ReLU)"), site.reason
+
+
+def test_ungated_experts_cast_to_float16_beyond_its_range_are_refused():
+    """A cast of quantized experts to float16 where fp8 * scale passes 65504 is refused, as for gated experts (up_proj
+    was not checked: its dequantized view held inf)."""
+    model = nemotron_h_experts("grouped_mm")
+    with torch.no_grad():
+        model.experts.up_proj[0, 0, 0] = 1e5
+    fp8fx.quantize_(model)
+    with pytest.raises(ValueError, match=r"experts: cast to torch.float16, but a scale of .* is beyond torch.float16's "
+                                         r"range"):
+        model.half()
+    assert model.experts.up_proj.dtype == torch.bfloat16
+
+
+def test_calibrate_refuses_ungated_experts_with_no_act_fn():
+    """Gated experts with no act_fn are measured with SiLU (the pass reads their code); ungated ones have no default
+    activation: calibrate says so before it runs (it failed with an AttributeError inside its hook)."""
+    model = nemotron_h_experts("grouped_mm")
+    del model.experts.act_fn
+    with pytest.raises(ValueError, match=r"calibrate: experts holds ungated experts with no act_fn; .* give the module "
+                                         r"its activation as act_fn, or add it to ignored_layers \(nothing was run\)"):
+        fp8fx.calibrate(model, [inputs(torch.bfloat16)])
