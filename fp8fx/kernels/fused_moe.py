@@ -505,16 +505,16 @@ def _bias(bias: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple[torch.T
 
 
 def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_expert, k_top, s, fuse_group,
-            zero_unrouted, consts, cfg, amax_out=False, gated: Optional[dict] = None):
+            zero_unrouted, consts, cfg, amax_out=False, form: Optional[dict] = None):
     """Step 3: the intermediate ``[S, I]``: float32, or with ``fuse_group`` (== BLOCK_N) already fp8 with its
     ``[S, I / group]`` scales. Rows of pairs routed nowhere (ids outside [0, E)) are never written and never
     read by the second GEMM; ``zero_unrouted`` zeroes them for an amax over the whole tensor. ``amax_out``:
-    (float32 intermediate, each row's amax over each N tile ``[S, I / BLOCK_N]``). ``gated``: fused_moe's
+    (float32 intermediate, each row's amax over each N tile ``[S, I / BLOCK_N]``). ``form``: fused_moe's
     ``w13_bias``, ``interleaved``, ``activation``, ``swiglu_alpha``, ``swiglu_limit`` and ``gated`` (False: w13 is
     ``[E, I, H]``, the intermediate act(w13 x))."""
-    gated = gated or {}
-    i = w13.shape[1] // 2 if gated.get("gated", True) else w13.shape[1]
-    interleaved, b13 = gated.get("interleaved", False), gated.get("w13_bias")
+    form = form or {}
+    i = w13.shape[1] // 2 if form.get("gated", True) else w13.shape[1]
+    interleaved, b13 = form.get("interleaved", False), form.get("w13_bias")
     bias = _bias(b13, s13)
     dtype = quant.FP8_DTYPE if fuse_group else torch.float32
     inter = (torch.zeros if zero_unrouted else torch.empty)(s, i, device=xq.device, dtype=dtype)
@@ -523,11 +523,11 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
     grid = (block_expert.numel(), cdiv(i, consts["BLOCK_N"]))
     moe_gemm13_kernel[grid](
         xq, w13, inter, x_scale, s13, sorted_pair, block_expert, i_scale, bias[0],
-        s, i, w13.shape[2], 1 if interleaved else i, gated.get("swiglu_alpha", 1.0), gated.get("swiglu_limit", 1.0),
+        s, i, w13.shape[2], 1 if interleaved else i, form.get("swiglu_alpha", 1.0), form.get("swiglu_limit", 1.0),
         xq.stride(0), xq.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
         *_act_strides(x_scale), *s13_strides, i_scale.stride(0), i_scale.stride(1), *bias[1:],
         K_TOP=k_top, W_BLOCK_N=s13_rows, ROW_STEP=2 if interleaved else 1, HAS_BIAS=b13 is not None,
-        ACT=ACTIVATIONS[gated.get("activation", "silu")], GATED=gated.get("gated", True), QUANT_OUT=bool(fuse_group),
+        ACT=ACTIVATIONS[form.get("activation", "silu")], GATED=form.get("gated", True), QUANT_OUT=bool(fuse_group),
         AMAX_OUT=amax_out and not fuse_group,
         EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **consts, **cfg,
     )
@@ -585,7 +585,7 @@ def fused_moe(
     per_row = a2_scale is None and tuple(act_block) == (1, -1)  # the first GEMM leaves partial row maxima
     inter = _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_expert, k_top, s, fuse_group,
                     zero_unrouted, consts, cfg, amax_out=per_row,
-                    gated=dict(w13_bias=w13_bias, interleaved=interleaved, activation=activation,
+                    form=dict(w13_bias=w13_bias, interleaved=interleaved, activation=activation,
                                swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, gated=gated))
     if fuse_group:
         iq, i_scale = inter
