@@ -147,24 +147,29 @@ def is_ungated_experts(module: nn.Module) -> bool:
     ``up_proj`` [E, I, H] and ``down_proj`` (bf16 or fp8), no ``gate_up_proj``. fused_moe computes them with
     ``gated=False``."""
     p = module._parameters
-    return W13 not in p and all(isinstance(p.get(n), torch.Tensor) and p[n].dim() == 3 for n in (UP, W2))
+    # (Inkling's shared experts hold 3-D gate_proj, up_proj and down_proj: gated, in a layout fp8fx does not read)
+    return W13 not in p and "gate_proj" not in p and getattr(module, "has_gate", False) is False and all(
+        isinstance(p.get(n), torch.Tensor) and p[n].dim() == 3 for n in (UP, W2))
 
 
 def foreign_experts(module: nn.Module) -> Optional[str]:
     """Why fp8fx leaves ``module``'s experts as they are, where it holds experts in a layout fp8fx does not read
-    (DBRX's ``DbrxExperts``: ``mlp.w1`` / ``v1`` / ``w2``, 2-D [E * I, H]): a class named ``*Experts`` with a
-    ``num_experts`` of 2 or more and parameters no ``nn.Linear`` owns; else None. Nothing quantized them, and they
-    were in no report line (their router was quantized, as no experts module was found beside it)."""
+    (DBRX's ``DbrxExperts``: ``mlp.w1`` / ``v1`` / ``w2``, 2-D [E * I, H]; Inkling's shared experts: 3-D ``gate_proj``,
+    ``up_proj``, ``down_proj``): a class named ``*Experts`` with a ``num_experts`` of 2 or more or 3-D parameters of
+    its own, and parameters no ``nn.Linear`` owns; else None. Nothing quantized them, and they were in no report line
+    (their router was quantized, as no experts module was found beside it)."""
     count = getattr(module, "num_experts", None)
-    if (not type(module).__name__.endswith("Experts") or type(count) is not int or count < 2 or is_experts(module)
-            or is_ungated_experts(module) or is_quantized_experts(module)):
+    stacked = any(p.dim() == 3 for p in module.parameters(recurse=False))
+    if (not type(module).__name__.endswith("Experts") or not (type(count) is int and count >= 2 or stacked)
+            or is_any_experts(module) or is_quantized_experts(module)):
         return None
     owners = {id(p) for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
     names = [n for n, p in module.named_parameters() if id(p) not in owners]
     if not names:  # a list of MLPs of nn.Linear layers: those are quantized one by one
         return None
-    return (f"{type(module).__name__} holds its {count} experts as {', '.join(names[:4])}"
-            f"{' ...' if len(names) > 4 else ''}, a layout fp8fx does not read: left in high precision")
+    return (f"{type(module).__name__} holds its {f'{count} ' if type(count) is int else ''}experts as "
+            f"{', '.join(names[:4])}{' ...' if len(names) > 4 else ''}, a layout fp8fx does not read: left in high "
+            "precision")
 
 
 def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
@@ -182,8 +187,10 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
         parent = fqn.rpartition(".")[0]  # the MoE block
         if is_any_experts(experts):
             count, hidden, _ = sizes(experts)
-        else:  # (DBRX's router: a linear inside a router module)
-            count, hidden = experts.num_experts, getattr(experts, "hidden_size", None)
+        else:  # (DBRX's router: a linear inside a router module; experts with no count route through no router here)
+            count, hidden = getattr(experts, "num_experts", None), getattr(experts, "hidden_size", None)
+            if count is None:
+                continue
         for child_name, child in modules[parent].named_children():
             linears = [(n, m) for n, m in child.named_modules() if isinstance(m, nn.Linear)]
             weight = child._parameters.get("weight")

@@ -1015,3 +1015,31 @@ def test_calibrate_refuses_ungated_experts_with_no_act_fn():
     with pytest.raises(ValueError, match=r"calibrate: experts holds ungated experts with no act_fn; .* give the module "
                                          r"its activation as act_fn, or add it to ignored_layers \(nothing was run\)"):
         fp8fx.calibrate(model, [inputs(torch.bfloat16)])
+
+
+class SplitGateExperts(nn.Module):
+    """Inkling's shared experts' layout: gated, with 3-D gate_proj, up_proj and down_proj of their own."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.randn(2, I, H) / H**0.5)
+        self.up_proj = nn.Parameter(torch.randn(2, I, H) / H**0.5)
+        self.down_proj = nn.Parameter(torch.randn(2, H, I) / I**0.5)
+
+    def forward(self, x):
+        x = x.expand(2, -1, -1)
+        h = F.silu(torch.bmm(x, self.gate_proj.transpose(1, 2))) * torch.bmm(x, self.up_proj.transpose(1, 2))
+        return torch.bmm(h, self.down_proj.transpose(1, 2)).sum(0)
+
+
+def test_split_gate_experts_are_not_taken_for_ungated_ones(caplog):
+    """3-D up_proj / down_proj beside a 3-D gate_proj are gated experts in a layout fp8fx does not read: not ungated
+    experts (quantize_ stored up_proj and down_proj in fp8 and left the gate bf16, never fused), said and kept."""
+    model = nn.Sequential(nn.Linear(H, H), SplitGateExperts()).to(torch.bfloat16)
+    experts = model[1]
+    assert not fp8fx.weights.moe.is_ungated_experts(experts)
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        fp8fx.quantize_(model)
+    assert {p.dtype for p in experts.parameters()} == {torch.bfloat16} and fp8fx.weights.is_quantized(model[0])
+    assert "SplitGateExperts holds its experts as gate_proj, up_proj, down_proj, a layout fp8fx does not read" in \
+        caplog.text
