@@ -291,6 +291,10 @@ def layout_reason(module: nn.Module) -> Optional[str]:
     ``down_proj_bias`` [E, H], kept as they are) are GPT-OSS's, which fused_moe computes."""
     if getattr(module, "has_post_expert_norm", False) is True:  # HF @use_experts_implementation's flag
         return "a norm after each expert is not supported by fp8fx.fused_moe"
+    # (Ergo's experts: a post_expert_norm submodule of per-expert weights, no flag; quantized, the MoE pass left them)
+    norms = [n for n, m in module.named_children() if "norm" in n.lower() and next(m.parameters(), None) is not None]
+    if norms:
+        return f"a norm after each expert ({norms[0]}) is not supported by fp8fx.fused_moe"
     name13 = w13_name(module)
     gated = name13 == W13
     w13, w2 = module._parameters[name13], module._parameters[W2]

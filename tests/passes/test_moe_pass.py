@@ -5,6 +5,7 @@ import hashlib
 import importlib.util
 import operator
 import pathlib
+import re
 import sys
 import types
 
@@ -1043,3 +1044,17 @@ def test_split_gate_experts_are_not_taken_for_ungated_ones(caplog):
     assert {p.dtype for p in experts.parameters()} == {torch.bfloat16} and fp8fx.weights.is_quantized(model[0])
     assert "SplitGateExperts holds its experts as gate_proj, up_proj, down_proj, a layout fp8fx does not read" in \
         caplog.text
+
+
+def test_experts_with_a_norm_submodule_stay_bf16_with_the_reason():
+    """Ergo's experts: ungated, with a post_expert_norm submodule of per-expert weights and no HF flag saying so.
+    quantize_ stored them in fp8 and the MoE pass then left them unfused (fp8 error, no speedup): they stay bf16, and
+    the reason names the norm."""
+    model = nemotron_h_experts("grouped_mm")
+    model.experts.post_expert_norm = nn.Module()
+    model.experts.post_expert_norm.weight = nn.Parameter(torch.ones(E, H, dtype=torch.bfloat16))
+    reason = "a norm after each expert (post_expert_norm) is not supported by fp8fx.fused_moe"
+    with pytest.raises(ValueError, match=re.escape(f"experts: {reason}")):
+        fp8fx.quantize_(model, strict=True)
+    fp8fx.quantize_(model)
+    assert model.experts.up_proj.dtype == torch.bfloat16
