@@ -299,8 +299,8 @@ def moe_gemm13_kernel(
             h = acc_g * (1.0 - 1.0 / (1.0 + tl.exp(2.0 * z)))
         elif ACT == 4:  # the exact GELU: x * (1 + erf(x / sqrt(2))) / 2
             h = 0.5 * acc_g * (1.0 + tl.erf(acc_g * 0.7071067811865476))
-        elif ACT == 5:  # Nemotron-H's squared ReLU
-            r = tl.maximum(acc_g, 0.0)
+        elif ACT == 5:  # Nemotron-H's squared ReLU (a NaN stays NaN, as torch's relu keeps it: max.f32 gives 0)
+            r = tl.where(acc_g < 0.0, 0.0, acc_g)
             h = r * r
         else:
             h = acc_g / (1.0 + tl.exp(-acc_g))

@@ -747,6 +747,24 @@ def test_fused_moe_kernel_ungated_cuda(t, scheme, activation):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("activation", ["relu2", "gelu", "silu"])
+def test_fused_moe_ungated_nan_stays_nan_cuda(activation):
+    """A token whose hidden state holds a NaN gets a NaN output, as the reference gives: the GPU's max of NaN and 0 is
+    0, so a squared ReLU by tl.maximum turned it into a finite output. The other tokens stay finite."""
+    q13, s13, q2, s2, *_ = ungated_experts([1, -1])
+    x, w, ids = routed(5)
+    x[2, 7] = float("nan")
+    form = dict(w13_bias=None, w2_bias=None, interleaved=False, activation=activation, swiglu_alpha=1.702,
+                swiglu_limit=7.0, gated=False)
+    ref = ops.fused_moe_reference(x, w, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.float32, **form)
+    y = torch.ops.fp8fx.fused_moe(*(v.cuda() for v in (x, w, ids, q13, s13, q2, s2)), [1, -1], [1, -1], torch.float32,
+                                  None, None, False, *form.values()).cpu()
+    assert torch.isnan(ref[2]).all() and torch.isnan(y[2]).all()
+    rows = [0, 1, 3, 4]
+    assert torch.isfinite(y[rows]).all() and rel_err(y[rows], ref[rows]) < 3e-2
+
+
+@pytest.mark.cuda
 def test_fused_moe_cuda_addresses_past_2_31():
     """S * H = (40000 tokens x top-8) x 7168 > 2**31 elements in the [S, H] combine buffer: the pairs past
     that point are only right with 64-bit row bases (x itself, 40000 x 7168, stays under 2**31)."""
