@@ -434,7 +434,7 @@ class ExpertsLoader:
             dest = ex.plain[name][e]
             if shard is not None and ex.transposed:  # an expert's [rows, cols], as a linear layer's
                 dest = dest.t()
-            if shard in ("w1", "w3") and ex.gated:
+            if ex.loader_shard(shard) in ("w1", "w3"):
                 dest = dest[Fp8MoEMethod._rows(shard, dest.shape[0])]
             dest.copy_(t)
             return
@@ -634,14 +634,7 @@ def split_reason(module: nn.Module) -> Optional[str]:
                               ("has_post_expert_norm", True, "a norm after each expert")):  # as moe.skip_reason
         if getattr(module, flag, not value) == value:
             return what
-    gated = moe.is_experts(module)
-    w13, w2 = module._parameters[moe.w13_name(module)], module._parameters[W2]
-    e, rows, h = w13.shape
-    if gated and (rows % 2 or tuple(w2.shape) != (e, h, rows // 2)):
-        return f"gate_up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not [E, 2I, H] and [E, H, I]"
-    if not gated and tuple(w2.shape) != (e, h, rows):
-        return f"up_proj {list(w13.shape)} and down_proj {list(w2.shape)} are not [E, I, H] and [E, H, I]"
-    return None
+    return moe.shape_reason(module, transposed=False)  # (the stored layout: Llama-4's, transposed with no flag, too)
 
 
 def per_expert_tensors(fqn: str, module: nn.Module, block_leaf: str = "weight_scale_inv",

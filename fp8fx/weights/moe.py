@@ -295,23 +295,37 @@ def layout_reason(module: nn.Module) -> Optional[str]:
     norms = [n for n, m in module.named_children() if "norm" in n.lower() and next(m.parameters(), None) is not None]
     if norms:
         return f"a norm after each expert ({norms[0]}) is not supported by fp8fx.fused_moe"
+    why = shape_reason(module)
+    if why is not None:
+        return why
     name13 = w13_name(module)
-    gated = name13 == W13
-    w13, w2 = module._parameters[name13], module._parameters[W2]
-    if is_transposed(module):
-        e, h, rows = w13.shape
-        i = rows // 2 if gated else rows
-        fits, layout = tuple(w2.shape) == (e, i, h), f"[E, H, {'2I' if gated else 'I'}] and [E, I, H] (is_transposed)"
-    else:
-        e, rows, h = w13.shape
-        i = rows // 2 if gated else rows
-        fits, layout = tuple(w2.shape) == (e, h, i), f"[E, {'2I' if gated else 'I'}, H] and [E, H, I]"
-    if (gated and rows % 2) or not fits:
-        return f"{name13} {list(w13.shape)} and down_proj {list(w2.shape)} are not {layout}"
+    e, h, _ = sizes(module)
+    rows = module._parameters[name13].shape[2 if is_transposed(module) else 1]
     for name, shape in ((name13 + "_bias", (e, rows)), (W2 + "_bias", (e, h))):
         bias = module._parameters.get(name)
         if bias is not None and tuple(bias.shape) != shape:
             return f"{name} {list(bias.shape)} is not {list(shape)} (each expert's bias)"
+    return None
+
+
+def shape_reason(module: nn.Module, transposed: Optional[bool] = None) -> Optional[str]:
+    """Why the high-precision experts ``module``'s weights are not [E, 2I, H] / [E, H, I] (ungated: [E, I, H] /
+    [E, H, I]) or, ``transposed`` (default: ``is_transposed``), [E, H, 2I] / [E, I, H] ([E, H, I] / [E, I, H]); else
+    None."""
+    name13 = w13_name(module)
+    gated = name13 == W13
+    w13, w2 = module._parameters[name13], module._parameters[W2]
+    rows13 = "2I" if gated else "I"
+    if is_transposed(module) if transposed is None else transposed:
+        e, h, rows = w13.shape
+        i = rows // 2 if gated else rows
+        fits, layout = tuple(w2.shape) == (e, i, h), f"[E, H, {rows13}] and [E, I, H] (is_transposed)"
+    else:
+        e, rows, h = w13.shape
+        i = rows // 2 if gated else rows
+        fits, layout = tuple(w2.shape) == (e, h, i), f"[E, {rows13}, H] and [E, H, I]"
+    if (gated and rows % 2) or not fits:
+        return f"{name13} {list(w13.shape)} and down_proj {list(w2.shape)} are not {layout}"
     return None
 
 
