@@ -248,7 +248,7 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
         row["fast_vs_scaled_grouped"] = row["scaled_grouped_mm_ms"] / fast
     row["fast_vs_floor"] = fast / row["floor_ms"]
     if profile:
-        for name in ("fp8fx_fast_accum", "bf16_grouped_mm") if "bf16_grouped_mm" in timings else ("fp8fx_fast_accum",):
+        for name in (n for n in ("fp8fx_fast_accum", "bf16_grouped_mm") if n in timings):
             row[f"{name}_kernels"] = kernel_ms(timings[name])
     if sweep:
         row["sweep"] = []

@@ -826,18 +826,17 @@ def moe_activation(g1: torch.Tensor, interleaved: bool, activation: str, alpha: 
                    gated: bool = True) -> torch.Tensor:
     """fused_moe's activation of the first GEMM's output ``g1`` [..., 2I] (biases added): [..., I]; ungated, of
     ``g1`` [..., I] itself."""
-    if activation in UNGATED_ACTIVATIONS:
-        f = torch.nn.functional
-        unary = {"silu": f.silu, "gelu": f.gelu, "gelu_tanh": functools.partial(f.gelu, approximate="tanh"),
-                 "relu2": lambda v: f.relu(v).square()}[activation]
-        if not gated:
-            return unary(g1)
-        gate, up = (g1[..., 0::2], g1[..., 1::2]) if interleaved else g1.chunk(2, dim=-1)
-        return unary(gate) * up
+    f = torch.nn.functional
+    unary = {"silu": f.silu, "gelu": f.gelu, "gelu_tanh": functools.partial(f.gelu, approximate="tanh"),
+             "relu2": lambda v: f.relu(v).square()}.get(activation)  # (UNGATED_ACTIVATIONS)
+    if not gated:
+        return unary(g1)
     gate, up = (g1[..., 0::2], g1[..., 1::2]) if interleaved else g1.chunk(2, dim=-1)
+    if unary is not None:
+        return unary(gate) * up
     gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     if activation == "silu_clamped":
-        return torch.nn.functional.silu(gate) * up
+        return f.silu(gate) * up
     return gate * torch.sigmoid(gate * alpha) * (up + 1)
 
 

@@ -1022,8 +1022,7 @@ class MoePass(Fp8Pass):
         if {"x", "ids", "wts"} - set(by_role) and not dense:
             raise _NoMatch("the experts do not read hidden_states, top_k_index and top_k_weights "
                            f"(found {sorted(by_role)})")
-        interp = _Interpreter(inputs, e, two_i // 2 if gated else i, h, 1 if dense else _shape(by_role["ids"])[1],
-                              gated)
+        interp = _Interpreter(inputs, e, i, h, 1 if dense else _shape(by_role["ids"])[1], gated)
         interp.run(site.region)
         result = interp.val.get(out)
         if dense:
