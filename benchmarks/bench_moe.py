@@ -46,6 +46,7 @@ SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336),  # E, to
           "nemotron_h": (128, 6, 2688, 1856)}  # ungated: w13 [E, I, H], relu(up)^2; fp8fx alone (no ungated anchor)
 UNGATED = {"nemotron_h"}
 HBM_TBPS = 4.25
+BOTH_PATHS_MAX_TOKENS = 8  # up to this many tokens both of fused_moe's paths are timed (``direct``)
 SWEEPS = {  # flat: both GEMMs; "gemm2": the second GEMM's own tiles (the first has two accumulators)
     "per-channel": [
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4),
@@ -195,8 +196,9 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
     ref = None if shape in UNGATED else bf16_grouped(x, weights, ids, w13, w2).float()
     graph = device == "cuda"  # every row as CUDA-graph replays (a compiled model's decode and prefill)
     row = dict(shape=shape, scheme=scheme, tokens=tokens, E=e, top_k=k, H=h, I=i)
-    fp8 = lambda cfg=None, fast=False: moe_kernel.fused_moe(  # noqa: E731
-        x, weights, ids, q13, s13, q2, s2, w_block, act_block, torch.bfloat16, config=cfg, fast_accum=fast, **form
+    fp8 = lambda cfg=None, fast=False, direct=None: moe_kernel.fused_moe(  # noqa: E731
+        x, weights, ids, q13, s13, q2, s2, w_block, act_block, torch.bfloat16, config=cfg, fast_accum=fast,
+        direct=direct, **form
     )
     out = fp8()
     op_ref = ops.fused_moe_reference(x, weights, ids, q13, s13, q2, s2, w_block, act_block, torch.float32, **form)
@@ -214,6 +216,10 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
         "fp8fx": fp8,  # fp32 promotion every K step
         "fp8fx_fast_accum": lambda: fp8(fast=True),
     }
+    if tokens <= BOTH_PATHS_MAX_TOKENS:  # decode: one program per pair (no align, quantize or combine launches) or not
+        row["fp8fx_direct_err_vs_aligned"] = rel_err(fp8(fast=True, direct=True), fp8(fast=True, direct=False))
+        timings["fp8fx_direct_fast_accum"] = lambda: fp8(fast=True, direct=True)
+        timings["fp8fx_aligned_fast_accum"] = lambda: fp8(fast=True, direct=False)
     if shape in UNGATED:
         timings = {n: f for n, f in timings.items() if n.startswith("fp8fx")}
     try:
@@ -247,6 +253,9 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
     if "scaled_grouped_mm_ms" in row:
         row["fast_vs_scaled_grouped"] = row["scaled_grouped_mm_ms"] / fast
     row["fast_vs_floor"] = fast / row["floor_ms"]
+    if "fp8fx_direct_fast_accum_ms" in row:
+        row["direct_vs_aligned"] = row["fp8fx_aligned_fast_accum_ms"] / row["fp8fx_direct_fast_accum_ms"]
+        row["direct_vs_touched_floor"] = row["fp8fx_direct_fast_accum_ms"] / row["touched_floor_ms"]
     if profile:
         for name in (n for n in ("fp8fx_fast_accum", "bf16_grouped_mm") if n in timings):
             row[f"{name}_kernels"] = kernel_ms(timings[name])

@@ -469,8 +469,10 @@ INTERPRETER_CHECK = textwrap.dedent(
     """
     import torch
     from fp8fx import ops, quant
+    import functools
     from fp8fx.kernels.fused_moe import (_gemm13, _weight_scale, align, fused_moe, imprecise_k, quantize_act,
                                          torch_quantize_act)
+    fused_moe = functools.partial(fused_moe, direct=False)  # the aligned path at 1 token too (DIRECT_CHECK: the other)
 
     def _gemm13_args(x, ids, q13, s13, wb, ab, cfg):  # fused_moe's first GEMM, BLOCK_N = BLOCK_K = the group
         tiles = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=ab[1], BLOCK_K=ab[1])
@@ -633,6 +635,89 @@ def test_fused_moe_kernel_under_triton_interpreter():
     assert "interpreter ok" in run_under_triton_interpreter(["-c", INTERPRETER_CHECK])
 
 
+DIRECT_CHECK = textwrap.dedent(
+    """
+    import torch
+    from tests.triton_rounding import round_to_nearest
+    round_to_nearest()  # the GPU's conversions: the in-kernel quantization is held to quantize_act's bits
+    import fp8fx.kernels.fused_moe as km
+    from fp8fx import ops, quant
+
+    g = torch.Generator().manual_seed(0)
+    E, H, I = 5, 72, 40  # ragged against every tile and K group below
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+    kept = torch.zeros(64, dtype=torch.int32)  # tickets kept across calls, as a CUDA graph's are
+    km._direct_tickets = lambda device, count: kept[:count]
+    schemes = [([1, -1], [1, -1], False), ([-1, -1], [-1, -1], False), ([-1, -1], [-1, -1], True),
+               ([8, 32], [1, 32], False), ([8, 32], [1, -1], False), ([1, -1], [1, 32], False)]
+    forms = [(*schemes[i], name) for i in (0, 3) for name in ("gpt_oss", "ungated")]
+    cases = [(*scheme, "silu") for scheme in schemes] + forms
+    for wb, ab, static, name in cases:
+        gated = name != "ungated"
+        q13, s13 = quant.quantize(torch.randn(E, (2 if gated else 1) * I, H, generator=g) / 8, wb)
+        q2, s2 = quant.quantize(torch.randn(E, H, I, generator=g) / 6, wb)
+        form = {"silu": {},
+                "gpt_oss": dict(w13_bias=torch.randn(E, 2 * I, generator=g).bfloat16(), interleaved=True,
+                                w2_bias=torch.randn(E, H, generator=g), activation="swiglu_oai",
+                                swiglu_limit=1.5),
+                "ungated": dict(w13_bias=torch.randn(E, I, generator=g), activation="relu2", gated=False)}[name]
+        a13, a2 = (torch.tensor([0.02]), torch.tensor([0.002])) if static else (None, None)
+        for t, k, out_dtype in [(1, 2, torch.float32), (1, 3, torch.bfloat16), (3, 3, torch.float32)]:
+            x = torch.randn(t, H, generator=g).bfloat16()
+            ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(t)])
+            if t == 3:  # expert-parallel sentinels: a pair routed nowhere in two tokens
+                ids[1, 0], ids[2, 2] = -1, E
+            w = torch.rand(t, k, generator=g)
+            ref = ops.fused_moe_reference(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, a13, a2, **form)
+            run = lambda direct, **kw: km.fused_moe(x, w, ids, q13, s13, q2, s2, wb, ab, out_dtype, a13, a2,
+                                                    config=cfg, direct=direct, **form, **kw)
+            aligned = run(False)
+            for direct in (run(True), run(True)):  # twice: the tickets left zero by the first call
+                assert torch.equal(direct, aligned), (wb, ab, static, name, t, k, (direct - aligned).abs().max())
+                assert not kept.any(), kept
+            # the quantization outside the kernels (torch's), as the GEMMs' tests take it
+            outside = run(True, quantize=km.torch_quantize_act, fuse_quant=False)
+            bound = 1e-4 if out_dtype == torch.float32 else 5e-3
+            for y in (aligned, outside):
+                assert ((y.float() - ref).norm() / ref.norm()).item() < bound, (wb, ab, static, name, t, k)
+    # x with a column stride (the kernel's row amax walks H with unit stride)
+    wb = ab = [1, -1]
+    q13, s13 = quant.quantize(torch.randn(E, 2 * I, H, generator=g) / 8, wb)
+    q2, s2 = quant.quantize(torch.randn(E, H, I, generator=g) / 6, wb)
+    x = torch.randn(1, 2 * H, generator=g).bfloat16()[:, ::2]
+    ids, w = torch.tensor([[3, 1]]), torch.rand(1, 2, generator=g)
+    ref = ops.fused_moe_reference(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32)
+    y = km.fused_moe(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, config=cfg, direct=True)
+    assert x.stride(1) != 1 and ((y - ref).norm() / ref.norm()).item() < 1e-4
+    print("direct ok")
+    """
+)
+
+
+def test_fused_moe_direct_under_triton_interpreter():
+    """The decode path (one program per pair, every quantization and the combine inside the two GEMMs) gives the
+    aligned path's output bit for bit, for every scheme and form, with pairs routed nowhere, leaving its tickets
+    zero; with torch's quantization outside, the reference's within float32 rounding."""
+    assert "direct ok" in run_under_triton_interpreter(["-c", DIRECT_CHECK])
+
+
+def test_direct_by_default_weighs_rereads_against_launches():
+    """One token always (its top-k experts are distinct); a few tokens where re-reading the experts that two tokens
+    share costs less than the launches saved: fine-grained experts (Qwen3-30B-A3B's 4.7 MB a pair up to 5 tokens,
+    Nemotron-3-Nano's 10 MB up to 4), GPT-OSS-20B's 25 MB up to 2, Mixtral's 176 MB (8 experts, top-2) at one token
+    only."""
+    pytest.importorskip("triton")
+    from fp8fx.kernels.fused_moe import DIRECT_MAX_TOKENS, direct_by_default
+
+    shapes = {"qwen3": (128, 8, 3 * 2048 * 768), "nemotron_h": (128, 6, 2 * 2688 * 1856),
+              "gpt_oss": (32, 4, 3 * 2880 * 2880), "mixtral": (8, 2, 3 * 4096 * 14336)}
+    want = {"qwen3": 5, "nemotron_h": 4, "gpt_oss": 2, "mixtral": 1}
+    for name, (e, k, pair_bytes) in shapes.items():
+        direct = [t for t in range(1, 2 * DIRECT_MAX_TOKENS) if direct_by_default(t, k, e, pair_bytes)]
+        assert direct == list(range(1, want[name] + 1)), (name, direct)
+    assert direct_by_default(3, 2, 8, 1024) and not direct_by_default(DIRECT_MAX_TOKENS + 1, 2, 8, 1024)
+
+
 def test_fused_moe_config_rows_must_agree():
     pytest.importorskip("triton")
     from fp8fx import quant
@@ -744,6 +829,57 @@ def test_fused_moe_kernel_ungated_cuda(t, scheme, activation):
     y = torch.ops.fp8fx.fused_moe(*cuda, w_block, act_block, torch.bfloat16, *statics, False, cform["w13_bias"], None,
                                   False, activation, 1.702, 7.0, False)
     assert rel_err(y.cpu(), ref) < 3e-2 and rel_err(y.cpu(), truth) < 1.1 * ref_err + 5e-3
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("scheme", ["per-channel", "per-tensor", "static", "block"])
+@pytest.mark.parametrize("form", ["silu", "gpt_oss", "ungated"])
+def test_fused_moe_direct_cuda(scheme, form):
+    """The decode path on the GPU (one program per pair; x and the intermediate quantized in the GEMMs; the combine
+    in the second GEMM): bit for bit the aligned path's output at 1 and 3 tokens, pairs routed nowhere among them,
+    bf16 and float32 outputs. Captured into a CUDA graph (kept tickets, never zeroed by the graph) and replayed with
+    new tokens and routes: each replay bit for bit the eager call's."""
+    from fp8fx.kernels.fused_moe import fused_moe
+
+    w_block, act_block, static = SCHEMES[scheme]
+    g = torch.Generator().manual_seed(7)
+    rows = I if form == "ungated" else 2 * I
+    q13, s13 = quant.quantize(torch.randn(E, rows, H, generator=g) / H**0.5, w_block)
+    q2, s2 = quant.quantize(torch.randn(E, H, I, generator=g) / I**0.5, w_block)
+    extra = {"silu": {}, "gpt_oss": dict(w13_bias=torch.randn(E, 2 * I, generator=g).bfloat16(), interleaved=True,
+                                         w2_bias=torch.randn(E, H, generator=g), activation="swiglu_oai"),
+             "ungated": dict(w13_bias=torch.randn(E, I, generator=g), activation="relu2", gated=False)}[form]
+    extra = {n: v.cuda() if isinstance(v, torch.Tensor) else v for n, v in extra.items()}
+    scales = (torch.tensor([0.01]).cuda(), torch.tensor([0.004]).cuda()) if static else (None, None)
+    weights = [v.cuda() for v in (q13, s13, q2, s2)]
+
+    def call(x, w, ids, out_dtype, direct=None):
+        return fused_moe(x, w, ids, *weights, w_block, act_block, out_dtype, *scales, fast_accum=True, direct=direct,
+                         **extra)
+
+    for t in (1, 3):
+        x, w, ids = routed(t, seed=t)
+        if t == 3:
+            ids[1, 0], ids[2, 1] = -1, E  # expert-parallel sentinels
+        x, w, ids = x.cuda(), w.cuda(), ids.cuda()
+        for out_dtype in (torch.bfloat16, torch.float32):
+            direct, aligned = call(x, w, ids, out_dtype, True), call(x, w, ids, out_dtype, False)
+            assert torch.equal(direct, aligned), (t, out_dtype, (direct.float() - aligned.float()).abs().max())
+        ref = ops.fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), q13, s13, q2, s2, w_block, act_block,
+                                      torch.float32, *(None if v is None else v.cpu() for v in scales),
+                                      **{n: v.cpu() if isinstance(v, torch.Tensor) else v for n, v in extra.items()})
+        assert rel_err(direct.cpu(), ref) < 1e-3, rel_err(direct.cpu(), ref)
+    x, w, ids = (v.cuda() for v in routed(1, seed=11))
+    call(x, w, ids, torch.bfloat16)  # outside capture: the ticket reserve is topped up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = call(x, w, ids, torch.bfloat16)
+    for seed in (12, 13, 14):
+        new = routed(1, seed=seed)
+        for into, value in zip((x, w, ids), new):
+            into.copy_(value)
+        graph.replay()
+        assert torch.equal(y, call(x, w, ids, torch.bfloat16)), seed
 
 
 @pytest.mark.cuda
@@ -882,7 +1018,7 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped, gpt
     """What the interpreter does not check (Triton's front-end rules, the NVIDIA back end, shared memory)."""
     pytest.importorskip("triton")
     from fp8fx import quant
-    from fp8fx.kernels.fused_moe import imprecise_k, moe_gemm13_kernel, moe_gemm2_kernel, tile_config
+    from fp8fx.kernels.fused_moe import imprecise_k, moe_gemm13_kernel, tile_config
 
     cfg = tile_config(pairs_per_expert, 2 * i, h, k_grouped=grouped)
     gemm2 = cfg.pop("gemm2", {})
@@ -907,26 +1043,90 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped, gpt
         return compile_for_hopper(
             moe_gemm13_kernel, {**ptr, "inter_ptr": inter, "a_scale_ptr": "*fp32",
                                 "w_scale_ptr": "*fp32", **routing, "inter_scale_ptr": "*fp32", "bias_ptr": "*bf16"},
-            ["S", "N", "K", "UP_SHIFT", "alpha", "limit", *strides, "stride_im", "stride_in", *scale_strides,
+            ["S", "N", "K", "UP_SHIFT", "E", "alpha", "limit", *strides, "stride_im", "stride_in", *scale_strides,
              "stride_ism", "stride_isg", "stride_be", "stride_bn"],
-            {"K_TOP": 8, **schemes, **form, **quant_out, **tiles}, cfg)
+            {"K_TOP": 8, **schemes, **form, **quant_out, **tiles, "DIRECT": False, "X_QUANT": 0, "ROW_BLOCK": 1024},
+            cfg)
 
     k13 = gemm13(schemes)
     if not grouped and tiles["BLOCK_M"] >= 64:  # wgmma tiles: promotion per K step shows as fp32 adds
         fast = gemm13({**schemes, "IMPRECISE_K": imprecise_k(cfg, True)})
         assert "wgmma" in k13.asm["ptx"]
         assert k13.asm["ptx"].count("add.f32") > fast.asm["ptx"].count("add.f32")
-    k2 = compile_for_hopper(
-        moe_gemm2_kernel, {**ptr, "y_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
-                           "topk_weights_ptr": "*fp32", **routing, "bias_ptr": "*bf16"},
-        ["S", "N", "K", *strides, "stride_ym", "stride_yn", *scale_strides, "stride_be", "stride_bn"],
-        {**schemes, "HAS_BIAS": gpt_oss is True, **tiles2}, cfg2)
+    k2 = compile_gemm2(ptr, routing, {**schemes, "HAS_BIAS": gpt_oss is True, **tiles2}, cfg2)
     kernels = [k13, k2]
     if grouped:  # 128x128 weight blocks with per-token activations: the float32 intermediate and its row maxima
         quant_out.update(QUANT_OUT=False, AMAX_OUT=True)
         kernels.append(gemm13(schemes, "*fp32"))
     for kernel in kernels:
         assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+
+
+def compile_gemm2(ptr: dict, routing: dict, consts: dict, cfg: dict, direct: tuple = (False, 1, 0)):
+    """moe_gemm2_kernel for sm_90; ``direct``: (DIRECT, K_TOP, A_QUANT)."""
+    from fp8fx import quant
+    from fp8fx.kernels.fused_moe import moe_gemm2_kernel
+
+    strides = ["stride_am", "stride_ak", "stride_we", "stride_wn", "stride_wk", "stride_ym", "stride_yn",
+               "stride_asm", "stride_ask", "stride_wse", "stride_wsn", "stride_wsk", "stride_be", "stride_bn",
+               "stride_om"]
+    return compile_for_hopper(
+        moe_gemm2_kernel, {**ptr, "y_ptr": "*bf16", "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32",
+                           "topk_weights_ptr": "*fp32", **routing, "bias_ptr": "*bf16", "out_ptr": "*bf16",
+                           "tickets_ptr": "*i32"},
+        ["S", "N", "K", "E", *strides],
+        {**consts, "DIRECT": direct[0], "K_TOP": direct[1], "A_QUANT": direct[2], "N_PARTS": 29, "PARTS_BLOCK": 32,
+         "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX}, cfg)
+
+
+@pytest.mark.parametrize("i,h,x_quant,a_quant,form", [  # one token: every in-kernel quantization, each form
+    (768, 2048, 1, 1, "silu"), (768, 2048, 2, 2, "silu"), (768, 2048, 3, 3, "silu"),  # Qwen3-30B-A3B
+    (768, 2048, 0, 0, "silu"), (2048, 7168, 0, 0, "silu"),  # 1x128 groups (DeepSeek-V3's shape): x fp8 already
+    (2880, 2880, 1, 1, "gpt_oss"), (1856, 2688, 1, 1, "ungated"), (1856, 2688, 0, 0, "ungated"),
+])
+def test_direct_moe_kernels_compile_for_sm90(i, h, x_quant, a_quant, form):
+    """The decode path (``DIRECT``): bf16 x quantized in the first GEMM's loads, the intermediate in the second's
+    (1 x 128 groups: x quantized before, the intermediate in the first's epilogue), the combine's ticket in the
+    second."""
+    pytest.importorskip("triton")
+    from fp8fx import quant
+    from fp8fx.kernels.fused_moe import imprecise_k, moe_gemm13_kernel, tile_config
+
+    grouped = x_quant == 0
+    cfg = tile_config(1, 2 * i, h, k_grouped=grouped)
+    cfg2 = {**cfg, **cfg.pop("gemm2", {})}
+    if grouped:
+        cfg["BLOCK_K"] = cfg2["BLOCK_K"] = cfg["BLOCK_N"] = 128
+    tiles = {k: cfg[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    tiles2 = {k: cfg2[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    schemes = {"K_GROUPED": grouped, "W_BLOCK_N": 128 if grouped else 1, "IMPRECISE_K": imprecise_k(cfg, False)}
+    routing = {"sorted_pair_ptr": "*i64", "block_expert_ptr": "*i64"}  # both the ids
+    k13 = compile_for_hopper(
+        moe_gemm13_kernel, {"a_ptr": "*fp8e4nv" if grouped else "*bf16", "w_ptr": "*fp8e4nv",
+                            "inter_ptr": "*fp8e4nv" if grouped else "*fp32",
+                            "a_scale_ptr": "*fp32", "w_scale_ptr": "*fp32", **routing, "inter_scale_ptr": "*fp32",
+                            "bias_ptr": "*bf16"},
+        ["S", "N", "K", "UP_SHIFT", "E", "alpha", "limit", "stride_am", "stride_ak", "stride_we", "stride_wn",
+         "stride_wk", "stride_im", "stride_in", "stride_asm", "stride_ask", "stride_wse", "stride_wsn", "stride_wsk",
+         "stride_ism", "stride_isg", "stride_be", "stride_bn"],
+        {"K_TOP": 8, **schemes, "ROW_STEP": 2 if form == "gpt_oss" else 1, "HAS_BIAS": form == "gpt_oss",
+         "ACT": {"silu": 0, "gpt_oss": 1, "ungated": 5}[form], "GATED": form != "ungated", "QUANT_OUT": grouped,
+         "AMAX_OUT": a_quant in (1, 2), "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX, **tiles, "DIRECT": True,
+         "X_QUANT": x_quant, "ROW_BLOCK": min(4096, 1 << (h - 1).bit_length())}, cfg)
+    inter = "*fp8e4nv" if grouped else "*fp32"
+    k2 = compile_gemm2({"a_ptr": inter, "w_ptr": "*fp8e4nv"}, routing,
+                       {**schemes, "HAS_BIAS": form == "gpt_oss", **tiles2}, cfg2, direct=(True, 8, a_quant))
+    for kernel in (k13, k2):
+        assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+    assert "cvt.rn.satfinite.e4m3x2.f32" in k13.asm["ptx"] and "div.rn.f32" in k13.asm["ptx"]  # as fp8fx.quant
+    # the division on the pair's row alone: BLOCK_K / 128 threads per K step, not the 16-row tile's 16x that
+    per_step = cfg["BLOCK_K"] // (32 * cfg["num_warps"])
+    if x_quant in (1, 2):
+        divisions = k13.asm["ptx"].count("div.rn.f32")
+        assert divisions <= per_step * cfg["num_stages"] + 2, divisions
+    assert ("cvt.rn.satfinite.e4m3x2.f32" in k2.asm["ptx"]) == (a_quant > 0)
+    ptx2 = k2.asm["ptx"]
+    assert "atom.global.gpu.acq_rel.add" in ptx2 and "atom.global.gpu.acq_rel.exch" in ptx2  # the ticket, its reset
 
 
 @pytest.mark.parametrize("pairs,experts,block_m", [  # decode shapes and the size limits
