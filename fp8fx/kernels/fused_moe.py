@@ -359,13 +359,14 @@ def moe_gemm13_kernel(
         acc_g += tl.load(b_ptrs, mask=n_ok, other=0.0).to(tl.float32)[None, :]
         if GATED:
             acc_u += tl.load(b_ptrs + UP_SHIFT * stride_bn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-    # columns past N are 0 (weights and biases loaded as 0), and so is every activation of them
+    # columns past N are 0 (weights and biases loaded as 0), and so is every activation of them. The clamps keep a
+    # NaN, as torch's clamp does (PTX's min.f32 / max.f32 return the other operand: a NaN gate became the limit)
     if ACT == 1:  # GPT-OSS: gate clamped above, up on both sides; (up + 1) * gate * sigmoid(alpha * gate)
-        g = tl.minimum(acc_g, limit)
-        h = g / (1.0 + tl.exp(-alpha * g)) * (tl.minimum(tl.maximum(acc_u, -limit), limit) + 1.0)
+        g = tl.minimum(acc_g, limit, propagate_nan=tl.PropagateNan.ALL)
+        h = g / (1.0 + tl.exp(-alpha * g)) * (tl.clamp(acc_u, -limit, limit, propagate_nan=tl.PropagateNan.ALL) + 1.0)
     elif ACT == 2:  # DeepSeek-V4: SiLU of the gate clamped above, times up clamped on both sides
-        g = tl.minimum(acc_g, limit)
-        h = g / (1.0 + tl.exp(-g)) * tl.minimum(tl.maximum(acc_u, -limit), limit)
+        g = tl.minimum(acc_g, limit, propagate_nan=tl.PropagateNan.ALL)
+        h = g / (1.0 + tl.exp(-g)) * tl.clamp(acc_u, -limit, limit, propagate_nan=tl.PropagateNan.ALL)
     else:  # act(gate) (* up where GATED)
         if ACT == 3:  # Gemma-4: GELU's tanh approximation; (1 + tanh(z)) / 2 = 1 - 1 / (1 + e^2z)
             z = 0.7978845608028654 * (acc_g + 0.044715 * acc_g * acc_g * acc_g)

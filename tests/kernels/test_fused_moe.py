@@ -4,6 +4,7 @@ sentinels; the op's registration (schema, fake impl). The Triton kernel (fp8fx.k
 against the reference: its routing (``align``, plain torch) on CPU, the kernels under Triton's
 interpreter (their fp8 loads and dots are exact there; the fp32 -> fp8 conversions the interpreter
 gets wrong for ~3% of values happen in torch), and on the GPU."""
+import re
 import textwrap
 
 import pytest
@@ -883,15 +884,17 @@ def test_fused_moe_direct_cuda(scheme, form):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("activation", ["relu2", "gelu", "silu"])
-def test_fused_moe_ungated_nan_stays_nan_cuda(activation):
+@pytest.mark.parametrize("activation,gated", [("relu2", False), ("gelu", False), ("silu", False),
+                                              ("swiglu_oai", True), ("silu_clamped", True)])
+def test_fused_moe_nan_stays_nan_cuda(activation, gated):
     """A token whose hidden state holds a NaN gets a NaN output, as the reference gives: the GPU's max of NaN and 0 is
-    0, so a squared ReLU by tl.maximum turned it into a finite output. The other tokens stay finite."""
-    q13, s13, q2, s2, *_ = ungated_experts([1, -1])
+    0, so a squared ReLU by tl.maximum turned it into a finite output, and its min of NaN and the limit is the limit,
+    so GPT-OSS's and DeepSeek-V4's clamps did. The other tokens stay finite."""
+    q13, s13, q2, s2, *_ = (experts if gated else ungated_experts)([1, -1])
     x, w, ids = routed(5)
     x[2, 7] = float("nan")
     form = dict(w13_bias=None, w2_bias=None, interleaved=False, activation=activation, swiglu_alpha=1.702,
-                swiglu_limit=7.0, gated=False)
+                swiglu_limit=7.0, gated=gated)
     ref = ops.fused_moe_reference(x, w, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.float32, **form)
     y = torch.ops.fp8fx.fused_moe(*(v.cuda() for v in (x, w, ids, q13, s13, q2, s2)), [1, -1], [1, -1], torch.float32,
                                   None, None, False, *form.values()).cpu()
@@ -1060,6 +1063,8 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped, gpt
         kernels.append(gemm13(schemes, "*fp32"))
     for kernel in kernels:
         assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
+    if gpt_oss is True:  # its clamps keep a NaN (min.NaN / max.NaN): PTX's min.f32 of NaN and the limit is the limit
+        assert not re.search(r"\b(min|max)\.f32\b", k13.asm["ptx"])
 
 
 def compile_gemm2(ptr: dict, routing: dict, consts: dict, cfg: dict, direct: tuple = (False, 1, 0)):
