@@ -222,8 +222,8 @@ def _block_rows(sorted_pair_ptr, block_expert_ptr, S, E, K_TOP: tl.constexpr, TO
     the id is outside [0, E)."""
     pid_m = tl.program_id(0)
     if DIRECT:
-        expert = tl.load(block_expert_ptr + pid_m).to(tl.int32)
-        expert = tl.where((expert >= 0) & (expert < E), expert, -1)
+        raw = tl.load(block_expert_ptr + pid_m)  # (checked before the cast: an int64 id of 2**32 is not expert 0)
+        expert = tl.where((raw >= 0) & (raw < E), raw, -1).to(tl.int32)
         local = tl.arange(0, BLOCK_M)
         pair = pid_m.to(tl.int64) + local  # rows past the first are masked
         valid = local == 0
@@ -297,8 +297,10 @@ def moe_gemm13_kernel(
         x_s = _scale_of(_row_amax(x_row, K, ROW_BLOCK), EPS, FP8_MAX)
     elif X_QUANT == 2:
         x_amax = tl.full((), 0.0, tl.float32)
-        for t in range(0, S // K_TOP):
-            x_amax = _max_nan(x_amax, _row_amax(a_ptr + t * stride_am, K, ROW_BLOCK))
+        token_row = a_ptr  # stepped, not t * stride: a 32-bit product would wrap past 2**31 elements
+        for _ in range(0, S // K_TOP):
+            x_amax = _max_nan(x_amax, _row_amax(token_row, K, ROW_BLOCK))
+            token_row += stride_am
         x_s = _scale_of(x_amax, EPS, FP8_MAX)
     elif X_QUANT == 3:
         x_s = tl.load(a_scale_ptr).to(tl.float32)

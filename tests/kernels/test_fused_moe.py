@@ -681,6 +681,22 @@ DIRECT_CHECK = textwrap.dedent(
             bound = 1e-4 if out_dtype == torch.float32 else 5e-3
             for y in (aligned, outside):
                 assert ((y.float() - ref).norm() / ref.norm()).item() < bound, (wb, ab, static, name, t, k)
+    # more routes, per-tensor scales (every routed pair's amax counts, no other): an int64 id of 2**32 (not expert 0
+    # after a cast), a token routed nowhere, int32 ids, one expert a token, an fp16 output
+    wb = ab = [-1, -1]
+    q13, s13 = quant.quantize(torch.randn(E, 2 * I, H, generator=g) / 8, wb)
+    q2, s2 = quant.quantize(torch.randn(E, H, I, generator=g) / 6, wb)
+    for ids, out_dtype in [(torch.tensor([[1, 2], [3, 2**32]]), torch.float32),
+                           (torch.tensor([[1, 2], [-1, E]]), torch.float32),
+                           (torch.tensor([[4, 0], [2, 3]], dtype=torch.int32), torch.float16),
+                           (torch.tensor([[3], [0], [3]]), torch.float32)]:
+        x = 4 * torch.randn(ids.shape[0], H, generator=g).bfloat16()
+        w = torch.rand(ids.shape, generator=g)
+        ref = ops.fused_moe_reference(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32)
+        aligned, direct = (km.fused_moe(x, w, ids, q13, s13, q2, s2, wb, ab, out_dtype, config=cfg, direct=d)
+                           for d in (False, True))
+        assert torch.equal(direct, aligned), (ids, (direct - aligned).abs().max())
+        assert ((direct.float() - ref).norm() / ref.norm()).item() < (1e-4 if out_dtype == torch.float32 else 2e-3), ids
     # x with a column stride (the kernel's row amax walks H with unit stride)
     wb = ab = [1, -1]
     q13, s13 = quant.quantize(torch.randn(E, 2 * I, H, generator=g) / 8, wb)
@@ -881,6 +897,46 @@ def test_fused_moe_direct_cuda(scheme, form):
             into.copy_(value)
         graph.replay()
         assert torch.equal(y, call(x, w, ids, torch.bfloat16)), seed
+
+
+@pytest.mark.cuda
+def test_fused_moe_direct_combine_under_load_cuda():
+    """Many direct launches of many programs (forced up to 64 tokens, top-8 of 128 experts, pairs routed nowhere, bf16
+    and float32 outputs) and 50 CUDA-graph replays with new tokens and routes: each bit for bit the aligned path's.
+    The interpreter runs one program after another: only here can a missing barrier before the ticket, a read of
+    another pair's row from a stale L1 or a ticket left nonzero for the next launch show."""
+    from fp8fx.kernels.fused_moe import fused_moe
+
+    e, k, h, i = 128, 8, 1024, 256
+    g = torch.Generator().manual_seed(3)
+    q13, s13 = quant.quantize(torch.randn(e, 2 * i, h, generator=g) / h**0.5, [1, -1])
+    q2, s2 = quant.quantize(torch.randn(e, h, i, generator=g) / i**0.5, [1, -1])
+    weights = [v.cuda() for v in (q13, s13, q2, s2)]
+    cuda = torch.Generator(device="cuda").manual_seed(4)
+
+    def inputs(t):
+        ids = torch.rand(t, e, device="cuda", generator=cuda).topk(k).indices
+        ids[torch.rand(t, k, device="cuda", generator=cuda) < 0.05] = -1
+        return (torch.randn(t, h, device="cuda", generator=cuda).bfloat16(),
+                torch.rand(t, k, device="cuda", generator=cuda), ids)
+
+    def call(x, w, ids, out_dtype, direct):
+        return fused_moe(x, w, ids, *weights, [1, -1], [1, -1], out_dtype, fast_accum=True, direct=direct)
+
+    for n, t in enumerate([1, 3, 8, 16, 64] * 8):
+        x, w, ids = inputs(t)
+        out_dtype = torch.bfloat16 if n % 2 else torch.float32
+        assert torch.equal(call(x, w, ids, out_dtype, True), call(x, w, ids, out_dtype, False)), (n, t)
+    x, w, ids = inputs(16)
+    call(x, w, ids, torch.bfloat16, True)  # outside capture: the ticket reserve is topped up
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = call(x, w, ids, torch.bfloat16, True)
+    for n in range(50):
+        for into, value in zip((x, w, ids), inputs(16)):
+            into.copy_(value)
+        graph.replay()
+        assert torch.equal(y, call(x, w, ids, torch.bfloat16, False)), n
 
 
 @pytest.mark.cuda
@@ -1132,6 +1188,11 @@ def test_direct_moe_kernels_compile_for_sm90(i, h, x_quant, a_quant, form):
     assert ("cvt.rn.satfinite.e4m3x2.f32" in k2.asm["ptx"]) == (a_quant > 0)
     ptx2 = k2.asm["ptx"]
     assert "atom.global.gpu.acq_rel.add" in ptx2 and "atom.global.gpu.acq_rel.exch" in ptx2  # the ticket, its reset
+    # what the interpreter (programs one after another) cannot check: the pair's row stored, then a barrier of the
+    # whole program, then the ticket; the other pairs' rows read from L2 (.cg), not a stale L1
+    ticket = ptx2.index("atom.global.gpu.acq_rel.add")
+    assert ptx2.rfind("st.global", 0, ticket) < ptx2.rfind("bar.sync", 0, ticket)
+    assert "ld.global.cg" in ptx2[ticket:]
 
 
 @pytest.mark.parametrize("pairs,experts,block_m", [  # decode shapes and the size limits
