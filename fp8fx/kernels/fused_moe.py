@@ -43,9 +43,10 @@ two of them share costs less than the launches saved): no step 1 - program m of 
 row padded to the fp8 dot's 16 and its expert read from the ids; x's per-token, per-tensor or static quantization
 runs in step 3's loads and the intermediate's in step 5's (from step 3's partial maxima, or by its epilogue in 1 x GK
 groups), on the pair's row only; and step 5's last program to finish each (token, N tile) sums the token's rows of
-y as step 6 would (a ticket per token and tile: deterministic). Two launches where the aligned path takes six (1 x GK
-activation groups: three, x quantized by step 2 - a group's amax before each K step's dot cost more than the
-launch). Each expert a token picked is read once; the output is the aligned path's bit for bit.
+y as step 6 would (a ticket per token and tile: deterministic). Two launches in a CUDA graph, where the aligned path
+takes six (an eager call also zero-fills its tickets; 1 x GK activation groups add x's quantization by step 2 - a
+group's amax before each K step's dot cost more than the launch). Each expert a token picked is read once; the
+output is the aligned path's bit for bit.
 
 Accumulation: one promotion of the tensor cores' partial sums into fp32 per K step (see
 fp8fx.kernels.fp8_gemm), unless ``fast_accum``. Quantization matches ``fp8fx.quant`` bit for bit on the
@@ -85,8 +86,8 @@ ALIGN_ONE_PROGRAM_PAIRS = 1024
 # fused_moe's DIRECT path (decode: one program per pair; no align, no combine, x and the intermediate quantized in
 # the GEMMs) saves launches and costs a second read of an expert's weights for each pair whose expert another token
 # also picked (the aligned path reads each expert once). ``direct_by_default`` weighs the two: the saving measured
-# as the aligned path's time less the direct path's at one token (H200, run 49, per-token activations): 6.8 us for
-# GPT-OSS-20B's experts, 8.4 for Qwen3-30B-A3B's, 8.5 for Nemotron-3-Nano's; the re-reads at the read speed.
+# as the aligned path's time less the direct path's at one token (H200, run 49's call 3, per-token activations):
+# 6.9 us for GPT-OSS-20B's experts, 8.4 for Qwen3-30B-A3B's, 8.2 for Nemotron-3-Nano's; the re-reads at the read speed.
 DIRECT_SAVED_S = 6e-6
 DIRECT_READ_BYTES_PER_S = 4.25e12
 DIRECT_MAX_TOKENS = 16
@@ -252,7 +253,7 @@ def _first_row_fp8(row_ptr, offs_k, k_left, scale, FP8_MAX: tl.constexpr, BLOCK_
     """A [BLOCK_M, BK] tile of ``dtype`` (fp8) whose first row is this K step of the 16-bit or float32 row at
     ``row_ptr`` divided by ``scale`` (as quantize_rows_kernel quantizes), the other rows zero. A DIRECT program
     holds one pair: the division runs on its row alone (quantizing the whole tile, 15 rows of padding, made the
-    experts 2-3x slower at one token on the H200: run 49)."""
+    experts 2.5-4.5x slower at one token on the H200: run 49)."""
     v = tl.load(row_ptr + offs_k, mask=offs_k < k_left, other=0.0).to(tl.float32)  # [BK]
     q = _to_fp8_range(v, scale, FP8_MAX)
     first = tl.arange(0, BLOCK_M) == 0
@@ -626,7 +627,8 @@ def direct_by_default(t: int, k_top: int, e: int, pair_bytes: int) -> bool:
     take ``pair_bytes`` each: always for one token (its top-k experts are distinct: nothing is read twice); up to
     DIRECT_MAX_TOKENS where the expected re-reads (each token's top-k a uniform draw) cost less than the launches
     saved. On run 49's shapes: Nemotron-3-Nano's experts direct up to 4 tokens and Qwen3-30B-A3B's up to 5 (measured
-    1.06x and 1.14x faster at 4, not at 8), GPT-OSS-20B's up to 2 (1.10x; even at 4), Mixtral's at one token only."""
+    1.04x and 1.15x faster at 4; at 8, 0.96x and 1.05x), GPT-OSS-20B's up to 2 (1.09x; 0.99x at 4), Mixtral's at one
+    token only."""
     if t <= 1:
         return True
     if t > DIRECT_MAX_TOKENS or e <= 0:
@@ -692,7 +694,10 @@ def fused_moe(
 ) -> torch.Tensor:
     """``fp8fx.fused_moe`` (see fp8fx/ops.py) for the schemes ``supports`` accepts. ``quantize``
     quantizes the activations (``torch_quantize_act`` for Triton's interpreter). With 1 x GK activation
-    groups and ``fuse_quant`` the first GEMM's epilogue quantizes the intermediate (N tiles of GK)."""
+    groups and ``fuse_quant`` the first GEMM's epilogue quantizes the intermediate (N tiles of GK). ``direct``: the
+    decode path (see the module's docstring), by ``direct_by_default`` where it is None and no ``config`` is given (a
+    given config's tiles are the aligned path's; the direct path takes 16-row tiles); with the default ``quantize``
+    and ``fuse_quant`` it quantizes x and the intermediate inside its GEMMs, else through ``quantize``."""
     if not supports(w_block, act_block, tuple(w13.shape), interleaved, gated):
         raise NotImplementedError(
             f"fused_moe kernel: w_block={list(w_block)}, act_block={list(act_block)}, w13 {tuple(w13.shape)}"
@@ -710,7 +715,8 @@ def fused_moe(
     group_k = _k_group(w_block) or _k_group(act_block)
     cfg = dict(config or tile_config(s / e, two_i, h, k_grouped=group_k is not None))
     if direct is None:
-        direct = direct_by_default(t, k_top, e, w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size())
+        pair_bytes = w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
+        direct = config is None and direct_by_default(t, k_top, e, pair_bytes)
     gemm2 = cfg.pop("gemm2", {})  # the second GEMM's own tiles, where the config gives them
     cfg2 = {**cfg, **gemm2}
     tiles = {name: cfg.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
@@ -734,7 +740,7 @@ def fused_moe(
         sorted_pair, block_expert = ids, ids
     else:
         sorted_pair, block_expert = align(ids.view(t, k_top), e, tiles["BLOCK_M"])
-    in_kernel = direct and fuse_quant  # every quantization in the GEMMs' loads and epilogues
+    in_kernel = direct and fuse_quant and quantize is quantize_act  # every quantization in the GEMMs
     per_tensor = a2_scale is None and tuple(act_block) == (-1, -1)
     per_row = a2_scale is None and tuple(act_block) == (1, -1)  # the first GEMM leaves partial row maxima
     # x quantized in the first GEMM (X_QUANT) where its scale is one per token, per tensor or static; 1 x GK groups
