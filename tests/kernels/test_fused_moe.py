@@ -693,11 +693,11 @@ DIRECT_CHECK = textwrap.dedent(
     wb = ab = [-1, -1]
     q13, s13 = quant.quantize(torch.randn(E, 2 * I, H, generator=g) / 8, wb)
     q2, s2 = quant.quantize(torch.randn(E, H, I, generator=g) / 6, wb)
+    six_tokens = torch.stack([torch.randperm(E, generator=g)[:4] for _ in range(6)])  # S = 24 pairs
     for ids, out_dtype in [(torch.tensor([[1, 2], [3, 2**32]]), torch.float32),
                            (torch.tensor([[1, 2], [-1, E]]), torch.float32),
                            (torch.tensor([[4, 0], [2, 3]], dtype=torch.int32), torch.float16),
-                           (torch.tensor([[3], [0], [3]]), torch.float32),
-                           (torch.stack([torch.randperm(E)[:4] for _ in range(6)]), torch.float32)]:  # S = 24 > 16
+                           (torch.tensor([[3], [0], [3]]), torch.float32), (six_tokens, torch.float32)]:
         x = 4 * torch.randn(ids.shape[0], H, generator=g).bfloat16()
         if ids.shape == (6, 4):  # the amax in the last token's pairs (20-23): past the second GEMM's first 16 rows
             ids[2, 1] = -1
