@@ -10,9 +10,11 @@ ANCHORS.md), from bf16 tokens and a given top-k to the bf16 output:
   * bf16 ``torch._grouped_mm``: sort pairs by expert, gather, grouped GEMM w13, SiLU*mul, grouped GEMM
     w2, routing weights, combine;
   * fp8 ``torch._scaled_grouped_mm`` with eager row-wise quantization of its inputs (same structure);
-  * fp8fx: ``fp8fx.kernels.fused_moe.fused_moe`` (align on the GPU, two fused grouped GEMMs) with
-    per-channel expert scales and per-token activations, or 128x128 blocks and 1x128 groups; timed
-    with fp32 promotion every K step and with Hopper's fast accumulation (``fp8fx_fast_accum``).
+  * fp8fx: ``fp8fx.kernels.fused_moe.fused_moe`` (align on the GPU, two fused grouped GEMMs; at decode the direct
+    path its ``direct_by_default`` picks) with per-channel expert scales and per-token activations, or 128x128 blocks
+    and 1x128 groups; timed with fp32 promotion every K step and with Hopper's fast accumulation
+    (``fp8fx_fast_accum``); up to BOTH_PATHS_MAX_TOKENS tokens both paths too (``fp8fx_direct_fast_accum``,
+    ``fp8fx_aligned_fast_accum``). ``--sweep``'s tile configurations take the aligned path.
 Every row is timed as CUDA-graph replays (plain calls where capture fails: listed in the row's
 ``graph_capture_failures``). The weight-read floor is all fp8 expert bytes / 4.25 TB/s (the H200's
 measured copy speed; ANCHORS.md's definition); ``touched_floor_ms`` counts only the experts the tokens
