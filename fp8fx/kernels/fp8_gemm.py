@@ -148,6 +148,16 @@ def _rows_amax(parts_ptr, rows, M, stride_pm, stride_pp, N_PARTS: tl.constexpr, 
 
 
 @triton.jit
+def _all_rows_amax(parts_ptr, M, stride_pm, stride_pp, N_PARTS: tl.constexpr, CHUNK: tl.constexpr,
+                   BLOCK_M: tl.constexpr):
+    """The amax over every one of M rows' N_PARTS partial maxima (a per-tensor scale's), BLOCK_M rows at a time."""
+    amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for r in range(0, M, BLOCK_M):
+        amax = _max_nan(amax, _rows_amax(parts_ptr, r + tl.arange(0, BLOCK_M), M, stride_pm, stride_pp, N_PARTS, CHUNK))
+    return tl.reduce(amax, 0, _max_nan)
+
+
+@triton.jit
 def _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT: tl.constexpr, N_PARTS: tl.constexpr,
                    PARTS_BLOCK: tl.constexpr, EPS: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_M: tl.constexpr):
     """[BLOCK_M] scales of the rows ``offs_m`` of 16-bit activations quantized in the GEMM (``A_QUANT``):
@@ -155,12 +165,9 @@ def _a_quant_scale(a_scale_ptr, offs_m, M, stride_asm, stride_ask, A_QUANT: tl.c
     scale there. As ``fp8fx.quant.compute_scale``: max(amax, EPS) / FP8_MAX."""
     if A_QUANT == 3:  # static
         return tl.zeros((BLOCK_M,), dtype=tl.float32) + tl.load(a_scale_ptr).to(tl.float32)
-    if A_QUANT == 2:  # per tensor: every row's maxima, BLOCK_M rows at a time
-        amax = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for r in range(0, M, BLOCK_M):
-            amax = _max_nan(amax, _rows_amax(a_scale_ptr, r + tl.arange(0, BLOCK_M), M, stride_asm, stride_ask,
-                                             N_PARTS, PARTS_BLOCK))
-        return tl.zeros((BLOCK_M,), dtype=tl.float32) + _scale_of(tl.reduce(amax, 0, _max_nan), EPS, FP8_MAX)
+    if A_QUANT == 2:  # per tensor: every row's maxima
+        amax = _all_rows_amax(a_scale_ptr, M, stride_asm, stride_ask, N_PARTS, PARTS_BLOCK, BLOCK_M)
+        return tl.zeros((BLOCK_M,), dtype=tl.float32) + _scale_of(amax, EPS, FP8_MAX)
     return _scale_of(_rows_amax(a_scale_ptr, offs_m, M, stride_asm, stride_ask, N_PARTS, PARTS_BLOCK), EPS, FP8_MAX)
 
 
@@ -896,10 +903,8 @@ def fp8_gemm(
     if split_k == 1:
         tickets = y  # not read
     elif tickets is None:
-        kept = a.is_cuda and split_k & (split_k - 1) == 0  # (counting in periods takes a split of a power of 2)
-        tickets = _tickets.for_capture(a.device, tiles) if kept else None
-        if tickets is None:
-            tickets = torch.zeros(tiles, device=a.device, dtype=torch.int32)
+        kept = split_k & (split_k - 1) == 0  # (counting in periods takes a split of a power of 2)
+        tickets = _tickets.zeroed(a.device, tiles) if kept else torch.zeros(tiles, device=a.device, dtype=torch.int32)
     elif tickets.numel() < tiles or tickets.dtype != torch.int32:
         raise ValueError(f"fp8_gemm: split-K needs {tiles} int32 tickets; got {tickets.numel()} {tickets.dtype}")
     n_parts = a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1

@@ -72,7 +72,7 @@ import triton.language as tl
 
 from fp8fx import quant
 from fp8fx.kernels import tickets as _tickets
-from fp8fx.kernels.fp8_gemm import _max_nan, _rows_amax, _scale_of, _to_fp8_range, imprecise_k
+from fp8fx.kernels.fp8_gemm import _all_rows_amax, _max_nan, _rows_amax, _scale_of, _to_fp8_range, imprecise_k
 from fp8fx.kernels.launch import cdiv, next_power_of_2
 
 
@@ -442,12 +442,9 @@ def moe_gemm2_kernel(
     if A_QUANT == 1:
         a_q = _scale_of(tl.reduce(_rows_amax(a_scale_ptr, tl.program_id(0) + tl.arange(0, 1), S, stride_asm,
                                              stride_ask, N_PARTS, PARTS_BLOCK), 0, _max_nan), EPS, FP8_MAX)
-    elif A_QUANT == 2:  # every pair's maxima (zero for pairs routed nowhere), BLOCK_M rows at a time
-        amax = tl.full((), 0.0, tl.float32)
-        for r in range(0, S, BLOCK_M):
-            amax = _max_nan(amax, tl.reduce(_rows_amax(a_scale_ptr, r + tl.arange(0, BLOCK_M), S, stride_asm,
-                                                       stride_ask, N_PARTS, PARTS_BLOCK), 0, _max_nan))
-        a_q = _scale_of(amax, EPS, FP8_MAX)
+    elif A_QUANT == 2:  # every pair's maxima (zero for pairs routed nowhere)
+        a_q = _scale_of(_all_rows_amax(a_scale_ptr, S, stride_asm, stride_ask, N_PARTS, PARTS_BLOCK, BLOCK_M), EPS,
+                        FP8_MAX)
     elif A_QUANT == 3:
         a_q = tl.load(a_scale_ptr).to(tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -637,13 +634,6 @@ def direct_by_default(t: int, k_top: int, e: int, pair_bytes: int) -> bool:
     return (t * k_top - touched) * pair_bytes / DIRECT_READ_BYTES_PER_S < DIRECT_SAVED_S
 
 
-def _direct_tickets(device: torch.device, count: int) -> torch.Tensor:
-    """``count`` zeroed int32 tickets for the direct second GEMM's combine (it leaves them zero): a kept slice while
-    a CUDA graph is captured (``fp8fx.kernels.tickets``: no memset in the graph), else fresh zeros."""
-    kept = _tickets.for_capture(device, count) if device.type == "cuda" else None
-    return kept if kept is not None else torch.zeros(count, device=device, dtype=torch.int32)
-
-
 # fused_moe's activation -> moe_gemm13_kernel's ACT
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1, "silu_clamped": 2, "gelu_tanh": 3, "gelu": 4, "relu2": 5}
 
@@ -779,7 +769,7 @@ def fused_moe(
     out = torch.empty(t, h, device=x.device, dtype=out_dtype)
     bias2 = _bias(w2_bias, s2)
     grid = (block_expert.numel(), cdiv(h, tiles2["BLOCK_N"]))
-    tickets = _direct_tickets(x.device, t * grid[1]) if direct else y  # (not read unless direct)
+    tickets = _tickets.zeroed(x.device, t * grid[1]) if direct else y  # (not read unless direct; left zero)
     n_parts = i_scale.shape[1] if a_quant in (1, 2) else 1
     moe_gemm2_kernel[grid](
         iq, w2, y, i_scale, s2, topk_weights.reshape(-1).contiguous(), sorted_pair, block_expert, bias2[0],

@@ -70,6 +70,13 @@ class Reserve:
 _RESERVES: dict[torch.device, Reserve] = {}
 
 
+def zeroed(device: torch.device, count: int) -> torch.Tensor:
+    """``count`` int32 tickets at zero for a launch that leaves them at zero (or at a multiple of its period): a kept
+    slice (``for_capture``) while a CUDA graph is captured, so the graph has no memset; else fresh zeros."""
+    kept = for_capture(device, count) if device.type == "cuda" else None
+    return kept if kept is not None else torch.zeros(count, device=device, dtype=torch.int32)
+
+
 def for_capture(device: torch.device, count: int) -> Optional[torch.Tensor]:
     """Tickets for a split-K launch of ``count`` tiles on the CUDA ``device``: a slice of its own while a CUDA graph
     is being captured on the current stream (None where the reserve has too few left: zero fresh ones), None

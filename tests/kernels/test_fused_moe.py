@@ -648,7 +648,7 @@ DIRECT_CHECK = textwrap.dedent(
     E, H, I = 5, 72, 40  # ragged against every tile and K group below
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
     kept = torch.zeros(64, dtype=torch.int32)  # tickets kept across calls, as a CUDA graph's are
-    km._direct_tickets = lambda device, count: kept[:count]
+    km._tickets.zeroed = lambda device, count: kept[:count]
     empty = torch.empty
 
     def garbage(*size, **kwargs):  # what a GPU's reused memory may hold: whatever is never written must not be read
