@@ -14,7 +14,9 @@ ANCHORS.md), from bf16 tokens and a given top-k to the bf16 output:
     path its ``direct_by_default`` picks) with per-channel expert scales and per-token activations, or 128x128 blocks
     and 1x128 groups; timed with fp32 promotion every K step and with Hopper's fast accumulation
     (``fp8fx_fast_accum``); up to BOTH_PATHS_MAX_TOKENS tokens both paths too (``fp8fx_direct_fast_accum``,
-    ``fp8fx_aligned_fast_accum``). ``--sweep``'s tile configurations take the aligned path.
+    ``fp8fx_aligned_fast_accum``) and, on sm_90, the direct path's GEMMs launched plainly (``*_nopdl_*``) and as
+    programmatic dependents with each ``DIRECT_PDL_TRIGGER`` (``*_pdl1_*``, ``*_pdl2_*``). ``--sweep``'s tile
+    configurations take the aligned path, ``--sweep-set direct``'s the direct one.
 Every row is timed as CUDA-graph replays (plain calls where capture fails: listed in the row's
 ``graph_capture_failures``). The weight-read floor is all fp8 expert bytes / 4.25 TB/s (the H200's
 measured copy speed; ANCHORS.md's definition); ``touched_floor_ms`` counts only the experts the tokens
@@ -39,7 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "--cpu-smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench_linear import FALLBACKS, bench, rel_err  # noqa: E402  (run as a script: benchmarks/ is on sys.path)
+from bench_linear import FALLBACKS, bench, rel_err, with_kernel_setting  # noqa: E402  (run as a script: benchmarks/ is on sys.path)
 from fp8fx import ops, quant  # noqa: E402
 from fp8fx.kernels import fused_moe as moe_kernel  # noqa: E402
 
@@ -81,6 +83,25 @@ SWEEPS = {  # flat: both GEMMs; "gemm2": the second GEMM's own tiles (the first 
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_N=32)),
         dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_N=64)),
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=4),
+    ],
+    # the direct path's tiles (``--sweep-set direct``: timed with direct=True; BLOCK_M is 16 there whatever is given):
+    # the first GEMM's with the second at its default, then the second's
+    "direct": [
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_N=64)),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=512, num_warps=4, num_stages=3, gemm2=dict(BLOCK_N=64, BLOCK_K=256,
+                                                                                         num_stages=4)),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=512, num_warps=4, num_stages=3, gemm2=dict(BLOCK_K=256, num_stages=4)),
+        dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4, gemm2=dict(BLOCK_N=64, BLOCK_K=256)),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=6, gemm2=dict(BLOCK_K=256, num_stages=4)),
+        dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=256, num_warps=2, num_stages=4, gemm2=dict(BLOCK_N=64, num_warps=4)),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=8, num_stages=4, gemm2=dict(num_warps=4)),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_N=32)),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_N=32, BLOCK_K=128)),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_N=128, BLOCK_K=128)),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_K=128, num_stages=6)),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_N=32, num_warps=2)),
+        dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_K=512, num_stages=3)),
     ],
 }
 
@@ -198,9 +219,9 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
     ref = None if shape in UNGATED else bf16_grouped(x, weights, ids, w13, w2).float()
     graph = device == "cuda"  # every row as CUDA-graph replays (a compiled model's decode and prefill)
     row = dict(shape=shape, scheme=scheme, tokens=tokens, E=e, top_k=k, H=h, I=i)
-    fp8 = lambda cfg=None, fast=False, direct=None: moe_kernel.fused_moe(  # noqa: E731
+    fp8 = lambda cfg=None, fast=False, direct=None, pdl=None: moe_kernel.fused_moe(  # noqa: E731
         x, weights, ids, q13, s13, q2, s2, w_block, act_block, torch.bfloat16, config=cfg, fast_accum=fast,
-        direct=direct, **form
+        direct=direct, pdl=pdl, **form
     )
     out = fp8()
     op_ref = ops.fused_moe_reference(x, weights, ids, q13, s13, q2, s2, w_block, act_block, torch.float32, **form)
@@ -222,6 +243,13 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
         row["fp8fx_direct_err_vs_aligned"] = rel_err(fp8(fast=True, direct=True), fp8(fast=True, direct=False))
         timings["fp8fx_direct_fast_accum"] = lambda: fp8(fast=True, direct=True)
         timings["fp8fx_aligned_fast_accum"] = lambda: fp8(fast=True, direct=False)
+        if device == "cuda" and moe_kernel._hopper(x, exactly=True):  # the direct GEMMs' PDL: off, each trigger
+            row["fp8fx_direct_nopdl_err_vs_pdl"] = rel_err(fp8(fast=True, direct=True, pdl=False),
+                                                           fp8(fast=True, direct=True))
+            timings["fp8fx_direct_nopdl_fast_accum"] = lambda: fp8(fast=True, direct=True, pdl=False)
+            for trigger in (1, 2):
+                timings[f"fp8fx_direct_pdl{trigger}_fast_accum"] = with_kernel_setting(
+                    lambda: fp8(fast=True, direct=True, pdl=True), "DIRECT_PDL_TRIGGER", trigger, moe_kernel)
     if shape in UNGATED:
         timings = {n: f for n, f in timings.items() if n.startswith("fp8fx")}
     try:
@@ -263,11 +291,12 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
             row[f"{name}_kernels"] = kernel_ms(timings[name])
     if sweep:
         row["sweep"] = []
+        direct = True if sweep_set == "direct" else None  # (a given config takes the aligned path by default)
         for cfg in SWEEPS[sweep_set or scheme]:
             try:
-                ms = time_ms(lambda: fp8(dict(cfg), True), graph)
-                err = rel_err(fp8(dict(cfg), True), ref)
-                kernels = kernel_ms(lambda: fp8(dict(cfg), True), 3) if profile else {}
+                ms = time_ms(lambda: fp8(dict(cfg), True, direct), graph)
+                err = rel_err(fp8(dict(cfg), True, direct), ref)
+                kernels = kernel_ms(lambda: fp8(dict(cfg), True, direct), 3) if profile else {}
                 row["sweep"].append(dict(cfg, ms=ms, err=err, **{k: v for k, v in kernels.items() if "moe_gemm" in k}))
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report and go on
                 row["sweep"].append(dict(cfg, error=repr(exc)[:200]))

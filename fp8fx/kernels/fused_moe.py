@@ -72,7 +72,8 @@ import triton.language as tl
 
 from fp8fx import quant
 from fp8fx.kernels import tickets as _tickets
-from fp8fx.kernels.fp8_gemm import _all_rows_amax, _max_nan, _rows_amax, _scale_of, _to_fp8_range, imprecise_k
+from fp8fx.kernels.fp8_gemm import (_all_rows_amax, _hopper, _max_nan, _pdl_start, _rows_amax, _scale_of,
+                                    _to_fp8_range, imprecise_k)
 from fp8fx.kernels.launch import cdiv, next_power_of_2
 
 
@@ -91,6 +92,12 @@ ALIGN_ONE_PROGRAM_PAIRS = 1024
 DIRECT_SAVED_S = 6e-6
 DIRECT_READ_BYTES_PER_S = 4.25e12
 DIRECT_MAX_TOKENS = 16
+# The DIRECT path's two GEMMs launch as programmatic dependents (PDL, sm_90; fused_moe's ``pdl``): each program of
+# the first waits for the kernel before it, then lets the second GEMM launch - right after its wait (1) or once its
+# K loop has read its weights (2, as gated_mlp's gate/up kernel lets its down GEMM in) - so the second GEMM's launch
+# and its programs' start overlap the first's last programs; each program of the second waits for the first before
+# it touches memory. None: both launched plainly.
+DIRECT_PDL_TRIGGER: Optional[int] = 2
 
 
 def _align_rows(s: int, e: int, block_m: int) -> int:
@@ -287,7 +294,11 @@ def moe_gemm13_kernel(
     # does, by the token's amax (1), every token's (2: per tensor) or a static scale at a_scale_ptr (3). (1 x GK
     # groups are not done here: each K step's amax before its dot cost 8 us of 29 at one token, run 49.)
     DIRECT: tl.constexpr = False, X_QUANT: tl.constexpr = 0, ROW_BLOCK: tl.constexpr = 1024,
+    # PDL (DIRECT_PDL_TRIGGER): the program waits for the kernel before it first; PDL_TRIGGER 1 then lets the next
+    # kernel launch, 2 does so after the K loop
+    PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = 0,
 ):
+    _pdl_start(PDL_WAIT, PDL_TRIGGER == 1)
     expert, pair, rows, valid = _block_rows(sorted_pair_ptr, block_expert_ptr, S, E, K_TOP, True, BLOCK_M, DIRECT)
     if expert < 0:
         if DIRECT and AMAX_OUT:  # a pair routed nowhere: no amax, for the per-tensor scale over every pair
@@ -350,6 +361,8 @@ def moe_gemm13_kernel(
                 acc_u = tl.dot(a, u, acc_u, max_num_imprecise_acc=IMPRECISE_K)
         a_offs += BLOCK_K * stride_ak
         w_offs += BLOCK_K * stride_wk
+    if PDL_TRIGGER == 2:  # the weights are read: the second GEMM's programs may start (they wait for this grid)
+        tl.extra.cuda.gdc_launch_dependents()
 
     # epilogue: the scales constant along K, the biases, act(gate, up)
     if not K_GROUPED:
@@ -418,7 +431,10 @@ def moe_gemm2_kernel(
     # a_scale_ptr, or by the static scale there (3) (fp8_gemm's QUANT_ROWS / QUANT_TENSOR / QUANT_STATIC)
     DIRECT: tl.constexpr = False, K_TOP: tl.constexpr = 1, A_QUANT: tl.constexpr = 0, N_PARTS: tl.constexpr = 1,
     PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12, FP8_MAX: tl.constexpr = 448.0,
+    # PDL: launched while the first GEMM drains; the program waits for its memory before it touches any
+    PDL_WAIT: tl.constexpr = False,
 ):
+    _pdl_start(PDL_WAIT, False)
     expert, pair, rows, valid = _block_rows(sorted_pair_ptr, block_expert_ptr, S, E, K_TOP, False, BLOCK_M, DIRECT)
     if DIRECT:  # a pair routed nowhere runs no K step and stores nothing, but takes its ticket
         valid = valid & (expert >= 0)
@@ -681,13 +697,16 @@ def fused_moe(
     quantize: QuantizeAct = quantize_act, fuse_quant: bool = True, w13_bias: Optional[torch.Tensor] = None,
     w2_bias: Optional[torch.Tensor] = None, interleaved: bool = False, activation: str = "silu",
     swiglu_alpha: float = 1.702, swiglu_limit: float = 7.0, gated: bool = True, direct: Optional[bool] = None,
+    pdl: Optional[bool] = None,
 ) -> torch.Tensor:
     """``fp8fx.fused_moe`` (see fp8fx/ops.py) for the schemes ``supports`` accepts. ``quantize``
     quantizes the activations (``torch_quantize_act`` for Triton's interpreter). With 1 x GK activation
     groups and ``fuse_quant`` the first GEMM's epilogue quantizes the intermediate (N tiles of GK). ``direct``: the
     decode path (see the module's docstring), by ``direct_by_default`` where it is None and no ``config`` is given (a
     given config's tiles are the aligned path's; the direct path takes 16-row tiles); with the default ``quantize``
-    and ``fuse_quant`` it quantizes x and the intermediate inside its GEMMs, else through ``quantize``."""
+    and ``fuse_quant`` it quantizes x and the intermediate inside its GEMMs, else through ``quantize``. ``pdl``: the
+    direct path's GEMMs as programmatic dependents (``DIRECT_PDL_TRIGGER``; sm_90 and newer), by default where it
+    was timed: the direct path on sm_90."""
     if not supports(w_block, act_block, tuple(w13.shape), interleaved, gated):
         raise NotImplementedError(
             f"fused_moe kernel: w_block={list(w_block)}, act_block={list(act_block)}, w13 {tuple(w13.shape)}"
@@ -707,6 +726,12 @@ def fused_moe(
     if direct is None:
         pair_bytes = w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
         direct = config is None and direct_by_default(t, k_top, e, pair_bytes)
+    if pdl is None:
+        pdl = direct and DIRECT_PDL_TRIGGER is not None and _hopper(x, exactly=True)
+    elif pdl and not (direct and _hopper(x)):
+        raise ValueError(f"fused_moe: pdl=True launches the direct path's GEMMs as programmatic dependents, which "
+                         f"needs direct=True (got {direct}) and a CUDA GPU of compute capability 9.0 or newer (x on "
+                         f"{x.device}); pass pdl=None or False")
     gemm2 = cfg.pop("gemm2", {})  # the second GEMM's own tiles, where the config gives them
     cfg2 = {**cfg, **gemm2}
     tiles = {name: cfg.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
@@ -723,9 +748,15 @@ def fused_moe(
         tiles["BLOCK_N"] = fuse_group  # one N tile of the first GEMM = one activation group
     consts, consts2 = (dict(K_GROUPED=group_k is not None, IMPRECISE_K=imprecise_k(t, fast_accum), DIRECT=direct, **t)
                        for t in (tiles, tiles2))
+    if pdl:  # (as programmatic dependents: no copy or cast may run between the two GEMMs - it would be the second's
+        # predecessor - so everything the second reads is made before the first)
+        consts.update(PDL_WAIT=True, PDL_TRIGGER=DIRECT_PDL_TRIGGER or 0)
+        consts2.update(PDL_WAIT=True)
+        cfg["launch_pdl"] = cfg2["launch_pdl"] = True
     # pair p at ids[p] for the kernels that read it: a [T, K] view (e.g. one column of a wider tensor)
     # reshapes to a strided view
     ids = topk_ids.reshape(-1).contiguous()
+    pair_weights = topk_weights.reshape(-1).contiguous()
     if direct:  # each program reads its pair's expert from the ids
         sorted_pair, block_expert = ids, ids
     else:
@@ -743,6 +774,15 @@ def fused_moe(
         xq, x_scale = quantize(x, act_block, a13_scale)
     s13, s13_strides, s13_rows = _weight_scale(w13_scale, w13, w_block)
     s2, s2_strides, s2_rows = _weight_scale(w2_scale, w2, w_block)
+    a2_static = a2_scale.float().reshape(1, 1) if in_kernel and a2_scale is not None else None
+    # [S, H]: bf16 for bf16 outputs (half the traffic of float32; each pair's term is rounded once
+    # before the float32 sum over top-k, ~2**-9 relative, where the reference rounds only the sum),
+    # float32 otherwise (an fp16 term can overflow where the sum would not). Rows of pairs routed
+    # nowhere are never written; the combine skips them (no memset).
+    y = torch.empty(s, h, device=x.device, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
+    out = torch.empty(t, h, device=x.device, dtype=out_dtype)
+    grid2 = (block_expert.numel(), cdiv(h, tiles2["BLOCK_N"]))
+    tickets = _tickets.zeroed(x.device, t * grid2[1]) if direct else y  # (not read unless direct; left zero)
     # the per-tensor amax over the whole intermediate: in torch over rows zeroed where no pair wrote, or in the
     # second GEMM over the first's partial maxima (zero for pairs routed nowhere)
     inter = _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_expert, k_top, s, fuse_group,
@@ -753,7 +793,7 @@ def fused_moe(
     if fuse_group:
         iq, i_scale = inter
     elif in_kernel and a2_scale is not None:
-        iq, i_scale, a_quant = inter, a2_scale.float().reshape(1, 1), 3
+        iq, i_scale, a_quant = inter, a2_static, 3
     elif in_kernel:
         (iq, i_scale), a_quant = inter, 1 if per_row else 2
     elif per_row:
@@ -761,18 +801,10 @@ def fused_moe(
     else:
         iq, i_scale = quantize(inter, act_block, a2_scale)
 
-    # [S, H]: bf16 for bf16 outputs (half the traffic of float32; each pair's term is rounded once
-    # before the float32 sum over top-k, ~2**-9 relative, where the reference rounds only the sum),
-    # float32 otherwise (an fp16 term can overflow where the sum would not). Rows of pairs routed
-    # nowhere are never written; the combine skips them (no memset).
-    y = torch.empty(s, h, device=x.device, dtype=torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
-    out = torch.empty(t, h, device=x.device, dtype=out_dtype)
     bias2 = _bias(w2_bias, s2)
-    grid = (block_expert.numel(), cdiv(h, tiles2["BLOCK_N"]))
-    tickets = _tickets.zeroed(x.device, t * grid[1]) if direct else y  # (not read unless direct; left zero)
     n_parts = i_scale.shape[1] if a_quant in (1, 2) else 1
-    moe_gemm2_kernel[grid](
-        iq, w2, y, i_scale, s2, topk_weights.reshape(-1).contiguous(), sorted_pair, block_expert, bias2[0],
+    moe_gemm2_kernel[grid2](
+        iq, w2, y, i_scale, s2, pair_weights, sorted_pair, block_expert, bias2[0],
         out, tickets, s, h, iq.shape[1], e,
         iq.stride(0), iq.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), y.stride(1),
         *_act_strides(i_scale), *s2_strides, *bias2[1:], out.stride(0),

@@ -759,6 +759,22 @@ def test_fused_moe_config_rows_must_agree():
                   [1, -1], [1, -1], torch.float32, config=cfg)
 
 
+def test_fused_moe_pdl_needs_the_direct_path_on_sm90():
+    """``pdl=True`` (the direct GEMMs as programmatic dependents) on the aligned path or off a Hopper GPU: an error
+    that names both and the fix, before any launch; by default (None) it is off there."""
+    pytest.importorskip("triton")
+    from fp8fx import quant
+    from fp8fx.kernels.fused_moe import fused_moe, torch_quantize_act
+
+    q13, s13 = quant.quantize(torch.randn(2, 16, 32), [1, -1])
+    q2, s2 = quant.quantize(torch.randn(2, 32, 8), [1, -1])
+    args = (torch.randn(3, 32), torch.rand(3, 1), torch.zeros(3, 1, dtype=torch.long), q13, s13, q2, s2, [1, -1],
+            [1, -1], torch.float32)
+    for direct in (True, False):
+        with pytest.raises(ValueError, match=rf"needs direct=True \(got {direct}\).*\(x on cpu\).*pdl=None or False"):
+            fused_moe(*args, direct=direct, pdl=True, quantize=torch_quantize_act)
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("t", [1, 3, 257])
 @pytest.mark.parametrize("scheme", ["per-channel", "per-tensor", "static", "block"])
@@ -911,12 +927,20 @@ def test_fused_moe_direct_cuda(scheme, form):
 
 
 @pytest.mark.cuda
-def test_fused_moe_direct_combine_under_load_cuda():
+@pytest.mark.parametrize("trigger", [None, 1, 2])
+def test_fused_moe_direct_combine_under_load_cuda(trigger, monkeypatch):
     """Many direct launches of many programs (forced up to 64 tokens, top-8 of 128 experts, pairs routed nowhere, bf16
     and float32 outputs) and 50 CUDA-graph replays with new tokens and routes: each bit for bit the aligned path's.
     The interpreter runs one program after another: only here can a missing barrier before the ticket, a read of
-    another pair's row from a stale L1 or a ticket left nonzero for the next launch show."""
+    another pair's row from a stale L1 or a ticket left nonzero for the next launch show. The GEMMs launched plainly
+    (``DIRECT_PDL_TRIGGER`` None) and, on sm_90, as programmatic dependents with each trigger: a read before a
+    program's wait would race with the kernel before it."""
+    from fp8fx.kernels import fused_moe as kernel
     from fp8fx.kernels.fused_moe import fused_moe
+
+    monkeypatch.setattr(kernel, "DIRECT_PDL_TRIGGER", trigger)
+    if trigger is not None and torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the direct path launches as programmatic dependents by default on sm_90 only")
 
     e, k, h, i = 128, 8, 1024, 256
     g = torch.Generator().manual_seed(3)
@@ -1119,8 +1143,8 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped, gpt
                                 "w_scale_ptr": "*fp32", **routing, "inter_scale_ptr": "*fp32", "bias_ptr": "*bf16"},
             ["S", "N", "K", "UP_SHIFT", "E", "alpha", "limit", *strides, "stride_im", "stride_in", *scale_strides,
              "stride_ism", "stride_isg", "stride_be", "stride_bn"],
-            {"K_TOP": 8, **schemes, **form, **quant_out, **tiles, "DIRECT": False, "X_QUANT": 0, "ROW_BLOCK": 1024},
-            cfg)
+            {"K_TOP": 8, **schemes, **form, **quant_out, **tiles, "DIRECT": False, "X_QUANT": 0, "ROW_BLOCK": 1024,
+             "PDL_WAIT": False, "PDL_TRIGGER": 0}, cfg)
 
     k13 = gemm13(schemes)
     if not grouped and tiles["BLOCK_M"] >= 64:  # wgmma tiles: promotion per K step shows as fp32 adds
@@ -1138,8 +1162,8 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped, gpt
         assert not re.search(r"\b(min|max)\.f32\b", k13.asm["ptx"])
 
 
-def compile_gemm2(ptr: dict, routing: dict, consts: dict, cfg: dict, direct: tuple = (False, 1, 0)):
-    """moe_gemm2_kernel for sm_90; ``direct``: (DIRECT, K_TOP, A_QUANT)."""
+def compile_gemm2(ptr: dict, routing: dict, consts: dict, cfg: dict, direct: tuple = (False, 1, 0), pdl: bool = False):
+    """moe_gemm2_kernel for sm_90; ``direct``: (DIRECT, K_TOP, A_QUANT); ``pdl``: its PDL_WAIT."""
     from fp8fx import quant
     from fp8fx.kernels.fused_moe import moe_gemm2_kernel
 
@@ -1152,18 +1176,20 @@ def compile_gemm2(ptr: dict, routing: dict, consts: dict, cfg: dict, direct: tup
                            "tickets_ptr": "*i32"},
         ["S", "N", "K", "E", *strides],
         {**consts, "DIRECT": direct[0], "K_TOP": direct[1], "A_QUANT": direct[2], "N_PARTS": 29, "PARTS_BLOCK": 32,
-         "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX}, cfg)
+         "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX, "PDL_WAIT": pdl}, cfg)
 
 
-@pytest.mark.parametrize("i,h,x_quant,a_quant,form", [  # one token: every in-kernel quantization, each form
-    (768, 2048, 1, 1, "silu"), (768, 2048, 2, 2, "silu"), (768, 2048, 3, 3, "silu"),  # Qwen3-30B-A3B
-    (768, 2048, 0, 0, "silu"), (2048, 7168, 0, 0, "silu"),  # 1x128 groups (DeepSeek-V3's shape): x fp8 already
-    (2880, 2880, 1, 1, "gpt_oss"), (1856, 2688, 1, 1, "ungated"), (1856, 2688, 0, 0, "ungated"),
+@pytest.mark.parametrize("i,h,x_quant,a_quant,form,trigger", [  # one token: every in-kernel quantization, each
+    # form; as programmatic dependents (the first GEMM's PDL_TRIGGER, 0: launched plainly)
+    (768, 2048, 1, 1, "silu", 2), (768, 2048, 2, 2, "silu", 1), (768, 2048, 3, 3, "silu", 2),  # Qwen3-30B-A3B
+    (768, 2048, 0, 0, "silu", 2), (2048, 7168, 0, 0, "silu", 0),  # 1x128 groups (DeepSeek-V3's shape): x fp8 already
+    (2880, 2880, 1, 1, "gpt_oss", 2), (1856, 2688, 1, 1, "ungated", 0), (1856, 2688, 0, 0, "ungated", 1),
 ])
-def test_direct_moe_kernels_compile_for_sm90(i, h, x_quant, a_quant, form):
+def test_direct_moe_kernels_compile_for_sm90(i, h, x_quant, a_quant, form, trigger):
     """The decode path (``DIRECT``): bf16 x quantized in the first GEMM's loads, the intermediate in the second's
     (1 x 128 groups: x quantized before, the intermediate in the first's epilogue), the combine's ticket in the
-    second."""
+    second. As programmatic dependents: each program waits before its first access to memory, and the first GEMM
+    lets the second launch right after its wait (1) or after its last dot (2)."""
     pytest.importorskip("triton")
     from fp8fx import quant
     from fp8fx.kernels.fused_moe import imprecise_k, moe_gemm13_kernel, tile_config
@@ -1188,10 +1214,24 @@ def test_direct_moe_kernels_compile_for_sm90(i, h, x_quant, a_quant, form):
         {"K_TOP": 8, **schemes, "ROW_STEP": 2 if form == "gpt_oss" else 1, "HAS_BIAS": form == "gpt_oss",
          "ACT": {"silu": 0, "gpt_oss": 1, "ungated": 5}[form], "GATED": form != "ungated", "QUANT_OUT": grouped,
          "AMAX_OUT": a_quant in (1, 2), "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX, **tiles, "DIRECT": True,
-         "X_QUANT": x_quant, "ROW_BLOCK": min(4096, 1 << (h - 1).bit_length())}, cfg)
+         "X_QUANT": x_quant, "ROW_BLOCK": min(4096, 1 << (h - 1).bit_length()), "PDL_WAIT": trigger > 0,
+         "PDL_TRIGGER": trigger}, cfg)
     inter = "*fp8e4nv" if grouped else "*fp32"
     k2 = compile_gemm2({"a_ptr": inter, "w_ptr": "*fp8e4nv"}, routing,
-                       {**schemes, "HAS_BIAS": form == "gpt_oss", **tiles2}, cfg2, direct=(True, 8, a_quant))
+                       {**schemes, "HAS_BIAS": form == "gpt_oss", **tiles2}, cfg2, direct=(True, 8, a_quant),
+                       pdl=trigger > 0)
+    for ptx in (k13.asm["ptx"], k2.asm["ptx"]):
+        wait = ptx.find("griddepcontrol.wait")
+        assert (wait >= 0) == (trigger > 0)
+        if wait >= 0:  # nothing read or written before the wait
+            first = [i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.global")) if i >= 0]
+            assert wait < min(first), (wait, first)
+    ptx13 = k13.asm["ptx"]
+    assert "launch_dependents" not in k2.asm["ptx"] and ptx13.count("griddepcontrol.launch_dependents") == (trigger > 0)
+    if trigger:
+        mma = [m.start() for m in re.finditer(r"\b(wgmma|mma)\.", ptx13)]
+        launch = ptx13.index("griddepcontrol.launch_dependents")
+        assert (launch < mma[0]) if trigger == 1 else (launch > mma[-1]), (launch, mma[0], mma[-1])
     for kernel in (k13, k2):
         assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert "cvt.rn.satfinite.e4m3x2.f32" in k13.asm["ptx"] and "div.rn.f32" in k13.asm["ptx"]  # as fp8fx.quant
