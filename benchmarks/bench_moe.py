@@ -15,9 +15,8 @@ ANCHORS.md), from bf16 tokens and a given top-k to the bf16 output:
     and 1x128 groups; timed with fp32 promotion every K step and with Hopper's fast accumulation
     (``fp8fx_fast_accum``); up to BOTH_PATHS_MAX_TOKENS tokens both paths too (``fp8fx_direct_fast_accum``,
     ``fp8fx_aligned_fast_accum``) and, on sm_90, the direct path's GEMMs launched plainly (``*_nopdl_*``) and as
-    programmatic dependents with each ``DIRECT_PDL_TRIGGER`` (``*_pdl1_*``, ``*_pdl2_*``), and on the tensor-core
-    tile where the default takes the GEMV (``*_direct_mma_*``). ``--sweep``'s tile configurations take the aligned
-    path, ``--sweep-set direct``'s and ``direct-gemv``'s the direct one.
+    programmatic dependents with each ``DIRECT_PDL_TRIGGER`` (``*_pdl1_*``, ``*_pdl2_*``). ``--sweep``'s tile
+    configurations take the aligned path, ``--sweep-set direct``'s the direct one.
 Every row is timed as CUDA-graph replays (plain calls where capture fails: listed in the row's
 ``graph_capture_failures``). The weight-read floor is all fp8 expert bytes / 4.25 TB/s (the H200's
 measured copy speed; ANCHORS.md's definition); ``touched_floor_ms`` counts only the experts the tokens
@@ -42,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "--cpu-smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from bench_linear import FALLBACKS, bench, rel_err, with_kernel_setting  # noqa: E402  (run as a script: benchmarks/ is on sys.path)
 from bench_linear import FALLBACKS, bench, rel_err, with_kernel_setting  # noqa: E402  (benchmarks/ is on sys.path)
-from fp8fx import ops, quant  # noqa: E402
 from fp8fx.kernels import fused_moe as moe_kernel  # noqa: E402
 
 SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336),  # E, top-k, H, I
@@ -103,27 +102,6 @@ SWEEPS = {  # flat: both GEMMs; "gemm2": the second GEMM's own tiles (the first 
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_K=128, num_stages=6)),
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_N=32, num_warps=2)),
         dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256, num_warps=4, num_stages=4, gemm2=dict(BLOCK_K=512, num_stages=3)),
-    ],
-    # the direct path's GEMV tiles (``--sweep-set direct-gemv``; per-token or static activations): BLOCK_K is 512 a
-    # warp (16 bytes a thread), the first GEMM's with the second at its default, then the second's
-    "direct-gemv": [
-        dict(GEMV=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, num_warps=1, num_stages=1, K_STAGES=4),
-        dict(GEMV=True, BLOCK_M=1, BLOCK_N=2, BLOCK_K=512, num_warps=1, num_stages=1, K_STAGES=4,
-             gemm2=dict(BLOCK_N=4)),
-        dict(GEMV=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, num_warps=1, num_stages=1, K_STAGES=3),
-        dict(GEMV=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, num_warps=1, num_stages=1, K_STAGES=6),
-        dict(GEMV=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=1024, num_warps=2, num_stages=1, K_STAGES=3,
-             gemm2=dict(BLOCK_K=512, num_warps=1, K_STAGES=4)),
-        dict(GEMV=True, BLOCK_M=1, BLOCK_N=8, BLOCK_K=1024, num_warps=2, num_stages=1, K_STAGES=3,
-             gemm2=dict(BLOCK_N=4, BLOCK_K=512, num_warps=1, K_STAGES=4)),
-        dict(GEMV=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, num_warps=1, num_stages=1, K_STAGES=4,
-             gemm2=dict(BLOCK_N=8, BLOCK_K=1024, num_warps=2, K_STAGES=3)),
-        dict(GEMV=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, num_warps=1, num_stages=1, K_STAGES=4,
-             gemm2=dict(BLOCK_N=2)),
-        dict(GEMV=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, num_warps=1, num_stages=1, K_STAGES=4,
-             gemm2=dict(BLOCK_N=8)),
-        dict(GEMV=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=512, num_warps=1, num_stages=1, K_STAGES=4,
-             gemm2=dict(K_STAGES=2)),
     ],
 }
 
@@ -269,11 +247,6 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
             row["fp8fx_direct_nopdl_err_vs_pdl"] = rel_err(fp8(fast=True, direct=True, pdl=False),
                                                            fp8(fast=True, direct=True))
             timings["fp8fx_direct_nopdl_fast_accum"] = lambda: fp8(fast=True, direct=True, pdl=False)
-            # the direct path on the tensor-core tile where the default takes the GEMV
-            timings["fp8fx_direct_mma_fast_accum"] = with_kernel_setting(lambda: fp8(fast=True, direct=True),
-                                                                         "DIRECT_GEMV", False, moe_kernel)
-            row["fp8fx_direct_mma_err_vs_default"] = rel_err(timings["fp8fx_direct_mma_fast_accum"](),
-                                                             fp8(fast=True, direct=True))
             for trigger in (1, 2):
                 timings[f"fp8fx_direct_pdl{trigger}_fast_accum"] = with_kernel_setting(
                     lambda: fp8(fast=True, direct=True, pdl=True), "DIRECT_PDL_TRIGGER", trigger, moe_kernel)
@@ -318,8 +291,7 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
             row[f"{name}_kernels"] = kernel_ms(timings[name])
     if sweep:
         row["sweep"] = []
-        # (a given config takes the aligned path by default)
-        direct = True if sweep_set in ("direct", "direct-gemv") else None
+        direct = True if sweep_set == "direct" else None  # (a given config takes the aligned path by default)
         for cfg in SWEEPS[sweep_set or scheme]:
             try:
                 ms = time_ms(lambda: fp8(dict(cfg), True, direct), graph)

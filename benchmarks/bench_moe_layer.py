@@ -101,18 +101,15 @@ def run(name: str, tokens: list[int], device: str, tiny: bool) -> list[dict]:
             row = dict(model=name, tokens=t, err_vs_bf16=rel_err(out, refs[t]))
             if device == "cuda":
                 row["bf16_inductor_ms"] = times[t]
-                # and the experts' direct path with its GEMMs launched plainly (``*_nopdl``) and on the tensor-core
-                # tile (``*_mma``, where the default takes the GEMV), interleaved twice, the faster of each kept
+                # and the experts' direct path with its GEMMs launched plainly (``*_nopdl``), the two interleaved
+                # twice, the faster of each kept
                 plain = with_kernel_setting(lambda x=x: fp8(x), "DIRECT_PDL_TRIGGER", None, moe_kernel)
-                mma = with_kernel_setting(lambda x=x: fp8(x), "DIRECT_GEMV", False, moe_kernel)
                 for _ in range(2):
-                    for key, fn in (("fp8fx_ms", lambda x=x: fp8(x)), ("fp8fx_nopdl_ms", plain),
-                                    ("fp8fx_mma_ms", mma)):
+                    for key, fn in (("fp8fx_ms", lambda x=x: fp8(x)), ("fp8fx_nopdl_ms", plain)):
                         ms = time_ms(fn, graph=True)
                         row[key] = min(ms, row.get(key, ms))
                 row["vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_ms"]
                 row["nopdl_vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_nopdl_ms"]
-                row["mma_vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_mma_ms"]
             rows.append(row)
         if name == "llama4":  # the dense rewrite alone (routing off): what fp8 gains before routing does
             torch._dynamo.reset()

@@ -72,8 +72,8 @@ import triton.language as tl
 
 from fp8fx import quant
 from fp8fx.kernels import tickets as _tickets
-from fp8fx.kernels.fp8_gemm import (_all_rows_amax, _codes_of, _gemv_products, _hopper, _max_nan, _pdl_start,
-                                    _rows_amax, _scale_of, _to_fp8_range, imprecise_k)
+from fp8fx.kernels.fp8_gemm import (_all_rows_amax, _hopper, _max_nan, _pdl_start, _rows_amax, _scale_of,
+                                    _to_fp8_range, imprecise_k)
 from fp8fx.kernels.launch import cdiv, next_power_of_2
 
 
@@ -98,9 +98,6 @@ DIRECT_MAX_TOKENS = 16
 # and its programs' start overlap the first's last programs; each program of the second waits for the first before
 # it touches memory. None: both launched plainly.
 DIRECT_PDL_TRIGGER: Optional[int] = 2
-# The DIRECT path's GEMMs on the CUDA cores (their ``GEMV``) where each program's row has its own scale or a static
-# one (per-token or static activations); else, and with False, on the tensor cores, one row padded to 16.
-DIRECT_GEMV = True
 
 
 def _align_rows(s: int, e: int, block_m: int) -> int:
@@ -300,11 +297,6 @@ def moe_gemm13_kernel(
     # PDL (DIRECT_PDL_TRIGGER): the program waits for the kernel before it first; PDL_TRIGGER 1 then lets the next
     # kernel launch, 2 does so after the K loop
     PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = 0,
-    # GEMV (DIRECT with X_QUANT 1 or 3, BLOCK_M 1; ``DIRECT_GEMV``): the pair's row on the CUDA cores, as
-    # fp8_gemm's GEMV kernel - BLOCK_N weight rows streamed in [BLOCK_N, BLOCK_K] tiles of 16-byte loads, K_STAGES
-    # deep, a float32 product kept per loaded element and summed once - where the tensor-core tile padded the one
-    # row to 16; GROUP_K: the weight's K blocks (K_GROUPED)
-    GEMV: tl.constexpr = False, K_STAGES: tl.constexpr = 1, GROUP_K: tl.constexpr = 128,
 ):
     _pdl_start(PDL_WAIT, PDL_TRIGGER == 1)
     expert, pair, rows, valid = _block_rows(sorted_pair_ptr, block_expert_ptr, S, E, K_TOP, True, BLOCK_M, DIRECT)
@@ -342,58 +334,33 @@ def moe_gemm13_kernel(
     u_s_ptrs = ws_base + ((g_rows + UP_SHIFT) // W_BLOCK_N) * stride_wsn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GEMV:  # [BN, BK] tiles, K-major (stride_wk 1); x's codes made once a step for both tiles
-        gv_offs = tl.arange(0, BLOCK_N)[:, None] * (ROW_STEP * stride_wn) + offs_k[None, :]
-        x_inv = tl.math.div_rn(1.0, x_s)
-        p_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        p_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in tl.range(0, tl.cdiv(K, BLOCK_K), num_stages=K_STAGES):
-            k_ok = offs_k < K - k * BLOCK_K
-            w_mask = n_ok[:, None] & k_ok[None, :]
-            g = tl.load(g_tile + gv_offs + k * BLOCK_K, mask=w_mask, other=0.0)
-            x_k = tl.load(x_row + k * BLOCK_K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            xq = _codes_of(x_k, x_s, x_inv, FP8_MAX).to(g.dtype)
-            p_g += _gemv_products(xq, g, k * BLOCK_K, g_rows, n_ok, K, a_scale_ptr, ws_base, 0, stride_wsn,
-                                  stride_wsk, 1.0, 1.0, 0, False, K_GROUPED, W_BLOCK_N, GROUP_K, FP8_MAX, False,
-                                  g.dtype)
-            if GATED:
-                u = tl.load(u_tile + gv_offs + k * BLOCK_K, mask=w_mask, other=0.0)
-                p_u += _gemv_products(xq, u, k * BLOCK_K, g_rows + UP_SHIFT, n_ok, K, a_scale_ptr, ws_base, 0,
-                                      stride_wsn, stride_wsk, 1.0, 1.0, 0, False, K_GROUPED, W_BLOCK_N, GROUP_K,
-                                      FP8_MAX, False, g.dtype)
-        acc_g += tl.sum(p_g, 1)[None, :]
-        acc_u += tl.sum(p_u, 1)[None, :]
-        if K_GROUPED:  # (the weight's block scales are in the products; x's is one a row)
-            acc_g *= x_s
-            acc_u *= x_s
-    if not GEMV:  # the tensor-core tile
-        for k in range(0, tl.cdiv(K, BLOCK_K)):
-            k_left = K - k * BLOCK_K
-            if not X_QUANT:
-                a = tl.load(a_rows + a_offs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            w_mask = (offs_k[:, None] < k_left) & n_ok[None, :]
-            g = tl.load(g_tile + w_offs, mask=w_mask, other=0.0)
-            if GATED:  # (constexpr: an ungated kernel has no up tile; the gated one's instructions as before)
-                u = tl.load(u_tile + w_offs, mask=w_mask, other=0.0)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        if not X_QUANT:
+            a = tl.load(a_rows + a_offs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
+        w_mask = (offs_k[:, None] < k_left) & n_ok[None, :]
+        g = tl.load(g_tile + w_offs, mask=w_mask, other=0.0)
+        if GATED:  # (constexpr: an ungated kernel has no up tile; the gated one's instructions as before)
+            u = tl.load(u_tile + w_offs, mask=w_mask, other=0.0)
+        if X_QUANT:
+            a = _first_row_fp8(x_row + k * BLOCK_K, offs_k, k_left, x_s, FP8_MAX, BLOCK_M, g.dtype)
+        if K_GROUPED:
             if X_QUANT:
-                a = _first_row_fp8(x_row + k * BLOCK_K, offs_k, k_left, x_s, FP8_MAX, BLOCK_M, g.dtype)
-            if K_GROUPED:
-                if X_QUANT:
-                    a_s = x_s
-                else:
-                    a_s = tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)[:, None]
-                g_s = tl.load(g_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
-                if GATED:
-                    u_s = tl.load(u_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
-                acc_g += tl.dot(a, g) * (a_s * g_s)
-                if GATED:
-                    acc_u += tl.dot(a, u) * (a_s * u_s)
+                a_s = x_s
             else:
-                acc_g = tl.dot(a, g, acc_g, max_num_imprecise_acc=IMPRECISE_K)
-                if GATED:
-                    acc_u = tl.dot(a, u, acc_u, max_num_imprecise_acc=IMPRECISE_K)
-            a_offs += BLOCK_K * stride_ak
-            w_offs += BLOCK_K * stride_wk
+                a_s = tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)[:, None]
+            g_s = tl.load(g_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            if GATED:
+                u_s = tl.load(u_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            acc_g += tl.dot(a, g) * (a_s * g_s)
+            if GATED:
+                acc_u += tl.dot(a, u) * (a_s * u_s)
+        else:
+            acc_g = tl.dot(a, g, acc_g, max_num_imprecise_acc=IMPRECISE_K)
+            if GATED:
+                acc_u = tl.dot(a, u, acc_u, max_num_imprecise_acc=IMPRECISE_K)
+        a_offs += BLOCK_K * stride_ak
+        w_offs += BLOCK_K * stride_wk
     if PDL_TRIGGER == 2:  # the weights are read: the second GEMM's programs may start (they wait for this grid)
         tl.extra.cuda.gdc_launch_dependents()
 
@@ -466,8 +433,6 @@ def moe_gemm2_kernel(
     PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12, FP8_MAX: tl.constexpr = 448.0,
     # PDL: launched while the first GEMM drains; the program waits for its memory before it touches any
     PDL_WAIT: tl.constexpr = False,
-    # GEMV (A_QUANT 1 or 3, BLOCK_M 1): the pair's row on the CUDA cores (see moe_gemm13_kernel)
-    GEMV: tl.constexpr = False, K_STAGES: tl.constexpr = 1, GROUP_K: tl.constexpr = 128,
 ):
     _pdl_start(PDL_WAIT, False)
     expert, pair, rows, valid = _block_rows(sorted_pair_ptr, block_expert_ptr, S, E, K_TOP, False, BLOCK_M, DIRECT)
@@ -499,40 +464,24 @@ def moe_gemm2_kernel(
     elif A_QUANT == 3:
         a_q = tl.load(a_scale_ptr).to(tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if GEMV:  # [BN, BK] tiles, K-major (stride_wk 1); the intermediate's codes as in the loop below
-        wv_offs = tl.arange(0, BLOCK_N)[:, None] * stride_wn + offs_k[None, :]
-        a_inv = tl.math.div_rn(1.0, a_q)
-        ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
-        prod = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k in tl.range(0, k_steps, num_stages=K_STAGES):
-            k_ok = offs_k < K - k * BLOCK_K
-            w = tl.load(w_tile + wv_offs + k * BLOCK_K, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            a_k = tl.load(a_row + k * BLOCK_K + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-            aq = _codes_of(a_k, a_q, a_inv, FP8_MAX).to(w.dtype)
-            prod += _gemv_products(aq, w, k * BLOCK_K, offs_n, n_ok, K, a_scale_ptr, ws_base, 0, stride_wsn, stride_wsk,
-                                1.0, 1.0, 0, False, K_GROUPED, W_BLOCK_N, GROUP_K, FP8_MAX, False, w.dtype)
-        acc += tl.sum(prod, 1)[None, :]
+    for k in range(0, k_steps):
+        k_left = K - k * BLOCK_K
+        w = tl.load(w_tile + w_offs, mask=(offs_k[:, None] < k_left) & n_ok[None, :], other=0.0)
+        if A_QUANT:
+            a = _first_row_fp8(a_row + k * BLOCK_K, offs_k, k_left, a_q, FP8_MAX, BLOCK_M, w.dtype)
+        else:
+            a = tl.load(a_rows + a_offs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
         if K_GROUPED:
-            acc *= a_q
-    if not GEMV:  # the tensor-core tile
-        for k in range(0, k_steps):
-            k_left = K - k * BLOCK_K
-            w = tl.load(w_tile + w_offs, mask=(offs_k[:, None] < k_left) & n_ok[None, :], other=0.0)
             if A_QUANT:
-                a = _first_row_fp8(a_row + k * BLOCK_K, offs_k, k_left, a_q, FP8_MAX, BLOCK_M, w.dtype)
+                a_s = a_q
             else:
-                a = tl.load(a_rows + a_offs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
-            if K_GROUPED:
-                if A_QUANT:
-                    a_s = a_q
-                else:
-                    a_s = tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)[:, None]
-                w_s = tl.load(w_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
-                acc += tl.dot(a, w) * (a_s * w_s)
-            else:
-                acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE_K)
-            a_offs += BLOCK_K * stride_ak
-            w_offs += BLOCK_K * stride_wk
+                a_s = tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)[:, None]
+            w_s = tl.load(w_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
+            acc += tl.dot(a, w) * (a_s * w_s)
+        else:
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE_K)
+        a_offs += BLOCK_K * stride_ak
+        w_offs += BLOCK_K * stride_wk
 
     # epilogue: the scales constant along K, the bias and the routing weight of each pair
     if not K_GROUPED:
@@ -686,15 +635,6 @@ def _weight_scale(scale: torch.Tensor, w: torch.Tensor, w_block) -> tuple[torch.
     return s, strides, quant.resolve_block(w_block, rows, cols)[0]
 
 
-def direct_gemv_config(k: int) -> dict:
-    """The direct path's GEMV tiles for a GEMM over ``k``: fp8_gemm's ``gemv_config`` for one row without split K -
-    4 weight rows a program, each thread loading 16 bytes of each, BLOCK_K = 512 a warp; 2 warps and 3 stages from
-    K = 8192, else 1 warp and 4 (its H200 sweeps, runs 19 and 37)."""
-    warps = 2 if k >= 8192 else 1
-    return dict(BLOCK_M=1, BLOCK_N=4, BLOCK_K=512 * warps, num_warps=warps, num_stages=1,
-                K_STAGES=3 if k >= 8192 else 4)
-
-
 def direct_by_default(t: int, k_top: int, e: int, pair_bytes: int) -> bool:
     """Whether fused_moe takes the DIRECT path for ``t`` tokens routed to ``k_top`` of ``e`` experts whose weights
     take ``pair_bytes`` each: always for one token (its top-k experts are distinct: nothing is read twice); up to
@@ -792,49 +732,22 @@ def fused_moe(
         raise ValueError(f"fused_moe: pdl=True launches the direct path's GEMMs as programmatic dependents, which "
                          f"needs direct=True (got {direct}) and a CUDA GPU of compute capability 9.0 or newer (x on "
                          f"{x.device}); pass pdl=None or False")
-    in_kernel = direct and fuse_quant and quantize is quantize_act  # every quantization in the GEMMs
-    per_tensor = a2_scale is None and tuple(act_block) == (-1, -1)
-    per_row = a2_scale is None and tuple(act_block) == (1, -1)  # the first GEMM leaves partial row maxima
-    fuse_group = _k_group(act_block) if fuse_quant and a2_scale is None else None
-    # x quantized in the first GEMM (X_QUANT) where its scale is one per token, per tensor or static; 1 x GK groups
-    # take quantize_rows_kernel's launch (see moe_gemm13_kernel)
-    x_quant = (3 if a13_scale is not None else {(1, -1): 1, (-1, -1): 2}.get(tuple(act_block), 0)) if in_kernel else 0
-    # the second GEMM's A_QUANT: the intermediate quantized in its loads, per row (1), per tensor (2), static (3)
-    a_quant = (3 if a2_scale is not None else 1 if per_row else 2 if per_tensor else 0) if in_kernel else 0
-    # the direct path's rows on the CUDA cores (``DIRECT_GEMV``, or a config's GEMV): scales one per row or static
-    # (a per-tensor amax or 1 x GK groups span more than a program's rows), unit-stride weight rows
-    gemv_ok = x_quant in (1, 3) and a_quant in (1, 3) and w13.stride(2) == 1 and w2.stride(2) == 1
-    gemv = cfg.pop("GEMV", config is None and DIRECT_GEMV)
-    if gemv and not gemv_ok:
-        if config is not None:
-            raise ValueError(f"fused_moe config: GEMV=True takes the direct path (direct=True, got {direct}) with "
-                             f"x and the intermediate quantized in its GEMMs per token or by static scales (got "
-                             f"act_block {list(act_block)}, static scales {a13_scale is not None} / "
-                             f"{a2_scale is not None}, the default quantize and fuse_quant) and weights of unit K "
-                             f"stride; drop GEMV from the config")
-        gemv = False
     gemm2 = cfg.pop("gemm2", {})  # the second GEMM's own tiles, where the config gives them
-    if gemv and config is None:
-        cfg, gemm2 = direct_gemv_config(h), direct_gemv_config(two_i // 2 if gated else two_i)
     cfg2 = {**cfg, **gemm2}
     tiles = {name: cfg.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     tiles2 = {name: cfg2.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
     if tiles2["BLOCK_M"] != tiles["BLOCK_M"]:
         raise ValueError(f"fused_moe config: both GEMMs walk the same row blocks, got BLOCK_M {tiles['BLOCK_M']} "
                          f"and gemm2 BLOCK_M {tiles2['BLOCK_M']}")
-    if group_k and not gemv:
+    if group_k:
         tiles["BLOCK_K"] = tiles2["BLOCK_K"] = group_k  # K-varying scales are applied per K step
-    if gemv:  # one row a program (its K steps span GROUP_K groups)
-        tiles["BLOCK_M"] = tiles2["BLOCK_M"] = 1
-    elif direct:  # one pair per program: its row, padded to the fp8 dot's least M (a prefill config's 128 would
+    if direct:  # one pair per program: its row, padded to the fp8 dot's least M (a prefill config's 128 would
         tiles["BLOCK_M"] = tiles2["BLOCK_M"] = 16  # spill its float32 intermediate's stages out of shared memory)
+    fuse_group = _k_group(act_block) if fuse_quant and a2_scale is None else None
     if fuse_group:
         tiles["BLOCK_N"] = fuse_group  # one N tile of the first GEMM = one activation group
     consts, consts2 = (dict(K_GROUPED=group_k is not None, IMPRECISE_K=imprecise_k(t, fast_accum), DIRECT=direct, **t)
                        for t in (tiles, tiles2))
-    if gemv:
-        for c, c_cfg in ((consts, cfg), (consts2, cfg2)):
-            c.update(GEMV=True, K_STAGES=c_cfg.pop("K_STAGES", 1), GROUP_K=group_k or 128)
     if pdl:  # (as programmatic dependents: no copy or cast may run between the two GEMMs - it would be the second's
         # predecessor - so everything the second reads is made before the first)
         consts.update(PDL_WAIT=True, PDL_TRIGGER=DIRECT_PDL_TRIGGER or 0)
@@ -848,6 +761,12 @@ def fused_moe(
         sorted_pair, block_expert = ids, ids
     else:
         sorted_pair, block_expert = align(ids.view(t, k_top), e, tiles["BLOCK_M"])
+    in_kernel = direct and fuse_quant and quantize is quantize_act  # every quantization in the GEMMs
+    per_tensor = a2_scale is None and tuple(act_block) == (-1, -1)
+    per_row = a2_scale is None and tuple(act_block) == (1, -1)  # the first GEMM leaves partial row maxima
+    # x quantized in the first GEMM (X_QUANT) where its scale is one per token, per tensor or static; 1 x GK groups
+    # take quantize_rows_kernel's launch (see moe_gemm13_kernel)
+    x_quant = (3 if a13_scale is not None else {(1, -1): 1, (-1, -1): 2}.get(tuple(act_block), 0)) if in_kernel else 0
     if x_quant:
         xq = x if x.stride(1) == 1 else x.contiguous()  # (the kernel's row amax walks H with unit stride)
         x_scale = a13_scale.float().reshape(1, 1) if a13_scale is not None else x.new_empty(1, 1, dtype=torch.float32)
@@ -870,12 +789,13 @@ def fused_moe(
                     per_tensor and not in_kernel, consts, cfg, amax_out=per_row or (per_tensor and in_kernel),
                     form=dict(w13_bias=w13_bias, interleaved=interleaved, activation=activation,
                                swiglu_alpha=swiglu_alpha, swiglu_limit=swiglu_limit, gated=gated), x_quant=x_quant)
+    a_quant = 0  # the second GEMM's A_QUANT
     if fuse_group:
-        iq, i_scale, a_quant = *inter, 0
-    elif a_quant == 3:
-        iq, i_scale = inter, a2_static
-    elif a_quant:
         iq, i_scale = inter
+    elif in_kernel and a2_scale is not None:
+        iq, i_scale, a_quant = inter, a2_static, 3
+    elif in_kernel:
+        (iq, i_scale), a_quant = inter, 1 if per_row else 2
     elif per_row:
         iq, i_scale = quantize(inter[0], act_block, None, amax_parts=inter[1])
     else:
@@ -889,8 +809,7 @@ def fused_moe(
         iq.stride(0), iq.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), y.stride(1),
         *_act_strides(i_scale), *s2_strides, *bias2[1:], out.stride(0),
         W_BLOCK_N=s2_rows, HAS_BIAS=w2_bias is not None, K_TOP=k_top, A_QUANT=a_quant, N_PARTS=n_parts,
-        PARTS_BLOCK=min(1024 if gemv else 64, next_power_of_2(n_parts)), EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX,
-        **consts2, **cfg2,
+        PARTS_BLOCK=min(64, next_power_of_2(n_parts)), EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **consts2, **cfg2,
     )
     if direct:  # the second GEMM combined the pairs
         return out

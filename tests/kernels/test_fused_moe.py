@@ -729,72 +729,6 @@ def test_fused_moe_direct_under_triton_interpreter():
     assert "direct ok" in run_under_triton_interpreter(["-c", DIRECT_CHECK])
 
 
-GEMV_CHECK = textwrap.dedent(
-    """
-    import torch
-    from tests.triton_rounding import round_to_nearest
-    round_to_nearest()  # the GPU's conversions: the in-kernel quantization is held to quantize_act's bits
-    import fp8fx.kernels.fused_moe as km
-    from fp8fx import ops, quant
-
-    g = torch.Generator().manual_seed(1)
-    E, H, I = 5, 72, 40  # ragged against every tile and K group below
-    mma = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
-    kept = torch.zeros(256, dtype=torch.int32)  # tickets kept across calls, as a CUDA graph's are
-    km._tickets.zeroed = lambda device, count: kept[:count]
-    empty = torch.empty
-
-    def garbage(*size, **kwargs):  # what a GPU's reused memory may hold: whatever is never written must not be read
-        out = empty(*size, **kwargs)
-        return out.fill_(float("nan") if out.is_floating_point() else 12345)
-
-    torch.empty = garbage
-    # every scheme the GEMV takes: per-channel / 8 x 32 blocks with per-token x, per-tensor weights with static x
-    schemes = [([1, -1], [1, -1], False), ([8, 32], [1, -1], False), ([-1, -1], [-1, -1], True)]
-    cases = [(*scheme, "silu") for scheme in schemes] + [(*schemes[i], name) for i in (0, 1)
-                                                           for name in ("gpt_oss", "ungated")]
-    for wb, ab, static, name in cases:
-        gated = name != "ungated"
-        q13, s13 = quant.quantize(torch.randn(E, (2 if gated else 1) * I, H, generator=g) / 8, wb)
-        q2, s2 = quant.quantize(torch.randn(E, H, I, generator=g) / 6, wb)
-        form = {"silu": {},
-                "gpt_oss": dict(w13_bias=torch.randn(E, 2 * I, generator=g).bfloat16(), interleaved=True,
-                                w2_bias=torch.randn(E, H, generator=g), activation="swiglu_oai",
-                                swiglu_limit=1.5),
-                "ungated": dict(w13_bias=torch.randn(E, I, generator=g), activation="relu2", gated=False)}[name]
-        a13, a2 = (torch.tensor([0.02]), torch.tensor([0.002])) if static else (None, None)
-        for t, k, out_dtype, block_k in [(1, 2, torch.float32, 32), (1, 3, torch.bfloat16, 64),
-                                         (3, 3, torch.float32, 64)]:
-            gemv = dict(GEMV=True, BLOCK_M=1, BLOCK_N=4, BLOCK_K=block_k, num_warps=1, num_stages=1, K_STAGES=1,
-                        gemm2=dict(BLOCK_N=8, num_warps=2))  # (64: a K step spans two 32-wide K blocks)
-            x = torch.randn(t, H, generator=g).bfloat16()
-            ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(t)])
-            if t == 3:  # expert-parallel sentinels: a pair routed nowhere in two tokens
-                ids[1, 0], ids[2, 2] = -1, E
-            w = torch.rand(t, k, generator=g)
-            ref = ops.fused_moe_reference(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, a13, a2, **form)
-            run = lambda cfg: km.fused_moe(x, w, ids, q13, s13, q2, s2, wb, ab, out_dtype, a13, a2, config=cfg,
-                                           direct=True, **form)
-            tiles = run(mma)  # the direct path on the tensor-core tile (the aligned path's output bit for bit)
-            bound = 1e-4 if out_dtype == torch.float32 else 5e-3
-            for y in (run(gemv), run(gemv)):  # twice: the tickets left zero by the first call
-                assert not kept.any(), kept
-                assert not y.isnan().any(), (wb, ab, static, name, t, k)
-                for other in (tiles.float(), ref):  # the same codes, summed in another order
-                    err = ((y.float() - other).norm() / other.norm()).item()
-                    assert err < bound, (wb, ab, static, name, t, k, err)
-    print("gemv ok")
-    """
-)
-
-
-def test_fused_moe_direct_gemv_under_triton_interpreter():
-    """The direct path's GEMV (each pair's row on the CUDA cores: per-token or static activations) against the
-    tensor-core tile's direct path and the reference, for every scheme and form it takes, K steps spanning two
-    weight blocks, pairs routed nowhere, tickets left zero."""
-    assert "gemv ok" in run_under_triton_interpreter(["-c", GEMV_CHECK])
-
-
 def test_direct_by_default_weighs_rereads_against_launches():
     """One token always (its top-k experts are distinct); a few tokens where re-reading the experts that two tokens
     share costs less than the launches saved: fine-grained experts (Qwen3-30B-A3B's 4.7 MB a pair up to 5 tokens,
@@ -967,8 +901,6 @@ def test_fused_moe_direct_cuda(scheme, form):
         return fused_moe(x, w, ids, *weights, w_block, act_block, out_dtype, *scales, fast_accum=True, direct=direct,
                          **extra)
 
-    from fp8fx.kernels import fused_moe as kernel
-
     for t in (1, 3):
         x, w, ids = routed(t, seed=t)
         if t == 3:
@@ -976,14 +908,6 @@ def test_fused_moe_direct_cuda(scheme, form):
         x, w, ids = x.cuda(), w.cuda(), ids.cuda()
         for out_dtype in (torch.bfloat16, torch.float32):
             direct, aligned = call(x, w, ids, out_dtype, True), call(x, w, ids, out_dtype, False)
-            if kernel.DIRECT_GEMV and scheme in ("per-channel", "static"):  # the GEMV: the same codes, summed in
-                # another order (each row within bf16's rounding of the tile's), and the tile bit for bit
-                assert rows_close(direct, aligned), (t, out_dtype, (direct.float() - aligned.float()).abs().max())
-                kernel.DIRECT_GEMV = False
-                try:
-                    direct = call(x, w, ids, out_dtype, True)
-                finally:
-                    kernel.DIRECT_GEMV = True
             assert torch.equal(direct, aligned), (t, out_dtype, (direct.float() - aligned.float()).abs().max())
         ref = ops.fused_moe_reference(x.cpu(), w.cpu(), ids.cpu(), q13, s13, q2, s2, w_block, act_block,
                                       torch.float32, *(None if v is None else v.cpu() for v in scales),
@@ -1002,18 +926,9 @@ def test_fused_moe_direct_cuda(scheme, form):
         assert torch.equal(y, call(x, w, ids, torch.bfloat16)), seed
 
 
-def rows_close(y: torch.Tensor, ref: torch.Tensor, bound: float = 1e-2) -> bool:
-    """Each row of ``y`` within ``bound`` of ``ref``'s, relative to its norm: the direct path's GEMV against the
-    tensor-core tiles (the same codes summed in another order, each output rounded once: bf16's 2**-9 at most an
-    element). A pair's term lost or counted twice moves its token's row by about 1 / top-k."""
-    y, ref = y.float(), ref.float()
-    return bool(((y - ref).norm(dim=-1) <= bound * ref.norm(dim=-1)).all())
-
-
 @pytest.mark.cuda
-@pytest.mark.parametrize("gemv", [False, True])
 @pytest.mark.parametrize("trigger", [None, 1, 2])
-def test_fused_moe_direct_combine_under_load_cuda(trigger, gemv, monkeypatch):
+def test_fused_moe_direct_combine_under_load_cuda(trigger, monkeypatch):
     """Many direct launches of many programs (forced up to 64 tokens, top-8 of 128 experts, pairs routed nowhere, bf16
     and float32 outputs) and 50 CUDA-graph replays with new tokens and routes: each bit for bit the aligned path's.
     The interpreter runs one program after another: only here can a missing barrier before the ticket, a read of
@@ -1024,10 +939,8 @@ def test_fused_moe_direct_combine_under_load_cuda(trigger, gemv, monkeypatch):
     from fp8fx.kernels.fused_moe import fused_moe
 
     monkeypatch.setattr(kernel, "DIRECT_PDL_TRIGGER", trigger)
-    monkeypatch.setattr(kernel, "DIRECT_GEMV", gemv)
     if trigger is not None and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("the direct path launches as programmatic dependents by default on sm_90 only")
-    same = rows_close if gemv else torch.equal  # (the tiles: the aligned path's bits)
 
     e, k, h, i = 128, 8, 1024, 256
     g = torch.Generator().manual_seed(3)
@@ -1048,7 +961,7 @@ def test_fused_moe_direct_combine_under_load_cuda(trigger, gemv, monkeypatch):
     for n, t in enumerate([1, 3, 8, 16, 64] * 8):
         x, w, ids = inputs(t)
         out_dtype = torch.bfloat16 if n % 2 else torch.float32
-        assert same(call(x, w, ids, out_dtype, True), call(x, w, ids, out_dtype, False)), (n, t)
+        assert torch.equal(call(x, w, ids, out_dtype, True), call(x, w, ids, out_dtype, False)), (n, t)
     x, w, ids = inputs(16)
     call(x, w, ids, torch.bfloat16, True)  # outside capture: the ticket reserve is topped up
     graph = torch.cuda.CUDAGraph()
@@ -1058,7 +971,7 @@ def test_fused_moe_direct_combine_under_load_cuda(trigger, gemv, monkeypatch):
         for into, value in zip((x, w, ids), inputs(16)):
             into.copy_(value)
         graph.replay()
-        assert same(y, call(x, w, ids, torch.bfloat16, False)), n
+        assert torch.equal(y, call(x, w, ids, torch.bfloat16, False)), n
 
 
 @pytest.mark.cuda
@@ -1173,25 +1086,18 @@ def test_quantize_act_cuda_is_bit_exact(act_block, dtype):
         torch.testing.assert_close(q.float(), q_ref.float(), rtol=0, atol=0, equal_nan=True)
 
 
-def compile_for_hopper(kernel, pointers: dict, ints: list, consts: dict, cfg: dict, unit: frozenset = frozenset(),
-                       div16: tuple = ()):
+def compile_for_hopper(kernel, pointers: dict, ints: list, consts: dict, cfg: dict):
     """Ahead-of-time compile for sm_90 without a GPU, as the JIT would specialize it (see
-    tests/kernels/test_compile_sm90.py): pointers, leading strides and the ints ``div16`` divisible by 16, the
-    ``unit`` strides 1."""
+    tests/kernels/test_compile_sm90.py): pointers and leading strides divisible by 16."""
     triton = pytest.importorskip("triton")
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    signature = {**pointers, **{n: "constexpr" if n in unit else "fp32" if n in ("alpha", "limit") else "i32"
-                                for n in ints}, **{n: "constexpr" for n in consts}}
-    consts = {**{n: 1 for n in unit}, **consts}
-    defaults = {q.name: q.default for q in kernel.params if q.is_constexpr and q.has_default and q.name not in consts}
-    signature.update({n: "constexpr" for n in defaults})  # constexprs not given: their defaults
-    consts = {**consts, **defaults}
-    signature = {n: signature[n] for n in kernel.arg_names}  # in the kernel's order, whatever the callers' is
+    signature = {**pointers, **{n: "fp32" if n in ("alpha", "limit") else "i32" for n in ints},
+                 **{n: "constexpr" for n in consts}}
     names = list(signature)
     aligned = list(pointers) + [n for n in ("stride_am", "stride_we", "stride_wn", "stride_wse", "stride_xm",
-                                            "stride_qm", *div16) if n in ints]
+                                            "stride_qm") if n in ints]
     src = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in consts.items()},
                     attrs={(names.index(k),): [["tt.divisibility", 16]] for k in aligned})
     return triton.compile(src, target=GPUTarget("cuda", 90, 32),
@@ -1256,10 +1162,8 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped, gpt
         assert not re.search(r"\b(min|max)\.f32\b", k13.asm["ptx"])
 
 
-def compile_gemm2(ptr: dict, routing: dict, consts: dict, cfg: dict, direct: tuple = (False, 1, 0), pdl: bool = False,
-                  unit: frozenset = frozenset(), div16: tuple = ()):
-    """moe_gemm2_kernel for sm_90; ``direct``: (DIRECT, K_TOP, A_QUANT); ``pdl``: its PDL_WAIT; ``unit``: strides
-    of 1 (compile_for_hopper)."""
+def compile_gemm2(ptr: dict, routing: dict, consts: dict, cfg: dict, direct: tuple = (False, 1, 0), pdl: bool = False):
+    """moe_gemm2_kernel for sm_90; ``direct``: (DIRECT, K_TOP, A_QUANT); ``pdl``: its PDL_WAIT."""
     from fp8fx import quant
     from fp8fx.kernels.fused_moe import moe_gemm2_kernel
 
@@ -1272,7 +1176,7 @@ def compile_gemm2(ptr: dict, routing: dict, consts: dict, cfg: dict, direct: tup
                            "tickets_ptr": "*i32"},
         ["S", "N", "K", "E", *strides],
         {**consts, "DIRECT": direct[0], "K_TOP": direct[1], "A_QUANT": direct[2], "N_PARTS": 29, "PARTS_BLOCK": 32,
-         "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX, "PDL_WAIT": pdl}, cfg, unit, div16)
+         "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX, "PDL_WAIT": pdl}, cfg)
 
 
 @pytest.mark.parametrize("i,h,x_quant,a_quant,form,trigger", [  # one token: every in-kernel quantization, each
@@ -1344,46 +1248,6 @@ def test_direct_moe_kernels_compile_for_sm90(i, h, x_quant, a_quant, form, trigg
     ticket = ptx2.index("atom.global.gpu.acq_rel.add")
     assert 0 <= ptx2.rfind("st.global", 0, ticket) < ptx2.rfind("bar.sync", 0, ticket)
     assert "ld.global.cg" in ptx2[ticket:]
-
-
-@pytest.mark.parametrize("i,h,form,blocks", [  # per-token x and intermediate (the GEMV's schemes), one token
-    (768, 2048, "silu", False), (768, 2048, "silu", True), (2880, 2880, "gpt_oss", False),
-    (1856, 2688, "ungated", False), (2048, 7168, "silu", True),  # DeepSeek-V3's shape with 128x128 weight blocks
-])
-def test_direct_gemv_kernels_compile_for_sm90(i, h, form, blocks):
-    """The direct path's GEMV (``DIRECT_GEMV``): no tensor-core instruction, the weight's rows through 16-byte
-    cp.async copies (``K_STAGES``-deep pipeline) into registers, x and the intermediate quantized as loaded."""
-    pytest.importorskip("triton")
-    from fp8fx import quant
-    from fp8fx.kernels.fused_moe import direct_gemv_config, moe_gemm13_kernel
-
-    cfg, cfg2 = direct_gemv_config(h), direct_gemv_config(i)
-    gemv = lambda c: {"BLOCK_M": 1, "BLOCK_N": c["BLOCK_N"], "BLOCK_K": c["BLOCK_K"]}  # noqa: E731
-    schemes = {"K_GROUPED": blocks, "W_BLOCK_N": 128 if blocks else 1, "IMPRECISE_K": None}
-    routing = {"sorted_pair_ptr": "*i64", "block_expert_ptr": "*i64"}  # both the ids
-    extra = lambda c: {"PDL_WAIT": True, "GEMV": True, "K_STAGES": c["K_STAGES"], "GROUP_K": 128}  # noqa: E731
-    k13 = compile_for_hopper(
-        moe_gemm13_kernel, {"a_ptr": "*bf16", "w_ptr": "*fp8e4nv", "inter_ptr": "*fp32", "a_scale_ptr": "*fp32",
-                            "w_scale_ptr": "*fp32", **routing, "inter_scale_ptr": "*fp32", "bias_ptr": "*bf16"},
-        ["S", "N", "K", "UP_SHIFT", "E", "alpha", "limit", "stride_am", "stride_ak", "stride_we", "stride_wn",
-         "stride_wk", "stride_im", "stride_in", "stride_asm", "stride_ask", "stride_wse", "stride_wsn", "stride_wsk",
-         "stride_ism", "stride_isg", "stride_be", "stride_bn"],
-        {"K_TOP": 8, **schemes, "ROW_STEP": 2 if form == "gpt_oss" else 1, "HAS_BIAS": form == "gpt_oss",
-         "ACT": {"silu": 0, "gpt_oss": 1, "ungated": 5}[form], "GATED": form != "ungated", "QUANT_OUT": False,
-         "AMAX_OUT": True, "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX, **gemv(cfg), "DIRECT": True,
-         "X_QUANT": 1, "ROW_BLOCK": min(4096, 1 << (h - 1).bit_length()), "PDL_TRIGGER": 2, **extra(cfg)}, cfg,
-        unit={"stride_ak", "stride_wk"}, div16=("N", "K"))  # (as the shapes here are: the JIT specializes)
-    k2 = compile_gemm2({"a_ptr": "*fp32", "w_ptr": "*fp8e4nv"}, routing,
-                       {**schemes, "HAS_BIAS": form == "gpt_oss", **gemv(cfg2), "GEMV": True,
-                        "K_STAGES": cfg2["K_STAGES"], "GROUP_K": 128}, cfg2, direct=(True, 8, 1), pdl=True,
-                       unit={"stride_ak", "stride_wk"}, div16=("N", "K"))
-    for kernel in (k13, k2):
-        ptx = kernel.asm["ptx"]
-        assert kernel.asm["cubin"] and not re.search(r"\b(wgmma|mma)\.", ptx)
-        assert re.search(r"cp\.async\.c[ag]\.shared\.global(\.L2::\w+)? \[[^]]+\], \[[^]]+\], 0x10", ptx)
-        assert "cvt.rn.satfinite.e4m3x2.f32" in ptx  # the row's codes, as fp8fx.quant rounds them
-        assert ptx.find("griddepcontrol.wait") < min(i for i in (ptx.find("ld.global"), ptx.find("cp.async"))
-                                                       if i >= 0)
 
 
 @pytest.mark.parametrize("pairs,experts,block_m", [  # decode shapes and the size limits
