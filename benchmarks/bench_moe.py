@@ -41,8 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if "--cpu-smoke" in sys.argv:  # the interpreter must be chosen before triton is imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from bench_linear import FALLBACKS, bench, rel_err, with_kernel_setting  # noqa: E402  (run as a script: benchmarks/ is on sys.path)
 from bench_linear import FALLBACKS, bench, rel_err, with_kernel_setting  # noqa: E402  (benchmarks/ is on sys.path)
+from fp8fx import ops, quant  # noqa: E402
 from fp8fx.kernels import fused_moe as moe_kernel  # noqa: E402
 
 SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336),  # E, top-k, H, I
@@ -246,6 +246,9 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
         if device == "cuda" and moe_kernel._hopper(x, exactly=True):  # the direct GEMMs' PDL: off, each trigger
             row["fp8fx_direct_nopdl_err_vs_pdl"] = rel_err(fp8(fast=True, direct=True, pdl=False),
                                                            fp8(fast=True, direct=True))
+            row["fp8fx_direct_pdl1_err_vs_pdl"] = rel_err(with_kernel_setting(
+                lambda: fp8(fast=True, direct=True, pdl=True), "DIRECT_PDL_TRIGGER", 1, moe_kernel)(),
+                fp8(fast=True, direct=True))
             timings["fp8fx_direct_nopdl_fast_accum"] = lambda: fp8(fast=True, direct=True, pdl=False)
             for trigger in (1, 2):
                 timings[f"fp8fx_direct_pdl{trigger}_fast_accum"] = with_kernel_setting(

@@ -711,6 +711,15 @@ def fused_moe(
         raise NotImplementedError(
             f"fused_moe kernel: w_block={list(w_block)}, act_block={list(act_block)}, w13 {tuple(w13.shape)}"
         )
+    if pdl and not _hopper(x):
+        raise ValueError(f"fused_moe: pdl=True launches the direct path's GEMMs as programmatic dependents, which "
+                         f"needs a CUDA GPU of compute capability 9.0 or newer; x is on {x.device}: pass pdl=None or "
+                         f"False")
+    given = {*(config or {}), *(config or {}).get("gemm2", {})}
+    launch_keys = sorted({"launch_pdl", "PDL_WAIT", "PDL_TRIGGER"} & given)
+    if launch_keys:  # (a launch_pdl without the programs' wait would let them read before the kernel before ends)
+        raise ValueError(f"fused_moe config: {launch_keys} are fused_moe's to set (its pdl argument and "
+                         f"DIRECT_PDL_TRIGGER); drop them from the config")
     t, h = x.shape
     e, two_i, _ = w13.shape  # (ungated: [E, I, H])
     k_top = topk_ids.shape[1]
@@ -728,10 +737,13 @@ def fused_moe(
         direct = config is None and direct_by_default(t, k_top, e, pair_bytes)
     if pdl is None:
         pdl = direct and DIRECT_PDL_TRIGGER is not None and _hopper(x, exactly=True)
-    elif pdl and not (direct and _hopper(x)):
-        raise ValueError(f"fused_moe: pdl=True launches the direct path's GEMMs as programmatic dependents, which "
-                         f"needs direct=True (got {direct}) and a CUDA GPU of compute capability 9.0 or newer (x on "
-                         f"{x.device}); pass pdl=None or False")
+    elif pdl and not direct:
+        raise ValueError(f"fused_moe: pdl=True launches the direct path's GEMMs as programmatic dependents; this call "
+                         f"takes the aligned path (direct={direct}{', a config given' if config else ''}): pass "
+                         f"direct=True, or pdl=None or False")
+    if pdl and DIRECT_PDL_TRIGGER not in (None, 1, 2):
+        raise ValueError(f"fp8fx.kernels.fused_moe.DIRECT_PDL_TRIGGER={DIRECT_PDL_TRIGGER!r}; it takes None, 1 (the "
+                         f"second GEMM let in after the first's wait) or 2 (after its K loop)")
     gemm2 = cfg.pop("gemm2", {})  # the second GEMM's own tiles, where the config gives them
     cfg2 = {**cfg, **gemm2}
     tiles = {name: cfg.pop(name) for name in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
@@ -748,8 +760,9 @@ def fused_moe(
         tiles["BLOCK_N"] = fuse_group  # one N tile of the first GEMM = one activation group
     consts, consts2 = (dict(K_GROUPED=group_k is not None, IMPRECISE_K=imprecise_k(t, fast_accum), DIRECT=direct, **t)
                        for t in (tiles, tiles2))
-    if pdl:  # (as programmatic dependents: no copy or cast may run between the two GEMMs - it would be the second's
-        # predecessor - so everything the second reads is made before the first)
+    if pdl:  # (as programmatic dependents: a copy or cast between the two GEMMs would be the second's predecessor -
+        # correct, its wait is for that one, but with no overlap - so everything the second reads is made before the
+        # first; a quantize hook or fuse_quant=False still runs its quantization between them)
         consts.update(PDL_WAIT=True, PDL_TRIGGER=DIRECT_PDL_TRIGGER or 0)
         consts2.update(PDL_WAIT=True)
         cfg["launch_pdl"] = cfg2["launch_pdl"] = True

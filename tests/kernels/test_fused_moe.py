@@ -759,20 +759,32 @@ def test_fused_moe_config_rows_must_agree():
                   [1, -1], [1, -1], torch.float32, config=cfg)
 
 
-def test_fused_moe_pdl_needs_the_direct_path_on_sm90():
-    """``pdl=True`` (the direct GEMMs as programmatic dependents) on the aligned path or off a Hopper GPU: an error
-    that names both and the fix, before any launch; by default (None) it is off there."""
+def test_fused_moe_pdl_needs_the_direct_path_on_sm90(monkeypatch):
+    """``pdl=True`` (the direct GEMMs as programmatic dependents) off a Hopper GPU or on the aligned path, a
+    ``DIRECT_PDL_TRIGGER`` outside None / 1 / 2, a config that sets the launch's PDL keys itself (a ``launch_pdl``
+    without the programs' wait would race): each an error that names the value and the fix, before any launch."""
     pytest.importorskip("triton")
     from fp8fx import quant
-    from fp8fx.kernels.fused_moe import fused_moe, torch_quantize_act
+    from fp8fx.kernels import fused_moe as kernel
 
     q13, s13 = quant.quantize(torch.randn(2, 16, 32), [1, -1])
     q2, s2 = quant.quantize(torch.randn(2, 32, 8), [1, -1])
     args = (torch.randn(3, 32), torch.rand(3, 1), torch.zeros(3, 1, dtype=torch.long), q13, s13, q2, s2, [1, -1],
             [1, -1], torch.float32)
-    for direct in (True, False):
-        with pytest.raises(ValueError, match=rf"needs direct=True \(got {direct}\).*\(x on cpu\).*pdl=None or False"):
-            fused_moe(*args, direct=direct, pdl=True, quantize=torch_quantize_act)
+    for direct in (True, False, None):
+        with pytest.raises(ValueError, match=r"compute capability 9\.0 or newer; x is on cpu: pass pdl=None or False"):
+            kernel.fused_moe(*args, direct=direct, pdl=True)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+    for bad in (dict(cfg, launch_pdl=True), dict(cfg, gemm2=dict(PDL_WAIT=True)), dict(cfg, PDL_TRIGGER=2)):
+        with pytest.raises(ValueError, match=r"fused_moe config: \['(launch_pdl|PDL_WAIT|PDL_TRIGGER)'\] are "
+                                             r"fused_moe's to set .*drop them from the config"):
+            kernel.fused_moe(*args, config=bad, direct=True)
+    monkeypatch.setattr(kernel, "_hopper", lambda t, exactly=False: True)  # as on an H200, up to the launches
+    with pytest.raises(ValueError, match=r"takes the aligned path \(direct=False, a config given\): pass direct=True"):
+        kernel.fused_moe(*args, config=cfg, pdl=True)
+    monkeypatch.setattr(kernel, "DIRECT_PDL_TRIGGER", 3)
+    with pytest.raises(ValueError, match=r"DIRECT_PDL_TRIGGER=3; it takes None, 1 .* or 2"):
+        kernel.fused_moe(*args, direct=True)
 
 
 @pytest.mark.cuda
@@ -1223,15 +1235,23 @@ def test_direct_moe_kernels_compile_for_sm90(i, h, x_quant, a_quant, form, trigg
     for ptx in (k13.asm["ptx"], k2.asm["ptx"]):
         wait = ptx.find("griddepcontrol.wait")
         assert (wait >= 0) == (trigger > 0)
-        if wait >= 0:  # nothing read or written before the wait
-            first = [i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.global")) if i >= 0]
+        if wait >= 0:  # nothing read or written before the wait (copies to shared memory and reductions too)
+            first = [i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.global", "red.global",
+                                                         "cp.async")) if i >= 0]
             assert wait < min(first), (wait, first)
     ptx13 = k13.asm["ptx"]
     assert "launch_dependents" not in k2.asm["ptx"] and ptx13.count("griddepcontrol.launch_dependents") == (trigger > 0)
-    if trigger:
+    if trigger:  # 1: before the first dot; 2: after the last, and past the K loop (after every backward branch)
         mma = [m.start() for m in re.finditer(r"\b(wgmma|mma)\.", ptx13)]
         launch = ptx13.index("griddepcontrol.launch_dependents")
-        assert (launch < mma[0]) if trigger == 1 else (launch > mma[-1]), (launch, mma[0], mma[-1])
+        labels = {m.group(1): m.start() for m in re.finditer(r"^(\$L__\w+):", ptx13, re.M)}
+        back = [m.start() for m in re.finditer(r"\bbra(?:\.uni)?\s+(\$L__\w+);", ptx13)
+                if labels.get(m.group(1), -1) < m.start()]
+        assert back, "no K loop found in the PTX"
+        if trigger == 1:
+            assert launch < mma[0], (launch, mma[0])
+        else:
+            assert launch > max(mma[-1], max(back)), (launch, mma[-1], max(back))
     for kernel in (k13, k2):
         assert kernel.asm["cubin"] and kernel.metadata.shared <= 227 * 1024
     assert "cvt.rn.satfinite.e4m3x2.f32" in k13.asm["ptx"] and "div.rn.f32" in k13.asm["ptx"]  # as fp8fx.quant
