@@ -11,9 +11,10 @@ biases, interleaved gate/up rows, a clamped SwiGLU; Nemotron-3-Nano-30B-A3B's sh
 ungated experts of squared ReLU and a shared expert), its experts
 run with transformers' ``grouped_mm`` implementation. fp8fx: ``quantize_(Fp8Config())`` (per-channel
 experts, per-token activations) + ``Fp8Backend()``; the MoE pass rewrites the experts into
-``fp8fx.fused_moe``, the router stays bf16. Every row is timed as CUDA-graph replays of the compiled
-layer (run 8 first timed 4096 tokens as plain calls: fp8fx's Python op dispatch, not the GPU, set that
-number). Writes moe_layer.json.
+``fp8fx.fused_moe``, the router stays bf16; ``fp8fx_nopdl_ms`` times it with the experts' direct path launched
+plainly (``fused_moe.DIRECT_PDL_TRIGGER = None``; the same launches where the layer takes the sorted path or the GPU
+is not sm_90). Every row is timed as CUDA-graph replays of the compiled layer (run 8 first timed 4096 tokens as
+plain calls: fp8fx's Python op dispatch, not the GPU, set that number). Writes moe_layer.json.
 """
 from __future__ import annotations
 
