@@ -718,8 +718,7 @@ def fused_moe(
         raise ValueError(f"fused_moe: pdl=True launches the direct path's GEMMs as programmatic dependents, which "
                          f"needs a CUDA GPU of compute capability 9.0 or newer; x is on {x.device}: pass pdl=None or "
                          f"False")
-    given = {*(config or {}), *(config or {}).get("gemm2", {})}
-    launch_keys = sorted({"launch_pdl", "PDL_WAIT", "PDL_TRIGGER"} & given)
+    launch_keys = config and sorted({"launch_pdl", "PDL_WAIT", "PDL_TRIGGER"} & {*config, *config.get("gemm2", {})})
     if launch_keys:  # (a launch_pdl without the programs' wait would let them read before the kernel before ends)
         raise ValueError(f"fused_moe config: {launch_keys} are fused_moe's to set (its pdl argument and "
                          f"DIRECT_PDL_TRIGGER); drop them from the config")
