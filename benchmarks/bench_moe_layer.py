@@ -2,6 +2,7 @@
 bf16 through Inductor, in one process on the GPU.
 
     python benchmarks/bench_moe_layer.py [--out DIR] [--tokens 16,4096] [--models qwen3_moe,mixtral]
+    python benchmarks/bench_moe_layer.py --kernels ...  # and each layer's kernels in one CUDA-graph replay
     python benchmarks/bench_moe_layer.py --cpu-smoke   # tiny dims on CPU: the fp8fx path still works
 
 The layer is the ``mlp`` of a one-layer transformers model with the real model's MoE dimensions
@@ -11,16 +12,18 @@ biases, interleaved gate/up rows, a clamped SwiGLU; Nemotron-3-Nano-30B-A3B's sh
 ungated experts of squared ReLU and a shared expert), its experts
 run with transformers' ``grouped_mm`` implementation. fp8fx: ``quantize_(Fp8Config())`` (per-channel
 experts, per-token activations) + ``Fp8Backend()``; the MoE pass rewrites the experts into
-``fp8fx.fused_moe``, the router stays bf16; ``fp8fx_nopdl_ms`` times it with the experts' direct path launched
-plainly (``fused_moe.DIRECT_PDL_TRIGGER = None``; the same launches where the layer takes the sorted path or the GPU
-is not sm_90). Every row is timed as CUDA-graph replays of the compiled layer (run 8 first timed 4096 tokens as
-plain calls: fp8fx's Python op dispatch, not the GPU, set that number). Writes moe_layer.json.
+``fp8fx.fused_moe``, the router stays bf16 and its top-k runs as ``fp8fx.topk``; ``fp8fx_nopdl_ms`` times it with
+the experts' direct path launched plainly (``fused_moe.DIRECT_PDL_TRIGGER = None``; the same launches where the layer
+takes the sorted path or the GPU is not sm_90), ``fp8fx_torch_topk_ms`` with the router's top-k left to torch
+(``Fp8Backend(fast_topk=False)``). Every row is timed as CUDA-graph replays of the compiled layer (run 8 first timed
+4096 tokens as plain calls: fp8fx's Python op dispatch, not the GPU, set that number). Writes moe_layer.json.
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 
@@ -85,21 +88,64 @@ def _out(y):
     return y[0] if isinstance(y, tuple) else y  # (Llama-4's block: (output, router logits))
 
 
-def run(name: str, tokens: list[int], device: str, tiny: bool) -> list[dict]:
+def graph_trace(fn, replays: int = 20) -> str:
+    """The kernels of one CUDA-graph replay of ``fn()`` in launch order: each one's start after the first one's
+    start and its GPU time (start to end; with programmatic dependent launch the time it waited included), medians
+    of ``replays`` replays (torch.profiler); then the replay's span from the first start to the last end, and the
+    kernels' summed time. The span less that sum is what the graph spends between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.no_grad():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(graph):
+            fn()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+            torch.cuda.synchronize()  # (replays apart: each one's kernels are one group)
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if not events or len(events) % replays:
+        return f"({len(events)} GPU events in {replays} replays: not a whole number a replay)"
+    per = len(events) // replays
+    calls = [events[i * per:(i + 1) * per] for i in range(replays)]
+    if any([e.name for e in call] != [e.name for e in calls[0]] for call in calls):
+        return "(the replays ran different kernels)"
+    med = statistics.median
+    starts = [med(c[i].time_range.start - c[0].time_range.start for c in calls) for i in range(per)]
+    us = [med(c[i].time_range.elapsed_us() for c in calls) for i in range(per)]
+    span = med(max(e.time_range.end for e in c) - c[0].time_range.start for c in calls)
+    lines = [f"{s:8.2f} {t:8.2f} us  {e.name[:110]}" for s, t, e in zip(starts, us, calls[0])]
+    return "\n".join(["   start     time"] + lines + [f"span {span:.2f} us, kernels {sum(us):.2f} us in {per}"])
+
+
+def run(name: str, tokens: list[int], device: str, tiny: bool, kernels: bool = False) -> list[dict]:
+    """``kernels``: also each compiled layer's kernels in one CUDA-graph replay (``graph_trace``), printed."""
     layer, hidden = moe_layer(name, device, tiny)
     xs = {t: torch.randn(1, t, hidden, device=device, dtype=torch.bfloat16) for t in tokens}
     bf16 = torch.compile(layer, dynamic=False)
     with torch.no_grad():
         refs = {t: _out(bf16(x)) for t, x in xs.items()}
         times = {t: time_ms(lambda x=x: bf16(x), graph=True) for t, x in xs.items()} if device == "cuda" else {}
+        if kernels and device == "cuda":
+            for t, x in xs.items():
+                print(f"{name} {t} tokens, bf16 Inductor:\n{graph_trace(lambda x=x: bf16(x))}", flush=True)
         torch._dynamo.reset()
         fp8fx.quantize_(layer, fp8fx.Fp8Config())  # (the router is found and kept in bf16)
         backend = fp8fx.Fp8Backend()
         fp8 = torch.compile(layer, backend=backend, dynamic=False)
+        slow_topk = torch.compile(layer, backend=fp8fx.Fp8Backend(fast_topk=False), dynamic=False)
         rows = []
         for t, x in xs.items():
             out = _out(fp8(x))
             row = dict(model=name, tokens=t, err_vs_bf16=rel_err(out, refs[t]))
+            row["err_torch_topk_vs_bf16"] = rel_err(_out(slow_topk(x)), refs[t])
             if device == "cuda":
                 row["bf16_inductor_ms"] = times[t]
                 # and the experts' direct path with its GEMMs launched plainly (``*_nopdl``), the two interleaved
@@ -111,6 +157,11 @@ def run(name: str, tokens: list[int], device: str, tiny: bool) -> list[dict]:
                         row[key] = min(ms, row.get(key, ms))
                 row["vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_ms"]
                 row["nopdl_vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_nopdl_ms"]
+                # and with torch's top-k (``Fp8Backend(fast_topk=False)``), compiled apart
+                row["fp8fx_torch_topk_ms"] = time_ms(lambda x=x: slow_topk(x), graph=True)
+                row["torch_topk_vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_torch_topk_ms"]
+                if kernels:
+                    print(f"{name} {t} tokens, fp8fx:\n{graph_trace(lambda x=x: fp8(x))}", flush=True)
             rows.append(row)
         if name == "llama4":  # the dense rewrite alone (routing off): what fp8 gains before routing does
             torch._dynamo.reset()
@@ -139,13 +190,14 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", default="16,4096")
     p.add_argument("--models", default="qwen3_moe,mixtral")
     p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--kernels", action="store_true", help="each layer's kernels in one CUDA-graph replay, timed")
     args = p.parse_args(argv)
     device = "cpu" if args.cpu_smoke else "cuda"
     tokens = [5] if args.cpu_smoke else [int(t) for t in args.tokens.split(",")]
     rows = []
     for name in args.models.split(","):
         start = time.perf_counter()
-        rows += run(name, tokens, device, args.cpu_smoke)
+        rows += run(name, tokens, device, args.cpu_smoke, args.kernels)
         print(f"{name}: {time.perf_counter() - start:.1f} s")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "moe_layer.json"), "w") as f:

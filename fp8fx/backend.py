@@ -92,6 +92,11 @@ class Fp8Backend:
       run 26). Default True; False keeps ``torch.ops.fp8fx.*`` calls (the ops' names show in profiler traces
       either way).
 
+    - ``fast_topk``: every ``torch.topk`` over the last dim of rows of up to 4096 float32 / bf16 / fp16 elements,
+      k <= 32 (an MoE router's experts), runs as ``fp8fx.topk``: one launch on CUDA where torch's takes a radix
+      select and a sort (``fp8fx.passes.topk``; ties to the lower index); the report's ``topk`` list says which.
+      Default True.
+
     ``report`` lists every linear site of every graph this backend compiled. A graph compiled under
     ``torch.no_grad()`` runs with the autograd dispatch keys excluded, as under ``torch.inference_mode()``
     (``compat.below_autograd``): fp8fx's ops then skip custom_op's autograd kernel, 62-95 us a call of host time
@@ -113,6 +118,7 @@ class Fp8Backend:
         mlp_h_group: Union[int, None, str] = "auto",
         one_pass_rows: Optional[int] = ONE_PASS_ROWS,
         direct_calls: bool = True,
+        fast_topk: bool = True,
     ):
         if compiler not in _COMPILERS:
             raise ValueError(f"Fp8Backend(compiler={compiler!r}): use one of {_COMPILERS}")
@@ -121,7 +127,7 @@ class Fp8Backend:
         if one_pass_rows is not None and (type(one_pass_rows) is not int or one_pass_rows < 1):
             raise ValueError(f"Fp8Backend(one_pass_rows={one_pass_rows!r}): a positive int (row length) or None")
         flags = dict(use_fast_accum=use_fast_accum, cudagraphs=cudagraphs, fuse_horizontal=fuse_horizontal,
-                     fuse_mlp=fuse_mlp, direct_calls=direct_calls)
+                     fuse_mlp=fuse_mlp, direct_calls=direct_calls, fast_topk=fast_topk)
         for name, value in flags.items():  # a truthy string ("false") would switch the option on
             if type(value) is not bool:
                 raise ValueError(f"Fp8Backend({name}={value!r}): True or False")
@@ -173,10 +179,11 @@ class Fp8Backend:
             "mlp_h_group": mlp_h_group,
             "one_pass_rows": one_pass_rows,
             "direct_calls": direct_calls,
+            "fast_topk": fast_topk,
             "inductor_config": sorted((k, compat.custom_pass_key(v)) for k, v in self.inductor_config.items()),
         }
         passes = default_passes(use_fast_accum=use_fast_accum, weight_only=weight_only, fuse_horizontal=fuse_horizontal,
-                                fuse_mlp=fuse_mlp, mlp_h_group=mlp_h_group)
+                                fuse_mlp=fuse_mlp, mlp_h_group=mlp_h_group, fast_topk=fast_topk)
         self.pass_manager = PassManager(passes, options)
         self.report = Report()
 

@@ -1012,6 +1012,38 @@ def _(x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_bloc
     )
 
 
+# --- top-k of short rows (fp8fx.passes.topk emits it: an MoE router's k experts) ----------------------------
+@_op("topk")
+def topk(x: torch.Tensor, k: int, largest: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch.topk(x, k, dim=-1, largest=largest, sorted=True)``: (values, int64 indices) [..., k]. On CUDA one
+    launch of ``fp8fx.kernels.topk`` (of equal values the lower index first) where its ``reason`` is empty; here and
+    elsewhere torch's."""
+    _check_topk(x, k)
+    return torch.topk(x, k, dim=-1, largest=largest, sorted=True)
+
+
+def _check_topk(x: torch.Tensor, k: int) -> None:
+    torch._check(x.dim() >= 1 and 0 <= k <= x.shape[-1], lambda: f"fp8fx.topk: k={k} of a last dim of "
+                 f"{tuple(x.shape)[-1:] or '(a 0-d tensor)'}; k must be in [0, the last dim's size]")
+
+
+@topk.register_fake
+def _(x, k, largest=True):
+    _check_topk(x, k)
+    shape = (*x.shape[:-1], k)
+    return x.new_empty(shape), x.new_empty(shape, dtype=torch.int64)
+
+
+@_on_cuda("topk")
+def _(x, k, largest=True):
+    from fp8fx.kernels import topk as kernel  # triton is imported only when a CUDA top-k runs
+
+    _check_topk(x, k)
+    if kernel.reason(x, k):  # (the pass emits the op only where the kernel takes it; a direct caller may not)
+        return torch.topk(x, k, dim=-1, largest=largest, sorted=True)
+    return kernel.topk(x, k, largest)
+
+
 # --- the ops as plain function calls -------------------------------------------------------------------------
 def _direct_call(name: str) -> Callable:
     default, cuda = _DEFAULT_FNS[name], _CUDA_FNS.get(name, _DEFAULT_FNS[name])

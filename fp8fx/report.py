@@ -1,4 +1,5 @@
-"""What the compiler did: one ``Site`` per linear / MoE computation seen in a compiled graph.
+"""What the compiler did: one ``Site`` per linear / MoE computation seen in a compiled graph, and one per top-k
+(``Report.topk``: ``fp8fx.passes.topk``).
 
 ``str(report)`` is a table, ``report.to_json()`` the same as JSON (schema ``SCHEMA``), and the backend
 logs one line per compiled graph (``Report.log_graph``) under the ``fp8fx`` logger.
@@ -15,12 +16,13 @@ from typing import Any, Iterable, Optional
 log = logging.getLogger("fp8fx")
 
 SCHEMA = "fp8fx.report/1"
+_TOPK_KEYS = ("fqn", "rewritten", "reason", "scheme", "graph", "weight_shape", "kernel", "node")  # to_dict's "topk"
 _TOKENS = itertools.count(1)  # Site.token_of
 
 
 @dataclasses.dataclass(frozen=True)
 class Site:
-    kind: str  # "linear" or "moe"
+    kind: str  # "linear", "moe" or "topk" (``Report.topk``'s: weight_shape is the input's, no weight)
     fqn: str  # module path as in named_modules(), e.g. "model.layers.0.self_attn.q_proj"
     rewritten: bool
     reason: str  # why not rewritten; "" when rewritten
@@ -72,6 +74,8 @@ class Report:
 
     def __init__(self):
         self.sites: list[Site] = []
+        # every top-k the top-k pass saw (kind "topk"), apart from the weights' sites: no weight, no bytes saved
+        self.topk: list[Site] = []
         self.graphs = 0
         self.kernels: dict[int, list[str]] = {}  # graph index -> names of the kernels Inductor generated
         self.failed: dict[int, str] = {}  # graph index -> why it did not compile (its sites, if any, say it too)
@@ -91,6 +95,11 @@ class Report:
             level = logging.INFO if _by_design(site.reason) else logging.WARNING
             log.log(level, "fp8fx: %s %s not rewritten: %s", site.kind, site.fqn, site.reason)
 
+    def add_topk(self, site: Site) -> None:
+        self.topk.append(site)
+        if not site.rewritten:
+            log.debug("fp8fx: top-k %s in graph %d kept as torch's: %s", site.fqn or "-", site.graph, site.reason)
+
     def fail_graph(self, graph: int, reason: str) -> None:
         """Graph ``graph`` did not compile: its sites were not rewritten, for ``reason`` - also where a pass failed
         before it recorded any (the graph's line in the table says so)."""
@@ -101,12 +110,15 @@ class Report:
                 self.sites[i] = dataclasses.replace(site, rewritten=False, reason=reason, scheme="", bytes_saved=0,
                                                     kernel="")
                 log.warning("fp8fx: %s %s not rewritten: %s", site.kind, site.fqn, reason)
+        self.topk = [dataclasses.replace(s, rewritten=False, reason=reason, scheme="", kernel="")
+                     if s.graph == graph and s.rewritten else s for s in self.topk]
 
     def discard_graph(self, graph: int) -> None:
         """Forget graph ``graph``, the last one begun: Dynamo discarded that attempt and traces the frame again, and
         the graph of the new attempt takes its index. Its sites, kernels and failure go; lines already logged about
         its sites stay (and are not logged again for the same site and reason)."""
         self.sites = [s for s in self.sites if s.graph != graph]
+        self.topk = [s for s in self.topk if s.graph != graph]
         self.kernels.pop(graph, None)
         self.failed.pop(graph, None)
         self.frames.pop(graph, None)
@@ -234,6 +246,8 @@ class Report:
             "graphs": [{"index": g, "kernels": k, **({"failed": self.failed[g]} if g in self.failed else {}),
                         **({"frame": self.frames[g]} if g in self.frames else {})} for g, k in kernels.items()],
             "sites": [{k: v for k, v in dataclasses.asdict(s).items() if k != "weight_id"} for s in sites],
+            "topk": [{k: v for k, v in dataclasses.asdict(s).items() if k in _TOPK_KEYS}
+                     for s in self.topk if graph in (None, s.graph)],
         }
 
     def to_json(self, graph: Optional[int] = None, indent: int = 1) -> str:
@@ -256,12 +270,25 @@ class Report:
         if kernels:
             total += f"; {len(kernels)} kernels generated"
         lines.append(total)
+        lines += self._topk_lines(graph)
         lines += [f"graph {g} failed to compile, nothing in it rewritten: {why}" for g, why in self.failed.items()
                   if graph in (None, g)]
         lines += [f"graph {g} traced {root}'s forward, whose code Dynamo runs for any other module of its class it "
                   "meets (a block after a graph break): their sites are listed as they run" for g, root in
                   self.frames.items() if graph in (None, g)]
         return "\n".join(lines)
+
+    def _topk_lines(self, graph: Optional[int]) -> list[str]:
+        """The top-k table's lines (none where the pass saw no top-k)."""
+        sites = [s for s in self.topk if graph in (None, s.graph)]
+        if not sites:
+            return []
+        rows = [("graph", "top-k in", "input", "rewritten", "kernel", "k of row / reason")]
+        rows += [(str(s.graph), s.fqn or "-", "x".join(map(str, s.weight_shape)) or "-", "yes" if s.rewritten else
+                  "no", s.kernel or "-", s.scheme if s.rewritten else s.reason) for s in sites]
+        lines = _columns(rows)
+        return ["", *lines[:1], "-" * len(lines[0]), *lines[1:],
+                f"{sum(s.rewritten for s in sites)} of {len(sites)} top-k rewritten to fp8fx.topk"]
 
     def _sites(self, graph: Optional[int]) -> list[Site]:
         if graph is None:

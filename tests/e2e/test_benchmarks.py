@@ -26,6 +26,13 @@ def test_bench_moe_layer_cpu_smoke(tmp_path):
     assert all(r["moe_sites_rewritten"] == 1 and r["err_vs_bf16"] < 0.1 for r in rows), rows
 
 
+def test_bench_topk_cpu_smoke(tmp_path):
+    """fp8fx.topk's kernel under the interpreter against torch.topk on routers' rows (the script's own check)."""
+    run_under_triton_interpreter(["benchmarks/bench_topk.py", "--cpu-smoke", "--out", str(tmp_path)])
+    rows = json.loads((tmp_path / "topk.json").read_text())["rows"]
+    assert len(rows) == 10 and all(r["ok"] for r in rows), rows
+
+
 def test_bench_decoder_layer_cpu_smoke(tmp_path):
     """A tiny decoder layer (attention over a KV cache written before v's projection, and the MLP) through fp8fx and
     with q/k/v and the MLP fused (and so with the PDL variant's Inductor option and kernel setting, which change nothing

@@ -50,7 +50,8 @@ def test_sites_carry_shape_bytes_and_kernel(report):
 
 def test_json_schema(report):
     data = json.loads(report.to_json())
-    assert set(data) == {"schema", "totals", "graphs", "sites"} and data["schema"] == SCHEMA
+    assert set(data) == {"schema", "totals", "graphs", "sites", "topk"} and data["schema"] == SCHEMA
+    assert data["topk"] == []  # (the model has no top-k: tests/passes/test_topk_pass.py has the list's rows)
     assert data["totals"] == {
         "graphs": 1,
         "sites": 3,

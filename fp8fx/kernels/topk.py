@@ -1,0 +1,78 @@
+"""Top-k of short rows in one launch: an MoE router's k experts of E (``fp8fx.topk``, ``fp8fx.passes.topk``).
+
+``torch.topk`` on CUDA selects by radix (``gatherTopK``) and, when the result is to be sorted, sorts it in a second
+kernel (``bitonicSortKVInPlace``): 9 us of a Qwen3-30B-A3B MoE layer's 33 at one token on the H200 (run 51), more
+than either expert GEMM. A router's row is short (E = 8-512 experts), so one program holds a whole row in registers
+and takes its maximum k times: each step one reduction across the program's threads (one warp up to 512 elements).
+
+Order, as torch's: each value is mapped to an unsigned 32-bit key whose order is the floats' (negatives' bits all
+flipped, the others' sign bit; -0.0 below +0.0) with every NaN above every number (``TopKTypeConfig<float>``), and
+``largest=False`` takes the keys reversed (a NaN last). Of equal keys the lower index comes first (torch leaves that
+order unspecified). The values are read back from the row at the chosen indices, bit for bit the input's.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fp8fx.kernels.launch import next_power_of_2
+
+MAX_ROW = 4096  # elements of a row one program holds (the index takes the low 12 bits of the sort key)
+MAX_K = 32  # k steps, unrolled
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@triton.jit
+def topk_kernel(x_ptr, values_ptr, indices_ptr, N, stride_x, K: tl.constexpr, KP: tl.constexpr,
+                BLOCK: tl.constexpr, LARGEST: tl.constexpr):
+    """Program r: row r's k largest (smallest) values and their indices, in that order."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    x_row = x_ptr + row * stride_x
+    v = tl.load(x_row + offs, mask=offs < N, other=0.0).to(tl.float32)  # (16-bit to float32: exact, order kept)
+    bits = v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+    key = tl.where(v != v, 0xFFFFFFFF, key)
+    if not LARGEST:
+        key = 0xFFFFFFFF - key
+    # one int64 a lane: the key above, 4095 - index below (the lower index wins a tie); lanes past N below all
+    comp = tl.where(offs < N, (key << 12) | (4095 - offs), -1)
+    kk = tl.arange(0, KP)
+    picked = tl.zeros((KP,), dtype=tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(comp, 0)
+        picked = tl.where(kk == j, 4095 - (best & 4095), picked)
+        comp = tl.where(comp == best, -1, comp)
+    k_ok = kk < K
+    out = row * K + kk
+    tl.store(values_ptr + out, tl.load(x_row + picked, mask=k_ok), mask=k_ok)
+    tl.store(indices_ptr + out, picked, mask=k_ok)
+
+
+def reason(x: torch.Tensor, k: int) -> str:
+    """Why ``topk(x, k)`` over x's last dim is not this kernel's, or "" where it is."""
+    n = x.shape[-1] if x.dim() else 1
+    if x.dtype not in DTYPES:
+        return f"dtype {x.dtype} (the kernel takes {', '.join(str(d).removeprefix('torch.') for d in DTYPES)})"
+    if not 1 <= k <= MAX_K:
+        return f"k={k} (the kernel takes 1-{MAX_K})"
+    if not k <= n <= MAX_ROW:
+        return f"a row of {n} elements (the kernel takes k-{MAX_ROW})"
+    return ""
+
+
+def topk(x: torch.Tensor, k: int, largest: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values, int64 indices) [..., k] of x's last dim on the GPU, as ``torch.topk(x, k, -1, largest, sorted=True)``
+    (ties to the lower index). ``reason(x, k)`` must be ""."""
+    n = x.shape[-1] if x.dim() else 1
+    rows = x.reshape(-1, n)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    values = torch.empty((*x.shape[:-1], k), dtype=x.dtype, device=x.device)
+    indices = torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
+    if rows.shape[0]:
+        block = max(next_power_of_2(n), 16)
+        topk_kernel[(rows.shape[0],)](rows, values, indices, n, rows.stride(0), K=k, KP=max(next_power_of_2(k), 2),
+                                      BLOCK=block, LARGEST=largest, num_warps=1 if block <= 512 else 4)
+    return values, indices

@@ -1,0 +1,100 @@
+"""fp8fx.topk's kernel (``fp8fx.kernels.topk``) against torch.topk: under the Triton interpreter on CPU, on the GPU;
+and the op around it."""
+import textwrap
+
+import pytest
+import torch
+
+from tests.conftest import run_under_triton_interpreter
+
+# the same checks on either device: ``DEVICE`` is set before this runs
+CHECKS = textwrap.dedent(
+    """
+    import torch
+    from fp8fx.kernels import topk as kernel
+
+    def same(x, k, largest=True):
+        values, indices = kernel.topk(x, k, largest)
+        ref = torch.topk(x.cpu().float(), k, largest=largest)  # (CPU float32: the reference's own ties aside)
+        assert values.dtype == x.dtype and indices.dtype == torch.int64, (values.dtype, indices.dtype)
+        assert values.shape == indices.shape == (*x.shape[:-1], k), (values.shape, indices.shape)
+        # bit for bit torch's values, in torch's order (NaN where torch has NaN); each index at its value, distinct
+        v = values.cpu().float()
+        assert torch.equal(v.isnan(), ref.values.isnan()) and torch.equal(v.nan_to_num(), ref.values.nan_to_num()), \\
+            (x.shape, k, largest, v, ref.values)
+        picked = torch.gather(x, -1, indices)
+        assert torch.equal(picked.isnan(), values.isnan()), (x.shape, k)
+        assert torch.equal(picked.nan_to_num().view(torch.int16 if x.element_size() == 2 else torch.int32),
+                           values.nan_to_num().view(torch.int16 if x.element_size() == 2 else torch.int32))
+        assert (indices.sort(-1).values.diff(dim=-1) > 0).all(), "an index twice"
+        return indices
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rows, n, k in ((1, 128, 8), (3, 32, 4), (5, 256, 8), (2, 8, 8), (4, 1000, 32), (2, 4096, 3), (7, 100, 1),
+                           (1, 1, 1)):
+            x = torch.randn(rows, n, generator=g).to(dtype).to(DEVICE)
+            for largest in (True, False):
+                indices = same(x, k, largest)
+                if dtype == torch.float32:  # distinct values: torch's indices exactly
+                    ref = torch.topk(x.cpu(), k, largest=largest).indices
+                    assert torch.equal(indices.cpu(), ref), (n, k, largest)
+    # ties go to the lower index; NaN above everything (largest) and below nothing (smallest); -0.0 below +0.0
+    special = [1.0, float("nan"), 3.0, 3.0, -0.0, 0.0, float("-inf"), float("inf")]
+    x = torch.tensor([special], device=DEVICE)
+    values, indices = kernel.topk(x, 8)
+    assert indices.tolist() == [[1, 7, 2, 3, 0, 5, 4, 6]], indices
+    assert str(values[0, 6].item()) == "-0.0" and str(values[0, 5].item()) == "0.0"
+    assert kernel.topk(x, 8, largest=False)[1].tolist() == [[6, 4, 5, 0, 2, 3, 7, 1]]
+    assert kernel.topk(torch.full((2, 64), 0.5, device=DEVICE), 5)[1].tolist() == [[0, 1, 2, 3, 4]] * 2
+    # a router's probabilities in bf16 (many ties), leading dims, a strided row, no rows
+    probs = torch.randn(6, 4, 128, generator=g).softmax(-1).to(torch.bfloat16).to(DEVICE)
+    same(probs, 8)
+    wide = torch.randn(3, 256, generator=g, device="cpu").to(DEVICE)[:, ::2]
+    same(wide, 6)
+    values, indices = kernel.topk(torch.empty(0, 16, device=DEVICE), 4)
+    assert values.shape == indices.shape == (0, 4)
+    print("topk ok")
+    """
+)
+
+
+def test_topk_kernel_under_triton_interpreter():
+    """Values bit for bit torch.topk's in every dtype, largest and smallest, rows of 1-4096 and k of 1-32; indices
+    torch's where values are distinct, the lower one of a tie; NaN, +-inf and signed zeros in torch's order."""
+    out = run_under_triton_interpreter(["-c", "DEVICE = 'cpu'\n" + CHECKS])
+    assert "topk ok" in out
+
+
+@pytest.mark.cuda
+def test_topk_kernel_cuda():
+    exec(compile("DEVICE = 'cuda'\n" + CHECKS, "topk_checks", "exec"), {})
+
+
+def test_topk_op_is_torch_topk_on_cpu():
+    """``fp8fx.topk`` off CUDA is torch's, sorted; its fake impl's shapes; bad k is refused, naming it."""
+    x = torch.randn(3, 5, 40)
+    for largest in (True, False):
+        got = torch.ops.fp8fx.topk(x, 7, largest)
+        want = torch.topk(x, 7, largest=largest)
+        assert torch.equal(got[0], want.values) and torch.equal(got[1], want.indices)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        values, indices = torch.ops.fp8fx.topk(torch.empty(2, 9, dtype=torch.bfloat16), 4, True)
+    assert values.shape == indices.shape == (2, 4) and values.dtype == torch.bfloat16 and indices.dtype == torch.int64
+    with pytest.raises(RuntimeError, match=r"fp8fx.topk: k=41 of a last dim of \(40,\)"):
+        torch.ops.fp8fx.topk(x, 41, True)
+    with pytest.raises(RuntimeError, match=r"k=1 of a last dim of \(a 0-d tensor\)"):
+        torch.ops.fp8fx.topk(torch.tensor(1.0), 1, True)
+
+
+def test_topk_kernel_reason():
+    """What the kernel does not take, said with the value."""
+    from fp8fx.kernels.topk import reason
+
+    assert reason(torch.empty(2, 128), 8) == ""
+    assert "dtype torch.float64" in reason(torch.empty(2, 128, dtype=torch.float64), 8)
+    assert "k=33" in reason(torch.empty(2, 128), 33) and "k=0" in reason(torch.empty(2, 128), 0)
+    assert "a row of 4097 elements" in reason(torch.empty(1, 4097), 8)
+    assert "a row of 4 elements" in reason(torch.empty(1, 4), 8)

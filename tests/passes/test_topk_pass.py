@@ -1,0 +1,158 @@
+"""The top-k pass on Dynamo graphs: routers' ``torch.topk`` / ``Tensor.topk`` become ``fp8fx.topk``; every other
+top-k stays torch's, in the report's ``topk`` list with the reason; the output is the model's."""
+import operator
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fp8fx
+from fp8fx.passes import default_passes
+from fp8fx.passes.base import PassContext
+from fp8fx.passes.topk import TopkPass
+from fp8fx.report import Report
+
+
+class Router(nn.Module):
+    """A softmax router's top-k (Qwen3-MoE's), a sigmoid router's with group scores (DeepSeek-V3's form, by methods
+    and keywords), and top-ks the pass must leave: over dim 0, of a row too long, returned whole."""
+
+    def __init__(self, e=16, h=32):
+        super().__init__()
+        self.gate = nn.Linear(h, e, bias=False)
+
+    def forward(self, x, wide):
+        logits = self.gate(x)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        weights, ids = torch.topk(probs, 4, dim=-1)
+        weights = weights / weights.sum(-1, keepdim=True)
+        groups = logits.sigmoid().view(-1, 4, 4).topk(k=2, dim=2, sorted=False)[0].sum(-1)
+        low = groups.topk(1, -1, largest=False).indices
+        by_token = torch.topk(logits, 2, dim=0)[1]  # (over tokens: not a row)
+        long_row = torch.topk(wide, 3)[0]  # (5000 wide)
+        whole = torch.topk(probs, 2)
+        return weights, ids, low, by_token, long_row, whole
+
+
+def capture(model, *args, enabled=True):
+    """(the model's outputs through the pass, the graph after it, its report)."""
+    report, seen = Report(), []
+
+    def backend(gm, example_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        TopkPass(enabled)(gm, PassContext(report, 0, dict(zip(placeholders, example_inputs))))
+        gm.graph.lint()
+        gm.recompile()
+        seen.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend, fullgraph=True)(*args)
+    return out, seen[0], report
+
+
+def inputs(t=5):
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(t, 32, generator=g), torch.randn(2, 5000, generator=g)
+
+
+def test_router_topks_rewritten_others_reported_with_their_reason():
+    torch.manual_seed(0)
+    model = Router().eval()
+    x, wide = inputs()
+    out, gm, report = capture(model, x, wide)
+    with torch.no_grad():
+        want = model(x, wide)
+    for got, ref in zip(out[:5], want[:5]):
+        assert torch.equal(got, ref)
+    assert torch.equal(out[5].values, want[5].values) and torch.equal(out[5].indices, want[5].indices)
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.fp8fx.topk.default]
+    assert [n.args[1:] for n in calls] == [(4, True), (2, True), (1, False), (2, True)]
+    assert all(u.target is operator.getitem for n in calls for u in n.users)
+    rows = [(s.fqn, s.rewritten, s.scheme or s.reason, s.weight_shape) for s in report.topk]
+    assert rows == [
+        ("", True, "k=4 of 16", (5, 16)),
+        ("", True, "k=2 of 4", (5, 4, 4)),
+        ("", True, "k=1 of 4 smallest", (5, 4)),
+        ("", False, "over dim 0 of a 2-d tensor (fp8fx.topk takes the last dim)", (5, 16)),
+        ("", False, "a row of 5000 elements (the kernel takes k-4096)", (2, 5000)),
+        ("", True, "k=2 of 16", (5, 16)),
+    ], rows
+    assert report.sites == []  # (no weight site: the top-k list is apart)
+    table = report.table()
+    assert "4 of 6 top-k rewritten to fp8fx.topk" in table and "k=1 of 4 smallest" in table, table
+    assert report.to_dict()["topk"][0] == dict(fqn="", rewritten=True, reason="", scheme="k=4 of 16", graph=0,
+                                               weight_shape=(5, 16), kernel="extern fp8fx.topk", node="topk")
+
+
+def test_disabled_pass_sees_nothing():
+    model = Router().eval()
+    _, gm, report = capture(model, *inputs(), enabled=False)
+    assert report.topk == [] and not any(n.target is torch.ops.fp8fx.topk.default for n in gm.graph.nodes)
+    assert "top-k" not in report.table()
+
+
+def test_backend_option_and_report_of_a_compiled_model():
+    """``Fp8Backend()`` runs the pass last (after the MoE pass, which reads Llama-4's router top-k as torch's);
+    ``fast_topk=False`` leaves every top-k and is part of the compile-cache key; a graph that failed to compile
+    takes its top-ks' rewrites back."""
+    names = [type(p).__name__ for p in default_passes()]
+    assert names[0] == "MoePass" and names[-1] == "TopkPass"
+    model = Router().eval()
+    x, wide = inputs(3)
+    torch._dynamo.reset()
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x, wide)
+        want = model(x, wide)
+    assert torch.equal(out[1], want[1]) and torch.equal(out[0], want[0])
+    assert [s.rewritten for s in backend.report.topk] == [True, True, True, False, False, True]
+    assert "fp8fx.topk" in str(backend.report)
+    off = fp8fx.Fp8Backend(compiler="eager", fast_topk=False)
+    assert off.cache_key() != backend.cache_key()
+    backend.report.fail_graph(0, "a test's failure")
+    assert not any(s.rewritten for s in backend.report.topk)
+    assert {s.reason for s in backend.report.topk if s.scheme == ""} >= {"a test's failure"}
+    backend.report.discard_graph(0)
+    assert backend.report.topk == []
+
+
+def test_a_topk_of_a_graph_recording_grad_is_left():
+    model = Router().train()
+    x, wide = inputs()
+    report, seen = Report(), []
+
+    def backend(gm, example_inputs):
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        TopkPass()(gm, PassContext(report, 0, dict(zip(placeholders, example_inputs))))
+        seen.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend, fullgraph=True)(x, wide)  # (grad on: the gate's weight requires it)
+    reasons = [s.reason for s in report.topk]
+    assert reasons[:3] == ["its input requires grad (fp8fx.topk has no autograd formula)"] * 3, reasons
+
+
+@pytest.mark.parametrize("k", [0, 33])
+def test_k_the_kernel_does_not_take_is_left(k):
+    class M(nn.Module):
+        def forward(self, x):
+            v, i = torch.topk(x, k)
+            return v, i
+
+    _, _, report = capture(M(), torch.randn(2, 40))
+    assert [s.reason for s in report.topk] == [f"k={k} (the kernel takes 1-32)"]
+
+
+def test_a_topk_used_whole_is_left():
+    """A graph that uses the top-k's result other than by [0] / [1] (an FX graph of its own: Dynamo's index it)."""
+    gm = torch.fx.symbolic_trace(lambda x: torch.topk(x, 2))
+    x = torch.randn(3, 8)
+    for node in gm.graph.nodes:
+        node.meta["example_value"] = x if node.op == "placeholder" else None
+    report = Report()
+    assert TopkPass()(gm, PassContext(report, 0, {})) == 0
+    assert [s.reason for s in report.topk] == ["its result is used whole, not as values [0] and indices [1]"]
