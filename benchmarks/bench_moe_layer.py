@@ -10,13 +10,14 @@ The layer is the ``mlp`` of a one-layer transformers model with the real model's
 top-1, H=5120, I=8192, dense experts and a shared expert; GPT-OSS-20B / 120B: E=32 / 128, top-4, H=I=2880,
 biases, interleaved gate/up rows, a clamped SwiGLU; Nemotron-3-Nano-30B-A3B's shape: E=128, top-6, H=2688, I=1856,
 ungated experts of squared ReLU and a shared expert), its experts
-run with transformers' ``grouped_mm`` implementation. fp8fx: ``quantize_(Fp8Config())`` (per-channel
-experts, per-token activations) + ``Fp8Backend()``; the MoE pass rewrites the experts into
-``fp8fx.fused_moe``, the router stays bf16 and its top-k runs as ``fp8fx.topk``; ``fp8fx_nopdl_ms`` times it with
-the experts' direct path launched plainly (``fused_moe.DIRECT_PDL_TRIGGER = None``; the same launches where the layer
+run with transformers' ``grouped_mm`` implementation. fp8fx: ``quantize_(Fp8Config())`` (per-channel experts,
+per-token activations) + ``Fp8Backend()``; the MoE pass rewrites the experts into ``fp8fx.fused_moe``, the router stays
+bf16, its linear runs as ``fp8fx.small_mm`` and its top-k as ``fp8fx.topk``; ``fp8fx_nopdl_ms`` times it with the
+experts' direct path launched plainly (``fused_moe.DIRECT_PDL_TRIGGER = None``; the same launches where the layer
 takes the sorted path or the GPU is not sm_90), ``fp8fx_torch_topk_ms`` with the router's top-k left to torch
-(``Fp8Backend(fast_topk=False)``). Every row is timed as CUDA-graph replays of the compiled layer (run 8 first timed
-4096 tokens as plain calls: fp8fx's Python op dispatch, not the GPU, set that number). Writes moe_layer.json.
+(``Fp8Backend(fast_topk=False)``), ``fp8fx_torch_routing_ms`` its linear too (``fast_router=False``). Every row is
+timed as CUDA-graph replays of the compiled layer (run 8 first timed 4096 tokens as plain calls: fp8fx's Python op
+dispatch, not the GPU, set that number). Writes moe_layer.json.
 """
 from __future__ import annotations
 
@@ -141,11 +142,14 @@ def run(name: str, tokens: list[int], device: str, tiny: bool, kernels: bool = F
         backend = fp8fx.Fp8Backend()
         fp8 = torch.compile(layer, backend=backend, dynamic=False)
         slow_topk = torch.compile(layer, backend=fp8fx.Fp8Backend(fast_topk=False), dynamic=False)
+        torch_routing = torch.compile(layer, backend=fp8fx.Fp8Backend(fast_topk=False, fast_router=False),
+                                      dynamic=False)
         rows = []
         for t, x in xs.items():
             out = _out(fp8(x))
             row = dict(model=name, tokens=t, err_vs_bf16=rel_err(out, refs[t]))
             row["err_torch_topk_vs_bf16"] = rel_err(_out(slow_topk(x)), refs[t])
+            row["err_torch_routing_vs_bf16"] = rel_err(_out(torch_routing(x)), refs[t])
             if device == "cuda":
                 row["bf16_inductor_ms"] = times[t]
                 # and the experts' direct path with its GEMMs launched plainly (``*_nopdl``), the two interleaved
@@ -157,9 +161,11 @@ def run(name: str, tokens: list[int], device: str, tiny: bool, kernels: bool = F
                         row[key] = min(ms, row.get(key, ms))
                 row["vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_ms"]
                 row["nopdl_vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_nopdl_ms"]
-                # and with torch's top-k (``Fp8Backend(fast_topk=False)``), compiled apart
+                # and with torch's top-k (``fast_topk=False``), and torch's router linear too, compiled apart
                 row["fp8fx_torch_topk_ms"] = time_ms(lambda x=x: slow_topk(x), graph=True)
                 row["torch_topk_vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_torch_topk_ms"]
+                row["fp8fx_torch_routing_ms"] = time_ms(lambda x=x: torch_routing(x), graph=True)
+                row["torch_routing_vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_torch_routing_ms"]
                 if kernels:
                     print(f"{name} {t} tokens, fp8fx:\n{graph_trace(lambda x=x: fp8(x))}", flush=True)
             rows.append(row)

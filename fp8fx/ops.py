@@ -1044,6 +1044,44 @@ def _(x, k, largest=True):
     return kernel.topk(x, k, largest)
 
 
+# --- a few rows times a small high-precision weight (fp8fx.passes.router emits it: an MoE router's logits) ------
+@_op("small_mm")
+def small_mm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """``F.linear(x.to(out_dtype), w.to(out_dtype), bias)`` with w [N, K]: x and w of ``out_dtype`` or, for a float32
+    ``out_dtype``, 16-bit (their float32 casts are exact). On CUDA one launch of ``fp8fx.kernels.small_mm`` where its
+    ``reason`` is empty (a few rows of x: decode); elsewhere torch's linear."""
+    _check_small_mm(x, w, bias, out_dtype)
+    return torch.nn.functional.linear(x.to(out_dtype), w.to(out_dtype), bias)
+
+
+def _check_small_mm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> None:
+    if w.dim() != 2 or x.dim() < 1:
+        raise ValueError(f"fp8fx.small_mm: x {tuple(x.shape)} and w {tuple(w.shape)}; w must be [N, K], x [..., K]")
+    torch._check(x.shape[-1] == w.shape[1], lambda: f"fp8fx.small_mm: x {tuple(x.shape)} and w {tuple(w.shape)}: "
+                 "x's last dim must be w's K")
+    exact = launch.exact_cast(x.dtype, out_dtype) and launch.exact_cast(w.dtype, out_dtype)
+    if out_dtype not in quant.HIGH_PRECISION or not exact or bias is not None and bias.dtype != out_dtype:
+        raise ValueError(f"fp8fx.small_mm: x {x.dtype}, w {w.dtype}, bias {getattr(bias, 'dtype', None)}, out_dtype "
+                         f"{out_dtype}; it computes in bf16, fp16 or fp32 (out_dtype) on x and w of that dtype, or "
+                         "16-bit ones for fp32, and a bias of out_dtype")
+
+
+@small_mm.register_fake
+def _(x, w, bias, out_dtype):
+    _check_small_mm(x, w, bias, out_dtype)
+    return x.new_empty((*x.shape[:-1], w.shape[0]), dtype=out_dtype)
+
+
+@_on_cuda("small_mm")
+def _(x, w, bias, out_dtype):
+    from fp8fx.kernels import small_mm as kernel  # triton is imported only when a CUDA router runs
+
+    _check_small_mm(x, w, bias, out_dtype)
+    if kernel.reason(x, w, bias, out_dtype):  # (more rows, or a weight the kernel does not take: torch's linear)
+        return torch.nn.functional.linear(x.to(out_dtype), w.to(out_dtype), bias)
+    return kernel.small_mm(x, w, bias, out_dtype)
+
+
 # --- the ops as plain function calls -------------------------------------------------------------------------
 def _direct_call(name: str) -> Callable:
     default, cuda = _DEFAULT_FNS[name], _CUDA_FNS.get(name, _DEFAULT_FNS[name])

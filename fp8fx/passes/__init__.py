@@ -5,6 +5,8 @@ from fp8fx.passes.linear import LinearPass
 from fp8fx.passes.manager import PassManager, default_passes
 from fp8fx.passes.mlp import GatedMlpPass
 from fp8fx.passes.moe import MoePass
+from fp8fx.passes.router import RouterPass
+from fp8fx.passes.topk import TopkPass
 
 __all__ = ["Fp8Pass", "GatedMlpPass", "HorizontalFusionPass", "LinearPass", "MoePass", "PassContext", "PassManager",
-           "default_passes"]
+           "RouterPass", "TopkPass", "default_passes"]

@@ -15,6 +15,7 @@ from fp8fx.passes.horizontal import HorizontalFusionPass
 from fp8fx.passes.linear import LinearPass
 from fp8fx.passes.mlp import GatedMlpPass
 from fp8fx.passes.moe import MoePass
+from fp8fx.passes.router import RouterPass
 from fp8fx.passes.topk import TopkPass
 from fp8fx.report import Report
 
@@ -24,6 +25,7 @@ log = logging.getLogger("fp8fx")
 def default_passes(
     use_fast_accum: bool = False, weight_only: Optional[bool] = None, fuse_horizontal: bool = False,
     fuse_mlp: bool = False, mlp_h_group: Union[int, None, str] = None, fast_topk: bool = True,
+    fast_router: bool = True,
 ) -> list[Fp8Pass]:
     return [
         # first: the experts leave the graph before linears are sought
@@ -32,6 +34,8 @@ def default_passes(
         # before horizontal fusion: a fused MLP reads gate and up apart
         GatedMlpPass(enabled=fuse_mlp, h_group=mlp_h_group),
         HorizontalFusionPass(enabled=fuse_horizontal),
+        # after the linear pass, which reports the router's linear as a site (not quantized) by its node
+        RouterPass(enabled=fast_router),
         # after the MoE pass, which reads a dense router's top-k (Llama-4's) as torch.topk
         TopkPass(enabled=fast_topk),
     ]

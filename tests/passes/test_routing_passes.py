@@ -1,5 +1,6 @@
-"""The top-k pass on Dynamo graphs: routers' ``torch.topk`` / ``Tensor.topk`` become ``fp8fx.topk``; every other
-top-k stays torch's, in the report's ``topk`` list with the reason; the output is the model's."""
+"""The top-k and router passes on Dynamo graphs: ``torch.topk`` / ``Tensor.topk`` of short rows become
+``fp8fx.topk``, every other top-k stays torch's, in the report's ``topk`` list with the reason; HF MoE routers' linears
+become ``fp8fx.small_mm``; the output is the model's."""
 import operator
 
 import pytest
@@ -156,3 +157,41 @@ def test_a_topk_used_whole_is_left():
     report = Report()
     assert TopkPass()(gm, PassContext(report, 0, {})) == 0
     assert [s.reason for s in report.topk] == ["its result is used whole, not as values [0] and indices [1]"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "nemotron_h"])
+def test_hf_routers_linear_and_topk_rewritten(name, monkeypatch):
+    """A quantized HF MoE layer (tiny dims): its router's linear runs as fp8fx.small_mm (Nemotron-H's float32 router on
+    the 16-bit hidden states themselves: the kernel casts as it loads) and its top-k(s) as fp8fx.topk; the output is
+    bit for bit that of the same compile with both left to torch (off CUDA both ops are torch's). The router's site
+    keeps its reason."""
+    pytest.importorskip("transformers")
+    import sys
+
+    from tests.conftest import record_graphs_after_passes
+
+    monkeypatch.syspath_prepend("benchmarks")
+    monkeypatch.delitem(sys.modules, "bench_moe_layer", raising=False)
+    from bench_moe_layer import _out, moe_layer
+
+    layer, hidden = moe_layer(name, "cpu", tiny=True)
+    fp8fx.quantize_(layer, fp8fx.Fp8Config())
+    x = torch.randn(1, 3, hidden, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    outs, codes = [], []
+    for on in (True, False):
+        torch._dynamo.reset()
+        backend = fp8fx.Fp8Backend(compiler="eager", fast_topk=on, fast_router=on)
+        codes.append(record_graphs_after_passes(backend))
+        with torch.no_grad():
+            outs.append(_out(torch.compile(layer, backend=backend)(x)))
+        router = [s for s in backend.report.sites if "routes tokens" in s.reason]
+        assert len(router) == 1 and not router[0].rewritten, backend.report
+        assert len(backend.report.topk) == ((3 if name == "nemotron_h" else 1) if on else 0), backend.report.topk
+    assert torch.equal(outs[0], outs[1])
+    fast, slow = codes[0][0], codes[1][0]
+    assert fast.count("torch.ops.fp8fx.small_mm.default(") == 1 and "small_mm" not in slow, fast
+    assert fast.count("torch.ops.fp8fx.topk.default(") == (3 if name == "nemotron_h" else 1)
+    if name == "nemotron_h":  # (the 16-bit hidden states go in, not their float32 cast)
+        call = next(line for line in fast.splitlines() if "small_mm.default(" in line)
+        assert "small_mm.default(hidden_states, l_self_modules_gate_parameters_weight_, None, torch.float32)" in call \
+            and ".type(torch.float32)" not in fast, fast

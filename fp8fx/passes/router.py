@@ -1,0 +1,110 @@
+"""Router pass: an MoE router's linear (kept in high precision) to ``fp8fx.small_mm``, one launch at decode.
+
+Matches (Dynamo torch IR) every linear whose weight is an MoE router's, as ``quantize_`` / ``load_checkpoint`` tag it
+(``fp8fx.weights.moe.routers``: "routes tokens to ..."; the linear pass reports that site as not quantized)::
+
+    logits = torch._C._nn.linear(x, w, b)            # or F.linear; Nemotron-H's: F.linear(x.float(), w.float())
+
+and rewrites it to::
+
+    logits = fp8fx.small_mm(x, w, b, dtype)          # F.linear's dtype; float32 casts of 16-bit x or w (Nemotron-H's)
+                                                     # left to the kernel, which casts as it loads
+
+which computes the same linear: on CUDA up to 16 rows of x in one Triton launch (``fp8fx.kernels.small_mm``), where
+cuBLAS took 4.2-6.1 us at one token (H200, benchmarks/RESULTS.md run 51), and torch's linear for more rows. The
+router's report site keeps its reason (not quantized, by design); its kernel column then names ``fp8fx.small_mm``.
+A router linear left as it is says why in a debug log line (the linear pass's site already stands for it).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import fx
+
+import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
+from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad
+from fp8fx.passes.linear import _LINEAR, _read_from
+
+log = logging.getLogger("fp8fx")
+_ROUTER = "routes tokens to "  # the start of a router weight's ``_fp8fx_skip_reason`` (fp8fx.weights.moe._ROUTES)
+_CASTS = ("float", "to", "type")  # x.float(), x.to(torch.float32), x.type(torch.float32)
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _router_weight(w, ctx: PassContext) -> bool:
+    source = _read_from(w)
+    real = ctx.example.get(source) if isinstance(source, fx.Node) else None
+    return str(getattr(real, "_fp8fx_skip_reason", "")).startswith(_ROUTER)
+
+
+def _cast_of(node) -> Optional[fx.Node]:
+    """The tensor ``node`` casts to float32 (``.float()``, ``.to(torch.float32)``, ``.type(torch.float32)``), or None."""
+    if isinstance(node, fx.Node) and node.op == "call_method" and node.target in _CASTS and not node.kwargs \
+            and len(node.args) == (1 if node.target == "float" else 2) and node.args[1:] in ((), (torch.float32,)):
+        return node.args[0]
+    return None
+
+
+def _uncast(node):
+    """The tensor ``node`` is a float32 cast of (Nemotron-H's router: ``F.linear(x.type(torch.float32),
+    self.weight.type(torch.float32))``), where that tensor is 16-bit or float32, else ``node``: the kernel casts as it
+    loads (exact), so the casts' own kernels go (a 16-bit weight's cast was a copy of it every call, 1.6-2 us)."""
+    source = _cast_of(node)
+    value = fake_value(source)
+    return source if isinstance(value, torch.Tensor) and value.dtype in _DTYPES else node
+
+
+def _reason(x, w, bias, records_grad: bool) -> str:
+    xv, wv, bv = fake_value(x), fake_value(w), fake_value(bias)
+    if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or xv.dim() < 1 or wv.dim() != 2:
+        return "not a linear of a tensor by a 2-D weight"
+    if wv.dtype not in _DTYPES or xv.dtype != wv.dtype or bias is not None and getattr(bv, "dtype", None) != wv.dtype:
+        return f"dtypes x {xv.dtype}, w {wv.dtype}, bias {getattr(bv, 'dtype', None)} (F.linear takes one)"
+    if records_grad and any(getattr(v, "requires_grad", False) for v in (xv, wv, bv)):
+        return "an operand requires grad (fp8fx.small_mm has no autograd formula)"
+    return ""
+
+
+class RouterPass(Fp8Pass):
+    """MoE routers' linears -> ``fp8fx.small_mm`` (see the module docstring). ``enabled=False``: nothing is
+    rewritten (``Fp8Backend(fast_router=False)``)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def uuid(self) -> str:
+        return f"{super().uuid()}:{self.enabled}"
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
+        if not self.enabled:
+            return 0
+        records_grad = may_record_grad(gm.graph)
+        done = 0
+        for node in list(gm.graph.nodes):
+            if node.op != "call_function" or node.target not in _LINEAR or set(node.kwargs) - {"input", "weight",
+                                                                                                 "bias"}:
+                continue
+            args = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)
+            w = args.get("weight")
+            if not _router_weight(w, ctx):
+                continue
+            x, bias = args.get("input"), args.get("bias")
+            why = _reason(x, w, bias, records_grad)
+            if why:
+                log.debug("fp8fx: router linear %s kept as torch's: %s", node.name, why)
+                continue
+            out_dtype = fake_value(w).dtype
+            call = (*((_uncast(x), _uncast(w)) if out_dtype == torch.float32 else (x, w)), bias, out_dtype)
+            with gm.graph.inserting_before(node):
+                new = gm.graph.call_function(torch.ops.fp8fx.small_mm.default, call)
+            new.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
+            new.meta["example_value"] = fake_value(node)
+            node.replace_all_uses_with(new)
+            gm.graph.erase_node(node)
+            for cast, source in ((x, call[0]), (w, call[1])):  # (the casts bypassed, where nothing else reads them)
+                if cast is not source and not cast.users:
+                    gm.graph.erase_node(cast)
+            done += 1
+        return done
