@@ -195,3 +195,22 @@ def test_hf_routers_linear_and_topk_rewritten(name, monkeypatch):
         call = next(line for line in fast.splitlines() if "small_mm.default(" in line)
         assert "small_mm.default(hidden_states, l_self_modules_gate_parameters_weight_, None, torch.float32)" in call \
             and ".type(torch.float32)" not in fast, fast
+
+
+def test_inductor_calls_the_ops():
+    """Through Inductor (CPU) the rewritten top-ks run as fp8fx's op, called directly by its code; the output is that of
+    the same compile with torch's top-k (Inductor's softmax and sigmoid are not eager's to the last bit)."""
+    model = Router().eval()
+    x, wide = inputs(4)
+    torch._dynamo.reset()
+    backend = fp8fx.Fp8Backend(dump_dir=None)
+    from torch._inductor.utils import run_and_get_code
+
+    with torch.no_grad():
+        out, code = run_and_get_code(torch.compile(model, backend=backend), x, wide)
+        torch._dynamo.reset()
+        want = torch.compile(model, backend=fp8fx.Fp8Backend(fast_topk=False))(x, wide)
+    assert all(torch.equal(a, b) for a, b in zip(out[:5], want[:5]))
+    code = "\n".join(code)
+    assert code.count("fp8fx_direct.topk(") == 4 and code.count("aten.topk.default(") == 2, code
+    assert [s.kernel for s in backend.report.topk if s.rewritten] == ["extern fp8fx.topk"] * 4
