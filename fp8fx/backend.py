@@ -97,7 +97,7 @@ class Fp8Backend:
       select and a sort (``fp8fx.passes.topk``; ties to the lower index); the report's ``topk`` list says which.
       Default True.
     - ``fast_router``: an MoE router's linear (its weight kept in high precision, tagged by ``quantize_`` /
-      ``load_checkpoint``) runs as ``fp8fx.small_mm``: on CUDA up to 16 rows of x in one Triton launch, where cuBLAS
+      ``load_checkpoint``) runs as ``fp8fx.small_mm``: on CUDA up to 4 rows of x in one Triton launch, where cuBLAS
       took 4.2-6.1 us at one token on the H200 (``fp8fx.passes.router``); torch's linear for more rows. Default True.
 
     ``report`` lists every linear site of every graph this backend compiled. A graph compiled under

@@ -10,7 +10,7 @@ and rewrites it to::
     logits = fp8fx.small_mm(x, w, b, dtype)          # F.linear's dtype; float32 casts of 16-bit x or w (Nemotron-H's)
                                                      # left to the kernel, which casts as it loads
 
-which computes the same linear: on CUDA up to 16 rows of x in one Triton launch (``fp8fx.kernels.small_mm``), where
+which computes the same linear: on CUDA up to 4 rows of x in one Triton launch (``fp8fx.kernels.small_mm``), where
 cuBLAS took 4.2-6.1 us at one token (H200, benchmarks/RESULTS.md run 51), and torch's linear for more rows. The
 router's report site keeps its reason (not quantized, by design); its kernel column then names ``fp8fx.small_mm``.
 A router linear left as it is says why in a debug log line (the linear pass's site already stands for it).
@@ -26,9 +26,9 @@ from torch import fx
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad
 from fp8fx.passes.linear import _LINEAR, _read_from
+from fp8fx.weights.moe import ROUTES_PREFIX
 
 log = logging.getLogger("fp8fx")
-_ROUTER = "routes tokens to "  # the start of a router weight's ``_fp8fx_skip_reason`` (fp8fx.weights.moe._ROUTES)
 _CASTS = ("float", "to", "type")  # x.float(), x.to(torch.float32), x.type(torch.float32)
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -36,7 +36,7 @@ _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _router_weight(w, ctx: PassContext) -> bool:
     source = _read_from(w)
     real = ctx.example.get(source) if isinstance(source, fx.Node) else None
-    return str(getattr(real, "_fp8fx_skip_reason", "")).startswith(_ROUTER)
+    return str(getattr(real, "_fp8fx_skip_reason", "")).startswith(ROUTES_PREFIX)
 
 
 def _cast_of(node) -> Optional[fx.Node]:

@@ -210,6 +210,7 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
 
 
 _ROUTES = "routes tokens to {} (an MoE router or gate: high precision, as vLLM keeps it)"
+ROUTES_PREFIX = _ROUTES.split("{}")[0]  # how every router's reason starts (fp8fx.passes.router finds them by it)
 
 
 def tag_routers(model: nn.Module, found: dict[str, str], prefix: str = "") -> None:
