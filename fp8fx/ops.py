@@ -1051,7 +1051,14 @@ def small_mm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out
     ``out_dtype``, 16-bit (their float32 casts are exact). On CUDA one launch of ``fp8fx.kernels.small_mm`` where its
     ``reason`` is empty (a few rows of x: decode); elsewhere torch's linear."""
     _check_small_mm(x, w, bias, out_dtype)
-    return torch.nn.functional.linear(x.to(out_dtype), w.to(out_dtype), bias)
+    return _linear(x, w, bias, out_dtype)
+
+
+def _linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:
+    """small_mm's value by torch's linear; autocast off (its thread-local state would compute a float32 router in
+    bf16 under ``torch.autocast``: the op's fake impl says ``out_dtype``, and so must this)."""
+    with torch.autocast(x.device.type, enabled=False):
+        return torch.nn.functional.linear(x.to(out_dtype), w.to(out_dtype), bias)
 
 
 def _check_small_mm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> None:
@@ -1078,7 +1085,7 @@ def _(x, w, bias, out_dtype):
 
     _check_small_mm(x, w, bias, out_dtype)
     if kernel.reason(x, w, bias, out_dtype):  # (more rows, or a weight the kernel does not take: torch's linear)
-        return torch.nn.functional.linear(x.to(out_dtype), w.to(out_dtype), bias)
+        return _linear(x, w, bias, out_dtype)
     return kernel.small_mm(x, w, bias, out_dtype)
 
 

@@ -29,7 +29,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def small_mm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program n: out[:, n * BLOCK_N:(n + 1) * BLOCK_N] for every row of x."""
-    offs_m = tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M).to(tl.int64)  # (x may be a view into a tensor past 2**31 elements)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     m_ok, n_ok = offs_m < M, offs_n < N
@@ -55,6 +55,8 @@ def reason(x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torch.dtype) -> st
         return f"dtypes x {x.dtype}, w {w.dtype}, bias {getattr(bias, 'dtype', None)}, out {out_dtype}"
     if w.dim() != 2 or not 1 <= w.shape[0] <= MAX_N or x.dim() < 1 or x.shape[-1] != w.shape[1]:
         return f"w {tuple(w.shape)} (the kernel takes [1-{MAX_N}, K]) with x {tuple(x.shape)}"
+    if bias is not None and tuple(bias.shape) != (w.shape[0],):
+        return f"a bias of shape {tuple(bias.shape)} (the kernel takes [N] = [{w.shape[0]}])"
     if not 1 <= rows <= MAX_ROWS or rows * x.shape[-1] > MAX_X:
         return f"x of {rows} rows of {x.shape[-1]} (the kernel takes 1-{MAX_ROWS} rows, {MAX_X} elements)"
     return ""
@@ -69,6 +71,8 @@ def small_mm(x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torch.dtype) -> 
         rows = rows.contiguous()
     if w.stride(-1) != 1:
         w = w.contiguous()
+    if bias is not None and bias.stride(0) != 1:
+        bias = bias.contiguous()
     out = torch.empty((rows.shape[0], n), dtype=out_dtype, device=x.device)
     block_m = max(next_power_of_2(rows.shape[0]), 1)
     block_n = 2 if block_m <= 4 else 1

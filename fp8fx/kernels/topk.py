@@ -30,10 +30,13 @@ def topk_kernel(x_ptr, values_ptr, indices_ptr, N, stride_x, K: tl.constexpr, KP
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x
-    v = tl.load(x_row + offs, mask=offs < N, other=0.0).to(tl.float32)  # (16-bit to float32: exact, order kept)
-    bits = v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    raw = tl.load(x_row + offs, mask=offs < N, other=0.0)
+    if raw.dtype == tl.bfloat16:  # a bf16's float32 bits are its own, shifted (Triton's interpreter flushed its
+        bits = (raw.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF) << 16  # subnormals to 0 in a float cast)
+    else:  # (float16 to float32: exact, order kept)
+        bits = raw.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
-    key = tl.where(v != v, 0xFFFFFFFF, key)
+    key = tl.where(raw != raw, 0xFFFFFFFF, key)
     if not LARGEST:
         key = 0xFFFFFFFF - key
     # one int64 a lane: the key above, 4095 - index below (the lower index wins a tie); lanes past N below all

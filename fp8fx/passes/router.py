@@ -56,12 +56,16 @@ def _uncast(node):
     return source if isinstance(value, torch.Tensor) and value.dtype in _DTYPES else node
 
 
-def _reason(x, w, bias, records_grad: bool) -> str:
-    xv, wv, bv = fake_value(x), fake_value(w), fake_value(bias)
+def _reason(node: fx.Node, x, w, bias, records_grad: bool) -> str:
+    xv, wv, bv, out = fake_value(x), fake_value(w), fake_value(bias), fake_value(node)
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or xv.dim() < 1 or wv.dim() != 2:
         return "not a linear of a tensor by a 2-D weight"
     if wv.dtype not in _DTYPES or xv.dtype != wv.dtype or bias is not None and getattr(bv, "dtype", None) != wv.dtype:
         return f"dtypes x {xv.dtype}, w {wv.dtype}, bias {getattr(bv, 'dtype', None)} (F.linear takes one)"
+    if not isinstance(out, torch.Tensor) or out.dtype != wv.dtype:  # (torch.autocast computes it in another dtype)
+        return f"its result is {getattr(out, 'dtype', None)} from {wv.dtype} operands (autocast)"
+    if bias is not None and tuple(getattr(bv, "shape", ())) != (wv.shape[0],):
+        return f"a bias of shape {tuple(getattr(bv, 'shape', ()))}, not [N] (broadcast)"
     if records_grad and any(getattr(v, "requires_grad", False) for v in (xv, wv, bv)):
         return "an operand requires grad (fp8fx.small_mm has no autograd formula)"
     return ""
@@ -91,7 +95,7 @@ class RouterPass(Fp8Pass):
             if not _router_weight(w, ctx):
                 continue
             x, bias = args.get("input"), args.get("bias")
-            why = _reason(x, w, bias, records_grad)
+            why = _reason(node, x, w, bias, records_grad)
             if why:
                 log.debug("fp8fx: router linear %s kept as torch's: %s", node.name, why)
                 continue

@@ -33,6 +33,13 @@ CHECKS = textwrap.dedent(
         # step is off by far more
         bound = 1e-5 if od == torch.float32 else 8e-3
         assert y.dtype == od and y.shape == (rows, n) and err < bound, (rows, k, n, bias, xd, wd, od, err)
+    # a strided bias (the kernel reads it contiguous); a broadcast bias the kernel does not take
+    x = torch.randn(2, 64, generator=g).to(DEVICE)
+    w = torch.randn(8, 64, generator=g).to(DEVICE)
+    b = torch.randn(16, generator=g).to(DEVICE)[::2]
+    assert kernel.reason(x, w, b, f32) == ""
+    assert torch.allclose(kernel.small_mm(x, w, b, f32), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+    assert "a bias of shape ()" in kernel.reason(x, w, torch.tensor(0.5, device=DEVICE), f32)
     # leading dims and a strided x
     x = torch.randn(2, 2, 256, generator=g).to(DEVICE)[:, :, ::2]
     w = torch.randn(5, 128, generator=g).to(DEVICE)

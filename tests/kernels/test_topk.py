@@ -47,6 +47,14 @@ CHECKS = textwrap.dedent(
     assert str(values[0, 6].item()) == "-0.0" and str(values[0, 5].item()) == "0.0"
     assert kernel.topk(x, 8, largest=False)[1].tolist() == [[6, 4, 5, 0, 2, 3, 7, 1]]
     assert kernel.topk(torch.full((2, 64), 0.5, device=DEVICE), 5)[1].tolist() == [[0, 1, 2, 3, 4]] * 2
+    # bf16 subnormals rank as their values (not flushed to 0), signed zeros as floats' bits do
+    tiny = torch.tensor([[0.0, 1e-40, -1e-40, -0.0, 2e-39]], dtype=torch.bfloat16, device=DEVICE)
+    assert kernel.topk(tiny, 5)[1].tolist() == [[4, 1, 0, 3, 2]], kernel.topk(tiny, 5)
+    if DEVICE == "cuda":  # a NaN's bits kept (the interpreter's loads and stores of bf16 NaN change them)
+        nan = torch.tensor([[1.0, 2.0]], dtype=torch.bfloat16, device=DEVICE)
+        nan.view(torch.int16)[0, 0] = -32704  # 0xFFC0: -NaN
+        got = kernel.topk(nan, 2)[0].view(torch.int16)
+        assert got.tolist() == [[-32704, nan.view(torch.int16)[0, 1].item()]], got
     # a router's probabilities in bf16 (many ties), leading dims, a strided row, no rows
     probs = torch.randn(6, 4, 128, generator=g).softmax(-1).to(torch.bfloat16).to(DEVICE)
     same(probs, 8)

@@ -214,3 +214,33 @@ def test_inductor_calls_the_ops():
     code = "\n".join(code)
     assert code.count("fp8fx_direct.topk(") == 4 and code.count("aten.topk.default(") == 2, code
     assert [s.kernel for s in backend.report.topk if s.rewritten] == ["extern fp8fx.topk"] * 4
+
+
+def test_router_linears_the_kernel_would_change_are_left():
+    """Under ``torch.autocast`` a float32 router's linear computes in bf16 (the op would say float32), and a bias that
+    broadcasts is not the kernel's [N]: both stay torch's, and the output is the model's, in its dtype."""
+    from fp8fx.weights.moe import ROUTES_PREFIX
+
+    class Gate(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.randn(8, 64))
+            self.weight._fp8fx_skip_reason = ROUTES_PREFIX + "experts (a test's)"
+
+        def forward(self, x, bias):
+            return F.linear(x.float(), self.weight.float()), F.linear(x.float(), self.weight, bias)
+
+    model = Gate().eval()
+    x, bias = torch.randn(3, 64, dtype=torch.bfloat16), torch.randn(1)
+    for autocast in (False, True):
+        torch._dynamo.reset()
+        backend = fp8fx.Fp8Backend(compiler="eager")
+        from tests.conftest import record_graphs_after_passes
+
+        codes = record_graphs_after_passes(backend)
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = torch.compile(model, backend=backend)(x, bias)
+            want = model(x, bias)
+        assert [o.dtype for o in out] == [w.dtype for w in want] == [torch.bfloat16 if autocast else torch.float32] * 2
+        assert all(torch.equal(o, w) for o, w in zip(out, want))
+        assert codes[0].count("fp8fx.small_mm.default(") == (0 if autocast else 1), codes[0]

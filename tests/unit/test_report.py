@@ -51,7 +51,7 @@ def test_sites_carry_shape_bytes_and_kernel(report):
 def test_json_schema(report):
     data = json.loads(report.to_json())
     assert set(data) == {"schema", "totals", "graphs", "sites", "topk"} and data["schema"] == SCHEMA
-    assert data["topk"] == []  # (the model has no top-k: tests/passes/test_topk_pass.py has the list's rows)
+    assert data["topk"] == []  # (the model has no top-k: tests/passes/test_routing_passes.py has the list's rows)
     assert data["totals"] == {
         "graphs": 1,
         "sites": 3,
