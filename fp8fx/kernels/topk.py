@@ -36,7 +36,8 @@ def topk_kernel(x_ptr, values_ptr, indices_ptr, N, stride_x, K: tl.constexpr, KP
     else:  # (float16 to float32: exact, order kept)
         bits = raw.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
     key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
-    key = tl.where(raw != raw, 0xFFFFFFFF, key)
+    # a NaN (either sign) by its float32 bits, the same test on both paths
+    key = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0xFFFFFFFF, key)
     if not LARGEST:
         key = 0xFFFFFFFF - key
     # one int64 a lane: the key above, 4095 - index below (the lower index wins a tie); lanes past N below all

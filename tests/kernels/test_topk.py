@@ -50,11 +50,15 @@ CHECKS = textwrap.dedent(
     # bf16 subnormals rank as their values (not flushed to 0), signed zeros as floats' bits do
     tiny = torch.tensor([[0.0, 1e-40, -1e-40, -0.0, 2e-39]], dtype=torch.bfloat16, device=DEVICE)
     assert kernel.topk(tiny, 5)[1].tolist() == [[4, 1, 0, 3, 2]], kernel.topk(tiny, 5)
-    if DEVICE == "cuda":  # a NaN's bits kept (the interpreter's loads and stores of bf16 NaN change them)
+    for dtype in (torch.bfloat16, torch.float16):  # NaNs (either sign) first in 16-bit too
+        mixed = torch.tensor([[1.0, float("nan"), 2.0, -float("nan"), float("inf")]], dtype=dtype, device=DEVICE)
+        assert kernel.topk(mixed, 5)[1].tolist() == [[1, 3, 4, 2, 0]], (dtype, kernel.topk(mixed, 5))
+        assert kernel.topk(mixed, 5, largest=False)[1].tolist() == [[0, 2, 4, 1, 3]], dtype
+    if DEVICE == "cuda":  # a -NaN first, its bits kept (the interpreter's loads and stores of bf16 NaN change them)
         nan = torch.tensor([[1.0, 2.0]], dtype=torch.bfloat16, device=DEVICE)
-        nan.view(torch.int16)[0, 0] = -32704  # 0xFFC0: -NaN
+        nan.view(torch.int16)[0, 0] = -64  # 0xFFC0: -NaN (torch makes every bf16 NaN 0x7FC0)
         got = kernel.topk(nan, 2)[0].view(torch.int16)
-        assert got.tolist() == [[-32704, nan.view(torch.int16)[0, 1].item()]], got
+        assert got.tolist() == [[-64, nan.view(torch.int16)[0, 1].item()]], got
     # a router's probabilities in bf16 (many ties), leading dims, a strided row, no rows
     probs = torch.randn(6, 4, 128, generator=g).softmax(-1).to(torch.bfloat16).to(DEVICE)
     same(probs, 8)
