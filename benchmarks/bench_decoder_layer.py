@@ -174,17 +174,12 @@ def kernel_trace(fn, x: torch.Tensor, steps: int = 10) -> str:
     """The kernels of one call of ``fn(x)`` in launch order, each one's GPU time (start to end: with programmatic
     dependent launch, the time it waited included), the median of ``steps`` plain calls (torch.profiler, after
     ``profile_mlp.profiled``'s warm-up calls); a line each, and their sum."""
-    from profile_mlp import profiled
+    from profile_mlp import per_call, profiled
 
-    prof = profiled(fn, x, steps)
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    if not events or len(events) % steps:
-        return f"({len(events)} GPU events in {steps} calls: not a whole number a call)"
-    per = len(events) // steps
-    calls = [events[i * per:(i + 1) * per] for i in range(steps)]
-    if any([e.name for e in call] != [e.name for e in calls[0]] for call in calls):
-        return "(the calls launched different kernels)"
+    calls = per_call(profiled(fn, x, steps), steps)
+    if isinstance(calls, str):
+        return calls
+    per = len(calls[0])
     us = [statistics.median(call[i].time_range.elapsed_us() for call in calls) for i in range(per)]
     lines = [f"{t:8.2f} us  {e.name[:100]}" for t, e in zip(us, calls[0])]
     return "\n".join(lines + [f"{sum(us):8.2f} us  in {per} kernels"])

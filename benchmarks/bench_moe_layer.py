@@ -96,6 +96,8 @@ def graph_trace(fn, replays: int = 20) -> str:
     kernels' summed time. The span less that sum is what the graph spends between kernels."""
     from torch.profiler import ProfilerActivity, profile
 
+    from profile_mlp import per_call
+
     graph = torch.cuda.CUDAGraph()
     with torch.no_grad():
         for _ in range(3):
@@ -110,14 +112,10 @@ def graph_trace(fn, replays: int = 20) -> str:
         for _ in range(replays):
             graph.replay()
             torch.cuda.synchronize()  # (replays apart: each one's kernels are one group)
-    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                    key=lambda e: e.time_range.start)
-    if not events or len(events) % replays:
-        return f"({len(events)} GPU events in {replays} replays: not a whole number a replay)"
-    per = len(events) // replays
-    calls = [events[i * per:(i + 1) * per] for i in range(replays)]
-    if any([e.name for e in call] != [e.name for e in calls[0]] for call in calls):
-        return "(the replays ran different kernels)"
+    calls = per_call(prof, replays)
+    if isinstance(calls, str):
+        return calls
+    per = len(calls[0])
     med = statistics.median
     starts = [med(c[i].time_range.start - c[0].time_range.start for c in calls) for i in range(per)]
     us = [med(c[i].time_range.elapsed_us() for c in calls) for i in range(per)]

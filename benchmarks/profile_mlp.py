@@ -33,6 +33,20 @@ def profiled(fn, x, steps=10):
     return prof
 
 
+def per_call(prof, calls: int):
+    """``prof``'s GPU events (torch.profiler) in start order, cut into ``calls`` lists, one call's kernels each; or a
+    str saying why they do not cut so (a count that is no multiple of ``calls``, calls that ran other kernels)."""
+    events = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                    key=lambda e: e.time_range.start)
+    if not events or len(events) % calls:
+        return f"({len(events)} GPU events in {calls} calls: not a whole number a call)"
+    per = len(events) // calls
+    groups = [events[i * per:(i + 1) * per] for i in range(calls)]
+    if any([e.name for e in group] != [e.name for e in groups[0]] for group in groups):
+        return "(the calls launched different kernels)"
+    return groups
+
+
 def kernel_table(fn, x, steps=10):
     prof = profiled(fn, x, steps)
     rows = []

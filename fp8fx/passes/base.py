@@ -61,6 +61,40 @@ class Fp8Pass:
         return hashlib.sha256(source.encode()).hexdigest()
 
 
+class NodePass(Fp8Pass):
+    """A pass that rewrites nodes one at a time, each on its own (``visit``), switched off by ``enabled=False`` (it then
+    looks at nothing)."""
+
+    def __init__(self, enabled: bool = True):
+        self.enabled = enabled
+
+    def visit(self, gm: fx.GraphModule, node: fx.Node, ctx: PassContext, records_grad: bool) -> bool:
+        """Rewrite ``node`` where it is the pass's (``records_grad``: ``may_record_grad`` of the graph); whether it
+        did."""
+        raise NotImplementedError
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
+        if not self.enabled:
+            return 0
+        records_grad = may_record_grad(gm.graph)
+        return sum(self.visit(gm, node, ctx, records_grad) for node in list(gm.graph.nodes))
+
+
+def replace_node(graph: fx.Graph, node: fx.Node, target, args: tuple, example_value: Any = None) -> fx.Node:
+    """``node`` replaced by ``target(*args)``, which keeps its meta (module stack, source) and carries
+    ``example_value`` (else its fake value from the inputs'); returns the new node."""
+    with graph.inserting_before(node):
+        new = graph.call_function(target, args)
+    new.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
+    if example_value is None:
+        set_fake_value(new, target, args)
+    else:
+        new.meta["example_value"] = example_value
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new
+
+
 def site_names(ctx: PassContext, nodes: list[fx.Node]) -> str:
     """The report sites of ``nodes`` by their last FQN part, comma-separated (``q_proj,k_proj,v_proj``), or by their
     full names where those parts repeat (the k/v of every layer's cross-attention read one encoder output: one group

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
-from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad
+from fp8fx.passes.base import NodePass, PassContext, fake_value, replace_node
 from fp8fx.passes.linear import _LINEAR, _read_from
 from fp8fx.weights.moe import ROUTES_PREFIX
 
@@ -71,44 +71,26 @@ def _reason(node: fx.Node, x, w, bias, records_grad: bool) -> str:
     return ""
 
 
-class RouterPass(Fp8Pass):
+class RouterPass(NodePass):
     """MoE routers' linears -> ``fp8fx.small_mm`` (see the module docstring). ``enabled=False``: nothing is
     rewritten (``Fp8Backend(fast_router=False)``)."""
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-
-    def uuid(self) -> str:
-        return f"{super().uuid()}:{self.enabled}"
-
-    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
-        if not self.enabled:
-            return 0
-        records_grad = may_record_grad(gm.graph)
-        done = 0
-        for node in list(gm.graph.nodes):
-            if node.op != "call_function" or node.target not in _LINEAR or set(node.kwargs) - {"input", "weight",
-                                                                                                 "bias"}:
-                continue
-            args = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)
-            w = args.get("weight")
-            if not _router_weight(w, ctx):
-                continue
-            x, bias = args.get("input"), args.get("bias")
-            why = _reason(node, x, w, bias, records_grad)
-            if why:
-                log.debug("fp8fx: router linear %s kept as torch's: %s", node.name, why)
-                continue
-            out_dtype = fake_value(w).dtype
-            call = (*((_uncast(x), _uncast(w)) if out_dtype == torch.float32 else (x, w)), bias, out_dtype)
-            with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(torch.ops.fp8fx.small_mm.default, call)
-            new.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
-            new.meta["example_value"] = fake_value(node)
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
-            for cast, source in ((x, call[0]), (w, call[1])):  # (the casts bypassed, where nothing else reads them)
-                if cast is not source and not cast.users:
-                    gm.graph.erase_node(cast)
-            done += 1
-        return done
+    def visit(self, gm: fx.GraphModule, node: fx.Node, ctx: PassContext, records_grad: bool) -> bool:
+        if node.op != "call_function" or node.target not in _LINEAR or set(node.kwargs) - {"input", "weight", "bias"}:
+            return False
+        args = dict(zip(("input", "weight", "bias"), node.args), **node.kwargs)
+        w = args.get("weight")
+        if not _router_weight(w, ctx):
+            return False
+        x, bias = args.get("input"), args.get("bias")
+        why = _reason(node, x, w, bias, records_grad)
+        if why:
+            log.debug("fp8fx: router linear %s kept as torch's: %s", node.name, why)
+            return False
+        out_dtype = fake_value(w).dtype
+        call = (*((_uncast(x), _uncast(w)) if out_dtype == torch.float32 else (x, w)), bias, out_dtype)
+        replace_node(gm.graph, node, torch.ops.fp8fx.small_mm.default, call, fake_value(node))
+        for cast, source in ((x, call[0]), (w, call[1])):  # (the casts bypassed, where nothing else reads them)
+            if cast is not source and not cast.users:
+                gm.graph.erase_node(cast)
+        return True

@@ -25,7 +25,7 @@ from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.kernels import topk as kernel
-from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad, module_path, set_fake_value
+from fp8fx.passes.base import NodePass, PassContext, fake_value, module_path, replace_node
 from fp8fx.report import Site
 
 _PARAMS = ("input", "k", "dim", "largest", "sorted")  # torch.topk's, in order (a method's first is ``self``)
@@ -69,42 +69,23 @@ def _reason(node: fx.Node, args: dict, graph_records_grad: bool) -> str:
     return ""
 
 
-class TopkPass(Fp8Pass):
+class TopkPass(NodePass):
     """``torch.topk`` of short rows -> ``fp8fx.topk`` (see the module docstring). ``enabled=False``: the pass
     looks at nothing and rewrites nothing (``Fp8Backend(fast_topk=False)``)."""
 
-    def __init__(self, enabled: bool = True):
-        self.enabled = enabled
-
-    def uuid(self) -> str:
-        return f"{super().uuid()}:{self.enabled}"
-
-    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
-        if not self.enabled:
-            return 0
-        records_grad = may_record_grad(gm.graph)
-        done = 0
-        for node in list(gm.graph.nodes):
-            args = _topk_args(node)
-            if args is None:
-                continue
-            why = _reason(node, args, records_grad)
-            x = fake_value(args.get("input"))
-            n = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else "?"
-            order = "" if args.get("largest") is not False else " smallest"
-            ctx.report.add_topk(Site(
-                kind="topk", fqn=module_path(node) or "", rewritten=not why, reason=why,
-                scheme="" if why else f"k={args['k']} of {n}{order}", graph=ctx.graph_index,
-                weight_shape=Site.shape_of(x), kernel="" if why else "extern fp8fx.topk", node=Site.origin_of(node),
-            ))
-            if why:
-                continue
-            call = (args["input"], args["k"], args["largest"])
-            with gm.graph.inserting_before(node):
-                new = gm.graph.call_function(torch.ops.fp8fx.topk.default, call)
-            set_fake_value(new, torch.ops.fp8fx.topk.default, call)
-            new.meta.update({key: v for key, v in node.meta.items() if key not in ("example_value", "val")})
-            node.replace_all_uses_with(new)
-            gm.graph.erase_node(node)
-            done += 1
-        return done
+    def visit(self, gm: fx.GraphModule, node: fx.Node, ctx: PassContext, records_grad: bool) -> bool:
+        args = _topk_args(node)
+        if args is None:
+            return False
+        why = _reason(node, args, records_grad)
+        x = fake_value(args.get("input"))
+        n = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else "?"
+        order = "" if args.get("largest") is not False else " smallest"
+        ctx.report.add_topk(Site(
+            kind="topk", fqn=module_path(node) or "", rewritten=not why, reason=why,
+            scheme="" if why else f"k={args['k']} of {n}{order}", graph=ctx.graph_index,
+            weight_shape=Site.shape_of(x), kernel="" if why else "extern fp8fx.topk", node=Site.origin_of(node),
+        ))
+        if not why:
+            replace_node(gm.graph, node, torch.ops.fp8fx.topk.default, (args["input"], args["k"], args["largest"]))
+        return not why
