@@ -68,6 +68,11 @@ class NodePass(Fp8Pass):
     def __init__(self, enabled: bool = True):
         self.enabled = enabled
 
+    def uuid(self) -> str:
+        """The subclass's module, this one's (its loop and ``replace_node`` are the pass's too) and ``enabled``."""
+        here = inspect.getsource(sys.modules[__name__])
+        return hashlib.sha256(f"{super().uuid()}:{here}:{self.enabled}".encode()).hexdigest()
+
     def visit(self, gm: fx.GraphModule, node: fx.Node, ctx: PassContext, records_grad: bool) -> bool:
         """Rewrite ``node`` where it is the pass's (``records_grad``: ``may_record_grad`` of the graph); whether it
         did."""

@@ -72,6 +72,8 @@ def test_small_mm_op_and_its_refusals():
         torch.ops.fp8fx.small_mm(x, w, b.bfloat16(), f32)
     with pytest.raises(RuntimeError, match=r"x \(3, 16\) and w \(4, 8\)"):
         torch.ops.fp8fx.small_mm(x, w[:, :8], None, f32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # (its fake impl's dtype, whatever autocast would do)
+        assert torch.ops.fp8fx.small_mm(x.float(), w, None, f32).dtype == f32
     from fp8fx.kernels.small_mm import reason
 
     assert "x of 5 rows of 16" in reason(torch.empty(5, 16), torch.empty(4, 16), None, f32)
