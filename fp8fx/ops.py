@@ -1066,7 +1066,7 @@ def _check_small_mm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tenso
         raise ValueError(f"fp8fx.small_mm: x {tuple(x.shape)} and w {tuple(w.shape)}; w must be [N, K], x [..., K]")
     torch._check(x.shape[-1] == w.shape[1], lambda: f"fp8fx.small_mm: x {tuple(x.shape)} and w {tuple(w.shape)}: "
                  "x's last dim must be w's K")
-    exact = launch.exact_cast(x.dtype, out_dtype) and launch.exact_cast(w.dtype, out_dtype)
+    exact = quant.exact_cast(x.dtype, out_dtype) and quant.exact_cast(w.dtype, out_dtype)
     if out_dtype not in quant.HIGH_PRECISION or not exact or bias is not None and bias.dtype != out_dtype:
         raise ValueError(f"fp8fx.small_mm: x {x.dtype}, w {w.dtype}, bias {getattr(bias, 'dtype', None)}, out_dtype "
                          f"{out_dtype}; it computes in bf16, fp16 or fp32 (out_dtype) on x and w of that dtype, or "

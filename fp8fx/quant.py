@@ -20,6 +20,12 @@ HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)  # activations, 
 # what a quantized layer may compute in: the fp8 GEMMs' dtypes, and float64 - the dequantized weight as a reference
 # (``model.double()``), which the passes leave to torch with a reason in the report
 COMPUTE_DTYPES = HIGH_PRECISION + (torch.float64,)
+
+
+def exact_cast(src: torch.dtype, dst: torch.dtype) -> bool:
+    """Whether every value of ``src`` is one of ``dst`` (a kernel may then load ``src`` and compute in ``dst``): the
+    same dtype, or a 16-bit float to float32."""
+    return src == dst or dst == torch.float32 and src in (torch.bfloat16, torch.float16)
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
 # amax below this is treated as this, so all-zero tiles get a finite, non-zero scale and
 # q == 0; values smaller than AMAX_EPS / 448 in such tiles flush to zero.

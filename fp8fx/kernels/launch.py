@@ -40,12 +40,6 @@ def next_power_of_2(n: int) -> int:
     return 1 << (n - 1).bit_length() if n > 0 else 0
 
 
-def exact_cast(src: torch.dtype, dst: torch.dtype) -> bool:
-    """Whether every value of ``src`` is one of ``dst`` (a kernel may then load ``src`` and compute in ``dst``): the
-    same dtype, or a 16-bit float to float32."""
-    return src == dst or dst == torch.float32 and src in (torch.bfloat16, torch.float16)
-
-
 def _index(device: torch.device) -> int:
     """The CUDA ``device``'s index: its own, or the current device's for a bare "cuda"."""
     return device.index if device.index is not None else torch.cuda.current_device()

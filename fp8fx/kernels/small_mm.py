@@ -1,12 +1,13 @@
 """A few rows times a small high-precision weight: an MoE router's logits at decode (``fp8fx.small_mm``).
 
-A router is ``F.linear(x, w[, b])`` (in float32 for some: Nemotron-H's casts x and w) with w [E, H] of E = 8-512 experts, kept in high precision (as vLLM keeps it).
-At one token cuBLAS takes 4.2-4.8 us for it on the H200 (Qwen3-30B-A3B's 128 x 2048 bf16; GPT-OSS-20B's 32 x 2880
-with bias another 1.9 us of split-K reduction), where the weight's 0.2-0.5 MB take a tenth of that to read (run 51).
-Here each program holds every row of x (up to ``MAX_ROWS``) and ``BLOCK_N`` rows of w, multiplies on the CUDA cores
-and sums over K in float32; the bias is added in float32 and the sum rounded once to the output dtype, as cuBLAS's
-16-bit GEMM does (its order of summation is another: results differ by float32 rounding before that). A float32 output
-takes 16-bit x and w as they are, cast as loaded (exact), where the model casts them first.
+A router is ``F.linear(x, w[, b])`` (in float32 for some: Nemotron-H's casts x and w) with w [E, H] of E = 8-512
+experts, kept in high precision (as vLLM keeps it). At one token cuBLAS takes 4.2-4.8 us for it on the H200
+(Qwen3-30B-A3B's 128 x 2048 bf16; GPT-OSS-20B's 32 x 2880 with bias another 1.9 us of split-K reduction), where the
+weight's 0.2-0.5 MB take a tenth of that to read (run 51). Here each program holds every row of x (up to
+``MAX_ROWS``) and ``BLOCK_N`` rows of w, multiplies on the CUDA cores and sums over K in float32; the bias is added
+in float32 and the sum rounded once to the output dtype, as cuBLAS's 16-bit GEMM does (its order of summation is
+another: results differ by float32 rounding before that). A float32 output takes 16-bit x and w as they are, cast as
+loaded (exact), where the model casts them first.
 """
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fp8fx.kernels.launch import cdiv, exact_cast, next_power_of_2
+from fp8fx.kernels.launch import cdiv, next_power_of_2
+from fp8fx.quant import HIGH_PRECISION, exact_cast
 
 # rows of x a launch takes (all in each program), and x's elements: each program reads all of x, and past these the
 # kernel lost to cuBLAS on the H200 (run 51, bench_routing.py: 4 rows 1.08-1.99x cuBLAS's speed where x held at most
@@ -22,7 +24,6 @@ from fp8fx.kernels.launch import cdiv, exact_cast, next_power_of_2
 MAX_ROWS = 4
 MAX_X = 16384
 MAX_N = 1024  # rows of w (experts)
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -50,7 +51,7 @@ def small_mm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
 def reason(x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torch.dtype) -> str:
     """Why ``fp8fx.small_mm(x, w, bias, out_dtype)`` is not this kernel's (on the GPU, at run time), or ""."""
     rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-    if out_dtype not in DTYPES or not (exact_cast(x.dtype, out_dtype) and exact_cast(w.dtype, out_dtype)) \
+    if out_dtype not in HIGH_PRECISION or not (exact_cast(x.dtype, out_dtype) and exact_cast(w.dtype, out_dtype)) \
             or bias is not None and bias.dtype != out_dtype:
         return f"dtypes x {x.dtype}, w {w.dtype}, bias {getattr(bias, 'dtype', None)}, out {out_dtype}"
     if w.dim() != 2 or not 1 <= w.shape[0] <= MAX_N or x.dim() < 1 or x.shape[-1] != w.shape[1]:

@@ -17,10 +17,10 @@ import triton
 import triton.language as tl
 
 from fp8fx.kernels.launch import next_power_of_2
+from fp8fx.quant import HIGH_PRECISION
 
 MAX_ROW = 4096  # elements of a row one program holds (the index takes the low 12 bits of the sort key)
 MAX_K = 32  # k steps, unrolled
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 @triton.jit
@@ -57,8 +57,8 @@ def topk_kernel(x_ptr, values_ptr, indices_ptr, N, stride_x, K: tl.constexpr, KP
 def reason(x: torch.Tensor, k: int) -> str:
     """Why ``topk(x, k)`` over x's last dim is not this kernel's, or "" where it is."""
     n = x.shape[-1] if x.dim() else 1
-    if x.dtype not in DTYPES:
-        return f"dtype {x.dtype} (the kernel takes {', '.join(str(d).removeprefix('torch.') for d in DTYPES)})"
+    if x.dtype not in HIGH_PRECISION:
+        return f"dtype {x.dtype} (the kernel takes {', '.join(str(d).removeprefix('torch.') for d in HIGH_PRECISION)})"
     if not 1 <= k <= MAX_K:
         return f"k={k} (the kernel takes 1-{MAX_K})"
     if not k <= n <= MAX_ROW:

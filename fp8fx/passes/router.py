@@ -24,13 +24,13 @@ import torch
 from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
+from fp8fx import quant
 from fp8fx.passes.base import NodePass, PassContext, fake_value, replace_node
 from fp8fx.passes.linear import _LINEAR, _read_from
 from fp8fx.weights.moe import ROUTES_PREFIX
 
 log = logging.getLogger("fp8fx")
 _CASTS = ("float", "to", "type")  # x.float(), x.to(torch.float32), x.type(torch.float32)
-_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _router_weight(w, ctx: PassContext) -> bool:
@@ -40,7 +40,8 @@ def _router_weight(w, ctx: PassContext) -> bool:
 
 
 def _cast_of(node) -> Optional[fx.Node]:
-    """The tensor ``node`` casts to float32 (``.float()``, ``.to(torch.float32)``, ``.type(torch.float32)``), or None."""
+    """The tensor ``node`` casts to float32 (``.float()``, ``.to(torch.float32)``, ``.type(torch.float32)``), or
+    None."""
     if isinstance(node, fx.Node) and node.op == "call_method" and node.target in _CASTS and not node.kwargs \
             and len(node.args) == (1 if node.target == "float" else 2) and node.args[1:] in ((), (torch.float32,)):
         return node.args[0]
@@ -53,14 +54,15 @@ def _uncast(node):
     loads (exact), so the casts' own kernels go (a 16-bit weight's cast was a copy of it every call, 1.6-2 us)."""
     source = _cast_of(node)
     value = fake_value(source)
-    return source if isinstance(value, torch.Tensor) and value.dtype in _DTYPES else node
+    return source if isinstance(value, torch.Tensor) and value.dtype in quant.HIGH_PRECISION else node
 
 
 def _reason(node: fx.Node, x, w, bias, records_grad: bool) -> str:
     xv, wv, bv, out = fake_value(x), fake_value(w), fake_value(bias), fake_value(node)
     if not isinstance(xv, torch.Tensor) or not isinstance(wv, torch.Tensor) or xv.dim() < 1 or wv.dim() != 2:
         return "not a linear of a tensor by a 2-D weight"
-    if wv.dtype not in _DTYPES or xv.dtype != wv.dtype or bias is not None and getattr(bv, "dtype", None) != wv.dtype:
+    if wv.dtype not in quant.HIGH_PRECISION or xv.dtype != wv.dtype \
+            or bias is not None and getattr(bv, "dtype", None) != wv.dtype:
         return f"dtypes x {xv.dtype}, w {wv.dtype}, bias {getattr(bv, 'dtype', None)} (F.linear takes one)"
     if not isinstance(out, torch.Tensor) or out.dtype != wv.dtype:  # (torch.autocast computes it in another dtype)
         return f"its result is {getattr(out, 'dtype', None)} from {wv.dtype} operands (autocast)"
