@@ -12,10 +12,12 @@ biases, interleaved gate/up rows, a clamped SwiGLU; Nemotron-3-Nano-30B-A3B's sh
 ungated experts of squared ReLU and a shared expert), its experts
 run with transformers' ``grouped_mm`` implementation. fp8fx: ``quantize_(Fp8Config())`` (per-channel experts,
 per-token activations) + ``Fp8Backend()``; the MoE pass rewrites the experts into ``fp8fx.fused_moe``, the router stays
-bf16, its linear runs as ``fp8fx.small_mm`` and its top-k as ``fp8fx.topk``; ``fp8fx_nopdl_ms`` times it with the
-experts' direct path launched plainly (``fused_moe.DIRECT_PDL_TRIGGER = None``; the same launches where the layer
-takes the sorted path or the GPU is not sm_90), ``fp8fx_torch_topk_ms`` with the router's top-k left to torch
-(``Fp8Backend(fast_topk=False)``), ``fp8fx_torch_routing_ms`` its linear too (``fast_router=False``). Every row is
+bf16, its linear runs as ``fp8fx.small_mm`` and its top-k as ``fp8fx.topk``, a softmax router's softmax and
+normalization in the top-k's launch (``fp8fx.softmax_topk``); ``fp8fx_nopdl_ms`` times it with the experts' direct
+path launched plainly (``fused_moe.DIRECT_PDL_TRIGGER = None``; the same launches where the layer takes the sorted path
+or the GPU is not sm_90), ``fp8fx_unfused_routing_ms`` with the softmax and normalization left to Inductor
+(``Fp8Backend(fuse_routing=False)``), ``fp8fx_torch_topk_ms`` with the router's top-k left to torch too
+(``fast_topk=False``), ``fp8fx_torch_routing_ms`` its linear too (``fast_router=False``). Every row is
 timed as CUDA-graph replays of the compiled layer (run 8 first timed 4096 tokens as plain calls: fp8fx's Python op
 dispatch, not the GPU, set that number). Writes moe_layer.json.
 """
@@ -139,15 +141,17 @@ def run(name: str, tokens: list[int], device: str, tiny: bool, kernels: bool = F
         fp8fx.quantize_(layer, fp8fx.Fp8Config())  # (the router is found and kept in bf16)
         backend = fp8fx.Fp8Backend()
         fp8 = torch.compile(layer, backend=backend, dynamic=False)
-        slow_topk = torch.compile(layer, backend=fp8fx.Fp8Backend(fast_topk=False), dynamic=False)
-        torch_routing = torch.compile(layer, backend=fp8fx.Fp8Backend(fast_topk=False, fast_router=False),
-                                      dynamic=False)
+        # the routing's steps given back one by one, each compiled apart: the softmax and normalization to Inductor,
+        # the top-k to torch, the router's linear to torch
+        variants = {name: torch.compile(layer, backend=fp8fx.Fp8Backend(**options), dynamic=False) for name, options in
+                    (("unfused_routing", dict(fuse_routing=False)), ("torch_topk", dict(fast_topk=False)),
+                     ("torch_routing", dict(fast_topk=False, fast_router=False)))}
         rows = []
         for t, x in xs.items():
             out = _out(fp8(x))
             row = dict(model=name, tokens=t, err_vs_bf16=rel_err(out, refs[t]))
-            row["err_torch_topk_vs_bf16"] = rel_err(_out(slow_topk(x)), refs[t])
-            row["err_torch_routing_vs_bf16"] = rel_err(_out(torch_routing(x)), refs[t])
+            for variant, fn in variants.items():
+                row[f"err_{variant}_vs_bf16"] = rel_err(_out(fn(x)), refs[t])
             if device == "cuda":
                 row["bf16_inductor_ms"] = times[t]
                 # and the experts' direct path with its GEMMs launched plainly (``*_nopdl``), the two interleaved
@@ -159,11 +163,9 @@ def run(name: str, tokens: list[int], device: str, tiny: bool, kernels: bool = F
                         row[key] = min(ms, row.get(key, ms))
                 row["vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_ms"]
                 row["nopdl_vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_nopdl_ms"]
-                # and with torch's top-k (``fast_topk=False``), and torch's router linear too, compiled apart
-                row["fp8fx_torch_topk_ms"] = time_ms(lambda x=x: slow_topk(x), graph=True)
-                row["torch_topk_vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_torch_topk_ms"]
-                row["fp8fx_torch_routing_ms"] = time_ms(lambda x=x: torch_routing(x), graph=True)
-                row["torch_routing_vs_bf16"] = row["bf16_inductor_ms"] / row["fp8fx_torch_routing_ms"]
+                for variant, fn in variants.items():
+                    row[f"fp8fx_{variant}_ms"] = time_ms(lambda x=x, fn=fn: fn(x), graph=True)
+                    row[f"{variant}_vs_bf16"] = row["bf16_inductor_ms"] / row[f"fp8fx_{variant}_ms"]
                 if kernels:
                     print(f"{name} {t} tokens, fp8fx:\n{graph_trace(lambda x=x: fp8(x))}", flush=True)
             rows.append(row)

@@ -96,6 +96,11 @@ class Fp8Backend:
       k <= 32 (an MoE router's experts), runs as ``fp8fx.topk``: one launch on CUDA where torch's takes a radix
       select and a sort (``fp8fx.passes.topk``; ties to the lower index); the report's ``topk`` list says which.
       Default True.
+    - ``fuse_routing``: with ``fast_topk``, a softmax router's softmax before its top-k (Qwen3-MoE, Mixtral) and the
+      renormalization and cast of its weights after it, or the softmax of the k top logits (GPT-OSS), join the
+      top-k's launch (``fp8fx.softmax_topk``): one kernel where there were three. Experts are then ranked by their
+      logits, not the graph's float32 probabilities (the same order but where two logits round to one probability).
+      Default True.
     - ``fast_router``: an MoE router's linear (its weight kept in high precision, tagged by ``quantize_`` /
       ``load_checkpoint``) runs as ``fp8fx.small_mm``: on CUDA up to 4 rows of x in one Triton launch, where cuBLAS
       took 4.2-6.1 us at one token on the H200 (``fp8fx.passes.router``); torch's linear for more rows. Default True.
@@ -123,6 +128,7 @@ class Fp8Backend:
         direct_calls: bool = True,
         fast_topk: bool = True,
         fast_router: bool = True,
+        fuse_routing: bool = True,
     ):
         if compiler not in _COMPILERS:
             raise ValueError(f"Fp8Backend(compiler={compiler!r}): use one of {_COMPILERS}")
@@ -132,7 +138,7 @@ class Fp8Backend:
             raise ValueError(f"Fp8Backend(one_pass_rows={one_pass_rows!r}): a positive int (row length) or None")
         flags = dict(use_fast_accum=use_fast_accum, cudagraphs=cudagraphs, fuse_horizontal=fuse_horizontal,
                      fuse_mlp=fuse_mlp, direct_calls=direct_calls, fast_topk=fast_topk,
-                     fast_router=fast_router)
+                     fast_router=fast_router, fuse_routing=fuse_routing)
         for name, value in flags.items():  # a truthy string ("false") would switch the option on
             if type(value) is not bool:
                 raise ValueError(f"Fp8Backend({name}={value!r}): True or False")
@@ -186,11 +192,12 @@ class Fp8Backend:
             "direct_calls": direct_calls,
             "fast_topk": fast_topk,
             "fast_router": fast_router,
+            "fuse_routing": fuse_routing,
             "inductor_config": sorted((k, compat.custom_pass_key(v)) for k, v in self.inductor_config.items()),
         }
         passes = default_passes(use_fast_accum=use_fast_accum, weight_only=weight_only, fuse_horizontal=fuse_horizontal,
                                 fuse_mlp=fuse_mlp, mlp_h_group=mlp_h_group, fast_topk=fast_topk,
-                                fast_router=fast_router)
+                                fast_router=fast_router, fuse_routing=fuse_routing)
         self.pass_manager = PassManager(passes, options)
         self.report = Report()
 

@@ -1022,8 +1022,8 @@ def topk(x: torch.Tensor, k: int, largest: bool = True) -> tuple[torch.Tensor, t
     return torch.topk(x, k, dim=-1, largest=largest, sorted=True)
 
 
-def _check_topk(x: torch.Tensor, k: int) -> None:
-    torch._check(x.dim() >= 1 and 0 <= k <= x.shape[-1], lambda: f"fp8fx.topk: k={k} of a last dim of "
+def _check_topk(x: torch.Tensor, k: int, name: str = "topk") -> None:
+    torch._check(x.dim() >= 1 and 0 <= k <= x.shape[-1], lambda: f"fp8fx.{name}: k={k} of a last dim of "
                  f"{tuple(x.shape)[-1:] or '(a 0-d tensor)'}; k must be in [0, the last dim's size]")
 
 
@@ -1042,6 +1042,50 @@ def _(x, k, largest=True):
     if kernel.reason(x, k):  # (the pass emits the op only where the kernel takes it; a direct caller may not)
         return torch.topk(x, k, dim=-1, largest=largest, sorted=True)
     return kernel.topk(x, k, largest)
+
+
+# --- a softmax router's top-k and weights in one launch (fp8fx.passes.topk emits it) --------------------------------
+@_op("softmax_topk")
+def softmax_topk(x: torch.Tensor, k: int, renormalize: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    """An MoE router's (weights, int64 expert ids) [..., k] from its logits x: the ids of the k largest logits of the
+    last dim, sorted; the weights ``softmax(x.float(), -1)`` at those ids, divided by their sum where
+    ``renormalize`` (equal to the softmax of the k top logits), in ``out_dtype``. On CUDA one launch of
+    ``fp8fx.kernels.topk`` (ties to the lower index) where its ``reason`` is empty; here and elsewhere torch's."""
+    _check_softmax_topk(x, k, out_dtype)
+    return _softmax_topk(x, k, renormalize, out_dtype)
+
+
+def _softmax_topk(x: torch.Tensor, k: int, renormalize: bool, out_dtype: torch.dtype):
+    ids = torch.topk(x, k, dim=-1, sorted=True).indices
+    if renormalize:
+        weights = torch.softmax(torch.gather(x, -1, ids).float(), -1)
+    else:
+        weights = torch.gather(torch.softmax(x.float(), -1), -1, ids)
+    return weights.to(out_dtype), ids
+
+
+def _check_softmax_topk(x: torch.Tensor, k: int, out_dtype: torch.dtype) -> None:
+    _check_topk(x, k, "softmax_topk")
+    if x.dtype not in quant.HIGH_PRECISION or out_dtype not in quant.HIGH_PRECISION:
+        raise ValueError(f"fp8fx.softmax_topk: logits {x.dtype}, out_dtype {out_dtype}; both bf16, fp16 or fp32")
+
+
+@softmax_topk.register_fake
+def _(x, k, renormalize, out_dtype):
+    _check_softmax_topk(x, k, out_dtype)
+    shape = (*x.shape[:-1], k)
+    return x.new_empty(shape, dtype=out_dtype), x.new_empty(shape, dtype=torch.int64)
+
+
+@_on_cuda("softmax_topk")
+def _(x, k, renormalize, out_dtype):
+    from fp8fx.kernels import topk as kernel  # triton is imported only when a CUDA top-k runs
+
+    _check_softmax_topk(x, k, out_dtype)
+    if kernel.reason(x, k):  # (the pass emits the op only where the kernel takes it; a direct caller may not)
+        return _softmax_topk(x, k, renormalize, out_dtype)
+    return kernel.softmax_topk(x, k, renormalize, out_dtype)
 
 
 # --- a few rows times a small high-precision weight (fp8fx.passes.router emits it: an MoE router's logits) ------

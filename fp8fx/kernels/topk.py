@@ -9,6 +9,14 @@ Order, as torch's: each value is mapped to an unsigned 32-bit key whose order is
 flipped, the others' sign bit; -0.0 below +0.0) with every NaN above every number (``TopKTypeConfig<float>``), and
 ``largest=False`` takes the keys reversed (a NaN last). Of equal keys the lower index comes first (torch leaves that
 order unspecified). The values are read back from the row at the chosen indices, bit for bit the input's.
+
+A softmax router's weights in the same launch (``softmax_topk``, ``fp8fx.softmax_topk``): the program that holds the
+row also takes its softmax, in float32, and writes the k chosen experts' probabilities (``SOFTMAX = 1``) or those
+renormalized over the k (``SOFTMAX = 2``, which is also the softmax of the k top logits: GPT-OSS's router), rounded
+once to the output's dtype. Where the graph took three kernels (softmax, top-k, a normalization: 4.3 us of Qwen3-30B-
+A3B's one-token layer on the H200, run 51) it is one. The experts are chosen by the logits, not by the float32
+probabilities torch's graph ranks: softmax keeps the logits' order, so the two differ only where two distinct logits
+round to one probability (torch then takes the lower index, this the larger logit).
 """
 from __future__ import annotations
 
@@ -25,8 +33,9 @@ MAX_K = 32  # k steps, unrolled
 
 @triton.jit
 def topk_kernel(x_ptr, values_ptr, indices_ptr, N, stride_x, K: tl.constexpr, KP: tl.constexpr,
-                BLOCK: tl.constexpr, LARGEST: tl.constexpr):
-    """Program r: row r's k largest (smallest) values and their indices, in that order."""
+                BLOCK: tl.constexpr, LARGEST: tl.constexpr, SOFTMAX: tl.constexpr = 0):
+    """Program r: row r's k largest (smallest) values and their indices, in that order. ``SOFTMAX`` 1: the values
+    are the row's softmax at those indices; 2: the softmax of the k values (both float32, then values_ptr's dtype)."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     x_row = x_ptr + row * stride_x
@@ -50,7 +59,18 @@ def topk_kernel(x_ptr, values_ptr, indices_ptr, N, stride_x, K: tl.constexpr, KP
         comp = tl.where(comp == best, -1, comp)
     k_ok = kk < K
     out = row * K + kk
-    tl.store(values_ptr + out, tl.load(x_row + picked, mask=k_ok), mask=k_ok)
+    values = tl.load(x_row + picked, mask=k_ok)
+    if SOFTMAX != 0:  # exp(x - max) / its sum over the row (1) or the k (2); a NaN anywhere in it makes every one NaN
+        top = tl.where(k_ok, values.to(tl.float32), float("-inf"))
+        if SOFTMAX == 1:
+            xf = tl.where(offs < N, raw.to(tl.float32), float("-inf"))
+            high = tl.max(xf, 0)
+            total = tl.sum(tl.exp(xf - high), 0)
+        else:
+            high = tl.max(top, 0)
+            total = tl.sum(tl.exp(top - high), 0)
+        values = tl.exp(top - high) / total
+    tl.store(values_ptr + out, values.to(values_ptr.dtype.element_ty), mask=k_ok)
     tl.store(indices_ptr + out, picked, mask=k_ok)
 
 
@@ -69,14 +89,27 @@ def reason(x: torch.Tensor, k: int) -> str:
 def topk(x: torch.Tensor, k: int, largest: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """(values, int64 indices) [..., k] of x's last dim on the GPU, as ``torch.topk(x, k, -1, largest, sorted=True)``
     (ties to the lower index). ``reason(x, k)`` must be ""."""
+    return _launch(x, k, largest, 0, x.dtype)
+
+
+def softmax_topk(x: torch.Tensor, k: int, renormalize: bool, out_dtype: torch.dtype) -> tuple[torch.Tensor,
+                                                                                               torch.Tensor]:
+    """(weights of ``out_dtype``, int64 indices) [..., k] on the GPU: the k largest logits of x's last dim, sorted
+    (ties to the lower index), and ``softmax(x.float(), -1)`` there, divided by its sum over the k where
+    ``renormalize``. ``reason(x, k)`` must be ""."""
+    return _launch(x, k, True, 2 if renormalize else 1, out_dtype)
+
+
+def _launch(x: torch.Tensor, k: int, largest: bool, softmax: int, out_dtype: torch.dtype):
     n = x.shape[-1] if x.dim() else 1
     rows = x.reshape(-1, n)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
-    values = torch.empty((*x.shape[:-1], k), dtype=x.dtype, device=x.device)
+    values = torch.empty((*x.shape[:-1], k), dtype=out_dtype, device=x.device)
     indices = torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
     if rows.shape[0]:
         block = max(next_power_of_2(n), 16)
         topk_kernel[(rows.shape[0],)](rows, values, indices, n, rows.stride(0), K=k, KP=max(next_power_of_2(k), 2),
-                                      BLOCK=block, LARGEST=largest, num_warps=1 if block <= 512 else 4)
+                                      BLOCK=block, LARGEST=largest, SOFTMAX=softmax,
+                                      num_warps=1 if block <= 512 else 4)
     return values, indices

@@ -14,6 +14,7 @@ from torch.utils import _pytree as pytree
 
 
 from fp8fx.lowerings.compat import FakeTensor
+from fp8fx.quant import HIGH_PRECISION
 from fp8fx.report import Report
 
 
@@ -69,9 +70,11 @@ class NodePass(Fp8Pass):
         self.enabled = enabled
 
     def uuid(self) -> str:
-        """The subclass's module, this one's (its loop and ``replace_node`` are the pass's too) and ``enabled``."""
+        """The subclass's module, this one's (its loop and ``replace_node`` are the pass's too) and the pass's
+        options (``enabled`` and any a subclass adds)."""
         here = inspect.getsource(sys.modules[__name__])
-        return hashlib.sha256(f"{super().uuid()}:{here}:{self.enabled}".encode()).hexdigest()
+        options = sorted(vars(self).items())
+        return hashlib.sha256(f"{super().uuid()}:{here}:{options}".encode()).hexdigest()
 
     def visit(self, gm: fx.GraphModule, node: fx.Node, ctx: PassContext, records_grad: bool) -> bool:
         """Rewrite ``node`` where it is the pass's (``records_grad``: ``may_record_grad`` of the graph); whether it
@@ -179,3 +182,25 @@ def module_path(node: fx.Node) -> Optional[str]:
     path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
     return path.lstrip(".")
+
+
+_FLOAT32_CASTS = ("float", "to", "type")  # x.float(), x.to(torch.float32), x.type(torch.float32)
+
+
+def _float32_cast_of(node) -> Optional[fx.Node]:
+    """The tensor ``node`` casts to float32 (``.float()``, ``.to(torch.float32)``, ``.type(torch.float32)``), or
+    None."""
+    if isinstance(node, fx.Node) and node.op == "call_method" and node.target in _FLOAT32_CASTS and not node.kwargs \
+            and len(node.args) == (1 if node.target == "float" else 2) and node.args[1:] in ((), (torch.float32,)):
+        return node.args[0]
+    return None
+
+
+def float32_source(node):
+    """The tensor ``node`` is a float32 cast of, where that tensor is 16-bit or float32, else ``node``: for a kernel
+    that casts as it loads (exact), so the cast's own kernel goes (Nemotron-H's router: ``F.linear(x.type(
+    torch.float32), self.weight.type(torch.float32))``, a copy of the weight every call, 1.6-2 us; Mixtral's
+    ``softmax(logits.float())``)."""
+    source = _float32_cast_of(node)
+    value = fake_value(source)
+    return source if isinstance(value, torch.Tensor) and value.dtype in HIGH_PRECISION else node

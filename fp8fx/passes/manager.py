@@ -25,7 +25,7 @@ log = logging.getLogger("fp8fx")
 def default_passes(
     use_fast_accum: bool = False, weight_only: Optional[bool] = None, fuse_horizontal: bool = False,
     fuse_mlp: bool = False, mlp_h_group: Union[int, None, str] = None, fast_topk: bool = True,
-    fast_router: bool = True,
+    fast_router: bool = True, fuse_routing: bool = True,
 ) -> list[Fp8Pass]:
     return [
         # first: the experts leave the graph before linears are sought
@@ -37,7 +37,7 @@ def default_passes(
         # after the linear pass, which reports the router's linear as a site (not quantized) by its node
         RouterPass(enabled=fast_router),
         # after the MoE pass, which reads a dense router's top-k (Llama-4's) as torch.topk
-        TopkPass(enabled=fast_topk),
+        TopkPass(enabled=fast_topk, fuse_routing=fuse_routing),
     ]
 
 

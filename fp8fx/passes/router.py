@@ -18,43 +18,23 @@ A router linear left as it is says why in a debug log line (the linear pass's si
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 import torch
 from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
-from fp8fx.passes.base import NodePass, PassContext, fake_value, replace_node
+from fp8fx.passes.base import NodePass, PassContext, fake_value, float32_source, replace_node
 from fp8fx.passes.linear import _LINEAR, _read_from
 from fp8fx.weights.moe import ROUTES_PREFIX
 
 log = logging.getLogger("fp8fx")
-_CASTS = ("float", "to", "type")  # x.float(), x.to(torch.float32), x.type(torch.float32)
 
 
 def _router_weight(w, ctx: PassContext) -> bool:
     source = _read_from(w)
     real = ctx.example.get(source) if isinstance(source, fx.Node) else None
     return str(getattr(real, "_fp8fx_skip_reason", "")).startswith(ROUTES_PREFIX)
-
-
-def _cast_of(node) -> Optional[fx.Node]:
-    """The tensor ``node`` casts to float32 (``.float()``, ``.to(torch.float32)``, ``.type(torch.float32)``), or
-    None."""
-    if isinstance(node, fx.Node) and node.op == "call_method" and node.target in _CASTS and not node.kwargs \
-            and len(node.args) == (1 if node.target == "float" else 2) and node.args[1:] in ((), (torch.float32,)):
-        return node.args[0]
-    return None
-
-
-def _uncast(node):
-    """The tensor ``node`` is a float32 cast of (Nemotron-H's router: ``F.linear(x.type(torch.float32),
-    self.weight.type(torch.float32))``), where that tensor is 16-bit or float32, else ``node``: the kernel casts as it
-    loads (exact), so the casts' own kernels go (a 16-bit weight's cast was a copy of it every call, 1.6-2 us)."""
-    source = _cast_of(node)
-    value = fake_value(source)
-    return source if isinstance(value, torch.Tensor) and value.dtype in quant.HIGH_PRECISION else node
 
 
 def _reason(node: fx.Node, x, w, bias, records_grad: bool) -> str:
@@ -90,7 +70,7 @@ class RouterPass(NodePass):
             log.debug("fp8fx: router linear %s kept as torch's: %s", node.name, why)
             return False
         out_dtype = fake_value(w).dtype
-        call = (*((_uncast(x), _uncast(w)) if out_dtype == torch.float32 else (x, w)), bias, out_dtype)
+        call = (*((float32_source(x), float32_source(w)) if out_dtype == torch.float32 else (x, w)), bias, out_dtype)
         replace_node(gm.graph, node, torch.ops.fp8fx.small_mm.default, call, fake_value(node))
         for cast, source in ((x, call[0]), (w, call[1])):  # (the casts bypassed, where nothing else reads them)
             if cast is not source and not cast.users:

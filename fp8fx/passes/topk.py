@@ -15,17 +15,37 @@ first. On CUDA that is one launch where torch's takes a radix select and, sorted
 MoE routing's top-k ran 9 us against the experts' two GEMMs' 9 us each (Qwen3-30B-A3B's layer at one token on the
 H200, benchmarks/RESULTS.md run 51); elsewhere the op calls torch's. Every top-k the pass sees goes into the report's
 ``topk`` list, rewritten or with the reason it is not.
+
+A softmax router's steps around its top-k join the top-k's launch (``fuse_routing=True``, the default)::
+
+    probs = softmax(logits, -1, dtype=torch.float)    # or softmax(logits.float(), -1): Qwen3-MoE, Mixtral, OLMoE
+    top = torch.topk(probs, k, dim=-1)
+    w = top[0] / top[0].sum(-1, keepdim=True)         # (renormalized: norm_topk_prob; ``/=`` too)
+    w = w.to(torch.bfloat16)                          # (a cast of the weights, where there is one)
+
+    top = torch.topk(logits, k, dim=-1)                # GPT-OSS: the softmax of the k top logits
+    w = softmax(top[0], dim=-1, dtype=...)
+
+become ``top = fp8fx.softmax_topk(logits, k, renormalize, out_dtype)``, whose weights are the probabilities of the
+logits' k largest (renormalized: over the k, which is the softmax of the k). The softmax, the division and the cast
+were a kernel each (Inductor's, 2.3 us of Qwen3-30B-A3B's one-token layer besides the top-k's 2 us, H200, run 51).
+The experts are ranked by their logits, as softmax orders them; torch's graph ranks the float32 probabilities, so
+only two logits that round to one probability can be taken otherwise (there the larger logit, not the lower index).
+A probabilities' tensor that something else reads is still computed for it.
 """
 from __future__ import annotations
 
+import dataclasses
 import operator
+from typing import Optional
 
 import torch
 from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
+from fp8fx import quant
 from fp8fx.kernels import topk as kernel
-from fp8fx.passes.base import NodePass, PassContext, fake_value, module_path, replace_node
+from fp8fx.passes.base import NodePass, PassContext, fake_value, float32_source, module_path, replace_node
 from fp8fx.report import Site
 
 _PARAMS = ("input", "k", "dim", "largest", "sorted")  # torch.topk's, in order (a method's first is ``self``)
@@ -69,9 +89,127 @@ def _reason(node: fx.Node, args: dict, graph_records_grad: bool) -> str:
     return ""
 
 
+_SOFTMAX_PARAMS = {torch.softmax: ("input", "dim", "dtype"), torch.nn.functional.softmax: ("input", "dim",
+                   "_stacklevel", "dtype"), torch.special.softmax: ("input", "dim", "dtype"), "softmax": ("input",
+                   "dim", "dtype")}
+_DIVIDE = (operator.truediv, operator.itruediv, torch.div, torch.true_divide)
+_DIVIDE_METHODS = ("div", "div_", "true_divide", "true_divide_", "__truediv__", "__itruediv__")
+_CAST_METHODS = ("to", "type", "float", "bfloat16", "half")
+
+
+def _only_user(node: fx.Node) -> Optional[fx.Node]:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _over_last(node: fx.Node, dim) -> bool:
+    """Whether ``dim`` is the last dim of ``node``'s value."""
+    value = fake_value(node)
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and isinstance(dim, int) \
+        and dim % value.dim() == value.dim() - 1
+
+
+def _softmax_of(node) -> Optional[fx.Node]:
+    """What ``node`` is the softmax over the last dim of (``torch.softmax``, ``F.softmax``, ``Tensor.softmax``,
+    without other arguments than dim and dtype), with a 16-bit or float32 result, or None."""
+    if not isinstance(node, fx.Node) or not (node.op == "call_method" and node.target == "softmax"
+                                             or node.op == "call_function" and node.target in _SOFTMAX_PARAMS):
+        return None
+    params = _SOFTMAX_PARAMS[node.target]
+    args = dict(zip(params, node.args), **node.kwargs)
+    source, out = args.pop("input", None), fake_value(node)
+    args.pop("_stacklevel", None)
+    if set(args) - {"dim", "dtype"} or not isinstance(source, fx.Node) or not _over_last(source, args.get("dim")) \
+            or not isinstance(out, torch.Tensor) or out.dtype not in quant.HIGH_PRECISION:
+        return None
+    return source
+
+
+def _is_row_sum(node: fx.Node, of: fx.Node) -> bool:
+    """Whether ``node`` is ``of.sum(-1, keepdim=True)`` (the method or torch.sum, dim the last)."""
+    if not (node.op == "call_method" and node.target == "sum" or node.op == "call_function" and node.target is
+            torch.sum):
+        return False
+    args = dict(zip(("input", "dim", "keepdim"), node.args), **node.kwargs)
+    return set(args) == {"input", "dim", "keepdim"} and args["input"] is of and args["keepdim"] is True \
+        and _over_last(of, args["dim"][0] if isinstance(args["dim"], (list, tuple)) and len(args["dim"]) == 1
+                       else args["dim"])
+
+
+def _is_division(node: fx.Node, a: fx.Node, b: fx.Node) -> bool:
+    """Whether ``node`` is ``a / b`` (or ``a /= b``, ``torch.div(a, b)``, ``a.div(b)``)."""
+    return (node.op == "call_function" and node.target in _DIVIDE or node.op == "call_method"
+            and node.target in _DIVIDE_METHODS) and tuple(node.args) == (a, b) and not node.kwargs
+
+
+def _cast(node: Optional[fx.Node]) -> Optional[torch.dtype]:
+    """The dtype ``node`` casts its input to, where it is a plain cast to a 16-bit or float32 dtype, else None."""
+    if node is None or node.op != "call_method" or node.target not in _CAST_METHODS or node.kwargs \
+            or not all(isinstance(a, torch.dtype) for a in node.args[1:]):
+        return None
+    value = fake_value(node)
+    return value.dtype if isinstance(value, torch.Tensor) and value.dtype in quant.HIGH_PRECISION else None
+
+
+@dataclasses.dataclass
+class _Routing:
+    """A softmax router's top-k with what joins its launch: ``logits`` (the top-k's input or what its softmax
+    reads), ``renormalize``, the weights' ``out_dtype``, ``final`` (the node whose users then read the op's weights)
+    and the nodes that go (``chain``, ``final`` last; then ``prologue``, the softmax and its cast, where unread)."""
+
+    logits: fx.Node
+    renormalize: bool
+    out_dtype: torch.dtype
+    final: fx.Node
+    chain: list
+    prologue: list
+
+    def describe(self, k: int, n) -> str:
+        how = "its softmax, renormalized" if self.renormalize and self.prologue else (
+            "the softmax of the k" if self.renormalize else "its softmax")
+        return f"k={k} of {n} with {how}, {str(self.out_dtype).removeprefix('torch.')}"
+
+
+def _routing(node: fx.Node, args: dict) -> Optional[_Routing]:
+    """The softmax router's form around the top-k ``node`` (module docstring), or None."""
+    values = [u for u in node.users if u.args[1] == 0]
+    if args["largest"] is not True or len(values) > 1:
+        return None
+    value = values[0] if values else None
+    probs = args["input"]
+    read = _softmax_of(probs)
+    if read is not None and fake_value(probs).dtype == torch.float32:  # softmax first: the weights are probabilities
+        logits = float32_source(read)
+        prologue = [probs] + ([read] if read is not logits else [])
+        chain, renormalize, final = [], False, value
+        if value is not None and len(value.users) == 2:
+            total = next((u for u in value.users if _is_row_sum(u, value)), None)
+            divide = next((u for u in value.users if u is not total), None)
+            if total is not None and list(total.users) == [divide] and _is_division(divide, value, total):
+                chain, renormalize, final = [total, divide], True, divide
+    elif value is not None and _softmax_of(_only_user(value)) is value:  # softmax of the k (GPT-OSS)
+        logits, prologue, renormalize = probs, [], True
+        final = _only_user(value)
+        chain = [final]
+    else:
+        return None
+    if not isinstance(fake_value(logits), torch.Tensor) or kernel.reason(fake_value(logits), args["k"]):
+        return None
+    out_dtype = fake_value(final).dtype if final is not None else torch.float32
+    if final is not None and _cast(_only_user(final)) is not None:
+        out_dtype = _cast(_only_user(final))
+        final = _only_user(final)
+        chain.append(final)
+    return _Routing(logits, renormalize, out_dtype, final, chain, prologue)
+
+
 class TopkPass(NodePass):
-    """``torch.topk`` of short rows -> ``fp8fx.topk`` (see the module docstring). ``enabled=False``: the pass
-    looks at nothing and rewrites nothing (``Fp8Backend(fast_topk=False)``)."""
+    """``torch.topk`` of short rows -> ``fp8fx.topk``, and a softmax router's -> ``fp8fx.softmax_topk`` (see the
+    module docstring). ``enabled=False``: the pass looks at nothing and rewrites nothing (``Fp8Backend(fast_topk=
+    False)``); ``fuse_routing=False``: every top-k becomes ``fp8fx.topk``, its softmax and normalization left."""
+
+    def __init__(self, enabled: bool = True, fuse_routing: bool = True):
+        super().__init__(enabled)
+        self.fuse_routing = fuse_routing
 
     def visit(self, gm: fx.GraphModule, node: fx.Node, ctx: PassContext, records_grad: bool) -> bool:
         args = _topk_args(node)
@@ -81,11 +219,29 @@ class TopkPass(NodePass):
         x = fake_value(args.get("input"))
         n = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else "?"
         order = "" if args.get("largest") is not False else " smallest"
+        routing = _routing(node, args) if self.fuse_routing and not why else None
+        scheme = "" if why else routing.describe(args["k"], n) if routing else f"k={args['k']} of {n}{order}"
+        name = "softmax_topk" if routing else "topk"
+        op = getattr(torch.ops.fp8fx, name).default
         ctx.report.add_topk(Site(
-            kind="topk", fqn=module_path(node) or "", rewritten=not why, reason=why,
-            scheme="" if why else f"k={args['k']} of {n}{order}", graph=ctx.graph_index,
-            weight_shape=Site.shape_of(x), kernel="" if why else "extern fp8fx.topk", node=Site.origin_of(node),
+            kind="topk", fqn=module_path(node) or "", rewritten=not why, reason=why, scheme=scheme,
+            graph=ctx.graph_index, weight_shape=Site.shape_of(x), kernel="" if why else f"extern fp8fx.{name}",
+            node=Site.origin_of(node),
         ))
-        if not why:
-            replace_node(gm.graph, node, torch.ops.fp8fx.topk.default, (args["input"], args["k"], args["largest"]))
-        return not why
+        if why:
+            return False
+        if routing is None:
+            replace_node(gm.graph, node, op, (args["input"], args["k"], args["largest"]))
+            return True
+        new = replace_node(gm.graph, node, op, (routing.logits, args["k"], routing.renormalize, routing.out_dtype))
+        weights = next((u for u in new.users if u.args[1] == 0), None)
+        if routing.final is not None and routing.final is not weights:
+            routing.final.replace_all_uses_with(weights)
+            for gone in reversed(routing.chain):
+                gm.graph.erase_node(gone)
+        if weights is not None:
+            weights.meta["example_value"] = new.meta["example_value"][0]
+        for gone in routing.prologue:  # (the probabilities, where nothing else reads them)
+            if not gone.users:
+                gm.graph.erase_node(gone)
+        return True

@@ -27,12 +27,15 @@ def test_bench_moe_layer_cpu_smoke(tmp_path):
 
 
 def test_bench_routing_cpu_smoke(tmp_path):
-    """fp8fx.topk's and fp8fx.small_mm's kernels under the interpreter against torch on routers' rows (the script's own
-    checks: top-k values bit for bit, logits within 1e-2 / 1e-5 of float64)."""
+    """fp8fx.topk's, fp8fx.small_mm's and fp8fx.softmax_topk's kernels under the interpreter against torch on
+    routers' rows (the script's own checks: top-k values bit for bit, logits within 1e-2 / 1e-5 of float64, softmax
+    routers' ids torch's and weights within 2^-7 / 1e-5 of float64's)."""
     run_under_triton_interpreter(["benchmarks/bench_routing.py", "--cpu-smoke", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "routing.json").read_text())["rows"]
-    assert len(rows) == 13 and all(r["ok"] for r in rows), rows
-    assert all(r["err"] < 1e-2 for r in rows[10:]), rows[10:]
+    assert len(rows) == 17 and all(r["ok"] for r in rows), rows
+    assert all(r["err"] < 1e-2 for r in rows[10:13]), rows[10:13]
+    assert [r["softmax_router"] for r in rows[13:]] == ["qwen3", "gpt_oss", "mixtral", "qwen2"], rows[13:]
+    assert all(r["err_fp8fx"] < 2 ** -7 for r in rows[13:]), rows[13:]
 
 
 def test_bench_decoder_layer_cpu_smoke(tmp_path):

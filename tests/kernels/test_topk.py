@@ -70,6 +70,52 @@ CHECKS = textwrap.dedent(
     """
 )
 
+# softmax_topk: the experts of the k largest logits; their softmax (over the row, or the k) against float64
+SOFTMAX_CHECKS = textwrap.dedent(
+    """
+    import torch
+    from fp8fx.kernels import topk as kernel
+
+    if DEVICE == "cpu":  # the interpreter's float32 -> bf16 truncates; the GPU rounds to nearest
+        from tests.triton_rounding import round_to_nearest
+        round_to_nearest()
+
+    def reference(x, ids, renormalize):
+        probs = torch.gather(torch.softmax(x.cpu().double(), -1), -1, ids.cpu())
+        return probs / probs.sum(-1, keepdim=True) if renormalize else probs
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        for rows, n, k in ((1, 128, 8), (3, 32, 4), (2, 4096, 3), (4, 100, 32), (5, 8, 8), (1, 1, 1)):
+            x = (torch.randn(rows, n, generator=g) * 4).to(dtype).to(DEVICE)
+            for renormalize in (False, True):
+                for out_dtype in (torch.float32, torch.bfloat16):
+                    weights, ids = kernel.softmax_topk(x, k, renormalize, out_dtype)
+                    assert weights.dtype == out_dtype and ids.dtype == torch.int64 and ids.shape == (rows, k)
+                    values, want_ids = kernel.topk(x, k)  # (the plain kernel: ties to the lower index)
+                    assert torch.equal(ids, want_ids), (dtype, n, k)
+                    ref = reference(x, ids, renormalize)
+                    # float32: the exponentials' rounding (the GPU's tl.exp is ex2.approx of x * log2(e), the
+                    # product's rounding 2^-24 of |x - max| < 40 here: 2.4e-6 relative, twice in a ratio);
+                    # bf16: one rounding, 2^-8 relative, besides
+                    bound = 8e-6 if out_dtype == torch.float32 else 2 ** -8 + 8e-6
+                    err = ((weights.cpu().double() - ref).abs() / ref).max().item()
+                    assert err <= bound, (dtype, rows, n, k, renormalize, out_dtype, err)
+    # rows of -inf and NaN: -inf logits weigh 0; a NaN anywhere in the softmax makes the row's weights NaN, as torch's
+    x = torch.tensor([[0.0, float("-inf"), 1.0, float("-inf")], [0.0, float("nan"), 1.0, 2.0],
+                      [float("-inf")] * 4], device=DEVICE)
+    for renormalize in (False, True):
+        weights, ids = kernel.softmax_topk(x, 3, renormalize, torch.float32)
+        assert ids[0].tolist() == [2, 0, 1], ids  # (the two -inf: the lower index)
+        want = torch.tensor([1.0, 0.0, float("-inf")]).exp() / (1 + torch.tensor(1.0).exp())  # e/(1+e), 1/(1+e), 0
+        assert torch.allclose(weights[0].cpu(), want, rtol=2e-6, atol=0), weights
+        assert ids[1, 0].item() == 1 and weights[1:].isnan().all(), (renormalize, ids, weights)
+    weights, ids = kernel.softmax_topk(torch.empty(0, 16, device=DEVICE), 4, True, torch.bfloat16)
+    assert weights.shape == ids.shape == (0, 4)
+    print("softmax_topk ok")
+    """
+)
+
 
 def test_topk_kernel_under_triton_interpreter():
     """Values bit for bit torch.topk's in every dtype, largest and smallest, rows of 1-4096 and k of 1-32; indices
@@ -81,6 +127,42 @@ def test_topk_kernel_under_triton_interpreter():
 @pytest.mark.cuda
 def test_topk_kernel_cuda():
     exec(compile("DEVICE = 'cuda'\n" + CHECKS, "topk_checks", "exec"), {})
+
+
+def test_softmax_topk_kernel_under_triton_interpreter():
+    """The experts of the k largest logits (the plain kernel's, ties to the lower index), their softmax over the row
+    or renormalized over the k within float32's rounding of the float64 softmax or one bf16 rounding, in float32,
+    bf16 and fp16 rows of 1-4096 and k of 1-32; -inf logits weigh 0, a NaN makes its row's weights NaN."""
+    out = run_under_triton_interpreter(["-c", "DEVICE = 'cpu'\n" + SOFTMAX_CHECKS])
+    assert "softmax_topk ok" in out
+
+
+@pytest.mark.cuda
+def test_softmax_topk_kernel_cuda():
+    exec(compile("DEVICE = 'cuda'\n" + SOFTMAX_CHECKS, "softmax_topk_checks", "exec"), {})
+
+
+def test_softmax_topk_op_on_cpu():
+    """``fp8fx.softmax_topk`` off CUDA: torch's top-k of the logits, their softmax (renormalized: over the k) in
+    ``out_dtype``; its fake impl's shapes and dtypes; bad k and dtypes refused, naming them."""
+    x = torch.randn(3, 5, 40, dtype=torch.bfloat16)
+    for renormalize in (False, True):
+        weights, ids = torch.ops.fp8fx.softmax_topk(x, 6, renormalize, torch.float32)
+        assert torch.equal(ids, torch.topk(x, 6).indices)
+        probs = torch.gather(torch.softmax(x.double(), -1), -1, ids)
+        want = probs / probs.sum(-1, keepdim=True) if renormalize else probs
+        assert torch.allclose(weights.double(), want, rtol=1e-6, atol=0)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        weights, ids = torch.ops.fp8fx.softmax_topk(torch.empty(2, 9, dtype=torch.float32), 4, True, torch.bfloat16)
+    assert weights.shape == ids.shape == (2, 4) and weights.dtype == torch.bfloat16 and ids.dtype == torch.int64
+    with pytest.raises(RuntimeError, match=r"fp8fx.softmax_topk: k=41 of a last dim of \(40,\)"):
+        torch.ops.fp8fx.softmax_topk(x, 41, True, torch.float32)
+    with pytest.raises(ValueError, match=r"fp8fx.softmax_topk: logits torch.float64, out_dtype torch.float32"):
+        torch.ops.fp8fx.softmax_topk(x.double(), 4, True, torch.float32)
+    with pytest.raises(ValueError, match=r"logits torch.bfloat16, out_dtype torch.int32"):
+        torch.ops.fp8fx.softmax_topk(x, 4, True, torch.int32)
 
 
 def test_topk_op_is_torch_topk_on_cpu():

@@ -13,6 +13,7 @@ from fp8fx.passes import default_passes
 from fp8fx.passes.base import PassContext
 from fp8fx.passes.topk import TopkPass
 from fp8fx.report import Report
+from tests.conftest import rel_err
 
 
 class Router(nn.Module):
@@ -36,13 +37,13 @@ class Router(nn.Module):
         return weights, ids, low, by_token, long_row, whole
 
 
-def capture(model, *args, enabled=True):
+def capture(model, *args, enabled=True, fuse_routing=False):
     """(the model's outputs through the pass, the graph after it, its report)."""
     report, seen = Report(), []
 
     def backend(gm, example_inputs):
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        TopkPass(enabled)(gm, PassContext(report, 0, dict(zip(placeholders, example_inputs))))
+        TopkPass(enabled, fuse_routing)(gm, PassContext(report, 0, dict(zip(placeholders, example_inputs))))
         gm.graph.lint()
         gm.recompile()
         seen.append(gm)
@@ -108,11 +109,13 @@ def test_backend_option_and_report_of_a_compiled_model():
     with torch.no_grad():
         out = torch.compile(model, backend=backend)(x, wide)
         want = model(x, wide)
-    assert torch.equal(out[1], want[1]) and torch.equal(out[0], want[0])
+    assert torch.equal(out[1], want[1]) and torch.allclose(out[0], want[0], rtol=1e-6, atol=0)  # (softmax_topk's)
     assert [s.rewritten for s in backend.report.topk] == [True, True, True, False, False, True]
-    assert "fp8fx.topk" in str(backend.report)
+    assert "fp8fx.topk" in str(backend.report) and "fp8fx.softmax_topk" in str(backend.report)
     off = fp8fx.Fp8Backend(compiler="eager", fast_topk=False)
     assert off.cache_key() != backend.cache_key()
+    assert fp8fx.Fp8Backend(compiler="eager", fuse_routing=False).cache_key() not in (off.cache_key(),
+                                                                                      backend.cache_key())
     backend.report.fail_graph(0, "a test's failure")
     assert not any(s.rewritten for s in backend.report.topk)
     assert {s.reason for s in backend.report.topk if s.scheme == ""} >= {"a test's failure"}
@@ -162,9 +165,11 @@ def test_a_topk_used_whole_is_left():
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "nemotron_h"])
 def test_hf_routers_linear_and_topk_rewritten(name, monkeypatch):
     """A quantized HF MoE layer (tiny dims): its router's linear runs as fp8fx.small_mm (Nemotron-H's float32 router on
-    the 16-bit hidden states themselves: the kernel casts as it loads) and its top-k(s) as fp8fx.topk; the output is
-    bit for bit that of the same compile with both left to torch (off CUDA both ops are torch's). The router's site
-    keeps its reason."""
+    the 16-bit hidden states themselves: the kernel casts as it loads) and its top-k(s) as fp8fx.topk, or with the
+    softmax router's softmax and normalization as fp8fx.softmax_topk (Qwen3-MoE's, GPT-OSS's); the output is that of
+    the same compile with all of it left to torch (off CUDA the ops are torch's): bit for bit, or where the routing
+    weights are softmax_topk's (rounded once, not after each step), within a bf16 rounding. The router's site keeps
+    its reason."""
     pytest.importorskip("transformers")
     import sys
 
@@ -187,10 +192,15 @@ def test_hf_routers_linear_and_topk_rewritten(name, monkeypatch):
         router = [s for s in backend.report.sites if "routes tokens" in s.reason]
         assert len(router) == 1 and not router[0].rewritten, backend.report
         assert len(backend.report.topk) == ((3 if name == "nemotron_h" else 1) if on else 0), backend.report.topk
-    assert torch.equal(outs[0], outs[1])
     fast, slow = codes[0][0], codes[1][0]
     assert fast.count("torch.ops.fp8fx.small_mm.default(") == 1 and "small_mm" not in slow, fast
-    assert fast.count("torch.ops.fp8fx.topk.default(") == (3 if name == "nemotron_h" else 1)
+    fused = name != "nemotron_h"  # (a sigmoid router: its three top-ks plain)
+    assert fast.count("torch.ops.fp8fx.topk.default(") == (0 if fused else 3), fast
+    assert fast.count("torch.ops.fp8fx.softmax_topk.default(") == fused and "softmax(" not in fast, fast
+    if fused:
+        assert rel_err(outs[0], outs[1]) < 2e-3, rel_err(outs[0], outs[1])
+    else:
+        assert torch.equal(outs[0], outs[1])
     if name == "nemotron_h":  # (the 16-bit hidden states go in, not their float32 cast)
         call = next(line for line in fast.splitlines() if "small_mm.default(" in line)
         assert "small_mm.default(hidden_states, l_self_modules_gate_parameters_weight_, None, torch.float32)" in call \
@@ -210,10 +220,14 @@ def test_inductor_calls_the_ops():
         out, code = run_and_get_code(torch.compile(model, backend=backend), x, wide)
         torch._dynamo.reset()
         want = torch.compile(model, backend=fp8fx.Fp8Backend(fast_topk=False))(x, wide)
-    assert all(torch.equal(a, b) for a, b in zip(out[:5], want[:5]))
+    assert all(torch.equal(a, b) for a, b in zip(out[1:5], want[1:5]))
+    assert torch.allclose(out[0], want[0], rtol=1e-6, atol=0)  # (the softmax router's weights: softmax_topk's)
+    assert torch.equal(out[5].indices, want[5].indices) and torch.allclose(out[5].values, want[5].values, rtol=1e-6)
     code = "\n".join(code)
-    assert code.count("fp8fx_direct.topk(") == 4 and code.count("aten.topk.default(") == 2, code
-    assert [s.kernel for s in backend.report.topk if s.rewritten] == ["extern fp8fx.topk"] * 4
+    assert code.count("fp8fx_direct.topk(") == 2 and code.count("fp8fx_direct.softmax_topk(") == 2, code
+    assert code.count("aten.topk.default(") == 2, code
+    assert [s.kernel.removeprefix("extern fp8fx.") for s in backend.report.topk if s.rewritten] == [
+        "softmax_topk", "topk", "topk", "softmax_topk"]  # (the last: the probabilities' top-k, its result used whole)
 
 
 def test_router_linears_the_kernel_would_change_are_left():
@@ -244,3 +258,78 @@ def test_router_linears_the_kernel_would_change_are_left():
         assert [o.dtype for o in out] == [w.dtype for w in want] == [torch.bfloat16 if autocast else torch.float32] * 2
         assert all(torch.equal(o, w) for o, w in zip(out, want))
         assert codes[0].count("fp8fx.small_mm.default(") == (0 if autocast else 1), codes[0]
+
+
+class SoftmaxRouters(nn.Module):
+    """Softmax routers' forms: Qwen3-MoE's (float32 softmax, ``/=`` its sum, a cast), Mixtral's (the softmax of a
+    ``.float()`` cast, ``/`` its sum), GPT-OSS's (the softmax of the k top logits, dim 1), probabilities not
+    renormalized that something else also reads (Qwen2-MoE's ``norm_topk_prob=False``); a sum without keepdim and a
+    division by another tensor, which stay (the softmax alone joins); top-ks that stay plain: the smallest, bf16
+    probabilities."""
+
+    def forward(self, logits, logits32, other):
+        probs = F.softmax(logits, dim=-1, dtype=torch.float)
+        top, ids = torch.topk(probs, 4, dim=-1)
+        top /= top.sum(dim=-1, keepdim=True)
+        qwen3 = (top.to(logits.dtype), ids)
+        top, ids = torch.softmax(logits.float(), -1).topk(2, dim=-1)
+        mixtral = (top / top.sum(-1, keepdim=True), ids)
+        top, ids = torch.topk(logits, 4, dim=-1)
+        gpt_oss = (F.softmax(top, dim=1, dtype=top.dtype), ids)
+        probs32 = logits32.softmax(-1)
+        top, ids = torch.topk(probs32, 3)
+        plain = (top, ids, probs32.sum(-1))
+        smallest = torch.topk(probs32, 2, largest=False)
+        summed = torch.topk(probs32, 2)[0]
+        no_keepdim = summed / summed.sum(-1)[:, None]
+        divided = torch.topk(probs32, 2)[0]
+        by_other = divided / other
+        bf16 = torch.topk(logits.softmax(-1), 2)
+        return qwen3, mixtral, gpt_oss, plain, smallest, no_keepdim, by_other, bf16
+
+
+def test_softmax_routers_join_the_topk_launch():
+    """Each softmax router's softmax, top-k, renormalization and cast become one ``fp8fx.softmax_topk`` (the graph
+    keeps none of those nodes, but the probabilities another node reads); its ids are torch's, its weights within a
+    rounding of the graph's (float32: 1e-6; bf16: one unit in the last place, 2^-7 relative: both round a float32 value
+    once). The top-ks it does not take stay plain, their values torch's bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(5, 16, generator=g) * 2).to(torch.bfloat16)
+    logits32, other = torch.randn(5, 24, generator=g), torch.rand(5, 2, generator=g) + 0.5
+    model = SoftmaxRouters()
+    out, gm, report = capture(model, logits, logits32, other, fuse_routing=True)
+    with torch.no_grad():
+        want = model(logits, logits32, other)
+    calls = [n for n in gm.graph.nodes if n.target is torch.ops.fp8fx.softmax_topk.default]
+    assert [(n.args[0].name, *n.args[1:]) for n in calls] == [
+        ("l_logits_", 4, True, torch.bfloat16), ("l_logits_", 2, True, torch.float32),
+        ("l_logits_", 4, True, torch.bfloat16), ("l_logits32_", 3, False, torch.float32),
+        ("l_logits32_", 2, False, torch.float32), ("l_logits32_", 2, False, torch.float32)]
+    left = [n.target for n in gm.graph.nodes if n.op != "placeholder" and n.target is not operator.getitem]
+    names = [getattr(t, "__name__", t) for t in left]
+    assert names.count("softmax") == 2 and names.count("sum") == 2 and "float" not in names, names
+    assert names.count("truediv") == 2 and "itruediv" not in names and "to" not in names, names
+    for got, ref in zip(out[:4], want[:4]):
+        assert torch.equal(got[1], ref[1])  # the experts, in torch's order
+        assert got[0].dtype == ref[0].dtype
+        bound = 2 ** -7 if ref[0].dtype == torch.bfloat16 else 1e-6
+        assert torch.allclose(got[0].float(), ref[0].float(), rtol=bound, atol=0), (got[0], ref[0])
+    assert torch.equal(out[3][2], want[3][2])
+    for got, ref in zip(out[5:7], want[5:7]):
+        assert torch.allclose(got, ref, rtol=1e-6, atol=0)
+    for got, ref in (out[4], want[4]), (out[7], want[7]):
+        assert torch.equal(got.values, ref.values) and torch.equal(got.indices, ref.indices)
+    rows = [(s.scheme, s.kernel.removeprefix("extern fp8fx.")) for s in report.topk]
+    assert rows == [
+        ("k=4 of 16 with its softmax, renormalized, bfloat16", "softmax_topk"),
+        ("k=2 of 16 with its softmax, renormalized, float32", "softmax_topk"),
+        ("k=4 of 16 with the softmax of the k, bfloat16", "softmax_topk"),
+        ("k=3 of 24 with its softmax, float32", "softmax_topk"),
+        ("k=2 of 24 smallest", "topk"), ("k=2 of 24 with its softmax, float32", "softmax_topk"),
+        ("k=2 of 24 with its softmax, float32", "softmax_topk"), ("k=2 of 16", "topk")], rows
+
+
+def test_softmax_routers_left_whole_without_fuse_routing():
+    _, gm, report = capture(SoftmaxRouters(), torch.randn(2, 16).bfloat16(), torch.randn(2, 24), torch.rand(2, 2))
+    assert not any(n.target is torch.ops.fp8fx.softmax_topk.default for n in gm.graph.nodes)
+    assert [s.kernel for s in report.topk] == ["extern fp8fx.topk"] * 8
