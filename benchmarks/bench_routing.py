@@ -1,22 +1,22 @@
 """An MoE router's steps alone: fp8fx.topk (one launch) against torch.topk (a radix select, and a sort when
-sorted), fp8fx.small_mm (one launch) against torch's linear (cuBLAS) for the router's logits, and a softmax router's
-softmax, top-k and normalization compiled three ways.
+sorted), fp8fx.small_mm (one launch) against torch's linear (cuBLAS) for the router's logits, and a whole softmax
+router (linear, softmax, top-k, normalization) compiled three ways.
 
-    python benchmarks/bench_routing.py [--out DIR] [--rounds 5]
+    python benchmarks/bench_routing.py [--out DIR] [--rounds 5] [--parts topk,router,softmax]
     python benchmarks/bench_routing.py --cpu-smoke   # the kernels under TRITON_INTERPRET=1 against torch, no timing
 
 Top-k rows: rows x n, k, dtype; torch.topk sorted (the default, what HF's routers call) and unsorted, and fp8fx.topk
 (sorted). Checked: fp8fx's values equal torch's sorted values, bit for bit, and each index points at its value.
 Router rows: tokens x H by E experts' [E, H] weight (bias or not), dtype; torch's linear and fp8fx.small_mm. Checked:
 within 1e-2 (bf16) / 1e-5 (float32) of the float64 product, relative to its largest value. Softmax-router rows:
-tokens x E logits, k, form (Qwen3-MoE's: a float32 softmax, its top-k renormalized and cast to bf16; GPT-OSS's: the
-softmax of the k top logits; Mixtral's: float32 weights; Qwen2-MoE's: not renormalized), each compiled by Inductor
-alone (torch's top-k), with ``Fp8Backend(fuse_routing=False)`` (fp8fx.topk between Inductor's softmax and
-normalization) and ``Fp8Backend()`` (fp8fx.softmax_topk, one launch). Checked: the ids torch's, the weights within
-1e-5 (float32) / 2^-8 (bf16; 2^-7 under the interpreter, which truncates) of the float64 softmax's, relative. Each
-timed as CUDA-graph
-replays (bench_linear's ``timer``: after a read of 256 MB), ``rounds`` interleaved rounds, medians. Writes
-routing.json; exits 1 if a check fails.
+tokens x H hidden states to E experts, k, form (Qwen3-MoE's: a float32 softmax, its top-k renormalized and cast to
+bf16; GPT-OSS's: a bias, the softmax of the k top logits; Mixtral's: float32 weights; Qwen2-MoE's: not renormalized),
+a bf16 router compiled by Inductor alone (cuBLAS, torch's top-k), with ``Fp8Backend(fuse_routing=False)``
+(fp8fx.small_mm, Inductor's softmax, fp8fx.topk, Inductor's normalization) and ``Fp8Backend()`` (fp8fx.router_topk,
+one launch). Checked for each: the ids a top-k of the float64 logits up to their bf16 rounding, the weights within
+that rounding's effect (and a bf16 weight's own rounding) of the float64 router's. Each timed as CUDA-graph replays
+(bench_linear's ``timer``: after a read of 256 MB), ``rounds`` interleaved rounds, medians. Writes routing.json;
+exits 1 if a check fails.
 """
 from __future__ import annotations
 
@@ -44,36 +44,49 @@ ROUTERS = [(t, h, e, b, d) for t in (1, 2, 4) for h, e, b, d in (
     (2048, 128, False, torch.bfloat16), (2880, 32, True, torch.bfloat16), (2688, 128, False, torch.float32),
     (7168, 256, False, torch.bfloat16))]
 ROUTERS_SMOKE = [(1, 96, 8, False, torch.bfloat16), (3, 64, 4, True, torch.bfloat16), (5, 80, 16, False, torch.float32)]
-# (tokens, E, k, form): Qwen3-30B-A3B's router (128, top 8), GPT-OSS-20B's (32, top 4), Mixtral's (8, top 2),
-# Qwen1.5-MoE-A2.7B's (60, top 4, not renormalized)
-SOFTMAX_ROUTERS = [(t, e, k, form) for t in (1, 64) for e, k, form in (
-    (128, 8, "qwen3"), (32, 4, "gpt_oss"), (8, 2, "mixtral"), (60, 4, "qwen2"))]
-SOFTMAX_SMOKE = [(1, 128, 8, "qwen3"), (3, 32, 4, "gpt_oss"), (2, 8, 2, "mixtral"), (2, 60, 4, "qwen2")]
+# (tokens, H, E, k, bias, form): Qwen3-30B-A3B's router (128, top 8), GPT-OSS-20B's (32, top 4, a bias), Mixtral's
+# (8, top 2), Qwen1.5-MoE-A2.7B's (60, top 4, not renormalized)
+SOFTMAX_ROUTERS = [(t, *r) for t in (1, 4) for r in ((2048, 128, 8, False, "qwen3"), (2880, 32, 4, True, "gpt_oss"),
+                                                   (4096, 8, 2, False, "mixtral"), (2048, 60, 4, False, "qwen2"))]
+SOFTMAX_SMOKE = [(1, 96, 128, 8, False, "qwen3"), (3, 64, 32, 4, True, "gpt_oss"), (2, 80, 8, 2, False, "mixtral"),
+                 (2, 48, 60, 4, False, "qwen2")]
 
 
-def softmax_router(form: str, k: int):
-    """HF's softmax router of ``form`` from the logits: (weights, ids)."""
-    def route(logits):
-        if form == "gpt_oss":
-            top, ids = torch.topk(logits, k, dim=-1)
+class SoftmaxRouter(torch.nn.Module):
+    """HF's softmax router of ``form`` (its weight tagged as ``quantize_`` tags a router's): (weights, ids)."""
+
+    def __init__(self, h: int, e: int, k: int, bias: bool, form: str):
+        super().__init__()
+        from fp8fx.weights.moe import ROUTES_PREFIX
+
+        self.gate = torch.nn.Linear(h, e, bias=bias)
+        self.gate.weight._fp8fx_skip_reason = ROUTES_PREFIX + "experts"
+        self.k, self.form = k, form
+
+    def forward(self, x):
+        logits = self.gate(x)
+        if self.form == "gpt_oss":
+            top, ids = torch.topk(logits, self.k, dim=-1)
             return torch.softmax(top, dim=1, dtype=top.dtype), ids
-        probs = torch.softmax(logits.float() if form == "mixtral" else logits, -1, dtype=torch.float)
-        top, ids = torch.topk(probs, k, dim=-1)
-        if form == "qwen2":
+        probs = torch.softmax(logits.float() if self.form == "mixtral" else logits, -1, dtype=torch.float)
+        top, ids = torch.topk(probs, self.k, dim=-1)
+        if self.form == "qwen2":
             return top, ids
         top = top / top.sum(dim=-1, keepdim=True)
-        return (top, ids) if form == "mixtral" else (top.to(logits.dtype), ids)
-    return route
+        return (top, ids) if self.form == "mixtral" else (top.to(logits.dtype), ids)
 
 
-def check_softmax_router(logits: torch.Tensor, k: int, form: str, weights, ids) -> float:
-    """The weights' relative error against the float64 softmax at torch's ids; inf where the ids are not torch's."""
-    want_ids = torch.topk(logits.float(), k).indices
-    if not torch.equal(ids, want_ids):
-        return float("inf")
-    probs = torch.gather(torch.softmax(logits.double(), -1), -1, want_ids)
-    ref = probs if form == "qwen2" else probs / probs.sum(-1, keepdim=True)
-    return ((weights.double() - ref).abs() / ref).max().item()
+def check_softmax_router(router: SoftmaxRouter, x: torch.Tensor, weights, ids) -> tuple[float, bool]:
+    """(the weights' largest relative error against the float64 router's at ``ids``; whether ``ids`` are a top-k of
+    the float64 logits up to their 16-bit rounding: 2^-8 of the largest logit)."""
+    w, b = router.gate.weight.double(), router.gate.bias
+    logits = torch.nn.functional.linear(x.double(), w, None if b is None else b.double())
+    chosen = torch.gather(logits, -1, ids)
+    left = logits.scatter(-1, ids, float("-inf"))
+    valid = bool((chosen.amin(-1) >= left.amax(-1) - 2 ** -8 * logits.abs().amax(-1)).all())
+    probs = torch.gather(torch.softmax(logits, -1), -1, ids)
+    ref = probs if router.form == "qwen2" else probs / probs.sum(-1, keepdim=True)
+    return ((weights.double() - ref).abs() / ref).max().item(), valid
 
 
 def check_router(x: torch.Tensor, w: torch.Tensor, b) -> float:
@@ -94,10 +107,12 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench_out")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cpu-smoke", action="store_true")
+    p.add_argument("--parts", default="topk,router,softmax", help="which rows: top-k, router linear, softmax router")
     args = p.parse_args(argv)
+    parts = set(args.parts.split(","))
     device = "cpu" if args.cpu_smoke else "cuda"
     rows, ok = [], True
-    for rows_n, n, k in SMOKE if args.cpu_smoke else SHAPES:
+    for rows_n, n, k in (SMOKE if args.cpu_smoke else SHAPES) if "topk" in parts else ():
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(rows_n * n + k)
             x = torch.randn(rows_n, n, device=device).softmax(-1).to(dtype)  # (a router's probabilities: ties in bf16)
@@ -114,7 +129,7 @@ def main(argv=None) -> int:
                 row["vs_torch_unsorted"] = row["torch_unsorted_ms"] / row["fp8fx_ms"]
             rows.append(row)
             print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    for tokens, h, e, bias, dtype in ROUTERS_SMOKE if args.cpu_smoke else ROUTERS:
+    for tokens, h, e, bias, dtype in (ROUTERS_SMOKE if args.cpu_smoke else ROUTERS) if "router" in parts else ():
         torch.manual_seed(tokens * h + e)
         x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
         w = (torch.randn(e, h, device=device) / h ** 0.5).to(dtype)
@@ -133,31 +148,39 @@ def main(argv=None) -> int:
             row["vs_torch"] = row["torch_ms"] / row["fp8fx_ms"]
         rows.append(row)
         print(json.dumps({k: round(v, 5) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
-    for tokens, e, k, form in SOFTMAX_SMOKE if args.cpu_smoke else SOFTMAX_ROUTERS:
+    for tokens, h, e, k, bias, form in (SOFTMAX_SMOKE if args.cpu_smoke else SOFTMAX_ROUTERS) if "softmax" in parts \
+            else ():
         torch.manual_seed(tokens * e + k)
-        logits = (torch.randn(tokens, e, device=device) * 2).to(torch.bfloat16)
+        router = SoftmaxRouter(h, e, k, bias, form).to(device, torch.bfloat16).eval()
+        with torch.no_grad():
+            router.gate.weight.mul_(3)  # (logits of a few units, as trained routers give)
+        x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
+        out_dtype = torch.float32 if form in ("mixtral", "qwen2") else torch.bfloat16
         if device == "cpu":  # the kernel alone, under the interpreter
-            weights, ids = kernel.softmax_topk(logits, k, form != "qwen2", torch.float32 if form in (
-                "mixtral", "qwen2") else torch.bfloat16)
-            compiled = {"fp8fx": lambda x: (weights, ids)}
+            b = router.gate.bias
+            got = router_kernel.router_topk(x, router.gate.weight, b, torch.bfloat16, k, form != "qwen2", out_dtype)
+            compiled = {"fp8fx": lambda x, got=got: got[:2]}
         else:
             import fp8fx
 
-            route = softmax_router(form, k)
-            compiled = {"inductor": torch.compile(route, dynamic=False), "fp8fx_unfused": torch.compile(
-                route, backend=fp8fx.Fp8Backend(fuse_routing=False), dynamic=False),
-                "fp8fx": torch.compile(route, backend=fp8fx.Fp8Backend(), dynamic=False)}
-        errs = {name: check_softmax_router(logits, k, form, *fn(logits)) for name, fn in compiled.items()}
-        # float32: its exponentials' rounding; bf16: one rounding to nearest, 2^-8 relative (the interpreter
-        # truncates: 2^-7)
-        bound = 1e-5 if form in ("mixtral", "qwen2") else 2 ** -8 + 1e-5 if device == "cuda" else 2 ** -7
-        row = dict(softmax_router=form, tokens=tokens, e=e, k=k, **{f"err_{n}": v for n, v in errs.items()},
-                   ok=all(v <= bound for v in errs.values()))
+            compiled = {"inductor": torch.compile(router, dynamic=False), "fp8fx_unfused": torch.compile(
+                router, backend=fp8fx.Fp8Backend(fuse_routing=False), dynamic=False),
+                "fp8fx": torch.compile(router, backend=fp8fx.Fp8Backend(), dynamic=False)}
+        row = dict(softmax_router=form, tokens=tokens, h=h, e=e, k=k)
+        with torch.no_grad():
+            for name, fn in compiled.items():
+                row[f"err_{name}"], row[f"ids_{name}"] = check_softmax_router(router, x, *fn(x))
+        # the logits' 16-bit rounding (2^-9 of the largest, in two logits' difference) moves a weight by up to
+        # exp(2^-8 max |logit|) - 1; a bf16 weight's own rounding adds 2^-8 (the interpreter truncates: 2^-7)
+        top = router.gate(x).abs().max().item()
+        bound = (2 ** -8 if device == "cuda" else 2 ** -7) * (out_dtype == torch.bfloat16) + 2 ** -8 * top * 1.1
+        row["ok"] = all(row[f"err_{n}"] <= bound and row[f"ids_{n}"] for n in compiled)
         ok &= row["ok"]
         if device == "cuda":
             from bench_linear import timed_in_rounds, timer
 
-            times = timed_in_rounds({name: timer(fn, logits, True) for name, fn in compiled.items()}, args.rounds)
+            with torch.no_grad():
+                times = timed_in_rounds({name: timer(fn, x, True) for name, fn in compiled.items()}, args.rounds)
             row.update({f"{name}_ms": statistics.median(t) for name, t in times.items()})
             row["vs_inductor"] = row["inductor_ms"] / row["fp8fx_ms"]
             row["vs_unfused"] = row["fp8fx_unfused_ms"] / row["fp8fx_ms"]

@@ -81,3 +81,81 @@ def test_small_mm_op_and_its_refusals():
     assert "w (1025, 16)" in reason(torch.empty(1, 16), torch.empty(1025, 16), None, f32)
     assert "dtypes x torch.float16, w torch.bfloat16" in reason(torch.empty(1, 16).half(), torch.empty(4, 16).bfloat16(),
                                                                 None, torch.bfloat16)
+
+
+# router_topk: one launch, bit for bit small_mm's logits and softmax_topk's weights and ids of them
+ROUTER_CHECKS = textwrap.dedent(
+    """
+    import torch
+    from fp8fx.kernels import small_mm as kernel
+    from fp8fx.kernels import topk
+
+    g = torch.Generator().manual_seed(2)
+    bf, f32 = torch.bfloat16, torch.float32
+    # (rows, H, E, k, bias, dtype): Qwen3-30B-A3B's, GPT-OSS-20B's (bias), Mixtral's, Qwen1.5-MoE's (60: the last
+    # program's N block ragged), float32 routers, all E experts
+    cases = [(1, 2048, 128, 8, False, bf), (4, 2880, 32, 4, True, bf), (2, 4096, 8, 2, False, bf),
+             (3, 2048, 60, 4, False, bf), (4, 333, 65, 7, True, f32), (1, 64, 5, 5, False, f32)]
+    ticket = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    for rows, h, e, k, bias, dtype in cases:
+        x = torch.randn(rows, h, generator=g).to(dtype).to(DEVICE)
+        w = (torch.randn(e, h, generator=g) * 3 / h ** 0.5).to(dtype).to(DEVICE)
+        b = torch.randn(e, generator=g).to(dtype).to(DEVICE) if bias else None
+        assert kernel.router_topk_reason(x, w, b, dtype, k) == ""
+        logits = kernel.small_mm(x, w, b, dtype)
+        for renormalize in (False, True):
+            for weights_dtype in (f32, bf):
+                want = topk.softmax_topk(logits, k, renormalize, weights_dtype)
+                for _ in range(2):  # (a kept ticket: left at zero, it serves the next launch)
+                    got = kernel.router_topk(x, w, b, dtype, k, renormalize, weights_dtype, ticket)
+                    assert ticket.item() == 0, ticket
+                    assert torch.equal(got[2], logits), (rows, h, e, k)
+                    assert torch.equal(got[1], want[1]) and torch.equal(got[0], want[0]), (rows, e, k, got, want)
+    # leading dims; what it does not take, said
+    x3 = torch.randn(2, 1, 64, generator=g).to(DEVICE)
+    w3 = torch.randn(16, 64, generator=g).to(DEVICE)
+    weights, ids, logits = kernel.router_topk(x3, w3, None, f32, 4, True, f32)
+    assert weights.shape == ids.shape == (2, 1, 4) and logits.shape == (2, 1, 16)
+    assert "a row of 16 elements" in kernel.router_topk_reason(x3, w3, None, f32, 17)  # (k past the experts)
+    wide = torch.randn(40, 64).to(DEVICE)
+    assert "k=33" in kernel.router_topk_reason(torch.randn(1, 64).to(DEVICE), wide, None, f32, 33)
+    assert "rows" in kernel.router_topk_reason(torch.randn(5, 64).to(DEVICE), w3, None, f32, 4)
+    print("router_topk ok")
+    """
+)
+
+
+def test_router_topk_kernel_under_triton_interpreter():
+    """One launch gives small_mm's logits and softmax_topk's weights and ids of them, bit for bit, at routers'
+    shapes (a bias, ragged expert blocks, float32 and bf16 routers, both softmax forms); its ticket is left at zero
+    for the next launch."""
+    out = run_under_triton_interpreter(["-c", "DEVICE = 'cpu'\n" + ROUTER_CHECKS])
+    assert "router_topk ok" in out
+
+
+@pytest.mark.cuda
+def test_router_topk_kernel_cuda():
+    exec(compile("DEVICE = 'cuda'\n" + ROUTER_CHECKS, "router_topk_checks", "exec"), {})
+
+
+def test_router_topk_op_on_cpu():
+    """``fp8fx.router_topk`` off CUDA: torch's linear, then softmax_topk of its logits; the fake impl's shapes; a k
+    past the experts and a dtype refused, naming them."""
+    g = torch.Generator().manual_seed(3)
+    x, w = torch.randn(3, 64, generator=g).bfloat16(), torch.randn(16, 64, generator=g).bfloat16()
+    bias = torch.randn(16, generator=g).bfloat16()
+    weights, ids, logits = torch.ops.fp8fx.router_topk(x, w, bias, torch.bfloat16, 4, True, torch.float32)
+    assert torch.equal(logits, torch.nn.functional.linear(x, w, bias))
+    want = torch.ops.fp8fx.softmax_topk(logits, 4, True, torch.float32)
+    assert torch.equal(weights, want[0]) and torch.equal(ids, want[1])
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        out = torch.ops.fp8fx.router_topk(torch.empty(2, 1, 64), torch.empty(8, 64), None, torch.float32, 2, False,
+                                          torch.bfloat16)
+    assert [(tuple(t.shape), t.dtype) for t in out] == [((2, 1, 2), torch.bfloat16), ((2, 1, 2), torch.int64),
+                                                        ((2, 1, 8), torch.float32)]
+    with pytest.raises(RuntimeError, match=r"fp8fx.router_topk: k=17 of 16 experts \(w \(16, 64\)\)"):
+        torch.ops.fp8fx.router_topk(x, w, None, torch.bfloat16, 17, True, torch.float32)
+    with pytest.raises(ValueError, match=r"fp8fx.router_topk: weights_dtype torch.int64"):
+        torch.ops.fp8fx.router_topk(x, w, None, torch.bfloat16, 4, True, torch.int64)
