@@ -12,8 +12,8 @@ within 1e-2 (bf16) / 1e-5 (float32) of the float64 product, relative to its larg
 tokens x H hidden states to E experts, k, form (Qwen3-MoE's: a float32 softmax, its top-k renormalized and cast to
 bf16; GPT-OSS's: a bias, the softmax of the k top logits; Mixtral's: float32 weights; Qwen2-MoE's: not renormalized),
 a bf16 router compiled by Inductor alone (cuBLAS, torch's top-k), with ``Fp8Backend(fuse_routing=False)``
-(fp8fx.small_mm, Inductor's softmax, fp8fx.topk, Inductor's normalization) and ``Fp8Backend()`` (fp8fx.router_topk,
-one launch). Checked for each: the ids a top-k of the float64 logits up to their bf16 rounding, the weights within
+(fp8fx.small_mm, Inductor's softmax, fp8fx.topk, Inductor's normalization) and ``Fp8Backend()`` (fp8fx.small_mm,
+then fp8fx.softmax_topk: two launches). Checked for each: the ids a top-k of the float64 logits up to their bf16 rounding, the weights within
 that rounding's effect (and a bf16 weight's own rounding) of the float64 router's. Each timed as CUDA-graph replays
 (bench_linear's ``timer``: after a read of 256 MB), ``rounds`` interleaved rounds, medians. Writes routing.json;
 exits 1 if a check fails.
@@ -156,10 +156,10 @@ def main(argv=None) -> int:
             router.gate.weight.mul_(3)  # (logits of a few units, as trained routers give)
         x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16)
         out_dtype = torch.float32 if form in ("mixtral", "qwen2") else torch.bfloat16
-        if device == "cpu":  # the kernel alone, under the interpreter
-            b = router.gate.bias
-            got = router_kernel.router_topk(x, router.gate.weight, b, torch.bfloat16, k, form != "qwen2", out_dtype)
-            compiled = {"fp8fx": lambda x, got=got: got[:2]}
+        if device == "cpu":  # the kernels alone, under the interpreter
+            logits = router_kernel.small_mm(x, router.gate.weight, router.gate.bias, torch.bfloat16)
+            got = kernel.softmax_topk(logits, k, form != "qwen2", out_dtype)
+            compiled = {"fp8fx": lambda x, got=got: got}
         else:
             import fp8fx
 

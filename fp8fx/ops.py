@@ -1133,50 +1133,6 @@ def _(x, w, bias, out_dtype):
     return kernel.small_mm(x, w, bias, out_dtype)
 
 
-# --- a softmax router in one launch: its linear, top-k and weights (fp8fx.passes.topk joins small_mm and softmax_topk)
-@_op("router_topk")
-def router_topk(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], logits_dtype: torch.dtype, k: int,
-                renormalize: bool, weights_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``softmax_topk(logits, k, renormalize, weights_dtype) + (logits,)`` of ``logits = small_mm(x, w, bias,
-    logits_dtype)``: (weights [..., k], int64 ids, logits [..., E]). On CUDA one launch of
-    ``fp8fx.kernels.small_mm.router_topk`` where its ``router_topk_reason`` is empty (a few rows: decode), else the
-    two ops' kernels; elsewhere torch's."""
-    _check_router_topk(x, w, bias, logits_dtype, k, weights_dtype)
-    logits = _linear(x, w, bias, logits_dtype)
-    return (*_softmax_topk(logits, k, renormalize, weights_dtype), logits)
-
-
-def _check_router_topk(x, w, bias, logits_dtype, k, weights_dtype) -> None:
-    _check_small_mm(x, w, bias, logits_dtype)
-    torch._check(1 <= k <= w.shape[0], lambda: f"fp8fx.router_topk: k={k} of {w.shape[0]} experts (w "
-                 f"{tuple(w.shape)}); k must be in [1, the experts]")
-    if weights_dtype not in quant.HIGH_PRECISION:
-        raise ValueError(f"fp8fx.router_topk: weights_dtype {weights_dtype}; bf16, fp16 or fp32")
-
-
-@router_topk.register_fake
-def _(x, w, bias, logits_dtype, k, renormalize, weights_dtype):
-    _check_router_topk(x, w, bias, logits_dtype, k, weights_dtype)
-    lead = x.shape[:-1]
-    return (x.new_empty((*lead, k), dtype=weights_dtype), x.new_empty((*lead, k), dtype=torch.int64),
-            x.new_empty((*lead, w.shape[0]), dtype=logits_dtype))
-
-
-@_on_cuda("router_topk")
-def _(x, w, bias, logits_dtype, k, renormalize, weights_dtype):
-    from fp8fx.kernels import small_mm as kernel  # triton is imported only when a CUDA router runs
-    from fp8fx.kernels import topk as topk_kernel
-
-    _check_router_topk(x, w, bias, logits_dtype, k, weights_dtype)
-    if not kernel.router_topk_reason(x, w, bias, logits_dtype, k):
-        return kernel.router_topk(x, w, bias, logits_dtype, k, renormalize, weights_dtype)
-    logits = _linear(x, w, bias, logits_dtype) if kernel.reason(x, w, bias, logits_dtype) else kernel.small_mm(
-        x, w, bias, logits_dtype)
-    if topk_kernel.reason(logits, k):
-        return (*_softmax_topk(logits, k, renormalize, weights_dtype), logits)
-    return (*topk_kernel.softmax_topk(logits, k, renormalize, weights_dtype), logits)
-
-
 # --- the ops as plain function calls -------------------------------------------------------------------------
 def _direct_call(name: str) -> Callable:
     default, cuda = _DEFAULT_FNS[name], _CUDA_FNS.get(name, _DEFAULT_FNS[name])

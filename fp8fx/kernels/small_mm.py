@@ -11,16 +11,11 @@ loaded (exact), where the model casts them first.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 import triton
 import triton.language as tl
 
-from fp8fx.kernels import tickets as _tickets
-from fp8fx.kernels import topk
 from fp8fx.kernels.launch import cdiv, next_power_of_2
-from fp8fx.kernels.topk import row_topk
 from fp8fx.quant import HIGH_PRECISION, exact_cast
 
 # rows of x a launch takes (all in each program), and x's elements: each program reads all of x, and past these the
@@ -35,14 +30,6 @@ MAX_N = 1024  # rows of w (experts)
 def small_mm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program n: out[:, n * BLOCK_N:(n + 1) * BLOCK_N] for every row of x."""
-    _columns(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS, BLOCK_M, BLOCK_N,
-             BLOCK_K)
-
-
-@triton.jit
-def _columns(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om, HAS_BIAS: tl.constexpr,
-             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's BLOCK_N columns of ``x @ w.T (+ b)`` for every row of x, stored at ``out_ptr``."""
     offs_m = tl.arange(0, BLOCK_M).to(tl.int64)  # (x may be a view into a tensor past 2**31 elements)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -59,26 +46,6 @@ def _columns(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride
         acc += tl.load(b_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[None, :]
     out = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-
-
-@triton.jit
-def router_topk_kernel(x_ptr, w_ptr, b_ptr, logits_ptr, weights_ptr, ids_ptr, ticket_ptr, M, N, K, stride_xm,
-                       stride_wn, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr, TOP_K: tl.constexpr, KP: tl.constexpr, BLOCK_E: tl.constexpr,
-                       SOFTMAX: tl.constexpr):
-    """Program n: logits[:, n * BLOCK_N:(n + 1) * BLOCK_N] as ``small_mm_kernel``; the launch's last program to
-    finish (``ticket_ptr``: zero on entry, and again on exit) then takes each row's top-k and softmax weights of
-    the logits (``fp8fx.kernels.topk.row_topk``)."""
-    _columns(x_ptr, w_ptr, b_ptr, logits_ptr, M, N, K, stride_xm, stride_wn, N, HAS_BIAS, BLOCK_M, BLOCK_N, BLOCK_K)
-    # Every thread's logits before the (release) ticket, taken by one thread; the last program reads the others'
-    # logits from L2 (.cg) after its acquire
-    tl.debug_barrier()
-    if tl.atomic_add(ticket_ptr, 1, sem="acq_rel") == tl.num_programs(0) - 1:
-        tl.atomic_xchg(ticket_ptr, 0)  # (no other program of this launch counts on it now: a kept ticket's zero)
-        for m in tl.static_range(BLOCK_M):
-            if m < M:
-                row_topk(logits_ptr + m * N, weights_ptr + m * TOP_K, ids_ptr + m * TOP_K, N, TOP_K, KP, BLOCK_E,
-                         True, SOFTMAX, ".cg")
 
 
 def reason(x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torch.dtype) -> str:
@@ -99,47 +66,7 @@ def reason(x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torch.dtype) -> st
 def small_mm(x: torch.Tensor, w: torch.Tensor, bias, out_dtype: torch.dtype) -> torch.Tensor:
     """``F.linear(x.to(out_dtype), w.to(out_dtype), bias)`` in one launch (x's and w's elements cast as loaded),
     where ``reason(x, w, bias, out_dtype)`` is ""."""
-    rows, w, bias, blocks = _operands(x, w, bias)
-    out = torch.empty((rows.shape[0], w.shape[0]), dtype=out_dtype, device=x.device)
-    small_mm_kernel[(cdiv(w.shape[0], blocks["BLOCK_N"]),)](
-        rows, w, bias if bias is not None else w, out, rows.shape[0], w.shape[0], rows.shape[1], rows.stride(0),
-        w.stride(0), out.stride(0), HAS_BIAS=bias is not None, **blocks, num_warps=4)
-    return out.reshape(*x.shape[:-1], w.shape[0])
-
-
-def router_topk_reason(x: torch.Tensor, w: torch.Tensor, bias, logits_dtype: torch.dtype, k: int) -> str:
-    """Why ``router_topk`` does not take these, or ""."""
-    logits = torch.empty((1, w.shape[0] if w.dim() else 0), dtype=logits_dtype, device="meta")
-    return reason(x, w, bias, logits_dtype) or topk.reason(logits, k)
-
-
-def router_topk(x: torch.Tensor, w: torch.Tensor, bias, logits_dtype: torch.dtype, k: int, renormalize: bool,
-                weights_dtype: torch.dtype, ticket: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                          torch.Tensor]:
-    """A softmax router in one launch: (weights [..., k] of ``weights_dtype``, int64 ids, logits [..., E] of
-    ``logits_dtype``) = ``topk.softmax_topk(small_mm(x, w, bias, logits_dtype), k, renormalize, weights_dtype)``
-    and those logits, where ``router_topk_reason`` is "". The launch's last program to finish its logits ranks
-    them (a ticket: a kept one while a CUDA graph is captured, ``fp8fx.kernels.tickets``), where two launches took
-    1.8 and 2.0 us, 0.3 us apart (Qwen3-30B-A3B at one token on the H200, run 52). ``ticket``: an int32 at zero,
-    left at zero (else one of ``tickets.zeroed``)."""
-    rows, w, bias, blocks = _operands(x, w, bias)
-    m, n = rows.shape[0], w.shape[0]
-    logits = torch.empty((m, n), dtype=logits_dtype, device=x.device)
-    weights = torch.empty((m, k), dtype=weights_dtype, device=x.device)
-    ids = torch.empty((m, k), dtype=torch.int64, device=x.device)
-    router_topk_kernel[(cdiv(n, blocks["BLOCK_N"]),)](
-        rows, w, bias if bias is not None else w, logits, weights, ids,
-        _tickets.zeroed(x.device, 1) if ticket is None else ticket, m, n,
-        rows.shape[1], rows.stride(0), w.stride(0), HAS_BIAS=bias is not None, **blocks, TOP_K=k,
-        KP=max(next_power_of_2(k), 2), BLOCK_E=max(next_power_of_2(n), 16), SOFTMAX=2 if renormalize else 1,
-        num_warps=4)
-    lead = x.shape[:-1]
-    return weights.reshape(*lead, k), ids.reshape(*lead, k), logits.reshape(*lead, n)
-
-
-def _operands(x: torch.Tensor, w: torch.Tensor, bias):
-    """x as contiguous rows [M, K], w and bias contiguous, and the launch's blocks."""
-    k = x.shape[-1]
+    k, n = x.shape[-1], w.shape[0]
     rows = x.reshape(-1, k)
     if rows.stride(-1) != 1:
         rows = rows.contiguous()
@@ -147,7 +74,11 @@ def _operands(x: torch.Tensor, w: torch.Tensor, bias):
         w = w.contiguous()
     if bias is not None and bias.stride(0) != 1:
         bias = bias.contiguous()
+    out = torch.empty((rows.shape[0], n), dtype=out_dtype, device=x.device)
     block_m = max(next_power_of_2(rows.shape[0]), 1)
     block_n = 2 if block_m <= 4 else 1
     block_k = min(max(next_power_of_2(k), 16), 2048 // block_m // block_n * 4)
-    return rows, w, bias, dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k)
+    small_mm_kernel[(cdiv(n, block_n),)](rows, w, bias if bias is not None else w, out, rows.shape[0], n, k,
+                                         rows.stride(0), w.stride(0), out.stride(0), HAS_BIAS=bias is not None,
+                                         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4)
+    return out.reshape(*x.shape[:-1], n)

@@ -34,21 +34,12 @@ MAX_K = 32  # k steps, unrolled
 @triton.jit
 def topk_kernel(x_ptr, values_ptr, indices_ptr, N, stride_x, K: tl.constexpr, KP: tl.constexpr,
                 BLOCK: tl.constexpr, LARGEST: tl.constexpr, SOFTMAX: tl.constexpr = 0):
-    """Program r: row r's k largest (smallest) values and their indices, in that order (``row_topk``)."""
+    """Program r: row r's k largest (smallest) values and their indices, in that order. ``SOFTMAX`` 1: the values
+    are the row's softmax at those indices; 2: the softmax of the k values (both float32, then values_ptr's dtype)."""
     row = tl.program_id(0).to(tl.int64)
-    row_topk(x_ptr + row * stride_x, values_ptr + row * K, indices_ptr + row * K, N, K, KP, BLOCK, LARGEST, SOFTMAX,
-             "")
-
-
-@triton.jit
-def row_topk(x_row, values_out, indices_out, N, K: tl.constexpr, KP: tl.constexpr, BLOCK: tl.constexpr,
-             LARGEST: tl.constexpr, SOFTMAX: tl.constexpr, CACHE: tl.constexpr):
-    """The k largest (smallest) of the N values at ``x_row`` and their indices, in that order, stored at
-    ``values_out`` / ``indices_out``. ``SOFTMAX`` 1: the values are the row's softmax at those indices; 2: the
-    softmax of the k values (both float32, then values_out's dtype). ``CACHE``: the loads' cache modifier (".cg":
-    a row other programs of the launch wrote)."""
     offs = tl.arange(0, BLOCK)
-    raw = tl.load(x_row + offs, mask=offs < N, other=0.0, cache_modifier=CACHE)
+    x_row = x_ptr + row * stride_x
+    raw = tl.load(x_row + offs, mask=offs < N, other=0.0)
     if raw.dtype == tl.bfloat16:  # a bf16's float32 bits are its own, shifted (Triton's interpreter flushed its
         bits = (raw.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF) << 16  # subnormals to 0 in a float cast)
     else:  # (float16 to float32: exact, order kept)
@@ -67,7 +58,8 @@ def row_topk(x_row, values_out, indices_out, N, K: tl.constexpr, KP: tl.constexp
         picked = tl.where(kk == j, 4095 - (best & 4095), picked)
         comp = tl.where(comp == best, -1, comp)
     k_ok = kk < K
-    values = tl.load(x_row + picked, mask=k_ok, cache_modifier=CACHE)
+    out = row * K + kk
+    values = tl.load(x_row + picked, mask=k_ok)
     if SOFTMAX != 0:  # exp(x - max) / its sum over the row (1) or the k (2); a NaN anywhere in it makes every one NaN
         top = tl.where(k_ok, values.to(tl.float32), float("-inf"))
         if SOFTMAX == 1:
@@ -78,8 +70,8 @@ def row_topk(x_row, values_out, indices_out, N, K: tl.constexpr, KP: tl.constexp
             high = tl.max(top, 0)
             total = tl.sum(tl.exp(top - high), 0)
         values = tl.exp(top - high) / total
-    tl.store(values_out + kk, values.to(values_out.dtype.element_ty), mask=k_ok)
-    tl.store(indices_out + kk, picked, mask=k_ok)
+    tl.store(values_ptr + out, values.to(values_ptr.dtype.element_ty), mask=k_ok)
+    tl.store(indices_ptr + out, picked, mask=k_ok)
 
 
 def reason(x: torch.Tensor, k: int) -> str:

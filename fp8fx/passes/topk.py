@@ -220,12 +220,9 @@ class TopkPass(NodePass):
         n = x.shape[-1] if isinstance(x, torch.Tensor) and x.dim() else "?"
         order = "" if args.get("largest") is not False else " smallest"
         routing = _routing(node, args) if self.fuse_routing and not why else None
-        router = _router_linear(routing.logits) if routing else None
         scheme = "" if why else routing.describe(args["k"], n) if routing else f"k={args['k']} of {n}{order}"
-        if router is not None:
-            scheme += ", and the router's linear"
-        name = "router_topk" if router is not None else "softmax_topk" if routing else "topk"
-        op = getattr(torch.ops.fp8fx, "softmax_topk" if routing else "topk").default
+        name = "softmax_topk" if routing else "topk"
+        op = getattr(torch.ops.fp8fx, name).default
         ctx.report.add_topk(Site(
             kind="topk", fqn=module_path(node) or "", rewritten=not why, reason=why, scheme=scheme,
             graph=ctx.graph_index, weight_shape=Site.shape_of(x), kernel="" if why else f"extern fp8fx.{name}",
@@ -247,31 +244,4 @@ class TopkPass(NodePass):
         for gone in routing.prologue:  # (the probabilities, where nothing else reads them)
             if not gone.users:
                 gm.graph.erase_node(gone)
-        if router is not None:
-            _join_router(gm.graph, router, new)
         return True
-
-
-def _router_linear(logits: fx.Node) -> Optional[fx.Node]:
-    """The ``fp8fx.small_mm`` node (the router pass's) that computes ``logits``, or None."""
-    return logits if logits.op == "call_function" and logits.target is torch.ops.fp8fx.small_mm.default \
-        and not logits.kwargs else None
-
-
-def _join_router(graph: fx.Graph, linear: fx.Node, topk: fx.Node) -> None:
-    """``linear`` (small_mm) and ``topk`` (softmax_topk of its logits) as one ``fp8fx.router_topk`` where the linear
-    was, with its meta (the router's report site names the op that runs it): (weights, ids) are its [0] and [1], as
-    they were softmax_topk's, and the logits, where anything else reads them, its [2]."""
-    _, k, renormalize, weights_dtype = topk.args
-    x, w, bias, logits_dtype = linear.args
-    readers = [u for u in linear.users if u is not topk]
-    joined = replace_node(graph, linear, torch.ops.fp8fx.router_topk.default,
-                          (x, w, bias, logits_dtype, k, renormalize, weights_dtype))
-    topk.replace_all_uses_with(joined)
-    graph.erase_node(topk)
-    if readers:  # (replace_node gave the linear's other readers the tuple: the logits are its [2])
-        with graph.inserting_after(joined):
-            item = graph.call_function(operator.getitem, (joined, 2))
-        item.meta["example_value"] = joined.meta["example_value"][2]
-        for user in readers:
-            user.replace_input_with(joined, item)

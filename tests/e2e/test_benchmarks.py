@@ -27,7 +27,7 @@ def test_bench_moe_layer_cpu_smoke(tmp_path):
 
 
 def test_bench_routing_cpu_smoke(tmp_path):
-    """fp8fx.topk's, fp8fx.small_mm's and fp8fx.router_topk's kernels under the interpreter against torch on
+    """fp8fx.topk's, fp8fx.small_mm's and fp8fx.softmax_topk's kernels under the interpreter against torch on
     routers' rows (the script's own checks: top-k values bit for bit, logits within 1e-2 / 1e-5 of float64, softmax
     routers' ids a top-k of the float64 logits and weights within the bf16 logits' effect of the float64 router's:
     under 2^-5 at these logits)."""
