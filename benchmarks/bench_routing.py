@@ -163,6 +163,9 @@ def main(argv=None) -> int:
         else:
             import fp8fx
 
+            # (one forward, compiled afresh for each row: past Dynamo's recompile limit, 8 compiles of one code
+            # object, it runs the rest eagerly - run 52's calls 2-3 timed rows past the 8th so)
+            torch._dynamo.reset()
             compiled = {"inductor": torch.compile(router, dynamic=False), "fp8fx_unfused": torch.compile(
                 router, backend=fp8fx.Fp8Backend(fuse_routing=False), dynamic=False),
                 "fp8fx": torch.compile(router, backend=fp8fx.Fp8Backend(), dynamic=False)}
