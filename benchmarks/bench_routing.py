@@ -13,8 +13,9 @@ tokens x H hidden states to E experts, k, form (Qwen3-MoE's: a float32 softmax, 
 bf16; GPT-OSS's: a bias, the softmax of the k top logits; Mixtral's: float32 weights; Qwen2-MoE's: not renormalized),
 a bf16 router compiled by Inductor alone (cuBLAS, torch's top-k), with ``Fp8Backend(fuse_routing=False)``
 (fp8fx.small_mm, Inductor's softmax, fp8fx.topk, Inductor's normalization) and ``Fp8Backend()`` (fp8fx.small_mm,
-then fp8fx.softmax_topk: two launches). Checked for each: the ids a top-k of the float64 logits up to their bf16 rounding, the weights within
-that rounding's effect (and a bf16 weight's own rounding) of the float64 router's. Each timed as CUDA-graph replays
+then fp8fx.softmax_topk: two launches). Checked for each: the ids a top-k of the float64 logits up to their bf16
+rounding, the weights within that rounding's effect (and a bf16 weight's own rounding) of the float64 router's. Each
+timed as CUDA-graph replays
 (bench_linear's ``timer``: after a read of 256 MB), ``rounds`` interleaved rounds, medians. Writes routing.json;
 exits 1 if a check fails.
 """

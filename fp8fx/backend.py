@@ -99,8 +99,8 @@ class Fp8Backend:
     - ``fuse_routing``: with ``fast_topk``, a softmax router's softmax before its top-k (Qwen3-MoE, Mixtral) and the
       renormalization and cast of its weights after it, or the softmax of the k top logits (GPT-OSS), join the
       top-k's launch (``fp8fx.softmax_topk``): one kernel where there were three. Experts are then ranked by their
-      logits, not the graph's float32 probabilities (the same order but where two logits round to one probability).
-      Default True.
+      logits, not the graph's float32 probabilities (the same order but where two logits round to one probability,
+      or in a row with a NaN or +inf logit, whose weights are NaN either way). Default True.
     - ``fast_router``: an MoE router's linear (its weight kept in high precision, tagged by ``quantize_`` /
       ``load_checkpoint``) runs as ``fp8fx.small_mm``: on CUDA up to 4 rows of x in one Triton launch, where cuBLAS
       took 4.2-6.1 us at one token on the H200 (``fp8fx.passes.router``); torch's linear for more rows. Default True.

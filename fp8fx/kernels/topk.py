@@ -16,7 +16,9 @@ renormalized over the k (``SOFTMAX = 2``, which is also the softmax of the k top
 once to the output's dtype. Where the graph took three kernels (softmax, top-k, a normalization: 4.3 us of Qwen3-30B-
 A3B's one-token layer on the H200, run 51) it is one. The experts are chosen by the logits, not by the float32
 probabilities torch's graph ranks: softmax keeps the logits' order, so the two differ only where two distinct logits
-round to one probability (torch then takes the lower index, this the larger logit).
+round to one probability (torch then takes the lower index, this the larger logit), and in a row holding a NaN or
++inf logit, whose probabilities are all NaN (torch's top-k takes any of them, this the NaN or +inf first; the
+weights are NaN either way).
 """
 from __future__ import annotations
 

@@ -30,8 +30,12 @@ become ``top = fp8fx.softmax_topk(logits, k, renormalize, out_dtype)``, whose we
 logits' k largest (renormalized: over the k, which is the softmax of the k). The softmax, the division and the cast
 were a kernel each (Inductor's, 2.3 us of Qwen3-30B-A3B's one-token layer besides the top-k's 2 us, H200, run 51).
 The experts are ranked by their logits, as softmax orders them; torch's graph ranks the float32 probabilities, so
-only two logits that round to one probability can be taken otherwise (there the larger logit, not the lower index).
-A probabilities' tensor that something else reads is still computed for it.
+only two logits that round to one probability can be taken otherwise (there the larger logit, not the lower index),
+or the experts of a row with a NaN or +inf logit (its weights NaN either way). A probabilities' tensor that something
+else reads is still computed for it. Left as the graph has them (a plain ``fp8fx.topk``, or the softmax joined alone):
+probabilities or logits that an op between the softmax and the top-k may write (``probs[:, 0] = 0``), a softmax of
+the k in a dtype narrower than the values, a normalization whose values something else reads, and casts of weights
+that are not float32 (rounded twice in the graph).
 """
 from __future__ import annotations
 
@@ -169,6 +173,37 @@ class _Routing:
         return f"k={k} of {n} with {how}, {str(self.out_dtype).removeprefix('torch.')}"
 
 
+_IN_PLACE = {operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+             operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.ilshift,
+             operator.irshift}
+
+
+def _writes(node: fx.Node) -> bool:
+    """Whether ``node`` may write a tensor it reads: an in-place method or function (``x.mul_()``, ``x[i] = v``,
+    ``x /= y``, ``torch.relu_``), ``out=``, or an aten op whose schema says so."""
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    schema = getattr(node.target, "_schema", None)
+    return node.op in ("call_method", "call_function") and (
+        node.target in _IN_PLACE or name.endswith("_") and not name.startswith("_") or "out" in node.kwargs
+        or bool(schema is not None and schema.is_mutable))
+
+
+def _written_between(start: fx.Node, end: fx.Node, tensors: set) -> bool:
+    """Whether a node after ``start`` and before ``end`` may write one of ``tensors`` (the softmax's probabilities,
+    its input, the logits) or a tensor made from them there (a view): an in-place op between the graph's softmax and
+    its top-k (``probs[:, 0] = 0``, ``logits.mul_(-1)``), which the op that replaces both, reading the logits once,
+    would not see, or see where the softmax did not."""
+    tensors = set(tensors)
+    node = start.next
+    while node is not end and node.op != "root":
+        if any(n in tensors for n in node.all_input_nodes):
+            if _writes(node):
+                return True
+            tensors.add(node)  # (it may be a view of them)
+        node = node.next
+    return False
+
+
 def _routing(node: fx.Node, args: dict) -> Optional[_Routing]:
     """The softmax router's form around the top-k ``node`` (module docstring), or None."""
     values = [u for u in node.users if u.args[1] == 0]
@@ -180,13 +215,18 @@ def _routing(node: fx.Node, args: dict) -> Optional[_Routing]:
     if read is not None and fake_value(probs).dtype == torch.float32:  # softmax first: the weights are probabilities
         logits = float32_source(read)
         prologue = [probs] + ([read] if read is not logits else [])
+        if _written_between(read, node, {probs, read, logits}):
+            return None
         chain, renormalize, final = [], False, value
         if value is not None and len(value.users) == 2:
             total = next((u for u in value.users if _is_row_sum(u, value)), None)
             divide = next((u for u in value.users if u is not total), None)
             if total is not None and list(total.users) == [divide] and _is_division(divide, value, total):
                 chain, renormalize, final = [total, divide], True, divide
-    elif value is not None and _softmax_of(_only_user(value)) is value:  # softmax of the k (GPT-OSS)
+    elif value is not None and _softmax_of(_only_user(value)) is value \
+            and fake_value(_only_user(value)).dtype in (fake_value(value).dtype, torch.float32):
+        # the softmax of the k (GPT-OSS), computed in float32 from the values or in their own dtype (a narrower
+        # dtype= would round them first)
         logits, prologue, renormalize = probs, [], True
         final = _only_user(value)
         chain = [final]
@@ -195,7 +235,8 @@ def _routing(node: fx.Node, args: dict) -> Optional[_Routing]:
     if not isinstance(fake_value(logits), torch.Tensor) or kernel.reason(fake_value(logits), args["k"]):
         return None
     out_dtype = fake_value(final).dtype if final is not None else torch.float32
-    if final is not None and _cast(_only_user(final)) is not None:
+    # a cast of float32 weights: the kernel's one rounding is the graph's (a cast of rounded weights would be a second)
+    if final is not None and out_dtype == torch.float32 and _cast(_only_user(final)) is not None:
         out_dtype = _cast(_only_user(final))
         final = _only_user(final)
         chain.append(final)

@@ -333,3 +333,46 @@ def test_softmax_routers_left_whole_without_fuse_routing():
     _, gm, report = capture(SoftmaxRouters(), torch.randn(2, 16).bfloat16(), torch.randn(2, 24), torch.rand(2, 2))
     assert not any(n.target is torch.ops.fp8fx.softmax_topk.default for n in gm.graph.nodes)
     assert [s.kernel for s in report.topk] == ["extern fp8fx.topk"] * 8
+
+
+class RoutersTheOpWouldChange(nn.Module):
+    """Softmax routers whose graph the op would compute otherwise (review of run 52): probabilities written before
+    their top-k, logits written between the softmax and the top-k, the softmax of the k in a narrower dtype than the
+    values (rounded first), and a widening cast of the k's softmax (its rounding kept)."""
+
+    def forward(self, logits):
+        probs = F.softmax(logits, -1, dtype=torch.float)
+        probs[:, 0] = 0.0
+        masked = torch.topk(probs, 2)
+        scaled = logits.float() * 1
+        probs = scaled.softmax(-1)
+        scaled.mul_(-1)
+        flipped = torch.topk(probs, 2)
+        top, ids = torch.topk(logits.float(), 2)
+        narrow = F.softmax(top, dim=-1, dtype=torch.bfloat16)
+        top, ids = torch.topk(logits, 2)
+        widened = F.softmax(top, dim=-1).float()
+        return masked, flipped, narrow, widened
+
+
+def test_routers_the_op_would_change_stay_as_they_are():
+    """Each keeps the graph's values: the written probabilities and logits and the narrower softmax stay plain
+    top-ks (bit for bit torch's), the widened softmax of the k fuses without its cast (bf16 weights, then the graph's
+    ``.float()``: within one bf16 rounding of the graph's)."""
+    g = torch.Generator().manual_seed(0)
+    logits = (torch.randn(4, 16, generator=g) * 3).to(torch.bfloat16)
+    logits[:, 0] = 20.0  # (expert 0 first by far: zeroed, it must not be chosen)
+    model = RoutersTheOpWouldChange()
+    out, gm, report = capture(model, logits.clone(), fuse_routing=True)
+    with torch.no_grad():
+        want = model(logits.clone())
+    for got, ref in zip(out[:2], want[:2]):
+        assert torch.equal(got.indices, ref.indices) and torch.equal(got.values, ref.values)
+    assert not (out[0].indices == 0).any()
+    assert torch.equal(out[2], want[2])
+    assert out[3].dtype == torch.float32 and torch.allclose(out[3], want[3], rtol=2 ** -7, atol=0)
+    assert [(s.scheme, s.kernel.removeprefix("extern fp8fx.")) for s in report.topk] == [
+        ("k=2 of 16", "topk"), ("k=2 of 16", "topk"), ("k=2 of 16", "topk"),
+        ("k=2 of 16 with the softmax of the k, bfloat16", "softmax_topk")], report.topk
+    casts = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "float"]
+    assert len(casts) == 3, casts  # (the widening cast kept, after the op's bf16 weights)
