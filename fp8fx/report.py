@@ -176,7 +176,8 @@ class Report:
     def reused(self, graph: int, weights: list[Any]) -> None:
         """Graph ``graph``, a frame of one module's forward (``frames``), ran with another module's ``weights`` (its
         inputs at ``frame_weights``' positions): that module's layers are sites of the graph too, rewritten as the
-        first module's, named by their weights' tags (else by the first one's names under the new module)."""
+        first module's, named by their weights' tags (else by the first one's names under the new module); so are
+        the graph's top-ks, where the tags named the new module."""
         root = self.frames[graph]
         first, known = None, {s.fqn for s in self.sites if s.graph == graph}
         for (i, _), weight in zip(self.frame_weights[graph], weights):
@@ -193,6 +194,13 @@ class Report:
                     # layers ("routes tokens to model.layers.0.mlp.experts"): this module's, by its own names
                     reason = re.sub(rf"(?<![\w.]){re.escape(root)}(?![\w])", fqn[:len(fqn) - len(suffix)], reason)
                 self.add(dataclasses.replace(site, fqn=fqn, reason=reason, weight_id=Site.token_of(weight)))
+        if first is not None:  # the frame's top-ks, under the new module's names
+            names = {s.fqn for s in self.topk if s.graph == graph}
+            for site in [s for s in self.topk if s.graph == graph and (s.fqn == root or s.fqn.startswith(f"{root}."))]:
+                fqn = first + site.fqn[len(root):]
+                if fqn not in names:
+                    names.add(fqn)
+                    self.add_topk(dataclasses.replace(site, fqn=fqn))
 
     def add_output_code(self, graph: int, code: str, gm: Any) -> None:
         """Record what Inductor generated for ``graph`` from its output code: the kernels, and the GEMM

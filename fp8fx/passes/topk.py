@@ -264,8 +264,11 @@ class TopkPass(NodePass):
         scheme = "" if why else routing.describe(args["k"], n) if routing else f"k={args['k']} of {n}{order}"
         name = "softmax_topk" if routing else "topk"
         op = getattr(torch.ops.fp8fx, name).default
+        fqn, root = module_path(node) or "", ctx.report.frames.get(ctx.graph_index)
+        if root:  # (a frame of a block's forward: its paths are the block's; the report's names are the model's)
+            fqn = f"{root}.{fqn}" if fqn else root
         ctx.report.add_topk(Site(
-            kind="topk", fqn=module_path(node) or "", rewritten=not why, reason=why, scheme=scheme,
+            kind="topk", fqn=fqn, rewritten=not why, reason=why, scheme=scheme,
             graph=ctx.graph_index, weight_shape=Site.shape_of(x), kernel="" if why else f"extern fp8fx.{name}",
             node=Site.origin_of(node),
         ))

@@ -245,7 +245,8 @@ def test_every_block_of_a_reused_frame_is_reported_under_its_own_names():
     """HF's per-expert loop (experts_implementation='eager') breaks the graph inside the experts' forward; Dynamo
     runs the graphs of layer 0's blocks for layer 1. Layer 1's experts were in no site (their fp8 weights listed as
     unhandled: the resumed graphs inside the experts' forward were no frames of the report), and layer 1's router
-    said it routes tokens to layer 0's experts (the first module's reason, copied)."""
+    said it routes tokens to layer 0's experts (the first module's reason, copied). Each layer's router top-k is in
+    the report's top-k list under its full name (it was once, as "gate": the frame's path)."""
     model = tiny("mixtral", "eager")
     fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
     backend = fp8fx.Fp8Backend(compiler="eager")
@@ -259,6 +260,10 @@ def test_every_block_of_a_reused_frame_is_reported_under_its_own_names():
         [router] = {s.reason for s in sites if s.fqn == f"model.layers.{i}.mlp.gate"}
         assert f"routes tokens to model.layers.{i}.mlp.experts " in router
     assert not [w for w in backend.report.unhandled_weights(model) if ".experts." in w[0]]
+    topk = [(s.fqn, s.scheme, s.graph) for s in backend.report.topk]
+    graph = topk[0][2]
+    assert topk == [(f"model.layers.{i}.mlp.gate", "k=2 of 8 with its softmax, renormalized, float32", graph)
+                    for i in range(LAYERS)], topk
 
 
 def tiny_llama4(top_k=1):
