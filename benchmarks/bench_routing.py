@@ -2,7 +2,7 @@
 sorted), fp8fx.small_mm (one launch) against torch's linear (cuBLAS) for the router's logits, and a whole softmax
 router (linear, softmax, top-k, normalization) compiled three ways.
 
-    python benchmarks/bench_routing.py [--out DIR] [--rounds 5] [--parts topk,router,softmax]
+    python benchmarks/bench_routing.py [--out DIR] [--rounds 5] [--parts topk,router,softmax,grouped]
     python benchmarks/bench_routing.py --cpu-smoke   # the kernels under TRITON_INTERPRET=1 against torch, no timing
 
 Top-k rows: rows x n, k, dtype; torch.topk sorted (the default, what HF's routers call) and unsorted, and fp8fx.topk
@@ -16,8 +16,11 @@ a bf16 router compiled by Inductor alone (cuBLAS, torch's top-k), with ``Fp8Back
 then fp8fx.softmax_topk: two launches). Checked for each: the ids a top-k of the float64 logits up to their bf16
 rounding, the weights within that rounding's effect (and a bf16 weight's own rounding) of the float64 router's. Each
 timed as CUDA-graph replays
-(bench_linear's ``timer``: after a read of 256 MB), ``rounds`` interleaved rounds, medians. Writes routing.json;
-exits 1 if a check fails.
+(bench_linear's ``timer``: after a read of 256 MB), ``rounds`` interleaved rounds, medians. Grouped-router rows:
+DeepSeek-V3's sigmoid routing from float32 logits (and Nemotron-3-Nano's, one group), the same three ways
+(``Fp8Backend()``: fp8fx.grouped_topk, one launch); checked: the experts the float64 router's (as sets), the weights
+within 1e-5 of its.
+Writes routing.json; exits 1 if a check fails.
 """
 from __future__ import annotations
 
@@ -90,6 +93,45 @@ def check_softmax_router(router: SoftmaxRouter, x: torch.Tensor, weights, ids) -
     return ((weights.double() - ref).abs() / ref).max().item(), valid
 
 
+# (tokens, E, groups, kept groups, k, scale): DeepSeek-V3's sigmoid router (256 experts in 8 groups, 4 kept, top 8,
+# x2.5), Nemotron-3-Nano's (128, one group, top 6)
+GROUPED_ROUTERS = [(t, *r) for t in (1, 4, 64) for r in ((256, 8, 4, 8, 2.5), (128, 1, 1, 6, 1.0))]
+GROUPED_SMOKE = [(1, 256, 8, 4, 8, 2.5), (3, 128, 1, 1, 6, 1.0)]
+
+
+class GroupedRouter(torch.nn.Module):
+    """DeepSeek-V3's routing from its float32 logits, as transformers 5 writes it (Nemotron-H's is the same)."""
+
+    def __init__(self, groups: int, topk_group: int, k: int, scale: float):
+        super().__init__()
+        self.groups, self.topk_group, self.k, self.scale = groups, topk_group, k, scale
+
+    def forward(self, logits, bias):
+        e = logits.shape[-1]
+        scores = logits.sigmoid()
+        choice = scores + bias
+        group_scores = choice.view(-1, self.groups, e // self.groups).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        mask = group_mask.unsqueeze(-1).expand(-1, self.groups, e // self.groups).reshape(-1, e)
+        ids = torch.topk(choice.masked_fill(~mask.bool(), float("-inf")), k=self.k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return weights * self.scale, ids
+
+
+def check_grouped(router: GroupedRouter, logits, bias, weights, ids) -> float:
+    """The weights' largest relative error against the float64 router's at the same experts; inf where the experts
+    (as sets: the graph's top-k is unsorted) are not the float64 router's."""
+    want_w, want_ids = router(logits.double(), bias.double())
+    order, got = want_ids.sort(-1), ids.sort(-1)
+    if not torch.equal(order.values, got.values):
+        return float("inf")
+    want = want_w.gather(-1, order.indices)
+    return ((weights.gather(-1, got.indices).double() - want).abs() / want).max().item()
+
+
 def check_router(x: torch.Tensor, w: torch.Tensor, b) -> float:
     """fp8fx.small_mm's relative error against the float64 linear (its largest value)."""
     ref = torch.nn.functional.linear(x.double(), w.double(), None if b is None else b.double())
@@ -108,7 +150,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench_out")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--cpu-smoke", action="store_true")
-    p.add_argument("--parts", default="topk,router,softmax", help="which rows: top-k, router linear, softmax router")
+    p.add_argument("--parts", default="topk,router,softmax,grouped",
+                   help="which rows: top-k, router linear, softmax router, grouped sigmoid router")
     args = p.parse_args(argv)
     parts = set(args.parts.split(","))
     device = "cpu" if args.cpu_smoke else "cuda"
@@ -185,6 +228,38 @@ def main(argv=None) -> int:
 
             with torch.no_grad():
                 times = timed_in_rounds({name: timer(fn, x, True) for name, fn in compiled.items()}, args.rounds)
+            row.update({f"{name}_ms": statistics.median(t) for name, t in times.items()})
+            row["vs_inductor"] = row["inductor_ms"] / row["fp8fx_ms"]
+            row["vs_unfused"] = row["fp8fx_unfused_ms"] / row["fp8fx_ms"]
+        rows.append(row)
+        print(json.dumps({k: round(v, 6) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+    for tokens, e, groups, topk_group, k, scale in (GROUPED_SMOKE if args.cpu_smoke else GROUPED_ROUTERS) \
+            if "grouped" in parts else ():
+        torch.manual_seed(tokens * e + k)
+        router = GroupedRouter(groups, topk_group, k, scale)
+        logits, bias = torch.randn(tokens, e, device=device) * 2, torch.randn(e, device=device) * 0.3
+        if device == "cpu":  # the kernel alone, under the interpreter
+            got = kernel.grouped_topk(logits, bias, k, groups, topk_group, True, 1e-20, scale, float("-inf"))
+            compiled = {"fp8fx": lambda x, b, got=got: got}
+        else:
+            import fp8fx
+
+            torch._dynamo.reset()  # (as for the softmax routers)
+            compiled = {"inductor": torch.compile(router, dynamic=False), "fp8fx_unfused": torch.compile(
+                router, backend=fp8fx.Fp8Backend(fuse_routing=False), dynamic=False),
+                "fp8fx": torch.compile(router, backend=fp8fx.Fp8Backend(), dynamic=False)}
+        row = dict(grouped_router=f"{e} in {groups} groups", tokens=tokens, topk_group=topk_group, k=k)
+        with torch.no_grad():
+            for name, fn in compiled.items():
+                row[f"err_{name}"] = check_grouped(router, logits, bias, *fn(logits, bias))
+        row["ok"] = all(row[f"err_{n}"] <= 1e-5 for n in compiled)  # (float32 throughout)
+        ok &= row["ok"]
+        if device == "cuda":
+            from bench_linear import timed_in_rounds, timer
+
+            with torch.no_grad():
+                times = timed_in_rounds({name: timer(lambda x, fn=fn: fn(x, bias), logits, True)
+                                         for name, fn in compiled.items()}, args.rounds)
             row.update({f"{name}_ms": statistics.median(t) for name, t in times.items()})
             row["vs_inductor"] = row["inductor_ms"] / row["fp8fx_ms"]
             row["vs_unfused"] = row["fp8fx_unfused_ms"] / row["fp8fx_ms"]

@@ -100,7 +100,9 @@ class Fp8Backend:
       renormalization and cast of its weights after it, or the softmax of the k top logits (GPT-OSS), join the
       top-k's launch (``fp8fx.softmax_topk``): one kernel where there were three. Experts are then ranked by their
       logits, not the graph's float32 probabilities (the same order but where two logits round to one probability,
-      or in a row with a NaN or +inf logit, whose weights are NaN either way). Default True.
+      or in a row with a NaN or +inf logit, whose weights are NaN either way). A sigmoid router's grouped top-k
+      (DeepSeek-V3, Nemotron-H: three top-ks, the group mask, the weights' gather, renormalization and scale) joins
+      as one ``fp8fx.grouped_topk``. Default True.
     - ``fast_router``: an MoE router's linear (its weight kept in high precision, tagged by ``quantize_`` /
       ``load_checkpoint``) runs as ``fp8fx.small_mm``: on CUDA up to 4 rows of x in one Triton launch, where cuBLAS
       took 4.2-6.1 us at one token on the H200 (``fp8fx.passes.router``); torch's linear for more rows. Default True.

@@ -1088,6 +1088,62 @@ def _(x, k, renormalize, out_dtype):
     return kernel.softmax_topk(x, k, renormalize, out_dtype)
 
 
+# --- a sigmoid router's grouped top-k and weights in one launch (fp8fx.passes.topk emits it: DeepSeek-V3's) ---------
+@_op("grouped_topk")
+def grouped_topk(x: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_group: int, renormalize: bool,
+                 eps: float, scale: float, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sigmoid router's (float32 weights, int64 expert ids) [..., k] from its float32 logits x [..., E], as
+    DeepSeek-V3's HF router computes them: ``choice = sigmoid(x) + bias``; each of ``groups`` groups of E / groups
+    experts scored by its two largest choices, summed; the ``topk_group`` best groups kept, the others' choices
+    ``fill``; the k experts of the largest choices (sorted; ties to the lower index); their ``sigmoid(x)``, divided by
+    its sum + ``eps`` where ``renormalize``, times ``scale``. On CUDA one launch of ``fp8fx.kernels.topk`` where its
+    ``grouped_reason`` is empty; here and elsewhere torch's."""
+    _check_grouped_topk(x, bias, k, groups, topk_group)
+    return _grouped_topk(x, bias, k, groups, topk_group, renormalize, eps, scale, fill)
+
+
+def _grouped_topk(x, bias, k, groups, topk_group, renormalize, eps, scale, fill):
+    scores = x.float().sigmoid()
+    choice = scores + bias
+    if topk_group < groups:
+        grid = choice.unflatten(-1, (groups, -1))
+        group_score = grid.topk(2, dim=-1).values.sum(-1)
+        kept = torch.zeros_like(group_score).scatter(-1, group_score.topk(topk_group, dim=-1).indices, 1).bool()
+        choice = choice.masked_fill(~kept.unsqueeze(-1).expand_as(grid).flatten(-2), fill)
+    ids = choice.topk(k, dim=-1, sorted=True).indices
+    weights = scores.gather(-1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(-1, keepdim=True) + eps)
+    return weights * scale, ids
+
+
+def _check_grouped_topk(x, bias, k, groups, topk_group) -> None:
+    e = x.shape[-1] if x.dim() else 0
+    if x.dim() < 1 or bias.shape != (e,) or x.dtype != torch.float32 or bias.dtype not in quant.HIGH_PRECISION:
+        raise ValueError(f"fp8fx.grouped_topk: logits {tuple(x.shape)} {x.dtype}, bias {tuple(bias.shape)} "
+                         f"{bias.dtype}; float32 logits [..., E] and a bias [E] of bf16, fp16 or fp32")
+    if groups < 1 or e % groups or not 1 <= topk_group <= groups or not 1 <= k <= e or groups > 1 and e // groups < 2:
+        raise ValueError(f"fp8fx.grouped_topk: k={k}, {topk_group} of {groups} groups of {e} experts; groups must "
+                         "divide the experts (2 or more each), 1 <= topk_group <= groups, 1 <= k <= experts")
+
+
+@grouped_topk.register_fake
+def _(x, bias, k, groups, topk_group, renormalize, eps, scale, fill):
+    _check_grouped_topk(x, bias, k, groups, topk_group)
+    shape = (*x.shape[:-1], k)
+    return x.new_empty(shape, dtype=torch.float32), x.new_empty(shape, dtype=torch.int64)
+
+
+@_on_cuda("grouped_topk")
+def _(x, bias, k, groups, topk_group, renormalize, eps, scale, fill):
+    from fp8fx.kernels import topk as kernel  # triton is imported only when a CUDA top-k runs
+
+    _check_grouped_topk(x, bias, k, groups, topk_group)
+    if kernel.grouped_reason(x, k, groups, topk_group):
+        return _grouped_topk(x, bias, k, groups, topk_group, renormalize, eps, scale, fill)
+    return kernel.grouped_topk(x, bias, k, groups, topk_group, renormalize, eps, scale, fill)
+
+
 # --- a few rows times a small high-precision weight (fp8fx.passes.router emits it: an MoE router's logits) ------
 @_op("small_mm")
 def small_mm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> torch.Tensor:

@@ -46,19 +46,8 @@ def topk_kernel(x_ptr, values_ptr, indices_ptr, N, stride_x, K: tl.constexpr, KP
         bits = (raw.to(tl.int16, bitcast=True).to(tl.int64) & 0xFFFF) << 16  # subnormals to 0 in a float cast)
     else:  # (float16 to float32: exact, order kept)
         bits = raw.to(tl.float32).to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
-    # a NaN (either sign) by its float32 bits, the same test on both paths
-    key = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0xFFFFFFFF, key)
-    if not LARGEST:
-        key = 0xFFFFFFFF - key
-    # one int64 a lane: the key above, 4095 - index below (the lower index wins a tie); lanes past N below all
-    comp = tl.where(offs < N, (key << 12) | (4095 - offs), -1)
+    picked = _pick(bits, offs < N, offs, K, KP, LARGEST)
     kk = tl.arange(0, KP)
-    picked = tl.zeros((KP,), dtype=tl.int64)
-    for j in tl.static_range(K):
-        best = tl.max(comp, 0)
-        picked = tl.where(kk == j, 4095 - (best & 4095), picked)
-        comp = tl.where(comp == best, -1, comp)
     k_ok = kk < K
     out = row * K + kk
     values = tl.load(x_row + picked, mask=k_ok)
@@ -74,6 +63,105 @@ def topk_kernel(x_ptr, values_ptr, indices_ptr, N, stride_x, K: tl.constexpr, KP
         values = tl.exp(top - high) / total
     tl.store(values_ptr + out, values.to(values_ptr.dtype.element_ty), mask=k_ok)
     tl.store(indices_ptr + out, picked, mask=k_ok)
+
+
+@triton.jit
+def _pick(bits, valid, offs, K: tl.constexpr, KP: tl.constexpr, LARGEST: tl.constexpr):
+    """The indices [KP] (K of them) of the K largest (smallest) lanes of ``valid`` by their float32 ``bits`` (int64),
+    in order: torch's order (NaN of either sign above every number, -0.0 below +0.0), of equals the lower index."""
+    key = tl.where(bits >= 0x80000000, bits ^ 0xFFFFFFFF, bits ^ 0x80000000)
+    # a NaN (either sign) by its float32 bits, the same test on both paths
+    key = tl.where((bits & 0x7FFFFFFF) > 0x7F800000, 0xFFFFFFFF, key)
+    if not LARGEST:
+        key = 0xFFFFFFFF - key
+    # one int64 a lane: the key above, 4095 - index below (the lower index wins a tie); other lanes below all
+    comp = tl.where(valid, (key << 12) | (4095 - offs), -1)
+    kk = tl.arange(0, KP)
+    picked = tl.zeros((KP,), dtype=tl.int64)
+    for j in tl.static_range(K):
+        best = tl.max(comp, 0)
+        picked = tl.where(kk == j, 4095 - (best & 4095), picked)
+        comp = tl.where(comp == best, -1, comp)
+    return picked
+
+
+@triton.jit
+def grouped_topk_kernel(x_ptr, bias_ptr, weights_ptr, ids_ptr, stride_x, eps, scale, fill, E: tl.constexpr,
+                        G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
+                        RENORMALIZE: tl.constexpr):
+    """Program r: a sigmoid router's row r (DeepSeek-V3's, ``grouped_topk``): the k experts of the largest
+    ``sigmoid(x) + bias`` among the TOPK_GROUP groups (of G, E // G experts each, E and G powers of 2) of the largest
+    sum of their two largest, the others ``fill``; their weights ``sigmoid(x)``, divided by their sum + eps where
+    RENORMALIZE, times scale (float32)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, E)
+    x_row = x_ptr + row * stride_x
+    scores = tl.sigmoid(tl.load(x_row + offs).to(tl.float32))
+    choice = scores + tl.load(bias_ptr + offs).to(tl.float32)
+    if TOPK_GROUP < G:  # each group's score: its two largest, summed (torch.topk(2) of the group: a tie counts twice)
+        grid = tl.reshape(choice, (G, E // G))
+        first = tl.max(grid, 1)
+        at_first = grid == first[:, None]
+        second = tl.max(tl.where(at_first, float("-inf"), grid), 1)
+        second = tl.where(tl.sum(at_first.to(tl.int32), 1) > 1, first, second)
+        group_score = first + second
+        groups = tl.arange(0, G)
+        kept = tl.zeros((G,), dtype=tl.int1)
+        for _ in tl.static_range(TOPK_GROUP):  # the groups, largest first, of equals the lower index
+            best = tl.max(tl.where(kept, float("-inf"), group_score), 0)
+            pick = tl.min(tl.where(~kept & (group_score == best), groups, G), 0)
+            kept = kept | (groups == pick)
+        keep = tl.reshape(tl.broadcast_to(kept[:, None], (G, E // G)), (E,))
+        choice = tl.where(keep, choice, fill)
+    bits = choice.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    picked = _pick(bits, offs < E, offs, K, KP, True)
+    kk = tl.arange(0, KP)
+    k_ok = kk < K
+    weights = tl.where(k_ok, tl.sigmoid(tl.load(x_row + picked, mask=k_ok, other=0.0).to(tl.float32)), 0.0)
+    if RENORMALIZE:
+        weights = weights / (tl.sum(weights, 0) + eps)
+    weights = weights * scale
+    tl.store(weights_ptr + row * K + kk, weights, mask=k_ok)
+    tl.store(ids_ptr + row * K + kk, picked, mask=k_ok)
+
+
+MAX_GROUPS = 64
+
+
+def grouped_reason(x: torch.Tensor, k: int, groups: int, topk_group: int) -> str:
+    """Why ``grouped_topk`` of these is not the kernel's, or ""."""
+    e = x.shape[-1] if x.dim() else 0
+
+    def power_of_2(v):
+        return type(v) is int and v > 0 and v & (v - 1) == 0
+
+    if x.dtype != torch.float32:
+        return f"logits of {x.dtype} (the kernel takes float32: the graph's sigmoid rounds 16-bit ones)"
+    if not (power_of_2(e) and e <= MAX_ROW and power_of_2(groups) and groups <= MAX_GROUPS
+            and (groups == 1 or e // groups >= 2)):
+        return (f"{e} experts in {groups} groups (the kernel takes powers of 2: up to {MAX_ROW} experts, "
+                f"{MAX_GROUPS} groups of 2 or more)")
+    if not 1 <= topk_group <= groups or not 1 <= k <= min(MAX_K, e):
+        return f"k={k} of {e} experts in {topk_group} of {groups} groups (the kernel takes k 1-{MAX_K})"
+    return ""
+
+
+def grouped_topk(x: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_group: int, renormalize: bool,
+                 eps: float, scale: float, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float32 weights, int64 ids) [..., k] of a sigmoid router's logits x [..., E] (``grouped_topk_kernel``), the
+    ids sorted by their choice score (ties to the lower index). ``grouped_reason`` must be ""."""
+    e = x.shape[-1]
+    rows = x.reshape(-1, e)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    weights = torch.empty((*x.shape[:-1], k), dtype=torch.float32, device=x.device)
+    ids = torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
+    if rows.shape[0]:
+        grouped_topk_kernel[(rows.shape[0],)](
+            rows, bias.contiguous(), weights, ids, rows.stride(0), float(eps), float(scale), float(fill), E=e,
+            G=groups, TOPK_GROUP=topk_group, K=k, KP=max(next_power_of_2(k), 2), RENORMALIZE=renormalize,
+            num_warps=1 if e <= 512 else 4)
+    return weights, ids
 
 
 def reason(x: torch.Tensor, k: int) -> str:

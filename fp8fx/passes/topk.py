@@ -36,6 +36,12 @@ else reads is still computed for it. Left as the graph has them (a plain ``fp8fx
 probabilities or logits that an op between the softmax and the top-k may write (``probs[:, 0] = 0``), a softmax of
 the k in a dtype narrower than the values, a normalization whose values something else reads, and casts of weights
 that are not float32 (rounded twice in the graph).
+
+A sigmoid router's grouped top-k (DeepSeek-V3's, Nemotron-H's: ``_grouped``'s form, from float32 logits, a power of 2
+of experts and of groups) joins too, first: its three top-ks (each group's two best, the best groups, the experts),
+the group mask, the gather of the weights, their renormalization and scale become one ``fp8fx.grouped_topk``, where
+the graph took eight kernels (9.6 us of Nemotron-3-Nano's one-token layer on the H200, run 51). Its experts are the
+graph's (the graph's top-k is unsorted: these come sorted), its weights float32 as the graph's.
 """
 from __future__ import annotations
 
@@ -49,7 +55,8 @@ from torch import fx
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.kernels import topk as kernel
-from fp8fx.passes.base import NodePass, PassContext, fake_value, float32_source, module_path, replace_node
+from fp8fx.passes.base import (NodePass, PassContext, fake_value, float32_source, may_record_grad, module_path,
+                               replace_node)
 from fp8fx.report import Site
 
 _PARAMS = ("input", "k", "dim", "largest", "sorted")  # torch.topk's, in order (a method's first is ``self``)
@@ -243,6 +250,151 @@ def _routing(node: fx.Node, args: dict) -> Optional[_Routing]:
     return _Routing(logits, renormalize, out_dtype, final, chain, prologue)
 
 
+def _method(node, name: str, nargs: Optional[int] = None) -> bool:
+    """Whether ``node`` is a call of the tensor method ``name`` (with ``nargs`` positional arguments, self included)."""
+    return isinstance(node, fx.Node) and node.op == "call_method" and node.target == name \
+        and (nargs is None or len(node.args) == nargs)
+
+
+def _call(node, *targets) -> bool:
+    return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
+
+
+def _sole(node: fx.Node, user: fx.Node) -> bool:
+    return list(node.users) == [user]
+
+
+def _before(a: fx.Node, b: fx.Node) -> bool:
+    """Whether ``a`` comes before ``b`` in their graph."""
+    node = a.next
+    while node.op != "root":
+        if node is b:
+            return True
+        node = node.next
+    return False
+
+
+@dataclasses.dataclass
+class _Grouped:
+    """A sigmoid router's grouped top-k (DeepSeek-V3's, as HF computes it): the op's arguments, the top-ks it
+    replaces (the groups' two, the groups', the experts'), ``weights`` (the node whose users then read the op's
+    weights, or None) and ``matched`` (every node of the form: those left unread go)."""
+
+    logits: fx.Node
+    bias: fx.Node
+    k: int
+    groups: int
+    topk_group: int
+    renormalize: bool
+    eps: float
+    scale: float
+    fill: float
+    topks: list
+    weights: Optional[fx.Node]
+    matched: list
+
+    def describe(self, n) -> str:
+        steps = ", renormalized" if self.renormalize else ""
+        steps += f", times {self.scale:g}" if self.scale != 1 else ""
+        return (f"k={self.k} of {n} experts in {self.topk_group} of {self.groups} groups, sigmoid weights{steps} "
+                "(grouped_topk)")
+
+
+def _grouped(node: fx.Node) -> Optional[_Grouped]:
+    """The DeepSeek-V3 router whose experts' top-k ``node`` is (the transformers 5 graph; Nemotron-H's is the
+    same), or None::
+
+        scores = logits.sigmoid(); choice = scores + bias                      # float32 logits, bias [E]
+        group_score = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_score, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_score); group_mask.scatter_(1, group_idx, 1)
+        mask = group_mask.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+        ids = torch.topk(choice.masked_fill(~mask.bool(), fill), k=k, dim=-1, sorted=False)[1]   # <- node
+        weights = scores.gather(1, ids)
+        weights /= weights.sum(dim=-1, keepdim=True) + eps                    # (norm_topk_prob)
+        weights = weights * scale                                             # (routed_scaling_factor)
+    """
+    args = _topk_args(node)
+    masked = args["input"]
+    if args["largest"] is not True or not _method(masked, "masked_fill", 3) or masked.kwargs:
+        return None
+    choice, invert, fill = masked.args
+    if not isinstance(fill, (int, float)) or not _call(invert, operator.invert, torch.bitwise_not, torch.logical_not):
+        return None
+    as_bool = invert.args[0]
+    if not _method(as_bool, "bool", 1) or not _method(as_bool.args[0], "reshape") and not _method(as_bool.args[0],
+                                                                                                     "view"):
+        return None
+    expand = as_bool.args[0].args[0]
+    if not _method(expand, "expand") or not _method(expand.args[0], "unsqueeze", 2) or expand.args[0].args[1] != -1:
+        return None
+    group_mask = expand.args[0].args[0]
+    scatters = [u for u in group_mask.users if _method(u, "scatter_", 4)]
+    if not _call(group_mask, torch.zeros_like) or len(group_mask.users) != 2 or len(scatters) != 1:
+        return None
+    scatter = scatters[0]
+    _, dim, group_idx, one = scatter.args
+    group_score = group_mask.args[0]
+    if dim not in (1, -1) or one != 1 or scatter.users or not _call(group_idx, operator.getitem) \
+            or group_idx.args[1] != 1 or not _sole(group_idx.args[0], group_idx):
+        return None
+    group_topk = _topk_args(group_idx.args[0])
+    if not group_topk or group_topk["input"] is not group_score or group_topk["largest"] is not True \
+            or set(group_topk) - set(_PARAMS) or not _method(group_score, "sum", 1) \
+            or group_score.kwargs.get("dim") != -1 or set(group_score.kwargs) != {"dim"}:
+        return None
+    pairs = group_score.args[0]
+    if not _call(pairs, operator.getitem) or pairs.args[1] != 0 or not _sole(pairs.args[0], pairs):
+        return None
+    pair_topk = _topk_args(pairs.args[0])
+    grid = pair_topk and pair_topk["input"]
+    if not pair_topk or pair_topk["k"] != 2 or pair_topk["largest"] is not True or set(pair_topk) - set(_PARAMS) \
+            or not _method(grid, "view") or grid.args[0] is not choice or not _call(choice, operator.add, torch.add) \
+            or choice.kwargs or len(choice.args) != 2:
+        return None
+    scores, bias = choice.args
+    if not (_method(scores, "sigmoid", 1) or _call(scores, torch.sigmoid) and len(scores.args) == 1):
+        return None
+    logits, x, b, g = scores.args[0], fake_value(scores.args[0]), fake_value(bias), fake_value(grid)
+    if not all(isinstance(t, torch.Tensor) for t in (x, b, g)) or x.dim() != 2 or g.dim() != 3 \
+            or tuple(b.shape) != (x.shape[1],) or b.dtype not in quant.HIGH_PRECISION or type(x.shape[1]) is not int \
+            or g.shape[1] * g.shape[2] != x.shape[1] or not _over_last(group_score.args[0], -1):
+        return None
+    groups, topk_group = g.shape[1], group_topk["k"]
+    if type(groups) is not int or type(topk_group) is not int \
+            or kernel.grouped_reason(x, args["k"], groups, topk_group):
+        return None
+    shapes = [tuple(getattr(fake_value(n), "shape", ())) for n in (as_bool, expand)]
+    if shapes != [tuple(x.shape), tuple(g.shape)] or not _before(scatter, expand.args[0]):
+        return None
+    matched = [scores, choice, grid, pairs.args[0], pairs, group_score, group_idx.args[0], group_idx, group_mask,
+               scatter, expand.args[0], expand, as_bool.args[0], as_bool, invert, masked]
+    # the weights: the sigmoid at the ids, renormalized, scaled, each where the graph does so
+    ids = [u for u in node.users if u.args[1] == 1]
+    weights, renormalize, eps, scale = None, False, 0.0, 1.0
+    if len(ids) == 1:
+        gather = next((u for u in ids[0].users if _method(u, "gather", 3) and u.args[0] is scores and u.args[1] in (
+            1, -1) and u.args[2] is ids[0] and not u.kwargs), None)
+        if gather is not None:
+            weights = gather
+            matched.append(gather)
+            total = next((u for u in gather.users if _is_row_sum(u, gather)), None)
+            plus = _only_user(total) if total is not None else None
+            divide = next((u for u in gather.users if u is not total), None)
+            if len(gather.users) == 2 and plus is not None and _call(plus, operator.add, torch.add) \
+                    and len(plus.args) == 2 and plus.args[0] is total and isinstance(plus.args[1], (int, float)) \
+                    and not plus.kwargs and divide is not None and _is_division(divide, gather, plus):
+                weights, renormalize, eps = divide, True, float(plus.args[1])
+                matched += [total, plus, divide]
+            times = _only_user(weights)
+            if times is not None and _call(times, operator.mul, torch.mul) and len(times.args) == 2 \
+                    and times.args[0] is weights and isinstance(times.args[1], (int, float)) and not times.kwargs:
+                weights, scale = times, float(times.args[1])
+                matched.append(times)
+    return _Grouped(logits, bias, args["k"], groups, topk_group, renormalize, eps, scale, float(fill),
+                    [pairs.args[0], group_idx.args[0], node], weights, matched)
+
+
 class TopkPass(NodePass):
     """``torch.topk`` of short rows -> ``fp8fx.topk``, and a softmax router's -> ``fp8fx.softmax_topk`` (see the
     module docstring). ``enabled=False``: the pass looks at nothing and rewrites nothing (``Fp8Backend(fast_topk=
@@ -251,6 +403,41 @@ class TopkPass(NodePass):
     def __init__(self, enabled: bool = True, fuse_routing: bool = True):
         super().__init__(enabled)
         self.fuse_routing = fuse_routing
+
+    def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
+        # first the sigmoid routers' grouped top-ks, whose three top-ks the node loop would take one at a time
+        grouped = self.enabled and self.fuse_routing and sum(self.visit_grouped(gm, node, ctx) for node in list(
+            gm.graph.nodes) if node.graph is gm.graph and _topk_args(node) is not None)
+        return grouped + super().__call__(gm, ctx)
+
+    def visit_grouped(self, gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:
+        """``node``, a sigmoid router's experts' top-k, and its form (``_grouped``) -> ``fp8fx.grouped_topk``."""
+        if node.op == "root" or _reason(node, _topk_args(node), may_record_grad(gm.graph)):
+            return False
+        form = _grouped(node)
+        if form is None:
+            return False
+        root = ctx.report.frames.get(ctx.graph_index)
+        for top in form.topks:
+            fqn = module_path(top) or ""
+            fqn = (f"{root}.{fqn}" if fqn else root) if root else fqn
+            x = fake_value(_topk_args(top)["input"])
+            ctx.report.add_topk(Site(
+                kind="topk", fqn=fqn, rewritten=True, reason="", graph=ctx.graph_index, weight_shape=Site.shape_of(x),
+                scheme=form.describe(fake_value(form.logits).shape[-1]) if top is node else "in fp8fx.grouped_topk",
+                kernel="extern fp8fx.grouped_topk", node=Site.origin_of(top)))
+        call = (form.logits, form.bias, form.k, form.groups, form.topk_group, form.renormalize, form.eps, form.scale,
+                form.fill)
+        new = replace_node(gm.graph, node, torch.ops.fp8fx.grouped_topk.default, call)
+        if form.weights is not None:
+            with gm.graph.inserting_after(new):
+                weights = gm.graph.call_function(operator.getitem, (new, 0))
+            weights.meta["example_value"] = new.meta["example_value"][0]
+            form.weights.replace_all_uses_with(weights)
+        for gone in reversed(form.matched):  # (each that nothing reads now, last first)
+            if not gone.users:
+                gm.graph.erase_node(gone)
+        return True
 
     def visit(self, gm: fx.GraphModule, node: fx.Node, ctx: PassContext, records_grad: bool) -> bool:
         args = _topk_args(node)

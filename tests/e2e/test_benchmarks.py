@@ -27,16 +27,19 @@ def test_bench_moe_layer_cpu_smoke(tmp_path):
 
 
 def test_bench_routing_cpu_smoke(tmp_path):
-    """fp8fx.topk's, fp8fx.small_mm's and fp8fx.softmax_topk's kernels under the interpreter against torch on
-    routers' rows (the script's own checks: top-k values bit for bit, logits within 1e-2 / 1e-5 of float64, softmax
+    """fp8fx.topk's, fp8fx.small_mm's, fp8fx.softmax_topk's and fp8fx.grouped_topk's kernels under the interpreter
+    against torch on routers' rows (the script's own checks: top-k values bit for bit, logits within 1e-2 / 1e-5 of float64, softmax
     routers' ids a top-k of the float64 logits and weights within the bf16 logits' effect of the float64 router's:
-    under 2^-5 at these logits)."""
+    under 2^-5 at these logits; grouped sigmoid routers' experts and weights those of the float64 router, within
+    1e-5)."""
     run_under_triton_interpreter(["benchmarks/bench_routing.py", "--cpu-smoke", "--out", str(tmp_path)])
     rows = json.loads((tmp_path / "routing.json").read_text())["rows"]
-    assert len(rows) == 17 and all(r["ok"] for r in rows), rows
+    assert len(rows) == 19 and all(r["ok"] for r in rows), rows
     assert all(r["err"] < 1e-2 for r in rows[10:13]), rows[10:13]
-    assert [r["softmax_router"] for r in rows[13:]] == ["qwen3", "gpt_oss", "mixtral", "qwen2"], rows[13:]
-    assert all(r["err_fp8fx"] < 2 ** -5 and r["ids_fp8fx"] for r in rows[13:]), rows[13:]
+    assert [r["softmax_router"] for r in rows[13:17]] == ["qwen3", "gpt_oss", "mixtral", "qwen2"], rows[13:17]
+    assert all(r["err_fp8fx"] < 2 ** -5 and r["ids_fp8fx"] for r in rows[13:17]), rows[13:17]
+    assert [r["grouped_router"] for r in rows[17:]] == ["256 in 8 groups", "128 in 1 groups"] and all(
+        r["err_fp8fx"] < 1e-5 for r in rows[17:]), rows[17:]
 
 
 def test_bench_decoder_layer_cpu_smoke(tmp_path):

@@ -117,6 +117,47 @@ SOFTMAX_CHECKS = textwrap.dedent(
 )
 
 
+# grouped_topk: a sigmoid router's (DeepSeek-V3's) experts and weights, against the op's torch code
+GROUPED_CHECKS = textwrap.dedent(
+    """
+    import torch
+    from fp8fx.kernels import topk as kernel
+
+    g = torch.Generator().manual_seed(3)
+    inf = float("inf")
+    # (rows, E, groups, topk_group, k, renormalize, scale, fill, bias dtype): DeepSeek-V3's router (256 experts, 8
+    # groups, 4 kept, top 8, x2.5), Nemotron-3-Nano's (128, one group, top 6), a masked fill of 0.0, a bf16 bias,
+    # every group kept, one expert a group pair
+    cases = [(3, 256, 8, 4, 8, True, 2.5, -inf, torch.float32), (2, 128, 1, 1, 6, True, 1.0, -inf, torch.float32),
+             (4, 64, 4, 1, 4, False, 1.0, 0.0, torch.float32), (5, 32, 8, 3, 5, True, 1.5, -inf, torch.bfloat16),
+             (1, 16, 4, 4, 3, True, 1.0, -inf, torch.float32), (2, 16, 8, 2, 4, True, 1.0, -inf, torch.float32)]
+    for rows, e, groups, topk_group, k, renormalize, scale, fill, bias_dtype in cases:
+        x = (torch.randn(rows, e, generator=g) * 2).to(DEVICE)
+        bias = (torch.randn(e, generator=g) * 0.5).to(bias_dtype).to(DEVICE)
+        assert kernel.grouped_reason(x, k, groups, topk_group) == ""
+        weights, ids = kernel.grouped_topk(x, bias, k, groups, topk_group, renormalize, 1e-20, scale, fill)
+        want_w, want_ids = torch.ops.fp8fx.grouped_topk(x.cpu(), bias.cpu(), k, groups, topk_group, renormalize,
+                                                        1e-20, scale, fill)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and ids.shape == (rows, k)
+        assert torch.equal(ids.cpu(), want_ids), (rows, e, groups, topk_group, k, ids, want_ids)
+        # float32: the sigmoids' and the sum's rounding (a lost renormalization or scale is off by far more)
+        assert torch.allclose(weights.cpu(), want_w, rtol=4e-6, atol=0), (rows, e, groups, weights, want_w)
+        if fill == -inf:  # only experts of the kept groups (k fits in them here)
+            for row in (ids.cpu() // (e // groups)).tolist():
+                assert len(set(row)) <= topk_group, (e, groups, topk_group, row)
+    # ties: equal logits and bias rank by index, groups too
+    weights, ids = kernel.grouped_topk(torch.zeros(1, 16, device=DEVICE), torch.zeros(16, device=DEVICE), 3, 4, 2,
+                                       True, 1e-20, 1.0, -inf)
+    assert ids.tolist() == [[0, 1, 2]] and torch.allclose(weights.cpu(), torch.full((1, 3), 1 / 3)), (ids, weights)
+    # what the kernel does not take, said
+    assert "logits of torch.bfloat16" in kernel.grouped_reason(torch.empty(1, 64, dtype=torch.bfloat16), 4, 1, 1)
+    assert "160 experts in 8 groups" in kernel.grouped_reason(torch.empty(1, 160), 6, 8, 3)
+    assert "k=40" in kernel.grouped_reason(torch.empty(1, 64), 40, 1, 1)
+    print("grouped_topk ok")
+    """
+)
+
+
 def test_topk_kernel_under_triton_interpreter():
     """Values bit for bit torch.topk's in every dtype, largest and smallest, rows of 1-4096 and k of 1-32; indices
     torch's where values are distinct, the lower one of a tie; NaN, +-inf and signed zeros in torch's order."""
@@ -140,6 +181,45 @@ def test_softmax_topk_kernel_under_triton_interpreter():
 @pytest.mark.cuda
 def test_softmax_topk_kernel_cuda():
     exec(compile("DEVICE = 'cuda'\n" + SOFTMAX_CHECKS, "softmax_topk_checks", "exec"), {})
+
+
+def test_grouped_topk_kernel_under_triton_interpreter():
+    """A sigmoid router's grouped top-k in one launch: the op's torch code's experts exactly, its weights within
+    float32 rounding, at DeepSeek-V3's and Nemotron-3-Nano's shapes, a 0.0 fill, a bf16 bias, ties to the lower
+    index; what the kernel does not take, said."""
+    out = run_under_triton_interpreter(["-c", "DEVICE = 'cpu'\n" + GROUPED_CHECKS])
+    assert "grouped_topk ok" in out
+
+
+@pytest.mark.cuda
+def test_grouped_topk_kernel_cuda():
+    exec(compile("DEVICE = 'cuda'\n" + GROUPED_CHECKS, "grouped_topk_checks", "exec"), {})
+
+
+def test_grouped_topk_op_is_hf_deepseek_routing_on_cpu():
+    """``fp8fx.grouped_topk`` off CUDA against DeepSeek-V3's routing as transformers 5 writes it (zeros_like,
+    scatter_, masked_fill, unsorted top-ks): the same experts (as sets) and weights; bad shapes refused, naming them."""
+    g = torch.Generator().manual_seed(4)
+    x, bias = torch.randn(5, 64, generator=g) * 2, torch.randn(64, generator=g) * 0.3
+    groups, topk_group, k, scale = 8, 3, 6, 2.5
+    scores = x.sigmoid()
+    choice = scores + bias
+    group_scores = choice.view(-1, groups, 64 // groups).topk(2, dim=-1)[0].sum(dim=-1)
+    group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+    group_mask = torch.zeros_like(group_scores)
+    group_mask.scatter_(1, group_idx, 1)
+    mask = group_mask.unsqueeze(-1).expand(-1, groups, 64 // groups).reshape(-1, 64)
+    ids = torch.topk(choice.masked_fill(~mask.bool(), float("-inf")), k=k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20) * scale
+    got_w, got_ids = torch.ops.fp8fx.grouped_topk(x, bias, k, groups, topk_group, True, 1e-20, scale, float("-inf"))
+    order, got_order = ids.sort(-1), got_ids.sort(-1)
+    assert torch.equal(order.values, got_order.values)
+    assert torch.allclose(weights.gather(1, order.indices), got_w.gather(1, got_order.indices), rtol=1e-6, atol=0)
+    with pytest.raises(ValueError, match=r"fp8fx.grouped_topk: k=6, 3 of 7 groups of 64 experts"):
+        torch.ops.fp8fx.grouped_topk(x, bias, 6, 7, 3, True, 1e-20, 1.0, 0.0)
+    with pytest.raises(ValueError, match=r"logits \(5, 64\) torch.bfloat16"):
+        torch.ops.fp8fx.grouped_topk(x.bfloat16(), bias, 6, 8, 3, True, 1e-20, 1.0, 0.0)
 
 
 def test_softmax_topk_op_on_cpu():

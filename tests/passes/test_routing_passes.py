@@ -165,11 +165,11 @@ def test_a_topk_used_whole_is_left():
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss", "nemotron_h"])
 def test_hf_routers_linear_and_topk_rewritten(name, monkeypatch):
     """A quantized HF MoE layer (tiny dims): its router's linear runs as fp8fx.small_mm (Nemotron-H's float32 router on
-    the 16-bit hidden states themselves: the kernel casts as it loads) and its top-k(s) as fp8fx.topk, or with the
-    softmax router's softmax and normalization as fp8fx.softmax_topk (Qwen3-MoE's, GPT-OSS's); the output is that of
-    the same compile with all of it left to torch (off CUDA the ops are torch's): bit for bit, or where the routing
-    weights are softmax_topk's (rounded once, not after each step), within a bf16 rounding. The router's site keeps
-    its reason."""
+    the 16-bit hidden states themselves: the kernel casts as it loads); its top-k with the softmax router's softmax
+    and normalization as fp8fx.softmax_topk (Qwen3-MoE's, GPT-OSS's), or the sigmoid router's three top-ks, masks
+    and weights as fp8fx.grouped_topk (Nemotron-H's); the output is that of the same compile with all of it left to
+    torch (off CUDA the ops are torch's) within a bf16 rounding of the routing weights (rounded once, not after each
+    step). The router's site keeps its reason."""
     pytest.importorskip("transformers")
     import sys
 
@@ -194,13 +194,11 @@ def test_hf_routers_linear_and_topk_rewritten(name, monkeypatch):
         assert len(backend.report.topk) == ((3 if name == "nemotron_h" else 1) if on else 0), backend.report.topk
     fast, slow = codes[0][0], codes[1][0]
     assert fast.count("torch.ops.fp8fx.small_mm.default(") == 1 and "small_mm" not in slow, fast
-    fused = name != "nemotron_h"  # (a sigmoid router: its three top-ks plain)
-    assert fast.count("torch.ops.fp8fx.topk.default(") == (0 if fused else 3), fast
-    assert fast.count("torch.ops.fp8fx.softmax_topk.default(") == fused and "softmax(" not in fast, fast
-    if fused:
-        assert rel_err(outs[0], outs[1]) < 2e-3, rel_err(outs[0], outs[1])
-    else:
-        assert torch.equal(outs[0], outs[1])
+    sigmoid = name == "nemotron_h"  # (a sigmoid router: its three top-ks, sigmoid, masks and weights in one op)
+    assert "torch.ops.fp8fx.topk.default(" not in fast and "torch.topk(" not in fast and "sigmoid" not in fast, fast
+    assert fast.count("torch.ops.fp8fx.softmax_topk.default(") == (not sigmoid) and "softmax(" not in fast, fast
+    assert fast.count("torch.ops.fp8fx.grouped_topk.default(") == sigmoid, fast
+    assert rel_err(outs[0], outs[1]) < 2e-3, rel_err(outs[0], outs[1])
     if name == "nemotron_h":  # (the 16-bit hidden states go in, not their float32 cast)
         call = next(line for line in fast.splitlines() if "small_mm.default(" in line)
         assert "small_mm.default(hidden_states, l_self_modules_gate_parameters_weight_, None, torch.float32)" in call \
@@ -376,3 +374,76 @@ def test_routers_the_op_would_change_stay_as_they_are():
         ("k=2 of 16 with the softmax of the k, bfloat16", "softmax_topk")], report.topk
     casts = [n for n in gm.graph.nodes if n.op == "call_method" and n.target == "float"]
     assert len(casts) == 3, casts  # (the widening cast kept, after the op's bf16 weights)
+
+
+class GroupedRouter(nn.Module):
+    """DeepSeek-V3's routing as transformers 5 writes it (Nemotron-H's is the same)."""
+
+    def __init__(self, groups, topk_group, k, scale=2.5, fill=float("-inf")):
+        super().__init__()
+        self.groups, self.topk_group, self.k, self.scale, self.fill = groups, topk_group, k, scale, fill
+
+    def forward(self, logits, bias):
+        e = logits.shape[-1]
+        scores = logits.sigmoid()
+        choice = scores + bias
+        group_scores = choice.view(-1, self.groups, e // self.groups).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        mask = group_mask.unsqueeze(-1).expand(-1, self.groups, e // self.groups).reshape(-1, e)
+        ids = torch.topk(choice.masked_fill(~mask.bool(), self.fill), k=self.k, dim=-1, sorted=False)[1]
+        weights = scores.gather(1, ids)
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        return weights * self.scale, ids
+
+
+@pytest.mark.parametrize("fill", [float("-inf"), 0.0])
+def test_a_sigmoid_routers_grouped_topk_becomes_one_op(fill):
+    """The routing's three top-ks, masks, gather, renormalization and scale become one ``fp8fx.grouped_topk`` (the
+    graph keeps none of them); its experts are the graph's (as sets: the graph's top-k is unsorted), its weights
+    within float32 rounding; the report's three top-k entries say where they went. Logits in bf16 (the graph's
+    sigmoid rounds them) and 160 experts (not a power of 2) stay three plain top-ks."""
+    g = torch.Generator().manual_seed(0)
+    logits, bias = torch.randn(5, 64, generator=g) * 2, torch.randn(64, generator=g) * 0.3
+    model = GroupedRouter(8, 3, 6, fill=fill)
+    out, gm, report = capture(model, logits, bias, fuse_routing=True)
+    with torch.no_grad():
+        want = model(logits, bias)
+    calls = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is torch.ops.fp8fx.grouped_topk.default]
+    assert [c.args[2:] for c in calls] == [(6, 8, 3, True, 1e-20, 2.5, fill)], calls
+    left = {getattr(n.target, "__name__", n.target) for n in gm.graph.nodes if n.op != "placeholder"}
+    assert left == {"grouped_topk.default", "getitem", "output"}, left
+    order, got = want[1].sort(-1), out[1].sort(-1)
+    assert torch.equal(got.values, order.values)
+    assert torch.allclose(out[0].gather(1, got.indices), want[0].gather(1, order.indices), rtol=1e-6, atol=0)
+    op = "extern fp8fx.grouped_topk"
+    assert [(s.scheme, s.kernel) for s in report.topk] == [("in fp8fx.grouped_topk", op)] * 2 + [
+        ("k=6 of 64 experts in 3 of 8 groups, sigmoid weights, renormalized, times 2.5 (grouped_topk)", op)]
+    for x, b in ((logits.bfloat16(), bias.bfloat16()), (torch.randn(5, 160, generator=g), torch.randn(160))):
+        out, gm, report = capture(GroupedRouter(8, 3, 6, fill=fill), x, b, fuse_routing=True)
+        assert not any(n.target is torch.ops.fp8fx.grouped_topk.default for n in gm.graph.nodes)
+        assert [s.kernel for s in report.topk] == ["extern fp8fx.topk"] * 3
+
+
+def test_deepseek_v3_router_in_one_op():
+    """A tiny DeepSeek-V3 (transformers 5, 2 groups, 1 kept, top 2, x2.5) through ``Fp8Backend``: each layer's router
+    is one ``fp8fx.grouped_topk``; its logits within a bf16 rounding of the same compile with the routing apart."""
+    pytest.importorskip("transformers")
+    from tests.conftest import record_graphs_after_passes
+    from tests.e2e.test_moe_models import tiny
+
+    model = tiny("deepseek_v3", "grouped_mm")
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    ids = torch.randint(0, 512, (2, 12), generator=torch.Generator().manual_seed(0))
+    outs = []
+    for join in (True, False):
+        torch._dynamo.reset()
+        backend = fp8fx.Fp8Backend(compiler="eager", fuse_routing=join)
+        codes = record_graphs_after_passes(backend)
+        with torch.no_grad():
+            outs.append(torch.compile(model, backend=backend, fullgraph=True)(ids).logits.float())
+        code = "\n".join(codes)
+        assert code.count("fp8fx.grouped_topk.default(") == (2 if join else 0), code
+        assert code.count("fp8fx.topk.default(") == (0 if join else 6)
+    assert rel_err(outs[0], outs[1]) < 2e-3, rel_err(outs[0], outs[1])

@@ -55,10 +55,10 @@ def test_direct_calls_run_the_ops_kernels_with_the_same_bits(fuse_mlp):
 def test_every_op_has_a_direct_call_with_its_name_in_profiles():
     assert set(vars(ops.direct)) == {"quantize", "quantize_static", "dequantize", "scaled_mm", "scaled_mm_fused",
                                      "gated_mlp", "weight_only_mm", "fused_moe", "topk", "softmax_topk",
-                                     "small_mm"}
+                                     "grouped_topk", "small_mm"}
     assert all(hasattr(torch.ops.fp8fx, name) for name in vars(ops.direct))
     assert set(ops._CUDA_FNS) == {"scaled_mm", "gated_mlp", "weight_only_mm", "fused_moe", "topk", "softmax_topk",
-                                  "small_mm"}
+                                  "grouped_topk", "small_mm"}
     x = torch.randn(4, 64)
     q, s = ops.direct.quantize(x, [1, -1])
     q2, s2 = torch.ops.fp8fx.quantize(x, [1, -1])
