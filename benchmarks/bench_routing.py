@@ -210,9 +210,10 @@ def main(argv=None) -> int:
             # (one forward, compiled afresh for each row: past Dynamo's recompile limit, 8 compiles of one code
             # object, it runs the rest eagerly - run 52's calls 2-3 timed rows past the 8th so)
             torch._dynamo.reset()
+            backend = fp8fx.Fp8Backend()
             compiled = {"inductor": torch.compile(router, dynamic=False), "fp8fx_unfused": torch.compile(
                 router, backend=fp8fx.Fp8Backend(fuse_routing=False), dynamic=False),
-                "fp8fx": torch.compile(router, backend=fp8fx.Fp8Backend(), dynamic=False)}
+                "fp8fx": torch.compile(router, backend=backend, dynamic=False)}
         row = dict(softmax_router=form, tokens=tokens, h=h, e=e, k=k)
         with torch.no_grad():
             for name, fn in compiled.items():
@@ -222,6 +223,8 @@ def main(argv=None) -> int:
         top = router.gate(x).abs().max().item()
         bound = (2 ** -8 if device == "cuda" else 2 ** -7) * (out_dtype == torch.bfloat16) + 2 ** -8 * top * 1.1
         row["ok"] = all(row[f"err_{n}"] <= bound and row[f"ids_{n}"] for n in compiled)
+        if device == "cuda":  # (and the fp8fx column ran the op: a form the pass missed would time the steps apart)
+            row["ok"] &= [s.kernel for s in backend.report.topk] == ["extern fp8fx.softmax_topk"]
         ok &= row["ok"]
         if device == "cuda":
             from bench_linear import timed_in_rounds, timer
@@ -245,14 +248,17 @@ def main(argv=None) -> int:
             import fp8fx
 
             torch._dynamo.reset()  # (as for the softmax routers)
+            backend = fp8fx.Fp8Backend()
             compiled = {"inductor": torch.compile(router, dynamic=False), "fp8fx_unfused": torch.compile(
                 router, backend=fp8fx.Fp8Backend(fuse_routing=False), dynamic=False),
-                "fp8fx": torch.compile(router, backend=fp8fx.Fp8Backend(), dynamic=False)}
+                "fp8fx": torch.compile(router, backend=backend, dynamic=False)}
         row = dict(grouped_router=f"{e} in {groups} groups", tokens=tokens, topk_group=topk_group, k=k)
         with torch.no_grad():
             for name, fn in compiled.items():
                 row[f"err_{name}"] = check_grouped(router, logits, bias, *fn(logits, bias))
         row["ok"] = all(row[f"err_{n}"] <= 1e-5 for n in compiled)  # (float32 throughout)
+        if device == "cuda":
+            row["ok"] &= {s.kernel for s in backend.report.topk} == {"extern fp8fx.grouped_topk"}
         ok &= row["ok"]
         if device == "cuda":
             from bench_linear import timed_in_rounds, timer

@@ -1095,22 +1095,26 @@ def grouped_topk(x: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_
     """A sigmoid router's (float32 weights, int64 expert ids) [..., k] from its float32 logits x [..., E], as
     DeepSeek-V3's HF router computes them: ``choice = sigmoid(x) + bias``; each of ``groups`` groups of E / groups
     experts scored by its two largest choices, summed; the ``topk_group`` best groups kept, the others' choices
-    ``fill``; the k experts of the largest choices (sorted; ties to the lower index); their ``sigmoid(x)``, divided by
-    its sum + ``eps`` where ``renormalize``, times ``scale``. On CUDA one launch of ``fp8fx.kernels.topk`` where its
-    ``grouped_reason`` is empty; here and elsewhere torch's."""
+    ``fill``; the k experts of the largest choices (sorted; of equal groups or choices the lower index, a NaN first);
+    their ``sigmoid(x)``, divided by its sum + ``eps`` where ``renormalize``, times ``scale``. On CUDA one launch of
+    ``fp8fx.kernels.topk`` where its ``grouped_reason`` is empty; here and elsewhere torch's (a stable sort: the
+    same order)."""
     _check_grouped_topk(x, bias, k, groups, topk_group)
     return _grouped_topk(x, bias, k, groups, topk_group, renormalize, eps, scale, fill)
 
 
 def _grouped_topk(x, bias, k, groups, topk_group, renormalize, eps, scale, fill):
+    def top(v, n):  # the n largest's indices, sorted, of equals the lower index (a NaN first), as the kernel ranks
+        return v.sort(dim=-1, descending=True, stable=True).indices[..., :n]
+
     scores = x.float().sigmoid()
     choice = scores + bias
     if topk_group < groups:
         grid = choice.unflatten(-1, (groups, -1))
         group_score = grid.topk(2, dim=-1).values.sum(-1)
-        kept = torch.zeros_like(group_score).scatter(-1, group_score.topk(topk_group, dim=-1).indices, 1).bool()
+        kept = torch.zeros_like(group_score).scatter(-1, top(group_score, topk_group), 1).bool()
         choice = choice.masked_fill(~kept.unsqueeze(-1).expand_as(grid).flatten(-2), fill)
-    ids = choice.topk(k, dim=-1, sorted=True).indices
+    ids = top(choice, k)
     weights = scores.gather(-1, ids)
     if renormalize:
         weights = weights / (weights.sum(-1, keepdim=True) + eps)

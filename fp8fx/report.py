@@ -194,13 +194,11 @@ class Report:
                     # layers ("routes tokens to model.layers.0.mlp.experts"): this module's, by its own names
                     reason = re.sub(rf"(?<![\w.]){re.escape(root)}(?![\w])", fqn[:len(fqn) - len(suffix)], reason)
                 self.add(dataclasses.replace(site, fqn=fqn, reason=reason, weight_id=Site.token_of(weight)))
-        if first is not None:  # the frame's top-ks, under the new module's names
+        if first is not None:  # the frame's top-ks, under the new module's names (each of them: a module's several)
             names = {s.fqn for s in self.topk if s.graph == graph}
             for site in [s for s in self.topk if s.graph == graph and (s.fqn == root or s.fqn.startswith(f"{root}."))]:
-                fqn = first + site.fqn[len(root):]
-                if fqn not in names:
-                    names.add(fqn)
-                    self.add_topk(dataclasses.replace(site, fqn=fqn))
+                if first + site.fqn[len(root):] not in names:
+                    self.add_topk(dataclasses.replace(site, fqn=first + site.fqn[len(root):]))
 
     def add_output_code(self, graph: int, code: str, gm: Any) -> None:
         """Record what Inductor generated for ``graph`` from its output code: the kernels, and the GEMM

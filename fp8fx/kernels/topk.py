@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fp8fx.kernels.fp8_gemm import _max_nan
 from fp8fx.kernels.launch import next_power_of_2
 from fp8fx.quant import HIGH_PRECISION
 
@@ -87,8 +88,8 @@ def _pick(bits, valid, offs, K: tl.constexpr, KP: tl.constexpr, LARGEST: tl.cons
 
 @triton.jit
 def grouped_topk_kernel(x_ptr, bias_ptr, weights_ptr, ids_ptr, stride_x, eps, scale, fill, E: tl.constexpr,
-                        G: tl.constexpr, TOPK_GROUP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                        RENORMALIZE: tl.constexpr):
+                        G: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK_GROUP_P: tl.constexpr, K: tl.constexpr,
+                        KP: tl.constexpr, RENORMALIZE: tl.constexpr):
     """Program r: a sigmoid router's row r (DeepSeek-V3's, ``grouped_topk``): the k experts of the largest
     ``sigmoid(x) + bias`` among the TOPK_GROUP groups (of G, E // G experts each, E and G powers of 2) of the largest
     sum of their two largest, the others ``fill``; their weights ``sigmoid(x)``, divided by their sum + eps where
@@ -100,17 +101,17 @@ def grouped_topk_kernel(x_ptr, bias_ptr, weights_ptr, ids_ptr, stride_x, eps, sc
     choice = scores + tl.load(bias_ptr + offs).to(tl.float32)
     if TOPK_GROUP < G:  # each group's score: its two largest, summed (torch.topk(2) of the group: a tie counts twice)
         grid = tl.reshape(choice, (G, E // G))
-        first = tl.max(grid, 1)
+        first = tl.reduce(grid, 1, _max_nan)  # (a NaN kept: torch's top-k takes it first, and the sum is NaN)
         at_first = grid == first[:, None]
-        second = tl.max(tl.where(at_first, float("-inf"), grid), 1)
+        second = tl.reduce(tl.where(at_first, float("-inf"), grid), 1, _max_nan)
         second = tl.where(tl.sum(at_first.to(tl.int32), 1) > 1, first, second)
         group_score = first + second
         groups = tl.arange(0, G)
-        kept = tl.zeros((G,), dtype=tl.int1)
-        for _ in tl.static_range(TOPK_GROUP):  # the groups, largest first, of equals the lower index
-            best = tl.max(tl.where(kept, float("-inf"), group_score), 0)
-            pick = tl.min(tl.where(~kept & (group_score == best), groups, G), 0)
-            kept = kept | (groups == pick)
+        # the best groups in torch's order (a NaN first), of equals the lower index
+        chosen = _pick(group_score.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF, groups < G, groups,
+                       TOPK_GROUP, TOPK_GROUP_P, True)
+        kept = tl.sum(((groups[:, None] == chosen[None, :]) & (tl.arange(0, TOPK_GROUP_P) < TOPK_GROUP)[None, :])
+                      .to(tl.int32), 1) > 0
         keep = tl.reshape(tl.broadcast_to(kept[:, None], (G, E // G)), (E,))
         choice = tl.where(keep, choice, fill)
     bits = choice.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
@@ -159,7 +160,8 @@ def grouped_topk(x: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_
     if rows.shape[0]:
         grouped_topk_kernel[(rows.shape[0],)](
             rows, bias.contiguous(), weights, ids, rows.stride(0), float(eps), float(scale), float(fill), E=e,
-            G=groups, TOPK_GROUP=topk_group, K=k, KP=max(next_power_of_2(k), 2), RENORMALIZE=renormalize,
+            G=groups, TOPK_GROUP=topk_group, TOPK_GROUP_P=max(next_power_of_2(topk_group), 2), K=k,
+            KP=max(next_power_of_2(k), 2), RENORMALIZE=renormalize,
             num_warps=1 if e <= 512 else 4)
     return weights, ids
 

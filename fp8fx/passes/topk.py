@@ -40,8 +40,10 @@ that are not float32 (rounded twice in the graph).
 A sigmoid router's grouped top-k (DeepSeek-V3's, Nemotron-H's: ``_grouped``'s form, from float32 logits, a power of 2
 of experts and of groups) joins too, first: its three top-ks (each group's two best, the best groups, the experts),
 the group mask, the gather of the weights, their renormalization and scale become one ``fp8fx.grouped_topk``, where
-the graph took eight kernels (9.6 us of Nemotron-3-Nano's one-token layer on the H200, run 51). Its experts are the
-graph's (the graph's top-k is unsorted: these come sorted), its weights float32 as the graph's.
+the graph took eight kernels (9.6 us of Nemotron-3-Nano's one-token layer on the H200, run 52). Its experts are the
+graph's (the graph's top-k is unsorted: these come sorted; of equal choices the lower index), its weights float32 as
+the graph's. Left as the graph has it: a form any of whose steps something else reads (the mask, the top-k's
+values), a top-k over another dim, or one that an op between its steps may write (the logits, scores or choices).
 """
 from __future__ import annotations
 
@@ -195,15 +197,15 @@ def _writes(node: fx.Node) -> bool:
         or bool(schema is not None and schema.is_mutable))
 
 
-def _written_between(start: fx.Node, end: fx.Node, tensors: set) -> bool:
+def _written_between(start: fx.Node, end: fx.Node, tensors: set, skip: frozenset = frozenset()) -> bool:
     """Whether a node after ``start`` and before ``end`` may write one of ``tensors`` (the softmax's probabilities,
     its input, the logits) or a tensor made from them there (a view): an in-place op between the graph's softmax and
     its top-k (``probs[:, 0] = 0``, ``logits.mul_(-1)``), which the op that replaces both, reading the logits once,
-    would not see, or see where the softmax did not."""
+    would not see, or see where the softmax did not. ``skip``: nodes of the form itself."""
     tensors = set(tensors)
     node = start.next
     while node is not end and node.op != "root":
-        if any(n in tensors for n in node.all_input_nodes):
+        if node not in skip and any(n in tensors for n in node.all_input_nodes):
             if _writes(node):
                 return True
             tensors.add(node)  # (it may be a view of them)
@@ -329,7 +331,7 @@ def _grouped(node: fx.Node) -> Optional[_Grouped]:
     if not _method(expand, "expand") or not _method(expand.args[0], "unsqueeze", 2) or expand.args[0].args[1] != -1:
         return None
     group_mask = expand.args[0].args[0]
-    scatters = [u for u in group_mask.users if _method(u, "scatter_", 4)]
+    scatters = [u for u in group_mask.users if _method(u, "scatter_", 4) and not u.kwargs]
     if not _call(group_mask, torch.zeros_like) or len(group_mask.users) != 2 or len(scatters) != 1:
         return None
     scatter = scatters[0]
@@ -341,7 +343,8 @@ def _grouped(node: fx.Node) -> Optional[_Grouped]:
     group_topk = _topk_args(group_idx.args[0])
     if not group_topk or group_topk["input"] is not group_score or group_topk["largest"] is not True \
             or set(group_topk) - set(_PARAMS) or not _method(group_score, "sum", 1) \
-            or group_score.kwargs.get("dim") != -1 or set(group_score.kwargs) != {"dim"}:
+            or group_score.kwargs.get("dim") != -1 or set(group_score.kwargs) != {"dim"} \
+            or not _over_last(group_score, group_topk["dim"]):
         return None
     pairs = group_score.args[0]
     if not _call(pairs, operator.getitem) or pairs.args[1] != 0 or not _sole(pairs.args[0], pairs):
@@ -350,7 +353,7 @@ def _grouped(node: fx.Node) -> Optional[_Grouped]:
     grid = pair_topk and pair_topk["input"]
     if not pair_topk or pair_topk["k"] != 2 or pair_topk["largest"] is not True or set(pair_topk) - set(_PARAMS) \
             or not _method(grid, "view") or grid.args[0] is not choice or not _call(choice, operator.add, torch.add) \
-            or choice.kwargs or len(choice.args) != 2:
+            or choice.kwargs or len(choice.args) != 2 or not _over_last(grid, pair_topk["dim"]):
         return None
     scores, bias = choice.args
     if not (_method(scores, "sigmoid", 1) or _call(scores, torch.sigmoid) and len(scores.args) == 1):
@@ -358,7 +361,7 @@ def _grouped(node: fx.Node) -> Optional[_Grouped]:
     logits, x, b, g = scores.args[0], fake_value(scores.args[0]), fake_value(bias), fake_value(grid)
     if not all(isinstance(t, torch.Tensor) for t in (x, b, g)) or x.dim() != 2 or g.dim() != 3 \
             or tuple(b.shape) != (x.shape[1],) or b.dtype not in quant.HIGH_PRECISION or type(x.shape[1]) is not int \
-            or g.shape[1] * g.shape[2] != x.shape[1] or not _over_last(group_score.args[0], -1):
+            or g.shape[1] * g.shape[2] != x.shape[1]:
         return None
     groups, topk_group = g.shape[1], group_topk["k"]
     if type(groups) is not int or type(topk_group) is not int \
@@ -369,6 +372,14 @@ def _grouped(node: fx.Node) -> Optional[_Grouped]:
         return None
     matched = [scores, choice, grid, pairs.args[0], pairs, group_score, group_idx.args[0], group_idx, group_mask,
                scatter, expand.args[0], expand, as_bool.args[0], as_bool, invert, masked]
+    # each step read by the next alone (the group mask: by the scatter_ that fills it and the unsqueeze), so that
+    # erasing them changes nothing else; the choices by the groups' view and the mask; the top-k's values unread
+    chain = [(choice, {grid, masked}), (grid, {pairs.args[0]}), (group_score, {group_idx.args[0], group_mask}),
+             (group_idx, {scatter}), (group_mask, {scatter, expand.args[0]}), (expand.args[0], {expand}),
+             (expand, {as_bool.args[0]}), (as_bool.args[0], {as_bool}), (as_bool, {invert}), (invert, {masked}),
+             (masked, {node})]
+    if any(set(n.users) != users for n, users in chain) or any(u.args[1] == 0 for u in node.users):
+        return None
     # the weights: the sigmoid at the ids, renormalized, scaled, each where the graph does so
     ids = [u for u in node.users if u.args[1] == 1]
     weights, renormalize, eps, scale = None, False, 0.0, 1.0
@@ -391,6 +402,9 @@ def _grouped(node: fx.Node) -> Optional[_Grouped]:
                     and times.args[0] is weights and isinstance(times.args[1], (int, float)) and not times.kwargs:
                 weights, scale = times, float(times.args[1])
                 matched.append(times)
+    # nothing else between the sigmoid and the last step the op takes may write the logits, the scores or a view
+    if _written_between(scores, weights or node, {logits, scores, bias}, skip=set(matched)):
+        return None
     return _Grouped(logits, bias, args["k"], groups, topk_group, renormalize, eps, scale, float(fill),
                     [pairs.args[0], group_idx.args[0], node], weights, matched)
 
@@ -407,7 +421,7 @@ class TopkPass(NodePass):
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         # first the sigmoid routers' grouped top-ks, whose three top-ks the node loop would take one at a time
         grouped = self.enabled and self.fuse_routing and sum(self.visit_grouped(gm, node, ctx) for node in list(
-            gm.graph.nodes) if node.graph is gm.graph and _topk_args(node) is not None)
+            gm.graph.nodes) if not node._erased and _topk_args(node) is not None)
         return grouped + super().__call__(gm, ctx)
 
     def visit_grouped(self, gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:

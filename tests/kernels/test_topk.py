@@ -145,6 +145,17 @@ GROUPED_CHECKS = textwrap.dedent(
         if fill == -inf:  # only experts of the kept groups (k fits in them here)
             for row in (ids.cpu() // (e // groups)).tolist():
                 assert len(set(row)) <= topk_group, (e, groups, topk_group, row)
+    # a 0.0 fill where the kept groups' choices are negative (the masked experts win, by index), -inf past the kept
+    # groups' experts (k 6 of 2 groups of 2), a NaN logit (its group and expert first, the row's weights NaN): as the
+    # op's torch code
+    x = torch.randn(3, 16, generator=g).to(DEVICE)
+    x[2, 5] = float("nan")
+    for bias, k, fill in ((torch.full((16,), -3.0), 4, 0.0), (torch.zeros(16), 6, -inf), (torch.zeros(16), 3, -inf)):
+        got = kernel.grouped_topk(x, bias.to(DEVICE), k, 8, 2, True, 1e-20, 1.0, fill)
+        want = torch.ops.fp8fx.grouped_topk(x.cpu(), bias, k, 8, 2, True, 1e-20, 1.0, fill)
+        assert torch.equal(got[1].cpu(), want[1]), (fill, k, got[1], want[1])
+        assert torch.allclose(got[0].cpu(), want[0], rtol=4e-6, atol=0, equal_nan=True), (fill, k, got[0], want[0])
+        assert got[0][2].isnan().all() and got[1][2, 0].item() == 5
     # ties: equal logits and bias rank by index, groups too
     weights, ids = kernel.grouped_topk(torch.zeros(1, 16, device=DEVICE), torch.zeros(16, device=DEVICE), 3, 4, 2,
                                        True, 1e-20, 1.0, -inf)

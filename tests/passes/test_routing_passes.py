@@ -447,3 +447,77 @@ def test_deepseek_v3_router_in_one_op():
         assert code.count("fp8fx.grouped_topk.default(") == (2 if join else 0), code
         assert code.count("fp8fx.topk.default(") == (0 if join else 6)
     assert rel_err(outs[0], outs[1]) < 2e-3, rel_err(outs[0], outs[1])
+
+
+class GroupedRoutersTheOpWouldChange(GroupedRouter):
+    """DeepSeek-V3's routing with one step the op would compute otherwise (review of run 52): its mask read
+    elsewhere, the experts' top-k values read, the groups' pair top-k over another dim, the choices written before
+    the mask, the scores written before their gather, a scatter_ that multiplies."""
+
+    def __init__(self, variant):
+        super().__init__(2 if variant == "dim" else 4, 1 if variant == "dim" else 2, 4, scale=1.0)
+        self.variant = variant
+
+    def forward(self, logits, bias):
+        e, v = logits.shape[-1], self.variant
+        scores = logits.sigmoid()
+        choice = scores + bias
+        view = choice.view(-1, self.groups, e // self.groups)
+        group_scores = view.topk(2, dim=1 if v == "dim" else -1)[0].sum(dim=-1)  # (dim: over 2 groups, 2 of them)
+        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1, reduce="multiply") if v == "scatter" else group_mask.scatter_(
+            1, group_idx, 1)
+        mask = group_mask.unsqueeze(-1).expand(-1, self.groups, e // self.groups).reshape(-1, e)
+        if v == "choice":
+            choice[:, :8] = -1.0
+        values, ids = torch.topk(choice.masked_fill(~mask.bool(), self.fill), k=self.k, dim=-1, sorted=False)
+        if v == "scores":
+            scores.mul_(0.5)
+        weights = scores.gather(1, ids)
+        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        extra = {"mask": mask, "values": values}.get(v, weights)
+        return weights * self.scale, ids, extra
+
+
+@pytest.mark.parametrize("variant", ["mask", "values", "dim", "choice", "scores", "scatter"])
+def test_grouped_routers_the_op_would_change_stay_as_they_are(variant):
+    """Each stays three plain top-ks, its outputs the model's (the experts as sets: the graph's top-k is unsorted,
+    fp8fx.topk's sorted)."""
+    g = torch.Generator().manual_seed(1)
+    logits, bias = torch.randn(6, 32, generator=g) * 2, torch.randn(32, generator=g) * 0.3
+    model = GroupedRoutersTheOpWouldChange(variant)
+    out, gm, report = capture(model, logits.clone(), bias, fuse_routing=True)
+    with torch.no_grad():
+        want = model(logits.clone(), bias)
+    assert not any(n.target is torch.ops.fp8fx.grouped_topk.default for n in gm.graph.nodes)
+    plain = [s.kernel == "extern fp8fx.topk" or s.reason.startswith("over dim 1") for s in report.topk]
+    assert all(plain) and len(report.topk) == 3, report.topk  # (dim: fp8fx.topk takes none over dim 1)
+    (got_ids, order), (want_ids, want_order) = out[1].sort(-1), want[1].sort(-1)
+    assert torch.equal(got_ids, want_ids), (variant, out[1], want[1])
+    assert torch.equal(out[0].gather(1, order), want[0].gather(1, want_order)), variant
+    extra = (out[2], want[2]) if variant == "mask" else (out[2].gather(1, order), want[2].gather(1, want_order))
+    assert torch.equal(*extra), variant
+
+
+def test_a_reused_frame_repeats_each_of_a_modules_topks():
+    """A block whose frame another runs: each of its top-ks (a grouped router's three) is in the report for the
+    other block too, under its names (it was once, the first of them)."""
+    from fp8fx.report import Site
+
+    report = Report()
+    report.frames[0] = "model.layers.0"
+    weight = torch.empty(8, 8)
+    weight._fp8fx_fqn = "model.layers.1.mlp.gate.weight"
+    report.sites.append(Site(kind="linear", fqn="model.layers.0.mlp.gate.weight", rewritten=False, reason="",
+                             scheme="", graph=0))
+    report.frame_weights[0] = [(0, 1)]
+    for scheme in ("in fp8fx.grouped_topk", "in fp8fx.grouped_topk", "k=6 of 128 experts"):
+        report.add_topk(Site(kind="topk", fqn="model.layers.0.mlp.gate", rewritten=True, reason="", scheme=scheme,
+                             graph=0))
+    report.reused(0, [weight])
+    assert [(s.fqn, s.scheme) for s in report.topk[3:]] == [
+        ("model.layers.1.mlp.gate", "in fp8fx.grouped_topk"), ("model.layers.1.mlp.gate", "in fp8fx.grouped_topk"),
+        ("model.layers.1.mlp.gate", "k=6 of 128 experts")], report.topk
+    report.reused(0, [weight])  # (the same module again: nothing more)
+    assert len(report.topk) == 6
