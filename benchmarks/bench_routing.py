@@ -100,11 +100,12 @@ GROUPED_SMOKE = [(1, 256, 8, 4, 8, 2.5), (3, 128, 1, 1, 6, 1.0)]
 
 
 class GroupedRouter(torch.nn.Module):
-    """DeepSeek-V3's routing from its float32 logits, as transformers 5 writes it (Nemotron-H's is the same)."""
+    """DeepSeek-V3's routing from its float32 logits, as transformers 5 writes it (Nemotron-H's is the same; the tests
+    of fp8fx.passes.topk compile it too)."""
 
-    def __init__(self, groups: int, topk_group: int, k: int, scale: float):
+    def __init__(self, groups: int, topk_group: int, k: int, scale: float = 2.5, fill: float = float("-inf")):
         super().__init__()
-        self.groups, self.topk_group, self.k, self.scale = groups, topk_group, k, scale
+        self.groups, self.topk_group, self.k, self.scale, self.fill = groups, topk_group, k, scale, fill
 
     def forward(self, logits, bias):
         e = logits.shape[-1]
@@ -115,7 +116,7 @@ class GroupedRouter(torch.nn.Module):
         group_mask = torch.zeros_like(group_scores)
         group_mask.scatter_(1, group_idx, 1)
         mask = group_mask.unsqueeze(-1).expand(-1, self.groups, e // self.groups).reshape(-1, e)
-        ids = torch.topk(choice.masked_fill(~mask.bool(), float("-inf")), k=self.k, dim=-1, sorted=False)[1]
+        ids = torch.topk(choice.masked_fill(~mask.bool(), self.fill), k=self.k, dim=-1, sorted=False)[1]
         weights = scores.gather(1, ids)
         weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
         return weights * self.scale, ids

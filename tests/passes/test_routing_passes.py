@@ -376,26 +376,20 @@ def test_routers_the_op_would_change_stay_as_they_are():
     assert len(casts) == 3, casts  # (the widening cast kept, after the op's bf16 weights)
 
 
-class GroupedRouter(nn.Module):
-    """DeepSeek-V3's routing as transformers 5 writes it (Nemotron-H's is the same)."""
+def _bench_routing():
+    """benchmarks/bench_routing.py as a module (its routers are the forms these tests compile)."""
+    import importlib.util
+    import os
 
-    def __init__(self, groups, topk_group, k, scale=2.5, fill=float("-inf")):
-        super().__init__()
-        self.groups, self.topk_group, self.k, self.scale, self.fill = groups, topk_group, k, scale, fill
+    from tests.conftest import ROOT
 
-    def forward(self, logits, bias):
-        e = logits.shape[-1]
-        scores = logits.sigmoid()
-        choice = scores + bias
-        group_scores = choice.view(-1, self.groups, e // self.groups).topk(2, dim=-1)[0].sum(dim=-1)
-        group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
-        group_mask = torch.zeros_like(group_scores)
-        group_mask.scatter_(1, group_idx, 1)
-        mask = group_mask.unsqueeze(-1).expand(-1, self.groups, e // self.groups).reshape(-1, e)
-        ids = torch.topk(choice.masked_fill(~mask.bool(), self.fill), k=self.k, dim=-1, sorted=False)[1]
-        weights = scores.gather(1, ids)
-        weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
-        return weights * self.scale, ids
+    spec = importlib.util.spec_from_file_location("bench_routing", os.path.join(ROOT, "benchmarks", "bench_routing.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+GroupedRouter = _bench_routing().GroupedRouter  # DeepSeek-V3's routing as transformers 5 writes it
 
 
 @pytest.mark.parametrize("fill", [float("-inf"), 0.0])
