@@ -1105,7 +1105,7 @@ def grouped_topk(x: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_
 
 def _grouped_topk(x, bias, k, groups, topk_group, renormalize, eps, scale, fill):
     def top(v, n):  # the n largest's indices, sorted, of equals the lower index (a NaN first), as the kernel ranks
-        return v.sort(dim=-1, descending=True, stable=True).indices[..., :n]
+        return v.sort(dim=-1, descending=True, stable=True).indices[..., :n].contiguous()  # (the fake's strides)
 
     scores = x.float().sigmoid()
     choice = scores + bias

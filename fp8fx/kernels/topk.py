@@ -19,6 +19,10 @@ probabilities torch's graph ranks: softmax keeps the logits' order, so the two d
 round to one probability (torch then takes the lower index, this the larger logit), and in a row holding a NaN or
 +inf logit, whose probabilities are all NaN (torch's top-k takes any of them, this the NaN or +inf first; the
 weights are NaN either way).
+
+A sigmoid router's grouped top-k in one launch too (``grouped_topk``, ``fp8fx.grouped_topk``: DeepSeek-V3's routing,
+eight kernels of Nemotron-3-Nano's one-token layer, run 52): the program scores its row, ranks the groups by their
+two best, masks the others and takes the experts, all with the same selection (``_pick``), then their weights.
 """
 from __future__ import annotations
 

@@ -409,6 +409,13 @@ def _grouped(node: fx.Node) -> Optional[_Grouped]:
                     [pairs.args[0], group_idx.args[0], node], weights, matched)
 
 
+def _site_name(node: fx.Node, ctx: PassContext) -> str:
+    """The report's name of the module of ``node``: its path, joined to the frame's root where the graph is a frame of
+    a block's forward (whose paths are the block's; the report's names are the model's)."""
+    fqn, root = module_path(node) or "", ctx.report.frames.get(ctx.graph_index)
+    return (f"{root}.{fqn}" if fqn else root) if root else fqn
+
+
 class TopkPass(NodePass):
     """``torch.topk`` of short rows -> ``fp8fx.topk``, and a softmax router's -> ``fp8fx.softmax_topk`` (see the
     module docstring). ``enabled=False``: the pass looks at nothing and rewrites nothing (``Fp8Backend(fast_topk=
@@ -431,13 +438,11 @@ class TopkPass(NodePass):
         form = _grouped(node)
         if form is None:
             return False
-        root = ctx.report.frames.get(ctx.graph_index)
         for top in form.topks:
-            fqn = module_path(top) or ""
-            fqn = (f"{root}.{fqn}" if fqn else root) if root else fqn
             x = fake_value(_topk_args(top)["input"])
             ctx.report.add_topk(Site(
-                kind="topk", fqn=fqn, rewritten=True, reason="", graph=ctx.graph_index, weight_shape=Site.shape_of(x),
+                kind="topk", fqn=_site_name(top, ctx), rewritten=True, reason="", graph=ctx.graph_index,
+                weight_shape=Site.shape_of(x),
                 scheme=form.describe(fake_value(form.logits).shape[-1]) if top is node else "in fp8fx.grouped_topk",
                 kernel="extern fp8fx.grouped_topk", node=Site.origin_of(top)))
         call = (form.logits, form.bias, form.k, form.groups, form.topk_group, form.renormalize, form.eps, form.scale,
@@ -465,11 +470,8 @@ class TopkPass(NodePass):
         scheme = "" if why else routing.describe(args["k"], n) if routing else f"k={args['k']} of {n}{order}"
         name = "softmax_topk" if routing else "topk"
         op = getattr(torch.ops.fp8fx, name).default
-        fqn, root = module_path(node) or "", ctx.report.frames.get(ctx.graph_index)
-        if root:  # (a frame of a block's forward: its paths are the block's; the report's names are the model's)
-            fqn = f"{root}.{fqn}" if fqn else root
         ctx.report.add_topk(Site(
-            kind="topk", fqn=fqn, rewritten=not why, reason=why, scheme=scheme,
+            kind="topk", fqn=_site_name(node, ctx), rewritten=not why, reason=why, scheme=scheme,
             graph=ctx.graph_index, weight_shape=Site.shape_of(x), kernel="" if why else f"extern fp8fx.{name}",
             node=Site.origin_of(node),
         ))

@@ -283,3 +283,15 @@ def test_topk_kernel_reason():
     assert "k=33" in reason(torch.empty(2, 128), 33) and "k=0" in reason(torch.empty(2, 128), 0)
     assert "a row of 4097 elements" in reason(torch.empty(1, 4097), 8)
     assert "a row of 4 elements" in reason(torch.empty(1, 4), 8)
+
+
+def test_routing_ops_pass_opcheck():
+    """torch.library.opcheck on the routing ops (CPU): the fake impls' shapes, dtypes and strides are the real ones'
+    (a sliced sort's indices once were not: Inductor's code asserted the fake's strides)."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 32, generator=g)
+    torch.library.opcheck(torch.ops.fp8fx.softmax_topk.default, (x.bfloat16(), 4, True, torch.bfloat16))
+    torch.library.opcheck(torch.ops.fp8fx.topk.default, (x, 4, True))
+    for groups, topk_group in ((4, 2), (1, 1)):
+        torch.library.opcheck(torch.ops.fp8fx.grouped_topk.default,
+                              (x, torch.randn(32, generator=g), 4, groups, topk_group, True, 1e-20, 2.5, float("-inf")))
