@@ -92,17 +92,18 @@ def _pick(bits, valid, offs, K: tl.constexpr, KP: tl.constexpr, LARGEST: tl.cons
 
 @triton.jit
 def grouped_topk_kernel(x_ptr, bias_ptr, weights_ptr, ids_ptr, stride_x, eps, scale, fill, E: tl.constexpr,
-                        G: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK_GROUP_P: tl.constexpr, K: tl.constexpr,
-                        KP: tl.constexpr, RENORMALIZE: tl.constexpr):
+                        BLOCK: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr, TOPK_GROUP_P: tl.constexpr,
+                        K: tl.constexpr, KP: tl.constexpr, RENORMALIZE: tl.constexpr):
     """Program r: a sigmoid router's row r (DeepSeek-V3's, ``grouped_topk``): the k experts of the largest
-    ``sigmoid(x) + bias`` among the TOPK_GROUP groups (of G, E // G experts each, E and G powers of 2) of the largest
-    sum of their two largest, the others ``fill``; their weights ``sigmoid(x)``, divided by their sum + eps where
-    RENORMALIZE, times scale (float32)."""
+    ``sigmoid(x) + bias`` among the TOPK_GROUP groups (of G, E // G experts each; where groups are dropped, E and G
+    powers of 2 and BLOCK = E) of the largest sum of their two largest, the others ``fill``; their weights
+    ``sigmoid(x)``, divided by their sum + eps where RENORMALIZE, times scale (float32)."""
     row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, E)
+    offs = tl.arange(0, BLOCK)
+    valid = offs < E
     x_row = x_ptr + row * stride_x
-    scores = tl.sigmoid(tl.load(x_row + offs).to(tl.float32))
-    choice = scores + tl.load(bias_ptr + offs).to(tl.float32)
+    scores = tl.sigmoid(tl.load(x_row + offs, mask=valid, other=0.0).to(tl.float32))
+    choice = scores + tl.load(bias_ptr + offs, mask=valid, other=0.0).to(tl.float32)
     if TOPK_GROUP < G:  # each group's score: its two largest, summed (torch.topk(2) of the group: a tie counts twice)
         grid = tl.reshape(choice, (G, E // G))
         first = tl.reduce(grid, 1, _max_nan)  # (a NaN kept: torch's top-k takes it first, and the sum is NaN)
@@ -119,7 +120,7 @@ def grouped_topk_kernel(x_ptr, bias_ptr, weights_ptr, ids_ptr, stride_x, eps, sc
         keep = tl.reshape(tl.broadcast_to(kept[:, None], (G, E // G)), (E,))
         choice = tl.where(keep, choice, fill)
     bits = choice.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
-    picked = _pick(bits, offs < E, offs, K, KP, True)
+    picked = _pick(bits, valid, offs, K, KP, True)
     kk = tl.arange(0, KP)
     k_ok = kk < K
     weights = tl.where(k_ok, tl.sigmoid(tl.load(x_row + picked, mask=k_ok, other=0.0).to(tl.float32)), 0.0)
@@ -142,10 +143,12 @@ def grouped_reason(x: torch.Tensor, k: int, groups: int, topk_group: int) -> str
 
     if x.dtype != torch.float32:
         return f"logits of {x.dtype} (the kernel takes float32: the graph's sigmoid rounds 16-bit ones)"
-    if not (power_of_2(e) and e <= MAX_ROW and power_of_2(groups) and groups <= MAX_GROUPS
-            and (groups == 1 or e // groups >= 2)):
-        return (f"{e} experts in {groups} groups (the kernel takes powers of 2: up to {MAX_ROW} experts, "
-                f"{MAX_GROUPS} groups of 2 or more)")
+    if not 1 <= e <= MAX_ROW:
+        return f"{e} experts (the kernel takes up to {MAX_ROW})"
+    if topk_group < groups and not (power_of_2(e) and power_of_2(groups) and groups <= MAX_GROUPS
+                                    and e // groups >= 2):
+        return (f"{e} experts in {groups} groups, {topk_group} kept (where it drops groups the kernel takes powers "
+                f"of 2: up to {MAX_GROUPS} groups of 2 or more)")
     if not 1 <= topk_group <= groups or not 1 <= k <= min(MAX_K, e):
         return f"k={k} of {e} experts in {topk_group} of {groups} groups (the kernel takes k 1-{MAX_K})"
     return ""
@@ -162,11 +165,11 @@ def grouped_topk(x: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_
     weights = torch.empty((*x.shape[:-1], k), dtype=torch.float32, device=x.device)
     ids = torch.empty((*x.shape[:-1], k), dtype=torch.int64, device=x.device)
     if rows.shape[0]:
+        block = e if topk_group < groups else max(next_power_of_2(e), 16)  # (groups dropped: the row, a power of 2)
         grouped_topk_kernel[(rows.shape[0],)](
             rows, bias.contiguous(), weights, ids, rows.stride(0), float(eps), float(scale), float(fill), E=e,
-            G=groups, TOPK_GROUP=topk_group, TOPK_GROUP_P=max(next_power_of_2(topk_group), 2), K=k,
-            KP=max(next_power_of_2(k), 2), RENORMALIZE=renormalize,
-            num_warps=1 if e <= 512 else 4)
+            BLOCK=block, G=groups, TOPK_GROUP=topk_group, TOPK_GROUP_P=max(next_power_of_2(topk_group), 2), K=k,
+            KP=max(next_power_of_2(k), 2), RENORMALIZE=renormalize, num_warps=1 if e <= 512 else 4)
     return weights, ids
 
 

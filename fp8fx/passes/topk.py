@@ -37,13 +37,14 @@ probabilities or logits that an op between the softmax and the top-k may write (
 the k in a dtype narrower than the values, a normalization whose values something else reads, and casts of weights
 that are not float32 (rounded twice in the graph).
 
-A sigmoid router's grouped top-k (DeepSeek-V3's, Nemotron-H's: ``_grouped``'s form, from float32 logits, a power of 2
-of experts and of groups) joins too, first: its three top-ks (each group's two best, the best groups, the experts),
-the group mask, the gather of the weights, their renormalization and scale become one ``fp8fx.grouped_topk``, where
-the graph took eight kernels (9.6 us of Nemotron-3-Nano's one-token layer on the H200, run 52). Its experts are the
-graph's (the graph's top-k is unsorted: these come sorted; of equal choices the lower index), its weights float32 as
-the graph's. Left as the graph has it: a form any of whose steps something else reads (the mask, the top-k's
-values), a top-k over another dim, or one that an op between its steps may write (the logits, scores or choices).
+A sigmoid router's grouped top-k (DeepSeek-V3's, Nemotron-H's: ``_grouped``'s form, from float32 logits; where it
+drops groups, a power of 2 of experts and of groups) joins too, first: its three top-ks (each group's two best, the
+best groups, the experts), the group mask, the gather of the weights, their renormalization and scale become one
+``fp8fx.grouped_topk``, where the graph took eight kernels (9.6 us of Nemotron-3-Nano's one-token layer on the H200,
+run 52). Its experts are the graph's (the graph's top-k is unsorted: these come sorted; of equal choices the lower
+index), its weights float32 as the graph's. Left as the graph has it: a form any of whose steps something else
+reads (the mask, the top-k's values), a top-k over another dim, or one that an op between its steps may write (the
+logits, scores or choices).
 """
 from __future__ import annotations
 

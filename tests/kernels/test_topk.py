@@ -127,10 +127,12 @@ GROUPED_CHECKS = textwrap.dedent(
     inf = float("inf")
     # (rows, E, groups, topk_group, k, renormalize, scale, fill, bias dtype): DeepSeek-V3's router (256 experts, 8
     # groups, 4 kept, top 8, x2.5), Nemotron-3-Nano's (128, one group, top 6), a masked fill of 0.0, a bf16 bias,
-    # every group kept, one expert a group pair
+    # every group kept, one expert a group pair; expert counts not powers of 2 where no group is dropped
     cases = [(3, 256, 8, 4, 8, True, 2.5, -inf, torch.float32), (2, 128, 1, 1, 6, True, 1.0, -inf, torch.float32),
              (4, 64, 4, 1, 4, False, 1.0, 0.0, torch.float32), (5, 32, 8, 3, 5, True, 1.5, -inf, torch.bfloat16),
-             (1, 16, 4, 4, 3, True, 1.0, -inf, torch.float32), (2, 16, 8, 2, 4, True, 1.0, -inf, torch.float32)]
+             (1, 16, 4, 4, 3, True, 1.0, -inf, torch.float32), (2, 16, 8, 2, 4, True, 1.0, -inf, torch.float32),
+             (2, 160, 1, 1, 8, True, 2.5, -inf, torch.float32), (3, 384, 1, 1, 8, True, 2.827, -inf, torch.float32),
+             (2, 96, 4, 4, 6, False, 1.0, -inf, torch.float32)]  # (GLM-4.5's 160, Kimi-K2's 384: one group)
     for rows, e, groups, topk_group, k, renormalize, scale, fill, bias_dtype in cases:
         x = (torch.randn(rows, e, generator=g) * 2).to(DEVICE)
         bias = (torch.randn(e, generator=g) * 0.5).to(bias_dtype).to(DEVICE)
@@ -162,7 +164,9 @@ GROUPED_CHECKS = textwrap.dedent(
     assert ids.tolist() == [[0, 1, 2]] and torch.allclose(weights.cpu(), torch.full((1, 3), 1 / 3)), (ids, weights)
     # what the kernel does not take, said
     assert "logits of torch.bfloat16" in kernel.grouped_reason(torch.empty(1, 64, dtype=torch.bfloat16), 4, 1, 1)
-    assert "160 experts in 8 groups" in kernel.grouped_reason(torch.empty(1, 160), 6, 8, 3)
+    assert "160 experts in 8 groups, 3 kept" in kernel.grouped_reason(torch.empty(1, 160), 6, 8, 3)
+    assert kernel.grouped_reason(torch.empty(1, 160), 6, 1, 1) == ""
+    assert "5000 experts" in kernel.grouped_reason(torch.empty(1, 5000), 6, 1, 1)
     assert "k=40" in kernel.grouped_reason(torch.empty(1, 64), 40, 1, 1)
     print("grouped_topk ok")
     """

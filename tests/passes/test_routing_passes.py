@@ -397,7 +397,8 @@ def test_a_sigmoid_routers_grouped_topk_becomes_one_op(fill):
     """The routing's three top-ks, masks, gather, renormalization and scale become one ``fp8fx.grouped_topk`` (the
     graph keeps none of them); its experts are the graph's (as sets: the graph's top-k is unsorted), its weights
     within float32 rounding; the report's three top-k entries say where they went. Logits in bf16 (the graph's
-    sigmoid rounds them) and 160 experts (not a power of 2) stay three plain top-ks."""
+    sigmoid rounds them) and 160 experts in 8 groups (not a power of 2 where groups are dropped) stay three plain
+    top-ks; 160 experts in one group (GLM-4.5's) join."""
     g = torch.Generator().manual_seed(0)
     logits, bias = torch.randn(5, 64, generator=g) * 2, torch.randn(64, generator=g) * 0.3
     model = GroupedRouter(8, 3, 6, fill=fill)
@@ -418,6 +419,15 @@ def test_a_sigmoid_routers_grouped_topk_becomes_one_op(fill):
         out, gm, report = capture(GroupedRouter(8, 3, 6, fill=fill), x, b, fuse_routing=True)
         assert not any(n.target is torch.ops.fp8fx.grouped_topk.default for n in gm.graph.nodes)
         assert [s.kernel for s in report.topk] == ["extern fp8fx.topk"] * 3
+    model = GroupedRouter(1, 1, 8, fill=fill)
+    x, b = torch.randn(5, 160, generator=g), torch.randn(160, generator=g) * 0.3
+    out, gm, report = capture(model, x, b, fuse_routing=True)
+    with torch.no_grad():
+        want = model(x, b)
+    assert [s.kernel for s in report.topk] == ["extern fp8fx.grouped_topk"] * 3
+    (got_ids, order), (want_ids, want_order) = out[1].sort(-1), want[1].sort(-1)
+    assert torch.equal(got_ids, want_ids)
+    assert torch.allclose(out[0].gather(1, order), want[0].gather(1, want_order), rtol=1e-6, atol=0)
 
 
 def test_deepseek_v3_router_in_one_op():
