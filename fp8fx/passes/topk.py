@@ -263,10 +263,6 @@ def _call(node, *targets) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
-def _sole(node: fx.Node, user: fx.Node) -> bool:
-    return list(node.users) == [user]
-
-
 def _before(a: fx.Node, b: fx.Node) -> bool:
     """Whether ``a`` comes before ``b`` in their graph."""
     node = a.next
@@ -303,9 +299,9 @@ class _Grouped:
                 "(grouped_topk)")
 
 
-def _grouped(node: fx.Node) -> Optional[_Grouped]:
-    """The DeepSeek-V3 router whose experts' top-k ``node`` is (the transformers 5 graph; Nemotron-H's is the
-    same), or None::
+def _grouped(node: fx.Node, args: dict) -> Optional[_Grouped]:
+    """The DeepSeek-V3 router whose experts' top-k ``node`` is (``args``: its ``_topk_args``; the transformers 5
+    graph, Nemotron-H's the same), or None::
 
         scores = logits.sigmoid(); choice = scores + bias                      # float32 logits, bias [E]
         group_score = choice.view(-1, G, E // G).topk(2, dim=-1)[0].sum(dim=-1)
@@ -317,7 +313,6 @@ def _grouped(node: fx.Node) -> Optional[_Grouped]:
         weights /= weights.sum(dim=-1, keepdim=True) + eps                    # (norm_topk_prob)
         weights = weights * scale                                             # (routed_scaling_factor)
     """
-    args = _topk_args(node)
     masked = args["input"]
     if args["largest"] is not True or not _method(masked, "masked_fill", 3) or masked.kwargs:
         return None
@@ -339,7 +334,7 @@ def _grouped(node: fx.Node) -> Optional[_Grouped]:
     _, dim, group_idx, one = scatter.args
     group_score = group_mask.args[0]
     if dim not in (1, -1) or one != 1 or scatter.users or not _call(group_idx, operator.getitem) \
-            or group_idx.args[1] != 1 or not _sole(group_idx.args[0], group_idx):
+            or group_idx.args[1] != 1 or _only_user(group_idx.args[0]) is not group_idx:
         return None
     group_topk = _topk_args(group_idx.args[0])
     if not group_topk or group_topk["input"] is not group_score or group_topk["largest"] is not True \
@@ -348,7 +343,7 @@ def _grouped(node: fx.Node) -> Optional[_Grouped]:
             or not _over_last(group_score, group_topk["dim"]):
         return None
     pairs = group_score.args[0]
-    if not _call(pairs, operator.getitem) or pairs.args[1] != 0 or not _sole(pairs.args[0], pairs):
+    if not _call(pairs, operator.getitem) or pairs.args[1] != 0 or _only_user(pairs.args[0]) is not pairs:
         return None
     pair_topk = _topk_args(pairs.args[0])
     grid = pair_topk and pair_topk["input"]
@@ -434,9 +429,10 @@ class TopkPass(NodePass):
 
     def visit_grouped(self, gm: fx.GraphModule, node: fx.Node, ctx: PassContext) -> bool:
         """``node``, a sigmoid router's experts' top-k, and its form (``_grouped``) -> ``fp8fx.grouped_topk``."""
-        if node.op == "root" or _reason(node, _topk_args(node), may_record_grad(gm.graph)):
+        args = _topk_args(node)
+        if _reason(node, args, may_record_grad(gm.graph)):
             return False
-        form = _grouped(node)
+        form = _grouped(node, args)
         if form is None:
             return False
         for top in form.topks:
