@@ -553,16 +553,20 @@ class _Loader:
                 raise CheckpointError(f"{lin.shards[i]}.{leaf} is missing from the checkpoint{why}{fix}")
             return todo.pop((leaf, i))
 
+        weights = []
         for i, shard in enumerate(lin.shards):
             w = need("weight", i)
             self._check_weight_dtype(lin, w)
             if len(w.shape) != 2 or w.shape[1] != k:
                 raise CheckpointError(f"{w}: {lin.fqn} takes [rows, {k}] weights (in_features={k})")
             lin.sizes.append(w.shape[0])
+            weights.append(w)
             self.items.append((w, lambda t, lin=lin, i=i, e=w: self._load_weight(lin, i, e, t)))
-        if sum(lin.sizes) != n:
+        if sum(lin.sizes) != n:  # (the entries name the tensors, their dtypes, shapes and files)
+            rows = f"{sum(lin.sizes)} rows in all" if len(weights) > 1 else f"{lin.sizes[0]} rows"
             raise CheckpointError(
-                f"{lin.fqn}: out_features={n} but its checkpoint weights {list(lin.shards)} have {lin.sizes} rows"
+                f"{', '.join(map(str, weights))}: {lin.fqn} has out_features={n}, its checkpoint weights {rows}; "
+                "wrong model or checkpoint"
             )
         if lin.serialized:
             self._plan_scales(lin, need, todo)

@@ -963,6 +963,12 @@ BAD = {
         _case(lambda t, qc: t.update({f"{DOWN}.weight": t[f"{DOWN}.weight"][:, :64].contiguous()})),
         rf"^{DOWN}\.weight \(float8_e4m3fn \[64, 64\] .*\): {DOWN} takes \[rows, 96\] weights",
     ),
+    # it named the layer, not the tensor, its file or a fix
+    "weight of too few rows": (
+        _case(lambda t, qc: t.update({f"{DOWN}.weight": t[f"{DOWN}.weight"][:48].contiguous()})),
+        rf"^{DOWN}\.weight \(float8_e4m3fn \[48, 96\] in model\.safetensors\): {DOWN} has out_features=64, its "
+        r"checkpoint weights 48 rows; wrong model or checkpoint",
+    ),
     # it said "weight_scale is missing from the checkpoint (per-tensor)", naming neither the block scales nor the fix
     "block scales under a config without weight_block_size": (
         _case(lambda t, qc: qc.pop("weight_block_size"), "block"),
