@@ -83,6 +83,8 @@ def save_checkpoint(
     ``input_linear`` for ``experts.gate_up_proj``), as its ``save_pretrained`` writes; names outside MoE blocks are
     the model's (Kimi-Linear's dense ``mlp``).
     Names are written without the ``_orig_mod.`` of torch.compile wrappers (of the model or of submodules).
+    KV-cache scales are written on their attention module (``self_attn.k_scale``, ``v_scale``, ``q_scale``), a
+    softmax scale as ``self_attn.prob_output_scale``, the one name vLLM reads it by.
     An fp8 layer fused by engines with layers left in high precision (``q_proj`` of a ``k_proj`` / ``v_proj`` a
     weight block does not divide; the groups of ``fp8fx.checkpoint.load.FUSED``) is written in high precision
     (dequantized), in the ignore list with them, with a warning: vLLM refuses a fused layer of two precisions.
@@ -312,6 +314,10 @@ def _named_tensors(
             t = modules[owner].weight  # the fp8 layer's dequantized view, in its own dtype
         if leaf == "weight_scale_inv" and method == "compressed-tensors":
             name = f"{owner}.weight_scale"
+        if leaf == "prob_scale" and owner.rpartition(".")[2] == "self_attn" and leaf in modules[owner]._buffers:
+            # the one name of a softmax scale vLLM reads (Fp8Config.get_cache_scale); its loaders remap k / v / q
+            # scales on the attention but keep self_attn.prob_scale, a tensor its models have no place for
+            name = f"{owner}.prob_output_scale"
         _put(tensors, origin, name, t.detach(), raw)
     return tensors
 

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import pytest
+import safetensors
 import torch
 from torch import nn
 
@@ -133,13 +134,19 @@ def test_loaded_format_and_kv_scales_survive_a_roundtrip(tmp_path):
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor", ct=True)
     qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
     tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.1.self_attn.prob_output_scale"] = torch.tensor(0.25)
     model = meta_tiny()
     load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc, extra_config={"model_type": "tiny"}),
                     progress=False)
+    assert model.model.layers[1].self_attn.prob_scale.item() == 0.25
     saved, loaded, report = roundtrip(model, tmp_path)
     assert saved["quant_method"] == "compressed-tensors" and saved["kv_cache_scheme"]["strategy"] == "tensor"
     assert report.kv_defaults == []  # every scale is in the saved file now
     assert report.kv_scales["model.layers.0.self_attn"] == {"k_scale": 0.5, "v_scale": 0.5}  # v took k
+    # the softmax scale under the name vLLM reads (self_attn.prob_scale, as state_dict names it, it does not)
+    names = {n for f in (tmp_path / "saved").glob("*.safetensors") for n in safetensors.safe_open(f, "pt").keys()}
+    assert "model.layers.1.self_attn.prob_output_scale" in names and not any(n.endswith(".prob_scale") for n in names)
+    assert report.kv_scales["model.layers.1.self_attn"]["prob_scale"] == 0.25
     assert json.loads((tmp_path / "saved" / "config.json").read_text())["model_type"] == "tiny"
 
 
