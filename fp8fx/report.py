@@ -14,6 +14,8 @@ import re
 from typing import Any, Iterable, Optional
 
 log = logging.getLogger("fp8fx")
+# how a site left in high precision on purpose (its weight tagged with why) says so
+NOT_QUANTIZED = "not quantized: "
 
 SCHEMA = "fp8fx.report/1"
 _TOPK_KEYS = ("fqn", "rewritten", "reason", "scheme", "graph", "weight_shape", "kernel", "node")  # to_dict's "topk"
@@ -190,7 +192,12 @@ class Report:
                 known.add(fqn)
                 reason = site.reason
                 suffix = site.fqn[len(root):] if site.fqn.startswith(root) else None
-                if suffix is not None and fqn.endswith(suffix) and root:  # the reason names the first module's
+                # a layer left in high precision: the reason its own weight carries (a router's names its block's
+                # experts, which need not lie under the frame's module: JetMoE's router.layer and its output_linear)
+                tagged = getattr(weight, "_fp8fx_owners", {}).get(fqn) or getattr(weight, "_fp8fx_skip_reason", None)
+                if not site.rewritten and tagged and reason.startswith(NOT_QUANTIZED):
+                    reason = f"{NOT_QUANTIZED}{tagged}"
+                elif suffix is not None and fqn.endswith(suffix) and root:  # the reason names the first module's
                     # layers ("routes tokens to model.layers.0.mlp.experts"): this module's, by its own names
                     reason = re.sub(rf"(?<![\w.]){re.escape(root)}(?![\w])", fqn[:len(fqn) - len(suffix)], reason)
                 self.add(dataclasses.replace(site, fqn=fqn, reason=reason, weight_id=Site.token_of(weight)))

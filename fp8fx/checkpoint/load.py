@@ -874,6 +874,9 @@ class _Loader:
                                              "layers and experts modules (loaded as stored)")
             elif (why := moe_weights.foreign_experts(module)) is not None:
                 report.not_quantized[fqn] = f"{why} (loaded as stored)"
+            else:
+                continue
+            moe_weights.tag_left_alone(module, fqn, report.not_quantized[fqn])  # (read back by the compile report)
         for (fqn, name), new in self.computed.items():
             module = self.modules[fqn]
             if name in module._parameters:

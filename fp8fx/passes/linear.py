@@ -36,7 +36,7 @@ from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block, weight_granularity_name
 from fp8fx.kernels import launch
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad, module_path, set_fake_value
-from fp8fx.report import Site
+from fp8fx.report import NOT_QUANTIZED, Site
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _MATMUL = (operator.matmul, torch.matmul)
@@ -433,17 +433,27 @@ class LinearPass(Fp8Pass):
                     ctx.report.sites[i] = dataclasses.replace(site, scheme=site.scheme + note)
                 continue
             named[fqn] = len(ctx.report.sites)
+            if [u.op for u in node.users] == ["output"] and sum(n.op == "call_function" for n in graph.nodes) == 1:
+                # the graph of the weight property alone: Dynamo compiled its getter as a frame, called from a
+                # layer's forward it runs uncompiled (torch.nn's own code, called by a frame it skips: nn.Sequential's
+                # after a graph break in an earlier child)
+                reason = ("the dequantized weight is all this graph computes: the layer ran uncompiled (Dynamo "
+                          "compiled only its weight's property, the caller's frame being one it runs eagerly, such as "
+                          "nn.Sequential's forward after a graph break); compile the module that calls the layer, or "
+                          "remove the graph break")
+            else:
+                reason = (f"the quantized weight is read by {readers}, not by a linear (F.linear / x @ w.T): "
+                          "computed with the dequantized weight")
             ctx.report.add(Site(
-                "linear", fqn, False,
-                f"the quantized weight is read by {readers}, not by a linear (F.linear / x @ w.T): "
-                "computed with the dequantized weight", "", ctx.graph_index,
+                "linear", fqn, False, reason, "", ctx.graph_index,
                 weight_shape=Site.shape_of(fake_value(node)), node=Site.origin_of(node),
             ))
 
     @staticmethod
     def _fqn(node: fx.Node, w, ctx: PassContext) -> str:
         dq = _dequantize_of(w)  # the quantized weight's own name, also through a view or cast of it
-        wq = dq.args[0] if dq is not None else w
+        # (a weight in high precision: its tags, also through an index of it - an expert of stacked ones)
+        wq = dq.args[0] if dq is not None else (_read_from(w) or w)
         real = ctx.example.get(wq) if isinstance(wq, fx.Node) else None
         path = module_path(node)
         if path in getattr(real, "_fp8fx_owners", {}):  # a weight several layers share: the one running here
@@ -462,7 +472,7 @@ class LinearPass(Fp8Pass):
             real = ctx.example.get(source) if source is not None else None
             tagged = getattr(real, "_fp8fx_owners", {}).get(fqn) or getattr(real, "_fp8fx_skip_reason", None)
             if tagged:
-                return f"not quantized: {tagged}"
+                return f"{NOT_QUANTIZED}{tagged}"
             if _from_dequantize(w):
                 return (f"weight is read through {_ops_to_dequantize(w)} of a quantized weight, not the quantized "
                         "weight itself: computed with the dequantized weight")

@@ -65,7 +65,7 @@ from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad, module_path, set_fake_value
 from fp8fx.passes.linear import lacks_fp8_tensor_cores
-from fp8fx.report import Site
+from fp8fx.report import NOT_QUANTIZED, Site
 
 _DEQUANT = (torch.ops.fp8fx.dequantize, torch.ops.fp8fx.dequantize.default)
 _ACT_DTYPES = quant.HIGH_PRECISION
@@ -956,7 +956,7 @@ class MoePass(Fp8Pass):
                 seen.add(fqn)
                 path = next(filter(None, map(module_path, node.users)), None)  # (its readers')
                 ctx.frame_site(fqn, path, node)
-                ctx.report.add(Site("moe", fqn, False, f"not quantized: {reason}", "", ctx.graph_index,
+                ctx.report.add(Site("moe", fqn, False, f"{NOT_QUANTIZED}{reason}", "", ctx.graph_index,
                                     weight_shape=Site.shape_of(real)))
 
     # -- checking a site

@@ -224,6 +224,19 @@ def tag_routers(model: nn.Module, found: dict[str, str], prefix: str = "") -> No
             module._parameters["weight"]._fp8fx_fqn = fqn
 
 
+def tag_left_alone(module: nn.Module, fqn: str, reason: str) -> None:
+    """Tags the parameters of ``module`` (``fqn``) that no ``nn.Linear`` of it owns, left in high precision for
+    ``reason`` (experts in a layout fp8fx does not read, a linear-like module that is no ``nn.Linear``), with the
+    reason and their module's name: the compile report names the linears that read them (``F.linear(x,
+    self.weight[e])``: JetMoE's experts) by that module and that reason (it named them by paths inside the frame
+    Dynamo traced and told the user to run the quantize_ that had been run)."""
+    owners = {id(p) for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+    for name, sub in module.named_modules(prefix=fqn):
+        for p in sub.parameters(recurse=False):
+            if id(p) not in owners:
+                p._fp8fx_skip_reason, p._fp8fx_fqn = reason, name
+
+
 def input_scale_names(fqn: str, module: Optional[nn.Module] = None) -> tuple[str, str]:
     """The names of an experts module's two static activation scales in ``calibrate``'s and ``quantize_``'s
     ``input_scales``: those of its gate_up_proj's (ungated ``module``: up_proj's) and its down_proj's inputs."""

@@ -282,12 +282,13 @@ def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> No
 def _left_alone(modules, routers) -> None:
     """Warns of the modules with weights that quantize_ passes by, by kind: linear-like modules that are no
     ``nn.Linear`` (GPT-2's ``Conv1D``) and experts of a layout fp8fx does not read (DBRX's): they stay in high
-    precision (the compile report lists their weights as unhandled). Routers are meant to."""
+    precision, their weights tagged with the reason for the compile report. Routers are meant to."""
     kinds: dict[str, list[str]] = {}
     for fqn, m in modules:
         why = moe.foreign_experts(m) or (f"{type(m).__name__} is no nn.Linear" if is_foreign_linear(m) else None)
         if why and fqn not in routers:
             kinds.setdefault(why, []).append(fqn)
+            moe.tag_left_alone(m, fqn, why)
     for why, fqns in kinds.items():
         log.warning("fp8fx: quantize_ left %d modules in high precision (%s): %s", len(fqns), _shown(fqns), why)
 

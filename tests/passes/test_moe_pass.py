@@ -1058,3 +1058,73 @@ def test_experts_with_a_norm_submodule_stay_bf16_with_the_reason():
         fp8fx.quantize_(model, strict=True)
     fp8fx.quantize_(model)
     assert model.experts.up_proj.dtype == torch.bfloat16
+
+
+class StackedExperts(nn.Module):
+    """JetMoE's ``JetMoeParallelExperts``: 3-D [E, out, in] experts run as one F.linear per expert."""
+
+    def __init__(self, out_features, in_features):
+        super().__init__()
+        self.num_experts = E
+        self.weight = nn.Parameter(torch.randn(E, out_features, in_features) / in_features**0.5)
+
+    def forward(self, x, sizes):
+        return torch.cat([F.linear(part, self.weight[e]) for e, part in enumerate(x.split(sizes))])
+
+
+class StackedRouter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(H, E, bias=False)
+
+    def forward(self, x):
+        ids = self.layer(x).float().topk(1, dim=-1).indices.flatten()
+        sizes = torch.bincount(ids, minlength=E).tolist()  # (a graph break, as JetMoE's .tolist())
+        return ids.argsort(stable=True), sizes
+
+
+class StackedMoE(nn.Module):
+    """JetMoE's MoE block (``JetMoeMoE``): its router a module of its own, its experts two stacked modules."""
+
+    def __init__(self):
+        super().__init__()
+        self.router = StackedRouter()
+        self.input_linear = StackedExperts(2 * I, H)
+        self.output_linear = StackedExperts(H, I)
+
+    def forward(self, x):
+        order, sizes = self.router(x)
+        gate, up = self.input_linear(x[order], sizes).chunk(2, dim=-1)
+        out = self.output_linear(F.silu(gate) * up, sizes)
+        return x + torch.zeros_like(x).index_add(0, order, out)
+
+
+def test_experts_of_a_foreign_layout_are_named_and_explained_in_every_frame():
+    """Experts fp8fx does not read (JetMoE's stacked [E, out, in] weights, one F.linear per expert), in blocks
+    that Dynamo compiles as frames of their own (a graph break in the router) and reuses for the second block:
+    each per-expert linear was named by its path inside the frame ("input_linear") with "run fp8fx.quantize_"
+    as the reason, although quantize_ had run and said why it left them; and the second block's router took
+    the first block's reason. Each now has its module's name and quantize_'s reason, each router its block's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(StackedMoE(), StackedMoE(), nn.Linear(H, H)).to(torch.bfloat16).eval()
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    x = torch.randn(T, H, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        torch.compile(model, backend=backend)(x)
+    sites = {(s.fqn, s.reason) for s in backend.report.sites}
+    modules = dict(model.named_modules())
+    assert all(fqn in modules for fqn, _ in sites), sorted(sites)
+    layout = "not quantized: StackedExperts holds its 4 experts as weight, a layout fp8fx does not read"
+    for block in ("0", "1"):
+        for experts in ("input_linear", "output_linear"):
+            reasons = {r for f, r in sites if f == f"{block}.{experts}"}
+            assert len(reasons) == 1 and reasons.pop().startswith(layout)
+        (router,) = {r for f, r in sites if f == f"{block}.router.layer"}
+        assert re.match(rf"not quantized: routes tokens to {block}\.(input|output)_linear ", router), router
+    assert not any("run fp8fx.quantize_" in r for _, r in sites)
+    # the last linear, called by nn.Sequential's forward, which Dynamo ran uncompiled after the graph break (torch's
+    # own code): its weight's property was all it compiled of it, which the report said was "read by output"
+    (last,) = {r for f, r in sites if f == "2"}
+    assert last.startswith("the dequantized weight is all this graph computes: the layer ran uncompiled"), last
+    assert backend.report.unhandled_weights(model) == []
