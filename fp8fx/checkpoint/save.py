@@ -107,6 +107,8 @@ def save_checkpoint(
                          f"quantized model cast to float64 is a reference, its checkpoint holds bf16/fp16/fp32 tensors:"
                          f" cast it back (model.to(torch.bfloat16)), then save (nothing was written)")
     tensors, schemes, ignored = _hub_named(model, tensors, schemes, ignored, layout)
+    if method == "compressed-tensors":
+        schemes, ignored = _with_vllm_expert_names(schemes, ignored, layout.names)
     qc = formats.quantization_config(schemes, ignored, kv, fmt)
     if config_json is None:
         hf, source = getattr(model, "config", None), getattr(model, "_fp8fx_source", {})
@@ -337,6 +339,26 @@ def _hub_named(
             schemes = {hub[f"{m}.weight"].rpartition(".")[0]: s for m, s in schemes.items()}
             ignored = [hub[f"{m}.weight"].rpartition(".")[0] for m in ignored]
     return tensors, schemes, ignored
+
+
+def _with_vllm_expert_names(schemes: dict[str, Any], ignored: list[str], names: Mapping[str, str]
+                            ) -> tuple[dict[str, Any], list[str]]:
+    """Per-expert modules written under the hub's projection names (Mixtral's ``experts.<e>.w1`` / ``w3`` / ``w2``)
+    named once more, in ``schemes`` (compressed-tensors targets) and ``ignored``, as ``gate_proj`` / ``up_proj`` /
+    ``down_proj``: the names vLLM looks an experts module's scheme up by (``<experts>.0.gate_proj``, ...), whatever
+    the checkpoint calls them; compressed-tensors matches names exactly. Without them vLLM built fp8 experts over
+    bf16 experts in the ignore list (no error), and refused a model of several schemes (no target matched)."""
+    alias = {names[shard]: proj for shard, proj in moe_ckpt.PROJ.items() if names[shard] != proj}
+
+    def vllm_name(name: str) -> Optional[str]:
+        owner, _, leaf = name.rpartition(".")
+        experts, _, index = owner.rpartition(".")
+        return f"{owner}.{alias[leaf]}" if leaf in alias and experts and index.isdigit() else None
+
+    more = {n: vllm_name(n) for n in (*schemes, *ignored)}
+    more = {n: a for n, a in more.items() if a is not None and a not in schemes and a not in ignored}
+    return ({**schemes, **{a: schemes[n] for n, a in more.items() if n in schemes}},
+            [*ignored, *(more[n] for n in ignored if n in more)])
 
 
 def _write_checkpoint(path: str, tensors: Mapping[str, torch.Tensor], max_shard_size: Optional[int],

@@ -189,6 +189,35 @@ def test_per_expert_save_writes_mixtrals_hub_layout(tmp_path, caplog):
 
 
 @HUB_LAYOUT_CHECKED
+def test_compressed_tensors_names_mixtrals_experts_as_vllm_looks_them_up(tmp_path):
+    """compressed-tensors matches names exactly, and vLLM looks an experts module's scheme up by
+    ``<experts>.0.gate_proj`` / ``up_proj`` / ``down_proj`` whatever the checkpoint calls them. Mixtral's experts,
+    written as w1 / w3 / w2, were named so alone: vLLM built fp8 experts over layer 1's bf16 ones (nothing in the
+    ignore list matched) and refused a model of two schemes (no target matched). Both names are in the config now;
+    the tensors keep the hub's names, and transformers and fp8fx load them as before."""
+    import fp8fx
+
+    model = _fp8_and_bf16_experts("mixtral")
+    qc = save_checkpoint(model, tmp_path / "saved", format="compressed-tensors")
+    bf16, fp8 = "model.layers.1.block_sparse_moe.experts", "model.layers.0.block_sparse_moe.experts"
+    assert {f"{bf16}.0.{p}" for p in ("w1", "w3", "w2", "gate_proj", "up_proj", "down_proj")} <= set(qc["ignore"])
+    assert not any(name.startswith(fp8) for name in qc["ignore"])
+    assert not any(".gate_proj." in k or ".up_proj." in k for k in _saved(tmp_path / "saved"))
+    _check_hub_round_trip(model, reference_model(moe_config("mixtral", layers=2)), tmp_path / "saved")
+
+    two = reference_model(moe_config("mixtral", layers=2))  # two schemes: each group's targets name its layer's
+    fp8fx.quantize_(two.model.layers[0], fp8fx.Fp8Config(), prefix="model.layers.0")
+    fp8fx.quantize_(two.model.layers[1], fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor()),
+                    prefix="model.layers.1")
+    qc = save_checkpoint(two, tmp_path / "two")
+    groups = {g["weights"]["strategy"]: set(g["targets"]) for g in qc["config_groups"].values()}
+    for layer, strategy in ((0, "channel"), (1, "tensor")):
+        experts = f"model.layers.{layer}.block_sparse_moe.experts.0"
+        assert {f"{experts}.{p}" for p in ("w1", "gate_proj", "down_proj")} <= groups[strategy]
+    _check_hub_round_trip(two, reference_model(moe_config("mixtral", layers=2)), tmp_path / "two")
+
+
+@HUB_LAYOUT_CHECKED
 def test_per_expert_save_renames_the_moe_blocks_alone(tmp_path):
     """Kimi-Linear's hub checkpoints name its MoE blocks block_sparse_moe and its dense layers' MLPs mlp; transformers
     renames the first to mlp. The reversed rename was applied to every name: the dense layer's MLP was written as
