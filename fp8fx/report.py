@@ -170,7 +170,8 @@ class Report:
             tag = getattr(p, "_fp8fx_fqn", None)
             if tag in rewritten or tag in sites and owner == tag:
                 continue
-            if p.dim() >= 2 and owner not in sites and not leaf.endswith(("_scale", "_scale_inv")):  # a weight's
+            # a weight's scales, and 2-D biases (Ernie-4.5-MoE's router's e_score_correction_bias [1, E]), are none
+            if p.dim() >= 2 and owner not in sites and not leaf.endswith(("_scale", "_scale_inv", "bias")):
                 dtype = str(p.dtype).removeprefix("torch.")
                 found.append((name, Site.shape_of(p), dtype, type(modules[owner]).__name__))
         return found

@@ -136,6 +136,7 @@ class WithExperts(nn.Module):
         self.experts = nn.Module()
         self.experts.gate_up_proj = nn.Parameter(torch.zeros(4, 32, 64))
         self.norm = nn.LayerNorm(32)  # 1-D weights: not listed
+        self.experts.e_score_correction_bias = nn.Parameter(torch.zeros(1, 4))  # a 2-D bias (Ernie-4.5-MoE's): neither
 
     def forward(self, ids):
         h = self.proj(self.embed(ids))
