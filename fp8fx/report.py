@@ -166,9 +166,10 @@ class Report:
             # a quantized weight's site bears the name quantize_ / load_checkpoint gave it (the whole model's, where
             # one block of it was compiled: "0.q" for the block's "q"); the others' the compiled module's own names.
             # A tag of a site that was not rewritten covers that site's module only: an embedding whose weight a
-            # tied lm_head (kept in bf16) shares is still listed, under its own name
+            # tied lm_head (kept in bf16) shares is still listed, under its own name; a parametrized weight's
+            # parameters (weight_norm's original0 / original1) are their layer's
             tag = getattr(p, "_fp8fx_fqn", None)
-            if tag in rewritten or tag in sites and owner == tag:
+            if tag in rewritten or tag in sites and (owner == tag or owner.startswith(f"{tag}.parametrizations.")):
                 continue
             # a weight's scales, and 2-D biases (Ernie-4.5-MoE's router's e_score_correction_bias [1, E]), are none
             if p.dim() >= 2 and owner not in sites and not leaf.endswith(("_scale", "_scale_inv", "bias")):

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from fp8fx import quant
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
@@ -315,6 +316,10 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
     """Why ``layer`` (an ``nn.Linear``) cannot be quantized with ``config``, or None."""
     if config.is_ignored(fqn):
         return "in ignored_layers"
+    if parametrize.is_parametrized(layer, "weight"):
+        return ("its weight is parametrized (weight_norm, spectral_norm, ...: computed at each call), not a parameter "
+                "to store in fp8; remove the parametrization first (torch.nn.utils.parametrize."
+                "remove_parametrizations(layer, 'weight'))")
     weight = layer._parameters.get("weight")
     if weight is None or weight.dim() != 2:
         return "no 2-D weight"
@@ -328,6 +333,14 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
             "scales or add it to ignored_layers"
         )
     return None
+
+
+def weight_tensors(layer: nn.Module) -> list[torch.Tensor]:
+    """The parameters ``layer``'s weight is read from: the weight, or those of its parametrization (weight_norm's
+    ``original0`` / ``original1``: ``layer.weight`` is a new tensor at each access), for the report's tags."""
+    if parametrize.is_parametrized(layer, "weight"):
+        return list(layer.parametrizations.weight.parameters())
+    return [layer.weight] if isinstance(layer.weight, torch.Tensor) else []
 
 
 def same_layout(name: str, loaded: tuple, dest: tuple) -> bool:

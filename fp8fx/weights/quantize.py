@@ -17,6 +17,7 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
 from fp8fx.weights.linear import Fp8LinearMethod, guard_casts, is_foreign_linear, is_quantized, skip_reason
+from fp8fx.weights.linear import weight_tensors
 
 log = logging.getLogger("fp8fx")
 
@@ -141,11 +142,11 @@ def quantize_(
     _check_resumed_scales(held, scales)
 
     for fqn, module, reason in skipped:  # tags the report reads back from the compiled graph's inputs
-        if module.weight is not None:
-            module.weight._fp8fx_skip_reason = reason
-            module.weight._fp8fx_fqn = fqn
+        for weight in weight_tensors(module):
+            weight._fp8fx_skip_reason = reason
+            weight._fp8fx_fqn = fqn
             # a weight shared by several layers: each one's name and reason (the two above are the last one's)
-            module.weight._fp8fx_owners = {**getattr(module.weight, "_fp8fx_owners", {}), fqn: reason}
+            weight._fp8fx_owners = {**getattr(weight, "_fp8fx_owners", {}), fqn: reason}
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
     moe.tag_routers(model, decide.routers, prefix)
     method = Fp8LinearMethod(config)

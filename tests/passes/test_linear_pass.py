@@ -108,6 +108,27 @@ def test_rewritten_count_with_one_ignored_layer():
     assert "2 of 3 sites rewritten in 1 graph(s)" in str(backend.report)
 
 
+def test_a_parametrized_weight_is_left_with_its_reason_in_the_report():
+    """A linear under weight_norm (its weight computed from original0 / original1 at each call) was skipped by
+    quantize_ as having "no 2-D weight", and the report told the user to run the quantize_ they had run; its two
+    parameters were listed as unhandled weights. Both now say why, and how to undo the parametrization."""
+    model = ThreeLinear().to(torch.bfloat16)
+    nn.utils.parametrizations.weight_norm(model.b)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend)(x)
+    sites = {s.fqn: s for s in backend.report.sites}
+    assert [s.fqn for s in backend.report.rewritten] == ["a", "head"]
+    assert sites["b"].reason.startswith("not quantized: its weight is parametrized (weight_norm, ")
+    assert "remove_parametrizations(layer, 'weight')" in sites["b"].reason
+    assert backend.report.unhandled_weights(model) == []
+    assert rel_err(got, want) < 0.1
+
+
 def test_unquantized_model_reports_every_site():
     backend = Fp8Backend(compiler="eager")
     with torch.no_grad():
