@@ -177,7 +177,7 @@ def quantize_(
     if plan or experts:  # (with nothing quantized, _nothing_to_quantize said it)
         _left_alone(modules, decide.routers)
     vars(model).pop(_UNFINISHED, None)
-    if plan or experts or done:
+    if plan or experts or done or skipped or experts_skipped:  # (its deep copy carries the skipped layers' tags)
         guard_casts(model)
     return wrapper
 
