@@ -322,6 +322,15 @@ def forget_dynamo_bytecode() -> None:
         _bytecode_hooks.pop().remove()
 
 
+def input_source(node: Any) -> Optional[str]:
+    """Dynamo's name of what a graph input is (``L['self']._modules['l']._parameters['weight']``; 2.11 and 2.13 keep
+    it as a property of the source in the placeholder's ``grapharg``), or None."""
+    name = getattr(getattr(node.meta.get("grapharg"), "source", None), "name", None)
+    if callable(name):
+        name = name()
+    return name if isinstance(name, str) else None
+
+
 def is_dynamo_retrace(exc: BaseException) -> bool:
     """``exc``, raised inside a backend, means: Dynamo discards this attempt at the graph and traces the frame
     again (the backend is called again for the new graph); not a failure of the backend.

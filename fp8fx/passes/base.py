@@ -13,6 +13,7 @@ from torch import fx
 from torch.utils import _pytree as pytree
 
 
+from fp8fx.lowerings import compat
 from fp8fx.lowerings.compat import FakeTensor
 from fp8fx.quant import HIGH_PRECISION
 from fp8fx.report import Report
@@ -41,8 +42,9 @@ class PassContext:
         if self.graph_index not in frames:
             if path and fqn.endswith(f".{path}"):
                 frames[self.graph_index] = fqn[:-len(path) - 1]
-            elif not path and fqn and weight is not None:  # the layer is the frame's own module: a graph of its
-                # forward resumed after a break inside it (HF's per-expert loop at nonzero())
+            elif not path and fqn and getattr(self.example.get(weight), "_fp8fx_fqn", None) == fqn:  # the layer
+                # (its weight's tag) is the frame's own module: a graph of its forward resumed after a break inside it
+                # (HF's per-expert loop at nonzero()); not an untagged weight the compiled module reads itself
                 frames[self.graph_index] = fqn
         if isinstance(weight, fx.Node) and weight in self.positions:
             entry = (len(self.report.sites), self.positions[weight])
@@ -182,6 +184,24 @@ def module_path(node: fx.Node) -> Optional[str]:
     path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
     return path.lstrip(".")
+
+
+_ATTRIBUTE = re.compile(r"\._(modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]")
+
+
+def input_path(node: fx.Node) -> Optional[str]:
+    """The dotted name, in the compiled module, of the parameter or buffer a placeholder is (``l.weight``, ``w``),
+    from Dynamo's name of the input; None for any other node or input."""
+    name = compat.input_source(node) if isinstance(node, fx.Node) and node.op == "placeholder" else None
+    root = _ROOT.match(name) if name else None
+    if root is None:
+        return None
+    rest = "." + name[root.end():] if name[root.end():root.end() + 1] == "_" else name[root.end():]
+    parts = _ATTRIBUTE.findall(rest)
+    if not parts or "".join(f"._{kind}['{key}']" for kind, key in parts) != rest.replace('"', "'") \
+            or parts[-1][0] == "modules":
+        return None
+    return ".".join(key for _, key in parts)
 
 
 _FLOAT32_CASTS = ("float", "to", "type")  # x.float(), x.to(torch.float32), x.type(torch.float32)

@@ -35,7 +35,7 @@ import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block, weight_granularity_name
 from fp8fx.kernels import launch
-from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad, module_path, set_fake_value
+from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, input_path, may_record_grad, module_path, set_fake_value
 from fp8fx.report import NOT_QUANTIZED, Site
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
@@ -203,6 +203,18 @@ def _report_nested(graph: fx.Graph, ctx: PassContext) -> None:
                     "computed with the dequantized weight (call the layer outside it to rewrite it)", "",
                     ctx.graph_index, weight_shape=Site.shape_of(value), node=node.name,
                 ))
+
+
+# what to do where torch's own ops read the weights of nn.TransformerEncoderLayer / nn.MultiheadAttention: the
+# inference fast path (eval, batch_first) and F.multi_head_attention_forward, which Dynamo keeps as one call
+_FAST_PATH = ("; PyTorch's fused transformer fast path reads the weights itself: "
+              "torch.backends.mha.set_fastpath_enabled(False) runs the layer's linears as linears")
+_READER_HINTS = {
+    "_transformer_encoder_layer_fwd": _FAST_PATH,
+    "_native_multi_head_attention": _FAST_PATH,
+    "multi_head_attention_forward": "; nn.MultiheadAttention computes its out_proj there: add it to ignored_layers to "
+                                    "keep it in high precision (fp8 adds its error and saves nothing)",
+}
 
 
 def _name_of(node: fx.Node) -> str:
@@ -444,6 +456,7 @@ class LinearPass(Fp8Pass):
             else:
                 reason = (f"the quantized weight is read by {readers}, not by a linear (F.linear / x @ w.T): "
                           "computed with the dequantized weight")
+                reason += "".join(hint for op, hint in _READER_HINTS.items() if f"{op} (" in readers)
             ctx.report.add(Site(
                 "linear", fqn, False, reason, "", ctx.graph_index,
                 weight_shape=Site.shape_of(fake_value(node)), node=Site.origin_of(node),
@@ -463,7 +476,11 @@ class LinearPass(Fp8Pass):
             return tag
         if tag == "":  # a layer quantized on its own (quantize_(layer)): its path in the compiled model, if any
             return path or ""
-        return path if path is not None else node.name  # ("" for the root module too, not Dynamo's node name)
+        if path is not None:
+            return path  # ("" for the root module too, not Dynamo's node name)
+        # no module around the linear, an untagged weight (F.linear(x, self.w) in the compiled module's own forward):
+        # the parameter's name
+        return input_path(wq) or node.name
 
     @staticmethod
     def _why_not(x, w, bias, ctx: PassContext, fqn: str = "") -> str:
@@ -476,7 +493,8 @@ class LinearPass(Fp8Pass):
             if _from_dequantize(w):
                 return (f"weight is read through {_ops_to_dequantize(w)} of a quantized weight, not the quantized "
                         "weight itself: computed with the dequantized weight")
-            return "weight is not an fp8fx-quantized weight (run fp8fx.quantize_ or load an fp8 checkpoint)"
+            return ("weight is not an fp8fx-quantized weight (run fp8fx.quantize_ or load an fp8 checkpoint: they "
+                    "quantize nn.Linear layers and experts modules, not a parameter another module reads by F.linear)")
         wv = fake_value(w)
         if isinstance(wv, torch.Tensor) and wv.dim() != 2:
             return (f"weight is {wv.dim()}-D {list(wv.shape)}, not a linear's [N, K] (stacked experts are the "

@@ -129,6 +129,59 @@ def test_a_parametrized_weight_is_left_with_its_reason_in_the_report():
     assert rel_err(got, want) < 0.1
 
 
+class RawWeight(nn.Module):
+    """F.linear on a parameter of the compiled module itself: no module around it in Dynamo's graph."""
+
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(64, 64)
+        self.w = nn.Parameter(torch.randn(32, 64) / 8)
+
+    def forward(self, x):
+        return F.linear(self.l(x), self.w)
+
+
+def test_a_linear_of_a_raw_parameter_of_the_compiled_module_is_named_by_it():
+    """The site was named by Dynamo's node ("linear_1"), taken for a graph-break frame of a module of that name, and
+    its parameter was listed as unhandled too. It is named by the parameter, in no frame, and says what quantize_
+    takes."""
+    model = RawWeight().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    sites = {s.fqn: s for s in backend.report.sites}
+    assert set(sites) == {"l", "w"} and sites["l"].rewritten and not sites["w"].rewritten
+    assert "not a parameter another module reads by F.linear" in sites["w"].reason
+    assert backend.report.frames == {} and "traced" not in str(backend.report)
+    assert backend.report.unhandled_weights(model) == []
+
+
+@pytest.mark.parametrize("fast_path", [True, False])
+def test_torchs_transformer_layers_say_how_their_linears_are_rewritten(fast_path):
+    """nn.TransformerEncoder in eval under inference_mode takes torch's fast path, one op that reads every weight
+    itself: nothing was rewritten and the report did not say why that was or what to do. Without it, its linears
+    are rewritten but nn.MultiheadAttention's out_proj, which F.multi_head_attention_forward computes."""
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False).to(torch.bfloat16).eval()
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(fast_path)
+    try:
+        with torch.inference_mode():
+            torch.compile(model, backend=backend)(torch.randn(2, 5, 64, dtype=torch.bfloat16))
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+    sites = {s.fqn: s for s in backend.report.sites}
+    if fast_path:
+        assert not backend.report.rewritten and len(sites) == 3
+        assert all("torch.backends.mha.set_fastpath_enabled(False)" in s.reason for s in sites.values())
+    else:
+        assert {s.fqn for s in backend.report.rewritten} == {"layers.0.linear1", "layers.0.linear2"}
+        assert "add it to ignored_layers" in sites["layers.0.self_attn.out_proj"].reason
+
+
 def test_unquantized_model_reports_every_site():
     backend = Fp8Backend(compiler="eager")
     with torch.no_grad():
