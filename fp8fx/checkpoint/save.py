@@ -341,19 +341,22 @@ def _hub_named(
     return tensors, schemes, ignored
 
 
-def _with_vllm_expert_names(schemes: dict[str, Any], ignored: list[str], names: Mapping[str, str]
-                            ) -> tuple[dict[str, Any], list[str]]:
+def _with_vllm_expert_names(schemes: dict[str, Any], ignored: list[str], names: Mapping[str, str],
+                            experts: Optional[set[str]] = None) -> tuple[dict[str, Any], list[str]]:
     """Per-expert modules written under the hub's projection names (Mixtral's ``experts.<e>.w1`` / ``w3`` / ``w2``)
     named once more, in ``schemes`` (compressed-tensors targets) and ``ignored``, as ``gate_proj`` / ``up_proj`` /
     ``down_proj``: the names vLLM looks an experts module's scheme up by (``<experts>.0.gate_proj``, ...), whatever
     the checkpoint calls them; compressed-tensors matches names exactly. Without them vLLM built fp8 experts over
-    bf16 experts in the ignore list (no error), and refused a model of several schemes (no target matched)."""
+    bf16 experts in the ignore list (no error), and refused a model of several schemes (no target matched).
+    ``experts``: the per-expert module names to take (default: any ``<...>.<e>.<shard>`` name)."""
     alias = {names[shard]: proj for shard, proj in moe_ckpt.PROJ.items() if names[shard] != proj}
 
     def vllm_name(name: str) -> Optional[str]:
         owner, _, leaf = name.rpartition(".")
-        experts, _, index = owner.rpartition(".")
-        return f"{owner}.{alias[leaf]}" if leaf in alias and experts and index.isdigit() else None
+        parent, _, index = owner.rpartition(".")
+        if experts is not None and name not in experts:
+            return None
+        return f"{owner}.{alias[leaf]}" if leaf in alias and parent and index.isdigit() else None
 
     more = {n: vllm_name(n) for n in (*schemes, *ignored)}
     more = {n: a for n, a in more.items() if a is not None and a not in schemes and a not in ignored}
@@ -728,7 +731,11 @@ def convert(
     plan = {s: r for m, r in plan.items() for s in stored(m)}
     expert_plan = {s: r for m, r in expert_plan.items() for s in stored(m)}
     schemes = {s: scheme for m, scheme in schemes.items() for s in stored(m)}
-    qc = formats.quantization_config(schemes, sorted(m for m, r in plan.items() if r), False, format)
+    ignored = sorted(m for m, r in plan.items() if r)
+    qc = formats.quantization_config(schemes, ignored, False, format)
+    if qc["quant_method"] == "compressed-tensors":  # (the experts' stored names: Mixtral's w1 / w3 / w2, or PROJ's)
+        named = _with_vllm_expert_names(schemes, ignored, {shard: shard for shard in moe_ckpt.PROJ}, set(expert_plan))
+        qc = formats.quantization_config(*named, False, format)
     block_inv = qc["quant_method"] == "fp8" and isinstance(config.weight, PerBlock)
     scale_name = "weight_scale_inv" if block_inv else "weight_scale"
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # the source's, as read

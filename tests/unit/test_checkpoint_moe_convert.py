@@ -115,6 +115,24 @@ def test_convert_leaves_ignored_experts_bf16(tmp_path):
         convert(src, tmp_path / "dst2", fp8fx.Fp8Config(ignored_layers=[f"{EXPERTS}.1.up_proj"]), progress=False)
 
 
+def test_convert_names_ignored_w1_w3_w2_experts_as_vllm_looks_them_up(tmp_path):
+    """Experts stored as w1 / w3 / w2 (Mixtral's naming) and ignored: compressed-tensors' ignore list matches names
+    exactly, and vLLM looks experts up as <experts>.0.gate_proj / up_proj / down_proj. convert named them w1 / w3 /
+    w2 alone (save_checkpoint wrote both): vLLM would have built fp8 experts over the bf16 ones."""
+    cfg = moe_config("mixtral")
+    state = reference_model(cfg).state_dict()
+    src = bf16_checkpoint(tmp_path / "src", cfg, state, "mixtral")
+    convert(src, tmp_path / "dst", fp8fx.Fp8Config(ignored_layers=["lm_head", EXPERTS]), progress=False)
+    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors"
+    for e in (0, E - 1):
+        assert {f"{EXPERTS}.{e}.{p}" for p in ("w1", "w3", "w2", "gate_proj", "up_proj", "down_proj")} <= \
+            set(qc["ignore"])
+    model = meta_model(tmp_path / "dst")
+    load_checkpoint(model, tmp_path / "dst", progress=False)
+    assert not is_quantized_experts(model.get_submodule(EXPERTS))
+
+
 def _roundtrip(model, path, **kw):
     qc = save_checkpoint(model, path, **kw)
     header = read_header(str(path / "model.safetensors"))
