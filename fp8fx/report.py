@@ -172,9 +172,7 @@ class Report:
             if tag in rewritten or tag in sites and (owner == tag or owner.startswith(f"{tag}.parametrizations.")):
                 continue
             # a weight's scales, and 2-D biases (Ernie-4.5-MoE's router's e_score_correction_bias [1, E]), are none
-            # (a site named by the parameter itself: F.linear(x, self.w) in the compiled module's forward)
-            if p.dim() >= 2 and owner not in sites and name not in sites and not leaf.endswith(
-                    ("_scale", "_scale_inv", "bias")):
+            if p.dim() >= 2 and owner not in sites and not leaf.endswith(("_scale", "_scale_inv", "bias")):
                 dtype = str(p.dtype).removeprefix("torch.")
                 found.append((name, Site.shape_of(p), dtype, type(modules[owner]).__name__))
         return found

@@ -23,6 +23,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
+from torch.nn.utils.weight_norm import WeightNorm
 
 from fp8fx import quant
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
@@ -316,10 +317,10 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
     """Why ``layer`` (an ``nn.Linear``) cannot be quantized with ``config``, or None."""
     if config.is_ignored(fqn):
         return "in ignored_layers"
-    if parametrize.is_parametrized(layer, "weight"):
+    if parametrize.is_parametrized(layer, "weight") or _weight_normed(layer):
         return ("its weight is parametrized (weight_norm, spectral_norm, ...: computed at each call), not a parameter "
                 "to store in fp8; remove the parametrization first (torch.nn.utils.parametrize."
-                "remove_parametrizations(layer, 'weight'))")
+                "remove_parametrizations(layer, 'weight'), or torch.nn.utils.remove_weight_norm(layer))")
     weight = layer._parameters.get("weight")
     if weight is None or weight.dim() != 2:
         return "no 2-D weight"
@@ -335,11 +336,20 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
     return None
 
 
+def _weight_normed(layer: nn.Module) -> bool:
+    """``torch.nn.utils.weight_norm``'s (deprecated) form: ``weight_g`` / ``weight_v`` parameters, the weight an
+    attribute a forward pre-hook computes at each call."""
+    return any(isinstance(hook, WeightNorm) and hook.name == "weight" for hook in layer._forward_pre_hooks.values())
+
+
 def weight_tensors(layer: nn.Module) -> list[torch.Tensor]:
     """The parameters ``layer``'s weight is read from: the weight, or those of its parametrization (weight_norm's
-    ``original0`` / ``original1``: ``layer.weight`` is a new tensor at each access), for the report's tags."""
+    ``original0`` / ``original1``, or ``weight_g`` / ``weight_v``: ``layer.weight`` is a new tensor at each access
+    or call), for the report's tags."""
     if parametrize.is_parametrized(layer, "weight"):
         return list(layer.parametrizations.weight.parameters())
+    if _weight_normed(layer):
+        return [layer.weight_g, layer.weight_v]
     return [layer.weight] if isinstance(layer.weight, torch.Tensor) else []
 
 

@@ -233,7 +233,9 @@ def tag_left_alone(module: nn.Module, fqn: str, reason: str) -> None:
     owners = {id(p) for m in module.modules() if isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
     for name, sub in module.named_modules(prefix=fqn):
         for p in sub.parameters(recurse=False):
-            if id(p) not in owners:
+            # a tag of its own stays: an experts module inside (quantized or skipped), a linear elsewhere that shares
+            # the weight (a tied lm_head's "weight tied to ...")
+            if id(p) not in owners and not hasattr(p, "_fp8fx_fqn"):
                 p._fp8fx_skip_reason, p._fp8fx_fqn = reason, name
 
 

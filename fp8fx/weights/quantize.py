@@ -174,10 +174,9 @@ def quantize_(
             moe.quantize_experts(module, fqn, config, static)
     if experts or experts_skipped:
         log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
-    if plan or experts:  # (with nothing quantized, _nothing_to_quantize said it)
-        _left_alone(modules, decide.routers)
+    _left_alone(modules, decide.routers, warn=bool(plan or experts))  # (else _nothing_to_quantize said it)
     vars(model).pop(_UNFINISHED, None)
-    if plan or experts or done or skipped or experts_skipped:  # (its deep copy carries the skipped layers' tags)
+    if plan or experts or done:
         guard_casts(model)
     return wrapper
 
@@ -280,7 +279,7 @@ def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> No
     log.warning("fp8fx: %s", message)
 
 
-def _left_alone(modules, routers) -> None:
+def _left_alone(modules, routers, warn: bool) -> None:
     """Warns of the modules with weights that quantize_ passes by, by kind: linear-like modules that are no
     ``nn.Linear`` (GPT-2's ``Conv1D``) and experts of a layout fp8fx does not read (DBRX's): they stay in high
     precision, their weights tagged with the reason for the compile report. Routers are meant to."""
@@ -290,7 +289,7 @@ def _left_alone(modules, routers) -> None:
         if why and fqn not in routers:
             kinds.setdefault(why, []).append(fqn)
             moe.tag_left_alone(m, fqn, why)
-    for why, fqns in kinds.items():
+    for why, fqns in kinds.items() if warn else ():
         log.warning("fp8fx: quantize_ left %d modules in high precision (%s): %s", len(fqns), _shown(fqns), why)
 
 

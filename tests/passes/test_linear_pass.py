@@ -108,12 +108,17 @@ def test_rewritten_count_with_one_ignored_layer():
     assert "2 of 3 sites rewritten in 1 graph(s)" in str(backend.report)
 
 
-def test_a_parametrized_weight_is_left_with_its_reason_in_the_report():
+@pytest.mark.parametrize("kind", ["parametrizations", "weight_g/weight_v"])
+def test_a_parametrized_weight_is_left_with_its_reason_in_the_report(kind):
     """A linear under weight_norm (its weight computed from original0 / original1 at each call) was skipped by
     quantize_ as having "no 2-D weight", and the report told the user to run the quantize_ they had run; its two
     parameters were listed as unhandled weights. Both now say why, and how to undo the parametrization."""
     model = ThreeLinear().to(torch.bfloat16)
-    nn.utils.parametrizations.weight_norm(model.b)
+    if kind == "parametrizations":
+        nn.utils.parametrizations.weight_norm(model.b)
+    else:
+        with pytest.warns(FutureWarning):  # (torch.nn.utils.weight_norm is deprecated)
+            nn.utils.weight_norm(model.b)
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         want = model(x)
@@ -129,6 +134,33 @@ def test_a_parametrized_weight_is_left_with_its_reason_in_the_report():
     assert rel_err(got, want) < 0.1
 
 
+class OwnEmbedding(nn.Module):
+    """An embedding of its own (F.embedding on a 2-D weight: no nn.Embedding) whose weight a linear head shares."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(32, 64))
+
+    def forward(self, ids):
+        return F.embedding(ids, self.weight)
+
+
+def test_a_tied_head_keeps_its_name_and_reason_beside_a_module_fp8fx_leaves():
+    """quantize_ tags the weights of modules it leaves (a 2-D weight of no nn.Linear) for the report: the tag went
+    over the tied head's own, and the head was reported as the embedding, for the embedding's reason."""
+    model = nn.ModuleDict({"emb": OwnEmbedding(), "proj": nn.Linear(64, 64), "head": nn.Linear(64, 32, bias=False)})
+    model.head.weight = model.emb.weight
+    model = model.to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(lambda ids: model.head(model.proj(model.emb(ids))), backend=backend)(torch.tensor([[1, 2]]))
+        torch.compile(model.head, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))  # the head alone
+    sites = [(s.graph, s.fqn, s.reason) for s in backend.report.sites]
+    tied = "not quantized: weight tied to emb.weight"
+    assert sites == [(0, "proj", ""), (0, "head", tied), (1, "head", tied)], sites
+
+
 class RawWeight(nn.Module):
     """F.linear on a parameter of the compiled module itself: no module around it in Dynamo's graph."""
 
@@ -142,9 +174,10 @@ class RawWeight(nn.Module):
 
 
 def test_a_linear_of_a_raw_parameter_of_the_compiled_module_is_named_by_it():
-    """The site was named by Dynamo's node ("linear_1"), taken for a graph-break frame of a module of that name, and
-    its parameter was listed as unhandled too. It is named by the parameter, in no frame, and says what quantize_
-    takes."""
+    """The site was named by Dynamo's node ("linear_1") and taken for a graph-break frame of a module of that name.
+    It is named by the parameter (Dynamo's name of the input: relative to the frame's module, where the linear runs
+    in a block's frame after a graph break), in no frame, and says what quantize_ takes. The parameter stays in
+    unhandled_weights, which matches sites to parameters by module names."""
     model = RawWeight().to(torch.bfloat16)
     fp8fx.quantize_(model)
     backend = Fp8Backend(compiler="eager")
@@ -154,7 +187,7 @@ def test_a_linear_of_a_raw_parameter_of_the_compiled_module_is_named_by_it():
     assert set(sites) == {"l", "w"} and sites["l"].rewritten and not sites["w"].rewritten
     assert "not a parameter another module reads by F.linear" in sites["w"].reason
     assert backend.report.frames == {} and "traced" not in str(backend.report)
-    assert backend.report.unhandled_weights(model) == []
+    assert [name for name, *_ in backend.report.unhandled_weights(model)] == ["w"]
 
 
 @pytest.mark.parametrize("fast_path", [True, False])

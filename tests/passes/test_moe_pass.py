@@ -1099,15 +1099,18 @@ class StackedMoE(nn.Module):
         return x + torch.zeros_like(x).index_add(0, order, out)
 
 
-def test_experts_of_a_foreign_layout_are_named_and_explained_in_every_frame():
+@pytest.mark.parametrize("parts", [False, True])
+def test_experts_of_a_foreign_layout_are_named_and_explained_in_every_frame(parts):
     """Experts fp8fx does not read (JetMoE's stacked [E, out, in] weights, one F.linear per expert), in blocks
     that Dynamo compiles as frames of their own (a graph break in the router) and reuses for the second block:
     each per-expert linear was named by its path inside the frame ("input_linear") with "run fp8fx.quantize_"
     as the reason, although quantize_ had run and said why it left them; and the second block's router took
-    the first block's reason. Each now has its module's name and quantize_'s reason, each router its block's."""
+    the first block's reason. Each now has its module's name and quantize_'s reason, each router its block's; also
+    where the model is quantized block by block (``parts``), a quantize_ that quantizes nothing of the block."""
     torch.manual_seed(0)
     model = nn.Sequential(StackedMoE(), StackedMoE(), nn.Linear(H, H)).to(torch.bfloat16).eval()
-    fp8fx.quantize_(model)
+    for prefix, part in [(str(i), model[i]) for i in range(3)] if parts else [("", model)]:
+        fp8fx.quantize_(part, prefix=prefix)
     backend = fp8fx.Fp8Backend(compiler="eager")
     x = torch.randn(T, H, dtype=torch.bfloat16)
     with torch.inference_mode():
