@@ -190,8 +190,9 @@ _ATTRIBUTE = re.compile(r"\._(modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]
 
 
 def input_path(node: fx.Node) -> Optional[str]:
-    """The dotted name, in the compiled module, of the parameter or buffer a placeholder is (``l.weight``, ``w``),
-    from Dynamo's name of the input; None for any other node or input."""
+    """The dotted name of the parameter or buffer a placeholder is (``l.weight``, ``w``), from Dynamo's name of the
+    input: relative to the module whose forward the graph traced (the compiled module, or a block Dynamo resumed
+    after a graph break, whose name it does not know); None for any other node or input."""
     name = compat.input_source(node) if isinstance(node, fx.Node) and node.op == "placeholder" else None
     root = _ROOT.match(name) if name else None
     if root is None:

@@ -478,8 +478,8 @@ class LinearPass(Fp8Pass):
             return path or ""
         if path is not None:
             return path  # ("" for the root module too, not Dynamo's node name)
-        # no module around the linear, an untagged weight (F.linear(x, self.w) in the compiled module's own forward):
-        # the parameter's name
+        # no module around the linear, an untagged weight (F.linear(x, self.w) in the traced module's own forward):
+        # the parameter's name in that module
         return input_path(wq) or node.name
 
     @staticmethod

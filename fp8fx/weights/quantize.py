@@ -280,9 +280,9 @@ def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> No
 
 
 def _left_alone(modules, routers, warn: bool) -> None:
-    """Warns of the modules with weights that quantize_ passes by, by kind: linear-like modules that are no
-    ``nn.Linear`` (GPT-2's ``Conv1D``) and experts of a layout fp8fx does not read (DBRX's): they stay in high
-    precision, their weights tagged with the reason for the compile report. Routers are meant to."""
+    """Tags the weights of the modules quantize_ passes by with why, for the compile report, and warns of them
+    (``warn``) by kind: linear-like modules that are no ``nn.Linear`` (GPT-2's ``Conv1D``) and experts of a layout
+    fp8fx does not read (DBRX's, JetMoE's): they stay in high precision. Routers are meant to."""
     kinds: dict[str, list[str]] = {}
     for fqn, m in modules:
         why = moe.foreign_experts(m) or (f"{type(m).__name__} is no nn.Linear" if is_foreign_linear(m) else None)
