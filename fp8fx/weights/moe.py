@@ -180,7 +180,7 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
     ``shared_expert_gate``). vLLM builds them unquantized: fp8 router logits flip top-k choices (Phimoe: 0.24
     against 0.18 relative error of the logits with them in bf16)."""
     modules = dict(model.named_modules(prefix=prefix))
-    found: dict[str, str] = {}
+    found: dict[str, list[str]] = {}  # router -> the experts modules of its block (JetMoE's: two)
     for fqn, experts in modules.items():
         if fqn == prefix or not (is_any_experts(experts) or foreign_experts(experts)):
             continue
@@ -198,15 +198,15 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
             if not linears and router_shape:
                 # a router module of its own that is no nn.Linear (transformers 5's MixtralTopKRouter: F.linear on
                 # its weight): never quantized, named here for the report
-                found[f"{parent}.{child_name}" if parent else child_name] = _ROUTES.format(fqn)
+                found.setdefault(f"{parent}.{child_name}" if parent else child_name, []).append(fqn)
                 continue
             if len(linears) != 1 or "." in linears[0][0]:  # an MLP's linears (a shared expert's) route nothing
                 continue
             name, linear = linears[0]
             if linear.out_features in (count, 1):
                 full = ".".join(p for p in (parent, child_name, name) if p)
-                found[full] = _ROUTES.format(fqn)
-    return found
+                found.setdefault(full, []).append(fqn)
+    return {router: _ROUTES.format(" and ".join(experts)) for router, experts in found.items()}
 
 
 _ROUTES = "routes tokens to {} (an MoE router or gate: high precision, as vLLM keeps it)"
