@@ -395,7 +395,7 @@ class _Loader:
             return None, "in ignored_layers" if self._ignored(fqn, shards) else "not targeted by quantization_config"
         weight = module._parameters.get("weight")
         if weight is None:
-            return None, "no weight"
+            return None, skip_reason(module, fqn, config) or "no weight"  # a parametrized one says so
         tied = [k for k in self.aliases[id(weight)] if k != f"{fqn}.weight"]
         if tied:
             return None, f"weight tied to {tied[0]}"
@@ -511,6 +511,15 @@ class _Loader:
                 hint = (
                     " (3-D expert parameters: the checkpoint holds them per expert, <experts>.<e>.gate_proj.weight / "
                     "up_proj / down_proj or w1 / w3 / w2, or fused, <experts>.gate_up_proj / down_proj)"
+                )
+            parametrized = next((k.partition(".parametrizations.")[0] for k in missing if ".parametrizations." in k),
+                                None)
+            if parametrized is not None:  # torch's own load_state_dict refuses it too; say why
+                hint += (
+                    f" ({parametrized or 'the model'} is parametrized: its weight is computed at each call from "
+                    "parametrizations.<name>.original*, which a checkpoint of plain weights does not hold; load the "
+                    "checkpoint before parametrizing, or remove the parametrization first: "
+                    "torch.nn.utils.parametrize.remove_parametrizations)"
                 )
             raise CheckpointError(
                 f"{missing[0]} (and {len(missing) - 1} more: {missing[1:4]}) is missing from the checkpoint{hint}; "

@@ -1060,6 +1060,21 @@ def test_already_quantized_model_is_refused(tmp_path):
         load_checkpoint(model, path, progress=False)
 
 
+def test_parametrized_layer_is_refused_naming_the_parametrization(tmp_path):
+    """A layer parametrized before loading (weight_norm) has no ``.weight`` to load into: the error said only that
+    ``parametrizations.weight.original0`` was missing; it names the layer, why, and the fix. Nothing changes."""
+    path = write_checkpoint(tmp_path / "c", bf16_state())
+    model = Tiny().bfloat16()
+    layer = model.model.layers[0].self_attn.o_proj
+    torch.nn.utils.parametrizations.weight_norm(layer)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    match = r"model\.layers\.0\.self_attn\.o_proj is parametrized.*remove_parametrizations"
+    with pytest.raises(CheckpointError, match=match):
+        load_checkpoint(model, path, progress=False)
+    assert not any(is_quantized(m) for m in model.modules())
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_unexpected_plain_tensors_are_reported_not_loaded(tmp_path, caplog):
     state = bf16_state()
     state["model.layers.0.rotary_emb.inv_freq"] = torch.ones(4)
