@@ -260,9 +260,19 @@ def _factory(spec: str):
         if module_name.endswith(".py"):
             if not os.path.isfile(module_name):
                 raise UsageError(f"{module_name} does not exist (MODEL {spec!r})")
-            loader = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+            name = Path(module_name).stem
+            if name in sys.modules:  # (a module of that name already imported stays as it is)
+                name = f"fp8fx_model_{name}"
+            loader = importlib.util.spec_from_file_location(name, module_name)
             module = importlib.util.module_from_spec(loader)
-            loader.loader.exec_module(module)
+            # in sys.modules as an import puts it: Dynamo looks a frame's module up by name where it resumes after a
+            # graph break (a model of this file with one failed: "No module named 'models'")
+            sys.modules[name] = module
+            try:
+                loader.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
         else:
             module = importlib.import_module(module_name)
     except UsageError:
@@ -370,6 +380,8 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     levels = {name: lg.level for name, lg in loggers.items()}
     loggers["fp8fx"].setLevel(logging.ERROR)
     loggers["torch"].setLevel(logging.CRITICAL)
+    decide = LinearDecider(model)
+    named = _name_weights(model, decide)
     try:
         with torch.no_grad():
             torch.compile(model, backend=backend)(*call_args, **call_kwargs)
@@ -382,9 +394,10 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     finally:
         for name, lg in loggers.items():
             lg.setLevel(levels[name])
+        for weight in named:
+            del weight._fp8fx_fqn
 
     modules = dict(model.named_modules())
-    decide = LinearDecider(model)
     rows = []
     counted: set[str] = set()  # a layer called more than once is several sites, its bytes saved once
     for site in backend.report.sites:
@@ -394,6 +407,8 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
             reason = "kept in high precision by the quantization_config (ignore / no matching group)"
         elif isinstance(module, nn.Linear):
             reason = decide(site.fqn, module, cfg)[0]
+        elif site.fqn in decide.routers:  # a router that is no nn.Linear (transformers 5's MoE gates)
+            reason = decide.routers[site.fqn]
         else:
             reason = "not an nn.Linear weight (quantize_ quantizes nn.Linear layers)"
         first = reason is None and site.fqn not in counted
@@ -417,13 +432,29 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     for fqn, module in modules.items():
         if isinstance(module, nn.Linear) and fqn not in seen:
             rows.append({"graph": None, "kind": "linear", "fqn": fqn, "weight_shape": list(module.weight.shape),
-                         "would_rewrite": False, "scheme": "", "reason": "not called by the traced forward",
+                         "would_rewrite": False, "scheme": "", "reason": "in no traced graph (not called, or run uncompiled after a graph break)",
                          "bytes_saved": 0})
     covered = tuple(r["fqn"] + "." for r in rows if r["kind"] == "moe")
     others = [{"name": name, "shape": list(shape), "dtype": dtype, "module": cls}
               for name, shape, dtype, cls in backend.report.unhandled_weights(model) if not name.startswith(covered)
               and not isinstance(modules[name.rpartition(".")[0]], nn.Linear)]  # the linears are rows above
     return rows, others, backend.report.graphs
+
+
+def _name_weights(model: nn.Module, decide: LinearDecider) -> list[torch.Tensor]:
+    """Tags the weights of ``model``'s linears and routers with their modules' names, as ``quantize_`` does (the
+    report names a site by its weight's tag): the linears of a block Dynamo traces as a frame of its own, after a
+    graph break, were named by their paths in that block (``a``, not ``layers.0.a``) and found no module. A weight
+    several modules share keeps no tag (the site is named by the module that runs it). Returns the weights tagged
+    here, whose tags ``predict`` removes after the trace."""
+    named = []
+    for fqn, module in model.named_modules():
+        weight = module._parameters.get("weight")
+        if (isinstance(module, nn.Linear) or fqn in decide.routers) and isinstance(weight, torch.Tensor) \
+                and len(decide.owners.get(id(weight), {})) == 1 and not hasattr(weight, "_fp8fx_fqn"):
+            weight._fp8fx_fqn = fqn
+            named.append(weight)
+    return named
 
 
 def _saved(shape: Sequence[int], element_size: int, config: Fp8Config) -> int:

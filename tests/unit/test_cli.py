@@ -96,6 +96,19 @@ class Twice(nn.Module):
 def twice():
     return Twice(), (torch.zeros(4, 256),)
 
+class Broken(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+def broken_blocks():
+    return nn.Sequential(Broken(), Broken()), (torch.zeros(4, 256),)
+
 def bare_example():
     return mlp(), torch.zeros(4, 256)
 
@@ -132,6 +145,16 @@ def test_inspect_counts_a_layer_called_twice_once(capsys, models_py):
     assert sum(s["bytes_saved"] for s in sites) == 256 * 256 - 256 * 4  # bf16 -> fp8, one fp32 scale per row
     code, out, err = run(capsys, "inspect", f"{models_py}:twice")
     assert out.splitlines()[-1] == "2 of 2 linear sites would be rewritten; 0.1 MiB of weights saved"
+
+
+def test_inspect_names_the_layers_of_blocks_broken_by_a_graph_break(capsys, models_py):
+    """Dynamo traces a block with a graph break as a frame of its own, reused for the next block: its linears were
+    named by their paths in the block (``a``), found no module and were all "not called"."""
+    code, out, err = run(capsys, "inspect", f"{models_py}:broken_blocks", "--json")
+    assert code == 0, err
+    sites = json.loads(out)["sites"]
+    assert sorted(s["fqn"] for s in sites) == ["0.a", "0.b", "1.a", "1.b"]
+    assert all(s["would_rewrite"] for s in sites), sites
 
 
 def test_inspect_factory_with_input_shape(capsys, models_py):
@@ -538,6 +561,8 @@ def test_inspect_predicts_tied_weights_and_routers_as_quantize_(capsys, tmp_path
     sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
     assert sites["lm_head"]["reason"] == "weight tied to model.embed_tokens.weight"
     assert sites["model.layers.0.mlp.shared_expert_gate"]["reason"].startswith("routes tokens to model.layers.0.mlp")
+    # transformers 5's router module (no nn.Linear) too: it said "not an nn.Linear weight"
+    assert sites["model.layers.0.mlp.gate"]["reason"].startswith("routes tokens to model.layers.0.mlp.experts")
     model = transformers.Qwen2MoeForCausalLM(cfg).to(torch.bfloat16)
     fp8fx.quantize_(model, fp8fx.Fp8Config())
     linears = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
