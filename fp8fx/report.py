@@ -153,10 +153,22 @@ class Report:
         params = list(model.named_parameters())
         # a rewritten site knows its weight by the tensor (``weight_id``): its module is covered, whatever names
         # another model compiled with the same backend has (its "b" hid this model's "b", which never ran); the
-        # rest are matched by name
-        tokens = {s.weight_id for s in self.sites if s.weight_id}
+        # rest are matched by name, and by the tensor too where the site knows it (a layer kept in high precision
+        # that ran in one model does not cover the layer of that name of another model, which never ran)
+        tokens = {s.weight_id for s in self.sites if s.weight_id and s.rewritten}
         by_tensor = {n.rpartition(".")[0] for n, p in params if getattr(p, "_fp8fx_token", None) in tokens}
-        sites = {s.fqn for s in self.sites if not s.weight_id}
+        read: dict[str, set[int]] = {}  # a site's name -> the tokens of the weights it read (0: not known)
+        for s in self.sites:
+            if not (s.weight_id and s.rewritten):
+                read.setdefault(s.fqn, set()).add(s.weight_id)
+
+        def ran(fqn: str, p: Any) -> bool:  # a site named fqn read p, or a weight of the module of that name
+            ids = read.get(fqn)
+            if ids is None:
+                return False
+            weights = [p, *(modules[fqn].parameters() if fqn in modules else ())]  # (an experts site: one of two)
+            return 0 in ids or any(getattr(q, "_fp8fx_token", None) in ids for q in weights)
+
         rewritten = {s.fqn for s in self.sites if s.rewritten and not s.weight_id}
         found = []
         for name, p in params:
@@ -169,10 +181,10 @@ class Report:
             # tied lm_head (kept in bf16) shares is still listed, under its own name; a parametrized weight's
             # parameters (weight_norm's original0 / original1) are their layer's
             tag = getattr(p, "_fp8fx_fqn", None)
-            if tag in rewritten or tag in sites and (owner == tag or owner.startswith(f"{tag}.parametrizations.")):
+            if tag in rewritten or ran(tag, p) and (owner == tag or owner.startswith(f"{tag}.parametrizations.")):
                 continue
             # a weight's scales, and 2-D biases (Ernie-4.5-MoE's router's e_score_correction_bias [1, E]), are none
-            if p.dim() >= 2 and owner not in sites and not leaf.endswith(("_scale", "_scale_inv", "bias")):
+            if p.dim() >= 2 and not ran(owner, p) and not leaf.endswith(("_scale", "_scale_inv", "bias")):
                 dtype = str(p.dtype).removeprefix("torch.")
                 found.append((name, Site.shape_of(p), dtype, type(modules[owner]).__name__))
         return found

@@ -397,8 +397,10 @@ class LinearPass(Fp8Pass):
             source = w.args[0] if isinstance(w, fx.Node) and w.target in _DEQUANT else _read_from(w)
             ctx.frame_site(fqn, module_path(node), source)  # (the site is added below)
             if reason:
+                # (its weight's token too: ``Report.unhandled_weights`` tells two models' layers of one name apart)
                 ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index,
-                                    weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node)))
+                                    weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
+                                    weight_id=Site.token_of(ctx.example.get(source))))
                 continue
             # read before the rewrite, which erases the weight's dequantize node
             details = dict(weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),

@@ -193,6 +193,16 @@ def test_unhandled_weights_list_linears_in_no_graph():
     assert [s.fqn for s in backend.report.sites] == ["a", "a", "b"]
     assert [name for name, *_ in backend.report.unhandled_weights(model)] == ["b.weight"]
     assert backend.report.unhandled_weights(other) == []
+    # the other model's "b" kept in high precision (a site not rewritten, matched by name alone): it hid this one's
+    kept = Other()
+    fp8fx.quantize_(kept, fp8fx.Fp8Config(ignored_layers=["b"]))
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(kept, backend=backend)(torch.randn(2, 8))
+        torch.compile(model, backend=backend)(torch.randn(2, 8))
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("a", True), ("b", False), ("a", True)]
+    assert [name for name, *_ in backend.report.unhandled_weights(model)] == ["b.weight"]
+    assert backend.report.unhandled_weights(kept) == []
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
