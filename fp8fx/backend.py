@@ -25,6 +25,8 @@ _LOWERINGS = ("aten", "op")
 ONE_PASS_ROWS = 16384  # Fp8Backend's default one_pass_rows: rows up to a Llama-3 MLP's 14336 reduce in one pass
 # the live backend of this process writing into each dump folder (its real path): a second one writes beside it
 _DUMP_WRITERS: "weakref.WeakValueDictionary[str, Fp8Backend]" = weakref.WeakValueDictionary()
+# every backend of this process that has written a dump, reset or not: a new dump clears no folder of theirs
+_DUMPERS: "weakref.WeakSet[Fp8Backend]" = weakref.WeakSet()
 
 
 class Fp8Backend:
@@ -273,13 +275,18 @@ class Fp8Backend:
     def _dump(self, gm: fx.GraphModule, index: int) -> Optional[GraphDump]:
         if self.dump_dir is None:
             return None
-        if _DUMP_WRITERS.get(os.path.realpath(self.dump_dir)) is not self:  # the first graph, or one after a reset
-            # after a reset the folder it had, if no other backend took it meanwhile: not another backend's
-            free = _DUMP_WRITERS.get(os.path.realpath(self.dump_dir)) is None
-            self.dump_dir = self._claim_dump_dir(self.dump_dir if free else self._dump_root)
-            if index == 0:  # files an earlier run left would read as this backend's
-                GraphDump.clear(self.dump_dir)
-        dump = GraphDump(self.dump_dir, index)
+        try:
+            if _DUMP_WRITERS.get(os.path.realpath(self.dump_dir)) is not self:  # the first graph, or one after a reset
+                # after a reset the folder it had, if no other backend took it meanwhile: not another backend's
+                free = _DUMP_WRITERS.get(os.path.realpath(self.dump_dir)) is None
+                self.dump_dir = self._claim_dump_dir(self.dump_dir if free else self._dump_root)
+                if index == 0:  # files an earlier run left would read as this backend's
+                    GraphDump.clear(self.dump_dir, live={os.path.realpath(b.dump_dir) for b in _DUMPERS})
+            dump = GraphDump(self.dump_dir, index)
+        except OSError as e:  # (the folder made a file since, say) a debugging aid must not fail the compile
+            log.warning("fp8fx: graph %d is not dumped: %s: %s; fix Fp8Backend(dump_dir=%r)", index, type(e).__name__,
+                        e, self.dump_dir)
+            return None
         dump.start(gm)
         return dump
 
@@ -298,6 +305,7 @@ class Fp8Backend:
                         "into %s (give each backend a folder of its own)", dump_dir, folder)
             os.makedirs(folder, exist_ok=True)
         _DUMP_WRITERS[os.path.realpath(folder)] = self
+        _DUMPERS.add(self)
         return folder
 
     def reset(self) -> None:
@@ -312,14 +320,15 @@ class Fp8Backend:
         if dump:
             dump.finish(self.report, output_code)
         if index in self.report.frames and self.report.frame_weights.get(index):
-            return _watch_reuse(compiled, self.report, index)
+            return _watch_reuse(compiled, self.report, index, dump)
         return compiled
 
 
-def _watch_reuse(compiled, report: Report, index: int):
+def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump] = None):
     """``compiled`` calling ``report.reused`` the first time it runs with another module's weights: graph ``index``
     traced one module's forward, and Dynamo runs its code for every module of that class (``Report.frames``). Only
-    such graphs are watched; the check is one id() comparison of the first weight a call."""
+    such graphs are watched; the check is one id() comparison of the first weight a call. The dump's reports are
+    written again where that added sites."""
     positions = [p for _, p in report.frame_weights[index]]
     seen: set[int] = set()
     last = [0]  # id() of the first weight of the last call: no reference, which would keep a dropped model alive
@@ -332,7 +341,10 @@ def _watch_reuse(compiled, report: Report, index: int):
             if token not in seen:
                 seen.add(token)
                 try:
+                    before = len(report.sites) + len(report.topk)
                     report.reused(index, [args[p] for p in positions])
+                    if dump is not None and len(report.sites) + len(report.topk) > before:
+                        dump.write_reports(report)
                 except Exception as e:  # noqa: BLE001 - the report's, never the model's failure
                     log.warning("fp8fx: graph %d: the report could not add the sites of another module running it "
                                 "(%s: %s)", index, type(e).__name__, e)

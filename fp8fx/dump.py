@@ -20,6 +20,7 @@ import logging
 import os
 import re
 import types
+from typing import Collection
 
 from torch import fx
 
@@ -37,22 +38,40 @@ class GraphDump:
         os.makedirs(dump_dir, exist_ok=True)
         self.dir = dump_dir
         self.graph = graph
+        self.failed = False  # a file could not be written: said once, and the compile goes on
 
     @staticmethod
-    def clear(dump_dir: str) -> None:
-        """Remove the files an earlier dump left in ``dump_dir`` (``graphNNN_*``, ``report.*``); nothing else."""
+    def clear(dump_dir: str, live: Collection[str] = ()) -> None:
+        """Remove the files an earlier dump left in ``dump_dir`` (``graphNNN_*``, ``report.*``), and so the
+        ``backend<k>`` folders of earlier runs' other backends (removed where nothing else is left in them), but
+        those of ``live`` (real paths of folders live backends write into); nothing else."""
         if not os.path.isdir(dump_dir):
             return
-        stale = [f for f in os.listdir(dump_dir) if re.fullmatch(r"graph\d{3}_.*|report\.(json|txt)", f)]
+        names = os.listdir(dump_dir)
+        stale = [f for f in names if re.fullmatch(r"graph\d{3}_.*|report\.(json|txt)", f)]
         for f in stale:
             os.remove(os.path.join(dump_dir, f))
         if stale:
             log.info("fp8fx: removed %d files of an earlier dump from %s", len(stale), dump_dir)
+        for f in names:  # (an earlier run's second backend's folder read as this run's)
+            sub = os.path.join(dump_dir, f)
+            if re.fullmatch(r"backend\d+", f) and os.path.isdir(sub) and os.path.realpath(sub) not in live:
+                GraphDump.clear(sub, live)
+                if not os.listdir(sub):
+                    os.rmdir(sub)
 
     def write(self, name: str, text: str, prefix: bool = True) -> str:
         path = os.path.join(self.dir, f"graph{self.graph:03d}_{name}" if prefix else name)
-        with open(path, "w") as f:
-            f.write(text)
+        try:
+            with open(path, "w") as f:
+                f.write(text)
+        except OSError as e:  # a debugging aid must not break the user's compile (a full disk, a folder taken away)
+            if not self.failed:
+                self.failed = True
+                log.warning("fp8fx: graph %d: could not write the dump file %s (%s: %s); the compile goes on, its dump "
+                            "is incomplete: fix Fp8Backend(dump_dir=%r)", self.graph, path, type(e).__name__, e,
+                            self.dir)
+            return path
         log.debug("fp8fx: wrote %s", path)
         return path
 
@@ -75,11 +94,16 @@ class GraphDump:
     def finish(self, report: Report, output_code: list[str]) -> None:
         if output_code:
             self.write("2_inductor_output_code.py", "\n\n".join(output_code))
+        self.write_reports(report)
+        log.info("fp8fx: graph %d dumped to %s", self.graph, self.dir)
+
+    def write_reports(self, report: Report) -> None:
+        """This graph's report and the whole report so far; again when the graph adds sites as it runs for another
+        module (``Report.reused``: the blocks after the first that run its frame), which the files left out."""
         self.write("3_report.json", report.to_json(self.graph))
         self.write("3_report.txt", report.table(self.graph) + "\n")
         self.write("report.json", report.to_json(), prefix=False)
         self.write("report.txt", str(report) + "\n", prefix=False)
-        log.info("fp8fx: graph %d dumped to %s", self.graph, self.dir)
 
     def _bytecode(self, code: types.CodeType, new_code: types.CodeType) -> None:
         where = f"{code.co_name} ({code.co_filename}:{code.co_firstlineno})"

@@ -101,6 +101,70 @@ def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
     assert (tmp_path / "report.txt").read_text() != "old"
 
 
+def test_a_new_run_clears_the_folders_an_earlier_runs_other_backends_left(tmp_path):
+    """backend2/ of an earlier process (a notebook's two backends, then a script's one) stayed, read as this run's; a
+    folder of a backend still alive stays (Dynamo's reset frees its folder, not its files)."""
+    stale = tmp_path / "backend2"
+    stale.mkdir()
+    (stale / "graph000_3_report.json").write_text("{}")
+    (stale / "report.txt").write_text("old")
+    kept = tmp_path / "backend3"
+    kept.mkdir()
+    (kept / "notes.md").write_text("mine")  # not a dump file: kept, and its folder
+    torch._dynamo.reset()
+    first = compile_two_layer(tmp_path, compiler="eager")
+    assert not stale.exists() and sorted(p.name for p in kept.iterdir()) == ["notes.md"]
+    second = compile_two_layer(tmp_path, compiler="eager")
+    assert second.dump_dir == str(stale)
+    torch._dynamo.reset()  # both backends alive: a new backend's dump into the root keeps backend2/
+    third = compile_two_layer(tmp_path, compiler="eager")
+    assert third.dump_dir == str(tmp_path) and first.dump_dir == str(tmp_path)
+    assert (stale / "report.json").exists()
+
+
+def test_sites_a_graph_adds_as_it_runs_for_other_blocks_are_dumped(tmp_path):
+    """A block with a graph break: its two graphs run again for the next block, whose sites the report adds then
+    (``Report.reused``); the dumped reports, written when each graph compiled, left them out."""
+
+    class Broken(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(x)
+
+    model = nn.Sequential(Broken(), Broken()).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    torch._dynamo.reset()
+    backend = fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path))
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    names = sorted(s.fqn for s in backend.report.sites)
+    assert names == ["0.a", "0.b", "1.a", "1.b"]
+    assert sorted(s["fqn"] for s in json.loads((tmp_path / "report.json").read_text())["sites"]) == names
+    assert [s["fqn"] for s in json.loads((tmp_path / "graph000_3_report.json").read_text())["sites"]] == ["0.a", "1.a"]
+    assert "1.b" in (tmp_path / "report.txt").read_text()
+
+
+def test_a_dump_that_cannot_be_written_leaves_the_compile_alone(tmp_path, caplog):
+    """The dump folder turned into a file after the backend was made: the compile failed (FileExistsError, naming
+    no option). It runs, the report is whole, and a warning names dump_dir."""
+    folder = tmp_path / "dump"
+    backend = fp8fx.Fp8Backend(compiler="eager", dump_dir=str(folder))
+    folder.rmdir()
+    folder.write_text("")
+    model = TwoLayer().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    torch._dynamo.reset()
+    with caplog.at_level("WARNING", logger="fp8fx"), torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert [s.rewritten for s in backend.report.sites] == [True, True]
+    assert any("is not dumped" in r.getMessage() and "dump_dir" in r.getMessage() for r in caplog.records)
+
+
 def test_backends_sharing_a_dump_dir_write_apart(tmp_path, caplog):
     """Two live backends, one dump_dir: the second's first graph cleared the first's files and both wrote
     graph000_*. Now the second (and a third) write into backend2/, backend3/ with a warning; after
