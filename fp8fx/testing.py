@@ -65,7 +65,8 @@ def assert_compiles_once(
     """Compiles ``fn`` (a model or a function) with ``backend`` (a new ``Fp8Backend()`` by default) and
     calls it under ``torch.no_grad()`` with each argument tuple of ``inputs``; fails if Dynamo broke the
     graph or compiled again for a later input. ``dynamic`` goes to ``torch.compile`` (with ``False`` or
-    ``None`` a new shape recompiles). Returns the backend, to read its report. Resets Dynamo's caches first
+    ``None`` a new shape recompiles). Returns the backend, to read its report (an ``Fp8Backend``'s: the function
+    ``fp8fx.fp8_backend`` keeps none). Resets Dynamo's caches first
     (``torch._dynamo.reset()``): every call compiles ``fn`` anew, and the recompiles of earlier calls would
     otherwise reach Dynamo's recompile limit (8), after which it runs ``fn`` uncompiled."""
     inputs = list(inputs)  # (a generator: the checks below used it up, and no call ran)
@@ -121,7 +122,9 @@ def assert_compiles_once(
 def _report(obj: Union[Report, Fp8Backend]) -> Report:
     report = getattr(obj, "report", obj)
     if not isinstance(report, Report):
-        raise TypeError(f"expected an fp8fx Report or Fp8Backend, got {type(obj).__name__}")
+        hint = ("; fp8fx.fp8_backend keeps no report: compile with backend=fp8fx.Fp8Backend() and pass that"
+                if callable(obj) and getattr(obj, "__name__", "") == "fp8_backend" else "")
+        raise TypeError(f"expected an fp8fx Report or Fp8Backend, got {type(obj).__name__}{hint}")
     return report
 
 

@@ -354,9 +354,17 @@ def dynamo_events() -> tuple[list[str], list[str]]:
     cache entry of another ``torch.compile`` call (BACKEND_MATCH) is not a recompile of this one."""
     from torch._dynamo import utils
 
-    breaks = [reason.splitlines()[0] for reason, n in utils.counters["graph_break"].items() for _ in range(n)]
+    breaks = [_break_reason(reason) for reason, n in utils.counters["graph_break"].items() for _ in range(n)]
     failures = [str(r).splitlines()[0] for reasons in utils.guard_failures.values() for r in reasons]
     return breaks, [r for r in failures if "BACKEND_MATCH" not in r]
+
+
+def _break_reason(reason: str) -> str:
+    """A graph break's reason in one line: its first, with the ``Explanation:`` line of torch 2.11+'s reasons where
+    there is one (the first line alone, "Failed to trace builtin operator", did not name the ``print``)."""
+    lines = [line.strip() for line in reason.splitlines()]
+    why = next((line.removeprefix("Explanation:").strip() for line in lines if line.startswith("Explanation:")), "")
+    return f"{lines[0]}: {why}" if why and lines else (lines[0] if lines else reason)
 
 
 __all__ = [

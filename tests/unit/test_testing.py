@@ -74,6 +74,14 @@ def test_catches_a_graph_break():
     with pytest.raises(AssertionError, match=r"2 graphs for input 0, graph breaks: \[.*graph_break"):
         testing.assert_compiles_once(broken, inputs(2), backend=eager_backend())
 
+    def printing(x):  # the reason's first line alone ("Failed to trace builtin operator") did not name the print
+        y = model(x)
+        print("between the layers")
+        return y * 2
+
+    with pytest.raises(AssertionError, match=r"graph breaks: \[.*builtin operator `print`"):
+        testing.assert_compiles_once(printing, inputs(2), backend=eager_backend())
+
     def branchy(x):  # torch 2.13 records no reason for this break: the message must not say "0 graph breaks"
         y = model(x)
         return y * 2 if y.sum() > 0 else y
@@ -83,6 +91,14 @@ def test_catches_a_graph_break():
     with pytest.raises(AssertionError, match=r"2 graphs for input 0, graph breaks: \['a break Dynamo recorded no "
                                              r"reason for|2 graphs for input 0, graph breaks: \[.+\]"):
         testing.assert_compiles_once(branchy, inputs(2), backend=eager_backend())
+
+
+def test_the_report_of_fp8_backend_is_asked_for_with_the_fix():
+    """assert_compiles_once(..., backend=fp8fx.fp8_backend) returns that function, which keeps no report: the checks
+    on it said only "got function"."""
+    backend = testing.assert_compiles_once(mlp(), inputs(2), backend=fp8fx.fp8_backend)
+    with pytest.raises(TypeError, match=r"got function; fp8fx\.fp8_backend keeps no report: .*Fp8Backend\(\)"):
+        testing.assert_rewritten(backend, "*")
 
 
 def test_many_calls_in_one_process_without_a_reset():
