@@ -135,7 +135,9 @@ class _DumpAfter(Fp8Pass):
     def __call__(self, gm: fx.GraphModule, ctx: PassContext) -> int:
         n = self.inner(gm, ctx)
         name = type(self.inner).__name__
-        self.dump.write_graph(gm, f"1_{self.position:02d}_after_{name}.py", f"after {name} ({n} sites rewritten)")
+        # (a count of the pass's rewrites: RouterPass's small_mm routers are rewrites and no fp8 sites of the report)
+        what = f"after {name} ({n} rewrites)" if n else f"after {name}: nothing rewritten (off, or nothing it matches)"
+        self.dump.write_graph(gm, f"1_{self.position:02d}_after_{name}.py", what)
         return n
 
     def uuid(self) -> str:

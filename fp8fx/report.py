@@ -232,8 +232,11 @@ class Report:
         chosen: dict[str, str] = {}
         for name, kernel in sorted(gemm_kernels(code).items(), key=lambda item: _kernel_rank(item[1])):
             chosen.setdefault(origin.get(name, name), kernel)
+        # (experts left as they were run as many kernels, none of them the site's: their node's name could be the
+        # router's, whose fp8fx.small_mm the row showed)
         self.sites = [
-            dataclasses.replace(s, kernel=chosen[s.node]) if s.graph == graph and s.node in chosen else s
+            dataclasses.replace(s, kernel=chosen[s.node])
+            if s.graph == graph and s.node in chosen and (s.rewritten or s.kind != "moe") else s
             for s in self.sites
         ]
 
@@ -315,7 +318,7 @@ class Report:
                   "no", s.kernel or "-", s.scheme if s.rewritten else s.reason) for s in sites]
         lines = _columns(rows)
         return ["", *lines[:1], "-" * len(lines[0]), *lines[1:],
-                f"{sum(s.rewritten for s in sites)} of {len(sites)} top-k rewritten to fp8fx.topk"]
+                f"{sum(s.rewritten for s in sites)} of {len(sites)} top-k rewritten to fp8fx's top-k ops"]
 
     def _sites(self, graph: Optional[int]) -> list[Site]:
         if graph is None:

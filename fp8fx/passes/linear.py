@@ -251,8 +251,16 @@ def _kept_expert(w, ctx: PassContext) -> bool:
     """Whether ``w`` is read, through indexes, views or casts, from stacked experts that quantize_ or a loader kept in
     high precision (tagged ``_fp8fx_moe_role`` and ``_fp8fx_skip_reason``: one expert of a loop over them). The MoE
     pass reports those experts as one site with that reason; a linear site per expert GEMM told the user to run
-    quantize_ on what they had ignored on purpose."""
+    quantize_ on what they had ignored on purpose. So also for fp8 experts the MoE pass left as they are
+    (``weight_only``: its site in this graph says why), whose loop added a site per expert GEMM (of one expert's
+    weight)."""
     source = _read_from(w)
+    one = getattr(fake_value(w), "ndim", 0) == 2  # one expert's weight (a 3-D read of them all says why it is none)
+    if source is not None and source.target in _DEQUANT and one:
+        real = ctx.example.get(source.args[0])
+        fqn = getattr(real, "_fp8fx_fqn", None)
+        return bool(getattr(real, "_fp8fx_moe_role", None)) and any(
+            s.kind == "moe" and s.graph == ctx.graph_index and s.fqn == fqn and not s.rewritten for s in ctx.report.sites)
     real = ctx.example.get(source) if source is not None and source.op not in ("call_function", "call_method") else None
     return bool(getattr(real, "_fp8fx_moe_role", None) and getattr(real, "_fp8fx_skip_reason", None))
 

@@ -693,11 +693,13 @@ def test_fused_moe_takes_the_backends_use_fast_accum(fast):
     assert node.args[12] is fast
 
 
-def test_weight_only_leaves_the_experts_on_their_dequantized_weights():
+@pytest.mark.parametrize("impl", ["grouped_mm", "loop"])
+def test_weight_only_leaves_the_experts_on_their_dequantized_weights(impl):
     """weight_only (forced, or picked on GPUs without fp8 tensor cores) rewrote the linears to 16-bit activations but
     the experts into fused_moe, fp8 activations and all (the MoE pass was never told): they are left to run on their
-    dequantized weights now, with the reason, and compute what the dequantized weights give."""
-    model = hf_experts("grouped_mm", torch.bfloat16)
+    dequantized weights now, with the reason, and compute what the dequantized weights give. The experts' site is the
+    one site (a loop over the experts added a linear site per expert GEMM, "read through getitem")."""
+    model = hf_experts(impl, torch.bfloat16) if impl == "grouped_mm" else Block(LoopExperts()).to(torch.bfloat16)
     x, ids, w = inputs(torch.bfloat16)
     fp8fx.quantize_(model)
     out, gm, report = compile_capture(model, x, ids, w, weight_only=True)
@@ -708,6 +710,22 @@ def test_weight_only_leaves_the_experts_on_their_dequantized_weights():
     assert site.reason.startswith("weight-only (16-bit activations): fp8fx.fused_moe computes with fp8 activations")
     assert torch.ops.fp8fx.fused_moe.default not in targets(gm)
     assert torch.equal(out, eager)
+
+
+def test_experts_left_alone_name_no_kernel_of_the_router():
+    """Under Inductor an experts site that is not rewritten (weight_only) showed the router's kernel (``extern
+    fp8fx.small_mm``: the two share a node name); its experts run as many kernels, none of them the site's."""
+    example = _example()
+    torch.manual_seed(0)
+    model = example.Stack(num_experts=E, top_k=K, hidden=H, intermediate=I).to(torch.bfloat16).eval()
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(weight_only=True)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 3, H, dtype=torch.bfloat16))
+    kernels = sorted((s.kind, s.fqn, s.kernel) for s in backend.report.sites)
+    assert kernels == [("linear", f"layers.{i}.router", "extern fp8fx.small_mm") for i in (0, 1)] + [
+        ("moe", f"layers.{i}.experts", "") for i in (0, 1)], backend.report
 
 
 # -- experts stored transposed ([E, H, 2I] / [E, I, H]): Aria's (HF's is_transposed) and Llama-4's dense form ----------
