@@ -19,7 +19,6 @@ import fp8fx
 
 WHAT = {  # file name (after graphNNN_) -> what it holds
     "0_dynamo_graph.py": "the graph Dynamo captured: dequantize(w8, scale) -> linear, as the model wrote it",
-    "1_": "the graph after each fp8fx pass, in order (LinearPass: quantize(x) -> scaled_mm)",
     "2_inductor_output_code.py": "the code Inductor generated: its kernels and the wrapper that calls them",
     "3_report.json": "this graph's sites as JSON (rewritten or why not, weight, kernel, bytes saved)",
     "3_report.txt": "the same as a table",
@@ -40,8 +39,14 @@ class MLP(nn.Module):
         return x + self.down_proj(nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
+PASSES = {"LinearPass": ": linear -> quantize(x) + scaled_mm"}  # what a pass's file shows, where it says more
+
+
 def describe(name: str) -> str:
     short = re.sub(r"^graph\d+_", "", name)
+    after = re.fullmatch(r"1_\d+_after_(\w+)\.py", short)
+    if after:  # one file after each fp8fx pass, in pass order
+        return f"the graph after {after[1]}{PASSES.get(after[1], '')}"
     return next((text for prefix, text in WHAT.items() if short.startswith(prefix)), "every graph so far")
 
 
@@ -63,7 +68,7 @@ def main():
     names = sorted(os.listdir(dump_dir))
     print(f"{dump_dir}/")
     for name in names:
-        print(f"  {name:40s} {describe(name)}")
+        print(f"  {name:44s} {describe(name)}")
 
     after = next(n for n in names if n.startswith("graph000_1_") and n.endswith("_after_LinearPass.py"))
     print(f"\nthe fp8 ops in {after}:")

@@ -72,8 +72,9 @@ def main():
     x = torch.randn(2, 16, 256, device=args.device, dtype=torch.bfloat16)
     with torch.no_grad():
         reference = model(x).float()
-        # the routers stay in bf16, so fp8 rounding does not change which experts the tokens pick
-        fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=[f"layers.{i}.router" for i in range(2)]))
+        # quantize_ keeps the routers in bf16 on its own (as vLLM does), so fp8 rounding does not change which experts
+        # the tokens pick; the report says so
+        fp8fx.quantize_(model, fp8fx.Fp8Config())
         backend = fp8fx.Fp8Backend()
         out = torch.compile(model, backend=backend)(x).float()
     print(backend.report)

@@ -3,7 +3,8 @@
 File names sort in the order things happened (``graph000`` is the first graph the backend compiled)::
 
     graph000_0_dynamo_graph.py           the graph Dynamo captured, before any fp8fx pass (as ``gm.code``)
-    graph000_1_01_after_MoePass.py       the graph after each pass, in pass order (02: LinearPass, ...)
+    graph000_1_01_after_MoePass.py       the graph after each pass, in pass order (02: LinearPass, ...); its last
+                                         lines name the call each fp8fx op replaced (the report's ``node``)
     graph000_2_inductor_output_code.py   what Inductor generated: the wrapper and its kernels (not with
                                          compiler="eager")
     graph000_3_report.json / .txt        the sites of this graph: rewritten or why not, kernel, bytes
@@ -26,7 +27,7 @@ from torch import fx
 
 from fp8fx.lowerings import compat
 from fp8fx.passes import Fp8Pass, PassContext, PassManager
-from fp8fx.report import Report
+from fp8fx.report import Report, Site
 
 log = logging.getLogger("fp8fx")
 
@@ -83,7 +84,7 @@ class GraphDump:
 
     def write_graph(self, gm: fx.GraphModule, name: str, what: str) -> None:
         gm.recompile()  # gm.code of the graph as it is now
-        self.write(name, f"# fp8fx graph {self.graph}, {what}\n" + gm.code.lstrip("\n"))
+        self.write(name, f"# fp8fx graph {self.graph}, {what}\n" + gm.code.lstrip("\n") + _origins(gm))
 
     def passes(self, manager: PassManager) -> PassManager:
         """A copy of ``manager`` whose passes each write the graph after they ran."""
@@ -124,6 +125,17 @@ class GraphDump:
                   f"{depyf.__version__}.\n# __compiled_fn_* is the compiled graph; the code before it reads the "
                   "graph's inputs.\n")
         self.write("4_dynamo_bytecode.py", header + source)
+
+
+def _origins(gm: fx.GraphModule) -> str:
+    """Comment lines naming the call Dynamo captured that each fp8fx op of ``gm`` replaced (``Site.node``, the
+    report's ``node``, is that call's name: ``linear_1``, where this graph and Inductor's code name the op's node
+    ``scaled_mm_default_1``); "" where no node is an fp8fx op that replaced one."""
+    lines = [f"#   {n.name} <- {Site.origin_of(n)}" for n in gm.graph.nodes
+             if n.op == "call_function" and str(n.target).startswith("fp8fx.") and Site.origin_of(n) != n.name]
+    if not lines:
+        return ""
+    return "\n# fp8fx ops <- the call Dynamo captured each in place of (a report site's node):\n" + "\n".join(lines) + "\n"
 
 
 class _DumpAfter(Fp8Pass):

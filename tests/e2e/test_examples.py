@@ -129,6 +129,7 @@ def test_load_checkpoint(runs):
 def test_moe_reference(runs):
     code, out = runs["moe_reference"]
     assert code == 0, out
-    assert "2 of 4 sites rewritten in 1 graph(s)" in out  # both experts modules; the routers are ignored
+    assert "2 of 4 sites rewritten in 1 graph(s)" in out  # both experts modules; the routers are kept as routers
+    assert all(f"not quantized: routes tokens to layers.{i}.experts" in out for i in (0, 1)), out
     assert all(f"moe     layers.{i}.experts  8x256x256  yes" in out for i in (0, 1))
     assert error_of(out) < 0.1

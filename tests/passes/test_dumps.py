@@ -3,6 +3,7 @@ import ast
 import importlib.util
 import json
 import os
+import re
 import sys
 
 import torch
@@ -47,6 +48,11 @@ def test_two_layer_dump(tmp_path):
     assert "fp8fx.dequantize" in before and "fp8fx.scaled_mm" not in before
     assert after.count("torch.ops.fp8fx.scaled_mm.default(") == 2 and "fp8fx.dequantize" not in after
     assert "def forward(self" in before and "def forward(self" in after  # gm.code's form
+    # each site's node (Dynamo's call) next to the op that replaced it: the name Inductor's code gives
+    for site in backend.report.sites:
+        op = re.search(rf"^#   (\w+) <- {site.node}$", after, re.M)[1]
+        assert f"{op} = torch.ops.fp8fx.scaled_mm.default(" in after
+        assert f"Source Nodes: [{op}]" in (tmp_path / "graph000_2_inductor_output_code.py").read_text()
     assert "= fp8fx_direct.scaled_mm(" in (tmp_path / "graph000_2_inductor_output_code.py").read_text()
     bytecode = (tmp_path / f"graph000_{BYTECODE}").read_text()
     assert "__compiled_fn_" in bytecode
@@ -125,17 +131,6 @@ def test_a_new_run_clears_the_folders_an_earlier_runs_other_backends_left(tmp_pa
 def test_sites_a_graph_adds_as_it_runs_for_other_blocks_are_dumped(tmp_path):
     """A block with a graph break: its two graphs run again for the next block, whose sites the report adds then
     (``Report.reused``); the dumped reports, written when each graph compiled, left them out."""
-
-    class Broken(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
-
-        def forward(self, x):
-            x = self.a(x)
-            torch._dynamo.graph_break()
-            return self.b(x)
-
     model = nn.Sequential(Broken(), Broken()).to(torch.bfloat16)
     fp8fx.quantize_(model)
     torch._dynamo.reset()
