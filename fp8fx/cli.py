@@ -74,19 +74,23 @@ def _run(prog: str, command) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fp8fx", description="FP8 inference through torch.compile: inspect a model, benchmark.")
+    parser = _Parser(prog="fp8fx", description="FP8 inference through torch.compile: inspect a model, benchmark, convert a "
+                     "checkpoint.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     p = sub.add_parser("inspect",
                        help="which linear layers of MODEL fp8fx would rewrite, and why not (no GPU, no weights)",
-                       description=__doc__.split("\n\n")[2])
+                       description=__doc__.split("\n\n")[2].replace("``", "`"))
     p.add_argument("model", metavar="MODEL", help="HF config folder / config.json, or module:factory / file.py:factory")
     p.add_argument("--config", metavar="FILE", help="JSON quantization config (a checkpoint's quantization_config, or "
                    "a config.json holding one); default: the model's own quantization_config, else Fp8Config()")
     p.add_argument("--ignore", metavar="FQN", action="append", default=[], help="add to ignored_layers (repeatable)")
     p.add_argument("--block-size", metavar="N,K", help="block-scaled weights, e.g. 128,128")
-    p.add_argument("--activation-scheme", choices=["dynamic", "static"])
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--activation-scheme", choices=["dynamic", "static"],
+                   help="activation scales computed per call (dynamic) or calibrated (static, per tensor); default: "
+                        "the config's")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="the model's dtype (default bfloat16)")
     p.add_argument("--seq-len", type=int, help="tokens of the traced input of an HF config folder / config.json MODEL "
                    "(default 16)")
     p.add_argument("--input-shape", metavar="D0,D1,...",
