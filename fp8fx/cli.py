@@ -488,8 +488,8 @@ def _table(spec: str, cls: str, config: Fp8Config, rows: list[dict], others: lis
                   for o in others]
     done = [r for r in rows if r["would_rewrite"]]
     saved = sum(r["bytes_saved"] for r in done)
-    lines += ["", f"{len(done)} of {len(rows)} linear sites would be rewritten; {saved / 2**20:.1f} MiB of weights "
-              "saved"]
+    what = "linear sites" if all(r["kind"] == "linear" for r in rows) else "sites (linears and experts modules)"
+    lines += ["", f"{len(done)} of {len(rows)} {what} would be rewritten; {saved / 2**20:.1f} MiB of weights saved"]
     return "\n".join(lines)
 
 

@@ -529,6 +529,8 @@ def test_inspect_reads_compressed_tensors_and_moe(capsys, tmp_path):
     # w13 [4, 128, 128] and w2 [4, 128, 64], bf16 -> fp8 and float32 scales [rows, 1] per expert
     assert experts["would_rewrite"]
     assert experts["bytes_saved"] == 4 * (128 * 128 - 4 * 128) + 4 * (128 * 64 - 4 * 128)
+    code, out, err = run(capsys, "inspect", str(tmp_path))  # the count names the experts rows too
+    assert out.splitlines()[-1].startswith("6 of 7 sites (linears and experts modules) would be rewritten"), out
 
 
 def test_block_size_flag_replaces_a_configs_per_channel_weights(capsys, models_py, tmp_path):
