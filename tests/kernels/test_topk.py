@@ -231,6 +231,10 @@ def test_grouped_topk_op_is_hf_deepseek_routing_on_cpu():
     order, got_order = ids.sort(-1), got_ids.sort(-1)
     assert torch.equal(order.values, got_order.values)
     assert torch.allclose(weights.gather(1, order.indices), got_w.gather(1, got_order.indices), rtol=1e-6, atol=0)
+    # an eps that is not negligible is the model's own: it divides with it
+    got_w, _ = torch.ops.fp8fx.grouped_topk(x, bias, k, groups, topk_group, True, 1.0, scale, float("-inf"))
+    want = scores.gather(1, ids) / (scores.gather(1, ids).sum(dim=-1, keepdim=True) + 1.0) * scale
+    assert torch.allclose(want.gather(1, order.indices), got_w.gather(1, got_order.indices), rtol=1e-6, atol=0)
     with pytest.raises(ValueError, match=r"fp8fx.grouped_topk: k=6, 3 of 7 groups of 64 experts"):
         torch.ops.fp8fx.grouped_topk(x, bias, 6, 7, 3, True, 1e-20, 1.0, 0.0)
     with pytest.raises(ValueError, match=r"logits \(5, 64\) torch.bfloat16"):

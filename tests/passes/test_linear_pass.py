@@ -302,6 +302,17 @@ def test_autograd_graph_is_reported_not_rewritten():
     torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16, requires_grad=True))
     assert not backend.report.rewritten
     assert all("torch.no_grad()" in s.reason for s in backend.report.sites)
+    # a trainable bias alone (made so after quantize_) records autograd too: fp8fx's ops have no backward
+    model = ThreeLinear().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    model.b.bias.requires_grad_(True)
+    backend = Fp8Backend(compiler="eager")
+    torch._dynamo.reset()
+    out = torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    assert out.requires_grad
+    # (head's input is b's output, which records autograd now: not rewritten either)
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("a", True), ("b", False), ("head", False)]
+    assert all("torch.no_grad()" in s.reason for s in backend.report.sites if not s.rewritten)
 
 
 def test_at_most_one_recompile_across_batch_sizes_and_no_graph_break():
@@ -1034,22 +1045,23 @@ class FunctionalLinear(nn.Module):
         self.bias_2d = bias_2d
 
     def forward(self, x):
-        bias = self.a.bias.unsqueeze(0) if self.bias_2d else self.a.bias
+        bias = {"2-D": lambda b: b.unsqueeze(0), "0-D": lambda b: b[0]}.get(self.bias_2d, lambda b: b)(self.a.bias)
         return torch.nn.functional.linear(input=x, weight=self.a.weight, bias=bias)
 
 
-@pytest.mark.parametrize("bias_2d,rewritten", [(False, True), (True, False)])
-def test_functional_linear_by_keyword_and_its_bias(bias_2d, rewritten):
+@pytest.mark.parametrize("bias_2d,reason", [(False, ""), ("2-D", "bias of shape [1, 32], not [32]"),
+                                            ("0-D", "bias of shape [], not [32]")])
+def test_functional_linear_by_keyword_and_its_bias(bias_2d, reason):
     """F.linear(input=x, ...) is a site like F.linear(x, ...) (it was reported as "activation dtype None"); a bias
-    that F.linear broadcasts ([1, N]) is reported, not rewritten into ops that take [N] (compiling failed)."""
+    that F.linear broadcasts ([1, N], or a 0-d one) is reported, not rewritten into ops that take [N] (compiling
+    failed)."""
     torch.manual_seed(0)
     model = FunctionalLinear(bias_2d).to(torch.bfloat16)
     fp8fx.quantize_(model)
     ref, out, backend = eager_and_compiled(model, torch.randn(4, 64, dtype=torch.bfloat16))
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.05
     [site] = backend.report.sites
-    assert site.fqn == "a" and site.rewritten == rewritten
-    assert rewritten or site.reason == "bias of shape [1, 32], not [32]"
+    assert (site.fqn, site.rewritten, site.reason) == ("a", not reason, reason)
 
 
 class MaskBetween(nn.Module):

@@ -555,3 +555,21 @@ def test_cuda_impls_of_empty_operands_match_the_cpu_under_the_interpreter():
         print("empty operands: ok")
     """)
     assert "empty operands: ok" in run_under_triton_interpreter(["-c", script])
+
+
+@pytest.mark.parametrize("activation", ["swiglu_oai", "silu_clamped"])
+def test_clamped_moe_activations_clamp_the_gate_from_above_only(activation):
+    """GPT-OSS's (and DeepSeek-V4's) gate is clamped at +limit only, its up at +-limit: a gate far below -limit keeps
+    its value (the only check of that was one MoE test's error bound, which a clamp at both ends passed by 0.0003)."""
+    limit, alpha = 7.0, 1.702
+    gate = torch.tensor([-30.0, -9.0, -7.5, -1.0, 0.5, 6.0, 9.0, 40.0], dtype=torch.float64)
+    up = torch.tensor([-20.0, -8.0, 3.0, 0.25, -0.5, 7.5, 1.0, -9.0], dtype=torch.float64)
+    g, u = gate.clamp(max=limit), up.clamp(-limit, limit)
+    if activation == "swiglu_oai":
+        want = g * torch.sigmoid(alpha * g) * (u + 1)
+    else:
+        want = torch.nn.functional.silu(g) * u
+    for interleaved in (False, True):
+        g1 = torch.stack([gate, up], -1).reshape(-1) if interleaved else torch.cat([gate, up])
+        got = ops.moe_activation(g1, interleaved, activation, alpha, limit)
+        assert torch.equal(got, want), (interleaved, got, want)

@@ -157,6 +157,27 @@ def test_unhandled_weights():
     assert backend.report.unhandled_weights(compiled) == backend.report.unhandled_weights(model)
 
 
+def test_unhandled_weights_list_a_block_scaled_layer_that_never_ran_once():
+    """A block-scaled layer's weight_scale_inv [N/128, K/128] is 2-D: it is the layer's scale, not a weight of its own
+    (only the weight of a layer that never ran is listed)."""
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(256, 256), nn.Linear(256, 256)
+
+        def forward(self, x):
+            return self.a(x)
+
+    model = Model().to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_block_size=[128, 128]))
+    assert model.b.weight_scale_inv.shape == (2, 2)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 256, dtype=torch.bfloat16))
+    assert backend.report.unhandled_weights(model) == [("b.weight", (256, 256), "float8_e4m3fn", "Fp8Linear")]
+
+
 def test_unhandled_weights_list_linears_in_no_graph():
     """A linear that ran outside the compiled graph (torch.compiler.disable) was in neither the report nor here."""
 

@@ -103,6 +103,16 @@ def test_shape_not_divisible_by_block_is_skipped_or_strict_error():
     assert "not divisible" in model[1].weight._fp8fx_skip_reason
 
 
+def test_a_layer_of_a_dtype_quantize_does_not_read_is_skipped_with_the_reason():
+    """A float64 layer among bf16 ones stays as it is, with its reason, and the others are quantized (without the
+    check the whole call raised: online quantization takes bf16/fp16/fp32 weights)."""
+    model = nn.Sequential(nn.Linear(128, 128).to(torch.bfloat16), nn.Linear(128, 128).double())
+    fp8fx.quantize_(model)
+    assert fp8fx.weights.is_quantized(model[0]) and not fp8fx.weights.is_quantized(model[1])
+    assert model[1].weight.dtype == torch.float64
+    assert model[1].weight._fp8fx_skip_reason == "weight dtype torch.float64 is not bf16/fp16/fp32"
+
+
 def test_serialized_config_rejected_by_quantize_():
     with pytest.raises(ValueError, match="is_checkpoint_fp8_serialized=True"):
         fp8fx.quantize_(_mlp(), Fp8Config(is_checkpoint_fp8_serialized=True))
