@@ -74,8 +74,8 @@ def _run(prog: str, command) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="fp8fx", description="FP8 inference through torch.compile: inspect a model, benchmark, convert a "
-                     "checkpoint.")
+    parser = _Parser(prog="fp8fx", description="FP8 inference through torch.compile: inspect a model, benchmark, "
+                     "convert a checkpoint.")
     sub = parser.add_subparsers(dest="command", parser_class=_Parser)
 
     p = sub.add_parser("inspect",
@@ -436,7 +436,8 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     for fqn, module in modules.items():
         if isinstance(module, nn.Linear) and fqn not in seen:
             rows.append({"graph": None, "kind": "linear", "fqn": fqn, "weight_shape": list(module.weight.shape),
-                         "would_rewrite": False, "scheme": "", "reason": "in no traced graph (not called, or run uncompiled after a graph break)",
+                         "would_rewrite": False, "scheme": "",
+                         "reason": "in no traced graph (not called, or run uncompiled after a graph break)",
                          "bytes_saved": 0})
     covered = tuple(r["fqn"] + "." for r in rows if r["kind"] == "moe")
     others = [{"name": name, "shape": list(shape), "dtype": dtype, "module": cls}

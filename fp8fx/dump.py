@@ -135,7 +135,8 @@ def _origins(gm: fx.GraphModule) -> str:
              if n.op == "call_function" and str(n.target).startswith("fp8fx.") and Site.origin_of(n) != n.name]
     if not lines:
         return ""
-    return "\n# fp8fx ops <- the call Dynamo captured each in place of (a report site's node):\n" + "\n".join(lines) + "\n"
+    head = "\n# fp8fx ops <- the call Dynamo captured each in place of (a report site's node):\n"
+    return head + "\n".join(lines) + "\n"
 
 
 class _DumpAfter(Fp8Pass):

@@ -259,8 +259,9 @@ def _kept_expert(w, ctx: PassContext) -> bool:
     if source is not None and source.target in _DEQUANT and one:
         real = ctx.example.get(source.args[0])
         fqn = getattr(real, "_fp8fx_fqn", None)
-        return bool(getattr(real, "_fp8fx_moe_role", None)) and any(
-            s.kind == "moe" and s.graph == ctx.graph_index and s.fqn == fqn and not s.rewritten for s in ctx.report.sites)
+        return bool(getattr(real, "_fp8fx_moe_role", None)) and any(s.kind == "moe" and s.graph == ctx.graph_index
+                                                                    and s.fqn == fqn and not s.rewritten
+                                                                    for s in ctx.report.sites)
     real = ctx.example.get(source) if source is not None and source.op not in ("call_function", "call_method") else None
     return bool(getattr(real, "_fp8fx_moe_role", None) and getattr(real, "_fp8fx_skip_reason", None))
 
