@@ -1077,6 +1077,33 @@ class MaskBetween(nn.Module):
         return y1, self.b(x) * mask
 
 
+class VmapBetween(nn.Module):
+    """A ``torch.vmap`` body that writes in place between two linears (transformers' image-token mask code of Gemma
+    3): its batched tensors have no storage, which the write tracking asked for (the compile failed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x, idx):
+        def body(i):
+            z = i.float() * 2
+            z.add_(1)
+            return z
+
+        return self.a(x), torch.vmap(body)(idx), self.b(x)
+
+
+def test_a_vmap_body_writing_in_place_between_linears():
+    torch.manual_seed(0)
+    model = VmapBetween().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    ref, out, backend = eager_and_compiled(model, torch.randn(4, 64, dtype=torch.bfloat16), torch.arange(3))
+    torch.testing.assert_close(out[1], ref[1], rtol=0, atol=0)
+    assert max(rel_err(out[i], ref[i]) for i in (0, 2)) < 0.05  # (fp8 activations against the dequantized eager)
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("a", True), ("b", True)]
+
+
 def test_quantization_is_shared_across_ops_that_write_nothing():
     model = MaskBetween().to(torch.bfloat16)
     fp8fx.quantize_(model)
