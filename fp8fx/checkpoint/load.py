@@ -807,24 +807,80 @@ class _Loader:
                     why = kv_slot_error(self.modules[fqn], fqn, name)
                     if why is not None:
                         raise CheckpointError(why)
-        for (fqn, name), old in self.computed.items():
-            module = copy.deepcopy(self.modules[fqn])
-            module.to_empty(device=self.device, recurse=False)
-            slot = module._parameters if name in module._parameters else module._buffers
-            unset = _unset(old.dtype)
-            with torch.no_grad():  # (HF's initializers write under no_grad; a plain one writing a parameter in place)
-                slot[name].fill_(unset)
-                self.model._init_weights(module)
-            new = slot[name]
-            if (new.isnan() if _is_float(old.dtype) else new == unset).all():
+        self._compute_unsaved()
+
+    def _compute_unsaved(self) -> None:
+        """``computed``'s tensors, as transformers' initialization computes them: each module's by the
+        ``_init_weights`` of the (sub-)model it belongs to (a VLM's vision tower's ``position_ids`` by its
+        CLIPVisionModel's, which knows them: the whole model's did not), called on the module, else on one of its
+        ancestors (Falcon-H1 fills its mixers' ``mup_vector`` from its FalconH1Model's). Each call is on a meta copy
+        of that module (the model's tensors left as they are), with the tensors to compute made real and unset."""
+        todo = dict(self.computed)
+        for fqn, name in list(todo):
+            if (fqn, name) not in todo:  # (computed with another's ancestor)
+                continue
+            parts = fqn.split(".") if fqn else []
+            for depth in range(len(parts), -1, -1):  # the module first, then each of its ancestors up to the model
+                owner = ".".join(parts[:depth])
+                under = [key for key in todo if key[0] == owner or owner == "" or key[0].startswith(f"{owner}.")]
+                if depth == len(parts):
+                    under = [key for key in under if key[0] == fqn]
+                for key, value in self._initialized(owner, under).items():
+                    self.computed[key] = value
+                    del todo[key]
+                if (fqn, name) not in todo:
+                    break
+            else:
+                owner = self._initializer(fqn)[0]
+                module = self.modules[fqn]
                 what = ("a non-persistent buffer" if name in module._non_persistent_buffers_set else
                         "a tensor the model's class lets checkpoints leave out (_keys_to_ignore_on_load_missing)")
                 raise CheckpointError(
                     f"{_join(fqn, name)}: {what}, on the meta device, that no checkpoint holds, and "
-                    f"{type(self.model).__name__}._init_weights does not compute it; build the model with it on a "
-                    "real device"
+                    f"{type(owner).__name__}._init_weights does not compute it (nor on the modules around it); build "
+                    "the model with it on a real device"
                 )
-            self.computed[(fqn, name)] = new.detach()
+
+    def _initializer(self, fqn: str) -> tuple[nn.Module, Callable[[nn.Module], None]]:
+        """(the (sub-)model, its ``_init_weights``) transformers initializes module ``fqn`` with: its nearest one,
+        itself included (``smart_apply``), else the model."""
+        parts = fqn.split(".") if fqn else []
+        for depth in range(len(parts), -1, -1):
+            module = self.modules[".".join(parts[:depth])]
+            if getattr(module, "_init_weights", None) is not None:
+                return module, module._init_weights
+        return self.model, self.model._init_weights
+
+    def _initialized(self, owner: str, keys: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
+        """Of ``keys`` (modules under ``owner`` and their tensors' names), those that ``owner``'s initializer, called
+        on ``owner``, computes: a meta copy of ``owner`` whose ``keys`` are real and unset (NaN, or the integer
+        type's least value) before the call, and are not after it."""
+        top = self.modules[owner]
+        # the copy leaves the model's real tensors alone: meta stand-ins for them (an initializer may write its
+        # module's tensors in place), the model's own meta ones copied (meta: no memory)
+        memo: dict[int, Any] = {}
+        for t in [*top.parameters(), *top.buffers()]:
+            if not t.is_meta:
+                meta = torch.empty_like(t, device="meta")
+                memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        copied = copy.deepcopy(top, memo)
+        slots = {}
+        with torch.no_grad():  # (HF's initializers write under no_grad; a plain one writing a parameter in place)
+            modules = {fqn: copied.get_submodule(fqn[len(owner):].lstrip(".") if owner else fqn) for fqn, _ in keys}
+            for module in modules.values():  # (its other tensors real too, as the initializer may read them)
+                module.to_empty(device=self.device, recurse=False)
+            for fqn, name in keys:
+                slot = modules[fqn]._parameters if name in modules[fqn]._parameters else modules[fqn]._buffers
+                slot[name].fill_(_unset(slot[name].dtype))
+                slots[(fqn, name)] = (slot, name)
+            self._initializer(owner)[1](copied)
+        done = {}
+        for key, (slot, name) in slots.items():
+            new = slot[name]
+            unset = new.isnan() if _is_float(new.dtype) else new == _unset(new.dtype)
+            if not unset.all():
+                done[key] = new.detach()
+        return done
 
     def _check_dequantized_range(self, lin: _Linear) -> None:
         """An fp8 layer whose dequantized ``.weight`` view would hold inf in the model's dtype (a float16 model, a

@@ -65,7 +65,8 @@ def save_checkpoint(
     one's fp8 values unscaled - save per-tensor models for transformers as compressed-tensors),
     ``"compressed-tensors"`` (any mix; block scales are named ``weight_scale``), or None: the
     format the model was loaded from, else ``fp8`` when it can express the model. ``config_json``: the rest
-    of ``config.json`` (default: an HF model's ``model.config``, else the loaded checkpoint's).
+    of ``config.json`` (default: an HF model's ``model.config`` with ``architectures`` naming the model's class, as
+    ``save_pretrained`` writes, else the loaded checkpoint's).
     ``experts``: how experts modules are written: ``"per-expert"`` (the layout of most HF hub checkpoints and
     vLLM: ``<experts>.<e>.gate_proj.weight`` + ``weight_scale`` / ``weight_scale_inv`` / ``input_scale``,
     ``up_proj``, ``down_proj``; w13's per-tensor scale of an expert is written for both gate and up; experts left
@@ -113,6 +114,9 @@ def save_checkpoint(
     if config_json is None:
         hf, source = getattr(model, "config", None), getattr(model, "_fp8fx_source", {})
         config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})
+        if hasattr(hf, "to_dict"):  # the class that loads it, as save_pretrained writes (a model built from its
+            # config has none: meta_model took AutoModelForCausalLM's class, which VLMs have not)
+            config_json["architectures"] = [type(model).__name__]
     config_json = _untied_config(model, config_json)
     head = output_embeddings(model, modules)
     if head is not None and head in schemes:

@@ -724,6 +724,37 @@ def test_declared_kv_cache_gives_vision_tower_attentions_no_scales(tmp_path, kin
     assert saved_qc["kv_cache_scheme"] is not None
 
 
+def test_a_vlm_and_falcon_h1_load_into_meta_models_with_what_transformers_computes(tmp_path):
+    """Tensors no checkpoint holds, on a meta model, are computed as transformers initializes them: LLaVA's vision
+    tower's position_ids by its CLIPVisionModel's initializer (the whole model's does not know them), Falcon-H1's
+    mixers' mup_vector by its FalconH1Model's, called on that model (not on the mixer). Both failed to load; the
+    checkpoint and config.json here are save_checkpoint's, of models built from their configs, which name no
+    architectures (meta_model took AutoModelForCausalLM's class, which LLaVA has not)."""
+    from fp8fx.checkpoint import meta_model, save_checkpoint
+
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    falcon = transformers.FalconH1Config(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, mamba_d_ssm=64,
+                                         mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16,
+                                         mamba_chunk_size=16)
+    llava = _tiny_vlm(transformers, "llava")
+    for name, cls, config in [("llava", type(llava), llava.config), ("falcon", transformers.FalconH1ForCausalLM, falcon)]:
+        model = cls._from_config(config, dtype=torch.bfloat16).eval()  # (its rotary tables float32, as loaded)
+        fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+        save_checkpoint(model, tmp_path / name)
+        assert json.loads((tmp_path / name / "config.json").read_text())["architectures"] == [type(model).__name__]
+        loaded = meta_model(tmp_path / name)
+        assert type(loaded) is type(model)
+        load_checkpoint(loaded, tmp_path / name, progress=False)
+        want = dict(model.named_buffers())
+        for key, buf in loaded.named_buffers():  # (the computed ones among them)
+            assert torch.equal(buf, want[key]), key
+        ids = torch.randint(1, 100, (1, 6))
+        with torch.no_grad():
+            assert torch.equal(loaded(ids).logits, model(ids).logits), name
+
+
 def test_declared_kv_cache_attentions_are_the_decoders_even_where_towers_carry_a_layer_idx():
     """Gemma4's vision and audio towers' attentions carry a layer_idx (the mark of a decoder attention elsewhere): a
     declared fp8 KV cache gave them scales too (28 of 58 attentions at Gemma4's sizes). Those of the decoder
