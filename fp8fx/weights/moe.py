@@ -176,8 +176,8 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
     """fqn -> why it stays in high precision, for the ``nn.Linear`` layers that route tokens to experts: in the
     MoE block holding an experts module, a linear child of the block, or the only linear of a child of the
     block (a linear inside an MLP, such as a shared expert's, is none), with as many outputs as there are
-    experts (the router: Phimoe's ``router``, AfMoE's ``router.gate``) or one (Qwen2-MoE's
-    ``shared_expert_gate``). vLLM builds them unquantized: fp8 router logits flip top-k choices (Phimoe: 0.24
+    experts (the router: Phimoe's ``router``, AfMoE's ``router.gate``; LongCat-Flash's ``router.classifier`` scores
+    its block's ``zero_expert_num`` identity experts too) or one (Qwen2-MoE's ``shared_expert_gate``). vLLM builds them unquantized: fp8 router logits flip top-k choices (Phimoe: 0.24
     against 0.18 relative error of the logits with them in bf16)."""
     modules = dict(model.named_modules(prefix=prefix))
     found: dict[str, list[str]] = {}  # router -> the experts modules of its block (JetMoE's: two)
@@ -191,10 +191,13 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
             count, hidden = getattr(experts, "num_experts", None), getattr(experts, "hidden_size", None)
             if count is None:
                 continue
+        # LongCat-Flash's router scores its "zero experts" (identity experts, no weights) too: count + that many
+        zero = getattr(modules[parent], "zero_expert_num", 0)
+        outputs = (count, 1) + ((count + zero,) if type(zero) is int and zero > 0 else ())
         for child_name, child in modules[parent].named_children():
             linears = [(n, m) for n, m in child.named_modules() if isinstance(m, nn.Linear)]
             weight = child._parameters.get("weight")
-            router_shape = isinstance(weight, torch.Tensor) and tuple(weight.shape) in ((count, hidden), (1, hidden))
+            router_shape = isinstance(weight, torch.Tensor) and tuple(weight.shape) in ((n, hidden) for n in outputs)
             if not linears and router_shape:
                 # a router module of its own that is no nn.Linear (transformers 5's MixtralTopKRouter: F.linear on
                 # its weight): never quantized, named here for the report
@@ -203,7 +206,7 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
             if len(linears) != 1 or "." in linears[0][0]:  # an MLP's linears (a shared expert's) route nothing
                 continue
             name, linear = linears[0]
-            if linear.out_features in (count, 1):
+            if linear.out_features in outputs:
                 full = ".".join(p for p in (parent, child_name, name) if p)
                 found.setdefault(full, []).append(fqn)
     return {router: _ROUTES.format(" and ".join(experts)) for router, experts in found.items()}

@@ -649,6 +649,24 @@ def test_router_rule_takes_only_expert_by_hidden_weights():
     assert list(routers(block)) == ["router"]
 
 
+def test_a_router_that_also_scores_zero_experts_is_a_router():
+    """LongCat-Flash's router.classifier scores its block's zero_expert_num identity experts too (E + 2 outputs): it
+    was quantized, read in float32 from the dequantized weight, and static activations wanted an input scale for
+    it. Only the block's declared count of them makes the extra outputs a router's."""
+    block = Block()
+    block.router = nn.Module()
+    block.router.classifier = nn.Linear(H, E + 2, bias=False)
+    block.zero_expert_num = 2
+    fp8fx.quantize_(block)
+    assert not fp8fx.weights.is_quantized(block.router.classifier)
+    assert block.router.classifier.weight._fp8fx_skip_reason.startswith("routes tokens to experts")
+    other = Block()
+    other.router = nn.Module()
+    other.router.classifier = nn.Linear(H, E + 2, bias=False)  # no zero experts declared: a linear like any other
+    fp8fx.quantize_(other)
+    assert fp8fx.weights.is_quantized(other.router.classifier)
+
+
 def test_a_quantized_model_pickles_and_computes_the_same():
     """quantize_ made each layer's class with ``type`` under its base's module, where no such name is: pickling the
     model (``torch.save(model)``, multiprocessing) failed on an ``Fp8Linear`` / ``Fp8Experts`` lookup. It pickles,
