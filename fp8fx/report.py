@@ -337,7 +337,8 @@ class Report:
 
 # the reasons (as quantize_, load_checkpoint and the MoE rules word them) of layers kept in high precision by choice
 _BY_DESIGN = re.compile(r"in ignored_layers$|an MoE router or gate|^not quantized: weight tied to |"
-                        r"^not quantized: output embeddings stored in high precision")
+                        r"^not quantized: output embeddings stored in high precision|"
+                        r"^not quantized: nn.MultiheadAttention's out_proj")
 
 
 def _by_design(reason: str) -> bool:

@@ -337,10 +337,17 @@ def layer_scheme(module: nn.Module) -> LayerScheme:
     return LayerScheme(granularity_from_block(module._fp8fx_w_block, weight=True), act, static)
 
 
+# nn.MultiheadAttention's out_proj (torch's NonDynamicallyQuantizableLinear; torchao's quantize_ skips it too)
+MHA_OUT_PROJ = ("nn.MultiheadAttention's out_proj, which torch computes inside F.multi_head_attention_forward: no fp8 "
+                "GEMM runs it (in fp8 it would add its error and save nothing at run time)")
+
+
 def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
     """Why ``layer`` (an ``nn.Linear``) cannot be quantized with ``config``, or None."""
     if config.is_ignored(fqn):
         return "in ignored_layers"
+    if isinstance(layer, nn.modules.linear.NonDynamicallyQuantizableLinear):
+        return MHA_OUT_PROJ
     if parametrize.is_parametrized(layer, "weight") or _weight_normed(layer):
         return ("its weight is parametrized (weight_norm, spectral_norm, ...: computed at each call), not a parameter "
                 "to store in fp8; remove the parametrization first (torch.nn.utils.parametrize."

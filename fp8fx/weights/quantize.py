@@ -17,7 +17,7 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
 from fp8fx.weights.linear import Fp8LinearMethod, guard_casts, is_foreign_linear, is_quantized, skip_reason
-from fp8fx.weights.linear import weight_tensors
+from fp8fx.weights.linear import MHA_OUT_PROJ, weight_tensors
 
 log = logging.getLogger("fp8fx")
 
@@ -258,7 +258,7 @@ class LinearDecider:
         reason = skip_reason(layer, fqn, config)
         if fqn in self.routers:
             return reason or self.routers[fqn], True
-        return reason, reason == "in ignored_layers"
+        return reason, reason in ("in ignored_layers", MHA_OUT_PROJ)
 
 
 def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> None:
