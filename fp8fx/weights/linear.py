@@ -263,34 +263,10 @@ def reduce_made_class(module: nn.Module, protocol: int):
     # the parameters' fp8fx tags (_fp8fx_fqn, _fp8fx_moe_role, ...: what the passes find a layer by) travel in the
     # state: a deep copy of a Parameter keeps its data alone (a copied model's MoE experts were not fused)
     tags = {name: carried_tags(p) for name, p in module._parameters.items() if p is not None}
-    state = {**module.__getstate__(), _TAGS: tags}
-    state["_parameters"] = {name: _Fp8Codes(p) if p is not None and p.dtype in _FP8_DTYPES else p
-                            for name, p in module._parameters.items()}
-    return _remade, (cls._fp8fx_maker, cls.__mro__[1]), state
-
-
-class _Fp8Codes:
-    """An fp8 parameter as a pickle or a deep copy of its module holds it: its bytes (a uint8 view, which shares its
-    storage, and so the storage of the layers ``fuse_horizontal`` moved into one tensor), rebuilt as the parameter.
-    torch's pickle of a float8 tensor does not load back (torch 2.11-2.13: "'UntypedStorage' has no attribute
-    'dtype'"), so ``pickle.loads`` of a quantized model failed (multiprocessing, Ray, joblib)."""
-
-    __slots__ = ("param",)
-
-    def __init__(self, param: torch.Tensor):
-        self.param = param
-
-    def __reduce__(self):
-        p = self.param
-        return _fp8_parameter, (p.detach().view(torch.uint8), str(p.dtype).removeprefix("torch."), p.requires_grad)
-
-
-def _fp8_parameter(codes: torch.Tensor, dtype: str, requires_grad: bool) -> nn.Parameter:
-    return nn.Parameter(codes.view(getattr(torch, dtype)), requires_grad=requires_grad)
+    return _remade, (cls._fp8fx_maker, cls.__mro__[1]), {**module.__getstate__(), _TAGS: tags}
 
 
 _TAGS = "_fp8fx_parameter_tags"
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def carried_tags(p: torch.Tensor) -> dict:
