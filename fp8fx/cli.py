@@ -384,9 +384,10 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     levels = {name: lg.level for name, lg in loggers.items()}
     loggers["fp8fx"].setLevel(logging.ERROR)
     loggers["torch"].setLevel(logging.CRITICAL)
-    decide = LinearDecider(model)
-    named = _name_weights(model, decide)
+    named: list[torch.Tensor] = []
     try:
+        decide = LinearDecider(model)
+        named = _name_weights(model, decide)
         with torch.no_grad():
             torch.compile(model, backend=backend)(*call_args, **call_kwargs)
     except Exception as e:  # noqa: BLE001 - any model code can fail on meta tensors; say which and how
@@ -435,9 +436,11 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
             seen.add(fqn)
     for fqn, module in modules.items():
         if isinstance(module, nn.Linear) and fqn not in seen:
+            cfg = layer_config(fqn)  # (quantize_'s reason where it keeps the layer: nn.MultiheadAttention's out_proj)
+            reason = decide(fqn, module, cfg)[0] if cfg is not None else None
             rows.append({"graph": None, "kind": "linear", "fqn": fqn, "weight_shape": list(module.weight.shape),
                          "would_rewrite": False, "scheme": "",
-                         "reason": "in no traced graph (not called, or run uncompiled after a graph break)",
+                         "reason": reason or "in no traced graph (not called, or run uncompiled after a graph break)",
                          "bytes_saved": 0})
     covered = tuple(r["fqn"] + "." for r in rows if r["kind"] == "moe")
     others = [{"name": name, "shape": list(shape), "dtype": dtype, "module": cls}

@@ -30,6 +30,7 @@ from fp8fx.passes import Fp8Pass, PassContext, PassManager
 from fp8fx.report import Report, Site
 
 log = logging.getLogger("fp8fx")
+_DUMP_FILE = re.compile(r"graph\d{3}_.*|report\.(json|txt)")  # the files a dump writes (``GraphDump.clear``)
 
 
 class GraphDump:
@@ -44,22 +45,24 @@ class GraphDump:
     @staticmethod
     def clear(dump_dir: str, live: Collection[str] = ()) -> None:
         """Remove the files an earlier dump left in ``dump_dir`` (``graphNNN_*``, ``report.*``), and so the
-        ``backend<k>`` folders of earlier runs' other backends (removed where nothing else is left in them), but
-        those of ``live`` (real paths of folders live backends write into); nothing else."""
+        ``backend<k>`` folders of earlier runs' other backends (removed where they held dump files and nothing else),
+        but those of ``live`` (real paths of folders live backends write into) and links; nothing else."""
         if not os.path.isdir(dump_dir):
             return
         names = os.listdir(dump_dir)
-        stale = [f for f in names if re.fullmatch(r"graph\d{3}_.*|report\.(json|txt)", f)]
+        stale = [f for f in names if _DUMP_FILE.fullmatch(f)]
         for f in stale:
             os.remove(os.path.join(dump_dir, f))
         if stale:
             log.info("fp8fx: removed %d files of an earlier dump from %s", len(stale), dump_dir)
         for f in names:  # (an earlier run's second backend's folder read as this run's)
             sub = os.path.join(dump_dir, f)
-            if re.fullmatch(r"backend\d+", f) and os.path.isdir(sub) and os.path.realpath(sub) not in live:
-                GraphDump.clear(sub, live)
-                if not os.listdir(sub):
-                    os.rmdir(sub)
+            if (not re.fullmatch(r"backend\d+", f) or os.path.islink(sub) or not os.path.isdir(sub)
+                    or os.path.realpath(sub) in live or not any(_DUMP_FILE.fullmatch(n) for n in os.listdir(sub))):
+                continue
+            GraphDump.clear(sub, live)
+            if not os.listdir(sub):
+                os.rmdir(sub)
 
     def write(self, name: str, text: str, prefix: bool = True) -> str:
         path = os.path.join(self.dir, f"graph{self.graph:03d}_{name}" if prefix else name)

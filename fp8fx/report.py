@@ -11,6 +11,7 @@ import itertools
 import json
 import logging
 import re
+import weakref
 from typing import Any, Iterable, Optional
 
 log = logging.getLogger("fp8fx")
@@ -20,6 +21,9 @@ NOT_QUANTIZED = "not quantized: "
 SCHEMA = "fp8fx.report/1"
 _TOPK_KEYS = ("fqn", "rewritten", "reason", "scheme", "graph", "weight_shape", "kernel", "node")  # to_dict's "topk"
 _TOKENS = itertools.count(1)  # Site.token_of
+# id(tensor) -> (a weak reference to the tensor, its token): not an attribute of the tensor, which pickles and copies
+# of plain parameters carried (a copy that never ran counted as its original, which had)
+_TOKEN_OF: dict[int, tuple[weakref.ref, int]] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,15 +52,27 @@ class Site:
 
     @staticmethod
     def token_of(weight: Any) -> int:
-        """A number for ``weight`` (a parameter) no other tensor of this process gets: kept on the tensor (an id()
-        is reused once its tensor is freed, and a later model's weight would count as the freed one)."""
+        """A number for ``weight`` (a parameter) no other tensor of this process gets: kept by the tensor's id()
+        with a weak reference to it (an id() is reused once its tensor is freed, and a later model's weight would
+        count as the freed one)."""
         if weight is None:  # not an input of the graph: the site's name stands in
             return 0
-        token = getattr(weight, "_fp8fx_token", None)
+        token = Site.known_token(weight)
         if token is None:
-            token = next(_TOKENS)
-            weight._fp8fx_token = token
+            token, key = next(_TOKENS), id(weight)
+
+            def forget(ref: weakref.ref, key: int = key) -> None:  # (only its own entry: the id may be reused)
+                if _TOKEN_OF.get(key, (None,))[0] is ref:
+                    del _TOKEN_OF[key]
+
+            _TOKEN_OF[key] = (weakref.ref(weight, forget), token)
         return token
+
+    @staticmethod
+    def known_token(weight: Any) -> Optional[int]:
+        """``weight``'s token if ``token_of`` gave it one, else None."""
+        entry = _TOKEN_OF.get(id(weight))
+        return entry[1] if entry is not None and entry[0]() is weight else None
 
     @staticmethod
     def shape_of(value: Any) -> tuple[int, ...]:
@@ -157,7 +173,7 @@ class Report:
         # rest are matched by name, and by the tensor too where the site knows it (a layer kept in high precision
         # that ran in one model does not cover the layer of that name of another model, which never ran)
         tokens = {s.weight_id for s in self.sites if s.weight_id and s.rewritten}
-        by_tensor = {n.rpartition(".")[0] for n, p in params if getattr(p, "_fp8fx_token", None) in tokens}
+        by_tensor = {n.rpartition(".")[0] for n, p in params if Site.known_token(p) in tokens}
         read: dict[str, set[int]] = {}  # a site's name -> the tokens of the weights it read (0: not known)
         for s in self.sites:
             if not (s.weight_id and s.rewritten):
@@ -168,7 +184,7 @@ class Report:
             if ids is None:
                 return False
             weights = [p, *(modules[fqn].parameters() if fqn in modules else ())]  # (an experts site: one of two)
-            return 0 in ids or any(getattr(q, "_fp8fx_token", None) in ids for q in weights)
+            return 0 in ids or any(Site.known_token(q) in ids for q in weights)
 
         rewritten = {s.fqn for s in self.sites if s.rewritten and not s.weight_id}
         found = []

@@ -499,7 +499,7 @@ class _Loader:
             if not any(p.search(k) for p in optional for k in keys):
                 missing.append(keys[0])
             elif self.state[keys[0]].is_meta and not self.dry:
-                if not hasattr(self.model, "_init_weights"):
+                if self._initializer(keys[0].rpartition(".")[0]) is None:
                     raise CheckpointError(f"{keys[0]}: on the meta device and not in the checkpoint, and "
                                           f"{type(self.model).__name__} has no _init_weights to compute it; build the "
                                           "model with it on a real device")
@@ -677,7 +677,7 @@ class _Loader:
             for name, buf in module._buffers.items():
                 if buf is None or not buf.is_meta or name not in module._non_persistent_buffers_set:
                     continue
-                if not hasattr(self.model, "_init_weights"):
+                if self._initializer(fqn) is None:
                     raise CheckpointError(
                         f"{_join(fqn, name)}: a non-persistent buffer on the meta device that no checkpoint holds; "
                         "build the model with its buffers on a real device (only parameters on meta)"
@@ -831,7 +831,7 @@ class _Loader:
                 if (fqn, name) not in todo:
                     break
             else:
-                owner = self._initializer(fqn)[0]
+                owner = self._initializer(fqn)[0]  # (one exists: _check_meta_buffers, _check_missing_state)
                 module = self.modules[fqn]
                 what = ("a non-persistent buffer" if name in module._non_persistent_buffers_set else
                         "a tensor the model's class lets checkpoints leave out (_keys_to_ignore_on_load_missing)")
@@ -841,20 +841,25 @@ class _Loader:
                     "the model with it on a real device"
                 )
 
-    def _initializer(self, fqn: str) -> tuple[nn.Module, Callable[[nn.Module], None]]:
-        """(the (sub-)model, its ``_init_weights``) transformers initializes module ``fqn`` with: its nearest one,
-        itself included (``smart_apply``), else the model."""
+    def _initializer(self, fqn: str) -> Optional[tuple[nn.Module, Callable[[nn.Module], None]]]:
+        """(the model, its ``_init_weights``) transformers initializes module ``fqn`` with: the nearest transformers
+        model around it, itself included (``smart_apply``: a VLM's vision tower, a CLIPVisionModel), else the whole
+        model's; None where there is none. (A plain module's own ``_init_weights(self)`` is no such initializer.)"""
         parts = fqn.split(".") if fqn else []
-        for depth in range(len(parts), -1, -1):
+        for depth in range(len(parts), 0, -1):
             module = self.modules[".".join(parts[:depth])]
-            if getattr(module, "_init_weights", None) is not None:
+            if callable(getattr(type(module), "_initialize_weights", None)) and hasattr(module, "_init_weights"):
                 return module, module._init_weights
-        return self.model, self.model._init_weights
+        init = getattr(self.model, "_init_weights", None)
+        return (self.model, init) if init is not None else None
 
     def _initialized(self, owner: str, keys: list[tuple[str, str]]) -> dict[tuple[str, str], torch.Tensor]:
         """Of ``keys`` (modules under ``owner`` and their tensors' names), those that ``owner``'s initializer, called
         on ``owner``, computes: a meta copy of ``owner`` whose ``keys`` are real and unset (NaN, or the integer
         type's least value) before the call, and are not after it."""
+        initializer = self._initializer(owner)
+        if initializer is None:
+            return {}
         top = self.modules[owner]
         # the copy leaves the model's real tensors alone: meta stand-ins for them (an initializer may write its
         # module's tensors in place), the model's own meta ones copied (meta: no memory)
@@ -873,7 +878,7 @@ class _Loader:
                 slot = modules[fqn]._parameters if name in modules[fqn]._parameters else modules[fqn]._buffers
                 slot[name].fill_(_unset(slot[name].dtype))
                 slots[(fqn, name)] = (slot, name)
-            self._initializer(owner)[1](copied)
+            initializer[1](copied)
         done = {}
         for key, (slot, name) in slots.items():
             new = slot[name]

@@ -348,12 +348,6 @@ def is_dynamo_retrace(exc: BaseException) -> bool:
     return retrace is not None and isinstance(exc, retrace)
 
 
-def is_batched(t: torch.Tensor) -> bool:
-    """Whether ``t`` is one of ``torch.vmap``'s batched tensors (functorch's ``BatchedTensorImpl``, which has no
-    storage: ``untyped_storage()`` raises). The same private function on torch 2.11 and 2.13."""
-    return bool(torch._C._functorch.is_batchedtensor(t))
-
-
 def dynamo_events() -> tuple[list[str], list[str]]:
     """Dynamo's process-wide record so far: the reason of every graph break and of every guard failure
     that made it recompile (first lines). Compare two snapshots to see what a piece of code caused. A
@@ -382,7 +376,6 @@ __all__ = [
     "compile_fx",
     "dynamo_events",
     "forget_dynamo_bytecode",
-    "is_batched",
     "is_dynamo_retrace",
     "one_pass_row_reductions",
 ]

@@ -35,7 +35,6 @@ import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block, weight_granularity_name
 from fp8fx.kernels import launch
-from fp8fx.lowerings import compat
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, input_path, may_record_grad, module_path, set_fake_value
 from fp8fx.report import NOT_QUANTIZED, Site
 
@@ -329,14 +328,18 @@ _RETURNS_INPUT = {F.dropout, torch.dropout, F.alpha_dropout, torch.alpha_dropout
 
 def _storage(node) -> Optional[StorageWeakRef]:
     """The memory of ``node``'s fake tensor (views share their base's; ``_RETURNS_INPUT``'s outputs their input's);
-    None where the node records none, or its tensor has no storage of its own: a ``torch.vmap`` body's batched
-    tensors (transformers' image-token mask code of Gemma 3 writes one in place; the compile failed)."""
+    None where the node records none, or its tensor has no storage of its own: functorch's tensors in a
+    ``torch.vmap`` or ``torch.func.grad`` body (transformers' image-token mask code of Gemma 3 writes one in place; the
+    compile failed). None is "may alias anything" to ``_may_alias``; a weight is never such a tensor."""
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _RETURNS_INPUT and node.args:
         node = node.args[0]
     value = fake_value(node) if isinstance(node, fx.Node) else None
-    if not isinstance(value, torch.Tensor) or compat.is_batched(value):
-        return None  # (None is "may alias anything" to _may_alias; a weight is never a batched tensor)
-    return StorageWeakRef(value.untyped_storage())
+    if not isinstance(value, torch.Tensor):
+        return None
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except NotImplementedError:  # "Cannot access storage of BatchedTensorImpl" (TensorWrapper, ...)
+        return None
 
 
 def _may_alias(x: fx.Node, written: Optional[list], inputs: set) -> bool:

@@ -270,9 +270,8 @@ _TAGS = "_fp8fx_parameter_tags"
 
 
 def carried_tags(p: torch.Tensor) -> dict:
-    """The fp8fx tags a copy of parameter ``p`` carries: all but ``_fp8fx_token``, which names one tensor
-    (``report.Site.token_of``)."""
-    return {k: v for k, v in vars(p).items() if k.startswith("_fp8fx_") and k != "_fp8fx_token"}
+    """The fp8fx tags a copy of parameter ``p`` carries."""
+    return {k: v for k, v in vars(p).items() if k.startswith("_fp8fx_")}
 
 
 def setstate_made_class(module: nn.Module, state: dict) -> None:
@@ -285,9 +284,6 @@ def setstate_made_class(module: nn.Module, state: dict) -> None:
         p = module._parameters.get(name)
         for k, v in attrs.items() if p is not None else ():
             setattr(p, k, v)
-    for p in module._parameters.values():  # a pickle keeps a parameter's __dict__: the copy is another tensor
-        if p is not None and "_fp8fx_token" in vars(p):
-            del p._fp8fx_token
 
 
 def _remade(maker, base: type) -> nn.Module:

@@ -117,9 +117,15 @@ def test_a_new_run_clears_the_folders_an_earlier_runs_other_backends_left(tmp_pa
     kept = tmp_path / "backend3"
     kept.mkdir()
     (kept / "notes.md").write_text("mine")  # not a dump file: kept, and its folder
+    (tmp_path / "backend5").mkdir()  # a folder that holds no dump: the user's, kept
+    elsewhere = tmp_path.parent / f"{tmp_path.name}_elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "report.txt").write_text("not this dump's")
+    (tmp_path / "backend6").symlink_to(elsewhere)  # a link: nothing followed
     torch._dynamo.reset()
     first = compile_two_layer(tmp_path, compiler="eager")
     assert not stale.exists() and sorted(p.name for p in kept.iterdir()) == ["notes.md"]
+    assert (tmp_path / "backend5").is_dir() and (elsewhere / "report.txt").read_text() == "not this dump's"
     second = compile_two_layer(tmp_path, compiler="eager")
     assert second.dump_dir == str(stale)
     torch._dynamo.reset()  # both backends alive: a new backend's dump into the root keeps backend2/

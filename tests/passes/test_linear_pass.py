@@ -1082,28 +1082,32 @@ class MaskBetween(nn.Module):
         return y1, self.b(x) * mask
 
 
-class VmapBetween(nn.Module):
-    """A ``torch.vmap`` body that writes in place between two linears (transformers' image-token mask code of Gemma
-    3): its batched tensors have no storage, which the write tracking asked for (the compile failed)."""
+class FunctorchBetween(nn.Module):
+    """A ``torch.vmap`` (or ``torch.func.grad``) body that writes in place between two linears (transformers'
+    image-token mask code of Gemma 3): its tensors have no storage, which the write tracking asked for (the compile
+    failed)."""
 
-    def __init__(self):
+    def __init__(self, transform):
         super().__init__()
         self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+        self.transform = transform
 
     def forward(self, x, idx):
         def body(i):
             z = i.float() * 2
             z.add_(1)
-            return z
+            return z.sum() if self.transform is torch.func.grad else z
 
-        return self.a(x), torch.vmap(body)(idx), self.b(x)
+        return self.a(x), self.transform(body)(idx), self.b(x)
 
 
-def test_a_vmap_body_writing_in_place_between_linears():
+@pytest.mark.parametrize("transform", [torch.vmap, torch.func.grad], ids=["vmap", "grad"])
+def test_a_functorch_body_writing_in_place_between_linears(transform):
     torch.manual_seed(0)
-    model = VmapBetween().to(torch.bfloat16)
+    model = FunctorchBetween(transform).to(torch.bfloat16)
     fp8fx.quantize_(model)
-    ref, out, backend = eager_and_compiled(model, torch.randn(4, 64, dtype=torch.bfloat16), torch.arange(3))
+    idx = torch.arange(3) if transform is torch.vmap else torch.arange(3.0)
+    ref, out, backend = eager_and_compiled(model, torch.randn(4, 64, dtype=torch.bfloat16), idx)
     torch.testing.assert_close(out[1], ref[1], rtol=0, atol=0)
     assert max(rel_err(out[i], ref[i]) for i in (0, 2)) < 0.05  # (fp8 activations against the dequantized eager)
     assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("a", True), ("b", True)]

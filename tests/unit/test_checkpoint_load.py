@@ -1200,6 +1200,30 @@ def test_meta_buffers_are_computed_or_refused(tmp_path, dtype):
     assert torch.equal(model.inv_freq, want)
 
 
+class RotaryOwnInit(nn.Module):
+    """A plain module with an ``_init_weights(self)`` of its own (no transformers model: not the initializer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("inv_freq", torch.ones(4), persistent=False)
+
+    def _init_weights(self):
+        raise AssertionError("called as transformers' _init_weights(module)")
+
+
+def test_a_submodules_own_init_weights_is_not_taken_for_transformers(tmp_path):
+    """The model's initializer computes a buffer of a child whose own ``_init_weights`` takes no module (a plain
+    PyTorch idiom): it was called as transformers' and raised a TypeError; only transformers models' initializers
+    (a VLM's vision tower) stand in for the model's."""
+    path = write_checkpoint(tmp_path / "c", bf16_state())
+    want = torch.tensor([1.0, 0.1, 0.01, 0.001])
+    with torch.device("meta"):
+        model = WithInit(lambda m: m.inv_freq.copy_(want) if "inv_freq" in m._buffers else None)
+        model.rotary = RotaryOwnInit()
+    load_checkpoint(model, path, progress=False)
+    assert torch.equal(model.rotary.inv_freq, want) and torch.equal(model.inv_freq, want)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "corrupt header", "missing shard"])
 def test_damaged_files_are_found_before_the_model_changes(tmp_path, damage):
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "block")

@@ -106,6 +106,10 @@ class Broken(nn.Module):
         torch._dynamo.graph_break()
         return self.b(x)
 
+def encoder():
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 1, enable_nested_tensor=False), (torch.zeros(2, 5, 64),)
+
 def broken_blocks():
     return nn.Sequential(Broken(), Broken()), (torch.zeros(4, 256),)
 
@@ -155,6 +159,16 @@ def test_inspect_names_the_layers_of_blocks_broken_by_a_graph_break(capsys, mode
     sites = json.loads(out)["sites"]
     assert sorted(s["fqn"] for s in sites) == ["0.a", "0.b", "1.a", "1.b"]
     assert all(s["would_rewrite"] for s in sites), sites
+
+
+def test_inspect_gives_quantize_s_reason_for_a_layer_torch_reads_itself(capsys, models_py):
+    """nn.MultiheadAttention's out_proj, which quantize_ keeps (F.multi_head_attention_forward reads it): its row said
+    "not called"."""
+    code, out, err = run(capsys, "inspect", f"{models_py}:encoder", "--json")
+    assert code == 0, err
+    sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
+    assert sites["layers.0.self_attn.out_proj"]["reason"].startswith("nn.MultiheadAttention's out_proj, which torch")
+    assert sites["layers.0.linear1"]["would_rewrite"] and sites["layers.0.linear2"]["would_rewrite"]
 
 
 def test_inspect_factory_with_input_shape(capsys, models_py):

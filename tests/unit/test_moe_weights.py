@@ -12,6 +12,7 @@ from torch import nn
 import fp8fx
 from fp8fx import quant
 from fp8fx.config import Fp8Config, PerBlock, PerTensor
+from fp8fx.report import Site
 from fp8fx.weights import moe
 from fp8fx.weights.moe import Fp8MoEMethod, is_quantized_experts
 from tests.conftest import rel_err
@@ -693,11 +694,11 @@ def test_a_quantized_model_pickles_and_computes_the_same():
             copy.to(torch.float8_e4m3fn)
         assert copy._apply._model() is copy
         # the parameters' fp8fx tags, which the passes find layers by (a deep copy dropped them: its experts were
-        # not fused); a token names one tensor, and is the copy's own
+        # not fused); a report's token names one tensor: not the copy's
         for (name, p), q in zip(block.named_parameters(), copy.parameters()):
-            tags = {k: v for k, v in vars(p).items() if k.startswith("_fp8fx_") and k != "_fp8fx_token"}
+            tags = {k: v for k, v in vars(p).items() if k.startswith("_fp8fx_")}
             assert {k: v for k, v in vars(q).items() if k in tags} == tags, name
-            assert "_fp8fx_token" not in vars(q)
+            assert Site.token_of(p) != Site.token_of(q) == Site.token_of(q)
         assert [n for n, q in copy.named_parameters() if getattr(q, "_fp8fx_fqn", None)] == [
             "proj.weight", "experts.gate_up_proj", "experts.down_proj"]
 

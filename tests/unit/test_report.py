@@ -1,6 +1,7 @@
 """The report: sites with weight shape, bytes saved and kernel; JSON schema; table; one log line per graph."""
 import dataclasses
 import gc
+import io
 import json
 import logging
 import weakref
@@ -224,6 +225,18 @@ def test_unhandled_weights_list_linears_in_no_graph():
     assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("a", True), ("b", False), ("a", True)]
     assert [name for name, *_ in backend.report.unhandled_weights(model)] == ["b.weight"]
     assert backend.report.unhandled_weights(kept) == []
+    # a copy that never ran (torch.save / torch.load): none of its weights is the one a site read (a token kept on
+    # the tensor travelled with the pickle of its kept bf16 "b", which then counted as run)
+    ran = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fp8fx.quantize_(ran, fp8fx.Fp8Config(ignored_layers=["1"]))
+    with torch.no_grad():
+        torch.compile(ran, backend=backend)(torch.randn(2, 8))
+    assert backend.report.unhandled_weights(ran) == []
+    buffer = io.BytesIO()
+    torch.save(ran, buffer)
+    buffer.seek(0)
+    copy = torch.load(buffer, weights_only=False)
+    assert [name for name, *_ in backend.report.unhandled_weights(copy)] == ["0.weight", "1.weight"]
 
 
 @pytest.mark.parametrize("compiler", ["eager", "inductor"])
