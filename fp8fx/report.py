@@ -39,8 +39,8 @@ class Site:
     kernel: str = ""  # the GEMM Inductor generated for the site, e.g. "extern fp8fx.scaled_mm"; "" when unknown
     node: str = ""  # Dynamo's name for the site's call (``Site.origin_of``): the dumps' pass files end with the name of
     # the fp8fx op that replaced it (``linear_1`` <- ``scaled_mm_default_1``), the name Inductor's code comments give
-    # ``Site.token_of`` the fp8 weight: a weight seen in several graphs is saved once, two weights of one name twice
-    # (not in the report's data: it means nothing outside this process)
+    # ``Site.token_of`` the weight (fp8, or the one a site not rewritten read): a weight seen in several graphs is
+    # saved once, two weights of one name twice (not in the report's data: it means nothing outside this process)
     weight_id: int = dataclasses.field(default=0, compare=False, repr=False)
 
     @staticmethod
