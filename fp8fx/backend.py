@@ -385,6 +385,10 @@ def _check_inductor_config(config: Optional[Mapping[str, Any]], where: str) -> N
         why = compat.inductor_config_type_error(key, value)
         if why:
             raise ValueError(f"{where}{{{key!r}: {value!r}}}): {why}")
+    if (config or {}).get("freezing") and not compat.freezing_enabled():
+        log.warning("fp8fx: %s{'freezing': True}) freezes nothing: Dynamo decides it as it traces, from the process's "
+                    "torch._inductor.config.freezing (the parameters stay inputs of the graph); set that instead, e.g. "
+                    "with torch._inductor.config.patch(freezing=True) around the first call", where)
 
 
 def _call_config(mode: Optional[str], options: Optional[Mapping[str, Any]], compiler: str) -> dict[str, Any]:

@@ -22,6 +22,14 @@ def is_inductor_config(key: str) -> bool:
     return key in config._config
 
 
+def freezing_enabled() -> bool:
+    """``torch._inductor.config.freezing`` as set in the process (Dynamo reads it when it traces a frame, to pass the
+    parameters as attributes of the graph)."""
+    from torch._inductor import config
+
+    return bool(config.freezing)
+
+
 def compiled_module(model: Any) -> Any:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, whose state names are the model's own
     (the wrapper's all start with ``_orig_mod.``); ``model`` itself when it is no wrapper."""

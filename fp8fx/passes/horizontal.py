@@ -355,6 +355,9 @@ class HorizontalFusionPass(Fp8Pass):
 
     def _why_not(self, nodes: list[fx.Node], ctx: PassContext) -> str:
         inputs = [a for n in nodes for a in n.args[2:5] if a is not None]
+        if any(isinstance(a, fx.Node) and a.op == "get_attr" for a in inputs):  # (ctx.example holds them too)
+            return ("a weight, scale or bias is a constant of the graph (Inductor's freezing): fusing moves the "
+                    "weights into one tensor, which a frozen graph would not read")
         if any(not isinstance(ctx.example.get(a), torch.nn.Parameter) for a in inputs):
             return "a weight, scale or bias is not a parameter"
         if len(set(inputs)) != len(inputs):

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import operator
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -38,7 +38,8 @@ from fp8fx.kernels import launch
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, input_path, may_record_grad, module_path, set_fake_value
 from fp8fx.report import NOT_QUANTIZED, Site
 
-_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+# (aten's: a graph of torch.export's program, a model calling torch.ops.aten.linear)
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear, torch.ops.aten.linear, torch.ops.aten.linear.default)
 _MATMUL = (operator.matmul, torch.matmul)
 _DEQUANT = (torch.ops.fp8fx.dequantize, torch.ops.fp8fx.dequantize.default)
 _ACT_DTYPES = quant.HIGH_PRECISION
@@ -295,13 +296,21 @@ def _mutates(node: fx.Node) -> bool:
     if node.kwargs.get("inplace") is True or _inplace_positional(node):  # F.relu(x, inplace=True), nn.ReLU(True)
         return True
     if isinstance(node.target, torch._ops.OpOverload):
-        return node.target._schema.is_mutable
+        return _schema_writes(node.target._schema, node)
     if isinstance(node.target, torch._ops.OpOverloadPacket):  # torch.ops.ns.op(x): Dynamo keeps the packet
         # any overload that may write (a custom op with mutates_args, vLLM's fused_add_rms_norm) counts
-        return any(getattr(node.target, o)._schema.is_mutable for o in node.target.overloads())
+        return any(_schema_writes(getattr(node.target, o)._schema, node) for o in node.target.overloads())
     name = getattr(node.target, "__name__", "")
     # torch.relu_, F.relu_ (not operator.and_ / or_ / not_ / is_, which write nothing)
     return name.endswith("_") and not name.endswith("__") and getattr(node.target, "__module__", "") != "_operator"
+
+
+def _schema_writes(schema: Any, node: fx.Node) -> bool:
+    """Whether an op of ``schema`` called as ``node`` may write an argument: one it may write that is positional, or
+    keyword-only and given (an ``out`` overload writes nothing where no ``out=`` is passed: ``torch.ops.aten.linear``,
+    a packet of ``default`` and ``out``, was taken for a write into its own weight)."""
+    return any(a.alias_info is not None and a.alias_info.is_write and (not a.kwarg_only or a.name in node.kwargs)
+               for a in schema.arguments)
 
 
 def _written(node: fx.Node) -> Optional[list]:

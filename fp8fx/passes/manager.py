@@ -4,6 +4,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import operator
 from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
@@ -56,7 +57,20 @@ class PassManager:
 
     def run(self, gm: fx.GraphModule, example_inputs: Sequence[Any], report: Report) -> int:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        ctx = PassContext(report, report.graphs, dict(zip(placeholders, example_inputs)))
+        example = dict(zip(placeholders, example_inputs))
+        # the tensors the graph holds as attributes: the parameters, where Inductor's freezing is on (Dynamo then
+        # passes them as get_attr nodes; their fp8fx tags went unread, and an ignored layer was "not quantized: run
+        # quantize_")
+        for node in gm.graph.nodes:
+            if node.op != "get_attr":
+                continue
+            try:
+                value = operator.attrgetter(node.target)(gm)
+            except AttributeError:
+                continue
+            if isinstance(value, torch.Tensor):
+                example[node] = value
+        ctx = PassContext(report, report.graphs, example)
         report.graphs += 1
         total = 0
         for p in self.passes:

@@ -1113,6 +1113,69 @@ def test_a_functorch_body_writing_in_place_between_linears(transform):
     assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("a", True), ("b", True)]
 
 
+class AtenLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.l = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return torch.ops.aten.linear(x, self.l.weight, self.l.bias)
+
+
+def test_aten_linear_and_a_torch_export_program_are_rewritten():
+    """``torch.ops.aten.linear`` (what torch.export's programs call) is a linear: it was "read by linear.default, not
+    by a linear", and its packet taken for a write into its own weight (an overload of it writes out=)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    model = AtenLinear().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    ref, out, backend = eager_and_compiled(model, x)
+    assert rel_err(out, ref) < 0.05 and [s.rewritten for s in backend.report.sites] == [True], backend.report
+    model = ThreeLinear().to(torch.bfloat16).eval()
+    fp8fx.quantize_(model)
+    program = torch.export.export(model, (x,)).module()
+    torch._dynamo.reset()
+    ref, out, backend = eager_and_compiled(program, x)
+    assert rel_err(out, ref) < 0.05 and [s.rewritten for s in backend.report.sites] == [True] * 3, backend.report
+
+
+def test_inductor_freezing_keeps_the_reports_reasons():
+    """Inductor's freezing has Dynamo hand the parameters over as attributes of the graph: their tags went unread,
+    so an ignored layer said "run quantize_"; fuse_horizontal says why it leaves the graph's constants apart."""
+    torch.manual_seed(0)
+    model = MaskBetween().to(torch.bfloat16).eval()  # a and b read x: a horizontal group
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["b"]))
+    x, m = torch.randn(4, 64, dtype=torch.bfloat16), torch.ones(4, 64, dtype=torch.bool)
+    backend = Fp8Backend(fuse_horizontal=True)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(freezing=True), torch.no_grad():
+        out = torch.compile(model, backend=backend)(x, m, m)
+        ref = model(x, m, m)
+    assert max(rel_err(o, r) for o, r in zip(out, ref)) < 0.05
+    sites = {s.fqn: s for s in backend.report.sites}
+    assert sites["a"].rewritten and sites["b"].reason == "not quantized: in ignored_layers", backend.report
+    model = MaskBetween().to(torch.bfloat16).eval()
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(fuse_horizontal=True)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(freezing=True), torch.no_grad():
+        torch.compile(model, backend=backend)(x, m, m)
+    assert all("not fused with" in s.scheme and "(Inductor's freezing)" in s.scheme for s in backend.report.sites), \
+        backend.report
+
+
+def test_freezing_asked_for_through_the_backends_options_says_it_freezes_nothing(caplog):
+    """Inductor options of the backend (or torch.compile(options=)) reach Inductor, but Dynamo decides freezing as it
+    traces, from the process's config: the option was taken and did nothing."""
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        Fp8Backend(inductor_config={"freezing": True})
+    assert "Fp8Backend(inductor_config={'freezing': True}) freezes nothing" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fp8fx"), torch._inductor.config.patch(freezing=True):
+        Fp8Backend(inductor_config={"freezing": True})
+    assert "freezes nothing" not in caplog.text
+
+
 def test_quantization_is_shared_across_ops_that_write_nothing():
     model = MaskBetween().to(torch.bfloat16)
     fp8fx.quantize_(model)
