@@ -177,8 +177,9 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
     MoE block holding an experts module, a linear child of the block, or the only linear of a child of the
     block (a linear inside an MLP, such as a shared expert's, is none), with as many outputs as there are
     experts (the router: Phimoe's ``router``, AfMoE's ``router.gate``; LongCat-Flash's ``router.classifier`` scores
-    its block's ``zero_expert_num`` identity experts too) or one (Qwen2-MoE's ``shared_expert_gate``). vLLM builds them unquantized: fp8 router logits flip top-k choices (Phimoe: 0.24
-    against 0.18 relative error of the logits with them in bf16)."""
+    its block's ``zero_expert_num`` identity experts too) or one (Qwen2-MoE's ``shared_expert_gate``). vLLM builds
+    them unquantized: fp8 router logits flip top-k choices (Phimoe: 0.24 against 0.18 relative error of the logits
+    with them in bf16)."""
     modules = dict(model.named_modules(prefix=prefix))
     found: dict[str, list[str]] = {}  # router -> the experts modules of its block (JetMoE's: two)
     for fqn, experts in modules.items():
