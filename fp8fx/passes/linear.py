@@ -3,7 +3,8 @@
 Matches (Dynamo torch IR), for every linear site::
 
     w = fp8fx.dequantize(wq, w_scale, w_block, dtype, input_scale, act_block)
-    y = torch._C._nn.linear(x, w, bias)          # also matmul(x, w.t()) / x @ w.T
+    y = torch._C._nn.linear(x, w, bias)          # also matmul(x, w.t()) / x @ w.T / torch.mm(x, w.t()) /
+                                                 # torch.addmm(bias, x, w.t()) and aten's forms of them
 
 Rewrites to (dynamic activations)::
 
@@ -40,22 +41,29 @@ from fp8fx.report import NOT_QUANTIZED, Site
 
 # (aten's: a graph of torch.export's program, a model calling torch.ops.aten.linear)
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear, torch.ops.aten.linear, torch.ops.aten.linear.default)
-_MATMUL = (operator.matmul, torch.matmul)
+# x @ w.T in its other spellings: torch.mm(x, w.t()), x.matmul(w.T), and aten's, which a torch.export program calls
+# after ``run_decompositions()`` (``mm(view(x), permute(w, [1, 0]))``)
+_MATMUL = (operator.matmul, torch.matmul, torch.mm, "matmul", "mm", "__matmul__", torch.ops.aten.matmul.default,
+           torch.ops.aten.mm.default)
+# addmm(bias, x, w.t()): nn.Linear's decomposition in a torch.export program, also torch.addmm and bias.addmm(..)
+_ADDMM = (torch.addmm, "addmm", torch.ops.aten.addmm.default)
 _DEQUANT = (torch.ops.fp8fx.dequantize, torch.ops.fp8fx.dequantize.default)
 _ACT_DTYPES = quant.HIGH_PRECISION
 
 
 def _transposed(node) -> fx.Node | None:
-    """``n`` if ``node`` is ``n.t()``, ``n.T``, ``torch.t(n)`` or a last-two-dims transpose of a 2-D ``n``."""
-    if not isinstance(node, fx.Node):
+    """``n`` if ``node`` is ``n.t()``, ``n.T``, ``torch.t(n)``, a last-two-dims transpose of a 2-D ``n``, or aten's
+    forms of them in a torch.export program (``aten.t``, ``aten.transpose.int``, ``aten.permute(n, [1, 0])``)."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function"):
         return None
-    if node.op == "call_method" and node.target == "t" or node.op == "call_function" and node.target is torch.t:
+    if node.target in ("t", torch.t, torch.ops.aten.t.default):
         return node.args[0]
-    if node.op == "call_function" and node.target is getattr and node.args[1] in ("T", "mT"):
+    if node.target is getattr and node.args[1] in ("T", "mT"):
         return node.args[0]
-    transpose = node.op == "call_method" and node.target == "transpose" or (
-        node.op == "call_function" and node.target is torch.transpose)
-    if transpose and sorted(node.args[1:3]) in ([0, 1], [-2, -1]):
+    if node.target in ("transpose", torch.transpose, torch.ops.aten.transpose.int) and (
+            sorted(node.args[1:3]) in ([0, 1], [-2, -1])):
+        return node.args[0]
+    if node.target is torch.ops.aten.permute.default and list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0]):
         return node.args[0]
     return None
 
@@ -122,21 +130,27 @@ def _is_weight(node, ctx: PassContext) -> bool:
 def _linear_operands(node: fx.Node, ctx: PassContext):
     """(x, weight, bias) of a linear site, or None. The weight is seen through casts and ``contiguous`` calls
     that change nothing (``F.linear(x, w.to(x.dtype))`` of a ``w`` already in that dtype)."""
-    if node.op != "call_function":
+    if node.op not in ("call_function", "call_method"):
         return None
-    if node.target in _LINEAR:
+    if node.op == "call_function" and node.target in _LINEAR:
         args = list(node.args) + [None] * 3
         w = _without_noop_casts(node.kwargs.get("weight", args[1]))
         return node.kwargs.get("input", args[0]), w, node.kwargs.get("bias", args[2])
-    if node.target in _MATMUL and len(node.args) == 2:
-        w = _transposed(_without_noop_casts(node.args[1]))
-        w = _without_noop_casts(w)
-        wv = fake_value(w) if w is not None else None
-        # a matmul with a transposed operand is a linear when that operand is a quantized weight, or a 2-D
-        # weight (reported as not quantized); q @ k.transpose(-1, -2) of attention, a CLIP-style text @ image.t()
-        # of two activations, are neither: no sites
-        if w is not None and (_from_dequantize(w) or getattr(wv, "ndim", 2) == 2 and _is_weight(w, ctx)):
-            return node.args[0], w, None
+    bias = None
+    if node.target in _ADDMM and len(node.args) == 3:  # (alpha= and beta= other than 1: ``_other_arguments``)
+        bias, node_args = node.args[0], node.args[1:]
+    elif node.target in _MATMUL and len(node.args) == 2:
+        node_args = node.args
+    else:
+        return None
+    w = _transposed(_without_noop_casts(node_args[1]))
+    w = _without_noop_casts(w)
+    wv = fake_value(w) if w is not None else None
+    # a matmul with a transposed operand is a linear when that operand is a quantized weight, or a 2-D
+    # weight (reported as not quantized); q @ k.transpose(-1, -2) of attention, a CLIP-style text @ image.t()
+    # of two activations, are neither: no sites
+    if w is not None and (_from_dequantize(w) or getattr(wv, "ndim", 2) == 2 and _is_weight(w, ctx)):
+        return node_args[0], w, bias
     return None
 
 
@@ -155,6 +169,12 @@ def _other_arguments(node: fx.Node) -> str:
     """Why a linear site with arguments beyond its operands stays as it is, or "": ``out=`` (the rewritten op
     returns a new tensor, and the buffer the program reads after the call would keep its old values)."""
     extra = sorted(set(node.kwargs) - {"input", "weight", "bias"})
+    if node.target in _ADDMM:  # aten's addmm(bias, x, w.t(), beta=, alpha=): bias * beta + alpha * x @ w.t()
+        scales = [f"{k}={node.kwargs[k]}" for k in ("beta", "alpha") if node.kwargs.get(k, 1) != 1]
+        if scales:
+            return (f"called with {', '.join(scales)}, which the fp8 op does not take: computed with the dequantized "
+                    "weight")
+        extra = [k for k in extra if k not in ("beta", "alpha")]
     if not extra:
         return ""
     return (f"called with {', '.join(f'{k}=' for k in extra)}, which the fp8 op does not write: computed with the "

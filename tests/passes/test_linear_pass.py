@@ -1139,6 +1139,24 @@ def test_aten_linear_and_a_torch_export_program_are_rewritten():
     assert rel_err(out, ref) < 0.05 and [s.rewritten for s in backend.report.sites] == [True] * 3, backend.report
 
 
+@pytest.mark.parametrize("shape", [(4, 64), (2, 3, 64)])
+def test_a_decomposed_torch_export_program_is_rewritten(shape):
+    """After ``run_decompositions()`` a program's linears are ``addmm(bias, x, permute(w, [1, 0]))`` and
+    ``mm(x, permute(w, [1, 0]))`` (on a 2-D view of a 3-D x): they were "read by permute.default, not by a linear"."""
+    torch.manual_seed(0)
+    x = torch.randn(*shape, dtype=torch.bfloat16)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16, bias=False)).to(torch.bfloat16).eval()
+    fp8fx.quantize_(model)
+    exported = torch.export.export(model, (x,)).run_decompositions()
+    targets = {n.target for n in exported.graph.nodes}
+    assert {torch.ops.aten.permute.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default} <= targets
+    torch._dynamo.reset()
+    ref, out, backend = eager_and_compiled(exported.module(), x)
+    assert rel_err(out, ref) < 0.05, backend.report
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("0", True), ("2", True)], backend.report
+    assert out.shape == ref.shape and not torch.equal(out, ref)
+
+
 def test_inductor_freezing_keeps_the_reports_reasons():
     """Inductor's freezing has Dynamo hand the parameters over as attributes of the graph: their tags went unread,
     so an ignored layer said "run quantize_"; fuse_horizontal says why it leaves the graph's constants apart."""
@@ -1228,21 +1246,25 @@ def test_stacked_expert_weights_are_not_rewritten_as_linears():
 
 
 class OtherReaders(nn.Module):
-    """Quantized weights read by something other than a linear (and one torch.transpose matmul, which is one)."""
+    """Quantized weights read by something other than a linear, and x @ w.T in its other spellings, which are
+    linears: torch.mm, torch.addmm, bias.addmm, x.matmul, a torch.transpose matmul."""
 
     def __init__(self):
         super().__init__()
-        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
-        self.c, self.d = nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)
+        self.a, self.b, self.e, self.f = (nn.Linear(64, 64) for _ in range(4))
+        self.c, self.d, self.g = (nn.Linear(64, 64, bias=False) for _ in range(3))
 
     def forward(self, x):
         return (torch.mm(x, self.a.weight.t()), torch.addmm(self.b.bias, x, self.b.weight.t()),
-                torch.einsum("mk,nk->mn", x, self.c.weight), x @ torch.transpose(self.d.weight, 0, 1))
+                torch.einsum("mk,nk->mn", x, self.c.weight), x @ torch.transpose(self.d.weight, 0, 1),
+                torch.addmm(self.e.bias, x, self.e.weight.t(), beta=0.5), self.f.bias.addmm(x, self.f.weight.T),
+                x.matmul(self.g.weight.T))
 
 
 def test_every_quantized_weight_is_in_the_report():
-    """Nothing silently left undone: weights read by mm / addmm / einsum are reported with their readers
-    (and computed on the dequantized weight, as eager does); x @ torch.transpose(w, 0, 1) is a linear."""
+    """Nothing silently left undone: weights read by einsum, or by an addmm that scales its bias, are reported with
+    their readers (and computed on the dequantized weight, as eager does); torch.mm(x, w.t()), torch.addmm(b, x, w.t())
+    and the like are linears (they were "read by mm (call_function) of its transpose")."""
     torch.manual_seed(0)
     model = OtherReaders().to(torch.bfloat16)
     fp8fx.quantize_(model)
@@ -1252,13 +1274,16 @@ def test_every_quantized_weight_is_in_the_report():
         ref = model(x)
         out = torch.compile(model, backend=backend)(x)
     sites = {s.fqn: s for s in backend.report.sites}
-    assert sorted(sites) == ["a", "b", "c", "d"] and sites["d"].rewritten
-    assert "read by mm (call_function) of its transpose, not by a linear" in sites["a"].reason
-    assert "read by addmm (call_function) of its transpose" in sites["b"].reason
+    assert sorted(sites) == list("abcdefg")
+    assert [f for f, s in sorted(sites.items()) if s.rewritten] == list("abdfg"), backend.report
     assert "read by einsum (call_function)" in sites["c"].reason
-    for got, want in zip(out[:3], ref[:3]):
-        torch.testing.assert_close(got, want, rtol=0, atol=0)  # the model's own computation
-    assert ((out[3].float() - ref[3].float()).norm() / ref[3].float().norm()).item() < 0.05
+    assert sites["e"].reason == ("called with beta=0.5, which the fp8 op does not take: computed with the dequantized "
+                                 "weight")
+    for i in (2, 4):
+        torch.testing.assert_close(out[i], ref[i], rtol=0, atol=0)  # the model's own computation
+    for i in (0, 1, 3, 5, 6):
+        assert ((out[i].float() - ref[i].float()).norm() / ref[i].float().norm()).item() < 0.05
+        assert not torch.equal(out[i], ref[i])  # (computed in fp8)
 
 
 class Scores(nn.Module):
@@ -1288,7 +1313,7 @@ class LinearAndMM(nn.Module):
         self.a = nn.Linear(64, 64)
 
     def forward(self, x):
-        return self.a(x) + torch.mm(x, self.a.weight.t())
+        return self.a(x) + torch.einsum("mk,kn->mn", x, self.a.weight.t())
 
 
 def quantized_report(model: nn.Module, rows: int):
@@ -1303,7 +1328,8 @@ def quantized_report(model: nn.Module, rows: int):
 
 def test_other_readers_of_a_rewritten_weight_are_named_on_its_site():
     [site] = quantized_report(LinearAndMM(), 4).sites
-    assert site.rewritten and site.scheme.endswith("also read by mm (call_function) of its transpose (on the dequantized weight)")
+    assert site.rewritten
+    assert site.scheme.endswith("also read by einsum (call_function) of its transpose (on the dequantized weight)")
 
 
 class SharedParameter(nn.Module):
