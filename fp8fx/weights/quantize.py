@@ -176,7 +176,8 @@ def quantize_(
         log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
     _left_alone(modules, decide.routers, warn=bool(plan or experts))  # (else _nothing_to_quantize said it)
     vars(model).pop(_UNFINISHED, None)
-    if plan or experts or done:
+    if plan or experts or done or skipped or experts_skipped or decide.routers:
+        # (also where nothing was quantized: the guard's deep copy carries the weights' tags, the report's reasons)
         guard_casts(model)
     return wrapper
 

@@ -724,6 +724,13 @@ def test_a_quantized_model_is_freed_when_dropped():
     fp8fx.quantize_(block, fp8fx.Fp8Config(ignored_layers=["proj"]))
     reason = block.proj.weight._fp8fx_skip_reason
     assert copy.deepcopy(block).proj.weight._fp8fx_skip_reason == reason
+    # also where nothing was quantized (no cast guard was set, and the copy's weights had no reasons: "run quantize_")
+    plain = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
+    fp8fx.quantize_(plain, fp8fx.Fp8Config(ignored_layers=["0", "1"]))
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(copy.deepcopy(plain), backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    assert [(s.fqn, s.reason) for s in backend.report.sites] == [(f, "not quantized: in ignored_layers") for f in "01"]
     # a shallow copy shares the original's guard (its __dict__'s): once the original is gone, its casts say so
     original = Block().to(torch.bfloat16)
     fp8fx.quantize_(original)
