@@ -98,6 +98,7 @@ def save_checkpoint(
     # module's names, which nothing loads (the wrappers hold nothing of their own)
     modules = {_unwrapped(f): m for f, m in model.named_modules() if compat.compiled_module(m) is m}
     schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}  # the fp8 linears'
+    _check_scales(modules, schemes)
     layout = _experts_layout(model, modules, experts)
     schemes, demoted = _fp8_schemes(modules, schemes, layout)
     ignored, kv, fmt, method = _ignored_and_format(model, modules, schemes, layout, format)
@@ -127,6 +128,28 @@ def save_checkpoint(
     _write_checkpoint(path, tensors, max_shard_size, config_text)
     log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
     return qc
+
+
+def _check_scales(modules: Mapping[str, nn.Module], fp8: Mapping[str, Any]) -> None:
+    """Refuses a scale the model holds that no loader takes (0, <0, subnormal, NaN, Inf: load_checkpoint refused the
+    checkpoint save_checkpoint had written), naming it, before anything is written: the fp8 linears' (``fp8``) and
+    experts' scales, and the attentions' KV-cache scales."""
+    for fqn, m in modules.items():
+        for name, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is None or not t.is_floating_point():
+                continue
+            if name in KV_SCALE_NAMES and t.dtype == torch.float32:  # (what attach_kv_scales attaches)
+                try:
+                    check_kv_scale(f"{fqn}.{name}", t.detach())
+                except ValueError as e:
+                    raise ValueError(f"save_checkpoint: {e} (nothing was written)") from None
+                continue
+            scale = fqn in fp8 and name in _SCALES or name in _EXPERT_LEAVES and "scale" in name
+            why = quant.bad_scales(t.detach().float()) if scale else None
+            if why:
+                raise ValueError(f"save_checkpoint: {fqn}.{name}: {why}; no loader takes it: fix the scale (or "
+                                 "quantize the layer again from its high-precision weight), then save (nothing was "
+                                 "written)")
 
 
 def _untied_config(model: nn.Module, config_json: dict) -> dict:

@@ -898,6 +898,28 @@ def test_save_refuses_an_fp8_layer_whose_weight_is_no_longer_fp8(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("bad", ["nan weight_scale", "zero input_scale", "negative k_scale", "inf block scale"])
+def test_save_refuses_a_scale_no_loader_takes(tmp_path, bad):
+    """A NaN weight scale or a negative KV-cache scale was written without a word, and load_checkpoint then refused
+    the checkpoint save_checkpoint had written."""
+    from fp8fx.weights import kv_cache
+
+    kind, name = bad.split(" ", 1)
+    config = fp8fx.Fp8Config(weight_block_size=[32, 32]) if name == "block scale" else fp8fx.Fp8Config(
+        activation_scheme="static" if name == "input_scale" else "dynamic")
+    model = quantized_tiny(config)
+    attn = model.model.layers[0].self_attn
+    kv_cache.attach_kv_scales(attn, {"k_scale": 0.5, "v_scale": 0.5})
+    value = {"nan": float("nan"), "zero": 0.0, "negative": -2.0, "inf": float("inf")}[kind]
+    leaf = {"block scale": "weight_scale_inv"}.get(name, name)
+    owner = attn if leaf == "k_scale" else attn.o_proj
+    getattr(owner, leaf).data.view(-1)[-1] = value
+    fqn = "model.layers.0.self_attn" + ("" if leaf == "k_scale" else ".o_proj")
+    with pytest.raises(ValueError, match=rf"save_checkpoint: {fqn}\.{leaf}.*nothing was written"):
+        save_checkpoint(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
 @pytest.mark.parametrize("config", [fp8fx.Fp8Config(), fp8fx.Fp8Config(weight_block_size=[128, 128])],
                          ids=["per-channel", "block"])
 def test_a_layer_of_no_rows_loads_back(tmp_path, config):
