@@ -52,20 +52,35 @@ _ACT_DTYPES = quant.HIGH_PRECISION
 
 
 def _transposed(node) -> fx.Node | None:
-    """``n`` if ``node`` is ``n.t()``, ``n.T``, ``torch.t(n)``, a last-two-dims transpose of a 2-D ``n``, or aten's
-    forms of them in a torch.export program (``aten.t``, ``aten.transpose.int``, ``aten.permute(n, [1, 0])``)."""
-    if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function"):
+    """``n`` if ``node`` is ``n.t()``, ``n.T``, ``n.mT``, ``n.adjoint()``, ``torch.t(n)``, a swap of a 2-D ``n``'s dims
+    (``transpose``, ``swapaxes``, ``swapdims``, ``permute(1, 0)``) or of any ``n``'s last two, or aten's forms of them
+    in a torch.export program (``aten.t``, ``aten.numpy_T``, ``aten.mT``, ``aten.transpose.int``, ``aten.permute``)."""
+    if not isinstance(node, fx.Node) or node.op not in ("call_method", "call_function") or not node.args:
         return None
-    if node.target in ("t", torch.t, torch.ops.aten.t.default):
-        return node.args[0]
-    if node.target is getattr and node.args[1] in ("T", "mT"):
-        return node.args[0]
-    if node.target in ("transpose", torch.transpose, torch.ops.aten.transpose.int) and (
-            sorted(node.args[1:3]) in ([0, 1], [-2, -1])):
-        return node.args[0]
-    if node.target is torch.ops.aten.permute.default and list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0]):
-        return node.args[0]
+    source = node.args[0]
+    ndim = getattr(fake_value(source), "ndim", 2) if isinstance(source, fx.Node) else 2
+    if node.target in _TRANSPOSES_ALL or node.target is getattr and node.args[1] in ("T", "mT"):
+        return source
+    if node.target in _SWAPS:
+        dims = list(node.args[1:3]) + [node.kwargs.get(k) for k in ("dim0", "dim1", "axis0", "axis1")
+                                       if k in node.kwargs]
+        swapped = len(dims) == 2 and all(isinstance(d, int) for d in dims)
+        if swapped and (sorted(dims) == [-2, -1] or ndim == 2 and sorted(d % 2 for d in dims) == [0, 1]):
+            return source
+    if node.target in _PERMUTES and ndim == 2:
+        dims = node.args[1] if len(node.args) == 2 and isinstance(node.args[1], (list, tuple)) else node.args[1:]
+        dims = node.kwargs.get("dims", dims)
+        if len(dims) == 2 and all(isinstance(d, int) for d in dims) and [d % 2 for d in dims] == [1, 0]:
+            return source
     return None
+
+
+# ops that transpose a 2-D tensor (or the last two dims of any), and those that swap or permute the dims they are given
+_TRANSPOSES_ALL = ("t", "adjoint", torch.t, torch.adjoint, torch.ops.aten.t.default, torch.ops.aten.numpy_T.default,
+                   torch.ops.aten.mT.default, torch.ops.aten.adjoint.default)
+_SWAPS = ("transpose", "swapaxes", "swapdims", torch.transpose, torch.swapaxes, torch.swapdims,
+          torch.ops.aten.transpose.int, torch.ops.aten.swapaxes.default, torch.ops.aten.swapdims.default)
+_PERMUTES = ("permute", torch.permute, torch.ops.aten.permute.default)
 
 
 # casts and copies of a tensor: a weight read as ``w.to(x.dtype)``, ``w.contiguous()``
@@ -137,11 +152,14 @@ def _linear_operands(node: fx.Node, ctx: PassContext):
         w = _without_noop_casts(node.kwargs.get("weight", args[1]))
         return node.kwargs.get("input", args[0]), w, node.kwargs.get("bias", args[2])
     bias = None
-    if node.target in _ADDMM and len(node.args) == 3:  # (alpha= and beta= other than 1: ``_other_arguments``)
-        bias, node_args = node.args[0], node.args[1:]
-    elif node.target in _MATMUL and len(node.args) == 2:
-        node_args = node.args
+    if node.target in _ADDMM:  # (alpha= and beta= other than 1: ``_other_arguments``)
+        operands = _bound(node, _ADDMM_OPERANDS)
+        bias, node_args = (operands[0], operands[1:]) if operands else (None, None)
+    elif node.target in _MATMUL:
+        node_args = _bound(node, _MATMUL_OPERANDS)
     else:
+        return None
+    if node_args is None:
         return None
     w = _transposed(_without_noop_casts(node_args[1]))
     w = _without_noop_casts(w)
@@ -152,6 +170,26 @@ def _linear_operands(node: fx.Node, ctx: PassContext):
     if w is not None and (_from_dequantize(w) or getattr(wv, "ndim", 2) == 2 and _is_weight(w, ctx)):
         return node_args[0], w, bias
     return None
+
+
+# the operands' keywords: torch's (``torch.mm(x, mat2=..)``, ``matmul(x, other=..)``), aten's (``self``)
+_MATMUL_OPERANDS = (("input", "self"), ("mat2", "other"))
+_ADDMM_OPERANDS = (("input", "self"), ("mat1",), ("mat2",))
+_OPERAND_KEYWORDS = {"input", "weight", "bias", "self", "mat1", "mat2", "other"}
+
+
+def _bound(node: fx.Node, keywords: tuple) -> Optional[list]:
+    """``node``'s operands, given by position or by one of their ``keywords`` (a method's first is its ``self``), or
+    None where one is missing or one is given twice."""
+    operands = list(node.args)
+    if len(operands) > len(keywords):
+        return None
+    for names in keywords[len(operands):]:
+        given = [node.kwargs[n] for n in names if n in node.kwargs]
+        if len(given) != 1:
+            return None
+        operands.append(given[0])
+    return operands
 
 
 def _weight_written(w: fx.Node, writes: dict) -> str:
@@ -168,7 +206,13 @@ def _weight_written(w: fx.Node, writes: dict) -> str:
 def _other_arguments(node: fx.Node) -> str:
     """Why a linear site with arguments beyond its operands stays as it is, or "": ``out=`` (the rewritten op
     returns a new tensor, and the buffer the program reads after the call would keep its old values)."""
-    extra = sorted(set(node.kwargs) - {"input", "weight", "bias"})
+    extra = sorted(set(node.kwargs) - _OPERAND_KEYWORDS)
+    out_dtype = node.kwargs.get("out_dtype")
+    if out_dtype is not None:  # torch.mm(x, w.t(), out_dtype=torch.float32): the fp8 op returns any of _ACT_DTYPES
+        if out_dtype not in _ACT_DTYPES:
+            return (f"called with out_dtype={out_dtype}, which the fp8 op does not return (it returns bf16, fp16 or "
+                    "fp32): computed with the dequantized weight")
+        extra.remove("out_dtype")
     if node.target in _ADDMM:  # aten's addmm(bias, x, w.t(), beta=, alpha=): bias * beta + alpha * x @ w.t()
         scales = [f"{k}={node.kwargs[k]}" for k in ("beta", "alpha") if node.kwargs.get(k, 1) != 1]
         if scales:
@@ -487,7 +531,7 @@ class LinearPass(Fp8Pass):
             if fqn in named:  # a linear of this weight is in the report: say what else reads it
                 i = named[fqn]
                 site = ctx.report.sites[i]
-                if site.rewritten:
+                if site.rewritten and readers:  # (none: a transpose whose result nothing reads, a shape read of it)
                     note = f"; also read by {readers} (on the dequantized weight)"
                     ctx.report.sites[i] = dataclasses.replace(site, scheme=site.scheme + note)
                 continue
@@ -501,6 +545,7 @@ class LinearPass(Fp8Pass):
                           "nn.Sequential's forward after a graph break); compile the module that calls the layer, or "
                           "remove the graph break")
             else:
+                readers = readers or ", ".join(sorted(f"{_name_of(u)}, whose result nothing reads" for u in node.users))
                 reason = (f"the quantized weight is read by {readers}, not by a linear (F.linear / x @ w.T): "
                           "computed with the dequantized weight")
                 reason += "".join(hint for op, hint in _READER_HINTS.items() if f"{op} (" in readers)

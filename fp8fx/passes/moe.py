@@ -144,7 +144,7 @@ def _function_names() -> dict:
 _FUNCTIONS = _function_names()
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
 _GROUPED = tuple(f for f in (torch._grouped_mm, getattr(torch.nn.functional, "grouped_mm", None)) if f)
-_BATCHED = (torch.bmm, torch.matmul, operator.matmul)
+_BATCHED = (torch.bmm, torch.matmul, operator.matmul, "bmm", "matmul", "__matmul__")
 _METHODS = {
     "view": "view", "reshape": "view", "unsqueeze": "view", "squeeze": "view", "flatten": "view", "contiguous": "view",
     "to": "view", "float": "view", "bfloat16": "view", "half": "view", "clone": "view", "expand": "view",
@@ -156,6 +156,7 @@ _METHODS = {
     "ge": "ge", "__ge__": "ge", "greater_equal": "ge", "clamp": "clamp", "clamp_": "clamp", "clip": "clamp",
     "clip_": "clamp", "masked_fill": "masked_fill", "masked_fill_": "masked_fill", "sigmoid": "sigmoid", "add_": "add",
     "relu": "relu", "square": "square", "pow": "pow", "__pow__": "pow",
+    "mm": "gemm", "bmm": "gemm", "matmul": "gemm", "__matmul__": "gemm",  # x.matmul(w[e].T): DBRX's expert loop
 }
 _RUNTIME_ASSERTS = (torch.ops.aten._assert_scalar.default, torch._check,
                     torch.ops.aten.sym_constrain_range_for_size.default)

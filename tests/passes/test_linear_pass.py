@@ -1286,6 +1286,88 @@ def test_every_quantized_weight_is_in_the_report():
         assert not torch.equal(out[i], ref[i])  # (computed in fp8)
 
 
+class Spelled(nn.Module):
+    """One linear, ``x @ w.T`` as ``gemm`` spells it."""
+
+    def __init__(self, gemm, bias=True):
+        super().__init__()
+        self.l, self.gemm = nn.Linear(64, 48, bias=bias), gemm
+
+    def forward(self, x):
+        return self.gemm(self, x)
+
+
+SPELLINGS = {
+    "mm(x, mat2=)": lambda s, x: torch.mm(x, mat2=s.l.weight.t()),
+    "mm(input=, mat2=)": lambda s, x: torch.mm(input=x, mat2=s.l.weight.t()),
+    "addmm(input=, mat1=, mat2=)": lambda s, x: torch.addmm(input=s.l.bias, mat1=x, mat2=s.l.weight.t()),
+    "matmul(x, other=)": lambda s, x: torch.matmul(x, other=s.l.weight.t()),
+    "x.matmul(other=)": lambda s, x: x.matmul(other=s.l.weight.T),
+    "w.mT": lambda s, x: x @ s.l.weight.mT,
+    "w.permute(1, 0)": lambda s, x: x @ s.l.weight.permute(1, 0),
+    "torch.permute": lambda s, x: x @ torch.permute(s.l.weight, (1, 0)),
+    "w.swapaxes(0, 1)": lambda s, x: x @ s.l.weight.swapaxes(0, 1),
+    "w.transpose(0, -1)": lambda s, x: x @ s.l.weight.transpose(0, -1),
+    "w.adjoint()": lambda s, x: x @ s.l.weight.adjoint(),
+}
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize("exported", [False, True], ids=["dynamo", "torch.export"])
+def test_linears_in_other_spellings_are_rewritten(spelling, exported):
+    """Operands by keyword, and transposes of other spellings (torch.export's programs hold ``aten.numpy_T`` for
+    ``w.T`` and ``aten.mT``): they were read by a matmul "of its transpose, not by a linear", or by the transpose."""
+    torch.manual_seed(0)
+    model = Spelled(SPELLINGS[spelling]).to(torch.bfloat16).eval()
+    fp8fx.quantize_(model)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    if exported:
+        model = torch.export.export(model, (x,)).module()
+        torch._dynamo.reset()
+    ref, out, backend = eager_and_compiled(model, x)
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("l", True)], backend.report
+    assert rel_err(out, ref) < 0.05 and not torch.equal(out, ref)
+
+
+def test_a_matmul_with_out_dtype_is_rewritten():
+    """``torch.mm(x, w.t(), out_dtype=torch.float32)`` (transformers' Ergo lm_head and router on CUDA): the fp8 op
+    returns float32; it was refused as if out_dtype= were an out= buffer. (aten's mm.dtype has no CPU kernel: the
+    reference is float32 math on the dequantized weight.)"""
+    torch.manual_seed(0)
+    model = Spelled(lambda s, x: torch.mm(x, s.l.weight.t(), out_dtype=torch.float32), bias=False).bfloat16()
+    fp8fx.quantize_(model)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        ref = x.float() @ model.l.weight.float().t()
+    assert out.dtype == torch.float32 and rel_err(out, ref) < 0.05
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("l", True)], backend.report
+
+
+class UnusedTranspose(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(64, 48)
+
+    def forward(self, x):
+        return self.a(x) * torch.transpose(self.a.weight, 0, 1).shape[0]  # kept, unused, in a torch.export program
+
+
+def test_a_transpose_nothing_reads_is_no_reader():
+    """It made the site say "also read by  (on the dequantized weight)": an empty list of readers."""
+    torch.manual_seed(0)
+    model = UnusedTranspose().bfloat16().eval()
+    fp8fx.quantize_(model)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    program = torch.export.export(model, (x,)).module()
+    assert torch.ops.aten.transpose.int in {n.target for n in program.graph.nodes}
+    torch._dynamo.reset()
+    _, _, backend = eager_and_compiled(program, x)
+    [site] = backend.report.sites
+    assert site.rewritten and "also read by" not in site.scheme, site.scheme
+
+
 class Scores(nn.Module):
     """Attention scores ``q @ k.transpose(-1, -2)``: a matmul with a transposed operand, not a linear."""
 

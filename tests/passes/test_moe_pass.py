@@ -167,7 +167,7 @@ class LoopExperts(nn.Module):
     """The example's loop with one thing changed at a time."""
 
     def __init__(self, act=F.silu, scale=1.0, experts=range(E), shift=0, bias=False, eq_method=False, mask_from=None,
-                 inplace_mask=False, id_offset=0, routing=None):
+                 inplace_mask=False, id_offset=0, routing=None, gemm=F.linear):
         super().__init__()
         g = torch.Generator().manual_seed(0)
         self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) / H**0.5)
@@ -178,6 +178,7 @@ class LoopExperts(nn.Module):
         self.mask_from, self.inplace_mask = mask_from, inplace_mask  # masked_fill(top_k_index[:, :1] >= mask_from)
         self.id_offset = id_offset  # expert e's pairs where top_k_index - id_offset == e (an expert-parallel rank)
         self.routing = routing  # (top_k_index, top_k_weights) -> the ones the loop reads
+        self.gemm = gemm  # (x, one expert's weight) -> x @ w.T, as the loop spells it
 
     def forward(self, x, top_k_index, top_k_weights):
         out = torch.zeros_like(x, dtype=torch.float32)
@@ -191,8 +192,8 @@ class LoopExperts(nn.Module):
             ids = top_k_index - self.id_offset if self.id_offset else top_k_index
             hit = ids.__eq__(e) if self.eq_method else ids == e
             weight = (top_k_weights * hit).sum(dim=-1, keepdim=True)
-            gate, up = F.linear(x, self.gate_up_proj[(e + self.shift) % E]).chunk(2, dim=-1)
-            y = F.linear(self.act(gate) * up, self.down_proj[(e + self.shift) % E])
+            gate, up = self.gemm(x, self.gate_up_proj[(e + self.shift) % E]).chunk(2, dim=-1)
+            y = self.gemm(self.act(gate) * up, self.down_proj[(e + self.shift) % E])
             if self.mask_from is not None and not self.inplace_mask:
                 y = y.masked_fill(mask, 0.0)
             out = out + (weight * y if self.scale == 1.0 else self.scale * weight * y)
@@ -247,6 +248,10 @@ def test_other_experts_are_left_as_they_are_with_the_reason(variant, reason):
     dict(mask_from=E),  # outputs masked where top_k_index >= E: never, for the ids fused_moe takes
     dict(routing=lambda i, w: (i.clamp(0, E - 1), w)),  # the identity on every id
     dict(routing=lambda i, w: (i.clamp(min=-1), w)),
+    # x @ w.T in the spellings the linear pass takes: x.matmul(w.T) (DBRX's loop) was "not part of an experts
+    # computation fused_moe knows"
+    dict(gemm=lambda x, w: torch.mm(x, w.t())), dict(gemm=lambda x, w: x.matmul(w.T)),
+    dict(gemm=lambda x, w: x @ w.transpose(0, 1)), dict(gemm=lambda x, w: x.mm(w.permute(1, 0))),
 ])
 def test_unrolled_loop_forms_rewritten(variant):
     model = Block(LoopExperts(**variant)).to(torch.bfloat16)
