@@ -334,6 +334,8 @@ def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump]
     last = [0]  # id() of the first weight of the last call: no reference, which would keep a dropped model alive
 
     def look(args) -> None:
+        if max(positions) >= len(args):  # the weights are no inputs of the compiled code: Inductor's freezing made
+            return  # them its constants (a frame's graph that other modules run cannot be told apart then)
         weight = args[positions[0]]
         if id(weight) != last[0]:
             last[0] = id(weight)

@@ -42,9 +42,12 @@ class PassContext:
         if self.graph_index not in frames:
             if path and fqn.endswith(f".{path}"):
                 frames[self.graph_index] = fqn[:-len(path) - 1]
-            elif not path and fqn and getattr(self.example.get(weight), "_fp8fx_fqn", None) == fqn:  # the layer
-                # (its weight's tag) is the frame's own module: a graph of its forward resumed after a break inside it
-                # (HF's per-expert loop at nonzero()); not an untagged weight the compiled module reads itself
+            elif not path and fqn and getattr(self.example.get(weight), "_fp8fx_fqn", None) == fqn and "." not in (
+                    input_path(weight) or "."):  # the layer (its weight's tag) is the frame's own module: a graph of
+                # its forward resumed after a break inside it (HF's per-expert loop at nonzero()), which reads the
+                # weight as its own attribute; not an untagged weight the compiled module reads itself, nor a child's
+                # weight it reads (torch.mm(x, self.b.weight.t()) in its own forward: ``b.weight``; under Inductor's
+                # freezing, an attribute of the graph, whose path is not known)
                 frames[self.graph_index] = fqn
         if isinstance(weight, fx.Node) and weight in self.positions:
             entry = (len(self.report.sites), self.positions[weight])

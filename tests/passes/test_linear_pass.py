@@ -1157,6 +1157,33 @@ def test_a_decomposed_torch_export_program_is_rewritten(shape):
     assert out.shape == ref.shape and not torch.equal(out, ref)
 
 
+class ReadsChildWeight(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.b = nn.Linear(64, 48)
+
+    def forward(self, x):
+        return torch.mm(x, self.b.weight.t())  # the compiled module's own forward reads its child's weight
+
+
+@pytest.mark.parametrize("freezing", [False, True])
+def test_a_module_reading_its_childs_weight_is_no_frame_of_the_child(freezing):
+    """The graph was taken for a frame of ``b``'s own forward (resumed after a graph break); under Inductor's freezing
+    (the weights no inputs of the compiled code) watching that frame's weights failed its first call (IndexError)."""
+    torch.manual_seed(0)
+    model = ReadsChildWeight().bfloat16().eval()
+    fp8fx.quantize_(model)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    backend = Fp8Backend()
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(freezing=freezing), torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        ref = model(x)
+    assert rel_err(out, ref) < 0.05
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("b", True)], backend.report
+    assert backend.report.frames == {}
+
+
 def test_inductor_freezing_keeps_the_reports_reasons():
     """Inductor's freezing has Dynamo hand the parameters over as attributes of the graph: their tags went unread,
     so an ignored layer said "run quantize_"; fuse_horizontal says why it leaves the graph's constants apart."""
