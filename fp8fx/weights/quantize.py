@@ -141,6 +141,7 @@ def quantize_(
     scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix)
     _check_resumed_scales(held, scales)
 
+    untagged = _tags_of(model)  # (put back where quantize_ fails before it quantized anything)
     for fqn, module, reason in skipped:  # tags the report reads back from the compiled graph's inputs
         for weight in weight_tensors(module):
             weight._fp8fx_skip_reason = reason
@@ -150,7 +151,7 @@ def quantize_(
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
     moe.tag_routers(model, decide.routers, prefix)
     method = Fp8LinearMethod(config)
-    undo = _Undo(model, resume, len(plan) + len(experts) + len(done), len(done))
+    undo = _Undo(model, resume, len(plan) + len(experts) + len(done), len(done), untagged)
     for fqn, module in plan:
         with undo.layer(fqn, module):
             weight = module._parameters["weight"]
@@ -195,6 +196,20 @@ def check_finished(model: nn.Module, what: str) -> None:
             "layers still bf16): call quantize_ again with the same arguments to finish it first (nothing was done)")
 
 
+def _tags_of(model: nn.Module) -> dict[int, tuple[torch.Tensor, dict]]:
+    """The fp8fx tags (``_fp8fx_*`` attributes) of each of ``model``'s parameters and buffers, by id."""
+    tensors = [t for m in model.modules() for t in (*m._parameters.values(), *m._buffers.values()) if t is not None]
+    return {id(t): (t, {k: v for k, v in vars(t).items() if k.startswith("_fp8fx_")}) for t in tensors}
+
+
+def _put_tags(model: nn.Module, tags: dict[int, tuple[torch.Tensor, dict]]) -> None:
+    """Each tensor of ``model`` gets back the fp8fx tags ``tags`` (``_tags_of``) held for it, and no others."""
+    for key, (t, _) in _tags_of(model).items():
+        for k in [k for k in vars(t) if k.startswith("_fp8fx_")]:
+            delattr(t, k)
+        vars(t).update(tags.get(key, (t, {}))[1])
+
+
 class _Undo:
     """What ``quantize_`` does when it fails on the way, after every check passed (an out-of-memory error in a late
     layer: a half-quantized model was left, which quantize_ then refused to finish). The layer it was quantizing is
@@ -203,8 +218,9 @@ class _Undo:
     hold the bf16 and the fp8 model at once); the model is marked so that the same ``quantize_`` call finishes the
     rest, and the error says so."""
 
-    def __init__(self, model: nn.Module, key: tuple, total: int, done: int):
+    def __init__(self, model: nn.Module, key: tuple, total: int, done: int, untagged: dict):
         self.model, self.key, self.total, self.done = model, key, total, done
+        self.untagged = untagged  # the model's tensors' fp8fx tags before this call (_tags_of)
 
     @contextlib.contextmanager
     def layer(self, fqn: str, module: nn.Module):
@@ -223,6 +239,12 @@ class _Undo:
                     delattr(p, k)
                 vars(p).update(tags)
                 p.requires_grad_(grad)
+            if not self.done:  # the first layer: nothing is fp8, the model is as it was (its reasons' tags too)
+                _put_tags(self.model, self.untagged)
+                if isinstance(error, Exception):
+                    error.add_note(f"fp8fx: quantize_ stopped at {fqn}, the first layer it quantizes: nothing was "
+                                   "quantized (the model is as it was)")
+                raise
             vars(self.model)[_UNFINISHED] = self.key
             if isinstance(error, Exception):
                 error.add_note(

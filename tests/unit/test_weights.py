@@ -907,6 +907,30 @@ def test_arguments_of_the_wrong_type_are_named():
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_quantize_failing_at_its_first_layer_leaves_the_model_as_it_was(monkeypatch):
+    """It had quantized nothing, yet marked the model half-quantized (save_checkpoint and another config refused it)
+    and left its reasons' tags on the layers it keeps (the report read them for a model quantize_ had not done)."""
+    from fp8fx.weights import chunked
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 32)).bfloat16()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(chunked, "quantize", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError) as failure:
+            fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["2"]))
+    assert "the first layer it quantizes: nothing was quantized" in "".join(failure.value.__notes__)
+    assert not [k for k in vars(model) if k.startswith("_fp8fx")]
+    assert not [k for p in model.parameters() for k in vars(p) if k.startswith("_fp8fx")]
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_block_size=[32, 32]))  # another config: not a half-quantized model
+    assert all(fp8fx.weights.is_quantized(m) for m in model)
+
+
 def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_called_again(monkeypatch, tmp_path):
     """An error in a late layer's quantization (out of memory on a full GPU) left that layer half changed (a plain
     Linear with fp8fx attributes) and the model refused by the next quantize_ ("already fp8-quantized"). The layer
