@@ -625,6 +625,18 @@ def test_legacy_kv_scale_serves_both(tmp_path):
     assert report.kv_scales["model.layers.1.self_attn"] == {"k_scale": 1.0, "v_scale": 1.0}
 
 
+@pytest.mark.parametrize("strategy", ["attn_head", "channel"])
+def test_a_kv_cache_scheme_of_more_scales_than_one_a_layer_is_refused(tmp_path, strategy):
+    """A per-head scheme with no scale tensors loaded, every KV-cache scale defaulted to 1.0 with a warning."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": strategy, "dynamic": False}
+    model = meta_tiny()
+    with pytest.raises(CheckpointError, match=rf"kv_cache_scheme strategy='{strategy}': fp8fx reads one KV-cache scale "
+                                              r"per attention layer .*re-export"):
+        load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert all(p.is_meta for p in model.parameters())
+
+
 @pytest.mark.parametrize("leaf", ["k_proj.kv_scale", "v_proj.kv_scale", "k_proj.v_scale"])
 def test_kv_scales_left_under_a_projection_are_refused(tmp_path, leaf):
     """The legacy kv_scale is the attention's (vLLM remaps <owner>.kv_scale to <owner>.attn.k_scale, so one under a
