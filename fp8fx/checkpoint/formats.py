@@ -144,8 +144,8 @@ def _kv_cache(qc: Mapping[str, Any]) -> bool:
     strategy = scheme.get("strategy", "tensor") if isinstance(scheme, dict) else "tensor"
     if strategy not in ("tensor", None):  # vLLM's per-head ("attn_head") scales: one scale per head, not per layer
         raise CheckpointError(f"config.json: kv_cache_scheme strategy={strategy!r}: fp8fx reads one KV-cache scale per "
-                              "attention layer (strategy 'tensor'); re-export the KV-cache scales per tensor, or remove "
-                              "kv_cache_scheme to load the model without them")
+                              "attention layer (strategy 'tensor'); re-export the KV-cache scales per tensor, or "
+                              "remove kv_cache_scheme to load the model without them")
     try:
         return scheme == "static" or isinstance(scheme, dict) and not _flag(scheme, "dynamic", False,
                                                                             "kv_cache_scheme")
