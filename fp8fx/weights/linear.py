@@ -101,7 +101,7 @@ def _cast_of(module: nn.Module, fn) -> tuple[Optional[torch.dtype], Optional[tor
     cast = fn(torch.empty(0, dtype=dtype, device=device)).dtype
     name = getattr(module._parameters.get("weight"), "_fp8fx_fqn", None) or getattr(module, "_fp8fx_prefix", "")
     name = name or type(module).__name__
-    if cast == dtype or not cast.is_floating_point:
+    if cast == dtype or not cast.is_floating_point and not cast.is_complex:
         return dtype, cast, ""
     if cast in quant.COMPUTE_DTYPES:
         return dtype, cast, _overflow_of(module, name, cast)
@@ -191,11 +191,21 @@ def guard_casts(model: nn.Module) -> None:
     """Has ``model.to(dtype)`` (``.half()``, ...) keep its KV-cache scales float32 and refuse a cast its fp8 layers
     cannot compute in (or whose range their dequantized weights exceed) before it converts anything: torch converts
     the modules one by one, so the first fp8 layer's refusal (``fp8_apply``) came after the modules before it had
-    been cast, leaving a model of two dtypes. The check is ``model``'s own ``_apply``, an
-    attribute of this instance (its class is left as it is); a cast of a submodule alone keeps ``fp8_apply``'s. It is a
-    ``_CheckedApply``, so the model still pickles (a bound method does not) and is freed as soon as it is dropped."""
+    been cast, leaving a model of two dtypes. The check is the own ``_apply`` of ``model`` and of every module in it
+    that holds an fp8 layer (``model.model.half()``, a decoder layer's ``.half()``: the modules before the refusing
+    layer were cast), an attribute of that instance (its class is left as it is). It is a ``_CheckedApply``, so the
+    model still pickles (a bound method does not) and is freed as soon as it is dropped. A module already guarded
+    keeps its guard; one that ``quantize_`` guards later (a part quantized on its own) gets its own."""
+    holders: set[int] = set()  # ids of the modules above an fp8 layer
+    for fqn, m in model.named_modules():
+        if getattr(type(m), "_apply", None) is fp8_apply:
+            parts = fqn.split(".") if fqn else []
+            holders.update(id(model.get_submodule(".".join(parts[:i]))) for i in range(len(parts)))
+    for m in model.modules():
+        if id(m) in holders and getattr(type(m), "_apply", None) is not fp8_apply and "_apply" not in vars(m):
+            m._apply = _CheckedApply(m)
     if getattr(type(model), "_apply", None) is not fp8_apply and "_apply" not in vars(model):
-        model._apply = _CheckedApply(model)
+        model._apply = _CheckedApply(model)  # (also a model of no fp8 layer: its copies keep the reasons' tags)
 
 
 def check_online(what: str, loaded: torch.Tensor, dtype: torch.dtype, prefix: str, kind: str,

@@ -792,29 +792,51 @@ def test_a_float64_reference_is_not_saved(tmp_path):
     assert (tmp_path / "ckpt" / "model.safetensors").exists()
 
 
-def test_a_cast_to_a_dtype_fp8_layers_cannot_compute_in_is_refused_naming_the_layer():
+@pytest.mark.parametrize("dtype", [torch.float8_e5m2, torch.complex64])
+def test_a_cast_to_a_dtype_fp8_layers_cannot_compute_in_is_refused_naming_the_layer(dtype):
     """Refused before any module is converted: torch casts module by module, and the first fp8 layer's refusal came
     after the LayerNorm before it had become float8_e5m2 (a model of two dtypes whose forward failed). A cast of one
-    submodule alone is still refused at its first fp8 layer, which says what was converted."""
+    submodule alone is still refused at its first fp8 layer, which says what was converted. A complex dtype was
+    taken: the plain parameters became complex, the fp8 layers stayed bf16, and the forward failed."""
     model = nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16)
     fp8fx.quantize_(model)
     before = {k: v.view(torch.uint8) if v.element_size() == 1 else v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"^1: cast to torch.float8_e5m2, but fp8 layers compute in bf16/fp16/fp32 "
+    with pytest.raises(ValueError, match=rf"^1: cast to {dtype}, but fp8 layers compute in bf16/fp16/fp32 "
                                          r"\(or fp64, as a reference\); cast the model to one of these \(nothing was "
                                          r"converted\)$"):
-        model.to(torch.float8_e5m2)
+        model.to(dtype)
     after = model.state_dict()
     assert all(v.dtype == after[k].dtype or v.element_size() == 1 for k, v in before.items())
     assert all(torch.equal(v, after[k].view(torch.uint8) if v.dtype == torch.uint8 else after[k])
                for k, v in before.items())
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     assert model(x).dtype == torch.bfloat16  # still runs
-    with pytest.raises(ValueError, match=r"^3: cast to torch.float8_e5m2, .*the modules before this layer were "
+    with pytest.raises(ValueError, match=rf"^3: cast to {dtype}, .*the modules before this layer were "
                                          r"converted"):
-        model[2:].to(torch.float8_e5m2)  # a submodule: no check of its own before torch's
+        model[2:].to(dtype)  # a submodule: no check of its own before torch's
     assert model[3]._fp8fx_dtype == torch.bfloat16 and model[3].bias.dtype == torch.bfloat16
     model.to(torch.float16)  # a cast they compute in goes through the check
     assert model[1]._fp8fx_dtype == torch.float16 and model[0].weight.dtype == torch.float16
+
+
+def test_a_cast_of_a_submodule_an_fp8_layer_refuses_converts_nothing():
+    """``model.model.half()`` (a submodule: no guard of its own) was refused at its first fp8 layer whose dequantized
+    weight float16 cannot hold, after the modules before it had become float16 (norms, the fp8 layers' compute
+    dtype). Every module that holds an fp8 layer checks the cast first now."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.Sequential(nn.Linear(64, 64))))
+    with torch.no_grad():
+        model[0][2][0].weight[0, 0] = 1e6  # dequantized past float16's 65504
+    model.bfloat16()
+    fp8fx.quantize_(model)
+    for part in (model[0], model[0][2]):
+        with pytest.raises(ValueError, match=r"^0\.2\.0: cast to torch.float16, but a scale of .* beyond "
+                                             r"torch.float16's range .*\(nothing was converted\)$"):
+            part.half()
+        assert model[0][0].weight.dtype == torch.bfloat16 and model[0][1]._fp8fx_dtype == torch.bfloat16
+        assert model[0][2][0]._fp8fx_dtype == torch.bfloat16
+    model[0][1].half()  # an fp8 layer of its own: its own check
+    assert model[0][1]._fp8fx_dtype == torch.float16
 
 
 def test_a_dtype_cast_keeps_quantized_experts_fp8():
