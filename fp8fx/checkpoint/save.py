@@ -103,6 +103,11 @@ def save_checkpoint(
     schemes, demoted = _fp8_schemes(modules, schemes, layout)
     ignored, kv, fmt, method = _ignored_and_format(model, modules, schemes, layout, format)
     tensors = _named_tensors(model, modules, layout, demoted, method)
+    meta = [n for n, t in tensors.items() if t.is_meta]
+    if meta:  # a model built on the meta device and not loaded (or a part of it left unloaded): no values to write
+        raise ValueError(f"save_checkpoint: {meta[0]} is on the meta device ({len(meta)} such tensors): it holds no "
+                         "values; load the model's weights first (fp8fx.load_checkpoint), then save (nothing was "
+                         "written)")
     wide = [n for n, t in tensors.items() if t.is_floating_point() and t.dtype.itemsize > 4]
     if wide:  # load_checkpoint reads bf16/fp16/fp32 next to the fp8 tensors: refused here, not when loaded
         raise ValueError(f"save_checkpoint: {wide[0]} is {tensors[wide[0]].dtype} ({len(wide)} such tensors); a "
@@ -118,6 +123,8 @@ def save_checkpoint(
         if hasattr(hf, "to_dict"):  # the class that loads it, as save_pretrained writes (a model built from its
             # config has none: meta_model took AutoModelForCausalLM's class, which VLMs have not)
             config_json["architectures"] = [type(model).__name__]
+    if not isinstance(config_json, Mapping):  # (_config_text's check, before anything reads it)
+        _config_text(config_json, qc, "save_checkpoint")
     config_json = _untied_config(model, config_json)
     head = output_embeddings(model, modules)
     if head is not None and head in schemes:

@@ -216,11 +216,14 @@ def test_a_linear_subclass_loads_its_compressed_tensors_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("bad,match", [
     ("not-a-mapping", r"config_json must be a mapping \(the rest of config.json\), got str"),
+    ([1], r"config_json must be a mapping \(the rest of config.json\), got list"),  # (was dict()'s TypeError)
     ({"a": 1, 2: "b"}, r"config_json cannot be written as JSON"),
 ])
 def test_a_config_json_that_cannot_be_written_leaves_nothing(tmp_path, bad, match):
     """It was written after the shards: a checkpoint without config.json (or a truncated one), refused on retry."""
     model = quantized_tiny(fp8fx.Fp8Config())
+    # (embeddings as transformers' models name them, untied: the config is read for its tie_word_embeddings first)
+    model.get_input_embeddings, model.get_output_embeddings = lambda: model.model.embed_tokens, lambda: model.lm_head
     with pytest.raises(ValueError, match=match):
         save_checkpoint(model, tmp_path / "x", config_json=bad, max_shard_size=1 << 12)
     assert not (tmp_path / "x").exists()
@@ -883,6 +886,17 @@ def test_names_that_collide_without_orig_mod_are_refused(tmp_path):
     fp8fx.quantize_(model.bfloat16())
     match = r"inner\.proj\.weight and inner\._orig_mod\.proj\.weight would both be saved as inner\.proj\.weight "
     with pytest.raises(ValueError, match=match + r".*rename one of the modules.*nothing was written"):
+        save_checkpoint(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_save_refuses_a_tensor_on_the_meta_device_naming_it(tmp_path):
+    """torch's "Cannot copy out of meta tensor; no data!" named no tensor."""
+    model = quantized_tiny(fp8fx.Fp8Config())
+    norm = model.model.layers[0].norm
+    norm.weight = nn.Parameter(torch.empty(norm.weight.shape, device="meta"))
+    with pytest.raises(ValueError, match=r"save_checkpoint: model.layers.0.norm.weight is on the meta device \(1 such "
+                                         r"tensors\).*load the model's weights first .*nothing was written"):
         save_checkpoint(model, tmp_path / "x")
     assert not (tmp_path / "x").exists()
 
