@@ -668,6 +668,12 @@ def meta_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = Non
         raise ImportError("fp8fx.checkpoint.meta_model (convert's default model) builds the model with transformers: "
                           "pip install transformers, or pass convert(model=...)") from None
 
+    where = os.path.join(os.fspath(path), CONFIG)
+    if not os.path.isfile(where):
+        raise CheckpointError(f"meta_model: {where} does not exist; pass a checkpoint's folder (one with config.json)")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise ValueError(f"meta_model(dtype={dtype!r}): a floating-point torch.dtype (torch.bfloat16, torch.float16, "
+                         "torch.float32) or None for the config's")
     try:  # (transformers' own errors for a bad field: a dataclass validation error, a ZeroDivisionError, ...)
         cfg = transformers.AutoConfig.from_pretrained(os.fspath(path))
         dtype = dtype or getattr(cfg, "dtype", None) or torch.bfloat16
@@ -683,8 +689,9 @@ def meta_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = Non
             return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
     except Exception as e:  # noqa: BLE001 - named for the user below, the original chained
         first = (str(e).strip().splitlines() or [""])[0]
-        raise CheckpointError(f"{os.fspath(path)}/config.json: transformers cannot build the model it describes "
-                              f"({type(e).__name__}: {first}); fix the config, or pass model=") from e
+        raise CheckpointError(f"{where}: transformers cannot build the model it describes ({type(e).__name__}: "
+                              f"{first}); fix the config, or build the model yourself (convert(model=...), "
+                              "load_checkpoint(model, ...))") from e
 
 
 def convert(

@@ -1022,3 +1022,20 @@ def test_output_embeddings_behind_a_wrapper_are_the_linear_it_wraps(tmp_path, ca
     with caplog.at_level(logging.WARNING, logger="fp8fx"):
         save_checkpoint(model, tmp_path / "saved")
     assert "save_checkpoint writes the output embeddings head.proj in fp8" in caplog.text
+
+
+def test_meta_model_names_what_is_wrong(tmp_path):
+    """A missing folder, a folder without config.json and a dtype that is no float all read "config.json: transformers
+    cannot build the model it describes ... or pass model=" (an argument meta_model has not)."""
+    from fp8fx.checkpoint import meta_model
+
+    transformers = pytest.importorskip("transformers")
+    with pytest.raises(CheckpointError, match=r"^meta_model: .*nothing/config.json does not exist; pass a "
+                                              r"checkpoint's folder"):
+        meta_model(tmp_path / "nothing")
+    transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path / "llama")
+    for dtype in ("bf16", torch.int8):
+        with pytest.raises(ValueError, match=r"^meta_model\(dtype=.*\): a floating-point torch.dtype"):
+            meta_model(tmp_path / "llama", dtype)
+    assert next(meta_model(tmp_path / "llama", torch.float16).parameters()).dtype == torch.float16
