@@ -335,10 +335,16 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
                 "to store in fp8; remove the parametrization first (torch.nn.utils.parametrize."
                 "remove_parametrizations(layer, 'weight'), or torch.nn.utils.remove_weight_norm(layer))")
     weight = layer._parameters.get("weight")
-    if weight is None or weight.dim() != 2:
-        return "no 2-D weight"
+    if weight is None:
+        held = "a buffer" if isinstance(layer._buffers.get("weight"), torch.Tensor) else "no tensor"
+        return (f"its weight is {held}, not a parameter: quantize_ stores a layer's weight parameter in fp8; register "
+                "it as an nn.Parameter, or add the layer to ignored_layers")
+    if weight.dim() != 2:
+        return (f"its weight is {weight.dim()}-D {list(weight.shape)}, not a linear's [out_features, in_features]; "
+                "add the layer to ignored_layers")
     if weight.dtype not in quant.HIGH_PRECISION:
-        return f"weight dtype {weight.dtype} is not bf16/fp16/fp32"
+        return (f"weight dtype {weight.dtype} is not bf16/fp16/fp32; cast the layer to one of these (layer.to(torch."
+                "bfloat16)) or add it to ignored_layers")
     w = config.weight
     n, k = weight.shape
     if isinstance(w, PerBlock) and (n % w.block_n or k % w.block_k):

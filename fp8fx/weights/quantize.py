@@ -86,7 +86,7 @@ def quantize_(
         if reason is None:
             plan.append((fqn, module))
         elif strict and not on_purpose:
-            raise ValueError(f"{fqn}: {reason}")
+            raise ValueError(f"{fqn}: {reason} (strict=True: nothing was quantized)")
         else:
             skipped.append((fqn, module, reason))
     # experts modules (3-D gate_up_proj [E, 2I, H] or ungated up_proj [E, I, H], and down_proj [E, H, I]):
@@ -100,7 +100,7 @@ def quantize_(
         if reason is None:
             experts.append((fqn, module))
         elif strict and reason != "in ignored_layers":
-            raise ValueError(f"{fqn}: {reason}")
+            raise ValueError(f"{fqn}: {reason} (strict=True: nothing was quantized)")
         else:
             experts_skipped.append((fqn, module, reason))
 

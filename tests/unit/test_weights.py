@@ -110,7 +110,21 @@ def test_a_layer_of_a_dtype_quantize_does_not_read_is_skipped_with_the_reason():
     fp8fx.quantize_(model)
     assert fp8fx.weights.is_quantized(model[0]) and not fp8fx.weights.is_quantized(model[1])
     assert model[1].weight.dtype == torch.float64
-    assert model[1].weight._fp8fx_skip_reason == "weight dtype torch.float64 is not bf16/fp16/fp32"
+    assert model[1].weight._fp8fx_skip_reason == ("weight dtype torch.float64 is not bf16/fp16/fp32; cast the layer to "
+                                                  "one of these (layer.to(torch.bfloat16)) or add it to ignored_layers")
+
+
+def test_a_layer_whose_weight_is_a_buffer_says_so():
+    """It was skipped as having "no 2-D weight" (a 2-D buffer), naming no fix."""
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).bfloat16()
+    weight = model[1].weight.detach().clone()
+    del model[1].weight
+    model[1].register_buffer("weight", weight)
+    fp8fx.quantize_(model)
+    assert fp8fx.weights.is_quantized(model[0]) and not fp8fx.weights.is_quantized(model[1])
+    with pytest.raises(ValueError, match=r"^1: its weight is a buffer, not a parameter: .*register it as an "
+                                         r"nn.Parameter, or add the layer to ignored_layers"):
+        fp8fx.quantize_(nn.Sequential(nn.Linear(64, 64), model[1]).bfloat16(), strict=True)
 
 
 def test_serialized_config_rejected_by_quantize_():
