@@ -549,6 +549,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     config = config_or(config, Fp8Config(activation_scheme="static"), "calibrate")
     check_prefix(prefix, "calibrate")
     model = compat.compiled_module(model)  # torch.compile's wrapper: the model's own names, run eagerly
+    check_finished(model, "calibrate")  # (its fp8 layers' outputs would be measured as the bf16 model's)
     if not isinstance(batches, Iterable) or isinstance(batches, (str, bytes)):
         raise ValueError(f"calibrate: batches is {batches!r:.80}; pass an iterable of batches, e.g. [x] for one batch")
     if isinstance(batches, torch.Tensor):  # iterating it would run one batch per row

@@ -1007,6 +1007,10 @@ def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_c
                                              r"again with the same arguments to finish it first"):
             fp8fx.save_checkpoint(m, tmp_path / "out")
         assert not (tmp_path / "out").exists()
+    # calibrated now, its fp8 layers' outputs would be measured as the bf16 model's (a resumed static quantize_
+    # takes the first call's scales)
+    with pytest.raises(ValueError, match=r"^calibrate: the model is half-quantized"):
+        fp8fx.calibrate(model, [torch.randn(2, 64, dtype=torch.bfloat16)])
     monkeypatch.setattr(chunked, "quantize", real)
     fp8fx.quantize_(model)
     fp8fx.quantize_(fresh)
