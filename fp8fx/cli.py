@@ -319,9 +319,14 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
                 base = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise UsageError(f"--config {args.config}: {_first_line(e)}") from e
+        whole = base
         base = base.get("quantization_config", base) if isinstance(base, dict) else base
         if not isinstance(base, dict):
             raise UsageError(f"--config {args.config}: expected a JSON object, got {type(base).__name__}")
+        if "quant_method" not in base and "model_type" in whole:  # a model's config.json of no quantization
+            raise UsageError(f"--config {args.config}: a model's config.json without a quantization_config; pass a "
+                             "quantization_config (a file holding one, or a checkpoint's config.json that has one), "
+                             "or leave --config out for Fp8Config's defaults and the flags")
     from fp8fx.checkpoint import CheckpointError, formats
 
     try:

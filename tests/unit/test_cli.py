@@ -294,6 +294,13 @@ def test_bad_configs(capsys, llama_dir, tmp_path):
     code, _, err = run(capsys, "inspect", str(llama_dir), "--activation-scheme", "sometimes")
     assert code == 2
     one_line_error(err, "invalid choice: 'sometimes'")
+    # a model's own config.json (it said "quant_method=None is not a format fp8fx loads")
+    plain = json.loads((llama_dir / "config.json").read_text())
+    del plain["quantization_config"]
+    bad.write_text(json.dumps(plain))
+    code, _, err = run(capsys, "inspect", str(llama_dir), "--config", str(bad))
+    assert code == 2
+    one_line_error(err, "a model's config.json without a quantization_config; pass a quantization_config")
 
 
 def test_flags_over_a_compressed_tensors_config(capsys, llama_dir, tmp_path):
