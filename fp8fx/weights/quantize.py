@@ -10,6 +10,8 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 from fp8fx import quant
 from fp8fx.config import Fp8Config, config_or, entry_covers
@@ -420,7 +422,8 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
         raise ValueError(
             f"activation_scheme='static' needs an input scale for every quantized layer; missing {shown} in "
             "input_scales: fp8fx.calibrate gives none to a layer that received no input during calibration (a "
-            "branch the batches did not take, or a layer called through its weight, F.linear(x, layer.weight)); "
+            "branch the batches did not take, or a layer whose weight is read in a spelling the linear pass does "
+            "not take either); "
             "calibrate with batches that reach it, or add it to ignored_layers (nothing was quantized)"
         )
     checked = {}
@@ -438,6 +441,65 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
                              "quantized)")
         checked[fqn] = as_f32
     return checked
+
+
+class _WeightReads(TorchFunctionMode):
+    """Records, as ``record(fqn, x)``, the input ``x`` of every linear of a tracked ``nn.Linear`` weight that is not
+    a call of the module, in the spellings the linear pass rewrites: ``F.linear(x, layer.weight)``,
+    ``x @ layer.weight.t()``, ``torch.mm(x, w.T)``, ``torch.addmm(b, x, w.mT)``, the weight read through ``.t()``,
+    ``.T``, ``.mT``, ``transpose``, ``permute``, casts and ``contiguous`` (a module hook does not see these, and
+    static activations need their scales). A call of the module itself, whose ``F.linear`` is seen too, records
+    what its pre-hook recorded (the same tensor)."""
+
+    _CASTS = frozenset(("to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous"))
+    _MATMULS = frozenset(("matmul", "mm", "__matmul__"))
+
+    def __init__(self, weights: Mapping[str, torch.Tensor], record: Callable[[str, torch.Tensor], None]):
+        super().__init__()
+        self.record = record
+        self.reads = WeakIdKeyDictionary()  # tensor -> (fqns, transposed): the weights and their views, casts
+        for fqn, w in weights.items():
+            self.reads.setdefault(w, ([], False))[0].append(fqn)  # (two linears may share one weight)
+
+    def _read(self, t):
+        return self.reads.get(t) if isinstance(t, torch.Tensor) else None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        first = self._read(args[0]) if args else None
+        if first is not None and isinstance(out, torch.Tensor) and out is not args[0]:
+            src = args[0]
+            if name in self._CASTS and out.shape == src.shape:
+                self.reads[out] = first
+            elif _transposing_view(src, out):  # .t(), .T, .mT, permute(1, 0) ...
+                self.reads[out] = (first[0], not first[1])
+        if name == "linear":
+            x, w = (kwargs.get("input", args[0] if args else None),
+                    kwargs.get("weight", args[1] if len(args) > 1 else None))
+            self._seen(x, self._read(w), transposed=False)
+        elif name in self._MATMULS or name == "addmm":
+            operands = list(args) + [kwargs[k] for k in ("input", "self", "mat1", "mat2", "other") if k in kwargs]
+            operands = operands[1:] if name == "addmm" else operands  # (addmm's bias first)
+            if len(operands) == 2:
+                self._seen(operands[0], self._read(operands[1]), transposed=True)
+        return out
+
+    def _seen(self, x, read, transposed: bool) -> None:
+        if read is None or read[1] != transposed or not isinstance(x, torch.Tensor) or not x.is_floating_point():
+            return
+        for fqn in read[0]:
+            self.record(fqn, x)
+
+
+def _transposing_view(src: torch.Tensor, out: torch.Tensor) -> bool:
+    """``out`` is ``src.t()``: a view of the 2-D ``src``'s memory with its shape and strides reversed."""
+    try:
+        return (out.ndim == 2 and src.ndim == 2 and out.shape == src.shape[::-1] and out.stride() == src.stride()[::-1]
+                and out.data_ptr() == src.data_ptr())
+    except RuntimeError:  # (a tensor subclass without strides or storage: not taken for a weight's view)
+        return False
 
 
 def _takes_keywords(model: nn.Module, batch: Mapping) -> bool:
@@ -576,26 +638,30 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
             )
     hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no), with_kwargs=True)
              for fqn, module in experts]
-    for fqn, module in modules:
-        if isinstance(module, nn.Linear):
 
-            def record(mod, args, kwargs, fqn=fqn):
-                x = args[0] if args else kwargs["input"]
-                if x.numel() == 0:  # no rows this batch (an expert no token reached): nothing to measure
-                    return
-                _record(amax, fqn, x.detach().abs().max().float().item(), batch_no[0])
+    def record(fqn: str, x: torch.Tensor) -> None:
+        if x.numel() == 0:  # no rows this batch (an expert no token reached): nothing to measure
+            return
+        _record(amax, fqn, x.detach().abs().max().float().item(), batch_no[0])
 
-            hooks.append(module.register_forward_pre_hook(record, with_kwargs=True))
+    linears = {fqn: module for fqn, module in modules if isinstance(module, nn.Linear)}
+    for fqn, module in linears.items():
+        hooks.append(module.register_forward_pre_hook(
+            lambda mod, args, kwargs, fqn=fqn: record(fqn, args[0] if args else kwargs["input"]), with_kwargs=True))
+    # the linears' weights read by other modules: F.linear(x, layer.weight), x @ layer.weight.t()
+    reads = _WeightReads({fqn: m.weight for fqn, m in linears.items() if isinstance(m.weight, torch.Tensor)}, record)
     ran = 0  # batches run
     training = {m: m.training for m in model.modules()}  # dropout would scale the activations it measures
     model.eval()
     try:
         for batch_no[0], batch in enumerate(batches):
             ran += 1
-            if isinstance(batch, Mapping) and _takes_keywords(model, batch):
-                model(**batch)
-            else:
-                model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
+            # (a module compiled inside the model runs eagerly too: Dynamo would trace the mode and the hooks)
+            with reads, torch.compiler.set_stance("force_eager"):
+                if isinstance(batch, Mapping) and _takes_keywords(model, batch):
+                    model(**batch)
+                else:
+                    model(*batch) if isinstance(batch, (tuple, list)) else model(batch)
     finally:
         for h in hooks:
             h.remove()
@@ -615,6 +681,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     unseen += [name for fqn, m in experts for name in moe.input_scale_names(fqn, m) if name not in amax]
     if unseen:  # quantize_ will ask for their scales
         log.warning("fp8fx: calibrate: %s received no input during calibration (a branch the batches did not take, "
-                    "or a layer called through its weight, F.linear(x, layer.weight)), so they get no input scale; "
+                    "or a layer whose weight is read in a spelling the linear pass does not take either), so they get "
+                    "no input scale; "
                     "calibrate with batches that reach them, or add them to ignored_layers", _shown(unseen))
     return {fqn: max(a, quant.AMAX_EPS) / quant.FP8_MAX for fqn, a in amax.items()}

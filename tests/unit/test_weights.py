@@ -883,7 +883,7 @@ def test_calibrate_refuses_a_layer_whose_inputs_were_all_zero():
 
 
 class Branch(nn.Module):
-    """``b`` runs only when asked, ``c`` through its weight: calibrate sees neither run."""
+    """``b`` runs only when asked (calibrate does not see it run), ``c`` through its weight."""
 
     def __init__(self):
         super().__init__()
@@ -899,12 +899,64 @@ def test_a_layer_that_never_ran_during_calibration_is_named_as_such(caplog):
     model = Branch().to(torch.bfloat16)
     with caplog.at_level("WARNING", logger="fp8fx"):
         scales = fp8fx.calibrate(model, [torch.randn(4, 64, dtype=torch.bfloat16)])
-    assert set(scales) == {"a"} and "['b', 'c'] received no input during calibration" in caplog.text
-    with pytest.raises(ValueError, match=r"missing \['b', 'c'\] in input_scales: fp8fx.calibrate gives none to a "
+    assert set(scales) == {"a", "c"} and "['b'] received no input during calibration" in caplog.text
+    with pytest.raises(ValueError, match=r"missing \['b'\] in input_scales: fp8fx.calibrate gives none to a "
                                          r"layer that received no input during calibration .*ignored_layers"):
         fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales=scales)
     assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
-    fp8fx.quantize_(model, Fp8Config(activation_scheme="static", ignored_layers=["b", "c"]), input_scales=scales)
+    fp8fx.quantize_(model, Fp8Config(activation_scheme="static", ignored_layers=["b"]), input_scales=scales)
+
+
+class WeightReads(nn.Module):
+    """Linears read through their weights in each spelling the linear pass rewrites, one called as a module, and
+    ``g`` read untransposed (``h @ g.weight``: no linear of g). ``inputs`` keeps what each linear read."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c, self.d, self.e, self.f, self.g = (nn.Linear(64, 64) for _ in range(7))
+        self.inputs = {}
+
+    def forward(self, x):
+        def read(name, h):
+            self.inputs[name] = torch.maximum(self.inputs.get(name, h.abs().amax()), h.abs().amax()).detach()
+            return h
+
+        h = nn.functional.linear(read("a", x), self.a.weight)
+        h = torch.mm(read("b", h * 2), self.b.weight.t())
+        h = read("c", h * 3) @ self.c.weight.T
+        h = torch.addmm(self.d.bias, read("d", h / 2), self.d.weight.mT)
+        h = read("e", h * 5).matmul(self.e.weight.permute(1, 0).contiguous())
+        h = self.f(read("f", h - 1))
+        return h + (h @ self.g.weight) * 1e-3 + (h @ h.t()).sum() * 1e-6  # (nor is an activation's product)
+
+
+def test_calibrate_measures_linears_read_through_their_weights(caplog):
+    """calibrate hooked the modules only: a layer whose parent read its weight (``torch.mm(x, layer.weight.t())``,
+    which the linear pass rewrites) got no input scale, and static quantize_ then refused the model."""
+    torch.manual_seed(0)
+    model = WeightReads().to(torch.bfloat16)
+    batches = [torch.randn(4, 64, dtype=torch.bfloat16) * s for s in (1, 3)]
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        scales = fp8fx.calibrate(model, batches)
+    assert "['g'] received no input during calibration" in caplog.text
+    assert scales == {k: v.float().item() / quant.FP8_MAX for k, v in model.inputs.items()}
+    ref = model.double()(batches[1].double())
+    model.to(torch.bfloat16)
+    fp8fx.quantize_(model, Fp8Config(activation_scheme="static", ignored_layers=["g"]), input_scales=scales)
+    backend = fp8fx.Fp8Backend()
+    out = torch.compile(model, backend=backend)(batches[1])
+    assert sorted(s.fqn for s in backend.report.rewritten) == list("abcdef")
+    assert all("static" in str(s.scheme) for s in backend.report.rewritten)
+    assert rel_err(out, ref) < 0.12  # six fp8 layers in a row, weights and activations: 0.087
+
+
+def test_calibrate_runs_a_module_compiled_inside_the_model_eagerly():
+    """Dynamo traced calibrate's weight-read mode and hooks inside the compiled block: AttributeError."""
+    model = _mlp()
+    x = torch.randn(4, 128, dtype=torch.bfloat16)
+    want = fp8fx.calibrate(model, [x])
+    model[2] = torch.compile(model[2])
+    assert fp8fx.calibrate(model, [x]) == {"2._orig_mod" if k == "2" else k: v for k, v in want.items()}
 
 
 def test_a_compiled_module_is_calibrated_and_quantized_under_its_own_names():
