@@ -141,16 +141,18 @@ def _kv_cache(qc: Mapping[str, Any]) -> bool:
         # an int8 (or other) KV cache read as fp8 scales would be wrong by its whole format
         raise CheckpointError(f"config.json: kv_cache_scheme={scheme!r} is not an fp8 (8-bit float) KV cache; fp8fx "
                               "reads fp8 KV-cache scales only")
+    try:
+        static = scheme == "static" or isinstance(scheme, dict) and not _flag(scheme, "dynamic", False,
+                                                                              "kv_cache_scheme")
+    except ValueError as e:
+        raise CheckpointError(f"config.json: {e}") from None
     strategy = scheme.get("strategy", "tensor") if isinstance(scheme, dict) else "tensor"
-    if strategy not in ("tensor", None):  # vLLM's per-head ("attn_head") scales: one scale per head, not per layer
+    if static and strategy not in ("tensor", None):  # vLLM's per-head ("attn_head") scales: one per head, not per
+        # layer (a dynamic KV cache stores none: nothing to read)
         raise CheckpointError(f"config.json: kv_cache_scheme strategy={strategy!r}: fp8fx reads one KV-cache scale per "
                               "attention layer (strategy 'tensor'); re-export the KV-cache scales per tensor, or "
                               "remove kv_cache_scheme to load the model without them")
-    try:
-        return scheme == "static" or isinstance(scheme, dict) and not _flag(scheme, "dynamic", False,
-                                                                            "kv_cache_scheme")
-    except ValueError as e:
-        raise CheckpointError(f"config.json: {e}") from None
+    return static
 
 
 _CT_KEYS = frozenset({"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme"})  # (that fp8fx reads)

@@ -140,12 +140,13 @@ def save_checkpoint(
 def _check_scales(modules: Mapping[str, nn.Module], fp8: Mapping[str, Any]) -> None:
     """Refuses a scale the model holds that no loader takes (0, <0, subnormal, NaN, Inf: load_checkpoint refused the
     checkpoint save_checkpoint had written), naming it, before anything is written: the fp8 linears' (``fp8``) and
-    experts' scales, and the attentions' KV-cache scales."""
+    experts' scales, and the attentions' KV-cache scales (those fp8fx attached: a model's own ``q_scale`` is its
+    own). A meta tensor is left to the caller's check, which names it."""
     for fqn, m in modules.items():
         for name, t in list(m._parameters.items()) + list(m._buffers.items()):
-            if t is None or not t.is_floating_point():
+            if t is None or t.is_meta or not t.is_floating_point():
                 continue
-            if name in KV_SCALE_NAMES and t.dtype == torch.float32:  # (what attach_kv_scales attaches)
+            if name in m.__dict__.get("_fp8fx_kv_scales", ()):  # (attach_kv_scales's: float32, one value)
                 try:
                     check_kv_scale(f"{fqn}.{name}", t.detach())
                 except ValueError as e:
@@ -309,7 +310,7 @@ def _ignored_and_format(
     source = getattr(model, "_fp8fx_source", {})
     # KV-cache scales declared (kv_cache_scheme) where the model has them, unless they came from a checkpoint
     # that held them without declaring an fp8 KV cache: the saved one says what its source said
-    kv = source.get("kv_cache", True) and any(any(n in m._buffers for n in KV_SCALE_NAMES) for m in model.modules())
+    kv = source.get("kv_cache", True) and any(m.__dict__.get("_fp8fx_kv_scales") for m in model.modules())
     fmt = format or (source.get("format") if source.get("format") in formats.FORMATS else None)
     method = formats.quantization_config(schemes, ignored, kv, fmt)["quant_method"]
     if method == "compressed-tensors":  # its ignore list matches names exactly (or "re:"): experts written per

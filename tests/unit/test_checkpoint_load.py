@@ -637,6 +637,15 @@ def test_a_kv_cache_scheme_of_more_scales_than_one_a_layer_is_refused(tmp_path, 
     assert all(p.is_meta for p in model.parameters())
 
 
+def test_a_dynamic_per_head_kv_cache_scheme_loads_without_kv_scales(tmp_path):
+    """A dynamic KV cache stores no scales, whatever its strategy: the per-head one was refused as if it held some."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "attn_head", "dynamic": True}
+    model = meta_tiny()
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert not report.kv_scales and not any(p.is_meta for p in model.parameters())
+
+
 @pytest.mark.parametrize("leaf", ["k_proj.kv_scale", "v_proj.kv_scale", "k_proj.v_scale"])
 def test_kv_scales_left_under_a_projection_are_refused(tmp_path, leaf):
     """The legacy kv_scale is the attention's (vLLM remaps <owner>.kv_scale to <owner>.attn.k_scale, so one under a

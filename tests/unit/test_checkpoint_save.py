@@ -901,6 +901,37 @@ def test_save_refuses_a_tensor_on_the_meta_device_naming_it(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_save_of_a_quantized_model_on_the_meta_device_names_a_tensor(tmp_path):
+    """The scales' check ran first: torch's "Tensor.item() cannot be called on meta tensors"."""
+    model = quantized_tiny(fp8fx.Fp8Config()).to("meta")
+    with pytest.raises(ValueError, match=r"save_checkpoint: \S+ is on the meta device .*nothing was written"):
+        save_checkpoint(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_models_own_q_scale_is_no_kv_cache_scale(tmp_path):
+    """A learned per-head ``q_scale`` parameter was checked as a KV-cache scale ("one value, got shape [8]") and the
+    save refused; it is the model's own, saved and loaded back as it is, and declares no KV-cache scheme."""
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.q_scale = nn.Linear(64, 64), nn.Parameter(torch.linspace(0.5, 2, 8))
+
+    def model():
+        torch.manual_seed(0)
+        m = nn.Sequential(Attn()).bfloat16()
+        m[0].q_scale.data = m[0].q_scale.data.float()
+        return m
+
+    source = model()
+    fp8fx.quantize_(source)
+    qc = save_checkpoint(source, tmp_path / "x")
+    assert "kv_cache_scheme" not in qc or not qc["kv_cache_scheme"]
+    loaded = model()
+    fp8fx.load_checkpoint(loaded, tmp_path / "x", progress=False)
+    assert torch.equal(loaded[0].q_scale, source[0].q_scale) and loaded[0].q_scale.dtype == torch.float32
+
+
 def test_save_refuses_an_fp8_layer_whose_weight_is_no_longer_fp8(tmp_path):
     """Cast by hand after quantize_: its bf16 values would be written under the fp8 checkpoint's names."""
     model = quantized_tiny(fp8fx.Fp8Config())
