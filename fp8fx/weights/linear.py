@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import threading
 import weakref
 from typing import Optional, Sequence
 
@@ -132,9 +133,24 @@ def _overflow_of(module: nn.Module, name: str, cast: torch.dtype) -> str:
     return ""
 
 
+_CHECKING = threading.local()  # .depth: the _checked_apply calls running on this thread
+
+
 def _checked_apply(self, fn, recurse=True):
     """A quantized model's own ``_apply`` (``guard_casts``): a cast that an fp8 layer of it refuses raises before any
-    module of the model is converted, then the model's class' ``_apply`` runs as always."""
+    module of the model is converted, then the model's class' ``_apply`` runs as always. The guarded modules below
+    it (``guard_casts``) are called by that ``_apply``: they were checked with it, and run as their class' alone
+    (each checking its whole part again made a cast's checks O(layers x depth))."""
+    if getattr(_CHECKING, "depth", 0):
+        return type(self)._apply(self, fn, recurse)
+    _CHECKING.depth = 1
+    try:
+        return _checked_cast(self, fn, recurse)
+    finally:
+        _CHECKING.depth = 0
+
+
+def _checked_cast(self, fn, recurse: bool):
     for m in self.modules():
         refused = _cast_of(m, fn)[2] if getattr(type(m), "_apply", None) is fp8_apply else ""
         if refused:
@@ -195,9 +211,11 @@ def guard_casts(model: nn.Module) -> None:
     that holds an fp8 layer (``model.model.half()``, a decoder layer's ``.half()``: the modules before the refusing
     layer were cast), an attribute of that instance (its class is left as it is). It is a ``_CheckedApply``, so the
     model still pickles (a bound method does not) and is freed as soon as it is dropped. A module already guarded
-    keeps its guard; one that ``quantize_`` guards later (a part quantized on its own) gets its own."""
+    keeps its guard; one that ``quantize_`` guards later (a part quantized on its own) gets its own. A ``copy.copy``
+    of a guarded module (of the model or of a part) shares the original's guard, as it shares its parameters' dict:
+    casting it needs the original alive (``copy.deepcopy`` gives a copy its own)."""
     holders: set[int] = set()  # ids of the modules above an fp8 layer
-    for fqn, m in model.named_modules():
+    for fqn, m in model.named_modules(remove_duplicate=False):  # (a layer shared by two parents: both hold it)
         if getattr(type(m), "_apply", None) is fp8_apply:
             parts = fqn.split(".") if fqn else []
             holders.update(id(model.get_submodule(".".join(parts[:i]))) for i in range(len(parts)))

@@ -853,6 +853,36 @@ def test_a_cast_of_a_submodule_an_fp8_layer_refuses_converts_nothing():
     assert model[0][1]._fp8fx_dtype == torch.float16
 
 
+def test_a_module_reaching_a_shared_fp8_layer_by_a_second_path_is_guarded_too():
+    """``b`` holds ``shared`` after ``a`` does: named_modules() met it under ``a`` alone, so ``b`` had no guard and its
+    refused cast left its first layer converted."""
+    shared = nn.Linear(64, 64)
+    a, b = nn.Sequential(shared), nn.Sequential(nn.Linear(64, 64), shared)
+    model = nn.Sequential(a, b).bfloat16()
+    fp8fx.quantize_(model, Fp8Config(ignored_layers=["1.0"]))
+    with pytest.raises(ValueError, match=r"cast to torch.float8_e4m3fn, .*\(nothing was converted\)$"):
+        b.to(torch.float8_e4m3fn)
+    assert b[0].weight.dtype == torch.bfloat16
+
+
+def test_a_cast_checks_each_fp8_layer_once_however_deep(monkeypatch):
+    """Each guarded module on the way down checked its whole part again: 33 layers 32 deep were checked 593 times."""
+    from fp8fx.weights import linear
+
+    model = layer = nn.Sequential(nn.Linear(16, 16))
+    for _ in range(31):
+        layer.append(nn.Sequential(nn.Linear(16, 16)))
+        layer = layer[-1]
+    fp8fx.quantize_(model.bfloat16())
+    calls = collections.Counter()
+    cast_of = linear._cast_of
+    monkeypatch.setattr(linear, "_cast_of", lambda m, fn: calls.update([id(m)]) or cast_of(m, fn))
+    model.half()
+    layers = [m for m in model.modules() if fp8fx.weights.is_quantized(m)]
+    assert len(layers) == 32 and all(m._fp8fx_dtype == torch.float16 for m in layers)
+    assert max(calls.values()) <= 2  # the model's check, then the layer's own (fp8_apply)
+
+
 def test_a_dtype_cast_keeps_quantized_experts_fp8():
     from tests.unit.test_moe_weights import Experts, routing
 
