@@ -153,7 +153,7 @@ def quantize_(
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
     moe.tag_routers(model, decide.routers, prefix)
     method = Fp8LinearMethod(config)
-    undo = _Undo(model, resume, len(plan) + len(experts) + len(done), len(done), untagged)
+    undo = _Undo(model, resume, len(plan) + len(experts) + len(done), len(done), untagged, plan + experts)
     for fqn, module in plan:
         with undo.layer(fqn, module):
             weight = module._parameters["weight"]
@@ -218,11 +218,14 @@ class _Undo:
     put back as it was (class, attributes, parameter and buffer dicts, its parameters' fp8fx tags and requires_grad);
     the layers before it stay fp8 (their bf16 weights are freed one by one: keeping them all to undo everything would
     hold the bf16 and the fp8 model at once); the model is marked so that the same ``quantize_`` call finishes the
-    rest, and the error says so."""
+    rest, and the error says so. The layers still bf16 are tagged with why, which the compiled model's report gives
+    for them (it rewrites the fp8 ones: a half-quantized model still runs)."""
 
-    def __init__(self, model: nn.Module, key: tuple, total: int, done: int, untagged: dict):
+    def __init__(self, model: nn.Module, key: tuple, total: int, done: int, untagged: dict,
+                 planned: list[tuple[str, nn.Module]]):
         self.model, self.key, self.total, self.done = model, key, total, done
         self.untagged = untagged  # the model's tensors' fp8fx tags before this call (_tags_of)
+        self.planned = planned  # the layers and experts modules this call quantizes, in its order
 
     @contextlib.contextmanager
     def layer(self, fqn: str, module: nn.Module):
@@ -248,6 +251,15 @@ class _Undo:
                                    "quantized (the model is as it was)")
                 raise
             vars(self.model)[_UNFINISHED] = self.key
+            reason = (f"quantize_ stopped at {fqn} ({type(error).__name__}) before it quantized this layer; call "
+                      "quantize_ again with the same arguments to finish")
+            for name, m in self.planned:
+                if moe.is_any_experts(m) and not moe.is_quantized_experts(m):
+                    moe.tag_skipped(m, name, reason)
+                elif isinstance(m, nn.Linear) and not is_quantized(m):
+                    for weight in weight_tensors(m):
+                        weight._fp8fx_skip_reason, weight._fp8fx_fqn = reason, name
+                        weight._fp8fx_owners = {**getattr(weight, "_fp8fx_owners", {}), name: reason}
             if isinstance(error, Exception):
                 error.add_note(
                     f"fp8fx: quantize_ stopped at {fqn}, which is as it was; {self.done} of {self.total} layers are "
