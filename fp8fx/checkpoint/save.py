@@ -132,9 +132,19 @@ def save_checkpoint(
                     "in bf16 only, so this checkpoint loads in fp8fx alone; quantize_ with %r in ignored_layers for "
                     "one they load", head, head)
     config_text = _config_text(config_json, qc, "save_checkpoint")  # refused before any file is written
+    _warn_per_tensor_fp8(qc, "save_checkpoint", "format='compressed-tensors'")
     _write_checkpoint(path, tensors, max_shard_size, config_text)
     log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
     return qc
+
+
+def _warn_per_tensor_fp8(qc: Mapping[str, Any], where: str, fix: str) -> None:
+    """transformers' ``fp8`` loader takes block scales alone: a per-tensor ``fp8`` checkpoint's codes load unscaled
+    there (logits off by ~100%, no error), while vLLM and fp8fx load it right."""
+    if qc["quant_method"] == "fp8" and not qc.get("weight_block_size"):
+        log.warning("fp8fx: %s writes per-tensor weights as quant_method 'fp8', which vLLM and fp8fx load but "
+                    "transformers misreads (its fp8 loader takes block scales only); for a checkpoint transformers "
+                    "loads, use %s", where, fix)
 
 
 def _check_scales(modules: Mapping[str, nn.Module], fp8: Mapping[str, Any]) -> None:
@@ -778,6 +788,7 @@ def convert(
     if qc["quant_method"] == "compressed-tensors":  # (the experts' stored names: Mixtral's w1 / w3 / w2, or PROJ's)
         named = _with_vllm_expert_names(schemes, ignored, {shard: shard for shard in moe_ckpt.PROJ}, set(expert_plan))
         qc = formats.quantization_config(*named, False, format)
+    _warn_per_tensor_fp8(qc, "convert", "--format compressed-tensors (format='compressed-tensors')")
     block_inv = qc["quant_method"] == "fp8" and isinstance(config.weight, PerBlock)
     scale_name = "weight_scale_inv" if block_inv else "weight_scale"
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # the source's, as read

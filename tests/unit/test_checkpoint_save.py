@@ -335,6 +335,23 @@ def test_convert_then_load_equals_quantize_(tmp_path, caplog, config, method):
     assert_same_state(ref, loaded)
 
 
+@pytest.mark.parametrize("how", ["save", "convert"])
+def test_a_per_tensor_fp8_checkpoint_warns_that_transformers_misreads_it(tmp_path, caplog, how):
+    """transformers' fp8 loader reads per-tensor codes unscaled (logits off by 137%): a user saving a per-tensor
+    model for it was told nothing; compressed-tensors (which transformers loads) and block scales give no warning."""
+    per_tensor = fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor())
+    for i, (config, fmt, warned) in enumerate([(per_tensor, None, True), (per_tensor, "compressed-tensors", False),
+                                               (fp8fx.Fp8Config(weight_block_size=[32, 32]), None, False)]):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="fp8fx"):
+            if how == "save":
+                save_checkpoint(quantized_tiny(config), tmp_path / str(i), format=fmt)
+            else:
+                src = write_checkpoint(tmp_path / f"src{i}", bf16_state())
+                convert(src, tmp_path / str(i), config, model=meta_tiny(), progress=False, format=fmt)
+        assert ("misreads (its fp8 loader takes block scales only)" in caplog.text) == warned, (config, fmt)
+
+
 def test_convert_keeps_the_index_of_a_one_file_checkpoint(tmp_path):
     """A source of one model-00001-of-00001.safetensors and its index (a layout transformers writes): the output
     kept the file's name but had no index, and transformers finds such a file through the index only."""
