@@ -117,7 +117,7 @@ class Fp8Backend:
 
     def __init__(
         self,
-        *,
+        *args,
         compiler: str = "inductor",
         dump_dir: Optional[str] = None,
         inductor_config: Optional[dict[str, Any]] = None,
@@ -134,6 +134,13 @@ class Fp8Backend:
         fast_router: bool = True,
         fuse_routing: bool = True,
     ):
+        if args and isinstance(args[0], fx.GraphModule):  # torch.compile(model, backend=fp8fx.Fp8Backend)
+            raise TypeError("torch.compile(backend=fp8fx.Fp8Backend): the class was given, and torch called it with "
+                            "the graph; pass an instance, backend=fp8fx.Fp8Backend() (its .report says what was "
+                            "rewritten), or backend=fp8fx.fp8_backend")
+        if args:
+            raise TypeError(f"Fp8Backend({', '.join(repr(a) for a in args)[:80]}): the options are keywords, e.g. "
+                            "Fp8Backend(compiler='eager', dump_dir='dumps')")
         if compiler not in _COMPILERS:
             raise ValueError(f"Fp8Backend(compiler={compiler!r}): use one of {_COMPILERS}")
         if lowering not in _LOWERINGS:
@@ -308,9 +315,12 @@ class Fp8Backend:
         _DUMPERS.add(self)
         return folder
 
-    def reset(self) -> None:
+    def reset(self=None) -> None:
         """Called by ``torch._dynamo.reset()`` on the backends Dynamo holds: this one's dump folder is free for
-        another backend (a graph this one compiles later claims a folder again, its own if still free)."""
+        another backend (a graph this one compiles later claims a folder again, its own if still free). Called on
+        the class too (``backend=fp8fx.Fp8Backend``, refused at its first graph): nothing to free."""
+        if self is None:
+            return
         for folder, backend in list(_DUMP_WRITERS.items()):
             if backend is self:
                 del _DUMP_WRITERS[folder]

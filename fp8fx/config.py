@@ -419,6 +419,9 @@ def config_or(config: Any, default: Optional[Fp8Config], where: str) -> Optional
         return config
     if config is Fp8Config:
         raise ValueError(f"{where}(config=Fp8Config): the class; pass an instance, e.g. Fp8Config()")
+    if callable(getattr(config, "named_modules", None)):  # quantize_(Fp8Config(), model): the two swapped
+        raise ValueError(f"{where}(config=<a {type(config).__name__}>): a model where the config goes; the model "
+                         f"comes first: {where}(model, Fp8Config(...))")
     fix = ("; for a quantization_config dict pass Fp8Config.from_config(it)" if isinstance(config, Mapping)
            or callable(getattr(config, "to_dict", None)) else "")
     raise ValueError(f"{where}(config={config!r:.80}): a {type(config).__name__}; it takes an Fp8Config or None{fix}")

@@ -661,6 +661,15 @@ def test_bad_backend_option():
         Fp8Backend(inductor_config="max_autotune")
 
 
+def test_the_backend_class_given_for_an_instance_is_named():
+    """backend=fp8fx.Fp8Backend (the class): "Fp8Backend.__init__() takes 1 positional argument but 3 were given"."""
+    with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"backend=fp8fx.Fp8Backend\): the class was "
+                                                                     r"given.*backend=fp8fx.Fp8Backend\(\)"):
+        torch.compile(nn.Linear(4, 4), backend=Fp8Backend)(torch.randn(2, 4))
+    with pytest.raises(TypeError, match=r"Fp8Backend\('eager'\): the options are keywords"):
+        Fp8Backend("eager")
+
+
 def test_bad_dump_dir_is_refused_when_the_backend_is_made(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"dump_dir=.*file'\): a file, not a folder"):

@@ -1014,6 +1014,10 @@ def test_arguments_of_the_wrong_type_are_named():
             call(model, config={"quant_method": "fp8"})
         with pytest.raises(ValueError, match=rf"{where}\(config=Fp8Config\): the class; pass an instance"):
             call(model, config=Fp8Config)
+        # the two swapped: the message held the model's repr, cut mid-line, and never said so
+        with pytest.raises(ValueError, match=rf"^{where}\(config=<a Sequential>\): a model where the config goes; the "
+                                             rf"model comes first: {where}\(model, Fp8Config\(...\)\)$"):
+            call(Fp8Config(), config=model)
     static = Fp8Config(activation_scheme="static")
     for scales in ([0.1, 0.2], torch.tensor([0.1, 0.2])):
         with pytest.raises(ValueError, match=rf"quantize_\(input_scales=.*\): a {type(scales).__name__}; it takes a "
