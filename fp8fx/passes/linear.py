@@ -48,6 +48,8 @@ _MATMUL = (operator.matmul, torch.matmul, torch.mm, "matmul", "mm", "__matmul__"
 # addmm(bias, x, w.t()): nn.Linear's decomposition in a torch.export program, also torch.addmm and bias.addmm(..)
 _ADDMM = (torch.addmm, "addmm", torch.ops.aten.addmm.default)
 _DEQUANT = (torch.ops.fp8fx.dequantize, torch.ops.fp8fx.dequantize.default)
+# a quantized model cast to float64 (``model.double()``) is the exact reference of its fp8 layers, on purpose
+FLOAT64_REFERENCE = "activation dtype torch.float64: the float64 reference, computed with the dequantized weight"
 _ACT_DTYPES = quant.HIGH_PRECISION
 
 
@@ -592,6 +594,8 @@ class LinearPass(Fp8Pass):
             return (f"weight is {wv.dim()}-D {list(wv.shape)}, not a linear's [N, K] (stacked experts are the "
                     "MoE pass's)")
         xv = fake_value(x)
+        if isinstance(xv, torch.Tensor) and xv.dtype == torch.float64:  # model.double(): the exact reference
+            return FLOAT64_REFERENCE
         if not isinstance(xv, torch.Tensor) or xv.dtype not in _ACT_DTYPES:
             return f"activation dtype {getattr(xv, 'dtype', None)} is not bf16/fp16/fp32"
         if xv.dim() < 1:

@@ -3,6 +3,7 @@ the unrolled per-expert loop of examples/moe_reference.py, and experts it must l
 reported with its reason, the graph unchanged)."""
 import hashlib
 import importlib.util
+import logging
 import operator
 import pathlib
 import re
@@ -580,6 +581,21 @@ def test_traced_with_autograd_is_not_rewritten():
     _, _, report = compile_capture(model, x, ids, w, grad=True)
     (site,) = report.sites
     assert not site.rewritten and site.reason.startswith("traced with autograd")
+
+
+def test_float64_experts_are_the_reference_on_purpose(caplog):
+    """``model.double()`` of quantized experts is their exact reference: the report said "is not bf16/fp16/fp32" in
+    a WARNING whose README row said to cast the model to bf16."""
+    model = hf_experts("grouped_mm", torch.bfloat16)
+    fp8fx.quantize_(model)
+    model.double()
+    x, ids, w = inputs(torch.float64)
+    with caplog.at_level(logging.INFO, logger="fp8fx"):
+        _, _, report = compile_capture(model, x, ids, w)
+    (site,) = report.sites
+    assert not site.rewritten and site.reason == ("hidden_states dtype torch.float64: the float64 reference, computed "
+                                                  "with the dequantized experts")
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_an_unbacked_token_count_leaves_the_experts_with_the_reason():

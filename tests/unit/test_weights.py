@@ -3,6 +3,7 @@ import collections
 import copy
 import functools
 import gc
+import logging
 import re
 import weakref
 
@@ -757,7 +758,7 @@ def test_a_quantized_model_moves_to_the_gpu_and_compiles():
     assert len(backend.report.rewritten) == 3
 
 
-def test_a_float64_cast_is_the_quantized_models_exact_reference():
+def test_a_float64_cast_is_the_quantized_models_exact_reference(caplog):
     """``model.double()`` of a quantized model: the fp8 weights and float32 scales stay as they are, the layers
     compute in float64 with the weights dequantized exactly (the product of code and scale in float64: 4 bits times
     24 may round in float32), and the compiled model leaves them to torch, saying why in the report. Before, the
@@ -784,10 +785,14 @@ def test_a_float64_cast_is_the_quantized_models_exact_reference():
     assert model[0].weight.dtype == torch.float64 and torch.equal(model[0].weight, q0.double() * s0.double())
     assert not torch.equal(q0.float() * s0, q0.double() * s0.double())  # float32's products round: not exact
     backend = fp8fx.Fp8Backend()
-    assert torch.allclose(torch.compile(model, backend=backend)(x), want, rtol=1e-12, atol=1e-12)
+    with caplog.at_level(logging.INFO, logger="fp8fx"):
+        assert torch.allclose(torch.compile(model, backend=backend)(x), want, rtol=1e-12, atol=1e-12)
     reasons = {site.fqn: site.reason for site in backend.report.sites}
     assert not backend.report.rewritten and set(reasons) == {"0", "2", "3"}, reasons
-    assert all("activation dtype torch.float64 is not bf16/fp16/fp32" in r for r in reasons.values()), reasons
+    # (the reason said "is not bf16/fp16/fp32", a WARNING whose README row said to cast the model to bf16)
+    assert all(r == "activation dtype torch.float64: the float64 reference, computed with the dequantized weight"
+               for r in reasons.values()), reasons
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
 
 
 def test_a_float64_reference_is_not_saved(tmp_path):
