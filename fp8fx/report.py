@@ -360,7 +360,8 @@ _BY_DESIGN = re.compile(r"in ignored_layers$|an MoE router or gate|^not quantize
 def _by_design(reason: str) -> bool:
     """A layer kept in high precision by choice, logged at INFO: one the user ignored, an MoE router or gate (vLLM
     keeps them too), a weight tied to another (an lm_head tied to its embedding), output embeddings a checkpoint
-    stores in high precision, a model cast to float64 as the reference. Anything else deserves a look. (tests/e2e and test_report.py hold the wordings.)"""
+    stores in high precision, a model cast to float64 as the reference. Anything else deserves a look. (tests/e2e
+    and test_report.py hold the wordings.)"""
     return _BY_DESIGN.search(reason) is not None
 
 
