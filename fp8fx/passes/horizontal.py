@@ -87,7 +87,8 @@ def share_memory(weights, scales, biases, w_block) -> None:
         and (not has_bias or fp8fx.ops._bias_view(biases, sizes) is not None)
     ):
         return
-    with torch.no_grad():
+    # (under the caller's torch.autocast, its cat of fp8 tensors failed: "Unexpected floating ScalarType")
+    with torch.no_grad(), torch.autocast(weights[0].device.type, enabled=False):
         weight, scale = fuse_weights(weights, scales, w_block)
         # a tensor of its own (the gaps' zeros are then no one else's rows: ``ops._adjacent_with_gaps``)
         bias = fp8fx.ops._fused_bias(biases, sizes).clone() if has_bias else None

@@ -228,6 +228,23 @@ def compile_fused(model, x):
     return {(s.fqn, i): s.scheme for i, s in enumerate(backend.report.sites)}, out
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_under_autocast(dtype):
+    """Under torch.autocast the compile failed: the concatenation of the shards' fp8 weights ran under it
+    ("Unexpected floating ScalarType in at::autocast::prioritize")."""
+    torch.manual_seed(0)
+    model = BiasedQKV().to(dtype)
+    fp8fx.quantize_(model)
+    x = torch.randn(5, 64, dtype=dtype)
+    ref = [y.float() for y in model.double()(x.double())]
+    model.to(dtype)
+    backend = fp8fx.Fp8Backend(fuse_horizontal=True)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.compile(model, backend=backend)(x)
+    assert all(_fused(s.scheme, "q_proj,k_proj,v_proj") for s in backend.report.sites), backend.report
+    assert all(y.dtype == torch.bfloat16 and rel_err(y, r) < 0.05 for y, r in zip(out, ref))
+
+
 @pytest.mark.parametrize("granularity", [fp8fx.PerRow(), fp8fx.PerTensor()])
 def test_shards_with_and_without_a_bias_are_fused(granularity):
     """Whisper's k_proj has no bias where q_proj and v_proj have one: the three run as one GEMM whose bias holds
