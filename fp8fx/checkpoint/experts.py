@@ -193,6 +193,9 @@ class ExpertsLoader:
                     del self.experts[fqn]
 
     def _config(self, ex: Experts, shards: list[str]):
+        if shards and self.fmt.is_ignored(ex.fqn):  # the experts module itself in the ignore list (vLLM's FusedMoE
+            # prefix, or the model's name): a compressed-tensors entry names one module exactly, not its experts
+            return None, "in ignored_layers"
         modules = shards or [ex.fqn]  # per-expert checkpoint modules are Linear layers
         configs = {self.fmt.layer_config(m, ("Linear",)) for m in modules}
         if len(configs) > 1:

@@ -147,10 +147,13 @@ def test_static_input_scales_collapse_to_their_max_over_experts(tmp_path):
 
 
 def test_ignored_experts_stay_bf16_from_either_layout(tmp_path):
+    """Also per expert in a compressed-tensors checkpoint whose ignore list names the experts module (vLLM's FusedMoE
+    prefix): its entries match exactly, and the experts' own names were looked up alone, so the bf16 experts were
+    refused as "declared float8_e4m3fn", with the fix "add the experts to its ignore list"."""
     cfg = moe_config("mixtral")
     state = reference_model(cfg).state_dict()
-    for fused in (False, True):
-        tensors, qc, _ = moe_checkpoint(state, "tensor", fused=fused)
+    for fused, ct in ((False, False), (True, False), (False, True)):
+        tensors, qc, _ = moe_checkpoint(state, "tensor", fused=fused, ct=ct)
         for key in list(tensors):  # the experts in bf16, per expert or fused
             if key.startswith(EXPERTS + "."):
                 del tensors[key]
@@ -161,8 +164,8 @@ def test_ignored_experts_stay_bf16_from_either_layout(tmp_path):
                 gate, up = state[f"{EXPERTS}.gate_up_proj"][e].chunk(2)
                 tensors.update({f"{EXPERTS}.{e}.gate_proj.weight": gate, f"{EXPERTS}.{e}.up_proj.weight": up,
                                 f"{EXPERTS}.{e}.down_proj.weight": state[f"{EXPERTS}.down_proj"][e]})
-        qc["ignored_layers"].append(EXPERTS)
-        path = write_moe(tmp_path / f"ckpt{fused}", cfg, tensors, qc)
+        qc["ignore" if ct else "ignored_layers"].append(EXPERTS)
+        path = write_moe(tmp_path / f"ckpt{fused}{ct}", cfg, tensors, qc)
         model = meta_model(path)
         report = load_checkpoint(model, path, progress=False)
         experts = model.get_submodule(EXPERTS)
