@@ -346,6 +346,9 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
             changes["weight_granularity"] = None
         if args.activation_scheme:
             changes["activation_scheme"] = args.activation_scheme
+        if args.config or args.block_size:  # a scheme to quantize with (quantize_, convert: a layer the block does
+            # not divide stays bf16), not the model's own fp8 checkpoint (load_checkpoint: it loads as stored)
+            changes["is_checkpoint_fp8_serialized"] = False
         try:
             return dataclasses.replace(config, **changes)
         except ValueError:  # the config's activations do not go with the flags: the flags' defaults, else the error

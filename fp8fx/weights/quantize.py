@@ -272,7 +272,8 @@ class LinearDecider:
     """``quantize_``'s decision for each ``nn.Linear`` of ``model`` (named with ``prefix``, as ``quantize_``'s):
     ``decide = LinearDecider(model, prefix)``; ``decide(fqn, layer, config)`` -> ``(reason, on_purpose)``: why the
     layer stays in high precision (None: it is quantized), and whether it is kept so on purpose (ignored, a tied
-    weight, an MoE router), which ``strict`` accepts. ``fp8fx inspect`` predicts each layer with it. The order of
+    weight, an MoE router), which ``strict`` accepts. ``fp8fx inspect`` predicts each layer with it (for an fp8
+    checkpoint's config, as ``load_checkpoint`` loads it). The order of
     the checks is part of the decision: a tied weight is reported as tied even where it is ignored; a router is a
     router only where nothing else keeps it. ``routers``: ``moe.routers(model, prefix)``, the routers that are no
     ``nn.Linear`` included."""
@@ -292,6 +293,13 @@ class LinearDecider:
         shared = [n for m, n in others.items() if m != id(layer)]
         if shared:  # quantizing one user of a tied weight unties it (the other keeps bf16); checkpoints store it once
             return f"weight tied to {shared[0]}", True
+        if config.is_checkpoint_fp8_serialized:  # (fp8fx inspect of an fp8 checkpoint's config) load_checkpoint's
+            # plan: the layer loads as stored (a weight the block does not divide has ragged last blocks)
+            # (a router: checkpoints store them in high precision, where the loader finds them so)
+            if config.is_ignored(fqn) or fqn in self.routers:
+                return "in ignored_layers" if config.is_ignored(fqn) else self.routers[fqn], True
+            return (None, False) if layer._parameters.get("weight") is not None else (
+                skip_reason(layer, fqn, config) or "no weight", False)
         reason = skip_reason(layer, fqn, config)
         if fqn in self.routers:
             return reason or self.routers[fqn], True

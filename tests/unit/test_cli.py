@@ -66,6 +66,31 @@ def test_inspect_hf_config_folder(capsys, llama_dir):
     ]
 
 
+def test_inspect_of_an_fp8_checkpoint_predicts_ragged_blocks_as_loaded(capsys, llama_dir):
+    """A DeepSeek-style checkpoint whose 64x96 blocks do not divide its layers: load_checkpoint loads each as stored
+    (ragged last blocks), and inspect said no layer would be fp8 ("not divisible ...: use per-channel scales"). A
+    block asked for by --block-size is a scheme to quantize with: there such layers stay bf16, as quantize_ keeps
+    them."""
+    data = json.loads((llama_dir / "config.json").read_text())
+    data["quantization_config"]["weight_block_size"] = [64, 96]
+    (llama_dir / "config.json").write_text(json.dumps(data))
+    code, out, err = run(capsys, "inspect", str(llama_dir), "--json")
+    assert code == 0, err
+    sites = {r["fqn"]: r for r in json.loads(out)["sites"]}
+    expected = {f"model.layers.{i}.{p}" for i in range(2) for p in PROJECTIONS}
+    assert {fqn for fqn, r in sites.items() if r["would_rewrite"]} == expected
+    # down_proj [256, 512]: blocks of [4, 6] (the last 96 wide: 32 columns)
+    assert sites["model.layers.0.mlp.down_proj"]["bytes_saved"] == 256 * 512 - 4 * 4 * 6
+    del data["quantization_config"]
+    (llama_dir / "config.json").write_text(json.dumps(data))
+    code, out, err = run(capsys, "inspect", str(llama_dir), "--json", "--block-size", "64,96")
+    assert code == 0, err
+    sites = {r["fqn"]: r for r in json.loads(out)["sites"]}
+    assert not any(r["would_rewrite"] for r in sites.values())
+    assert sites["model.layers.0.mlp.down_proj"]["reason"].startswith("weight [256, 512] is not divisible by the "
+                                                                      "64x96 block")
+
+
 MODELS_PY = """
 import torch
 from torch import nn
