@@ -25,6 +25,11 @@ must stay what a checkpoint loads into them: ``load_state_dict`` after fusion wr
 and its own scale.) A parameter replaced afterwards by another tensor is still used correctly, one GEMM
 per weight.
 
+Static activations: each layer quantizes the input with its own ``input_scale``. A group of them quantizes it once,
+with the largest of their scales (vLLM's fused QKV / w13 of a static checkpoint: the max of the shards' input
+scales), computed in the graph from the parameters at each call; calibrated on one input, their scales are equal and
+the result is the unfused one.
+
 Layers called again with the same weights (shared layers, ALBERT) are fused at every call, into the same tensor. A
 GEMM that reads a group's activation but is kept out of the group (weight scales of another granularity, another
 output dtype) says why in the report, as does one whose input was quantized apart from the group's: the linear pass
@@ -42,12 +47,15 @@ from torch import fx
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.config import granularity_from_block, weight_granularity_name
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
+from fp8fx.passes.linear import _may_alias, _mutates, _storage, _written
 from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
 _FUSED = torch.ops.fp8fx.scaled_mm_fused.default
 _STATIC = torch.ops.fp8fx.quantize_static.default
 _QUANTIZE = torch.ops.fp8fx.quantize.default
+_STATIC_KEY = "static"  # (a group key's x_scale is (_STATIC_KEY, epoch) where its GEMMs quantize their input x, its
+# xq, with static scales: _static_epochs)
 # gm.meta key: callables the backend runs once the graph is compiled
 AFTER_COMPILE = "fp8fx_after_compile"
 
@@ -113,6 +121,30 @@ class _GroupKey(NamedTuple):
     w_block: tuple
     dtype: torch.dtype
     fast: bool
+
+
+def _is_static(key: _GroupKey) -> bool:
+    return isinstance(key.x_scale, tuple) and key.x_scale[:1] == (_STATIC_KEY,)
+
+
+def _static_epochs(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each static quantization's count of the in-place writes before it that may reach its input (the linear
+    pass's rule, ``_may_alias``): two quantizations of one input share a count where no such write lies between
+    them, and may become one (``_share_static``)."""
+    statics = [n for n in graph.nodes if n.op == "call_function" and n.target is _STATIC]
+    if len(statics) < 2:
+        return dict.fromkeys(statics, 0)
+    inputs = {_storage(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")} - {None}
+    writes = dict.fromkeys((n.args[0] for n in statics), 0)
+    epochs = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _STATIC:
+            epochs[node] = writes[node.args[0]]
+        elif _mutates(node):
+            written = _written(node)
+            for x in writes:
+                writes[x] += _may_alias(x, written, inputs)
+    return epochs
 
 
 def _quantized_from(xq: Any) -> Optional[fx.Node]:
@@ -255,9 +287,13 @@ class HorizontalFusionPass(Fp8Pass):
         if not self.enabled:  # an opt-in optimization: sites keep their scheme as it is
             return 0
         groups: dict[_GroupKey, list[fx.Node]] = defaultdict(list)
+        epochs = _static_epochs(gm.graph)
         for node in gm.graph.nodes:
             if node.op == "call_function" and node.target is _SCALED_MM:
                 xq, x_scale, _, _, bias, x_block, w_block, dtype, fast = node.args
+                if isinstance(xq, fx.Node) and xq.target is _STATIC:  # grouped by the input itself, each layer
+                    # quantizing it with its own scale (_share_static), between the same in-place writes into it
+                    xq, x_scale = xq.args[0], (_STATIC_KEY, epochs[xq])
                 groups[_GroupKey(xq, x_scale, tuple(x_block), tuple(w_block), dtype, fast)].append(node)
         fused = 0
         claimed: dict[fx.Node, str] = {}  # weight -> the group it was fused with in this graph
@@ -277,6 +313,8 @@ class HorizontalFusionPass(Fp8Pass):
                 continue
             claimed.update({w: f"fused({site_names(ctx, nodes)})" for w in weights})
             fused_groups.add(weights)
+            if nodes[0].args[0].target is _STATIC:
+                self._share_static(gm, nodes)
             y = self._fuse(gm, nodes, ctx)
             # every fused site is found by the one GEMM in Inductor's output code (the report's kernel column)
             amend_sites(ctx, nodes, f"fused({site_names(ctx, nodes)})", node=Site.origin_of(y))
@@ -287,6 +325,28 @@ class HorizontalFusionPass(Fp8Pass):
         return fused
 
     @staticmethod
+    def _share_static(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
+        """The GEMMs ``nodes``, each reading the input quantized with its own static scale, read it quantized once
+        with the largest of their scales (``torch.maximum`` of the scale parameters, in the graph); the quantizations
+        no GEMM reads any more are dropped."""
+        graph = gm.graph
+        old = list(dict.fromkeys(n.args[0] for n in nodes))
+        scales = list(dict.fromkeys(n.args[1] for n in nodes))
+        first = min(old, key=lambda n: list(graph.nodes).index(n))
+        with graph.inserting_before(first):
+            scale = scales[0]
+            for other in scales[1:]:
+                scale = graph.call_function(torch.maximum, (scale, other))
+                set_fake_value(scale, torch.maximum, scale.args)
+            xq = graph.call_function(_STATIC, (first.args[0], scale))
+            set_fake_value(xq, _STATIC, xq.args)
+        for n in nodes:
+            n.args = (xq, scale, *n.args[2:])
+        for q in old:
+            if not q.users:
+                graph.erase_node(q)
+
+    @staticmethod
     def _explain_singles(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
         """A GEMM alone in its group while others read the same activation (a per-tensor shard among per-channel
         ones, another output dtype, the activation quantized again after an in-place write) says what kept it
@@ -295,7 +355,7 @@ class HorizontalFusionPass(Fp8Pass):
         by_source: dict[tuple, list[_GroupKey]] = defaultdict(list)
         for key in groups:
             by_input[(key.xq, key.x_scale)].append(key)
-            if (source := _quantized_from(key.xq)) is not None and key.xq.target is not _STATIC:  # (_explain_static)
+            if (source := _quantized_from(key.xq)) is not None and not _is_static(key):  # (_explain_static)
                 by_source[source].append(key)
         # one activation quantized apart for this GEMM (dynamic scales): in other blocks than the others' (a layer's
         # own activation granularity), or in the same ones again after an in-place write that may reach it (the
@@ -335,21 +395,25 @@ class HorizontalFusionPass(Fp8Pass):
 
     @staticmethod
     def _explain_static(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
-        """GEMMs of one input quantized with static scales: each layer quantizes it with its own input_scale, so
-        they read different fp8 activations and cannot run as one GEMM."""
+        """A static layer among dynamic ones that read the same input: they read different fp8 activations; one
+        alone between in-place writes that may reach the input (``_static_epochs``)."""
         by_x: dict[fx.Node, list[_GroupKey]] = defaultdict(list)
         dynamic: dict[fx.Node, list[fx.Node]] = defaultdict(list)  # input -> the GEMMs quantizing it dynamically
         for key in groups:
-            if isinstance(key.xq, fx.Node) and key.xq.target is _STATIC:
-                by_x[key.xq.args[0]].append(key)
+            if _is_static(key):
+                by_x[key.xq].append(key)
             elif (source := _quantized_from(key.xq)) is not None:
                 dynamic[source] += groups[key]
         for x, keys in by_x.items():
             nodes = [n for k in keys for n in groups[k]]
-            if len(keys) > 1:
-                amend_sites(ctx, nodes, f"not fused horizontally: static activations, each layer quantizes the input "
-                                        f"{site_names(ctx, nodes)} read with its own input_scale")
-            elif dynamic.get(x):  # one static layer among dynamic ones: it said nothing
+            for key in keys:
+                others = [k for k in keys if k.x_scale != key.x_scale]
+                if len(groups[key]) == 1 and others:
+                    amend_sites(ctx, groups[key], f"not fused horizontally: "
+                                                  f"{site_names(ctx, [n for k in others for n in groups[k]])} read the "
+                                                  "same input, quantized apart with an in-place write that may reach "
+                                                  "it in between")
+            if dynamic.get(x):  # one static layer among dynamic ones: it said nothing
                 verb = "quantizes" if len(dynamic[x]) == 1 else "quantize"
                 amend_sites(ctx, nodes, f"not fused horizontally: it quantizes the input with its own static "
                                         f"input_scale, where {site_names(ctx, dynamic[x])} {verb} it dynamically")

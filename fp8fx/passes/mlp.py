@@ -48,6 +48,7 @@ from fp8fx.ops import GATED_GROUPS_MAX_M, GATED_MAX_M, GATED_PREFILL_MIN_M, GATE
 from fp8fx.ops import _tensor_or_row, gated_prefill_reason
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, restate_activation, set_fake_value
 from fp8fx.passes.base import site_names
+from fp8fx.passes.horizontal import HorizontalFusionPass, _static_epochs
 from fp8fx.passes.linear import _cast_source, _name_of, _noop_cast_source
 from fp8fx.report import Site
 
@@ -337,6 +338,14 @@ def auto_h_group(rows: Optional[int]) -> int:
     return 32 if rows == 1 else 128
 
 
+def _static_shareable(mlp: _Mlp, epochs: dict) -> bool:
+    """gate and up quantize the same x with static scales of their own, with no in-place write that may reach x
+    between the two quantizations (``_static_epochs``): one quantization with the larger scale may serve both."""
+    a, b = mlp.gate.args[0], mlp.up.args[0]
+    return (a is not b and all(isinstance(q, fx.Node) and q.target is _QUANTIZE_STATIC for q in (a, b))
+            and a.args[0] is b.args[0] and epochs.get(a) == epochs.get(b) is not None)
+
+
 class GatedMlpPass(Fp8Pass):
     """``h_group``: quantize a fused MLP's intermediate in 1 x ``h_group`` groups where the graph quantizes it
     dynamically (per token or per tensor; a static scale stays), which fuses up to ``GATED_GROUPS_MAX_M`` tokens;
@@ -350,6 +359,7 @@ class GatedMlpPass(Fp8Pass):
         if not self.enabled:  # opt-in (Fp8Backend(fuse_mlp=True)): sites keep their scheme as it is
             return 0
         fused = 0
+        epochs = _static_epochs(gm.graph)  # (gate and up quantizing x with static scales of their own: one may do)
         for node in list(gm.graph.nodes):
             mlp, reason = _match(node) if _is_gemm(node) else (None, "")
             if mlp is None:
@@ -362,10 +372,13 @@ class GatedMlpPass(Fp8Pass):
             static_kept = bool(self.h_group) and mlp.h_static is not None  # a calibrated scale stays as it is
             per_token = mlp.h_static is None and list(mlp.down.args[5]) == [1, -1]
             h_mode = "groups" if group else "per token" if per_token else ""
-            reason = reason or self._why_not(mlp, h_mode, static_kept, prefill_why)
+            shared = _static_shareable(mlp, epochs)
+            reason = reason or self._why_not(mlp, h_mode, static_kept, prefill_why, shared)
             if reason:
                 amend_sites(ctx, mlp.gemms, f"not fused into a gated MLP ({names}): {reason}")
                 continue
+            if shared:  # x quantized once, with the larger of gate's and up's scales (as the horizontal pass does)
+                HorizontalFusionPass._share_static(gm, [mlp.gate, mlp.up])
             three = h_mode == "per token" and (_rows(mlp) or 0) >= GATED_ROWS_MIN_M  # (before _fuse erases gate)
             new = self._fuse(gm.graph, mlp, group)
             how = (f", h in 1x{group} groups" if group else
@@ -382,16 +395,18 @@ class GatedMlpPass(Fp8Pass):
         return fused
 
     @staticmethod
-    def _why_not(mlp: _Mlp, h_mode: str, static_kept: bool, prefill_why: str) -> str:
+    def _why_not(mlp: _Mlp, h_mode: str, static_kept: bool, prefill_why: str, shared: bool = False) -> str:
         """Why the matched MLP is not fused ("" where it is); ``h_mode``: "groups" (``h_group``), "per token" (h's
         dynamic per-token scale) or "" (per tensor, static), which sets the most decode tokens fused;
-        ``prefill_why``: ``_prefill_reason(mlp)``."""
+        ``prefill_why``: ``_prefill_reason(mlp)``; ``shared``: gate's and up's static quantizations of x will be
+        one (``_static_shareable``)."""
         max_rows = {"groups": GATED_GROUPS_MAX_M, "per token": GATED_ROWS_MAX_M}.get(h_mode, GATED_MAX_M)
         gate, up, down = mlp.gate, mlp.up, mlp.down
         static = [n.args[0].target is _QUANTIZE_STATIC for n in (gate, up) if isinstance(n.args[0], fx.Node)]
-        if gate.args[:2] != up.args[:2] and static == [True, True]:
-            return "gate and up have their own static input scales (x is quantized once for each)"
-        if gate.args[:2] != up.args[:2] or gate.args[5:] != up.args[5:]:
+        if gate.args[:2] != up.args[:2] and static == [True, True] and not shared:
+            return ("gate and up quantize x with their own static input scales, apart (an in-place write that may "
+                    "reach x in between)")
+        if (gate.args[:2] != up.args[:2] and not shared) or gate.args[5:] != up.args[5:]:
             return "gate and up read different activations or quantize them differently"
         if gate.args[4] is not None or up.args[4] is not None:
             return "gate or up has a bias"

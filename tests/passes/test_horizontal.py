@@ -531,16 +531,66 @@ def test_layers_called_again_with_the_same_weights_are_fused_at_every_call():
     assert rel_err(out.float(), plain.float()) < 1e-3
 
 
-def test_static_activations_say_why_they_are_not_fused():
-    """Each layer quantizes the shared input with its own input_scale: nothing was fused, and nothing said why."""
+def test_static_activations_fuse_with_the_largest_input_scale():
+    """Each layer quantized the shared input with its own input_scale, and the report said they could not fuse: they
+    quantize it once, with the largest of the scales (vLLM's fused static QKV), taken in the graph at each call. One
+    calibration gives q/k/v one scale: the fused output is the unfused one."""
     torch.manual_seed(0)
-    model = BiasedQKV().to(torch.bfloat16)
     x = torch.randn(5, 64, dtype=torch.bfloat16)
     config = fp8fx.Fp8Config(activation_scheme="static")
-    fp8fx.quantize_(model, config, input_scales=fp8fx.calibrate(model, [x]))
-    schemes, _ = compile_fused(model, x)
-    assert all(s.endswith("not fused horizontally: static activations, each layer quantizes the input "
-                          "q_proj,k_proj,v_proj read with its own input_scale") for s in schemes.values())
+    for factors in ((1, 1, 1), (1, 2, 0.5)):
+        model = BiasedQKV().to(torch.bfloat16)
+        scales = fp8fx.calibrate(model, [x])
+        assert len(set(scales.values())) == 1
+        scales = {k: v * f for (k, v), f in zip(scales.items(), factors)}
+        same = copy.deepcopy(model)  # each layer at the largest scale: what the fused GEMM computes
+        fp8fx.quantize_(same, config, input_scales=dict.fromkeys(scales, max(scales.values())))
+        fp8fx.quantize_(model, config, input_scales=scales)
+        with torch.no_grad():
+            plain = torch.compile(same, backend=fp8fx.Fp8Backend(compiler="eager"))(x)
+        torch._dynamo.reset()
+        backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
+        codes = record_graphs_after_passes(backend)
+        with torch.no_grad():
+            out = torch.compile(model, backend=backend)(x)
+        torch._dynamo.reset()
+        assert all(_fused(s.scheme, "q_proj,k_proj,v_proj") for s in backend.report.sites), backend.report
+        assert codes[0].count("fp8fx.quantize_static.default(") == 1, codes[0]
+        assert all(rel_err(a.float(), b.float()) < 1e-3 for a, b in zip(out, plain))
+        # the parameters hold each layer's own scale (a checkpoint saved now writes them), the max is the graph's
+        assert [m.input_scale.item() for m in (model.q_proj, model.k_proj, model.v_proj)] == [
+            torch.tensor(v).item() for v in scales.values()]
+
+
+@pytest.mark.parametrize("write", ["a buffer (the cache)", "h"])
+def test_static_layers_fuse_only_between_in_place_writes_into_their_input(write):
+    """Shared, one static quantization of h taken before ``h.mul_(3)`` would feed v the unwritten h: v stays apart,
+    and says why; a cache write cannot reach h, and q/k/v fuse across it."""
+    from tests.passes.test_linear_pass import WRITES, WriteBetween
+
+    torch.manual_seed(0)
+    model = WriteBetween(WRITES[write][0]).to(torch.bfloat16)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    scales = fp8fx.calibrate(copy.deepcopy(model), [x])
+    ref = copy.deepcopy(model)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(activation_scheme="static"), input_scales=scales)
+    backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
+    with torch.no_grad():
+        want, out = ref(x), torch.compile(model, backend=backend)(x)
+    assert all(rel_err(a, b) < 0.05 for a, b in zip(out, want))  # (v of the written h: 3x)
+    sites = {s.fqn: s.scheme for s in backend.report.sites}
+    if write == "h":
+        assert _fused(sites["q"], "q,k") and _fused(sites["k"], "q,k"), sites
+        assert sites["v"].endswith("not fused horizontally: q,k read the same input, quantized apart with an in-place "
+                                   "write that may reach it in between"), sites
+    else:
+        assert all(_fused(scheme, "q,k,v") for scheme in sites.values()), sites
+
+
+def test_a_static_layer_among_dynamic_ones_says_why_it_is_not_fused():
+    torch.manual_seed(0)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    config = fp8fx.Fp8Config(activation_scheme="static")
     # one static layer among dynamic ones: k and v fuse, q said nothing
     model = BiasedQKV().to(torch.bfloat16)
     scales = fp8fx.calibrate(model, [x])

@@ -352,6 +352,33 @@ def test_off_by_default():
     assert not any("gated MLP" in s.scheme for s in report.sites)
 
 
+class WrittenBetweenMLP(MLP):
+    """x written in place between gate's and up's projections: each reads x as it is then."""
+
+    def forward(self, x):
+        x = x * 1.0
+        gate = self.gate_proj(x)
+        x.mul_(0.5)
+        return self.down_proj(nn.functional.silu(gate) * self.up_proj(x))
+
+
+def test_static_gate_and_up_share_the_larger_input_scale():
+    """Each quantized x with its own static scale: the MLP was never fused ("gate and up have their own static input
+    scales"). x is quantized once with the larger (vLLM's static w13: the max of the shards'), in the graph."""
+    scales = {"gate_proj": 0.05, "up_proj": 0.08, "down_proj": 0.05}
+    config = fp8fx.Fp8Config(activation_scheme="static")
+    model, ref = quantized(MLP, config, input_scales=scales)
+    same, _ = quantized(MLP, config, input_scales={**scales, "gate_proj": 0.08})  # what the fused op computes
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    y, report, code = run(model, x, fuse_mlp=True, mlp_h_group=None)
+    torch._dynamo.reset()
+    unfused, _, _ = run(same, x)
+    assert code.count("fp8fx.gated_mlp.default(") == 1 and code.count("fp8fx.quantize_static.default(") == 1, code
+    assert "torch.maximum(" in code
+    assert torch.equal(y, unfused) and rel_err(y, ref(x.double())) < 0.08
+    assert all(s.scheme.endswith("fused(gate_proj,up_proj,down_proj: gated MLP, 2 kernels)") for s in report.sites)
+
+
 @pytest.mark.parametrize("case,reason", [
     ("batch of 65", "65 tokens: the fused MLP is for 1-64 tokens (with per-token h, up to the Triton GEMMs' 64) and "
                     "from 2048"),
@@ -360,13 +387,15 @@ def test_off_by_default():
     ("blocks", "per-tensor / per-row scales only"),
     ("relu", "the activation is relu (call_function); the fused MLP takes SiLU or GELU (out of place)"),
     ("in place", "the activation is silu (call_function) in place; the fused MLP takes SiLU or GELU (out of place)"),
-    ("static", "gate and up have their own static input scales"),
+    ("static", "gate and up quantize x with their own static input scales, apart (an in-place write that may reach x "
+               "in between)"),
     ("gelu_new", "the activation is several ops, not one SiLU or GELU op"),
 ])
 def test_not_fused_says_why(case, reason):
     config = {"blocks": fp8fx.Fp8Config(weight_block_size=(32, 32)),
               "static": fp8fx.Fp8Config(activation_scheme="static")}.get(case)
-    cls = {"leaky": LeakyMLP, "relu": ReluMLP, "in place": InPlaceMLP, "gelu_new": GeluNewMLP}.get(case, MLP)
+    cls = {"leaky": LeakyMLP, "relu": ReluMLP, "in place": InPlaceMLP, "gelu_new": GeluNewMLP,
+           "static": WrittenBetweenMLP}.get(case, MLP)
     scales = {"input_scales": dict.fromkeys(["gate_proj", "up_proj", "down_proj"], 0.05)} if case == "static" else {}
     model, _ = quantized(cls, config, **scales)  # static: a calibrated input scale per layer
     x = torch.randn(65 if case == "batch of 65" else 4, 64, dtype=torch.bfloat16)
