@@ -15,7 +15,7 @@ from fp8fx.lowerings import aten, compat
 from fp8fx.ops import GATED_H_GROUPS
 from fp8fx.passes import PassManager, default_passes
 from fp8fx.passes.base import may_record_grad
-from fp8fx.passes.horizontal import AFTER_COMPILE
+from fp8fx.passes.horizontal import AFTER_COMPILE, SHARED_INPUTS, share_memory
 from fp8fx.report import Report, Site
 
 log = logging.getLogger("fp8fx")
@@ -231,6 +231,7 @@ class Fp8Backend:
         try:
             (dump.passes(self.pass_manager) if dump else self.pass_manager).run(gm, example_inputs, self.report)
             after_compile = gm.meta.pop(AFTER_COMPILE, ())  # e.g. moving fused weights into one tensor
+            shared = gm.meta.pop(SHARED_INPUTS, [])  # (those of another module Dynamo runs this graph for)
             compiled = (gm.forward if self.compiler == "eager"
                         else self._inductor(gm, example_inputs, index, code, call_config))
             for fn in after_compile:
@@ -243,7 +244,7 @@ class Fp8Backend:
             if dump:
                 dump.finish(self.report, code)
             raise
-        return self._done(compiled, index, dump, code)
+        return self._done(compiled, index, dump, code, shared)
 
     def _discard(self, index: int, dump: Optional[GraphDump]) -> None:
         """Undo what the attempt at graph ``index`` left: its sites and kernels in the report, and its dump files
@@ -325,33 +326,45 @@ class Fp8Backend:
             if backend is self:
                 del _DUMP_WRITERS[folder]
 
-    def _done(self, compiled, index: int, dump: Optional[GraphDump], output_code: list[str]):
+    def _done(self, compiled, index: int, dump: Optional[GraphDump], output_code: list[str], shared=()):
         self.report.log_graph(index)
         if dump:
             dump.finish(self.report, output_code)
-        if index in self.report.frames and self.report.frame_weights.get(index):
-            return _watch_reuse(compiled, self.report, index, dump)
+        frame = index in self.report.frames and bool(self.report.frame_weights.get(index))
+        if frame or shared:
+            return _watch_reuse(compiled, self.report, index, dump, shared, frame)
         return compiled
 
 
-def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump] = None):
-    """``compiled`` calling ``report.reused`` the first time it runs with another module's weights: graph ``index``
-    traced one module's forward, and Dynamo runs its code for every module of that class (``Report.frames``). Only
-    such graphs are watched; the check is one id() comparison of the first weight a call. The dump's reports are
-    written again where that added sites."""
-    positions = [p for _, p in report.frame_weights[index]]
+def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump] = None, shared=(),
+                 frame: bool = True):
+    """``compiled`` acting the first time it runs with another module's weights, for a graph Dynamo runs again for
+    other modules: one that traced a module's forward (``frame``: Dynamo runs its code for every module of that
+    class, ``Report.frames``), whose sites ``report.reused`` adds; one whose GEMMs the horizontal pass fused
+    (``shared``: the groups' input positions, ``SHARED_INPUTS``), whose parameters of the new module are moved into
+    one tensor each as the first module's were (else each of its fused GEMMs ran as one GEMM per layer, under a
+    report that called them fused). Only such graphs are watched; the check is one id() comparison of the first
+    weight a call. The dump's reports are written again where that added sites."""
+    positions = [p for _, p in report.frame_weights[index]] if frame else []
+    watched = (positions or [shared[0][0][0]])[0]
+    inputs = max(positions + [p for group in shared for part in group[:3] for p in part if p is not None])
     seen: set[int] = set()
     last = [0]  # id() of the first weight of the last call: no reference, which would keep a dropped model alive
 
     def look(args) -> None:
-        if max(positions) >= len(args):  # the weights are no inputs of the compiled code: Inductor's freezing made
-            return  # them its constants (a frame's graph that other modules run cannot be told apart then)
-        weight = args[positions[0]]
+        if inputs >= len(args):  # the weights are no inputs of the compiled code: Inductor's freezing made them its
+            return  # constants (a frame's graph that other modules run cannot be told apart then)
+        weight = args[watched]
         if id(weight) != last[0]:
             last[0] = id(weight)
             token = Site.token_of(weight)
             if token not in seen:
                 seen.add(token)
+                for ws, ss, bs, w_block in shared:  # (parameters already in one tensor stay where they are)
+                    share_memory([args[p] for p in ws], [args[p] for p in ss],
+                                 [None if p is None else args[p] for p in bs], w_block)
+                if not frame:
+                    return
                 try:
                     before = len(report.sites) + len(report.topk)
                     report.reused(index, [args[p] for p in positions])

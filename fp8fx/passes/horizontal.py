@@ -58,6 +58,10 @@ _STATIC_KEY = "static"  # (a group key's x_scale is (_STATIC_KEY, epoch) where i
 # xq, with static scales: _static_epochs)
 # gm.meta key: callables the backend runs once the graph is compiled
 AFTER_COMPILE = "fp8fx_after_compile"
+# gm.meta[SHARED_INPUTS]: each fused group's (weights, scales, biases) as the graph's input positions (None: a shard
+# without a bias) and its weight block: the backend moves another module's parameters, met at those positions by
+# the compiled code Dynamo runs again for it (a block's frame after a graph break, a second model of one class)
+SHARED_INPUTS = "fp8fx_shared_inputs"
 
 
 def fuse_weights(
@@ -468,7 +472,9 @@ class HorizontalFusionPass(Fp8Pass):
                 offset += size
         real = lambda i: [ctx.example[a] for a in column(i)]  # noqa: E731  the parameters themselves
         params = (real(2), real(3), [None if b is None else ctx.example[b] for b in biases], w_block)
-        for node in nodes:
+        where = lambda i: [None if a is None else ctx.positions[a] for a in column(i)]  # noqa: E731
+        gm.meta.setdefault(SHARED_INPUTS, []).append((where(2), where(3), where(4), w_block))
+        for node in nodes:  # (which takes their arguments)
             graph.erase_node(node)
         # after compilation: AOTAutograd re-reads the inputs' layout as Dynamo recorded it
         gm.meta.setdefault(AFTER_COMPILE, []).append(lambda: share_memory(*params))

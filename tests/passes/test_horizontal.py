@@ -480,6 +480,45 @@ def test_a_gemm_left_out_of_its_group_says_why():
     assert _fused(schemes[("v_proj", 2)], "q_proj,v_proj")
 
 
+class BrokenBlock(torch.nn.Module):
+    """q/k/v after a graph break: Dynamo compiles the rest of the forward once, for the first block, and runs that
+    code again for the second."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(64, n) for n in (64, 32, 32))
+
+    def forward(self, x):
+        x = x * 2
+        torch._dynamo.graph_break()
+        return torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)[..., :64] + x
+
+
+def test_fused_groups_of_modules_that_run_another_modules_graph_are_moved_too():
+    """The second block (and a second model of the class, on the same backend) ran the first block's graph with its
+    own q/k/v weights, which were never moved into one tensor: its scaled_mm_fused ran one GEMM per layer, under a
+    report that said fused."""
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(BrokenBlock(), BrokenBlock()).to(torch.bfloat16) for _ in range(2)]
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    refs = []
+    for model in models:
+        fp8fx.quantize_(model)
+        with torch.no_grad():
+            refs.append(torch.compile(model, backend=fp8fx.Fp8Backend(compiler="eager"))(x))
+        torch._dynamo.reset()
+    backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
+    with torch.no_grad():
+        outs = [torch.compile(model, backend=backend)(x) for model in models]
+    for model, out, ref in zip(models, outs, refs):
+        for block in model:
+            weights = [getattr(block, p)._parameters["weight"] for p in ("q_proj", "k_proj", "v_proj")]
+            assert fp8fx.ops._adjacent(weights) is not None
+        assert rel_err(out, ref) < 1e-3
+    sites = {s.fqn: s.scheme for s in backend.report.sites}
+    assert all(_fused(sites[f"{b}.{p}"], "q_proj,k_proj,v_proj") for b in "01" for p in ("q_proj", "k_proj", "v_proj"))
+
+
 def test_layers_quantized_one_by_one_keep_their_names():
     """quantize_(layer) without prefix= tags the layer's weight with the name "": every site of the model was named
     "", and the fusion wrote fused(,). Each site is named by its path in the compiled model."""
