@@ -330,7 +330,7 @@ class Fp8Backend:
         self.report.log_graph(index)
         if dump:
             dump.finish(self.report, output_code)
-        frame = index in self.report.frames and bool(self.report.frame_weights.get(index))
+        frame = bool(self.report.frame_weights.get(index))  # (a module's frame, or a model's graph another runs)
         if frame or shared:
             return _watch_reuse(compiled, self.report, index, dump, shared, frame)
         return compiled
@@ -340,7 +340,8 @@ def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump]
                  frame: bool = True):
     """``compiled`` acting the first time it runs with another module's weights, for a graph Dynamo runs again for
     other modules: one that traced a module's forward (``frame``: Dynamo runs its code for every module of that
-    class, ``Report.frames``), whose sites ``report.reused`` adds; one whose GEMMs the horizontal pass fused
+    class, ``Report.frames``; or a whole model's, which another model of its class runs), whose sites
+    ``report.reused`` adds; one whose GEMMs the horizontal pass fused
     (``shared``: the groups' input positions, ``SHARED_INPUTS``), whose parameters of the new module are moved into
     one tensor each as the first module's were (else each of its fused GEMMs ran as one GEMM per layer, under a
     report that called them fused). Only such graphs are watched; the check is one id() comparison of the first
@@ -359,11 +360,12 @@ def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump]
             last[0] = id(weight)
             token = Site.token_of(weight)
             if token not in seen:
+                traced = not seen  # the first call: with the inputs Dynamo traced, the graph's own sites
                 seen.add(token)
                 for ws, ss, bs, w_block in shared:  # (parameters already in one tensor stay where they are)
                     share_memory([args[p] for p in ws], [args[p] for p in ss],
                                  [None if p is None else args[p] for p in bs], w_block)
-                if not frame:
+                if traced or not frame:
                     return
                 try:
                     before = len(report.sites) + len(report.topk)

@@ -210,28 +210,38 @@ class Report:
         """Graph ``graph``, a frame of one module's forward (``frames``), ran with another module's ``weights`` (its
         inputs at ``frame_weights``' positions): that module's layers are sites of the graph too, rewritten as the
         first module's, named by their weights' tags (else by the first one's names under the new module); so are
-        the graph's top-ks, where the tags named the new module."""
-        root = self.frames[graph]
-        first, known = None, {s.fqn for s in self.sites if s.graph == graph}
+        the graph's top-ks, where the tags named the new module. A graph of a whole model run for another model of
+        its class (one backend compiling both) adds the other model's layers by their tags (both models' names)."""
+        root = self.frames.get(graph)  # (None: a graph of a whole model, run for another model of its class)
+        first = None
+        # a layer by its name and weight (two models of one class have the same names), once however often the
+        # graph calls it; a site of several weights (experts' w13 and w2) once
+        known = {(s.fqn, s.weight_id) for s in self.sites if s.graph == graph}
+        added: set[int] = set()
         for (i, _), weight in zip(self.frame_weights[graph], weights):
             site = self.sites[i]
             tag = getattr(weight, "_fp8fx_fqn", None)
-            if first is None and tag and site.fqn.startswith(f"{root}.") and tag.endswith(site.fqn[len(root):]):
-                first = tag[:len(tag) - len(site.fqn) + len(root)]
-            fqn = tag or (f"{first}{site.fqn[len(root):]}" if first is not None else "")
-            if fqn and fqn not in known:
-                known.add(fqn)
+            if root is None:  # the other model's layers by their tags
+                fqn = tag or ""
+            else:
+                if first is None and tag and site.fqn.startswith(f"{root}.") and tag.endswith(site.fqn[len(root):]):
+                    first = tag[:len(tag) - len(site.fqn) + len(root)]
+                fqn = tag or (f"{first}{site.fqn[len(root):]}" if first is not None else "")
+            token = Site.token_of(weight)
+            if fqn and i not in added and (fqn, token) not in known:
+                known.add((fqn, token))
+                added.add(i)
                 reason = site.reason
-                suffix = site.fqn[len(root):] if site.fqn.startswith(root) else None
+                suffix = site.fqn[len(root):] if root is not None and site.fqn.startswith(root) else None
                 # a layer left in high precision: the reason its own weight carries (a router's names its block's
                 # experts, which need not lie under the frame's module: JetMoE's router.layer and its output_linear)
                 tagged = getattr(weight, "_fp8fx_owners", {}).get(fqn) or getattr(weight, "_fp8fx_skip_reason", None)
                 if not site.rewritten and tagged and reason.startswith(NOT_QUANTIZED):
                     reason = f"{NOT_QUANTIZED}{tagged}"
-                elif suffix is not None and fqn.endswith(suffix) and root:  # the reason names the first module's
+                elif root and suffix is not None and fqn.endswith(suffix):  # the reason names the first module's
                     # layers ("routes tokens to model.layers.0.mlp.experts"): this module's, by its own names
                     reason = re.sub(rf"(?<![\w.]){re.escape(root)}(?![\w])", fqn[:len(fqn) - len(suffix)], reason)
-                self.add(dataclasses.replace(site, fqn=fqn, reason=reason, weight_id=Site.token_of(weight)))
+                self.add(dataclasses.replace(site, fqn=fqn, reason=reason, weight_id=token))
         if first is not None:  # the frame's top-ks, under the new module's names (each of them: a module's several)
             names = {s.fqn for s in self.topk if s.graph == graph}
             for site in [s for s in self.topk if s.graph == graph and (s.fqn == root or s.fqn.startswith(f"{root}."))]:
