@@ -661,6 +661,21 @@ def test_bad_backend_option():
         Fp8Backend(inductor_config="max_autotune")
 
 
+def test_a_torch_nn_module_compiled_in_place_says_its_layers_ran_uncompiled():
+    """nn.Sequential(...).compile(): Dynamo skips torch.nn's own forward and compiles only the weights' property; the
+    reason blamed a graph break there was none of."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    model.compile(backend=backend)
+    with torch.no_grad():
+        model(torch.randn(3, 64, dtype=torch.bfloat16))
+    assert [s.fqn for s in backend.report.sites] == ["0", "2"] and not backend.report.rewritten
+    assert all("nn.Linear compiled in place by its .compile(), whose forward Dynamo skips); compile the module that "
+               "calls the layer with torch.compile(module)" in s.reason for s in backend.report.sites), backend.report
+
+
 def test_the_backend_class_given_for_an_instance_is_named():
     """backend=fp8fx.Fp8Backend (the class): "Fp8Backend.__init__() takes 1 positional argument but 3 were given"."""
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"backend=fp8fx.Fp8Backend\): the class was "
