@@ -374,6 +374,8 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
             return config, lambda fqn: None if fmt and formats.transformers_skips(fqn, fmt.hf_ignore) else config, \
                 name, ignores
         groups = {id(c): with_flags(c) for _, c in fmt.groups}
+        # (the header's: its ignore list, and the config of the first group, whose ignored_layers are none)
+        config = dataclasses.replace(config, ignored_layers=tuple(fmt.ignore) + tuple(args.ignore or ()))
         return (config, lambda fqn: (lambda c: None if c is None else groups[id(c)])(fmt.layer_config(fqn, ("Linear",))),
                 name, ignores)
     except ValueError as e:
@@ -485,7 +487,9 @@ def _saved(shape: Sequence[int], element_size: int, config: Fp8Config) -> int:
 
 def _table(spec: str, cls: str, config: Fp8Config, rows: list[dict], others: list[dict], graphs: int) -> str:
     ignored = list(config.ignored_layers or [])
-    lines = [f"{spec}: {cls} on the meta device, {graphs} graph(s) traced; config {config.scheme()}, "
+    schemes = sorted({r["scheme"] for r in rows if r["scheme"]}) or [str(config.scheme())]  # (compressed-tensors: a
+    # scheme per group)
+    lines = [f"{spec}: {cls} on the meta device, {graphs} graph(s) traced; config {'; '.join(schemes)}, "
              f"ignored_layers={ignored}", ""]
     table = [("site", "kind", "weight", "rewritten", "scheme / reason")]
     for r in rows:

@@ -562,6 +562,10 @@ def test_inspect_reads_compressed_tensors_and_moe(capsys, tmp_path):
     assert not sites["lm_head"]["would_rewrite"]
     experts = sites["model.layers.0.mlp.experts"]
     assert experts["kind"] == "moe" and experts["weight_shape"] == [4, 128, 128]
+    code, out, err = run(capsys, "inspect", str(tmp_path))  # the header said ignored_layers=[]
+    assert code == 0, err
+    assert out.splitlines()[0].endswith("config w:per-tensor a:static per-tensor, ignored_layers=['lm_head', "
+                                        "'re:.*o_proj']"), out
     cfg.quantization_config = {"quant_method": "gptq", "bits": 4}
     cfg.save_pretrained(tmp_path)
     code, _, err = run(capsys, "inspect", str(tmp_path))
