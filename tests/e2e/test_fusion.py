@@ -125,3 +125,30 @@ def test_fused_mlp_decode_kernel_count(m):
     assert len(kernels) == 1 and "rsqrt" in kernels[0] and "float8" in kernels[0], "\n----\n".join(kernels)
     assert code.count("= fp8fx_direct.gated_mlp(") == 1 and "scaled_mm" not in code
     assert ((out.float() - want).norm() / want.norm()).item() < 0.08
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("m", [1, 16])
+def test_fused_mlp_of_static_gate_and_up_scales(m):
+    """Written without a GPU (run 56): gate and up with static input scales of their own quantize x once, with the
+    larger, in the gated MLP op (they were left unfused); against the unfused graph at that scale."""
+    torch.manual_seed(0)
+    model = NormMLP().cuda().to(torch.bfloat16)
+    x = torch.randn(m, 256, device="cuda", dtype=torch.bfloat16)
+    scales = fp8fx.calibrate(model, [x])
+    names = [n for n in scales if n.endswith(("gate_proj", "up_proj"))]
+    scales[names[1]] *= 2
+    same = {**scales, names[0]: scales[names[1]]}
+    plain = NormMLP().cuda().to(torch.bfloat16)
+    plain.load_state_dict(model.state_dict())
+    config = fp8fx.Fp8Config(activation_scheme="static")
+    fp8fx.quantize_(plain, config, input_scales=same)
+    fp8fx.quantize_(model, config, input_scales=scales)
+    with torch.no_grad():
+        want = torch.compile(plain, backend=fp8fx.Fp8Backend())(x).float()
+        torch._dynamo.reset()
+        backend = fp8fx.Fp8Backend(fuse_mlp=True, mlp_h_group=None)  # (h per token, as the unfused graph's)
+        out, code = run_and_get_code(torch.compile(model, backend=backend), x)
+    assert "\n".join(code).count("= fp8fx_direct.gated_mlp(") == 1, "\n".join(code)
+    assert all("gated MLP" in s.scheme and "not fused" not in s.scheme for s in backend.report.sites), backend.report
+    assert ((out.float() - want).norm() / want.norm()).item() < 0.02

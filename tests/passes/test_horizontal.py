@@ -309,6 +309,34 @@ def test_shards_with_and_without_a_bias_fused_on_the_gpu():
     assert all(torch.equal(o, outs[0]) for o in outs) and rel_err(outs[0].float(), plain.float()) < 1e-3
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_static_and_reused_frames_fused_on_the_gpu(tokens, device="cuda"):
+    """Written without a GPU (run 56): static q/k/v quantizing x once with the largest scale, through Inductor on
+    the GPU and under CUDA graphs, and a second block running the first's frame after a graph break, its weights
+    moved at its first call: against the unfused graph of each layer at its block's largest scale."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(BrokenBlock(), BrokenBlock()).to(torch.bfloat16).to(device)
+    x = torch.randn(tokens, 64, dtype=torch.bfloat16, device=device)
+    scales = {k: v * (2 if k.endswith("k_proj") else 1) for k, v in fp8fx.calibrate(model, [x]).items()}
+    top = {k: max(v for n, v in scales.items() if n[0] == k[0]) for k in scales}  # (per block)
+    same = copy.deepcopy(model)
+    fp8fx.quantize_(same, fp8fx.Fp8Config(activation_scheme="static"), input_scales=top)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(activation_scheme="static"), input_scales=scales)
+    with torch.no_grad():
+        plain = torch.compile(same, backend=fp8fx.Fp8Backend())(x)
+        torch._dynamo.reset()
+        backend = fp8fx.Fp8Backend(fuse_horizontal=True, cudagraphs=device == "cuda")
+        compiled = torch.compile(model, backend=backend)
+        outs = [compiled(x).clone() for _ in range(3)]
+    assert len(backend.report.sites) == 6
+    assert all(_fused(s.scheme, "q_proj,k_proj,v_proj") for s in backend.report.sites), backend.report
+    for block in model:
+        assert fp8fx.ops._adjacent([getattr(block, p)._parameters["weight"] for p in ("q_proj", "k_proj", "v_proj")]) \
+            is not None
+    assert all(torch.equal(o, outs[0]) for o in outs) and rel_err(outs[0].float(), plain.float()) < 1e-3
+
+
 class ViewedQK(torch.nn.Module):
     """q and k read the same input; their outputs are viewed (``.view``) as ``shape``."""
 
