@@ -6,6 +6,7 @@ import difflib
 import inspect
 import logging
 import math
+import weakref
 from typing import Callable, Iterable, Mapping, Optional
 
 import torch
@@ -295,9 +296,8 @@ class LinearDecider:
             return f"weight tied to {shared[0]}", True
         if config.is_checkpoint_fp8_serialized:  # (fp8fx inspect of an fp8 checkpoint's config) load_checkpoint's
             # plan: the layer loads as stored (a weight the block does not divide has ragged last blocks)
-            # (a router: checkpoints store them in high precision, where the loader finds them so)
-            if config.is_ignored(fqn) or fqn in self.routers:
-                return "in ignored_layers" if config.is_ignored(fqn) else self.routers[fqn], True
+            if config.is_ignored(fqn):  # (a router the config targets too: the loader takes it as stored)
+                return "in ignored_layers", True
             return (None, False) if layer._parameters.get("weight") is not None else (
                 skip_reason(layer, fqn, config) or "no weight", False)
         reason = skip_reason(layer, fqn, config)
@@ -659,9 +659,15 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no), with_kwargs=True)
              for fqn, module in experts]
 
+    last: dict[str, weakref.ref] = {}  # fqn -> the input last measured: a module's call is seen twice (its pre-hook,
+    # then its F.linear in _WeightReads), measured once (each .item() a GPU sync)
+
     def record(fqn: str, x: torch.Tensor) -> None:
         if x.numel() == 0:  # no rows this batch (an expert no token reached): nothing to measure
             return
+        if fqn in last and last[fqn]() is x:
+            return
+        last[fqn] = weakref.ref(x)
         _record(amax, fqn, x.detach().abs().max().float().item(), batch_no[0])
 
     linears = {fqn: module for fqn, module in modules if isinstance(module, nn.Linear)}

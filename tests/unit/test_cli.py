@@ -622,6 +622,14 @@ def test_inspect_predicts_tied_weights_and_routers_as_quantize_(capsys, tmp_path
     for fqn, module in linears:
         reason = getattr(module.weight, "_fp8fx_skip_reason", None)  # set by quantize_ on the layers it skips
         assert (sites[fqn]["would_rewrite"], sites[fqn]["reason"]) == (reason is None, reason or ""), fqn
+    # an fp8 checkpoint's config: load_checkpoint loads the nn.Linear router its config targets as stored, in fp8
+    cfg.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    cfg.save_pretrained(tmp_path)
+    code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+    assert code == 0, err
+    sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
+    assert sites["model.layers.0.mlp.shared_expert_gate"]["would_rewrite"]
+    assert sites["model.layers.0.mlp.gate"]["reason"].startswith("routes tokens to model.layers.0.mlp.experts")
 
 
 def test_inspect_refuses_options_its_model_does_not_use(capsys, llama_dir, models_py):

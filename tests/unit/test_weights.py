@@ -6,6 +6,7 @@ import gc
 import logging
 import re
 import weakref
+from unittest import mock
 
 import pytest
 import torch
@@ -975,6 +976,11 @@ def test_calibrate_measures_linears_read_through_their_weights(caplog):
         scales = fp8fx.calibrate(model, batches)
     assert "['g'] received no input during calibration" in caplog.text
     assert scales == {k: v.float().item() / quant.FP8_MAX for k, v in model.inputs.items()}
+    measured = collections.Counter()  # f's call is seen by its pre-hook and as F.linear: measured once a batch
+    real = fp8fx.weights.quantize._record
+    with mock.patch.object(fp8fx.weights.quantize, "_record", lambda *a: measured.update([a[1]]) or real(*a)):
+        fp8fx.calibrate(model, batches)
+    assert measured == dict.fromkeys("abcdef", len(batches))
     ref = model.double()(batches[1].double())
     model.to(torch.bfloat16)
     fp8fx.quantize_(model, Fp8Config(activation_scheme="static", ignored_layers=["g"]), input_scales=scales)
