@@ -437,6 +437,8 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
         if moe.is_any_experts(module) and fqn not in seen:
             cfg = layer_config(fqn)
             reason = ("kept in high precision by the quantization_config" if cfg is None
+                      # (an fp8 checkpoint's: load_checkpoint loads its experts as stored, ragged blocks too)
+                      else ("in ignored_layers" if cfg.is_ignored(fqn) else None) if cfg.is_checkpoint_fp8_serialized
                       else moe.skip_reason(module, fqn, cfg))
             w13, w2 = module._parameters[moe.w13_name(module)], module._parameters[moe.W2]
             saved = sum(_saved(list(w.shape), w.element_size(), cfg) for w in (w13, w2)) if reason is None else 0

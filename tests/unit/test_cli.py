@@ -91,6 +91,20 @@ def test_inspect_of_an_fp8_checkpoint_predicts_ragged_blocks_as_loaded(capsys, l
                                                                       "64x96 block")
 
 
+def test_inspect_of_an_fp8_checkpoint_predicts_ragged_expert_blocks_as_loaded(capsys, tmp_path):
+    """Experts of 96 rows under 128x128 blocks: load_checkpoint loads them as stored (ragged last blocks); inspect
+    gave quantize_'s reason, "not divisible"."""
+    cfg = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=96,
+                                      num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+                                      num_experts=4, num_experts_per_tok=2)
+    cfg.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    cfg.save_pretrained(tmp_path)
+    code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+    assert code == 0, err
+    experts = {s["fqn"]: s for s in json.loads(out)["sites"]}["model.layers.0.mlp.experts"]
+    assert experts["would_rewrite"] and not experts["reason"]
+
+
 MODELS_PY = """
 import torch
 from torch import nn
