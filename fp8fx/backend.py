@@ -363,8 +363,12 @@ def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump]
                 traced = not seen  # the first call: with the inputs Dynamo traced, the graph's own sites
                 seen.add(token)
                 for ws, ss, bs, w_block in shared:  # (parameters already in one tensor stay where they are)
-                    share_memory([args[p] for p in ws], [args[p] for p in ss],
-                                 [None if p is None else args[p] for p in bs], w_block)
+                    try:
+                        share_memory([args[p] for p in ws], [args[p] for p in ss],
+                                     [None if p is None else args[p] for p in bs], w_block)
+                    except Exception as e:  # noqa: BLE001 - the GEMMs then run one per layer, with the same numbers
+                        log.warning("fp8fx: graph %d: another module's fused layers could not be moved into one "
+                                    "tensor (%s: %s); they run one GEMM each", index, type(e).__name__, e)
                 if traced or not frame:
                     return
                 try:

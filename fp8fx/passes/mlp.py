@@ -403,7 +403,8 @@ class GatedMlpPass(Fp8Pass):
         max_rows = {"groups": GATED_GROUPS_MAX_M, "per token": GATED_ROWS_MAX_M}.get(h_mode, GATED_MAX_M)
         gate, up, down = mlp.gate, mlp.up, mlp.down
         static = [n.args[0].target is _QUANTIZE_STATIC for n in (gate, up) if isinstance(n.args[0], fx.Node)]
-        if gate.args[:2] != up.args[:2] and static == [True, True] and not shared:
+        if gate.args[:2] != up.args[:2] and static == [True, True] and not shared and (
+                gate.args[0].args[0] is up.args[0].args[0]):
             return ("gate and up quantize x with their own static input scales, apart (an in-place write that may "
                     "reach x in between)")
         if (gate.args[:2] != up.args[:2] and not shared) or gate.args[5:] != up.args[5:]:
