@@ -336,7 +336,7 @@ class HorizontalFusionPass(Fp8Pass):
         graph = gm.graph
         old = list(dict.fromkeys(n.args[0] for n in nodes))
         scales = list(dict.fromkeys(n.args[1] for n in nodes))
-        first = min(old, key=lambda n: list(graph.nodes).index(n))
+        first = next(n for n in graph.nodes if n in old)  # (the earliest, in graph order)
         with graph.inserting_before(first):
             scale = scales[0]
             for other in scales[1:]:

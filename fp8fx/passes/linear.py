@@ -131,15 +131,9 @@ def _is_weight(node, ctx: PassContext) -> bool:
         return True
     if not isinstance(node, fx.Node):
         return False
-    if node.op == "placeholder":
-        real = ctx.example.get(node)
-    elif node.op == "get_attr":
-        try:
-            real = operator.attrgetter(node.target)(node.graph.owning_module)
-        except AttributeError:
-            return False
-    else:
+    if node.op not in ("placeholder", "get_attr"):
         return False
+    real = ctx.example.get(node)  # (a get_attr's tensor too: the pass manager puts the graph's attributes there)
     return isinstance(real, torch.nn.Parameter) or any(
         hasattr(real, tag) for tag in ("_fp8fx_fqn", "_fp8fx_skip_reason", "_fp8fx_owners"))
 

@@ -146,11 +146,7 @@ def quantize_(
 
     untagged = _tags_of(model)  # (put back where quantize_ fails before it quantized anything)
     for fqn, module, reason in skipped:  # tags the report reads back from the compiled graph's inputs
-        for weight in weight_tensors(module):
-            weight._fp8fx_skip_reason = reason
-            weight._fp8fx_fqn = fqn
-            # a weight shared by several layers: each one's name and reason (the two above are the last one's)
-            weight._fp8fx_owners = {**getattr(weight, "_fp8fx_owners", {}), fqn: reason}
+        _tag_skipped(module, fqn, reason)
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
     moe.tag_routers(model, decide.routers, prefix)
     method = Fp8LinearMethod(config)
@@ -187,6 +183,16 @@ def quantize_(
 
 
 _UNFINISHED = "_fp8fx_unfinished"
+
+
+def _tag_skipped(layer: nn.Module, fqn: str, reason: str) -> None:
+    """Tags the weights of ``layer``, left in high precision for ``reason``, for the report (which reads them back
+    from the compiled graph's inputs)."""
+    for weight in weight_tensors(layer):
+        weight._fp8fx_skip_reason = reason
+        weight._fp8fx_fqn = fqn
+        # a weight shared by several layers: each one's name and reason (the two above are the last one's)
+        weight._fp8fx_owners = {**getattr(weight, "_fp8fx_owners", {}), fqn: reason}
 
 
 def check_finished(model: nn.Module, what: str) -> None:
@@ -258,9 +264,7 @@ class _Undo:
                 if moe.is_any_experts(m) and not moe.is_quantized_experts(m):
                     moe.tag_skipped(m, name, reason)
                 elif isinstance(m, nn.Linear) and not is_quantized(m):
-                    for weight in weight_tensors(m):
-                        weight._fp8fx_skip_reason, weight._fp8fx_fqn = reason, name
-                        weight._fp8fx_owners = {**getattr(weight, "_fp8fx_owners", {}), name: reason}
+                    _tag_skipped(m, name, reason)
             if isinstance(error, Exception):
                 error.add_note(
                     f"fp8fx: quantize_ stopped at {fqn}, which is as it was; {self.done} of {self.total} layers are "
