@@ -20,6 +20,9 @@ HIGH_PRECISION = (torch.bfloat16, torch.float16, torch.float32)  # activations, 
 # what a quantized layer may compute in: the fp8 GEMMs' dtypes, and float64 - the dequantized weight as a reference
 # (``model.double()``), which the passes leave to torch with a reason in the report
 COMPUTE_DTYPES = HIGH_PRECISION + (torch.float64,)
+# the tensor methods that cast or copy a tensor: a weight read as ``w.to(x.dtype)`` or ``w.contiguous()`` is still the
+# weight to the linear pass, and to ``calibrate``, which must see every linear the pass rewrites
+CAST_METHODS = frozenset(("to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous"))
 
 
 def exact_cast(src: torch.dtype, dst: torch.dtype) -> bool:

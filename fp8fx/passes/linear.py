@@ -85,8 +85,7 @@ _SWAPS = ("transpose", "swapaxes", "swapdims", torch.transpose, torch.swapaxes, 
 _PERMUTES = ("permute", torch.permute, torch.ops.aten.permute.default)
 
 
-# casts and copies of a tensor: a weight read as ``w.to(x.dtype)``, ``w.contiguous()``
-_CASTS = ("to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous")
+# casts and copies of a tensor (``quant.CAST_METHODS``), called as functions
 _CAST_FUNCTIONS = (torch.Tensor.to, torch.Tensor.type, torch.Tensor.type_as, torch.Tensor.contiguous)
 
 
@@ -94,7 +93,7 @@ def _cast_source(node) -> fx.Node | None:
     """``n`` if ``node`` is a cast or ``contiguous`` of ``n`` (``n.to(..)``, ``n.float()`` ...), else None."""
     if not isinstance(node, fx.Node) or not node.args or not isinstance(node.args[0], fx.Node):
         return None
-    if node.op == "call_method" and node.target in _CASTS or (
+    if node.op == "call_method" and node.target in quant.CAST_METHODS or (
             node.op == "call_function" and node.target in _CAST_FUNCTIONS):
         return node.args[0]
     return None

@@ -475,7 +475,6 @@ class _WeightReads(TorchFunctionMode):
     static activations need their scales). A call of the module itself, whose ``F.linear`` is seen too, records
     what its pre-hook recorded (the same tensor)."""
 
-    _CASTS = frozenset(("to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous"))
     _MATMULS = frozenset(("matmul", "mm", "__matmul__"))
 
     def __init__(self, weights: Mapping[str, torch.Tensor], record: Callable[[str, torch.Tensor], None]):
@@ -495,7 +494,7 @@ class _WeightReads(TorchFunctionMode):
         first = self._read(args[0]) if args else None
         if first is not None and isinstance(out, torch.Tensor) and out is not args[0]:
             src = args[0]
-            if name in self._CASTS and out.shape == src.shape:
+            if name in quant.CAST_METHODS and out.shape == src.shape:
                 self.reads[out] = first
             elif _transposing_view(src, out):  # .t(), .T, .mT, permute(1, 0) ...
                 self.reads[out] = (first[0], not first[1])
