@@ -190,10 +190,18 @@ def _check_load_args(config, device, fused) -> None:
                          "device says where its loaded tensors go), e.g. 'cpu' or 'cuda'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"load_checkpoint(device={device!r}): this torch has no usable CUDA device; use 'cpu'")
+    if fused is not None and not isinstance(fused, Mapping):
+        raise ValueError(f"load_checkpoint(fused={fused!r:.80}): a {type(fused).__name__}; it takes a dict of model "
+                         "module name -> the checkpoint module names it fuses, e.g. "
+                         "{'qkv_proj': ['q_proj', 'k_proj', 'v_proj']}")
     for name, parts in (fused or {}).items():
         if isinstance(parts, str) or not all(isinstance(p, str) for p in parts):
             raise ValueError(f"load_checkpoint(fused={{{name!r}: {parts!r}}}): the checkpoint module names it fuses, "
                              "a list, e.g. ['q_proj', 'k_proj', 'v_proj']")
+        twice = sorted({p for p in parts if list(parts).count(p) > 1})
+        if twice:  # (the second shard would be reported missing from the checkpoint)
+            raise ValueError(f"load_checkpoint(fused={{{name!r}: {parts!r}}}): {twice[0]!r} is named twice; each "
+                             "checkpoint module is one shard of the fused one, in the order they are stacked")
 
 
 def load_checkpoint(

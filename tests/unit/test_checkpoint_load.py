@@ -1335,7 +1335,13 @@ def test_load_arguments_are_checked_before_reading(tmp_path, monkeypatch):
                                                       r"Fp8Config or None; for a quantization_config dict pass "
                                                       r"Fp8Config.from_config"),
              (dict(device="meta"), r"device='meta'\): the tensors need a real device"),
-             (dict(fused={"qkv_proj": "q_proj"}), r"fused=\{'qkv_proj': 'q_proj'\}\): the checkpoint module names")]
+             (dict(fused={"qkv_proj": "q_proj"}), r"fused=\{'qkv_proj': 'q_proj'\}\): the checkpoint module names"),
+             # a list of pairs (AttributeError: 'list' object has no attribute 'items'), a shard named twice (its
+             # second read was reported missing from the checkpoint, with key_mapping= as the fix)
+             (dict(fused=[("qkv_proj", ["q_proj", "k_proj", "v_proj"])]), r"fused=\[\('qkv_proj', .*\): a list; it "
+                                                                          r"takes a dict of model module name"),
+             (dict(fused={"qkv_proj": ["q_proj", "q_proj", "v_proj"]}), r"'q_proj' is named twice; each checkpoint "
+                                                                         r"module is one shard of the fused one")]
     if not torch.cuda.is_available():
         cases.append((dict(device="cuda"), r"device='cuda'\): this torch has no usable CUDA device"))
     for kwargs, match in cases:
