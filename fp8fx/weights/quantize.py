@@ -71,7 +71,15 @@ def quantize_(
     modules = list(model.named_modules(prefix=prefix))
     done = {name: m for name, m in modules if is_quantized(m) or moe.is_quantized_experts(m)}
     resume = (config, prefix, strict)  # a quantize_ that failed on the way (_Undo): the same call finishes it
-    if done and vars(model).get(_UNFINISHED) != resume:
+    unfinished = vars(model).get(_UNFINISHED)
+    if done and unfinished is not None and unfinished != resume:
+        was = ", ".join(f"{k}={v!r}" for k, v, now in zip(("config", "prefix", "strict"), unfinished, resume)
+                        if v != now)
+        raise RuntimeError(
+            f"quantize_: the model is half-quantized by a quantize_ call that stopped on the way ({len(done)} fp8 by "
+            f"now, the rest still bf16), and this call's arguments differ from it: it had {was}; call quantize_ "
+            "again with that call's arguments to finish it, or quantize_ a fresh bf16 model (nothing was done)")
+    if done and unfinished != resume:
         raise RuntimeError(
             f"quantize_: {next(iter(done))} (and {len(done) - 1} more) is already fp8-quantized; quantize_ a fresh "
             "bf16 model instead of quantizing twice"
@@ -367,7 +375,16 @@ def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, un
     names = [fqn for fqn in dict.fromkeys(names) if fqn]
     for entry in config.ignored_layers or ():
         if prefix and not (entry_covers(entry, prefix) or entry_covers(prefix, entry)):
-            continue  # a model-wide config quantizing one part (prefix): the entry is another part's
+            # a model-wide config quantizing one part (prefix): the entry is another part's, unless it names a
+            # module of this part by its name inside the part, which would quantize the layer it meant to keep
+            inside = [fqn for fqn in names if entry_covers(entry, fqn[len(prefix) + 1:])]
+            if inside:
+                raise ValueError(
+                    f"Fp8Config.ignored_layers: {entry!r} names {inside[0]!r} by its name inside the part "
+                    f"(prefix={prefix!r}), and entries are full names: write {inside[0]!r}; an entry for a module "
+                    f"outside this part may not share a name with one inside it (nothing was {undone})"
+                )
+            continue
         if not any(entry_covers(entry, fqn) for fqn in names):
             raise ValueError(
                 f"Fp8Config.ignored_layers: {entry!r} names no module of {where}{did_you_mean(entry, names)}; "
@@ -417,6 +434,13 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
             raise ValueError("input_scales is only used with activation_scheme='static'")
         return {}
     given = dict(input_scales or {})
+    for fqn in given:
+        if not isinstance(fqn, str):  # a layer index, the module itself: difflib would fail on it
+            raise ValueError(
+                f"input_scales key {fqn!r:.60} ({type(fqn).__name__}): keys are layer names (str), e.g. "
+                f"{(planned or ['model.layers.0.mlp.down_proj'])[0]!r}, as fp8fx.calibrate returns them "
+                "(nothing was quantized)"
+            )
     others = []  # scales of other parts, or of this part under its own names (calibrate(part) without prefix=)
     if prefix:  # the scales of a whole model (calibrate(model)), this part quantized: its own
         others = [fqn for fqn in given if not entry_covers(prefix, fqn)]

@@ -146,6 +146,11 @@ def test_static_needs_input_scales_and_calibrate_provides_them():
     for bad in ("0.01", torch.ones(2), None):
         with pytest.raises(ValueError, match=r"input_scales\['3'\]=.* must be a positive finite float \(nothing was"):
             fp8fx.quantize_(model, config, input_scales={"0": 1.0, "2": torch.tensor(0.5), "3": bad})
+    # a key that is no name (a layer index, the module): difflib's TypeError before
+    for key in (3, model[3]):
+        with pytest.raises(ValueError, match=rf"^input_scales key .* \({type(key).__name__}\): keys are layer names "
+                                             r"\(str\), e.g. '0', as fp8fx.calibrate returns them"):
+            fp8fx.quantize_(model, config, input_scales={"0": 1.0, "2": 1.0, "3": 1.0, key: 1.0})
     assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
     # checked as float32, the scales' dtype: 1e39 is inf there and 1e-46 zero (the last layer's loader refused
     # them after the layers before it were fp8), and a subnormal one's reciprocal is inf
@@ -597,6 +602,13 @@ def test_prefix_names_a_model_quantized_part_by_part():
         fp8fx.quantize_(model.blocks[1], config, input_scales=scales, prefix="blocks.1.")
     with pytest.raises(ValueError, match=r"'blocks.1.3' names no module of this Sequential"):
         fp8fx.quantize_(model.blocks[1], Fp8Config(ignored_layers=["blocks.1.3", "blocks.0"]), prefix="blocks.1")
+    # an entry by its name inside the part (not its full name) would quantize the layer it keeps: refused, by both
+    relative = "Fp8Config.ignored_layers: '2' names 'blocks.1.2' by its name inside the part \\(prefix='blocks.1'\\)"
+    with pytest.raises(ValueError, match=rf"^{relative}, and entries are full names: write 'blocks.1.2'.*quantized\)"):
+        fp8fx.quantize_(model.blocks[1], Fp8Config(ignored_layers=["2"]), prefix="blocks.1")
+    with pytest.raises(ValueError, match=rf"^{relative}.*\(nothing was measured\)"):
+        fp8fx.calibrate(model.blocks[1], [x], Fp8Config(activation_scheme="static", ignored_layers=["2"]),
+                        prefix="blocks.1")
     own_names = fp8fx.calibrate(model.blocks[1], [x], Fp8Config(activation_scheme="static", ignored_layers=["2"]))
     with pytest.raises(ValueError, match=r"missing \['blocks\.1\.0'\]: input_scales names no layer under "
                                          r"prefix='blocks\.1' \(e\.g\. '0'\); scales of this part alone take its "
@@ -1102,8 +1114,13 @@ def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_c
     torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
     assert {s.fqn: s.reason or "rewritten" for s in backend.report.sites} == {
         "0": "rewritten", "1": "not quantized: " + reason, "2": "not quantized: " + reason}
-    with pytest.raises(RuntimeError, match=r"0 \(and 0 more\) is already fp8-quantized"):
-        fp8fx.quantize_(model, Fp8Config(weight_granularity=fp8fx.PerTensor()))
+    # another call is refused, and the message says the model is half-quantized and which argument differs
+    for other, differs in ((dict(config=Fp8Config(weight_granularity=fp8fx.PerTensor())), r"config=Fp8Config\("),
+                           (dict(strict=True), "strict=False")):
+        with pytest.raises(RuntimeError, match=r"^quantize_: the model is half-quantized by a quantize_ call that "
+                                               rf"stopped on the way \(1 fp8 by now, .* it had {differs}.*; call "
+                                               r"quantize_ again with that call's arguments"):
+            fp8fx.quantize_(model, **other)
     # saved now, its bf16 layers were written as kept on purpose (in the ignore list): refused, nothing written
     parent = nn.Sequential(model)
     for m in (model, parent):
