@@ -220,6 +220,36 @@ def _other_arguments(node: fx.Node) -> str:
             "dequantized weight (drop the out= buffer and assign the result to rewrite it)")
 
 
+def _under_autocast(node: fx.Node, device_type: str) -> bool:
+    """Whether ``node`` runs under ``torch.autocast``: one entered inside the graph (Dynamo's ``_enter_autocast`` /
+    ``_exit_autocast`` nodes around it) or around the compiled call (enabled while the backend compiles it)."""
+    if torch.is_autocast_enabled(device_type):
+        return True
+    depth = 0
+    for n in node.graph.nodes:
+        if n is node:
+            return depth > 0
+        name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
+        depth += (name == "_enter_autocast") - (name == "_exit_autocast")
+    return False
+
+
+def _mixed_dtypes(node: fx.Node, x, w, bias) -> str:
+    """Why a linear whose activation, weight and bias dtypes differ outside ``torch.autocast`` stays torch's, or "":
+    eager and Inductor raise ("mat1 and mat2 must have the same dtype"), where the fp8 op would compute it, and
+    return a promoted float32 for a bias of another dtype (an fp16 model fed bf16, a float32 bias)."""
+    values = {"activation": fake_value(x), "weight": fake_value(w), "bias": fake_value(bias)}
+    dtypes = {k: v.dtype for k, v in values.items() if isinstance(v, torch.Tensor)}
+    out_dtype = node.kwargs.get("out_dtype")
+    if out_dtype is not None and dtypes.get("bias") == out_dtype:  # addmm(b, x, w.t(), out_dtype=b.dtype)
+        del dtypes["bias"]
+    if len(set(dtypes.values())) < 2 or _under_autocast(node, values["activation"].device.type):
+        return ""
+    shown = ", ".join(f"{k} {v}" for k, v in dtypes.items()).replace("torch.", "")
+    return (f"dtypes differ ({shown}) outside torch.autocast: a linear takes one dtype, and torch raises on it as "
+            "eager does; cast the input (or the layer) to one dtype, or run it under torch.autocast")
+
+
 def _hop_operands(node: fx.Node) -> list:
     """The operands a higher-order op passes to its bodies' placeholders, in their order: ``cond``'s tuple,
     ``invoke_subgraph``'s after its identifier, the others' after their bodies (``tag_activation_checkpoint``)."""
@@ -475,7 +505,7 @@ class LinearPass(Fp8Pass):
             x, w, bias = operands
             fqn = self._fqn(node, w, ctx)
             reason = (_other_arguments(node) or self._why_not(x, w, bias, ctx, fqn)
-                      or _weight_written(w, writes))
+                      or _mixed_dtypes(node, x, w, bias) or _weight_written(w, writes))
             if reason and _kept_expert(w, ctx):  # the MoE pass's site of the experts says why they stay bf16
                 continue
             source = w.args[0] if isinstance(w, fx.Node) and w.target in _DEQUANT else _read_from(w)

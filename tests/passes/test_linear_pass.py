@@ -928,6 +928,52 @@ def test_autocast_output_dtype_is_the_linears(weight_only):
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.05
 
 
+class _AutocastInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(64, 64)
+
+    def forward(self, x):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return self.lin(x)
+
+
+def test_a_linear_of_mixed_dtypes_is_torchs_outside_autocast():
+    """An fp16 model fed bf16, a bf16 layer with a float32 bias: eager and Inductor raise, and the fp8 op computed
+    it (with the bias, in float32, and every layer after it). Now the site stays torch's, which raises as eager
+    does, and the report says why; under torch.autocast, around the call or inside the graph, it is rewritten."""
+    torch.manual_seed(0)
+    fp16 = nn.Sequential(nn.Linear(64, 64)).half()
+    f32_bias = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)
+    f32_bias[0].bias = nn.Parameter(torch.randn(64))
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    for model, shown in ((fp16, "activation bfloat16, weight float16, bias float16"),
+                         (f32_bias, "activation bfloat16, weight bfloat16, bias float32")):
+        fp8fx.quantize_(model)
+        torch._dynamo.reset()
+        backend = Fp8Backend()
+        with torch.no_grad(), pytest.raises(RuntimeError, match="dtype"):
+            model(x)
+        with torch.no_grad(), pytest.raises(RuntimeError, match="dtype"):
+            torch.compile(model, backend=backend)(x)
+        assert [(s.fqn, s.rewritten, s.reason) for s in backend.report.sites] == [
+            ("0", False, f"dtypes differ ({shown}) outside torch.autocast: a linear takes one dtype, and torch raises "
+                         "on it as eager does; cast the input (or the layer) to one dtype, or run it under "
+                         "torch.autocast")]
+    # under autocast the dtypes may differ: rewritten, bf16 out, the reference's numbers
+    inside = _AutocastInside().half()
+    fp8fx.quantize_(inside)
+    with torch.no_grad():
+        for model, around in ((fp16, True), (inside, False)):
+            torch._dynamo.reset()
+            backend = Fp8Backend()
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=around):
+                ref = model(x)
+                out = torch.compile(model, backend=backend)(x)
+            assert [s.rewritten for s in backend.report.sites] == [True], backend.report
+            assert out.dtype == ref.dtype == torch.bfloat16 and rel_err(out.float(), ref.float()) < 0.05
+
+
 @torch.library.custom_op("fp8fx_test::scale_in_place", mutates_args=("x",))  # vLLM's fused_add_rms_norm is such an op
 def _scale_in_place(x: torch.Tensor) -> None:
     x.mul_(2.0).add_(1.0)
