@@ -123,6 +123,11 @@ def save_checkpoint(
         if hasattr(hf, "to_dict"):  # the class that loads it, as save_pretrained writes (a model built from its
             # config has none: meta_model took AutoModelForCausalLM's class, which VLMs have not)
             config_json["architectures"] = [type(model).__name__]
+            dtype = _compute_dtype(tensors)
+            if dtype is not None:  # the dtype it computes in, as save_pretrained writes (a model cast after it was
+                # built has None, and meta_model built it again in bf16); transformers 4's key where it has that one
+                key = "torch_dtype" if "torch_dtype" in config_json and "dtype" not in config_json else "dtype"
+                config_json[key] = str(dtype).removeprefix("torch.")
     if not isinstance(config_json, Mapping):  # (_config_text's check, before anything reads it)
         _config_text(config_json, qc, "save_checkpoint")
     config_json = _untied_config(model, config_json)
@@ -136,6 +141,16 @@ def save_checkpoint(
     _write_checkpoint(path, tensors, max_shard_size, config_text)
     log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
     return qc
+
+
+def _compute_dtype(tensors: Mapping[str, torch.Tensor]) -> Optional[torch.dtype]:
+    """The dtype a quantized model computes in: that of most of its bf16/fp16/fp32 tensors by size, the fp8 codes
+    and their float32 scales aside (a bf16 model's embeddings, norms, unquantized layers)."""
+    sizes: dict[torch.dtype, int] = {}
+    for name, t in tensors.items():
+        if t.dtype in quant.HIGH_PRECISION and not _looks_like_scale(name):
+            sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
+    return max(sizes, key=sizes.__getitem__) if sizes else None
 
 
 def _warn_per_tensor_fp8(qc: Mapping[str, Any], where: str, fix: str) -> None:

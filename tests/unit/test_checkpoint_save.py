@@ -15,6 +15,7 @@ import fp8fx
 from fp8fx.checkpoint import CheckpointError, convert, load_checkpoint, save_checkpoint
 from fp8fx.checkpoint.files import read_checkpoint, read_header, write_file
 from fp8fx.checkpoint.load import FUSED
+from tests.conftest import rel_err
 from tests.unit.test_checkpoint_load import (
     FP8,
     IDS,
@@ -532,6 +533,29 @@ def test_meta_model_builds_the_architectures_class_of_this_config(tmp_path):
                                      num_attention_heads=4, num_key_value_heads=2, architectures=["LlamaForCausalLM"])
     cfg.save_pretrained(tmp_path)
     assert type(fp8fx.checkpoint.meta_model(tmp_path)) is transformers.MistralForCausalLM
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_save_records_the_dtype_the_model_computes_in(tmp_path, dtype):
+    """A model cast after it was built has config.dtype None, which save_checkpoint wrote; meta_model then built it
+    in bf16, and the reloaded fp32 or fp16 model computed in bf16 (save_pretrained writes the model's dtype)."""
+    import transformers
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    model = transformers.LlamaForCausalLM(cfg).to(dtype).eval()
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    fp8fx.save_checkpoint(model, tmp_path / "c")
+    assert json.loads((tmp_path / "c" / "config.json").read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    again = fp8fx.checkpoint.meta_model(tmp_path / "c")
+    fp8fx.load_checkpoint(again, tmp_path / "c", progress=False)
+    ids = torch.randint(0, 64, (1, 6))
+    with torch.no_grad():
+        out, ref = again(ids).logits, model(ids).logits
+    assert again.model.norm.weight.dtype == out.dtype == dtype
+    # (a model cast to 16 bits rounded its rotary inv_freq buffer, which the one built again keeps in float32)
+    assert torch.equal(out, ref) if dtype == torch.float32 else rel_err(out.float(), ref.float()) < 0.02
 
 
 def safetensors_names(path):
