@@ -167,6 +167,41 @@ def _linear_operands(node: fx.Node, ctx: PassContext):
     return None
 
 
+def _weight_on_the_left(graph: fx.Graph, node: fx.Node, ctx: PassContext) -> bool:
+    """Rewrites ``w @ x`` of a module's 2-D weight ``w`` [N, K] (Mamba's ``dt_proj.weight @ t.transpose(1, 2)``:
+    ``x`` [..., K, M]) to the linear it is, ``(x.mT @ w.t()).mT``, which the pass then finds as ``x @ w.T`` (a 1-D
+    ``x``: ``x @ w.t()``); True if it did. The same numbers in another order: the fp8 op's tokens are ``x``'s
+    columns. Not when ``x`` is a weight too, or the call has other arguments (``out=``)."""
+    if node.op not in ("call_function", "call_method") or node.target not in _MATMUL or node.kwargs:
+        return False
+    operands = list(node.args)
+    if len(operands) != 2 or not all(isinstance(a, fx.Node) for a in operands):
+        return False
+    w, x = _without_noop_casts(operands[0]), operands[1]
+    wv, xv = fake_value(w), fake_value(x)
+    if not isinstance(wv, torch.Tensor) or wv.ndim != 2 or not isinstance(xv, torch.Tensor) or xv.ndim < 1:
+        return False
+    direct = w.target in _DEQUANT or w.op in ("placeholder", "get_attr")
+    if not direct or not _is_weight(w, ctx) or _is_weight(x, ctx) or _is_weight(_transposed(x), ctx):
+        return False
+    with graph.inserting_before(node):
+        if xv.ndim > 1:
+            x = graph.call_function(torch.transpose, (x, -2, -1))
+            set_fake_value(x, torch.transpose, x.args)
+        wt = graph.call_function(torch.t, (operands[0],))
+        set_fake_value(wt, torch.t, wt.args)
+        y = graph.call_function(torch.matmul, (x, wt))
+        set_fake_value(y, torch.matmul, y.args)
+        y.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
+        out = y
+        if xv.ndim > 1:
+            out = graph.call_function(torch.transpose, (y, -2, -1))
+            set_fake_value(out, torch.transpose, out.args)
+    node.replace_all_uses_with(out)
+    graph.erase_node(node)
+    return True
+
+
 # the operands' keywords: torch's (``torch.mm(x, mat2=..)``, ``matmul(x, other=..)``), aten's (``self``)
 _MATMUL_OPERANDS = (("input", "self"), ("mat2", "other"))
 _ADDMM_OPERANDS = (("input", "self"), ("mat1",), ("mat2",))
@@ -487,6 +522,8 @@ class LinearPass(Fp8Pass):
         weight_only = self.weight_only
         if weight_only is None:
             weight_only = lacks_fp8_tensor_cores(ctx.example.values())
+        for node in list(graph.nodes):
+            _weight_on_the_left(graph, node, ctx)
         # one quantization per (activation, scheme): q/k/v and gate/up read the same x
         quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
         inputs = {_storage(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")} - {None}

@@ -928,6 +928,44 @@ def test_autocast_output_dtype_is_the_linears(weight_only):
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.05
 
 
+class _WeightOnTheLeft(nn.Module):
+    """``w @ x``: Mamba's ``dt_proj.weight @ t.transpose(1, 2)``, ``torch.mm(w, x)`` of a [K, M] x, ``w @ v``."""
+
+    def __init__(self):
+        super().__init__()
+        self.batched, self.mm, self.vec = nn.Linear(64, 96, bias=False), nn.Linear(64, 32), nn.Linear(64, 48)
+
+    def forward(self, t, x2, v):
+        return ((self.batched.weight @ t.transpose(1, 2)).transpose(1, 2), torch.mm(self.mm.weight, x2),
+                self.vec.weight @ v)
+
+
+def test_a_linear_written_with_the_weight_on_the_left_is_rewritten():
+    """``w @ x`` is the linear ``(x.mT @ w.t()).mT``: it was left on the dequantized weight with the reason "read
+    by matmul, not by a linear" (Mamba's dt_proj), its weight fp8 all the same."""
+    torch.manual_seed(0)
+    model = _WeightOnTheLeft().to(torch.bfloat16)
+    args = (torch.randn(2, 5, 64), torch.randn(64, 7), torch.randn(64))
+    args = tuple(a.to(torch.bfloat16) for a in args)
+    backend = Fp8Backend()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(*args)
+        assert {s.fqn: s.reason for s in backend.report.sites} == dict.fromkeys(
+            ("batched.weight", "mm.weight", "vec.weight"), "weight is not an fp8fx-quantized weight (run "
+            "fp8fx.quantize_ or load an fp8 checkpoint: they quantize nn.Linear layers and experts modules, not a "
+            "parameter another module reads by F.linear)")
+        fp8fx.quantize_(model)
+        ref = model.double()(*(a.double() for a in args))
+        model.to(torch.bfloat16)
+        torch._dynamo.reset()
+        backend = Fp8Backend()
+        out = torch.compile(model, backend=backend)(*args)
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("batched", True), ("mm", True), ("vec", True)]
+    assert [o.shape for o in out] == [r.shape for r in ref] == [(2, 5, 96), (32, 7), (48,)]
+    assert all(rel_err(o.double(), r) < 0.05 for o, r in zip(out, ref)), [rel_err(o.double(), r) for o, r in
+                                                                          zip(out, ref)]
+
+
 class _AutocastInside(nn.Module):
     def __init__(self):
         super().__init__()
