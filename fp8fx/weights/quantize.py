@@ -495,7 +495,7 @@ class _WeightReads(TorchFunctionMode):
     """Records, as ``record(fqn, x)``, the input ``x`` of every linear of a tracked ``nn.Linear`` weight that is not
     a call of the module, in the spellings the linear pass rewrites: ``F.linear(x, layer.weight)``,
     ``x @ layer.weight.t()``, ``torch.mm(x, w.T)``, ``torch.addmm(b, x, w.mT)``, the weight read through ``.t()``,
-    ``.T``, ``.mT``, ``transpose``, ``permute``, casts and ``contiguous`` (a module hook does not see these, and
+    ``.T``, ``.mT``, ``transpose``, ``permute``, casts and ``contiguous``, or on the left (``w @ x``) (a module hook does not see these, and
     static activations need their scales). A call of the module itself, whose ``F.linear`` is seen too, records
     what its pre-hook recorded (the same tensor)."""
 
@@ -531,6 +531,8 @@ class _WeightReads(TorchFunctionMode):
             operands = operands[1:] if name == "addmm" else operands  # (addmm's bias first)
             if len(operands) == 2:
                 self._seen(operands[0], self._read(operands[1]), transposed=True)
+                if name != "addmm" and self._read(operands[1]) is None:  # ``w @ x``: the linear of x's columns,
+                    self._seen(operands[1], self._read(operands[0]), transposed=False)  # (x.mT @ w.t()).mT
         return out
 
     def _seen(self, x, read, transposed: bool) -> None:

@@ -956,12 +956,13 @@ def test_a_layer_that_never_ran_during_calibration_is_named_as_such(caplog):
 
 
 class WeightReads(nn.Module):
-    """Linears read through their weights in each spelling the linear pass rewrites, one called as a module, and
-    ``g`` read untransposed (``h @ g.weight``: no linear of g). ``inputs`` keeps what each linear read."""
+    """Linears read through their weights in each spelling the linear pass rewrites (``l``: the weight on the left,
+    ``l.weight @ h.t()``), one called as a module, and ``g`` read untransposed (``h @ g.weight``: no linear of g).
+    ``inputs`` keeps what each linear read."""
 
     def __init__(self):
         super().__init__()
-        self.a, self.b, self.c, self.d, self.e, self.f, self.g = (nn.Linear(64, 64) for _ in range(7))
+        self.a, self.b, self.c, self.d, self.e, self.f, self.g, self.l = (nn.Linear(64, 64) for _ in range(8))
         self.inputs = {}
 
     def forward(self, x):
@@ -975,6 +976,7 @@ class WeightReads(nn.Module):
         h = torch.addmm(self.d.bias, read("d", h / 2), self.d.weight.mT)
         h = read("e", h * 5).matmul(self.e.weight.permute(1, 0).contiguous())
         h = self.f(read("f", h - 1))
+        h = (self.l.weight @ read("l", h * 0.5).t()).t()
         return h + (h @ self.g.weight) * 1e-3 + (h @ h.t()).sum() * 1e-6  # (nor is an activation's product)
 
 
@@ -992,13 +994,13 @@ def test_calibrate_measures_linears_read_through_their_weights(caplog):
     real = fp8fx.weights.quantize._record
     with mock.patch.object(fp8fx.weights.quantize, "_record", lambda *a: measured.update([a[1]]) or real(*a)):
         fp8fx.calibrate(model, batches)
-    assert measured == dict.fromkeys("abcdef", len(batches))
+    assert measured == dict.fromkeys("abcdefl", len(batches))
     ref = model.double()(batches[1].double())
     model.to(torch.bfloat16)
     fp8fx.quantize_(model, Fp8Config(activation_scheme="static", ignored_layers=["g"]), input_scales=scales)
     backend = fp8fx.Fp8Backend()
     out = torch.compile(model, backend=backend)(batches[1])
-    assert sorted(s.fqn for s in backend.report.rewritten) == list("abcdef")
+    assert sorted(s.fqn for s in backend.report.rewritten) == list("abcdefl")
     assert all("static" in str(s.scheme) for s in backend.report.rewritten)
     assert rel_err(out, ref) < 0.12  # six fp8 layers in a row, weights and activations: 0.087
 
