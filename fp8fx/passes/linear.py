@@ -167,11 +167,27 @@ def _linear_operands(node: fx.Node, ctx: PassContext):
     return None
 
 
-def _weight_on_the_left(graph: fx.Graph, node: fx.Node, ctx: PassContext) -> bool:
-    """Rewrites ``w @ x`` of a module's 2-D weight ``w`` [N, K] (Mamba's ``dt_proj.weight @ t.transpose(1, 2)``:
-    ``x`` [..., K, M]) to the linear it is, ``(x.mT @ w.t()).mT``, which the pass then finds as ``x @ w.T`` (a 1-D
-    ``x``: ``x @ w.t()``); True if it did. The same numbers in another order: the fp8 op's tokens are ``x``'s
-    columns. Not when ``x`` is a weight too, or the call has other arguments (``out=``)."""
+def _last_two_swapped(node: fx.Node) -> fx.Node | None:
+    """``t`` if ``node`` swaps ``t``'s last two dims by any spelling (``t.transpose(1, 2)`` of a 3-D ``t``,
+    ``t.mT``), else None."""
+    source = _transposed(node)
+    if source is None and node.target in _SWAPS and isinstance(node.args[0], fx.Node):
+        ndim = getattr(fake_value(node.args[0]), "ndim", 0)
+        dims = node.args[1:3]
+        if ndim >= 2 and len(dims) == 2 and all(isinstance(d, int) for d in dims) and sorted(
+                d % ndim for d in dims) == [ndim - 2, ndim - 1]:
+            source = node.args[0]
+    if source is not None and node.target is getattr and node.args[1] == "T" and fake_value(source).ndim > 2:
+        return None  # (t.T of a 3-D t reverses all its dims)
+    return source
+
+
+def _weight_on_the_left(graph: fx.Graph, node: fx.Node, transposes: dict) -> bool:
+    """Rewrites ``w @ x`` of an fp8fx-quantized 2-D weight ``w`` [N, K] (Mamba's ``dt_proj.weight @
+    t.transpose(1, 2)``: ``x`` [..., K, M]) to the linear it is, ``(x.mT @ w.t()).mT.contiguous()`` (the strides
+    ``w @ x`` has), which the pass then finds as ``x @ w.T`` (a 1-D ``x``: ``x @ w.t()``); True if it did. The same
+    numbers in another order: the fp8 op's tokens are ``x``'s columns. ``x.mT`` is ``t`` for ``x = t.mT``, and one
+    node per other ``x`` (``transposes``), so that layers reading one ``x`` quantize it once and fuse. Not when the call has other arguments (``out=``)."""
     if node.op not in ("call_function", "call_method") or node.target not in _MATMUL or node.kwargs:
         return False
     operands = list(node.args)
@@ -179,15 +195,16 @@ def _weight_on_the_left(graph: fx.Graph, node: fx.Node, ctx: PassContext) -> boo
         return False
     w, x = _without_noop_casts(operands[0]), operands[1]
     wv, xv = fake_value(w), fake_value(x)
-    if not isinstance(wv, torch.Tensor) or wv.ndim != 2 or not isinstance(xv, torch.Tensor) or xv.ndim < 1:
-        return False
-    direct = w.target in _DEQUANT or w.op in ("placeholder", "get_attr")
-    if not direct or not _is_weight(w, ctx) or _is_weight(x, ctx) or _is_weight(_transposed(x), ctx):
+    if w.target not in _DEQUANT or getattr(wv, "ndim", 0) != 2 or getattr(xv, "ndim", 0) < 1:
         return False
     with graph.inserting_before(node):
-        if xv.ndim > 1:
-            x = graph.call_function(torch.transpose, (x, -2, -1))
-            set_fake_value(x, torch.transpose, x.args)
+        if xv.ndim > 1 and _last_two_swapped(x) is not None:  # x = t.transpose(1, 2): x.mT is t
+            x = _last_two_swapped(x)
+        elif xv.ndim > 1:
+            if x not in transposes:  # (before the first of them: the graph's order)
+                transposes[x] = graph.call_function(torch.transpose, (x, -2, -1))
+                set_fake_value(transposes[x], torch.transpose, transposes[x].args)
+            x = transposes[x]
         wt = graph.call_function(torch.t, (operands[0],))
         set_fake_value(wt, torch.t, wt.args)
         y = graph.call_function(torch.matmul, (x, wt))
@@ -195,8 +212,10 @@ def _weight_on_the_left(graph: fx.Graph, node: fx.Node, ctx: PassContext) -> boo
         y.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
         out = y
         if xv.ndim > 1:
-            out = graph.call_function(torch.transpose, (y, -2, -1))
-            set_fake_value(out, torch.transpose, out.args)
+            yt = graph.call_function(torch.transpose, (y, -2, -1))
+            set_fake_value(yt, torch.transpose, yt.args)
+            out = graph.call_method("contiguous", (yt,))
+            set_fake_value(out, torch.Tensor.contiguous, out.args)
     node.replace_all_uses_with(out)
     graph.erase_node(node)
     return True
@@ -256,17 +275,22 @@ def _other_arguments(node: fx.Node) -> str:
 
 
 def _under_autocast(node: fx.Node, device_type: str) -> bool:
-    """Whether ``node`` runs under ``torch.autocast``: one entered inside the graph (Dynamo's ``_enter_autocast`` /
-    ``_exit_autocast`` nodes around it) or around the compiled call (enabled while the backend compiles it)."""
-    if torch.is_autocast_enabled(device_type):
-        return True
-    depth = 0
+    """Whether ``node`` runs under an enabled ``torch.autocast`` of ``device_type``: the innermost one entered inside
+    the graph (Dynamo's ``_enter_autocast(device, dtype, enabled, cache)`` / ``_exit_autocast(enter)`` nodes around
+    it: ``enabled=False`` turns it off there), else the one around the compiled call (enabled while the backend
+    compiles it)."""
+    entered: list[fx.Node] = []
     for n in node.graph.nodes:
         if n is node:
-            return depth > 0
+            break
         name = getattr(n.target, "__name__", "") if n.op == "call_function" else ""
-        depth += (name == "_enter_autocast") - (name == "_exit_autocast")
-    return False
+        if name == "_enter_autocast" and n.args and n.args[0] == device_type:
+            entered.append(n)
+        elif name == "_exit_autocast" and n.args and n.args[0] in entered:
+            entered.remove(n.args[0])
+    if entered:
+        return bool(entered[-1].args[2]) if len(entered[-1].args) > 2 else True
+    return torch.is_autocast_enabled(device_type)
 
 
 def _mixed_dtypes(node: fx.Node, x, w, bias) -> str:
@@ -522,8 +546,9 @@ class LinearPass(Fp8Pass):
         weight_only = self.weight_only
         if weight_only is None:
             weight_only = lacks_fp8_tensor_cores(ctx.example.values())
+        transposes: dict[fx.Node, fx.Node] = {}
         for node in list(graph.nodes):
-            _weight_on_the_left(graph, node, ctx)
+            _weight_on_the_left(graph, node, transposes)
         # one quantization per (activation, scheme): q/k/v and gate/up read the same x
         quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
         inputs = {_storage(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")} - {None}

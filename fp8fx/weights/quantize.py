@@ -73,12 +73,12 @@ def quantize_(
     resume = (config, prefix, strict)  # a quantize_ that failed on the way (_Undo): the same call finishes it
     unfinished = vars(model).get(_UNFINISHED)
     if done and unfinished is not None and unfinished != resume:
-        was = ", ".join(f"{k}={v!r}" for k, v, now in zip(("config", "prefix", "strict"), unfinished, resume)
-                        if v != now)
+        was = "; ".join(f"it had {k}={v!r}, this call {k}={now!r}"
+                        for k, v, now in zip(("config", "prefix", "strict"), unfinished, resume) if v != now)
         raise RuntimeError(
             f"quantize_: the model is half-quantized by a quantize_ call that stopped on the way ({len(done)} fp8 by "
-            f"now, the rest still bf16), and this call's arguments differ from it: it had {was}; call quantize_ "
-            "again with that call's arguments to finish it, or quantize_ a fresh bf16 model (nothing was done)")
+            f"now, the rest still in high precision), and this call's arguments differ from it: {was}; call "
+            "quantize_ again with that call's arguments to finish it, or quantize_ a fresh model (nothing was done)")
     if done and unfinished != resume:
         raise RuntimeError(
             f"quantize_: {next(iter(done))} (and {len(done) - 1} more) is already fp8-quantized; quantize_ a fresh "
@@ -381,8 +381,9 @@ def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, un
             if inside:
                 raise ValueError(
                     f"Fp8Config.ignored_layers: {entry!r} names {inside[0]!r} by its name inside the part "
-                    f"(prefix={prefix!r}), and entries are full names: write {inside[0]!r}; an entry for a module "
-                    f"outside this part may not share a name with one inside it (nothing was {undone})"
+                    f"(prefix={prefix!r}), and entries are full names: write {inside[0]!r}; if it names a module "
+                    f"outside this part, pass this part a config without it, as the name is ambiguous here "
+                    f"(nothing was {undone})"
                 )
             continue
         if not any(entry_covers(entry, fqn) for fqn in names):

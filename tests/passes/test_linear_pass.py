@@ -1,6 +1,7 @@
 """The linear pass on Dynamo graphs: graph after the pass, site counts, recompiles, cache key."""
 import collections
 import pathlib
+import warnings
 
 import expecttest
 import pytest
@@ -929,50 +930,62 @@ def test_autocast_output_dtype_is_the_linears(weight_only):
 
 
 class _WeightOnTheLeft(nn.Module):
-    """``w @ x``: Mamba's ``dt_proj.weight @ t.transpose(1, 2)``, ``torch.mm(w, x)`` of a [K, M] x, ``w @ v``."""
+    """``w @ x``: Mamba's ``dt_proj.weight @ t.transpose(1, 2)`` (its result viewed, which needs ``w @ x``'s
+    strides), two such layers of one ``t``, ``torch.mm(w, x)`` of a [K, M] x, ``w @ v``."""
 
     def __init__(self):
         super().__init__()
         self.batched, self.mm, self.vec = nn.Linear(64, 96, bias=False), nn.Linear(64, 32), nn.Linear(64, 48)
+        self.second = nn.Linear(64, 16, bias=False)
 
     def forward(self, t, x2, v):
-        return ((self.batched.weight @ t.transpose(1, 2)).transpose(1, 2), torch.mm(self.mm.weight, x2),
+        y = self.batched.weight @ t.transpose(1, 2)
+        return (y.view(t.shape[0], -1), self.second.weight @ t.transpose(1, 2), torch.mm(self.mm.weight, x2),
                 self.vec.weight @ v)
 
 
 def test_a_linear_written_with_the_weight_on_the_left_is_rewritten():
-    """``w @ x`` is the linear ``(x.mT @ w.t()).mT``: it was left on the dequantized weight with the reason "read
-    by matmul, not by a linear" (Mamba's dt_proj), its weight fp8 all the same."""
+    """``w @ x`` of a quantized weight is the linear ``(x.mT @ w.t()).mT``: it was left on the dequantized weight
+    with the reason "read by matmul, not by a linear" (Mamba's dt_proj), its weight fp8 all the same. Rewritten,
+    with ``w @ x``'s strides (a view of the result compiles), one ``x.mT`` for the layers that read one ``x`` (fused
+    with ``fuse_horizontal``); a bf16 model's graph is left as it is (no sites: a 2-D parameter on the left is no
+    linear layer's own)."""
     torch.manual_seed(0)
     model = _WeightOnTheLeft().to(torch.bfloat16)
     args = (torch.randn(2, 5, 64), torch.randn(64, 7), torch.randn(64))
     args = tuple(a.to(torch.bfloat16) for a in args)
     backend = Fp8Backend()
     with torch.no_grad():
-        torch.compile(model, backend=backend)(*args)
-        assert {s.fqn: s.reason for s in backend.report.sites} == dict.fromkeys(
-            ("batched.weight", "mm.weight", "vec.weight"), "weight is not an fp8fx-quantized weight (run "
-            "fp8fx.quantize_ or load an fp8 checkpoint: they quantize nn.Linear layers and experts modules, not a "
-            "parameter another module reads by F.linear)")
+        out = torch.compile(model, backend=backend)(*args)
+        assert backend.report.sites == [] and all(torch.equal(o, r) for o, r in zip(out, model(*args)))
         fp8fx.quantize_(model)
+        eager = model(*args)
         ref = model.double()(*(a.double() for a in args))
         model.to(torch.bfloat16)
-        torch._dynamo.reset()
-        backend = Fp8Backend()
-        out = torch.compile(model, backend=backend)(*args)
-    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("batched", True), ("mm", True), ("vec", True)]
-    assert [o.shape for o in out] == [r.shape for r in ref] == [(2, 5, 96), (32, 7), (48,)]
-    assert all(rel_err(o.double(), r) < 0.05 for o, r in zip(out, ref)), [rel_err(o.double(), r) for o, r in
-                                                                          zip(out, ref)]
-
-
+        for fuse in (False, True):
+            torch._dynamo.reset()
+            backend = Fp8Backend(fuse_horizontal=fuse)
+            out = torch.compile(model, backend=backend)(*args)
+            sites = {s.fqn: s.scheme for s in backend.report.sites if s.rewritten}
+            assert list(sites) == ["batched", "second", "mm", "vec"], backend.report
+            assert ("fused(batched,second)" in sites["second"]) == fuse, sites
+            assert [o.stride() for o in out] == [e.stride() for e in eager]
+            errors = [rel_err(o.double(), r) for o, r in zip(out, ref)]
+            assert max(errors) < 0.05, errors
 class _AutocastInside(nn.Module):
-    def __init__(self):
+    """Its linear under ``torch.autocast(device, bf16)``, or (``enabled=False``) under one that turns the caller's
+    autocast off."""
+
+    def __init__(self, device="cpu", enabled=None):
         super().__init__()
         self.lin = nn.Linear(64, 64)
+        self.device, self.enabled = device, enabled
 
     def forward(self, x):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        if self.enabled is not None:
+            with torch.autocast(self.device, enabled=self.enabled):
+                return self.lin(x)
+        with torch.autocast(self.device, dtype=torch.bfloat16):
             return self.lin(x)
 
 
@@ -998,6 +1011,18 @@ def test_a_linear_of_mixed_dtypes_is_torchs_outside_autocast():
             ("0", False, f"dtypes differ ({shown}) outside torch.autocast: a linear takes one dtype, and torch raises "
                          "on it as eager does; cast the input (or the layer) to one dtype, or run it under "
                          "torch.autocast")]
+    # autocast turned off inside, or one of another device: as outside it
+    for off in (_AutocastInside(enabled=False), _AutocastInside(device="cuda")):
+        off.half()
+        fp8fx.quantize_(off)
+        torch._dynamo.reset()
+        backend = Fp8Backend()
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=off.enabled is not None), \
+                pytest.raises(RuntimeError, match="dtype"), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # (CUDA is not available: autocast disabled)
+            torch.compile(off, backend=backend)(x)
+        assert [s.reason.split(" outside")[0] for s in backend.report.sites] == [
+            "dtypes differ (activation bfloat16, weight float16, bias float16)"]
     # under autocast the dtypes may differ: rewritten, bf16 out, the reference's numbers
     inside = _AutocastInside().half()
     fp8fx.quantize_(inside)

@@ -604,7 +604,8 @@ def test_prefix_names_a_model_quantized_part_by_part():
         fp8fx.quantize_(model.blocks[1], Fp8Config(ignored_layers=["blocks.1.3", "blocks.0"]), prefix="blocks.1")
     # an entry by its name inside the part (not its full name) would quantize the layer it keeps: refused, by both
     relative = "Fp8Config.ignored_layers: '2' names 'blocks.1.2' by its name inside the part \\(prefix='blocks.1'\\)"
-    with pytest.raises(ValueError, match=rf"^{relative}, and entries are full names: write 'blocks.1.2'.*quantized\)"):
+    with pytest.raises(ValueError, match=rf"^{relative}, and entries are full names: write 'blocks.1.2'; if it names "
+                                         r"a module outside this part, pass this part a config without it.*quantized\)"):
         fp8fx.quantize_(model.blocks[1], Fp8Config(ignored_layers=["2"]), prefix="blocks.1")
     with pytest.raises(ValueError, match=rf"^{relative}.*\(nothing was measured\)"):
         fp8fx.calibrate(model.blocks[1], [x], Fp8Config(activation_scheme="static", ignored_layers=["2"]),
@@ -1118,9 +1119,9 @@ def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_c
         "0": "rewritten", "1": "not quantized: " + reason, "2": "not quantized: " + reason}
     # another call is refused, and the message says the model is half-quantized and which argument differs
     for other, differs in ((dict(config=Fp8Config(weight_granularity=fp8fx.PerTensor())), r"config=Fp8Config\("),
-                           (dict(strict=True), "strict=False")):
+                           (dict(strict=True), "strict=False, this call strict=True")):
         with pytest.raises(RuntimeError, match=r"^quantize_: the model is half-quantized by a quantize_ call that "
-                                               rf"stopped on the way \(1 fp8 by now, .* it had {differs}.*; call "
+                                               rf"stopped on the way \(1 fp8 by now, .*: it had {differs}.*; call "
                                                r"quantize_ again with that call's arguments"):
             fp8fx.quantize_(model, **other)
     # saved now, its bf16 layers were written as kept on purpose (in the ignore list): refused, nothing written
