@@ -187,7 +187,8 @@ def _weight_on_the_left(graph: fx.Graph, node: fx.Node, transposes: dict) -> boo
     t.transpose(1, 2)``: ``x`` [..., K, M]) to the linear it is, ``(x.mT @ w.t()).mT.contiguous()`` (the strides
     ``w @ x`` has), which the pass then finds as ``x @ w.T`` (a 1-D ``x``: ``x @ w.t()``); True if it did. The same
     numbers in another order: the fp8 op's tokens are ``x``'s columns. ``x.mT`` is ``t`` for ``x = t.mT``, and one
-    node per other ``x`` (``transposes``), so that layers reading one ``x`` quantize it once and fuse. Not when the call has other arguments (``out=``)."""
+    node per other ``x`` (``transposes``), so that layers reading one ``x`` quantize it once and fuse. Not when the
+    call has other arguments (``out=``)."""
     if node.op not in ("call_function", "call_method") or node.target not in _MATMUL or node.kwargs:
         return False
     operands = list(node.args)

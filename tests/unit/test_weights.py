@@ -604,8 +604,8 @@ def test_prefix_names_a_model_quantized_part_by_part():
         fp8fx.quantize_(model.blocks[1], Fp8Config(ignored_layers=["blocks.1.3", "blocks.0"]), prefix="blocks.1")
     # an entry by its name inside the part (not its full name) would quantize the layer it keeps: refused, by both
     relative = "Fp8Config.ignored_layers: '2' names 'blocks.1.2' by its name inside the part \\(prefix='blocks.1'\\)"
-    with pytest.raises(ValueError, match=rf"^{relative}, and entries are full names: write 'blocks.1.2'; if it names "
-                                         r"a module outside this part, pass this part a config without it.*quantized\)"):
+    with pytest.raises(ValueError, match=rf"^{relative}, and entries are full names: write 'blocks.1.2'; if it "
+                                         r"names a module outside this part, pass this part a config without it"):
         fp8fx.quantize_(model.blocks[1], Fp8Config(ignored_layers=["2"]), prefix="blocks.1")
     with pytest.raises(ValueError, match=rf"^{relative}.*\(nothing was measured\)"):
         fp8fx.calibrate(model.blocks[1], [x], Fp8Config(activation_scheme="static", ignored_layers=["2"]),
