@@ -103,8 +103,13 @@ def assert_compiles_once(
             before = compat.dynamo_events()
             graphs.append(0)
             compiled(*args)
-            new_breaks, new_guards = (_new(b, a) for b, a in zip(before, compat.dynamo_events()))
+            new_breaks, new_guards, new_skips = (_new(b, a) for b, a in zip(before, compat.dynamo_events()))
             breaks += new_breaks
+            frames = new_skips.count("frame")
+            if frames:  # (a graph break in a loop: Dynamo runs the whole frame eagerly, and counts no break)
+                reasons = list(dict.fromkeys(r for r in new_skips if r != "frame")) or ["none recorded"]
+                problems.append(f"input {i}: Dynamo skipped {frames} frame(s) and ran them uncompiled (a graph break "
+                                f"inside a loop skips the whole frame); its reasons: {reasons}")
             if i and graphs[i]:
                 problems.append(f"input {i} ({_shapes(args)}) compiled {graphs[i]} more graph(s); Dynamo's "
                                 f"reasons: {new_guards or 'none recorded'}")

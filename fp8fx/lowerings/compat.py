@@ -356,15 +356,20 @@ def is_dynamo_retrace(exc: BaseException) -> bool:
     return retrace is not None and isinstance(exc, retrace)
 
 
-def dynamo_events() -> tuple[list[str], list[str]]:
+def dynamo_events() -> tuple[list[str], list[str], list[str]]:
     """Dynamo's process-wide record so far: the reason of every graph break and of every guard failure
-    that made it recompile (first lines). Compare two snapshots to see what a piece of code caused. A
-    cache entry of another ``torch.compile`` call (BACKEND_MATCH) is not a recompile of this one."""
+    that made it recompile (first lines), and a line for each frame it gave up on and ran uncompiled (a graph break
+    in a loop: counted as no graph break), with the reasons it recorded as unsupported. Compare two snapshots to see
+    what a piece of code caused. A cache entry of another ``torch.compile`` call (BACKEND_MATCH) is not a recompile of
+    this one."""
     from torch._dynamo import utils
 
     breaks = [_break_reason(reason) for reason, n in utils.counters["graph_break"].items() for _ in range(n)]
     failures = [str(r).splitlines()[0] for reasons in utils.guard_failures.values() for r in reasons]
-    return breaks, [r for r in failures if "BACKEND_MATCH" not in r]
+    frames = utils.counters["frames"]
+    skipped = ["frame"] * (frames["total"] - frames["ok"]) + [
+        _break_reason(reason) for reason, n in utils.counters["unimplemented"].items() for _ in range(n)]
+    return breaks, [r for r in failures if "BACKEND_MATCH" not in r], skipped
 
 
 def _break_reason(reason: str) -> str:

@@ -93,6 +93,29 @@ def test_catches_a_graph_break():
         testing.assert_compiles_once(branchy, inputs(2), backend=eager_backend())
 
 
+class _BreakInALoop(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(2))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+            torch._dynamo.graph_break()
+        return x
+
+
+def test_catches_a_frame_dynamo_skipped():
+    """A graph break inside a loop makes Dynamo run the whole forward uncompiled and count no graph break; the one
+    graph it compiled (a layer's weight property) passed for "compiled once", with no layer rewritten."""
+    model = _BreakInALoop().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    with pytest.raises(AssertionError, match=r"input 0: Dynamo skipped 1 frame\(s\) and ran them uncompiled \(a "
+                                             r"graph break inside a loop skips the whole frame\); its reasons: "
+                                             r"\[.*graph_break\(\)"):
+        testing.assert_compiles_once(model, [(torch.randn(3, 64, dtype=torch.bfloat16),)], backend=eager_backend())
+
+
 def test_the_report_of_fp8_backend_is_asked_for_with_the_fix():
     """assert_compiles_once(..., backend=fp8fx.fp8_backend) returns that function, which keeps no report: the checks
     on it said only "got function"."""
