@@ -33,6 +33,7 @@ from torch import nn
 import fp8fx
 from fp8fx import quant
 from fp8fx.config import Fp8Config
+from fp8fx.report import human_size
 from fp8fx.weights import moe
 from fp8fx.weights.quantize import LinearDecider, check_ignored_layers, did_you_mean
 
@@ -507,7 +508,7 @@ def _table(spec: str, cls: str, config: Fp8Config, rows: list[dict], others: lis
     done = [r for r in rows if r["would_rewrite"]]
     saved = sum(r["bytes_saved"] for r in done)
     what = "linear sites" if all(r["kind"] == "linear" for r in rows) else "sites (linears and experts modules)"
-    lines += ["", f"{len(done)} of {len(rows)} {what} would be rewritten; {saved / 2**20:.1f} MiB of weights saved"]
+    lines += ["", f"{len(done)} of {len(rows)} {what} would be rewritten; {human_size(saved)} of weights saved"]
     return "\n".join(lines)
 
 

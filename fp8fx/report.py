@@ -271,7 +271,7 @@ class Report:
         sites = [s for s in self.sites if s.graph == graph]
         done = [s for s in sites if s.rewritten]
         line = f"graph {graph}: {len(done)} of {len(sites)} sites rewritten"
-        line += f", {_size(_bytes_saved(done))} of weights saved"
+        line += f", {human_size(_bytes_saved(done))} of weights saved"
         if graph in self.kernels:
             line += f", {len(self.kernels[graph])} kernels generated"
         missed = [f"{s.fqn} ({s.reason})" for s in sites if not s.rewritten]
@@ -322,7 +322,7 @@ class Report:
         lines.insert(1, "-" * len(lines[0]))
         where = f"in {self.graphs} graph(s)" if graph is None else f"in graph {graph}"
         total = f"{sum(s.rewritten for s in sites)} of {len(sites)} sites rewritten {where}"
-        total += f"; {_size(_bytes_saved(sites))} of weights saved"
+        total += f"; {human_size(_bytes_saved(sites))} of weights saved"
         kernels = [k for g, names in self.kernels.items() if graph in (None, g) for k in names]
         if kernels:
             total += f"; {len(kernels)} kernels generated"
@@ -385,7 +385,8 @@ def _columns(rows: list[tuple[str, ...]]) -> list[str]:
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
 
 
-def _size(n: int) -> str:
+def human_size(n: int) -> str:
+    """``n`` bytes as the report writes them: 1.5 MiB, 32.0 KiB, 12 B."""
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.1f} {unit}"
