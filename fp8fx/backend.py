@@ -240,7 +240,7 @@ class Fp8Backend:
             if compat.is_dynamo_retrace(e):  # not a failure: Dynamo drops this graph and traces the frame again
                 self._discard(index, dump)
                 raise
-            self.report.fail_graph(index, f"the graph failed to compile ({type(e).__name__}: {str(e)[:200]})")
+            self.report.fail_graph(index, f"the graph failed to compile ({type(e).__name__}: {_first_line(e)})")
             if dump:
                 dump.finish(self.report, code)
             raise
@@ -384,6 +384,13 @@ def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump]
         look(args)
         return compiled(*args)
     return run
+
+
+def _first_line(e: BaseException) -> str:
+    """An error's message for a report row: its first non-empty line, at most 200 characters (a multi-line
+    message broke the report's table)."""
+    line = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    return line if len(line) <= 200 else line[:199] + "…"
 
 
 def _check_dump_dir(dump_dir: Optional[str]) -> None:

@@ -302,8 +302,8 @@ class Report:
             },
             "graphs": [{"index": g, "kernels": k, **({"failed": self.failed[g]} if g in self.failed else {}),
                         **({"frame": self.frames[g]} if g in self.frames else {})} for g, k in kernels.items()],
-            "sites": [{k: v for k, v in dataclasses.asdict(s).items() if k != "weight_id"} for s in sites],
-            "topk": [{k: v for k, v in dataclasses.asdict(s).items() if k in _TOPK_KEYS}
+            "sites": [_plain({k: v for k, v in dataclasses.asdict(s).items() if k != "weight_id"}) for s in sites],
+            "topk": [_plain({k: v for k, v in dataclasses.asdict(s).items() if k in _TOPK_KEYS})
                      for s in self.topk if graph in (None, s.graph)],
         }
 
@@ -383,6 +383,12 @@ def _columns(rows: list[tuple[str, ...]]) -> list[str]:
     """Left-aligned columns, the last one unpadded."""
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     return ["  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1] for r in rows]
+
+
+def _plain(row: dict[str, Any]) -> dict[str, Any]:
+    """A site's fields as JSON gives them back (``weight_shape`` a list): ``json.loads(report.to_json())`` equals
+    ``report.to_dict()``."""
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in row.items()}
 
 
 def human_size(n: int) -> str:

@@ -71,6 +71,7 @@ def test_json_schema(report):
     assert [s["fqn"] for s in data["sites"]] == ["a", "b", "head"]
     assert data["sites"][2]["reason"] == "not quantized: in ignored_layers"
     assert json.loads(report.to_json(0)) == data  # one graph: the graph's report is the whole report
+    assert data == report.to_dict()  # (weight_shape was a tuple there, a list after the JSON)
 
 
 def test_table(report):
