@@ -1,7 +1,7 @@
 """Assertions for tests of models compiled with fp8fx::
 
     backend = fp8fx.testing.assert_compiles_once(model, [(x_small,), (x_large,)])
-    fp8fx.testing.assert_rewritten(backend, "model.layers.*")
+    fp8fx.testing.assert_rewritten(backend, "model.layers.*", model=model)  # model: its fp8 layers ran compiled
     fp8fx.testing.assert_not_rewritten(backend, "lm_head")
     fp8fx.testing.assert_kernel_count(backend, 5)
 
@@ -15,15 +15,26 @@ import fnmatch
 from typing import Any, Callable, Iterable, Optional, Sequence, Union
 
 import torch
+from torch import nn
 
 from fp8fx.backend import Fp8Backend
 from fp8fx.lowerings import compat
 from fp8fx.report import Report, Site
 
 
-def assert_rewritten(report: Union[Report, Fp8Backend], *patterns: str) -> None:
+def assert_rewritten(report: Union[Report, Fp8Backend], *patterns: str, model: Optional[nn.Module] = None) -> None:
     """Every site whose FQN matches one of ``patterns`` (default: every site) was rewritten, and each
-    pattern matches at least one site."""
+    pattern matches at least one site. A site is a linear a compiled graph computed: a quantized layer that ran in
+    no graph (under ``torch.compiler.disable``, or in a frame Dynamo skipped) has none; pass the ``model`` to fail on
+    those too (its fp8 weights that ``report.unhandled_weights(model)`` lists, whose layer matches a pattern)."""
+    ran_not = [] if model is None else [
+        (name, cls) for name, _, dtype, cls in _report(report).unhandled_weights(model)
+        if dtype.startswith("float8") and any(fnmatch.fnmatchcase(name.rpartition(".")[0], p) for p in patterns or "*")]
+    if ran_not:  # (first: such a layer has no site, and a pattern of it alone "matches no site")
+        raise AssertionError(
+            f"fp8fx: expected the sites matching {list(patterns or ('*',))} rewritten; these fp8 weights ran in no "
+            f"compiled graph (torch.compiler.disable, a frame Dynamo skipped, or a layer never called): "
+            f"{', '.join(f'{n} ({c})' for n, c in ran_not)}")
     _check(report, patterns or ("*",), want=True)
 
 

@@ -93,6 +93,40 @@ def test_catches_a_graph_break():
         testing.assert_compiles_once(branchy, inputs(2), backend=eager_backend())
 
 
+class _DisabledHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(64, 64)
+
+    @torch.compiler.disable
+    def forward(self, x):
+        return self.proj(x)
+
+
+class _WithDisabledHead(nn.ModuleDict):
+    def __init__(self):
+        super().__init__({"0": nn.Linear(64, 64), "1": _DisabledHead(), "2": nn.Linear(64, 64)})
+
+    def forward(self, x):
+        return self["2"](self["1"](self["0"](x)))
+
+
+def test_assert_rewritten_with_the_model_fails_on_fp8_layers_that_ran_uncompiled():
+    """A layer under torch.compiler.disable has no site: assert_rewritten(backend) passes (it checks sites), and
+    with the model it names the layer, whose fp8 weight ran in no graph."""
+    model = _WithDisabledHead().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = eager_backend()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(3, 64, dtype=torch.bfloat16))
+    testing.assert_rewritten(backend)
+    testing.assert_rewritten(backend, "0", model=model)
+    for patterns in ((), ("1.*",)):
+        with pytest.raises(AssertionError, match=r"these fp8 weights ran in no compiled graph .*: 1\.proj\.weight "
+                                                 r"\(Fp8Linear\)$"):
+            testing.assert_rewritten(backend, *patterns, model=model)
+
+
 class _BreakInALoop(nn.Module):
     def __init__(self):
         super().__init__()
