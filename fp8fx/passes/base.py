@@ -43,11 +43,13 @@ class PassContext:
             if path and fqn.endswith(f".{path}"):
                 frames[self.graph_index] = fqn[:-len(path) - 1]
             elif not path and fqn and getattr(self.example.get(weight), "_fp8fx_fqn", None) == fqn and "." not in (
-                    input_path(weight) or "."):  # the layer (its weight's tag) is the frame's own module: a graph of
-                # its forward resumed after a break inside it (HF's per-expert loop at nonzero()), which reads the
-                # weight as its own attribute; not an untagged weight the compiled module reads itself, nor a child's
-                # weight it reads (torch.mm(x, self.b.weight.t()) in its own forward: ``b.weight``; under Inductor's
-                # freezing, an attribute of the graph, whose path is not known)
+                    input_path(weight) or ".") and not _on_a_resumed_stack(weight):
+                # the layer (its weight's tag) is the frame's own module: a graph of its forward resumed after a
+                # break inside it (HF's per-expert loop at nonzero()), which reads the weight as its own attribute;
+                # not an untagged weight the compiled module reads itself, nor a child's weight it reads
+                # (torch.mm(x, self.b.weight.t()) in its own forward: ``b.weight``; under Inductor's freezing, an
+                # attribute of the graph, whose path is not known), nor a module a resume function of its caller
+                # took over on its stack
                 frames[self.graph_index] = fqn
         if isinstance(weight, fx.Node) and weight in self.positions:
             entry = (len(self.report.sites), self.positions[weight])
@@ -190,6 +192,14 @@ def module_path(node: fx.Node) -> Optional[str]:
 
 
 _ATTRIBUTE = re.compile(r"\._(modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]")
+
+
+def _on_a_resumed_stack(node: Any) -> bool:
+    """Whether the input ``node`` is read from a value a resume function took over on its stack (Dynamo's
+    ``L['___stack0']``: the module ``self.post`` loaded before the call that broke the graph, in
+    ``self.post(self.blk(x))``): the graph is a resume function of the caller, not the module's own forward."""
+    name = compat.input_source(node) if isinstance(node, fx.Node) and node.op == "placeholder" else None
+    return bool(name) and name.startswith("L['___stack")
 
 
 def input_path(node: fx.Node) -> Optional[str]:

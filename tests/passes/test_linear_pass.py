@@ -1317,6 +1317,41 @@ def test_a_module_reading_its_childs_weight_is_no_frame_of_the_child(freezing):
     assert backend.report.frames == {}
 
 
+class _BreakingBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        x = self.a(x)
+        torch._dynamo.graph_break()
+        return self.b(x)
+
+
+class _PrePostAroundABreak(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.blk, self.post = nn.Linear(64, 64), _BreakingBlock(), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.post(self.blk(self.pre(x)))  # (self.post is loaded before blk breaks: on the resumed stack)
+
+
+def test_a_resume_function_of_the_caller_is_no_frame_of_the_module_on_its_stack():
+    """``self.post(self.blk(x))`` with a break in blk: the graph after it is a resume function of the model's forward,
+    which reads post's weight from the module on its stack; the report said the graph traced post's forward, "whose
+    code Dynamo runs for any other module of its class", and watched it as such."""
+    torch.manual_seed(0)
+    model = _PrePostAroundABreak().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert [s.fqn for s in backend.report.rewritten] == ["pre", "blk.a", "blk.b", "post"]
+    assert backend.report.frames == {1: "blk", 2: "blk"}
+    assert "traced post" not in str(backend.report)
+
+
 def test_inductor_freezing_keeps_the_reports_reasons():
     """Inductor's freezing has Dynamo hand the parameters over as attributes of the graph: their tags went unread,
     so an ignored layer said "run quantize_"; fuse_horizontal says why it leaves the graph's constants apart."""

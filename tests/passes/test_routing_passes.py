@@ -86,7 +86,7 @@ def test_router_topks_rewritten_others_reported_with_their_reason():
     table = report.table()
     assert "4 of 6 top-k rewritten to fp8fx's top-k ops" in table and "k=1 of 4 smallest" in table, table
     assert report.to_dict()["topk"][0] == dict(fqn="", rewritten=True, reason="", scheme="k=4 of 16", graph=0,
-                                               weight_shape=(5, 16), kernel="extern fp8fx.topk", node="topk")
+                                               weight_shape=[5, 16], kernel="extern fp8fx.topk", node="topk")
 
 
 def test_disabled_pass_sees_nothing():
