@@ -1317,21 +1317,12 @@ def test_a_module_reading_its_childs_weight_is_no_frame_of_the_child(freezing):
     assert backend.report.frames == {}
 
 
-class _BreakingBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
-
-    def forward(self, x):
-        x = self.a(x)
-        torch._dynamo.graph_break()
-        return self.b(x)
-
-
 class _PrePostAroundABreak(nn.Module):
     def __init__(self):
+        from tests.passes.test_dumps import Broken  # (a break between its two layers; that file imports this one)
+
         super().__init__()
-        self.pre, self.blk, self.post = nn.Linear(64, 64), _BreakingBlock(), nn.Linear(64, 64)
+        self.pre, self.blk, self.post = nn.Linear(64, 64), Broken(), nn.Linear(64, 64)
 
     def forward(self, x):
         return self.post(self.blk(self.pre(x)))  # (self.post is loaded before blk breaks: on the resumed stack)
