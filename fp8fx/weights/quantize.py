@@ -497,8 +497,8 @@ class _WeightReads(TorchFunctionMode):
     a call of the module, in the spellings the linear pass rewrites: ``F.linear(x, layer.weight)``,
     ``x @ layer.weight.t()``, ``torch.mm(x, w.T)``, ``torch.addmm(b, x, w.mT)``, the weight read through ``.t()``,
     ``.T``, ``.mT``, ``transpose``, ``permute``, casts and ``contiguous``, or on the left (``w @ x``): a module hook
-    does not see these, and static activations need their scales. A call of the module itself, whose ``F.linear`` is seen too, records
-    what its pre-hook recorded (the same tensor)."""
+    does not see these, and static activations need their scales. A call of the module itself, whose ``F.linear``
+    is seen too, records what its pre-hook recorded (the same tensor)."""
 
     _MATMULS = frozenset(("matmul", "mm", "__matmul__"))
 
