@@ -629,10 +629,12 @@ class LinearPass(Fp8Pass):
                 # layer's forward it runs uncompiled (torch.nn's own code, called by a frame it skips: nn.Sequential's
                 # after a graph break in an earlier child, or torch.nn's module itself given Module.compile())
                 reason = ("the dequantized weight is all this graph computes: the layer ran uncompiled (Dynamo "
-                          "compiled only its weight's property, the caller's frame being one it runs eagerly: "
-                          "nn.Sequential's forward after a graph break, or a torch.nn module such as nn.Sequential "
-                          "or nn.Linear compiled in place by its .compile(), whose forward Dynamo skips); compile "
-                          "the module that calls the layer with torch.compile(module), or remove the graph break")
+                          "compiled only its weight's property, the caller's frame being one it runs eagerly: a "
+                          "frame it skipped for a graph break inside a loop, nn.Sequential's forward after a graph "
+                          "break, or a torch.nn module such as nn.Sequential or nn.Linear compiled in place by its "
+                          ".compile(), whose forward Dynamo skips; other layers of its class that ran so reuse this "
+                          "graph and have no row: report.unhandled_weights(model) lists them); compile the module "
+                          "that calls the layer with torch.compile(module), or remove the graph break")
             else:
                 readers = readers or ", ".join(sorted(f"{_name_of(u)}, whose result nothing reads" for u in node.users))
                 reason = (f"the quantized weight is read by {readers}, not by a linear (F.linear / x @ w.T): "

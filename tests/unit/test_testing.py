@@ -148,6 +148,17 @@ def test_catches_a_frame_dynamo_skipped():
                                              r"graph break inside a loop skips the whole frame\); its reasons: "
                                              r"\[.*graph_break\(\)"):
         testing.assert_compiles_once(model, [(torch.randn(3, 64, dtype=torch.bfloat16),)], backend=eager_backend())
+    # the report's one row (the first layer's weight property) says how the layers ran, and where the second is
+    backend = eager_backend()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(3, 64, dtype=torch.bfloat16))
+    [site] = backend.report.sites
+    assert site.fqn == "layers.0" and not site.rewritten
+    assert "a frame it skipped for a graph break inside a loop" in site.reason
+    assert "other layers of its class that ran so reuse this graph and have no row: report.unhandled_weights(model) " \
+           "lists them" in site.reason
+    assert [w[0] for w in backend.report.unhandled_weights(model)] == ["layers.1.weight"]
 
 
 def test_the_report_of_fp8_backend_is_asked_for_with_the_fix():
