@@ -199,8 +199,9 @@ def _weight_on_the_left(graph: fx.Graph, node: fx.Node, transposes: dict) -> boo
     if w.target not in _DEQUANT or getattr(wv, "ndim", 0) != 2 or getattr(xv, "ndim", 0) < 1:
         return False
     with graph.inserting_before(node):
-        if xv.ndim > 1 and _last_two_swapped(x) is not None:  # x = t.transpose(1, 2): x.mT is t
-            x = _last_two_swapped(x)
+        source = _last_two_swapped(x) if xv.ndim > 1 else None
+        if source is not None:  # x = t.transpose(1, 2): x.mT is t
+            x = source
         elif xv.ndim > 1:
             if x not in transposes:  # (before the first of them: the graph's order)
                 transposes[x] = graph.call_function(torch.transpose, (x, -2, -1))
