@@ -55,7 +55,7 @@ _FUSED = torch.ops.fp8fx.scaled_mm_fused.default
 _STATIC = torch.ops.fp8fx.quantize_static.default
 _QUANTIZE = torch.ops.fp8fx.quantize.default
 _STATIC_KEY = "static"  # (a group key's x_scale is (_STATIC_KEY, epoch) where its GEMMs quantize their input x, its
-# xq, with static scales: _static_epochs)
+# xq, with static scales: static_epochs)
 # gm.meta key: callables the backend runs once the graph is compiled
 AFTER_COMPILE = "fp8fx_after_compile"
 # gm.meta[SHARED_INPUTS]: each fused group's (weights, scales, biases) as the graph's input positions (None: a shard
@@ -131,10 +131,10 @@ def _is_static(key: _GroupKey) -> bool:
     return isinstance(key.x_scale, tuple) and key.x_scale[:1] == (_STATIC_KEY,)
 
 
-def _static_epochs(graph: fx.Graph) -> dict[fx.Node, int]:
+def static_epochs(graph: fx.Graph) -> dict[fx.Node, int]:
     """Each static quantization's count of the in-place writes before it that may reach its input (the linear
     pass's rule, ``_may_alias``): two quantizations of one input share a count where no such write lies between
-    them, and may become one (``_share_static``)."""
+    them, and may become one (``share_static``)."""
     statics = [n for n in graph.nodes if n.op == "call_function" and n.target is _STATIC]
     if len(statics) < 2:
         return dict.fromkeys(statics, 0)
@@ -149,6 +149,28 @@ def _static_epochs(graph: fx.Graph) -> dict[fx.Node, int]:
             for x in writes:
                 writes[x] += _may_alias(x, written, inputs)
     return epochs
+
+
+def share_static(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
+    """The GEMMs ``nodes``, each reading the input quantized with its own static scale, read it quantized once
+    with the largest of their scales (``torch.maximum`` of the scale parameters, in the graph); the quantizations
+    no GEMM reads any more are dropped."""
+    graph = gm.graph
+    old = list(dict.fromkeys(n.args[0] for n in nodes))
+    scales = list(dict.fromkeys(n.args[1] for n in nodes))
+    first = next(n for n in graph.nodes if n in old)  # (the earliest, in graph order)
+    with graph.inserting_before(first):
+        scale = scales[0]
+        for other in scales[1:]:
+            scale = graph.call_function(torch.maximum, (scale, other))
+            set_fake_value(scale, torch.maximum, scale.args)
+        xq = graph.call_function(_STATIC, (first.args[0], scale))
+        set_fake_value(xq, _STATIC, xq.args)
+    for n in nodes:
+        n.args = (xq, scale, *n.args[2:])
+    for q in old:
+        if not q.users:
+            graph.erase_node(q)
 
 
 def _quantized_from(xq: Any) -> Optional[fx.Node]:
@@ -291,12 +313,12 @@ class HorizontalFusionPass(Fp8Pass):
         if not self.enabled:  # an opt-in optimization: sites keep their scheme as it is
             return 0
         groups: dict[_GroupKey, list[fx.Node]] = defaultdict(list)
-        epochs = _static_epochs(gm.graph)
+        epochs = static_epochs(gm.graph)
         for node in gm.graph.nodes:
             if node.op == "call_function" and node.target is _SCALED_MM:
                 xq, x_scale, _, _, bias, x_block, w_block, dtype, fast = node.args
                 if isinstance(xq, fx.Node) and xq.target is _STATIC:  # grouped by the input itself, each layer
-                    # quantizing it with its own scale (_share_static), between the same in-place writes into it
+                    # quantizing it with its own scale (share_static), between the same in-place writes into it
                     xq, x_scale = xq.args[0], (_STATIC_KEY, epochs[xq])
                 groups[_GroupKey(xq, x_scale, tuple(x_block), tuple(w_block), dtype, fast)].append(node)
         fused = 0
@@ -318,7 +340,7 @@ class HorizontalFusionPass(Fp8Pass):
             claimed.update({w: f"fused({site_names(ctx, nodes)})" for w in weights})
             fused_groups.add(weights)
             if nodes[0].args[0].target is _STATIC:
-                self._share_static(gm, nodes)
+                share_static(gm, nodes)
             y = self._fuse(gm, nodes, ctx)
             # every fused site is found by the one GEMM in Inductor's output code (the report's kernel column)
             amend_sites(ctx, nodes, f"fused({site_names(ctx, nodes)})", node=Site.origin_of(y))
@@ -327,28 +349,6 @@ class HorizontalFusionPass(Fp8Pass):
         self._explain_static(groups, ctx)
         gm.recompile()
         return fused
-
-    @staticmethod
-    def _share_static(gm: fx.GraphModule, nodes: list[fx.Node]) -> None:
-        """The GEMMs ``nodes``, each reading the input quantized with its own static scale, read it quantized once
-        with the largest of their scales (``torch.maximum`` of the scale parameters, in the graph); the quantizations
-        no GEMM reads any more are dropped."""
-        graph = gm.graph
-        old = list(dict.fromkeys(n.args[0] for n in nodes))
-        scales = list(dict.fromkeys(n.args[1] for n in nodes))
-        first = next(n for n in graph.nodes if n in old)  # (the earliest, in graph order)
-        with graph.inserting_before(first):
-            scale = scales[0]
-            for other in scales[1:]:
-                scale = graph.call_function(torch.maximum, (scale, other))
-                set_fake_value(scale, torch.maximum, scale.args)
-            xq = graph.call_function(_STATIC, (first.args[0], scale))
-            set_fake_value(xq, _STATIC, xq.args)
-        for n in nodes:
-            n.args = (xq, scale, *n.args[2:])
-        for q in old:
-            if not q.users:
-                graph.erase_node(q)
 
     @staticmethod
     def _explain_singles(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
@@ -400,7 +400,7 @@ class HorizontalFusionPass(Fp8Pass):
     @staticmethod
     def _explain_static(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
         """A static layer among dynamic ones that read the same input: they read different fp8 activations; one
-        alone between in-place writes that may reach the input (``_static_epochs``)."""
+        alone between in-place writes that may reach the input (``static_epochs``)."""
         by_x: dict[fx.Node, list[_GroupKey]] = defaultdict(list)
         dynamic: dict[fx.Node, list[fx.Node]] = defaultdict(list)  # input -> the GEMMs quantizing it dynamically
         for key in groups:

@@ -48,7 +48,7 @@ from fp8fx.ops import GATED_GROUPS_MAX_M, GATED_MAX_M, GATED_PREFILL_MIN_M, GATE
 from fp8fx.ops import _tensor_or_row, gated_prefill_reason
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, restate_activation, set_fake_value
 from fp8fx.passes.base import site_names
-from fp8fx.passes.horizontal import HorizontalFusionPass, _static_epochs
+from fp8fx.passes.horizontal import share_static, static_epochs
 from fp8fx.passes.linear import _cast_source, _name_of, _noop_cast_source
 from fp8fx.report import Site
 
@@ -340,7 +340,7 @@ def auto_h_group(rows: Optional[int]) -> int:
 
 def _static_shareable(mlp: _Mlp, epochs: dict) -> bool:
     """gate and up quantize the same x with static scales of their own, with no in-place write that may reach x
-    between the two quantizations (``_static_epochs``): one quantization with the larger scale may serve both."""
+    between the two quantizations (``static_epochs``): one quantization with the larger scale may serve both."""
     a, b = mlp.gate.args[0], mlp.up.args[0]
     return (a is not b and all(isinstance(q, fx.Node) and q.target is _QUANTIZE_STATIC for q in (a, b))
             and a.args[0] is b.args[0] and epochs.get(a) == epochs.get(b) is not None)
@@ -359,7 +359,7 @@ class GatedMlpPass(Fp8Pass):
         if not self.enabled:  # opt-in (Fp8Backend(fuse_mlp=True)): sites keep their scheme as it is
             return 0
         fused = 0
-        epochs = _static_epochs(gm.graph)  # (gate and up quantizing x with static scales of their own: one may do)
+        epochs = static_epochs(gm.graph)  # (gate and up quantizing x with static scales of their own: one may do)
         for node in list(gm.graph.nodes):
             mlp, reason = _match(node) if _is_gemm(node) else (None, "")
             if mlp is None:
@@ -378,7 +378,7 @@ class GatedMlpPass(Fp8Pass):
                 amend_sites(ctx, mlp.gemms, f"not fused into a gated MLP ({names}): {reason}")
                 continue
             if shared:  # x quantized once, with the larger of gate's and up's scales (as the horizontal pass does)
-                HorizontalFusionPass._share_static(gm, [mlp.gate, mlp.up])
+                share_static(gm, [mlp.gate, mlp.up])
             three = h_mode == "per token" and (_rows(mlp) or 0) >= GATED_ROWS_MIN_M  # (before _fuse erases gate)
             new = self._fuse(gm.graph, mlp, group)
             how = (f", h in 1x{group} groups" if group else
