@@ -10,7 +10,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from torch import fx
 
 from fp8fx import ops
-from fp8fx.dump import GraphDump
+from fp8fx.dump import GraphDump, lock_folder, unlock_folder
 from fp8fx.lowerings import aten, compat
 from fp8fx.ops import GATED_H_GROUPS
 from fp8fx.passes import PassManager, default_passes
@@ -27,6 +27,9 @@ ONE_PASS_ROWS = 16384  # Fp8Backend's default one_pass_rows: rows up to a Llama-
 _DUMP_WRITERS: "weakref.WeakValueDictionary[str, Fp8Backend]" = weakref.WeakValueDictionary()
 # every backend of this process that has written a dump, reset or not: a new dump clears no folder of theirs
 _DUMPERS: "weakref.WeakSet[Fp8Backend]" = weakref.WeakSet()
+# the lock (``fp8fx.dump.lock_folder``) this process holds on each folder a backend claimed, until that backend's
+# reset: other processes' backends write beside it; a folder whose backend was collected unreset is claimed with it
+_DUMP_LOCKS: dict[str, int] = {}
 
 
 class Fp8Backend:
@@ -37,9 +40,9 @@ class Fp8Backend:
       debugging the passes without Inductor).
     - ``dump_dir``: write, per compiled graph, the graph before and after each pass (Python), Inductor's
       output code, the report and Dynamo's decompiled bytecode into this folder (``fp8fx.dump``). A folder
-      another live backend of the process writes into is not shared: this one writes into its
+      another live backend writes into, of this process or another, is not shared: this one writes into its
       ``backend2`` (``backend3``, ...) subfolder, with a warning, and ``dump_dir`` says where (a backend
-      stays live until ``torch._dynamo.reset()``).
+      stays live until ``torch._dynamo.reset()`` or its process's end).
     - ``inductor_config``: extra Inductor config patches for this backend's compilations.
     - ``lowering``: ``"aten"`` (default) decomposes the activation quantization on CUDA into ATen so
       Inductor fuses it into its producer (``fp8fx.lowerings.aten``); ``"op"`` keeps every fp8fx op
@@ -299,22 +302,36 @@ class Fp8Backend:
         return dump
 
     def _claim_dump_dir(self, dump_dir: str) -> str:
-        """``dump_dir``, or where another live backend of this process writes into it (its files and this one's
-        would both be ``graph000_*``, and each backend's first graph clears the folder), the first free
-        ``dump_dir/backend<k>`` (k = 2, 3, ...), with a warning; ``self.dump_dir`` says which. Dynamo holds every
-        backend it compiled with until ``torch._dynamo.reset()``, which calls `reset`: a backend's folder is
-        free again from then on (it could still compile a new graph into it before)."""
+        """``dump_dir``, or where another live backend writes into it (its files and this one's would both be
+        ``graph000_*``, and each backend's first graph clears the folder), the first free ``dump_dir/backend<k>``
+        (k = 2, 3, ...), with a warning; ``self.dump_dir`` says which. A backend of another process that writes
+        into a folder holds a lock on it (``fp8fx.dump.lock_folder``). Dynamo holds every backend it compiled with
+        until ``torch._dynamo.reset()``, which calls `reset`: a backend's folder is free again from then on (it
+        could still compile a new graph into it before)."""
         folder, k = dump_dir, 1
-        while _DUMP_WRITERS.get(os.path.realpath(folder)) not in (None, self):
+        while not self._claim(folder):
             k += 1
             folder = os.path.join(dump_dir, f"backend{k}")
         if k > 1:
-            log.warning("fp8fx: dump_dir %s is another live backend's dump folder; this backend writes its dump "
-                        "into %s (give each backend a folder of its own)", dump_dir, folder)
-            os.makedirs(folder, exist_ok=True)
-        _DUMP_WRITERS[os.path.realpath(folder)] = self
+            log.warning("fp8fx: dump_dir %s is another live backend's dump folder (of this process or another); this "
+                        "backend writes its dump into %s (give each backend a folder of its own)", dump_dir, folder)
         _DUMPERS.add(self)
         return folder
+
+    def _claim(self, folder: str) -> bool:
+        """Whether ``folder`` is this backend's now: no other live backend of this process writes into it, and
+        this process holds its lock or took it now."""
+        real = os.path.realpath(folder)
+        if _DUMP_WRITERS.get(real) not in (None, self):
+            return False
+        if real not in _DUMP_LOCKS:
+            os.makedirs(folder, exist_ok=True)  # (made again if removed since: the lock is the folder's)
+            lock = lock_folder(folder)
+            if lock is None:  # another process's live backend
+                return False
+            _DUMP_LOCKS[real] = lock
+        _DUMP_WRITERS[real] = self
+        return True
 
     def reset(self=None) -> None:
         """Called by ``torch._dynamo.reset()`` on the backends Dynamo holds: this one's dump folder is free for
@@ -325,6 +342,7 @@ class Fp8Backend:
         for folder, backend in list(_DUMP_WRITERS.items()):
             if backend is self:
                 del _DUMP_WRITERS[folder]
+                unlock_folder(_DUMP_LOCKS.pop(folder, None))
 
     def _done(self, compiled, index: int, dump: Optional[GraphDump], output_code: list[str], shared=()):
         self.report.log_graph(index)

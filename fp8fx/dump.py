@@ -21,7 +21,12 @@ import logging
 import os
 import re
 import types
-from typing import Collection
+from typing import Collection, Optional
+
+try:
+    import fcntl
+except ImportError:  # (Windows: no advisory locks; a dump folder is shared with other processes as before)
+    fcntl = None
 
 from torch import fx
 
@@ -31,6 +36,39 @@ from fp8fx.report import Report, Site
 
 log = logging.getLogger("fp8fx")
 _DUMP_FILE = re.compile(r"graph\d{3}_.*|report\.(json|txt)")  # the files a dump writes (``GraphDump.clear``)
+NO_LOCK = -1  # ``lock_folder``'s answer where the platform has no advisory locks
+
+
+def lock_folder(folder: str) -> Optional[int]:
+    """A descriptor of ``folder`` holding an exclusive advisory lock (``flock``) on it, which says to other processes
+    that a live backend writes its dump there (close it to let go); None where one holds it already (a descriptor
+    of this process holding it counts too: ``flock`` locks an open file, not a process); ``NO_LOCK`` without
+    ``fcntl``. The folder itself is locked, not a file in it: a dump folder holds the dump's files and no other."""
+    if fcntl is None:
+        return NO_LOCK
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # (BlockingIOError: held)
+        os.close(fd)
+        return None
+    return fd
+
+
+def unlock_folder(fd: Optional[int]) -> None:
+    if fd is not None and fd != NO_LOCK:
+        os.close(fd)  # (closing the descriptor lets go of its lock)
+
+
+def _locked_elsewhere(folder: str) -> bool:
+    """Whether a live backend of another process (or one of this process: ``GraphDump.clear``'s ``live``) writes
+    into ``folder``."""
+    try:
+        fd = lock_folder(folder)
+    except OSError:
+        return False
+    unlock_folder(fd)
+    return fd is None
 
 
 class GraphDump:
@@ -46,7 +84,8 @@ class GraphDump:
     def clear(dump_dir: str, live: Collection[str] = ()) -> None:
         """Remove the files an earlier dump left in ``dump_dir`` (``graphNNN_*``, ``report.*``), and so the
         ``backend<k>`` folders of earlier runs' other backends (removed where they held dump files and nothing else),
-        but those of ``live`` (real paths of folders live backends write into) and links; nothing else."""
+        but those of ``live`` (real paths of folders live backends write into), those a live backend of another
+        process writes into (``lock_folder``) and links; nothing else."""
         if not os.path.isdir(dump_dir):
             return
         names = os.listdir(dump_dir)
@@ -58,7 +97,8 @@ class GraphDump:
         for f in names:  # (an earlier run's second backend's folder read as this run's)
             sub = os.path.join(dump_dir, f)
             if (not re.fullmatch(r"backend\d+", f) or os.path.islink(sub) or not os.path.isdir(sub)
-                    or os.path.realpath(sub) in live or not any(_DUMP_FILE.fullmatch(n) for n in os.listdir(sub))):
+                    or os.path.realpath(sub) in live or not any(_DUMP_FILE.fullmatch(n) for n in os.listdir(sub))
+                    or _locked_elsewhere(sub)):
                 continue
             GraphDump.clear(sub, live)
             if not os.listdir(sub):

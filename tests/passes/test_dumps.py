@@ -263,3 +263,33 @@ def test_without_depyf_the_bytecode_is_listed_and_says_why(tmp_path, monkeypatch
     text = (tmp_path / "graph000_4_dynamo_bytecode.txt").read_text()
     assert text.startswith("depyf is not installed (pip install depyf)")
     assert "__compiled_fn_" in text  # the dis listing of the call of the compiled graph
+
+
+def test_a_folder_another_process_dumps_into_is_not_shared(tmp_path, caplog):
+    """Two processes (two training scripts, a test run beside a notebook) with one dump_dir: each one's first graph
+    cleared the other's files, and both wrote graph000_*. A backend holds a lock on its folder (``lock_folder``, as
+    another process's backend does); a backend finding it held writes into backend2/, and the next run's clear
+    leaves a backend<k> folder another process writes into alone."""
+    from fp8fx.dump import lock_folder, unlock_folder
+
+    torch._dynamo.reset()
+    other = lock_folder(str(tmp_path))  # (a lock held by another open descriptor: what another process holds)
+    (tmp_path / "graph000_3_report.json").write_text("the other process's")
+    try:
+        with caplog.at_level("WARNING", logger="fp8fx"):
+            backend = compile_two_layer(tmp_path, compiler="eager")
+        assert backend.dump_dir == str(tmp_path / "backend2")
+        assert (tmp_path / "graph000_3_report.json").read_text() == "the other process's"
+        assert sorted(p.name for p in (tmp_path / "backend2").iterdir()) == sorted(
+            [f for f in GRAPH0 if "inductor" not in f] + ["report.json", "report.txt"])
+        assert "(of this process or another)" in caplog.text
+    finally:
+        unlock_folder(other)
+    torch._dynamo.reset()  # the backend lets go of backend2/: the other process takes it, a new run here the root
+    other = lock_folder(str(tmp_path / "backend2"))
+    try:
+        assert other is not None
+        assert compile_two_layer(tmp_path, compiler="eager").dump_dir == str(tmp_path)
+        assert (tmp_path / "backend2" / "report.json").exists()  # (held by the other process: not cleared)
+    finally:
+        unlock_folder(other)
