@@ -166,6 +166,16 @@ def entry_covers(entry: str, fqn: str) -> bool:
     return fqn == entry or fqn.startswith(entry + ".")
 
 
+def transformers_skips(fqn: str, patterns: Sequence[str]) -> bool:
+    """transformers' reading of ``modules_to_not_convert`` (``should_convert_module``, 5.x): an entry matches ``fqn``
+    as a regex from its start up to a module boundary (a name or prefix: "layers.1" covers "layers.1.mlp", not
+    "layers.11"), or as a suffix of it ("down_proj" covers every down projection)."""
+    for p in patterns:
+        if fqn.endswith(p) or re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", fqn):
+            return True
+    return False
+
+
 def warn_misspelt(config: Mapping[str, Any], known: frozenset, where: str) -> None:
     """Warns of each key of ``config`` that is not ``known`` but close to a known key it lacks: a misspelt key (an
     "activation_shceme": "static") was read as absent, its value dropped in silence. Other unknown keys (other

@@ -17,6 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from fp8fx.checkpoint.files import CheckpointError
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerGroup, PerRow, PerTensor, check_name_list, warn_misspelt
+from fp8fx.config import transformers_skips
 
 FORMATS = ("fp8", "compressed-tensors")
 
@@ -74,16 +75,6 @@ class QuantFormat:
             return f"fp8{', read with config=' if self.from_user else ''} ({self.config.scheme()})"
         schemes = sorted({str(c.scheme()) for _, c in self.groups})
         return f"compressed-tensors ({', '.join(schemes)})"
-
-
-def transformers_skips(fqn: str, patterns: Sequence[str]) -> bool:
-    """transformers' reading of ``modules_to_not_convert`` (``should_convert_module``, 5.x): an entry matches ``fqn``
-    as a regex from its start up to a module boundary (a name or prefix: "layers.1" covers "layers.1.mlp", not
-    "layers.11"), or as a suffix of it ("down_proj" covers every down projection)."""
-    for p in patterns:
-        if fqn.endswith(p) or re.match(rf"(?:{p})(?:(?<=\.)|(?=\.|$))", fqn):
-            return True
-    return False
 
 
 def matches(fqn: str, classes: Sequence[str], patterns: Sequence[str]) -> bool:

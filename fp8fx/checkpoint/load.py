@@ -36,6 +36,7 @@ from fp8fx.weights import moe as moe_weights
 from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, kv_scale_target
 from fp8fx.weights.kv_cache import check_kv_scale_layout, getter_module, kv_cache_attentions, kv_slot_error
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
+from fp8fx.weights.linear import kept_by_the_model
 from fp8fx.weights.moe import is_quantized_experts
 from fp8fx.weights.quantize import check_ignored_layers
 
@@ -313,6 +314,8 @@ class _Loader:
         self.skipped: list[str] = []
         self.entries: dict[str, Entry] = {}  # the checkpoint's tensors by the model's names (plan)
         self.routers = moe_weights.routers(model)  # MoE routers: bf16 where the checkpoint is quantized online
+        # layers the model keeps in high precision: where the checkpoint stores them so, or quantizes online
+        self.kept = kept_by_the_model(model)
         self.moe = ExpertsLoader(self.modules, fmt, device, self.items)
         self.moe.missing_fix = self._missing_fix
 
@@ -372,10 +375,12 @@ class _Loader:
                     )
                 shards = tuple(parts)
             config, reason = self._layer_config(fqn, module, shards)
-            if config is not None and config.is_checkpoint_fp8_serialized and fqn == head:
+            if config is not None and config.is_checkpoint_fp8_serialized and (fqn == head or fqn in self.kept):
+                # (DeepSeek-V3.2's indexer.weights_proj: bf16 in its fp8 checkpoint, listed nowhere but in the model)
                 weight = entries.get(f"{fqn}.weight")
                 if weight is not None and weight.dtype != quant.FP8_DTYPE and f"{fqn}.weight_scale" not in entries:
-                    config, reason = None, "output embeddings stored in high precision"
+                    config, reason = None, ("output embeddings stored in high precision" if fqn == head else
+                                            self.kept[fqn])
             if config is None:
                 self.not_quantized[fqn] = reason
                 if len(shards) == 1:
@@ -408,7 +413,7 @@ class _Loader:
         if tied:
             return None, f"weight tied to {tied[0]}"
         if not config.is_checkpoint_fp8_serialized:  # quantized online: as quantize_ would
-            reason = skip_reason(module, fqn, config) or self.routers.get(fqn)
+            reason = skip_reason(module, fqn, config) or self.kept.get(fqn) or self.routers.get(fqn)
             if reason is not None:
                 return None, reason
         return config, ""

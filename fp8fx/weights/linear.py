@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import re
 import threading
 import weakref
 from typing import Optional, Sequence
@@ -27,7 +28,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.weight_norm import WeightNorm
 
 from fp8fx import quant
-from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
+from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block, transformers_skips
 from fp8fx.ops import BIAS_GAPS
 from fp8fx.weights import chunked
 from fp8fx.weights.counter import CopyNumelCounter
@@ -371,6 +372,31 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
             "scales or add it to ignored_layers"
         )
     return None
+
+
+def kept_by_the_model(model: nn.Module, prefix: str = "") -> dict[str, str]:
+    """fqn -> why it stays in high precision, for the ``nn.Linear`` layers that a transformers model keeps out of
+    quantization: those its ``_keep_in_fp32_modules`` names (the instance's: transformers gathers its submodels'
+    into it), read as transformers' fp8 quantizer reads them (it adds them to ``modules_to_not_convert``: a
+    suffix, a name or a regex). DeepSeek-V3.2's ``indexer.weights_proj``, which its FP8 checkpoints store in bf16
+    (vLLM builds it with ``quant_config=None``); T5's ``wo``. Names are matched inside ``model``: a part quantized
+    on its own (``prefix``) is matched by its own list, if it has one."""
+    patterns = getattr(model, "_keep_in_fp32_modules", None)
+    if not isinstance(patterns, (list, tuple, set, frozenset)) or not patterns:  # (transformers: None, or a set)
+        return {}
+    patterns = sorted(p for p in patterns if isinstance(p, str))
+    kept = {}
+    for fqn, layer in model.named_modules():
+        if fqn and isinstance(layer, nn.Linear):
+            try:
+                hits = [p for p in patterns if transformers_skips(fqn, [p])]
+            except re.error:  # (a pattern that is no regex: transformers fails on it; here it names a suffix)
+                hits = [p for p in patterns if fqn.endswith(p)]
+            if hits:
+                kept[f"{prefix}.{fqn}" if prefix else fqn] = (
+                    f"kept in high precision by {type(model).__name__}._keep_in_fp32_modules ({hits[0]!r}), as "
+                    "transformers' and vLLM's fp8 keep it; to quantize it anyway, remove it from that list first")
+    return kept
 
 
 def _weight_normed(layer: nn.Module) -> bool:

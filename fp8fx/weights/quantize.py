@@ -20,7 +20,7 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
 from fp8fx.weights.linear import Fp8LinearMethod, guard_casts, is_foreign_linear, is_quantized, skip_reason
-from fp8fx.weights.linear import MHA_OUT_PROJ, weight_tensors
+from fp8fx.weights.linear import MHA_OUT_PROJ, kept_by_the_model, weight_tensors
 
 log = logging.getLogger("fp8fx")
 
@@ -285,7 +285,8 @@ class LinearDecider:
     """``quantize_``'s decision for each ``nn.Linear`` of ``model`` (named with ``prefix``, as ``quantize_``'s):
     ``decide = LinearDecider(model, prefix)``; ``decide(fqn, layer, config)`` -> ``(reason, on_purpose)``: why the
     layer stays in high precision (None: it is quantized), and whether it is kept so on purpose (ignored, a tied
-    weight, an MoE router), which ``strict`` accepts. ``fp8fx inspect`` predicts each layer with it (for an fp8
+    weight, an MoE router, a layer the model keeps out of quantization: ``kept_by_the_model``), which ``strict``
+    accepts. ``fp8fx inspect`` predicts each layer with it (for an fp8
     checkpoint's config, as ``load_checkpoint`` loads it). The order of
     the checks is part of the decision: a tied weight is reported as tied even where it is ignored; a router is a
     router only where nothing else keeps it. ``routers``: ``moe.routers(model, prefix)``, the routers that are no
@@ -300,6 +301,7 @@ class LinearDecider:
                 if p is not None:
                     self.owners.setdefault(id(p), {}).setdefault(id(mod), f"{owner}.{leaf}" if owner else leaf)
         self.routers = moe.routers(model, prefix)
+        self.kept = kept_by_the_model(model, prefix)
 
     def __call__(self, fqn: str, layer: nn.Module, config: Fp8Config) -> tuple[Optional[str], bool]:
         others = self.owners.get(id(layer._parameters.get("weight")), {})
@@ -310,9 +312,13 @@ class LinearDecider:
             # plan: the layer loads as stored (a weight the block does not divide has ragged last blocks)
             if config.is_ignored(fqn):  # (a router the config targets too: the loader takes it as stored)
                 return "in ignored_layers", True
+            if fqn in self.kept:  # (the loader keeps it where the checkpoint stores it in high precision)
+                return self.kept[fqn], True
             return (None, False) if layer._parameters.get("weight") is not None else (
                 skip_reason(layer, fqn, config) or "no weight", False)
         reason = skip_reason(layer, fqn, config)
+        if reason is None and fqn in self.kept:
+            return self.kept[fqn], True
         if fqn in self.routers:
             return reason or self.routers[fqn], True
         return reason, reason in ("in ignored_layers", MHA_OUT_PROJ)

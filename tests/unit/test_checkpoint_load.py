@@ -1500,3 +1500,54 @@ def test_quant_method_is_read_as_vllm_reads_it_whatever_its_case(method):
     assert parsed.config.is_checkpoint_fp8_serialized and parsed.config.activation_scheme == "static"
     with pytest.raises(CheckpointError, match=r"quant_method='FP4' is not a format fp8fx loads"):
         formats.parse({"quantization_config": {"quant_method": "FP4"}})
+
+
+class KeepsDown(Tiny):
+    """A transformers model's ``_keep_in_fp32_modules`` (DeepSeek-V3.2's "indexer.weights_proj", T5's "wo"), read
+    as a suffix of the layers' names."""
+
+    _keep_in_fp32_modules = ["mlp.down_proj"]
+
+
+def test_layers_the_model_keeps_in_high_precision_load_as_stored_and_stay_bf16_online(tmp_path):
+    """DeepSeek-V3.2's fp8 checkpoints store indexer.weights_proj in bf16 and list it nowhere but in the model class
+    (_keep_in_fp32_modules; vLLM builds it with quant_config=None): the load refused it as "declared float8", and a
+    bf16 checkpoint (or quantize_) quantized it, so that the fp8 checkpoint saved from it had a weight_scale vLLM has
+    no parameter for."""
+    state = bf16_state()
+    downs = [f for f in LINEARS if f.endswith("down_proj")]
+    tensors, qc, deq = fp8_checkpoint(state, "tensor", ignore=("lm_head", *downs))
+    qc["ignored_layers"] = ["lm_head"]  # (the official layout: the bf16 layers are not in the list)
+    with torch.device("meta"):
+        model = KeepsDown().to(torch.bfloat16)
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "fp8", tensors, qc), progress=False)
+    assert set(report.quantized) == set(LINEARS) - set(downs)
+    why = report.not_quantized[downs[0]]
+    assert why.startswith("kept in high precision by KeepsDown._keep_in_fp32_modules ('mlp.down_proj')"), why
+    assert not is_quantized(model.model.layers[0].mlp.down_proj)
+    assert torch.equal(model.model.layers[0].mlp.down_proj.weight, state[f"{downs[0]}.weight"])
+
+    # stored in fp8 all the same: the checkpoint decides, as for the output embeddings
+    tensors, qc, deq = fp8_checkpoint(state, "tensor")
+    with torch.device("meta"):
+        model = KeepsDown().to(torch.bfloat16)
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "all_fp8", tensors, qc), progress=False)
+    assert set(report.quantized) == set(LINEARS)
+    assert is_quantized(model.model.layers[0].mlp.down_proj)
+
+    # online: a bf16 checkpoint, and quantize_ (strict too: kept on purpose)
+    with torch.device("meta"):
+        model = KeepsDown().to(torch.bfloat16)
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "bf16", dict(state)), progress=False)
+    assert set(report.quantized) == set(LINEARS + ["lm_head"]) - set(downs)
+    assert report.not_quantized[downs[1]].startswith("kept in high precision by KeepsDown._keep_in_fp32_modules")
+    saved = fp8fx.save_checkpoint(model, tmp_path / "saved")
+    assert set(downs) <= set(saved.get("ignored_layers") or saved.get("ignore")), saved
+    eager = KeepsDown().to(torch.bfloat16)
+    eager.load_state_dict(state)
+    fp8fx.quantize_(eager, strict=True)
+    assert [f for f in LINEARS if not is_quantized(eager.get_submodule(f))] == downs
+    plain = Tiny().to(torch.bfloat16)  # (a model without the list: every layer, as before)
+    plain.load_state_dict(state)
+    fp8fx.quantize_(plain)
+    assert all(is_quantized(plain.get_submodule(f)) for f in LINEARS)
