@@ -29,7 +29,7 @@ from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values, check_weight_values
 from fp8fx.checkpoint.experts import beyond_dequantized_range, beyond_range_error, dequantized_range_error
 from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
-from fp8fx.config import Fp8Config, PerBlock, PerRow, config_or
+from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, config_or
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
@@ -641,6 +641,13 @@ class _Loader:
         scheme = lin.config.scheme()
         w, k = scheme.weight, lin.module.in_features
         for i, rows in enumerate(lin.sizes):
+            # transformers' FP8Linear without blocks (FineGrainedFP8Config(weight_block_size=None), what its
+            # save_pretrained writes): its one scale is named weight_scale_inv all the same, multiplied as a
+            # weight_scale is (_dequantize_fp8_weight); its static activation scale is activation_scale
+            for theirs, ours in (("weight_scale_inv", "weight_scale"), ("activation_scale", "input_scale")):
+                one = (theirs, i) in todo and todo[(theirs, i)].shape in ((), (1,))
+                if one and (ours, i) not in todo and (ours == "input_scale" or isinstance(w, PerTensor)):
+                    todo[(ours, i)] = todo.pop((theirs, i))
             if isinstance(w, PerBlock):
                 names = [leaf for leaf in ("weight_scale_inv", "weight_scale") if (leaf, i) in todo]
                 if len(names) > 1:

@@ -1551,3 +1551,27 @@ def test_layers_the_model_keeps_in_high_precision_load_as_stored_and_stay_bf16_o
     plain.load_state_dict(state)
     fp8fx.quantize_(plain)
     assert all(is_quantized(plain.get_submodule(f)) for f in LINEARS)
+
+
+def test_transformers_per_tensor_layout_reads_as_vllms(tmp_path):
+    """transformers' FP8Linear without blocks (FineGrainedFP8Config(weight_block_size=None)) names its one scale
+    weight_scale_inv (multiplied, as a weight_scale) and its static activation scale activation_scale: the load
+    took them for block scales and told the user to add a weight_block_size, which failed too."""
+    state = bf16_state()
+    tensors, qc, deq = fp8_checkpoint(state, "tensor", static=True)
+    theirs = {k.replace(".weight_scale", ".weight_scale_inv").replace(".input_scale", ".activation_scale"): v
+              for k, v in tensors.items()}
+    hf_qc = {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None,
+             "modules_to_not_convert": ["lm_head"]}
+    models = {}
+    for name, t, q in (("vllm", tensors, qc), ("hf", theirs, hf_qc)):
+        models[name] = meta_tiny()
+        load_checkpoint(models[name], write_checkpoint(tmp_path / name, t, q), progress=False)
+    ours, hf = (dict(m.state_dict()) for m in models.values())
+    assert ours.keys() == hf.keys() and all(torch.equal(ours[k].float(), hf[k].float()) for k in ours)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with torch.no_grad():
+        assert rel_err(models["hf"](ids), float_reference(state, deq, ids)) < 0.08
+    blocks = {k: (v.reshape(1, 1) if k.endswith("weight_scale_inv") else v) for k, v in theirs.items()}
+    with pytest.raises(CheckpointError, match="block scales, where its quantization_config says per-tensor"):
+        load_checkpoint(meta_tiny(), write_checkpoint(tmp_path / "blocks", blocks, hf_qc), progress=False)
