@@ -371,9 +371,8 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
     try:
         config = with_flags(fmt.config if fmt else Fp8Config())
         name = fmt.name if fmt else "none"
-        if name != "compressed-tensors":  # (transformers' modules_to_not_convert, as it reads it)
-            return config, lambda fqn: None if fmt and formats.transformers_skips(fqn, fmt.hf_ignore) else config, \
-                name, ignores
+        if name != "compressed-tensors":  # (transformers' modules_to_not_convert, ModelOpt's exclude list)
+            return config, lambda fqn: None if fmt and fmt.skips(fqn) else config, name, ignores
         groups = {id(c): with_flags(c) for _, c in fmt.groups}
         # (the header's: its ignore list, and the config of the first group, whose ignored_layers are none)
         config = dataclasses.replace(config, ignored_layers=tuple(fmt.ignore) + tuple(args.ignore or ()))

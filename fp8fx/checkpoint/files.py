@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 CONFIG = "config.json"
+MODELOPT_CONFIG = "hf_quant_config.json"  # ModelOpt's quantization config of older exports (read_config)
 INDEX_SUFFIX = ".safetensors.index.json"
 
 DTYPES = {
@@ -198,8 +199,17 @@ def write_file(file: str, tensors: Mapping[str, torch.Tensor], metadata: Optiona
 
 
 def read_config(path: str) -> dict[str, Any]:
-    """``config.json`` of a checkpoint directory ({} when there is none)."""
-    file = os.path.join(path, CONFIG)
+    """``config.json`` of a checkpoint directory ({} when there is none). Where it has no ``quantization_config``,
+    ModelOpt's ``hf_quant_config.json`` beside it gives one (``quant_method`` "modelopt" and the file's
+    ``quantization``), as vLLM reads such a checkpoint."""
+    config = _read_json(os.path.join(path, CONFIG))
+    modelopt = os.path.join(path, MODELOPT_CONFIG)
+    if config.get("quantization_config") is None and os.path.exists(modelopt):
+        config = {**config, "quantization_config": {"quant_method": "modelopt", **_read_json(modelopt)}}
+    return config
+
+
+def _read_json(file: str) -> dict[str, Any]:
     if not os.path.exists(file):
         return {}
     try:

@@ -8,18 +8,24 @@ Formats read and written:
 - ``compressed-tensors``: ``config_groups`` (``targets``, ``weights`` / ``input_activations`` with
   ``strategy`` tensor / channel / block / token / group and ``dynamic``), ``ignore`` (names or ``re:``
   patterns), ``kv_cache_scheme``. Each layer gets the config of the first group that targets it.
+- ``modelopt`` (NVIDIA ModelOpt, read as vLLM's ``ModelOptFp8Config`` reads it): ``quant_algo`` ``FP8`` (per-tensor
+  weights, static per-tensor activations) or ``FP8_PER_CHANNEL_PER_TOKEN``; ``ignore`` (config.json) or
+  ``quantization.exclude_modules`` (``hf_quant_config.json``, which ``files.read_config`` folds into config.json's
+  ``quantization_config`` where it has none), wildcards; ``kv_cache_scheme`` or ``kv_cache_quant_algo``. Its layers
+  load as the ``fp8`` format's.
 """
 from __future__ import annotations
 
 import dataclasses
 import re
+from fnmatch import fnmatchcase
 from typing import Any, Mapping, Optional, Sequence
 
 from fp8fx.checkpoint.files import CheckpointError
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerGroup, PerRow, PerTensor, check_name_list, warn_misspelt
 from fp8fx.config import transformers_skips
 
-FORMATS = ("fp8", "compressed-tensors")
+FORMATS = ("fp8", "compressed-tensors", "modelopt")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,6 +41,8 @@ class QuantFormat:
     # transformers' ``modules_to_not_convert`` (an fp8 config without ``ignored_layers``), read as transformers reads
     # it (``transformers_skips``): MiniMax-M2 lists "gate", every module named so; Fp8Config's prefixes miss them
     hf_ignore: tuple[str, ...] = ()
+    # ModelOpt's exclude list (``modelopt_excludes``), where the checkpoint is ModelOpt's; None: it is not
+    modelopt_exclude: Optional[tuple[str, ...]] = None
     # module -> the checkpoint's names for it where a rename changed them (fp8fx.checkpoint.renames): the
     # ignore list and targets were written against the checkpoint's names and match either
     sources: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict, hash=False, compare=False)
@@ -49,8 +57,16 @@ class QuantFormat:
 
     def is_ignored(self, fqn: str, classes: Sequence[str] = ()) -> bool:
         if self.name != "compressed-tensors":
-            return any(self.config.is_ignored(n) or transformers_skips(n, self.hf_ignore) for n in self._names(fqn))
+            return any(self.config.is_ignored(n) for n in self._names(fqn)) or self.skips(fqn)
         return any(matches(n, classes, self.ignore) for n in self._names(fqn))
+
+    def skips(self, fqn: str) -> bool:
+        """An fp8 checkpoint's ignore list read as its producer reads it, where that is not ``ignored_layers``'
+        names and prefixes: transformers' ``modules_to_not_convert``, ModelOpt's ``exclude_modules``."""
+        names = self._names(fqn)
+        if self.modelopt_exclude is not None and any(modelopt_excludes(n, self.modelopt_exclude) for n in names):
+            return True
+        return any(transformers_skips(n, self.hf_ignore) for n in names)
 
     def layer_config(self, fqn: str, classes: Sequence[str]) -> Optional[Fp8Config]:
         """The config layer ``fqn`` is quantized with, or None if it stays in high precision. ``classes``: the
@@ -72,9 +88,24 @@ class QuantFormat:
         if self.name == "none":
             return f"bf16/fp16, quantized online ({self.config.scheme()})"
         if self.name == "fp8":
-            return f"fp8{', read with config=' if self.from_user else ''} ({self.config.scheme()})"
+            by = "ModelOpt " if self.modelopt_exclude is not None else ""
+            return f"{by}fp8{', read with config=' if self.from_user else ''} ({self.config.scheme()})"
         schemes = sorted({str(c.scheme()) for _, c in self.groups})
         return f"compressed-tensors ({', '.join(schemes)})"
+
+
+# names vLLM keeps unquantized in a ModelOpt checkpoint whatever its exclude list says (older exports left the vision
+# towers of VLMs unlisted)
+_MODELOPT_TOWERS = ("vision_tower", "vision_model", "visual")
+
+
+def modelopt_excludes(fqn: str, patterns: Sequence[str]) -> bool:
+    """ModelOpt's reading of ``exclude_modules`` / ``ignore`` (vLLM's ``ModelOptQuantConfigBase.is_layer_excluded``):
+    an entry excludes ``fqn`` as the same name, a part of it ("lm_head", "mlp.gate"), or a wildcard
+    ("model.layers.0*", "*.vision_tower.*"); a vision tower's layers are excluded whatever the list says."""
+    if any(tower in fqn for tower in _MODELOPT_TOWERS):
+        return True
+    return any(p == fqn or p in fqn or fnmatchcase(fqn, p) for p in patterns)
 
 
 def matches(fqn: str, classes: Sequence[str], patterns: Sequence[str]) -> bool:
@@ -112,6 +143,8 @@ def parse(config_json: Mapping[str, Any], user: Optional[Fp8Config] = None) -> Q
                                hf_ignore=hf)
         if name == "compressed-tensors":
             return _compressed_tensors(qc, kv)
+        if isinstance(name, str) and name.startswith("modelopt"):  # (vLLM's rule: "modelopt", "modelopt_fp4", ...)
+            return _modelopt(qc, kv)
     except ValueError as e:
         raise CheckpointError(f"config.json quantization_config (quant_method={method!r}): {e}") from None
     raise CheckpointError(
@@ -144,6 +177,40 @@ def _kv_cache(qc: Mapping[str, Any]) -> bool:
                               "attention layer (strategy 'tensor'); re-export the KV-cache scales per tensor, or "
                               "remove kv_cache_scheme to load the model without them")
     return static
+
+
+# quant_algo -> the layers' config: per-tensor weights with static per-tensor activations (ModelOptFp8LinearMethod);
+# per-channel weights with dynamic per-token activations (ModelOptFp8PcPtLinearMethod)
+_MODELOPT_ALGOS = {
+    "FP8": Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static"),
+    "FP8_PER_CHANNEL_PER_TOKEN": Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=PerRow(),
+                                           activation_granularity=PerRow()),
+}
+
+
+def _modelopt(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
+    """ModelOpt's FP8 checkpoints: config.json's flat ``quantization_config`` (``quant_algo``, ``ignore``,
+    ``kv_cache_scheme``) or ``hf_quant_config.json``'s ``quantization`` (``quant_algo``, ``exclude_modules``,
+    ``kv_cache_quant_algo``)."""
+    legacy = "quantization" in qc
+    inner = qc["quantization"] if legacy else qc
+    if not isinstance(inner, Mapping):
+        raise ValueError(f"quantization={inner!r} must be an object holding quant_algo")
+    algo = str(inner.get("quant_algo") or "").upper()  # (vLLM upper-cases it: ModelOpt may write it lowercase)
+    if algo not in _MODELOPT_ALGOS:
+        raise ValueError(f"quant_algo={inner.get('quant_algo')!r}: fp8fx loads ModelOpt's {sorted(_MODELOPT_ALGOS)} "
+                         "checkpoints (NVFP4, MXFP8 and block weight-only ones are other formats)")
+    key = "exclude_modules" if legacy else "ignore"
+    exclude = inner.get(key) or []
+    if isinstance(exclude, str) or not isinstance(exclude, (list, tuple)):
+        raise ValueError(f"{key}={exclude!r} must be a list of module names or wildcards")
+    _check_patterns(exclude, key, "module names or wildcards")
+    kv_algo = inner.get("kv_cache_quant_algo") if legacy else None
+    if kv_algo is not None and str(kv_algo).upper() != "FP8":
+        raise ValueError(f"kv_cache_quant_algo={kv_algo!r}: fp8fx reads FP8 KV-cache scales; remove it to load the "
+                         "model without them")
+    return QuantFormat("fp8", _MODELOPT_ALGOS[algo], kv_cache=kv or kv_algo is not None,
+                       modelopt_exclude=tuple(exclude))
 
 
 _CT_KEYS = frozenset({"quant_method", "format", "config_groups", "ignore", "kv_cache_scheme"})  # (that fp8fx reads)

@@ -1575,3 +1575,55 @@ def test_transformers_per_tensor_layout_reads_as_vllms(tmp_path):
     blocks = {k: (v.reshape(1, 1) if k.endswith("weight_scale_inv") else v) for k, v in theirs.items()}
     with pytest.raises(CheckpointError, match="block scales, where its quantization_config says per-tensor"):
         load_checkpoint(meta_tiny(), write_checkpoint(tmp_path / "blocks", blocks, hf_qc), progress=False)
+
+
+@pytest.mark.parametrize("spelling", ["config.json", "hf_quant_config.json"])
+def test_modelopt_fp8_checkpoints_load_as_vllm_reads_them(tmp_path, spelling):
+    """NVIDIA ModelOpt's FP8 checkpoints (quant_method "modelopt", quant_algo "FP8": per-tensor weights, static
+    input scales; older exports carry it in hf_quant_config.json only) were refused, or read as bf16. Their exclude
+    list is read as vLLM reads it: a name, a part of one, or a wildcard."""
+    state = bf16_state()
+    tensors, qc, deq = fp8_checkpoint(state, "tensor", static=True, ignore=("lm_head", "model.layers.1"))
+    tensors["model.layers.0.self_attn.k_proj.k_scale"] = torch.tensor(0.25)
+    tensors["model.layers.0.self_attn.v_proj.v_scale"] = torch.tensor(0.5)
+    exclude = ["lm_head", "model.layers.1*"]
+    path = tmp_path / "modelopt"
+    if spelling == "config.json":
+        write_checkpoint(path, tensors, {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": exclude,
+                                         "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}})
+    else:
+        write_checkpoint(path, tensors)
+        (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+            "quant_algo": "fp8", "kv_cache_quant_algo": "FP8", "exclude_modules": exclude}}))
+    model = meta_tiny()
+    report = load_checkpoint(model, path, progress=False)
+    assert set(report.quantized) == {f for f in LINEARS if "layers.0" in f}, report
+    assert report.format.startswith("ModelOpt fp8 (w:per-tensor a:static per-tensor)"), report.format
+    assert report.not_quantized["model.layers.1.mlp.up_proj"] == "in ignored_layers"
+    assert report.kv_scales == {"model.layers.0.self_attn": {"k_scale": 0.25, "v_scale": 0.5},
+                                "model.layers.1.self_attn": {"k_scale": 1.0, "v_scale": 1.0}}  # (declared: defaulted)
+    twin = meta_tiny()  # the same tensors, read as vLLM's fp8 format: the same model
+    load_checkpoint(twin, write_checkpoint(tmp_path / "fp8", tensors, qc), progress=False)
+    ours, theirs = model.state_dict(), twin.state_dict()
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k].float(), theirs[k].float()) for k in ours)
+    assert model.model.layers[0].self_attn.k_proj.weight_scale.item() == tensors[
+        "model.layers.0.self_attn.k_proj.weight_scale"].item()
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with torch.no_grad():
+        assert rel_err(model(ids), float_reference(state, deq, ids)) < 0.08
+
+
+def test_modelopt_per_channel_per_token_and_other_algorithms(tmp_path):
+    state = bf16_state()
+    tensors, _, deq = fp8_checkpoint(state, "channel", ignore=("lm_head",))
+    qc = {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "ignore": ["lm_head"]}
+    model = meta_tiny()
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "pcpt", tensors, qc), progress=False)
+    assert set(report.quantized) == set(LINEARS)
+    assert model.model.layers[0].mlp.up_proj.weight_scale.shape == (INTER, 1)
+    ids = torch.randint(0, VOCAB, (2, 8))
+    with torch.no_grad():
+        assert rel_err(model(ids), float_reference(state, deq, ids)) < 0.08
+    with pytest.raises(CheckpointError, match=r"quant_algo='NVFP4': fp8fx loads ModelOpt's \['FP8', "):
+        load_checkpoint(meta_tiny(), write_checkpoint(tmp_path / "fp4", tensors, dict(qc, quant_algo="NVFP4")),
+                        progress=False)
