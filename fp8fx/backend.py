@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
 import weakref
@@ -468,5 +469,11 @@ def _call_config(mode: Optional[str], options: Optional[Mapping[str, Any]], comp
 def fp8_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], **compile_kwargs: Any):
     """``torch.compile(model, backend=fp8fx.fp8_backend)``: ``Fp8Backend()`` with default options (``mode`` and
     ``options`` of torch.compile as ``Fp8Backend`` takes them). Each call site of ``torch.compile`` gets the same
-    stateless default; use ``Fp8Backend`` to read the report."""
-    return Fp8Backend()(gm, example_inputs, **compile_kwargs)
+    stateless default; use ``Fp8Backend`` to read the report. Each graph is a new backend's graph 0: its log line
+    names it by the count of fp8_backend's graphs in the process ("fp8_backend #3, graph 0")."""
+    backend = Fp8Backend()
+    backend.report.label = f"fp8_backend #{next(_DEFAULT_GRAPHS)}, "
+    return backend(gm, example_inputs, **compile_kwargs)
+
+
+_DEFAULT_GRAPHS = itertools.count(1)  # the graphs fp8_backend compiled in this process (their log lines)

@@ -19,6 +19,7 @@ log = logging.getLogger("fp8fx")
 NOT_QUANTIZED = "not quantized: "
 
 SCHEMA = "fp8fx.report/1"
+ROOT = "(the compiled module)"  # the table's name of a site that is the compiled module itself (a bare nn.Linear)
 _TOPK_KEYS = ("fqn", "rewritten", "reason", "scheme", "graph", "weight_shape", "kernel", "node")  # to_dict's "topk"
 _TOKENS = itertools.count(1)  # Site.token_of
 # id(tensor) -> (a weak reference to the tensor, its token): not an attribute of the tensor, which pickles and copies
@@ -106,6 +107,9 @@ class Report:
         self.frames: dict[int, str] = {}
         self.frame_weights: dict[int, list[tuple[int, int]]] = {}
         self._logged: set[tuple[str, str]] = set()
+        # what the log calls this report's graphs, before "graph N" (fp8_backend: a backend per graph, each one's
+        # graph 0, told apart by the process's count of them)
+        self.label = ""
 
     def add(self, site: Site) -> None:
         self.sites.append(site)
@@ -270,10 +274,10 @@ class Report:
     def graph_summary(self, graph: int) -> str:
         sites = [s for s in self.sites if s.graph == graph]
         done = [s for s in sites if s.rewritten]
-        line = f"graph {graph}: {len(done)} of {len(sites)} sites rewritten"
+        line = f"{self.label}graph {graph}: {len(done)} of {len(sites)} sites rewritten"
         line += f", {human_size(_bytes_saved(done))} of weights saved"
         if graph in self.kernels:
-            line += f", {len(self.kernels[graph])} kernels generated"
+            line += f", {_count(len(self.kernels[graph]), 'kernel')} generated"
         missed = [f"{s.fqn} ({s.reason})" for s in sites if not s.rewritten]
         if missed:
             more = f" and {len(missed) - 3} more" if len(missed) > 3 else ""
@@ -316,7 +320,7 @@ class Report:
         rows = [("graph", "kind", "site", "weight", "rewritten", "kernel", "scheme / reason")]
         for s in sites:
             shape = "x".join(map(str, s.weight_shape)) or "-"
-            rows.append((str(s.graph), s.kind, s.fqn, shape, "yes" if s.rewritten else "no", s.kernel or "-",
+            rows.append((str(s.graph), s.kind, s.fqn or ROOT, shape, "yes" if s.rewritten else "no", s.kernel or "-",
                          s.scheme if s.rewritten else s.reason))
         lines = _columns(rows)
         lines.insert(1, "-" * len(lines[0]))
@@ -325,8 +329,11 @@ class Report:
         total += f"; {human_size(_bytes_saved(sites))} of weights saved"
         kernels = [k for g, names in self.kernels.items() if graph in (None, g) for k in names]
         if kernels:
-            total += f"; {len(kernels)} kernels generated"
+            total += f"; {_count(len(kernels), 'kernel')} generated"
         lines.append(total)
+        if not self.graphs:  # (a compiled model's generate() calls the model's own forward, not the compiled one)
+            lines.append("no graph compiled yet: call the compiled model (for HF generate(), compile its forward: "
+                         "model.forward = torch.compile(model.forward, backend=...))")
         lines += self._topk_lines(graph)
         lines += [f"graph {g} failed to compile, nothing in it rewritten: {why}" for g, why in self.failed.items()
                   if graph in (None, g)]
@@ -373,6 +380,10 @@ def _by_design(reason: str) -> bool:
     stores in high precision, a model cast to float64 as the reference. Anything else deserves a look. (tests/e2e
     and test_report.py hold the wordings.)"""
     return _BY_DESIGN.search(reason) is not None
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}{'' if n == 1 else 's'}"
 
 
 def _bytes_saved(sites: Iterable[Site]) -> int:

@@ -4,6 +4,7 @@ import gc
 import io
 import json
 import logging
+import re
 import weakref
 
 import pytest
@@ -94,6 +95,43 @@ def test_one_log_line_per_graph(caplog):
         "fp8fx: graph 0: 2 of 3 sites rewritten, 15.2 KiB of weights saved; not rewritten: head "
         "(not quantized: in ignored_layers)"
     ]
+
+
+def test_fp8_backends_graphs_are_told_apart_in_the_log(caplog):
+    """fp8_backend compiles each graph with a new backend: both graphs of a model with a graph break were logged as
+    "graph 0"."""
+    class Broken2(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            x = self.a(x)
+            torch._dynamo.graph_break()
+            return self.b(x)
+
+    model = Broken2().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    with caplog.at_level(logging.INFO, logger="fp8fx"), torch.no_grad():
+        torch.compile(model, backend=fp8fx.fp8_backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    lines = [r.getMessage() for r in caplog.records if r.name == "fp8fx" and "sites rewritten" in r.getMessage()]
+    assert len(lines) == 2 and len(set(lines)) == 2, lines
+    assert all(re.match(r"fp8fx: fp8_backend #\d+, graph 0: 1 of 1 sites rewritten", line) for line in lines), lines
+
+
+def test_an_empty_report_says_why_and_a_root_linear_has_a_name():
+    """Nothing compiled (a compiled model's generate() runs its own forward): the table said "0 of 0 sites" and no
+    more. A compiled bare nn.Linear's site had a blank name."""
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    assert str(backend.report).splitlines()[-1].startswith("no graph compiled yet: call the compiled model (for HF "
+                                                           "generate(), compile its forward")
+    linear = nn.Linear(64, 64).to(torch.bfloat16)
+    fp8fx.quantize_(linear)
+    with torch.no_grad():
+        torch.compile(linear, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    lines = str(backend.report).splitlines()
+    assert lines[2].split()[:5] == ["0", "linear", "(the", "compiled", "module)"] and "no graph" not in lines[-1]
+    assert backend.report.sites[0].fqn == ""  # (the data keeps the name the module has: none)
 
 
 def test_existing_constructor_still_works():
