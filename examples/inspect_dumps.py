@@ -51,7 +51,7 @@ def describe(name: str) -> str:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dump-dir", default=None, help="where to dump (default: a new temporary folder)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", type=int, default=256, help="model width (multiple of 128)")

@@ -29,7 +29,7 @@ def write_tiny_checkpoint(path: str):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--checkpoint", help="folder with config.json and *.safetensors (default: a tiny one)")
     args = parser.parse_args()

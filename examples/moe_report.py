@@ -33,7 +33,7 @@ def load(args):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--preset", choices=list(PRESETS), default="tiny")
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of a preset")

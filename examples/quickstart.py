@@ -41,7 +41,7 @@ class TinyModel(nn.Module):
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--size", type=int, default=256, help="model width (multiple of 128)")
     args = parser.parse_args()

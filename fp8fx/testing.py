@@ -123,7 +123,7 @@ def assert_compiles_once(
                                 f"inside a loop skips the whole frame); its reasons: {reasons}")
             if i and graphs[i]:
                 problems.append(f"input {i} ({_shapes(args)}) compiled {graphs[i]} more graph(s); Dynamo's "
-                                f"reasons: {new_guards or 'none recorded'}")
+                                f"reasons: {new_guards or 'none recorded'}{_one_sized(inputs[0], args)}")
     if graphs[0] == 0:
         problems.insert(0, "Dynamo compiled no graph for the first input (it skipped the frame)")
     if breaks or graphs[0] > 1:
@@ -172,6 +172,17 @@ def _describe(site: Site) -> str:
 
 def _new(before: list[str], after: list[str]) -> list[str]:
     return list((collections.Counter(after) - collections.Counter(before)).elements())
+
+
+def _one_sized(first: Sequence[Any], args: Sequence[Any]) -> str:
+    """A hint where the first input had a dimension of size 0 or 1 that a later one changes: Dynamo compiles such
+    sizes as constants, ``dynamic=True`` or not (a batch of 1 first, then 2: a recompile)."""
+    for a, b in zip(first, args):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() and any(
+                m in (0, 1) and m != n for m, n in zip(a.shape, b.shape)):
+            return (" (input 0's sizes of 0 or 1 are constants to Dynamo, even with dynamic=True: give the first "
+                    "input sizes of 2 or more where later ones differ)")
+    return ""
 
 
 def _shapes(args: Sequence[Any]) -> str:

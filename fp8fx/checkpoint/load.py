@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import json
 import logging
 import os
 import re
@@ -102,6 +103,16 @@ class LoadReport:
         return "\n".join(lines)
 
     __repr__ = __str__
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as plain data (its fields; a fused layer's checkpoint modules as a list, as in its JSON)."""
+        data = dataclasses.asdict(self)
+        data["fused"] = {fqn: list(parts) for fqn, parts in self.fused.items()}
+        return data
+
+    def to_json(self, **kwargs: Any) -> str:
+        """``to_dict()`` as JSON (``kwargs`` go to ``json.dumps``; ``indent`` is 2 unless given)."""
+        return json.dumps(self.to_dict(), **{"indent": 2, **kwargs})
 
 
 @dataclasses.dataclass

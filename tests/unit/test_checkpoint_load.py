@@ -1627,3 +1627,16 @@ def test_modelopt_per_channel_per_token_and_other_algorithms(tmp_path):
     with pytest.raises(CheckpointError, match=r"quant_algo='NVFP4': fp8fx loads ModelOpt's \['FP8', "):
         load_checkpoint(meta_tiny(), write_checkpoint(tmp_path / "fp4", tensors, dict(qc, quant_algo="NVFP4")),
                         progress=False)
+
+
+def test_a_load_report_reads_as_data_and_json(tmp_path):
+    """Report has to_dict() / to_json(); LoadReport, which load_checkpoint and convert return, had neither."""
+    state = bf16_state()
+    tensors, qc, _ = fp8_checkpoint(state, "tensor", ignore=("lm_head", "model.layers.1"))
+    model = meta_tiny(fused=True)
+    report = load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    data = report.to_dict()
+    assert data["quantized"] == report.quantized and data["not_quantized"] == report.not_quantized
+    assert data["fused"]["model.layers.0.self_attn.qkv_proj"] == ["q_proj", "k_proj", "v_proj"]
+    assert data["format"] == report.format and data["tensors"] == report.tensors > 0
+    assert json.loads(report.to_json()) == data and report.to_json(indent=None).count("\n") == 0

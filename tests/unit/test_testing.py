@@ -63,6 +63,17 @@ def test_catches_a_recompile():
         testing.assert_compiles_once(mlp(), inputs(2, 3), backend=eager_backend(), dynamic=False)
 
 
+def test_a_recompile_after_a_first_input_of_size_one_says_why():
+    """A batch of 1 first, then 2, recompiles under dynamic=True (Dynamo compiles sizes 0 and 1 as constants): the
+    failure said "size mismatch at index 0. expected 1, actual 2", and no more."""
+    with pytest.raises(AssertionError, match=r"input 0's sizes of 0 or 1 are constants to Dynamo, even with "
+                                             r"dynamic=True: give the first input sizes of 2 or more"):
+        testing.assert_compiles_once(mlp(), inputs(1, 2), backend=eager_backend())
+    with pytest.raises(AssertionError) as info:  # (a recompile of another cause: no such hint)
+        testing.assert_compiles_once(mlp(), inputs(2, 3), backend=eager_backend(), dynamic=False)
+    assert "constants to Dynamo" not in str(info.value)
+
+
 def test_catches_a_graph_break():
     model = mlp()
 
