@@ -339,6 +339,18 @@ def input_source(node: Any) -> Optional[str]:
     return name if isinstance(name, str) else None
 
 
+def wrapped_tensor_kind(value: Any) -> Optional[str]:
+    """What a traced value that is no plain tensor is, or None for a plain one: a tensor of torch.func's transforms
+    (``vmap``'s batched tensor, ``grad``'s), or a nested tensor (``torch.nested``, jagged or strided)."""
+    if not isinstance(value, torch.Tensor):
+        return None
+    if torch._C._functorch.is_functorch_wrapped_tensor(value):
+        return "a torch.func transform's tensor (vmap's batched tensor, say)"
+    if value.is_nested:
+        return "a nested tensor (torch.nested)"
+    return None
+
+
 def is_dynamo_retrace(exc: BaseException) -> bool:
     """``exc``, raised inside a backend, means: Dynamo discards this attempt at the graph and traces the frame
     again (the backend is called again for the new graph); not a failure of the backend.

@@ -36,6 +36,7 @@ import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block, weight_granularity_name
 from fp8fx.kernels import launch
+from fp8fx.lowerings import compat
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, input_path, may_record_grad, module_path, set_fake_value
 from fp8fx.report import NOT_QUANTIZED, Site
 
@@ -688,6 +689,9 @@ class LinearPass(Fp8Pass):
             return FLOAT64_REFERENCE
         if not isinstance(xv, torch.Tensor) or xv.dtype not in _ACT_DTYPES:
             return f"activation dtype {getattr(xv, 'dtype', None)} is not bf16/fp16/fp32"
+        wrapped = compat.wrapped_tensor_kind(xv)
+        if wrapped:  # (fp8fx's ops have no batching rule, and read a plain tensor's rows)
+            return f"activation is {wrapped}, which fp8fx's ops do not take: torch's linear, on the dequantized weight"
         if xv.dim() < 1:
             return "activation is a scalar"
         bv = fake_value(bias)

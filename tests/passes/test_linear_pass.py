@@ -1792,3 +1792,26 @@ def test_an_ignored_layer_read_through_a_cast_says_it_is_ignored():
         torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16).float())
     assert [(s.fqn, s.rewritten, s.reason) for s in backend.report.sites] == [
         ("0", True, ""), ("1", False, "not quantized: in ignored_layers")], str(backend.report)
+
+
+def test_vmapped_and_nested_activations_stay_torchs_with_the_reason():
+    """torch.func.vmap over a quantized model, and a jagged nested tensor into a quantized layer: the pass rewrote
+    them, the fp8 op's example value was missing (fp8fx's ops take plain tensors), and the compile failed with
+    "'NoneType' object has no attribute 'dim'"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 3, 64, dtype=torch.bfloat16)
+    nested = torch.nested.nested_tensor([torch.randn(3, 64), torch.randn(5, 64)], layout=torch.jagged,
+                                        dtype=torch.bfloat16)
+    for fn, arg, kind in ((torch.func.vmap(model), x, "a torch.func transform's tensor"),
+                          (model[0], nested, "a nested tensor (torch.nested)")):
+        torch._dynamo.reset()
+        backend = Fp8Backend(compiler="eager")
+        with torch.no_grad():
+            out, want = torch.compile(fn, backend=backend)(arg), fn(arg)
+        if out.is_nested:
+            out, want = out.values(), want.values()
+        assert torch.equal(out, want)  # (torch's linear on the dequantized weight, as eager)
+        assert backend.report.sites and all(not s.rewritten and s.reason.startswith(f"activation is {kind}")
+                                            for s in backend.report.sites), backend.report
