@@ -635,6 +635,8 @@ def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
                 "H]: add the module to ignored_layers"
             )
         x = x.reshape(-1, x.shape[-1])
+        if not x.shape[0]:  # no token (an empty batch): nothing to measure, as for linears
+            return
         ids = ids.reshape(x.shape[0], -1)
         gated = _gate_of(mod)
         b13 = getattr(mod, moe.w13_name(mod) + "_bias", None)  # GPT-OSS's
@@ -735,8 +737,9 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     zero = [fqn for fqn, a in amax.items() if a < quant.AMAX_EPS]
     if zero:  # the scale would be ~2e-15: every nonzero activation saturates at inference
         raise ValueError(
-            f"calibrate: the inputs of {_shown(zero)} were all zero in every batch "
-            f"(amax {amax[zero[0]]}); a static scale from them would saturate every nonzero activation at inference: "
+            f"calibrate: the inputs of {_shown(zero)} were all zero in every batch, or below {quant.AMAX_EPS:g} "
+            f"(amax {amax[zero[0]]:g}), which fp8fx's scales do not go below: a static scale from them would saturate "
+            "every larger activation at inference: "
             "calibrate with more or other batches, or add the layers to ignored_layers"
         )
     unseen = [fqn for fqn, m in modules if isinstance(m, nn.Linear) and fqn not in amax]

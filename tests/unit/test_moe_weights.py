@@ -633,6 +633,8 @@ def test_calibrate_measures_experts_without_an_act_fn_with_silu():
     assert plain["experts.gate_up_proj"] == pytest.approx(x.abs().max().item() / 448)  # every token is routed
     assert sorted(fp8fx.calibrate(model, [batch], Fp8Config(activation_scheme="static",
                                                             ignored_layers=["experts"]))) == []
+    empty = (batch[0][:0], ids[:0], w[:0].to(torch.bfloat16))  # (no token: nothing measured; it raised)
+    assert fp8fx.calibrate(model, [empty, batch, empty]) == plain
     del model.experts.act_fn
     fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales=plain)
     assert is_quantized_experts(model.experts)

@@ -925,10 +925,14 @@ def test_a_dtype_cast_keeps_quantized_experts_fp8():
 def test_calibrate_refuses_a_layer_whose_inputs_were_all_zero():
     """Its scale was ~2e-15: every nonzero activation saturated at inference (relative error 1), no warning."""
     model = _mlp()
-    with pytest.raises(ValueError, match=r"calibrate: the inputs of \['0'\] were all zero in every batch \(amax 0.0\)"
-                                         r".* more or other batches, or add the layers to ignored_layers"):
+    with pytest.raises(ValueError, match=r"calibrate: the inputs of \['0'\] were all zero in every batch, or below "
+                                         r"1e-12 \(amax 0\), .* more or other batches, or add the layers to "
+                                         "ignored_layers"):
         fp8fx.calibrate(model, [torch.zeros(4, 128, dtype=torch.bfloat16)] * 2)
     assert not model[0]._forward_pre_hooks
+    # tiny, not zero: the message said "all zero" and quoted a nonzero amax
+    with pytest.raises(ValueError, match=r"or below 1e-12 \(amax 3e-30\)"):
+        fp8fx.calibrate(model.float(), [torch.full((4, 128), 3e-30)])
 
 
 class Branch(nn.Module):
