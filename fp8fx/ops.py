@@ -184,6 +184,24 @@ def _(q, scale, block, dtype, input_scale=None, act_block=None):
     return q.new_empty(q.shape, dtype=dtype)
 
 
+# the weight view is differentiable in its scale (no gradient reaches fp8 codes): a model whose parameters were set
+# requires_grad (model.requires_grad_(), an attribution script's) backpropagates to its inputs, where autograd
+# stopped at this op with "no autograd formula was registered"
+def _dequantize_setup(ctx, inputs, output) -> None:
+    q, scale, block = inputs[:3]
+    ctx.save_for_backward(q, scale)
+    ctx.block = block
+
+
+def _dequantize_backward(ctx, grad):
+    q, scale = ctx.saved_tensors
+    grad_scale = quant.dequantize_scale_grad(grad, q, scale, ctx.block) if ctx.needs_input_grad[1] else None
+    return None, grad_scale, None, None, None, None
+
+
+dequantize.register_autograd(_dequantize_backward, setup_context=_dequantize_setup)
+
+
 # --- scaled GEMM ---------------------------------------------------------------------------
 @_op("scaled_mm")
 def scaled_mm(

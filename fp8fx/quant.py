@@ -134,6 +134,14 @@ def dequantize(
     return (q.to(wide) * expand_scale(scale.to(wide), q.shape, block)).to(dtype)
 
 
+def dequantize_scale_grad(grad: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                          block: Sequence[int]) -> torch.Tensor:
+    """The gradient of ``dequantize(q, scale, block)`` with respect to ``scale``, given the output's ``grad``: the
+    sum of ``grad * q`` over each scale's tile, in the scale's shape and dtype."""
+    tiles, _ = _tiles(grad.to(torch.float64 if grad.dtype == torch.float64 else torch.float32) * q.float(), block)
+    return tiles.sum(dim=(-3, -1)).reshape(scale.shape).to(scale.dtype)
+
+
 def rows_of(x: torch.Tensor):
     """M of x: [..., K], the product of the leading dims (symbolic ones too)."""
     m = 1

@@ -3,8 +3,10 @@ import textwrap
 
 import pytest
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+import fp8fx
 from fp8fx import ops, quant
 from fp8fx.ops import fp8_linear
 from tests.conftest import rel_err, run_under_triton_interpreter
@@ -573,3 +575,37 @@ def test_clamped_moe_activations_clamp_the_gate_from_above_only(activation):
         g1 = torch.stack([gate, up], -1).reshape(-1) if interleaved else torch.cat([gate, up])
         got = ops.moe_activation(g1, interleaved, activation, alpha, limit)
         assert torch.equal(got, want), (interleaved, got, want)
+
+
+@pytest.mark.parametrize("block, shape", [([-1, -1], (40, 33)), ([1, -1], (40, 33)), ([16, 16], (40, 33)),
+                                          ([16, 16], (2, 40, 33))])
+def test_dequantize_is_differentiable_in_its_scale(block, shape):
+    """A model set requires_grad (model.requires_grad_()) stopped its backward at fp8fx.dequantize ("no autograd
+    formula was registered"), also where only the input's gradient was asked for."""
+    torch.manual_seed(0)
+    w = torch.randn(shape)
+    scale = quant.compute_scale(w, block)
+    q = (w / quant.expand_scale(scale, w.shape, block)).to(quant.FP8_DTYPE)
+    s = scale.double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda s: torch.ops.fp8fx.dequantize(q, s, block, torch.float64), (s,))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_quantized_model_set_requires_grad_backpropagates_to_its_input(compiled):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    model.requires_grad_()
+    reference = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)).double()
+    reference.load_state_dict({k: v.double() for k, v in model.state_dict().items() if "scale" not in k} | {
+        f"{i}.weight": model[i].weight.double() for i in (0, 2)})
+    x = torch.randn(4, 64, dtype=torch.bfloat16, requires_grad=True)
+    x64 = x.detach().double().requires_grad_()
+    fn = torch.compile(model, backend=fp8fx.Fp8Backend(compiler="eager")) if compiled else model
+    fn(x).float().square().sum().backward()
+    reference(x64).square().sum().backward()
+    assert rel_err(x.grad.double(), x64.grad) < 0.05
+    scale_grad = model[0].weight_scale.grad  # d/dscale = sum over each row of dL/dW * codes
+    want = (reference[0].weight.grad * model[0].weight.double()).sum(-1, keepdim=True) / model[0].weight_scale.double()
+    assert scale_grad.shape == model[0].weight_scale.shape and rel_err(scale_grad.double(), want) < 0.05
+    assert model[0]._parameters["weight"].grad is None  # (no gradient reaches fp8 codes)
