@@ -1171,3 +1171,14 @@ def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_c
     assert type(model[1]) is nn.Linear
     fp8fx.quantize_(model, static, input_scales=scales)
     assert [m.input_scale.item() for m in model] == [torch.tensor(scales[n]).item() for n in ("0", "1", "2")]
+
+
+def test_a_bf16_parameter_assigned_over_the_fp8_weight_is_named_at_the_forward():
+    """nn.Module.__setattr__ registers it in place of the fp8 codes; the forward failed with
+    "fp8fx.dequantize: q is torch.bfloat16", which did not say that the layer was fp8 or what to do."""
+    model = nn.Sequential(nn.Linear(64, 32)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    model[0].weight = nn.Parameter(torch.zeros(32, 64, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"0: its weight parameter was replaced by a torch.bfloat16 one, where the "
+                                           r"fp8 layer holds torch.float8_e4m3fn codes .* load_state_dict"):
+        model(torch.randn(2, 64, dtype=torch.bfloat16))
