@@ -439,6 +439,8 @@ class HorizontalFusionPass(Fp8Pass):
         if views and (len(storages) > 1 or views[0].untyped_storage().nbytes() != sum(
                 w.numel() * w.element_size() for w in weights)):
             return "a weight already sits in a tensor fused with other layers"
+        if not weights[0].shape[-1]:  # (nothing to fuse: each output is its bias; the weights' scales are [n, 0])
+            return "in_features is 0"
         w_block = nodes[0].args[6]
         if w_block[0] not in (-1, 1):
             rows = [fake_value(n.args[2]).shape[0] for n in nodes[:-1]]

@@ -801,3 +801,25 @@ def test_block_scaled_shards_that_end_inside_a_block_are_not_fused(tmp_path):
                                       "output sizes [48, 32] are not multiples of the 32-row weight blocks")
     for got, name in zip(out, ("q_proj.weight", "k_proj.weight", "v_proj.weight")):
         assert rel_err(got.float(), x.double() @ deq[name].T) < 0.05
+
+
+def test_layers_of_no_input_features_are_not_fused():
+    """in_features 0 with 128x128 blocks (quantize_ takes them: 0 divides by 128): fusing them reshaped [n, 0] block
+    scales to [-1, 0] and failed the compile; unfused they compute their biases."""
+    class Pair(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k = torch.nn.Linear(0, 128), torch.nn.Linear(0, 128)
+
+        def forward(self, x):
+            return torch.cat([self.q(x), self.k(x)], -1)
+
+    model = Pair().to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_block_size=[128, 128]))
+    x = torch.randn(3, 0, dtype=torch.bfloat16)
+    torch._dynamo.reset()
+    backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
+    with torch.no_grad():
+        assert torch.equal(torch.compile(model, backend=backend)(x), model(x))
+    assert all(s.rewritten and "not fused with q,k: in_features is 0" in s.scheme for s in backend.report.sites), \
+        backend.report
