@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import inspect
 import logging
@@ -86,7 +87,10 @@ def quantize_(
         )
     modules = [(name, m) for name, m in modules if name not in done]
 
-    check_ignored_layers(config, [fqn for fqn, _ in modules], f"this {type(model).__name__}", "quantized", prefix)
+    aliases = [fqn for fqn, _ in model.named_modules(prefix=prefix, remove_duplicate=False)]
+    check_ignored_layers(config, [fqn for fqn, _ in modules] + aliases, f"this {type(model).__name__}", "quantized",
+                         prefix)
+    config = _ignoring_aliases(config, model, prefix)
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
     decide = LinearDecider(model, prefix)
@@ -372,6 +376,19 @@ def check_prefix(prefix: str, where: str) -> None:
             f"{where}(prefix={prefix!r}): the dotted name of the module inside its model, e.g. 'model.layers.0' "
             "('' for the whole model)"
         )
+
+
+def _ignoring_aliases(config: Fp8Config, model: nn.Module, prefix: str) -> Fp8Config:
+    """``config``, its ``ignored_layers`` naming also the first name of each module that an entry names by another
+    of its names (one module registered twice, ``self.last = self.layers[-1]``; or under a parent registered twice):
+    ``named_modules()`` gives such a module once, under its first name, which no entry covered."""
+    if not config.ignored_layers:
+        return config
+    names: dict[int, list[str]] = {}
+    for fqn, module in model.named_modules(prefix=prefix, remove_duplicate=False):
+        names.setdefault(id(module), []).append(fqn)
+    more = tuple(n[0] for n in names.values() if not config.is_ignored(n[0]) and any(map(config.is_ignored, n[1:])))
+    return dataclasses.replace(config, ignored_layers=config.ignored_layers + more) if more else config
 
 
 def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, undone: str, prefix: str = "") -> None:
@@ -681,7 +698,9 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     # a misspelt entry would measure, and then quantize statically, the layer it was meant to keep (quantize_ refuses
     # it too)
     named = list(model.named_modules(prefix=prefix))
-    check_ignored_layers(config, [fqn for fqn, _ in named], f"this {type(model).__name__}", "measured", prefix)
+    aliases = [fqn for fqn, _ in model.named_modules(prefix=prefix, remove_duplicate=False)]
+    check_ignored_layers(config, aliases, f"this {type(model).__name__}", "measured", prefix)
+    config = _ignoring_aliases(config, model, prefix)
     amax: dict[str, float] = {}
     batch_no = [0]
     modules = [(fqn, m) for fqn, m in named if not config.is_ignored(fqn)]

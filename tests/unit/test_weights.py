@@ -15,7 +15,7 @@ from torch import nn
 import fp8fx
 from fp8fx import quant
 from fp8fx.config import Fp8Config
-from fp8fx.weights import CopyNumelCounter, Fp8LinearMethod
+from fp8fx.weights import CopyNumelCounter, Fp8LinearMethod, is_quantized
 from tests.conftest import rel_err
 
 
@@ -1182,3 +1182,26 @@ def test_a_bf16_parameter_assigned_over_the_fp8_weight_is_named_at_the_forward()
     with pytest.raises(RuntimeError, match=r"0: its weight parameter was replaced by a torch.bfloat16 one, where the "
                                            r"fp8 layer holds torch.float8_e4m3fn codes .* load_state_dict"):
         model(torch.randn(2, 64, dtype=torch.bfloat16))
+
+
+class ThreeNames(nn.Module):
+    """One linear registered under three names (``self.last = self.layers[-1]``): named_modules() gives it once."""
+
+    def __init__(self):
+        super().__init__()
+        shared = nn.Linear(64, 64)
+        self.a, self.b, self.seq, self.c = shared, shared, nn.Sequential(shared, nn.ReLU()), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.c(self.b(torch.relu(self.a(x))) + self.seq(x))
+
+
+@pytest.mark.parametrize("entry", ["a", "b", "seq.0", "seq"])
+def test_ignored_layers_name_a_module_by_any_of_its_names(entry):
+    """ignored_layers=["b"] / ["seq.0"] were refused as naming no module, and ["seq"] quantized seq.0 (named "a")."""
+    model = ThreeNames().to(torch.bfloat16)
+    config = Fp8Config(ignored_layers=[entry])
+    fp8fx.quantize_(model, config)
+    assert not is_quantized(model.a) and is_quantized(model.c)
+    model = ThreeNames().to(torch.bfloat16)
+    assert sorted(fp8fx.calibrate(model, [torch.randn(2, 64, dtype=torch.bfloat16)], config)) == ["c"]
