@@ -586,6 +586,9 @@ def _keyword_gate(gate_up):
     ("another limit for up", None, lambda gu: _gate(gu, up_limit=5.0),
      "multiplies values that fused_moe does not multiply (operands: up1, glu)"),
     ("up + 2", None, lambda gu: _gate(gu, one=2), "adds values other than weighted expert outputs (operands: up_c)"),
+    ("up clamped unevenly", None, lambda gu: (gu[..., 1::2].clamp(-1.0, 7.0) + 1) * (
+        gu[..., ::2].clamp(max=7.0) * torch.sigmoid(gu[..., ::2].clamp(max=7.0) * 1.702)),
+     "clamps a half of w13's GEMM other than as GPT-OSS's SwiGLU does"),
     ("a sigmoid without alpha", None, lambda gu: _gate(gu, act=lambda g: g * torch.sigmoid(g)),
      "applies a sigmoid to something other than the clamped gate times alpha"),
     ("SiLU of the clamped gate times the unclamped up", None,

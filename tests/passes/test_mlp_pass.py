@@ -73,6 +73,16 @@ class MergedMLP(nn.Module):
         return self.down_proj(up * nn.functional.silu(gate))
 
 
+class BiasedMLP(MLP):
+    """A bias on gate (the fused MLP's gate/up GEMM takes none: fused, it was dropped, 0.95 off)."""
+
+    def __init__(self, dim, hidden):
+        super().__init__(dim, hidden)
+        self.gate_proj = nn.Linear(dim, hidden, bias=True)
+        with torch.no_grad():
+            self.gate_proj.bias.fill_(3.0)
+
+
 class GeluNewMLP(MLP):
     """transformers' gelu_new: the tanh GELU written as several ops."""
 
@@ -390,12 +400,13 @@ def test_static_gate_and_up_share_the_larger_input_scale():
     ("static", "gate and up quantize x with their own static input scales, apart (an in-place write that may reach x "
                "in between)"),
     ("gelu_new", "the activation is several ops, not one SiLU or GELU op"),
+    ("bias", "gate or up has a bias"),
 ])
 def test_not_fused_says_why(case, reason):
     config = {"blocks": fp8fx.Fp8Config(weight_block_size=(32, 32)),
               "static": fp8fx.Fp8Config(activation_scheme="static")}.get(case)
     cls = {"leaky": LeakyMLP, "relu": ReluMLP, "in place": InPlaceMLP, "gelu_new": GeluNewMLP,
-           "static": WrittenBetweenMLP}.get(case, MLP)
+           "static": WrittenBetweenMLP, "bias": BiasedMLP}.get(case, MLP)
     scales = {"input_scales": dict.fromkeys(["gate_proj", "up_proj", "down_proj"], 0.05)} if case == "static" else {}
     model, _ = quantized(cls, config, **scales)  # static: a calibrated input scale per layer
     x = torch.randn(65 if case == "batch of 65" else 4, 64, dtype=torch.bfloat16)

@@ -1640,3 +1640,15 @@ def test_a_load_report_reads_as_data_and_json(tmp_path):
     assert data["fused"]["model.layers.0.self_attn.qkv_proj"] == ["q_proj", "k_proj", "v_proj"]
     assert data["format"] == report.format and data["tensors"] == report.tensors > 0
     assert json.loads(report.to_json()) == data and report.to_json(indent=None).count("\n") == 0
+
+
+def test_loaded_parameters_keep_their_requires_grad(tmp_path):
+    """A LayerNorm's or an embedding's weight is swapped in as a new nn.Parameter: it keeps the flag it had (the
+    model's own choice, for a fine-tuned head say), not a fixed one."""
+    state = bf16_state()
+    tensors, qc, _ = fp8_checkpoint(state, "tensor")
+    model = meta_tiny()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert model.model.layers[0].norm.weight.requires_grad and model.model.layers[0].norm.weight.device.type == "cpu"
+    assert not model.model.embed_tokens.weight.requires_grad

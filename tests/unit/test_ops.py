@@ -144,6 +144,11 @@ def test_more_bad_operands_are_clear_errors():
     with pytest.raises(ValueError, match=r"weight_only_mm: x is torch.float8_e4m3fn; it takes bf16/fp16/fp32 "
                                          r"activations \(for fp8 activation codes and their scale, use fp8fx.scaled_mm"):
         torch.ops.fp8fx.weight_only_mm(xq, wq, ws, None, [1, -1])
+    with pytest.raises(ValueError, match=r"weight_only_mm: x is torch.float64; it takes bf16/fp16/fp32"):
+        torch.ops.fp8fx.weight_only_mm(torch.randn(3, 96, dtype=torch.float64), wq, ws, None, [1, -1])
+    with pytest.raises(ValueError, match=r"grouped_topk: k=2, 2 of 4 groups of 4 experts; groups must divide the "
+                                         r"experts \(2 or more each\)"):  # (one expert a group)
+        torch.ops.fp8fx.grouped_topk(torch.randn(3, 4), torch.zeros(4), 2, 4, 2, True, 1e-20, 1.0, -1)
     for bad in (0.0, float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError, match=r"static input scale is .*; a static scale must be a positive finite"):
             torch.ops.fp8fx.quantize_static(torch.randn(3, 96), torch.tensor([bad]))

@@ -412,6 +412,17 @@ def test_requantize_shards_property(sizes, k, exps, scale_layout, seed):
         start += size
 
 
+def test_requantize_shards_in_chunks_is_the_same(monkeypatch):
+    """A 70B layer's shards are requantized a few rows at a time: every test's shards were smaller than one chunk."""
+    torch.manual_seed(0)
+    q = (torch.randn(10, 64) * 50).clamp(-448, 448).to(FP8)
+    scales = [torch.tensor(0.5), torch.tensor(2.0)]
+    whole, _ = quant.requantize_shards(q, scales, [6, 4])
+    monkeypatch.setattr(quant, "_REQUANTIZE_NUMEL", 64 * 4)  # 4 rows a chunk: the 6-row shard takes two
+    chunked, _ = quant.requantize_shards(q, scales, [6, 4])
+    assert torch.equal(fp8_bits(chunked), fp8_bits(whole))
+
+
 def test_requantize_shards_explicit():
     # shard 0 at scale 1, shard 1 at scale 4 (the max), shard 2 at scale 2
     q = torch.tensor([[448.0, 8.0], [-16.0, 1.0], [96.0, -3.0]]).to(FP8)

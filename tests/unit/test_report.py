@@ -504,3 +504,17 @@ def test_a_graph_the_report_does_not_hold_is_refused(report):
         with pytest.raises(ValueError, match=r"Report: no graph 99; it holds graphs \[0\]"):
             show(graph=99)
     assert "2 of 3 sites rewritten in graph 0" in report.table(graph=0)
+
+
+def test_a_discarded_graph_leaves_nothing_of_its_own():
+    """Dynamo dropped the attempt (it traces the frame again, as the same graph index): its sites, kernels, failure
+    and count go, as the docstring says; another graph's stay."""
+    report = Report()
+    for graph in (0, 1):
+        report.graphs += 1
+        report.add(Site("linear", f"l{graph}", True, "", "w:per-channel a:per-token", graph))
+        report.kernels[graph] = [f"cpp_fused_{graph}"]
+    report.fail_graph(1, "boom")
+    report.discard_graph(1)
+    assert (report.graphs, [s.fqn for s in report.sites], report.kernels, report.failed) == (
+        1, ["l0"], {0: ["cpp_fused_0"]}, {})

@@ -1205,3 +1205,17 @@ def test_ignored_layers_name_a_module_by_any_of_its_names(entry):
     assert not is_quantized(model.a) and is_quantized(model.c)
     model = ThreeNames().to(torch.bfloat16)
     assert sorted(fp8fx.calibrate(model, [torch.randn(2, 64, dtype=torch.bfloat16)], config)) == ["c"]
+
+
+def test_a_fused_block_layers_ragged_last_shard_takes_its_scale_row():
+    """q (128 rows) and k (64: one ragged 128-row block) of a serialized 128x128 layer load shard by shard, each
+    scale row in its place: a floor division put the ragged shard's row past the end."""
+    method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[128, 128]))
+    layer = nn.Linear(128, 192, bias=False)
+    method.create_weights(layer, 128, [128, 64], torch.bfloat16, prefix="qk")
+    w = torch.randn(192, 128).to(torch.float8_e4m3fn)
+    for i, rows in enumerate((slice(0, 128), slice(128, 192))):
+        method.weight_loader(layer, "weight", w[rows], shard_id=i)
+        method.weight_loader(layer, "weight_scale_inv", torch.full((1, 1), 0.5 + i), shard_id=i)
+    method.process_weights_after_loading(layer)
+    assert layer.weight_scale_inv.flatten().tolist() == [0.5, 1.5]
