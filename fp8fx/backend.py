@@ -31,6 +31,17 @@ _DUMPERS: "weakref.WeakSet[Fp8Backend]" = weakref.WeakSet()
 # the lock (``fp8fx.dump.lock_folder``) this process holds on each folder a backend claimed, until that backend's
 # reset: other processes' backends write beside it; a folder whose backend was collected unreset is claimed with it
 _DUMP_LOCKS: dict[str, int] = {}
+_MAX_DUMP_FOLDERS = 64  # backend<k> folders tried before a graph goes undumped
+
+
+def _forget_dump_locks() -> None:
+    """In a forked child (a DataLoader worker): its copies of the parent's locked descriptors would hold the parent's
+    folders after the parent let go of them (a lock goes with its last descriptor), and the parent's backends are
+    not the child's."""
+    for fd in _DUMP_LOCKS.values():
+        unlock_folder(fd)
+    _DUMP_LOCKS.clear()
+    _DUMP_WRITERS.clear()
 
 
 class Fp8Backend:
@@ -312,6 +323,8 @@ class Fp8Backend:
         folder, k = dump_dir, 1
         while not self._claim(folder):
             k += 1
+            if k > _MAX_DUMP_FOLDERS:  # (an OSError: the graph is not dumped, with a warning, and compiles)
+                raise OSError(f"backend2/ to backend{k - 1}/ of {dump_dir} are all other live backends' folders")
             folder = os.path.join(dump_dir, f"backend{k}")
         if k > 1:
             log.warning("fp8fx: dump_dir %s is another live backend's dump folder (of this process or another); this "
@@ -330,6 +343,8 @@ class Fp8Backend:
             lock = lock_folder(folder)
             if lock is None:  # another process's live backend
                 return False
+            if not _DUMP_LOCKS and hasattr(os, "register_at_fork"):  # (once: the first lock this process takes)
+                os.register_at_fork(after_in_child=_forget_dump_locks)
             _DUMP_LOCKS[real] = lock
         _DUMP_WRITERS[real] = self
         return True

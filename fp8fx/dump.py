@@ -43,15 +43,20 @@ def lock_folder(folder: str) -> Optional[int]:
     """A descriptor of ``folder`` holding an exclusive advisory lock (``flock``) on it, which says to other processes
     that a live backend writes its dump there (close it to let go); None where one holds it already (a descriptor
     of this process holding it counts too: ``flock`` locks an open file, not a process); ``NO_LOCK`` without
-    ``fcntl``. The folder itself is locked, not a file in it: a dump folder holds the dump's files and no other."""
+    ``fcntl`` or where the file system takes no lock (Lustre without flock: ENOSYS; some NFS mounts: ENOLCK). The
+    folder itself is locked, not a file in it: a dump folder holds the dump's files and no other."""
     if fcntl is None:
         return NO_LOCK
     fd = os.open(folder, os.O_RDONLY)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:  # (BlockingIOError: held)
+    except BlockingIOError:  # held
         os.close(fd)
         return None
+    except OSError as e:  # no locks here: shared with other processes, as without fcntl
+        os.close(fd)
+        log.debug("fp8fx: dump folder %s takes no lock (%s); it is not kept from other processes", folder, e)
+        return NO_LOCK
     return fd
 
 

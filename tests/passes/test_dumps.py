@@ -293,3 +293,38 @@ def test_a_folder_another_process_dumps_into_is_not_shared(tmp_path, caplog):
         assert (tmp_path / "backend2" / "report.json").exists()  # (held by the other process: not cleared)
     finally:
         unlock_folder(other)
+
+
+def test_a_file_system_without_locks_shares_the_folder(tmp_path, monkeypatch):
+    """flock failing otherwise than "held" (ENOLCK on some NFS mounts, ENOSYS on Lustre without flock) was read as
+    another process's lock: the backend made backend2/, backend3/, ... without end and the compile never finished."""
+    import errno
+
+    from fp8fx import dump
+
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(dump.fcntl, "flock", no_locks)
+    torch._dynamo.reset()
+    assert compile_two_layer(tmp_path, compiler="eager").dump_dir == str(tmp_path)
+    assert compile_two_layer(tmp_path, compiler="eager").dump_dir == str(tmp_path / "backend2")  # (this process's)
+
+
+def test_a_forked_child_does_not_hold_the_parents_dump_folder(tmp_path):
+    """A child forked while a backend held its folder (a DataLoader worker) kept a copy of the locked descriptor:
+    after torch._dynamo.reset() freed the folder, this process's next backend was sent to backend2/."""
+    import time
+
+    torch._dynamo.reset()
+    compile_two_layer(tmp_path, compiler="eager")
+    pid = os.fork()
+    if pid == 0:  # a worker doing nothing with fp8fx
+        time.sleep(20)
+        os._exit(0)
+    try:
+        torch._dynamo.reset()
+        assert compile_two_layer(tmp_path, compiler="eager").dump_dir == str(tmp_path)
+    finally:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
