@@ -41,15 +41,17 @@ _FP8_CLASSES: dict[type, type] = {}
 
 def _dequantized_weight(self) -> torch.Tensor:
     """The layer's ``.weight``: a new tensor at each read, so that writes into it (``copy_``, ``nn.init``, ``.data =``)
-    change a copy; new weights go through ``load_state_dict``, which quantizes them."""
+    change a copy; new weights come as fp8 codes with their scales (``load_state_dict`` of a quantized model's
+    ``state_dict``, ``load_checkpoint``), or through ``quantize_`` of a model built with them."""
     w_block, act_block = self._fp8fx_w_block, self._fp8fx_act_block
     scale = self._parameters["weight_scale_inv" if self._fp8fx_block_scales else "weight_scale"]
     q = self._parameters["weight"]
     if q is not None and q.dtype != quant.FP8_DTYPE:  # (nn.Module.__setattr__ registers a new nn.Parameter over it)
         raise RuntimeError(
             f"{getattr(self, '_fp8fx_prefix', '') or type(self).__name__}: its weight parameter was replaced by a "
-            f"{q.dtype} one, where the fp8 layer holds {quant.FP8_DTYPE} codes and their scales; give it new weights "
-            "with load_state_dict (quantized as they load), or quantize_ a model built with them")
+            f"{q.dtype} one, where the fp8 layer holds {quant.FP8_DTYPE} codes and their scales: it takes new weights "
+            "as fp8 codes with their scales (load_state_dict of a quantized model's state_dict, load_checkpoint), not "
+            "as a new parameter; build the model with the new weights and quantize_ it")
     return torch.ops.fp8fx.dequantize(q, scale, w_block, self._fp8fx_dtype, self._parameters.get("input_scale"),
                                       act_block)
 
