@@ -28,7 +28,7 @@ from fp8fx.config import Fp8Config, PerBlock, PerTensor, config_or
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES, check_kv_scale
-from fp8fx.weights.linear import is_quantized, layer_scheme
+from fp8fx.weights.linear import is_quantized, kept_by_the_model, layer_scheme
 from fp8fx.weights.quantize import _shown, check_finished
 
 try:
@@ -988,6 +988,7 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
     linears = {f: m for f, m in modules.items() if isinstance(m, nn.Linear)}
     head = output_embeddings(model, modules) if not quantize_lm_head else None
     routers = moe.routers(model)
+    kept = kept_by_the_model(model)  # (_keep_in_fp32_modules: bf16, as quantize_ and load_checkpoint keep them)
     names = _parameter_names(model)
     uses = {key: len(tied) for key, tied in names.items()}
     plan = {}
@@ -1023,6 +1024,8 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
             reason = "weight tied to another parameter"
         elif fqn in routers:
             reason = routers[fqn]
+        elif fqn in kept:
+            reason = kept[fqn]
         elif fqn == head:
             reason = ("the output embeddings: vLLM and transformers load lm_head in bf16 only (quantize_lm_head=True, "
                       "--quantize-lm-head: fp8, for fp8fx alone)")

@@ -1543,6 +1543,11 @@ def test_layers_the_model_keeps_in_high_precision_load_as_stored_and_stay_bf16_o
     assert report.not_quantized[downs[1]].startswith("kept in high precision by KeepsDown._keep_in_fp32_modules")
     saved = fp8fx.save_checkpoint(model, tmp_path / "saved")
     assert set(downs) <= set(saved.get("ignored_layers") or saved.get("ignore")), saved
+    with torch.device("meta"):  # (convert, file by file: the same plan)
+        model = KeepsDown().to(torch.bfloat16)
+    converted = fp8fx.checkpoint.convert(tmp_path / "bf16", tmp_path / "converted", model=model, progress=False)
+    assert set(converted.quantized) == set(LINEARS) - set(downs), converted
+    assert converted.not_quantized[downs[0]].startswith("kept in high precision by KeepsDown._keep_in_fp32_modules")
     eager = KeepsDown().to(torch.bfloat16)
     eager.load_state_dict(state)
     fp8fx.quantize_(eager, strict=True)
