@@ -35,7 +35,7 @@ from fp8fx import quant
 from fp8fx.config import Fp8Config
 from fp8fx.report import human_size
 from fp8fx.weights import moe
-from fp8fx.weights.quantize import LinearDecider, check_ignored_layers, did_you_mean
+from fp8fx.weights.quantize import LinearDecider, check_ignored_layers, did_you_mean, ignoring_aliases
 
 log = logging.getLogger("fp8fx")
 
@@ -132,7 +132,8 @@ def inspect_command(args: argparse.Namespace) -> int:
     model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
     config, layer_config, config_format, ignores = make_config(args, hf_quant)
     try:  # as quantize_ would: an --ignore that names no module keeps nothing in bf16
-        check_ignored_layers(Fp8Config(ignored_layers=tuple(args.ignore)), [f for f, _ in model.named_modules()],
+        check_ignored_layers(Fp8Config(ignored_layers=tuple(args.ignore)),
+                             [f for f, _ in model.named_modules(remove_duplicate=False)],
                              f"this {type(model).__name__}", "inspected")
     except ValueError as e:
         raise UsageError(f"--ignore: {e}") from None
@@ -239,6 +240,14 @@ def _hf_model(path: Path, dtype: torch.dtype, seq_len: int):
     except Exception as e:  # noqa: BLE001 - named for the user, the original chained
         raise UsageError(f"{folder / 'config.json'} is not a config transformers can build a model from: "
                          f"{type(e).__name__}: {_first_line(e)}") from e
+    if quant_config is None:  # ModelOpt's older exports: hf_quant_config.json beside it (as load_checkpoint reads it)
+        from fp8fx.checkpoint import CheckpointError
+        from fp8fx.checkpoint.files import read_config
+
+        try:
+            quant_config = read_config(str(folder)).get("quantization_config")
+        except CheckpointError as e:
+            raise UsageError(str(e)) from None
     kwargs = {"use_cache": False} if "use_cache" in pyinspect.signature(model.forward).parameters else {}
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     return model.eval(), (ids,), kwargs, quant_config
@@ -387,7 +396,15 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     ``quantize_`` (its own ``LinearDecider``: ignored, skip_reason, tied weights, routers; experts modules by the
     MoE rules): (site rows, rows of weights no site covers, number of graphs). ``layer_config(fqn)``: a layer's
     config, None to keep it as it is."""
-    layer_config = layer_config or (lambda fqn: config)
+    given = layer_config or (lambda fqn: config)
+    widened: dict[Fp8Config, Fp8Config] = {}  # a config -> it with the other names of the modules it ignores
+
+    def layer_config(fqn: str) -> Optional[Fp8Config]:  # (quantize_'s: ignoring_aliases)
+        cfg = given(fqn)
+        if cfg is not None and cfg not in widened:
+            widened[cfg] = ignoring_aliases(cfg, model, "")
+        return None if cfg is None else widened[cfg]
+
     backend = fp8fx.Fp8Backend(compiler="eager")
     # every site of an unquantized model is "not fp8": not news here; torch logs a traced op's failure at length
     loggers = {name: logging.getLogger(name) for name in ("fp8fx", "torch")}

@@ -90,7 +90,7 @@ def quantize_(
     aliases = [fqn for fqn, _ in model.named_modules(prefix=prefix, remove_duplicate=False)]
     check_ignored_layers(config, [fqn for fqn, _ in modules] + aliases, f"this {type(model).__name__}", "quantized",
                          prefix)
-    config = _ignoring_aliases(config, model, prefix)
+    config = ignoring_aliases(config, model, prefix)
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
     decide = LinearDecider(model, prefix)
@@ -378,7 +378,7 @@ def check_prefix(prefix: str, where: str) -> None:
         )
 
 
-def _ignoring_aliases(config: Fp8Config, model: nn.Module, prefix: str) -> Fp8Config:
+def ignoring_aliases(config: Fp8Config, model: nn.Module, prefix: str) -> Fp8Config:
     """``config``, its ``ignored_layers`` naming also the first name of each module that an entry names by another
     of its names (one module registered twice, ``self.last = self.layers[-1]``; or under a parent registered twice):
     ``named_modules()`` gives such a module once, under its first name, which no entry covered."""
@@ -700,7 +700,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     named = list(model.named_modules(prefix=prefix))
     aliases = [fqn for fqn, _ in model.named_modules(prefix=prefix, remove_duplicate=False)]
     check_ignored_layers(config, aliases, f"this {type(model).__name__}", "measured", prefix)
-    config = _ignoring_aliases(config, model, prefix)
+    config = ignoring_aliases(config, model, prefix)
     amax: dict[str, float] = {}
     batch_no = [0]
     modules = [(fqn, m) for fqn, m in named if not config.is_ignored(fqn)]

@@ -157,6 +157,18 @@ def bare_example():
 
 def root_linear():
     return nn.Linear(256, 64), (torch.zeros(4, 256),)
+
+class ThreeNames(nn.Module):
+    def __init__(self):
+        super().__init__()
+        shared = nn.Linear(64, 64)
+        self.a, self.b, self.seq, self.c = shared, shared, nn.Sequential(shared, nn.ReLU()), nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.c(self.b(torch.relu(self.a(x))) + self.seq(x))
+
+def three_names():
+    return ThreeNames(), (torch.zeros(2, 64),)
 """
 
 
@@ -709,3 +721,28 @@ def test_factory_module_in_the_current_folder(capsys, tmp_path, monkeypatch):
     code, _, err = run(capsys, "inspect", "fp8fx_no_such_module:make")
     assert code == 2 and sys.path == before
     one_line_error(err, "cannot import 'fp8fx_no_such_module'", f"the current folder ({tmp_path})")
+
+
+@pytest.mark.parametrize("entry", ["b", "seq"])
+def test_inspect_ignores_a_module_by_any_of_its_names(capsys, models_py, entry):
+    """One linear registered as a, b and seq.0: --ignore b was refused as naming no module, and --ignore seq predicted
+    the layer rewritten, where quantize_ keeps it."""
+    code, out, err = run(capsys, "inspect", f"{models_py}:three_names", "--ignore", entry, "--json")
+    assert code == 0, err
+    sites = json.loads(out)["sites"]
+    assert {s["fqn"]: s["would_rewrite"] for s in sites} == {"a": False, "c": True}, sites
+
+
+def test_inspect_reads_a_modelopt_hf_quant_config_json(capsys, llama_dir):
+    """ModelOpt's older exports hold their config in hf_quant_config.json, which load_checkpoint reads: inspect
+    predicted per-channel online quantization of every layer, lm_head and the excluded layer 0 too."""
+    data = json.loads((llama_dir / "config.json").read_text())
+    del data["quantization_config"]
+    (llama_dir / "config.json").write_text(json.dumps(data))
+    (llama_dir / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
+        "quant_algo": "FP8", "exclude_modules": ["lm_head", "model.layers.0*"]}}))
+    code, out, err = run(capsys, "inspect", str(llama_dir), "--json")
+    assert code == 0, err
+    sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
+    assert {f for f, s in sites.items() if s["would_rewrite"]} == {f"model.layers.1.{p}" for p in PROJECTIONS}
+    assert sites["model.layers.1.mlp.up_proj"]["scheme"] == "w:per-tensor a:static per-tensor"
