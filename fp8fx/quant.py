@@ -67,12 +67,13 @@ def scale_shape(shape: Sequence[int], block: Sequence[int]) -> tuple[int, ...]:
     return (*lead, n_r, n_c)
 
 
-def _tiles(x: torch.Tensor, block: Sequence[int]) -> tuple[torch.Tensor, tuple[int, int]]:
-    """x: [..., R, C] -> zero-padded view [..., R/bR, bR, C/bC, bC] (float32)."""
+def _tiles(x: torch.Tensor, block: Sequence[int],
+           dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, tuple[int, int]]:
+    """x: [..., R, C] -> zero-padded view [..., R/bR, bR, C/bC, bC] (in ``dtype``)."""
     *lead, rows, cols = x.shape
     b_r, b_c = resolve_block(block, rows, cols)
     pad_r, pad_c = -rows % b_r, -cols % b_c
-    x = x.float()
+    x = x.to(dtype)
     if pad_r or pad_c:
         x = torch.nn.functional.pad(x, (0, pad_c, 0, pad_r))
     n_r, n_c = (rows + pad_r) // b_r, (cols + pad_c) // b_c
@@ -138,7 +139,8 @@ def dequantize_scale_grad(grad: torch.Tensor, q: torch.Tensor, scale: torch.Tens
                           block: Sequence[int]) -> torch.Tensor:
     """The gradient of ``dequantize(q, scale, block)`` with respect to ``scale``, given the output's ``grad``: the
     sum of ``grad * q`` over each scale's tile, in the scale's shape and dtype."""
-    tiles, _ = _tiles(grad.to(torch.float64 if grad.dtype == torch.float64 else torch.float32) * q.float(), block)
+    wide = torch.float64 if torch.float64 in (grad.dtype, scale.dtype) else torch.float32
+    tiles, _ = _tiles(grad.to(wide) * q.to(wide), block, wide)
     return tiles.sum(dim=(-3, -1)).reshape(scale.shape).to(scale.dtype)
 
 

@@ -19,7 +19,9 @@ log = logging.getLogger("fp8fx")
 NOT_QUANTIZED = "not quantized: "
 
 SCHEMA = "fp8fx.report/1"
-ROOT = "(the compiled module)"  # the table's name of a site that is the compiled module itself (a bare nn.Linear)
+# the table's name of a site whose module has the empty name: the model quantize_ was given is itself the linear
+# (quantize_(nn.Linear(...))), whether compiled alone, called by a compiled function, or read by F.linear
+ROOT = "(root module)"
 _TOPK_KEYS = ("fqn", "rewritten", "reason", "scheme", "graph", "weight_shape", "kernel", "node")  # to_dict's "topk"
 _TOKENS = itertools.count(1)  # Site.token_of
 # id(tensor) -> (a weak reference to the tensor, its token): not an attribute of the tensor, which pickles and copies

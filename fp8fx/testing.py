@@ -123,7 +123,8 @@ def assert_compiles_once(
                                 f"inside a loop skips the whole frame); its reasons: {reasons}")
             if i and graphs[i]:
                 problems.append(f"input {i} ({_shapes(args)}) compiled {graphs[i]} more graph(s); Dynamo's "
-                                f"reasons: {new_guards or 'none recorded'}{_one_sized(inputs[0], args)}")
+                                f"reasons: {new_guards or 'none recorded'}"
+                                f"{_one_sized(inputs[0], args) if dynamic is True else ''}")
     if graphs[0] == 0:
         problems.insert(0, "Dynamo compiled no graph for the first input (it skipped the frame)")
     if breaks or graphs[0] > 1:

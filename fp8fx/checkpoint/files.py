@@ -202,14 +202,15 @@ def read_config(path: str) -> dict[str, Any]:
     """``config.json`` of a checkpoint directory ({} when there is none). Where it has no ``quantization_config``,
     ModelOpt's ``hf_quant_config.json`` beside it gives one (``quant_method`` "modelopt" and the file's
     ``quantization``), as vLLM reads such a checkpoint."""
-    config = _read_json(os.path.join(path, CONFIG))
+    config = read_json(os.path.join(path, CONFIG))
     modelopt = os.path.join(path, MODELOPT_CONFIG)
     if config.get("quantization_config") is None and os.path.exists(modelopt):
-        config = {**config, "quantization_config": {"quant_method": "modelopt", **_read_json(modelopt)}}
+        config = {**config, "quantization_config": {"quant_method": "modelopt", **read_json(modelopt)}}
     return config
 
 
-def _read_json(file: str) -> dict[str, Any]:
+def read_json(file: str) -> dict[str, Any]:
+    """A JSON object file ({} when there is none)."""
     if not os.path.exists(file):
         return {}
     try:

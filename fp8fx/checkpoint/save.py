@@ -20,7 +20,7 @@ from fp8fx import quant
 from fp8fx.checkpoint import experts as moe_ckpt
 from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config, read_tensor
-from fp8fx.checkpoint.files import write_file
+from fp8fx.checkpoint.files import read_json, write_file
 from fp8fx.checkpoint.load import FUSED, LoadReport, _Loader, _looks_like_scale, _progress, check_checkpoint_ignores
 from fp8fx.checkpoint.load import compare_tied
 from fp8fx.checkpoint.load import output_embeddings
@@ -772,9 +772,9 @@ def convert(
                          "; pass an empty or new directory")
     config_json = read_config(src)
     if config_json.get("quantization_config") is not None:
-        raise CheckpointError(
-            f"{src}/config.json already has a quantization_config; convert takes a bf16/fp16 checkpoint"
-        )
+        where = ("hf_quant_config.json holds ModelOpt's quantization config" if "quantization_config" not in
+                 read_json(os.path.join(src, "config.json")) else "config.json already has a quantization_config")
+        raise CheckpointError(f"{src}/{where}; convert takes a bf16/fp16 checkpoint")
     files, entries = read_checkpoint(src)
     _check_high_precision(entries, src)
     model = model if model is not None else meta_model(src)

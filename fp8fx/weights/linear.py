@@ -397,15 +397,19 @@ def kept_by_the_model(model: nn.Module, prefix: str = "") -> dict[str, str]:
     kept = {}
     for fqn, layer in model.named_modules():
         if fqn and isinstance(layer, nn.Linear):
-            try:
-                hits = [p for p in patterns if transformers_skips(fqn, [p])]
-            except re.error:  # (a pattern that is no regex: transformers fails on it; here it names a suffix)
-                hits = [p for p in patterns if fqn.endswith(p)]
+            hits = [p for p in patterns if _keeps(fqn, p)]
             if hits:
                 kept[f"{prefix}.{fqn}" if prefix else fqn] = (
                     f"kept in high precision by {type(model).__name__}._keep_in_fp32_modules ({hits[0]!r}), as "
                     "transformers' and vLLM's fp8 keep it; to quantize it anyway, remove it from that list first")
     return kept
+
+
+def _keeps(fqn: str, pattern: str) -> bool:
+    try:
+        return transformers_skips(fqn, [pattern])
+    except re.error:  # (a pattern that is no regex: transformers fails on it; here it names a suffix)
+        return fqn.endswith(pattern)
 
 
 def _weight_normed(layer: nn.Module) -> bool:

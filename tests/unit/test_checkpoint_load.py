@@ -15,6 +15,7 @@ from torch import nn
 import fp8fx
 from fp8fx.checkpoint import CheckpointError, load_checkpoint
 from fp8fx.weights import is_quantized
+from fp8fx.weights.linear import kept_by_the_model
 from tests.conftest import rel_err
 
 safetensors_torch = pytest.importorskip("safetensors.torch")
@@ -1552,6 +1553,10 @@ def test_layers_the_model_keeps_in_high_precision_load_as_stored_and_stay_bf16_o
     eager.load_state_dict(state)
     fp8fx.quantize_(eager, strict=True)
     assert [f for f in LINEARS if not is_quantized(eager.get_submodule(f))] == downs
+    kept = KeepsDown()
+    kept._keep_in_fp32_modules = ["mlp.down_proj", "model.layers.1", "bad["]  # (one entry no regex: the others as
+    # transformers reads them, a name covering its layers too)
+    assert set(kept_by_the_model(kept)) == set(downs + [f for f in LINEARS if "layers.1" in f])
     plain = Tiny().to(torch.bfloat16)  # (a model without the list: every layer, as before)
     plain.load_state_dict(state)
     fp8fx.quantize_(plain)
@@ -1629,6 +1634,11 @@ def test_modelopt_per_channel_per_token_and_other_algorithms(tmp_path):
     ids = torch.randint(0, VOCAB, (2, 8))
     with torch.no_grad():
         assert rel_err(model(ids), float_reference(state, deq, ids)) < 0.08
+    with pytest.raises(CheckpointError, match=r"hf_quant_config.json holds ModelOpt's quantization config; convert "
+                                              r"takes a bf16/fp16 checkpoint"):
+        src = write_checkpoint(tmp_path / "src", dict(state))
+        (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
+        fp8fx.checkpoint.convert(src, tmp_path / "dst", model=meta_tiny(), progress=False)
     with pytest.raises(CheckpointError, match=r"quant_algo='NVFP4': fp8fx loads ModelOpt's \['FP8', "):
         load_checkpoint(meta_tiny(), write_checkpoint(tmp_path / "fp4", tensors, dict(qc, quant_algo="NVFP4")),
                         progress=False)
