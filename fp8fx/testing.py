@@ -177,7 +177,7 @@ def _new(before: list[str], after: list[str]) -> list[str]:
 
 def _one_sized(first: Sequence[Any], args: Sequence[Any]) -> str:
     """A hint where the first input had a dimension of size 0 or 1 that a later one changes: Dynamo compiles such
-    sizes as constants, ``dynamic=True`` or not (a batch of 1 first, then 2: a recompile)."""
+    sizes as constants even with ``dynamic=True`` (a batch of 1 first, then 2: a recompile)."""
     for a, b in zip(first, args):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dim() == b.dim() and any(
                 m in (0, 1) and m != n for m, n in zip(a.shape, b.shape)):

@@ -401,7 +401,7 @@ def kept_by_the_model(model: nn.Module, prefix: str = "") -> dict[str, str]:
             if hits:
                 kept[f"{prefix}.{fqn}" if prefix else fqn] = (
                     f"kept in high precision by {type(model).__name__}._keep_in_fp32_modules ({hits[0]!r}), as "
-                    "transformers' and vLLM's fp8 keep it; to quantize it anyway, remove it from that list first")
+                    "transformers' fp8 quantizer keeps it; to quantize it anyway, remove it from that list first")
     return kept
 
 
