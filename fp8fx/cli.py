@@ -33,7 +33,7 @@ from torch import nn
 import fp8fx
 from fp8fx import quant
 from fp8fx.config import Fp8Config
-from fp8fx.report import human_size
+from fp8fx.report import ROOT, human_size
 from fp8fx.weights import moe
 from fp8fx.weights.quantize import LinearDecider, check_ignored_layers, did_you_mean, ignoring_aliases
 
@@ -139,7 +139,7 @@ def inspect_command(args: argparse.Namespace) -> int:
         raise UsageError(f"--ignore: {e}") from None
     if args.config:  # the --config file's entries that name nothing: said, not refused, as a checkpoint's config
         # may name its own modules, which load_checkpoint maps to the model's
-        names = [f for f, _ in model.named_modules() if f]
+        names = [f for f, _ in model.named_modules(remove_duplicate=False) if f]
         unmatched = [n for n in ignores(model) if n not in args.ignore]
         if unmatched:
             log.warning("fp8fx inspect: --config %s: %s %s name no module of this %s%s; the layers they meant are "
@@ -333,6 +333,8 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
         base = base.get("quantization_config", base) if isinstance(base, dict) else base
         if not isinstance(base, dict):
             raise UsageError(f"--config {args.config}: expected a JSON object, got {type(base).__name__}")
+        if "quant_method" not in base and isinstance(base.get("quantization"), dict):  # ModelOpt's hf_quant_config
+            base = {"quant_method": "modelopt", **base}  # (as files.read_config folds it in)
         if "quant_method" not in base and "model_type" in whole:  # a model's config.json of no quantization
             raise UsageError(f"--config {args.config}: a model's config.json without a quantization_config; pass a "
                              "quantization_config (a file holding one, or a checkpoint's config.json that has one), "
@@ -371,10 +373,11 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
             return []
         if fmt.name != "compressed-tensors":  # entries read as parts of names (transformers' modules_to_not_convert
             # reads them so: MiniMax-M2's "gate")
-            names = [f for f, _ in model.named_modules() if f]
+            names = [f for f, _ in model.named_modules(remove_duplicate=False) if f]  # (a module's every name)
             return [n for n in fmt.config.ignored_layers or () if not any(n in f for f in names)]
         # exact names, 're:' patterns or class names (a "Linear" entry names nn.Linear's subclasses too)
-        modules = [(f, tuple(c.__name__ for c in type(m).__mro__)) for f, m in model.named_modules() if f]
+        modules = [(f, tuple(c.__name__ for c in type(m).__mro__))
+                   for f, m in model.named_modules(remove_duplicate=False) if f]
         return [n for n in fmt.ignore if not any(formats.matches(f, classes, (n,)) for f, classes in modules)]
 
     try:
@@ -512,7 +515,7 @@ def _table(spec: str, cls: str, config: Fp8Config, rows: list[dict], others: lis
              f"ignored_layers={ignored}", ""]
     table = [("site", "kind", "weight", "rewritten", "scheme / reason")]
     for r in rows:
-        table.append((r["fqn"], r["kind"], "x".join(map(str, r["weight_shape"])) or "-",
+        table.append((r["fqn"] or ROOT, r["kind"], "x".join(map(str, r["weight_shape"])) or "-",
                       "would be" if r["would_rewrite"] else "no", r["scheme"] or r["reason"]))
     widths = [max(len(t[i]) for t in table) for i in range(4)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(t, widths)) + "  " + t[4] for t in table]

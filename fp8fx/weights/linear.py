@@ -49,9 +49,8 @@ def _dequantized_weight(self) -> torch.Tensor:
     if q is not None and q.dtype != quant.FP8_DTYPE:  # (nn.Module.__setattr__ registers a new nn.Parameter over it)
         raise RuntimeError(
             f"{getattr(self, '_fp8fx_prefix', '') or type(self).__name__}: its weight parameter was replaced by a "
-            f"{q.dtype} one, where the fp8 layer holds {quant.FP8_DTYPE} codes and their scales: it takes new weights "
-            "as fp8 codes with their scales (load_state_dict of a quantized model's state_dict, load_checkpoint), not "
-            "as a new parameter; build the model with the new weights and quantize_ it")
+            f"{q.dtype} one, where the fp8 layer holds {quant.FP8_DTYPE} codes and their scales, and it takes no "
+            "high-precision weights: build the model with the new weights and quantize_ it")
     return torch.ops.fp8fx.dequantize(q, scale, w_block, self._fp8fx_dtype, self._parameters.get("input_scale"),
                                       act_block)
 

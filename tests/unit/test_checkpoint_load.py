@@ -1636,7 +1636,7 @@ def test_modelopt_per_channel_per_token_and_other_algorithms(tmp_path):
         assert rel_err(model(ids), float_reference(state, deq, ids)) < 0.08
     with pytest.raises(CheckpointError, match=r"hf_quant_config.json holds ModelOpt's quantization config; convert "
                                               r"takes a bf16/fp16 checkpoint"):
-        src = write_checkpoint(tmp_path / "src", dict(state))
+        src = write_checkpoint(tmp_path / "src", dict(state), extra_config={"quantization_config": None})
         (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
         fp8fx.checkpoint.convert(src, tmp_path / "dst", model=meta_tiny(), progress=False)
     with pytest.raises(CheckpointError, match=r"quant_algo='NVFP4': fp8fx loads ModelOpt's \['FP8', "):

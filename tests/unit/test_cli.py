@@ -292,6 +292,8 @@ def test_factory_examples_not_in_a_tuple_and_a_root_linear(capsys, models_py):
     assert code == 0, err
     report = json.loads(out)
     assert [(s["fqn"], s["would_rewrite"]) for s in report["sites"]] == [("", True)] and not report["other_weights"]
+    code, out, err = run(capsys, "inspect", f"{models_py}:root_linear")  # (the table's name for it, as the report's)
+    assert out.splitlines()[3].split()[:3] == ["(root", "module)", "linear"], out
 
 
 def test_a_config_transformers_cannot_build_from_is_one_line(capsys, llama_dir, tmp_path):
@@ -723,14 +725,21 @@ def test_factory_module_in_the_current_folder(capsys, tmp_path, monkeypatch):
     one_line_error(err, "cannot import 'fp8fx_no_such_module'", f"the current folder ({tmp_path})")
 
 
-@pytest.mark.parametrize("entry", ["b", "seq"])
-def test_inspect_ignores_a_module_by_any_of_its_names(capsys, models_py, entry):
+@pytest.mark.parametrize("entry", ["b", "seq", "seq.0"])
+def test_inspect_ignores_a_module_by_any_of_its_names(capsys, models_py, entry, tmp_path, caplog):
     """One linear registered as a, b and seq.0: --ignore b was refused as naming no module, and --ignore seq predicted
-    the layer rewritten, where quantize_ keeps it."""
+    the layer rewritten, where quantize_ keeps it; in a --config file, "b" was warned about as naming no module."""
     code, out, err = run(capsys, "inspect", f"{models_py}:three_names", "--ignore", entry, "--json")
     assert code == 0, err
     sites = json.loads(out)["sites"]
     assert {s["fqn"]: s["would_rewrite"] for s in sites} == {"a": False, "c": True}, sites
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"quant_method": "fp8", "ignored_layers": [entry]}))
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        code, out, err = run(capsys, "inspect", f"{models_py}:three_names", "--config", str(config), "--json")
+    assert code == 0, err
+    assert {s["fqn"]: s["would_rewrite"] for s in json.loads(out)["sites"]} == {"a": False, "c": True}
+    assert "name no module" not in caplog.text
 
 
 def test_inspect_reads_a_modelopt_hf_quant_config_json(capsys, llama_dir):
@@ -741,8 +750,10 @@ def test_inspect_reads_a_modelopt_hf_quant_config_json(capsys, llama_dir):
     (llama_dir / "config.json").write_text(json.dumps(data))
     (llama_dir / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
         "quant_algo": "FP8", "exclude_modules": ["lm_head", "model.layers.0*"]}}))
-    code, out, err = run(capsys, "inspect", str(llama_dir), "--json")
-    assert code == 0, err
-    sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
-    assert {f for f, s in sites.items() if s["would_rewrite"]} == {f"model.layers.1.{p}" for p in PROJECTIONS}
-    assert sites["model.layers.1.mlp.up_proj"]["scheme"] == "w:per-tensor a:static per-tensor"
+    # the folder's (the checkpoint's scheme), or the file given as --config (a scheme to quantize with: per channel)
+    for argv, weights in (((), "per-tensor"), (("--config", str(llama_dir / "hf_quant_config.json")), "per-channel")):
+        code, out, err = run(capsys, "inspect", str(llama_dir), "--json", *argv)
+        assert code == 0, err
+        sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
+        assert {f for f, s in sites.items() if s["would_rewrite"]} == {f"model.layers.1.{p}" for p in PROJECTIONS}
+        assert sites["model.layers.1.mlp.up_proj"]["scheme"] == f"w:{weights} a:static per-tensor"
