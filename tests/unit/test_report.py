@@ -100,17 +100,7 @@ def test_one_log_line_per_graph(caplog):
 def test_fp8_backends_graphs_are_told_apart_in_the_log(caplog):
     """fp8_backend compiles each graph with a new backend: both graphs of a model with a graph break were logged as
     "graph 0"."""
-    class Broken2(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
-
-        def forward(self, x):
-            x = self.a(x)
-            torch._dynamo.graph_break()
-            return self.b(x)
-
-    model = Broken2().to(torch.bfloat16)
+    model = Broken().to(torch.bfloat16)
     fp8fx.quantize_(model)
     with caplog.at_level(logging.INFO, logger="fp8fx"), torch.no_grad():
         torch.compile(model, backend=fp8fx.fp8_backend)(torch.randn(2, 64, dtype=torch.bfloat16))
