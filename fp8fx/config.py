@@ -334,8 +334,8 @@ class Fp8Config:
         if quant_method and "fp8" not in str(quant_method).lower():  # vLLM's rule below reads any other as online
             raise ValueError(
                 f"quantization_config quant_method={quant_method!r} is not fp8: Fp8Config reads fp8 configs; "
-                "compressed-tensors and ModelOpt checkpoints load with fp8fx.load_checkpoint(model, path) and no config=: it "
-                "reads the checkpoint's own quantization_config"
+                "compressed-tensors and ModelOpt checkpoints load with fp8fx.load_checkpoint(model, path) and no "
+                "config=: it reads the checkpoint's own quantization_config"
             )
         # fp8 methods whose scheme the fields below do not say: read as this config, they gave per-tensor scales
         other = _OTHER_FP8_METHODS.get(str(quant_method).lower())

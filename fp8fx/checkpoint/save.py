@@ -772,8 +772,9 @@ def convert(
                          "; pass an empty or new directory")
     config_json = read_config(src)
     if config_json.get("quantization_config") is not None:
-        where = ("hf_quant_config.json holds ModelOpt's quantization config" if read_json(os.path.join(
-            src, "config.json")).get("quantization_config") is None else "config.json already has a quantization_config")
+        own = read_json(os.path.join(src, CONFIG)).get("quantization_config")  # (else hf_quant_config.json's)
+        where = ("config.json already has a quantization_config" if own is not None else
+                 "hf_quant_config.json holds ModelOpt's quantization config")
         raise CheckpointError(f"{src}/{where}; convert takes a bf16/fp16 checkpoint")
     files, entries = read_checkpoint(src)
     _check_high_precision(entries, src)
