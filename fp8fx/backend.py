@@ -17,7 +17,7 @@ from fp8fx.ops import GATED_H_GROUPS
 from fp8fx.passes import PassManager, default_passes
 from fp8fx.passes.base import may_record_grad
 from fp8fx.passes.horizontal import AFTER_COMPILE, SHARED_INPUTS, share_memory
-from fp8fx.report import Report, Site
+from fp8fx.report import Report, Site, first_line
 
 log = logging.getLogger("fp8fx")
 
@@ -256,7 +256,7 @@ class Fp8Backend:
             if compat.is_dynamo_retrace(e):  # not a failure: Dynamo drops this graph and traces the frame again
                 self._discard(index, dump)
                 raise
-            self.report.fail_graph(index, f"the graph failed to compile ({type(e).__name__}: {_first_line(e)})")
+            self.report.fail_graph(index, f"the graph failed to compile ({type(e).__name__}: {first_line(e, 200)})")
             if dump:
                 dump.finish(self.report, code)
             raise
@@ -420,13 +420,6 @@ def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump]
         look(args)
         return compiled(*args)
     return run
-
-
-def _first_line(e: BaseException) -> str:
-    """An error's message for a report row: its first non-empty line, at most 200 characters (a multi-line
-    message broke the report's table)."""
-    line = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
-    return line if len(line) <= 200 else line[:199] + "…"
 
 
 def _check_dump_dir(dump_dir: Optional[str]) -> None:

@@ -33,7 +33,7 @@ from torch import nn
 import fp8fx
 from fp8fx import quant
 from fp8fx.config import Fp8Config
-from fp8fx.report import ROOT, human_size
+from fp8fx.report import ROOT, first_line, human_size
 from fp8fx.weights import moe
 from fp8fx.weights.quantize import LinearDecider, check_ignored_layers, did_you_mean, ignoring_aliases
 
@@ -542,8 +542,7 @@ def _ints(text: str, flag: str) -> list[int]:
 
 
 def _first_line(e: BaseException) -> str:
-    text = str(e).strip()
-    return text.splitlines()[0] if text else type(e).__name__
+    return first_line(e) or type(e).__name__
 
 
 # -- bench, convert ----------------------------------------------------------------------------------

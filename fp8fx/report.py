@@ -384,6 +384,13 @@ def _by_design(reason: str) -> bool:
     return _BY_DESIGN.search(reason) is not None
 
 
+def first_line(e: BaseException, limit: Optional[int] = None) -> str:
+    """An error's message on one line, for a report row or a one-line CLI error: its first non-empty line ("" where
+    it has none), cut to ``limit`` characters (a multi-line message broke the report's table)."""
+    line = next((text.strip() for text in str(e).splitlines() if text.strip()), "")
+    return line if limit is None or len(line) <= limit else line[:limit - 1] + "…"
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}{'' if n == 1 else 's'}"
 
