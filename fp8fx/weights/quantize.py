@@ -87,9 +87,8 @@ def quantize_(
         )
     modules = [(name, m) for name, m in modules if name not in done]
 
-    aliases = [fqn for fqn, _ in model.named_modules(prefix=prefix, remove_duplicate=False)]
-    check_ignored_layers(config, [fqn for fqn, _ in modules] + aliases, f"this {type(model).__name__}", "quantized",
-                         prefix)
+    aliases = [fqn for fqn, _ in model.named_modules(prefix=prefix, remove_duplicate=False)]  # (every module's names)
+    check_ignored_layers(config, aliases, f"this {type(model).__name__}", "quantized", prefix)
     config = ignoring_aliases(config, model, prefix)
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
