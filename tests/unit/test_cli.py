@@ -158,16 +158,9 @@ def bare_example():
 def root_linear():
     return nn.Linear(256, 64), (torch.zeros(4, 256),)
 
-class ThreeNames(nn.Module):
-    def __init__(self):
-        super().__init__()
-        shared = nn.Linear(64, 64)
-        self.a, self.b, self.seq, self.c = shared, shared, nn.Sequential(shared, nn.ReLU()), nn.Linear(64, 64)
-
-    def forward(self, x):
-        return self.c(self.b(torch.relu(self.a(x))) + self.seq(x))
-
 def three_names():
+    from tests.unit.test_weights import ThreeNames  # (the CLI runs in pytest's process: the tests import)
+
     return ThreeNames(), (torch.zeros(2, 64),)
 """
 
