@@ -15,6 +15,7 @@ import fp8fx
 from fp8fx.checkpoint import CheckpointError, convert, load_checkpoint, save_checkpoint
 from fp8fx.checkpoint.files import read_checkpoint, read_header, write_file
 from fp8fx.checkpoint.load import FUSED
+from fp8fx.checkpoint.save import _split
 from tests.conftest import rel_err
 from tests.unit.test_checkpoint_load import (
     FP8,
@@ -177,6 +178,26 @@ def test_fused_model_roundtrip_and_shards(tmp_path):
     files = set(index["weight_map"].values())
     assert len(files) > 3 and all((tmp_path / "saved" / f).exists() for f in files)
     assert index["weight_map"]["model.layers.0.self_attn.qkv_proj.weight_scale"] in files
+
+
+def test_shards_are_filled_up_to_max_shard_size_and_no_further():
+    """Each shard holds at most max_shard_size bytes of tensor data (a tensor over it alone), in the tensors' order,
+    and as much as fits: a shard and the next one's first tensor are over it. A tensor that ends exactly at the
+    limit stays in its shard."""
+    sizes = [100, 60, 40, 250, 10, 90, 1]  # bytes (uint8 tensors)
+    tensors = {f"t{i}": torch.zeros(n, dtype=torch.uint8) for i, n in enumerate(sizes)}
+    for limit, want in [
+        (200, [[0, 1, 2], [3], [4, 5, 6]]),  # 100 + 60 + 40 is exactly 200
+        (199, [[0, 1], [2], [3], [4, 5, 6]]),
+        (101, [[0], [1, 2], [3], [4, 5, 6]]),
+        (1000, [[0, 1, 2, 3, 4, 5, 6]]),
+    ]:
+        shards = _split(tensors, limit)
+        assert [[int(k[1:]) for k in shard] for shard in shards] == want, limit
+        for shard, after in zip(shards, shards[1:]):
+            data = sum(t.numel() for t in shard.values())
+            assert data <= limit or len(shard) == 1
+            assert data + next(iter(after.values())).numel() > limit
 
 
 def test_mixed_schemes_saved_as_compressed_tensors_groups(tmp_path):
