@@ -321,6 +321,28 @@ def _hop_operands(node: fx.Node) -> list:
     return [a for a in node.args[start:] if not (isinstance(a, fx.Node) and a.op == "get_attr")]
 
 
+def _report_tagged_readers(graph: fx.Graph, ctx: PassContext) -> None:
+    """A row for each weight ``quantize_`` left in high precision with its reason (``_fp8fx_skip_reason``) that a
+    matmul reads as it is stored, ``x @ w`` / ``addmm(b, x, w)``: no linear site, for its weight is not transposed.
+    transformers' ``Conv1D`` (GPT-2's layers: a weight [in, out]) runs so, and its layers had no row in the report,
+    only ``quantize_``'s warning. Experts (the MoE pass says why) and weights a site of this graph names already
+    are passed by."""
+    named = {site.fqn for site in ctx.report.sites if site.graph == ctx.graph_index}
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method") or node.target not in _ADDMM + _MATMUL:
+            continue
+        operands = _bound(node, _ADDMM_OPERANDS if node.target in _ADDMM else _MATMUL_OPERANDS)
+        w = _without_noop_casts(operands[-1]) if operands else None
+        real = ctx.example.get(w) if isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr") else None
+        reason, fqn = getattr(real, "_fp8fx_skip_reason", None), getattr(real, "_fp8fx_fqn", None)
+        if not reason or fqn is None or fqn in named or getattr(real, "_fp8fx_moe_role", None):
+            continue
+        named.add(fqn)
+        ctx.report.add(Site("linear", fqn, False, f"{NOT_QUANTIZED}{reason}", "", ctx.graph_index,
+                            weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
+                            weight_id=Site.token_of(real)))
+
+
 def _report_nested(graph: fx.Graph, ctx: PassContext) -> None:
     """Quantized weights read inside a higher-order op's bodies (``torch.cond``, activation checkpointing, a
     ``nested_compile_region`` called more than once): fp8fx's passes rewrite the top-level graph, so each is
@@ -595,6 +617,7 @@ class LinearPass(Fp8Pass):
             ctx.report.add(Site("linear", fqn, True, "", scheme, ctx.graph_index, **details))
             count += 1
         self._report_other_readers(graph, ctx)
+        _report_tagged_readers(graph, ctx)
         _report_nested(graph, ctx)
         gm.recompile()
         return count

@@ -162,6 +162,34 @@ def test_a_tied_head_keeps_its_name_and_reason_beside_a_module_fp8fx_leaves():
     assert sites == [(0, "proj", ""), (0, "head", tied), (1, "head", tied)], sites
 
 
+class Conv1D(nn.Module):
+    """transformers' Conv1D (GPT-2's layers): addmm(bias, x, weight) of a weight [in, out]."""
+
+    def __init__(self, nx, nf):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(nx, nf) / 8)
+        self.bias = nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.view(-1, x.size(-1)), self.weight).view(*x.shape[:-1], -1)
+
+
+def test_a_conv1d_layer_has_a_row_with_its_reason():
+    """GPT-2's Conv1D layers (addmm of an untransposed [in, out] weight: no linear site) were in quantize_'s warning
+    only; the report's table showed none of them. Each has a row now, also read by x @ w, once per graph."""
+    model = nn.Sequential(Conv1D(64, 96), nn.Linear(96, 64), Conv1D(64, 32)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    model.extra = lambda x: x @ model[2].weight  # (a second reader of one weight: one row)
+    backend = Fp8Backend(compiler="eager")
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        torch.compile(lambda x: model(x) + model.extra(x), backend=backend)(x)
+    sites = [(s.fqn, s.rewritten, s.reason, s.weight_shape) for s in backend.report.sites]
+    left = "not quantized: Conv1D is no nn.Linear"
+    assert sorted(sites) == [("0", False, left, (64, 96)), ("1", True, "", (64, 96)), ("2", False, left, (64, 32))]
+    assert backend.report.unhandled_weights(model) == []
+
+
 class RawWeight(nn.Module):
     """F.linear on a parameter of the compiled module itself: no module around it in Dynamo's graph."""
 
