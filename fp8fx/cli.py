@@ -35,6 +35,7 @@ from fp8fx import quant
 from fp8fx.config import Fp8Config
 from fp8fx.report import ROOT, first_line, human_size
 from fp8fx.weights import moe
+from fp8fx.weights.linear import is_foreign_linear
 from fp8fx.weights.quantize import LinearDecider, check_ignored_layers, did_you_mean, ignoring_aliases
 
 log = logging.getLogger("fp8fx")
@@ -431,6 +432,8 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
             lg.setLevel(levels[name])
         for weight in named:
             del weight._fp8fx_fqn
+            if hasattr(weight, "_fp8fx_skip_reason"):  # (a foreign linear's: only _name_weights tags one here)
+                del weight._fp8fx_skip_reason
 
     modules = dict(model.named_modules())
     rows = []
@@ -485,14 +488,19 @@ def _name_weights(model: nn.Module, decide: LinearDecider) -> list[torch.Tensor]
     """Tags the weights of ``model``'s linears and routers with their modules' names, as ``quantize_`` does (the
     report names a site by its weight's tag): the linears of a block Dynamo traces as a frame of its own, after a
     graph break, were named by their paths in that block (``a``, not ``layers.0.a``) and found no module. A weight
-    several modules share keeps no tag (the site is named by the module that runs it). Returns the weights tagged
-    here, whose tags ``predict`` removes after the trace."""
+    several modules share keeps no tag (the site is named by the module that runs it). A linear-like module that
+    is no ``nn.Linear`` (GPT-2's ``Conv1D``: ``addmm(b, x, w)``) is tagged with quantize_'s reason too, for the
+    site the linear pass gives it. Returns the weights tagged here, whose tags ``predict`` removes after the
+    trace."""
     named = []
     for fqn, module in model.named_modules():
         weight = module._parameters.get("weight")
-        if (isinstance(module, nn.Linear) or fqn in decide.routers) and isinstance(weight, torch.Tensor) \
+        foreign = fqn not in decide.routers and is_foreign_linear(module) and not hasattr(weight, "_fp8fx_skip_reason")
+        if (isinstance(module, nn.Linear) or fqn in decide.routers or foreign) and isinstance(weight, torch.Tensor) \
                 and len(decide.owners.get(id(weight), {})) == 1 and not hasattr(weight, "_fp8fx_fqn"):
             weight._fp8fx_fqn = fqn
+            if foreign:
+                weight._fp8fx_skip_reason = f"{type(module).__name__} is no nn.Linear"
             named.append(weight)
     return named
 

@@ -12,7 +12,7 @@ import torch
 
 import fp8fx
 from fp8fx.checkpoint.files import write_file
-from fp8fx.cli import main
+from fp8fx.cli import main, predict
 from tests.conftest import rel_err
 
 transformers = pytest.importorskip("transformers")
@@ -214,6 +214,27 @@ def test_inspect_gives_quantize_s_reason_for_a_layer_torch_reads_itself(capsys, 
     sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
     assert sites["layers.0.self_attn.out_proj"]["reason"].startswith("nn.MultiheadAttention's out_proj, which torch")
     assert sites["layers.0.linear1"]["would_rewrite"] and sites["layers.0.linear2"]["would_rewrite"]
+
+
+def test_inspect_gives_gpt2_s_conv1d_layers_a_row_each(capsys, tmp_path):
+    """GPT-2's projections (transformers' Conv1D, no nn.Linear) were listed among the weights in no site; each is a
+    site now, with why it stays bf16, as in the compile report. The weights keep no tag after the trace."""
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32,
+                                     bos_token_id=0, eos_token_id=0)
+    config.save_pretrained(tmp_path)
+    code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    conv = {f"transformer.h.{i}.{p}" for i in range(2) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
+                                                                 "mlp.c_proj")}
+    sites = {s["fqn"]: s for s in result["sites"]}
+    assert set(sites) == conv | {"lm_head"} and not any(s["would_rewrite"] for s in sites.values())
+    assert {sites[f]["reason"] for f in conv} == {"not an nn.Linear weight (quantize_ quantizes nn.Linear layers)"}
+    assert sites["transformer.h.0.mlp.c_fc"]["weight_shape"] == [64, 256]
+    assert [w["module"] for w in result["other_weights"]] == ["Embedding", "Embedding"]
+    model = transformers.GPT2LMHeadModel(config)
+    predict(model, fp8fx.Fp8Config(), (torch.zeros(1, 4, dtype=torch.long),), {})
+    assert not [n for n, p in model.named_parameters() if hasattr(p, "_fp8fx_skip_reason") or hasattr(p, "_fp8fx_fqn")]
 
 
 def test_inspect_factory_with_input_shape(capsys, models_py):
