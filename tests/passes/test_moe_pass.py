@@ -329,14 +329,22 @@ ODD_SUMS = {  # each rewritten into fused_moe before, computing something else (
     "a loop's weights summed over every pair": (
         lambda: LoopExperts(routing=lambda ids, w: (ids.reshape(-1), w.reshape(-1))),
         "sums something other than the k weighted expert outputs"),
+    "weights rounded through float8": (
+        lambda: PairsSummed(lambda y, w, t: (y * w.to(torch.float8_e4m3fn).to(y.dtype).reshape(-1, 1)).view(t, K, H)
+                            .sum(dim=1)),
+        "casts a value to torch.float8_e4m3fn, which changes it"),
+    "the combined output added to itself": (
+        lambda: PairsSummed(lambda y, w, t: (lambda s: s + s)((y * w.reshape(-1, 1)).view(t, K, H).sum(dim=1))),
+        "adds the outputs of every expert to a partial sum"),
 }
 
 
 @pytest.mark.parametrize("case", list(ODD_SUMS))
 def test_pairs_weighted_or_summed_otherwise_are_left_alone(case):
     """Pairs viewed k-major and summed over k's dim (other tokens' pairs added), routing weights cast to an integer
-    (all 0), a loop's masked weights summed over all pairs flattened (one weight for every token): each was
-    rewritten into fused_moe. Each is left alone now, with the reason, and computes what the model does."""
+    (all 0) or rounded through float8, a loop's masked weights summed over all pairs flattened (one weight for every
+    token), the weighted sum returned as s + s (fused_moe's s): each was rewritten into fused_moe. Each is left alone
+    now, with the reason, and computes what the model does."""
     make, reason = ODD_SUMS[case]
     model = Block(make()).to(torch.bfloat16)
     fp8fx.quantize_(model)
@@ -681,6 +689,42 @@ class TransposedW13(LoopExperts):
         return out.to(x.dtype)
 
 
+class ClampedSwiGLU(LoopExperts):
+    """DeepSeek-V4's clamped SwiGLU, silu(gate.clamp(max=limit)) * up.clamp(-limit, limit), with up's bounds
+    ``up`` (fused_moe's clamped SiLU takes one limit, symmetric for up)."""
+
+    def __init__(self, limit=0.5, up=(-0.5, 0.5)):
+        super().__init__()
+        self.limit, self.up = limit, up
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in range(E):
+            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            out = out + weight * F.linear(F.silu(gate.clamp(max=self.limit)) * up.clamp(*self.up), self.down_proj[e])
+        return out.to(x.dtype)
+
+
+class W13BiasTwice(LoopExperts):
+    """GPT-OSS's per-expert biases, w13's added twice."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(1)
+        self.gate_up_proj_bias = nn.Parameter(torch.randn(E, 2 * I, generator=g) * 0.5)
+        self.down_proj_bias = nn.Parameter(torch.randn(E, H, generator=g) * 0.5)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in range(E):
+            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
+            gate, up = (F.linear(x, self.gate_up_proj[e]) + self.gate_up_proj_bias[e] + self.gate_up_proj_bias[e]
+                        ).chunk(2, dim=-1)
+            out = out + weight * (F.linear(F.silu(gate) * up, self.down_proj[e]) + self.down_proj_bias[e])
+        return out.to(x.dtype)
+
+
 @pytest.mark.parametrize("make,reason", [
     # ids clamped from 1: expert 0's pairs run expert 1 in the model; fused_moe would run them on expert 0
     (lambda: LoopExperts(routing=lambda i, w: (i.clamp(1, E - 1), w)), "multiplies values that fused_moe does not"),
@@ -689,7 +733,15 @@ class TransposedW13(LoopExperts):
     (lambda: LoopExperts(experts=[*range(E), 0]), "adds expert(s) [0] twice"),
     (CrossedUp, ""),
     (TransposedW13, "contracts w13 over its output dim"),
-], ids=["clamp-1-E", "clamp-min-1", "an-expert-twice", "crossed-up", "transposed-w13"])
+    # each of these was rewritten, fused_moe computing something else (w13-bias-twice: a relative error of 0.37)
+    (W13BiasTwice, "adds a bias twice"),
+    (lambda: ClampedSwiGLU(up=(0.0, 0.5)), "clamps a half of w13's GEMM other than as GPT-OSS's SwiGLU does"),
+    (lambda: ClampedSwiGLU(up=(-0.3, 0.3)), "multiplies values that fused_moe does not multiply"),  # two limits
+    # H == 2I: w13[e].permute(0, 1) is w13[e] itself, square; x @ it is not x @ w13[e].T
+    (lambda: LoopExperts(gemm=lambda x, w: x @ (w.permute(0, 1) if w.shape[0] == w.shape[1] else w.t())),
+     "permutes an expert weight other than its last two dims"),
+], ids=["clamp-1-E", "clamp-min-1", "an-expert-twice", "crossed-up", "transposed-w13", "w13-bias-twice",
+        "up-clamped-from-0", "gate-and-up-limits-differ", "identity-permute"])
 def test_experts_computing_something_else_are_left_alone(make, reason):
     model = Block(make()).to(torch.bfloat16)
     x, ids, w = inputs(torch.bfloat16)

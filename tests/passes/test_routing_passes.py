@@ -376,6 +376,45 @@ def test_routers_the_op_would_change_stay_as_they_are():
     assert len(casts) == 3, casts  # (the widening cast kept, after the op's bf16 weights)
 
 
+class SoftmaxRouterStep(nn.Module):
+    """A softmax router (float32, k=2) with one step after its softmax that the op does not compute: the row sum
+    also returned, a sum with keepdim=False ([T, 2] / [T]: divides down the k when T == 2), the k normalized over the
+    tokens (dim 0), the probabilities written with ``out=`` between the softmax and the top-k."""
+
+    def __init__(self, variant):
+        super().__init__()
+        self.variant = variant
+
+    def forward(self, logits):
+        probs = F.softmax(logits, -1, dtype=torch.float)
+        if self.variant == "out":
+            torch.mul(probs, -1.0, out=probs)
+        top, ids = torch.topk(probs, 2)
+        if self.variant == "sum-returned":
+            total = top.sum(-1, keepdim=True)
+            return top / total, ids, total
+        if self.variant == "no-keepdim":
+            return top / top.sum(-1, keepdim=False), ids
+        if self.variant == "over-tokens":
+            return top / top.sum(0, keepdim=True), ids
+        return top, ids
+
+
+@pytest.mark.parametrize("variant", ["sum-returned", "no-keepdim", "over-tokens", "out"])
+def test_softmax_router_steps_the_op_does_not_compute_keep_the_models_outputs(variant):
+    """Each was fused as the router's renormalized top-k (the returned row sum: the pass then failed erasing it) or
+    its top-k read the softmax before the ``out=`` write; the output is the model's: the experts torch's, the weights
+    within float32 rounding."""
+    logits = torch.randn(2, 16, generator=torch.Generator().manual_seed(0))
+    model = SoftmaxRouterStep(variant)
+    out, gm, report = capture(model, logits.clone(), fuse_routing=True)
+    with torch.no_grad():
+        want = model(logits.clone())
+    assert len(out) == len(want) and torch.equal(out[1], want[1]), (out, want)
+    for got, ref in zip(out[::2], want[::2]):
+        assert torch.allclose(got, ref, rtol=1e-6, atol=0), (got, ref)
+
+
 def _bench_routing():
     """benchmarks/bench_routing.py as a module (its routers are the forms these tests compile)."""
     import importlib.util
@@ -456,7 +495,9 @@ def test_deepseek_v3_router_in_one_op():
 class GroupedRoutersTheOpWouldChange(GroupedRouter):
     """DeepSeek-V3's routing with one step the op would compute otherwise (review of run 52): its mask read
     elsewhere, the experts' top-k values read, the groups' pair top-k over another dim, the choices written before
-    the mask, the scores written before their gather, a scatter_ that multiplies."""
+    the mask, the scores written before their gather, a scatter_ that multiplies; the groups scored by their top 3,
+    a scatter_ of zeros, the group mask unsqueezed at dim 1 (4 groups of 4: it expands, transposed), the mask copied
+    before the scatter_ fills it, the scores gathered over the tokens (dim 0: T >= E)."""
 
     def __init__(self, variant):
         super().__init__(2 if variant == "dim" else 4, 1 if variant == "dim" else 2, 4, scale=1.0)
@@ -467,29 +508,35 @@ class GroupedRoutersTheOpWouldChange(GroupedRouter):
         scores = logits.sigmoid()
         choice = scores + bias
         view = choice.view(-1, self.groups, e // self.groups)
-        group_scores = view.topk(2, dim=1 if v == "dim" else -1)[0].sum(dim=-1)  # (dim: over 2 groups, 2 of them)
+        pair = 3 if v == "pair" else 2
+        group_scores = view.topk(pair, dim=1 if v == "dim" else -1)[0].sum(dim=-1)  # (dim: over 2 groups, 2 of them)
         group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
         group_mask = torch.zeros_like(group_scores)
+        expand = (lambda: group_mask.unsqueeze(1 if v == "unsqueeze" else -1).expand(-1, self.groups, e // self.groups))
+        mask = expand().reshape(-1, e) if v == "early" else None  # (a copy of the zeros)
         group_mask.scatter_(1, group_idx, 1, reduce="multiply") if v == "scatter" else group_mask.scatter_(
-            1, group_idx, 1)
-        mask = group_mask.unsqueeze(-1).expand(-1, self.groups, e // self.groups).reshape(-1, e)
+            1, group_idx, 0 if v == "zeros" else 1)
+        mask = expand().reshape(-1, e) if mask is None else mask
         if v == "choice":
             choice[:, :8] = -1.0
         values, ids = torch.topk(choice.masked_fill(~mask.bool(), self.fill), k=self.k, dim=-1, sorted=False)
         if v == "scores":
             scores.mul_(0.5)
-        weights = scores.gather(1, ids)
+        weights = scores.gather(0 if v == "gather" else 1, ids)
         weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
         extra = {"mask": mask, "values": values}.get(v, weights)
         return weights * self.scale, ids, extra
 
 
-@pytest.mark.parametrize("variant", ["mask", "values", "dim", "choice", "scores", "scatter"])
+@pytest.mark.parametrize("variant", ["mask", "values", "dim", "choice", "scores", "scatter", "pair", "zeros",
+                                     "unsqueeze", "early"])
 def test_grouped_routers_the_op_would_change_stay_as_they_are(variant):
     """Each stays three plain top-ks, its outputs the model's (the experts as sets: the graph's top-k is unsorted,
-    fp8fx.topk's sorted)."""
+    fp8fx.topk's sorted; the weights within float32 rounding: the renormalization sums them in the top-k's order).
+    The last four were fused as DeepSeek-V3's routing."""
     g = torch.Generator().manual_seed(1)
-    logits, bias = torch.randn(6, 32, generator=g) * 2, torch.randn(32, generator=g) * 0.3
+    e = 16 if variant == "unsqueeze" else 32
+    logits, bias = torch.randn(6, e, generator=g) * 2, torch.randn(e, generator=g) * 0.3
     model = GroupedRoutersTheOpWouldChange(variant)
     out, gm, report = capture(model, logits.clone(), bias, fuse_routing=True)
     with torch.no_grad():
@@ -499,9 +546,22 @@ def test_grouped_routers_the_op_would_change_stay_as_they_are(variant):
     assert all(plain) and len(report.topk) == 3, report.topk  # (dim: fp8fx.topk takes none over dim 1)
     (got_ids, order), (want_ids, want_order) = out[1].sort(-1), want[1].sort(-1)
     assert torch.equal(got_ids, want_ids), (variant, out[1], want[1])
-    assert torch.equal(out[0].gather(1, order), want[0].gather(1, want_order)), variant
-    extra = (out[2], want[2]) if variant == "mask" else (out[2].gather(1, order), want[2].gather(1, want_order))
-    assert torch.equal(*extra), variant
+    assert torch.allclose(out[0].gather(1, order), want[0].gather(1, want_order), rtol=1e-6, atol=0), variant
+    if variant == "mask":
+        assert torch.equal(out[2], want[2])
+    else:
+        assert torch.allclose(out[2].gather(1, order), want[2].gather(1, want_order), rtol=1e-6, atol=0), variant
+
+
+def test_scores_gathered_over_the_tokens_are_not_the_routing_weights():
+    """``scores.gather(0, ids)`` (T == E, so it runs) was fused as the routing weights, the sigmoid at each token's
+    experts; the weights stay the graph's (whether or not the experts' choice joins one op): the scores down the
+    token dim at the ids it chose, renormalized."""
+    g = torch.Generator().manual_seed(1)
+    logits, bias = torch.randn(32, 32, generator=g) * 2, torch.randn(32, generator=g) * 0.3
+    out, gm, report = capture(GroupedRoutersTheOpWouldChange("gather"), logits, bias, fuse_routing=True)
+    weights = logits.sigmoid().gather(0, out[1])  # (at the graph's ids, in its order: the gather reads the column)
+    assert torch.allclose(out[0], weights / (weights.sum(-1, keepdim=True) + 1e-20), rtol=1e-6, atol=0)
 
 
 def test_a_reused_frame_repeats_each_of_a_modules_topks():

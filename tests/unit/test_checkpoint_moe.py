@@ -471,3 +471,30 @@ def test_fp8_experts_into_a_module_stored_transposed(tmp_path, granularity, fuse
     assert is_quantized_experts(experts) and experts._fp8fx_transposed
     for name in ("gate_up_proj", "down_proj"):
         assert torch.equal(getattr(experts, name), getattr(usual.get_submodule(EXPERTS), name).transpose(1, 2))
+
+
+def test_bf16_per_expert_checkpoint_into_transposed_experts_left_unquantized(tmp_path):
+    """A bf16 checkpoint's experts as linear layers (gate_proj / up_proj [I, H], down_proj [H, I]) into experts stored
+    transposed and kept high precision (in ignored_layers): each expert's tensors were copied untransposed (down_proj
+    failed on its shape; gate_up_proj, square with H == 2I, took w1 and w3 into the wrong rows); the module holds the
+    transposes of the checkpoint's fused weights."""
+    from torch import nn
+
+    cfg = moe_config("qwen3_moe")
+    assert H == 2 * I  # (gate_up_proj [E, H, 2I] square per expert: a missed transpose fits)
+    state = reference_model(cfg).state_dict()
+    tensors = {k: v for k, v in state.items() if not k.startswith(EXPERTS + ".")}
+    for e in range(E):
+        gate, up = state[f"{EXPERTS}.gate_up_proj"][e].chunk(2)
+        tensors.update({f"{EXPERTS}.{e}.gate_proj.weight": gate, f"{EXPERTS}.{e}.up_proj.weight": up,
+                        f"{EXPERTS}.{e}.down_proj.weight": state[f"{EXPERTS}.down_proj"][e]})
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, None)
+    model = meta_model(path)
+    experts = model.get_submodule(EXPERTS)
+    experts.gate_up_proj = nn.Parameter(torch.empty(E, H, 2 * I, device="meta", dtype=torch.bfloat16))
+    experts.down_proj = nn.Parameter(torch.empty(E, I, H, device="meta", dtype=torch.bfloat16))
+    experts.is_transposed = True
+    load_checkpoint(model, path, fp8fx.Fp8Config(ignored_layers=[EXPERTS, "lm_head"]), progress=False)
+    assert not is_quantized_experts(experts) and experts.gate_up_proj.dtype == torch.bfloat16
+    for name in ("gate_up_proj", "down_proj"):
+        assert torch.equal(getattr(experts, name), state[f"{EXPERTS}.{name}"].transpose(1, 2)), name

@@ -128,6 +128,29 @@ def test_block_not_dividing_intermediate_is_skipped_tagged_or_strict_error():
         fp8fx.quantize_(Block(i=96).to(torch.bfloat16), config, strict=True)
 
 
+
+def test_ungated_experts_take_blocks_not_dividing_intermediate():
+    """Ungated experts (Nemotron-H's up_proj [E, I, H], down_proj [E, H, I]) have no gate and up rows for a block to
+    span: with I=96 and 128x128 blocks they were refused like gated ones; they are quantized, per block."""
+
+    class Ungated(nn.Module):
+        def __init__(self, i=96):
+            super().__init__()
+            g = torch.Generator().manual_seed(0)
+            self.up_proj = nn.Parameter(torch.randn(E, i, H, generator=g) / H**0.5)
+            self.down_proj = nn.Parameter(torch.randn(E, H, i, generator=g) / i**0.5)
+
+    block = nn.Module()
+    block.experts = Ungated().to(torch.bfloat16)
+    up = block.experts.up_proj.detach().clone()
+    fp8fx.quantize_(block, Fp8Config(weight_block_size=[128, 128]), strict=True)
+    sd = block.state_dict()
+    assert is_quantized_experts(block.experts) and sd["experts.up_proj"].dtype == torch.float8_e4m3fn
+    assert sd["experts.up_proj_scale_inv"].shape == (E, 1, 2) and sd["experts.down_proj_scale_inv"].shape == (E, 2, 1)
+    assert rel_err(quant.dequantize(sd["experts.up_proj"], sd["experts.up_proj_scale_inv"], (128, 128)),
+                   up.float()) < 0.04
+
+
 def test_sharded_intermediate_must_hold_whole_k_blocks():
     method = Fp8MoEMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[64, 128]))
     layer = nn.Module()
@@ -150,6 +173,19 @@ def test_hf_layouts_fused_moe_cannot_compute_stay_bf16_with_the_reason(flag, val
     assert model.experts.gate_up_proj.dtype == torch.bfloat16
     assert what in model.experts.gate_up_proj._fp8fx_skip_reason
     assert fp8fx.weights.is_quantized(model.proj)  # the rest of the model is quantized
+
+
+
+def test_misshaped_experts_have_a_layout_reason():
+    """A bias that is not each expert's ([E, 1] for gate_up_proj_bias [E, 2I]) and w13 rows that are not 2I (9 rows
+    with down_proj's I=4: 9 // 2 == 4 fit) were taken as fused_moe's layout; each is named."""
+    experts = Experts()
+    experts.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 1))
+    assert moe.layout_reason(experts) == f"gate_up_proj_bias [{E}, 1] is not [{E}, {2 * I}] (each expert's bias)"
+    experts = Experts(i=4)
+    experts.gate_up_proj = nn.Parameter(torch.zeros(E, 9, H))
+    assert moe.shape_reason(experts) == f"gate_up_proj [{E}, 9, {H}] and down_proj [{E}, {H}, 4] are not [E, 2I, H] " \
+        "and [E, H, I]"
 
 
 def test_gelu_tanh_experts_are_taken_its_python_formula_is_not():
@@ -650,6 +686,19 @@ def test_router_rule_takes_only_expert_by_hidden_weights():
     block.router = nn.Module()
     block.router.weight = nn.Parameter(torch.randn(E, H))
     assert list(routers(block)) == ["router"]
+
+
+
+def test_a_linear_nested_in_a_child_is_no_router():
+    """A child of the MoE block whose one linear is nested a level down (adapter.inner.fc, H -> E) was named the
+    block's router (kept high precision, reported as routing); a router is the child's own linear only."""
+    block = Block()
+    block.adapter = nn.Module()
+    block.adapter.inner = nn.Module()
+    block.adapter.inner.fc = nn.Linear(H, E)
+    assert moe.routers(block) == {}
+    block.gate = nn.Linear(H, E)  # (the rule's own case: a direct child)
+    assert list(moe.routers(block)) == ["gate"]
 
 
 def test_a_router_that_also_scores_zero_experts_is_a_router():

@@ -371,6 +371,27 @@ def test_dequantize_explicit_small():
     assert out.tolist() == [[2.0, -4.0, 30.0], [2.0, 0.25, -112.0]]
 
 
+def test_scale_grad_sums_in_float64_for_a_float64_scale():
+    """A float32 grad with a float64 scale: the tile's sum was taken in float32 (the float64 scale's gradient lost
+    2**-30 against 1); it is summed in the scale's float64."""
+    grad = torch.tensor([[1.0, 2.0**-30]])
+    q = torch.ones(1, 2).to(FP8)
+    got = quant.dequantize_scale_grad(grad, q, torch.ones(1, 1, dtype=torch.float64), (-1, -1))
+    assert got.dtype == torch.float64 and got.item() == 1.0 + 2.0**-30
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_small_mm_takes_16_bit_floats_for_a_float32_output(dtype):
+    """Both 16-bit floats cast exactly to float32 (``exact_cast``): fp8fx.small_mm on fp16 x and w with a float32
+    output was refused as an inexact cast; it computes the float32 linear, within float32 rounding of float64's."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 16, generator=g).to(dtype), torch.randn(4, 16, generator=g).to(dtype)
+    assert quant.exact_cast(dtype, torch.float32) and not quant.exact_cast(torch.float32, dtype)
+    y = torch.ops.fp8fx.small_mm(x, w, None, torch.float32)
+    assert y.dtype == torch.float32
+    assert torch.allclose(y.double(), x.double() @ w.double().t(), rtol=1e-6, atol=1e-6)
+
+
 # --- requantize_shards / max_input_scale -------------------------------------------------------
 @SETTINGS
 @given(
