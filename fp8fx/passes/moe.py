@@ -275,9 +275,14 @@ class _Interpreter:
     def _sort(self, node):
         """sort / argsort of the flat ids, ascending: ``ids_sort`` ([0] the ids in sorted order, [1] the permutation
         that sorts them), or argsort's permutation (``ids[perm]``: the ids in sorted order). Any other sort (of
-        [T, K] ids: within each token; descending) is index bookkeeping of no known order."""
+        [T, K] ids: within each token) is index bookkeeping of no known order. A descending sort of the flat ids is
+        refused: the grouped GEMMs' offsets (``histc`` / ``bincount`` cumsums) count the experts in ascending order,
+        and rows sorted the other way run other experts' weights (it was taken for bookkeeping, and fused)."""
         self._idx_op(node)
         src = _input(node)
+        if self._of(src).kind == "ids" and len(_shape(src)) == 1 and _arg(node, 2, "descending", False) is not False:
+            self._fail(node, "sorts the routing ids in descending order, against the ascending expert offsets a "
+                             "grouped GEMM takes")
         if (self._of(src).kind != "ids" or len(_shape(src)) != 1 or _arg(node, 2, "descending", False)
                 or node.kwargs.keys() - {"input", "self", "dim", "descending", "stable"}):
             return _IDX

@@ -499,7 +499,7 @@ def _grouped_forward(b13_ids="sorted", b2_ids="sorted", alpha=None):
     """HF's grouped_mm experts code with GPT-OSS's biases, written out, one thing changeable: the ids each bias is
     gathered by (``"sorted"``, as HF: the rows' experts; ``"argsort"``: the same by ``ids[argsort(ids)]``;
     ``"routing"``: top_k_index's order, other experts' biases on rows sorted by expert; ``"descending"``: sorted the
-    other way; ``"per token"``: each token's k ids sorted) or the first bias added by ``torch.add(..., alpha=)``."""
+    other way (the ascending ids reversed: a descending sort is refused as such); ``"per token"``: each token's k ids sorted) or the first bias added by ``torch.add(..., alpha=)``."""
     from transformers.integrations.moe import _grouped_mm
 
     def forward(self, x, top_k_index, top_k_weights):
@@ -509,7 +509,7 @@ def _grouped_forward(b13_ids="sorted", b2_ids="sorted", alpha=None):
         offsets = torch.cumsum(torch.histc(ids_sorted.float(), bins=self.num_experts, min=0,
                                            max=self.num_experts - 1), dim=0, dtype=torch.int32)
         by = {"sorted": lambda: ids_sorted, "routing": lambda: ids, "argsort": lambda: ids[torch.argsort(ids)],
-              "descending": lambda: torch.sort(ids, descending=True)[0],
+              "descending": lambda: ids_sorted[torch.arange(ids.shape[0] - 1, -1, -1)],
               "per token": lambda: torch.sort(top_k_index)[0].reshape(-1)}
         g1 = _grouped_mm(x[perm // k], self.gate_up_proj, offs=offsets)
         if alpha is None:
@@ -529,14 +529,14 @@ def _batched_forward(view_first=False, bias_perm=None):
     """HF's batched_mm experts code with GPT-OSS's biases; ``view_first``: the first GEMM's output read through one
     view of its bmm, the bias added in place through another (which the first sees too); ``bias_perm``: the pairs
     taken in their experts' sorted order (``sort(ids)[1]``), w13's bias gathered by that permutation (``"same"``) or
-    by the descending sort's (``"other"``)."""
+    by it reversed (``"other"``: a descending sort's permutation, which is refused as such)."""
     def forward(self, x, top_k_index, top_k_weights):
         k, t, h = top_k_index.shape[-1], x.shape[0], x.shape[-1]
         weights, ids = top_k_weights.reshape(-1), top_k_index.reshape(-1)
         rows = b13_rows = torch.arange(ids.shape[0])
         if bias_perm is not None:
             rows = torch.sort(ids)[1]
-            b13_rows = rows if bias_perm == "same" else torch.sort(ids, descending=True)[1]
+            b13_rows = rows if bias_perm == "same" else rows[torch.arange(ids.shape[0] - 1, -1, -1)]
         o = torch.bmm(x.repeat_interleave(k, dim=0)[rows].unsqueeze(1), self.gate_up_proj[ids[rows]])
         g1 = o.squeeze(1)
         if view_first:
@@ -573,7 +573,7 @@ def _keyword_gate(gate_up):
     ("w2 bias of the routing order on sorted rows", _grouped_forward(b2_ids="routing"), None,
      "adds a bias gathered in the pairs' routing order to GEMM rows in their sorted order"),
     ("w13 bias of the descending order on sorted rows", _grouped_forward(b13_ids="descending"), None,
-     "indexes an expert bias other than by expert or by the routing ids"),
+     "adds a bias gathered in the pairs' gathered:arange order to GEMM rows in their sorted order"),
     ("w13 bias of each token's sorted ids on sorted rows", _grouped_forward(b13_ids="per token"), None,
      "indexes an expert bias other than by expert or by the routing ids"),
     ("batched in sorted order, w13 bias by another permutation", _batched_forward(bias_perm="other"), None,

@@ -336,6 +336,10 @@ ODD_SUMS = {  # each rewritten into fused_moe before, computing something else (
     "the combined output added to itself": (
         lambda: PairsSummed(lambda y, w, t: (lambda s: s + s)((y * w.reshape(-1, 1)).view(t, K, H).sum(dim=1))),
         "adds the outputs of every expert to a partial sum"),
+    "pairs index_added with alpha=2": (
+        lambda: PairsSummed(lambda y, w, t: torch.zeros(t, H, dtype=y.dtype).index_add_(
+            0, torch.arange(t * K) // K, y * w.reshape(-1, 1), alpha=2)),
+        "adds scaled (alpha) expert outputs"),
 }
 
 
@@ -343,7 +347,8 @@ ODD_SUMS = {  # each rewritten into fused_moe before, computing something else (
 def test_pairs_weighted_or_summed_otherwise_are_left_alone(case):
     """Pairs viewed k-major and summed over k's dim (other tokens' pairs added), routing weights cast to an integer
     (all 0) or rounded through float8, a loop's masked weights summed over all pairs flattened (one weight for every
-    token), the weighted sum returned as s + s (fused_moe's s): each was rewritten into fused_moe. Each is left alone
+    token), the weighted sum returned as s + s (fused_moe's s), pairs index_add_-ed with alpha=2 (fused_moe adds them
+    once): each was rewritten into fused_moe. Each is left alone
     now, with the reason, and computes what the model does."""
     make, reason = ODD_SUMS[case]
     model = Block(make()).to(torch.bfloat16)
@@ -725,6 +730,84 @@ class W13BiasTwice(LoopExperts):
         return out.to(x.dtype)
 
 
+class CrossedDown(LoopExperts):
+    """Expert e's w2 on expert e+1's SiLU(gate) * up: fused as expert e's w2 on its own; it stays unfused."""
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x, dtype=torch.float32)
+        hs = [F.silu(g) * u for g, u in (F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1) for e in range(E))]
+        for e in range(E):
+            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
+            out = out + weight * F.linear(hs[(e + 1) % E], self.down_proj[e])
+        return out.to(x.dtype)
+
+
+class OaiSwiGLU(LoopExperts):
+    """GPT-OSS's clamped SwiGLU, ``(up.clamp(-u, u) + 1) * gate.clamp(max=g) * sigmoid(gate.clamp(max=s) * alpha)``
+    with ``limits`` (g, s, u): with s == u != g it was fused as fused_moe's one limit s; it stays unfused."""
+
+    def __init__(self, limits=(0.5, 0.5, 0.5)):
+        super().__init__()
+        self.limits = limits
+
+    def forward(self, x, top_k_index, top_k_weights):
+        g, s, u = self.limits
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in range(E):
+            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
+            gate, up = F.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+            h = (up.clamp(-u, u) + 1) * (gate.clamp(max=g) * torch.sigmoid(gate.clamp(max=s) * 1.702))
+            out = out + weight * F.linear(h, self.down_proj[e])
+        return out.to(x.dtype)
+
+
+class TwoW13Biases(W13BiasTwice):
+    """Two tensors tagged as w13's bias (``gate_up_proj_bias`` and ``up_proj_bias``), expert 0 adding the second: fused
+    with one of them for every expert; it stays unfused."""
+
+    def __init__(self):
+        super().__init__()
+        self.up_proj_bias = nn.Parameter(torch.randn(E, 2 * I, generator=torch.Generator().manual_seed(2)) * 0.5)
+
+    def forward(self, x, top_k_index, top_k_weights):
+        out = torch.zeros_like(x, dtype=torch.float32)
+        for e in range(E):
+            weight = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
+            b13 = self.up_proj_bias if e == 0 else self.gate_up_proj_bias
+            gate, up = (F.linear(x, self.gate_up_proj[e]) + b13[e]).chunk(2, dim=-1)
+            out = out + weight * (F.linear(F.silu(gate) * up, self.down_proj[e]) + self.down_proj_bias[e])
+        return out.to(x.dtype)
+
+
+class GroupedBiased(nn.Module):
+    """HF's grouped_mm experts (``grouped_mm_experts_forward``) with GPT-OSS's biases: pairs sorted by expert
+    (``descending``: the rows then do not match the ascending offsets), each GEMM's bias gathered by
+    ``bias_ids(ids, sorted_ids)``."""
+
+    def __init__(self, descending=False, bias_ids=lambda ids, ids_g: ids_g, bias=True):
+        super().__init__()
+        g = torch.Generator().manual_seed(0)
+        self.gate_up_proj = nn.Parameter(torch.randn(E, 2 * I, H, generator=g) / H**0.5)
+        self.down_proj = nn.Parameter(torch.randn(E, H, I, generator=g) / I**0.5)
+        if bias:
+            self.gate_up_proj_bias = nn.Parameter(torch.randn(E, 2 * I, generator=g) * 0.5)
+            self.down_proj_bias = nn.Parameter(torch.randn(E, H, generator=g) * 0.5)
+        self.descending, self.bias_ids, self.bias = descending, bias_ids, bias
+
+    def forward(self, x, top_k_index, top_k_weights):
+        linear = transformers.integrations.moe._grouped_linear
+        ids = top_k_index.reshape(-1)
+        ids_g, perm = torch.sort(ids, descending=self.descending)
+        offsets = torch.cumsum(torch.histc(ids_g.float(), bins=E, min=0, max=E - 1), dim=0, dtype=torch.int32)
+        by = self.bias_ids(ids, ids_g)
+        b13, b2 = (self.gate_up_proj_bias[by], self.down_proj_bias[by]) if self.bias else (None, None)
+        gate, up = linear(x[perm // K], self.gate_up_proj, offsets, bias=b13).chunk(2, dim=-1)
+        y = linear(F.silu(gate) * up, self.down_proj, offsets, bias=b2) * top_k_weights.reshape(-1)[perm].unsqueeze(-1)
+        inv = torch.empty_like(perm)
+        inv[perm] = torch.arange(perm.size(0))
+        return y[inv].view(x.shape[0], K, H).sum(dim=1).to(x.dtype)
+
+
 @pytest.mark.parametrize("make,reason", [
     # ids clamped from 1: expert 0's pairs run expert 1 in the model; fused_moe would run them on expert 0
     (lambda: LoopExperts(routing=lambda i, w: (i.clamp(1, E - 1), w)), "multiplies values that fused_moe does not"),
@@ -740,8 +823,18 @@ class W13BiasTwice(LoopExperts):
     # H == 2I: w13[e].permute(0, 1) is w13[e] itself, square; x @ it is not x @ w13[e].T
     (lambda: LoopExperts(gemm=lambda x, w: x @ (w.permute(0, 1) if w.shape[0] == w.shape[1] else w.t())),
      "permutes an expert weight other than its last two dims"),
+    # each of these was rewritten, fused_moe computing something else
+    (CrossedDown, "multiplies w2 (expert 0) with h (expert 1)"),
+    (lambda: OaiSwiGLU(limits=(0.5, 0.25, 0.25)), "multiplies values that fused_moe does not multiply"),
+    (TwoW13Biases, "the experts read more than one tensor of a bias"),
+    # b[top_k_index] added to rows sorted by expert: other experts' biases on most rows
+    (lambda: GroupedBiased(bias_ids=lambda ids, ids_g: ids),
+     "adds a bias gathered in the pairs' routing order to GEMM rows in their sorted order"),
+    # sorted descending: rows and offsets disagree (b[sorted ids] no longer follows a known order either)
+    (lambda: GroupedBiased(descending=True), "sorts the routing ids in descending order"),
 ], ids=["clamp-1-E", "clamp-min-1", "an-expert-twice", "crossed-up", "transposed-w13", "w13-bias-twice",
-        "up-clamped-from-0", "gate-and-up-limits-differ", "identity-permute"])
+        "up-clamped-from-0", "gate-and-up-limits-differ", "identity-permute", "crossed-down", "sigmoid-limit-differs",
+        "two-w13-biases", "bias-in-routing-order", "descending-sort-with-biases"])
 def test_experts_computing_something_else_are_left_alone(make, reason):
     model = Block(make()).to(torch.bfloat16)
     x, ids, w = inputs(torch.bfloat16)
@@ -754,6 +847,21 @@ def test_experts_computing_something_else_are_left_alone(make, reason):
     assert reason in moe[0].reason, moe[0].reason
     assert torch.ops.fp8fx.fused_moe.default not in targets(gm)
     assert torch.allclose(out, eager, rtol=0.02, atol=0.02)
+
+
+def test_grouped_experts_without_biases_sorted_descending_are_left_alone():
+    """Pairs sorted descending against histc's ascending offsets (row groups run other experts' weights in the model)
+    were fused as the ascending sort's experts (a relative error of 1.5 against the model): the sort's order was
+    trusted as bookkeeping where no bias is gathered by the sorted ids. They stay unfused, with the reason."""
+    model = Block(GroupedBiased(descending=True, bias=False)).to(torch.bfloat16)
+    x, ids, w = inputs(torch.bfloat16)
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        eager = model(x, ids, w)
+        out, gm, report = compile_capture(model, x, ids, w)
+    (moe,) = [s for s in report.sites if s.kind == "moe"]
+    assert rel_err(out - x, eager - x) < 1e-3 and not moe.rewritten, (rel_err(out - x, eager - x), moe)
+    assert "sorts the routing ids in descending order" in moe.reason, moe.reason
 
 
 @pytest.mark.parametrize("fast", [True, False])
@@ -902,6 +1010,35 @@ def test_dense_experts_computing_something_else_are_left_alone(cls, reason):
     assert not site.rewritten and reason in site.reason, site.reason
     assert torch.ops.fp8fx.fused_moe.default not in targets(gm)
     assert torch.allclose(out, eager, rtol=0.02, atol=0.02)
+
+
+class DenseBroadcast(transformers.models.llama4.modeling_llama4.Llama4TextExperts):
+    """Every row on every expert: the rows [1, R, H] broadcast against the stacked weights, [E, R, H] out."""
+
+    def forward(self, hidden_states):
+        gate, up = torch.matmul(hidden_states.view(1, -1, H), self.gate_up_proj).chunk(2, dim=-1)
+        return torch.matmul(up * self.act_fn(gate), self.down_proj)
+
+
+class BroadcastBlock(DenseBlock):
+    def forward(self, x):
+        return x + self.experts(x).sum(0)
+
+
+def test_dense_gemm_of_rows_broadcast_to_every_expert_is_not_the_dense_form():
+    """A batched GEMM of [1, R, H] rows (not E leading row groups) against the stacked weights runs every expert on
+    every row, not on its E-th of them: unchecked, it was taken for the dense form's GEMM (the output's shape refused it
+    later, naming no GEMM). It is refused at that GEMM, with the reason."""
+    model = BroadcastBlock(llama4_experts(DenseBroadcast)).to(torch.bfloat16).eval()
+    x = inputs(torch.bfloat16)[0][:E]  # E rows: the experts' [E, E, H] output has the hidden states' leading size
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        eager = model(x)
+        out, gm, report = compile_capture(model, x)
+    (site,) = [s for s in report.sites if s.kind == "moe"]
+    assert not site.rewritten and "(call_function matmul) is not a GEMM for w13 stacked" in site.reason, site.reason
+    assert torch.ops.fp8fx.fused_moe.default not in targets(gm)
+    assert torch.equal(out, eager)
 
 
 @pytest.mark.parametrize("impl", ["grouped_mm", "batched_mm"])
