@@ -325,8 +325,9 @@ def _report_tagged_readers(graph: fx.Graph, ctx: PassContext) -> None:
     """A row for each weight ``quantize_`` left in high precision with its reason (``_fp8fx_skip_reason``) that a
     matmul reads as it is stored, ``x @ w`` / ``addmm(b, x, w)``: no linear site, for its weight is not transposed.
     transformers' ``Conv1D`` (GPT-2's layers: a weight [in, out]) runs so, and its layers had no row in the report,
-    only ``quantize_``'s warning. Experts (the MoE pass says why) and weights a site of this graph names already
-    are passed by."""
+    only ``quantize_``'s warning. Experts (3-D weights: the MoE pass says why) and weights a site of this graph names
+    already are passed by. Like a linear site, the row is a frame's (``ctx.frame_site``): blocks that reuse the frame
+    Dynamo compiled for the first, after a graph break, have theirs too."""
     named = {site.fqn for site in ctx.report.sites if site.graph == ctx.graph_index}
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method") or node.target not in _ADDMM + _MATMUL:
@@ -335,9 +336,10 @@ def _report_tagged_readers(graph: fx.Graph, ctx: PassContext) -> None:
         w = _without_noop_casts(operands[-1]) if operands else None
         real = ctx.example.get(w) if isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr") else None
         reason, fqn = getattr(real, "_fp8fx_skip_reason", None), getattr(real, "_fp8fx_fqn", None)
-        if not reason or fqn is None or fqn in named or getattr(real, "_fp8fx_moe_role", None):
+        if not reason or fqn is None or fqn in named or getattr(real, "ndim", 0) != 2:
             continue
         named.add(fqn)
+        ctx.frame_site(fqn, module_path(node), w)
         ctx.report.add(Site("linear", fqn, False, f"{NOT_QUANTIZED}{reason}", "", ctx.graph_index,
                             weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
                             weight_id=Site.token_of(real)))

@@ -283,7 +283,7 @@ class _Interpreter:
         if self._of(src).kind == "ids" and len(_shape(src)) == 1 and _arg(node, 2, "descending", False) is not False:
             self._fail(node, "sorts the routing ids in descending order, against the ascending expert offsets a "
                              "grouped GEMM takes")
-        if (self._of(src).kind != "ids" or len(_shape(src)) != 1 or _arg(node, 2, "descending", False)
+        if (self._of(src).kind != "ids" or len(_shape(src)) != 1
                 or node.kwargs.keys() - {"input", "self", "dim", "descending", "stable"}):
             return _IDX
         if _op_name(node) == "sort":

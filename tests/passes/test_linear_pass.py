@@ -190,6 +190,32 @@ def test_a_conv1d_layer_has_a_row_with_its_reason():
     assert backend.report.unhandled_weights(model) == []
 
 
+class ConvBlock(nn.Module):
+    """A Conv1D and a linear, then a graph break: Dynamo compiles the first block's frame and reuses it for the
+    others."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.lin = Conv1D(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x):
+        x = self.conv(x) + self.lin(x)
+        torch._dynamo.graph_break()
+        return x * 2
+
+
+def test_conv1d_rows_of_blocks_that_reuse_a_frame():
+    """Only the first block's Conv1D had a row (the linears had one each): the row was not the frame's."""
+    model = nn.Sequential(*(ConvBlock() for _ in range(3))).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    rows = {s.fqn: s.reason for s in backend.report.sites}
+    assert {f"{i}.conv" for i in range(3)} <= set(rows) and rows["2.conv"] == "not quantized: Conv1D is no nn.Linear"
+    assert backend.report.unhandled_weights(model) == []
+
+
 class RawWeight(nn.Module):
     """F.linear on a parameter of the compiled module itself: no module around it in Dynamo's graph."""
 
