@@ -415,7 +415,7 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     levels = {name: lg.level for name, lg in loggers.items()}
     loggers["fp8fx"].setLevel(logging.ERROR)
     loggers["torch"].setLevel(logging.CRITICAL)
-    named: list[torch.Tensor] = []
+    named: list[tuple[torch.Tensor, tuple[str, ...]]] = []
     try:
         decide = LinearDecider(model)
         named = _name_weights(model, decide)
@@ -430,10 +430,9 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     finally:
         for name, lg in loggers.items():
             lg.setLevel(levels[name])
-        for weight in named:
-            del weight._fp8fx_fqn
-            if hasattr(weight, "_fp8fx_skip_reason"):  # (a foreign linear's: only _name_weights tags one here)
-                del weight._fp8fx_skip_reason
+        for weight, tags in named:
+            for tag in tags:
+                delattr(weight, tag)
 
     modules = dict(model.named_modules())
     rows = []
@@ -490,8 +489,8 @@ def _name_weights(model: nn.Module, decide: LinearDecider) -> list[torch.Tensor]
     graph break, were named by their paths in that block (``a``, not ``layers.0.a``) and found no module. A weight
     several modules share keeps no tag (the site is named by the module that runs it). A linear-like module that
     is no ``nn.Linear`` (GPT-2's ``Conv1D``: ``addmm(b, x, w)``) is tagged with quantize_'s reason too, for the
-    site the linear pass gives it. Returns the weights tagged here, whose tags ``predict`` removes after the
-    trace."""
+    site the linear pass gives it. Returns the weights tagged here, each with the tags it got, which ``predict``
+    removes after the trace."""
     named = []
     for fqn, module in model.named_modules():
         weight = module._parameters.get("weight")
@@ -501,7 +500,7 @@ def _name_weights(model: nn.Module, decide: LinearDecider) -> list[torch.Tensor]
             weight._fp8fx_fqn = fqn
             if foreign:
                 weight._fp8fx_skip_reason = f"{type(module).__name__} is no nn.Linear"
-            named.append(weight)
+            named.append((weight, ("_fp8fx_fqn", "_fp8fx_skip_reason") if foreign else ("_fp8fx_fqn",)))
     return named
 
 
