@@ -499,7 +499,8 @@ def _grouped_forward(b13_ids="sorted", b2_ids="sorted", alpha=None):
     """HF's grouped_mm experts code with GPT-OSS's biases, written out, one thing changeable: the ids each bias is
     gathered by (``"sorted"``, as HF: the rows' experts; ``"argsort"``: the same by ``ids[argsort(ids)]``;
     ``"routing"``: top_k_index's order, other experts' biases on rows sorted by expert; ``"descending"``: sorted the
-    other way (the ascending ids reversed: a descending sort is refused as such); ``"per token"``: each token's k ids sorted) or the first bias added by ``torch.add(..., alpha=)``."""
+    other way (the ascending ids reversed: a descending sort is refused as such); ``"per token"``: each token's k ids
+    sorted) or the first bias added by ``torch.add(..., alpha=)``."""
     from transformers.integrations.moe import _grouped_mm
 
     def forward(self, x, top_k_index, top_k_weights):

@@ -348,8 +348,8 @@ def test_pairs_weighted_or_summed_otherwise_are_left_alone(case):
     """Pairs viewed k-major and summed over k's dim (other tokens' pairs added), routing weights cast to an integer
     (all 0) or rounded through float8, a loop's masked weights summed over all pairs flattened (one weight for every
     token), the weighted sum returned as s + s (fused_moe's s), pairs index_add_-ed with alpha=2 (fused_moe adds them
-    once): each was rewritten into fused_moe. Each is left alone
-    now, with the reason, and computes what the model does."""
+    once): each was rewritten into fused_moe. Each is left alone now, with the reason, and computes what the model
+    does."""
     make, reason = ODD_SUMS[case]
     model = Block(make()).to(torch.bfloat16)
     fp8fx.quantize_(model)

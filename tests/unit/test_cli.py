@@ -237,6 +237,15 @@ def test_inspect_gives_gpt2_s_conv1d_layers_a_row_each(capsys, tmp_path):
     assert not [n for n, p in model.named_parameters() if hasattr(p, "_fp8fx_skip_reason") or hasattr(p, "_fp8fx_fqn")]
 
 
+def test_predict_removes_only_the_tags_it_set():
+    """predict names a linear's weight for the trace and removed every tag of that weight after it, a skip reason it
+    had not set among them."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    model[0].weight._fp8fx_skip_reason = "set before"
+    predict(model, fp8fx.Fp8Config(), (torch.zeros(2, 8),), {})
+    assert model[0].weight._fp8fx_skip_reason == "set before" and not hasattr(model[0].weight, "_fp8fx_fqn")
+
+
 def test_inspect_factory_with_input_shape(capsys, models_py):
     code, out, err = run(capsys, "inspect", f"{models_py}:mlp", "--input-shape", "2,256")
     assert code == 0, err

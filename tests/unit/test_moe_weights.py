@@ -128,7 +128,6 @@ def test_block_not_dividing_intermediate_is_skipped_tagged_or_strict_error():
         fp8fx.quantize_(Block(i=96).to(torch.bfloat16), config, strict=True)
 
 
-
 def test_ungated_experts_take_blocks_not_dividing_intermediate():
     """Ungated experts (Nemotron-H's up_proj [E, I, H], down_proj [E, H, I]) have no gate and up rows for a block to
     span: with I=96 and 128x128 blocks they were refused like gated ones; they are quantized, per block."""
@@ -173,7 +172,6 @@ def test_hf_layouts_fused_moe_cannot_compute_stay_bf16_with_the_reason(flag, val
     assert model.experts.gate_up_proj.dtype == torch.bfloat16
     assert what in model.experts.gate_up_proj._fp8fx_skip_reason
     assert fp8fx.weights.is_quantized(model.proj)  # the rest of the model is quantized
-
 
 
 def test_misshaped_experts_have_a_layout_reason():
@@ -686,7 +684,6 @@ def test_router_rule_takes_only_expert_by_hidden_weights():
     block.router = nn.Module()
     block.router.weight = nn.Parameter(torch.randn(E, H))
     assert list(routers(block)) == ["router"]
-
 
 
 def test_a_linear_nested_in_a_child_is_no_router():
