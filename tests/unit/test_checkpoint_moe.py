@@ -3,6 +3,7 @@ float64 quantization, tests/unit/test_checkpoint_load.py) per expert (gate_proj/
 w1/w3/w2) or fused; bad checkpoints raise a CheckpointError naming the tensor and leave the model unchanged."""
 import pytest
 import torch
+from torch import nn
 
 import fp8fx
 from fp8fx.checkpoint import CheckpointError, load_checkpoint, meta_model
@@ -478,8 +479,6 @@ def test_bf16_per_expert_checkpoint_into_transposed_experts_left_unquantized(tmp
     transposed and kept high precision (in ignored_layers): each expert's tensors were copied untransposed (down_proj
     failed on its shape; gate_up_proj, square with H == 2I, took w1 and w3 into the wrong rows); the module holds the
     transposes of the checkpoint's fused weights."""
-    from torch import nn
-
     cfg = moe_config("qwen3_moe")
     assert H == 2 * I  # (gate_up_proj [E, H, 2I] square per expert: a missed transpose fits)
     state = reference_model(cfg).state_dict()
