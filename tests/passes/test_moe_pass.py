@@ -849,6 +849,25 @@ def test_experts_computing_something_else_are_left_alone(make, reason):
     assert torch.allclose(out, eager, rtol=0.02, atol=0.02)
 
 
+@pytest.mark.parametrize("make", [ClampedSwiGLU, OaiSwiGLU, LoopExperts, GroupedBiased,
+                                  lambda: GroupedBiased(bias=False)],
+                         ids=["clamped-swiglu", "oai-swiglu", "loop", "grouped-biased", "grouped"])
+def test_the_models_the_refusals_change_are_fused_as_written(make):
+    """The hand-written experts the refusals above alter, unaltered (one limit, biases added once and gathered by the
+    sorted ids, an ascending sort): each is fused_moe, within fp8's error of the model, so each refusal above is its
+    change's."""
+    model = Block(make()).to(torch.bfloat16)
+    x, ids, w = inputs(torch.bfloat16)
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        eager = model(x, ids, w)
+        out, gm, report = compile_capture(model, x, ids, w)
+    moe = [s for s in report.sites if s.kind == "moe"]
+    assert [(s.fqn, s.rewritten) for s in moe] == [("experts", True)], moe
+    assert torch.ops.fp8fx.fused_moe.default in targets(gm)
+    assert rel_err(out - x, eager - x) < 0.1, rel_err(out - x, eager - x)
+
+
 def test_grouped_experts_without_biases_sorted_descending_are_left_alone():
     """Pairs sorted descending against histc's ascending offsets (row groups run other experts' weights in the model)
     were fused as the ascending sort's experts (a relative error of 1.5 against the model): the sort's order was
