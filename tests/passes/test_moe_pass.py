@@ -808,6 +808,18 @@ class GroupedBiased(nn.Module):
         return y[inv].view(x.shape[0], K, H).sum(dim=1).to(x.dtype)
 
 
+def compiled_experts(make):
+    """``Block(make())`` in bf16, quantized, run eagerly and compiled: (its input, the compiled output, the eager one,
+    the report's MoE sites, the graph after the passes)."""
+    model = Block(make()).to(torch.bfloat16)
+    x, ids, w = inputs(torch.bfloat16)
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        eager = model(x, ids, w)
+        out, gm, report = compile_capture(model, x, ids, w)
+    return x, out, eager, [s for s in report.sites if s.kind == "moe"], gm
+
+
 @pytest.mark.parametrize("make,reason", [
     # ids clamped from 1: expert 0's pairs run expert 1 in the model; fused_moe would run them on expert 0
     (lambda: LoopExperts(routing=lambda i, w: (i.clamp(1, E - 1), w)), "multiplies values that fused_moe does not"),
@@ -836,13 +848,7 @@ class GroupedBiased(nn.Module):
         "up-clamped-from-0", "gate-and-up-limits-differ", "identity-permute", "crossed-down", "sigmoid-limit-differs",
         "two-w13-biases", "bias-in-routing-order", "descending-sort-with-biases"])
 def test_experts_computing_something_else_are_left_alone(make, reason):
-    model = Block(make()).to(torch.bfloat16)
-    x, ids, w = inputs(torch.bfloat16)
-    fp8fx.quantize_(model)
-    with torch.no_grad():
-        eager = model(x, ids, w)
-        out, gm, report = compile_capture(model, x, ids, w)
-    moe = [s for s in report.sites if s.kind == "moe"]
+    x, out, eager, moe, gm = compiled_experts(make)
     assert [(s.fqn, s.rewritten) for s in moe] == [("experts", False)], moe
     assert reason in moe[0].reason, moe[0].reason
     assert torch.ops.fp8fx.fused_moe.default not in targets(gm)
@@ -856,13 +862,7 @@ def test_the_models_the_refusals_change_are_fused_as_written(make):
     """The hand-written experts the refusals above alter, unaltered (one limit, biases added once and gathered by the
     sorted ids, an ascending sort): each is fused_moe, within fp8's error of the model, so each refusal above is its
     change's."""
-    model = Block(make()).to(torch.bfloat16)
-    x, ids, w = inputs(torch.bfloat16)
-    fp8fx.quantize_(model)
-    with torch.no_grad():
-        eager = model(x, ids, w)
-        out, gm, report = compile_capture(model, x, ids, w)
-    moe = [s for s in report.sites if s.kind == "moe"]
+    x, out, eager, moe, gm = compiled_experts(make)
     assert [(s.fqn, s.rewritten) for s in moe] == [("experts", True)], moe
     assert torch.ops.fp8fx.fused_moe.default in targets(gm)
     assert rel_err(out - x, eager - x) < 0.1, rel_err(out - x, eager - x)
@@ -872,13 +872,7 @@ def test_grouped_experts_without_biases_sorted_descending_are_left_alone():
     """Pairs sorted descending against histc's ascending offsets (row groups run other experts' weights in the model)
     were fused as the ascending sort's experts (a relative error of 1.5 against the model): the sort's order was
     trusted as bookkeeping where no bias is gathered by the sorted ids. They stay unfused, with the reason."""
-    model = Block(GroupedBiased(descending=True, bias=False)).to(torch.bfloat16)
-    x, ids, w = inputs(torch.bfloat16)
-    fp8fx.quantize_(model)
-    with torch.no_grad():
-        eager = model(x, ids, w)
-        out, gm, report = compile_capture(model, x, ids, w)
-    (moe,) = [s for s in report.sites if s.kind == "moe"]
+    x, out, eager, (moe,), gm = compiled_experts(lambda: GroupedBiased(descending=True, bias=False))
     assert rel_err(out - x, eager - x) < 1e-3 and not moe.rewritten, (rel_err(out - x, eager - x), moe)
     assert "sorts the routing ids in descending order" in moe.reason, moe.reason
 
