@@ -87,9 +87,7 @@ def quantize_(
         )
     modules = [(name, m) for name, m in modules if name not in done]
 
-    aliases = [fqn for fqn, _ in model.named_modules(prefix=prefix, remove_duplicate=False)]  # (every module's names)
-    check_ignored_layers(config, aliases, f"this {type(model).__name__}", "quantized", prefix)
-    config = ignoring_aliases(config, model, prefix)
+    config = checked_ignores(config, model, prefix, "quantized")
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
     decide = LinearDecider(model, prefix)
@@ -375,6 +373,15 @@ def check_prefix(prefix: str, where: str) -> None:
             f"{where}(prefix={prefix!r}): the dotted name of the module inside its model, e.g. 'model.layers.0' "
             "('' for the whole model)"
         )
+
+
+def checked_ignores(config: Fp8Config, model: nn.Module, prefix: str, undone: str) -> Fp8Config:
+    """``config`` as ``quantize_`` and ``calibrate`` go by it: its ``ignored_layers`` checked against every name of
+    ``model``'s modules (``check_ignored_layers``: a module registered twice is named by either), and widened to the
+    names ``named_modules()`` gives such modules (``ignoring_aliases``)."""
+    aliases = [fqn for fqn, _ in model.named_modules(prefix=prefix, remove_duplicate=False)]
+    check_ignored_layers(config, aliases, f"this {type(model).__name__}", undone, prefix)
+    return ignoring_aliases(config, model, prefix)
 
 
 def ignoring_aliases(config: Fp8Config, model: nn.Module, prefix: str) -> Fp8Config:
@@ -697,9 +704,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     # a misspelt entry would measure, and then quantize statically, the layer it was meant to keep (quantize_ refuses
     # it too)
     named = list(model.named_modules(prefix=prefix))
-    aliases = [fqn for fqn, _ in model.named_modules(prefix=prefix, remove_duplicate=False)]
-    check_ignored_layers(config, aliases, f"this {type(model).__name__}", "measured", prefix)
-    config = ignoring_aliases(config, model, prefix)
+    config = checked_ignores(config, model, prefix, "measured")
     amax: dict[str, float] = {}
     batch_no = [0]
     modules = [(fqn, m) for fqn, m in named if not config.is_ignored(fqn)]
