@@ -280,11 +280,11 @@ class _Interpreter:
         and rows sorted the other way run other experts' weights (it was taken for bookkeeping, and fused)."""
         self._idx_op(node)
         src = _input(node)
-        if self._of(src).kind == "ids" and len(_shape(src)) == 1 and _arg(node, 2, "descending", False) is not False:
+        flat_ids = self._of(src).kind == "ids" and len(_shape(src)) == 1
+        if flat_ids and _arg(node, 2, "descending", False) is not False:
             self._fail(node, "sorts the routing ids in descending order, against the ascending expert offsets a "
                              "grouped GEMM takes")
-        if (self._of(src).kind != "ids" or len(_shape(src)) != 1
-                or node.kwargs.keys() - {"input", "self", "dim", "descending", "stable"}):
+        if not flat_ids or node.kwargs.keys() - {"input", "self", "dim", "descending", "stable"}:
             return _IDX
         if _op_name(node) == "sort":
             return Val("ids_sort", order=f"perm:{src.name}")
