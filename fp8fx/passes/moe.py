@@ -107,6 +107,16 @@ class Val:
     order: str = ""
 
 
+def _order_words(order: str) -> str:
+    """``Val.order`` as the reasons say it (the internal ``"gathered:<node>"`` names the index node)."""
+    if not order:
+        return "the routing order (top_k_index's)"
+    if order == "sorted":
+        return "the experts' ascending order (a sort of the routing ids)"
+    kind, _, node = order.partition(":")
+    return f"the order of the index {node!r}" if kind == "gathered" else f"the order of the sort of {node!r}"
+
+
 _IDX = Val("idx")
 _INDEX_KINDS = ("idx", "ids", "mask", "sentinel")
 # ops that may read ``ids_part`` (as their first operand): they keep it ``ids_part`` or make it sentinel flags
@@ -551,8 +561,8 @@ class _Interpreter:
         if not same:
             self._fail(node, f"adds the bias of expert(s) {bias.expert} to the output of expert(s) {v.expert}")
         if v.expert is None and bias.order != v.order:  # (b[ids] on rows sorted by expert: other experts' biases)
-            self._fail(node, f"adds a bias gathered in the pairs' {bias.order or 'routing'} order to GEMM rows in "
-                             f"their {v.order or 'routing'} order")
+            self._fail(node, f"adds a bias gathered in {_order_words(bias.order)} to GEMM rows in "
+                             f"{_order_words(v.order)}")
         if v.fdim != -1 or _shape(node) != _shape(v_node):
             self._fail(node, "adds a bias other than along the GEMM output's features")
         return dataclasses.replace(v, b=True)

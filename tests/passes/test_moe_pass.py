@@ -841,7 +841,7 @@ def compiled_experts(make):
     (TwoW13Biases, "the experts read more than one tensor of a bias"),
     # b[top_k_index] added to rows sorted by expert: other experts' biases on most rows
     (lambda: GroupedBiased(bias_ids=lambda ids, ids_g: ids),
-     "adds a bias gathered in the pairs' routing order to GEMM rows in their sorted order"),
+     "adds a bias gathered in the routing order (top_k_index's) to GEMM rows in the experts' ascending order"),
     # sorted descending: rows and offsets disagree (b[sorted ids] no longer follows a known order either)
     (lambda: GroupedBiased(descending=True), "sorts the routing ids in descending order"),
 ], ids=["clamp-1-E", "clamp-min-1", "an-expert-twice", "crossed-up", "transposed-w13", "w13-bias-twice",
