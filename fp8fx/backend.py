@@ -32,7 +32,7 @@ _DUMPERS: "weakref.WeakSet[Fp8Backend]" = weakref.WeakSet()
 # reset: other processes' backends write beside it; a folder whose backend was collected unreset is claimed with it
 _DUMP_LOCKS: dict[str, int] = {}
 _MAX_DUMP_FOLDERS = 64  # backend<k> folders tried before a graph goes undumped
-_FORK_HOOK: list[bool] = []  # [True] once _forget_dump_locks is registered to run in forked children
+_fork_hook_registered = False  # whether _forget_dump_locks is registered to run in forked children
 
 
 def _forget_dump_locks() -> None:
@@ -336,6 +336,7 @@ class Fp8Backend:
     def _claim(self, folder: str) -> bool:
         """Whether ``folder`` is this backend's now: no other live backend of this process writes into it, and
         this process holds its lock or took it now."""
+        global _fork_hook_registered
         real = os.path.realpath(folder)
         if _DUMP_WRITERS.get(real) not in (None, self):
             return False
@@ -344,9 +345,9 @@ class Fp8Backend:
             lock = lock_folder(folder)
             if lock is None:  # another process's live backend
                 return False
-            if not _FORK_HOOK and hasattr(os, "register_at_fork"):  # (once: at the first lock this process takes)
+            if not _fork_hook_registered and hasattr(os, "register_at_fork"):  # (once: at this process's first lock)
                 os.register_at_fork(after_in_child=_forget_dump_locks)
-                _FORK_HOOK.append(True)
+                _fork_hook_registered = True
             _DUMP_LOCKS[real] = lock
         _DUMP_WRITERS[real] = self
         return True
