@@ -267,6 +267,7 @@ class _Undo:
                                    "quantized (the model is as it was)")
                 raise
             vars(self.model)[_UNFINISHED] = self.key
+            guard_casts(self.model)  # (its fp8 layers refuse a cast before any module converts, as when finished)
             reason = (f"quantize_ stopped at {fqn} ({type(error).__name__}) before it quantized this layer; call "
                       "quantize_ again with the same arguments to finish")
             for name, m in self.planned:

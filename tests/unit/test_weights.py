@@ -1083,6 +1083,38 @@ def test_quantize_failing_at_its_first_layer_leaves_the_model_as_it_was(monkeypa
     assert all(fp8fx.weights.is_quantized(m) for m in model)
 
 
+def test_a_cast_of_a_half_quantized_model_is_refused_before_any_module_converts(monkeypatch):
+    """quantize_ stopped at its last layer (out of memory): ``.half()``, which the fp8 layer 1 refuses (its scale
+    times 448 is beyond float16), had converted layer 0's bias and the bf16 layers first; it is refused before any
+    module converts, as for a finished model (found by a bad-input probe)."""
+    from fp8fx.weights import chunked
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 16))
+    with torch.no_grad():
+        model[2].weight[0, 0] = 1e6
+    real, calls = chunked.quantize, []
+
+    def out_of_memory_at_the_third(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(chunked, "quantize", out_of_memory_at_the_third)
+        with pytest.raises(torch.OutOfMemoryError):
+            fp8fx.quantize_(model)
+    assert fp8fx.weights.is_quantized(model[2]) and not fp8fx.weights.is_quantized(model[3])
+    before = {k: (v.dtype, v.clone()) for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"^2: cast to torch.float16, but a scale of .* is beyond torch.float16"):
+        model.half()
+    after = model.state_dict()
+    assert all(after[k].dtype == dtype and torch.equal(after[k], v) for k, (dtype, v) in before.items())
+    model.double()  # a cast its fp8 layers take: every module converts
+    assert model[3].weight.dtype == model[1].weight.dtype == model[0].bias.dtype == torch.float64
+
+
 def test_quantize_failing_on_the_way_leaves_each_layer_whole_and_finishes_when_called_again(monkeypatch, tmp_path):
     """An error in a late layer's quantization (out of memory on a full GPU) left that layer half changed (a plain
     Linear with fp8fx attributes) and the model refused by the next quantize_ ("already fp8-quantized"). The layer
