@@ -258,19 +258,34 @@ def check_online(what: str, loaded: torch.Tensor, dtype: torch.dtype, prefix: st
 def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
     """``Module._load_from_state_dict`` of a quantized layer or experts module: an fp8 parameter's tensor of another
     dtype (a bf16 state dict loaded into the quantized model) is refused, naming it, and nothing of the module is
-    loaded. Copied in, its values were cast to fp8 and read as codes under the old scales (outputs off by ~100%)."""
+    loaded. Copied in, its values were cast to fp8 and read as codes under the old scales (outputs off by ~100%).
+    So are scales no loader takes (0, <0, NaN, Inf: ``quant.bad_scales``) and NaN codes, which ``load_checkpoint``
+    refuses: loaded, the layer's outputs were NaN, zero or negated, silently."""
     error_msgs = args[-1]
     for name, codes in self._parameters.items():
         given = state_dict.get(prefix + name)
-        if codes is None or not _kept(name, codes) or name.endswith(("scale", "scale_inv")):
+        if codes is None or not _kept(name, codes) or not isinstance(given, torch.Tensor) or given.is_meta:
             continue
-        if isinstance(given, torch.Tensor) and given.dtype != codes.dtype:
+        if name.endswith(("scale", "scale_inv")):
+            why = quant.bad_scales(given.detach().float())
+            if why:
+                error_msgs.append(f"{prefix}{name}: {why}; load the scales the quantized model's state_dict holds, "
+                                  "or quantize the layer again from its high-precision weight (this module was not "
+                                  "loaded)")
+                return
+            continue
+        if given.dtype != codes.dtype:
             error_msgs.append(
                 f"{prefix}{name}: a {given.dtype} tensor for a module fp8fx quantized (its {name} is {codes.dtype} "
                 "codes scaled by its scales), whose values would be taken as codes; load 16-bit weights into the model "
                 "before fp8fx.quantize_, or fp8 ones with their scales (a state_dict of the quantized model, "
                 "fp8fx.load_checkpoint)"
             )
+            return
+        bad = chunked.count_nonfinite(given.detach())
+        if bad:
+            error_msgs.append(f"{prefix}{name} has {bad} NaN codes, which no loader takes; fix the weights (this "
+                              "module was not loaded)")
             return
     made = next(c for c in type(self).__mro__ if "_fp8fx_maker" in c.__dict__)
     super(made, self)._load_from_state_dict(state_dict, prefix, *args)

@@ -2,6 +2,7 @@
 per-tensor / block, online shards), scale shapes, requantization to the max, divisibility errors."""
 import gc
 import logging
+import re
 import weakref
 
 import pytest
@@ -833,6 +834,34 @@ def test_a_16_bit_state_dict_into_quantized_layers_is_refused_naming_the_tensor(
     model.load_state_dict(bf16.state_dict())  # the quantized model's own state dict loads as before
     x = torch.randn(3, H, dtype=torch.bfloat16)
     assert torch.equal(model.proj(x), bf16.proj(x))
+
+
+@pytest.mark.parametrize("name,value", [("proj.weight_scale", float("nan")), ("proj.weight_scale", 0.0),
+                                        ("experts.down_proj_scale", -1.0), ("experts.gate_up_proj_scale", float("inf")),
+                                        ("proj.weight", float("nan")), ("experts.gate_up_proj", float("nan"))])
+def test_a_state_dict_of_scales_or_codes_no_loader_takes_is_refused_naming_the_tensor(name, value):
+    """A quantized model's state dict with a NaN, 0, negative or infinite scale, or a NaN fp8 code (one value), loaded
+    into a quantized model: it loaded, and the layer's outputs were NaN, zero or negated, silently (load_checkpoint
+    refuses the same tensors). Each such module refuses it, naming the tensor and the value, and keeps its own."""
+    model, other = Block(seed=1).to(torch.bfloat16), Block().to(torch.bfloat16)
+    fp8fx.quantize_(model, Fp8Config())
+    fp8fx.quantize_(other, Fp8Config())
+    state = {k: v.clone() for k, v in other.state_dict().items()}
+    state[name].view(-1)[5] = value
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    codes = "NaN codes, which no loader takes" if name.endswith("proj") or name.endswith("weight") else (
+        rf"1 scales are not positive finite floats \({value} at \[0, 5, 0\]\)" if name.startswith("experts") else
+        rf"1 scales are not positive finite floats \({value} at \[5, 0\]\)")
+    with pytest.raises(RuntimeError, match=rf"{re.escape(name)}(:| has 1) {codes}"):
+        model.load_state_dict(state)
+    module = name.partition(".")[0]
+    assert all(torch.equal(v.view(torch.uint8) if v.dtype.itemsize == 1 else v,
+                           before[k].view(torch.uint8) if v.dtype.itemsize == 1 else before[k])
+               for k, v in model.state_dict().items() if k.startswith(module))
+    state[name] = other.state_dict()[name]
+    model.load_state_dict(state)  # the same state dict with the tensor as it was loads
+    x = torch.randn(3, H, dtype=torch.bfloat16)
+    assert torch.equal(model.proj(x), other.proj(x))
 
 
 def test_w13_input_scale_is_the_max_of_w1_and_w3_whatever_their_order(caplog):
