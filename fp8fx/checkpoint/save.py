@@ -166,10 +166,18 @@ def _check_scales(modules: Mapping[str, nn.Module], fp8: Mapping[str, Any]) -> N
     """Refuses a scale the model holds that no loader takes (0, <0, subnormal, NaN, Inf: load_checkpoint refused the
     checkpoint save_checkpoint had written), naming it, before anything is written: the fp8 linears' (``fp8``) and
     experts' scales, and the attentions' KV-cache scales (those fp8fx attached: a model's own ``q_scale`` is its
-    own). A meta tensor is left to the caller's check, which names it."""
+    own). So are their fp8 codes with a NaN, which load_checkpoint refuses too. A meta tensor is left to the
+    caller's check, which names it."""
     for fqn, m in modules.items():
         for name, t in list(m._parameters.items()) + list(m._buffers.items()):
             if t is None or t.is_meta or not t.is_floating_point():
+                continue
+            if t.dtype == quant.FP8_DTYPE and (fqn in fp8 or name in _EXPERT_LEAVES):
+                bad = chunked.count_nonfinite(t.detach())
+                if bad:
+                    raise ValueError(f"save_checkpoint: {fqn}.{name} has {bad} NaN fp8 codes, which no loader takes: "
+                                     "fix the weights (or quantize the layer again from its high-precision weight), "
+                                     "then save (nothing was written)")
                 continue
             if name in m.__dict__.get("_fp8fx_kv_scales", ()):  # (attach_kv_scales's: float32, one value)
                 try:

@@ -1005,10 +1005,11 @@ def test_save_refuses_an_fp8_layer_whose_weight_is_no_longer_fp8(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
-@pytest.mark.parametrize("bad", ["nan weight_scale", "zero input_scale", "negative k_scale", "inf block scale"])
+@pytest.mark.parametrize("bad", ["nan weight_scale", "zero input_scale", "negative k_scale", "inf block scale",
+                                 "nan weight"])
 def test_save_refuses_a_scale_no_loader_takes(tmp_path, bad):
-    """A NaN weight scale or a negative KV-cache scale was written without a word, and load_checkpoint then refused
-    the checkpoint save_checkpoint had written."""
+    """A NaN weight scale, a negative KV-cache scale or a NaN fp8 code was written without a word, and load_checkpoint
+    then refused the checkpoint save_checkpoint had written."""
     from fp8fx.weights import kv_cache
 
     kind, name = bad.split(" ", 1)
@@ -1020,7 +1021,7 @@ def test_save_refuses_a_scale_no_loader_takes(tmp_path, bad):
     value = {"nan": float("nan"), "zero": 0.0, "negative": -2.0, "inf": float("inf")}[kind]
     leaf = {"block scale": "weight_scale_inv"}.get(name, name)
     owner = attn if leaf == "k_scale" else attn.o_proj
-    getattr(owner, leaf).data.view(-1)[-1] = value
+    (owner._parameters[leaf] if leaf == "weight" else getattr(owner, leaf)).data.view(-1)[-1] = value  # (the codes)
     fqn = "model.layers.0.self_attn" + ("" if leaf == "k_scale" else ".o_proj")
     with pytest.raises(ValueError, match=rf"save_checkpoint: {fqn}\.{leaf}.*nothing was written"):
         save_checkpoint(model, tmp_path / "x")
