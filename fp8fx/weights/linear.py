@@ -452,6 +452,25 @@ def same_layout(name: str, loaded: tuple, dest: tuple) -> bool:
     return quant.without_trailing_ones(loaded) == quant.without_trailing_ones(dest)
 
 
+def check_create_arguments(where: str, params_dtype: torch.dtype, **sizes) -> None:
+    """The arguments of ``create_weights`` (``Fp8LinearMethod``'s, ``Fp8MoEMethod``'s), checked before anything of
+    the layer changes: each size an int >= 0 (``output_partition_sizes``: a list of them, one at least; ``tp_size``
+    >= 1), ``params_dtype`` the dtype the layer computes in. Unchecked, a negative or fractional size failed in
+    torch with no name, and an integer dtype at the first weight loaded, each leaving the layer half-created."""
+    for name, value in sizes.items():
+        many = name == "output_partition_sizes"
+        values = list(value) if many and isinstance(value, (list, tuple)) else [value]
+        least = 1 if name == "tp_size" else 0
+        if many and not isinstance(value, (list, tuple)) or not values or not all(
+                isinstance(v, int) and not isinstance(v, bool) and v >= least for v in values):
+            what = "a list of ints >= 0, one for each fused shard" if many else f"an int >= {least}"
+            raise ValueError(f"{where}: create_weights({name}={value!r}): {what} (nothing of the layer changed)")
+    if params_dtype not in quant.HIGH_PRECISION:
+        raise ValueError(f"{where}: create_weights(params_dtype={params_dtype!r}): the dtype the layer computes in "
+                         "(its dequantized weight's and outputs'), torch.bfloat16, torch.float16 or torch.float32 "
+                         "(nothing of the layer changed)")
+
+
 class Fp8LinearMethod:
     """create_weights -> weight_loader (full tensor or shards) -> process_weights_after_loading.
 
@@ -478,8 +497,18 @@ class Fp8LinearMethod:
         prefix: str = "",
     ) -> None:
         """``prefix``: the layer's name in its model, which every error of the loader names (default: its class)."""
+        where = prefix or type(layer).__name__
+        check_create_arguments(where, params_dtype, input_size=input_size,
+                               output_partition_sizes=output_partition_sizes)
+        w = self.scheme.weight
+        if (self.config.is_checkpoint_fp8_serialized and isinstance(w, PerBlock)
+                and any(size % w.block_n for size in output_partition_sizes[:-1])):
+            raise ValueError(
+                f"{where}: output partitions {list(output_partition_sizes)} of a fused {w} layer: every partition but "
+                f"the last must be a multiple of block_n={w.block_n}, so that no scale block spans two partitions"
+            )
         n, k = sum(output_partition_sizes), input_size
-        layer._fp8fx_prefix = prefix or type(layer).__name__
+        layer._fp8fx_prefix = where
         layer._fp8fx_partitions = tuple(output_partition_sizes)
         layer._fp8fx_dtype = params_dtype
         layer._fp8fx_w_block = list(self.scheme.weight.block)
@@ -502,13 +531,6 @@ class Fp8LinearMethod:
             layer._parameters["weight"] = param(torch.empty(n, k, dtype=params_dtype, device="meta"))
             layer._fp8fx_device = device
             return
-        w = self.scheme.weight
-        if layer._fp8fx_block_scales and any(size % w.block_n for size in output_partition_sizes[:-1]):
-            raise ValueError(
-                f"{layer._fp8fx_prefix}: output partitions {list(output_partition_sizes)} of a fused {w} layer: "
-                "every partition but the "
-                f"last must be a multiple of block_n={w.block_n}, so that no scale block spans two partitions"
-            )
         layer._parameters["weight"] = param(torch.empty(n, k, dtype=quant.FP8_DTYPE, device=device))
         # scales start at the "never loaded" marker: process_weights_after_loading refuses any left there
         if layer._fp8fx_block_scales:

@@ -39,7 +39,8 @@ from torch import nn
 from fp8fx import quant
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
 from fp8fx.weights import chunked
-from fp8fx.weights.linear import check_online, fp8_apply, fp8_load_from_state_dict, reduce_made_class, same_layout
+from fp8fx.weights.linear import check_create_arguments, check_online, fp8_apply, fp8_load_from_state_dict
+from fp8fx.weights.linear import reduce_made_class, same_layout
 from fp8fx.weights.linear import setstate_made_class
 
 log = logging.getLogger("fp8fx")
@@ -390,6 +391,8 @@ class Fp8MoEMethod:
         (no w1 / w3 shards)."""
         e, h, i = num_experts, hidden_size, intermediate_size
         prefix = prefix or type(layer).__name__
+        check_create_arguments(prefix, params_dtype, num_experts=e, hidden_size=h, intermediate_size=i,
+                               tp_size=tp_size)
         error = block_error(self.scheme, i, tp_size, gated)
         if error:
             raise ValueError(f"{prefix}: {error}")

@@ -333,6 +333,49 @@ def test_loader_rejects_wrong_shard_shape():
         method.weight_loader(layer, "weight", torch.randn(64, 64), shard_id=1)
 
 
+_ONLINE, _STATIC = Fp8Config(), Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static")
+_BLOCK = Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[32, 32])
+
+
+@pytest.mark.parametrize("linear,config,bad", [
+    (linear, config, bad) for linear in (True, False) for config in (_ONLINE, _STATIC, _BLOCK)
+    for bad in ("negative", "fraction", "bool", "dtype") + (("partitions", "empty") if linear else ("tp_size",))
+] + [(True, _BLOCK, "blocks")])
+def test_create_weights_refuses_bad_arguments_naming_the_layer_and_changes_nothing(linear, config, bad):
+    """create_weights with a negative or fractional size failed in torch (no layer, no argument named), an integer
+    params_dtype at the first weight loaded, each leaving the layer with fp8fx attributes (and, static, an input
+    scale); found by a bad-input probe. Each is refused naming the layer, the argument and its value, and the layer
+    is as it was; the same call with good arguments then creates the weights."""
+    from fp8fx.weights import Fp8MoEMethod
+
+    args = dict(input_size=64, output_partition_sizes=[32, 32]) if linear else dict(
+        num_experts=4, hidden_size=64, intermediate_size=32)
+    good = dict(args)
+    key, value, message = {
+        "negative": ("input_size" if linear else "hidden_size", -1, "an int >= 0"),
+        "fraction": ("output_partition_sizes" if linear else "intermediate_size", [16.5, 15.5] if linear else 32.0,
+                     "a list of ints >= 0, one for each fused shard" if linear else "an int >= 0"),
+        "bool": ("input_size" if linear else "num_experts", True, "an int >= 0"),
+        "tp_size": ("tp_size", 0, "an int >= 1"),
+        "partitions": ("output_partition_sizes", 64, "a list of ints >= 0, one for each fused shard"),
+        "empty": ("output_partition_sizes", [], "a list of ints >= 0, one for each fused shard"),
+        "blocks": ("output_partition_sizes", [16, 48], "every partition but the last must be a multiple of block_n=32"),
+        "dtype": ("params_dtype", torch.int8, "the dtype the layer computes in"),
+    }[bad]
+    args[key] = value
+    dtype = args.pop("params_dtype", torch.bfloat16)
+    layer = nn.Linear(64, 64, device="meta") if linear else nn.Module()
+    before = (type(layer), dict(vars(layer)), dict(layer._parameters))
+    method = (Fp8LinearMethod if linear else Fp8MoEMethod)(config)
+    shown = re.escape(f"{key}={value!r}") if bad != "blocks" else r"output partitions \[16, 48\]"
+    with pytest.raises(ValueError, match=rf"^model.layers.0.proj: (create_weights\({shown}\)|{shown}).*"
+                                         rf"{re.escape(message)}"):
+        method.create_weights(layer, params_dtype=dtype, device="cpu", prefix="model.layers.0.proj", **args)
+    assert (type(layer), vars(layer), layer._parameters) == before
+    method.create_weights(layer, params_dtype=torch.bfloat16, device="cpu", prefix="model.layers.0.proj", **good)
+    assert layer._fp8fx_prefix == "model.layers.0.proj"
+
+
 def test_online_shard_loaded_twice_is_an_error():
     """Counting copied elements alone would reach numel with a repeated shard and quantize a weight
     whose other rows were never written."""
