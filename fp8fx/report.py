@@ -118,7 +118,7 @@ class Report:
         if not site.rewritten and (site.fqn, site.reason) not in self._logged:
             self._logged.add((site.fqn, site.reason))
             level = logging.INFO if _by_design(site.reason) else logging.WARNING
-            log.log(level, "fp8fx: %s %s not rewritten: %s", site.kind, site.fqn, site.reason)
+            log.log(level, "fp8fx: %s %s not rewritten: %s", site.kind, site.fqn or ROOT, site.reason)
 
     def add_topk(self, site: Site) -> None:
         self.topk.append(site)
@@ -134,7 +134,7 @@ class Report:
             if site.graph == graph and site.rewritten:
                 self.sites[i] = dataclasses.replace(site, rewritten=False, reason=reason, scheme="", bytes_saved=0,
                                                     kernel="")
-                log.warning("fp8fx: %s %s not rewritten: %s", site.kind, site.fqn, reason)
+                log.warning("fp8fx: %s %s not rewritten: %s", site.kind, site.fqn or ROOT, reason)
         self.topk = [dataclasses.replace(s, rewritten=False, reason=reason, scheme="", kernel="")
                      if s.graph == graph and s.rewritten else s for s in self.topk]
 

@@ -488,6 +488,20 @@ def test_layers_kept_in_high_precision_by_design_log_at_info(caplog):
     assert levels == [logging.INFO] * 3 + [logging.WARNING], levels
 
 
+def test_the_log_names_a_site_of_the_root_module_as_the_table_does(caplog):
+    """A compiled bare nn.Linear: its site's fqn is "" and the log line read "fp8fx: linear  not rewritten: ...",
+    naming no layer (found by a README walkthrough); it says "(root module)", as the table, also for a graph that
+    failed."""
+    report = Report()
+    with caplog.at_level(logging.INFO, logger="fp8fx"):
+        report.add(Site("linear", "", False, "traced with autograd", "", 0))
+        report.add(Site("linear", "", True, "", "per-row", 1))
+        report.fail_graph(1, "Inductor failed")
+    lines = [r.getMessage() for r in caplog.records if r.name == "fp8fx" and "not rewritten" in r.getMessage()]
+    assert lines == ["fp8fx: linear (root module) not rewritten: traced with autograd",
+                     "fp8fx: linear (root module) not rewritten: Inductor failed"], lines
+
+
 def test_a_graph_the_report_does_not_hold_is_refused(report):
     """report.table(graph=99) read as an empty graph, "0 of 0 sites rewritten", as if nothing was rewritten."""
     for show in (report.table, report.to_json, report.to_dict):
