@@ -1,7 +1,8 @@
 """Router pass: an MoE router's linear (kept in high precision) to ``fp8fx.small_mm``, one launch at decode.
 
 Matches (Dynamo torch IR) every linear whose weight is an MoE router's, as ``quantize_`` / ``load_checkpoint`` tag it
-(``fp8fx.weights.moe.routers``: "routes tokens to ..."; the linear pass reports that site as not quantized)::
+(``fp8fx.weights.moe.routers``: "routes tokens to ..." or a shared expert's gate; the linear pass reports that site as
+not quantized)::
 
     logits = torch._C._nn.linear(x, w, b)            # or F.linear; Nemotron-H's: F.linear(x.float(), w.float())
 
@@ -26,7 +27,7 @@ import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.passes.base import NodePass, PassContext, fake_value, float32_source, replace_node
 from fp8fx.passes.linear import _LINEAR, _read_from
-from fp8fx.weights.moe import ROUTES_PREFIX
+from fp8fx.weights.moe import is_router_reason
 
 log = logging.getLogger("fp8fx")
 
@@ -34,7 +35,7 @@ log = logging.getLogger("fp8fx")
 def _router_weight(w, ctx: PassContext) -> bool:
     source = _read_from(w)
     real = ctx.example.get(source) if isinstance(source, fx.Node) else None
-    return str(getattr(real, "_fp8fx_skip_reason", "")).startswith(ROUTES_PREFIX)
+    return is_router_reason(getattr(real, "_fp8fx_skip_reason", None))
 
 
 def _reason(node: fx.Node, x, w, bias, records_grad: bool) -> str:

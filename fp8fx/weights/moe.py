@@ -178,11 +178,13 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
     MoE block holding an experts module, a linear child of the block, or the only linear of a child of the
     block (a linear inside an MLP, such as a shared expert's, is none), with as many outputs as there are
     experts (the router: Phimoe's ``router``, AfMoE's ``router.gate``; LongCat-Flash's ``router.classifier`` scores
-    its block's ``zero_expert_num`` identity experts too) or one (Qwen2-MoE's ``shared_expert_gate``). vLLM builds
+    its block's ``zero_expert_num`` identity experts too) or one (Qwen2-MoE's ``shared_expert_gate``, which routes no
+    token: its sigmoid scales the shared expert's output, and its reason says so). vLLM builds
     them unquantized: fp8 router logits flip top-k choices (Phimoe: 0.24 against 0.18 relative error of the logits
     with them in bf16)."""
     modules = dict(model.named_modules(prefix=prefix))
     found: dict[str, list[str]] = {}  # router -> the experts modules of its block (JetMoE's: two)
+    gates: set[str] = set()  # those of one output: a shared expert's gate (its sigmoid scales that expert's output)
     for fqn, experts in modules.items():
         if fqn == prefix or not (is_any_experts(experts) or foreign_experts(experts)):
             continue
@@ -203,19 +205,26 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
             if not linears and router_shape:
                 # a router module of its own that is no nn.Linear (transformers 5's MixtralTopKRouter: F.linear on
                 # its weight): never quantized, named here for the report
-                found.setdefault(f"{parent}.{child_name}" if parent else child_name, []).append(fqn)
+                full, rows = (f"{parent}.{child_name}" if parent else child_name), weight.shape[0]
+            elif len(linears) == 1 and "." not in linears[0][0] and linears[0][1].out_features in outputs:
+                full, rows = ".".join(p for p in (parent, child_name, linears[0][0]) if p), linears[0][1].out_features
+            else:  # an MLP's linears (a shared expert's) route nothing
                 continue
-            if len(linears) != 1 or "." in linears[0][0]:  # an MLP's linears (a shared expert's) route nothing
-                continue
-            name, linear = linears[0]
-            if linear.out_features in outputs:
-                full = ".".join(p for p in (parent, child_name, name) if p)
-                found.setdefault(full, []).append(fqn)
-    return {router: _ROUTES.format(" and ".join(experts)) for router, experts in found.items()}
+            found.setdefault(full, []).append(fqn)
+            if rows == 1 and count != 1:  # (one expert's router has one output too)
+                gates.add(full)
+    return {router: (_GATES if router in gates else _ROUTES).format(" and ".join(experts))
+            for router, experts in found.items()}
 
 
-_ROUTES = "routes tokens to {} (an MoE router or gate: high precision, as vLLM keeps it)"
-ROUTES_PREFIX = _ROUTES.split("{}")[0]  # how every router's reason starts (fp8fx.passes.router finds them by it)
+_KEPT = " (an MoE router or gate: high precision, as vLLM keeps it)"  # how every router's reason ends
+_ROUTES = "routes tokens to {}" + _KEPT
+_GATES = "gates the shared expert beside {}" + _KEPT
+
+
+def is_router_reason(reason: object) -> bool:
+    """Whether ``reason`` (a weight's ``_fp8fx_skip_reason``) is ``routers``': the router pass finds them by it."""
+    return isinstance(reason, str) and reason.endswith(_KEPT)
 
 
 def tag_routers(model: nn.Module, found: dict[str, str], prefix: str = "") -> None:

@@ -231,13 +231,13 @@ def test_inductor_calls_the_ops():
 def test_router_linears_the_kernel_would_change_are_left():
     """Under ``torch.autocast`` a float32 router's linear computes in bf16 (the op would say float32), and a bias that
     broadcasts is not the kernel's [N]: both stay torch's, and the output is the model's, in its dtype."""
-    from fp8fx.weights.moe import ROUTES_PREFIX
+    from fp8fx.weights.moe import _ROUTES
 
     class Gate(nn.Module):
         def __init__(self):
             super().__init__()
             self.weight = nn.Parameter(torch.randn(8, 64))
-            self.weight._fp8fx_skip_reason = ROUTES_PREFIX + "experts (a test's)"
+            self.weight._fp8fx_skip_reason = _ROUTES.format("experts")
 
         def forward(self, x, bias):
             return F.linear(x.float(), self.weight.float()), F.linear(x.float(), self.weight, bias)
@@ -256,6 +256,31 @@ def test_router_linears_the_kernel_would_change_are_left():
         assert [o.dtype for o in out] == [w.dtype for w in want] == [torch.bfloat16 if autocast else torch.float32] * 2
         assert all(torch.equal(o, w) for o, w in zip(out, want))
         assert codes[0].count("fp8fx.small_mm.default(") == (0 if autocast else 1), codes[0]
+
+
+def test_a_shared_experts_gate_runs_as_small_mm_with_its_own_reason():
+    """Qwen2-MoE's shared_expert_gate (one output, an nn.Linear): quantize_ keeps it bf16 saying it gates the shared
+    expert (it said it routes tokens, which it does not); the router pass still takes it, one small_mm."""
+    transformers = pytest.importorskip("transformers")
+    from tests.conftest import record_graphs_after_passes
+
+    cfg = transformers.Qwen2MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    block = transformers.Qwen2MoeForCausalLM(cfg).model.layers[0].mlp.to(torch.bfloat16).eval()
+    fp8fx.quantize_(block, fp8fx.Fp8Config(), prefix="model.layers.0.mlp")
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    codes = record_graphs_after_passes(backend)
+    x = torch.randn(1, 3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        out, want = torch.compile(block, backend=backend)(x), block(x)
+    assert rel_err(out, want) < 0.1  # (the experts' fp8 activations: eager runs them in bf16)
+    gate = next(s for s in backend.report.sites if s.fqn == "model.layers.0.mlp.shared_expert_gate")
+    assert gate.reason == ("not quantized: gates the shared expert beside model.layers.0.mlp.experts (an MoE router or "
+                           "gate: high precision, as vLLM keeps it)") and not gate.rewritten, backend.report
+    assert "l_self_modules_shared_expert_gate_parameters_weight_" in "".join(
+        line for line in codes[0].splitlines() if "fp8fx.small_mm.default(" in line), codes[0]
 
 
 class SoftmaxRouters(nn.Module):

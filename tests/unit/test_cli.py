@@ -664,7 +664,8 @@ def test_inspect_predicts_tied_weights_and_routers_as_quantize_(capsys, tmp_path
     assert code == 0, err
     sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
     assert sites["lm_head"]["reason"] == "weight tied to model.embed_tokens.weight"
-    assert sites["model.layers.0.mlp.shared_expert_gate"]["reason"].startswith("routes tokens to model.layers.0.mlp")
+    assert sites["model.layers.0.mlp.shared_expert_gate"]["reason"].startswith(
+        "gates the shared expert beside model.layers.0.mlp.experts (an MoE router or gate")
     # transformers 5's router module (no nn.Linear) too: it said "not an nn.Linear weight"
     assert sites["model.layers.0.mlp.gate"]["reason"].startswith("routes tokens to model.layers.0.mlp.experts")
     model = transformers.Qwen2MoeForCausalLM(cfg).to(torch.bfloat16)
