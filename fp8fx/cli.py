@@ -33,7 +33,7 @@ from torch import nn
 import fp8fx
 from fp8fx import quant
 from fp8fx.config import Fp8Config
-from fp8fx.report import ROOT, first_line, human_size
+from fp8fx.report import NOT_QUANTIZED, ROOT, first_line, human_size
 from fp8fx.weights import moe
 from fp8fx.weights.linear import is_foreign_linear
 from fp8fx.weights.quantize import LinearDecider, check_ignored_layers, did_you_mean, ignoring_aliases
@@ -474,7 +474,7 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
             reason = decide(fqn, module, cfg)[0] if cfg is not None else None
             rows.append({"graph": None, "kind": "linear", "fqn": fqn, "weight_shape": list(module.weight.shape),
                          "would_rewrite": False, "scheme": "",
-                         "reason": reason or "in no traced graph (not called, or run uncompiled after a graph break)",
+                         "reason": reason or _UNTRACED,
                          "bytes_saved": 0})
     covered = tuple(r["fqn"] + "." for r in rows if r["kind"] == "moe")
     others = [{"name": name, "shape": list(shape), "dtype": dtype, "module": cls}
@@ -514,6 +514,9 @@ def _saved(shape: Sequence[int], element_size: int, config: Fp8Config) -> int:
     return math.prod(experts) * (n * k * element_size - n * k - 4 * scales[0] * scales[1])
 
 
+_UNTRACED = "in no traced graph (not called, or run uncompiled after a graph break)"
+
+
 def _table(spec: str, cls: str, config: Fp8Config, rows: list[dict], others: list[dict], graphs: int) -> str:
     ignored = list(config.ignored_layers or [])
     schemes = sorted({r["scheme"] for r in rows if r["scheme"]}) or [str(config.scheme())]  # (compressed-tensors: a
@@ -522,8 +525,10 @@ def _table(spec: str, cls: str, config: Fp8Config, rows: list[dict], others: lis
              f"ignored_layers={ignored}", ""]
     table = [("site", "kind", "weight", "rewritten", "scheme / reason")]
     for r in rows:
+        # (a layer kept in high precision says so as the compile report does, whose wording the README quotes)
+        why = r["reason"] if r["reason"] == _UNTRACED else f"{NOT_QUANTIZED}{r['reason']}"
         table.append((r["fqn"] or ROOT, r["kind"], "x".join(map(str, r["weight_shape"])) or "-",
-                      "would be" if r["would_rewrite"] else "no", r["scheme"] or r["reason"]))
+                      "would be" if r["would_rewrite"] else "no", r["scheme"] or why))
     widths = [max(len(t[i]) for t in table) for i in range(4)]
     lines += ["  ".join(c.ljust(w) for c, w in zip(t, widths)) + "  " + t[4] for t in table]
     if others:

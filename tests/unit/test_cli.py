@@ -179,8 +179,9 @@ def test_inspect_factory_table(capsys, models_py):
     assert "Sequential on the meta device, 1 graph(s) traced; config w:per-block(128x128)" in lines[0]
     rows = {line.split()[0]: line for line in lines[3:6]}
     assert rows["0"].split()[:4] == ["0", "linear", "512x256", "would"]
-    assert "weight [100, 512] is not divisible by the 128x128 block" in rows["2"]
-    assert rows["4"].split()[3:] == ["no", "in", "ignored_layers"]
+    # the reasons as the compile report and the README's troubleshooting table say them
+    assert "no         not quantized: weight [100, 512] is not divisible by the 128x128 block" in rows["2"]
+    assert rows["4"].split()[3:] == ["no", "not", "quantized:", "in", "ignored_layers"]
     assert lines[-1].startswith("1 of 3 linear sites would be rewritten")
 
 
