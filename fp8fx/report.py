@@ -280,7 +280,7 @@ class Report:
         line += f", {human_size(_bytes_saved(done))} of weights saved"
         if graph in self.kernels:
             line += f", {_count(len(self.kernels[graph]), 'kernel')} generated"
-        missed = [f"{s.fqn} ({s.reason})" for s in sites if not s.rewritten]
+        missed = [f"{s.fqn or ROOT} ({s.reason})" for s in sites if not s.rewritten]
         if missed:
             more = f" and {len(missed) - 3} more" if len(missed) > 3 else ""
             line += "; not rewritten: " + ", ".join(missed[:3]) + more

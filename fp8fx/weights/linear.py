@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
+import operator
 import re
 import threading
 import weakref
@@ -457,12 +458,20 @@ def check_create_arguments(where: str, params_dtype: torch.dtype, **sizes) -> No
     the layer changes: each size an int >= 0 (``output_partition_sizes``: a list of them, one at least; ``tp_size``
     >= 1), ``params_dtype`` the dtype the layer computes in. Unchecked, a negative or fractional size failed in
     torch with no name, and an integer dtype at the first weight loaded, each leaving the layer half-created."""
+    def size(v) -> Optional[int]:  # (numpy's and torch's ints too: operator.index takes them, not floats or bools)
+        try:
+            return None if isinstance(v, bool) else operator.index(v)
+        except TypeError:
+            return None
+
     for name, value in sizes.items():
         many = name == "output_partition_sizes"
-        values = list(value) if many and isinstance(value, (list, tuple)) else [value]
         least = 1 if name == "tp_size" else 0
-        if many and not isinstance(value, (list, tuple)) or not values or not all(
-                isinstance(v, int) and not isinstance(v, bool) and v >= least for v in values):
+        try:
+            values = list(value) if many and not isinstance(value, (str, bytes)) else [value]
+        except TypeError:  # (an int for the list)
+            values = []
+        if not values or any(size(v) is None or size(v) < least for v in values):
             what = "a list of ints >= 0, one for each fused shard" if many else f"an int >= {least}"
             raise ValueError(f"{where}: create_weights({name}={value!r}): {what} (nothing of the layer changed)")
     if params_dtype not in quant.HIGH_PRECISION:
@@ -552,9 +561,9 @@ class Fp8LinearMethod:
     ) -> None:
         """Copy ``loaded`` into ``layer.<name>``: the whole tensor (``shard_id=None``) or logical
         shard ``shard_id`` of the fused output dim (e.g. q/k/v = 0/1/2). Refused before anything changes: a shard id
-        out of range, a scale that is not a positive finite float, and online a weight that is not bf16/fp16/fp32 or
-        holds NaN/Inf or values the layer's dtype cannot hold - that pass over the weight skipped with
-        ``values_checked``, where the caller's own pass did it (``quantize_``, ``load_checkpoint``)."""
+        out of range, a scale that is not a positive finite float, fp8 codes with a NaN, and online a weight that is
+        not bf16/fp16/fp32 or holds NaN/Inf or values the layer's dtype cannot hold - the pass over the weight skipped
+        with ``values_checked``, where the caller's own pass did it (``quantize_``, ``load_checkpoint``)."""
         who = layer._fp8fx_prefix
         target = layer._parameters.get(name)
         if target is None:
@@ -583,6 +592,10 @@ class Fp8LinearMethod:
                 f"{who}: weight of dtype {loaded.dtype} for an fp8-serialized layer; load the "
                 "fp8 weight with its scale, or quantize bf16 weights with Fp8Config(is_checkpoint_fp8_serialized=False)"
             )
+        bad = chunked.count_nonfinite(loaded.detach()) if name == "weight" and not (
+            online_weight or values_checked) else 0
+        if bad:  # (NaN codes: the layer's outputs NaN, silently)
+            raise ValueError(f"{who}.weight (shard {shard_id}) has {bad} NaN fp8 codes: re-export the checkpoint")
         if name == "weight" and shard_id is not None and shard_id in layer._fp8fx_shards_loaded:
             # completeness is counted in elements: a repeat would stand in for a shard never loaded
             raise ValueError(

@@ -512,6 +512,10 @@ class Fp8MoEMethod:
                 f"{prefix}.{name}: the checkpoint tensor is {loaded.dtype}, expected float8_e4m3fn "
                 "(is_checkpoint_fp8_serialized=True); use an online config for bf16 experts"
             )
+        bad = chunked.count_nonfinite(loaded.detach()) if name == base and not values_checked else 0
+        if bad:  # (NaN codes: the experts' outputs NaN, silently)
+            raise ValueError(f"{prefix}.{name} (expert {expert_id}, shard {shard_id}) has {bad} NaN fp8 codes: "
+                             "re-export the checkpoint")
         dest = self._slice(layer, name, base, shard_id, expert_id)
         weight_like = "weight" if name == base else name  # a weight must match exactly, a scale as [N] ~ [N, 1]
         if not same_layout(weight_like, tuple(loaded.shape), tuple(dest.shape)):

@@ -500,6 +500,7 @@ def test_the_log_names_a_site_of_the_root_module_as_the_table_does(caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "fp8fx" and "not rewritten" in r.getMessage()]
     assert lines == ["fp8fx: linear (root module) not rewritten: traced with autograd",
                      "fp8fx: linear (root module) not rewritten: Inductor failed"], lines
+    assert report.graph_summary(0).endswith("; not rewritten: (root module) (traced with autograd)")
 
 
 def test_a_graph_the_report_does_not_hold_is_refused(report):

@@ -376,6 +376,47 @@ def test_create_weights_refuses_bad_arguments_naming_the_layer_and_changes_nothi
     assert layer._fp8fx_prefix == "model.layers.0.proj"
 
 
+def test_create_weights_takes_numpy_and_torch_ints():
+    """Sizes from numpy or torch (a config's np.int64, a torch.Size, an array of partitions) are ints to
+    create_weights, as before its argument checks (which refused them as "an int >= 0": a review's catch)."""
+    import numpy as np
+
+    from fp8fx.weights import Fp8MoEMethod
+
+    layer = nn.Linear(64, 64, device="meta")
+    Fp8LinearMethod(Fp8Config()).create_weights(layer, np.int64(64), np.array([32, 32]), torch.bfloat16, device="cpu")
+    assert layer._fp8fx_partitions == (32, 32) and layer._parameters["weight"].shape == (64, 64)
+    experts = nn.Module()
+    Fp8MoEMethod(Fp8Config()).create_weights(experts, np.int64(4), torch.Size([64])[0], torch.tensor(32),
+                                             torch.bfloat16, device="cpu")
+    assert experts._parameters["gate_up_proj"].shape == (4, 64, 64)
+
+
+@pytest.mark.parametrize("linear", [True, False], ids=["Fp8LinearMethod", "Fp8MoEMethod"])
+def test_serialized_weight_loader_refuses_nan_codes(linear):
+    """An fp8 weight with a NaN code (0x7F) loaded through the public loader of an fp8-serialized layer: its outputs
+    were NaN, silently (load_checkpoint, which checks the codes itself, refused it). Refused, naming the tensor and
+    the count; the same call with values_checked (the caller's own pass) takes it."""
+    from fp8fx.weights import Fp8MoEMethod
+
+    config = Fp8Config(is_checkpoint_fp8_serialized=True)
+    if linear:
+        layer, method = nn.Linear(64, 32, device="meta"), Fp8LinearMethod(config)
+        method.create_weights(layer, 64, [32], torch.bfloat16, device="cpu", prefix="proj")
+        name, codes, args = "weight", torch.randn(32, 64).to(torch.float8_e4m3fn), ()
+    else:
+        layer, method = nn.Module(), Fp8MoEMethod(config)
+        method.create_weights(layer, 2, 64, 32, torch.bfloat16, device="cpu", prefix="experts")
+        name, codes, args = "gate_up_proj", torch.randn(2, 64, 64).to(torch.float8_e4m3fn), (None, None)
+    codes.view(torch.uint8).view(-1)[7] = 0xFF  # (-NaN)
+    before = layer._parameters[name].clone()
+    with pytest.raises(ValueError, match=rf"^(proj|experts)\.{name} \(.*shard None\) has 1 NaN fp8 codes: re-export"):
+        method.weight_loader(layer, name, codes, *args)
+    assert torch.equal(layer._parameters[name].view(torch.uint8), before.view(torch.uint8))
+    method.weight_loader(layer, name, codes, *args, values_checked=True)  # (checked by the caller: not again)
+    assert torch.equal(layer._parameters[name].view(torch.uint8), codes.view(torch.uint8))
+
+
 def test_online_shard_loaded_twice_is_an_error():
     """Counting copied elements alone would reach numel with a repeated shard and quantize a weight
     whose other rows were never written."""
