@@ -123,7 +123,26 @@ def attach_kv_scales(module: nn.Module, scales: Mapping[str, float], device=None
             raise ValueError(why)
     for name, value in scales.items():
         module.register_buffer(name, torch.tensor(float(value), dtype=torch.float32, device=device))
+    if "_fp8fx_kv_scales" not in module.__dict__:  # (once a module)
+        module.register_load_state_dict_pre_hook(_refuse_bad_kv_scales)
     module._fp8fx_kv_scales = frozenset(module.__dict__.get("_fp8fx_kv_scales", ())) | set(scales)
+
+
+def _refuse_bad_kv_scales(module: nn.Module, state_dict, prefix, local_metadata, strict, missing_keys,
+                          unexpected_keys, error_msgs) -> None:
+    """``load_state_dict`` pre-hook of a module ``attach_kv_scales`` gave scales: a KV-cache scale that is not one
+    positive finite float (``check_kv_scale``, as ``load_checkpoint`` refuses it) is refused, naming it, and the
+    module keeps its own (loaded, a NaN ``k_scale`` made the attention's outputs NaN, silently). ``state_dict`` is
+    the copy ``load_state_dict`` makes: the module's own value stands in for the refused one there."""
+    for name in module.__dict__.get("_fp8fx_kv_scales", ()):
+        given = state_dict.get(prefix + name)
+        if not isinstance(given, torch.Tensor) or given.is_meta or module._buffers.get(name) is None:
+            continue
+        try:
+            check_kv_scale(prefix + name, given.detach())
+        except ValueError as e:
+            error_msgs.append(f"{e} (this scale was not loaded)")
+            state_dict[prefix + name] = module._buffers[name]
 
 
 def kv_scales(module: nn.Module) -> dict[str, float]:

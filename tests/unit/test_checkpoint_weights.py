@@ -1,5 +1,8 @@
 """Weight hooks the checkpoint loader relies on: chunked quantization, exact per-channel / block shard
 loading of fused layers, the no-copy online path, KV-cache scale helpers."""
+import copy
+import io
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -211,3 +214,29 @@ def test_check_and_attach_kv_scale():
     with pytest.raises(ValueError, match=r"q_scale: Module already has an attribute 'q_scale' \(Parameter\)"):
         kv_cache.attach_kv_scales(m, {"prob_scale": 1.0, "q_scale": 1.0})
     assert "prob_scale" not in m._buffers
+
+
+@pytest.mark.parametrize("bad", [float("nan"), 0.0, -1.0, float("inf")])
+def test_load_state_dict_refuses_a_kv_scale_no_loader_takes(bad):
+    """A NaN, 0, negative or infinite k_scale in a state dict loaded into a model with fp8fx's KV-cache scales: it
+    loaded (the attention's outputs NaN or inf, silently), and save_checkpoint then refused the model. Refused,
+    naming it, and the module keeps its own; v_scale, good, loads; the hook survives a deep copy and a pickle."""
+    model = nn.Sequential(nn.Module(), nn.Linear(4, 4))
+    kv_cache.attach_kv_scales(model[0], {"k_scale": 0.5, "v_scale": 2.0})
+    kv_cache.attach_kv_scales(model[0], {"q_scale": 1.0})  # (again: one hook a module)
+    assert len(model[0]._load_state_dict_pre_hooks) == 1
+    saved = io.BytesIO()
+    torch.save(model, saved)
+    saved.seek(0)
+    for m in (model, copy.deepcopy(model), torch.load(saved, weights_only=False)):
+        state = {k: v.clone() for k, v in m.state_dict().items()}
+        state["0.k_scale"].fill_(bad)
+        state["0.v_scale"].fill_(4.0)
+        with pytest.raises(RuntimeError, match=rf"0\.k_scale={bad}: a KV-cache scale must be a positive finite "
+                                               r"float32.*\(this scale was not loaded\)"):
+            m.load_state_dict(state)
+        assert m[0].k_scale.item() == 0.5 and m[0].v_scale.item() == 4.0
+        assert state["0.k_scale"].isnan().all() if bad != bad else state["0.k_scale"].item() == bad  # (not changed)
+        state["0.k_scale"].fill_(0.25)
+        m.load_state_dict(state)
+        assert m[0].k_scale.item() == 0.25
