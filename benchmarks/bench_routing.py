@@ -61,10 +61,10 @@ class SoftmaxRouter(torch.nn.Module):
 
     def __init__(self, h: int, e: int, k: int, bias: bool, form: str):
         super().__init__()
-        from fp8fx.weights.moe import ROUTES_PREFIX
+        from fp8fx.weights.moe import router_reason
 
         self.gate = torch.nn.Linear(h, e, bias=bias)
-        self.gate.weight._fp8fx_skip_reason = ROUTES_PREFIX + "experts"
+        self.gate.weight._fp8fx_skip_reason = router_reason("experts")
         self.k, self.form = k, form
 
     def forward(self, x):

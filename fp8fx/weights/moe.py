@@ -213,13 +213,16 @@ def routers(model: nn.Module, prefix: str = "") -> dict[str, str]:
             found.setdefault(full, []).append(fqn)
             if rows == 1 and count != 1:  # (one expert's router has one output too)
                 gates.add(full)
-    return {router: (_GATES if router in gates else _ROUTES).format(" and ".join(experts))
-            for router, experts in found.items()}
+    return {router: router_reason(" and ".join(experts), router in gates) for router, experts in found.items()}
 
 
 _KEPT = " (an MoE router or gate: high precision, as vLLM keeps it)"  # how every router's reason ends
-_ROUTES = "routes tokens to {}" + _KEPT
-_GATES = "gates the shared expert beside {}" + _KEPT
+
+
+def router_reason(experts: str, shared_gate: bool = False) -> str:
+    """The reason ``routers`` gives a router of ``experts`` (their names), or the gate of the shared expert beside
+    them (``shared_gate``): what ``quantize_`` tags such a weight with, and the router pass finds it by."""
+    return f"{'gates the shared expert beside' if shared_gate else 'routes tokens to'} {experts}{_KEPT}"
 
 
 def is_router_reason(reason: object) -> bool:

@@ -231,13 +231,13 @@ def test_inductor_calls_the_ops():
 def test_router_linears_the_kernel_would_change_are_left():
     """Under ``torch.autocast`` a float32 router's linear computes in bf16 (the op would say float32), and a bias that
     broadcasts is not the kernel's [N]: both stay torch's, and the output is the model's, in its dtype."""
-    from fp8fx.weights.moe import _ROUTES
+    from fp8fx.weights.moe import router_reason
 
     class Gate(nn.Module):
         def __init__(self):
             super().__init__()
             self.weight = nn.Parameter(torch.randn(8, 64))
-            self.weight._fp8fx_skip_reason = _ROUTES.format("experts")
+            self.weight._fp8fx_skip_reason = router_reason("experts")
 
         def forward(self, x, bias):
             return F.linear(x.float(), self.weight.float()), F.linear(x.float(), self.weight, bias)
