@@ -37,7 +37,7 @@ from fp8fx.weights import moe as moe_weights
 from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, kv_scale_target
 from fp8fx.weights.kv_cache import check_kv_scale_layout, getter_module, kv_cache_attentions, kv_slot_error
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
-from fp8fx.weights.linear import kept_by_the_model
+from fp8fx.weights.linear import check_no_in_place_rescale, kept_by_the_model
 from fp8fx.weights.moe import is_quantized_experts
 from fp8fx.weights.quantize import check_ignored_layers
 
@@ -250,6 +250,7 @@ def load_checkpoint(
         raise ValueError(f"load_checkpoint: {wrapped[0]} (and {len(wrapped) - 1} more) is a torch.compile wrapper of a "
                          "submodule, whose names the checkpoint does not have (save_checkpoint writes them without "
                          "_orig_mod.); load into the model first, then compile its submodules")
+    check_no_in_place_rescale(model, "load_checkpoint", "loaded")
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
     entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "load_checkpoint", entries), path)

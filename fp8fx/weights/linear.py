@@ -398,6 +398,24 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
     return None
 
 
+def check_no_in_place_rescale(model: nn.Module, where: str, undone: str) -> None:
+    """Refuses a model that rescales its weights in place at its first forward in eval mode: transformers' RWKV
+    (``config.rescale_every > 0``, ``layers_are_rescaled`` still False) runs ``weight.div_`` on its blocks'
+    ``attention.output`` and ``feed_forward.value``. An fp8 layer's ``weight`` is a dequantized copy, so the division
+    was lost while the model still halved its hidden states: outputs 0.85 off, silently, every site reported
+    rewritten (found by an HF architecture sweep). ``rescale_every = 0`` turns both off: RWKV rescales to keep float16
+    activations from overflowing, which bf16's range does not need."""
+    for fqn, module in model.named_modules():
+        every = getattr(getattr(module, "config", None), "rescale_every", None)
+        if getattr(module, "layers_are_rescaled", None) is False and isinstance(every, int) and every > 0:
+            raise ValueError(
+                f"{where}: {fqn or 'the model'} ({type(module).__name__}) divides its blocks' attention.output and "
+                f"feed_forward.value weights in place at its first forward in eval mode (config.rescale_every="
+                f"{every}), which fp8 layers cannot take: the write would change a copy of the dequantized weight, "
+                "while the model still halves its hidden states (wrong outputs); set model.config.rescale_every = 0 "
+                f"first, which turns both off (nothing was {undone})")
+
+
 def kept_by_the_model(model: nn.Module, prefix: str = "") -> dict[str, str]:
     """fqn -> why it stays in high precision, for the ``nn.Linear`` layers that a transformers model keeps out of
     quantization: those its ``_keep_in_fp32_modules`` names (the instance's: transformers gathers its submodels'

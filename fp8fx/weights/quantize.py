@@ -21,7 +21,7 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
 from fp8fx.weights.linear import Fp8LinearMethod, guard_casts, is_foreign_linear, is_quantized, skip_reason
-from fp8fx.weights.linear import MHA_OUT_PROJ, kept_by_the_model, weight_tensors
+from fp8fx.weights.linear import MHA_OUT_PROJ, check_no_in_place_rescale, kept_by_the_model, weight_tensors
 
 log = logging.getLogger("fp8fx")
 
@@ -86,7 +86,7 @@ def quantize_(
             "bf16 model instead of quantizing twice"
         )
     modules = [(name, m) for name, m in modules if name not in done]
-
+    check_no_in_place_rescale(model, "quantize_", "quantized")
     config = checked_ignores(config, model, prefix, "quantized")
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []

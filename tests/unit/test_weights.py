@@ -1342,3 +1342,37 @@ def test_a_fused_block_layers_ragged_last_shard_takes_its_scale_row():
         method.weight_loader(layer, "weight_scale_inv", torch.full((1, 1), 0.5 + i), shard_id=i)
     method.process_weights_after_loading(layer)
     assert layer.weight_scale_inv.flatten().tolist() == [0.5, 1.5]
+
+
+def test_a_model_that_rescales_its_weights_in_place_is_refused_until_it_would_not(tmp_path):
+    """transformers' RWKV divides its blocks' attention.output / feed_forward.value weights in place (``weight.div_``)
+    at its first eval forward (rescale_every > 0) and then halves its hidden states: on fp8 layers the division
+    changed a copy, and the outputs were 0.85 off bf16, silently, every site reported rewritten (found by an HF
+    architecture sweep). quantize_ and load_checkpoint refuse it, naming the fix, and change nothing; with
+    rescale_every = 0 (no rescaling, no halving) the fp8 model follows the bf16 one."""
+    transformers = pytest.importorskip("transformers")
+
+    cfg = transformers.RwkvConfig(vocab_size=100, hidden_size=64, num_hidden_layers=4, attention_hidden_size=64,
+                                  intermediate_size=128, context_length=32, rescale_every=1)
+    torch.manual_seed(0)
+    model = transformers.RwkvForCausalLM(cfg).to(torch.bfloat16).eval()
+    model.save_pretrained(tmp_path / "bf16")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    fix = r"set model.config.rescale_every = 0 first, which turns both off \(nothing was {}\)"
+    with pytest.raises(ValueError, match=r"^quantize_: rwkv \(RwkvModel\) divides its blocks' attention.output and "
+                                         r"feed_forward.value weights in place .*rescale_every=1.*" +
+                                         fix.format("quantized")):
+        fp8fx.quantize_(model)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not fp8fx.weights.is_quantized(model.rwkv.blocks[0].attention.output)
+    with torch.device("meta"):
+        meta = transformers.RwkvForCausalLM(cfg).to(torch.bfloat16).eval()
+    with pytest.raises(ValueError, match=r"^load_checkpoint: rwkv .*" + fix.format("loaded")):
+        fp8fx.load_checkpoint(meta, tmp_path / "bf16", Fp8Config(), progress=False)
+    ids = torch.randint(0, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    model.config.rescale_every = 0
+    with torch.no_grad():
+        want = model(input_ids=ids).logits.float()
+        fp8fx.quantize_(model)
+        got = model(input_ids=ids).logits.float()
+    assert rel_err(got, want) < 0.15
