@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import logging
 import operator
 from typing import Any, Optional
 
@@ -38,7 +39,9 @@ from fp8fx.config import LayerScheme, granularity_from_block, weight_granularity
 from fp8fx.kernels import launch
 from fp8fx.lowerings import compat
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, input_path, may_record_grad, module_path, set_fake_value
-from fp8fx.report import NOT_QUANTIZED, Site
+from fp8fx.report import NOT_QUANTIZED, ROOT, Site
+
+log = logging.getLogger("fp8fx")
 
 # (aten's: a graph of torch.export's program, a model calling torch.ops.aten.linear)
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear, torch.ops.aten.linear, torch.ops.aten.linear.default)
@@ -643,12 +646,22 @@ class LinearPass(Fp8Pass):
                 {f"{_name_of(r)} of its transpose" for u in node.users if _transposed(u) is node for r in u.users}
                 | {_name_of(u) for u in node.users if _transposed(u) is not node}
             ))
+            # a write into the dequantized weight (``layer.weight.div_(2)`` in a forward: RWKV's rescale) changes a
+            # copy, while the model may go on as if the layer's weight had changed: said in the row and the log
+            writes = sorted({_name_of(u) for u in node.users if _mutates(u) and u.args and u.args[0] is node})
+            lost = (f"; its in-place write by {', '.join(writes)} does not persist (the fp8 layer's .weight is a "
+                    "dequantized copy of its codes and scales: later reads see the weight as it was)") if writes else ""
+            if writes:
+                log.warning("fp8fx: %s: %s writes into the dequantized weight, a copy: the fp8 weight stays as it was",
+                            fqn or ROOT, ", ".join(writes))
             if fqn in named:  # a linear of this weight is in the report: say what else reads it
                 i = named[fqn]
                 site = ctx.report.sites[i]
                 if site.rewritten and readers:  # (none: a transpose whose result nothing reads, a shape read of it)
-                    note = f"; also read by {readers} (on the dequantized weight)"
+                    note = f"; also read by {readers} (on the dequantized weight){lost}"
                     ctx.report.sites[i] = dataclasses.replace(site, scheme=site.scheme + note)
+                elif lost:
+                    ctx.report.sites[i] = dataclasses.replace(site, reason=site.reason + lost)
                 continue
             named[fqn] = len(ctx.report.sites)
             if [u.op for u in node.users] == ["output"] and sum(n.op == "call_function" for n in graph.nodes) == 1:
@@ -665,7 +678,7 @@ class LinearPass(Fp8Pass):
             else:
                 readers = readers or ", ".join(sorted(f"{_name_of(u)}, whose result nothing reads" for u in node.users))
                 reason = (f"the quantized weight is read by {readers}, not by a linear (F.linear / x @ w.T): "
-                          "computed with the dequantized weight")
+                          f"computed with the dequantized weight{lost}")
                 reason += "".join(hint for op, hint in _READER_HINTS.items() if f"{op} (" in readers)
             ctx.report.add(Site(
                 "linear", fqn, False, reason, "", ctx.graph_index,

@@ -1800,7 +1800,8 @@ def test_a_dequantized_weight_written_before_its_linear_is_not_rewritten(form, w
     [site] = backend.report.sites
     assert (site.fqn, site.rewritten, site.reason) == ("lin", False, (
         f"the dequantized weight is written in place by {writer} before the linear: computed with the dequantized "
-        "weight"))
+        f"weight; its in-place write by {writer} does not persist (the fp8 layer's .weight is a dequantized copy of "
+        "its codes and scales: later reads see the weight as it was)"))
     assert torch.equal(out, ref)
 
 
@@ -1869,3 +1870,38 @@ def test_vmapped_and_nested_activations_stay_torchs_with_the_reason():
         assert torch.equal(out, want)  # (torch's linear on the dequantized weight, as eager)
         assert backend.report.sites and all(not s.rewritten and s.reason.startswith(f"activation is {kind}")
                                             for s in backend.report.sites), backend.report
+
+
+class WritesItsWeight(nn.Module):
+    """A forward that rescales a layer's weight in place before calling it (RWKV's ``weight.div_`` at its first eval
+    forward), or reads the weight only through such a write and a matmul (``alone``)."""
+
+    def __init__(self, alone: bool):
+        super().__init__()
+        self.lin, self.alone = nn.Linear(64, 64), alone
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.lin.weight.div_(2)
+        return x @ self.lin.weight if self.alone else self.lin(x)
+
+
+@pytest.mark.parametrize("alone", [False, True], ids=["then its linear", "then a matmul"])
+def test_an_in_place_write_into_the_dequantized_weight_is_said_not_to_persist(alone, caplog):
+    """The write changes a copy of the dequantized weight (the fp8 layer keeps its codes and scales), so the layer
+    computes with the weight as it was while the model goes on as if halved (RWKV's outputs were 0.85 off): the
+    report only said "also read by div_". Its row says the write does not persist, and a warning names the layer."""
+    torch.manual_seed(0)
+    model = WritesItsWeight(alone).bfloat16().eval()
+    fp8fx.quantize_(model)
+    before = model.lin._parameters["weight"].clone()
+    backend = Fp8Backend(compiler="eager")
+    with caplog.at_level("WARNING", logger="fp8fx"), torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    assert torch.equal(model.lin._parameters["weight"].view(torch.uint8), before.view(torch.uint8))
+    [site] = backend.report.sites
+    lost = ("; its in-place write by div_ (call_method) does not persist (the fp8 layer's .weight is a dequantized "
+            "copy of its codes and scales: later reads see the weight as it was)")
+    assert site.rewritten != alone and (site.reason if alone else site.scheme).endswith(lost), site
+    assert "fp8fx: lin: div_ (call_method) writes into the dequantized weight, a copy: the fp8 weight stays as it " \
+           "was" in caplog.text
