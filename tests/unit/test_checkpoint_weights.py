@@ -240,3 +240,14 @@ def test_load_state_dict_refuses_a_kv_scale_no_loader_takes(bad):
         state["0.k_scale"].fill_(0.25)
         m.load_state_dict(state)
         assert m[0].k_scale.item() == 0.25
+
+
+def test_a_meta_state_dict_assigned_past_the_kv_scale_hook_is_taken():
+    """``load_state_dict(meta_state, assign=True)`` into a module with fp8fx's KV-cache scales: the hook's check read
+    the meta k_scale's value (``Tensor.item() cannot be called on meta tensors``); a meta scale is left to torch,
+    which assigns it, as for a module without the hook."""
+    m = nn.Module()
+    kv_cache.attach_kv_scales(m, {"k_scale": 0.5, "v_scale": 2.0})
+    meta = {k: torch.empty_like(v, device="meta") for k, v in m.state_dict().items()}
+    assert str(m.load_state_dict(meta, assign=True)) == "<All keys matched successfully>"
+    assert m.k_scale.is_meta and m.v_scale.is_meta

@@ -158,6 +158,17 @@ def bare_example():
 def root_linear():
     return nn.Linear(256, 64), (torch.zeros(4, 256),)
 
+class Unused(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(256, 256), nn.Linear(256, 256)
+
+    def forward(self, x):
+        return self.a(x)
+
+def unused():
+    return Unused(), (torch.zeros(4, 256),)
+
 def three_names():
     from tests.unit.test_weights import ThreeNames  # (the CLI runs in pytest's process: the tests import)
 
@@ -183,6 +194,18 @@ def test_inspect_factory_table(capsys, models_py):
     assert "no         not quantized: weight [100, 512] is not divisible by the 128x128 block" in rows["2"]
     assert rows["4"].split()[3:] == ["no", "not", "quantized:", "in", "ignored_layers"]
     assert lines[-1].startswith("1 of 3 linear sites would be rewritten")
+
+
+def test_inspect_table_says_a_layer_it_did_not_trace_is_untraced_not_unquantized(capsys, models_py):
+    """A layer the example never calls: quantize_ quantizes it all the same, so its row says it is in no traced
+    graph, without the "not quantized: " of the layers kept in high precision (which would tell the user it stays
+    bf16)."""
+    code, out, err = run(capsys, "inspect", f"{models_py}:unused")
+    assert code == 0, err
+    rows = {line.split()[0]: line for line in out.splitlines()[3:5]}
+    assert rows["a"].split()[:4] == ["a", "linear", "256x256", "would"]
+    assert rows["b"].split()[3:] == ["no", "in", "no", "traced", "graph", "(not", "called,", "or", "run", "uncompiled",
+                                     "after", "a", "graph", "break)"], rows["b"]
 
 
 def test_inspect_counts_a_layer_called_twice_once(capsys, models_py):

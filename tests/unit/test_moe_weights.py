@@ -867,6 +867,34 @@ def test_a_state_dict_of_scales_or_codes_no_loader_takes_is_refused_naming_the_t
     assert torch.equal(model.proj(x), other.proj(x))
 
 
+@pytest.mark.parametrize("name", ["gate_up_proj", "down_proj"])
+def test_save_refuses_experts_with_a_nan_fp8_code(tmp_path, name):
+    """An experts module's fp8 codes with a NaN (one code): save_checkpoint refused a linear's but wrote the
+    experts', and load_checkpoint then refused the checkpoint it had written. Refused, naming the tensor, before
+    anything is written."""
+    from fp8fx.checkpoint import save_checkpoint
+
+    model = Block().to(torch.bfloat16)
+    fp8fx.quantize_(model, Fp8Config())
+    model.experts._parameters[name].data.view(torch.uint8).view(-1)[3] = 0x7F  # (NaN)
+    with pytest.raises(ValueError, match=rf"^save_checkpoint: experts\.{name} has 1 NaN fp8 codes.*nothing was "
+                                         "written"):
+        save_checkpoint(model, tmp_path / "x")
+    assert not (tmp_path / "x").exists()
+
+
+def test_the_one_output_router_of_a_single_expert_routes_tokens():
+    """A block of one expert: its router has one output, as a shared expert's gate has; it is the router (its reason
+    says it routes tokens to the experts), not a gate of a shared expert beside them."""
+    block = Block(e=1)
+    block.gate = nn.Linear(H, 1)
+    assert moe.routers(block) == {"gate": "routes tokens to experts (an MoE router or gate: high precision, as vLLM "
+                                          "keeps it)"}
+    block = Block()
+    block.gate, block.shared_expert_gate = nn.Linear(H, E), nn.Linear(H, 1)
+    assert moe.routers(block)["shared_expert_gate"].startswith("gates the shared expert beside experts")
+
+
 def test_w13_input_scale_is_the_max_of_w1_and_w3_whatever_their_order(caplog):
     """w1's static input scale larger than w3's and loaded first: the max is kept (each test sent w3's larger, last)."""
     method, layer = serialized(dict(activation_scheme="static"))

@@ -417,6 +417,60 @@ def test_serialized_weight_loader_refuses_nan_codes(linear):
     assert torch.equal(layer._parameters[name].view(torch.uint8), codes.view(torch.uint8))
 
 
+@pytest.mark.parametrize("value", [0.0, -1.0])
+def test_a_state_dict_of_block_scales_no_loader_takes_is_refused_naming_the_tensor(value):
+    """A block-quantized layer's scales are ``weight_scale_inv``: a 0 or negative one in a state dict loaded into the
+    quantized model is refused as a ``weight_scale``'s is (loaded, the layer's outputs were zero or negated; the
+    NaN-codes check takes NaN and Inf scales, not these), naming it, and the layer keeps its own."""
+    torch.manual_seed(0)
+    model, other = (nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16) for _ in range(2))
+    for m in (model, other):
+        fp8fx.quantize_(m, Fp8Config(weight_block_size=[32, 32]))
+    state = {k: v.clone() for k, v in other.state_dict().items()}
+    state["0.weight_scale_inv"][0, 1] = value
+    before = model[0].weight_scale_inv.clone()
+    with pytest.raises(RuntimeError, match=rf"0\.weight_scale_inv: 1 scales are not positive finite floats "
+                                           rf"\({value} at \[0, 1\]\).*this module was not loaded"):
+        model.load_state_dict(state)
+    assert torch.equal(model[0].weight_scale_inv, before)
+    state["0.weight_scale_inv"] = other[0].weight_scale_inv.clone()
+    model.load_state_dict(state)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    assert torch.equal(model(x), other(x))
+
+
+def test_a_state_dict_of_a_float32_bias_loads_into_a_quantized_layer_as_into_a_bf16_one():
+    """The fp8 checks of a quantized layer's ``load_state_dict`` are for its fp8 codes and float32 scales: its bias
+    is the model's, and a float32 one (a state dict saved in float32) is cast to the layer's dtype as torch casts it
+    for a bf16 nn.Linear, not refused as "a tensor whose values would be taken as codes"."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    fp8fx.quantize_(model, Fp8Config())
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    bias = torch.randn(64)
+    state["0.bias"] = bias
+    model.load_state_dict(state)
+    reference.load_state_dict({"0.weight": reference[0].weight.detach().float(), "0.bias": bias})
+    assert model[0].bias.dtype == torch.bfloat16 and torch.equal(model[0].bias, reference[0].bias)
+    assert model[0]._parameters["weight"].dtype == torch.float8_e4m3fn
+
+
+def test_a_meta_state_dict_assigned_to_a_quantized_model_is_taken_as_by_a_bf16_one():
+    """``load_state_dict(meta_state, assign=True)`` (a model turned into a skeleton, as ``to_empty`` flows do): the
+    scale and NaN-code checks read values a meta tensor does not hold (``Tensor.item() cannot be called on meta
+    tensors``); a meta tensor is left to torch, which assigns it, as for a bf16 model."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
+    reference = copy.deepcopy(model)
+    fp8fx.quantize_(model, Fp8Config(ignored_layers=["1"]))
+    for m in (model, reference):
+        meta = {k: torch.empty_like(v, device="meta") for k, v in m.state_dict().items()}
+        assert str(m.load_state_dict(meta, assign=True)) == "<All keys matched successfully>"
+        assert all(v.is_meta for v in m.state_dict().values())
+    assert model[0]._parameters["weight"].dtype == torch.float8_e4m3fn
+
+
 def test_online_shard_loaded_twice_is_an_error():
     """Counting copied elements alone would reach numel with a repeated shard and quantize a weight
     whose other rows were never written."""
