@@ -495,7 +495,7 @@ def test_whole_weight_loaded_twice_is_an_error_and_changes_nothing(device, seria
     method = Fp8LinearMethod(config)
     method.create_weights(layer, 64, [16, 16], torch.bfloat16, device=device)
     w = torch.randn(32, 64, dtype=torch.bfloat16) * 1000
-    w = w.to(torch.float8_e4m3fn) if serialized else w
+    w = w.clamp(-448, 448).to(torch.float8_e4m3fn) if serialized else w  # (torch 2.11's cast makes NaN past 448)
     method.weight_loader(layer, "weight", w)
     before = layer._parameters["weight"].detach().view(torch.uint8).clone()
     for again, shard in ((w, None), (w[:16], 0)):
