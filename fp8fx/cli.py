@@ -35,7 +35,7 @@ from fp8fx import quant
 from fp8fx.config import Fp8Config
 from fp8fx.report import NOT_QUANTIZED, ROOT, first_line, human_size
 from fp8fx.weights import moe
-from fp8fx.weights.linear import is_foreign_linear
+from fp8fx.weights.linear import check_no_in_place_rescale, is_foreign_linear
 from fp8fx.weights.quantize import LinearDecider, check_ignored_layers, did_you_mean, ignoring_aliases
 
 log = logging.getLogger("fp8fx")
@@ -400,6 +400,10 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     ``quantize_`` (its own ``LinearDecider``: ignored, skip_reason, tied weights, routers; experts modules by the
     MoE rules): (site rows, rows of weights no site covers, number of graphs). ``layer_config(fqn)``: a layer's
     config, None to keep it as it is."""
+    try:  # a model quantize_ and load_checkpoint refuse: inspect said its sites "would be" rewritten
+        check_no_in_place_rescale(model, "quantize_ and load_checkpoint would refuse this model", "inspected")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     given = layer_config or (lambda fqn: config)
     widened: dict[Fp8Config, Fp8Config] = {}  # a config -> it with the other names of the modules it ignores
 

@@ -805,3 +805,21 @@ def test_inspect_reads_a_modelopt_hf_quant_config_json(capsys, llama_dir):
         sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
         assert {f for f, s in sites.items() if s["would_rewrite"]} == {f"model.layers.1.{p}" for p in PROJECTIONS}
         assert sites["model.layers.1.mlp.up_proj"]["scheme"] == f"w:{weights} a:static per-tensor"
+
+
+def test_inspect_refuses_a_model_quantize_refuses(capsys, tmp_path):
+    """transformers' RWKV with rescale_every > 0 (it divides its weights in place at its first eval forward, which fp8
+    layers cannot take): quantize_ and load_checkpoint refuse it, but inspect said all 15 sites "would be" rewritten.
+    It refuses it too, with their reason and fix; with rescale_every = 0 it predicts the sites."""
+    cfg = transformers.RwkvConfig(vocab_size=100, hidden_size=64, num_hidden_layers=2, attention_hidden_size=64,
+                                  intermediate_size=128, context_length=32, architectures=["RwkvForCausalLM"])
+    cfg.save_pretrained(tmp_path)
+    code, out, err = run(capsys, "inspect", str(tmp_path))
+    assert code == 2 and not out
+    one_line_error(err, "quantize_ and load_checkpoint would refuse this model: rwkv (RwkvModel) divides its blocks'",
+                   "set model.config.rescale_every = 0 first, which turns both off (nothing was inspected)")
+    cfg.rescale_every = 0
+    cfg.save_pretrained(tmp_path)
+    code, out, err = run(capsys, "inspect", str(tmp_path))
+    assert code == 0, err
+    assert out.splitlines()[-1].startswith("15 of 15 linear sites would be rewritten"), out
