@@ -35,7 +35,7 @@ from fp8fx import quant
 from fp8fx.config import Fp8Config
 from fp8fx.report import NOT_QUANTIZED, ROOT, first_line, human_size
 from fp8fx.weights import moe
-from fp8fx.weights.linear import check_no_in_place_rescale, is_foreign_linear
+from fp8fx.weights.linear import check_no_in_place_rescale, foreign_linear_reason
 from fp8fx.weights.quantize import LinearDecider, check_ignored_layers, did_you_mean, ignoring_aliases
 
 log = logging.getLogger("fp8fx")
@@ -498,12 +498,14 @@ def _name_weights(model: nn.Module, decide: LinearDecider) -> list[torch.Tensor]
     named = []
     for fqn, module in model.named_modules():
         weight = module._parameters.get("weight")
-        foreign = fqn not in decide.routers and is_foreign_linear(module) and not hasattr(weight, "_fp8fx_skip_reason")
+        # (a linear-like module's reason, as quantize_ tags it, unless its weight has one already)
+        has_reason = fqn in decide.routers or hasattr(weight, "_fp8fx_skip_reason")
+        foreign = None if has_reason else foreign_linear_reason(module)
         if (isinstance(module, nn.Linear) or fqn in decide.routers or foreign) and isinstance(weight, torch.Tensor) \
                 and len(decide.owners.get(id(weight), {})) == 1 and not hasattr(weight, "_fp8fx_fqn"):
             weight._fp8fx_fqn = fqn
             if foreign:
-                weight._fp8fx_skip_reason = f"{type(module).__name__} is no nn.Linear"
+                weight._fp8fx_skip_reason = foreign
             named.append((weight, ("_fp8fx_fqn", "_fp8fx_skip_reason") if foreign else ("_fp8fx_fqn",)))
     return named
 

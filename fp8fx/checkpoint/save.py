@@ -98,7 +98,7 @@ def save_checkpoint(
     # module's names, which nothing loads (the wrappers hold nothing of their own)
     modules = {_unwrapped(f): m for f, m in model.named_modules() if compat.compiled_module(m) is m}
     schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}  # the fp8 linears'
-    _check_scales(modules, schemes)
+    _check_loadable_values(modules, schemes)
     layout = _experts_layout(model, modules, experts)
     schemes, demoted = _fp8_schemes(modules, schemes, layout)
     ignored, kv, fmt, method = _ignored_and_format(model, modules, schemes, layout, format)
@@ -162,7 +162,7 @@ def _warn_per_tensor_fp8(qc: Mapping[str, Any], where: str, fix: str) -> None:
                     "loads, use %s", where, fix)
 
 
-def _check_scales(modules: Mapping[str, nn.Module], fp8: Mapping[str, Any]) -> None:
+def _check_loadable_values(modules: Mapping[str, nn.Module], fp8: Mapping[str, Any]) -> None:
     """Refuses a scale the model holds that no loader takes (0, <0, subnormal, NaN, Inf: load_checkpoint refused the
     checkpoint save_checkpoint had written), naming it, before anything is written: the fp8 linears' (``fp8``) and
     experts' scales, and the attentions' KV-cache scales (those fp8fx attached: a model's own ``q_scale`` is its

@@ -355,6 +355,12 @@ def is_foreign_linear(module: nn.Module) -> bool:
     return not isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(weight, torch.Tensor) and weight.dim() == 2
 
 
+def foreign_linear_reason(module: nn.Module) -> Optional[str]:
+    """Why ``quantize_`` leaves a linear-like module that is no ``nn.Linear`` (``is_foreign_linear``) in high
+    precision, as its weight's tag and the report say it; None for any other module."""
+    return f"{type(module).__name__} is no nn.Linear" if is_foreign_linear(module) else None
+
+
 def layer_scheme(module: nn.Module) -> LayerScheme:
     """The scheme a quantized layer runs with, read back from the layer."""
     static = "input_scale" in module._parameters
@@ -489,7 +495,7 @@ def check_create_arguments(where: str, params_dtype: torch.dtype, **sizes) -> No
             values = list(value) if many and not isinstance(value, (str, bytes)) else [value]
         except TypeError:  # (an int for the list)
             values = []
-        if not values or any(size(v) is None or size(v) < least for v in values):
+        if not values or any(n is None or n < least for n in map(size, values)):
             what = "a list of ints >= 0, one for each fused shard" if many else f"an int >= {least}"
             raise ValueError(f"{where}: create_weights({name}={value!r}): {what} (nothing of the layer changed)")
     if params_dtype not in quant.HIGH_PRECISION:

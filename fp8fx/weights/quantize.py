@@ -20,7 +20,8 @@ from fp8fx.config import Fp8Config, config_or, entry_covers
 from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
-from fp8fx.weights.linear import Fp8LinearMethod, guard_casts, is_foreign_linear, is_quantized, skip_reason
+from fp8fx.weights.linear import Fp8LinearMethod, foreign_linear_reason, guard_casts, is_foreign_linear, is_quantized
+from fp8fx.weights.linear import skip_reason
 from fp8fx.weights.linear import MHA_OUT_PROJ, check_no_in_place_rescale, kept_by_the_model, weight_tensors
 
 log = logging.getLogger("fp8fx")
@@ -350,7 +351,7 @@ def _left_alone(modules, routers, warn: bool) -> None:
     fp8fx does not read (DBRX's, JetMoE's): they stay in high precision. Routers are meant to."""
     kinds: dict[str, list[str]] = {}
     for fqn, m in modules:
-        why = moe.foreign_experts(m) or (f"{type(m).__name__} is no nn.Linear" if is_foreign_linear(m) else None)
+        why = moe.foreign_experts(m) or foreign_linear_reason(m)
         if why and fqn not in routers:
             kinds.setdefault(why, []).append(fqn)
             moe.tag_left_alone(m, fqn, why)
