@@ -282,6 +282,9 @@ def load_checkpoint(
     stored = (config_json.get("quantization_config") or {}).get("quant_method") if fmt.from_user else fmt.name
     model._fp8fx_source = {"format": stored, "config": config_json, "kv_cache": loader.kv_declared}
     guard_casts(model)
+    from fp8fx.checkpoint import pretrained  # (it imports this module)
+
+    pretrained.describe(model)
     log.info("fp8fx: loaded %s", str(report).splitlines()[-1])
     return report
 

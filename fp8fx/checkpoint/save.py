@@ -91,32 +91,8 @@ def save_checkpoint(
     (dequantized), in the ignore list with them, with a warning: vLLM refuses a fused layer of two precisions.
     """
     _check_arguments(path, experts, max_shard_size)
-    model = compat.compiled_module(model)  # a torch.compile wrapper: the module it compiles, the checkpoint's names
-    check_finished(model, "save_checkpoint")  # its bf16 layers would be written as ignored on purpose
     path = os.fspath(path)
-    # modules by the names they are saved under: a torch.compile wrapper of a submodule puts "_orig_mod." in its
-    # module's names, which nothing loads (the wrappers hold nothing of their own)
-    modules = {_unwrapped(f): m for f, m in model.named_modules() if compat.compiled_module(m) is m}
-    schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}  # the fp8 linears'
-    _check_loadable_values(modules, schemes)
-    layout = _experts_layout(model, modules, experts)
-    schemes, demoted = _fp8_schemes(modules, schemes, layout)
-    ignored, kv, fmt, method = _ignored_and_format(model, modules, schemes, layout, format)
-    tensors = _named_tensors(model, modules, layout, demoted, method)
-    meta = [n for n, t in tensors.items() if t.is_meta]
-    if meta:  # a model built on the meta device and not loaded (or a part of it left unloaded): no values to write
-        raise ValueError(f"save_checkpoint: {meta[0]} is on the meta device ({len(meta)} such tensors): it holds no "
-                         "values; load the model's weights first (fp8fx.load_checkpoint), then save (nothing was "
-                         "written)")
-    wide = [n for n, t in tensors.items() if t.is_floating_point() and t.dtype.itemsize > 4]
-    if wide:  # load_checkpoint reads bf16/fp16/fp32 next to the fp8 tensors: refused here, not when loaded
-        raise ValueError(f"save_checkpoint: {wide[0]} is {tensors[wide[0]].dtype} ({len(wide)} such tensors); a "
-                         f"quantized model cast to float64 is a reference, its checkpoint holds bf16/fp16/fp32 tensors:"
-                         f" cast it back (model.to(torch.bfloat16)), then save (nothing was written)")
-    tensors, schemes, ignored = _hub_named(model, tensors, schemes, ignored, layout)
-    if method == "compressed-tensors":
-        schemes, ignored = _with_vllm_expert_names(schemes, ignored, layout.names)
-    qc = formats.quantization_config(schemes, ignored, kv, fmt)
+    model, modules, schemes, tensors, qc = _planned(model, format, experts, check_values=True)
     if config_json is None:
         hf, source = getattr(model, "config", None), getattr(model, "_fp8fx_source", {})
         config_json = hf.to_dict() if hasattr(hf, "to_dict") else source.get("config", {})
@@ -141,6 +117,39 @@ def save_checkpoint(
     _write_checkpoint(path, tensors, max_shard_size, config_text)
     log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
     return qc
+
+
+def _planned(model: nn.Module, format: Optional[str], experts: Optional[str], check_values: bool
+             ) -> tuple[nn.Module, dict[str, nn.Module], dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """What ``save_checkpoint`` writes of ``model`` (the model under its wrapper, its modules by saved name, the
+    schemes of the layers written in fp8, the tensors by saved name, the quantization_config), or why it cannot be
+    written (a ValueError). ``check_values``: refuse scales and fp8 codes no loader takes (a pass over the weights)."""
+    model = compat.compiled_module(model)  # a torch.compile wrapper: the module it compiles, the checkpoint's names
+    check_finished(model, "save_checkpoint")  # its bf16 layers would be written as ignored on purpose
+    # modules by the names they are saved under: a torch.compile wrapper of a submodule puts "_orig_mod." in its
+    # module's names, which nothing loads (the wrappers hold nothing of their own)
+    modules = {_unwrapped(f): m for f, m in model.named_modules() if compat.compiled_module(m) is m}
+    schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}  # the fp8 linears'
+    if check_values:
+        _check_loadable_values(modules, schemes)
+    layout = _experts_layout(model, modules, experts)
+    schemes, demoted = _fp8_schemes(modules, schemes, layout)
+    ignored, kv, fmt, method = _ignored_and_format(model, modules, schemes, layout, format)
+    tensors = _named_tensors(model, modules, layout, demoted, method)
+    meta = [n for n, t in tensors.items() if t.is_meta]
+    if meta:  # a model built on the meta device and not loaded (or a part of it left unloaded): no values to write
+        raise ValueError(f"save_checkpoint: {meta[0]} is on the meta device ({len(meta)} such tensors): it holds no "
+                         "values; load the model's weights first (fp8fx.load_checkpoint), then save (nothing was "
+                         "written)")
+    wide = [n for n, t in tensors.items() if t.is_floating_point() and t.dtype.itemsize > 4]
+    if wide:  # load_checkpoint reads bf16/fp16/fp32 next to the fp8 tensors: refused here, not when loaded
+        raise ValueError(f"save_checkpoint: {wide[0]} is {tensors[wide[0]].dtype} ({len(wide)} such tensors); a "
+                         f"quantized model cast to float64 is a reference, its checkpoint holds bf16/fp16/fp32 tensors:"
+                         f" cast it back (model.to(torch.bfloat16)), then save (nothing was written)")
+    tensors, schemes, ignored = _hub_named(model, tensors, schemes, ignored, layout)
+    if method == "compressed-tensors":
+        schemes, ignored = _with_vllm_expert_names(schemes, ignored, layout.names)
+    return model, modules, schemes, tensors, formats.quantization_config(schemes, ignored, kv, fmt)
 
 
 def _compute_dtype(tensors: Mapping[str, torch.Tensor]) -> Optional[torch.dtype]:

@@ -189,6 +189,10 @@ def quantize_(
     if plan or experts or done or skipped or experts_skipped or decide.routers:
         # (also where nothing was quantized: the guard's deep copy carries the weights' tags, the report's reasons)
         guard_casts(model)
+    if not prefix:  # (a part quantized on its own: the config, if it has one, is its model's)
+        from fp8fx.checkpoint import pretrained  # (it imports the checkpoint package, which imports this module)
+
+        pretrained.describe(model)
     return wrapper
 
 

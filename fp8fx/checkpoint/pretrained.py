@@ -1,0 +1,167 @@
+"""``model.config.quantization_config`` of a transformers model that fp8fx quantized, so that ``save_pretrained``
+writes a checkpoint its readers load right, or one they refuse.
+
+``save_pretrained`` writes ``model.state_dict()``: an fp8fx layer's fp8 codes under ``weight`` and its float32
+``weight_scale`` / ``weight_scale_inv`` / ``input_scale``, with the model's own ``config.json``. With no
+``quantization_config`` in it, ``from_pretrained`` took the codes as bf16 weights, unscaled, and warned only of
+unexpected keys: logits thousands of times off. Where those files are what ``save_checkpoint`` writes (a dense
+model: the tensors have the checkpoint's names), the config below describes them, in the format transformers reads
+them in (``fp8`` for 128x128-style blocks, ``compressed-tensors`` otherwise: transformers' ``fp8`` loader takes block
+scales only); ``from_pretrained``, vLLM and ``fp8fx.load_checkpoint`` load them. Where they are not (experts, which
+transformers' ``save_pretrained`` writes per expert while their scales keep fp8fx's fused names; block scales that
+compressed-tensors names ``weight_scale``; layers written in high precision), it is a config every reader refuses,
+saying why and to save with ``fp8fx.save_checkpoint``.
+
+The config is computed when transformers reads it (``config.to_dict()``: ``save_pretrained``, ``print(config)``), from
+the model as it is then: a later ``calibrate``-d ``input_scale`` or KV-cache scale is in it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import Any, Iterator, Optional
+
+import torch
+from torch import nn
+
+from fp8fx import quant
+from fp8fx.checkpoint.load import _looks_like_scale
+from fp8fx.checkpoint.save import _planned, _unwrapped
+
+log = logging.getLogger("fp8fx")
+
+
+class _Mute(logging.Filter):
+    """Drops the fp8fx log records of the threads computing a config (save_checkpoint's warnings about what it
+    writes are for a save, not for each ``print(model.config)``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.threads: set[int] = set()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.thread not in self.threads
+
+
+_MUTE = _Mute()
+_MUTE_LOCK = threading.Lock()
+
+
+class QuantizationConfig(Mapping):
+    """``model.config.quantization_config`` as ``describe`` sets it: a read-only mapping whose items are the
+    quantization_config of the files ``model.save_pretrained`` writes, computed at each read (``to_dict()``, which
+    transformers' config serialization calls, or any item). It holds the model by a weak reference (the model holds
+    its config); a deep copy of the model gets one of the copy, a pickle holds the model itself."""
+
+    __slots__ = ("_model",)
+
+    def __init__(self, model: Optional[nn.Module]):
+        self._model = weakref.ref(model) if model is not None else lambda: None
+
+    def to_dict(self) -> dict[str, Any]:
+        model = self._model()
+        if model is None:
+            return _refused("the model this config describes is gone (the config outlived it)")
+        with _MUTE_LOCK:
+            _MUTE.threads.add(threading.get_ident())
+            if _MUTE not in log.filters:
+                log.addFilter(_MUTE)
+        try:
+            return _describe(model)
+        finally:
+            with _MUTE_LOCK:
+                _MUTE.threads.discard(threading.get_ident())
+                if not _MUTE.threads:
+                    log.removeFilter(_MUTE)
+
+    def __getitem__(self, key: str) -> Any:
+        return self.to_dict()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.to_dict())
+
+    def __len__(self) -> int:
+        return len(self.to_dict())
+
+    @property
+    def quant_method(self) -> str:  # (what transformers' quantization configs have as an attribute)
+        return self["quant_method"]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.to_dict()!r})"
+
+    def __deepcopy__(self, memo):
+        model = self._model()
+        return QuantizationConfig(memo.get(id(model), model))
+
+    def __reduce__(self):
+        return QuantizationConfig, (self._model(),)
+
+
+def describe(model: nn.Module) -> None:
+    """Sets ``model.config.quantization_config`` (a ``QuantizationConfig`` of ``model``) where ``model`` is a
+    transformers model (it has ``save_pretrained`` and a config with ``to_dict``) holding fp8fx layers; leaves any
+    other model as it is."""
+    config = getattr(model, "config", None)
+    if not (callable(getattr(model, "save_pretrained", None)) and callable(getattr(config, "to_dict", None))):
+        return
+    if not any(isinstance(t, torch.Tensor) and t.dtype == quant.FP8_DTYPE for t in model.state_dict().values()):
+        return
+    try:
+        config.quantization_config = QuantizationConfig(model)
+    except (AttributeError, TypeError) as e:  # a frozen or slotted config: said, the model is quantized all the same
+        log.warning("fp8fx: could not set %s.config.quantization_config (%s): save the model with "
+                    "fp8fx.save_checkpoint, not save_pretrained", type(model).__name__, e)
+
+
+def _describe(model: nn.Module) -> dict[str, Any]:
+    """The quantization_config of what ``save_pretrained`` writes of ``model``: save_checkpoint's, in the format
+    transformers reads it in, where save_checkpoint would write the same tensors under the same names; else one
+    every reader refuses (``_refused``)."""
+    try:
+        try:
+            planned = _planned(model, "fp8", None, check_values=False)
+            if not planned[-1].get("weight_block_size"):  # per-tensor fp8: transformers' fp8 loader takes blocks only
+                raise ValueError("per-tensor")
+        except ValueError:  # several schemes (or per-tensor weights): compressed-tensors describes any mix
+            planned = _planned(model, "compressed-tensors", None, check_values=False)
+    except ValueError as e:
+        return _refused(str(e))
+    model, _, _, tensors, qc = planned
+    other = _not_as_state_dict(model, tensors)
+    if other:
+        return _refused(other)
+    return qc
+
+
+def _not_as_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> str:
+    """Why the tensors ``save_checkpoint`` writes (``tensors``) are not ``model.state_dict()`` under its names, the
+    files ``save_pretrained`` writes; "" where they are."""
+
+    def key(t: torch.Tensor) -> tuple:
+        return (t.untyped_storage().data_ptr() if not t.is_meta else id(t), t.storage_offset(), tuple(t.shape), t.dtype)
+
+    state = {_unwrapped(n): t for n, t in model.state_dict().items()}
+    for name, t in tensors.items():
+        held = state.get(name)
+        if held is None:
+            return (f"a checkpoint of it holds {name}, which its state_dict, what save_pretrained writes, has not "
+                    "(experts per expert, a scale under the format's name)")
+        if key(held) != key(t):
+            return f"a checkpoint of it holds {name} as {t.dtype} {list(t.shape)}, its state_dict as {held.dtype}"
+    written = {key(t) for t in tensors.values()}
+    for name, t in state.items():
+        if (t.dtype == quant.FP8_DTYPE or _looks_like_scale(name)) and name not in tensors and key(t) not in written:
+            return f"its state_dict holds {name}, which a checkpoint of it names otherwise or leaves out"
+    return ""
+
+
+def _refused(why: str) -> dict[str, Any]:
+    """A quantization_config every reader refuses, saying ``why`` and the fix: an ``activation_scheme`` no fp8 reader
+    takes (transformers, vLLM and fp8fx name the value in their error)."""
+    reason = (f"not loadable: this checkpoint was written by save_pretrained of a model fp8fx quantized, which it "
+              f"cannot write as a checkpoint reader loads it ({why}); save the model with "
+              "fp8fx.save_checkpoint(model, path) instead")
+    return {"quant_method": "fp8", "activation_scheme": reason, "fp8fx_not_loadable": reason}

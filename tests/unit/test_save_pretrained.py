@@ -1,0 +1,135 @@
+"""transformers' ``save_pretrained`` of a model fp8fx quantized: its config.json describes the files it writes
+(``fp8fx.checkpoint.pretrained``), so readers load them right or refuse them; before, ``from_pretrained`` took the
+fp8 codes as bf16 weights, unscaled (logits thousands of times off bf16), warning only of unexpected keys."""
+import copy
+import io
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import fp8fx
+from fp8fx.checkpoint import load_checkpoint, save_checkpoint
+from fp8fx.checkpoint.pretrained import QuantizationConfig
+from fp8fx.weights import kv_cache
+from tests.conftest import rel_err
+
+transformers = pytest.importorskip("transformers")
+
+IDS = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+
+
+def tiny(kind="llama"):
+    if kind == "llama":
+        cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2)
+    else:
+        cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=256, intermediate_size=256,
+                                          moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=64)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(input_ids=IDS).logits.float()
+
+
+def tensors(folder):
+    return {k: v.view(torch.uint8) if v.dtype.itemsize == 1 else v for k, v in load_file(folder / "model.safetensors")
+            .items()}
+
+
+SCHEMES = {
+    "per-channel": (fp8fx.Fp8Config(ignored_layers=["lm_head"]), "compressed-tensors"),
+    "per-tensor": (fp8fx.Fp8Config(ignored_layers=["lm_head"], weight_granularity=fp8fx.PerTensor()), "compressed-tensors"),
+    "block": (fp8fx.Fp8Config(ignored_layers=["lm_head"], weight_block_size=[128, 128]), "fp8"),
+}
+
+
+@pytest.mark.parametrize("scheme", sorted(SCHEMES))
+def test_save_pretrained_writes_what_save_checkpoint_writes_and_it_loads_back(tmp_path, scheme):
+    """A dense model: save_pretrained's files are save_checkpoint's (the same tensors, bytes and quantization_config,
+    in the format transformers reads: fp8 for blocks, compressed-tensors otherwise, as its fp8 loader misreads
+    per-tensor scales); fp8fx.load_checkpoint reads them into a model that computes as the saved one did, and
+    transformers either loads them right or refuses for want of the package that reads the format."""
+    config, method = SCHEMES[scheme]
+    model = tiny()
+    want = logits(fp8fx.quantize_(model, config))
+    assert isinstance(model.config.quantization_config, QuantizationConfig)
+    model.save_pretrained(tmp_path / "pretrained")
+    qc = save_checkpoint(model, tmp_path / "saved", format=method)
+    written = json.loads((tmp_path / "pretrained" / "config.json").read_text())["quantization_config"]
+    assert written == qc and qc["quant_method"] == method
+    assert model.config.quantization_config == qc and model.config.quantization_config.quant_method == method
+    a, b = tensors(tmp_path / "pretrained"), tensors(tmp_path / "saved")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    fresh = tiny()
+    load_checkpoint(fresh, tmp_path / "pretrained", progress=False)
+    assert torch.equal(logits(fresh), want)
+    try:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained", dtype=torch.bfloat16)
+    except ImportError as e:  # compressed-tensors, or accelerate for transformers' fp8 loader: not installed
+        assert ("compressed-tensors" if method == "compressed-tensors" else "accelerate") in str(e)
+    else:
+        assert rel_err(logits(loaded), want) < 0.1  # (unscaled codes: thousands)
+
+
+def test_the_config_is_read_from_the_model_when_transformers_reads_it(tmp_path):
+    """The config follows the model: KV-cache scales attached after quantize_ are declared in it; a deep copy's and a
+    torch.save round trip's config describe the copy; a model that drops its fp8 layers' values (cast to float64,
+    the quantized model's reference) gets a config every reader refuses."""
+    model = tiny()
+    fp8fx.quantize_(model, SCHEMES["per-channel"][0])
+    assert model.config.quantization_config["kv_cache_scheme"] is None
+    for layer in model.model.layers:
+        kv_cache.attach_kv_scales(layer.self_attn, {"k_scale": 0.5, "v_scale": 0.25})
+    assert model.config.quantization_config["kv_cache_scheme"] is not None
+    copied = copy.deepcopy(model)
+    assert copied.config.quantization_config._model() is copied
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.config.quantization_config._model() is loaded
+    assert loaded.config.quantization_config.to_dict() == model.config.quantization_config.to_dict()
+    copied.double()
+    refused = copied.config.quantization_config.to_dict()
+    assert "is torch.float64" in refused["activation_scheme"]
+    assert model.config.quantization_config.to_dict() != refused  # (the original is still bf16)
+
+
+def test_save_pretrained_of_fp8_experts_is_refused_by_every_reader(tmp_path):
+    """transformers' save_pretrained writes experts per expert (its conversion mapping, reversed) but keeps fp8fx's
+    fused scale names: no reader can load that. The config says so, and transformers, fp8fx.load_checkpoint and
+    Fp8Config refuse it naming the fix; fp8fx.save_checkpoint's files load back."""
+    model = tiny("moe")
+    want = logits(fp8fx.quantize_(model, SCHEMES["per-channel"][0]))
+    model.save_pretrained(tmp_path / "pretrained")
+    fix = r"save the model with fp8fx.save_checkpoint\(model, path\) instead"
+    with pytest.raises(ValueError, match=r"(?i)written by save_pretrained of a model fp8fx quantized.*experts.0.*" + fix):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
+    with pytest.raises(ValueError, match=fix):
+        load_checkpoint(tiny("moe"), tmp_path / "pretrained", progress=False)
+    save_checkpoint(model, tmp_path / "saved")
+    fresh = tiny("moe")
+    load_checkpoint(fresh, tmp_path / "saved", progress=False)
+    assert torch.equal(logits(fresh), want)
+
+
+def test_models_without_fp8_layers_or_a_transformers_config_are_left_alone():
+    """No quantization_config where nothing is fp8 (everything ignored) or where the model is no transformers model;
+    a part quantized on its own (prefix) leaves its model's config to its model."""
+    model = tiny()
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["model", "lm_head"]))
+    assert getattr(model.config, "quantization_config", None) is None
+    plain = torch.nn.Sequential(torch.nn.Linear(32, 32)).bfloat16()
+    fp8fx.quantize_(plain)
+    assert not hasattr(plain, "config")
+    model = tiny()
+    fp8fx.quantize_(model.model.layers[0], prefix="model.layers.0")
+    assert getattr(model.config, "quantization_config", None) is None
