@@ -1,19 +1,19 @@
-"""``model.config.quantization_config`` of a transformers model that fp8fx quantized, so that ``save_pretrained``
-writes a checkpoint its readers load right, or one they refuse.
+"""``save_pretrained`` of a transformers model that fp8fx quantized writes a ``quantization_config`` that describes its
+files, so its readers load them right, or refuse them.
 
 ``save_pretrained`` writes ``model.state_dict()``: an fp8fx layer's fp8 codes under ``weight`` and its float32
 ``weight_scale`` / ``weight_scale_inv`` / ``input_scale``, with the model's own ``config.json``. With no
 ``quantization_config`` in it, ``from_pretrained`` took the codes as bf16 weights, unscaled, and warned only of
 unexpected keys: logits thousands of times off. Where those files are what ``save_checkpoint`` writes (a dense
-model: the tensors have the checkpoint's names), the config below describes them, in the format transformers reads
-them in (``fp8`` for 128x128-style blocks, ``compressed-tensors`` otherwise: transformers' ``fp8`` loader takes block
-scales only); ``from_pretrained``, vLLM and ``fp8fx.load_checkpoint`` load them. Where they are not (experts, which
+model: the tensors have the checkpoint's names), the config describes them, in the format transformers reads them in
+(``fp8`` for 128x128-style blocks, ``compressed-tensors`` otherwise: transformers' ``fp8`` loader takes block scales
+only); ``from_pretrained``, vLLM and ``fp8fx.load_checkpoint`` load them. Where they are not (experts, which
 transformers' ``save_pretrained`` writes per expert while their scales keep fp8fx's fused names; block scales that
 compressed-tensors names ``weight_scale``; layers written in high precision), it is a config every reader refuses,
 saying why and to save with ``fp8fx.save_checkpoint``.
 
-The config is computed when transformers reads it (``config.to_dict()``: ``save_pretrained``, ``print(config)``), from
-the model as it is then: a later ``calibrate``-d ``input_scale`` or KV-cache scale is in it.
+The config is computed at each ``save_pretrained`` call, from the model as it is then, and set on
+``model.config`` for that call only.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Mapping
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -49,71 +49,71 @@ _MUTE = _Mute()
 _MUTE_LOCK = threading.Lock()
 
 
-class QuantizationConfig(Mapping):
-    """``model.config.quantization_config`` as ``describe`` sets it: a read-only mapping whose items are the
-    quantization_config of the files ``model.save_pretrained`` writes, computed at each read (``to_dict()``, which
-    transformers' config serialization calls, or any item). It holds the model by a weak reference (the model holds
-    its config); a deep copy of the model gets one of the copy, a pickle holds the model itself."""
+class SavePretrained:
+    """``model.save_pretrained`` as ``describe`` sets it (an attribute of the instance; the class is left as it is):
+    transformers' own, with ``model.config.quantization_config`` set for the call to what it writes (``_describe``,
+    from the model as it is then: a calibrated ``input_scale`` or a KV-cache scale attached after ``quantize_`` is
+    in it) and put back after it. The config object is not changed otherwise: a config shared with another model
+    (``from_config(cfg)`` twice) describes no model it was not saved with. The model is held by a weak reference (it
+    holds this); a deep copy of the model gets one of the copy, a pickle holds the model itself."""
 
     __slots__ = ("_model",)
 
     def __init__(self, model: Optional[nn.Module]):
         self._model = weakref.ref(model) if model is not None else lambda: None
 
-    def to_dict(self) -> dict[str, Any]:
+    def __call__(self, *args, **kwargs):
         model = self._model()
-        if model is None:
-            return _refused("the model this config describes is gone (the config outlived it)")
-        with _MUTE_LOCK:
-            _MUTE.threads.add(threading.get_ident())
-            if _MUTE not in log.filters:
-                log.addFilter(_MUTE)
+        if model is None:  # a copy.copy of a model shares its __dict__, which outlived the model it was made for
+            raise RuntimeError("fp8fx: this model was copied with copy.copy from a quantized model that is gone; copy "
+                               "quantized models with copy.deepcopy (or keep the original)")
+        config = model.config
+        missing = object()
+        before = vars(config).get("quantization_config", missing)
+        config.quantization_config = quantization_config(model)
         try:
-            return _describe(model)
+            return type(model).save_pretrained(model, *args, **kwargs)
         finally:
-            with _MUTE_LOCK:
-                _MUTE.threads.discard(threading.get_ident())
-                if not _MUTE.threads:
-                    log.removeFilter(_MUTE)
-
-    def __getitem__(self, key: str) -> Any:
-        return self.to_dict()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.to_dict())
-
-    def __len__(self) -> int:
-        return len(self.to_dict())
-
-    @property
-    def quant_method(self) -> str:  # (what transformers' quantization configs have as an attribute)
-        return self["quant_method"]
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}({self.to_dict()!r})"
+            if before is missing:
+                del config.quantization_config
+            else:
+                config.quantization_config = before
 
     def __deepcopy__(self, memo):
         model = self._model()
-        return QuantizationConfig(memo.get(id(model), model))
+        return SavePretrained(memo.get(id(model), model))
 
     def __reduce__(self):
-        return QuantizationConfig, (self._model(),)
+        return SavePretrained, (self._model(),)
 
 
 def describe(model: nn.Module) -> None:
-    """Sets ``model.config.quantization_config`` (a ``QuantizationConfig`` of ``model``) where ``model`` is a
-    transformers model (it has ``save_pretrained`` and a config with ``to_dict``) holding fp8fx layers; leaves any
-    other model as it is."""
+    """Has ``model.save_pretrained`` write a ``quantization_config`` that describes its files (``SavePretrained``),
+    where ``model`` is a transformers model (``save_pretrained`` and a config with ``to_dict``) holding fp8 tensors;
+    leaves any other model as it is."""
     config = getattr(model, "config", None)
-    if not (callable(getattr(model, "save_pretrained", None)) and callable(getattr(config, "to_dict", None))):
+    if not (callable(getattr(type(model), "save_pretrained", None)) and callable(getattr(config, "to_dict", None))):
         return
-    if not any(isinstance(t, torch.Tensor) and t.dtype == quant.FP8_DTYPE for t in model.state_dict().values()):
+    if isinstance(vars(model).get("save_pretrained"), SavePretrained):
         return
+    if any(isinstance(t, torch.Tensor) and t.dtype == quant.FP8_DTYPE for t in model.state_dict().values()):
+        model.save_pretrained = SavePretrained(model)
+
+
+def quantization_config(model: nn.Module) -> dict[str, Any]:
+    """The quantization_config of the files ``save_pretrained`` writes of ``model`` (``_describe``), computed with
+    fp8fx's log records of this thread muted (save_checkpoint's notes on what it writes are for its own saves)."""
+    with _MUTE_LOCK:
+        _MUTE.threads.add(threading.get_ident())
+        if _MUTE not in log.filters:
+            log.addFilter(_MUTE)
     try:
-        config.quantization_config = QuantizationConfig(model)
-    except (AttributeError, TypeError) as e:  # a frozen or slotted config: said, the model is quantized all the same
-        log.warning("fp8fx: could not set %s.config.quantization_config (%s): save the model with "
-                    "fp8fx.save_checkpoint, not save_pretrained", type(model).__name__, e)
+        return _describe(model)
+    finally:
+        with _MUTE_LOCK:
+            _MUTE.threads.discard(threading.get_ident())
+            if not _MUTE.threads:
+                log.removeFilter(_MUTE)
 
 
 def _describe(model: nn.Module) -> dict[str, Any]:

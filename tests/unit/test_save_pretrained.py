@@ -1,6 +1,7 @@
 """transformers' ``save_pretrained`` of a model fp8fx quantized: its config.json describes the files it writes
 (``fp8fx.checkpoint.pretrained``), so readers load them right or refuse them; before, ``from_pretrained`` took the
-fp8 codes as bf16 weights, unscaled (logits thousands of times off bf16), warning only of unexpected keys."""
+fp8 codes as bf16 weights, unscaled (logits thousands of times off bf16), warning only of unexpected keys. The
+model's config object is left as it was."""
 import copy
 import io
 import json
@@ -11,7 +12,7 @@ from safetensors.torch import load_file
 
 import fp8fx
 from fp8fx.checkpoint import load_checkpoint, save_checkpoint
-from fp8fx.checkpoint.pretrained import QuantizationConfig
+from fp8fx.checkpoint.pretrained import SavePretrained, quantization_config
 from fp8fx.weights import kv_cache
 from tests.conftest import rel_err
 
@@ -45,7 +46,8 @@ def tensors(folder):
 
 SCHEMES = {
     "per-channel": (fp8fx.Fp8Config(ignored_layers=["lm_head"]), "compressed-tensors"),
-    "per-tensor": (fp8fx.Fp8Config(ignored_layers=["lm_head"], weight_granularity=fp8fx.PerTensor()), "compressed-tensors"),
+    "per-tensor": (fp8fx.Fp8Config(ignored_layers=["lm_head"], weight_granularity=fp8fx.PerTensor()),
+                   "compressed-tensors"),
     "block": (fp8fx.Fp8Config(ignored_layers=["lm_head"], weight_block_size=[128, 128]), "fp8"),
 }
 
@@ -59,12 +61,13 @@ def test_save_pretrained_writes_what_save_checkpoint_writes_and_it_loads_back(tm
     config, method = SCHEMES[scheme]
     model = tiny()
     want = logits(fp8fx.quantize_(model, config))
-    assert isinstance(model.config.quantization_config, QuantizationConfig)
+    assert isinstance(vars(model)["save_pretrained"], SavePretrained)
     model.save_pretrained(tmp_path / "pretrained")
+    assert not hasattr(model.config, "quantization_config")  # (set for the call only)
     qc = save_checkpoint(model, tmp_path / "saved", format=method)
     written = json.loads((tmp_path / "pretrained" / "config.json").read_text())["quantization_config"]
     assert written == qc and qc["quant_method"] == method
-    assert model.config.quantization_config == qc and model.config.quantization_config.quant_method == method
+    assert quantization_config(model) == qc
     a, b = tensors(tmp_path / "pretrained"), tensors(tmp_path / "saved")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
@@ -79,28 +82,34 @@ def test_save_pretrained_writes_what_save_checkpoint_writes_and_it_loads_back(tm
         assert rel_err(logits(loaded), want) < 0.1  # (unscaled codes: thousands)
 
 
-def test_the_config_is_read_from_the_model_when_transformers_reads_it(tmp_path):
+def test_the_config_is_the_model_s_at_each_save(tmp_path):
     """The config follows the model: KV-cache scales attached after quantize_ are declared in it; a deep copy's and a
-    torch.save round trip's config describe the copy; a model that drops its fp8 layers' values (cast to float64,
-    the quantized model's reference) gets a config every reader refuses."""
+    torch.save round trip's describe the copy; a model that drops its fp8 layers' values (cast to float64, the
+    quantized model's reference) gets a config every reader refuses; a bf16 model built from the same config object
+    saves none."""
     model = tiny()
     fp8fx.quantize_(model, SCHEMES["per-channel"][0])
-    assert model.config.quantization_config["kv_cache_scheme"] is None
+    assert quantization_config(model)["kv_cache_scheme"] is None
     for layer in model.model.layers:
         kv_cache.attach_kv_scales(layer.self_attn, {"k_scale": 0.5, "v_scale": 0.25})
-    assert model.config.quantization_config["kv_cache_scheme"] is not None
+    model.save_pretrained(tmp_path / "kv")
+    written = json.loads((tmp_path / "kv" / "config.json").read_text())["quantization_config"]
+    assert written["kv_cache_scheme"] is not None and written == quantization_config(model)
     copied = copy.deepcopy(model)
-    assert copied.config.quantization_config._model() is copied
+    assert vars(copied)["save_pretrained"]._model() is copied
     buf = io.BytesIO()
     torch.save(model, buf)
     buf.seek(0)
     loaded = torch.load(buf, weights_only=False)
-    assert loaded.config.quantization_config._model() is loaded
-    assert loaded.config.quantization_config.to_dict() == model.config.quantization_config.to_dict()
+    assert vars(loaded)["save_pretrained"]._model() is loaded
+    assert quantization_config(loaded) == quantization_config(model)
     copied.double()
-    refused = copied.config.quantization_config.to_dict()
+    refused = quantization_config(copied)
     assert "is torch.float64" in refused["activation_scheme"]
-    assert model.config.quantization_config.to_dict() != refused  # (the original is still bf16)
+    assert quantization_config(model) != refused  # (the original is still bf16)
+    other = transformers.AutoModelForCausalLM.from_config(model.config)
+    other.save_pretrained(tmp_path / "other")
+    assert "quantization_config" not in json.loads((tmp_path / "other" / "config.json").read_text())
 
 
 def test_save_pretrained_of_fp8_experts_is_refused_by_every_reader(tmp_path):
@@ -111,7 +120,8 @@ def test_save_pretrained_of_fp8_experts_is_refused_by_every_reader(tmp_path):
     want = logits(fp8fx.quantize_(model, SCHEMES["per-channel"][0]))
     model.save_pretrained(tmp_path / "pretrained")
     fix = r"save the model with fp8fx.save_checkpoint\(model, path\) instead"
-    with pytest.raises(ValueError, match=r"(?i)written by save_pretrained of a model fp8fx quantized.*experts.0.*" + fix):
+    written = r"(?i)written by save_pretrained of a model fp8fx quantized.*experts.0.*"
+    with pytest.raises(ValueError, match=written + fix):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
     with pytest.raises(ValueError, match=fix):
         load_checkpoint(tiny("moe"), tmp_path / "pretrained", progress=False)
@@ -121,15 +131,15 @@ def test_save_pretrained_of_fp8_experts_is_refused_by_every_reader(tmp_path):
     assert torch.equal(logits(fresh), want)
 
 
-def test_models_without_fp8_layers_or_a_transformers_config_are_left_alone():
-    """No quantization_config where nothing is fp8 (everything ignored) or where the model is no transformers model;
-    a part quantized on its own (prefix) leaves its model's config to its model."""
+def test_models_without_fp8_layers_or_save_pretrained_are_left_alone():
+    """transformers' own save_pretrained where nothing is fp8 (everything ignored), none on a model that is no
+    transformers model; a part quantized on its own (prefix) leaves its model's to its model."""
     model = tiny()
     fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["model", "lm_head"]))
-    assert getattr(model.config, "quantization_config", None) is None
+    assert "save_pretrained" not in vars(model)
     plain = torch.nn.Sequential(torch.nn.Linear(32, 32)).bfloat16()
     fp8fx.quantize_(plain)
-    assert not hasattr(plain, "config")
+    assert "save_pretrained" not in vars(plain)
     model = tiny()
     fp8fx.quantize_(model.model.layers[0], prefix="model.layers.0")
-    assert getattr(model.config, "quantization_config", None) is None
+    assert "save_pretrained" not in vars(model) and "save_pretrained" not in vars(model.model.layers[0])
