@@ -30,6 +30,12 @@ def freezing_enabled() -> bool:
     return bool(config.freezing)
 
 
+def fx_symbolic_tracing() -> bool:
+    """Whether ``torch.fx.symbolic_trace`` is tracing (torch.compile and torch.export: ``torch.compiler.is_compiling``).
+    A private FX function on 2.11 and 2.13 (``is_fx_tracing`` warns there that it means both)."""
+    return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
+
+
 def compiled_module(model: Any) -> Any:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, whose state names are the model's own
     (the wrapper's all start with ``_orig_mod.``); ``model`` itself when it is no wrapper."""

@@ -31,7 +31,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from fp8fx import quant
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block, transformers_skips
 from fp8fx.ops import BIAS_GAPS
-from fp8fx.weights import chunked
+from fp8fx.weights import chunked, views
 from fp8fx.weights.counter import CopyNumelCounter
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES
 
@@ -52,8 +52,8 @@ def _dequantized_weight(self) -> torch.Tensor:
             f"{getattr(self, '_fp8fx_prefix', '') or type(self).__name__}: its weight parameter was replaced by a "
             f"{q.dtype} one, where the fp8 layer holds {quant.FP8_DTYPE} codes and their scales, and it takes no "
             "high-precision weights: build the model with the new weights and quantize_ it")
-    return torch.ops.fp8fx.dequantize(q, scale, w_block, self._fp8fx_dtype, self._parameters.get("input_scale"),
-                                      act_block)
+    w = torch.ops.fp8fx.dequantize(q, scale, w_block, self._fp8fx_dtype, self._parameters.get("input_scale"), act_block)
+    return views.dequantized(w, self, "weight")
 
 
 def _kept(name: str, t: torch.Tensor) -> bool:

@@ -38,7 +38,7 @@ from torch import nn
 
 from fp8fx import quant
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
-from fp8fx.weights import chunked
+from fp8fx.weights import chunked, views
 from fp8fx.weights.linear import check_create_arguments, check_online, fp8_apply, fp8_load_from_state_dict
 from fp8fx.weights.linear import reduce_made_class, same_layout
 from fp8fx.weights.linear import setstate_made_class
@@ -73,7 +73,8 @@ def _view(name: str) -> property:
         )
         # experts the model stores transposed (``is_transposed``) see their own layout; fp8fx keeps fused_moe's
         # (getattr: a module pickled before fp8fx held transposed experts has no flag, and is not transposed)
-        return w.transpose(1, 2) if getattr(self, "_fp8fx_transposed", False) else w
+        w = w.transpose(1, 2) if getattr(self, "_fp8fx_transposed", False) else w
+        return views.dequantized(w, self, name)
 
     return property(get, doc=f"{name} dequantized from its fp8 tensor and scale (fp8fx)")
 

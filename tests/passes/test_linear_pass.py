@@ -1789,14 +1789,20 @@ class WrittenWeight(nn.Module):
 
 @pytest.mark.parametrize("form,writer", [("mul_", "mul_ (call_method)"), ("setitem", "setitem (call_function)")])
 def test_a_dequantized_weight_written_before_its_linear_is_not_rewritten(form, writer):
-    """The fp8 op read the quantized weight without the write (w[:16] = 0: channels of 1.6 where eager has 0)."""
+    """The fp8 op read the quantized weight without the write (w[:16] = 0: channels of 1.6 where eager has 0). Eager
+    mode refuses the write (fp8fx.weights.views); the compiled graph computes with the written copy, as a plain
+    tensor's forward would, and says the write does not persist."""
     torch.manual_seed(0)
     model = WrittenWeight(form).to(torch.bfloat16)
     fp8fx.quantize_(model)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     backend = Fp8Backend(compiler="eager")
     with torch.no_grad():
-        ref, out = model(x), torch.compile(model, backend=backend)(x)
+        with pytest.raises(RuntimeError, match=r"^lin\.weight is dequantized from its fp8 codes"):
+            model(x)
+        w = model.lin.weight.clone()
+        w.mul_(2.0) if form == "mul_" else w.__setitem__(slice(None, 16), 0.0)
+        ref, out = F.linear(x, w), torch.compile(model, backend=backend)(x)
     [site] = backend.report.sites
     assert (site.fqn, site.rewritten, site.reason) == ("lin", False, (
         f"the dequantized weight is written in place by {writer} before the linear: computed with the dequantized "
