@@ -55,7 +55,8 @@ class SavePretrained:
     from the model as it is then: a calibrated ``input_scale`` or a KV-cache scale attached after ``quantize_`` is
     in it) and put back after it. The config object is not changed otherwise: a config shared with another model
     (``from_config(cfg)`` twice) describes no model it was not saved with. The model is held by a weak reference (it
-    holds this); a deep copy of the model gets one of the copy, a pickle holds the model itself."""
+    holds this); a deep copy of the model gets one of the copy, a pickle holds the model itself. A ``copy.copy`` of the
+    model shares the original's (it shares its ``__dict__``'s values) and saves the original: copy with deepcopy."""
 
     __slots__ = ("_model",)
 
@@ -88,16 +89,16 @@ class SavePretrained:
 
 
 def describe(model: nn.Module) -> None:
-    """Has ``model.save_pretrained`` write a ``quantization_config`` that describes its files (``SavePretrained``),
-    where ``model`` is a transformers model (``save_pretrained`` and a config with ``to_dict``) holding fp8 tensors;
-    leaves any other model as it is."""
-    config = getattr(model, "config", None)
-    if not (callable(getattr(type(model), "save_pretrained", None)) and callable(getattr(config, "to_dict", None))):
-        return
-    if isinstance(vars(model).get("save_pretrained"), SavePretrained):
-        return
-    if any(isinstance(t, torch.Tensor) and t.dtype == quant.FP8_DTYPE for t in model.state_dict().values()):
-        model.save_pretrained = SavePretrained(model)
+    """Has the ``save_pretrained`` of ``model`` and of each transformers model inside it (a base model, a VLM's
+    language model: its own ``save_pretrained`` writes its own files) write a ``quantization_config`` that describes its
+    files (``SavePretrained``), where it holds fp8 tensors; leaves any other module as it is."""
+    for m in model.modules():
+        if not (callable(getattr(type(m), "save_pretrained", None)) and callable(getattr(getattr(m, "config", None),
+                                                                                         "to_dict", None))):
+            continue
+        if not isinstance(vars(m).get("save_pretrained"), SavePretrained) and any(
+                t.dtype == quant.FP8_DTYPE for t in (*m.parameters(), *m.buffers())):
+            m.save_pretrained = SavePretrained(m)
 
 
 def quantization_config(model: nn.Module) -> dict[str, Any]:
@@ -146,6 +147,8 @@ def _not_as_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) ->
     state = {_unwrapped(n): t for n, t in model.state_dict().items()}
     for name, t in tensors.items():
         held = state.get(name)
+        if held is None and t.dtype != quant.FP8_DTYPE and not _looks_like_scale(name):
+            continue  # a high-precision tensor renamed (bf16 experts per expert): transformers renames it as well
         if held is None:
             return (f"a checkpoint of it holds {name}, which its state_dict, what save_pretrained writes, has not "
                     "(experts per expert, a scale under the format's name)")

@@ -4,14 +4,15 @@ An fp8 layer's ``weight`` (an experts module's ``gate_up_proj`` / ``down_proj``)
 from the fp8 codes and their scales: a write into it changed that copy and was lost, silently. PEFT's
 ``merge_and_unload`` (``base_layer.weight.data += delta``) left an fp8 base model without its adapter (outputs 107%
 off the adapted model's), ``nn.init`` calls did nothing. In eager mode the view is a ``Dequantized`` tensor, whose
-``__torch_function__`` refuses an in-place op on it, or on a view of it (``.data``, ``.t()``, indexing), naming the
-tensor and the fix; every other op runs as on a plain tensor and returns plain tensors. Under ``torch.compile``,
-FX tracing and fake tensors the view stays a plain tensor: the linear pass finds the dequantization in the graph and
-says there that a write into it does not persist.
+``__torch_function__`` refuses an in-place op on it or on its ``.data`` (PEFT's idiom), naming the tensor and the fix;
+every other op runs as on a plain tensor and returns a plain tensor, the caller's own to write into. A write through a
+view of it (``w[0].zero_()``, ``w.t().copy_(...)``) or through numpy is not caught. Under ``torch.compile``, FX tracing
+and fake tensors the view stays a plain tensor: the linear pass finds the dequantization in the graph and says there
+that a write into it does not persist.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -22,16 +23,19 @@ _METADATA = frozenset({"requires_grad_", "share_memory_", "retain_grad"})
 
 
 class Dequantized(torch.Tensor):
-    """A dequantized fp8 weight: a plain tensor but for refusing in-place writes (``_fp8fx_of``: what it is the
-    weight of, for the message)."""
+    """A dequantized fp8 weight, as a read of the layer's attribute gives it: a plain tensor but for refusing in-place
+    writes into it and into its ``.data`` (``_fp8fx_of``: what it is the weight of, for the message). Every op returns
+    a plain tensor: a tensor made from it (``detach()``, ``.t()``, ``contiguous()``, ``w[0]``) is the caller's own, for
+    writes that are meant for it (``detach()`` gives an unguarded ``Dequantized``, as ``nn.Parameter(w)`` needs its
+    class kept)."""
 
-    _fp8fx_of: str
+    _fp8fx_of: Optional[str]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         target = _written(func, args, kwargs)
-        if isinstance(target, Dequantized):
+        if target is not None:
             name = getattr(func, "__name__", str(func))
             op = {"__set__": "assigning .data", "__setitem__": "an indexed assignment"}.get(name, f"{name} in place")
             raise RuntimeError(
@@ -40,7 +44,30 @@ class Dequantized(torch.Tensor):
                 "before quantize_ (merge an adapter into the bf16 model, then quantize_ it), or load new fp8 codes and "
                 "scales with load_state_dict / fp8fx.load_checkpoint")
         with torch._C.DisableTorchFunctionSubclass():
-            return _views_kept(func(*args, **kwargs), [a for a in args if isinstance(a, Dequantized)])
+            if func in _PRINTED:  # printed as the plain tensor it is
+                args = (args[0].as_subclass(torch.Tensor), *args[1:])
+            out = func(*args, **kwargs)
+            if not (args and isinstance(args[0], Dequantized) and isinstance(out, torch.Tensor)):
+                return out
+            name = getattr(func, "__name__", "")
+            if name == "__get__" and _is_data(func) and args[0]._fp8fx_of is not None:  # layer.weight.data: the same
+                return _named(out, args[0]._fp8fx_of)  # copy, guarded
+            if name == "detach":  # the caller's own, of this class: nn.Parameter(w) detaches and wants it kept
+                return _named(out.as_subclass(torch.Tensor), None)
+            if out is args[0] and name not in _METADATA:  # a no-op that returned self (.float() of a float32 copy,
+                return out.as_subclass(torch.Tensor)  # contiguous()): the caller's own, plain
+            return out
+
+    def __deepcopy__(self, memo):  # a plain copy: torch's deep copy of a subclass asks for new_empty
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).clone()
+
+    def __reduce_ex__(self, protocol):  # pickled (torch.save) as a plain tensor, which weights_only loads take
+        with torch._C.DisableTorchFunctionSubclass():
+            return self.as_subclass(torch.Tensor).__reduce_ex__(protocol)
+
+
+_PRINTED = (torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__str__)
 
 
 def dequantized(w: torch.Tensor, owner: torch.nn.Module, attr: str) -> torch.Tensor:
@@ -53,44 +80,37 @@ def dequantized(w: torch.Tensor, owner: torch.nn.Module, attr: str) -> torch.Ten
     return _named(w, f"{getattr(owner, '_fp8fx_prefix', '') or type(owner).__name__}.{attr}")
 
 
-def _named(w: torch.Tensor, of: str) -> Dequantized:
+def _named(w: torch.Tensor, of: Optional[str]) -> Dequantized:
     view = w.as_subclass(Dequantized)
     view._fp8fx_of = of
     return view
 
 
-def _written(func, args: tuple, kwargs: dict) -> Any:
-    """The tensor ``func`` writes into, where it is one of ours, else None."""
+def _written(func, args: tuple, kwargs: dict) -> Optional[Dequantized]:
+    """The guarded ``Dequantized`` tensor ``func`` writes into, else None."""
     out = kwargs.get("out")
     for t in out if isinstance(out, (tuple, list)) else (out,):
-        if isinstance(t, Dequantized):
+        if _guarded(t):
             return t
-    name = getattr(func, "__name__", "")
+    name = getattr(func, "__name__", "").partition(".")[0]  # (an OpOverload's: "mul_.Tensor")
     if name == "__set__":  # a property's setter: only .data = ... changes the values
-        return args[0] if getattr(func, "__self__", None) is torch._C.TensorBase.data and args else None
-    if not (name == "__setitem__" or name.endswith("_") and not name.endswith("__")) or name in _METADATA:
+        return args[0] if _is_data(func) and _guarded(args[0]) else None
+    in_place = name == "__setitem__" or name.endswith("_") and not name.endswith("__") or kwargs.get("inplace") is True
+    if not in_place or name in _METADATA:
         return None
     # self of a method, the tensor list of torch._foreach_add_ and the like, nn.init's tensor= (its functions pass
-    # their tensor by keyword)
+    # their tensor by keyword), F.relu(w, inplace=True)'s input
     first = args[0] if args else kwargs.get("tensor", kwargs.get("input", kwargs.get("self")))
     for t in first if isinstance(first, (tuple, list)) else (first,):
-        if isinstance(t, Dequantized):
+        if _guarded(t):
             return t
     return None
 
 
-def _views_kept(out: Any, ours: list) -> Any:
-    """``out`` with each tensor that shares storage with one of ``ours`` (a view of it: ``.data``, ``.t()``, ``w[0]``,
-    ``.detach()``) made a ``Dequantized`` one too; the others plain. (Runs with torch functions of subclasses off.)"""
-    if not ours:
-        return out
-    if type(out) in (tuple, list):
-        return type(out)(_views_kept(o, ours) for o in out)
-    if type(out) is not torch.Tensor:
-        return out
-    try:
-        ptr = out.untyped_storage().data_ptr()
-    except (NotImplementedError, RuntimeError):  # a tensor with no storage of its own (vmap's batched tensors)
-        return out
-    owner = next((a for a in ours if ptr and a.untyped_storage().data_ptr() == ptr), None)
-    return _named(out, owner._fp8fx_of) if owner is not None else out
+def _is_data(func) -> bool:
+    """``func`` is the getter or the setter of ``Tensor.data`` (a new method-wrapper at each access)."""
+    return getattr(func, "__self__", None) is torch._C.TensorBase.data
+
+
+def _guarded(t: Any) -> bool:
+    return isinstance(t, Dequantized) and t._fp8fx_of is not None

@@ -1,6 +1,9 @@
 """The dequantized weight an fp8 layer shows in eager mode refuses in-place writes (``fp8fx.weights.views``): a
 write changed a fresh copy and was lost, silently (PEFT's ``merge_and_unload`` left an fp8 model without its
 adapter); reads are as before, and compiled graphs see no subclass."""
+import copy
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -15,10 +18,11 @@ WRITES = {
     ".data =": lambda w: setattr(w, "data", torch.zeros_like(w)),
     "indexed assignment": lambda w: w.__setitem__(0, 0.0),
     "nn.init": lambda w: nn.init.normal_(w),
-    "a view's zero_": lambda w: w.t().zero_(),
-    "a row's copy_": lambda w: w[0].copy_(torch.zeros_like(w[0])),
+    ".data's copy_": lambda w: w.data.copy_(torch.zeros_like(w)),
     "out=": lambda w: torch.add(w, 1.0, out=w),
     "_foreach_add_": lambda w: torch._foreach_add_([w], 1.0),
+    "inplace=True": lambda w: torch.nn.functional.relu(w, inplace=True),
+    "an aten op": lambda w: torch.ops.aten.mul_.Tensor(w, torch.ones_like(w)),
 }
 
 
@@ -53,29 +57,60 @@ def test_experts_views_refuse_writes_too():
 
 
 def test_reads_are_plain_tensors_and_writes_elsewhere_are_taken():
-    """Every op that writes into no view of the weight runs as on a plain tensor and returns one: a copy of the
-    weight is writable, a plain tensor takes the weight's values, ``requires_grad_`` is metadata; the layer computes
-    the same as its dequantized weight in float64."""
+    """Every op but the refused writes runs as on a plain tensor and returns one, the caller's own to write into: a
+    copy, a no-op ``.float()`` of a float32 model's weight, ``detach()``; a plain tensor takes the weight's values;
+    ``requires_grad_`` is metadata; the weight prints, deep-copies and pickles (``weights_only``) as a plain tensor;
+    the layer computes as its dequantized weight in float64."""
     model = quantized_pair()
     w = model[2].weight
-    assert type(w) is Dequantized and type(w.data) is Dequantized and type(w.t()) is Dequantized
-    assert type(w * 2) is torch.Tensor and type(w.clone()) is torch.Tensor and type(w.float()) is torch.Tensor
-    copy = w.clone().add_(1.0)
-    assert torch.equal(copy, model[2].weight + 1.0)
+    assert type(w) is Dequantized and type(w.data) is Dequantized
+    assert all(type(t) is torch.Tensor for t in (w * 2, w.clone(), w.float(), w.t(), w[0], w.contiguous(), w._base))
+    assert torch.equal(w.clone().add_(1.0), model[2].weight + 1.0)
+    assert model[2].weight.detach().clamp_(-0.01, 0.01).abs().max() <= 0.01
     into = torch.empty_like(w, dtype=torch.bfloat16)
     into.copy_(w)
     assert torch.equal(into, model[2].weight)
     w.requires_grad_(False)
+    assert "Dequantized" not in repr(w) and repr(w) == repr(w.clone())
+    assert type(copy.deepcopy(w)) is torch.Tensor and torch.equal(copy.deepcopy(w), w)
+    buffer = io.BytesIO()
+    torch.save({"w": w}, buffer)
+    buffer.seek(0)
+    assert torch.equal(torch.load(buffer)["w"], w)  # (weights_only: a subclass would be refused)
+    wide = fp8fx.quantize_(nn.Sequential(nn.Linear(64, 32)))  # float32: .float() returns the same tensor
+    wide[0].weight.float().abs_()
     h = torch.randn(3, 32, dtype=torch.bfloat16)
     want = h.double() @ model[2].weight.double().T + model[2].bias.double()
     assert rel_err(model[2](h).double(), want) < 0.05
 
 
+@pytest.mark.parametrize("read", ["weight", "weight.detach()", "weight.data"])
+def test_a_parameter_made_of_the_weight_trains(read):
+    """Dequantizing back to a bf16 layer: ``nn.Parameter(fp8_layer.weight)`` (torch detaches it, and keeps a
+    subclass's class) is the new layer's own, which an optimizer steps and nn.init writes."""
+    model = quantized_pair()
+    new = nn.Linear(64, 32).bfloat16()
+    layer = model[0]
+    new.weight = nn.Parameter({"weight": layer.weight, "weight.detach()": layer.weight.detach(),
+                               "weight.data": layer.weight.data}[read])
+    before = new.weight.detach().clone()
+    new(torch.randn(4, 64, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+    torch.optim.SGD(new.parameters(), lr=0.1).step()
+    assert not torch.equal(new.weight.detach(), before)
+    nn.init.zeros_(new.weight)
+    assert not new.weight.detach().any()
+
+
 def test_compiled_graphs_see_no_subclass():
-    """Under torch.compile the view is a plain tensor: the linear pass rewrites the layers as before, in one graph."""
+    """Under torch.compile the view is a plain tensor: the linear pass rewrites the layers as before, in one graph. A
+    weight read in eager code and passed to a compiled function compiles (Dynamo followed ``_base`` of a view whose
+    ``_base`` was a view again, without end)."""
     model = quantized_pair()
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     backend = fp8fx.Fp8Backend()
     got = torch.compile(model, backend=backend, fullgraph=True)(x)
     assert [s.rewritten for s in backend.report.sites] == [True, True]
     assert rel_err(got.float(), model(x).float()) < 0.05
+    fused = torch.compile(lambda a, w: torch.nn.functional.linear(a, w).float().logsumexp(-1), backend="eager")
+    want = torch.nn.functional.linear(x, model[0].weight.clone()).float().logsumexp(-1)
+    assert torch.equal(fused(x, model[0].weight), want)
