@@ -33,30 +33,23 @@ from fp8fx.checkpoint.save import _planned, _unwrapped
 log = logging.getLogger("fp8fx")
 
 
-class _Mute(logging.Filter):
-    """Drops the fp8fx log records of the threads computing a config (save_checkpoint's warnings about what it
-    writes are for a save, not for each ``print(model.config)``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.threads: set[int] = set()
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.thread not in self.threads
-
-
-_MUTE = _Mute()
-_MUTE_LOCK = threading.Lock()
+# where the plan's notes on what save_checkpoint would write go: nowhere (they are for its own saves). A logger of
+# its own, outside logging's registry: nothing global is configured
+_QUIET = logging.Logger("fp8fx.quiet")
+_QUIET.disabled = True
+# save_pretrained calls set and restore a config's quantization_config: one at a time (two models may share a config)
+_SAVING = threading.RLock()
 
 
 class SavePretrained:
     """``model.save_pretrained`` as ``describe`` sets it (an attribute of the instance; the class is left as it is):
-    transformers' own, with ``model.config.quantization_config`` set for the call to what it writes (``_describe``,
-    from the model as it is then: a calibrated ``input_scale`` or a KV-cache scale attached after ``quantize_`` is
-    in it) and put back after it. The config object is not changed otherwise: a config shared with another model
-    (``from_config(cfg)`` twice) describes no model it was not saved with. The model is held by a weak reference (it
-    holds this); a deep copy of the model gets one of the copy, a pickle holds the model itself. A ``copy.copy`` of the
-    model shares the original's (it shares its ``__dict__``'s values) and saves the original: copy with deepcopy."""
+    transformers' own, with ``model.config.quantization_config`` set for the call to what it writes
+    (``quantization_config``, from the model as it is then: a calibrated ``input_scale`` or a KV-cache scale attached
+    after ``quantize_`` is in it) and put back after it, one call at a time. The config object is not changed
+    otherwise: a config shared with another model (``from_config(cfg)`` twice) describes no model it was not saved
+    with. The model is held by a weak reference (it holds this); a deep copy of the model gets one of the copy, a
+    pickle holds the model itself. A ``copy.copy`` of the model shares the original's (it shares its ``__dict__``'s
+    values) and saves the original: copy with deepcopy."""
 
     __slots__ = ("_model",)
 
@@ -68,17 +61,18 @@ class SavePretrained:
         if model is None:  # a copy.copy of a model shares its __dict__, which outlived the model it was made for
             raise RuntimeError("fp8fx: this model was copied with copy.copy from a quantized model that is gone; copy "
                                "quantized models with copy.deepcopy (or keep the original)")
-        config = model.config
-        missing = object()
-        before = vars(config).get("quantization_config", missing)
-        config.quantization_config = quantization_config(model)
-        try:
-            return type(model).save_pretrained(model, *args, **kwargs)
-        finally:
-            if before is missing:
-                del config.quantization_config
-            else:
-                config.quantization_config = before
+        with _SAVING:
+            config = model.config
+            missing = object()
+            before = vars(config).get("quantization_config", missing)
+            config.quantization_config = quantization_config(model)
+            try:
+                return type(model).save_pretrained(model, *args, **kwargs)
+            finally:
+                if before is missing:
+                    del config.quantization_config
+                else:
+                    config.quantization_config = before
 
     def __deepcopy__(self, memo):
         model = self._model()
@@ -102,39 +96,21 @@ def describe(model: nn.Module) -> None:
 
 
 def quantization_config(model: nn.Module) -> dict[str, Any]:
-    """The quantization_config of the files ``save_pretrained`` writes of ``model`` (``_describe``), computed with
-    fp8fx's log records of this thread muted (save_checkpoint's notes on what it writes are for its own saves)."""
-    with _MUTE_LOCK:
-        _MUTE.threads.add(threading.get_ident())
-        if _MUTE not in log.filters:
-            log.addFilter(_MUTE)
-    try:
-        return _describe(model)
-    finally:
-        with _MUTE_LOCK:
-            _MUTE.threads.discard(threading.get_ident())
-            if not _MUTE.threads:
-                log.removeFilter(_MUTE)
-
-
-def _describe(model: nn.Module) -> dict[str, Any]:
-    """The quantization_config of what ``save_pretrained`` writes of ``model``: save_checkpoint's, in the format
-    transformers reads it in, where save_checkpoint would write the same tensors under the same names; else one
-    every reader refuses (``_refused``)."""
+    """The quantization_config of the files ``save_pretrained`` writes of ``model``: save_checkpoint's, in the format
+    transformers reads it in, where save_checkpoint would write the same fp8 tensors and scales under the same names;
+    else one every reader refuses (``_refused``)."""
     try:
         try:
-            planned = _planned(model, "fp8", None, check_values=False)
+            planned = _planned(model, "fp8", None, check_values=False, say=_QUIET)
             if not planned[-1].get("weight_block_size"):  # per-tensor fp8: transformers' fp8 loader takes blocks only
                 raise ValueError("per-tensor")
         except ValueError:  # several schemes (or per-tensor weights): compressed-tensors describes any mix
-            planned = _planned(model, "compressed-tensors", None, check_values=False)
+            planned = _planned(model, "compressed-tensors", None, check_values=False, say=_QUIET)
     except ValueError as e:
         return _refused(str(e))
     model, _, _, tensors, qc = planned
     other = _not_as_state_dict(model, tensors)
-    if other:
-        return _refused(other)
-    return qc
+    return _refused(other) if other else qc
 
 
 def _not_as_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> str:

@@ -422,7 +422,8 @@ def _expert_leaves(model: nn.Module) -> Optional[dict[str, str]]:
     return leaves
 
 
-def hub_names(model: nn.Module, names: Iterable[str], blocks: Iterable[str]) -> Optional[dict[str, str]]:
+def hub_names(model: nn.Module, names: Iterable[str], blocks: Iterable[str], say: logging.Logger = log
+              ) -> Optional[dict[str, str]]:
     """``names`` (tensors under the model's names) -> as the model's hub checkpoints name them: transformers' renames
     of the model reversed, as its ``save_pretrained`` writes them (Mixtral's ``.mlp.`` -> ``.block_sparse_moe.``), a
     weight's scales following the weight, for names inside the MoE blocks ``blocks`` (the modules holding experts
@@ -463,7 +464,7 @@ def hub_names(model: nn.Module, names: Iterable[str], blocks: Iterable[str]) -> 
     back = renamed(out.values(), resolve(model, None, "save_checkpoint") or (lambda n: n))
     wrong = next((n for n, h in out.items() if back[h] != n), None)  # two names onto one fail here too
     if wrong is not None:
-        log.warning(
+        say.warning(
             "fp8fx: save_checkpoint keeps %s's own tensor names: transformers' renames of it, reversed, write %s as "
             "%s, which loads back as %s; transformers and vLLM may not find the tensors it renames",
             type(model).__name__, wrong, out[wrong], back.get(out[wrong]),

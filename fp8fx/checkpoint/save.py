@@ -119,11 +119,13 @@ def save_checkpoint(
     return qc
 
 
-def _planned(model: nn.Module, format: Optional[str], experts: Optional[str], check_values: bool
+def _planned(model: nn.Module, format: Optional[str], experts: Optional[str], check_values: bool,
+             say: logging.Logger = log
              ) -> tuple[nn.Module, dict[str, nn.Module], dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """What ``save_checkpoint`` writes of ``model`` (the model under its wrapper, its modules by saved name, the
     schemes of the layers written in fp8, the tensors by saved name, the quantization_config), or why it cannot be
-    written (a ValueError). ``check_values``: refuse scales and fp8 codes no loader takes (a pass over the weights)."""
+    written (a ValueError). ``check_values``: refuse scales and fp8 codes no loader takes (a pass over the weights).
+    ``say``: where its notes on what it writes go (a disabled logger for a plan that writes nothing)."""
     model = compat.compiled_module(model)  # a torch.compile wrapper: the module it compiles, the checkpoint's names
     check_finished(model, "save_checkpoint")  # its bf16 layers would be written as ignored on purpose
     # modules by the names they are saved under: a torch.compile wrapper of a submodule puts "_orig_mod." in its
@@ -132,8 +134,8 @@ def _planned(model: nn.Module, format: Optional[str], experts: Optional[str], ch
     schemes = {f: layer_scheme(m) for f, m in modules.items() if is_quantized(m)}  # the fp8 linears'
     if check_values:
         _check_loadable_values(modules, schemes)
-    layout = _experts_layout(model, modules, experts)
-    schemes, demoted = _fp8_schemes(modules, schemes, layout)
+    layout = _experts_layout(model, modules, experts, say)
+    schemes, demoted = _fp8_schemes(modules, schemes, layout, say)
     ignored, kv, fmt, method = _ignored_and_format(model, modules, schemes, layout, format)
     tensors = _named_tensors(model, modules, layout, demoted, method)
     meta = [n for n, t in tensors.items() if t.is_meta]
@@ -146,7 +148,7 @@ def _planned(model: nn.Module, format: Optional[str], experts: Optional[str], ch
         raise ValueError(f"save_checkpoint: {wide[0]} is {tensors[wide[0]].dtype} ({len(wide)} such tensors); a "
                          f"quantized model cast to float64 is a reference, its checkpoint holds bf16/fp16/fp32 tensors:"
                          f" cast it back (model.to(torch.bfloat16)), then save (nothing was written)")
-    tensors, schemes, ignored = _hub_named(model, tensors, schemes, ignored, layout)
+    tensors, schemes, ignored = _hub_named(model, tensors, schemes, ignored, layout, say)
     if method == "compressed-tensors":
         schemes, ignored = _with_vllm_expert_names(schemes, ignored, layout.names)
     return model, modules, schemes, tensors, formats.quantization_config(schemes, ignored, kv, fmt)
@@ -256,7 +258,8 @@ class _ExpertsLayout:
     names: dict[str, str]  # the per-expert projections' names (moe_ckpt.PROJ, or the hub's: Mixtral's w1 / w3 / w2)
 
 
-def _experts_layout(model: nn.Module, modules: Mapping[str, nn.Module], experts: Optional[str]) -> _ExpertsLayout:
+def _experts_layout(model: nn.Module, modules: Mapping[str, nn.Module], experts: Optional[str],
+                    say: logging.Logger = log) -> _ExpertsLayout:
     """Which experts modules are written per expert and under which projection names: per expert where they split
     and transformers loads them so, fused otherwise (``experts="fused"``, experts that do not split, or a model
     transformers loads from fused experts only, where ``experts="per-expert"`` is refused: it would load random
@@ -276,15 +279,15 @@ def _experts_layout(model: nn.Module, modules: Mapping[str, nn.Module], experts:
         if experts == "per-expert":
             raise ValueError(f"save_checkpoint(experts='per-expert'): {why}; leave experts=None to write them fused "
                              "in the hub's layout, or pass experts='fused' (nothing was written)")
-        log.warning("fp8fx: save_checkpoint writes experts fused, in the hub's layout, not per expert: %s", why)
+        say.warning("fp8fx: save_checkpoint writes experts fused, in the hub's layout, not per expert: %s", why)
     split = {} if experts == "fused" or hub_fused else splittable
     for f, m in all_experts.items() if experts != "fused" and not hub_fused else ():
         if f not in split:
-            log.info("fp8fx: save_checkpoint writes %s fused: its experts do not split (%s)", f,
+            say.info("fp8fx: save_checkpoint writes %s fused: its experts do not split (%s)", f,
                      moe_ckpt.split_reason(m))
     flipped = [f for f, m in quantized_experts.items() if f not in split and moe.is_transposed(m)]
     if flipped:
-        log.warning("fp8fx: save_checkpoint writes the fp8 experts of %s fused in fused_moe's layout, [E, 2I, H] / "
+        say.warning("fp8fx: save_checkpoint writes the fp8 experts of %s fused in fused_moe's layout, [E, 2I, H] / "
                     "[E, H, I], not the model's transposed [E, H, 2I] / [E, I, H]: fp8fx.load_checkpoint reads them "
                     "back; a reader that takes fused experts in the model's layout would not", _shown(flipped))
     names = moe_ckpt.PROJ
@@ -292,7 +295,7 @@ def _experts_layout(model: nn.Module, modules: Mapping[str, nn.Module], experts:
         leaves = renames.hub_expert_leaves(model)
         names = moe_ckpt.naming(leaves) or moe_ckpt.PROJ
         if names is moe_ckpt.PROJ and leaves:  # a naming load_checkpoint does not read: the loadable one, said
-            log.warning(
+            say.warning(
                 "fp8fx: save_checkpoint writes %s's experts per expert as <experts>.<e>.gate_proj / up_proj / "
                 "down_proj, but its hub checkpoints name them %s, which fp8fx.load_checkpoint does not read: "
                 "transformers and vLLM will not find the experts; fp8fx convert, from the original checkpoint, "
@@ -302,7 +305,7 @@ def _experts_layout(model: nn.Module, modules: Mapping[str, nn.Module], experts:
 
 
 def _fp8_schemes(
-    modules: Mapping[str, nn.Module], schemes: Mapping[str, Any], layout: _ExpertsLayout
+    modules: Mapping[str, nn.Module], schemes: Mapping[str, Any], layout: _ExpertsLayout, say: logging.Logger = log
 ) -> tuple[dict[str, Any], list[str]]:
     """The scheme of every layer written in fp8 - the linear layers' ``schemes``, and the experts' under the module
     names they are written with (compressed-tensors targets) -, and the fp8 linears written in high precision
@@ -331,7 +334,7 @@ def _fp8_schemes(
                     raise ValueError(f"save_checkpoint: {f}.{n} of the fp8 layer {f} is {t.dtype}, not {want} "
                                      "(cast after quantize_?); quantize_ the bf16 model again, then save (nothing was "
                                      "written)")
-    demoted = _split_groups(modules, schemes)
+    demoted = _split_groups(modules, schemes, say)
     for f in demoted:
         del schemes[f]
     if not schemes:
@@ -403,14 +406,14 @@ def _named_tensors(
 
 def _hub_named(
     model: nn.Module, tensors: dict[str, torch.Tensor], schemes: dict[str, Any], ignored: list[str],
-    layout: _ExpertsLayout,
+    layout: _ExpertsLayout, say: logging.Logger = log,
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[str]]:
     """``tensors``, ``schemes`` and ``ignored`` in the hub's layout where transformers renames the model's MoE blocks
     (Mixtral's block_sparse_moe, GraniteMoE's input_linear for experts.gate_up_proj) and experts are written per
     expert or fused as the hub holds them; as they are otherwise."""
     if layout.split or layout.hub_fused:
         hub = renames.hub_names(model, set(tensors) | {f"{m}.weight" for m in (*schemes, *ignored)},
-                                {f.rpartition(".")[0] for f in layout.modules})
+                                {f.rpartition(".")[0] for f in layout.modules}, say)
         if hub:
             tensors = {hub[n]: t for n, t in tensors.items()}
             schemes = {hub[f"{m}.weight"].rpartition(".")[0]: s for m, s in schemes.items()}
@@ -485,7 +488,7 @@ def _fused_groups(names: Iterable[str]) -> list[list[str]]:
     return [members for members in groups.values() if len(members) > 1]
 
 
-def _split_groups(modules: Mapping[str, nn.Module], schemes: Mapping[str, Any]) -> list[str]:
+def _split_groups(modules: Mapping[str, nn.Module], schemes: Mapping[str, Any], say: logging.Logger = log) -> list[str]:
     """The fp8 linears to write in high precision: those of a fused group (``_fused_groups``) with members left in
     high precision (k/v_proj a weight block does not divide): vLLM refuses a layer it fuses from shards of two
     precisions ("some but not all shards ... are quantized") and loads one the ignore list names whole. Members
@@ -516,7 +519,7 @@ def _split_groups(modules: Mapping[str, nn.Module], schemes: Mapping[str, Any]) 
         if unfit:
             fixes.append("quantize with a scheme every layer of the group takes (e.g. a weight block dividing their "
                          "sizes)")
-        log.warning(
+        say.warning(
             "fp8fx: save_checkpoint writes %s in high precision (dequantized from fp8) and in the ignore list: engines "
             "run each as one layer with the others of its fused group, which stay in high precision (%s%s); to keep "
             "them fp8, %s",

@@ -5,8 +5,8 @@ from the fp8 codes and their scales: a write into it changed that copy and was l
 ``merge_and_unload`` (``base_layer.weight.data += delta``) left an fp8 base model without its adapter (outputs 107%
 off the adapted model's), ``nn.init`` calls did nothing. In eager mode the view is a ``Dequantized`` tensor, whose
 ``__torch_function__`` refuses an in-place op on it or on its ``.data`` (PEFT's idiom), naming the tensor and the fix;
-every other op runs as on a plain tensor and returns a plain tensor, the caller's own to write into. A write through a
-view of it (``w[0].zero_()``, ``w.t().copy_(...)``) or through numpy is not caught. Under ``torch.compile``, FX tracing
+every other op runs as on a plain tensor and returns a tensor of the caller's own to write into. A write through a
+view of it (``w[0].zero_()``, ``w.t().copy_(...)``), ``set_`` (no torch function sees it) or numpy is not caught. Under ``torch.compile``, FX tracing
 and fake tensors the view stays a plain tensor: the linear pass finds the dequantization in the graph and says there
 that a write into it does not persist.
 """
@@ -19,7 +19,7 @@ import torch
 from fp8fx.lowerings import compat
 
 # in-place methods that change no value a read of the weight gives
-_METADATA = frozenset({"requires_grad_", "share_memory_", "retain_grad"})
+_METADATA = frozenset({"requires_grad_", "share_memory_", "detach_"})
 
 
 class Dequantized(torch.Tensor):
@@ -34,6 +34,11 @@ class Dequantized(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if not _reaches_guarded(args, kwargs):  # the caller's own (nn.Parameter(w)'s): a plain tensor, this class kept
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+            # (nn.Parameter(t) detaches t and wants the class kept)
+            return _named(out, None) if getattr(func, "__name__", "") == "detach" else out
         target = _written(func, args, kwargs)
         if target is not None:
             name = getattr(func, "__name__", str(func))
@@ -50,17 +55,21 @@ class Dequantized(torch.Tensor):
             if not (args and isinstance(args[0], Dequantized) and isinstance(out, torch.Tensor)):
                 return out
             name = getattr(func, "__name__", "")
-            if name == "__get__" and _is_data(func) and args[0]._fp8fx_of is not None:  # layer.weight.data: the same
-                return _named(out, args[0]._fp8fx_of)  # copy, guarded
+            if name == "__get__" and _is_data(func) and _guarded(args[0]):  # layer.weight.data: the same copy,
+                return _named(out, args[0]._fp8fx_of)  # guarded
             if name == "detach":  # the caller's own, of this class: nn.Parameter(w) detaches and wants it kept
                 return _named(out.as_subclass(torch.Tensor), None)
             if out is args[0] and name not in _METADATA:  # a no-op that returned self (.float() of a float32 copy,
                 return out.as_subclass(torch.Tensor)  # contiguous()): the caller's own, plain
             return out
 
-    def __deepcopy__(self, memo):  # a plain copy: torch's deep copy of a subclass asks for new_empty
+    def __deepcopy__(self, memo):  # a plain copy (torch's deep copy of a subclass asks for new_empty); a parameter
+        # made of one (nn.Parameter(layer.weight)) a plain parameter, a leaf as the original is
         with torch._C.DisableTorchFunctionSubclass():
-            return self.as_subclass(torch.Tensor).clone()
+            copied = self.as_subclass(torch.Tensor).detach().clone()
+        copied = torch.nn.Parameter(copied, self.requires_grad) if getattr(self, "_is_param", False) else copied
+        memo[id(self)] = copied
+        return copied
 
     def __reduce_ex__(self, protocol):  # pickled (torch.save) as a plain tensor, which weights_only loads take
         with torch._C.DisableTorchFunctionSubclass():
@@ -107,10 +116,21 @@ def _written(func, args: tuple, kwargs: dict) -> Optional[Dequantized]:
     return None
 
 
+def _reaches_guarded(args: tuple, kwargs: dict) -> bool:
+    """A guarded tensor (``_guarded``) is among ``args`` / ``kwargs`` (or in a list there: ``torch._foreach_*``)."""
+    for a in (*args, *kwargs.values()):
+        for t in a if isinstance(a, (tuple, list)) else (a,):
+            if _guarded(t):
+                return True
+    return False
+
+
 def _is_data(func) -> bool:
     """``func`` is the getter or the setter of ``Tensor.data`` (a new method-wrapper at each access)."""
     return getattr(func, "__self__", None) is torch._C.TensorBase.data
 
 
 def _guarded(t: Any) -> bool:
-    return isinstance(t, Dequantized) and t._fp8fx_of is not None
+    """``t`` is a layer's weight as its attribute gave it, or that tensor's ``.data``. (A ``Dequantized`` that torch
+    made without ``_named``, as ``nn.Parameter`` of one may, is the caller's own.)"""
+    return isinstance(t, Dequantized) and getattr(t, "_fp8fx_of", None) is not None

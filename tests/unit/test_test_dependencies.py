@@ -5,6 +5,7 @@ import importlib
 import pytest
 
 
-@pytest.mark.parametrize("name", ["transformers", "safetensors", "triton", "tqdm", "depyf", "expecttest", "hypothesis"])
+@pytest.mark.parametrize("name", ["transformers", "safetensors", "triton", "tqdm", "depyf", "expecttest", "hypothesis",
+                                  "accelerate", "compressed_tensors", "peft"])
 def test_test_dependency_is_installed(name):
     importlib.import_module(name)

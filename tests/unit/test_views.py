@@ -99,6 +99,35 @@ def test_a_parameter_made_of_the_weight_trains(read):
     assert not torch.equal(new.weight.detach(), before)
     nn.init.zeros_(new.weight)
     assert not new.weight.detach().any()
+    twin = copy.deepcopy(new)  # a plain parameter, a leaf: an optimizer takes it
+    assert type(twin.weight) is nn.Parameter and twin.weight.is_leaf and twin.weight.requires_grad
+    torch.optim.SGD(twin.parameters(), lr=0.1)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(torch.compile(new, backend="eager", fullgraph=True)(x), new(x))
+
+
+def test_peft_merge_into_fp8_layers_is_refused_and_changes_nothing():
+    """PEFT's merge_and_unload wrote ``base_layer.weight.data += delta`` into the dequantized copy: the merged model
+    lost its adapter (107% off the adapted model's outputs), silently. It is refused naming the layer, the model as
+    it was; the adapted model's forward is untouched."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = fp8fx.quantize_(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval())
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False))
+    ids = torch.randint(0, 128, (1, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        want = adapted(input_ids=ids).logits
+        state = {k: v.clone() for k, v in adapted.state_dict().items()}
+        with pytest.raises(RuntimeError, match=r"model\.layers\.0\.self_attn\.q_proj\.weight is dequantized .*"
+                                               r"merge an adapter into the bf16 model"):
+            adapted.merge_and_unload()
+        after = adapted.state_dict()
+        assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
+        assert torch.equal(adapted(input_ids=ids).logits, want)
 
 
 def test_compiled_graphs_see_no_subclass():
