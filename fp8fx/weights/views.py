@@ -6,9 +6,9 @@ from the fp8 codes and their scales: a write into it changed that copy and was l
 off the adapted model's), ``nn.init`` calls did nothing. In eager mode the view is a ``Dequantized`` tensor, whose
 ``__torch_function__`` refuses an in-place op on it or on its ``.data`` (PEFT's idiom), naming the tensor and the fix;
 every other op runs as on a plain tensor and returns a tensor of the caller's own to write into. A write through a
-view of it (``w[0].zero_()``, ``w.t().copy_(...)``), ``set_`` (no torch function sees it) or numpy is not caught. Under ``torch.compile``, FX tracing
-and fake tensors the view stays a plain tensor: the linear pass finds the dequantization in the graph and says there
-that a write into it does not persist.
+view of it (``w[0].zero_()``, ``w.t().copy_(...)``), ``set_`` (no torch function sees it) or numpy is not caught.
+Under ``torch.compile``, FX tracing and fake tensors the view stays a plain tensor: the linear pass finds the
+dequantization in the graph and says there that a write into it does not persist.
 """
 from __future__ import annotations
 
