@@ -50,8 +50,12 @@ def _dequantized_weight(self) -> torch.Tensor:
     if q is not None and q.dtype != quant.FP8_DTYPE:  # (nn.Module.__setattr__ registers a new nn.Parameter over it)
         raise RuntimeError(
             f"{getattr(self, '_fp8fx_prefix', '') or type(self).__name__}: its weight parameter was replaced by a "
-            f"{q.dtype} one, where the fp8 layer holds {quant.FP8_DTYPE} codes and their scales, and it takes no "
-            "high-precision weights: build the model with the new weights and quantize_ it")
+            f"{q.dtype} one{' on the meta device' if q.is_meta else ''}, where the fp8 layer holds {quant.FP8_DTYPE} "
+            "codes and their scales, and it takes no high-precision weights: build the model with the new weights and "
+            "quantize_ it. (accelerate's offload - cpu_offload, disk_offload, a device_map that offloads - and "
+            "load_checkpoint_and_dispatch do this: they read the weight through the layer's dequantized view and put "
+            "back a tensor of its dtype; keep a quantized model on one device, and load fp8 checkpoints with "
+            "fp8fx.load_checkpoint)")
     w = torch.ops.fp8fx.dequantize(q, scale, w_block, self._fp8fx_dtype, self._parameters.get("input_scale"), act_block)
     return views.dequantized(w, self, "weight")
 
@@ -261,7 +265,9 @@ def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
     dtype (a bf16 state dict loaded into the quantized model) is refused, naming it, and nothing of the module is
     loaded. Copied in, its values were cast to fp8 and read as codes under the old scales (outputs off by ~100%).
     So are scales no loader takes (0, <0, NaN, Inf: ``quant.bad_scales``) and NaN codes, which ``load_checkpoint``
-    refuses: loaded, the layer's outputs were NaN, zero or negated, silently."""
+    refuses: loaded, the layer's outputs were NaN, zero or negated, silently. And fp8 codes without their scales, or
+    scales without their codes (``strict=False`` of a model quantized with another scheme, whose scales have other
+    names: the codes were read under the old scales, 0.7-3x off, with only a missing-keys list to say so)."""
     error_msgs = args[-1]
     for name, codes in self._parameters.items():
         given = state_dict.get(prefix + name)
@@ -288,8 +294,34 @@ def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
             error_msgs.append(f"{prefix}{name} has {bad} NaN codes, which no loader takes; fix the weights (this "
                               "module was not loaded)")
             return
+    for name, codes in self._parameters.items():  # codes and the scales that scale them come together, or not at all
+        if codes is None or codes.dtype != quant.FP8_DTYPE:
+            continue
+        pair = [prefix + n for n in (name, *_weight_scales(self, name))]
+        given = [n for n in pair if n in state_dict]
+        if given and len(given) < len(pair):
+            missing = next(n for n in pair if n not in state_dict)
+            error_msgs.append(
+                f"{missing} is not in the state_dict, which holds {', '.join(given)}: fp8 codes and their scales are "
+                "loaded together (codes read under another scale, or a scale over other codes, give wrong weights: a "
+                "state_dict of a model quantized with another scheme, or a partial one); load both, as the quantized "
+                "model's state_dict holds them (this module was not loaded)")
+            return
     made = next(c for c in type(self).__mro__ if "_fp8fx_maker" in c.__dict__)
+    tags = {n: (p, carried_tags(p)) for n, p in self._parameters.items() if p is not None}
     super(made, self)._load_from_state_dict(state_dict, prefix, *args)
+    for n, (old, carried) in tags.items():  # load_state_dict(assign=True) put new Parameters in: they carry the
+        new = self._parameters.get(n)  # fp8fx tags the passes find the layer by (experts ran as bf16 grouped GEMMs)
+        for k, v in carried.items() if new is not None and new is not old else ():
+            if not hasattr(new, k):
+                setattr(new, k, v)
+
+
+def _weight_scales(module: nn.Module, name: str) -> list[str]:
+    """The names of the scales the module holds for its fp8 tensor ``name`` (a linear's ``weight_scale`` or
+    ``weight_scale_inv``; an experts module's ``gate_up_proj_scale`` / ``_scale_inv``): not its input scales."""
+    base = "weight" if name == "weight" else name
+    return [n for n in (f"{base}_scale", f"{base}_scale_inv") if module._parameters.get(n) is not None]
 
 
 def fp8_class(cls: type) -> type:
@@ -441,6 +473,25 @@ def kept_by_the_model(model: nn.Module, prefix: str = "") -> dict[str, str]:
                 kept[f"{prefix}.{fqn}" if prefix else fqn] = (
                     f"kept in high precision by {type(model).__name__}._keep_in_fp32_modules ({hits[0]!r}), as "
                     "transformers' fp8 quantizer keeps it; to quantize it anyway, remove it from that list first")
+    return kept
+
+
+def adapters(model: nn.Module, prefix: str = "") -> dict[str, str]:
+    """fqn -> why it stays in high precision, for the ``nn.Linear`` layers of adapters a PEFT model trains (LoRA's
+    ``lora_A`` / ``lora_B``: those under the module dicts an adapter layer names in its ``adapter_layer_names``, as
+    every PEFT tuner layer does). ``quantize_`` of a PEFT model made them fp8 and froze them: nothing left to train,
+    silently. Their ``base_layer`` is quantized (the QLoRA recipe, in fp8)."""
+    kept = {}
+    for owner, m in model.named_modules(prefix=prefix):
+        names = getattr(m, "adapter_layer_names", None)
+        if not isinstance(names, (tuple, list)) or not isinstance(getattr(m, "base_layer", None), nn.Module):
+            continue
+        for name in names:
+            holder = getattr(m, name, None) if isinstance(name, str) else None
+            for fqn, layer in holder.named_modules(prefix=f"{owner}.{name}") if isinstance(holder, nn.Module) else ():
+                if isinstance(layer, nn.Linear):
+                    kept[fqn] = (f"an adapter {type(m).__name__} trains ({name}): adapters stay in high precision, "
+                                 "their base_layer is quantized")
     return kept
 
 

@@ -21,7 +21,7 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
 from fp8fx.weights.linear import Fp8LinearMethod, foreign_linear_reason, guard_casts, is_foreign_linear, is_quantized
-from fp8fx.weights.linear import skip_reason
+from fp8fx.weights.linear import adapters, skip_reason
 from fp8fx.weights.linear import MHA_OUT_PROJ, check_no_in_place_rescale, kept_by_the_model, weight_tensors
 
 log = logging.getLogger("fp8fx")
@@ -309,12 +309,15 @@ class LinearDecider:
                     self.owners.setdefault(id(p), {}).setdefault(id(mod), f"{owner}.{leaf}" if owner else leaf)
         self.routers = moe.routers(model, prefix)
         self.kept = kept_by_the_model(model, prefix)
+        self.adapters = adapters(model, prefix)
 
     def __call__(self, fqn: str, layer: nn.Module, config: Fp8Config) -> tuple[Optional[str], bool]:
         others = self.owners.get(id(layer._parameters.get("weight")), {})
         shared = [n for m, n in others.items() if m != id(layer)]
         if shared:  # quantizing one user of a tied weight unties it (the other keeps bf16); checkpoints store it once
             return f"weight tied to {shared[0]}", True
+        if fqn in self.adapters:
+            return self.adapters[fqn], True
         if config.is_checkpoint_fp8_serialized:  # (fp8fx inspect of an fp8 checkpoint's config) load_checkpoint's
             # plan: the layer loads as stored (a weight the block does not divide has ragged last blocks)
             if config.is_ignored(fqn):  # (a router the config targets too: the loader takes it as stored)

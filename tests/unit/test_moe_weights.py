@@ -15,6 +15,7 @@ from fp8fx import quant
 from fp8fx.config import Fp8Config, PerBlock, PerTensor
 from fp8fx.report import Site
 from fp8fx.weights import moe
+from fp8fx.weights.linear import carried_tags
 from fp8fx.weights.moe import Fp8MoEMethod, is_quantized_experts
 from tests.conftest import rel_err
 
@@ -839,6 +840,33 @@ def test_a_16_bit_state_dict_into_quantized_layers_is_refused_naming_the_tensor(
     assert torch.equal(model.proj(x), bf16.proj(x))
 
 
+@pytest.mark.parametrize("dropped", ["proj.weight_scale", "proj.weight", "experts.gate_up_proj_scale",
+                                     "experts.down_proj"])
+def test_fp8_codes_and_their_scales_load_together_or_not_at_all(dropped):
+    """A state dict of a model quantized with another scheme (per-channel weight_scale into 128x128 blocks'
+    weight_scale_inv) loaded with strict=False took the codes and kept the old scales: logits 0.7-3x off, the
+    missing-keys list the only sign. Codes without their scales, or scales without their codes, are refused naming
+    the missing tensor; the module keeps its own."""
+    model, other = Block(seed=1).to(torch.bfloat16), Block().to(torch.bfloat16)
+    fp8fx.quantize_(model, Fp8Config())
+    fp8fx.quantize_(other, Fp8Config())
+    state = dict(other.state_dict())
+    del state[dropped]
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=rf"{re.escape(dropped)} is not in the state_dict, which holds .*fp8 codes "
+                                           r"and their scales are loaded together"):
+        model.load_state_dict(state, strict=False)
+    module = dropped.partition(".")[0]
+    assert all(torch.equal(v.view(torch.uint8) if v.dtype.itemsize == 1 else v,
+                           before[k].view(torch.uint8) if v.dtype.itemsize == 1 else before[k])
+               for k, v in model.state_dict().items() if k.startswith(module))
+    blocks = Block().to(torch.bfloat16)
+    fp8fx.quantize_(blocks, Fp8Config(weight_block_size=[32, 32]))
+    with pytest.raises(RuntimeError, match=r"proj\.weight_scale_inv is not in the state_dict, which holds "
+                                           r"proj\.weight"):
+        blocks.load_state_dict(other.state_dict(), strict=False)
+
+
 @pytest.mark.parametrize("name,value", [("proj.weight_scale", float("nan")), ("proj.weight_scale", 0.0),
                                         ("experts.down_proj_scale", -1.0), ("experts.gate_up_proj_scale", float("inf")),
                                         ("proj.weight", float("nan")), ("experts.gate_up_proj", float("nan"))])
@@ -938,3 +966,17 @@ def test_experts_quantized_before_transposed_layouts_still_read_their_weights():
     del module._fp8fx_transposed
     assert module.gate_up_proj.dtype == torch.bfloat16 and torch.equal(module.gate_up_proj, want)
     assert not moe.is_transposed(module)
+
+
+def test_load_state_dict_with_assign_keeps_the_tags_the_passes_find_layers_by():
+    """load_state_dict(assign=True) puts the state dict's tensors in as new Parameters, without fp8fx's tags: the
+    MoE pass no longer found the experts, which compiled as bf16 grouped GEMMs (outputs right, the fp8 kernel and
+    the report's MoE site gone). The new parameters carry the old ones' tags."""
+    model, other = Block(seed=1).to(torch.bfloat16), Block().to(torch.bfloat16)
+    fp8fx.quantize_(model, Fp8Config())
+    fp8fx.quantize_(other, Fp8Config())
+    tags = {n: carried_tags(p) for n, p in model.named_parameters()}
+    assert any(tags.values())
+    model.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
+    assert {n: carried_tags(p) for n, p in model.named_parameters()} == tags
+    assert torch.equal(model.experts.gate_up_proj.view(torch.uint8), other.experts.gate_up_proj.view(torch.uint8))

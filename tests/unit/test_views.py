@@ -143,3 +143,26 @@ def test_compiled_graphs_see_no_subclass():
     fused = torch.compile(lambda a, w: torch.nn.functional.linear(a, w).float().logsumexp(-1), backend="eager")
     want = torch.nn.functional.linear(x, model[0].weight.clone()).float().logsumexp(-1)
     assert torch.equal(fused(x, model[0].weight), want)
+
+
+def test_quantize_of_a_peft_model_keeps_its_adapters_trainable():
+    """quantize_ of a LoRA-wrapped model made lora_A / lora_B fp8 and froze them: 0 trainable parameters, silently.
+    The adapters stay in high precision (the reason in their tag), their base layers are fp8, and training reaches
+    the adapters."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    trainable = {n for n, p in adapted.named_parameters() if p.requires_grad}
+    fp8fx.quantize_(adapted)
+    assert {n for n, p in adapted.named_parameters() if p.requires_grad} == trainable and len(trainable) == 8
+    q = adapted.base_model.model.model.layers[0].self_attn.q_proj
+    assert fp8fx.weights.is_quantized(q.base_layer) and not fp8fx.weights.is_quantized(q.lora_A["default"])
+    assert q.lora_A["default"].weight._fp8fx_skip_reason.startswith("an adapter Linear trains (lora_A): adapters stay "
+                                                                    "in high precision")
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    adapted(input_ids=ids, labels=ids).loss.backward()
+    assert q.lora_B["default"].weight.grad is not None and q.lora_B["default"].weight.grad.any()

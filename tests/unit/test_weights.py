@@ -1361,6 +1361,19 @@ def test_a_bf16_parameter_assigned_over_the_fp8_weight_is_named_at_the_forward()
         model(torch.randn(2, 64, dtype=torch.bfloat16))
 
 
+def test_accelerate_offload_of_a_quantized_model_is_named_in_the_refusal():
+    """accelerate's cpu_offload reads an fp8 layer's weight through its dequantized view and registers a bf16 meta
+    parameter over the codes; the forward's refusal blamed the user ("build the model with the new weights"). It
+    names offloading and what to do instead."""
+    accelerate = pytest.importorskip("accelerate")
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 16)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    accelerate.cpu_offload(model, execution_device="cpu")
+    with pytest.raises(RuntimeError, match=r"0: its weight parameter was replaced by a torch.bfloat16 one on the meta "
+                                           r"device, .*accelerate's offload .*keep a quantized model on one device"):
+        model(torch.randn(2, 64, dtype=torch.bfloat16))
+
+
 class ThreeNames(nn.Module):
     """One linear registered under three names (``self.last = self.layers[-1]``): named_modules() gives it once."""
 
