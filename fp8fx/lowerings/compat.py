@@ -31,8 +31,9 @@ def freezing_enabled() -> bool:
 
 
 def fx_symbolic_tracing() -> bool:
-    """Whether ``torch.fx.symbolic_trace`` is tracing (torch.compile and torch.export: ``torch.compiler.is_compiling``).
-    A private FX function on 2.11 and 2.13 (``is_fx_tracing`` warns there that it means both)."""
+    """Whether ``torch.fx.symbolic_trace`` is tracing (not torch.compile or torch.export, which
+    ``torch.compiler.is_compiling`` tells). A private FX function on 2.11 and 2.13 (``is_fx_tracing`` means both, and
+    warns that it does)."""
     return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 

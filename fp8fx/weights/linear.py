@@ -267,7 +267,8 @@ def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
     So are scales no loader takes (0, <0, NaN, Inf: ``quant.bad_scales``) and NaN codes, which ``load_checkpoint``
     refuses: loaded, the layer's outputs were NaN, zero or negated, silently. And fp8 codes without their scales, or
     scales without their codes (``strict=False`` of a model quantized with another scheme, whose scales have other
-    names: the codes were read under the old scales, 0.7-3x off, with only a missing-keys list to say so)."""
+    names: the codes were read under the old scales, relative errors of 0.7-3, with only a missing-keys list to say
+    so)."""
     error_msgs = args[-1]
     for name, codes in self._parameters.items():
         given = state_dict.get(prefix + name)

@@ -189,7 +189,7 @@ def quantize_(
     if plan or experts or done or skipped or experts_skipped or decide.routers:
         # (also where nothing was quantized: the guard's deep copy carries the weights' tags, the report's reasons)
         guard_casts(model)
-    if not prefix:  # (a part quantized on its own: the config, if it has one, is its model's)
+    if not prefix:  # (a part quantized with a prefix belongs to a model saved as a whole, which fp8fx cannot reach)
         from fp8fx.checkpoint import pretrained  # (it imports the checkpoint package, which imports this module)
 
         pretrained.describe(model)
