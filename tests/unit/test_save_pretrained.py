@@ -56,8 +56,8 @@ SCHEMES = {
 def test_save_pretrained_writes_what_save_checkpoint_writes_and_it_loads_back(tmp_path, scheme):
     """A dense model: save_pretrained's files are save_checkpoint's (the same tensors, bytes and quantization_config,
     in the format transformers reads: fp8 for blocks, compressed-tensors otherwise, as its fp8 loader misreads
-    per-tensor scales); fp8fx.load_checkpoint reads them into a model that computes as the saved one did, and
-    transformers either loads them right or refuses for want of the package that reads the format."""
+    per-tensor scales); fp8fx.load_checkpoint reads them into a model that computes as the saved one did
+    (transformers' readers: the next test)."""
     config, method = SCHEMES[scheme]
     model = tiny()
     want = logits(fp8fx.quantize_(model, config))
