@@ -46,6 +46,7 @@ def _dequantized_weight(self) -> torch.Tensor:
     ``state_dict``, ``load_checkpoint``), or through ``quantize_`` of a model built with them."""
     w_block, act_block = self._fp8fx_w_block, self._fp8fx_act_block
     scale = self._parameters["weight_scale_inv" if self._fp8fx_block_scales else "weight_scale"]
+    check_codes_held(self, "weight")
     q = self._parameters["weight"]
     if q is not None and q.dtype != quant.FP8_DTYPE:  # (nn.Module.__setattr__ registers a new nn.Parameter over it)
         raise RuntimeError(
@@ -58,6 +59,19 @@ def _dequantized_weight(self) -> torch.Tensor:
             "fp8fx.load_checkpoint)")
     w = torch.ops.fp8fx.dequantize(q, scale, w_block, self._fp8fx_dtype, self._parameters.get("input_scale"), act_block)
     return views.dequantized(w, self, "weight")
+
+
+def check_codes_held(module: nn.Module, name: str) -> None:
+    """Refuses a read of an fp8 module's ``name`` once its fp8 codes are gone from it: ``register_parametrization``
+    (PEFT's ``target_parameters`` too) deletes the parameter before it parametrizes it, and the read failed with a bare
+    KeyError."""
+    if name not in module._parameters:
+        raise RuntimeError(
+            f"{getattr(module, '_fp8fx_prefix', '') or type(module).__name__}.{name}: its fp8 codes were removed "
+            "from the module (torch.nn.utils.parametrize.register_parametrization, or PEFT's target_parameters, "
+            "deletes a parameter to parametrize it): an fp8 weight is codes and scales, which no parametrization "
+            "takes; parametrize the high-precision model, then quantize_ it (this module lost its codes: quantize_ "
+            "a fresh model)")
 
 
 def _kept(name: str, t: torch.Tensor) -> bool:

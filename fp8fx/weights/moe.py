@@ -39,7 +39,8 @@ from torch import nn
 from fp8fx import quant
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
 from fp8fx.weights import chunked, views
-from fp8fx.weights.linear import check_create_arguments, check_online, fp8_apply, fp8_load_from_state_dict
+from fp8fx.weights.linear import check_codes_held, check_create_arguments, check_online, fp8_apply
+from fp8fx.weights.linear import fp8_load_from_state_dict
 from fp8fx.weights.linear import reduce_made_class, same_layout
 from fp8fx.weights.linear import setstate_made_class
 
@@ -67,6 +68,7 @@ _FP8_CLASSES: dict[tuple[type, str], type] = {}  # (class, first weight name) ->
 def _view(name: str) -> property:
     def get(self) -> torch.Tensor:
         p = self._parameters
+        check_codes_held(self, name)
         scale = p[name + ("_scale_inv" if self._fp8fx_block_scales else "_scale")]
         w = torch.ops.fp8fx.dequantize(
             p[name], scale, self._fp8fx_w_block, self._fp8fx_dtype, p.get(name + "_input_scale"), self._fp8fx_act_block

@@ -166,3 +166,19 @@ def test_quantize_of_a_peft_model_keeps_its_adapters_trainable():
     ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
     adapted(input_ids=ids, labels=ids).loss.backward()
     assert q.lora_B["default"].weight.grad is not None and q.lora_B["default"].weight.grad.any()
+
+
+def test_a_parametrization_of_an_fp8_weight_is_refused_naming_it():
+    """register_parametrization (PEFT's target_parameters, its LoRA on MoE experts, too) deletes the parameter and
+    then reads the attribute: the read failed with a bare KeyError: 'weight'. It names the layer and the fix."""
+    from torch.nn.utils import parametrize
+
+    class Doubled(nn.Module):
+        def forward(self, w):
+            return w * 2
+
+    model = quantized_pair()
+    with pytest.raises(RuntimeError, match=r"^2\.weight: its fp8 codes were removed from the module "
+                                           r"\(torch\.nn\.utils\.parametrize\.register_parametrization.*parametrize "
+                                           r"the high-precision model, then quantize_ it"):
+        parametrize.register_parametrization(model[2], "weight", Doubled())
