@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import logging
 import threading
-import weakref
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import nn
@@ -29,6 +28,7 @@ from torch import nn
 from fp8fx import quant
 from fp8fx.checkpoint.load import _looks_like_scale
 from fp8fx.checkpoint.save import _planned, _unwrapped
+from fp8fx.weights.linear import ModelHeld
 
 log = logging.getLogger("fp8fx")
 
@@ -41,26 +41,20 @@ _QUIET.disabled = True
 _SAVING = threading.RLock()
 
 
-class SavePretrained:
+class SavePretrained(ModelHeld):
     """``model.save_pretrained`` as ``describe`` sets it (an attribute of the instance; the class is left as it is):
     transformers' own, with ``model.config.quantization_config`` set for the call to what it writes
     (``quantization_config``, from the model as it is then: a calibrated ``input_scale`` or a KV-cache scale attached
     after ``quantize_`` is in it) and put back after it, one call at a time. The config object is not changed
     otherwise: a config shared with another model (``from_config(cfg)`` twice) describes no model it was not saved
-    with. The model is held by a weak reference (it holds this); a deep copy of the model gets one of the copy, a
-    pickle holds the model itself. A ``copy.copy`` of the model shares the original's (it shares its ``__dict__``'s
-    values) and saves the original: copy with deepcopy."""
+    with. The model is held as ``ModelHeld`` holds it. A ``copy.copy`` of the model shares the original's (it shares
+    its ``__dict__``'s values) and saves the original: copy with deepcopy."""
 
-    __slots__ = ("_model",)
-
-    def __init__(self, model: Optional[nn.Module]):
-        self._model = weakref.ref(model) if model is not None else lambda: None
+    __slots__ = ()
+    what = "save_pretrained"
 
     def __call__(self, *args, **kwargs):
-        model = self._model()
-        if model is None:  # a copy.copy of a model shares its __dict__, which outlived the model it was made for
-            raise RuntimeError("fp8fx: this model was copied with copy.copy from a quantized model that is gone; copy "
-                               "quantized models with copy.deepcopy (or keep the original)")
+        model = self.held()
         with _SAVING:
             config = model.config
             missing = object()
@@ -73,13 +67,6 @@ class SavePretrained:
                     del config.quantization_config
                 else:
                     config.quantization_config = before
-
-    def __deepcopy__(self, memo):
-        model = self._model()
-        return SavePretrained(memo.get(id(model), model))
-
-    def __reduce__(self):
-        return SavePretrained, (self._model(),)
 
 
 def describe(model: nn.Module) -> None:

@@ -195,24 +195,45 @@ def _checked_cast(self, fn, recurse: bool):
     return out
 
 
-class _CheckedApply:
-    """``model._apply`` as ``guard_casts`` sets it: ``_checked_apply`` of the model it holds by a weak reference (a
-    strong one made a cycle, model -> its ``__dict__`` -> the model, so ``del model`` freed nothing, GPU memory
-    included, until Python's cyclic collector ran). A deep copy of the model gets one of the copy (the copy is in
-    ``memo`` before its ``__dict__`` is copied); a pickle holds the model itself, which the pickle memoizes."""
+class ModelHeld:
+    """A callable that fp8fx sets as an attribute of a model instance (``model._apply``, ``model.save_pretrained``),
+    holding the model by a weak reference (a strong one made a cycle, model -> its ``__dict__`` -> the model, so
+    ``del model`` freed nothing, GPU memory included, until Python's cyclic collector ran). A deep copy of the model
+    gets one of the copy (the copy is in ``memo`` before its ``__dict__`` is copied); a pickle holds the model itself,
+    which the pickle memoizes. ``what``: the attribute, for the message of a ``copy.copy`` that outlived its model."""
 
     __slots__ = ("_model",)
+    what = ""
 
     def __init__(self, model: Optional[nn.Module]):
         self._model = weakref.ref(model) if model is not None else lambda: None
 
-    def __call__(self, fn, recurse=True):
+    def held(self) -> nn.Module:
+        """The model; refused where it is gone: a copy.copy of a model shares its ``__dict__``'s attribute, which
+        outlived the model it was made for."""
         model = self._model()
-        if model is None:  # a copy.copy of a model shares its __dict__'s guard, which outlived the model it guards
+        if model is None:
             raise RuntimeError(
-                "fp8fx: this model was copied with copy.copy from a quantized model that is gone, and its cast guard "
+                f"fp8fx: this model was copied with copy.copy from a quantized model that is gone, and its {self.what} "
                 "was that model's; copy quantized models with copy.deepcopy (or keep the original)")
-        return _checked_apply(model, fn, recurse)
+        return model
+
+    def __deepcopy__(self, memo):
+        model = self._model()
+        return type(self)(memo.get(id(model), model))
+
+    def __reduce__(self):
+        return type(self), (self._model(),)  # (None where it is gone: the copy's calls say so)
+
+
+class _CheckedApply(ModelHeld):
+    """``model._apply`` as ``guard_casts`` sets it: ``_checked_apply`` of the model it holds."""
+
+    __slots__ = ()
+    what = "cast guard"
+
+    def __call__(self, fn, recurse=True):
+        return _checked_apply(self.held(), fn, recurse)
 
     def __deepcopy__(self, memo):
         model = self._model()
@@ -226,9 +247,6 @@ class _CheckedApply:
                 if not hasattr(new, k):
                     setattr(new, k, copy.deepcopy(v, memo))
         return _CheckedApply(copied)
-
-    def __reduce__(self):
-        return _CheckedApply, (self._model(),)  # (None where it is gone: the copy's casts say so when called)
 
 
 def guard_casts(model: nn.Module) -> None:
