@@ -61,17 +61,33 @@ def _dequantized_weight(self) -> torch.Tensor:
     return views.dequantized(w, self, "weight")
 
 
+_NO_PARAMETRIZATION = ("an fp8 weight is codes and scales, which no parametrization takes; parametrize the "
+                       "high-precision model, then quantize_ it")
+
+
 def check_codes_held(module: nn.Module, name: str) -> None:
-    """Refuses a read of an fp8 module's ``name`` once its fp8 codes are gone from it: ``register_parametrization``
-    (PEFT's ``target_parameters`` too) deletes the parameter before it parametrizes it, and the read failed with a bare
-    KeyError."""
+    """Refuses a read of an fp8 module's ``name`` once its fp8 codes are gone from it (taken out of ``_parameters``
+    by hand: ``fp8_delattr`` refuses ``del``), where the read failed with a bare KeyError."""
     if name not in module._parameters:
         raise RuntimeError(
             f"{getattr(module, '_fp8fx_prefix', '') or type(module).__name__}.{name}: its fp8 codes were removed "
-            "from the module (torch.nn.utils.parametrize.register_parametrization, or PEFT's target_parameters, "
-            "deletes a parameter to parametrize it): an fp8 weight is codes and scales, which no parametrization "
-            "takes; parametrize the high-precision model, then quantize_ it (this module lost its codes: quantize_ "
-            "a fresh model)")
+            f"from the module: {_NO_PARAMETRIZATION} (this module lost its codes: quantize_ a fresh model)")
+
+
+def fp8_delattr(self, name: str) -> None:
+    """``__delattr__`` of the classes ``fp8_class`` and ``fp8fx.weights.moe``'s ``fp8_experts_class`` make: fp8 codes
+    and their scales are not deleted. ``register_parametrization`` (PEFT's ``target_parameters``, its LoRA on MoE
+    experts, too) deletes the parameter it parametrizes; the layer then held a scale over no codes, and the refusal
+    came after the deletion. Refused here, before it, the module is left as it was."""
+    t = self._parameters.get(name)
+    if t is not None and _kept(name, t):
+        raise RuntimeError(
+            f"{getattr(self, '_fp8fx_prefix', '') or type(self).__name__}.{name} ({t.dtype}, {list(t.shape)}) holds "
+            "the fp8 layer's codes or their scales, which it is not run without, so they are not deleted (a "
+            f"parametrization - torch.nn.utils.parametrize.register_parametrization, PEFT's target_parameters - "
+            f"deletes the parameter it parametrizes): {_NO_PARAMETRIZATION} (nothing was changed)")
+    made = next(c for c in type(self).__mro__ if "_fp8fx_maker" in c.__dict__)
+    super(made, self).__delattr__(name)
 
 
 def _kept(name: str, t: torch.Tensor) -> bool:
@@ -366,7 +382,7 @@ def fp8_class(cls: type) -> type:
             f"Fp8{cls.__name__}",
             (cls,),
             {"weight": property(_dequantized_weight), "_apply": fp8_apply, "_fp8fx_quantized": True,
-             "_load_from_state_dict": fp8_load_from_state_dict,
+             "_load_from_state_dict": fp8_load_from_state_dict, "__delattr__": fp8_delattr,
              "__module__": cls.__module__, "__reduce_ex__": reduce_made_class, "__setstate__": setstate_made_class,
              "_fp8fx_maker": fp8_class},
         )

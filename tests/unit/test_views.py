@@ -168,17 +168,45 @@ def test_quantize_of_a_peft_model_keeps_its_adapters_trainable():
     assert q.lora_B["default"].weight.grad is not None and q.lora_B["default"].weight.grad.any()
 
 
-def test_a_parametrization_of_an_fp8_weight_is_refused_naming_it():
-    """register_parametrization (PEFT's target_parameters, its LoRA on MoE experts, too) deletes the parameter and
-    then reads the attribute: the read failed with a bare KeyError: 'weight'. It names the layer and the fix."""
+class Doubled(nn.Module):
+    def forward(self, w):
+        return w * 2
+
+
+def test_a_parametrization_of_an_fp8_weight_is_refused_naming_it_and_changes_nothing():
+    """register_parametrization (PEFT's target_parameters too) deletes the parameter it parametrizes: the fp8 layer
+    then held a scale over no codes, and a read failed with a bare KeyError: 'weight' (later, a refusal after the
+    deletion). The deletion is refused, naming the layer and the fix, and the layer is as it was."""
     from torch.nn.utils import parametrize
 
-    class Doubled(nn.Module):
-        def forward(self, w):
-            return w * 2
-
     model = quantized_pair()
-    with pytest.raises(RuntimeError, match=r"^2\.weight: its fp8 codes were removed from the module "
-                                           r"\(torch\.nn\.utils\.parametrize\.register_parametrization.*parametrize "
-                                           r"the high-precision model, then quantize_ it"):
+    x = torch.randn(3, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before, state = model(x), {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"^2\.weight \(torch\.float8_e4m3fn, \[16, 32\]\) holds the fp8 layer's "
+                                           r"codes.*register_parametrization.*parametrize the high-precision model, "
+                                           r"then quantize_ it \(nothing was changed\)"):
         parametrize.register_parametrization(model[2], "weight", Doubled())
+    with pytest.raises(RuntimeError, match=r"^0\.weight_scale \(torch\.float32, .*nothing was changed"):
+        del model[0].weight_scale
+    assert not parametrize.is_parametrized(model[2]) and type(model[2]).__name__ == "Fp8Linear"
+    assert model.state_dict().keys() == state.keys()
+    assert all(torch.equal(v.view(torch.uint8) if v.dtype.itemsize == 1 else v, state[k].view(torch.uint8)
+                           if v.dtype.itemsize == 1 else state[k]) for k, v in model.state_dict().items())
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    del model[2].bias  # what holds no fp8 value is deleted as before
+    assert "bias" not in model[2]._parameters
+
+
+def test_a_parametrization_of_fp8_experts_is_refused_and_changes_nothing():
+    """PEFT's LoRA on MoE experts (target_parameters) parametrizes gate_up_proj / down_proj."""
+    from torch.nn.utils import parametrize
+
+    from tests.unit.test_moe_weights import Block
+    model = fp8fx.quantize_(Block().to(torch.bfloat16))
+    codes = model.experts._parameters["down_proj"]
+    with pytest.raises(RuntimeError, match=r"^experts\.down_proj \(torch\.float8_e4m3fn, .*nothing was changed"):
+        parametrize.register_parametrization(model.experts, "down_proj", Doubled())
+    assert model.experts._parameters["down_proj"] is codes and not parametrize.is_parametrized(model.experts)
+    assert model.experts.down_proj.dtype == torch.bfloat16
