@@ -5,13 +5,15 @@ from the fp8 codes and their scales: a write into it changed that copy and was l
 ``merge_and_unload`` (``base_layer.weight.data += delta``) left an fp8 base model without its adapter (outputs 107%
 off the adapted model's), ``nn.init`` calls did nothing. In eager mode the view is a ``Dequantized`` tensor, whose
 ``__torch_function__`` refuses an in-place op on it or on its ``.data`` (PEFT's idiom), naming the tensor and the fix;
-every other op runs as on a plain tensor and returns a tensor of the caller's own to write into. A write through a
+every other op runs as on a plain tensor and returns a tensor of the caller's own to write into (torch's refusal of
+an operand of another dtype is raised again naming the weight and the cast). A write through a
 view of it (``w[0].zero_()``, ``w.t().copy_(...)``), ``set_`` (no torch function sees it) or numpy is not caught.
 Under ``torch.compile``, FX tracing and fake tensors the view stays a plain tensor: the linear pass finds the
 dequantization in the graph and says there that a write into it does not persist.
 """
 from __future__ import annotations
 
+import re
 from typing import Any, Optional
 
 import torch
@@ -51,7 +53,11 @@ class Dequantized(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             if func in _PRINTED:  # printed as the plain tensor it is
                 args = (args[0].as_subclass(torch.Tensor), *args[1:])
-            out = func(*args, **kwargs)
+            try:
+                out = func(*args, **kwargs)
+            except RuntimeError as error:
+                _name_dtype_mismatch(func, args, kwargs, error)
+                raise
             if not (args and isinstance(args[0], Dequantized) and isinstance(out, torch.Tensor)):
                 return out
             name = getattr(func, "__name__", "")
@@ -77,6 +83,28 @@ class Dequantized(torch.Tensor):
 
 
 _PRINTED = (torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__str__)
+
+
+def _name_dtype_mismatch(func, args: tuple, kwargs: dict, error: RuntimeError) -> None:
+    """Raises ``error`` again naming the weight, when it is torch's refusal of operands of two dtypes (``F.linear`` of
+    a float32 input on a bf16 layer: "expected m1 and m2 to have the same dtype") and a tensor of another floating
+    dtype than the weight's is among the operands. PEFT's ``prepare_model_for_kbit_training`` casts every bf16 / fp16
+    parameter but the fp8 codes to float32, and the first fp8 layer then failed with torch's unnamed message."""
+    if not re.search(r"dtype|scalar type", str(error)):
+        return
+    tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (tuple, list)) else (a,))
+               if isinstance(t, torch.Tensor)]
+    weight = next((t for t in tensors if _guarded(t)), None)
+    other = next((t for t in tensors if t.is_floating_point() and weight is not None and t.dtype != weight.dtype), None)
+    if other is None:
+        return
+    raise RuntimeError(
+        f"{weight._fp8fx_of} is {weight.dtype} (the fp8 layer's weight, dequantized to the dtype the layer computes "
+        f"in) and {getattr(func, '__name__', func)} got a {other.dtype} tensor with it ({error}): an fp8 layer computes "
+        "in the dtype its model was quantized in or last cast to. Cast the model as a whole - model.to("
+        f"{other.dtype}) makes its fp8 layers compute in {other.dtype}, their codes and scales kept - or the input to "
+        f"{weight.dtype}. (PEFT's prepare_model_for_kbit_training casts every bf16 / fp16 parameter but the fp8 codes "
+        f"to float32: call model.to(torch.float32) after it, or leave it out)") from error
 
 
 def dequantized(w: torch.Tensor, owner: torch.nn.Module, attr: str) -> torch.Tensor:

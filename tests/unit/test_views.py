@@ -210,3 +210,41 @@ def test_a_parametrization_of_fp8_experts_is_refused_and_changes_nothing():
         parametrize.register_parametrization(model.experts, "down_proj", Doubled())
     assert model.experts._parameters["down_proj"] is codes and not parametrize.is_parametrized(model.experts)
     assert model.experts.down_proj.dtype == torch.bfloat16
+
+
+def test_an_input_of_another_dtype_is_refused_naming_the_layer_and_the_cast():
+    """A float32 input on a bf16 fp8 layer failed in torch's F.linear with "expected m1 and m2 to have the same
+    dtype": no layer named, no fix. The error names the weight, both dtypes and the cast; the same model cast as a
+    whole runs in float32, against the float64 run of the same fp8 weights."""
+    model = quantized_pair()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=r"^0\.weight is torch\.bfloat16 \(the fp8 layer's weight.*\) and linear got "
+                                           r"a torch\.float32 tensor with it \(.*same dtype.*\).*"
+                                           r"model\.to\(torch\.float32\)"):
+        model(x)
+    with torch.no_grad():
+        got = model.to(torch.float32)(x)
+        want = model.to(torch.float64)(x.double())
+    assert got.dtype == torch.float32 and rel_err(got, want.float()) < 1e-5
+
+
+def test_peft_kbit_preparation_gets_the_cast_to_make():
+    """PEFT's prepare_model_for_kbit_training casts every bf16 parameter but the fp8 codes to float32; the first fp8
+    layer then failed with torch's unnamed dtype error. It names the layer and model.to(torch.float32), after which
+    LoRA training runs and reaches the adapters."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = fp8fx.quantize_(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16))
+    model = peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=8, target_modules=["q_proj", "v_proj"]))
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=r"^model\.layers\.0\.self_attn\.q_proj\.weight is torch\.bfloat16 .*"
+                                           r"prepare_model_for_kbit_training .*call model\.to\(torch\.float32\) after"):
+        adapted(input_ids=ids, labels=ids)
+    adapted.to(torch.float32)(input_ids=ids, labels=ids).loss.backward()
+    q = adapted.base_model.model.model.layers[0].self_attn.q_proj
+    assert fp8fx.weights.is_quantized(q.base_layer) and q.base_layer._parameters["weight"].dtype.itemsize == 1
+    assert q.lora_B["default"].weight.grad is not None and q.lora_B["default"].weight.grad.any()
