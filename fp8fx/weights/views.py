@@ -4,10 +4,10 @@ An fp8 layer's ``weight`` (an experts module's ``gate_up_proj`` / ``down_proj``)
 from the fp8 codes and their scales: a write into it changed that copy and was lost, silently. PEFT's
 ``merge_and_unload`` (``base_layer.weight.data += delta``) left an fp8 base model without its adapter (outputs 107%
 off the adapted model's), ``nn.init`` calls did nothing. In eager mode the view is a ``Dequantized`` tensor, whose
-``__torch_function__`` refuses an in-place op on it or on its ``.data`` (PEFT's idiom), naming the tensor and the fix;
-every other op runs as on a plain tensor and returns a tensor of the caller's own to write into (torch's refusal of
-an operand of another dtype is raised again naming the weight and the cast). A write through a
-view of it (``w[0].zero_()``, ``w.t().copy_(...)``), ``set_`` (no torch function sees it) or numpy is not caught.
+``__torch_function__`` refuses an in-place op on it, on its ``.data`` (PEFT's idiom) or on a view of either (``w[0]``,
+``w.t()``, ``w.T``: a write through one changes the same copy), naming the tensor and the fix. Every other op runs as
+on a plain tensor and returns a tensor of the caller's own to write into (torch's refusal of an operand of another
+dtype is raised again naming the weight and the cast). ``set_`` (no torch function sees it) and numpy are not caught.
 Under ``torch.compile``, FX tracing and fake tensors the view stays a plain tensor: the linear pass finds the
 dequantization in the graph and says there that a write into it does not persist.
 """
@@ -26,10 +26,10 @@ _METADATA = frozenset({"requires_grad_", "share_memory_", "detach_"})
 
 class Dequantized(torch.Tensor):
     """A dequantized fp8 weight, as a read of the layer's attribute gives it: a plain tensor but for refusing in-place
-    writes into it and into its ``.data`` (``_fp8fx_of``: what it is the weight of, for the message). Every op returns
-    a plain tensor: a tensor made from it (``detach()``, ``.t()``, ``contiguous()``, ``w[0]``) is the caller's own, for
-    writes that are meant for it (``detach()`` gives an unguarded ``Dequantized``, as ``nn.Parameter(w)`` needs its
-    class kept)."""
+    writes into it, into its ``.data`` and into views of either (``_fp8fx_of``: what it is the weight of, for the
+    message). Every other op returns a plain tensor: a tensor made from it (``detach()``, ``clone()``, ``w * 2``) is
+    the caller's own, for writes that are meant for it (``detach()`` gives an unguarded ``Dequantized``, as
+    ``nn.Parameter(w)`` needs its class kept)."""
 
     _fp8fx_of: Optional[str]
 
@@ -58,9 +58,13 @@ class Dequantized(torch.Tensor):
             except RuntimeError as error:
                 _name_dtype_mismatch(func, args, kwargs, error)
                 raise
-            if not (args and isinstance(args[0], Dequantized) and isinstance(out, torch.Tensor)):
+            if not (args and isinstance(args[0], Dequantized)):
                 return out
             name = getattr(func, "__name__", "")
+            if name != "detach" and _guarded(args[0]) and isinstance(out, (torch.Tensor, tuple, list)):
+                out = _guard_views(out, args[0])
+            if not isinstance(out, torch.Tensor):
+                return out
             if name == "__get__" and _is_data(func) and _guarded(args[0]):  # layer.weight.data: the same copy,
                 return _named(out, args[0]._fp8fx_of)  # guarded
             if name == "detach":  # the caller's own, of this class: nn.Parameter(w) detaches and wants it kept
@@ -115,6 +119,17 @@ def dequantized(w: torch.Tensor, owner: torch.nn.Module, attr: str) -> torch.Ten
     if torch.compiler.is_compiling() or type(w) is not torch.Tensor or compat.fx_symbolic_tracing():
         return w
     return _named(w, f"{getattr(owner, '_fp8fx_prefix', '') or type(owner).__name__}.{attr}")
+
+
+def _guard_views(out, w: Dequantized):
+    """``out`` (an op's result on the guarded ``w``) with each tensor that is a view of ``w``'s values (``w[0]``,
+    ``w.t()``, ``w.T``, ``w.view(...)``, ``w.unbind(0)``'s) guarded as ``w`` is: a write through it changed the same
+    copy and was lost, silently (``layer.weight[0].zero_()``)."""
+    if isinstance(out, (tuple, list)):
+        return type(out)(_guard_views(t, w) for t in out) if any(isinstance(t, torch.Tensor) for t in out) else out
+    if not isinstance(out, torch.Tensor) or out is w or not out._is_view():
+        return out
+    return _named(out, w._fp8fx_of) if out._base is (w._base if w._is_view() else w) else out
 
 
 def _named(w: torch.Tensor, of: Optional[str]) -> Dequantized:

@@ -64,7 +64,7 @@ def test_reads_are_plain_tensors_and_writes_elsewhere_are_taken():
     model = quantized_pair()
     w = model[2].weight
     assert type(w) is Dequantized and type(w.data) is Dequantized
-    assert all(type(t) is torch.Tensor for t in (w * 2, w.clone(), w.float(), w.t(), w[0], w.contiguous(), w._base))
+    assert all(type(t) is torch.Tensor for t in (w * 2, w.clone(), w.float(), w.contiguous(), w._base, w.t() * 1))
     assert torch.equal(w.clone().add_(1.0), model[2].weight + 1.0)
     assert model[2].weight.detach().clamp_(-0.01, 0.01).abs().max() <= 0.01
     into = torch.empty_like(w, dtype=torch.bfloat16)
@@ -82,6 +82,32 @@ def test_reads_are_plain_tensors_and_writes_elsewhere_are_taken():
     h = torch.randn(3, 32, dtype=torch.bfloat16)
     want = h.double() @ model[2].weight.double().T + model[2].bias.double()
     assert rel_err(model[2](h).double(), want) < 0.05
+
+
+VIEWS = {
+    "w[0].zero_()": lambda w: w[0].zero_(),
+    "w.t().copy_()": lambda w: w.t().copy_(torch.zeros_like(w.t())),
+    "w.T.mul_()": lambda w: w.T.mul_(2.0),
+    "w.view(-1).fill_()": lambda w: w.view(-1).fill_(0.0),
+    "w.unbind(0)[1].add_()": lambda w: w.unbind(0)[1].add_(1.0),
+    "w.data[:, 0] = 0": lambda w: w.data[:, 0].__setitem__(slice(None), 0.0),
+    "w[0][1:].neg_()": lambda w: w[0][1:].neg_(),
+}
+
+
+@pytest.mark.parametrize("write", sorted(VIEWS))
+def test_a_write_through_a_view_of_the_weight_is_refused(write):
+    """``layer.weight[0].zero_()`` wrote into a view of the dequantized copy: lost, silently, as a write into the
+    weight itself. Views of the weight (and of its ``.data``) are guarded as it is; what is not a view (``clone()``,
+    ``detach()``) is the caller's own."""
+    model = quantized_pair()
+    before = model[2].weight.clone()
+    with pytest.raises(RuntimeError, match=r"^2\.weight is dequantized from its fp8 codes and scales at each read"):
+        VIEWS[write](model[2].weight)
+    assert torch.equal(model[2].weight, before)
+    mine = model[2].weight.t().clone()
+    mine[0].zero_()
+    assert not mine[0].any() and torch.equal(model[2].weight, before)
 
 
 @pytest.mark.parametrize("read", ["weight", "weight.detach()", "weight.data"])
