@@ -236,9 +236,36 @@ def _compressed_tensors(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
     if fmt not in ("float-quantized", "naive-quantized"):
         raise ValueError(f"format={fmt!r} is not an fp8 storage format; fp8fx loads 'float-quantized' checkpoints")
     warn_misspelt(qc, _CT_KEYS, "compressed-tensors quantization_config")
+    _refuse_unapplied(qc, config_groups)
     ignore = qc.get("ignore") or []
     _check_patterns(ignore, "ignore", "module names or 're:' patterns")
     return QuantFormat("compressed-tensors", groups[0][1], tuple(groups), tuple(ignore), kv)
+
+
+def _refuse_unapplied(qc: Mapping[str, Any], config_groups: Mapping[str, Any]) -> None:
+    """What a compressed-tensors config asks of its reader beyond loading the stored tensors, which fp8fx does not do,
+    refused naming the key: a ``transform_config`` (llm-compressor's SpinQuant / QuIP Hadamard rotations: folded into
+    the stored weights, the layers' inputs rotated at run time; its tensors are none, so nothing else gives it away:
+    loaded without the rotation, logits 41% off, silently); a ``sparsity_config`` whose weights are stored compressed
+    (2:4 bitmask, not ``dense``); a group's ``output_activations`` (quantized outputs)."""
+    transform = qc.get("transform_config")
+    if transform:
+        raise ValueError(
+            "transform_config: this checkpoint's weights are rotated (SpinQuant / QuIP Hadamard transforms, folded into "
+            "the stored weights) and its layers' inputs are to be rotated at run time, which fp8fx does not do: its "
+            "outputs would be far off. Load it with vLLM or compressed-tensors, or export the model without transforms")
+    sparsity = qc.get("sparsity_config")
+    if sparsity and (not isinstance(sparsity, Mapping) or sparsity.get("format", "dense") != "dense"):
+        fmt = sparsity.get("format") if isinstance(sparsity, Mapping) else sparsity
+        raise ValueError(
+            f"sparsity_config.format={fmt!r}: the weights are stored compressed for sparsity, which fp8fx does not "
+            "decompress; export the checkpoint with dense weights (sparsity_config format 'dense', or none)")
+    for name, group in config_groups.items():
+        if group.get("output_activations") is not None:
+            raise ValueError(
+                f"config_groups.{name}.output_activations={group['output_activations']!r:.80}: the layers' outputs are "
+                "quantized too, which fp8fx does not do (it quantizes weights and inputs); export the checkpoint "
+                "without output_activations")
 
 
 def _check_patterns(names: Any, where: str, what: str) -> None:
