@@ -390,12 +390,14 @@ class _Loader:
                     )
                 shards = tuple(parts)
             config, reason = self._layer_config(fqn, module, shards)
-            if config is not None and config.is_checkpoint_fp8_serialized and (fqn == head or fqn in self.kept):
-                # (DeepSeek-V3.2's indexer.weights_proj: bf16 in its fp8 checkpoint, listed nowhere but in the model)
+            if config is not None and config.is_checkpoint_fp8_serialized and (
+                    fqn == head or fqn in self.kept or fqn in self.routers):
+                # (DeepSeek-V3.2's indexer.weights_proj: bf16 in its fp8 checkpoint, listed nowhere but in the model;
+                # Qwen2-MoE's shared_expert_gate, which vLLM builds unquantized whatever the ignore list says)
                 weight = entries.get(f"{fqn}.weight")
                 if weight is not None and weight.dtype != quant.FP8_DTYPE and f"{fqn}.weight_scale" not in entries:
                     config, reason = None, ("output embeddings stored in high precision" if fqn == head else
-                                            self.kept[fqn])
+                                            self.kept.get(fqn) or self.routers[fqn])
             if config is None:
                 self.not_quantized[fqn] = reason
                 if len(shards) == 1:

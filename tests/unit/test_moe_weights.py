@@ -1,6 +1,7 @@
 """Expert weight hooks (fp8fx.weights.moe): quantize_ on experts modules, Fp8MoEMethod (serialized
 per-tensor / block, online shards), scale shapes, requantization to the max, divisibility errors."""
 import gc
+import json
 import logging
 import re
 import weakref
@@ -609,6 +610,15 @@ def test_moe_routers_stay_in_high_precision(tmp_path, name, router):
     # under the checkpoint's name (save_pretrained writes Phimoe's router as block_sparse_moe.gate)
     stored = [m for m, why in report.not_quantized.items() if why.startswith(said)]
     assert len(stored) == 1 and read_checkpoint(tmp_path / "fp8")[1][f"{stored[0]}.weight"].dtype == torch.bfloat16
+    # an fp8 checkpoint that stores the router bf16 and lists only lm_head as not converted (as vLLM, which builds
+    # routers unquantized whatever the list says, reads it): it was refused as "declared float8_e4m3fn"
+    config_json = json.loads((tmp_path / "fp8" / "config.json").read_text())
+    qc = config_json["quantization_config"]
+    qc.update({k: ["lm_head"] for k in ("ignored_layers", "modules_to_not_convert", "ignore") if k in qc})
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(config_json))
+    loaded = fp8fx.checkpoint.meta_model(tmp_path / "fp8")
+    report = load_checkpoint(loaded, tmp_path / "fp8", progress=False)
+    assert report.not_quantized[fqn].startswith(said) and loaded.get_submodule(fqn).weight.dtype == torch.bfloat16
 
 
 def test_router_modules_that_are_no_linear_are_reported(tmp_path):
