@@ -39,7 +39,7 @@ from fp8fx.weights.kv_cache import check_kv_scale_layout, getter_module, kv_cach
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.linear import check_no_in_place_rescale, kept_by_the_model
 from fp8fx.weights.moe import is_quantized_experts
-from fp8fx.weights.quantize import check_ignored_layers
+from fp8fx.weights.quantize import check_ignored_layers, nothing_quantized
 
 log = logging.getLogger("fp8fx")
 
@@ -277,6 +277,10 @@ def load_checkpoint(
     loader.stream(files, report, progress)
     loader.finish(report)
     loader.commit(report)
+    if not fmt.config.is_checkpoint_fp8_serialized and not report.quantized and not report.experts:
+        # (quantize_ warns so too: asked for fp8, the model is all high precision)
+        log.warning("fp8fx: %s", nothing_quantized("load_checkpoint", model, report.not_quantized,
+                                                   loader.modules.items()))
     # the format as stored (config.json's quant_method; a config= passed here says how it was read, not what it is:
     # save_checkpoint's default format is this one)
     stored = (config_json.get("quantization_config") or {}).get("quant_method") if fmt.from_user else fmt.name

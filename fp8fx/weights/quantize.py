@@ -338,18 +338,24 @@ def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> No
     """quantize_ found no layer it would quantize: a warning (an error with ``strict``) that says why - each
     skipped layer's reason, or the linear-like modules that are no ``nn.Linear`` (transformers' ``Conv1D`` of
     GPT-2)."""
-    reasons: dict[str, list[str]] = {}
-    for fqn, _, reason in skipped:
-        reasons.setdefault(reason, []).append(fqn)
-    why = [f"{len(f)} {'layer' if len(f) == 1 else 'layers'} ({f[0]}{', ...' if len(f) > 1 else ''}): {r}"
-           for r, f in reasons.items()] or ["it has no nn.Linear and no experts module"]
-    others = sorted({type(m).__name__ for _, m in modules if is_foreign_linear(m)})
-    if others:
-        why.append(f"modules of other kinds with 2-D weights, which fp8fx does not quantize: {others}")
-    message = f"quantize_: nothing in this {type(model).__name__} is quantized: {'; '.join(why)}"
+    message = nothing_quantized("quantize_", model, {fqn: reason for fqn, _, reason in skipped}, modules)
     if strict and (not skipped or any(reason != "in ignored_layers" for _, _, reason in skipped)):
         raise ValueError(message)
     log.warning("fp8fx: %s", message)
+
+
+def nothing_quantized(what: str, model: nn.Module, reasons: Mapping[str, str], modules) -> str:
+    """The message of a call (``quantize_``, ``load_checkpoint``) that quantized nothing: the layers it skipped, by
+    reason (``{fqn: reason}``), and the linear-like ``modules`` that are no ``nn.Linear``."""
+    by_reason: dict[str, list[str]] = {}
+    for fqn, reason in reasons.items():
+        by_reason.setdefault(reason, []).append(fqn)
+    why = [f"{len(f)} {'layer' if len(f) == 1 else 'layers'} ({f[0]}{', ...' if len(f) > 1 else ''}): {r}"
+           for r, f in by_reason.items()] or ["it has no nn.Linear and no experts module"]
+    others = sorted({type(m).__name__ for _, m in modules if is_foreign_linear(m)})
+    if others:
+        why.append(f"modules of other kinds with 2-D weights, which fp8fx does not quantize: {others}")
+    return f"{what}: nothing in this {type(model).__name__} is quantized: {'; '.join(why)}"
 
 
 def _left_alone(modules, routers, warn: bool) -> None:

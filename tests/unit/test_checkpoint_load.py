@@ -1693,3 +1693,22 @@ def test_compressed_tensors_features_fp8fx_does_not_apply_are_refused(extra, mat
     dense = {**qc, "config_groups": {"g": {**group, "output_activations": None}}, "transform_config": None,
              "sparsity_config": {"format": "dense", "global_sparsity": 0.0}}
     assert formats.parse({"quantization_config": dense}).config.activation_scheme == "static"
+
+
+def test_a_load_that_quantizes_nothing_warns_with_the_reasons(tmp_path, caplog):
+    """load_checkpoint of a bf16 checkpoint with a config whose blocks divide no layer returned an all-bf16 model and
+    said nothing (quantize_ warns, for the same model and config); it warns now, naming the layers and why."""
+    import logging
+
+    path = write_checkpoint(tmp_path / "c", bf16_state())
+    block = 80  # (divides none of 32, 64, 96, 128)
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        report = load_checkpoint(meta_tiny(), path, fp8fx.Fp8Config(weight_block_size=[block, block]),
+                                 progress=False)
+    assert not report.quantized
+    assert re.search(rf"load_checkpoint: nothing in this Tiny is quantized: \d+ layers \(model\.layers\.0\.self_attn\."
+                     rf"q_proj, \.\.\.\): weight \[{H}, {H}\] is not divisible by the {block}x{block} block", caplog.text)
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        assert load_checkpoint(meta_tiny(), path, progress=False).quantized
+    assert "nothing in this" not in caplog.text
