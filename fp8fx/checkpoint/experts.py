@@ -56,9 +56,7 @@ def check_weight_values(entry: Entry, t: torch.Tensor, dtype: torch.dtype, owner
     hold (``into``: what they would become inf in), in one pass (``chunked.count_unloadable``)."""
     bad, overflow, largest = chunked.count_unloadable(t, dtype)
     if bad:
-        raise CheckpointError(
-            f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {owner!r} to the ignore list"
-        )
+        raise CheckpointError(f"{entry} has {bad} NaN/Inf values; {_nonfinite_fix(t, owner)}")
     if overflow:
         raise beyond_range_error(entry, t.dtype, dtype, overflow, largest, f", quantized online {into}")
 
@@ -104,7 +102,16 @@ def check_scale_values(entry: Entry, t: torch.Tensor) -> torch.Tensor:
 def check_finite(entry: Entry, t: torch.Tensor, fqn: str) -> None:
     bad = chunked.count_nonfinite(t)
     if bad:
-        raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix the checkpoint or add {fqn!r} to the ignore list")
+        raise CheckpointError(f"{entry} has {bad} NaN/Inf values; {_nonfinite_fix(t, fqn)}")
+
+
+def _nonfinite_fix(t: torch.Tensor, owner: str) -> str:
+    """What to do about a checkpoint tensor with NaN / Inf values: high-precision weights may be kept so by the ignore
+    list; fp8 codes may not (an ignored layer takes high-precision weights, and refuses fp8 ones)."""
+    if t.dtype.is_floating_point and t.dtype.itemsize == 1:
+        return ("fp8 codes hold no NaN in a sound checkpoint (the ignore list cannot take them: an ignored layer "
+                f"loads high-precision weights): re-export {owner} from its high-precision weights")
+    return f"fix the checkpoint or add {owner!r} to the ignore list"
 
 
 @dataclasses.dataclass
