@@ -425,8 +425,10 @@ def quantization_config(
     if fmt == "fp8" and fp8 is None:
         first = {s: f for f, s in schemes.items()}
         raise ValueError(
-            f"format='fp8' stores one scheme for all layers, per-tensor or block weights with per-token or static "
-            f"activations; this model has {[f'{first[s]}: {s}' for s in distinct]}; use format='compressed-tensors'"
+            "format='fp8' stores one scheme for all layers: per-tensor weights with per-token (dynamic) or static "
+            "per-tensor activations, or block weights with 1 x block_k groups of activations (dynamic, "
+            f"activation_granularity=PerGroup(block_k)); this model has {[f'{first[s]}: {s}' for s in distinct]}; "
+            "use format='compressed-tensors', which stores any mix"
         )
     if fmt != "compressed-tensors" and fp8 is not None:
         if kv_cache:

@@ -124,9 +124,16 @@ def test_fp8_formats_use_the_names_other_engines_load(tmp_path):
                   "modules_to_not_convert": []}
 
 
-def test_fp8_format_cannot_hold_per_channel(tmp_path):
-    model = quantized_tiny(fp8fx.Fp8Config())
-    with pytest.raises(ValueError, match=r"format='fp8' stores one scheme .* use format='compressed-tensors'"):
+@pytest.mark.parametrize("config", [fp8fx.Fp8Config(), fp8fx.Fp8Config(weight_block_size=[32, 32],
+                                                                         activation_granularity=fp8fx.PerRow())])
+def test_fp8_format_cannot_hold_per_channel_or_blocks_with_per_token_activations(tmp_path, config):
+    """The refusal says what the format holds: block weights go with 1 x block_k groups (it said "block weights with
+    per-token activations", the very scheme it refused), and names the activation granularity that fits."""
+    model = quantized_tiny(config)
+    with pytest.raises(ValueError, match=r"format='fp8' stores one scheme for all layers: per-tensor weights with "
+                                         r"per-token \(dynamic\) or static per-tensor activations, or block weights "
+                                         r"with 1 x block_k groups of activations \(dynamic, activation_granularity="
+                                         r"PerGroup\(block_k\)\); this model has .* use format='compressed-tensors'"):
         save_checkpoint(model, tmp_path / "x", format="fp8")
     assert not (tmp_path / "x").exists()
 
