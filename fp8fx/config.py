@@ -176,6 +176,16 @@ def transformers_skips(fqn: str, patterns: Sequence[str]) -> bool:
     return False
 
 
+def first_named(names: Sequence, shown: int = 0) -> str:
+    """The first of ``names`` for a message, with how many more (and the next ``shown`` of them) where there are more:
+    no "(and 0 more: [])" after a name that is the only one."""
+    names = list(names)
+    if len(names) <= 1:
+        return str(names[0]) if names else ""
+    listed = f": {[str(n) for n in names[1:1 + shown]]}" if shown else ""
+    return f"{names[0]} (and {len(names) - 1} more{listed})"
+
+
 def warn_misspelt(config: Mapping[str, Any], known: frozenset, where: str) -> None:
     """Warns of each key of ``config`` that is not ``known`` but close to a known key it lacks: a misspelt key (an
     "activation_shceme": "static") was read as absent, its value dropped in silence. Other unknown keys (other

@@ -30,7 +30,7 @@ from torch import nn
 
 from fp8fx import quant
 from fp8fx.checkpoint.files import CheckpointError, Entry
-from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor
+from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, first_named
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.moe import UP, W13, W2, Fp8MoEMethod
 
@@ -329,9 +329,8 @@ class ExpertsLoader:
     def _reject_leftovers(self, ex: Experts, todo: dict) -> None:
         """Checkpoint tensors of ``ex`` that no parameter takes: a format mismatch."""
         if todo:
-            extra = todo[next(iter(todo))]
             raise CheckpointError(
-                f"{extra} (and {len(todo) - 1} more) has no place in {ex.fqn} "
+                f"{first_named(todo.values())} has no place in {ex.fqn} "
                 f"({'quantized: ' + str(ex.config.scheme()) if ex.config else 'not quantized'}); a format mismatch: "
                 f"the checkpoint is read as {self.fmt.describe()}"
             )

@@ -30,7 +30,7 @@ from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values, check_weight_values
 from fp8fx.checkpoint.experts import beyond_dequantized_range, beyond_range_error, dequantized_range_error
 from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
-from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, config_or
+from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, config_or, first_named
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
@@ -247,7 +247,7 @@ def load_checkpoint(
     _check_load_args(config, device, fused)
     wrapped = [f for f, m in model.named_modules() if f and compat.compiled_module(m) is not m]
     if wrapped:  # its names have "_orig_mod.", the checkpoint's (save_checkpoint's) do not
-        raise ValueError(f"load_checkpoint: {wrapped[0]} (and {len(wrapped) - 1} more) is a torch.compile wrapper of a "
+        raise ValueError(f"load_checkpoint: {first_named(wrapped)} is a torch.compile wrapper of a "
                          "submodule, whose names the checkpoint does not have (save_checkpoint writes them without "
                          "_orig_mod.); load into the model first, then compile its submodules")
     check_no_in_place_rescale(model, "load_checkpoint", "loaded")
@@ -303,7 +303,7 @@ class _Loader:
         done = [f for f, m in self.modules.items() if is_quantized(m) or is_quantized_experts(m)]
         if done:
             raise CheckpointError(
-                f"{done[0]} (and {len(done) - 1} more) is already fp8-quantized; load into a freshly built model"
+                f"{first_named(done)} is already fp8-quantized; load into a freshly built model"
             )
         # state_dict key -> tensor, and tied tensors grouped: id -> every key naming it
         self.state = model.state_dict(keep_vars=True)
@@ -356,7 +356,7 @@ class _Loader:
         bad = [n for n in self.unexpected if _looks_like_scale(n)]
         if bad:
             raise CheckpointError(
-                f"{entries[bad[0]]} (and {len(bad) - 1} more) is a scale that no layer takes: "
+                f"{first_named([entries[n] for n in bad])} is a scale that no layer takes: "
                 f"{self._why_unexpected(bad[0])}"
             )
         # a weight or bias of a module the model has, without that parameter (a bias=False layer): dropped, the
@@ -366,7 +366,7 @@ class _Loader:
         if lost:
             owner, _, leaf = lost[0].rpartition(".")
             raise CheckpointError(
-                f"{entries[lost[0]]} (and {len(lost) - 1} more) has no place in {owner}, a "
+                f"{first_named([entries[n] for n in lost])} has no place in {owner}, a "
                 f"{type(self.modules[owner]).__name__} without a {leaf}: it would run without it. Build the model "
                 f"with it (the layer's {leaf} in the model's config), or drop the tensor from the checkpoint"
             )
@@ -556,7 +556,7 @@ class _Loader:
                     "torch.nn.utils.parametrize.remove_parametrizations)"
                 )
             raise CheckpointError(
-                f"{missing[0]} (and {len(missing) - 1} more: {missing[1:4]}) is missing from the checkpoint{hint}; "
+                f"{first_named(missing, shown=3)} is missing from the checkpoint{hint}; "
                 f"{self._missing_fix()}"
             )
 
@@ -624,9 +624,8 @@ class _Loader:
                     raise CheckpointError(f"{b}: expected a bf16/fp16/fp32 bias of shape [{lin.sizes[i]}]")
                 self.items.append((b, lambda t, lin=lin, i=i: self._load_rows(lin, "bias", i, t)))
         if todo:
-            extra = todo[next(iter(todo))]
             raise CheckpointError(
-                f"{extra} (and {len(todo) - 1} more) has no place in {lin.fqn} "
+                f"{first_named(todo.values())} has no place in {lin.fqn} "
                 f"({'quantized: ' + str(lin.config.scheme()) if lin.config else 'not quantized'}"
                 f"{', no bias' if lin.module.bias is None else ''}); a format mismatch: the checkpoint is "
                 f"read as {self.fmt.describe()}"

@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fp8fx import quant
-from fp8fx.config import Fp8Config, config_or, entry_covers
+from fp8fx.config import Fp8Config, config_or, entry_covers, first_named
 from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
@@ -83,7 +83,7 @@ def quantize_(
             "quantize_ again with that call's arguments to finish it, or quantize_ a fresh model (nothing was done)")
     if done and unfinished != resume:
         raise RuntimeError(
-            f"quantize_: {next(iter(done))} (and {len(done) - 1} more) is already fp8-quantized; quantize_ a fresh "
+            f"quantize_: {first_named(done)} is already fp8-quantized; quantize_ a fresh "
             "bf16 model instead of quantizing twice"
         )
     modules = [(name, m) for name, m in modules if name not in done]

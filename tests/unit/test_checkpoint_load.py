@@ -916,11 +916,11 @@ BAD = {
     ),
     "missing weight": (
         _case(lambda t, qc: t.pop("model.layers.0.norm.weight")),
-        r"^model\.layers\.0\.norm\.weight \(and 0 more: \[\]\) is missing from the checkpoint",
+        r"^model\.layers\.0\.norm\.weight is missing from the checkpoint",
     ),
     "extra scale on an ignored layer": (
         _case(lambda t, qc: t.update({"lm_head.weight_scale": torch.tensor(1.0)})),
-        r"^lm_head\.weight_scale \(float32 \[\] in model\.safetensors\) \(and 0 more\) is a scale that no layer takes: "
+        r"^lm_head\.weight_scale \(float32 \[\] in model\.safetensors\) is a scale that no layer takes: "
         r"lm_head is not quantized \(in ignored_layers\)",
     ),
     "extra zero point": (
@@ -1145,8 +1145,8 @@ def test_a_bias_for_a_layer_without_one_is_refused(tmp_path):
     state = bf16_state()
     state["lm_head.bias"] = torch.ones(state["lm_head.weight"].shape[0], dtype=torch.bfloat16)
     model = meta_tiny()
-    with pytest.raises(CheckpointError, match=r"lm_head.bias \(bfloat16 \[\d+\] in model.safetensors\) \(and 0 "
-                                              r"more\) has no place in lm_head, a Linear without a bias: it would run"):
+    with pytest.raises(CheckpointError, match=r"lm_head.bias \(bfloat16 \[\d+\] in model.safetensors\) has no place in "
+                                              r"lm_head, a Linear without a bias: it would run"):
         load_checkpoint(model, write_checkpoint(tmp_path / "c", state), fp8fx.Fp8Config(ignored_layers=["lm_head"]),
                         progress=False)
     assert model.lm_head.weight.is_meta and model.lm_head.bias is None  # nothing loaded
