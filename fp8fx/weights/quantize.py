@@ -412,6 +412,20 @@ def ignoring_aliases(config: Fp8Config, model: nn.Module, prefix: str) -> Fp8Con
     return dataclasses.replace(config, ignored_layers=config.ignored_layers + more) if more else config
 
 
+def _misplaced_prefix(entry: str, prefix: str, names: list[str]) -> Optional[str]:
+    """The name this part likely has in its model, where ``entry`` (outside ``prefix``) names one of its modules under
+    a name that ends with ``prefix`` or is its end (``quantize_(model.model.layers[0], prefix="layers.0")`` with an
+    entry ``model.layers.0.mlp.down_proj``): the prefix is missing the model's root or has one too many; else None.
+    (A model-wide config's entry of another part, ``model.layers.1.mlp.down_proj``, is none of these.)"""
+    for fqn in [prefix, *names]:
+        rel = fqn[len(prefix):]  # "" for the part itself, else ".mlp.down_proj"
+        if fqn.startswith(prefix) and (entry.endswith(rel) if rel else True):
+            head = entry[:len(entry) - len(rel)]
+            if head and head != prefix and (head.endswith("." + prefix) or prefix.endswith("." + head)):
+                return head
+    return None
+
+
 def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, undone: str, prefix: str = "") -> None:
     """Every ``ignored_layers`` entry names one of ``names`` (modules: of a model, or of a checkpoint) or a prefix
     of some: a misspelt entry would quantize the very layer it was meant to keep in high precision. ``where``
@@ -427,6 +441,16 @@ def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, un
                     f"Fp8Config.ignored_layers: {entry!r} names {inside[0]!r} by its name inside the part "
                     f"(prefix={prefix!r}), and entries are full names: write {inside[0]!r}; if it names a module "
                     f"outside this part, pass this part a config without it, as the name is ambiguous here "
+                    f"(nothing was {undone})"
+                )
+            head = _misplaced_prefix(entry, prefix, names)
+            if head is not None:
+                raise ValueError(
+                    f"Fp8Config.ignored_layers: {entry!r} names {entry[len(head) + 1:] or 'the part'} of a part "
+                    f"named {head!r}, and this part was given prefix={prefix!r}, which {head!r} "
+                    f"{'ends' if head.endswith('.' + prefix) else 'is the end of'} with: its entries would be left to "
+                    f"another part and the layer quantized. Pass the part's full name inside the model, "
+                    f"prefix={head!r}; if the entry is another part's, pass this part a config without it "
                     f"(nothing was {undone})"
                 )
             continue

@@ -748,6 +748,14 @@ def test_prefix_names_a_model_quantized_part_by_part():
     with pytest.raises(ValueError, match=rf"^{relative}.*\(nothing was measured\)"):
         fp8fx.calibrate(model.blocks[1], [x], Fp8Config(activation_scheme="static", ignored_layers=["2"]),
                         prefix="blocks.1")
+    # a prefix missing the model's root (the part is "blocks.1", given "1"), or one root too many: every entry looked
+    # like another part's, and the layer it keeps was quantized without a word
+    for wrong, entry in [("1", "blocks.1.2"), ("net.blocks.1", "blocks.1.2"), ("1", "blocks.1")]:
+        with pytest.raises(ValueError, match=rf"^Fp8Config\.ignored_layers: '{entry}' names .* of a part named "
+                                             rf"'blocks\.1', and this part was given prefix='{wrong}'.* Pass the "
+                                             r"part's full name inside the model, prefix='blocks\.1'.*\(nothing was "
+                                             r"quantized\)"):
+            fp8fx.quantize_(model.blocks[1], Fp8Config(ignored_layers=[entry]), prefix=wrong)
     own_names = fp8fx.calibrate(model.blocks[1], [x], Fp8Config(activation_scheme="static", ignored_layers=["2"]))
     with pytest.raises(ValueError, match=r"missing \['blocks\.1\.0'\]: input_scales names no layer under "
                                          r"prefix='blocks\.1' \(e\.g\. '0'\); scales of this part alone take its "
