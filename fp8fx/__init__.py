@@ -9,7 +9,7 @@ from fp8fx.backend import Fp8Backend, fp8_backend
 from fp8fx.checkpoint import CheckpointError, LoadReport, load_checkpoint, save_checkpoint
 from fp8fx.config import Fp8Config, PerBlock, PerGroup, PerRow, PerTensor
 from fp8fx.report import Report, Site
-from fp8fx.weights import CopyNumelCounter, Fp8LinearMethod, Fp8MoEMethod, calibrate, quantize_
+from fp8fx.weights import CopyNumelCounter, Fp8LinearMethod, Fp8MoEMethod, calibrate, dequantize_, quantize_
 
 __version__ = "0.1.0"
 
@@ -28,6 +28,7 @@ __all__ = [
     "Report",
     "Site",
     "calibrate",
+    "dequantize_",
     "fp8_backend",
     "load_checkpoint",
     "quantize_",

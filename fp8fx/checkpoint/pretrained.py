@@ -69,10 +69,27 @@ class SavePretrained(ModelHeld):
                     config.quantization_config = before
 
 
+class Dequantize(ModelHeld):
+    """``model.dequantize()`` as ``describe`` sets it: ``fp8fx.dequantize_`` of the model, which it returns, as
+    transformers' own does (which said "You need to first quantize your model in order to dequantize it" of a model
+    fp8fx quantized)."""
+
+    __slots__ = ()
+    what = "dequantize"
+
+    def __call__(self, *args, **kwargs):
+        if args or kwargs:
+            raise TypeError(f"dequantize() takes no arguments (got {len(args)} positional, {sorted(kwargs)})")
+        from fp8fx.weights.dequantize import dequantize_
+
+        return dequantize_(self.held())
+
+
 def describe(model: nn.Module) -> None:
     """Has the ``save_pretrained`` of ``model`` and of each transformers model inside it (a base model, a VLM's
     language model: its own ``save_pretrained`` writes its own files) write a ``quantization_config`` that describes its
-    files (``SavePretrained``), where it holds fp8 tensors; leaves any other module as it is."""
+    files (``SavePretrained``), and its ``dequantize()`` give its high-precision weights back (``Dequantize``), where it
+    holds fp8 tensors; leaves any other module as it is."""
     for m in model.modules():
         if not (callable(getattr(type(m), "save_pretrained", None)) and callable(getattr(getattr(m, "config", None),
                                                                                          "to_dict", None))):
@@ -80,6 +97,8 @@ def describe(model: nn.Module) -> None:
         if not isinstance(vars(m).get("save_pretrained"), SavePretrained) and any(
                 t.dtype == quant.FP8_DTYPE for t in (*m.parameters(), *m.buffers())):
             m.save_pretrained = SavePretrained(m)
+            if callable(getattr(type(m), "dequantize", None)):
+                m.dequantize = Dequantize(m)
 
 
 def quantization_config(model: nn.Module) -> dict[str, Any]:

@@ -124,11 +124,16 @@ def attach_kv_scales(module: nn.Module, scales: Mapping[str, float], device=None
     for name, value in scales.items():
         module.register_buffer(name, torch.tensor(float(value), dtype=torch.float32, device=device))
     if "_fp8fx_kv_scales" not in module.__dict__:  # (once a module)
-        module.register_load_state_dict_pre_hook(_refuse_bad_kv_scales)
+        module.register_load_state_dict_pre_hook(refuse_bad_kv_scales)
     module._fp8fx_kv_scales = frozenset(module.__dict__.get("_fp8fx_kv_scales", ())) | set(scales)
 
 
-def _refuse_bad_kv_scales(module: nn.Module, state_dict, prefix, local_metadata, strict, missing_keys,
+def held_kv_scales(module: nn.Module) -> frozenset:
+    """The names of the KV-cache scales ``attach_kv_scales`` gave ``module`` (none of the model's own buffers)."""
+    return frozenset(module.__dict__.get("_fp8fx_kv_scales", ()))
+
+
+def refuse_bad_kv_scales(module: nn.Module, state_dict, prefix, local_metadata, strict, missing_keys,
                           unexpected_keys, error_msgs) -> None:
     """``load_state_dict`` pre-hook of a module ``attach_kv_scales`` gave scales: a KV-cache scale that is not one
     positive finite float (``check_kv_scale``, as ``load_checkpoint`` refuses it) is refused, naming it, and the

@@ -80,7 +80,7 @@ def fp8_delattr(self, name: str) -> None:
     experts, too) deletes the parameter it parametrizes; the layer then held a scale over no codes, and the refusal
     came after the deletion. Refused here, before it, the module is left as it was."""
     t = self._parameters.get(name)
-    if t is not None and _kept(name, t):
+    if t is not None and is_fp8_state(name, t):
         raise RuntimeError(
             f"{getattr(self, '_fp8fx_prefix', '') or type(self).__name__}.{name} ({t.dtype}, {list(t.shape)}) holds "
             "the fp8 layer's codes or their scales, which it is not run without, so they are not deleted (a "
@@ -90,8 +90,9 @@ def fp8_delattr(self, name: str) -> None:
     super(made, self).__delattr__(name)
 
 
-def _kept(name: str, t: torch.Tensor) -> bool:
-    """A tensor a dtype cast of the module must leave as it is: an fp8 weight, or a float32 scale."""
+def is_fp8_state(name: str, t: torch.Tensor) -> bool:
+    """An fp8 module's tensor of the fp8 state: its fp8 codes or a scale (weight, input). A dtype cast of the module
+    leaves it as it is, ``del`` refuses it, ``dequantize_`` drops it."""
     return (t.dtype.is_floating_point and t.dtype.itemsize == 1) or name.endswith(("scale", "scale_inv"))
 
 
@@ -106,7 +107,7 @@ def fp8_apply(self, fn, recurse=True):
     to another dtype (an 8-bit float) is refused naming the layer, after the modules before it were cast: their own
     ``_apply`` ran first; the model ``quantize_`` / ``load_checkpoint`` was given refuses it before that
     (``guard_casts``)."""
-    kept = {id(t) for n, t in self._parameters.items() if t is not None and _kept(n, t)}
+    kept = {id(t) for n, t in self._parameters.items() if t is not None and is_fp8_state(n, t)}
 
     def apply(t: torch.Tensor) -> torch.Tensor:
         if id(t) not in kept:
@@ -320,7 +321,7 @@ def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
     error_msgs = args[-1]
     for name, codes in self._parameters.items():
         given = state_dict.get(prefix + name)
-        if codes is None or not _kept(name, codes) or not isinstance(given, torch.Tensor) or given.is_meta:
+        if codes is None or not is_fp8_state(name, codes) or not isinstance(given, torch.Tensor) or given.is_meta:
             continue
         if name.endswith(("scale", "scale_inv")):
             why = quant.bad_scales(given.detach().float())

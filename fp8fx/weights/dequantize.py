@@ -1,0 +1,92 @@
+"""``dequantize_``: a quantized model (``quantize_``'s, ``load_checkpoint``'s) back to high-precision weights.
+
+What needs high-precision weights - a full fine-tune, merging an adapter (PEFT's ``merge_and_unload``), any write into
+a weight - had no way back from an fp8 model: its layers refuse writes (``fp8fx.weights.views``), and
+transformers' ``model.dequantize()`` said "You need to first quantize your model". The values are those the fp8 model
+computes with (codes times scales, in each layer's compute dtype): quantization's rounding stays, this is not the
+model before ``quantize_``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from fp8fx.lowerings import compat
+from fp8fx.weights import kv_cache, moe
+from fp8fx.weights.linear import ModelHeld, is_fp8_state, is_quantized
+
+log = logging.getLogger("fp8fx")
+
+
+def dequantize_(model: nn.Module) -> nn.Module:
+    """The inverse of ``quantize_`` / ``load_checkpoint``, in place: every fp8 linear layer and experts module of
+    ``model`` becomes a module of the class it was made from, each fp8 weight the tensor its dequantized view gives
+    (same layout, the layer's compute dtype) as a trainable ``nn.Parameter``, in the same place among the module's
+    parameters. The fp8 codes, weight and input scales, fp8fx's KV-cache scales and every fp8fx attribute and tag of
+    the model's modules and tensors go, as do the ``save_pretrained`` / ``dequantize`` / cast guard fp8fx gave the
+    model's instances, and a transformers config's ``quantization_config`` (a checkpoint's, read by
+    ``meta_model``: ``save_pretrained`` would otherwise describe bf16 files as fp8 ones, as transformers' own
+    ``dequantize()`` removes it). Biases and the adapted layers' other parameters become trainable again (``quantize_``
+    froze them). ``quantize_`` takes the result again.
+
+    Every new weight is made before any module changes: an error (out of memory) leaves the model as it was. A
+    model holding no fp8 layer is refused. A ``torch.compile`` wrapper is dequantized through the model it wraps and
+    returned; compile again with a new ``Fp8Backend`` (the old one's report describes the fp8 graphs). Transformers
+    models get this as ``model.dequantize()`` too."""
+    wrapper, model = model, compat.compiled_module(model)
+    quantized: dict[int, tuple[str, nn.Module]] = {}
+    for fqn, m in model.named_modules():
+        if is_quantized(m) or moe.is_quantized_experts(m):
+            quantized.setdefault(id(m), (fqn, m))
+    if not quantized:
+        raise ValueError(f"dequantize_: this {type(model).__name__} holds no fp8 layer (quantize_ and load_checkpoint "
+                         "make them), so there is nothing to dequantize (nothing was done)")
+    plan = []
+    for fqn, m in quantized.values():
+        made = next(c for c in type(m).__mro__ if "_fp8fx_maker" in c.__dict__)
+        if type(m) is not made:
+            raise ValueError(
+                f"dequantize_: {fqn or 'the model'} is a {type(m).__name__}, a class made from fp8fx's {made.__name__} "
+                f"(a parametrization's, or the caller's own), whose class fp8fx cannot give back; remove what made it "
+                "first (nothing was done)")
+        views = [name for name, attr in made.__dict__.items() if isinstance(attr, property)]  # weight / experts'
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+            new = {name: getattr(m, name).as_subclass(torch.Tensor).contiguous() for name in views}
+        plan.append((m, made.__mro__[1], new))
+    # nothing below allocates a tensor or fails
+    for m, base, new in plan:
+        held = list(m._parameters.items())
+        m._parameters.clear()  # (refilled in order: the state_dict's keys come as the bf16 model's did)
+        for name, t in held:
+            if name in new:
+                m._parameters[name] = nn.Parameter(new[name])
+            elif t is None or not is_fp8_state(name, t):
+                m._parameters[name] = t
+                if t is not None and t.is_floating_point():
+                    t.requires_grad_(True)
+        m.__class__ = base
+    _untag(model)
+    log.info("fp8fx: dequantized %d fp8 modules of this %s", len(plan), type(model).__name__)
+    return wrapper
+
+
+def _untag(model: nn.Module) -> None:
+    """Every fp8fx attribute of ``model``'s modules and tag of its tensors gone: the attributes fp8fx set on
+    instances (``ModelHeld``s), its KV-cache scales and their load hook, a transformers config's
+    ``quantization_config``."""
+    for m in model.modules():
+        for name in kv_cache.held_kv_scales(m):
+            m._buffers.pop(name, None)
+        for key, hook in list(m._load_state_dict_pre_hooks.items()):
+            if getattr(hook, "hook", None) is kv_cache.refuse_bad_kv_scales:
+                del m._load_state_dict_pre_hooks[key]
+        for name in [k for k, v in vars(m).items() if k.startswith("_fp8fx_") or isinstance(v, ModelHeld)]:
+            delattr(m, name)
+        for t in (*m._parameters.values(), *m._buffers.values()):
+            for name in [k for k in vars(t) if k.startswith("_fp8fx_")] if t is not None else ():
+                delattr(t, name)
+        config = getattr(m, "config", None)
+        if "quantization_config" in getattr(config, "__dict__", {}):
+            del config.quantization_config
