@@ -48,8 +48,8 @@ class Dequantized(torch.Tensor):
             raise RuntimeError(
                 f"{target._fp8fx_of} is dequantized from its fp8 codes and scales at each read, so {op} would change a "
                 "copy and be lost: an fp8 layer takes no writes into its weight. Change the high-precision weights "
-                "before quantize_ (merge an adapter into the bf16 model, then quantize_ it), or load new fp8 codes and "
-                "scales with load_state_dict / fp8fx.load_checkpoint")
+                "before quantize_ (merge an adapter into the bf16 model - fp8fx.dequantize_(model) gives one -, then "
+                "quantize_ it), or load new fp8 codes and scales with load_state_dict / fp8fx.load_checkpoint")
         with torch._C.DisableTorchFunctionSubclass():
             if func in _PRINTED:  # printed as the plain tensor it is
                 args = (args[0].as_subclass(torch.Tensor), *args[1:])
