@@ -189,7 +189,8 @@ class Report:
             ids = read.get(fqn)
             if ids is None:
                 return False
-            weights = [p, *(modules[fqn].parameters() if fqn in modules else ())]  # (an experts site: one of two)
+            # (an experts site: one of two; a pruned weight's site read its mask buffer first)
+            weights = [p, *((*modules[fqn].parameters(), *modules[fqn].buffers()) if fqn in modules else ())]
             return 0 in ids or any(Site.known_token(q) in ids for q in weights)
 
         rewritten = {s.fqn for s in self.sites if s.rewritten and not s.weight_id}

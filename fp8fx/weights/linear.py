@@ -25,7 +25,8 @@ from typing import Optional, Sequence
 
 import torch
 from torch import nn
-from torch.nn.utils import parametrize
+from torch.nn.utils import parametrize, prune
+from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from fp8fx import quant
@@ -461,10 +462,17 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
         return "in ignored_layers"
     if isinstance(layer, nn.modules.linear.NonDynamicallyQuantizableLinear):
         return MHA_OUT_PROJ
-    if parametrize.is_parametrized(layer, "weight") or _weight_normed(layer):
+    if parametrize.is_parametrized(layer, "weight"):
         return ("its weight is parametrized (weight_norm, spectral_norm, ...: computed at each call), not a parameter "
                 "to store in fp8; remove the parametrization first (torch.nn.utils.parametrize."
-                "remove_parametrizations(layer, 'weight'), or torch.nn.utils.remove_weight_norm(layer))")
+                "remove_parametrizations(layer, 'weight'))")
+    hook = _weight_hook(layer)
+    if hook is not None:
+        what, fix = {WeightNorm: ("weight_norm", "torch.nn.utils.remove_weight_norm(layer)"),
+                     SpectralNorm: ("spectral_norm", "torch.nn.utils.remove_spectral_norm(layer)")}.get(
+            type(hook), ("pruning", "torch.nn.utils.prune.remove(layer, 'weight'), which keeps the pruned zeros"))
+        return (f"its weight is computed at each call by a forward pre-hook ({what}: {type(hook).__name__}), not a "
+                f"parameter to store in fp8; make it one first ({fix}), then quantize_")
     weight = layer._parameters.get("weight")
     if weight is None:
         held = "a buffer" if isinstance(layer._buffers.get("weight"), torch.Tensor) else "no tensor"
@@ -552,20 +560,30 @@ def _keeps(fqn: str, pattern: str) -> bool:
         return fqn.endswith(pattern)
 
 
-def _weight_normed(layer: nn.Module) -> bool:
-    """``torch.nn.utils.weight_norm``'s (deprecated) form: ``weight_g`` / ``weight_v`` parameters, the weight an
-    attribute a forward pre-hook computes at each call."""
-    return any(isinstance(hook, WeightNorm) and hook.name == "weight" for hook in layer._forward_pre_hooks.values())
+def _weight_hook(layer: nn.Module):
+    """The forward pre-hook that computes ``layer.weight`` at each call, or None: ``torch.nn.utils.weight_norm``'s
+    (deprecated) form (``weight_g`` / ``weight_v`` parameters), the hook form of ``spectral_norm`` and
+    ``torch.nn.utils.prune``'s methods (``weight_orig``; its mask or power-iteration vectors buffers). The weight is
+    then a plain attribute, which quantize_ said was "no tensor" (register it as a parameter: no fix)."""
+    for hook in layer._forward_pre_hooks.values():
+        if isinstance(hook, (WeightNorm, SpectralNorm)) and hook.name == "weight":
+            return hook
+        if isinstance(hook, prune.BasePruningMethod) and hook._tensor_name == "weight":
+            return hook
+    return None
 
 
 def weight_tensors(layer: nn.Module) -> list[torch.Tensor]:
-    """The parameters ``layer``'s weight is read from: the weight, or those of its parametrization (weight_norm's
-    ``original0`` / ``original1``, or ``weight_g`` / ``weight_v``: ``layer.weight`` is a new tensor at each access
-    or call), for the report's tags."""
+    """The tensors ``layer``'s weight is read from: the weight, or those of its parametrization (weight_norm's
+    ``original0`` / ``original1``) or of the forward pre-hook that computes it (``_weight_hook``: ``weight_g`` /
+    ``weight_v``, ``weight_orig`` and ``weight_mask``: ``layer.weight`` is a new tensor at each access or call), for
+    the report's tags."""
     if parametrize.is_parametrized(layer, "weight"):
         return list(layer.parametrizations.weight.parameters())
-    if _weight_normed(layer):
-        return [layer.weight_g, layer.weight_v]
+    if _weight_hook(layer) is not None:  # weight_norm's weight_g / weight_v; spectral_norm's, pruning's weight_orig
+        # and their buffers (pruning's weight_mask, which its product reads first)
+        return [t for n, t in (*layer._parameters.items(), *layer._buffers.items())
+                if n.startswith("weight_") and t is not None]
     return [layer.weight] if isinstance(layer.weight, torch.Tensor) else []
 
 

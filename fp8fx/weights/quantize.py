@@ -91,6 +91,7 @@ def quantize_(
     config = checked_ignores(config, model, prefix, "quantized")
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
+    unmeant: dict[str, list[str]] = {}  # reason -> the layers skipped for it that nothing keeps in high precision
     decide = LinearDecider(model, prefix)
     for fqn, module in modules:
         if not isinstance(module, nn.Linear):
@@ -102,6 +103,8 @@ def quantize_(
             raise ValueError(f"{fqn}: {reason} (strict=True: nothing was quantized)")
         else:
             skipped.append((fqn, module, reason))
+            if not on_purpose:
+                unmeant.setdefault(reason, []).append(fqn)
     # experts modules (3-D gate_up_proj [E, 2I, H] or ungated up_proj [E, I, H], and down_proj [E, H, I]):
     # fp8fx.weights.moe
     experts: list[tuple[str, nn.Module]] = []
@@ -158,6 +161,11 @@ def quantize_(
     for fqn, module, reason in skipped:  # tags the report reads back from the compiled graph's inputs
         _tag_skipped(module, fqn, reason)
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
+    for reason, fqns in unmeant.items() if plan or experts else ():  # (else _nothing_to_quantize says it)
+        # what neither the config nor the model keeps in high precision is said at the default level (INFO went
+        # unseen: a pruned layer stayed bf16 without a word)
+        log.warning("fp8fx: quantize_ left %d %s in high precision (%s): %s", len(fqns),
+                    "layer" if len(fqns) == 1 else "layers", _shown(fqns), reason)
     moe.tag_routers(model, decide.routers, prefix)
     method = Fp8LinearMethod(config)
     undo = _Undo(model, resume, len(plan) + len(experts) + len(done), len(done), untagged, plan + experts)

@@ -109,28 +109,43 @@ def test_rewritten_count_with_one_ignored_layer():
     assert "2 of 3 sites rewritten in 1 graph(s)" in str(backend.report)
 
 
-@pytest.mark.parametrize("kind", ["parametrizations", "weight_g/weight_v"])
-def test_a_parametrized_weight_is_left_with_its_reason_in_the_report(kind):
+HOOKED = {  # a weight computed at each call: (how, the start of the reason, the fix it names)
+    "parametrizations": (lambda m: nn.utils.parametrizations.weight_norm(m), "its weight is parametrized (weight_norm, ",
+                         "remove_parametrizations(layer, 'weight')"),
+    "weight_g/weight_v": (lambda m: nn.utils.weight_norm(m), "its weight is computed at each call by a forward "
+                          "pre-hook (weight_norm: WeightNorm)", "torch.nn.utils.remove_weight_norm(layer)"),
+    "spectral_norm hook": (lambda m: nn.utils.spectral_norm(m), "its weight is computed at each call by a forward "
+                           "pre-hook (spectral_norm: SpectralNorm)", "torch.nn.utils.remove_spectral_norm(layer)"),
+    "pruning": (lambda m: torch.nn.utils.prune.l1_unstructured(m, "weight", amount=0.5), "its weight is computed at "
+                "each call by a forward pre-hook (pruning: L1Unstructured)", "torch.nn.utils.prune.remove(layer, "),
+}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.nn.utils.weight_norm` is deprecated:FutureWarning")
+@pytest.mark.parametrize("kind", sorted(HOOKED))
+def test_a_parametrized_weight_is_left_with_its_reason_in_the_report(kind, caplog):
     """A linear under weight_norm (its weight computed from original0 / original1 at each call) was skipped by
     quantize_ as having "no 2-D weight", and the report told the user to run the quantize_ they had run; its two
-    parameters were listed as unhandled weights. Both now say why, and how to undo the parametrization."""
-    model = ThreeLinear().to(torch.bfloat16)
-    if kind == "parametrizations":
-        nn.utils.parametrizations.weight_norm(model.b)
-    else:
-        with pytest.warns(FutureWarning):  # (torch.nn.utils.weight_norm is deprecated)
-            nn.utils.weight_norm(model.b)
+    parameters were listed as unhandled weights. Both now say why, and how to undo the parametrization. So for a
+    weight a forward pre-hook computes: pruning's and spectral_norm's were "no tensor: register it as an
+    nn.Parameter", at INFO only, and the report said "run fp8fx.quantize_"; quantize_ warns of it now."""
+    import logging
+
+    model = ThreeLinear().to(torch.bfloat16).eval()  # (spectral_norm's power iteration runs in train mode)
+    how, reason, fix = HOOKED[kind]
+    how(model.b)
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     with torch.no_grad():
         want = model(x)
-    fp8fx.quantize_(model)
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        fp8fx.quantize_(model)
+    assert f"fp8fx: quantize_ left 1 layer in high precision (['b']): {reason}" in caplog.text
     backend = Fp8Backend(compiler="eager")
     with torch.no_grad():
         got = torch.compile(model, backend=backend)(x)
     sites = {s.fqn: s for s in backend.report.sites}
     assert [s.fqn for s in backend.report.rewritten] == ["a", "head"]
-    assert sites["b"].reason.startswith("not quantized: its weight is parametrized (weight_norm, ")
-    assert "remove_parametrizations(layer, 'weight')" in sites["b"].reason
+    assert sites["b"].reason.startswith(f"not quantized: {reason}") and fix in sites["b"].reason
     assert backend.report.unhandled_weights(model) == []
     assert rel_err(got, want) < 0.1
 
