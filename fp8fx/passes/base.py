@@ -177,6 +177,8 @@ def set_fake_value(node: fx.Node, target, args, kwargs=None) -> None:
 
 # the root of a path: L['self'], L['args'][0], L['fn'] ... up to the first attribute
 _ROOT = re.compile(r"^L(\[[^\]]+\])+\.?")
+_GLOBAL_ROOT = re.compile(r"^G(\[[^\]]+\])+\.?")
+_GETATTR = re.compile(r"getattr\(([^()]*), ['\"]([^'\"]+)['\"]\)")
 
 
 def module_path(node: fx.Node) -> Optional[str]:
@@ -185,7 +187,11 @@ def module_path(node: fx.Node) -> Optional[str]:
     if not stack:
         return None
     path = list(stack.values())[-1][0]
-    path = _ROOT.sub("", path)
+    # a module Dynamo reached by attribute (a global model called through torch.func.functional_call:
+    # "getattr(G['m1'], '0')"): the dotted path under that model, as for the compiled module's own ("L['self']")
+    while (flat := _GETATTR.sub(r"\1.\2", path)) != path:
+        path = flat
+    path = _GLOBAL_ROOT.sub("", _ROOT.sub("", path))
     path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
     path = re.sub(r"\[['\"]?([^'\"\]]+)['\"]?\]", r".\1", path)
     return path.lstrip(".")

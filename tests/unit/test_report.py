@@ -124,6 +124,25 @@ def test_an_empty_report_says_why_and_a_root_linear_has_a_name():
     assert backend.report.sites[0].fqn == ""  # (the data keeps the name the module has: none)
 
 
+def test_a_model_called_through_functional_call_names_its_sites_by_its_layers():
+    """torch.func.functional_call of a model with another fp8 model's state_dict (its tensors carry no tags) named
+    the sites after Dynamo's source, "getattr(G.m1, '0')", which assert_rewritten(backend, "0") did not find."""
+    from torch.func import functional_call
+
+    def quantized(seed):
+        torch.manual_seed(seed)
+        return fp8fx.quantize_(nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 32)).to(torch.bfloat16))
+
+    model, other = quantized(0), quantized(1)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        got = torch.compile(lambda p, x: functional_call(model, p, (x,)), backend=backend)(dict(other.state_dict()), x)
+    assert [s.fqn for s in backend.report.sites] == ["0", "2"] and all(s.rewritten for s in backend.report.sites)
+    fp8fx.testing.assert_rewritten(backend, "0", "2")
+    assert (got.float() - other(x).float()).norm() / other(x).float().norm() < 0.05
+
+
 def test_existing_constructor_still_works():
     site = Site("linear", "x", False, "why", "", 3)
     assert (site.weight_shape, site.bytes_saved, site.kernel, site.node) == ((), 0, "", "")
