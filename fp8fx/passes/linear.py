@@ -701,6 +701,9 @@ class LinearPass(Fp8Pass):
             return path or ""
         if path is not None:
             return path  # ("" for the root module too, not Dynamo's node name)
+        of = getattr(real, "_fp8fx_of", None)  # an fp8 layer's weight read in eager code and passed in: that layer
+        if of:
+            return of.rpartition(".")[0]
         # no module around the linear, an untagged weight (F.linear(x, self.w) in the traced module's own forward):
         # the parameter's name in that module
         return input_path(wq) or node.name
@@ -716,6 +719,11 @@ class LinearPass(Fp8Pass):
             if _from_dequantize(w):
                 return (f"weight is read through {_ops_to_dequantize(w)} of a quantized weight, not the quantized "
                         "weight itself: computed with the dequantized weight")
+            of = getattr(real, "_fp8fx_of", None)
+            if of:  # (fp8fx.weights.views: the eager read of an fp8 layer's weight)
+                return (f"weight is {of} dequantized in eager code and passed in as a tensor, not the fp8 layer's "
+                        "codes: computed with the dequantized weight; call the layer (or read its weight) inside the "
+                        "compiled code")
             return ("weight is not an fp8fx-quantized weight (run fp8fx.quantize_ or load an fp8 checkpoint: they "
                     "quantize nn.Linear layers and experts modules, not a parameter another module reads by F.linear)")
         wv = fake_value(w)

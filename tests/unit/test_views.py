@@ -169,6 +169,14 @@ def test_compiled_graphs_see_no_subclass():
     fused = torch.compile(lambda a, w: torch.nn.functional.linear(a, w).float().logsumexp(-1), backend="eager")
     want = torch.nn.functional.linear(x, model[0].weight.clone()).float().logsumexp(-1)
     assert torch.equal(fused(x, model[0].weight), want)
+    # through fp8fx's backend the site is the layer's, and says why it is not rewritten (it was "out": "run
+    # fp8fx.quantize_", which had run)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    torch._dynamo.reset()
+    torch.compile(lambda a, w: torch.nn.functional.linear(a, w), backend=backend)(x, model[0].weight)
+    [site] = backend.report.sites
+    assert site.fqn == "0" and not site.rewritten
+    assert site.reason.startswith("weight is 0.weight dequantized in eager code and passed in as a tensor")
 
 
 def test_quantize_of_a_peft_model_keeps_its_adapters_trainable():
