@@ -141,3 +141,21 @@ def test_refusals_change_nothing(monkeypatch):
         fp8fx.dequantize_(model)
     monkeypatch.undo()
     assert unchanged(model, state) and not any(type(m) is nn.Linear for m in model.modules())
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("config", [fp8fx.Fp8Config(), fp8fx.Fp8Config(weight_block_size=[128, 128])])
+def test_dequantize_on_cuda(config):
+    """On the GPU: the dequantized model computes as the fp8 model's eager path did (the same weights), and the
+    compiled bf16 model agrees with it."""
+    model = fp8fx.quantize_(Block().to("cuda", torch.bfloat16), config)
+    x = torch.randn(6, H, device="cuda", dtype=torch.bfloat16)
+    ids, w = (t.cuda() for t in routing())
+    with torch.no_grad():
+        want = model.proj(x), model.experts(x, ids, w)
+    fp8fx.dequantize_(model)
+    assert model.proj.weight.device.type == "cuda" and model.experts.down_proj.dtype == torch.bfloat16
+    with torch.no_grad():
+        assert torch.equal(model.proj(x), want[0]) and torch.equal(model.experts(x, ids, w), want[1])
+        compiled = torch.compile(model.proj, backend=fp8fx.Fp8Backend())(x)
+    assert (compiled.float() - want[0].float()).norm() / want[0].float().norm() < 1e-2
