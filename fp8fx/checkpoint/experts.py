@@ -32,6 +32,7 @@ from fp8fx import quant
 from fp8fx.checkpoint.files import CheckpointError, Entry
 from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, first_named
 from fp8fx.weights import chunked, moe
+from fp8fx.weights.linear import remember_trainable
 from fp8fx.weights.moe import UP, W13, W2, Fp8MoEMethod
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -514,6 +515,8 @@ class ExpertsLoader:
         """Swap the new expert tensors in (nothing here can fail)."""
         for ex in self.experts.values():
             module = ex.module
+            if ex.config is not None:
+                remember_trainable(module)
             for name, t in ex.plain.items():
                 module._parameters[name] = nn.Parameter(t, requires_grad=False)
             if ex.config is None:

@@ -244,16 +244,18 @@ def _compressed_tensors(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
 
 def _refuse_unapplied(qc: Mapping[str, Any], config_groups: Mapping[str, Any]) -> None:
     """What a compressed-tensors config asks of its reader beyond loading the stored tensors, which fp8fx does not do,
-    refused naming the key: a ``transform_config`` (llm-compressor's SpinQuant / QuIP Hadamard rotations: folded into
-    the stored weights, the layers' inputs rotated at run time; its tensors are none, so nothing else gives it away:
-    loaded without the rotation, logits 41% off, silently); a ``sparsity_config`` whose weights are stored compressed
-    (2:4 bitmask, not ``dense``); a group's ``output_activations`` (quantized outputs)."""
-    transform = qc.get("transform_config")
-    if transform:
+    refused naming the key: a ``transform_config`` with rotations applied at run time (llm-compressor's SpinQuant /
+    QuIP Hadamard transforms on the layers' inputs: its tensors are none, so nothing else gives it away: loaded
+    without the rotation, logits 41% off, silently; those folded into the stored weights alone load as they are);
+    a ``sparsity_config`` whose weights are stored compressed (2:4 bitmask, not ``dense``); a group's
+    ``output_activations`` (quantized outputs)."""
+    online = _online_transforms(qc.get("transform_config"))
+    if online:
         raise ValueError(
-            "transform_config: this checkpoint's weights are rotated (SpinQuant / QuIP Hadamard transforms, folded into "
-            "the stored weights) and its layers' inputs are to be rotated at run time, which fp8fx does not do: its "
-            "outputs would be far off. Load it with vLLM or compressed-tensors, or export the model without transforms")
+            f"transform_config: {online[0]} is applied at run time (SpinQuant / QuIP Hadamard rotations: the stored "
+            "weights are rotated, and the layers' inputs or outputs are to be rotated as the model runs), which fp8fx "
+            "does not do: its outputs would be far off. Load it with vLLM or compressed-tensors, or export the model "
+            "with the rotations folded into the weights only (locations weight_input / weight_output)")
     sparsity = qc.get("sparsity_config")
     if sparsity and (not isinstance(sparsity, Mapping) or sparsity.get("format", "dense") != "dense"):
         fmt = sparsity.get("format") if isinstance(sparsity, Mapping) else sparsity
@@ -266,6 +268,32 @@ def _refuse_unapplied(qc: Mapping[str, Any], config_groups: Mapping[str, Any]) -
                 f"config_groups.{name}.output_activations={group['output_activations']!r:.80}: the layers' outputs are "
                 "quantized too, which fp8fx does not do (it quantizes weights and inputs); export the checkpoint "
                 "without output_activations")
+
+
+_FOLDED = ("weight_input", "weight_output")  # transform locations applied to the stored weights only
+
+
+def _online_transforms(transform: Any) -> list[str]:
+    """The transforms of a compressed-tensors ``transform_config`` applied at run time, each as
+    ``config_groups.<name>.apply[i] (location '<loc>')``: those of a location other than ``weight_input`` /
+    ``weight_output``, which are folded into the stored weights (vLLM applies the others, ``is_online()``). A config
+    fp8fx cannot read counts as one."""
+    if not transform:
+        return []
+    groups = transform.get("config_groups") if isinstance(transform, Mapping) else None
+    if not isinstance(groups, Mapping):
+        return [f"{transform!r:.80} (no config_groups fp8fx can read)"]
+    online = []
+    for name, scheme in groups.items():
+        applies = scheme.get("apply") if isinstance(scheme, Mapping) else None
+        if not isinstance(applies, (list, tuple)):
+            online.append(f"config_groups.{name} (no apply list fp8fx can read)")
+            continue
+        for i, arg in enumerate(applies):
+            location = arg.get("location") if isinstance(arg, Mapping) else None
+            if location not in _FOLDED:
+                online.append(f"config_groups.{name}.apply[{i}] (location {location!r})")
+    return online
 
 
 def _check_patterns(names: Any, where: str, what: str) -> None:

@@ -37,6 +37,7 @@ from fp8fx.weights import moe as moe_weights
 from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, kv_scale_target
 from fp8fx.weights.kv_cache import check_kv_scale_layout, getter_module, kv_cache_attentions, kv_slot_error
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
+from fp8fx.weights.linear import remember_trainable
 from fp8fx.weights.linear import check_no_in_place_rescale, kept_by_the_model
 from fp8fx.weights.moe import is_quantized_experts
 from fp8fx.weights.quantize import check_ignored_layers, nothing_quantized
@@ -951,6 +952,8 @@ class _Loader:
                 (module._parameters if leaf in module._parameters else module._buffers)[leaf] = new
         for lin in self.linears.values():
             module = lin.module
+            if lin.config is not None:
+                remember_trainable(module)
             for name, t in lin.plain.items():
                 module._parameters[name] = nn.Parameter(t, requires_grad=False)
             if len(lin.shards) > 1:

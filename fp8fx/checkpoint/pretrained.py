@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -70,19 +70,20 @@ class SavePretrained(ModelHeld):
 
 
 class Dequantize(ModelHeld):
-    """``model.dequantize()`` as ``describe`` sets it: ``fp8fx.dequantize_`` of the model, which it returns, as
-    transformers' own does (which said "You need to first quantize your model in order to dequantize it" of a model
-    fp8fx quantized)."""
+    """``model.dequantize(dtype=None)`` as ``describe`` sets it: ``fp8fx.dequantize_`` of the model, then a cast to
+    ``dtype`` if given, returning the model, as transformers' own does (which said "You need to first quantize your
+    model in order to dequantize it" of a model fp8fx quantized)."""
 
     __slots__ = ()
     what = "dequantize"
 
-    def __call__(self, *args, **kwargs):
-        if args or kwargs:
-            raise TypeError(f"dequantize() takes no arguments (got {len(args)} positional, {sorted(kwargs)})")
+    def __call__(self, dtype: Optional[torch.dtype] = None):
         from fp8fx.weights.dequantize import dequantize_
 
-        return dequantize_(self.held())
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"dequantize(dtype={dtype!r}): a floating-point torch.dtype, e.g. torch.bfloat16")
+        model = dequantize_(self.held())
+        return model.to(dtype) if dtype is not None else model
 
 
 def describe(model: nn.Module) -> None:

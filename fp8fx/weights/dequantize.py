@@ -9,6 +9,7 @@ model before ``quantize_``.
 from __future__ import annotations
 
 import logging
+from typing import Optional
 
 import torch
 from torch import nn
@@ -28,8 +29,9 @@ def dequantize_(model: nn.Module) -> nn.Module:
     the model's modules and tensors go, as do the ``save_pretrained`` / ``dequantize`` / cast guard fp8fx gave the
     model's instances, and a transformers config's ``quantization_config`` (a checkpoint's, read by
     ``meta_model``: ``save_pretrained`` would otherwise describe bf16 files as fp8 ones, as transformers' own
-    ``dequantize()`` removes it). Biases and the adapted layers' other parameters become trainable again (``quantize_``
-    froze them). ``quantize_`` takes the result again.
+    ``dequantize()`` removes it). Each parameter of those modules takes gradients as it did before fp8fx made the
+    module fp8 (``quantize_`` froze the bias; a PEFT model's frozen base layers stay frozen; a loaded model's as the
+    model was built). ``quantize_`` takes the result again.
 
     Every new weight is made before any module changes: an error (out of memory) leaves the model as it was. A
     model holding no fp8 layer is refused. A ``torch.compile`` wrapper is dequantized through the model it wraps and
@@ -52,20 +54,29 @@ def dequantize_(model: nn.Module) -> nn.Module:
                 f"(a parametrization's, or the caller's own), whose class fp8fx cannot give back; remove what made it "
                 "first (nothing was done)")
         views = [name for name, attr in made.__dict__.items() if isinstance(attr, property)]  # weight / experts'
+        trainable = vars(m).get("_fp8fx_trainable", {})  # (remember_trainable: as they were before fp8fx)
         with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             new = {name: getattr(m, name).as_subclass(torch.Tensor).contiguous() for name in views}
-        plan.append((m, made.__mro__[1], new))
-    # nothing below allocates a tensor or fails
-    for m, base, new in plan:
-        held = list(m._parameters.items())
-        m._parameters.clear()  # (refilled in order: the state_dict's keys come as the bf16 model's did)
-        for name, t in held:
+        params: dict[str, tuple[Optional[torch.Tensor], bool]] = {}  # the module's parameters, in order
+        for name, t in m._parameters.items():
             if name in new:
-                m._parameters[name] = nn.Parameter(new[name])
+                grad = trainable.get(name, True)
+                params[name] = (nn.Parameter(new[name], requires_grad=grad), grad)
             elif t is None or not is_fp8_state(name, t):
-                m._parameters[name] = t
-                if t is not None and t.is_floating_point():
-                    t.requires_grad_(True)
+                grad = trainable.get(name, t is not None and t.requires_grad)
+                if t is not None and t.is_inference() and t.requires_grad != grad:
+                    # (quantize_ under torch.inference_mode froze an inference tensor, which takes no requires_grad
+                    # outside it: a copy that does)
+                    t = nn.Parameter(t.detach().clone(), requires_grad=grad)
+                params[name] = (t, grad)
+        plan.append((m, made.__mro__[1], params))
+    # nothing below allocates a tensor or fails
+    for m, base, params in plan:
+        m._parameters.clear()  # (refilled in order: the state_dict's keys come as the bf16 model's did)
+        for name, (t, grad) in params.items():
+            if t is not None and t.is_floating_point() and t.requires_grad != grad:
+                t.requires_grad_(grad)
+            m._parameters[name] = t
         m.__class__ = base
     _untag(model)
     log.info("fp8fx: dequantized %d fp8 modules of this %s", len(plan), type(model).__name__)

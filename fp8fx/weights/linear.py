@@ -91,6 +91,14 @@ def fp8_delattr(self, name: str) -> None:
     super(made, self).__delattr__(name)
 
 
+def remember_trainable(module: nn.Module) -> None:
+    """Records, once, which of ``module``'s parameters took gradients before fp8fx made it an fp8 layer (``quantize_``
+    freezes its bias, a load builds its tensors anew): ``dequantize_`` gives that back (a PEFT model's frozen base
+    layers came back trainable)."""
+    if "_fp8fx_trainable" not in vars(module):
+        module._fp8fx_trainable = {n: p.requires_grad for n, p in module._parameters.items() if p is not None}
+
+
 def is_fp8_state(name: str, t: torch.Tensor) -> bool:
     """An fp8 module's tensor of the fp8 state: its fp8 codes or a scale (weight, input). A dtype cast of the module
     leaves it as it is, ``del`` refuses it, ``dequantize_`` drops it."""

@@ -21,7 +21,7 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
 from fp8fx.weights.linear import Fp8LinearMethod, foreign_linear_reason, guard_casts, is_foreign_linear, is_quantized
-from fp8fx.weights.linear import adapters, skip_reason
+from fp8fx.weights.linear import adapters, remember_trainable, skip_reason
 from fp8fx.weights.linear import MHA_OUT_PROJ, check_no_in_place_rescale, kept_by_the_model, weight_tensors
 
 log = logging.getLogger("fp8fx")
@@ -171,6 +171,7 @@ def quantize_(
     undo = _Undo(model, resume, len(plan) + len(experts) + len(done), len(done), untagged, plan + experts)
     for fqn, module in plan:
         with undo.layer(fqn, module):
+            remember_trainable(module)
             weight = module._parameters["weight"]
             n, k = weight.shape
             method.create_weights(module, k, [n], weight.dtype, device=weight.device, prefix=fqn)
@@ -189,6 +190,7 @@ def quantize_(
     for fqn, module in experts:
         static = tuple(scales[name] for name in moe.input_scale_names(fqn, module)) if scales else None
         with undo.layer(fqn, module):
+            remember_trainable(module)
             moe.quantize_experts(module, fqn, config, static)
     if experts or experts_skipped:
         log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
@@ -423,8 +425,9 @@ def ignoring_aliases(config: Fp8Config, model: nn.Module, prefix: str) -> Fp8Con
 def _misplaced_prefix(entry: str, prefix: str, names: list[str]) -> Optional[str]:
     """The name this part likely has in its model, where ``entry`` (outside ``prefix``) names one of its modules under
     a name that ends with ``prefix`` or is its end (``quantize_(model.model.layers[0], prefix="layers.0")`` with an
-    entry ``model.layers.0.mlp.down_proj``): the prefix is missing the model's root or has one too many; else None.
-    (A model-wide config's entry of another part, ``model.layers.1.mlp.down_proj``, is none of these.)"""
+    entry ``model.layers.0.mlp.down_proj``): the prefix likely misses the model's root or has one too many; else
+    None. (A model-wide config's entry of another part, ``model.layers.1.mlp.down_proj``, is none of these; one of
+    ``encoder.layers.0`` beside a part ``layers.0`` is, which is why the caller warns and does not refuse.)"""
     for fqn in [prefix, *names]:
         rel = fqn[len(prefix):]  # "" for the part itself, else ".mlp.down_proj"
         if fqn.startswith(prefix) and (entry.endswith(rel) if rel else True):
@@ -452,15 +455,13 @@ def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, un
                     f"(nothing was {undone})"
                 )
             head = _misplaced_prefix(entry, prefix, names)
-            if head is not None:
-                raise ValueError(
-                    f"Fp8Config.ignored_layers: {entry!r} names {entry[len(head) + 1:] or 'the part'} of a part "
-                    f"named {head!r}, and this part was given prefix={prefix!r}, which {head!r} "
-                    f"{'ends' if head.endswith('.' + prefix) else 'is the end of'} with: its entries would be left to "
-                    f"another part and the layer quantized. Pass the part's full name inside the model, "
-                    f"prefix={head!r}; if the entry is another part's, pass this part a config without it "
-                    f"(nothing was {undone})"
-                )
+            if head is not None:  # (a warning: a model with both "layers.0" and "encoder.layers.0" has it right)
+                log.warning(
+                    "fp8fx: Fp8Config.ignored_layers: %r names %s of a part named %r, and this part was given "
+                    "prefix=%r, which %r %s with: if that part is this one, its prefix is wrong and the layer is not "
+                    "kept in high precision; pass the part's full name inside the model, prefix=%r", entry,
+                    entry[len(head) + 1:] or "the part", head, prefix, head,
+                    "ends" if head.endswith("." + prefix) else "is the end of", head)
             continue
         if not any(entry_covers(entry, fqn) for fqn in names):
             raise ValueError(

@@ -5,7 +5,8 @@ from the fp8 codes and their scales: a write into it changed that copy and was l
 ``merge_and_unload`` (``base_layer.weight.data += delta``) left an fp8 base model without its adapter (outputs 107%
 off the adapted model's), ``nn.init`` calls did nothing. In eager mode the view is a ``Dequantized`` tensor, whose
 ``__torch_function__`` refuses an in-place op on it, on its ``.data`` (PEFT's idiom) or on a view of either (``w[0]``,
-``w.t()``, ``w.T``: a write through one changes the same copy), naming the tensor and the fix. Every other op runs as
+``w.t()``, ``w.T``, and ``w.contiguous()`` / ``w.to(its dtype)``, which return ``w`` itself: a write through one
+changes the same copy), naming the tensor and the fix. Every other op runs as
 on a plain tensor and returns a tensor of the caller's own to write into (torch's refusal of an operand of another
 dtype is raised again naming the weight and the cast). ``set_`` (no torch function sees it) and numpy are not caught.
 Under ``torch.compile``, FX tracing and fake tensors the view stays a plain tensor: the linear pass finds the
@@ -70,7 +71,9 @@ class Dequantized(torch.Tensor):
             if name == "detach":  # the caller's own, of this class: nn.Parameter(w) detaches and wants it kept
                 return _named(out.as_subclass(torch.Tensor), None)
             if out is args[0] and name not in _METADATA:  # a no-op that returned self (.float() of a float32 copy,
-                return out.as_subclass(torch.Tensor)  # contiguous()): the caller's own, plain
+                # contiguous(), .to() its own dtype): the same copy, guarded as the weight is (a write into a real
+                # layer's would change its parameter); an unguarded one (nn.Parameter(w)'s) stays the caller's, plain
+                return out if _guarded(out) else out.as_subclass(torch.Tensor)
             return out
 
     def __deepcopy__(self, memo):  # a plain copy (torch's deep copy of a subclass asks for new_empty); a parameter

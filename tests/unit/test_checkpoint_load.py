@@ -1672,8 +1672,10 @@ def test_loaded_parameters_keep_their_requires_grad(tmp_path):
 
 @pytest.mark.parametrize("extra,match", [
     ({"transform_config": {"config_groups": {"u": {"type": "hadamard", "apply": [
+        {"targets": ["re:.*down_proj$"], "location": "weight_input", "inverse": True},
         {"targets": ["re:.*down_proj$"], "location": "input"}]}}}},
-     r"transform_config: this checkpoint's weights are rotated .*which fp8fx does not do"),
+     r"transform_config: config_groups\.u\.apply\[1\] \(location 'input'\) is applied at run time .*which fp8fx does "
+     r"not do"),
     ({"sparsity_config": {"format": "sparse-24-bitmask", "targets": ["Linear"]}},
      r"sparsity_config\.format='sparse-24-bitmask': the weights are stored compressed"),
     ({"group": {"output_activations": {"num_bits": 8, "type": "float", "strategy": "tensor"}}},
@@ -1691,7 +1693,10 @@ def test_compressed_tensors_features_fp8fx_does_not_apply_are_refused(extra, mat
     qc = {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"g": group}, **extra}
     with pytest.raises(CheckpointError, match=match):
         formats.parse({"quantization_config": qc})
-    dense = {**qc, "config_groups": {"g": {**group, "output_activations": None}}, "transform_config": None,
+    folded = {"config_groups": {"r1": {"type": "hadamard", "apply": [  # (SpinQuant's R1 / R2: in the weights alone)
+        {"targets": ["re:.*down_proj$"], "location": "weight_input", "inverse": True},
+        {"targets": ["re:.*up_proj$"], "location": "weight_output"}]}}}
+    dense = {**qc, "config_groups": {"g": {**group, "output_activations": None}}, "transform_config": folded,
              "sparsity_config": {"format": "dense", "global_sparsity": 0.0}}
     assert formats.parse({"quantization_config": dense}).config.activation_scheme == "static"
 

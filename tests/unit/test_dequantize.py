@@ -159,3 +159,28 @@ def test_dequantize_on_cuda(config):
         assert torch.equal(model.proj(x), want[0]) and torch.equal(model.experts(x, ids, w), want[1])
         compiled = torch.compile(model.proj, backend=fp8fx.Fp8Backend())(x)
     assert (compiled.float() - want[0].float()).norm() / want[0].float().norm() < 1e-2
+
+
+def test_parameters_take_gradients_as_before_quantize():
+    """dequantize_ made every fp8 layer's weight and bias trainable: a PEFT model's frozen base came back trainable
+    (training it then trained the whole base). Each parameter takes gradients as it did before quantize_, also where
+    quantize_ ran under torch.inference_mode (its bias an inference tensor, on which requires_grad_ raised halfway
+    through, leaving an Fp8Linear with a bf16 weight and no scale); model.dequantize(dtype) casts, as transformers'."""
+    peft = pytest.importorskip("peft")
+    adapted = peft.get_peft_model(tiny_llama(), peft.LoraConfig(r=4, target_modules=["q_proj"]))
+    trainable = sorted(n for n, p in adapted.named_parameters() if p.requires_grad)
+    fp8fx.quantize_(adapted)
+    fp8fx.dequantize_(adapted)
+    assert sorted(n for n, p in adapted.named_parameters() if p.requires_grad) == trainable and len(trainable) == 4
+
+    with torch.inference_mode():
+        model = fp8fx.quantize_(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)).to(torch.bfloat16))
+    fp8fx.dequantize_(model)
+    assert all(p.requires_grad and not p.is_inference() for p in model.parameters())
+    model(torch.randn(2, 64, dtype=torch.bfloat16)).float().sum().backward()
+    assert model[0].bias.grad is not None
+
+    llama = fp8fx.quantize_(tiny_llama())
+    assert llama.dequantize(torch.float32) is llama and llama.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
+    with pytest.raises(TypeError, match=r"dequantize\(dtype='bf16'\): a floating-point torch\.dtype"):
+        fp8fx.quantize_(tiny_llama()).dequantize("bf16")
