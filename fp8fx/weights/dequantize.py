@@ -24,7 +24,7 @@ log = logging.getLogger("fp8fx")
 def dequantize_(model: nn.Module) -> nn.Module:
     """The inverse of ``quantize_`` / ``load_checkpoint``, in place: every fp8 linear layer and experts module of
     ``model`` becomes a module of the class it was made from, each fp8 weight the tensor its dequantized view gives
-    (same layout, the layer's compute dtype) as a trainable ``nn.Parameter``, in the same place among the module's
+    (same layout, the layer's compute dtype) as an ``nn.Parameter``, in the same place among the module's
     parameters. The fp8 codes, weight and input scales, fp8fx's KV-cache scales and every fp8fx attribute and tag of
     the model's modules and tensors go, as do the ``save_pretrained`` / ``dequantize`` / cast guard fp8fx gave the
     model's instances, and a transformers config's ``quantization_config`` (a checkpoint's, read by
