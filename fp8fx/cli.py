@@ -249,7 +249,12 @@ def _hf_model(path: Path, dtype: torch.dtype, seq_len: int):
             quant_config = read_config(str(folder)).get("quantization_config")
         except CheckpointError as e:
             raise UsageError(str(e)) from None
-    kwargs = {"use_cache": False} if "use_cache" in pyinspect.signature(model.forward).parameters else {}
+    # no KV cache in the trace (its tensors are real meta ones, which the fake-tensor trace refuses): where forward
+    # names use_cache, or takes **kwargs and the config has one (GraniteMoE's)
+    params = pyinspect.signature(model.forward).parameters
+    takes = "use_cache" in params or (any(p.kind is p.VAR_KEYWORD for p in params.values())
+                                      and getattr(model.config, "use_cache", None) is not None)
+    kwargs = {"use_cache": False} if takes else {}
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     return model.eval(), (ids,), kwargs, quant_config
 

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 from fp8fx.checkpoint.files import CheckpointError
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerGroup, PerRow, PerTensor, check_name_list, warn_misspelt
-from fp8fx.config import transformers_skips
+from fp8fx.config import first_named, transformers_skips
 
 FORMATS = ("fp8", "compressed-tensors", "modelopt")
 
@@ -451,11 +451,11 @@ def quantization_config(
     distinct = sorted(set(schemes.values()), key=str)
     fp8 = _fp8_dict(distinct[0], ignored) if len(distinct) == 1 else None
     if fmt == "fp8" and fp8 is None:
-        first = {s: f for f, s in schemes.items()}
+        layers = [f"{first_named([f for f, t in schemes.items() if t == s])}: {s}" for s in distinct]
         raise ValueError(
             "format='fp8' stores one scheme for all layers: per-tensor weights with per-token (dynamic) or static "
             "per-tensor activations, or block weights with 1 x block_k groups of activations (dynamic, "
-            f"activation_granularity=PerGroup(block_k)); this model has {[f'{first[s]}: {s}' for s in distinct]}; "
+            f"activation_granularity=PerGroup(block_k)); this model has {layers}; "
             "use format='compressed-tensors', which stores any mix"
         )
     if fmt != "compressed-tensors" and fp8 is not None:

@@ -224,6 +224,16 @@ def input_path(node: fx.Node) -> Optional[str]:
     return ".".join(key for _, key in parts)
 
 
+def attribute_path(node: fx.Node) -> Optional[str]:
+    """The dotted name of the module attribute a placeholder is, whatever its kind (``experts.alpha``: a float that
+    Dynamo made an input; ``l.weight``), relative to the traced module; None for any other node or input."""
+    name = compat.input_source(node) if isinstance(node, fx.Node) and node.op == "placeholder" else None
+    root = _ROOT.match(name) if name else None
+    if root is None:
+        return None
+    return _ATTRIBUTE.sub(r".\2", "." + name[root.end():].lstrip(".")).lstrip(".") or None
+
+
 _FLOAT32_CASTS = ("float", "to", "type")  # x.float(), x.to(torch.float32), x.type(torch.float32)
 
 

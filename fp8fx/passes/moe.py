@@ -63,7 +63,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, s
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block
-from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, may_record_grad, module_path, set_fake_value
+from fp8fx.passes.base import Fp8Pass, PassContext, attribute_path, fake_value, may_record_grad, module_path
+from fp8fx.passes.base import set_fake_value
 from fp8fx.passes.linear import lacks_fp8_tensor_cores
 from fp8fx.report import NOT_QUANTIZED, Site
 
@@ -1113,6 +1114,14 @@ class MoePass(Fp8Pass):
                 # [B, T, H] hidden states or [B, T, K] routing: a batch dim the experts loop over as tokens
                 raise _NoMatch(f"the experts read {n.name} {tuple(v.shape)}: fused_moe takes [T, H] hidden states and "
                                "[T, K] routing; flatten the tokens before the experts (x.view(-1, H))")
+            elif v.dim() == 0 and v.dtype.is_floating_point:
+                # (torch.compile(dynamic=True) passes a module's float attribute, GPT-OSS's alpha / limit, as a graph
+                # input, whose value may change between calls without a recompile: fused_moe takes it as a constant)
+                raise _NoMatch(
+                    f"the experts read {attribute_path(n) or n.name}, a 0-d tensor: a float attribute of the model "
+                    "(GPT-OSS's alpha / limit) that torch.compile(dynamic=True) made a graph input, which fused_moe "
+                    "cannot take as the constant it needs; compile without dynamic=True and mark the varying dims "
+                    "(torch._dynamo.mark_dynamic(input_ids, 1)), or set torch._dynamo.config.specialize_float = True")
             else:
                 raise _NoMatch(f"the experts read {n.name} {tuple(v.shape)} besides their inputs (a bias? a norm?)")
         counts = {r: list(roles.values()).count(r) for r in ("x", "ids", "wts")}

@@ -306,8 +306,8 @@ class LinearDecider:
     accepts. ``fp8fx inspect`` predicts each layer with it (for an fp8
     checkpoint's config, as ``load_checkpoint`` loads it). The order of
     the checks is part of the decision: a tied weight is reported as tied even where it is ignored; a router is a
-    router only where nothing else keeps it. ``routers``: ``moe.routers(model, prefix)``, the routers that are no
-    ``nn.Linear`` included."""
+    router unless the config (``ignored_layers``) or torch (``MultiheadAttention``'s ``out_proj``) keeps it.
+    ``routers``: ``moe.routers(model, prefix)``, the routers that are no ``nn.Linear`` included."""
 
     def __init__(self, model: nn.Module, prefix: str = ""):
         # a weight shared by several modules (tied lm_head / embeddings); one module registered under two names
@@ -339,9 +339,12 @@ class LinearDecider:
         reason = skip_reason(layer, fqn, config)
         if reason is None and fqn in self.kept:
             return self.kept[fqn], True
-        if fqn in self.routers:
-            return reason or self.routers[fqn], True
-        return reason, reason in ("in ignored_layers", MHA_OUT_PROJ)
+        chosen = reason in ("in ignored_layers", MHA_OUT_PROJ)
+        if fqn in self.routers:  # a router, unless the config or torch keeps it: the reason that holds whatever the
+            # scheme (a block not dividing a one-output gate told the user to use per-channel scales, which kept it
+            # bf16 all the same)
+            return reason if chosen else self.routers[fqn], True
+        return reason, chosen
 
 
 def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> None:

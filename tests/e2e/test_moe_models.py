@@ -1,5 +1,7 @@
 """Tiny random HF MoE models (transformers 5) through Fp8Backend on CPU: every experts module rewritten into
 fp8fx.fused_moe, one graph (fullgraph), logits close to the bf16 model's."""
+import re
+
 import pytest
 import safetensors
 import torch
@@ -420,6 +422,28 @@ def test_tiny_gpt_oss_experts_in_fp8(impl):
         torch.compile(model, backend=backend, fullgraph=True)(torch.randint(0, 512, (2, 12)))
     fp8fx.testing.assert_rewritten(backend, "model.layers.*.mlp.experts", "model.layers.*.self_attn.*")
     assert not [n for n, *_ in backend.report.unhandled_weights(model) if "experts" in n]
+
+
+def test_gpt_oss_experts_under_dynamic_true_say_why_and_what_to_do():
+    """torch.compile(dynamic=True) makes GPT-OSS's alpha / limit graph inputs (0-d tensors): the experts stay on the
+    dequantized weights, and the reason named Dynamo's placeholder and guessed "a bias? a norm?". It names the
+    attribute and the compile that works, which does rewrite them."""
+    model = tiny_gpt_oss()
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    ids = torch.randint(0, 512, (2, 12))
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend, dynamic=True)(ids)
+    experts = [s for s in backend.report.sites if s.kind == "moe"]
+    assert experts and not any(s.rewritten for s in experts)
+    assert re.search(r"the experts read model\.layers\.\d\.mlp\.experts\.(alpha|limit), a 0-d tensor: a float "
+                     r"attribute of the model .*torch\._dynamo\.mark_dynamic\(input_ids, 1\)", experts[0].reason)
+    torch._dynamo.reset()
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    torch._dynamo.mark_dynamic(ids, 1)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(ids)
+    fp8fx.testing.assert_rewritten(backend, "model.layers.*.mlp.experts")
 
 
 def _gate(gate_up, up_limit=7.0, alpha=1.702, one=1, act=None):

@@ -240,6 +240,19 @@ def test_inspect_gives_quantize_s_reason_for_a_layer_torch_reads_itself(capsys, 
     assert sites["layers.0.linear1"]["would_rewrite"] and sites["layers.0.linear2"]["would_rewrite"]
 
 
+def test_inspect_traces_a_model_that_takes_use_cache_through_kwargs(capsys, tmp_path):
+    """GraniteMoE's forward takes use_cache through **kwargs: inspect passed none, a KV cache of real meta tensors
+    entered the fake-tensor trace, and it failed ("Please convert all Tensors to FakeTensors first")."""
+    config = transformers.GraniteMoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                           num_experts_per_tok=2)
+    config.save_pretrained(tmp_path)
+    code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+    assert code == 0, err
+    sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
+    assert sites["model.layers.0.self_attn.q_proj"]["would_rewrite"], sites
+
+
 def test_inspect_gives_gpt2_s_conv1d_layers_a_row_each(capsys, tmp_path):
     """GPT-2's projections (transformers' Conv1D, no nn.Linear) were listed among the weights in no site; each is a
     site now, with why it stays bf16, as in the compile report. The weights keep no tag after the trace."""

@@ -931,6 +931,14 @@ def test_the_one_output_router_of_a_single_expert_routes_tokens():
     block = Block()
     block.gate, block.shared_expert_gate = nn.Linear(H, E), nn.Linear(H, 1)
     assert moe.routers(block)["shared_expert_gate"].startswith("gates the shared expert beside experts")
+    # under blocks that do not divide it, its reason is still the gate's (it said "not divisible by the 128x128
+    # block; use per-channel scales", which kept it bf16 all the same); ignored_layers still wins
+    fp8fx.quantize_(block.to(torch.bfloat16), Fp8Config(weight_block_size=[128, 128]))
+    assert block.shared_expert_gate.weight._fp8fx_skip_reason.startswith("gates the shared expert beside experts")
+    block = Block()
+    block.gate, block.shared_expert_gate = nn.Linear(H, E), nn.Linear(H, 1)
+    fp8fx.quantize_(block.to(torch.bfloat16), Fp8Config(ignored_layers=["shared_expert_gate"]))
+    assert block.shared_expert_gate.weight._fp8fx_skip_reason == "in ignored_layers"
 
 
 def test_w13_input_scale_is_the_max_of_w1_and_w3_whatever_their_order(caplog):
