@@ -6,9 +6,9 @@ from the fp8 codes and their scales: a write into it changed that copy and was l
 off the adapted model's), ``nn.init`` calls did nothing. In eager mode the view is a ``Dequantized`` tensor, whose
 ``__torch_function__`` refuses an in-place op on it, on its ``.data`` (PEFT's idiom) or on a view of either (``w[0]``,
 ``w.t()``, ``w.T``, and ``w.contiguous()`` / ``w.to(its dtype)``, which return ``w`` itself: a write through one
-changes the same copy), naming the tensor and the fix. Every other op runs as
-on a plain tensor and returns a tensor of the caller's own to write into (torch's refusal of an operand of another
-dtype is raised again naming the weight and the cast). ``set_`` (no torch function sees it) and numpy are not caught.
+changes the same copy), naming the tensor and the fix. Every other op runs as on a plain tensor and returns a tensor
+of the caller's own to write into (torch's refusal of an operand of another dtype is raised again naming the weight
+and the cast). ``set_`` (no torch function sees it) and numpy are not caught.
 Under ``torch.compile``, FX tracing and fake tensors the view stays a plain tensor: the linear pass finds the
 dequantization in the graph and says there that a write into it does not persist.
 """
