@@ -1042,6 +1042,26 @@ def test_a_linear_written_with_the_weight_on_the_left_is_rewritten():
             assert [o.stride() for o in out] == [e.stride() for e in eager]
             errors = [rel_err(o.double(), r) for o, r in zip(out, ref)]
             assert max(errors) < 0.05, errors
+
+
+def test_a_weight_on_the_left_left_in_bf16_has_its_row():
+    """Mamba's dt_proj.weight @ x left bf16 by quantize_ (a block that does not divide it) was in no site, only among
+    the unhandled weights: it has its row, not rewritten, with quantize_'s reason."""
+    torch.manual_seed(0)
+    model = _WeightOnTheLeft().to(torch.bfloat16)
+    args = tuple(a.to(torch.bfloat16) for a in (torch.randn(2, 5, 64), torch.randn(64, 7), torch.randn(64)))
+    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_block_size=[32, 32]))
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(*args)
+    sites = {s.fqn: s for s in backend.report.sites}
+    assert {f for f, s in sites.items() if s.rewritten} == {"batched", "mm"}
+    for fqn, rows in (("second", 16), ("vec", 48)):
+        assert sites[fqn].reason == f"not quantized: weight [{rows}, 64] is not divisible by the 32x32 block; use " \
+                                    "per-channel scales or add it to ignored_layers", sites[fqn]
+    assert backend.report.unhandled_weights(model) == []
+
+
 class _AutocastInside(nn.Module):
     """Its linear under ``torch.autocast(device, bf16)``, or (``enabled=False``) under one that turns the caller's
     autocast off."""
