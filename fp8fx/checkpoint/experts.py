@@ -416,7 +416,7 @@ class ExpertsLoader:
         self._add(s, ex, base + target, shard, e, scale=True)
         if scheme.static_activation:
             a = need(key("input_scale"), " (activation_scheme static)")
-            if tuple(a.shape) not in ONE_VALUE + ((lead[0],) if fused else ()):
+            if tuple(a.shape) not in ONE_VALUE + (((lead[0],),) if fused else ()):  # (fused [E]: vLLM's, one an expert)
                 raise CheckpointError(f"{a}: an input_scale is one value, shape [] or [1] (fused: [1] or [E])")
             check_scale_dtype(a)
             self._add(a, ex, base + "_input_scale", shard, e, scale=True)

@@ -135,6 +135,26 @@ def test_fused_checkpoint_with_per_expert_scales(tmp_path):
         assert torch.equal(getattr(experts, base), deq[f"{EXPERTS}.{base}"].to(torch.bfloat16))
 
 
+def test_fused_per_expert_input_scales_load_as_their_max(tmp_path, caplog):
+    """Fused experts' static input scales one an expert, [E] (vLLM's w13_input_scale / w2_input_scale): refused with
+    "an input_scale is one value, shape [] or [1] (fused: [1] or [E])", the shape it names as taken (the check held
+    E itself, not the shape (E,)). They load as their max, with the loader's warning that they differ."""
+    import logging
+
+    cfg = moe_config("qwen3_moe")
+    tensors, qc, _ = moe_checkpoint(reference_model(cfg).state_dict(), "tensor", fused=True, static=True)
+    tensors[f"{EXPERTS}.gate_up_proj_input_scale"] = torch.tensor([0.01, 0.02, 0.09, 0.03])  # (E = 4)
+    tensors[f"{EXPERTS}.down_proj_input_scale"] = torch.full((E,), 0.004)
+    path = write_moe(tmp_path / "ckpt", cfg, tensors, qc)
+    model = meta_model(path)
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        load_checkpoint(model, path, progress=False)
+    experts = model.get_submodule(EXPERTS)
+    assert experts.gate_up_proj_input_scale.tolist() == [pytest.approx(0.09)]
+    assert experts.down_proj_input_scale.tolist() == [pytest.approx(0.004)]
+    assert "gate_up_proj_input_scale: the experts' static input scales differ" in caplog.text
+
+
 def test_static_input_scales_collapse_to_their_max_over_experts(tmp_path):
     cfg = moe_config("mixtral")
     tensors, qc, _ = moe_checkpoint(reference_model(cfg).state_dict(), "tensor", naming="mixtral", static=True)
