@@ -11,7 +11,7 @@ from typing import Any, Mapping, Optional, Sequence, Union
 from torch import fx
 
 from fp8fx import ops
-from fp8fx.dump import GraphDump, lock_folder, unlock_folder
+from fp8fx.dump import DUMP_FILE, GraphDump, lock_folder, unlock_folder
 from fp8fx.lowerings import aten, compat
 from fp8fx.ops import GATED_H_GROUPS
 from fp8fx.passes import PassManager, default_passes
@@ -273,7 +273,7 @@ class Fp8Backend:
         compat.forget_dynamo_bytecode()
         prefix = f"graph{index:03d}_"  # GraphDump.write's names; report.json/.txt are written only by a finished graph
         for name in os.listdir(dump.dir):
-            if name.startswith(prefix):
+            if name.startswith(prefix) and DUMP_FILE.fullmatch(name):  # (a user's own files in the folder stay)
                 os.remove(os.path.join(dump.dir, name))
 
     def _inductor(self, gm: fx.GraphModule, example_inputs: Sequence[Any], index: int, code: list[str],

@@ -35,7 +35,9 @@ from fp8fx.passes import Fp8Pass, PassContext, PassManager
 from fp8fx.report import Report, Site
 
 log = logging.getLogger("fp8fx")
-_DUMP_FILE = re.compile(r"graph\d{3}_.*|report\.(json|txt)")  # the files a dump writes (``GraphDump.clear``)
+# the files a dump writes (``GraphDump.clear`` removes these and no others: a user's graph001_loss.png stays)
+DUMP_FILE = re.compile(r"graph\d{3}_(0_dynamo_graph\.py|1_\d{2}_after_\w+\.py|2_inductor_output_code\.py"
+                        r"|3_report\.(json|txt)|4_dynamo_bytecode\.(py|txt))|report\.(json|txt)")
 NO_LOCK = -1  # ``lock_folder``'s answer where the platform has no advisory locks
 
 
@@ -94,7 +96,7 @@ class GraphDump:
         if not os.path.isdir(dump_dir):
             return
         names = os.listdir(dump_dir)
-        stale = [f for f in names if _DUMP_FILE.fullmatch(f)]
+        stale = [f for f in names if DUMP_FILE.fullmatch(f)]
         for f in stale:
             os.remove(os.path.join(dump_dir, f))
         if stale:
@@ -102,7 +104,7 @@ class GraphDump:
         for f in names:  # (an earlier run's second backend's folder read as this run's)
             sub = os.path.join(dump_dir, f)
             if (not re.fullmatch(r"backend\d+", f) or os.path.islink(sub) or not os.path.isdir(sub)
-                    or os.path.realpath(sub) in live or not any(_DUMP_FILE.fullmatch(n) for n in os.listdir(sub))
+                    or os.path.realpath(sub) in live or not any(DUMP_FILE.fullmatch(n) for n in os.listdir(sub))
                     or _locked_elsewhere(sub)):
                 continue
             GraphDump.clear(sub, live)

@@ -6,7 +6,8 @@
     fp8fx.testing.assert_kernel_count(backend, 5)
 
 Each takes an ``Fp8Backend`` or its ``Report``; each failure says what was expected, what was seen and
-why. Patterns are ``fnmatch`` globs on site FQNs (``*`` also matches dots).
+why. Patterns are ``fnmatch`` globs on site FQNs (``*`` also matches dots; ``"(root module)"``, as the table names
+it, or ``""`` is a linear compiled on its own).
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from torch import nn
 
 from fp8fx.backend import Fp8Backend
 from fp8fx.lowerings import compat
-from fp8fx.report import Report, Site
+from fp8fx.report import ROOT, Report, Site
 
 
 def assert_rewritten(report: Union[Report, Fp8Backend], *patterns: str, model: Optional[nn.Module] = None) -> None:
@@ -27,9 +28,16 @@ def assert_rewritten(report: Union[Report, Fp8Backend], *patterns: str, model: O
     pattern matches at least one site. A site is a linear a compiled graph computed: a quantized layer that ran in
     no graph (under ``torch.compiler.disable``, or in a frame Dynamo skipped) has none; pass the ``model`` to fail on
     those too (its fp8 weights that ``report.unhandled_weights(model)`` lists, whose layer matches a pattern)."""
-    ran_not = [] if model is None else [
-        (name, cls) for name, _, dtype, cls in _report(report).unhandled_weights(model)
-        if dtype.startswith("float8") and any(fnmatch.fnmatchcase(name.rpartition(".")[0], p) for p in patterns or "*")]
+    patterns = tuple("" if p == ROOT else p for p in patterns)  # (the table's name of a root linear)
+    ran_not = []
+    if model is not None:
+        # a layer by its name in ``model`` and by the one quantize_ gave it, which its sites bear (the whole model's,
+        # where ``model`` is a block of it: "layers.0.o" for the block's "o", which no pattern of the sites matched)
+        params = dict(compat.compiled_module(model).named_parameters())
+        for name, _, dtype, cls in _report(report).unhandled_weights(model):
+            names = {name.rpartition(".")[0], getattr(params.get(name), "_fp8fx_fqn", None)} - {None}
+            if dtype.startswith("float8") and any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns or "*"):
+                ran_not.append((name, cls))
     if ran_not:  # (first: such a layer has no site, and a pattern of it alone "matches no site")
         raise AssertionError(
             f"fp8fx: expected the sites matching {list(patterns or ('*',))} rewritten; these fp8 weights ran in no "
@@ -121,9 +129,9 @@ def assert_compiles_once(
                 reasons = list(dict.fromkeys(r for r in new_skips if r != "frame")) or ["none recorded"]
                 problems.append(f"input {i}: Dynamo skipped {frames} frame(s) and ran them uncompiled (a graph break "
                                 f"inside a loop skips the whole frame); its reasons: {reasons}")
-            if i and graphs[i]:
-                problems.append(f"input {i} ({_shapes(args)}) compiled {graphs[i]} more graph(s); Dynamo's "
-                                f"reasons: {new_guards or 'none recorded'}"
+            if i and (graphs[i] or new_guards):  # (a recompile whose new trace holds no graph is one all the same)
+                what = f"compiled {graphs[i]} more graph(s)" if graphs[i] else "recompiled the frame (no new graph)"
+                problems.append(f"input {i} ({_shapes(args)}) {what}; Dynamo's reasons: {new_guards or 'none recorded'}"
                                 f"{_one_sized(inputs[0], args) if dynamic is True else ''}")
     if graphs[0] == 0:
         problems.insert(0, "Dynamo compiled no graph for the first input (it skipped the frame)")
@@ -153,7 +161,8 @@ def _check(report: Union[Report, Fp8Backend], patterns: Sequence[str], want: boo
                         f"{bad[0]!r}")
     problems = []
     for pattern in patterns:
-        matched = [s for s in report.sites if fnmatch.fnmatchcase(s.fqn, pattern)]
+        # ("(root module)": the report's name of a linear that is the compiled module itself, whose FQN is "")
+        matched = [s for s in report.sites if fnmatch.fnmatchcase(s.fqn, "" if pattern == ROOT else pattern)]
         if not matched:
             problems.append(f"no site matches {pattern!r}")
         problems += [_describe(s) for s in matched if s.rewritten != want]

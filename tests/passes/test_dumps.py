@@ -96,6 +96,7 @@ def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
     (tmp_path / "graph001_3_report.json").write_text("{}")
     (tmp_path / "report.txt").write_text("old")
     (tmp_path / "notes.md").write_text("mine")  # not a dump file: kept
+    (tmp_path / "graph001_loss.png").write_text("mine")  # named like one but never written by one: kept (it went)
     model = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)
     fp8fx.quantize_(model)
     torch._dynamo.reset()
@@ -103,7 +104,7 @@ def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
         torch.compile(model, backend=fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path)))(
             torch.randn(2, 64, dtype=torch.bfloat16))
     files = sorted(os.listdir(tmp_path))
-    assert "notes.md" in files and not any(f.startswith("graph001") for f in files)
+    assert "notes.md" in files and [f for f in files if f.startswith("graph001")] == ["graph001_loss.png"]
     assert (tmp_path / "report.txt").read_text() != "old"
 
 

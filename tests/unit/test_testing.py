@@ -139,6 +139,49 @@ def test_assert_rewritten_with_the_model_fails_on_fp8_layers_that_ran_uncompiled
             testing.assert_rewritten(backend, *patterns, model=model)
 
 
+def test_assert_rewritten_with_a_compiled_block_names_its_layers_as_its_sites_do():
+    """The whole model quantized, one block of it compiled and passed as ``model``: the sites bear the model's names
+    ("blocks.0.0"), the unhandled weights the block's ("1.proj.weight"), so the site pattern matched none of them and
+    the check passed over a layer that ran in no graph. A layer is matched by either name."""
+    model = nn.ModuleDict({"blocks": nn.ModuleList([_WithDisabledHead(), _WithDisabledHead()])}).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    block = model["blocks"][0]
+    backend = eager_backend()
+    with torch.no_grad():
+        torch.compile(block, backend=backend)(torch.randn(3, 64, dtype=torch.bfloat16))
+    testing.assert_rewritten(backend, "blocks.0.0", "blocks.0.2", model=block)
+    for pattern in ("blocks.0.*", "1.*"):
+        with pytest.raises(AssertionError, match=r"these fp8 weights ran in no compiled graph .*: 1\.proj\.weight "
+                                                 r"\(Fp8Linear\)$"):
+            testing.assert_rewritten(backend, pattern, model=block)
+
+
+def test_a_root_linear_is_matched_by_the_name_the_table_gives_it():
+    """The table names a linear compiled on its own "(root module)", which assert_rewritten said no site matched."""
+    linear = fp8fx.quantize_(nn.Linear(64, 64).to(torch.bfloat16))
+    backend = eager_backend()
+    with torch.no_grad():
+        torch.compile(linear, backend=backend)(torch.randn(3, 64, dtype=torch.bfloat16))
+    assert "(root module)" in str(backend.report)
+    testing.assert_rewritten(backend, "(root module)", model=linear)
+    with pytest.raises(AssertionError, match=r"expected the sites matching \['\(root module\)'\] not rewritten"):
+        testing.assert_not_rewritten(backend, "(root module)")
+
+
+def test_catches_a_recompile_that_compiled_no_graph():
+    """A guard failure whose new trace holds no graph (the second input takes a branch with no tensor op) is a
+    recompile all the same: it passed, counting graphs alone."""
+    lin = fp8fx.quantize_(nn.Linear(64, 64).to(torch.bfloat16))
+
+    def fn(x, mode):
+        return lin(x) if mode == "a" else x
+
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with pytest.raises(AssertionError, match=r"input 1 \(\[4, 64\], 'b'\) recompiled the frame \(no new graph\); "
+                                             r"Dynamo's reasons: .*mode == .{1,2}a"):
+        testing.assert_compiles_once(fn, [(x, "a"), (x, "b")], backend=eager_backend())
+
+
 class _BreakInALoop(nn.Module):
     def __init__(self):
         super().__init__()
