@@ -208,16 +208,20 @@ def _on_a_resumed_stack(node: Any) -> bool:
     return bool(name) and name.startswith("L['___stack")
 
 
+def _after_root(node: fx.Node) -> Optional[str]:
+    """Dynamo's name of the input a placeholder is, after its root (``L['self']``), as ``._modules['l']...``; None
+    for any other node or input."""
+    name = compat.input_source(node) if isinstance(node, fx.Node) and node.op == "placeholder" else None
+    root = _ROOT.match(name) if name else None
+    return None if root is None else "." + name[root.end():].lstrip(".")
+
+
 def input_path(node: fx.Node) -> Optional[str]:
     """The dotted name of the parameter or buffer a placeholder is (``l.weight``, ``w``), from Dynamo's name of the
     input: relative to the module whose forward the graph traced (the compiled module, or a block Dynamo resumed
     after a graph break, whose name it does not know); None for any other node or input."""
-    name = compat.input_source(node) if isinstance(node, fx.Node) and node.op == "placeholder" else None
-    root = _ROOT.match(name) if name else None
-    if root is None:
-        return None
-    rest = "." + name[root.end():] if name[root.end():root.end() + 1] == "_" else name[root.end():]
-    parts = _ATTRIBUTE.findall(rest)
+    rest = _after_root(node)
+    parts = _ATTRIBUTE.findall(rest) if rest is not None else None
     if not parts or "".join(f"._{kind}['{key}']" for kind, key in parts) != rest.replace('"', "'") \
             or parts[-1][0] == "modules":
         return None
@@ -227,11 +231,8 @@ def input_path(node: fx.Node) -> Optional[str]:
 def attribute_path(node: fx.Node) -> Optional[str]:
     """The dotted name of the module attribute a placeholder is, whatever its kind (``experts.alpha``: a float that
     Dynamo made an input; ``l.weight``), relative to the traced module; None for any other node or input."""
-    name = compat.input_source(node) if isinstance(node, fx.Node) and node.op == "placeholder" else None
-    root = _ROOT.match(name) if name else None
-    if root is None:
-        return None
-    return _ATTRIBUTE.sub(r".\2", "." + name[root.end():].lstrip(".")).lstrip(".") or None
+    rest = _after_root(node)
+    return None if rest is None else _ATTRIBUTE.sub(r".\2", rest).lstrip(".") or None
 
 
 _FLOAT32_CASTS = ("float", "to", "type")  # x.float(), x.to(torch.float32), x.type(torch.float32)

@@ -17,6 +17,7 @@ from torch import nn
 from fp8fx.lowerings import compat
 from fp8fx.weights import kv_cache, moe
 from fp8fx.weights.linear import ModelHeld, is_fp8_state, is_quantized
+from fp8fx.weights.quantize import _put_tags
 
 log = logging.getLogger("fp8fx")
 
@@ -87,6 +88,7 @@ def _untag(model: nn.Module) -> None:
     """Every fp8fx attribute of ``model``'s modules and tag of its tensors gone: the attributes fp8fx set on
     instances (``ModelHeld``s), its KV-cache scales and their load hook, a transformers config's
     ``quantization_config``."""
+    _put_tags(model, {})  # (no tensor keeps a tag)
     for m in model.modules():
         for name in kv_cache.held_kv_scales(m):
             m._buffers.pop(name, None)
@@ -95,9 +97,6 @@ def _untag(model: nn.Module) -> None:
                 del m._load_state_dict_pre_hooks[key]
         for name in [k for k, v in vars(m).items() if k.startswith("_fp8fx_") or isinstance(v, ModelHeld)]:
             delattr(m, name)
-        for t in (*m._parameters.values(), *m._buffers.values()):
-            for name in [k for k in vars(t) if k.startswith("_fp8fx_")] if t is not None else ():
-                delattr(t, name)
         config = getattr(m, "config", None)
         if "quantization_config" in getattr(config, "__dict__", {}):
             del config.quantization_config

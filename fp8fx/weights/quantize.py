@@ -431,7 +431,7 @@ def _misplaced_prefix(entry: str, prefix: str, names: list[str]) -> Optional[str
     entry ``model.layers.0.mlp.down_proj``): the prefix likely misses the model's root or has one too many; else
     None. (A model-wide config's entry of another part, ``model.layers.1.mlp.down_proj``, is none of these; one of
     ``encoder.layers.0`` beside a part ``layers.0`` is, which is why the caller warns and does not refuse.)"""
-    for fqn in [prefix, *names]:
+    for fqn in names:  # (the part itself among them, named prefix)
         rel = fqn[len(prefix):]  # "" for the part itself, else ".mlp.down_proj"
         if fqn.startswith(prefix) and (entry.endswith(rel) if rel else True):
             head = entry[:len(entry) - len(rel)]

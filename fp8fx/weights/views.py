@@ -99,8 +99,7 @@ def _name_dtype_mismatch(func, args: tuple, kwargs: dict, error: RuntimeError) -
     parameter but the fp8 codes to float32, and the first fp8 layer then failed with torch's unnamed message."""
     if not re.search(r"dtype|scalar type", str(error)):
         return
-    tensors = [t for a in (*args, *kwargs.values()) for t in (a if isinstance(a, (tuple, list)) else (a,))
-               if isinstance(t, torch.Tensor)]
+    tensors = [t for t in _operands(args, kwargs) if isinstance(t, torch.Tensor)]
     weight = next((t for t in tensors if _guarded(t)), None)
     other = next((t for t in tensors if t.is_floating_point() and weight is not None and t.dtype != weight.dtype), None)
     if other is None:
@@ -162,13 +161,15 @@ def _written(func, args: tuple, kwargs: dict) -> Optional[Dequantized]:
     return None
 
 
+def _operands(args: tuple, kwargs: dict):
+    """``args`` and ``kwargs``' values, those in a list there one by one (``torch._foreach_*``'s)."""
+    for a in (*args, *kwargs.values()):
+        yield from a if isinstance(a, (tuple, list)) else (a,)
+
+
 def _reaches_guarded(args: tuple, kwargs: dict) -> bool:
     """A guarded tensor (``_guarded``) is among ``args`` / ``kwargs`` (or in a list there: ``torch._foreach_*``)."""
-    for a in (*args, *kwargs.values()):
-        for t in a if isinstance(a, (tuple, list)) else (a,):
-            if _guarded(t):
-                return True
-    return False
+    return any(_guarded(t) for t in _operands(args, kwargs))
 
 
 def _is_data(func) -> bool:
