@@ -8,6 +8,7 @@ import os
 import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
 
+import torch
 from torch import fx
 
 from fp8fx import ops
@@ -15,7 +16,7 @@ from fp8fx.dump import DUMP_FILE, GraphDump, lock_folder, unlock_folder
 from fp8fx.lowerings import aten, compat
 from fp8fx.ops import GATED_H_GROUPS
 from fp8fx.passes import PassManager, default_passes
-from fp8fx.passes.base import may_record_grad
+from fp8fx.passes.base import FLOAT_INPUTS, may_record_grad
 from fp8fx.passes.horizontal import AFTER_COMPILE, SHARED_INPUTS, share_memory
 from fp8fx.report import Report, Site, first_line
 
@@ -244,12 +245,17 @@ class Fp8Backend:
         index = self.report.graphs
         dump = self._dump(gm, index)
         code: list[str] = []
+        # (a float input a pass may take as a constant: the graph as traced runs the calls where its value changed)
+        traced = _copy(gm) if any(map(_is_float_input, example_inputs)) else None
         try:
             (dump.passes(self.pass_manager) if dump else self.pass_manager).run(gm, example_inputs, self.report)
             after_compile = gm.meta.pop(AFTER_COMPILE, ())  # e.g. moving fused weights into one tensor
             shared = gm.meta.pop(SHARED_INPUTS, [])  # (those of another module Dynamo runs this graph for)
+            floats = gm.meta.pop(FLOAT_INPUTS, [])
             compiled = (gm.forward if self.compiler == "eager"
                         else self._inductor(gm, example_inputs, index, code, call_config))
+            if floats:
+                compiled = _check_floats(compiled, floats, traced, index)
             for fn in after_compile:
                 fn()
         except BaseException as e:  # Dynamo may run the frame eagerly instead: nothing of this graph was rewritten
@@ -371,6 +377,42 @@ class Fp8Backend:
         if frame or shared:
             return _watch_reuse(compiled, self.report, index, dump, shared, frame)
         return compiled
+
+
+def _is_float_input(value: Any) -> bool:
+    """What Dynamo passes for a Python float it did not specialize (``torch.compile(dynamic=True)``): a 0-d CPU
+    floating tensor."""
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point() and (
+        value.device.type == "cpu")
+
+
+def _copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm`` as it is, apart from the passes that change ``gm`` in place (the nodes' meta shared, not copied)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)
+
+
+def _check_floats(compiled, floats: list[tuple[int, float, str]], traced: fx.GraphModule, index: int):
+    """``compiled`` for the calls whose float inputs (``FLOAT_INPUTS``: position, value, name) hold the values a
+    pass took as constants; Dynamo does not guard them, so a call where one differs (the model's attribute changed,
+    or another module of the class runs the frame) runs ``traced``, the graph as Dynamo traced it, and a warning
+    says so once."""
+    warned = [False]
+
+    def run(*args):
+        for position, value, name in floats:
+            now = float(args[position])  # (a 0-d CPU tensor: no device sync)
+            if now != value:
+                if not warned[0]:
+                    warned[0] = True
+                    log.warning("fp8fx: graph %d was compiled with %s = %r as a constant of its fp8 kernels, and "
+                                "is called with %r: this call, and any other with a value it was not compiled "
+                                "with, runs the graph as traced (on the dequantized weights); compile again "
+                                "(torch._dynamo.reset()) to rewrite it for the new value", index, name, value, now)
+                return traced(*args)
+        return compiled(*args)
+    return run
 
 
 def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump] = None, shared=(),

@@ -95,6 +95,22 @@ class NodePass(Fp8Pass):
         return sum(self.visit(gm, node, ctx, records_grad) for node in list(gm.graph.nodes))
 
 
+# gm.meta key: the graph's float inputs a pass took as constants, as (input position, value, name) each: Dynamo passes
+# a module's float attribute as an input under torch.compile(dynamic=True) (an unspecialized float, which it does not
+# guard), so the backend checks each call's value and runs the graph as traced where one differs
+FLOAT_INPUTS = "fp8fx_float_inputs"
+
+
+def float_input_value(node: Any, ctx: PassContext) -> Optional[float]:
+    """The value a placeholder Dynamo made of a Python float holds in this compilation (a 0-d floating CPU tensor,
+    ``.item()`` read); None for any other node."""
+    real = ctx.example.get(node) if isinstance(node, fx.Node) and node.op == "placeholder" else None
+    if not (isinstance(real, torch.Tensor) and real.dim() == 0 and real.is_floating_point()
+            and real.device.type == "cpu"):
+        return None
+    return float(real)
+
+
 def replace_node(graph: fx.Graph, node: fx.Node, target, args: tuple, example_value: Any = None) -> fx.Node:
     """``node`` replaced by ``target(*args)``, which keeps its meta (module stack, source) and carries
     ``example_value`` (else its fake value from the inputs'); returns the new node."""

@@ -63,8 +63,8 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode, s
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block
-from fp8fx.passes.base import Fp8Pass, PassContext, attribute_path, fake_value, may_record_grad, module_path
-from fp8fx.passes.base import set_fake_value
+from fp8fx.passes.base import FLOAT_INPUTS, Fp8Pass, PassContext, attribute_path, fake_value, float_input_value
+from fp8fx.passes.base import may_record_grad, module_path, set_fake_value
 from fp8fx.passes.linear import lacks_fp8_tensor_cores
 from fp8fx.report import NOT_QUANTIZED, Site
 
@@ -903,6 +903,68 @@ class _Site:
     region: list[fx.Node]  # the nodes its forward created, in graph order
 
 
+_SCALAR_MATH = (operator.neg, operator.pos, operator.add, operator.sub, operator.mul, operator.truediv)
+
+
+def _is_item(node: fx.Node) -> bool:
+    return isinstance(node.args[0] if node.args else None, fx.Node) and (
+        node.op == "call_method" and node.target == "item"
+        or node.target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default))
+
+
+class _FoldedFloats:
+    """The floats a site reads from inputs, folded to this compilation's values. Under ``torch.compile(dynamic=True)``
+    Dynamo passes a module's float attribute (GPT-OSS's alpha / limit) as a 0-d tensor input read with ``.item()``,
+    which it does not guard; fused_moe takes them as constants. So each such read in the region, and the scalar
+    arithmetic on it (``-limit``), becomes its value; the backend checks the inputs' values at every call
+    (``FLOAT_INPUTS``) and runs the graph as traced where one differs. ``undo`` puts the reads back.
+
+    Inductor's compile of such a graph restarts Dynamo (``TensorifyScalarRestartAnalysis``), which traces the frame
+    again with the floats specialized, guarded, as constants, but leaves the arithmetic on them as nodes of
+    constants (``neg(7.0)``): those are folded too, with nothing to check."""
+
+    def __init__(self, site: _Site, ctx: PassContext):
+        self.site, self.region = site, list(site.region)
+        self.edits: list[tuple[fx.Node, tuple, dict]] = []  # each reader's args / kwargs before
+        self.inputs: dict[fx.Node, float] = {}  # placeholder -> value
+        self.values: dict[fx.Node, float] = {}
+        inside = set(site.region)
+        for n in site.region:
+            if _is_item(n):
+                v = float_input_value(n.args[0], ctx)
+            elif n.op == "call_function" and n.target in _SCALAR_MATH and not n.kwargs and all(
+                    a in self.values for a in n.all_input_nodes):  # (or of constants: ``neg(7.0)``, see below)
+                args = [self.values.get(a, a) for a in n.args]
+                v = n.target(*args) if all(type(a) in (int, float) for a in args) else None
+            else:
+                v = None
+            if v is not None and all(u in inside for u in n.users):
+                self.values[n] = float(v)
+                if _is_item(n):
+                    self.inputs[n.args[0]] = float(v)
+        if not self.values:
+            return
+        for n in self.values:
+            for user in [u for u in n.users if u not in self.values]:
+                self.edits.append((user, user.args, user.kwargs))
+                user.args, user.kwargs = (fx.node.map_arg(a, lambda x: self.values.get(x, x))
+                                          for a in (user.args, user.kwargs))
+        site.region = [n for n in site.region if n not in self.values]
+
+    def undo(self) -> None:
+        for user, args, kwargs in reversed(self.edits):
+            user.args, user.kwargs = args, kwargs
+        self.site.region = self.region
+
+    def keep(self, gm: fx.GraphModule, ctx: PassContext) -> None:
+        """The site was rewritten: its folded reads go, and the backend checks the inputs they read."""
+        gm.meta.setdefault(FLOAT_INPUTS, []).extend(
+            (ctx.positions[p], v, attribute_path(p) or p.name) for p, v in self.inputs.items())
+        for n in reversed(list(self.values)):
+            if not n.users:
+                gm.graph.erase_node(n)
+
+
 WEIGHT_ONLY = ("weight-only (16-bit activations): fp8fx.fused_moe computes with fp8 activations only, so the experts "
                "run on their dequantized fp8 weights, in 16-bit math")
 
@@ -924,11 +986,15 @@ class MoePass(Fp8Pass):
             weight_only = lacks_fp8_tensor_cores(ctx.example.values())
         for site in self._sites(graph, ctx):
             ctx.frame_site(site.fqn, site.path, next(iter(site.dequant.values())).args[0] if site.dequant else None)
+            folded = None
             try:
                 if weight_only:
                     raise _NoMatch(WEIGHT_ONLY)
+                folded = _FoldedFloats(site, ctx)
                 operands = self._check(site, ctx)
             except (_NoMatch, GuardOnDataDependentSymNode) as e:
+                if folded is not None:
+                    folded.undo()
                 ctx.report.add(Site("moe", site.fqn, False, _reason(e), "", ctx.graph_index,
                                     weight_shape=Site.shape_of(fake_value(site.dequant.get("w13"))),
                                     node=Site.origin_of(site.region[-1]) if site.region else ""))
@@ -936,6 +1002,7 @@ class MoePass(Fp8Pass):
             token = Site.token_of(ctx.example.get(site.dequant["w13"].args[0]))  # before the rewrite erases it
             shape = Site.shape_of(fake_value(site.dequant["w13"]))
             scheme, saved, origin = self._rewrite(graph, site, operands)
+            folded.keep(gm, ctx)
             ctx.report.add(Site("moe", site.fqn, True, "", scheme, ctx.graph_index, weight_shape=shape, node=origin,
                                 bytes_saved=saved, weight_id=token))
             count += 1

@@ -1,5 +1,6 @@
 """Tiny random HF MoE models (transformers 5) through Fp8Backend on CPU: every experts module rewritten into
 fp8fx.fused_moe, one graph (fullgraph), logits close to the bf16 model's."""
+import logging
 import re
 
 import pytest
@@ -424,26 +425,42 @@ def test_tiny_gpt_oss_experts_in_fp8(impl):
     assert not [n for n, *_ in backend.report.unhandled_weights(model) if "experts" in n]
 
 
-def test_gpt_oss_experts_under_dynamic_true_say_why_and_what_to_do():
-    """torch.compile(dynamic=True) makes GPT-OSS's alpha / limit graph inputs (0-d tensors): the experts stay on the
-    dequantized weights, and the reason named Dynamo's placeholder and guessed "a bias? a norm?". It names the
-    attribute and the compile that works, which does rewrite them."""
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_gpt_oss_experts_under_dynamic_true(compiler, caplog):
+    """torch.compile(dynamic=True) makes GPT-OSS's alpha / limit graph inputs (0-d tensors read with .item()): the
+    experts stayed on the dequantized weights, said why with compiler="eager", and with Inductor (which has Dynamo
+    trace again with the floats as constants, -limit as a node neg(7.0)) said "neg is not part of an experts
+    computation". Both rewrite them now. Dynamo does not guard an unspecialized float, so the eager graph checks
+    alpha / limit at each call: a changed alpha runs the graph as traced, with a warning, as the model computes it;
+    Inductor's constants are Dynamo's, guarded: a changed alpha compiles again."""
     model = tiny_gpt_oss()
     fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
-    ids = torch.randint(0, 512, (2, 12))
-    backend = fp8fx.Fp8Backend(compiler="eager")
+    mlp = model.model.layers[0].mlp
+    x = torch.randn(2, 6, 256, generator=torch.Generator().manual_seed(3)).bfloat16()
+    backend = fp8fx.Fp8Backend(compiler=compiler)
+    compiled = torch.compile(mlp, backend=backend, dynamic=True)
     with torch.no_grad():
-        torch.compile(model, backend=backend, dynamic=True)(ids)
-    experts = [s for s in backend.report.sites if s.kind == "moe"]
-    assert experts and not any(s.rewritten for s in experts)
-    assert re.search(r"the experts read model\.layers\.\d\.mlp\.experts\.(alpha|limit), a 0-d tensor: a float "
-                     r"attribute of the model .*torch\._dynamo\.mark_dynamic\(input_ids, 1\)", experts[0].reason)
-    torch._dynamo.reset()
-    backend = fp8fx.Fp8Backend(compiler="eager")
-    torch._dynamo.mark_dynamic(ids, 1)
-    with torch.no_grad():
-        torch.compile(model, backend=backend)(ids)
-    fp8fx.testing.assert_rewritten(backend, "model.layers.*.mlp.experts")
+        truth = gpt_oss_exact(mlp, x)
+        out = compiled(x)[0].reshape(-1, 256)
+        [site] = [s for s in backend.report.sites if s.kind == "moe"]
+        assert site.rewritten and site.scheme.endswith(GPT_OSS_FORM), site.reason
+        assert rel_err(out, truth) < 0.08  # measured 0.041
+        mlp.experts.alpha = 1.25
+        try:
+            with caplog.at_level(logging.WARNING, logger="fp8fx"):
+                out = compiled(x)[0].reshape(-1, 256)
+            ref = mlp(x)[0].reshape(-1, 256)
+        finally:
+            mlp.experts.alpha = 1.702
+    assert rel_err(ref, truth) > 0.01  # (the new alpha changes the output)
+    moe = [s for s in backend.report.sites if s.kind == "moe"]
+    if compiler == "eager":  # the graph as traced, the model's own numbers
+        assert torch.equal(out, ref)
+        assert "experts.alpha = 1.702 as a constant of its fp8 kernels, and is called with 1.25" in caplog.text
+        assert len(moe) == 1
+    else:  # compiled again for the new alpha, and rewritten
+        assert rel_err(out, ref) < 0.08 and len(moe) == 2 and all(s.rewritten for s in moe)
+        assert "(alpha 1.25, limit 7)" in moe[1].scheme
 
 
 def _gate(gate_up, up_limit=7.0, alpha=1.702, one=1, act=None):
