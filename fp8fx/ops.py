@@ -27,6 +27,7 @@ under ``Fp8Backend``; see ``direct`` at the end).
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import types
 from typing import Callable, Optional, Sequence
@@ -195,8 +196,26 @@ def _dequantize_setup(ctx, inputs, output) -> None:
 
 def _dequantize_backward(ctx, grad):
     q, scale = ctx.saved_tensors
-    grad_scale = quant.dequantize_scale_grad(grad, q, scale, ctx.block) if ctx.needs_input_grad[1] else None
+    grad_scale = None
+    if ctx.needs_input_grad[1]:
+        grad_scale = quant.dequantize_scale_grad(grad, q, scale, ctx.block)
+        _warn_scale_grad()
     return None, grad_scale, None, None, None, None
+
+
+_SCALE_GRAD_WARNED = [False]
+
+
+def _warn_scale_grad() -> None:
+    """Once per process: the scales took a gradient, which an optimizer would apply (a fine-tune after
+    ``model.requires_grad_()`` drove per-channel scales below 0 in a few dozen AdamW steps, found only at save)."""
+    if not _SCALE_GRAD_WARNED[0]:
+        _SCALE_GRAD_WARNED[0] = True
+        logging.getLogger("fp8fx").warning(
+            "fp8fx: fp8 weight scales took a gradient (their parameters require grad: model.requires_grad_()?). An "
+            "optimizer step on them changes the fp8 layers and can drive a scale to 0 or below (zero or NaN outputs, "
+            "a model save_checkpoint refuses); fp8 layers are for inference: set requires_grad_(False) on the "
+            "weight_scale / weight_scale_inv parameters, or fp8fx.dequantize_(model) for a full fine-tune")
 
 
 dequantize.register_autograd(_dequantize_backward, setup_context=_dequantize_setup)

@@ -753,9 +753,10 @@ class LinearPass(Fp8Pass):
         if isinstance(bv, torch.Tensor) and (bv.dim() != 1 or n is not None and bv.shape[0] != n):
             # F.linear broadcasts a [1, N] bias; the fp8 ops take one value per output column
             return f"bias of shape {list(bv.shape)}, not [{n}]"
-        if (xv.requires_grad or getattr(bv, "requires_grad", False)) and may_record_grad(x.graph):
+        # (the dequantized weight requires grad where its scale does: model.requires_grad_())
+        if any(getattr(v, "requires_grad", False) for v in (xv, wv, bv)) and may_record_grad(x.graph):
             return (
-                "traced with autograd (activation or bias requires grad); fp8fx rewrites inference: "
+                "traced with autograd (activation, weight scale or bias requires grad); fp8fx rewrites inference: "
                 "call the compiled model under torch.no_grad() or torch.inference_mode()"
             )
         return ""

@@ -1131,9 +1131,11 @@ class MoePass(Fp8Pass):
         if ids not in fp8fx.ops.EXPERT_ID_DTYPES or wts not in _ACT_DTYPES:  # what fused_moe takes
             raise _NoMatch(f"the routing gives {ids} expert ids and {wts} weights; fused_moe takes int32 / int64 ids "
                            "and bf16 / fp16 / fp32 weights")
-        if (x.requires_grad or not dense and fake_value(by_role["wts"]).requires_grad) and may_record_grad(out.graph):
+        grads = [x, *([] if dense else [fake_value(by_role["wts"])]), *map(fake_value, site.dequant.values())]
+        if any(v.requires_grad for v in grads) and may_record_grad(out.graph):  # (the weights: where a scale does)
             raise _NoMatch(
-                "traced with autograd (hidden states or routing weights require grad); fp8fx rewrites inference: "
+                "traced with autograd (hidden states, routing weights or expert scales require grad); fp8fx rewrites "
+                "inference: "
                 "call the compiled model under torch.no_grad() or torch.inference_mode()"
             )
         order = _order(out.graph)

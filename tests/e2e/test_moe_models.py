@@ -381,6 +381,25 @@ def tiny_gpt_oss(impl="grouped_mm"):
     return model
 
 
+def test_experts_whose_scales_alone_require_grad_stay_unfused():
+    """Only the experts' scales require grad (set so by hand, or model.requires_grad_() with the embeddings frozen):
+    the MoE pass looked at the hidden states and routing weights, rewrote the experts into fused_moe, and the
+    backward failed ("no autograd formula" for fp8fx.fused_moe). They stay on the dequantized weights, reported, and
+    the scales take their gradients."""
+    model = tiny("qwen3_moe", "grouped_mm")
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    model.requires_grad_(False)
+    scales = [p for n, p in model.named_parameters() if "experts" in n and n.endswith("_scale")]
+    for p in scales:
+        p.requires_grad_()
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    torch.compile(model, backend=backend)(torch.randint(0, 512, (2, 6))).logits.float().square().sum().backward()
+    experts = [s for s in backend.report.sites if s.kind == "moe"]
+    assert experts and not any(s.rewritten for s in experts)
+    assert all("expert scales require grad" in s.reason for s in experts), experts[0].reason
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in scales)
+
+
 def gpt_oss_exact(mlp, x: torch.Tensor, activation: str = "swiglu_oai") -> torch.Tensor:
     """GPT-OSS's MLP block in float64 from its bf16 weights, written out (interleaved rows, biases, the clamped
     SwiGLU at alpha 1.702, limit 7; ``"silu_clamped"``: DeepSeek-V4's SiLU of the clamped gate instead): [T, H]."""

@@ -582,6 +582,31 @@ def test_clamped_moe_activations_clamp_the_gate_from_above_only(activation):
         assert torch.equal(got, want), (interleaved, got, want)
 
 
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_layer_whose_scale_alone_requires_grad_keeps_the_reference_path(compiler, caplog, monkeypatch):
+    """model.requires_grad_() on a model whose first layer has no bias and reads data that takes no gradient: only
+    its scale requires grad. The linear pass looked at the activation and the bias, rewrote the layer, and the
+    backward failed ("no autograd formula" for fp8fx.scaled_mm). It keeps torch's linear on the dequantized weight,
+    reported, and the scale's gradient is the eager one. A gradient into the scales warns once: an optimizer step
+    on them moved per-channel scales below 0 within a few dozen AdamW steps, found only at save."""
+    monkeypatch.setattr(ops, "_SCALE_GRAD_WARNED", [False])
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 128, bias=False), nn.GELU(), nn.Linear(128, 32)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    model.requires_grad_()
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        model(x).float().square().sum().backward()
+    assert "fp8 weight scales took a gradient" in caplog.text
+    want = model[0].weight_scale.grad.clone()
+    model.zero_grad()
+    backend = fp8fx.Fp8Backend(compiler=compiler)
+    torch.compile(model, backend=backend)(x).float().square().sum().backward()
+    first = next(s for s in backend.report.sites if s.fqn == "0")
+    assert not first.rewritten and "weight scale or bias requires grad" in first.reason, first.reason
+    assert rel_err(model[0].weight_scale.grad.double(), want.double()) < 0.02
+
+
 @pytest.mark.parametrize("block, shape", [([-1, -1], (40, 33)), ([1, -1], (40, 33)), ([16, 16], (40, 33)),
                                           ([16, 16], (2, 40, 33))])
 def test_dequantize_is_differentiable_in_its_scale(block, shape):
