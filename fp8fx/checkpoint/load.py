@@ -294,6 +294,22 @@ def load_checkpoint(
     return report
 
 
+def _pending_ties(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, str]:
+    """A transformers model's tied tensors not tied yet, ``{target: source}`` (``lm_head.weight`` ->
+    ``model.embed_tokens.weight`` where the config says ``tie_word_embeddings``): accelerate's
+    ``init_empty_weights`` builds the model untied, and ``from_pretrained`` ties it after loading, so the checkpoint
+    holds the source alone ("lm_head.weight is missing" was the error). Only targets still on meta, which nothing
+    else would give a value; loaded as one tensor under both names, as a tied model is."""
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    try:
+        ties = expand(all_submodels=True) if callable(expand) else {}
+    except Exception as e:  # noqa: BLE001 - transformers' own lookup: without it the model loads as it is built
+        log.debug("fp8fx: load_checkpoint: %s's tied weights not read (%s)", type(model).__name__, e)
+        return {}
+    return {t: s for t, s in ties.items() if isinstance(t, str) and isinstance(s, str) and t in state and s in state
+            and state[t] is not state[s] and state[t].is_meta}
+
+
 class _Loader:
     def __init__(self, model: nn.Module, fmt: formats.QuantFormat, device: torch.device, fused: dict,
                  dry: bool = False):
@@ -308,6 +324,8 @@ class _Loader:
             )
         # state_dict key -> tensor, and tied tensors grouped: id -> every key naming it
         self.state = model.state_dict(keep_vars=True)
+        for target, source in _pending_ties(model, self.state).items():  # (tied at commit, as transformers would)
+            self.state[target] = self.state[source]
         self.aliases: dict[int, list[str]] = {}
         for key, t in self.state.items():
             self.aliases.setdefault(id(t), []).append(key)

@@ -1167,6 +1167,40 @@ def test_tied_weights(tmp_path):
     assert torch.equal(model.lm_head.weight, state["model.embed_tokens.weight"])
 
 
+def test_a_transformers_model_built_untied_is_tied_as_its_config_says(tmp_path):
+    """A tie_word_embeddings model built with accelerate's init_empty_weights() is not tied yet (from_pretrained ties
+    it after loading): lm_head.weight, on meta, was "missing from the checkpoint", which holds the embeddings alone.
+    It loads tied, as from_pretrained would; one that is not to be tied (tie_word_embeddings=False) still misses it,
+    and an untied lm_head that holds values of its own is not tied over."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    source = transformers.LlamaForCausalLM(config).bfloat16()
+    fp8fx.quantize_(source, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    fp8fx.save_checkpoint(source, tmp_path / "c")
+
+    def untied(real=False):
+        with torch.device("cpu" if real else "meta"):
+            model = transformers.LlamaForCausalLM(config).bfloat16()
+        model.lm_head.weight = nn.Parameter(torch.empty_like(model.lm_head.weight))  # (init_empty_weights' state)
+        return model
+
+    model = untied()
+    load_checkpoint(model, tmp_path / "c", progress=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    ids = torch.randint(0, 64, (1, 5))
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, source(ids).logits)
+    config.tie_word_embeddings = False
+    with pytest.raises(CheckpointError, match="lm_head.weight is missing from the checkpoint"):
+        load_checkpoint(untied(), tmp_path / "c", progress=False)
+    config.tie_word_embeddings = True
+    model = untied(real=True)
+    with pytest.raises(CheckpointError, match="lm_head.weight is missing from the checkpoint"):
+        load_checkpoint(model, tmp_path / "c", progress=False)
+
+
 def test_lm_head_left_in_high_precision_by_an_fp8_checkpoint(tmp_path):
     """DeepSeek-V3's config lists no ignored layers but stores lm_head in bf16: it loads unquantized.
     Stored in fp8 with its scale, it is quantized."""
