@@ -181,8 +181,9 @@ def quantize_(
                 method.weight_loader(module, "input_scale", torch.tensor([scales[fqn]], dtype=torch.float32))
             method.process_weights_after_loading(module)
             module._parameters["weight"]._fp8fx_fqn = fqn
-            if module.bias is not None:  # the layer is frozen fp8 from here on
-                module.bias.requires_grad_(False)
+            bias = module._parameters.get("bias")  # (a parametrized bias is computed: its original stays trainable)
+            if bias is not None:  # the layer is frozen fp8 from here on
+                bias.requires_grad_(False)
     log.info("fp8fx: quantized %d linear layers (%s), skipped %d", len(plan), config.scheme(), len(skipped))
     for fqn, module, reason in experts_skipped:
         moe.tag_skipped(module, fqn, reason)

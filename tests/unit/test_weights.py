@@ -1454,3 +1454,31 @@ def test_a_model_that_rescales_its_weights_in_place_is_refused_until_it_would_no
         fp8fx.quantize_(model)
         got = model(input_ids=ids).logits.float()
     assert rel_err(got, want) < 0.15
+
+
+def test_a_layer_with_a_parametrized_bias_is_quantized_and_keeps_it():
+    """register_parametrization(layer, "bias", ...): quantize_ froze the layer's bias with requires_grad_(False) on
+    the parametrization's computed tensor, and failed with torch's "you can only change requires_grad flags of leaf
+    variables", naming neither the layer nor the cause. The weight is quantized; the bias stays computed at each
+    call from its original, which keeps training as the model's other high-precision parameters do."""
+    from torch.nn.utils import parametrize
+
+    class Double(nn.Module):
+        def forward(self, b):
+            return 2 * b
+
+    model = _mlp()
+    parametrize.register_parametrization(model[0], "bias", Double())
+    reference = copy.deepcopy(model).double()
+    fp8fx.quantize_(model)
+    assert is_quantized(model[0]) and parametrize.is_parametrized(model[0], "bias")
+    assert model[0].parametrizations.bias.original.requires_grad
+    x = torch.randn(8, 128, dtype=torch.bfloat16)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        for m in (model, reference):  # (a bias frozen at quantize_ would miss this by 2 in every feature of layer 0)
+            m[0].parametrizations.bias.original.add_(1.0)
+        want = reference(x.double())
+        assert rel_err(model(x), want) < 0.05  # the fp8 weights
+        assert rel_err(torch.compile(model, backend=backend)(x), want) < 0.08  # and activations: measured 0.058
+    fp8fx.testing.assert_rewritten(backend, "0", "2", "3")
