@@ -136,8 +136,9 @@ def _check_positive_value(scale: torch.Tensor, what: str) -> None:
     the loaders check scales on CUDA when they load them): 0 would saturate every value and make zeros NaN."""
     if scale.device.type == "cpu" and not isinstance(scale, torch._subclasses.FakeTensor):
         value = scale.float().reshape(()).item()
-        if not 0 < value < float("inf"):
-            raise ValueError(f"{what} is {value}; a static scale must be a positive finite float")
+        if not torch.finfo(torch.float32).tiny <= value < float("inf"):  # (a subnormal one saturates every value)
+            raise ValueError(f"{what} is {value}; a static scale must be a positive finite float in float32's "
+                             "normal range (>= 1.2e-38)")
 
 
 @_op("quantize_static")

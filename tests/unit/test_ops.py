@@ -149,7 +149,7 @@ def test_more_bad_operands_are_clear_errors():
     with pytest.raises(ValueError, match=r"grouped_topk: k=2, 2 of 4 groups of 4 experts; groups must divide the "
                                          r"experts \(2 or more each\)"):  # (one expert a group)
         torch.ops.fp8fx.grouped_topk(torch.randn(3, 4), torch.zeros(4), 2, 4, 2, True, 1e-20, 1.0, -1)
-    for bad in (0.0, float("inf"), float("nan"), -1.0):
+    for bad in (0.0, float("inf"), float("nan"), -1.0, 1e-40):  # (1e-40: subnormal, saturated every value)
         with pytest.raises(ValueError, match=r"static input scale is .*; a static scale must be a positive finite"):
             torch.ops.fp8fx.quantize_static(torch.randn(3, 96), torch.tensor([bad]))
     from fp8fx.lowerings import aten
