@@ -311,8 +311,27 @@ def _mixed_dtypes(node: fx.Node, x, w, bias) -> str:
     if len(set(dtypes.values())) < 2 or _under_autocast(node, values["activation"].device.type):
         return ""
     shown = ", ".join(f"{k} {v}" for k, v in dtypes.items()).replace("torch.", "")
-    return (f"dtypes differ ({shown}) outside torch.autocast: a linear takes one dtype, and torch raises on it as "
+    return (f"{MIXED_DTYPES} ({shown}) outside torch.autocast: a linear takes one dtype, and torch raises on it as "
             "eager does; cast the input (or the layer) to one dtype, or run it under torch.autocast")
+
+
+MIXED_DTYPES = "dtypes differ"
+
+
+def _refuse_mixed_dtypes(fqn: str, x: fx.Node, w: fx.Node) -> None:
+    """An fp8 layer's linear given an activation of another dtype than its weight's, outside torch.autocast: torch's
+    linear would raise at run time ("mat1 and mat2 must have the same dtype"), naming no layer, where eager names it
+    (``fp8fx.weights.views``); so the compile raises, naming it. A bias of another dtype alone is promoted, and
+    stays torch's."""
+    xd, wd = (getattr(fake_value(n), "dtype", None) for n in (x, w))
+    if not (isinstance(w, fx.Node) and w.target in _DEQUANT) or xd is None or wd is None or xd == wd:
+        return
+    raise TypeError(
+        f"fp8fx: {fqn}'s weight is {wd} (the fp8 layer's weight, dequantized to the dtype the layer computes in) and "
+        f"its linear gets a {xd} activation, outside torch.autocast, which torch's linear refuses (mat1 and mat2 must "
+        f"have the same dtype): an fp8 layer computes in the dtype its model was quantized in or last cast to. Cast "
+        f"the model as a whole - model.to({xd}) makes its fp8 layers compute in {xd}, their codes and scales kept - "
+        f"or the input to {wd}, or run the model under torch.autocast")
 
 
 def _hop_operands(node: fx.Node) -> list:
@@ -615,6 +634,8 @@ class LinearPass(Fp8Pass):
                 ctx.report.add(Site("linear", fqn, False, reason, "", ctx.graph_index,
                                     weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
                                     weight_id=Site.token_of(ctx.example.get(source))))
+                if reason.startswith(MIXED_DTYPES):
+                    _refuse_mixed_dtypes(fqn, x, w)
                 continue
             # read before the rewrite, which erases the weight's dequantize node
             details = dict(weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
