@@ -419,8 +419,13 @@ class HorizontalFusionPass(Fp8Pass):
                                                   "it in between")
             if dynamic.get(x):  # one static layer among dynamic ones: it said nothing
                 verb = "quantizes" if len(dynamic[x]) == 1 else "quantize"
-                amend_sites(ctx, nodes, f"not fused horizontally: it quantizes the input with its own static "
+                alone = [n for k in keys if len(groups[k]) == 1 for n in groups[k]]
+                amend_sites(ctx, alone, f"not fused horizontally: it quantizes the input with its own static "
                                         f"input_scale, where {site_names(ctx, dynamic[x])} {verb} it dynamically")
+                # (static layers fused with each other: "fused(q_proj,k_proj)", and why the dynamic ones are not in)
+                amend_sites(ctx, [n for n in nodes if n not in alone],
+                            f"(not with {site_names(ctx, dynamic[x])}, which {verb} the input dynamically where "
+                            "these take their static input_scale)")
 
     def _why_not(self, nodes: list[fx.Node], ctx: PassContext) -> str:
         inputs = [a for n in nodes for a in n.args[2:5] if a is not None]

@@ -672,6 +672,18 @@ def test_a_static_layer_among_dynamic_ones_says_why_it_is_not_fused():
     assert schemes[("q_proj", 0)].endswith("not fused horizontally: it quantizes the input with its own static "
                                            "input_scale, where k_proj,v_proj quantize it dynamically"), schemes
     assert _fused(schemes[("k_proj", 1)], "k_proj,v_proj"), schemes
+    # two static layers fused with each other, among a dynamic one: their rows said "fused(q_proj,k_proj) not fused
+    # horizontally: it quantizes ... with its own static input_scale"
+    torch._dynamo.reset()
+    model = BiasedQKV().to(torch.bfloat16)
+    for name in ("q_proj", "k_proj"):
+        fp8fx.quantize_(getattr(model, name), config, prefix=name, input_scales={name: scales[name]})
+    fp8fx.quantize_(model.v_proj, prefix="v_proj")
+    schemes, _ = compile_fused(model, x)
+    for site in (("q_proj", 0), ("k_proj", 1)):
+        assert "fused(q_proj,k_proj) (not with" in schemes[site] and "not fused" not in schemes[site], schemes
+        assert schemes[site].endswith("(not with v_proj, which quantizes the input dynamically where these take "
+                                      "their static input_scale)"), schemes
 
 
 @pytest.mark.parametrize("write", ["a buffer (the cache)", "h"])
