@@ -772,15 +772,18 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no), with_kwargs=True)
              for fqn, module in experts]
 
-    last: dict[str, weakref.ref] = {}  # fqn -> the input last measured: a module's call is seen twice (its pre-hook,
-    # then its F.linear in _WeightReads), measured once (each .item() a GPU sync)
+    # fqn -> the input last measured, with the batch and the tensor's version: a module's call is seen twice (its
+    # pre-hook, then its F.linear in _WeightReads), measured once (each .item() a GPU sync); the same tensor again in
+    # another batch (a loader that refills one buffer) or after an in-place write is measured again
+    last: dict[str, tuple[weakref.ref, int, Optional[int]]] = {}
 
     def record(fqn: str, x: torch.Tensor) -> None:
         if x.numel() == 0:  # no rows this batch (an expert no token reached): nothing to measure
             return
-        if fqn in last and last[fqn]() is x:
+        stamp = (batch_no[0], None if x.is_inference() else x._version)  # (inference tensors keep no version)
+        if fqn in last and last[fqn][0]() is x and last[fqn][1:] == stamp:
             return
-        last[fqn] = weakref.ref(x)
+        last[fqn] = (weakref.ref(x), *stamp)
         _record(amax, fqn, x.detach().abs().max().float().item(), batch_no[0])
 
     linears = {fqn: module for fqn, module in modules if isinstance(module, nn.Linear)}

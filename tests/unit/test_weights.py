@@ -779,6 +779,38 @@ def test_prefix_names_a_model_quantized_part_by_part(caplog):
     assert sites == {"blocks.0.0": True, "blocks.0.2": True, "blocks.1.0": True, "blocks.1.2": False}
 
 
+def test_calibrate_measures_a_refilled_input_buffer_in_every_batch():
+    """A loader that refills one tensor for each batch (buf.copy_(next); yield buf), read directly by the first
+    layer: calibrate skipped a tensor that was the one it measured last (its pre-hook and its F.linear see one call
+    twice), across batches too, and kept the first batch's amax (3.3 of 325). A layer called twice in one batch on
+    a tensor written in place in between is measured after the write too."""
+    model = _mlp()
+    batches = [torch.randn(4, 128, dtype=torch.bfloat16) * s for s in (1.0, 100.0, 10.0)]
+    buf = torch.empty_like(batches[0])
+
+    def refilled():
+        for b in batches:
+            buf.copy_(b)
+            yield buf
+
+    scales = fp8fx.calibrate(model, refilled())
+    want = max(b.float().abs().max().item() for b in batches) / 448
+    assert scales["0"] == pytest.approx(want, rel=1e-6)
+
+    class Twice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+
+        def forward(self, x):
+            self.lin(x)
+            return self.lin(x.mul_(50))
+
+    x = torch.randn(2, 16)
+    want = x.abs().max().item() * 50 / 448
+    assert fp8fx.calibrate(Twice(), [x])["lin"] == pytest.approx(want, rel=1e-6)
+
+
 def test_calibrate_refuses_an_ignored_layers_entry_that_names_no_module():
     """The entry was taken (quantize_ refuses it): the layer meant to stay high precision would be measured, then
     quantized statically."""
