@@ -203,9 +203,11 @@ class Report:
             # one block of it was compiled: "0.q" for the block's "q"); the others' the compiled module's own names.
             # A tag of a site that was not rewritten covers that site's module only: an embedding whose weight a
             # tied lm_head (kept in bf16) shares is still listed, under its own name; a parametrized weight's
-            # parameters (weight_norm's original0 / original1) are their layer's
+            # parameters (weight_norm's original0 / original1) are their layer's; a model wrapped after quantize_
+            # (PEFT's get_peft_model) names the layer under its own root: base_model.model.<tag>
             tag = getattr(p, "_fp8fx_fqn", None)
-            if tag in rewritten or ran(tag, p) and (owner == tag or owner.startswith(f"{tag}.parametrizations.")):
+            if tag in rewritten or ran(tag, p) and (owner == tag or owner.endswith(f".{tag}")
+                                                    or owner.startswith(f"{tag}.parametrizations.")):
                 continue
             # a weight's scales, and 2-D biases (Ernie-4.5-MoE's router's e_score_correction_bias [1, E]), are none
             if p.dim() >= 2 and not ran(owner, p) and not leaf.endswith(("_scale", "_scale_inv", "bias")):

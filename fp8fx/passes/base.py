@@ -197,12 +197,17 @@ _GLOBAL_ROOT = re.compile(r"^G(\[[^\]]+\])+\.?")
 _GETATTR = re.compile(r"getattr\(([^()]*), ['\"]([^'\"]+)['\"]\)")
 
 
+# a module's dict read as such: PEFT's PeftModel reaches its base model through __getattr__, which Dynamo names
+# "L['self'].__dict__['_modules']['base_model']"
+_DICT = re.compile(r"\.__dict__\[['\"](_modules|_parameters|_buffers)['\"]\]\[['\"]([^'\"]+)['\"]\]")
+
+
 def module_path(node: fx.Node) -> Optional[str]:
     """FQN of the innermost module whose forward created ``node`` (from Dynamo's nn_module_stack)."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return None
-    path = list(stack.values())[-1][0]
+    path = _DICT.sub(r".\2", list(stack.values())[-1][0])
     # a module Dynamo reached by attribute (a global model called through torch.func.functional_call:
     # "getattr(G['m1'], '0')"): the dotted path under that model, as for the compiled module's own ("L['self']")
     while (flat := _GETATTR.sub(r"\1.\2", path)) != path:
@@ -228,6 +233,7 @@ def _after_root(node: fx.Node) -> Optional[str]:
     """Dynamo's name of the input a placeholder is, after its root (``L['self']``), as ``._modules['l']...``; None
     for any other node or input."""
     name = compat.input_source(node) if isinstance(node, fx.Node) and node.op == "placeholder" else None
+    name = _DICT.sub(r".\1['\2']", name) if name else None
     root = _ROOT.match(name) if name else None
     return None if root is None else "." + name[root.end():].lstrip(".")
 

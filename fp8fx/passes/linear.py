@@ -26,6 +26,7 @@ import dataclasses
 import inspect
 import logging
 import operator
+import re
 from typing import Any, Optional
 
 import torch
@@ -316,6 +317,8 @@ def _mixed_dtypes(node: fx.Node, x, w, bias) -> str:
 
 
 MIXED_DTYPES = "dtypes differ"
+# LoRA's adapter layers in a PEFT model: <layer>.lora_A.<adapter name>
+_PEFT_ADAPTER = re.compile(r"\.(lora_A|lora_B)\.[^.]+$")
 
 
 def _refuse_mixed_dtypes(fqn: str, x: fx.Node, w: fx.Node) -> None:
@@ -753,6 +756,10 @@ class LinearPass(Fp8Pass):
                 return (f"weight is {of} dequantized in eager code and passed in as a tensor, not the fp8 layer's "
                         "codes: computed with the dequantized weight; call the layer (or read its weight) inside the "
                         "compiled code")
+            adapter = _PEFT_ADAPTER.search(fqn)
+            if adapter:  # (quantize_ tags the adapters of a PEFT model it is given: these came after it)
+                return (f"{NOT_QUANTIZED}an adapter layer (PEFT's {adapter.group(1)}) added after quantize_: adapters "
+                        "stay in high precision, their base_layer is quantized")
             return ("weight is not an fp8fx-quantized weight (run fp8fx.quantize_ or load an fp8 checkpoint: they "
                     "quantize nn.Linear layers and experts modules, not a parameter another module reads by F.linear)")
         wv = fake_value(w)

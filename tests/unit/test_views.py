@@ -160,6 +160,30 @@ def test_peft_merge_into_fp8_layers_is_refused_and_changes_nothing():
         assert torch.equal(adapted(input_ids=ids).logits, want)
 
 
+def test_adapters_added_after_quantize_are_reported_as_adapters_under_their_names():
+    """quantize_, then get_peft_model (adapters trained on an fp8 base): the adapters' sites were named
+    "__dict__._modules.base_model.__dict__._modules.model...lora_A.default" (Dynamo reads PeftModel's base model
+    through its __dict__), said "run fp8fx.quantize_" (which had run), and unhandled_weights listed the ignored
+    lm_head, which ran, under the wrapper's name. They are named as the PeftModel names them, reported as adapters."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    adapted = peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"])).eval()
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(adapted, backend=backend)(input_ids=torch.randint(0, 128, (1, 8)))
+    names = dict(adapted.named_modules())
+    lora = [s for s in backend.report.sites if ".lora_" in s.fqn]
+    assert len(lora) == 4 and all(s.fqn in names and not s.rewritten for s in lora), [s.fqn for s in lora]
+    assert all(s.reason.startswith("not quantized: an adapter layer (PEFT's lora_") for s in lora), lora[0].reason
+    assert [n for n, *_ in backend.report.unhandled_weights(adapted)] == ["base_model.model.model.embed_tokens.weight"]
+    fp8fx.testing.assert_rewritten(backend, "model.layers.*_proj")
+
+
 def test_compiled_graphs_see_no_subclass():
     """Under torch.compile the view is a plain tensor: the linear pass rewrites the layers as before, in one graph. A
     weight read in eager code and passed to a compiled function compiles (Dynamo followed ``_base`` of a view whose
