@@ -169,6 +169,7 @@ def quantize_(
     moe.tag_routers(model, decide.routers, prefix)
     method = Fp8LinearMethod(config)
     undo = _Undo(model, resume, len(plan) + len(experts) + len(done), len(done), untagged, plan + experts)
+    del untagged  # (it holds every parameter: each bf16 weight is freed as its layer is quantized, not at the end)
     for fqn, module in plan:
         with undo.layer(fqn, module):
             remember_trainable(module)
@@ -256,7 +257,9 @@ class _Undo:
     def __init__(self, model: nn.Module, key: tuple, total: int, done: int, untagged: dict,
                  planned: list[tuple[str, nn.Module]]):
         self.model, self.key, self.total, self.done = model, key, total, done
-        self.untagged = untagged  # the model's tensors' fp8fx tags before this call (_tags_of)
+        # the model's tensors' fp8fx tags before this call (_tags_of), put back where the first layer fails: dropped
+        # once a layer is done, for it holds every parameter (the bf16 model and the fp8 one were both kept to the end)
+        self.untagged = untagged if not done else None
         self.planned = planned  # the layers and experts modules this call quantizes, in its order
 
     @contextlib.contextmanager
@@ -297,6 +300,7 @@ class _Undo:
                     "fp8 by now: call quantize_ again with the same arguments to finish (it goes on from there)")
             raise
         self.done += 1
+        self.untagged = None
 
 
 class LinearDecider:

@@ -811,6 +811,25 @@ def test_calibrate_measures_a_refilled_input_buffer_in_every_batch():
     assert fp8fx.calibrate(Twice(), [x])["lin"] == pytest.approx(want, rel=1e-6)
 
 
+def test_quantize_frees_each_bf16_weight_before_the_next_layer(monkeypatch):
+    """quantize_ promises each layer's bf16 weight is released before the next layer starts; the tags it kept to
+    undo a failure at the first layer held every parameter to the end: the bf16 and the fp8 model at once (a peak
+    RSS rise of 72 MiB for a 128 MiB bf16 model, 23 MiB with the tags dropped once a layer is done)."""
+    model = nn.Sequential(*[nn.Linear(64, 64, bias=False) for _ in range(4)]).to(torch.bfloat16)
+    first = weakref.ref(model[0].weight)
+    alive = []
+    create = Fp8LinearMethod.create_weights
+
+    def spying(self, layer, *args, **kwargs):
+        gc.collect()  # (only references count, not a collection that did not run)
+        alive.append(first() is not None)
+        return create(self, layer, *args, **kwargs)
+
+    monkeypatch.setattr(Fp8LinearMethod, "create_weights", spying)
+    fp8fx.quantize_(model)
+    assert alive == [True, False, False, False]
+
+
 def test_calibrate_refuses_an_ignored_layers_entry_that_names_no_module():
     """The entry was taken (quantize_ refuses it): the layer meant to stay high precision would be measured, then
     quantized statically."""
