@@ -273,19 +273,22 @@ def load_checkpoint(
             "the built model with input_scales=fp8fx.calibrate(model, batches, config)"
         )
     loader = _Loader(model, fmt, torch.device(device), dict(FUSED if fused is None else fused))
-    loader.plan(entries)
-    report = LoadReport(path, fmt.describe())
-    loader.stream(files, report, progress)
-    loader.finish(report)
-    loader.commit(report)
+    try:
+        loader.plan(entries)
+        report = LoadReport(path, fmt.describe())
+        loader.stream(files, report, progress)
+        loader.finish(report)
+        loader.commit(report)
+        modules, kv_declared = loader.modules, loader.kv_declared
+    finally:
+        loader.close()
     if not fmt.config.is_checkpoint_fp8_serialized and not report.quantized and not report.experts:
         # (quantize_ warns so too: asked for fp8, the model is all high precision)
-        log.warning("fp8fx: %s", nothing_quantized("load_checkpoint", model, report.not_quantized,
-                                                   loader.modules.items()))
+        log.warning("fp8fx: %s", nothing_quantized("load_checkpoint", model, report.not_quantized, modules.items()))
     # the format as stored (config.json's quant_method; a config= passed here says how it was read, not what it is:
     # save_checkpoint's default format is this one)
     stored = (config_json.get("quantization_config") or {}).get("quant_method") if fmt.from_user else fmt.name
-    model._fp8fx_source = {"format": stored, "config": config_json, "kv_cache": loader.kv_declared}
+    model._fp8fx_source = {"format": stored, "config": config_json, "kv_cache": kv_declared}
     guard_casts(model)
     from fp8fx.checkpoint import pretrained  # (it imports this module)
 
@@ -356,6 +359,14 @@ class _Loader:
         self.kept = kept_by_the_model(model)
         self.moe = ExpertsLoader(self.modules, fmt, device, self.items)
         self.moe.missing_fix = self._missing_fix
+
+    def close(self) -> None:
+        """Drops what the loader holds - the model, its tensors from before the load (``state``), the staged ones -
+        which its bound method in ``moe`` and the planned items' closures keep in a cycle: the old weights of a model
+        built with real ones, and a failed load's staged tensors, stayed alive until Python's cyclic collector ran
+        (the model too, after ``del model``)."""
+        vars(self.moe).clear()
+        vars(self).clear()
 
     # --- 1. plan -----------------------------------------------------------------------------
     def plan(self, entries: dict[str, Entry]) -> None:

@@ -1152,6 +1152,41 @@ def test_a_bias_for_a_layer_without_one_is_refused(tmp_path):
     assert model.lm_head.weight.is_meta and model.lm_head.bias is None  # nothing loaded
 
 
+def test_a_load_leaves_no_cycle_that_holds_the_model_or_its_tensors(tmp_path):
+    """The loader's bound method in its experts loader and its planned closures made a cycle holding the model, its
+    tensors from before the load and the staged ones: a model built with real weights kept every old bf16 weight
+    after the load returned, a loaded model outlived ``del model``, and a load that failed late kept its staged fp8
+    tensors, each until Python's cyclic collector ran (disabled here, so that only references count)."""
+    import gc
+    import weakref
+
+    state = bf16_state()
+    path = write_checkpoint(tmp_path / "c", state)
+    bad = dict(state, **{"model.layers.1.mlp.down_proj.weight": torch.full_like(
+        state["model.layers.1.mlp.down_proj.weight"], float("nan"))})
+    bad_path = write_checkpoint(tmp_path / "bad", bad)
+
+    def fp8_tensors() -> int:
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dtype == torch.float8_e4m3fn)
+
+    gc.collect()
+    gc.disable()
+    try:
+        model = Tiny().bfloat16()
+        old = weakref.ref(model.model.layers[0].mlp.up_proj.weight)
+        load_checkpoint(model, path, progress=False)
+        assert is_quantized(model.model.layers[0].mlp.up_proj) and old() is None
+        loaded = weakref.ref(model)
+        del model
+        assert loaded() is None
+        before = fp8_tensors()
+        with pytest.raises(CheckpointError, match="NaN"):
+            load_checkpoint(meta_tiny(), bad_path, progress=False)
+        assert fp8_tensors() == before
+    finally:
+        gc.enable()
+
+
 def test_tied_weights(tmp_path):
     """lm_head tied to embed_tokens: the checkpoint holds one of them; lm_head is not quantized
     (its weight is the embedding) and both names keep sharing one tensor."""
