@@ -638,10 +638,24 @@ def _transposing_view(src: torch.Tensor, out: torch.Tensor) -> bool:
 
 
 def _takes_keywords(model: nn.Module, batch: Mapping) -> bool:
-    """``model(**batch)`` binds to the forward's parameters (else the mapping is one argument)."""
+    """``model(**batch)`` binds to the forward's parameters (else the mapping is one argument, for a forward that
+    takes one dict). A mapping some of whose keys name the forward's parameters is refused where it does not bind
+    (a tokenizer's attention_mask for a forward(input_ids)): it went to the model as one argument, and failed in
+    torch, or in the hooks, naming nothing."""
     try:
-        inspect.signature(model.forward).bind(**batch)
+        signature = inspect.signature(model.forward)
     except (TypeError, ValueError):
+        return False
+    try:
+        signature.bind(**batch)
+    except TypeError as e:
+        named = [k for k in batch if isinstance(k, str) and k in signature.parameters]
+        if named:
+            others = [k for k in batch if k not in signature.parameters]
+            raise ValueError(
+                f"calibrate: a batch's keys {list(batch)} do not bind to {type(model).__name__}.forward{signature} "
+                f"({e}); drop the keys it does not take{f' ({others})' if others else ''}, or give each batch as the "
+                "forward takes it") from None
         return False
     return True
 

@@ -205,6 +205,13 @@ def test_calibrate_runs_in_eval_mode_and_takes_any_batch():
             return self.a(batch["x"])
 
     assert fp8fx.calibrate(DictNet(), [{"x": x}])["a"] == pytest.approx(x.abs().max().item() / 448)
+    # a dict of keywords with one the forward does not take (a tokenizer's attention_mask): it went in as one
+    # argument, and failed in the model ("'dict' object has no attribute 'numel'"), naming no key
+    model.train()
+    with pytest.raises(ValueError, match=r"calibrate: a batch's keys \['x', 'mask'\] do not bind to "
+                                         r"Net.forward\(x, scale=1.0\) .*drop the keys it does not take \(\['mask'\]\)"):
+        fp8fx.calibrate(model, [{"x": x, "mask": x}])
+    assert model.training and not model.a._forward_pre_hooks  # put back as it was
 
 
 def test_misspelt_names_are_refused_unchanged():
