@@ -396,7 +396,10 @@ def _shown(names: list[str]) -> str:
 
 
 def did_you_mean(name: str, names: Iterable[str]) -> str:
-    close = difflib.get_close_matches(name, list(names), n=1)
+    """The closest of ``names``, or the one ending in ``.name`` (``lm_head`` of a PEFT model, whose name is
+    ``base_model.model.lm_head``: too far for difflib)."""
+    names = list(names)
+    close = difflib.get_close_matches(name, names, n=1) or [n for n in names if n.endswith(f".{name}")][:1]
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 

@@ -223,6 +223,11 @@ def test_misspelt_names_are_refused_unchanged():
                                          r"quantized\)"):
         fp8fx.quantize_(headed, Fp8Config(ignored_layers=["body.3", "lm_haed"]))
     assert not any(fp8fx.weights.is_quantized(m) for m in headed.modules())
+    # the model's own name of a wrapped model's layer (PEFT's base_model.model.lm_head): too far for difflib
+    wrapped = nn.Sequential(collections.OrderedDict(base_model=nn.Sequential(collections.OrderedDict(model=headed))))
+    with pytest.raises(ValueError, match=r"'lm_head' names no module of this Sequential \(did you mean "
+                                         r"'base_model.model.lm_head'\?\)"):
+        fp8fx.quantize_(wrapped, Fp8Config(ignored_layers=["lm_head"]))
     fp8fx.quantize_(headed, Fp8Config(ignored_layers=["body.3", "lm_head"]))  # a prefix or an exact name
     assert fp8fx.weights.is_quantized(headed.body[0]) and not fp8fx.weights.is_quantized(headed.lm_head)
     model = _mlp()
