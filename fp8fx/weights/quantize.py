@@ -782,7 +782,9 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     batch_no = [0]
     modules = [(fqn, m) for fqn, m in named if not config.is_ignored(fqn)]
     # (skip_reason leaves out the experts quantize_ keeps bf16, an act_fn fused_moe does not compute among them)
-    experts = [(fqn, m) for fqn, m in modules if moe.is_any_experts(m) and moe.skip_reason(m, fqn, config) is None]
+    # (fp8 experts too: a model quantized with dynamic activations, calibrated for static ones; its fp8 linears are)
+    experts = [(fqn, m) for fqn, m in modules if moe.is_any_experts(m) and (
+        moe.is_quantized_experts(m) or moe.skip_reason(m, fqn, config) is None)]
     for fqn, m in experts:  # (gated experts with none are measured with SiLU; ungated ones have no default)
         if moe.is_ungated_experts(m) and getattr(m, "act_fn", None) is None:
             raise ValueError(

@@ -687,6 +687,10 @@ def test_calibrate_measures_experts_without_an_act_fn_with_silu():
     del model.experts.act_fn
     fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales=plain)
     assert is_quantized_experts(model.experts)
+    # the fp8 model measured again (its fp8 linears are): its fp8 experts were left out, silently
+    again = fp8fx.calibrate(model, [batch])
+    assert sorted(again) == sorted(plain) and again["experts.gate_up_proj"] == plain["experts.gate_up_proj"]
+    assert again["experts.down_proj"] == pytest.approx(plain["experts.down_proj"], rel=0.1)  # (the fp8 weights')
 
 
 def test_router_rule_takes_only_expert_by_hidden_weights():
