@@ -32,6 +32,7 @@ from typing import Any, Optional
 import torch
 import torch.nn.functional as F
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
@@ -543,6 +544,25 @@ _RETURNS_INPUT = {F.dropout, torch.dropout, F.alpha_dropout, torch.alpha_dropout
                   torch.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d}
 
 
+def _same_tensor(node: fx.Node) -> fx.Node:
+    """The node whose tensor ``node``'s is, through ops that return their input as it is (``x.contiguous()`` of a
+    contiguous x, ``x.to(its dtype)``, ``x.detach()``, ``x[:]``): one memory, offset, shape, strides and dtype, so one
+    value at every point of the graph, whatever is written into either."""
+    while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node):
+        src = node.args[0]
+        a, b = fake_value(node), fake_value(src)
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype or a.dim() != b.dim():
+            break
+        if not all(statically_known_true(i == j) for i, j in zip((*a.shape, *a.stride(), a.storage_offset()),
+                                                                 (*b.shape, *b.stride(), b.storage_offset()))):
+            break  # (sizes may be symbolic: equal where they are known to be, without a guard)
+        memory = _storage(node)
+        if memory is None or memory != _storage(src):
+            break
+        node = src
+    return node
+
+
 def _storage(node) -> Optional[StorageWeakRef]:
     """The memory of ``node``'s fake tensor (views share their base's; ``_RETURNS_INPUT``'s outputs their input's);
     None where the node records none, or its tensor has no storage of its own: functorch's tensors in a
@@ -793,7 +813,8 @@ class LinearPass(Fp8Pass):
     def _quantize(graph, x: fx.Node, input_scale, act_block, site: fx.Node, quantized: dict) -> tuple[fx.Node, fx.Node]:
         """Nodes (xq, x_scale) quantizing ``x``, inserted before its first rewritten consumer ``site``
         and shared by the later ones (through ``quantized``, one graph's cache)."""
-        key = (x, input_scale, tuple(act_block))
+        # (q_proj(x), k_proj(x.contiguous()): one quantization, so one fused GEMM; the first quantizes what it read)
+        key = (_same_tensor(x), input_scale, tuple(act_block))
         if key in quantized:
             return quantized[key]
         with graph.inserting_before(site):

@@ -228,6 +228,38 @@ def compile_fused(model, x):
     return {(s.fqn, i): s.scheme for i, s in enumerate(backend.report.sites)}, out
 
 
+class AliasedQKV(BiasedQKV):
+    """k / v read their input through ops that return it as it is; ``view`` reads it in another shape."""
+
+    def __init__(self, read):
+        super().__init__()
+        self.read = read
+
+    def forward(self, x):
+        return self.q_proj(x), self.k_proj(self.read(x)), self.v_proj(x.detach())
+
+
+@pytest.mark.parametrize("read", ["contiguous", "same dtype", "view"])
+def test_shards_reading_their_input_through_a_no_op_are_fused(read):
+    """q_proj(x), k_proj(x.contiguous()), v_proj(x.detach()): the one tensor, read through ops that return it as it
+    is, was quantized once for each and the GEMMs left apart, saying nothing. They share one quantization and one
+    GEMM; a view of another shape stays its own GEMM."""
+    fn = {"contiguous": lambda x: x.contiguous(), "same dtype": lambda x: x.to(x.dtype),
+          "view": lambda x: x.view(-1, 64)}[read]
+    torch.manual_seed(0)
+    model = AliasedQKV(fn).to(torch.bfloat16)
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = [y.double() for y in copy.deepcopy(model).double()(x.double())]
+    fp8fx.quantize_(model)
+    schemes, out = compile_fused(model, x)
+    assert all(rel_err(a.reshape(b.shape), b) < 0.05 for a, b in zip(out, want))
+    if read == "view":
+        assert _fused(schemes[("q_proj", 0)], "q_proj,v_proj") and "fused" not in schemes[("k_proj", 1)], schemes
+    else:
+        assert all(_fused(scheme, "q_proj,k_proj,v_proj") for scheme in schemes.values()), schemes
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_under_autocast(dtype):
     """Under torch.autocast the compile failed: the concatenation of the shards' fp8 weights ran under it
