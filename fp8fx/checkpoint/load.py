@@ -302,7 +302,7 @@ def _pending_ties(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
     ``model.embed_tokens.weight`` where the config says ``tie_word_embeddings``): accelerate's
     ``init_empty_weights`` builds the model untied, and ``from_pretrained`` ties it after loading, so the checkpoint
     holds the source alone ("lm_head.weight is missing" was the error). Only targets still on meta, which nothing
-    else would give a value; loaded as one tensor under both names, as a tied model is."""
+    else would give a value (``_Loader._tie_pending``)."""
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
     try:
         ties = expand(all_submodels=True) if callable(expand) else {}
@@ -327,8 +327,6 @@ class _Loader:
             )
         # state_dict key -> tensor, and tied tensors grouped: id -> every key naming it
         self.state = model.state_dict(keep_vars=True)
-        for target, source in _pending_ties(model, self.state).items():  # (tied at commit, as transformers would)
-            self.state[target] = self.state[source]
         self.aliases: dict[int, list[str]] = {}
         for key, t in self.state.items():
             self.aliases.setdefault(id(t), []).append(key)
@@ -360,6 +358,20 @@ class _Loader:
         self.moe = ExpertsLoader(self.modules, fmt, device, self.items)
         self.moe.missing_fix = self._missing_fix
 
+    def _tie_pending(self, entries: dict[str, Entry]) -> None:
+        """Each of ``_pending_ties`` that the checkpoint holds only the source of becomes an alias of the source, as
+        tied tensors are: loaded once, the target layer reported as tied (not quantized), and both names given the
+        one tensor at commit; a checkpoint that holds the target too loads it as its own (as transformers does,
+        which ties only what the checkpoint leaves out)."""
+        for target, source in _pending_ties(self.model, self.state).items():
+            if target in entries or source not in entries:
+                continue
+            old = self.state[target]
+            keys = self.aliases[id(self.state[source])]
+            keys += self.aliases.pop(id(old))
+            self.state[target] = self.state[source]
+            self.aliases[id(old)] = keys  # (the target layer's own parameter, which the plan looks up, names both)
+
     def close(self) -> None:
         """Drops what the loader holds - the model, its tensors from before the load (``state``), the staged ones -
         which its bound method in ``moe`` and the planned items' closures keep in a cycle: the old weights of a model
@@ -371,6 +383,7 @@ class _Loader:
     # --- 1. plan -----------------------------------------------------------------------------
     def plan(self, entries: dict[str, Entry]) -> None:
         self.entries = entries
+        self._tie_pending(entries)
         self._find_linears(entries)
         self.moe.find(entries)
         used: set[str] = set()

@@ -1212,6 +1212,7 @@ def test_a_transformers_model_built_untied_is_tied_as_its_config_says(tmp_path):
                                       num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
     torch.manual_seed(0)
     source = transformers.LlamaForCausalLM(config).bfloat16()
+    source.save_pretrained(tmp_path / "bf16")  # (tied: the embeddings alone)
     fp8fx.quantize_(source, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
     fp8fx.save_checkpoint(source, tmp_path / "c")
 
@@ -1227,6 +1228,18 @@ def test_a_transformers_model_built_untied_is_tied_as_its_config_says(tmp_path):
     ids = torch.randint(0, 64, (1, 5))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, source(ids).logits)
+    model = untied()  # quantized as it loads (the lm_head's plan looked up its untied weight: a KeyError)
+    report = load_checkpoint(model, tmp_path / "bf16", fp8fx.Fp8Config(), progress=False)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert report.not_quantized == {"lm_head": "weight tied to model.embed_tokens.weight"}
+    # a checkpoint that holds its own lm_head (saved untied) loads it as its own, as transformers does
+    untied_state = dict(safetensors_torch.load_file(tmp_path / "bf16" / "model.safetensors"))
+    untied_state["lm_head.weight"] = torch.randn_like(untied_state["model.embed_tokens.weight"])
+    model = untied()
+    load_checkpoint(model, write_checkpoint(tmp_path / "own", untied_state),
+                    fp8fx.Fp8Config(ignored_layers=["lm_head"]), progress=False)
+    assert torch.equal(model.lm_head.weight, untied_state["lm_head.weight"])
+    assert model.lm_head.weight is not model.model.embed_tokens.weight
     config.tie_word_embeddings = False
     with pytest.raises(CheckpointError, match="lm_head.weight is missing from the checkpoint"):
         load_checkpoint(untied(), tmp_path / "c", progress=False)
