@@ -133,6 +133,7 @@ def quantize_(
                 f"{fqn}.weight has {bad} NaN/Inf values; fix the weights or add {fqn!r} to ignored_layers "
                 "(nothing was quantized)"
             )
+    w = None  # (the last layer's bf16 weight: freed when that layer is quantized, not when quantize_ returns)
     for fqn, module in experts:
         for name in (moe.w13_name(module), moe.W2):
             if module._parameters[name].is_meta:
@@ -399,7 +400,11 @@ def did_you_mean(name: str, names: Iterable[str]) -> str:
     """The closest of ``names``, or the one ending in ``.name`` (``lm_head`` of a PEFT model, whose name is
     ``base_model.model.lm_head``: too far for difflib)."""
     names = list(names)
-    close = difflib.get_close_matches(name, names, n=1) or [n for n in names if n.endswith(f".{name}")][:1]
+    close = difflib.get_close_matches(name, names, n=1)
+    ends = [n for n in names if n.endswith(f".{name}")]
+    if not close and len(ends) > 1:  # (q_proj of every layer: one of them would be no answer)
+        return f" (the last part of {len(ends)} names, {ends[0]!r} ...: each by its full name)"
+    close = close or ends
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -655,10 +660,10 @@ def _takes_keywords(model: nn.Module, batch: Mapping) -> bool:
         named = [k for k in batch if isinstance(k, str) and k in signature.parameters]
         if named:
             others = [k for k in batch if k not in signature.parameters]
+            fix = f"drop the keys it does not take ({others})" if others else "give each batch the arguments it lacks"
             raise ValueError(
                 f"calibrate: a batch's keys {list(batch)} do not bind to {type(model).__name__}.forward{signature} "
-                f"({e}); drop the keys it does not take{f' ({others})' if others else ''}, or give each batch as the "
-                "forward takes it") from None
+                f"({e}); {fix}, or give each batch as the forward takes it") from None
         return False
     return True
 
