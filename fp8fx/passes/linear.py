@@ -584,11 +584,16 @@ def _may_alias(x: fx.Node, written: Optional[list], inputs: set) -> bool:
     where x was computed in this graph - its memory is none of the graph inputs' (``inputs``: two inputs may share
     memory on a later call though they did not when Dynamo traced; a computed tensor cannot share an input's) - and
     no written tensor is a view of it. So a KV cache written between q/k/v's projections (``k_cache[..] = k`` before
-    ``v_proj(h)``) leaves h's quantization to v; ``h.mul_(2)`` or a write into a view of h does not."""
+    ``v_proj(h)``) leaves h's quantization to v; ``h.mul_(2)`` or a write into a view of h does not. Where x is a
+    graph input (an attention module compiled alone), a write into a tensor computed in the graph (``q.mul_(scale)``
+    of the GEMM output) cannot reach it either."""
     mine = _storage(x)
-    if written is None or mine is None or mine in inputs:
+    if written is None or mine is None:
         return True
-    return any((theirs := _storage(w)) is None or theirs == mine for w in written)
+    theirs = [_storage(w) for w in written]
+    if mine in inputs:
+        return any(t is None or t in inputs for t in theirs)
+    return any(t is None or t == mine for t in theirs)
 
 
 def _inplace_positional(node: fx.Node) -> bool:

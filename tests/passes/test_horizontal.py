@@ -228,6 +228,29 @@ def compile_fused(model, x):
     return {(s.fqn, i): s.scheme for i, s in enumerate(backend.report.sites)}, out
 
 
+class ScaledQ(BiasedQKV):
+    def forward(self, x):
+        q = self.q_proj(x)
+        q.mul_(0.125)  # (into the GEMM's output: it cannot reach x)
+        return q, self.k_proj(x), self.v_proj(x)
+
+
+def test_a_write_into_a_computed_tensor_keeps_a_graph_input_s_shards_fused():
+    """q.mul_(scale) between q_proj(x) and k_proj(x), x the graph's input (an attention module compiled alone):
+    any write was taken to reach an input, and q was left apart, "with an in-place write that may reach it". A
+    tensor computed in the graph cannot share an input's memory: one GEMM, the same numbers; a write into x itself
+    still keeps them apart."""
+    torch.manual_seed(0)
+    model = ScaledQ().to(torch.bfloat16)
+    x = torch.randn(5, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = [y.double() for y in copy.deepcopy(model).double()(x.double())]
+    fp8fx.quantize_(model)
+    schemes, out = compile_fused(model, x)
+    assert all(_fused(scheme, "q_proj,k_proj,v_proj") for scheme in schemes.values()), schemes
+    assert all(rel_err(a, b) < 0.05 for a, b in zip(out, want))
+
+
 class AliasedQKV(BiasedQKV):
     """k / v read their input through ops that return it as it is; ``view`` reads it in another shape."""
 
