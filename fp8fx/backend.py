@@ -229,6 +229,12 @@ class Fp8Backend:
         self.pass_manager = PassManager(passes, options)
         self.report = Report()
 
+    def __deepcopy__(self, memo) -> "Fp8Backend":
+        """The backend itself: a copy would compile with a report of its own, which the user never sees.
+        transformers' ``CompileConfig(backend=...)`` deep-copies its fields before it hands them to torch.compile
+        (``generate`` with a static cache), and the report of the backend given stayed empty."""
+        return self
+
     def cache_key(self) -> str:
         """Changes whenever a pass's source or an option changes (fed to Inductor's FX-graph cache)."""
         return self.pass_manager.uuid()

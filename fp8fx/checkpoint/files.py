@@ -21,6 +21,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"  # (transformers' GenerationConfig: written by save_checkpoint too)
 MODELOPT_CONFIG = "hf_quant_config.json"  # ModelOpt's quantization config of older exports (read_config)
 INDEX_SUFFIX = ".safetensors.index.json"
 

@@ -19,8 +19,8 @@ from torch import nn
 from fp8fx import quant
 from fp8fx.checkpoint import experts as moe_ckpt
 from fp8fx.checkpoint import formats, renames
-from fp8fx.checkpoint.files import CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config, read_tensor
-from fp8fx.checkpoint.files import read_json, write_file
+from fp8fx.checkpoint.files import CONFIG, GENERATION_CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config
+from fp8fx.checkpoint.files import read_json, read_tensor, write_file
 from fp8fx.checkpoint.load import FUSED, LoadReport, _Loader, _looks_like_scale, _progress, check_checkpoint_ignores
 from fp8fx.checkpoint.load import compare_tied
 from fp8fx.checkpoint.load import output_embeddings
@@ -114,7 +114,7 @@ def save_checkpoint(
                     "one they load", head, head)
     config_text = _config_text(config_json, qc, "save_checkpoint")  # refused before any file is written
     _warn_per_tensor_fp8(qc, "save_checkpoint", "format='compressed-tensors'")
-    _write_checkpoint(path, tensors, max_shard_size, config_text)
+    _write_checkpoint(path, tensors, max_shard_size, config_text, _generation_text(model))
     log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
     return qc
 
@@ -444,10 +444,23 @@ def _with_vllm_expert_names(schemes: dict[str, Any], ignored: list[str], names: 
             [*ignored, *(more[n] for n in ignored if n in more)])
 
 
+def _generation_text(model: nn.Module) -> Optional[str]:
+    """generation_config.json of a transformers model that generates, as ``save_pretrained`` writes it (its
+    differences from the defaults: eos_token_id, sampling settings), which ``from_pretrained``, ``meta_model`` and
+    vLLM read; None for any other model."""
+    generation = getattr(model, "generation_config", None)
+    can_generate = getattr(model, "can_generate", None)
+    if generation is None or not hasattr(generation, "to_json_string") or not (callable(can_generate)
+                                                                               and can_generate()):
+        return None
+    return generation.to_json_string(use_diff=True)
+
+
 def _write_checkpoint(path: str, tensors: Mapping[str, torch.Tensor], max_shard_size: Optional[int],
-                      config_text: str) -> None:
+                      config_text: str, generation_text: Optional[str] = None) -> None:
     """Write the shards (one file, or files of at most ``max_shard_size`` bytes), the index where there are several,
-    and config.json: the only step that writes anything, run once every check has passed."""
+    config.json and generation_config.json (where the model has one): the only step that writes anything, run once
+    every check has passed."""
     shards = [tensors] if max_shard_size is None else _split(tensors, max_shard_size)
     weight_map: dict[str, str] = {}
     total = 0
@@ -457,6 +470,8 @@ def _write_checkpoint(path: str, tensors: Mapping[str, torch.Tensor], max_shard_
             total += _write_shard(stage, file, shard, weight_map)
         _write_index(stage, weight_map, total)
         _write_text(stage, CONFIG, config_text)
+        if generation_text is not None:
+            _write_text(stage, GENERATION_CONFIG, generation_text)
 
 
 def _unwrapped(name: str) -> str:
@@ -731,8 +746,14 @@ def meta_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = Non
                     and isinstance(cfg, c.config_class)), None)
         with torch.device("meta"):
             if cls is not None:  # (the class the checkpoint was saved from: its names are the checkpoint's)
-                return cls._from_config(cfg, dtype=dtype).eval()
-            return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+                model = cls._from_config(cfg, dtype=dtype).eval()
+            else:
+                model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
+        # generation_config.json, as from_pretrained reads it (its eos_token_id, sampling settings: generate() ran
+        # with the defaults built from config.json)
+        if os.path.isfile(os.path.join(os.fspath(path), GENERATION_CONFIG)) and model.can_generate():
+            model.generation_config = transformers.GenerationConfig.from_pretrained(os.fspath(path))
+        return model
     except Exception as e:  # noqa: BLE001 - named for the user below, the original chained
         first = (str(e).strip().splitlines() or [""])[0]
         raise CheckpointError(f"{where}: transformers cannot build the model it describes ({type(e).__name__}: "

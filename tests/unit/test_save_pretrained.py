@@ -183,3 +183,28 @@ def test_models_without_fp8_layers_or_save_pretrained_are_left_alone():
     model = tiny()
     fp8fx.quantize_(model.model.layers[0], prefix="model.layers.0")
     assert "save_pretrained" not in vars(model) and "save_pretrained" not in vars(model.model.layers[0])
+
+
+def test_the_generation_config_is_saved_and_read_back(tmp_path):
+    """save_checkpoint wrote config.json alone, and meta_model built the model's generation config from config.json
+    (from_pretrained reads generation_config.json): an instruct model's eos_token_id and sampling settings were lost,
+    and generate() ran past its end of sequence. save_checkpoint writes the model's, as save_pretrained does, and
+    meta_model reads it."""
+    model = tiny()
+    model.generation_config.eos_token_id = [2, 53]
+    model.generation_config.do_sample, model.generation_config.temperature = True, 0.6
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    save_checkpoint(model, tmp_path / "c")
+    assert json.loads((tmp_path / "c" / "generation_config.json").read_text())["eos_token_id"] == [2, 53]
+    loaded = fp8fx.checkpoint.meta_model(tmp_path / "c")
+    assert loaded.generation_config.eos_token_id == [2, 53] and loaded.generation_config.temperature == 0.6
+    assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "c").generation_config.eos_token_id == [2, 53]
+
+
+def test_a_backend_deep_copied_by_transformers_fills_its_own_report():
+    """generate() with a static cache hands torch.compile a deep copy of CompileConfig's fields: the copy of the
+    Fp8Backend compiled, with a report of its own, and the one the user gave stayed empty."""
+    backend = fp8fx.Fp8Backend()
+    assert copy.deepcopy(backend) is backend
+    config = transformers.CompileConfig(backend=backend)
+    assert config.to_dict()["backend"] is backend
