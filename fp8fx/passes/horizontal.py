@@ -47,7 +47,7 @@ from torch import fx
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.config import granularity_from_block, weight_granularity_name
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
-from fp8fx.passes.linear import _may_alias, _mutates, _storage, _written
+from fp8fx.passes.linear import _may_alias, _mutates, _written, graph_inputs_memory
 from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
@@ -138,7 +138,7 @@ def static_epochs(graph: fx.Graph) -> dict[fx.Node, int]:
     statics = [n for n in graph.nodes if n.op == "call_function" and n.target is _STATIC]
     if len(statics) < 2:
         return dict.fromkeys(statics, 0)
-    inputs = {_storage(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")} - {None}
+    inputs = graph_inputs_memory(graph)
     writes = dict.fromkeys((n.args[0] for n in statics), 0)
     epochs = {}
     for node in graph.nodes:

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils import _pytree as pytree
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
@@ -480,14 +481,33 @@ _INPLACE_NAMES = ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "mat
                   "rshift")
 _INPLACE_OPERATORS = {getattr(operator, f"i{op}") for op in _INPLACE_NAMES}
 _INPLACE_DUNDERS = {f"__i{op}__" for op in _INPLACE_NAMES}  # h.__imul__(2), as a method call
-# higher-order ops that write none of their operands (torch forbids it in their bodies); any other - a user's
-# Triton kernel (``triton_kernel_wrapper_mutation``), one torch adds later - may write what it is given
-_PURE_HOPS = ("cond", "while_loop", "invoke_subgraph", "tag_activation_checkpoint", "wrap", "map_impl", "scan",
+# higher-order ops that run bodies of the graph's (its get_attr submodules) and write an operand only where a body
+# does (torch 2.13 lets cond's branches and a checkpointed function write theirs); any other - a user's Triton kernel
+# (``triton_kernel_wrapper_mutation``), one torch adds later - may write what it is given
+_BODY_HOPS = ("cond", "while_loop", "invoke_subgraph", "tag_activation_checkpoint", "wrap", "map_impl", "scan",
               "associative_scan", "flex_attention")
 
 
 def _writing_hop(node: fx.Node) -> bool:
-    return isinstance(node.target, torch._ops.HigherOrderOperator) and node.target.name() not in _PURE_HOPS
+    if not isinstance(node.target, torch._ops.HigherOrderOperator):
+        return False
+    return node.target.name() not in _BODY_HOPS or _body_writes(node)
+
+
+def _body_writes(node: fx.Node) -> bool:
+    """Whether a body the higher-order op ``node`` runs (a submodule its get_attr operands name) writes in place, or
+    cannot be read (then it may)."""
+    root = node.graph.owning_module
+    for a in pytree.tree_leaves((node.args, node.kwargs)):
+        if not (isinstance(a, fx.Node) and a.op == "get_attr"):
+            continue
+        try:
+            body = operator.attrgetter(a.target)(root)
+        except AttributeError:
+            return True
+        if isinstance(body, fx.GraphModule) and any(_mutates(n) for n in body.graph.nodes):
+            return True
+    return False
 
 
 def _mutates(node: fx.Node) -> bool:
@@ -544,11 +564,20 @@ _RETURNS_INPUT = {F.dropout, torch.dropout, F.alpha_dropout, torch.alpha_dropout
                   torch.feature_alpha_dropout, F.dropout1d, F.dropout2d, F.dropout3d}
 
 
+# ops that may return their input as it is (checked on the fake values: one memory, geometry and dtype)
+_ALIAS_METHODS = frozenset({"contiguous", "to", "type", "type_as", "float", "half", "bfloat16", "detach", "view",
+                            "view_as", "reshape"})
+_ALIAS_FUNCTIONS = (torch.detach, operator.getitem)
+
+
 def _same_tensor(node: fx.Node) -> fx.Node:
     """The node whose tensor ``node``'s is, through ops that return their input as it is (``x.contiguous()`` of a
-    contiguous x, ``x.to(its dtype)``, ``x.detach()``, ``x[:]``): one memory, offset, shape, strides and dtype, so one
-    value at every point of the graph, whatever is written into either."""
-    while node.op in ("call_function", "call_method") and node.args and isinstance(node.args[0], fx.Node):
+    contiguous x, ``x.to(its dtype)``, ``x.detach()``, ``x[:]``): one memory, offset, shape, strides, dtype and no
+    negative / conjugate bit, so one value at every point of the graph, whatever is written into either. Not in a
+    graph that calls ``set_``, which changes the memory its fake values record for every point of the graph."""
+    start = node
+    while (node.op == "call_method" and node.target in _ALIAS_METHODS or node.op == "call_function"
+           and node.target in _ALIAS_FUNCTIONS) and node.args and isinstance(node.args[0], fx.Node):
         src = node.args[0]
         a, b = fake_value(node), fake_value(src)
         if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.dtype != b.dtype or a.dim() != b.dim():
@@ -556,11 +585,29 @@ def _same_tensor(node: fx.Node) -> fx.Node:
         if not all(statically_known_true(i == j) for i, j in zip((*a.shape, *a.stride(), a.storage_offset()),
                                                                  (*b.shape, *b.stride(), b.storage_offset()))):
             break  # (sizes may be symbolic: equal where they are known to be, without a guard)
-        memory = _storage(node)
-        if memory is None or memory != _storage(src):
+        if (a.is_neg(), a.is_conj()) != (b.is_neg(), b.is_conj()):
+            break
+        memory = _own_storage(a)
+        if memory is None or memory != _own_storage(b):
             break
         node = src
-    return node
+    return start if node is start or _sets_storage(start.graph) else node
+
+
+def _own_storage(value: torch.Tensor) -> Optional[StorageWeakRef]:
+    try:
+        return StorageWeakRef(value.untyped_storage())
+    except NotImplementedError:  # (functorch's tensors)
+        return None
+
+
+def _sets_storage(graph: fx.Graph) -> bool:
+    """Whether ``graph`` calls ``set_`` (``y.set_(x)``): it changes the storage of the fake tensor Dynamo recorded
+    for ``y``, which then reads as x's memory at every point of the graph, before the call too; the memory the fake
+    values record is no guide to what may alias what in such a graph."""
+    return any(n.op == "call_method" and n.target == "set_" or n.op == "call_function" and (
+        n.target is torch.Tensor.set_ or getattr(n.target, "__name__", "").startswith("set_.")
+        or n.target is getattr(torch.ops.aten, "set_", None)) for n in graph.nodes)
 
 
 def _storage(node) -> Optional[StorageWeakRef]:
@@ -579,21 +626,29 @@ def _storage(node) -> Optional[StorageWeakRef]:
         return None
 
 
-def _may_alias(x: fx.Node, written: Optional[list], inputs: set) -> bool:
+def _may_alias(x: fx.Node, written: Optional[list], inputs: Optional[set]) -> bool:
     """Whether the activation ``x`` may share memory with a tensor in ``written`` (``_written``). It may not only
     where x was computed in this graph - its memory is none of the graph inputs' (``inputs``: two inputs may share
     memory on a later call though they did not when Dynamo traced; a computed tensor cannot share an input's) - and
     no written tensor is a view of it. So a KV cache written between q/k/v's projections (``k_cache[..] = k`` before
     ``v_proj(h)``) leaves h's quantization to v; ``h.mul_(2)`` or a write into a view of h does not. Where x is a
     graph input (an attention module compiled alone), a write into a tensor computed in the graph (``q.mul_(scale)``
-    of the GEMM output) cannot reach it either."""
+    of the GEMM output) cannot reach it either. ``inputs`` None: a graph whose fake memory is no guide
+    (``_sets_storage``), where any write may reach x."""
     mine = _storage(x)
-    if written is None or mine is None:
+    if written is None or mine is None or inputs is None:
         return True
     theirs = [_storage(w) for w in written]
     if mine in inputs:
         return any(t is None or t in inputs for t in theirs)
     return any(t is None or t == mine for t in theirs)
+
+
+def graph_inputs_memory(graph: fx.Graph) -> Optional[set]:
+    """The memory of ``graph``'s inputs, for ``_may_alias``; None where it is no guide (``_sets_storage``)."""
+    if _sets_storage(graph):
+        return None
+    return {_storage(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")} - {None}
 
 
 def _inplace_positional(node: fx.Node) -> bool:
@@ -636,7 +691,7 @@ class LinearPass(Fp8Pass):
             _weight_on_the_left(graph, node, transposes)
         # one quantization per (activation, scheme): q/k/v and gate/up read the same x
         quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
-        inputs = {_storage(n) for n in graph.nodes if n.op in ("placeholder", "get_attr")} - {None}
+        inputs = graph_inputs_memory(graph)
         writes: dict[StorageWeakRef, list[fx.Node]] = {}  # memory -> the in-place writes into it so far
         for node in list(graph.nodes):
             if _mutates(node):  # a quantization taken before an in-place write into x must not be reused after it

@@ -1949,3 +1949,68 @@ def test_an_in_place_write_into_the_dequantized_weight_is_said_not_to_persist(al
     assert site.rewritten != alone and (site.reason if alone else site.scheme).endswith(lost), site
     assert "fp8fx: lin: div_ (call_method) writes into the dequantized weight, a copy: the fp8 weight stays as it " \
            "was" in caplog.text
+
+
+def _set_read_before(s, x):
+    y = torch.zeros_like(x)
+    q, k = s.q_proj(x), s.k_proj(y)
+    y.set_(x)
+    return q, k
+
+
+def _set_after_write(s, x):
+    y = x[:]
+    q = s.q_proj(x)
+    y.mul_(2)
+    y.set_(torch.zeros(4, 64, dtype=x.dtype))
+    return q, s.k_proj(x)
+
+
+def _write_in_cond(s, x):
+    q = s.q_proj(x)
+    torch.cond(x.sum() > -1e9, lambda t: t.mul_(2).sum(), lambda t: t.add_(1).sum(), (x,))
+    return q, s.k_proj(x)
+
+
+def _write_in_checkpoint(s, x):
+    q = s.q_proj(x)
+    torch.utils.checkpoint.checkpoint(lambda t: t.mul_(2), x, use_reentrant=False)
+    return q, s.k_proj(x)
+
+
+SHARED_READS = {
+    "dropout in training": lambda s, x: (s.q_proj(x), s.k_proj(F.dropout(x, 1.0, training=True))),
+    "negative view": lambda s, x: (s.q_proj(x), s.k_proj(torch._neg_view(x))),
+    "set_ after the read": _set_read_before,
+    "set_ after a write": _set_after_write,
+    "a write in cond's branch": _write_in_cond,
+    "a write in a checkpointed function": _write_in_checkpoint,
+}
+
+
+class TwoReads(nn.Module):
+    def __init__(self, forward):
+        super().__init__()
+        self.fn = forward
+        self.q_proj, self.k_proj = nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)
+
+    def forward(self, x):
+        return self.fn(self, x)
+
+
+@pytest.mark.parametrize("case", sorted(SHARED_READS))
+def test_one_quantization_is_not_shared_across_a_change_the_pass_cannot_see(case):
+    """k_proj took q_proj's quantization of x (a silent wrong result, up to 1e7 off) where its input is not x's value
+    at that point: a dropout in training (taken for the input itself), a negative view (same memory and geometry),
+    a graph calling set_ (which changes the memory Dynamo's fake values record for every point of the graph), a write
+    into x in a cond branch or a checkpointed function (taken for bodies that write nothing)."""
+    torch.manual_seed(0)
+    model = TwoReads(SHARED_READS[case]).to(torch.bfloat16)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = model(x.clone())
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        got = torch.compile(model, backend=Fp8Backend(compiler="eager", fuse_horizontal=True))(x.clone())
+    for g, w in zip(got, want):
+        assert (g.double() - w.double()).norm() <= 0.06 * w.double().norm().clamp_min(1e-6), case
