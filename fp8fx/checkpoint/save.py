@@ -26,6 +26,7 @@ from fp8fx.checkpoint.load import compare_tied
 from fp8fx.checkpoint.load import output_embeddings
 from fp8fx.config import Fp8Config, PerBlock, PerTensor, config_or
 from fp8fx.lowerings import compat
+from fp8fx.report import first_line
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES, check_kv_scale
 from fp8fx.weights.linear import is_quantized, kept_by_the_model, layer_scheme
@@ -749,16 +750,21 @@ def meta_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = Non
                 model = cls._from_config(cfg, dtype=dtype).eval()
             else:
                 model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype).eval()
-        # generation_config.json, as from_pretrained reads it (its eos_token_id, sampling settings: generate() ran
-        # with the defaults built from config.json)
-        if os.path.isfile(os.path.join(os.fspath(path), GENERATION_CONFIG)) and model.can_generate():
-            model.generation_config = transformers.GenerationConfig.from_pretrained(os.fspath(path))
-        return model
     except Exception as e:  # noqa: BLE001 - named for the user below, the original chained
         first = (str(e).strip().splitlines() or [""])[0]
         raise CheckpointError(f"{where}: transformers cannot build the model it describes ({type(e).__name__}: "
                               f"{first}); fix the config, or build the model yourself (convert(model=...), "
                               "load_checkpoint(model, ...))") from e
+    # generation_config.json, as from_pretrained reads it (its eos_token_id, sampling settings: generate() ran with
+    # the defaults built from config.json); one transformers cannot read is said, and left, as from_pretrained does
+    generation = os.path.join(os.fspath(path), GENERATION_CONFIG)
+    if os.path.isfile(generation) and model.can_generate():
+        try:
+            model.generation_config = transformers.GenerationConfig.from_pretrained(os.fspath(path))
+        except Exception as e:  # noqa: BLE001 - transformers' own error, said; the model is built
+            log.warning("fp8fx: meta_model: %s not read (%s: %s); generate() takes the defaults config.json gives",
+                        generation, type(e).__name__, first_line(e, 200))
+    return model
 
 
 def convert(

@@ -185,7 +185,7 @@ def test_models_without_fp8_layers_or_save_pretrained_are_left_alone():
     assert "save_pretrained" not in vars(model) and "save_pretrained" not in vars(model.model.layers[0])
 
 
-def test_the_generation_config_is_saved_and_read_back(tmp_path):
+def test_the_generation_config_is_saved_and_read_back(tmp_path, caplog):
     """save_checkpoint wrote config.json alone, and meta_model built the model's generation config from config.json
     (from_pretrained reads generation_config.json): an instruct model's eos_token_id and sampling settings were lost,
     and generate() ran past its end of sequence. save_checkpoint writes the model's, as save_pretrained does, and
@@ -199,6 +199,10 @@ def test_the_generation_config_is_saved_and_read_back(tmp_path):
     loaded = fp8fx.checkpoint.meta_model(tmp_path / "c")
     assert loaded.generation_config.eos_token_id == [2, 53] and loaded.generation_config.temperature == 0.6
     assert transformers.GenerationConfig.from_pretrained(tmp_path / "c").eos_token_id == [2, 53]  # (from_pretrained's)
+    (tmp_path / "c" / "generation_config.json").write_text("{not json")  # said, and the model built, as transformers
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        assert fp8fx.checkpoint.meta_model(tmp_path / "c").generation_config.eos_token_id != [2, 53]
+    assert "generation_config.json not read" in caplog.text
 
 
 def test_a_backend_deep_copied_by_transformers_fills_its_own_report():
