@@ -28,7 +28,7 @@ from fp8fx.config import Fp8Config, PerBlock, PerTensor, config_or
 from fp8fx.lowerings import compat
 from fp8fx.report import first_line
 from fp8fx.weights import chunked, moe
-from fp8fx.weights.kv_cache import KV_SCALE_NAMES, check_kv_scale
+from fp8fx.weights.kv_cache import KV_SCALE_NAMES, check_kv_scale, getter_module
 from fp8fx.weights.linear import is_quantized, kept_by_the_model, layer_scheme
 from fp8fx.weights.quantize import _shown, check_finished
 
@@ -210,10 +210,8 @@ def _untied_config(model: nn.Module, config_json: dict) -> dict:
     no longer its input embeddings (an lm_head quantized on its own, ``quantize_(model.lm_head, ...)``: the README's
     untying): HF, vLLM and load_checkpoint tie them again from the config, dropping the fp8 lm_head or refusing
     it. The model's own config is not changed."""
-    get_in, get_out = getattr(model, "get_input_embeddings", None), getattr(model, "get_output_embeddings", None)
-    if not (callable(get_in) and callable(get_out)):
-        return config_json
-    inp, out = get_in(), get_out()
+    # (getter_module: a getter that raises - CLIPModel's get_input_embeddings, "not auto-handled" - gives None)
+    (inp, _), (out, _) = (getter_module(model, f"get_{kind}_embeddings", {}) for kind in ("input", "output"))
     if inp is None or out is None or out._parameters.get("weight") is inp._parameters.get("weight"):
         return config_json
     fixed = dict(config_json)

@@ -1140,3 +1140,25 @@ def test_meta_model_names_what_is_wrong(tmp_path):
         with pytest.raises(ValueError, match=r"^meta_model\(dtype=.*\): a floating-point torch.dtype"):
             meta_model(tmp_path / "llama", dtype)
     assert next(meta_model(tmp_path / "llama", torch.float16).parameters()).dtype == torch.float16
+
+
+def test_a_model_whose_embedding_getter_raises_saves(tmp_path):
+    """transformers' CLIPModel, Wav2Vec2Model and ConvNext raise NotImplementedError from get_input_embeddings ("not
+    auto-handled"): save_checkpoint failed with it, writing nothing. The getter counts as giving no embeddings."""
+
+    class NoEmbeddings(nn.Sequential):
+        def get_input_embeddings(self):
+            raise NotImplementedError("get_input_embeddings not auto-handled for NoEmbeddings")
+
+        def get_output_embeddings(self):
+            return self[1]
+
+    torch.manual_seed(0)
+    model = NoEmbeddings(nn.Linear(64, 64), nn.Linear(64, 32)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    fp8fx.save_checkpoint(model, tmp_path / "c")
+    with torch.device("meta"):
+        loaded = NoEmbeddings(nn.Linear(64, 64), nn.Linear(64, 32)).to(torch.bfloat16)
+    fp8fx.load_checkpoint(loaded, tmp_path / "c", progress=False)
+    assert torch.equal(loaded(x), model(x))
