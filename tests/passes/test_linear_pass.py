@@ -2008,7 +2008,12 @@ def test_one_quantization_is_not_shared_across_a_change_the_pass_cannot_see(case
     model = TwoReads(SHARED_READS[case]).to(torch.bfloat16)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     with torch.no_grad():
-        want = model(x.clone())
+        try:  # (torch.cond compiles its branches in eager mode too)
+            want = model(x.clone())
+            torch.compile(model, backend="eager")(x.clone())
+        except torch._dynamo.exc.UncapturedHigherOrderOpError as e:  # (torch 2.11: "do not support input mutation")
+            pytest.skip(f"this torch refuses the model under torch.compile: {str(e).splitlines()[0]}")
+        torch._dynamo.reset()
     fp8fx.quantize_(model)
     with torch.no_grad():
         got = torch.compile(model, backend=Fp8Backend(compiler="eager", fuse_horizontal=True))(x.clone())
