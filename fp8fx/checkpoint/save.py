@@ -107,7 +107,10 @@ def save_checkpoint(
                 config_json[key] = str(dtype).removeprefix("torch.")
     if not isinstance(config_json, Mapping):  # (_config_text's check, before anything reads it)
         _config_text(config_json, qc, "save_checkpoint")
-    config_json = _untied_config(model, config_json)
+    untied = _untied_config(model, config_json)
+    if untied is not config_json:
+        _write_config_ties(model, tensors)
+    config_json = untied
     head = output_embeddings(model, modules)
     if head is not None and head in schemes:
         log.warning("fp8fx: save_checkpoint writes the output embeddings %s in fp8: vLLM and transformers load lm_head "
@@ -224,6 +227,23 @@ def _untied_config(model: nn.Module, config_json: dict) -> dict:
                         "are not its input embeddings (an lm_head quantized on its own is untied), though its "
                         "config says they are tied (the model's config is unchanged)")
     return fixed
+
+
+def _write_config_ties(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
+    """The tensors the model shares only because its config said ``tie_word_embeddings`` (BERT's MLM decoder bias,
+    one tensor with ``cls.predictions.bias``), stored under each name, where ``_untied_config`` wrote the config
+    untied: a tied tensor is stored once, and the untied model that config describes has a tensor of its own for
+    each name ("cls.predictions.decoder.bias is missing", load_checkpoint said of save_checkpoint's output)."""
+    expand = getattr(model, "get_expanded_tied_weights_keys", None)
+    try:
+        ties = expand(all_submodels=True) if callable(expand) else {}
+    except Exception as e:  # noqa: BLE001 - transformers' own lookup: without it the tensors are written as they are
+        log.debug("fp8fx: save_checkpoint: %s's tied weights not read (%s)", type(model).__name__, e)
+        return
+    state = model.state_dict(keep_vars=True)
+    for target, source in ties.items():
+        if target not in tensors and source in tensors and target in state and state[target] is state.get(source):
+            tensors[target] = tensors[source].clone()
 
 
 def _check_arguments(path: Union[str, os.PathLike], experts: Optional[str], max_shard_size: Optional[int]) -> None:

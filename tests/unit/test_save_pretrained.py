@@ -212,3 +212,24 @@ def test_a_backend_deep_copied_by_transformers_fills_its_own_report():
     assert copy.deepcopy(backend) is backend
     config = transformers.CompileConfig(backend=backend)
     assert config.to_dict()["backend"] is backend
+
+
+def test_a_tied_head_quantized_on_its_own_round_trips_with_what_the_tie_shared(tmp_path):
+    """BertForMaskedLM, its parts quantized apart (the README's way to have the tied head in fp8): save_checkpoint
+    writes tie_word_embeddings: false, and stored the decoder bias that the tie shares with cls.predictions.bias once,
+    so the untied model that config describes missed it ("cls.predictions.decoder.bias is missing"). It is stored
+    under both names."""
+    cfg = transformers.BertConfig(vocab_size=100, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=128, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.BertForMaskedLM(cfg).eval()
+    fp8fx.quantize_(model.bert, fp8fx.Fp8Config(), prefix="bert")
+    fp8fx.quantize_(model.cls, fp8fx.Fp8Config(), prefix="cls")
+    save_checkpoint(model, tmp_path / "c")
+    stored = load_file(tmp_path / "c" / "model.safetensors")
+    assert torch.equal(stored["cls.predictions.decoder.bias"], stored["cls.predictions.bias"])
+    loaded = fp8fx.checkpoint.meta_model(tmp_path / "c", dtype=torch.float32)
+    load_checkpoint(loaded, tmp_path / "c", progress=False)
+    ids = torch.randint(3, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(input_ids=ids).logits, model(input_ids=ids).logits)
