@@ -8,7 +8,6 @@ import os
 import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
 
-import torch
 from torch import fx
 
 from fp8fx import ops
@@ -16,7 +15,7 @@ from fp8fx.dump import DUMP_FILE, GraphDump, lock_folder, unlock_folder
 from fp8fx.lowerings import aten, compat
 from fp8fx.ops import GATED_H_GROUPS
 from fp8fx.passes import PassManager, default_passes
-from fp8fx.passes.base import FLOAT_INPUTS, may_record_grad
+from fp8fx.passes.base import FLOAT_INPUTS, is_float_input, may_record_grad
 from fp8fx.passes.horizontal import AFTER_COMPILE, SHARED_INPUTS, share_memory
 from fp8fx.report import Report, Site, first_line
 
@@ -252,7 +251,7 @@ class Fp8Backend:
         dump = self._dump(gm, index)
         code: list[str] = []
         # (a float input a pass may take as a constant: the graph as traced runs the calls where its value changed)
-        traced = _copy(gm) if any(map(_is_float_input, example_inputs)) else None
+        traced = _copy(gm) if any(map(is_float_input, example_inputs)) else None
         try:
             (dump.passes(self.pass_manager) if dump else self.pass_manager).run(gm, example_inputs, self.report)
             after_compile = gm.meta.pop(AFTER_COMPILE, ())  # e.g. moving fused weights into one tensor
@@ -383,13 +382,6 @@ class Fp8Backend:
         if frame or shared:
             return _watch_reuse(compiled, self.report, index, dump, shared, frame)
         return compiled
-
-
-def _is_float_input(value: Any) -> bool:
-    """What Dynamo passes for a Python float it did not specialize (``torch.compile(dynamic=True)``): a 0-d CPU
-    floating tensor."""
-    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point() and (
-        value.device.type == "cpu")
 
 
 def _copy(gm: fx.GraphModule) -> fx.GraphModule:

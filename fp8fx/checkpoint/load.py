@@ -303,14 +303,21 @@ def _pending_ties(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str,
     ``init_empty_weights`` builds the model untied, and ``from_pretrained`` ties it after loading, so the checkpoint
     holds the source alone ("lm_head.weight is missing" was the error). Only targets still on meta, which nothing
     else would give a value (``_Loader._tie_pending``)."""
+    return {t: s for t, s in config_ties(model, "load_checkpoint").items() if t in state and s in state
+            and state[t] is not state[s] and state[t].is_meta}
+
+
+def config_ties(model: nn.Module, where: str) -> dict[str, str]:
+    """The tensors a transformers model ties as its config says, ``{target: source}`` (``lm_head.weight`` ->
+    ``model.embed_tokens.weight``; BERT's MLM decoder bias -> ``cls.predictions.bias``); {} for any other model, or
+    where transformers' lookup fails (said at DEBUG: the model is then read as it is built)."""
     expand = getattr(model, "get_expanded_tied_weights_keys", None)
     try:
         ties = expand(all_submodels=True) if callable(expand) else {}
-    except Exception as e:  # noqa: BLE001 - transformers' own lookup: without it the model loads as it is built
-        log.debug("fp8fx: load_checkpoint: %s's tied weights not read (%s)", type(model).__name__, e)
+    except Exception as e:  # noqa: BLE001 - transformers' own lookup
+        log.debug("fp8fx: %s: %s's tied weights not read (%s)", where, type(model).__name__, e)
         return {}
-    return {t: s for t, s in ties.items() if isinstance(t, str) and isinstance(s, str) and t in state and s in state
-            and state[t] is not state[s] and state[t].is_meta}
+    return {t: s for t, s in ties.items() if isinstance(t, str) and isinstance(s, str)}
 
 
 class _Loader:

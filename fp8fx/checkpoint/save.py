@@ -22,7 +22,7 @@ from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.files import CONFIG, GENERATION_CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config
 from fp8fx.checkpoint.files import read_json, read_tensor, write_file
 from fp8fx.checkpoint.load import FUSED, LoadReport, _Loader, _looks_like_scale, _progress, check_checkpoint_ignores
-from fp8fx.checkpoint.load import compare_tied
+from fp8fx.checkpoint.load import compare_tied, config_ties
 from fp8fx.checkpoint.load import output_embeddings
 from fp8fx.config import Fp8Config, PerBlock, PerTensor, config_or
 from fp8fx.lowerings import compat
@@ -234,14 +234,8 @@ def _write_config_ties(model: nn.Module, tensors: dict[str, torch.Tensor]) -> No
     one tensor with ``cls.predictions.bias``), stored under each name, where ``_untied_config`` wrote the config
     untied: a tied tensor is stored once, and the untied model that config describes has a tensor of its own for
     each name ("cls.predictions.decoder.bias is missing", load_checkpoint said of save_checkpoint's output)."""
-    expand = getattr(model, "get_expanded_tied_weights_keys", None)
-    try:
-        ties = expand(all_submodels=True) if callable(expand) else {}
-    except Exception as e:  # noqa: BLE001 - transformers' own lookup: without it the tensors are written as they are
-        log.debug("fp8fx: save_checkpoint: %s's tied weights not read (%s)", type(model).__name__, e)
-        return
     state = model.state_dict(keep_vars=True)
-    for target, source in ties.items():
+    for target, source in config_ties(model, "save_checkpoint").items():
         if target not in tensors and source in tensors and target in state and state[target] is state.get(source):
             tensors[target] = tensors[source].clone()
 

@@ -101,14 +101,18 @@ class NodePass(Fp8Pass):
 FLOAT_INPUTS = "fp8fx_float_inputs"
 
 
+def is_float_input(value: Any) -> bool:
+    """What Dynamo passes for a Python float it did not specialize (``torch.compile(dynamic=True)``): a 0-d CPU
+    floating tensor (read with ``.item()``)."""
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point() and (
+        value.device.type == "cpu")
+
+
 def float_input_value(node: Any, ctx: PassContext) -> Optional[float]:
-    """The value a placeholder Dynamo made of a Python float holds in this compilation (a 0-d floating CPU tensor,
-    ``.item()`` read); None for any other node."""
+    """The value a placeholder Dynamo made of a Python float holds in this compilation (``is_float_input``); None
+    for any other node."""
     real = ctx.example.get(node) if isinstance(node, fx.Node) and node.op == "placeholder" else None
-    if not (isinstance(real, torch.Tensor) and real.dim() == 0 and real.is_floating_point()
-            and real.device.type == "cpu"):
-        return None
-    return float(real)
+    return float(real) if is_float_input(real) else None
 
 
 def replace_node(graph: fx.Graph, node: fx.Node, target, args: tuple, example_value: Any = None) -> fx.Node:

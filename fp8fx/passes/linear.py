@@ -595,9 +595,10 @@ def _same_tensor(node: fx.Node) -> fx.Node:
 
 
 def _own_storage(value: torch.Tensor) -> Optional[StorageWeakRef]:
+    """The memory of ``value`` itself (``_storage``: of a node, through ops that return their input)."""
     try:
         return StorageWeakRef(value.untyped_storage())
-    except NotImplementedError:  # (functorch's tensors)
+    except NotImplementedError:  # "Cannot access storage of BatchedTensorImpl" (TensorWrapper, ...)
         return None
 
 
@@ -618,12 +619,7 @@ def _storage(node) -> Optional[StorageWeakRef]:
     while isinstance(node, fx.Node) and node.op == "call_function" and node.target in _RETURNS_INPUT and node.args:
         node = node.args[0]
     value = fake_value(node) if isinstance(node, fx.Node) else None
-    if not isinstance(value, torch.Tensor):
-        return None
-    try:
-        return StorageWeakRef(value.untyped_storage())
-    except NotImplementedError:  # "Cannot access storage of BatchedTensorImpl" (TensorWrapper, ...)
-        return None
+    return _own_storage(value) if isinstance(value, torch.Tensor) else None
 
 
 def _may_alias(x: fx.Node, written: Optional[list], inputs: Optional[set]) -> bool:
