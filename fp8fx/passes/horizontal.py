@@ -205,6 +205,25 @@ _VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 _LAYOUT_OPS = frozenset({"as_strided", "as_strided_", "resize_", "resize_as_", "set_", "storage_offset"})
 
 
+# reshapes that keep the rows of a linear's input (its last dim): ``x.view(-1, d)``, ``x.flatten(0, 1)``
+_RESHAPE_METHODS = frozenset({"view", "reshape", "flatten", "unflatten", "squeeze", "unsqueeze", "view_as",
+                              "reshape_as"})
+_RESHAPE_FUNCTIONS = frozenset({torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.unflatten,
+                                torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten})
+
+
+def _reshapes(node: fx.Node) -> bool:
+    """Whether ``node`` reshapes its first argument keeping its last dim, so that a linear reads the same rows."""
+    if not (node.op == "call_method" and node.target in _RESHAPE_METHODS
+            or node.op == "call_function" and node.target in _RESHAPE_FUNCTIONS):
+        return False
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    old, new = fake_value(node.args[0]), fake_value(node)
+    return (isinstance(old, torch.Tensor) and isinstance(new, torch.Tensor) and old.dim() >= 1 and new.dim() >= 1
+            and old.shape[-1] == new.shape[-1] and old.numel() == new.numel())
+
+
 def _layout_bound(nodes: list[fx.Node], ctx: PassContext) -> str:
     """Why the GEMMs' outputs cannot become column slices of one output, or "". Fused, each output is a slice whose
     rows are the fused row's length apart, where each GEMM's own output is contiguous. Followed through every op
@@ -347,6 +366,7 @@ class HorizontalFusionPass(Fp8Pass):
             fused += len(nodes)
         self._explain_singles(groups, ctx)
         self._explain_static(groups, ctx)
+        self._explain_reshaped(groups, ctx)
         gm.recompile()
         return fused
 
@@ -426,6 +446,35 @@ class HorizontalFusionPass(Fp8Pass):
                 amend_sites(ctx, [n for n in nodes if n not in alone],
                             f"(not with {site_names(ctx, dynamic[x])}, which {verb} the input dynamically where "
                             "these take their static input_scale)")
+
+    @staticmethod
+    def _explain_reshaped(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
+        """GEMMs that read one tensor through different reshape nodes (``k_proj(x.view(-1, d))`` beside ``q_proj(x)``,
+        or two ``x.view(-1, d)``): the same rows, but other nodes, each quantized apart, and a fused GEMM reads one
+        quantized tensor. Each says so. (Fusing them would take the quantization of the tensor itself, reshaped, and
+        each output slice reshaped back: not done.)"""
+        by_root: dict[fx.Node, dict[fx.Node, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
+        for key, nodes in groups.items():
+            if (source := key.xq if _is_static(key) else _quantized_from(key.xq)) is None:
+                continue
+            root, hops = source, 0
+            while hops < 8 and _reshapes(root):
+                root, hops = root.args[0], hops + 1
+            by_root[root][source] += nodes
+        for root, sources in by_root.items():
+            if len(sources) < 2:
+                continue
+            for source, mine in sources.items():
+                other_nodes = [n for s, ns in sources.items() if s is not source for n in ns]
+                others = site_names(ctx, other_nodes)
+                verb = "reads" if len(other_nodes) == 1 else "read"
+                how = "as it is" if source is root else f"reshaped ({source.name}: {list(fake_value(source).shape)})"
+                if len(mine) == 1:
+                    amend_sites(ctx, mine, f"not fused horizontally: it reads {root.name} {how}, where {others} "
+                                           f"{verb} it through another node; a fused GEMM reads one tensor node")
+                else:
+                    amend_sites(ctx, mine, f"(not with {others}, which {verb} {root.name} through another "
+                                           "reshape node)")
 
     def _why_not(self, nodes: list[fx.Node], ctx: PassContext) -> str:
         inputs = [a for n in nodes for a in n.args[2:5] if a is not None]

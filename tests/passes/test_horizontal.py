@@ -1,5 +1,6 @@
 """Horizontal fusion of fp8 GEMMs that share their input (q/k/v, gate/up)."""
 import copy
+import re
 from unittest import mock
 
 import pytest
@@ -277,10 +278,38 @@ def test_shards_reading_their_input_through_a_no_op_are_fused(read):
     fp8fx.quantize_(model)
     schemes, out = compile_fused(model, x)
     assert all(rel_err(a.reshape(b.shape), b) < 0.05 for a, b in zip(out, want))
-    if read == "view":
-        assert _fused(schemes[("q_proj", 0)], "q_proj,v_proj") and "fused" not in schemes[("k_proj", 1)], schemes
+    if read == "view":  # (and the report says why, where it said nothing)
+        q, k = schemes[("q_proj", 0)], schemes[("k_proj", 1)]
+        assert "w:per-channel a:per-token fused(q_proj,v_proj) (not with" in q and "fused(" not in k, schemes
+        assert re.search(r"not fused horizontally: it reads \S+ reshaped \(view: \[6, 64\]\), where q_proj,v_proj "
+                         r"read it through another node", schemes[("k_proj", 1)]), schemes
+        assert "(not with k_proj, which reads" in schemes[("q_proj", 0)], schemes
     else:
         assert all(_fused(scheme, "q_proj,k_proj,v_proj") for scheme in schemes.values()), schemes
+
+
+class ReshapedQKV(BiasedQKV):
+    def forward(self, x):
+        return self.q_proj(x.flatten(0, 1)), self.k_proj(x.view(-1, 64)), self.v_proj(x.view(-1, 64))
+
+
+def test_shards_reading_their_input_through_reshapes_say_so():
+    """q_proj(x.flatten(0, 1)), k_proj(x.view(-1, 64)), v_proj(x.view(-1, 64)): three nodes of the one tensor's
+    rows, each quantized apart and left unfused, where the report said nothing of it."""
+    torch.manual_seed(0)
+    model = ReshapedQKV().to(torch.bfloat16)
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = [y.double() for y in copy.deepcopy(model).double()(x.double())]
+    fp8fx.quantize_(model)
+    schemes, out = compile_fused(model, x)
+    assert all(rel_err(a, b) < 0.05 for a, b in zip(out, want))
+    names = {"q_proj": ("k_proj,v_proj", "flatten"), "k_proj": ("q_proj,v_proj", "view"),
+             "v_proj": ("q_proj,k_proj", "view")}
+    for (site, _), scheme in schemes.items():
+        others, op = names[site]
+        assert re.search(rf"not fused horizontally: it reads \S+ reshaped \({op}(_\d+)?: \[6, 64\]\), where {others} "
+                         r"read it through another node", scheme), scheme
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
