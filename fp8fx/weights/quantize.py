@@ -202,11 +202,31 @@ def quantize_(
     if plan or experts or done or skipped or experts_skipped or decide.routers:
         # (also where nothing was quantized: the guard's deep copy carries the weights' tags, the report's reasons)
         guard_casts(model)
-    if not prefix:  # (a part quantized with a prefix belongs to a model saved as a whole, which fp8fx cannot reach)
-        from fp8fx.checkpoint import pretrained  # (it imports the checkpoint package, which imports this module)
+    from fp8fx.checkpoint import pretrained  # (it imports the checkpoint package, which imports this module)
 
+    if not prefix:
         pretrained.describe(model)
+    elif plan or experts:
+        _warn_part_save(model, prefix)
     return wrapper
+
+
+_PART_SAVE_WARNED = False
+
+
+def _warn_part_save(part: nn.Module, prefix: str) -> None:
+    """A part quantized with a prefix belongs to a model that fp8fx cannot reach: that model's ``save_pretrained``
+    (transformers) writes the part's fp8 codes with no ``quantization_config``, and ``from_pretrained`` read them
+    back as bf16 weights, unscaled (logits ~1.4x their norm off), warning only of unexpected keys. Said once a
+    process (a loader quantizes every layer as a part)."""
+    global _PART_SAVE_WARNED
+    if _PART_SAVE_WARNED:
+        return
+    _PART_SAVE_WARNED = True
+    log.warning("fp8fx: quantize_(%s, prefix=%r) quantized a part of a model; that model's save_pretrained does not "
+                "know its layers are fp8 and writes their codes with no quantization_config, which from_pretrained "
+                "reads as bf16 weights: save the model with fp8fx.save_checkpoint(model, folder) (said once)",
+                type(part).__name__, prefix)
 
 
 _UNFINISHED = "_fp8fx_unfinished"
