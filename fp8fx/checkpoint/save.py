@@ -53,13 +53,13 @@ def save_checkpoint(
     path: Union[str, os.PathLike],
     *,
     format: Optional[str] = None,
-    max_shard_size: Optional[int] = None,
+    max_shard_size: Union[int, str, None] = None,
     config_json: Optional[Mapping[str, Any]] = None,
     experts: Optional[str] = None,
 ) -> dict[str, Any]:
     """Write ``model`` (quantized by ``quantize_`` or ``load_checkpoint``) to directory ``path``:
-    ``model.safetensors`` (or shards of at most ``max_shard_size`` bytes plus ``model.safetensors.index.json``)
-    and ``config.json`` with its ``quantization_config``, which it returns.
+    ``model.safetensors`` (or shards of at most ``max_shard_size`` plus ``model.safetensors.index.json``: bytes, or
+    a size as ``save_pretrained`` takes it, ``"5GB"`` = 5 * 10**9 bytes, ``"5GiB"`` = 5 * 2**30) and ``config.json`` with its ``quantization_config``, which it returns.
 
     ``format``: ``"fp8"`` (per-tensor ``weight_scale`` or ``weight_scale_inv`` blocks, one scheme for all
     layers: vLLM's own format; transformers reads only its block variant, FineGrainedFP8, and takes a per-tensor
@@ -91,7 +91,8 @@ def save_checkpoint(
     weight block does not divide; the groups of ``fp8fx.checkpoint.load.FUSED``) is written in high precision
     (dequantized), in the ignore list with them, with a warning: vLLM refuses a fused layer of two precisions.
     """
-    _check_arguments(path, experts, max_shard_size)
+    max_shard_size = _shard_bytes(max_shard_size)
+    _check_arguments(path, experts)
     path = os.fspath(path)
     model, modules, schemes, tensors, qc = _planned(model, format, experts, check_values=True)
     if config_json is None:
@@ -240,15 +241,28 @@ def _write_config_ties(model: nn.Module, tensors: dict[str, torch.Tensor]) -> No
             tensors[target] = tensors[source].clone()
 
 
-def _check_arguments(path: Union[str, os.PathLike], experts: Optional[str], max_shard_size: Optional[int]) -> None:
+_SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30,
+               "TIB": 2**40}
+
+
+def _shard_bytes(max_shard_size: Union[int, str, None]) -> Optional[int]:
+    """``max_shard_size`` in bytes: an int, or a size as transformers' ``save_pretrained`` takes it (``"5GB"``,
+    ``"500MB"``, ``"2GiB"``; the units read as bytes whatever their case)."""
+    size = max_shard_size
+    if isinstance(size, str) and (match := re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())):
+        size = int(float(match[1]) * _SIZE_UNITS[match[2]])
+    if size is not None and (type(size) is not int or size <= 0):
+        raise ValueError(f"save_checkpoint: max_shard_size={max_shard_size!r} must be a positive number of bytes "
+                         "(an int, e.g. 5 * 2**30) or a size such as '5GB' / '5GiB', or None for one file")
+    return size
+
+
+def _check_arguments(path: Union[str, os.PathLike], experts: Optional[str]) -> None:
     """Refuse arguments ``save_checkpoint`` does not take, and a ``path`` that is a file or already holds a
     checkpoint: a shard or index left from another save would be read back with this model's config."""
     if experts not in (None, "per-expert", "fused"):
         raise ValueError(f"save_checkpoint: experts={experts!r} is not 'per-expert', 'fused' or None (per expert "
                          "where transformers loads them so)")
-    if max_shard_size is not None and (type(max_shard_size) is not int or max_shard_size <= 0):
-        raise ValueError(f"save_checkpoint: max_shard_size={max_shard_size!r} must be a positive number of bytes "
-                         "(an int, e.g. 5 * 2**30), or None for one file")
     if os.path.exists(path) and not os.path.isdir(path):
         raise ValueError(f"save_checkpoint: {os.fspath(path)} is a file; pass a new or empty directory")
     # another model's weights or config: a shard or index would be read back with this model's config, and this

@@ -19,6 +19,7 @@ import logging
 import math
 import operator
 import re
+import sys
 import threading
 import weakref
 from typing import Optional, Sequence
@@ -126,6 +127,8 @@ def fp8_apply(self, fn, recurse=True):
 
     dtype, cast, refused = _cast_of(self, fn)
     if refused:
+        if not _cast_from_outside():
+            raise ValueError(f"{refused} (nothing was converted)")
         raise ValueError(f"{refused} (the modules before this layer were converted, this layer and the ones after it "
                          "were not: cast the model quantize_ or load_checkpoint was given, which refuses it before "
                          "converting anything)")
@@ -187,6 +190,16 @@ def _overflow_of(module: nn.Module, name: str, cast: torch.dtype) -> str:
     return ""
 
 
+def _cast_from_outside() -> bool:
+    """Whether the running cast reached this module through torch's ``Module._apply`` of a module holding it, which
+    converted the modules it met before (a module built around the model after ``quantize_``, which has no guard),
+    rather than by a call on this module itself (``layer.half()``, ``model.to(dtype)``)."""
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename == __file__:
+        frame = frame.f_back
+    return frame is not None and frame.f_code.co_name == "_apply"
+
+
 _CHECKING = threading.local()  # .depth: the _checked_apply calls running on this thread
 
 
@@ -207,6 +220,10 @@ def _checked_apply(self, fn, recurse=True):
 def _checked_cast(self, fn, recurse: bool):
     for m in self.modules():
         refused = _cast_of(m, fn)[2] if getattr(type(m), "_apply", None) is fp8_apply else ""
+        if refused and _cast_from_outside():
+            raise ValueError(f"{refused} (nothing of this model was converted, but the modules before it in the "
+                             "module holding it were: cast this model itself, which refuses it before converting "
+                             "anything)")
         if refused:
             raise ValueError(f"{refused} (nothing was converted)")
     # the KV-cache scales (float32 buffers of the attentions, kv_cache.attach_kv_scales) follow device moves but not

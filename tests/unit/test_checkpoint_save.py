@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import shutil
 
 import pytest
@@ -830,11 +831,21 @@ def test_convert_refuses_a_checkpoint_that_is_not_all_bf16(tmp_path):
 
 def test_save_arguments_and_a_compiled_model(tmp_path):
     """max_shard_size 0 or '5GB' (one file per tensor, or a bare TypeError), a path that is a file (a bare
-    FileExistsError); a torch.compile wrapper was saved under _orig_mod.* names nothing loads."""
+    FileExistsError); a torch.compile wrapper was saved under _orig_mod.* names nothing loads. A size written as
+    save_pretrained takes it ('5GB', '2GiB') is read as save_pretrained reads it (it was refused)."""
     model = quantized_tiny(fp8fx.Fp8Config())
-    for bad in (0, -1, "5GB", 10.5):
-        with pytest.raises(ValueError, match=rf"max_shard_size={bad!r} must be a positive number of bytes"):
+    for bad in (0, -1, "5 apples", "GB", "-5GB", "0KB", 10.5):
+        with pytest.raises(ValueError, match=rf"max_shard_size={re.escape(repr(bad))} must be a positive number of "
+                                             r"bytes \(an int, e.g. 5 \* 2\*\*30\) or a size such as '5GB'"):
             save_checkpoint(model, tmp_path / "a", max_shard_size=bad)
+    assert not (tmp_path / "a").exists()
+    for size, as_bytes in (("4KiB", 1 << 12), ("12kb", 12_000), (" 0.02 MB ", 20_000)):
+        dirs = [tmp_path / "sizes" / size.strip(), tmp_path / "sizes" / f"{as_bytes}"]
+        save_checkpoint(model, dirs[0], max_shard_size=size)
+        save_checkpoint(model, dirs[1], max_shard_size=as_bytes)
+        files = [sorted(os.listdir(d)) for d in dirs]
+        index = [json.loads((d / "model.safetensors.index.json").read_text())["weight_map"] for d in dirs]
+        assert files[0] == files[1] and index[0] == index[1] and len(set(index[0].values())) > 1, (size, files)
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match=r"save_checkpoint: .*file is a file; pass a new or empty directory"):
         save_checkpoint(model, tmp_path / "file")
@@ -849,7 +860,7 @@ def test_save_arguments_and_a_compiled_model(tmp_path):
     (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # DST itself a broken link: refused before writing
     with pytest.raises(OSError, match=r"save_checkpoint: cannot make the directory .*dangling: it is a broken link"):
         save_checkpoint(model, tmp_path / "dangling")
-    assert sorted(os.listdir(tmp_path)) == ["dangling", "file", "link"]
+    assert sorted(os.listdir(tmp_path)) == ["dangling", "file", "link", "sizes"]
     save_checkpoint(torch.compile(model), tmp_path / "compiled")
     names = read_checkpoint(tmp_path / "compiled")[1]
     assert names and not any(n.startswith("_orig_mod.") for n in names)

@@ -1096,6 +1096,21 @@ def test_a_cast_of_a_submodule_an_fp8_layer_refuses_converts_nothing():
         assert model[0][2][0]._fp8fx_dtype == torch.bfloat16
     model[0][1].half()  # an fp8 layer of its own: its own check
     assert model[0][1]._fp8fx_dtype == torch.float16
+    # the refusing layer itself converts nothing, and said that the modules before it were converted
+    with pytest.raises(ValueError, match=r"torch.float16's range .*\(nothing was converted\)$"):
+        model[0][2][0].half()
+    assert model[0][2][0]._fp8fx_dtype == torch.bfloat16
+    # a module built around the model afterwards has no guard: torch's recursion converts what comes first
+    wrapper = nn.Sequential(nn.LayerNorm(64).bfloat16(), model)
+    with pytest.raises(ValueError, match=r"\(nothing of this model was converted, but the modules before it in the "
+                                         r"module holding it were: cast this model itself"):
+        wrapper.half()
+    assert wrapper[0].weight.dtype == torch.float16 and model[0][2][0]._fp8fx_dtype == torch.bfloat16
+    # and around the layer alone (no guard on the way): the layers before it were converted
+    wrapper = nn.Sequential(nn.LayerNorm(64).bfloat16(), model[0][2][0])
+    with pytest.raises(ValueError, match=r"\(the modules before this layer were converted"):
+        wrapper.half()
+    assert wrapper[0].weight.dtype == torch.float16 and model[0][2][0]._fp8fx_dtype == torch.bfloat16
 
 
 def test_a_module_reaching_a_shared_fp8_layer_by_a_second_path_is_guarded_too():
