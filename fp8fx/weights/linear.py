@@ -22,7 +22,7 @@ import re
 import sys
 import threading
 import weakref
-from typing import Optional, Sequence
+from typing import Mapping, Optional, Sequence
 
 import torch
 from torch import nn
@@ -171,10 +171,24 @@ def _overflow_of(module: nn.Module, name: str, cast: torch.dtype) -> str:
     """Why the dequantized weights of ``module`` (fp8 * scale, the ``.weight`` view and the reference kernels) would
     hold inf in ``cast`` (float16: a scale above 65504 / 448 = 146.2 where the fp8 values reach that far), or "".
     load_checkpoint refuses such a layer for a float16 model; a cast of the loaded model to float16 made it, with no
-    error. The fp8 tensors are counted only where their largest scale is beyond the range."""
-    p, suffix = module._parameters, "_scale_inv" if getattr(module, "_fp8fx_block_scales", False) else "_scale"
+    error."""
+    found = _overflow(module, cast, module._parameters)
+    if found is None:
+        return ""
+    largest, count, w = found
+    return (f"{name}: cast to {cast}, but a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is beyond "
+            f"{cast}'s range (at most {torch.finfo(cast).max:g}): {count} values of its dequantized {w} would be inf "
+            "(outputs NaN); keep the model in bfloat16 or float32")
+
+
+def _overflow(module: nn.Module, cast: torch.dtype, params: Mapping[str, Optional[torch.Tensor]]
+              ) -> Optional[tuple[float, int, str]]:
+    """(largest scale, count, weight name) of the first fp8 weight in ``params`` (the module's own, or a state dict's
+    over them) whose dequantized values ``cast`` cannot hold, or None. The fp8 tensors are counted only where their
+    largest scale is beyond the range."""
+    suffix = "_scale_inv" if getattr(module, "_fp8fx_block_scales", False) else "_scale"
     for w in ("weight", "gate_up_proj", "up_proj", "down_proj"):  # (up_proj: ungated experts' first weight)
-        q, scale = p.get(w), p.get(w + suffix)
+        q, scale = params.get(w), params.get(w + suffix)
         if q is None or scale is None or q.dtype != quant.FP8_DTYPE or not scale.numel():
             continue
         largest = float(scale.detach().float().max())
@@ -184,10 +198,8 @@ def _overflow_of(module: nn.Module, name: str, cast: torch.dtype) -> str:
         count = sum(chunked.dequantized_overflow(qe.detach(), se.detach(), block, cast)
                     for qe, se in (zip(q, scale) if q.dim() == 3 else [(q, scale)]))
         if count:
-            return (f"{name}: cast to {cast}, but a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is "
-                    f"beyond {cast}'s range (at most {torch.finfo(cast).max:g}): {count} values of its dequantized "
-                    f"{w} would be inf (outputs NaN); keep the model in bfloat16 or float32")
-    return ""
+            return largest, count, w
+    return None
 
 
 def _cast_from_outside() -> bool:
@@ -313,6 +325,24 @@ def guard_casts(model: nn.Module) -> None:
             m._apply = _CheckedApply(m)
     if getattr(type(model), "_apply", None) is not fp8_apply and "_apply" not in vars(model):
         model._apply = _CheckedApply(model)  # (also a model of no fp8 layer: its copies keep the reasons' tags)
+    if not any(getattr(h, "hook", h) is refuse_load_first for h in model._load_state_dict_pre_hooks.values()):
+        model.register_load_state_dict_pre_hook(refuse_load_first)
+
+
+def refuse_load_first(model: nn.Module, state_dict, prefix: str, *args) -> None:
+    """A pre-hook of the model ``quantize_`` / ``load_checkpoint`` was given (``guard_casts``): a ``load_state_dict``
+    that one of its fp8 layers refuses (``load_refusal``) raises before any module loads. torch loads module by
+    module and raises the errors gathered at the end, so the modules before and after the refusing layer had taken
+    the new values (a bf16 fine-tune loaded into the fp8 model: its embeddings and norms replaced, logits 1.0 off,
+    after the error)."""
+    refusals = []
+    for name, m in model.named_modules(prefix=prefix[:-1]):
+        if type(m)._load_from_state_dict is fp8_load_from_state_dict:
+            refusals.append(load_refusal(m, state_dict, f"{name}." if name else ""))
+    refusals = [r for r in refusals if r]
+    if refusals:
+        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(refusals)
+                           + "\n(nothing was loaded)")
 
 
 def check_online(what: str, loaded: torch.Tensor, dtype: torch.dtype, prefix: str, kind: str,
@@ -336,53 +366,12 @@ def check_online(what: str, loaded: torch.Tensor, dtype: torch.dtype, prefix: st
 
 
 def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
-    """``Module._load_from_state_dict`` of a quantized layer or experts module: an fp8 parameter's tensor of another
-    dtype (a bf16 state dict loaded into the quantized model) is refused, naming it, and nothing of the module is
-    loaded. Copied in, its values were cast to fp8 and read as codes under the old scales (outputs off by ~100%).
-    So are scales no loader takes (0, <0, NaN, Inf: ``quant.bad_scales``) and NaN codes, which ``load_checkpoint``
-    refuses: loaded, the layer's outputs were NaN, zero or negated, silently. And fp8 codes without their scales, or
-    scales without their codes (``strict=False`` of a model quantized with another scheme, whose scales have other
-    names: the codes were read under the old scales, relative errors of 0.7-3, with only a missing-keys list to say
-    so)."""
-    error_msgs = args[-1]
-    for name, codes in self._parameters.items():
-        given = state_dict.get(prefix + name)
-        if codes is None or not is_fp8_state(name, codes) or not isinstance(given, torch.Tensor) or given.is_meta:
-            continue
-        if name.endswith(("scale", "scale_inv")):
-            why = quant.bad_scales(given.detach().float())
-            if why:
-                error_msgs.append(f"{prefix}{name}: {why}; load the scales the quantized model's state_dict holds, "
-                                  "or quantize the layer again from its high-precision weight (this module was not "
-                                  "loaded)")
-                return
-            continue
-        if given.dtype != codes.dtype:
-            error_msgs.append(
-                f"{prefix}{name}: a {given.dtype} tensor for a module fp8fx quantized (its {name} is {codes.dtype} "
-                "codes scaled by its scales), whose values would be taken as codes; load 16-bit weights into the model "
-                "before fp8fx.quantize_, or fp8 ones with their scales (a state_dict of the quantized model, "
-                "fp8fx.load_checkpoint)"
-            )
-            return
-        bad = chunked.count_nonfinite(given.detach())
-        if bad:
-            error_msgs.append(f"{prefix}{name} has {bad} NaN codes, which no loader takes; fix the weights (this "
-                              "module was not loaded)")
-            return
-    for name, codes in self._parameters.items():  # codes and the scales that scale them come together, or not at all
-        if codes is None or codes.dtype != quant.FP8_DTYPE:
-            continue
-        pair = [prefix + n for n in (name, *_weight_scales(self, name))]
-        given = [n for n in pair if n in state_dict]
-        if given and len(given) < len(pair):
-            missing = next(n for n in pair if n not in state_dict)
-            error_msgs.append(
-                f"{missing} is not in the state_dict, which holds {', '.join(given)}: fp8 codes and their scales are "
-                "loaded together (codes read under another scale, or a scale over other codes, give wrong weights: a "
-                "state_dict of a model quantized with another scheme, or a partial one); load both, as the quantized "
-                "model's state_dict holds them (this module was not loaded)")
-            return
+    """``Module._load_from_state_dict`` of a quantized layer or experts module: a state dict it refuses
+    (``load_refusal``) loads nothing of the module, and says why."""
+    refused = load_refusal(self, state_dict, prefix)
+    if refused:
+        args[-1].append(refused)  # (torch's error_msgs: load_state_dict raises them once every module had its turn)
+        return
     made = next(c for c in type(self).__mro__ if "_fp8fx_maker" in c.__dict__)
     tags = {n: (p, carried_tags(p)) for n, p in self._parameters.items() if p is not None}
     super(made, self)._load_from_state_dict(state_dict, prefix, *args)
@@ -391,6 +380,67 @@ def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
         for k, v in carried.items() if new is not None and new is not old else ():
             if not hasattr(new, k):
                 setattr(new, k, v)
+
+
+def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str) -> str:
+    """Why a quantized layer or experts module (``self``, at ``prefix``) refuses the entries of ``state_dict``, or "".
+    An fp8 parameter's tensor of another dtype (a bf16 state dict loaded into the quantized model): copied in, its
+    values were cast to fp8 and read as codes under the old scales (outputs off by ~100%). Scales no loader takes (0,
+    <0, NaN, Inf: ``quant.bad_scales``) and NaN codes, which ``load_checkpoint`` refuses: loaded, the layer's outputs
+    were NaN, zero or negated, silently. fp8 codes without their scales, or scales without their codes (``strict=False``
+    of a model quantized with another scheme, whose scales have other names: the codes were read under the old
+    scales, relative errors of 0.7-3, with only a missing-keys list to say so). Codes or scales of another shape
+    (per-channel scales [N, 1] for a per-tensor layer's [1]): torch copied the codes, then refused the scale, leaving
+    the codes under the old scale (outputs 1.5x their norm off after the error). Codes and scales whose dequantized
+    weight the layer's float16 compute dtype cannot hold (inf, outputs NaN), as its cast to float16 is refused."""
+    for name, codes in self._parameters.items():
+        given = state_dict.get(prefix + name)
+        if codes is None or not is_fp8_state(name, codes) or not isinstance(given, torch.Tensor) or given.is_meta:
+            continue
+        if given.dtype == codes.dtype and given.shape != codes.shape and not (
+                codes.dim() == 0 and given.shape == (1,)):  # (torch's own allowance: [1] into a 0-dim parameter)
+            return (f"{prefix}{name}: shape {list(given.shape)}, where this module's is {list(codes.shape)} (a "
+                    "state_dict of a model quantized with another scheme or block); load the state_dict of a model "
+                    "quantized as this one is, or quantize_ the high-precision model with that scheme (this module "
+                    "was not loaded)")
+        if name.endswith(("scale", "scale_inv")):
+            why = quant.bad_scales(given.detach().float())
+            if why:
+                return (f"{prefix}{name}: {why}; load the scales the quantized model's state_dict holds, or quantize "
+                        "the layer again from its high-precision weight (this module was not loaded)")
+            continue
+        if given.dtype != codes.dtype:
+            return (f"{prefix}{name}: a {given.dtype} tensor for a module fp8fx quantized (its {name} is {codes.dtype} "
+                    "codes scaled by its scales), whose values would be taken as codes; load 16-bit weights into the "
+                    "model before fp8fx.quantize_, or fp8 ones with their scales (a state_dict of the quantized model, "
+                    "fp8fx.load_checkpoint)")
+        bad = chunked.count_nonfinite(given.detach())
+        if bad:
+            return (f"{prefix}{name} has {bad} NaN codes, which no loader takes; fix the weights (this module was "
+                    "not loaded)")
+    for name, codes in self._parameters.items():  # codes and the scales that scale them come together, or not at all
+        if codes is None or codes.dtype != quant.FP8_DTYPE:
+            continue
+        pair = [prefix + n for n in (name, *_weight_scales(self, name))]
+        given = [n for n in pair if n in state_dict]
+        if given and len(given) < len(pair):
+            missing = next(n for n in pair if n not in state_dict)
+            return (f"{missing} is not in the state_dict, which holds {', '.join(given)}: fp8 codes and their scales "
+                    "are loaded together (codes read under another scale, or a scale over other codes, give wrong "
+                    "weights: a state_dict of a model quantized with another scheme, or a partial one); load both, as "
+                    "the quantized model's state_dict holds them (this module was not loaded)")
+    dtype = getattr(self, "_fp8fx_dtype", None)
+    if dtype is not None and torch.finfo(dtype).max < torch.finfo(torch.bfloat16).max:  # (float16)
+        params = {n: state_dict.get(prefix + n, p) for n, p in self._parameters.items()}
+        params = {n: p if isinstance(p, torch.Tensor) and not p.is_meta else None for n, p in params.items()}
+        found = _overflow(self, dtype, params)
+        if found is not None:
+            largest, count, w = found
+            return (f"{prefix}{w}: a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is beyond "
+                    f"{dtype}'s range (at most {torch.finfo(dtype).max:g}), the dtype this module computes in: "
+                    f"{count} values of its dequantized {w} would be inf (outputs NaN); load them into a bfloat16 or "
+                    "float32 model (model.to(torch.bfloat16) first) (this module was not loaded)")
+    return ""
 
 
 def _weight_scales(module: nn.Module, name: str) -> list[str]:

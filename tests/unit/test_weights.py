@@ -459,6 +459,78 @@ def test_a_state_dict_of_block_scales_no_loader_takes_is_refused_naming_the_tens
     assert torch.equal(model(x), other(x))
 
 
+def _values(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a)
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["linear", "experts"])
+def test_a_state_dict_of_another_scheme_loads_nothing(moe):
+    """A per-channel model's state_dict loaded into a per-tensor one: torch copied each layer's codes, then refused
+    its scale's shape ([64, 1] against [1]), leaving the new codes under the old scale (outputs 1.46x their norm off
+    after the error), and every other module loaded. Refused now before any module loads, naming the tensor and
+    both shapes; an experts module likewise."""
+    torch.manual_seed(0)
+    from tests.unit.test_moe_weights import Experts
+
+    make = (lambda: nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.Linear(64, 64))) if not moe else (
+        lambda: nn.Sequential(nn.LayerNorm(64), Experts(h=64, i=32)))
+    model, other = make().to(torch.bfloat16), make().to(torch.bfloat16)
+    fp8fx.quantize_(model, Fp8Config(weight_granularity=fp8fx.PerTensor()))
+    fp8fx.quantize_(other, Fp8Config())
+    before = _values(model)
+    name = "1.weight_scale" if not moe else "1.gate_up_proj_scale"
+    with pytest.raises(RuntimeError, match=rf"(?s){re.escape(name)}: shape \[(4, )?64, 1\], where this module's is "
+                                           r"\[[14]\] \(a state_dict of a model quantized with another scheme.*"
+                                           r"\(nothing was loaded\)$"):
+        model.load_state_dict(other.state_dict())
+    assert _same(_values(model), before)
+
+
+def test_a_refused_state_dict_leaves_every_module_as_it_was():
+    """A bf16 fine-tune's state_dict loaded into the fp8 model is refused at its first fp8 layer, but torch had
+    loaded the modules before it (and went on with those after): embeddings and norms replaced, logits 1.0 off
+    after the error. The model quantize_ was given refuses it before any module loads."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(16, 64), nn.LayerNorm(64), nn.Linear(64, 64), nn.LayerNorm(64))
+    tuned = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in tuned.parameters():
+            p.add_(1.0)
+    fp8fx.quantize_(model.to(torch.bfloat16))
+    before = _values(model)
+    with pytest.raises(RuntimeError, match=r"2\.weight: a torch.float32 tensor for a module fp8fx quantized.*\n"
+                                           r"\(nothing was loaded\)$"):
+        model.load_state_dict(tuned.state_dict())
+    assert _same(_values(model), before)
+    fp8fx.dequantize_(model)  # (the check goes with the fp8 layers)
+    assert not model._load_state_dict_pre_hooks
+    model.load_state_dict(tuned.state_dict())
+    assert torch.equal(model[0].weight, tuned[0].weight.to(torch.bfloat16))
+
+
+def test_a_float16_model_refuses_codes_and_scales_beyond_its_range():
+    """model.half() refuses an fp8 layer whose dequantized weight float16 cannot hold; loading such codes and scales
+    into the float16 model took them, silently: 29371 inf weights, every output NaN."""
+    torch.manual_seed(0)
+    model, big = (nn.Sequential(nn.Linear(128, 128)).to(torch.bfloat16) for _ in range(2))
+    with torch.no_grad():
+        big[0].weight.mul_(1e6)
+    fp8fx.quantize_(model)
+    fp8fx.quantize_(big)
+    model.half()
+    before = _values(model)
+    with pytest.raises(RuntimeError, match=r"0\.weight: a scale of .* is beyond torch.float16's range \(at most 65504\), "
+                                           r"the dtype this module computes in: \d+ values .* would be inf"):
+        model.load_state_dict(big.state_dict())
+    assert _same(_values(model), before)
+    model.to(torch.bfloat16).load_state_dict(big.state_dict())  # (its fix)
+    assert torch.isfinite(model(torch.randn(2, 128, dtype=torch.bfloat16))).all()
+
+
 def test_a_state_dict_of_a_float32_bias_loads_into_a_quantized_layer_as_into_a_bf16_one():
     """The fp8 checks of a quantized layer's ``load_state_dict`` are for its fp8 codes and float32 scales: its bias
     is the model's, and a float32 one (a state dict saved in float32) is cast to the layer's dtype as torch casts it
