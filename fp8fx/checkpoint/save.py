@@ -59,7 +59,8 @@ def save_checkpoint(
 ) -> dict[str, Any]:
     """Write ``model`` (quantized by ``quantize_`` or ``load_checkpoint``) to directory ``path``:
     ``model.safetensors`` (or shards of at most ``max_shard_size`` plus ``model.safetensors.index.json``: bytes, or
-    a size as ``save_pretrained`` takes it, ``"5GB"`` = 5 * 10**9 bytes, ``"5GiB"`` = 5 * 2**30) and ``config.json`` with its ``quantization_config``, which it returns.
+    a size as ``save_pretrained`` takes it, ``"5GB"`` = 5 * 10**9 bytes, ``"5GiB"`` = 5 * 2**30) and
+    ``config.json`` with its ``quantization_config``, which it returns.
 
     ``format``: ``"fp8"`` (per-tensor ``weight_scale`` or ``weight_scale_inv`` blocks, one scheme for all
     layers: vLLM's own format; transformers reads only its block variant, FineGrainedFP8, and takes a per-tensor

@@ -523,8 +523,8 @@ def test_a_float16_model_refuses_codes_and_scales_beyond_its_range():
     fp8fx.quantize_(big)
     model.half()
     before = _values(model)
-    with pytest.raises(RuntimeError, match=r"0\.weight: a scale of .* is beyond torch.float16's range \(at most 65504\), "
-                                           r"the dtype this module computes in: \d+ values .* would be inf"):
+    with pytest.raises(RuntimeError, match=r"0\.weight: a scale of .* is beyond torch.float16's range \(at most "
+                                           r"65504\), the dtype this module computes in: \d+ values .* would be inf"):
         model.load_state_dict(big.state_dict())
     assert _same(_values(model), before)
     model.to(torch.bfloat16).load_state_dict(big.state_dict())  # (its fix)
