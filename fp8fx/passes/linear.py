@@ -570,6 +570,12 @@ _ALIAS_METHODS = frozenset({"contiguous", "to", "type", "type_as", "float", "hal
 _ALIAS_FUNCTIONS = (torch.detach, operator.getitem)
 
 
+# ops that read fp8 weights: a graph holding one (before or after the passes) is of a model quantize_ or
+# load_checkpoint ran on
+_FP8_WEIGHT_OPS = frozenset(getattr(torch.ops.fp8fx, name).default for name in (
+    "dequantize", "scaled_mm", "scaled_mm_fused", "gated_mlp", "fused_moe", "small_mm", "weight_only_mm"))
+
+
 def _same_tensor(node: fx.Node) -> fx.Node:
     """The node whose tensor ``node``'s is, through ops that return their input as it is (``x.contiguous()`` of a
     contiguous x, ``x.to(its dtype)``, ``x.detach()``, ``x[:]``): one memory, offset, shape, strides, dtype and no
@@ -836,6 +842,12 @@ class LinearPass(Fp8Pass):
             if adapter:  # (quantize_ tags the adapters of a PEFT model it is given: these came after it)
                 return (f"{NOT_QUANTIZED}an adapter layer (PEFT's {adapter.group(1)}) added after quantize_: adapters "
                         "stay in high precision, their base_layer is quantized")
+            if isinstance(w, fx.Node) and any(n.target in _FP8_WEIGHT_OPS for n in w.graph.nodes):
+                # other layers of this graph are fp8: quantize_ ran, and this weight carries no word of why it kept
+                # high precision (its tag: lost with the tensor, through torch.export.save / load)
+                return ("weight is not an fp8fx-quantized weight, in a graph whose other layers are: quantize_ or "
+                        "load_checkpoint kept it in high precision (its reason, a tag of the tensor, is lost where "
+                        "the tensor was saved and loaded, as by torch.export.save / load) or it was added after them")
             return ("weight is not an fp8fx-quantized weight (run fp8fx.quantize_ or load an fp8 checkpoint: they "
                     "quantize nn.Linear layers and experts modules, not a parameter another module reads by F.linear)")
         wv = fake_value(w)

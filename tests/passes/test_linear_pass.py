@@ -295,7 +295,24 @@ def test_unquantized_model_reports_every_site():
     with torch.no_grad():
         torch.compile(ThreeLinear(), backend=backend)(torch.randn(2, 64))
     assert len(backend.report.sites) == 3 and not backend.report.rewritten
-    assert all("not an fp8fx-quantized weight" in s.reason for s in backend.report.sites)
+    assert all("not an fp8fx-quantized weight (run fp8fx.quantize_" in s.reason for s in backend.report.sites)
+
+
+def test_a_kept_layer_whose_reason_was_lost_is_not_told_to_run_quantize(tmp_path):
+    """After torch.export.save / load, a layer quantize_ kept in high precision (ignored_layers) has lost its reason
+    (a tag of the tensor): the report told the user to "run fp8fx.quantize_", beside the layers it had quantized."""
+    torch.manual_seed(0)
+    model = ThreeLinear().to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["head"]))
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    torch.export.save(torch.export.export(model, (x,)), tmp_path / "model.pt2")
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(torch.export.load(tmp_path / "model.pt2").module(), backend=backend)(x)
+    kept = [s for s in backend.report.sites if not s.rewritten]
+    assert len(backend.report.rewritten) == 2 and len(kept) == 1, backend.report
+    assert kept[0].reason.startswith("weight is not an fp8fx-quantized weight, in a graph whose other layers are: "
+                                     "quantize_ or load_checkpoint kept it in high precision"), kept[0].reason
 
 
 def test_matmul_forms_are_rewritten():
