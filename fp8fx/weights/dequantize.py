@@ -16,7 +16,7 @@ from torch import nn
 
 from fp8fx.lowerings import compat
 from fp8fx.weights import kv_cache, moe
-from fp8fx.weights.linear import ModelHeld, is_fp8_state, is_quantized, refuse_load_first
+from fp8fx.weights.linear import LoadCheck, ModelHeld, is_fp8_state, is_quantized
 from fp8fx.weights.quantize import _put_tags
 
 log = logging.getLogger("fp8fx")
@@ -93,7 +93,8 @@ def _untag(model: nn.Module) -> None:
         for name in kv_cache.held_kv_scales(m):
             m._buffers.pop(name, None)
         for key, hook in list(m._load_state_dict_pre_hooks.items()):
-            if getattr(hook, "hook", None) in (kv_cache.refuse_bad_kv_scales, refuse_load_first):
+            if getattr(hook, "hook", None) is kv_cache.refuse_bad_kv_scales or isinstance(getattr(hook, "hook", None),
+                                                                                        LoadCheck):
                 del m._load_state_dict_pre_hooks[key]
         for name in [k for k, v in vars(m).items() if k.startswith("_fp8fx_") or isinstance(v, ModelHeld)]:
             delattr(m, name)

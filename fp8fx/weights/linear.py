@@ -129,9 +129,9 @@ def fp8_apply(self, fn, recurse=True):
     if refused:
         if not _cast_from_outside():
             raise ValueError(f"{refused} (nothing was converted)")
-        raise ValueError(f"{refused} (the modules before this layer were converted, this layer and the ones after it "
-                         "were not: cast the model quantize_ or load_checkpoint was given, which refuses it before "
-                         "converting anything)")
+        raise ValueError(f"{refused} (this layer and the ones after it were not converted, but a cast of a module "
+                         "holding it converts the modules it reaches before this layer, if any: cast the model "
+                         "quantize_ or load_checkpoint was given, which refuses it before converting anything)")
     tags = {n: {a: v for a, v in vars(t).items() if a.startswith("_fp8fx_")}
             for n, t in self._parameters.items() if t is not None}
     super(type(self), self)._apply(apply, recurse)
@@ -233,9 +233,9 @@ def _checked_cast(self, fn, recurse: bool):
     for m in self.modules():
         refused = _cast_of(m, fn)[2] if getattr(type(m), "_apply", None) is fp8_apply else ""
         if refused and _cast_from_outside():
-            raise ValueError(f"{refused} (nothing of this model was converted, but the modules before it in the "
-                             "module holding it were: cast this model itself, which refuses it before converting "
-                             "anything)")
+            raise ValueError(f"{refused} (nothing of this model was converted, but a cast of a module holding it "
+                             "converts the modules it reaches before this model, if any: cast this model itself, which "
+                             "refuses it before converting anything)")
         if refused:
             raise ValueError(f"{refused} (nothing was converted)")
     # the KV-cache scales (float32 buffers of the attentions, kv_cache.attach_kv_scales) follow device moves but not
@@ -325,24 +325,44 @@ def guard_casts(model: nn.Module) -> None:
             m._apply = _CheckedApply(m)
     if getattr(type(model), "_apply", None) is not fp8_apply and "_apply" not in vars(model):
         model._apply = _CheckedApply(model)  # (also a model of no fp8 layer: its copies keep the reasons' tags)
-    if not any(getattr(h, "hook", h) is refuse_load_first for h in model._load_state_dict_pre_hooks.values()):
-        model.register_load_state_dict_pre_hook(refuse_load_first)
+    if not any(isinstance(getattr(h, "hook", h), LoadCheck) for h in model._load_state_dict_pre_hooks.values()):
+        # (with_module=False: torch's own binding holds the module by a weak reference, and a copy.copy of the model,
+        # which shares this dict, met "the hook of a dead Module" once the original was gone: LoadCheck says why)
+        model._register_load_state_dict_pre_hook(LoadCheck(model))
 
 
-def refuse_load_first(model: nn.Module, state_dict, prefix: str, *args) -> None:
+class LoadCheck(ModelHeld):
     """A pre-hook of the model ``quantize_`` / ``load_checkpoint`` was given (``guard_casts``): a ``load_state_dict``
-    that one of its fp8 layers refuses (``load_refusal``) raises before any module loads. torch loads module by
-    module and raises the errors gathered at the end, so the modules before and after the refusing layer had taken
-    the new values (a bf16 fine-tune loaded into the fp8 model: its embeddings and norms replaced, logits 1.0 off,
-    after the error)."""
-    refusals = []
-    for name, m in model.named_modules(prefix=prefix[:-1]):
-        if type(m)._load_from_state_dict is fp8_load_from_state_dict:
-            refusals.append(load_refusal(m, state_dict, f"{name}." if name else ""))
-    refusals = [r for r in refusals if r]
-    if refusals:
-        raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t" + "\n\t".join(refusals)
-                           + "\n(nothing was loaded)")
+    that one of its fp8 layers refuses (``load_refusal``) raises before any module of the model loads. torch loads
+    module by module and raises the errors gathered at the end, so the modules before and after the refusing layer
+    had taken the new values (a bf16 fine-tune loaded into the fp8 model: its embeddings and norms replaced, logits
+    1.0 off, after the error). The state each fp8 layer was checked against is remembered for this thread, so the
+    layer's own check (``fp8_load_from_state_dict``) does not scan its codes again."""
+
+    what = "load_state_dict check"
+
+    def __call__(self, state_dict, prefix: str, *args) -> None:
+        model = self.held()
+        refusals, checked = [], {}
+        for name, m in model.named_modules(prefix=prefix[:-1]):
+            if type(m)._load_from_state_dict is fp8_load_from_state_dict:
+                at = f"{name}." if name else ""
+                refusals.append(load_refusal(m, state_dict, at))
+                checked[id(m)] = (m, _given(m, state_dict, at))
+        refusals = [r for r in refusals if r]
+        _CHECKED_LOADS.modules = {} if refusals else checked
+        if refusals:
+            loaded = ("nothing was loaded" if not prefix else
+                      f"nothing of {prefix[:-1]} was loaded; modules outside it that this load reached before it were")
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t"
+                               + "\n\t".join(refusals) + f"\n({loaded})")
+
+
+_CHECKED_LOADS = threading.local()  # .modules: id -> (fp8 module, the state_dict's tensors for it) LoadCheck passed
+
+
+def _given(module: nn.Module, state_dict, prefix: str) -> tuple:
+    return tuple(state_dict.get(prefix + name) for name in module._parameters)
 
 
 def check_online(what: str, loaded: torch.Tensor, dtype: torch.dtype, prefix: str, kind: str,
@@ -368,7 +388,10 @@ def check_online(what: str, loaded: torch.Tensor, dtype: torch.dtype, prefix: st
 def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
     """``Module._load_from_state_dict`` of a quantized layer or experts module: a state dict it refuses
     (``load_refusal``) loads nothing of the module, and says why."""
-    refused = load_refusal(self, state_dict, prefix)
+    checked = getattr(_CHECKED_LOADS, "modules", {}).pop(id(self), None)
+    given = _given(self, state_dict, prefix)
+    passed = checked is not None and checked[0] is self and all(a is b for a, b in zip(checked[1], given))
+    refused = "" if passed else load_refusal(self, state_dict, prefix)
     if refused:
         args[-1].append(refused)  # (torch's error_msgs: load_state_dict raises them once every module had its turn)
         return
@@ -397,13 +420,16 @@ def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str)
         given = state_dict.get(prefix + name)
         if codes is None or not is_fp8_state(name, codes) or not isinstance(given, torch.Tensor) or given.is_meta:
             continue
-        if given.dtype == codes.dtype and given.shape != codes.shape and not (
+        scale = name.endswith(("scale", "scale_inv"))
+        if (scale or given.dtype == codes.dtype) and given.shape != codes.shape and not (
                 codes.dim() == 0 and given.shape == (1,)):  # (torch's own allowance: [1] into a 0-dim parameter)
-            return (f"{prefix}{name}: shape {list(given.shape)}, where this module's is {list(codes.shape)} (a "
-                    "state_dict of a model quantized with another scheme or block); load the state_dict of a model "
-                    "quantized as this one is, or quantize_ the high-precision model with that scheme (this module "
-                    "was not loaded)")
-        if name.endswith(("scale", "scale_inv")):
+            why = (f"the same {given.numel()} values in another shape: reshape it to {list(codes.shape)}"
+                   if given.numel() == codes.numel() else
+                   "a state_dict of a model quantized with another scheme or block: load the state_dict of a model "
+                   "quantized as this one is, or quantize_ the high-precision model with that scheme")
+            return (f"{prefix}{name}: shape {list(given.shape)}, where this module's is {list(codes.shape)} ({why}; "
+                    "this module was not loaded)")
+        if scale:
             why = quant.bad_scales(given.detach().float())
             if why:
                 return (f"{prefix}{name}: {why}; load the scales the quantized model's state_dict holds, or quantize "

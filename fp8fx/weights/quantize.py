@@ -206,7 +206,7 @@ def quantize_(
 
     if not prefix:
         pretrained.describe(model)
-    elif plan or experts:
+    elif (plan or experts) and any(type(m).__module__.startswith("transformers.") for m in model.modules()):
         _warn_part_save(model, prefix)
     return wrapper
 

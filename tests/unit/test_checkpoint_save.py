@@ -839,7 +839,10 @@ def test_save_arguments_and_a_compiled_model(tmp_path):
                                              r"bytes \(an int, e.g. 5 \* 2\*\*30\) or a size such as '5GB'"):
             save_checkpoint(model, tmp_path / "a", max_shard_size=bad)
     assert not (tmp_path / "a").exists()
-    for size, as_bytes in (("4KiB", 1 << 12), ("12kb", 12_000), (" 0.02 MB ", 20_000)):
+    with pytest.raises(ValueError, match=r"max_shard_size='5gb': a unit ending in a lowercase b is bits to "
+                                         r"transformers' save_pretrained .*write it as '5gB' \(bytes\)"):
+        save_checkpoint(model, tmp_path / "a", max_shard_size="5gb")
+    for size, as_bytes in (("4KiB", 1 << 12), ("12kB", 12_000), (" 0.02 MB ", 20_000)):
         dirs = [tmp_path / "sizes" / size.strip(), tmp_path / "sizes" / f"{as_bytes}"]
         save_checkpoint(model, dirs[0], max_shard_size=size)
         save_checkpoint(model, dirs[1], max_shard_size=as_bytes)

@@ -506,10 +506,42 @@ def test_a_refused_state_dict_leaves_every_module_as_it_was():
                                            r"\(nothing was loaded\)$"):
         model.load_state_dict(tuned.state_dict())
     assert _same(_values(model), before)
+    # quantized by parts, each part checks its own layers only: the error says what it cannot vouch for
+    parts = nn.Sequential(nn.Embedding(16, 64), nn.Sequential(nn.Linear(64, 64))).to(torch.bfloat16)
+    fp8fx.quantize_(parts[1], prefix="1")
+    with pytest.raises(RuntimeError, match=r"\n\(nothing of 1 was loaded; modules outside it that this load reached "
+                                           r"before it were\)$"):
+        parts.load_state_dict({"0.weight": tuned[0].weight, "1.0.weight": tuned[2].weight, "1.0.bias": tuned[2].bias})
+    # a shallow copy shares the check, which holds the original: gone, it says so (not torch's "dead Module")
+    shallow = copy.copy(parts[1])
+    parts = None
+    gc.collect()
+    with pytest.raises(RuntimeError, match=r"copied with copy.copy from a quantized model that is gone, and its "
+                                           r"load_state_dict check was that model's"):
+        shallow.load_state_dict(shallow.state_dict())
     fp8fx.dequantize_(model)  # (the check goes with the fp8 layers)
     assert not model._load_state_dict_pre_hooks
     model.load_state_dict(tuned.state_dict())
     assert torch.equal(model[0].weight, tuned[0].weight.to(torch.bfloat16))
+
+
+def test_a_load_scans_each_fp8_tensor_once(monkeypatch):
+    """The model's check before any module loads and each layer's own scanned every fp8 tensor for NaN codes twice
+    (loads 2.4x slower): the layer takes the model's word for the tensors it checked."""
+    from fp8fx.weights import chunked
+
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4))).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    scans = collections.Counter()
+    count = chunked.count_nonfinite
+    monkeypatch.setattr(chunked, "count_nonfinite", lambda t: scans.update([t.data_ptr()]) or count(t))
+    model.load_state_dict(state)
+    assert len(scans) == 4 and set(scans.values()) == {1}, scans
+    state["1.weight_scale"] = state["1.weight_scale"].view(1, 64)  # the same values in another shape: the fix named
+    with pytest.raises(RuntimeError, match=r"1\.weight_scale: shape \[1, 64\], where this module's is \[64, 1\] \(the "
+                                           r"same 64 values in another shape: reshape it to \[64, 1\]"):
+        model.load_state_dict(state)
 
 
 def test_a_float16_model_refuses_codes_and_scales_beyond_its_range():
@@ -1142,8 +1174,8 @@ def test_a_cast_to_a_dtype_fp8_layers_cannot_compute_in_is_refused_naming_the_la
                for k, v in before.items())
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     assert model(x).dtype == torch.bfloat16  # still runs
-    with pytest.raises(ValueError, match=rf"^3: cast to {dtype}, .*the modules before this layer were "
-                                         r"converted"):
+    with pytest.raises(ValueError, match=rf"^3: cast to {dtype}, .*a cast of a module holding it converts the "
+                                         r"modules it reaches before this layer, if any"):
         model[2:].to(dtype)  # a submodule: no check of its own before torch's
     assert model[3]._fp8fx_dtype == torch.bfloat16 and model[3].bias.dtype == torch.bfloat16
     model.to(torch.float16)  # a cast they compute in goes through the check
@@ -1174,13 +1206,16 @@ def test_a_cast_of_a_submodule_an_fp8_layer_refuses_converts_nothing():
     assert model[0][2][0]._fp8fx_dtype == torch.bfloat16
     # a module built around the model afterwards has no guard: torch's recursion converts what comes first
     wrapper = nn.Sequential(nn.LayerNorm(64).bfloat16(), model)
-    with pytest.raises(ValueError, match=r"\(nothing of this model was converted, but the modules before it in the "
-                                         r"module holding it were: cast this model itself"):
+    with pytest.raises(ValueError, match=r"\(nothing of this model was converted, but a cast of a module holding it "
+                                         r"converts the modules it reaches before this model, if any: cast this "
+                                         r"model itself"):
         wrapper.half()
     assert wrapper[0].weight.dtype == torch.float16 and model[0][2][0]._fp8fx_dtype == torch.bfloat16
     # and around the layer alone (no guard on the way): the layers before it were converted
     wrapper = nn.Sequential(nn.LayerNorm(64).bfloat16(), model[0][2][0])
-    with pytest.raises(ValueError, match=r"\(the modules before this layer were converted"):
+    with pytest.raises(ValueError, match=r"\(this layer and the ones after it were not converted, but a cast of a "
+                                         r"module holding it converts the modules it reaches before this layer, if "
+                                         r"any"):
         wrapper.half()
     assert wrapper[0].weight.dtype == torch.float16 and model[0][2][0]._fp8fx_dtype == torch.bfloat16
 
