@@ -842,7 +842,8 @@ class LinearPass(Fp8Pass):
             if adapter:  # (quantize_ tags the adapters of a PEFT model it is given: these came after it)
                 return (f"{NOT_QUANTIZED}an adapter layer (PEFT's {adapter.group(1)}) added after quantize_: adapters "
                         "stay in high precision, their base_layer is quantized")
-            if isinstance(w, fx.Node) and any(n.target in _FP8_WEIGHT_OPS for n in w.graph.nodes):
+            if ((input_path(source) or "").rpartition(".")[2] == "weight"  # (an nn.Linear's, not a raw parameter)
+                    and any(n.target in _FP8_WEIGHT_OPS for n in w.graph.nodes)):
                 # other layers of this graph are fp8: quantize_ ran, and this weight carries no word of why it kept
                 # high precision (its tag: lost with the tensor, through torch.export.save / load)
                 return ("weight is not an fp8fx-quantized weight, in a graph whose other layers are: quantize_ or "
