@@ -385,6 +385,18 @@ def check_online(what: str, loaded: torch.Tensor, dtype: torch.dtype, prefix: st
                          f"weights, load them into a wider dtype, or add {prefix!r} to ignored_layers")
 
 
+def refuse_script(self) -> nn.Module:
+    """``__prepare_scriptable__`` of an fp8 layer or experts module, which ``torch.jit.script`` calls before it compiles
+    a module: it refuses, naming the layer. TorchScript cannot compile the property that dequantizes the weight; it
+    failed with its own internals ("Module 'Fp8Linear' has no attribute '_parameters'", then "Can't redefine method:
+    __weight_getter")."""
+    name = getattr(self._parameters.get("weight"), "_fp8fx_fqn", None) or getattr(self, "_fp8fx_prefix", "")
+    raise RuntimeError(f"torch.jit.script: {name or type(self).__name__} is an fp8fx layer, whose weight is a property "
+                       "that dequantizes its fp8 codes, which TorchScript cannot compile; use torch.jit.trace (it "
+                       "records fp8fx.dequantize on the codes and scales), torch.export, or torch.compile(model, "
+                       "backend=fp8fx.Fp8Backend())")
+
+
 def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
     """``Module._load_from_state_dict`` of a quantized layer or experts module: a state dict it refuses
     (``load_refusal``) loads nothing of the module, and says why."""
@@ -487,7 +499,7 @@ def fp8_class(cls: type) -> type:
             {"weight": property(_dequantized_weight), "_apply": fp8_apply, "_fp8fx_quantized": True,
              "_load_from_state_dict": fp8_load_from_state_dict, "__delattr__": fp8_delattr,
              "__module__": cls.__module__, "__reduce_ex__": reduce_made_class, "__setstate__": setstate_made_class,
-             "_fp8fx_maker": fp8_class},
+             "__prepare_scriptable__": refuse_script, "_fp8fx_maker": fp8_class},
         )
     return _FP8_CLASSES[cls]
 

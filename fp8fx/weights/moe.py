@@ -41,7 +41,7 @@ from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, gr
 from fp8fx.weights import chunked, views
 from fp8fx.weights.linear import check_codes_held, check_create_arguments, check_online, fp8_apply, fp8_delattr
 from fp8fx.weights.linear import fp8_load_from_state_dict
-from fp8fx.weights.linear import reduce_made_class, same_layout
+from fp8fx.weights.linear import reduce_made_class, refuse_script, same_layout
 from fp8fx.weights.linear import setstate_made_class
 
 log = logging.getLogger("fp8fx")
@@ -89,7 +89,7 @@ def fp8_experts_class(cls: type, first: str = W13) -> type:
     if (cls, first) not in _FP8_CLASSES:
         attrs = {first: _view(first), W2: _view(W2), "_apply": fp8_apply, "_fp8fx_moe": True,
                  "__module__": cls.__module__, "_load_from_state_dict": fp8_load_from_state_dict,
-                 "__delattr__": fp8_delattr,
+                 "__delattr__": fp8_delattr, "__prepare_scriptable__": refuse_script,
                  "__reduce_ex__": reduce_made_class, "__setstate__": setstate_made_class,
                  "_fp8fx_maker": functools.partial(fp8_experts_class, first=first)}  # (a pickle remakes it so)
         _FP8_CLASSES[(cls, first)] = type(f"Fp8{cls.__name__}", (cls,), attrs)

@@ -1681,3 +1681,22 @@ def test_a_layer_with_a_parametrized_bias_is_quantized_and_keeps_it():
         assert rel_err(model(x), want) < 0.05  # the fp8 weights
         assert rel_err(torch.compile(model, backend=backend)(x), want) < 0.08  # and activations: measured 0.058
     fp8fx.testing.assert_rewritten(backend, "0", "2", "3")
+
+
+@pytest.mark.parametrize("moe", [False, True], ids=["linear", "experts"])
+def test_torch_jit_script_is_refused_naming_the_layer_and_trace_works(moe):
+    """torch.jit.script of a quantized model failed in TorchScript's internals ("Module 'Fp8Linear' has no attribute
+    '_parameters'", and on a second try "Can't redefine method: __weight_getter"). It is refused naming the layer and
+    what works; torch.jit.trace records fp8fx.dequantize and matches the eager model."""
+    from tests.unit.test_moe_weights import Experts
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU()) if not moe else nn.Sequential(Experts(h=64, i=32))
+    fp8fx.quantize_(model.to(torch.bfloat16))
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match=r"^torch.jit.script: 0 is an fp8fx layer, .* use torch.jit.trace"):
+            torch.jit.script(model)
+    if not moe:
+        x = torch.randn(3, 64, dtype=torch.bfloat16)
+        traced = torch.jit.trace(model, (x,))
+        assert "fp8fx::dequantize" in str(traced.inlined_graph) and torch.equal(traced(x), model(x))
