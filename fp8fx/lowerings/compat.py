@@ -37,6 +37,13 @@ def fx_symbolic_tracing() -> bool:
     return torch.fx._symbolic_trace.is_fx_symbolic_tracing()
 
 
+def proxy_tracing() -> bool:
+    """Whether ``make_fx``'s proxy mode records the ops that run (it sets the flag ``fx_symbolic_tracing`` reads,
+    and its graph records each op on real tensors, where a symbolic trace holds their results as constants). A private
+    dispatcher query on 2.11 and 2.13."""
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+
+
 def compiled_module(model: Any) -> Any:
     """The module a ``torch.compile`` wrapper (``OptimizedModule``) compiles, whose state names are the model's own
     (the wrapper's all start with ``_orig_mod.``); ``model`` itself when it is no wrapper."""

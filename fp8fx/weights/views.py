@@ -14,12 +14,15 @@ dequantization in the graph and says there that a write into it does not persist
 """
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any, Optional
 
 import torch
 
 from fp8fx.lowerings import compat
+
+log = logging.getLogger("fp8fx")
 
 # in-place methods that change no value a read of the weight gives
 _METADATA = frozenset({"requires_grad_", "share_memory_", "detach_"})
@@ -118,9 +121,29 @@ def dequantized(w: torch.Tensor, owner: torch.nn.Module, attr: str) -> torch.Ten
     mode, ``w`` itself under torch.compile (nothing here is traced: a name read from the module would be a constant
     Dynamo guards on, and a frame compiled for one block would be compiled again for the next), FX tracing, or for a
     tensor of another class (fake, functional, batched ones of a tracer)."""
+    if compat.fx_symbolic_tracing() and type(w) is torch.Tensor and not compat.proxy_tracing():
+        _warn_fx_constant(f"{getattr(owner, '_fp8fx_prefix', '') or type(owner).__name__}.{attr}")
     if torch.compiler.is_compiling() or type(w) is not torch.Tensor or compat.fx_symbolic_tracing():
         return w
     return _named(w, f"{getattr(owner, '_fp8fx_prefix', '') or type(owner).__name__}.{attr}")
+
+
+_FX_CONSTANT_WARNED = False
+
+
+def _warn_fx_constant(name: str) -> None:
+    """torch.fx's symbolic tracing read an fp8 weight outside its layer's call (``F.linear(x, layer.weight)`` in
+    traced code, or an experts module's forward, which FX traces into): the dequantization ran on real tensors and
+    the graph holds its result as a constant, a high-precision copy that does not follow the fp8 codes (a
+    load_state_dict of the model misses it) and that fp8fx's backend cannot rewrite. Said once a process."""
+    global _FX_CONSTANT_WARNED
+    if _FX_CONSTANT_WARNED:
+        return
+    _FX_CONSTANT_WARNED = True
+    log.warning("fp8fx: torch.fx symbolic tracing read %s, an fp8 weight dequantized at each read, outside its "
+                "layer's call: the traced graph holds its dequantized values as a constant (no fp8, no memory saved, "
+                "not following the layer's codes); call the layer in the traced code, or use torch.compile / "
+                "torch.export, which trace the dequantization (said once)", name)
 
 
 def _guard_views(out, w: Dequantized):

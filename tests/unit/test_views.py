@@ -7,6 +7,7 @@ import io
 import pytest
 import torch
 from torch import nn
+import torch.nn.functional as F
 
 import fp8fx
 from fp8fx.weights.views import Dequantized
@@ -310,3 +311,36 @@ def test_peft_kbit_preparation_gets_the_cast_to_make():
     q = adapted.base_model.model.model.layers[0].self_attn.q_proj
     assert fp8fx.weights.is_quantized(q.base_layer) and q.base_layer._parameters["weight"].dtype.itemsize == 1
     assert q.lora_B["default"].weight.grad is not None and q.lora_B["default"].weight.grad.any()
+
+
+def test_fx_symbolic_tracing_of_a_weight_read_warns_that_it_is_a_constant(caplog, monkeypatch):
+    """torch.fx.symbolic_trace of code that reads an fp8 layer's weight (F.linear(x, layer.weight)) ran the
+    dequantization on real tensors: the graph held a high-precision constant, which follows no load_state_dict and
+    which fp8fx's backend reported as "not an fp8fx-quantized weight (run fp8fx.quantize_ ...)", silently. It warns
+    once; make_fx and torch.export, which record the dequantization, do not warn."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from fp8fx.weights import views
+
+    monkeypatch.setattr(views, "_FX_CONSTANT_WARNED", False)
+    layer = nn.Linear(64, 64).to(torch.bfloat16)
+    fp8fx.quantize_(layer)
+
+    class ReadsWeight(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return F.linear(x, self.layer.weight)
+
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        assert "fp8fx.dequantize" in make_fx(ReadsWeight())(x).code
+        assert "fp8fx.dequantize" in str(torch.export.export(ReadsWeight(), (x,)).graph)
+        assert not caplog.records
+        traced = torch.fx.symbolic_trace(ReadsWeight())
+        torch.fx.symbolic_trace(ReadsWeight())
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "symbolic tracing read Linear.weight" in said[0] and "as a constant" in said[0], said
+    assert "dequantize" not in traced.code and "_tensor_constant" in traced.code  # (what it warns of)
