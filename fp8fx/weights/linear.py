@@ -22,7 +22,7 @@ import re
 import sys
 import threading
 import weakref
-from typing import Mapping, Optional, Sequence
+from typing import Mapping, NoReturn, Optional, Sequence
 
 import torch
 from torch import nn
@@ -385,7 +385,7 @@ def check_online(what: str, loaded: torch.Tensor, dtype: torch.dtype, prefix: st
                          f"weights, load them into a wider dtype, or add {prefix!r} to ignored_layers")
 
 
-def refuse_script(self) -> nn.Module:
+def refuse_script(self) -> NoReturn:
     """``__prepare_scriptable__`` of an fp8 layer or experts module, which ``torch.jit.script`` calls before it compiles
     a module: it refuses, naming the layer. TorchScript cannot compile the property that dequantizes the weight; it
     failed with its own internals ("Module 'Fp8Linear' has no attribute '_parameters'", then "Can't redefine method:
