@@ -8,7 +8,9 @@ off the adapted model's), ``nn.init`` calls did nothing. In eager mode the view 
 ``w.t()``, ``w.T``, and ``w.contiguous()`` / ``w.to(its dtype)``, which return ``w`` itself: a write through one
 changes the same copy), naming the tensor and the fix. Every other op runs as on a plain tensor and returns a tensor
 of the caller's own to write into (torch's refusal of an operand of another dtype is raised again naming the weight
-and the cast). ``set_`` (no torch function sees it) and numpy are not caught.
+and the cast). ``w.numpy()`` / ``np.asarray(w)`` give a read-only array. ``set_`` (no torch function sees it) is not
+caught: ``register_parametrization`` calls it on the view before it deletes the parameter, which is refused with its
+own message (``fp8_delattr``).
 Under ``torch.compile``, FX tracing and fake tensors the view stays a plain tensor: the linear pass finds the
 dequantization in the graph and says there that a write into it does not persist.
 """
@@ -37,6 +39,14 @@ class Dequantized(torch.Tensor):
 
     _fp8fx_of: Optional[str]
 
+    def numpy(self, *, force: bool = False):
+        """The array shares the copy's memory, and numpy's writes reach no torch function: it is read-only where the
+        tensor is guarded (a write raises numpy's "assignment destination is read-only"); ``np.asarray(w)`` too."""
+        array = super().numpy(force=force)
+        if _guarded(self):
+            array.flags.writeable = False
+        return array
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -49,11 +59,7 @@ class Dequantized(torch.Tensor):
         if target is not None:
             name = getattr(func, "__name__", str(func))
             op = {"__set__": "assigning .data", "__setitem__": "an indexed assignment"}.get(name, f"{name} in place")
-            raise RuntimeError(
-                f"{target._fp8fx_of} is dequantized from its fp8 codes and scales at each read, so {op} would change a "
-                "copy and be lost: an fp8 layer takes no writes into its weight. Change the high-precision weights "
-                "before quantize_ (merge an adapter into the bf16 model - fp8fx.dequantize_(model) gives one -, then "
-                "quantize_ it), or load new fp8 codes and scales with load_state_dict / fp8fx.load_checkpoint")
+            raise _write_refused(target, op)
         with torch._C.DisableTorchFunctionSubclass():
             if func in _PRINTED:  # printed as the plain tensor it is
                 args = (args[0].as_subclass(torch.Tensor), *args[1:])
@@ -145,6 +151,14 @@ def _warn_fx_constant(name: str) -> None:
                 "layer's call: the traced graph holds its dequantized values as a constant (no fp8, no memory saved, "
                 "not following the layer's codes); call the layer in the traced code, or use torch.compile / "
                 "torch.export, which trace the dequantization (said once)", name)
+
+
+def _write_refused(target: Dequantized, op: str) -> RuntimeError:
+    return RuntimeError(
+        f"{target._fp8fx_of} is dequantized from its fp8 codes and scales at each read, so {op} would change a copy "
+        "and be lost: an fp8 layer takes no writes into its weight. Change the high-precision weights before quantize_ "
+        "(merge an adapter into the bf16 model - fp8fx.dequantize_(model) gives one -, then quantize_ it), or load new "
+        "fp8 codes and scales with load_state_dict / fp8fx.load_checkpoint")
 
 
 def _guard_views(out, w: Dequantized):

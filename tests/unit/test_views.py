@@ -344,3 +344,20 @@ def test_fx_symbolic_tracing_of_a_weight_read_warns_that_it_is_a_constant(caplog
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 1 and "symbolic tracing read Linear.weight" in said[0] and "as a constant" in said[0], said
     assert "dequantize" not in traced.code and "_tensor_constant" in traced.code  # (what it warns of)
+
+
+def test_numpy_writes_into_the_view_are_refused():
+    """Writes through w.numpy() / np.asarray(w) reach no torch function: they changed the copy made at this read
+    and were lost, silently. The arrays are read-only (reads work); the caller's own copy (w.detach()) takes writes."""
+    import numpy as np
+
+    layer = nn.Linear(64, 32)
+    fp8fx.quantize_(layer)
+    w = layer.weight
+    for array in (w.numpy(), np.asarray(w)):
+        assert np.array_equal(array, layer.weight.detach().clone().numpy())
+        with pytest.raises(ValueError, match="read-only"):
+            array[0, 0] = 1.0
+    own = w.detach().numpy()
+    own[0, 0] = 1.0
+    assert own[0, 0] == 1.0
