@@ -39,9 +39,11 @@ def fx_symbolic_tracing() -> bool:
 
 def proxy_tracing() -> bool:
     """Whether ``make_fx``'s proxy mode records the ops that run (it sets the flag ``fx_symbolic_tracing`` reads,
-    and its graph records each op on real tensors, where a symbolic trace holds their results as constants). A private
-    dispatcher query on 2.11 and 2.13."""
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.PROXY) is not None
+    and its graph records each op on real tensors, where a symbolic trace holds their results as constants); its
+    pre-dispatch mode too, which sits on a stack of its own. An FX-internal function on 2.11 and 2.13."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
 
 
 def compiled_module(model: Any) -> Any:

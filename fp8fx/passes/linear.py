@@ -576,6 +576,13 @@ _FP8_WEIGHT_OPS = frozenset(getattr(torch.ops.fp8fx, name).default for name in (
     "dequantize", "scaled_mm", "scaled_mm_fused", "gated_mlp", "fused_moe", "small_mm", "weight_only_mm"))
 
 
+def _tags_lost(ctx: PassContext) -> bool:
+    """Whether the graph's fp8 inputs carry none of the tags quantize_ / load_checkpoint set on the tensors they make
+    (``_fp8fx_fqn``): tensors saved and loaded without them, as by torch.export.save / load."""
+    fp8 = [v for v in ctx.example.values() if isinstance(v, torch.Tensor) and v.dtype == quant.FP8_DTYPE]
+    return bool(fp8) and not any(hasattr(v, "_fp8fx_fqn") for v in fp8)
+
+
 def _same_tensor(node: fx.Node) -> fx.Node:
     """The node whose tensor ``node``'s is, through ops that return their input as it is (``x.contiguous()`` of a
     contiguous x, ``x.to(its dtype)``, ``x.detach()``, ``x[:]``): one memory, offset, shape, strides, dtype and no
@@ -843,9 +850,10 @@ class LinearPass(Fp8Pass):
                 return (f"{NOT_QUANTIZED}an adapter layer (PEFT's {adapter.group(1)}) added after quantize_: adapters "
                         "stay in high precision, their base_layer is quantized")
             if ((input_path(source) or "").rpartition(".")[2] == "weight"  # (an nn.Linear's, not a raw parameter)
-                    and any(n.target in _FP8_WEIGHT_OPS for n in w.graph.nodes)):
-                # other layers of this graph are fp8: quantize_ ran, and this weight carries no word of why it kept
-                # high precision (its tag: lost with the tensor, through torch.export.save / load)
+                    and any(n.target in _FP8_WEIGHT_OPS for n in w.graph.nodes) and _tags_lost(ctx)):
+                # other layers of this graph are fp8, but none of their tensors carries fp8fx's tags: they were saved
+                # and loaded (torch.export.save / load), and so was this weight, whose tag said why it kept high
+                # precision. (A part quantized with a prefix keeps its tags: a layer outside it was never quantized.)
                 return ("weight is not an fp8fx-quantized weight, in a graph whose other layers are: quantize_ or "
                         "load_checkpoint kept it in high precision (its reason, a tag of the tensor, is lost where "
                         "the tensor was saved and loaded, as by torch.export.save / load) or it was added after them")

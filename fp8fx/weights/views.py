@@ -43,7 +43,7 @@ class Dequantized(torch.Tensor):
         """The array shares the copy's memory, and numpy's writes reach no torch function: it is read-only where the
         tensor is guarded (a write raises numpy's "assignment destination is read-only"); ``np.asarray(w)`` too."""
         array = super().numpy(force=force)
-        if _guarded(self):
+        if _guarded(self) and self.device.type == "cpu":  # (force=True of a GPU tensor: a copy of the caller's own)
             array.flags.writeable = False
         return array
 
@@ -135,22 +135,23 @@ def dequantized(w: torch.Tensor, owner: torch.nn.Module, attr: str) -> torch.Ten
     return _named(w, name)
 
 
-_FX_CONSTANT_WARNED = False
+_FX_CONSTANT_WARNED: set[str] = set()  # the weights the warning below named, once each a process
 
 
 def _warn_fx_constant(name: str) -> None:
-    """torch.fx's symbolic tracing read an fp8 weight outside its layer's call (``F.linear(x, layer.weight)`` in
-    traced code, or an experts module's forward, which FX traces into): the dequantization ran on real tensors and
-    the graph holds its result as a constant, a high-precision copy that does not follow the fp8 codes (a
-    load_state_dict of the model misses it) and that fp8fx's backend cannot rewrite. Said once a process."""
-    global _FX_CONSTANT_WARNED
-    if _FX_CONSTANT_WARNED:
+    """torch.fx's symbolic tracing read an fp8 weight: the dequantization ran on real tensors, and where the traced
+    code passes the result to an op (``F.linear(x, layer.weight)``, or the forward of a layer FX traces into: an
+    experts module, a subclass of nn.Linear defined outside torch) the graph holds it as a constant, a
+    high-precision copy that does not follow the fp8 codes (a load_state_dict of the model misses it) and that
+    fp8fx's backend cannot rewrite. A read of its dtype or shape alone leaves none: the warning says "where"."""
+    if name in _FX_CONSTANT_WARNED:
         return
-    _FX_CONSTANT_WARNED = True
-    log.warning("fp8fx: torch.fx symbolic tracing read %s, an fp8 weight dequantized at each read, outside its "
-                "layer's call: the traced graph holds its dequantized values as a constant (no fp8, no memory saved, "
-                "not following the layer's codes); call the layer in the traced code, or use torch.compile / "
-                "torch.export, which trace the dequantization (said once)", name)
+    _FX_CONSTANT_WARNED.add(name)
+    log.warning("fp8fx: torch.fx symbolic tracing read %s, an fp8 weight dequantized at each read: where the traced "
+                "code passes it to an op (F.linear(x, layer.weight), or the forward of a layer FX traces into: "
+                "experts, an nn.Linear subclass of your own), the graph holds its dequantized values as a constant "
+                "(no fp8, not following the layer's codes); torch.compile and torch.export trace the "
+                "dequantization instead (said once for this weight)", name)
 
 
 def _write_refused(target: Dequantized, op: str) -> RuntimeError:

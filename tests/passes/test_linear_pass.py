@@ -2036,3 +2036,18 @@ def test_one_quantization_is_not_shared_across_a_change_the_pass_cannot_see(case
         got = torch.compile(model, backend=Fp8Backend(compiler="eager", fuse_horizontal=True))(x.clone())
     for g, w in zip(got, want):
         assert (g.double() - w.double()).norm() <= 0.06 * w.double().norm().clamp_min(1e-6), case
+
+
+def test_a_layer_outside_a_quantized_part_is_told_to_run_quantize():
+    """A model quantized part by part (prefix): a linear outside the parts was never quantized, and the lost-reason
+    wording (for tensors that lost their tags through torch.export.save / load) blamed quantize_ for keeping it; the
+    part's fp8 weights keep their tags, so it is the plain "run fp8fx.quantize_" reason."""
+    torch.manual_seed(0)
+    model = ThreeLinear().to(torch.bfloat16)
+    fp8fx.quantize_(model.a, prefix="a")
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    sites = {s.fqn: s for s in backend.report.sites}
+    assert sites["a"].rewritten and not sites["b"].rewritten, backend.report
+    assert sites["b"].reason.startswith("weight is not an fp8fx-quantized weight (run fp8fx.quantize_"), sites["b"]

@@ -322,7 +322,7 @@ def test_fx_symbolic_tracing_of_a_weight_read_warns_that_it_is_a_constant(caplog
 
     from fp8fx.weights import views
 
-    monkeypatch.setattr(views, "_FX_CONSTANT_WARNED", False)
+    monkeypatch.setattr(views, "_FX_CONSTANT_WARNED", set())
     layer = nn.Linear(64, 64).to(torch.bfloat16)
     fp8fx.quantize_(layer)
 
@@ -337,6 +337,7 @@ def test_fx_symbolic_tracing_of_a_weight_read_warns_that_it_is_a_constant(caplog
     x = torch.randn(2, 64, dtype=torch.bfloat16)
     with caplog.at_level("WARNING", logger="fp8fx"):
         assert "fp8fx.dequantize" in make_fx(ReadsWeight())(x).code
+        assert "fp8fx.dequantize" in make_fx(ReadsWeight(), pre_dispatch=True)(x).code
         assert "fp8fx.dequantize" in str(torch.export.export(ReadsWeight(), (x,)).graph)
         assert not caplog.records
         traced = torch.fx.symbolic_trace(ReadsWeight())
