@@ -127,10 +127,12 @@ def dequantized(w: torch.Tensor, owner: torch.nn.Module, attr: str) -> torch.Ten
     mode, ``w`` itself under torch.compile (nothing here is traced: a name read from the module would be a constant
     Dynamo guards on, and a frame compiled for one block would be compiled again for the next), FX tracing, or for a
     tensor of another class (fake, functional, batched ones of a tracer)."""
+    if torch.compiler.is_compiling():  # (before anything reads the module: see above)
+        return w
     name = f"{getattr(owner, '_fp8fx_prefix', '') or type(owner).__name__}.{attr}"
     if compat.fx_symbolic_tracing() and type(w) is torch.Tensor and not compat.proxy_tracing():
         _warn_fx_constant(name)
-    if torch.compiler.is_compiling() or type(w) is not torch.Tensor or compat.fx_symbolic_tracing():
+    if type(w) is not torch.Tensor or compat.fx_symbolic_tracing():
         return w
     return _named(w, name)
 
