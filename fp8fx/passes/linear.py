@@ -850,7 +850,7 @@ class LinearPass(Fp8Pass):
                 return (f"{NOT_QUANTIZED}an adapter layer (PEFT's {adapter.group(1)}) added after quantize_: adapters "
                         "stay in high precision, their base_layer is quantized")
             if ((input_path(source) or "").rpartition(".")[2] == "weight"  # (an nn.Linear's, not a raw parameter)
-                    and any(n.target in _FP8_WEIGHT_OPS for n in w.graph.nodes) and _tags_lost(ctx)):
+                    and _tags_lost(ctx) and any(n.target in _FP8_WEIGHT_OPS for n in w.graph.nodes)):
                 # other layers of this graph are fp8, but none of their tensors carries fp8fx's tags: they were saved
                 # and loaded (torch.export.save / load), and so was this weight, whose tag said why it kept high
                 # precision. (A part quantized with a prefix keeps its tags: a layer outside it was never quantized.)

@@ -468,7 +468,7 @@ def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str)
                     "weights: a state_dict of a model quantized with another scheme, or a partial one); load both, as "
                     "the quantized model's state_dict holds them (this module was not loaded)")
     dtype = getattr(self, "_fp8fx_dtype", None)
-    if dtype is not None and torch.finfo(dtype).max < torch.finfo(torch.bfloat16).max:  # (float16)
+    if dtype == torch.float16:  # (the one compute dtype whose range fp8 codes times a scale can exceed)
         params = {n: state_dict.get(prefix + n, p) for n, p in self._parameters.items()}
         params = {n: p if isinstance(p, torch.Tensor) and not p.is_meta else None for n, p in params.items()}
         found = _overflow(self, dtype, params)

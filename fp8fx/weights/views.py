@@ -59,7 +59,11 @@ class Dequantized(torch.Tensor):
         if target is not None:
             name = getattr(func, "__name__", str(func))
             op = {"__set__": "assigning .data", "__setitem__": "an indexed assignment"}.get(name, f"{name} in place")
-            raise _write_refused(target, op)
+            raise RuntimeError(
+                f"{target._fp8fx_of} is dequantized from its fp8 codes and scales at each read, so {op} would change a "
+                "copy and be lost: an fp8 layer takes no writes into its weight. Change the high-precision weights "
+                "before quantize_ (merge an adapter into the bf16 model - fp8fx.dequantize_(model) gives one -, then "
+                "quantize_ it), or load new fp8 codes and scales with load_state_dict / fp8fx.load_checkpoint")
         with torch._C.DisableTorchFunctionSubclass():
             if func in _PRINTED:  # printed as the plain tensor it is
                 args = (args[0].as_subclass(torch.Tensor), *args[1:])
@@ -154,14 +158,6 @@ def _warn_fx_constant(name: str) -> None:
                 "experts, an nn.Linear subclass of your own), the graph holds its dequantized values as a constant "
                 "(no fp8, not following the layer's codes); torch.compile and torch.export trace the "
                 "dequantization instead (said once for this weight)", name)
-
-
-def _write_refused(target: Dequantized, op: str) -> RuntimeError:
-    return RuntimeError(
-        f"{target._fp8fx_of} is dequantized from its fp8 codes and scales at each read, so {op} would change a copy "
-        "and be lost: an fp8 layer takes no writes into its weight. Change the high-precision weights before quantize_ "
-        "(merge an adapter into the bf16 model - fp8fx.dequantize_(model) gives one -, then quantize_ it), or load new "
-        "fp8 codes and scales with load_state_dict / fp8fx.load_checkpoint")
 
 
 def _guard_views(out, w: Dequantized):
