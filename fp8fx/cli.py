@@ -35,7 +35,8 @@ from fp8fx import quant
 from fp8fx.config import Fp8Config
 from fp8fx.report import NOT_QUANTIZED, ROOT, first_line, human_size
 from fp8fx.weights import moe
-from fp8fx.weights.linear import check_no_in_place_rescale, foreign_linear_reason
+from fp8fx.weights.linear import check_no_in_place_rescale, foreign_linear_reason, target_classes
+from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight
 from fp8fx.weights.quantize import LinearDecider, check_ignored_layers, did_you_mean, ignoring_aliases
 
 log = logging.getLogger("fp8fx")
@@ -382,8 +383,7 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
             names = [f for f, _ in model.named_modules(remove_duplicate=False) if f]  # (a module's every name)
             return [n for n in fmt.config.ignored_layers or () if not any(n in f for f in names)]
         # exact names, 're:' patterns or class names (a "Linear" entry names nn.Linear's subclasses too)
-        modules = [(f, tuple(c.__name__ for c in type(m).__mro__))
-                   for f, m in model.named_modules(remove_duplicate=False) if f]
+        modules = [(f, target_classes(m)) for f, m in model.named_modules(remove_duplicate=False) if f]
         return [n for n in fmt.ignore if not any(formats.matches(f, classes, (n,)) for f, classes in modules)]
 
     try:
@@ -451,7 +451,7 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
         cfg = layer_config(site.fqn)
         if cfg is None:
             reason = "kept in high precision by the quantization_config (ignore / no matching group)"
-        elif isinstance(module, nn.Linear):
+        elif is_linear(module):  # (nn.Linear, and transformers' Conv1D: GPT-2's)
             reason = decide(site.fqn, module, cfg)[0]
         elif site.fqn in decide.routers:  # a router that is no nn.Linear (transformers 5's MoE gates)
             reason = decide.routers[site.fqn]
@@ -459,7 +459,9 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
             reason = "not an nn.Linear weight (quantize_ quantizes nn.Linear layers)"
         first = reason is None and site.fqn not in counted
         counted.add(site.fqn)
-        rows.append({"graph": site.graph, "kind": site.kind, "fqn": site.fqn, "weight_shape": list(site.weight_shape),
+        # (a Conv1D's weight [in, out] as its fp8 codes are stored, as a linear's [out, in]: the compile report's)
+        shape = list(linear_weight(module).shape) if is_conv1d_class(type(module)) else list(site.weight_shape)
+        rows.append({"graph": site.graph, "kind": site.kind, "fqn": site.fqn, "weight_shape": shape,
                      "would_rewrite": reason is None, "scheme": str(cfg.scheme()) if reason is None else "",
                      "reason": reason or "",
                      "bytes_saved": _saved(site.weight_shape, module.weight.element_size(), cfg) if first else 0})
@@ -478,17 +480,17 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
                          "reason": reason or "", "bytes_saved": saved})
             seen.add(fqn)
     for fqn, module in modules.items():
-        if isinstance(module, nn.Linear) and fqn not in seen:
+        if is_linear(module) and fqn not in seen:
             cfg = layer_config(fqn)  # (quantize_'s reason where it keeps the layer: nn.MultiheadAttention's out_proj)
             reason = decide(fqn, module, cfg)[0] if cfg is not None else None
-            rows.append({"graph": None, "kind": "linear", "fqn": fqn, "weight_shape": list(module.weight.shape),
+            rows.append({"graph": None, "kind": "linear", "fqn": fqn, "weight_shape": list(linear_weight(module).shape),
                          "would_rewrite": False, "scheme": "",
                          "reason": reason or _UNTRACED,
                          "bytes_saved": 0})
     covered = tuple(r["fqn"] + "." for r in rows if r["kind"] == "moe")
     others = [{"name": name, "shape": list(shape), "dtype": dtype, "module": cls}
               for name, shape, dtype, cls in backend.report.unhandled_weights(model) if not name.startswith(covered)
-              and not isinstance(modules[name.rpartition(".")[0]], nn.Linear)]  # the linears are rows above
+              and not is_linear(modules[name.rpartition(".")[0]])]  # the linears are rows above
     return rows, others, backend.report.graphs
 
 
@@ -497,16 +499,18 @@ def _name_weights(model: nn.Module, decide: LinearDecider) -> list[torch.Tensor]
     report names a site by its weight's tag): the linears of a block Dynamo traces as a frame of its own, after a
     graph break, were named by their paths in that block (``a``, not ``layers.0.a``) and found no module. A weight
     several modules share keeps no tag (the site is named by the module that runs it). A linear-like module that
-    is no ``nn.Linear`` (GPT-2's ``Conv1D``: ``addmm(b, x, w)``) is tagged with quantize_'s reason too, for the
-    site the linear pass gives it. Returns the weights tagged here, each with the tags it got, which ``predict``
-    removes after the trace."""
+    is no ``nn.Linear`` is tagged with quantize_'s reason too, for the site the linear pass gives it, as is a
+    ``Conv1D`` (GPT-2's: ``addmm(b, x, w)`` of its bf16 weight [in, out] is no linear site before quantize_ makes
+    it one), whose row then says what quantize_ decides for it. Returns the weights tagged here, each with the tags
+    it got, which ``predict`` removes after the trace."""
     named = []
     for fqn, module in model.named_modules():
         weight = module._parameters.get("weight")
         # (a linear-like module's reason, as quantize_ tags it, unless its weight has one already)
         has_reason = fqn in decide.routers or hasattr(weight, "_fp8fx_skip_reason")
-        foreign = None if has_reason else foreign_linear_reason(module)
-        if (isinstance(module, nn.Linear) or fqn in decide.routers or foreign) and isinstance(weight, torch.Tensor) \
+        foreign = None if has_reason else foreign_linear_reason(module) or (
+            "Conv1D" if is_conv1d_class(type(module)) else None)  # (for a row: its reason is decide's)
+        if (is_linear(module) or fqn in decide.routers or foreign) and isinstance(weight, torch.Tensor) \
                 and len(decide.owners.get(id(weight), {})) == 1 and not hasattr(weight, "_fp8fx_fqn"):
             weight._fp8fx_fqn = fqn
             if foreign:

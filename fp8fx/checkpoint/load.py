@@ -37,6 +37,7 @@ from fp8fx.weights import moe as moe_weights
 from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, kv_scale_target
 from fp8fx.weights.kv_cache import check_kv_scale_layout, getter_module, kv_cache_attentions, kv_slot_error
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
+from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight, target_classes
 from fp8fx.weights.linear import remember_trainable
 from fp8fx.weights.linear import check_no_in_place_rescale, kept_by_the_model
 from fp8fx.weights.moe import is_quantized_experts
@@ -132,6 +133,9 @@ class _Linear:
     # (largest scale, its entry) of weight scales whose 448 * scale the model's dtype cannot hold (float16)
     wide_scales: list[tuple[float, Entry]] = dataclasses.field(default_factory=list)
     bias_of: Optional[str] = None  # the layer whose bias this one shares (one Parameter, saved once)
+    # a Conv1D's: its checkpoints store its weight [in, out] (GPT-2's; save_checkpoint its fp8 codes so too, which
+    # vLLM's GPT-2 loader transposes as it transposes every Conv1D weight), loaded transposed into a linear's layout
+    transposed: bool = False
 
     @property
     def serialized(self) -> bool:
@@ -432,7 +436,7 @@ class _Loader:
         prefixes = {name.rpartition(".")[0] for name in entries}
         head = output_embeddings(self.model, self.modules)  # (fp8 checkpoints keep it high precision: below)
         for fqn, module in self.modules.items():
-            if not isinstance(module, nn.Linear):
+            if not is_linear(module):  # (nn.Linear, and transformers' Conv1D: GPT-2's)
                 continue
             parent, _, leaf = fqn.rpartition(".")
             parts = [f"{parent}.{p}" if parent else p for p in self.fused.get(leaf, ())]
@@ -464,7 +468,7 @@ class _Loader:
     def _layer_config(self, fqn: str, module: nn.Linear, shards: Sequence[str]):
         """(config, "") for a layer to quantize, else (None, why not). The shards of a fused layer
         must agree (vLLM's rule); ignoring the fused name ignores them all."""
-        classes = tuple(c.__name__ for c in type(module).__mro__)  # "Linear" targets nn.Linear's subclasses too
+        classes = target_classes(module)  # ("Linear" targets nn.Linear's subclasses, and Conv1D)
         configs = {self.fmt.layer_config(s, classes) for s in shards}
         if len(shards) > 1 and self._ignored(fqn, ()):
             configs = {None}
@@ -637,7 +641,8 @@ class _Loader:
 
     def _plan_linear(self, lin: _Linear) -> None:
         """Check a fp8fx linear's tensors (dtypes, shapes, scales) and plan their loading."""
-        k, n = lin.module.in_features, lin.module.out_features
+        n, k = linear_weight(lin.module).shape  # (out_features, in_features)
+        conv1d = is_conv1d_class(type(lin.module))
         todo = dict(lin.entries)
 
         def need(leaf: str, i: int, why: str = "") -> Entry:
@@ -650,9 +655,15 @@ class _Loader:
         for i, shard in enumerate(lin.shards):
             w = need("weight", i)
             self._check_weight_dtype(lin, w)
-            if len(w.shape) != 2 or w.shape[1] != k:
-                raise CheckpointError(f"{w}: {lin.fqn} takes [rows, {k}] weights (in_features={k})")
-            lin.sizes.append(w.shape[0])
+            shape = tuple(w.shape)
+            lin.transposed = conv1d
+            if conv1d and len(shape) == 2:
+                shape = shape[::-1]
+            if len(shape) != 2 or shape[1] != k:
+                raise CheckpointError(
+                    f"{w}: {lin.fqn} takes [{k}, cols] weights (a Conv1D's weight is [in_features, out_features], "
+                    f"in_features={k})" if conv1d else f"{w}: {lin.fqn} takes [rows, {k}] weights (in_features={k})")
+            lin.sizes.append(shape[0])
             weights.append(w)
             self.items.append((w, lambda t, lin=lin, i=i, e=w: self._load_weight(lin, i, e, t)))
         if sum(lin.sizes) != n:  # (the entries name the tensors, their dtypes, shapes and files)
@@ -709,7 +720,7 @@ class _Loader:
 
     def _plan_scales(self, lin: _Linear, need, todo) -> None:
         scheme = lin.config.scheme()
-        w, k = scheme.weight, lin.module.in_features
+        w, k = scheme.weight, linear_weight(lin.module).shape[1]
         for i, rows in enumerate(lin.sizes):
             # transformers' FP8Linear without blocks (FineGrainedFP8Config(weight_block_size=None), what its
             # save_pretrained writes): its one scale is named weight_scale_inv all the same, multiplied as a
@@ -813,6 +824,7 @@ class _Loader:
         # 1e5 becomes inf in a float16 model, its scale inf and the layer's outputs NaN. Raised while streaming,
         # as _cast does: nothing was swapped into the model yet (commit), so the model stays as it was.
         check_weight_values(entry, t, dtype, lin.fqn, f"from a {dtype} copy (weight scale inf, outputs NaN)")
+        t = t.t().contiguous() if lin.transposed else t  # (a Conv1D's [in, out]: a linear's layout)
         lin.method.weight_loader(lin.stage, "weight", t, lin.shard_id(i), values_checked=True)
 
     def _load_scale(self, lin: _Linear, name: str, i: int, entry: Entry, t: torch.Tensor) -> None:
@@ -1027,13 +1039,13 @@ class _Loader:
         self.moe.commit(report)
         self.moe.tag_skipped(self.modules)
         moe_weights.tag_routers(self.model, self.routers)
-        for fqn, module in self.modules.items():  # linear-like layers that are no nn.Linear (GPT-2's Conv1D) and
+        for fqn, module in self.modules.items():  # linear-like layers that are no linear (is_foreign_linear) and
             # experts fp8fx does not read (DBRX's): said
             if not fqn or fqn in self.routers or fqn in report.not_quantized:
                 continue
             if is_foreign_linear(module):
                 report.not_quantized[fqn] = (f"{type(module).__name__} is no nn.Linear: fp8fx quantizes nn.Linear "
-                                             "layers and experts modules (loaded as stored)")
+                                             "and transformers' Conv1D layers and experts modules (loaded as stored)")
             elif (why := moe_weights.foreign_experts(module)) is not None:
                 report.not_quantized[fqn] = f"{why} (loaded as stored)"
             else:

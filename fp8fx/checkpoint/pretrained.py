@@ -136,7 +136,8 @@ def _not_as_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) ->
             return (f"a checkpoint of it holds {name}, which its state_dict, what save_pretrained writes, has not "
                     "(experts per expert, a scale under the format's name)")
         if key(held) != key(t):
-            return f"a checkpoint of it holds {name} as {t.dtype} {list(t.shape)}, its state_dict as {held.dtype}"
+            return (f"a checkpoint of it holds {name} as {t.dtype} {list(t.shape)}, its state_dict as {held.dtype} "
+                    f"{list(held.shape)}")
     written = {key(t) for t in tensors.values()}
     for name, t in state.items():
         if (t.dtype == quant.FP8_DTYPE or _looks_like_scale(name)) and name not in tensors and key(t) not in written:

@@ -29,7 +29,7 @@ from fp8fx.lowerings import compat
 from fp8fx.report import first_line
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES, check_kv_scale, getter_module
-from fp8fx.weights.linear import is_quantized, kept_by_the_model, layer_scheme
+from fp8fx.weights.linear import is_conv1d_class, is_linear, is_quantized, kept_by_the_model, layer_scheme
 from fp8fx.weights.quantize import _shown, check_finished
 
 try:
@@ -337,6 +337,13 @@ def _experts_layout(model: nn.Module, modules: Mapping[str, nn.Module], experts:
     return _ExpertsLayout(all_experts, quantized_experts, split, hub_fused, names)
 
 
+# why a checkpoint holds GPT-2's Conv1D layers in high precision (save_checkpoint dequantizes them, convert leaves them)
+CONV1D_IN_HIGH_PRECISION = (
+    "transformers' fp8 loaders (fp8, compressed-tensors) quantize nn.Linear layers only, and read a Conv1D's fp8 codes "
+    "as its bf16 weight, unscaled, with a note of unexpected scale keys alone (logits 120% off); fp8fx.load_checkpoint "
+    "quantizes them as it loads the high-precision checkpoint")
+
+
 def _fp8_schemes(
     modules: Mapping[str, nn.Module], schemes: Mapping[str, Any], layout: _ExpertsLayout, say: logging.Logger = log
 ) -> tuple[dict[str, Any], list[str]]:
@@ -367,13 +374,20 @@ def _fp8_schemes(
                     raise ValueError(f"save_checkpoint: {f}.{n} of the fp8 layer {f} is {t.dtype}, not {want} "
                                      "(cast after quantize_?); quantize_ the bf16 model again, then save (nothing was "
                                      "written)")
-    demoted = _split_groups(modules, schemes, say)
+    conv1d = [f for f in schemes if is_conv1d_class(type(modules.get(f)))]
+    if conv1d:
+        say.warning("fp8fx: save_checkpoint writes %d Conv1D layers (%s) in high precision (dequantized), in the "
+                    "ignore list: %s", len(conv1d), _shown(conv1d), CONV1D_IN_HIGH_PRECISION)
+    demoted = conv1d + [f for f in _split_groups(modules, schemes, say) if f not in conv1d]
     for f in demoted:
         del schemes[f]
     if not schemes:
-        raise ValueError(f"save_checkpoint: every fp8 layer of the model ({', '.join(demoted)}) is in a fused group "
-                         "whose other layers stay in high precision, and would be written in high precision; "
-                         "quantize with a scheme the whole group takes (nothing was written)")
+        why = (f"a Conv1D ({CONV1D_IN_HIGH_PRECISION})" if set(demoted) <= set(conv1d) else
+               "in a fused group whose other layers stay in high precision")
+        raise ValueError(f"save_checkpoint: every fp8 layer of the model ({_shown(demoted)}) is {why}, and would be "
+                         "written in high precision; quantize with a scheme the whole group takes, or save the "
+                         "high-precision model and load it with fp8fx.load_checkpoint, which quantizes them as it "
+                         "loads (nothing was written)")
     return schemes, demoted
 
 
@@ -383,7 +397,7 @@ def _ignored_and_format(
 ) -> tuple[list[str], bool, Optional[str], str]:
     """The ignore list (linear layers and experts modules in high precision), whether the KV-cache scheme is declared,
     the format asked for (else the one the model was loaded from) and the quant_method it gives."""
-    ignored = [f for f, m in modules.items() if isinstance(m, nn.Linear) and f not in schemes
+    ignored = [f for f, m in modules.items() if is_linear(m) and f not in schemes
                or f in layout.modules and f not in layout.quantized]
     source = getattr(model, "_fp8fx_source", {})
     # KV-cache scales declared (kv_cache_scheme) where the model has them, unless they came from a checkpoint
@@ -426,7 +440,8 @@ def _named_tensors(
             continue
         seen.add(key)
         if owner in demoted and leaf == "weight":
-            t = modules[owner].weight  # the fp8 layer's dequantized view, in its own dtype
+            t = modules[owner].weight.contiguous()  # the fp8 layer's dequantized view, in its own dtype (a Conv1D's:
+            # transposed, [in, out])
         if leaf == "weight_scale_inv" and method == "compressed-tensors":
             name = f"{owner}.weight_scale"
         if leaf == "prob_scale" and owner.rpartition(".")[2] == "self_attn" and leaf in modules[owner]._buffers:
@@ -871,7 +886,7 @@ def convert(
     schemes = {m: config.scheme() for m, reason in plan.items() if not reason}
     if not schemes:
         why = _plan_summary(plan) if plan else (f"{type(model).__name__} has no nn.Linear (or experts module) whose "
-                                                "weight the checkpoint holds (GPT-2's Conv1D layers are no linears)")
+                                                "weight the checkpoint holds")
         raise ValueError(f"convert: no linear weight of {src} can be quantized with {config.scheme()}: {why}")
     # the new quantization_config, the report and the tensors under the checkpoint's names
     stored = functools.partial(renames.stored, sources=sources)
@@ -1065,7 +1080,7 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
     """Checkpoint module of every linear weight -> "" to quantize it, else why it stays bf16. ``cut_into``: the
     model's modules -> the checkpoint's that transformers cuts into them (``renames.cut``)."""
     modules = dict(model.named_modules())
-    linears = {f: m for f, m in modules.items() if isinstance(m, nn.Linear)}
+    linears = {f: m for f, m in modules.items() if is_linear(m)}  # (nn.Linear, and transformers' Conv1D: GPT-2's)
     head = output_embeddings(model, modules) if not quantize_lm_head else None
     routers = moe.routers(model)
     kept = kept_by_the_model(model)  # (_keep_in_fp32_modules: bf16, as quantize_ and load_checkpoint keep them)
@@ -1111,6 +1126,8 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
                       "--quantize-lm-head: fp8, for fp8fx alone)")
         elif len(entry.shape) != 2 or entry.dtype not in quant.HIGH_PRECISION:
             reason = f"{entry} is not a 2-D bf16/fp16/fp32 weight"
+        elif is_conv1d_class(type(linears[fqn])):
+            reason = CONV1D_IN_HIGH_PRECISION
         elif isinstance(w, PerBlock) and (entry.shape[0] % w.block_n or entry.shape[1] % w.block_k):
             reason = f"weight {list(entry.shape)} is not divisible by the {w.block_n}x{w.block_k} block"
         else:

@@ -352,10 +352,11 @@ def _report_tagged_readers(graph: fx.Graph, ctx: PassContext) -> None:
     """A row for each weight ``quantize_`` left in high precision with its reason (``_fp8fx_skip_reason``) that a
     matmul reads as it is stored, ``x @ w`` / ``addmm(b, x, w)``, or on the left, ``w @ x``: no linear site, for its
     weight is not transposed.
-    transformers' ``Conv1D`` (GPT-2's layers: a weight [in, out]) runs so, and its layers had no row in the report,
-    only ``quantize_``'s warning. Experts (3-D weights: the MoE pass says why) and weights a site of this graph names
-    already are passed by. Like a linear site, the row is a frame's (``ctx.frame_site``): blocks that reuse the frame
-    Dynamo compiled for the first, after a graph break, have theirs too."""
+    transformers' ``Conv1D`` (GPT-2's layers: a weight [in, out]) ran so, and its layers had no row in the report,
+    only ``quantize_``'s warning (quantize_ quantizes them now: an fp8 Conv1D reads ``dequantize(...).t()``, a linear
+    site); a linear-like layer of another class still does. Experts (3-D weights: the MoE pass says why) and weights
+    a site of this graph names already are passed by. Like a linear site, the row is a frame's (``ctx.frame_site``):
+    blocks that reuse the frame Dynamo compiled for the first, after a graph break, have theirs too."""
     named = {site.fqn for site in ctx.report.sites if site.graph == ctx.graph_index}
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method") or node.target not in _ADDMM + _MATMUL:

@@ -7,8 +7,9 @@ After quantization a layer stores what FP8 checkpoints store, under their names:
   ``[N, 1]``; or ``weight_scale_inv``: float32 ``[ceil(N / bn), ceil(K / bk)]`` for blocks
 - ``input_scale``: float32 ``[1]`` for static activations
 
-and its class becomes a subclass of its own whose ``weight`` attribute is a *dequantized view*
-(``torch.ops.fp8fx.dequantize`` of the fp8 tensor and its scale). Code that reads ``module.weight``
+(a transformers ``Conv1D``'s too: its ``[in, out]`` weight is quantized as ``[out, in]``, and its view is the
+dequantized codes transposed back), and its class becomes a subclass of its own whose ``weight`` attribute is a
+*dequantized view* (``torch.ops.fp8fx.dequantize`` of the fp8 tensor and its scale). Code that reads ``module.weight``
 keeps working in eager mode; under ``torch.compile`` the view announces the quantized weight to the
 linear pass. ``state_dict()`` reads ``_parameters`` and so holds the fp8 tensors.
 """
@@ -60,7 +61,9 @@ def _dequantized_weight(self) -> torch.Tensor:
             "back a tensor of its dtype; keep a quantized model on one device, and load fp8 checkpoints with "
             "fp8fx.load_checkpoint)")
     w = torch.ops.fp8fx.dequantize(q, scale, w_block, self._fp8fx_dtype, self._parameters.get("input_scale"), act_block)
-    return views.dequantized(w, self, "weight")
+    # (a Conv1D's weight is [in, out]: its codes are stored as a linear's, and the layer's addmm reads the transpose,
+    # addmm(b, x, dequantize(...).t()), which the linear pass takes as the linear it is)
+    return views.dequantized(w.t() if type(self)._fp8fx_transposed else w, self, "weight")
 
 
 _NO_PARAMETRIZATION = ("an fp8 weight is codes and scales, which no parametrization takes; parametrize the "
@@ -435,7 +438,11 @@ def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str)
         scale = name.endswith(("scale", "scale_inv"))
         if (scale or given.dtype == codes.dtype) and given.shape != codes.shape and not (
                 codes.dim() == 0 and given.shape == (1,)):  # (torch's own allowance: [1] into a 0-dim parameter)
-            why = (f"the same {given.numel()} values in another shape: reshape it to {list(codes.shape)}"
+            conv1d = is_conv1d_class(type(self)) and name == "weight" and given.shape == codes.shape[::-1]
+            why = ("a Conv1D's fp8 codes as checkpoints hold its weight, [in, out], where the layer holds them [out, "
+                   "in]: load the checkpoint with fp8fx.load_checkpoint, or transpose it (.t().contiguous())"
+                   if conv1d else
+                   f"the same {given.numel()} values in another shape: reshape it to {list(codes.shape)}"
                    if given.numel() == codes.numel() else
                    "a state_dict of a model quantized with another scheme or block: load the state_dict of a model "
                    "quantized as this one is, or quantize_ the high-precision model with that scheme")
@@ -499,7 +506,8 @@ def fp8_class(cls: type) -> type:
             {"weight": property(_dequantized_weight), "_apply": fp8_apply, "_fp8fx_quantized": True,
              "_load_from_state_dict": fp8_load_from_state_dict, "__delattr__": fp8_delattr,
              "__module__": cls.__module__, "__reduce_ex__": reduce_made_class, "__setstate__": setstate_made_class,
-             "__prepare_scriptable__": refuse_script, "_fp8fx_maker": fp8_class},
+             "__prepare_scriptable__": refuse_script, "_fp8fx_maker": fp8_class,
+             "_fp8fx_transposed": is_conv1d_class(cls)},
         )
     return _FP8_CLASSES[cls]
 
@@ -544,11 +552,43 @@ def is_quantized(module: nn.Module) -> bool:
     return getattr(type(module), "_fp8fx_quantized", False)
 
 
-def is_foreign_linear(module: nn.Module) -> bool:
-    """A module with a 2-D weight of its own that is neither an ``nn.Linear`` nor an embedding (transformers'
-    ``Conv1D`` of GPT-2, a router module): fp8fx quantizes none, and says so."""
+def is_conv1d_class(cls: type) -> bool:
+    """``cls`` is transformers' ``Conv1D`` or a subclass of it: the projections of GPT-2, OpenAI GPT, ImageGPT and
+    Decision Transformer, a linear whose weight is stored transposed, ``[in_features, out_features]``, and run as
+    ``addmm(bias, x, weight)``. Matched by name, so that fp8fx imports no transformers."""
+    return any(c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils" for c in cls.__mro__)
+
+
+def is_linear(module: nn.Module) -> bool:
+    """A layer ``quantize_`` quantizes as a linear: an ``nn.Linear``, or transformers' ``Conv1D``
+    (``is_conv1d_class``), whose fp8 codes are stored as a linear's, ``[out_features, in_features]`` (as
+    transformers' own quantizers - bitsandbytes' - store a quantized Conv1D's), its ``weight`` the dequantized codes
+    transposed back to ``[in, out]``."""
+    return isinstance(module, nn.Linear) or is_conv1d_class(type(module))
+
+
+def target_classes(module: nn.Module) -> tuple[str, ...]:
+    """The class names a compressed-tensors target matches ``module`` by: its class's and its bases' (a ``"Linear"``
+    target covers nn.Linear's subclasses), and ``"Linear"`` for a Conv1D, which vLLM builds as one of its linear
+    layers."""
+    names = tuple(c.__name__ for c in type(module).__mro__)
+    return (*names, "Linear") if is_conv1d_class(type(module)) else names
+
+
+def linear_weight(module: nn.Module) -> torch.Tensor:
+    """A linear layer's weight as a linear's, ``[out_features, in_features]``: a high-precision Conv1D's transposed (a
+    view); a quantized layer's fp8 codes, which are stored so."""
     weight = module._parameters.get("weight")
-    return not isinstance(module, (nn.Linear, nn.Embedding)) and isinstance(weight, torch.Tensor) and weight.dim() == 2
+    weight = module.weight if weight is None else weight  # (a parametrized weight: computed)
+    return weight.t() if is_conv1d_class(type(module)) and not is_quantized(module) else weight
+
+
+def is_foreign_linear(module: nn.Module) -> bool:
+    """A module with a 2-D weight of its own that is neither a linear (``is_linear``) nor an embedding (a router
+    module, a linear of a library's own class): fp8fx quantizes none, and says so."""
+    weight = module._parameters.get("weight")
+    return not is_linear(module) and not isinstance(module, nn.Embedding) and isinstance(weight, torch.Tensor) \
+        and weight.dim() == 2
 
 
 def foreign_linear_reason(module: nn.Module) -> Optional[str]:
@@ -598,7 +638,7 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
         return (f"weight dtype {weight.dtype} is not bf16/fp16/fp32; cast the layer to one of these (layer.to(torch."
                 "bfloat16)) or add it to ignored_layers")
     w = config.weight
-    n, k = weight.shape
+    n, k = linear_weight(layer).shape
     if isinstance(w, PerBlock) and (n % w.block_n or k % w.block_k):
         return (
             f"weight [{n}, {k}] is not divisible by the {w.block_n}x{w.block_k} block; use per-channel "
@@ -638,7 +678,7 @@ def kept_by_the_model(model: nn.Module, prefix: str = "") -> dict[str, str]:
     patterns = sorted(p for p in patterns if isinstance(p, str))
     kept = {}
     for fqn, layer in model.named_modules():
-        if fqn and isinstance(layer, nn.Linear):
+        if fqn and is_linear(layer):
             hits = [p for p in patterns if _keeps(fqn, p)]
             if hits:
                 kept[f"{prefix}.{fqn}" if prefix else fqn] = (

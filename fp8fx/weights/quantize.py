@@ -21,6 +21,7 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
 from fp8fx.weights.linear import Fp8LinearMethod, foreign_linear_reason, guard_casts, is_foreign_linear, is_quantized
+from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight
 from fp8fx.weights.linear import adapters, remember_trainable, skip_reason
 from fp8fx.weights.linear import MHA_OUT_PROJ, check_no_in_place_rescale, kept_by_the_model, weight_tensors
 
@@ -35,9 +36,10 @@ def quantize_(
     strict: bool = False,
     prefix: str = "",
 ) -> nn.Module:
-    """Quantize every ``nn.Linear`` of ``model`` in place (online: ``config`` must not be serialized),
-    and every experts module (3-D ``gate_up_proj`` / ``down_proj``, or ungated ``up_proj`` / ``down_proj``:
-    ``fp8fx.weights.moe``).
+    """Quantize every ``nn.Linear`` of ``model`` in place (online: ``config`` must not be serialized), and every
+    transformers ``Conv1D`` (GPT-2's projections, a weight [in, out]: its fp8 codes are stored as a linear's, [out,
+    in], and its ``weight`` stays [in, out]), and every experts module (3-D ``gate_up_proj`` / ``down_proj``, or
+    ungated ``up_proj`` / ``down_proj``: ``fp8fx.weights.moe``).
 
     Each layer goes through ``Fp8LinearMethod`` and its bf16 weight is released before the next
     layer starts. Layers that cannot be quantized (ignored, shape not divisible by the block,
@@ -94,7 +96,7 @@ def quantize_(
     unmeant: dict[str, list[str]] = {}  # reason -> the layers skipped for it that nothing keeps in high precision
     decide = LinearDecider(model, prefix)
     for fqn, module in modules:
-        if not isinstance(module, nn.Linear):
+        if not is_linear(module):  # (nn.Linear, and transformers' Conv1D: GPT-2's)
             continue
         reason, on_purpose = decide(fqn, module, config)
         if reason is None:
@@ -174,10 +176,11 @@ def quantize_(
     for fqn, module in plan:
         with undo.layer(fqn, module):
             remember_trainable(module)
-            weight = module._parameters["weight"]
+            weight = linear_weight(module).detach()  # [out, in]: a Conv1D's [in, out] transposed, then copied
+            weight = weight.contiguous() if is_conv1d_class(type(module)) else weight  # (into a linear's layout)
             n, k = weight.shape
             method.create_weights(module, k, [n], weight.dtype, device=weight.device, prefix=fqn)
-            method.weight_loader(module, "weight", weight.detach(), values_checked=True)  # (checked above)
+            method.weight_loader(module, "weight", weight, values_checked=True)  # (checked above)
             del weight
             if fqn in scales:
                 method.weight_loader(module, "input_scale", torch.tensor([scales[fqn]], dtype=torch.float32))
@@ -313,7 +316,7 @@ class _Undo:
             for name, m in self.planned:
                 if moe.is_any_experts(m) and not moe.is_quantized_experts(m):
                     moe.tag_skipped(m, name, reason)
-                elif isinstance(m, nn.Linear) and not is_quantized(m):
+                elif is_linear(m) and not is_quantized(m):
                     _tag_skipped(m, name, reason)
             if isinstance(error, Exception):
                 error.add_note(
@@ -375,8 +378,7 @@ class LinearDecider:
 
 def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> None:
     """quantize_ found no layer it would quantize: a warning (an error with ``strict``) that says why - each
-    skipped layer's reason, or the linear-like modules that are no ``nn.Linear`` (transformers' ``Conv1D`` of
-    GPT-2)."""
+    skipped layer's reason, or the linear-like modules that are no linear (``is_foreign_linear``)."""
     message = nothing_quantized("quantize_", model, {fqn: reason for fqn, _, reason in skipped}, modules)
     if strict and (not skipped or any(reason != "in ignored_layers" for _, _, reason in skipped)):
         raise ValueError(message)
@@ -399,7 +401,7 @@ def nothing_quantized(what: str, model: nn.Module, reasons: Mapping[str, str], m
 
 def _left_alone(modules, routers, warn: bool) -> None:
     """Tags the weights of the modules quantize_ passes by with why, for the compile report, and warns of them
-    (``warn``) by kind: linear-like modules that are no ``nn.Linear`` (GPT-2's ``Conv1D``) and experts of a layout
+    (``warn``) by kind: linear-like modules that are no linear (``is_foreign_linear``) and experts of a layout
     fp8fx does not read (DBRX's, JetMoE's): they stay in high precision. Routers are meant to."""
     kinds: dict[str, list[str]] = {}
     for fqn, m in modules:
@@ -834,7 +836,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
         last[fqn] = (weakref.ref(x), *stamp)
         _record(amax, fqn, x.detach().abs().max().float().item(), batch_no[0])
 
-    linears = {fqn: module for fqn, module in modules if isinstance(module, nn.Linear)}
+    linears = {fqn: module for fqn, module in modules if is_linear(module)}
     for fqn, module in linears.items():
         hooks.append(module.register_forward_pre_hook(
             lambda mod, args, kwargs, fqn=fqn: record(fqn, args[0] if args else kwargs["input"]), with_kwargs=True))
@@ -868,7 +870,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
             "every larger activation at inference: "
             "calibrate with more or other batches, or add the layers to ignored_layers"
         )
-    unseen = [fqn for fqn, m in modules if isinstance(m, nn.Linear) and fqn not in amax]
+    unseen = [fqn for fqn, m in modules if is_linear(m) and fqn not in amax]
     unseen += [name for fqn, m in experts for name in moe.input_scale_names(fqn, m) if name not in amax]
     if unseen:  # quantize_ will ask for their scales
         log.warning("fp8fx: calibrate: %s received no input during calibration (a branch the batches did not take, "

@@ -126,21 +126,3 @@ def test_tiny_llama_cuda_graphs_decode():
         for _ in range(3):  # warm-up, record, replay
             out = graphed(ids).logits.float()
     assert rel_err(out, plain) < 1e-2
-
-
-def test_gpt2_conv1d_layers_each_have_a_row():
-    """GPT-2's projections are transformers' Conv1D (no nn.Linear: they stay bf16, as in vLLM's and torchao's
-    quantize_, which take nn.Linear too). The report had only lm_head's row; each Conv1D has one now, with why."""
-    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32,
-                                     bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config).to(torch.bfloat16).eval()
-    fp8fx.quantize_(model)
-    backend = fp8fx.Fp8Backend(compiler="eager")
-    with torch.no_grad():
-        torch.compile(model, backend=backend)(torch.randint(0, 128, (1, 5)))
-    conv = {n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
-    rows = {s.fqn: s.reason for s in backend.report.sites}
-    left = "not quantized: Conv1D is no nn.Linear"
-    assert len(conv) == 8 and {n: rows.get(n) for n in conv} == dict.fromkeys(conv, left)
-    assert rows["lm_head"] == "not quantized: weight tied to transformer.wte.weight"
-    assert [kind for *_, kind in backend.report.unhandled_weights(model)] == ["Embedding", "Embedding"]

@@ -1434,17 +1434,32 @@ def test_load_arguments_are_checked_before_reading(tmp_path, monkeypatch):
     assert snapshot(model) == snap
 
 
+class Projection(nn.Module):
+    """A linear of a library's own class (a weight [in, out], as transformers' Conv1D's): no nn.Linear, no Conv1D."""
+
+    def __init__(self, nx, nf):
+        super().__init__()
+        self.weight, self.bias = nn.Parameter(torch.empty(nx, nf)), nn.Parameter(torch.zeros(nf))
+
+    def forward(self, x):
+        return torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight).reshape(*x.shape[:-1], -1)
+
+
 def test_layers_that_are_no_linear_are_reported(tmp_path):
-    """GPT-2's Conv1D layers were loaded bf16 and the report said '0 not' quantized about them."""
+    """GPT-2's Conv1D layers were loaded bf16 and the report said '0 not' quantized about them. They are quantized
+    now (tests/e2e/test_gpt2.py); a linear-like layer of another class is reported."""
     transformers = pytest.importorskip("transformers")
     from fp8fx.checkpoint import meta_model
 
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=100))
     model.save_pretrained(tmp_path / "gpt2")
-    report = load_checkpoint(meta_model(tmp_path / "gpt2"), tmp_path / "gpt2", progress=False)
-    conv = {f: r for f, r in report.not_quantized.items() if r.startswith("Conv1D is no nn.Linear")}
-    assert sorted(conv) == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj", "transformer.h.0.mlp.c_fc",
-                            "transformer.h.0.mlp.c_proj"]
+    model = meta_model(tmp_path / "gpt2")
+    with torch.device("meta"):
+        model.transformer.h[0].mlp.c_fc = Projection(64, 256)
+    report = load_checkpoint(model, tmp_path / "gpt2", progress=False)
+    assert report.not_quantized["transformer.h.0.mlp.c_fc"].startswith("Projection is no nn.Linear")
+    assert sorted(report.quantized) == ["transformer.h.0.attn.c_attn", "transformer.h.0.attn.c_proj",
+                                        "transformer.h.0.mlp.c_proj"]
 
 
 def test_errors_blame_the_config_that_was_passed(tmp_path):

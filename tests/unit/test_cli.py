@@ -255,7 +255,8 @@ def test_inspect_traces_a_model_that_takes_use_cache_through_kwargs(capsys, tmp_
 
 def test_inspect_gives_gpt2_s_conv1d_layers_a_row_each(capsys, tmp_path):
     """GPT-2's projections (transformers' Conv1D, no nn.Linear) were listed among the weights in no site; each is a
-    site now, with why it stays bf16, as in the compile report. The weights keep no tag after the trace."""
+    site, which quantize_ and load_checkpoint quantize, its weight shape that of its codes, [out, in], as in the
+    compile report. The weights keep no tag after the trace."""
     config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32,
                                      bos_token_id=0, eos_token_id=0)
     config.save_pretrained(tmp_path)
@@ -265,9 +266,10 @@ def test_inspect_gives_gpt2_s_conv1d_layers_a_row_each(capsys, tmp_path):
     conv = {f"transformer.h.{i}.{p}" for i in range(2) for p in ("attn.c_attn", "attn.c_proj", "mlp.c_fc",
                                                                  "mlp.c_proj")}
     sites = {s["fqn"]: s for s in result["sites"]}
-    assert set(sites) == conv | {"lm_head"} and not any(s["would_rewrite"] for s in sites.values())
-    assert {sites[f]["reason"] for f in conv} == {"not an nn.Linear weight (quantize_ quantizes nn.Linear layers)"}
-    assert sites["transformer.h.0.mlp.c_fc"]["weight_shape"] == [64, 256]
+    assert set(sites) == conv | {"lm_head"} and {f for f, s in sites.items() if s["would_rewrite"]} == conv
+    assert sites["lm_head"]["reason"] == "weight tied to transformer.wte.weight"
+    assert sites["transformer.h.0.mlp.c_fc"]["weight_shape"] == [256, 64]
+    assert all(sites[f]["bytes_saved"] > 0 for f in conv)
     assert [w["module"] for w in result["other_weights"]] == ["Embedding", "Embedding"]
     model = transformers.GPT2LMHeadModel(config)
     predict(model, fp8fx.Fp8Config(), (torch.zeros(1, 4, dtype=torch.long),), {})
