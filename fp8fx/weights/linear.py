@@ -315,7 +315,8 @@ def guard_casts(model: nn.Module) -> None:
     that holds an fp8 layer (``model.model.half()``, a decoder layer's ``.half()``: the modules before the refusing
     layer were cast), an attribute of that instance (its class is left as it is). It is a ``_CheckedApply``, so the
     model still pickles (a bound method does not) and is freed as soon as it is dropped. A module already guarded
-    keeps its guard; one that ``quantize_`` guards later (a part quantized on its own) gets its own. A ``copy.copy``
+    keeps its guard; one that ``quantize_`` guards later (a part quantized on its own) gets its own. Those modules
+    and the model get a ``LoadCheck`` too. A ``copy.copy``
     of a guarded module (of the model or of a part) shares the original's guard, as it shares its parameters' dict:
     casting it needs the original alive (``copy.deepcopy`` gives a copy its own)."""
     holders: set[int] = set()  # ids of the modules above an fp8 layer
@@ -328,40 +329,66 @@ def guard_casts(model: nn.Module) -> None:
             m._apply = _CheckedApply(m)
     if getattr(type(model), "_apply", None) is not fp8_apply and "_apply" not in vars(model):
         model._apply = _CheckedApply(model)  # (also a model of no fp8 layer: its copies keep the reasons' tags)
-    if not any(isinstance(getattr(h, "hook", h), LoadCheck) for h in model._load_state_dict_pre_hooks.values()):
-        # (with_module=False: torch's own binding holds the module by a weak reference, and a copy.copy of the model,
-        # which shares this dict, met "the hook of a dead Module" once the original was gone: LoadCheck says why)
-        model._register_load_state_dict_pre_hook(LoadCheck(model))
+    for m in {id(m): m for m in model.modules() if id(m) in holders or m is model}.values():
+        # a load of the model or of any module that holds an fp8 layer (model.model.load_state_dict(...)) is checked
+        # before any module loads; an fp8 layer checks its own (fp8_load_from_state_dict: its hooks run after that)
+        if type(m)._load_from_state_dict is not fp8_load_from_state_dict and not any(
+                isinstance(getattr(h, "hook", h), LoadCheck) for h in m._load_state_dict_pre_hooks.values()):
+            # (with_module=False: torch's own binding holds the module by a weak reference, and a copy.copy of the
+            # model, which shares this dict, met "the hook of a dead Module" once the original was gone: LoadCheck
+            # says why)
+            m._register_load_state_dict_pre_hook(LoadCheck(m))
 
 
 class LoadCheck(ModelHeld):
-    """A pre-hook of the model ``quantize_`` / ``load_checkpoint`` was given (``guard_casts``): a ``load_state_dict``
-    that one of its fp8 layers refuses (``load_refusal``) raises before any module of the model loads. torch loads
+    """A pre-hook of the model ``quantize_`` / ``load_checkpoint`` was given and of each module in it that holds an fp8
+    layer (``guard_casts``): a ``load_state_dict`` of any of them that one of its fp8 layers refuses
+    (``load_refusal``), under any of the layer's names, raises before any module loads. torch loads
     module by module and raises the errors gathered at the end, so the modules before and after the refusing layer
     had taken the new values (a bf16 fine-tune loaded into the fp8 model: its embeddings and norms replaced, logits
     1.0 off, after the error). The state each fp8 layer was checked against is remembered for this thread, so the
-    layer's own check (``fp8_load_from_state_dict``) does not scan its codes again."""
+    layer's own check (``fp8_load_from_state_dict``), and the hooks of the modules between it and the one loaded,
+    do not scan its codes again."""
 
     what = "load_state_dict check"
 
     def __call__(self, state_dict, prefix: str, *args) -> None:
         model = self.held()
+        done = _checked_loads()
         refusals, checked = [], {}
-        for name, m in model.named_modules(prefix=prefix[:-1]):
+        # every name of a module (one registered under two: torch loads it under each)
+        for name, m in model.named_modules(prefix=prefix[:-1], remove_duplicate=False):
             if type(m)._load_from_state_dict is fp8_load_from_state_dict:
                 at = f"{name}." if name else ""
-                refusals.append(load_refusal(m, state_dict, at))
-                checked[id(m)] = (m, _given(m, state_dict, at))
+                given = _given(m, state_dict, at)
+                if not _passed(done.get((id(m), at)), m, given):  # (checked by the hook of a module around this one)
+                    refusals.append(load_refusal(m, state_dict, at))
+                checked[(id(m), at)] = (m, given)
         refusals = [r for r in refusals if r]
-        _CHECKED_LOADS.modules = {} if refusals else checked
         if refusals:
+            done.clear()
             loaded = ("nothing was loaded" if not prefix else
-                      f"nothing of {prefix[:-1]} was loaded; modules outside it that this load reached before it were")
+                      f"nothing of {prefix[:-1]} was loaded; modules outside it that this load reached before it, if "
+                      "any, were")
             raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t"
                                + "\n\t".join(refusals) + f"\n({loaded})")
+        done.update(checked)
 
 
-_CHECKED_LOADS = threading.local()  # .modules: id -> (fp8 module, the state_dict's tensors for it) LoadCheck passed
+# (id(fp8 module), its prefix) -> (the module, the state_dict's tensors for it) that a LoadCheck passed in this thread;
+# each is taken by the module's own load (fp8_load_from_state_dict)
+_CHECKED_LOADS = threading.local()
+
+
+def _checked_loads() -> dict:
+    if not hasattr(_CHECKED_LOADS, "modules"):
+        _CHECKED_LOADS.modules = {}
+    return _CHECKED_LOADS.modules
+
+
+def _passed(checked: Optional[tuple], module: nn.Module, given: tuple) -> bool:
+    """``checked`` (an entry of ``_CHECKED_LOADS``) is a pass of ``module`` with the same tensors ``given``."""
+    return checked is not None and checked[0] is module and all(a is b for a, b in zip(checked[1], given))
 
 
 def _given(module: nn.Module, state_dict, prefix: str) -> tuple:
@@ -403,10 +430,8 @@ def refuse_script(self) -> NoReturn:
 def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
     """``Module._load_from_state_dict`` of a quantized layer or experts module: a state dict it refuses
     (``load_refusal``) loads nothing of the module, and says why."""
-    checked = getattr(_CHECKED_LOADS, "modules", {}).pop(id(self), None)
-    given = _given(self, state_dict, prefix)
-    passed = checked is not None and checked[0] is self and all(a is b for a, b in zip(checked[1], given))
-    refused = "" if passed else load_refusal(self, state_dict, prefix)
+    checked = _checked_loads().pop((id(self), prefix), None)
+    refused = "" if _passed(checked, self, _given(self, state_dict, prefix)) else load_refusal(self, state_dict, prefix)
     if refused:
         args[-1].append(refused)  # (torch's error_msgs: load_state_dict raises them once every module had its turn)
         return

@@ -510,7 +510,7 @@ def test_a_refused_state_dict_leaves_every_module_as_it_was():
     parts = nn.Sequential(nn.Embedding(16, 64), nn.Sequential(nn.Linear(64, 64))).to(torch.bfloat16)
     fp8fx.quantize_(parts[1], prefix="1")
     with pytest.raises(RuntimeError, match=r"\n\(nothing of 1 was loaded; modules outside it that this load reached "
-                                           r"before it were\)$"):
+                                           r"before it, if any, were\)$"):
         parts.load_state_dict({"0.weight": tuned[0].weight, "1.0.weight": tuned[2].weight, "1.0.bias": tuned[2].bias})
     # a shallow copy shares the check, which holds the original: gone, it says so (not torch's "dead Module")
     shallow = copy.copy(parts[1])
@@ -542,6 +542,47 @@ def test_a_load_scans_each_fp8_tensor_once(monkeypatch):
     with pytest.raises(RuntimeError, match=r"1\.weight_scale: shape \[1, 64\], where this module's is \[64, 1\] \(the "
                                            r"same 64 values in another shape: reshape it to \[64, 1\]"):
         model.load_state_dict(state)
+
+
+def test_loads_into_a_part_or_a_layer_of_two_names_are_checked_first(monkeypatch):
+    """The check was the model's alone: a load into one of its modules (``model.body.load_state_dict``) loaded the
+    modules before the refusing fp8 layer; a layer registered under two names was checked under its first, while
+    torch loads it under each, the modules between loaded. A part quantized on its own inside a model quantized as a
+    whole had each later layer's codes scanned twice, and a layer given to quantize_ itself (a loader's part by part)
+    kept its checked tensors alive in a thread-local after the load."""
+    from fp8fx.weights import chunked, linear
+
+    torch.manual_seed(0)
+    block = lambda: nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64))  # noqa: E731
+    model = nn.Sequential(nn.Embedding(16, 64), nn.Sequential(block(), block())).to(torch.bfloat16)
+    model.dec = model[1][1][1]  # (the second block's linear under a second name)
+    fp8fx.quantize_(model)
+    before = _values(model)
+    bad = {k: v.clone() for k, v in model[1].state_dict().items()}
+    bad["0.0.weight"] = torch.full_like(bad["0.0.weight"], 7.0)
+    bad["1.1.weight"] = torch.randn(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"1\.1\.weight: a torch.bfloat16 tensor .*\n\(nothing was loaded\)$"):
+        model[1].load_state_dict(bad)
+    assert _same(_values(model), before)
+    twice = {k: v.clone() for k, v in model.state_dict().items()}
+    twice["1.0.0.weight"] = torch.full_like(twice["1.0.0.weight"], 7.0)
+    twice["dec.weight"] = torch.randn(64, 64, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match=r"dec\.weight: a torch.bfloat16 tensor .*\n\(nothing was loaded\)$"):
+        model.load_state_dict(twice)
+    assert _same(_values(model), before)
+    whole = nn.Sequential(nn.Linear(64, 64), nn.Sequential(nn.Linear(64, 64)), nn.Linear(64, 64)).to(torch.bfloat16)
+    fp8fx.quantize_(whole, fp8fx.Fp8Config(ignored_layers=["1"]))
+    fp8fx.quantize_(whole[1], prefix="1")
+    scans = collections.Counter()
+    count = chunked.count_nonfinite
+    monkeypatch.setattr(chunked, "count_nonfinite", lambda t: scans.update([t.data_ptr()]) or count(t))
+    whole.load_state_dict({k: v.clone() for k, v in whole.state_dict().items()})
+    assert len(scans) == 3 and set(scans.values()) == {1}, scans
+    assert not linear._checked_loads()
+    layer = nn.Linear(64, 64).to(torch.bfloat16)
+    fp8fx.quantize_(layer, prefix="model.layers.0.mlp.down_proj")
+    layer.load_state_dict({k: v.clone() for k, v in layer.state_dict().items()})
+    assert not layer._load_state_dict_pre_hooks and not linear._checked_loads()
 
 
 def test_a_float16_model_refuses_codes_and_scales_beyond_its_range():
