@@ -248,11 +248,11 @@ _SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB
 
 def _shard_bytes(max_shard_size: Union[int, str, None]) -> Optional[int]:
     """``max_shard_size`` in bytes: an int, or a size as transformers' ``save_pretrained`` takes it in bytes
-    (``"5GB"``, ``"500MB"``, ``"2GiB"``). A unit ending in a lowercase b (``"5Gb"``, ``"5gb"``), which transformers
-    reads as bits, is refused as ambiguous."""
+    (``"5GB"``, ``"500MB"``, ``"2GiB"``; binary units in any case, ``"2gib"``, as transformers reads them). A decimal
+    unit ending in a lowercase b (``"5Gb"``, ``"5gb"``), which transformers reads as bits, is refused as ambiguous."""
     size = max_shard_size
-    if isinstance(size, str) and (match := re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", size.upper())):
-        if size.rstrip().endswith("b"):
+    if isinstance(size, str) and (match := re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*(B|[KMGT]I?B)\s*", size.upper())):
+        if size.rstrip().endswith("b") and "I" not in match[2]:
             raise ValueError(f"save_checkpoint: max_shard_size={max_shard_size!r}: a unit ending in a lowercase b is "
                              "bits to transformers' save_pretrained and bytes to most readers; write it as "
                              f"{size.strip()[:-1] + 'B'!r} (bytes)")

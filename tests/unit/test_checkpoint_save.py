@@ -834,7 +834,7 @@ def test_save_arguments_and_a_compiled_model(tmp_path):
     FileExistsError); a torch.compile wrapper was saved under _orig_mod.* names nothing loads. A size written as
     save_pretrained takes it ('5GB', '2GiB') is read as save_pretrained reads it (it was refused)."""
     model = quantized_tiny(fp8fx.Fp8Config())
-    for bad in (0, -1, "5 apples", "GB", "-5GB", "0KB", 10.5):
+    for bad in (0, -1, "5 apples", "GB", "-5GB", "0KB", 10.5, "5iB", "5IB"):  # (KeyError 'IB' for the last two)
         with pytest.raises(ValueError, match=rf"max_shard_size={re.escape(repr(bad))} must be a positive number of "
                                              r"bytes \(an int, e.g. 5 \* 2\*\*30\) or a size such as '5GB'"):
             save_checkpoint(model, tmp_path / "a", max_shard_size=bad)
@@ -842,8 +842,9 @@ def test_save_arguments_and_a_compiled_model(tmp_path):
     with pytest.raises(ValueError, match=r"max_shard_size='5gb': a unit ending in a lowercase b is bits to "
                                          r"transformers' save_pretrained .*write it as '5gB' \(bytes\)"):
         save_checkpoint(model, tmp_path / "a", max_shard_size="5gb")
-    for size, as_bytes in (("4KiB", 1 << 12), ("12kB", 12_000), (" 0.02 MB ", 20_000)):
-        dirs = [tmp_path / "sizes" / size.strip(), tmp_path / "sizes" / f"{as_bytes}"]
+    # (binary units in any case, as transformers reads them: "4kib" was refused as bits)
+    for size, as_bytes in (("4KiB", 1 << 12), ("4kib", 1 << 12), ("12kB", 12_000), (" 0.02 MB ", 20_000)):
+        dirs = [tmp_path / "sizes" / size.strip(), tmp_path / "sizes" / f"{size.strip()}-{as_bytes}"]
         save_checkpoint(model, dirs[0], max_shard_size=size)
         save_checkpoint(model, dirs[1], max_shard_size=as_bytes)
         files = [sorted(os.listdir(d)) for d in dirs]
