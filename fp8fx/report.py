@@ -226,6 +226,12 @@ class Report:
         # a layer by its name and weight (two models of one class have the same names), once however often the
         # graph calls it; a site of several weights (experts' w13 and w2) once
         known = {(s.fqn, s.weight_id) for s in self.sites if s.graph == graph}
+        # rows of this graph whose weight is gone (freed: load_state_dict(assign=True) of new weights, a model
+        # dropped): the layer's row is taken over by its new weight, not added again (a loop over checkpoints grew
+        # the report by every layer at each, and bytes_saved counted the freed weights)
+        live = {token for _, token in _TOKEN_OF.values()}
+        gone = {s.fqn: j for j, s in enumerate(self.sites) if s.graph == graph and s.weight_id and
+                s.weight_id not in live}
         added: set[int] = set()
         for (i, _), weight in zip(self.frame_weights[graph], weights):
             site = self.sites[i]
@@ -250,7 +256,11 @@ class Report:
                 elif root and suffix is not None and fqn.endswith(suffix):  # the reason names the first module's
                     # layers ("routes tokens to model.layers.0.mlp.experts"): this module's, by its own names
                     reason = re.sub(rf"(?<![\w.]){re.escape(root)}(?![\w])", fqn[:len(fqn) - len(suffix)], reason)
-                self.add(dataclasses.replace(site, fqn=fqn, reason=reason, weight_id=token))
+                row = dataclasses.replace(site, fqn=fqn, reason=reason, weight_id=token)
+                if fqn in gone:
+                    self.sites[gone.pop(fqn)] = row
+                else:
+                    self.add(row)
         if first is not None:  # the frame's top-ks, under the new module's names (each of them: a module's several)
             names = {s.fqn for s in self.topk if s.graph == graph}
             for site in [s for s in self.topk if s.graph == graph and (s.fqn == root or s.fqn.startswith(f"{root}."))]:

@@ -542,3 +542,33 @@ def test_a_discarded_graph_leaves_nothing_of_its_own():
     report.discard_graph(1)
     assert (report.graphs, [s.fqn for s in report.sites], report.kernels, report.failed) == (
         1, ["l0"], {0: ["cpp_fused_0"]}, {})
+
+
+def test_new_weights_of_a_compiled_model_take_over_its_rows():
+    """load_state_dict(assign=True) of other fp8 weights into a compiled model (an eval loop over checkpoints): each
+    call after a swap added every layer's row again, and bytes_saved counted the freed weights too (2 rows, 7.5 KiB
+    became 8 rows, 30 KiB after three swaps)."""
+    import fp8fx
+
+    def make(seed):
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).to(torch.bfloat16)
+        return fp8fx.quantize_(m)
+
+    model = make(0)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    compiled = torch.compile(model, backend=backend)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        compiled(x)
+    rows, saved = [(s.fqn, s.rewritten) for s in backend.report.sites], backend.report.bytes_saved
+    for seed in range(1, 4):
+        model.load_state_dict(make(seed).state_dict(), assign=True)
+        gc.collect()
+        with torch.no_grad():
+            out, eager = compiled(x).double(), model(x).double()  # (the new weights: fp8 activations against bf16)
+        assert ((out - eager).norm() / eager.norm()).item() < 0.05
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == rows == [("0", True), ("2", True)]
+    assert backend.report.bytes_saved == saved > 0
+    tokens = {s.weight_id for s in backend.report.sites}
+    assert tokens == {fp8fx.Site.known_token(model[i]._parameters["weight"]) for i in (0, 2)}
