@@ -7,6 +7,7 @@ import difflib
 import inspect
 import logging
 import math
+import sys
 import weakref
 from typing import Callable, Iterable, Mapping, Optional
 
@@ -209,7 +210,8 @@ def quantize_(
 
     if not prefix:
         pretrained.describe(model)
-    elif (plan or experts) and any(type(m).__module__.startswith("transformers.") for m in model.modules()):
+    elif (plan or experts) and ("transformers" in sys.modules or any(  # (a bare nn.Linear part of an HF model: its
+            type(m).__module__.startswith("transformers.") for m in model.modules())):  # parent is out of reach)
         _warn_part_save(model, prefix)
     return wrapper
 
@@ -221,14 +223,16 @@ def _warn_part_save(part: nn.Module, prefix: str) -> None:
     """A part quantized with a prefix belongs to a model that fp8fx cannot reach: that model's ``save_pretrained``
     (transformers) writes the part's fp8 codes with no ``quantization_config``, and ``from_pretrained`` read them
     back as bf16 weights, unscaled (logits ~1.4x their norm off), warning only of unexpected keys. Said once a
-    process (a loader quantizes every layer as a part)."""
+    process (a loader quantizes every layer as a part), where the part holds a transformers module or transformers
+    is imported (a part that is a bare ``nn.Linear`` of an HF model holds none)."""
     global _PART_SAVE_WARNED
     if _PART_SAVE_WARNED:
         return
     _PART_SAVE_WARNED = True
-    log.warning("fp8fx: quantize_(%s, prefix=%r) quantized a part of a model; that model's save_pretrained does not "
-                "know its layers are fp8 and writes their codes with no quantization_config, which from_pretrained "
-                "reads as bf16 weights: save the model with fp8fx.save_checkpoint(model, folder) (said once)",
+    log.warning("fp8fx: quantize_(%s, prefix=%r) quantized a part of a model; if it is a transformers model, its "
+                "save_pretrained does not know its layers are fp8 and writes their codes with no quantization_config, "
+                "which from_pretrained reads as bf16 weights: save the model with fp8fx.save_checkpoint(model, "
+                "folder) (said once)",
                 type(part).__name__, prefix)
 
 

@@ -250,6 +250,12 @@ def test_a_model_quantized_part_by_part_warns_that_its_save_pretrained_does_not_
             fp8fx.quantize_(layer, prefix=f"model.layers.{i}")
     said = [r.getMessage() for r in caplog.records if "save_pretrained" in r.getMessage()]
     assert len(said) == 1 and "prefix='model.layers.0'" in said[0] and "fp8fx.save_checkpoint" in said[0], said
+    # a loader's parts that are bare nn.Linear layers of the HF model (no transformers module in them) were not said
+    monkeypatch.setattr(quantize_module, "_PART_SAVE_WARNED", False)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        fp8fx.quantize_(tiny().lm_head, prefix="lm_head")
+    assert [r.getMessage() for r in caplog.records if "save_pretrained" in r.getMessage()]
     want = logits(model)
     save_checkpoint(model, tmp_path)
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
