@@ -451,17 +451,19 @@ class HorizontalFusionPass(Fp8Pass):
     def _explain_reshaped(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
         """GEMMs that read one tensor through different reshape nodes (``k_proj(x.view(-1, d))`` beside ``q_proj(x)``,
         or two ``x.view(-1, d)``): the same rows, but other nodes, each quantized apart, and a fused GEMM reads one
-        quantized tensor. Each says so. (Fusing them would take the quantization of the tensor itself, reshaped, and
-        each output slice reshaped back: not done.)"""
-        by_root: dict[fx.Node, dict[fx.Node, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
+        quantized tensor. Each says so, where the reshape is what keeps them apart: GEMMs whose groups differ in more
+        than their input (another activation or weight block, output dtype, accumulation, a static scale beside
+        dynamic ones) would not be fused reading one node either. (Fusing them would take the quantization of the
+        tensor itself, reshaped, and each output slice reshaped back: not done.)"""
+        by_root: dict[tuple, dict[fx.Node, list[fx.Node]]] = defaultdict(lambda: defaultdict(list))
         for key, nodes in groups.items():
             if (source := key.xq if _is_static(key) else _quantized_from(key.xq)) is None:
                 continue
             root, hops = source, 0
             while hops < 8 and _reshapes(root):
                 root, hops = root.args[0], hops + 1
-            by_root[root][source] += nodes
-        for root, sources in by_root.items():
+            by_root[(root, key.x_block, key.w_block, key.dtype, key.fast, _is_static(key))][source] += nodes
+        for (root, *_), sources in by_root.items():
             if len(sources) < 2:
                 continue
             for source, mine in sources.items():

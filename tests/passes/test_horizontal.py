@@ -312,6 +312,29 @@ def test_shards_reading_their_input_through_reshapes_say_so():
                          r"read it through another node", scheme), scheme
 
 
+def test_a_reshape_is_not_blamed_where_the_schemes_differ_too():
+    """q_proj in 1x128 groups beside k_proj and v_proj per token, k_proj reading x.view: the report said the reshape
+    kept k_proj from q_proj, which reading x itself it would not have joined either."""
+    class Wide(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(128, 128) for _ in range(3))
+
+        def forward(self, x):
+            return self.q_proj(x), self.k_proj(x.view(-1, 128)), self.v_proj(x.view(-1, 128))
+
+    torch.manual_seed(0)
+    model = Wide().to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_granularity=fp8fx.PerBlock(128, 128), ignored_layers=["k_proj",
+                                                                                                        "v_proj"]))
+    fp8fx.quantize_(model.k_proj, prefix="k_proj")
+    fp8fx.quantize_(model.v_proj, prefix="v_proj")
+    schemes, _ = compile_fused(model, torch.randn(2, 3, 128, dtype=torch.bfloat16))
+    assert "reshaped" not in schemes[("q_proj", 0)], schemes
+    assert re.search(r"it reads \S+ reshaped \(view(_\d+)?: \[6, 128\]\), where v_proj reads it through another "
+                     r"node", schemes[("k_proj", 1)]), schemes
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_under_autocast(dtype):
     """Under torch.autocast the compile failed: the concatenation of the shards' fp8 weights ran under it
