@@ -58,11 +58,10 @@ def resolve(model: nn.Module, key_mapping: Optional[Mapping[str, str]], where: s
                 name = re.sub(pattern, replacement, name, count=1)
             return name
     by_model = transformers_renamer(model, [])
-    if by_user is None and by_model is None:
-        return None
-    placed = set(model.state_dict(keep_vars=True)) | {f for f, _ in model.named_modules() if f}
+    state = set(model.state_dict(keep_vars=True))
+    placed = state | {f for f, _ in model.named_modules() if f}
 
-    def renamer(name: str) -> str:
+    def renames(name: str) -> str:
         # transformers applies the user's renames, then the model's, each to what the one before left (in one
         # rename_source_key call): the same, in two steps, with the model's skipped for a name in place
         name = by_user(name) if by_user is not None else name
@@ -73,7 +72,29 @@ def resolve(model: nn.Module, key_mapping: Optional[Mapping[str, str]], where: s
         # goes through (transformers' legacy LayerNorm.gamma / .beta -> .weight / .bias)
         return name if owner in placed and new.rpartition(".")[0] != owner else new
 
-    return renamer
+    # then the base model's prefix, added or stripped as from_pretrained does it, by the renamed names
+    base = _base_prefix(model, state, [renames(n) for n in names])
+    if by_user is None and by_model is None and base is None:
+        return None
+    return renames if base is None else lambda name: base(renames(name))
+
+
+def _base_prefix(model: nn.Module, state: set[str], names: Iterable[str]) -> Optional[Renamer]:
+    """The base model's prefix added to or stripped from checkpoint names, as ``from_pretrained`` does: a checkpoint
+    of the base model (GPT-2's own on the hub, saved from ``GPT2Model``: ``h.0.attn.c_attn.weight``, ``wte.weight``)
+    loaded into a model with a head (``transformer.h.0...``), or one of a model with a head loaded into its base
+    model; None where the names agree (or the model has no ``base_model_prefix``)."""
+    prefix = getattr(model, "base_model_prefix", None)
+    names = list(names)
+    if not isinstance(prefix, str) or not prefix or not names:
+        return None
+    start = f"{prefix}."
+    expects, has = any(k.startswith(start) for k in state), any(n.startswith(start) for n in names)
+    if expects and not has:
+        return lambda name: start + name
+    if has and not expects:
+        return lambda name: name[len(start):] if name.startswith(start) else name
+    return None
 
 
 def _user_renames(key_mapping: Optional[Mapping[str, str]], where: str) -> list[tuple[str, str]]:

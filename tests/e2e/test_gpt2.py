@@ -234,3 +234,29 @@ def test_load_state_dict_of_conv1d_codes_in_out_says_transpose():
     assert all(torch.equal(v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
                            before[k].view(torch.uint8) if v.dtype == torch.float8_e4m3fn else before[k])
                for k, v in model.state_dict().items())
+
+
+def test_gpt2_s_hub_checkpoints_of_its_base_model_load(tmp_path):
+    """GPT-2's hub checkpoints were saved from GPT2Model: h.0.attn.c_attn.weight, wte.weight, no "transformer."
+    (float32, with the old attention-mask buffers). load_checkpoint refused them ("transformer.wte.weight is missing
+    from the checkpoint") where from_pretrained adds the base model's prefix; it adds it too now, and strips it for
+    a base model given a checkpoint of the model with its head."""
+    model = tiny_gpt2()
+    ids = torch.randint(0, 128, (2, 9))
+    state = {k.removeprefix("transformer."): v.float() for k, v in model.state_dict().items()
+             if k.startswith("transformer.")}
+    state.update({f"h.{i}.attn.bias": torch.tril(torch.ones(1, 1, 32, 32)) for i in range(2)})
+    safetensors_torch.save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps({**model.config.to_dict(), "architectures": ["GPT2LMHeadModel"]}))
+    loaded = meta_model(tmp_path)
+    report = fp8fx.load_checkpoint(loaded, tmp_path, progress=False)
+    assert set(report.quantized) == conv1d_names()
+    fp8fx.quantize_(model)
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(ids).logits, model(ids).logits)
+    model = tiny_gpt2()
+    model.save_pretrained(tmp_path / "head")
+    with torch.device("meta"):
+        base = transformers.GPT2Model(model.config).to(torch.bfloat16)
+    report = fp8fx.load_checkpoint(base, tmp_path / "head", progress=False)
+    assert set(report.quantized) == {n.removeprefix("transformer.") for n in conv1d_names()}
