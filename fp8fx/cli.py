@@ -459,9 +459,7 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
             reason = "not an nn.Linear weight (quantize_ quantizes nn.Linear layers)"
         first = reason is None and site.fqn not in counted
         counted.add(site.fqn)
-        # (a Conv1D's weight [in, out] as its fp8 codes are stored, as a linear's [out, in]: the compile report's)
-        shape = list(linear_weight(module).shape) if is_conv1d_class(type(module)) else list(site.weight_shape)
-        rows.append({"graph": site.graph, "kind": site.kind, "fqn": site.fqn, "weight_shape": shape,
+        rows.append({"graph": site.graph, "kind": site.kind, "fqn": site.fqn, "weight_shape": list(site.weight_shape),
                      "would_rewrite": reason is None, "scheme": str(cfg.scheme()) if reason is None else "",
                      "reason": reason or "",
                      "bytes_saved": _saved(site.weight_shape, module.weight.element_size(), cfg) if first else 0})

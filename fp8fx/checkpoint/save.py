@@ -340,8 +340,10 @@ def _experts_layout(model: nn.Module, modules: Mapping[str, nn.Module], experts:
 # why a checkpoint holds GPT-2's Conv1D layers in high precision (save_checkpoint dequantizes them, convert leaves them)
 CONV1D_IN_HIGH_PRECISION = (
     "transformers' fp8 loaders (fp8, compressed-tensors) quantize nn.Linear layers only, and read a Conv1D's fp8 codes "
-    "as its bf16 weight, unscaled, with a note of unexpected scale keys alone (logits 120% off); fp8fx.load_checkpoint "
-    "quantizes them as it loads the high-precision checkpoint")
+    "as its bf16 weight, unscaled, with a note of unexpected scale keys alone (logits 120% off); written in high "
+    "precision and in the ignore list, they load so everywhere, fp8fx.load_checkpoint included: for fp8 Conv1D layers, "
+    "load the high-precision checkpoint the model came from with fp8fx.load_checkpoint, which quantizes them as it "
+    "loads")
 
 
 def _fp8_schemes(

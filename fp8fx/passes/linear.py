@@ -43,6 +43,7 @@ from fp8fx.kernels import launch
 from fp8fx.lowerings import compat
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, input_path, may_record_grad, module_path, set_fake_value
 from fp8fx.report import NOT_QUANTIZED, ROOT, Site
+from fp8fx.weights.linear import is_conv1d_class
 
 log = logging.getLogger("fp8fx")
 
@@ -356,7 +357,10 @@ def _report_tagged_readers(graph: fx.Graph, ctx: PassContext) -> None:
     only ``quantize_``'s warning (quantize_ quantizes them now: an fp8 Conv1D reads ``dequantize(...).t()``, a linear
     site); a linear-like layer of another class still does. Experts (3-D weights: the MoE pass says why) and weights
     a site of this graph names already are passed by. Like a linear site, the row is a frame's (``ctx.frame_site``):
-    blocks that reuse the frame Dynamo compiled for the first, after a graph break, have theirs too."""
+    blocks that reuse the frame Dynamo compiled for the first, after a graph break, have theirs too. So has a
+    Conv1D quantize_ never reached (a block left out of a model quantized part by part), untagged, with the reason
+    an nn.Linear's gets. The row's weight shape is a linear's, [out, in]: the transpose of a weight read on the
+    right, as a quantized Conv1D's row and ``fp8fx inspect`` give it."""
     named = {site.fqn for site in ctx.report.sites if site.graph == ctx.graph_index}
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method") or node.target not in _ADDMM + _MATMUL:
@@ -365,10 +369,13 @@ def _report_tagged_readers(graph: fx.Graph, ctx: PassContext) -> None:
         # the weight as stored on the right (x @ w), or on the left of a matmul (Mamba's dt_proj.weight @ x, left
         # bf16 where a block does not divide it: listed in no site, only among the unhandled weights)
         sides = (operands[-1], *(operands[:1] if node.target in _MATMUL else ())) if operands else ()
-        for w in map(_without_noop_casts, sides):
+        for side, w in enumerate(map(_without_noop_casts, sides)):
             real = ctx.example.get(w) if isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr") else None
             reason, fqn = getattr(real, "_fp8fx_skip_reason", None), getattr(real, "_fp8fx_fqn", None)
             if reason and fqn is not None and getattr(real, "ndim", 0) == 2:
+                break
+            if side == 0 and getattr(real, "ndim", 0) == 2 and _in_conv1d(node) and not hasattr(real, "_fp8fx_of"):
+                reason, fqn = None, LinearPass._fqn(node, w, ctx)
                 break
         else:
             continue
@@ -376,9 +383,18 @@ def _report_tagged_readers(graph: fx.Graph, ctx: PassContext) -> None:
             continue
         named.add(fqn)
         ctx.frame_site(fqn, module_path(node), w)
-        ctx.report.add(Site("linear", fqn, False, f"{NOT_QUANTIZED}{reason}", "", ctx.graph_index,
-                            weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
+        shape = Site.shape_of(fake_value(w))
+        why = f"{NOT_QUANTIZED}{reason}" if reason else LinearPass._why_not(None, w, None, ctx, fqn)
+        ctx.report.add(Site("linear", fqn, False, why, "", ctx.graph_index,
+                            weight_shape=shape[::-1] if side == 0 else shape, node=Site.origin_of(node),
                             weight_id=Site.token_of(real)))
+
+
+def _in_conv1d(node: fx.Node) -> bool:
+    """``node`` runs in the forward of a transformers ``Conv1D`` (Dynamo's module stack)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    cls = list(stack.values())[-1][1] if stack else None
+    return isinstance(cls, type) and is_conv1d_class(cls)
 
 
 def _report_nested(graph: fx.Graph, ctx: PassContext) -> None:
@@ -859,7 +875,8 @@ class LinearPass(Fp8Pass):
                         "load_checkpoint kept it in high precision (its reason, a tag of the tensor, is lost where "
                         "the tensor was saved and loaded, as by torch.export.save / load) or it was added after them")
             return ("weight is not an fp8fx-quantized weight (run fp8fx.quantize_ or load an fp8 checkpoint: they "
-                    "quantize nn.Linear layers and experts modules, not a parameter another module reads by F.linear)")
+                    "quantize nn.Linear and transformers' Conv1D layers and experts modules, not a parameter another "
+                    "module reads by F.linear)")
         wv = fake_value(w)
         if isinstance(wv, torch.Tensor) and wv.dim() != 2:
             return (f"weight is {wv.dim()}-D {list(wv.shape)}, not a linear's [N, K] (stacked experts are the "

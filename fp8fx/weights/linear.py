@@ -578,8 +578,8 @@ def is_quantized(module: nn.Module) -> bool:
 
 
 def is_conv1d_class(cls: type) -> bool:
-    """``cls`` is transformers' ``Conv1D`` or a subclass of it: the projections of GPT-2, OpenAI GPT, ImageGPT and
-    Decision Transformer, a linear whose weight is stored transposed, ``[in_features, out_features]``, and run as
+    """``cls`` is transformers' ``Conv1D`` or a subclass of it: the projections of GPT-2, OpenAI GPT, ImageGPT,
+    Decision Transformer and CLVP, a linear whose weight is stored transposed, ``[in_features, out_features]``, and run as
     ``addmm(bias, x, weight)``. Matched by name, so that fp8fx imports no transformers."""
     return any(c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils" for c in cls.__mro__)
 

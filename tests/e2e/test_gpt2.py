@@ -260,3 +260,23 @@ def test_gpt2_s_hub_checkpoints_of_its_base_model_load(tmp_path):
         base = transformers.GPT2Model(model.config).to(torch.bfloat16)
     report = fp8fx.load_checkpoint(base, tmp_path / "head", progress=False)
     assert set(report.quantized) == {n.removeprefix("transformer.") for n in conv1d_names()}
+
+
+def test_conv1d_layers_quantize_did_not_reach_have_rows():
+    """A block left out of a model quantized block by block: its bf16 Conv1D layers (untagged, read as addmm(b, x, w))
+    had no row ("4 of 5 sites"), where an nn.Linear left out has one saying to quantize it; a skipped Conv1D's row
+    gave its weight [in, out], where its reason and a quantized Conv1D's row give [out, in]."""
+    model = tiny_gpt2(embd=128)
+    fp8fx.quantize_(model.transformer.h[0], fp8fx.Fp8Config(weight_block_size=[256, 128]), prefix="transformer.h.0")
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randint(0, 128, (2, 9)))
+    rows = {s.fqn: s for s in backend.report.sites}
+    assert conv1d_names() <= set(rows)
+    left = rows["transformer.h.1.mlp.c_fc"]
+    assert not left.rewritten and left.reason.startswith("weight is not an fp8fx-quantized weight (run fp8fx.quantize_")
+    assert left.weight_shape == (512, 128)
+    skipped = rows["transformer.h.0.attn.c_attn"]  # (384 rows: no 256-row block divides them)
+    assert not skipped.rewritten and "weight [384, 128] is not divisible" in skipped.reason
+    assert skipped.weight_shape == (384, 128) and rows["transformer.h.0.mlp.c_fc"].weight_shape == (512, 128)
+    assert rows["transformer.h.0.mlp.c_fc"].rewritten

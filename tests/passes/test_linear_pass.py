@@ -201,7 +201,8 @@ def test_a_conv1d_layer_has_a_row_with_its_reason():
         torch.compile(lambda x: model(x) + model.extra(x), backend=backend)(x)
     sites = [(s.fqn, s.rewritten, s.reason, s.weight_shape) for s in backend.report.sites]
     left = "not quantized: Conv1D is no nn.Linear"
-    assert sorted(sites) == [("0", False, left, (64, 96)), ("1", True, "", (64, 96)), ("2", False, left, (64, 32))]
+    # (shapes as a linear's, [out, in]: the Conv1D's weight [in, out] transposed, as a quantized Conv1D's row has it)
+    assert sorted(sites) == [("0", False, left, (96, 64)), ("1", True, "", (64, 96)), ("2", False, left, (32, 64))]
     assert backend.report.unhandled_weights(model) == []
 
 
