@@ -133,8 +133,8 @@ class _Linear:
     # (largest scale, its entry) of weight scales whose 448 * scale the model's dtype cannot hold (float16)
     wide_scales: list[tuple[float, Entry]] = dataclasses.field(default_factory=list)
     bias_of: Optional[str] = None  # the layer whose bias this one shares (one Parameter, saved once)
-    # a Conv1D's: its checkpoints store its weight [in, out] (GPT-2's; save_checkpoint its fp8 codes so too, which
-    # vLLM's GPT-2 loader transposes as it transposes every Conv1D weight), loaded transposed into a linear's layout
+    # a Conv1D's: its checkpoints store its weight [in, out] (GPT-2's), fp8 codes too (vLLM's GPT-2 loader transposes
+    # every Conv1D weight it reads), loaded transposed into a linear's layout
     transposed: bool = False
 
     @property

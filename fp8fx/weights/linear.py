@@ -316,9 +316,9 @@ def guard_casts(model: nn.Module) -> None:
     layer were cast), an attribute of that instance (its class is left as it is). It is a ``_CheckedApply``, so the
     model still pickles (a bound method does not) and is freed as soon as it is dropped. A module already guarded
     keeps its guard; one that ``quantize_`` guards later (a part quantized on its own) gets its own. Those modules
-    and the model get a ``LoadCheck`` too. A ``copy.copy``
-    of a guarded module (of the model or of a part) shares the original's guard, as it shares its parameters' dict:
-    casting it needs the original alive (``copy.deepcopy`` gives a copy its own)."""
+    and the model get a ``LoadCheck`` too. A ``copy.copy`` of a guarded module (of the model or of a part) shares the
+    original's guard, as it shares its parameters' dict: casting it needs the original alive (``copy.deepcopy`` gives
+    a copy its own)."""
     holders: set[int] = set()  # ids of the modules above an fp8 layer
     for fqn, m in model.named_modules(remove_duplicate=False):  # (a layer shared by two parents: both hold it)
         if getattr(type(m), "_apply", None) is fp8_apply:
@@ -579,8 +579,8 @@ def is_quantized(module: nn.Module) -> bool:
 
 def is_conv1d_class(cls: type) -> bool:
     """``cls`` is transformers' ``Conv1D`` or a subclass of it: the projections of GPT-2, OpenAI GPT, ImageGPT,
-    Decision Transformer and CLVP, a linear whose weight is stored transposed, ``[in_features, out_features]``, and run as
-    ``addmm(bias, x, weight)``. Matched by name, so that fp8fx imports no transformers."""
+    Decision Transformer and CLVP, a linear whose weight is stored transposed, ``[in_features, out_features]``, and
+    run as ``addmm(bias, x, weight)``. Matched by name, so that fp8fx imports no transformers."""
     return any(c.__name__ == "Conv1D" and c.__module__ == "transformers.pytorch_utils" for c in cls.__mro__)
 
 
