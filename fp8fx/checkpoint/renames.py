@@ -72,29 +72,41 @@ def resolve(model: nn.Module, key_mapping: Optional[Mapping[str, str]], where: s
         # goes through (transformers' legacy LayerNorm.gamma / .beta -> .weight / .bias)
         return name if owner in placed and new.rpartition(".")[0] != owner else new
 
-    # then the base model's prefix, added or stripped as from_pretrained does it, by the renamed names
-    base = _base_prefix(model, state, [renames(n) for n in names])
+    # then the base model's prefix, added or stripped as from_pretrained does it, name by name, after the renames
+    base = _base_prefix(model, placed, [renames(n) for n in names])
     if by_user is None and by_model is None and base is None:
         return None
     return renames if base is None else lambda name: base(renames(name))
 
 
-def _base_prefix(model: nn.Module, state: set[str], names: Iterable[str]) -> Optional[Renamer]:
-    """The base model's prefix added to or stripped from checkpoint names, as ``from_pretrained`` does: a checkpoint
-    of the base model (GPT-2's own on the hub, saved from ``GPT2Model``: ``h.0.attn.c_attn.weight``, ``wte.weight``)
-    loaded into a model with a head (``transformer.h.0...``), or one of a model with a head loaded into its base
-    model; None where the names agree (or the model has no ``base_model_prefix``)."""
+def _base_prefix(model: nn.Module, placed: set[str], names: Iterable[str]) -> Optional[Renamer]:
+    """The base model's prefix added to or stripped from each checkpoint name where that puts the name in the model
+    and it is not in it as it is, as ``from_pretrained`` does name by name: a checkpoint of the base model (GPT-2's
+    own on the hub, saved from ``GPT2Model``: ``h.0.attn.c_attn.weight``, ``wte.weight``) loaded into a model with a
+    head (``transformer.h.0...``), one of a model with a head loaded into its base model, a VLM's base checkpoint whose
+    vision tower transformers' renames already moved under the prefix. A name is in the model where it or a module
+    above it is (``placed``: the model's tensors and modules; a scale has no tensor yet, per-expert tensors no module
+    of their own). None where no name changes (or the model has no ``base_model_prefix``)."""
     prefix = getattr(model, "base_model_prefix", None)
-    names = list(names)
-    if not isinstance(prefix, str) or not prefix or not names:
+    if not isinstance(prefix, str) or not prefix:
         return None
     start = f"{prefix}."
-    expects, has = any(k.startswith(start) for k in state), any(n.startswith(start) for n in names)
-    if expects and not has:
-        return lambda name: start + name
-    if has and not expects:
-        return lambda name: name[len(start):] if name.startswith(start) else name
-    return None
+
+    def placed_in(name: str) -> bool:
+        while name:
+            if name in placed and name != prefix:  # (the base model itself places nothing)
+                return True
+            name = name.rpartition(".")[0]
+        return False
+
+    def fixed(name: str) -> str:
+        if placed_in(name):
+            return name
+        if name.startswith(start) and placed_in(name[len(start):]):
+            return name[len(start):]
+        return start + name if placed_in(start + name) else name
+
+    return fixed if any(fixed(n) != n for n in names) else None
 
 
 def _user_renames(key_mapping: Optional[Mapping[str, str]], where: str) -> list[tuple[str, str]]:

@@ -355,6 +355,8 @@ class LoadCheck(ModelHeld):
     def __call__(self, state_dict, prefix: str, *args) -> None:
         model = self.held()
         done = _checked_loads()
+        if not prefix:  # the module a load_state_dict was called on: what earlier loads left (one that raised on the
+            done.clear()  # way, in another hook or module, before its layers took their records) is theirs
         refusals, checked = [], {}
         # every name of a module (one registered under two: torch loads it under each)
         for name, m in model.named_modules(prefix=prefix[:-1], remove_duplicate=False):
@@ -363,7 +365,7 @@ class LoadCheck(ModelHeld):
                 given = _given(m, state_dict, at)
                 if not _passed(done.get((id(m), at)), m, given):  # (checked by the hook of a module around this one)
                     refusals.append(load_refusal(m, state_dict, at))
-                checked[(id(m), at)] = (m, given)
+                checked[(id(m), at)] = _record(m, given)
         refusals = [r for r in refusals if r]
         if refusals:
             done.clear()
@@ -375,8 +377,9 @@ class LoadCheck(ModelHeld):
         done.update(checked)
 
 
-# (id(fp8 module), its prefix) -> (the module, the state_dict's tensors for it) that a LoadCheck passed in this thread;
-# each is taken by the module's own load (fp8_load_from_state_dict)
+# (id(fp8 module), its prefix) -> weak references to the module and to the state_dict's tensors for it, which a
+# LoadCheck passed in this thread; each is taken by the module's own load (fp8_load_from_state_dict). Weak: a load
+# that raised before a layer took its record (another hook's error) kept the layer and the tensors alive
 _CHECKED_LOADS = threading.local()
 
 
@@ -386,9 +389,14 @@ def _checked_loads() -> dict:
     return _CHECKED_LOADS.modules
 
 
+def _record(module: nn.Module, given: tuple) -> tuple:
+    return weakref.ref(module), tuple(weakref.ref(t) if isinstance(t, torch.Tensor) else t for t in given)
+
+
 def _passed(checked: Optional[tuple], module: nn.Module, given: tuple) -> bool:
-    """``checked`` (an entry of ``_CHECKED_LOADS``) is a pass of ``module`` with the same tensors ``given``."""
-    return checked is not None and checked[0] is module and all(a is b for a, b in zip(checked[1], given))
+    """``checked`` (an entry of ``_CHECKED_LOADS``, ``_record``'s) is a pass of ``module`` with the same ``given``."""
+    return checked is not None and checked[0]() is module and all(
+        (a() if isinstance(a, weakref.ref) else a) is b for a, b in zip(checked[1], given))
 
 
 def _given(module: nn.Module, state_dict, prefix: str) -> tuple:

@@ -391,3 +391,36 @@ def test_model_renames_of_a_leaf_alone_go_through(monkeypatch):
     monkeypatch.setattr(renames, "transformers_renamer", lambda model, user, model_renames=True: (
         (lambda n: re.sub(r"\.gamma$", ".weight", n)) if model_renames else None))
     assert renames.resolve(_Up(), None, "test")("mlp.up_proj.gamma") == "mlp.up_proj.weight"
+
+
+def test_the_base_model_prefix_is_added_or_stripped_name_by_name(tmp_path):
+    """from_pretrained adds or strips base_model_prefix for each name where that gives a name of the model; fp8fx
+    decided for the whole checkpoint: a VLM's base checkpoint, whose vision tower transformers' own renames move
+    under the prefix (^visual -> model.visual), left its language model without it ("model.language_model.
+    embed_tokens.weight is missing"), and GPT-2's base names beside an untied lm_head.weight put the prefix on the
+    head too ("lm_head.weight is missing ...; the checkpoint has 1 tensors the model has no place for (lm_head...)")."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    config = transformers.Qwen2VLConfig(
+        tie_word_embeddings=True,
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=2, vocab_size=128,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+        vision_config=dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=14,
+                           spatial_merge_size=2, temporal_patch_size=2))
+    transformers.Qwen2VLModel(config).to(torch.bfloat16).save_pretrained(tmp_path / "vlm")
+    report = load_checkpoint(transformers.Qwen2VLForConditionalGeneration(config).to(torch.bfloat16),
+                             tmp_path / "vlm", progress=False)
+    assert "model.language_model.layers.0.self_attn.q_proj" in report.quantized
+    gpt2 = transformers.GPT2Config(n_layer=1, n_embd=64, n_head=2, vocab_size=128, n_positions=32,
+                                   tie_word_embeddings=False)
+    source = transformers.GPT2LMHeadModel(gpt2).to(torch.bfloat16)
+    (tmp_path / "gpt2").mkdir()
+    save_file({k.removeprefix("transformer."): v.contiguous() for k, v in source.state_dict().items()},
+              str(tmp_path / "gpt2" / "model.safetensors"), metadata={"format": "pt"})
+    gpt2.save_pretrained(tmp_path / "gpt2")
+    model = meta_model(tmp_path / "gpt2")
+    report = load_checkpoint(model, tmp_path / "gpt2", progress=False)
+    assert "transformer.h.0.attn.c_attn" in report.quantized and "lm_head" in report.quantized

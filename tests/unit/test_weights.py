@@ -585,6 +585,31 @@ def test_loads_into_a_part_or_a_layer_of_two_names_are_checked_first(monkeypatch
     assert not layer._load_state_dict_pre_hooks and not linear._checked_loads()
 
 
+def test_a_load_that_raises_elsewhere_keeps_no_layer_alive():
+    """A load that raised in another module after the check passed left the records of the layers it never reached,
+    which held them and the loaded tensors alive for good (three dropped models, all alive after a later load)."""
+    from fp8fx.weights import linear
+
+    class Refusing(nn.Module):
+        def _load_from_state_dict(self, *args, **kwargs):
+            raise ValueError("refused")
+
+    dropped = []
+    for _ in range(3):
+        model = nn.Sequential(Refusing(), nn.Linear(64, 64)).to(torch.bfloat16)
+        fp8fx.quantize_(model)
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        with pytest.raises(ValueError, match="refused"):
+            model.load_state_dict(state)
+        dropped.append((weakref.ref(model[1]), weakref.ref(state["1.weight"])))
+        del model, state
+    other = fp8fx.quantize_(nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16))
+    other.load_state_dict(other.state_dict())
+    gc.collect()
+    assert not any(a() is not None or b() is not None for a, b in dropped)
+    assert not linear._checked_loads()
+
+
 def test_a_float16_model_refuses_codes_and_scales_beyond_its_range():
     """model.half() refuses an fp8 layer whose dequantized weight float16 cannot hold; loading such codes and scales
     into the float16 model took them, silently: 29371 inf weights, every output NaN."""
