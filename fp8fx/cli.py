@@ -36,7 +36,7 @@ from fp8fx.config import Fp8Config
 from fp8fx.report import NOT_QUANTIZED, ROOT, first_line, human_size
 from fp8fx.weights import moe
 from fp8fx.weights.linear import check_no_in_place_rescale, foreign_linear_reason, target_classes
-from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight
+from fp8fx.weights.linear import is_linear, linear_weight
 from fp8fx.weights.quantize import LinearDecider, check_ignored_layers, did_you_mean, ignoring_aliases
 
 log = logging.getLogger("fp8fx")
@@ -497,17 +497,16 @@ def _name_weights(model: nn.Module, decide: LinearDecider) -> list[torch.Tensor]
     report names a site by its weight's tag): the linears of a block Dynamo traces as a frame of its own, after a
     graph break, were named by their paths in that block (``a``, not ``layers.0.a``) and found no module. A weight
     several modules share keeps no tag (the site is named by the module that runs it). A linear-like module that
-    is no ``nn.Linear`` is tagged with quantize_'s reason too, for the site the linear pass gives it, as is a
-    ``Conv1D`` (GPT-2's: ``addmm(b, x, w)`` of its bf16 weight [in, out] is no linear site before quantize_ makes
-    it one), whose row then says what quantize_ decides for it. Returns the weights tagged here, each with the tags
+    is no linear (``is_foreign_linear``) is tagged with quantize_'s reason too, for the site the linear pass gives it.
+    (A bf16 ``Conv1D``'s ``addmm(b, x, w)`` is no linear site, but the pass gives it a row of its own, which
+    ``predict`` then fills with what quantize_ decides for it.) Returns the weights tagged here, each with the tags
     it got, which ``predict`` removes after the trace."""
     named = []
     for fqn, module in model.named_modules():
         weight = module._parameters.get("weight")
         # (a linear-like module's reason, as quantize_ tags it, unless its weight has one already)
         has_reason = fqn in decide.routers or hasattr(weight, "_fp8fx_skip_reason")
-        foreign = None if has_reason else foreign_linear_reason(module) or (
-            "Conv1D" if is_conv1d_class(type(module)) else None)  # (for a row: its reason is decide's)
+        foreign = None if has_reason else foreign_linear_reason(module)
         if (is_linear(module) or fqn in decide.routers or foreign) and isinstance(weight, torch.Tensor) \
                 and len(decide.owners.get(id(weight), {})) == 1 and not hasattr(weight, "_fp8fx_fqn"):
             weight._fp8fx_fqn = fqn

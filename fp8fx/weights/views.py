@@ -134,9 +134,10 @@ def dequantized(w: torch.Tensor, owner: torch.nn.Module, attr: str) -> torch.Ten
     if torch.compiler.is_compiling():  # (before anything reads the module: see above)
         return w
     name = f"{getattr(owner, '_fp8fx_prefix', '') or type(owner).__name__}.{attr}"
-    if compat.fx_symbolic_tracing() and type(w) is torch.Tensor and not compat.proxy_tracing():
+    tracing = compat.fx_symbolic_tracing()
+    if tracing and type(w) is torch.Tensor and not compat.proxy_tracing():
         _warn_fx_constant(name)
-    if type(w) is not torch.Tensor or compat.fx_symbolic_tracing():
+    if type(w) is not torch.Tensor or tracing:
         return w
     return _named(w, name)
 
