@@ -351,7 +351,9 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
     try:
         fmt = formats.parse({"quantization_config": base}) if base else None
     except CheckpointError as e:  # an unknown quant_method, a malformed compressed-tensors config
-        raise UsageError(f"bad config: {_first_line(e)}") from None
+        # (formats.parse names config.json, where a model's quantization_config is: --config's is in that file)
+        where = _first_line(e).replace("config.json", f"--config {args.config}", 1) if args.config else _first_line(e)
+        raise UsageError(f"bad config: {where}") from None
 
     def with_flags(config: Fp8Config) -> Fp8Config:
         changes: dict[str, Any] = {}

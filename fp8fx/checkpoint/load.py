@@ -40,7 +40,7 @@ from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_for
 from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight, target_classes
 from fp8fx.weights.linear import remember_trainable
 from fp8fx.weights.linear import check_no_in_place_rescale, kept_by_the_model
-from fp8fx.weights.moe import is_quantized_experts
+from fp8fx.weights.moe import is_any_experts, is_quantized_experts
 from fp8fx.weights.quantize import check_ignored_layers, nothing_quantized
 
 log = logging.getLogger("fp8fx")
@@ -540,6 +540,12 @@ class _Loader:
         why = self.not_quantized.get(owner) or self.moe.not_quantized.get(owner)
         if why:
             return f"{owner} is not quantized ({why}); fix the config's ignore list or the checkpoint"
+        if owner in self.modules:  # (a quantizer that also wrote scales of norms or embeddings: no rename helps)
+            module = self.modules[owner]
+            layer = is_linear(module) or is_any_experts(module)
+            return (f"{owner} is a {type(module).__name__}, which takes no tensor named {name.rpartition('.')[2]}"
+                    f"{'' if layer else ' (fp8fx quantizes linear layers and experts, and no other module)'}: drop "
+                    "the tensor from the checkpoint, or export the checkpoint without it")
         return (f"the model has no module {owner!r}; the checkpoint does not belong to this model, or names its "
                 "modules differently: pass key_mapping= (checkpoint name regex -> the model's)")
 

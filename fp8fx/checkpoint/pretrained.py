@@ -80,8 +80,13 @@ class Dequantize(ModelHeld):
     def __call__(self, dtype: Optional[torch.dtype] = None):
         from fp8fx.weights.dequantize import dequantize_
 
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"dequantize(dtype={dtype!r}): a floating-point torch.dtype, e.g. torch.bfloat16")
+        # (checked before dequantize_ changes the model: an 8-bit float, which a floating-point test let through,
+        # dequantized every layer and then cast the whole model to fp8, norms and embeddings too)
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point
+                                      and dtype.itemsize >= 2):
+            raise TypeError(f"dequantize(dtype={dtype!r}): a 16- or 32-bit floating-point torch.dtype (torch.bfloat16, "
+                            "torch.float16, torch.float32), the high precision the weights come back in (nothing was "
+                            "changed)")
         model = dequantize_(self.held())
         return model.to(dtype) if dtype is not None else model
 

@@ -364,7 +364,7 @@ class LoadCheck(ModelHeld):
                 at = f"{name}." if name else ""
                 given = _given(m, state_dict, at)
                 if not _passed(done.get((id(m), at)), m, given):  # (checked by the hook of a module around this one)
-                    refusals.append(load_refusal(m, state_dict, at))
+                    refusals.append(load_refusal(m, state_dict, at, _assigns(args)))
                 checked[(id(m), at)] = _record(m, given)
         refusals = [r for r in refusals if r]
         if refusals:
@@ -439,7 +439,8 @@ def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
     """``Module._load_from_state_dict`` of a quantized layer or experts module: a state dict it refuses
     (``load_refusal``) loads nothing of the module, and says why."""
     checked = _checked_loads().pop((id(self), prefix), None)
-    refused = "" if _passed(checked, self, _given(self, state_dict, prefix)) else load_refusal(self, state_dict, prefix)
+    refused = "" if _passed(checked, self, _given(self, state_dict, prefix)) else load_refusal(
+        self, state_dict, prefix, _assigns(args))
     if refused:
         args[-1].append(refused)  # (torch's error_msgs: load_state_dict raises them once every module had its turn)
         return
@@ -453,7 +454,13 @@ def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
                 setattr(new, k, v)
 
 
-def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str) -> str:
+def _assigns(args: tuple) -> bool:
+    """Whether the load a ``_load_from_state_dict`` or its pre-hook (``args``: local_metadata, ...) serves puts the given
+    tensors in as they are (``load_state_dict(assign=True)``) instead of copying their values."""
+    return bool(args and isinstance(args[0], Mapping) and args[0].get("assign_to_params_buffers", False))
+
+
+def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str, assign: bool = False) -> str:
     """Why a quantized layer or experts module (``self``, at ``prefix``) refuses the entries of ``state_dict``, or "".
     An fp8 parameter's tensor of another dtype (a bf16 state dict loaded into the quantized model): copied in, its
     values were cast to fp8 and read as codes under the old scales (outputs off by ~100%). Scales no loader takes (0,
@@ -462,7 +469,9 @@ def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str)
     of a model quantized with another scheme, whose scales have other names: the codes were read under the old
     scales, relative errors of 0.7-3, with only a missing-keys list to say so). Codes or scales of another shape
     (per-channel scales [N, 1] for a per-tensor layer's [1]): torch copied the codes, then refused the scale, leaving
-    the codes under the old scale (outputs 1.5x their norm off after the error). Codes and scales whose dequantized
+    the codes under the old scale (outputs 1.5x their norm off after the error). Scales of another dtype than float32
+    loaded with ``assign=True``, which puts them in as they are (a state dict whose float32 tensors were halved: the
+    layer held float16 scales, which save_checkpoint then refused, blaming a cast). Codes and scales whose dequantized
     weight the layer's float16 compute dtype cannot hold (inf, outputs NaN), as its cast to float16 is refused."""
     for name, codes in self._parameters.items():
         given = state_dict.get(prefix + name)
@@ -481,6 +490,11 @@ def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str)
                    "quantized as this one is, or quantize_ the high-precision model with that scheme")
             return (f"{prefix}{name}: shape {list(given.shape)}, where this module's is {list(codes.shape)} ({why}; "
                     "this module was not loaded)")
+        if scale and assign and given.dtype != codes.dtype:
+            return (f"{prefix}{name}: a {given.dtype} scale, where fp8fx's scales are {codes.dtype}; "
+                    "load_state_dict(assign=True) puts it in as it is: cast the state_dict's scales back "
+                    f"(.to({codes.dtype})), or load without assign=True, which copies them into the layer's "
+                    f"{codes.dtype} scales (this module was not loaded)")
         if scale:
             why = quant.bad_scales(given.detach().float())
             if why:
@@ -664,6 +678,9 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
         held = "a buffer" if isinstance(layer._buffers.get("weight"), torch.Tensor) else "no tensor"
         return (f"its weight is {held}, not a parameter: quantize_ stores a layer's weight parameter in fp8; register "
                 "it as an nn.Parameter, or add the layer to ignored_layers")
+    why = foreign_tensor_reason(weight)
+    if why is not None:
+        return why
     if weight.dim() != 2:
         return (f"its weight is {weight.dim()}-D {list(weight.shape)}, not a linear's [out_features, in_features]; "
                 "add the layer to ignored_layers")
@@ -678,6 +695,19 @@ def skip_reason(layer: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]:
             "scales or add it to ignored_layers"
         )
     return None
+
+
+def foreign_tensor_reason(weight: torch.Tensor) -> Optional[str]:
+    """Why ``quantize_`` cannot read ``weight``, a parameter that is no plain tensor, or None: a tensor subclass of
+    another library (torchao's ``Float8Tensor``, ``AffineQuantizedTensor``: already quantized, its dtype still saying
+    bf16; ``DTensor``), which fp8fx's checks and casts cannot run on (they failed inside that library's dispatch,
+    naming no layer)."""
+    if type(weight) in (nn.Parameter, torch.Tensor):
+        return None
+    cls = type(weight)
+    return (f"its weight is a {cls.__module__}.{cls.__qualname__}, a tensor subclass of another library (quantized "
+            "or sharded by it), not a plain bf16/fp16/fp32 tensor; quantize_ the unquantized model instead, or add "
+            "the layer to ignored_layers")
 
 
 def check_no_in_place_rescale(model: nn.Module, where: str, undone: str) -> None:

@@ -12,6 +12,7 @@ import weakref
 from typing import Callable, Iterable, Mapping, Optional
 
 import torch
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
@@ -91,6 +92,11 @@ def quantize_(
         )
     modules = [(name, m) for name, m in modules if name not in done]
     check_no_in_place_rescale(model, "quantize_", "quantized")
+    lazy = next((name for name, m in modules if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()), None)
+    if lazy is not None:  # (torch's "Attempted to use an uninitialized parameter" came from fp8fx's checks otherwise)
+        raise ValueError(f"quantize_: {lazy or 'the model'} ({type(dict(modules)[lazy]).__name__}) is a lazy module "
+                         "whose weights are not initialized yet; run a forward with a batch first, which gives them "
+                         "their shapes and values, then quantize_ (nothing was quantized)")
     config = checked_ignores(config, model, prefix, "quantized")
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []
@@ -130,8 +136,10 @@ def quantize_(
                 f"{fqn}.weight is on the meta device: quantize_ needs the weights' values; build the model with "
                 "torch.device('meta') and fp8fx.load_checkpoint(model, path) instead (nothing was quantized)"
             )
-        if not torch.isfinite(w).all():
-            bad = (~torch.isfinite(w)).sum().item()
+        # (on a detached view: a parameter made under inference_mode is an inference tensor, on which an op with
+        # autograd recording it refuses to run; count_nonfinite also keeps the pass over a large weight chunked)
+        bad = count_nonfinite(w.detach())
+        if bad:
             raise ValueError(
                 f"{fqn}.weight has {bad} NaN/Inf values; fix the weights or add {fqn!r} to ignored_layers "
                 "(nothing was quantized)"
@@ -832,6 +840,10 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     last: dict[str, tuple[weakref.ref, int, Optional[int]]] = {}
 
     def record(fqn: str, x: torch.Tensor) -> None:
+        if not isinstance(x, torch.Tensor):  # (a numpy batch: the hook's own x.numel() failed, naming nothing)
+            raise TypeError(f"calibrate: batch {batch_no[0]} gave {fqn} a {type(x).__module__}.{type(x).__qualname__} "
+                            "input, not a torch.Tensor; give calibrate batches of tensors as the model takes them "
+                            "(torch.from_numpy(a) for a numpy array) (nothing was calibrated)")
         if x.numel() == 0:  # no rows this batch (an expert no token reached): nothing to measure
             return
         stamp = (batch_no[0], None if x.is_inference() else x._version)  # (inference tensors keep no version)

@@ -923,6 +923,14 @@ BAD = {
         r"^lm_head\.weight_scale \(float32 \[\] in model\.safetensors\) is a scale that no layer takes: "
         r"lm_head is not quantized \(in ignored_layers\)",
     ),
+    # a module the model has, which no fp8fx layer is (it said "the model has no module 'model.layers.0.norm'" and
+    # advised key_mapping=)
+    "extra scale on a norm": (
+        _case(lambda t, qc: t.update({"model.layers.0.norm.weight_scale": torch.tensor(1.0)})),
+        r"^model\.layers\.0\.norm\.weight_scale \(float32 \[\] in model\.safetensors\) is a scale that no layer "
+        r"takes: model\.layers\.0\.norm is a \w+, which takes no tensor named weight_scale \(fp8fx quantizes linear "
+        r"layers and experts, and no other module\): drop the tensor from the checkpoint",
+    ),
     "extra zero point": (
         _case(lambda t, qc: t.update({f"{DOWN}.weight_zero_point": torch.zeros(64, 1)}), "channel", ct=True),
         rf"^{DOWN}\.weight_zero_point .* has no place in {DOWN} \(quantized: w:per-channel a:per-token",

@@ -402,7 +402,9 @@ def test_bad_configs(capsys, llama_dir, tmp_path):
     bad.write_text(json.dumps({"quant_method": "fp8", "activation_scheme": "sometimes"}))
     code, _, err = run(capsys, "inspect", str(llama_dir), "--config", str(bad))
     assert code == 2
-    one_line_error(err, "bad config: config.json quantization_config (quant_method='fp8'): Unsupported activation scheme 'sometimes'")
+    # (the file passed is named: it blamed config.json, a file the user had not passed)
+    one_line_error(err, f"bad config: --config {bad} quantization_config (quant_method='fp8'): Unsupported activation "
+                        "scheme 'sometimes'")
     bad.write_text("{not json")
     code, _, err = run(capsys, "inspect", str(llama_dir), "--config", str(bad))
     assert code == 2

@@ -182,5 +182,12 @@ def test_parameters_take_gradients_as_before_quantize():
 
     llama = fp8fx.quantize_(tiny_llama())
     assert llama.dequantize(torch.float32) is llama and llama.model.layers[0].mlp.down_proj.weight.dtype == torch.float32
-    with pytest.raises(TypeError, match=r"dequantize\(dtype='bf16'\): a floating-point torch\.dtype"):
+    with pytest.raises(TypeError, match=r"dequantize\(dtype='bf16'\): a 16- or 32-bit floating-point torch\.dtype"):
         fp8fx.quantize_(tiny_llama()).dequantize("bf16")
+    # an 8-bit float is refused before any layer is dequantized (it dequantized them all, then cast the whole model,
+    # norms and embeddings too, to fp8)
+    llama = fp8fx.quantize_(tiny_llama())
+    with pytest.raises(TypeError, match=r"dequantize\(dtype=torch\.float8_e4m3fn\).*\(nothing was changed\)"):
+        llama.dequantize(torch.float8_e4m3fn)
+    assert type(llama.model.layers[0].mlp.down_proj).__name__ == "Fp8Linear"
+    assert llama.model.norm.weight.dtype == torch.bfloat16

@@ -1766,3 +1766,80 @@ def test_torch_jit_script_is_refused_naming_the_layer_and_trace_works(moe):
         x = torch.randn(3, 64, dtype=torch.bfloat16)
         traced = torch.jit.trace(model, (x,))
         assert "fp8fx::dequantize" in str(traced.inlined_graph) and torch.equal(traced(x), model(x))
+
+
+class _OtherLibraryTensor(torch.Tensor):
+    """A weight another library quantized (torchao's Float8Tensor): a wrapper subclass that says bf16 and implements
+    few ops (torchao's raised NotImplementedError for aten.abs inside quantize_'s NaN check, naming no layer)."""
+
+    @staticmethod
+    def __new__(cls, inner):
+        return torch.Tensor._make_wrapper_subclass(cls, inner.shape, dtype=inner.dtype, device=inner.device)
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default):
+            return cls(args[0].inner)
+        raise NotImplementedError(f"_OtherLibraryTensor dispatch: {func}")
+
+
+def test_weights_quantize_cannot_read_are_said_by_layer():
+    """A weight of another library's tensor subclass, a lazy module's uninitialized weight, and a parameter made
+    under torch.inference_mode: quantize_ failed inside torch or that library ("aten.abs", "Attempted to use an
+    uninitialized parameter", "abs(): functions with out=... arguments don't support automatic differentiation"),
+    naming no layer. The first is skipped with its reason (strict: refused, naming the layer), the second refused
+    before anything changes, the last one quantizes."""
+    model = _mlp()
+    model[2].weight = nn.Parameter(_OtherLibraryTensor(model[2].weight.detach()), requires_grad=False)
+    with pytest.raises(ValueError, match=r"^2: its weight is a tests\.unit\.test_weights\._OtherLibraryTensor, a "
+                                         r"tensor subclass of another library .*quantize_ the unquantized model"):
+        fp8fx.quantize_(model, strict=True)
+    assert not any(is_quantized(m) for m in model.modules())
+    fp8fx.quantize_(model)
+    assert is_quantized(model[0]) and not is_quantized(model[2])
+    assert model[2].weight._fp8fx_skip_reason.startswith("its weight is a tests.unit.test_weights._OtherLibraryTensor")
+
+    lazy = nn.Sequential(nn.LazyLinear(32), nn.ReLU(), nn.Linear(32, 16))
+    with pytest.raises(ValueError, match=r"^quantize_: 0 \(LazyLinear\) is a lazy module whose weights are not "
+                                         r"initialized yet; run a forward with a batch first"):
+        fp8fx.quantize_(lazy)
+    assert not any(is_quantized(m) for m in lazy.modules())
+    lazy(torch.randn(2, 8))
+    fp8fx.quantize_(lazy)
+    assert is_quantized(lazy[0]) and is_quantized(lazy[2])
+
+    with torch.inference_mode():
+        made = _mlp()
+    fp8fx.quantize_(made)  # (outside inference_mode)
+    assert all(is_quantized(made[i]) for i in (0, 2, 3))
+
+
+def test_assigned_scales_of_another_dtype_are_refused():
+    """load_state_dict(assign=True) of a state dict whose float32 tensors were halved put float16 scales into the
+    fp8 layers, silently (save_checkpoint then refused them, blaming a cast after quantize_); without assign their
+    values are copied into the float32 scales, as before."""
+    other = _mlp(seed=1)
+    fp8fx.quantize_(other)
+    sd = {k: (v.half() if v.dtype == torch.float32 else v) for k, v in other.state_dict().items()}
+    model = fp8fx.quantize_(_mlp())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(RuntimeError, match=r"0\.weight_scale: a torch\.float16 scale, where fp8fx's scales are "
+                                           r"torch\.float32; load_state_dict\(assign=True\) puts it in as it is"):
+        model.load_state_dict(sd, assign=True)
+    assert all(torch.equal(v.view(torch.uint8) if v.element_size() == 1 else v,
+                           before[k].view(torch.uint8) if v.element_size() == 1 else before[k])
+               for k, v in model.state_dict().items())
+    model.load_state_dict(sd)
+    assert model[0].weight_scale.dtype == torch.float32
+    assert torch.equal(model[0].weight_scale, sd["0.weight_scale"].float())
+
+
+def test_calibrate_refuses_a_batch_that_is_no_tensor():
+    """A numpy batch failed inside calibrate's own hook ("'numpy.ndarray' object has no attribute 'numel'")."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+    x = torch.randn(4, 16)
+    with pytest.raises(TypeError, match=r"^calibrate: batch 1 gave 0 a numpy\.ndarray input, not a torch\.Tensor"):
+        fp8fx.calibrate(model, [x, x.numpy()])
