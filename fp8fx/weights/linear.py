@@ -455,8 +455,8 @@ def fp8_load_from_state_dict(self, state_dict, prefix, *args) -> None:
 
 
 def _assigns(args: tuple) -> bool:
-    """Whether the load a ``_load_from_state_dict`` or its pre-hook (``args``: local_metadata, ...) serves puts the given
-    tensors in as they are (``load_state_dict(assign=True)``) instead of copying their values."""
+    """Whether the load a ``_load_from_state_dict`` or its pre-hook (``args``: local_metadata, ...) serves puts the
+    given tensors in as they are (``load_state_dict(assign=True)``) instead of copying their values."""
     return bool(args and isinstance(args[0], Mapping) and args[0].get("assign_to_params_buffers", False))
 
 
