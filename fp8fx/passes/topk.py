@@ -68,8 +68,9 @@ _DEFAULTS = {"dim": -1, "largest": True, "sorted": True}
 
 def _topk_args(node: fx.Node) -> dict | None:
     """torch.topk's arguments of ``node`` by name (defaults filled in), or None where ``node`` is no top-k."""
-    if not (node.op == "call_function" and node.target is torch.topk or node.op == "call_method"
-            and node.target == "topk"):
+    # (aten.topk: the graph of an exported program, compiled as the README's export route says)
+    if not (node.op == "call_function" and node.target in (torch.topk, torch.ops.aten.topk.default)
+            or node.op == "call_method" and node.target == "topk"):
         return None
     args = dict(zip(_PARAMS, node.args))
     for name, value in node.kwargs.items():

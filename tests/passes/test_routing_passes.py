@@ -89,6 +89,26 @@ def test_router_topks_rewritten_others_reported_with_their_reason():
                                                weight_shape=[5, 16], kernel="extern fp8fx.topk", node="topk")
 
 
+def test_an_exported_programs_topks_are_rewritten_and_reported():
+    """The README's export route (torch.compile of an exported program's module()): its graph holds aten.topk, which
+    the pass did not see, so report.topk had no row for an exported MoE's router (found by a probe of Mixtral)."""
+    torch.manual_seed(0)
+    model = Router().eval()
+    x, wide = inputs()
+    with torch.no_grad():
+        exported = torch.export.export(model, (x, wide)).module()
+        want = model(x, wide)
+    out, gm, report = capture(exported, x, wide)
+    for got, ref in zip(out[:5], want[:5]):
+        assert torch.equal(got, ref)
+    assert [n.args[1:] for n in gm.graph.nodes if n.target is torch.ops.fp8fx.topk.default] == [
+        (4, True), (2, True), (1, False), (2, True)]
+    assert [(s.rewritten, s.scheme or s.reason) for s in report.topk] == [
+        (True, "k=4 of 16"), (True, "k=2 of 4"), (True, "k=1 of 4 smallest"),
+        (False, "over dim 0 of a 2-d tensor (fp8fx.topk takes the last dim)"),
+        (False, "a row of 5000 elements (the kernel takes k-4096)"), (True, "k=2 of 16")]
+
+
 def test_disabled_pass_sees_nothing():
     model = Router().eval()
     _, gm, report = capture(model, *inputs(), enabled=False)
