@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import json
 import logging
+import math
 import os
 import re
 from typing import Any, Callable, Iterable, Mapping, Optional, Sequence, Union
@@ -730,9 +731,10 @@ class _Loader:
         for i, rows in enumerate(lin.sizes):
             # transformers' FP8Linear without blocks (FineGrainedFP8Config(weight_block_size=None), what its
             # save_pretrained writes): its one scale is named weight_scale_inv all the same, multiplied as a
-            # weight_scale is (_dequantize_fp8_weight); its static activation scale is activation_scale
+            # weight_scale is (_dequantize_fp8_weight), in any one-value shape (transformers 5.25 writes it [1, 1]);
+            # its static activation scale is activation_scale
             for theirs, ours in (("weight_scale_inv", "weight_scale"), ("activation_scale", "input_scale")):
-                one = (theirs, i) in todo and todo[(theirs, i)].shape in ((), (1,))
+                one = (theirs, i) in todo and math.prod(todo[(theirs, i)].shape) == 1
                 if one and (ours, i) not in todo and (ours == "input_scale" or isinstance(w, PerTensor)):
                     todo[(ours, i)] = todo.pop((theirs, i))
             if isinstance(w, PerBlock):

@@ -1688,7 +1688,14 @@ def test_transformers_per_tensor_layout_reads_as_vllms(tmp_path):
     ids = torch.randint(0, VOCAB, (2, 8))
     with torch.no_grad():
         assert rel_err(models["hf"](ids), float_reference(state, deq, ids)) < 0.08
-    blocks = {k: (v.reshape(1, 1) if k.endswith("weight_scale_inv") else v) for k, v in theirs.items()}
+    # transformers 5.25's save_pretrained writes the one scale [1, 1] (one block over the whole weight): the same
+    # per-tensor scale, which was refused as block scales, with a weight_block_size to add as the fix
+    square = {k: (v.reshape(1, 1) if k.endswith("weight_scale_inv") else v) for k, v in theirs.items()}
+    models["hf [1, 1]"] = meta_tiny()
+    load_checkpoint(models["hf [1, 1]"], write_checkpoint(tmp_path / "square", square, hf_qc), progress=False)
+    assert all(torch.equal(ours[k].float(), v.float()) for k, v in models["hf [1, 1]"].state_dict().items())
+    blocks = {k: (v.reshape(1, 1).expand(2, 2).contiguous() if k.endswith("weight_scale_inv") else v)
+              for k, v in theirs.items()}
     with pytest.raises(CheckpointError, match="block scales, where its quantization_config says per-tensor"):
         load_checkpoint(meta_tiny(), write_checkpoint(tmp_path / "blocks", blocks, hf_qc), progress=False)
 
