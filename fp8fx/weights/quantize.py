@@ -12,8 +12,8 @@ import weakref
 from typing import Callable, Iterable, Mapping, Optional
 
 import torch
-from torch.nn.modules.lazy import LazyModuleMixin
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
