@@ -752,7 +752,7 @@ def _(xq, x_scale, w1, s1, w3, s3, w2, s2, bias, x_block, w_block, h_block, w2_b
 
 # --- weight-only GEMM (GPUs without fp8 tensor cores) --------------------------------------
 def _weight_only_reference(x, wq, w_scale, bias, w_block):
-    y = quant.as_rows(x).float() @ quant.dequantize(wq, w_scale, w_block).t()
+    y = quant.float32_mm(quant.as_rows(x).float(), quant.dequantize(wq, w_scale, w_block).t())
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*x.shape[:-1], wq.shape[0])
@@ -897,7 +897,7 @@ def fused_moe_reference(
     inter = x.new_zeros((t * k, inter_size), dtype=torch.float32)  # [S, I]
     for e in experts:
         rows = (ids == e).nonzero().flatten()
-        g1 = xd[token[rows]] @ quant.dequantize(w13[e], s13[e], w_block).t()
+        g1 = quant.float32_mm(xd[token[rows]], quant.dequantize(w13[e], s13[e], w_block).t())
         if w13_bias is not None:
             g1 = g1 + w13_bias[e].float()
         inter[rows] = moe_activation(g1, interleaved, activation, swiglu_alpha, swiglu_limit, gated)
@@ -905,7 +905,7 @@ def fused_moe_reference(
     y = x.new_zeros((t * k, h), dtype=torch.float32)  # [S, H]
     for e in experts:
         rows = (ids == e).nonzero().flatten()
-        y[rows] = inter[rows] @ quant.dequantize(w2[e], s2[e], w_block).t()
+        y[rows] = quant.float32_mm(inter[rows], quant.dequantize(w2[e], s2[e], w_block).t())
         if w2_bias is not None:
             y[rows] += w2_bias[e].float()
     # pairs routed to no expert contribute nothing, whatever their weight (a NaN one too, as in the kernel)

@@ -179,10 +179,19 @@ def scaled_mm_reference(
     """
     x = dequantize(as_rows(xq), x_scale, x_block)
     w = dequantize(wq, w_scale, w_block)
-    y = x @ w.t()
+    y = float32_mm(x, w.t())
     if bias is not None:
         y = y + bias.float()
     return y.to(out_dtype).reshape(*xq.shape[:-1], wq.shape[0])
+
+
+def float32_mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of float32 tensors in float32 also under the caller's ``torch.autocast``, whose thread-local state
+    reaches into a custom op's implementation: it computed the references' products in bf16 (3e-3 off where the ops
+    promise float32 accumulation) and the MoE reference's into its float32 buffer failed ("Index put requires the
+    source and destination dtypes match")."""
+    with torch.autocast(a.device.type, enabled=False):
+        return a @ b
 
 
 def requantize_shards(

@@ -643,3 +643,29 @@ def test_a_quantized_model_set_requires_grad_backpropagates_to_its_input(compile
     want = (reference[0].weight.grad * model[0].weight.double()).sum(-1, keepdim=True) / model[0].weight_scale.double()
     assert scale_grad.shape == model[0].weight_scale.shape and rel_err(scale_grad.double(), want) < 0.05
     assert model[0]._parameters["weight"].grad is None  # (no gradient reaches fp8 codes)
+
+
+def test_reference_ops_compute_in_float32_under_autocast():
+    """The caller's torch.autocast reached into the ops' CPU implementations: scaled_mm and weight_only_mm computed
+    their products in bf16 (3e-3 off float32 math, which the ops promise), and fused_moe failed writing a bf16
+    product into its float32 buffer ("Index put requires the source and destination dtypes match"), so an fp8 MoE
+    model compiled with compiler="eager" failed under autocast."""
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(3, 128, generator=g), torch.randn(64, 128, generator=g)
+    xq, xs = quant.quantize(x, [1, -1])
+    wq, ws = quant.quantize(w, [1, -1])
+    wd = quant.dequantize(wq, ws, [1, -1], torch.float64)
+    want = quant.dequantize(xq, xs, [1, -1], torch.float64) @ wd.t()
+    q13, s13 = quant.quantize(torch.randn(4, 64, 64, generator=g) / 8, [1, -1])
+    q2, s2 = quant.quantize(torch.randn(4, 64, 32, generator=g) / 6, [1, -1])
+    xm, weights = torch.randn(3, 64, generator=g), torch.rand(3, 2, generator=g)
+    ids = torch.tensor([[0, 1], [2, 3], [1, 2]])
+    moe = (xm, weights, ids, q13, s13, q2, s2, [1, -1], [1, -1], torch.float32)
+    plain = torch.ops.fp8fx.fused_moe(*moe)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.ops.fp8fx.scaled_mm(xq, xs, wq, ws, None, [1, -1], [1, -1], torch.float32)
+        y_weight_only = torch.ops.fp8fx.weight_only_mm(x, wq, ws, None, [1, -1])
+        moe_out = torch.ops.fp8fx.fused_moe(*moe)
+    assert (y.double() - want).abs().max() / want.abs().max() < 1e-6
+    assert (y_weight_only.double() - x.double() @ wd.t()).abs().max() / want.abs().max() < 1e-6
+    assert torch.equal(moe_out, plain)
