@@ -838,6 +838,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     # pre-hook, then its F.linear in _WeightReads), measured once (each .item() a GPU sync); the same tensor again in
     # another batch (a loader that refills one buffer) or after an in-place write is measured again
     last: dict[str, tuple[weakref.ref, int, Optional[int]]] = {}
+    empty: set[str] = set()  # the layers given an input of no rows (0 tokens), which has nothing to measure
 
     def record(fqn: str, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):  # (a numpy batch: the hook's own x.numel() failed, naming nothing)
@@ -845,6 +846,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
                             "input, not a torch.Tensor; give calibrate batches of tensors as the model takes them "
                             "(torch.from_numpy(a) for a numpy array) (nothing was calibrated)")
         if x.numel() == 0:  # no rows this batch (an expert no token reached): nothing to measure
+            empty.add(fqn)
             return
         stamp = (batch_no[0], None if x.is_inference() else x._version)  # (inference tensors keep no version)
         if fqn in last and last[fqn][0]() is x and last[fqn][1:] == stamp:
@@ -888,6 +890,12 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
         )
     unseen = [fqn for fqn, m in modules if is_linear(m) and fqn not in amax]
     unseen += [name for fqn, m in experts for name in moe.input_scale_names(fqn, m) if name not in amax]
+    called = [fqn for fqn in unseen if fqn in empty]
+    if called:  # (it said "a branch the batches did not take" of a layer that was called on 0 rows)
+        log.warning("fp8fx: calibrate: %s were called on inputs of no rows only (no token reached them: an expert "
+                    "no token was routed to, or batches of 0 tokens), which give no amax, so they get no input scale; "
+                    "calibrate with batches whose tokens reach them, or add them to ignored_layers", _shown(called))
+    unseen = [fqn for fqn in unseen if fqn not in empty]
     if unseen:  # quantize_ will ask for their scales
         log.warning("fp8fx: calibrate: %s received no input during calibration (a branch the batches did not take, "
                     "or a layer whose weight is read in a spelling the linear pass does not take either), so they get "

@@ -1843,3 +1843,13 @@ def test_calibrate_refuses_a_batch_that_is_no_tensor():
     x = torch.randn(4, 16)
     with pytest.raises(TypeError, match=r"^calibrate: batch 1 gave 0 a numpy\.ndarray input, not a torch\.Tensor"):
         fp8fx.calibrate(model, [x, x.numpy()])
+
+
+def test_calibrate_says_a_layer_was_called_on_no_rows(caplog):
+    """A layer called on inputs of no rows only was said to have received no input at all ("a branch the batches did
+    not take, or a layer whose weight is read in a spelling the linear pass does not take")."""
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 8))
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        assert fp8fx.calibrate(model, [torch.zeros(0, 16)]) == {}
+    assert "['0', '2'] were called on inputs of no rows only (no token reached them" in caplog.text
+    assert "received no input" not in caplog.text
