@@ -85,10 +85,11 @@ class Site:
         return tuple(d if type(d) is int else -1 for d in shape) if shape is not None else ()
 
     @staticmethod
-    def saved_bytes(weight: Any, scale: Any) -> int:
-        """Bytes saved by storing ``weight`` (the high-precision view) as fp8 plus ``scale``."""
+    def saved_bytes(weight: Any, *scales: Any) -> int:
+        """Bytes saved by storing ``weight`` (the high-precision view) as fp8 plus ``scales`` (its weight scale, and a
+        static layer's input scale, which it stores too)."""
         n = weight.numel()
-        return int(n * weight.element_size() - n - scale.numel() * scale.element_size())
+        return int(n * weight.element_size() - n - sum(s.numel() * s.element_size() for s in scales))
 
 
 class Report:

@@ -42,6 +42,7 @@ from fp8fx.config import LayerScheme, granularity_from_block, weight_granularity
 from fp8fx.kernels import launch
 from fp8fx.lowerings import compat
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, input_path, may_record_grad, module_path, set_fake_value
+from fp8fx.passes.base import bytes_saved
 from fp8fx.report import NOT_QUANTIZED, ROOT, Site
 from fp8fx.weights.linear import is_conv1d_class
 
@@ -748,7 +749,7 @@ class LinearPass(Fp8Pass):
                 continue
             # read before the rewrite, which erases the weight's dequantize node
             details = dict(weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
-                           bytes_saved=Site.saved_bytes(fake_value(w), fake_value(w.args[1])),
+                           bytes_saved=bytes_saved(w),
                            weight_id=Site.token_of(ctx.example.get(w.args[0])))
             if weight_only:
                 scheme, new = self._rewrite_weight_only(graph, node, x, w, bias)

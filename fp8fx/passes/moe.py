@@ -64,7 +64,7 @@ import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block
 from fp8fx.passes.base import FLOAT_INPUTS, Fp8Pass, PassContext, attribute_path, fake_value, float_input_value
-from fp8fx.passes.base import may_record_grad, module_path, set_fake_value
+from fp8fx.passes.base import bytes_saved, may_record_grad, module_path, set_fake_value
 from fp8fx.passes.linear import lacks_fp8_tensor_cores
 from fp8fx.report import NOT_QUANTIZED, Site
 
@@ -1222,7 +1222,7 @@ class MoePass(Fp8Pass):
             fused = graph.call_function(torch.ops.fp8fx.fused_moe.default, args)
         set_fake_value(fused, torch.ops.fp8fx.fused_moe.default, args)
         fused.meta.update({k: v for k, v in out.meta.items() if k not in ("example_value", "val")})
-        saved = sum(Site.saved_bytes(fake_value(d), fake_value(d.args[1])) for d in (w13, w2))
+        saved = bytes_saved(w13) + bytes_saved(w2)
         out.replace_all_uses_with(fused, delete_user_cb=lambda user: user not in region)
         for node in reversed(site.region):
             graph.erase_node(node)
