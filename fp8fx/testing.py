@@ -34,6 +34,11 @@ def assert_rewritten(report: Union[Report, Fp8Backend], *patterns: str, model: O
         # a layer by its name in ``model`` and by the one quantize_ gave it, which its sites bear (the whole model's,
         # where ``model`` is a block of it: "layers.0.o" for the block's "o", which no pattern of the sites matched)
         params = dict(compat.compiled_module(model).named_parameters())
+        if not any(p.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) for p in params.values()):
+            # (nothing would tie the report to it: the sites checked were those of whatever the backend compiled)
+            raise AssertionError(
+                f"fp8fx: assert_rewritten(model=...) was given a {type(model).__name__} that holds no fp8 weight: "
+                "quantize_ it (or load_checkpoint an fp8 checkpoint into it) before compiling, or leave model= out")
         for name, _, dtype, cls in _report(report).unhandled_weights(model):
             names = {name.rpartition(".")[0], getattr(params.get(name), "_fp8fx_fqn", None)} - {None}
             if dtype.startswith("float8") and any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns or "*"):

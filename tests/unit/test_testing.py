@@ -139,6 +139,18 @@ def test_assert_rewritten_with_the_model_fails_on_fp8_layers_that_ran_uncompiled
             testing.assert_rewritten(backend, *patterns, model=model)
 
 
+def test_assert_rewritten_with_a_model_of_no_fp8_weight_fails():
+    """A model never quantized passed as ``model`` (a forgotten quantize_, the backend shared with a model compiled
+    before): nothing tied the report to it, and the sites of that other model passed the check."""
+    quantized = fp8fx.quantize_(nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16))
+    backend = eager_backend()
+    with torch.no_grad():
+        torch.compile(quantized, backend=backend)(torch.randn(3, 64, dtype=torch.bfloat16))
+    testing.assert_rewritten(backend, "0", model=quantized)
+    with pytest.raises(AssertionError, match=r"was given a Sequential that holds no fp8 weight: quantize_ it"):
+        testing.assert_rewritten(backend, "0", model=nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16))
+
+
 def test_assert_rewritten_with_a_compiled_block_names_its_layers_as_its_sites_do():
     """The whole model quantized, one block of it compiled and passed as ``model``: the sites bear the model's names
     ("blocks.0.0"), the unhandled weights the block's ("1.proj.weight"), so the site pattern matched none of them and
