@@ -25,7 +25,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -209,7 +209,8 @@ def load_meta_model(spec: str, dtype: torch.dtype, seq_len: Optional[int], input
                              "return (model, example_args) from the factory")
         call_args = (torch.zeros(_ints(input_shape, "--input-shape"), dtype=dtype, device="meta"),)
     call_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in call_args)
-    return model, call_args, {}, None
+    # (an HF model from a factory: its KV cache failed the trace, as the HF folder's did before it traced without one)
+    return model, call_args, _no_kv_cache(model), None
 
 
 def _transformers():
@@ -250,14 +251,21 @@ def _hf_model(path: Path, dtype: torch.dtype, seq_len: int):
             quant_config = read_config(str(folder)).get("quantization_config")
         except CheckpointError as e:
             raise UsageError(str(e)) from None
-    # no KV cache in the trace (its tensors are real meta ones, which the fake-tensor trace refuses): where forward
-    # names use_cache, or takes **kwargs and the config has one (GraniteMoE's)
-    params = pyinspect.signature(model.forward).parameters
-    takes = "use_cache" in params or (any(p.kind is p.VAR_KEYWORD for p in params.values())
-                                      and getattr(model.config, "use_cache", None) is not None)
-    kwargs = {"use_cache": False} if takes else {}
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-    return model.eval(), (ids,), kwargs, quant_config
+    return model.eval(), (ids,), _no_kv_cache(model), quant_config
+
+
+def _no_kv_cache(model: nn.Module) -> dict:
+    """The keyword arguments that keep a KV cache out of the trace of ``model`` (an HF model's real meta tensors,
+    which the fake-tensor trace refuses: "Please convert all Tensors to FakeTensors first"): use_cache=False where
+    forward names use_cache, or takes **kwargs and the config has one (GraniteMoE's)."""
+    try:
+        params = pyinspect.signature(model.forward).parameters
+    except (TypeError, ValueError):  # (a forward whose signature Python cannot read)
+        return {}
+    takes = "use_cache" in params or (any(p.kind is p.VAR_KEYWORD for p in params.values())
+                                      and getattr(getattr(model, "config", None), "use_cache", None) is not None)
+    return {"use_cache": False} if takes else {}
 
 
 @contextlib.contextmanager
@@ -322,6 +330,22 @@ def _ignore_hint(entry: str, names: Sequence[str]) -> str:
     except re.error:
         return ""
     return f" ('re:' patterns match from the start of a name: 're:.*{entry[3:]}' would match {found})" if found else ""
+
+
+class _LayerConfigs:
+    """``layer_config(fqn)``: a layer's config, or None where the quantization_config keeps it in high precision;
+    ``why_not(fqn)`` says why as ``load_checkpoint``'s report does (inspect said "kept in high precision by the
+    quantization_config (ignore / no matching group)" of a layer the load and the compile report call "in
+    ignored_layers")."""
+
+    def __init__(self, get: Callable[[str], Optional[Fp8Config]], ignored: Callable[[str], bool]):
+        self.get, self.ignored = get, ignored
+
+    def __call__(self, fqn: str) -> Optional[Fp8Config]:
+        return self.get(fqn)
+
+    def why_not(self, fqn: str) -> str:
+        return "in ignored_layers" if self.ignored(fqn) else "not targeted by quantization_config"
 
 
 def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
@@ -392,12 +416,14 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
         config = with_flags(fmt.config if fmt else Fp8Config())
         name = fmt.name if fmt else "none"
         if name != "compressed-tensors":  # (transformers' modules_to_not_convert, ModelOpt's exclude list)
-            return config, lambda fqn: None if fmt and fmt.skips(fqn) else config, name, ignores
+            return config, _LayerConfigs(lambda fqn: None if fmt and fmt.skips(fqn) else config,
+                                         lambda fqn: True), name, ignores
         groups = {id(c): with_flags(c) for _, c in fmt.groups}
         # (the header's: its ignore list, and the config of the first group, whose ignored_layers are none)
         config = dataclasses.replace(config, ignored_layers=tuple(fmt.ignore) + tuple(args.ignore or ()))
-        return (config, lambda fqn: (lambda c: None if c is None else groups[id(c)])(fmt.layer_config(fqn, ("Linear",))),
-                name, ignores)
+        return (config, _LayerConfigs(
+            lambda fqn: (lambda c: None if c is None else groups[id(c)])(fmt.layer_config(fqn, ("Linear",))),
+            lambda fqn: fmt.is_ignored(fqn, ("Linear",))), name, ignores)
     except ValueError as e:
         raise UsageError(f"bad config: {e}") from e
 
@@ -412,6 +438,7 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     except ValueError as e:
         raise UsageError(str(e)) from None
     given = layer_config or (lambda fqn: config)
+    why_not = getattr(given, "why_not", lambda fqn: "in ignored_layers")  # (a layer its config keeps as it is)
     widened: dict[Fp8Config, Fp8Config] = {}  # a config -> it with the other names of the modules it ignores
 
     def layer_config(fqn: str) -> Optional[Fp8Config]:  # (quantize_'s: ignoring_aliases)
@@ -452,7 +479,7 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
         module = modules.get(site.fqn)
         cfg = layer_config(site.fqn)
         if cfg is None:
-            reason = "kept in high precision by the quantization_config (ignore / no matching group)"
+            reason = why_not(site.fqn)
         elif is_linear(module):  # (nn.Linear, and transformers' Conv1D: GPT-2's)
             reason = decide(site.fqn, module, cfg)[0]
         elif site.fqn in decide.routers:  # a router that is no nn.Linear (transformers 5's MoE gates)
@@ -469,7 +496,7 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     for fqn, module in modules.items():  # experts: the MoE pass rewrites what quantize_ quantizes
         if moe.is_any_experts(module) and fqn not in seen:
             cfg = layer_config(fqn)
-            reason = ("kept in high precision by the quantization_config" if cfg is None
+            reason = (why_not(fqn) if cfg is None
                       # (an fp8 checkpoint's: load_checkpoint loads its experts as stored, ragged blocks too)
                       else ("in ignored_layers" if cfg.is_ignored(fqn) else None) if cfg.is_checkpoint_fp8_serialized
                       else moe.skip_reason(module, fqn, cfg))
@@ -520,12 +547,14 @@ def _name_weights(model: nn.Module, decide: LinearDecider) -> list[torch.Tensor]
 
 def _saved(shape: Sequence[int], element_size: int, config: Fp8Config) -> int:
     """Bytes saved by an [N, K] weight (or [E, N, K] experts, a scale set each) of ``element_size`` bytes stored as
-    fp8 with float32 scales."""
+    fp8 with float32 scales, and for static activations the float32 input scale the layer (or experts weight) holds,
+    as the compile report counts them."""
     if len(shape) not in (2, 3):
         return 0
     *experts, n, k = shape
     scales = quant.scale_shape((n, k), config.weight.block)
-    return math.prod(experts) * (n * k * element_size - n * k - 4 * scales[0] * scales[1])
+    static = 4 if config.activation_scheme == "static" else 0
+    return math.prod(experts) * (n * k * element_size - n * k - 4 * scales[0] * scales[1]) - static
 
 
 _UNTRACED = "in no traced graph (not called, or run uncompiled after a graph break)"

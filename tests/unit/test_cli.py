@@ -461,7 +461,7 @@ def test_modules_to_not_convert_is_read_as_transformers_reads_it(capsys, llama_d
     code, out, err = run(capsys, "inspect", str(llama_dir))
     assert code == 0, err
     rows = [line for line in out.splitlines() if "mlp.down_proj" in line]
-    assert len(rows) == 2 and all("kept in high precision by the quantization_config" in r for r in rows), out
+    assert len(rows) == 2 and all("not quantized: in ignored_layers" in r for r in rows), out
     assert any("up_proj" in line and "would be" in line for line in out.splitlines()), out
 
 
@@ -651,8 +651,10 @@ def test_inspect_reads_compressed_tensors_and_moe(capsys, tmp_path):
     sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
     q, o = sites["model.layers.0.self_attn.q_proj"], sites["model.layers.0.self_attn.o_proj"]
     assert q["would_rewrite"] and q["scheme"] == "w:per-tensor a:static per-tensor"
-    assert not o["would_rewrite"] and "kept in high precision by the quantization_config" in o["reason"]
-    assert not sites["lm_head"]["would_rewrite"]
+    # (as load_checkpoint's report and the compile report say it: it said "kept in high precision by the
+    # quantization_config (ignore / no matching group)")
+    assert not o["would_rewrite"] and o["reason"] == "in ignored_layers"
+    assert not sites["lm_head"]["would_rewrite"] and sites["lm_head"]["reason"] == "in ignored_layers"
     experts = sites["model.layers.0.mlp.experts"]
     assert experts["kind"] == "moe" and experts["weight_shape"] == [4, 128, 128]
     code, out, err = run(capsys, "inspect", str(tmp_path))  # the header said ignored_layers=[]
@@ -840,3 +842,25 @@ def test_inspect_refuses_a_model_quantize_refuses(capsys, tmp_path):
     code, out, err = run(capsys, "inspect", str(tmp_path))
     assert code == 0, err
     assert out.splitlines()[-1].startswith("15 of 15 linear sites would be rewritten"), out
+
+
+def test_inspect_factory_of_an_hf_causal_lm(capsys, tmp_path):
+    """A factory returning an HF causal LM and its input ids: its KV cache's meta tensors failed the fake-tensor
+    trace ("Please convert all Tensors to FakeTensors first"), where an HF folder traces without a cache; and with
+    static activations the bytes saved count each layer's float32 input scale, as the compile report does."""
+    path = tmp_path / "hf_factory.py"
+    path.write_text(textwrap.dedent("""
+        import torch, transformers
+        def make():
+            cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+            return transformers.LlamaForCausalLM(cfg), (torch.zeros(1, 8, dtype=torch.long),)
+    """))
+    code, out, err = run(capsys, "inspect", f"{path}:make", "--json")
+    assert code == 0, err
+    dynamic = json.loads(out)
+    assert sum(s["would_rewrite"] for s in dynamic["sites"]) == 15  # 7 a layer and the head
+    code, out, err = run(capsys, "inspect", f"{path}:make", "--json", "--activation-scheme", "static")
+    assert code == 0, err
+    static = {s["fqn"]: s["bytes_saved"] for s in json.loads(out)["sites"]}
+    assert all(static[s["fqn"]] == s["bytes_saved"] - 4 for s in dynamic["sites"] if s["would_rewrite"])
