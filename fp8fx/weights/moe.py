@@ -40,7 +40,7 @@ from fp8fx import quant
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
 from fp8fx.weights import chunked, views
 from fp8fx.weights.linear import check_codes_held, check_create_arguments, check_online, fp8_apply, fp8_delattr
-from fp8fx.weights.linear import fp8_load_from_state_dict
+from fp8fx.weights.linear import fp8_load_from_state_dict, foreign_tensor_reason
 from fp8fx.weights.linear import reduce_made_class, refuse_script, same_layout
 from fp8fx.weights.linear import setstate_made_class
 
@@ -314,6 +314,9 @@ def skip_reason(module: nn.Module, fqn: str, config: Fp8Config) -> Optional[str]
         return (f"act_fn={act!r}{python} is not SiLU, GELU (exact or tanh) or the squared ReLU: fp8fx.fused_moe "
                 f"computes {formula} with one of them")
     w13, w2 = module._parameters[w13_name(module)], module._parameters[W2]
+    why = foreign_tensor_reason(w13) or foreign_tensor_reason(w2)
+    if why is not None:  # (another library's tensor subclass failed in that library's dispatch, naming no module)
+        return why
     if w13.dtype not in quant.HIGH_PRECISION or w2.dtype not in quant.HIGH_PRECISION:
         return f"expert weight dtype {w13.dtype} is not bf16/fp16/fp32"
     if w13.dtype != w2.dtype:  # (the fp8 module dequantizes both to one dtype, w13's)

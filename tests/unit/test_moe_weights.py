@@ -1002,3 +1002,19 @@ def test_load_state_dict_with_assign_keeps_the_tags_the_passes_find_layers_by():
     model.load_state_dict({k: v.clone() for k, v in other.state_dict().items()}, assign=True)
     assert {n: carried_tags(p) for n, p in model.named_parameters()} == tags
     assert torch.equal(model.experts.gate_up_proj.view(torch.uint8), other.experts.gate_up_proj.view(torch.uint8))
+
+
+def test_experts_of_another_librarys_tensor_subclass_are_skipped_by_name():
+    """Experts whose weight another library holds as its tensor subclass (the dtype saying bf16): quantize_ failed
+    inside that library's dispatch ("aten.select.int"), naming no module. They are skipped with the reason, as
+    such a linear is, and strict=True refuses them, naming the module."""
+    from tests.unit.test_weights import _OtherLibraryTensor
+
+    block = Block().to(torch.bfloat16)
+    block.experts.gate_up_proj = nn.Parameter(_OtherLibraryTensor(block.experts.gate_up_proj.detach()),
+                                              requires_grad=False)
+    with pytest.raises(ValueError, match=r"^experts: its weight is a tests\.unit\.test_weights\._OtherLibraryTensor"):
+        fp8fx.quantize_(block, strict=True)
+    assert not any(fp8fx.weights.is_quantized(m) or is_quantized_experts(m) for m in block.modules())
+    fp8fx.quantize_(block)
+    assert fp8fx.weights.is_quantized(block.proj) and not is_quantized_experts(block.experts)
