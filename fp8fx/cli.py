@@ -210,7 +210,7 @@ def load_meta_model(spec: str, dtype: torch.dtype, seq_len: Optional[int], input
         call_args = (torch.zeros(_ints(input_shape, "--input-shape"), dtype=dtype, device="meta"),)
     call_args = tuple(a.to("meta") if isinstance(a, torch.Tensor) else a for a in call_args)
     # (an HF model from a factory: its KV cache failed the trace, as the HF folder's did before it traced without one)
-    return model, call_args, _no_kv_cache(model), None
+    return model, call_args, _no_kv_cache(model, call_args), None
 
 
 def _transformers():
@@ -255,16 +255,21 @@ def _hf_model(path: Path, dtype: torch.dtype, seq_len: int):
     return model.eval(), (ids,), _no_kv_cache(model), quant_config
 
 
-def _no_kv_cache(model: nn.Module) -> dict:
-    """The keyword arguments that keep a KV cache out of the trace of ``model`` (an HF model's real meta tensors,
-    which the fake-tensor trace refuses: "Please convert all Tensors to FakeTensors first"): use_cache=False where
-    forward names use_cache, or takes **kwargs and the config has one (GraniteMoE's)."""
+def _no_kv_cache(model: nn.Module, call_args: tuple = ()) -> dict:
+    """The keyword arguments that keep a KV cache out of the trace of ``model`` called with ``call_args`` (an HF
+    model's real meta tensors, which the fake-tensor trace refuses: "Please convert all Tensors to FakeTensors
+    first"): use_cache=False where forward names use_cache and the arguments leave it unset, or takes **kwargs and
+    the config has one (GraniteMoE's)."""
     try:
-        params = pyinspect.signature(model.forward).parameters
-    except (TypeError, ValueError):  # (a forward whose signature Python cannot read)
+        signature = pyinspect.signature(model.forward)
+        given = signature.bind_partial(*call_args).arguments
+    except (TypeError, ValueError):  # (a forward whose signature Python cannot read, or arguments it does not take)
         return {}
-    takes = "use_cache" in params or (any(p.kind is p.VAR_KEYWORD for p in params.values())
-                                      and getattr(getattr(model, "config", None), "use_cache", None) is not None)
+    params = signature.parameters
+    if "use_cache" in params:
+        return {} if "use_cache" in given else {"use_cache": False}
+    takes = any(p.kind is p.VAR_KEYWORD for p in params.values()) and getattr(
+        getattr(model, "config", None), "use_cache", None) is not None
     return {"use_cache": False} if takes else {}
 
 

@@ -864,3 +864,24 @@ def test_inspect_factory_of_an_hf_causal_lm(capsys, tmp_path):
     assert code == 0, err
     static = {s["fqn"]: s["bytes_saved"] for s in json.loads(out)["sites"]}
     assert all(static[s["fqn"]] == s["bytes_saved"] - 4 for s in dynamic["sites"] if s["would_rewrite"])
+
+
+def test_inspect_factory_whose_args_give_use_cache(capsys, tmp_path):
+    """A factory's example args that give use_cache themselves, by position: use_cache=False is not added again
+    ("got multiple values for argument 'use_cache'")."""
+    path = tmp_path / "own_cache.py"
+    path.write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+        class Decoder(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.proj = nn.Linear(64, 64)
+            def forward(self, x, use_cache=True):
+                return self.proj(x)
+        def make():
+            return Decoder(), (torch.zeros(4, 64), False)
+    """))
+    code, out, err = run(capsys, "inspect", f"{path}:make")
+    assert code == 0, err
+    assert "1 of 1 linear sites would be rewritten" in out, out
