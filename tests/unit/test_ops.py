@@ -669,3 +669,22 @@ def test_reference_ops_compute_in_float32_under_autocast():
     assert (y.double() - want).abs().max() / want.abs().max() < 1e-6
     assert (y_weight_only.double() - x.double() @ wd.t()).abs().max() / want.abs().max() < 1e-6
     assert torch.equal(moe_out, plain)
+
+
+@pytest.mark.parametrize("per_token", [True, False])
+def test_an_inf_activation_makes_the_rows_of_its_scale_nan(per_token):
+    """README: activations are not checked at run time; an Inf one makes its dynamic scale Inf, so the rows that
+    scale covers come out NaN (its token's row per token, every row per tensor), and the other rows are as before."""
+    torch.manual_seed(0)
+    config = fp8fx.Fp8Config() if per_token else fp8fx.Fp8Config(
+        weight_granularity=fp8fx.PerTensor(), activation_granularity=fp8fx.PerTensor())
+    model = fp8fx.quantize_(nn.Sequential(nn.Linear(64, 32)).to(torch.bfloat16), config)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    bad = x.clone()
+    bad[1, 5] = float("inf")
+    compiled = torch.compile(model, backend=fp8fx.Fp8Backend(compiler="eager"))
+    with torch.no_grad():
+        y, y_bad = compiled(x), compiled(bad)
+    assert y_bad.isnan().all(dim=1).tolist() == ([False, True, False] if per_token else [True] * 3)
+    if per_token:
+        assert torch.equal(y_bad[[0, 2]], y[[0, 2]])
