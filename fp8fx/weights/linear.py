@@ -77,6 +77,12 @@ def check_codes_held(module: nn.Module, name: str) -> None:
         raise RuntimeError(
             f"{getattr(module, '_fp8fx_prefix', '') or type(module).__name__}.{name}: its fp8 codes were removed "
             f"from the module: {_NO_PARAMETRIZATION} (this module lost its codes: quantize_ a fresh model)")
+    if module.__dict__.get("_fp8fx_processed") is False:  # (its view ran on codes and scales still loading: NaN)
+        raise RuntimeError(
+            f"{getattr(module, '_fp8fx_prefix', '') or type(module).__name__}.{name}: read before "
+            "process_weights_after_loading ran on this module, while its codes and scales may still be loading (a "
+            "scale not loaded yet is a marker, and per-tensor shards' scales are merged there); load every tensor, "
+            "then call the method's process_weights_after_loading(layer)")
 
 
 def fp8_delattr(self, name: str) -> None:
@@ -929,9 +935,19 @@ class Fp8LinearMethod:
             takes = [n for n in ("weight", "weight_scale", "weight_scale_inv", "input_scale") if n in layer._parameters]
             raise KeyError(f"{who}: no fp8fx parameter {name!r}; it takes {takes}")
         sizes = layer._fp8fx_partitions
-        if shard_id is not None and not (isinstance(shard_id, int) and 0 <= shard_id < len(sizes)):
-            raise ValueError(f"{who}.{name}: shard_id={shard_id!r}, but the layer's output partitions are "
-                             f"{list(sizes)}: pass 0..{len(sizes) - 1}, or None for the whole tensor")
+        given = shard_id
+        if shard_id is not None:  # any integer (numpy's, a 0-d tensor's) but a bool, which would index as 1 or 0
+            try:
+                shard_id = operator.index(shard_id) if not isinstance(shard_id, bool) else None
+            except TypeError:
+                shard_id = None
+            if shard_id is None or not 0 <= shard_id < len(sizes):
+                raise ValueError(f"{who}.{name}: shard_id={given!r}, but the layer's output partitions are "
+                                 f"{list(sizes)}: pass an int 0..{len(sizes) - 1}, or None for the whole tensor")
+        if layer._fp8fx_processed:  # (a scale then went into the one scale every shard shares; weights were refused)
+            raise ValueError(f"{who}.{name} (shard {shard_id}): process_weights_after_loading already ran on this "
+                             "layer, which merged its shards' scales; load every tensor before it (nothing was "
+                             "loaded)")
         online_weight = name == "weight" and not self.config.is_checkpoint_fp8_serialized
         if name != "weight":  # the kernels multiply by them: a 0, <0, NaN or Inf made the outputs zero or NaN
             why = quant.bad_scales(loaded.detach().float().reshape(loaded.shape or (1,)))
@@ -1097,20 +1113,27 @@ class Fp8LinearMethod:
                 if missing:
                     raise ValueError(f"{name}: {missing} of {params[scale_name].numel()} entries of {scale_name} "
                                      "were never loaded; load the checkpoint's scales with the weight")
-        if isinstance(self.scheme.weight, PerTensor):
-            scales = params["weight_scale"].data
-            if (scales == unloaded).any():
-                raise ValueError(f"{name}: weight_scale of a shard was never loaded: {scales.tolist()}")
-            if scales.numel() > 1:
-                q, s = quant.requantize_shards(params["weight"].data, list(scales), layer._fp8fx_partitions)
-                params["weight"] = nn.Parameter(q, requires_grad=False)
-                params["weight_scale"] = nn.Parameter(s, requires_grad=False)
+        # every check before any change (the weight's requantization ran before a missing input_scale was found:
+        # the layer was left half-processed, and a scale loaded after it replaced every shard's)
+        for scale_name in ("weight_scale", "input_scale") if isinstance(self.scheme.weight, PerTensor) else (
+                "input_scale",):
+            if scale_name not in params:
+                continue
+            scales = params[scale_name].data
+            shards = [i for i, v in enumerate(scales.reshape(-1).tolist()) if v == unloaded]
+            if shards:
+                raise ValueError(
+                    f"{name}: {scale_name} was never loaded for shard(s) {shards} (of output partitions "
+                    f"{list(layer._fp8fx_partitions)})"
+                    + ("; static activations need one per layer: load it from the checkpoint or pass input_scales= "
+                       "(see fp8fx.calibrate)" if scale_name == "input_scale" else "; load it from the checkpoint")
+                    + " (the layer is as it was)")
+        if isinstance(self.scheme.weight, PerTensor) and params["weight_scale"].numel() > 1:
+            q, s = quant.requantize_shards(params["weight"].data, list(params["weight_scale"].data),
+                                           layer._fp8fx_partitions)
+            params["weight"] = nn.Parameter(q, requires_grad=False)
+            params["weight_scale"] = nn.Parameter(s, requires_grad=False)
         if "input_scale" in params:
             scales = params["input_scale"].data
-            if (scales == unloaded).any():
-                raise ValueError(
-                    f"{name}: input_scale was never loaded ({scales.tolist()}); static activations need one "
-                    "per layer: load it from the checkpoint or pass input_scales= (see fp8fx.calibrate)"
-                )
             params["input_scale"] = nn.Parameter(quant.max_input_scale(list(scales)), requires_grad=False)
         layer._fp8fx_processed = True

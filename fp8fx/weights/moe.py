@@ -503,6 +503,10 @@ class Fp8MoEMethod:
         online = not self.config.is_checkpoint_fp8_serialized
         if online and name != base and not name.endswith("_input_scale"):
             raise ValueError(f"{prefix}.{name}: online quantization computes the scales; load only {base} (bf16)")
+        if layer._fp8fx_processed:  # (a scale's load failed in an IndexError, naming nothing)
+            raise ValueError(f"{prefix}.{name} (expert {expert_id}, shard {shard_id}): process_weights_after_loading "
+                             "already ran on these experts, which merged their scales; load every tensor before it "
+                             "(nothing was loaded)")
         arrival = (base, expert_id, None if shard_id == "w2" else shard_id)  # an expert's w2 is all of its w2
         earlier = self._overlap(layer, *arrival) if name == base else None
         if earlier is not None:
@@ -660,8 +664,14 @@ class Fp8MoEMethod:
                 )
             for name in (base + "_scale", base + "_scale_inv", base + "_input_scale"):
                 if name in params and (params[name].data == _UNLOADED).any():
-                    raise ValueError(f"{prefix}.{name} was never loaded (for some experts); load it from the "
-                                     "checkpoint")
+                    unloaded = params[name].data == _UNLOADED
+                    experts = unloaded.reshape(unloaded.shape[0], -1).any(dim=1).nonzero().flatten().tolist()
+                    shards = ""
+                    if name == w13 + "_scale" and unloaded.dim() == 2 and unloaded.shape[1] == 2:  # ([E, 2]: w1, w3)
+                        shards = " (shards " + ", ".join(f"{e}: {['w1', 'w3'][j]}" for e, j in unloaded.nonzero()
+                                                         .tolist()[:8]) + ")"
+                    raise ValueError(f"{prefix}.{name} was never loaded for experts {experts[:8]}"
+                                     f"{' ...' if len(experts) > 8 else ''}{shards}; load it from the checkpoint")
         if isinstance(self.scheme.weight, PerTensor) and params[w13 + "_scale"].dim() == 2:
             self._requantize_w13(layer)
         for base in (w13, W2):

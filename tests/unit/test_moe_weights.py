@@ -441,9 +441,25 @@ def test_process_before_every_expert_arrived_names_them():
             if (e, shard) != (0, "w1"):  # arrived above; a repeat is an error
                 method.weight_loader(layer, "w13_weight", q, shard, e)
         method.weight_loader(layer, "w2_weight", torch.zeros(H, I, dtype=torch.float8_e4m3fn), "w2", e)
-    with pytest.raises(ValueError, match=r"gate_up_proj_scale was never loaded"):
+    # the experts and shards whose scales are missing are named (it said "for some experts")
+    for e in range(E):
+        for j, shard in enumerate(("w1", "w3")):
+            if (e, shard) != (1, "w3"):
+                method.weight_loader(layer, "w13_weight_scale", torch.tensor(0.5), shard, e)
+    with pytest.raises(ValueError, match=r"gate_up_proj_scale was never loaded for experts \[1\] \(shards 1: w3\)"):
         method.process_weights_after_loading(layer)
     assert not layer._fp8fx_processed
+    with pytest.raises(RuntimeError, match=r"^model\.layers\.0\.mlp\.experts\.down_proj: read before "
+                                           r"process_weights_after_loading ran"):
+        layer.down_proj
+    method.weight_loader(layer, "w13_weight_scale", torch.tensor(0.5), "w3", 1)
+    for e in range(E):
+        method.weight_loader(layer, "w2_weight_scale", torch.tensor(0.5), "w2", e)
+    method.process_weights_after_loading(layer)
+    # no tensor loads after it (a scale's load failed in a bare IndexError)
+    with pytest.raises(ValueError, match=r"^model\.layers\.0\.mlp\.experts\.gate_up_proj_scale \(expert 0, shard "
+                                         r"w1\): process_weights_after_loading already ran"):
+        method.weight_loader(layer, "w13_weight_scale", torch.tensor(0.25), "w1", 0)
 
 
 @pytest.mark.parametrize(

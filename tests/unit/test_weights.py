@@ -806,7 +806,7 @@ def test_linear_loader_refuses_bad_input_before_changing_anything():
         before = state(layer)
         for shard in (2, -1, "q"):
             with pytest.raises(ValueError, match=rf"^{where}\.weight: shard_id={shard!r}, but the layer's output "
-                                                 r"partitions are \[16, 16\]: pass 0\.\.1, or None"):
+                                                 r"partitions are \[16, 16\]: pass an int 0\.\.1, or None"):
                 method.weight_loader(layer, "weight", torch.randn(16, 64).to(torch.float8_e4m3fn), shard)
         with pytest.raises(KeyError, match=rf"{where}: no fp8fx parameter 'weight_scale_inv'; it takes \['weight'"):
             method.weight_loader(layer, "weight_scale_inv", torch.ones(1))
@@ -1853,3 +1853,56 @@ def test_calibrate_says_a_layer_was_called_on_no_rows(caplog):
         assert fp8fx.calibrate(model, [torch.zeros(0, 16)]) == {}
     assert "['0', '2'] were called on inputs of no rows only (no token reached them" in caplog.text
     assert "received no input" not in caplog.text
+
+
+def _serialized_qkv(static=False):
+    layer = nn.Linear(64, 96, bias=False, device="meta")
+    method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=fp8fx.PerTensor(),
+                                       activation_scheme="static" if static else "dynamic"))
+    method.create_weights(layer, 64, [32, 32, 32], torch.float32, device="cpu", prefix="qkv_proj")
+    for i in range(3):
+        q, s = quant.quantize(torch.randn(32, 64) * (i + 1), [-1, -1])
+        method.weight_loader(layer, "weight", q, shard_id=i)
+        method.weight_loader(layer, "weight_scale", s, shard_id=i)
+    return layer, method
+
+
+def test_serialized_loads_as_vllms_loaders_drive_them():
+    """Fp8LinearMethod driven as vLLM's loaders drive it: shard ids of numpy and 0-d tensor ints are taken, a bool is
+    refused (True wrote shard 1); the layer is not read before process_weights_after_loading (it ran on scales still
+    loading: NaN); process_weights_after_loading checks every scale before it changes the layer (it requantized the
+    weight, then found an input_scale missing, and a scale loaded after that replaced every shard's); no tensor
+    loads after it (a per-shard scale replaced the merged one: 24% off)."""
+    import numpy as np
+
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96, bias=False, device="meta")
+    method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=fp8fx.PerTensor()))
+    method.create_weights(layer, 64, [32, 32, 32], torch.float32, device="cpu", prefix="qkv_proj")
+    q, s = quant.quantize(torch.randn(32, 64), [-1, -1])
+    method.weight_loader(layer, "weight_scale", s, shard_id=np.int64(2))
+    method.weight_loader(layer, "weight_scale", s, shard_id=torch.tensor(1))
+    assert layer.weight_scale[1:].tolist() == [s.item()] * 2
+    with pytest.raises(ValueError, match=r"^qkv_proj\.weight_scale: shard_id=True, but the layer's output partitions "
+                                         r"are \[32, 32, 32\]: pass an int 0\.\.2"):
+        method.weight_loader(layer, "weight_scale", s, shard_id=True)
+
+    layer, method = _serialized_qkv(static=True)
+    with pytest.raises(RuntimeError, match=r"^qkv_proj\.weight: read before process_weights_after_loading ran"):
+        layer(torch.randn(2, 64))
+    method.weight_loader(layer, "input_scale", torch.tensor([0.5]), shard_id=0)
+    before = {k: v.clone() for k, v in layer._parameters.items() if v is not None}
+    with pytest.raises(ValueError, match=r"^qkv_proj: input_scale was never loaded for shard\(s\) \[1, 2\] \(of "
+                                         r"output partitions \[32, 32, 32\]\).*\(the layer is as it was\)$"):
+        method.process_weights_after_loading(layer)
+    assert all(torch.equal(v.view(torch.uint8) if v.element_size() == 1 else v,
+                           before[k].view(torch.uint8) if v.element_size() == 1 else before[k])
+               for k, v in layer._parameters.items() if v is not None)
+    for i in (1, 2):
+        method.weight_loader(layer, "input_scale", torch.tensor([0.25]), shard_id=i)
+    method.process_weights_after_loading(layer)
+    merged = layer.weight_scale.clone()
+    with pytest.raises(ValueError, match=r"^qkv_proj\.weight_scale \(shard 0\): process_weights_after_loading "
+                                         r"already ran on this layer"):
+        method.weight_loader(layer, "weight_scale", torch.tensor([1.0]), shard_id=0)
+    assert torch.equal(layer.weight_scale, merged) and layer(torch.randn(2, 64)).isfinite().all()
