@@ -70,6 +70,15 @@ _NO_PARAMETRIZATION = ("an fp8 weight is codes and scales, which no parametrizat
                        "high-precision model, then quantize_ it")
 
 
+def _refuse_unprocessed(module: nn.Module, args: tuple) -> None:
+    """The forward pre-hook of a layer ``Fp8LinearMethod`` quantizes online, until its process_weights_after_loading:
+    the layer refuses to run on a weight still loading."""
+    raise RuntimeError(
+        f"{getattr(module, '_fp8fx_prefix', '') or type(module).__name__}: called before "
+        "process_weights_after_loading ran on it, while its weight is still loading (the shards loaded so far and "
+        "uninitialized memory); load every shard, then call the method's process_weights_after_loading(layer)")
+
+
 def check_codes_held(module: nn.Module, name: str) -> None:
     """Refuses a read of an fp8 module's ``name`` once its fp8 codes are gone from it (taken out of ``_parameters``
     by hand: ``fp8_delattr`` refuses ``del``), where the read failed with a bare KeyError."""
@@ -904,6 +913,9 @@ class Fp8LinearMethod:
             # Online: a high-precision receive buffer; fp8 params are made when it is full.
             layer._parameters["weight"] = param(torch.empty(n, k, dtype=params_dtype, device="meta"))
             layer._fp8fx_device = device
+            # until process_weights_after_loading the layer is the model's own over a receive buffer still filling
+            # (it ran on the shards loaded so far and uninitialized memory: outputs of 1e8, silently)
+            layer.__dict__["_fp8fx_pending"] = layer.register_forward_pre_hook(_refuse_unprocessed)
             return
         layer._parameters["weight"] = param(torch.empty(n, k, dtype=quant.FP8_DTYPE, device=device))
         # scales start at the "never loaded" marker: process_weights_after_loading refuses any left there
@@ -1136,4 +1148,7 @@ class Fp8LinearMethod:
         if "input_scale" in params:
             scales = params["input_scale"].data
             params["input_scale"] = nn.Parameter(quant.max_input_scale(list(scales)), requires_grad=False)
+        pending = layer.__dict__.pop("_fp8fx_pending", None)
+        if pending is not None:
+            pending.remove()
         layer._fp8fx_processed = True

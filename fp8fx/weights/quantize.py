@@ -300,8 +300,10 @@ class _Undo:
 
     @contextlib.contextmanager
     def layer(self, fqn: str, module: nn.Module):
+        # (the hook dict copied too: an online layer refuses to run until processed, a pre-hook the failed call added)
         cls, attrs = module.__class__, {**vars(module), "_parameters": dict(module._parameters),
-                                        "_buffers": dict(module._buffers)}
+                                        "_buffers": dict(module._buffers),
+                                        "_forward_pre_hooks": module._forward_pre_hooks.copy()}
         params = [(p, p.requires_grad, {k: v for k, v in vars(p).items() if k.startswith("_fp8fx_")})
                   for p in module._parameters.values() if p is not None]
         try:

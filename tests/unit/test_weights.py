@@ -1906,3 +1906,22 @@ def test_serialized_loads_as_vllms_loaders_drive_them():
                                          r"already ran on this layer"):
         method.weight_loader(layer, "weight_scale", torch.tensor([1.0]), shard_id=0)
     assert torch.equal(layer.weight_scale, merged) and layer(torch.randn(2, 64)).isfinite().all()
+
+
+def test_an_online_layer_refuses_to_run_until_processed():
+    """An online layer is the model's own nn.Linear over a receive buffer until its shards are all in: it ran on the
+    shards loaded so far and uninitialized memory (outputs of 1e8, silently)."""
+    torch.manual_seed(0)
+    layer = nn.Linear(64, 96, bias=False, device="meta")
+    method = Fp8LinearMethod(Fp8Config(weight_granularity=fp8fx.PerTensor()))
+    method.create_weights(layer, 64, [32, 32, 32], torch.float32, device="cpu", prefix="qkv_proj")
+    shards = [torch.randn(32, 64) for _ in range(3)]
+    method.weight_loader(layer, "weight", shards[0], shard_id=0)
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match=r"^qkv_proj: called before process_weights_after_loading ran on it"):
+        layer(x)
+    for i in (1, 2):
+        method.weight_loader(layer, "weight", shards[i], shard_id=i)
+    method.process_weights_after_loading(layer)
+    assert not layer._forward_pre_hooks
+    assert rel_err(layer(x), x @ torch.cat(shards).t()) < 0.1
