@@ -40,7 +40,7 @@ from fp8fx.weights.kv_cache import check_kv_scale_layout, getter_module, kv_cach
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight, target_classes
 from fp8fx.weights.linear import remember_trainable
-from fp8fx.weights.linear import check_no_in_place_rescale, kept_by_the_model
+from fp8fx.weights.linear import check_no_in_place_rescale, check_no_lazy_modules, kept_by_the_model
 from fp8fx.weights.moe import is_any_experts, is_quantized_experts
 from fp8fx.weights.quantize import check_ignored_layers, nothing_quantized
 
@@ -257,6 +257,7 @@ def load_checkpoint(
                          "submodule, whose names the checkpoint does not have (save_checkpoint writes them without "
                          "_orig_mod.); load into the model first, then compile its submodules")
     check_no_in_place_rescale(model, "load_checkpoint", "loaded")
+    check_no_lazy_modules(model, "load_checkpoint", "loaded")
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
     entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "load_checkpoint", entries), path)

@@ -27,6 +27,7 @@ from typing import Mapping, NoReturn, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.nn.modules.lazy import LazyModuleMixin
 from torch.nn.utils import parametrize, prune
 from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
@@ -723,6 +724,17 @@ def foreign_tensor_reason(weight: torch.Tensor) -> Optional[str]:
     return (f"its weight is a {cls.__module__}.{cls.__qualname__}, a tensor subclass of another library (quantized "
             "or sharded by it), not a plain bf16/fp16/fp32 tensor; quantize_ the unquantized model instead, or add "
             "the layer to ignored_layers")
+
+
+def check_no_lazy_modules(model: nn.Module, where: str, undone: str) -> None:
+    """Refuses a model holding a lazy module whose parameters are not initialized yet (``nn.LazyLinear`` before its
+    first forward): fp8fx's checks of its weight failed in torch's "Attempted to use an uninitialized parameter",
+    naming no module."""
+    for fqn, module in model.named_modules():
+        if isinstance(module, LazyModuleMixin) and module.has_uninitialized_params():
+            raise ValueError(f"{where}: {fqn or 'the model'} ({type(module).__name__}) is a lazy module whose weights "
+                             "are not initialized yet; run a forward with a batch first, which gives them their shapes "
+                             f"and values, then {where} (nothing was {undone})")
 
 
 def check_no_in_place_rescale(model: nn.Module, where: str, undone: str) -> None:

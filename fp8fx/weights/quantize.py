@@ -13,7 +13,6 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 from torch import nn
-from torch.nn.modules.lazy import LazyModuleMixin
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -25,7 +24,8 @@ from fp8fx.weights.chunked import count_nonfinite
 from fp8fx.weights.linear import Fp8LinearMethod, foreign_linear_reason, guard_casts, is_foreign_linear, is_quantized
 from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight
 from fp8fx.weights.linear import adapters, remember_trainable, skip_reason
-from fp8fx.weights.linear import MHA_OUT_PROJ, check_no_in_place_rescale, kept_by_the_model, weight_tensors
+from fp8fx.weights.linear import MHA_OUT_PROJ, check_no_in_place_rescale, check_no_lazy_modules, kept_by_the_model
+from fp8fx.weights.linear import weight_tensors
 
 log = logging.getLogger("fp8fx")
 
@@ -92,11 +92,7 @@ def quantize_(
         )
     modules = [(name, m) for name, m in modules if name not in done]
     check_no_in_place_rescale(model, "quantize_", "quantized")
-    lazy = next((name for name, m in modules if isinstance(m, LazyModuleMixin) and m.has_uninitialized_params()), None)
-    if lazy is not None:  # (torch's "Attempted to use an uninitialized parameter" came from fp8fx's checks otherwise)
-        raise ValueError(f"quantize_: {lazy or 'the model'} ({type(dict(modules)[lazy]).__name__}) is a lazy module "
-                         "whose weights are not initialized yet; run a forward with a batch first, which gives them "
-                         "their shapes and values, then quantize_ (nothing was quantized)")
+    check_no_lazy_modules(model, "quantize_", "quantized")
     config = checked_ignores(config, model, prefix, "quantized")
     plan: list[tuple[str, nn.Linear]] = []
     skipped: list[tuple[str, nn.Linear, str]] = []

@@ -1830,3 +1830,16 @@ def test_a_load_that_quantizes_nothing_warns_with_the_reasons(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="fp8fx"):
         assert load_checkpoint(meta_tiny(), path, progress=False).quantized
     assert "nothing in this" not in caplog.text
+
+
+def test_a_lazy_module_not_yet_initialized_is_refused(tmp_path):
+    """load_checkpoint into a model holding an nn.LazyLinear before its first forward failed in torch's "Attempted to
+    use an uninitialized parameter", naming no module; it is refused as quantize_ refuses it."""
+    torch.manual_seed(0)
+    fp8fx.save_checkpoint(fp8fx.quantize_(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8)).bfloat16()),
+                          tmp_path)
+    lazy = nn.Sequential(nn.LazyLinear(32, dtype=torch.bfloat16), nn.ReLU(), nn.Linear(32, 8, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"^load_checkpoint: 0 \(LazyLinear\) is a lazy module whose weights are not "
+                                         r"initialized yet; run a forward with a batch first.*\(nothing was loaded\)$"):
+        load_checkpoint(lazy, tmp_path, progress=False)
+    assert not is_quantized(lazy[2])
