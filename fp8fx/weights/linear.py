@@ -54,7 +54,7 @@ def _dequantized_weight(self) -> torch.Tensor:
     q = self._parameters["weight"]
     if q is not None and q.dtype != quant.FP8_DTYPE:  # (nn.Module.__setattr__ registers a new nn.Parameter over it)
         raise RuntimeError(
-            f"{getattr(self, '_fp8fx_prefix', '') or type(self).__name__}: its weight parameter was replaced by a "
+            f"{module_name(self)}: its weight parameter was replaced by a "
             f"{q.dtype} one{' on the meta device' if q.is_meta else ''}, where the fp8 layer holds {quant.FP8_DTYPE} "
             "codes and their scales, and it takes no high-precision weights: build the model with the new weights and "
             "quantize_ it. (accelerate's offload - cpu_offload, disk_offload, a device_map that offloads - and "
@@ -71,11 +71,27 @@ _NO_PARAMETRIZATION = ("an fp8 weight is codes and scales, which no parametrizat
                        "high-precision model, then quantize_ it")
 
 
+def as_index(value: object) -> Optional[int]:
+    """``value`` as an int index (Python's, numpy's, a 0-d integer tensor's), or None for anything else: a bool too,
+    which indexes as 1 or 0 (a mask: ``data[True] = q`` wrote every expert; shard_id=True wrote shard 1)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def module_name(module: nn.Module) -> str:
+    """How messages name an fp8fx module: the name quantize_ or create_weights gave it, else its class."""
+    return getattr(module, "_fp8fx_prefix", "") or type(module).__name__
+
+
 def _refuse_unprocessed(module: nn.Module, args: tuple) -> None:
     """The forward pre-hook of a layer ``Fp8LinearMethod`` quantizes online, until its process_weights_after_loading:
     the layer refuses to run on a weight still loading."""
     raise RuntimeError(
-        f"{getattr(module, '_fp8fx_prefix', '') or type(module).__name__}: called before "
+        f"{module_name(module)}: called before "
         "process_weights_after_loading ran on it, while its weight is still loading (the shards loaded so far and "
         "uninitialized memory); load every shard, then call the method's process_weights_after_loading(layer)")
 
@@ -85,11 +101,11 @@ def check_codes_held(module: nn.Module, name: str) -> None:
     by hand: ``fp8_delattr`` refuses ``del``), where the read failed with a bare KeyError."""
     if name not in module._parameters:
         raise RuntimeError(
-            f"{getattr(module, '_fp8fx_prefix', '') or type(module).__name__}.{name}: its fp8 codes were removed "
+            f"{module_name(module)}.{name}: its fp8 codes were removed "
             f"from the module: {_NO_PARAMETRIZATION} (this module lost its codes: quantize_ a fresh model)")
     if module.__dict__.get("_fp8fx_processed") is False:  # (its view ran on codes and scales still loading: NaN)
         raise RuntimeError(
-            f"{getattr(module, '_fp8fx_prefix', '') or type(module).__name__}.{name}: read before "
+            f"{module_name(module)}.{name}: read before "
             "process_weights_after_loading ran on this module, while its codes and scales may still be loading (a "
             "scale not loaded yet is a marker, and per-tensor shards' scales are merged there); load every tensor, "
             "then call the method's process_weights_after_loading(layer)")
@@ -103,7 +119,7 @@ def fp8_delattr(self, name: str) -> None:
     t = self._parameters.get(name)
     if t is not None and is_fp8_state(name, t):
         raise RuntimeError(
-            f"{getattr(self, '_fp8fx_prefix', '') or type(self).__name__}.{name} ({t.dtype}, {list(t.shape)}) holds "
+            f"{module_name(self)}.{name} ({t.dtype}, {list(t.shape)}) holds "
             "the fp8 layer's codes or their scales, which it is not run without, so they are not deleted (a "
             f"parametrization - torch.nn.utils.parametrize.register_parametrization, PEFT's target_parameters - "
             f"deletes the parameter it parametrizes): {_NO_PARAMETRIZATION} (nothing was changed)")
@@ -959,12 +975,8 @@ class Fp8LinearMethod:
             takes = [n for n in ("weight", "weight_scale", "weight_scale_inv", "input_scale") if n in layer._parameters]
             raise KeyError(f"{who}: no fp8fx parameter {name!r}; it takes {takes}")
         sizes = layer._fp8fx_partitions
-        given = shard_id
-        if shard_id is not None:  # any integer (numpy's, a 0-d tensor's) but a bool, which would index as 1 or 0
-            try:
-                shard_id = operator.index(shard_id) if not isinstance(shard_id, bool) else None
-            except TypeError:
-                shard_id = None
+        if shard_id is not None:
+            given, shard_id = shard_id, as_index(shard_id)
             if shard_id is None or not 0 <= shard_id < len(sizes):
                 raise ValueError(f"{who}.{name}: shard_id={given!r}, but the layer's output partitions are "
                                  f"{list(sizes)}: pass an int 0..{len(sizes) - 1}, or None for the whole tensor")
@@ -1129,30 +1141,30 @@ class Fp8LinearMethod:
         if self.config.is_checkpoint_fp8_serialized and layer._fp8fx_copied < params["weight"].numel():
             raise ValueError(f"{name}: weight received {layer._fp8fx_copied} of {params['weight'].numel()} elements; "
                              "load every shard before process_weights_after_loading")
-        for scale_name in ("weight_scale", "weight_scale_inv"):
-            per_tensor = isinstance(self.scheme.weight, PerTensor)  # checked below, shard by shard
-            # every size: a [1, 1] per-channel scale (a one-row head) or one block is as unloaded as a long one
-            if scale_name in params and not per_tensor:
-                missing = int((params[scale_name].data == unloaded).sum())
-                if missing:
-                    raise ValueError(f"{name}: {missing} of {params[scale_name].numel()} entries of {scale_name} "
-                                     "were never loaded; load the checkpoint's scales with the weight")
         # every check before any change (the weight's requantization ran before a missing input_scale was found:
         # the layer was left half-processed, and a scale loaded after it replaced every shard's)
-        for scale_name in ("weight_scale", "input_scale") if isinstance(self.scheme.weight, PerTensor) else (
-                "input_scale",):
+        per_tensor = isinstance(self.scheme.weight, PerTensor)
+        for scale_name in ("weight_scale", "weight_scale_inv", "input_scale"):
             if scale_name not in params:
                 continue
             scales = params[scale_name].data
-            shards = [i for i, v in enumerate(scales.reshape(-1).tolist()) if v == unloaded]
-            if shards:
-                raise ValueError(
-                    f"{name}: {scale_name} was never loaded for shard(s) {shards} (of output partitions "
-                    f"{list(layer._fp8fx_partitions)})"
-                    + ("; static activations need one per layer: load it from the checkpoint or pass input_scales= "
-                       "(see fp8fx.calibrate)" if scale_name == "input_scale" else "; load it from the checkpoint")
-                    + " (the layer is as it was)")
-        if isinstance(self.scheme.weight, PerTensor) and params["weight_scale"].numel() > 1:
+            if scale_name == "input_scale" or per_tensor:  # one per logical shard: named by shard
+                shards = [i for i, v in enumerate(scales.reshape(-1).tolist()) if v == unloaded]
+                if shards:
+                    raise ValueError(
+                        f"{name}: {scale_name} was never loaded for shard(s) {shards} (of output partitions "
+                        f"{list(layer._fp8fx_partitions)})"
+                        + ("; static activations need one per layer: load it from the checkpoint or pass "
+                           "input_scales= (see fp8fx.calibrate)" if scale_name == "input_scale" else
+                           "; load it from the checkpoint")
+                        + " (the layer is as it was)")
+                continue
+            # every size: a [1, 1] per-channel scale (a one-row head) or one block is as unloaded as a long one
+            missing = int((scales == unloaded).sum())
+            if missing:
+                raise ValueError(f"{name}: {missing} of {scales.numel()} entries of {scale_name} "
+                                 "were never loaded; load the checkpoint's scales with the weight")
+        if per_tensor and params["weight_scale"].numel() > 1:
             q, s = quant.requantize_shards(params["weight"].data, list(params["weight_scale"].data),
                                            layer._fp8fx_partitions)
             params["weight"] = nn.Parameter(q, requires_grad=False)

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import operator
 from typing import Optional
 
 import torch
@@ -40,7 +39,7 @@ from fp8fx import quant
 from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block
 from fp8fx.weights import chunked, views
 from fp8fx.weights.linear import check_codes_held, check_create_arguments, check_online, fp8_apply, fp8_delattr
-from fp8fx.weights.linear import fp8_load_from_state_dict, foreign_tensor_reason
+from fp8fx.weights.linear import as_index, fp8_load_from_state_dict, foreign_tensor_reason
 from fp8fx.weights.linear import reduce_made_class, refuse_script, same_layout
 from fp8fx.weights.linear import setstate_made_class
 
@@ -491,11 +490,7 @@ class Fp8MoEMethod:
                              "[2I, H]")
         experts = layer._parameters[name].shape[0]
         if expert_id is not None:  # an int (True is 1 and indexes as a mask: data[True] = q wrote every expert)
-            given = expert_id
-            try:
-                expert_id = operator.index(expert_id) if not isinstance(expert_id, bool) else None
-            except TypeError:
-                expert_id = None
+            given, expert_id = expert_id, as_index(expert_id)
             if expert_id is None:
                 raise ValueError(f"{prefix}.{name}: expert_id={given!r} is not an expert's index; pass an int")
         if expert_id is not None and not 0 <= expert_id < experts:
