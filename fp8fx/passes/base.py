@@ -175,13 +175,22 @@ def may_record_grad(graph: fx.Graph) -> bool:
     return torch.is_grad_enabled() or switches_grad_mode(graph)
 
 
+_DEQUANTIZE_PARAMS = ("q", "scale", "block", "dtype", "input_scale", "act_block")  # fp8fx.dequantize's, in order
+
+
+def dequant_args(node: fx.Node) -> list:
+    """The arguments of an ``fp8fx.dequantize`` node in its parameters' order (``_DEQUANTIZE_PARAMS``), positional or
+    keyword, None for those not given."""
+    return [node.kwargs[n] if n in node.kwargs else node.args[i] if len(node.args) > i else None
+            for i, n in enumerate(_DEQUANTIZE_PARAMS)]
+
+
 def bytes_saved(dequantized: fx.Node) -> int:
     """Bytes an fp8 weight saves, from the ``fp8fx.dequantize`` node that reads it: its high-precision view's bytes
     less its codes', its scale's and a static input scale's (the layer stores that one too: the report said 4 bytes
     a static layer more than its state_dict saves)."""
-    args = list(dequantized.args) + [None] * (5 - len(dequantized.args))
-    input_scale = dequantized.kwargs.get("input_scale", args[4])
-    stored = [fake_value(args[1])] + ([fake_value(input_scale)] if isinstance(input_scale, fx.Node) else [])
+    _, scale, _, _, input_scale, _ = dequant_args(dequantized)
+    stored = [fake_value(scale)] + ([fake_value(input_scale)] if isinstance(input_scale, fx.Node) else [])
     return Site.saved_bytes(fake_value(dequantized), *stored)
 
 

@@ -42,7 +42,7 @@ from fp8fx.config import LayerScheme, granularity_from_block, weight_granularity
 from fp8fx.kernels import launch
 from fp8fx.lowerings import compat
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, input_path, may_record_grad, module_path, set_fake_value
-from fp8fx.passes.base import bytes_saved
+from fp8fx.passes.base import bytes_saved, dequant_args
 from fp8fx.report import NOT_QUANTIZED, ROOT, Site
 from fp8fx.weights.linear import is_conv1d_class
 
@@ -950,9 +950,8 @@ class LinearPass(Fp8Pass):
 
     def _rewrite(self, graph: fx.Graph, node: fx.Node, x: fx.Node, w: fx.Node, bias,
                  quantized: dict) -> tuple[str, fx.Node]:
-        wq, w_scale, w_block, _dtype, input_scale, act_block = (list(w.args) + [None, None])[:6]
-        input_scale = w.kwargs.get("input_scale", input_scale)
-        act_block = w.kwargs.get("act_block", act_block) or [1, -1]
+        wq, w_scale, w_block, _dtype, input_scale, act_block = dequant_args(w)
+        act_block = act_block or [1, -1]
         out_dtype = fake_value(node).dtype  # what the linear returned (autocast may differ from x's)
         if input_scale is not None:
             act_block = [-1, -1]

@@ -64,7 +64,7 @@ import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block
 from fp8fx.passes.base import FLOAT_INPUTS, Fp8Pass, PassContext, attribute_path, fake_value, float_input_value
-from fp8fx.passes.base import bytes_saved, may_record_grad, module_path, set_fake_value
+from fp8fx.passes.base import bytes_saved, dequant_args, may_record_grad, module_path, set_fake_value
 from fp8fx.passes.linear import lacks_fp8_tensor_cores
 from fp8fx.report import NOT_QUANTIZED, Site
 
@@ -1203,7 +1203,7 @@ class MoePass(Fp8Pass):
     def _rewrite(self, graph: fx.Graph, site: _Site, operands: dict[str, fx.Node]) -> tuple[str, int, str]:
         out = operands["out"]
         w13, w2 = site.dequant["w13"], site.dequant["w2"]
-        (w13q, w13s, w_block, _, a13, act_block), (w2q, w2s, _, _, a2, _) = (_dequant_args(d) for d in (w13, w2))
+        (w13q, w13s, w_block, _, a13, act_block), (w2q, w2s, _, _, a2, _) = (dequant_args(d) for d in (w13, w2))
         act_block = act_block or [1, -1]
         if a13 is not None:
             act_block = [-1, -1]
@@ -1413,11 +1413,6 @@ def _scores(ops: tuple, values: torch.Tensor) -> torch.Tensor:
 def sum_over_k(y: torch.Tensor, k: int) -> torch.Tensor:
     """fused_moe's [T * K, H] outputs of ``router_weighted_rows``' rows, summed over each token's K experts."""
     return y.view(-1, k, y.shape[-1]).sum(1)
-
-
-def _dequant_args(node: fx.Node) -> list:
-    names = ("q", "scale", "block", "dtype", "input_scale", "act_block")
-    return [_arg(node, i, n) for i, n in enumerate(names)]
 
 
 def _order(graph: fx.Graph):
