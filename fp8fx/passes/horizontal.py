@@ -47,7 +47,7 @@ from torch import fx
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.config import granularity_from_block, weight_granularity_name
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
-from fp8fx.passes.linear import _may_alias, _mutates, _written, graph_inputs_memory
+from fp8fx.passes.linear import _layout, _may_alias, _mutates, _written, graph_inputs_memory
 from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
@@ -449,9 +449,10 @@ class HorizontalFusionPass(Fp8Pass):
 
     @staticmethod
     def _explain_reshaped(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
-        """GEMMs that read one tensor through different reshape nodes (``k_proj(x.view(-1, d))`` beside ``q_proj(x)``,
-        or two ``x.view(-1, d)``): the same rows, but other nodes, each quantized apart, and a fused GEMM reads one
-        quantized tensor. Each says so, where the reshape is what keeps them apart: GEMMs whose groups differ in more
+        """GEMMs that read one tensor through reshapes of other shapes (``k_proj(x.view(-1, d))`` beside ``q_proj(x)``):
+        the same rows, but other nodes, each quantized apart, and a fused GEMM reads one quantized tensor. (Nodes of
+        one layout - ``x.view(-1, d)`` beside ``x.flatten(0, 1)`` - share one quantization, the linear pass's, and
+        are fused.) Each says so, where the reshape is what keeps them apart: GEMMs whose groups differ in more
         than their input (another activation or weight block, output dtype, accumulation, a static scale beside
         dynamic ones) would not be fused reading one node either. (Fusing them would take the quantization of the
         tensor itself, reshaped, and each output slice reshaped back: not done.)"""
@@ -467,6 +468,17 @@ class HorizontalFusionPass(Fp8Pass):
             if len(sources) < 2:
                 continue
             for source, mine in sources.items():
+                layout = _layout(source)
+                alike = [n for s, ns in sources.items() if s is not source and layout and _layout(s) == layout
+                         for n in ns]
+                if alike:  # the same tensor read again (``_layout``) after a write: not the reshape's doing
+                    names = site_names(ctx, alike)
+                    verb = "reads" if len(alike) == 1 else "read"
+                    amend_sites(ctx, mine, f"not fused horizontally: {names} {verb} the same input, quantized apart "
+                                           "with an in-place write that may reach it in between" if len(mine) == 1
+                                else f"(not with {names}, which {verb} the same input, quantized apart with an "
+                                     "in-place write that may reach it in between)")
+                    continue
                 other_nodes = [n for s, ns in sources.items() if s is not source for n in ns]
                 others = site_names(ctx, other_nodes)
                 verb = "reads" if len(other_nodes) == 1 else "read"

@@ -586,6 +586,10 @@ _RETURNS_INPUT = {F.dropout, torch.dropout, F.alpha_dropout, torch.alpha_dropout
 _ALIAS_METHODS = frozenset({"contiguous", "to", "type", "type_as", "float", "half", "bfloat16", "detach", "view",
                             "view_as", "reshape"})
 _ALIAS_FUNCTIONS = (torch.detach, operator.getitem)
+# ops that may return a view of their first argument in another shape (``_layout``)
+_VIEW_METHODS = _ALIAS_METHODS | {"flatten", "unflatten", "squeeze", "unsqueeze", "reshape_as"}
+_VIEW_FUNCTIONS = (*_ALIAS_FUNCTIONS, torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.unflatten,
+                   torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten)
 
 
 # ops that read fp8 weights: a graph holding one (before or after the passes) is of a model quantize_ or
@@ -623,6 +627,30 @@ def _same_tensor(node: fx.Node) -> fx.Node:
             break
         node = src
     return start if node is start or _sets_storage(start.graph) else node
+
+
+def _layout(node: fx.Node) -> Optional[tuple]:
+    """What makes ``node``'s tensor the one tensor as another node's, where both are read at one point of the graph:
+    the node it is a view of (through reshapes and ``_same_tensor``'s ops, each returning a view of its input's
+    memory: a write into either reaches both) and its dtype, sizes, strides, offset and negative / conjugate bits
+    (sizes as their symbolic expressions: equal where they are the same expression). None where the fake values are
+    no guide: no tensor, no memory of its own, a graph that calls ``set_``."""
+    value = fake_value(node)
+    if not isinstance(value, torch.Tensor) or _sets_storage(node.graph) or (memory := _own_storage(value)) is None:
+        return None
+    root = node
+    while (root.op == "call_method" and root.target in _VIEW_METHODS or root.op == "call_function"
+           and root.target in _VIEW_FUNCTIONS) and root.args and isinstance(root.args[0], fx.Node):
+        base = fake_value(root.args[0])
+        if not isinstance(base, torch.Tensor) or _own_storage(base) != memory:
+            break  # (a reshape that copied)
+        root = root.args[0]
+
+    def exprs(sizes) -> tuple:
+        return tuple(s.node.expr if isinstance(s, torch.SymInt) else int(s) for s in sizes)
+
+    return (root, value.dtype, exprs(value.shape), exprs(value.stride()), exprs([value.storage_offset()]),
+            value.is_neg(), value.is_conj())
 
 
 def _own_storage(value: torch.Tensor) -> Optional[StorageWeakRef]:
@@ -911,6 +939,10 @@ class LinearPass(Fp8Pass):
         and shared by the later ones (through ``quantized``, one graph's cache)."""
         # (q_proj(x), k_proj(x.contiguous()): one quantization, so one fused GEMM; the first quantizes what it read)
         key = (_same_tensor(x), input_scale, tuple(act_block))
+        if key not in quantized and (layout := _layout(x)) is not None:
+            # another node of the same memory in the same layout (q_proj(x.flatten(0, 1)), k_proj(x.view(-1, d))):
+            # the same values, so the same quantization and, horizontally, one GEMM
+            key = next((k for k in quantized if k[1:] == key[1:] and _layout(k[0]) == layout), key)
         if key in quantized:
             return quantized[key]
         with graph.inserting_before(site):

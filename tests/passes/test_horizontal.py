@@ -290,12 +290,13 @@ def test_shards_reading_their_input_through_a_no_op_are_fused(read):
 
 class ReshapedQKV(BiasedQKV):
     def forward(self, x):
-        return self.q_proj(x.flatten(0, 1)), self.k_proj(x.view(-1, 64)), self.v_proj(x.view(-1, 64))
+        return self.q_proj(x.flatten(0, 1)), self.k_proj(x.view(-1, 64)), self.v_proj(x.reshape(6, 64))
 
 
-def test_shards_reading_their_input_through_reshapes_say_so():
-    """q_proj(x.flatten(0, 1)), k_proj(x.view(-1, 64)), v_proj(x.view(-1, 64)): three nodes of the one tensor's
-    rows, each quantized apart and left unfused, where the report said nothing of it."""
+def test_shards_reading_their_input_through_reshapes_of_one_layout_are_fused():
+    """q_proj(x.flatten(0, 1)), k_proj(x.view(-1, 64)), v_proj(x.reshape(6, 64)): three nodes of the one tensor in
+    one layout, each quantized apart and left unfused (the report said why). They share one quantization and one
+    GEMM."""
     torch.manual_seed(0)
     model = ReshapedQKV().to(torch.bfloat16)
     x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
@@ -304,16 +305,71 @@ def test_shards_reading_their_input_through_reshapes_say_so():
     fp8fx.quantize_(model)
     schemes, out = compile_fused(model, x)
     assert all(rel_err(a, b) < 0.05 for a, b in zip(out, want))
-    names = {"q_proj": ("k_proj,v_proj", "flatten"), "k_proj": ("q_proj,v_proj", "view"),
-             "v_proj": ("q_proj,k_proj", "view")}
-    for (site, _), scheme in schemes.items():
-        others, op = names[site]
-        assert re.search(rf"not fused horizontally: it reads \S+ reshaped \({op}(_\d+)?: \[6, 64\]\), where {others} "
-                         r"read it through another node", scheme), scheme
+    assert all(_fused(scheme, "q_proj,k_proj,v_proj") for scheme in schemes.values()), schemes
+
+
+class ReshapedKV(BiasedQKV):
+    def forward(self, x):
+        return self.q_proj(x), self.k_proj(x.view(-1, 64)), self.v_proj(x.flatten(0, 1))
+
+
+def test_shards_reading_their_input_through_reshapes_of_other_shapes_say_so():
+    """q_proj(x) beside k_proj(x.view(-1, 64)) and v_proj(x.flatten(0, 1)): k and v, one layout, are fused; q_proj
+    reads x in another shape, quantized apart, and the report says so."""
+    torch.manual_seed(0)
+    model = ReshapedKV().to(torch.bfloat16)
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = [y.double() for y in copy.deepcopy(model).double()(x.double())]
+    fp8fx.quantize_(model)
+    schemes, out = compile_fused(model, x)
+    assert all(rel_err(a.reshape(b.shape), b) < 0.05 for a, b in zip(out, want))
+    assert re.search(r"not fused horizontally: it reads \S+ as it is, where k_proj,v_proj read it through another "
+                     r"node", schemes[("q_proj", 0)]), schemes
+    for site in ("k_proj", "v_proj"):
+        scheme = next(s for (f, _), s in schemes.items() if f == site)
+        assert "w:per-channel a:per-token fused(k_proj,v_proj) (not with" in scheme, schemes
+        assert re.search(r"\(not with q_proj, which reads \S+ through another reshape node\)", scheme), schemes
+
+
+class WrittenBetweenReshapes(BiasedQKV):
+    def __init__(self, copies: bool):
+        super().__init__()
+        self.copies = copies
+
+    def forward(self, x):
+        h = x * 1.0
+        if self.copies:  # (not contiguous: each reshape copies)
+            h = h.transpose(0, 1)
+        k = self.k_proj(h.reshape(-1, 64))
+        h.mul_(2)
+        return self.q_proj(h.reshape(-1, 64)), k, self.v_proj(h.reshape(-1, 64))
+
+
+@pytest.mark.parametrize("copies", [False, True], ids=["views", "copies"])
+def test_reshapes_of_one_layout_do_not_share_a_quantization_across_a_write(copies):
+    """k_proj(h.reshape(-1, 64)), h.mul_(2), then q_proj and v_proj of h.reshape(-1, 64) again: the reshapes after
+    the write read other values, so they quantize h again, whether the reshapes are views of h or copies."""
+    torch.manual_seed(0)
+    model = WrittenBetweenReshapes(copies).to(torch.bfloat16)
+    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = [y.double() for y in copy.deepcopy(model).double()(x.double())]
+    fp8fx.quantize_(model)
+    schemes, out = compile_fused(model, x)
+    assert all(rel_err(a, b) < 0.05 for a, b in zip(out, want)), [rel_err(a, b) for a, b in zip(out, want)]
+    schemes = {fqn: scheme for (fqn, _), scheme in schemes.items()}
+    if copies:  # (each its own node, quantized apart)
+        return
+    assert schemes["k_proj"].endswith("not fused horizontally: q_proj,v_proj read the same input, quantized apart "
+                                      "with an in-place write that may reach it in between"), schemes
+    for site in ("q_proj", "v_proj"):
+        assert schemes[site].endswith("fused(q_proj,v_proj) (not with k_proj, which reads the same input, quantized "
+                                      "apart with an in-place write that may reach it in between)"), schemes
 
 
 def test_a_reshape_is_not_blamed_where_the_schemes_differ_too():
-    """q_proj in 1x128 groups beside k_proj and v_proj per token, k_proj reading x.view: the report said the reshape
+    """q_proj in 1x128 groups beside k_proj and v_proj per token, k_proj reading x.view(-1, 128): the report said the reshape
     kept k_proj from q_proj, which reading x itself it would not have joined either."""
     class Wide(torch.nn.Module):
         def __init__(self):
@@ -321,7 +377,7 @@ def test_a_reshape_is_not_blamed_where_the_schemes_differ_too():
             self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(128, 128) for _ in range(3))
 
         def forward(self, x):
-            return self.q_proj(x), self.k_proj(x.view(-1, 128)), self.v_proj(x.view(-1, 128))
+            return self.q_proj(x), self.k_proj(x.view(-1, 128)), self.v_proj(x)
 
     torch.manual_seed(0)
     model = Wide().to(torch.bfloat16)
