@@ -970,6 +970,11 @@ class Fp8LinearMethod:
         not bf16/fp16/fp32 or holds NaN/Inf or values the layer's dtype cannot hold - the pass over the weight skipped
         with ``values_checked``, where the caller's own pass did it (``quantize_``, ``load_checkpoint``)."""
         who = layer._fp8fx_prefix
+        if name in ("weight_scale", "weight_scale_inv") and not self.config.is_checkpoint_fp8_serialized:
+            # (after the last shard the parameter exists, computed: a load had replaced it, silently)
+            raise ValueError(f"{who}.{name} (shard {shard_id}): online quantization computes the weight's scales; "
+                             "load only the bf16 weight (and an input_scale), or fp8 weights with their scales with "
+                             "Fp8Config(is_checkpoint_fp8_serialized=True) (nothing was loaded)")
         target = layer._parameters.get(name)
         if target is None:
             takes = [n for n in ("weight", "weight_scale", "weight_scale_inv", "input_scale") if n in layer._parameters]

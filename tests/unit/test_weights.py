@@ -675,6 +675,30 @@ def test_online_shard_loaded_twice_is_an_error():
     assert layer._parameters["weight"].dtype == torch.bfloat16  # not quantized
 
 
+@pytest.mark.parametrize("granularity", [fp8fx.PerTensor(), fp8fx.PerRow(), fp8fx.PerBlock(128, 128)])
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_online_layer_refuses_a_weight_scale(granularity, when):
+    """Online, the weight's scale is computed when its last element arrives; a weight_scale loaded after that (a
+    stray checkpoint tensor) replaced it, silently, and the weight read back 100x too large. Before it, the layer
+    named no such parameter."""
+    method = Fp8LinearMethod(Fp8Config(weight_granularity=granularity))
+    layer = nn.Linear(128, 64, bias=False, device="meta")
+    method.create_weights(layer, 128, [64], torch.bfloat16, device="cpu", prefix="l")
+    w = torch.randn(64, 128, dtype=torch.bfloat16)
+    if when == "after":
+        method.weight_loader(layer, "weight", w)
+    before = {k: v.clone() for k, v in layer.state_dict().items() if not v.is_meta}
+    name = "weight_scale_inv" if isinstance(granularity, fp8fx.PerBlock) else "weight_scale"
+    with pytest.raises(ValueError, match=rf"l\.{name} \(shard None\): online quantization computes the weight's "
+                                         "scales"):
+        method.weight_loader(layer, name, torch.full((64, 1), 100.0))
+    after = {k: v for k, v in layer.state_dict().items() if not v.is_meta}
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    if when == "after":
+        method.process_weights_after_loading(layer)
+        assert rel_err(layer.weight.float(), w.float()) < 0.05
+
+
 @pytest.mark.parametrize("device", [None, "cpu"])  # None: the whole bf16 weight copied, "cpu": adopted as it is
 @pytest.mark.parametrize("serialized", [False, True])
 def test_whole_weight_loaded_twice_is_an_error_and_changes_nothing(device, serialized):
@@ -808,7 +832,9 @@ def test_linear_loader_refuses_bad_input_before_changing_anything():
             with pytest.raises(ValueError, match=rf"^{where}\.weight: shard_id={shard!r}, but the layer's output "
                                                  r"partitions are \[16, 16\]: pass an int 0\.\.1, or None"):
                 method.weight_loader(layer, "weight", torch.randn(16, 64).to(torch.float8_e4m3fn), shard)
-        with pytest.raises(KeyError, match=rf"{where}: no fp8fx parameter 'weight_scale_inv'; it takes \['weight'"):
+        expected = ((KeyError, rf"{where}: no fp8fx parameter 'weight_scale_inv'; it takes \['weight'") if config is static
+                    else (ValueError, rf"{where}\.weight_scale_inv \(shard None\): online quantization computes"))
+        with pytest.raises(expected[0], match=expected[1]):
             method.weight_loader(layer, "weight_scale_inv", torch.ones(1))
         # a shard of the wrong shape, a whole weight too large: the receive buffer replaced the meta weight first
         wq = (lambda t: t.to(torch.float8_e4m3fn)) if config is static else (lambda t: t.to(torch.bfloat16))
