@@ -832,8 +832,9 @@ def test_linear_loader_refuses_bad_input_before_changing_anything():
             with pytest.raises(ValueError, match=rf"^{where}\.weight: shard_id={shard!r}, but the layer's output "
                                                  r"partitions are \[16, 16\]: pass an int 0\.\.1, or None"):
                 method.weight_loader(layer, "weight", torch.randn(16, 64).to(torch.float8_e4m3fn), shard)
-        expected = ((KeyError, rf"{where}: no fp8fx parameter 'weight_scale_inv'; it takes \['weight'") if config is static
-                    else (ValueError, rf"{where}\.weight_scale_inv \(shard None\): online quantization computes"))
+        expected = ((KeyError, rf"{where}: no fp8fx parameter 'weight_scale_inv'; it takes \['weight'")
+                    if config is static else
+                    (ValueError, rf"{where}\.weight_scale_inv \(shard None\): online quantization computes"))
         with pytest.raises(expected[0], match=expected[1]):
             method.weight_loader(layer, "weight_scale_inv", torch.ones(1))
         # a shard of the wrong shape, a whole weight too large: the receive buffer replaced the meta weight first
