@@ -250,7 +250,7 @@ class ExpertsLoader:
                     "keep one naming"
                 )
             ex.naming = naming
-            if leaf not in LEAF:
+            if leaf not in LEAF and leaf != "activation_scale":  # (transformers' input_scale: _plan_scales)
                 raise CheckpointError(f"{entry}: an expert takes {sorted(LEAF)}, not {leaf!r}; wrong checkpoint")
             key = (e, SHARD[proj], leaf)
             if key in ex.per_expert:  # experts.1. and experts.01.: one would be read, the other dropped silently
@@ -385,6 +385,14 @@ class ExpertsLoader:
             return key(leaf) in todo
 
         w, (rows, cols) = scheme.weight, shape
+        # transformers' names for scales that are not blocks' (as load.py's _plan_scales reads them for linears): a
+        # per-tensor weight_scale_inv, multiplied as a weight_scale is, and the static activation_scale
+        renames = [("weight_scale_inv", "weight_scale")] if isinstance(w, PerTensor) else []
+        if e is not None:  # (an expert's own tensors: a fused tensor's names have no activation_scale)
+            renames.append(("activation_scale", "input_scale"))
+        for theirs, ours in renames:
+            if has(theirs) and not has(ours):
+                todo[key(ours)] = todo.pop(key(theirs))
         fused = e is None
         base, shard = (where, None) if fused else (ex.base(where), where)
         lead = (ex.shape[0],) if fused else ()

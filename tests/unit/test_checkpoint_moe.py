@@ -98,6 +98,29 @@ def write_moe(path, cfg, tensors, qc, shards=2):
 
 
 # --- layouts ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("static", [False, True], ids=["dynamic", "static"])
+def test_per_expert_per_tensor_scales_under_transformers_names(tmp_path, static):
+    """transformers' per-tensor fp8 names (a one-value weight_scale_inv, activation_scale) loaded into linear layers
+    but not into per-expert MoE projections: "experts.0.gate_proj.weight_scale is missing", or "an expert takes [...]
+    not 'activation_scale'". Read as vLLM's names are, they load the same tensors."""
+    cfg = moe_config("qwen3")
+    tensors, qc, _ = moe_checkpoint(reference_model(cfg).state_dict(), "tensor", static=static)
+    theirs = {k.replace(".weight_scale", ".weight_scale_inv").replace(".input_scale", ".activation_scale"): v
+              for k, v in tensors.items()}
+    assert any(".0.gate_proj.weight_scale_inv" in k for k in theirs)
+    assert static == any(".0.gate_proj.activation_scale" in k for k in theirs)
+    models = []
+    for name, checkpoint in (("vllm", tensors), ("transformers", theirs)):
+        path = write_moe(tmp_path / name, cfg, checkpoint, qc)
+        models.append(meta_model(path))
+        load_checkpoint(models[-1], path, progress=False)
+    assert is_quantized_experts(models[1].get_submodule(EXPERTS))
+    ours, loaded = (m.state_dict() for m in models)
+    assert ours.keys() == loaded.keys()
+    assert all(torch.equal(ours[k].view(torch.uint8) if ours[k].dtype == FP8 else ours[k],
+                           loaded[k].view(torch.uint8) if loaded[k].dtype == FP8 else loaded[k]) for k in ours)
+
+
 @pytest.mark.parametrize("granularity,naming,ct", [
     ("tensor", "mixtral", False), ("channel", "hf", True), ("block", "hf", False), ("block", "mixtral", True),
 ])
