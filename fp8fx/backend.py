@@ -376,6 +376,9 @@ class Fp8Backend:
 
     def _done(self, compiled, index: int, dump: Optional[GraphDump], output_code: list[str], shared=()):
         self.report.log_graph(index)
+        frame = compat.frame_graphs()
+        if frame is not None and frame[1] >= frame[2]:  # Dynamo's last graph for the frame
+            self.report.at_recompile_limit(index, *frame)
         if dump:
             dump.finish(self.report, output_code)
         frame = bool(self.report.frame_weights.get(index))  # (a module's frame, or a model's graph another runs)

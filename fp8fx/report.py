@@ -102,6 +102,8 @@ class Report:
         self.graphs = 0
         self.kernels: dict[int, list[str]] = {}  # graph index -> names of the kernels Inductor generated
         self.failed: dict[int, str] = {}  # graph index -> why it did not compile (its sites, if any, say it too)
+        # graph index -> what it means that Dynamo compiled no more graphs for its frame (``at_recompile_limit``)
+        self.limits: dict[int, str] = {}
         # graph index -> the module whose forward it traced, where that is not the compiled model (a block's forward
         # after a graph break in it): Dynamo runs the graph's code again for the other modules of that class it
         # meets, with their weights, without a new graph; the backend watches the weights it is called with
@@ -139,6 +141,18 @@ class Report:
         self.topk = [dataclasses.replace(s, rewritten=False, reason=reason, scheme="", kernel="")
                      if s.graph == graph and s.rewritten else s for s in self.topk]
 
+    def at_recompile_limit(self, graph: int, compile_id: str, graphs: int, limit: int) -> None:
+        """Graph ``graph`` is the ``limit``-th Dynamo compiled for its frame: a call that needs one more runs the
+        frame uncompiled, and no graph, so no row of this report, says so (Dynamo warns once, naming no layer).
+        Said in the log, the table and ``to_dict``, while every site of the graphs compiled stays as it is."""
+        self.limits[graph] = (
+            f"graph {graph} (Dynamo's compile id {compile_id}) is graph {graphs} of its frame, which is "
+            f"torch._dynamo.config.recompile_limit ({limit}): a call that needs another graph (a new shape, compiled "
+            "with dynamic=False) runs the frame uncompiled, in high precision on the dequantized weights, with no fp8 "
+            "GEMM; compile with dynamic=None, mark the dim that varies dynamic (torch._dynamo.mark_dynamic), or raise "
+            "the limit")
+        log.warning("fp8fx: %s", self.limits[graph])
+
     def discard_graph(self, graph: int) -> None:
         """Forget graph ``graph``, the last one begun: Dynamo discarded that attempt and traces the frame again, and
         the graph of the new attempt takes its index. Its sites, kernels and failure go; lines already logged about
@@ -147,6 +161,7 @@ class Report:
         self.topk = [s for s in self.topk if s.graph != graph]
         self.kernels.pop(graph, None)
         self.failed.pop(graph, None)
+        self.limits.pop(graph, None)
         self.frames.pop(graph, None)
         self.frame_weights.pop(graph, None)
         if self.graphs == graph + 1:  # the passes counted it (the attempt may have ended before they ran)
@@ -321,7 +336,9 @@ class Report:
                 "kernels": sum(len(k) for k in kernels.values()),
             },
             "graphs": [{"index": g, "kernels": k, **({"failed": self.failed[g]} if g in self.failed else {}),
-                        **({"frame": self.frames[g]} if g in self.frames else {})} for g, k in kernels.items()],
+                        **({"frame": self.frames[g]} if g in self.frames else {}),
+                        **({"recompile_limit": self.limits[g]} if g in self.limits else {})}
+                       for g, k in kernels.items()],
             "sites": [_plain({k: v for k, v in dataclasses.asdict(s).items() if k != "weight_id"}) for s in sites],
             "topk": [_plain({k: v for k, v in dataclasses.asdict(s).items() if k in _TOPK_KEYS})
                      for s in self.topk if graph in (None, s.graph)],
@@ -353,6 +370,7 @@ class Report:
         lines += self._topk_lines(graph)
         lines += [f"graph {g} failed to compile, nothing in it rewritten: {why}" for g, why in self.failed.items()
                   if graph in (None, g)]
+        lines += [why for g, why in self.limits.items() if graph in (None, g)]
         lines += [f"graph {g} traced {root}'s forward, whose code Dynamo runs for any other module of its class it "
                   "meets (a block after a graph break): their sites are listed as they run" for g, root in
                   self.frames.items() if graph in (None, g)]

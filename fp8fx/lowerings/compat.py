@@ -400,6 +400,20 @@ def dynamo_events() -> tuple[list[str], list[str], list[str]]:
     return breaks, [r for r in failures if "BACKEND_MATCH" not in r], skipped
 
 
+def frame_graphs() -> Optional[tuple[str, int, int]]:
+    """For the graph Dynamo is compiling now: (its compile id, "0/7"; how many graphs Dynamo has compiled for its frame,
+    this one included; ``torch._dynamo.config.recompile_limit``, past which Dynamo runs the frame uncompiled), or None
+    outside a compile. ``CompileContext`` and ``frame_compile_id`` on 2.11 and 2.13."""
+    from torch._dynamo import config
+    from torch._guards import CompileContext
+
+    compile_id = CompileContext.current_compile_id()
+    if compile_id is None or compile_id.frame_compile_id is None:
+        return None
+    limit = getattr(config, "recompile_limit", None) or config.cache_size_limit  # (the older name)
+    return f"{compile_id.frame_id}/{compile_id.frame_compile_id}", compile_id.frame_compile_id + 1, limit
+
+
 def _break_reason(reason: str) -> str:
     """A graph break's reason in one line: its first, with the ``Explanation:`` line of torch 2.11+'s reasons where
     there is one (the first line alone, "Failed to trace builtin operator", did not name the ``print``)."""
@@ -417,6 +431,7 @@ __all__ = [
     "compile_fx",
     "dynamo_events",
     "forget_dynamo_bytecode",
+    "frame_graphs",
     "is_dynamo_retrace",
     "one_pass_row_reductions",
 ]

@@ -589,3 +589,31 @@ def test_bytes_saved_are_the_state_dicts(scheme):
         torch.compile(model, backend=backend)(x)
     saved = before - sum(t.numel() * t.element_size() for t in model.state_dict().values())
     assert backend.report.bytes_saved == backend.report.to_dict()["totals"]["bytes_saved"] == saved
+
+
+def test_the_graph_at_dynamo_s_recompile_limit_says_what_follows(caplog):
+    """Compiled with dynamic=False, each new batch is a graph of its own; past torch._dynamo.config.recompile_limit
+    Dynamo runs the frame uncompiled (high precision on the dequantized weights, no fp8 GEMM), and nothing of fp8fx
+    said so: every row of the report read rewritten. The graph at the limit says what a call needing one more does."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    outs = []
+    with torch._dynamo.config.patch(recompile_limit=3), torch.no_grad(), caplog.at_level(logging.WARNING, "fp8fx"):
+        for rows in range(1, 5):
+            x = torch.randn(rows, 64, dtype=torch.bfloat16)
+            outs.append((compiled(x), model(x)))
+    report = backend.report
+    assert report.graphs == 3 and list(report.limits) == [2], report.limits
+    frame = re.match(r"graph 2 \(Dynamo's compile id (\d+)/2\)", report.limits[2])  # (frame ids count per process)
+    said = (f"graph 2 (Dynamo's compile id {frame and frame[1]}/2) is graph 3 of its frame, which is "
+            "torch._dynamo.config.recompile_limit (3): a call that needs another graph (a new shape, compiled with "
+            "dynamic=False) runs the frame uncompiled")
+    assert report.limits[2].startswith(said), report.limits
+    assert said in report.table() and said not in report.table(graph=1)
+    assert [g.get("recompile_limit", "")[:len(said)] for g in report.to_dict()["graphs"]] == ["", "", said]
+    assert sum(said in r.getMessage() for r in caplog.records) == 1
+    # (what it warns of: the fourth batch ran as the uncompiled model does, the three before did not)
+    assert [torch.equal(a, b) for a, b in outs] == [False, False, False, True]
