@@ -1135,8 +1135,8 @@ def grouped_topk(x: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_
     experts scored by its two largest choices, summed; the ``topk_group`` best groups kept, the others' choices
     ``fill``; the k experts of the largest choices (sorted; of equal groups or choices the lower index, a NaN first);
     their ``sigmoid(x)``, divided by its sum + ``eps`` where ``renormalize``, times ``scale``. On CUDA one launch of
-    ``fp8fx.kernels.topk`` where its ``grouped_reason`` is empty; here and elsewhere torch's (a stable sort: the
-    same order)."""
+    ``fp8fx.kernels.topk`` where its ``grouped_reason`` is empty; here and elsewhere the same ranking in torch code (a
+    stable sort), not ``torch.topk``'s, which of equal choices may take others than the lower index."""
     _check_grouped_topk(x, bias, k, groups, topk_group)
     return _grouped_topk(x, bias, k, groups, topk_group, renormalize, eps, scale, fill)
 

@@ -41,8 +41,10 @@ A sigmoid router's grouped top-k (DeepSeek-V3's, Nemotron-H's: ``_grouped``'s fo
 drops groups, a power of 2 of experts and of groups) joins too, first: its three top-ks (each group's two best, the
 best groups, the experts), the group mask, the gather of the weights, their renormalization and scale become one
 ``fp8fx.grouped_topk``, where the graph took eight kernels (9.6 us of Nemotron-3-Nano's one-token layer on the H200,
-run 52). Its experts are the graph's (the graph's top-k is unsorted: these come sorted; of equal choices the lower
-index), its weights float32 as the graph's. Left as the graph has it: a form any of whose steps something else
+run 52). Its experts are the graph's (the graph's top-k is unsorted: these come sorted), its weights float32 as the
+graph's, but where two choices are equal: it takes the lower index, and ``torch.topk`` (CPU or CUDA) may take the
+other (sigmoids that round to 1.0 beside equal biases: a token routed to other experts than the uncompiled model's;
+``Fp8Backend(fast_topk=False)`` keeps the graph's top-ks). Left as the graph has it: a form any of whose steps something else
 reads (the mask, the top-k's values), a top-k over another dim, or one that an op between its steps may write (the
 logits, scores or choices).
 """
