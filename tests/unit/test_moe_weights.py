@@ -671,6 +671,29 @@ def test_router_modules_that_are_no_linear_are_reported(tmp_path):
         assert loaded.get_submodule(fqn)._parameters["weight"]._fp8fx_skip_reason.startswith("routes tokens to")
 
 
+def test_calibrate_names_the_experts_module_for_ignored_layers():
+    """Experts whose act(gate) * up is zero on every token (gate_up_proj all zero, freshly initialized): calibrate
+    said to add "experts.down_proj" - an input scale's name, no module's - to ignored_layers, which refused it. It
+    names the experts module, which ignored_layers takes."""
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.experts = Experts()
+
+        def forward(self, x, ids, w):
+            return self.experts(x, ids, w)
+
+    model = Model().to(torch.bfloat16)
+    with torch.no_grad():
+        model.experts.gate_up_proj.zero_()
+    ids, w = routing()
+    batch = (torch.randn(6, H, dtype=torch.bfloat16), ids, w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"the inputs of \['experts.down_proj'\] were all zero .* or add "
+                                         r"\['experts'\] to ignored_layers$"):
+        fp8fx.calibrate(model, [batch])
+    assert fp8fx.calibrate(model, [batch], Fp8Config(activation_scheme="static", ignored_layers=["experts"])) == {}
+
+
 def test_calibrate_measures_experts_without_an_act_fn_with_silu():
     """calibrate computes each expert's act_fn(gate) * up. A module with no act_fn (a loop calling F.silu, as
     examples/moe_reference.py) is quantized by quantize_ and fused by the MoE pass when its graph computes SiLU: it

@@ -1367,7 +1367,7 @@ def test_calibrate_refuses_a_layer_whose_inputs_were_all_zero():
     """Its scale was ~2e-15: every nonzero activation saturated at inference (relative error 1), no warning."""
     model = _mlp()
     with pytest.raises(ValueError, match=r"calibrate: the inputs of \['0'\] were all zero in every batch, or below "
-                                         r"1e-12 \(amax 0\), .* more or other batches, or add the layers to "
+                                         r"1e-12 \(amax 0\), .* more or other batches, or add \['0'\] to "
                                          "ignored_layers"):
         fp8fx.calibrate(model, [torch.zeros(4, 128, dtype=torch.bfloat16)] * 2)
     assert not model[0]._forward_pre_hooks
