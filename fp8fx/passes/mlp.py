@@ -434,10 +434,14 @@ class GatedMlpPass(Fp8Pass):
                 and all(sole(n, down) for n in outputs) and set(quantize.users) <= set(outputs) | {down}):
             return "an intermediate (gate, up, act, their product or its quantization) has another reader"
         rows = _rows(mlp)
-        if rows is None:
-            return ("the token count is dynamic: graphs with a static one are fused, decode up to "
-                    f"{max_rows} tokens and prefill from {GATED_PREFILL_MIN_M} (torch.compile(..., dynamic=False), "
-                    "or torch._dynamo.mark_static on the batch dimension)")
+        if rows is None:  # (named: a [1, s, H] decode input's batch dim is static already, its sequence dim is not)
+            shape = fake_value(mlp.gate.args[0]).shape
+            dims = [i for i, d in enumerate(shape[:-1]) if not isinstance(d, int)]
+            which = f"dim {dims[0]}" if len(dims) == 1 else f"dims {', '.join(map(str, dims))}"
+            return (f"the token count is dynamic ({which} of the MLP's input {list(shape)}): graphs with a static one "
+                    f"are fused, decode up to {max_rows} tokens and prefill from {GATED_PREFILL_MIN_M} "
+                    f"(torch.compile(..., dynamic=False), or torch._dynamo.mark_static on the input dim that gives "
+                    f"{'it' if len(dims) == 1 else 'them'})")
         prefill = prefill_why if rows >= GATED_PREFILL_MIN_M else ""
         if rows >= GATED_PREFILL_MIN_M and not prefill:
             return ""

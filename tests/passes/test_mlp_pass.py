@@ -392,7 +392,7 @@ def test_static_gate_and_up_share_the_larger_input_scale():
 @pytest.mark.parametrize("case,reason", [
     ("batch of 65", "65 tokens: the fused MLP is for 1-64 tokens (with per-token h, up to the Triton GEMMs' 64) and "
                     "from 2048"),
-    ("dynamic", "the token count is dynamic"),
+    ("dynamic", "the token count is dynamic (dim 0 of the MLP's input [s"),
     ("leaky", "an intermediate (gate, up, act, their product or its quantization) has another reader"),
     ("blocks", "per-tensor / per-row scales only"),
     ("relu", "the activation is relu (call_function); the fused MLP takes SiLU or GELU (out of place)"),
@@ -416,6 +416,18 @@ def test_not_fused_says_why(case, reason):
     for site in report.sites:
         assert "not fused into a gated MLP (gate_proj,up_proj,down_proj): " in site.scheme, str(report)
         assert reason in site.scheme, str(report)
+
+
+def test_a_dynamic_sequence_dim_is_named():
+    """A decode input [1, S, H] whose S varies: the reason said to mark the batch dimension static, which it was."""
+    model, _ = quantized(MLP)
+    x = torch.randn(1, 3, 64, dtype=torch.bfloat16)
+    torch._dynamo.mark_static(x, 0)
+    _, report, code = run(model, x, fuse_mlp=True, mlp_h_group=None, dynamic=True)
+    assert "gated_mlp" not in code and len(report.sites) == 3
+    for site in report.sites:
+        assert re.search(r"the token count is dynamic \(dim 1 of the MLP's input \[1, s\d+, 64\]\): .* or "
+                         r"torch._dynamo.mark_static on the input dim that gives it\)", site.scheme), str(report)
 
 
 class ScaledProductMLP(MLP):
