@@ -262,7 +262,8 @@ def tag_left_alone(module: nn.Module, fqn: str, reason: str) -> None:
 def input_scale_names(fqn: str, module: Optional[nn.Module] = None) -> tuple[str, str]:
     """The names of an experts module's two static activation scales in ``calibrate``'s and ``quantize_``'s
     ``input_scales``: those of its gate_up_proj's (ungated ``module``: up_proj's) and its down_proj's inputs."""
-    return f"{fqn}.{W13 if module is None else w13_name(module)}", f"{fqn}.{W2}"
+    prefix = f"{fqn}." if fqn else ""  # (experts quantized as the model itself: no leading dot)
+    return f"{prefix}{W13 if module is None else w13_name(module)}", f"{prefix}{W2}"
 
 
 def experts_scheme(module: nn.Module) -> LayerScheme:
@@ -526,6 +527,15 @@ class Fp8MoEMethod:
             raise ValueError(f"{prefix}.{name} (expert {expert_id}, shard {shard_id}) has {bad} NaN fp8 codes: "
                              "re-export the checkpoint")
         dest = self._slice(layer, name, base, shard_id, expert_id)
+        one_value = name.endswith("_input_scale") or isinstance(self.scheme.weight, PerTensor) and name != base
+        if one_value and shard_id is None and 0 < loaded.numel() < dest.numel():
+            # scales as fp8fx's processed experts hold them (w13's one per expert [E], an input scale [1]) or one for
+            # every expert: each slot they stand for (w1 and w3 sharing one, as the linear loader takes a fused
+            # layer's one scale for every shard); load_checkpoint expands them so too
+            if loaded.numel() == 1:
+                loaded = loaded.reshape(()).expand(dest.shape)
+            elif dest.dim() == 2 and loaded.numel() == dest.shape[0]:
+                loaded = loaded.reshape(-1, 1).expand(dest.shape)
         weight_like = "weight" if name == base else name  # a weight must match exactly, a scale as [N] ~ [N, 1]
         if not same_layout(weight_like, tuple(loaded.shape), tuple(dest.shape)):
             raise ValueError(

@@ -323,6 +323,33 @@ def test_serialized_per_tensor_w13_requantized_per_expert_to_the_max_of_w1_w3():
     assert type(layer).__name__ == "Fp8Module"
 
 
+@pytest.mark.parametrize("expert", [None, 1], ids=["every expert", "one expert"])
+def test_serialized_per_tensor_scales_load_as_fp8fx_stores_them(expert):
+    """A processed per-tensor experts module's state_dict holds gate_up_proj_scale [E] (w1 and w3 share one) and input
+    scales [1], and a checkpoint may give one expert's whole w13 one scale: the loader refused them (\"(2,) does not
+    fit the slice of shape (2, 2)\"), where the linear loader takes a fused layer's one scale for every shard. Loaded
+    through it, fp8fx's own experts come back bit for bit."""
+    config = Fp8Config(weight_granularity=PerTensor(), activation_scheme="static")
+    src = Experts()
+    fp8fx.quantize_(src, config, input_scales={"gate_up_proj": 0.25, "down_proj": 0.5})
+    stored = src.state_dict()
+    assert stored["gate_up_proj_scale"].shape == (E,) and stored["gate_up_proj_input_scale"].shape == (1,)
+    method, layer = serialized({"weight_granularity": PerTensor(), "activation_scheme": "static"})
+    for name, t in stored.items():
+        if expert is None:
+            method.weight_loader(layer, name, t)
+        else:  # expert by expert: one value for its whole w13, its w2 and each input scale
+            for e in range(E):
+                part = t if t.numel() == 1 else t[e]
+                method.weight_loader(layer, name, part, "w2" if name.startswith("down") else None, e)
+    method.process_weights_after_loading(layer)
+    loaded = layer.state_dict()
+    assert loaded.keys() == stored.keys()
+    for k, t in stored.items():
+        assert torch.equal(loaded[k].view(torch.uint8) if t.dtype == quant.FP8_DTYPE else loaded[k],
+                           t.view(torch.uint8) if t.dtype == quant.FP8_DTYPE else t), k
+
+
 @pytest.mark.parametrize("fp8_ckpt", [True, False])
 @pytest.mark.parametrize("first,second", [
     (("w1", 1), ("w1", 1)),  # the same shard again
