@@ -215,6 +215,10 @@ class Fp8Config:
     - ``activation_scheme``: ``"dynamic"`` (scales computed per call) or ``"static"`` (an
       ``input_scale`` per layer, from the checkpoint or ``fp8fx.calibrate``).
     - ``ignored_layers``: FQNs or FQN prefixes that stay in high precision.
+    - ``modules_to_not_convert``: entries read as transformers reads its fp8 config's ``modules_to_not_convert``, each a
+      regex of a name or prefix, or a suffix (MiniMax-M2's ``"gate"``: every module named so), that may name no module
+      (transformers lets them be); ``from_config`` sets it (and ``ignored_layers``) from a dict that has no
+      ``ignored_layers``. Modules either covers stay in high precision.
     - ``weight_block_size``: ``[block_n, block_k]`` for block-scaled weights (``weight_scale_inv``);
       also allowed for online quantization.
     - ``weight_granularity`` / ``activation_granularity``: override the defaults, which are
@@ -229,6 +233,7 @@ class Fp8Config:
     weight_block_size: Optional[tuple[int, int]] = None
     weight_granularity: Optional[Granularity] = None
     activation_granularity: Optional[Granularity] = None
+    modules_to_not_convert: Optional[tuple[str, ...]] = None
 
     def __post_init__(self):
         if type(self.is_checkpoint_fp8_serialized) is not bool:  # "false" would read as true
@@ -247,6 +252,15 @@ class Fp8Config:
                 )
             check_name_list(self.ignored_layers, "Fp8Config.ignored_layers", "FQNs (strings)")
             object.__setattr__(self, "ignored_layers", tuple(self.ignored_layers))
+        if self.modules_to_not_convert is not None:
+            check_name_list(self.modules_to_not_convert, "Fp8Config.modules_to_not_convert")
+            for pattern in self.modules_to_not_convert:
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise ValueError(f"Fp8Config.modules_to_not_convert: {pattern!r} is not a regex ({e}); "
+                                     "transformers reads each entry as a name, a regex or a suffix") from None
+            object.__setattr__(self, "modules_to_not_convert", tuple(self.modules_to_not_convert))
         if self.weight_block_size is not None:
             if not isinstance(self.weight_block_size, (list, tuple)):
                 raise ValueError(f"Fp8Config.weight_block_size={self.weight_block_size!r} must be [block_n, block_k], "
@@ -322,8 +336,10 @@ class Fp8Config:
         return LayerScheme(self.weight, self.activation, self.activation_scheme == "static")
 
     def is_ignored(self, fqn: str) -> bool:
-        """True when ``fqn`` equals an entry of ``ignored_layers`` or lies under one."""
-        return any(entry_covers(entry, fqn) for entry in self.ignored_layers or ())
+        """True when ``fqn`` equals an entry of ``ignored_layers`` or lies under one, or an entry of
+        ``modules_to_not_convert`` matches it as transformers matches them."""
+        return (any(entry_covers(entry, fqn) for entry in self.ignored_layers or ())
+                or transformers_skips(fqn, self.modules_to_not_convert or ()))
 
     # --- vLLM-compatible API ----------------------------------------------------------------
     @classmethod
@@ -388,6 +404,8 @@ class Fp8Config:
             activation_scheme=config.get("activation_scheme", "dynamic"),
             ignored_layers=tuple(ignored) if ignored is not None else None,
             weight_block_size=block,  # checked there (a bare 128 is refused with its value)
+            # (transformers' entries read as it reads them too: "gate" of MiniMax-M2 names every router, no prefix)
+            modules_to_not_convert=tuple(ignored) if ignored and key == "modules_to_not_convert" else None,
         )
         # to_dict's resolved granularities: set where they differ from what the fields above imply
         weight = _granularity(config.get("weight_granularity"), "weight_granularity")
@@ -406,7 +424,9 @@ class Fp8Config:
             "weight_granularity": str(self.weight),
             "activation_granularity": str(self.activation),
         }
-        if self.ignored_layers is not None:
+        if self.modules_to_not_convert is not None and self.ignored_layers == self.modules_to_not_convert:
+            out["modules_to_not_convert"] = list(self.modules_to_not_convert)  # (what from_config read them from)
+        elif self.ignored_layers is not None:
             out["ignored_layers"] = list(self.ignored_layers)
         if self.weight_block_size is not None:
             out["weight_block_size"] = list(self.weight_block_size)

@@ -491,6 +491,8 @@ def check_ignored_layers(config: Fp8Config, names: Iterable[str], where: str, un
     and ``undone`` complete the message: "names no module of <where>", "(nothing was <undone>)"."""
     names = [fqn for fqn in dict.fromkeys(names) if fqn]
     for entry in config.ignored_layers or ():
+        if entry in (config.modules_to_not_convert or ()):  # (read as transformers reads it: it may name no module)
+            continue
         if prefix and not (entry_covers(entry, prefix) or entry_covers(prefix, entry)):
             # a model-wide config quantizing one part (prefix): the entry is another part's, unless it names a
             # module of this part by its name inside the part, which would quantize the layer it meant to keep

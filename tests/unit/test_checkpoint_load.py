@@ -335,6 +335,31 @@ def test_modules_to_not_convert_and_meta_model_in_float32(tmp_path):
     assert model.model.layers[1].mlp.up_proj.weight.dtype == torch.float32
 
 
+def test_a_config_from_modules_to_not_convert_reads_them_as_transformers_does(tmp_path):
+    """The README's recipe, load_checkpoint(model, path, Fp8Config.from_config(qc)), on a config whose
+    modules_to_not_convert names modules by a suffix ("up_proj", as MiniMax-M2's "gate") was refused ("'up_proj' names
+    no module ... no regex or suffix"), where load_checkpoint(model, path) loads it from the very same dict."""
+    state = bf16_state()
+    tensors, qc, deq = fp8_checkpoint(state, "tensor", ignore=("lm_head", "model.layers.0.mlp.up_proj",
+                                                               "model.layers.1.mlp.up_proj"))
+    qc.pop("ignored_layers")
+    qc["modules_to_not_convert"] = ["lm_head", "up_proj"]
+    path = write_checkpoint(tmp_path / "c", tensors, qc)
+    config = fp8fx.Fp8Config.from_config(qc)
+    assert config.is_ignored("model.layers.1.mlp.up_proj") and not config.is_ignored("model.layers.1.mlp.down_proj")
+    assert fp8fx.Fp8Config.from_config(config.to_dict()) == config
+    models = []
+    for given in (None, config):
+        models.append(meta_tiny())
+        report = load_checkpoint(models[-1], path, config=given, progress=False)
+        assert set(report.quantized) == {f for f in LINEARS if "up_proj" not in f}, report.quantized
+    for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+    assert torch.equal(models[1].model.layers[0].mlp.up_proj.weight, state["model.layers.0.mlp.up_proj.weight"])
+    with pytest.raises(ValueError, match=r"Fp8Config.modules_to_not_convert: '\(' is not a regex"):
+        fp8fx.Fp8Config(modules_to_not_convert=["("])
+
+
 def test_user_config_overrides_checkpoint_config(tmp_path):
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor", ignore=())
     model = meta_tiny()
