@@ -47,7 +47,7 @@ from torch import fx
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.config import granularity_from_block, weight_granularity_name
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
-from fp8fx.passes.linear import _layout, _may_alias, _mutates, _written, graph_inputs_memory
+from fp8fx.passes.linear import _layout, _may_alias, _mutates, _written, graph_inputs_memory, layouts_hold
 from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
@@ -212,6 +212,28 @@ _RESHAPE_FUNCTIONS = frozenset({torch.reshape, torch.flatten, torch.squeeze, tor
                                 torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten})
 
 
+class _Layouts:
+    """The ``_layout`` of the activations a graph's GEMMs quantize, each read once; none in a graph ``layouts_hold``
+    refuses."""
+
+    def __init__(self, graph: fx.Graph):
+        self.hold = layouts_hold(graph)
+        self.seen: dict[fx.Node, Optional[tuple]] = {}
+
+    def of(self, node: fx.Node) -> Optional[tuple]:
+        if self.hold and node not in self.seen:
+            self.seen[node] = _layout(node)
+        return self.seen.get(node)
+
+    def same(self, a: fx.Node, b: fx.Node) -> bool:
+        layout = self.of(a)
+        return layout is not None and layout == self.of(b)
+
+    def key(self, node: fx.Node) -> Any:
+        """What tells ``node``'s tensor from others: its layout, or the node itself."""
+        return self.of(node) or node
+
+
 def _reshapes(node: fx.Node) -> bool:
     """Whether ``node`` reshapes its first argument keeping its last dim, so that a linear reads the same rows."""
     if not (node.op == "call_method" and node.target in _RESHAPE_METHODS
@@ -364,33 +386,40 @@ class HorizontalFusionPass(Fp8Pass):
             # every fused site is found by the one GEMM in Inductor's output code (the report's kernel column)
             amend_sites(ctx, nodes, f"fused({site_names(ctx, nodes)})", node=Site.origin_of(y))
             fused += len(nodes)
-        self._explain_singles(groups, ctx)
+        layouts = _Layouts(gm.graph)
+        self._explain_singles(groups, ctx, layouts)
         self._explain_static(groups, ctx)
-        self._explain_reshaped(groups, ctx)
+        self._explain_reshaped(groups, ctx, layouts)
         gm.recompile()
         return fused
 
     @staticmethod
-    def _explain_singles(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
+    def _explain_singles(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext, layouts: "_Layouts") -> None:
         """A GEMM alone in its group while others read the same activation (a per-tensor shard among per-channel
         ones, another output dtype, the activation quantized again after an in-place write) says what kept it
-        apart."""
+        apart; a fused group, which readers of its very tensor a write kept out."""
         by_input: dict[tuple, list[_GroupKey]] = defaultdict(list)
         by_source: dict[tuple, list[_GroupKey]] = defaultdict(list)
         for key in groups:
             by_input[(key.xq, key.x_scale)].append(key)
             if (source := _quantized_from(key.xq)) is not None and not _is_static(key):  # (_explain_static)
-                by_source[source].append(key)
+                by_source[layouts.key(source)].append(key)  # (one tensor, through any of its nodes: ``_layout``)
         # one activation quantized apart for this GEMM (dynamic scales): in other blocks than the others' (a layer's
         # own activation granularity), or in the same ones again after an in-place write that may reach it (the
         # linear pass reuses a quantization up to such a write)
         for keys in by_source.values():
             for key in keys:
                 others = [k for k in keys if k.xq is not key.xq]
-                if len(groups[key]) > 1 or not others or len(by_input[(key.xq, key.x_scale)]) > 1:
+                if not others or len(by_input[(key.xq, key.x_scale)]) > 1:
                     continue  # (another group reads this very quantization: what kept them apart is said below)
                 alike = [k for k in others if k.x_block == key.x_block]
                 names = site_names(ctx, [n for k in alike or others for n in groups[k]])
+                if len(groups[key]) > 1:  # fused: the readers of its input a write kept out
+                    if alike:
+                        verb = "reads" if sum(len(groups[k]) for k in alike) == 1 else "read"
+                        amend_sites(ctx, groups[key], f"(not with {names}, which {verb} the same input, quantized "
+                                                      "apart with an in-place write that may reach it in between)")
+                    continue
                 if alike:
                     why = (f"{names} read the same input, quantized apart with an in-place write that may reach it "
                            "in between")
@@ -448,7 +477,7 @@ class HorizontalFusionPass(Fp8Pass):
                             "these take their static input_scale)")
 
     @staticmethod
-    def _explain_reshaped(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext) -> None:
+    def _explain_reshaped(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext, layouts: "_Layouts") -> None:
         """GEMMs that read one tensor through reshapes of other shapes (``k_proj(x.view(-1, d))`` beside ``q_proj(x)``):
         the same rows, but other nodes, each quantized apart, and a fused GEMM reads one quantized tensor. (Nodes of
         one layout - ``x.view(-1, d)`` beside ``x.flatten(0, 1)`` - share one quantization, the linear pass's, and
@@ -464,22 +493,16 @@ class HorizontalFusionPass(Fp8Pass):
             while hops < 8 and _reshapes(root):
                 root, hops = root.args[0], hops + 1
             by_root[(root, key.x_block, key.w_block, key.dtype, key.fast, _is_static(key))][source] += nodes
-        for (root, *_), sources in by_root.items():
+        for (root, *_, static), sources in by_root.items():
             if len(sources) < 2:
                 continue
             for source, mine in sources.items():
-                layout = _layout(source)
-                alike = [n for s, ns in sources.items() if s is not source and layout and _layout(s) == layout
-                         for n in ns]
-                if alike:  # the same tensor read again (``_layout``) after a write: not the reshape's doing
-                    names = site_names(ctx, alike)
-                    verb = "reads" if len(alike) == 1 else "read"
-                    amend_sites(ctx, mine, f"not fused horizontally: {names} {verb} the same input, quantized apart "
-                                           "with an in-place write that may reach it in between" if len(mine) == 1
-                                else f"(not with {names}, which {verb} the same input, quantized apart with an "
-                                     "in-place write that may reach it in between)")
+                # (dynamic scales: the same tensor read again after a write, in one layout, which _explain_singles
+                # says; static ones: each layer quantizes with its own scale, whatever node it reads)
+                other_nodes = [n for s, ns in sources.items() if s is not source
+                               and (static or not layouts.same(s, source)) for n in ns]
+                if not other_nodes:
                     continue
-                other_nodes = [n for s, ns in sources.items() if s is not source for n in ns]
                 others = site_names(ctx, other_nodes)
                 verb = "reads" if len(other_nodes) == 1 else "read"
                 how = "as it is" if source is root else f"reshaped ({source.name}: {list(fake_value(source).shape)})"

@@ -633,10 +633,11 @@ def _layout(node: fx.Node) -> Optional[tuple]:
     """What makes ``node``'s tensor the one tensor as another node's, where both are read at one point of the graph:
     the node it is a view of (through reshapes and ``_same_tensor``'s ops, each returning a view of its input's
     memory: a write into either reaches both) and its dtype, sizes, strides, offset and negative / conjugate bits
-    (sizes as their symbolic expressions: equal where they are the same expression). None where the fake values are
-    no guide: no tensor, no memory of its own, a graph that calls ``set_``."""
+    (sizes as their symbolic expressions: equal where they are the same expression). None where the node's fake value
+    is no guide: no tensor, no memory of its own. (Nor is it in a graph ``layouts_hold`` refuses: the caller's to
+    check, once a graph.)"""
     value = fake_value(node)
-    if not isinstance(value, torch.Tensor) or _sets_storage(node.graph) or (memory := _own_storage(value)) is None:
+    if not isinstance(value, torch.Tensor) or (memory := _own_storage(value)) is None:
         return None
     root = node
     while (root.op == "call_method" and root.target in _VIEW_METHODS or root.op == "call_function"
@@ -653,12 +654,47 @@ def _layout(node: fx.Node) -> Optional[tuple]:
             value.is_neg(), value.is_conj())
 
 
+class _Quantized(dict):
+    """One graph's quantizations, (activation, input scale, block) -> (xq, x_scale), and each one's activation's
+    ``_layout`` -> its key, for another node of the same tensor to find it; layouts none where ``layouts_hold`` says
+    they are no guide (``no_layouts``, read once a graph: the scan is over every node)."""
+
+    def __init__(self, graph: fx.Graph):
+        super().__init__()
+        self.layouts: dict[tuple, tuple] = {}
+        self.no_layouts = not layouts_hold(graph)
+
+    def forget(self, key: tuple) -> None:
+        """Drop quantization ``key`` (an in-place write may have reached its activation), and its layout's entry."""
+        del self[key]
+        for layout in [layout for layout, k in self.layouts.items() if k == key]:
+            del self.layouts[layout]
+
+
 def _own_storage(value: torch.Tensor) -> Optional[StorageWeakRef]:
     """The memory of ``value`` itself (``_storage``: of a node, through ops that return their input)."""
     try:
         return StorageWeakRef(value.untyped_storage())
     except NotImplementedError:  # "Cannot access storage of BatchedTensorImpl" (TensorWrapper, ...)
         return None
+
+
+# in-place ops that change a tensor's sizes, strides or offset: Dynamo's fake tensor of a node so changed later holds
+# the changed layout at every point of the graph, before the change too
+_RELAYOUT_IN_PLACE = frozenset({"as_strided_", "resize_", "resize_as_", "squeeze_", "unsqueeze_", "t_", "transpose_",
+                                "swapdims_", "swapaxes_", "set_"})
+
+
+def layouts_hold(graph: fx.Graph) -> bool:
+    """Whether the fake values' layouts (``_layout``) tell the graph's tensors apart: not in a graph that changes a
+    tensor's layout in place (``h.unsqueeze_(0)``, ``as_strided_``, ``set_``), where a node read before the change
+    records the layout after it - two tensors could then read as one."""
+    for n in graph.nodes:
+        name = n.target if n.op == "call_method" else getattr(n.target, "__name__", "") if n.op == "call_function" \
+            else ""
+        if isinstance(name, str) and name.split(".")[0] in _RELAYOUT_IN_PLACE:  # (aten's "unsqueeze_.default")
+            return False
+    return True
 
 
 def _sets_storage(graph: fx.Graph) -> bool:
@@ -745,14 +781,14 @@ class LinearPass(Fp8Pass):
         for node in list(graph.nodes):
             _weight_on_the_left(graph, node, transposes)
         # one quantization per (activation, scheme): q/k/v and gate/up read the same x
-        quantized: dict[tuple, tuple[fx.Node, fx.Node]] = {}
+        quantized = _Quantized(graph)
         inputs = graph_inputs_memory(graph)
         writes: dict[StorageWeakRef, list[fx.Node]] = {}  # memory -> the in-place writes into it so far
         for node in list(graph.nodes):
             if _mutates(node):  # a quantization taken before an in-place write into x must not be reused after it
                 written = _written(node)
                 for key in [key for key in quantized if _may_alias(key[0], written, inputs)]:
-                    del quantized[key]
+                    quantized.forget(key)
                 for t in written if written is not None else node.all_input_nodes:
                     if (memory := _storage(t)) is not None:
                         writes.setdefault(memory, []).append(node)
@@ -939,12 +975,15 @@ class LinearPass(Fp8Pass):
         and shared by the later ones (through ``quantized``, one graph's cache)."""
         # (q_proj(x), k_proj(x.contiguous()): one quantization, so one fused GEMM; the first quantizes what it read)
         key = (_same_tensor(x), input_scale, tuple(act_block))
-        if key not in quantized and (layout := _layout(x)) is not None:
-            # another node of the same memory in the same layout (q_proj(x.flatten(0, 1)), k_proj(x.view(-1, d))):
-            # the same values, so the same quantization and, horizontally, one GEMM
-            key = next((k for k in quantized if k[1:] == key[1:] and _layout(k[0]) == layout), key)
+        # another node of the same memory in the same layout (q_proj(x.flatten(0, 1)), k_proj(x.view(-1, d))): the
+        # same values, so the same quantization and, horizontally, one GEMM
+        layout = None if quantized.no_layouts else _layout(x)
+        if key not in quantized and layout is not None:
+            key = quantized.layouts.get((layout, *key[1:]), key)
         if key in quantized:
             return quantized[key]
+        if layout is not None:
+            quantized.layouts[(layout, *key[1:])] = key
         with graph.inserting_before(site):
             if input_scale is not None:
                 xq = graph.call_function(torch.ops.fp8fx.quantize_static.default, (x, input_scale))

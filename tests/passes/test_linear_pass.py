@@ -2052,3 +2052,33 @@ def test_a_layer_outside_a_quantized_part_is_told_to_run_quantize():
     sites = {s.fqn: s for s in backend.report.sites}
     assert sites["a"].rewritten and not sites["b"].rewritten, backend.report
     assert sites["b"].reason.startswith("weight is not an fp8fx-quantized weight (run fp8fx.quantize_"), sites["b"]
+
+
+def test_activations_are_looked_up_by_layout_once_each():
+    """Reshapes of one layout share a quantization (``_layout``): each new activation compared its layout with every
+    quantization before it, each comparison scanning the whole graph for ``set_`` - 8257 scans and 3.7 s for 32
+    blocks of 7 linears, where the pass had taken 0.3 s. An activation's layout is now read once, the graph scanned
+    once."""
+    from unittest import mock
+
+    from fp8fx.passes import linear
+
+    class Block(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.q, self.k, self.v, self.o, self.g, self.u, self.d = (nn.Linear(32, 32, bias=False) for _ in range(7))
+
+        def forward(self, x):
+            h = x * 0.5
+            x = x + self.o(self.q(h) * self.k(h) + self.v(h))
+            h = x * 0.5
+            return x + self.d(F.silu(self.g(h)) * self.u(h))
+
+    model = nn.Sequential(*[Block() for _ in range(8)]).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    with mock.patch.object(linear, "_layout", wraps=linear._layout) as layouts, \
+            mock.patch.object(linear, "_sets_storage", wraps=linear._sets_storage) as scans, torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 32, dtype=torch.bfloat16))
+    assert len(backend.report.rewritten) == 56
+    assert layouts.call_count <= 56 and scans.call_count <= 2, (layouts.call_count, scans.call_count)
