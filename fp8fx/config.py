@@ -258,8 +258,8 @@ class Fp8Config:
                 try:
                     re.compile(pattern)
                 except re.error as e:
-                    raise ValueError(f"Fp8Config.modules_to_not_convert: {pattern!r} is not a regex ({e}); "
-                                     "transformers reads each entry as a name, a regex or a suffix") from None
+                    raise ValueError(f"modules_to_not_convert entry {pattern!r} is not a regex ({e}); transformers "
+                                     "reads each as a name, a regex or a suffix") from None
             object.__setattr__(self, "modules_to_not_convert", tuple(self.modules_to_not_convert))
         if self.weight_block_size is not None:
             if not isinstance(self.weight_block_size, (list, tuple)):
@@ -394,6 +394,10 @@ class Fp8Config:
         ignored = config.get(key)
         if ignored is not None:
             check_name_list(ignored, f"quantization_config[{key!r}]")
+        hf = config.get("modules_to_not_convert") if key == "modules_to_not_convert" or "weight_granularity" in config \
+            else None  # ("weight_granularity": a dict to_dict wrote, which other tools' configs do not hold)
+        if hf is not None:
+            check_name_list(hf, "quantization_config['modules_to_not_convert']")
         block = config.get("weight_block_size")
         # vLLM's rule, unless the dict says (to_dict writes it: an online config reads back as online)
         given = config.get("is_checkpoint_fp8_serialized", "fp8" in str(quant_method).lower())  # (vLLM lowercases)
@@ -404,8 +408,9 @@ class Fp8Config:
             activation_scheme=config.get("activation_scheme", "dynamic"),
             ignored_layers=tuple(ignored) if ignored is not None else None,
             weight_block_size=block,  # checked there (a bare 128 is refused with its value)
-            # (transformers' entries read as it reads them too: "gate" of MiniMax-M2 names every router, no prefix)
-            modules_to_not_convert=tuple(ignored) if ignored and key == "modules_to_not_convert" else None,
+            # transformers' entries read as it reads them too ("gate" of MiniMax-M2 names every router, no prefix):
+            # where they are the list read (vLLM's rule), or beside ignored_layers in fp8fx's own to_dict
+            modules_to_not_convert=tuple(hf) if hf else None,
         )
         # to_dict's resolved granularities: set where they differ from what the fields above imply
         weight = _granularity(config.get("weight_granularity"), "weight_granularity")
@@ -424,10 +429,10 @@ class Fp8Config:
             "weight_granularity": str(self.weight),
             "activation_granularity": str(self.activation),
         }
-        if self.modules_to_not_convert is not None and self.ignored_layers == self.modules_to_not_convert:
-            out["modules_to_not_convert"] = list(self.modules_to_not_convert)  # (what from_config read them from)
-        elif self.ignored_layers is not None:
-            out["ignored_layers"] = list(self.ignored_layers)
+        if self.modules_to_not_convert is not None:
+            out["modules_to_not_convert"] = list(self.modules_to_not_convert)
+        if self.ignored_layers is not None and self.ignored_layers != self.modules_to_not_convert:  # (from_config
+            out["ignored_layers"] = list(self.ignored_layers)  # set both from modules_to_not_convert)
         if self.weight_block_size is not None:
             out["weight_block_size"] = list(self.weight_block_size)
         return out

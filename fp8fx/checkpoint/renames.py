@@ -396,7 +396,7 @@ def with_stored_ignores(config: Fp8Config, sources: Mapping[str, tuple[str, ...]
     entries name as the checkpoint stores them (``ignored_layers=["...block_sparse_moe.experts"]``)."""
     extra = [m for m, stored in sources.items() if any(config.is_ignored(s) for s in stored)
              and not config.is_ignored(m)]
-    return dataclasses.replace(config, ignored_layers=(*config.ignored_layers, *extra)) if extra else config
+    return dataclasses.replace(config, ignored_layers=(*(config.ignored_layers or ()), *extra)) if extra else config
 
 
 def stored(name: str, sources: Mapping[str, tuple[str, ...]]) -> tuple[str, ...]:

@@ -356,7 +356,7 @@ def test_a_config_from_modules_to_not_convert_reads_them_as_transformers_does(tm
     for (name, a), b in zip(models[0].state_dict().items(), models[1].state_dict().values()):
         assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
     assert torch.equal(models[1].model.layers[0].mlp.up_proj.weight, state["model.layers.0.mlp.up_proj.weight"])
-    with pytest.raises(ValueError, match=r"Fp8Config.modules_to_not_convert: '\(' is not a regex"):
+    with pytest.raises(ValueError, match=r"modules_to_not_convert entry '\(' is not a regex"):
         fp8fx.Fp8Config(modules_to_not_convert=["("])
 
 

@@ -588,3 +588,24 @@ def test_compressed_tensors_group_activations_name_the_config_field(weights, act
     good = parse({"quantization_config": {**qc, "config_groups": {"group_0": {
         "targets": ["Linear"], "weights": _CT_BLOCK, "input_activations": _ct_group_acts(group_size=64)}}}})
     assert str(good.config.scheme()) == "w:per-block(128x64) a:per-group(1x64)"
+
+
+def test_modules_to_not_convert_round_trips_and_feeds_the_hash():
+    """Fp8Config.modules_to_not_convert (transformers' reading of the entries) set by a caller: to_dict dropped it, so
+    from_config(to_dict()) quantized the modules it keeps and the hash was a plain config's; a renamed module's
+    stored name then failed on ignored_layers None."""
+    from fp8fx.checkpoint.renames import with_stored_ignores
+
+    gate = "model.layers.0.mlp.gate"
+    for config in (Fp8Config(modules_to_not_convert=["gate"]),
+                   Fp8Config(ignored_layers=["lm_head"], modules_to_not_convert=["gate"]),
+                   Fp8Config.from_config({"quant_method": "fp8", "modules_to_not_convert": ["lm_head", "gate"]})):
+        back = Fp8Config.from_config(config.to_dict())
+        assert config.is_ignored(gate) and back.is_ignored(gate), config.to_dict()
+        assert back.is_ignored("lm_head") == config.is_ignored("lm_head")
+        assert not back.is_ignored("model.layers.0.mlp.down_proj")
+        assert config.hash() != Fp8Config(ignored_layers=config.ignored_layers).hash()
+    assert back == config  # (from_config's own: both fields from one list, and back again)
+    renamed = with_stored_ignores(Fp8Config(is_checkpoint_fp8_serialized=True, modules_to_not_convert=["gate"]),
+                                  {"model.router": ("model.gate",)})
+    assert renamed.ignored_layers == ("model.router",) and renamed.is_ignored("model.router")
