@@ -884,7 +884,10 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     owner = {name: fqn for fqn, m in experts for name in moe.input_scale_names(fqn, m)}
 
     def to_ignore(names: list[str]) -> str:
-        return _shown(list(dict.fromkeys(owner.get(name, name) for name in names)))
+        """The advice to keep them in high precision: the modules ignored_layers takes, or the model itself."""
+        owners = [fqn for fqn in dict.fromkeys(owner.get(name, name) for name in names) if fqn]
+        return (f"add {_shown(owners)} to ignored_layers" if owners else
+                "keep the model in high precision: it is the layer itself, which ignored_layers does not name")
 
     zero = [fqn for fqn, a in amax.items() if a < quant.AMAX_EPS]
     if zero:  # the scale would be ~2e-15: every nonzero activation saturates at inference
@@ -892,7 +895,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
             f"calibrate: the inputs of {_shown(zero)} were all zero in every batch, or below {quant.AMAX_EPS:g} "
             f"(amax {amax[zero[0]]:g}), which fp8fx's scales do not go below: a static scale from them would saturate "
             "every larger activation at inference: "
-            f"calibrate with more or other batches, or add {to_ignore(zero)} to ignored_layers"
+            f"calibrate with more or other batches, or {to_ignore(zero)}"
         )
     unseen = [fqn for fqn, m in modules if is_linear(m) and fqn not in amax]
     unseen += [name for fqn, m in experts for name in moe.input_scale_names(fqn, m) if name not in amax]
@@ -900,13 +903,13 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     if called:  # (it said "a branch the batches did not take" of a layer that was called on 0 rows)
         log.warning("fp8fx: calibrate: %s were called on inputs of no rows only (no token reached them: an expert "
                     "no token was routed to, or batches of 0 tokens), which give no amax, so they get no input scale; "
-                    "calibrate with batches whose tokens reach them, or add %s to ignored_layers", _shown(called),
+                    "calibrate with batches whose tokens reach them, or %s", _shown(called),
                     to_ignore(called))
     unseen = [fqn for fqn in unseen if fqn not in empty]
     if unseen:  # quantize_ will ask for their scales
         log.warning("fp8fx: calibrate: %s received no input during calibration (a branch the batches did not take, "
                     "or a layer whose weight is read in a spelling the linear pass does not take either), so they get "
                     "no input scale; "
-                    "calibrate with batches that reach them, or add %s to ignored_layers", _shown(unseen),
+                    "calibrate with batches that reach them, or %s", _shown(unseen),
                     to_ignore(unseen))
     return {fqn: max(a, quant.AMAX_EPS) / quant.FP8_MAX for fqn, a in amax.items()}

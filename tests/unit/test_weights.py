@@ -1376,6 +1376,14 @@ def test_calibrate_refuses_a_layer_whose_inputs_were_all_zero():
         fp8fx.calibrate(model.float(), [torch.full((4, 128), 3e-30)])
 
 
+def test_calibrate_of_a_model_that_is_the_layer_names_no_empty_module():
+    """The model itself a linear: the advice read "add [''] to ignored_layers", which ignored_layers refuses."""
+    layer = nn.Linear(128, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"calibrate: the inputs of \[''\] were all zero .* or keep the model in high "
+                                         "precision: it is the layer itself, which ignored_layers does not name$"):
+        fp8fx.calibrate(layer, [torch.zeros(4, 128, dtype=torch.bfloat16)])
+
+
 class Branch(nn.Module):
     """``b`` runs only when asked (calibrate does not see it run), ``c`` through its weight."""
 
