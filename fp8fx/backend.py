@@ -8,6 +8,7 @@ import os
 import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
 
+import torch
 from torch import fx
 
 from fp8fx import ops
@@ -271,6 +272,11 @@ class Fp8Backend:
             if dump:
                 dump.finish(self.report, code)
             raise
+        frame = compat.frame_graphs()
+        if frame is not None and frame[1] >= frame[2]:  # Dynamo's last graph for the frame
+            dynamic = any(isinstance(i, torch.SymInt) or isinstance(i, torch.Tensor)
+                          and not all(isinstance(d, int) for d in i.shape) for i in example_inputs)
+            self.report.at_recompile_limit(index, *frame, dynamic=dynamic)
         return self._done(compiled, index, dump, code, shared)
 
     def _discard(self, index: int, dump: Optional[GraphDump]) -> None:
@@ -376,9 +382,6 @@ class Fp8Backend:
 
     def _done(self, compiled, index: int, dump: Optional[GraphDump], output_code: list[str], shared=()):
         self.report.log_graph(index)
-        frame = compat.frame_graphs()
-        if frame is not None and frame[1] >= frame[2]:  # Dynamo's last graph for the frame
-            self.report.at_recompile_limit(index, *frame)
         if dump:
             dump.finish(self.report, output_code)
         frame = bool(self.report.frame_weights.get(index))  # (a module's frame, or a model's graph another runs)

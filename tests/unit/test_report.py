@@ -617,3 +617,20 @@ def test_the_graph_at_dynamo_s_recompile_limit_says_what_follows(caplog):
     assert sum(said in r.getMessage() for r in caplog.records) == 1
     # (what it warns of: the fourth batch ran as the uncompiled model does, the three before did not)
     assert [torch.equal(a, b) for a, b in outs] == [False, False, False, True]
+
+
+def test_a_dynamic_graph_at_the_recompile_limit_blames_no_static_shape():
+    """dynamic=True and a new rank each call: the graph at the limit blamed "a new shape, compiled with dynamic=False"
+    and advised dynamic=None, which it had."""
+    model = nn.Linear(64, 32).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    with torch._dynamo.config.patch(recompile_limit=2), torch.no_grad():
+        for shape in ((3, 64), (2, 3, 64), (2, 2, 3, 64)):
+            compiled(torch.randn(*shape, dtype=torch.bfloat16))
+    assert list(backend.report.limits) == [1], backend.report.limits
+    said = backend.report.limits[1]
+    assert ("(one whose inputs fail this graph's guards: another rank, dtype or device, or a new size of a dim kept "
+            "static) runs the frame uncompiled") in said and "dynamic=False" not in said, said
+    assert said.endswith("TORCH_LOGS=recompiles names the guards that failed; raise the limit if each graph is needed")
