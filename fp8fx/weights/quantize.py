@@ -169,11 +169,6 @@ def quantize_(
     for fqn, module, reason in skipped:  # tags the report reads back from the compiled graph's inputs
         _tag_skipped(module, fqn, reason)
         log.info("fp8fx: %s not quantized: %s", fqn, reason)
-    for reason, fqns in unmeant.items() if plan or experts else ():  # (else _nothing_to_quantize says it)
-        # what neither the config nor the model keeps in high precision is said at the default level (INFO went
-        # unseen: a pruned layer stayed bf16 without a word)
-        log.warning("fp8fx: quantize_ left %d %s in high precision (%s): %s", len(fqns),
-                    "layer" if len(fqns) == 1 else "layers", _shown(fqns), reason)
     moe.tag_routers(model, decide.routers, prefix)
     method = Fp8LinearMethod(config)
     undo = _Undo(model, resume, len(plan) + len(experts) + len(done), len(done), untagged, plan + experts)
@@ -205,6 +200,12 @@ def quantize_(
             moe.quantize_experts(module, fqn, config, static)
     if experts or experts_skipped:
         log.info("fp8fx: quantized %d experts modules, skipped %d", len(experts), len(experts_skipped))
+    for reason, fqns in unmeant.items() if plan or experts else ():  # (else _nothing_to_quantize says it)
+        # what neither the config nor the model keeps in high precision is said at the default level (INFO went
+        # unseen: a pruned layer stayed bf16 without a word); once the call succeeded (a failure in the loops above
+        # undoes it all: the layers were not "left")
+        log.warning("fp8fx: quantize_ left %d %s in high precision (%s): %s", len(fqns),
+                    "layer" if len(fqns) == 1 else "layers", _shown(fqns), reason)
     _left_alone(modules, decide.routers, warn=bool(plan or experts))  # (else _nothing_to_quantize said it)
     vars(model).pop(_UNFINISHED, None)
     if plan or experts or done or skipped or experts_skipped or decide.routers:

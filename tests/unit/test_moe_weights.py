@@ -1084,3 +1084,25 @@ def test_experts_of_another_librarys_tensor_subclass_are_skipped_by_name():
     assert not any(fp8fx.weights.is_quantized(m) or is_quantized_experts(m) for m in block.modules())
     fp8fx.quantize_(block)
     assert fp8fx.weights.is_quantized(block.proj) and not is_quantized_experts(block.experts)
+
+
+def test_a_failed_quantize_says_no_layer_was_left_in_high_precision(caplog):
+    """quantize_ warned "left 1 layer in high precision" before it quantized anything, then failed in the experts'
+    loop (DTensor experts) and undid every change: the warning spoke of a call that did not happen. It is said once
+    the call succeeds."""
+    from unittest import mock
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj, self.experts = nn.Linear(H, H), Experts()
+
+    model = Model().to(torch.bfloat16)
+    torch.nn.utils.prune.l1_unstructured(model.proj, "weight", amount=0.5)  # (left: a hook computes its weight)
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        with mock.patch.object(moe, "quantize_experts", side_effect=RuntimeError("a DTensor's op")), \
+                pytest.raises(RuntimeError, match="a DTensor's op"):
+            fp8fx.quantize_(model)
+        assert not is_quantized_experts(model.experts) and "left 1 layer" not in caplog.text, caplog.text
+        fp8fx.quantize_(model)
+    assert is_quantized_experts(model.experts) and "quantize_ left 1 layer in high precision (['proj'])" in caplog.text
