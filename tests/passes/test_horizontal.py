@@ -229,6 +229,18 @@ def compile_fused(model, x):
     return {(s.fqn, i): s.scheme for i, s in enumerate(backend.report.sites)}, out
 
 
+def fused_against_float64(model, x):
+    """The report's schemes of ``model``, quantized and compiled with fuse_horizontal, once its outputs are checked
+    within 5% of the float64 model's (each read in the reference's shape)."""
+    with torch.no_grad():
+        want = [y.double() for y in copy.deepcopy(model).double()(x.double())]
+    fp8fx.quantize_(model)
+    schemes, out = compile_fused(model, x)
+    errors = [rel_err(a.reshape(b.shape), b) for a, b in zip(out, want)]
+    assert max(errors) < 0.05, errors
+    return schemes
+
+
 class ScaledQ(BiasedQKV):
     def forward(self, x):
         q = self.q_proj(x)
@@ -242,14 +254,8 @@ def test_a_write_into_a_computed_tensor_keeps_a_graph_input_s_shards_fused():
     tensor computed in the graph cannot share an input's memory: one GEMM, the same numbers; a write into x itself
     still keeps them apart."""
     torch.manual_seed(0)
-    model = ScaledQ().to(torch.bfloat16)
-    x = torch.randn(5, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        want = [y.double() for y in copy.deepcopy(model).double()(x.double())]
-    fp8fx.quantize_(model)
-    schemes, out = compile_fused(model, x)
+    schemes = fused_against_float64(ScaledQ().to(torch.bfloat16), torch.randn(5, 64, dtype=torch.bfloat16))
     assert all(_fused(scheme, "q_proj,k_proj,v_proj") for scheme in schemes.values()), schemes
-    assert all(rel_err(a, b) < 0.05 for a, b in zip(out, want))
 
 
 class AliasedQKV(BiasedQKV):
@@ -271,13 +277,7 @@ def test_shards_reading_their_input_through_a_no_op_are_fused(read):
     fn = {"contiguous": lambda x: x.contiguous(), "same dtype": lambda x: x.to(x.dtype),
           "view": lambda x: x.view(-1, 64)}[read]
     torch.manual_seed(0)
-    model = AliasedQKV(fn).to(torch.bfloat16)
-    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        want = [y.double() for y in copy.deepcopy(model).double()(x.double())]
-    fp8fx.quantize_(model)
-    schemes, out = compile_fused(model, x)
-    assert all(rel_err(a.reshape(b.shape), b) < 0.05 for a, b in zip(out, want))
+    schemes = fused_against_float64(AliasedQKV(fn).to(torch.bfloat16), torch.randn(2, 3, 64, dtype=torch.bfloat16))
     if read == "view":  # (and the report says why, where it said nothing)
         q, k = schemes[("q_proj", 0)], schemes[("k_proj", 1)]
         assert "w:per-channel a:per-token fused(q_proj,v_proj) (not with" in q and "fused(" not in k, schemes
@@ -298,13 +298,7 @@ def test_shards_reading_their_input_through_reshapes_of_one_layout_are_fused():
     one layout, each quantized apart and left unfused (the report said why). They share one quantization and one
     GEMM."""
     torch.manual_seed(0)
-    model = ReshapedQKV().to(torch.bfloat16)
-    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        want = [y.double() for y in copy.deepcopy(model).double()(x.double())]
-    fp8fx.quantize_(model)
-    schemes, out = compile_fused(model, x)
-    assert all(rel_err(a, b) < 0.05 for a, b in zip(out, want))
+    schemes = fused_against_float64(ReshapedQKV().to(torch.bfloat16), torch.randn(2, 3, 64, dtype=torch.bfloat16))
     assert all(_fused(scheme, "q_proj,k_proj,v_proj") for scheme in schemes.values()), schemes
 
 
@@ -317,13 +311,7 @@ def test_shards_reading_their_input_through_reshapes_of_other_shapes_say_so():
     """q_proj(x) beside k_proj(x.view(-1, 64)) and v_proj(x.flatten(0, 1)): k and v, one layout, are fused; q_proj
     reads x in another shape, quantized apart, and the report says so."""
     torch.manual_seed(0)
-    model = ReshapedKV().to(torch.bfloat16)
-    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        want = [y.double() for y in copy.deepcopy(model).double()(x.double())]
-    fp8fx.quantize_(model)
-    schemes, out = compile_fused(model, x)
-    assert all(rel_err(a.reshape(b.shape), b) < 0.05 for a, b in zip(out, want))
+    schemes = fused_against_float64(ReshapedKV().to(torch.bfloat16), torch.randn(2, 3, 64, dtype=torch.bfloat16))
     assert re.search(r"not fused horizontally: it reads \S+ as it is, where k_proj,v_proj read it through another "
                      r"node", schemes[("q_proj", 0)]), schemes
     for site in ("k_proj", "v_proj"):
@@ -352,12 +340,7 @@ def test_reshapes_of_one_layout_do_not_share_a_quantization_across_a_write(copie
     the write read other values, so they quantize h again, whether the reshapes are views of h or copies."""
     torch.manual_seed(0)
     model = WrittenBetweenReshapes(copies).to(torch.bfloat16)
-    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        want = [y.double() for y in copy.deepcopy(model).double()(x.double())]
-    fp8fx.quantize_(model)
-    schemes, out = compile_fused(model, x)
-    assert all(rel_err(a, b) < 0.05 for a, b in zip(out, want)), [rel_err(a, b) for a, b in zip(out, want)]
+    schemes = fused_against_float64(model, torch.randn(2, 3, 64, dtype=torch.bfloat16))
     schemes = {fqn: scheme for (fqn, _), scheme in schemes.items()}
     if copies:  # (each its own node, quantized apart)
         return
@@ -421,13 +404,7 @@ def test_slices_of_one_layout_kept_apart_by_a_write_say_so():
     """q_proj(h[..., :64]), h.mul_(2), then k_proj and v_proj of h[..., :64] again: k and v share a quantization and a
     GEMM, q_proj (read before the write) stays apart, and said nothing of why."""
     torch.manual_seed(0)
-    model = SlicedAfterWrite().to(torch.bfloat16)
-    x = torch.randn(2, 3, 64, dtype=torch.bfloat16)
-    with torch.no_grad():
-        want = [y.double() for y in copy.deepcopy(model).double()(x.double())]
-    fp8fx.quantize_(model)
-    schemes, out = compile_fused(model, x)
-    assert all(rel_err(a, b) < 0.05 for a, b in zip(out, want))
+    schemes = fused_against_float64(SlicedAfterWrite().to(torch.bfloat16), torch.randn(2, 3, 64, dtype=torch.bfloat16))
     schemes = {fqn: scheme for (fqn, _), scheme in schemes.items()}
     assert schemes["q_proj"].endswith("not fused horizontally: k_proj,v_proj read the same input, quantized apart "
                                       "with an in-place write that may reach it in between"), schemes
@@ -450,7 +427,7 @@ def test_static_layers_reading_reshapes_of_one_layout_blame_no_write():
 
 
 def test_a_reshape_is_not_blamed_where_the_schemes_differ_too():
-    """q_proj in 1x128 groups beside k_proj and v_proj per token, k_proj reading x.view(-1, 128): the report said the reshape
+    """q_proj in 1x128 groups beside k_proj and v_proj per token, k_proj reading x.view: the report said the reshape
     kept k_proj from q_proj, which reading x itself it would not have joined either."""
     class Wide(torch.nn.Module):
         def __init__(self):

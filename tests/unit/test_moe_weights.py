@@ -698,19 +698,22 @@ def test_router_modules_that_are_no_linear_are_reported(tmp_path):
         assert loaded.get_submodule(fqn)._parameters["weight"]._fp8fx_skip_reason.startswith("routes tokens to")
 
 
+class ExpertsModel(nn.Module):
+    """A model of one experts module, "experts", called with the tokens, their experts and weights."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = Experts()
+
+    def forward(self, x, ids, w):
+        return self.experts(x, ids, w)
+
+
 def test_calibrate_names_the_experts_module_for_ignored_layers():
     """Experts whose act(gate) * up is zero on every token (gate_up_proj all zero, freshly initialized): calibrate
     said to add "experts.down_proj" - an input scale's name, no module's - to ignored_layers, which refused it. It
     names the experts module, which ignored_layers takes."""
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.experts = Experts()
-
-        def forward(self, x, ids, w):
-            return self.experts(x, ids, w)
-
-    model = Model().to(torch.bfloat16)
+    model = ExpertsModel().to(torch.bfloat16)
     with torch.no_grad():
         model.experts.gate_up_proj.zero_()
     ids, w = routing()
@@ -727,15 +730,7 @@ def test_calibrate_measures_experts_without_an_act_fn_with_silu():
     is measured with SiLU (calibrate refused it, while static quantize_ asked for its scales from calibrate); one
     with another act_fn stays bf16 (no scales); the scales serve quantize_."""
 
-    class Model(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.experts = Experts()
-
-        def forward(self, x, ids, w):
-            return self.experts(x, ids, w)
-
-    model = Model().to(torch.bfloat16)
+    model = ExpertsModel().to(torch.bfloat16)
     ids, w = routing()
     batch = (torch.randn(6, H, dtype=torch.bfloat16), ids, w.to(torch.bfloat16))
     plain = fp8fx.calibrate(model, [batch])
