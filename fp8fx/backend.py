@@ -8,7 +8,6 @@ import os
 import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
 
-import torch
 from torch import fx
 
 from fp8fx import ops
@@ -274,9 +273,7 @@ class Fp8Backend:
             raise
         frame = compat.frame_graphs()
         if frame is not None and frame[1] >= frame[2]:  # Dynamo's last graph for the frame
-            dynamic = any(isinstance(i, torch.SymInt) or isinstance(i, torch.Tensor)
-                          and not all(isinstance(d, int) for d in i.shape) for i in example_inputs)
-            self.report.at_recompile_limit(index, *frame, dynamic=dynamic)
+            self.report.at_recompile_limit(index, *frame, static=compat.compiled_static())
         return self._done(compiled, index, dump, code, shared)
 
     def _discard(self, index: int, dump: Optional[GraphDump]) -> None:

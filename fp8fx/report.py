@@ -141,16 +141,16 @@ class Report:
         self.topk = [dataclasses.replace(s, rewritten=False, reason=reason, scheme="", kernel="")
                      if s.graph == graph and s.rewritten else s for s in self.topk]
 
-    def at_recompile_limit(self, graph: int, compile_id: str, graphs: int, limit: int, dynamic: bool = False) -> None:
+    def at_recompile_limit(self, graph: int, compile_id: str, graphs: int, limit: int, static: bool) -> None:
         """Graph ``graph`` is the ``limit``-th Dynamo compiled for its frame: a call that needs one more runs the
         frame uncompiled, and no graph, so no row of this report, says so (Dynamo warns once, naming no layer).
         Said in the log, the table and ``to_dict``, while every site of the graphs compiled stays as it is.
-        ``dynamic``: the graph has symbolic sizes already, so what needs another is no new size of those dims."""
-        why = ("one whose inputs fail this graph's guards: another rank, dtype or device, or a new size of a dim kept "
-               "static" if dynamic else "a new shape, compiled with dynamic=False")
-        fix = ("TORCH_LOGS=recompiles names the guards that failed; raise the limit if each graph is needed" if dynamic
-               else "compile with dynamic=None, mark the dim that varies dynamic (torch._dynamo.mark_dynamic), or "
-                    "raise the limit")
+        ``static``: compiled with ``dynamic=False``, where each new shape is a graph of its own."""
+        why = ("a new shape, compiled with dynamic=False" if static else "one whose inputs fail its guards: a new size "
+               "of a dim kept static, another rank, dtype or device, or another value of an argument guarded on")
+        fix = ("compile with dynamic=None, mark the dim that varies dynamic (torch._dynamo.mark_dynamic), or raise the "
+               "limit" if static else "TORCH_LOGS=recompiles names the guards that failed; raise the limit if each "
+               "graph is needed")
         self.limits[graph] = (
             f"graph {graph} (Dynamo's compile id {compile_id}) is graph {graphs} of its frame, which is "
             f"torch._dynamo.config.recompile_limit ({limit}): a call that needs another graph ({why}) runs the frame "

@@ -414,6 +414,15 @@ def frame_graphs() -> Optional[tuple[str, int, int]]:
     return f"{compile_id.frame_id}/{compile_id.frame_compile_id}", compile_id.frame_compile_id + 1, limit
 
 
+def compiled_static() -> bool:
+    """Whether the graph Dynamo is compiling now comes from ``torch.compile(..., dynamic=False)``, which sets
+    ``torch._dynamo.config.automatic_dynamic_shapes`` False while it compiles (None and True leave it True; True also
+    sets ``assume_static_by_default`` False), on 2.11 and 2.13."""
+    from torch._dynamo import config
+
+    return not config.automatic_dynamic_shapes
+
+
 def _break_reason(reason: str) -> str:
     """A graph break's reason in one line: its first, with the ``Explanation:`` line of torch 2.11+'s reasons where
     there is one (the first line alone, "Failed to trace builtin operator", did not name the ``print``)."""
@@ -429,6 +438,7 @@ __all__ = [
     "after_dynamo_bytecode",
     "capture_output_code",
     "compile_fx",
+    "compiled_static",
     "dynamo_events",
     "forget_dynamo_bytecode",
     "frame_graphs",

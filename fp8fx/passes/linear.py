@@ -605,11 +605,14 @@ def _tags_lost(ctx: PassContext) -> bool:
     return bool(fp8) and not any(hasattr(v, "_fp8fx_fqn") for v in fp8)
 
 
-def _same_tensor(node: fx.Node) -> fx.Node:
+def _same_tensor(node: fx.Node, layouts: bool) -> fx.Node:
     """The node whose tensor ``node``'s is, through ops that return their input as it is (``x.contiguous()`` of a
     contiguous x, ``x.to(its dtype)``, ``x.detach()``, ``x[:]``): one memory, offset, shape, strides, dtype and no
-    negative / conjugate bit, so one value at every point of the graph, whatever is written into either. Not in a
-    graph that calls ``set_``, which changes the memory its fake values record for every point of the graph."""
+    negative / conjugate bit, so one value at every point of the graph, whatever is written into either. ``node``
+    itself where ``layouts`` is False: in a graph whose fake values' layouts are no guide (``layouts_hold``: ``set_``,
+    or a layout changed in place, recorded for every point of the graph)."""
+    if not layouts:
+        return node
     start = node
     while (node.op == "call_method" and node.target in _ALIAS_METHODS or node.op == "call_function"
            and node.target in _ALIAS_FUNCTIONS) and node.args and isinstance(node.args[0], fx.Node):
@@ -626,7 +629,7 @@ def _same_tensor(node: fx.Node) -> fx.Node:
         if memory is None or memory != _own_storage(b):
             break
         node = src
-    return start if node is start or _sets_storage(start.graph) else node
+    return node
 
 
 def _layout(node: fx.Node) -> Optional[tuple]:
@@ -974,7 +977,7 @@ class LinearPass(Fp8Pass):
         """Nodes (xq, x_scale) quantizing ``x``, inserted before its first rewritten consumer ``site``
         and shared by the later ones (through ``quantized``, one graph's cache)."""
         # (q_proj(x), k_proj(x.contiguous()): one quantization, so one fused GEMM; the first quantizes what it read)
-        key = (_same_tensor(x), input_scale, tuple(act_block))
+        key = (_same_tensor(x, not quantized.no_layouts), input_scale, tuple(act_block))
         # another node of the same memory in the same layout (q_proj(x.flatten(0, 1)), k_proj(x.view(-1, d))): the
         # same values, so the same quantization and, horizontally, one GEMM
         layout = None if quantized.no_layouts else _layout(x)

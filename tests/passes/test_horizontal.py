@@ -374,12 +374,31 @@ class UnsqueezedAfter(_QK):
         return a, b
 
 
-@pytest.mark.parametrize("cls,shape", [(StridedAfter, (4, 64)), (UnsqueezedAfter, (2, 3, 64))])
+class StridedOverBase(_QK):
+    def forward(self, x):  # x: [4, 64]
+        base = x * 1.0
+        h = base[:2]
+        a, b = self.q_proj(h), self.k_proj(base)  # q_proj reads rows 0-1, k_proj all 4
+        h.as_strided_((4, 64), (64, 1), 0)  # then h looks like base (and h[:] like h: _same_tensor's view)
+        return a, b
+
+
+class ViewedAfter(_QK):
+    def forward(self, x):  # x: [2, 3, 64]
+        h = x * 1.0
+        a, b = self.q_proj(h), self.k_proj(h.view(1, 2, 3, 64))  # b is [1, 2, 3, 32]
+        h.unsqueeze_(0)  # then h looks like its view
+        return a, b
+
+
+@pytest.mark.parametrize("cls,shape", [(StridedAfter, (4, 64)), (UnsqueezedAfter, (2, 3, 64)),
+                                       (StridedOverBase, (4, 64)), (ViewedAfter, (2, 3, 64))])
 @pytest.mark.parametrize("fuse", [False, True])
 def test_a_layout_changed_in_place_later_is_not_taken_for_another_tensor(cls, shape, fuse):
     """Dynamo's fake value of a tensor whose layout an op changes in place (as_strided_, unsqueeze_) holds the new
     layout at every point of the graph: two tensors that were different when the linears read them looked like one,
-    and shared one quantization (k_proj on q_proj's rows: 141% off; or of the wrong shape)."""
+    by their layouts or through an alias op (h.view of h's own shape), and shared one quantization (k_proj on
+    q_proj's rows: 141% off; or of the wrong shape)."""
     torch.manual_seed(0)
     model = cls().to(torch.bfloat16)
     x = torch.randn(*shape, dtype=torch.bfloat16)

@@ -631,6 +631,30 @@ def test_a_dynamic_graph_at_the_recompile_limit_blames_no_static_shape():
             compiled(torch.randn(*shape, dtype=torch.bfloat16))
     assert list(backend.report.limits) == [1], backend.report.limits
     said = backend.report.limits[1]
-    assert ("(one whose inputs fail this graph's guards: another rank, dtype or device, or a new size of a dim kept "
-            "static) runs the frame uncompiled") in said and "dynamic=False" not in said, said
+    assert ("(one whose inputs fail its guards: a new size of a dim kept static, another rank, dtype or device, or "
+            "another value of an argument guarded on) runs the frame uncompiled") in said, said
+    assert "dynamic=False" not in said, said
     assert said.endswith("TORCH_LOGS=recompiles names the guards that failed; raise the limit if each graph is needed")
+
+
+def test_a_flag_argument_at_the_recompile_limit_blames_no_static_shape():
+    """dynamic=None, one shape, a string argument that changes each call: the note blamed "a new shape, compiled
+    with dynamic=False" and advised the dynamic=None the model had."""
+    class Mode(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 32)
+
+        def forward(self, x, mode):
+            return self.proj(x) * {"a": 1.0, "b": 2.0, "c": 3.0}[mode]
+
+    model = Mode().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    compiled = torch.compile(model, backend=backend)
+    with torch._dynamo.config.patch(recompile_limit=2), torch.no_grad():
+        for mode in "abc":
+            compiled(torch.randn(1, 64, dtype=torch.bfloat16), mode)
+    assert list(backend.report.limits) == [1], backend.report.limits
+    said = backend.report.limits[1]
+    assert "another value of an argument guarded on" in said and "dynamic=False" not in said, said
