@@ -424,20 +424,22 @@ def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump]
     ``report.reused`` adds; one whose GEMMs the horizontal pass fused
     (``shared``: the groups' input positions, ``SHARED_INPUTS``), whose parameters of the new module are moved into
     one tensor each as the first module's were (else each of its fused GEMMs ran as one GEMM per layer, under a
-    report that called them fused). Only such graphs are watched; the check is one id() comparison of the first
-    weight a call. The dump's reports are written again where that added sites."""
+    report that called them fused). Only such graphs are watched; the check is one identity comparison of the first
+    weight a call (by a weak reference). The dump's reports are written again where that added sites."""
     positions = [p for _, p in report.frame_weights[index]] if frame else []
     watched = (positions or [shared[0][0][0]])[0]
     inputs = max(positions + [p for group in shared for part in group[:3] for p in part if p is not None])
     seen: set[int] = set()
-    last = [0]  # id() of the first weight of the last call: no reference, which would keep a dropped model alive
+    # the first weight of the last call, weakly: a reference would keep a dropped model alive, and its id() alone
+    # was taken by the next model's weight, whose block then ran unwatched (its fused GEMMs one per layer, no rows)
+    last: list[Optional[weakref.ref]] = [None]
 
     def look(args) -> None:
         if inputs >= len(args):  # the weights are no inputs of the compiled code: Inductor's freezing made them its
             return  # constants (a frame's graph that other modules run cannot be told apart then)
         weight = args[watched]
-        if id(weight) != last[0]:
-            last[0] = id(weight)
+        if last[0] is None or last[0]() is not weight:
+            last[0] = weakref.ref(weight)
             token = Site.token_of(weight)
             if token not in seen:
                 traced = not seen  # the first call: with the inputs Dynamo traced, the graph's own sites

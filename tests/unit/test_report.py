@@ -658,3 +658,32 @@ def test_a_flag_argument_at_the_recompile_limit_blames_no_static_shape():
     assert list(backend.report.limits) == [1], backend.report.limits
     said = backend.report.limits[1]
     assert "another value of an argument guarded on" in said and "dynamic=False" not in said, said
+
+
+def test_a_module_whose_weight_takes_a_dropped_one_s_address_is_looked_at():
+    """A graph Dynamo runs for each module of a class is watched for new modules' weights (their rows, their fused
+    tensors) by comparing the first weight of a call with the last call's. It compared id()s: a dropped model's
+    weight's address, taken by the next model's weight, read as the same weight, and that model ran unwatched (its
+    fused GEMMs one per layer, no rows in the report)."""
+    from unittest import mock
+
+    from fp8fx.backend import _watch_reuse
+
+    report = Report()
+    report.frame_weights[0] = [(0, 0)]  # (site 0's weight: the graph's input 0)
+    run = _watch_reuse(lambda *args: None, report, 0)
+    looked = []
+    with mock.patch.object(report, "reused", lambda index, weights: looked.append(index)):  # (holding no weight)
+        traced = torch.zeros(4)
+        run(traced)  # the module Dynamo traced: its own sites
+        weight = torch.zeros(4)
+        run(weight)  # another module: its rows
+        assert looked == [0]
+        address = id(weight)
+        del weight
+        held = []  # (allocations until one takes the freed address; CPython hands it to the next object of its size)
+        while len(held) < 1000 and id(held[-1] if held else None) != address:
+            held.append(torch.zeros(4))
+        assert id(held[-1]) == address, "no tensor took the dropped weight's address"
+        run(held[-1])  # a third module, at the second one's address
+    assert looked == [0, 0]
