@@ -85,10 +85,11 @@ def quantize_(
             f"quantize_: the model is half-quantized by a quantize_ call that stopped on the way ({len(done)} fp8 by "
             f"now, the rest still in high precision), and this call's arguments differ from it: {was}; call "
             "quantize_ again with that call's arguments to finish it, or quantize_ a fresh model (nothing was done)")
-    if done and unfinished != resume:
+    twice = [name for name in done if not config.is_ignored(name)]  # (a part quantized before, in ignored_layers:
+    if twice and unfinished != resume:  # this call quantizes the rest, as a call of each part with its prefix would)
         raise RuntimeError(
-            f"quantize_: {first_named(done)} is already fp8-quantized; quantize_ a fresh "
-            "bf16 model instead of quantizing twice"
+            f"quantize_: {first_named(twice)} is already fp8-quantized; quantize_ a fresh bf16 model instead of "
+            "quantizing twice, or name the parts quantized before in ignored_layers to quantize the rest"
         )
     modules = [(name, m) for name, m in modules if name not in done]
     check_no_in_place_rescale(model, "quantize_", "quantized")
