@@ -85,11 +85,13 @@ def quantize_(
             f"quantize_: the model is half-quantized by a quantize_ call that stopped on the way ({len(done)} fp8 by "
             f"now, the rest still in high precision), and this call's arguments differ from it: {was}; call "
             "quantize_ again with that call's arguments to finish it, or quantize_ a fresh model (nothing was done)")
-    twice = [name for name in done if not config.is_ignored(name)]  # (a part quantized before, in ignored_layers:
-    if twice and unfinished != resume:  # this call quantizes the rest, as a call of each part with its prefix would)
+    if done and unfinished != resume:
+        # (a model quantized part by part: the rest goes part by part too; one call over the whole model, the parts
+        # done before in ignored_layers, would meet their tags, input scales and undo state as its own)
         raise RuntimeError(
-            f"quantize_: {first_named(twice)} is already fp8-quantized; quantize_ a fresh bf16 model instead of "
-            "quantizing twice, or name the parts quantized before in ignored_layers to quantize the rest"
+            f"quantize_: {first_named(done)} is already fp8-quantized; quantize_ a fresh bf16 model instead of "
+            "quantizing twice, or, for a model quantized part by part, each part not quantized yet with its prefix "
+            "(quantize_(model.layers[1], config, prefix=\"layers.1\"))"
         )
     modules = [(name, m) for name, m in modules if name not in done]
     check_no_in_place_rescale(model, "quantize_", "quantized")

@@ -95,26 +95,25 @@ def test_quantize_twice_is_an_error():
                            v.view(torch.uint8) if v.element_size() == 1 else v) for k, v in model.state_dict().items())
 
 
-def test_the_rest_of_a_model_quantized_in_part_is_quantized_with_the_part_in_ignored_layers():
-    """A part quantized with its prefix (its own scheme), then the whole model with the part in ignored_layers: refused
-    as "already fp8-quantized; quantize_ a fresh bf16 model", where nothing was quantized twice. The rest is quantized
-    and the part keeps its scheme; a part not named there is still refused, the message saying how to go on."""
+def test_a_model_quantized_in_part_is_refused_with_the_part_by_part_route():
+    """A part quantized with its prefix, then the whole model: refused as "already fp8-quantized; quantize_ a fresh
+    bf16 model", naming no way on for the rest; the refusal names the part-by-part route, which quantizes it."""
     model = _mlp()
     x = torch.randn(4, 128, dtype=torch.bfloat16)
     with torch.no_grad():
         want = model.double()(x.double())
     model.to(torch.bfloat16)
-    per_tensor = Fp8Config(weight_granularity=fp8fx.PerTensor())
-    fp8fx.quantize_(model[0], per_tensor, prefix="0")
-    codes = model[0]._parameters["weight"].view(torch.uint8).clone()
-    with pytest.raises(RuntimeError, match=r"^quantize_: 0 is already fp8-quantized; quantize_ a fresh bf16 model "
-                                           r"instead of quantizing twice, or name the parts quantized before in "
-                                           r"ignored_layers to quantize the rest$"):
-        fp8fx.quantize_(model)
-    fp8fx.quantize_(model, Fp8Config(ignored_layers=["0"]))
-    assert all(fp8fx.weights.is_quantized(model[i]) for i in (0, 2, 3))
-    assert torch.equal(model[0]._parameters["weight"].view(torch.uint8), codes) and model[0].weight_scale.numel() == 1
-    assert model[2].weight_scale.shape == (128, 1)  # (the rest: per channel)
+    fp8fx.quantize_(model[0], Fp8Config(weight_granularity=fp8fx.PerTensor()), prefix="0")
+    for config in (None, Fp8Config(ignored_layers=["0"])):
+        with pytest.raises(RuntimeError, match=r"^quantize_: 0 is already fp8-quantized; quantize_ a fresh bf16 model "
+                                               r"instead of quantizing twice, or, for a model quantized part by part, "
+                                               r"each part not quantized yet with its prefix \(quantize_\(model\."
+                                               r"layers\[1\], config, prefix=\"layers\.1\"\)\)$"):
+            fp8fx.quantize_(model, config)
+    assert not any(fp8fx.weights.is_quantized(model[i]) for i in (2, 3))
+    for i in (2, 3):
+        fp8fx.quantize_(model[i], prefix=str(i))
+    assert all(fp8fx.weights.is_quantized(model[i]) for i in (0, 2, 3)) and model[0].weight_scale.numel() == 1
     with torch.no_grad():
         assert rel_err(model(x), want) < 0.05
 
