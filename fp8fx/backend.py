@@ -8,7 +8,7 @@ import os
 import weakref
 from typing import Any, Mapping, Optional, Sequence, Union
 
-from torch import fx
+from torch import SymInt, fx, is_tensor
 
 from fp8fx import ops
 from fp8fx.dump import DUMP_FILE, GraphDump, lock_folder, unlock_folder
@@ -273,7 +273,11 @@ class Fp8Backend:
             raise
         frame = compat.frame_graphs()
         if frame is not None and frame[1] >= frame[2]:  # Dynamo's last graph for the frame
-            self.report.at_recompile_limit(index, *frame, static=compat.compiled_static())
+            # (static: each shape a graph of its own, dynamic=False and no dim marked dynamic, which stays symbolic)
+            static = compat.compiled_static() and not any(
+                isinstance(v, SymInt) or is_tensor(v) and not all(isinstance(d, int) for d in v.shape)
+                for v in example_inputs)
+            self.report.at_recompile_limit(index, *frame, static=static)
         return self._done(compiled, index, dump, code, shared)
 
     def _discard(self, index: int, dump: Optional[GraphDump]) -> None:

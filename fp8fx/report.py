@@ -146,11 +146,12 @@ class Report:
         frame uncompiled, and no graph, so no row of this report, says so (Dynamo warns once, naming no layer).
         Said in the log, the table and ``to_dict``, while every site of the graphs compiled stays as it is.
         ``static``: compiled with ``dynamic=False``, where each new shape is a graph of its own."""
-        why = ("a new shape, compiled with dynamic=False" if static else "one whose inputs fail its guards: a new size "
-               "of a dim kept static, another rank, dtype or device, or another value of an argument guarded on")
-        fix = ("compile with dynamic=None, mark the dim that varies dynamic (torch._dynamo.mark_dynamic), or raise the "
-               "limit" if static else "TORCH_LOGS=recompiles names the guards that failed; raise the limit if each "
-               "graph is needed")
+        why = ("a new shape, each a graph of its own with dynamic=False, or another value of an argument guarded on"
+               if static else "one whose inputs fail its guards: a new size of a dim kept static, another rank, dtype "
+               "or device, or another value of an argument guarded on")
+        fix = ("where shapes vary, compile with dynamic=None or mark the dim that varies dynamic "
+               "(torch._dynamo.mark_dynamic); " if static else "") + (
+               "TORCH_LOGS=recompiles names the guards that failed; raise the limit if each graph is needed")
         self.limits[graph] = (
             f"graph {graph} (Dynamo's compile id {compile_id}) is graph {graphs} of its frame, which is "
             f"torch._dynamo.config.recompile_limit ({limit}): a call that needs another graph ({why}) runs the frame "

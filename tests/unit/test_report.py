@@ -609,8 +609,8 @@ def test_the_graph_at_dynamo_s_recompile_limit_says_what_follows(caplog):
     assert report.graphs == 3 and list(report.limits) == [2], report.limits
     frame = re.match(r"graph 2 \(Dynamo's compile id (\d+)/2\)", report.limits[2])  # (frame ids count per process)
     said = (f"graph 2 (Dynamo's compile id {frame and frame[1]}/2) is graph 3 of its frame, which is "
-            "torch._dynamo.config.recompile_limit (3): a call that needs another graph (a new shape, compiled with "
-            "dynamic=False) runs the frame uncompiled")
+            "torch._dynamo.config.recompile_limit (3): a call that needs another graph (a new shape, each a graph of "
+            "its own with dynamic=False, or another value of an argument guarded on) runs the frame uncompiled")
     assert report.limits[2].startswith(said), report.limits
     assert said in report.table() and said not in report.table(graph=1)
     assert [g.get("recompile_limit", "")[:len(said)] for g in report.to_dict()["graphs"]] == ["", "", said]
@@ -638,8 +638,8 @@ def test_a_dynamic_graph_at_the_recompile_limit_blames_no_static_shape():
 
 
 def test_a_flag_argument_at_the_recompile_limit_blames_no_static_shape():
-    """dynamic=None, one shape, a string argument that changes each call: the note blamed "a new shape, compiled
-    with dynamic=False" and advised the dynamic=None the model had."""
+    """dynamic=None (or False, the batch dim marked dynamic), one shape, a string argument that changes each call:
+    the note blamed "a new shape, compiled with dynamic=False" and advised the dynamic=None the model had."""
     class Mode(nn.Module):
         def __init__(self):
             super().__init__()
@@ -650,14 +650,18 @@ def test_a_flag_argument_at_the_recompile_limit_blames_no_static_shape():
 
     model = Mode().to(torch.bfloat16)
     fp8fx.quantize_(model)
-    backend = fp8fx.Fp8Backend(compiler="eager")
-    compiled = torch.compile(model, backend=backend)
-    with torch._dynamo.config.patch(recompile_limit=2), torch.no_grad():
-        for mode in "abc":
-            compiled(torch.randn(1, 64, dtype=torch.bfloat16), mode)
-    assert list(backend.report.limits) == [1], backend.report.limits
-    said = backend.report.limits[1]
-    assert "another value of an argument guarded on" in said and "dynamic=False" not in said, said
+    for dynamic in (None, False):  # (False: with the batch dim marked dynamic, which stays symbolic)
+        torch._dynamo.reset()
+        backend = fp8fx.Fp8Backend(compiler="eager")
+        compiled = torch.compile(model, backend=backend, dynamic=dynamic)
+        with torch._dynamo.config.patch(recompile_limit=2), torch.no_grad():
+            for mode in "abc":
+                x = torch.randn(3, 64, dtype=torch.bfloat16)
+                torch._dynamo.mark_dynamic(x, 0)
+                compiled(x, mode)
+        assert list(backend.report.limits) == [1], backend.report.limits
+        said = backend.report.limits[1]
+        assert "another value of an argument guarded on" in said and "dynamic=False" not in said, said
 
 
 def test_a_module_whose_weight_takes_a_dropped_one_s_address_is_looked_at():
