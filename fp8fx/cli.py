@@ -32,6 +32,7 @@ from torch import nn
 
 import fp8fx
 from fp8fx import quant
+from fp8fx.checkpoint.experts import NAMINGS
 from fp8fx.config import Fp8Config
 from fp8fx.report import NOT_QUANTIZED, ROOT, first_line, human_size
 from fp8fx.weights import moe
@@ -501,6 +502,11 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     for fqn, module in modules.items():  # experts: the MoE pass rewrites what quantize_ quantizes
         if moe.is_any_experts(module) and fqn not in seen:
             cfg = layer_config(fqn)
+            if cfg is None and why_not(fqn) != "in ignored_layers":  # a config naming experts one by one (a
+                # compressed-tensors group per layer's names: a checkpoint of per-expert projections), read as
+                # load_checkpoint reads it, by the first expert's projections
+                cfg = next((c for c in (layer_config(f"{fqn}.0.{p}") for names in NAMINGS for p in names)
+                            if c is not None), None)
             reason = (why_not(fqn) if cfg is None
                       # (an fp8 checkpoint's: load_checkpoint loads its experts as stored, ragged blocks too)
                       else ("in ignored_layers" if cfg.is_ignored(fqn) else None) if cfg.is_checkpoint_fp8_serialized

@@ -105,6 +105,30 @@ def test_inspect_of_an_fp8_checkpoint_predicts_ragged_expert_blocks_as_loaded(ca
     assert experts["would_rewrite"] and not experts["reason"]
 
 
+def test_inspect_of_a_checkpoint_with_a_scheme_per_part_predicts_its_experts_as_loaded(capsys, tmp_path):
+    """A Qwen3-MoE quantized part by part (per tensor, then per channel), saved: its compressed-tensors groups name the
+    experts one by one, as the checkpoint stores them, and inspect looked the experts module up by its own name: "not
+    targeted by quantization_config", where load_checkpoint loads them fp8."""
+    cfg = transformers.Qwen3MoeConfig(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      num_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    fp8fx.quantize_(model.model.layers[0], fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor()),
+                    prefix="model.layers.0")
+    fp8fx.quantize_(model.model.layers[1], fp8fx.Fp8Config(), prefix="model.layers.1")
+    fp8fx.save_checkpoint(model, tmp_path)
+    loaded = fp8fx.checkpoint.meta_model(tmp_path)
+    fp8fx.load_checkpoint(loaded, tmp_path, progress=False)
+    code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+    assert code == 0, err
+    rows = {s["fqn"]: s for s in json.loads(out)["sites"]}
+    for i, scheme in ((0, "w:per-tensor"), (1, "w:per-channel")):
+        fqn = f"model.layers.{i}.mlp.experts"
+        assert fp8fx.weights.is_quantized_experts(loaded.get_submodule(fqn))
+        assert rows[fqn]["would_rewrite"] and rows[fqn]["scheme"].startswith(scheme), rows[fqn]
+
+
 MODELS_PY = """
 import torch
 from torch import nn
