@@ -131,8 +131,8 @@ def parse(config_json: Mapping[str, Any], user: Optional[Fp8Config] = None) -> Q
     try:
         if name == "fp8":
             config = Fp8Config.from_config(qc)
-            hf = () if qc.get("ignored_layers") else tuple(qc.get("modules_to_not_convert") or ())  # (regexes:
-            # Fp8Config.from_config checked them)
+            # (each entry a regex: Fp8Config.from_config checked them)
+            hf = () if qc.get("ignored_layers") else tuple(qc.get("modules_to_not_convert") or ())
             # (an online config, fp8fx's to_dict: the weights are bf16/fp16, quantized as they load)
             return QuantFormat("fp8" if config.is_checkpoint_fp8_serialized else "none", config, kv_cache=kv,
                                hf_ignore=hf)

@@ -44,9 +44,9 @@ best groups, the experts), the group mask, the gather of the weights, their reno
 run 52). Its experts are the graph's (the graph's top-k is unsorted: these come sorted), its weights float32 as the
 graph's, but where two choices are equal: it takes the lower index, and ``torch.topk`` (CPU or CUDA) may take the
 other (sigmoids that round to 1.0 beside equal biases: a token routed to other experts than the uncompiled model's;
-``Fp8Backend(fast_topk=False)`` keeps the graph's top-ks). Left as the graph has it: a form any of whose steps something else
-reads (the mask, the top-k's values), a top-k over another dim, or one that an op between its steps may write (the
-logits, scores or choices).
+``Fp8Backend(fast_topk=False)`` keeps the graph's top-ks). Left as the graph has it: a form any of whose steps
+something else reads (the mask, the top-k's values), a top-k over another dim, or one that an op between its steps
+may write (the logits, scores or choices).
 """
 from __future__ import annotations
 
