@@ -702,7 +702,7 @@ def test_online_shard_loaded_twice_is_an_error():
 @pytest.mark.parametrize("when", ["before", "after"])
 def test_online_layer_refuses_a_weight_scale(granularity, when):
     """Online, the weight's scale is computed when its last element arrives; a weight_scale loaded after that (a
-    stray checkpoint tensor) replaced it, silently, and the weight read back 100x too large. Before it, the layer
+    stray checkpoint tensor) replaced it, silently, and the weight read back ~10^4x too large. Before it, the layer
     named no such parameter."""
     method = Fp8LinearMethod(Fp8Config(weight_granularity=granularity))
     layer = nn.Linear(128, 64, bias=False, device="meta")
