@@ -47,7 +47,7 @@ from torch import fx
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.config import granularity_from_block, weight_granularity_name
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
-from fp8fx.passes.linear import _layout, _may_alias, _mutates, _written, graph_inputs_memory, layouts_hold
+from fp8fx.passes.linear import _Layouts, _may_alias, _mutates, _written, graph_inputs_memory
 from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
@@ -210,28 +210,6 @@ _RESHAPE_METHODS = frozenset({"view", "reshape", "flatten", "unflatten", "squeez
                               "reshape_as"})
 _RESHAPE_FUNCTIONS = frozenset({torch.reshape, torch.flatten, torch.squeeze, torch.unsqueeze, torch.unflatten,
                                 torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.flatten})
-
-
-class _Layouts:
-    """The ``_layout`` of the activations a graph's GEMMs quantize, each read once; none in a graph ``layouts_hold``
-    refuses."""
-
-    def __init__(self, graph: fx.Graph):
-        self.hold = layouts_hold(graph)
-        self.seen: dict[fx.Node, Optional[tuple]] = {}
-
-    def of(self, node: fx.Node) -> Optional[tuple]:
-        if self.hold and node not in self.seen:
-            self.seen[node] = _layout(node)
-        return self.seen.get(node)
-
-    def same(self, a: fx.Node, b: fx.Node) -> bool:
-        layout = self.of(a)
-        return layout is not None and layout == self.of(b)
-
-    def key(self, node: fx.Node) -> Any:
-        """What tells ``node``'s tensor from others: its layout, or the node itself."""
-        return self.of(node) or node
 
 
 def _reshapes(node: fx.Node) -> bool:

@@ -613,7 +613,6 @@ def _same_tensor(node: fx.Node, layouts: bool) -> fx.Node:
     or a layout changed in place, recorded for every point of the graph)."""
     if not layouts:
         return node
-    start = node
     while (node.op == "call_method" and node.target in _ALIAS_METHODS or node.op == "call_function"
            and node.target in _ALIAS_FUNCTIONS) and node.args and isinstance(node.args[0], fx.Node):
         src = node.args[0]
@@ -657,21 +656,42 @@ def _layout(node: fx.Node) -> Optional[tuple]:
             value.is_neg(), value.is_conj())
 
 
+class _Layouts:
+    """The ``_layout`` of a graph's nodes, each read once; none in a graph ``layouts_hold`` refuses (``hold``, read
+    once a graph: the scan is over every node)."""
+
+    def __init__(self, graph: fx.Graph):
+        self.hold = layouts_hold(graph)
+        self.seen: dict[fx.Node, Optional[tuple]] = {}
+
+    def of(self, node: fx.Node) -> Optional[tuple]:
+        if self.hold and node not in self.seen:
+            self.seen[node] = _layout(node)
+        return self.seen.get(node)
+
+    def same(self, a: fx.Node, b: fx.Node) -> bool:
+        layout = self.of(a)
+        return layout is not None and layout == self.of(b)
+
+    def key(self, node: fx.Node) -> Any:
+        """What tells ``node``'s tensor from others: its layout, or the node itself."""
+        return self.of(node) or node
+
+
 class _Quantized(dict):
     """One graph's quantizations, (activation, input scale, block) -> (xq, x_scale), and each one's activation's
-    ``_layout`` -> its key, for another node of the same tensor to find it; layouts none where ``layouts_hold`` says
-    they are no guide (``no_layouts``, read once a graph: the scan is over every node)."""
+    layout (``layout``: the graph's ``_Layouts``) -> its key, for another node of the same tensor to find it."""
 
     def __init__(self, graph: fx.Graph):
         super().__init__()
-        self.layouts: dict[tuple, tuple] = {}
-        self.no_layouts = not layouts_hold(graph)
+        self.layout = _Layouts(graph)
+        self.by_layout: dict[tuple, tuple] = {}
 
     def forget(self, key: tuple) -> None:
         """Drop quantization ``key`` (an in-place write may have reached its activation), and its layout's entry."""
         del self[key]
-        for layout in [layout for layout, k in self.layouts.items() if k == key]:
-            del self.layouts[layout]
+        for layout in [layout for layout, k in self.by_layout.items() if k == key]:
+            del self.by_layout[layout]
 
 
 def _own_storage(value: torch.Tensor) -> Optional[StorageWeakRef]:
@@ -977,16 +997,16 @@ class LinearPass(Fp8Pass):
         """Nodes (xq, x_scale) quantizing ``x``, inserted before its first rewritten consumer ``site``
         and shared by the later ones (through ``quantized``, one graph's cache)."""
         # (q_proj(x), k_proj(x.contiguous()): one quantization, so one fused GEMM; the first quantizes what it read)
-        key = (_same_tensor(x, not quantized.no_layouts), input_scale, tuple(act_block))
+        key = (_same_tensor(x, quantized.layout.hold), input_scale, tuple(act_block))
         # another node of the same memory in the same layout (q_proj(x.flatten(0, 1)), k_proj(x.view(-1, d))): the
         # same values, so the same quantization and, horizontally, one GEMM
-        layout = None if quantized.no_layouts else _layout(x)
+        layout = quantized.layout.of(x)
         if key not in quantized and layout is not None:
-            key = quantized.layouts.get((layout, *key[1:]), key)
+            key = quantized.by_layout.get((layout, *key[1:]), key)
         if key in quantized:
             return quantized[key]
         if layout is not None:
-            quantized.layouts[(layout, *key[1:])] = key
+            quantized.by_layout[(layout, *key[1:])] = key
         with graph.inserting_before(site):
             if input_scale is not None:
                 xq = graph.call_function(torch.ops.fp8fx.quantize_static.default, (x, input_scale))
