@@ -461,9 +461,7 @@ class ExpertsLoader:
             t = check_scale_values(entry, t)
             if not name.endswith("_input_scale"):
                 self._note_wide_scales(ex, entry, name, e, t, dtype)
-            target = ex.stage._parameters[name]
-            if e is None and t.numel() < target.numel():  # one value per expert or per module: every slot
-                t = t.reshape(-1, *[1] * (target.dim() - 1)).expand(target.shape)
+            # (one value per expert or per module: Fp8MoEMethod.weight_loader gives it every slot it stands for)
         else:  # bf16 experts before quantizing, fp8 ones as stored (0x7F / 0xFF are fp8 NaN), as linear weights
             # the pass that looks for NaN/Inf also counts the values the model's dtype cannot hold: quantized online,
             # an expert's gate/up is assembled in a buffer of that dtype (1e5 becomes inf in a float16 model, its
