@@ -610,6 +610,20 @@ def convert_plan(modules: dict[str, nn.Module], entries: dict[str, Entry], confi
     return plan, tensors, reasons
 
 
+def w13_partners(names) -> dict[str, str]:
+    """Per-expert gate and up weight names (``<experts>.<e>.gate_proj.weight`` / ``w1``, and up's) -> each other's.
+    Under a per-tensor scheme ``convert`` gives the two one scale, the larger of their own: fused_moe runs an expert's
+    gate and up as one GEMM of one scale, so a load would requantize the one of the smaller scale to the other's, a
+    second fp8 rounding (what ``save_checkpoint`` writes: the one scale of ``gate_up_proj``, under both names)."""
+    by_expert: dict[tuple[str, str], dict[str, str]] = {}
+    for name in names:
+        m = _PER_EXPERT.match(name)
+        if m and m[4] == "weight" and SHARD[m[3]] in ("w1", "w3"):
+            by_expert.setdefault((m[1], m[2]), {})[SHARD[m[3]]] = name
+    return {a: b for pair in by_expert.values() if len(pair) == 2
+            for a, b in ((pair["w1"], pair["w3"]), (pair["w3"], pair["w1"]))}
+
+
 def in_model_layout(module: nn.Module, dtype: torch.dtype) -> bool:
     """Whether a fused checkpoint tensor (``gate_up_proj`` / ``down_proj``) of ``dtype`` for the experts ``module``
     holds the model's transposed layout, [E, H, 2I] / [E, I, H]: a high-precision one of experts stored transposed

@@ -842,7 +842,8 @@ def convert(
     folders, pickles and safetensors files outside the index are not (a warning names them).
     MoE experts (modules with 3-D ``gate_up_proj`` / ``down_proj``) are quantized per expert in the layout
     the checkpoint has: per-expert ``<experts>.<e>.gate_proj.weight`` (or ``w1`` ...) with their own
-    ``weight_scale`` / ``weight_scale_inv``, or fused ``gate_up_proj`` / ``down_proj`` with
+    ``weight_scale`` / ``weight_scale_inv`` (per-tensor: an expert's gate and up one, the larger of their two, the
+    one w13 scale fused_moe takes: the load rounds nothing again), or fused ``gate_up_proj`` / ``down_proj`` with
     ``gate_up_proj_scale[_inv]`` ... (``fp8fx.checkpoint.experts``); experts the config ignores (or cannot
     quantize) stay bf16 and their checkpoint modules go to the ignore list. Checkpoint names are matched to
     the model's through transformers' renames and ``key_mapping``, as ``load_checkpoint`` does (hub Mixtral's
@@ -924,6 +925,8 @@ def convert(
         compare_tied(cut_entries[loads], loads, read_tensor(cut_entries[loads]), cut_entries[key], key,
                      read_tensor(cut_entries[key]))
     config_text = _config_text(config_json, qc, "convert")
+    partners = moe_ckpt.w13_partners(expert_tensors) if isinstance(config.weight, PerTensor) else {}
+    partner_scales: dict[str, torch.Tensor] = {}
     weight_map: dict[str, str] = {}
     total = 0
     # e.g. NaN in a later file, a full disk, a kill (timeout's or Slurm's SIGTERM): no partial checkpoint at dst
@@ -957,7 +960,17 @@ def convert(
                 if bad:
                     raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix it or add {owner!r} to "
                                           "ignored_layers")
-                q, scale = chunked.quantize(t, config.weight.block)
+                shared = None  # an expert's gate and up, per-tensor: one scale (moe_ckpt.w13_partners)
+                if entry.name in partners:
+                    shared = partner_scales.pop(entry.name, None)
+                    if shared is None:  # the first of the two: the other is read for its scale (and read again)
+                        other = entries[partners[entry.name]]
+                        u = read_tensor(other)
+                        moe_ckpt.check_finite(other, u, expert_tensors[other.name])
+                        shared = torch.maximum(chunked.per_tensor_scale(t), chunked.per_tensor_scale(u))
+                        partner_scales[other.name] = shared
+                        del u
+                q, scale = chunked.quantize(t, config.weight.block, scale=shared)
                 del t
                 out[name] = q
                 out[f"{owner}.{scale_name}"] = scale.reshape(1) if isinstance(config.weight, PerTensor) else scale

@@ -27,19 +27,27 @@ def _row_step(rows: int, cols: int, block: Sequence[int], chunk_numel: int) -> i
 
 
 def quantize(
-    x: torch.Tensor, block: Sequence[int], chunk_numel: int = CHUNK_NUMEL, out: Optional[torch.Tensor] = None
+    x: torch.Tensor, block: Sequence[int], chunk_numel: int = CHUNK_NUMEL, out: Optional[torch.Tensor] = None,
+    scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``quant.quantize(x, block)`` for a 2-D ``x: [N, K]``, computed ``chunk_numel`` elements at a time; the codes
-    written into ``out`` (an fp8 ``[N, K]``, e.g. a slice of a larger weight) where given."""
+    written into ``out`` (an fp8 ``[N, K]``, e.g. a slice of a larger weight) where given. ``scale``: for one scale
+    over all rows (``block[0] == -1``), the scale to quantize with instead of ``x``'s own (``per_tensor_scale``'s
+    max over weights that share one: an expert's gate and up)."""
     rows, cols = x.shape
+    if scale is not None:
+        if block[0] != -1:
+            raise ValueError(f"chunked.quantize: a given scale is for one scale over all rows, not block {block}")
+        scale = scale.reshape(quant.scale_shape(x.shape, block))
     step = _row_step(rows, cols, block, chunk_numel)
-    if rows <= step:
+    if rows <= step and scale is None:
         q, scale = quant.quantize(x, block)
         return (q, scale) if out is None else (out.copy_(q), scale)
     chunks = [x[i : i + step] for i in range(0, rows, step)]
     q = torch.empty(x.shape, dtype=quant.FP8_DTYPE, device=x.device) if out is None else out  # q: [N, K]
     if block[0] == -1:  # one scale over all rows: its max first, then the casts
-        scale = torch.stack([quant.compute_scale(c, block) for c in chunks]).amax(dim=0)  # [1, n_c]
+        if scale is None:
+            scale = per_tensor_scale(x, block, chunk_numel)  # [1, n_c]
         for i, c in zip(range(0, rows, step), chunks):
             q[i : i + step] = quant.quantize_with_scale(c, scale, block)
         return q, scale
@@ -48,6 +56,16 @@ def quantize(
         q[i : i + step], s = quant.quantize(c, block)
         scales.append(s)
     return q, torch.cat(scales)  # [ceil(N / bR), ceil(K / bC)]
+
+
+def per_tensor_scale(x: torch.Tensor, block: Sequence[int] = (-1, -1), chunk_numel: int = CHUNK_NUMEL) -> torch.Tensor:
+    """``quant.compute_scale(x, block)`` of a 2-D ``x`` for one scale over all rows (``block[0] == -1``), the max of
+    its row chunks' scales."""
+    rows, cols = x.shape
+    step = _row_step(rows, cols, block, chunk_numel)
+    if rows <= step:
+        return quant.compute_scale(x, block)
+    return torch.stack([quant.compute_scale(x[i : i + step], block) for i in range(0, rows, step)]).amax(dim=0)
 
 
 def count_nonfinite(x: torch.Tensor, chunk_numel: int = CHUNK_NUMEL) -> int:

@@ -36,6 +36,24 @@ def test_chunked_quantize_is_bit_identical(rows, cols, block, chunk, seed):
     assert torch.equal(s, s_ref)
 
 
+@settings(max_examples=30, deadline=None)
+@given(rows=st.integers(1, 70), cols=st.integers(1, 40), block=st.sampled_from([(-1, -1), (-1, 8)]),
+       chunk=st.integers(1, 300), seed=st.integers(0, 2**16))
+def test_chunked_quantize_with_a_shared_scale(rows, cols, block, chunk, seed):
+    """One scale for two weights (convert's per-tensor gate and up of an expert): per_tensor_scale is x's own scale,
+    and quantize with the max of two gives the codes quant.quantize_with_scale gives, in any chunks."""
+    g = torch.Generator().manual_seed(seed)
+    x, y = ((torch.randn(rows, cols, generator=g) * torch.rand(1, generator=g) * 10).to(torch.bfloat16)
+            for _ in range(2))
+    assert torch.equal(chunked.per_tensor_scale(x, block, chunk_numel=chunk), quant.compute_scale(x, block))
+    shared = torch.maximum(chunked.per_tensor_scale(x, block), chunked.per_tensor_scale(y, block))
+    for t in (x, y):
+        q, s = chunked.quantize(t, block, chunk_numel=chunk, scale=shared)
+        assert torch.equal(s, shared) and torch.equal(_bits(q), _bits(quant.quantize_with_scale(t, shared, block)))
+    with pytest.raises(ValueError, match="one scale over all rows"):
+        chunked.quantize(x, (1, -1), scale=shared)
+
+
 def test_chunks_really_are_smaller_than_the_tensor():
     """The row step for a 1000 x 64 weight with 640-element chunks is 10 rows (16 for 16-row blocks)."""
     assert chunked._row_step(1000, 64, (1, -1), 640) == 10
