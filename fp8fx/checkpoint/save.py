@@ -849,7 +849,7 @@ def convert(
     the model's through transformers' renames and ``key_mapping``, as ``load_checkpoint`` does (hub Mixtral's
     ``block_sparse_moe.experts.<e>.w1`` are ``mlp.experts``' in transformers 5), and written back as stored:
     the output keeps the input's layout, which transformers and vLLM load.
-    Peak memory: one output file plus one bf16 tensor. Returns a ``LoadReport`` (checkpoint module names;
+    Peak memory: one output file plus one bf16 tensor (two: an expert's gate and up, per-tensor). Returns a ``LoadReport`` (checkpoint module names;
     ``experts``: the experts modules quantized).
     """
     src, dst = os.fspath(src), os.fspath(dst)
