@@ -325,6 +325,11 @@ class _Undo:
                 raise
             vars(self.model)[_UNFINISHED] = self.key
             guard_casts(self.model)  # (its fp8 layers refuse a cast before any module converts, as when finished)
+            from fp8fx.checkpoint import pretrained
+
+            # its save_pretrained writes a quantization_config every reader refuses (save_checkpoint's refusal of a
+            # half-quantized model): transformers' own wrote the fp8 layers' codes with none, read back as bf16
+            pretrained.describe(self.model)
             reason = (f"quantize_ stopped at {fqn} ({type(error).__name__}) before it quantized this layer; call "
                       "quantize_ again with the same arguments to finish")
             for name, m in self.planned:
