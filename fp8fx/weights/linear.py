@@ -23,7 +23,7 @@ import re
 import sys
 import threading
 import weakref
-from typing import Mapping, NoReturn, Optional, Sequence
+from typing import Any, Mapping, NoReturn, Optional, Sequence
 
 import torch
 from torch import nn
@@ -33,7 +33,8 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 
 from fp8fx import quant
-from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, granularity_from_block, transformers_skips
+from fp8fx.config import (Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, config_or, granularity_from_block,
+                          transformers_skips)
 from fp8fx.ops import BIAS_GAPS
 from fp8fx.weights import chunked, views
 from fp8fx.weights.counter import CopyNumelCounter
@@ -504,7 +505,10 @@ def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str,
     the codes under the old scale (outputs 1.5x their norm off after the error). Scales of another dtype than float32
     loaded with ``assign=True``, which puts them in as they are (a state dict whose float32 tensors were halved: the
     layer held float16 scales, which save_checkpoint then refused, blaming a cast). Codes and scales whose dequantized
-    weight the layer's float16 compute dtype cannot hold (inf, outputs NaN), as its cast to float16 is refused."""
+    weight the layer's float16 compute dtype cannot hold (inf, outputs NaN), as its cast to float16 is refused. Codes
+    without the static input scale the layer holds, or with one it has no place for (a state_dict of the other
+    activation scheme: every layer's codes were replaced before torch named the missing or unexpected keys, the new
+    codes left under the old calibration's scales)."""
     for name, codes in self._parameters.items():
         given = state_dict.get(prefix + name)
         if codes is None or not is_fp8_state(name, codes) or not isinstance(given, torch.Tensor) or given.is_meta:
@@ -553,6 +557,21 @@ def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str,
                     "are loaded together (codes read under another scale, or a scale over other codes, give wrong "
                     "weights: a state_dict of a model quantized with another scheme, or a partial one); load both, as "
                     "the quantized model's state_dict holds them (this module was not loaded)")
+    for name, codes in self._parameters.items():  # codes of static activations come with their input scale, and
+        if codes is None or codes.dtype != quant.FP8_DTYPE or prefix + name not in state_dict:  # dynamic ones with none
+            continue
+        scale = "input_scale" if name == "weight" else f"{name}_input_scale"  # (a linear's; an experts module's)
+        held, given = self._parameters.get(scale) is not None, prefix + scale in state_dict
+        if held and not given:  # (the new codes were left under the old calibration's input scale)
+            return (f"{prefix}{scale} is not in the state_dict, which holds {prefix}{name}: this module quantizes "
+                    "its input with a static scale (activation_scheme='static') and the state_dict is of a model "
+                    "quantized with dynamic activations, another scheme; load a state_dict of a model quantized as "
+                    "this one is, or quantize this model with dynamic activations (this module was not loaded)")
+        if given and not held:
+            return (f"{prefix}{scale}: the state_dict holds a static input scale for {prefix}{name}, and this module "
+                    "quantizes its input dynamically (no input scale): a state_dict of a model quantized with static "
+                    "activations (activation_scheme='static'), another scheme; load a state_dict of a model quantized "
+                    "as this one is, or quantize this model with static activations (this module was not loaded)")
     dtype = getattr(self, "_fp8fx_dtype", None)
     if dtype == torch.float16:  # (the one compute dtype whose range fp8 codes times a scale can exceed)
         params = {n: state_dict.get(prefix + n, p) for n, p in self._parameters.items()}
@@ -855,6 +874,34 @@ def same_layout(name: str, loaded: tuple, dest: tuple) -> bool:
     return quant.without_trailing_ones(loaded) == quant.without_trailing_ones(dest)
 
 
+def method_config(config: Any, where: str) -> Fp8Config:
+    """A method class's ``config`` (``Fp8LinearMethod(config)``, ``Fp8MoEMethod(config)``), an ``Fp8Config``: a
+    checkpoint's quantization_config dict, None or the class failed at the first call with an AttributeError."""
+    config = config_or(config, None, where)
+    if config is None:
+        raise ValueError(f"{where}(config=None): it takes an Fp8Config, e.g. {where}(Fp8Config()), or "
+                         f"{where}(Fp8Config.from_config(quantization_config)) for a checkpoint's")
+    return config
+
+
+def check_create_target(where: str, layer: nn.Module, created: bool, device) -> None:
+    """``create_weights``' layer and device (``Fp8LinearMethod``'s, ``Fp8MoEMethod``'s), checked before anything of the
+    layer changes. ``created``: the layer holds fp8fx's weights already (``quantize_``, ``load_checkpoint`` or an
+    earlier ``create_weights``, a load maybe under way), which a second call replaced with empty ones, silently (the
+    model's forward then refused it). A ``device`` no tensor can be made on failed in torch with no name (``cuda`` in a
+    CPU build), the layer half-created."""
+    if created:
+        raise ValueError(f"{where}: its weights were created already (it holds fp8fx's fp8 weights, or a load into "
+                         "them is under way); create_weights makes a layer's weights once: load into them with "
+                         "weight_loader, or create them on a fresh module (nothing of the layer changed)")
+    if device is not None:
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError, TypeError, ValueError) as e:
+            raise ValueError(f"{where}: device={device!r}: no tensor can be made there ({str(e).splitlines()[0]}); "
+                             "pass a device this machine has (nothing of the layer changed)") from None
+
+
 def check_create_arguments(where: str, params_dtype: torch.dtype, **sizes) -> None:
     """The arguments of ``create_weights`` (``Fp8LinearMethod``'s, ``Fp8MoEMethod``'s), checked before anything of
     the layer changes: each size an int >= 0 (``output_partition_sizes``: a list of them, one at least; ``tp_size``
@@ -894,8 +941,8 @@ class Fp8LinearMethod:
     """
 
     def __init__(self, config: Fp8Config, scheme: Optional[LayerScheme] = None):
-        self.config = config
-        self.scheme = scheme or config.scheme()
+        self.config = method_config(config, type(self).__name__)
+        self.scheme = scheme or self.config.scheme()
 
     # -- create ------------------------------------------------------------------------------
     def create_weights(
@@ -918,7 +965,34 @@ class Fp8LinearMethod:
                 f"{where}: output partitions {list(output_partition_sizes)} of a fused {w} layer: every partition but "
                 f"the last must be a multiple of block_n={w.block_n}, so that no scale block spans two partitions"
             )
+        check_create_target(where, layer, is_quantized(layer) or "_fp8fx_pending" in vars(layer), device)
         n, k = sum(output_partition_sizes), input_size
+
+        def param(t: torch.Tensor) -> nn.Parameter:
+            return nn.Parameter(t, requires_grad=False)
+
+        # the tensors first (an allocation that fails leaves the layer as it was), then the layer's attributes
+        serialized = self.config.is_checkpoint_fp8_serialized
+        unloaded = torch.finfo(torch.float32).min  # marks a scale that was never loaded
+        new = {}
+        if self.scheme.static_activation:
+            new["input_scale"] = param(
+                torch.full((len(output_partition_sizes),), unloaded, dtype=torch.float32, device=device)
+            )
+        if not serialized:  # online: a high-precision receive buffer; fp8 params are made when it is full
+            new["weight"] = param(torch.empty(n, k, dtype=params_dtype, device="meta"))
+        else:
+            new["weight"] = param(torch.empty(n, k, dtype=quant.FP8_DTYPE, device=device))
+            # scales start at the "never loaded" marker: process_weights_after_loading refuses any left there
+            if isinstance(self.scheme.weight, PerBlock):
+                shape = quant.scale_shape((n, k), self.scheme.weight.block)
+                new["weight_scale_inv"] = param(torch.full(shape, unloaded, dtype=torch.float32, device=device))
+            elif isinstance(self.scheme.weight, PerRow):
+                new["weight_scale"] = param(torch.full((n, 1), unloaded, dtype=torch.float32, device=device))
+            else:  # one per logical shard until process_weights_after_loading
+                new["weight_scale"] = param(
+                    torch.full((len(output_partition_sizes),), unloaded, dtype=torch.float32, device=device)
+                )
         layer._fp8fx_prefix = where
         layer._fp8fx_partitions = tuple(output_partition_sizes)
         layer._fp8fx_dtype = params_dtype
@@ -928,35 +1002,13 @@ class Fp8LinearMethod:
         layer._fp8fx_processed = False
         layer._fp8fx_copied = 0
         layer._fp8fx_shards_loaded = set()  # weight shards received (a repeat must not count twice)
-
-        def param(t: torch.Tensor) -> nn.Parameter:
-            return nn.Parameter(t, requires_grad=False)
-
-        unloaded = torch.finfo(torch.float32).min  # marks a scale that was never loaded
-        if self.scheme.static_activation:
-            layer._parameters["input_scale"] = param(
-                torch.full((len(output_partition_sizes),), unloaded, dtype=torch.float32, device=device)
-            )
-        if not self.config.is_checkpoint_fp8_serialized:
-            # Online: a high-precision receive buffer; fp8 params are made when it is full.
-            layer._parameters["weight"] = param(torch.empty(n, k, dtype=params_dtype, device="meta"))
+        layer._parameters.update(new)
+        if not serialized:
             layer._fp8fx_device = device
             # until process_weights_after_loading the layer is the model's own over a receive buffer still filling
             # (it ran on the shards loaded so far and uninitialized memory: outputs of 1e8, silently)
             layer.__dict__["_fp8fx_pending"] = layer.register_forward_pre_hook(_refuse_unprocessed)
             return
-        layer._parameters["weight"] = param(torch.empty(n, k, dtype=quant.FP8_DTYPE, device=device))
-        # scales start at the "never loaded" marker: process_weights_after_loading refuses any left there
-        if layer._fp8fx_block_scales:
-            shape = quant.scale_shape((n, k), self.scheme.weight.block)
-            scale = torch.full(shape, unloaded, dtype=torch.float32, device=device)
-            layer._parameters["weight_scale_inv"] = param(scale)
-        elif isinstance(self.scheme.weight, PerRow):
-            layer._parameters["weight_scale"] = param(torch.full((n, 1), unloaded, dtype=torch.float32, device=device))
-        else:  # one per logical shard until process_weights_after_loading
-            layer._parameters["weight_scale"] = param(
-                torch.full((len(output_partition_sizes),), unloaded, dtype=torch.float32, device=device)
-            )
         layer.__class__ = fp8_class(type(layer))
 
     # -- load --------------------------------------------------------------------------------

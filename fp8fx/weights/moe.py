@@ -41,7 +41,7 @@ from fp8fx.weights import chunked, views
 from fp8fx.weights.linear import check_codes_held, check_create_arguments, check_online, fp8_apply, fp8_delattr
 from fp8fx.weights.linear import as_index, fp8_load_from_state_dict, foreign_tensor_reason
 from fp8fx.weights.linear import reduce_made_class, refuse_script, same_layout
-from fp8fx.weights.linear import setstate_made_class
+from fp8fx.weights.linear import check_create_target, method_config, setstate_made_class
 
 log = logging.getLogger("fp8fx")
 
@@ -382,8 +382,8 @@ class Fp8MoEMethod:
     """
 
     def __init__(self, config: Fp8Config, scheme: Optional[LayerScheme] = None):
-        self.config = config
-        self.scheme = scheme or config.scheme()
+        self.config = method_config(config, type(self).__name__)
+        self.scheme = scheme or self.config.scheme()
 
     # -- create ------------------------------------------------------------------------------
     def create_weights(
@@ -417,8 +417,29 @@ class Fp8MoEMethod:
             raise ValueError(f"{prefix}: {error}")
         if interleaved and not gated:
             raise ValueError(f"{prefix}: interleaved=True with gated=False: ungated experts have no gate rows")
+        check_create_target(prefix, layer, is_quantized_experts(layer), device)
         w13 = W13 if gated else UP
         w = self.scheme.weight
+
+        def param(shape, dtype=torch.float32, fill=None) -> nn.Parameter:
+            t = torch.empty(shape, dtype=dtype, device=device) if fill is None else torch.full(
+                shape, fill, dtype=dtype, device=device)
+            return nn.Parameter(t, requires_grad=False)
+
+        # the tensors first (an allocation that fails leaves the layer as it was), then the layer's attributes
+        serialized = self.config.is_checkpoint_fp8_serialized
+        new = {}
+        for name, (rows, cols) in ((w13, (2 * i if gated else i, h)), (W2, (h, i))):
+            new[name] = param((e, rows, cols), quant.FP8_DTYPE)
+            if isinstance(w, PerBlock):
+                new[name + "_scale_inv"] = param(quant.scale_shape((e, rows, cols), w.block), fill=_UNLOADED)
+            elif isinstance(w, PerRow):
+                new[name + "_scale"] = param((e, rows, 1), fill=_UNLOADED)
+            else:  # per-tensor: one per expert; w13 arrives as one per shard (w1, w3) from checkpoints
+                shape = (e, 2) if serialized and name == W13 else (e,)  # (ungated: up, one scale)
+                new[name + "_scale"] = param(shape, fill=_UNLOADED)
+            if self.scheme.static_activation:
+                new[name + "_input_scale"] = param((e,), fill=_UNLOADED)
         layer._fp8fx_prefix = prefix
         layer._fp8fx_dtype = params_dtype
         layer._fp8fx_w_block = list(w.block)
@@ -433,25 +454,7 @@ class Fp8MoEMethod:
         # overlap an earlier one (the completeness check counts elements; online, a repeat would be dropped)
         layer._fp8fx_arrived = set()
         layer._fp8fx_staging = {}  # (name, expert) -> bf16 [rows, cols] while its shards arrive (online)
-
-        def param(shape, dtype=torch.float32, fill=None) -> nn.Parameter:
-            t = torch.empty(shape, dtype=dtype, device=device) if fill is None else torch.full(
-                shape, fill, dtype=dtype, device=device)
-            return nn.Parameter(t, requires_grad=False)
-
-        serialized = self.config.is_checkpoint_fp8_serialized
-        for name, (rows, cols) in ((w13, (2 * i if gated else i, h)), (W2, (h, i))):
-            layer._parameters[name] = param((e, rows, cols), quant.FP8_DTYPE)
-            if isinstance(w, PerBlock):
-                layer._parameters[name + "_scale_inv"] = param(quant.scale_shape((e, rows, cols), w.block),
-                                                               fill=_UNLOADED)
-            elif isinstance(w, PerRow):
-                layer._parameters[name + "_scale"] = param((e, rows, 1), fill=_UNLOADED)
-            else:  # per-tensor: one per expert; w13 arrives as one per shard (w1, w3) from checkpoints
-                shape = (e, 2) if serialized and name == W13 else (e,)  # (ungated: up, one scale)
-                layer._parameters[name + "_scale"] = param(shape, fill=_UNLOADED)
-            if self.scheme.static_activation:
-                layer._parameters[name + "_input_scale"] = param((e,), fill=_UNLOADED)
+        layer._parameters.update(new)
         layer.__class__ = fp8_experts_class(type(layer), w13)
 
     # -- load --------------------------------------------------------------------------------

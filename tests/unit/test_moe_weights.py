@@ -942,6 +942,38 @@ def test_fp8_codes_and_their_scales_load_together_or_not_at_all(dropped):
         blocks.load_state_dict(other.state_dict(), strict=False)
 
 
+@pytest.mark.parametrize("into", ["static", "dynamic"])
+def test_a_state_dict_of_the_other_activation_scheme_is_refused_before_any_module_loads(into):
+    """A static model's state_dict (codes with input scales) loaded into a dynamic one, or the reverse: every
+    module's codes and scales were replaced before torch named the unexpected or missing input scales (the new codes
+    left under the old calibration's). Refused naming the input scale and the scheme, nothing loaded; found by a
+    bad-input probe."""
+    scales = {"proj": 0.01, "experts.gate_up_proj": 0.02, "experts.down_proj": 0.03}
+
+    def block(static, seed):
+        model = Block(seed=seed).to(torch.bfloat16)
+        if static:
+            return fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales=scales)
+        return fp8fx.quantize_(model, Fp8Config())
+
+    model, other = block(into == "static", 1), block(into != "static", 0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    why = (r"proj.input_scale is not in the state_dict, which holds proj.weight: this module quantizes its input "
+           r"with a static scale" if into == "static" else
+           r"proj.input_scale: the state_dict holds a static input scale for proj.weight, and this module quantizes "
+           r"its input dynamically")
+    for strict in (True, False):
+        with pytest.raises(RuntimeError, match=why + r".*another scheme.*\(this module was not loaded\)"):
+            model.load_state_dict(other.state_dict(), strict=strict)
+        assert all(torch.equal(v.view(torch.uint8) if v.dtype.itemsize == 1 else v,
+                               before[k].view(torch.uint8) if v.dtype.itemsize == 1 else before[k])
+                   for k, v in model.state_dict().items())
+    state = {k: v for k, v in other.state_dict().items() if not k.startswith("proj.")}
+    with pytest.raises(RuntimeError, match=r"experts.gate_up_proj_input_scale.*another scheme"):  # the experts too
+        model.load_state_dict(state, strict=False)
+    model.load_state_dict(block(into == "static", 0).state_dict())  # the same scheme's loads
+
+
 @pytest.mark.parametrize("name,value", [("proj.weight_scale", float("nan")), ("proj.weight_scale", 0.0),
                                         ("experts.down_proj_scale", -1.0), ("experts.gate_up_proj_scale", float("inf")),
                                         ("proj.weight", float("nan")), ("experts.gate_up_proj", float("nan"))])

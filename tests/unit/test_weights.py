@@ -419,6 +419,54 @@ def test_create_weights_refuses_bad_arguments_naming_the_layer_and_changes_nothi
     assert layer._fp8fx_prefix == "model.layers.0.proj"
 
 
+@pytest.mark.parametrize("linear", [True, False], ids=["Fp8LinearMethod", "Fp8MoEMethod"])
+@pytest.mark.parametrize("config", [_ONLINE, _STATIC, _BLOCK], ids=["online", "static", "block"])
+def test_create_weights_refuses_a_created_layer_and_a_device_it_cannot_use(linear, config):
+    """Found by a bad-input probe: a second create_weights on a layer whose weights exist (a model quantize_ or
+    load_checkpoint made fp8, a load under way) replaced its fp8 codes and scales with empty ones, silently; a device
+    torch cannot make tensors on failed with torch's error (no layer named), after the layer took fp8fx attributes.
+    Both are refused naming the layer, the layer as it was."""
+    from fp8fx.weights import Fp8MoEMethod
+
+    args = dict(input_size=64, output_partition_sizes=[32, 32]) if linear else dict(
+        num_experts=4, hidden_size=64, intermediate_size=32)
+    method = (Fp8LinearMethod if linear else Fp8MoEMethod)(config)
+    layer = nn.Linear(64, 64, device="meta") if linear else nn.Module()
+    before = (type(layer), dict(vars(layer)), dict(layer._parameters))
+    bad = "cuda:1000" if not torch.cuda.is_available() else f"cuda:{torch.cuda.device_count()}"
+    with pytest.raises(ValueError, match=rf"^proj: device='{bad}': no tensor can be made there .*nothing of the "
+                                         "layer changed"):
+        method.create_weights(layer, params_dtype=torch.bfloat16, device=bad, prefix="proj", **args)
+    assert (type(layer), vars(layer), layer._parameters) == before
+    method.create_weights(layer, params_dtype=torch.bfloat16, device="cpu", prefix="proj", **args)
+    created = (type(layer), dict(vars(layer)), dict(layer._parameters))
+    with pytest.raises(ValueError, match=r"^proj: its weights were created already .*nothing of the layer changed"):
+        method.create_weights(layer, params_dtype=torch.bfloat16, device="cpu", prefix="proj", **args)
+    assert (type(layer), vars(layer), layer._parameters) == created
+    # a layer quantize_ made fp8: its codes and scales stay
+    model = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    if linear:
+        with pytest.raises(ValueError, match=r"^0: its weights were created already"):
+            method.create_weights(model[0], 64, [64], torch.bfloat16, device="cpu", prefix="0")
+        assert all(torch.equal(v.view(torch.uint8) if v.dtype.itemsize == 1 else v, state[k].view(torch.uint8) if
+                               v.dtype.itemsize == 1 else state[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("config", [None, Fp8Config, {"quant_method": "fp8", "activation_scheme": "dynamic"}])
+def test_method_classes_refuse_what_is_no_config(config):
+    """A checkpoint's quantization_config dict, None or the class itself failed at the first call with an
+    AttributeError naming neither the argument nor the fix (found by a bad-input probe)."""
+    from fp8fx.weights import Fp8MoEMethod
+
+    fix = (r"it takes an Fp8Config" if config is None else r"the class; pass an instance" if config is Fp8Config
+           else r"Fp8Config.from_config\(it\)")
+    for cls in (Fp8LinearMethod, Fp8MoEMethod):
+        with pytest.raises(ValueError, match=rf"^{cls.__name__}\(config=.*{fix}"):
+            cls(config)
+
+
 def test_create_weights_takes_numpy_and_torch_ints():
     """Sizes from numpy or torch (a config's np.int64, a torch.Size, an array of partitions) are ints to
     create_weights, as before its argument checks (which refused them as "an int >= 0": a review's catch)."""
