@@ -865,9 +865,10 @@ class LinearPass(Fp8Pass):
             if node.op != "call_function" or node.target not in _DEQUANT or not node.users:
                 continue
             real = ctx.example.get(node.args[0])
-            fqn = getattr(real, "_fp8fx_fqn", None) or None  # ("": a layer quantized on its own, named by its path)
-            if fqn is None:
-                fqn = by_weight.get(Site.token_of(real), node.name) if real is not None else node.name
+            tag = getattr(real, "_fp8fx_fqn", None)  # ("": a layer quantized on its own, named by its path)
+            fqn = tag or (by_weight.get(Site.token_of(real)) if real is not None else None)
+            if fqn is None:  # no site names it: a layer quantized on its own is the root of what quantize_ was given
+                fqn = "" if tag == "" else node.name  # (nn.Linear.compile(): the graph of its weight alone)
             readers = ", ".join(sorted(
                 {f"{_name_of(r)} of its transpose" for u in node.users if _transposed(u) is node for r in u.users}
                 | {_name_of(u) for u in node.users if _transposed(u) is not node}

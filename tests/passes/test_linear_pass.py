@@ -765,6 +765,20 @@ def test_a_torch_nn_module_compiled_in_place_says_its_layers_ran_uncompiled():
                for s in backend.report.sites), backend.report
 
 
+def test_a_linear_quantized_and_compiled_in_place_is_the_root_row():
+    """quantize_(nn.Linear) then its .compile(): the graph of its weight's property named the row after the property's
+    local variable ("w"), where torch.compile(layer) names it the root module ("", shown "(root module)"); found by a
+    probe."""
+    layer = nn.Linear(64, 8).to(torch.bfloat16)
+    fp8fx.quantize_(layer)
+    backend = Fp8Backend(compiler="eager")
+    layer.compile(backend=backend)
+    with torch.no_grad():
+        layer(torch.randn(3, 64, dtype=torch.bfloat16))
+    assert [s.fqn for s in backend.report.sites] == [""] and "(root module)" in backend.report.table()
+    assert "nn.Linear compiled in place by its .compile()" in backend.report.sites[0].reason
+
+
 def test_the_backend_class_given_for_an_instance_is_named():
     """backend=fp8fx.Fp8Backend (the class): "Fp8Backend.__init__() takes 1 positional argument but 3 were given"."""
     with pytest.raises(torch._dynamo.exc.BackendCompilerFailed, match=r"backend=fp8fx.Fp8Backend\): the class was "
