@@ -272,6 +272,8 @@ class Fp8Backend:
                 dump.finish(self.report, code)
             raise
         frame = compat.frame_graphs()
+        if frame is not None:
+            self.report.graph_of_frame(index, frame[0])
         if frame is not None and frame[1] >= frame[2]:  # Dynamo's last graph for the frame
             # (static: each shape a graph of its own, dynamic=False and no dim marked dynamic, which stays symbolic)
             static = compat.compiled_static() and not any(

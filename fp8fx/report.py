@@ -104,6 +104,7 @@ class Report:
         self.failed: dict[int, str] = {}  # graph index -> why it did not compile (its sites, if any, say it too)
         # graph index -> what it means that Dynamo compiled no more graphs for its frame (``at_recompile_limit``)
         self.limits: dict[int, str] = {}
+        self._frame_ids: dict[int, str] = {}  # graph -> Dynamo's id of its frame (at_recompile_limit counts its own)
         # graph index -> the module whose forward it traced, where that is not the compiled model (a block's forward
         # after a graph break in it): Dynamo runs the graph's code again for the other modules of that class it
         # meets, with their weights, without a new graph; the backend watches the weights it is called with
@@ -141,21 +142,34 @@ class Report:
         self.topk = [dataclasses.replace(s, rewritten=False, reason=reason, scheme="", kernel="")
                      if s.graph == graph and s.rewritten else s for s in self.topk]
 
+    def graph_of_frame(self, graph: int, compile_id: str) -> None:
+        """Graph ``graph`` is one Dynamo compiled for the frame of ``compile_id`` ("frame/n")."""
+        self._frame_ids[graph] = compile_id.partition("/")[0]
+
     def at_recompile_limit(self, graph: int, compile_id: str, graphs: int, limit: int, static: bool) -> None:
         """Graph ``graph`` is the ``limit``-th Dynamo compiled for its frame: a call that needs one more runs the
         frame uncompiled, and no graph, so no row of this report, says so (Dynamo warns once, naming no layer).
         Said in the log, the table and ``to_dict``, while every site of the graphs compiled stays as it is.
-        ``static``: compiled with ``dynamic=False``, where each new shape is a graph of its own."""
+        ``static``: compiled with ``dynamic=False``, where each new shape is a graph of its own. Graphs of the frame
+        that other backends compiled count too (a new backend for each model of one class): said where there are."""
+        self.graph_of_frame(graph, compile_id)
+        own = sum(f == self._frame_ids[graph] for f in self._frame_ids.values())
         why = ("a new shape, each a graph of its own with dynamic=False, or another value of an argument guarded on"
                if static else "one whose inputs fail its guards: a new size of a dim kept static, another rank, dtype "
                "or device, or another value of an argument guarded on")
         fix = ("where shapes vary, compile with dynamic=None or mark the dim that varies dynamic "
                "(torch._dynamo.mark_dynamic); " if static else "") + (
                "TORCH_LOGS=recompiles names the guards that failed; raise the limit if each graph is needed")
+        others = ""
+        if own < graphs:  # (Dynamo counts every backend's graphs of a frame: its reason BACKEND_MATCH)
+            why = f"another backend's, or {why}"
+            others = (f"; {graphs - own} of the {graphs} are other backends' (torch.compile with another backend, or a "
+                      "new Fp8Backend, for a model of the same class): use one backend for the models of one class, or "
+                      "call torch._dynamo.reset() between them")
         self.limits[graph] = (
             f"graph {graph} (Dynamo's compile id {compile_id}) is graph {graphs} of its frame, which is "
-            f"torch._dynamo.config.recompile_limit ({limit}): a call that needs another graph ({why}) runs the frame "
-            f"uncompiled, in high precision on the dequantized weights, with no fp8 GEMM; {fix}")
+            f"torch._dynamo.config.recompile_limit ({limit}){others}: a call that needs another graph ({why}) runs the "
+            f"frame uncompiled, in high precision on the dequantized weights, with no fp8 GEMM; {fix}")
         log.warning("fp8fx: %s", self.limits[graph])
 
     def discard_graph(self, graph: int) -> None:
@@ -167,6 +181,7 @@ class Report:
         self.kernels.pop(graph, None)
         self.failed.pop(graph, None)
         self.limits.pop(graph, None)
+        self._frame_ids.pop(graph, None)
         self.frames.pop(graph, None)
         self.frame_weights.pop(graph, None)
         if self.graphs == graph + 1:  # the passes counted it (the attempt may have ended before they ran)
@@ -371,7 +386,10 @@ class Report:
         lines.append(total)
         if not self.graphs:  # (a compiled model's generate() calls the model's own forward, not the compiled one)
             lines.append("no graph compiled yet: call the compiled model (for HF generate(), compile its forward: "
-                         "model.forward = torch.compile(model.forward, backend=...))")
+                         "model.forward = torch.compile(model.forward, backend=...)); a call made already ran "
+                         "uncompiled, with no fp8 GEMM, where Dynamo had reached torch._dynamo.config.recompile_limit "
+                         "for the frame (every backend's graphs of a frame count: a new backend for each model of one "
+                         "class; TORCH_LOGS=recompiles says)")
         lines += self._topk_lines(graph)
         lines += [f"graph {g} failed to compile, nothing in it rewritten: {why}" for g, why in self.failed.items()
                   if graph in (None, g)]

@@ -664,6 +664,39 @@ def test_a_flag_argument_at_the_recompile_limit_blames_no_static_shape():
         assert "another value of an argument guarded on" in said and "dynamic=False" not in said, said
 
 
+def test_other_backends_graphs_at_the_recompile_limit_are_named():
+    """A new backend for each model of one class (comparing options), one shape: Dynamo counts every backend's graphs
+    of the frame toward the limit, and the note of the backend at it blamed a new shape and dynamic=False; the backend
+    after it, whose model ran uncompiled, said only "call the compiled model" (found by a probe)."""
+
+    class One(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 32)
+
+        def forward(self, x):
+            return self.proj(x)
+
+    torch._dynamo.reset()
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    backends = []
+    with torch._dynamo.config.patch(recompile_limit=3), torch.no_grad():
+        for _ in range(4):
+            model = fp8fx.quantize_(One().to(torch.bfloat16))
+            backends.append(fp8fx.Fp8Backend(compiler="eager"))
+            torch.compile(model, backend=backends[-1], dynamic=False)(x)
+    third, fourth = backends[2].report, backends[3].report
+    assert third.graphs == 1 and list(third.limits) == [0], third.limits
+    said = third.limits[0]
+    assert ("recompile_limit (3); 2 of the 3 are other backends' (torch.compile with another backend, or a new "
+            "Fp8Backend, for a model of the same class): use one backend for the models of one class, or call "
+            "torch._dynamo.reset() between them: a call that needs another graph (another backend's, or a new "
+            "shape") in said, said
+    assert not backends[1].report.limits and fourth.graphs == 0
+    assert "a call made already ran uncompiled, with no fp8 GEMM, where Dynamo had reached " in str(fourth)
+    torch._dynamo.reset()
+
+
 def test_a_module_whose_weight_takes_a_dropped_one_s_address_is_looked_at():
     """A graph Dynamo runs for each module of a class is watched for new modules' weights (their rows, their fused
     tensors) by comparing the first weight of a call with the last call's. It compared id()s: a dropped model's
