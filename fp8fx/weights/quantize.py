@@ -385,9 +385,10 @@ class LinearDecider:
             return (None, False) if layer._parameters.get("weight") is not None else (
                 skip_reason(layer, fqn, config) or "no weight", False)
         reason = skip_reason(layer, fqn, config)
-        if reason is None and fqn in self.kept:
-            return self.kept[fqn], True
         chosen = reason in ("in ignored_layers", MHA_OUT_PROJ)
+        if not chosen and fqn in self.kept:  # the model's keep holds whatever the scheme (T5's wo: a block that did not
+            # divide it told the user to use per-channel scales, which kept it bf16 all the same, and strict refused)
+            return self.kept[fqn], True
         if fqn in self.routers:  # a router, unless the config or torch keeps it: the reason that holds whatever the
             # scheme (a block not dividing a one-output gate told the user to use per-channel scales, which kept it
             # bf16 all the same)

@@ -2031,3 +2031,22 @@ def test_an_online_layer_refuses_to_run_until_processed():
     method.process_weights_after_loading(layer)
     assert not layer._forward_pre_hooks
     assert rel_err(layer(x), x @ torch.cat(shards).t()) < 0.1
+
+
+def test_a_layer_the_model_keeps_is_kept_whatever_the_block():
+    """T5's wo (_keep_in_fp32_modules) with a weight block that does not divide it: its reason was the block's ("use
+    per-channel scales", which keep it bf16 all the same) and strict=True refused the whole model over a layer no
+    scheme quantizes (found by a probe). The model's keep is the reason, as for routers; strict quantizes the rest."""
+
+    class Keeps(nn.Module):
+        _keep_in_fp32_modules = ["wo"]
+
+        def __init__(self):
+            super().__init__()
+            self.wi, self.wo = nn.Linear(64, 128), nn.Linear(128, 96)
+
+    model = Keeps().to(torch.bfloat16)
+    fp8fx.quantize_(model, Fp8Config(weight_block_size=[64, 64]), strict=True)
+    assert is_quantized(model.wi) and not is_quantized(model.wo)
+    why = model.wo.weight._fp8fx_skip_reason
+    assert why.startswith("kept in high precision by Keeps._keep_in_fp32_modules ('wo')"), why
