@@ -820,7 +820,7 @@ class LinearPass(Fp8Pass):
                 continue
             x, w, bias = operands
             fqn = self._fqn(node, w, ctx)
-            reason = (_other_arguments(node) or self._why_not(x, w, bias, ctx, fqn)
+            reason = (_other_arguments(node) or self._why_not(x, w, bias, ctx, fqn, node)
                       or _mixed_dtypes(node, x, w, bias) or _weight_written(w, writes))
             if reason and _kept_expert(w, ctx):  # the MoE pass's site of the experts says why they stay bf16
                 continue
@@ -936,7 +936,7 @@ class LinearPass(Fp8Pass):
         return input_path(wq) or node.name
 
     @staticmethod
-    def _why_not(x, w, bias, ctx: PassContext, fqn: str = "") -> str:
+    def _why_not(x, w, bias, ctx: PassContext, fqn: str = "", site: Optional[fx.Node] = None) -> str:
         if not isinstance(w, fx.Node) or w.target not in _DEQUANT:
             source = _read_from(w)  # the parameter's tags, also through a cast of it (w.type_as(x), w.float())
             real = ctx.example.get(source) if source is not None else None
@@ -985,8 +985,11 @@ class LinearPass(Fp8Pass):
         if isinstance(bv, torch.Tensor) and (bv.dim() != 1 or n is not None and bv.shape[0] != n):
             # F.linear broadcasts a [1, N] bias; the fp8 ops take one value per output column
             return f"bias of shape {list(bv.shape)}, not [{n}]"
-        # (the dequantized weight requires grad where its scale does: model.requires_grad_())
-        if any(getattr(v, "requires_grad", False) for v in (xv, wv, bv)) and may_record_grad(x.graph):
+        # (the dequantized weight requires grad where its scale does: model.requires_grad_()). A site whose own value
+        # records no history (a frozen layer under torch.no_grad() inside a forward traced with grad: a distillation
+        # target) needs no autograd formula, whatever its inputs require
+        records = getattr(fake_value(site), "requires_grad", True) if site is not None else True
+        if records and any(getattr(v, "requires_grad", False) for v in (xv, wv, bv)) and may_record_grad(x.graph):
             return (
                 "traced with autograd (activation, weight scale or bias requires grad); fp8fx rewrites inference: "
                 "call the compiled model under torch.no_grad() or torch.inference_mode()"

@@ -1132,7 +1132,10 @@ class MoePass(Fp8Pass):
             raise _NoMatch(f"the routing gives {ids} expert ids and {wts} weights; fused_moe takes int32 / int64 ids "
                            "and bf16 / fp16 / fp32 weights")
         grads = [x, *([] if dense else [fake_value(by_role["wts"])]), *map(fake_value, site.dequant.values())]
-        if any(v.requires_grad for v in grads) and may_record_grad(out.graph):  # (the weights: where a scale does)
+        # (the weights: where a scale does; experts whose output records no history - frozen under torch.no_grad()
+        # in a forward traced with grad - need no autograd formula)
+        records = getattr(fake_value(out), "requires_grad", True)
+        if records and any(v.requires_grad for v in grads) and may_record_grad(out.graph):
             raise _NoMatch(
                 "traced with autograd (hidden states, routing weights or expert scales require grad); fp8fx rewrites "
                 "inference: "

@@ -1,5 +1,6 @@
 """The linear pass on Dynamo graphs: graph after the pass, site counts, recompiles, cache key."""
 import collections
+import copy
 import pathlib
 import warnings
 
@@ -406,6 +407,45 @@ def test_autograd_graph_is_reported_not_rewritten():
     # (head's input is b's output, which records autograd now: not rewritten either)
     assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("a", True), ("b", False), ("head", False)]
     assert all("torch.no_grad()" in s.reason for s in backend.report.sites if not s.rewritten)
+
+
+@pytest.mark.parametrize("compiler", ["eager", "inductor"])
+def test_a_frozen_layer_under_no_grad_in_a_graph_traced_with_grad_is_rewritten(compiler):
+    """A frozen fp8 layer called under torch.no_grad() inside a forward traced with grad (a distillation target of a
+    trainable model's hidden state) was kept in high precision, its reason "call the compiled model under
+    torch.no_grad()" (it was under it): its output records no history, so it needs no autograd formula (found by a
+    probe). The trainable path still trains, and the layer with grad on is still refused."""
+
+    class Distill(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.norm, self.frozen, self.head = nn.LayerNorm(64), nn.Linear(64, 64), nn.Linear(64, 8)
+
+        def forward(self, x, frozen_grad=False):
+            h = self.norm(x)
+            with torch.set_grad_enabled(frozen_grad):
+                target = self.frozen(h)
+            return self.head(h), target
+
+    torch.manual_seed(0)
+    model = Distill()
+    reference = copy.deepcopy(model).double()
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["head"]))
+    backend = Fp8Backend(compiler=compiler)
+    x = torch.randn(4, 64)
+    out, target = torch.compile(model, backend=backend)(x)
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites if s.fqn == "frozen"] == [("frozen", True)]
+    assert not target.requires_grad and out.requires_grad
+    with torch.no_grad():
+        ref_out, ref_target = reference(x.double())
+    assert rel_err(target.double(), ref_target) < 0.08 and rel_err(out.double(), ref_out) < 1e-5
+    out.sum().backward()
+    reference(x.double())[0].sum().backward()
+    assert rel_err(model.norm.weight.grad.double(), reference.norm.weight.grad) < 1e-5
+    torch._dynamo.reset()
+    backend = Fp8Backend(compiler="eager")
+    torch.compile(model, backend=backend)(x, frozen_grad=True)
+    assert [s.rewritten for s in backend.report.sites if s.fqn == "frozen"] == [False]
 
 
 def test_at_most_one_recompile_across_batch_sizes_and_no_graph_break():

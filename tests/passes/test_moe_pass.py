@@ -596,6 +596,33 @@ def test_traced_with_autograd_is_not_rewritten():
     assert not site.rewritten and site.reason.startswith("traced with autograd")
 
 
+def test_frozen_experts_under_no_grad_in_a_graph_traced_with_grad_are_rewritten():
+    """Experts called under torch.no_grad() inside a forward traced with grad (hidden states that require grad): their
+    output records no history, so fused_moe needs no autograd formula; they were kept in high precision as "traced
+    with autograd" (the linear pass's probe finding, for experts)."""
+
+    class Frozen(nn.Module):
+        def __init__(self, experts):
+            super().__init__()
+            self.experts = experts
+
+        def forward(self, x, ids, w):
+            with torch.no_grad():
+                return self.experts(x, ids, w)
+
+    model = Frozen(hf_experts("grouped_mm", torch.bfloat16))
+    fp8fx.quantize_(model)
+    x, ids, w = inputs(torch.bfloat16)
+    x.requires_grad_(True)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    out = torch.compile(model, backend=backend)(x, ids, w)
+    (site,) = [s for s in backend.report.sites if s.kind == "moe"]
+    assert site.rewritten, site.reason
+    assert not out.requires_grad
+    with torch.no_grad():
+        assert rel_err(out.float(), model(x, ids, w).float()) < 0.08
+
+
 def test_float64_experts_are_the_reference_on_purpose(caplog):
     """``model.double()`` of quantized experts is their exact reference: the report said "is not bf16/fp16/fp32" in
     a WARNING whose README row said to cast the model to bf16."""
