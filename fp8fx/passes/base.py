@@ -148,7 +148,10 @@ def amend_sites(ctx: PassContext, nodes: list[fx.Node], note: str, node: Optiona
         if "fp8fx_site" in n.meta:
             i = n.meta["fp8fx_site"]
             site = ctx.report.sites[i]
-            ctx.report.sites[i] = dataclasses.replace(site, scheme=f"{site.scheme} {note}", node=node or site.node)
+            # (a second note after a first, "; " apart: "... scales only fused(gate_proj,up_proj)" read as one; a note
+            # in parentheses goes on the one before it)
+            sep = "; " if re.search(r"\b(not fused|fused\()", site.scheme) and not note.startswith("(") else " "
+            ctx.report.sites[i] = dataclasses.replace(site, scheme=f"{site.scheme}{sep}{note}", node=node or site.node)
 
 
 def restate_activation(ctx: PassContext, node: fx.Node, scheme: str) -> None:

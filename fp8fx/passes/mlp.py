@@ -47,7 +47,8 @@ from torch import fx
 from fp8fx.ops import GATED_GROUPS_MAX_M, GATED_MAX_M, GATED_PREFILL_MIN_M, GATED_ROWS_MAX_M, GATED_ROWS_MIN_M
 from fp8fx.ops import _tensor_or_row, gated_prefill_reason
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, restate_activation, set_fake_value
-from fp8fx.passes.base import site_names
+from fp8fx.config import granularity_from_block, weight_granularity_name
+from fp8fx.passes.base import module_path, site_names
 from fp8fx.passes.horizontal import share_static, static_epochs
 from fp8fx.passes.linear import _cast_source, _name_of, _noop_cast_source
 from fp8fx.report import Site
@@ -270,6 +271,8 @@ def _match_product(h: fx.Node, quant, down: fx.Node, h_static) -> tuple[Optional
             mlp = _Mlp(gate, up_gemm, act, h, quant, down, h_static, halves, gate_half)
             if _activation(act):
                 return mlp, ""
+            if len(act.all_input_nodes) > 1:  # (g * sigmoid(g): an op of several inputs, the last of a written-out act)
+                return mlp, "the activation is several ops, not one SiLU or GELU op (what the fused MLP takes)"
             what = _name_of(act) + (" in place" if _in_place(act) else "")
             return mlp, f"the activation is {what}; the fused MLP takes SiLU or GELU (out of place)"
     for act, up in (h.args, reversed(h.args)):  # act(g) written as several ops (gelu_new: 0.5 * g * (1 + tanh..))
@@ -288,6 +291,91 @@ def _match_product(h: fx.Node, quant, down: fx.Node, h_static) -> tuple[Optional
                 return mlp, f"{_name_of(extra)} between a projection and the product{why}{several}"
             return mlp, "the activation is several ops, not one SiLU or GELU op (what the fused MLP takes)"
     return None, ""
+
+
+_HP_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear, torch.ops.aten.linear.default)
+_IN_PLACE_MUL = (operator.imul, torch.Tensor.mul_, torch.ops.aten.mul_.Tensor)
+
+
+def _in_place_mul(node) -> bool:
+    return isinstance(node, fx.Node) and (node.op == "call_function" and node.target in _IN_PLACE_MUL
+                                          or node.op == "call_method" and node.target == "mul_")
+
+
+def _projection(node) -> Optional[tuple[str, fx.Node]]:
+    """("fp8", the GEMM) for an fp8fx GEMM or half of one, ("high", the call) for a linear left in high precision."""
+    half = _half(node)
+    if _is_gemm(node) or half:
+        return "fp8", half[0] if half else node
+    if isinstance(node, fx.Node) and node.op == "call_function" and node.target in _HP_LINEAR:
+        return "high", node
+    return None
+
+
+def _reader_projection(node: fx.Node, writer: Optional[fx.Node] = None) -> Optional[tuple[str, fx.Node]]:
+    """The projection that reads ``node`` (through one-reader ops: casts, dropout, the fp8 quantization), else None;
+    ``writer``: an in-place op on ``node``, not counted among its readers."""
+    for _ in range(5):
+        users = [u for u in node.users if u is not writer]
+        gemms = [g for u in users for g in ([u] if _is_gemm(u) else u.users if u.target is operator.getitem else ())
+                 if _is_gemm(g)]
+        if users and node.target in (_QUANTIZE, _QUANTIZE_STATIC) and gemms:  # (quantize's getitems, then the GEMM)
+            return "fp8", gemms[0]
+        if len(users) != 1:
+            return None
+        (user,) = users
+        found = _projection(user)
+        if found and found[0] == "high" and user.args[:1] == (node,):
+            return found
+        if user.op not in ("call_function", "call_method") or len(user.all_input_nodes) != 1 and not (
+                user.target in (_QUANTIZE, _QUANTIZE_STATIC)):
+            return None
+        node = user
+    return None
+
+
+def _quantized_source(xq) -> Optional[fx.Node]:
+    """The tensor a GEMM's fp8 activation ``xq`` quantizes (``quantize``'s codes through their getitem, or
+    ``quantize_static``'s), else None."""
+    q = xq.args[0] if isinstance(xq, fx.Node) and xq.target is operator.getitem else xq
+    if isinstance(q, fx.Node) and q.target in (_QUANTIZE, _QUANTIZE_STATIC) and isinstance(q.args[0], fx.Node):
+        return q.args[0]
+    return None
+
+
+def _note_unmatched(graph: fx.Graph, ctx: PassContext) -> None:
+    """Gated MLPs ``down(act(gate(x)) * up(x))`` that ``_match`` does not take, said on their fp8 GEMMs' sites (they
+    were declined with no word): one of the three projections left in high precision (ignored_layers, a layer the
+    model keeps), or the product taken in place (``h *= up(x)``, ``h.mul_(up(x))``). GEMMs a note of this pass
+    names already are left as they are."""
+    said = {n for n in graph.nodes if "fp8fx_site" in n.meta
+            and "gated MLP" in ctx.report.sites[n.meta["fp8fx_site"]].scheme}
+    for mul in list(graph.nodes):
+        if not (_is_mul(mul) or _in_place_mul(mul)) or len(mul.args) != 2 or len(mul.all_input_nodes) != 2:
+            continue
+        for act, up in (mul.args, reversed(mul.args)):
+            if not (isinstance(act, fx.Node) and act.op in ("call_function", "call_method") and _activation(act)):
+                continue
+            # (h.mul_(u) with its result unread: the projection reads the activation's tensor, written in place)
+            down = _reader_projection(mul) or (_reader_projection(act, mul) if _in_place_mul(mul) else None)
+            parts = [_projection(_input(act)), _projection(up), down]
+            if None in parts:
+                continue
+            fp8 = list(dict.fromkeys(n for kind, n in parts if kind == "fp8"))
+            high = [module_path(n) or _name_of(n) for kind, n in parts if kind == "high"]
+            if not fp8 or any(n in said for n in fp8):
+                continue
+            if high:
+                why = (f"{', '.join(high)} {'is' if len(high) == 1 else 'are'} no fp8 GEMM (left in high precision: "
+                       "its row says why), and the fused MLP runs gate, up and down in fp8")
+            elif _in_place_mul(mul):
+                why = (f"act(gate) * up is taken in place ({_name_of(mul)}); the fused MLP takes the product out of "
+                       "place (h = act(gate) * up)")
+            else:
+                continue
+            amend_sites(ctx, fp8, f"not fused into a gated MLP ({site_names(ctx, fp8)}): {why}")
+            said.update(fp8)
+            break
 
 
 def _gemm_behind(node: fx.Node, depth: int = 6) -> Optional[fx.Node]:
@@ -391,6 +479,7 @@ class GatedMlpPass(Fp8Pass):
                 restate_activation(ctx, mlp.down, f"per-group(1x{group})")
             amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, {what})", node=Site.origin_of(new))
             fused += len(mlp.gemms)
+        _note_unmatched(gm.graph, ctx)
         gm.recompile()
         return fused
 
@@ -407,8 +496,19 @@ class GatedMlpPass(Fp8Pass):
                 gate.args[0].args[0] is up.args[0].args[0]):
             return ("gate and up quantize x with their own static input scales, apart (an in-place write that may "
                     "reach x in between)")
-        if (gate.args[:2] != up.args[:2] and not shared) or gate.args[5:] != up.args[5:]:
+        if gate.args[:2] != up.args[:2] and not shared:
+            kinds = ["a static scale" if isinstance(n.args[0], fx.Node) and n.args[0].target is _QUANTIZE_STATIC
+                     else "a dynamic one" for n in (gate, up)]
+            sources = [_quantized_source(n.args[0]) for n in (gate, up)]
+            if kinds[0] != kinds[1] and sources[0] is sources[1] is not None:  # (one x, quantized two ways)
+                return f"gate quantizes x with {kinds[0].replace('one', 'scale')} and up with {kinds[1]}"
             return "gate and up read different activations or quantize them differently"
+        names = ("x's scale blocks", "weight scales", "output dtype", "use_fast_accum")
+        for what, a, b in zip(names, gate.args[5:], up.args[5:]):
+            if a != b:
+                if what == "weight scales":
+                    a, b = (weight_granularity_name(granularity_from_block(list(v), weight=True)) for v in (a, b))
+                return f"gate and up differ in {what}: {a} where up has {b}"
         if gate.args[4] is not None or up.args[4] is not None:
             return "gate or up has a bias"
         if fake_value(gate.args[2]).shape != fake_value(up.args[2]).shape:
