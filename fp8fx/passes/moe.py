@@ -1134,15 +1134,20 @@ class MoePass(Fp8Pass):
         grads = [x, *([] if dense else [fake_value(by_role["wts"])]), *map(fake_value, site.dequant.values())]
         # (the weights: where a scale does; experts whose output records no history - frozen under torch.no_grad()
         # in a forward traced with grad - need no autograd formula)
+        order = _order(out.graph)
+        first_user = min((u for u in out.users if u not in region), key=order)
         records = getattr(fake_value(out), "requires_grad", True)
-        if records and any(v.requires_grad for v in grads) and may_record_grad(out.graph):
+        # (the fused op goes before the output's first reader outside the experts: under the same grad mode only)
+        switched = any("set_grad_enabled" in str(n.target) for n in out.graph.nodes
+                       if order(out) < order(n) < order(first_user))
+        if (records or switched) and any(v.requires_grad for v in grads) and may_record_grad(out.graph):
             raise _NoMatch(
                 "traced with autograd (hidden states, routing weights or expert scales require grad); fp8fx rewrites "
                 "inference: "
                 "call the compiled model under torch.no_grad() or torch.inference_mode()"
+                + ("" if records else " (the experts ran under no_grad, but their output is first read where grad "
+                   "is on: the fused op, which goes before that read, would record it)")
             )
-        order = _order(out.graph)
-        first_user = min((u for u in out.users if u not in region), key=order)
         late = [n.name for n in (*by_role.values(), *site.dequant.values()) for a in (n, *n.all_input_nodes)
                 if order(a) > order(first_user)]
         if late:
