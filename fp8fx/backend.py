@@ -248,6 +248,9 @@ class Fp8Backend:
             raise ValueError("torch.compile(options={'triton.cudagraphs': False}) with Fp8Backend(cudagraphs=True) "
                              "or its inductor_config's: the two disagree; keep one")
         index = self.report.graphs
+        frame = compat.frame_graphs()
+        if frame is not None:  # (a graph that fails is one of this backend's too, for the recompile limit's count)
+            self.report.graph_of_frame(index, frame[0])
         dump = self._dump(gm, index)
         code: list[str] = []
         # (a float input a pass may take as a constant: the graph as traced runs the calls where its value changed)
@@ -271,9 +274,6 @@ class Fp8Backend:
             if dump:
                 dump.finish(self.report, code)
             raise
-        frame = compat.frame_graphs()
-        if frame is not None:
-            self.report.graph_of_frame(index, frame[0])
         if frame is not None and frame[1] >= frame[2]:  # Dynamo's last graph for the frame
             # (static: each shape a graph of its own, dynamic=False and no dim marked dynamic, which stays symbolic)
             static = compat.compiled_static() and not any(

@@ -161,11 +161,13 @@ class Report:
                "(torch._dynamo.mark_dynamic); " if static else "") + (
                "TORCH_LOGS=recompiles names the guards that failed; raise the limit if each graph is needed")
         others = ""
-        if own < graphs:  # (Dynamo counts every backend's graphs of a frame: its reason BACKEND_MATCH)
+        if own < graphs:  # (Dynamo counts every backend's graphs of a frame, its reason BACKEND_MATCH, and its
+            # compiles of the frame that gave no graph)
             why = f"another backend's, or {why}"
-            others = (f"; {graphs - own} of the {graphs} are other backends' (torch.compile with another backend, or a "
-                      "new Fp8Backend, for a model of the same class): use one backend for the models of one class, or "
-                      "call torch._dynamo.reset() between them")
+            others = (f"; {graphs - own} of the {graphs} are not this backend's: other backends' (torch.compile with "
+                      "another backend, or a new Fp8Backend, for a model of the same class: use one backend for the "
+                      "models of one class, or call torch._dynamo.reset() between them), or compiles of the frame that "
+                      "gave no graph (a graph break before its first op)")
         self.limits[graph] = (
             f"graph {graph} (Dynamo's compile id {compile_id}) is graph {graphs} of its frame, which is "
             f"torch._dynamo.config.recompile_limit ({limit}){others}: a call that needs another graph ({why}) runs the "

@@ -688,10 +688,10 @@ def test_other_backends_graphs_at_the_recompile_limit_are_named():
     third, fourth = backends[2].report, backends[3].report
     assert third.graphs == 1 and list(third.limits) == [0], third.limits
     said = third.limits[0]
-    assert ("recompile_limit (3); 2 of the 3 are other backends' (torch.compile with another backend, or a new "
-            "Fp8Backend, for a model of the same class): use one backend for the models of one class, or call "
-            "torch._dynamo.reset() between them: a call that needs another graph (another backend's, or a new "
-            "shape") in said, said
+    assert ("recompile_limit (3); 2 of the 3 are not this backend's: other backends' (torch.compile with another "
+            "backend, or a new Fp8Backend, for a model of the same class: use one backend for the models of one class, "
+            "or call torch._dynamo.reset() between them), or compiles of the frame that gave no graph (a graph break "
+            "before its first op): a call that needs another graph (another backend's, or a new shape") in said, said
     assert not backends[1].report.limits and fourth.graphs == 0
     assert "a call made already ran uncompiled, with no fp8 GEMM, where Dynamo had reached " in str(fourth)
     torch._dynamo.reset()
