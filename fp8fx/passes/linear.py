@@ -867,8 +867,9 @@ class LinearPass(Fp8Pass):
             real = ctx.example.get(node.args[0])
             tag = getattr(real, "_fp8fx_fqn", None)  # ("": a layer quantized on its own, named by its path)
             fqn = tag or (by_weight.get(Site.token_of(real)) if real is not None else None)
-            if fqn is None:  # no site names it: a layer quantized on its own is the root of what quantize_ was given
-                fqn = "" if tag == "" else node.name  # (nn.Linear.compile(): the graph of its weight alone)
+            if fqn is None:  # no site names it (the graph of its weight property alone: nn.Linear.compile()); a layer
+                # quantize_ was given itself has no path here (the root, or a layer of a container compiled in place)
+                fqn = f"(a layer quantized on its own: {node.name})" if tag == "" else node.name
             readers = ", ".join(sorted(
                 {f"{_name_of(r)} of its transpose" for u in node.users if _transposed(u) is node for r in u.users}
                 | {_name_of(u) for u in node.users if _transposed(u) is not node}

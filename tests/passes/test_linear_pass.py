@@ -805,17 +805,19 @@ def test_a_torch_nn_module_compiled_in_place_says_its_layers_ran_uncompiled():
                for s in backend.report.sites), backend.report
 
 
-def test_a_linear_quantized_and_compiled_in_place_is_the_root_row():
-    """quantize_(nn.Linear) then its .compile(): the graph of its weight's property named the row after the property's
-    local variable ("w"), where torch.compile(layer) names it the root module ("", shown "(root module)"); found by a
-    probe."""
+@pytest.mark.parametrize("where", ["itself", "in a container"])
+def test_a_linear_quantized_on_its_own_and_compiled_in_place_says_so(where):
+    """quantize_(nn.Linear) then .compile() of it or of a container holding it: the graph of its weight's property
+    named the row after the property's local variable ("w"), which reads as no layer (a probe's finding); its path is
+    not known there (the root, or [2] of the container: a review caught "(root module)" for the latter)."""
     layer = nn.Linear(64, 8).to(torch.bfloat16)
     fp8fx.quantize_(layer)
+    model = layer if where == "itself" else nn.Sequential(nn.ReLU(), nn.Identity(), layer)
     backend = Fp8Backend(compiler="eager")
-    layer.compile(backend=backend)
+    model.compile(backend=backend)
     with torch.no_grad():
-        layer(torch.randn(3, 64, dtype=torch.bfloat16))
-    assert [s.fqn for s in backend.report.sites] == [""] and "(root module)" in backend.report.table()
+        model(torch.randn(3, 64, dtype=torch.bfloat16))
+    assert [s.fqn for s in backend.report.sites] == ["(a layer quantized on its own: w)"], backend.report
     assert "nn.Linear compiled in place by its .compile()" in backend.report.sites[0].reason
 
 
