@@ -456,7 +456,8 @@ class Fp8Config:
         return None
 
 
-def config_or(config: Any, default: Optional[Fp8Config], where: str) -> Optional[Fp8Config]:
+def config_or(config: Any, default: Optional[Fp8Config], where: str, takes: str = "an Fp8Config or None"
+              ) -> Optional[Fp8Config]:
     """``config``, an ``Fp8Config`` (``default`` for None), as ``where`` (e.g. "quantize_") takes it: a
     quantization_config dict, or the class itself, failed deep inside with an AttributeError or a TypeError."""
     if config is None:
@@ -470,4 +471,4 @@ def config_or(config: Any, default: Optional[Fp8Config], where: str) -> Optional
                          f"comes first: {where}(model, Fp8Config(...))")
     fix = ("; for a quantization_config dict pass Fp8Config.from_config(it)" if isinstance(config, Mapping)
            or callable(getattr(config, "to_dict", None)) else "")
-    raise ValueError(f"{where}(config={config!r:.80}): a {type(config).__name__}; it takes an Fp8Config or None{fix}")
+    raise ValueError(f"{where}(config={config!r:.80}): a {type(config).__name__}; it takes {takes}{fix}")

@@ -877,7 +877,7 @@ def same_layout(name: str, loaded: tuple, dest: tuple) -> bool:
 def method_config(config: Any, where: str) -> Fp8Config:
     """A method class's ``config`` (``Fp8LinearMethod(config)``, ``Fp8MoEMethod(config)``), an ``Fp8Config``: a
     checkpoint's quantization_config dict, None or the class failed at the first call with an AttributeError."""
-    config = config_or(config, None, where)
+    config = config_or(config, None, where, takes="an Fp8Config")
     if config is None:
         raise ValueError(f"{where}(config=None): it takes an Fp8Config, e.g. {where}(Fp8Config()), or "
                          f"{where}(Fp8Config.from_config(quantization_config)) for a checkpoint's")

@@ -463,8 +463,9 @@ def test_method_classes_refuse_what_is_no_config(config):
     fix = (r"it takes an Fp8Config" if config is None else r"the class; pass an instance" if config is Fp8Config
            else r"Fp8Config.from_config\(it\)")
     for cls in (Fp8LinearMethod, Fp8MoEMethod):
-        with pytest.raises(ValueError, match=rf"^{cls.__name__}\(config=.*{fix}"):
+        with pytest.raises(ValueError, match=rf"^{cls.__name__}\(config=.*{fix}") as info:
             cls(config)
+        assert "or None" not in str(info.value)  # (it refuses None too)
 
 
 def test_create_weights_takes_numpy_and_torch_ints():
