@@ -8,7 +8,6 @@ import inspect
 import logging
 import math
 import sys
-import weakref
 from typing import Callable, Iterable, Mapping, Optional
 
 import torch
@@ -26,6 +25,7 @@ from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight
 from fp8fx.weights.linear import adapters, remember_trainable, skip_reason
 from fp8fx.weights.linear import MHA_OUT_PROJ, check_no_in_place_rescale, check_no_lazy_modules, kept_by_the_model
 from fp8fx.weights.linear import weight_tensors
+from fp8fx.weights.views import Dequantized
 
 log = logging.getLogger("fp8fx")
 
@@ -165,7 +165,8 @@ def quantize_(
     planned += list(held)
     not_quantized = {fqn: reason for fqn, _, reason in skipped}
     not_quantized.update({name: reason for fqn, m, reason in experts_skipped for name in moe.input_scale_names(fqn, m)})
-    scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix)
+    owners = {name: fqn for fqn, m in experts for name in moe.input_scale_names(fqn, m)}
+    scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix, owners)
     _check_resumed_scales(held, scales)
 
     untagged = _tags_of(model)  # (put back where quantize_ fails before it quantized anything)
@@ -561,9 +562,11 @@ def _check_resumed_scales(held: Mapping[str, Optional[torch.Tensor]], scales: Ma
 
 
 def _check_input_scales(config, planned: list[str], input_scales, not_quantized: Mapping[str, str],
-                        prefix="") -> dict[str, float]:
+                        prefix="", owners: Optional[Mapping[str, str]] = None) -> dict[str, float]:
     """``input_scales`` as floats, checked against ``planned`` (the names that take a scale: linears, and the
-    experts' ``{fqn}.gate_up_proj`` / ``{fqn}.down_proj``) and ``not_quantized`` (name -> why)."""
+    experts' ``{fqn}.gate_up_proj`` / ``{fqn}.down_proj``) and ``not_quantized`` (name -> why); ``owners``: an experts
+    scale's name -> its experts module, which ``ignored_layers`` takes."""
+    owners = owners or {}
     if input_scales is not None and not isinstance(input_scales, Mapping):  # (a list, a tensor: a bare TypeError)
         raise ValueError(f"quantize_(input_scales={input_scales!r:.80}): a {type(input_scales).__name__}; it takes "
                          "a dict of layer name -> scale, as fp8fx.calibrate(model, batches) returns")
@@ -605,12 +608,16 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
             raise ValueError(f"activation_scheme='static' needs an input scale for every quantized layer; missing "
                              f"{shown}; pass input_scales=fp8fx.calibrate(model, batches)")
         # scales for other layers: most likely calibrate's, which has none for a layer it never saw run
+        modules = list(dict.fromkeys(owners.get(fqn, fqn) for fqn in missing))  # (ignored_layers names the experts)
+        linears = [fqn for fqn in missing if fqn not in owners]
         raise ValueError(
             f"activation_scheme='static' needs an input scale for every quantized layer; missing {shown} in "
             "input_scales: fp8fx.calibrate gives none to a layer that received no input during calibration (a "
-            "branch the batches did not take, or a layer whose weight is read in a spelling the linear pass does "
-            "not take either); "
-            "calibrate with batches that reach it, or add it to ignored_layers (nothing was quantized)"
+            "branch the batches did not take" + (", experts no token was routed to" if len(linears) < len(missing)
+                                                 else "")
+            + (", or a layer whose weight is read in a spelling the linear pass does not take either" if linears
+               else "") + f"); calibrate with batches that reach {'it' if len(modules) == 1 else 'them'}, or add "
+            f"{_shown(modules)} to ignored_layers (nothing was quantized)"
         )
     checked = {}
     for fqn, value in given.items():  # as the layers get them, float32: what is checked here is what they hold
@@ -635,19 +642,28 @@ class _WeightReads(TorchFunctionMode):
     ``x @ layer.weight.t()``, ``torch.mm(x, w.T)``, ``torch.addmm(b, x, w.mT)``, the weight read through ``.t()``,
     ``.T``, ``.mT``, ``transpose``, ``permute``, casts and ``contiguous``, or on the left (``w @ x``): a module hook
     does not see these, and static activations need their scales. A call of the module itself, whose ``F.linear``
-    is seen too, records what its pre-hook recorded (the same tensor)."""
+    is seen too, is measured by that (``calibrate``'s ``read``). An fp8 layer's weight, dequantized anew at each read,
+    is found by its name (``named``)."""
 
     _MATMULS = frozenset(("matmul", "mm", "__matmul__"))
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], record: Callable[[str, torch.Tensor], None]):
+    def __init__(self, weights: Mapping[str, torch.Tensor], record: Callable[[str, torch.Tensor], None],
+                 named: Optional[Mapping[str, list[str]]] = None):
         super().__init__()
         self.record = record
         self.reads = WeakIdKeyDictionary()  # tensor -> (fqns, transposed): the weights and their views, casts
         for fqn, w in weights.items():
             self.reads.setdefault(w, ([], False))[0].append(fqn)  # (two linears may share one weight)
+        self.named = dict(named or {})  # an fp8 layer's dequantized weight's name (views.Dequantized) -> [its fqn]
 
     def _read(self, t):
-        return self.reads.get(t) if isinstance(t, torch.Tensor) else None
+        if not isinstance(t, torch.Tensor):
+            return None
+        found = self.reads.get(t)
+        if found is None and isinstance(t, Dequantized) and getattr(t, "_fp8fx_of", None) in self.named:
+            if t.dim() == 2 and t.is_contiguous():  # (the layer's weight as read; its views are tracked above)
+                found = (self.named[t._fp8fx_of], False)
+        return found
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -844,32 +860,60 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no), with_kwargs=True)
              for fqn, module in experts]
 
-    # fqn -> the input last measured, with the batch and the tensor's version: a module's call is seen twice (its
-    # pre-hook, then its F.linear in _WeightReads), measured once (each .item() a GPU sync); the same tensor again in
-    # another batch (a loader that refills one buffer) or after an in-place write is measured again
-    last: dict[str, tuple[weakref.ref, int, Optional[int]]] = {}
+    # each call of a linear is measured once (each .item() a GPU sync, taken when the call returns): the input of its
+    # own F.linear, which the GEMM quantizes (a subclass may transform its input first: muP's MuReadout, a pre-norm),
+    # else the module's input (a forward calibrate sees no F.linear of). A stack a layer: a call inside a call of it.
+    # (It had compared the input with the last one measured by the tensor's version, which inference tensors keep
+    # none of: under torch.inference_mode a layer called again on a tensor written in place was measured once.)
+    calls: dict[str, list[list]] = {}  # fqn -> [[amax tensor or None, its F.linear seen], ...]
     empty: set[str] = set()  # the layers given an input of no rows (0 tokens), which has nothing to measure
 
-    def record(fqn: str, x: torch.Tensor) -> None:
+    def measure(fqn: str, x) -> Optional[torch.Tensor]:
         if not isinstance(x, torch.Tensor):  # (a numpy batch: the hook's own x.numel() failed, naming nothing)
             raise TypeError(f"calibrate: batch {batch_no[0]} gave {fqn} a {type(x).__module__}.{type(x).__qualname__} "
                             "input, not a torch.Tensor; give calibrate batches of tensors as the model takes them "
                             "(torch.from_numpy(a) for a numpy array) (nothing was calibrated)")
         if x.numel() == 0:  # no rows this batch (an expert no token reached): nothing to measure
             empty.add(fqn)
+            return None
+        return x.detach().abs().max()
+
+    def entered(fqn: str, args: tuple, kwargs: dict) -> None:
+        # (the input by keyword under any name: Conv1D's forward(x), a subclass's forward(hidden_states))
+        x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
+        calls.setdefault(fqn, []).append([measure(fqn, x), False])
+
+    def returned(fqn: str) -> None:
+        value, _ = calls[fqn].pop()
+        if value is not None:
+            _record(amax, fqn, value.float().item(), batch_no[0])
+
+    def read(fqn: str, x: torch.Tensor) -> None:
+        """A linear of ``fqn``'s weight (``_WeightReads``): within a call of the layer, what its GEMM reads."""
+        value = measure(fqn, x)
+        stack = calls.get(fqn)
+        if not stack:  # another module's F.linear(x, layer.weight)
+            if value is not None:
+                _record(amax, fqn, value.float().item(), batch_no[0])
             return
-        stamp = (batch_no[0], None if x.is_inference() else x._version)  # (inference tensors keep no version)
-        if fqn in last and last[fqn][0]() is x and last[fqn][1:] == stamp:
-            return
-        last[fqn] = (weakref.ref(x), *stamp)
-        _record(amax, fqn, x.detach().abs().max().float().item(), batch_no[0])
+        top = stack[-1]
+        top[0] = value if not top[1] or top[0] is None else top[0] if value is None else torch.maximum(top[0], value)
+        top[1] = True
 
     linears = {fqn: module for fqn, module in modules if is_linear(module)}
     for fqn, module in linears.items():
         hooks.append(module.register_forward_pre_hook(
-            lambda mod, args, kwargs, fqn=fqn: record(fqn, args[0] if args else kwargs["input"]), with_kwargs=True))
-    # the linears' weights read by other modules: F.linear(x, layer.weight), x @ layer.weight.t()
-    reads = _WeightReads({fqn: m.weight for fqn, m in linears.items() if isinstance(m.weight, torch.Tensor)}, record)
+            lambda mod, args, kwargs, fqn=fqn: entered(fqn, args, kwargs), with_kwargs=True))
+        hooks.append(module.register_forward_hook(
+            lambda mod, args, output, fqn=fqn: returned(fqn), always_call=True))
+    # the linears' weights read by other modules: F.linear(x, layer.weight), x @ layer.weight.t(); an fp8 layer's
+    # weight is dequantized anew at each read, found by its name (``views.Dequantized``)
+    plain = {fqn: m.weight for fqn, m in linears.items() if not is_quantized(m) and isinstance(m.weight, torch.Tensor)}
+    named: dict[str, list[str]] = {}
+    for fqn, m in linears.items():
+        if is_quantized(m):
+            named.setdefault(f"{getattr(m, '_fp8fx_prefix', '') or type(m).__name__}.weight", []).append(fqn)
+    reads = _WeightReads(plain, read, {name: fqns for name, fqns in named.items() if len(fqns) == 1})
     ran = 0  # batches run
     training = {m: m.training for m in model.modules()}  # dropout would scale the activations it measures
     model.eval()

@@ -259,8 +259,11 @@ def test_static_activations_need_the_experts_two_scales():
     before anything changes; an ignored experts module's scales go unused."""
     config = Fp8Config(activation_scheme="static")
     model = Block().to(torch.bfloat16)
-    with pytest.raises(ValueError, match=r"missing \['experts.gate_up_proj', 'experts.down_proj'\]"):
+    with pytest.raises(ValueError, match=r"missing \['experts.gate_up_proj', 'experts.down_proj'\]") as info:
         fp8fx.quantize_(model, config, input_scales={"proj": 0.01})
+    # the module ignored_layers takes (it had advised the scale's name, which ignored_layers refuses)
+    assert "experts no token was routed to); calibrate with batches that reach it, or add ['experts'] to " \
+           "ignored_layers" in str(info.value) and "spelling" not in str(info.value), str(info.value)
     with pytest.raises(ValueError, match=r"input_scales\['experts.gate_up'\]: .* \(did you mean "
                                          r"'experts.gate_up_proj'"):
         fp8fx.quantize_(model, config, input_scales={"proj": 0.01, "experts.gate_up": 0.02, "experts.down_proj": 0.03})

@@ -1097,7 +1097,42 @@ def test_calibrate_measures_a_refilled_input_buffer_in_every_batch():
 
     x = torch.randn(2, 16)
     want = x.abs().max().item() * 50 / 448
-    assert fp8fx.calibrate(Twice(), [x])["lin"] == pytest.approx(want, rel=1e-6)
+    assert fp8fx.calibrate(Twice(), [x.clone()])["lin"] == pytest.approx(want, rel=1e-6)
+    with torch.inference_mode():  # (inference tensors keep no version: the second call was skipped, a probe found)
+        assert fp8fx.calibrate(Twice(), [x.clone()])["lin"] == pytest.approx(want, rel=1e-6)
+
+
+def test_calibrate_measures_what_each_gemm_reads():
+    """Found by a probe: a linear called with its input by keyword under another name (Conv1D's forward(x), a
+    subclass's forward(hidden_states)) failed with a bare KeyError: 'input'; a subclass that transforms its input
+    before F.linear (a pre-norm, muP's MuReadout) got the max of its module input and its GEMM's input (a 320x larger
+    scale); an fp8 layer whose weight another module reads (F.linear(x, layer.weight)) got no scale."""
+
+    class Scaled(nn.Linear):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states / 100)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b, self.c = Scaled(16, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.a(hidden_states=x)
+            return nn.functional.linear(self.b(h), self.c.weight, self.c.bias)
+
+    torch.manual_seed(0)
+    model = Model()
+    x = torch.randn(4, 16) * 10
+    with torch.no_grad():
+        h = model.a(x)
+        want = {"a": (x / 100).abs().max().item() / 448, "b": h.abs().max().item() / 448,
+                "c": model.b(h).abs().max().item() / 448}
+    got = fp8fx.calibrate(model, [x])
+    assert got == pytest.approx(want, rel=1e-6)
+    fp8fx.quantize_(model)  # fp8 weights, dynamic activations, calibrated for static ones
+    got = fp8fx.calibrate(model, [x])
+    assert set(got) == {"a", "b", "c"} and got["a"] == pytest.approx(want["a"], rel=1e-6)
 
 
 def test_quantize_frees_each_bf16_weight_before_the_next_layer(monkeypatch):
