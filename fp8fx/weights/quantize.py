@@ -775,15 +775,24 @@ def _gate_of(mod: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
     return gated
 
 
-def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
+def _read_from_code(mod: nn.Module) -> bool:
+    """Gated experts with neither ``_apply_gate`` nor ``act_fn``: their own code computes the activation (a loop such as
+    examples/moe_reference.py's), which the MoE pass reads from the graph and ``_gate_of`` takes to be SiLU of
+    gate_up_proj's halves."""
+    return not (moe.is_ungated_experts(mod) or callable(getattr(mod, "_apply_gate", None))
+                or getattr(mod, "act_fn", None) is not None)
+
+
+def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int], expected: dict):
     """A forward pre-hook of an experts module ``forward(hidden_states, top_k_index, top_k_weights)`` (HF's):
     the amax of the tokens its experts get, and of each expert's activation (``_gate_of``) on them. An experts module
     called with the hidden states only (Llama-4's dense form, ``fp8fx.passes.moe``): expert e's rows are the e-th
-    E-th of them."""
+    E-th of them. For experts whose activation is their code's (``_read_from_code``), the output that reading gives
+    goes into ``expected`` for ``_experts_checker``."""
 
     def record(mod, args, kwargs):
         bound = inspect.signature(mod.forward).bind(*args, **kwargs).arguments
-        x, ids = (list(bound.values()) + [None])[:2]
+        x, ids, wts = (list(bound.values()) + [None, None])[:3]
         w13 = getattr(mod, moe.w13_name(mod))
         w13 = w13.transpose(1, 2) if moe.is_transposed(mod) else w13  # [E, 2I, H] (ungated: [E, I, H])
         experts = w13.shape[0]
@@ -802,15 +811,50 @@ def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int]):
         gated = _gate_of(mod)
         b13 = getattr(mod, moe.w13_name(mod) + "_bias", None)  # GPT-OSS's
         name13, name2 = moe.input_scale_names(fqn, mod)
+        check = _read_from_code(mod) and isinstance(wts, torch.Tensor) and wts.numel() == ids.numel()
+        if check:  # (what the module gives if its experts compute act_fn(gate) * up as read: SiLU of the halves)
+            w2 = getattr(mod, moe.W2)
+            w2 = w2.transpose(1, 2) if moe.is_transposed(mod) else w2  # [E, H, I]
+            want = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            wts = wts.reshape(ids.shape)
         for e in ids.unique().tolist():
             if not 0 <= e < experts:  # an expert-parallel sentinel: no expert of this module
                 continue
-            xe = x[(ids == e).any(-1)]
+            rows = (ids == e).any(-1)
+            xe = x[rows]
             h = gated(nn.functional.linear(xe, w13[e], None if b13 is None else b13[e]))
             _record(amax, name13, xe.abs().max().float().item(), batch_no[0])
             _record(amax, name2, h.abs().max().float().item(), batch_no[0])
+            if check:
+                weight = (wts * (ids == e)).sum(-1)[rows].float()
+                want[rows] += weight[:, None] * nn.functional.linear(h, w2[e]).float()
+        if check:
+            expected[id(mod)] = want
 
     return record
+
+
+def _experts_checker(fqn: str, expected: dict):
+    """A forward hook of experts whose activation is their code's (``_read_from_code``): their output against the one
+    ``_experts_recorder`` computed as it reads them (SiLU of gate_up_proj's halves). Where they differ, down_proj's
+    input scale would come from another function than the one the model computes, and fused_moe quantizes: a GELU,
+    interleaved gate/up rows gave scales 0.88x and 0.2x the input's (its values clipped); refused, naming the fix."""
+
+    def check(mod, args, kwargs, out):
+        want = expected.pop(id(mod), None)
+        if want is None or not isinstance(out, torch.Tensor):
+            return
+        got = out.detach().reshape(-1, out.shape[-1]).float() if out.numel() == want.numel() else None
+        apart = float("inf") if got is None else float((got - want).norm() / want.norm().clamp_min(1e-30))
+        if apart > 0.03:  # (bf16 experts: ~0.5% apart where the reading holds; SiLU for a GELU: ~10%)
+            raise ValueError(
+                f"calibrate: {fqn} has neither act_fn nor _apply_gate, and its output is not what calibrate takes its "
+                f"experts to compute, act_fn(gate) * up with SiLU on gate_up_proj's first and second halves, weighted "
+                f"by top_k_weights ({apart:.1%} apart): down_proj's input scale would come from another function than "
+                "the module's; give the module its activation as act_fn (and _apply_gate(gate_up_output) for another "
+                f"layout of its gate and up rows), or add {fqn!r} to ignored_layers (nothing was calibrated)")
+
+    return check
 
 
 @torch.no_grad()
@@ -857,8 +901,11 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
                 "act_fn(up_proj(x)): give the module its activation as act_fn, or add it to ignored_layers (nothing "
                 "was run)"
             )
-    hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no), with_kwargs=True)
+    expected: dict[int, torch.Tensor] = {}  # id(experts) -> their output as calibrate reads them (_experts_checker)
+    hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no, expected), with_kwargs=True)
              for fqn, module in experts]
+    hooks += [module.register_forward_hook(_experts_checker(fqn, expected), with_kwargs=True)
+              for fqn, module in experts if _read_from_code(module)]
 
     # each call of a linear is measured once (each .item() a GPU sync, taken when the call returns): the input of its
     # own F.linear, which the GEMM quantizes (a subclass may transform its input first: muP's MuReadout, a pre-norm),

@@ -1136,3 +1136,58 @@ def test_a_failed_quantize_says_no_layer_was_left_in_high_precision(caplog):
         assert not is_quantized_experts(model.experts) and "left 1 layer" not in caplog.text, caplog.text
         fp8fx.quantize_(model)
     assert is_quantized_experts(model.experts) and "quantize_ left 1 layer in high precision (['proj'])" in caplog.text
+
+
+@pytest.mark.parametrize("kind", ["silu", "gelu", "interleaved"])
+def test_calibrate_refuses_experts_whose_code_computes_another_activation(kind):
+    """Experts with neither act_fn nor _apply_gate (a loop such as examples/moe_reference.py's): calibrate measured
+    down_proj's input as SiLU of gate_up_proj's halves, while the MoE pass reads the activation from the code: a GELU
+    or interleaved gate/up rows gave scales 0.88x and 0.2x of what the experts feed down_proj (clipped at inference),
+    silently (found by a probe). Their output is checked against that reading: the SiLU loop calibrates as before,
+    the others are refused naming the fix, nothing calibrated."""
+
+    class Loop(nn.Module):
+        def __init__(self, e=4, h=64, i=32):
+            super().__init__()
+            self.num_experts = e
+            self.gate_up_proj = nn.Parameter(torch.randn(e, 2 * i, h) / h**0.5)
+            self.down_proj = nn.Parameter(torch.randn(e, h, i) / i**0.5)
+
+        def act(self, x, e):
+            g1 = nn.functional.linear(x, self.gate_up_proj[e])
+            if kind == "interleaved":
+                return nn.functional.silu(g1[..., 0::2]) * g1[..., 1::2]
+            gate, up = g1.chunk(2, dim=-1)
+            return (nn.functional.gelu if kind == "gelu" else nn.functional.silu)(gate) * up
+
+        def forward(self, x, top_k_index, top_k_weights):
+            out = torch.zeros_like(x, dtype=torch.float32)
+            for e in range(self.num_experts):
+                w = (top_k_weights * (top_k_index == e)).sum(dim=-1, keepdim=True)
+                out = out + w * nn.functional.linear(self.act(x, e), self.down_proj[e])
+            return out.to(x.dtype)
+
+    torch.manual_seed(0)
+    model = Loop()
+    x = torch.randn(16, 64) * 2
+    ids, w = routing(16, 2)
+    if kind != "silu":
+        with pytest.raises(ValueError, match=r"calibrate: experts has neither act_fn nor _apply_gate, and its output "
+                                             r"is not what calibrate takes .*add 'experts' to ignored_layers"):
+            fp8fx.calibrate(_Routed(model), [(x, ids, w)])
+        return
+    scales = fp8fx.calibrate(_Routed(model), [(x, ids, w)])
+    with torch.no_grad():
+        want = max(model.act(x[(ids == e).any(-1)], e).abs().max().item() for e in ids.unique().tolist()) / 448
+    assert scales["experts.down_proj"] == pytest.approx(want, rel=1e-6)
+
+
+class _Routed(nn.Module):
+    """An experts module under the name ``experts``, called with the routing it is given."""
+
+    def __init__(self, experts):
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, x, ids, w):
+        return self.experts(x, ids, w)
