@@ -32,7 +32,7 @@ from fp8fx import quant
 from fp8fx.checkpoint.files import CheckpointError, Entry
 from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, first_named
 from fp8fx.weights import chunked, moe
-from fp8fx.weights.linear import remember_trainable
+from fp8fx.weights.linear import RANGE_CHECKED, remember_trainable
 from fp8fx.weights.moe import UP, W13, W2, Fp8MoEMethod
 
 SCALE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -293,6 +293,7 @@ class ExpertsLoader:
                     ex.method.create_weights(ex.stage, e, h, i, ex.module._parameters[ex.w13].dtype,
                                              device=self.device, prefix=ex.fqn, transposed=ex.transposed,
                                              interleaved=moe.is_interleaved(ex.module), gated=ex.gated)
+                    setattr(ex.stage, RANGE_CHECKED, True)  # (_check_dequantized_range, naming the entry)
                 except ValueError as err:  # e.g. a block that does not divide intermediate_size
                     raise CheckpointError(f"{err} ({self.fmt.describe()})") from None
             if ex.fused:

@@ -39,7 +39,7 @@ from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner,
 from fp8fx.weights.kv_cache import check_kv_scale_layout, getter_module, kv_cache_attentions, kv_slot_error
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight, target_classes
-from fp8fx.weights.linear import remember_trainable
+from fp8fx.weights.linear import RANGE_CHECKED, remember_trainable
 from fp8fx.weights.linear import check_no_in_place_rescale, check_no_lazy_modules, kept_by_the_model
 from fp8fx.weights.moe import is_any_experts, is_quantized_experts
 from fp8fx.weights.quantize import check_ignored_layers, nothing_quantized
@@ -705,6 +705,7 @@ class _Loader:
             try:
                 lin.method.create_weights(lin.stage, k, lin.sizes, lin.module.weight.dtype, device=self.device,
                                           prefix=lin.fqn)
+                setattr(lin.stage, RANGE_CHECKED, True)  # (_check_dequantized_range, naming the entry)
             except ValueError as e:  # e.g. fused block layer whose shards do not start on block rows
                 raise CheckpointError(f"{e} (the layer fused from {list(lin.shards)})") from None  # (e names fqn)
 

@@ -29,7 +29,7 @@ from fp8fx.lowerings import compat
 from fp8fx.report import first_line
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES, check_kv_scale, getter_module
-from fp8fx.weights.linear import is_conv1d_class, is_linear, is_quantized, kept_by_the_model, layer_scheme
+from fp8fx.weights.linear import is_conv1d_class, is_linear, is_quantized, kept_by_the_model, layer_scheme, planning
 from fp8fx.weights.quantize import _shown, check_finished
 
 try:
@@ -849,7 +849,8 @@ def convert(
     the model's through transformers' renames and ``key_mapping``, as ``load_checkpoint`` does (hub Mixtral's
     ``block_sparse_moe.experts.<e>.w1`` are ``mlp.experts``' in transformers 5), and written back as stored:
     the output keeps the input's layout, which transformers and vLLM load.
-    Peak memory: one output file plus one bf16 tensor (two: an expert's gate and up, per-tensor). Returns a ``LoadReport`` (checkpoint module names;
+    Peak memory: one output file plus one bf16 tensor (two: an expert's gate and up, per-tensor). Returns a
+    ``LoadReport`` (checkpoint module names;
     ``experts``: the experts modules quantized).
     """
     src, dst = os.fspath(src), os.fspath(dst)
@@ -917,7 +918,8 @@ def convert(
     # or staged, the model is not changed (convert's own checks above name its own fixes first)
     dry = _Loader(model, formats.QuantFormat("none", config, sources=sources), torch.device("meta"),
                   dict(FUSED if fused is None else fused), dry=True)
-    dry.plan(cut_entries)
+    with planning():  # (create_weights on meta: nothing loads)
+        dry.plan(cut_entries)
     kv_scales = {e.name for e in dry.kv_entries.values()}  # their values are checked as they are read (below)
 
     for key in dry.tied_copies:  # a tied tensor stored under two names: the same values, as load checks (the two

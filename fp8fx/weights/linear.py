@@ -15,6 +15,8 @@ linear pass. ``state_dict()`` reads ``_parameters`` and so holds the fp8 tensors
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import logging
 import math
@@ -217,11 +219,11 @@ def _overflow_of(module: nn.Module, name: str, cast: torch.dtype) -> str:
             "(outputs NaN); keep the model in bfloat16 or float32")
 
 
-def _overflow(module: nn.Module, cast: torch.dtype, params: Mapping[str, Optional[torch.Tensor]]
-              ) -> Optional[tuple[float, int, str]]:
+def _overflow(module: nn.Module, cast: torch.dtype, params: Mapping[str, Optional[torch.Tensor]],
+              block: Optional[Sequence[int]] = None) -> Optional[tuple[float, int, str]]:
     """(largest scale, count, weight name) of the first fp8 weight in ``params`` (the module's own, or a state dict's
     over them) whose dequantized values ``cast`` cannot hold, or None. The fp8 tensors are counted only where their
-    largest scale is beyond the range."""
+    largest scale is beyond the range. ``block``: the scales' (default the module's weight block)."""
     suffix = "_scale_inv" if getattr(module, "_fp8fx_block_scales", False) else "_scale"
     for w in ("weight", "gate_up_proj", "up_proj", "down_proj"):  # (up_proj: ungated experts' first weight)
         q, scale = params.get(w), params.get(w + suffix)
@@ -230,7 +232,7 @@ def _overflow(module: nn.Module, cast: torch.dtype, params: Mapping[str, Optiona
         largest = float(scale.detach().float().max())
         if not torch.isinf(torch.tensor(largest * quant.FP8_MAX).to(cast)):  # (rounded as the cast rounds)
             continue
-        block = module._fp8fx_w_block
+        block = module._fp8fx_w_block if block is None else block
         count = sum(chunked.dequantized_overflow(qe.detach(), se.detach(), block, cast)
                     for qe, se in (zip(q, scale) if q.dim() == 3 else [(q, scale)]))
         if count:
@@ -884,6 +886,22 @@ def method_config(config: Any, where: str) -> Fp8Config:
     return config
 
 
+_PLANNING = contextvars.ContextVar("fp8fx_planning", default=False)
+# a layer's attribute: its loader checks the dequantized weight's range itself (load_checkpoint: naming the checkpoint
+# entry), so process_weights_after_loading's float16 check leaves it to that
+RANGE_CHECKED = "_fp8fx_range_checked"
+
+
+@contextlib.contextmanager
+def planning():
+    """``create_weights`` on the meta device, for a plan that loads nothing (``convert``'s look at its source)."""
+    token = _PLANNING.set(True)
+    try:
+        yield
+    finally:
+        _PLANNING.reset(token)
+
+
 def check_create_target(where: str, layer: nn.Module, created: bool, device) -> None:
     """``create_weights``' layer and device (``Fp8LinearMethod``'s, ``Fp8MoEMethod``'s), checked before anything of the
     layer changes. ``created``: the layer holds fp8fx's weights already (``quantize_``, ``load_checkpoint`` or an
@@ -894,12 +912,16 @@ def check_create_target(where: str, layer: nn.Module, created: bool, device) -> 
         raise ValueError(f"{where}: its weights were created already (it holds fp8fx's fp8 weights, or a load into "
                          "them is under way); create_weights makes a layer's weights once: load into them with "
                          "weight_loader, or create them on a fresh module (nothing of the layer changed)")
-    if device is not None:
-        try:
-            torch.empty(0, device=device)
-        except (RuntimeError, AssertionError, TypeError, ValueError) as e:
-            raise ValueError(f"{where}: device={device!r}: no tensor can be made there ({str(e).splitlines()[0]}); "
-                             "pass a device this machine has (nothing of the layer changed)") from None
+    try:
+        made = torch.empty(0, device=device).device  # (device=None: torch's default, a torch.device("meta") block's)
+    except (RuntimeError, AssertionError, TypeError, ValueError) as e:
+        raise ValueError(f"{where}: device={device!r}: no tensor can be made there ({str(e).splitlines()[0]}); "
+                         "pass a device this machine has (nothing of the layer changed)") from None
+    if made.type == "meta" and not _PLANNING.get():  # (loads into it did nothing, then failed naming no layer)
+        made_by = "the default device" if device is None else "meta"
+        raise ValueError(f"{where}: device={device!r} makes meta tensors ({made_by}), which hold no values for "
+                         "weight_loader to fill: pass the device the weights load to, "
+                         "e.g. device='cuda' (the module itself may stay on meta) (nothing of the layer changed)")
 
 
 def check_create_arguments(where: str, params_dtype: torch.dtype, **sizes) -> None:
@@ -915,7 +937,7 @@ def check_create_arguments(where: str, params_dtype: torch.dtype, **sizes) -> No
 
     for name, value in sizes.items():
         many = name == "output_partition_sizes"
-        least = 1 if name == "tp_size" else 0
+        least = 1 if name in ("tp_size", "num_experts") else 0  # (0 experts: processing failed in an IndexError)
         try:
             values = list(value) if many and not isinstance(value, (str, bytes)) else [value]
         except TypeError:  # (an int for the list)
@@ -1002,9 +1024,9 @@ class Fp8LinearMethod:
         layer._fp8fx_processed = False
         layer._fp8fx_copied = 0
         layer._fp8fx_shards_loaded = set()  # weight shards received (a repeat must not count twice)
+        layer._fp8fx_device = device  # (where a bias on meta, and online the weight, are made as they load)
         layer._parameters.update(new)
         if not serialized:
-            layer._fp8fx_device = device
             # until process_weights_after_loading the layer is the model's own over a receive buffer still filling
             # (it ran on the shards loaded so far and uninitialized memory: outputs of 1e8, silently)
             layer.__dict__["_fp8fx_pending"] = layer.register_forward_pre_hook(_refuse_unprocessed)
@@ -1020,8 +1042,11 @@ class Fp8LinearMethod:
         shard ``shard_id`` of the fused output dim (e.g. q/k/v = 0/1/2). Refused before anything changes: a shard id
         out of range, a scale that is not a positive finite float, fp8 codes with a NaN, and online a weight that is
         not bf16/fp16/fp32 or holds NaN/Inf or values the layer's dtype cannot hold - the pass over the weight skipped
-        with ``values_checked``, where the caller's own pass did it (``quantize_``, ``load_checkpoint``)."""
-        who = layer._fp8fx_prefix
+        with ``values_checked``, where the caller's own pass did it (``quantize_``, ``load_checkpoint``). ``bias``:
+        the layer's high-precision bias, whole or its shard's rows."""
+        who = self._created(layer)
+        if name == "bias":
+            return self._load_bias(layer, loaded, shard_id)
         if name in ("weight_scale", "weight_scale_inv") and not self.config.is_checkpoint_fp8_serialized:
             # (after the last shard the parameter exists, computed: a load had replaced it, silently)
             raise ValueError(f"{who}.{name} (shard {shard_id}): online quantization computes the weight's scales; "
@@ -1117,6 +1142,43 @@ class Fp8LinearMethod:
         same_device = loaded.device.type == device.type and device.index in (None, loaded.device.index)
         return same_device and loaded.dtype == target.dtype and loaded.shape == target.shape
 
+    @staticmethod
+    def _created(layer: nn.Module) -> str:
+        """The layer's name, where this class's create_weights made its weights (else its other methods failed with
+        a bare AttributeError or KeyError)."""
+        if not hasattr(layer, "_fp8fx_partitions"):
+            what = ("an experts module Fp8MoEMethod created: load it with Fp8MoEMethod" if hasattr(
+                layer, "_fp8fx_intermediate") else "call Fp8LinearMethod.create_weights(layer, ...) first")
+            raise ValueError(f"{getattr(layer, '_fp8fx_prefix', None) or type(layer).__name__}: Fp8LinearMethod did "
+                             f"not create this layer's weights ({what}) (nothing was loaded)")
+        return layer._fp8fx_prefix
+
+    def _load_bias(self, layer: nn.Module, loaded: torch.Tensor, shard_id: Optional[int]) -> None:
+        """The high-precision bias, whole or shard ``shard_id``'s rows (a fused q/k/v bias): not a scale (a negative
+        bias was refused as "not positive", and one on meta was copied into nothing)."""
+        who, target = layer._fp8fx_prefix, layer._parameters.get("bias")
+        if target is None:
+            raise ValueError(f"{who}.bias (shard {shard_id}): the layer has no bias (built with bias=False); build it "
+                             "with one, or leave the checkpoint's out (nothing was loaded)")
+        if not isinstance(loaded, torch.Tensor) or not loaded.is_floating_point() or loaded.dtype.itemsize < 2:
+            raise ValueError(f"{who}.bias (shard {shard_id}): a {getattr(loaded, 'dtype', type(loaded).__name__)} "
+                             "tensor; a bias loads as bf16/fp16/fp32 (nothing was loaded)")
+        bad = chunked.count_nonfinite(loaded.detach())
+        if bad:
+            raise ValueError(f"{who}.bias (shard {shard_id}) has {bad} NaN/Inf values: re-export the checkpoint "
+                             "(nothing was loaded)")
+        sizes = layer._fp8fx_partitions
+        rows = (0, target.shape[0]) if shard_id is None else (sum(sizes[:shard_id]), sizes[shard_id])
+        if target.dim() != 1 or tuple(loaded.shape) != (rows[1],):
+            raise ValueError(f"{who}.bias shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not "
+                             f"fit the bias's rows {list(rows)} (output partitions {list(sizes)}) (nothing was loaded)")
+        if target.is_meta:  # (made where create_weights said, or on the tensor's device)
+            device = layer._fp8fx_device if layer._fp8fx_device is not None else loaded.device
+            target = nn.Parameter(torch.zeros_like(target, device=device), requires_grad=target.requires_grad)
+            layer._parameters["bias"] = target
+        with torch.no_grad():
+            target.narrow(0, *rows).copy_(loaded)
+
     def _shard_slice(self, layer: nn.Module, name: str, dest: torch.Tensor, shard_id: Optional[int]) -> torch.Tensor:
         """The part of ``dest`` (a parameter's data) that logical shard ``shard_id`` of the fused output
         dim owns: its rows of the weight and of per-channel / block scales, its entry of per-shard scales."""
@@ -1185,19 +1247,21 @@ class Fp8LinearMethod:
     # -- finish ------------------------------------------------------------------------------
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Runs once (idempotent): shard scales -> one scale, shard input scales -> their max."""
+        name = self._created(layer)
         if layer._fp8fx_processed:
             return
         params = layer._parameters
-        name = layer._fp8fx_prefix
+        through = (f" through {type(self).__name__}.weight_loader (a copy into the parameter itself, vLLM's default "
+                   "loader's, is not counted)")
         if params["weight"].dtype != quant.FP8_DTYPE:
             raise RuntimeError(
                 f"{name}: weight received {layer._fp8fx_copied} of {params['weight'].numel()} elements; "
-                "load every shard before process_weights_after_loading"
+                f"load every shard{through} before process_weights_after_loading"
             )
         unloaded = torch.finfo(torch.float32).min
         if self.config.is_checkpoint_fp8_serialized and layer._fp8fx_copied < params["weight"].numel():
             raise ValueError(f"{name}: weight received {layer._fp8fx_copied} of {params['weight'].numel()} elements; "
-                             "load every shard before process_weights_after_loading")
+                             f"load every shard{through} before process_weights_after_loading")
         # every check before any change (the weight's requantization ran before a missing input_scale was found:
         # the layer was left half-processed, and a scale loaded after it replaced every shard's)
         per_tensor = isinstance(self.scheme.weight, PerTensor)
@@ -1221,6 +1285,22 @@ class Fp8LinearMethod:
             if missing:
                 raise ValueError(f"{name}: {missing} of {scales.numel()} entries of {scale_name} "
                                  "were never loaded; load the checkpoint's scales with the weight")
+        # (load_checkpoint, load_state_dict and .half() refuse it too; load_checkpoint's own check names the entry)
+        if layer._fp8fx_dtype == torch.float16 and not getattr(layer, RANGE_CHECKED, False):
+            if per_tensor and params["weight_scale"].numel() > 1:  # each shard's rows under its own scale
+                rows = torch.repeat_interleave(params["weight_scale"].data.float().reshape(-1),
+                                               torch.tensor(layer._fp8fx_partitions)).reshape(-1, 1)
+                found = _overflow(layer, torch.float16, {"weight": params["weight"], "weight_scale": rows},
+                                  block=(1, -1))
+            else:
+                found = _overflow(layer, torch.float16, params)
+            if found is not None:
+                largest, count, _ = found
+                raise ValueError(
+                    f"{name}: a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is beyond float16's "
+                    f"range (at most {torch.finfo(torch.float16).max:g}), the dtype this layer computes in: {count} "
+                    "values of its dequantized weight would be inf (outputs NaN); create it with "
+                    "params_dtype=torch.bfloat16 or torch.float32 (the layer is as it was)")
         if per_tensor and params["weight_scale"].numel() > 1:
             q, s = quant.requantize_shards(params["weight"].data, list(params["weight_scale"].data),
                                            layer._fp8fx_partitions)

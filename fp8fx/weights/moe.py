@@ -41,7 +41,7 @@ from fp8fx.weights import chunked, views
 from fp8fx.weights.linear import check_codes_held, check_create_arguments, check_online, fp8_apply, fp8_delattr
 from fp8fx.weights.linear import as_index, fp8_load_from_state_dict, foreign_tensor_reason
 from fp8fx.weights.linear import reduce_made_class, refuse_script, same_layout
-from fp8fx.weights.linear import check_create_target, method_config, setstate_made_class
+from fp8fx.weights.linear import RANGE_CHECKED, _overflow, check_create_target, method_config, setstate_made_class
 
 log = logging.getLogger("fp8fx")
 
@@ -285,6 +285,12 @@ def block_error(scheme: LayerScheme, intermediate: int, tp_size: int = 1, gated:
             f"intermediate_size={intermediate} is not divisible by weight_block_size block_n={w.block_n} "
             "(a scale block of gate_up_proj would span gate and up); use per-channel scales or a block_n dividing it"
         )
+    if not gated and tp_size > 1 and intermediate % w.block_n:  # (a rank's up rows straddled two scale blocks)
+        return (
+            f"intermediate_size={intermediate} per shard (tp_size={tp_size}) is not divisible by weight_block_size "
+            f"block_n={w.block_n}: a rank's up_proj rows would start inside a scale block; use a tp_size that keeps "
+            "whole blocks on every rank"
+        )
     if tp_size > 1 and intermediate % w.block_k:
         return (
             f"intermediate_size={intermediate} per shard (tp_size={tp_size}) is not divisible by "
@@ -454,6 +460,7 @@ class Fp8MoEMethod:
         # overlap an earlier one (the completeness check counts elements; online, a repeat would be dropped)
         layer._fp8fx_arrived = set()
         layer._fp8fx_staging = {}  # (name, expert) -> bf16 [rows, cols] while its shards arrive (online)
+        layer._fp8fx_device = device  # (where a bias on meta is made as it loads)
         layer._parameters.update(new)
         layer.__class__ = fp8_experts_class(type(layer), w13)
 
@@ -473,12 +480,14 @@ class Fp8MoEMethod:
         rows of gate_up_proj) or ``"w2"`` of one expert. Online, bf16 tensors are quantized here, after a pass
         that refuses NaN/Inf - skipped with ``values_checked`` where the caller's own pass over the tensor did that
         (``fp8fx.load_checkpoint``: one pass over each expert tensor, not two)."""
+        prefix = self._created(layer)
         w13 = w13_name(layer)
         name = _ALIASES.get(name, name)
         if w13 == UP and name.startswith(W13):  # vLLM's w13_ names: the first weight, up_proj here
             name = UP + name[len(W13):]
+        if name in (w13 + "_bias", W2 + "_bias"):  # (GPT-OSS's: high precision, not a scale)
+            return self._load_bias(layer, name, loaded, shard_id, expert_id)
         base = w13 if name.startswith(w13) else W2 if name.startswith(W2) else None
-        prefix = layer._fp8fx_prefix
         if base is None or name not in layer._parameters:
             accepted = sorted(n for n in layer._parameters if n.startswith((w13, W2)))
             raise KeyError(f"{prefix}: no fp8fx expert tensor {name!r}; it takes {accepted} (or vLLM's w13_/w2_ names)")
@@ -555,6 +564,49 @@ class Fp8MoEMethod:
         if name == base:
             layer._fp8fx_arrived.add(arrival)
             self._count(layer, base, expert_id, dest.numel())
+
+    @staticmethod
+    def _created(layer: nn.Module) -> str:
+        """The experts' name, where this class's create_weights made their weights (else its other methods failed
+        with a bare AttributeError or KeyError)."""
+        if not hasattr(layer, "_fp8fx_intermediate"):
+            what = ("a linear layer Fp8LinearMethod created: load it with Fp8LinearMethod" if hasattr(
+                layer, "_fp8fx_partitions") else "call Fp8MoEMethod.create_weights(layer, ...) first")
+            raise ValueError(f"{getattr(layer, '_fp8fx_prefix', None) or type(layer).__name__}: Fp8MoEMethod did not "
+                             f"create these experts' weights ({what}) (nothing was loaded)")
+        return layer._fp8fx_prefix
+
+    @staticmethod
+    def _load_bias(layer: nn.Module, name: str, loaded: torch.Tensor, shard_id, expert_id) -> None:
+        """An expert bias (GPT-OSS's ``gate_up_proj_bias`` [E, 2I], ``down_proj_bias`` [E, H]), high precision: all
+        experts or one expert's. It went through the scale checks (a negative bias was refused as a scale)."""
+        prefix, target = layer._fp8fx_prefix, layer._parameters.get(name)
+        if target is None:
+            raise ValueError(f"{prefix}.{name}: the experts have no such bias; leave the checkpoint's out (nothing was "
+                             "loaded)")
+        if shard_id not in (None, "w2"):
+            raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r}; an expert bias loads whole, all experts or one "
+                             "expert's (nothing was loaded)")
+        if not isinstance(loaded, torch.Tensor) or not loaded.is_floating_point() or loaded.dtype.itemsize < 2:
+            raise ValueError(f"{prefix}.{name}: a {getattr(loaded, 'dtype', type(loaded).__name__)} tensor; a bias "
+                             "loads as bf16/fp16/fp32 (nothing was loaded)")
+        index = as_index(expert_id) if expert_id is not None else None
+        if expert_id is not None and (index is None or not 0 <= index < target.shape[0]):
+            raise ValueError(f"{prefix}.{name}: expert_id={expert_id!r} is not an expert's index of {target.shape[0]}")
+        shape = tuple(target.shape) if index is None else tuple(target.shape[1:])
+        if tuple(loaded.shape) != shape:
+            raise ValueError(f"{prefix}.{name} (expert {expert_id}): checkpoint tensor of shape {tuple(loaded.shape)}, "
+                             f"where the bias takes {list(shape)} (nothing was loaded)")
+        bad = chunked.count_nonfinite(loaded.detach())
+        if bad:
+            raise ValueError(f"{prefix}.{name} (expert {expert_id}) has {bad} NaN/Inf values: re-export the "
+                             "checkpoint (nothing was loaded)")
+        if target.is_meta:
+            device = layer._fp8fx_device if layer._fp8fx_device is not None else loaded.device
+            target = nn.Parameter(torch.zeros_like(target, device=device), requires_grad=target.requires_grad)
+            layer._parameters[name] = target
+        with torch.no_grad():
+            (target if index is None else target[index]).copy_(loaded)
 
     @staticmethod
     def _check_scales(what: str, scales: torch.Tensor) -> None:
@@ -658,9 +710,10 @@ class Fp8MoEMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Runs once (idempotent): checks every expert arrived, requantizes per-tensor w13 to one scale
         per expert (the max of w1's and w3's), collapses static input scales to their max."""
+        prefix = self._created(layer)
         if layer._fp8fx_processed:
             return
-        params, prefix = layer._parameters, layer._fp8fx_prefix
+        params = layer._parameters
         w13 = w13_name(layer)
         for base in (w13, W2):
             per_expert = params[base][0].numel()
@@ -680,6 +733,9 @@ class Fp8MoEMethod:
                                                          .tolist()[:8]) + ")"
                     raise ValueError(f"{prefix}.{name} was never loaded for experts {experts[:8]}"
                                      f"{' ...' if len(experts) > 8 else ''}{shards}; load it from the checkpoint")
+        # (load_checkpoint, load_state_dict and .half() refuse it too; load_checkpoint's own check names the entry)
+        if layer._fp8fx_dtype == torch.float16 and not getattr(layer, RANGE_CHECKED, False):
+            self._check_float16(layer)
         if isinstance(self.scheme.weight, PerTensor) and params[w13 + "_scale"].dim() == 2:
             self._requantize_w13(layer)
         for base in (w13, W2):
@@ -696,14 +752,46 @@ class Fp8MoEMethod:
         layer._fp8fx_processed = True
 
     @staticmethod
+    def _check_float16(layer: nn.Module) -> None:
+        """Float16 experts whose scales times fp8 values float16 cannot hold (inf weights, NaN outputs): refused before
+        processing changes anything. Per-tensor w13 scales ``[E, 2]`` count each shard's rows under its own."""
+        params = layer._parameters
+        scale = params.get(W13 + "_scale")
+        if scale is not None and scale.dim() == 2 and scale.shape[1] == 2:  # (w1, w3 of each expert)
+            i = layer._fp8fx_intermediate
+            rows = scale.data.float().repeat_interleave(i, dim=1)  # [E, 2I]: gate's rows, then up's
+            if getattr(layer, "_fp8fx_interleaved", False):  # gate, up, gate, up, ...
+                rows = scale.data.float().repeat(1, i)
+            found = (_overflow(layer, torch.float16, {W13: params[W13], W13 + "_scale": rows.unsqueeze(-1)},
+                               block=(1, -1))
+                     or _overflow(layer, torch.float16, {W2: params[W2], W2 + "_scale": params[W2 + "_scale"]}))
+        else:
+            found = _overflow(layer, torch.float16, params)
+        if found is not None:
+            largest, count, w = found
+            raise ValueError(
+                f"{layer._fp8fx_prefix}.{w}: a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is beyond "
+                f"float16's range (at most {torch.finfo(torch.float16).max:g}), the dtype these experts compute in: "
+                f"{count} values of the dequantized {w} would be inf (outputs NaN); create them with "
+                "params_dtype=torch.bfloat16 or torch.float32 (the experts are as they were)")
+
+    @staticmethod
     def _requantize_w13(layer: nn.Module) -> None:
-        """w13 scales ``[E, 2]`` (w1, w3) -> ``[E]``, each expert's fp8 rows requantized to the max."""
+        """w13 scales ``[E, 2]`` (w1, w3) -> ``[E]``, each expert's fp8 rows requantized to the max: w1's rows and
+        w3's, the first and second half, or the even and odd rows of interleaved experts (requantized by halves, the
+        interleaved experts' weights came out 89% off)."""
         params = layer._parameters
         q, scales = params[W13].data, params[W13 + "_scale"].data
         i = layer._fp8fx_intermediate
+        interleaved = getattr(layer, "_fp8fx_interleaved", False)
         for e in range(q.shape[0]):
             if scales[e, 0] != scales[e, 1]:
-                q[e], _ = quant.requantize_shards(q[e], [scales[e, 0], scales[e, 1]], [i, i])
+                rows = torch.cat([q[e, 0::2], q[e, 1::2]]) if interleaved else q[e]
+                out, _ = quant.requantize_shards(rows, [scales[e, 0], scales[e, 1]], [i, i])
+                if interleaved:
+                    q[e, 0::2], q[e, 1::2] = out[:i], out[i:]
+                else:
+                    q[e] = out
         params[W13 + "_scale"] = nn.Parameter(scales.amax(dim=1), requires_grad=False)
 
 

@@ -1191,3 +1191,94 @@ class _Routed(nn.Module):
 
     def forward(self, x, ids, w):
         return self.experts(x, ids, w)
+
+
+def _fp8_of(w: torch.Tensor, scale: float) -> torch.Tensor:
+    return (w / scale).clamp(-448, 448).to(torch.float8_e4m3fn)
+
+
+def test_method_classes_as_a_vllm_loader_uses_them():
+    """Found by a probe of the method classes used as vLLM's loaders use them; each refused naming the layer where it
+    had failed in torch, loaded nothing, or loaded wrong values, silently:
+    - create_weights on the meta device (a torch.device("meta") block, device=None): loads did nothing;
+    - interleaved experts (GPT-OSS's) with w1 / w3 per-tensor scales: requantized by halves, weights 89% off;
+    - float16 experts whose scales overflow float16 (inf weights, NaN outputs);
+    - an expert bias through weight_loader: a negative one refused as a scale;
+    - ungated experts split over ranks that cut a scale block; zero experts; a layer it never created."""
+    config = Fp8Config(is_checkpoint_fp8_serialized=True)
+    method = Fp8MoEMethod(config)
+    with torch.device("meta"):
+        with pytest.raises(ValueError, match=r"^experts: device=None makes meta tensors \(the default device\)"):
+            method.create_weights(nn.Module(), E, H, I, torch.bfloat16, prefix="experts")
+    with pytest.raises(ValueError, match=r"^experts: create_weights\(num_experts=0\): an int >= 1"):
+        method.create_weights(nn.Module(), 0, H, I, torch.bfloat16, prefix="experts")
+    with pytest.raises(ValueError, match=r"block_n=64: a rank's up_proj rows would start inside a scale block"):
+        Fp8MoEMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_block_size=[64, 64])).create_weights(
+            nn.Module(), E, H, 96, torch.bfloat16, prefix="experts", tp_size=2, gated=False)
+    with pytest.raises(ValueError, match=r"^Experts: Fp8MoEMethod did not create these experts' weights \(call "
+                                         r"Fp8MoEMethod.create_weights"):
+        method.process_weights_after_loading(type("Experts", (nn.Module,), {})())
+
+    # interleaved w13 (gate, up, gate, up ... rows) with a scale for w1's rows and one for w3's
+    g = torch.Generator().manual_seed(0)
+    w13 = torch.randn(E, 2 * I, H, generator=g, dtype=torch.float64) * 0.1
+    w13[:, 1::2] *= 4  # up's rows: a larger scale
+    layer = nn.Module()
+    method.create_weights(layer, E, H, I, torch.bfloat16, prefix="experts", interleaved=True)
+    s1, s3 = w13[:, 0::2].abs().amax() / 448, w13[:, 1::2].abs().amax() / 448
+    codes = torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn)
+    codes[:, 0::2], codes[:, 1::2] = _fp8_of(w13[:, 0::2], s1), _fp8_of(w13[:, 1::2], s3)
+    method.weight_loader(layer, "gate_up_proj", codes)
+    method.weight_loader(layer, "gate_up_proj_scale", torch.tensor([float(s1), float(s3)]).repeat(E, 1))
+    w2 = torch.randn(E, H, I, generator=g, dtype=torch.float64) * 0.1
+    method.weight_loader(layer, "down_proj", _fp8_of(w2, w2.abs().amax() / 448))
+    method.weight_loader(layer, "down_proj_scale", torch.full((E,), float(w2.abs().amax() / 448)))
+    method.process_weights_after_loading(layer)
+    got = layer._parameters["gate_up_proj"].double() * layer._parameters["gate_up_proj_scale"].double().reshape(E, 1, 1)
+    assert rel_err(got, w13) < 0.05, rel_err(got, w13)  # (by halves: 0.89)
+
+    # float16 experts whose per-tensor scales times fp8 values reach past 65504
+    layer = nn.Module()
+    method.create_weights(layer, E, H, I, torch.float16, prefix="experts")
+    big = torch.full((E, 2 * I, H), 448.0).to(torch.float8_e4m3fn)
+    method.weight_loader(layer, "gate_up_proj", big)
+    method.weight_loader(layer, "gate_up_proj_scale", torch.tensor([[1.0, 200.0]]).repeat(E, 1))
+    method.weight_loader(layer, "down_proj", big[:, :H, :I].contiguous())
+    method.weight_loader(layer, "down_proj_scale", torch.ones(E))
+    with pytest.raises(ValueError, match=r"^experts.gate_up_proj: a scale of 200 times fp8 values up to 448 is beyond "
+                                         r"float16's range .*params_dtype=torch.bfloat16"):
+        method.process_weights_after_loading(layer)
+    assert not layer._fp8fx_processed and layer.gate_up_proj_scale.shape == (E, 2)
+
+    # an expert bias: high precision, negative values too
+    layer = nn.Module()
+    layer.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * I))
+    method.create_weights(layer, E, H, I, torch.bfloat16, prefix="experts")
+    bias = -torch.rand(2 * I)
+    method.weight_loader(layer, "gate_up_proj_bias", bias, expert_id=1)
+    assert torch.equal(layer.gate_up_proj_bias[1], bias) and not layer.gate_up_proj_bias[0].any()
+
+
+def test_linear_method_as_a_vllm_loader_uses_it():
+    """The linear method's side of the probe: a q/k/v bias loaded by shard (a negative one was refused as a scale),
+    float16 per-tensor shards whose scales overflow float16, and a layer it never created."""
+    from fp8fx.weights import Fp8LinearMethod
+
+    config = Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=PerTensor())
+    method = Fp8LinearMethod(config)
+    layer = nn.Linear(64, 96, device="meta")
+    method.create_weights(layer, 64, [64, 16, 16], torch.float16, device="cpu", prefix="qkv_proj")
+    shards = [-torch.rand(n) for n in (64, 16, 16)]
+    for i, b in enumerate(shards):
+        method.weight_loader(layer, "bias", b.half(), shard_id=i)
+    assert torch.equal(layer.bias, torch.cat(shards).half()) and layer.bias.device.type == "cpu"
+    for i, (n, s) in enumerate(zip((64, 16, 16), (1.0, 200.0, 1.0))):
+        method.weight_loader(layer, "weight", torch.full((n, 64), 448.0).to(torch.float8_e4m3fn), shard_id=i)
+        method.weight_loader(layer, "weight_scale", torch.tensor([s]), shard_id=i)
+    with pytest.raises(ValueError, match=r"^qkv_proj: a scale of 200 times fp8 values up to 448 is beyond float16's "
+                                         r"range .*: 1024 values of its dequantized weight would be inf"):
+        method.process_weights_after_loading(layer)
+    assert not layer._fp8fx_processed and layer.weight_scale.shape == (3,)
+    with pytest.raises(ValueError, match=r"^Linear: Fp8LinearMethod did not create this layer's weights \(call "
+                                         r"Fp8LinearMethod.create_weights"):
+        method.weight_loader(nn.Linear(4, 4), "weight", torch.zeros(4, 4))

@@ -398,7 +398,7 @@ def test_create_weights_refuses_bad_arguments_naming_the_layer_and_changes_nothi
         "negative": ("input_size" if linear else "hidden_size", -1, "an int >= 0"),
         "fraction": ("output_partition_sizes" if linear else "intermediate_size", [16.5, 15.5] if linear else 32.0,
                      "a list of ints >= 0, one for each fused shard" if linear else "an int >= 0"),
-        "bool": ("input_size" if linear else "num_experts", True, "an int >= 0"),
+        "bool": ("input_size" if linear else "num_experts", True, f"an int >= {0 if linear else 1}"),
         "tp_size": ("tp_size", 0, "an int >= 1"),
         "partitions": ("output_partition_sizes", 64, "a list of ints >= 0, one for each fused shard"),
         "empty": ("output_partition_sizes", [], "a list of ints >= 0, one for each fused shard"),
