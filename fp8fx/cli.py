@@ -132,7 +132,10 @@ def inspect_command(args: argparse.Namespace) -> int:
     dtype = getattr(torch, args.dtype)
     if args.seq_len is not None and args.seq_len < 1:
         raise UsageError(f"--seq-len {args.seq_len}: the traced input needs at least one token")
-    model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
+    # what the model's own code prints while it is built and traced goes to stderr: stdout is the table, or --json's
+    # document, which a line before it made unreadable
+    with contextlib.redirect_stdout(sys.stderr):
+        model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
     config, layer_config, config_format, ignores = make_config(args, hf_quant)
     try:  # as quantize_ would: an --ignore that names no module keeps nothing in bf16
         check_ignored_layers(Fp8Config(ignored_layers=tuple(args.ignore)),
@@ -149,7 +152,8 @@ def inspect_command(args: argparse.Namespace) -> int:
                         "predicted below as the rest (a name of the checkpoint's own, which load_checkpoint maps, is "
                         "fine)", args.config, "ignore" if config_format == "compressed-tensors" else "ignored_layers",
                         unmatched, type(model).__name__, _ignore_hint(unmatched[0], names))
-    rows, others, graphs = predict(model, config, call_args, call_kwargs, layer_config)
+    with contextlib.redirect_stdout(sys.stderr):
+        rows, others, graphs = predict(model, config, call_args, call_kwargs, layer_config)
     if args.json:
         print(json.dumps({"model": args.model, "config": config.to_dict(), "graphs": graphs, "sites": rows,
                           "other_weights": others}, indent=1))
@@ -236,11 +240,19 @@ def _hf_model(path: Path, dtype: torch.dtype, seq_len: int):
         if quant_config is not None:  # fp8fx applies it; transformers must not try its own quantizer
             del config.quantization_config
             quant_config = quant_config if isinstance(quant_config, dict) else quant_config.to_dict()
+        # the class config.json names, as meta_model (convert) builds it: its module names are the checkpoint's
+        # (a BertModel's inspected as BertLMHeadModel: every name prefixed "bert.", a head the checkpoint has not)
+        named = [getattr(transformers, a, None) for a in getattr(config, "architectures", None) or ()]
+        cls = next((c for c in named if isinstance(c, type) and issubclass(c, transformers.PreTrainedModel)
+                    and isinstance(config, c.config_class)), None)
         with torch.device("meta"):
-            try:
-                model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
-            except ValueError:  # not a causal LM: the bare model
-                model = transformers.AutoModel.from_config(config, dtype=dtype)
+            if cls is not None:
+                model = cls._from_config(config, dtype=dtype)
+            else:
+                try:
+                    model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+                except ValueError:  # not a causal LM: the bare model
+                    model = transformers.AutoModel.from_config(config, dtype=dtype)
     except Exception as e:  # noqa: BLE001 - named for the user, the original chained
         raise UsageError(f"{folder / 'config.json'} is not a config transformers can build a model from: "
                          f"{type(e).__name__}: {_first_line(e)}") from e
@@ -253,7 +265,11 @@ def _hf_model(path: Path, dtype: torch.dtype, seq_len: int):
         except CheckpointError as e:
             raise UsageError(str(e)) from None
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
-    return model.eval(), (ids,), _no_kv_cache(model), quant_config
+    kwargs = _no_kv_cache(model)
+    if getattr(model.config, "is_encoder_decoder", False) and "decoder_input_ids" in pyinspect.signature(
+            model.forward).parameters:  # (T5, BART: the decoder's tokens too; it failed "specify input_ids")
+        kwargs["decoder_input_ids"] = ids
+    return model.eval(), (ids,), kwargs, quant_config
 
 
 def _no_kv_cache(model: nn.Module, call_args: tuple = ()) -> dict:

@@ -66,6 +66,52 @@ def test_inspect_hf_config_folder(capsys, llama_dir):
     ]
 
 
+@pytest.mark.parametrize("kind", ["bert", "t5"])
+def test_inspect_builds_the_class_config_json_names(capsys, tmp_path, kind):
+    """Found by a probe: inspect built AutoModelForCausalLM, not the class config.json's architectures names (as
+    meta_model and convert do): a BertModel checkpoint was inspected as BertLMHeadModel (every name prefixed "bert.",
+    a head the checkpoint has not, its --ignore names refused), and T5ForConditionalGeneration as a bare T5Model
+    traced without the decoder's tokens ("You must specify exactly one of input_ids")."""
+    if kind == "bert":
+        config = transformers.BertConfig(vocab_size=64, hidden_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                         intermediate_size=128)
+        config.architectures = ["BertModel"]
+    else:
+        config = transformers.T5Config(vocab_size=64, d_model=64, d_kv=32, d_ff=128, num_layers=1, num_heads=2)
+        config.architectures = ["T5ForConditionalGeneration"]
+    config.save_pretrained(tmp_path)
+    ignore = "encoder.layer.0.output.dense" if kind == "bert" else "decoder.block.0.layer.2.DenseReluDense.wi"
+    code, out, err = run(capsys, "inspect", str(tmp_path), "--json", "--ignore", ignore)
+    assert code == 0, err
+    sites = {r["fqn"]: r for r in json.loads(out)["sites"]}
+    with torch.device("meta"):
+        model = getattr(transformers, config.architectures[0])._from_config(config)
+    linears = {f for f, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(sites) == linears, set(sites) ^ linears
+    assert sites[ignore]["reason"] == "in ignored_layers"
+
+
+def test_inspect_json_stays_readable_when_the_model_prints(capsys, tmp_path, monkeypatch):
+    """A factory or forward that prints wrote before --json's document on stdout, which json.loads then refused."""
+    (tmp_path / "printing.py").write_text(textwrap.dedent("""
+        import torch
+        from torch import nn
+
+        class Loud(nn.Linear):
+            def forward(self, x):
+                print("forward ran")
+                return super().forward(x)
+
+        def make():
+            print("building")
+            return Loud(64, 64), (torch.zeros(2, 64),)
+    """))
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run(capsys, "inspect", "printing.py:make", "--json")
+    assert code == 0, err
+    assert json.loads(out)["sites"][0]["would_rewrite"] and "building" in err and "forward ran" in err
+
+
 def test_inspect_of_an_fp8_checkpoint_predicts_ragged_blocks_as_loaded(capsys, llama_dir):
     """A DeepSeek-style checkpoint whose 64x96 blocks do not divide its layers: load_checkpoint loads each as stored
     (ragged last blocks), and inspect said no layer would be fp8 ("not divisible ...: use per-channel scales"). A
