@@ -312,6 +312,15 @@ def _projection(node) -> Optional[tuple[str, fx.Node]]:
     return None
 
 
+def _projection_input(kind: str, node: fx.Node) -> Optional[fx.Node]:
+    """The tensor a projection reads: an fp8 GEMM's quantized input (``_quantized_source``), a linear's first
+    argument."""
+    if kind == "fp8":
+        return _quantized_source(node.args[0])
+    x = node.args[0] if node.args else node.kwargs.get("input")
+    return x if isinstance(x, fx.Node) else None
+
+
 def _reader_projection(node: fx.Node, writer: Optional[fx.Node] = None) -> Optional[tuple[str, fx.Node]]:
     """The projection that reads ``node`` (through one-reader ops: casts, dropout, the fp8 quantization), else None;
     ``writer``: an in-place op on ``node``, not counted among its readers."""
@@ -359,7 +368,8 @@ def _note_unmatched(graph: fx.Graph, ctx: PassContext) -> None:
             # (h.mul_(u) with its result unread: the projection reads the activation's tensor, written in place)
             down = _reader_projection(mul) or (_reader_projection(act, mul) if _in_place_mul(mul) else None)
             parts = [_projection(_input(act)), _projection(up), down]
-            if None in parts:
+            if None in parts or _projection_input(*parts[0]) is not _projection_input(*parts[1]) or (
+                    _projection_input(*parts[0]) is None):  # (gate and up of one x: else no gated MLP to fuse)
                 continue
             fp8 = list(dict.fromkeys(n for kind, n in parts if kind == "fp8"))
             high = [module_path(n) or _name_of(n) for kind, n in parts if kind == "high"]

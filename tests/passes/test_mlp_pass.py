@@ -591,6 +591,21 @@ def test_declines_the_match_did_not_see_are_said(case):
     assert fp8 and all("not fused into a gated MLP (" in s.scheme and reason in s.scheme for s in fp8), str(report)
 
 
+def test_no_gated_mlp_note_where_gate_and_up_read_different_inputs():
+    """down(silu(gate(x)) * up(y)) with down left in high precision: the new note said down_proj kept it from fusing,
+    where gate and up of two inputs never fuse (a review's catch): no note."""
+
+    class TwoInputs(MLP):
+        def forward(self, x):
+            return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x * 2))
+
+    torch.manual_seed(0)
+    model = TwoInputs(64, 96).to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["down_proj"]))
+    _, report, _ = run(model, torch.randn(4, 64, dtype=torch.bfloat16), fuse_mlp=True)
+    assert not any("gated MLP" in s.scheme for s in report.sites), str(report)
+
+
 def test_a_second_note_on_a_site_is_set_apart():
     """The MLP pass's note after the horizontal pass's (or the reverse) ran together with a space: "... per-tensor /
     per-row scales only fused(gate_proj,up_proj)" read as one phrase."""
