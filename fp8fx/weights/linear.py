@@ -1025,6 +1025,9 @@ class Fp8LinearMethod:
         layer._fp8fx_copied = 0
         layer._fp8fx_shards_loaded = set()  # weight shards received (a repeat must not count twice)
         layer._fp8fx_device = device  # (where a bias on meta, and online the weight, are made as they load)
+        bias = layer._parameters.get("bias")
+        # a bias on meta must arrive through weight_loader, every shard of it: the shards loaded so far ("all": whole)
+        layer._fp8fx_bias_loaded = set() if isinstance(bias, torch.Tensor) and bias.is_meta else None
         layer._parameters.update(new)
         if not serialized:
             # until process_weights_after_loading the layer is the model's own over a receive buffer still filling
@@ -1172,12 +1175,16 @@ class Fp8LinearMethod:
         if target.dim() != 1 or tuple(loaded.shape) != (rows[1],):
             raise ValueError(f"{who}.bias shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not "
                              f"fit the bias's rows {list(rows)} (output partitions {list(sizes)}) (nothing was loaded)")
-        if target.is_meta:  # (made where create_weights said, or on the tensor's device)
+        if target.is_meta:  # (made where create_weights said, or on the tensor's device, in the layer's dtype: the
+            # meta module's own may be float32 for a float16 layer)
             device = layer._fp8fx_device if layer._fp8fx_device is not None else loaded.device
-            target = nn.Parameter(torch.zeros_like(target, device=device), requires_grad=target.requires_grad)
+            target = nn.Parameter(torch.zeros(target.shape, dtype=layer._fp8fx_dtype, device=device),
+                                  requires_grad=target.requires_grad)
             layer._parameters["bias"] = target
         with torch.no_grad():
             target.narrow(0, *rows).copy_(loaded)
+        if getattr(layer, "_fp8fx_bias_loaded", None) is not None:
+            layer._fp8fx_bias_loaded.add("all" if shard_id is None else shard_id)
 
     def _shard_slice(self, layer: nn.Module, name: str, dest: torch.Tensor, shard_id: Optional[int]) -> torch.Tensor:
         """The part of ``dest`` (a parameter's data) that logical shard ``shard_id`` of the fused output
@@ -1251,6 +1258,13 @@ class Fp8LinearMethod:
         if layer._fp8fx_processed:
             return
         params = layer._parameters
+        arrived = getattr(layer, "_fp8fx_bias_loaded", None)  # (a bias on meta: a shard never loaded was zeros)
+        if arrived is not None and "all" not in arrived and len(arrived) < len(layer._fp8fx_partitions):
+            missing = [i for i in range(len(layer._fp8fx_partitions)) if i not in arrived]
+            raise ValueError(f"{name}: bias shard(s) {missing} of output partitions {list(layer._fp8fx_partitions)} "
+                             "never loaded (the layer was built with its bias on the meta device); load them through "
+                             "weight_loader(layer, 'bias', ...) before process_weights_after_loading (the layer is as "
+                             "it was)")
         through = (f" through {type(self).__name__}.weight_loader (a copy into the parameter itself, vLLM's default "
                    "loader's, is not counted)")
         if params["weight"].dtype != quant.FP8_DTYPE:

@@ -461,6 +461,10 @@ class Fp8MoEMethod:
         layer._fp8fx_arrived = set()
         layer._fp8fx_staging = {}  # (name, expert) -> bf16 [rows, cols] while its shards arrive (online)
         layer._fp8fx_device = device  # (where a bias on meta is made as it loads)
+        # a bias on meta must arrive through weight_loader, for every expert: name -> the experts loaded ("all": whole)
+        meta = [n for n in (w13 + "_bias", W2 + "_bias")
+                if isinstance(layer._parameters.get(n), torch.Tensor) and layer._parameters[n].is_meta]
+        layer._fp8fx_bias_loaded = {n: set() for n in meta}
         layer._parameters.update(new)
         layer.__class__ = fp8_experts_class(type(layer), w13)
 
@@ -601,12 +605,16 @@ class Fp8MoEMethod:
         if bad:
             raise ValueError(f"{prefix}.{name} (expert {expert_id}) has {bad} NaN/Inf values: re-export the "
                              "checkpoint (nothing was loaded)")
-        if target.is_meta:
+        if target.is_meta:  # (in the experts' dtype: the meta module's own may be float32 for float16 experts)
             device = layer._fp8fx_device if layer._fp8fx_device is not None else loaded.device
-            target = nn.Parameter(torch.zeros_like(target, device=device), requires_grad=target.requires_grad)
+            target = nn.Parameter(torch.zeros(target.shape, dtype=layer._fp8fx_dtype, device=device),
+                                  requires_grad=target.requires_grad)
             layer._parameters[name] = target
         with torch.no_grad():
             (target if index is None else target[index]).copy_(loaded)
+        arrived = getattr(layer, "_fp8fx_bias_loaded", {}).get(name)
+        if arrived is not None:
+            arrived.add("all" if index is None else index)
 
     @staticmethod
     def _check_scales(what: str, scales: torch.Tensor) -> None:
@@ -734,6 +742,13 @@ class Fp8MoEMethod:
                     raise ValueError(f"{prefix}.{name} was never loaded for experts {experts[:8]}"
                                      f"{' ...' if len(experts) > 8 else ''}{shards}; load it from the checkpoint")
         # (load_checkpoint, load_state_dict and .half() refuse it too; load_checkpoint's own check names the entry)
+        for bias, arrived in getattr(layer, "_fp8fx_bias_loaded", {}).items():  # (a bias on meta: zeros where none
+            # came)
+            missing = [e for e in range(params[w13].shape[0]) if e not in arrived] if "all" not in arrived else []
+            if missing:
+                raise ValueError(f"{prefix}.{bias}: experts {missing[:8]}{' ...' if len(missing) > 8 else ''} never "
+                                 "loaded (the experts were built with their biases on the meta device); load them "
+                                 f"through weight_loader(layer, {bias!r}, ...) first (the experts are as they were)")
         if layer._fp8fx_dtype == torch.float16 and not getattr(layer, RANGE_CHECKED, False):
             self._check_float16(layer)
         if isinstance(self.scheme.weight, PerTensor) and params[w13 + "_scale"].dim() == 2:

@@ -1282,3 +1282,20 @@ def test_linear_method_as_a_vllm_loader_uses_it():
     with pytest.raises(ValueError, match=r"^Linear: Fp8LinearMethod did not create this layer's weights \(call "
                                          r"Fp8LinearMethod.create_weights"):
         method.weight_loader(nn.Linear(4, 4), "weight", torch.zeros(4, 4))
+    # a review's catches: a bias built on meta and loaded in part was zeros where no shard came, silently; one
+    # loaded into a float16 layer built on meta (its bias float32 there) was float32 (the forward failed)
+    layer = nn.Linear(64, 96, device="meta")
+    method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True))
+    method.create_weights(layer, 64, [64, 32], torch.float16, device="cpu", prefix="qkv_proj")
+    method.weight_loader(layer, "bias", torch.ones(64, dtype=torch.float16), shard_id=0)
+    assert layer.bias.dtype == torch.float16
+    for i, n in enumerate((64, 32)):
+        method.weight_loader(layer, "weight", torch.ones(n, 64).to(torch.float8_e4m3fn), shard_id=i)
+        method.weight_loader(layer, "weight_scale", torch.ones(1), shard_id=i)
+    with pytest.raises(ValueError, match=r"^qkv_proj: bias shard\(s\) \[1\] of output partitions \[64, 32\] never "
+                                         r"loaded"):
+        method.process_weights_after_loading(layer)
+    method.weight_loader(layer, "bias", torch.ones(32, dtype=torch.float16), shard_id=1)
+    method.process_weights_after_loading(layer)
+    out = layer(torch.ones(1, 64, dtype=torch.float16))
+    assert out.dtype == torch.float16 and torch.equal(out, torch.full((1, 96), 65.0, dtype=torch.float16))
