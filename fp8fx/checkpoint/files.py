@@ -160,7 +160,7 @@ def _unique_keys(pairs: list) -> dict:
 
 def read_tensor(entry: Entry) -> torch.Tensor:
     """The tensor's bytes read into a fresh CPU tensor."""
-    out = torch.empty(entry.shape, dtype=entry.dtype)
+    out = torch.empty(entry.shape, dtype=entry.dtype, device="cpu")  # (not a torch.device("meta") block's)
     if entry.nbytes:
         buf = (ctypes.c_char * entry.nbytes).from_address(out.data_ptr())
         with open(entry.file, "rb") as f:

@@ -187,7 +187,8 @@ def quantize_(
             method.weight_loader(module, "weight", weight, values_checked=True)  # (checked above)
             del weight
             if fqn in scales:
-                method.weight_loader(module, "input_scale", torch.tensor([scales[fqn]], dtype=torch.float32))
+                input_scale = torch.tensor([scales[fqn]], dtype=torch.float32, device="cpu")  # (not a meta block's)
+                method.weight_loader(module, "input_scale", input_scale)
             method.process_weights_after_loading(module)
             module._parameters["weight"]._fp8fx_fqn = fqn
             bias = module._parameters.get("bias")  # (a parametrized bias is computed: its original stays trainable)
@@ -552,7 +553,7 @@ def _check_resumed_scales(held: Mapping[str, Optional[torch.Tensor]], scales: Ma
     for name, scale in held.items():
         if scale is None or name not in scales:
             continue
-        given = float(torch.tensor(scales[name], dtype=torch.float32))
+        given = float(torch.tensor(scales[name], dtype=torch.float32, device="cpu"))
         if scale.float().item() != given:
             raise ValueError(
                 f"quantize_: {name} was quantized with the input scale {scale.float().item():.6g} by the call "
@@ -626,7 +627,7 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
         except (TypeError, ValueError, RuntimeError):
             scale = None
         # a normal float32 (a subnormal one's reciprocal, which the kernels multiply by, is inf)
-        as_f32 = None if scale is None else float(torch.tensor(scale, dtype=torch.float32))
+        as_f32 = None if scale is None else float(torch.tensor(scale, dtype=torch.float32, device="cpu"))
         if as_f32 is None or not torch.finfo(torch.float32).tiny <= as_f32 < float("inf"):
             f32 = "" if scale is None or not 0 < scale < float("inf") else (
                 f" in float32's normal range, 1.2e-38 to 3.4e38 (the scales' dtype: it holds this one as {as_f32})")
@@ -930,10 +931,10 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
         x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
         calls.setdefault(fqn, []).append([measure(fqn, x), False])
 
-    def returned(fqn: str) -> None:
+    def returned(fqn: str, output) -> None:
         value, _ = calls[fqn].pop()
-        if value is not None:
-            _record(amax, fqn, value.float().item(), batch_no[0])
+        if value is not None and output is not None:  # (None: its forward raised - a path tried, then another -, and
+            _record(amax, fqn, value.float().item(), batch_no[0])  # its GEMM quantized nothing)
 
     def read(fqn: str, x: torch.Tensor) -> None:
         """A linear of ``fqn``'s weight (``_WeightReads``): within a call of the layer, what its GEMM reads."""
@@ -952,7 +953,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
         hooks.append(module.register_forward_pre_hook(
             lambda mod, args, kwargs, fqn=fqn: entered(fqn, args, kwargs), with_kwargs=True))
         hooks.append(module.register_forward_hook(
-            lambda mod, args, output, fqn=fqn: returned(fqn), always_call=True))
+            lambda mod, args, output, fqn=fqn: returned(fqn, output), always_call=True))
     # the linears' weights read by other modules: F.linear(x, layer.weight), x @ layer.weight.t(); an fp8 layer's
     # weight is dequantized anew at each read, found by its name (``views.Dequantized``)
     plain = {fqn: m.weight for fqn, m in linears.items() if not is_quantized(m) and isinstance(m.weight, torch.Tensor)}

@@ -1177,3 +1177,20 @@ def test_a_model_whose_embedding_getter_raises_saves(tmp_path):
         loaded = NoEmbeddings(nn.Linear(64, 64), nn.Linear(64, 32)).to(torch.bfloat16)
     fp8fx.load_checkpoint(loaded, tmp_path / "c", progress=False)
     assert torch.equal(loaded(x), model(x))
+
+
+def test_load_checkpoint_inside_the_meta_block_that_built_the_model(tmp_path):
+    """load_checkpoint called inside the torch.device("meta") block that built the model: its reads of the file made
+    their buffers on meta and failed naming nothing ("PyMemoryView_FromBuffer(): info->buf must not be NULL"); a
+    review's catch."""
+    from benchmarks.bench_linear import MLP
+
+    torch.manual_seed(0)
+    src = MLP(64, 96).to(torch.bfloat16)
+    fp8fx.quantize_(src)
+    fp8fx.save_checkpoint(src, tmp_path)
+    with torch.device("meta"):
+        model = MLP(64, 96).to(torch.bfloat16)
+        fp8fx.load_checkpoint(model, tmp_path, progress=False)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    assert torch.equal(model(x), src(x))

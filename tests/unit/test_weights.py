@@ -1102,6 +1102,32 @@ def test_calibrate_measures_a_refilled_input_buffer_in_every_batch():
         assert fp8fx.calibrate(Twice(), [x.clone()])["lin"] == pytest.approx(want, rel=1e-6)
 
 
+def test_calibrate_and_quantize_under_a_meta_device_block_and_a_call_that_raised():
+    """A review's catches: a layer's call that raised (a path tried, then another) was measured, its input's amax
+    taken as the scale (2.23 for 0.0053); quantize_ with static scales inside a torch.device("meta") block failed on
+    its scale check's tensor (Tensor.item() on meta), the model on the CPU."""
+
+    class Fallback(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(16, 16)
+
+        def forward(self, x):
+            try:
+                return self.proj(x.reshape(-1, 8) * 1000)  # the wrong width: proj raises
+            except RuntimeError:
+                return self.proj(x)
+
+    torch.manual_seed(0)
+    model = Fallback()
+    x = torch.randn(4, 16)
+    scales = fp8fx.calibrate(model, [x])
+    assert scales == {"proj": pytest.approx(x.abs().max().item() / 448, rel=1e-6)}
+    with torch.device("meta"):
+        fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales=scales)
+    assert is_quantized(model.proj) and model.proj.input_scale.device.type == "cpu"
+
+
 def test_calibrate_measures_what_each_gemm_reads():
     """Found by a probe: a linear called with its input by keyword under another name (Conv1D's forward(x), a
     subclass's forward(hidden_states)) failed with a bare KeyError: 'input'; a subclass that transforms its input
