@@ -519,6 +519,8 @@ class GatedMlpPass(Fp8Pass):
                 if what == "weight scales":
                     a, b = (weight_granularity_name(granularity_from_block(list(v), weight=True)) for v in (a, b))
                 return f"gate and up differ in {what}: {a} where up has {b}"
+        if gate.args[5:] != up.args[5:]:  # (an argument one gives and the other leaves to its default)
+            return "gate and up differ in their GEMMs' arguments (scale blocks, output dtype or use_fast_accum)"
         if gate.args[4] is not None or up.args[4] is not None:
             return "gate or up has a bias"
         if fake_value(gate.args[2]).shape != fake_value(up.args[2]).shape:
