@@ -523,7 +523,12 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
                 # load_checkpoint reads it, by the first expert's projections
                 cfg = next((c for c in (layer_config(f"{fqn}.0.{p}") for names in NAMINGS for p in names)
                             if c is not None), None)
-            reason = (why_not(fqn) if cfg is None
+            # (an ignore list naming the experts one by one, as a checkpoint of per-expert projections may: the load
+            # keeps them all bf16 where it names any, and so said here; they read as fp8 before)
+            by_expert = cfg is not None and any(
+                cfg.is_ignored(n) or layer_config(n) is None and why_not(n) == "in ignored_layers"
+                for n in (f"{fqn}.0.{p}" for names in NAMINGS for p in names))
+            reason = ("in ignored_layers" if by_expert else why_not(fqn) if cfg is None
                       # (an fp8 checkpoint's: load_checkpoint loads its experts as stored, ragged blocks too)
                       else ("in ignored_layers" if cfg.is_ignored(fqn) else None) if cfg.is_checkpoint_fp8_serialized
                       else moe.skip_reason(module, fqn, cfg))

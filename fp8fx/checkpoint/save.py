@@ -898,6 +898,9 @@ def convert(
     expert_plan = {s: r for m, r in expert_plan.items() for s in stored(m)}
     schemes = {s: scheme for m, scheme in schemes.items() for s in stored(m)}
     ignored = sorted(m for m, r in plan.items() if r)
+    # an experts module kept bf16 is named itself too, as save_checkpoint names it: vLLM skips its FusedMoE layer by
+    # that name, and inspect read the experts of per-expert names only as fp8
+    ignored += sorted(s for f, reason in experts.items() if reason for s in stored(f) if s not in ignored)
     qc = formats.quantization_config(schemes, ignored, False, format)
     if qc["quant_method"] == "compressed-tensors":  # (the experts' stored names: Mixtral's w1 / w3 / w2, or PROJ's)
         named = _with_vllm_expert_names(schemes, ignored, {shard: shard for shard in moe_ckpt.PROJ}, set(expert_plan))

@@ -91,6 +91,27 @@ def test_inspect_builds_the_class_config_json_names(capsys, tmp_path, kind):
     assert sites[ignore]["reason"] == "in ignored_layers"
 
 
+def test_inspect_reads_experts_ignored_one_by_one_as_the_load_does(capsys, tmp_path):
+    """An ignore list that names an experts module's projections one by one (a checkpoint of per-expert tensors, as
+    convert wrote them): load_checkpoint keeps those experts bf16, inspect predicted them fp8 (a probe's catch)."""
+    config = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=64, intermediate_size=128,
+                                         moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=32)
+    config.architectures = ["Qwen3MoeForCausalLM"]
+    config.save_pretrained(tmp_path)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": [
+        "lm_head", *(f"model.layers.0.mlp.experts.{e}.{p}" for e in range(4) for p in ("gate_proj", "up_proj",
+                                                                                        "down_proj"))]}
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+    assert code == 0, err
+    rows = {r["fqn"]: r for r in json.loads(out)["sites"] if r["kind"] == "moe"}
+    assert not rows["model.layers.0.mlp.experts"]["would_rewrite"], rows
+    assert rows["model.layers.0.mlp.experts"]["reason"] == "in ignored_layers"
+    assert rows["model.layers.1.mlp.experts"]["would_rewrite"], rows
+
+
 def test_inspect_json_stays_readable_when_the_model_prints(capsys, tmp_path, monkeypatch):
     """A factory or forward that prints wrote before --json's document on stdout, which json.loads then refused."""
     (tmp_path / "printing.py").write_text(textwrap.dedent("""
