@@ -848,7 +848,9 @@ def convert(
     quantize) stay bf16 and their checkpoint modules go to the ignore list. Checkpoint names are matched to
     the model's through transformers' renames and ``key_mapping``, as ``load_checkpoint`` does (hub Mixtral's
     ``block_sparse_moe.experts.<e>.w1`` are ``mlp.experts``' in transformers 5), and written back as stored:
-    the output keeps the input's layout, which transformers and vLLM load.
+    the output keeps the input's layout, which transformers and vLLM load - but fused experts stored transposed
+    (GPT-OSS's [E, H, 2I]), which are written in fused_moe's layout, with a warning, as ``save_checkpoint`` writes
+    them.
     Peak memory: one output file plus one bf16 tensor (two: an expert's gate and up, per-tensor). Returns a
     ``LoadReport`` (checkpoint module names;
     ``experts``: the experts modules quantized).
@@ -929,6 +931,13 @@ def convert(
         loads = dry.tied_source(key)  # read before anything is written, a pair at a time: a vocab-sized pair at most)
         compare_tied(cut_entries[loads], loads, read_tensor(cut_entries[loads]), cut_entries[key], key,
                      read_tensor(cut_entries[key]))
+    flipped = sorted({f for n, f in expert_tensors.items() if len(entries[n].shape) == 3
+                      and moe_ckpt.in_model_layout(model.get_submodule(f), entries[n].dtype)})
+    if flipped:  # (as save_checkpoint says it; the docstring's "keeps the input's layout" had no exception)
+        log.warning("fp8fx: convert writes the fp8 experts of %s in fused_moe's layout, [E, 2I, H] / [E, H, I], not "
+                    "the source's transposed [E, H, 2I] / [E, I, H]: fp8fx.load_checkpoint reads them back; a reader "
+                    "that takes fused experts in the model's layout (transformers' from_pretrained) would not",
+                    _shown(flipped))
     config_text = _config_text(config_json, qc, "convert")
     partners = moe_ckpt.w13_partners(expert_tensors) if isinstance(config.weight, PerTensor) else {}
     partner_scales: dict[str, torch.Tensor] = {}
