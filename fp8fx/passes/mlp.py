@@ -44,10 +44,10 @@ from typing import Optional, Union
 import torch
 from torch import fx
 
+from fp8fx.config import granularity_from_block, weight_granularity_name
 from fp8fx.ops import GATED_GROUPS_MAX_M, GATED_MAX_M, GATED_PREFILL_MIN_M, GATED_ROWS_MAX_M, GATED_ROWS_MIN_M
 from fp8fx.ops import _tensor_or_row, gated_prefill_reason
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, restate_activation, set_fake_value
-from fp8fx.config import granularity_from_block, weight_granularity_name
 from fp8fx.passes.base import module_path, site_names
 from fp8fx.passes.horizontal import share_static, static_epochs
 from fp8fx.passes.linear import _cast_source, _name_of, _noop_cast_source
