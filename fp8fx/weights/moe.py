@@ -741,14 +741,13 @@ class Fp8MoEMethod:
                                                          .tolist()[:8]) + ")"
                     raise ValueError(f"{prefix}.{name} was never loaded for experts {experts[:8]}"
                                      f"{' ...' if len(experts) > 8 else ''}{shards}; load it from the checkpoint")
-        # (load_checkpoint, load_state_dict and .half() refuse it too; load_checkpoint's own check names the entry)
-        for bias, arrived in getattr(layer, "_fp8fx_bias_loaded", {}).items():  # (a bias on meta: zeros where none
-            # came)
+        for bias, arrived in getattr(layer, "_fp8fx_bias_loaded", {}).items():  # (on meta: zeros where none came)
             missing = [e for e in range(params[w13].shape[0]) if e not in arrived] if "all" not in arrived else []
             if missing:
                 raise ValueError(f"{prefix}.{bias}: experts {missing[:8]}{' ...' if len(missing) > 8 else ''} never "
                                  "loaded (the experts were built with their biases on the meta device); load them "
                                  f"through weight_loader(layer, {bias!r}, ...) first (the experts are as they were)")
+        # (load_checkpoint, load_state_dict and .half() refuse it too; load_checkpoint's own check names the entry)
         if layer._fp8fx_dtype == torch.float16 and not getattr(layer, RANGE_CHECKED, False):
             self._check_float16(layer)
         if isinstance(self.scheme.weight, PerTensor) and params[w13 + "_scale"].dim() == 2:
