@@ -876,6 +876,17 @@ def same_layout(name: str, loaded: tuple, dest: tuple) -> bool:
     return quant.without_trailing_ones(loaded) == quant.without_trailing_ones(dest)
 
 
+def float16_range_error(name: str, largest: float, count: int, weight: str, experts: bool = False) -> ValueError:
+    """``process_weights_after_loading``'s refusal of a float16 layer (or experts) whose scales times fp8 values
+    float16 cannot hold (``_overflow``'s finding: inf weights, NaN outputs)."""
+    it, them = ("these experts", "them") if experts else ("this layer", "it")
+    return ValueError(
+        f"{name}: a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is beyond float16's range (at most "
+        f"{torch.finfo(torch.float16).max:g}), the dtype {it} computes in: {count} values of its dequantized {weight} "
+        f"would be inf (outputs NaN); create {them} with params_dtype=torch.bfloat16 or torch.float32 ({it} is as it "
+        "was)")
+
+
 def method_config(config: Any, where: str) -> Fp8Config:
     """A method class's ``config`` (``Fp8LinearMethod(config)``, ``Fp8MoEMethod(config)``), an ``Fp8Config``: a
     checkpoint's quantization_config dict, None or the class failed at the first call with an AttributeError."""
@@ -1309,12 +1320,7 @@ class Fp8LinearMethod:
             else:
                 found = _overflow(layer, torch.float16, params)
             if found is not None:
-                largest, count, _ = found
-                raise ValueError(
-                    f"{name}: a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is beyond float16's "
-                    f"range (at most {torch.finfo(torch.float16).max:g}), the dtype this layer computes in: {count} "
-                    "values of its dequantized weight would be inf (outputs NaN); create it with "
-                    "params_dtype=torch.bfloat16 or torch.float32 (the layer is as it was)")
+                raise float16_range_error(name, *found)
         if per_tensor and params["weight_scale"].numel() > 1:
             q, s = quant.requantize_shards(params["weight"].data, list(params["weight_scale"].data),
                                            layer._fp8fx_partitions)

@@ -41,7 +41,8 @@ from fp8fx.weights import chunked, views
 from fp8fx.weights.linear import check_codes_held, check_create_arguments, check_online, fp8_apply, fp8_delattr
 from fp8fx.weights.linear import as_index, fp8_load_from_state_dict, foreign_tensor_reason
 from fp8fx.weights.linear import reduce_made_class, refuse_script, same_layout
-from fp8fx.weights.linear import RANGE_CHECKED, _overflow, check_create_target, method_config, setstate_made_class
+from fp8fx.weights.linear import RANGE_CHECKED, _overflow, check_create_target, float16_range_error, method_config
+from fp8fx.weights.linear import setstate_made_class
 
 log = logging.getLogger("fp8fx")
 
@@ -782,12 +783,7 @@ class Fp8MoEMethod:
         else:
             found = _overflow(layer, torch.float16, params)
         if found is not None:
-            largest, count, w = found
-            raise ValueError(
-                f"{layer._fp8fx_prefix}.{w}: a scale of {largest:g} times fp8 values up to {quant.FP8_MAX:g} is beyond "
-                f"float16's range (at most {torch.finfo(torch.float16).max:g}), the dtype these experts compute in: "
-                f"{count} values of the dequantized {w} would be inf (outputs NaN); create them with "
-                "params_dtype=torch.bfloat16 or torch.float32 (the experts are as they were)")
+            raise float16_range_error(f"{layer._fp8fx_prefix}.{found[2]}", *found, experts=True)
 
     @staticmethod
     def _requantize_w13(layer: nn.Module) -> None:
