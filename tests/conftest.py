@@ -56,6 +56,25 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+def quantize_stopped_at(model, call: int, *args, **kwargs) -> None:
+    """``fp8fx.quantize_(model, *args, **kwargs)`` stopped by an out-of-memory error at its ``call``-th weight
+    quantization (a late layer): the model is left half-quantized, as a real one leaves it."""
+    from fp8fx.weights import chunked
+
+    real, calls = chunked.quantize, []
+
+    def out_of_memory(*a, **k):
+        calls.append(1)
+        if len(calls) == call:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(*a, **k)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(chunked, "quantize", out_of_memory)
+        with pytest.raises(torch.OutOfMemoryError):
+            fp8fx.quantize_(model, *args, **kwargs)
+
+
 def assert_graph_replays_equal(fn, want: torch.Tensor, replays: int = 3) -> None:
     """``fn()`` captured in a CUDA graph: each replay (output zeroed before it) gives exactly ``want``."""
     graph = torch.cuda.CUDAGraph()

@@ -887,6 +887,21 @@ def float16_range_error(name: str, largest: float, count: int, weight: str, expe
         "was)")
 
 
+def created_by(layer: nn.Module, method: str) -> str:
+    """The layer's name, where ``method``'s (``Fp8LinearMethod``'s, ``Fp8MoEMethod``'s) create_weights made its
+    weights (else the method's other calls failed with a bare AttributeError or KeyError)."""
+    marks = {"Fp8LinearMethod": ("_fp8fx_partitions", "this layer's"), "Fp8MoEMethod": ("_fp8fx_intermediate",
+                                                                                     "these experts'")}
+    mark, whose = marks[method]
+    if hasattr(layer, mark):
+        return layer._fp8fx_prefix
+    other = next((m for m, (a, _) in marks.items() if m != method and hasattr(layer, a)), None)
+    what = f"{other} created them: load them with {other}" if other else f"call {method}.create_weights(layer, ...) "
+    name = getattr(layer, "_fp8fx_prefix", None) or type(layer).__name__
+    raise ValueError(f"{name}: {method} did not create {whose} weights ({what}{'' if other else 'first'}) (nothing was "
+                     "loaded)")
+
+
 def method_config(config: Any, where: str) -> Fp8Config:
     """A method class's ``config`` (``Fp8LinearMethod(config)``, ``Fp8MoEMethod(config)``), an ``Fp8Config``: a
     checkpoint's quantization_config dict, None or the class failed at the first call with an AttributeError."""
@@ -1058,7 +1073,7 @@ class Fp8LinearMethod:
         not bf16/fp16/fp32 or holds NaN/Inf or values the layer's dtype cannot hold - the pass over the weight skipped
         with ``values_checked``, where the caller's own pass did it (``quantize_``, ``load_checkpoint``). ``bias``:
         the layer's high-precision bias, whole or its shard's rows."""
-        who = self._created(layer)
+        who = created_by(layer, "Fp8LinearMethod")
         if name == "bias":
             return self._load_bias(layer, loaded, shard_id)
         if name in ("weight_scale", "weight_scale_inv") and not self.config.is_checkpoint_fp8_serialized:
@@ -1155,17 +1170,6 @@ class Fp8LinearMethod:
         device = torch.device(layer._fp8fx_device)  # "cuda" means the current cuda device
         same_device = loaded.device.type == device.type and device.index in (None, loaded.device.index)
         return same_device and loaded.dtype == target.dtype and loaded.shape == target.shape
-
-    @staticmethod
-    def _created(layer: nn.Module) -> str:
-        """The layer's name, where this class's create_weights made its weights (else its other methods failed with
-        a bare AttributeError or KeyError)."""
-        if not hasattr(layer, "_fp8fx_partitions"):
-            what = ("an experts module Fp8MoEMethod created: load it with Fp8MoEMethod" if hasattr(
-                layer, "_fp8fx_intermediate") else "call Fp8LinearMethod.create_weights(layer, ...) first")
-            raise ValueError(f"{getattr(layer, '_fp8fx_prefix', None) or type(layer).__name__}: Fp8LinearMethod did "
-                             f"not create this layer's weights ({what}) (nothing was loaded)")
-        return layer._fp8fx_prefix
 
     def _load_bias(self, layer: nn.Module, loaded: torch.Tensor, shard_id: Optional[int]) -> None:
         """The high-precision bias, whole or shard ``shard_id``'s rows (a fused q/k/v bias): not a scale (a negative
@@ -1265,7 +1269,7 @@ class Fp8LinearMethod:
     # -- finish ------------------------------------------------------------------------------
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Runs once (idempotent): shard scales -> one scale, shard input scales -> their max."""
-        name = self._created(layer)
+        name = created_by(layer, "Fp8LinearMethod")
         if layer._fp8fx_processed:
             return
         params = layer._parameters

@@ -42,7 +42,7 @@ from fp8fx.weights.linear import check_codes_held, check_create_arguments, check
 from fp8fx.weights.linear import as_index, fp8_load_from_state_dict, foreign_tensor_reason
 from fp8fx.weights.linear import reduce_made_class, refuse_script, same_layout
 from fp8fx.weights.linear import RANGE_CHECKED, _overflow, check_create_target, float16_range_error, method_config
-from fp8fx.weights.linear import setstate_made_class
+from fp8fx.weights.linear import created_by, setstate_made_class
 
 log = logging.getLogger("fp8fx")
 
@@ -485,7 +485,7 @@ class Fp8MoEMethod:
         rows of gate_up_proj) or ``"w2"`` of one expert. Online, bf16 tensors are quantized here, after a pass
         that refuses NaN/Inf - skipped with ``values_checked`` where the caller's own pass over the tensor did that
         (``fp8fx.load_checkpoint``: one pass over each expert tensor, not two)."""
-        prefix = self._created(layer)
+        prefix = created_by(layer, "Fp8MoEMethod")
         w13 = w13_name(layer)
         name = _ALIASES.get(name, name)
         if w13 == UP and name.startswith(W13):  # vLLM's w13_ names: the first weight, up_proj here
@@ -569,17 +569,6 @@ class Fp8MoEMethod:
         if name == base:
             layer._fp8fx_arrived.add(arrival)
             self._count(layer, base, expert_id, dest.numel())
-
-    @staticmethod
-    def _created(layer: nn.Module) -> str:
-        """The experts' name, where this class's create_weights made their weights (else its other methods failed
-        with a bare AttributeError or KeyError)."""
-        if not hasattr(layer, "_fp8fx_intermediate"):
-            what = ("a linear layer Fp8LinearMethod created: load it with Fp8LinearMethod" if hasattr(
-                layer, "_fp8fx_partitions") else "call Fp8MoEMethod.create_weights(layer, ...) first")
-            raise ValueError(f"{getattr(layer, '_fp8fx_prefix', None) or type(layer).__name__}: Fp8MoEMethod did not "
-                             f"create these experts' weights ({what}) (nothing was loaded)")
-        return layer._fp8fx_prefix
 
     @staticmethod
     def _load_bias(layer: nn.Module, name: str, loaded: torch.Tensor, shard_id, expert_id) -> None:
@@ -719,7 +708,7 @@ class Fp8MoEMethod:
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """Runs once (idempotent): checks every expert arrived, requantizes per-tensor w13 to one scale
         per expert (the max of w1's and w3's), collapses static input scales to their max."""
-        prefix = self._created(layer)
+        prefix = created_by(layer, "Fp8MoEMethod")
         if layer._fp8fx_processed:
             return
         params = layer._parameters

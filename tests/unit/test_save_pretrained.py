@@ -14,7 +14,7 @@ import fp8fx
 from fp8fx.checkpoint import load_checkpoint, save_checkpoint
 from fp8fx.checkpoint.pretrained import SavePretrained, quantization_config
 from fp8fx.weights import kv_cache
-from tests.conftest import rel_err
+from tests.conftest import quantize_stopped_at, rel_err
 
 transformers = pytest.importorskip("transformers")
 
@@ -262,26 +262,13 @@ def test_a_model_quantized_part_by_part_warns_that_its_save_pretrained_does_not_
     assert rel_err(logits(back), want) < 0.05
 
 
-def test_save_pretrained_of_a_half_quantized_model_is_refused_by_every_reader(tmp_path, monkeypatch):
+def test_save_pretrained_of_a_half_quantized_model_is_refused_by_every_reader(tmp_path):
     """quantize_ stopped in a later layer (out of memory) leaves the layers before fp8 until the same call finishes;
     transformers' save_pretrained then wrote their codes with no quantization_config (from_pretrained read them as
     bf16 weights, up to 448). Its config now says why no reader loads it, as save_checkpoint refuses the model; once
     finished, it saves what save_checkpoint writes."""
-    from fp8fx.weights import chunked
-
     model = tiny()
-    real, calls = chunked.quantize, []
-
-    def out_of_memory(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(*args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(chunked, "quantize", out_of_memory)
-        with pytest.raises(torch.OutOfMemoryError):
-            fp8fx.quantize_(model, SCHEMES["per-channel"][0])
+    quantize_stopped_at(model, 3, SCHEMES["per-channel"][0])
     model.save_pretrained(tmp_path / "half")
     written = json.loads((tmp_path / "half" / "config.json").read_text())["quantization_config"]
     assert "half-quantized" in written["fp8fx_not_loadable"], written

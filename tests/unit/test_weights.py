@@ -16,7 +16,7 @@ import fp8fx
 from fp8fx import quant
 from fp8fx.config import Fp8Config
 from fp8fx.weights import CopyNumelCounter, Fp8LinearMethod, is_quantized
-from tests.conftest import rel_err
+from tests.conftest import quantize_stopped_at, rel_err
 
 
 def _mlp(k=128, n=256, seed=0):
@@ -1665,28 +1665,15 @@ def test_quantize_failing_at_its_first_layer_leaves_the_model_as_it_was(monkeypa
     assert all(fp8fx.weights.is_quantized(m) for m in model)
 
 
-def test_a_cast_of_a_half_quantized_model_is_refused_before_any_module_converts(monkeypatch):
+def test_a_cast_of_a_half_quantized_model_is_refused_before_any_module_converts():
     """quantize_ stopped at its last layer (out of memory): ``.half()``, which the fp8 layer 1 refuses (its scale
     times 448 is beyond float16), had converted layer 0's bias and the bf16 layers first; it is refused before any
     module converts, as for a finished model (found by a bad-input probe)."""
-    from fp8fx.weights import chunked
-
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 16), nn.Linear(16, 16))
     with torch.no_grad():
         model[2].weight[0, 0] = 1e6
-    real, calls = chunked.quantize, []
-
-    def out_of_memory_at_the_third(*args, **kwargs):
-        calls.append(1)
-        if len(calls) == 3:
-            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
-        return real(*args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setattr(chunked, "quantize", out_of_memory_at_the_third)
-        with pytest.raises(torch.OutOfMemoryError):
-            fp8fx.quantize_(model)
+    quantize_stopped_at(model, 3)
     assert fp8fx.weights.is_quantized(model[2]) and not fp8fx.weights.is_quantized(model[3])
     before = {k: (v.dtype, v.clone()) for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"^2: cast to torch.float16, but a scale of .* is beyond torch.float16"):
