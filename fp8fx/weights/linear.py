@@ -887,6 +887,15 @@ def float16_range_error(name: str, largest: float, count: int, weight: str, expe
         "was)")
 
 
+def _bias_in(layer: nn.Module, bias: torch.Tensor, device) -> torch.Tensor:
+    """A method class's layer's ``bias`` in the dtype the layer computes in: its values, or zeros where it is on meta
+    (made where create_weights said, else on ``device``: the loaded tensor's)."""
+    if not bias.is_meta:
+        return bias.detach().to(layer._fp8fx_dtype)
+    device = layer._fp8fx_device if layer._fp8fx_device is not None else device
+    return torch.zeros(bias.shape, dtype=layer._fp8fx_dtype, device=device)
+
+
 def created_by(layer: nn.Module, method: str) -> str:
     """The layer's name, where ``method``'s (``Fp8LinearMethod``'s, ``Fp8MoEMethod``'s) create_weights made its
     weights (else the method's other calls failed with a bare AttributeError or KeyError)."""
@@ -1190,11 +1199,9 @@ class Fp8LinearMethod:
         if target.dim() != 1 or tuple(loaded.shape) != (rows[1],):
             raise ValueError(f"{who}.bias shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not "
                              f"fit the bias's rows {list(rows)} (output partitions {list(sizes)}) (nothing was loaded)")
-        if target.is_meta:  # (made where create_weights said, or on the tensor's device, in the layer's dtype: the
-            # meta module's own may be float32 for a float16 layer)
-            device = layer._fp8fx_device if layer._fp8fx_device is not None else loaded.device
-            target = nn.Parameter(torch.zeros(target.shape, dtype=layer._fp8fx_dtype, device=device),
-                                  requires_grad=target.requires_grad)
+        if target.is_meta or target.dtype != layer._fp8fx_dtype:  # (in the layer's dtype: nn.Linear's own is float32
+            # for a float16 layer; made where create_weights said, or on the tensor's device, where it was on meta)
+            target = nn.Parameter(_bias_in(layer, target, loaded.device), requires_grad=target.requires_grad)
             layer._parameters["bias"] = target
         with torch.no_grad():
             target.narrow(0, *rows).copy_(loaded)
@@ -1273,8 +1280,12 @@ class Fp8LinearMethod:
         if layer._fp8fx_processed:
             return
         params = layer._parameters
-        arrived = getattr(layer, "_fp8fx_bias_loaded", None)  # (a bias on meta: a shard never loaded was zeros)
-        if arrived is not None and "all" not in arrived and len(arrived) < len(layer._fp8fx_partitions):
+        # a bias on meta, or one whose shards came through weight_loader in part (zeros where none came); one made
+        # real otherwise (load_state_dict(assign=True)) is the caller's
+        arrived = getattr(layer, "_fp8fx_bias_loaded", None) or set()
+        bias = params.get("bias")
+        if isinstance(bias, torch.Tensor) and bias.is_meta or arrived and "all" not in arrived and len(
+                arrived) < len(layer._fp8fx_partitions):
             missing = [i for i in range(len(layer._fp8fx_partitions)) if i not in arrived]
             raise ValueError(f"{name}: bias shard(s) {missing} of output partitions {list(layer._fp8fx_partitions)} "
                              "never loaded (the layer was built with its bias on the meta device); load them through "

@@ -42,7 +42,7 @@ from fp8fx.weights.linear import check_codes_held, check_create_arguments, check
 from fp8fx.weights.linear import as_index, fp8_load_from_state_dict, foreign_tensor_reason
 from fp8fx.weights.linear import reduce_made_class, refuse_script, same_layout
 from fp8fx.weights.linear import RANGE_CHECKED, _overflow, check_create_target, float16_range_error, method_config
-from fp8fx.weights.linear import created_by, setstate_made_class
+from fp8fx.weights.linear import _bias_in, created_by, setstate_made_class
 
 log = logging.getLogger("fp8fx")
 
@@ -456,7 +456,8 @@ class Fp8MoEMethod:
         layer._fp8fx_transposed = transposed
         layer._fp8fx_interleaved = interleaved
         layer._fp8fx_processed = False
-        layer._fp8fx_done = {w13: torch.zeros(e, dtype=torch.int64), W2: torch.zeros(e, dtype=torch.int64)}
+        # (on the CPU: bookkeeping, not a torch.device("meta") block's)
+        layer._fp8fx_done = {n: torch.zeros(e, dtype=torch.int64, device="cpu") for n in (w13, W2)}
         # (base, expert_id, shard_id) of the weights loaded (None: all experts / the whole expert): no load may
         # overlap an earlier one (the completeness check counts elements; online, a repeat would be dropped)
         layer._fp8fx_arrived = set()
@@ -595,10 +596,8 @@ class Fp8MoEMethod:
         if bad:
             raise ValueError(f"{prefix}.{name} (expert {expert_id}) has {bad} NaN/Inf values: re-export the "
                              "checkpoint (nothing was loaded)")
-        if target.is_meta:  # (in the experts' dtype: the meta module's own may be float32 for float16 experts)
-            device = layer._fp8fx_device if layer._fp8fx_device is not None else loaded.device
-            target = nn.Parameter(torch.zeros(target.shape, dtype=layer._fp8fx_dtype, device=device),
-                                  requires_grad=target.requires_grad)
+        if target.is_meta or target.dtype != layer._fp8fx_dtype:  # (in the experts' dtype: see _bias_in)
+            target = nn.Parameter(_bias_in(layer, target, loaded.device), requires_grad=target.requires_grad)
             layer._parameters[name] = target
         with torch.no_grad():
             (target if index is None else target[index]).copy_(loaded)
@@ -731,9 +730,10 @@ class Fp8MoEMethod:
                                                          .tolist()[:8]) + ")"
                     raise ValueError(f"{prefix}.{name} was never loaded for experts {experts[:8]}"
                                      f"{' ...' if len(experts) > 8 else ''}{shards}; load it from the checkpoint")
-        for bias, arrived in getattr(layer, "_fp8fx_bias_loaded", {}).items():  # (on meta: zeros where none came)
+        for bias, arrived in getattr(layer, "_fp8fx_bias_loaded", {}).items():  # (on meta: zeros where none came;
+            # made real otherwise - load_state_dict(assign=True) - the caller's)
             missing = [e for e in range(params[w13].shape[0]) if e not in arrived] if "all" not in arrived else []
-            if missing:
+            if missing and (params[bias].is_meta or arrived):
                 raise ValueError(f"{prefix}.{bias}: experts {missing[:8]}{' ...' if len(missing) > 8 else ''} never "
                                  "loaded (the experts were built with their biases on the meta device); load them "
                                  f"through weight_loader(layer, {bias!r}, ...) first (the experts are as they were)")

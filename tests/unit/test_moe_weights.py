@@ -1256,7 +1256,8 @@ def test_method_classes_as_a_vllm_loader_uses_them():
     method.create_weights(layer, E, H, I, torch.bfloat16, prefix="experts")
     bias = -torch.rand(2 * I)
     method.weight_loader(layer, "gate_up_proj_bias", bias, expert_id=1)
-    assert torch.equal(layer.gate_up_proj_bias[1], bias) and not layer.gate_up_proj_bias[0].any()
+    assert layer.gate_up_proj_bias.dtype == torch.bfloat16  # (the experts' dtype, as their outputs')
+    assert torch.equal(layer.gate_up_proj_bias[1], bias.bfloat16()) and not layer.gate_up_proj_bias[0].any()
 
 
 def test_linear_method_as_a_vllm_loader_uses_it():
@@ -1299,3 +1300,33 @@ def test_linear_method_as_a_vllm_loader_uses_it():
     method.process_weights_after_loading(layer)
     out = layer(torch.ones(1, 64, dtype=torch.float16))
     assert out.dtype == torch.float16 and torch.equal(out, torch.full((1, 96), 65.0, dtype=torch.float16))
+    # (a second review's catches: a meta bias made real another way - load_state_dict(assign=True) - was refused as
+    # never loaded; a real float32 bias of a float16 layer took the float16 one as float32, the forward failing)
+    for bias in ("meta", "cpu"):
+        layer = nn.Linear(64, 32, device=bias)
+        method.create_weights(layer, 64, [32], torch.float16, device="cpu", prefix="proj")
+        method.weight_loader(layer, "weight", torch.ones(32, 64).to(torch.float8_e4m3fn))
+        method.weight_loader(layer, "weight_scale", torch.ones(1))
+        if bias == "meta":
+            layer.load_state_dict({"bias": torch.full((32,), 2.0, dtype=torch.float16)}, strict=False, assign=True)
+        else:
+            method.weight_loader(layer, "bias", torch.full((32,), 2.0, dtype=torch.float16))
+        method.process_weights_after_loading(layer)
+        assert torch.equal(layer(torch.ones(1, 64, dtype=torch.float16)), torch.full((1, 32), 66.0,
+                                                                                     dtype=torch.float16))
+
+
+def test_moe_quantize_and_load_inside_a_meta_device_block(tmp_path):
+    """quantize_ and load_checkpoint of a model with experts inside a torch.device("meta") block: the experts' load
+    counters were made on meta, and processing failed in torch ("register_meta function for torch.nonzero"), after
+    the linears before them were fp8 (a review's catch)."""
+    torch.manual_seed(0)
+    model = Block().to(torch.bfloat16)
+    with torch.device("meta"):
+        fp8fx.quantize_(model)
+    assert is_quantized_experts(model.experts) and model.experts.gate_up_proj.device.type == "cpu"
+    fp8fx.save_checkpoint(model, tmp_path)
+    with torch.device("meta"):
+        again = Block().to(torch.bfloat16)
+        fp8fx.load_checkpoint(again, tmp_path, progress=False)
+    assert torch.equal(again.experts.gate_up_proj.view(torch.uint8), model.experts.gate_up_proj.view(torch.uint8))
