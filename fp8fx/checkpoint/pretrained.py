@@ -55,6 +55,10 @@ class SavePretrained(ModelHeld):
 
     def __call__(self, *args, **kwargs):
         model = self.held()
+        if not any(t.dtype == quant.FP8_DTYPE for t in (*model.parameters(), *model.buffers())):
+            # (nothing fp8 left: a part dequantized since - model.model.dequantize() -, whose parent kept this: a
+            # plain save, where it wrote a config every reader refuses)
+            return type(model).save_pretrained(model, *args, **kwargs)
         with _SAVING:
             config = model.config
             missing = object()

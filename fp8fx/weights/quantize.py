@@ -220,6 +220,8 @@ def quantize_(
 
     if not prefix:
         pretrained.describe(model)
+        if (plan or experts) and _transformers_part(model):  # (its own save_pretrained is described; its parent's not)
+            _warn_part_save(model, prefix)
     elif (plan or experts) and ("transformers" in sys.modules or any(  # (a bare nn.Linear part of an HF model: its
             type(m).__module__.startswith("transformers.") for m in model.modules())):  # parent is out of reach)
         _warn_part_save(model, prefix)
@@ -227,6 +229,15 @@ def quantize_(
 
 
 _PART_SAVE_WARNED = False
+
+
+def _transformers_part(model: nn.Module) -> bool:
+    """A transformers module that is, or may be, a part of a larger model: a base model (``LlamaModel``, whose
+    ``base_model`` is itself: a ForCausalLM's ``.model``, a VLM's language model) or a module with no
+    ``save_pretrained`` of its own (a decoder layer)."""
+    if not type(model).__module__.startswith("transformers."):
+        return False
+    return not callable(getattr(model, "save_pretrained", None)) or getattr(model, "base_model", None) is model
 
 
 def _warn_part_save(part: nn.Module, prefix: str) -> None:
@@ -239,11 +250,11 @@ def _warn_part_save(part: nn.Module, prefix: str) -> None:
     if _PART_SAVE_WARNED:
         return
     _PART_SAVE_WARNED = True
-    log.warning("fp8fx: quantize_(%s, prefix=%r) quantized a part of a model; if it is a transformers model, its "
-                "save_pretrained does not know its layers are fp8 and writes their codes with no quantization_config, "
-                "which from_pretrained reads as bf16 weights: save the model with fp8fx.save_checkpoint(model, "
-                "folder) (said once)",
-                type(part).__name__, prefix)
+    log.warning("fp8fx: quantize_(%s%s) quantized what may be a part of a model; if that model is a transformers "
+                "one (a ForCausalLM whose .model this is), its save_pretrained does not know its layers are fp8 and "
+                "writes their codes with no quantization_config, which from_pretrained reads as bf16 weights: save "
+                "the model with fp8fx.save_checkpoint(model, folder) (said once)",
+                type(part).__name__, f", prefix={prefix!r}" if prefix else "")
 
 
 _UNFINISHED = "_fp8fx_unfinished"

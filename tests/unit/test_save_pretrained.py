@@ -278,3 +278,28 @@ def test_save_pretrained_of_a_half_quantized_model_is_refused_by_every_reader(tm
     model.save_pretrained(tmp_path / "done")
     written = json.loads((tmp_path / "done" / "config.json").read_text())["quantization_config"]
     assert written["quant_method"] == "compressed-tensors" and "fp8fx_not_loadable" not in written
+
+
+def test_a_transformers_base_model_quantized_alone_warns_and_a_dequantized_one_saves_plain(tmp_path, caplog,
+                                                                                         monkeypatch):
+    """Found by a probe: quantize_(model.model) with no prefix (to keep lm_head bf16) said nothing, and the outer
+    model's save_pretrained wrote fp8 codes with no quantization_config (reloaded 1.38 off); model.model.dequantize()
+    after quantize_(model) left the outer model's save_pretrained writing a config every reader refuses, of a model
+    with no fp8 tensor left."""
+    from fp8fx.weights import quantize as quantize_module
+
+    monkeypatch.setattr(quantize_module, "_PART_SAVE_WARNED", False)
+    model = tiny()
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        fp8fx.quantize_(model.model)
+    said = [r.getMessage() for r in caplog.records if "save_pretrained" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("fp8fx: quantize_(LlamaModel) quantized what may be a part"), said
+
+    model = tiny()
+    fp8fx.quantize_(model, SCHEMES["per-channel"][0])
+    model.model.dequantize()
+    model.save_pretrained(tmp_path)
+    assert "quantization_config" not in json.loads((tmp_path / "config.json").read_text())
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+    held = model.state_dict()  # (the dequantized weights, as the model holds them)
+    assert all(torch.equal(t, held[k]) for k, t in back.state_dict().items()) and back.state_dict().keys() == held.keys()
