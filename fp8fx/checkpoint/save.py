@@ -852,8 +852,7 @@ def convert(
     (GPT-OSS's [E, H, 2I]), which are written in fused_moe's layout, with a warning, as ``save_checkpoint`` writes
     them.
     Peak memory: one output file plus one bf16 tensor (two: an expert's gate and up, per-tensor). Returns a
-    ``LoadReport`` (checkpoint module names;
-    ``experts``: the experts modules quantized).
+    ``LoadReport`` (checkpoint module names; ``experts``: the experts modules quantized).
     """
     src, dst = os.fspath(src), os.fspath(dst)
     config = config_or(config, Fp8Config(), "convert")
