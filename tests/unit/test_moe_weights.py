@@ -702,11 +702,12 @@ def test_router_modules_that_are_no_linear_are_reported(tmp_path):
 
 
 class ExpertsModel(nn.Module):
-    """A model of one experts module, "experts", called with the tokens, their experts and weights."""
+    """A model of one experts module, "experts" (``Experts()``, or the one given), called with the tokens, their
+    experts and weights."""
 
-    def __init__(self):
+    def __init__(self, experts=None):
         super().__init__()
-        self.experts = Experts()
+        self.experts = Experts() if experts is None else experts
 
     def forward(self, x, ids, w):
         return self.experts(x, ids, w)
@@ -1174,23 +1175,12 @@ def test_calibrate_refuses_experts_whose_code_computes_another_activation(kind):
     if kind != "silu":
         with pytest.raises(ValueError, match=r"calibrate: experts has neither act_fn nor _apply_gate, and its output "
                                              r"is not what calibrate takes .*add 'experts' to ignored_layers"):
-            fp8fx.calibrate(_Routed(model), [(x, ids, w)])
+            fp8fx.calibrate(ExpertsModel(model), [(x, ids, w)])
         return
-    scales = fp8fx.calibrate(_Routed(model), [(x, ids, w)])
+    scales = fp8fx.calibrate(ExpertsModel(model), [(x, ids, w)])
     with torch.no_grad():
         want = max(model.act(x[(ids == e).any(-1)], e).abs().max().item() for e in ids.unique().tolist()) / 448
     assert scales["experts.down_proj"] == pytest.approx(want, rel=1e-6)
-
-
-class _Routed(nn.Module):
-    """An experts module under the name ``experts``, called with the routing it is given."""
-
-    def __init__(self, experts):
-        super().__init__()
-        self.experts = experts
-
-    def forward(self, x, ids, w):
-        return self.experts(x, ids, w)
 
 
 def _fp8_of(w: torch.Tensor, scale: float) -> torch.Tensor:
