@@ -152,8 +152,8 @@ class Report:
         Said in the log, the table and ``to_dict``, while every site of the graphs compiled stays as it is.
         ``static``: compiled with ``dynamic=False``, where each new shape is a graph of its own. Graphs of the frame
         that other backends compiled count too (a new backend for each model of one class): said where there are."""
-        self.graph_of_frame(graph, compile_id)
-        own = sum(f == self._frame_ids[graph] for f in self._frame_ids.values())
+        frame = self._frame_ids.setdefault(graph, compile_id.partition("/")[0])  # (the backend named it already)
+        own = sum(f == frame for f in self._frame_ids.values())
         why = ("a new shape, each a graph of its own with dynamic=False, or another value of an argument guarded on"
                if static else "one whose inputs fail its guards: a new size of a dim kept static, another rank, dtype "
                "or device, or another value of an argument guarded on")
