@@ -165,8 +165,7 @@ def quantize_(
     planned += list(held)
     not_quantized = {fqn: reason for fqn, _, reason in skipped}
     not_quantized.update({name: reason for fqn, m, reason in experts_skipped for name in moe.input_scale_names(fqn, m)})
-    owners = {name: fqn for fqn, m in experts for name in moe.input_scale_names(fqn, m)}
-    scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix, owners)
+    scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix, _scale_owners(experts))
     _check_resumed_scales(held, scales)
 
     untagged = _tags_of(model)  # (put back where quantize_ fails before it quantized anything)
@@ -229,6 +228,12 @@ def quantize_(
 
 
 _PART_SAVE_WARNED = False
+
+
+def _scale_owners(experts: Iterable[tuple[str, nn.Module]]) -> dict[str, str]:
+    """Each experts module's input scale names (``{fqn}.gate_up_proj`` / ``{fqn}.down_proj``) -> its fqn, which
+    ``ignored_layers`` takes."""
+    return {name: fqn for fqn, m in experts for name in moe.input_scale_names(fqn, m)}
 
 
 def _transformers_part(model: nn.Module) -> bool:
@@ -994,7 +999,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
         raise ValueError("calibrate: batches gave no batch (an empty list, or a generator already used up); pass "
                          "the calibration batches, e.g. a list of the model's inputs")
     # an experts module's input scales are named <experts>.gate_up_proj / .down_proj: ignored_layers takes the module
-    owner = {name: fqn for fqn, m in experts for name in moe.input_scale_names(fqn, m)}
+    owner = _scale_owners(experts)
 
     def to_ignore(names: list[str]) -> str:
         """The advice to keep them in high precision: the modules ignored_layers takes, or the model itself."""
