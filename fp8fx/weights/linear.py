@@ -887,6 +887,17 @@ def float16_range_error(name: str, largest: float, count: int, weight: str, expe
         "was)")
 
 
+def check_bias_values(what: str, loaded) -> None:
+    """A bias a method class's ``weight_loader`` takes (``what`` names it): a 16- or 32-bit float tensor with no
+    NaN/Inf."""
+    if not isinstance(loaded, torch.Tensor) or not loaded.is_floating_point() or loaded.dtype.itemsize < 2:
+        raise ValueError(f"{what}: a {getattr(loaded, 'dtype', type(loaded).__name__)} tensor; a bias loads as "
+                         "bf16/fp16/fp32 (nothing was loaded)")
+    bad = chunked.count_nonfinite(loaded.detach())
+    if bad:
+        raise ValueError(f"{what} has {bad} NaN/Inf values: re-export the checkpoint (nothing was loaded)")
+
+
 def _bias_in(layer: nn.Module, bias: torch.Tensor, device) -> torch.Tensor:
     """A method class's layer's ``bias`` in the dtype the layer computes in: its values, or zeros where it is on meta
     (made where create_weights said, else on ``device``: the loaded tensor's)."""
@@ -1187,13 +1198,7 @@ class Fp8LinearMethod:
         if target is None:
             raise ValueError(f"{who}.bias (shard {shard_id}): the layer has no bias (built with bias=False); build it "
                              "with one, or leave the checkpoint's out (nothing was loaded)")
-        if not isinstance(loaded, torch.Tensor) or not loaded.is_floating_point() or loaded.dtype.itemsize < 2:
-            raise ValueError(f"{who}.bias (shard {shard_id}): a {getattr(loaded, 'dtype', type(loaded).__name__)} "
-                             "tensor; a bias loads as bf16/fp16/fp32 (nothing was loaded)")
-        bad = chunked.count_nonfinite(loaded.detach())
-        if bad:
-            raise ValueError(f"{who}.bias (shard {shard_id}) has {bad} NaN/Inf values: re-export the checkpoint "
-                             "(nothing was loaded)")
+        check_bias_values(f"{who}.bias (shard {shard_id})", loaded)
         sizes = layer._fp8fx_partitions
         rows = (0, target.shape[0]) if shard_id is None else (sum(sizes[:shard_id]), sizes[shard_id])
         if target.dim() != 1 or tuple(loaded.shape) != (rows[1],):

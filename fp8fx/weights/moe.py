@@ -42,7 +42,7 @@ from fp8fx.weights.linear import check_codes_held, check_create_arguments, check
 from fp8fx.weights.linear import as_index, fp8_load_from_state_dict, foreign_tensor_reason
 from fp8fx.weights.linear import reduce_made_class, refuse_script, same_layout
 from fp8fx.weights.linear import RANGE_CHECKED, _overflow, check_create_target, float16_range_error, method_config
-from fp8fx.weights.linear import _bias_in, created_by, setstate_made_class
+from fp8fx.weights.linear import _bias_in, check_bias_values, created_by, setstate_made_class
 
 log = logging.getLogger("fp8fx")
 
@@ -582,9 +582,7 @@ class Fp8MoEMethod:
         if shard_id not in (None, "w2"):
             raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r}; an expert bias loads whole, all experts or one "
                              "expert's (nothing was loaded)")
-        if not isinstance(loaded, torch.Tensor) or not loaded.is_floating_point() or loaded.dtype.itemsize < 2:
-            raise ValueError(f"{prefix}.{name}: a {getattr(loaded, 'dtype', type(loaded).__name__)} tensor; a bias "
-                             "loads as bf16/fp16/fp32 (nothing was loaded)")
+        check_bias_values(f"{prefix}.{name} (expert {expert_id})", loaded)
         index = as_index(expert_id) if expert_id is not None else None
         if expert_id is not None and (index is None or not 0 <= index < target.shape[0]):
             raise ValueError(f"{prefix}.{name}: expert_id={expert_id!r} is not an expert's index of {target.shape[0]}")
@@ -592,10 +590,6 @@ class Fp8MoEMethod:
         if tuple(loaded.shape) != shape:
             raise ValueError(f"{prefix}.{name} (expert {expert_id}): checkpoint tensor of shape {tuple(loaded.shape)}, "
                              f"where the bias takes {list(shape)} (nothing was loaded)")
-        bad = chunked.count_nonfinite(loaded.detach())
-        if bad:
-            raise ValueError(f"{prefix}.{name} (expert {expert_id}) has {bad} NaN/Inf values: re-export the "
-                             "checkpoint (nothing was loaded)")
         if target.is_meta or target.dtype != layer._fp8fx_dtype:  # (in the experts' dtype: see _bias_in)
             target = nn.Parameter(_bias_in(layer, target, loaded.device), requires_grad=target.requires_grad)
             layer._parameters[name] = target
