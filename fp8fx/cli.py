@@ -136,7 +136,7 @@ def inspect_command(args: argparse.Namespace) -> int:
     # document, which a line before it made unreadable
     with contextlib.redirect_stdout(sys.stderr):
         model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
-    config, layer_config, config_format, ignores = make_config(args, hf_quant)
+    config, layer_config, config_format, ignores = make_config(args, hf_quant, _checkpoint_names(args.model, model))
     try:  # as quantize_ would: an --ignore that names no module keeps nothing in bf16
         check_ignored_layers(Fp8Config(ignored_layers=tuple(args.ignore)),
                              [f for f, _ in model.named_modules(remove_duplicate=False)],
@@ -370,11 +370,12 @@ class _LayerConfigs:
         return "in ignored_layers" if self.ignored(fqn) else "not targeted by quantization_config"
 
 
-def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
+def make_config(args: argparse.Namespace, hf_quant: Optional[dict], named: Callable[[Any], Any] = lambda fmt: fmt):
     """The config file, else the model's quantization_config, else Fp8Config(); then the flags.
     Returns (the config to show, ``layer_config(fqn)``: a layer's config or None when the
     quantization_config keeps it in high precision — compressed-tensors configs are per layer, the format's
-    name, ``ignores(model)``: the entries of its ignore list that match no module of ``model``)."""
+    name, ``ignores(model)``: the entries of its ignore list that match no module of ``model``). ``named(fmt)``:
+    the format knowing the checkpoint's names of the model's modules (``_checkpoint_names``)."""
     base = hf_quant
     if args.config:
         try:
@@ -400,6 +401,7 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
         # (formats.parse names config.json, where a model's quantization_config is: --config's is in that file)
         where = _first_line(e).replace("config.json", f"--config {args.config}", 1) if args.config else _first_line(e)
         raise UsageError(f"bad config: {where}") from None
+    fmt = named(fmt) if fmt is not None else None
 
     def with_flags(config: Fp8Config) -> Fp8Config:
         changes: dict[str, Any] = {}
@@ -428,17 +430,20 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
             return []
         if fmt.name != "compressed-tensors":  # entries read as parts of names (transformers' modules_to_not_convert
             # reads them so: MiniMax-M2's "gate")
-            names = [f for f, _ in model.named_modules(remove_duplicate=False) if f]  # (a module's every name)
+            names = [n for f, _ in model.named_modules(remove_duplicate=False) if f  # (a module's every name,
+                     for n in fmt.names_of(f)]  # and the checkpoint's)
             return [n for n in fmt.config.ignored_layers or () if not any(n in f for f in names)]
         # exact names, 're:' patterns or class names (a "Linear" entry names nn.Linear's subclasses too)
-        modules = [(f, target_classes(m)) for f, m in model.named_modules(remove_duplicate=False) if f]
+        modules = [(n, target_classes(m)) for f, m in model.named_modules(remove_duplicate=False) if f
+                   for n in fmt.names_of(f)]
         return [n for n in fmt.ignore if not any(formats.matches(f, classes, (n,)) for f, classes in modules)]
 
     try:
         config = with_flags(fmt.config if fmt else Fp8Config())
         name = fmt.name if fmt else "none"
         if name != "compressed-tensors":  # (transformers' modules_to_not_convert, ModelOpt's exclude list)
-            return config, _LayerConfigs(lambda fqn: None if fmt and fmt.skips(fqn) else config,
+            # (the format's ignore list by the checkpoint's names too: a hub Mixtral's block_sparse_moe.experts)
+            return config, _LayerConfigs(lambda fqn: None if fmt and fmt.is_ignored(fqn) else config,
                                          lambda fqn: True), name, ignores
         groups = {id(c): with_flags(c) for _, c in fmt.groups}
         # (the header's: its ignore list, and the config of the first group, whose ignored_layers are none)
@@ -448,6 +453,28 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict]):
             lambda fqn: fmt.is_ignored(fqn, ("Linear",))), name, ignores)
     except ValueError as e:
         raise UsageError(f"bad config: {e}") from e
+
+
+def _checkpoint_names(spec: str, model: nn.Module) -> Callable[[Any], Any]:
+    """``make_config``'s ``named``: for an HF folder with a safetensors checkpoint, the format knowing the
+    checkpoint's names of the model's modules, as ``load_checkpoint`` reads them (transformers' renames: a hub
+    Mixtral's ignore list names ``block_sparse_moe.experts``, the model's module is ``mlp.experts``); for a config
+    alone or a factory, the format as it is."""
+    path = Path(spec)
+    folder = path if path.is_dir() else path.parent if path.name == "config.json" else None
+    if folder is None or not any(folder.glob("*.safetensors")):
+        return lambda fmt: fmt
+    from fp8fx.checkpoint import CheckpointError
+    from fp8fx.checkpoint.files import read_checkpoint
+    from fp8fx.checkpoint.load import named_as_model
+
+    def named(fmt):
+        try:
+            return named_as_model(model, read_checkpoint(str(folder))[1], fmt, str(folder), None, "inspect")[1]
+        except CheckpointError as e:  # (load_checkpoint would refuse the checkpoint so)
+            raise UsageError(str(e)) from None
+
+    return named
 
 
 def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: dict, layer_config=None):

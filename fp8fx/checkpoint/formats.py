@@ -52,18 +52,19 @@ class QuantFormat:
         """Where the scheme the checkpoint is read with comes from, for messages that blame it."""
         return "the config= passed to load_checkpoint" if self.from_user else "its quantization_config"
 
-    def _names(self, fqn: str) -> tuple[str, ...]:
+    def names_of(self, fqn: str) -> tuple[str, ...]:
+        """Module ``fqn``'s names: the model's, then the checkpoint's where a rename changed it."""
         return (fqn, *self.sources.get(fqn, ()))
 
     def is_ignored(self, fqn: str, classes: Sequence[str] = ()) -> bool:
         if self.name != "compressed-tensors":
-            return any(self.config.is_ignored(n) for n in self._names(fqn)) or self.skips(fqn)
-        return any(matches(n, classes, self.ignore) for n in self._names(fqn))
+            return any(self.config.is_ignored(n) for n in self.names_of(fqn)) or self.skips(fqn)
+        return any(matches(n, classes, self.ignore) for n in self.names_of(fqn))
 
     def skips(self, fqn: str) -> bool:
         """An fp8 checkpoint's ignore list read as its producer reads it, where that is not ``ignored_layers``'
         names and prefixes: transformers' ``modules_to_not_convert``, ModelOpt's ``exclude_modules``."""
-        names = self._names(fqn)
+        names = self.names_of(fqn)
         if self.modelopt_exclude is not None and any(modelopt_excludes(n, self.modelopt_exclude) for n in names):
             return True
         return any(transformers_skips(n, self.hf_ignore) for n in names)
@@ -80,7 +81,7 @@ class QuantFormat:
         for by_name in (True, False):
             for targets, config in self.groups:
                 by = [t for t in targets if by_name != (t in classes)]
-                if any(matches(n, () if by_name else classes, by) for n in self._names(fqn)):
+                if any(matches(n, () if by_name else classes, by) for n in self.names_of(fqn)):
                     return config
         return None
 

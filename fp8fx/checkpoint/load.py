@@ -222,6 +222,17 @@ def _check_load_args(config, device, fused) -> None:
                              "checkpoint module is one shard of the fused one, in the order they are stacked")
 
 
+def named_as_model(model: nn.Module, entries: Mapping[str, Entry], fmt: formats.QuantFormat, path: str,
+                   key_mapping: Optional[Mapping[str, str]], where: str) -> tuple[dict[str, Entry], formats.QuantFormat]:
+    """(checkpoint ``entries`` under ``model``'s names: transformers' renames and cuts for it, then ``key_mapping``'s;
+    ``fmt`` knowing the checkpoint's names of each renamed module, which its ignore list and targets may use).
+    ``inspect`` reads a checkpoint's ignore list through it too, as the load would."""
+    entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, where, entries), path)
+    fmt = dataclasses.replace(fmt, sources=sources)
+    entries, cut_from = renames.cut(entries, model, path, functools.partial(_block_rows, fmt))
+    return entries, dataclasses.replace(fmt, sources={**sources, **cut_from})
+
+
 def load_checkpoint(
     model: nn.Module,
     path: Union[str, os.PathLike],
@@ -260,10 +271,8 @@ def load_checkpoint(
     check_no_lazy_modules(model, "load_checkpoint", "loaded")
     config_json = read_config(path)
     files, entries = read_checkpoint(path)
-    entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "load_checkpoint", entries), path)
-    fmt = dataclasses.replace(formats.parse(config_json, config), sources=sources)
-    entries, cut_from = renames.cut(entries, model, path, functools.partial(_block_rows, fmt))
-    fmt = dataclasses.replace(fmt, sources={**sources, **cut_from})
+    entries, fmt = named_as_model(model, entries, formats.parse(config_json, config), path, key_mapping,
+                                  "load_checkpoint")
     # a user's config, or one config.json holds for quantizing online (fp8fx's own to_dict): a layer it names that
     # neither the model nor the checkpoint has was meant to stay bf16 and would be quantized. The ignore list of an
     # fp8 checkpoint is the producer's record of what it left bf16: its tensors say so too, and load them as stored

@@ -11,6 +11,7 @@ from torch import nn
 
 import fp8fx
 
+from fp8fx import cli
 from fp8fx.checkpoint import CheckpointError, convert, load_checkpoint, meta_model
 from fp8fx.checkpoint import renames
 from fp8fx.checkpoint.files import read_checkpoint
@@ -87,7 +88,7 @@ def test_hub_mixtral_fp8_checkpoint_loads_as_the_models_own_layout(tmp_path, gra
     assert_same_state(expected, model)
 
 
-def test_ignored_layers_match_the_checkpoints_names(tmp_path):
+def test_ignored_layers_match_the_checkpoints_names(tmp_path, capsys):
     """Experts a checkpoint keeps bf16 and lists under its own name stay bf16 (matched as the checkpoint
     names them: before, the renamed experts were taken as fp8 and their bf16 weights refused)."""
     cfg = moe_config("mixtral")
@@ -107,6 +108,11 @@ def test_ignored_layers_match_the_checkpoints_names(tmp_path):
     assert not is_quantized_experts(experts) and report.not_quantized[EXPERTS] == "in ignored_layers"
     for base in ("gate_up_proj", "down_proj"):
         assert torch.equal(getattr(experts, base), state[f"{EXPERTS}.{base}"])
+    # inspect reads the ignore list as the load does (it predicted the experts rewritten, by the model's names alone)
+    assert cli.main(["inspect", str(path), "--json"]) == 0
+    rows = {r["fqn"]: r for r in json.loads(capsys.readouterr().out)["sites"]}
+    assert not rows[EXPERTS]["would_rewrite"] and rows[EXPERTS]["reason"] == "in ignored_layers"
+    assert rows["model.layers.0.self_attn.q_proj"]["would_rewrite"]
 
 
 def _tiny_checkpoint(tmp_path, rename):
