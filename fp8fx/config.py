@@ -158,6 +158,20 @@ _OTHER_FP8_METHODS = {
                   "Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=fp8fx.PerRow()) and its ignore list",
     "ptpc_fp8": "vLLM's online per-token / per-channel method; its scheme is Fp8Config(weight_granularity="
                 "fp8fx.PerRow()) (fp8fx's default online scheme)",
+    # vLLM's online methods (its QuantizationMethods: bf16 weights quantized as they load, each a config class of its
+    # own) and MXFP8: read by vLLM's rule ("fp8" in the name), they were per-tensor fp8 checkpoints
+    "fp8_per_tensor": "vLLM's online per-tensor method (bf16 weights quantized as they load); its scheme is "
+                      "Fp8Config(weight_granularity=fp8fx.PerTensor())",
+    "fp8_per_channel": "vLLM's online per-channel method (bf16 weights quantized as they load); its scheme is "
+                       "Fp8Config(weight_granularity=fp8fx.PerRow()) (fp8fx's default online scheme)",
+    "fp8_per_block": "vLLM's online 128x128-block method (bf16 weights quantized as they load); its scheme is "
+                     "Fp8Config(weight_block_size=(128, 128))",
+    "mxfp8": "MXFP8 (1x32 blocks of power-of-two E8M0 scales) is no scheme of fp8fx's; quantize the bf16 model with "
+             "an Fp8Config instead",
+    "modelopt_mxfp8": "MXFP8 (1x32 blocks of power-of-two E8M0 scales) is no scheme of fp8fx's; quantize the bf16 model "
+                      "with an Fp8Config instead",
+    "deepseek_v4_fp8": "vLLM reads it with a config class of its own, not as an fp8 config; build its scheme with "
+                       "Fp8Config(...) directly",
 }
 
 
@@ -349,8 +363,10 @@ class Fp8Config:
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
         """Build from a checkpoint's ``quantization_config`` dict (a ``quant_method`` with "fp8" in it, vLLM's rule,
-        or none: fp8fx's own ``to_dict``), or a transformers config object of one (``FineGrainedFP8Config``).
-        ``fbgemm_fp8`` and ``ptpc_fp8`` are refused: their schemes are not what this dict reads as."""
+        or none: fp8fx's own ``to_dict``), or a transformers config object of one (``FineGrainedFP8Config``). The
+        fp8 methods vLLM reads with config classes of their own (``fbgemm_fp8``, ``ptpc_fp8``, its online
+        ``fp8_per_tensor`` / ``_per_channel`` / ``_per_block``, ``mxfp8``) are refused: their schemes are not what
+        this dict reads as."""
         if not isinstance(config, dict) and callable(getattr(config, "to_dict", None)):
             config = config.to_dict()
         if not isinstance(config, dict):

@@ -903,7 +903,8 @@ class _Loader:
                         taken.append(f"{fqn}.{name}")
                         continue
                     # one of k_scale / v_scale given (or a legacy kv_scale): both take it, as vLLM's
-                    # BaseKVCacheMethod does (the max of the two, one of them unset); neither: 1.0
+                    # BaseKVCacheMethod does for a k_scale (or kv_scale) alone; a v_scale alone, which its assert
+                    # refuses, is taken so too (the warning names it); neither: 1.0
                     scales[name] = scales[present[0]] if present else 1.0
                     defaults.append(f"{fqn}.{name}" + (f"={present[0]}" if present else ""))
                 if not scales:

@@ -1315,7 +1315,11 @@ class Fp8LinearMethod:
                 continue
             scales = params[scale_name].data
             if scale_name == "input_scale" or per_tensor:  # one per logical shard: named by shard
-                shards = [i for i, v in enumerate(scales.reshape(-1).tolist()) if v == unloaded]
+                values, widths = scales.reshape(-1).tolist(), list(layer._fp8fx_partitions)
+                # (a partition of no rows has no tensor in a checkpoint: its placeholder is passed by, as vLLM's
+                # requantization skips it, the scale's max above it)
+                shards = [i for i, v in enumerate(values)
+                          if v == unloaded and (len(widths) != len(values) or widths[i] > 0)]
                 if shards:
                     raise ValueError(
                         f"{name}: {scale_name} was never loaded for shard(s) {shards} (of output partitions "

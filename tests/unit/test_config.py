@@ -515,6 +515,13 @@ def test_from_config_takes_fp8_configs_only():
     for method in ("fbgemm_fp8", "ptpc_fp8"):
         with pytest.raises(ValueError, match=rf"quant_method={method!r}: .*weight_granularity=fp8fx\.PerRow\(\)"):
             Fp8Config.from_config({"quant_method": method, "modules_to_not_convert": ["lm_head"]})
+    # and fp8 methods vLLM gives config classes of their own (MXFP8's 1x32 E8M0 scales; online block or per-channel
+    # schemes): read as per-tensor fp8 checkpoints, silently
+    for method, fix in [("mxfp8", "no scheme of fp8fx's"), ("modelopt_mxfp8", "no scheme of fp8fx's"),
+                        ("fp8_per_block", r"weight_block_size=\(128, 128\)"), ("fp8_per_channel", r"PerRow\(\)"),
+                        ("fp8_per_tensor", r"PerTensor\(\)"), ("deepseek_v4_fp8", "a config class of its own")]:
+        with pytest.raises(ValueError, match=rf"quant_method={method!r}: .*{fix}"):
+            Fp8Config.from_config({"quant_method": method})
     transformers = pytest.importorskip("transformers")
     config = Fp8Config.from_config(transformers.FineGrainedFP8Config())
     assert config.is_checkpoint_fp8_serialized and config.weight_block_size == (128, 128)
