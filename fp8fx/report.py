@@ -391,7 +391,8 @@ class Report:
                          "model.forward = torch.compile(model.forward, backend=...)); a call made already ran "
                          "uncompiled, with no fp8 GEMM, where Dynamo had reached torch._dynamo.config.recompile_limit "
                          "for the frame (every backend's graphs of a frame count: a new backend for each model of one "
-                         "class; TORCH_LOGS=recompiles says)")
+                         "class; TORCH_LOGS=recompiles says), or inside torch.vmap (vmap of a compiled model runs it "
+                         "uncompiled: compile the vmapped function, torch.compile(torch.vmap(model)))")
         lines += self._topk_lines(graph)
         lines += [f"graph {g} failed to compile, nothing in it rewritten: {why}" for g, why in self.failed.items()
                   if graph in (None, g)]

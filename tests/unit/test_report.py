@@ -124,6 +124,15 @@ def test_an_empty_report_says_why_and_a_root_linear_has_a_name():
     assert backend.report.sites[0].fqn == ""  # (the data keeps the name the module has: none)
 
 
+def test_an_empty_report_names_vmap_of_a_compiled_model():
+    """torch.vmap(torch.compile(model)) runs the model uncompiled (no graph, no fp8 GEMM); the empty report blamed only
+    the recompile limit."""
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    model = fp8fx.quantize_(nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16))
+    torch.vmap(torch.compile(model, backend=backend))(torch.randn(3, 4, 64, dtype=torch.bfloat16))
+    assert not backend.report.graphs and "torch.compile(torch.vmap(model))" in str(backend.report).splitlines()[-1]
+
+
 def test_a_model_called_through_functional_call_names_its_sites_by_its_layers():
     """torch.func.functional_call of a model with another fp8 model's state_dict (its tensors carry no tags) named
     the sites after Dynamo's source, "getattr(G.m1, '0')", which assert_rewritten(backend, "0") did not find."""
