@@ -228,25 +228,6 @@ _GETATTR = re.compile(r"getattr\(([^()]*), ['\"]([^'\"]+)['\"]\)")
 _DICT = re.compile(r"\.__dict__\[['\"](_modules|_parameters|_buffers)['\"]\]\[['\"]([^'\"]+)['\"]\]")
 
 
-def in_compiled_model(tag: str, path: Optional[str]) -> str:
-    """The site name of a layer ``quantize_`` named ``tag`` (its weight's tag), which the graph runs as the module at
-    ``path``: the tag, unless the compiled model holds the model ``quantize_`` was given (a wrapper; blocks quantized
-    one by one) or wrapped the layer after it. PEFT's get_peft_model does both: it holds the model as
-    base_model.model and replaces its model.a, in place, with a LoRA layer whose base_layer the layer is (the report
-    named it "a", its adapters "base_model.model.a.lora_A.default"). Then its path, where the graph is the compiled
-    model's; where it is a block's (a frame of its own after a graph break: a path relative to the block), the tag
-    with the wrapper's child name."""
-    if not (tag and path):
-        return tag
-    wrapped = path.rpartition(".")[2] == "base_layer" and tag.rpartition(".")[2] != "base_layer"
-    base = path[:-len(".base_layer")] if wrapped else path
-    if base.endswith(f".{tag}") or wrapped and base == tag:
-        return path
-    if wrapped and (not base or tag.endswith(f".{base}")):
-        return f"{tag}.base_layer"
-    return tag
-
-
 def module_path(node: fx.Node) -> Optional[str]:
     """FQN of the innermost module whose forward created ``node`` (from Dynamo's nn_module_stack)."""
     stack = node.meta.get("nn_module_stack")

@@ -42,7 +42,7 @@ from fp8fx.config import LayerScheme, granularity_from_block, weight_granularity
 from fp8fx.kernels import launch
 from fp8fx.lowerings import compat
 from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, input_path, may_record_grad, module_path, set_fake_value
-from fp8fx.passes.base import bytes_saved, dequant_args, in_compiled_model
+from fp8fx.passes.base import bytes_saved, dequant_args
 from fp8fx.report import NOT_QUANTIZED, ROOT, Site
 from fp8fx.weights.linear import is_conv1d_class
 
@@ -380,7 +380,6 @@ def _report_tagged_readers(graph: fx.Graph, ctx: PassContext) -> None:
                 break
         else:
             continue
-        fqn = in_compiled_model(fqn, module_path(node))
         if fqn in named:
             continue
         named.add(fqn)
@@ -488,7 +487,7 @@ def _kept_expert(w, ctx: PassContext) -> bool:
     one = getattr(fake_value(w), "ndim", 0) == 2  # one expert's weight (a 3-D read of them all says why it is none)
     if source is not None and source.target in _DEQUANT and one:
         real = ctx.example.get(source.args[0])
-        fqn = in_compiled_model(getattr(real, "_fp8fx_fqn", None), module_path(source))  # (the MoE pass's name)
+        fqn = getattr(real, "_fp8fx_fqn", None)
         return bool(getattr(real, "_fp8fx_moe_role", None)) and any(s.kind == "moe" and s.graph == ctx.graph_index
                                                                     and s.fqn == fqn and not s.rewritten
                                                                     for s in ctx.report.sites)
@@ -924,8 +923,20 @@ class LinearPass(Fp8Pass):
         if path in getattr(real, "_fp8fx_owners", {}):  # a weight several layers share: the one running here
             return path
         tag = getattr(real, "_fp8fx_fqn", None)  # ("" for a quantized root module: its name in named_modules)
+        if tag and path:
+            # the compiled model holds the model quantize_ was given, or wrapped the layer after it: PEFT's
+            # get_peft_model holds it as base_model.model and replaces its model.a, in place, with a LoRA layer whose
+            # base_layer it is; the report named it "a", its adapters "base_model.model.a.lora_A.default". Its path,
+            # where the graph is the compiled model's; where it is a block's (a frame of its own after a graph break:
+            # a path relative to the block), the tag, with the wrapper's child name
+            wrapped = path.rpartition(".")[2] == "base_layer" and tag.rpartition(".")[2] != "base_layer"
+            base = path[:-len(".base_layer")] if wrapped else path
+            if base.endswith(f".{tag}") or wrapped and base == tag:
+                return path
+            if wrapped and (not base or tag.endswith(f".{base}")):
+                return f"{tag}.base_layer"
         if tag:
-            return in_compiled_model(tag, path)
+            return tag
         if tag == "":  # a layer quantized on its own (quantize_(layer)): its path in the compiled model, if any
             return path or ""
         if path is not None:

@@ -64,8 +64,7 @@ import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
 from fp8fx.config import LayerScheme, granularity_from_block
 from fp8fx.passes.base import FLOAT_INPUTS, Fp8Pass, PassContext, attribute_path, fake_value, float_input_value
-from fp8fx.passes.base import bytes_saved, dequant_args, in_compiled_model, may_record_grad, module_path
-from fp8fx.passes.base import set_fake_value
+from fp8fx.passes.base import bytes_saved, dequant_args, may_record_grad, module_path, set_fake_value
 from fp8fx.passes.linear import lacks_fp8_tensor_cores
 from fp8fx.report import NOT_QUANTIZED, Site
 
@@ -1023,8 +1022,7 @@ class MoePass(Fp8Pass):
                 real = ctx.example[node.args[0]]
                 path = module_path(node)  # None: the experts module is the compiled module itself
                 fqn = getattr(real, "_fp8fx_fqn", None)
-                site = sites.setdefault(path, _Site(path or "" if fqn is None else in_compiled_model(fqn, path), path,
-                                                    {}, []))
+                site = sites.setdefault(path, _Site(path or "" if fqn is None else fqn, path, {}, []))
                 site.dequant.setdefault(real._fp8fx_moe_role, node)
         for site in sites.values():
             site.region = [n for n in graph.nodes if n.op in ("call_function", "call_method")
@@ -1041,7 +1039,6 @@ class MoePass(Fp8Pass):
             if reason and getattr(real, "_fp8fx_moe_role", None) and fqn not in seen:
                 seen.add(fqn)
                 path = next(filter(None, map(module_path, node.users)), None)  # (its readers')
-                fqn = in_compiled_model(fqn, path)
                 ctx.frame_site(fqn, path, node)
                 ctx.report.add(Site("moe", fqn, False, f"{NOT_QUANTIZED}{reason}", "", ctx.graph_index,
                                     weight_shape=Site.shape_of(real)))
