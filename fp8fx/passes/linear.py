@@ -923,18 +923,6 @@ class LinearPass(Fp8Pass):
         if path in getattr(real, "_fp8fx_owners", {}):  # a weight several layers share: the one running here
             return path
         tag = getattr(real, "_fp8fx_fqn", None)  # ("" for a quantized root module: its name in named_modules)
-        if tag and path:
-            # the compiled model holds the model quantize_ was given, or wrapped the layer after it: PEFT's
-            # get_peft_model holds it as base_model.model and replaces its model.a, in place, with a LoRA layer whose
-            # base_layer it is; the report named it "a", its adapters "base_model.model.a.lora_A.default". Its path,
-            # where the graph is the compiled model's; where it is a block's (a frame of its own after a graph break:
-            # a path relative to the block), the tag, with the wrapper's child name
-            wrapped = path.rpartition(".")[2] == "base_layer" and tag.rpartition(".")[2] != "base_layer"
-            base = path[:-len(".base_layer")] if wrapped else path
-            if base.endswith(f".{tag}") or wrapped and base == tag:
-                return path
-            if wrapped and (not base or tag.endswith(f".{base}")):
-                return f"{tag}.base_layer"
         if tag:
             return tag
         if tag == "":  # a layer quantized on its own (quantize_(layer)): its path in the compiled model, if any

@@ -152,23 +152,6 @@ def test_a_model_called_through_functional_call_names_its_sites_by_its_layers():
     assert (got.float() - other(x).float()).norm() / other(x).float().norm() < 0.05
 
 
-def test_sites_are_named_as_the_compiled_model_names_its_layers():
-    """A model quantized on its own, then compiled inside another (a wrapper holding it; its blocks quantized one by
-    one without prefix=): the sites were named as the model quantize_ was given names them ("0", twice, for
-    two blocks' first layers), not as the compiled model does."""
-    torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64)).to(torch.bfloat16) for _ in range(2)]
-    for block in blocks:
-        fp8fx.quantize_(block)
-    wrapper = nn.Sequential(*blocks)
-    backend = fp8fx.Fp8Backend(compiler="eager")
-    with torch.no_grad():
-        torch.compile(wrapper, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
-    assert [s.fqn for s in backend.report.sites] == ["0.0", "0.2", "1.0", "1.2"]
-    assert all(s.rewritten for s in backend.report.sites)
-    fp8fx.testing.assert_rewritten(backend, "1.*")
-
-
 def test_existing_constructor_still_works():
     site = Site("linear", "x", False, "why", "", 3)
     assert (site.weight_shape, site.bytes_saved, site.kernel, site.node) == ((), 0, "", "")
