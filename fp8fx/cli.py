@@ -460,19 +460,23 @@ def _checkpoint_names(spec: str, model: nn.Module) -> Callable[[Any], Any]:
     checkpoint's names of the model's modules, as ``load_checkpoint`` reads them (transformers' renames: a hub
     Mixtral's ignore list names ``block_sparse_moe.experts``, the model's module is ``mlp.experts``); for a config
     alone or a factory, the format as it is."""
-    path = Path(spec)
-    folder = path if path.is_dir() else path.parent if path.name == "config.json" else None
-    if folder is None or not any(folder.glob("*.safetensors")):
-        return lambda fmt: fmt
     from fp8fx.checkpoint import CheckpointError
     from fp8fx.checkpoint.files import read_checkpoint
     from fp8fx.checkpoint.load import named_as_model
 
+    path = Path(spec)
+    folder = path if path.is_dir() else path.parent if path.name == "config.json" else None
+    if folder is None or not any(folder.glob("*.safetensors")):
+        return lambda fmt: fmt
+
     def named(fmt):
         try:
             return named_as_model(model, read_checkpoint(str(folder))[1], fmt, str(folder), None, "inspect")[1]
-        except CheckpointError as e:  # (load_checkpoint would refuse the checkpoint so)
-            raise UsageError(str(e)) from None
+        except CheckpointError as e:  # inspect needs no weights: a download in part, a stray file (load_checkpoint
+            # refuses them so)
+            log.warning("fp8fx inspect: the checkpoint's tensor names were not read (%s): its ignore list is matched "
+                        "with the model's names only", _first_line(e))
+            return fmt
 
     return named
 

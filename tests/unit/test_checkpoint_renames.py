@@ -3,6 +3,7 @@ block as ``block_sparse_moe`` where transformers 5 builds ``mlp``; load_checkpoi
 transformers applies (or a user's key_mapping), match ignore lists written with the checkpoint's names, and refuse
 mappings that merge two tensors, leaving the model unchanged."""
 import json
+import logging
 import re
 
 import pytest
@@ -88,7 +89,7 @@ def test_hub_mixtral_fp8_checkpoint_loads_as_the_models_own_layout(tmp_path, gra
     assert_same_state(expected, model)
 
 
-def test_ignored_layers_match_the_checkpoints_names(tmp_path, capsys):
+def test_ignored_layers_match_the_checkpoints_names(tmp_path, capsys, caplog):
     """Experts a checkpoint keeps bf16 and lists under its own name stay bf16 (matched as the checkpoint
     names them: before, the renamed experts were taken as fp8 and their bf16 weights refused)."""
     cfg = moe_config("mixtral")
@@ -113,6 +114,11 @@ def test_ignored_layers_match_the_checkpoints_names(tmp_path, capsys):
     rows = {r["fqn"]: r for r in json.loads(capsys.readouterr().out)["sites"]}
     assert not rows[EXPERTS]["would_rewrite"] and rows[EXPERTS]["reason"] == "in ignored_layers"
     assert rows["model.layers.0.self_attn.q_proj"]["would_rewrite"]
+    # inspect needs no weights: a shard missing (a download in part) leaves the names unread, said, not refused
+    next(path.glob("*-00002-of-00002.safetensors")).unlink()
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        assert cli.main(["inspect", str(path), "--json"]) == 0
+    assert "the checkpoint's tensor names were not read" in caplog.text and "missing" in caplog.text
 
 
 def _tiny_checkpoint(tmp_path, rename):

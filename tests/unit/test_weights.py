@@ -344,12 +344,14 @@ def test_serialized_per_tensor_shards_requantized_to_max_scale():
     assert torch.equal(layer._parameters["weight"][96:].view(torch.uint8), q_last.view(torch.uint8))
 
 
+@pytest.mark.parametrize("bias", [False, True], ids=["no_bias", "bias"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_a_partition_of_no_rows_needs_no_scales(dtype):
+def test_a_partition_of_no_rows_needs_no_scales(dtype, bias):
     """create_weights takes output partitions of size 0 (a fused layer with an empty shard); a checkpoint holds no
     tensor for one, so its never-loaded scales were refused: "weight_scale was never loaded for shard(s) [1]", a layer
-    that could not be processed. They are passed by, as vLLM's requantization skips a shard of zero width."""
-    layer = nn.Linear(64, 64, bias=False, device="meta")
+    that could not be processed. They are passed by, as vLLM's requantization skips a shard of zero width; and so is
+    its bias shard."""
+    layer = nn.Linear(64, 64, bias=bias, device="meta")
     method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static"))
     method.create_weights(layer, 64, [32, 0, 32], dtype, device="cpu")
     torch.manual_seed(0)
@@ -359,7 +361,11 @@ def test_a_partition_of_no_rows_needs_no_scales(dtype):
         method.weight_loader(layer, "weight", q, shard_id=shard_id)
         method.weight_loader(layer, "weight_scale", s, shard_id=shard_id)
         method.weight_loader(layer, "input_scale", torch.tensor([0.1 * (shard_id + 1)]), shard_id=shard_id)
+        if bias:
+            method.weight_loader(layer, "bias", torch.full((32,), shard_id + 1.0), shard_id=shard_id)
     method.process_weights_after_loading(layer)
+    if bias:
+        assert torch.equal(layer.bias.float(), torch.tensor([1.0] * 32 + [3.0] * 32))
     assert layer.weight_scale.item() == pytest.approx(quant.compute_scale(shards[1], [-1, -1]).item())
     assert layer.input_scale.item() == pytest.approx(0.3)
     assert rel_err(layer.weight.float(), torch.cat(shards)) < 0.05
