@@ -373,11 +373,12 @@ class Fp8Backend:
         return True
 
     def reset(self=None) -> None:
-        """Called by ``torch._dynamo.reset()`` on the backends Dynamo holds: this one's dump folder is free for
-        another backend (a graph this one compiles later claims a folder again, its own if still free). Called on
+        """Called by ``torch._dynamo.reset()`` on the backends Dynamo holds: the report's graphs are of no frame
+        Dynamo will count again (``Report.forget_frames``), and this one's dump folder is free for another backend (a graph this one compiles later claims a folder again, its own if still free). Called on
         the class too (``backend=fp8fx.Fp8Backend``, refused at its first graph): nothing to free."""
         if self is None:
             return
+        self.report.forget_frames()  # (Dynamo numbers frames from 0 again)
         for folder, backend in list(_DUMP_WRITERS.items()):
             if backend is self:
                 del _DUMP_WRITERS[folder]
@@ -436,6 +437,7 @@ def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump]
     watched = (positions or [shared[0][0][0]])[0]
     inputs = max(positions + [p for group in shared for part in group[:3] for p in part if p is not None])
     seen: set[int] = set()
+    bound = [64]  # (seen's size at which its freed weights' tokens are dropped)
     # the first weight of the last call, weakly: a reference would keep a dropped model alive, and its id() alone
     # was taken by the next model's weight, whose block then ran unwatched (its fused GEMMs one per layer, no rows)
     last: list[Optional[weakref.ref]] = [None]
@@ -450,6 +452,11 @@ def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump]
             if token not in seen:
                 traced = not seen  # the first call: with the inputs Dynamo traced, the graph's own sites
                 seen.add(token)
+                if len(seen) > bound[0]:  # a freed weight's token comes no more: kept, a graph called with a new
+                    # tensor each time (F.linear(x, w) of a w made per call) grew the set by one at each call. (The
+                    # weight of this call is live: seen stays non-empty, and no later call counts as the first.)
+                    seen.intersection_update(Site.live_tokens())
+                    bound[0] = max(64, 2 * len(seen))
                 for ws, ss, bs, w_block in shared:  # (parameters already in one tensor stay where they are)
                     try:
                         share_memory([args[p] for p in ws], [args[p] for p in ss],

@@ -78,6 +78,11 @@ class Site:
         return entry[1] if entry is not None and entry[0]() is weight else None
 
     @staticmethod
+    def live_tokens() -> set[int]:
+        """The tokens of the weights ``token_of`` numbered that are not freed."""
+        return {token for _, token in _TOKEN_OF.values()}
+
+    @staticmethod
     def shape_of(value: Any) -> tuple[int, ...]:
         """Shape of a (fake) tensor, () for anything else; -1 for a symbolic dim (a weight of dynamic size: int() of
         it guarded, forcing the dim static - a recompile per size - or failing on an unbacked one)."""
@@ -145,6 +150,11 @@ class Report:
     def graph_of_frame(self, graph: int, compile_id: str) -> None:
         """Graph ``graph`` is one Dynamo compiled for the frame of ``compile_id`` ("frame/n")."""
         self._frame_ids[graph] = compile_id.partition("/")[0]
+
+    def forget_frames(self) -> None:
+        """After ``torch._dynamo.reset()``: Dynamo numbers frames from 0 again, and this report's graphs count toward
+        no frame's recompile limit (they were counted as the new frame 0's, which hid other backends' graphs)."""
+        self._frame_ids.clear()
 
     def at_recompile_limit(self, graph: int, compile_id: str, graphs: int, limit: int, static: bool) -> None:
         """Graph ``graph`` is the ``limit``-th Dynamo compiled for its frame: a call that needs one more runs the
@@ -267,7 +277,7 @@ class Report:
         # rows of this graph whose weight is gone (freed: load_state_dict(assign=True) of new weights, a model
         # dropped): the layer's row is taken over by its new weight, not added again (a loop over checkpoints grew
         # the report by every layer at each, and bytes_saved counted the freed weights)
-        live = {token for _, token in _TOKEN_OF.values()}
+        live = Site.live_tokens()
         gone = {s.fqn: j for j, s in enumerate(self.sites) if s.graph == graph and s.weight_id and
                 s.weight_id not in live}
         added: set[int] = set()
@@ -454,7 +464,15 @@ def _count(n: int, noun: str) -> str:
 
 
 def _bytes_saved(sites: Iterable[Site]) -> int:
-    return sum({s.weight_id or s.fqn: s.bytes_saved for s in sites if s.rewritten}.values())
+    """Each weight's saving once; not a freed weight's whose layer (name and shape) another site holds with a live
+    weight: a model dropped for another of its class whose calls ran some of its graphs, a layer dequantized and
+    compiled again (the report counted both weights). A freed weight no other took over stays counted: a model
+    dropped, or one of another shape under the same names."""
+    sites = list(sites)
+    live = Site.live_tokens()
+    held = {(s.fqn, s.weight_shape) for s in sites if s.weight_id in live}
+    return sum({s.weight_id or s.fqn: s.bytes_saved for s in sites if s.rewritten and not (
+        s.weight_id and s.weight_id not in live and (s.fqn, s.weight_shape) in held)}.values())
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:

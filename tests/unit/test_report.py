@@ -168,6 +168,88 @@ def test_bytes_saved_counts_a_layer_once_across_graphs():
     assert report.bytes_saved == 107
 
 
+def test_bytes_saved_counts_no_freed_weight_a_live_one_took_over():
+    """A model dropped for another of its class whose calls ran one of the two graphs compiled for the first: the
+    other graph's rows kept the freed weights, and bytes_saved counted both models. So after dequantize_ and a new
+    graph: the freed fp8 weights were still counted."""
+    backend = fp8fx.Fp8Backend(compiler="eager")
+
+    def make():
+        return fp8fx.quantize_(nn.Sequential(nn.Linear(64, 64, bias=False), nn.Linear(64, 64, bias=False)).to(
+            torch.bfloat16))
+
+    def call(f, rows):
+        with torch.inference_mode():
+            f(torch.randn(rows, 64, dtype=torch.bfloat16))
+
+    model = make()
+    compiled = torch.compile(model, backend=backend)
+    call(compiled, 2)
+    call(compiled, 3)  # graph 0 (static), graph 1 (dynamic rows)
+    one = backend.report.bytes_saved
+    assert one == 2 * (64 * 64 * 2 - 64 * 64 - 64 * 4)  # bf16 -> fp8 codes and per-channel float32 scales
+    del model, compiled
+    gc.collect()
+    model = make()
+    compiled = torch.compile(model, backend=backend)
+    call(compiled, 4)  # graph 1 only, with the new weights
+    assert backend.report.graphs == 2 and backend.report.bytes_saved == one
+    fp8fx.dequantize_(model)
+    gc.collect()
+    call(compiled, 5)  # a new graph of the bf16 layers
+    assert backend.report.bytes_saved == 0
+
+
+def test_a_dynamo_reset_leaves_no_frame_of_the_reports_graphs_to_count(monkeypatch):
+    """After torch._dynamo.reset() Dynamo numbers frames from 0 again: the report's graphs from before it were counted
+    as the new frame's, and the recompile-limit note hid another backend's graph of it ("1 of the 2 are not this
+    backend's"), blaming a new shape."""
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+
+    def call(b, rows):
+        model = fp8fx.quantize_(nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16))
+        with torch.inference_mode():
+            torch.compile(model, backend=b, dynamic=False)(torch.randn(rows, 64, dtype=torch.bfloat16))
+
+    call(backend, 1)  # frame 0, before the reset
+    torch._dynamo.reset()
+    call(fp8fx.Fp8Backend(compiler="eager"), 1)  # another backend's graph of the new frame 0
+    call(backend, 3)  # this one's: graph 2 of the frame, the limit
+    assert "1 of the 2 are not this backend's" in backend.report.limits[max(backend.report.limits)]
+
+
+def test_a_graph_called_with_a_new_weight_each_time_keeps_nothing_per_call():
+    """F.linear(x, w) compiled, called with a new w each time: the backend's watch of the graph's weights kept each
+    call's weight token for good, memory that grew by a call's worth at each."""
+    import tracemalloc
+
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    compiled = torch.compile(lambda x, w: torch.nn.functional.linear(x, w), backend=backend, dynamic=False)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    here = fp8fx.__file__.rpartition("/")[0] + "/*"
+
+    def held():
+        gc.collect()
+        traces = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, here)])
+        return sum(s.size for s in traces.statistics("filename"))
+
+    def calls(n):
+        for _ in range(n):
+            compiled(x, torch.randn(64, 64, dtype=torch.bfloat16))
+
+    with torch.inference_mode():
+        calls(200)
+        tracemalloc.start()
+        try:
+            before = held()
+            calls(2000)
+            grown = held() - before
+        finally:
+            tracemalloc.stop()
+    assert grown < 16 * 1024, grown  # (it held 28 B a call and more: 56 KiB and up)
+
+
 def test_bytes_saved_counts_each_weight_once_whatever_its_name():
     """Two models compiled by one backend, or quantize_ run on two submodules, name different weights alike: each
     is saved once (by name, one of them was dropped); the same weight in two graphs still counts once."""
