@@ -374,8 +374,9 @@ class Fp8Backend:
 
     def reset(self=None) -> None:
         """Called by ``torch._dynamo.reset()`` on the backends Dynamo holds: the report's graphs are of no frame
-        Dynamo will count again (``Report.forget_frames``), and this one's dump folder is free for another backend (a graph this one compiles later claims a folder again, its own if still free). Called on
-        the class too (``backend=fp8fx.Fp8Backend``, refused at its first graph): nothing to free."""
+        Dynamo will count again (``Report.forget_frames``), and this one's dump folder is free for another backend
+        (a graph this one compiles later claims a folder again, its own if still free). Called on the class too
+        (``backend=fp8fx.Fp8Backend``, refused at its first graph): nothing to free."""
         if self is None:
             return
         self.report.forget_frames()  # (Dynamo numbers frames from 0 again)

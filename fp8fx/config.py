@@ -152,6 +152,8 @@ def _granularity(text: Any, field: str) -> Optional[Granularity]:
     return PerGroup(int(m[2])) if m[2] else PerBlock(int(m[3]), int(m[4]))
 
 
+_MXFP8 = ("MXFP8 (1x32 blocks of power-of-two E8M0 scales) is no scheme of fp8fx's; quantize the bf16 model with an "
+          "Fp8Config instead")
 _OTHER_FP8_METHODS = {
     "fbgemm_fp8": "FBGEMM's fp8 checkpoints (per-channel weight scales, per-token activations bounded by "
                   "activation_scale_ub) are not an fp8 config; fp8fx does not load them as such: build the scheme with "
@@ -166,10 +168,8 @@ _OTHER_FP8_METHODS = {
                        "Fp8Config(weight_granularity=fp8fx.PerRow()) (fp8fx's default online scheme)",
     "fp8_per_block": "vLLM's online 128x128-block method (bf16 weights quantized as they load); its scheme is "
                      "Fp8Config(weight_block_size=(128, 128))",
-    "mxfp8": "MXFP8 (1x32 blocks of power-of-two E8M0 scales) is no scheme of fp8fx's; quantize the bf16 model with "
-             "an Fp8Config instead",
-    "modelopt_mxfp8": "MXFP8 (1x32 blocks of power-of-two E8M0 scales) is no scheme of fp8fx's; quantize the bf16 model "
-                      "with an Fp8Config instead",
+    "mxfp8": _MXFP8,
+    "modelopt_mxfp8": _MXFP8,
     "deepseek_v4_fp8": "vLLM reads it with a config class of its own, not as an fp8 config; build its scheme with "
                        "Fp8Config(...) directly",
 }

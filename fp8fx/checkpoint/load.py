@@ -223,7 +223,8 @@ def _check_load_args(config, device, fused) -> None:
 
 
 def named_as_model(model: nn.Module, entries: Mapping[str, Entry], fmt: formats.QuantFormat, path: str,
-                   key_mapping: Optional[Mapping[str, str]], where: str) -> tuple[dict[str, Entry], formats.QuantFormat]:
+                   key_mapping: Optional[Mapping[str, str]], where: str
+                   ) -> tuple[dict[str, Entry], formats.QuantFormat]:
     """(checkpoint ``entries`` under ``model``'s names: transformers' renames and cuts for it, then ``key_mapping``'s;
     ``fmt`` knowing the checkpoint's names of each renamed module, which its ignore list and targets may use).
     ``inspect`` reads a checkpoint's ignore list through it too, as the load would."""
