@@ -9,7 +9,8 @@ from fp8fx.backend import Fp8Backend, fp8_backend
 from fp8fx.checkpoint import CheckpointError, LoadReport, load_checkpoint, save_checkpoint
 from fp8fx.config import Fp8Config, PerBlock, PerGroup, PerRow, PerTensor
 from fp8fx.report import Report, Site
-from fp8fx.weights import CopyNumelCounter, Fp8LinearMethod, Fp8MoEMethod, calibrate, dequantize_, quantize_
+from fp8fx.weights import CopyNumelCounter, Fp8KVCacheMethod, Fp8LinearMethod, Fp8MoEMethod, Fp8OnlineMoEMethod
+from fp8fx.weights import calibrate, dequantize_, quantize_
 
 __version__ = "0.1.0"
 
@@ -18,8 +19,10 @@ __all__ = [
     "CopyNumelCounter",
     "Fp8Backend",
     "Fp8Config",
+    "Fp8KVCacheMethod",
     "Fp8LinearMethod",
     "Fp8MoEMethod",
+    "Fp8OnlineMoEMethod",
     "LoadReport",
     "PerBlock",
     "PerGroup",

@@ -360,6 +360,26 @@ class Fp8Config:
     def get_name(cls) -> str:
         return "fp8"
 
+    def get_quant_method(self, layer: Any, prefix: str) -> Any:
+        """The method that loads module ``layer`` (named ``prefix`` in its model), as vLLM's ``Fp8Config`` picks it:
+        ``Fp8LinearMethod`` for a linear layer (``nn.Linear``, transformers' ``Conv1D``), ``Fp8MoEMethod`` for an
+        experts module of an fp8 checkpoint and ``Fp8OnlineMoEMethod`` for one quantized as it loads,
+        ``Fp8KVCacheMethod`` for an attention module; None for a layer ``ignored_layers`` names (vLLM's
+        ``UnquantizedLinearMethod``: it loads as it is) and for any other module."""
+        from fp8fx.weights import kv_cache, moe
+        from fp8fx.weights.kv_method import Fp8KVCacheMethod
+        from fp8fx.weights.linear import Fp8LinearMethod, is_linear
+
+        if is_linear(layer):
+            return None if self.is_ignored(prefix) else Fp8LinearMethod(self)
+        if moe.is_any_experts(layer):
+            if self.is_ignored(prefix):
+                return None
+            return moe.Fp8MoEMethod(self) if self.is_checkpoint_fp8_serialized else moe.Fp8OnlineMoEMethod(self)
+        if kv_cache.is_attention(layer):
+            return Fp8KVCacheMethod(self)
+        return None
+
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Fp8Config":
         """Build from a checkpoint's ``quantization_config`` dict (a ``quant_method`` with "fp8" in it, vLLM's rule,

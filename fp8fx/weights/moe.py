@@ -788,6 +788,20 @@ class Fp8MoEMethod:
         params[W13 + "_scale"] = nn.Parameter(scales.amax(dim=1), requires_grad=False)
 
 
+class Fp8OnlineMoEMethod(Fp8MoEMethod):
+    """vLLM's method for experts of a bf16 checkpoint quantized as they load: ``Fp8MoEMethod`` with a config that is
+    not fp8-serialized (each expert quantized once its tensors are complete, per-channel scales by default, per-tensor
+    or blocks as configured), which ``Fp8Config.get_quant_method`` gives such a config's experts. A serialized config
+    is refused: its experts load through ``Fp8MoEMethod``."""
+
+    def __init__(self, config: Fp8Config, scheme: Optional[LayerScheme] = None):
+        super().__init__(config, scheme)
+        if self.config.is_checkpoint_fp8_serialized:
+            raise ValueError("Fp8OnlineMoEMethod quantizes bf16 experts as they load, and this config says the "
+                             "checkpoint is fp8 (is_checkpoint_fp8_serialized=True): load its experts with "
+                             "Fp8MoEMethod, or pass a config with is_checkpoint_fp8_serialized=False")
+
+
 def tag_biases(module: nn.Module) -> None:
     """Tags the experts' biases (GPT-OSS's ``gate_up_proj_bias`` / ``down_proj_bias``) for the MoE pass, which passes
     them to fused_moe: where the weights are quantized, and where ``load_checkpoint`` puts the checkpoint's in."""

@@ -1,0 +1,106 @@
+"""vLLM's KV-cache method for a loader of one's own: ``Fp8KVCacheMethod``.
+
+vLLM gives an fp8 config's attention layers four scalar parameters, ``k_scale``, ``v_scale``, ``q_scale`` and
+``prob_scale``, filled with -1.0 ("not loaded"); the checkpoint's scales are copied into them; then
+``process_weights_after_loading`` settles them: a ``k_scale`` alone serves ``v_scale`` too, neither gives 1.0 (with a
+warning), a ``q_scale`` / ``prob_scale`` not loaded stays out. Here the settled scales become what ``load_checkpoint``
+gives an attention module: float32 ``[]`` buffers under the same names (``kv_cache.attach_kv_scales``), saved by
+``state_dict()`` where engines look for them. fp8fx's own attention reads none of them (its KV cache is the model's,
+in the model's dtype). As ``load_checkpoint``, a ``v_scale`` alone serves ``k_scale`` too (vLLM asserts on it).
+"""
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fp8fx.config import Fp8Config
+from fp8fx.weights.kv_cache import DEFAULTED, KV_SCALE_NAMES, attach_kv_scales, check_kv_scale, held_kv_scales
+from fp8fx.weights.kv_cache import kv_slot_error
+from fp8fx.weights.linear import method_config
+
+log = logging.getLogger("fp8fx")
+
+_UNLOADED = -1.0  # (vLLM's mark of a scale no checkpoint tensor filled)
+
+
+class Fp8KVCacheMethod:
+    """create_weights -> weight_loader (or a copy into the parameter) -> process_weights_after_loading, for an
+    attention module. ``weight_loader(layer, name, tensor)`` takes ``k_scale``, ``v_scale``, ``q_scale``,
+    ``prob_scale`` and the legacy ``kv_scale`` (read as ``k_scale``, as vLLM's loader remaps it)."""
+
+    def __init__(self, config: Fp8Config):
+        self.config = method_config(config, type(self).__name__)
+
+    def create_weights(self, layer: nn.Module, prefix: str = "", device: Optional[torch.device] = None) -> None:
+        """Registers the four scales on ``layer`` as -1.0 parameters (frozen), on ``device`` (None: the CPU; not a
+        ``torch.device("meta")`` block's, whose scalars would hold nothing to load into). Refused, nothing of the
+        layer changed: a layer holding fp8fx's KV-cache scales or an earlier call's parameters, or an attribute of
+        one of the names that is no buffer of fp8fx's (the model's own ``q_scale``)."""
+        prefix = prefix or type(layer).__name__
+        if held_kv_scales(layer) or "_fp8fx_kv_prefix" in layer.__dict__:
+            raise ValueError(f"{prefix}: its KV-cache scales were created (or loaded) already; create_weights makes "
+                             "them once: load into them with weight_loader (nothing of the layer changed)")
+        for name in KV_SCALE_NAMES:
+            why = kv_slot_error(layer, prefix, name, default=True)
+            if why is not None:
+                raise ValueError(f"{why} (nothing of the layer changed)")
+        made = {name: nn.Parameter(torch.tensor(_UNLOADED, device=device or "cpu"), requires_grad=False)
+                for name in KV_SCALE_NAMES}
+        if made["k_scale"].is_meta:
+            raise ValueError(f"{prefix}: device={device!r} makes meta tensors, which hold no values to load; pass the "
+                             "device the scales load to (nothing of the layer changed)")
+        for name, param in made.items():
+            layer.register_parameter(name, param)
+        layer._fp8fx_kv_prefix = prefix
+
+    def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+        """Copies one checkpoint scale into its parameter, checked first (one positive finite float)."""
+        prefix = self._prefix(layer)
+        leaf = "k_scale" if name.rpartition(".")[2] == "kv_scale" else name.rpartition(".")[2]
+        if leaf not in KV_SCALE_NAMES:
+            raise ValueError(f"{prefix}: {name!r} is no KV-cache scale; weight_loader takes {KV_SCALE_NAMES} "
+                             "(or the legacy 'kv_scale', read as 'k_scale')")
+        value = check_kv_scale(f"{prefix}.{leaf}", tensor.detach())
+        param = layer._parameters.get(leaf)
+        if param is None:  # (processed already: the scale is a buffer now)
+            raise ValueError(f"{prefix}.{leaf}: process_weights_after_loading ran already; load every scale first")
+        with torch.no_grad():
+            param.fill_(value)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """The loaded scales (a parameter still -1.0 was not loaded) -> float32 ``[]`` buffers: ``k_scale`` /
+        ``v_scale`` as ``load_checkpoint`` settles them, ``q_scale`` / ``prob_scale`` where loaded. Every value is
+        checked before the layer changes; idempotent."""
+        prefix = self._prefix(layer)
+        params = {name: layer._parameters.get(name) for name in KV_SCALE_NAMES}
+        if all(p is None for p in params.values()):
+            return  # (processed)
+        loaded: dict[str, float] = {}
+        for name, p in params.items():
+            if p is None:
+                continue
+            value = float(p.detach().float().item())
+            if value != _UNLOADED:  # (a copy into the parameter that bypassed weight_loader: checked here)
+                loaded[name] = check_kv_scale(f"{prefix}.{name}", torch.tensor(value))
+        scales = dict(loaded)
+        present = [n for n in DEFAULTED if n in loaded]
+        for name in DEFAULTED:
+            scales.setdefault(name, loaded[present[0]] if present else 1.0)
+        if not present:
+            log.warning("fp8fx: %s: no k_scale / v_scale loaded: both 1.0 (if this is unintended, check the "
+                        "checkpoint's KV-cache scales)", prefix)
+        device = next(p for p in params.values() if p is not None).device
+        for name in KV_SCALE_NAMES:  # (nothing below fails: the names were free at create_weights)
+            layer._parameters.pop(name, None)
+        attach_kv_scales(layer, scales, device=device)
+
+    @staticmethod
+    def _prefix(layer: nn.Module) -> str:
+        prefix = layer.__dict__.get("_fp8fx_kv_prefix")
+        if prefix is None:
+            raise ValueError(f"{type(layer).__name__}: Fp8KVCacheMethod.create_weights was not called on this layer; "
+                             "call it before loading its KV-cache scales")
+        return prefix

@@ -1,0 +1,134 @@
+"""vLLM's method selection and its KV-cache and online-MoE methods, for loaders of one's own:
+``Fp8Config.get_quant_method``, ``Fp8KVCacheMethod``, ``Fp8OnlineMoEMethod``."""
+import logging
+
+import pytest
+import torch
+from torch import nn
+
+import fp8fx
+from fp8fx import Fp8Config, Fp8KVCacheMethod, Fp8LinearMethod, Fp8MoEMethod, Fp8OnlineMoEMethod
+from tests.unit.test_moe_weights import E, H, I, Experts
+
+transformers = pytest.importorskip("transformers")
+
+PREFIX = "model.layers.0.self_attn"
+
+
+def tiny_moe():
+    cfg = transformers.Qwen3MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, num_experts=4,
+                                      num_experts_per_tok=2, head_dim=16)
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.mark.parametrize("serialized", [True, False], ids=["fp8", "online"])
+def test_get_quant_method_picks_vllms_method_per_module(serialized):
+    config = Fp8Config(is_checkpoint_fp8_serialized=serialized, ignored_layers=["lm_head"])
+    modules = dict(tiny_moe().named_modules())
+    picked = {fqn: type(config.get_quant_method(m, fqn)).__name__ for fqn, m in modules.items()}
+    assert picked["model.layers.0.self_attn.q_proj"] == picked["model.layers.0.self_attn.o_proj"] == "Fp8LinearMethod"
+    assert picked["model.layers.0.mlp.experts"] == ("Fp8MoEMethod" if serialized else "Fp8OnlineMoEMethod")
+    assert picked[PREFIX] == "Fp8KVCacheMethod"
+    for fqn in ("lm_head", "model.embed_tokens", "model.norm", "model.layers.0", "model.layers.0.mlp"):
+        assert picked[fqn] == "NoneType", fqn  # (lm_head: ignored, loaded as it is)
+    ignoring = Fp8Config(ignored_layers=["model.layers.0.mlp.experts"])
+    assert ignoring.get_quant_method(modules["model.layers.0.mlp.experts"], "model.layers.0.mlp.experts") is None
+    assert isinstance(ignoring.get_quant_method(modules["lm_head"], "lm_head"), Fp8LinearMethod)
+
+
+def created():
+    attention = nn.Module()
+    method = Fp8KVCacheMethod(Fp8Config())
+    method.create_weights(attention, prefix=PREFIX)
+    return attention, method
+
+
+def test_kv_cache_scales_settle_as_vllms():
+    """A k_scale alone serves v_scale (vLLM's rule; the legacy kv_scale is a k_scale), a q_scale loaded stays, a
+    prob_scale not loaded stays out; the scales become float32 [] buffers the state_dict saves."""
+    attention, method = created()
+    assert {n: p.item() for n, p in attention.named_parameters()} == dict.fromkeys(
+        ("k_scale", "v_scale", "q_scale", "prob_scale"), -1.0)
+    method.weight_loader(attention, f"{PREFIX}.kv_scale", torch.tensor(0.25))
+    method.weight_loader(attention, "q_scale", torch.tensor([0.5], dtype=torch.bfloat16))
+    method.process_weights_after_loading(attention)
+    method.process_weights_after_loading(attention)  # idempotent
+    state = attention.state_dict()
+    assert {k: v.item() for k, v in state.items()} == {"k_scale": 0.25, "v_scale": 0.25, "q_scale": 0.5}
+    assert all(v.dtype == torch.float32 and v.shape == () for v in state.values())
+    assert not list(attention.parameters())
+    # a v_scale alone serves k_scale too, as load_checkpoint reads it (vLLM refuses such a layer)
+    attention, method = created()
+    method.weight_loader(attention, "v_scale", torch.tensor(0.125))
+    method.process_weights_after_loading(attention)
+    assert fp8fx.weights.kv_cache.kv_scales(attention) == {"k_scale": 0.125, "v_scale": 0.125}
+
+
+def test_kv_cache_scales_not_loaded_are_one_with_a_warning(caplog):
+    attention, method = created()
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        method.process_weights_after_loading(attention)
+    assert fp8fx.weights.kv_cache.kv_scales(attention) == {"k_scale": 1.0, "v_scale": 1.0}
+    assert f"{PREFIX}: no k_scale / v_scale loaded: both 1.0" in caplog.text
+
+
+@pytest.mark.parametrize("value, match", [
+    (torch.tensor(float("nan")), r"k_scale=nan: a KV-cache scale must be a positive finite"),
+    (torch.tensor(0.0), r"k_scale=0.0: a KV-cache scale must be a positive finite"),
+    (torch.tensor(-0.5), r"k_scale=-0.5: a KV-cache scale must be a positive finite"),
+    (torch.ones(2), r"k_scale: a KV-cache scale is one value, got shape \[2\]"),
+])
+def test_bad_kv_cache_scales_are_refused_naming_them_and_change_nothing(value, match):
+    attention, method = created()
+    with pytest.raises(ValueError, match=rf"^{PREFIX}\.{match}"):
+        method.weight_loader(attention, "k_scale", value)
+    assert attention.k_scale.item() == -1.0
+    # copied into the parameter past weight_loader (vLLM's default loader): refused at processing, the layer unchanged
+    if value.numel() == 1:
+        attention.k_scale.data.copy_(value)
+        with pytest.raises(ValueError, match=rf"^{PREFIX}\.{match}"):
+            method.process_weights_after_loading(attention)
+        assert set(dict(attention.named_parameters())) == {"k_scale", "v_scale", "q_scale", "prob_scale"}
+        assert not attention._buffers
+
+
+def test_kv_cache_method_refuses_what_it_cannot_create_changing_nothing():
+    attention, method = created()
+    with pytest.raises(ValueError, match=rf"^{PREFIX}: its KV-cache scales were created \(or loaded\) already"):
+        method.create_weights(attention, prefix=PREFIX)
+    with pytest.raises(ValueError, match=r"'bias' is no KV-cache scale"):
+        method.weight_loader(attention, "bias", torch.tensor(1.0))
+    own = nn.Module()
+    own.q_scale = 0.5  # the model's own attribute of the name
+    with pytest.raises(ValueError, match=r"q_scale.*already has an attribute 'q_scale' \(float\).*nothing of the layer"):
+        method.create_weights(own, prefix=PREFIX)
+    assert not list(own.parameters()) and own.q_scale == 0.5
+    with pytest.raises(ValueError, match="makes meta tensors"):
+        method.create_weights(nn.Module(), prefix=PREFIX, device="meta")
+    with pytest.raises(ValueError, match=r"create_weights was not called on this layer"):
+        method.weight_loader(nn.Module(), "k_scale", torch.tensor(1.0))
+    with pytest.raises(ValueError, match=r"Fp8KVCacheMethod\(config=None\)"):
+        Fp8KVCacheMethod(None)
+
+
+def test_online_moe_method_is_fp8_moe_methods_online_load():
+    """Experts of a bf16 checkpoint through Fp8OnlineMoEMethod: the codes and scales quantize_ gives; a serialized
+    config is refused (its experts load through Fp8MoEMethod)."""
+    with pytest.raises(ValueError, match="Fp8OnlineMoEMethod quantizes bf16 experts as they load.*Fp8MoEMethod"):
+        Fp8OnlineMoEMethod(Fp8Config(is_checkpoint_fp8_serialized=True))
+    ref = Experts().to(torch.bfloat16)
+    whole = Experts().to(torch.bfloat16)
+    whole.load_state_dict(ref.state_dict())
+    fp8fx.quantize_(whole, Fp8Config())
+    layer = nn.Module()
+    method = Fp8OnlineMoEMethod(Fp8Config())
+    assert isinstance(method, Fp8MoEMethod)
+    method.create_weights(layer, E, H, I, torch.bfloat16)
+    method.weight_loader(layer, "gate_up_proj", ref.gate_up_proj.detach())
+    method.weight_loader(layer, "down_proj", ref.down_proj.detach())
+    method.process_weights_after_loading(layer)
+    for name in ("gate_up_proj", "down_proj", "gate_up_proj_scale", "down_proj_scale"):
+        assert torch.equal(layer._parameters[name].view(torch.uint8) if "scale" not in name else layer._parameters[name],
+                           whole._parameters[name].view(torch.uint8) if "scale" not in name else whole._parameters[name])
