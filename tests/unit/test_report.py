@@ -200,11 +200,10 @@ def test_bytes_saved_counts_no_freed_weight_a_live_one_took_over():
     assert backend.report.bytes_saved == 0
 
 
-def test_a_dynamo_reset_leaves_no_frame_of_the_reports_graphs_to_count(monkeypatch):
+def test_a_dynamo_reset_leaves_no_frame_of_the_reports_graphs_to_count():
     """After torch._dynamo.reset() Dynamo numbers frames from 0 again: the report's graphs from before it were counted
     as the new frame's, and the recompile-limit note hid another backend's graph of it ("1 of the 2 are not this
     backend's"), blaming a new shape."""
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
     backend = fp8fx.Fp8Backend(compiler="eager")
 
     def call(b, rows):
@@ -212,10 +211,11 @@ def test_a_dynamo_reset_leaves_no_frame_of_the_reports_graphs_to_count(monkeypat
         with torch.inference_mode():
             torch.compile(model, backend=b, dynamic=False)(torch.randn(rows, 64, dtype=torch.bfloat16))
 
-    call(backend, 1)  # frame 0, before the reset
-    torch._dynamo.reset()
-    call(fp8fx.Fp8Backend(compiler="eager"), 1)  # another backend's graph of the new frame 0
-    call(backend, 3)  # this one's: graph 2 of the frame, the limit
+    with torch._dynamo.config.patch(recompile_limit=2):
+        call(backend, 1)  # frame 0, before the reset
+        torch._dynamo.reset()
+        call(fp8fx.Fp8Backend(compiler="eager"), 1)  # another backend's graph of the new frame 0
+        call(backend, 3)  # this one's: graph 2 of the frame, the limit
     assert "1 of the 2 are not this backend's" in backend.report.limits[max(backend.report.limits)]
 
 
