@@ -464,15 +464,13 @@ def _count(n: int, noun: str) -> str:
 
 
 def _bytes_saved(sites: Iterable[Site]) -> int:
-    """Each weight's saving once; not a freed weight's whose layer (name and shape) another site holds with a live
-    weight: a model dropped for another of its class whose calls ran some of its graphs, a layer dequantized and
-    compiled again (the report counted both weights). A freed weight no other took over stays counted: a model
-    dropped, or one of another shape under the same names."""
-    sites = list(sites)
+    """What the live fp8 weights save, each weight once: a freed weight's row counts no more (a model dropped, or
+    dropped for another of its class whose calls ran only some of its graphs; a layer dequantized), or the figure
+    counted weights no longer held, both models' at once. A site whose weight the graph does not take as an input
+    (Inductor's freezing made it a constant: no token) counts by its name."""
     live = Site.live_tokens()
-    held = {(s.fqn, s.weight_shape) for s in sites if s.weight_id in live}
-    return sum({s.weight_id or s.fqn: s.bytes_saved for s in sites if s.rewritten and not (
-        s.weight_id and s.weight_id not in live and (s.fqn, s.weight_shape) in held)}.values())
+    return sum({s.weight_id or s.fqn: s.bytes_saved for s in sites
+                if s.rewritten and (not s.weight_id or s.weight_id in live)}.values())
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:

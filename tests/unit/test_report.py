@@ -168,7 +168,7 @@ def test_bytes_saved_counts_a_layer_once_across_graphs():
     assert report.bytes_saved == 107
 
 
-def test_bytes_saved_counts_no_freed_weight_a_live_one_took_over():
+def test_bytes_saved_counts_the_live_weights():
     """A model dropped for another of its class whose calls ran one of the two graphs compiled for the first: the
     other graph's rows kept the freed weights, and bytes_saved counted both models. So after dequantize_ and a new
     graph: the freed fp8 weights were still counted."""
@@ -198,6 +198,9 @@ def test_bytes_saved_counts_no_freed_weight_a_live_one_took_over():
     gc.collect()
     call(compiled, 5)  # a new graph of the bf16 layers
     assert backend.report.bytes_saved == 0
+    del model, compiled
+    gc.collect()
+    assert backend.report.bytes_saved == 0  # (it went back up: the freed weights of both models counted again)
 
 
 def test_a_dynamo_reset_leaves_no_frame_of_the_reports_graphs_to_count():
@@ -254,9 +257,11 @@ def test_bytes_saved_counts_each_weight_once_whatever_its_name():
     """Two models compiled by one backend, or quantize_ run on two submodules, name different weights alike: each
     is saved once (by name, one of them was dropped); the same weight in two graphs still counts once."""
     backend = fp8fx.Fp8Backend(compiler="eager")
+    models = []  # (both held: a freed model's weights save nothing)
     for width in (256, 512):
         model = nn.Sequential(nn.Linear(width, width)).to(torch.bfloat16)
         fp8fx.quantize_(model)
+        models.append(model)
         torch._dynamo.reset()
         with torch.no_grad():
             for rows in (2, 3):
@@ -264,6 +269,9 @@ def test_bytes_saved_counts_each_weight_once_whatever_its_name():
     assert [s.fqn for s in backend.report.rewritten] == ["0"] * 4
     assert backend.report.bytes_saved == sum(w * w - 4 * w for w in (256, 512))
     assert "weight_id" not in backend.report.to_dict()["sites"][0]
+    del models, model
+    gc.collect()
+    assert backend.report.bytes_saved == 0
 
 
 class WithExperts(nn.Module):
