@@ -360,23 +360,39 @@ class Fp8Config:
     def get_name(cls) -> str:
         return "fp8"
 
-    def get_quant_method(self, layer: Any, prefix: str) -> Any:
+    def get_quant_method(self, layer: Any, prefix: str, *, model: Any = None) -> Any:
         """The method that loads module ``layer`` (named ``prefix`` in its model), as vLLM's ``Fp8Config`` picks it:
         ``Fp8LinearMethod`` for a linear layer (``nn.Linear``, transformers' ``Conv1D``), ``Fp8MoEMethod`` for an
         experts module of an fp8 checkpoint and ``Fp8OnlineMoEMethod`` for one quantized as it loads,
-        ``Fp8KVCacheMethod`` for an attention module; None for a layer ``ignored_layers`` names (vLLM's
-        ``UnquantizedLinearMethod``: it loads as it is) and for any other module."""
+        ``Fp8KVCacheMethod`` for an attention with a KV cache (transformers' mark of one: a ``layer_idx``); None where
+        the module loads as it is (vLLM's ``UnquantizedLinearMethod``): a layer ``ignored_layers`` names (experts,
+        also by an entry under them: ``experts.0.gate_proj``), an fp8 checkpoint's ``lm_head`` (stored in high
+        precision: vLLM never quantizes it; a bf16 checkpoint's is quantized as ``quantize_`` does), a layer
+        ``quantize_`` keeps in high precision by itself (``nn.MultiheadAttention``'s ``out_proj``, a parametrized
+        weight, experts of an activation ``fp8fx.fused_moe`` does not compute, for a bf16 checkpoint), and any other
+        module. ``model``: the model ``prefix`` names a module of; with it the rules that need the model hold too,
+        as ``quantize_`` / ``load_checkpoint`` apply them (MoE routers, a weight tied to another module's)."""
         from fp8fx.weights import kv_cache, moe
         from fp8fx.weights.kv_method import Fp8KVCacheMethod
-        from fp8fx.weights.linear import Fp8LinearMethod, is_linear
+        from fp8fx.weights.linear import Fp8LinearMethod, is_linear, skip_reason
+        from fp8fx.weights.quantize import LinearDecider
 
         if is_linear(layer):
-            return None if self.is_ignored(prefix) else Fp8LinearMethod(self)
+            if self.is_checkpoint_fp8_serialized and prefix.rpartition(".")[2] == "lm_head":
+                return None  # (fp8 checkpoints store it in high precision: vLLM's and transformers' loaders do so)
+            reason = (LinearDecider(model)(prefix, layer, self)[0] if model is not None else
+                      None if self.is_checkpoint_fp8_serialized and not self.is_ignored(prefix) else
+                      skip_reason(layer, prefix, self))
+            return None if reason is not None else Fp8LinearMethod(self)
         if moe.is_any_experts(layer):
-            if self.is_ignored(prefix):
+            # (an ignore list naming the experts one by one, as a checkpoint of per-expert projections writes it: the
+            # load keeps them all bf16 where it names any, as vLLM skips the FusedMoE layer)
+            if self.is_ignored(prefix) or any(str(e).startswith(f"{prefix}.") for e in self.ignored_layers or ()):
                 return None
-            return moe.Fp8MoEMethod(self) if self.is_checkpoint_fp8_serialized else moe.Fp8OnlineMoEMethod(self)
-        if kv_cache.is_attention(layer):
+            if self.is_checkpoint_fp8_serialized:  # (stored fp8: loaded as stored)
+                return moe.Fp8MoEMethod(self)
+            return None if moe.skip_reason(layer, prefix, self) is not None else moe.Fp8OnlineMoEMethod(self)
+        if kv_cache.is_attention(layer) and kv_cache.has_kv_cache_mark(layer):
             return Fp8KVCacheMethod(self)
         return None
 

@@ -2,15 +2,15 @@
 
 vLLM gives an fp8 config's attention layers four scalar parameters, ``k_scale``, ``v_scale``, ``q_scale`` and
 ``prob_scale``, filled with -1.0 ("not loaded"); the checkpoint's scales are copied into them; then
-``process_weights_after_loading`` settles them: a ``k_scale`` alone serves ``v_scale`` too, neither gives 1.0 (with a
-warning), a ``q_scale`` / ``prob_scale`` not loaded stays out. Here the settled scales become what ``load_checkpoint``
-gives an attention module: float32 ``[]`` buffers under the same names (``kv_cache.attach_kv_scales``), saved by
-``state_dict()`` where engines look for them. fp8fx's own attention reads none of them (its KV cache is the model's,
-in the model's dtype). As ``load_checkpoint``, a ``v_scale`` alone serves ``k_scale`` too (vLLM asserts on it).
+``process_weights_after_loading`` settles them: a ``k_scale`` alone serves ``v_scale`` too, a scale not loaded stays
+out (vLLM makes k / v 1.0 for an fp8 KV cache; ``load_checkpoint`` does so where the checkpoint declares one). Here
+the settled scales become what ``load_checkpoint`` gives an attention module: float32 ``[]`` buffers under the same
+names (``kv_cache.attach_kv_scales``), saved by ``state_dict()`` where engines look for them. fp8fx's own attention
+reads none of them (its KV cache is the model's, in the model's dtype). As ``load_checkpoint``, a ``v_scale`` alone
+serves ``k_scale`` too (vLLM asserts on it).
 """
 from __future__ import annotations
 
-import logging
 from typing import Optional
 
 import torch
@@ -18,10 +18,8 @@ from torch import nn
 
 from fp8fx.config import Fp8Config
 from fp8fx.weights.kv_cache import DEFAULTED, KV_SCALE_NAMES, attach_kv_scales, check_kv_scale, held_kv_scales
-from fp8fx.weights.kv_cache import kv_slot_error
+from fp8fx.weights.kv_cache import kv_scale_target, kv_slot_error
 from fp8fx.weights.linear import method_config
-
-log = logging.getLogger("fp8fx")
 
 _UNLOADED = -1.0  # (vLLM's mark of a scale no checkpoint tensor filled)
 
@@ -57,18 +55,33 @@ class Fp8KVCacheMethod:
         layer._fp8fx_kv_prefix = prefix
 
     def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
-        """Copies one checkpoint scale into its parameter, checked first (one positive finite float)."""
+        """Copies one checkpoint scale into its parameter, checked first (one positive finite float). ``name``: the
+        scale's name (``k_scale``), or the checkpoint's full name of it, which must address this layer (its attention,
+        vLLM's ``<attention>.attn`` child, or its projection: ``k_proj.k_scale``, AutoFP8's ``k_proj.output_scale``),
+        as ``load_checkpoint`` places them."""
         prefix = self._prefix(layer)
-        leaf = "k_scale" if name.rpartition(".")[2] == "kv_scale" else name.rpartition(".")[2]
-        if leaf not in KV_SCALE_NAMES:
+        target = kv_scale_target(name) if "." in name else (prefix, "k_scale" if name == "kv_scale" else name)
+        if target is None or target[1] not in KV_SCALE_NAMES:
             raise ValueError(f"{prefix}: {name!r} is no KV-cache scale; weight_loader takes {KV_SCALE_NAMES} "
-                             "(or the legacy 'kv_scale', read as 'k_scale')")
+                             "(or the legacy 'kv_scale', read as 'k_scale'), by name or by the checkpoint's full name")
+        owner, leaf = target
+        if owner not in (prefix, f"{prefix}.attn"):
+            raise ValueError(f"{prefix}: {name} addresses {owner}, not this layer (a projection holds none but "
+                             "k_proj.k_scale / v_proj.v_scale); load it into the attention it names, or drop it")
+        if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
+            got = "a meta tensor" if isinstance(tensor, torch.Tensor) else repr(tensor)
+            raise ValueError(f"{prefix}.{leaf}: got {got}, which holds no value; pass the checkpoint's tensor")
         value = check_kv_scale(f"{prefix}.{leaf}", tensor.detach())
         param = layer._parameters.get(leaf)
         if param is None:  # (processed already: the scale is a buffer now)
             raise ValueError(f"{prefix}.{leaf}: process_weights_after_loading ran already; load every scale first")
+        loaded = layer.__dict__.setdefault("_fp8fx_kv_loaded", {})
+        if leaf in loaded:  # (a legacy kv_scale and a k_scale both: one would win by the order of the tensors)
+            raise ValueError(f"{prefix}.{leaf}: loaded already (from {loaded[leaf]}), now from {name}: the checkpoint "
+                             "holds it twice; keep one")
         with torch.no_grad():
             param.fill_(value)
+        loaded[leaf] = name
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         """The loaded scales (a parameter still -1.0 was not loaded) -> float32 ``[]`` buffers: ``k_scale`` /
@@ -87,15 +100,13 @@ class Fp8KVCacheMethod:
                 loaded[name] = check_kv_scale(f"{prefix}.{name}", torch.tensor(value))
         scales = dict(loaded)
         present = [n for n in DEFAULTED if n in loaded]
-        for name in DEFAULTED:
-            scales.setdefault(name, loaded[present[0]] if present else 1.0)
-        if not present:
-            log.warning("fp8fx: %s: no k_scale / v_scale loaded: both 1.0 (if this is unintended, check the "
-                        "checkpoint's KV-cache scales)", prefix)
+        for name in DEFAULTED if present else ():  # (none loaded: the checkpoint holds none, none are attached)
+            scales.setdefault(name, loaded[present[0]])
         device = next(p for p in params.values() if p is not None).device
         for name in KV_SCALE_NAMES:  # (nothing below fails: the names were free at create_weights)
             layer._parameters.pop(name, None)
-        attach_kv_scales(layer, scales, device=device)
+        if scales:
+            attach_kv_scales(layer, scales, device=device)
 
     @staticmethod
     def _prefix(layer: nn.Module) -> str:

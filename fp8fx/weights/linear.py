@@ -1159,11 +1159,14 @@ class Fp8LinearMethod:
             loaded = loaded.reshape(1).expand(len(sizes))
         dest = self._shard_slice(layer, name, target.data, shard_id)  # (of the meta weight too: shapes only)
         if not same_layout(name, tuple(loaded.shape), tuple(dest.shape)):
+            # (transformers' Conv1D stores its weight [in, out], as GPT-2's checkpoints hold it; its codes: [out, in])
+            transposed = (name == "weight" and loaded.dim() == 2 and tuple(loaded.shape[::-1]) == tuple(dest.shape)
+                          and is_conv1d_class(type(layer).__mro__[1] if is_quantized(layer) else type(layer)))
             raise ValueError(
                 f"{who}.{name} shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not fit the "
-                f"parameter slice of shape {tuple(dest.shape)} (output partitions {list(sizes)}); load the "
-                "checkpoint's tensor for this layer and shard"
-            )
+                f"parameter slice of shape {tuple(dest.shape)} (output partitions {list(sizes)}); "
+                + ("a Conv1D's weight is stored [in, out]: pass it transposed, tensor.t()" if transposed else
+                   "load the checkpoint's tensor for this layer and shard"))
         if online_weight and shard_id is not None and self._quantizes_shards(layer):
             self._quantize_shard(layer, loaded, shard_id)
             return

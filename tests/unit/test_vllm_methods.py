@@ -1,7 +1,5 @@
 """vLLM's method selection and its KV-cache and online-MoE methods, for loaders of one's own:
 ``Fp8Config.get_quant_method``, ``Fp8KVCacheMethod``, ``Fp8OnlineMoEMethod``."""
-import logging
-
 import pytest
 import torch
 from torch import nn
@@ -66,12 +64,32 @@ def test_kv_cache_scales_settle_as_vllms():
     assert fp8fx.weights.kv_cache.kv_scales(attention) == {"k_scale": 0.125, "v_scale": 0.125}
 
 
-def test_kv_cache_scales_not_loaded_are_one_with_a_warning(caplog):
+def test_kv_cache_scales_a_checkpoint_does_not_hold_are_not_made_up():
+    """A checkpoint without KV-cache scales (every plain fp8 or bf16 one) gave each attention k_scale = v_scale =
+    1.0, which load_checkpoint does not, and save_checkpoint then wrote as calibrated scales."""
     attention, method = created()
-    with caplog.at_level(logging.WARNING, logger="fp8fx"):
-        method.process_weights_after_loading(attention)
-    assert fp8fx.weights.kv_cache.kv_scales(attention) == {"k_scale": 1.0, "v_scale": 1.0}
-    assert f"{PREFIX}: no k_scale / v_scale loaded: both 1.0" in caplog.text
+    method.process_weights_after_loading(attention)
+    assert not attention.state_dict() and not list(attention.parameters())
+
+
+def test_kv_cache_scales_are_taken_by_the_checkpoints_names_for_this_layer_only():
+    """A full name addressed to another layer, or to a projection's other scale, was read by its last part; a scale
+    given twice (a legacy kv_scale and a k_scale) was taken by the order of the tensors."""
+    attention, method = created()
+    method.weight_loader(attention, f"{PREFIX}.k_proj.output_scale", torch.tensor(0.5))  # (AutoFP8's naming)
+    with pytest.raises(ValueError, match=rf"{PREFIX}\.k_scale: loaded already \(from {PREFIX}\.k_proj\.output_scale\)"
+                                         rf", now from {PREFIX}\.kv_scale: .*keep one"):
+        method.weight_loader(attention, f"{PREFIX}.kv_scale", torch.tensor(0.25))
+    with pytest.raises(ValueError, match=r"model\.layers\.1\.self_attn\.v_scale addresses model\.layers\.1\."
+                                         r"self_attn, not this layer"):
+        method.weight_loader(attention, "model.layers.1.self_attn.v_scale", torch.tensor(0.25))
+    with pytest.raises(ValueError, match=rf"{PREFIX}\.v_proj\.k_scale addresses {PREFIX}\.v_proj, not this layer"):
+        method.weight_loader(attention, f"{PREFIX}.v_proj.k_scale", torch.tensor(0.25))
+    with pytest.raises(ValueError, match=rf"{PREFIX}\.v_scale: got a meta tensor"):
+        method.weight_loader(attention, "v_scale", torch.tensor(0.25, device="meta"))
+    method.weight_loader(attention, f"{PREFIX}.attn.v_scale", torch.tensor(0.125))  # (vLLM's naming)
+    method.process_weights_after_loading(attention)
+    assert fp8fx.weights.kv_cache.kv_scales(attention) == {"k_scale": 0.5, "v_scale": 0.125}
 
 
 @pytest.mark.parametrize("value, match", [
@@ -132,3 +150,53 @@ def test_online_moe_method_is_fp8_moe_methods_online_load():
     for name in ("gate_up_proj", "down_proj", "gate_up_proj_scale", "down_proj_scale"):
         assert torch.equal(layer._parameters[name].view(torch.uint8) if "scale" not in name else layer._parameters[name],
                            whole._parameters[name].view(torch.uint8) if "scale" not in name else whole._parameters[name])
+
+
+def test_get_quant_method_keeps_what_quantize_keeps():
+    """Picked for modules quantize_ / load_checkpoint keep in high precision: every *Attention (a vision tower's,
+    Gemma3n's audio attention with a q_scale of its own: create_weights refused, the load stopped), experts named
+    one by one in ignored_layers, nn.MultiheadAttention's out_proj; with model=, a router (Qwen2-MoE's
+    shared_expert_gate) and an lm_head tied to the embeddings (its checkpoint holds no lm_head.weight)."""
+    online = Fp8Config()
+
+    class VisionAttention(nn.Module):  # (no layer_idx: no KV cache)
+        pass
+
+    vision = VisionAttention()
+    assert online.get_quant_method(vision, "vision.layers.0.attn") is None
+    vision.layer_idx = 0
+    assert isinstance(online.get_quant_method(vision, "model.layers.0.self_attn"), Fp8KVCacheMethod)
+    assert online.get_quant_method(nn.MultiheadAttention(64, 4).out_proj, "attn.out_proj") is None
+    experts = dict(tiny_moe().named_modules())["model.layers.0.mlp.experts"]
+    by_expert = Fp8Config(is_checkpoint_fp8_serialized=True, ignored_layers=["model.layers.0.mlp.experts.0.gate_proj"])
+    assert by_expert.get_quant_method(experts, "model.layers.0.mlp.experts") is None
+    assert isinstance(by_expert.get_quant_method(experts, "model.layers.1.mlp.experts"), Fp8MoEMethod)
+
+    cfg = transformers.Qwen2MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    qwen2 = transformers.AutoModelForCausalLM.from_config(cfg)
+    gate = "model.layers.0.mlp.shared_expert_gate"
+    # (without the model nothing tells a router: a linear layer)
+    assert isinstance(online.get_quant_method(qwen2.get_submodule(gate), gate), Fp8LinearMethod)
+    assert online.get_quant_method(qwen2.get_submodule(gate), gate, model=qwen2) is None
+    llama = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True))
+    assert online.get_quant_method(llama.lm_head, "lm_head", model=llama) is None
+    q_proj = "model.layers.0.self_attn.q_proj"
+    assert isinstance(online.get_quant_method(llama.get_submodule(q_proj), q_proj, model=llama), Fp8LinearMethod)
+    # an fp8 checkpoint's lm_head is stored in high precision (vLLM and transformers load it so)
+    assert Fp8Config(is_checkpoint_fp8_serialized=True).get_quant_method(llama.lm_head, "lm_head") is None
+
+
+def test_a_conv1d_weight_as_gpt2_stores_it_is_refused_saying_to_transpose_it():
+    """GPT-2's checkpoints hold a Conv1D's weight [in, out]; the codes are [out, in]: "load the checkpoint's tensor for
+    this layer and shard" was what had been passed."""
+    conv = transformers.pytorch_utils.Conv1D(192, 64)
+    method = Fp8Config().get_quant_method(conv, "transformer.h.0.attn.c_attn")
+    method.create_weights(conv, 64, [192], torch.bfloat16, device="cpu", prefix="transformer.h.0.attn.c_attn")
+    with pytest.raises(ValueError, match=r"shape \(64, 192\) does not fit .*\(192, 64\).*stored \[in, out\]: pass "
+                                         r"it transposed"):
+        method.weight_loader(conv, "weight", torch.randn(64, 192))
+    method.weight_loader(conv, "weight", torch.randn(64, 192).t())
