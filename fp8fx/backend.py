@@ -251,6 +251,7 @@ class Fp8Backend:
         frame = compat.frame_graphs()
         if frame is not None:  # (a graph that fails is one of this backend's too, for the recompile limit's count)
             self.report.graph_of_frame(index, frame[0])
+            compat.reset_with_dynamo(self)  # (its frame ids are forgotten at Dynamo's next reset)
         dump = self._dump(gm, index)
         code: list[str] = []
         # (a float input a pass may take as a constant: the graph as traced runs the calls where its value changed)

@@ -414,6 +414,18 @@ def frame_graphs() -> Optional[tuple[str, int, int]]:
     return f"{compile_id.frame_id}/{compile_id.frame_compile_id}", compile_id.frame_compile_id + 1, limit
 
 
+def reset_with_dynamo(backend) -> None:
+    """Have ``torch._dynamo.reset()`` call ``backend.reset()`` next time, as it does for the backends of the
+    ``torch.compile`` calls made since its last reset (``eval_frame.cached_backends``) and not for one whose compiled
+    model runs on across a reset (its graphs' frame ids were then counted as the new frames'). Nothing where the
+    dict is gone (2.11 and 2.13 have it)."""
+    from torch._dynamo import eval_frame
+
+    cached = getattr(eval_frame, "cached_backends", None)
+    if isinstance(cached, dict):
+        cached.setdefault(id(backend), backend)
+
+
 def compiled_static() -> bool:
     """Whether the graph Dynamo is compiling now comes from ``torch.compile(..., dynamic=False)``, which sets
     ``torch._dynamo.config.automatic_dynamic_shapes`` False while it compiles (None and True leave it True; True also

@@ -220,6 +220,19 @@ def test_a_dynamo_reset_leaves_no_frame_of_the_reports_graphs_to_count():
         call(fp8fx.Fp8Backend(compiler="eager"), 1)  # another backend's graph of the new frame 0
         call(backend, 3)  # this one's: graph 2 of the frame, the limit
     assert "1 of the 2 are not this backend's" in backend.report.limits[max(backend.report.limits)]
+    # a compiled model kept across two resets: Dynamo resets the backends of the torch.compile calls made since its
+    # last reset, and a graph the backend compiles since puts it among them
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    compiled = torch.compile(fp8fx.quantize_(nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)), backend=backend,
+                             dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=2), torch.inference_mode():
+        compiled(torch.randn(1, 64, dtype=torch.bfloat16))
+        torch._dynamo.reset()
+        compiled(torch.randn(1, 64, dtype=torch.bfloat16))
+        torch._dynamo.reset()
+        call(fp8fx.Fp8Backend(compiler="eager"), 1)
+        compiled(torch.randn(3, 64, dtype=torch.bfloat16))
+    assert "1 of the 2 are not this backend's" in backend.report.limits[max(backend.report.limits)]
 
 
 def test_a_graph_called_with_a_new_weight_each_time_keeps_nothing_per_call():
