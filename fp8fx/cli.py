@@ -466,16 +466,22 @@ def _checkpoint_names(spec: str, model: nn.Module) -> Callable[[Any], Any]:
 
     path = Path(spec)
     folder = path if path.is_dir() else path.parent if path.name == "config.json" else None
-    if folder is None or not any(folder.glob("*.safetensors")):
+    if folder is None or not any(folder.glob("*.safetensors")) and not any(folder.glob("*.safetensors.index.json")):
         return lambda fmt: fmt
 
     def named(fmt):
         try:
-            return named_as_model(model, read_checkpoint(str(folder))[1], fmt, str(folder), None, "inspect")[1]
-        except CheckpointError as e:  # inspect needs no weights: a download in part, a stray file (load_checkpoint
-            # refuses them so)
+            entries = read_checkpoint(str(folder))[1]
+        except (CheckpointError, OSError) as e:  # inspect needs no weights: a download in part (an index and no
+            # shard yet), a stray file (load_checkpoint refuses them so)
             log.warning("fp8fx inspect: the checkpoint's tensor names were not read (%s): its ignore list is matched "
                         "with the model's names only", _first_line(e))
+            return fmt
+        try:
+            return named_as_model(model, entries, fmt, str(folder), None, "inspect")[1]
+        except CheckpointError as e:  # (load_checkpoint refuses such a checkpoint so: two tensors renamed onto one)
+            log.warning("fp8fx inspect: the checkpoint's tensor names do not map to the model's (%s): its ignore list "
+                        "is matched with the model's names only", _first_line(e))
             return fmt
 
     return named
