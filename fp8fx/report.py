@@ -464,13 +464,25 @@ def _count(n: int, noun: str) -> str:
 
 
 def _bytes_saved(sites: Iterable[Site]) -> int:
-    """What the live fp8 weights save, each weight once: a freed weight's row counts no more (a model dropped, or
-    dropped for another of its class whose calls ran only some of its graphs; a layer dequantized), or the figure
-    counted weights no longer held, both models' at once. A site whose weight the graph does not take as an input
-    (Inductor's freezing made it a constant: no token) counts by its name."""
+    """Each weight's saving once. A freed weight's (a model dropped: the report still tells what its graphs saved) once
+    per layer, by name and shape, and not where a live weight took the layer over (a model of its class run in its
+    place: the figure counted both models), nor where the layer's last site is not rewritten (dequantized and compiled
+    again). A site whose weight the graph does not take as an input (Inductor's freezing made it a constant: no
+    token) counts by its name."""
+    sites = list(sites)
     live = Site.live_tokens()
-    return sum({s.weight_id or s.fqn: s.bytes_saved for s in sites
-                if s.rewritten and (not s.weight_id or s.weight_id in live)}.values())
+    held = {(s.fqn, s.weight_shape) for s in sites if s.weight_id in live}
+    last = {(s.fqn, s.weight_shape): s.rewritten for s in sorted(sites, key=lambda s: s.graph)}
+    saved: dict[Any, int] = {}
+    for s in sites:
+        layer = (s.fqn, s.weight_shape)
+        if not s.rewritten:
+            continue
+        if not s.weight_id or s.weight_id in live:
+            saved[s.weight_id or s.fqn] = s.bytes_saved
+        elif layer not in held and last[layer]:  # (freed: once per layer)
+            saved[layer] = s.bytes_saved
+    return sum(saved.values())
 
 
 def _columns(rows: list[tuple[str, ...]]) -> list[str]:
