@@ -20,7 +20,8 @@ import hashlib
 import json
 import logging
 import re
-from typing import Any, Mapping, Optional, Sequence, Union
+import weakref
+from typing import Any, Mapping, NamedTuple, Optional, Sequence, Union
 
 ACTIVATION_SCHEMES = ("static", "dynamic")
 
@@ -150,6 +151,31 @@ def _granularity(text: Any, field: str) -> Optional[Granularity]:
     if m[1]:
         return PerTensor() if m[1] == "tensor" else PerRow()
     return PerGroup(int(m[2])) if m[2] else PerBlock(int(m[3]), int(m[4]))
+
+
+class _ModelRules(NamedTuple):
+    decide: Any  # quantize_'s LinearDecider of the model
+    attentions: frozenset  # the attentions load_checkpoint gives KV-cache scales
+    output: Optional[str]  # the output embeddings' linear
+
+
+_MODEL_RULES: "weakref.WeakKeyDictionary[Any, _ModelRules]" = weakref.WeakKeyDictionary()
+
+
+def _model_rules(model: Any) -> _ModelRules:
+    """``Fp8Config.get_quant_method``'s rules of ``model``, read once: each call built them again, a walk of the whole
+    model per layer."""
+    rules = _MODEL_RULES.get(model)
+    if rules is None:
+        from fp8fx.checkpoint.load import output_embeddings
+        from fp8fx.weights.kv_cache import kv_cache_attentions
+        from fp8fx.weights.quantize import LinearDecider
+
+        modules = dict(model.named_modules())
+        rules = _ModelRules(LinearDecider(model), frozenset(kv_cache_attentions(modules, model)),
+                            output_embeddings(model, modules))
+        _MODEL_RULES[model] = rules
+    return rules
 
 
 _MXFP8 = ("MXFP8 (1x32 blocks of power-of-two E8M0 scales) is no scheme of fp8fx's; quantize the bf16 model with an "
@@ -367,32 +393,39 @@ class Fp8Config:
         ``Fp8KVCacheMethod`` for an attention with a KV cache (transformers' mark of one: a ``layer_idx``); None where
         the module loads as it is (vLLM's ``UnquantizedLinearMethod``): a layer ``ignored_layers`` names (experts,
         also by an entry under them: ``experts.0.gate_proj``), an fp8 checkpoint's ``lm_head`` (stored in high
-        precision: vLLM never quantizes it; a bf16 checkpoint's is quantized as ``quantize_`` does), a layer
+        precision, as vLLM loads it: a checkpoint ``save_checkpoint`` wrote with an fp8 ``lm_head`` loads in
+        ``load_checkpoint`` alone; a bf16 checkpoint's is quantized as ``quantize_`` does), a layer
         ``quantize_`` keeps in high precision by itself (``nn.MultiheadAttention``'s ``out_proj``, a parametrized
         weight, experts of an activation ``fp8fx.fused_moe`` does not compute, for a bf16 checkpoint), and any other
         module. ``model``: the model ``prefix`` names a module of; with it the rules that need the model hold too,
-        as ``quantize_`` / ``load_checkpoint`` apply them (MoE routers, a weight tied to another module's)."""
+        as ``quantize_`` / ``load_checkpoint`` apply them (MoE routers, a weight tied to another module's, the output
+        embeddings by ``get_output_embeddings()``, the attentions with a KV cache: the decoder's, not a vision or
+        audio tower's). The model is read once, at the first call that names it."""
         from fp8fx.weights import kv_cache, moe
         from fp8fx.weights.kv_method import Fp8KVCacheMethod
         from fp8fx.weights.linear import Fp8LinearMethod, is_linear, skip_reason
-        from fp8fx.weights.quantize import LinearDecider
 
+        rules = _model_rules(model) if model is not None else None
         if is_linear(layer):
-            if self.is_checkpoint_fp8_serialized and prefix.rpartition(".")[2] == "lm_head":
-                return None  # (fp8 checkpoints store it in high precision: vLLM's and transformers' loaders do so)
-            reason = (LinearDecider(model)(prefix, layer, self)[0] if model is not None else
-                      None if self.is_checkpoint_fp8_serialized and not self.is_ignored(prefix) else
-                      skip_reason(layer, prefix, self))
+            if self.is_checkpoint_fp8_serialized:  # (stored fp8: loaded as stored, but for what fp8 checkpoints keep
+                # in high precision: the output embeddings, as vLLM and transformers load them, and the routers)
+                head = prefix.rpartition(".")[2] == "lm_head" if rules is None else prefix == rules.output
+                if self.is_ignored(prefix) or head or rules is not None and prefix in rules.decide.routers:
+                    return None
+                return Fp8LinearMethod(self)
+            reason = rules.decide(prefix, layer, self)[0] if rules is not None else skip_reason(layer, prefix, self)
             return None if reason is not None else Fp8LinearMethod(self)
         if moe.is_any_experts(layer):
-            # (an ignore list naming the experts one by one, as a checkpoint of per-expert projections writes it: the
-            # load keeps them all bf16 where it names any, as vLLM skips the FusedMoE layer)
+            # (an ignore list naming the experts one by one, as a checkpoint of per-expert projections writes it: kept
+            # bf16 where it names any, as vLLM skips the FusedMoE layer; load_checkpoint refuses a list naming some
+            # of its experts only)
             if self.is_ignored(prefix) or any(str(e).startswith(f"{prefix}.") for e in self.ignored_layers or ()):
                 return None
             if self.is_checkpoint_fp8_serialized:  # (stored fp8: loaded as stored)
                 return moe.Fp8MoEMethod(self)
             return None if moe.skip_reason(layer, prefix, self) is not None else moe.Fp8OnlineMoEMethod(self)
-        if kv_cache.is_attention(layer) and kv_cache.has_kv_cache_mark(layer):
+        if kv_cache.is_attention(layer) and (prefix in rules.attentions if rules is not None
+                                             else kv_cache.has_kv_cache_mark(layer)):
             return Fp8KVCacheMethod(self)
         return None
 

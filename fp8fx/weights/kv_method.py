@@ -34,25 +34,25 @@ class Fp8KVCacheMethod:
 
     def create_weights(self, layer: nn.Module, prefix: str = "", device: Optional[torch.device] = None) -> None:
         """Registers the four scales on ``layer`` as -1.0 parameters (frozen), on ``device`` (None: the CPU; not a
-        ``torch.device("meta")`` block's, whose scalars would hold nothing to load into). Refused, nothing of the
-        layer changed: a layer holding fp8fx's KV-cache scales or an earlier call's parameters, or an attribute of
-        one of the names that is no buffer of fp8fx's (the model's own ``q_scale``)."""
+        ``torch.device("meta")`` block's, whose scalars would hold nothing to load into), but for a name the model
+        uses for an attribute of its own (MiMo-V2-Flash's float ``v_scale``, Gemma3n's ``q_scale`` buffer), as
+        ``load_checkpoint`` leaves those: a scale the checkpoint holds under it is refused at ``weight_loader``.
+        Refused, nothing of the layer changed: a layer holding fp8fx's KV-cache scales or an earlier call's
+        parameters."""
         prefix = prefix or type(layer).__name__
         if held_kv_scales(layer) or "_fp8fx_kv_prefix" in layer.__dict__:
             raise ValueError(f"{prefix}: its KV-cache scales were created (or loaded) already; create_weights makes "
                              "them once: load into them with weight_loader (nothing of the layer changed)")
-        for name in KV_SCALE_NAMES:
-            why = kv_slot_error(layer, prefix, name, default=True)
-            if why is not None:
-                raise ValueError(f"{why} (nothing of the layer changed)")
+        taken = {name: why for name in KV_SCALE_NAMES if (why := kv_slot_error(layer, prefix, name, default=True))}
         made = {name: nn.Parameter(torch.tensor(_UNLOADED, device=device or "cpu"), requires_grad=False)
-                for name in KV_SCALE_NAMES}
-        if made["k_scale"].is_meta:
+                for name in KV_SCALE_NAMES if name not in taken}
+        if torch.empty(0, device=device or "cpu").is_meta:
             raise ValueError(f"{prefix}: device={device!r} makes meta tensors, which hold no values to load; pass the "
                              "device the scales load to (nothing of the layer changed)")
         for name, param in made.items():
             layer.register_parameter(name, param)
         layer._fp8fx_kv_prefix = prefix
+        layer._fp8fx_kv_taken = taken
 
     def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
         """Copies one checkpoint scale into its parameter, checked first (one positive finite float). ``name``: the
@@ -72,6 +72,9 @@ class Fp8KVCacheMethod:
             got = "a meta tensor" if isinstance(tensor, torch.Tensor) else repr(tensor)
             raise ValueError(f"{prefix}.{leaf}: got {got}, which holds no value; pass the checkpoint's tensor")
         value = check_kv_scale(f"{prefix}.{leaf}", tensor.detach())
+        taken = layer.__dict__.get("_fp8fx_kv_taken", {})
+        if leaf in taken:
+            raise ValueError(f"{taken[leaf]} (the checkpoint's {name})")
         param = layer._parameters.get(leaf)
         if param is None:  # (processed already: the scale is a buffer now)
             raise ValueError(f"{prefix}.{leaf}: process_weights_after_loading ran already; load every scale first")
@@ -88,9 +91,10 @@ class Fp8KVCacheMethod:
         ``v_scale`` as ``load_checkpoint`` settles them, ``q_scale`` / ``prob_scale`` where loaded. Every value is
         checked before the layer changes; idempotent."""
         prefix = self._prefix(layer)
-        params = {name: layer._parameters.get(name) for name in KV_SCALE_NAMES}
+        params = {name: layer._parameters.get(name) for name in KV_SCALE_NAMES
+                  if name not in layer.__dict__.get("_fp8fx_kv_taken", {})}
         if all(p is None for p in params.values()):
-            return  # (processed)
+            return  # (processed, or the model holds every name)
         loaded: dict[str, float] = {}
         for name, p in params.items():
             if p is None:
@@ -100,10 +104,12 @@ class Fp8KVCacheMethod:
                 loaded[name] = check_kv_scale(f"{prefix}.{name}", torch.tensor(value))
         scales = dict(loaded)
         present = [n for n in DEFAULTED if n in loaded]
+        taken = layer.__dict__.get("_fp8fx_kv_taken", {})
         for name in DEFAULTED if present else ():  # (none loaded: the checkpoint holds none, none are attached)
-            scales.setdefault(name, loaded[present[0]])
+            if name not in taken:
+                scales.setdefault(name, loaded[present[0]])
         device = next(p for p in params.values() if p is not None).device
-        for name in KV_SCALE_NAMES:  # (nothing below fails: the names were free at create_weights)
+        for name in params:  # (nothing below fails: the names were free at create_weights)
             layer._parameters.pop(name, None)
         if scales:
             attach_kv_scales(layer, scales, device=device)

@@ -1,5 +1,7 @@
 """vLLM's method selection and its KV-cache and online-MoE methods, for loaders of one's own:
 ``Fp8Config.get_quant_method``, ``Fp8KVCacheMethod``, ``Fp8OnlineMoEMethod``."""
+import unittest.mock
+
 import pytest
 import torch
 from torch import nn
@@ -118,11 +120,18 @@ def test_kv_cache_method_refuses_what_it_cannot_create_changing_nothing():
         method.create_weights(attention, prefix=PREFIX)
     with pytest.raises(ValueError, match=r"'bias' is no KV-cache scale"):
         method.weight_loader(attention, "bias", torch.tensor(1.0))
+    # the model's own attribute of a name (MiMo-V2-Flash's float v_scale): left to it, as load_checkpoint leaves it
+    # (create_weights refused the layer, and a loader could not load the model); a checkpoint's scale for it is refused
     own = nn.Module()
-    own.q_scale = 0.5  # the model's own attribute of the name
-    with pytest.raises(ValueError, match=r"q_scale.*already has an attribute 'q_scale' \(float\).*nothing of the layer"):
-        method.create_weights(own, prefix=PREFIX)
-    assert not list(own.parameters()) and own.q_scale == 0.5
+    own.v_scale = 0.5
+    method.create_weights(own, prefix=PREFIX)
+    assert set(dict(own.named_parameters())) == {"k_scale", "q_scale", "prob_scale"} and own.v_scale == 0.5
+    with pytest.raises(ValueError, match=r"v_scale: Module already has an attribute 'v_scale' \(float\).*"
+                                         r"\(the checkpoint's v_scale\)"):
+        method.weight_loader(own, "v_scale", torch.tensor(0.25))
+    method.weight_loader(own, "k_scale", torch.tensor(0.25))
+    method.process_weights_after_loading(own)
+    assert fp8fx.weights.kv_cache.kv_scales(own) == {"k_scale": 0.25} and own.v_scale == 0.5
     with pytest.raises(ValueError, match="makes meta tensors"):
         method.create_weights(nn.Module(), prefix=PREFIX, device="meta")
     with pytest.raises(ValueError, match=r"create_weights was not called on this layer"):
@@ -200,3 +209,27 @@ def test_a_conv1d_weight_as_gpt2_stores_it_is_refused_saying_to_transpose_it():
                                          r"it transposed"):
         method.weight_loader(conv, "weight", torch.randn(64, 192))
     method.weight_loader(conv, "weight", torch.randn(64, 192).t())
+
+
+def test_get_quant_method_with_the_model_reads_it_once_and_as_the_loaders_do():
+    """With model=: each call built quantize_'s rules of the whole model again (quadratic in its size); an fp8
+    checkpoint's router (Qwen2-MoE's shared_expert_gate, stored bf16) was given Fp8LinearMethod."""
+    cfg = transformers.Qwen2MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, num_experts=4, num_experts_per_tok=2)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    fp8 = Fp8Config(is_checkpoint_fp8_serialized=True)
+    built = []
+    real = fp8fx.weights.quantize.LinearDecider
+
+    class Counting(real):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    with unittest.mock.patch.object(fp8fx.weights.quantize, "LinearDecider", Counting):
+        picked = {fqn: type(fp8.get_quant_method(m, fqn, model=model)).__name__ for fqn, m in model.named_modules()}
+    assert len(built) == 1
+    assert picked["model.layers.1.mlp.shared_expert_gate"] == "NoneType" and picked["lm_head"] == "NoneType"
+    assert picked["model.layers.1.mlp.shared_expert.down_proj"] == "Fp8LinearMethod"
+    assert picked["model.layers.1.self_attn"] == "Fp8KVCacheMethod"
