@@ -154,27 +154,40 @@ def _granularity(text: Any, field: str) -> Optional[Granularity]:
 
 
 class _ModelRules(NamedTuple):
+    model: "weakref.ref"  # the model the rules are of
     decide: Any  # quantize_'s LinearDecider of the model
     attentions: frozenset  # the attentions load_checkpoint gives KV-cache scales
     output: Optional[str]  # the output embeddings' linear
+    params: dict  # id(parameter) -> a weak reference to it, as the decider saw them (its tied weights are by id)
 
 
-_MODEL_RULES: "weakref.WeakKeyDictionary[Any, _ModelRules]" = weakref.WeakKeyDictionary()
+_MODEL_RULES: dict[int, _ModelRules] = {}  # id(model) -> its rules (by id: a model may define __eq__ / __hash__)
 
 
-def _model_rules(model: Any) -> _ModelRules:
-    """``Fp8Config.get_quant_method``'s rules of ``model``, read once: each call built them again, a walk of the whole
-    model per layer."""
-    rules = _MODEL_RULES.get(model)
-    if rules is None:
-        from fp8fx.checkpoint.load import output_embeddings
-        from fp8fx.weights.kv_cache import kv_cache_attentions
-        from fp8fx.weights.quantize import LinearDecider
+def _model_rules(model: Any, layer: Any) -> _ModelRules:
+    """``Fp8Config.get_quant_method``'s rules of ``model``, read once (each call built them again, a walk of the whole
+    model per layer), and again where ``layer``'s weight is not the parameter they saw: parameters replaced since
+    (``to_empty``, ``load_state_dict(assign=True)``, ``tie_weights()``), whose ids the tied-weight rule reads."""
+    rules = _MODEL_RULES.get(id(model))
+    weight = getattr(layer, "_parameters", {}).get("weight")
+    if rules is not None and rules.model() is model and (
+            weight is None or (ref := rules.params.get(id(weight))) is not None and ref() is weight):
+        return rules
+    from fp8fx.checkpoint.load import output_embeddings
+    from fp8fx.weights.kv_cache import kv_cache_attentions
+    from fp8fx.weights.quantize import LinearDecider
 
-        modules = dict(model.named_modules())
-        rules = _ModelRules(LinearDecider(model), frozenset(kv_cache_attentions(modules, model)),
-                            output_embeddings(model, modules))
-        _MODEL_RULES[model] = rules
+    modules = dict(model.named_modules())
+    key = id(model)
+
+    def forget(ref: weakref.ref) -> None:  # (only its own entry: the id may be another model's by then)
+        if _MODEL_RULES.get(key, None) is not None and _MODEL_RULES[key].model is ref:
+            del _MODEL_RULES[key]
+
+    rules = _ModelRules(weakref.ref(model, forget), LinearDecider(model),
+                        frozenset(kv_cache_attentions(modules, model)), output_embeddings(model, modules),
+                        {id(p): weakref.ref(p) for p in model.parameters()})
+    _MODEL_RULES[key] = rules
     return rules
 
 
@@ -405,7 +418,7 @@ class Fp8Config:
         from fp8fx.weights.kv_method import Fp8KVCacheMethod
         from fp8fx.weights.linear import Fp8LinearMethod, is_linear, skip_reason
 
-        rules = _model_rules(model) if model is not None else None
+        rules = _model_rules(model, layer) if model is not None else None
         if is_linear(layer):
             if self.is_checkpoint_fp8_serialized:  # (stored fp8: loaded as stored, but for what fp8 checkpoints keep
                 # in high precision: the output embeddings, as vLLM and transformers load them, and the routers)

@@ -27,6 +27,7 @@ _TOKENS = itertools.count(1)  # Site.token_of
 # id(tensor) -> (a weak reference to the tensor, its token): not an attribute of the tensor, which pickles and copies
 # of plain parameters carried (a copy that never ran counted as its original, which had)
 _TOKEN_OF: dict[int, tuple[weakref.ref, int]] = {}
+_DEQUANTIZED: set[int] = set()  # tokens of the fp8 weights dequantize_ replaced (their layers save nothing now)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +77,13 @@ class Site:
         """``weight``'s token if ``token_of`` gave it one, else None."""
         entry = _TOKEN_OF.get(id(weight))
         return entry[1] if entry is not None and entry[0]() is weight else None
+
+    @staticmethod
+    def dequantized(weight: Any) -> None:
+        """``weight``, an fp8 tensor ``dequantize_`` replaces with a high-precision one: its rows save nothing now."""
+        token = Site.known_token(weight)
+        if token is not None:
+            _DEQUANTIZED.add(token)
 
     @staticmethod
     def live_tokens() -> set[int]:
@@ -464,24 +472,19 @@ def _count(n: int, noun: str) -> str:
 
 
 def _bytes_saved(sites: Iterable[Site]) -> int:
-    """Each weight's saving once. A freed weight's (a model dropped: the report still tells what its graphs saved) once
-    per layer, by name and shape, and not where a live weight took the layer over (a model of its class run in its
-    place: the figure counted both models), nor where the layer's last site is not rewritten (dequantized and compiled
-    again). A site whose weight the graph does not take as an input (Inductor's freezing made it a constant: no
-    token) counts by its name."""
-    sites = list(sites)
+    """Each weight's saving once, but a weight's ``dequantize_`` replaced. A freed weight's (a model dropped: the
+    report still tells what its graphs saved) once per layer, by name and shape, and not where a live fp8 weight took
+    the layer over (a model of its class run in its place: the figure counted both models). A site whose weight the
+    graph does not take as an input (no token) counts by its name."""
+    sites = [s for s in sites if s.rewritten and s.weight_id not in _DEQUANTIZED]
     live = Site.live_tokens()
     held = {(s.fqn, s.weight_shape) for s in sites if s.weight_id in live}
-    last = {(s.fqn, s.weight_shape): s.rewritten for s in sorted(sites, key=lambda s: s.graph)}
     saved: dict[Any, int] = {}
     for s in sites:
-        layer = (s.fqn, s.weight_shape)
-        if not s.rewritten:
-            continue
         if not s.weight_id or s.weight_id in live:
             saved[s.weight_id or s.fqn] = s.bytes_saved
-        elif layer not in held and last[layer]:  # (freed: once per layer)
-            saved[layer] = s.bytes_saved
+        elif (s.fqn, s.weight_shape) not in held:  # (freed: once a layer)
+            saved[(s.fqn, s.weight_shape)] = s.bytes_saved
     return sum(saved.values())
 
 

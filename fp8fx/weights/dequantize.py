@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from fp8fx.lowerings import compat
+from fp8fx.report import Site
 from fp8fx.weights import kv_cache, moe
 from fp8fx.weights.linear import LoadCheck, ModelHeld, is_fp8_state, is_quantized
 from fp8fx.weights.quantize import _put_tags
@@ -72,6 +73,9 @@ def dequantize_(model: nn.Module) -> nn.Module:
                 params[name] = (t, grad)
         plan.append((m, made.__mro__[1], params))
     # nothing below allocates a tensor or fails
+    for m, _, _ in plan:  # (the report's rows of their fp8 weights save nothing now)
+        for t in m._parameters.values():
+            Site.dequantized(t)
     for m, base, params in plan:
         m._parameters.clear()  # (refilled in order: the state_dict's keys come as the bf16 model's did)
         for name, (t, grad) in params.items():

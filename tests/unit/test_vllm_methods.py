@@ -233,3 +233,19 @@ def test_get_quant_method_with_the_model_reads_it_once_and_as_the_loaders_do():
     assert picked["model.layers.1.mlp.shared_expert_gate"] == "NoneType" and picked["lm_head"] == "NoneType"
     assert picked["model.layers.1.mlp.shared_expert.down_proj"] == "Fp8LinearMethod"
     assert picked["model.layers.1.self_attn"] == "Fp8KVCacheMethod"
+
+
+def test_get_quant_method_reads_the_model_again_where_its_parameters_were_replaced():
+    """Read once, the model's tied-weight rule (by the parameters' ids) went stale after to_empty / tie_weights: the
+    tied lm_head was given Fp8LinearMethod, and parameters at freed ids made unrelated layers "tied"."""
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    online = Fp8Config()
+    planned = {fqn: type(online.get_quant_method(m, fqn, model=model)).__name__ for fqn, m in model.named_modules()}
+    model.to_empty(device="cpu")
+    model.tie_weights()
+    again = {fqn: type(online.get_quant_method(m, fqn, model=model)).__name__ for fqn, m in model.named_modules()}
+    assert again == planned and again["lm_head"] == "NoneType"
+    assert again["model.layers.0.mlp.up_proj"] == "Fp8LinearMethod"
