@@ -368,8 +368,10 @@ def _note_unmatched(graph: fx.Graph, ctx: PassContext) -> None:
             # (h.mul_(u) with its result unread: the projection reads the activation's tensor, written in place)
             down = _reader_projection(mul) or (_reader_projection(act, mul) if _in_place_mul(mul) else None)
             parts = [_projection(_input(act)), _projection(up), down]
-            if None in parts or _projection_input(*parts[0]) is not _projection_input(*parts[1]) or (
-                    _projection_input(*parts[0]) is None):  # (gate and up of one x: else no gated MLP to fuse)
+            if None in parts:
+                continue
+            x = _projection_input(*parts[0])
+            if x is None or x is not _projection_input(*parts[1]):  # (gate and up of one x: else no gated MLP to fuse)
                 continue
             fp8 = list(dict.fromkeys(n for kind, n in parts if kind == "fp8"))
             high = [module_path(n) or _name_of(n) for kind, n in parts if kind == "high"]

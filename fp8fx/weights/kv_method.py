@@ -87,12 +87,12 @@ class Fp8KVCacheMethod:
         loaded[leaf] = name
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        """The loaded scales (a parameter still -1.0 was not loaded) -> float32 ``[]`` buffers: ``k_scale`` /
-        ``v_scale`` as ``load_checkpoint`` settles them, ``q_scale`` / ``prob_scale`` where loaded. Every value is
-        checked before the layer changes; idempotent."""
+        """The loaded scales (a parameter still -1.0 was not loaded) -> float32 ``[]`` buffers: the scales loaded, and
+        ``k_scale`` / ``v_scale`` taking the other's value where one alone was (as ``load_checkpoint``; none loaded:
+        none). Every value is checked before the layer changes; idempotent."""
         prefix = self._prefix(layer)
-        params = {name: layer._parameters.get(name) for name in KV_SCALE_NAMES
-                  if name not in layer.__dict__.get("_fp8fx_kv_taken", {})}
+        taken = layer.__dict__.get("_fp8fx_kv_taken", {})
+        params = {name: layer._parameters.get(name) for name in KV_SCALE_NAMES if name not in taken}
         if all(p is None for p in params.values()):
             return  # (processed, or the model holds every name)
         loaded: dict[str, float] = {}
@@ -104,7 +104,6 @@ class Fp8KVCacheMethod:
                 loaded[name] = check_kv_scale(f"{prefix}.{name}", torch.tensor(value))
         scales = dict(loaded)
         present = [n for n in DEFAULTED if n in loaded]
-        taken = layer.__dict__.get("_fp8fx_kv_taken", {})
         for name in DEFAULTED if present else ():  # (none loaded: the checkpoint holds none, none are attached)
             if name not in taken:
                 scales.setdefault(name, loaded[present[0]])
