@@ -887,15 +887,28 @@ def float16_range_error(name: str, largest: float, count: int, weight: str, expe
         "was)")
 
 
-def check_bias_values(what: str, loaded) -> None:
-    """A bias a method class's ``weight_loader`` takes (``what`` names it): a 16- or 32-bit float tensor with no
-    NaN/Inf."""
+def check_bias_values(what: str, loaded, dtype: torch.dtype) -> None:
+    """A bias a method class's ``weight_loader`` takes (``what`` names it) into a layer computing in ``dtype``: a
+    16- or 32-bit float tensor with values, no NaN/Inf, and none that ``dtype`` makes inf (a bf16 or fp32 bias into
+    a float16 layer: 65504 at most; it was stored as inf, the outputs inf / NaN)."""
     if not isinstance(loaded, torch.Tensor) or not loaded.is_floating_point() or loaded.dtype.itemsize < 2:
         raise ValueError(f"{what}: a {getattr(loaded, 'dtype', type(loaded).__name__)} tensor; a bias loads as "
                          "bf16/fp16/fp32 (nothing was loaded)")
-    bad = chunked.count_nonfinite(loaded.detach())
+    refuse_meta(what, loaded)
+    bad, overflow, largest = chunked.count_unloadable(loaded.detach(), dtype)
     if bad:
         raise ValueError(f"{what} has {bad} NaN/Inf values: re-export the checkpoint (nothing was loaded)")
+    if overflow:
+        raise ValueError(f"{what} has {overflow} values that the layer's {dtype} makes inf (largest {largest:g}): "
+                         "create the layer with params_dtype=torch.bfloat16 or torch.float32 (nothing was loaded)")
+
+
+def refuse_meta(what: str, loaded: torch.Tensor) -> None:
+    """A method class's ``weight_loader`` given a tensor on the meta device, which has no values to copy (its checks
+    failed in torch's "Tensor.item() cannot be called on meta tensors", naming nothing)."""
+    if loaded.is_meta:
+        raise ValueError(f"{what}: the tensor is on the meta device and holds no values; pass the checkpoint's "
+                         "tensor, read from its file (nothing was loaded)")
 
 
 def _bias_in(layer: nn.Module, bias: torch.Tensor, device) -> torch.Tensor:
@@ -1070,6 +1083,7 @@ class Fp8LinearMethod:
         layer._fp8fx_processed = False
         layer._fp8fx_copied = 0
         layer._fp8fx_shards_loaded = set()  # weight shards received (a repeat must not count twice)
+        layer._fp8fx_scales_loaded = {}  # scale name -> the shards received ("all": the whole tensor)
         layer._fp8fx_device = device  # (where a bias on meta, and online the weight, are made as they load)
         bias = layer._parameters.get("bias")
         # a bias on meta must arrive through weight_loader, every shard of it: the shards loaded so far ("all": whole)
@@ -1096,6 +1110,7 @@ class Fp8LinearMethod:
         who = created_by(layer, "Fp8LinearMethod")
         if name == "bias":
             return self._load_bias(layer, loaded, shard_id)
+        refuse_meta(f"{who}.{name} (shard {shard_id})", loaded)
         if name in ("weight_scale", "weight_scale_inv") and not self.config.is_checkpoint_fp8_serialized:
             # (after the last shard the parameter exists, computed: a load had replaced it, silently)
             raise ValueError(f"{who}.{name} (shard {shard_id}): online quantization computes the weight's scales; "
@@ -1116,6 +1131,11 @@ class Fp8LinearMethod:
                              "layer, which merged its shards' scales; load every tensor before it (nothing was "
                              "loaded)")
         online_weight = name == "weight" and not self.config.is_checkpoint_fp8_serialized
+        arrived = layer._fp8fx_scales_loaded.get(name, ()) if name != "weight" else ()
+        if arrived and (shard_id is None or "all" in arrived or shard_id in arrived):
+            # (as a weight shard's: a second copy of a shard's scale replaced the first, silently)
+            raise ValueError(f"{who}.{name} (shard {shard_id}) was loaded before (shards {sorted(arrived, key=str)}; "
+                             "all: the whole tensor); each shard's scale must arrive once (nothing was loaded)")
         if name != "weight":  # the kernels multiply by them: a 0, <0, NaN or Inf made the outputs zero or NaN
             why = quant.bad_scales(loaded.detach().float().reshape(loaded.shape or (1,)))
             if why:
@@ -1179,6 +1199,8 @@ class Fp8LinearMethod:
             dest.copy_(loaded.reshape(dest.shape))
         if name == "weight" and shard_id is not None:
             layer._fp8fx_shards_loaded.add(shard_id)
+        if name != "weight":
+            layer._fp8fx_scales_loaded.setdefault(name, set()).add("all" if shard_id is None else shard_id)
         if name == "weight" and not online_weight:
             layer._fp8fx_copied += counter.copied_numel
         if online_weight:
@@ -1201,7 +1223,7 @@ class Fp8LinearMethod:
         if target is None:
             raise ValueError(f"{who}.bias (shard {shard_id}): the layer has no bias (built with bias=False); build it "
                              "with one, or leave the checkpoint's out (nothing was loaded)")
-        check_bias_values(f"{who}.bias (shard {shard_id})", loaded)
+        check_bias_values(f"{who}.bias (shard {shard_id})", loaded, layer._fp8fx_dtype)
         sizes = layer._fp8fx_partitions
         rows = (0, target.shape[0]) if shard_id is None else (sum(sizes[:shard_id]), sizes[shard_id])
         if target.dim() != 1 or tuple(loaded.shape) != (rows[1],):

@@ -42,7 +42,7 @@ from fp8fx.weights.linear import check_codes_held, check_create_arguments, check
 from fp8fx.weights.linear import as_index, fp8_load_from_state_dict, foreign_tensor_reason
 from fp8fx.weights.linear import reduce_made_class, refuse_script, same_layout
 from fp8fx.weights.linear import RANGE_CHECKED, _overflow, check_create_target, float16_range_error, method_config
-from fp8fx.weights.linear import _bias_in, check_bias_values, created_by, setstate_made_class
+from fp8fx.weights.linear import _bias_in, check_bias_values, created_by, refuse_meta, setstate_made_class
 
 log = logging.getLogger("fp8fx")
 
@@ -458,8 +458,9 @@ class Fp8MoEMethod:
         layer._fp8fx_processed = False
         # (on the CPU: bookkeeping, not a torch.device("meta") block's)
         layer._fp8fx_done = {n: torch.zeros(e, dtype=torch.int64, device="cpu") for n in (w13, W2)}
-        # (base, expert_id, shard_id) of the weights loaded (None: all experts / the whole expert): no load may
-        # overlap an earlier one (the completeness check counts elements; online, a repeat would be dropped)
+        # (name, expert_id, shard_id) of the weights and weight scales loaded (None: all experts / the whole
+        # expert): no load may overlap an earlier one (the completeness check counts elements; online, a repeat
+        # would be dropped; a scale's repeat replaced the first)
         layer._fp8fx_arrived = set()
         layer._fp8fx_staging = {}  # (name, expert) -> bf16 [rows, cols] while its shards arrive (online)
         layer._fp8fx_device = device  # (where a bias on meta is made as it loads)
@@ -493,6 +494,7 @@ class Fp8MoEMethod:
             name = UP + name[len(W13):]
         if name in (w13 + "_bias", W2 + "_bias"):  # (GPT-OSS's: high precision, not a scale)
             return self._load_bias(layer, name, loaded, shard_id, expert_id)
+        refuse_meta(f"{prefix}.{name} (expert {expert_id}, shard {shard_id})", loaded)
         base = w13 if name.startswith(w13) else W2 if name.startswith(W2) else None
         if base is None or name not in layer._parameters:
             accepted = sorted(n for n in layer._parameters if n.startswith((w13, W2)))
@@ -521,13 +523,15 @@ class Fp8MoEMethod:
             raise ValueError(f"{prefix}.{name} (expert {expert_id}, shard {shard_id}): process_weights_after_loading "
                              "already ran on these experts, which merged their scales; load every tensor before it "
                              "(nothing was loaded)")
-        arrival = (base, expert_id, None if shard_id == "w2" else shard_id)  # an expert's w2 is all of its w2
-        earlier = self._overlap(layer, *arrival) if name == base else None
-        if earlier is not None:
+        arrival = (name, expert_id, None if shard_id == "w2" else shard_id)  # an expert's w2 is all of its w2
+        # (input scales excepted: w1 and w3 bring one each, and the loader keeps their max)
+        earlier = None if name.endswith("_input_scale") else self._overlap(layer, *arrival)
+        if earlier is not None:  # (a weight: the completeness check counts elements; a scale: the second replaced
+            # the first, silently)
             raise ValueError(
                 f"{prefix}.{name} (expert {expert_id}, shard {shard_id}) overlaps what was loaded before (expert "
-                f"{earlier[0]}, shard {earlier[1]}; None: all of them); each expert's w1, w3 and w2 must arrive once "
-                "(the completeness check counts elements)"
+                f"{earlier[0]}, shard {earlier[1]}; None: all of them); each expert's w1, w3 and w2 and their scales "
+                "must arrive once (nothing was loaded)"
             )
         if name == base and online:
             check_online(f"{prefix}.{name} (expert {expert_id}, shard {shard_id})", loaded, layer._fp8fx_dtype,
@@ -567,8 +571,8 @@ class Fp8MoEMethod:
             dest.copy_(torch.maximum(dest, loaded.float()))
         else:
             dest.copy_(loaded)
-        if name == base:
             layer._fp8fx_arrived.add(arrival)
+        if name == base:
             self._count(layer, base, expert_id, dest.numel())
 
     @staticmethod
@@ -582,7 +586,7 @@ class Fp8MoEMethod:
         if shard_id not in (None, "w2"):
             raise ValueError(f"{prefix}.{name}: shard_id={shard_id!r}; an expert bias loads whole, all experts or one "
                              "expert's (nothing was loaded)")
-        check_bias_values(f"{prefix}.{name} (expert {expert_id})", loaded)
+        check_bias_values(f"{prefix}.{name} (expert {expert_id})", loaded, layer._fp8fx_dtype)
         index = as_index(expert_id) if expert_id is not None else None
         if expert_id is not None and (index is None or not 0 <= index < target.shape[0]):
             raise ValueError(f"{prefix}.{name}: expert_id={expert_id!r} is not an expert's index of {target.shape[0]}")
@@ -608,13 +612,13 @@ class Fp8MoEMethod:
             raise ValueError(f"{what}: {why}: re-export the checkpoint")
 
     @staticmethod
-    def _overlap(layer, base: str, expert_id: Optional[int], shard_id: Optional[str]):
-        """(expert, shard) of an earlier load of ``base`` that covers part of this one, or None: the same expert or
-        all experts (None), the same shard or the whole expert (None)."""
+    def _overlap(layer, name: str, expert_id: Optional[int], shard_id: Optional[str]):
+        """(expert, shard) of an earlier load of ``name`` (a weight or its scale) that covers part of this one, or
+        None: the same expert or all experts (None), the same shard or the whole expert (None)."""
         for b, e, s in layer._fp8fx_arrived:
             same_expert = e is None or expert_id is None or e == expert_id
             same_rows = s is None or shard_id is None or s == shard_id
-            if b == base and same_expert and same_rows:
+            if b == name and same_expert and same_rows:
                 return e, s
         return None
 

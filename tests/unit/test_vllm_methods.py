@@ -1,5 +1,6 @@
 """vLLM's method selection and its KV-cache and online-MoE methods, for loaders of one's own:
 ``Fp8Config.get_quant_method``, ``Fp8KVCacheMethod``, ``Fp8OnlineMoEMethod``."""
+import re
 import unittest.mock
 
 import pytest
@@ -249,3 +250,126 @@ def test_get_quant_method_reads_the_model_again_where_its_parameters_were_replac
     again = {fqn: type(online.get_quant_method(m, fqn, model=model)).__name__ for fqn, m in model.named_modules()}
     assert again == planned and again["lm_head"] == "NoneType"
     assert again["model.layers.0.mlp.up_proj"] == "Fp8LinearMethod"
+
+
+def _state(module: nn.Module) -> dict:
+    """Each tensor's dtype, shape and bytes (None on meta): uninitialized buffers may hold NaN, which torch.equal
+    finds unequal to itself."""
+    return {k: (v.dtype, tuple(v.shape), None if v.is_meta else v.detach().contiguous().view(torch.uint8).clone())
+            for k, v in module.state_dict().items()}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(a[k][:2] == b[k][:2] and (a[k][2] is None) == (b[k][2] is None) and (
+        a[k][2] is None or torch.equal(a[k][2], b[k][2])) for k in a)
+
+
+@pytest.mark.parametrize("granularity", [fp8fx.PerTensor(), fp8fx.PerRow(), fp8fx.PerBlock(32, 64)],
+                         ids=["tensor", "row", "block"])
+def test_a_shards_scale_loaded_twice_is_refused_changing_nothing(granularity):
+    """A weight shard loaded twice was refused, its scale loaded twice replaced the first silently (q's rows then
+    dequantized 5x too large); so did a whole scale after a shard's, or a shard's after the whole."""
+    block = isinstance(granularity, fp8fx.PerBlock)  # (block scales take dynamic activations only)
+    method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=granularity,
+                                       activation_scheme="dynamic" if block else "static"))
+    layer = nn.Linear(64, 128, bias=False, device="meta")
+    method.create_weights(layer, 64, [64, 32, 32], torch.bfloat16, device="cpu", prefix=f"{PREFIX}.qkv_proj")
+    name = "weight_scale_inv" if block else "weight_scale"
+    shapes = {fp8fx.PerTensor: [(1,), (1,)], fp8fx.PerRow: [(64, 1), (32, 1)], fp8fx.PerBlock: [(2, 1), (1, 1)]}
+    shape, shape1 = shapes[type(granularity)]
+    method.weight_loader(layer, name, torch.full(shape, 0.1), 0)
+    repeats = [(name, torch.full(shape, 0.5), 0), (name, torch.full(layer._parameters[name].shape, 0.5), None)]
+    if not block:
+        method.weight_loader(layer, "input_scale", torch.tensor([0.2]), 0)
+        repeats.append(("input_scale", torch.tensor([0.5]), 0))
+    before = _state(layer)
+    for what, scale, shard in repeats:
+        with pytest.raises(ValueError, match=rf"^{PREFIX}.qkv_proj.{what} \(shard {shard}\) was loaded before "
+                                             r"\(shards \[0\].*each shard's scale must arrive once"):
+            method.weight_loader(layer, what, scale, shard)
+        assert _same(_state(layer), before)
+    method.weight_loader(layer, name, torch.full(shape1, 0.1), 1)  # the other shards still load
+    if block:
+        return
+    # a whole scale first: no shard's after it
+    layer = nn.Linear(64, 128, bias=False, device="meta")
+    method.create_weights(layer, 64, [64, 32, 32], torch.bfloat16, device="cpu", prefix=f"{PREFIX}.qkv_proj")
+    method.weight_loader(layer, "input_scale", torch.tensor(0.2))  # (Phi-3's one scale of a fused qkv_proj)
+    with pytest.raises(ValueError, match=r"input_scale \(shard 2\) was loaded before \(shards \['all'\]"):
+        method.weight_loader(layer, "input_scale", torch.tensor([0.5]), 2)
+
+
+def test_an_expert_weight_scale_loaded_twice_is_refused_and_input_scales_keep_their_max():
+    method = Fp8MoEMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=fp8fx.PerTensor(),
+                                    activation_scheme="static"))
+    layer = nn.Module()
+    method.create_weights(layer, E, H, I, torch.bfloat16, prefix="experts")
+    method.weight_loader(layer, "gate_up_proj_scale", torch.tensor([0.1]), "w1", 0)
+    method.weight_loader(layer, "gate_up_proj_scale", torch.tensor([0.3]), "w3", 0)  # the other shard: its own
+    method.weight_loader(layer, "down_proj_scale", torch.full((E,), 0.2))
+    before = _state(layer)
+    for args in [(torch.tensor([0.5]), "w1", 0), (torch.full((E, 2), 0.5), None, None)]:
+        with pytest.raises(ValueError, match=r"^experts.gate_up_proj_scale \(expert .*overlaps what was loaded before "
+                                             r"\(expert 0, shard w[13].*must arrive once"):
+            method.weight_loader(layer, "gate_up_proj_scale", *args)
+        assert _same(_state(layer), before)
+    with pytest.raises(ValueError, match=r"^experts.down_proj_scale \(expert 2, shard w2\) overlaps"):
+        method.weight_loader(layer, "down_proj_scale", torch.tensor([0.5]), "w2", 2)
+    assert _same(_state(layer), before)
+    method.weight_loader(layer, "gate_up_proj_scale", torch.tensor([0.1]), "w1", 1)  # another expert: its own
+    for value in (0.2, 0.4):  # w1's and w3's input scales of one expert: the max is kept, as vLLM keeps it
+        method.weight_loader(layer, "gate_up_proj_input_scale", torch.tensor(value), "w1", 0)
+    assert layer.gate_up_proj_input_scale.max().item() == pytest.approx(0.4)
+
+
+@pytest.mark.parametrize("experts", [False, True], ids=["linear", "experts"])
+def test_a_bias_float16_cannot_hold_is_refused_naming_it(experts):
+    """A finite bias past float16's 65504, loaded into a float16 layer, was stored as inf (outputs inf / NaN), where
+    load_checkpoint and the online weights refuse such values."""
+    big = torch.full((64,), 7e4)
+    if experts:
+        layer = nn.Module()
+        layer.gate_up_proj_bias = nn.Parameter(torch.zeros(E, 2 * I, device="meta"))
+        Fp8MoEMethod(Fp8Config(is_checkpoint_fp8_serialized=True)).create_weights(layer, E, H, I, torch.float16,
+                                                                                  device="cpu", prefix="experts")
+        load = lambda: Fp8MoEMethod(Fp8Config(is_checkpoint_fp8_serialized=True)).weight_loader(  # noqa: E731
+            layer, "gate_up_proj_bias", torch.full((2 * I,), 7e4), expert_id=1)
+        where = r"experts.gate_up_proj_bias \(expert 1\)"
+    else:
+        layer = nn.Linear(64, 64, device="meta")
+        method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True))
+        method.create_weights(layer, 64, [64], torch.float16, device="cpu", prefix="proj")
+        load = lambda: method.weight_loader(layer, "bias", big)  # noqa: E731
+        where = r"proj.bias \(shard None\)"
+    with pytest.raises(ValueError, match=rf"^{where} has \d+ values that the layer's torch.float16 makes inf \(largest "
+                                         r"70000\): create the layer with params_dtype=torch.bfloat16"):
+        load()
+    bias = layer._parameters["gate_up_proj_bias" if experts else "bias"]
+    assert bias.is_meta  # nothing loaded
+
+
+@pytest.mark.parametrize("serialized", [True, False], ids=["fp8", "online"])
+def test_a_tensor_on_meta_is_refused_naming_it(serialized):
+    """A loader that passes a tensor still on meta (its module built on meta, never read) failed in torch's
+    "Tensor.item() cannot be called on meta tensors", naming no layer or tensor."""
+    dtype = torch.float8_e4m3fn if serialized else torch.bfloat16
+    layer = nn.Linear(64, 64, device="meta")
+    method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=serialized))
+    method.create_weights(layer, 64, [64], torch.bfloat16, device="cpu", prefix="proj")
+    experts = nn.Module()
+    moe_method = Fp8MoEMethod(Fp8Config(is_checkpoint_fp8_serialized=serialized))
+    moe_method.create_weights(experts, E, H, I, torch.bfloat16, device="cpu", prefix="experts")
+    loads = [("proj.weight (shard None)", lambda: method.weight_loader(layer, "weight", torch.empty(64, 64, dtype=dtype,
+                                                                                                   device="meta"))),
+             ("proj.bias (shard None)", lambda: method.weight_loader(layer, "bias", torch.empty(64, device="meta"))),
+             ("experts.gate_up_proj (expert 0, shard None)", lambda: moe_method.weight_loader(
+                 experts, "gate_up_proj", torch.empty(2 * I, H, dtype=dtype, device="meta"), expert_id=0))]
+    if serialized:
+        loads.append(("proj.weight_scale (shard None)", lambda: method.weight_loader(
+            layer, "weight_scale", torch.empty(1, device="meta"))))
+    before = _state(layer), _state(experts)
+    for where, load in loads:
+        with pytest.raises(ValueError, match=rf"^{re.escape(where)}: the tensor is on the meta device and holds no "
+                                             r"values; pass the checkpoint's tensor"):
+            load()
+    assert _same(_state(layer), before[0]) and _same(_state(experts), before[1])
