@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib
 import importlib.util
 import inspect as pyinspect
@@ -136,7 +137,8 @@ def inspect_command(args: argparse.Namespace) -> int:
     # document, which a line before it made unreadable
     with contextlib.redirect_stdout(sys.stderr):
         model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
-    config, layer_config, config_format, ignores = make_config(args, hf_quant, _checkpoint_names(args.model, model))
+    checkpoint = _CheckpointNames(args.model, model)
+    config, layer_config, config_format, ignores = make_config(args, hf_quant, checkpoint)
     try:  # as quantize_ would: an --ignore that names no module keeps nothing in bf16
         check_ignored_layers(Fp8Config(ignored_layers=tuple(args.ignore)),
                              [f for f, _ in model.named_modules(remove_duplicate=False)],
@@ -153,7 +155,7 @@ def inspect_command(args: argparse.Namespace) -> int:
                         "fine)", args.config, "ignore" if config_format == "compressed-tensors" else "ignored_layers",
                         unmatched, type(model).__name__, _ignore_hint(unmatched[0], names))
     with contextlib.redirect_stdout(sys.stderr):
-        rows, others, graphs = predict(model, config, call_args, call_kwargs, layer_config)
+        rows, others, graphs = predict(model, config, call_args, call_kwargs, layer_config, checkpoint.stored_high)
     if args.json:
         print(json.dumps({"model": args.model, "config": config.to_dict(), "graphs": graphs, "sites": rows,
                           "other_weights": others}, indent=1))
@@ -375,7 +377,7 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict], named: Calla
     Returns (the config to show, ``layer_config(fqn)``: a layer's config or None when the
     quantization_config keeps it in high precision — compressed-tensors configs are per layer, the format's
     name, ``ignores(model)``: the entries of its ignore list that match no module of ``model``). ``named(fmt)``:
-    the format knowing the checkpoint's names of the model's modules (``_checkpoint_names``)."""
+    the format knowing the checkpoint's names of the model's modules (``_CheckpointNames``)."""
     base = hf_quant
     if args.config:
         try:
@@ -455,43 +457,52 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict], named: Calla
         raise UsageError(f"bad config: {e}") from e
 
 
-def _checkpoint_names(spec: str, model: nn.Module) -> Callable[[Any], Any]:
-    """``make_config``'s ``named``: for an HF folder with a safetensors checkpoint, the format knowing the
-    checkpoint's names of the model's modules, as ``load_checkpoint`` reads them (transformers' renames: a hub
-    Mixtral's ignore list names ``block_sparse_moe.experts``, the model's module is ``mlp.experts``); for a config
-    alone or a factory, the format as it is."""
-    from fp8fx.checkpoint import CheckpointError
-    from fp8fx.checkpoint.files import read_checkpoint
-    from fp8fx.checkpoint.load import named_as_model
+class _CheckpointNames:
+    """``make_config``'s ``named``: for an HF folder with a safetensors checkpoint, ``named(fmt)`` is the format
+    knowing the checkpoint's names of the model's modules, as ``load_checkpoint`` reads them (transformers' renames: a
+    hub Mixtral's ignore list names ``block_sparse_moe.experts``, the model's module is ``mlp.experts``); for a config
+    alone or a factory, the format as it is. ``stored_high``, once ``named`` has read the checkpoint: whether it holds
+    a linear in high precision (``load.stored_in_high_precision``: an fp8 checkpoint's output embeddings, routers and
+    kept layers load as stored), else None."""
 
-    path = Path(spec)
-    folder = path if path.is_dir() else path.parent if path.name == "config.json" else None
-    if folder is None or not any(folder.glob("*.safetensors")) and not any(folder.glob("*.safetensors.index.json")):
-        return lambda fmt: fmt
+    def __init__(self, spec: str, model: nn.Module):
+        path = Path(spec)
+        folder = path if path.is_dir() else path.parent if path.name == "config.json" else None
+        has_files = folder is not None and (any(folder.glob("*.safetensors"))
+                                            or any(folder.glob("*.safetensors.index.json")))
+        self.folder, self.model = folder if has_files else None, model
+        self.stored_high: Optional[Callable[[str], bool]] = None
 
-    def named(fmt):
+    def __call__(self, fmt):
+        from fp8fx.checkpoint import CheckpointError
+        from fp8fx.checkpoint.files import read_checkpoint
+        from fp8fx.checkpoint.load import named_as_model, stored_in_high_precision
+
+        if self.folder is None:
+            return fmt
         try:
-            entries = read_checkpoint(str(folder))[1]
+            entries = read_checkpoint(str(self.folder))[1]
         except (CheckpointError, OSError) as e:  # inspect needs no weights: a download in part (an index and no
             # shard yet), a stray file (load_checkpoint refuses them so)
             log.warning("fp8fx inspect: the checkpoint's tensor names were not read (%s): its ignore list is matched "
                         "with the model's names only", _first_line(e))
             return fmt
         try:
-            return named_as_model(model, entries, fmt, str(folder), None, "inspect")[1]
+            entries, fmt = named_as_model(self.model, entries, fmt, str(self.folder), None, "inspect")
         except CheckpointError as e:  # (load_checkpoint refuses such a checkpoint so: two tensors renamed onto one)
             log.warning("fp8fx inspect: the checkpoint's tensor names do not map to the model's (%s): its ignore list "
                         "is matched with the model's names only", _first_line(e))
             return fmt
+        self.stored_high = functools.partial(stored_in_high_precision, entries)
+        return fmt
 
-    return named
 
-
-def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: dict, layer_config=None):
+def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: dict, layer_config=None,
+            stored_high=None):
     """Trace ``model`` (unquantized, on meta) with the fp8fx passes and decide each site by the rules of
     ``quantize_`` (its own ``LinearDecider``: ignored, skip_reason, tied weights, routers; experts modules by the
     MoE rules): (site rows, rows of weights no site covers, number of graphs). ``layer_config(fqn)``: a layer's
-    config, None to keep it as it is."""
+    config, None to keep it as it is; ``stored_high``: the decider's, from the checkpoint (``_CheckpointNames``)."""
     try:  # a model quantize_ and load_checkpoint refuse: inspect said its sites "would be" rewritten
         check_no_in_place_rescale(model, "quantize_ and load_checkpoint would refuse this model", "inspected")
     except ValueError as e:
@@ -514,7 +525,7 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
     loggers["torch"].setLevel(logging.CRITICAL)
     named: list[tuple[torch.Tensor, tuple[str, ...]]] = []
     try:
-        decide = LinearDecider(model)
+        decide = LinearDecider(model, stored_high=stored_high)
         named = _name_weights(model, decide)
         with torch.no_grad():
             torch.compile(model, backend=backend)(*call_args, **call_kwargs)

@@ -157,7 +157,6 @@ class _ModelRules(NamedTuple):
     model: "weakref.ref"  # the model the rules are of
     decide: Any  # quantize_'s LinearDecider of the model
     attentions: frozenset  # the attentions load_checkpoint gives KV-cache scales
-    output: Optional[str]  # the output embeddings' linear
     params: dict  # id(parameter) -> a weak reference to it, as the decider saw them (its tied weights are by id)
 
 
@@ -173,7 +172,6 @@ def _model_rules(model: Any, layer: Any) -> _ModelRules:
     if rules is not None and rules.model() is model and (
             weight is None or (ref := rules.params.get(id(weight))) is not None and ref() is weight):
         return rules
-    from fp8fx.checkpoint.load import output_embeddings
     from fp8fx.weights.kv_cache import kv_cache_attentions
     from fp8fx.weights.quantize import LinearDecider
 
@@ -185,7 +183,7 @@ def _model_rules(model: Any, layer: Any) -> _ModelRules:
             del _MODEL_RULES[key]
 
     rules = _ModelRules(weakref.ref(model, forget), LinearDecider(model),
-                        frozenset(kv_cache_attentions(modules, model)), output_embeddings(model, modules),
+                        frozenset(kv_cache_attentions(modules, model)),
                         {id(p): weakref.ref(p) for p in model.parameters()})
     _MODEL_RULES[key] = rules
     return rules
@@ -413,19 +411,23 @@ class Fp8Config:
         module. ``model``: the model ``prefix`` names a module of; with it the rules that need the model hold too,
         as ``quantize_`` / ``load_checkpoint`` apply them (MoE routers, a weight tied to another module's, the output
         embeddings by ``get_output_embeddings()``, the attentions with a KV cache: the decoder's, not a vision or
-        audio tower's). The model is read once, at the first call that names it."""
+        audio tower's). For an fp8 checkpoint, which it does not see, the routers, the output embeddings and the
+        layers the model keeps out of quantization are taken as stored in high precision (``LinearDecider``'s
+        ``stored_high`` None), as fp8 checkpoints store them; ``load_checkpoint`` loads one stored in fp8 as stored.
+        The model is read once, at the first call that names it."""
         from fp8fx.weights import kv_cache, moe
         from fp8fx.weights.kv_method import Fp8KVCacheMethod
         from fp8fx.weights.linear import Fp8LinearMethod, is_linear, skip_reason
 
         rules = _model_rules(model, layer) if model is not None else None
         if is_linear(layer):
-            if self.is_checkpoint_fp8_serialized:  # (stored fp8: loaded as stored, but for what fp8 checkpoints keep
-                # in high precision: the output embeddings, as vLLM and transformers load them, and the routers)
-                head = prefix.rpartition(".")[2] == "lm_head" if rules is None else prefix == rules.output
-                if self.is_ignored(prefix) or head or rules is not None and prefix in rules.decide.routers:
-                    return None
-                return Fp8LinearMethod(self)
+            if self.is_checkpoint_fp8_serialized and rules is None:  # (stored fp8: loaded as stored, but for the
+                # output embeddings, which fp8 checkpoints keep in high precision, as vLLM and transformers load them)
+                head = prefix.rpartition(".")[2] == "lm_head"
+                return None if self.is_ignored(prefix) or head else Fp8LinearMethod(self)
+            # (with the model, an fp8 checkpoint's layers as load_checkpoint and inspect decide them: the output
+            # embeddings, the routers and the layers the model keeps in high precision kept, as fp8 checkpoints store
+            # them; the checkpoint, which would say, is not at hand)
             reason = rules.decide(prefix, layer, self)[0] if rules is not None else skip_reason(layer, prefix, self)
             return None if reason is not None else Fp8LinearMethod(self)
         if moe.is_any_experts(layer):

@@ -42,7 +42,7 @@ from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight, targ
 from fp8fx.weights.linear import RANGE_CHECKED, remember_trainable
 from fp8fx.weights.linear import check_no_in_place_rescale, check_no_lazy_modules, kept_by_the_model
 from fp8fx.weights.moe import is_any_experts, is_quantized_experts
-from fp8fx.weights.quantize import check_ignored_layers, nothing_quantized
+from fp8fx.weights.quantize import OUTPUT_EMBEDDINGS_KEPT, check_ignored_layers, nothing_quantized
 
 log = logging.getLogger("fp8fx")
 
@@ -150,6 +150,14 @@ def _block_rows(fmt: formats.QuantFormat, stored: str) -> Optional[int]:
     """The rows of a weight block of checkpoint module ``stored`` by its quantization config, or None."""
     config = fmt.layer_config(stored, ("Linear",))
     return config.weight.block_n if config is not None and isinstance(config.weight, PerBlock) else None
+
+
+def stored_in_high_precision(entries: Mapping[str, Entry], fqn: str) -> bool:
+    """Whether checkpoint ``entries`` (under the model's names) hold linear ``fqn``'s weight in high precision: stored,
+    not fp8, with no scale. An fp8 checkpoint keeps its output embeddings, routers and the layers the model keeps out
+    of quantization (``kept_by_the_model``) so, whatever its ignore list says; they load as stored."""
+    weight = entries.get(f"{fqn}.weight")
+    return weight is not None and weight.dtype != quant.FP8_DTYPE and f"{fqn}.weight_scale" not in entries
 
 
 def output_embeddings(model: nn.Module, modules: Mapping[str, nn.Module]) -> Optional[str]:
@@ -464,9 +472,8 @@ class _Loader:
                     fqn == head or fqn in self.kept or fqn in self.routers):
                 # (DeepSeek-V3.2's indexer.weights_proj: bf16 in its fp8 checkpoint, listed nowhere but in the model;
                 # Qwen2-MoE's shared_expert_gate, which vLLM builds unquantized whatever the ignore list says)
-                weight = entries.get(f"{fqn}.weight")
-                if weight is not None and weight.dtype != quant.FP8_DTYPE and f"{fqn}.weight_scale" not in entries:
-                    config, reason = None, ("output embeddings stored in high precision" if fqn == head else
+                if stored_in_high_precision(entries, fqn):
+                    config, reason = None, (OUTPUT_EMBEDDINGS_KEPT if fqn == head else
                                             self.kept.get(fqn) or self.routers[fqn])
             if config is None:
                 self.not_quantized[fqn] = reason

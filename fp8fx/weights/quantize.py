@@ -4,10 +4,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import difflib
+import functools
 import inspect
 import logging
 import math
 import sys
+import weakref
 from typing import Callable, Iterable, Mapping, Optional
 
 import torch
@@ -364,6 +366,10 @@ class _Undo:
         self.untagged = None
 
 
+OUTPUT_EMBEDDINGS_KEPT = "output embeddings stored in high precision"  # (an fp8 checkpoint's lm_head: vLLM and
+# transformers never quantize it for the fp8 format)
+
+
 class LinearDecider:
     """``quantize_``'s decision for each ``nn.Linear`` of ``model`` (named with ``prefix``, as ``quantize_``'s):
     ``decide = LinearDecider(model, prefix)``; ``decide(fqn, layer, config)`` -> ``(reason, on_purpose)``: why the
@@ -373,9 +379,16 @@ class LinearDecider:
     checkpoint's config, as ``load_checkpoint`` loads it). The order of
     the checks is part of the decision: a tied weight is reported as tied even where it is ignored; a router is a
     router unless the config (``ignored_layers``) or torch (``MultiheadAttention``'s ``out_proj``) keeps it.
-    ``routers``: ``moe.routers(model, prefix)``, the routers that are no ``nn.Linear`` included."""
+    ``routers``: ``moe.routers(model, prefix)``, the routers that are no ``nn.Linear`` included.
 
-    def __init__(self, model: nn.Module, prefix: str = ""):
+    For an fp8 checkpoint, what such checkpoints store in high precision whatever their ignore list says (the output
+    embeddings, the routers, the layers the model keeps) loads as stored: ``stored_high(fqn)`` says whether the
+    checkpoint holds it in high precision (``load.stored_in_high_precision``); None, where no checkpoint is at hand
+    (``inspect`` of a config alone, ``get_quant_method``), takes them as kept, as most fp8 checkpoints store them."""
+
+    def __init__(self, model: nn.Module, prefix: str = "", stored_high: Optional[Callable[[str], bool]] = None):
+        # (the model by a weak reference: get_quant_method keeps a model's decider while the model lives)
+        self.model, self.prefix, self.stored_high = weakref.ref(model), prefix, stored_high
         # a weight shared by several modules (tied lm_head / embeddings); one module registered under two names
         # (``self.last = self.layers[-1]``) shares nothing
         self.owners: dict[int, dict[int, str]] = {}  # id(parameter) -> {id(owning module): its parameter's name}
@@ -386,6 +399,16 @@ class LinearDecider:
         self.routers = moe.routers(model, prefix)
         self.kept = kept_by_the_model(model, prefix)
         self.adapters = adapters(model, prefix)
+
+    @functools.cached_property
+    def head(self) -> Optional[str]:
+        """The output embeddings' linear (``load.output_embeddings``), under ``prefix``; read for fp8 checkpoints
+        only."""
+        from fp8fx.checkpoint.load import output_embeddings
+
+        model = self.model()
+        name = None if model is None else output_embeddings(model, dict(model.named_modules()))
+        return name if name is None or not self.prefix else f"{self.prefix}.{name}"
 
     def __call__(self, fqn: str, layer: nn.Module, config: Fp8Config) -> tuple[Optional[str], bool]:
         others = self.owners.get(id(layer._parameters.get("weight")), {})
@@ -398,8 +421,9 @@ class LinearDecider:
             # plan: the layer loads as stored (a weight the block does not divide has ragged last blocks)
             if config.is_ignored(fqn):  # (a router the config targets too: the loader takes it as stored)
                 return "in ignored_layers", True
-            if fqn in self.kept:  # (the loader keeps it where the checkpoint stores it in high precision)
-                return self.kept[fqn], True
+            kept = OUTPUT_EMBEDDINGS_KEPT if fqn == self.head else self.kept.get(fqn) or self.routers.get(fqn)
+            if kept is not None and (self.stored_high is None or self.stored_high(fqn)):
+                return kept, True
             return (None, False) if layer._parameters.get("weight") is not None else (
                 skip_reason(layer, fqn, config) or "no weight", False)
         reason = skip_reason(layer, fqn, config)

@@ -809,14 +809,64 @@ def test_inspect_predicts_tied_weights_and_routers_as_quantize_(capsys, tmp_path
     for fqn, module in linears:
         reason = getattr(module.weight, "_fp8fx_skip_reason", None)  # set by quantize_ on the layers it skips
         assert (sites[fqn]["would_rewrite"], sites[fqn]["reason"]) == (reason is None, reason or ""), fqn
-    # an fp8 checkpoint's config: load_checkpoint loads the nn.Linear router its config targets as stored, in fp8
+    # an fp8 checkpoint's config alone: its nn.Linear router taken as stored in high precision, as fp8 checkpoints
+    # store it (load_checkpoint loads it as stored: test_inspect_of_an_fp8_checkpoint_reads_how_it_stores_...)
     cfg.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic"}
     cfg.save_pretrained(tmp_path)
     code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
     assert code == 0, err
     sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
-    assert sites["model.layers.0.mlp.shared_expert_gate"]["would_rewrite"]
+    assert sites["model.layers.0.mlp.shared_expert_gate"]["reason"].startswith("gates the shared expert")
     assert sites["model.layers.0.mlp.gate"]["reason"].startswith("routes tokens to model.layers.0.mlp.experts")
+
+
+def test_inspect_of_an_fp8_checkpoint_reads_how_it_stores_the_head_and_routers(capsys, tmp_path):
+    """An fp8 checkpoint keeps its lm_head and routers in high precision whatever its ignore list says (Qwen's list
+    none of them); load_checkpoint loads them as stored. inspect predicted both rewritten (and bytes saved), while
+    get_quant_method(model=) kept them; one stored in fp8 anyway loads as fp8, and inspect says so too."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = transformers.Qwen2MoeConfig(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                      shared_expert_intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                      num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+                                      max_position_embeddings=64, architectures=["Qwen2MoeForCausalLM"])
+    model = transformers.Qwen2MoeForCausalLM(cfg).to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_block_size=(32, 32), ignored_layers=["lm_head"]))
+    fp8fx.save_checkpoint(model, tmp_path, format="fp8")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"]["ignored_layers"] = config["quantization_config"]["modules_to_not_convert"] = []
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    head, gate = "lm_head", "model.layers.0.mlp.shared_expert_gate"
+
+    def outcomes():
+        code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+        assert code == 0, err
+        sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
+        loaded = fp8fx.checkpoint.meta_model(str(tmp_path))
+        report = fp8fx.load_checkpoint(loaded, str(tmp_path), progress=False)
+        fp8 = fp8fx.Fp8Config.from_config(config["quantization_config"])
+        return {fqn: (sites[fqn]["would_rewrite"], sites[fqn]["reason"], sites[fqn]["bytes_saved"] > 0,
+                      fqn in report.quantized, report.not_quantized.get(fqn, ""),
+                      fp8.get_quant_method(loaded.get_submodule(fqn), fqn, model=loaded) is not None)
+                for fqn in (head, gate)}
+
+    found = outcomes()
+    assert found[head] == (False, "output embeddings stored in high precision", False, False,
+                           "output embeddings stored in high precision", False)
+    assert found[gate][:4] == (False, found[gate][4], False, False) and found[gate][4].startswith(
+        "gates the shared expert") and not found[gate][5]
+    # the gate stored in fp8 with its block scale: loaded, and predicted, as stored
+    (file,) = tmp_path.glob("*.safetensors")
+    tensors = load_file(file)
+    weight = tensors[f"{gate}.weight"].float()  # [1, 64]: two 32-wide blocks of one ragged row
+    scale = weight.reshape(1, 2, 32).abs().amax(dim=-1).clamp(min=1e-12) / 448
+    codes = (weight.reshape(1, 2, 32) / scale[..., None]).reshape(1, 64).to(torch.float8_e4m3fn)
+    tensors[f"{gate}.weight"], tensors[f"{gate}.weight_scale_inv"] = codes, scale
+    save_file(tensors, file, metadata={"format": "pt"})
+    found = outcomes()
+    assert found[gate][:5] == (True, "", True, True, "")
+    assert not found[gate][5]  # get_quant_method does not see the checkpoint: documented (README, its docstring)
+    assert found[head][0] is False and found[head][3] is False
 
 
 def test_inspect_refuses_options_its_model_does_not_use(capsys, llama_dir, models_py):

@@ -198,6 +198,15 @@ def test_get_quant_method_keeps_what_quantize_keeps():
     assert isinstance(online.get_quant_method(llama.get_submodule(q_proj), q_proj, model=llama), Fp8LinearMethod)
     # an fp8 checkpoint's lm_head is stored in high precision (vLLM and transformers load it so)
     assert Fp8Config(is_checkpoint_fp8_serialized=True).get_quant_method(llama.lm_head, "lm_head") is None
+    # and, with the model, a layer the model keeps out of quantization (T5's wo: _keep_in_fp32_modules), as
+    # load_checkpoint keeps it where the checkpoint stores it so (DeepSeek-V3.2's indexer.weights_proj): it was given
+    # Fp8LinearMethod, its bf16 weight then refused
+    t5 = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=1, num_decoder_layers=1, num_heads=4))
+    wo, wi = "encoder.block.0.layer.1.DenseReluDense.wo", "encoder.block.0.layer.1.DenseReluDense.wi"
+    fp8 = Fp8Config(is_checkpoint_fp8_serialized=True)
+    assert fp8.get_quant_method(t5.get_submodule(wo), wo, model=t5) is None
+    assert isinstance(fp8.get_quant_method(t5.get_submodule(wi), wi, model=t5), Fp8LinearMethod)
 
 
 def test_a_conv1d_weight_as_gpt2_stores_it_is_refused_saying_to_transpose_it():
