@@ -458,9 +458,9 @@ class Fp8MoEMethod:
         layer._fp8fx_processed = False
         # (on the CPU: bookkeeping, not a torch.device("meta") block's)
         layer._fp8fx_done = {n: torch.zeros(e, dtype=torch.int64, device="cpu") for n in (w13, W2)}
-        # (name, expert_id, shard_id) of the weights and weight scales loaded (None: all experts / the whole
-        # expert): no load may overlap an earlier one (the completeness check counts elements; online, a repeat
-        # would be dropped; a scale's repeat replaced the first)
+        # (name, expert_id, shard_id) of the weights and scales loaded (None: all experts / the whole expert): no
+        # load may overlap an earlier one (the completeness check counts elements; online, a repeat would be
+        # dropped; a scale's repeat replaced the first, an input scale's was lost in the max)
         layer._fp8fx_arrived = set()
         layer._fp8fx_staging = {}  # (name, expert) -> bf16 [rows, cols] while its shards arrive (online)
         layer._fp8fx_device = device  # (where a bias on meta is made as it loads)
@@ -524,8 +524,7 @@ class Fp8MoEMethod:
                              "already ran on these experts, which merged their scales; load every tensor before it "
                              "(nothing was loaded)")
         arrival = (name, expert_id, None if shard_id == "w2" else shard_id)  # an expert's w2 is all of its w2
-        # (input scales excepted: w1 and w3 bring one each, and the loader keeps their max)
-        earlier = None if name.endswith("_input_scale") else self._overlap(layer, *arrival)
+        earlier = self._overlap(layer, *arrival)  # (w1's and w3's input scales, one slot, are two arrivals: the max)
         if earlier is not None:  # (a weight: the completeness check counts elements; a scale: the second replaced
             # the first, silently)
             raise ValueError(
@@ -571,7 +570,7 @@ class Fp8MoEMethod:
             dest.copy_(torch.maximum(dest, loaded.float()))
         else:
             dest.copy_(loaded)
-            layer._fp8fx_arrived.add(arrival)
+        layer._fp8fx_arrived.add(arrival)
         if name == base:
             self._count(layer, base, expert_id, dest.numel())
 

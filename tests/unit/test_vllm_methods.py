@@ -308,7 +308,7 @@ def test_a_shards_scale_loaded_twice_is_refused_changing_nothing(granularity):
         method.weight_loader(layer, "input_scale", torch.tensor([0.5]), 2)
 
 
-def test_an_expert_weight_scale_loaded_twice_is_refused_and_input_scales_keep_their_max():
+def test_an_expert_scale_loaded_twice_is_refused_and_w1_w3_input_scales_keep_their_max():
     method = Fp8MoEMethod(Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=fp8fx.PerTensor(),
                                     activation_scheme="static"))
     layer = nn.Module()
@@ -326,9 +326,17 @@ def test_an_expert_weight_scale_loaded_twice_is_refused_and_input_scales_keep_th
         method.weight_loader(layer, "down_proj_scale", torch.tensor([0.5]), "w2", 2)
     assert _same(_state(layer), before)
     method.weight_loader(layer, "gate_up_proj_scale", torch.tensor([0.1]), "w1", 1)  # another expert: its own
-    for value in (0.2, 0.4):  # w1's and w3's input scales of one expert: the max is kept, as vLLM keeps it
-        method.weight_loader(layer, "gate_up_proj_input_scale", torch.tensor(value), "w1", 0)
-    assert layer.gate_up_proj_input_scale.max().item() == pytest.approx(0.4)
+    for shard, value in (("w1", 0.4), ("w3", 0.2)):  # w1's and w3's input scales of one expert: their max (vLLM's)
+        method.weight_loader(layer, "gate_up_proj_input_scale", torch.tensor(value), shard, 0)
+    method.weight_loader(layer, "down_proj_input_scale", torch.tensor(0.3), "w2", 0)
+    before = _state(layer)
+    for name, shard, value in (("gate_up_proj_input_scale", "w1", 0.5), ("down_proj_input_scale", "w2", 0.5)):
+        with pytest.raises(ValueError, match=rf"^experts.{name} \(expert 0, shard {shard}\) overlaps what was loaded "
+                                             rf"before \(expert 0, shard {shard if shard != 'w2' else None}"):
+            method.weight_loader(layer, name, torch.tensor(value), shard, 0)  # (kept in the max, or lost in it)
+    assert _same(_state(layer), before)
+    assert layer.gate_up_proj_input_scale.flatten()[0].item() == pytest.approx(0.4)
+    assert layer.down_proj_input_scale.flatten()[0].item() == pytest.approx(0.3)
 
 
 @pytest.mark.parametrize("experts", [False, True], ids=["linear", "experts"])
