@@ -358,11 +358,15 @@ class HorizontalFusionPass(Fp8Pass):
                 continue
             claimed.update({w: f"fused({site_names(ctx, nodes)})" for w in weights})
             fused_groups.add(weights)
-            if nodes[0].args[0].target is _STATIC:
+            static = nodes[0].args[0].target is _STATIC
+            if static:
                 share_static(gm, nodes)
             y = self._fuse(gm, nodes, ctx)
-            # every fused site is found by the one GEMM in Inductor's output code (the report's kernel column)
-            amend_sites(ctx, nodes, f"fused({site_names(ctx, nodes)})", node=Site.origin_of(y))
+            # every fused site is found by the one GEMM in Inductor's output code (the report's kernel column); with
+            # static scales, each layer's input at the group's largest (a layer's own was no sign of it)
+            amend_sites(ctx, nodes, f"fused({site_names(ctx, nodes)})" + (
+                " (the input quantized once, at the largest of their static input scales)" if static else ""),
+                node=Site.origin_of(y))
             fused += len(nodes)
         layouts = _Layouts(gm.graph)
         self._explain_singles(groups, ctx, layouts)

@@ -483,6 +483,7 @@ class GatedMlpPass(Fp8Pass):
             new = self._fuse(gm.graph, mlp, group)
             how = (f", h in 1x{group} groups" if group else
                    ", h's static scale kept: mlp_h_group applies to dynamic ones" if static_kept else "")
+            how += ", x at the larger of gate's and up's static input scales" if shared else ""
             what = ("prefill: act * mul in the gate/up GEMM's epilogue, h quantized per token, cuBLAS down"
                     if not prefill_why else
                     "3 kernels: act * mul in the gate/up GEMM's epilogue, h quantized per token, the down GEMM"

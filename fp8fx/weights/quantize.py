@@ -681,7 +681,8 @@ class _WeightReads(TorchFunctionMode):
     """Records, as ``record(fqn, x)``, the input ``x`` of every linear of a tracked ``nn.Linear`` weight that is not
     a call of the module, in the spellings the linear pass rewrites: ``F.linear(x, layer.weight)``,
     ``x @ layer.weight.t()``, ``torch.mm(x, w.T)``, ``torch.addmm(b, x, w.mT)``, the weight read through ``.t()``,
-    ``.T``, ``.mT``, ``transpose``, ``permute``, casts and ``contiguous``, or on the left (``w @ x``): a module hook
+    ``.T``, ``.mT``, ``transpose``, ``permute``, casts that change nothing (to its own dtype and device) and
+    ``contiguous``, or on the left (``w @ x``): a module hook
     does not see these, and static activations need their scales. A call of the module itself, whose ``F.linear``
     is seen too, is measured by that (``calibrate``'s ``read``). An fp8 layer's weight, dequantized anew at each read,
     is found by its name (``named``)."""
@@ -713,7 +714,9 @@ class _WeightReads(TorchFunctionMode):
         first = self._read(args[0]) if args else None
         if first is not None and isinstance(out, torch.Tensor) and out is not args[0]:
             src = args[0]
-            if name in quant.CAST_METHODS and out.shape == src.shape:
+            if name in quant.CAST_METHODS and (out.shape, out.dtype, out.device) == (src.shape, src.dtype, src.device):
+                # (a cast that changes nothing, as the pass looks through: ``w.float()`` of a bf16 weight computes
+                # in float32 on the dequantized weight, not rewritten, and its input widened the layer's scale)
                 self.reads[out] = first
             elif _transposing_view(src, out):  # .t(), .T, .mT, permute(1, 0) ...
                 self.reads[out] = (first[0], not first[1])

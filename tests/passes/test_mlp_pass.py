@@ -387,7 +387,8 @@ def test_static_gate_and_up_share_the_larger_input_scale():
     assert code.count("fp8fx.gated_mlp.default(") == 1 and code.count("fp8fx.quantize_static.default(") == 1, code
     assert "torch.maximum(" in code
     assert torch.equal(y, unfused) and rel_err(y, ref(x.double())) < 0.08
-    assert all(s.scheme.endswith("fused(gate_proj,up_proj,down_proj: gated MLP, 2 kernels)") for s in report.sites)
+    assert all(s.scheme.endswith("fused(gate_proj,up_proj,down_proj: gated MLP, 2 kernels, x at the larger of gate's "
+                                 "and up's static input scales)") for s in report.sites), report
 
 
 @pytest.mark.parametrize("case,reason", [

@@ -10,6 +10,7 @@ from unittest import mock
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import fp8fx
@@ -1617,6 +1618,34 @@ def test_calibrate_measures_linears_read_through_their_weights(caplog):
     assert sorted(s.fqn for s in backend.report.rewritten) == list("abcdefl")
     assert all("static" in str(s.scheme) for s in backend.report.rewritten)
     assert rel_err(out, ref) < 0.12  # six fp8 layers in a row, weights and activations: 0.087
+
+
+def test_calibrate_leaves_out_reads_through_a_cast_the_pass_does_not_rewrite():
+    """``F.linear(x.float() * 50, layer.weight.float())`` computes in float32 on the dequantized weight (the pass does
+    not rewrite it: a cast that changes the dtype); calibrate counted its input into the layer's scale, and the
+    rewritten call of the layer quantized its own input with a scale 50x too coarse (its small values into fp8's
+    subnormals)."""
+
+    class SideRead(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.l = nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.l(x), F.linear(x.float() * 50, self.l.weight.float()), x @ self.l.weight.bfloat16().t()
+
+    torch.manual_seed(0)
+    model = SideRead().to(torch.bfloat16)
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    scales = fp8fx.calibrate(model, [x])
+    assert scales["l"] == pytest.approx(x.abs().max().item() / quant.FP8_MAX, rel=1e-6)  # (it was 50x that)
+    ref = F.linear(x.double(), model.l.weight.double(), model.l.bias.double())
+    fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales=scales)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)[0]
+    assert len(backend.report.rewritten) == 2  # the call and the read through a cast to its own dtype
+    assert rel_err(out, ref) < 0.045  # 0.035-0.037 (fp8's exponent keeps most of a 50x scale's loss: 0.033-0.034)
 
 
 def test_calibrate_runs_a_module_compiled_inside_the_model_eagerly():
