@@ -483,11 +483,11 @@ class GatedMlpPass(Fp8Pass):
             new = self._fuse(gm.graph, mlp, group)
             how = (f", h in 1x{group} groups" if group else
                    ", h's static scale kept: mlp_h_group applies to dynamic ones" if static_kept else "")
-            how += ", x at the larger of gate's and up's static input scales" if shared else ""
             what = ("prefill: act * mul in the gate/up GEMM's epilogue, h quantized per token, cuBLAS down"
                     if not prefill_why else
                     "3 kernels: act * mul in the gate/up GEMM's epilogue, h quantized per token, the down GEMM"
                     if three else f"2 kernels{how}")
+            what += ", x at the larger of gate's and up's static input scales" if shared else ""  # (in every form)
             if group:  # the down GEMM reads h in groups now, where the graph had it per token or per tensor
                 restate_activation(ctx, mlp.down, f"per-group(1x{group})")
             amend_sites(ctx, mlp.gemms, f"fused({names}: gated MLP, {what})", node=Site.origin_of(new))

@@ -373,21 +373,32 @@ class WrittenBetweenMLP(MLP):
         return self.down_proj(nn.functional.silu(gate) * self.up_proj(x))
 
 
-def test_static_gate_and_up_share_the_larger_input_scale():
+@pytest.mark.parametrize("tokens,form", [(4, "2 kernels"), (32, "3 kernels: act * mul in the gate/up GEMM's "
+                                                                "epilogue, h quantized per token, the down GEMM"),
+                                         (2048, "prefill: act * mul in the gate/up GEMM's epilogue, h quantized per "
+                                                "token, cuBLAS down")])
+def test_static_gate_and_up_share_the_larger_input_scale(tokens, form):
     """Each quantized x with its own static scale: the MLP was never fused ("gate and up have their own static input
-    scales"). x is quantized once with the larger (vLLM's static w13: the max of the shards'), in the graph."""
-    scales = {"gate_proj": 0.05, "up_proj": 0.08, "down_proj": 0.05}
-    config = fp8fx.Fp8Config(activation_scheme="static")
-    model, ref = quantized(MLP, config, input_scales=scales)
-    same, _ = quantized(MLP, config, input_scales={**scales, "gate_proj": 0.08})  # what the fused op computes
-    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    scales"). x is quantized once with the larger (vLLM's static w13: the max of the shards'), in the graph; the
+    report says so in each form (only the 2-kernel one did)."""
+    def quantized_static(gate_scale):  # (down dynamic past 16 tokens: a static h fuses at 1-16 only)
+        model, ref = quantized(MLP, fp8fx.Fp8Config(activation_scheme="static", ignored_layers=(
+            [] if tokens == 4 else ["down_proj"])), input_scales={"gate_proj": gate_scale, "up_proj": 0.08,
+                                                                  "down_proj": 0.05})
+        if tokens != 4:
+            fp8fx.quantize_(model.down_proj, prefix="down_proj")
+        return model, ref
+
+    model, ref = quantized_static(0.05)
+    same, _ = quantized_static(0.08)  # what the fused op computes
+    x = torch.randn(tokens, 64, dtype=torch.bfloat16)
     y, report, code = run(model, x, fuse_mlp=True, mlp_h_group=None)
     torch._dynamo.reset()
     unfused, _, _ = run(same, x)
-    assert code.count("fp8fx.gated_mlp.default(") == 1 and code.count("fp8fx.quantize_static.default(") == 1, code
-    assert "torch.maximum(" in code
+    assert "scaled_mm.default(" not in code or tokens == 2048, code  # (prefill: its own gate/up op, cuBLAS down)
+    assert code.count("fp8fx.quantize_static.default(") == 1 and "torch.maximum(" in code, code
     assert torch.equal(y, unfused) and rel_err(y, ref(x.double())) < 0.08
-    assert all(s.scheme.endswith("fused(gate_proj,up_proj,down_proj: gated MLP, 2 kernels, x at the larger of gate's "
+    assert all(s.scheme.endswith(f"fused(gate_proj,up_proj,down_proj: gated MLP, {form}, x at the larger of gate's "
                                  "and up's static input scales)") for s in report.sites), report
 
 
