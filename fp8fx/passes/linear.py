@@ -191,9 +191,11 @@ def _last_two_swapped(node: fx.Node) -> fx.Node | None:
     return source
 
 
-def _weight_on_the_left(graph: fx.Graph, node: fx.Node, transposes: dict) -> bool:
+def _weight_on_the_left(graph: fx.Graph, node: fx.Node, transposes: dict, ctx: PassContext) -> bool:
     """Rewrites ``w @ x`` of an fp8fx-quantized 2-D weight ``w`` [N, K] (Mamba's ``dt_proj.weight @
-    t.transpose(1, 2)``: ``x`` [..., K, M]) to the linear it is, ``(x.mT @ w.t()).mT.contiguous()`` (the strides
+    t.transpose(1, 2)``: ``x`` [..., K, M]), or of a linear's weight ``quantize_`` left in high precision or
+    ``fp8fx inspect`` named (tagged ``_fp8fx_fqn``: a site with its reason, where ``inspect`` had said "in no
+    traced graph"), to the linear it is, ``(x.mT @ w.t()).mT.contiguous()`` (the strides
     ``w @ x`` has), which the pass then finds as ``x @ w.T`` (a 1-D ``x``: ``x @ w.t()``); True if it did. The same
     numbers in another order: the fp8 op's tokens are ``x``'s columns. ``x.mT`` is ``t`` for ``x = t.mT``, and one
     node per other ``x`` (``transposes``), so that layers reading one ``x`` quantize it once and fuse. Not when the
@@ -205,7 +207,8 @@ def _weight_on_the_left(graph: fx.Graph, node: fx.Node, transposes: dict) -> boo
         return False
     w, x = _without_noop_casts(operands[0]), operands[1]
     wv, xv = fake_value(w), fake_value(x)
-    if w.target not in _DEQUANT or getattr(wv, "ndim", 0) != 2 or getattr(xv, "ndim", 0) < 1:
+    named = w.op in ("placeholder", "get_attr") and hasattr(ctx.example.get(w), "_fp8fx_fqn")
+    if not (w.target in _DEQUANT or named) or getattr(wv, "ndim", 0) != 2 or getattr(xv, "ndim", 0) < 1:
         return False
     with graph.inserting_before(node):
         source = _last_two_swapped(x) if xv.ndim > 1 else None
@@ -802,7 +805,7 @@ class LinearPass(Fp8Pass):
             weight_only = lacks_fp8_tensor_cores(ctx.example.values())
         transposes: dict[fx.Node, fx.Node] = {}
         for node in list(graph.nodes):
-            _weight_on_the_left(graph, node, transposes)
+            _weight_on_the_left(graph, node, transposes, ctx)
         # one quantization per (activation, scheme): q/k/v and gate/up read the same x
         quantized = _Quantized(graph)
         inputs = graph_inputs_memory(graph)

@@ -299,6 +299,31 @@ def test_inspect_table_says_a_layer_it_did_not_trace_is_untraced_not_unquantized
                                      "after", "a", "graph", "break)"], rows["b"]
 
 
+def test_inspect_predicts_a_weight_on_the_left_as_the_compile_rewrites_it(capsys, tmp_path):
+    """Mamba's ``dt_proj.weight @ x`` (Jamba's mamba layers): quantize_ and the compile rewrite it; inspect, tracing
+    the bf16 model, found no site there (the pass took ``w @ x`` of a quantized weight only) and said "in no traced
+    graph", its bytes left out of the total."""
+    cfg = transformers.AutoConfig.for_model(
+        "jamba", hidden_size=64, num_hidden_layers=2, vocab_size=128, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=128, num_experts=4, num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+        expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8, mamba_dt_rank=8, use_mamba_kernels=False,
+        pad_token_id=0, bos_token_id=0, eos_token_id=0)
+    cfg.save_pretrained(tmp_path)
+    code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+    assert code == 0, err
+    predicted = {s["fqn"]: s for s in json.loads(out)["sites"]}
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randint(0, 128, (1, 8)))
+    rewritten = {s.fqn for s in backend.report.sites if s.rewritten}
+    assert "model.layers.0.mamba.dt_proj" in rewritten
+    assert {f for f, s in predicted.items() if s["would_rewrite"]} == rewritten
+    assert sum(s["bytes_saved"] for s in predicted.values()) == backend.report.bytes_saved
+
+
 def test_inspect_counts_a_layer_called_twice_once(capsys, models_py):
     """Two sites of one layer: its saved bytes were summed twice (the table and the JSON rows)."""
     code, out, err = run(capsys, "inspect", f"{models_py}:twice", "--json")
