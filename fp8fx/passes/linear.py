@@ -193,9 +193,9 @@ def _last_two_swapped(node: fx.Node) -> fx.Node | None:
 
 def _weight_on_the_left(graph: fx.Graph, node: fx.Node, transposes: dict, ctx: PassContext) -> bool:
     """Rewrites ``w @ x`` of an fp8fx-quantized 2-D weight ``w`` [N, K] (Mamba's ``dt_proj.weight @
-    t.transpose(1, 2)``: ``x`` [..., K, M]), or of a linear's weight ``quantize_`` left in high precision or
-    ``fp8fx inspect`` named (tagged ``_fp8fx_fqn``: a site with its reason, where ``inspect`` had said "in no
-    traced graph"), to the linear it is, ``(x.mT @ w.t()).mT.contiguous()`` (the strides
+    t.transpose(1, 2)``: ``x`` [..., K, M]), or of a linear's bf16 weight ``fp8fx inspect`` named (tagged
+    ``_fp8fx_fqn``, with no reason: where ``inspect`` had said "in no traced graph"), to the linear it is,
+    ``(x.mT @ w.t()).mT.contiguous()`` (the strides
     ``w @ x`` has), which the pass then finds as ``x @ w.T`` (a 1-D ``x``: ``x @ w.t()``); True if it did. The same
     numbers in another order: the fp8 op's tokens are ``x``'s columns. ``x.mT`` is ``t`` for ``x = t.mT``, and one
     node per other ``x`` (``transposes``), so that layers reading one ``x`` quantize it once and fuse. Not when the
@@ -207,7 +207,11 @@ def _weight_on_the_left(graph: fx.Graph, node: fx.Node, transposes: dict, ctx: P
         return False
     w, x = _without_noop_casts(operands[0]), operands[1]
     wv, xv = fake_value(w), fake_value(x)
-    named = w.op in ("placeholder", "get_attr") and hasattr(ctx.example.get(w), "_fp8fx_fqn")
+    # (a weight quantize_ left in high precision, tagged with its reason too, stays torch's ``w @ x``: the same
+    # numbers and strides as eager, its row from _report_tagged_readers; only the linears inspect named are taken,
+    # as their quantized reads would be)
+    real = ctx.example.get(w) if w.op in ("placeholder", "get_attr") else None
+    named = hasattr(real, "_fp8fx_fqn") and not hasattr(real, "_fp8fx_skip_reason")
     if not (w.target in _DEQUANT or named) or getattr(wv, "ndim", 0) != 2 or getattr(xv, "ndim", 0) < 1:
         return False
     with graph.inserting_before(node):

@@ -1136,6 +1136,33 @@ def test_a_weight_on_the_left_left_in_bf16_has_its_row():
     assert backend.report.unhandled_weights(model) == []
 
 
+def test_a_weight_on_the_left_left_in_high_precision_computes_as_eager():
+    """A linear's weight quantize_ kept in high precision, read as ``w @ x``: torch's matmul, as eager computes it (it
+    was rewritten to ``(x.mT @ w.t()).mT.contiguous()``, another rounding in float32, and a quantized ``b`` read as
+    ``a.weight @ b.weight.T`` lost its fp8 site to the kept ``a``)."""
+
+    class Kept(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.dt_proj, self.b = nn.Linear(4096, 256, bias=False), nn.Linear(64, 32, bias=False)
+            self.a = nn.Linear(64, 32, bias=False)
+
+        def forward(self, t, x):
+            return self.dt_proj.weight @ t, x @ (self.a.weight @ self.b.weight.T)
+
+    torch.manual_seed(0)
+    model = Kept()
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["dt_proj", "a"]))
+    t, x = torch.randn(4096, 7), torch.randn(3, 32)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        out, eager = torch.compile(model, backend=backend)(t, x), model(t, x)
+    assert torch.equal(out[0], eager[0])  # (2.5e-6 apart rewritten)
+    sites = {s.fqn: s for s in backend.report.sites}
+    assert sites["dt_proj"].reason == "not quantized: in ignored_layers", backend.report
+    assert sites["b"].rewritten and tuple(sites["b"].weight_shape) == (32, 64), backend.report
+
+
 class _AutocastInside(nn.Module):
     """Its linear under ``torch.autocast(device, bf16)``, or (``enabled=False``) under one that turns the caller's
     autocast off."""
