@@ -137,6 +137,8 @@ def inspect_command(args: argparse.Namespace) -> int:
     # document, which a line before it made unreadable
     with contextlib.redirect_stdout(sys.stderr):
         model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
+    spec = Path(args.model)
+    hf_folder = spec.is_dir() or spec.name == "config.json"
     checkpoint = _CheckpointNames(args.model, model)
     config, layer_config, config_format, ignores = make_config(args, hf_quant, checkpoint)
     try:  # as quantize_ would: an --ignore that names no module keeps nothing in bf16
@@ -156,6 +158,14 @@ def inspect_command(args: argparse.Namespace) -> int:
                         unmatched, type(model).__name__, _ignore_hint(unmatched[0], names))
     with contextlib.redirect_stdout(sys.stderr):
         rows, others, graphs = predict(model, config, call_args, call_kwargs, layer_config, checkpoint.stored_high)
+    towers = [n for n in ("vision_config", "audio_config") if getattr(getattr(model, "config", None), n, None)]
+    untraced = [r["fqn"] for r in rows if r["reason"] == _UNTRACED]
+    if hf_folder and towers and untraced:  # (a VLM's vision tower and projector: their rows blamed a graph break)
+        log.warning("fp8fx inspect: %s was traced with input ids only, so its %s tower's layers ran in no graph: %d "
+                    "rows say 'in no traced graph' (%s%s); pass a module:factory that returns (model, example_args) "
+                    "with its images or audio to trace them", type(model).__name__,
+                    " / ".join(t.split("_")[0] for t in towers), len(untraced), untraced[0],
+                    ", ..." if len(untraced) > 1 else "")
     if args.json:
         print(json.dumps({"model": args.model, "config": config.to_dict(), "graphs": graphs, "sites": rows,
                           "other_weights": others}, indent=1))
@@ -266,6 +276,11 @@ def _hf_model(path: Path, dtype: torch.dtype, seq_len: int):
             quant_config = read_config(str(folder)).get("quantization_config")
         except CheckpointError as e:
             raise UsageError(str(e)) from None
+    main = getattr(model, "main_input_name", "input_ids")
+    if main != "input_ids":  # (a ViT's pixel_values, Whisper's input_features: it failed in the model's own code)
+        raise UsageError(f"{type(model).__name__} takes {main}, and fp8fx inspect traces an HF folder's model with "
+                         "input ids only: pass a module:factory that builds the model and returns (model, "
+                         f"example_args), its {main} among them")
     ids = torch.zeros(1, seq_len, dtype=torch.long, device="meta")
     kwargs = _no_kv_cache(model)
     if getattr(model.config, "is_encoder_decoder", False) and "decoder_input_ids" in pyinspect.signature(
@@ -287,8 +302,11 @@ def _no_kv_cache(model: nn.Module, call_args: tuple = ()) -> dict:
     params = signature.parameters
     if "use_cache" in params:
         return {} if "use_cache" in given else {"use_cache": False}
-    takes = any(p.kind is p.VAR_KEYWORD for p in params.values()) and getattr(
-        getattr(model, "config", None), "use_cache", None) is not None
+    config = getattr(model, "config", None)
+    # (a vision-language model's: its text config's, where the top config has none - Llava's)
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else None
+    takes = any(p.kind is p.VAR_KEYWORD for p in params.values()) and any(
+        getattr(c, "use_cache", None) is not None for c in (config, text))
     return {"use_cache": False} if takes else {}
 
 
@@ -534,7 +552,8 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
         while (cause.__cause__ or cause.__context__) is not None:  # Dynamo wraps the op's own error, twice
             cause = cause.__cause__ or cause.__context__
         raise UsageError(f"tracing {type(model).__name__} on the meta device failed: {type(cause).__name__}: "
-                         f"{_first_line(cause)}") from e
+                         f"{_first_line(cause)} (an HF folder's model is called with input ids only; for a model "
+                         "that needs other inputs, pass a module:factory that returns (model, example_args))") from e
     finally:
         for name, lg in loggers.items():
             lg.setLevel(levels[name])

@@ -324,6 +324,32 @@ def test_inspect_predicts_a_weight_on_the_left_as_the_compile_rewrites_it(capsys
     assert sum(s["bytes_saved"] for s in predicted.values()) == backend.report.bytes_saved
 
 
+def test_inspect_of_vision_models_traces_what_input_ids_reach_and_says_what_they_do_not(capsys, tmp_path, caplog):
+    """Llava's forward takes no use_cache and its top config has none (its text config has): a KV cache of real meta
+    tensors failed the trace ("Please convert all Tensors to FakeTensors first"). Its vision tower, which input ids do
+    not reach, is said so, not blamed on a graph break alone. A ViT (pixel values) failed in its own code."""
+    text = dict(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, max_position_embeddings=128, head_dim=16)
+    vision = dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128, image_size=32,
+                  patch_size=8)
+    cfg = transformers.LlavaConfig(vision_config=transformers.CLIPVisionConfig(**vision),
+                                   text_config=transformers.LlamaConfig(**text), image_token_index=120)
+    cfg.architectures = ["LlavaForConditionalGeneration"]
+    cfg.save_pretrained(tmp_path / "llava")
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        code, out, err = run(capsys, "inspect", str(tmp_path / "llava"), "--json")
+    assert code == 0, err
+    sites = {s["fqn"]: s for s in json.loads(out)["sites"]}
+    assert sites["model.language_model.layers.0.self_attn.q_proj"]["would_rewrite"]
+    assert "traced with input ids only, so its vision tower's layers ran in no graph" in caplog.text
+    vit = transformers.ViTConfig(**vision)
+    vit.architectures = ["ViTModel"]
+    vit.save_pretrained(tmp_path / "vit")
+    code, out, err = run(capsys, "inspect", str(tmp_path / "vit"))
+    assert code == 2 and out == ""
+    one_line_error(err, "ViTModel takes pixel_values", "input ids only", "module:factory", "(model, example_args)")
+
+
 def test_inspect_counts_a_layer_called_twice_once(capsys, models_py):
     """Two sites of one layer: its saved bytes were summed twice (the table and the JSON rows)."""
     code, out, err = run(capsys, "inspect", f"{models_py}:twice", "--json")
