@@ -226,7 +226,9 @@ def _weight_on_the_left(graph: fx.Graph, node: fx.Node, transposes: dict, ctx: P
         wt = graph.call_function(torch.t, (operands[0],))
         set_fake_value(wt, torch.t, wt.args)
         y = graph.call_function(torch.matmul, (x, wt))
-        set_fake_value(y, torch.matmul, y.args)
+        # (its fake value from w @ x's: torch 2.11's matmul of fake tensors with symbolic sizes, a Mamba layer
+        # recompiled for another length, failed in "Cannot call numel() on tensor with symbolic sizes")
+        set_fake_value(y, lambda v: (v.transpose(-2, -1) if v.ndim > 1 else v).contiguous(), (node,))
         y.meta.update({k: v for k, v in node.meta.items() if k not in ("example_value", "val")})
         out = y
         if xv.ndim > 1:

@@ -1136,6 +1136,23 @@ def test_a_weight_on_the_left_left_in_bf16_has_its_row():
     assert backend.report.unhandled_weights(model) == []
 
 
+def test_a_weight_on_the_left_recompiled_for_another_length():
+    """The second length recompiles with a symbolic one: torch 2.11's matmul of fake tensors with symbolic sizes
+    failed ("Cannot call numel() on tensor with symbolic sizes/strides") as the pass rewrote ``w @ x``."""
+    torch.manual_seed(0)
+    model = _WeightOnTheLeft().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    compiled = torch.compile(model, backend=backend)
+    with torch.no_grad():
+        for tokens in (5, 9):
+            args = tuple(a.to(torch.bfloat16) for a in (torch.randn(2, tokens, 64), torch.randn(64, tokens),
+                                                          torch.randn(64)))
+            out, eager = compiled(*args), model(*args)
+            assert all(rel_err(o.float(), e.float()) < 0.05 for o, e in zip(out, eager))
+    assert {s.fqn for s in backend.report.sites if s.rewritten} == {"batched", "second", "mm", "vec"}
+
+
 def test_a_weight_on_the_left_left_in_high_precision_computes_as_eager():
     """A linear's weight quantize_ kept in high precision, read as ``w @ x``: torch's matmul, as eager computes it (it
     was rewritten to ``(x.mT @ w.t()).mT.contiguous()``, another rounding in float32, and a quantized ``b`` read as
