@@ -137,8 +137,7 @@ def inspect_command(args: argparse.Namespace) -> int:
     # document, which a line before it made unreadable
     with contextlib.redirect_stdout(sys.stderr):
         model, call_args, call_kwargs, hf_quant = load_meta_model(args.model, dtype, args.seq_len, args.input_shape)
-    spec = Path(args.model)
-    hf_folder = spec.is_dir() or spec.name == "config.json"
+    hf_folder = _hf_folder(args.model) is not None
     checkpoint = _CheckpointNames(args.model, model)
     config, layer_config, config_format, ignores = make_config(args, hf_quant, checkpoint)
     try:  # as quantize_ would: an --ignore that names no module keeps nothing in bf16
@@ -174,12 +173,18 @@ def inspect_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _hf_folder(spec: str) -> Optional[Path]:
+    """The HF model folder MODEL names (the folder, or its config.json's), or None (a module:factory)."""
+    path = Path(spec)
+    return path if path.is_dir() else path.parent if path.name == "config.json" else None
+
+
 def load_meta_model(spec: str, dtype: torch.dtype, seq_len: Optional[int], input_shape: Optional[str]):
     """(model on the meta device, args, kwargs to call it with, the HF quantization_config or None). ``seq_len``
     (None: 16) is for an HF MODEL only, ``input_shape`` for a factory that returns a model only: given to another
     MODEL, either is refused (it would be ignored)."""
     path = Path(spec)
-    if path.is_dir() or path.name == "config.json":
+    if _hf_folder(spec) is not None:
         if input_shape is not None:
             raise UsageError(
                 f"--input-shape {input_shape!r}: it applies to a MODEL given as module:factory (or file.py:factory) "
@@ -484,8 +489,7 @@ class _CheckpointNames:
     kept layers load as stored), else None."""
 
     def __init__(self, spec: str, model: nn.Module):
-        path = Path(spec)
-        folder = path if path.is_dir() else path.parent if path.name == "config.json" else None
+        folder = _hf_folder(spec)
         has_files = folder is not None and (any(folder.glob("*.safetensors"))
                                             or any(folder.glob("*.safetensors.index.json")))
         self.folder, self.model = folder if has_files else None, model

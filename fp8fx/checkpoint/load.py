@@ -42,7 +42,7 @@ from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight, targ
 from fp8fx.weights.linear import RANGE_CHECKED, remember_trainable
 from fp8fx.weights.linear import check_no_in_place_rescale, check_no_lazy_modules, kept_by_the_model
 from fp8fx.weights.moe import is_any_experts, is_quantized_experts
-from fp8fx.weights.quantize import OUTPUT_EMBEDDINGS_KEPT, check_ignored_layers, nothing_quantized
+from fp8fx.weights.quantize import check_ignored_layers, kept_as_stored, nothing_quantized
 
 log = logging.getLogger("fp8fx")
 
@@ -455,6 +455,7 @@ class _Loader:
         checkpoint modules; every other parameter is loaded as it is."""
         prefixes = {name.rpartition(".")[0] for name in entries}
         head = output_embeddings(self.model, self.modules)  # (fp8 checkpoints keep it high precision: below)
+        stored_high = functools.partial(stored_in_high_precision, entries)
         for fqn, module in self.modules.items():
             if not is_linear(module):  # (nn.Linear, and transformers' Conv1D: GPT-2's)
                 continue
@@ -468,13 +469,12 @@ class _Loader:
                     )
                 shards = tuple(parts)
             config, reason = self._layer_config(fqn, module, shards)
-            if config is not None and config.is_checkpoint_fp8_serialized and (
-                    fqn == head or fqn in self.kept or fqn in self.routers):
-                # (DeepSeek-V3.2's indexer.weights_proj: bf16 in its fp8 checkpoint, listed nowhere but in the model;
-                # Qwen2-MoE's shared_expert_gate, which vLLM builds unquantized whatever the ignore list says)
-                if stored_in_high_precision(entries, fqn):
-                    config, reason = None, (OUTPUT_EMBEDDINGS_KEPT if fqn == head else
-                                            self.kept.get(fqn) or self.routers[fqn])
+            kept = kept_as_stored(fqn, head, self.kept, self.routers, stored_high) if (
+                config is not None and config.is_checkpoint_fp8_serialized) else None
+            if kept is not None:  # (DeepSeek-V3.2's indexer.weights_proj: bf16 in its fp8 checkpoint, listed nowhere
+                # but in the model; Qwen2-MoE's shared_expert_gate, which vLLM builds unquantized whatever the ignore
+                # list says)
+                config, reason = None, kept
             if config is None:
                 self.not_quantized[fqn] = reason
                 if len(shards) == 1:

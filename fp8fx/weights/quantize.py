@@ -370,6 +370,16 @@ OUTPUT_EMBEDDINGS_KEPT = "output embeddings stored in high precision"  # (an fp8
 # transformers never quantize it for the fp8 format)
 
 
+def kept_as_stored(fqn: str, head: Optional[str], kept: Mapping[str, str], routers: Mapping[str, str],
+                   stored_high: Optional[Callable[[str], bool]]) -> Optional[str]:
+    """Why an fp8 checkpoint's linear ``fqn`` loads in high precision whatever its ignore list says, or None: the
+    output embeddings (``head``), a layer the model keeps (``kept``) or a router (``routers``), where the checkpoint
+    stores it so (``stored_high(fqn)``; None: no checkpoint at hand, taken as so, as fp8 checkpoints store them).
+    ``load_checkpoint``'s rule, and ``LinearDecider``'s for ``inspect`` and ``get_quant_method``."""
+    reason = OUTPUT_EMBEDDINGS_KEPT if fqn == head else kept.get(fqn) or routers.get(fqn)
+    return reason if reason is not None and (stored_high is None or stored_high(fqn)) else None
+
+
 class LinearDecider:
     """``quantize_``'s decision for each ``nn.Linear`` of ``model`` (named with ``prefix``, as ``quantize_``'s):
     ``decide = LinearDecider(model, prefix)``; ``decide(fqn, layer, config)`` -> ``(reason, on_purpose)``: why the
@@ -421,8 +431,8 @@ class LinearDecider:
             # plan: the layer loads as stored (a weight the block does not divide has ragged last blocks)
             if config.is_ignored(fqn):  # (a router the config targets too: the loader takes it as stored)
                 return "in ignored_layers", True
-            kept = OUTPUT_EMBEDDINGS_KEPT if fqn == self.head else self.kept.get(fqn) or self.routers.get(fqn)
-            if kept is not None and (self.stored_high is None or self.stored_high(fqn)):
+            kept = kept_as_stored(fqn, self.head, self.kept, self.routers, self.stored_high)
+            if kept is not None:
                 return kept, True
             return (None, False) if layer._parameters.get("weight") is not None else (
                 skip_reason(layer, fqn, config) or "no weight", False)
