@@ -35,8 +35,8 @@ from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, config_or, firs
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
-from fp8fx.weights.kv_cache import DEFAULTED, attach_kv_scales, attention_owner, check_kv_scale, kv_scale_target
-from fp8fx.weights.kv_cache import check_kv_scale_layout, getter_module, kv_cache_attentions, kv_slot_error
+from fp8fx.weights.kv_cache import attach_kv_scales, attention_owner, check_kv_scale, check_kv_scale_layout
+from fp8fx.weights.kv_cache import complete_kv_scales, getter_module, kv_cache_attentions, kv_scale_target, kv_slot_error
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight, target_classes
 from fp8fx.weights.linear import RANGE_CHECKED, remember_trainable
@@ -900,21 +900,13 @@ class _Loader:
             owners = list(self.kv) + [f for f in declared if f not in self.kv]
             for fqn in owners:
                 scales = self.kv.setdefault(fqn, {})
-                present = [name for name in DEFAULTED if name in scales]
-                for name in DEFAULTED:
-                    if name in scales:
-                        continue
-                    if kv_slot_error(self.modules[fqn], fqn, name, default=True) is not None:
-                        # the model uses the name for something else (MiMo-V2-Flash's attention has a float
-                        # v_scale, Gemma3n's audio attention a q_scale buffer): a default is not forced on it; a
-                        # scale the checkpoint holds there is refused
-                        taken.append(f"{fqn}.{name}")
-                        continue
-                    # one of k_scale / v_scale given (or a legacy kv_scale): both take it, as vLLM's
-                    # BaseKVCacheMethod does for a k_scale (or kv_scale) alone; a v_scale alone, which its assert
-                    # refuses, is taken so too (the warning names it); neither: 1.0
-                    scales[name] = scales[present[0]] if present else 1.0
-                    defaults.append(f"{fqn}.{name}" + (f"={present[0]}" if present else ""))
+                # the model may use a name for something else (MiMo-V2-Flash's attention has a float v_scale,
+                # Gemma3n's audio attention a q_scale buffer): a default is not forced on it; a scale the checkpoint
+                # holds there is refused. Neither k_scale nor v_scale held: 1.0, as vLLM's for an fp8 KV cache.
+                filled, left = complete_kv_scales(
+                    scales, lambda name: kv_slot_error(self.modules[fqn], fqn, name, default=True) is None, 1.0)
+                defaults += [f"{fqn}.{name}" for name in filled]
+                taken += [f"{fqn}.{name}" for name in left]
                 if not scales:
                     del self.kv[fqn]
             if defaults:

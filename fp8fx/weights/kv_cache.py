@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
@@ -112,6 +112,26 @@ def kv_slot_error(module: nn.Module, fqn: str, name: str, default: bool = False)
             f"{name} tensors from the checkpoint"
         )
     return None
+
+
+def complete_kv_scales(scales: dict[str, float], free: Callable[[str], bool],
+                       neither: Optional[float]) -> tuple[list[str], list[str]]:
+    """Fill the ``DEFAULTED`` scales ``scales`` lacks, in place: one of k_scale / v_scale present serves the other (as
+    vLLM's BaseKVCacheMethod lets a k_scale or legacy kv_scale alone serve v_scale; a v_scale alone, which its assert
+    refuses, serves k_scale so too); neither: ``neither``, or nothing where it is None. A name ``free`` refuses (the
+    model uses it for an attribute of its own) is left out. Returns (the names filled, each ``"name"`` or
+    ``"name=source"``; the names left out)."""
+    present = [name for name in DEFAULTED if name in scales]
+    filled, taken = [], []
+    for name in DEFAULTED:
+        if name in scales or not present and neither is None:
+            continue
+        if not free(name):
+            taken.append(name)
+            continue
+        scales[name] = scales[present[0]] if present else neither
+        filled.append(name + (f"={present[0]}" if present else ""))
+    return filled, taken
 
 
 def attach_kv_scales(module: nn.Module, scales: Mapping[str, float], device=None) -> None:

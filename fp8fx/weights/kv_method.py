@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from fp8fx.config import Fp8Config
-from fp8fx.weights.kv_cache import DEFAULTED, KV_SCALE_NAMES, attach_kv_scales, check_kv_scale, held_kv_scales
+from fp8fx.weights.kv_cache import KV_SCALE_NAMES, attach_kv_scales, check_kv_scale, complete_kv_scales, held_kv_scales
 from fp8fx.weights.kv_cache import kv_scale_target, kv_slot_error
 from fp8fx.weights.linear import method_config
 
@@ -102,11 +102,8 @@ class Fp8KVCacheMethod:
             value = float(p.detach().float().item())
             if value != _UNLOADED:  # (a copy into the parameter that bypassed weight_loader: checked here)
                 loaded[name] = check_kv_scale(f"{prefix}.{name}", torch.tensor(value))
-        scales = dict(loaded)
-        present = [n for n in DEFAULTED if n in loaded]
-        for name in DEFAULTED if present else ():  # (none loaded: the checkpoint holds none, none are attached)
-            if name not in taken:
-                scales.setdefault(name, loaded[present[0]])
+        scales = dict(loaded)  # (none loaded: the checkpoint holds none, none are attached)
+        complete_kv_scales(scales, lambda name: name not in taken, None)
         device = next(p for p in params.values() if p is not None).device
         for name in params:  # (nothing below fails: the names were free at create_weights)
             layer._parameters.pop(name, None)
