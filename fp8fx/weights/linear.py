@@ -1082,8 +1082,8 @@ class Fp8LinearMethod:
         layer._fp8fx_block_scales = isinstance(self.scheme.weight, PerBlock)
         layer._fp8fx_processed = False
         layer._fp8fx_copied = 0
-        layer._fp8fx_shards_loaded = set()  # weight shards received (a repeat must not count twice)
-        layer._fp8fx_scales_loaded = {}  # scale name -> the shards received ("all": the whole tensor)
+        # weight / scale name -> the shards received ("all": the whole tensor): a repeat must not count twice
+        layer._fp8fx_arrived = {}
         layer._fp8fx_device = device  # (where a bias on meta, and online the weight, are made as they load)
         bias = layer._parameters.get("bias")
         # a bias on meta must arrive through weight_loader, every shard of it: the shards loaded so far ("all": whole)
@@ -1131,8 +1131,8 @@ class Fp8LinearMethod:
                              "layer, which merged its shards' scales; load every tensor before it (nothing was "
                              "loaded)")
         online_weight = name == "weight" and not self.config.is_checkpoint_fp8_serialized
-        arrived = layer._fp8fx_scales_loaded.get(name, ()) if name != "weight" else ()
-        if arrived and (shard_id is None or "all" in arrived or shard_id in arrived):
+        arrived = layer._fp8fx_arrived.get(name, ())
+        if name != "weight" and arrived and (shard_id is None or "all" in arrived or shard_id in arrived):
             # (as a weight shard's: a second copy of a shard's scale replaced the first, silently)
             raise ValueError(f"{who}.{name} (shard {shard_id}) was loaded before (shards {sorted(arrived, key=str)}; "
                              "all: the whole tensor); each shard's scale must arrive once (nothing was loaded)")
@@ -1158,7 +1158,7 @@ class Fp8LinearMethod:
             online_weight or values_checked) else 0
         if bad:  # (NaN codes: the layer's outputs NaN, silently)
             raise ValueError(f"{who}.weight (shard {shard_id}) has {bad} NaN fp8 codes: re-export the checkpoint")
-        if name == "weight" and shard_id is not None and shard_id in layer._fp8fx_shards_loaded:
+        if name == "weight" and shard_id is not None and shard_id in arrived:
             # completeness is counted in elements: a repeat would stand in for a shard never loaded
             raise ValueError(
                 f"{who}: weight shard {shard_id} was loaded twice; each shard of "
@@ -1197,10 +1197,7 @@ class Fp8LinearMethod:
             dest = self._shard_slice(layer, name, target.data, shard_id)
         with CopyNumelCounter() as counter:
             dest.copy_(loaded.reshape(dest.shape))
-        if name == "weight" and shard_id is not None:
-            layer._fp8fx_shards_loaded.add(shard_id)
-        if name != "weight":
-            layer._fp8fx_scales_loaded.setdefault(name, set()).add("all" if shard_id is None else shard_id)
+        layer._fp8fx_arrived.setdefault(name, set()).add("all" if shard_id is None else shard_id)
         if name == "weight" and not online_weight:
             layer._fp8fx_copied += counter.copied_numel
         if online_weight:
@@ -1282,7 +1279,7 @@ class Fp8LinearMethod:
         _, part_scale = chunked.quantize(part, block, out=q.narrow(0, start, size))
         rows = 1 if isinstance(self.scheme.weight, PerRow) else self.scheme.weight.block_n
         scale.narrow(0, start // rows, part_scale.shape[0]).copy_(part_scale)
-        layer._fp8fx_shards_loaded.add(shard_id)
+        layer._fp8fx_arrived.setdefault("weight", set()).add(shard_id)
         layer._fp8fx_copied += loaded.numel()
         if layer._fp8fx_copied >= n * k:
             del layer._fp8fx_shard_parts
