@@ -1,6 +1,7 @@
 """Graph dumps: ``Fp8Backend(dump_dir=...)`` writes the story of every graph it compiles into one folder.
 
-File names sort in the order things happened (``graph000`` is the first graph the backend compiled)::
+File names sort in the order things happened (``graph000`` is the first graph the backend compiled; past ``graph999``
+the number takes four digits and sorts by number, not as text)::
 
     graph000_0_dynamo_graph.py           the graph Dynamo captured, before any fp8fx pass (as ``gm.code``)
     graph000_1_01_after_MoePass.py       the graph after each pass, in pass order (02: LinearPass, ...); its last
@@ -35,8 +36,9 @@ from fp8fx.passes import Fp8Pass, PassContext, PassManager
 from fp8fx.report import Report, Site
 
 log = logging.getLogger("fp8fx")
-# the files a dump writes (``GraphDump.clear`` removes these and no others: a user's graph001_loss.png stays)
-DUMP_FILE = re.compile(r"graph\d{3}_(0_dynamo_graph\.py|1_\d{2}_after_\w+\.py|2_inductor_output_code\.py"
+# the files a dump writes (``GraphDump.clear`` removes these and no others: a user's graph001_loss.png stays); from
+# the 1000th graph on, four digits (graph1000_: past graph999_ the names sort by their number, not as text)
+DUMP_FILE = re.compile(r"graph\d{3,}_(0_dynamo_graph\.py|1_\d{2}_after_\w+\.py|2_inductor_output_code\.py"
                         r"|3_report\.(json|txt)|4_dynamo_bytecode\.(py|txt))|report\.(json|txt)")
 NO_LOCK = -1  # ``lock_folder``'s answer where the platform has no advisory locks
 

@@ -94,6 +94,7 @@ def test_files_of_each_graph_sort_after_the_previous_graph(tmp_path):
 def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
     """A two-graph run then a one-graph run into one folder left graph001_* beside a report of one graph."""
     (tmp_path / "graph001_3_report.json").write_text("{}")
+    (tmp_path / "graph1000_0_dynamo_graph.py").write_text("")  # (the 1001st graph's names: they were left)
     (tmp_path / "report.txt").write_text("old")
     (tmp_path / "notes.md").write_text("mine")  # not a dump file: kept
     (tmp_path / "graph001_loss.png").write_text("mine")  # named like one but never written by one: kept (it went)
@@ -105,6 +106,7 @@ def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
             torch.randn(2, 64, dtype=torch.bfloat16))
     files = sorted(os.listdir(tmp_path))
     assert "notes.md" in files and [f for f in files if f.startswith("graph001")] == ["graph001_loss.png"]
+    assert "graph1000_0_dynamo_graph.py" not in files
     assert (tmp_path / "report.txt").read_text() != "old"
 
 
