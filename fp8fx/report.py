@@ -547,7 +547,7 @@ def generated_kernels(code: str) -> list[str]:
 
 def gemm_kernels(code: str) -> dict[str, str]:
     """{graph node name: the GEMM called for it}: the first extern kernel or Triton template whose name
-    has "mm" (or "mlp": ``fp8fx.gated_mlp``), or fp8fx's MoE op (``fp8fx.fused_moe``, an extern kernel),
+    has "mm" (or "mlp": ``fp8fx.gated_mlp``; an extern kernel's "linear": oneDNN's), or fp8fx's MoE op (``fp8fx.fused_moe``, an extern kernel),
     else the first other generated kernel with "mm" in its name (a fused kernel named after the ops it
     covers, e.g. an activation quantization fused with the prologue of a GEMM)."""
     generated = set(generated_kernels(code))
@@ -562,7 +562,10 @@ def gemm_kernels(code: str) -> dict[str, str]:
         callee = ("torch.ops.{}.{}".format(*op_call.groups()) if op_call else
                   "extern_kernels." + aten_call.group(1) if aten_call else _callee(call.group(1)) if call else "")
         extern = callee.startswith(("extern_kernels.", "torch.ops."))
-        gemm = any(part in callee.rpartition(".")[2] for part in ("mm", "mlp")) and (extern or callee in generated)
+        name = callee.rpartition(".")[2]
+        # (with freezing on the CPU a high-precision linear is oneDNN's ``mkldnn._linear_pointwise``)
+        gemm = (any(part in name for part in ("mm", "mlp")) and (extern or callee in generated)
+                or extern and "linear" in name)
         if gemm or callee in _MOE_OPS:  # not a generated kernel named after an input's cast fused with it
             for n in nodes:
                 candidates.setdefault(n, []).append((extern or callee.startswith("triton_tem_"), callee))

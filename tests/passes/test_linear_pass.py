@@ -1569,6 +1569,8 @@ def test_inductor_freezing_keeps_the_reports_reasons():
     assert max(rel_err(o, r) for o, r in zip(out, ref)) < 0.05
     sites = {s.fqn: s for s in backend.report.sites}
     assert sites["a"].rewritten and sites["b"].reason == "not quantized: in ignored_layers", backend.report
+    # the bf16 layer's GEMM is named (oneDNN's mkldnn._linear_pointwise where the CPU has it: it was "-", as eager's)
+    assert sites["b"].kernel.startswith("extern "), backend.report
     model = MaskBetween().to(torch.bfloat16).eval()
     fp8fx.quantize_(model)
     backend = Fp8Backend(fuse_horizontal=True)
