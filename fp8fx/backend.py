@@ -248,6 +248,7 @@ class Fp8Backend:
             raise ValueError("torch.compile(options={'triton.cudagraphs': False}) with Fp8Backend(cudagraphs=True) "
                              "or its inductor_config's: the two disagree; keep one")
         index = self.report.graphs
+        self.report.watch_recompile_limit()  # (a frame that gives no graph hits the limit unseen: Dynamo counts it)
         frame = compat.frame_graphs()
         if frame is not None:  # (a graph that fails is one of this backend's too, for the recompile limit's count)
             self.report.graph_of_frame(index, frame[0])

@@ -14,6 +14,8 @@ import re
 import weakref
 from typing import Any, Iterable, Optional
 
+from fp8fx.lowerings import compat
+
 log = logging.getLogger("fp8fx")
 # how a site left in high precision on purpose (its weight tagged with why) says so
 NOT_QUANTIZED = "not quantized: "
@@ -118,6 +120,7 @@ class Report:
         # graph index -> what it means that Dynamo compiled no more graphs for its frame (``at_recompile_limit``)
         self.limits: dict[int, str] = {}
         self._frame_ids: dict[int, str] = {}  # graph -> Dynamo's id of its frame (at_recompile_limit counts its own)
+        self._limit_hits_from: Optional[int] = None  # Dynamo's count of recompile-limit hits at the first graph
         # graph index -> the module whose forward it traced, where that is not the compiled model (a block's forward
         # after a graph break in it): Dynamo runs the graph's code again for the other modules of that class it
         # meets, with their weights, without a new graph; the backend watches the weights it is called with
@@ -163,6 +166,28 @@ class Report:
         """After ``torch._dynamo.reset()``: Dynamo numbers frames from 0 again, and this report's graphs count toward
         no frame's recompile limit (they were counted as the new frame 0's, which hid other backends' graphs)."""
         self._frame_ids.clear()
+        if self._limit_hits_from is not None:  # (the frames Dynamo ran uncompiled compile again)
+            self._limit_hits_from = compat.recompile_limit_hits()
+
+    def watch_recompile_limit(self) -> None:
+        """Count Dynamo's recompile-limit hits from now on (``recompile_limit_hits``); called at each graph, counts
+        from the first."""
+        if self._limit_hits_from is None:
+            self._limit_hits_from = compat.recompile_limit_hits()
+
+    @property
+    def recompile_limit_hits(self) -> int:
+        """How many times Dynamo hit its recompile limit in this process since this report's first graph (Dynamo's
+        record; any frame, of this model or not). ``at_recompile_limit`` says it of a frame whose last graph this
+        backend compiled; a frame that never gave it a graph (a graph break before its first op, compiled again for
+        each shape: a decorator's wrapper that many methods share, as transformers' ``deprecate_kwarg``) reaches the
+        limit unseen, and only this count tells."""
+        if self._limit_hits_from is None:
+            return 0
+        now = compat.recompile_limit_hits()
+        if now < self._limit_hits_from:  # (Dynamo's counters cleared: counted from then)
+            self._limit_hits_from = 0
+        return now - self._limit_hits_from
 
     def at_recompile_limit(self, graph: int, compile_id: str, graphs: int, limit: int, static: bool) -> None:
         """Graph ``graph`` is the ``limit``-th Dynamo compiled for its frame: a call that needs one more runs the
@@ -374,6 +399,7 @@ class Report:
                 "not_rewritten": sum(not s.rewritten for s in sites),
                 "bytes_saved": _bytes_saved(sites),
                 "kernels": sum(len(k) for k in kernels.values()),
+                "recompile_limit_hits": self.recompile_limit_hits,
             },
             "graphs": [{"index": g, "kernels": k, **({"failed": self.failed[g]} if g in self.failed else {}),
                         **({"frame": self.frames[g]} if g in self.frames else {}),
@@ -415,6 +441,16 @@ class Report:
         lines += [f"graph {g} failed to compile, nothing in it rewritten: {why}" for g, why in self.failed.items()
                   if graph in (None, g)]
         lines += [why for g, why in self.limits.items() if graph in (None, g)]
+        hits = self.recompile_limit_hits
+        if hits:
+            lines.append(
+                f"Dynamo hit torch._dynamo.config.recompile_limit {_count(hits, 'time')} in this process since this "
+                "report's first graph: the frame it hit runs uncompiled from then on (Dynamo's warning 'hit "
+                "config.recompile_limit' names its function), and so do the frames it calls where no graph compiled "
+                "already fits the input - for this model's, in high precision on the dequantized weights with no fp8 "
+                "GEMM, whatever the rows above say. A frame that gave no graph (a graph break before its first op; a "
+                "decorator's wrapper many methods share) reaches the limit with no line of its own: "
+                "TORCH_LOGS=recompiles names the guards that failed")
         lines += [f"graph {g} traced {root}'s forward, whose code Dynamo runs for any other module of its class it "
                   "meets (a block after a graph break): their sites are listed as they run" for g, root in
                   self.frames.items() if graph in (None, g)]

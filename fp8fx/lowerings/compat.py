@@ -400,6 +400,16 @@ def dynamo_events() -> tuple[list[str], list[str], list[str]]:
     return breaks, [r for r in failures if "BACKEND_MATCH" not in r], skipped
 
 
+def recompile_limit_hits() -> int:
+    """How many times Dynamo has hit ``recompile_limit`` in this process (any frame, any backend): each hit runs a
+    frame uncompiled from then on. Dynamo files each as unsupported, "Dynamo recompile limit exceeded" (torch 2.11,
+    2.13), once a frame; ``torch._dynamo.reset()`` does not clear the count."""
+    from torch._dynamo import utils
+
+    return sum(n for reason, n in utils.counters["unimplemented"].items()
+               if reason.startswith("Dynamo recompile limit exceeded"))
+
+
 def frame_graphs() -> Optional[tuple[str, int, int]]:
     """For the graph Dynamo is compiling now: (its compile id, "0/7"; how many graphs Dynamo has compiled for its frame,
     this one included; ``torch._dynamo.config.recompile_limit``, past which Dynamo runs the frame uncompiled), or None
@@ -456,4 +466,5 @@ __all__ = [
     "frame_graphs",
     "is_dynamo_retrace",
     "one_pass_row_reductions",
+    "recompile_limit_hits",
 ]

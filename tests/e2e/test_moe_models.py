@@ -859,3 +859,33 @@ def test_tiny_nemotron_h_ungated_experts_in_fp8_cuda(block):
     [site] = [s for s in backend.report.sites if s.kind == "moe"]
     assert site.rewritten and site.scheme.endswith("(ungated, squared ReLU)"), (site.reason, site.scheme)
     assert rel_err(out, truth) < 0.06  # the CPU run of the same experts: 0.020-0.035 with the residual x
+
+
+def test_a_frame_that_gave_no_graph_reaching_the_recompile_limit_is_in_the_report():
+    """DBRX's block, attention and norm forwards share transformers' deprecate_kwarg wrapper, one code object that
+    Dynamo compiles again for each method and shape and that breaks before its first op: it reached
+    torch._dynamo.config.recompile_limit without giving fp8fx a graph, and from then on the whole forward ran
+    uncompiled (the dequantized model's bits) while the report listed every layer rewritten and said nothing (found by
+    a probe)."""
+    import copy
+
+    torch.manual_seed(0)
+    config = transformers.DbrxConfig(vocab_size=128, d_model=64, n_heads=4, n_layers=2, max_seq_len=128,
+                                     pad_token_id=0, attn_config=dict(kv_n_heads=2, rope_theta=10000.0, clip_qkv=8.0),
+                                     ffn_config=dict(ffn_hidden_size=32, moe_num_experts=8, moe_top_k=2))
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    fp8fx.quantize_(model)
+    plain = copy.deepcopy(model)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    forward = torch.compile(model.forward, backend=backend)
+    with torch.no_grad():
+        for shape in [(2, 5), (1, 1), (1, 3)]:
+            ids = torch.randint(1, 128, shape)
+            out, ref = forward(input_ids=ids).logits, plain(ids).logits
+    report = backend.report
+    if not torch.equal(out, ref):  # (a transformers whose wrapper Dynamo traces through: nothing ran uncompiled)
+        assert report.recompile_limit_hits == 0, report
+        return
+    assert not report.limits and report.rewritten, report  # (no graph of the frame came to fp8fx)
+    assert report.recompile_limit_hits >= 1 and report.to_dict()["totals"]["recompile_limit_hits"] >= 1
+    assert "Dynamo hit torch._dynamo.config.recompile_limit" in report.table(), report

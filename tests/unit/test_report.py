@@ -61,6 +61,7 @@ def test_json_schema(report):
         "not_rewritten": 1,
         "bytes_saved": report.bytes_saved,
         "kernels": len(report.kernels[0]),
+        "recompile_limit_hits": 0,
     }
     assert data["graphs"] == [{"index": 0, "kernels": report.kernels[0]}]
     fields = {f.name: f.type for f in dataclasses.fields(Site) if f.name != "weight_id"}  # an id() of this process
@@ -737,6 +738,30 @@ def test_the_graph_at_dynamo_s_recompile_limit_says_what_follows(caplog):
     assert sum(said in r.getMessage() for r in caplog.records) == 1
     # (what it warns of: the fourth batch ran as the uncompiled model does, the three before did not)
     assert [torch.equal(a, b) for a, b in outs] == [False, False, False, True]
+
+
+def test_dynamo_s_recompile_limit_hits_since_the_first_graph_are_counted():
+    """A frame that never gives this backend a graph reaches the limit unseen by ``at_recompile_limit``: Dynamo's own
+    count of hits since the report's first graph is in the table and ``to_dict``; a reset starts it again."""
+    model = nn.Linear(64, 32).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    other = torch.compile(lambda t: t * 2, backend="eager", dynamic=False)
+    with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
+        other(torch.randn(2))
+        other(torch.randn(3))  # a hit before the report's first graph: not its
+        torch.compile(model, backend=backend)(x)
+        assert backend.report.recompile_limit_hits == 0 and "Dynamo hit" not in backend.report.table()
+        other = torch.compile(lambda t: t * 3, backend="eager", dynamic=False)
+        other(torch.randn(2))
+        other(torch.randn(3))
+    report = backend.report
+    assert report.recompile_limit_hits == 1 and report.to_dict()["totals"]["recompile_limit_hits"] == 1
+    assert ("Dynamo hit torch._dynamo.config.recompile_limit 1 time in this process since this report's first graph: "
+            "the frame it hit runs uncompiled from then on") in report.table(), report.table()
+    torch._dynamo.reset()  # (the frames it ran uncompiled compile again)
+    assert report.recompile_limit_hits == 0 and "Dynamo hit" not in report.table()
 
 
 def test_a_dynamic_graph_at_the_recompile_limit_blames_no_static_shape():
