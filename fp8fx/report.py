@@ -120,7 +120,8 @@ class Report:
         # graph index -> what it means that Dynamo compiled no more graphs for its frame (``at_recompile_limit``)
         self.limits: dict[int, str] = {}
         self._frame_ids: dict[int, str] = {}  # graph -> Dynamo's id of its frame (at_recompile_limit counts its own)
-        self._limit_hits_from: Optional[int] = None  # Dynamo's count of recompile-limit hits at the first graph
+        # Dynamo's record of recompile-limit hits and its counts at the first graph (``recompile_limit_hits``)
+        self._limit_hits_from: Optional[tuple[Any, dict[str, int]]] = None
         # graph index -> the module whose forward it traced, where that is not the compiled model (a block's forward
         # after a graph break in it): Dynamo runs the graph's code again for the other modules of that class it
         # meets, with their weights, without a new graph; the backend watches the weights it is called with
@@ -177,17 +178,23 @@ class Report:
 
     @property
     def recompile_limit_hits(self) -> int:
-        """How many times Dynamo hit its recompile limit in this process since this report's first graph (Dynamo's
-        record; any frame, of this model or not). ``at_recompile_limit`` says it of a frame whose last graph this
-        backend compiled; a frame that never gave it a graph (a graph break before its first op, compiled again for
-        each shape: a decorator's wrapper that many methods share, as transformers' ``deprecate_kwarg``) reaches the
-        limit unseen, and only this count tells."""
+        """How many frames Dynamo ran uncompiled at a recompile limit in this process since this report's first graph
+        (Dynamo's record; any frame, of this model or not). ``at_recompile_limit`` says it of a frame whose last graph
+        this backend compiled; a frame that never gave it a graph (a graph break before its first op, compiled again
+        for each shape: a decorator's wrapper that many methods share, as transformers' ``deprecate_kwarg``) reaches
+        the limit unseen, and only this count tells. Counted from ``torch._dynamo.utils.counters.clear()`` where that
+        came after the first graph (a hit before it is forgotten there)."""
+        return sum(self._limit_hits().values())
+
+    def _limit_hits(self) -> dict[str, int]:
+        """``recompile_limit_hits`` by the limit's name (``recompile_limit``, ``accumulated_recompile_limit``)."""
         if self._limit_hits_from is None:
-            return 0
-        now = compat.recompile_limit_hits()
-        if now < self._limit_hits_from:  # (Dynamo's counters cleared: counted from then)
-            self._limit_hits_from = 0
-        return now - self._limit_hits_from
+            return {}
+        record, now = compat.recompile_limit_hits()
+        first, before = self._limit_hits_from
+        if record is not first:  # (Dynamo's counters cleared since: every hit in the new record is new)
+            before = {}
+        return {name: n - before.get(name, 0) for name, n in now.items() if n > before.get(name, 0)}
 
     def at_recompile_limit(self, graph: int, compile_id: str, graphs: int, limit: int, static: bool) -> None:
         """Graph ``graph`` is the ``limit``-th Dynamo compiled for its frame: a call that needs one more runs the
@@ -441,14 +448,13 @@ class Report:
         lines += [f"graph {g} failed to compile, nothing in it rewritten: {why}" for g, why in self.failed.items()
                   if graph in (None, g)]
         lines += [why for g, why in self.limits.items() if graph in (None, g)]
-        hits = self.recompile_limit_hits
-        if hits:
+        for limit, hits in self._limit_hits().items() if graph is None else ():
             lines.append(
-                f"Dynamo hit torch._dynamo.config.recompile_limit {_count(hits, 'time')} in this process since this "
-                "report's first graph: the frame it hit runs uncompiled from then on (Dynamo's warning 'hit "
-                "config.recompile_limit' names its function), and so do the frames it calls where no graph compiled "
-                "already fits the input - for this model's, in high precision on the dequantized weights with no fp8 "
-                "GEMM, whatever the rows above say. A frame that gave no graph (a graph break before its first op; a "
+                f"Dynamo hit torch._dynamo.config.{limit} for {_count(hits, 'frame')} in this process since this "
+                f"report's first graph: such a frame runs uncompiled from then on (Dynamo's warning 'hit "
+                f"config.{limit}' names its function), and so do the frames it calls where no graph compiled already "
+                "fits the input - for this model's, in high precision on the dequantized weights with no fp8 GEMM, "
+                "whatever the rows above say. A frame that gave no graph (a graph break before its first op; a "
                 "decorator's wrapper many methods share) reaches the limit with no line of its own: "
                 "TORCH_LOGS=recompiles names the guards that failed")
         lines += [f"graph {g} traced {root}'s forward, whose code Dynamo runs for any other module of its class it "

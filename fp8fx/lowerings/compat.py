@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import types
 import typing
@@ -400,14 +401,22 @@ def dynamo_events() -> tuple[list[str], list[str], list[str]]:
     return breaks, [r for r in failures if "BACKEND_MATCH" not in r], skipped
 
 
-def recompile_limit_hits() -> int:
-    """How many times Dynamo has hit ``recompile_limit`` in this process (any frame, any backend): each hit runs a
-    frame uncompiled from then on. Dynamo files each as unsupported, "Dynamo recompile limit exceeded" (torch 2.11,
-    2.13), once a frame; ``torch._dynamo.reset()`` does not clear the count."""
+def recompile_limit_hits() -> tuple[Any, dict[str, int]]:
+    """Dynamo's record of the frames that hit a recompile limit in this process (any frame, any backend), each run
+    uncompiled from then on: (the record itself, which ``torch._dynamo.utils.counters.clear()`` replaces by a new one;
+    {the limit's name, ``recompile_limit`` or ``accumulated_recompile_limit``: hits}). Dynamo files each hit as
+    unsupported, "Dynamo recompile limit exceeded ... exceeding the <limit> cache size limit" (torch 2.11, 2.13),
+    once a frame; ``torch._dynamo.reset()`` keeps the record."""
     from torch._dynamo import utils
 
-    return sum(n for reason, n in utils.counters["unimplemented"].items()
-               if reason.startswith("Dynamo recompile limit exceeded"))
+    record = utils.counters["unimplemented"]
+    hits: dict[str, int] = {}
+    for reason, n in record.items():
+        if reason.startswith("Dynamo recompile limit exceeded"):
+            limit = re.search(r"exceeding the (\w+) cache size limit", reason)
+            name = limit[1] if limit else "recompile_limit"
+            hits[name] = hits.get(name, 0) + n
+    return record, hits
 
 
 def frame_graphs() -> Optional[tuple[str, int, int]]:

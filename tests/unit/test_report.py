@@ -758,10 +758,22 @@ def test_dynamo_s_recompile_limit_hits_since_the_first_graph_are_counted():
         other(torch.randn(3))
     report = backend.report
     assert report.recompile_limit_hits == 1 and report.to_dict()["totals"]["recompile_limit_hits"] == 1
-    assert ("Dynamo hit torch._dynamo.config.recompile_limit 1 time in this process since this report's first graph: "
-            "the frame it hit runs uncompiled from then on") in report.table(), report.table()
+    assert ("Dynamo hit torch._dynamo.config.recompile_limit for 1 frame in this process since this report's first "
+            "graph: such a frame runs uncompiled from then on") in report.table(), report.table()
     torch._dynamo.reset()  # (the frames it ran uncompiled compile again)
     assert report.recompile_limit_hits == 0 and "Dynamo hit" not in report.table()
+    torch._dynamo.utils.counters.clear()  # (a test harness's): a hit after it is counted, though its count is low
+    with torch._dynamo.config.patch(recompile_limit=1), torch.no_grad():
+        other = torch.compile(lambda t: t * 4, backend="eager", dynamic=False)
+        other(torch.randn(2))
+        other(torch.randn(3))
+    assert report.recompile_limit_hits == 1, report.table()
+    # the limit Dynamo hit is the one named: the accumulated one of a code object many frames share
+    with torch._dynamo.config.patch(accumulated_recompile_limit=1, recompile_limit=8), torch.no_grad():
+        other = torch.compile(lambda t: t * 5, backend="eager", dynamic=False)
+        other(torch.randn(2))
+        other(torch.randn(3))
+    assert "Dynamo hit torch._dynamo.config.accumulated_recompile_limit for 1 frame" in report.table(), report.table()
 
 
 def test_a_dynamic_graph_at_the_recompile_limit_blames_no_static_shape():
