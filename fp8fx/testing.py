@@ -130,8 +130,11 @@ def assert_compiles_once(
             frames = new_skips.count("frame")
             unsupported = list(dict.fromkeys(r for r in new_skips if r != "frame"))
             if frames:  # (a graph break in a loop: Dynamo runs the whole frame eagerly, and counts no break)
-                problems.append(f"input {i}: Dynamo skipped {frames} frame(s) and ran them uncompiled (a graph break "
-                                f"inside a loop skips the whole frame); its reasons: {unsupported or ['none recorded']}")
+                how = ("a frame at Dynamo's recompile limit runs uncompiled" if any(
+                    r.startswith("Dynamo recompile limit exceeded") for r in unsupported)
+                    else "a graph break inside a loop skips the whole frame")
+                problems.append(f"input {i}: Dynamo skipped {frames} frame(s) and ran them uncompiled ({how}); its "
+                                f"reasons: {unsupported or ['none recorded']}")
             else:  # Dynamo records a break on a tensor's value (``if t.any():``) as unsupported alone, no graph break
                 # (torch 2.11, 2.13): with nothing after it to compile, one graph and no break counted
                 breaks += [r for r in unsupported if r not in breaks]

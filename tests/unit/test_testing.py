@@ -401,3 +401,14 @@ def test_a_genuine_failure_in_the_backend_is_still_reported(monkeypatch, error):
     assert backend.report.sites and not backend.report.rewritten
     assert {s.fqn: s.reason for s in backend.report.sites} == {"up": why, "head": "not quantized: in ignored_layers"}
     assert f"graph 0 failed to compile, nothing in it rewritten: {why}" in str(backend.report)
+
+
+def test_a_frame_at_the_recompile_limit_is_named_as_such():
+    """A frame Dynamo ran uncompiled at its recompile limit was explained as a graph break inside a loop."""
+    model = nn.Linear(64, 32).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    with torch._dynamo.config.patch(recompile_limit=1), pytest.raises(AssertionError) as caught:
+        testing.assert_compiles_once(model, inputs(2, 3), backend=eager_backend(), dynamic=False)
+    message = str(caught.value)
+    assert "ran them uncompiled (a frame at Dynamo's recompile limit runs uncompiled); its reasons: " in message
+    assert "inside a loop" not in message, message
