@@ -47,7 +47,7 @@ from torch import fx
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.config import granularity_from_block, weight_granularity_name
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
-from fp8fx.passes.linear import _Layouts, _may_alias, _mutates, _written, graph_inputs_memory
+from fp8fx.passes.linear import _Layouts, _may_alias, _mutates, _own_storage, _written, graph_inputs_memory
 from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
@@ -185,20 +185,25 @@ def _quantized_from(xq: Any) -> Optional[fx.Node]:
 _ALIASING_METHODS = frozenset({
     "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "unsqueeze", "squeeze", "t", "flatten",
     "unflatten", "expand", "expand_as", "narrow", "detach", "to", "type", "type_as", "split", "chunk", "unbind",
-    "__getitem__", "movedim", "swapaxes", "mT", "select", "unfold",
+    "__getitem__", "movedim", "swapaxes", "mT", "select", "unfold", "moveaxis", "swapdims", "broadcast_to",
+    "tensor_split", "vsplit", "hsplit", "dsplit", "split_with_sizes", "diagonal", "view_as_real", "view_as_complex",
 })
 _ALIASING_FUNCTIONS = frozenset({
     torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.flatten, torch.narrow,
     torch.t, operator.getitem, torch.split, torch.chunk, torch.unbind, torch.detach, torch.movedim, torch.swapaxes,
     torch.select, torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.transpose, torch.Tensor.permute,
     torch.Tensor.unsqueeze, torch.Tensor.flatten, torch.Tensor.narrow, torch.Tensor.to, torch.Tensor.detach,
+    torch.unflatten, torch.moveaxis, torch.swapdims, torch.broadcast_to, torch.atleast_1d, torch.atleast_2d,
+    torch.atleast_3d, torch.tensor_split, torch.vsplit, torch.hsplit, torch.dsplit, torch.diagonal, torch.ravel,
+    torch.view_as_real, torch.view_as_complex, torch.Tensor.unflatten, torch.Tensor.expand, torch.Tensor.contiguous,
+    torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as, torch.Tensor.unbind, torch.Tensor.split,
     # ``q += 1``: Dynamo records the in-place operators as functions, which return their tensor
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
     operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul,
 })
 # methods that return their tensor itself where it already has the dtype / device asked for (``.float()`` of a float32
 # output), and attributes that are views (Dynamo records ``q.mT`` as ``getattr(q, "mT")``)
-_CASTS = frozenset({"float", "half", "bfloat16", "double", "cpu", "cuda", "contiguous", "requires_grad_"})
+_CASTS = frozenset({"float", "half", "bfloat16", "double", "cpu", "cuda", "contiguous", "requires_grad_", "ravel"})
 _VIEW_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag", "data"})
 # ops that read or change a tensor's layout itself: Dynamo baked the unfused output's strides into the graph
 # (``as_strided(q, ..., (q.stride(0), ...))``), or the op rewrites the storage the fused output shares
@@ -243,7 +248,7 @@ def _layout_bound(nodes: list[fx.Node], ctx: PassContext) -> str:
     with mode:
         fused = outs[0].new_empty((*outs[0].shape[:-1], sum(o.shape[-1] for o in outs)))
         for node, out in zip(nodes, outs):
-            why = _slice_use(node, fused.narrow(-1, offset, out.shape[-1]))
+            why = _slice_use(node, fused.narrow(-1, offset, out.shape[-1]), out.new_empty(out.shape))
             offset += out.shape[-1]
             if why:
                 return f"{site_names(ctx, [node])}'s output {why}"
@@ -294,33 +299,54 @@ def _needs_own_layout(node: fx.Node) -> bool:
     return False
 
 
-def _slice_use(node: fx.Node, part: Any) -> str:
+def _slice_use(node: fx.Node, part: Any, own: Any) -> str:
     """How the users of ``node``, replayed with ``part`` (a fake column slice of the fused output, or what a view
-    op made of it) in its place, depend on its layout: "" where none does (``_layout_bound``)."""
-    todo, seen = [(node, part)], set()
+    op made of it) in its place, depend on its layout: "" where none does (``_layout_bound``). ``own``: a fake of the
+    GEMM's own, contiguous output, replayed alongside: an op that returns a view of it but a copy of the slice
+    (``q.reshape(-1)``, ``q.contiguous()``), where a write in place reaches the one or the other, splits what the
+    model wrote into one memory (``q.reshape(-1).mul_(2)`` doubled q; fused, a copy of it)."""
+    roots = (_own_storage(part), _own_storage(own))
+    todo, seen = [(node, part, own)], set()
+    split, written = None, None  # a user where own and slice part ways; an in-place write into either's memory
     while todo:
-        node, part = todo.pop()
+        node, part, own = todo.pop()
+        # (a list - split's, unbind's - shares nothing itself: its items, taken by getitem, are tensors)
+        shares = tuple(isinstance(t, torch.Tensor) and _own_storage(t) == root for t, root in zip((part, own), roots))
+        if shares[0] != shares[1] and split is None:
+            split = node
         for user in node.users:
             name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
             if name in _LAYOUT_OPS or user.target is torch.as_strided:
                 return f"is given to {name} ({user.name}), which reads or changes its strides"
+            if written is None and any(shares) and _mutates(user) and (
+                    _written(user) is None or node in _written(user)):
+                written = user
             if not _aliases(user) or user in seen:
                 continue
             seen.add(user)
-            replace = lambda a, node=node, part=part: part if a is node else fake_value(a)  # noqa: E731
-            args = fx.node.map_aggregate(user.args, replace)
-            kwargs = fx.node.map_aggregate(user.kwargs, replace)
-            try:
-                if user.op == "call_method":
-                    result = getattr(args[0], user.target)(*args[1:], **kwargs)
-                elif user.target is getattr:
-                    result = getattr(*args)
-                else:
-                    result = user.target(*args, **kwargs)
-            except (RuntimeError, ValueError, TypeError):  # (ValueError: from fake tensors' stride checks)
-                return (f"is viewed ({user.name}) in a way that a column slice of one fused output cannot be "
-                        "(reshape instead of view to fuse them)")
-            todo.append((user, result))
+            results = []
+            for value in (part, own):
+                replace = lambda a, node=node, value=value: value if a is node else fake_value(a)  # noqa: E731
+                args = fx.node.map_aggregate(user.args, replace)
+                kwargs = fx.node.map_aggregate(user.kwargs, replace)
+                try:
+                    if user.op == "call_method":
+                        results.append(getattr(args[0], user.target)(*args[1:], **kwargs))
+                    elif user.target is getattr:
+                        results.append(getattr(*args))
+                    else:
+                        results.append(user.target(*args, **kwargs))
+                except (RuntimeError, ValueError, TypeError):  # (ValueError: from fake tensors' stride checks)
+                    if value is own:  # (an op the replay cannot make: nothing known of its layout either way)
+                        results.append(None)
+                        continue
+                    return (f"is viewed ({user.name}) in a way that a column slice of one fused output cannot be "
+                            "(reshape instead of view to fuse them)")
+            todo.append((user, *results))
+    if split is not None and written is not None:
+        return (f"is made a view of the GEMM's own output but a copy of a column slice of the fused one "
+                f"({split.name}) and written in place ({written.name}): fused, the write would miss what the model "
+                "reads")
     return ""
 
 

@@ -639,6 +639,18 @@ LAYOUT_TAILS = {  # each valid on a linear's own (contiguous) output
     # ops that return the tensor itself (a cast to its own dtype, a view attribute): the compile failed
     "bfloat16().view": (lambda q, k: q.bfloat16().view(-1) + k.view(-1), "is viewed"),
     "mT.mT.view": (lambda q, k: q.mT.mT.view(-1) + k.view(-1), "is viewed"),
+    # views made by other functions, then viewed across rows: fused, the compile failed with torch's own error
+    "unflatten().view": (lambda q, k: torch.unflatten(q, -1, (2, 16)).view(-1) + k.view(-1), "is viewed"),
+    "moveaxis().view": (lambda q, k: torch.moveaxis(q, 0, 0).view(-1) + k.view(-1), "is viewed"),
+    "broadcast_to().view": (lambda q, k: torch.broadcast_to(q, q.shape).view(-1) + k.view(-1), "is viewed"),
+    # a write through a view of the GEMM's own output that is a copy of a fused slice (or into q, read through such
+    # a view): fused, the write was lost (wrong numbers, the report saying fused)
+    "reshape().mul_": (lambda q, k: (q.reshape(-1).mul_(2), q * k)[1], "is made a view of the GEMM's own output but "
+                       "a copy of a column slice of the fused one"),
+    "contiguous().mul_": (lambda q, k: (q.contiguous().mul_(2), q * k)[1], "is made a view"),
+    "flatten() then q.mul_": (lambda q, k: (lambda r: (q.mul_(2), r.view(4, 32) * k)[1])(q.flatten()),
+                              "is made a view"),
+    "reshape() read only": (lambda q, k: q.reshape(-1).view(4, 32) * k, None),
     "returned": (lambda q, k: (q, k), None),
     # returned through them (an in-place op returns its tensor): the caller's view(-1) failed
     "returned bfloat16() / mul_": (lambda q, k: (q.bfloat16(), k.mul_(2)), None),
