@@ -115,6 +115,18 @@ def share_memory(weights, scales, biases, w_block) -> None:
                     setattr(b, fp8fx.ops.BIAS_GAPS, bias.untyped_storage().data_ptr())
 
 
+def _in_stored_order(nodes: list[fx.Node], ctx: PassContext) -> list[fx.Node]:
+    """``nodes`` (GEMMs of one group) in the order their weights sit in one tensor, where an earlier graph fused them
+    (``share_memory``): a graph calling them in another order (k then q, where the first called q then k) fused them
+    again in its own order, which moved the weights into a new tensor; the first graph then ran one GEMM per weight
+    (its weights no longer back to back) while its report said fused. Otherwise as they are (the graph's order)."""
+    weights = [ctx.example.get(n.args[2]) for n in nodes]
+    if not all(isinstance(w, torch.Tensor) for w in weights) or len(
+            {w.untyped_storage().data_ptr() for w in weights}) != 1:
+        return nodes
+    return sorted(nodes, key=lambda n: ctx.example[n.args[2]].storage_offset())
+
+
 class _GroupKey(NamedTuple):
     """What GEMMs must share to run as one: the quantized activation and its scale (the same input), the scale
     layouts, the output dtype and fast accumulation (with or without a bias: a shard without one adds zeros)."""
@@ -372,6 +384,7 @@ class HorizontalFusionPass(Fp8Pass):
         for nodes in groups.values():
             if len(nodes) < 2:
                 continue
+            nodes = _in_stored_order(nodes, ctx)
             weights = tuple(n.args[2] for n in nodes)
             reason = self._why_not(nodes, ctx)
             taken = [claimed[w] for w in weights if w in claimed]

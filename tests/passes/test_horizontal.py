@@ -1094,3 +1094,43 @@ def test_layers_of_no_input_features_are_not_fused():
         assert torch.equal(torch.compile(model, backend=backend)(x), model(x))
     assert all(s.rewritten and "not fused with q,k: in_features is 0" in s.scheme for s in backend.report.sites), \
         backend.report
+
+
+class _EitherOrder(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.q_first = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32), True
+
+    def forward(self, x):
+        if self.q_first:
+            q = self.q_proj(x)
+            k = self.k_proj(x)
+        else:
+            k = self.k_proj(x)
+            q = self.q_proj(x)
+        return torch.cat([q, k], -1)
+
+
+def test_a_graph_calling_fused_layers_in_another_order_keeps_their_tensor():
+    """A second graph calling k before q fused them as [k; q], moving the weights into a new tensor: the first graph's
+    [q; k] then ran as one GEMM per weight while its report said fused (found by a probe). The group takes the order
+    the weights are stored in."""
+    torch.manual_seed(0)
+    model = _EitherOrder().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        first = compiled(x)
+        params = dict(model.named_parameters())
+        stored = params["q_proj.weight"].untyped_storage().data_ptr()
+        model.q_first = False
+        second = compiled(x)
+        ref = model(x)
+    params = dict(model.named_parameters())
+    assert params["q_proj.weight"].untyped_storage().data_ptr() == stored  # (not moved again)
+    assert fp8fx.ops._adjacent([params["q_proj.weight"], params["k_proj.weight"]]) is not None
+    assert backend.report.graphs == 2 and all(_fused(s.scheme, "q_proj,k_proj") for s in backend.report.sites), \
+        backend.report
+    assert torch.equal(first, second) and rel_err(second.float(), ref.float()) < 0.05
