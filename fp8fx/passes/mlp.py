@@ -281,7 +281,9 @@ def _match_product(h: fx.Node, quant, down: fx.Node, h_static) -> tuple[Optional
         gate = _gemm_behind(act)
         up_gemm = up if _is_gemm(up) or _half(up) or not isinstance(up, fx.Node) else _gemm_behind(up, 2)
         found = _gate_up(gate, up_gemm) if gate is not None else None
-        if found and found[0].args[:2] == found[1].args[:2]:  # gate and up read the same activation
+        # gate and up read the same activation (with static scales each quantizes it apart, with its own scale)
+        if found and (found[0].args[:2] == found[1].args[:2] or _quantized_source(found[0].args[0]) is not None
+                      and _quantized_source(found[0].args[0]) is _quantized_source(found[1].args[0])):
             mlp = _Mlp(found[0], found[1], act, h, quant, down, h_static, found[2], found[3])
             if up_gemm is not up or _activation(act):  # an op on up's way, or one activation op on gate's
                 extra = up if up_gemm is not up else _input(act)

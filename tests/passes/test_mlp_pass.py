@@ -644,6 +644,23 @@ def test_ops_between_that_change_values_say_so(cls, train, reason):
     assert len(report.sites) == 3 and all(s.rewritten and reason in s.scheme for s in report.sites), str(report)
 
 
+@pytest.mark.parametrize("cls,reason", [
+    (GeluNewMLP, "the activation is several ops, not one SiLU or GELU op (what the fused MLP takes)"),
+    (ShiftedUpMLP, "add (call_function) between a projection and the product (the fused MLP takes"),
+])
+def test_ops_between_say_so_with_static_input_scales(cls, reason):
+    """With static scales gate and up quantize x apart, each with its own scale: such an MLP was declined with no word
+    (found by a probe)."""
+    torch.manual_seed(0)
+    model = cls(64, 96).to(torch.bfloat16)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    scales = fp8fx.calibrate(model, [(x,)])
+    fp8fx.quantize_(model, fp8fx.Fp8Config(activation_scheme="static"), input_scales=scales)
+    _, report, code = run(model, x, fuse_mlp=True)
+    assert "gated_mlp" not in code
+    assert len(report.sites) == 3 and all(s.rewritten and reason in s.scheme for s in report.sites), str(report)
+
+
 PREFILL_M = fp8fx.ops.GATED_PREFILL_MIN_M
 
 
