@@ -589,9 +589,9 @@ def generated_kernels(code: str) -> list[str]:
 
 def gemm_kernels(code: str) -> dict[str, str]:
     """{graph node name: the GEMM called for it}: the first extern kernel or Triton template whose name
-    has "mm" (or "mlp": ``fp8fx.gated_mlp``; an extern kernel's "linear": oneDNN's), or fp8fx's MoE op (``fp8fx.fused_moe``, an extern kernel),
-    else the first other generated kernel with "mm" in its name (a fused kernel named after the ops it
-    covers, e.g. an activation quantization fused with the prologue of a GEMM)."""
+    has "mm" (or "mlp": ``fp8fx.gated_mlp``; an extern kernel's "linear": oneDNN's), or fp8fx's MoE op
+    (``fp8fx.fused_moe``, an extern kernel), else the first other generated kernel with "mm" in its name (a fused
+    kernel named after the ops it covers, e.g. an activation quantization fused with the prologue of a GEMM)."""
     generated = set(generated_kernels(code))
     candidates: dict[str, list[tuple[bool, str]]] = {}
     nodes: list[str] = []

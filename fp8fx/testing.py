@@ -131,7 +131,7 @@ def assert_compiles_once(
             unsupported = list(dict.fromkeys(r for r in new_skips if r != "frame"))
             if frames:  # (a graph break in a loop: Dynamo runs the whole frame eagerly, and counts no break)
                 how = ("a frame at Dynamo's recompile limit runs uncompiled" if any(
-                    r.startswith("Dynamo recompile limit exceeded") for r in unsupported)
+                    r.startswith(compat.RECOMPILE_LIMIT_REASON) for r in unsupported)
                     else "a graph break inside a loop skips the whole frame")
                 problems.append(f"input {i}: Dynamo skipped {frames} frame(s) and ran them uncompiled ({how}); its "
                                 f"reasons: {unsupported or ['none recorded']}")

@@ -36,7 +36,8 @@ from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
 from fp8fx.weights.kv_cache import attach_kv_scales, attention_owner, check_kv_scale, check_kv_scale_layout
-from fp8fx.weights.kv_cache import complete_kv_scales, getter_module, kv_cache_attentions, kv_scale_target, kv_slot_error
+from fp8fx.weights.kv_cache import complete_kv_scales, getter_module, kv_cache_attentions, kv_scale_target
+from fp8fx.weights.kv_cache import kv_slot_error
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight, target_classes
 from fp8fx.weights.linear import RANGE_CHECKED, remember_trainable

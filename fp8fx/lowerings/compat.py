@@ -401,6 +401,10 @@ def dynamo_events() -> tuple[list[str], list[str], list[str]]:
     return breaks, [r for r in failures if "BACKEND_MATCH" not in r], skipped
 
 
+# how Dynamo files a frame it ran uncompiled at a recompile limit, as unsupported (torch 2.11, 2.13)
+RECOMPILE_LIMIT_REASON = "Dynamo recompile limit exceeded"
+
+
 def recompile_limit_hits() -> tuple[Any, dict[str, int]]:
     """Dynamo's record of the frames that hit a recompile limit in this process (any frame, any backend), each run
     uncompiled from then on: (the record itself, which ``torch._dynamo.utils.counters.clear()`` replaces by a new one;
@@ -412,7 +416,7 @@ def recompile_limit_hits() -> tuple[Any, dict[str, int]]:
     record = utils.counters["unimplemented"]
     hits: dict[str, int] = {}
     for reason, n in record.items():
-        if reason.startswith("Dynamo recompile limit exceeded"):
+        if reason.startswith(RECOMPILE_LIMIT_REASON):
             limit = re.search(r"exceeding the (\w+) cache size limit", reason)
             name = limit[1] if limit else "recompile_limit"
             hits[name] = hits.get(name, 0) + n
@@ -465,6 +469,7 @@ def _break_reason(reason: str) -> str:
 __all__ = [
     "CustomGraphPass",
     "FakeTensor",
+    "RECOMPILE_LIMIT_REASON",
     "TORCH_VERSION",
     "after_dynamo_bytecode",
     "capture_output_code",
