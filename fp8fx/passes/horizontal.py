@@ -47,7 +47,8 @@ from torch import fx
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.config import granularity_from_block, weight_granularity_name
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
-from fp8fx.passes.linear import _Layouts, _may_alias, _mutates, _own_storage, _written, graph_inputs_memory
+from fp8fx.passes.linear import _RETURNS_INPUT, _Layouts, _may_alias, _mutates, _own_storage, _written
+from fp8fx.passes.linear import graph_inputs_memory
 from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
@@ -199,6 +200,7 @@ _ALIASING_METHODS = frozenset({
     "unflatten", "expand", "expand_as", "narrow", "detach", "to", "type", "type_as", "split", "chunk", "unbind",
     "__getitem__", "movedim", "swapaxes", "mT", "select", "unfold", "moveaxis", "swapdims", "broadcast_to",
     "tensor_split", "vsplit", "hsplit", "dsplit", "split_with_sizes", "diagonal", "view_as_real", "view_as_complex",
+    "conj", "resolve_conj", "resolve_neg", "positive", "unsafe_chunk", "unsafe_split",
 })
 _ALIASING_FUNCTIONS = frozenset({
     torch.reshape, torch.transpose, torch.permute, torch.unsqueeze, torch.squeeze, torch.flatten, torch.narrow,
@@ -209,6 +211,8 @@ _ALIASING_FUNCTIONS = frozenset({
     torch.atleast_3d, torch.tensor_split, torch.vsplit, torch.hsplit, torch.dsplit, torch.diagonal, torch.ravel,
     torch.view_as_real, torch.view_as_complex, torch.Tensor.unflatten, torch.Tensor.expand, torch.Tensor.contiguous,
     torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as, torch.Tensor.unbind, torch.Tensor.split,
+    torch.conj, torch.resolve_conj, torch.resolve_neg, torch.positive, torch.real, torch.unsafe_chunk,
+    torch.unsafe_split, *_RETURNS_INPUT,  # (dropout in eval, or of p = 0, returns its input itself)
     # ``q += 1``: Dynamo records the in-place operators as functions, which return their tensor
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
     operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul,
@@ -291,8 +295,11 @@ def _opaque(user: fx.Node) -> bool:
     target = user.target
     if isinstance(target, torch._ops.HigherOrderOperator):
         return True
-    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+    if isinstance(target, torch._ops.OpOverload):
         return target.namespace not in ("aten", "prims", "fp8fx")
+    if isinstance(target, torch._ops.OpOverloadPacket):  # (torch.ops.ns.op(x): Dynamo keeps the packet, which has
+        # no namespace attribute)
+        return target._qualified_op_name.partition("::")[0] not in ("aten", "prims", "fp8fx")
     return False
 
 
@@ -318,21 +325,25 @@ def _slice_use(node: fx.Node, part: Any, own: Any) -> str:
     (``q.reshape(-1)``, ``q.contiguous()``), where a write in place reaches the one or the other, splits what the
     model wrote into one memory (``q.reshape(-1).mul_(2)`` doubled q; fused, a copy of it)."""
     roots = (_own_storage(part), _own_storage(own))
-    todo, seen = [(node, part, own)], set()
-    split, written = None, None  # a user where own and slice part ways; an in-place write into either's memory
+    todo, seen = [(node, part, own, None)], set()
+    # the nodes where own and slice part ways, each with the nodes that follow it (its side); the in-place writes
+    # into either's memory, each with the parting it is behind (None: the GEMM's output's own memory on both sides)
+    sides: dict[fx.Node, list[fx.Node]] = {}
+    writes: list[tuple[fx.Node, Optional[fx.Node]]] = []
     while todo:
-        node, part, own = todo.pop()
+        node, part, own, parted = todo.pop()
         # (a list - split's, unbind's - shares nothing itself: its items, taken by getitem, are tensors)
         shares = tuple(isinstance(t, torch.Tensor) and _own_storage(t) == root for t, root in zip((part, own), roots))
-        if shares[0] != shares[1] and split is None:
-            split = node
+        if parted is None and shares[0] != shares[1]:
+            parted = node
+        if parted is not None:
+            sides.setdefault(parted, []).append(node)
         for user in node.users:
             name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
             if name in _LAYOUT_OPS or user.target is torch.as_strided:
                 return f"is given to {name} ({user.name}), which reads or changes its strides"
-            if written is None and any(shares) and _mutates(user) and (
-                    _written(user) is None or node in _written(user)):
-                written = user
+            if any(shares) and _mutates(user) and (_written(user) is None or node in _written(user)):
+                writes.append((user, parted))
             if not _aliases(user) or user in seen:
                 continue
             seen.add(user)
@@ -354,11 +365,19 @@ def _slice_use(node: fx.Node, part: Any, own: Any) -> str:
                         continue
                     return (f"is viewed ({user.name}) in a way that a column slice of one fused output cannot be "
                             "(reshape instead of view to fuse them)")
-            todo.append((user, *results))
-    if split is not None and written is not None:
-        return (f"is made a view of the GEMM's own output but a copy of a column slice of the fused one "
-                f"({split.name}) and written in place ({written.name}): fused, the write would miss what the model "
-                "reads")
+            todo.append((user, *results, parted))
+    if sides and writes:
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
+        for write, behind in writes:
+            for parted, side in sides.items():
+                # a write before the parting reaches both (the copy is taken after it); after it, one side misses
+                # it: a write through the copy's side (meant for the output), or one into the output while the
+                # copy's side is read after it
+                if order[write] > order[parted] and (behind is parted or any(
+                        order[u] > order[write] for m in side for u in m.users)):
+                    return (f"is made a view of the GEMM's own output but a copy of a column slice of the fused one "
+                            f"({parted.name}) and written in place after it ({write.name}): fused, the write would "
+                            "miss what the model reads")
     return ""
 
 
@@ -563,12 +582,14 @@ class HorizontalFusionPass(Fp8Pass):
     @staticmethod
     def _fuse(gm: fx.GraphModule, nodes: list[fx.Node], ctx: PassContext) -> fx.Node:
         graph = gm.graph
-        first = nodes[0]
+        first = nodes[0]  # (in the order the weights are fused, _in_stored_order: maybe not the graph's)
+        members = set(nodes)
+        earliest = next(n for n in graph.nodes if n in members)  # the fused GEMM goes before each reader of a part
         xq, x_scale, _, _, _, x_block, w_block, dtype, fast = first.args
         column = lambda i: [n.args[i] for n in nodes]  # noqa: E731
         biases = column(4)  # a tensor or None each
         args = (xq, x_scale, column(2), column(3), biases, x_block, w_block, dtype, fast)
-        with graph.inserting_before(first):
+        with graph.inserting_before(earliest):
             y = graph.call_function(_FUSED, args)
             set_fake_value(y, _FUSED, args)
             if "source_fn_stack" in first.meta:  # named after the first linear in Inductor's output code

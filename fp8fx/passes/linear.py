@@ -576,13 +576,15 @@ def _written(node: fx.Node) -> Optional[list]:
     if _writing_hop(node):  # a user's Triton kernel: any tensor it takes (which it writes is not recorded)
         operands = node.kwargs.get("kwargs")
         return [v for v in operands.values() if isinstance(v, fx.Node)] if isinstance(operands, dict) else None
-    if "out" in node.kwargs:
-        return [node.kwargs["out"]]
+    if "out" in node.kwargs:  # (a tuple of tensors for an op of several outputs)
+        out = node.kwargs["out"]
+        return list(out) if isinstance(out, (list, tuple)) else [out]
     if not node.args:
         return None
     if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return None
-    return [node.args[0]]  # methods, setitem, in-place operators, inplace=True, torch.relu_ and the like
+    first = node.args[0]  # methods, setitem, in-place operators, inplace=True, torch.relu_ and the like; a list of
+    return list(first) if isinstance(first, (list, tuple)) else [first]  # tensors: torch._foreach_mul_'s
 
 
 # ops that return their input itself in some modes (``F.dropout(h, p, training=False)``, p = 0) where Dynamo's fake
