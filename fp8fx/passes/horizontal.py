@@ -122,8 +122,12 @@ def _in_stored_order(nodes: list[fx.Node], ctx: PassContext) -> list[fx.Node]:
     again in its own order, which moved the weights into a new tensor; the first graph then ran one GEMM per weight
     (its weights no longer back to back) while its report said fused. Otherwise as they are (the graph's order)."""
     weights = [ctx.example.get(n.args[2]) for n in nodes]
-    if not all(isinstance(w, torch.Tensor) for w in weights) or len(
-            {w.untyped_storage().data_ptr() for w in weights}) != 1:
+    if not all(isinstance(w, torch.nn.Parameter) for w in weights):  # (refused by _why_not, with its reason)
+        return nodes
+    try:
+        if len({w.untyped_storage().data_ptr() for w in weights}) != 1:
+            return nodes
+    except (NotImplementedError, RuntimeError):  # (a tensor subclass with no storage of its own)
         return nodes
     return sorted(nodes, key=lambda n: ctx.example[n.args[2]].storage_offset())
 
