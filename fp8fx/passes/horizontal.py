@@ -100,20 +100,24 @@ def share_memory(weights, scales, biases, w_block) -> None:
         and (not has_bias or fp8fx.ops._bias_view(biases, sizes) is not None)
     ):
         return
-    # (under the caller's torch.autocast, its cat of fp8 tensors failed: "Unexpected floating ScalarType")
-    with torch.no_grad(), torch.autocast(weights[0].device.type, enabled=False):
+    # (under the caller's torch.autocast, its cat of fp8 tensors failed: "Unexpected floating ScalarType"; a model
+    # quantized under inference_mode has inference tensors for parameters, which a tensor made outside it must not
+    # replace: every view of them then failed, "Inference tensors do not track version counter", the eager model's
+    # too)
+    inference = weights[0].is_inference()
+    with torch.inference_mode(inference), torch.no_grad(), torch.autocast(weights[0].device.type, enabled=False):
         weight, scale = fuse_weights(weights, scales, w_block)
         # a tensor of its own (the gaps' zeros are then no one else's rows: ``ops._adjacent_with_gaps``)
         bias = fp8fx.ops._fused_bias(biases, sizes).clone() if has_bias else None
-    _rebind(weights, weight)
-    if scale is not None:
-        _rebind(scales, scale)
-    if bias is not None:  # each bias becomes a view of its rows; a shard without one leaves zeros there
-        _rebind(biases, bias, sizes)
-        if any(b is None for b in biases):  # what ops._adjacent_with_gaps takes: this tensor, its gaps zeros
-            for b in biases:
-                if b is not None:
-                    setattr(b, fp8fx.ops.BIAS_GAPS, bias.untyped_storage().data_ptr())
+        _rebind(weights, weight)
+        if scale is not None:
+            _rebind(scales, scale)
+        if bias is not None:  # each bias becomes a view of its rows; a shard without one leaves zeros there
+            _rebind(biases, bias, sizes)
+            if any(b is None for b in biases):  # what ops._adjacent_with_gaps takes: this tensor, its gaps zeros
+                for b in biases:
+                    if b is not None:
+                        setattr(b, fp8fx.ops.BIAS_GAPS, bias.untyped_storage().data_ptr())
 
 
 def _in_stored_order(nodes: list[fx.Node], ctx: PassContext) -> list[fx.Node]:

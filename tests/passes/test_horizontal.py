@@ -1198,3 +1198,24 @@ def test_a_custom_op_called_by_its_packet_reads_a_fused_output():
     schemes, out = compile_fused(model, x)
     assert _fused(schemes[("q_proj", 0)], "q_proj,k_proj"), schemes
     assert rel_err(out.float(), ref.float()) < 0.1  # (fp8 activations' error, ~0.05; a layout read wrong: ~1)
+
+
+def test_a_model_quantized_under_inference_mode_fuses():
+    """quantize_ under torch.inference_mode makes the parameters inference tensors; the fused tensor made outside it
+    replaced them, and every view of them failed ("Inference tensors do not track version counter"): the compile,
+    and the model's own eager forward after it (found by a probe)."""
+    torch.manual_seed(0)
+    model = TailedQK(lambda q, k: torch.cat([q, k], -1)).to(torch.bfloat16)
+    x = torch.randn(2, 7, 64, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        fp8fx.quantize_(model)
+        ref = model(x)
+        backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
+        torch._dynamo.reset()
+        out = torch.compile(model, backend=backend)(x)
+        again = model(x)
+    assert all(_fused(s.scheme, "q_proj,k_proj") for s in backend.report.sites), backend.report
+    params = dict(model.named_parameters())
+    assert params["q_proj.weight"].is_inference()
+    assert fp8fx.ops._adjacent([params["q_proj.weight"], params["k_proj.weight"]]) is not None
+    assert torch.equal(again, ref) and rel_err(out.float(), ref.float()) < 0.1
