@@ -37,9 +37,10 @@ quantizes an activation again after an in-place write that may reach it.
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections import defaultdict
-from typing import Any, NamedTuple, Optional
+from typing import Any, Iterator, NamedTuple, Optional
 
 import torch
 from torch import fx
@@ -86,6 +87,14 @@ def _rebind(params: list[Optional[torch.Tensor]], fused: torch.Tensor, sizes: Op
         offset += p.shape[0] if sizes is None else sizes[i]
 
 
+@contextlib.contextmanager
+def _building(inference: bool, device: str) -> Iterator[None]:
+    """Where ``share_memory`` makes and binds fused tensors: in the parameters' own mode (inference tensors or not),
+    without autograd, without the caller's autocast."""
+    with torch.inference_mode(inference), torch.no_grad(), torch.autocast(device, enabled=False):
+        yield
+
+
 def share_memory(weights, scales, biases, w_block) -> None:
     """Move the shards' parameters into one tensor each (what ``scaled_mm_fused`` runs as one GEMM). ``biases``: one
     per shard, None for a shard without one (its rows of the fused bias are zeros). Everything is built before the
@@ -103,21 +112,28 @@ def share_memory(weights, scales, biases, w_block) -> None:
     # (under the caller's torch.autocast, its cat of fp8 tensors failed: "Unexpected floating ScalarType"; a model
     # quantized under inference_mode has inference tensors for parameters, which a tensor made outside it must not
     # replace: every view of them then failed, "Inference tensors do not track version counter", the eager model's
-    # too)
-    inference = weights[0].is_inference()
-    with torch.inference_mode(inference), torch.no_grad(), torch.autocast(weights[0].device.type, enabled=False):
+    # too; quantize_ leaves the bias as it was: it may be of the other mode, and keeps its own. The pass fuses no
+    # group whose weights and scales, or whose biases, are of both modes)
+    device = weights[0].device.type
+    of_weights = weights[0].is_inference()
+    of_biases = next((b for b in biases if b is not None), weights[0]).is_inference()
+    with _building(of_weights, device):
         weight, scale = fuse_weights(weights, scales, w_block)
+    with _building(of_biases, device):
         # a tensor of its own (the gaps' zeros are then no one else's rows: ``ops._adjacent_with_gaps``)
         bias = fp8fx.ops._fused_bias(biases, sizes).clone() if has_bias else None
+    with _building(of_weights, device):
         _rebind(weights, weight)
         if scale is not None:
             _rebind(scales, scale)
-        if bias is not None:  # each bias becomes a view of its rows; a shard without one leaves zeros there
-            _rebind(biases, bias, sizes)
-            if any(b is None for b in biases):  # what ops._adjacent_with_gaps takes: this tensor, its gaps zeros
-                for b in biases:
-                    if b is not None:
-                        setattr(b, fp8fx.ops.BIAS_GAPS, bias.untyped_storage().data_ptr())
+    if bias is None:
+        return
+    with _building(of_biases, device):
+        _rebind(biases, bias, sizes)  # each bias becomes a view of its rows; a shard without one leaves zeros there
+    if any(b is None for b in biases):  # what ops._adjacent_with_gaps takes: this tensor, its gaps zeros
+        for b in biases:
+            if b is not None:
+                setattr(b, fp8fx.ops.BIAS_GAPS, bias.untyped_storage().data_ptr())
 
 
 def _in_stored_order(nodes: list[fx.Node], ctx: PassContext) -> list[fx.Node]:
@@ -220,7 +236,8 @@ _ALIASING_FUNCTIONS = frozenset({
     torch.view_as_real, torch.view_as_complex, torch.Tensor.unflatten, torch.Tensor.expand, torch.Tensor.contiguous,
     torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as, torch.Tensor.unbind, torch.Tensor.split,
     torch.conj, torch.resolve_conj, torch.resolve_neg, torch.positive, torch.real, torch.unsafe_chunk,
-    torch.unsafe_split, *_RETURNS_INPUT,  # (dropout in eval, or of p = 0, returns its input itself)
+    torch.unsafe_split, torch.broadcast_tensors, torch.einsum, torch.Tensor.expand, torch.Tensor.unflatten,
+    *_RETURNS_INPUT,  # (dropout in eval, or of p = 0, returns its input itself)
     # ``q += 1``: Dynamo records the in-place operators as functions, which return their tensor
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
     operator.iand, operator.ior, operator.ixor, operator.ilshift, operator.irshift, operator.imatmul,
@@ -281,14 +298,24 @@ def _layout_bound(nodes: list[fx.Node], ctx: PassContext) -> str:
 
 def _aliases(user: fx.Node) -> bool:
     """Whether ``user`` may return its first argument or a view of it: a view op, a cast that may be a no-op, an
-    in-place method (``k.mul_(2)`` returns ``k``), a view attribute."""
+    in-place method (``k.mul_(2)`` returns ``k``) or function (``F.relu(k, inplace=True)``, ``torch.relu_(k)``), a
+    view attribute, an ATen op whose schema says its result aliases an input (``aten.reshape``)."""
     if user.op == "call_method":
         name = user.target
         return (name in _ALIASING_METHODS or name in _CASTS
                 or name.endswith("_") and not name.startswith("_"))
-    return user.op == "call_function" and (
-        user.target in _ALIASING_FUNCTIONS
-        or user.target is getattr and len(user.args) == 2 and user.args[1] in _VIEW_ATTRIBUTES)
+    if user.op != "call_function":
+        return False
+    target = user.target
+    if target in _ALIASING_FUNCTIONS or target is getattr and len(user.args) == 2 and user.args[1] in _VIEW_ATTRIBUTES:
+        return True
+    if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
+        overloads = ([target] if isinstance(target, torch._ops.OpOverload)
+                     else [getattr(target, name) for name in target.overloads()])
+        return any(r.alias_info is not None for o in overloads for r in o._schema.returns)
+    # an in-place function returns the tensor it writes (not setitem's None, nor _foreach_*'s)
+    return (target is not operator.setitem and not getattr(target, "__name__", "").startswith("_foreach")
+            and bool(user.args) and _mutates(user) and _written(user) == [user.args[0]])
 
 
 def _opaque(user: fx.Node) -> bool:
@@ -570,6 +597,11 @@ class HorizontalFusionPass(Fp8Pass):
             return "a weight, scale or bias is not a parameter"
         if len(set(inputs)) != len(inputs):
             return "the GEMMs share a weight tensor"
+        weights_and_scales = [a for n in nodes for a in n.args[2:4]]
+        biases = [n.args[4] for n in nodes if n.args[4] is not None]
+        if any(len({ctx.example[a].is_inference() for a in group}) > 1 for group in (weights_and_scales, biases)):
+            return ("some of their parameters are inference tensors (quantized under torch.inference_mode) and some "
+                    "not: one fused tensor cannot stand in for both; quantize the layers in one mode")
         # fused by an earlier graph, but not as exactly this group (one tensor of these weights alone): moving a
         # weight again would undo that fusion
         weights = [ctx.example[n.args[2]] for n in nodes]
