@@ -313,9 +313,13 @@ def _aliases(user: fx.Node) -> bool:
         overloads = ([target] if isinstance(target, torch._ops.OpOverload)
                      else [getattr(target, name) for name in target.overloads()])
         return any(r.alias_info is not None for o in overloads for r in o._schema.returns)
-    # an in-place function returns the tensor it writes (not setitem's None, nor _foreach_*'s)
+    # an in-place function returns the tensor it writes (not setitem's None, nor _foreach_*'s), its first argument
+    # (also by keyword: F.relu(input=q, inplace=True)) or its out= (torch.mul(k, 2, out=q) returns q)
+    if "out" in user.kwargs:
+        return True
+    first = user.args[0] if user.args else user.kwargs.get("input")
     return (target is not operator.setitem and not getattr(target, "__name__", "").startswith("_foreach")
-            and bool(user.args) and _mutates(user) and _written(user) == [user.args[0]])
+            and first is not None and _mutates(user) and _written(user) == [first])
 
 
 def _opaque(user: fx.Node) -> bool:

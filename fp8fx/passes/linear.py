@@ -579,12 +579,13 @@ def _written(node: fx.Node) -> Optional[list]:
     if "out" in node.kwargs:  # (a tuple of tensors for an op of several outputs)
         out = node.kwargs["out"]
         return list(out) if isinstance(out, (list, tuple)) else [out]
-    if not node.args:
+    first = node.args[0] if node.args else node.kwargs.get("input")  # (F.relu(input=x, inplace=True))
+    if first is None:
         return None
     if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         return None
-    first = node.args[0]  # methods, setitem, in-place operators, inplace=True, torch.relu_ and the like; a list of
-    return list(first) if isinstance(first, (list, tuple)) else [first]  # tensors: torch._foreach_mul_'s
+    # methods, setitem, in-place operators, inplace=True, torch.relu_ and the like; a list of tensors: _foreach_mul_'s
+    return list(first) if isinstance(first, (list, tuple)) else [first]
 
 
 # ops that return their input itself in some modes (``F.dropout(h, p, training=False)``, p = 0) where Dynamo's fake

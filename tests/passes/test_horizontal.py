@@ -662,6 +662,10 @@ LAYOUT_TAILS = {  # each valid on a linear's own (contiguous) output
                                                         q * k)[1], "is made a view"),
     "relu(inplace=True).view": (lambda q, k: torch.nn.functional.relu(q, inplace=True).view(-1) + k.view(-1),
                                 "is viewed"),
+    "relu(input=, inplace=True).reshape().mul_": (lambda q, k: (torch.nn.functional.relu(input=q, inplace=True)
+                                                                .reshape(-1).mul_(2), q * k)[1], "is made a view"),
+    "mul(out=q).reshape().mul_": (lambda q, k: (torch.mul(k, 2, out=q).reshape(-1).mul_(3), q * k)[1],
+                                  "is made a view"),
     "broadcast_tensors()[0].reshape().mul_": (lambda q, k: (torch.broadcast_tensors(q, k)[0].reshape(-1).mul_(2),
                                                             q * k)[1], "is made a view"),
     "aten.reshape().mul_": (lambda q, k: (torch.ops.aten.reshape.default(q, [-1]).mul_(2), q * k)[1],
