@@ -1121,9 +1121,12 @@ def test_layers_of_no_input_features_are_not_fused():
 
 
 class _EitherOrder(torch.nn.Module):
-    def __init__(self):
+    """q then k, or (``q_first`` False) k then q, k read before q_proj is called where ``read_k_first``."""
+
+    def __init__(self, read_k_first=False):
         super().__init__()
         self.q_proj, self.k_proj, self.q_first = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32), True
+        self.read_k_first = read_k_first
 
     def forward(self, x):
         if self.q_first:
@@ -1131,6 +1134,7 @@ class _EitherOrder(torch.nn.Module):
             k = self.k_proj(x)
         else:
             k = self.k_proj(x)
+            k = k.sin() if self.read_k_first else k
             q = self.q_proj(x)
         return torch.cat([q, k], -1)
 
@@ -1160,23 +1164,11 @@ def test_a_graph_calling_fused_layers_in_another_order_keeps_their_tensor():
     assert torch.equal(first, second) and rel_err(second.float(), ref.float()) < 0.05
 
 
-class _ReadsKFirst(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.q_proj, self.k_proj, self.q_first = torch.nn.Linear(64, 64), torch.nn.Linear(64, 32), True
-
-    def forward(self, x):
-        if self.q_first:
-            return torch.cat([self.q_proj(x), self.k_proj(x)], -1)
-        k = self.k_proj(x).sin()  # (k read before q_proj is called)
-        return torch.cat([self.q_proj(x), k], -1)
-
-
 def test_a_group_fused_in_stored_order_goes_before_its_first_reader():
     """Fused in the order an earlier graph stored the weights (q, k), the GEMM went before q's node: after k's
     reader, which the compile then refused (found by review)."""
     torch.manual_seed(0)
-    model = _ReadsKFirst().to(torch.bfloat16)
+    model = _EitherOrder(read_k_first=True).to(torch.bfloat16)
     fp8fx.quantize_(model)
     backend = fp8fx.Fp8Backend(compiler="eager", fuse_horizontal=True)
     compiled = torch.compile(model, backend=backend, dynamic=False)
