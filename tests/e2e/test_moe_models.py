@@ -1,7 +1,6 @@
 """Tiny random HF MoE models (transformers 5) through Fp8Backend on CPU: every experts module rewritten into
 fp8fx.fused_moe, one graph (fullgraph), logits close to the bf16 model's."""
 import logging
-import re
 
 import pytest
 import safetensors
