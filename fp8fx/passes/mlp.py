@@ -369,6 +369,9 @@ def _note_unmatched(graph: fx.Graph, ctx: PassContext) -> None:
                 continue
             # (h.mul_(u) with its result unread: the projection reads the activation's tensor, written in place)
             down = _reader_projection(mul) or (_reader_projection(act, mul) if _in_place_mul(mul) else None)
+            between = None
+            if down is None and not _in_place_mul(mul):  # (h * mask: an op of another input before down)
+                down, between = _projection_past(mul)
             parts = [_projection(_input(act)), _projection(up), down]
             if None in parts:
                 continue
@@ -382,6 +385,9 @@ def _note_unmatched(graph: fx.Graph, ctx: PassContext) -> None:
             if high:
                 why = (f"{', '.join(high)} {'is' if len(high) == 1 else 'are'} no fp8 GEMM (left in high precision: "
                        "its row says why), and the fused MLP runs gate, up and down in fp8")
+            elif between is not None:
+                why = (f"{_name_of(between)} between act(gate) * up and the down projection (the fused MLP quantizes "
+                       "the product as it is)")
             elif _in_place_mul(mul):
                 why = (f"act(gate) * up is taken in place ({_name_of(mul)}); the fused MLP takes the product out of "
                        "place (h = act(gate) * up)")
@@ -390,6 +396,25 @@ def _note_unmatched(graph: fx.Graph, ctx: PassContext) -> None:
             amend_sites(ctx, fp8, f"not fused into a gated MLP ({site_names(ctx, fp8)}): {why}")
             said.update(fp8)
             break
+
+
+def _projection_past(node: fx.Node) -> tuple[Optional[tuple[str, fx.Node]], Optional[fx.Node]]:
+    """(the projection that reads ``node`` a few sole-reader ops on, the first of those ops that takes another tensor
+    too: ``h * mask``), or (None, None) where there is no such op (``_reader_projection`` has those) or projection."""
+    first = None
+    for _ in range(4):
+        if len(node.users) != 1:
+            return None, None
+        (user,) = node.users
+        if user.op not in ("call_function", "call_method") or _projection(user) or _is_gemm(user):
+            return None, None
+        if first is None and len(user.all_input_nodes) > 1:
+            first = user
+        found = _reader_projection(user) if first is not None else None
+        if found:
+            return found, first
+        node = user
+    return None, None
 
 
 def _gemm_behind(node: fx.Node, depth: int = 6) -> Optional[fx.Node]:

@@ -465,6 +465,31 @@ def test_scaled_product_says_why():
     assert all(reason in site.scheme for site in report.sites), str(report)
 
 
+class MaskedProductMLP(MLP):
+    """act(gate) * up times a tensor (a mask) before down: an op of another input the fused MLP would drop."""
+
+    def __init__(self, dim, hidden):
+        super().__init__(dim, hidden)
+        self.register_buffer("mask", (torch.rand(hidden) > 0.5).to(torch.bfloat16))
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x) * self.mask)
+
+
+def test_masked_product_says_why():
+    """act(gate) * up * mask before down: the pass declined it with no word in the report (a product with a number
+    had a note, one with a tensor none); each site now says why, and the output is the unfused graph's."""
+    model, _ = quantized(MaskedProductMLP)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    y, report, code = run(model, x, fuse_mlp=True)
+    torch._dynamo.reset()
+    unfused, _, _ = run(model, x)
+    assert "gated_mlp" not in code and code.count("fp8fx.scaled_mm.default(") == 3 and torch.equal(y, unfused)
+    reason = ("not fused into a gated MLP (gate_proj,up_proj,down_proj): mul (call_function) between act(gate) * up "
+              "and the down projection (the fused MLP quantizes the product as it is)")
+    assert len(report.sites) == 3 and all(s.rewritten and reason in s.scheme for s in report.sites), str(report)
+
+
 class UnevenSlicesMLP(nn.Module):
     """silu(gu[..., :I]) * gu[..., I:2I] of a 3I-wide layer: no gate/up pair, as the same slice twice is none."""
 
