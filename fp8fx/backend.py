@@ -45,6 +45,33 @@ def _forget_dump_locks() -> None:
     _DUMP_WRITERS.clear()
 
 
+class _Fixed:
+    """An option ``Fp8Backend`` reads at each compile and keys Inductor's caches by (``cache_key``), both from what
+    the constructor was given: set later, a graph cached under the old value would be served for the new one (and
+    the reverse), so it is read-only."""
+
+    def __set_name__(self, owner, name: str):
+        self.name = name
+
+    def __get__(self, backend, owner=None):
+        return self if backend is None else backend.__dict__["_" + self.name]
+
+    def __set__(self, backend, value):
+        raise AttributeError(f"Fp8Backend.{self.name} is fixed when the backend is made (Inductor's caches are keyed "
+                             f"by it): make a new backend, Fp8Backend({self.name}={value!r}, ...)")
+
+
+class _FixedConfig(dict):
+    """``Fp8Backend.inductor_config``: read-only, as ``_Fixed`` says why."""
+
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("Fp8Backend.inductor_config is fixed when the backend is made (Inductor's caches are keyed by "
+                        "it): make a new backend, Fp8Backend(inductor_config={...}), or pass the patch for one compile "
+                        "as torch.compile(..., options={...})")
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _refuse
+
+
 class Fp8Backend:
     """A ``torch.compile`` backend: ``torch.compile(model, backend=Fp8Backend(...))``.
 
@@ -197,16 +224,15 @@ class Fp8Backend:
         if isinstance(dump_dir, (str, os.PathLike)):  # '~/dumps': the home's (a Path too: it made a folder named ~)
             dump_dir = os.path.expanduser(os.fspath(dump_dir))
         _check_dump_dir(dump_dir)  # last: it makes the folder
-        self.one_pass_rows = one_pass_rows
-        self.direct_calls = direct_calls
-        self.lowering = lowering
-        self.compiler = compiler
+        self.__dict__.update(_one_pass_rows=one_pass_rows, _direct_calls=direct_calls, _lowering=lowering,
+                             _compiler=compiler)
         # the folder asked for, as made now (a later chdir does not move it); dump_dir may become a subfolder of it
         self._dump_root = None if dump_dir is None else os.path.abspath(dump_dir)
         self.dump_dir = self._dump_root
-        self.inductor_config = dict(inductor_config or {})
+        inductor_config = dict(inductor_config or {})
         if cudagraphs:
-            self.inductor_config["triton.cudagraphs"] = True
+            inductor_config["triton.cudagraphs"] = True
+        self.__dict__["_inductor_config"] = _FixedConfig(inductor_config)
         options = {
             "compiler": compiler,
             "lowering": lowering,
@@ -227,6 +253,12 @@ class Fp8Backend:
                                 fast_router=fast_router, fuse_routing=fuse_routing)
         self.pass_manager = PassManager(passes, options)
         self.report = Report()
+
+    one_pass_rows = _Fixed()
+    direct_calls = _Fixed()
+    lowering = _Fixed()
+    compiler = _Fixed()
+    inductor_config = _Fixed()
 
     def __deepcopy__(self, memo) -> "Fp8Backend":
         """The backend itself: a copy would compile with a report of its own, which the user never sees.

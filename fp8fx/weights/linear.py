@@ -67,7 +67,7 @@ def _dequantized_weight(self) -> torch.Tensor:
     w = torch.ops.fp8fx.dequantize(q, scale, w_block, self._fp8fx_dtype, self._parameters.get("input_scale"), act_block)
     # (a Conv1D's weight is [in, out]: its codes are stored as a linear's, and the layer's addmm reads the transpose,
     # addmm(b, x, dequantize(...).t()), which the linear pass takes as the linear it is)
-    return views.dequantized(w.t() if type(self)._fp8fx_transposed else w, self, "weight")
+    return views.dequantized(w.t() if self._fp8fx_transposed else w, self, "weight")
 
 
 _NO_PARAMETRIZATION = ("an fp8 weight is codes and scales, which no parametrization takes; parametrize the "

@@ -390,6 +390,23 @@ def test_linears_inside_higher_order_ops_are_reported(mode, sites):
     assert torch.equal(out, ref)
 
 
+def test_compiles_under_dynamos_precompile_cache():
+    """``torch._dynamo.config.caching_precompile``: Dynamo saves a frame's guards, and the fp8 layer's weight read
+    ``type(self)._fp8fx_transposed``, a class-match guard it cannot save; every compile of a quantized model failed
+    ("check_fn.guards_state must not be None", a review's catch). A Conv1D (transposed codes) too."""
+    from transformers.pytorch_utils import Conv1D as HFConv1D
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), HFConv1D(64, 96)).to(torch.bfloat16)
+    ref = copy.deepcopy(model).double()
+    fp8fx.quantize_(model)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch._dynamo.config.patch(caching_precompile=True):
+        _, out, backend = eager_and_compiled(model, x)
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("0", True), ("2", True)], backend.report
+    assert rel_err(out, ref(x.double())) < 0.1  # (fp8 codes of two layers: 0.04-0.05; a wrong transpose: ~1.4)
+
+
 def test_autograd_graph_is_reported_not_rewritten():
     model = ThreeLinear().to(torch.bfloat16)
     fp8fx.quantize_(model)

@@ -87,6 +87,23 @@ def test_the_option_is_checked_and_keys_the_cache():
     assert fp8fx.Fp8Backend(direct_calls=False).cache_key() != fp8fx.Fp8Backend().cache_key()
 
 
+@pytest.mark.parametrize("name, value", [("direct_calls", False), ("one_pass_rows", 1024), ("lowering", "op"),
+                                         ("compiler", "eager"), ("inductor_config", {"cpp_wrapper": True})])
+def test_options_read_at_compile_are_fixed(name, value):
+    """The options the backend reads at each compile key Inductor's caches from the constructor's values: one set
+    afterwards (``backend.direct_calls = False``) compiled otherwise under the old key, and a default backend of
+    another process sharing the cache dir was served that code (a review's catch). They are read-only now, as is the
+    Inductor config's mapping, and the refusal names the fix."""
+    backend = fp8fx.Fp8Backend()
+    before, key = getattr(backend, name), backend.cache_key()
+    with pytest.raises(AttributeError, match=rf"Fp8Backend.{name} is fixed .* Fp8Backend\({name}="):
+        setattr(backend, name, value)
+    for change in (lambda c: c.__setitem__("cpp_wrapper", True), lambda c: c.update(cpp_wrapper=True)):
+        with pytest.raises(TypeError, match=r"inductor_config is fixed .* Fp8Backend\(inductor_config="):
+            change(backend.inductor_config)
+    assert getattr(backend, name) == before and backend.inductor_config == {} and backend.cache_key() == key
+
+
 def test_cpp_wrapper_code_calls_the_ops_as_before():
     """Inductor's C++ wrapper (``cpp_wrapper=True``) has no Python call to make: the ops run through the dispatcher
     there, with the same bits."""
