@@ -600,9 +600,10 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
                 cfg.is_ignored(n) or layer_config(n) is None and why_not(n) == "in ignored_layers"
                 for n in (f"{fqn}.0.{p}" for names in NAMINGS for p in names))
             reason = ("in ignored_layers" if by_expert else why_not(fqn) if cfg is None
-                      # (an fp8 checkpoint's: load_checkpoint loads its experts as stored, ragged blocks too)
-                      else ("in ignored_layers" if cfg.is_ignored(fqn) else None) if cfg.is_checkpoint_fp8_serialized
-                      else moe.skip_reason(module, fqn, cfg))
+                      # (an fp8 checkpoint's: load_checkpoint loads its experts as stored, but refuses the whole
+                      # checkpoint where a scale block would span gate and up, as Fp8MoEMethod does)
+                      else ("in ignored_layers" if cfg.is_ignored(fqn) else _refused_blocks(module, cfg))
+                      if cfg.is_checkpoint_fp8_serialized else moe.skip_reason(module, fqn, cfg))
             w13, w2 = module._parameters[moe.w13_name(module)], module._parameters[moe.W2]
             saved = sum(_saved(list(w.shape), w.element_size(), cfg) for w in (w13, w2)) if reason is None else 0
             rows.append({"graph": None, "kind": "moe", "fqn": fqn, "weight_shape": list(w13.shape),
@@ -646,6 +647,12 @@ def _name_weights(model: nn.Module, decide: LinearDecider) -> list[torch.Tensor]
                 weight._fp8fx_skip_reason = foreign
             named.append((weight, ("_fp8fx_fqn", "_fp8fx_skip_reason") if foreign else ("_fp8fx_fqn",)))
     return named
+
+
+def _refused_blocks(experts: nn.Module, cfg) -> Optional[str]:
+    """Why ``load_checkpoint`` refuses an fp8 checkpoint of block-scaled ``experts`` (``moe.block_error``), or None."""
+    why = moe.block_error(cfg.scheme(), moe.sizes(experts)[2], gated=moe.is_experts(experts))
+    return None if why is None else f"load_checkpoint refuses this checkpoint: {why}"
 
 
 def _saved(shape: Sequence[int], element_size: int, config: Fp8Config) -> int:

@@ -159,17 +159,30 @@ def test_inspect_of_an_fp8_checkpoint_predicts_ragged_blocks_as_loaded(capsys, l
 
 
 def test_inspect_of_an_fp8_checkpoint_predicts_ragged_expert_blocks_as_loaded(capsys, tmp_path):
-    """Experts of 96 rows under 128x128 blocks: load_checkpoint loads them as stored (ragged last blocks); inspect
-    gave quantize_'s reason, "not divisible"."""
+    """Experts of 96 (or 192) rows under 128x128 blocks: load_checkpoint refuses the checkpoint (a scale block of the
+    stacked gate_up_proj would span gate and up, as vLLM's Fp8MoEMethod refuses it); inspect said the experts would
+    be rewritten (a review's catch), and now gives the load's reason. 256 rows load."""
     cfg = transformers.Qwen3MoeConfig(vocab_size=512, hidden_size=128, intermediate_size=256, moe_intermediate_size=96,
                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                                       num_experts=4, num_experts_per_tok=2)
     cfg.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
     cfg.save_pretrained(tmp_path)
-    code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
-    assert code == 0, err
-    experts = {s["fqn"]: s for s in json.loads(out)["sites"]}["model.layers.0.mlp.experts"]
-    assert experts["would_rewrite"] and not experts["reason"]
+    for rows in (96, 192, 256):
+        cfg.moe_intermediate_size = rows
+        cfg.save_pretrained(tmp_path)
+        code, out, err = run(capsys, "inspect", str(tmp_path), "--json")
+        assert code == 0, err
+        experts = {s["fqn"]: s for s in json.loads(out)["sites"]}["model.layers.0.mlp.experts"]
+        if rows == 256:
+            assert experts["would_rewrite"] and not experts["reason"]
+            continue
+        assert not experts["would_rewrite"] and experts["reason"] == (
+            f"load_checkpoint refuses this checkpoint: intermediate_size={rows} is not divisible by weight_block_size "
+            "block_n=128 (a scale block of gate_up_proj would span gate and up); use per-channel scales or a block_n "
+            "dividing it"), experts
+        with pytest.raises(ValueError, match=f"experts: intermediate_size={rows} is not divisible"):  # (the load's)
+            fp8fx.Fp8MoEMethod(fp8fx.Fp8Config(weight_block_size=[128, 128])).create_weights(
+                torch.nn.Module(), 4, 128, rows, torch.bfloat16, prefix="experts")
 
 
 def test_inspect_of_a_checkpoint_with_a_scheme_per_part_predicts_its_experts_as_loaded(capsys, tmp_path):
