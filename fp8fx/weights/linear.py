@@ -518,11 +518,21 @@ def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str,
         scale = name.endswith(("scale", "scale_inv"))
         if (scale or given.dtype == codes.dtype) and given.shape != codes.shape and not (
                 codes.dim() == 0 and given.shape == (1,)):  # (torch's own allowance: [1] into a 0-dim parameter)
-            conv1d = is_conv1d_class(type(self)) and name == "weight" and given.shape == codes.shape[::-1]
+            transposed = given.dim() == codes.dim() == 2 and given.shape == codes.shape[::-1]
+            conv1d = is_conv1d_class(type(self)) and name == "weight" and transposed
+            # (a reshape is the fix only where the shapes differ by dims of 1, [N] for [N, 1]: one of a transposed
+            # [K/128, N/128] block scale gave it the shape and scrambled which block each scale is for)
+            squeezed = [d for d in given.shape if d != 1] == [d for d in codes.shape if d != 1]
             why = ("a Conv1D's fp8 codes as checkpoints hold its weight, [in, out], where the layer holds them [out, "
                    "in]: load the checkpoint with fp8fx.load_checkpoint, or transpose it (.t().contiguous())"
                    if conv1d else
                    f"the same {given.numel()} values in another shape: reshape it to {list(codes.shape)}"
+                   if squeezed else
+                   "the transposed shape, a writer's [in, out] layout ([K blocks, N blocks] for a block scale): "
+                   "transpose it (.t().contiguous()); a reshape would put its values in the wrong places"
+                   if transposed else
+                   f"as many values ({given.numel()}) in another layout: load the state_dict of a model quantized as "
+                   "this one is"
                    if given.numel() == codes.numel() else
                    "a state_dict of a model quantized with another scheme or block: load the state_dict of a model "
                    "quantized as this one is, or quantize_ the high-precision model with that scheme")

@@ -644,6 +644,28 @@ def test_a_load_scans_each_fp8_tensor_once(monkeypatch):
         model.load_state_dict(state)
 
 
+def test_a_transposed_block_scale_is_named_so_not_as_a_reshape():
+    """A 128x128 block scale given transposed ([K blocks, N blocks], a writer's [in, out] layout): the refusal said
+    "the same 6 values in another shape: reshape it to [2, 3]", and the reshaped scale loaded with each block under
+    another block's scale (weight 33% off, silently; a review's catch). It now says to transpose; the model is
+    untouched, and the transposed scale loads exactly."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(384, 256)).to(torch.bfloat16)
+    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_block_size=[128, 128]))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    state["0.weight_scale_inv"] *= torch.rand(2, 3) + 0.5
+    before = model[0].weight.clone()
+    given = {**state, "0.weight_scale_inv": state["0.weight_scale_inv"].t().contiguous()}
+    with pytest.raises(RuntimeError, match=r"0\.weight_scale_inv: shape \[3, 2\], where this module's is \[2, 3\] "
+                                           r"\(the transposed shape, a writer's \[in, out\] layout .* transpose it "
+                                           r"\(\.t\(\)\.contiguous\(\)\); a reshape would put its values in the wrong "
+                                           r"places; this module was not loaded"):
+        model.load_state_dict(given)
+    assert torch.equal(model[0].weight, before)
+    model.load_state_dict({**given, "0.weight_scale_inv": given["0.weight_scale_inv"].t()})
+    assert torch.equal(model[0].weight_scale_inv, state["0.weight_scale_inv"])
+
+
 def test_loads_into_a_part_or_a_layer_of_two_names_are_checked_first(monkeypatch):
     """The check was the model's alone: a load into one of its modules (``model.body.load_state_dict``) loaded the
     modules before the refusing fp8 layer; a layer registered under two names was checked under its first, while
