@@ -253,7 +253,7 @@ def warn_misspelt(config: Mapping[str, Any], known: frozenset, where: str) -> No
 _READ_KEYS = frozenset({
     "quant_method", "activation_scheme", "is_checkpoint_fp8_serialized", "ignored_layers", "modules_to_not_convert",
     "weight_block_size", "weight_granularity", "activation_granularity", "modules_to_convert", "expert_dtype",
-    "scale_fmt", "dequantize",
+    "scale_fmt", "dequantize", "fmt",
 })
 
 
@@ -488,6 +488,13 @@ class Fp8Config:
             raise ValueError(
                 f"quantization_config['expert_dtype']={config['expert_dtype']!r}: fp8fx reads fp8 experts "
                 "(expert_dtype='fp8'); load this checkpoint with transformers, or re-export it with fp8 experts"
+            )
+        fmt = config.get("fmt", "e4m3")  # (DeepSeek-V3's key: "e4m3")
+        if fmt not in ("e4m3", "e4m3fn", "float8_e4m3fn"):
+            raise ValueError(
+                f"quantization_config['fmt']={fmt!r}: fp8fx reads fp8 weights in e4m3 (float8_e4m3fn), the format "
+                "of vLLM's, DeepSeek's and compressed-tensors' checkpoints; load the model's bf16 checkpoint (with "
+                "an online Fp8Config), or re-export this one in e4m3 (\"fmt\": \"e4m3\")"
             )
         warn_misspelt(config, _READ_KEYS, "quantization_config")
         key = "ignored_layers" if config.get("ignored_layers") else "modules_to_not_convert"

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from fp8fx import quant
-from fp8fx.checkpoint.files import CheckpointError, Entry
+from fp8fx.checkpoint.files import CheckpointError, Entry, check_fp8_codes
 from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, first_named
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.linear import RANGE_CHECKED, remember_trainable
@@ -363,6 +363,7 @@ class ExpertsLoader:
         self._reject_leftovers(ex, todo)
 
     def _check_weight_dtype(self, ex: Experts, w: Entry) -> None:
+        check_fp8_codes(w, f"the experts of {ex.fqn}")
         fp8 = w.dtype == quant.FP8_DTYPE
         if ex.serialized and not fp8:
             raise CheckpointError(

@@ -67,6 +67,16 @@ class Entry:
         return f"{self.name} ({_dtype_name(self.dtype)} {list(self.shape)} in {os.path.basename(self.file)}{stored})"
 
 
+def check_fp8_codes(w: Entry, what: str) -> None:
+    """Refuses fp8 codes of another format than fp8fx's float8_e4m3fn (a checkpoint of e5m2 codes): read as any
+    weight, they were refused as "declared float8_e4m3fn", with a fix (the ignore list) that does not load them."""
+    if w.dtype == torch.float8_e5m2:
+        raise CheckpointError(
+            f"{w}: float8_e5m2 codes for {what}, and fp8fx reads float8_e4m3fn ones (the fp8 of vLLM's, "
+            "DeepSeek's and compressed-tensors' checkpoints): load the model's bf16 checkpoint (with an online "
+            "Fp8Config, or quantize_ it then fp8fx.save_checkpoint), or re-export this one with e4m3 codes")
+
+
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 

@@ -30,7 +30,8 @@ from fp8fx import quant
 from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values, check_weight_values
 from fp8fx.checkpoint.experts import beyond_dequantized_range, beyond_range_error, dequantized_range_error
-from fp8fx.checkpoint.files import CheckpointError, Entry, read_checkpoint, read_config, read_tensor
+from fp8fx.checkpoint.files import CheckpointError, Entry, check_fp8_codes, read_checkpoint, read_config
+from fp8fx.checkpoint.files import read_tensor
 from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, config_or, first_named
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
@@ -728,6 +729,7 @@ class _Loader:
                 raise CheckpointError(f"{e} (the layer fused from {list(lin.shards)})") from None  # (e names fqn)
 
     def _check_weight_dtype(self, lin: _Linear, w: Entry) -> None:
+        check_fp8_codes(w, lin.fqn)
         fp8 = w.dtype == quant.FP8_DTYPE
         if lin.serialized and not fp8:
             raise CheckpointError(

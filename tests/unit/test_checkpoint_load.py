@@ -572,6 +572,27 @@ def test_checkpoint_holding_both_fused_and_separate_tensors(tmp_path):
         load_checkpoint(model, write_checkpoint(tmp_path / "c", state), progress=False)
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_e5m2_checkpoints_are_refused_as_such(tmp_path, fmt):
+    """DeepSeek-V3's quantization_config key "fmt" was never read, and e5m2 codes were refused as "declared
+    float8_e4m3fn" with the ignore list as the fix, which refuses them too (a review's catch). The config's fmt and
+    the codes' dtype are each refused as what they are, naming the fix; the model is untouched."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "block")
+    layer = "model.layers.1.mlp.down_proj"
+    tensors[f"{layer}.weight"] = tensors[f"{layer}.weight"].float().to(torch.float8_e5m2)
+    if fmt:
+        qc["fmt"] = fmt
+    model = meta_tiny()
+    snap = snapshot(model)
+    match = (r"quantization_config\['fmt'\]='e5m2': fp8fx reads fp8 weights in e4m3 \(float8_e4m3fn\).* load the "
+             r"model's bf16 checkpoint" if fmt == "e5m2" else
+             rf"{layer}\.weight \(float8_e5m2 \[64, 96\] in model\.safetensors\): float8_e5m2 codes for {layer}, "
+             r"and fp8fx reads float8_e4m3fn ones .* re-export this one with e4m3 codes")
+    with pytest.raises((CheckpointError, ValueError), match=match):
+        load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert_unchanged(model, snap)
+
+
 # --- KV-cache scales ---------------------------------------------------------------------------
 @pytest.mark.parametrize("naming", ["attn", "vllm", "output_scale"])
 def test_kv_scales_from_either_naming(tmp_path, naming):
@@ -988,7 +1009,8 @@ BAD = {
     ),
     "e5m2 weight": (
         _case(lambda t, qc: t.update({f"{DOWN}.weight": t[f"{DOWN}.weight"].float().to(torch.float8_e5m2)})),
-        rf"^{DOWN}\.weight \(float8_e5m2 \[64, 96\] .*\): {DOWN} is declared float8_e4m3fn",
+        rf"^{DOWN}\.weight \(float8_e5m2 \[64, 96\] .*\): float8_e5m2 codes for {DOWN}, and fp8fx reads "
+        r"float8_e4m3fn ones",
     ),
     "fp8 weight without quantization_config": (
         _case(lambda t, qc: qc.clear()),

@@ -296,6 +296,9 @@ BAD = {
                             rf"{P}\.down_proj\.weight_scale .*needs shape \[64, 1\] \(one per output channel\)"),
     "bf16 weight in fp8": ("tensor", {}, _set(f"{P}.up_proj.weight", lambda t: t[f"{P}.up_proj.weight"].bfloat16()),
                            rf"{P}\.up_proj\.weight \(bfloat16.*declared float8_e4m3fn .*ignore list"),
+    "e5m2 weight": ("tensor", {}, _set(f"{P}.up_proj.weight", lambda t: t[f"{P}.up_proj.weight"].float().to(
+        torch.float8_e5m2)), rf"{P}\.up_proj\.weight \(float8_e5m2.*float8_e5m2 codes for the experts of {EXPERTS}, "
+        r"and fp8fx reads float8_e4m3fn ones"),
     "wrong weight shape": ("tensor", {}, _set(f"{P}.down_proj.weight", lambda t: t[f"{P}.down_proj.weight"][:32]),
                            rf"{P}\.down_proj\.weight .*is \[64, 32\] \(E, H, I = \[4, 64, 32\]\)"),
     "mixed naming": ("tensor", {}, lambda t, qc: t.__setitem__(f"{P}.w2.weight", t.pop(f"{P}.down_proj.weight")),
