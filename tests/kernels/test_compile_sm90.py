@@ -409,6 +409,25 @@ def test_tiles_fit_the_shared_memory_of_smaller_gpus(arch, a_dtype, m):
     assert over == want.get((arch, m), []), over
 
 
+@pytest.mark.parametrize("arch,shared", [(100, 232448), (120, SMALL_SHARED)])
+@pytest.mark.parametrize("m", [1, 16, 32, 64, 4096])
+def test_hopper_tiles_build_for_blackwell(arch, shared, m):
+    """GPUs after Hopper keep the H200's tiles (``for_device``: compute capability >= 9.0): the transposed tiles and
+    TMA copies compile for sm_100 (B200, 227 KiB a program) and sm_120 (consumer Blackwell, 99 KiB) - Triton lowers
+    the dot there without wgmma - and fit the shared memory with the stages ``fp8_gemm`` gives them there
+    (``stage_budget``). Compiled only: no such GPU was lent, none of it timed."""
+    for n, k in [(28672, 4096), (4096, 14336), (6144, 4096), (4096, 4096)]:
+        cfg = tile_config(m, n, k, transposed=True)
+        kernel = compile_for_hopper("fp8e4nv", LAYOUTS["per-row"], cfg, arch=arch, budget=min(200 * 1024,
+                                                                                                shared - 1024))
+        assert kernel.asm["cubin"] and kernel.metadata.shared <= shared, (n, k, cfg, kernel.metadata.shared)
+    if m == 1:
+        from fp8fx.kernels.fp8_gemm import tile_config as full_tile_config
+
+        gemv = compile_gemv("bf16", full_tile_config(1, 4096, 14336, a_quant=True), a_quant=1, arch=arch)
+        assert gemv.asm["cubin"] and gemv.metadata.shared <= shared
+
+
 GEMV_POINTERS = POINTERS
 GEMV_INTS = ["N", "K", "stride_ak", "stride_bn", "stride_yn", "stride_ys", "stride_ask", "stride_bsn", "stride_bsk"]
 
