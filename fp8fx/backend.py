@@ -54,7 +54,12 @@ class _Fixed:
         self.name = name
 
     def __get__(self, backend, owner=None):
-        return self if backend is None else backend.__dict__["_" + self.name]
+        if backend is None:
+            return self
+        try:
+            return backend.__dict__["_" + self.name]
+        except KeyError:  # (read before __init__ set it: getattr's default and hasattr need an AttributeError)
+            raise AttributeError(f"Fp8Backend.{self.name} is not set yet (Fp8Backend.__init__ sets it)") from None
 
     def __set__(self, backend, value):
         raise AttributeError(f"Fp8Backend.{self.name} is fixed when the backend is made (Inductor's caches are keyed "
@@ -70,6 +75,9 @@ class _FixedConfig(dict):
                         "as torch.compile(..., options={...})")
 
     __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _refuse
+
+    def __reduce__(self):  # (pickle and copy rebuild a dict subclass item by item: through __setitem__)
+        return type(self), (dict(self),)
 
 
 class Fp8Backend:

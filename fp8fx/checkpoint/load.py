@@ -576,6 +576,7 @@ class _Loader:
         first = aliases[0]
         owner = key.rpartition(".")[0]
         if entry.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            check_fp8_codes(entry, key)  # (e5m2: no ignore list fixes that)
             why = self.not_quantized.get(owner) or self.moe.not_quantized.get(owner) or "not a linear layer"
             raise CheckpointError(
                 f"{entry}: a float8 tensor for {key}, which is not quantized ({why}); the checkpoint's "

@@ -518,7 +518,9 @@ def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str,
         scale = name.endswith(("scale", "scale_inv"))
         if (scale or given.dtype == codes.dtype) and given.shape != codes.shape and not (
                 codes.dim() == 0 and given.shape == (1,)):  # (torch's own allowance: [1] into a 0-dim parameter)
-            transposed = given.dim() == codes.dim() == 2 and given.shape == codes.shape[::-1]
+            # (an experts module's [E, a, b] as [E, b, a] too)
+            transposed = given.dim() == codes.dim() >= 2 and given.shape[:-2] == codes.shape[:-2] and (
+                given.shape[-2:] == codes.shape[-2:][::-1])
             conv1d = is_conv1d_class(type(self)) and name == "weight" and transposed
             # (a reshape is the fix only where the shapes differ by dims of 1, [N] for [N, 1]: one of a transposed
             # [K/128, N/128] block scale gave it the shape and scrambled which block each scale is for)
@@ -529,7 +531,8 @@ def load_refusal(self: nn.Module, state_dict: Mapping[str, object], prefix: str,
                    f"the same {given.numel()} values in another shape: reshape it to {list(codes.shape)}"
                    if squeezed else
                    "the transposed shape, a writer's [in, out] layout ([K blocks, N blocks] for a block scale): "
-                   "transpose it (.t().contiguous()); a reshape would put its values in the wrong places"
+                   f"transpose it ({'.t()' if codes.dim() == 2 else '.transpose(-2, -1)'}.contiguous()); a reshape "
+                   "would put its values in the wrong places"
                    if transposed else
                    f"as many values ({given.numel()}) in another layout: load the state_dict of a model quantized as "
                    "this one is"

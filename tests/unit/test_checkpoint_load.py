@@ -572,25 +572,39 @@ def test_checkpoint_holding_both_fused_and_separate_tensors(tmp_path):
         load_checkpoint(model, write_checkpoint(tmp_path / "c", state), progress=False)
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("fmt", ["e4m3", "E5M2", "ignored"])
 def test_e5m2_checkpoints_are_refused_as_such(tmp_path, fmt):
     """DeepSeek-V3's quantization_config key "fmt" was never read, and e5m2 codes were refused as "declared
-    float8_e4m3fn" with the ignore list as the fix, which refuses them too (a review's catch). The config's fmt and
-    the codes' dtype are each refused as what they are, naming the fix; the model is untouched."""
-    tensors, qc, _ = fp8_checkpoint(bf16_state(), "block")
+    float8_e4m3fn" with the ignore list as the fix, which refuses them too - or, for a layer in the ignore list,
+    with the fix "the ignore list" (a review's catch). The config's fmt and the codes' dtype are each refused as
+    what they are, naming the fix; the model is untouched."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "block", ignore=("lm_head", "model.layers.1.mlp.down_proj"))
     layer = "model.layers.1.mlp.down_proj"
     tensors[f"{layer}.weight"] = tensors[f"{layer}.weight"].float().to(torch.float8_e5m2)
-    if fmt:
-        qc["fmt"] = fmt
+    if fmt == "ignored":  # (the layer the e5m2 codes are for is in the ignore list, and fmt is not given)
+        name = f"{layer}.weight"
+    else:
+        qc["fmt"], qc["ignored_layers"], name = fmt, ["lm_head"], layer
     model = meta_tiny()
     snap = snapshot(model)
-    match = (r"quantization_config\['fmt'\]='e5m2': fp8fx reads fp8 weights in e4m3 \(float8_e4m3fn\).* load the "
-             r"model's bf16 checkpoint" if fmt == "e5m2" else
-             rf"{layer}\.weight \(float8_e5m2 \[64, 96\] in model\.safetensors\): float8_e5m2 codes for {layer}, "
+    match = (r"quantization_config\['fmt'\]='E5M2': fp8fx reads fp8 weights in e4m3 \(float8_e4m3fn\).* load the "
+             r"model's bf16 checkpoint" if fmt == "E5M2" else
+             rf"{layer}\.weight \(float8_e5m2 \[64, 96\] in model\.safetensors\): float8_e5m2 codes for {name}, "
              r"and fp8fx reads float8_e4m3fn ones .* re-export this one with e4m3 codes")
     with pytest.raises((CheckpointError, ValueError), match=match):
         load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
     assert_unchanged(model, snap)
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "E4M3", "float8_e4m3fn", "fp8_e4m3", None])
+def test_fmt_spellings_of_e4m3_load(tmp_path, fmt):
+    """Only a fmt naming e5m2 is refused: the other spellings of e4m3 (and null) load as before the key was read,
+    as vLLM, which does not read it, loads them (a review's catch)."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "block")
+    qc["fmt"] = fmt
+    model = meta_tiny()
+    load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
+    assert is_quantized(model.model.layers[0].mlp.down_proj)
 
 
 # --- KV-cache scales ---------------------------------------------------------------------------

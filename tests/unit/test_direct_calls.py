@@ -2,6 +2,9 @@
 (``fp8fx.ops.direct``, ``compat.direct_op_calls``) instead of through the dispatcher - the same kernels on the same
 arguments, so the same bits; the report still names the GEMMs; profiles still show the ops; ``direct_calls=False`` and
 graphs compiled outside fp8fx's backend keep ``torch.ops.fp8fx.*`` calls."""
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -102,6 +105,21 @@ def test_options_read_at_compile_are_fixed(name, value):
         with pytest.raises(TypeError, match=r"inductor_config is fixed .* Fp8Backend\(inductor_config="):
             change(backend.inductor_config)
     assert getattr(backend, name) == before and backend.inductor_config == {} and backend.cache_key() == key
+
+
+def test_fixed_options_copy_pickle_and_answer_getattr():
+    """The read-only options kept what a backend did before: pickle and copy of one with an Inductor config (pickle
+    rebuilt the mapping item by item and was refused), and getattr with a default / hasattr on one whose __init__
+    has not set them yet (a subclass's, which raised KeyError) - both a review's catch."""
+    backend = fp8fx.Fp8Backend(cudagraphs=True, inductor_config={"max_autotune": False})
+    for copied in (pickle.loads(pickle.dumps(backend)), copy.copy(backend.inductor_config),
+                   copy.deepcopy(backend.inductor_config)):
+        config = getattr(copied, "inductor_config", copied)
+        assert config == {"max_autotune": False, "triton.cudagraphs": True}
+        with pytest.raises(TypeError, match="inductor_config is fixed"):
+            config["max_autotune"] = True
+    bare = fp8fx.Fp8Backend.__new__(fp8fx.Fp8Backend)
+    assert getattr(bare, "compiler", "unset") == "unset" and not hasattr(bare, "inductor_config")
 
 
 def test_cpp_wrapper_code_calls_the_ops_as_before():

@@ -84,6 +84,22 @@ def test_state_dict_names_scale_shapes_and_views(config, suffix, w13_scale, w2_s
             assert torch.equal(sd[f"experts.{name}{suffix}"][e].reshape(s.shape), s)
 
 
+def test_a_transposed_experts_block_scale_is_named_so():
+    """An experts module's block scale given per expert transposed ([E, K blocks, N blocks]): the refusal said "as
+    many values in another layout" where a 2-D layer's says to transpose (a review's catch); it names the transpose
+    of the last two dims now, and nothing loads."""
+    model = Block(h=384).to(torch.bfloat16)  # (gate_up's scale [E, 2, 3]: blocks of 2I = 256 rows, H = 384 columns)
+    fp8fx.quantize_(model, Fp8Config(weight_block_size=[128, 128]))
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in state.items()}
+    state["experts.gate_up_proj_scale_inv"] = state["experts.gate_up_proj_scale_inv"].transpose(-2, -1).contiguous()
+    with pytest.raises(RuntimeError, match=r"experts\.gate_up_proj_scale_inv: shape \[4, 3, 2\], where this module's "
+                                           r"is \[4, 2, 3\] \(the transposed shape, .* transpose it "
+                                           r"\(\.transpose\(-2, -1\)\.contiguous\(\)\); a reshape would"):
+        model.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_eager_forward_still_runs_close_and_bf16_is_released():
     model = Block().to(torch.bfloat16)
     x = torch.randn(6, H, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
