@@ -330,6 +330,12 @@ class Report:
                 if first is None and tag and site.fqn.startswith(f"{root}.") and tag.endswith(site.fqn[len(root):]):
                     first = tag[:len(tag) - len(site.fqn) + len(root)]
                 fqn = tag or (f"{first}{site.fqn[len(root):]}" if first is not None else "")
+            # a weight of several layers (b.weight = a.weight, kept in high precision) is tagged with the last one's
+            # name: this site's own, where it is one of them (the rows of all but that layer were lost)
+            owners = getattr(weight, "_fp8fx_owners", {})
+            mine = site.fqn if root is None else f"{first}{site.fqn[len(root):]}" if first is not None else None
+            if len(owners) > 1 and mine in owners:
+                fqn = mine
             token = Site.token_of(weight)
             if fqn and i not in added and (fqn, token) not in known:
                 known.add((fqn, token))

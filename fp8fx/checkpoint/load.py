@@ -505,7 +505,9 @@ class _Loader:
         weight = module._parameters.get("weight")
         if weight is None:
             return None, skip_reason(module, fqn, config) or "no weight"  # a parametrized one says so
-        tied = [k for k in self.aliases[id(weight)] if k != f"{fqn}.weight"]
+        # (a name of this very module - registered twice, model.b = model.a, an ALBERT block listed N times - is
+        # no tie: quantize_ quantizes it once, save_checkpoint writes it under its first name)
+        tied = [k for k in self.aliases[id(weight)] if k != f"{fqn}.weight" and self._owner(k) is not module]
         if tied:
             return None, f"weight tied to {tied[0]}"
         if not config.is_checkpoint_fp8_serialized:  # quantized online: as quantize_ would
@@ -513,6 +515,12 @@ class _Loader:
             if reason is not None:
                 return None, reason
         return config, ""
+
+    def _owner(self, key: str) -> nn.Module:
+        """The module a state_dict ``key`` belongs to, under any of its names (``self.modules`` holds one name a
+        module: named_modules drops a module's second)."""
+        owner = key.rpartition(".")[0]
+        return self.modules[owner] if owner in self.modules else self.model.get_submodule(owner)
 
     def _ignored(self, fqn: str, shards: Sequence[str]) -> bool:
         return any(self.fmt.is_ignored(n) for n in (fqn, *shards))
@@ -1032,8 +1040,7 @@ class _Loader:
             old = self.state[first]
             new = nn.Parameter(tensor, requires_grad=old.requires_grad) if isinstance(old, nn.Parameter) else tensor
             for key in self.aliases[id(old)]:
-                owner, _, leaf = key.rpartition(".")
-                module = self.modules[owner]
+                module, leaf = self._owner(key), key.rpartition(".")[2]
                 (module._parameters if leaf in module._parameters else module._buffers)[leaf] = new
         for lin in self.linears.values():
             module = lin.module

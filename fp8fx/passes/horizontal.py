@@ -599,8 +599,12 @@ class HorizontalFusionPass(Fp8Pass):
                     "weights into one tensor, which a frozen graph would not read")
         if any(not isinstance(ctx.example.get(a), torch.nn.Parameter) for a in inputs):
             return "a weight, scale or bias is not a parameter"
-        if len(set(inputs)) != len(inputs):
-            return "the GEMMs share a weight tensor"
+        if len(set(inputs)) != len(inputs):  # which (a shared weight shares its scale too)
+            for j, role in enumerate(("weight", "scale", "bias")):
+                column = [n.args[2 + j] for n in nodes if n.args[2 + j] is not None]
+                if len(set(column)) != len(column):
+                    return f"the GEMMs share a {role} tensor"
+            return "the GEMMs share a tensor (one's weight, scale or bias is another's)"
         weights_and_scales = [a for n in nodes for a in n.args[2:4]]
         biases = [n.args[4] for n in nodes if n.args[4] is not None]
         if any(len({ctx.example[a].is_inference() for a in group}) > 1 for group in (weights_and_scales, biases)):

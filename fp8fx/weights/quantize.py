@@ -167,7 +167,8 @@ def quantize_(
     planned += list(held)
     not_quantized = {fqn: reason for fqn, _, reason in skipped}
     not_quantized.update({name: reason for fqn, m, reason in experts_skipped for name in moe.input_scale_names(fqn, m)})
-    scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix, _scale_owners(experts))
+    scales = _check_input_scales(config, planned, input_scales, not_quantized, prefix, _scale_owners(experts),
+                                 _first_names(model, prefix))
     _check_resumed_scales(held, scales)
 
     untagged = _tags_of(model)  # (put back where quantize_ fails before it quantized anything)
@@ -519,15 +520,26 @@ def checked_ignores(config: Fp8Config, model: nn.Module, prefix: str, undone: st
     return ignoring_aliases(config, model, prefix)
 
 
+def _names_of_modules(model: nn.Module, prefix: str) -> dict[int, list[str]]:
+    """id(module) -> every name of it, its first (``named_modules()``'s) first."""
+    names: dict[int, list[str]] = {}
+    for fqn, module in model.named_modules(prefix=prefix, remove_duplicate=False):
+        names.setdefault(id(module), []).append(fqn)
+    return names
+
+
+def _first_names(model: nn.Module, prefix: str) -> dict[str, str]:
+    """A module's other names -> its first (one module registered twice, ``model.b = model.a``)."""
+    return {other: n[0] for n in _names_of_modules(model, prefix).values() for other in n[1:]}
+
+
 def ignoring_aliases(config: Fp8Config, model: nn.Module, prefix: str) -> Fp8Config:
     """``config``, its ``ignored_layers`` naming also the first name of each module that an entry names by another
     of its names (one module registered twice, ``self.last = self.layers[-1]``; or under a parent registered twice):
     ``named_modules()`` gives such a module once, under its first name, which no entry covered."""
     if not config.ignored_layers:
         return config
-    names: dict[int, list[str]] = {}
-    for fqn, module in model.named_modules(prefix=prefix, remove_duplicate=False):
-        names.setdefault(id(module), []).append(fqn)
+    names = _names_of_modules(model, prefix)
     more = tuple(n[0] for n in names.values() if not config.is_ignored(n[0]) and any(map(config.is_ignored, n[1:])))
     return dataclasses.replace(config, ignored_layers=config.ignored_layers + more) if more else config
 
@@ -612,12 +624,23 @@ def _check_resumed_scales(held: Mapping[str, Optional[torch.Tensor]], scales: Ma
             )
 
 
+def _same_scale(a, b) -> bool:
+    """Whether two ``input_scales`` values are one float32 number, as the layer holds it (a float, a 1-element
+    tensor); any other value is only itself (the check of each value names it)."""
+    try:
+        return float(torch.tensor(float(a), dtype=torch.float32)) == float(torch.tensor(float(b), dtype=torch.float32))
+    except (TypeError, ValueError, RuntimeError):
+        return a is b
+
+
 def _check_input_scales(config, planned: list[str], input_scales, not_quantized: Mapping[str, str],
-                        prefix="", owners: Optional[Mapping[str, str]] = None) -> dict[str, float]:
+                        prefix="", owners: Optional[Mapping[str, str]] = None,
+                        first_names: Optional[Mapping[str, str]] = None) -> dict[str, float]:
     """``input_scales`` as floats, checked against ``planned`` (the names that take a scale: linears, and the
     experts' ``{fqn}.gate_up_proj`` / ``{fqn}.down_proj``) and ``not_quantized`` (name -> why); ``owners``: an experts
-    scale's name -> its experts module, which ``ignored_layers`` takes."""
-    owners = owners or {}
+    scale's name -> its experts module, which ``ignored_layers`` takes; ``first_names``: a module's other names -> the
+    one ``planned`` has (``_first_names``), an entry under another name is taken as the module's."""
+    owners, first_names = owners or {}, first_names or {}
     if input_scales is not None and not isinstance(input_scales, Mapping):  # (a list, a tensor: a bare TypeError)
         raise ValueError(f"quantize_(input_scales={input_scales!r:.80}): a {type(input_scales).__name__}; it takes "
                          "a dict of layer name -> scale, as fp8fx.calibrate(model, batches) returns")
@@ -633,6 +656,16 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
                 f"{(planned or ['model.layers.0.mlp.down_proj'])[0]!r}, as fp8fx.calibrate returns them "
                 "(nothing was quantized)"
             )
+    if first_names:  # (model.b = model.a: input_scales["b"] is a's, as ignored_layers=["b"] ignores a)
+        renamed: dict[str, tuple[str, object]] = {}
+        for fqn, value in given.items():
+            head = next((h for h in (fqn, fqn.rpartition(".")[0]) if h in first_names), None)
+            first = fqn if head is None else first_names[head] + fqn[len(head):]
+            if first in renamed and not _same_scale(renamed[first][1], value):
+                raise ValueError(f"input_scales[{renamed[first][0]!r}]={renamed[first][1]!r} and input_scales[{fqn!r}]"
+                                 f"={value!r}: two names of one layer, two scales; keep one (nothing was quantized)")
+            renamed[first] = (fqn, value)
+        given = {first: value for first, (_, value) in renamed.items()}
     others = []  # scales of other parts, or of this part under its own names (calibrate(part) without prefix=)
     if prefix:  # the scales of a whole model (calibrate(model)), this part quantized: its own
         others = [fqn for fqn in given if not entry_covers(prefix, fqn)]

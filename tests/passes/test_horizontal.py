@@ -165,6 +165,19 @@ def test_recompile_keeps_the_fused_parameters_where_they_are():
     assert [model.q_proj.weight_scale.data_ptr(), model.q_proj._parameters["weight"].data_ptr()] == first
 
 
+def test_a_shared_bias_is_named_as_the_tensor_the_layers_share():
+    """q and k of their own weights sharing one bias (k.bias = q.bias) keep their group apart, and the report said
+    the GEMMs share a weight tensor (a review's catch): it names the bias."""
+    torch.manual_seed(0)
+    model = BiasedQKV().to(torch.bfloat16)
+    model.k_proj = torch.nn.Linear(64, 64).to(torch.bfloat16)
+    model.k_proj.bias = model.q_proj.bias
+    fp8fx.quantize_(model)
+    schemes, _ = compile_fused(model, torch.randn(5, 64, dtype=torch.bfloat16))
+    assert len(schemes) == 3 and all(s.endswith("not fused with q_proj,k_proj,v_proj: the GEMMs share a bias tensor")
+                                     for s in schemes.values()), schemes
+
+
 class SharedLayer(torch.nn.Module):
     """a(x), b(x), b(y), c(y): b belongs to two groups that read the same input."""
 

@@ -296,6 +296,33 @@ def test_bytes_saved_counts_each_weight_once_whatever_its_name():
     assert "weight_id" not in backend.report.to_dict()["sites"][0]
 
 
+class SharedWeight(nn.Module):
+    """b.weight = a.weight: both kept in high precision (tied), c quantized."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = (nn.Linear(64, 64) for _ in range(3))
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return self.c(self.b(torch.relu(self.a(x))))
+
+
+def test_a_second_model_keeps_the_rows_of_layers_sharing_a_weight():
+    """Two models of one class through one backend (Dynamo runs the first one's graph for the second): the second's
+    rows were named by each weight's tag, which a weight of two layers holds for the last one only, and its row of a
+    was lost (a review's catch). Each model has a row for a, b and c, with the tie's reason."""
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    models = [SharedWeight().to(torch.bfloat16) for _ in range(2)]  # (both live: a freed model's rows are taken over)
+    for model in models:
+        fp8fx.quantize_(model)
+        with torch.no_grad():
+            torch.compile(model, backend=backend)(x)
+    rows = [(s.fqn, s.rewritten, "tied" in s.reason) for s in backend.report.sites]
+    assert rows == [("a", False, True), ("b", False, True), ("c", True, False)] * 2, backend.report
+
+
 class WithExperts(nn.Module):
     """An embedding, a linear, and stacked expert weights no pass covers."""
 

@@ -1906,6 +1906,50 @@ def test_ignored_layers_name_a_module_by_any_of_its_names(entry):
     assert sorted(fp8fx.calibrate(model, [torch.randn(2, 64, dtype=torch.bfloat16)], config)) == ["c"]
 
 
+@pytest.mark.parametrize("entry", ["a", "b", "seq.0"])
+def test_input_scales_name_a_module_by_any_of_its_names(entry):
+    """input_scales={"b": ...} for a linear registered as a and b was refused as naming no linear layer, where
+    ignored_layers takes either name (a review's catch). Any of its names gives the layer its scale; two names with
+    two scales are refused, naming both, and nothing is quantized."""
+    model = ThreeNames().to(torch.bfloat16)
+    fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales={entry: 0.02, "c": 0.01})
+    assert model.a.input_scale.item() == pytest.approx(0.02) and model.c.input_scale.item() == pytest.approx(0.01)
+    model = ThreeNames().to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"input_scales\['a'\]=0.02 and input_scales\['b'\]=0.03: two names of one "
+                                         r"layer, two scales; keep one \(nothing was quantized\)"):
+        fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales={"a": 0.02, "b": 0.03, "c": 0.01})
+    assert not is_quantized(model.a) and not is_quantized(model.c)
+    fp8fx.quantize_(model, Fp8Config(activation_scheme="static"),
+                    input_scales={"a": 0.02, "b": torch.tensor(0.02), "c": 0.01})  # (one scale twice: taken)
+    assert is_quantized(model.a)
+
+
+def test_a_module_under_several_names_loads_its_own_checkpoint(tmp_path):
+    """A linear registered under several names: load_checkpoint took its other names for a tied weight and refused
+    the checkpoint save_checkpoint wrote ("a float8 tensor for a.weight, which is not quantized (weight tied to
+    b.weight)"), and a bf16 checkpoint failed half-loaded (KeyError 'b', the biases swapped in; a review's catch).
+    Both load, the layer quantized once and still one module under every name."""
+    torch.manual_seed(0)
+    source = ThreeNames().to(torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    bf16 = tmp_path / "bf16"
+    fp8fx.quantize_(fp8 := copy.deepcopy(source))
+    fp8fx.save_checkpoint(fp8, tmp_path / "fp8")
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    safetensors_torch.save_file({k: v.contiguous() for k, v in source.state_dict().items() if not k.startswith(
+        ("b.", "seq."))}, str(tmp_path.joinpath("bf16.safetensors")))
+    bf16.mkdir()
+    (tmp_path / "bf16.safetensors").rename(bf16 / "model.safetensors")
+    (bf16 / "config.json").write_text("{}")
+    for folder, config in ((tmp_path / "fp8", None), (bf16, Fp8Config())):
+        with torch.device("meta"):
+            model = ThreeNames().to(torch.bfloat16)
+        fp8fx.load_checkpoint(model, folder, config=config, progress=False)
+        assert model.a is model.b is model.seq[0] and is_quantized(model.a) and is_quantized(model.c)
+        with torch.no_grad():
+            assert torch.equal(model(x), fp8(x))
+
+
 def test_a_fused_block_layers_ragged_last_shard_takes_its_scale_row():
     """q (128 rows) and k (64: one ragged 128-row block) of a serialized 128x128 layer load shard by shard, each
     scale row in its place: a floor division put the ragged shard's row past the end."""
