@@ -661,6 +661,8 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
         for fqn, value in given.items():
             head = next((h for h in (fqn, fqn.rpartition(".")[0]) if h in first_names), None)
             first = fqn if head is None else first_names[head] + fqn[len(head):]
+            if first not in planned and first not in not_quantized:  # (a typo: named as given in what follows)
+                first = fqn
             if first in renamed and not _same_scale(renamed[first][1], value):
                 raise ValueError(f"input_scales[{renamed[first][0]!r}]={renamed[first][1]!r} and input_scales[{fqn!r}]"
                                  f"={value!r}: two names of one layer, two scales; keep one (nothing was quantized)")

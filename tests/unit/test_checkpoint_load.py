@@ -572,12 +572,13 @@ def test_checkpoint_holding_both_fused_and_separate_tensors(tmp_path):
         load_checkpoint(model, write_checkpoint(tmp_path / "c", state), progress=False)
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "E5M2", "ignored"])
+@pytest.mark.parametrize("fmt", ["e4m3", "E5M2", "e4m3fnuz", "int8", "ignored"])
 def test_e5m2_checkpoints_are_refused_as_such(tmp_path, fmt):
     """DeepSeek-V3's quantization_config key "fmt" was never read, and e5m2 codes were refused as "declared
     float8_e4m3fn" with the ignore list as the fix, which refuses them too - or, for a layer in the ignore list,
     with the fix "the ignore list" (a review's catch). The config's fmt and the codes' dtype are each refused as
-    what they are, naming the fix; the model is untouched."""
+    what they are, naming the fix; the model is untouched. A fmt of another format (e4m3fnuz, whose codes read as
+    e4m3fn are twice their values; int8) is refused too."""
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "block", ignore=("lm_head", "model.layers.1.mlp.down_proj"))
     layer = "model.layers.1.mlp.down_proj"
     tensors[f"{layer}.weight"] = tensors[f"{layer}.weight"].float().to(torch.float8_e5m2)
@@ -587,8 +588,8 @@ def test_e5m2_checkpoints_are_refused_as_such(tmp_path, fmt):
         qc["fmt"], qc["ignored_layers"], name = fmt, ["lm_head"], layer
     model = meta_tiny()
     snap = snapshot(model)
-    match = (r"quantization_config\['fmt'\]='E5M2': fp8fx reads fp8 weights in e4m3 \(float8_e4m3fn\).* load the "
-             r"model's bf16 checkpoint" if fmt == "E5M2" else
+    match = (rf"quantization_config\['fmt'\]='{fmt}': fp8fx reads fp8 weights in e4m3 \(float8_e4m3fn\).* load the "
+             r"model's bf16 checkpoint" if fmt not in ("e4m3", "ignored") else
              rf"{layer}\.weight \(float8_e5m2 \[64, 96\] in model\.safetensors\): float8_e5m2 codes for {name}, "
              r"and fp8fx reads float8_e4m3fn ones .* re-export this one with e4m3 codes")
     with pytest.raises((CheckpointError, ValueError), match=match):

@@ -1924,6 +1924,19 @@ def test_input_scales_name_a_module_by_any_of_its_names(entry):
     assert is_quantized(model.a)
 
 
+def test_an_input_scale_under_no_name_is_refused_as_given():
+    """Keys under a parent's other name were renamed to the first before the check, and a typo was refused under a
+    name the user never wrote (input_scales['layers.0.qq'] for 'blocks.0.qq'; a review's catch)."""
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Linear(64, 64)])
+    model.blocks = model.layers
+    model.to(torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^input_scales\['blocks.0.qq'\]: no linear layer .* has that name"):
+        fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales={"blocks.0.qq": 0.01})
+    fp8fx.quantize_(model, Fp8Config(activation_scheme="static"), input_scales={"blocks.0": 0.01})
+    assert model.layers[0].input_scale.item() == pytest.approx(0.01)
+
+
 def test_a_module_under_several_names_loads_its_own_checkpoint(tmp_path):
     """A linear registered under several names: load_checkpoint took its other names for a tied weight and refused
     the checkpoint save_checkpoint wrote ("a float8 tensor for a.weight, which is not quantized (weight tied to
