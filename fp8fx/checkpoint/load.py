@@ -385,6 +385,7 @@ class _Loader:
         self.skip = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
         self.skipped: list[str] = []
         self.entries: dict[str, Entry] = {}  # the checkpoint's tensors by the model's names (plan)
+        self.alias_copies: list[str] = []  # a module's other names, held with the same values, not loaded (plan)
         self.routers = moe_weights.routers(model)  # MoE routers: bf16 where the checkpoint is quantized online
         # layers the model keeps in high precision: where the checkpoint stores them so, or quantizes online
         self.kept = kept_by_the_model(model)
@@ -415,6 +416,7 @@ class _Loader:
 
     # --- 1. plan -----------------------------------------------------------------------------
     def plan(self, entries: dict[str, Entry]) -> None:
+        entries = self._by_first_names(entries)
         self.entries = entries
         self._tie_pending(entries)
         self._find_linears(entries)
@@ -451,6 +453,41 @@ class _Loader:
                 "fp8fx: %d checkpoint tensors have no place in the model and are not loaded: %s%s",
                 len(self.unexpected), self._stored_unexpected()[:5], " ..." if len(self.unexpected) > 5 else "",
             )
+
+    def _by_first_names(self, entries: dict[str, Entry]) -> dict[str, Entry]:
+        """``entries`` named by each module's first name (``named_modules``'): a module registered twice (model.b =
+        model.a, an ALBERT block listed N times, a parent under two names) is planned under that one, and a
+        checkpoint may hold it under any of its names (safetensors' save_model keeps the alphabetically first; a
+        state_dict, every one). Where it holds several, their values must agree - one module takes one - and the
+        others are read, compared and not loaded (``alias_copies``)."""
+        first: dict[int, str] = {}
+        names = {fqn: first.setdefault(id(m), fqn) for fqn, m in self.model.named_modules(remove_duplicate=False)}
+        if all(fqn == one for fqn, one in names.items()):
+            return entries
+        out: dict[str, Entry] = {}
+        later: list[tuple[str, Entry]] = []
+        for name, entry in entries.items():
+            parts = name.split(".")
+            head = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1) if ".".join(parts[:i]) in names),
+                        "")
+            key = names[head] + name[len(head):] if head and names[head] != head else name
+            if key == name:
+                out[name] = entry
+            else:
+                later.append((key, dataclasses.replace(entry, name=key, source=entry.source or name)))
+        for key, entry in later:
+            kept = out.get(key)
+            if kept is None:
+                out[key] = entry
+                continue
+            if kept.shape != entry.shape or kept.dtype != entry.dtype or not torch.equal(read_tensor(kept),
+                                                                                          read_tensor(entry)):
+                raise CheckpointError(
+                    f"{entry}: this model's {key} (one module under two names) differs from {kept}: the checkpoint "
+                    "holds different values under the two names, a checkpoint of a model where they are two layers; "
+                    "load it into a model built that way, or keep one name in the checkpoint")
+            self.alias_copies.append(entry.source)
+        return out
 
     def _find_linears(self, entries: Mapping[str, Entry]) -> None:
         """The linear layers loaded through fp8fx: quantized ones and ones fused from several
@@ -1091,7 +1128,8 @@ class _Loader:
         for fqn, scales in self.kv.items():
             attach_kv_scales(self.modules[fqn], scales, self.device)
         report.kv_scales = {f: dict(s) for f, s in self.kv.items()}
-        report.unexpected = self._stored_unexpected() + [self.entries[n].source or n for n in self.tied_copies]
+        report.unexpected = (self._stored_unexpected() + [self.entries[n].source or n for n in self.tied_copies]
+                             + self.alias_copies)
         report.skipped = list(self.skipped)
 
 

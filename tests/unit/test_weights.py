@@ -1940,27 +1940,45 @@ def test_an_input_scale_under_no_name_is_refused_as_given():
 def test_a_module_under_several_names_loads_its_own_checkpoint(tmp_path):
     """A linear registered under several names: load_checkpoint took its other names for a tied weight and refused
     the checkpoint save_checkpoint wrote ("a float8 tensor for a.weight, which is not quantized (weight tied to
-    b.weight)"), and a bf16 checkpoint failed half-loaded (KeyError 'b', the biases swapped in; a review's catch).
-    Both load, the layer quantized once and still one module under every name."""
+    b.weight)"), and a bf16 checkpoint failed half-loaded (KeyError 'b', the biases swapped in); one holding every
+    name (a state_dict) failed with a KeyError, one holding only another name (safetensors' save_model keeps the
+    alphabetically first) was refused as missing z.weight (reviews' catches). Each loads, the layer quantized once
+    and still one module under every name; different values under two names are refused, the model untouched."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
     torch.manual_seed(0)
     source = ThreeNames().to(torch.bfloat16)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
-    bf16 = tmp_path / "bf16"
     fp8fx.quantize_(fp8 := copy.deepcopy(source))
     fp8fx.save_checkpoint(fp8, tmp_path / "fp8")
-    safetensors_torch = pytest.importorskip("safetensors.torch")
-    safetensors_torch.save_file({k: v.contiguous() for k, v in source.state_dict().items() if not k.startswith(
-        ("b.", "seq."))}, str(tmp_path.joinpath("bf16.safetensors")))
-    bf16.mkdir()
-    (tmp_path / "bf16.safetensors").rename(bf16 / "model.safetensors")
-    (bf16 / "config.json").write_text("{}")
-    for folder, config in ((tmp_path / "fp8", None), (bf16, Fp8Config())):
+    state = source.state_dict()
+    held = {"first names": lambda k: k.startswith(("a.", "c.")), "every name": lambda k: True,
+            "another name": lambda k: k.startswith(("b.", "c."))}
+    for case, keep in held.items():
+        folder = tmp_path / case.replace(" ", "_")
+        folder.mkdir()
+        safetensors_torch.save_file({k: v.clone() for k, v in state.items() if keep(k)},
+                                    str(folder / "model.safetensors"))
+        (folder / "config.json").write_text("{}")
+    stored = safetensors_torch.load_file(str(tmp_path / "fp8" / "model.safetensors"))  # (fp8 codes under b's name)
+    safetensors_torch.save_file({k.replace("a.", "b.", 1) if k.startswith("a.") else k: v for k, v in stored.items()},
+                                str(tmp_path / "fp8" / "model.safetensors"))
+    for folder, config in [(tmp_path / "fp8", None)] + [(tmp_path / c.replace(" ", "_"), Fp8Config()) for c in held]:
         with torch.device("meta"):
             model = ThreeNames().to(torch.bfloat16)
         fp8fx.load_checkpoint(model, folder, config=config, progress=False)
-        assert model.a is model.b is model.seq[0] and is_quantized(model.a) and is_quantized(model.c)
+        assert model.a is model.b is model.seq[0] and is_quantized(model.a) and is_quantized(model.c), folder
         with torch.no_grad():
-            assert torch.equal(model(x), fp8(x))
+            assert torch.equal(model(x), fp8(x)), folder
+    state["b.bias"] = state["b.bias"] + 1  # (a checkpoint of a model whose a and b are two layers)
+    safetensors_torch.save_file({k: v.clone() for k, v in state.items()}, str(tmp_path / "two.safetensors"))
+    (tmp_path / "every_name" / "model.safetensors").unlink()
+    (tmp_path / "two.safetensors").rename(tmp_path / "every_name" / "model.safetensors")
+    with torch.device("meta"):
+        model = ThreeNames().to(torch.bfloat16)
+    with pytest.raises(fp8fx.CheckpointError, match=r"a\.bias \(bfloat16 \[64\] in model\.safetensors as b\.bias\): "
+                                                    r"this model's a\.bias \(one module under two names\) differs"):
+        fp8fx.load_checkpoint(model, tmp_path / "every_name", config=Fp8Config(), progress=False)
+    assert model.a.weight.is_meta and not is_quantized(model.a)
 
 
 def test_a_fused_block_layers_ragged_last_shard_takes_its_scale_row():
