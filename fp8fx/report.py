@@ -333,9 +333,11 @@ class Report:
             # a weight of several layers (b.weight = a.weight, kept in high precision) is tagged with the last one's
             # name: this site's own, where it is one of them (the rows of all but that layer were lost)
             owners = getattr(weight, "_fp8fx_owners", {})
-            mine = site.fqn if root is None else f"{first}{site.fqn[len(root):]}" if first is not None else None
-            if len(owners) > 1 and mine in owners:
-                fqn = mine
+            if len(owners) > 1:
+                tail = site.fqn[len(root):] if root is not None and site.fqn.startswith(root) else None
+                mine = [site.fqn] if root is None else [o for o in owners if tail and o.endswith(tail)]
+                if len(mine) == 1 and mine[0] in owners:
+                    fqn = mine[0]
             token = Site.token_of(weight)
             if fqn and i not in added and (fqn, token) not in known:
                 known.add((fqn, token))

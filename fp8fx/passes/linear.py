@@ -932,8 +932,13 @@ class LinearPass(Fp8Pass):
         wq = dq.args[0] if dq is not None else (_read_from(w) or w)
         real = ctx.example.get(wq) if isinstance(wq, fx.Node) else None
         path = module_path(node)
-        if path in getattr(real, "_fp8fx_owners", {}):  # a weight several layers share: the one running here
+        owners = getattr(real, "_fp8fx_owners", {})
+        if path in owners:  # a weight several layers share: the one running here
             return path
+        # (a frame of a block compiled alone: its paths are the block's, the owners' names the model's)
+        mine = [o for o in owners if path and o.endswith(f".{path}")]
+        if len(mine) == 1:
+            return mine[0]
         tag = getattr(real, "_fp8fx_fqn", None)  # ("" for a quantized root module: its name in named_modules)
         if tag:
             return tag

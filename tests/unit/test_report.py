@@ -323,6 +323,22 @@ def test_a_second_model_keeps_the_rows_of_layers_sharing_a_weight():
     assert rows == [("a", False, True), ("b", False, True), ("c", True, False)] * 2, backend.report
 
 
+def test_blocks_compiled_alone_keep_the_rows_of_layers_sharing_a_weight():
+    """Each block's forward compiled alone (Dynamo runs block 0's graph for block 1), blocks with b.weight = a.weight:
+    the linear pass looked the block's own path up among the weight's owners (the model's names), and the rows were
+    named by the tag of the last one - two rows for blocks.0.b, none for either a (a review's catch)."""
+    model = nn.ModuleList([SharedWeight(), SharedWeight()]).to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    for block in model:
+        block.forward = torch.compile(block.forward, backend=backend)
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model[1](model[0](x))
+    rows = sorted((s.fqn, s.rewritten) for s in backend.report.sites)
+    assert rows == [(f"{i}.{n}", n == "c") for i in range(2) for n in "abc"], backend.report
+
+
 class WithExperts(nn.Module):
     """An embedding, a linear, and stacked expert weights no pass covers."""
 
