@@ -166,7 +166,6 @@ def test_inspect_of_an_fp8_checkpoint_predicts_ragged_expert_blocks_as_loaded(ca
                                       num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
                                       num_experts=4, num_experts_per_tok=2)
     cfg.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-    cfg.save_pretrained(tmp_path)
     for rows in (96, 192, 256):
         cfg.moe_intermediate_size = rows
         cfg.save_pretrained(tmp_path)
