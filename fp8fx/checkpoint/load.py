@@ -182,7 +182,8 @@ def check_checkpoint_ignores(config: Fp8Config, model: nn.Module, entries: Mappi
                              undone: str) -> None:
     """``check_ignored_layers`` for a user's config against a checkpoint: its entries may name the model's modules
     or the checkpoint's (unfused: q_proj of a model's qkv_proj; renamed: as stored or as renamed)."""
-    names = [fqn for fqn, _ in model.named_modules()] + [name.rpartition(".")[0] for name in entries]
+    names = [fqn for fqn, _ in model.named_modules(remove_duplicate=False)]  # (a module's every name: model.b = a)
+    names += [name.rpartition(".")[0] for name in entries]
     names += [e.source.rpartition(".")[0] for e in entries.values() if e.source]  # as stored, before renames
     check_ignored_layers(config, names, where, undone)
 
@@ -352,6 +353,15 @@ class _Loader:
         # dry: convert's plan of its source (nothing loaded: buffers and left-out tensors are not computed, unplaced
         # tensors are copied as stored)
         self.model, self.fmt, self.device, self.fused, self.dry = model, fmt, device, fused, dry
+        # a module's other names (model.b = model.a) as names of it the ignore list and targets may use, as they may
+        # a renamed module's stored ones: the loader plans it under its first (``_by_first_names``)
+        aliases: dict[int, list[str]] = {}
+        for fqn, m in model.named_modules(remove_duplicate=False):
+            aliases.setdefault(id(m), []).append(fqn)
+        more = {n[0]: tuple(dict.fromkeys((*fmt.sources.get(n[0], ()), *n[1:])))
+                for n in aliases.values() if len(n) > 1}
+        if more:
+            self.fmt = dataclasses.replace(fmt, sources={**fmt.sources, **more})
         self.modules = dict(model.named_modules())
         done = [f for f, m in self.modules.items() if is_quantized(m) or is_quantized_experts(m)]
         if done:
@@ -475,17 +485,20 @@ class _Loader:
                 out[name] = entry
             else:
                 later.append((key, dataclasses.replace(entry, name=key, source=entry.source or name)))
+        read: dict[str, torch.Tensor] = {}  # (each name's tensor read once, the first name's kept for the others)
         for key, entry in later:
             kept = out.get(key)
             if kept is None:
                 out[key] = entry
                 continue
-            if kept.shape != entry.shape or kept.dtype != entry.dtype or not torch.equal(read_tensor(kept),
-                                                                                          read_tensor(entry)):
+            if kept.shape != entry.shape or kept.dtype != entry.dtype:
                 raise CheckpointError(
-                    f"{entry}: this model's {key} (one module under two names) differs from {kept}: the checkpoint "
-                    "holds different values under the two names, a checkpoint of a model where they are two layers; "
-                    "load it into a model built that way, or keep one name in the checkpoint")
+                    f"{entry}: this model's {key} (one module under two names) is also {kept}: the checkpoint holds "
+                    "two tensors for one module, a checkpoint of a model where they are two layers; load it into a "
+                    "model built that way, or keep one name in the checkpoint")
+            if key not in read:
+                read[key] = read_tensor(kept)
+            compare_tied(kept, key, read[key], entry, entry.source, read_tensor(entry))
             self.alias_copies.append(entry.source)
         return out
 

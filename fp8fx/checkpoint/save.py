@@ -1107,13 +1107,14 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
                   cut_into: Mapping[str, tuple[str, ...]]) -> dict[str, str]:
     """Checkpoint module of every linear weight -> "" to quantize it, else why it stays bf16. ``cut_into``: the
     model's modules -> the checkpoint's that transformers cuts into them (``renames.cut``)."""
-    modules = dict(model.named_modules())
+    modules = dict(model.named_modules(remove_duplicate=False))  # (a module's every name: model.b = model.a)
     linears = {f: m for f, m in modules.items() if is_linear(m)}  # (nn.Linear, and transformers' Conv1D: GPT-2's)
-    head = output_embeddings(model, modules) if not quantize_lm_head else None
+    head = output_embeddings(model, dict(model.named_modules())) if not quantize_lm_head else None
     routers = moe.routers(model)
     kept = kept_by_the_model(model)  # (_keep_in_fp32_modules: bf16, as quantize_ and load_checkpoint keep them)
     names = _parameter_names(model)
-    uses = {key: len(tied) for key, tied in names.items()}
+    # a weight of several modules is tied; one module's several names are not (quantized once, as the loader does)
+    uses = {key: len({id(modules[n.rpartition(".")[0]]) for n in tied}) for key, tied in names.items()}
     plan = {}
     covered = {f for f in cut_into if f in linears}  # the model's linears a checkpoint weight loads into
     cuts: dict[str, list[str]] = {}
@@ -1161,7 +1162,7 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
         else:
             reason = ""
         plan[owner] = reason
-    asked = output_embeddings(model, modules) if quantize_lm_head else None
+    asked = output_embeddings(model, dict(model.named_modules())) if quantize_lm_head else None
     weight = linears[asked]._parameters["weight"] if asked in linears else None
     if weight is not None and asked not in covered and uses[id(weight)] > 1:  # asked for by name, stored as another
         # tensor: said, not skipped
@@ -1171,7 +1172,8 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
         log.warning("fp8fx: convert: quantize_lm_head: %s %s", asked, plan[asked])
     # a linear of the model without its weight in the checkpoint (a tied one may leave it out): its output would not
     # load (load_checkpoint refuses it), so nothing is written (a name the renames missed: --rename / key_mapping)
-    missing = [f for f, m in linears.items() if f not in covered and uses[id(m._parameters["weight"])] == 1]
+    held = {id(linears[f]) for f in covered if f in linears}  # (a module held under any of its names)
+    missing = [f for f, m in linears.items() if id(m) not in held and uses[id(m._parameters["weight"])] == 1]
     if missing:
         raise CheckpointError(
             f"convert: the model's linear layer {missing[0]} has no weight in the checkpoint ({missing[0]}.weight"

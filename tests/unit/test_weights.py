@@ -1975,10 +1975,39 @@ def test_a_module_under_several_names_loads_its_own_checkpoint(tmp_path):
     (tmp_path / "two.safetensors").rename(tmp_path / "every_name" / "model.safetensors")
     with torch.device("meta"):
         model = ThreeNames().to(torch.bfloat16)
-    with pytest.raises(fp8fx.CheckpointError, match=r"a\.bias \(bfloat16 \[64\] in model\.safetensors as b\.bias\): "
-                                                    r"this model's a\.bias \(one module under two names\) differs"):
+    with pytest.raises(fp8fx.CheckpointError, match=r"a\.bias \(bfloat16 \[64\] in model\.safetensors as b\.bias\): the "
+                                                    r"model ties b\.bias to a\.bias \(one tensor\), but the checkpoint "
+                                                    r"holds different values for them \(64 of 64 differ\)"):
         fp8fx.load_checkpoint(model, tmp_path / "every_name", config=Fp8Config(), progress=False)
     assert model.a.weight.is_meta and not is_quantized(model.a)
+
+
+@pytest.mark.parametrize("held", ["first names", "every name", "another name"])
+def test_a_module_under_several_names_is_ignored_and_converted_by_any_of_them(tmp_path, held):
+    """The loader planned a module under its first name, and ignored_layers=["b"] of its other name was read against
+    that one: the layer the user kept was quantized, silently, and with a checkpoint of the first names the entry was
+    refused as naming no module; convert counted the module's names as a tie and called its other name "no module
+    of the model" (a review's catch). Each name is the module's, for the ignore list and for convert."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from fp8fx.checkpoint.save import convert
+
+    torch.manual_seed(0)
+    state = ThreeNames().to(torch.bfloat16).state_dict()
+    keep = {"first names": ("a.", "c."), "every name": ("",), "another name": ("b.", "c.")}[held]
+    src = tmp_path / "src"
+    src.mkdir()
+    safetensors_torch.save_file({k: v.clone() for k, v in state.items() if k.startswith(keep)},
+                                str(src / "model.safetensors"))
+    (src / "config.json").write_text("{}")
+    with torch.device("meta"):
+        model = ThreeNames().to(torch.bfloat16)
+    fp8fx.load_checkpoint(model, src, config=Fp8Config(ignored_layers=["b"]), progress=False)
+    assert not is_quantized(model.a) and is_quantized(model.c) and model.a is model.b
+    convert(src, tmp_path / "fp8", Fp8Config(), model=ThreeNames().to(torch.bfloat16), progress=False)
+    with torch.device("meta"):
+        model = ThreeNames().to(torch.bfloat16)
+    fp8fx.load_checkpoint(model, tmp_path / "fp8", progress=False)
+    assert is_quantized(model.a) and is_quantized(model.c) and model.a is model.b is model.seq[0]
 
 
 def test_a_fused_block_layers_ragged_last_shard_takes_its_scale_row():
