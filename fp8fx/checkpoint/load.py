@@ -358,8 +358,8 @@ class _Loader:
         aliases: dict[int, list[str]] = {}
         for fqn, m in model.named_modules(remove_duplicate=False):
             aliases.setdefault(id(m), []).append(fqn)
-        more = {n[0]: tuple(dict.fromkeys((*fmt.sources.get(n[0], ()), *n[1:])))
-                for n in aliases.values() if len(n) > 1}
+        more = {n[0]: tuple(dict.fromkeys((*(s for x in n for s in fmt.sources.get(x, ())), *n[1:])))
+                for n in aliases.values() if len(n) > 1}  # (and the stored names of each: key_mapping to b)
         if more:
             self.fmt = dataclasses.replace(fmt, sources={**fmt.sources, **more})
         self.modules = dict(model.named_modules())
@@ -399,7 +399,7 @@ class _Loader:
         self.routers = moe_weights.routers(model)  # MoE routers: bf16 where the checkpoint is quantized online
         # layers the model keeps in high precision: where the checkpoint stores them so, or quantizes online
         self.kept = kept_by_the_model(model)
-        self.moe = ExpertsLoader(self.modules, fmt, device, self.items)
+        self.moe = ExpertsLoader(self.modules, self.fmt, device, self.items)
         self.moe.missing_fix = self._missing_fix
 
     def _tie_pending(self, entries: dict[str, Entry]) -> None:

@@ -30,7 +30,7 @@ from fp8fx.report import first_line
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES, check_kv_scale, getter_module
 from fp8fx.weights.linear import is_conv1d_class, is_linear, is_quantized, kept_by_the_model, layer_scheme, planning
-from fp8fx.weights.quantize import _shown, check_finished
+from fp8fx.weights.quantize import _shown, check_finished, ignoring_every_name
 
 try:
     import fcntl  # (POSIX: the lock that tells a live writer's folder, ``_hold``)
@@ -880,13 +880,15 @@ def convert(
     model = model if model is not None else meta_model(src)
     entries, sources = renames.apply(entries, renames.resolve(model, key_mapping, "convert", entries), src)
     check_checkpoint_ignores(config, model, entries, f"the checkpoint {src} (or its model)", "written")
-    config = renames.with_stored_ignores(config, sources)
+    config = ignoring_every_name(renames.with_stored_ignores(config, sources), model)  # (model.b = model.a)
     if type(quantize_lm_head) is not bool:
         raise TypeError(f"convert: quantize_lm_head={quantize_lm_head!r} is not True or False")
     _check_model_state(model, entries, src)
     cut_entries, cut_into = renames.cut(entries, model, src)  # (convert writes the stored tensors: not cut, bf16)
     plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused), quantize_lm_head, cut_into)
-    expert_plan, expert_tensors, experts = moe_ckpt.convert_plan(dict(model.named_modules()), entries, config)
+    # (every name of a module: a checkpoint may hold experts registered twice under either)
+    expert_plan, expert_tensors, experts = moe_ckpt.convert_plan(dict(model.named_modules(remove_duplicate=False)),
+                                                                 entries, config)
     plan.update(expert_plan)
     schemes = {m: config.scheme() for m, reason in plan.items() if not reason}
     if not schemes:
@@ -1108,6 +1110,8 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
     """Checkpoint module of every linear weight -> "" to quantize it, else why it stays bf16. ``cut_into``: the
     model's modules -> the checkpoint's that transformers cuts into them (``renames.cut``)."""
     modules = dict(model.named_modules(remove_duplicate=False))  # (a module's every name: model.b = model.a)
+    first_name: dict[int, str] = {}
+    first = {f: first_name.setdefault(id(m), f) for f, m in modules.items()}  # (the name the rules below know)
     linears = {f: m for f, m in modules.items() if is_linear(m)}  # (nn.Linear, and transformers' Conv1D: GPT-2's)
     head = output_embeddings(model, dict(model.named_modules())) if not quantize_lm_head else None
     routers = moe.routers(model)
@@ -1146,11 +1150,11 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
             reason = "in ignored_layers"
         elif uses[id(linears[fqn]._parameters["weight"])] > 1:
             reason = "weight tied to another parameter"
-        elif fqn in routers:
-            reason = routers[fqn]
-        elif fqn in kept:
-            reason = kept[fqn]
-        elif fqn == head:
+        elif first[fqn] in routers:
+            reason = routers[first[fqn]]
+        elif first[fqn] in kept:
+            reason = kept[first[fqn]]
+        elif first[fqn] == head:
             reason = ("the output embeddings: vLLM and transformers load lm_head in bf16 only (quantize_lm_head=True, "
                       "--quantize-lm-head: fp8, for fp8fx alone)")
         elif len(entry.shape) != 2 or entry.dtype not in quant.HIGH_PRECISION:

@@ -528,6 +528,16 @@ def _names_of_modules(model: nn.Module, prefix: str) -> dict[int, list[str]]:
     return names
 
 
+def ignoring_every_name(config: Fp8Config, model: nn.Module) -> Fp8Config:
+    """``config``, its ``ignored_layers`` naming every name of each module it names by one (``convert``'s plan reads
+    a checkpoint's tensors under whichever name it holds them)."""
+    if not config.ignored_layers:
+        return config
+    more = tuple(x for n in _names_of_modules(model, "").values() if len(n) > 1 and any(map(config.is_ignored, n))
+                 for x in n if not config.is_ignored(x))
+    return dataclasses.replace(config, ignored_layers=config.ignored_layers + more) if more else config
+
+
 def _first_names(model: nn.Module, prefix: str) -> dict[str, str]:
     """A module's other names -> its first (one module registered twice, ``model.b = model.a``)."""
     return {other: n[0] for n in _names_of_modules(model, prefix).values() for other in n[1:]}

@@ -597,7 +597,8 @@ def test_e5m2_checkpoints_are_refused_as_such(tmp_path, fmt):
     assert_unchanged(model, snap)
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "E4M3", "float8_e4m3fn", "fp8_e4m3", "F8_E4M3", "torch.float8_e4m3fn", None])
+@pytest.mark.parametrize("fmt", ["e4m3", "E4M3", "float8_e4m3fn", "fp8_e4m3", "F8_E4M3", "torch.float8_e4m3fn", "fp8",
+                                 "float8-e4m3fn", "e4m3_fn", None])
 def test_fmt_spellings_of_e4m3_load(tmp_path, fmt):
     """Only a fmt naming e5m2 is refused: the other spellings of e4m3 (and null) load as before the key was read,
     as vLLM, which does not read it, loads them (a review's catch)."""

@@ -2003,11 +2003,78 @@ def test_a_module_under_several_names_is_ignored_and_converted_by_any_of_them(tm
         model = ThreeNames().to(torch.bfloat16)
     fp8fx.load_checkpoint(model, src, config=Fp8Config(ignored_layers=["b"]), progress=False)
     assert not is_quantized(model.a) and is_quantized(model.c) and model.a is model.b
-    convert(src, tmp_path / "fp8", Fp8Config(), model=ThreeNames().to(torch.bfloat16), progress=False)
+    for ignored in ([], ["b"]):  # (convert's ignore list by another name too)
+        out = tmp_path / f"fp8_{len(ignored)}"
+        convert(src, out, Fp8Config(ignored_layers=ignored), model=ThreeNames().to(torch.bfloat16), progress=False)
+        with torch.device("meta"):
+            model = ThreeNames().to(torch.bfloat16)
+        fp8fx.load_checkpoint(model, out, progress=False)
+        assert is_quantized(model.a) != bool(ignored) and is_quantized(model.c) and model.a is model.b is model.seq[0]
+
+
+class ExpertsTwice(nn.Module):
+    """An experts module under a second name (alt); HF transformers 5 layout."""
+
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.Module()
+        self.experts.gate_up_proj = nn.Parameter(torch.randn(2, 256, 128) * 0.02)
+        self.experts.down_proj = nn.Parameter(torch.randn(2, 128, 128) * 0.02)
+        self.alt, self.c = self.experts, nn.Linear(128, 128)
+
+
+@pytest.mark.parametrize("stored", ["experts", "alt"])
+def test_experts_under_two_names_are_ignored_and_converted_by_either(tmp_path, stored):
+    """An experts module registered twice: load_checkpoint's experts loader read the ignore list against the first
+    name only (ignored_layers=["alt"] quantized them, silently), and convert planned no experts stored under the
+    other name, writing them bf16 undeclared - a checkpoint its own loader refused (a review's catch)."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from fp8fx.checkpoint.save import convert
+    from fp8fx.weights.moe import is_quantized_experts
+
+    torch.manual_seed(0)
+    state = ExpertsTwice().to(torch.bfloat16).state_dict()
+    (src := tmp_path / "src").mkdir()
+    safetensors_torch.save_file({k: v.clone() for k, v in state.items() if k.startswith((f"{stored}.", "c."))},
+                                str(src / "model.safetensors"))
+    (src / "config.json").write_text("{}")
+    for ignored in (["alt"], []):
+        with torch.device("meta"):
+            model = ExpertsTwice().to(torch.bfloat16)
+        fp8fx.load_checkpoint(model, src, config=Fp8Config(ignored_layers=ignored), progress=False)
+        assert is_quantized_experts(model.experts) != bool(ignored) and model.alt is model.experts
+    convert(src, tmp_path / "fp8", Fp8Config(), model=ExpertsTwice().to(torch.bfloat16), progress=False)
     with torch.device("meta"):
-        model = ThreeNames().to(torch.bfloat16)
+        model = ExpertsTwice().to(torch.bfloat16)
     fp8fx.load_checkpoint(model, tmp_path / "fp8", progress=False)
-    assert is_quantized(model.a) and is_quantized(model.c) and model.a is model.b is model.seq[0]
+    assert is_quantized_experts(model.experts) and is_quantized(model.c)
+
+
+class HeadTwice(nn.Module):
+    """The output embeddings under a second name (safetensors' save_model keeps the alphabetically first: head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.lm_head = nn.Linear(64, 64), nn.Linear(64, 128, bias=False)
+        self.head = self.lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.body(x))
+
+
+def test_convert_keeps_the_output_embeddings_stored_under_another_name(tmp_path):
+    """convert's plan compared a linear's name with lm_head's first name: the head stored as "head" was quantized,
+    quantize_lm_head=False notwithstanding (a review's catch). It stays bf16, said so, as load_checkpoint keeps it."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    from fp8fx.checkpoint.save import convert
+
+    (src := tmp_path / "src").mkdir()
+    safetensors_torch.save_model(HeadTwice().to(torch.bfloat16), str(src / "model.safetensors"))
+    (src / "config.json").write_text("{}")
+    report = convert(src, tmp_path / "fp8", Fp8Config(), model=HeadTwice().to(torch.bfloat16), progress=False)
+    assert sorted(report.quantized) == ["body"] and "output embeddings" in report.not_quantized["head"], report
+    assert safetensors_torch.load_file(str(tmp_path / "fp8" / "model.safetensors"))["head.weight"].dtype == (
+        torch.bfloat16)
 
 
 def test_a_fused_block_layers_ragged_last_shard_takes_its_scale_row():
