@@ -491,8 +491,8 @@ class Fp8Config:
             )
         fmt = config.get("fmt")  # (DeepSeek-V3's key: "e4m3"; vLLM does not read it)
         # (any spelling of fp8 e4m3: "fp8", "F8_E4M3", "float8-e4m3fn", "torch.float8_e4m3fn"; not e5m2, e4m3fnuz)
-        if fmt is not None and re.sub(r"^(torch)?(float8|fp8|f8)?", "", re.sub(r"[\W_]", "", str(fmt).lower())) not in (
-                "", "e4m3", "e4m3fn"):
+        named = re.fullmatch(r"(torch)?(float8|fp8|f8)?(e4m3(fn)?)?", re.sub(r"[\W_]", "", str(fmt).lower()))
+        if fmt is not None and not (named and (named[2] or named[3])):
             # (e4m3fnuz's exponent bias is one more: its codes read as e4m3fn are twice their values)
             raise ValueError(
                 f"quantization_config['fmt']={fmt!r}: fp8fx reads fp8 weights in e4m3 (float8_e4m3fn), the format "

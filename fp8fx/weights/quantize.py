@@ -531,11 +531,11 @@ def _names_of_modules(model: nn.Module, prefix: str) -> dict[int, list[str]]:
 def ignoring_every_name(config: Fp8Config, model: nn.Module) -> Fp8Config:
     """``config``, its ``ignored_layers`` naming every name of each module it names by one (``convert``'s plan reads
     a checkpoint's tensors under whichever name it holds them)."""
-    if not config.ignored_layers:
+    if not (config.ignored_layers or config.modules_to_not_convert):
         return config
     more = tuple(x for n in _names_of_modules(model, "").values() if len(n) > 1 and any(map(config.is_ignored, n))
                  for x in n if not config.is_ignored(x))
-    return dataclasses.replace(config, ignored_layers=config.ignored_layers + more) if more else config
+    return dataclasses.replace(config, ignored_layers=tuple(config.ignored_layers or ()) + more) if more else config
 
 
 def _first_names(model: nn.Module, prefix: str) -> dict[str, str]:
@@ -547,11 +547,11 @@ def ignoring_aliases(config: Fp8Config, model: nn.Module, prefix: str) -> Fp8Con
     """``config``, its ``ignored_layers`` naming also the first name of each module that an entry names by another
     of its names (one module registered twice, ``self.last = self.layers[-1]``; or under a parent registered twice):
     ``named_modules()`` gives such a module once, under its first name, which no entry covered."""
-    if not config.ignored_layers:
+    if not (config.ignored_layers or config.modules_to_not_convert):
         return config
     names = _names_of_modules(model, prefix)
     more = tuple(n[0] for n in names.values() if not config.is_ignored(n[0]) and any(map(config.is_ignored, n[1:])))
-    return dataclasses.replace(config, ignored_layers=config.ignored_layers + more) if more else config
+    return dataclasses.replace(config, ignored_layers=tuple(config.ignored_layers or ()) + more) if more else config
 
 
 def _misplaced_prefix(entry: str, prefix: str, names: list[str]) -> Optional[str]:

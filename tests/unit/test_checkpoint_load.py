@@ -572,7 +572,7 @@ def test_checkpoint_holding_both_fused_and_separate_tensors(tmp_path):
         load_checkpoint(model, write_checkpoint(tmp_path / "c", state), progress=False)
 
 
-@pytest.mark.parametrize("fmt", ["e4m3", "E5M2", "e4m3fnuz", "int8", "ignored"])
+@pytest.mark.parametrize("fmt", ["e4m3", "E5M2", "e4m3fnuz", "int8", "torch", "", "ignored"])
 def test_e5m2_checkpoints_are_refused_as_such(tmp_path, fmt):
     """DeepSeek-V3's quantization_config key "fmt" was never read, and e5m2 codes were refused as "declared
     float8_e4m3fn" with the ignore list as the fix, which refuses them too - or, for a layer in the ignore list,

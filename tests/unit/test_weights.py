@@ -2003,13 +2003,13 @@ def test_a_module_under_several_names_is_ignored_and_converted_by_any_of_them(tm
         model = ThreeNames().to(torch.bfloat16)
     fp8fx.load_checkpoint(model, src, config=Fp8Config(ignored_layers=["b"]), progress=False)
     assert not is_quantized(model.a) and is_quantized(model.c) and model.a is model.b
-    for ignored in ([], ["b"]):  # (convert's ignore list by another name too)
-        out = tmp_path / f"fp8_{len(ignored)}"
-        convert(src, out, Fp8Config(ignored_layers=ignored), model=ThreeNames().to(torch.bfloat16), progress=False)
+    # (convert's ignore list by another name too, in either of Fp8Config's lists)
+    for i, config in enumerate((Fp8Config(), Fp8Config(ignored_layers=["b"]), Fp8Config(modules_to_not_convert=["b"]))):
+        convert(src, tmp_path / f"fp8_{i}", config, model=ThreeNames().to(torch.bfloat16), progress=False)
         with torch.device("meta"):
             model = ThreeNames().to(torch.bfloat16)
-        fp8fx.load_checkpoint(model, out, progress=False)
-        assert is_quantized(model.a) != bool(ignored) and is_quantized(model.c) and model.a is model.b is model.seq[0]
+        fp8fx.load_checkpoint(model, tmp_path / f"fp8_{i}", progress=False)
+        assert is_quantized(model.a) == (i == 0) and is_quantized(model.c) and model.a is model.b is model.seq[0]
 
 
 class ExpertsTwice(nn.Module):
