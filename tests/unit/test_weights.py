@@ -1975,9 +1975,9 @@ def test_a_module_under_several_names_loads_its_own_checkpoint(tmp_path):
     (tmp_path / "two.safetensors").rename(tmp_path / "every_name" / "model.safetensors")
     with torch.device("meta"):
         model = ThreeNames().to(torch.bfloat16)
-    with pytest.raises(fp8fx.CheckpointError, match=r"a\.bias \(bfloat16 \[64\] in model\.safetensors as b\.bias\): the "
-                                                    r"model ties b\.bias to a\.bias \(one tensor\), but the checkpoint "
-                                                    r"holds different values for them \(64 of 64 differ\)"):
+    with pytest.raises(fp8fx.CheckpointError, match=r"a\.bias \(bfloat16 \[64\] in model\.safetensors as b\.bias\): "
+                                                    r"the model ties b\.bias to a\.bias \(one tensor\), but the "
+                                                    r"checkpoint holds different values for them \(64 of 64 differ\)"):
         fp8fx.load_checkpoint(model, tmp_path / "every_name", config=Fp8Config(), progress=False)
     assert model.a.weight.is_meta and not is_quantized(model.a)
 
