@@ -44,7 +44,7 @@ from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight, targ
 from fp8fx.weights.linear import RANGE_CHECKED, remember_trainable
 from fp8fx.weights.linear import check_no_in_place_rescale, check_no_lazy_modules, kept_by_the_model
 from fp8fx.weights.moe import is_any_experts, is_quantized_experts
-from fp8fx.weights.quantize import check_ignored_layers, kept_as_stored, nothing_quantized
+from fp8fx.weights.quantize import check_ignored_layers, kept_as_stored, module_names, nothing_quantized
 
 log = logging.getLogger("fp8fx")
 
@@ -355,11 +355,10 @@ class _Loader:
         self.model, self.fmt, self.device, self.fused, self.dry = model, fmt, device, fused, dry
         # a module's other names (model.b = model.a) as names of it the ignore list and targets may use, as they may
         # a renamed module's stored ones: the loader plans it under its first (``_by_first_names``)
-        aliases: dict[int, list[str]] = {}
-        for fqn, m in model.named_modules(remove_duplicate=False):
-            aliases.setdefault(id(m), []).append(fqn)
+        aliases = module_names(model).values()
+        self.first_names = {fqn: n[0] for n in aliases for fqn in n}  # every name of a module -> its first
         more = {n[0]: tuple(dict.fromkeys((*(s for x in n for s in fmt.sources.get(x, ())), *n[1:])))
-                for n in aliases.values() if len(n) > 1}  # (and the stored names of each: key_mapping to b)
+                for n in aliases if len(n) > 1}  # (and the stored names of each: key_mapping to b)
         if more:
             self.fmt = dataclasses.replace(fmt, sources={**fmt.sources, **more})
         self.modules = dict(model.named_modules())
@@ -470,8 +469,7 @@ class _Loader:
         checkpoint may hold it under any of its names (safetensors' save_model keeps the alphabetically first; a
         state_dict, every one). Where it holds several, their values must agree - one module takes one - and the
         others are read, compared and not loaded (``alias_copies``)."""
-        first: dict[int, str] = {}
-        names = {fqn: first.setdefault(id(m), fqn) for fqn, m in self.model.named_modules(remove_duplicate=False)}
+        names = self.first_names
         if all(fqn == one for fqn, one in names.items()):
             return entries
         out: dict[str, Entry] = {}

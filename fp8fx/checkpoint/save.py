@@ -30,7 +30,7 @@ from fp8fx.report import first_line
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES, check_kv_scale, getter_module
 from fp8fx.weights.linear import is_conv1d_class, is_linear, is_quantized, kept_by_the_model, layer_scheme, planning
-from fp8fx.weights.quantize import _shown, check_finished, ignoring_every_name
+from fp8fx.weights.quantize import _shown, check_finished, ignoring_every_name, module_names
 
 try:
     import fcntl  # (POSIX: the lock that tells a live writer's folder, ``_hold``)
@@ -1110,8 +1110,7 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
     """Checkpoint module of every linear weight -> "" to quantize it, else why it stays bf16. ``cut_into``: the
     model's modules -> the checkpoint's that transformers cuts into them (``renames.cut``)."""
     modules = dict(model.named_modules(remove_duplicate=False))  # (a module's every name: model.b = model.a)
-    first_name: dict[int, str] = {}
-    first = {f: first_name.setdefault(id(m), f) for f, m in modules.items()}  # (the name the rules below know)
+    first = {f: n[0] for n in module_names(model).values() for f in n}  # (the name the rules below know)
     linears = {f: m for f, m in modules.items() if is_linear(m)}  # (nn.Linear, and transformers' Conv1D: GPT-2's)
     head = output_embeddings(model, dict(model.named_modules())) if not quantize_lm_head else None
     routers = moe.routers(model)

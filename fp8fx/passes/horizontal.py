@@ -49,7 +49,7 @@ import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx.config import granularity_from_block, weight_granularity_name
 from fp8fx.passes.base import Fp8Pass, PassContext, amend_sites, fake_value, set_fake_value, site_names
 from fp8fx.passes.linear import _RETURNS_INPUT, _Layouts, _may_alias, _mutates, _own_storage, _written
-from fp8fx.passes.linear import graph_inputs_memory
+from fp8fx.passes.linear import graph_inputs_memory, overloads
 from fp8fx.report import Site
 
 _SCALED_MM = torch.ops.fp8fx.scaled_mm.default
@@ -236,7 +236,7 @@ _ALIASING_FUNCTIONS = frozenset({
     torch.view_as_real, torch.view_as_complex, torch.Tensor.unflatten, torch.Tensor.expand, torch.Tensor.contiguous,
     torch.Tensor.view_as, torch.Tensor.reshape_as, torch.Tensor.expand_as, torch.Tensor.unbind, torch.Tensor.split,
     torch.conj, torch.resolve_conj, torch.resolve_neg, torch.positive, torch.real, torch.unsafe_chunk,
-    torch.unsafe_split, torch.broadcast_tensors, torch.einsum, torch.Tensor.expand, torch.Tensor.unflatten,
+    torch.unsafe_split, torch.broadcast_tensors, torch.einsum,
     *_RETURNS_INPUT,  # (dropout in eval, or of p = 0, returns its input itself)
     # ``q += 1``: Dynamo records the in-place operators as functions, which return their tensor
     operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
@@ -310,9 +310,7 @@ def _aliases(user: fx.Node) -> bool:
     if target in _ALIASING_FUNCTIONS or target is getattr and len(user.args) == 2 and user.args[1] in _VIEW_ATTRIBUTES:
         return True
     if isinstance(target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
-        overloads = ([target] if isinstance(target, torch._ops.OpOverload)
-                     else [getattr(target, name) for name in target.overloads()])
-        return any(r.alias_info is not None for o in overloads for r in o._schema.returns)
+        return any(r.alias_info is not None for o in overloads(target) for r in o._schema.returns)
     # an in-place function returns the tensor it writes (not setitem's None, nor _foreach_*'s), its first argument
     # (also by keyword: F.relu(input=q, inplace=True)) or its out= (torch.mul(k, 2, out=q) returns q)
     if "out" in user.kwargs:
@@ -381,7 +379,8 @@ def _slice_use(node: fx.Node, part: Any, own: Any) -> str:
             name = user.target if user.op == "call_method" else getattr(user.target, "__name__", "")
             if name in _LAYOUT_OPS or user.target is torch.as_strided:
                 return f"is given to {name} ({user.name}), which reads or changes its strides"
-            if any(shares) and _mutates(user) and (_written(user) is None or node in _written(user)):
+            written = _written(user) if any(shares) and _mutates(user) else []
+            if written is None or node in written:
                 writes.append((user, parted))
             if not _aliases(user) or user in seen:
                 continue

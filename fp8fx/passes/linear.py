@@ -551,14 +551,20 @@ def _mutates(node: fx.Node) -> bool:
         return True
     if node.kwargs.get("inplace") is True or _inplace_positional(node):  # F.relu(x, inplace=True), nn.ReLU(True)
         return True
-    if isinstance(node.target, torch._ops.OpOverload):
-        return _schema_writes(node.target._schema, node)
-    if isinstance(node.target, torch._ops.OpOverloadPacket):  # torch.ops.ns.op(x): Dynamo keeps the packet
+    if isinstance(node.target, (torch._ops.OpOverload, torch._ops.OpOverloadPacket)):
         # any overload that may write (a custom op with mutates_args, vLLM's fused_add_rms_norm) counts
-        return any(_schema_writes(getattr(node.target, o)._schema, node) for o in node.target.overloads())
+        return any(_schema_writes(o._schema, node) for o in overloads(node.target))
     name = getattr(node.target, "__name__", "")
     # torch.relu_, F.relu_ (not operator.and_ / or_ / not_ / is_, which write nothing)
     return name.endswith("_") and not name.endswith("__") and getattr(node.target, "__module__", "") != "_operator"
+
+
+def overloads(target) -> list:
+    """An ATen or custom op's overloads: the ``OpOverload`` itself, or each of a packet's (``torch.ops.ns.op(x)``:
+    Dynamo keeps the packet), whose schemas say what it writes or returns."""
+    if isinstance(target, torch._ops.OpOverload):
+        return [target]
+    return [getattr(target, name) for name in target.overloads()]
 
 
 def _schema_writes(schema: Any, node: fx.Node) -> bool:

@@ -520,7 +520,7 @@ def checked_ignores(config: Fp8Config, model: nn.Module, prefix: str, undone: st
     return ignoring_aliases(config, model, prefix)
 
 
-def _names_of_modules(model: nn.Module, prefix: str) -> dict[int, list[str]]:
+def module_names(model: nn.Module, prefix: str = "") -> dict[int, list[str]]:
     """id(module) -> every name of it, its first (``named_modules()``'s) first."""
     names: dict[int, list[str]] = {}
     for fqn, module in model.named_modules(prefix=prefix, remove_duplicate=False):
@@ -533,14 +533,14 @@ def ignoring_every_name(config: Fp8Config, model: nn.Module) -> Fp8Config:
     a checkpoint's tensors under whichever name it holds them)."""
     if not (config.ignored_layers or config.modules_to_not_convert):
         return config
-    more = tuple(x for n in _names_of_modules(model, "").values() if len(n) > 1 and any(map(config.is_ignored, n))
+    more = tuple(x for n in module_names(model, "").values() if len(n) > 1 and any(map(config.is_ignored, n))
                  for x in n if not config.is_ignored(x))
     return dataclasses.replace(config, ignored_layers=tuple(config.ignored_layers or ()) + more) if more else config
 
 
 def _first_names(model: nn.Module, prefix: str) -> dict[str, str]:
     """A module's other names -> its first (one module registered twice, ``model.b = model.a``)."""
-    return {other: n[0] for n in _names_of_modules(model, prefix).values() for other in n[1:]}
+    return {other: n[0] for n in module_names(model, prefix).values() for other in n[1:]}
 
 
 def ignoring_aliases(config: Fp8Config, model: nn.Module, prefix: str) -> Fp8Config:
@@ -549,7 +549,7 @@ def ignoring_aliases(config: Fp8Config, model: nn.Module, prefix: str) -> Fp8Con
     ``named_modules()`` gives such a module once, under its first name, which no entry covered."""
     if not (config.ignored_layers or config.modules_to_not_convert):
         return config
-    names = _names_of_modules(model, prefix)
+    names = module_names(model, prefix)
     more = tuple(n[0] for n in names.values() if not config.is_ignored(n[0]) and any(map(config.is_ignored, n[1:])))
     return dataclasses.replace(config, ignored_layers=tuple(config.ignored_layers or ()) + more) if more else config
 
