@@ -145,11 +145,16 @@ def _in_stored_order(nodes: list[fx.Node], ctx: PassContext) -> list[fx.Node]:
     if not all(isinstance(w, torch.nn.Parameter) for w in weights):  # (refused by _why_not, with its reason)
         return nodes
     try:
-        if len({w.untyped_storage().data_ptr() for w in weights}) != 1:
+        if len(_storages(weights)) != 1:
             return nodes
     except (NotImplementedError, RuntimeError):  # (a tensor subclass with no storage of its own)
         return nodes
     return sorted(nodes, key=lambda n: ctx.example[n.args[2]].storage_offset())
+
+
+def _storages(weights: list[torch.Tensor]) -> set[int]:
+    """Where ``weights`` sit: one storage for the weights of a group an earlier graph fused (``share_memory``)."""
+    return {w.untyped_storage().data_ptr() for w in weights}
 
 
 class _GroupKey(NamedTuple):
@@ -613,8 +618,7 @@ class HorizontalFusionPass(Fp8Pass):
         # weight again would undo that fusion
         weights = [ctx.example[n.args[2]] for n in nodes]
         views = [w for w in weights if w.untyped_storage().nbytes() > w.numel() * w.element_size()]
-        storages = {w.untyped_storage().data_ptr() for w in weights}
-        if views and (len(storages) > 1 or views[0].untyped_storage().nbytes() != sum(
+        if views and (len(_storages(weights)) > 1 or views[0].untyped_storage().nbytes() != sum(
                 w.numel() * w.element_size() for w in weights)):
             return "a weight already sits in a tensor fused with other layers"
         if not weights[0].shape[-1]:  # (nothing to fuse: each output is its bias; the weights' scales are [n, 0])
