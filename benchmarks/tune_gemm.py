@@ -1122,11 +1122,12 @@ def tma_a_duel(ms=(16, 64), rounds=7, dim=4096, hidden=14336):
             print(f"M={m} {name}: {t:.4f} ms ({nbytes[name] / t / 1e9:.2f} TB/s)", flush=True)
 
 
-def sweep_swap(ms=(16,), dim=4096, hidden=14336, rounds=5, tma=False):
+def sweep_swap(ms=(16,), dim=4096, hidden=14336, rounds=5, tma=False, groups=(0, 128), stages=(4,)):
     """2-16 rows: the fused MLP's down GEMM (its tensor-core kernel) with the product transposed (``SWAP_AB``: the
     weight tile is wgmma's left operand, fp8 straight from shared memory, against mma.sync on the weight tile
     converted in registers), per-token h and h in 1x128 groups; each candidate once, then the best against the
     default and the untransposed tile in ``rounds`` interleaved rounds. CUDA-graph replays of the op, L2 clean.
+    ``groups``: h per token (0) and in 1 x G groups; ``stages``: the pipeline depths (runs 20-22 swept 4 alone).
     (Run 20 swept the gate/up kernel transposed too - 64 and 128 weight rows, 4 and 8 warps - and it lost at
     M = 16, 0.0604 ms against 0.0578, and tied at M = 1; that variant is not in the kernel.)"""
     from fp8fx.kernels import fp8_gemm as kernels
@@ -1135,15 +1136,16 @@ def sweep_swap(ms=(16,), dim=4096, hidden=14336, rounds=5, tma=False):
     for m in ms:
         (xq, xs), w1, w3, w2 = _gated_problem(m, dim, hidden)
         runs = {}
-        for g in (0, 128):
+        for g in groups:
             run = lambda c2=None, g=g: gated_mlp(  # noqa: E731
                 xq, xs, *w1, *w3, *w2, None, QUANT_GROUPS if g else kernels.QUANT_ROWS, None, torch.bfloat16,
                 torch.bfloat16, configs=(None, c2), h_group=g)
             ref = run().float()
-            downs = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=4, SPLIT_K=sk,
+            downs = [dict(BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=st, SPLIT_K=sk,
                           SWAP_AB=swap, TMA=t)
-                     for bn, sk, swap, t in itertools.product([64, 128], [4, 8, 16], (False, True),
-                                                              (False, True) if tma else (False,))]
+                     for bn, sk, swap, t, st in itertools.product([64, 128], [4, 8] if len(stages) > 1 else [4, 8, 16],
+                                                                  (False, True), (False, True) if tma else (False,),
+                                                                  stages)]
             results = []
             for c2 in downs:
                 try:
@@ -1247,6 +1249,7 @@ def main(argv=None):
                    help="M = 16 with bf16 activations (no activation scale), against bf16 cuBLAS")
     p.add_argument("--k-stages", default="1",
                    help="--gemv / --groups at M = 1: comma-separated pipeline depths of the GEMV's K loop (K_STAGES)")
+    p.add_argument("--stages", default="4", help="--gated --swap: comma-separated pipeline depths of the down tiles")
     p.add_argument("--shapes", help=f"comma-separated, of {', '.join(SHAPES)} (all; --rows32: down-g128 too)")
     args = p.parse_args(argv)
     k_stages = tuple(int(s) for s in args.k_stages.split(","))
@@ -1303,7 +1306,9 @@ def main(argv=None):
             return sweep_gemv_blocks(shapes, k_stages=k_stages)
         return sweep_gemv(shapes, k_stages=k_stages)
     if args.swap and args.gated:
-        return sweep_swap(tuple(int(m) for m in (args.ms or "16").split(",")), tma=args.tma)
+        return sweep_swap(tuple(int(m) for m in (args.ms or "16").split(",")), tma=args.tma,
+                          groups=tuple(int(g) for g in (args.h_groups or "0,128").split(",")),
+                          stages=tuple(int(s) for s in args.stages.split(",")))
     if args.gated or args.gated_pdl:
         return sweep_gated(tiles=args.gated, tma=args.tma, wide_k=args.wide_k, bm64=args.bm64, narrow=args.narrow)
     shapes = {name: SHAPES[name] for name in (args.shapes or ",".join(SHAPES)).split(",")}
