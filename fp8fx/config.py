@@ -421,6 +421,8 @@ class Fp8Config:
 
         rules = _model_rules(model, layer) if model is not None else None
         if is_linear(layer):
+            if self._shards_ignored(prefix, model):
+                return None
             if self.is_checkpoint_fp8_serialized and rules is None:  # (stored fp8: loaded as stored, but for the
                 # output embeddings, which fp8 checkpoints keep in high precision, as vLLM and transformers load them)
                 head = prefix.rpartition(".")[2] == "lm_head"
@@ -443,6 +445,29 @@ class Fp8Config:
                                              else kv_cache.has_kv_cache_mark(layer)):
             return Fp8KVCacheMethod(self)
         return None
+
+    def _shards_ignored(self, prefix: str, model: Any) -> bool:
+        """Whether ``prefix`` is a fused layer whose checkpoint shards ``ignored_layers`` names, every one (``qkv_proj``
+        by ``q_proj``, ``k_proj`` and ``v_proj``, as vLLM's and ModelOpt's fp8 checkpoints list them): vLLM's
+        ``is_layer_skipped`` reads a fused layer so. The shards: the model's ``packed_modules_mapping`` (vLLM's
+        models carry one), else ``load_checkpoint``'s ``FUSED``. A list naming some of them is refused: a fused layer
+        is one GEMM of one scheme (``load_checkpoint`` refuses the checkpoint so)."""
+        from fp8fx.checkpoint.load import FUSED
+
+        mapping = getattr(model, "packed_modules_mapping", None) or FUSED
+        head, _, leaf = prefix.rpartition(".")
+        parts = mapping.get(leaf) if isinstance(mapping, Mapping) else None
+        if not parts or isinstance(parts, str) or self.is_ignored(prefix):
+            return False
+        names = [f"{head}.{p}" if head else p for p in parts]
+        ignored = [n for n in names if self.is_ignored(n)]
+        if ignored and len(ignored) < len(names):
+            raise ValueError(
+                f"Fp8Config.ignored_layers names {ignored} but not {[n for n in names if n not in ignored]}, shards of "
+                f"the fused layer {prefix!r}: it is one GEMM of one scheme; name all its shards (or {prefix!r}) to keep "
+                "it in high precision, or none"
+            )
+        return bool(ignored)
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "Fp8Config":

@@ -85,6 +85,18 @@ def as_index(value: object) -> Optional[int]:
         return None
 
 
+def _shard_index(what: str, shard_id: object, sizes: Sequence[int]) -> Optional[int]:
+    """``shard_id`` as the index of one of the output partitions ``sizes`` (None: the whole tensor), else a
+    ValueError naming ``what``."""
+    if shard_id is None:
+        return None
+    index = as_index(shard_id)
+    if index is None or not 0 <= index < len(sizes):
+        raise ValueError(f"{what}: shard_id={shard_id!r}, but the layer's output partitions are {list(sizes)}: pass an "
+                         f"int 0..{len(sizes) - 1}, or None for the whole tensor")
+    return index
+
+
 def module_name(module: nn.Module) -> str:
     """How messages name an fp8fx module: the name quantize_ or create_weights gave it, else its class."""
     return getattr(module, "_fp8fx_prefix", "") or type(module).__name__
@@ -1099,8 +1111,10 @@ class Fp8LinearMethod:
         layer._fp8fx_arrived = {}
         layer._fp8fx_device = device  # (where a bias on meta, and online the weight, are made as they load)
         bias = layer._parameters.get("bias")
-        # a bias on meta must arrive through weight_loader, every shard of it: the shards loaded so far ("all": whole)
-        layer._fp8fx_bias_loaded = set() if isinstance(bias, torch.Tensor) and bias.is_meta else None
+        # the bias shards loaded through weight_loader so far ("all": whole): one on meta must arrive so, every shard
+        # of it; one built on its device (vLLM builds layers so) may come in a plain copy instead, but once a shard
+        # came through weight_loader, every shard must (the others kept nn.Linear's random init, silently)
+        layer._fp8fx_bias_loaded = set() if isinstance(bias, torch.Tensor) else None
         layer._parameters.update(new)
         if not serialized:
             # until process_weights_after_loading the layer is the model's own over a receive buffer still filling
@@ -1134,11 +1148,7 @@ class Fp8LinearMethod:
             takes = [n for n in ("weight", "weight_scale", "weight_scale_inv", "input_scale") if n in layer._parameters]
             raise KeyError(f"{who}: no fp8fx parameter {name!r}; it takes {takes}")
         sizes = layer._fp8fx_partitions
-        if shard_id is not None:
-            given, shard_id = shard_id, as_index(shard_id)
-            if shard_id is None or not 0 <= shard_id < len(sizes):
-                raise ValueError(f"{who}.{name}: shard_id={given!r}, but the layer's output partitions are "
-                                 f"{list(sizes)}: pass an int 0..{len(sizes) - 1}, or None for the whole tensor")
+        shard_id = _shard_index(f"{who}.{name}", shard_id, sizes)
         if layer._fp8fx_processed:  # (a scale then went into the one scale every shard shares; weights were refused)
             raise ValueError(f"{who}.{name} (shard {shard_id}): process_weights_after_loading already ran on this "
                              "layer, which merged its shards' scales; load every tensor before it (nothing was "
@@ -1233,8 +1243,9 @@ class Fp8LinearMethod:
         if target is None:
             raise ValueError(f"{who}.bias (shard {shard_id}): the layer has no bias (built with bias=False); build it "
                              "with one, or leave the checkpoint's out (nothing was loaded)")
-        check_bias_values(f"{who}.bias (shard {shard_id})", loaded, layer._fp8fx_dtype)
         sizes = layer._fp8fx_partitions
+        shard_id = _shard_index(f"{who}.bias", shard_id, sizes)  # ('q' indexed nothing; -1 wrote shard 2's rows as -1)
+        check_bias_values(f"{who}.bias (shard {shard_id})", loaded, layer._fp8fx_dtype)
         rows = (0, target.shape[0]) if shard_id is None else (sum(sizes[:shard_id]), sizes[shard_id])
         if target.dim() != 1 or tuple(loaded.shape) != (rows[1],):
             raise ValueError(f"{who}.bias shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not "
@@ -1326,11 +1337,13 @@ class Fp8LinearMethod:
         bias = params.get("bias")
         # (a partition of no rows has no bias shard in a checkpoint, as no scale: passed by)
         missing = [i for i, width in enumerate(layer._fp8fx_partitions) if i not in arrived and width > 0]
-        if isinstance(bias, torch.Tensor) and bias.is_meta or arrived and "all" not in arrived and missing:
+        on_meta = isinstance(bias, torch.Tensor) and bias.is_meta
+        if on_meta or arrived and "all" not in arrived and missing:
+            why = ("the layer was built with its bias on the meta device" if on_meta else
+                   f"shard(s) {sorted(arrived)} came through weight_loader, the others kept the bias's initial values")
             raise ValueError(f"{name}: bias shard(s) {missing} of output partitions {list(layer._fp8fx_partitions)} "
-                             "never loaded (the layer was built with its bias on the meta device); load them through "
-                             "weight_loader(layer, 'bias', ...) before process_weights_after_loading (the layer is as "
-                             "it was)")
+                             f"never loaded ({why}); load them through weight_loader(layer, 'bias', ...) before "
+                             "process_weights_after_loading (the layer is as it was)")
         through = (f" through {type(self).__name__}.weight_loader (a copy into the parameter itself, vLLM's default "
                    "loader's, is not counted)")
         if params["weight"].dtype != quant.FP8_DTYPE:
@@ -1369,6 +1382,15 @@ class Fp8LinearMethod:
             if missing:
                 raise ValueError(f"{name}: {missing} of {scales.numel()} entries of {scale_name} "
                                  "were never loaded; load the checkpoint's scales with the weight")
+        for scale_name in ("weight_scale", "weight_scale_inv", "input_scale"):
+            # weight_loader refuses a scale of 0, <0, NaN or Inf; one copied into the parameter itself (vLLM's
+            # default loader) had made every output NaN or zero, silently
+            # (the placeholder of a partition of no rows, passed by above, is no scale)
+            scales = params[scale_name].data.float() if scale_name in params else None
+            why = quant.bad_scales(torch.where(scales == unloaded, 1.0, scales)) if scales is not None else None
+            if why:
+                raise ValueError(f"{name}.{scale_name}: {why} (copied into the parameter, not through weight_loader, "
+                                 "which refuses them): re-export the checkpoint (the layer is as it was)")
         # (load_checkpoint, load_state_dict and .half() refuse it too; load_checkpoint's own check names the entry)
         if layer._fp8fx_dtype == torch.float16 and not getattr(layer, RANGE_CHECKED, False):
             if per_tensor and params["weight_scale"].numel() > 1:  # each shard's rows under its own scale

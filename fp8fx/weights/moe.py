@@ -464,10 +464,11 @@ class Fp8MoEMethod:
         layer._fp8fx_arrived = set()
         layer._fp8fx_staging = {}  # (name, expert) -> bf16 [rows, cols] while its shards arrive (online)
         layer._fp8fx_device = device  # (where a bias on meta is made as it loads)
-        # a bias on meta must arrive through weight_loader, for every expert: name -> the experts loaded ("all": whole)
-        meta = [n for n in (w13 + "_bias", W2 + "_bias")
-                if isinstance(layer._parameters.get(n), torch.Tensor) and layer._parameters[n].is_meta]
-        layer._fp8fx_bias_loaded = {n: set() for n in meta}
+        # bias name -> the experts loaded through weight_loader ("all": whole): one on meta must arrive so, for every
+        # expert; one built on its device may come in a plain copy instead, but once an expert's came through
+        # weight_loader, every expert's must (the others kept their initial values, silently)
+        biases = [n for n in (w13 + "_bias", W2 + "_bias") if isinstance(layer._parameters.get(n), torch.Tensor)]
+        layer._fp8fx_bias_loaded = {n: set() for n in biases}
         layer._parameters.update(new)
         layer.__class__ = fp8_experts_class(type(layer), w13)
 
@@ -727,13 +728,19 @@ class Fp8MoEMethod:
                                                          .tolist()[:8]) + ")"
                     raise ValueError(f"{prefix}.{name} was never loaded for experts {experts[:8]}"
                                      f"{' ...' if len(experts) > 8 else ''}{shards}; load it from the checkpoint")
+                if name in params:  # (weight_loader refuses a 0, <0, NaN or Inf scale; one copied into the
+                    # parameter itself, vLLM's default loader's way, made the experts' outputs NaN or zero, silently)
+                    self._check_scales(f"{prefix}.{name} (copied into the parameter, not through weight_loader)",
+                                       params[name].data)
         for bias, arrived in getattr(layer, "_fp8fx_bias_loaded", {}).items():  # (on meta: zeros where none came;
             # made real otherwise - load_state_dict(assign=True) - the caller's)
             missing = [e for e in range(params[w13].shape[0]) if e not in arrived] if "all" not in arrived else []
             if missing and (params[bias].is_meta or arrived):
+                why = ("the experts were built with their biases on the meta device" if params[bias].is_meta else
+                       f"experts {sorted(arrived)[:8]} came through weight_loader, the others kept initial values")
                 raise ValueError(f"{prefix}.{bias}: experts {missing[:8]}{' ...' if len(missing) > 8 else ''} never "
-                                 "loaded (the experts were built with their biases on the meta device); load them "
-                                 f"through weight_loader(layer, {bias!r}, ...) first (the experts are as they were)")
+                                 f"loaded ({why}); load them through weight_loader(layer, {bias!r}, ...) first (the "
+                                 "experts are as they were)")
         # (load_checkpoint, load_state_dict and .half() refuse it too; load_checkpoint's own check names the entry)
         if layer._fp8fx_dtype == torch.float16 and not getattr(layer, RANGE_CHECKED, False):
             self._check_float16(layer)

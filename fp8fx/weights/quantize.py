@@ -242,10 +242,19 @@ def _scale_owners(experts: Iterable[tuple[str, nn.Module]]) -> dict[str, str]:
 def _transformers_part(model: nn.Module) -> bool:
     """A transformers module that is, or may be, a part of a larger model: a base model (``LlamaModel``, whose
     ``base_model`` is itself: a ForCausalLM's ``.model``, a VLM's language model) or a module with no
-    ``save_pretrained`` of its own (a decoder layer)."""
+    ``save_pretrained`` of its own (a decoder layer). A model with output embeddings is whole, though its
+    ``base_model`` be itself: ``Llama4ForCausalLM``'s ``base_model_prefix`` is the VLM's ``language_model``, an
+    attribute it does not have."""
     if not type(model).__module__.startswith("transformers."):
         return False
-    return not callable(getattr(model, "save_pretrained", None)) or getattr(model, "base_model", None) is model
+    if not callable(getattr(model, "save_pretrained", None)):
+        return True
+    if getattr(model, "base_model", None) is not model:
+        return False
+    try:
+        return model.get_output_embeddings() is None
+    except (AttributeError, NotImplementedError):  # (a model of its own that does not say: a part, as before)
+        return True
 
 
 def _warn_part_save(part: nn.Module, prefix: str) -> None:

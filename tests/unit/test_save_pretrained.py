@@ -303,3 +303,27 @@ def test_a_transformers_base_model_quantized_alone_warns_and_a_dequantized_one_s
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
     held = model.state_dict()  # (the dequantized weights, as the model holds them)
     assert all(torch.equal(t, held[k]) for k, t in back.state_dict().items()) and back.state_dict().keys() == held.keys()
+
+
+def test_a_whole_model_whose_base_model_is_itself_quantizes_without_the_part_warning(caplog, monkeypatch):
+    """Llama4ForCausalLM's base_model_prefix names the VLM's language_model, an attribute it lacks, so its
+    base_model is itself: quantize_ of the whole model warned that it "may be a part of a model" whose save_pretrained
+    writes no quantization_config, where its save_pretrained writes one. A model with output embeddings is whole."""
+    from fp8fx.weights import quantize as quantize_module
+
+    cfg = transformers.Llama4TextConfig(
+        vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        intermediate_size=64, intermediate_size_mlp=128, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layers=[1, 1])
+    for whole in (True, False):  # (a fresh model's .model, a base model with no head, is still a part)
+        model = transformers.Llama4ForCausalLM(cfg)
+        assert model.base_model is model
+        monkeypatch.setattr(quantize_module, "_PART_SAVE_WARNED", False)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fp8fx"):
+            if whole:
+                fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+            else:
+                fp8fx.quantize_(model.model)
+        said = [r.getMessage() for r in caplog.records if "may be a part of a model" in r.getMessage()]
+        assert bool(said) != whole, said

@@ -390,3 +390,127 @@ def test_a_tensor_on_meta_is_refused_naming_it(serialized):
                                              r"values; pass the checkpoint's tensor"):
             load()
     assert _same(_state(layer), before[0]) and _same(_state(experts), before[1])
+
+
+def test_get_quant_method_reads_a_fused_layer_by_its_checkpoint_shards():
+    """vLLM's and ModelOpt's fp8 checkpoints list a fused layer's shards (q_proj, k_proj, v_proj) in their ignore
+    list; qkv_proj was given Fp8LinearMethod, which then refused the checkpoint's bf16 q/k/v weights blaming their
+    dtype (load_checkpoint read the list right). vLLM's is_layer_skipped reads the shards of the model's
+    packed_modules_mapping, and refuses a list naming some of them only."""
+    class Attn(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv_proj, self.wqkv = nn.Linear(32, 96, bias=False), nn.Linear(32, 96, bias=False)
+
+    model = nn.Module()
+    model.attn = Attn()
+    qkv, other = model.attn.qkv_proj, model.attn.wqkv
+    for serialized in (True, False):
+        every = Fp8Config(is_checkpoint_fp8_serialized=serialized, ignored_layers=[f"attn.{p}_proj" for p in "qkv"])
+        assert every.get_quant_method(qkv, "attn.qkv_proj") is None
+        assert every.get_quant_method(qkv, "attn.qkv_proj", model=model) is None
+        assert isinstance(every.get_quant_method(other, "attn.wqkv"), Fp8LinearMethod)
+        some = Fp8Config(is_checkpoint_fp8_serialized=serialized, ignored_layers=["attn.q_proj", "attn.v_proj"])
+        with pytest.raises(ValueError, match=r"names \['attn.q_proj', 'attn.v_proj'\] but not \['attn.k_proj'\], shards "
+                                             r"of the fused layer 'attn.qkv_proj'"):
+            some.get_quant_method(qkv, "attn.qkv_proj")
+        # the fused name itself, as before; the model's own mapping (vLLM's models carry one) for other names
+        fused = Fp8Config(is_checkpoint_fp8_serialized=serialized, ignored_layers=["attn.qkv_proj"])
+        assert fused.get_quant_method(qkv, "attn.qkv_proj") is None
+        model.packed_modules_mapping = {"wqkv": ["wq", "wk", "wv"]}
+        mapped = Fp8Config(is_checkpoint_fp8_serialized=serialized, ignored_layers=["attn.wq", "attn.wk", "attn.wv"])
+        assert mapped.get_quant_method(other, "attn.wqkv", model=model) is None
+        assert isinstance(mapped.get_quant_method(other, "attn.wqkv"), Fp8LinearMethod)  # (no model: no mapping)
+        del model.packed_modules_mapping
+    gate_up = nn.Linear(32, 128, bias=False)
+    both = Fp8Config(ignored_layers=["mlp.gate_proj", "mlp.up_proj"])
+    assert both.get_quant_method(gate_up, "mlp.gate_up_proj") is None
+    assert isinstance(Fp8Config(ignored_layers=["mlp.down_proj"]).get_quant_method(gate_up, "mlp.gate_up_proj"),
+                      Fp8LinearMethod)
+
+
+def test_a_bias_loaded_in_part_is_refused_wherever_it_was_built_and_its_shard_id_checked():
+    """A layer built on its device (vLLM builds them so) whose bias came through weight_loader for some shards only
+    was processed, the others keeping nn.Linear's random values (on meta it was refused); the bias's shard_id was
+    not checked: 'q' and 3 failed inside torch, -1 wrote shard 2's rows recorded as -1, True wrote shard 1."""
+    def built(device, experts=False):
+        layer = nn.Linear(64, 64, device=device)
+        method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True))
+        method.create_weights(layer, 64, [32, 16, 16], torch.bfloat16, device="cpu", prefix="qkv_proj")
+        for i, n in enumerate((32, 16, 16)):
+            method.weight_loader(layer, "weight", torch.ones(n, 64).to(torch.float8_e4m3fn), i)
+            method.weight_loader(layer, "weight_scale", torch.tensor(0.5), i)
+        return layer, method
+
+    for device in ("cpu", "meta"):
+        layer, method = built(device)
+        method.weight_loader(layer, "bias", torch.zeros(32), 0)
+        method.weight_loader(layer, "bias", torch.zeros(16), 1)
+        before = _state(layer)
+        with pytest.raises(ValueError, match=r"^qkv_proj: bias shard\(s\) \[2\] of output partitions \[32, 16, 16\] "
+                                             r"never loaded \((shard\(s\) \[0, 1\] came through weight_loader|the "
+                                             r"layer was built with its bias on the meta device)"):
+            method.process_weights_after_loading(layer)
+        assert _same(_state(layer), before) and not layer._fp8fx_processed
+        method.weight_loader(layer, "bias", torch.full((16,), 3.0), 2)
+        method.process_weights_after_loading(layer)
+        assert torch.equal(layer.bias, torch.cat([torch.zeros(48), torch.full((16,), 3.0)]).bfloat16())
+    layer, method = built("cpu")  # a bias copied in whole, as vLLM's default loader does: the caller's, as before
+    method.process_weights_after_loading(layer)
+    layer, method = built("cpu")
+    before = _state(layer)
+    for shard_id in ("q", 3, -1, True):
+        with pytest.raises(ValueError, match=rf"^qkv_proj.bias: shard_id={re.escape(repr(shard_id))}, but the layer's "
+                                             r"output partitions are \[32, 16, 16\]: pass an int 0..2"):
+            method.weight_loader(layer, "bias", torch.zeros(16), shard_id)
+    assert _same(_state(layer), before) and layer._fp8fx_bias_loaded == set()
+
+
+def test_experts_bias_loaded_for_some_experts_is_refused_wherever_it_was_built():
+    """The experts' side: a bias built on the device, loaded through weight_loader for one expert, was processed with
+    the other experts' initial values."""
+    layer = nn.Module()
+    layer.gate_up_proj_bias = nn.Parameter(torch.full((E, 2 * I), 7.0))
+    method = Fp8MoEMethod(Fp8Config(is_checkpoint_fp8_serialized=True))
+    method.create_weights(layer, E, H, I, torch.bfloat16, prefix="experts")
+    method.weight_loader(layer, "gate_up_proj", torch.ones(E, 2 * I, H).to(torch.float8_e4m3fn))
+    method.weight_loader(layer, "gate_up_proj_scale", torch.ones(E))
+    method.weight_loader(layer, "down_proj", torch.ones(E, H, I).to(torch.float8_e4m3fn))
+    method.weight_loader(layer, "down_proj_scale", torch.ones(E))
+    method.weight_loader(layer, "gate_up_proj_bias", torch.zeros(2 * I), expert_id=1)
+    with pytest.raises(ValueError, match=rf"^experts.gate_up_proj_bias: experts \[0, 2, 3\] never loaded \(experts "
+                                         r"\[1\] came through weight_loader"):
+        method.process_weights_after_loading(layer)
+    assert not layer._fp8fx_processed
+    method.weight_loader(layer, "gate_up_proj_bias", torch.zeros(E, 2 * I))  # (all experts: a second load of
+    # expert 1's bias is allowed, as before)
+    method.process_weights_after_loading(layer)
+    assert not layer.gate_up_proj_bias.any()
+
+
+@pytest.mark.parametrize("experts", [False, True])
+def test_a_scale_copied_into_its_parameter_is_checked_at_processing(experts):
+    """weight_loader refuses a scale of 0, <0, NaN or Inf; one copied into the parameter itself (vLLM's default
+    loader's plain copy) was processed, every output NaN or zero."""
+    config = Fp8Config(is_checkpoint_fp8_serialized=True, activation_scheme="static")
+    if experts:
+        layer, method = nn.Module(), Fp8MoEMethod(config)
+        method.create_weights(layer, E, H, I, torch.bfloat16, prefix="experts")
+        method.weight_loader(layer, "gate_up_proj", torch.ones(E, 2 * I, H).to(torch.float8_e4m3fn))
+        method.weight_loader(layer, "down_proj", torch.ones(E, H, I).to(torch.float8_e4m3fn))
+        method.weight_loader(layer, "gate_up_proj_scale", torch.ones(E))
+        layer.down_proj_scale.data.copy_(torch.tensor([1.0, float("nan"), 1.0, 1.0]))
+        for name in ("gate_up_proj_input_scale", "down_proj_input_scale"):
+            getattr(layer, name).data.fill_(1.0)
+        bad = r"^experts.down_proj_scale \(copied into the parameter, not through weight_loader\): 1 scales are not "
+    else:
+        layer, method = nn.Linear(64, 32, bias=False, device="meta"), Fp8LinearMethod(config)
+        method.create_weights(layer, 64, [32], torch.bfloat16, device="cpu", prefix="o_proj")
+        method.weight_loader(layer, "weight", torch.ones(32, 64).to(torch.float8_e4m3fn))
+        layer.weight_scale.data.copy_(torch.tensor([0.5]))
+        layer.input_scale.data.copy_(torch.tensor([0.0]))
+        bad = r"^o_proj.input_scale: 1 scales are not positive finite floats \(0.0 at \[0\]\).* \(copied into the "
+    before = _state(layer)
+    with pytest.raises(ValueError, match=bad):
+        method.process_weights_after_loading(layer)
+    assert _same(_state(layer), before) and not layer._fp8fx_processed
