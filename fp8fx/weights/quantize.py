@@ -977,7 +977,9 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     Each batch is passed as ``model(**batch)`` if it is a mapping whose keys are the forward's parameters (a
     tokenizer's output), ``model(*batch)`` if it is a tuple or list, else ``model(batch)`` (a model whose forward
     takes one dict too). The model runs in eval mode (dropout off) and is put back as it was; a ``torch.compile``
-    wrapper runs the model it wraps, eagerly, and the scales carry the model's own names.
+    wrapper runs the model it wraps, eagerly, and the scales carry the model's own names. A model already quantized
+    (dynamic activations) is measured through its fp8 weights, as it runs; ``quantize_`` does not quantize it again,
+    so its scales serve a fresh bf16 copy (``quantize_(fresh, config, input_scales=...)``).
     """
     config = config_or(config, Fp8Config(activation_scheme="static"), "calibrate")
     check_prefix(prefix, "calibrate")
