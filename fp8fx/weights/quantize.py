@@ -222,8 +222,9 @@ def quantize_(
 
     if not prefix:
         pretrained.describe(model)
-        if (plan or experts) and _transformers_part(model):  # (its own save_pretrained is described; its parent's not)
-            _warn_part_save(model, prefix)
+        part = _transformers_part(model) if plan or experts else ""
+        if part:  # (its own save_pretrained is described; its parent's not)
+            _warn_part_save(model, prefix, maybe=part == "maybe")
     elif (plan or experts) and ("transformers" in sys.modules or any(  # (a bare nn.Linear part of an HF model: its
             type(m).__module__.startswith("transformers.") for m in model.modules())):  # parent is out of reach)
         _warn_part_save(model, prefix)
@@ -239,25 +240,28 @@ def _scale_owners(experts: Iterable[tuple[str, nn.Module]]) -> dict[str, str]:
     return {name: fqn for fqn, m in experts for name in moe.input_scale_names(fqn, m)}
 
 
-def _transformers_part(model: nn.Module) -> bool:
-    """A transformers module that is, or may be, a part of a larger model: a base model (``LlamaModel``, whose
-    ``base_model`` is itself: a ForCausalLM's ``.model``, a VLM's language model) or a module with no
-    ``save_pretrained`` of its own (a decoder layer). A model with output embeddings is whole, though its
-    ``base_model`` be itself: ``Llama4ForCausalLM``'s ``base_model_prefix`` is the VLM's ``language_model``, an
-    attribute it does not have."""
+def _transformers_part(model: nn.Module) -> str:
+    """"part" for a transformers module that is, or may be, a part of a larger model: a base model (``LlamaModel``,
+    whose ``base_model`` is itself: a ForCausalLM's ``.model``, a VLM's language model) or a module with no
+    ``save_pretrained`` of its own (a decoder layer); "maybe" for a model with output embeddings whose
+    ``base_model`` is itself because its ``base_model_prefix`` names an attribute it lacks (``Llama4ForCausalLM``'s
+    ``language_model``, ``T5ForConditionalGeneration``'s ``transformer``): whole on its own, its own
+    ``save_pretrained`` describing it, and the language model of a VLM too (Llama-4's, InstructBLIP's), which
+    nothing in the module tells apart; else ""."""
     if not type(model).__module__.startswith("transformers."):
-        return False
+        return ""
     if not callable(getattr(model, "save_pretrained", None)):
-        return True
+        return "part"
     if getattr(model, "base_model", None) is not model:
-        return False
+        return ""
     try:
-        return model.get_output_embeddings() is None
+        head = model.get_output_embeddings()
     except (AttributeError, NotImplementedError):  # (a model of its own that does not say: a part, as before)
-        return True
+        head = None
+    return "maybe" if head is not None else "part"
 
 
-def _warn_part_save(part: nn.Module, prefix: str) -> None:
+def _warn_part_save(part: nn.Module, prefix: str, maybe: bool = False) -> None:
     """A part quantized with a prefix belongs to a model that fp8fx cannot reach: that model's ``save_pretrained``
     (transformers) writes the part's fp8 codes with no ``quantization_config``, and ``from_pretrained`` read them
     back as bf16 weights, unscaled (logits ~1.4x their norm off), warning only of unexpected keys. Said once a
@@ -267,6 +271,13 @@ def _warn_part_save(part: nn.Module, prefix: str) -> None:
     if _PART_SAVE_WARNED:
         return
     _PART_SAVE_WARNED = True
+    if maybe:  # (a whole model, or a VLM's language model: ``_transformers_part``)
+        log.warning("fp8fx: quantize_(%s) quantized a model that may also be a part of another, as a VLM's language "
+                    "model: its own save_pretrained writes its quantization_config, but that of a model holding it "
+                    "does not know its layers are fp8 and writes their codes with no quantization_config, which "
+                    "from_pretrained reads as bf16 weights: save such a model with fp8fx.save_checkpoint(model, "
+                    "folder) (said once)", type(part).__name__)
+        return
     log.warning("fp8fx: quantize_(%s%s) quantized what may be a part of a model; if that model is a transformers "
                 "one (a ForCausalLM whose .model this is), its save_pretrained does not know its layers are fp8 and "
                 "writes their codes with no quantization_config, which from_pretrained reads as bf16 weights: save "

@@ -305,25 +305,38 @@ def test_a_transformers_base_model_quantized_alone_warns_and_a_dequantized_one_s
     assert all(torch.equal(t, held[k]) for k, t in back.state_dict().items()) and back.state_dict().keys() == held.keys()
 
 
-def test_a_whole_model_whose_base_model_is_itself_quantizes_without_the_part_warning(caplog, monkeypatch):
-    """Llama4ForCausalLM's base_model_prefix names the VLM's language_model, an attribute it lacks, so its
-    base_model is itself: quantize_ of the whole model warned that it "may be a part of a model" whose save_pretrained
-    writes no quantization_config, where its save_pretrained writes one. A model with output embeddings is whole."""
+def test_a_model_whose_base_model_is_itself_by_a_missing_prefix_is_warned_of_as_whole_and_maybe_a_part(
+        caplog, monkeypatch):
+    """Llama4ForCausalLM's base_model_prefix names the VLM's language_model, an attribute it lacks, so its base_model
+    is itself: quantize_ of the whole model warned that it "may be a part of a model" whose save_pretrained writes no
+    quantization_config, where its own writes one (h123); judged whole instead, the language model of a
+    Llama4ForConditionalGeneration, the same class, was not warned of at all, and that VLM's save_pretrained wrote no
+    quantization_config (h128). Nothing in the module tells the two apart: the warning says both."""
     from fp8fx.weights import quantize as quantize_module
 
-    cfg = transformers.Llama4TextConfig(
+    text = transformers.Llama4TextConfig(
         vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
         intermediate_size=64, intermediate_size_mlp=128, head_dim=16, num_local_experts=4, num_experts_per_tok=1,
         interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layers=[1, 1])
-    for whole in (True, False):  # (a fresh model's .model, a base model with no head, is still a part)
-        model = transformers.Llama4ForCausalLM(cfg)
-        assert model.base_model is model
+    vision = transformers.Llama4VisionConfig(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, image_size=28,
+        patch_size=14, vision_output_dim=32, projector_input_dim=32, projector_output_dim=64)
+    said = {}
+    for case in ("whole", "vlm", "base"):
+        if case == "vlm":
+            part = transformers.Llama4ForConditionalGeneration(
+                transformers.Llama4Config(vision_config=vision, text_config=text)).language_model
+        else:
+            part = transformers.Llama4ForCausalLM(text)
+            part = part if case == "whole" else part.model
+        assert (part.base_model is part) and type(part).__name__ == ("Llama4TextModel" if case == "base" else
+                                                                     "Llama4ForCausalLM")
         monkeypatch.setattr(quantize_module, "_PART_SAVE_WARNED", False)
         caplog.clear()
         with caplog.at_level("WARNING", logger="fp8fx"):
-            if whole:
-                fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
-            else:
-                fp8fx.quantize_(model.model)
-        said = [r.getMessage() for r in caplog.records if "may be a part of a model" in r.getMessage()]
-        assert bool(said) != whole, said
+            fp8fx.quantize_(part, fp8fx.Fp8Config(ignored_layers=["lm_head"] if case != "base" else None))
+        said[case] = [r.getMessage() for r in caplog.records if "save_pretrained" in r.getMessage()]
+    for case in ("whole", "vlm"):
+        assert len(said[case]) == 1 and "may also be a part of another, as a VLM's language model: its own " \
+            "save_pretrained writes its quantization_config" in said[case][0], said
+    assert len(said["base"]) == 1 and "quantized what may be a part of a model" in said["base"][0], said

@@ -396,7 +396,9 @@ def test_get_quant_method_reads_a_fused_layer_by_its_checkpoint_shards():
     """vLLM's and ModelOpt's fp8 checkpoints list a fused layer's shards (q_proj, k_proj, v_proj) in their ignore
     list; qkv_proj was given Fp8LinearMethod, which then refused the checkpoint's bf16 q/k/v weights blaming their
     dtype (load_checkpoint read the list right). vLLM's is_layer_skipped reads the shards of the model's
-    packed_modules_mapping, and refuses a list naming some of them only."""
+    packed_modules_mapping, and refuses a list naming some of them only; by ignored_layers alone (h128: Phi-3's
+    qkv_proj, stored fused, was refused under transformers' suffix entry modules_to_not_convert=["q_proj"], which
+    load_checkpoint and quantize_ read as naming none of its modules)."""
     class Attn(nn.Module):
         def __init__(self):
             super().__init__()
@@ -408,8 +410,13 @@ def test_get_quant_method_reads_a_fused_layer_by_its_checkpoint_shards():
     for serialized in (True, False):
         every = Fp8Config(is_checkpoint_fp8_serialized=serialized, ignored_layers=[f"attn.{p}_proj" for p in "qkv"])
         assert every.get_quant_method(qkv, "attn.qkv_proj") is None
+        # (a model with no packed_modules_mapping is taken as its checkpoint stores it: Phi-3's qkv_proj, fused)
+        assert isinstance(every.get_quant_method(qkv, "attn.qkv_proj", model=model), Fp8LinearMethod)
+        model.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
         assert every.get_quant_method(qkv, "attn.qkv_proj", model=model) is None
         assert isinstance(every.get_quant_method(other, "attn.wqkv"), Fp8LinearMethod)
+        suffix = Fp8Config(is_checkpoint_fp8_serialized=serialized, modules_to_not_convert=["q_proj"])
+        assert isinstance(suffix.get_quant_method(qkv, "attn.qkv_proj"), Fp8LinearMethod)
         some = Fp8Config(is_checkpoint_fp8_serialized=serialized, ignored_layers=["attn.q_proj", "attn.v_proj"])
         with pytest.raises(ValueError, match=r"names \['attn.q_proj', 'attn.v_proj'\] but not \['attn.k_proj'\], shards "
                                              r"of the fused layer 'attn.qkv_proj'"):
@@ -417,6 +424,7 @@ def test_get_quant_method_reads_a_fused_layer_by_its_checkpoint_shards():
         # the fused name itself, as before; the model's own mapping (vLLM's models carry one) for other names
         fused = Fp8Config(is_checkpoint_fp8_serialized=serialized, ignored_layers=["attn.qkv_proj"])
         assert fused.get_quant_method(qkv, "attn.qkv_proj") is None
+        assert fused.get_quant_method(qkv, "attn.qkv_proj", model=model) is None
         model.packed_modules_mapping = {"wqkv": ["wq", "wk", "wv"]}
         mapped = Fp8Config(is_checkpoint_fp8_serialized=serialized, ignored_layers=["attn.wq", "attn.wk", "attn.wv"])
         assert mapped.get_quant_method(other, "attn.wqkv", model=model) is None
