@@ -449,12 +449,11 @@ class Fp8Config:
     def _shards_ignored(self, prefix: str, model: Any) -> bool:
         """Whether ``prefix`` is a fused layer whose checkpoint shards ``ignored_layers`` names, every one (``qkv_proj``
         by ``q_proj``, ``k_proj`` and ``v_proj``, as vLLM's and ModelOpt's fp8 checkpoints list them): vLLM's
-        ``is_layer_skipped`` reads a fused layer so, by ``ignored_layers`` alone (transformers' suffixes in
-        ``modules_to_not_convert`` name the model's modules: Phi-3's ``q_proj`` names none, its ``qkv_proj`` being
-        stored fused). The shards: the ``packed_modules_mapping`` of ``model`` (vLLM's models carry one; a model
-        without one is taken as its checkpoint stores it), else, with no model, ``load_checkpoint``'s ``FUSED``. A
-        list naming some of them is refused: a fused layer is one GEMM of one scheme (``load_checkpoint`` refuses the
-        checkpoint so)."""
+        ``is_layer_skipped`` reads a fused layer so; by both lists, as ``load_checkpoint`` reads a checkpoint's shards.
+        The shards: the ``packed_modules_mapping`` of ``model`` (vLLM's models carry one; a model without one, as
+        Phi-3's whose checkpoint stores its ``qkv_proj`` fused, is taken as its checkpoint stores it), else, with no
+        model, ``load_checkpoint``'s ``FUSED``. A list naming some of them is refused: a fused layer is one GEMM of
+        one scheme (``load_checkpoint`` refuses the checkpoint so)."""
         from fp8fx.checkpoint.load import FUSED
 
         mapping = getattr(model, "packed_modules_mapping", None) if model is not None else FUSED
@@ -463,12 +462,14 @@ class Fp8Config:
         if not parts or isinstance(parts, str) or self.is_ignored(prefix):
             return False
         names = [f"{head}.{p}" if head else p for p in parts]
-        ignored = [n for n in names if any(entry_covers(e, n) for e in self.ignored_layers or ())]
+        ignored = [n for n in names if self.is_ignored(n)]
         if ignored and len(ignored) < len(names):
+            guessed = ("" if model is not None else " (with no model=, its checkpoint is taken to store them apart: "
+                       "pass model= for a model whose checkpoint stores the layer fused)")
             raise ValueError(
-                f"Fp8Config.ignored_layers names {ignored} but not {[n for n in names if n not in ignored]}, shards of "
-                f"the fused layer {prefix!r}: it is one GEMM of one scheme; name all its shards (or {prefix!r}) to keep "
-                "it in high precision, or none"
+                f"Fp8Config's ignore list (ignored_layers, modules_to_not_convert) covers {ignored} but not "
+                f"{[n for n in names if n not in ignored]}, shards of the fused layer {prefix!r}{guessed}: it is one "
+                f"GEMM of one scheme; name all its shards (or {prefix!r}) to keep it in high precision, or none"
             )
         return bool(ignored)
 

@@ -246,8 +246,14 @@ def _transformers_part(model: nn.Module) -> str:
     ``save_pretrained`` of its own (a decoder layer); "maybe" for a model with output embeddings whose
     ``base_model`` is itself because its ``base_model_prefix`` names an attribute it lacks (``Llama4ForCausalLM``'s
     ``language_model``, ``T5ForConditionalGeneration``'s ``transformer``): whole on its own, its own
-    ``save_pretrained`` describing it, and the language model of a VLM too (Llama-4's, InstructBLIP's), which
-    nothing in the module tells apart; else ""."""
+    ``save_pretrained`` describing it, and the language model of a VLM too (Llama-4's; InstructBLIP's flan-T5),
+    which nothing in the module tells apart - but for a model of sub-models (its config has ``sub_configs``: Blip-2,
+    an EncoderDecoderModel), which is the composite itself; else "". A PEFT model is judged by the model it wraps.
+    (A part whose ``base_model`` is another module - Blip-2's ``OPTForCausalLM`` language model - looks whole: no
+    warning, and the VLM's ``save_pretrained`` writes no quantization_config.)"""
+    get_base = getattr(model, "get_base_model", None)
+    if type(model).__module__.startswith("peft.") and callable(get_base):
+        model = get_base()
     if not type(model).__module__.startswith("transformers."):
         return ""
     if not callable(getattr(model, "save_pretrained", None)):
@@ -258,6 +264,8 @@ def _transformers_part(model: nn.Module) -> str:
         head = model.get_output_embeddings()
     except (AttributeError, NotImplementedError):  # (a model of its own that does not say: a part, as before)
         head = None
+    if head is not None and getattr(type(getattr(model, "config", None)), "sub_configs", None):
+        return ""  # (Blip2ForConditionalGeneration, VisionEncoderDecoderModel: the composite)
     return "maybe" if head is not None else "part"
 
 

@@ -340,3 +340,32 @@ def test_a_model_whose_base_model_is_itself_by_a_missing_prefix_is_warned_of_as_
         assert len(said[case]) == 1 and "may also be a part of another, as a VLM's language model: its own " \
             "save_pretrained writes its quantization_config" in said[case][0], said
     assert len(said["base"]) == 1 and "quantized what may be a part of a model" in said["base"][0], said
+
+
+def test_a_composite_model_is_whole_and_a_peft_wrapped_base_model_a_part(caplog, monkeypatch):
+    """h130: a whole Blip-2 (its base_model_prefix "blip" names nothing, it has output embeddings) was warned of as
+    maybe a VLM's language model, the VLM itself; a base model wrapped by PEFT was judged by the wrapper's module
+    (peft's), and got no part warning where the unwrapped one got it."""
+    from fp8fx.weights import quantize as quantize_module
+
+    peft = pytest.importorskip("peft")
+    opt = transformers.OPTConfig(vocab_size=128, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                 ffn_dim=64, word_embed_proj_dim=32)
+    blip2 = transformers.Blip2ForConditionalGeneration(transformers.Blip2Config(
+        vision_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                           image_size=28, patch_size=14),
+        qformer_config=dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64,
+                            encoder_hidden_size=32, vocab_size=128),
+        text_config=opt.to_dict(), num_query_tokens=2))
+    llama = tiny().model
+    wrapped = peft.get_peft_model(llama, peft.LoraConfig(target_modules=["o_proj"], r=2))
+    said = {}
+    for name, model, config in (("blip2", blip2, fp8fx.Fp8Config(ignored_layers=["language_model.lm_head"])),
+                                ("peft", wrapped, None)):
+        monkeypatch.setattr(quantize_module, "_PART_SAVE_WARNED", False)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="fp8fx"):
+            fp8fx.quantize_(model, config)
+        said[name] = [r.getMessage() for r in caplog.records if "save_pretrained" in r.getMessage()]
+    assert said["blip2"] == [], said
+    assert len(said["peft"]) == 1 and "quantized what may be a part of a model" in said["peft"][0], said

@@ -396,9 +396,10 @@ def test_get_quant_method_reads_a_fused_layer_by_its_checkpoint_shards():
     """vLLM's and ModelOpt's fp8 checkpoints list a fused layer's shards (q_proj, k_proj, v_proj) in their ignore
     list; qkv_proj was given Fp8LinearMethod, which then refused the checkpoint's bf16 q/k/v weights blaming their
     dtype (load_checkpoint read the list right). vLLM's is_layer_skipped reads the shards of the model's
-    packed_modules_mapping, and refuses a list naming some of them only; by ignored_layers alone (h128: Phi-3's
-    qkv_proj, stored fused, was refused under transformers' suffix entry modules_to_not_convert=["q_proj"], which
-    load_checkpoint and quantize_ read as naming none of its modules)."""
+    packed_modules_mapping, and refuses a list naming some of them only. A model= without one is taken as its
+    checkpoint stores it (h128: Phi-3's qkv_proj, stored fused, was refused under transformers' suffix entry
+    modules_to_not_convert=["q_proj"], which load_checkpoint and quantize_ read as naming none of its modules); the
+    shards are read by both lists, as load_checkpoint reads them (h130: modules_to_not_convert was not)."""
     class Attn(nn.Module):
         def __init__(self):
             super().__init__()
@@ -416,10 +417,18 @@ def test_get_quant_method_reads_a_fused_layer_by_its_checkpoint_shards():
         assert every.get_quant_method(qkv, "attn.qkv_proj", model=model) is None
         assert isinstance(every.get_quant_method(other, "attn.wqkv"), Fp8LinearMethod)
         suffix = Fp8Config(is_checkpoint_fp8_serialized=serialized, modules_to_not_convert=["q_proj"])
-        assert isinstance(suffix.get_quant_method(qkv, "attn.qkv_proj"), Fp8LinearMethod)
+        with pytest.raises(ValueError, match=r"covers \['attn.q_proj'\] but not .* \(with no model=, its checkpoint is "
+                                             r"taken to store them apart: pass model= for a model whose checkpoint"):
+            suffix.get_quant_method(qkv, "attn.qkv_proj")
+        phi3 = nn.Module()  # (a model with no packed_modules_mapping: its qkv_proj is stored fused)
+        phi3.attn = model.attn
+        assert isinstance(suffix.get_quant_method(qkv, "attn.qkv_proj", model=phi3), Fp8LinearMethod)
+        for kept in ([f"attn.{p}_proj" for p in "qkv"], [r"attn\.[qkv]_proj"]):  # (by modules_to_not_convert too)
+            listed = Fp8Config(is_checkpoint_fp8_serialized=serialized, modules_to_not_convert=kept)
+            assert listed.get_quant_method(qkv, "attn.qkv_proj", model=model) is None
         some = Fp8Config(is_checkpoint_fp8_serialized=serialized, ignored_layers=["attn.q_proj", "attn.v_proj"])
-        with pytest.raises(ValueError, match=r"names \['attn.q_proj', 'attn.v_proj'\] but not \['attn.k_proj'\], shards "
-                                             r"of the fused layer 'attn.qkv_proj'"):
+        with pytest.raises(ValueError, match=r"covers \['attn.q_proj', 'attn.v_proj'\] but not \['attn.k_proj'\], "
+                                             r"shards of the fused layer 'attn.qkv_proj'"):
             some.get_quant_method(qkv, "attn.qkv_proj")
         # the fused name itself, as before; the model's own mapping (vLLM's models carry one) for other names
         fused = Fp8Config(is_checkpoint_fp8_serialized=serialized, ignored_layers=["attn.qkv_proj"])
