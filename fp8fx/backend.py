@@ -28,11 +28,18 @@ ONE_PASS_ROWS = 16384  # Fp8Backend's default one_pass_rows: rows up to a Llama-
 _DUMP_WRITERS: "weakref.WeakValueDictionary[str, Fp8Backend]" = weakref.WeakValueDictionary()
 # every backend of this process that has written a dump, reset or not: a new dump clears no folder of theirs
 _DUMPERS: "weakref.WeakSet[Fp8Backend]" = weakref.WeakSet()
-# the lock (``fp8fx.dump.lock_folder``) this process holds on each folder a backend claimed, until that backend's
-# reset: other processes' backends write beside it; a folder whose backend was collected unreset is claimed with it
+# the lock (``fp8fx.dump.lock_folder``) this process holds on each folder a backend claimed, until that backend is
+# garbage-collected (``_release_folder``): other processes' backends write beside it
 _DUMP_LOCKS: dict[str, int] = {}
 _MAX_DUMP_FOLDERS = 64  # backend<k> folders tried before a graph goes undumped
 _fork_hook_registered = False  # whether _forget_dump_locks is registered to run in forked children
+
+
+def _release_folder(real: str) -> None:
+    """A backend that claimed dump folder ``real`` was garbage-collected: this process lets go of the folder's lock,
+    unless another live backend of it writes there now."""
+    if _DUMP_WRITERS.get(real) is None:
+        unlock_folder(_DUMP_LOCKS.pop(real, None))
 
 
 def _forget_dump_locks() -> None:
@@ -90,7 +97,7 @@ class Fp8Backend:
       output code, the report and Dynamo's decompiled bytecode into this folder (``fp8fx.dump``). A folder
       another live backend writes into, of this process or another, is not shared: this one writes into its
       ``backend2`` (``backend3``, ...) subfolder, with a warning, and ``dump_dir`` says where (a backend
-      stays live until ``torch._dynamo.reset()`` or its process's end).
+      stays live while anything holds it: Dynamo holds it until ``torch._dynamo.reset()``).
     - ``inductor_config``: extra Inductor config patches for this backend's compilations.
     - ``lowering``: ``"aten"`` (default) decomposes the activation quantization on CUDA into ATen so
       Inductor fuses it into its producer (``fp8fx.lowerings.aten``); ``"op"`` keeps every fp8fx op
@@ -380,9 +387,10 @@ class Fp8Backend:
         """``dump_dir``, or where another live backend writes into it (its files and this one's would both be
         ``graph000_*``, and each backend's first graph clears the folder), the first free ``dump_dir/backend<k>``
         (k = 2, 3, ...), with a warning; ``self.dump_dir`` says which. A backend of another process that writes
-        into a folder holds a lock on it (``fp8fx.dump.lock_folder``). Dynamo holds every backend it compiled with
-        until ``torch._dynamo.reset()``, which calls `reset`: a backend's folder is free again from then on (it
-        could still compile a new graph into it before)."""
+        into a folder holds a lock on it (``fp8fx.dump.lock_folder``). A backend keeps its folder while it lives -
+        Dynamo holds every backend it compiled with until ``torch._dynamo.reset()``, and the user may hold it past
+        that and compile again: a reset freed the folder, and a new backend's first graph cleared the live one's
+        files (h131) - and lets go of it when garbage-collected."""
         folder, k = dump_dir, 1
         while not self._claim(folder):
             k += 1
@@ -411,21 +419,18 @@ class Fp8Backend:
                 os.register_at_fork(after_in_child=_forget_dump_locks)
                 _fork_hook_registered = True
             _DUMP_LOCKS[real] = lock
+        if _DUMP_WRITERS.get(real) is not self:
+            weakref.finalize(self, _release_folder, real)
         _DUMP_WRITERS[real] = self
         return True
 
     def reset(self=None) -> None:
         """Called by ``torch._dynamo.reset()`` on the backends Dynamo holds: the report's graphs are of no frame
-        Dynamo will count again (``Report.forget_frames``), and this one's dump folder is free for another backend
-        (a graph this one compiles later claims a folder again, its own if still free). Called on the class too
-        (``backend=fp8fx.Fp8Backend``, refused at its first graph): nothing to free."""
+        Dynamo will count again (``Report.forget_frames``). The dump folder stays this backend's while it lives
+        (``_claim_dump_dir``). Called on the class too (``backend=fp8fx.Fp8Backend``, refused at its first graph)."""
         if self is None:
             return
         self.report.forget_frames()  # (Dynamo numbers frames from 0 again)
-        for folder, backend in list(_DUMP_WRITERS.items()):
-            if backend is self:
-                del _DUMP_WRITERS[folder]
-                unlock_folder(_DUMP_LOCKS.pop(folder, None))
 
     def _done(self, compiled, index: int, dump: Optional[GraphDump], output_code: list[str], shared=()):
         self.report.log_graph(index)

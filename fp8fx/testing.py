@@ -28,7 +28,7 @@ def assert_rewritten(report: Union[Report, Fp8Backend], *patterns: str, model: O
     pattern matches at least one site. A site is a linear a compiled graph computed: a quantized layer that ran in
     no graph (under ``torch.compiler.disable``, or in a frame Dynamo skipped) has none; pass the ``model`` to fail on
     those too (its fp8 weights that ``report.unhandled_weights(model)`` lists, whose layer matches a pattern)."""
-    patterns = tuple("" if p == ROOT else p for p in patterns)  # (the table's name of a root linear)
+    names_of = tuple("" if p == ROOT else p for p in patterns)  # (the table's name of a root linear)
     ran_not = []
     if model is not None:
         # a layer by its name in ``model`` and by the one quantize_ gave it, which its sites bear (the whole model's,
@@ -41,7 +41,7 @@ def assert_rewritten(report: Union[Report, Fp8Backend], *patterns: str, model: O
                 "quantize_ it (or load_checkpoint an fp8 checkpoint into it) before compiling, or leave model= out")
         for name, _, dtype, cls in _report(report).unhandled_weights(model):
             names = {name.rpartition(".")[0], getattr(params.get(name), "_fp8fx_fqn", None)} - {None}
-            if dtype.startswith("float8") and any(fnmatch.fnmatchcase(n, p) for n in names for p in patterns or "*"):
+            if dtype.startswith("float8") and any(fnmatch.fnmatchcase(n, p) for n in names for p in names_of or "*"):
                 ran_not.append((name, cls))
     if ran_not:  # (first: such a layer has no site, and a pattern of it alone "matches no site")
         raise AssertionError(
@@ -106,14 +106,16 @@ def assert_compiles_once(
     torch._dynamo.reset()
     backend = backend if backend is not None else Fp8Backend()
     graphs: list[int] = []  # graphs compiled during each call
+    failed: list[list[str]] = []  # the graphs of each call that failed to compile (Dynamo's suppress_errors: eager)
 
     def counting(gm, example_inputs):
         graphs[-1] += 1
         try:
             return backend(gm, example_inputs)
         except BaseException as e:
-            if compat.is_dynamo_retrace(e):  # Dynamo drops this graph and traces the frame again: not a graph
-                graphs[-1] -= 1
+            graphs[-1] -= 1  # (a retrace: Dynamo drops this graph and traces the frame again; else a failure)
+            if not compat.is_dynamo_retrace(e):  # (said as graph breaks of no recorded reason, h131)
+                failed[-1].append(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}")
             raise
 
     if hasattr(backend, "reset"):  # torch._dynamo.reset() calls it (Fp8Backend: frees its dump folder)
@@ -125,6 +127,7 @@ def assert_compiles_once(
         for i, args in enumerate(inputs):
             before = compat.dynamo_events()
             graphs.append(0)
+            failed.append([])
             compiled(*args)
             breaks, new_guards, new_skips = (_new(b, a) for b, a in zip(before, compat.dynamo_events()))
             frames = new_skips.count("frame")
@@ -143,11 +146,15 @@ def assert_compiles_once(
                 problems.insert(0, f"{graphs[0]} graphs for input 0, graph breaks: {why}")
             elif i and breaks:
                 problems.append(f"input {i} ({_shapes(args)}): graph breaks: {breaks}")
+            if failed[i]:  # (only where Dynamo's suppress_errors ran the graph eagerly: else the call raised); the
+                # cause of what else this call shows (graphs of the fp8 weights' properties, skipped frames): first
+                problems.insert(0 if i == 0 else len(problems), f"input {i}: {len(failed[i])} graph(s) failed to "
+                                f"compile and ran uncompiled (torch._dynamo.config.suppress_errors): {failed[i][:3]}")
             if i and (graphs[i] or new_guards):  # (a recompile whose new trace holds no graph is one all the same)
                 what = f"compiled {graphs[i]} more graph(s)" if graphs[i] else "recompiled the frame (no new graph)"
                 problems.append(f"input {i} ({_shapes(args)}) {what}; Dynamo's reasons: {new_guards or 'none recorded'}"
                                 f"{_one_sized(inputs[0], args) if dynamic is True else ''}")
-    if graphs[0] == 0:
+    if graphs[0] == 0 and not failed[0]:
         problems.insert(0, "Dynamo compiled no graph for the first input (it skipped the frame)")
     if problems:
         raise AssertionError("fp8fx: expected one graph for every input; " + "; ".join(problems))
@@ -185,9 +192,10 @@ def _check(report: Union[Report, Fp8Backend], patterns: Sequence[str], want: boo
 
 
 def _describe(site: Site) -> str:
+    name = site.fqn or ROOT  # (the compiled module itself: named as the table names it)
     if site.rewritten:
-        return f"{site.fqn} (graph {site.graph}) was rewritten ({site.scheme})"
-    return f"{site.fqn} (graph {site.graph}) was not rewritten: {site.reason}"
+        return f"{name} (graph {site.graph}) was rewritten ({site.scheme})"
+    return f"{name} (graph {site.graph}) was not rewritten: {site.reason}"
 
 
 def _new(before: list[str], after: list[str]) -> list[str]:

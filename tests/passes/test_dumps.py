@@ -112,7 +112,8 @@ def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
 
 def test_a_new_run_clears_the_folders_an_earlier_runs_other_backends_left(tmp_path):
     """backend2/ of an earlier process (a notebook's two backends, then a script's one) stayed, read as this run's; a
-    folder of a backend still alive stays (Dynamo's reset frees its folder, not its files)."""
+    folder of a backend still alive stays, and is still its own after Dynamo's reset (h131: a new backend took the
+    root folder then, its first graph clearing the live first backend's files)."""
     stale = tmp_path / "backend2"
     stale.mkdir()
     (stale / "graph000_3_report.json").write_text("{}")
@@ -131,10 +132,13 @@ def test_a_new_run_clears_the_folders_an_earlier_runs_other_backends_left(tmp_pa
     assert (tmp_path / "backend5").is_dir() and (elsewhere / "report.txt").read_text() == "not this dump's"
     second = compile_two_layer(tmp_path, compiler="eager")
     assert second.dump_dir == str(stale)
-    torch._dynamo.reset()  # both backends alive: a new backend's dump into the root keeps backend2/
+    first_graph = (tmp_path / "graph000_3_report.json").read_text()
+    torch._dynamo.reset()  # both backends alive: they keep their folders and files
     third = compile_two_layer(tmp_path, compiler="eager")
-    assert third.dump_dir == str(tmp_path) and first.dump_dir == str(tmp_path)
-    assert (stale / "report.json").exists()
+    assert third.dump_dir == str(tmp_path / "backend3") and first.dump_dir == str(tmp_path)
+    assert (stale / "report.json").exists() and (tmp_path / "graph000_3_report.json").read_text() == first_graph
+    del first, second, third  # (collected: their folders are free)
+    assert compile_two_layer(tmp_path, compiler="eager").dump_dir == str(tmp_path)
 
 
 def test_sites_a_graph_adds_as_it_runs_for_other_blocks_are_dumped(tmp_path):
@@ -171,8 +175,8 @@ def test_a_dump_that_cannot_be_written_leaves_the_compile_alone(tmp_path, caplog
 
 def test_backends_sharing_a_dump_dir_write_apart(tmp_path, caplog):
     """Two live backends, one dump_dir: the second's first graph cleared the first's files and both wrote
-    graph000_*. Now the second (and a third) write into backend2/, backend3/ with a warning; after
-    torch._dynamo.reset() (which releases the backends) the folder is taken again."""
+    graph000_*. Now the second (and a third) write into backend2/, backend3/ with a warning; once the backends are
+    collected (after torch._dynamo.reset(), which releases Dynamo's hold on them) the folder is taken again."""
     first = compile_two_layer(tmp_path)
     with caplog.at_level("WARNING", logger="fp8fx"):
         second = compile_two_layer(tmp_path)
@@ -186,7 +190,10 @@ def test_backends_sharing_a_dump_dir_write_apart(tmp_path, caplog):
     assert sum("is another live backend's dump folder" in r.getMessage() for r in caplog.records) == 2
     again = compile_two_layer(tmp_path)  # Dynamo holds every backend until its reset: the first is still live
     assert again.dump_dir == str(tmp_path / "backend4")
-    torch._dynamo.reset()  # calls each backend's reset: the folders are free
+    torch._dynamo.reset()  # Dynamo lets go of the backends; ours are still held: their folders too
+    assert compile_two_layer(tmp_path).dump_dir == str(tmp_path / "backend5")
+    del first, second, third, again
+    torch._dynamo.reset()  # (the last one, held by Dynamo)
     assert compile_two_layer(tmp_path).dump_dir == str(tmp_path)
 
 
@@ -288,6 +295,7 @@ def test_a_folder_another_process_dumps_into_is_not_shared(tmp_path, caplog):
         assert "(of this process or another)" in caplog.text
     finally:
         unlock_folder(other)
+    del backend
     torch._dynamo.reset()  # the backend lets go of backend2/: the other process takes it, a new run here the root
     other = lock_folder(str(tmp_path / "backend2"))
     try:
@@ -331,3 +339,15 @@ def test_a_forked_child_does_not_hold_the_parents_dump_folder(tmp_path):
     finally:
         os.kill(pid, 9)
         os.waitpid(pid, 0)
+
+
+def test_a_live_backend_keeps_its_dump_after_a_reset(tmp_path):
+    """h131: after torch._dynamo.reset() (which fp8fx.testing.assert_compiles_once calls itself) a new backend with
+    the same dump_dir took the folder of a backend still held and compiling, its first graph deleting that backend's
+    graph000_* files; the live one was sent to backend2/, with graph001_* alone under a report of both graphs."""
+    a = compile_two_layer(tmp_path, compiler="eager")
+    graph0 = (tmp_path / "graph000_0_dynamo_graph.py").read_text()
+    torch._dynamo.reset()
+    b = compile_two_layer(tmp_path, compiler="eager")
+    assert (a.dump_dir, b.dump_dir) == (str(tmp_path), str(tmp_path / "backend2"))
+    assert (tmp_path / "graph000_0_dynamo_graph.py").read_text() == graph0

@@ -306,18 +306,21 @@ def test_bad_arguments():
 
 
 def test_assert_compiles_once_lets_a_reset_free_the_backends_dump_folder(tmp_path):
-    """The helper compiles through a counting wrapper, which had no ``reset``: torch._dynamo.reset() could not free
-    the backend's dump folder, and the next backend of the same folder wrote into backend2/."""
+    """The helper compiles through a counting wrapper, which Dynamo holds until its reset: a backend the user no
+    longer holds lets go of its dump folder then (collected), and the next backend of the same folder writes into it,
+    not into backend2/; one the user still holds keeps its folder (h131)."""
     import fp8fx
     from fp8fx.testing import assert_compiles_once
 
-    backends = []
-    for _ in range(2):
+    def run():
         model = torch.nn.Sequential(torch.nn.Linear(64, 64)).to(torch.bfloat16)
         fp8fx.quantize_(model)
-        backends.append(fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path)))
-        assert_compiles_once(model, [(torch.randn(2, 64, dtype=torch.bfloat16),)], backend=backends[-1])
-    assert [b.dump_dir for b in backends] == [str(tmp_path)] * 2 and not (tmp_path / "backend2").exists()
+        backend = fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path))
+        return assert_compiles_once(model, [(torch.randn(2, 64, dtype=torch.bfloat16),)], backend=backend)
+
+    assert [run().dump_dir for _ in range(2)] == [str(tmp_path)] * 2 and not (tmp_path / "backend2").exists()
+    held = run()
+    assert run().dump_dir == str(tmp_path / "backend2") and held.dump_dir == str(tmp_path)
 
 
 def tiny_llama():
@@ -412,3 +415,33 @@ def test_a_frame_at_the_recompile_limit_is_named_as_such():
     message = str(caught.value)
     assert "ran them uncompiled (a frame at Dynamo's recompile limit runs uncompiled); its reasons: " in message
     assert "inside a loop" not in message, message
+
+
+def test_a_root_linear_is_named_in_the_assertion_message():
+    """h131: for a linear compiled on its own the message read "expected the sites matching [''] rewritten;  (graph 0)
+    was not rewritten": no name, where the table calls the site "(root module)"."""
+    lin = nn.Linear(64, 32).to(torch.bfloat16)
+    fp8fx.quantize_(lin, fp8fx.Fp8Config(weight_block_size=[128, 128]))  # (32x64: no block divides it, kept bf16)
+    backend = testing.assert_compiles_once(lin, inputs(4), backend=eager_backend())
+    for check in (lambda: testing.assert_rewritten(backend, "(root module)"), lambda: testing.assert_rewritten(backend)):
+        with pytest.raises(AssertionError, match=r"rewritten; \(root module\) \(graph 0\) was not rewritten: not "
+                                                 r"quantized: weight \[32, 64\] is not divisible"):
+            check()
+    with pytest.raises(AssertionError, match=r"^fp8fx: expected the sites matching \['\(root module\)'\] rewritten"):
+        testing.assert_rewritten(backend, "(root module)")
+
+
+def test_assert_compiles_once_says_a_graph_failed_to_compile():
+    """h131: under Dynamo's suppress_errors a graph that failed in Inductor ran eagerly, and the message said "graph
+    breaks: ['a break Dynamo recorded no reason for ...']" and "a graph break inside a loop": the model had neither."""
+    def boom(graph):
+        raise RuntimeError("boom")
+
+    model = mlp(ignored=())
+    backend = fp8fx.Fp8Backend(inductor_config={"post_grad_custom_post_pass": boom})
+    with torch._dynamo.config.patch(suppress_errors=True):
+        with pytest.raises(AssertionError, match=r"^fp8fx: expected one graph for every input; input 0: \d graph\(s\) "
+                                                 r"failed to compile and ran uncompiled \(torch._dynamo.config."
+                                                 r"suppress_errors\): \['InductorError: RuntimeError: boom'"):
+            testing.assert_compiles_once(model, inputs(4), backend=backend)
+    torch._dynamo.reset()
