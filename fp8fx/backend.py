@@ -28,8 +28,8 @@ ONE_PASS_ROWS = 16384  # Fp8Backend's default one_pass_rows: rows up to a Llama-
 _DUMP_WRITERS: "weakref.WeakValueDictionary[str, Fp8Backend]" = weakref.WeakValueDictionary()
 # every backend of this process that has written a dump, reset or not: a new dump clears no folder of theirs
 _DUMPERS: "weakref.WeakSet[Fp8Backend]" = weakref.WeakSet()
-# the lock (``fp8fx.dump.lock_folder``) this process holds on each folder a backend claimed, until that backend is
-# garbage-collected (``_release_folder``): other processes' backends write beside it
+# the lock (``fp8fx.dump.lock_folder``) this process holds on each folder a backend claimed, until that backend's
+# reset or its garbage collection (``_release_folder``): other processes' backends write beside it
 _DUMP_LOCKS: dict[str, int] = {}
 _MAX_DUMP_FOLDERS = 64  # backend<k> folders tried before a graph goes undumped
 _fork_hook_registered = False  # whether _forget_dump_locks is registered to run in forked children
@@ -97,7 +97,8 @@ class Fp8Backend:
       output code, the report and Dynamo's decompiled bytecode into this folder (``fp8fx.dump``). A folder
       another live backend writes into, of this process or another, is not shared: this one writes into its
       ``backend2`` (``backend3``, ...) subfolder, with a warning, and ``dump_dir`` says where (a backend
-      stays live while anything holds it: Dynamo holds it until ``torch._dynamo.reset()``).
+      keeps its folder until ``torch._dynamo.reset()``; a new backend taking it after the reset moves the files of
+      the one it was, if still held, to a ``backend<k>`` folder, where that one writes on).
     - ``inductor_config``: extra Inductor config patches for this backend's compilations.
     - ``lowering``: ``"aten"`` (default) decomposes the activation quantization on CUDA into ATen so
       Inductor fuses it into its producer (``fp8fx.lowerings.aten``); ``"op"`` keeps every fp8fx op
@@ -373,6 +374,7 @@ class Fp8Backend:
                 # after a reset the folder it had, if no other backend took it meanwhile: not another backend's
                 free = _DUMP_WRITERS.get(os.path.realpath(self.dump_dir)) is None
                 self.dump_dir = self._claim_dump_dir(self.dump_dir if free else self._dump_root)
+                self._evict(self.dump_dir)
                 if index == 0:  # files an earlier run left would read as this backend's
                     GraphDump.clear(self.dump_dir, live={os.path.realpath(b.dump_dir) for b in _DUMPERS})
             dump = GraphDump(self.dump_dir, index)
@@ -387,10 +389,10 @@ class Fp8Backend:
         """``dump_dir``, or where another live backend writes into it (its files and this one's would both be
         ``graph000_*``, and each backend's first graph clears the folder), the first free ``dump_dir/backend<k>``
         (k = 2, 3, ...), with a warning; ``self.dump_dir`` says which. A backend of another process that writes
-        into a folder holds a lock on it (``fp8fx.dump.lock_folder``). A backend keeps its folder while it lives -
-        Dynamo holds every backend it compiled with until ``torch._dynamo.reset()``, and the user may hold it past
-        that and compile again: a reset freed the folder, and a new backend's first graph cleared the live one's
-        files (h131) - and lets go of it when garbage-collected."""
+        into a folder holds a lock on it (``fp8fx.dump.lock_folder``). Dynamo holds every backend it compiled with
+        until ``torch._dynamo.reset()``, which calls `reset`: a backend's folder is free again from then on (kept
+        by the backend past it, it came back after a compile that raised: Dynamo leaks the backend then), and the
+        files of a backend still held move out of the way when another takes it (``_evict``)."""
         folder, k = dump_dir, 1
         while not self._claim(folder):
             k += 1
@@ -424,13 +426,43 @@ class Fp8Backend:
         _DUMP_WRITERS[real] = self
         return True
 
+    def _evict(self, folder: str) -> None:
+        """Backends still held that dumped into ``folder``, which this one takes now (they let go of it at a reset):
+        their files move to a ``backend<k>`` folder of their own, where they write on. A new backend's first graph
+        had cleared them (h131), from under a backend the user still held and compiled with."""
+        real = os.path.realpath(folder)
+        for old in [b for b in _DUMPERS if b is not self and os.path.realpath(b.dump_dir) == real]:
+            taken = {os.path.realpath(b.dump_dir) for b in _DUMPERS if b is not old}
+            for k in range(2, _MAX_DUMP_FOLDERS + 1):
+                dest = os.path.join(old._dump_root, f"backend{k}")
+                # (a folder of its own: one that exists may be the user's, or hold another run's files)
+                if os.path.realpath(dest) not in taken and not os.path.lexists(dest) and old._claim(dest):
+                    break
+            else:  # (its files are cleared with the others: said, as a graph not dumped is)
+                log.warning("fp8fx: a reset backend's dump in %s is overwritten: backend2/ to backend%d/ of %s are all "
+                            "taken", folder, _MAX_DUMP_FOLDERS, old._dump_root)
+                continue
+            moved = [f for f in os.listdir(folder) if DUMP_FILE.fullmatch(f)]
+            for f in moved:
+                os.replace(os.path.join(folder, f), os.path.join(dest, f))
+            old.dump_dir = dest
+            log.warning("fp8fx: dump_dir %s was taken by a new backend after torch._dynamo.reset(); the dump of the "
+                        "backend that wrote there before, still held, moved to %s (%d files), where it writes on",
+                        folder, dest, len(moved))
+
     def reset(self=None) -> None:
         """Called by ``torch._dynamo.reset()`` on the backends Dynamo holds: the report's graphs are of no frame
-        Dynamo will count again (``Report.forget_frames``). The dump folder stays this backend's while it lives
-        (``_claim_dump_dir``). Called on the class too (``backend=fp8fx.Fp8Backend``, refused at its first graph)."""
+        Dynamo will count again (``Report.forget_frames``), and this one's dump folder is free for another backend
+        (a graph this one compiles later claims a folder again, its own if still free; one taken meanwhile moved
+        its files out: ``_evict``). Called on the class too (``backend=fp8fx.Fp8Backend``, refused at its first
+        graph): nothing to free."""
         if self is None:
             return
         self.report.forget_frames()  # (Dynamo numbers frames from 0 again)
+        for folder, backend in list(_DUMP_WRITERS.items()):
+            if backend is self:
+                del _DUMP_WRITERS[folder]
+                unlock_folder(_DUMP_LOCKS.pop(folder, None))
 
     def _done(self, compiled, index: int, dump: Optional[GraphDump], output_code: list[str], shared=()):
         self.report.log_graph(index)

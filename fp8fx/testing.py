@@ -20,7 +20,7 @@ from torch import nn
 
 from fp8fx.backend import Fp8Backend
 from fp8fx.lowerings import compat
-from fp8fx.report import ROOT, Report, Site
+from fp8fx.report import ROOT, Report, Site, first_line
 
 
 def assert_rewritten(report: Union[Report, Fp8Backend], *patterns: str, model: Optional[nn.Module] = None) -> None:
@@ -115,10 +115,10 @@ def assert_compiles_once(
         except BaseException as e:
             graphs[-1] -= 1  # (a retrace: Dynamo drops this graph and traces the frame again; else a failure)
             if not compat.is_dynamo_retrace(e):  # (said as graph breaks of no recorded reason, h131)
-                failed[-1].append(f"{type(e).__name__}: {str(e).strip().splitlines()[0][:200] if str(e) else ''}")
+                failed[-1].append(f"{type(e).__name__}: {first_line(e, 200)}")
             raise
 
-    if hasattr(backend, "reset"):  # torch._dynamo.reset() calls it (Fp8Backend: frees its dump folder)
+    if hasattr(backend, "reset"):  # torch._dynamo.reset() calls it (Fp8Backend: its dump folder is free then)
         counting.reset = backend.reset
 
     compiled = torch.compile(fn, backend=counting, dynamic=dynamic)
@@ -135,6 +135,7 @@ def assert_compiles_once(
             if frames:  # (a graph break in a loop: Dynamo runs the whole frame eagerly, and counts no break)
                 how = ("a frame at Dynamo's recompile limit runs uncompiled" if any(
                     r.startswith(compat.RECOMPILE_LIMIT_REASON) for r in unsupported)
+                    else "after the graph that failed to compile" if failed[i]
                     else "a graph break inside a loop skips the whole frame")
                 problems.append(f"input {i}: Dynamo skipped {frames} frame(s) and ran them uncompiled ({how}); its "
                                 f"reasons: {unsupported or ['none recorded']}")
@@ -148,8 +149,9 @@ def assert_compiles_once(
                 problems.append(f"input {i} ({_shapes(args)}): graph breaks: {breaks}")
             if failed[i]:  # (only where Dynamo's suppress_errors ran the graph eagerly: else the call raised); the
                 # cause of what else this call shows (graphs of the fp8 weights' properties, skipped frames): first
+                why = " (torch._dynamo.config.suppress_errors)" if torch._dynamo.config.suppress_errors else ""
                 problems.insert(0 if i == 0 else len(problems), f"input {i}: {len(failed[i])} graph(s) failed to "
-                                f"compile and ran uncompiled (torch._dynamo.config.suppress_errors): {failed[i][:3]}")
+                                f"compile and ran uncompiled{why}: {failed[i][:3]}")
             if i and (graphs[i] or new_guards):  # (a recompile whose new trace holds no graph is one all the same)
                 what = f"compiled {graphs[i]} more graph(s)" if graphs[i] else "recompiled the frame (no new graph)"
                 problems.append(f"input {i} ({_shapes(args)}) {what}; Dynamo's reasons: {new_guards or 'none recorded'}"

@@ -6,6 +6,7 @@ import os
 import re
 import sys
 
+import pytest
 import torch
 from torch import nn
 
@@ -112,8 +113,8 @@ def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
 
 def test_a_new_run_clears_the_folders_an_earlier_runs_other_backends_left(tmp_path):
     """backend2/ of an earlier process (a notebook's two backends, then a script's one) stayed, read as this run's; a
-    folder of a backend still alive stays, and is still its own after Dynamo's reset (h131: a new backend took the
-    root folder then, its first graph clearing the live first backend's files)."""
+    folder of a backend still alive stays; after Dynamo's reset a new backend takes the root folder, the live first
+    backend's files moving out of its way (h131: its first graph cleared them)."""
     stale = tmp_path / "backend2"
     stale.mkdir()
     (stale / "graph000_3_report.json").write_text("{}")
@@ -133,12 +134,12 @@ def test_a_new_run_clears_the_folders_an_earlier_runs_other_backends_left(tmp_pa
     second = compile_two_layer(tmp_path, compiler="eager")
     assert second.dump_dir == str(stale)
     first_graph = (tmp_path / "graph000_3_report.json").read_text()
-    torch._dynamo.reset()  # both backends alive: they keep their folders and files
+    torch._dynamo.reset()  # both backends alive: a new one takes the root, the first's files move, backend2/ stays
     third = compile_two_layer(tmp_path, compiler="eager")
-    assert third.dump_dir == str(tmp_path / "backend3") and first.dump_dir == str(tmp_path)
-    assert (stale / "report.json").exists() and (tmp_path / "graph000_3_report.json").read_text() == first_graph
-    del first, second, third  # (collected: their folders are free)
-    assert compile_two_layer(tmp_path, compiler="eager").dump_dir == str(tmp_path)
+    moved = tmp_path / "backend4"  # (backend2/ is the second's; 3, 5 and 6 the user's: folders that exist)
+    assert third.dump_dir == str(tmp_path) and first.dump_dir == str(moved)
+    assert (stale / "report.json").exists() and (moved / "graph000_3_report.json").read_text() == first_graph
+    assert sorted(p.name for p in kept.iterdir()) == ["notes.md"]
 
 
 def test_sites_a_graph_adds_as_it_runs_for_other_blocks_are_dumped(tmp_path):
@@ -190,11 +191,9 @@ def test_backends_sharing_a_dump_dir_write_apart(tmp_path, caplog):
     assert sum("is another live backend's dump folder" in r.getMessage() for r in caplog.records) == 2
     again = compile_two_layer(tmp_path)  # Dynamo holds every backend until its reset: the first is still live
     assert again.dump_dir == str(tmp_path / "backend4")
-    torch._dynamo.reset()  # Dynamo lets go of the backends; ours are still held: their folders too
-    assert compile_two_layer(tmp_path).dump_dir == str(tmp_path / "backend5")
-    del first, second, third, again
-    torch._dynamo.reset()  # (the last one, held by Dynamo)
+    torch._dynamo.reset()  # calls each backend's reset: the folders are free (the first's files move out of the way)
     assert compile_two_layer(tmp_path).dump_dir == str(tmp_path)
+    assert first.dump_dir == str(tmp_path / "backend5") and (tmp_path / "backend5" / "report.json").exists()
 
 
 def test_a_backend_keeps_its_dump_folder_after_a_reset(tmp_path):
@@ -341,13 +340,53 @@ def test_a_forked_child_does_not_hold_the_parents_dump_folder(tmp_path):
         os.waitpid(pid, 0)
 
 
-def test_a_live_backend_keeps_its_dump_after_a_reset(tmp_path):
+def test_a_live_backend_keeps_its_dump_after_a_reset(tmp_path, caplog):
     """h131: after torch._dynamo.reset() (which fp8fx.testing.assert_compiles_once calls itself) a new backend with
     the same dump_dir took the folder of a backend still held and compiling, its first graph deleting that backend's
-    graph000_* files; the live one was sent to backend2/, with graph001_* alone under a report of both graphs."""
-    a = compile_two_layer(tmp_path, compiler="eager")
+    graph000_* files; the live one was sent to backend2/, with graph001_* alone under a report of both graphs. Its
+    files move to backend2/ now, where it writes on. (h132: a backend Dynamo leaks after a compile that raised, kept
+    past the reset, held its folder: the next backend went to backend2/.)"""
+    torch.manual_seed(0)
+    model = TwoLayer().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    a = fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path))
+    compiled = torch.compile(model, backend=a)
+    with torch.no_grad():
+        compiled(torch.randn(4, 64, dtype=torch.bfloat16))
     graph0 = (tmp_path / "graph000_0_dynamo_graph.py").read_text()
     torch._dynamo.reset()
-    b = compile_two_layer(tmp_path, compiler="eager")
-    assert (a.dump_dir, b.dump_dir) == (str(tmp_path), str(tmp_path / "backend2"))
-    assert (tmp_path / "graph000_0_dynamo_graph.py").read_text() == graph0
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        b = compile_two_layer(tmp_path, compiler="eager")
+    assert (a.dump_dir, b.dump_dir) == (str(tmp_path / "backend2"), str(tmp_path))
+    assert (tmp_path / "backend2" / "graph000_0_dynamo_graph.py").read_text() == graph0
+    assert "the dump of the backend that wrote there before, still held, moved to" in caplog.text
+    with torch.no_grad():  # a compiles on, into its folder
+        compiled(torch.randn(2, 3, 64, dtype=torch.bfloat16))
+    assert (tmp_path / "backend2" / "graph001_0_dynamo_graph.py").exists()
+    assert not (tmp_path / "graph001_0_dynamo_graph.py").exists()
+
+
+def test_a_folder_is_free_after_a_reset_though_a_compile_raised(tmp_path):
+    """h132: a backend whose compiled call raised (a wrong-shaped input: Dynamo leaks the backend then, past its
+    reset and the garbage collector) held its folder while its claim went with the collection alone: every later
+    backend of the folder wrote into backend2/. Dynamo's reset frees it, as before h131's change."""
+    import gc
+
+    torch.manual_seed(0)
+    model = TwoLayer().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+
+    def session(bad_call):
+        backend = fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path))
+        compiled = torch.compile(model, backend=backend)
+        with torch.no_grad():
+            compiled(torch.randn(4, 64, dtype=torch.bfloat16))
+            if bad_call:
+                with pytest.raises(Exception):
+                    compiled(torch.randn(4, 65, dtype=torch.bfloat16))
+        return backend.dump_dir
+
+    assert session(True) == str(tmp_path)
+    torch._dynamo.reset()
+    gc.collect()
+    assert session(False) == str(tmp_path)

@@ -306,9 +306,9 @@ def test_bad_arguments():
 
 
 def test_assert_compiles_once_lets_a_reset_free_the_backends_dump_folder(tmp_path):
-    """The helper compiles through a counting wrapper, which Dynamo holds until its reset: a backend the user no
-    longer holds lets go of its dump folder then (collected), and the next backend of the same folder writes into it,
-    not into backend2/; one the user still holds keeps its folder (h131)."""
+    """The helper compiles through a counting wrapper, which had no ``reset``: torch._dynamo.reset() could not free
+    the backend's dump folder, and the next backend of the same folder wrote into backend2/. One the user still
+    holds moves its files out of the way (h131)."""
     import fp8fx
     from fp8fx.testing import assert_compiles_once
 
@@ -320,7 +320,7 @@ def test_assert_compiles_once_lets_a_reset_free_the_backends_dump_folder(tmp_pat
 
     assert [run().dump_dir for _ in range(2)] == [str(tmp_path)] * 2 and not (tmp_path / "backend2").exists()
     held = run()
-    assert run().dump_dir == str(tmp_path / "backend2") and held.dump_dir == str(tmp_path)
+    assert run().dump_dir == str(tmp_path) and held.dump_dir == str(tmp_path / "backend2")
 
 
 def tiny_llama():
@@ -444,4 +444,24 @@ def test_assert_compiles_once_says_a_graph_failed_to_compile():
                                                  r"failed to compile and ran uncompiled \(torch._dynamo.config."
                                                  r"suppress_errors\): \['InductorError: RuntimeError: boom'"):
             testing.assert_compiles_once(model, inputs(4), backend=backend)
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("error", ["blank", "skip"])
+def test_assert_compiles_once_with_a_backend_raising_what_dynamo_takes(error):
+    """h132: a backend error whose message is blank made the helper fail with an IndexError of its own; one Dynamo
+    takes as a skip (SkipFrame, with suppress_errors off) was said to run uncompiled under suppress_errors."""
+    def backend(gm, example_inputs):
+        raise RuntimeError("\n") if error == "blank" else torch._dynamo.exc.SkipFrame("this backend skips the frame")
+
+    fn = lambda x: x.sin() + 1  # noqa: E731
+    if error == "blank":
+        with pytest.raises(Exception) as raised:
+            testing.assert_compiles_once(fn, [(torch.randn(4, 8),)], backend=backend)
+        assert not isinstance(raised.value, IndexError)
+    else:
+        with pytest.raises(AssertionError, match=r"input 0: 1 graph\(s\) failed to compile and ran uncompiled: "
+                                                 r"\['SkipFrame: this backend skips the frame'\]") as raised:
+            testing.assert_compiles_once(fn, [(torch.randn(4, 8),)], backend=backend)
+        assert "suppress_errors" not in str(raised.value)
     torch._dynamo.reset()
