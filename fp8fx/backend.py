@@ -98,7 +98,7 @@ class Fp8Backend:
       another live backend writes into, of this process or another, is not shared: this one writes into its
       ``backend2`` (``backend3``, ...) subfolder, with a warning, and ``dump_dir`` says where (a backend
       keeps its folder until ``torch._dynamo.reset()``; a new backend taking it after the reset moves the files of
-      the one it was, if still held, to a ``backend<k>`` folder, where that one writes on).
+      the backend it was, if still held, to a ``backend<k>`` folder, where that backend writes on).
     - ``inductor_config``: extra Inductor config patches for this backend's compilations.
     - ``lowering``: ``"aten"`` (default) decomposes the activation quantization on CUDA into ATen so
       Inductor fuses it into its producer (``fp8fx.lowerings.aten``); ``"op"`` keeps every fp8fx op

@@ -447,7 +447,7 @@ class Fp8Config:
         return None
 
     def _shards_ignored(self, prefix: str, model: Any) -> bool:
-        """Whether ``prefix`` is a fused layer whose checkpoint shards ``ignored_layers`` names, every one (``qkv_proj``
+        """Whether ``prefix`` is a fused layer whose checkpoint shards the ignore lists cover, every one (``qkv_proj``
         by ``q_proj``, ``k_proj`` and ``v_proj``, as vLLM's and ModelOpt's fp8 checkpoints list them): vLLM's
         ``is_layer_skipped`` reads a fused layer so; by both lists, as ``load_checkpoint`` reads a checkpoint's shards.
         The shards: the ``packed_modules_mapping`` of ``model`` (vLLM's models carry one; a model without one, as
