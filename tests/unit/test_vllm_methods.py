@@ -437,7 +437,7 @@ def test_get_quant_method_reads_a_fused_layer_by_its_checkpoint_shards():
         model.packed_modules_mapping = {"wqkv": ["wq", "wk", "wv"]}
         mapped = Fp8Config(is_checkpoint_fp8_serialized=serialized, ignored_layers=["attn.wq", "attn.wk", "attn.wv"])
         assert mapped.get_quant_method(other, "attn.wqkv", model=model) is None
-        assert isinstance(mapped.get_quant_method(other, "attn.wqkv"), Fp8LinearMethod)  # (no model: no mapping)
+        assert isinstance(mapped.get_quant_method(other, "attn.wqkv"), Fp8LinearMethod)  # (no model: FUSED's)
         del model.packed_modules_mapping
     gate_up = nn.Linear(32, 128, bias=False)
     both = Fp8Config(ignored_layers=["mlp.gate_proj", "mlp.up_proj"])
@@ -450,7 +450,7 @@ def test_a_bias_loaded_in_part_is_refused_wherever_it_was_built_and_its_shard_id
     """A layer built on its device (vLLM builds them so) whose bias came through weight_loader for some shards only
     was processed, the others keeping nn.Linear's random values (on meta it was refused); the bias's shard_id was
     not checked: 'q' and 3 failed inside torch, -1 wrote shard 2's rows recorded as -1, True wrote shard 1."""
-    def built(device, experts=False):
+    def built(device):
         layer = nn.Linear(64, 64, device=device)
         method = Fp8LinearMethod(Fp8Config(is_checkpoint_fp8_serialized=True))
         method.create_weights(layer, 64, [32, 16, 16], torch.bfloat16, device="cpu", prefix="qkv_proj")
