@@ -495,7 +495,7 @@ def test_experts_bias_loaded_for_some_experts_is_refused_wherever_it_was_built()
     method.weight_loader(layer, "down_proj", torch.ones(E, H, I).to(torch.float8_e4m3fn))
     method.weight_loader(layer, "down_proj_scale", torch.ones(E))
     method.weight_loader(layer, "gate_up_proj_bias", torch.zeros(2 * I), expert_id=1)
-    with pytest.raises(ValueError, match=rf"^experts.gate_up_proj_bias: experts \[0, 2, 3\] never loaded \(experts "
+    with pytest.raises(ValueError, match=r"^experts.gate_up_proj_bias: experts \[0, 2, 3\] never loaded \(experts "
                                          r"\[1\] came through weight_loader"):
         method.process_weights_after_loading(layer)
     assert not layer._fp8fx_processed
