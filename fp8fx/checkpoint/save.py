@@ -891,13 +891,14 @@ def convert(
                                                                  entries, config)
     plan.update(expert_plan)
     schemes = {m: config.scheme() for m, reason in plan.items() if not reason}
+    # the new quantization_config, the report, this refusal and the tensors under the checkpoint's names (the
+    # refusal named hub Mixtral's experts model.layers.0.mlp.experts.0.w1: the model's container, the file's leaf)
+    stored = functools.partial(renames.stored, sources=sources)
+    plan = {s: r for m, r in plan.items() for s in stored(m)}
     if not schemes:
         why = _plan_summary(plan) if plan else (f"{type(model).__name__} has no nn.Linear (or experts module) whose "
                                                 "weight the checkpoint holds")
         raise ValueError(f"convert: no linear weight of {src} can be quantized with {config.scheme()}: {why}")
-    # the new quantization_config, the report and the tensors under the checkpoint's names
-    stored = functools.partial(renames.stored, sources=sources)
-    plan = {s: r for m, r in plan.items() for s in stored(m)}
     expert_plan = {s: r for m, r in expert_plan.items() for s in stored(m)}
     schemes = {s: scheme for m, scheme in schemes.items() for s in stored(m)}
     ignored = sorted(m for m, r in plan.items() if r)

@@ -222,6 +222,18 @@ def test_convert_of_hub_mixtral_keeps_its_layout(tmp_path):
     assert read_checkpoint(tmp_path / "kept")[1][f"{HUB}.experts.0.w1.weight"].dtype == torch.bfloat16
 
 
+def test_convert_refusing_every_layer_names_them_as_the_checkpoint_stores_them(tmp_path):
+    """h127: a hub Mixtral no block of which divides a layer was refused naming its experts
+    model.layers.0.mlp.experts.0.w1 - the model's container, the file's leaf: a name in neither layout."""
+    cfg = moe_config("mixtral")
+    src = bf16_checkpoint(tmp_path / "src", cfg, reference_model(cfg).state_dict(), "mixtral")
+    moved = _moved(src, tmp_path / "moved", ".mlp.", ".block_sparse_moe.")
+    config = fp8fx.Fp8Config(weight_block_size=[128, 128], ignored_layers=["lm_head"])
+    with pytest.raises(ValueError, match=rf"can be quantized with .*\({re.escape(HUB)}\.experts\.0\.w1, ") as refused:
+        convert(moved, tmp_path / "dst", config, progress=False)
+    assert ".mlp.experts" not in str(refused.value)
+
+
 def test_convert_refuses_expert_weights_it_cannot_place(tmp_path):
     """Per-expert weights under a container neither the model nor a rename knows: they were written bf16 and
     ignored, and load_checkpoint refused the output (the model's experts missing). Refused before writing, as load
