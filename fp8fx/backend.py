@@ -29,7 +29,9 @@ _DUMP_WRITERS: "weakref.WeakValueDictionary[str, Fp8Backend]" = weakref.WeakValu
 # every backend of this process that has written a dump, reset or not: a new dump clears no folder of theirs
 _DUMPERS: "weakref.WeakSet[Fp8Backend]" = weakref.WeakSet()
 # the lock (``fp8fx.dump.lock_folder``) this process holds on each folder a backend claimed, until that backend's
-# reset or its garbage collection (``_release_folder``): other processes' backends write beside it
+# garbage collection (``_release_folder``; a reset frees the folder for this process's backends alone: another
+# process's first graph would clear the files of a backend still held, which ``_evict`` moves only here): other
+# processes' backends write beside it
 _DUMP_LOCKS: dict[str, int] = {}
 _MAX_DUMP_FOLDERS = 64  # backend<k> folders tried before a graph goes undumped
 _fork_hook_registered = False  # whether _forget_dump_locks is registered to run in forked children
@@ -50,6 +52,7 @@ def _forget_dump_locks() -> None:
         unlock_folder(fd)
     _DUMP_LOCKS.clear()
     _DUMP_WRITERS.clear()
+    _DUMPERS.clear()  # (else the child's first dump "evicted" the parent's backends, moving their files: h133)
 
 
 class _Fixed:
@@ -390,7 +393,8 @@ class Fp8Backend:
         ``graph000_*``, and each backend's first graph clears the folder), the first free ``dump_dir/backend<k>``
         (k = 2, 3, ...), with a warning; ``self.dump_dir`` says which. A backend of another process that writes
         into a folder holds a lock on it (``fp8fx.dump.lock_folder``). Dynamo holds every backend it compiled with
-        until ``torch._dynamo.reset()``, which calls `reset`: a backend's folder is free again from then on (kept
+        until ``torch._dynamo.reset()``, which calls `reset`: a backend's folder is free again for this process's
+        backends from then on, and for other processes' once it is collected (kept
         by the backend past it, it came back after a compile that raised: Dynamo leaks the backend then), and the
         files of a backend still held move out of the way when another takes it (``_evict``)."""
         folder, k = dump_dir, 1
@@ -447,22 +451,23 @@ class Fp8Backend:
                 os.replace(os.path.join(folder, f), os.path.join(dest, f))
             old.dump_dir = dest
             log.warning("fp8fx: dump_dir %s was taken by a new backend after torch._dynamo.reset(); the dump of the "
-                        "backend that wrote there before, still held, moved to %s (%d files), where it writes on",
-                        folder, dest, len(moved))
+                        "backend that wrote there before, still alive (held by you, or kept by Dynamo after a compiled "
+                        "call raised), moved to %s (%d files), where it writes on if it compiles again", folder, dest,
+                        len(moved))
 
     def reset(self=None) -> None:
         """Called by ``torch._dynamo.reset()`` on the backends Dynamo holds: the report's graphs are of no frame
         Dynamo will count again (``Report.forget_frames``), and this one's dump folder is free for another backend
         (a graph this one compiles later claims a folder again, its own if still free; one taken meanwhile moved
         its files out: ``_evict``). Called on the class too (``backend=fp8fx.Fp8Backend``, refused at its first
-        graph): nothing to free."""
+        graph): nothing to free. The folder's lock stays this process's until the backend is collected: free for
+        another process, its first graph had cleared the files of this backend, held still (h133)."""
         if self is None:
             return
         self.report.forget_frames()  # (Dynamo numbers frames from 0 again)
         for folder, backend in list(_DUMP_WRITERS.items()):
             if backend is self:
                 del _DUMP_WRITERS[folder]
-                unlock_folder(_DUMP_LOCKS.pop(folder, None))
 
     def _done(self, compiled, index: int, dump: Optional[GraphDump], output_code: list[str], shared=()):
         self.report.log_graph(index)

@@ -359,11 +359,26 @@ def test_a_live_backend_keeps_its_dump_after_a_reset(tmp_path, caplog):
         b = compile_two_layer(tmp_path, compiler="eager")
     assert (a.dump_dir, b.dump_dir) == (str(tmp_path / "backend2"), str(tmp_path))
     assert (tmp_path / "backend2" / "graph000_0_dynamo_graph.py").read_text() == graph0
-    assert "the dump of the backend that wrote there before, still held, moved to" in caplog.text
+    assert "the dump of the backend that wrote there before, still alive (held by you" in caplog.text
     with torch.no_grad():  # a compiles on, into its folder
         compiled(torch.randn(2, 3, 64, dtype=torch.bfloat16))
     assert (tmp_path / "backend2" / "graph001_0_dynamo_graph.py").exists()
     assert not (tmp_path / "graph001_0_dynamo_graph.py").exists()
+
+
+def test_a_reset_frees_a_held_backends_folder_for_this_process_alone(tmp_path):
+    """h133: the reset let go of the folder's lock too, so another process's backend took the folder of a backend
+    still held and its first graph cleared that backend's files (_evict moves them in this process only). The lock
+    stays until the backend is collected."""
+    from fp8fx.dump import lock_folder, unlock_folder
+
+    a = compile_two_layer(tmp_path, compiler="eager")
+    torch._dynamo.reset()
+    assert lock_folder(str(tmp_path)) is None  # (another descriptor: what another process would try)
+    del a
+    other = lock_folder(str(tmp_path))
+    assert other is not None
+    unlock_folder(other)
 
 
 def test_a_folder_is_free_after_a_reset_though_a_compile_raised(tmp_path):
@@ -390,3 +405,27 @@ def test_a_folder_is_free_after_a_reset_though_a_compile_raised(tmp_path):
     torch._dynamo.reset()
     gc.collect()
     assert session(False) == str(tmp_path)
+
+
+def test_a_forked_child_moves_none_of_the_parents_dump(tmp_path):
+    """h133: a forked child kept the parent's backends among the dumpers it evicts: after a reset in the parent, a
+    worker dumping into the same folder moved the parent's live backend's files to backend2/, the parent's dump_dir
+    left naming the folder the child then filled."""
+    torch._dynamo.reset()
+    a = compile_two_layer(tmp_path, compiler="eager")
+    graph0 = (tmp_path / "graph000_0_dynamo_graph.py").read_text()
+    torch._dynamo.reset()
+    pid = os.fork()
+    if pid == 0:  # a worker compiling a model of its own (the backend called directly: no Dynamo in the fork)
+        code = 1
+        try:
+            model = TwoLayer().to(torch.bfloat16)
+            fp8fx.quantize_(model)
+            worker = fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path))
+            worker(torch.fx.symbolic_trace(model), [torch.randn(4, 64, dtype=torch.bfloat16)])
+            code = 0 if worker.dump_dir != str(tmp_path) else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0  # (the worker wrote beside the parent's folder)
+    assert a.dump_dir == str(tmp_path) and (tmp_path / "graph000_0_dynamo_graph.py").read_text() == graph0
