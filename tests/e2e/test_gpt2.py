@@ -94,7 +94,11 @@ def test_dequantize_gives_back_conv1d_layers_of_in_out_weights():
     fp8fx.dequantize_(model)
     assert type(layer) is Conv1D and torch.equal(layer.weight, view) and layer.weight.is_contiguous()
     with torch.no_grad():
-        assert torch.equal(model(ids).logits, want)
+        got = model(ids).logits
+    # the same weights, laid out [in, out] now where the fp8 layer's view was the codes' [out, in] transposed: CPU
+    # matmuls of the two layouts were bit-equal on CI's machines until one of AVX2 (AMD EPYC), where 2% of the
+    # logits differ by an ulp; a wrong weight (transposed, unscaled) is off by the logits' own size
+    assert (got.float() - want.float()).abs().max() <= 2 ** -7 * want.float().abs().max()
 
 
 def test_calibrated_static_scales_for_conv1d_layers():
