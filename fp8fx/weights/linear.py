@@ -1376,18 +1376,16 @@ class Fp8LinearMethod:
                            "input_scales= (see fp8fx.calibrate)" if scale_name == "input_scale" else
                            "; load it from the checkpoint")
                         + " (the layer is as it was)")
-                continue
-            # every size: a [1, 1] per-channel scale (a one-row head) or one block is as unloaded as a long one
-            missing = int((scales == unloaded).sum())
-            if missing:
-                raise ValueError(f"{name}: {missing} of {scales.numel()} entries of {scale_name} "
-                                 "were never loaded; load the checkpoint's scales with the weight")
-        for scale_name in ("weight_scale", "weight_scale_inv", "input_scale"):
+            else:  # every size: a [1, 1] per-channel scale (a one-row head) or one block is as unloaded as a long one
+                missing = int((scales == unloaded).sum())
+                if missing:
+                    raise ValueError(f"{name}: {missing} of {scales.numel()} entries of {scale_name} "
+                                     "were never loaded; load the checkpoint's scales with the weight")
             # weight_loader refuses a scale of 0, <0, NaN or Inf; one copied into the parameter itself (vLLM's
             # default loader) had made every output NaN or zero, silently
             # (the placeholder of a partition of no rows, passed by above, is no scale)
-            scales = params[scale_name].data.float() if scale_name in params else None
-            why = quant.bad_scales(torch.where(scales == unloaded, 1.0, scales)) if scales is not None else None
+            scales = scales.float()
+            why = quant.bad_scales(torch.where(scales == unloaded, 1.0, scales))
             if why:
                 raise ValueError(f"{name}.{scale_name}: {why} (copied into the parameter, not through weight_loader, "
                                  "which refuses them): re-export the checkpoint (the layer is as it was)")
