@@ -947,11 +947,6 @@ class LinearPass(Fp8Pass):
             return mine[0]
         tag = getattr(real, "_fp8fx_fqn", None)  # ("" for a quantized root module: its name in named_modules)
         if tag:
-            # where quantize_ found the layer; a module path of another layer (neither the tag, nor the tail of it as
-            # in a block's own frame, nor the tag under a wrapper) is a copy of it put elsewhere (a deep-copied block
-            # appended to the model) or a layer moved into another model: named where it runs (h136)
-            if path and tag != path and not tag.endswith(f".{path}") and not path.endswith(f".{tag}"):
-                return path
             return tag
         if tag == "":  # a layer quantized on its own (quantize_(layer)): its path in the compiled model, if any
             return path or ""
