@@ -407,12 +407,14 @@ class LoadCheck(ModelHeld):
         refusals, checked = [], {}
         # every name of a module (one registered under two: torch loads it under each)
         for name, m in model.named_modules(prefix=prefix[:-1], remove_duplicate=False):
+            at = f"{name}." if name else ""
             if type(m)._load_from_state_dict is fp8_load_from_state_dict:
-                at = f"{name}." if name else ""
                 given = _given(m, state_dict, at)
                 if not _passed(done.get((id(m), at)), m, given):  # (checked by the hook of a module around this one)
                     refusals.append(load_refusal(m, state_dict, at, _assigns(args)))
                 checked[(id(m), at)] = _record(m, given)
+            else:
+                refusals.append(_kept_refusal(m, state_dict, at))
         refusals = [r for r in refusals if r]
         if refusals:
             done.clear()
@@ -422,6 +424,36 @@ class LoadCheck(ModelHeld):
             raise RuntimeError(f"Error(s) in loading state_dict for {type(model).__name__}:\n\t"
                                + "\n\t".join(refusals) + f"\n({loaded})")
         done.update(checked)
+
+
+def _kept_refusal(module: nn.Module, state_dict: Mapping[str, object], prefix: str) -> str:
+    """Why ``module``, no fp8 layer of fp8fx's (a layer kept in high precision, a norm, an embedding) at ``prefix``,
+    refuses the entries of ``state_dict`` for it, or "": fp8 codes for one of its high-precision tensors, from a
+    state dict of a model quantized with another scheme or ignore list (the layer fp8 there). Copied in, the codes
+    were taken for the weight's values, unscaled (outputs ~100x off): with ``strict=False`` silently, with
+    ``strict=True`` after every module had loaded, torch refusing the layer's scales as unexpected keys (h136). (That
+    model's scales alone, with no codes, are left to torch: a hook is not told whether the load is strict.)"""
+    own = dict(module._parameters)
+    own.update((k, b) for k, b in module._buffers.items() if k not in module._non_persistent_buffers_set)
+    for key, tensor in own.items():
+        given = state_dict.get(prefix + key)
+        if (isinstance(tensor, torch.Tensor) and isinstance(given, torch.Tensor) and _float8(given.dtype)
+                and not _float8(tensor.dtype)):
+            return _kept_message(module, prefix, prefix + key, f"holds {given.dtype} codes {list(given.shape)}", tensor,
+                                 ", and its codes, loaded here, would be taken for the layer's values, unscaled")
+    return ""
+
+
+def _float8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1  # (e4m3fn, e5m2, their fnuz variants, e8m0fnu)
+
+
+def _kept_message(module: nn.Module, prefix: str, key: str, what: str, tensor: torch.Tensor, harm: str) -> str:
+    reason = getattr(tensor, "_fp8fx_skip_reason", "") or "not quantized"
+    return (f"{key}: the state dict {what}, but {prefix[:-1] or 'the model'} ({type(module).__name__}) is kept in "
+            f"{tensor.dtype} here ({reason}): the state dict is of a model quantized with another scheme or ignore "
+            f"list{harm}; quantize this model as that one was (the same Fp8Config), or load a state dict of this "
+            "model's")
 
 
 # (id(fp8 module), its prefix) -> weak references to the module and to the state_dict's tensors for it, which a

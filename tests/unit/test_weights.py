@@ -590,6 +590,29 @@ def test_a_state_dict_of_another_scheme_loads_nothing(moe):
     assert _same(_values(model), before)
 
 
+@pytest.mark.parametrize("strict", [True, False])
+def test_fp8_codes_for_a_layer_kept_in_high_precision_load_nothing(strict):
+    """A fully quantized model's state_dict loaded into one quantized with ignored_layers=["2"]: with strict=False
+    the codes went into the float layer as its weight values, unscaled, silently; with strict=True torch refused
+    the scale's key only after every module had loaded (h136). Refused before any module loads, naming the tensor,
+    the layer's dtype and why it was kept."""
+    torch.manual_seed(0)
+    make = lambda: nn.Sequential(nn.LayerNorm(64), nn.Linear(64, 64), nn.Linear(64, 64)).to(torch.bfloat16)
+    model, other = make(), make()
+    fp8fx.quantize_(model, Fp8Config(ignored_layers=["2"]))
+    fp8fx.quantize_(other, Fp8Config())
+    before = _values(model)
+    with pytest.raises(RuntimeError, match=r"(?s)2\.weight: the state dict holds torch.float8_e4m3fn codes \[64, 64\], "
+                                           r"but 2 \(Linear\) is kept in torch.bfloat16 here \(in ignored_layers\).*"
+                                           r"the same Fp8Config.*\(nothing was loaded\)$"):
+        model.load_state_dict(other.state_dict(), strict=strict)
+    assert _same(_values(model), before)
+    own = {k: v.clone() for k, v in model.state_dict().items()}  # a state dict of this model's: loads
+    own["2.weight"] += 1
+    model.load_state_dict(own, strict=strict)
+    assert torch.equal(model[2].weight, own["2.weight"])
+
+
 def test_a_refused_state_dict_leaves_every_module_as_it_was():
     """A bf16 fine-tune's state_dict loaded into the fp8 model is refused at its first fp8 layer, but torch had
     loaded the modules before it (and went on with those after): embeddings and norms replaced, logits 1.0 off
