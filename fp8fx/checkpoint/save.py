@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import functools
 import json
 import logging
@@ -645,9 +646,17 @@ def _staged(path: str, what: str):
     stage = os.path.join(parent, f"{prefix}{os.getpid()}-{secrets.token_hex(4)}")
     lock = None
     try:
-        _make_dirs(stage, what)
+        _make_dirs(stage, what, shown=path)
         lock = _hold(stage)
-        yield stage
+        try:
+            yield stage
+        except OSError as e:
+            if e.errno not in _WRITE_ERRORS:
+                raise
+            # (the OS error alone named no file, or the hidden folder, and no fix: h135)
+            file = os.path.join(path, os.path.relpath(e.filename, stage)) if isinstance(e.filename, str) else path
+            raise type(e)(e.errno, f"{what}: writing {file} failed: {e.strerror or e}; free space, or pick another "
+                          "directory where you can write (nothing was written)") from None
         lock = _release(lock, stage)
         if exists:
             names = os.listdir(stage)
@@ -673,6 +682,10 @@ def _staged(path: str, what: str):
         _remove_empty(created)
         raise
 
+
+# an OS error of a write into the folder (no space, a file too large, no quota, read-only, no permission, I/O error):
+# said with the file meant and the fix
+_WRITE_ERRORS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EIO}
 
 _LOCK = ".fp8fx-writing"  # in a stage folder while its run writes: a lock that run holds (``_hold``)
 
@@ -1166,14 +1179,16 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
         else:
             reason = ""
         plan[owner] = reason
-    asked = output_embeddings(model, dict(model.named_modules())) if quantize_lm_head else None
-    weight = linears[asked]._parameters["weight"] if asked in linears else None
-    if weight is not None and asked not in covered and uses[id(weight)] > 1:  # asked for by name, stored as another
-        # tensor: said, not skipped
-        tied = next((n for n in names[id(weight)] if n != f"{asked}.weight"), "another parameter")
-        plan[asked] = (f"tied to {tied}, which the checkpoint stores for both (not a linear weight of it): not "
-                       "quantized, quantize_lm_head notwithstanding")
-        log.warning("fp8fx: convert: quantize_lm_head: %s %s", asked, plan[asked])
+    out = output_embeddings(model, dict(model.named_modules()))
+    weight = linears[out]._parameters["weight"] if out in linears else None
+    if weight is not None and out not in covered and uses[id(weight)] > 1:  # stored as another tensor (tied)
+        # in the plan either way: its config's ignore list names it, or a loader of compressed-tensors (targets:
+        # every Linear) took the head for an fp8 layer whose scale is missing, and made its logits NaN (h135)
+        tied = next((n for n in names[id(weight)] if n != f"{out}.weight"), "another parameter")
+        plan[out] = (f"tied to {tied}, which the checkpoint stores for both (not a linear weight of it): not "
+                     "quantized" + (", quantize_lm_head notwithstanding" if quantize_lm_head else ""))
+        if quantize_lm_head:  # (asked for by name: said, not skipped)
+            log.warning("fp8fx: convert: quantize_lm_head: %s %s", out, plan[out])
     # a linear of the model without its weight in the checkpoint (a tied one may leave it out): its output would not
     # load (load_checkpoint refuses it), so nothing is written (a name the renames missed: --rename / key_mapping)
     held = {id(linears[f]) for f in covered if f in linears}  # (a module held under any of its names)

@@ -442,6 +442,27 @@ def test_convert_reports_a_tied_head_asked_for_a_broken_link_and_the_source_dtyp
     assert report.format.startswith("fp32 -> compressed-tensors")
 
 
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8"])
+def test_convert_lists_a_tied_head_in_the_ignore_list(tmp_path, caplog, fmt):
+    """A head tied to the embedding, stored as the embedding alone (save_pretrained of a tie_word_embeddings model),
+    had no row in the report and no name in the written ignore list by default: a compressed-tensors loader (every
+    Linear its target) took lm_head for an fp8 layer whose scale was missing, and transformers' logits were NaN
+    (h135). It is in both, as with --quantize-lm-head, with no warning (nothing was asked for)."""
+    state = {n: t for n, t in bf16_state().items() if n != "lm_head.weight"}
+    src = write_checkpoint(tmp_path / "src", state, extra_config={"model_type": "tiny"})
+    with torch.device("meta"):
+        model = _TiedTiny().bfloat16()
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        report = convert(src, tmp_path / "dst", model=model, progress=False,
+                         config=fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor()) if fmt == "fp8" else None)
+    assert report.not_quantized["lm_head"] == ("tied to model.embed_tokens.weight, which the checkpoint stores for "
+                                               "both (not a linear weight of it): not quantized")
+    assert "quantize_lm_head" not in caplog.text
+    qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
+    assert qc["quant_method"] == fmt
+    assert "lm_head" in (qc["ignore"] if fmt == "compressed-tensors" else qc["ignored_layers"]), qc
+
+
 @pytest.mark.parametrize("case", ["other-sizes", "missing-embedding", "never-saved", "bias-of-no-layer",
                                   "integer-norm", "tied-apart", "zero-kv-scale", "kv-scale-of-an-mlp"])
 def test_convert_refuses_what_load_would_refuse_in_its_output(tmp_path, case):
