@@ -140,10 +140,13 @@ def inspect_command(args: argparse.Namespace) -> int:
     hf_folder = _hf_folder(args.model) is not None
     checkpoint = _CheckpointNames(args.model, model)
     config, layer_config, config_format, ignores = make_config(args, hf_quant, checkpoint)
-    try:  # as quantize_ would: an --ignore that names no module keeps nothing in bf16
+    try:  # as quantize_ would: an --ignore that names no module keeps nothing in bf16 (the checkpoint's names too,
+        # as convert takes them)
         check_ignored_layers(Fp8Config(ignored_layers=tuple(args.ignore)),
-                             [f for f, _ in model.named_modules(remove_duplicate=False)],
-                             f"this {type(model).__name__}", "inspected")
+                             [f for f, _ in model.named_modules(remove_duplicate=False)]
+                             + (checkpoint.stored[0] if args.ignore else []),
+                             f"this {type(model).__name__}" + (" or its checkpoint" if checkpoint.folder else ""),
+                             "inspected")
     except ValueError as e:
         raise UsageError(f"--ignore: {e}") from None
     if args.config:  # the --config file's entries that name nothing: said, not refused, as a checkpoint's config
@@ -404,8 +407,11 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict], named: Calla
     base = hf_quant
     if args.config:
         try:
-            with open(args.config) as f:
+            with open(args.config, encoding="utf-8") as f:
                 base = json.load(f)
+        except UnicodeDecodeError as e:  # (a safetensors file given for the config: a traceback, h135)
+            raise UsageError(f"--config {args.config}: not a UTF-8 JSON file ({_first_line(e)}); give the "
+                             "checkpoint's config.json or a quantization_config JSON") from e
         except (OSError, json.JSONDecodeError) as e:
             raise UsageError(f"--config {args.config}: {_first_line(e)}") from e
         whole = base
@@ -428,10 +434,19 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict], named: Calla
         raise UsageError(f"bad config: {where}") from None
     fmt = named(fmt) if fmt is not None else None
 
+    flag_ignores = tuple(args.ignore or ())
+    sources = named.stored[1] if flag_ignores and isinstance(named, _CheckpointNames) else {}
+    if sources:  # a checkpoint's name (a hub Mixtral's block_sparse_moe.experts): the model's module it loads into too
+        from fp8fx.checkpoint.renames import with_stored_ignores
+
+        modules = dict(named.model.named_modules(remove_duplicate=False))  # (sources name tensors' owners too)
+        flag_ignores += tuple(n for n in with_stored_ignores(Fp8Config(ignored_layers=flag_ignores), sources)
+                              .ignored_layers[len(flag_ignores):] if n in modules)
+
     def with_flags(config: Fp8Config) -> Fp8Config:
         changes: dict[str, Any] = {}
-        if args.ignore:
-            changes["ignored_layers"] = tuple(config.ignored_layers or ()) + tuple(args.ignore)
+        if flag_ignores:
+            changes["ignored_layers"] = tuple(config.ignored_layers or ()) + flag_ignores
         # a flag replaces what the config says of its part; the config's activation granularity stays where it goes
         # with the flags, else it goes back to the default for them (a compressed-tensors config spells it out:
         # per-group(1x128) of a 128x128 block, which a 64x64 block refuses; per-row, which static activations refuse)
@@ -472,7 +487,7 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict], named: Calla
                                          lambda fqn: True), name, ignores
         groups = {id(c): with_flags(c) for _, c in fmt.groups}
         # (the header's: its ignore list, and the config of the first group, whose ignored_layers are none)
-        config = dataclasses.replace(config, ignored_layers=tuple(fmt.ignore) + tuple(args.ignore or ()))
+        config = dataclasses.replace(config, ignored_layers=tuple(fmt.ignore) + flag_ignores)
         return (config, _LayerConfigs(
             lambda fqn: (lambda c: None if c is None else groups[id(c)])(fmt.layer_config(fqn, ("Linear",))),
             lambda fqn: fmt.is_ignored(fqn, ("Linear",))), name, ignores)
@@ -494,6 +509,29 @@ class _CheckpointNames:
                                             or any(folder.glob("*.safetensors.index.json")))
         self.folder, self.model = folder if has_files else None, model
         self.stored_high: Optional[Callable[[str], bool]] = None
+
+    @functools.cached_property
+    def stored(self) -> tuple[list[str], dict[str, tuple[str, ...]]]:
+        """(the checkpoint's module names, as stored and as renamed onto the model's; model module -> the stored
+        modules renamed onto it): what ``--ignore`` may name, as ``convert`` takes it (h135: inspect refused a hub
+        Mixtral's ``block_sparse_moe.experts``, which convert of the same folder took); none where there is no
+        checkpoint or it cannot be read (said)."""
+        from fp8fx.checkpoint import CheckpointError, renames
+        from fp8fx.checkpoint.files import read_checkpoint
+
+        if self.folder is None:
+            return [], {}
+        try:
+            entries = read_checkpoint(str(self.folder))[1]
+            entries, sources = renames.apply(entries, renames.resolve(self.model, None, "inspect", entries),
+                                             str(self.folder))
+        except (CheckpointError, OSError) as e:
+            log.warning("fp8fx inspect: the checkpoint's tensor names were not read (%s): --ignore is matched with "
+                        "the model's names only", _first_line(e))
+            return [], {}
+        names = [n.rpartition(".")[0] for n in entries] + [e.source.rpartition(".")[0] for e in entries.values()
+                                                            if e.source]
+        return names, sources
 
     def __call__(self, fmt):
         from fp8fx.checkpoint import CheckpointError
@@ -748,7 +786,9 @@ def convert_command(args: argparse.Namespace) -> int:
         report = convert(args.src, args.dst, config, format=args.format, key_mapping=key_mapping,
                          quantize_lm_head=args.quantize_lm_head, progress=not args.no_progress)
     except (CheckpointError, ValueError, OSError) as e:
-        raise UsageError(str(e).splitlines()[0]) from None
+        # (an OS error fp8fx worded has no file name: its message alone, without "[Errno 27] ")
+        said = e.strerror if isinstance(e, OSError) and e.strerror and e.filename is None else str(e)
+        raise UsageError(said.splitlines()[0]) from None
     print(report)
     return 0
 

@@ -563,6 +563,10 @@ def test_bad_configs(capsys, llama_dir, tmp_path):
     code, _, err = run(capsys, "inspect", str(llama_dir), "--config", str(bad))
     assert code == 2
     one_line_error(err, f"--config {bad}: ")
+    bad.write_bytes(b"\xff\xfe{\x00}\x00")  # (UTF-16, or a safetensors file given for it: a traceback, h135)
+    code, _, err = run(capsys, "inspect", str(llama_dir), "--config", str(bad))
+    assert code == 2
+    one_line_error(err, f"--config {bad}: not a UTF-8 JSON file")
     code, _, err = run(capsys, "inspect", str(llama_dir), "--activation-scheme", "sometimes")
     assert code == 2
     one_line_error(err, "invalid choice: 'sometimes'")
@@ -672,6 +676,53 @@ def test_convert_bad_input(capsys, tmp_path):
     code, _, err = run(capsys, "convert", str(tmp_path), str(tmp_path / "out"), "--scheme", "int4")
     assert code == 2
     one_line_error(err, "invalid choice: 'int4'")
+
+
+def test_inspect_ignore_takes_the_checkpoints_names_as_convert_does(capsys, tmp_path):
+    """A bf16 Mixtral saved in the hub layout (block_sparse_moe.experts.N.w1): convert --ignore of the checkpoint's
+    experts name was taken, inspect's refused ("names no module ... did you mean model.layers.0.mlp.experts", h135),
+    so inspect could not preview the command. It takes it, predicts the model's experts module kept, and still
+    refuses a name of neither."""
+    import transformers
+
+    cfg = transformers.MixtralConfig(vocab_size=128, hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=2,
+                                     num_experts_per_tok=1)
+    src = tmp_path / "src"
+    transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
+    name = "model.layers.0.block_sparse_moe.experts"
+    from fp8fx.checkpoint.files import read_checkpoint
+
+    assert any(n.startswith(f"{name}.0.w1") for n in read_checkpoint(str(src))[1])  # (the hub layout)
+    code, out, err = run(capsys, "inspect", str(src), "--ignore", name)
+    assert code == 0, err
+    assert re.search(r"model\.layers\.0\.mlp\.experts +moe .* no +not quantized: in ignored_layers", out), out
+    code, _, err = run(capsys, "inspect", str(src), "--ignore", "model.layers.0.block_sparse_moe.expert")
+    assert code == 2
+    one_line_error(err, "names no module of this MixtralForCausalLM or its checkpoint")
+
+
+def test_convert_names_the_file_a_full_disk_stopped(capsys, tmp_path, monkeypatch):
+    """A write that the disk refused printed the OS error alone ("[Errno 28] No space left on device"): no file, no
+    DST, no fix (h135). It names the file in DST, and nothing is left behind."""
+    import errno
+
+    from fp8fx.checkpoint import save
+    from tests.e2e.test_checkpoint_llama import llama_config, reference_model
+    from tests.unit.test_checkpoint_load import write_checkpoint
+
+    cfg = llama_config()
+    src = write_checkpoint(tmp_path / "src", reference_model(cfg).state_dict(), extra_config=cfg.to_dict())
+
+    def full(path, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(save, "write_file", full)
+    code, _, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--no-progress")
+    assert code == 2
+    one_line_error(err, f"convert: writing {tmp_path / 'dst' / 'model.safetensors'} failed: No space left on device; "
+                        "free space, or pick another directory where you can write (nothing was written)")
+    assert "Errno" not in err and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_convert_block_checkpoint_loads_back(capsys, tmp_path):
