@@ -452,7 +452,7 @@ def quantization_config(
             "format='fp8' stores one scheme for all layers: per-tensor weights with per-token (dynamic) or static "
             "per-tensor activations, or block weights with 1 x block_k groups of activations (dynamic, "
             f"activation_granularity=PerGroup(block_k)); this model has {layers}; "
-            "use format='compressed-tensors', which stores any mix"
+            "use format='compressed-tensors' (--format compressed-tensors), which stores any mix"
         )
     if fmt != "compressed-tensors" and fp8 is not None:
         if kv_cache:

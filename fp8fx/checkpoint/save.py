@@ -988,7 +988,7 @@ def convert(
                 bad = 0 if entry.name in expert_tensors else chunked.count_nonfinite(t)
                 if bad:
                     raise CheckpointError(f"{entry} has {bad} NaN/Inf values; fix it or add {owner!r} to "
-                                          "ignored_layers")
+                                          f"ignored_layers (--ignore {owner})")
                 shared = None  # an expert's gate and up, per-tensor: one scale (moe_ckpt.w13_partners)
                 if entry.name in partners:
                     shared = partner_scales.pop(entry.name, None)
@@ -1108,7 +1108,7 @@ def _check_convert_names(entries, schemes, expert_tensors, scale_name: str, src:
             raise CheckpointError(
                 f"{src}: {out} is already in the checkpoint, beside the bf16 weight {name} that convert quantizes "
                 f"and whose new scale it writes under that name; remove the stale tensor from the checkpoint "
-                f"(or add {owner!r} to ignored_layers)"
+                f"(or add {owner!r} to ignored_layers: --ignore {owner})"
             )
     for entry in entries.values():  # (load_checkpoint refuses the source for it too; convert copied it through)
         name = entry.source or entry.name

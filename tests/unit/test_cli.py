@@ -725,6 +725,25 @@ def test_convert_names_the_file_a_full_disk_stopped(capsys, tmp_path, monkeypatc
     assert "Errno" not in err and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
+def test_convert_fixes_are_spelled_as_flags_too(capsys, tmp_path):
+    """convert's refusals said their fix in the Python API's spelling only ("use format='compressed-tensors'", "add
+    '...' to ignored_layers"), which the command line cannot type (h135): the flag is named beside it."""
+    from tests.e2e.test_checkpoint_llama import llama_config, reference_model
+    from tests.unit.test_checkpoint_load import write_checkpoint
+
+    cfg = llama_config()
+    state = reference_model(cfg).state_dict()
+    src = write_checkpoint(tmp_path / "src", state, extra_config=cfg.to_dict())
+    code, _, err = run(capsys, "convert", str(src), str(tmp_path / "d1"), "--format", "fp8", "--no-progress")
+    assert code == 2
+    one_line_error(err, "use format='compressed-tensors' (--format compressed-tensors), which stores any mix")
+    state["model.layers.0.mlp.up_proj.weight"][0, 0] = float("nan")
+    src = write_checkpoint(tmp_path / "nan", state, extra_config=cfg.to_dict())
+    code, _, err = run(capsys, "convert", str(src), str(tmp_path / "d2"), "--no-progress")
+    assert code == 2
+    one_line_error(err, "add 'model.layers.0.mlp.up_proj' to ignored_layers (--ignore model.layers.0.mlp.up_proj)")
+
+
 def test_convert_block_checkpoint_loads_back(capsys, tmp_path):
     """bf16 checkpoint -> `fp8fx convert --scheme block` -> load_checkpoint: 128x128 block scales, close to bf16."""
     from tests.e2e.test_checkpoint_llama import llama_config, reference_model
