@@ -947,6 +947,16 @@ class LinearPass(Fp8Pass):
             return mine[0]
         tag = getattr(real, "_fp8fx_fqn", None)  # ("" for a quantized root module: its name in named_modules)
         if tag:
+            # where quantize_ found the layer; its weight read at a place none of the layer's names there are related
+            # to (that name, the tail of it as in a block's own frame, or it under a wrapper) is a copy of it put
+            # elsewhere (a deep-copied block appended as blocks.1) or a layer moved into another model: named where it
+            # runs (h136: a copied block was reported as the original twice)
+            read = input_path(wq) if isinstance(wq, fx.Node) else None
+            owner = read.rpartition(".")[0] if read else ""
+            names = getattr(real, "_fp8fx_names", None)
+            if owner and names and not any(n == owner or n.endswith(f".{owner}") or owner.endswith(f".{n}")
+                                           for n in names):
+                return owner
             return tag
         if tag == "":  # a layer quantized on its own (quantize_(layer)): its path in the compiled model, if any
             return path or ""

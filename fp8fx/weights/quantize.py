@@ -179,6 +179,7 @@ def quantize_(
     method = Fp8LinearMethod(config)
     undo = _Undo(model, resume, len(plan) + len(experts) + len(done), len(done), untagged, plan + experts)
     del untagged  # (it holds every parameter: each bf16 weight is freed as its layer is quantized, not at the end)
+    names = module_names(model, prefix)
     for fqn, module in plan:
         with undo.layer(fqn, module):
             remember_trainable(module)
@@ -193,6 +194,9 @@ def quantize_(
                 method.weight_loader(module, "input_scale", input_scale)
             method.process_weights_after_loading(module)
             module._parameters["weight"]._fp8fx_fqn = fqn
+            # every name of the layer here: a copy of it run at another place is told from the layer run under
+            # another of its names (``LinearPass._fqn``)
+            module._parameters["weight"]._fp8fx_names = tuple(names.get(id(module), (fqn,)))
             bias = module._parameters.get("bias")  # (a parametrized bias is computed: its original stays trainable)
             if bias is not None:  # the layer is frozen fp8 from here on
                 bias.requires_grad_(False)

@@ -1852,6 +1852,53 @@ def test_linears_sharing_a_parameter_are_each_reported_under_their_own_name():
         ("dec", False, "not quantized: weight tied to enc.weight")]
 
 
+class Square(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(64, 128), nn.Linear(128, 64)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+class Blocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Square()])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_a_copy_of_a_quantized_block_put_elsewhere_is_named_where_it_runs():
+    """A deep copy of quantized blocks.0 appended as blocks.1 (layer duplication) was reported as blocks.0 twice (its
+    weights' tags, copied with them, won over the path the layers run at), and assert_rewritten("blocks.1.*")
+    found no site (h136). A layer moved into another model likewise; the block's own frame keeps the model's name."""
+    model = Blocks()
+    fp8fx.quantize_(model, fp8fx.Fp8Config())
+    model.blocks.append(copy.deepcopy(model.blocks[0]))
+    backend = Fp8Backend(compiler="eager")
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(x)
+    names = [b + f for b in ("blocks.0.", "blocks.1.") for f in ("fc1", "fc2")]
+    assert sorted(s.fqn for s in backend.report.sites) == names, str(backend.report)
+    fp8fx.testing.assert_rewritten(backend, "blocks.1.*")
+    # moved into another model: named by its place there (one whose path is the tail of its tag, as "fc2" of
+    # "blocks.0.fc2", reads as the block's own frame below and keeps the tag)
+    host = nn.Sequential(model.blocks[0].fc1, nn.ReLU())
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(host, backend=backend)(x)
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("0", True)], str(backend.report)
+    backend = Fp8Backend(compiler="eager")  # a block compiled alone: its layers keep the model's names (a copy's, of
+    with torch.no_grad():  # the block it was copied from: from the block alone, its place is not known)
+        torch.compile(model.blocks[0], backend=backend)(x)
+    assert sorted(s.fqn for s in backend.report.sites) == names[:2], str(backend.report)
+
+
 class Similarity(nn.Module):
     """CLIP's logits: ``text @ image.t()``, a matmul of two activations (no weight); ``proj`` a matmul with a
     transposed weight (in ignored_layers: a site, not rewritten)."""
