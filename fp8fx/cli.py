@@ -121,8 +121,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(repeatable; added to the renames transformers applies to the model; the output keeps the "
                    "checkpoint's names)")
     p.add_argument("--quantize-lm-head", action="store_true",
-                   help="quantize the output embeddings too (vLLM and transformers load lm_head in bf16 only: the "
-                   "checkpoint then loads in fp8fx alone)")
+                   help="quantize the output embeddings too (vLLM loads lm_head in bf16 only: the checkpoint then "
+                   "loads in fp8fx and transformers, not vLLM)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=convert_command)
     return parser

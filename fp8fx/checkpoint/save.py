@@ -116,9 +116,9 @@ def save_checkpoint(
     config_json = untied
     head = output_embeddings(model, modules)
     if head is not None and head in schemes:
-        log.warning("fp8fx: save_checkpoint writes the output embeddings %s in fp8: vLLM and transformers load lm_head "
-                    "in bf16 only, so this checkpoint loads in fp8fx alone; quantize_ with %r in ignored_layers for "
-                    "one they load", head, head)
+        log.warning("fp8fx: save_checkpoint writes the output embeddings %s in fp8: vLLM loads lm_head in bf16 only "
+                    "(an embedding to it, no linear layer), so this checkpoint loads in fp8fx and transformers, not "
+                    "vLLM; quantize_ with %r in ignored_layers for one vLLM loads", head, head)
     config_text = _config_text(config_json, qc, "save_checkpoint")  # refused before any file is written
     _warn_per_tensor_fp8(qc, "save_checkpoint", "format='compressed-tensors'")
     _write_checkpoint(path, tensors, max_shard_size, config_text, _generation_text(model))
@@ -849,9 +849,9 @@ def convert(
     checkpoint name (``load_checkpoint`` fuses shards). Layers the config ignores, tied weights and
     weights a block does not divide stay bf16 and go to the new config's ignore list, and so do the layers
     engines fuse with them (``q_proj`` of a ``k_proj`` / ``v_proj`` kept bf16: vLLM refuses a fused layer of two
-    precisions). The model's output embeddings (``lm_head``) stay bf16 unless ``quantize_lm_head``: vLLM and
-    transformers read an fp8 checkpoint's ``lm_head`` as bf16 (it is an embedding to them, no linear layer), so an fp8
-    one loads in fp8fx alone. Output files mirror the input's; other files of ``src`` (tokenizer, ...) are copied;
+    precisions). The model's output embeddings (``lm_head``) stay bf16 unless ``quantize_lm_head``: vLLM reads an
+    fp8 checkpoint's ``lm_head`` as bf16 (an embedding to it, no linear layer), so an fp8 one loads in fp8fx and
+    transformers (which reads it as written, h138), not vLLM. Output files mirror the input's; other files of ``src`` (tokenizer, ...) are copied;
     folders, pickles and safetensors files outside the index are not (a warning names them).
     MoE experts (modules with 3-D ``gate_up_proj`` / ``down_proj``) are quantized per expert in the layout
     the checkpoint has: per-expert ``<experts>.<e>.gate_proj.weight`` (or ``w1`` ...) with their own
@@ -1168,8 +1168,8 @@ def _convert_plan(model: nn.Module, entries, config: Fp8Config, fused, quantize_
         elif first[fqn] in kept:
             reason = kept[first[fqn]]
         elif first[fqn] == head:
-            reason = ("the output embeddings: vLLM and transformers load lm_head in bf16 only (quantize_lm_head=True, "
-                      "--quantize-lm-head: fp8, for fp8fx alone)")
+            reason = ("the output embeddings: vLLM loads lm_head in bf16 only (quantize_lm_head=True, "
+                      "--quantize-lm-head: fp8, for fp8fx and transformers)")
         elif len(entry.shape) != 2 or entry.dtype not in quant.HIGH_PRECISION:
             reason = f"{entry} is not a 2-D bf16/fp16/fp32 weight"
         elif is_conv1d_class(type(linears[fqn])):

@@ -359,7 +359,7 @@ def test_convert_then_load_equals_quantize_(tmp_path, caplog, config, method):
         q = [f"model.layers.{i}.self_attn.q_proj" for i in range(2)]
         assert report.not_quantized[q[0]].startswith("fused with model.layers.0.self_attn.k_proj into one layer")
         # lm_head, named so in a model without get_output_embeddings, stays bf16 as in a transformers model
-        assert report.not_quantized["lm_head"].startswith("the output embeddings: vLLM and transformers load")
+        assert report.not_quantized["lm_head"].startswith("the output embeddings: vLLM loads lm_head in bf16 only")
         config = dataclasses.replace(config, ignored_layers=q + ["lm_head"])
     fp8fx.quantize_(ref, config)
     assert_same_state(ref, loaded)
@@ -1150,7 +1150,7 @@ def test_output_embeddings_behind_a_wrapper_are_the_linear_it_wraps(tmp_path, ca
     with torch.device("meta"):
         model = _TinyWrappedHead().bfloat16()
     report = convert(src, tmp_path / "dst", fp8fx.Fp8Config(), model=model, progress=False)
-    assert report.not_quantized["head.proj"].startswith("the output embeddings: vLLM and transformers load")
+    assert report.not_quantized["head.proj"].startswith("the output embeddings: vLLM loads lm_head in bf16 only")
     with safe_open(str(tmp_path / "dst" / "model.safetensors"), "pt") as f:
         assert f.get_tensor("head.proj.weight").dtype == torch.bfloat16 and "head.proj.weight_scale" not in f.keys()
 

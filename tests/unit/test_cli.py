@@ -755,9 +755,9 @@ def test_convert_block_checkpoint_loads_back(capsys, tmp_path):
     code, out, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--scheme", "block", "--no-progress")
     assert code == 0, err
     qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
-    # lm_head stays bf16 by default: vLLM and transformers load it so (an fp8 one made a checkpoint only fp8fx loads)
+    # lm_head stays bf16 by default: vLLM loads it so (an fp8 one made a checkpoint vLLM does not load)
     assert qc["weight_block_size"] == [128, 128] and qc["ignored_layers"] == ["lm_head"]
-    assert re.search(r"not quantized +lm_head +the output embeddings: vLLM and transformers load lm_head in bf16", out)
+    assert re.search(r"not quantized +lm_head +the output embeddings: vLLM loads lm_head in bf16", out)
     code, _, err = run(capsys, "convert", str(src), str(tmp_path / "head"), "--scheme", "block", "--quantize-lm-head",
                        "--no-progress")
     assert code == 0, err
