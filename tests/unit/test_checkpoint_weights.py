@@ -9,6 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+import fp8fx
 from fp8fx import quant
 from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor
 from fp8fx.weights import Fp8LinearMethod, chunked, kv_cache
@@ -258,6 +259,26 @@ def test_load_state_dict_refuses_a_kv_scale_no_loader_takes(bad):
         state["0.k_scale"].fill_(0.25)
         m.load_state_dict(state)
         assert m[0].k_scale.item() == 0.25
+
+
+def test_a_bad_kv_scale_in_a_quantized_models_state_dict_loads_nothing():
+    """The attention's own hook refused a NaN k_scale, but only as torch gathered errors: the modules around it had
+    loaded (an fp8 layer's changed weight_scale taken, h137). The quantized model's check refuses it before any
+    module loads, as it refuses a bad input_scale."""
+    model = nn.Sequential(nn.Module(), nn.Linear(64, 64))
+    fp8fx.quantize_(model)
+    kv_cache.attach_kv_scales(model[0], {"k_scale": 0.5, "v_scale": 2.0})
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in state.items()}
+    state["0.k_scale"].fill_(float("nan"))
+    state["1.weight_scale"] *= 2
+    with pytest.raises(RuntimeError, match=r"0\.k_scale=nan: a KV-cache scale must be a positive finite float32.*"
+                                           r"\n\(nothing was loaded\)$"):
+        model.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    state["0.k_scale"].fill_(0.25)
+    model.load_state_dict(state)
+    assert model[0].k_scale.item() == 0.25 and torch.equal(model[1].weight_scale, state["1.weight_scale"])
 
 
 def test_a_meta_state_dict_assigned_past_the_kv_scale_hook_is_taken():
