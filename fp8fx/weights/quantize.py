@@ -688,7 +688,9 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
                          "a dict of layer name -> scale, as fp8fx.calibrate(model, batches) returns")
     if config.activation_scheme != "static":
         if input_scales:
-            raise ValueError("input_scales is only used with activation_scheme='static'")
+            raise ValueError(f"quantize_(input_scales=...) with activation_scheme={config.activation_scheme!r}: the "
+                             "scales serve static activations only; pass Fp8Config(activation_scheme='static'), or "
+                             "leave input_scales out (nothing was quantized)")
         return {}
     given = dict(input_scales or {})
     for fqn in given:
@@ -993,9 +995,10 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
               prefix: str = "") -> dict[str, float]:
     """Static activation scales ``{fqn: amax / 448}`` from running ``model`` (eager) on ``batches``; ``prefix``
     as ``quantize_``'s (the fqns are ``prefix.<name in model>``). An experts module (``fp8fx.weights.moe``) gets
-    two: ``{fqn}.gate_up_proj``, the amax of the tokens routed to its experts, and ``{fqn}.down_proj``, of
-    the activation over each expert's tokens (HF's ``_apply_gate``: GPT-OSS's clamped SwiGLU of its biased output;
-    else ``act_fn(gate) * up``, SiLU for a module with none), vLLM's static MoE scales after their max over experts.
+    two: ``{fqn}.gate_up_proj`` (ungated experts: ``{fqn}.up_proj``), the amax of the tokens routed to its experts,
+    and ``{fqn}.down_proj``, of the activation over each expert's tokens (HF's ``_apply_gate``: GPT-OSS's clamped
+    SwiGLU of its biased output; else ``act_fn(gate) * up``, SiLU for a module with none), vLLM's static MoE scales
+    after their max over experts.
 
     Each batch is passed as ``model(**batch)`` if it is a mapping whose keys are the forward's parameters (a
     tokenizer's output), ``model(*batch)`` if it is a tuple or list, else ``model(batch)`` (a model whose forward

@@ -176,6 +176,11 @@ def test_static_needs_input_scales_and_calibrate_provides_them():
                                              r"\(str\), e.g. '0', as fp8fx.calibrate returns them"):
             fp8fx.quantize_(model, config, input_scales={"0": 1.0, "2": 1.0, "3": 1.0, key: 1.0})
     assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
+    # with dynamic activations: refused, saying the fix and that nothing was done (it said neither, h137)
+    with pytest.raises(ValueError, match=r"activation_scheme='dynamic': the scales serve static activations only; "
+                                         r"pass Fp8Config\(activation_scheme='static'\).*\(nothing was quantized\)$"):
+        fp8fx.quantize_(model, Fp8Config(), input_scales={"0": 1.0})
+    assert not any(fp8fx.weights.is_quantized(m) for m in model.modules())
     # checked as float32, the scales' dtype: 1e39 is inf there and 1e-46 zero (the last layer's loader refused
     # them after the layers before it were fp8), and a subnormal one's reciprocal is inf
     for bad, held in ((1e39, "inf"), (1e-46, "0.0"), (1e-40, r"9\.9999\d*e-41")):
