@@ -12,7 +12,7 @@ import os
 import re
 import secrets
 import shutil
-from typing import Any, Iterable, Mapping, Optional, Union
+from typing import Any, Iterable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
@@ -121,6 +121,9 @@ def save_checkpoint(
                     "vLLM; quantize_ with %r in ignored_layers for one vLLM loads", head, head)
     config_text = _config_text(config_json, qc, "save_checkpoint")  # refused before any file is written
     _warn_per_tensor_fp8(qc, "save_checkpoint", "format='compressed-tensors'")
+    _warn_block_experts_ct(qc, [f for f, m in modules.items() if moe.is_quantized_experts(m)
+                                and isinstance(moe.experts_scheme(m).weight, PerBlock)], "save_checkpoint",
+                           "format='fp8'")
     _write_checkpoint(path, tensors, max_shard_size, config_text, _generation_text(model))
     log.info("fp8fx: saved %d tensors to %s (%s)", len(tensors), path, qc["quant_method"])
     return qc
@@ -178,6 +181,17 @@ def _warn_per_tensor_fp8(qc: Mapping[str, Any], where: str, fix: str) -> None:
         log.warning("fp8fx: %s writes per-tensor weights as quant_method 'fp8', which vLLM and fp8fx load but "
                     "transformers misreads (its fp8 loader takes block scales only); for a checkpoint transformers "
                     "loads, use %s", where, fix)
+
+
+def _warn_block_experts_ct(qc: Mapping[str, Any], experts: Sequence[str], where: str, fix: str) -> None:
+    """transformers' compressed-tensors loader multiplies an experts module's fp8 codes by its block scales without
+    expanding them to the blocks, and fails (transformers 5.25: "The size of tensor a (64) must match the size of
+    tensor b (2)", h138); fp8fx loads them, and transformers reads the same experts in format fp8."""
+    if qc["quant_method"] == "compressed-tensors" and experts:
+        log.warning("fp8fx: %s writes the block-scaled experts %s%s as compressed-tensors, which "
+                    "fp8fx loads but transformers' compressed-tensors loader refuses (it does not expand an expert's "
+                    "block scales); for a checkpoint transformers loads, use %s", where, experts[0],
+                    f" and {len(experts) - 1} more" if len(experts) > 1 else "", fix)
 
 
 def _check_loadable_values(modules: Mapping[str, nn.Module], fp8: Mapping[str, Any]) -> None:
@@ -923,6 +937,8 @@ def convert(
         named = _with_vllm_expert_names(schemes, ignored, {shard: shard for shard in moe_ckpt.PROJ}, set(expert_plan))
         qc = formats.quantization_config(*named, False, format)
     _warn_per_tensor_fp8(qc, "convert", "--format compressed-tensors (format='compressed-tensors')")
+    _warn_block_experts_ct(qc, sorted(f for f, r in experts.items() if not r) if isinstance(config.weight, PerBlock)
+                           else [], "convert", "--format fp8 (format='fp8')")
     block_inv = qc["quant_method"] == "fp8" and isinstance(config.weight, PerBlock)
     scale_name = "weight_scale_inv" if block_inv else "weight_scale"
     short = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}  # the source's, as read

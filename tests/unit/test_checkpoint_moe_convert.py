@@ -3,6 +3,7 @@ expert, gate_proj/up_proj/down_proj or w1/w3/w2, or fused 3-D) -> convert -> loa
 experts quantize_ makes and logits near the bf16 model's; save writes per-expert names (or fused) that load back
 to identical tensors and logits."""
 import json
+import logging
 
 import pytest
 import torch
@@ -165,6 +166,27 @@ def test_save_writes_per_expert_names_that_load_identically(tmp_path, granularit
             assert header[f"{EXPERTS}.1.{proj}.weight_scale"].shape == (1,)
     _, fused = _roundtrip(ref, tmp_path / "fused", experts="fused")
     assert f"{EXPERTS}.gate_up_proj" in fused and f"{EXPERTS}.0.gate_proj.weight" not in fused
+
+
+@pytest.mark.parametrize("fmt", ["compressed-tensors", "fp8"])
+def test_block_experts_written_as_compressed_tensors_warn_that_transformers_refuses_them(tmp_path, caplog, fmt):
+    """Block-scaled experts written as compressed-tensors: transformers' loader multiplies their codes by the block
+    scales unexpanded and fails ("The size of tensor a (64) must match the size of tensor b (2)"); nothing said so
+    (h138). save_checkpoint and convert warn, naming the experts and format fp8; in fp8 they stay quiet."""
+    cfg = moe_config("qwen3_moe")
+    ref = reference_model(cfg)
+    src = bf16_checkpoint(tmp_path / "src", cfg, ref.state_dict(), "hf")
+    fp8fx.quantize_(ref, CONFIGS["block"])
+    said = f"writes the block-scaled experts {EXPERTS} as compressed-tensors, which fp8fx loads but transformers'"
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        save_checkpoint(ref, tmp_path / "saved", format=fmt)
+        convert(src, tmp_path / "dst", CONFIGS["block"], format=fmt, progress=False)
+    warned = [r.getMessage() for r in caplog.records if said in r.getMessage()]
+    if fmt == "fp8":
+        assert not warned, warned
+    else:
+        assert [w.split(":")[1].split()[0] for w in warned] == ["save_checkpoint", "convert"], warned
+        assert warned[0].endswith("use format='fp8'") and warned[1].endswith("use --format fp8 (format='fp8')")
 
 
 def test_save_per_expert_static_input_scales(tmp_path):
