@@ -665,10 +665,13 @@ def _staged(path: str, what: str):
         try:
             yield stage
         except OSError as e:
-            if e.errno not in _WRITE_ERRORS:
+            # a write into the folder (the OS error alone named no file, or the hidden folder, and no fix: h135); a
+            # read of the source (shutil.copy2's: the source file, then the destination) is left as it is (h139)
+            written = [f for f in (e.filename, e.filename2) if isinstance(f, str)
+                       and os.path.commonpath([os.path.abspath(f), stage]) == stage]
+            if e.errno not in _WRITE_ERRORS or (e.filename is not None and not written):
                 raise
-            # (the OS error alone named no file, or the hidden folder, and no fix: h135)
-            file = os.path.join(path, os.path.relpath(e.filename, stage)) if isinstance(e.filename, str) else path
+            file = os.path.join(path, os.path.relpath(written[0], stage)) if written else path
             raise type(e)(e.errno, f"{what}: writing {file} failed: {e.strerror or e}; free space, or pick another "
                           "directory where you can write (nothing was written)") from None
         lock = _release(lock, stage)

@@ -723,6 +723,17 @@ def test_convert_names_the_file_a_full_disk_stopped(capsys, tmp_path, monkeypatc
     one_line_error(err, f"convert: writing {tmp_path / 'dst' / 'model.safetensors'} failed: No space left on device; "
                         "free space, or pick another directory where you can write (nothing was written)")
     assert "Errno" not in err and sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    monkeypatch.undo()
+    (src / "tokenizer.json").write_text("{}")
+
+    def copy_full(source, dest, *args, **kwargs):  # (shutil's error names the source file, then the destination)
+        raise OSError(errno.ENOSPC, "No space left on device", str(source), None, str(dest))
+
+    monkeypatch.setattr(save.shutil, "copy2", copy_full)  # the side files, copied last: named as written, in DST
+    code, _, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--no-progress")
+    assert code == 2
+    one_line_error(err, f"convert: writing {tmp_path / 'dst' / 'tokenizer.json'} failed: No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
 def test_convert_fixes_are_spelled_as_flags_too(capsys, tmp_path):
