@@ -916,12 +916,13 @@ def _read_from_code(mod: nn.Module) -> bool:
                 or getattr(mod, "act_fn", None) is not None)
 
 
-def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int], expected: dict):
+def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int], expected: dict, empty: set[str]):
     """A forward pre-hook of an experts module ``forward(hidden_states, top_k_index, top_k_weights)`` (HF's):
     the amax of the tokens its experts get, and of each expert's activation (``_gate_of``) on them. An experts module
     called with the hidden states only (Llama-4's dense form, ``fp8fx.passes.moe``): expert e's rows are the e-th
     E-th of them. For experts whose activation is their code's (``_read_from_code``), the output that reading gives
-    goes into ``expected`` for ``_experts_checker``."""
+    goes into ``expected`` for ``_experts_checker``. A call on no tokens puts the module's two scale names in
+    ``empty``."""
 
     def record(mod, args, kwargs):
         bound = inspect.signature(mod.forward).bind(*args, **kwargs).arguments
@@ -938,7 +939,8 @@ def _experts_recorder(fqn: str, amax: dict[str, float], batch_no: list[int], exp
                 "H]: add the module to ignored_layers"
             )
         x = x.reshape(-1, x.shape[-1])
-        if not x.shape[0]:  # no token (an empty batch): nothing to measure, as for linears
+        if not x.shape[0]:  # no token (an empty batch): nothing to measure, and said so, as for linears (h137: it
+            empty.update(moe.input_scale_names(fqn, mod))  # was "received no input ... a branch not taken")
             return
         ids = ids.reshape(x.shape[0], -1)
         gated = _gate_of(mod)
@@ -1038,8 +1040,9 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
                 "was run)"
             )
     expected: dict[int, torch.Tensor] = {}  # id(experts) -> their output as calibrate reads them (_experts_checker)
-    hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no, expected), with_kwargs=True)
-             for fqn, module in experts]
+    empty: set[str] = set()  # the layers (and experts' scale names) given an input of no rows (0 tokens)
+    hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no, expected, empty),
+                                              with_kwargs=True) for fqn, module in experts]
     hooks += [module.register_forward_hook(_experts_checker(fqn, expected), with_kwargs=True)
               for fqn, module in experts if _read_from_code(module)]
 
@@ -1049,7 +1052,6 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     # (It had compared the input with the last one measured by the tensor's version, which inference tensors keep
     # none of: under torch.inference_mode a layer called again on a tensor written in place was measured once.)
     calls: dict[str, list[list]] = {}  # fqn -> [[amax tensor or None, its F.linear seen], ...]
-    empty: set[str] = set()  # the layers given an input of no rows (0 tokens), which has nothing to measure
 
     def measure(fqn: str, x) -> Optional[torch.Tensor]:
         if not isinstance(x, torch.Tensor):  # (a numpy batch: the hook's own x.numel() failed, naming nothing)

@@ -2285,6 +2285,15 @@ def test_calibrate_says_a_layer_was_called_on_no_rows(caplog):
         assert fp8fx.calibrate(model, [torch.zeros(0, 16)]) == {}
     assert "['0', '2'] were called on inputs of no rows only (no token reached them" in caplog.text
     assert "received no input" not in caplog.text
+    # an experts module's two scales likewise (they were said to have received no input, h137)
+    from tests.unit.test_moe_weights import H, ExpertsModel
+
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        assert fp8fx.calibrate(ExpertsModel(), [(torch.zeros(0, H), torch.zeros(0, 2, dtype=torch.long),
+                                                 torch.zeros(0, 2))]) == {}
+    assert ("['experts.gate_up_proj', 'experts.down_proj'] were called on inputs of no rows only" in caplog.text
+            and "received no input" not in caplog.text), caplog.text
 
 
 def _serialized_qkv(static=False):
