@@ -802,6 +802,20 @@ def lacks_fp8_tensor_cores(example_inputs) -> bool:
     return False
 
 
+# modules that wrap a layer under a name of their own (PEFT's LoRA layer holds it as base_layer, torch's activation
+# checkpointing as _checkpoint_wrapped_module, a compiled submodule as _orig_mod, FSDP as _fsdp_wrapped_module)
+_WRAPPER_PARTS = frozenset({"base_layer", "_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+
+
+def _named_at(name: str, owner: str) -> bool:
+    """Whether a weight that ``quantize_`` found in the layer ``name`` and a frame reads as a tensor of ``owner`` is
+    still that layer: ``owner`` is the name, with wrappers above it (a PEFT model's base_model.model.) or around the
+    layer (its base_layer), or its tail (the frame of a block compiled alone)."""
+    parts = [p for p in owner.split(".") if p not in _WRAPPER_PARTS]
+    at = "." + ".".join(parts) + "."
+    return not parts or f".{name}." in at or f".{name}.".endswith(at)  # (no parts: the wrapper compiled alone)
+
+
 class LinearPass(Fp8Pass):
     """``weight_only``: rewrite to ``fp8fx.weight_only_mm`` (fp8 weights, 16-bit activations) instead;
     None decides per graph: weight-only on GPUs without fp8 tensor cores. ``fusing``: the backend's fusions are on,
@@ -954,8 +968,7 @@ class LinearPass(Fp8Pass):
             read = input_path(wq) if isinstance(wq, fx.Node) else None
             owner = read.rpartition(".")[0] if read else ""
             names = getattr(real, "_fp8fx_names", None)
-            if owner and names and not any(n == owner or n.endswith(f".{owner}") or owner.endswith(f".{n}")
-                                           for n in names):
+            if owner and names and not any(_named_at(n, owner) for n in names):
                 return owner
             return tag
         if tag == "":  # a layer quantized on its own (quantize_(layer)): its path in the compiled model, if any

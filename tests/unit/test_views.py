@@ -183,6 +183,15 @@ def test_adapters_added_after_quantize_are_reported_as_adapters_under_their_name
     assert all(s.reason.startswith("not quantized: an adapter layer (PEFT's lora_") for s in lora), lora[0].reason
     assert [n for n, *_ in backend.report.unhandled_weights(adapted)] == ["base_model.model.model.embed_tokens.weight"]
     fp8fx.testing.assert_rewritten(backend, "model.layers.*_proj")
+    # the wrapped layers by their quantize_ names, as the others (named by the LoRA layer's base_layer for a while)
+    projections = [f"self_attn.{p}_proj" for p in "qkvo"] + [f"mlp.{p}_proj" for p in ("gate", "up", "down")]
+    assert sorted(s.fqn for s in backend.report.sites if s.rewritten) == sorted(
+        f"model.layers.0.{p}" for p in projections), backend.report
+    backend = fp8fx.Fp8Backend(compiler="eager")  # the attention compiled alone: the model's names still
+    attention = adapted.base_model.model.model.layers[0].self_attn
+    with torch.no_grad():
+        torch.compile(attention.q_proj, backend=backend)(torch.randn(1, 8, 64, dtype=torch.bfloat16))
+    assert [s.fqn for s in backend.report.sites if s.rewritten] == ["model.layers.0.self_attn.q_proj"]
 
 
 def test_compiled_graphs_see_no_subclass():
