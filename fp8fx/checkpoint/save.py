@@ -868,8 +868,9 @@ def convert(
     engines fuse with them (``q_proj`` of a ``k_proj`` / ``v_proj`` kept bf16: vLLM refuses a fused layer of two
     precisions). The model's output embeddings (``lm_head``) stay bf16 unless ``quantize_lm_head``: vLLM reads an
     fp8 checkpoint's ``lm_head`` as bf16 (an embedding to it, no linear layer), so an fp8 one loads in fp8fx and
-    transformers (which reads it as written, h138), not vLLM. Output files mirror the input's; other files of ``src`` (tokenizer, ...) are copied;
-    folders, pickles and safetensors files outside the index are not (a warning names them).
+    transformers (which reads it as written, h138), not vLLM. Output files mirror the input's; other files of
+    ``src`` (tokenizer, ...) are copied; folders, pickles and safetensors files outside the index are not (a warning
+    names them).
     MoE experts (modules with 3-D ``gate_up_proj`` / ``down_proj``) are quantized per expert in the layout
     the checkpoint has: per-expert ``<experts>.<e>.gate_proj.weight`` (or ``w1`` ...) with their own
     ``weight_scale`` / ``weight_scale_inv`` (per-tensor: an expert's gate and up one, the larger of their two, the
