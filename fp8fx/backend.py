@@ -6,7 +6,7 @@ import itertools
 import logging
 import os
 import weakref
-from typing import Any, Mapping, Optional, Sequence, Union
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 from torch import SymInt, fx, is_tensor
 
@@ -42,6 +42,12 @@ def _release_folder(real: str) -> None:
     unless another live backend of it writes there now."""
     if _DUMP_WRITERS.get(real) is None:
         unlock_folder(_DUMP_LOCKS.pop(real, None))
+
+
+def _first_subfolder(root: str, take: Callable[[str], bool]) -> Optional[str]:
+    """The first of ``root/backend2`` ... ``root/backend{_MAX_DUMP_FOLDERS}`` that ``take`` takes, or None."""
+    folders = (os.path.join(root, f"backend{k}") for k in range(2, _MAX_DUMP_FOLDERS + 1))
+    return next((folder for folder in folders if take(folder)), None)
 
 
 def _forget_dump_locks() -> None:
@@ -397,13 +403,11 @@ class Fp8Backend:
         backends from then on, and for other processes' once it is collected (kept
         by the backend past it, it came back after a compile that raised: Dynamo leaks the backend then), and the
         files of a backend still held move out of the way when another takes it (``_evict``)."""
-        folder, k = dump_dir, 1
-        while not self._claim(folder):
-            k += 1
-            if k > _MAX_DUMP_FOLDERS:  # (an OSError: the graph is not dumped, with a warning, and compiles)
-                raise OSError(f"backend2/ to backend{k - 1}/ of {dump_dir} are all other live backends' folders")
-            folder = os.path.join(dump_dir, f"backend{k}")
-        if k > 1:
+        folder = dump_dir if self._claim(dump_dir) else _first_subfolder(dump_dir, self._claim)
+        if folder is None:  # (an OSError: the graph is not dumped, with a warning, and compiles)
+            raise OSError(f"backend2/ to backend{_MAX_DUMP_FOLDERS}/ of {dump_dir} are all other live backends' "
+                          "folders")
+        if folder != dump_dir:
             log.warning("fp8fx: dump_dir %s is another live backend's dump folder (of this process or another); this "
                         "backend writes its dump into %s (give each backend a folder of its own)", dump_dir, folder)
         _DUMPERS.add(self)
@@ -437,12 +441,10 @@ class Fp8Backend:
         real = os.path.realpath(folder)
         for old in [b for b in _DUMPERS if b is not self and os.path.realpath(b.dump_dir) == real]:
             taken = {os.path.realpath(b.dump_dir) for b in _DUMPERS if b is not old}
-            for k in range(2, _MAX_DUMP_FOLDERS + 1):
-                dest = os.path.join(old._dump_root, f"backend{k}")
-                # (a folder of its own: one that exists may be the user's, or hold another run's files)
-                if os.path.realpath(dest) not in taken and not os.path.lexists(dest) and old._claim(dest):
-                    break
-            else:  # (its files are cleared with the others: said, as a graph not dumped is)
+            # (a folder of its own: one that exists may be the user's, or hold another run's files)
+            dest = _first_subfolder(old._dump_root, lambda d: os.path.realpath(d) not in taken
+                                    and not os.path.lexists(d) and old._claim(d))
+            if dest is None:  # (its files are cleared with the others: said, as a graph not dumped is)
                 log.warning("fp8fx: a reset backend's dump in %s is overwritten: backend2/ to backend%d/ of %s are all "
                             "taken", folder, _MAX_DUMP_FOLDERS, old._dump_root)
                 continue
