@@ -159,15 +159,23 @@ def refuse_bad_kv_scales(module: nn.Module, state_dict, prefix, local_metadata, 
     positive finite float (``check_kv_scale``, as ``load_checkpoint`` refuses it) is refused, naming it, and the
     module keeps its own (loaded, a NaN ``k_scale`` made the attention's outputs NaN, silently). ``state_dict`` is
     the copy ``load_state_dict`` makes: the module's own value stands in for the refused one there."""
-    for name in module.__dict__.get("_fp8fx_kv_scales", ()):
+    for name, why in kv_scale_refusals(module, state_dict, prefix):
+        error_msgs.append(f"{why} (this scale was not loaded)")
+        state_dict[prefix + name] = module._buffers[name]
+
+
+def kv_scale_refusals(module: nn.Module, state_dict, prefix: str) -> list[tuple[str, str]]:
+    """(name, why) for each KV-cache scale ``attach_kv_scales`` gave ``module`` whose entry of ``state_dict`` (under
+    ``prefix``) is not one positive finite float (``check_kv_scale``); a meta entry is left to torch."""
+    refusals = []
+    for name in sorted(held_kv_scales(module)):
         given = state_dict.get(prefix + name)
-        if not isinstance(given, torch.Tensor) or given.is_meta or module._buffers.get(name) is None:
-            continue
-        try:
-            check_kv_scale(prefix + name, given.detach())
-        except ValueError as e:
-            error_msgs.append(f"{e} (this scale was not loaded)")
-            state_dict[prefix + name] = module._buffers[name]
+        if isinstance(given, torch.Tensor) and not given.is_meta and module._buffers.get(name) is not None:
+            try:
+                check_kv_scale(prefix + name, given.detach())
+            except ValueError as e:
+                refusals.append((name, str(e)))
+    return refusals
 
 
 def kv_scales(module: nn.Module) -> dict[str, float]:

@@ -40,7 +40,7 @@ from fp8fx.config import (Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, c
 from fp8fx.ops import BIAS_GAPS
 from fp8fx.weights import chunked, views
 from fp8fx.weights.counter import CopyNumelCounter
-from fp8fx.weights.kv_cache import KV_SCALE_NAMES, check_kv_scale, held_kv_scales
+from fp8fx.weights.kv_cache import KV_SCALE_NAMES, kv_scale_refusals
 
 log = logging.getLogger("fp8fx")
 
@@ -415,7 +415,9 @@ class LoadCheck(ModelHeld):
                 checked[(id(m), at)] = _record(m, given)
             else:
                 refusals.append(_kept_refusal(m, state_dict, at))
-                refusals.extend(_kv_refusals(m, state_dict, at))
+                # (the attention's own pre-hook keeps a bad KV scale, but torch had loaded the modules around it
+                # by the time it raised: h137)
+                refusals.extend(why for _, why in kv_scale_refusals(m, state_dict, at))
         refusals = [r for r in refusals if r]
         if refusals:
             done.clear()
@@ -443,21 +445,6 @@ def _kept_refusal(module: nn.Module, state_dict: Mapping[str, object], prefix: s
             return _kept_message(module, prefix, prefix + key, f"holds {given.dtype} codes {list(given.shape)}", tensor,
                                  ", and its codes, loaded here, would be taken for the layer's values, unscaled")
     return ""
-
-
-def _kv_refusals(module: nn.Module, state_dict: Mapping[str, object], prefix: str) -> list[str]:
-    """Why the KV-cache scales fp8fx attached to ``module`` (an attention, at ``prefix``) refuse their entries of
-    ``state_dict``: not one positive finite float (``check_kv_scale``). The attention's own pre-hook
-    (``refuse_bad_kv_scales``) keeps its scale, but torch had loaded the other modules by the time it raised (h137)."""
-    refusals = []
-    for name in sorted(held_kv_scales(module)):
-        given = state_dict.get(prefix + name)
-        if isinstance(given, torch.Tensor) and not given.is_meta and module._buffers.get(name) is not None:
-            try:
-                check_kv_scale(prefix + name, given.detach())
-            except ValueError as e:
-                refusals.append(str(e))
-    return refusals
 
 
 def _float8(dtype: torch.dtype) -> bool:
