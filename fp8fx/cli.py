@@ -511,23 +511,38 @@ class _CheckpointNames:
         self.stored_high: Optional[Callable[[str], bool]] = None
 
     @functools.cached_property
+    def _entries(self) -> tuple[Optional[dict], Optional[Exception]]:
+        """(the checkpoint's entries, None) - read once for ``stored`` and ``named`` -, or (None, why not): inspect
+        needs no weights (a download in part: an index and no shard yet; a stray file, which load_checkpoint
+        refuses)."""
+        from fp8fx.checkpoint import CheckpointError
+        from fp8fx.checkpoint.files import read_checkpoint
+
+        try:
+            return read_checkpoint(str(self.folder))[1], None
+        except (CheckpointError, OSError) as e:
+            return None, e
+
+    @functools.cached_property
     def stored(self) -> tuple[list[str], dict[str, tuple[str, ...]]]:
         """(the checkpoint's module names, as stored and as renamed onto the model's; model module -> the stored
         modules renamed onto it): what ``--ignore`` may name, as ``convert`` takes it (h135: inspect refused a hub
         Mixtral's ``block_sparse_moe.experts``, which convert of the same folder took); none where there is no
         checkpoint or it cannot be read (said)."""
         from fp8fx.checkpoint import CheckpointError, renames
-        from fp8fx.checkpoint.files import read_checkpoint
 
         if self.folder is None:
             return [], {}
-        try:
-            entries = read_checkpoint(str(self.folder))[1]
-            entries, sources = renames.apply(entries, renames.resolve(self.model, None, "inspect", entries),
-                                             str(self.folder))
-        except (CheckpointError, OSError) as e:
+        entries, error = self._entries
+        if entries is not None:
+            try:
+                entries, sources = renames.apply(entries, renames.resolve(self.model, None, "inspect", entries),
+                                                 str(self.folder))
+            except (CheckpointError, OSError) as e:
+                error = e
+        if error is not None:
             log.warning("fp8fx inspect: the checkpoint's tensor names were not read (%s): --ignore is matched with "
-                        "the model's names only", _first_line(e))
+                        "the model's names only", _first_line(error))
             return [], {}
         names = [n.rpartition(".")[0] for n in entries] + [e.source.rpartition(".")[0] for e in entries.values()
                                                             if e.source]
@@ -535,15 +550,12 @@ class _CheckpointNames:
 
     def __call__(self, fmt):
         from fp8fx.checkpoint import CheckpointError
-        from fp8fx.checkpoint.files import read_checkpoint
         from fp8fx.checkpoint.load import named_as_model, stored_in_high_precision
 
         if self.folder is None:
             return fmt
-        try:
-            entries = read_checkpoint(str(self.folder))[1]
-        except (CheckpointError, OSError) as e:  # inspect needs no weights: a download in part (an index and no
-            # shard yet), a stray file (load_checkpoint refuses them so)
+        entries, e = self._entries
+        if entries is None:
             log.warning("fp8fx inspect: the checkpoint's tensor names were not read (%s): its ignore list is matched "
                         "with the model's names only", _first_line(e))
             return fmt
