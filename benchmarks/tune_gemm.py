@@ -14,6 +14,7 @@
     python benchmarks/tune_gemm.py --gemv          # M = 1: the GEMV kernel's tiles against the tensor-core tile,
                                                    # as single GEMMs and as the fused MLP's down GEMM
     python benchmarks/tune_gemm.py --gemv --block  # the same with 1x128 / 128x128 block scales
+    python benchmarks/tune_gemm.py --block --duel  # the block kernel's default tile against cuBLAS's, 16-4096 rows
     python benchmarks/tune_gemm.py --gemv --k-stages 1,2,3,4  # GEMV tiles with the K loop pipelined (K_STAGES)
     python benchmarks/tune_gemm.py --groups        # the fused MLP with h in 1 x G groups against per-token h
     python benchmarks/tune_gemm.py --hbm           # each decode GEMM's TB/s on its weight at its default tile
@@ -243,6 +244,35 @@ def _duel(label: str, runs: dict, bytes_: int, rounds: int) -> dict:
     print(f"{label}: " + ", ".join(f"{name} {t:.4f} ms ({bytes_ / t / 1e9:.2f} TB/s)" for name, t in med.items()),
           flush=True)
     return med
+
+
+def block_duel(ms=(16, 64, 2048, 4096), rounds=5, shapes=None):
+    """128x128 weight blocks with 1x128 activation groups: fp8fx's Triton kernel at its default tile (``fp8_gemm``,
+    not the op, which sends M >= 2048 to cuBLAS) against cuBLAS's block-scaled GEMM (``F.scaled_mm``), interleaved
+    rounds; plain calls through ``do_bench`` above 64 rows, CUDA-graph replays up to 64. Run in two processes, one
+    importing an older fp8fx, it times a kernel change against the kernel before it (each against the same cuBLAS)."""
+    for name, (n, k) in (shapes or {key: SHAPES[key] for key in ("gate_up", "down", "qkv")}).items():
+        torch.manual_seed(n + k)
+        w = torch.randn(n, k, device="cuda") / k**0.5
+        wq, ws = quant.quantize(w, [128, 128])
+        for m in ms:
+            x = torch.randn(m, k, device="cuda")
+            xq, xs = quant.quantize(x, [1, 128])
+            runs = {"triton": lambda: fp8_gemm(xq, wq, xs, ws, None, torch.bfloat16, a_block=(1, 128),
+                                               b_block=(128, 128))}
+            if m >= 16:  # (cuBLAS's block mode takes no single row)
+                runs["cublas"] = cublas_blockwise(xq, xs, wq, ws)
+            ref = x.double() @ w.double().t()
+            errs = {key: ((fn().double() - ref).abs().max() / ref.abs().max()).item() for key, fn in runs.items()}
+            times = {key: [] for key in runs}
+            for r in range(rounds):
+                for key in (list(runs) if r % 2 else list(runs)[::-1]):
+                    times[key].append(time_ms(runs[key], graph=m <= 64))
+            med = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+            ratio = f", triton vs cuBLAS {med['cublas'] / med['triton']:.3f}x" if "cublas" in med else ""
+            print(f"blocks {name} [{n}x{k}] M={m}: " + ", ".join(
+                f"{key} {t:.4f} ms ({2 * m * n * k / t / 1e9:.0f} TFLOP/s, error {errs[key]:.4f})"
+                for key, t in med.items()) + ratio, flush=True)
 
 
 def sweep_gemv_blocks(shapes, rounds=5, k_stages=(1,)):
@@ -1271,6 +1301,9 @@ def main(argv=None):
         return down_deep_duel(tuple(int(m) for m in (args.ms or "32,64").split(",")))
     if args.down:
         return sweep_down(tuple(int(m) for m in (args.ms or "32,64").split(",")))
+    if args.block and args.duel:
+        return block_duel(tuple(int(m) for m in (args.ms or "16,64,2048,4096").split(",")),
+                          shapes={name: SHAPES[name] for name in args.shapes.split(",")} if args.shapes else None)
     if args.hbm:
         return hbm_table(tuple(int(m) for m in (args.ms or "1,16,64").split(",")), chain_bytes=args.chain_mb << 20)
     if args.accum:

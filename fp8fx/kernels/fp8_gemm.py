@@ -298,8 +298,23 @@ def fp8_gemm_kernel(
         # N tile, each K step), and with an IEEE division per element the fused MLP took 0.146 ms at M=1 (0.068
         # with the reciprocal; H200, RESULTS.md run 10)
         a_q_inv = tl.math.div_rn(tl.full((BLOCK_M,), 1.0, tl.float32), a_q_scale)
+    # B_SCALAR: each N tile lies in one weight block's rows (its tiles divide the block), so a K step of it has one
+    # weight scale
+    B_SCALAR: tl.constexpr = B_GROUPED and B_BLOCK_N % BLOCK_N == 0
     acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(k_first, tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))):
+    k_end = tl.minimum(k_first + k_steps, tl.cdiv(K, BLOCK_K))
+    # K groups: each step's scales are loaded one step ahead. Loaded in their own step, after its dot, every step
+    # waited on a global load the pipeliner does not stage (it stages the dots' operands) on top of the wgmma
+    # (H200 run 76: tune_gemm.py --block-scales)
+    if A_GROUPED:
+        a_k = tl.load(a_scale_ptrs + k_first * stride_ask, mask=(offs_m < M) & (k_first < k_end), other=0.0)
+    if B_GROUPED:
+        if B_SCALAR:  # the tile lies in one weight block's rows: one scale a step
+            b_scale_ptrs = b_scale_ptr + ((pid_n * BLOCK_N) // B_BLOCK_N) * stride_bsn
+            b_k = tl.load(b_scale_ptrs + k_first * stride_bsk, mask=k_first < k_end, other=0.0)
+        else:
+            b_k = tl.load(b_scale_ptrs + k_first * stride_bsk, mask=(offs_n < N) & (k_first < k_end), other=0.0)
+    for k in range(k_first, k_end):
         k_left = K - k * BLOCK_K
         if A_DESC:  # bulk copies into shared memory, zero past M and K
             a = a_desc.load([pid_m * BLOCK_M, k * BLOCK_K])
@@ -323,13 +338,29 @@ def fp8_gemm_kernel(
                 part = tl.dot(b.T, a.T)  # [BN, BM]
             else:
                 part = tl.dot(a, b)
+            # this step's scales, then the next step's loaded (masked past the split's last step)
             if A_GROUPED:
-                a_k = tl.load(a_scale_ptrs + k * stride_ask, mask=offs_m < M, other=0.0)
-                part *= a_k[None, :] if SWAP_AB else a_k[:, None]
+                a_s = a_k
+                a_k = tl.load(a_scale_ptrs + (k + 1) * stride_ask, mask=(offs_m < M) & (k + 1 < k_end), other=0.0)
             if B_GROUPED:
-                b_k = tl.load(b_scale_ptrs + k * stride_bsk, mask=offs_n < N, other=0.0)
-                part *= b_k[:, None] if SWAP_AB else b_k[None, :]
-            acc += part
+                b_s = b_k
+                b_next = b_scale_ptrs + (k + 1) * stride_bsk
+                if B_SCALAR:
+                    b_k = tl.load(b_next, mask=k + 1 < k_end, other=0.0)
+                else:
+                    b_k = tl.load(b_next, mask=(offs_n < N) & (k + 1 < k_end), other=0.0)
+            # the step's product scaled and added by one FMA an element where the scales are one a row (a's
+            # groups times a scalar b scale, or either alone)
+            if B_GROUPED and not B_SCALAR:
+                part *= b_s[:, None] if SWAP_AB else b_s[None, :]
+            if A_GROUPED:
+                if B_SCALAR:
+                    a_s *= b_s
+                acc = tl.fma(part, a_s[None, :] if SWAP_AB else a_s[:, None], acc)
+            elif B_SCALAR:
+                acc = tl.fma(part, b_s, acc)
+            else:
+                acc += part
         elif SWAP_AB:
             acc = tl.dot(b.T, a.T, acc, max_num_imprecise_acc=IMPRECISE_K)
         else:

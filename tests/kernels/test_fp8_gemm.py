@@ -552,6 +552,23 @@ INTERPRETER_CHECK = textwrap.dedent(
         ws_bad = ws.clone(); ws_bad[-1, -1] *= 2  # one ragged corner block wrong must show
         y_bad = fp8_gemm(xq, wq, xs, ws_bad, bias, torch.float32, config=cfg, a_block=(1, 32), b_block=(32, 32))
         assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 1e-3
+    # each K step's scales (loaded a step ahead) for every mix of K groups: activation groups with per-channel or
+    # per-tensor weights (the fused MLP's h in groups), per-token activations with weight blocks, weight blocks of
+    # fewer rows than the N tile (a scale per row of it) and of more; direct, transposed, split in 2 and 3 (a split
+    # of one step); the last K group's scale of one row or block wrong must show
+    for (m, n, k), (xb, wb) in [((5, 40, 96), ([1, 32], [1, -1])), ((5, 40, 96), ([1, 32], [-1, -1])),
+                                ((5, 40, 96), ([1, -1], [32, 32])), ((5, 40, 96), ([1, 32], [8, 32])),
+                                ((18, 72, 128), ([1, 32], [64, 32])), ((3, 33, 70), ([1, -1], [8, 32]))]:
+        xq, xs, wq, ws, bias = operands(m, n, k, xb, wb, "cpu")
+        ref = reference(xq, xs, xb, wq, ws, wb, bias, torch.float32)
+        blocks = dict(a_block=tuple(xb), b_block=tuple(wb))
+        for extra in ({}, {"SWAP_AB": True}, {"SPLIT_K": 2}, {"SPLIT_K": 3, "SWAP_AB": True}):
+            y = fp8_gemm(xq, wq, xs, ws, bias, torch.float32, config={**cfg, **extra}, **blocks)
+            assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (m, n, k, xb, wb, extra)
+        xs_bad, ws_bad = xs.clone(), ws.clone()
+        (xs_bad if xb[1] != -1 else ws_bad)[-1, -1] *= 2  # the last row's (weight block's) last K group
+        y_bad = fp8_gemm(xq, wq, xs_bad, ws_bad, bias, torch.float32, config=cfg, **blocks)
+        assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 1e-3, (m, n, k, xb, wb)
     # weight-only: fp16 activations, fp8 weight upcast in the kernel
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 96, generator=g).half()
