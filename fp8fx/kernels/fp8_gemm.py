@@ -551,7 +551,15 @@ def tile_config(m: int, n: int, k: int, a_quant: bool = False, transposed: bool 
     ``fp8_gemm`` sets to the K group, if any: ``k_groups``; ``transposed``: its transposed tiles of 2-16 rows)."""
     if gemv_fits(m, n, k):
         return gemv_config(n, k, a_quant)
-    return mma_tile_config(m, n, k, transposed, long_steps=not (a_quant or k_groups))
+    cfg = mma_tile_config(m, n, k, transposed, long_steps=not (a_quant or k_groups))
+    if k_groups and transposed and m > 64:
+        # fp8 activations in K groups above 64 rows (DeepSeek-V3's 1x128 / 128x128 blocks): both operands by TMA
+        # copies. H200 run 76 (`tune_gemm.py --block --tma`, M = 4096, the scales loaded a step ahead): gate_up
+        # 28672x4096 0.997 ms against 1.171 with pointer loads, down 4096x14336 0.536 against 0.555, qkv 6144x4096
+        # 0.241 against 0.247 (64 x 128 tiles of 4 warps 0.240), o 4096x4096 0.156 against 0.166; cuBLAS's block
+        # GEMM 0.750 / 0.382 / 0.175 / 0.122
+        cfg = {**cfg, "TMA": True, "TMA_A": True}
+    return cfg
 
 
 HOPPER_ONLY = ("SWAP_AB", "TMA", "TMA_A")  # the tile keys ``for_device`` drops before sm_90
