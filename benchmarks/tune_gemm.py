@@ -249,7 +249,8 @@ def _duel(label: str, runs: dict, bytes_: int, rounds: int) -> dict:
 def block_duel(ms=(16, 64, 2048, 4096), rounds=5, shapes=None):
     """128x128 weight blocks with 1x128 activation groups: fp8fx's Triton kernel at its default tile (``fp8_gemm``,
     not the op, which sends M >= 2048 to cuBLAS) against cuBLAS's block-scaled GEMM (``F.scaled_mm``), interleaved
-    rounds; plain calls through ``do_bench`` above 64 rows, CUDA-graph replays up to 64. Run in two processes, one
+    rounds; CUDA-graph replays up to 512 rows (a plain call's host time is more than these GEMMs' there), plain
+    calls through ``do_bench`` above. Run in two processes, one
     importing an older fp8fx, it times a kernel change against the kernel before it (each against the same cuBLAS)."""
     for name, (n, k) in (shapes or {key: SHAPES[key] for key in ("gate_up", "down", "qkv")}).items():
         torch.manual_seed(n + k)
@@ -267,7 +268,7 @@ def block_duel(ms=(16, 64, 2048, 4096), rounds=5, shapes=None):
             times = {key: [] for key in runs}
             for r in range(rounds):
                 for key in (list(runs) if r % 2 else list(runs)[::-1]):
-                    times[key].append(time_ms(runs[key], graph=m <= 64))
+                    times[key].append(time_ms(runs[key], graph=m <= 512))
             med = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
             ratio = f", triton vs cuBLAS {med['cublas'] / med['triton']:.3f}x" if "cublas" in med else ""
             print(f"blocks {name} [{n}x{k}] M={m}: " + ", ".join(

@@ -401,8 +401,10 @@ def _row_major(wq: torch.Tensor) -> torch.Tensor:
 def cublas_block_fits(m: int, n: int, k: int, x_block, w_block, out_dtype) -> bool:
     """cuBLAS's 1x128 x 128x128 block-scaled GEMM (``F.scaled_mm``) for prefill, where it was run on the H200
     (runs 7 and 8, Llama-3-8B shapes; N, K multiples of 128; bf16 out): at M = 2048 and 4096 it took
-    0.54-0.59x the time of fp8fx's Triton block kernel. At M = 16 the Triton kernel was as fast or faster
-    (gate_up 0.0431 against 0.0493 ms) and cuBLAS refuses M = 1, so decode sizes (M <= 64) stay on the
+    0.54-0.59x the time of fp8fx's Triton block kernel then, 0.69-0.78x since that kernel loads its scales a step
+    ahead and both operands by TMA (run 76, M = 4096). At M = 16 the Triton kernel was as fast or faster
+    (gate_up 0.0431 against 0.0493 ms; run 76: 1.18-1.50x cuBLAS's speed at 16 rows, 1.10-1.66x at 64) and cuBLAS
+    refuses M = 1, so decode sizes (M <= 64) stay on the
     Triton kernel, as do ragged blocks, M not a multiple of 16 and K/128 not a multiple of 4 (torch 2.11's
     meta check refuses those unpadded)."""
     return (

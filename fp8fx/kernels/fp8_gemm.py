@@ -15,7 +15,8 @@ grouped/blocks  ``a_scale``: ``[M, ceil(K / GK)]``     ``b_scale``: ``[ceil(N / 
 
 Per-tensor and per-row scales factor out of the K sum and are applied once per output tile, in the
 epilogue. Scales that change along K (1 x GK activation groups, BN_W x GK weight blocks, DeepSeek-V3
-style) multiply each K step's partial product, so BLOCK_K == GK there. The dots stay on the fp8
+style) multiply each K step's partial product, so BLOCK_K == GK there (the step's scales loaded one step
+ahead, by one FMA an element where they are one a row of the tile). The dots stay on the fp8
 operands (Hopper fp8 tensor cores, fp32 accumulator) - unless ``A_FP8`` is False: the weight-only
 variant takes bf16/fp16 activations, upcasts each fp8 weight tile in registers and runs a 16-bit dot
 (GPUs without fp8 tensor cores, compute capability < 8.9).
