@@ -369,9 +369,9 @@ def moe_gemm13_kernel(
             g_s = tl.load(g_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
             if GATED:
                 u_s = tl.load(u_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
-            acc_g += tl.dot(a, g) * (a_s * g_s)
+            acc_g = tl.fma(tl.dot(a, g), a_s * g_s, acc_g)
             if GATED:
-                acc_u += tl.dot(a, u) * (a_s * u_s)
+                acc_u = tl.fma(tl.dot(a, u), a_s * u_s, acc_u)
         else:
             acc_g = tl.dot(a, g, acc_g, max_num_imprecise_acc=IMPRECISE_K)
             if GATED:
@@ -503,7 +503,7 @@ def moe_gemm2_kernel(
             else:
                 a_s = tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)[:, None]
             w_s = tl.load(w_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
-            acc += tl.dot(a, w) * (a_s * w_s)
+            acc = tl.fma(tl.dot(a, w), a_s * w_s, acc)
         else:
             acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE_K)
         a_offs += BLOCK_K * stride_ak
