@@ -734,12 +734,16 @@ def imprecise_k(cfg: dict, fast_accum: bool) -> Optional[int]:
 
 def _descriptor(t: torch.Tensor, rows: int, block_k: int):
     """A host tensor descriptor of ``t`` [R, K] in [rows, block_k] tiles (the kernel's loads become Hopper TMA
-    copies, zero-filled past the edges), or None where TMA cannot address it: rows and base must be 16-byte aligned.
+    copies, zero-filled past the edges), or None where TMA cannot address it: rows and base must be 16-byte aligned,
+    rows apart by at least a row (an expanded operand's rows at stride 0 are not a layout TMA was tested with), and
+    neither side empty (a descriptor of zero rows or columns is refused: pointer loads then, as before TMA).
     Per tile configuration: ``TMA=True`` the weight (the fused MLP's down GEMM of h in groups takes it,
     ``gated_mlp.down_tile_config``, H200 run 19; ``tune_gemm.py --tma`` sweeps it), ``TMA_A=True`` fp8 activations."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     if t.stride(1) != 1 or (t.stride(0) * t.element_size()) % 16 or t.data_ptr() % 16:
+        return None
+    if 0 in t.shape or t.stride(0) < t.shape[1]:
         return None
     return TensorDescriptor(t, list(t.shape), [t.stride(0), 1], [rows, block_k])
 

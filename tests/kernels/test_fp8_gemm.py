@@ -569,6 +569,13 @@ INTERPRETER_CHECK = textwrap.dedent(
         (xs_bad if xb[1] != -1 else ws_bad)[-1, -1] *= 2  # the last row's (weight block's) last K group
         y_bad = fp8_gemm(xq, wq, xs_bad, ws_bad, bias, torch.float32, config=cfg, **blocks)
         assert ((y_bad.double() - ref).abs().max() / ref.abs().max()).item() > 1e-3, (m, n, k, xb, wb)
+    # an empty weight or batch above 64 rows, where K groups take TMA copies (a descriptor of zero rows is refused:
+    # pointer loads, an empty output)
+    for m, n in [(80, 0), (0, 40)]:
+        y = fp8_gemm(torch.zeros(m, 64).to(quant.FP8_DTYPE), torch.zeros(n, 64).to(quant.FP8_DTYPE),
+                     torch.ones(m, 2), torch.ones(-(-n // 32), 2), None, torch.float32, a_block=(1, 32),
+                     b_block=(32, 32))
+        assert tuple(y.shape) == (m, n), (m, n, y.shape)
     # weight-only: fp16 activations, fp8 weight upcast in the kernel
     g = torch.Generator().manual_seed(1)
     x = torch.randn(5, 96, generator=g).half()
