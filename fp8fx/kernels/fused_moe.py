@@ -300,9 +300,6 @@ def moe_gemm13_kernel(
     # PDL (DIRECT_PDL_TRIGGER): the program waits for the kernel before it first; PDL_TRIGGER 1 then lets the next
     # kernel launch, 2 does so after the K loop
     PDL_WAIT: tl.constexpr = False, PDL_TRIGGER: tl.constexpr = 0,
-    # W_SCALAR (K_GROUPED): the N tile's gate rows lie in one weight block, and so do its up rows (``scalar_blocks``):
-    # one weight scale a K step each, and each step's product scaled and added by one FMA an element
-    W_SCALAR: tl.constexpr = False,
 ):
     _pdl_start(PDL_WAIT, PDL_TRIGGER == 1)
     expert, pair, rows, valid = _block_rows(sorted_pair_ptr, block_expert_ptr, S, E, K_TOP, True, BLOCK_M, DIRECT)
@@ -338,9 +335,6 @@ def moe_gemm13_kernel(
     ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
     g_s_ptrs = ws_base + (g_rows // W_BLOCK_N) * stride_wsn  # [BN]
     u_s_ptrs = ws_base + ((g_rows + UP_SHIFT) // W_BLOCK_N) * stride_wsn
-    # (W_SCALAR) the tile's one scale row of gate and of up
-    g_s_ptrs0 = ws_base + ((tl.program_id(1) * BLOCK_N) // W_BLOCK_N) * stride_wsn
-    u_s_ptrs0 = ws_base + ((tl.program_id(1) * BLOCK_N + UP_SHIFT) // W_BLOCK_N) * stride_wsn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(K, BLOCK_K)):
@@ -353,15 +347,7 @@ def moe_gemm13_kernel(
             u = tl.load(u_tile + w_offs, mask=w_mask, other=0.0)
         if X_QUANT:
             a = _first_row_fp8(x_row + k * BLOCK_K, offs_k, k_left, x_s, FP8_MAX, BLOCK_M, g.dtype)
-        if K_GROUPED and W_SCALAR:  # (the scales loaded before the dots: their latency under the wgmma's)
-            a_s = x_s if X_QUANT else tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)
-            s_g = a_s * tl.load(g_s_ptrs0 + k * stride_wsk)
-            if GATED:
-                s_u = a_s * tl.load(u_s_ptrs0 + k * stride_wsk)
-            acc_g = tl.fma(tl.dot(a, g), s_g if X_QUANT else s_g[:, None], acc_g)
-            if GATED:
-                acc_u = tl.fma(tl.dot(a, u), s_u if X_QUANT else s_u[:, None], acc_u)
-        elif K_GROUPED:
+        if K_GROUPED:
             if X_QUANT:
                 a_s = x_s
             else:
@@ -369,9 +355,9 @@ def moe_gemm13_kernel(
             g_s = tl.load(g_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
             if GATED:
                 u_s = tl.load(u_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
-            acc_g = tl.fma(tl.dot(a, g), a_s * g_s, acc_g)
+            acc_g += tl.dot(a, g) * (a_s * g_s)
             if GATED:
-                acc_u = tl.fma(tl.dot(a, u), a_s * u_s, acc_u)
+                acc_u += tl.dot(a, u) * (a_s * u_s)
         else:
             acc_g = tl.dot(a, g, acc_g, max_num_imprecise_acc=IMPRECISE_K)
             if GATED:
@@ -450,9 +436,6 @@ def moe_gemm2_kernel(
     PARTS_BLOCK: tl.constexpr = 64, EPS: tl.constexpr = 1e-12, FP8_MAX: tl.constexpr = 448.0,
     # PDL: launched while the first GEMM drains; the program waits for its memory before it touches any
     PDL_WAIT: tl.constexpr = False,
-    # W_SCALAR (K_GROUPED): the N tile lies in one weight block (``scalar_blocks``): one weight scale a K step, each
-    # step's product scaled and added by one FMA an element
-    W_SCALAR: tl.constexpr = False,
 ):
     _pdl_start(PDL_WAIT, False)
     expert, pair, rows, valid = _block_rows(sorted_pair_ptr, block_expert_ptr, S, E, K_TOP, False, BLOCK_M, DIRECT)
@@ -472,9 +455,7 @@ def moe_gemm2_kernel(
     a_offs = offs_k[None, :] * stride_ak  # [1, BK]
     w_offs = tl.arange(0, BLOCK_N)[None, :] * stride_wn + offs_k[:, None] * stride_wk  # [BK, BN]
     a_s_ptrs = a_scale_ptr + rows * stride_asm  # [BM]
-    ws_base = w_scale_ptr + expert.to(tl.int64) * stride_wse
-    w_s_ptrs = ws_base + (offs_n // W_BLOCK_N) * stride_wsn  # [BN]
-    w_s_ptrs0 = ws_base + ((tl.program_id(1) * BLOCK_N) // W_BLOCK_N) * stride_wsn  # (W_SCALAR) the tile's scale row
+    w_s_ptrs = w_scale_ptr + expert.to(tl.int64) * stride_wse + (offs_n // W_BLOCK_N) * stride_wsn  # [BN]
     # (DIRECT) the pair's row of the intermediate and its scale
     a_row = a_ptr + tl.program_id(0).to(tl.int64) * stride_am
     if A_QUANT == 1:
@@ -493,17 +474,13 @@ def moe_gemm2_kernel(
             a = _first_row_fp8(a_row + k * BLOCK_K, offs_k, k_left, a_q, FP8_MAX, BLOCK_M, w.dtype)
         else:
             a = tl.load(a_rows + a_offs, mask=valid[:, None] & (offs_k[None, :] < k_left), other=0.0)
-        if K_GROUPED and W_SCALAR:
-            a_s = a_q if A_QUANT else tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)
-            s_w = a_s * tl.load(w_s_ptrs0 + k * stride_wsk)
-            acc = tl.fma(tl.dot(a, w), s_w if A_QUANT else s_w[:, None], acc)
-        elif K_GROUPED:
+        if K_GROUPED:
             if A_QUANT:
                 a_s = a_q
             else:
                 a_s = tl.load(a_s_ptrs + k * stride_ask, mask=valid, other=0.0)[:, None]
             w_s = tl.load(w_s_ptrs + k * stride_wsk, mask=n_ok, other=0.0)[None, :]
-            acc = tl.fma(tl.dot(a, w), a_s * w_s, acc)
+            acc += tl.dot(a, w) * (a_s * w_s)
         else:
             acc = tl.dot(a, w, acc, max_num_imprecise_acc=IMPRECISE_K)
         a_offs += BLOCK_K * stride_ak
@@ -680,12 +657,6 @@ def direct_by_default(t: int, k_top: int, e: int, pair_bytes: int) -> bool:
 ACTIVATIONS = {"silu": 0, "swiglu_oai": 1, "silu_clamped": 2, "gelu_tanh": 3, "gelu": 4, "relu2": 5}
 
 
-def scalar_blocks(block_rows: int, block_n: int, up_shift: int = 0) -> bool:
-    """Whether every N tile of ``block_n`` weight rows (and the up rows ``up_shift`` after them) lies in one block of
-    ``block_rows`` rows: one weight scale a K step for the whole tile (the kernels' ``W_SCALAR``)."""
-    return block_rows % block_n == 0 and up_shift % block_rows == 0
-
-
 def _bias(bias: Optional[torch.Tensor], fallback: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """(pointer, expert stride, row stride) of a [E, R] bias; with none, any tensor and strides 0 (not read)."""
     return (fallback, 0, 0) if bias is None else (bias, bias.stride(0), bias.stride(1))
@@ -709,8 +680,6 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
     groups = cdiv(i, consts["BLOCK_N"]) if fuse_group or amax_out else 1
     i_scale = torch.empty(s, groups, device=xq.device, dtype=torch.float32)
     grid = (block_expert.numel(), cdiv(i, consts["BLOCK_N"]))
-    w_scalar = consts["K_GROUPED"] and not interleaved and scalar_blocks(
-        s13_rows, consts["BLOCK_N"], i if form.get("gated", True) else 0)
     moe_gemm13_kernel[grid](
         xq, w13, inter, x_scale, s13, sorted_pair, block_expert, i_scale, bias[0],
         s, i, w13.shape[2], 1 if interleaved else i, w13.shape[0],
@@ -718,7 +687,6 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
         xq.stride(0), xq.stride(1), w13.stride(0), w13.stride(1), w13.stride(2), inter.stride(0), inter.stride(1),
         *_act_strides(x_scale), *s13_strides, i_scale.stride(0), i_scale.stride(1), *bias[1:],
         K_TOP=k_top, W_BLOCK_N=s13_rows, ROW_STEP=2 if interleaved else 1, HAS_BIAS=b13 is not None,
-        W_SCALAR=w_scalar,
         ACT=ACTIVATIONS[form.get("activation", "silu")], GATED=form.get("gated", True), QUANT_OUT=bool(fuse_group),
         AMAX_OUT=amax_out and not fuse_group, X_QUANT=x_quant, ROW_BLOCK=min(4096, next_power_of_2(w13.shape[2])),
         EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **consts, **cfg,
@@ -856,7 +824,6 @@ def fused_moe(
         iq.stride(0), iq.stride(1), w2.stride(0), w2.stride(1), w2.stride(2), y.stride(0), y.stride(1),
         *_act_strides(i_scale), *s2_strides, *bias2[1:], out.stride(0),
         W_BLOCK_N=s2_rows, HAS_BIAS=w2_bias is not None, K_TOP=k_top, A_QUANT=a_quant, N_PARTS=n_parts,
-        W_SCALAR=consts2["K_GROUPED"] and scalar_blocks(s2_rows, consts2["BLOCK_N"]),
         PARTS_BLOCK=min(64, next_power_of_2(n_parts)), EPS=quant.AMAX_EPS, FP8_MAX=quant.FP8_MAX, **consts2, **cfg2,
     )
     if direct:  # the second GEMM combined the pairs

@@ -569,15 +569,13 @@ INTERPRETER_CHECK = textwrap.dedent(
                 y = fused_moe(x, w, ids, q13, s13, q2, s2, wb, ab, torch.float32, config=cfg,
                               quantize=torch_quantize_act, **form)
                 assert ((y - ref).norm() / ref.norm()).item() < 0.05, (wb, ab, activation, "fused quantization")
-    # weight blocks that hold whole N tiles (W_SCALAR: one weight scale a K step of a tile, each step added by one
-    # FMA): 32 intermediate rows, so 16- and 32-row blocks split gate from up; H = 72 ragged against both GEMMs'
-    # tiles; one wrong scale of expert 2's first up block, or of its last (ragged) down block, must show
-    from fp8fx.kernels.fused_moe import scalar_blocks
+    # weight blocks that hold whole N tiles (one weight scale a K step of a tile): 32 intermediate rows, so 16- and
+    # 32-row blocks split gate from up; H = 72 ragged against both GEMMs' tiles; one wrong scale of expert 2's first
+    # up block, or of its last (ragged) down block, must show
     i32 = 32
     for wb, ab in [([16, 32], [1, 32]), ([32, 32], [1, -1]), ([16, 32], [-1, -1])]:
         q13, s13 = quant.quantize(torch.randn(E, 2 * i32, H, generator=g) / 8, wb)
         q2, s2 = quant.quantize(torch.randn(E, H, i32, generator=g) / 6, wb)
-        assert scalar_blocks(wb[0], cfg["BLOCK_N"], i32), wb
         x = torch.randn(21, H, generator=g).bfloat16()
         ids = torch.stack([torch.randperm(E, generator=g)[:3] for _ in range(21)])
         ids[:, 0] = 2
@@ -1181,8 +1179,7 @@ def test_fused_moe_kernels_compile_for_sm90(pairs_per_expert, i, h, grouped, gpt
             ["S", "N", "K", "UP_SHIFT", "E", "alpha", "limit", *strides, "stride_im", "stride_in", *scale_strides,
              "stride_ism", "stride_isg", "stride_be", "stride_bn"],
             {"K_TOP": 8, **schemes, **form, **quant_out, **tiles, "DIRECT": False, "X_QUANT": 0, "ROW_BLOCK": 1024,
-             "PDL_WAIT": False, "PDL_TRIGGER": 0,
-             "W_SCALAR": w_scalar(schemes, tiles, i if form["GATED"] else 0, form["ROW_STEP"])}, cfg)
+             "PDL_WAIT": False, "PDL_TRIGGER": 0}, cfg)
 
     k13 = gemm13(schemes)
     if not grouped and tiles["BLOCK_M"] >= 64:  # wgmma tiles: promotion per K step shows as fp32 adds
@@ -1214,15 +1211,7 @@ def compile_gemm2(ptr: dict, routing: dict, consts: dict, cfg: dict, direct: tup
                            "tickets_ptr": "*i32"},
         ["S", "N", "K", "E", *strides],
         {**consts, "DIRECT": direct[0], "K_TOP": direct[1], "A_QUANT": direct[2], "N_PARTS": 29, "PARTS_BLOCK": 32,
-         "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX, "PDL_WAIT": pdl, "W_SCALAR": w_scalar(consts, consts)}, cfg)
-
-
-def w_scalar(schemes: dict, tiles: dict, up_shift: int = 0, row_step: int = 1) -> bool:
-    """The kernels' W_SCALAR as ``fused_moe`` sets it: K-grouped weight blocks that hold a whole N tile."""
-    from fp8fx.kernels.fused_moe import scalar_blocks
-
-    return bool(schemes["K_GROUPED"]) and row_step == 1 and scalar_blocks(schemes["W_BLOCK_N"], tiles["BLOCK_N"],
-                                                                          up_shift)
+         "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX, "PDL_WAIT": pdl}, cfg)
 
 
 @pytest.mark.parametrize("i,h,x_quant,a_quant,form,trigger", [  # one token: every in-kernel quantization, each
@@ -1261,8 +1250,7 @@ def test_direct_moe_kernels_compile_for_sm90(i, h, x_quant, a_quant, form, trigg
          "ACT": {"silu": 0, "gpt_oss": 1, "ungated": 5}[form], "GATED": form != "ungated", "QUANT_OUT": grouped,
          "AMAX_OUT": a_quant in (1, 2), "EPS": quant.AMAX_EPS, "FP8_MAX": quant.FP8_MAX, **tiles, "DIRECT": True,
          "X_QUANT": x_quant, "ROW_BLOCK": min(4096, 1 << (h - 1).bit_length()), "PDL_WAIT": trigger > 0,
-         "PDL_TRIGGER": trigger,
-         "W_SCALAR": w_scalar(schemes, tiles, 0 if form == "ungated" else i, 2 if form == "gpt_oss" else 1)}, cfg)
+         "PDL_TRIGGER": trigger}, cfg)
     inter = "*fp8e4nv" if grouped else "*fp32"
     k2 = compile_gemm2({"a_ptr": inter, "w_ptr": "*fp8e4nv"}, routing,
                        {**schemes, "HAS_BIAS": form == "gpt_oss", **tiles2}, cfg2, direct=(True, 8, a_quant),
