@@ -250,8 +250,8 @@ def block_duel(ms=(16, 64, 2048, 4096), rounds=5, shapes=None):
     """128x128 weight blocks with 1x128 activation groups: fp8fx's Triton kernel at its default tile (``fp8_gemm``,
     not the op, which sends M >= 2048 to cuBLAS) against cuBLAS's block-scaled GEMM (``F.scaled_mm``), interleaved
     rounds; CUDA-graph replays up to 512 rows (a plain call's host time is more than these GEMMs' there), plain
-    calls through ``do_bench`` above. Run in two processes, one
-    importing an older fp8fx, it times a kernel change against the kernel before it (each against the same cuBLAS)."""
+    calls through ``do_bench`` above. Run in two processes, one importing an older fp8fx, it times a kernel change
+    against the kernel before it (each against the same cuBLAS)."""
     for name, (n, k) in (shapes or {key: SHAPES[key] for key in ("gate_up", "down", "qkv")}).items():
         torch.manual_seed(n + k)
         w = torch.randn(n, k, device="cuda") / k**0.5

@@ -404,9 +404,8 @@ def cublas_block_fits(m: int, n: int, k: int, x_block, w_block, out_dtype) -> bo
     0.54-0.59x the time of fp8fx's Triton block kernel then, 0.69-0.78x since that kernel loads its scales a step
     ahead and both operands by TMA (run 76, M = 4096). At M = 16 the Triton kernel was as fast or faster
     (gate_up 0.0431 against 0.0493 ms; run 76: 1.18-1.50x cuBLAS's speed at 16 rows, 1.10-1.66x at 64) and cuBLAS
-    refuses M = 1, so decode sizes (M <= 64) stay on the
-    Triton kernel, as do ragged blocks, M not a multiple of 16 and K/128 not a multiple of 4 (torch 2.11's
-    meta check refuses those unpadded)."""
+    refuses M = 1, so decode sizes (M <= 64) stay on the Triton kernel, as do ragged blocks, M not a multiple of 16
+    and K/128 not a multiple of 4 (torch 2.11's meta check refuses those unpadded)."""
     return (
         hasattr(torch.nn.functional, "scaled_mm")
         and tuple(x_block) == (1, 128) and tuple(w_block) == (128, 128) and out_dtype == torch.bfloat16
