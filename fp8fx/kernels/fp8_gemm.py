@@ -307,7 +307,7 @@ def fp8_gemm_kernel(
     # K groups: each step's scales are loaded one step ahead. Loaded in their own step, after its dot, every step
     # waited on a global load the pipeliner does not stage (it stages the dots' operands) on top of the wgmma. H200
     # run 76 (`tune_gemm.py --block --duel`, 128x128 blocks): 1.2-1.3x faster at 2048-4096 rows (gate_up at 4096
-    # 1.408 ms against 1.734), 1.02-1.07x at 16-64
+    # 1.408 ms against 1.734), 1.01-1.07x at 16-64
     if A_GROUPED:
         a_k = tl.load(a_scale_ptrs + k_first * stride_ask, mask=(offs_m < M) & (k_first < k_end), other=0.0)
     if B_GROUPED:
