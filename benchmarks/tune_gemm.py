@@ -227,13 +227,13 @@ def gemv_candidates(k: int, k_stages=(1,)) -> list[dict]:
     return out
 
 
-def _medians(runs: dict, rounds: int) -> dict:
-    """Each of ``runs`` timed as CUDA-graph replays in ``rounds`` interleaved rounds (every other round in reverse
-    order): the median ms of each."""
+def _medians(runs: dict, rounds: int, graph: bool = True) -> dict:
+    """Each of ``runs`` timed as CUDA-graph replays (``graph``; else plain calls through ``do_bench``) in ``rounds``
+    interleaved rounds (every other round in reverse order): the median ms of each."""
     times = {name: [] for name in runs}
     for r in range(rounds):
         for name in (list(runs) if r % 2 else list(runs)[::-1]):
-            times[name].append(time_ms(runs[name], True))
+            times[name].append(time_ms(runs[name], graph))
     return {name: sorted(t)[len(t) // 2] for name, t in times.items()}
 
 
@@ -265,11 +265,7 @@ def block_duel(ms=(16, 64, 2048, 4096), rounds=5, shapes=None):
                 runs["cublas"] = cublas_blockwise(xq, xs, wq, ws)
             ref = x.double() @ w.double().t()
             errs = {key: ((fn().double() - ref).abs().max() / ref.abs().max()).item() for key, fn in runs.items()}
-            times = {key: [] for key in runs}
-            for r in range(rounds):
-                for key in (list(runs) if r % 2 else list(runs)[::-1]):
-                    times[key].append(time_ms(runs[key], graph=m <= 512))
-            med = {key: sorted(t)[len(t) // 2] for key, t in times.items()}
+            med = _medians(runs, rounds, graph=m <= 512)
             ratio = f", triton vs cuBLAS {med['cublas'] / med['triton']:.3f}x" if "cublas" in med else ""
             print(f"blocks {name} [{n}x{k}] M={m}: " + ", ".join(
                 f"{key} {t:.4f} ms ({2 * m * n * k / t / 1e9:.0f} TFLOP/s, error {errs[key]:.4f})"
