@@ -767,18 +767,18 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
 
 
 class _WeightReads(TorchFunctionMode):
-    """Records, as ``record(fqn, x)``, the input ``x`` of every linear of a tracked ``nn.Linear`` weight that is not
-    a call of the module, in the spellings the linear pass rewrites: ``F.linear(x, layer.weight)``,
-    ``x @ layer.weight.t()``, ``torch.mm(x, w.T)``, ``torch.addmm(b, x, w.mT)``, the weight read through ``.t()``,
-    ``.T``, ``.mT``, ``transpose``, ``permute``, casts that change nothing (to its own dtype and device) and
-    ``contiguous``, or on the left (``w @ x``): a module hook
+    """Records, as ``record(fqns, x)``, the input ``x`` of every linear of a tracked ``nn.Linear`` weight (``fqns``: the
+    layers that hold it, several where they share it) that is not a call of the module, in the spellings the linear
+    pass rewrites: ``F.linear(x, layer.weight)``, ``x @ layer.weight.t()``, ``torch.mm(x, w.T)``,
+    ``torch.addmm(b, x, w.mT)``, the weight read through ``.t()``, ``.T``, ``.mT``, ``transpose``, ``permute``, casts
+    that change nothing (to its own dtype and device) and ``contiguous``, or on the left (``w @ x``): a module hook
     does not see these, and static activations need their scales. A call of the module itself, whose ``F.linear``
     is seen too, is measured by that (``calibrate``'s ``read``). An fp8 layer's weight, dequantized anew at each read,
     is found by its name (``named``)."""
 
     _MATMULS = frozenset(("matmul", "mm", "__matmul__"))
 
-    def __init__(self, weights: Mapping[str, torch.Tensor], record: Callable[[str, torch.Tensor], None],
+    def __init__(self, weights: Mapping[str, torch.Tensor], record: Callable[[list[str], torch.Tensor], None],
                  named: Optional[Mapping[str, list[str]]] = None):
         super().__init__()
         self.record = record
@@ -825,8 +825,7 @@ class _WeightReads(TorchFunctionMode):
     def _seen(self, x, read, transposed: bool) -> None:
         if read is None or read[1] != transposed or not isinstance(x, torch.Tensor) or not x.is_floating_point():
             return
-        for fqn in read[0]:
-            self.record(fqn, x)
+        self.record(read[0], x)
 
 
 def _transposing_view(src: torch.Tensor, out: torch.Tensor) -> bool:
@@ -1073,17 +1072,21 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
         if value is not None and output is not None:  # (None: its forward raised - a path tried, then another -, and
             _record(amax, fqn, value.float().item(), batch_no[0])  # its GEMM quantized nothing)
 
-    def read(fqn: str, x: torch.Tensor) -> None:
-        """A linear of ``fqn``'s weight (``_WeightReads``): within a call of the layer, what its GEMM reads."""
-        value = measure(fqn, x)
-        stack = calls.get(fqn)
-        if not stack:  # another module's F.linear(x, layer.weight)
-            if value is not None:
-                _record(amax, fqn, value.float().item(), batch_no[0])
-            return
-        top = stack[-1]
-        top[0] = value if not top[1] or top[0] is None else top[0] if value is None else torch.maximum(top[0], value)
-        top[1] = True
+    def read(fqns: list[str], x: torch.Tensor) -> None:
+        """A linear of the weight of ``fqns`` (``_WeightReads``; several where linears share one weight): within a
+        call of one of them, what that layer's GEMM reads; outside any, each one's input (another module's
+        ``F.linear(x, layer.weight)``). (Each of two layers sharing a weight was given the other's input too.)"""
+        for fqn in [fqn for fqn in fqns if calls.get(fqn)] or fqns:
+            value = measure(fqn, x)
+            stack = calls.get(fqn)
+            if not stack:
+                if value is not None:
+                    _record(amax, fqn, value.float().item(), batch_no[0])
+                continue
+            top = stack[-1]
+            top[0] = (value if not top[1] or top[0] is None else top[0] if value is None
+                      else torch.maximum(top[0], value))
+            top[1] = True
 
     linears = {fqn: module for fqn, module in modules if is_linear(module)}
     for fqn, module in linears.items():

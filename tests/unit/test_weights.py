@@ -1670,6 +1670,26 @@ def test_calibrate_measures_linears_read_through_their_weights(caplog):
     assert rel_err(out, ref) < 0.12  # six fp8 layers in a row, weights and activations: 0.087
 
 
+def test_calibrate_gives_linears_sharing_a_weight_each_its_own_input():
+    """Two linears holding one weight (tied, or one module registered twice over a copy): the F.linear of a call of
+    either was recorded for both, so the one fed small inputs got the other's scale (100x its own here)."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(16, 16), nn.Linear(16, 16)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.a(x * 100) + self.b(x) + F.linear(x * 10, self.a.weight)  # (the last: a read of neither's call)
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 16)
+    scales = fp8fx.calibrate(Tied(), [x])
+    amax = x.abs().max().item()
+    assert scales == pytest.approx({"a": 100 * amax / quant.FP8_MAX, "b": 10 * amax / quant.FP8_MAX}, rel=1e-6)
+
+
 def test_calibrate_leaves_out_reads_through_a_cast_the_pass_does_not_rewrite():
     """``F.linear(x.float() * 50, layer.weight.float())`` computes in float32 on the dequantized weight (the pass does
     not rewrite it: a cast that changes the dtype); calibrate counted its input into the layer's scale, and the
