@@ -1131,7 +1131,12 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
         return (f"add {_shown(owners)} to ignored_layers" if owners else
                 "keep the model in high precision: it is the layer itself, which ignored_layers does not name")
 
-    zero = [fqn for fqn, a in amax.items() if a < quant.AMAX_EPS]
+    # the layers quantize_ keeps in high precision with this config (a router, a tied weight, a layer the model
+    # keeps, a shape the scheme does not take): it asks no scale of them, so none is missing (they were warned of, or
+    # refused, with advice to add them to ignored_layers)
+    decide = LinearDecider(model, prefix)
+    kept = {fqn for fqn, m in linears.items() if not is_quantized(m) and decide(fqn, m, config)[0] is not None}
+    zero = [fqn for fqn, a in amax.items() if a < quant.AMAX_EPS and fqn not in kept]
     if zero:  # the scale would be ~2e-15: every nonzero activation saturates at inference
         raise ValueError(
             f"calibrate: the inputs of {_shown(zero)} were all zero in every batch, or below {quant.AMAX_EPS:g} "
@@ -1139,7 +1144,7 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
             "every larger activation at inference: "
             f"calibrate with more or other batches, or {to_ignore(zero)}"
         )
-    unseen = [fqn for fqn, m in modules if is_linear(m) and fqn not in amax]
+    unseen = [fqn for fqn, m in modules if is_linear(m) and fqn not in amax and fqn not in kept]
     unseen += [name for fqn, m in experts for name in moe.input_scale_names(fqn, m) if name not in amax]
     called = [fqn for fqn in unseen if fqn in empty]
     if called:  # (it said "a branch the batches did not take" of a layer that was called on 0 rows)

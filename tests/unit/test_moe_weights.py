@@ -1336,3 +1336,34 @@ def test_moe_quantize_and_load_inside_a_meta_device_block(tmp_path):
         again = Block().to(torch.bfloat16)
         fp8fx.load_checkpoint(again, tmp_path, progress=False)
     assert torch.equal(again.experts.gate_up_proj.view(torch.uint8), model.experts.gate_up_proj.view(torch.uint8))
+
+
+def test_calibrate_asks_no_scale_of_the_layers_quantize_keeps_high(caplog):
+    """calibrate warned that a router and a tied linear received no input (and refused a router whose input was all
+    zero), advising to add them to ignored_layers: quantize_ keeps both in bf16 and asks no scale of them. A linear
+    it quantizes is still warned of."""
+
+    class Moe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gate = nn.Linear(H, E, bias=False)  # the router
+            self.shared_expert_gate = nn.Linear(H, 1, bias=False)  # a one-output gate, never called
+            self.experts = Experts()
+            self.proj, self.unused = nn.Linear(H, H), nn.Linear(H, H)
+            self.tied = nn.Linear(H, H)
+            self.tied.weight = self.proj.weight
+
+        def forward(self, x):
+            top_w, top_i = self.gate(torch.zeros_like(x)).add(torch.arange(E)).softmax(-1).topk(2)  # all-zero input
+            return self.experts(self.proj(x), top_i, top_w)
+
+    torch.manual_seed(0)
+    model = Moe()
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        scales = fp8fx.calibrate(model, [torch.randn(6, H)])
+    warned = [r.getMessage() for r in caplog.records]
+    assert len(warned) == 1 and "['unused'] received no input" in warned[0], warned
+    assert not any(name in warned[0] for name in ("gate", "tied")), warned
+    config = Fp8Config(activation_scheme="static", ignored_layers=["unused"])
+    fp8fx.quantize_(model, config, input_scales=scales)  # (asks for every scale it uses)
+    assert is_quantized_experts(model.experts) and not any(map(fp8fx.weights.is_quantized, (model.gate, model.proj)))
