@@ -798,8 +798,11 @@ def convert_command(args: argparse.Namespace) -> int:
         report = convert(args.src, args.dst, config, format=args.format, key_mapping=key_mapping,
                          quantize_lm_head=args.quantize_lm_head, progress=not args.no_progress)
     except (CheckpointError, ValueError, OSError) as e:
-        # (an OS error fp8fx worded has no file name: its message alone, without "[Errno 27] ")
-        said = e.strerror if isinstance(e, OSError) and e.strerror and e.filename is None else str(e)
+        # (an OS error fp8fx worded - no file name, a message other than the OS's own for its errno -: its message
+        # alone, without "[Errno 27] "; the OS's own keeps its number, which alone said "Cannot allocate memory")
+        worded = (isinstance(e, OSError) and e.strerror and e.filename is None
+                  and not (isinstance(e.errno, int) and e.strerror == os.strerror(e.errno)))
+        said = e.strerror if worded else str(e)
         raise UsageError(said.splitlines()[0]) from None
     print(report)
     return 0

@@ -1,6 +1,7 @@
 """The fp8fx command: exit codes and output on bad paths, bad configs and good models."""
 import json
 import logging
+import os
 import pathlib
 import re
 import subprocess
@@ -733,6 +734,16 @@ def test_convert_names_the_file_a_full_disk_stopped(capsys, tmp_path, monkeypatc
     code, _, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--no-progress")
     assert code == 2
     one_line_error(err, f"convert: writing {tmp_path / 'dst' / 'tokenizer.json'} failed: No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    monkeypatch.undo()
+
+    def no_memory(*args, **kwargs):  # the OS's own error, no file: its number stays (it printed the words alone)
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    monkeypatch.setattr(save, "write_file", no_memory)
+    code, _, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--no-progress")
+    assert code == 2
+    one_line_error(err, f"[Errno {errno.ENOMEM}] {os.strerror(errno.ENOMEM)}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
 
 
