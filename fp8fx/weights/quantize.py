@@ -6,6 +6,7 @@ import dataclasses
 import difflib
 import functools
 import inspect
+import itertools
 import logging
 import math
 import sys
@@ -1050,7 +1051,8 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     # else the module's input (a forward calibrate sees no F.linear of). A stack a layer: a call inside a call of it.
     # (It had compared the input with the last one measured by the tensor's version, which inference tensors keep
     # none of: under torch.inference_mode a layer called again on a tensor written in place was measured once.)
-    calls: dict[str, list[list]] = {}  # fqn -> [[amax tensor or None, its F.linear seen], ...]
+    calls: dict[str, list[list]] = {}  # fqn -> [[amax tensor or None, its F.linear seen, entry number], ...]
+    entries = itertools.count()  # (the innermost of the calls under way: the last entered)
 
     def measure(fqn: str, x) -> Optional[torch.Tensor]:
         if not isinstance(x, torch.Tensor):  # (a numpy batch: the hook's own x.numel() failed, naming nothing)
@@ -1065,18 +1067,20 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     def entered(fqn: str, args: tuple, kwargs: dict) -> None:
         # (the input by keyword under any name: Conv1D's forward(x), a subclass's forward(hidden_states))
         x = args[0] if args else kwargs.get("input", next(iter(kwargs.values()), None))
-        calls.setdefault(fqn, []).append([measure(fqn, x), False])
+        calls.setdefault(fqn, []).append([measure(fqn, x), False, next(entries)])
 
     def returned(fqn: str, output) -> None:
-        value, _ = calls[fqn].pop()
+        value = calls[fqn].pop()[0]
         if value is not None and output is not None:  # (None: its forward raised - a path tried, then another -, and
             _record(amax, fqn, value.float().item(), batch_no[0])  # its GEMM quantized nothing)
 
     def read(fqns: list[str], x: torch.Tensor) -> None:
         """A linear of the weight of ``fqns`` (``_WeightReads``; several where linears share one weight): within a
-        call of one of them, what that layer's GEMM reads; outside any, each one's input (another module's
-        ``F.linear(x, layer.weight)``). (Each of two layers sharing a weight was given the other's input too.)"""
-        for fqn in [fqn for fqn in fqns if calls.get(fqn)] or fqns:
+        call of one of them, what that layer's GEMM reads (the innermost call's, where one runs inside another);
+        outside any, each one's input (another module's ``F.linear(x, layer.weight)``). (Each of two layers sharing
+        a weight was given the other's input too.)"""
+        active = [fqn for fqn in fqns if calls.get(fqn)]
+        for fqn in [max(active, key=lambda f: calls[f][-1][2])] if active else fqns:
             value = measure(fqn, x)
             stack = calls.get(fqn)
             if not stack:
@@ -1136,7 +1140,12 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     # refused, with advice to add them to ignored_layers)
     decide = LinearDecider(model, prefix)
     kept = {fqn for fqn, m in linears.items() if not is_quantized(m) and decide(fqn, m, config)[0] is not None}
-    zero = [fqn for fqn, a in amax.items() if a < quant.AMAX_EPS and fqn not in kept]
+    for fqn in [fqn for fqn in kept if amax.get(fqn, 1.0) < quant.AMAX_EPS]:
+        # (no scale, rather than one of ~2e-15: quantize_ of a part, which does not see the weight it shares with
+        # another part, quantizes such a layer, and would have saturated every activation; it says the scale is
+        # missing instead)
+        del amax[fqn]
+    zero = [fqn for fqn, a in amax.items() if a < quant.AMAX_EPS]
     if zero:  # the scale would be ~2e-15: every nonzero activation saturates at inference
         raise ValueError(
             f"calibrate: the inputs of {_shown(zero)} were all zero in every batch, or below {quant.AMAX_EPS:g} "

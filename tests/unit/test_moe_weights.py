@@ -1364,6 +1364,35 @@ def test_calibrate_asks_no_scale_of_the_layers_quantize_keeps_high(caplog):
     warned = [r.getMessage() for r in caplog.records]
     assert len(warned) == 1 and "['unused'] received no input" in warned[0], warned
     assert not any(name in warned[0] for name in ("gate", "tied")), warned
+    assert "gate" not in scales  # (all-zero input: no scale of ~2e-15, which a part's quantize_ would take)
     config = Fp8Config(activation_scheme="static", ignored_layers=["unused"])
     fp8fx.quantize_(model, config, input_scales=scales)  # (asks for every scale it uses)
     assert is_quantized_experts(model.experts) and not any(map(fp8fx.weights.is_quantized, (model.gate, model.proj)))
+
+
+def test_calibrate_gives_no_scale_to_a_kept_layer_whose_inputs_were_zero():
+    """A layer the whole model keeps (its weight tied to another part's) but a part's quantize_ quantizes (a part
+    does not see the weight it shares): calibrate took its all-zero input silently and gave it a scale of ~2e-15,
+    which saturated every activation (0.98 off); it gives none, and the part's quantize_ says it is missing."""
+
+    class Part(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(32, 32)
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p0, self.p1 = Part(), Part()
+            self.p1.proj.weight = self.p0.proj.weight
+
+        def forward(self, x):
+            return self.p0.proj(x) + self.p1.proj(torch.zeros_like(x))
+
+    model = Model()
+    config = Fp8Config(activation_scheme="static")
+    scales = fp8fx.calibrate(model, [torch.randn(8, 32)], config)
+    assert list(scales) == ["p0.proj"]
+    with pytest.raises(ValueError, match=r"missing \['p1.proj'\]"):
+        fp8fx.quantize_(model.p1, config, input_scales=scales, prefix="p1")
+    assert not fp8fx.weights.is_quantized(model.p1.proj)

@@ -1683,11 +1683,22 @@ def test_calibrate_gives_linears_sharing_a_weight_each_its_own_input():
         def forward(self, x):
             return self.a(x * 100) + self.b(x) + F.linear(x * 10, self.a.weight)  # (the last: a read of neither's call)
 
+    class Outer(nn.Linear):  # a linear whose forward runs another holding its weight: the innermost call's input
+        def __init__(self):
+            super().__init__(16, 16)
+            self.inner = nn.Linear(16, 16)
+            self.inner.weight = self.weight
+
+        def forward(self, x):
+            return F.linear(x, self.weight, self.bias) + self.inner(x * 100)
+
     torch.manual_seed(0)
     x = torch.randn(4, 16)
-    scales = fp8fx.calibrate(Tied(), [x])
     amax = x.abs().max().item()
+    scales = fp8fx.calibrate(Tied(), [x])
     assert scales == pytest.approx({"a": 100 * amax / quant.FP8_MAX, "b": 10 * amax / quant.FP8_MAX}, rel=1e-6)
+    scales = fp8fx.calibrate(Outer(), [x])
+    assert scales == pytest.approx({"": amax / quant.FP8_MAX, "inner": 100 * amax / quant.FP8_MAX}, rel=1e-6)
 
 
 def test_calibrate_leaves_out_reads_through_a_cast_the_pass_does_not_rewrite():
