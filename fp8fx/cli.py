@@ -800,12 +800,21 @@ def convert_command(args: argparse.Namespace) -> int:
     except (CheckpointError, ValueError, OSError) as e:
         # (an OS error fp8fx worded - no file name, a message other than the OS's own for its errno -: its message
         # alone, without "[Errno 27] "; the OS's own keeps its number, which alone said "Cannot allocate memory")
-        worded = (isinstance(e, OSError) and e.strerror and e.filename is None
-                  and not (isinstance(e.errno, int) and e.strerror == os.strerror(e.errno)))
+        worded = (isinstance(e, OSError) and isinstance(e.strerror, str) and e.strerror and e.filename is None
+                  and e.strerror != _os_wording(e.errno))
         said = e.strerror if worded else str(e)
-        raise UsageError(said.splitlines()[0]) from None
+        # (the first line that says something; an empty message - OSError() - names the error's type)
+        raise UsageError(next((line for line in said.splitlines() if line.strip()), type(e).__name__)) from None
     print(report)
     return 0
+
+
+def _os_wording(number) -> Optional[str]:
+    """The OS's message for the error number ``number``; None for no number, or one no C int holds."""
+    try:
+        return os.strerror(number) if type(number) is int else None
+    except (OverflowError, ValueError):
+        return None
 
 
 if __name__ == "__main__":

@@ -745,6 +745,14 @@ def test_convert_names_the_file_a_full_disk_stopped(capsys, tmp_path, monkeypatc
     assert code == 2
     one_line_error(err, f"[Errno {errno.ENOMEM}] {os.strerror(errno.ENOMEM)}")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    # errors with no message, one that starts on its second line, a number no C int holds: one line each (an
+    # IndexError, an empty error, an OverflowError before)
+    for error, said in ((OSError(), "error: OSError"), (ValueError("\nthe cause"), "error: the cause"),
+                        (OSError(2**40, "a library's own code"), "error: a library's own code")):
+        monkeypatch.setattr(save, "write_file", lambda *args, error=error, **kwargs: (_ for _ in ()).throw(error))
+        code, _, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--no-progress")
+        assert code == 2
+        one_line_error(err, said)
 
 
 def test_convert_fixes_are_spelled_as_flags_too(capsys, tmp_path):
