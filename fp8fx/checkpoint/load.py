@@ -53,6 +53,12 @@ log = logging.getLogger("fp8fx")
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
          "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
 
+# A static checkpoint (``activation_scheme: static``) without one quantized layer's input scale: what to do.
+STATIC_SCALE_MISSING = (
+    "{} says static activations, which take one input scale a quantized layer: re-export the checkpoint with every "
+    "layer's (fp8fx.calibrate gives them), or remove its input_scale tensors and load it with activation_scheme "
+    "'dynamic' (the scales computed at run time)")
+
 
 @dataclasses.dataclass
 class LoadReport:
@@ -731,8 +737,10 @@ class _Loader:
 
         def need(leaf: str, i: int, why: str = "") -> Entry:
             if (leaf, i) not in todo:
-                fix = f"; {self._missing_fix()}" if leaf == "weight" else ""
-                raise CheckpointError(f"{lin.shards[i]}.{leaf} is missing from the checkpoint{why}{fix}")
+                # (a static checkpoint missing one layer's input scale said no fix: h143)
+                fix = (STATIC_SCALE_MISSING.format(self.fmt.declared_by) if leaf == "input_scale"
+                       else self._missing_fix())
+                raise CheckpointError(f"{lin.shards[i]}.{leaf} is missing from the checkpoint{why}; {fix}")
             return todo.pop((leaf, i))
 
         weights = []

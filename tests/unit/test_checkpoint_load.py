@@ -1069,7 +1069,9 @@ BAD = {
     ),
     "missing input scale": (
         _case(lambda t, qc: t.pop(f"{DOWN}.input_scale"), static=True),
-        rf"^{DOWN}\.input_scale is missing from the checkpoint \(activation_scheme static\)",
+        rf"^{DOWN}\.input_scale is missing from the checkpoint \(activation_scheme static\); its quantization_config "
+        r"says static activations, .*: re-export the checkpoint with every layer's \(fp8fx\.calibrate gives them\), "
+        r"or remove its input_scale tensors",
     ),
     "bad KV scale": (
         _case(lambda t, qc: t.update({"model.layers.1.self_attn.v_scale": torch.tensor(-2.0)})),
