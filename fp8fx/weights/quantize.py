@@ -1008,6 +1008,10 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     wrapper runs the model it wraps, eagerly, and the scales carry the model's own names. A model already quantized
     (dynamic activations) is measured through its fp8 weights, as it runs; ``quantize_`` does not quantize it again,
     so its scales serve a fresh bf16 copy (``quantize_(fresh, config, input_scales=...)``).
+
+    A layer the batches did not reach is warned of, and one whose inputs were all zero refused, where ``quantize_``
+    with ``config`` quantizes it; a layer it keeps in high precision (a router, a tied weight, a layer the model keeps)
+    gets no warning, and no scale where its inputs were all zero.
     """
     config = config_or(config, Fp8Config(activation_scheme="static"), "calibrate")
     check_prefix(prefix, "calibrate")
