@@ -19,7 +19,7 @@ from torch import nn
 from fp8fx.config import Fp8Config
 from fp8fx.weights.kv_cache import KV_SCALE_NAMES, attach_kv_scales, check_kv_scale, complete_kv_scales, held_kv_scales
 from fp8fx.weights.kv_cache import kv_scale_target, kv_slot_error
-from fp8fx.weights.linear import method_config
+from fp8fx.weights.linear import guard_kv_casts, method_config
 
 _UNLOADED = -1.0  # (vLLM's mark of a scale no checkpoint tensor filled)
 
@@ -68,9 +68,11 @@ class Fp8KVCacheMethod:
         if owner not in (prefix, f"{prefix}.attn"):
             raise ValueError(f"{prefix}: {name} addresses {owner}, not this layer (a projection holds none but "
                              "k_proj.k_scale / v_proj.v_scale); load it into the attention it names, or drop it")
-        if not isinstance(tensor, torch.Tensor) or tensor.is_meta:
-            got = "a meta tensor" if isinstance(tensor, torch.Tensor) else repr(tensor)
-            raise ValueError(f"{prefix}.{leaf}: got {got}, which holds no value; pass the checkpoint's tensor")
+        if not isinstance(tensor, torch.Tensor):  # (a float was said to hold no value: h145)
+            raise ValueError(f"{prefix}.{leaf}: got {tensor!r:.60}, a {type(tensor).__name__}, not a tensor; pass the "
+                             f"checkpoint's tensor (torch.tensor({tensor!r:.20}) for a number)")
+        if tensor.is_meta:
+            raise ValueError(f"{prefix}.{leaf}: got a meta tensor, which holds no value; pass the checkpoint's tensor")
         value = check_kv_scale(f"{prefix}.{leaf}", tensor.detach())
         taken = layer.__dict__.get("_fp8fx_kv_taken", {})
         if leaf in taken:
@@ -109,6 +111,7 @@ class Fp8KVCacheMethod:
             layer._parameters.pop(name, None)
         if scales:
             attach_kv_scales(layer, scales, device=device)
+            guard_kv_casts(layer)  # (as load_checkpoint's model: a model.to(bfloat16) rounded them, silently: h145)
 
     @staticmethod
     def _prefix(layer: nn.Module) -> str:

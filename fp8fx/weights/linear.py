@@ -354,6 +354,15 @@ class _CheckedApply(ModelHeld):
         return _CheckedApply(copied)
 
 
+def guard_kv_casts(module: nn.Module) -> None:
+    """Has a dtype cast of ``module`` - or of a model holding it, which casts its children through their own
+    ``_apply`` - keep the KV-cache scales ``kv_cache.attach_kv_scales`` gave it float32: its own ``_apply`` is a
+    ``_CheckedApply`` (``Fp8KVCacheMethod``'s attention; ``guard_casts`` does so for a model ``quantize_`` or
+    ``load_checkpoint`` made)."""
+    if "_apply" not in vars(module):
+        module._apply = _CheckedApply(module)
+
+
 def guard_casts(model: nn.Module) -> None:
     """Has ``model.to(dtype)`` (``.half()``, ...) keep its KV-cache scales float32 and refuse a cast its fp8 layers
     cannot compute in (or whose range their dequantized weights exceed) before it converts anything: torch converts
@@ -1070,6 +1079,15 @@ def check_create_arguments(where: str, params_dtype: torch.dtype, **sizes) -> No
                          "(nothing of the layer changed)")
 
 
+def refuse_bias_again(what: str, arrived: Optional[set], part: Optional[int], kind: str) -> None:
+    """A bias (``what``) loaded again: ``part`` (a shard or expert index; None: the whole tensor) where ``arrived``
+    (the parts loaded before, "all" for the whole) covers it. Refused as a weight's or a scale's repeat is: the last
+    copy had replaced the first, silently (h145)."""
+    if arrived and (part is None or "all" in arrived or part in arrived):
+        raise ValueError(f"{what} ({kind} {part}) was loaded before ({kind}s {sorted(arrived, key=str)}; all: the whole "
+                         f"tensor); each {kind}'s bias must arrive once (nothing was loaded)")
+
+
 class Fp8LinearMethod:
     """create_weights -> weight_loader (full tensor or shards) -> process_weights_after_loading.
 
@@ -1096,6 +1114,14 @@ class Fp8LinearMethod:
         prefix: str = "",
     ) -> None:
         """``prefix``: the layer's name in its model, which every error of the loader names (default: its class)."""
+        if isinstance(params_dtype, int) or not isinstance(prefix, str):  # vLLM's positional order: the error named
+            # the layer "torch.bfloat16", its dtype having fallen into prefix (h145)
+            raise ValueError(
+                f"{type(layer).__name__}: create_weights(layer, {input_size!r}, {output_partition_sizes!r}, "
+                f"{params_dtype!r}, {device!r}, {prefix!r}): fp8fx's order is (layer, input_size, "
+                "output_partition_sizes, params_dtype, device=None, prefix=''), not vLLM's (layer, "
+                "input_size_per_partition, output_partition_sizes, input_size, output_size, params_dtype); pass "
+                "params_dtype= and prefix= by keyword (nothing of the layer changed)")
         where = prefix or type(layer).__name__
         check_create_arguments(where, params_dtype, input_size=input_size,
                                output_partition_sizes=output_partition_sizes)
@@ -1201,7 +1227,8 @@ class Fp8LinearMethod:
         if online_weight:
             check_online(f"{who}.weight (shard {shard_id})", loaded, layer._fp8fx_dtype, who, "weights",
                          values_checked)
-        if online_weight and target.is_meta and shard_id is None and self._can_adopt(layer, target, loaded):
+        if (online_weight and target.is_meta and shard_id is None and not layer._fp8fx_copied
+                and self._can_adopt(layer, target, loaded)):  # (after shards quantized aside: refused below, h145)
             # the whole weight in the layer's dtype: quantize it as it is, no second bf16 copy
             layer._parameters["weight"] = nn.Parameter(loaded, requires_grad=False)
             layer._fp8fx_copied = loaded.numel()
@@ -1281,6 +1308,7 @@ class Fp8LinearMethod:
         sizes = layer._fp8fx_partitions
         shard_id = _shard_index(f"{who}.bias", shard_id, sizes)  # ('q' indexed nothing; -1 wrote shard 2's rows as -1)
         check_bias_values(f"{who}.bias (shard {shard_id})", loaded, layer._fp8fx_dtype)
+        refuse_bias_again(f"{who}.bias", getattr(layer, "_fp8fx_bias_loaded", None), shard_id, "shard")
         rows = (0, target.shape[0]) if shard_id is None else (sum(sizes[:shard_id]), sizes[shard_id])
         if target.dim() != 1 or tuple(loaded.shape) != (rows[1],):
             raise ValueError(f"{who}.bias shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not "

@@ -472,6 +472,13 @@ def test_a_bias_loaded_in_part_is_refused_wherever_it_was_built_and_its_shard_id
         method.weight_loader(layer, "bias", torch.full((16,), 3.0), 2)
         method.process_weights_after_loading(layer)
         assert torch.equal(layer.bias, torch.cat([torch.zeros(48), torch.full((16,), 3.0)]).bfloat16())
+    layer, method = built("cpu")  # a bias shard again, or the whole after shards: refused (the last copy had
+    method.weight_loader(layer, "bias", torch.zeros(32), 0)  # replaced the first, silently: h145)
+    before = _state(layer)
+    for again, shard_id in ((torch.ones(32), 0), (torch.ones(64), None)):
+        with pytest.raises(ValueError, match=rf"^qkv_proj.bias \(shard {shard_id}\) was loaded before \(shards \[0\]"):
+            method.weight_loader(layer, "bias", again, shard_id)
+        assert _same(_state(layer), before)
     layer, method = built("cpu")  # a bias copied in whole, as vLLM's default loader does: the caller's, as before
     method.process_weights_after_loading(layer)
     layer, method = built("cpu")
@@ -499,8 +506,15 @@ def test_experts_bias_loaded_for_some_experts_is_refused_wherever_it_was_built()
                                          r"\[1\] came through weight_loader"):
         method.process_weights_after_loading(layer)
     assert not layer._fp8fx_processed
-    method.weight_loader(layer, "gate_up_proj_bias", torch.zeros(E, 2 * I))  # (all experts: a second load of
-    # expert 1's bias is allowed, as before)
+    before = _state(layer)
+    for again in ((torch.zeros(E, 2 * I), None), (torch.ones(2 * I), 1)):  # the whole, or expert 1 again: refused as
+        # a weight's or a scale's repeat is (the last copy replaced the first, silently: h145)
+        with pytest.raises(ValueError, match=r"^experts.gate_up_proj_bias \(expert (None|1)\) was loaded before "
+                                             r"\(experts \[1\].*each expert's bias must arrive once"):
+            method.weight_loader(layer, "gate_up_proj_bias", again[0], expert_id=again[1])
+        assert _same(_state(layer), before)
+    for e in (0, 2, 3):
+        method.weight_loader(layer, "gate_up_proj_bias", torch.zeros(2 * I), expert_id=e)
     method.process_weights_after_loading(layer)
     assert not layer.gate_up_proj_bias.any()
 
@@ -531,3 +545,53 @@ def test_a_scale_copied_into_its_parameter_is_checked_at_processing(experts):
     with pytest.raises(ValueError, match=bad):
         method.process_weights_after_loading(layer)
     assert _same(_state(layer), before) and not layer._fp8fx_processed
+
+
+def test_online_whole_weight_after_its_shards_is_refused():
+    """Online per-channel and block layers quantize shards aside (the weight's receive buffer stays on meta): a whole
+    bf16 weight after two shards was adopted, replacing them, with no error (per-tensor and serialized layers
+    refused it: "the whole weight, or each of its shards, must arrive once"; h145)."""
+    for granularity in (fp8fx.PerRow(), fp8fx.PerBlock(32, 32)):
+        method = Fp8LinearMethod(Fp8Config(weight_granularity=granularity))
+        layer = nn.Linear(64, 128, bias=False, device="meta")
+        method.create_weights(layer, 64, [64, 32, 32], torch.bfloat16, device="cpu", prefix="qkv_proj")
+        method.weight_loader(layer, "weight", torch.randn(64, 64, dtype=torch.bfloat16), 0)
+        method.weight_loader(layer, "weight", torch.randn(32, 64, dtype=torch.bfloat16), 1)
+        with pytest.raises(ValueError, match=r"^qkv_proj: weight \(shard None\) of 8192 elements, but 6144 of the "
+                                             r"weight's 8192 were loaded before"):
+            method.weight_loader(layer, "weight", torch.randn(128, 64, dtype=torch.bfloat16))
+        assert layer._parameters["weight"].is_meta
+        method.weight_loader(layer, "weight", torch.randn(32, 64, dtype=torch.bfloat16), 2)  # the last shard still
+        assert fp8fx.weights.is_quantized(layer)  # loads, and completes the layer
+
+
+def test_a_vllm_ordered_create_weights_call_is_refused_naming_the_order():
+    """vLLM's create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
+    params_dtype) called positionally put the dtype into prefix: the error named the layer "torch.bfloat16"."""
+    layer = nn.Linear(48, 128, bias=False, device="meta")
+    with pytest.raises(ValueError, match=r"^Linear: create_weights\(layer, 48, \[64, 32, 32\], 48, 128, "
+                                         r"torch.bfloat16\): fp8fx's order is \(layer, input_size, "
+                                         r"output_partition_sizes, params_dtype, device=None, prefix=''\), not vLLM's"):
+        Fp8LinearMethod(Fp8Config()).create_weights(layer, 48, [64, 32, 32], 48, 128, torch.bfloat16)
+    assert not hasattr(layer, "_fp8fx_partitions")
+
+
+def test_kv_cache_scales_of_the_method_stay_float32_through_a_cast_and_a_number_is_named():
+    """A model loaded through Fp8KVCacheMethod had no cast guard: model.to(torch.bfloat16) rounded k_scale 0.0123 to
+    0.01233 (load_checkpoint's and quantize_'s models keep them float32); a float for the scale was said to hold no
+    value (h145)."""
+    attention = nn.Module()
+    attention.o_proj = nn.Linear(8, 8)
+    model = nn.Sequential(attention)
+    method = Fp8KVCacheMethod(Fp8Config(is_checkpoint_fp8_serialized=True))
+    method.create_weights(attention, prefix="layers.0.self_attn")
+    with pytest.raises(ValueError, match=r"^layers.0.self_attn.k_scale: got 0.5, a float, not a tensor; pass the "
+                                         r"checkpoint's tensor \(torch.tensor\(0.5\) for a number\)"):
+        method.weight_loader(attention, "k_scale", 0.5)
+    method.weight_loader(attention, "k_scale", torch.tensor(0.0123))
+    method.process_weights_after_loading(attention)
+    model.to(torch.bfloat16)
+    assert attention.o_proj.weight.dtype == torch.bfloat16
+    for name in ("k_scale", "v_scale"):
+        scale = getattr(attention, name)
+        assert scale.dtype == torch.float32 and scale.item() == torch.tensor(0.0123).item()
