@@ -1010,6 +1010,15 @@ class LinearPass(Fp8Pass):
                 return ("weight is not an fp8fx-quantized weight, in a graph whose other layers are: quantize_ or "
                         "load_checkpoint kept it in high precision (its reason, a tag of the tensor, is lost where "
                         "the tensor was saved and loaded, as by torch.export.save / load) or it was added after them")
+            if ((input_path(source) or "").rpartition(".")[2] == "weight"
+                    and any(n.target in _FP8_WEIGHT_OPS for n in w.graph.nodes)):
+                # (outside the parts of a model quantized part by part, or put in after quantize_: transformers'
+                # resize_token_embeddings replaces lm_head; the advice to run quantize_ met "already fp8-quantized" on
+                # the model: h146)
+                return ("weight is not an fp8fx-quantized weight, in a graph whose other layers are: a layer no "
+                        "quantize_ call took (outside the parts quantized, or put in after quantize_: transformers' "
+                        "resize_token_embeddings makes a new lm_head); quantize it on its own: "
+                        f"fp8fx.quantize_(layer, config, prefix={fqn!r})")
             return ("weight is not an fp8fx-quantized weight (run fp8fx.quantize_ or load an fp8 checkpoint: they "
                     "quantize nn.Linear and transformers' Conv1D layers and experts modules, not a parameter another "
                     "module reads by F.linear)")

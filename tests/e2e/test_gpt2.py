@@ -278,7 +278,9 @@ def test_conv1d_layers_quantize_did_not_reach_have_rows():
     rows = {s.fqn: s for s in backend.report.sites}
     assert conv1d_names() <= set(rows)
     left = rows["transformer.h.1.mlp.c_fc"]
-    assert not left.rewritten and left.reason.startswith("weight is not an fp8fx-quantized weight (run fp8fx.quantize_")
+    assert not left.rewritten and left.reason.startswith(
+        "weight is not an fp8fx-quantized weight, in a graph whose other layers are: a layer no quantize_ call took")
+    assert left.reason.endswith("fp8fx.quantize_(layer, config, prefix='transformer.h.1.mlp.c_fc')")
     assert left.weight_shape == (512, 128)
     skipped = rows["transformer.h.0.attn.c_attn"]  # (384 rows: no 256-row block divides them)
     assert not skipped.rewritten and "weight [384, 128] is not divisible" in skipped.reason

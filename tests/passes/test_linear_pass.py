@@ -301,6 +301,27 @@ def test_unquantized_model_reports_every_site():
     assert all("not an fp8fx-quantized weight (run fp8fx.quantize_" in s.reason for s in backend.report.sites)
 
 
+def test_a_layer_put_in_after_quantize_is_told_to_quantize_it_alone():
+    """A layer replaced after quantize_ (transformers' resize_token_embeddings makes a new lm_head): the report said
+    "run fp8fx.quantize_", which refuses the model as already fp8-quantized (h146). It names the call that takes the
+    layer alone, and that call quantizes it."""
+    torch.manual_seed(0)
+    model = ThreeLinear().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    model.head = nn.Linear(64, 64).to(torch.bfloat16)
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(x)
+    kept = [s for s in backend.report.sites if not s.rewritten]
+    assert [s.fqn for s in kept] == ["head"], backend.report
+    assert kept[0].reason.endswith("put in after quantize_: transformers' resize_token_embeddings makes a new "
+                                   "lm_head); quantize it on its own: fp8fx.quantize_(layer, config, "
+                                   "prefix='head')"), kept[0].reason
+    fp8fx.quantize_(model.head, prefix="head")
+    assert fp8fx.weights.is_quantized(model.head)
+
+
 def test_a_kept_layer_whose_reason_was_lost_is_not_told_to_run_quantize(tmp_path):
     """After torch.export.save / load, a layer quantize_ kept in high precision (ignored_layers) has lost its reason
     (a tag of the tensor): the report told the user to "run fp8fx.quantize_", beside the layers it had quantized."""
@@ -2211,7 +2232,8 @@ def test_one_quantization_is_not_shared_across_a_change_the_pass_cannot_see(case
 def test_a_layer_outside_a_quantized_part_is_told_to_run_quantize():
     """A model quantized part by part (prefix): a linear outside the parts was never quantized, and the lost-reason
     wording (for tensors that lost their tags through torch.export.save / load) blamed quantize_ for keeping it; the
-    part's fp8 weights keep their tags, so it is the plain "run fp8fx.quantize_" reason."""
+    part's fp8 weights keep their tags, so it is the reason of a layer no quantize_ call took, with the call that
+    takes it."""
     torch.manual_seed(0)
     model = ThreeLinear().to(torch.bfloat16)
     fp8fx.quantize_(model.a, prefix="a")
@@ -2220,7 +2242,10 @@ def test_a_layer_outside_a_quantized_part_is_told_to_run_quantize():
         torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
     sites = {s.fqn: s for s in backend.report.sites}
     assert sites["a"].rewritten and not sites["b"].rewritten, backend.report
-    assert sites["b"].reason.startswith("weight is not an fp8fx-quantized weight (run fp8fx.quantize_"), sites["b"]
+    assert sites["b"].reason == (
+        "weight is not an fp8fx-quantized weight, in a graph whose other layers are: a layer no quantize_ call took "
+        "(outside the parts quantized, or put in after quantize_: transformers' resize_token_embeddings makes a new "
+        "lm_head); quantize it on its own: fp8fx.quantize_(layer, config, prefix='b')"), sites["b"]
 
 
 def test_activations_are_looked_up_by_layout_once_each():
