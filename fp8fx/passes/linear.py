@@ -394,10 +394,19 @@ def _report_tagged_readers(graph: fx.Graph, ctx: PassContext) -> None:
         named.add(fqn)
         ctx.frame_site(fqn, module_path(node), w)
         shape = Site.shape_of(fake_value(w))
-        why = f"{NOT_QUANTIZED}{reason}" if reason else LinearPass._why_not(None, w, None, ctx, fqn)
+        why = f"{NOT_QUANTIZED}{reason}" if reason else LinearPass._why_not(None, w, None, ctx, fqn, node)
         ctx.report.add(Site("linear", fqn, False, why, "", ctx.graph_index,
                             weight_shape=shape[::-1] if side == 0 else shape, node=Site.origin_of(node),
                             weight_id=Site.token_of(real)))
+
+
+def _in_linear_module(node: Optional[fx.Node]) -> bool:
+    """``node`` runs in the forward of a module ``quantize_`` takes as a linear (an ``nn.Linear``, transformers'
+    ``Conv1D``), by Dynamo's module stack: not a parameter another module reads by ``F.linear`` (an embedding's, for
+    tied logits; a raw ``self.weight``), which no ``quantize_`` call quantizes (h147)."""
+    stack = (node.meta.get("nn_module_stack") or {}) if isinstance(node, fx.Node) else {}
+    cls = list(stack.values())[-1][1] if stack else None
+    return isinstance(cls, type) and (issubclass(cls, torch.nn.Linear) or is_conv1d_class(cls))
 
 
 def _in_conv1d(node: fx.Node) -> bool:
@@ -1010,7 +1019,7 @@ class LinearPass(Fp8Pass):
                 return ("weight is not an fp8fx-quantized weight, in a graph whose other layers are: quantize_ or "
                         "load_checkpoint kept it in high precision (its reason, a tag of the tensor, is lost where "
                         "the tensor was saved and loaded, as by torch.export.save / load) or it was added after them")
-            if ((input_path(source) or "").rpartition(".")[2] == "weight"
+            if (_in_linear_module(site) and input_path(source) == f"{fqn}.weight"
                     and any(n.target in _FP8_WEIGHT_OPS for n in w.graph.nodes)):
                 # (outside the parts of a model quantized part by part, or put in after quantize_: transformers'
                 # resize_token_embeddings replaces lm_head; the advice to run quantize_ met "already fp8-quantized" on

@@ -322,6 +322,29 @@ def test_a_layer_put_in_after_quantize_is_told_to_quantize_it_alone():
     assert fp8fx.weights.is_quantized(model.head)
 
 
+def test_a_parameter_read_by_f_linear_beside_fp8_layers_is_not_told_to_quantize_it_alone():
+    """Logits by an embedding's weight (F.linear(h, emb.weight), as tied heads and openai-whisper compute them) beside
+    fp8 layers were told to call quantize_ with prefix='emb.weight', which quantizes nothing (h147): they keep the
+    reason of a parameter another module reads, which quantize_ does not take."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb, self.proj = nn.Embedding(64, 64), nn.Linear(64, 64)
+
+        def forward(self, ids):
+            return F.linear(self.proj(self.emb(ids)), self.emb.weight)
+
+    model = Tied().to(torch.bfloat16)
+    fp8fx.quantize_(model)
+    backend = Fp8Backend(compiler="eager")
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randint(0, 64, (2, 8)))
+    kept = [s for s in backend.report.sites if not s.rewritten]
+    assert len(kept) == 1 and kept[0].reason.startswith("weight is not an fp8fx-quantized weight (run fp8fx.quantize_ "
+                                                        "or load an fp8 checkpoint"), backend.report
+
+
 def test_a_kept_layer_whose_reason_was_lost_is_not_told_to_run_quantize(tmp_path):
     """After torch.export.save / load, a layer quantize_ kept in high precision (ignored_layers) has lost its reason
     (a tag of the tensor): the report told the user to "run fp8fx.quantize_", beside the layers it had quantized."""
