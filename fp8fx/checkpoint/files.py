@@ -41,6 +41,14 @@ DTYPES = {
 }
 
 
+# A static checkpoint (``activation_scheme: static``) without one quantized layer's (or experts module's) input scale:
+# what to do, after where its scheme comes from (``CheckpointFormat.declared_by``)
+STATIC_SCALE_MISSING = (
+    "{} says static activations, which take one input scale a quantized layer: re-export the checkpoint with every "
+    "layer's (fp8fx.calibrate gives them), or remove its input_scale tensors and load it with activation_scheme "
+    "'dynamic' (the scales computed at run time)")
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded or written; the message names the file or tensor, the
     offending value and the fix. Raised before the model changes."""

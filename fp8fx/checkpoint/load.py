@@ -31,7 +31,7 @@ from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values, check_weight_values
 from fp8fx.checkpoint.experts import beyond_dequantized_range, beyond_range_error, dequantized_range_error
 from fp8fx.checkpoint.files import CheckpointError, Entry, check_fp8_codes, read_checkpoint, read_config
-from fp8fx.checkpoint.files import read_tensor
+from fp8fx.checkpoint.files import STATIC_SCALE_MISSING, read_tensor
 from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, config_or, first_named
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
@@ -52,12 +52,6 @@ log = logging.getLogger("fp8fx")
 # MLA, also Kimi's and GLM's, fuses q_a_proj and kv_a_proj_with_mqa).
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj"),
          "fused_qkv_a_proj": ("q_a_proj", "kv_a_proj_with_mqa")}
-
-# A static checkpoint (``activation_scheme: static``) without one quantized layer's input scale: what to do.
-STATIC_SCALE_MISSING = (
-    "{} says static activations, which take one input scale a quantized layer: re-export the checkpoint with every "
-    "layer's (fp8fx.calibrate gives them), or remove its input_scale tensors and load it with activation_scheme "
-    "'dynamic' (the scales computed at run time)")
 
 
 @dataclasses.dataclass

@@ -306,7 +306,12 @@ BAD = {
     "fused and per expert": ("tensor", {}, _set(f"{EXPERTS}.down_proj", torch.zeros(4, 64, 64, dtype=FP8)),
                              "holds its experts both per expert .* and fused"),
     "static scale missing": ("tensor", dict(static=True), _drop(f"{P}.gate_proj.input_scale"),
-                             rf"{P}\.gate_proj\.input_scale is missing .*activation_scheme static"),
+                             rf"{P}\.gate_proj\.input_scale is missing .*activation_scheme static.*: its "
+                             r"quantization_config says static activations, .*re-export the checkpoint with every "
+                             r"layer's"),
+    "fused static scale missing": ("tensor", dict(fused=True, static=True), _drop(f"{EXPERTS}.down_proj_input_scale"),
+                                   rf"{EXPERTS}\.down_proj_input_scale is missing .*; its quantization_config says "
+                                   r"static activations, .*re-export the checkpoint with every layer's"),
     "stray input scale": ("tensor", {}, _set(f"{P}.gate_proj.input_scale", torch.ones(1)),
                           rf"{P}\.gate_proj\.input_scale .*says dynamic activations"),
     "zero scale (while streaming)": ("tensor", {}, _set(f"{P}.gate_proj.weight_scale", torch.tensor(0.0)),
