@@ -1114,8 +1114,9 @@ class Fp8LinearMethod:
         prefix: str = "",
     ) -> None:
         """``prefix``: the layer's name in its model, which every error of the loader names (default: its class)."""
-        if isinstance(params_dtype, int) or not isinstance(prefix, str):  # vLLM's positional order: the error named
-            # the layer "torch.bfloat16", its dtype having fallen into prefix (h145)
+        if isinstance(params_dtype, int) or not isinstance(prefix, (str, type(None))):
+            # vLLM's positional order: the error named the layer "torch.bfloat16", its dtype having fallen into prefix
+            # (h145); prefix None, as "": the layer's class names it
             raise ValueError(
                 f"{type(layer).__name__}: create_weights(layer, {input_size!r}, {output_partition_sizes!r}, "
                 f"{params_dtype!r}, {device!r}, {prefix!r}): fp8fx's order is (layer, input_size, "

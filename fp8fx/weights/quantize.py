@@ -1144,11 +1144,18 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     # refused, with advice to add them to ignored_layers)
     decide = LinearDecider(model, prefix)
     kept = {fqn for fqn, m in linears.items() if not is_quantized(m) and decide(fqn, m, config)[0] is not None}
-    for fqn in [fqn for fqn in kept if amax.get(fqn, 1.0) < quant.AMAX_EPS]:
+    dropped = [fqn for fqn in kept if amax.get(fqn, 1.0) < quant.AMAX_EPS]
+    for fqn in dropped:
         # (no scale, rather than one of ~2e-15: quantize_ of a part, which does not see the weight it shares with
         # another part, quantizes such a layer, and would have saturated every activation; it says the scale is
         # missing instead)
         del amax[fqn]
+    dropped = [fqn for fqn in dropped if fqn not in decide.routers]  # (a router: no quantize_ quantizes it)
+    if dropped:  # (where that part's quantize_ asks for it, the user learns why here: h147)
+        log.warning("fp8fx: calibrate: the inputs of %s were all zero in every batch, and quantize_ of the model "
+                    "keeps them in high precision (%s: %s), so they get no input scale; a quantize_ of a part that "
+                    "quantizes one (prefix=...) needs batches that give it nonzero inputs", _shown(dropped),
+                    dropped[0], decide(dropped[0], linears[dropped[0]], config)[0])
     zero = [fqn for fqn, a in amax.items() if a < quant.AMAX_EPS]
     if zero:  # the scale would be ~2e-15: every nonzero activation saturates at inference
         raise ValueError(

@@ -1370,7 +1370,7 @@ def test_calibrate_asks_no_scale_of_the_layers_quantize_keeps_high(caplog):
     assert is_quantized_experts(model.experts) and not any(map(fp8fx.weights.is_quantized, (model.gate, model.proj)))
 
 
-def test_calibrate_gives_no_scale_to_a_kept_layer_whose_inputs_were_zero():
+def test_calibrate_gives_no_scale_to_a_kept_layer_whose_inputs_were_zero(caplog):
     """A layer the whole model keeps (its weight tied to another part's) but a part's quantize_ quantizes (a part
     does not see the weight it shares): calibrate took its all-zero input silently and gave it a scale of ~2e-15,
     which saturated every activation (0.98 off); it gives none, and the part's quantize_ says it is missing."""
@@ -1391,8 +1391,11 @@ def test_calibrate_gives_no_scale_to_a_kept_layer_whose_inputs_were_zero():
 
     model = Model()
     config = Fp8Config(activation_scheme="static")
-    scales = fp8fx.calibrate(model, [torch.randn(8, 32)], config)
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        scales = fp8fx.calibrate(model, [torch.randn(8, 32)], config)
     assert list(scales) == ["p0.proj"]
+    assert ("the inputs of ['p1.proj'] were all zero in every batch, and quantize_ of the model keeps them in high "
+            "precision (p1.proj: weight tied to p0.proj.weight), so they get no input scale") in caplog.text
     with pytest.raises(ValueError, match=r"missing \['p1.proj'\]"):
         fp8fx.quantize_(model.p1, config, input_scales=scales, prefix="p1")
     assert not fp8fx.weights.is_quantized(model.p1.proj)

@@ -574,6 +574,10 @@ def test_a_vllm_ordered_create_weights_call_is_refused_naming_the_order():
                                          r"output_partition_sizes, params_dtype, device=None, prefix=''\), not vLLM's"):
         Fp8LinearMethod(Fp8Config()).create_weights(layer, 48, [64, 32, 32], 48, 128, torch.bfloat16)
     assert not hasattr(layer, "_fp8fx_partitions")
+    # prefix=None, as "": the layer's class names it (it was refused as vLLM's order: h147)
+    Fp8LinearMethod(Fp8Config()).create_weights(layer, 48, [64, 32, 32], params_dtype=torch.bfloat16, prefix=None)
+    with pytest.raises(KeyError, match=r"Linear: no fp8fx parameter 'w'"):
+        Fp8LinearMethod(Fp8Config()).weight_loader(layer, "w", torch.zeros(1))
 
 
 def test_kv_cache_scales_of_the_method_stay_float32_through_a_cast_and_a_number_is_named():
