@@ -1011,7 +1011,8 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
 
     A layer the batches did not reach is warned of, and one whose inputs were all zero refused, where ``quantize_``
     with ``config`` quantizes it; a layer it keeps in high precision (a router, a tied weight, a layer the model keeps)
-    gets no warning, and no scale where its inputs were all zero.
+    is not, and gets no scale where its inputs were all zero (a warning says so, but for a router: a quantize_ of a
+    part that holds it would quantize it and ask for one).
     """
     config = config_or(config, Fp8Config(activation_scheme="static"), "calibrate")
     check_prefix(prefix, "calibrate")
