@@ -404,16 +404,21 @@ def _in_linear_module(node: Optional[fx.Node]) -> bool:
     """``node`` runs in the forward of a module ``quantize_`` takes as a linear (an ``nn.Linear``, transformers'
     ``Conv1D``), by Dynamo's module stack: not a parameter another module reads by ``F.linear`` (an embedding's, for
     tied logits; a raw ``self.weight``), which no ``quantize_`` call quantizes (h147)."""
-    stack = (node.meta.get("nn_module_stack") or {}) if isinstance(node, fx.Node) else {}
-    cls = list(stack.values())[-1][1] if stack else None
-    return isinstance(cls, type) and (issubclass(cls, torch.nn.Linear) or is_conv1d_class(cls))
+    cls = _innermost_class(node) if isinstance(node, fx.Node) else None
+    return cls is not None and (issubclass(cls, torch.nn.Linear) or is_conv1d_class(cls))
 
 
 def _in_conv1d(node: fx.Node) -> bool:
     """``node`` runs in the forward of a transformers ``Conv1D`` (Dynamo's module stack)."""
+    cls = _innermost_class(node)
+    return cls is not None and is_conv1d_class(cls)
+
+
+def _innermost_class(node: fx.Node) -> Optional[type]:
+    """The class of the innermost module whose forward created ``node`` (Dynamo's module stack), or None."""
     stack = node.meta.get("nn_module_stack") or {}
     cls = list(stack.values())[-1][1] if stack else None
-    return isinstance(cls, type) and is_conv1d_class(cls)
+    return cls if isinstance(cls, type) else None
 
 
 def _report_nested(graph: fx.Graph, ctx: PassContext) -> None:

@@ -1079,13 +1079,13 @@ def check_create_arguments(where: str, params_dtype: torch.dtype, **sizes) -> No
                          "(nothing of the layer changed)")
 
 
-def refuse_bias_again(what: str, arrived: Optional[set], part: Optional[int], kind: str) -> None:
-    """A bias (``what``) loaded again: ``part`` (a shard or expert index; None: the whole tensor) where ``arrived``
-    (the parts loaded before, "all" for the whole) covers it. Refused as a weight's or a scale's repeat is: the last
-    copy had replaced the first, silently (h145)."""
+def refuse_again(what: str, arrived: Optional[set], part: Optional[int], kind: str, thing: str) -> None:
+    """A scale or bias (``what``, a ``thing``) loaded again: ``part`` (a ``kind``'s index, shard or expert; None: the
+    whole tensor) where ``arrived`` (the parts loaded before, "all" for the whole) covers it. Refused as a weight's
+    repeat is: the last copy had replaced the first, silently (a bias's: h145)."""
     if arrived and (part is None or "all" in arrived or part in arrived):
         raise ValueError(f"{what} ({kind} {part}) was loaded before ({kind}s {sorted(arrived, key=str)}; all: the whole "
-                         f"tensor); each {kind}'s bias must arrive once (nothing was loaded)")
+                         f"tensor); each {kind}'s {thing} must arrive once (nothing was loaded)")
 
 
 class Fp8LinearMethod:
@@ -1217,10 +1217,8 @@ class Fp8LinearMethod:
                              "loaded)")
         online_weight = name == "weight" and not self.config.is_checkpoint_fp8_serialized
         arrived = layer._fp8fx_arrived.get(name, ())
-        if name != "weight" and arrived and (shard_id is None or "all" in arrived or shard_id in arrived):
-            # (as a weight shard's: a second copy of a shard's scale replaced the first, silently)
-            raise ValueError(f"{who}.{name} (shard {shard_id}) was loaded before (shards {sorted(arrived, key=str)}; "
-                             "all: the whole tensor); each shard's scale must arrive once (nothing was loaded)")
+        if name != "weight":  # (as a weight shard's: a second copy of a shard's scale replaced the first, silently)
+            refuse_again(f"{who}.{name}", arrived, shard_id, "shard", "scale")
         if name != "weight":  # the kernels multiply by them: a 0, <0, NaN or Inf made the outputs zero or NaN
             why = quant.bad_scales(loaded.detach().float().reshape(loaded.shape or (1,)))
             if why:
@@ -1309,7 +1307,7 @@ class Fp8LinearMethod:
         sizes = layer._fp8fx_partitions
         shard_id = _shard_index(f"{who}.bias", shard_id, sizes)  # ('q' indexed nothing; -1 wrote shard 2's rows as -1)
         check_bias_values(f"{who}.bias (shard {shard_id})", loaded, layer._fp8fx_dtype)
-        refuse_bias_again(f"{who}.bias", getattr(layer, "_fp8fx_bias_loaded", None), shard_id, "shard")
+        refuse_again(f"{who}.bias", getattr(layer, "_fp8fx_bias_loaded", None), shard_id, "shard", "bias")
         rows = (0, target.shape[0]) if shard_id is None else (sum(sizes[:shard_id]), sizes[shard_id])
         if target.dim() != 1 or tuple(loaded.shape) != (rows[1],):
             raise ValueError(f"{who}.bias shard {shard_id}: checkpoint tensor of shape {tuple(loaded.shape)} does not "

@@ -43,7 +43,7 @@ from fp8fx.weights.linear import as_index, fp8_load_from_state_dict, foreign_ten
 from fp8fx.weights.linear import reduce_made_class, refuse_script, same_layout
 from fp8fx.weights.linear import RANGE_CHECKED, _overflow, check_create_target, float16_range_error, method_config
 from fp8fx.weights.linear import _bias_in, check_bias_values, created_by, refuse_meta, setstate_made_class
-from fp8fx.weights.linear import refuse_bias_again
+from fp8fx.weights.linear import refuse_again
 
 log = logging.getLogger("fp8fx")
 
@@ -596,7 +596,7 @@ class Fp8MoEMethod:
             raise ValueError(f"{prefix}.{name} (expert {expert_id}): checkpoint tensor of shape {tuple(loaded.shape)}, "
                              f"where the bias takes {list(shape)} (nothing was loaded)")
         arrived = getattr(layer, "_fp8fx_bias_loaded", {}).get(name)
-        refuse_bias_again(f"{prefix}.{name}", arrived, index, "expert")
+        refuse_again(f"{prefix}.{name}", arrived, index, "expert", "bias")
         if target.is_meta or target.dtype != layer._fp8fx_dtype:  # (in the experts' dtype: see _bias_in)
             target = nn.Parameter(_bias_in(layer, target, loaded.device), requires_grad=target.requires_grad)
             layer._parameters[name] = target
