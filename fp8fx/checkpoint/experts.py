@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from fp8fx import quant
-from fp8fx.checkpoint.files import STATIC_SCALE_MISSING, CheckpointError, Entry, check_fp8_codes
+from fp8fx.checkpoint.files import STATIC_SCALE_MISSING, CheckpointError, Entry, check_fp8_codes, missing_name
 from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, first_named
 from fp8fx.weights import chunked, moe
 from fp8fx.weights.linear import RANGE_CHECKED, remember_trainable
@@ -310,8 +310,8 @@ class ExpertsLoader:
                 fix = (STATIC_SCALE_MISSING.format(self.fmt.declared_by) if key[2] == "input_scale"  # (h147)
                        else self.missing_fix())
                 raise CheckpointError(
-                    f"{ex.name(*key)} is missing from the checkpoint{why}; {ex.fqn} has {experts} experts, each "
-                    f"needs {'/'.join((ex.naming or NAMINGS[0])[0 if ex.gated else 1:])}: {fix}"
+                    f"{missing_name(ex.name(*key), ex.per_expert.values())} is missing from the checkpoint{why}; "
+                    f"{ex.fqn} has {experts} experts, each needs {'/'.join((ex.naming or NAMINGS[0])[0 if ex.gated else 1:])}: {fix}"
                 )
             return todo.pop(key)
 
@@ -347,7 +347,8 @@ class ExpertsLoader:
             if name not in todo:  # (an input scale's said no fix: h147)
                 fix = (STATIC_SCALE_MISSING.format(self.fmt.declared_by) if name.endswith("input_scale")
                        else self.missing_fix())
-                raise CheckpointError(f"{ex.fqn}.{name} is missing from the checkpoint{why}; {fix}")
+                raise CheckpointError(f"{missing_name(f'{ex.fqn}.{name}', ex.fused.values())} is missing from the "
+                                      f"checkpoint{why}; {fix}")
             return todo.pop(name)
 
         _, h, i = ex.shape

@@ -16,7 +16,7 @@ import glob
 import json
 import math
 import os
-from typing import Any, Mapping, Optional
+from typing import Any, Iterable, Mapping, Optional
 
 import torch
 
@@ -73,6 +73,26 @@ class Entry:
     def __str__(self) -> str:
         stored = f" as {self.source}" if self.source else ""
         return f"{self.name} ({_dtype_name(self.dtype)} {list(self.shape)} in {os.path.basename(self.file)}{stored})"
+
+
+def missing_name(name: str, siblings: Iterable[Entry]) -> str:
+    """``name``, a tensor the model needs that the checkpoint lacks, for a "missing" error; where the checkpoint's
+    names of the same module were renamed (``Entry.source``: fp8fx.checkpoint.renames, ``key_mapping``), with the
+    name the file would hold it under, which is the one to look for (a hub Mixtral's ``block_sparse_moe.experts.3.w3``
+    for the model's ``mlp.experts.3.w3``: the error named a tensor found nowhere, h149). A rename maps a head of the
+    name to another and keeps the tail; a sibling whose tail this name shares gives the head."""
+    parts = name.split(".")
+    for entry in siblings:
+        if not entry.source:
+            continue
+        new, old = entry.name.split("."), entry.source.split(".")
+        tail = 0
+        while tail < min(len(new), len(old)) and new[-1 - tail] == old[-1 - tail]:
+            tail += 1
+        head = new[:len(new) - tail]
+        if head != old[:len(old) - tail] and parts[:len(head)] == head:
+            return f"{name} (stored as {'.'.join(old[:len(old) - tail] + parts[len(head):])})"
+    return name
 
 
 def check_fp8_codes(w: Entry, what: str) -> None:

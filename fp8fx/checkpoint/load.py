@@ -31,7 +31,7 @@ from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.experts import ExpertsLoader, check_scale_dtype, check_scale_values, check_weight_values
 from fp8fx.checkpoint.experts import beyond_dequantized_range, beyond_range_error, dequantized_range_error
 from fp8fx.checkpoint.files import CheckpointError, Entry, check_fp8_codes, read_checkpoint, read_config
-from fp8fx.checkpoint.files import STATIC_SCALE_MISSING, read_tensor
+from fp8fx.checkpoint.files import STATIC_SCALE_MISSING, missing_name, read_tensor
 from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, config_or, first_named
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
@@ -734,7 +734,8 @@ class _Loader:
                 # (a static checkpoint missing one layer's input scale said no fix: h143)
                 fix = (STATIC_SCALE_MISSING.format(self.fmt.declared_by) if leaf == "input_scale"
                        else self._missing_fix())
-                raise CheckpointError(f"{lin.shards[i]}.{leaf} is missing from the checkpoint{why}; {fix}")
+                raise CheckpointError(f"{missing_name(f'{lin.shards[i]}.{leaf}', lin.entries.values())} is missing "
+                                      f"from the checkpoint{why}; {fix}")
             return todo.pop((leaf, i))
 
         weights = []

@@ -526,8 +526,20 @@ def _shown(names: list[str]) -> str:
 
 def did_you_mean(name: str, names: Iterable[str]) -> str:
     """The closest of ``names``, or the one ending in ``.name`` (``lm_head`` of a PEFT model, whose name is
-    ``base_model.model.lm_head``: too far for difflib)."""
+    ``base_model.model.lm_head``: too far for difflib). A name one part below one of ``names`` (a parameter of a
+    module, ``experts.gate_up_proj``; an expert of fused experts, ``experts.3``) gets that module, unless the part
+    is close to one of its children's (a misspelt child): difflib's pick over the whole name had been a sibling that
+    only shared the prefix (``experts.act_fn``, h149)."""
     names = list(names)
+    parent = max((n for n in names if name.startswith(f"{n}.")), key=len, default=None)
+    part = name[len(parent) + 1:] if parent is not None else ""
+    if part and "." not in part:
+        children = {n[len(parent) + 1:].split(".")[0] for n in names if n.startswith(f"{parent}.")}
+        if not (part.isdigit() and any(c.isdigit() for c in children)):  # (layers.99: the closest index is no answer)
+            near = difflib.get_close_matches(part, children, n=1)
+            if near:
+                return f" (did you mean {parent + '.' + near[0]!r}?)"
+            return f" (did you mean {parent!r}? {part!r} is none of its modules)"
     close = difflib.get_close_matches(name, names, n=1)
     ends = [n for n in names if n.endswith(f".{name}")]
     if not close and len(ends) > 1:  # (q_proj of every layer: one of them would be no answer)

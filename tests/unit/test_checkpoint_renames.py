@@ -20,7 +20,8 @@ from fp8fx.weights import is_quantized_experts
 from tests.unit.test_checkpoint_moe import E, EXPERTS, FP8, moe_checkpoint, moe_config, reference_model, write_moe
 from tests.unit.test_checkpoint_moe_convert import CONFIGS, bf16_checkpoint
 from tests.unit.test_checkpoint_save import assert_same_state
-from tests.unit.test_checkpoint_load import LINEARS, Tiny, meta_tiny, snapshot, write_checkpoint
+from tests.unit.test_checkpoint_load import LINEARS, Tiny, bf16_state, fp8_checkpoint, meta_tiny, snapshot
+from tests.unit.test_checkpoint_load import write_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
@@ -87,6 +88,14 @@ def test_hub_mixtral_fp8_checkpoint_loads_as_the_models_own_layout(tmp_path, gra
     report = load_checkpoint(model, hub, progress=False)
     assert list(report.experts) == [EXPERTS] and is_quantized_experts(model.get_submodule(EXPERTS))
     assert_same_state(expected, model)
+    # one expert's scale missing: named as the file would hold it too (it had named only the model's name, which is
+    # in neither the checkpoint nor the model, whose experts are fused: h149)
+    leaf = "input_scale" if static else "weight_scale_inv"
+    cut = write_moe(tmp_path / "cut", cfg, {k: v for k, v in hub_layout(tensors).items()
+                                            if k != f"{HUB}.experts.3.w3.{leaf}"}, qc)
+    with pytest.raises(CheckpointError, match=rf"^{EXPERTS}\.3\.w3\.{leaf} \(stored as {HUB}\.experts\.3\.w3\.{leaf}\) "
+                                              r"is missing from the checkpoint"):
+        load_checkpoint(meta_model(cut), cut, progress=False)
 
 
 def test_ignored_layers_match_the_checkpoints_names(tmp_path, capsys, caplog):
@@ -182,6 +191,13 @@ def test_errors_name_the_stored_name(tmp_path):
     path = write_checkpoint(tmp_path / "ckpt", state)
     with pytest.raises(CheckpointError, match=r"model\.layers\.0\.mlp\.down_proj\.weight \(bfloat16 .* as "
                                               r"model\.layers\.0\.ffn\.down_proj\.weight\)"):
+        load_checkpoint(meta_tiny(), path, key_mapping={r"\.ffn\.": ".mlp."}, progress=False)
+    # a tensor the file lacks: under both names too (h149)
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor", static=True)
+    state = {k.replace(".mlp.", ".ffn."): v for k, v in tensors.items() if k != "model.layers.1.mlp.up_proj.input_scale"}
+    path = write_checkpoint(tmp_path / "static", state, qc)
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.1\.mlp\.up_proj\.input_scale \(stored as "
+                                              r"model\.layers\.1\.ffn\.up_proj\.input_scale\) is missing"):
         load_checkpoint(meta_tiny(), path, key_mapping={r"\.ffn\.": ".mlp."}, progress=False)
 
 

@@ -265,6 +265,19 @@ def test_misspelt_names_are_refused_unchanged():
         fp8fx.quantize_(nn.Sequential(collections.OrderedDict(body=nn.Sequential(collections.OrderedDict(
             a=nn.Linear(16, 16))), head=nn.Sequential(collections.OrderedDict(a=nn.Linear(16, 16))))),
             Fp8Config(ignored_layers=["a"]))
+    # a parameter of a module (experts.gate_up_proj), one part below it: that module, not a sibling difflib likes
+    # better (difflib offered body.1, the GELU, for body.2.weight: h149); a misspelt child stays the child; an index
+    # past the end is no parameter
+    for entry, meant in (("body.2.weight", "body.2"), ("body.2.wieght", "body.2"), ("lm_head.bias", "lm_head")):
+        with pytest.raises(ValueError, match=rf"'{entry}' names no module .* \(did you mean '{meant}'\? "
+                                             rf"'{entry.rpartition('.')[2]}' is none of its modules\)"):
+            fp8fx.quantize_(headed, Fp8Config(ignored_layers=[entry]))
+    with pytest.raises(ValueError, match=r"'base_model\.model\.lm_haed' names no module .* \(did you mean "
+                                         r"'base_model\.model\.lm_head'\?\)"):
+        fp8fx.quantize_(wrapped, Fp8Config(ignored_layers=["base_model.model.lm_haed"]))
+    with pytest.raises(ValueError, match=r"'body\.7' names no module .* \(did you mean 'body\.[0-3]'\?\)"):
+        fp8fx.quantize_(headed, Fp8Config(ignored_layers=["body.7"]))
+    assert not any(fp8fx.weights.is_quantized(m) for m in headed.modules())
     fp8fx.quantize_(headed, Fp8Config(ignored_layers=["body.3", "lm_head"]))  # a prefix or an exact name
     assert fp8fx.weights.is_quantized(headed.body[0]) and not fp8fx.weights.is_quantized(headed.lm_head)
     model = _mlp()
