@@ -451,7 +451,7 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict], named: Calla
         # with the flags, else it goes back to the default for them (a compressed-tensors config spells it out:
         # per-group(1x128) of a 128x128 block, which a 64x64 block refuses; per-row, which static activations refuse)
         if args.block_size:  # the weights' scales: they replace the config's (a per-channel one too)
-            changes["weight_block_size"] = _ints(args.block_size, "--block-size")
+            changes["weight_block_size"] = _ints(args.block_size, "--block-size", count=2)
             changes["weight_granularity"] = None
         if args.activation_scheme:
             changes["activation_scheme"] = args.activation_scheme
@@ -746,13 +746,18 @@ def _table(spec: str, cls: str, config: Fp8Config, rows: list[dict], others: lis
     return "\n".join(lines)
 
 
-def _ints(text: str, flag: str) -> list[int]:
+def _ints(text: str, flag: str, count: Optional[int] = None) -> list[int]:
+    """``text``'s comma-separated sizes; ``count``: exactly so many (--block-size: the flag's form in the error;
+    the config's own said ``[block_n, block_k]``, the Python form, to a user of the command line: h152)."""
     try:
         values = [int(v) for v in text.split(",")]
     except ValueError:
         raise UsageError(f"{flag} {text!r}: expected integers separated by commas, e.g. 128,128") from None
     if any(v < 1 for v in values):
         raise UsageError(f"{flag} {text!r}: every size must be a positive integer, e.g. 128,128")
+    if count is not None and len(values) != count:
+        raise UsageError(f"{flag} {text!r}: {count} sizes separated by commas, got {len(values)}; e.g. "
+                         f"{flag} {','.join([str(values[0])] * count)}")
     return values
 
 

@@ -111,7 +111,7 @@ def quantize_(
         if reason is None:
             plan.append((fqn, module))
         elif strict and not on_purpose:
-            raise ValueError(f"{fqn}: {reason} (strict=True: nothing was quantized)")
+            raise _strict_refusal(fqn, model, reason)
         else:
             skipped.append((fqn, module, reason))
             if not on_purpose:
@@ -127,7 +127,7 @@ def quantize_(
         if reason is None:
             experts.append((fqn, module))
         elif strict and reason != "in ignored_layers":
-            raise ValueError(f"{fqn}: {reason} (strict=True: nothing was quantized)")
+            raise _strict_refusal(fqn, model, reason)
         else:
             experts_skipped.append((fqn, module, reason))
 
@@ -482,6 +482,17 @@ class LinearDecider:
         return reason, chosen
 
 
+def _strict_refusal(fqn: str, model: nn.Module, reason: str) -> ValueError:
+    """``strict=True``'s error for the layer ``fqn`` skipped for ``reason``. Where the model passed is itself the
+    layer (its name is ''; the message began ": weight [100, 128] ...", and pointed to ignored_layers, which names
+    the layers inside a model: h152), the model by its class, and the fix that applies."""
+    if fqn:
+        return ValueError(f"{fqn}: {reason} (strict=True: nothing was quantized)")
+    return ValueError(f"the {type(model).__name__} passed to quantize_: {reason} (strict=True: nothing was quantized; "
+                      "it is the layer itself, which no ignored_layers entry names: to keep it in high precision, do "
+                      "not pass it to quantize_)")
+
+
 def _nothing_to_quantize(model: nn.Module, modules, skipped, strict: bool) -> None:
     """quantize_ found no layer it would quantize: a warning (an error with ``strict``) that says why - each
     skipped layer's reason, or the linear-like modules that are no linear (``is_foreign_linear``)."""
@@ -497,7 +508,8 @@ def nothing_quantized(what: str, model: nn.Module, reasons: Mapping[str, str], m
     by_reason: dict[str, list[str]] = {}
     for fqn, reason in reasons.items():
         by_reason.setdefault(reason, []).append(fqn)
-    why = [f"{len(f)} {'layer' if len(f) == 1 else 'layers'} ({f[0]}{', ...' if len(f) > 1 else ''}): {r}"
+    why = [f"{len(f)} {'layer' if len(f) == 1 else 'layers'} ({f[0] or 'the model itself'}"
+           f"{', ...' if len(f) > 1 else ''}): {r}"
            for r, f in by_reason.items()] or ["it has no nn.Linear and no experts module"]
     others = sorted({type(m).__name__ for _, m in modules if is_foreign_linear(m)})
     if others:

@@ -549,7 +549,12 @@ def test_commands_that_need_transformers_say_so(capsys, llama_dir, tmp_path, mon
 def test_bad_configs(capsys, llama_dir, tmp_path):
     code, _, err = run(capsys, "inspect", str(llama_dir), "--block-size", "128")
     assert code == 2
-    one_line_error(err, "fp8fx inspect: error: bad config: ", "must have 2 dimensions, but got 1")
+    # the flag's form of the fix (it passed on the config's "use [block_n, block_k]": h152)
+    one_line_error(err, "fp8fx inspect: error: --block-size '128': 2 sizes separated by commas, got 1; e.g. "
+                        "--block-size 128,128")
+    code, _, err = run(capsys, "inspect", str(llama_dir), "--block-size", "64,64,64")
+    assert code == 2
+    one_line_error(err, "--block-size '64,64,64': 2 sizes separated by commas, got 3; e.g. --block-size 64,64")
     code, _, err = run(capsys, "inspect", str(llama_dir), "--block-size", "128,x")
     assert code == 2
     one_line_error(err, "--block-size '128,x': expected integers")

@@ -127,6 +127,11 @@ def test_shape_not_divisible_by_block_is_skipped_or_strict_error():
     fp8fx.quantize_(model, Fp8Config(weight_block_size=[128, 128]))
     assert fp8fx.weights.is_quantized(model[0]) and not fp8fx.weights.is_quantized(model[1])
     assert "not divisible" in model[1].weight._fp8fx_skip_reason
+    # the model passed is the layer itself: named by its class, with the fix that applies (h152: ": weight ...")
+    with pytest.raises(ValueError, match=r"^the Linear passed to quantize_: weight \[100, 256\] is not divisible .* "
+                                         r"it is the layer itself, which no ignored_layers entry names: to keep it "
+                                         r"in high precision, do not pass it to quantize_\)$"):
+        fp8fx.quantize_(model[1], Fp8Config(weight_block_size=[128, 128]), strict=True)
 
 
 def test_a_layer_of_a_dtype_quantize_does_not_read_is_skipped_with_the_reason():
