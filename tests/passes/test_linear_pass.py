@@ -370,6 +370,42 @@ def test_matmul_forms_are_rewritten():
     assert ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 0.06
 
 
+class OwnDequantize(nn.Module):
+    """A module of the user's own that keeps fp8 codes and per-channel scales and calls the documented
+    ``torch.ops.fp8fx.dequantize`` without ``act_block``."""
+
+    def __init__(self, w: torch.Tensor):
+        super().__init__()
+        q, scale = fp8fx.quant.quantize(w.float(), (1, -1))
+        self.register_buffer("q", q)
+        self.register_buffer("scale", scale)
+
+    def forward(self, x):
+        return F.linear(x, torch.ops.fp8fx.dequantize(self.q, self.scale, [1, -1], x.dtype))
+
+
+def test_a_dequantize_without_act_block_quantizes_activations_per_token():
+    """The pass's default for a dequantize with no ``act_block``: per token, as quantize_'s default config. No test
+    failed with per-tensor in its place (h151): the report said a:per-tensor, and rows far smaller than the largest
+    lost their precision."""
+    g = torch.Generator().manual_seed(0)
+    model = OwnDequantize(torch.randn(48, 64, generator=g))
+    x = torch.randn(4, 64, generator=g) * torch.tensor([[1e5], [1.0], [1.0], [1.0]])
+    _, out, backend = eager_and_compiled(model, x)
+    (site,) = backend.report.sites
+    assert site.rewritten and site.scheme == "w:per-channel a:per-token", site
+    w = fp8fx.quant.dequantize(model.q, model.scale, (1, -1), torch.float64)
+
+    def reference(block):  # the product of the activations quantized by ``block`` and the weight, in float64
+        xq, x_scale = fp8fx.quant.quantize(x, block)
+        return fp8fx.quant.dequantize(xq, x_scale, block, torch.float64) @ w.T
+
+    want = reference((1, -1))
+    for row in range(4):
+        assert rel_err(out[row].double(), want[row]) < 1e-5, row
+    assert rel_err(reference((-1, -1))[1:], want[1:]) > 0.3  # per tensor: the small rows are off by far more
+
+
 class IntoABuffer(nn.Module):
     """A linear written into a buffer the caller passes (``out=``), then read from it."""
 

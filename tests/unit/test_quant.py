@@ -319,6 +319,29 @@ def test_quantize_with_scale_saturates():
         assert torch.equal(fp8_bits(quant.quantize_with_scale(x, s, (-1, -1))), fp8_bits(q))
 
 
+def test_quantize_with_scale_rounds_the_float32_quotient_to_even_at_ties():
+    """The codes are those of the float32 quotient x / scale, ties to even (the kernels make the same codes): pinned
+    at fp8 midpoints the quotient reaches exactly, where x * (1 / scale) can land a float32 ulp off and round to the
+    other neighbour (414 / (414 / 84) = 84, between 80 and 88: 80; through the reciprocal, 88). The check allowed
+    one step at a tie, and no test failed with the reciprocal in (h151). The reference is independent of torch's
+    cast: of two neighbouring codes, the one with an even last bit."""
+    values = torch.arange(0, 127, dtype=torch.uint8).view(FP8).float()  # every finite non-negative code, 0 .. 448
+    mids = (values[:-1] + values[1:]) / 2  # exact in float32
+    even = torch.where(torch.arange(126) % 2 == 0, values[:-1], values[1:])
+    g = torch.Generator().manual_seed(0)
+    scale = torch.exp(torch.empty(400, 1, dtype=torch.float64).uniform_(-6, 6, generator=g)).float()
+    x = (mids.double() * scale.double()).float()  # [400 scales, 126 midpoints]
+    exact = (x.double() / scale.double()).float() == mids  # (float32 division is the float64 quotient rounded)
+    q = quant.quantize_with_scale(x, scale, (1, -1)).float()
+    assert exact.sum() > 20_000, exact.sum()
+    assert torch.equal(q[exact], even.expand_as(x)[exact])
+    # the check has power: at some of these ties the reciprocal's product is off the midpoint, and rounds away
+    off = (x * (1 / scale) != mids) & exact
+    assert off.sum() > 100 and not torch.equal(quant.cast_to_fp8(x * (1 / scale)).float()[off], even.expand_as(x)[off])
+    sign = torch.where(torch.rand(x.shape, generator=g) < 0.5, -1.0, 1.0)  # and symmetric
+    assert torch.equal(quant.quantize_with_scale(x * sign, scale, (1, -1)).float()[exact], (even * sign)[exact])
+
+
 def test_quantize_with_scale_saturates_per_row_and_block():
     scale = torch.tensor([[1.0], [0.01]])
     x = torch.tensor([[1000.0, -1000.0, 104.0], [5.0, -5.0, 0.44]])
