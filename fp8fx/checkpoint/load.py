@@ -38,7 +38,7 @@ from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
 from fp8fx.weights.kv_cache import attach_kv_scales, attention_owner, check_kv_scale, check_kv_scale_layout
 from fp8fx.weights.kv_cache import complete_kv_scales, getter_module, kv_cache_attentions, kv_scale_target
-from fp8fx.weights.kv_cache import kv_slot_error
+from fp8fx.weights.kv_cache import kv_slot_error, related
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight, target_classes
 from fp8fx.weights.linear import RANGE_CHECKED, remember_trainable
@@ -771,6 +771,10 @@ class _Loader:
                 if tuple(b.shape) != (lin.sizes[i],) or b.dtype not in quant.HIGH_PRECISION:
                     raise CheckpointError(f"{b}: expected a bf16/fp16/fp32 bias of shape [{lin.sizes[i]}]")
                 self.items.append((b, lambda t, lin=lin, i=i: self._load_rows(lin, "bias", i, t)))
+        kv = next((e for e in todo.values() if kv_scale_target(e.name) is not None), None)
+        if kv is not None:  # (it was blamed on a format mismatch, where the same tensor of a module no layer got the
+            # KV-cache reason: h154)
+            raise CheckpointError(f"{kv} is a scale that no layer takes: {self._why_unexpected(kv.name)}")
         if todo:
             raise CheckpointError(
                 f"{first_named(todo.values())} has no place in {lin.fqn} "
@@ -958,9 +962,9 @@ class _Loader:
             # scales complete only their own layer (vLLM reads them only for an fp8 KV cache it is asked for).
             # Attentions inside another attention (BERT's BertSelfAttention) get none of their own, nor do those with
             # no KV cache (a vision tower's CLIPAttention beside a decoder's LlamaAttention, an encoder's attentions:
-            # kv_cache_attentions).
+            # kv_cache_attentions); nor does one inside or around an attention that holds the checkpoint's scales.
             declared = kv_cache_attentions(self.modules, self.model) if self.kv_declared else []
-            owners = list(self.kv) + [f for f in declared if f not in self.kv]
+            owners = list(self.kv) + [f for f in declared if not related(f, self.kv)]
             for fqn in owners:
                 scales = self.kv.setdefault(fqn, {})
                 # the model may use a name for something else (MiMo-V2-Flash's attention has a float v_scale,

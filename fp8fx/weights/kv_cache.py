@@ -159,14 +159,17 @@ def refuse_bad_kv_scales(module: nn.Module, state_dict, prefix, local_metadata, 
     positive finite float (``check_kv_scale``, as ``load_checkpoint`` refuses it) is refused, naming it, and the
     module keeps its own (loaded, a NaN ``k_scale`` made the attention's outputs NaN, silently). ``state_dict`` is
     the copy ``load_state_dict`` makes: the module's own value stands in for the refused one there."""
-    for name, why in kv_scale_refusals(module, state_dict, prefix):
+    assign = isinstance(local_metadata, Mapping) and local_metadata.get("assign_to_params_buffers", False)
+    for name, why in kv_scale_refusals(module, state_dict, prefix, assign):
         error_msgs.append(f"{why} (this scale was not loaded)")
         state_dict[prefix + name] = module._buffers[name]
 
 
-def kv_scale_refusals(module: nn.Module, state_dict, prefix: str) -> list[tuple[str, str]]:
+def kv_scale_refusals(module: nn.Module, state_dict, prefix: str, assign: bool = False) -> list[tuple[str, str]]:
     """(name, why) for each KV-cache scale ``attach_kv_scales`` gave ``module`` whose entry of ``state_dict`` (under
-    ``prefix``) is not one positive finite float (``check_kv_scale``); a meta entry is left to torch."""
+    ``prefix``) is not one positive finite float (``check_kv_scale``), or, loaded with ``assign=True`` (which puts the
+    tensor in as it is), not float32 (a bf16 scale became the attention's, rounded, and was saved so: h154); a meta
+    entry is left to torch."""
     refusals = []
     for name in sorted(held_kv_scales(module)):
         given = state_dict.get(prefix + name)
@@ -175,6 +178,12 @@ def kv_scale_refusals(module: nn.Module, state_dict, prefix: str) -> list[tuple[
                 check_kv_scale(prefix + name, given.detach())
             except ValueError as e:
                 refusals.append((name, str(e)))
+                continue
+            if assign and given.dtype != torch.float32:
+                refusals.append((name, f"{prefix}{name}: a {given.dtype} KV-cache scale, where fp8fx's are "
+                                       "torch.float32; load_state_dict(assign=True) puts it in as it is: cast the "
+                                       "state_dict's scales back (.to(torch.float32)), or load without assign=True, "
+                                       "which copies them into the attention's float32 scales"))
     return refusals
 
 
@@ -205,19 +214,26 @@ def has_kv_cache_mark(module: nn.Module) -> bool:
 
 
 def kv_cache_attentions(modules: Mapping[str, nn.Module], model: Optional[nn.Module] = None) -> list[str]:
-    """The outermost attentions of ``modules`` that have a KV cache, which a declared fp8 KV cache gives scales (as
-    vLLM gives ``Fp8KVCacheMethod`` to its ``Attention`` layers only, not to the cacheless ``MultiHeadAttention`` /
+    """The attentions of ``modules`` that have a KV cache, which a declared fp8 KV cache gives scales (as vLLM gives
+    ``Fp8KVCacheMethod`` to its ``Attention`` layers only, not to the cacheless ``MultiHeadAttention`` /
     ``MMEncoderAttention`` of vision towers): those inside the decoder ``model.get_decoder()`` returns where it is one
     of its modules (Gemma4's language model, whose vision and audio towers' attentions carry a ``layer_idx`` too;
     an encoder-decoder's decoder); of them, where some carry a ``layer_idx`` (``has_kv_cache_mark``: a transformers
-    model), those, the others being encoder attentions (a vision tower's), with no KV cache to scale. A model none
-    of whose attentions carries one: all of them."""
-    outer = outermost_attentions(modules)
+    model), those, at any depth, the others being encoder attentions (a vision tower's) or wrappers of an attention
+    (T5's ``T5LayerSelfAttention`` around the ``T5Attention`` that holds the cache: the outermost ones had been taken,
+    the wrappers given scales of 1.0 beside the inner ones' loaded scales, h154); a model none of whose attentions
+    carries one: all of them. Of an attention inside another, the outer one only (``outermost_attentions``)."""
+    found = {fqn: m for fqn, m in modules.items() if is_attention(m)}
     decoder = getter_module(model, "get_decoder", modules)[1]
-    if decoder is not None:
-        outer = [fqn for fqn in outer if not decoder or fqn.startswith(f"{decoder}.")]
-    cached = [fqn for fqn in outer if has_kv_cache_mark(modules[fqn])]
-    return cached or outer
+    if decoder:
+        found = {fqn: m for fqn, m in found.items() if fqn.startswith(f"{decoder}.")}
+    cached = {fqn: m for fqn, m in found.items() if has_kv_cache_mark(m)}
+    return outermost_attentions(cached or found)
+
+
+def related(fqn: str, others) -> bool:
+    """Whether one of ``others`` is the module ``fqn``, inside it, or holds it."""
+    return any(o == fqn or o.startswith(f"{fqn}.") or fqn.startswith(f"{o}.") for o in others)
 
 
 def getter_module(model: Optional[nn.Module], method: str,

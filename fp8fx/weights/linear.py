@@ -40,7 +40,7 @@ from fp8fx.config import (Fp8Config, LayerScheme, PerBlock, PerRow, PerTensor, c
 from fp8fx.ops import BIAS_GAPS
 from fp8fx.weights import chunked, views
 from fp8fx.weights.counter import CopyNumelCounter
-from fp8fx.weights.kv_cache import KV_SCALE_NAMES, kv_scale_refusals
+from fp8fx.weights.kv_cache import KV_SCALE_NAMES, held_kv_scales, kv_scale_refusals
 
 log = logging.getLogger("fp8fx")
 
@@ -369,7 +369,8 @@ def guard_casts(model: nn.Module) -> None:
     the modules one by one, so the first fp8 layer's refusal (``fp8_apply``) came after the modules before it had
     been cast, leaving a model of two dtypes. The check is the own ``_apply`` of ``model`` and of every module in it
     that holds an fp8 layer (``model.model.half()``, a decoder layer's ``.half()``: the modules before the refusing
-    layer were cast), an attribute of that instance (its class is left as it is). It is a ``_CheckedApply``, so the
+    layer were cast), and of each attention holding KV-cache scales but no fp8 layer (``guard_kv_casts``: its own
+    ``.half()``), an attribute of that instance (its class is left as it is). It is a ``_CheckedApply``, so the
     model still pickles (a bound method does not) and is freed as soon as it is dropped. A module already guarded
     keeps its guard; one that ``quantize_`` guards later (a part quantized on its own) gets its own. Those modules
     and the model get a ``LoadCheck`` too. A ``copy.copy`` of a guarded module (of the model or of a part) shares the
@@ -383,6 +384,8 @@ def guard_casts(model: nn.Module) -> None:
     for m in model.modules():
         if id(m) in holders and getattr(type(m), "_apply", None) is not fp8_apply and "_apply" not in vars(m):
             m._apply = _CheckedApply(m)
+        elif held_kv_scales(m):  # an attention holding no fp8 layer (its projections ignored): its own .half() had
+            guard_kv_casts(m)  # rounded its KV-cache scales to float16, and they were saved so (h154)
     if getattr(type(model), "_apply", None) is not fp8_apply and "_apply" not in vars(model):
         model._apply = _CheckedApply(model)  # (also a model of no fp8 layer: its copies keep the reasons' tags)
     for m in {id(m): m for m in model.modules() if id(m) in holders or m is model}.values():
@@ -426,7 +429,7 @@ class LoadCheck(ModelHeld):
                 refusals.append(_kept_refusal(m, state_dict, at))
                 # (the attention's own pre-hook keeps a bad KV scale, but torch had loaded the modules around it
                 # by the time it raised: h137)
-                refusals.extend(why for _, why in kv_scale_refusals(m, state_dict, at))
+                refusals.extend(why for _, why in kv_scale_refusals(m, state_dict, at, _assigns(args)))
         refusals = [r for r in refusals if r]
         if refusals:
             done.clear()

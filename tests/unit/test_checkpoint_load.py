@@ -547,6 +547,18 @@ def test_kv_scales_stay_float32_through_a_cast(tmp_path):
     attn = model.model.layers[0].self_attn
     assert attn.k_scale.dtype == torch.float32 and attn.k_scale.item() == torch.tensor(0.0123).item()
     assert attn.q_proj.weight.dtype == torch.float16
+    # an attention holding no fp8 layer (its projections kept, as fp8 checkpoints often keep them): its own .half()
+    # rounded its scales to float16 (h154)
+    kept = tuple(f"model.layers.0.self_attn.{p}_proj" for p in "qkvo")
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True, ignore=("lm_head", *kept))
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.0123)
+    model = meta_tiny()
+    load_checkpoint(model, write_checkpoint(tmp_path / "kept", tensors, qc), progress=False)
+    attn = model.model.layers[0].self_attn
+    attn.half()
+    assert attn.k_scale.dtype == torch.float32 and attn.k_scale.item() == torch.tensor(0.0123).item()
+    assert attn.q_proj.weight.dtype == torch.float16
 
 
 def test_fused_block_shard_not_on_block_rows(tmp_path):
@@ -714,12 +726,16 @@ def test_kv_scales_left_under_a_projection_are_refused(tmp_path, leaf):
     """The legacy kv_scale is the attention's (vLLM remaps <owner>.kv_scale to <owner>.attn.k_scale, so one under a
     projection finds no place there and is dropped), and fp8fx remaps only the projection's own scale
     (k_proj.k_scale, v_proj.v_scale, as ModelOpt writes them): v_proj.kv_scale was attached to the linear layer,
-    k_proj.kv_scale became the attention's k_scale and v_scale."""
+    k_proj.kv_scale became the attention's k_scale and v_scale. The error gives the KV-cache reason, as for a module no
+    layer is (it blamed "a format mismatch" where the projection is a quantized linear: h154)."""
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
     qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
     tensors[f"model.layers.0.self_attn.{leaf}"] = torch.tensor(0.5)
     model = meta_tiny()
-    with pytest.raises(CheckpointError, match=rf"self_attn\.{re.escape(leaf)} .* has no place in"):
+    kv = "k_scale" if leaf.endswith("kv_scale") else leaf.rpartition(".")[2]
+    with pytest.raises(CheckpointError, match=rf"self_attn\.{re.escape(leaf)} .* is a scale that no layer takes: a "
+                                              rf"KV-cache scale \({kv}\) addressed to model\.layers\.0\.self_attn\."
+                                              rf"{leaf[:6]}, a \w+: KV-cache scales belong to attention modules"):
         load_checkpoint(model, write_checkpoint(tmp_path / "c", tensors, qc), progress=False)
     assert not any(n.endswith(("k_scale", "v_scale")) for n, _ in model.named_buffers())
 
@@ -858,6 +874,51 @@ def test_declared_kv_cache_attentions_are_the_decoders_even_where_towers_carry_a
     modules = dict(model.named_modules())
     assert any("_tower." in f for f in kv_cache_attentions(modules))  # layer_idx alone: the towers' too
     assert kv_cache_attentions(modules, model) == [f"model.language_model.layers.{i}.self_attn" for i in range(2)]
+
+
+def test_declared_kv_cache_scales_go_to_the_attention_that_holds_the_cache_inside_a_wrapper(tmp_path):
+    """T5 wraps each T5Attention (the one with a layer_idx: the KV cache's) in a T5LayerSelfAttention /
+    T5LayerCrossAttention, whose names end in Attention too. The outermost were taken: a declared fp8 KV cache gave
+    the wrappers scales of 1.0 beside the checkpoint's on the T5Attentions, warned of as missing and saved; and
+    get_quant_method gave Fp8KVCacheMethod to the wrapper with model= and to the T5Attention without (h154)."""
+    from safetensors.torch import load_file, save_file
+
+    from fp8fx.checkpoint import save_checkpoint
+
+    transformers = pytest.importorskip("transformers")
+
+    def t5():
+        torch.manual_seed(0)
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=128, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_decoder_layers=1, num_heads=2))
+
+    model = t5()
+    fp8fx.quantize_(model)
+    save_checkpoint(model, tmp_path / "c")
+    config = json.loads((tmp_path / "c" / "config.json").read_text())
+    config["quantization_config"]["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor",
+                                                        "dynamic": False}
+    (tmp_path / "c" / "config.json").write_text(json.dumps(config))
+    self_attn, cross = "decoder.block.0.layer.0.SelfAttention", "decoder.block.0.layer.1.EncDecAttention"
+    file = str(tmp_path / "c" / "model.safetensors")
+    plain = load_file(file)
+    report = load_checkpoint(t5(), tmp_path / "c", progress=False)  # none held: 1.0 for the decoder's two
+    assert report.kv_scales == {a: {"k_scale": 1.0, "v_scale": 1.0} for a in (self_attn, cross)}, report.kv_scales
+    save_file({**plain, f"{self_attn}.k_scale": torch.tensor(0.02)}, file)
+    loaded = t5()
+    report = load_checkpoint(loaded, tmp_path / "c", progress=False)
+    assert report.kv_scales == {self_attn: {"k_scale": pytest.approx(0.02), "v_scale": pytest.approx(0.02)},
+                                cross: {"k_scale": 1.0, "v_scale": 1.0}}, report.kv_scales
+    assert report.kv_defaults == [f"{self_attn}.v_scale=k_scale", f"{cross}.k_scale", f"{cross}.v_scale"]
+    modules = dict(loaded.named_modules())
+    config = fp8fx.Fp8Config(is_checkpoint_fp8_serialized=True)
+    for name in (self_attn, self_attn.rpartition(".")[0]):  # (with the model or without: the same module)
+        picked = {type(config.get_quant_method(modules[name], name, **kw)).__name__ for kw in ({}, {"model": loaded})}
+        assert picked == ({"Fp8KVCacheMethod"} if name == self_attn else {"NoneType"}), (name, picked)
+    # a checkpoint holding the scale on the wrapper: the attention inside it gets none of its own
+    save_file({**plain, "decoder.block.0.layer.0.k_scale": torch.tensor(0.02)}, file)
+    report = load_checkpoint(t5(), tmp_path / "c", progress=False)
+    assert set(report.kv_scales) == {"decoder.block.0.layer.0", cross}, report.kv_scales
 
 
 def test_kv_scale_clashing_with_a_model_attribute_is_refused_unchanged(tmp_path):

@@ -261,6 +261,27 @@ def test_load_state_dict_refuses_a_kv_scale_no_loader_takes(bad):
         assert m[0].k_scale.item() == 0.25
 
 
+def test_load_state_dict_with_assign_refuses_a_kv_scale_of_another_dtype():
+    """``assign=True`` puts a state dict's tensor in as it is: a bf16 k_scale became the attention's (0.0123 ->
+    0.01233, saved so), where an fp8 layer's scale of another dtype was refused (h154). Refused too, by the
+    attention's hook and by a quantized model's check, the scale kept; float32 loads; without assign the value is
+    copied into the float32 buffer."""
+    for model in (nn.Sequential(nn.Module(), nn.Linear(64, 64)), fp8fx.quantize_(nn.Sequential(nn.Module(),
+                                                                                                  nn.Linear(64, 64)))):
+        kv_cache.attach_kv_scales(model[0], {"k_scale": 0.5})
+        state = {k: v.clone() for k, v in model.state_dict().items()}
+        state["0.k_scale"] = torch.tensor(0.0123, dtype=torch.bfloat16)
+        with pytest.raises(RuntimeError, match=r"0\.k_scale: a torch\.bfloat16 KV-cache scale, where fp8fx's are "
+                                               r"torch\.float32; load_state_dict\(assign=True\) puts it in as it is"):
+            model.load_state_dict(state, assign=True)
+        assert model[0].k_scale.dtype == torch.float32 and model[0].k_scale.item() == 0.5
+        model.load_state_dict(state)  # (copied: float32)
+        assert model[0].k_scale.dtype == torch.float32 and model[0].k_scale.item() == state["0.k_scale"].item()
+        state["0.k_scale"] = torch.tensor(0.25)
+        model.load_state_dict(state, assign=True)
+        assert model[0].k_scale.dtype == torch.float32 and model[0].k_scale.item() == 0.25
+
+
 def test_a_bad_kv_scale_in_a_quantized_models_state_dict_loads_nothing():
     """The attention's own hook refused a NaN k_scale, but only as torch gathered errors: the modules around it had
     loaded (an fp8 layer's changed weight_scale taken, h137). The quantized model's check refuses it before any
