@@ -70,6 +70,19 @@ def test_qkv_and_gate_up_fused(config, compiler):
     assert rel_err(out, ref) < 0.1 and rel_err(plain, ref) < 0.1
 
 
+def test_the_dump_counts_each_fused_layer(tmp_path):
+    """The fusion pass's count (the dump's header, the pass's log line) is of the layers it fused: 2 layers x (q, k, v
+    and gate, up). No test read it: one short a group passed every test (h153)."""
+    model = tiny_llama()
+    fp8fx.quantize_(model, fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    backend = fp8fx.Fp8Backend(fuse_horizontal=True, compiler="eager", dump_dir=str(tmp_path))
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randint(0, 512, (2, 16)))
+    (dump,) = tmp_path.glob("graph000_1_*_after_HorizontalFusionPass.py")
+    assert "after HorizontalFusionPass (10 rewrites)" in dump.read_text()
+    assert sum("fused" in s.scheme for s in backend.report.sites) == 10
+
+
 def test_replaced_parameter_still_correct():
     """A parameter replaced after compilation breaks the shared memory: one GEMM per weight, same result."""
     config = fp8fx.Fp8Config(ignored_layers=["lm_head"])

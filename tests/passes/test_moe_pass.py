@@ -132,6 +132,28 @@ def test_hf_experts_rewritten_into_fused_moe(impl, dtype, config, ep):
     assert rel_err(out - x, bf16 - x) < 0.1
 
 
+def test_static_experts_pass_each_gemm_its_own_input_scale():
+    """Static activations: fused_moe takes the gate_up input's scale as a13 and the down input's as a2. The pass's
+    order was checked by one e2e test alone, with a modest margin (h153); here the graph's output is fused_moe's
+    reference on the module's own tensors, exactly, and not the reference with the two scales swapped."""
+    model = hf_experts("grouped_mm", torch.bfloat16)
+    x, ids, w = inputs(torch.bfloat16)
+    with torch.no_grad():
+        fp8fx.quantize_(model, fp8fx.Fp8Config(activation_scheme="static"),
+                        input_scales={"experts.gate_up_proj": 0.02, "experts.down_proj": 0.0005})
+        out, gm, report = compile_capture(model, x, ids, w)
+    assert report.sites[0].rewritten and targets(gm).count(torch.ops.fp8fx.fused_moe.default) == 1
+    experts, p = model.experts, model.experts._parameters
+    a13, a2 = experts.gate_up_proj_input_scale, experts.down_proj_input_scale
+
+    def reference(a13, a2):
+        return x + ops.fused_moe_reference(x, w, ids, p["gate_up_proj"], p["gate_up_proj_scale"], p["down_proj"],
+                                           p["down_proj_scale"], experts._fp8fx_w_block, experts._fp8fx_act_block,
+                                           torch.bfloat16, a13, a2)
+
+    assert torch.equal(out, reference(a13, a2)) and rel_err(reference(a2, a13), out) > 0.05
+
+
 def test_inductor_kernel_column_names_fused_moe():
     """Under Inductor the MoE site's kernel column names the extern fp8fx.fused_moe it runs (it was empty: the
     lookup took GEMMs by "mm" / "mlp" in their names only)."""
