@@ -960,9 +960,10 @@ class _Loader:
             # an fp8 KV cache the checkpoint declares gives every attention its scales: compressed-tensors'
             # kv_cache_scheme, or, in the fp8 format (which has no such field), the scales themselves; other
             # scales complete only their own layer (vLLM reads them only for an fp8 KV cache it is asked for).
-            # Attentions inside another attention (BERT's BertSelfAttention) get none of their own, nor do those with
-            # no KV cache (a vision tower's CLIPAttention beside a decoder's LlamaAttention, an encoder's attentions:
-            # kv_cache_attentions); nor does one inside or around an attention that holds the checkpoint's scales.
+            # Of an attention inside another, the one with the KV cache's mark gets them (T5's T5Attention, not its
+            # T5LayerSelfAttention; BERT's BertSelfAttention), and none do that have no KV cache (a vision tower's
+            # CLIPAttention beside a decoder's LlamaAttention, an encoder's attentions: kv_cache_attentions); nor does
+            # one inside or around an attention that holds the checkpoint's scales.
             declared = kv_cache_attentions(self.modules, self.model) if self.kv_declared else []
             owners = list(self.kv) + [f for f in declared if not related(f, self.kv)]
             for fqn in owners:

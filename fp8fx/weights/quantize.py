@@ -548,9 +548,13 @@ def did_you_mean(name: str, names: Iterable[str]) -> str:
     if part and "." not in part:
         children = {n[len(parent) + 1:].split(".")[0] for n in names if n.startswith(f"{parent}.")}
         if not (part.isdigit() and any(c.isdigit() for c in children)):  # (layers.99: the closest index is no answer)
-            near = difflib.get_close_matches(part, children, n=1)
+            # a child by its last part: close, or holding it (model.embed: embed_tokens, under difflib's cutoff)
+            near = difflib.get_close_matches(part, children, n=1) or sorted(c for c in children if part in c)[:1]
             if near:
                 return f" (did you mean {parent + '.' + near[0]!r}?)"
+            close = difflib.get_close_matches(name, names, n=1)
+            if close and not (close[0] + ".").startswith(f"{parent}."):  # (elsewhere in the model: model.lm_head)
+                return f" (did you mean {close[0]!r}?)"
             return f" (did you mean {parent!r}? {part!r} is none of its modules)"
     close = difflib.get_close_matches(name, names, n=1)
     ends = [n for n in names if n.endswith(f".{name}")]

@@ -277,9 +277,12 @@ def test_misspelt_names_are_refused_unchanged():
         with pytest.raises(ValueError, match=rf"'{entry}' names no module .* \(did you mean '{meant}'\? "
                                              rf"'{entry.rpartition('.')[2]}' is none of its modules\)"):
             fp8fx.quantize_(headed, Fp8Config(ignored_layers=[entry]))
-    with pytest.raises(ValueError, match=r"'base_model\.model\.lm_haed' names no module .* \(did you mean "
-                                         r"'base_model\.model\.lm_head'\?\)"):
-        fp8fx.quantize_(wrapped, Fp8Config(ignored_layers=["base_model.model.lm_haed"]))
+    # a misspelt or cut child stays that child, and a layer of elsewhere stays itself (h155: 'model' had been offered
+    # for 'model.embed', which would keep every decoder layer)
+    for entry, meant in (("base_model.model.lm_haed", "base_model.model.lm_head"),
+                         ("base_model.model.lm", "base_model.model.lm_head"), ("body.lm_head", "lm_head")):
+        with pytest.raises(ValueError, match=rf"'{entry}' names no module .* \(did you mean '{meant}'\?\)"):
+            fp8fx.quantize_(wrapped if entry.startswith("base") else headed, Fp8Config(ignored_layers=[entry]))
     with pytest.raises(ValueError, match=r"'body\.7' names no module .* \(did you mean 'body\.[0-3]'\?\)"):
         fp8fx.quantize_(headed, Fp8Config(ignored_layers=["body.7"]))
     assert not any(fp8fx.weights.is_quantized(m) for m in headed.modules())
