@@ -55,6 +55,12 @@ class Dequantized(torch.Tensor):
                 out = func(*args, **kwargs)
             # (nn.Parameter(t) detaches t and wants the class kept)
             return _named(out, None) if getattr(func, "__name__", "") == "detach" else out
+        if _grad_asked(func, args, kwargs):
+            raise RuntimeError(
+                f"{args[0]._fp8fx_of} is dequantized from its fp8 codes and scales at each read, so asking it for "
+                "gradients (requires_grad) would mark a copy and be lost: the layer would train nothing, silently. An "
+                "fp8 layer's codes take no gradients; to train this layer, keep it in high precision (ignored_layers "
+                "at quantize_), or train an adapter around it, or fp8fx.dequantize_(model) first")
         target = _written(func, args, kwargs)
         if target is not None:
             name = getattr(func, "__name__", str(func))
@@ -197,6 +203,22 @@ def _written(func, args: tuple, kwargs: dict) -> Optional[Dequantized]:
         if _guarded(t):
             return t
     return None
+
+
+def _grad_asked(func, args: tuple, kwargs: dict) -> bool:
+    """Whether ``func`` asks a guarded weight read (``layer.weight``) that takes no gradients for them:
+    ``requires_grad_()`` / ``requires_grad_(True)``, ``w.requires_grad = True`` (the flag landed on the copy and was
+    lost, with no word: "unfreezing" an fp8 lm_head trained nothing, h157). A read that has gradients (of scales that
+    take them) is left alone, as is asking for none."""
+    w = args[0] if args else None
+    if not _guarded(w):
+        return False
+    with torch._C.DisableTorchFunctionSubclass():  # (a read of the flag here came back to this class: recursion)
+        if w.requires_grad:
+            return False
+    if getattr(func, "__name__", "") == "requires_grad_":
+        return bool(args[1] if len(args) > 1 else kwargs.get("requires_grad", True))
+    return getattr(func, "__self__", None) is torch.Tensor.requires_grad and len(args) > 1 and bool(args[1])
 
 
 def _operands(args: tuple, kwargs: dict):

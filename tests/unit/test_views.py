@@ -44,6 +44,29 @@ def test_an_in_place_write_into_a_dequantized_weight_is_refused_naming_it(write)
     assert torch.equal(model(x), before)
 
 
+@pytest.mark.parametrize("ask", ["requires_grad_()", "requires_grad_(True)", "requires_grad = True"])
+def test_asking_a_dequantized_weight_for_gradients_is_refused(ask):
+    """``layer.weight.requires_grad_()`` ("unfreeze lm_head") marked the fresh copy and was lost: the layer trained
+    nothing, with no word (h157). Refused, naming the layer; asking for none is taken, and a read that has gradients
+    (of scales that take them) is left alone."""
+    model = quantized_pair()
+    w = model[2].weight
+    with pytest.raises(RuntimeError, match=r"^2\.weight is dequantized from its fp8 codes and scales at each read, so "
+                                           r"asking it for gradients \(requires_grad\) would mark a copy and be lost"):
+        if ask == "requires_grad = True":
+            w.requires_grad = True
+        else:
+            w.requires_grad_(*([True] if "True" in ask else []))
+    assert not w.requires_grad and not model[2].weight.requires_grad
+    w.requires_grad_(False)
+    w.requires_grad = False
+    assert not w.requires_grad
+    w.detach().requires_grad_()  # (the caller's own copy)
+    model[2].weight_scale.requires_grad_(True)
+    scaled = model[2].weight
+    assert scaled.requires_grad and scaled.requires_grad_() is scaled
+
+
 def test_experts_views_refuse_writes_too():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.Qwen3MoeConfig(vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
