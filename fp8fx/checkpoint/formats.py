@@ -201,10 +201,13 @@ def _modelopt(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
     if isinstance(exclude, str) or not isinstance(exclude, (list, tuple)):
         raise ValueError(f"{key}={exclude!r} must be a list of module names or wildcards")
     _check_patterns(exclude, key, "module names or wildcards")
-    kv_algo = inner.get("kv_cache_quant_algo") if legacy else None
+    # (in either layout, as vLLM reads it: the flat one's was ignored, and an INT8 cache's scales loaded as fp8
+    # ones, silently: h156)
+    kv_algo = inner.get("kv_cache_quant_algo")
     if kv_algo is not None and str(kv_algo).upper() != "FP8":
-        raise ValueError(f"kv_cache_quant_algo={kv_algo!r}: fp8fx reads FP8 KV-cache scales; remove it to load the "
-                         "model without them")
+        raise ValueError(f"kv_cache_quant_algo={kv_algo!r}: fp8fx reads FP8 KV-cache scales, and a checkpoint's "
+                         "k_scale / v_scale tensors load as such; to load the model without them, remove both the "
+                         "key and those tensors")
     return QuantFormat("fp8", _MODELOPT_ALGOS[algo], kv_cache=kv or kv_algo is not None,
                        modelopt_exclude=tuple(exclude))
 

@@ -1826,7 +1826,7 @@ def test_transformers_per_tensor_layout_reads_as_vllms(tmp_path):
         load_checkpoint(meta_tiny(), write_checkpoint(tmp_path / "blocks", blocks, hf_qc), progress=False)
 
 
-@pytest.mark.parametrize("spelling", ["config.json", "hf_quant_config.json"])
+@pytest.mark.parametrize("spelling", ["config.json", "config.json's kv_cache_quant_algo", "hf_quant_config.json"])
 def test_modelopt_fp8_checkpoints_load_as_vllm_reads_them(tmp_path, spelling):
     """NVIDIA ModelOpt's FP8 checkpoints (quant_method "modelopt", quant_algo "FP8": per-tensor weights, static
     input scales; older exports carry it in hf_quant_config.json only) were refused, or read as bf16. Their exclude
@@ -1837,9 +1837,10 @@ def test_modelopt_fp8_checkpoints_load_as_vllm_reads_them(tmp_path, spelling):
     tensors["model.layers.0.self_attn.v_proj.v_scale"] = torch.tensor(0.5)
     exclude = ["lm_head", "model.layers.1*"]
     path = tmp_path / "modelopt"
-    if spelling == "config.json":
-        write_checkpoint(path, tensors, {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": exclude,
-                                         "kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}})
+    if spelling.startswith("config.json"):  # (the flat layout's kv_cache_quant_algo was not read: h156)
+        kv = ({"kv_cache_quant_algo": "FP8"} if "algo" in spelling else
+              {"kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}})
+        write_checkpoint(path, tensors, {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": exclude, **kv})
     else:
         write_checkpoint(path, tensors)
         (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
@@ -1878,6 +1879,11 @@ def test_modelopt_per_channel_per_token_and_other_algorithms(tmp_path):
         src = write_checkpoint(tmp_path / "src", dict(state), extra_config={"quantization_config": None})
         (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
         fp8fx.checkpoint.convert(src, tmp_path / "dst", model=meta_tiny(), progress=False)
+    # an INT8 KV cache's scales, declared in the flat layout too (they loaded as fp8 ones there: h156)
+    kv = dict(tensors, **{"model.layers.0.self_attn.k_scale": torch.tensor(0.25)})
+    with pytest.raises(CheckpointError, match=r"kv_cache_quant_algo='INT8': fp8fx reads FP8 KV-cache scales"):
+        load_checkpoint(meta_tiny(), write_checkpoint(tmp_path / "int8kv", kv, dict(qc, kv_cache_quant_algo="INT8")),
+                        progress=False)
     with pytest.raises(CheckpointError, match=r"quant_algo='NVFP4': fp8fx loads ModelOpt's \['FP8', "):
         load_checkpoint(meta_tiny(), write_checkpoint(tmp_path / "fp4", tensors, dict(qc, quant_algo="NVFP4")),
                         progress=False)
