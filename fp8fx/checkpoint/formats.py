@@ -330,12 +330,22 @@ def _flag(args: Mapping[str, Any], key: str, default: bool, where: str) -> bool:
     return value
 
 
+def _ct_strategy(args: Mapping[str, Any]) -> Any:
+    """A compressed-tensors ``strategy`` as its ``QuantizationArgs`` reads it: absent or null, 'group' where a
+    group_size is given, else 'tensor' (fp8fx read null as no strategy and refused what vLLM loads, and read an absent
+    ``dynamic`` as dynamic where it is static: h156)."""
+    strategy = args.get("strategy")
+    if strategy is None:
+        return "tensor" if args.get("group_size") is None else "group"
+    return strategy
+
+
 def _ct_config(where: str, group: Mapping[str, Any]) -> Fp8Config:
     w = _ct_args(f"{where}.weights", group.get("weights"))
     a = _ct_args(f"{where}.input_activations", group.get("input_activations"))
     if _flag(w, "dynamic", False, f"{where}.weights"):
         raise ValueError(f"{where}.weights.dynamic=true: weights need stored scales (dynamic false)")
-    strategy = w.get("strategy")
+    strategy = _ct_strategy(w)
     if strategy == "tensor":
         weight = PerTensor()
     elif strategy == "channel":
@@ -349,8 +359,8 @@ def _ct_config(where: str, group: Mapping[str, Any]) -> Fp8Config:
         weight = PerBlock(*block)
     else:
         raise ValueError(f"{where}.weights.strategy={strategy!r} is not one of 'tensor', 'channel', 'block'")
-    static = not _flag(a, "dynamic", True, f"{where}.input_activations")
-    act_strategy = a.get("strategy")
+    static = not _flag(a, "dynamic", False, f"{where}.input_activations")  # (QuantizationArgs' default: static)
+    act_strategy = _ct_strategy(a)
     # what Fp8Config would refuse, refused here in config.json's terms (its own messages name Fp8Config / PerGroup
     # fields, which a checkpoint's config does not have)
     if static and isinstance(weight, PerBlock):

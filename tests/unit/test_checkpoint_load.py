@@ -1539,6 +1539,26 @@ def test_compressed_tensors_flags_must_be_json_booleans(where, value, caplog):
     assert "quantization_config['ignores']=['lm_head'] is not a key fp8fx reads (did you mean 'ignore'?)" in caplog.text
 
 
+def test_compressed_tensors_fields_left_out_take_its_defaults():
+    """compressed-tensors' QuantizationArgs: ``dynamic`` false, and a null ``strategy`` 'tensor' (or 'group' with a
+    group_size). fp8fx read an absent ``dynamic`` as dynamic (refusing a static scheme as "says dynamic activations")
+    and refused a null weights strategy (h156)."""
+    from fp8fx.checkpoint import formats
+
+    def scheme(weights, acts):
+        qc = {"quant_method": "compressed-tensors", "format": "float-quantized",
+              "config_groups": {"g": {"targets": ["Linear"], "weights": weights, "input_activations": acts}}}
+        return str(formats.parse({"quantization_config": qc}).config.scheme())
+
+    fp8 = {"num_bits": 8, "type": "float"}
+    assert scheme({**fp8, "strategy": None}, dict(fp8)) == "w:per-tensor a:static per-tensor"
+    assert scheme({**fp8, "strategy": "channel"}, {**fp8, "dynamic": True}) == "w:per-channel a:per-tensor"
+    assert scheme({**fp8, "strategy": "block", "block_structure": [64, 64]},
+                  {**fp8, "dynamic": True, "group_size": 64}) == "w:per-block(64x64) a:per-group(1x64)"
+    with pytest.raises(CheckpointError, match=r"weights\.strategy='group' is not one of 'tensor', 'channel', 'block'"):
+        scheme({**fp8, "group_size": 128}, dict(fp8))
+
+
 def test_load_arguments_are_checked_before_reading(tmp_path, monkeypatch):
     """config as a dict, device 'meta' or an unusable 'cuda', a fused entry given as a string: each failed deep in
     the load (AttributeError, Tensor.item() on meta, 'Torch not compiled with CUDA', a checkpoint module name split
