@@ -240,12 +240,30 @@ def write_file(file: str, tensors: Mapping[str, torch.Tensor], metadata: Optiona
 def read_config(path: str) -> dict[str, Any]:
     """``config.json`` of a checkpoint directory ({} when there is none). Where it has no ``quantization_config``,
     ModelOpt's ``hf_quant_config.json`` beside it gives one (``quant_method`` "modelopt" and the file's
-    ``quantization``), as vLLM reads such a checkpoint."""
+    ``quantization``), as vLLM reads such a checkpoint; before it, as vLLM too, ``compression_config`` (older
+    compressed-tensors exports) and a VLM's ``text_config.quantization_config`` (such checkpoints were read as bf16
+    and refused as holding fp8 codes with no quantization_config: h156)."""
     config = read_json(os.path.join(path, CONFIG))
+    key, found = quantization_config_of(config)
+    if key is not None:
+        config = {**config, "quantization_config": found}
     modelopt = os.path.join(path, MODELOPT_CONFIG)
     if config.get("quantization_config") is None and os.path.exists(modelopt):
         config = {**config, "quantization_config": {"quant_method": "modelopt", **read_json(modelopt)}}
     return config
+
+
+def quantization_config_of(config: Mapping[str, Any]) -> tuple[Optional[str], Any]:
+    """(where, value) of config.json's quantization config, as vLLM looks for it: ``quantization_config``, else
+    ``compression_config``, else ``text_config.quantization_config``; (None, None) where it has none."""
+    text = config.get("text_config")
+    for key, value in (("quantization_config", config.get("quantization_config")),
+                       ("compression_config", config.get("compression_config")),
+                       ("text_config.quantization_config",
+                        text.get("quantization_config") if isinstance(text, Mapping) else None)):
+        if value is not None:
+            return key, value
+    return None, None
 
 
 def read_json(file: str) -> dict[str, Any]:

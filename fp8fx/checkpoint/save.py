@@ -21,7 +21,7 @@ from fp8fx import quant
 from fp8fx.checkpoint import experts as moe_ckpt
 from fp8fx.checkpoint import formats, renames
 from fp8fx.checkpoint.files import CONFIG, GENERATION_CONFIG, INDEX_SUFFIX, CheckpointError, read_checkpoint, read_config
-from fp8fx.checkpoint.files import read_json, read_tensor, write_file
+from fp8fx.checkpoint.files import quantization_config_of, read_json, read_tensor, write_file
 from fp8fx.checkpoint.load import FUSED, LoadReport, _Loader, _looks_like_scale, _progress, check_checkpoint_ignores
 from fp8fx.checkpoint.load import compare_tied, config_ties
 from fp8fx.checkpoint.load import output_embeddings
@@ -902,8 +902,8 @@ def convert(
                          "; pass an empty or new directory")
     config_json = read_config(src)
     if config_json.get("quantization_config") is not None:
-        own = read_json(os.path.join(src, CONFIG)).get("quantization_config")  # (else hf_quant_config.json's)
-        where = ("config.json already has a quantization_config" if own is not None else
+        key = quantization_config_of(read_json(os.path.join(src, CONFIG)))[0]  # (None: hf_quant_config.json's)
+        where = (f"config.json already has a {key}" if key is not None else
                  "hf_quant_config.json holds ModelOpt's quantization config")
         raise CheckpointError(f"{src}/{where}; convert takes a bf16/fp16 checkpoint")
     files, entries = read_checkpoint(src)
