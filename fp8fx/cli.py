@@ -388,14 +388,14 @@ class _LayerConfigs:
     quantization_config (ignore / no matching group)" of a layer the load and the compile report call "in
     ignored_layers")."""
 
-    def __init__(self, get: Callable[[str], Optional[Fp8Config]], ignored: Callable[[str], bool]):
+    def __init__(self, get: Callable[[str, tuple], Optional[Fp8Config]], ignored: Callable[[str, tuple], bool]):
         self.get, self.ignored = get, ignored
 
-    def __call__(self, fqn: str) -> Optional[Fp8Config]:
-        return self.get(fqn)
+    def __call__(self, fqn: str, classes: tuple = ("Linear",)) -> Optional[Fp8Config]:
+        return self.get(fqn, classes)
 
-    def why_not(self, fqn: str) -> str:
-        return "in ignored_layers" if self.ignored(fqn) else "not targeted by quantization_config"
+    def why_not(self, fqn: str, classes: tuple = ("Linear",)) -> str:
+        return "in ignored_layers" if self.ignored(fqn, classes) else "not targeted by quantization_config"
 
 
 def make_config(args: argparse.Namespace, hf_quant: Optional[dict], named: Callable[[Any], Any] = lambda fmt: fmt):
@@ -483,14 +483,16 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict], named: Calla
         name = fmt.name if fmt else "none"
         if name != "compressed-tensors":  # (transformers' modules_to_not_convert, ModelOpt's exclude list)
             # (the format's ignore list by the checkpoint's names too: a hub Mixtral's block_sparse_moe.experts)
-            return config, _LayerConfigs(lambda fqn: None if fmt and fmt.is_ignored(fqn) else config,
-                                         lambda fqn: True), name, ignores
+            return config, _LayerConfigs(lambda fqn, _: None if fmt and fmt.is_ignored(fqn) else config,
+                                         lambda fqn, _: True), name, ignores
         groups = {id(c): with_flags(c) for _, c in fmt.groups}
         # (the header's: its ignore list, and the config of the first group, whose ignored_layers are none)
         config = dataclasses.replace(config, ignored_layers=tuple(fmt.ignore) + flag_ignores)
+        # (a layer's classes, as load_checkpoint matches a group's or the ignore list's class names: inspect took
+        # every layer for a plain "Linear", h156)
         return (config, _LayerConfigs(
-            lambda fqn: (lambda c: None if c is None else groups[id(c)])(fmt.layer_config(fqn, ("Linear",))),
-            lambda fqn: fmt.is_ignored(fqn, ("Linear",))), name, ignores)
+            lambda fqn, classes: (lambda c: None if c is None else groups[id(c)])(fmt.layer_config(fqn, classes)),
+            lambda fqn, classes: fmt.is_ignored(fqn, classes)), name, ignores)
     except ValueError as e:
         raise UsageError(f"bad config: {e}") from e
 
@@ -579,12 +581,20 @@ def predict(model: nn.Module, config: Fp8Config, call_args: tuple, call_kwargs: 
         check_no_in_place_rescale(model, "quantize_ and load_checkpoint would refuse this model", "inspected")
     except ValueError as e:
         raise UsageError(str(e)) from None
-    given = layer_config or (lambda fqn: config)
-    why_not = getattr(given, "why_not", lambda fqn: "in ignored_layers")  # (a layer its config keeps as it is)
+    given = layer_config or (lambda fqn, classes: config)
+    why = getattr(given, "why_not", lambda fqn, classes: "in ignored_layers")  # (a layer its config keeps as it is)
     widened: dict[Fp8Config, Fp8Config] = {}  # a config -> it with the other names of the modules it ignores
+    every = dict(model.named_modules(remove_duplicate=False))
+
+    def classes(fqn: str) -> tuple:  # a linear's own and its bases' (target_classes); an experts module's "Linear"
+        module = every.get(fqn)
+        return target_classes(module) if module is not None and is_linear(module) else ("Linear",)
+
+    def why_not(fqn: str) -> str:
+        return why(fqn, classes(fqn))
 
     def layer_config(fqn: str) -> Optional[Fp8Config]:  # (quantize_'s: ignoring_aliases)
-        cfg = given(fqn)
+        cfg = given(fqn, classes(fqn))
         if cfg is not None and cfg not in widened:
             widened[cfg] = ignoring_aliases(cfg, model, "")
         return None if cfg is None else widened[cfg]

@@ -1539,6 +1539,23 @@ def test_compressed_tensors_flags_must_be_json_booleans(where, value, caplog):
     assert "quantization_config['ignores']=['lm_head'] is not a key fp8fx reads (did you mean 'ignore'?)" in caplog.text
 
 
+@pytest.mark.parametrize("key", ["compression_config", "text_config"])
+def test_a_quantization_config_where_vllm_also_looks_for_it(tmp_path, key):
+    """Older compressed-tensors exports hold their config as ``compression_config``, VLMs under ``text_config``: vLLM
+    reads both; fp8fx read such checkpoints as bf16 and refused their fp8 codes (h156). convert refuses them as
+    quantized, naming the key."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    path = write_checkpoint(tmp_path / "c", tensors, None, extra_config={
+        "quantization_config": None, **({key: qc} if key == "compression_config" else
+                                        {key: {"quantization_config": qc}})})
+    report = load_checkpoint(meta_tiny(), path, progress=False)
+    assert set(report.quantized) == set(LINEARS) and report.format.startswith("compressed-tensors"), report.format
+    where = "compression_config" if key == "compression_config" else "text_config.quantization_config"
+    with pytest.raises(CheckpointError, match=rf"config\.json already has a {re.escape(where)}; convert takes a "
+                                              r"bf16/fp16 checkpoint"):
+        fp8fx.checkpoint.convert(path, tmp_path / "dst", model=meta_tiny(), progress=False)
+
+
 def test_compressed_tensors_fields_left_out_take_its_defaults():
     """compressed-tensors' QuantizationArgs: ``dynamic`` false, and a null ``strategy`` 'tensor' (or 'group' with a
     group_size). fp8fx read an absent ``dynamic`` as dynamic (refusing a static scheme as "says dynamic activations")

@@ -219,6 +219,12 @@ def mlp():
 def mlp_with_input():
     return mlp(), (torch.zeros(4, 256),)
 
+class RowLinear(nn.Linear):
+    pass
+
+def row_linear():
+    return nn.Sequential(RowLinear(256, 256), nn.Linear(256, 256)), (torch.zeros(4, 256),)
+
 def not_a_model():
     return 3
 
@@ -298,6 +304,26 @@ def test_inspect_factory_table(capsys, models_py):
     assert "no         not quantized: weight [100, 512] is not divisible by the 128x128 block" in rows["2"]
     assert rows["4"].split()[3:] == ["no", "not", "quantized:", "in", "ignored_layers"]
     assert lines[-1].startswith("1 of 3 linear sites would be rewritten")
+
+
+@pytest.mark.parametrize("where", ["targets", "ignore"])
+def test_inspect_matches_compressed_tensors_class_names_as_the_load_does(capsys, models_py, tmp_path, where):
+    """A group's target or an ignore entry naming a layer's class (a subclass of nn.Linear): load_checkpoint matches
+    the layer's own class and its bases; inspect took every layer for a plain "Linear" and predicted the opposite of
+    the load for it (h156)."""
+    args = {"num_bits": 8, "type": "float", "symmetric": True}
+    group = {"targets": ["RowLinear" if where == "targets" else "Linear"], "weights": {**args, "strategy": "channel",
+             "dynamic": False}, "input_activations": {**args, "strategy": "token", "dynamic": True}}
+    config = tmp_path / "qc.json"
+    config.write_text(json.dumps({"quant_method": "compressed-tensors", "format": "float-quantized",
+                                  "ignore": ["RowLinear"] if where == "ignore" else [],
+                                  "config_groups": {"g": group}}))
+    code, out, err = run(capsys, "inspect", f"{models_py}:row_linear", "--config", str(config), "--json")
+    assert code == 0, err
+    rows = {r["fqn"]: r for r in json.loads(out)["sites"]}
+    assert rows["0"]["would_rewrite"] is (where == "targets") and rows["1"]["would_rewrite"] is (where == "ignore")
+    assert {r["reason"] for r in rows.values()} == {"", "not targeted by quantization_config" if where == "targets"
+                                                    else "in ignored_layers"}, rows
 
 
 def test_inspect_table_says_a_layer_it_did_not_trace_is_untraced_not_unquantized(capsys, models_py):
