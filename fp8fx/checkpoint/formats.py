@@ -184,6 +184,10 @@ _MODELOPT_ALGOS = {
 }
 
 
+_MODELOPT_KEYS = frozenset({"quant_method", "quant_algo", "ignore", "exclude_modules", "kv_cache_scheme",
+                            "kv_cache_quant_algo", "producer", "quantization"})  # (that fp8fx reads)
+
+
 def _modelopt(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
     """ModelOpt's FP8 checkpoints: config.json's flat ``quantization_config`` (``quant_algo``, ``ignore``,
     ``kv_cache_scheme``) or ``hf_quant_config.json``'s ``quantization`` (``quant_algo``, ``exclude_modules``,
@@ -196,7 +200,10 @@ def _modelopt(qc: Mapping[str, Any], kv: bool) -> QuantFormat:
     if algo not in _MODELOPT_ALGOS:
         raise ValueError(f"quant_algo={inner.get('quant_algo')!r}: fp8fx loads ModelOpt's {sorted(_MODELOPT_ALGOS)} "
                          "checkpoints (NVFP4, MXFP8 and block weight-only ones are other formats)")
-    key = "exclude_modules" if legacy else "ignore"
+    # (the flat layout's list is "ignore", as vLLM reads it now; an older vLLM read "exclude_modules" there, which was
+    # dropped silently, and the excluded bf16 layers refused as "not in the ignore list": h156)
+    key = "exclude_modules" if legacy or "ignore" not in inner and "exclude_modules" in inner else "ignore"
+    warn_misspelt(inner, _MODELOPT_KEYS, "ModelOpt quantization config")
     exclude = inner.get(key) or []
     if isinstance(exclude, str) or not isinstance(exclude, (list, tuple)):
         raise ValueError(f"{key}={exclude!r} must be a list of module names or wildcards")

@@ -1863,7 +1863,8 @@ def test_transformers_per_tensor_layout_reads_as_vllms(tmp_path):
         load_checkpoint(meta_tiny(), write_checkpoint(tmp_path / "blocks", blocks, hf_qc), progress=False)
 
 
-@pytest.mark.parametrize("spelling", ["config.json", "config.json's kv_cache_quant_algo", "hf_quant_config.json"])
+@pytest.mark.parametrize("spelling", ["config.json", "config.json's kv_cache_quant_algo", "config.json's exclude_modules",
+                                      "hf_quant_config.json"])
 def test_modelopt_fp8_checkpoints_load_as_vllm_reads_them(tmp_path, spelling):
     """NVIDIA ModelOpt's FP8 checkpoints (quant_method "modelopt", quant_algo "FP8": per-tensor weights, static
     input scales; older exports carry it in hf_quant_config.json only) were refused, or read as bf16. Their exclude
@@ -1877,7 +1878,9 @@ def test_modelopt_fp8_checkpoints_load_as_vllm_reads_them(tmp_path, spelling):
     if spelling.startswith("config.json"):  # (the flat layout's kv_cache_quant_algo was not read: h156)
         kv = ({"kv_cache_quant_algo": "FP8"} if "algo" in spelling else
               {"kv_cache_scheme": {"type": "float", "num_bits": 8, "dynamic": False}})
-        write_checkpoint(path, tensors, {"quant_method": "modelopt", "quant_algo": "FP8", "ignore": exclude, **kv})
+        # (an older vLLM's flat exclude_modules was dropped, and the excluded layers refused: h156)
+        excluded = {"exclude_modules" if "exclude" in spelling else "ignore": exclude}
+        write_checkpoint(path, tensors, {"quant_method": "modelopt", "quant_algo": "FP8", **excluded, **kv})
     else:
         write_checkpoint(path, tensors)
         (path / "hf_quant_config.json").write_text(json.dumps({"producer": {"name": "modelopt"}, "quantization": {
@@ -1900,7 +1903,7 @@ def test_modelopt_fp8_checkpoints_load_as_vllm_reads_them(tmp_path, spelling):
         assert rel_err(model(ids), float_reference(state, deq, ids)) < 0.08
 
 
-def test_modelopt_per_channel_per_token_and_other_algorithms(tmp_path):
+def test_modelopt_per_channel_per_token_and_other_algorithms(tmp_path, caplog):
     state = bf16_state()
     tensors, _, deq = fp8_checkpoint(state, "channel", ignore=("lm_head",))
     qc = {"quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "ignore": ["lm_head"]}
@@ -1916,6 +1919,12 @@ def test_modelopt_per_channel_per_token_and_other_algorithms(tmp_path):
         src = write_checkpoint(tmp_path / "src", dict(state), extra_config={"quantization_config": None})
         (src / "hf_quant_config.json").write_text(json.dumps({"quantization": {"quant_algo": "FP8"}}))
         fp8fx.checkpoint.convert(src, tmp_path / "dst", model=meta_tiny(), progress=False)
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):  # a misspelt key: said (h156)
+        load_checkpoint(meta_tiny(), write_checkpoint(tmp_path / "typo", tensors, {
+            "quant_method": "modelopt", "quant_algo": "FP8_PER_CHANNEL_PER_TOKEN", "ignroe": ["lm_head"]}),
+            progress=False)
+    assert "ModelOpt quantization config['ignroe']=['lm_head'] is not a key fp8fx reads (did you mean 'ignore'?)" \
+        in caplog.text
     # an INT8 KV cache's scales, declared in the flat layout too (they loaded as fp8 ones there: h156)
     kv = dict(tensors, **{"model.layers.0.self_attn.k_scale": torch.tensor(0.25)})
     with pytest.raises(CheckpointError, match=r"kv_cache_quant_algo='INT8': fp8fx reads FP8 KV-cache scales"):
