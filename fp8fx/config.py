@@ -191,7 +191,7 @@ def _model_rules(model: Any, layer: Any) -> _ModelRules:
 
 _MXFP8 = ("MXFP8 (1x32 blocks of power-of-two E8M0 scales) is no scheme of fp8fx's; quantize the bf16 model with an "
           "Fp8Config instead")
-_OTHER_FP8_METHODS = {
+OTHER_FP8_METHODS = {
     "fbgemm_fp8": "FBGEMM's fp8 checkpoints (per-channel weight scales, per-token activations bounded by "
                   "activation_scale_ub) are not an fp8 config; fp8fx does not load them as such: build the scheme with "
                   "Fp8Config(is_checkpoint_fp8_serialized=True, weight_granularity=fp8fx.PerRow()) and its ignore list",
@@ -493,7 +493,7 @@ class Fp8Config:
                 "config=: it reads the checkpoint's own quantization_config"
             )
         # fp8 methods whose scheme the fields below do not say: read as this config, they gave per-tensor scales
-        other = _OTHER_FP8_METHODS.get(str(quant_method).lower())
+        other = OTHER_FP8_METHODS.get(str(quant_method).lower())
         if other:
             raise ValueError(f"quantization_config quant_method={quant_method!r}: {other}")
         # transformers' FineGrainedFP8Config.modules_to_convert names nn.Embedding tables (by name suffix) that its

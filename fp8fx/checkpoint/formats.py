@@ -22,7 +22,8 @@ from fnmatch import fnmatchcase
 from typing import Any, Mapping, Optional, Sequence
 
 from fp8fx.checkpoint.files import CheckpointError
-from fp8fx.config import Fp8Config, LayerScheme, PerBlock, PerGroup, PerRow, PerTensor, check_name_list, warn_misspelt
+from fp8fx.config import OTHER_FP8_METHODS, Fp8Config, LayerScheme, PerBlock, PerGroup, PerRow, PerTensor
+from fp8fx.config import check_name_list, warn_misspelt
 from fp8fx.config import first_named, transformers_skips
 
 FORMATS = ("fp8", "compressed-tensors", "modelopt")
@@ -143,6 +144,10 @@ def parse(config_json: Mapping[str, Any], user: Optional[Fp8Config] = None) -> Q
             return _modelopt(qc, kv)
     except ValueError as e:
         raise CheckpointError(f"config.json quantization_config (quant_method={method!r}): {e}") from None
+    other = OTHER_FP8_METHODS.get(name) if isinstance(name, str) else None
+    if other:  # (Fp8Config.from_config's own words for it; the load gave the generic refusal below: h156)
+        raise CheckpointError(f"config.json: quantization_config.quant_method={method!r}: {other}; pass that config "
+                              "as load_checkpoint(..., config=...)")
     raise CheckpointError(
         f"config.json: quantization_config.quant_method={method!r} is not a format fp8fx loads; use a checkpoint "
         f"in one of {FORMATS} (float8), a bf16/fp16 one without quantization_config, or pass config=Fp8Config(...)"

@@ -1098,6 +1098,12 @@ BAD = {
         _case(lambda t, qc: qc.update(quant_method="awq")),
         r"^config\.json: quantization_config\.quant_method='awq' is not a format fp8fx loads",
     ),
+    "an fp8 method of another kind": (  # (its own words, as Fp8Config.from_config says them: h156)
+        _case(lambda t, qc: qc.update(quant_method="fbgemm_fp8")),
+        r"^config\.json: quantization_config\.quant_method='fbgemm_fp8': FBGEMM's fp8 checkpoints .* "
+        r"weight_granularity=fp8fx\.PerRow\(\)\) and its ignore list; pass that config as "
+        r"load_checkpoint\(\.\.\., config=\.\.\.\)$",
+    ),
     "NaN scale": (
         _case(lambda t, qc: t.update({f"{DOWN}.weight_scale": torch.tensor(float("nan"))})),
         rf"^{DOWN}\.weight_scale \(float32 \[\] in .*\): 1 scales are not positive finite floats \(nan at \[\]\)",
