@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import functools
 import json
 import logging
@@ -796,9 +797,16 @@ class _Loader:
         check_fp8_codes(w, lin.fqn)
         fp8 = w.dtype == quant.FP8_DTYPE
         if lin.serialized and not fp8:
+            # an ignore entry close to the layer's name (a misspelling: the entry names no module, and the layer it
+            # meant is refused as not in the list, with no word of the entry: h156)
+            entries = [*(self.fmt.config.ignored_layers or ()), *self.fmt.ignore, *self.fmt.hf_ignore,
+                       *(self.fmt.modelopt_exclude or ())]
+            names = [str(e) for e in entries if not str(e).startswith("re:")]
+            close = [e for e in difflib.get_close_matches(lin.fqn, names, n=1, cutoff=0.9) if e not in self.modules]
+            typo = f"; its ignore list's {close[0]!r} names no module: a misspelling of {lin.fqn!r}?" if close else ""
             raise CheckpointError(
                 f"{w}: {lin.fqn} is declared float8_e4m3fn by {self.fmt.declared_by} ({self.fmt.describe()}); "
-                "fix it (e.g. add the layer to its ignore list) or re-export the checkpoint"
+                f"fix it (e.g. add the layer to its ignore list) or re-export the checkpoint{typo}"
             )
         if not lin.serialized and w.dtype not in quant.HIGH_PRECISION:
             if fp8 and self.fmt.name == "none" and self.fmt.from_user:

@@ -1098,6 +1098,12 @@ BAD = {
         _case(lambda t, qc: qc.update(quant_method="awq")),
         r"^config\.json: quantization_config\.quant_method='awq' is not a format fp8fx loads",
     ),
+    "a misspelt ignore entry": (  # (the entry was not named: h156)
+        _case(lambda t, qc: (t.update({f"{DOWN}.weight": t[f"{DOWN}.weight"].bfloat16()}),
+                             qc.update(ignored_layers=["lm_head", DOWN[:-4] + "prj"]))),
+        rf"^{DOWN}\.weight \(bfloat16 .* re-export the checkpoint; its ignore list's '{DOWN[:-4]}prj' names no "
+        rf"module: a misspelling of '{DOWN}'\?$",
+    ),
     "an fp8 method of another kind": (  # (its own words, as Fp8Config.from_config says them: h156)
         _case(lambda t, qc: qc.update(quant_method="fbgemm_fp8")),
         r"^config\.json: quantization_config\.quant_method='fbgemm_fp8': FBGEMM's fp8 checkpoints .* "
