@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import inspect
 import logging
 import math
 import operator
@@ -111,9 +112,27 @@ def _refuse_unprocessed(module: nn.Module, args: tuple) -> None:
         "uninitialized memory); load every shard, then call the method's process_weights_after_loading(layer)")
 
 
+# torch's hook-based reparametrizations read the weight (its dequantized view here), then take it out of
+# ``_parameters`` directly, past ``fp8_delattr``: weight_norm's old API then failed at setting the weight with the
+# fp8 codes already gone for good, prune failed registering the view as weight_orig. Their read is refused (by its
+# caller's code object: the read is the one step before the deletion that fp8fx sees), the module left as it was.
+_REPARAMETRIZERS = {
+    inspect.unwrap(WeightNorm.apply).__code__: ("torch.nn.utils.weight_norm", "apply weight_norm to"),  # (deprecated: wrapped)
+    inspect.unwrap(prune.BasePruningMethod.apply.__func__).__code__: ("torch.nn.utils.prune", "prune"),
+}
+
+
 def check_codes_held(module: nn.Module, name: str) -> None:
     """Refuses a read of an fp8 module's ``name`` once its fp8 codes are gone from it (taken out of ``_parameters``
-    by hand: ``fp8_delattr`` refuses ``del``), where the read failed with a bare KeyError."""
+    by hand: ``fp8_delattr`` refuses ``del``), where the read failed with a bare KeyError, and the read of
+    ``_REPARAMETRIZERS`` (called by the view's getter: the getter's caller is two frames up)."""
+    if not torch.compiler.is_compiling():  # (a compiled graph reads the view from the model's forward alone)
+        what = _REPARAMETRIZERS.get(sys._getframe(2).f_code)
+        if what is not None:
+            raise RuntimeError(
+                f"{module_name(module)}.{name}: {what[0]} reparametrizes a weight by taking it out of the module "
+                f"(the fp8 codes, with no way back): {_NO_PARAMETRIZATION} ({what[1]} the model before quantize_; "
+                "nothing was changed)")
     if name not in module._parameters:
         raise RuntimeError(
             f"{module_name(module)}.{name}: its fp8 codes were removed "

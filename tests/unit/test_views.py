@@ -307,6 +307,42 @@ def test_a_parametrization_of_fp8_experts_is_refused_and_changes_nothing():
     assert model.experts.down_proj.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("reparametrize", [
+    pytest.param(lambda m, name: nn.utils.weight_norm(m, name), id="weight_norm"),
+    pytest.param(lambda m, name: nn.utils.prune.l1_unstructured(m, name, amount=0.5), id="prune"),
+    pytest.param(lambda m, name: nn.utils.prune.global_unstructured(
+        [(m, name)], pruning_method=nn.utils.prune.L1Unstructured, amount=0.5), id="global_prune"),
+])
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (weight_norm's old API is deprecated)
+def test_hook_reparametrizations_of_fp8_weights_are_refused_before_they_change_anything(reparametrize):
+    """torch's forward-pre-hook reparametrizations take the weight out of _parameters directly, past __delattr__:
+    weight_norm's old API deleted the fp8 codes, then failed with "property 'weight' ... has no setter" (the layer
+    broken for good, weight_g / weight_v left on it); prune failed with torch's bare "cannot assign ... to parameter
+    'weight_orig'". Both are refused at their read of the weight, naming the tool and the fix, the layer as it was;
+    the same calls still work where fp8fx is not (a bf16 layer, the experts' bf16 router)."""
+    from tests.unit.test_moe_weights import Block
+
+    model = quantized_pair()
+    x = torch.randn(3, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before, state = model(x), dict(model[0].state_dict(keep_vars=True))
+    with pytest.raises(RuntimeError, match=r"^0\.weight: torch\.nn\.utils\.(weight_norm|prune) reparametrizes a "
+                                           r"weight by taking it out of the module .*parametrize the high-precision "
+                                           r"model, then quantize_ it \(.* the model before quantize_; nothing was "
+                                           r"changed\)$"):
+        reparametrize(model[0], "weight")
+    assert dict(model[0].state_dict(keep_vars=True)) == state and not model[0]._forward_pre_hooks
+    with torch.no_grad():
+        assert torch.equal(model(x), before)
+    moe = fp8fx.quantize_(Block().to(torch.bfloat16))
+    with pytest.raises(RuntimeError, match=r"^experts\.gate_up_proj: torch\.nn\.utils\."):
+        reparametrize(moe.experts, "gate_up_proj")
+    assert moe.experts._parameters["gate_up_proj"].dtype == torch.float8_e4m3fn
+    plain = nn.Linear(8, 8)
+    reparametrize(plain, "weight")
+    assert plain._forward_pre_hooks
+
+
 def test_an_input_of_another_dtype_is_refused_naming_the_layer_and_the_cast():
     """A float32 input on a bf16 fp8 layer failed in torch's F.linear with "expected m1 and m2 to have the same
     dtype": no layer named, no fix. The error names the weight, both dtypes and the cast; the same model cast as a
