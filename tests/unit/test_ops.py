@@ -645,6 +645,25 @@ def test_a_quantized_model_set_requires_grad_backpropagates_to_its_input(compile
     assert model[0]._parameters["weight"].grad is None  # (no gradient reaches fp8 codes)
 
 
+def test_forward_mode_ad_carries_the_inputs_tangents_and_gives_the_scales_none():
+    """README: forward mode (torch.func.jvp / jacfwd) carries the inputs' tangents through fp8 layers (the Jacobian
+    is reverse mode's), and gives a scale none: torch drops a tangent at a custom op with no forward formula, a zero
+    derivative, where reverse mode gives the scale its gradient."""
+    from torch.func import functional_call, jacfwd, jacrev, jvp
+
+    torch.manual_seed(0)
+    model = fp8fx.quantize_(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4)))
+    x = torch.randn(8)
+    forward, reverse = jacfwd(model)(x), jacrev(model)(x)
+    assert forward.abs().max() > 0.1 and torch.allclose(forward, reverse, rtol=1e-5, atol=1e-6)
+    scale = model[0].weight_scale.detach().clone()
+    of_scale = lambda s: functional_call(model, {"0.weight_scale": s}, (x,))  # noqa: E731
+    _, tangent = jvp(of_scale, (scale,), (torch.ones_like(scale),))
+    assert torch.equal(tangent, torch.zeros(4))
+    leaf = scale.clone().requires_grad_()  # (what forward mode gives up: the scale's derivative, reverse mode's)
+    assert torch.autograd.grad(of_scale(leaf).sum(), leaf)[0].abs().max() > 0.1
+
+
 def test_reference_ops_compute_in_float32_under_autocast():
     """The caller's torch.autocast reached into the ops' CPU implementations: scaled_mm and weight_only_mm computed
     their products in bf16 (3e-3 off float32 math, which the ops promise), and fused_moe failed writing a bf16
