@@ -518,49 +518,60 @@ def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump]
     ``report.reused`` adds; one whose GEMMs the horizontal pass fused
     (``shared``: the groups' input positions, ``SHARED_INPUTS``), whose parameters of the new module are moved into
     one tensor each as the first module's were (else each of its fused GEMMs ran as one GEMM per layer, under a
-    report that called them fused). Only such graphs are watched; the check is one identity comparison of the first
-    weight a call (by a weak reference). The dump's reports are written again where that added sites."""
+    report that called them fused), or whose fused layer got a new weight (``load_state_dict(..., assign=True)`` of
+    k alone: the group's others stayed in the old tensor, and it ran as one GEMM per layer, the report saying fused).
+    Only such graphs are watched; the check is an identity comparison of each watched weight a call (by weak
+    references). The dump's reports are written again where that added sites."""
     positions = [p for _, p in report.frame_weights[index]] if frame else []
     watched = (positions or [shared[0][0][0]])[0]
     inputs = max(positions + [p for group in shared for part in group[:3] for p in part if p is not None])
-    seen: set[int] = set()
+    # the first weight, then each fused group's (once)
+    watch = list(dict.fromkeys([watched] + [p for ws, _, _, _ in shared for p in ws]))
+    seen: set[int] = set()  # the first weights' tokens: the modules run so far
+    grouped: set[tuple[int, ...]] = set()  # the watched weights' tokens of the calls whose groups were fused
     bound = [64]  # (seen's size at which its freed weights' tokens are dropped)
-    # the first weight of the last call, weakly: a reference would keep a dropped model alive, and its id() alone
+    # the watched weights of the last call, weakly: a reference would keep a dropped model alive, and an id() alone
     # was taken by the next model's weight, whose block then ran unwatched (its fused GEMMs one per layer, no rows)
-    last: list[Optional[weakref.ref]] = [None]
+    last: list[Optional[list[weakref.ref]]] = [None]
 
     def look(args) -> None:
         if inputs >= len(args):  # the weights are no inputs of the compiled code: Inductor's freezing made them its
             return  # constants (a frame's graph that other modules run cannot be told apart then)
-        weight = args[watched]
-        if last[0] is None or last[0]() is not weight:
-            last[0] = weakref.ref(weight)
-            token = Site.token_of(weight)
-            if token not in seen:
-                traced = not seen  # the first call: with the inputs Dynamo traced, the graph's own sites
-                seen.add(token)
-                if len(seen) > bound[0]:  # a freed weight's token comes no more: kept, a graph called with a new
-                    # tensor each time (F.linear(x, w) of a w made per call) grew the set by one at each call. (The
-                    # weight of this call is live: seen stays non-empty, and no later call counts as the first.)
-                    seen.intersection_update(Site.live_tokens())
-                    bound[0] = max(64, 2 * len(seen))
-                for ws, ss, bs, w_block in shared:  # (parameters already in one tensor stay where they are)
-                    try:
-                        share_memory([args[p] for p in ws], [args[p] for p in ss],
-                                     [None if p is None else args[p] for p in bs], w_block)
-                    except Exception as e:  # noqa: BLE001 - the GEMMs then run one per layer, with the same numbers
-                        log.warning("fp8fx: graph %d: another module's fused layers could not be moved into one "
-                                    "tensor (%s: %s); they run one GEMM each", index, type(e).__name__, e)
-                if traced or not frame:
-                    return
+        refs = last[0]
+        if refs is not None and all(args[p] is ref() for p, ref in zip(watch, refs)):
+            return
+        last[0] = [weakref.ref(args[p]) for p in watch]
+        token = Site.token_of(args[watched])
+        new = token not in seen
+        traced = not seen  # the first call: with the inputs Dynamo traced, the graph's own sites
+        seen.add(token)
+        tokens = tuple(Site.token_of(args[p]) for p in watch)
+        if shared and tokens not in grouped:  # another module's groups, or a fused layer's new weight
+            grouped.add(tokens)
+            for ws, ss, bs, w_block in shared:  # (parameters already in one tensor stay where they are)
                 try:
-                    before = len(report.sites) + len(report.topk)
-                    report.reused(index, [args[p] for p in positions])
-                    if dump is not None and len(report.sites) + len(report.topk) > before:
-                        dump.write_reports(report)
-                except Exception as e:  # noqa: BLE001 - the report's, never the model's failure
-                    log.warning("fp8fx: graph %d: the report could not add the sites of another module running it "
-                                "(%s: %s)", index, type(e).__name__, e)
+                    share_memory([args[p] for p in ws], [args[p] for p in ss],
+                                 [None if p is None else args[p] for p in bs], w_block)
+                except Exception as e:  # noqa: BLE001 - the GEMMs then run one per layer, with the same numbers
+                    log.warning("fp8fx: graph %d: fused layers' new parameters could not be moved into one tensor "
+                                "(%s: %s); they run one GEMM each", index, type(e).__name__, e)
+        if len(seen) > bound[0] or len(grouped) > bound[0]:  # a freed weight's token comes no more: kept, a graph
+            # called with a new tensor each time (F.linear(x, w) of a w made per call) grew the sets by one at each
+            # call. (This call's weights are live: seen stays non-empty, and no later call counts as the first.)
+            live = Site.live_tokens()
+            seen.intersection_update(live)
+            grouped.intersection_update({t for t in grouped if live.issuperset(t)})
+            bound[0] = max(64, 2 * max(len(seen), len(grouped)))
+        if not new or traced or not frame:
+            return
+        try:
+            before = len(report.sites) + len(report.topk)
+            report.reused(index, [args[p] for p in positions])
+            if dump is not None and len(report.sites) + len(report.topk) > before:
+                dump.write_reports(report)
+        except Exception as e:  # noqa: BLE001 - the report's, never the model's failure
+            log.warning("fp8fx: graph %d: the report could not add the sites of another module running it "
+                        "(%s: %s)", index, type(e).__name__, e)
 
     def run(*args):  # (Dynamo calls a backend's function with the inputs as arguments, Inductor's too)
         look(args)

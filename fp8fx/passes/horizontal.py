@@ -535,11 +535,13 @@ class HorizontalFusionPass(Fp8Pass):
         alone between in-place writes that may reach the input (``static_epochs``)."""
         by_x: dict[fx.Node, list[_GroupKey]] = defaultdict(list)
         dynamic: dict[fx.Node, list[fx.Node]] = defaultdict(list)  # input -> the GEMMs quantizing it dynamically
+        dynamic_keys: dict[fx.Node, list[_GroupKey]] = defaultdict(list)  # (and their groups)
         for key in groups:
             if _is_static(key):
                 by_x[key.xq].append(key)
             elif (source := _quantized_from(key.xq)) is not None:
                 dynamic[source] += groups[key]
+                dynamic_keys[source].append(key)
         for x, keys in by_x.items():
             nodes = [n for k in keys for n in groups[k]]
             for key in keys:
@@ -558,6 +560,15 @@ class HorizontalFusionPass(Fp8Pass):
                 amend_sites(ctx, [n for n in nodes if n not in alone],
                             f"(not with {site_names(ctx, dynamic[x])}, which {verb} the input dynamically where "
                             "these take their static input_scale)")
+                # and the dynamic ones, the other way round (a dynamic layer alone among static ones said nothing)
+                static_names, take = site_names(ctx, nodes), "takes" if len(nodes) == 1 else "take"
+                for key in dynamic_keys[x]:
+                    if len(groups[key]) == 1:
+                        amend_sites(ctx, groups[key], f"not fused horizontally: it quantizes the input dynamically, "
+                                                      f"where {static_names} {take} a static input_scale")
+                    else:
+                        amend_sites(ctx, groups[key], f"(not with {static_names}, which {take} a static input_scale "
+                                                      "where these quantize the input dynamically)")
 
     @staticmethod
     def _explain_reshaped(groups: dict[_GroupKey, list[fx.Node]], ctx: PassContext, layouts: "_Layouts") -> None:
@@ -614,6 +625,15 @@ class HorizontalFusionPass(Fp8Pass):
         if any(len({ctx.example[a].is_inference() for a in group}) > 1 for group in (weights_and_scales, biases)):
             return ("some of their parameters are inference tensors (quantized under torch.inference_mode) and some "
                     "not: one fused tensor cannot stand in for both; quantize the layers in one mode")
+        # one fused tensor has one dtype: a bias (or scale) of another became a view of the fused one, its parameter
+        # cast for good (k's bf16 bias of a float32 model under autocast came back float32: state_dict, saves)
+        for role, column in (("scales", [n.args[3] for n in nodes]), ("biases", biases)):
+            dtypes = [ctx.example[a].dtype for a in column]
+            if len(set(dtypes)) > 1:
+                listed = ", ".join(f"{site_names(ctx, [n])}: {d}" for n, d in zip(
+                    [n for n in nodes if role == "scales" or n.args[4] is not None], dtypes))
+                return (f"their {role} are of different dtypes ({listed}): one fused tensor of them would cast a "
+                        "layer's parameter; give them one dtype")
         # fused by an earlier graph, but not as exactly this group (one tensor of these weights alone): moving a
         # weight again would undo that fusion
         weights = [ctx.example[n.args[2]] for n in nodes]

@@ -94,6 +94,28 @@ def test_replaced_parameter_still_correct():
     with torch.no_grad():
         again = model.compiled(torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))).logits.float()
     assert rel_err(again, out) < 1e-3
+    # and the group is one GEMM again, as its report says (only a replaced first weight of the graph's first group
+    # was looked for: a replaced k left q, k, v one GEMM each under rows that said fused)
+    weights = [getattr(model.model.layers[0].self_attn, p)._parameters["weight"] for p in ("q_proj", "k_proj", "v_proj")]
+    assert fp8fx.ops._adjacent(weights) is not None and weights[1] is k_proj._parameters["weight"]
+
+
+def test_a_group_whose_biases_differ_in_dtype_is_not_fused_and_keeps_them():
+    """q/k/v of a float32 model under bf16 autocast, k's bias bf16: the fused bias (torch.cat promotes) made k's
+    bias parameter a float32 view of it, so compiling changed the model's state_dict. The group is kept apart, the
+    report says why, each bias keeps its dtype, the outputs are eager's within fp8 activations' error."""
+    torch.manual_seed(0)
+    model = fp8fx.quantize_(BiasedQKV())
+    model.k_proj.bias.data = model.k_proj.bias.data.bfloat16()
+    x = torch.randn(5, 64)
+    with torch.no_grad(), torch.autocast("cpu", torch.bfloat16):
+        want = model(x)
+        schemes, got = compile_fused(model, x)
+    assert model.k_proj.bias.dtype == torch.bfloat16 and model.q_proj.bias.dtype == torch.float32
+    assert all(s.endswith("not fused with q_proj,k_proj,v_proj: their biases are of different dtypes (q_proj: "
+                          "torch.float32, k_proj: torch.bfloat16, v_proj: torch.float32): one fused tensor of them "
+                          "would cast a layer's parameter; give them one dtype") for s in schemes.values()), schemes
+    assert all(rel_err(g.float(), w.float()) < 0.05 for g, w in zip(got, want))  # (fp8 activations: eager's aren't)
 
 
 def test_without_the_option_nothing_is_fused():
@@ -977,7 +999,9 @@ def test_a_static_layer_among_dynamic_ones_says_why_it_is_not_fused():
     schemes, _ = compile_fused(model, x)
     assert schemes[("q_proj", 0)].endswith("not fused horizontally: it quantizes the input with its own static "
                                            "input_scale, where k_proj,v_proj quantize it dynamically"), schemes
-    assert _fused(schemes[("k_proj", 1)], "k_proj,v_proj"), schemes
+    for site in (("k_proj", 1), ("v_proj", 2)):  # (and the dynamic ones say why q_proj is not with them)
+        assert schemes[site].endswith("fused(k_proj,v_proj) (not with q_proj, which takes a static input_scale where "
+                                      "these quantize the input dynamically)"), schemes
     # two static layers fused with each other, among a dynamic one: their rows said "fused(q_proj,k_proj) not fused
     # horizontally: it quantizes ... with its own static input_scale"
     torch._dynamo.reset()
@@ -991,6 +1015,9 @@ def test_a_static_layer_among_dynamic_ones_says_why_it_is_not_fused():
             schemes)
         assert schemes[site].endswith("(not with v_proj, which quantizes the input dynamically where these take "
                                       "their static input_scale)"), schemes
+    # the dynamic layer kept out of them said nothing
+    assert schemes[("v_proj", 2)].endswith("not fused horizontally: it quantizes the input dynamically, where "
+                                           "q_proj,k_proj take a static input_scale"), schemes
 
 
 @pytest.mark.parametrize("write", ["a buffer (the cache)", "h"])
