@@ -26,7 +26,8 @@ from fp8fx.config import OTHER_FP8_METHODS, Fp8Config, LayerScheme, PerBlock, Pe
 from fp8fx.config import check_name_list, warn_misspelt
 from fp8fx.config import first_named, transformers_skips
 
-FORMATS = ("fp8", "compressed-tensors", "modelopt")
+FORMATS = ("fp8", "compressed-tensors", "modelopt")  # the formats read
+WRITTEN_FORMATS = ("fp8", "compressed-tensors")  # and written (a ModelOpt checkpoint is saved as one of these)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -467,8 +468,10 @@ def quantization_config(
     """The ``quantization_config`` for layers quantized with ``schemes`` (``{fqn: scheme}``), linear
     layers ``ignored`` in high precision, and KV-cache scales if ``kv_cache``. ``fmt``: ``"fp8"``,
     ``"compressed-tensors"`` or None (``fp8`` when it can express every layer, else compressed-tensors)."""
-    if fmt not in (None,) + FORMATS:
-        raise ValueError(f"format={fmt!r} is not one of {FORMATS}")
+    if fmt not in (None,) + WRITTEN_FORMATS:  # ('modelopt' wrote an fp8 or compressed-tensors config, unsaid)
+        read = " (fp8fx reads ModelOpt checkpoints, and writes none)" if fmt == "modelopt" else ""
+        raise ValueError(f"format={fmt!r} is not one of the formats fp8fx writes, {WRITTEN_FORMATS}{read}: pass one "
+                         "of them, or None for fp8 where it stores every layer's scheme, else compressed-tensors")
     distinct = sorted(set(schemes.values()), key=str)
     fp8 = _fp8_dict(distinct[0], ignored) if len(distinct) == 1 else None
     if fmt == "fp8" and fp8 is None:

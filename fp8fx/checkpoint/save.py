@@ -420,7 +420,7 @@ def _ignored_and_format(
     # KV-cache scales declared (kv_cache_scheme) where the model has them, unless they came from a checkpoint
     # that held them without declaring an fp8 KV cache: the saved one says what its source said
     kv = source.get("kv_cache", True) and any(m.__dict__.get("_fp8fx_kv_scales") for m in model.modules())
-    fmt = format or (source.get("format") if source.get("format") in formats.FORMATS else None)
+    fmt = format or (source.get("format") if source.get("format") in formats.WRITTEN_FORMATS else None)
     method = formats.quantization_config(schemes, ignored, kv, fmt)["quant_method"]
     if method == "compressed-tensors":  # its ignore list matches names exactly (or "re:"): experts written per
         # expert need their experts' modules too; fp8's ignored_layers covers the modules under an entry (fp8fx,

@@ -139,6 +139,18 @@ def test_fp8_format_cannot_hold_per_channel_or_blocks_with_per_token_activations
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize("fmt", ["modelopt", "gguf"])
+def test_a_format_fp8fx_does_not_write_is_refused_before_anything_is_written(tmp_path, fmt):
+    """format='modelopt' (a format fp8fx reads, whose name the refusal of a bad format listed) was taken, and wrote
+    an fp8 quantization_config with nothing of ModelOpt's in it."""
+    model = quantized_tiny(fp8fx.Fp8Config())
+    read = r" \(fp8fx reads ModelOpt checkpoints, and writes none\)" if fmt == "modelopt" else ""
+    with pytest.raises(ValueError, match=rf"^format='{fmt}' is not one of the formats fp8fx writes, \('fp8', "
+                                         rf"'compressed-tensors'\){read}: pass one of them, or None"):
+        save_checkpoint(model, tmp_path / "x", format=fmt)
+    assert not (tmp_path / "x").exists()
+
+
 def test_loaded_format_and_kv_scales_survive_a_roundtrip(tmp_path):
     """A compressed-tensors checkpoint with KV scales, loaded, saved (format kept), loaded again."""
     tensors, qc, _ = fp8_checkpoint(bf16_state(), "tensor", ct=True)
