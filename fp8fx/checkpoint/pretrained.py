@@ -27,7 +27,7 @@ from torch import nn
 
 from fp8fx import quant
 from fp8fx.checkpoint.load import _looks_like_scale
-from fp8fx.checkpoint.save import _planned, _unwrapped
+from fp8fx.checkpoint.save import _planned, _unwrapped, untied_embeddings
 from fp8fx.weights.linear import ModelHeld
 
 log = logging.getLogger("fp8fx")
@@ -64,9 +64,22 @@ class SavePretrained(ModelHeld):
             missing = object()
             before = vars(config).get("quantization_config", missing)
             config.quantization_config = quantization_config(model)
+            # an lm_head quantized on its own (the README's untying) under a config that says tied: written tied,
+            # the files' fp8 lm_head was refused by load_checkpoint, and transformers and vLLM tie it again
+            tied = [c for c in (config, getattr(config, "text_config", None))
+                    if c is not None and getattr(c, "tie_word_embeddings", None) is True] if untied_embeddings(
+                model) else []
+            if tied:
+                log.warning("fp8fx: save_pretrained writes tie_word_embeddings: false: the model's output embeddings "
+                            "are not its input embeddings (an lm_head quantized on its own is untied), though its "
+                            "config says they are tied (the model's config is unchanged)")
             try:
+                for c in tied:
+                    c.tie_word_embeddings = False
                 return type(model).save_pretrained(model, *args, **kwargs)
             finally:
+                for c in tied:
+                    c.tie_word_embeddings = True
                 if before is missing:
                     del config.quantization_config
                 else:

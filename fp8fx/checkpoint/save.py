@@ -225,14 +225,19 @@ def _check_loadable_values(modules: Mapping[str, nn.Module], fp8: Mapping[str, A
                                  "written)")
 
 
+def untied_embeddings(model: nn.Module) -> bool:
+    """Whether the model has input and output embeddings that do not share their weight (as its config may say)."""
+    # (getter_module: a getter that raises - CLIPModel's get_input_embeddings, "not auto-handled" - gives None)
+    (inp, _), (out, _) = (getter_module(model, f"get_{kind}_embeddings", {}) for kind in ("input", "output"))
+    return inp is not None and out is not None and out._parameters.get("weight") is not inp._parameters.get("weight")
+
+
 def _untied_config(model: nn.Module, config_json: dict) -> dict:
     """``config_json`` with ``tie_word_embeddings: false`` where it says true but the model's output embeddings are
     no longer its input embeddings (an lm_head quantized on its own, ``quantize_(model.lm_head, ...)``: the README's
     untying): HF, vLLM and load_checkpoint tie them again from the config, dropping the fp8 lm_head or refusing
     it. The model's own config is not changed."""
-    # (getter_module: a getter that raises - CLIPModel's get_input_embeddings, "not auto-handled" - gives None)
-    (inp, _), (out, _) = (getter_module(model, f"get_{kind}_embeddings", {}) for kind in ("input", "output"))
-    if inp is None or out is None or out._parameters.get("weight") is inp._parameters.get("weight"):
+    if not untied_embeddings(model):
         return config_json
     fixed = dict(config_json)
     if isinstance(fixed.get("text_config"), dict):  # (multimodal configs tie in their text config)

@@ -235,6 +235,29 @@ def test_a_tied_head_quantized_on_its_own_round_trips_with_what_the_tie_shared(t
         assert torch.equal(loaded.eval()(input_ids=ids).logits, model(input_ids=ids).logits)
 
 
+def test_a_tied_lm_head_quantized_on_its_own_is_saved_untied_and_loads_back(tmp_path, caplog):
+    """The README's untying (quantize_(model.lm_head) of a tied model) then save_pretrained: the config kept
+    tie_word_embeddings: true beside an fp8 lm_head, which load_checkpoint refused ("a float8 tensor for
+    lm_head.weight, which is not quantized (weight tied ...)") and transformers and vLLM tie again. It writes false,
+    says so, and the model's config is as it was; the files load back to the same logits."""
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval()
+    fp8fx.quantize_(model, fp8fx.Fp8Config())  # (the tied lm_head kept in bf16)
+    fp8fx.quantize_(model.lm_head, fp8fx.Fp8Config(), prefix="lm_head")
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        model.save_pretrained(tmp_path / "p")
+    assert "save_pretrained writes tie_word_embeddings: false" in caplog.text
+    assert model.config.tie_word_embeddings is True
+    assert json.loads((tmp_path / "p" / "config.json").read_text())["tie_word_embeddings"] is False
+    assert load_file(tmp_path / "p" / "model.safetensors")["lm_head.weight"].dtype == torch.float8_e4m3fn
+    saved = transformers.AutoConfig.from_pretrained(tmp_path / "p")  # (built as the model was: bf16 after float32)
+    back = transformers.AutoModelForCausalLM.from_config(saved).to(torch.bfloat16).eval()
+    load_checkpoint(back, tmp_path / "p", progress=False)
+    assert torch.equal(logits(back), logits(model))
+
+
 def test_a_model_quantized_part_by_part_warns_that_its_save_pretrained_does_not_know(tmp_path, caplog, monkeypatch):
     """quantize_(layer, prefix=...) per layer: the model holding the layers is out of fp8fx's reach, and its
     save_pretrained wrote the fp8 codes with no quantization_config; from_pretrained read them as bf16 weights
