@@ -784,14 +784,21 @@ class _Loader:
                 f"read as {self.fmt.describe()}"
             )
         if lin.config is not None:
+            dtype = lin.module.weight.dtype
+            if dtype not in quant.HIGH_PRECISION:  # (create_weights' refusal named a call the caller never made)
+                raise CheckpointError(
+                    f"{lin.fqn}: the model's layer is {dtype}, and an fp8 layer is loaded to compute in "
+                    f"{', '.join(map(str, quant.HIGH_PRECISION))}: build the model in one of them "
+                    "(meta_model(path, dtype=torch.float32)), load it, then cast it (model.double(): a float64 "
+                    "reference of the fp8 weights) (nothing was loaded)")
             lin.method = Fp8LinearMethod(lin.config)
             lin.stage = nn.Linear(k, n, bias=False, device="meta")
             try:
-                lin.method.create_weights(lin.stage, k, lin.sizes, lin.module.weight.dtype, device=self.device,
-                                          prefix=lin.fqn)
+                lin.method.create_weights(lin.stage, k, lin.sizes, dtype, device=self.device, prefix=lin.fqn)
                 setattr(lin.stage, RANGE_CHECKED, True)  # (_check_dequantized_range, naming the entry)
-            except ValueError as e:  # e.g. fused block layer whose shards do not start on block rows
-                raise CheckpointError(f"{e} (the layer fused from {list(lin.shards)})") from None  # (e names fqn)
+            except ValueError as e:  # e.g. fused block layer whose shards do not start on block rows (e names fqn)
+                fused = f" (the layer fused from {list(lin.shards)})" if len(lin.shards) > 1 else ""
+                raise CheckpointError(f"{e}{fused}") from None
 
     def _check_weight_dtype(self, lin: _Linear, w: Entry) -> None:
         check_fp8_codes(w, lin.fqn)

@@ -817,9 +817,10 @@ def meta_model(path: Union[str, os.PathLike], dtype: Optional[torch.dtype] = Non
     where = os.path.join(os.fspath(path), CONFIG)
     if not os.path.isfile(where):
         raise CheckpointError(f"meta_model: {where} does not exist; pass a checkpoint's folder (one with config.json)")
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        raise ValueError(f"meta_model(dtype={dtype!r}): a floating-point torch.dtype (torch.bfloat16, torch.float16, "
-                         "torch.float32) or None for the config's")
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point and dtype.itemsize >= 2):
+        raise ValueError(f"meta_model(dtype={dtype!r}): a floating-point torch.dtype of 16 bits or more "
+                         "(torch.bfloat16, torch.float16, torch.float32) or None for the config's (an 8-bit float is "
+                         "the fp8 checkpoint's, not the model's)")
     try:  # (transformers' own errors for a bad field: a dataclass validation error, a ZeroDivisionError, ...)
         cfg = transformers.AutoConfig.from_pretrained(os.fspath(path))
         dtype = dtype or getattr(cfg, "dtype", None) or torch.bfloat16

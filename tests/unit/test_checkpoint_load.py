@@ -1670,6 +1670,25 @@ def test_values_a_float16_model_cannot_hold_are_refused(tmp_path):
 
 
 @pytest.mark.parametrize("fused", [False, True])
+def test_a_float64_model_is_refused_naming_the_dtypes_and_the_cast_after(tmp_path, fused):
+    """A float64 model (a reference) loading an fp8 checkpoint was refused with "create_weights(params_dtype=
+    torch.float64)", a call the caller never made, and "the layer fused from [...]" of a layer of one shard. The
+    refusal says which dtypes an fp8 layer loads in and how to have the float64 reference; nothing is loaded."""
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    path = write_checkpoint(tmp_path / "c", tensors, qc)
+    model = meta_tiny(fused, dtype=torch.float64)
+    snap = snapshot(model)
+    with pytest.raises(CheckpointError, match=r"^model\.layers\.0\.\S+: the model's layer is torch\.float64, and an "
+                                              r"fp8 layer is loaded to compute in torch\.bfloat16, torch\.float16, "
+                                              r"torch\.float32: .*model\.double\(\).*\(nothing was loaded\)$"):
+        load_checkpoint(model, path, progress=False)
+    assert_unchanged(model, snap)
+    model = meta_tiny(fused, dtype=torch.float32)  # the fix it names
+    load_checkpoint(model, path, progress=False)
+    assert model.double()(IDS).dtype == torch.float64
+
+
+@pytest.mark.parametrize("fused", [False, True])
 def test_float16_model_refuses_online_weights_beyond_its_range(tmp_path, fused):
     """A bf16 checkpoint quantized online into a float16 model: a weight of 1e5 was copied into a float16 buffer as
     inf, its scale became inf and every output NaN, silently. Refused while streaming, the model unchanged."""

@@ -1184,8 +1184,8 @@ def test_meta_model_names_what_is_wrong(tmp_path):
         meta_model(tmp_path / "nothing")
     transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                              num_attention_heads=2, num_key_value_heads=1).save_pretrained(tmp_path / "llama")
-    for dtype in ("bf16", torch.int8):
-        with pytest.raises(ValueError, match=r"^meta_model\(dtype=.*\): a floating-point torch.dtype"):
+    for dtype in ("bf16", torch.int8, torch.float8_e4m3fn):  # (fp8: transformers' error, "fix the config")
+        with pytest.raises(ValueError, match=r"^meta_model\(dtype=.*\): a floating-point torch.dtype of 16 bits"):
             meta_model(tmp_path / "llama", dtype)
     assert next(meta_model(tmp_path / "llama", torch.float16).parameters()).dtype == torch.float16
 
