@@ -114,6 +114,7 @@ def save_checkpoint(
     if untied is not config_json:
         _write_config_ties(model, tensors)
     config_json = untied
+    _write_head_untied(model, config_json, tensors, modules)
     head = output_embeddings(model, modules)
     if head is not None and head in schemes:
         log.warning("fp8fx: save_checkpoint writes the output embeddings %s in fp8: vLLM loads lm_head in bf16 only "
@@ -249,6 +250,26 @@ def _untied_config(model: nn.Module, config_json: dict) -> dict:
                         "are not its input embeddings (an lm_head quantized on its own is untied), though its "
                         "config says they are tied (the model's config is unchanged)")
     return fixed
+
+
+def _write_head_untied(model: nn.Module, config_json: Mapping, tensors: dict[str, torch.Tensor],
+                       modules: Mapping[str, nn.Module]) -> None:
+    """The output embeddings' weight, where the model ties it to its input embeddings and ``config_json`` says
+    ``tie_word_embeddings: false`` (a config_json passed for the untied model, or a model tied by hand under an
+    untied config), stored under its own name too: a tied tensor is stored once, under the input embeddings' name,
+    and the untied model that config describes reads both ("lm_head.weight is missing", load_checkpoint said of
+    save_checkpoint's output; transformers left the head random)."""
+    if not any(isinstance(c, Mapping) and c.get("tie_word_embeddings") is False
+               for c in (config_json, config_json.get("text_config"))):
+        return
+    (inp, inp_name), (out, out_name) = (getter_module(model, f"get_{kind}_embeddings", modules)
+                                        for kind in ("input", "output"))
+    if inp is None or out is None or inp_name is None or out_name is None:
+        return
+    weight = inp._parameters.get("weight")
+    source, target = (".".join(filter(None, (name, "weight"))) for name in (inp_name, out_name))
+    if weight is not None and out._parameters.get("weight") is weight and source in tensors and target not in tensors:
+        tensors[target] = tensors[source].clone()
 
 
 def _write_config_ties(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:

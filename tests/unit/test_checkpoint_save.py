@@ -9,6 +9,7 @@ import shutil
 
 import pytest
 import safetensors
+from safetensors.torch import load_file
 import torch
 from torch import nn
 
@@ -473,6 +474,28 @@ def test_convert_lists_a_tied_head_in_the_ignore_list(tmp_path, caplog, fmt):
     qc = json.loads((tmp_path / "dst" / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == fmt
     assert "lm_head" in (qc["ignore"] if fmt == "compressed-tensors" else qc["ignored_layers"]), qc
+
+
+def test_a_config_json_saying_untied_for_a_tied_model_gets_the_head_stored_under_its_name(tmp_path):
+    """save_checkpoint(config_json=...) of a tied model with tie_word_embeddings: false (a config of the untied
+    model): the tied tensor was stored once, as the embeddings', and the untied model that config describes found
+    "lm_head.weight is missing" (transformers: a random head). It is stored under both names; the model loads back."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = fp8fx.quantize_(transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).eval())
+    config_json = {**model.config.to_dict(), "tie_word_embeddings": False, "architectures": ["LlamaForCausalLM"]}
+    save_checkpoint(model, tmp_path / "c", config_json=config_json)
+    stored = load_file(tmp_path / "c" / "model.safetensors")
+    assert torch.equal(stored["lm_head.weight"], stored["model.embed_tokens.weight"])
+    back = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(tmp_path / "c"))
+    load_checkpoint(back.to(torch.bfloat16).eval(), tmp_path / "c", progress=False)
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(back(input_ids=ids).logits, model(input_ids=ids).logits)
+    save_checkpoint(model, tmp_path / "own")  # (its own config, tied: the tensor stored once)
+    assert "lm_head.weight" not in load_file(tmp_path / "own" / "model.safetensors")
 
 
 @pytest.mark.parametrize("case", ["other-sizes", "missing-embedding", "never-saved", "bias-of-no-layer",
