@@ -27,7 +27,7 @@ from torch import nn
 
 from fp8fx import quant
 from fp8fx.checkpoint.load import _looks_like_scale
-from fp8fx.checkpoint.save import _planned, _unwrapped, untied_embeddings
+from fp8fx.checkpoint.save import _planned, _unwrapped, ragged_blocks, untied_embeddings
 from fp8fx.weights.linear import ModelHeld
 
 log = logging.getLogger("fp8fx")
@@ -137,7 +137,11 @@ def quantization_config(model: nn.Module) -> dict[str, Any]:
             planned = _planned(model, "compressed-tensors", None, check_values=False, say=_QUIET)
     except ValueError as e:
         return _refused(str(e))
-    model, _, _, tensors, qc = planned
+    model, modules, schemes, tensors, qc = planned
+    ragged = ragged_blocks(modules, schemes) if qc.get("weight_block_size") else []
+    if ragged:  # (its compressed-tensors loader refuses such a layer itself)
+        return _refused(f"{ragged[0]}: transformers' fp8 loader takes the block size from the scale grid, and "
+                        "refuses a layer its blocks do not divide or misreads it")
     other = _not_as_state_dict(model, tensors)
     return _refused(other) if other else qc
 

@@ -122,6 +122,12 @@ def save_checkpoint(
                     "vLLM; quantize_ with %r in ignored_layers for one vLLM loads", head, head)
     config_text = _config_text(config_json, qc, "save_checkpoint")  # refused before any file is written
     _warn_per_tensor_fp8(qc, "save_checkpoint", "format='compressed-tensors'")
+    ragged = ragged_blocks(modules, schemes)
+    if ragged:
+        log.warning("fp8fx: save_checkpoint writes layers their weight blocks do not divide (%s): fp8fx and vLLM "
+                    "load them with ragged last blocks; transformers' fp8 loader takes the block size from the scale "
+                    "grid, and refuses such a layer or misreads it", ", ".join(ragged[:3]) + (
+                        f" and {len(ragged) - 3} more" if len(ragged) > 3 else ""))
     _warn_block_experts_ct(qc, [f for f, m in modules.items() if moe.is_quantized_experts(m)
                                 and isinstance(moe.experts_scheme(m).weight, PerBlock)], "save_checkpoint",
                            "format='fp8'")
@@ -173,6 +179,19 @@ def _compute_dtype(tensors: Mapping[str, torch.Tensor]) -> Optional[torch.dtype]
         if t.dtype in quant.HIGH_PRECISION and not _looks_like_scale(name):
             sizes[t.dtype] = sizes.get(t.dtype, 0) + t.numel()
     return max(sizes, key=sizes.__getitem__) if sizes else None
+
+
+def ragged_blocks(modules: Mapping[str, nn.Module], schemes: Mapping[str, Any]) -> list[str]:
+    """The block-scaled linear layers written in fp8 whose weight the blocks do not divide, as "fqn [N, K] in
+    block_n x block_k blocks" (a DeepSeek-V3 checkpoint's 576-row kv_a_proj_with_mqa, loaded and saved again)."""
+    found = []
+    for fqn, scheme in schemes.items():
+        weight = getattr(scheme, "weight", None)
+        codes = getattr(modules.get(fqn), "_parameters", {}).get("weight")
+        if isinstance(weight, PerBlock) and codes is not None and codes.dim() == 2 and (
+                codes.shape[0] % weight.block_n or codes.shape[1] % weight.block_k):
+            found.append(f"{fqn} {list(codes.shape)} in {weight.block_n}x{weight.block_k} blocks")
+    return found
 
 
 def _warn_per_tensor_fp8(qc: Mapping[str, Any], where: str, fix: str) -> None:

@@ -142,6 +142,47 @@ def test_save_pretrained_of_fp8_experts_is_refused_by_every_reader(tmp_path):
     assert torch.equal(logits(fresh), want)
 
 
+def test_save_pretrained_of_layers_their_blocks_do_not_divide_is_refused_by_every_reader(tmp_path, caplog):
+    """An fp8 checkpoint whose 128x128 blocks do not divide its layers (hidden 200, as DeepSeek-V3's 576-row
+    kv_a_proj_with_mqa), loaded and saved with save_pretrained: written as fp8 blocks, which transformers' loader
+    read with the block size of the scale grid (logits 6.7% off, no word). The config says why no reader loads it;
+    save_checkpoint writes it with a warning, and it loads back in fp8fx."""
+    from safetensors.torch import save_file
+
+    from fp8fx import quant
+
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=200, intermediate_size=330, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=50)
+    torch.manual_seed(0)
+    state = {}
+    for k, v in transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16).state_dict().items():
+        if k.endswith("proj.weight"):
+            state[k], state[k + "_scale_inv"] = quant.quantize(v.contiguous(), [128, 128])
+        else:
+            state[k] = v.contiguous()
+    (tmp_path / "src").mkdir()
+    save_file(state, tmp_path / "src" / "model.safetensors")
+    cfg.quantization_config = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128],
+                               "ignored_layers": ["lm_head"]}
+    cfg.save_pretrained(tmp_path / "src")
+    model = fp8fx.checkpoint.meta_model(tmp_path / "src")
+    load_checkpoint(model, tmp_path / "src", progress=False)
+    want = logits(model.eval())
+    model.save_pretrained(tmp_path / "pretrained")
+    fix = r"save the model with fp8fx.save_checkpoint\(model, path\) instead"
+    ragged = r"model\.layers\.0\.self_attn\.q_proj \[200, 200\] in 128x128 blocks: transformers' fp8 loader takes"
+    with pytest.raises(ValueError, match=r"(?i)written by save_pretrained of a model fp8fx quantized.*" + ragged + ".*"
+                                         + fix):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
+    with caplog.at_level("WARNING", logger="fp8fx"):
+        save_checkpoint(model, tmp_path / "saved")
+    assert "writes layers their weight blocks do not divide (model.layers.0.self_attn.q_proj [200, 200] in " in (
+        caplog.text)
+    back = fp8fx.checkpoint.meta_model(tmp_path / "saved")
+    load_checkpoint(back, tmp_path / "saved", progress=False)
+    assert torch.equal(logits(back.eval()), want)
+
+
 def test_a_transformers_model_inside_saves_its_own_files(tmp_path):
     """The base model of a quantized LlamaForCausalLM (a VLM's language model alike) has a save_pretrained of its own,
     which wrote fp8 codes with no quantization_config: it describes its files too."""
