@@ -595,6 +595,18 @@ class Fp8Config:
         return None
 
 
+ONLINE_CALLERS = ("quantize_", "calibrate", "convert")  # what quantizes high-precision weights
+
+
+def online_fix(config: str, **more: str) -> str:
+    """How to quantize online with the scheme of ``config`` (a config's name in the message), one that describes an
+    fp8 checkpoint: the same weight granularity (a serialized config's default is per-tensor, an online one's
+    per-channel), ``more`` fields set too."""
+    extra = "".join(f", {k}={v}" for k, v in more.items())
+    return (f"dataclasses.replace({config}, is_checkpoint_fp8_serialized=False{extra}, "
+            f"weight_granularity={config}.weight)")
+
+
 def config_or(config: Any, default: Optional[Fp8Config], where: str, takes: str = "an Fp8Config or None"
               ) -> Optional[Fp8Config]:
     """``config``, an ``Fp8Config`` (``default`` for None), as ``where`` (e.g. "quantize_") takes it: a
@@ -608,6 +620,11 @@ def config_or(config: Any, default: Optional[Fp8Config], where: str, takes: str 
     if callable(getattr(config, "named_modules", None)):  # quantize_(Fp8Config(), model): the two swapped
         raise ValueError(f"{where}(config=<a {type(config).__name__}>): a model where the config goes; the model "
                          f"comes first: {where}(model, Fp8Config(...))")
-    fix = ("; for a quantization_config dict pass Fp8Config.from_config(it)" if isinstance(config, Mapping)
-           or callable(getattr(config, "to_dict", None)) else "")
+    fix = ""
+    if isinstance(config, Mapping) or callable(getattr(config, "to_dict", None)):
+        # (from_config describes an fp8 checkpoint: followed as it was, quantize_ refused that too, and its fix, a
+        # plain Fp8Config(is_checkpoint_fp8_serialized=False), dropped the dict's blocks)
+        fix = (f"; a quantization_config dict describes a checkpoint (Fp8Config.from_config(it), load_checkpoint's): "
+               f"to quantize with its scheme pass {online_fix('c')} of c = Fp8Config.from_config(it)"
+               if where in ONLINE_CALLERS else "; for a quantization_config dict pass Fp8Config.from_config(it)")
     raise ValueError(f"{where}(config={config!r:.80}): a {type(config).__name__}; it takes {takes}{fix}")

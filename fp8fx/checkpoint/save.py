@@ -25,7 +25,7 @@ from fp8fx.checkpoint.files import quantization_config_of, read_json, read_tenso
 from fp8fx.checkpoint.load import FUSED, LoadReport, _Loader, _looks_like_scale, _progress, check_checkpoint_ignores
 from fp8fx.checkpoint.load import compare_tied, config_ties
 from fp8fx.checkpoint.load import output_embeddings
-from fp8fx.config import Fp8Config, PerBlock, PerTensor, config_or
+from fp8fx.config import Fp8Config, PerBlock, PerTensor, config_or, online_fix
 from fp8fx.lowerings import compat
 from fp8fx.report import first_line
 from fp8fx.weights import chunked, moe
@@ -935,8 +935,9 @@ def convert(
     config = config_or(config, Fp8Config(), "convert")
     if config.is_checkpoint_fp8_serialized or config.activation_scheme != "dynamic":
         raise ValueError(
-            "convert quantizes bf16 weights with dynamic activations: use Fp8Config(is_checkpoint_fp8_serialized="
-            "False, activation_scheme='dynamic'); static activation scales need fp8fx.calibrate on a built model"
+            "convert quantizes bf16 weights with dynamic activations: use "
+            f"{online_fix('config', activation_scheme=repr('dynamic'))} (the config's weight scheme); static "
+            "activation scales need fp8fx.calibrate on a built model"
         )
     if os.path.abspath(src) == os.path.abspath(dst):
         raise ValueError(f"convert: dst {dst} is src; write the fp8 checkpoint to a new directory")

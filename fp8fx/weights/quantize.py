@@ -19,7 +19,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakIdKeyDictionary
 
 from fp8fx import quant
-from fp8fx.config import Fp8Config, config_or, entry_covers, first_named
+from fp8fx.config import Fp8Config, config_or, entry_covers, first_named, online_fix
 from fp8fx.lowerings import compat
 from fp8fx.weights import moe
 from fp8fx.weights.chunked import count_nonfinite
@@ -74,8 +74,9 @@ def quantize_(
         raise ValueError(f"quantize_(strict={strict!r}): True or False")
     if config.is_checkpoint_fp8_serialized:
         raise ValueError(
-            "quantize_ quantizes a bf16/fp16 model online, but the config has is_checkpoint_fp8_serialized=True; "
-            "use Fp8Config(is_checkpoint_fp8_serialized=False) or load the fp8 checkpoint instead"
+            "quantize_ quantizes a bf16/fp16 model online, but the config has is_checkpoint_fp8_serialized=True (an "
+            "fp8 checkpoint's: Fp8Config.from_config of its quantization_config); load the fp8 checkpoint with "
+            f"load_checkpoint, or quantize with the same scheme: {online_fix('config')}"
         )
     modules = list(model.named_modules(prefix=prefix))
     done = {name: m for name, m in modules if is_quantized(m) or moe.is_quantized_experts(m)}

@@ -163,6 +163,32 @@ def test_serialized_config_rejected_by_quantize_():
         fp8fx.quantize_(_mlp(), Fp8Config(is_checkpoint_fp8_serialized=True))
 
 
+@pytest.mark.parametrize("qc,scheme", [
+    ({"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [32, 32]}, "w:per-block(32x32) a:per-group(1x32)"),
+    ({"quant_method": "fp8", "activation_scheme": "dynamic"}, "w:per-tensor a:per-token"),
+])
+def test_the_fixes_given_for_a_quantization_config_dict_keep_its_scheme(qc, scheme):
+    """quantize_(model, qc_dict) said "pass Fp8Config.from_config(it)", which quantize_ then refused (an fp8
+    checkpoint's config), saying "use Fp8Config(is_checkpoint_fp8_serialized=False)": typed as written, it dropped
+    the dict's blocks (per-channel weights). Both refusals give the fix that keeps the dict's scheme, and it works."""
+    import dataclasses
+
+    model = _mlp()
+    with pytest.raises(ValueError, match=r"a quantization_config dict describes a checkpoint \(Fp8Config\.from_config"
+                                         r"\(it\), load_checkpoint's\): to quantize with its scheme pass dataclasses\."
+                                         r"replace\(c, is_checkpoint_fp8_serialized=False, weight_granularity=c\.weight"
+                                         r"\) of c = Fp8Config\.from_config\(it\)$"):
+        fp8fx.quantize_(model, qc)
+    c = Fp8Config.from_config(qc)
+    with pytest.raises(ValueError, match=r"load the fp8 checkpoint with load_checkpoint, or quantize with the same "
+                                         r"scheme: dataclasses\.replace\(config, is_checkpoint_fp8_serialized=False, "
+                                         r"weight_granularity=config\.weight\)$"):
+        fp8fx.quantize_(model, c)
+    assert not fp8fx.weights.is_quantized(model[0])
+    fp8fx.quantize_(model, dataclasses.replace(c, is_checkpoint_fp8_serialized=False, weight_granularity=c.weight))
+    assert str(fp8fx.weights.linear.layer_scheme(model[0])) == scheme
+
+
 def test_static_needs_input_scales_and_calibrate_provides_them():
     model = _mlp()
     config = Fp8Config(activation_scheme="static")
@@ -1780,7 +1806,8 @@ def test_arguments_of_the_wrong_type_are_named():
     calibrate = lambda m, config: fp8fx.calibrate(m, [], config)  # noqa: E731
     for where, call in (("quantize_", fp8fx.quantize_), ("calibrate", calibrate)):
         with pytest.raises(ValueError, match=rf"{where}\(config=\{{'quant_method': 'fp8'\}}\): a dict; it takes an "
-                                             r"Fp8Config or None; for a quantization_config dict pass Fp8Config"):
+                                             r"Fp8Config or None; a quantization_config dict describes a checkpoint "
+                                             r"\(Fp8Config.from_config\(it\), load_checkpoint's\): to quantize"):
             call(model, config={"quant_method": "fp8"})
         with pytest.raises(ValueError, match=rf"{where}\(config=Fp8Config\): the class; pass an instance"):
             call(model, config=Fp8Config)
