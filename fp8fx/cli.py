@@ -415,9 +415,17 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict], named: Calla
         except (OSError, json.JSONDecodeError) as e:
             raise UsageError(f"--config {args.config}: {_first_line(e)}") from e
         whole = base
-        base = base.get("quantization_config", base) if isinstance(base, dict) else base
+        if not isinstance(whole, dict):
+            raise UsageError(f"--config {args.config}: expected a JSON object, got {type(whole).__name__}")
+        from fp8fx.checkpoint.files import quantization_config_of
+
+        # (found where load_checkpoint and inspect FOLDER find it: an older compressed-tensors export's
+        # compression_config, a VLM's text_config.quantization_config; a null one is none)
+        key, found = quantization_config_of(whole)
+        base = whole if key is None and "quantization_config" not in whole else found if key else {}
         if not isinstance(base, dict):
-            raise UsageError(f"--config {args.config}: expected a JSON object, got {type(base).__name__}")
+            raise UsageError(f"--config {args.config}: its {key} is a JSON {type(base).__name__}, where a "
+                             "quantization_config is an object")
         if "quant_method" not in base and isinstance(base.get("quantization"), dict):  # ModelOpt's hf_quant_config
             base = {"quant_method": "modelopt", **base}  # (as files.read_config folds it in)
         if "quant_method" not in base and "model_type" in whole:  # a model's config.json of no quantization

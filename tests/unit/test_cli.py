@@ -609,6 +609,35 @@ def test_bad_configs(capsys, llama_dir, tmp_path):
     code, _, err = run(capsys, "inspect", str(llama_dir), "--config", str(bad))
     assert code == 2
     one_line_error(err, "a model's config.json without a quantization_config; pass a quantization_config")
+    plain["quantization_config"] = None  # (a null one is none: it said "expected a JSON object, got NoneType")
+    bad.write_text(json.dumps(plain))
+    code, _, err = run(capsys, "inspect", str(llama_dir), "--config", str(bad))
+    assert code == 2
+    one_line_error(err, "a model's config.json without a quantization_config; pass a quantization_config")
+    plain["quantization_config"] = [1]
+    bad.write_text(json.dumps(plain))
+    code, _, err = run(capsys, "inspect", str(llama_dir), "--config", str(bad))
+    assert code == 2
+    one_line_error(err, f"--config {bad}: its quantization_config is a JSON list, where a quantization_config is an "
+                        "object")
+
+
+@pytest.mark.parametrize("key", ["compression_config", "text_config.quantization_config"])
+def test_config_flag_reads_the_quantization_config_where_load_checkpoint_does(capsys, llama_dir, tmp_path, key):
+    """A config.json whose quantization config is an older compressed-tensors export's compression_config, or a
+    VLM's text_config.quantization_config: the folder form and load_checkpoint read it, --config refused the file as
+    "a model's config.json without a quantization_config"."""
+    whole = json.loads((llama_dir / "config.json").read_text())
+    del whole["quantization_config"]
+    qc = {"quant_method": "fp8", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+    whole.update({"compression_config": qc} if key == "compression_config" else {"text_config": {
+        "quantization_config": qc}})
+    given = tmp_path / "other" / "config.json"  # (llama_dir is tmp_path)
+    given.parent.mkdir()
+    given.write_text(json.dumps(whole))
+    code, out, err = run(capsys, "inspect", str(llama_dir), "--config", str(given))
+    assert code == 0, err
+    assert "config w:per-block(128x128) a:per-group(1x128)" in out.splitlines()[0], out
 
 
 def test_flags_over_a_compressed_tensors_config(capsys, llama_dir, tmp_path):
