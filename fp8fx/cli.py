@@ -468,10 +468,23 @@ def make_config(args: argparse.Namespace, hf_quant: Optional[dict], named: Calla
             changes["is_checkpoint_fp8_serialized"] = False
         try:
             return dataclasses.replace(config, **changes)
-        except ValueError:  # the config's activations do not go with the flags: the flags' defaults, else the error
-            if not (args.block_size or args.activation_scheme) or config.activation_granularity is None:
+        except ValueError as e:  # the config's activations do not go with the flags: the flags' defaults, else the
+            # error, naming the flags (it read "bad config: ...; use activation_scheme='dynamic'" of flags that
+            # contradict each other or the checkpoint's config, where no config was written)
+            if not (args.block_size or args.activation_scheme):
                 raise
-            return dataclasses.replace(config, **changes, activation_granularity=None)
+            error = e
+        if config.activation_granularity is not None:
+            try:
+                return dataclasses.replace(config, **changes, activation_granularity=None)
+            except ValueError as e:
+                error = e
+        flags = [f"--{name.replace('_', '-')} {getattr(args, name)}" for name in ("block_size", "activation_scheme")
+                 if getattr(args, name)]
+        over = (f" over --config {args.config}" if args.config else
+                " over the checkpoint's quantization_config" if hf_quant else "")
+        raise UsageError(f"{' with '.join(flags)}{over}: {_first_line(error)} (change or drop "
+                         f"{'a flag' if len(flags) > 1 or over else 'the flag'})")
 
     def ignores(model: nn.Module) -> list[str]:
         if fmt is None:

@@ -961,6 +961,10 @@ def convert(
     config = ignoring_every_name(renames.with_stored_ignores(config, sources), model)  # (model.b = model.a)
     if type(quantize_lm_head) is not bool:
         raise TypeError(f"convert: quantize_lm_head={quantize_lm_head!r} is not True or False")
+    head = output_embeddings(model, dict(model.named_modules())) if quantize_lm_head else None
+    if head is not None and config.is_ignored(head):  # (the ignore list won, unsaid)
+        raise ValueError(f"convert: quantize_lm_head=True (--quantize-lm-head) asks for {head} in fp8, and the ignore "
+                         "list (ignored_layers, --ignore) keeps it in bf16: drop one of the two (nothing was written)")
     _check_model_state(model, entries, src)
     cut_entries, cut_into = renames.cut(entries, model, src)  # (convert writes the stored tensors: not cut, bf16)
     plan = _convert_plan(model, entries, config, dict(FUSED if fused is None else fused), quantize_lm_head, cut_into)

@@ -438,6 +438,19 @@ class _TiedTiny(Tiny):
         self.lm_head.weight = self.model.embed_tokens.weight
 
 
+def test_convert_refuses_quantize_lm_head_with_lm_head_ignored(tmp_path):
+    """--quantize-lm-head with --ignore lm_head: the ignore list won, unsaid (lm_head bf16, the report's row "in
+    ignored_layers" alone said so). Refused, naming both, before anything is written."""
+    src = write_checkpoint(tmp_path / "src", bf16_state(), extra_config={"model_type": "tiny"})
+    with pytest.raises(ValueError, match=r"^convert: quantize_lm_head=True \(--quantize-lm-head\) asks for lm_head in "
+                                         r"fp8, and the ignore list \(ignored_layers, --ignore\) keeps it in bf16: drop "
+                                         r"one of the two \(nothing was written\)$"):
+        convert(src, tmp_path / "dst", model=meta_tiny(), config=fp8fx.Fp8Config(ignored_layers=["lm_head"]),
+                quantize_lm_head=True, progress=False)
+    assert not (tmp_path / "dst").exists()
+    convert(src, tmp_path / "dst", model=meta_tiny(), quantize_lm_head=True, progress=False)  # (either alone: fine)
+
+
 def test_convert_reports_a_tied_head_asked_for_a_broken_link_and_the_source_dtype(tmp_path, caplog):
     """--quantize-lm-head on a head tied to the embedding (no lm_head.weight stored) had no row in the report and no
     word; a side file that is a broken link was neither copied nor named; an fp32 source was reported as bf16."""

@@ -622,6 +622,25 @@ def test_bad_configs(capsys, llama_dir, tmp_path):
                         "object")
 
 
+def test_flags_that_contradict_each_other_or_the_checkpoint_are_named(capsys, llama_dir, tmp_path):
+    """--block-size with --activation-scheme static, or static over a checkpoint's block config: "bad config: ...",
+    blaming a config the user never wrote. The flags, and what they go over, are named."""
+    code, _, err = run(capsys, "inspect", str(llama_dir), "--activation-scheme", "static")
+    assert code == 2
+    one_line_error(err, "error: --activation-scheme static over the checkpoint's quantization_config: The block-wise "
+                        "quantization only supports dynamic", "(change or drop a flag)")
+    assert "bad config" not in err
+    plain = json.loads((llama_dir / "config.json").read_text())
+    del plain["quantization_config"]
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(plain))
+    code, _, err = run(capsys, "inspect", str(tmp_path / "plain"), "--block-size", "128,128", "--activation-scheme",
+                       "static")
+    assert code == 2
+    one_line_error(err, "error: --block-size 128,128 with --activation-scheme static: The block-wise",
+                   "(change or drop a flag)")
+
+
 @pytest.mark.parametrize("key", ["compression_config", "text_config.quantization_config"])
 def test_config_flag_reads_the_quantization_config_where_load_checkpoint_does(capsys, llama_dir, tmp_path, key):
     """A config.json whose quantization config is an older compressed-tensors export's compression_config, or a
