@@ -828,7 +828,12 @@ def convert_command(args: argparse.Namespace) -> int:
         if bad:
             raise UsageError(f"--rename {bad[0]!r}: give REGEX=REPLACEMENT, e.g. "
                              "--rename '\\.block_sparse_moe\\.=.mlp.'")
-        key_mapping = dict(r.rsplit("=", 1) for r in args.rename)
+        pairs = [tuple(r.rsplit("=", 1)) for r in args.rename]
+        key_mapping = dict(pairs)
+        twice = next((p for p in pairs if key_mapping[p[0]] != p[1]), None)
+        if twice is not None:  # (the last one was kept, unsaid)
+            raise UsageError(f"--rename {twice[0]!r} is given twice, ={twice[1]!r} and ={key_mapping[twice[0]]!r}: "
+                             "a regex renames to one replacement; keep one")
     _transformers()  # (convert builds the model from src's config.json to tell the linear weights apart)
     try:
         report = convert(args.src, args.dst, config, format=args.format, key_mapping=key_mapping,

@@ -916,6 +916,11 @@ def test_convert_rename(capsys, tmp_path):
     code, _, err = run(capsys, "convert", str(src), str(tmp_path / "bad"), "--rename", "(=x")
     assert code == 2
     one_line_error(err, "fp8fx convert: error: convert: key_mapping pattern '(' is not a regex")
+    code, _, err = run(capsys, "convert", str(src), str(tmp_path / "bad"), "--rename", r"\.ffn\.=.mlp.", "--rename",
+                       r"\.ffn\.=.feed.")  # (the last one was kept, unsaid)
+    assert code == 2 and not (tmp_path / "bad").exists()
+    one_line_error(err, r"fp8fx convert: error: --rename '\\.ffn\\.' is given twice, ='.mlp.' and ='.feed.': a regex "
+                        "renames to one replacement; keep one")
     code, _, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--rename", r"\.ffn\.=.mlp.", "--no-progress")
     assert code == 0, err
     names = fp8fx.checkpoint.files.read_checkpoint(tmp_path / "dst")[1]
