@@ -527,41 +527,44 @@ def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump]
     inputs = max(positions + [p for group in shared for part in group[:3] for p in part if p is not None])
     # the first weight, then each fused group's (once)
     watch = list(dict.fromkeys([watched] + [p for ws, _, _, _ in shared for p in ws]))
-    seen: set[int] = set()  # the first weights' tokens: the modules run so far
-    grouped: set[tuple[int, ...]] = set()  # the watched weights' tokens of the calls whose groups were fused
-    bound = [64]  # (seen's size at which its freed weights' tokens are dropped)
-    # the watched weights of the last call, weakly: a reference would keep a dropped model alive, and an id() alone
-    # was taken by the next model's weight, whose block then ran unwatched (its fused GEMMs one per layer, no rows)
+    # the first weight's token (a module run so far) -> its watched weights when its groups were last fused, weakly:
+    # a reference would keep a dropped model alive, and an id() alone was taken by the next model's weight, whose
+    # block then ran unwatched (its fused GEMMs one per layer, no rows). A frame's graph runs module after module: a
+    # call looks its module up (a dict lookup and an identity check a weight); a whole model's compares the last's.
+    known: dict[int, list[weakref.ref]] = {}
+    bound = [64]  # (known's size at which its freed weights' tokens are dropped)
     last: list[Optional[list[weakref.ref]]] = [None]
+
+    def same(args, refs: Optional[list[weakref.ref]]) -> bool:
+        return refs is not None and all(args[p] is ref() for p, ref in zip(watch, refs))
 
     def look(args) -> None:
         if inputs >= len(args):  # the weights are no inputs of the compiled code: Inductor's freezing made them its
             return  # constants (a frame's graph that other modules run cannot be told apart then)
-        refs = last[0]
-        if refs is not None and all(args[p] is ref() for p, ref in zip(watch, refs)):
+        if same(args, last[0]):
             return
-        last[0] = [weakref.ref(args[p]) for p in watch]
         token = Site.token_of(args[watched])
-        new = token not in seen
-        traced = not seen  # the first call: with the inputs Dynamo traced, the graph's own sites
-        seen.add(token)
-        tokens = tuple(Site.token_of(args[p]) for p in watch)
-        if shared and tokens not in grouped:  # another module's groups, or a fused layer's new weight
-            grouped.add(tokens)
-            for ws, ss, bs, w_block in shared:  # (parameters already in one tensor stay where they are)
-                try:
-                    share_memory([args[p] for p in ws], [args[p] for p in ss],
-                                 [None if p is None else args[p] for p in bs], w_block)
-                except Exception as e:  # noqa: BLE001 - the GEMMs then run one per layer, with the same numbers
-                    log.warning("fp8fx: graph %d: fused layers' new parameters could not be moved into one tensor "
-                                "(%s: %s); they run one GEMM each", index, type(e).__name__, e)
-        if len(seen) > bound[0] or len(grouped) > bound[0]:  # a freed weight's token comes no more: kept, a graph
-            # called with a new tensor each time (F.linear(x, w) of a w made per call) grew the sets by one at each
-            # call. (This call's weights are live: seen stays non-empty, and no later call counts as the first.)
+        held = known.get(token)
+        if same(args, held):
+            last[0] = held
+            return
+        new, traced = held is None, not known  # (traced: the first call, with the inputs Dynamo traced)
+        known[token] = last[0] = [weakref.ref(args[p]) for p in watch]
+        for ws, ss, bs, w_block in shared:  # another module's groups, or a fused layer's new weight (parameters
+            # already in one tensor stay where they are)
+            try:
+                share_memory([args[p] for p in ws], [args[p] for p in ss],
+                             [None if p is None else args[p] for p in bs], w_block)
+            except Exception as e:  # noqa: BLE001 - the GEMMs then run one per layer, with the same numbers
+                log.warning("fp8fx: graph %d: fused layers' new parameters could not be moved into one tensor "
+                            "(%s: %s); they run one GEMM each", index, type(e).__name__, e)
+        if len(known) > bound[0]:  # a freed weight's token comes no more: kept, a graph called with a new tensor
+            # each time (F.linear(x, w) of a w made per call) grew it by one at each call. (This call's weight is
+            # live: known stays non-empty, and no later call counts as the first.)
             live = Site.live_tokens()
-            seen.intersection_update(live)
-            grouped.intersection_update({t for t in grouped if live.issuperset(t)})
-            bound[0] = max(64, 2 * max(len(seen), len(grouped)))
+            for gone in [t for t in known if t not in live]:
+                del known[gone]
+            bound[0] = max(64, 2 * len(known))
         if not new or traced or not frame:
             return
         try:
