@@ -40,7 +40,10 @@ by its own routing weight; the sum covers every expert once and runs over k; top
 whole: views keeping every (token, k) pair, gathers by a tensor, not ``[:, :1]``, ``[:, [1, 0]]`` or ``expand``);
 anything else (another activation, a bias of something else, a norm, a scale, a mutation of an input, an op the pass
 does not know) leaves the region as it is, reported with the node and the reason. Trusted, not proven: the index
-bookkeeping (sorts, gathers, scatters, clamps) pairs each token with its k-th expert, as the model's own code intends.
+bookkeeping (sorts, gathers, scatters, clamps) pairs each token with its k-th expert, as the model's own code intends:
+rows and routing weights in one order, un-sorted before the sum over k (h161: code that gathers the weights in the
+routing order onto rows sorted by expert, or sums rows still sorted, is rewritten into fused_moe's routed answer, not
+its own; following the order through ``inv_perm[perm] = arange`` and the like is not done).
 
 Expert-parallel sentinels: transformers 5.17 (and later versions on an expert-parallel module) guard
 against routing ids ``>= num_experts``: ``sentinel = top_k_index >= E`` (any view of it), ids clamped to
