@@ -40,10 +40,12 @@ by its own routing weight; the sum covers every expert once and runs over k; top
 whole: views keeping every (token, k) pair, gathers by a tensor, not ``[:, :1]``, ``[:, [1, 0]]`` or ``expand``);
 anything else (another activation, a bias of something else, a norm, a scale, a mutation of an input, an op the pass
 does not know) leaves the region as it is, reported with the node and the reason. Trusted, not proven: the index
-bookkeeping (sorts, gathers, scatters, clamps) pairs each token with its k-th expert, as the model's own code intends:
-rows and routing weights in one order, un-sorted before the sum over k (h161: code that gathers the weights in the
-routing order onto rows sorted by expert, or sums rows still sorted, is rewritten into fused_moe's routed answer, not
-its own; following the order through ``inv_perm[perm] = arange`` and the like is not done).
+bookkeeping (sorts, gathers, scatters, clamps) pairs each token with its k-th expert, as the model's own code intends.
+Where the order of the rows is followed it is checked: a grouped GEMM's rows are in the experts' order,
+routing weights gathered by the sort's permutation too, rows gathered by its inverse (``inv[perm] = arange``,
+``argsort(perm)``) back in the routing order; a product of rows and weights in the two known orders, or a sum over k of
+rows still sorted, is refused (h161: it was rewritten into fused_moe's routed answer, not the model's own). A gather
+by any other index leaves the order unknown, and trusted.
 
 Expert-parallel sentinels: transformers 5.17 (and later versions on an expert-parallel module) guard
 against routing ids ``>= num_experts``: ``sentinel = top_k_index >= E`` (any view of it), ids clamped to
@@ -299,6 +301,9 @@ class _Interpreter:
             self._fail(node, "sorts the routing ids in descending order, against the ascending expert offsets a "
                              "grouped GEMM takes")
         if not flat_ids or node.kwargs.keys() - {"input", "self", "dim", "descending", "stable"}:
+            perm = self._of(src).order.startswith("perm:") and len(_shape(src)) == 1
+            if perm and _op_name(node) == "argsort" and _arg(node, 2, "descending", False) is False:
+                return Val("idx", order=f"unsort:{src.name}")  # argsort(perm): the inverse permutation
             return _IDX
         if _op_name(node) == "sort":
             return Val("ids_sort", order=f"perm:{src.name}")
@@ -391,8 +396,12 @@ class _Interpreter:
             self._fail(node, "modifies in place a tensor that may be (a view of) one of the experts' inputs")
 
     def _setitem(self, node):
-        target, _, value = node.args
+        target, index, value = node.args
         if self._all_idx(node) and isinstance(target, fx.Node) and _fresh(target, self.val):
+            # inv[perm] = arange(S) (HF's grouped_mm): inv un-sorts what perm sorted (the order of rows: the module docstring)
+            if (isinstance(index, fx.Node) and self._of(index).order.startswith("perm:")
+                    and isinstance(value, fx.Node) and value.target is torch.arange):
+                self.val[target] = Val("idx", order=f"unsort:{index.name}")
             return None
         self._fail(node, "assigns into a tensor other than a fresh index tensor")
 
@@ -488,6 +497,10 @@ class _Interpreter:
         if val.kind in ("ids", "ids_part", "wts"):
             out = self._routing(node, val, _keeps_pairs(node))
             gathers = [i for i in (index if isinstance(index, tuple) else (index,)) if isinstance(i, fx.Node)]
+            if out.kind == "wts" and gathers:  # (sorted with the rows by the permutation: a grouped GEMM's order)
+                by = gathers[0] if len(gathers) == 1 else None
+                sorted_ = by is not None and self._of(by).order.startswith("perm:")
+                return dataclasses.replace(out, order="sorted" if sorted_ else f"gathered:{node.name}")
             if out.kind != "ids" or not gathers:
                 return out
             # ids[perm] of their own ascending sort: sorted; by anything else: the order of that index node
@@ -511,7 +524,10 @@ class _Interpreter:
                 return dataclasses.replace(val, expert="pairs", order=self._of(index).order)
             self._fail(node, "indexes an expert weight other than by expert")
         if isinstance(index, fx.Node) and val.expert != "dense":  # (dense rows are each their expert's by position)
-            return val  # rows gathered or un-sorted: the feature dim stays
+            # rows gathered or un-sorted: the feature dim stays; the order, where it is followed (module docstring)
+            if self._of(index).order.startswith("unsort:"):
+                return dataclasses.replace(val, order="")
+            return dataclasses.replace(val, order=f"gathered:{node.name}") if val.order == "sorted" else val
         self._fail(node, "slices a hidden state")
 
     def _half(self, node, v: Val) -> Val:
@@ -685,6 +701,9 @@ class _Interpreter:
             return dataclasses.replace(by["glu"], kind="h", p=())
         if kinds == {"wts", "mask"} and by["wts"].expert is None:
             return Val("wts", by["mask"].expert)
+        if kinds == {"y", "wts"} and {by["y"].order, by["wts"].order} == {"", "sorted"}:  # (module docstring: orders)
+            self._fail(node, f"weights GEMM rows in {_order_words(by['y'].order)} with routing weights in "
+                             f"{_order_words(by['wts'].order)}: each row with another pair's weight")
         if kinds == {"y", "wts"} and by["y"].expert == by["wts"].expert:
             self.seen["b2"].add(by["y"].b)
             return dataclasses.replace(by["y"], kind="out", b=False)
@@ -702,6 +721,9 @@ class _Interpreter:
                 and shape[-1] == self.k:
             return v  # sum over k of the masked routing weights [..., T, K]: expert e's weight per token (over all
             # pairs flattened, it was one weight for every token)
+        if v.kind == "out" and v.order == "sorted":  # (module docstring: orders)
+            self._fail(node, "sums expert outputs whose rows are still in the experts' order (a sort of the routing "
+                             "ids): each token's k rows are not its own; un-sort them first")
         if v.kind == "out" and v.expert is None and isinstance(dim, int):
             d = dim % len(shape)
             # pairs token-major ([T, K, H]: k just before the features, when they are last); [K, T, H].sum(0) of the
