@@ -125,6 +125,9 @@ def _check_out_dtype(what: str, name: str, dtype: torch.dtype, reference: bool =
 
 
 def check_static_scale(scale: torch.Tensor, what: str = "fp8fx.quantize_static: the static input scale") -> None:
+    if scale.dtype not in quant.COMPUTE_DTYPES:  # (a complex one lost its imaginary part, a bool read as 1.0, an int
+        # failed in another op's check, naming an argument the caller never passed)
+        raise ValueError(f"{what} is {scale.dtype}; a static scale is a floating-point tensor (float32)")
     if scale.numel() != 1:
         raise ValueError(f"{what} must have one element, got shape {list(scale.shape)}; per-token or per-group "
                          "activations are dynamic (fp8fx.quantize)")
@@ -165,12 +168,19 @@ def dequantize(
     input_scale: Optional[torch.Tensor] = None,
     act_block: Optional[list[int]] = None,
 ) -> torch.Tensor:
-    _check_dequantize_args(q, scale, block, dtype)
+    _check_dequantize_args(q, scale, block, dtype, input_scale, act_block)
     return quant.dequantize(q, scale, block, dtype).contiguous()
 
 
-def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype) -> None:
+def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, block, dtype: torch.dtype, input_scale=None,
+                           act_block=None) -> None:
     check_block(block, "block")
+    # (the layer's input scale and activation blocks ride along for the passes: unchecked, a bad one failed later in
+    # a compiled graph, naming another op's argument, after the report called the layer rewritten)
+    if act_block is not None:
+        check_block(act_block, "act_block")
+    if input_scale is not None:
+        check_static_scale(input_scale, "fp8fx.dequantize: input_scale")
     if q.dtype != quant.FP8_DTYPE:  # a 16-bit weight would be multiplied by a scale as if it held fp8 codes
         raise ValueError(f"fp8fx.dequantize: q is {q.dtype}; it dequantizes {quant.FP8_DTYPE} codes")
     _check_out_dtype("fp8fx.dequantize", "dtype", dtype, reference=True)  # float64: a layer's reference
@@ -182,7 +192,7 @@ def _check_dequantize_args(q: torch.Tensor, scale: torch.Tensor, block, dtype: t
 
 @dequantize.register_fake
 def _(q, scale, block, dtype, input_scale=None, act_block=None):
-    _check_dequantize_args(q, scale, block, dtype)
+    _check_dequantize_args(q, scale, block, dtype, input_scale, act_block)
     return q.new_empty(q.shape, dtype=dtype)
 
 
@@ -984,9 +994,10 @@ def _check_moe_args(x, topk_weights, topk_ids, w13, w2, w_block, act_block, w13_
     for name, scale in (("a13_scale", a13_scale), ("a2_scale", a2_scale)):
         if scale is not None:  # one positive finite value (0 made every output 0, Inf / NaN every output NaN)
             check_static_scale(scale, f"fp8fx.fused_moe: {name}")
-    if a13_scale is not None and tuple(act_block) != (-1, -1):  # (the block was ignored: x quantized per tensor)
-        raise ValueError(f"fp8fx.fused_moe: a13_scale (a static per-tensor scale of x) with act_block="
-                         f"{list(act_block)}; a static scale is per tensor: act_block=[-1, -1]")
+    for name, scale, of in (("a13_scale", a13_scale, "x"), ("a2_scale", a2_scale, "the intermediate")):
+        if scale is not None and tuple(act_block) != (-1, -1):  # (the block was ignored: quantized per tensor)
+            raise ValueError(f"fp8fx.fused_moe: {name} (a static per-tensor scale of {of}) with act_block="
+                             f"{list(act_block)}; a static scale is per tensor: act_block=[-1, -1]")
     _check_out_dtype("fp8fx.fused_moe", "out_dtype", out_dtype)
     e, rows13, h = w13.shape
     for name, bias, shape in (("w13_bias", w13_bias, (e, rows13)), ("w2_bias", w2_bias, (e, h))):
@@ -1238,7 +1249,8 @@ def _direct_call(name: str) -> Callable:
     label = f"{_LIB}::{name}"
 
     def call(*args, **kwargs):
-        fn = cuda if args[0].is_cuda else default
+        first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)  # (keywords too)
+        fn = cuda if first is not None and first.is_cuda else default
         if compat.profiler_on():  # the op's name in traces, as a dispatched call has it
             with torch.profiler.record_function(label):
                 return fn(*args, **kwargs)

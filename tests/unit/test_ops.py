@@ -707,3 +707,45 @@ def test_an_inf_activation_makes_the_rows_of_its_scale_nan(per_token):
     assert y_bad.isnan().all(dim=1).tolist() == ([False, True, False] if per_token else [True] * 3)
     if per_token:
         assert torch.equal(y_bad[[0, 2]], y[[0, 2]])
+
+
+def test_static_scales_of_another_dtype_and_dequantize_s_riders_are_refused_naming_them():
+    """A complex static scale lost its imaginary part and a bool one read as 1.0 (quantize_static); an int64 h_static
+    failed as "fp8fx.scaled_mm: x_scale", an argument the caller never passed; dequantize took input_scale=-1, two
+    input scales or act_block=[0, 5], which a compiled graph then failed on, naming other ops' arguments after the
+    report called the layer rewritten; fused_moe refused a13_scale with a per-group act_block but took a2_scale."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 64, generator=g)
+    for bad in (torch.tensor([1 + 5j]), torch.tensor([True]), torch.tensor([1])):
+        with pytest.raises(ValueError, match=rf"^fp8fx\.quantize_static: the static input scale is {bad.dtype}; a "
+                                             r"static scale is a floating-point tensor \(float32\)$"):
+            torch.ops.fp8fx.quantize_static(x, bad)
+    xq, xs = quant.quantize(x, [1, -1])
+    w1, s1 = quant.quantize(torch.randn(32, 64, generator=g), [1, -1])
+    w3, s3 = quant.quantize(torch.randn(32, 64, generator=g), [1, -1])
+    w2, s2 = quant.quantize(torch.randn(48, 32, generator=g), [1, -1])
+    with pytest.raises(ValueError, match=r"^fp8fx\.gated_mlp: h_static is torch\.int64"):
+        torch.ops.fp8fx.gated_mlp(xq, xs, w1, s1, w3, s3, w2, s2, None, [1, -1], [1, -1], [-1, -1], [1, -1],
+                                  torch.tensor([1]), "silu", torch.bfloat16, torch.bfloat16)
+    for kwargs, match in ((dict(input_scale=torch.tensor([-1.0])), r"^fp8fx\.dequantize: input_scale is -1\.0"),
+                          (dict(input_scale=torch.tensor([0.1, 0.2])), r"^fp8fx\.dequantize: input_scale must have "
+                                                                       r"one element, got shape \[2\]"),
+                          (dict(act_block=[0, 5]), r"^fp8fx: act_block=\[0, 5\] is not a block")):
+        with pytest.raises(ValueError, match=match):
+            torch.ops.fp8fx.dequantize(w1, s1, [1, -1], torch.float32, **kwargs)
+    assert torch.ops.fp8fx.dequantize(w1, s1, [1, -1], torch.float32, torch.tensor([0.1]), [1, -1]).shape == (32, 64)
+    wts, ids = torch.rand(3, 2, generator=g), torch.tensor([[0, 1], [1, 0], [0, 0]])
+    q13, s13 = quant.quantize(torch.randn(2, 64, 64, generator=g) / 8, [1, -1])
+    q2, s2e = quant.quantize(torch.randn(2, 64, 32, generator=g) / 6, [1, -1])
+    with pytest.raises(ValueError, match=r"^fp8fx\.fused_moe: a2_scale \(a static per-tensor scale of the "
+                                         r"intermediate\) with act_block=\[1, 32\]; a static scale is per tensor"):
+        torch.ops.fp8fx.fused_moe(x, wts, ids, q13, s13, q2, s2e, [1, -1], [1, 32], torch.float32,
+                                  a2_scale=torch.tensor([0.1]))
+
+
+def test_direct_calls_take_their_arguments_by_keyword():
+    """fp8fx.ops.direct.<op>(x=..., block=...) picked its kernel by args[0]: a bare IndexError, naming nothing."""
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    q, s = ops.direct.quantize(x=x, block=[1, -1])
+    want = torch.ops.fp8fx.quantize(x, [1, -1])
+    assert torch.equal(q.view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(s, want[1])
