@@ -427,6 +427,14 @@ def _fp8_schemes(
     ]
     if unprocessed:
         raise ValueError(f"{unprocessed[0]}: weights not processed yet; run process_weights_after_loading first")
+    # an attention Fp8KVCacheMethod made scales on and did not process: its scales are parameters, the unloaded ones
+    # -1.0, which were written (beside a loaded k_scale) and load_checkpoint then refused
+    waiting = next((f for f, m in modules.items() if "_fp8fx_kv_prefix" in vars(m)
+                    and any(m._parameters.get(n) is not None for n in KV_SCALE_NAMES)), None)
+    if waiting is not None:
+        raise ValueError(f"{waiting}: its KV-cache scales are still loading (Fp8KVCacheMethod.create_weights made "
+                         "them, process_weights_after_loading did not run): run the method's "
+                         "process_weights_after_loading(layer) first (nothing was written)")
     for f, m in modules.items():  # a tensor cast by hand would be written under fp8 names with the wrong values
         if f in schemes or f in quantized_experts:
             for n, t in m._parameters.items():

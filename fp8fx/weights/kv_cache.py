@@ -68,8 +68,9 @@ def check_kv_scale_layout(name: str, shape, dtype: torch.dtype) -> None:
             f"{name}: a KV-cache scale is one value, got shape {list(shape)}; the checkpoint must hold "
             "one scale per attention layer (per-head KV scales are not supported)"
         )
-    if not dtype.is_floating_point:
-        raise ValueError(f"{name}: dtype {dtype} is not a float; KV-cache scales are float32/bf16/fp16")
+    if not dtype.is_floating_point or dtype.itemsize < 2:  # (an 8-bit float one was taken, rounded: 4.7% off)
+        raise ValueError(f"{name}: dtype {dtype} is not a float of 16 bits or more; KV-cache scales are "
+                         "float32/bf16/fp16")
 
 
 def check_kv_scale(name: str, value: torch.Tensor) -> float:

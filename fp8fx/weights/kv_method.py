@@ -53,6 +53,7 @@ class Fp8KVCacheMethod:
             layer.register_parameter(name, param)
         layer._fp8fx_kv_prefix = prefix
         layer._fp8fx_kv_taken = taken
+        guard_kv_casts(layer)  # (a cast before the scales load keeps them float32, as after processing)
 
     def weight_loader(self, layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
         """Copies one checkpoint scale into its parameter, checked first (one positive finite float). ``name``: the
@@ -66,6 +67,10 @@ class Fp8KVCacheMethod:
                              "(or the legacy 'kv_scale', read as 'k_scale'), by name or by the checkpoint's full name")
         owner, leaf = target
         if owner not in (prefix, f"{prefix}.attn"):
+            if prefix == type(layer).__name__:  # (create_weights had no prefix: the layer's name is not known)
+                raise ValueError(f"{prefix}: {name} is a full name, and this layer's was not given: pass the scale's "
+                                 f"name ({leaf!r}), or create_weights(layer, prefix={owner.removesuffix('.attn')!r}) "
+                                 "for full names")
             raise ValueError(f"{prefix}: {name} addresses {owner}, not this layer (a projection holds none but "
                              "k_proj.k_scale / v_proj.v_scale); load it into the attention it names, or drop it")
         if not isinstance(tensor, torch.Tensor):  # (a float was said to hold no value: h145)

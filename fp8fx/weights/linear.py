@@ -299,7 +299,17 @@ def _checked_apply(self, fn, recurse=True):
 
 
 def _checked_cast(self, fn, recurse: bool):
-    for m in self.modules():
+    for m in self.modules():  # an online layer Fp8LinearMethod made and did not process: a cast rounded the input
+        # scales loaded after it, and the layer, processed, still computed in the dtype it was made for
+        if vars(m).get("_fp8fx_processed") is False and "_fp8fx_pending" in vars(m):
+            device = next((t.device for t in m._parameters.values() if t is not None and not t.is_meta), None)
+            cast = fn(torch.empty(0, dtype=m._fp8fx_dtype, device=device)).dtype
+            if cast != m._fp8fx_dtype and (cast.is_floating_point or cast.is_complex):
+                done = ("nothing of this module was converted, but a cast of a module holding it converts the modules "
+                        "it reaches before this one" if _cast_from_outside() else "nothing was converted")
+                raise ValueError(f"{module_name(m)}: cast to {cast} while its weights are loading (Fp8LinearMethod."
+                                 f"create_weights made it to compute in {m._fp8fx_dtype}): create the weights with "
+                                 f"params_dtype={cast}, or cast after process_weights_after_loading ({done})")
         refused = _cast_of(m, fn)[2] if getattr(type(m), "_apply", None) is fp8_apply else ""
         if refused and _cast_from_outside():
             raise ValueError(f"{refused} (nothing of this model was converted, but a cast of a module holding it "
@@ -311,11 +321,18 @@ def _checked_cast(self, fn, recurse: bool):
     # dtype casts, as the layers' scales do: bf16 rounded 0.0123 to 0.01233 (and save_checkpoint wrote that)
     kv = [(m, n, b) for m in self.modules() for n, b in m._buffers.items()
           if n in KV_SCALE_NAMES and b is not None and b.dtype == torch.float32]
+    # and those Fp8KVCacheMethod made, still parameters until process_weights_after_loading: a cast between rounded
+    # the scales loaded after it (0.0123 -> 0.012329 in bf16)
+    loading = [(p, p.data) for m in self.modules() if "_fp8fx_kv_prefix" in vars(m) for n, p in m._parameters.items()
+               if n in KV_SCALE_NAMES and p is not None and p.dtype == torch.float32]
     out = type(self)._apply(self, fn, recurse)
     for m, n, before in kv:
         after = m._buffers.get(n)
         if after is not None and after.dtype != torch.float32:
             m._buffers[n] = before.to(after.device)
+    for p, before in loading:
+        if p.dtype != torch.float32:
+            p.data = before.to(p.device)
     return out
 
 
@@ -1204,6 +1221,7 @@ class Fp8LinearMethod:
             # until process_weights_after_loading the layer is the model's own over a receive buffer still filling
             # (it ran on the shards loaded so far and uninitialized memory: outputs of 1e8, silently)
             layer.__dict__["_fp8fx_pending"] = layer.register_forward_pre_hook(_refuse_unprocessed)
+            guard_kv_casts(layer)  # (its own cast refused: ``_checked_cast``)
             return
         layer.__class__ = fp8_class(type(layer))
 

@@ -489,6 +489,31 @@ def test_convert_lists_a_tied_head_in_the_ignore_list(tmp_path, caplog, fmt):
     assert "lm_head" in (qc["ignore"] if fmt == "compressed-tensors" else qc["ignored_layers"]), qc
 
 
+def test_kv_cache_scales_still_loading_are_refused_before_anything_is_written(tmp_path):
+    """An attention Fp8KVCacheMethod made scales on, one loaded, not processed: its -1.0 placeholders were written
+    beside the loaded k_scale (prob_scale under its raw name), a checkpoint load_checkpoint then refused."""
+    from fp8fx.weights.kv_method import Fp8KVCacheMethod
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    model = fp8fx.quantize_(transformers.LlamaForCausalLM(cfg).eval(), fp8fx.Fp8Config(ignored_layers=["lm_head"]))
+    name = "model.layers.0.self_attn"
+    method = Fp8KVCacheMethod(fp8fx.Fp8Config())
+    method.create_weights(model.get_submodule(name), prefix=name)
+    method.weight_loader(model.get_submodule(name), "k_scale", torch.tensor(0.5))
+    with pytest.raises(ValueError, match=rf"^{name}: its KV-cache scales are still loading .*run the method's "
+                                         r"process_weights_after_loading\(layer\) first \(nothing was written\)$"):
+        save_checkpoint(model, tmp_path / "c")
+    assert not (tmp_path / "c").exists()
+    method.process_weights_after_loading(model.get_submodule(name))
+    save_checkpoint(model, tmp_path / "c")
+    back = transformers.LlamaForCausalLM(cfg).eval()
+    load_checkpoint(back, tmp_path / "c", progress=False)
+    assert fp8fx.weights.kv_cache.kv_scales(back.get_submodule(name)) == {"k_scale": 0.5, "v_scale": 0.5}
+
+
 def test_a_config_json_saying_untied_for_a_tied_model_gets_the_head_stored_under_its_name(tmp_path):
     """save_checkpoint(config_json=...) of a tied model with tie_word_embeddings: false (a config of the untied
     model): the tied tensor was stored once, as the embeddings', and the untied model that config describes found

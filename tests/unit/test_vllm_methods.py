@@ -100,6 +100,8 @@ def test_kv_cache_scales_are_taken_by_the_checkpoints_names_for_this_layer_only(
     (torch.tensor(0.0), r"k_scale=0.0: a KV-cache scale must be a positive finite"),
     (torch.tensor(-0.5), r"k_scale=-0.5: a KV-cache scale must be a positive finite"),
     (torch.ones(2), r"k_scale: a KV-cache scale is one value, got shape \[2\]"),
+    (torch.tensor(0.0123).to(torch.float8_e4m3fn), r"k_scale: dtype torch.float8_e4m3fn is not a float of 16 bits or "
+                                                   r"more"),  # (taken, rounded: 4.7% off)
 ])
 def test_bad_kv_cache_scales_are_refused_naming_them_and_change_nothing(value, match):
     attention, method = created()
@@ -107,12 +109,47 @@ def test_bad_kv_cache_scales_are_refused_naming_them_and_change_nothing(value, m
         method.weight_loader(attention, "k_scale", value)
     assert attention.k_scale.item() == -1.0
     # copied into the parameter past weight_loader (vLLM's default loader): refused at processing, the layer unchanged
-    if value.numel() == 1:
+    if value.numel() == 1 and value.dtype.itemsize > 1:  # (a copy of an fp8 one is a float32 value by then)
         attention.k_scale.data.copy_(value)
         with pytest.raises(ValueError, match=rf"^{PREFIX}\.{match}"):
             method.process_weights_after_loading(attention)
         assert set(dict(attention.named_parameters())) == {"k_scale", "v_scale", "q_scale", "prob_scale"}
         assert not attention._buffers
+
+
+def test_a_full_name_into_a_layer_created_without_its_name_says_so():
+    """create_weights(layer) with no prefix, then the checkpoint's full name: "addresses model.layers.0.self_attn, not
+    this layer", of the very layer (its name was not known)."""
+    attention, method = nn.Module(), Fp8KVCacheMethod(Fp8Config())
+    method.create_weights(attention)
+    with pytest.raises(ValueError, match=rf"^Module: {PREFIX}\.k_scale is a full name, and this layer's was not "
+                                         rf"given: pass the scale's name \('k_scale'\), or create_weights\(layer, "
+                                         rf"prefix='{PREFIX}'\) for full names$"):
+        method.weight_loader(attention, f"{PREFIX}.k_scale", torch.tensor(0.5))
+    method.weight_loader(attention, "k_scale", torch.tensor(0.5))
+    assert attention.k_scale.item() == 0.5
+
+
+def test_a_cast_while_scales_load_keeps_them_float32_or_is_refused():
+    """model.to(bfloat16) between create_weights and process_weights_after_loading rounded the scales loaded after
+    it (0.0123 -> 0.012329): Fp8KVCacheMethod's stay float32; an online Fp8LinearMethod layer's cast is refused,
+    naming it (processed, it still computed in the dtype it was made for, its bias float32)."""
+    model = nn.Sequential(nn.Module())
+    attention, method = model[0], Fp8KVCacheMethod(Fp8Config())
+    method.create_weights(attention, prefix=PREFIX)
+    model.to(torch.bfloat16)
+    method.weight_loader(attention, "k_scale", torch.tensor(0.0123))
+    method.process_weights_after_loading(attention)
+    assert attention.k_scale.dtype == torch.float32 and attention.k_scale.item() == torch.tensor(0.0123).item()
+    layer = nn.Linear(64, 32)
+    online = Fp8LinearMethod(Fp8Config(activation_scheme="static"))
+    online.create_weights(layer, 64, [32], torch.float32, prefix="q_proj")
+    with pytest.raises(ValueError, match=r"^q_proj: cast to torch\.bfloat16 while its weights are loading "
+                                         r"\(Fp8LinearMethod\.create_weights made it to compute in torch\.float32\): "
+                                         r"create the weights with params_dtype=torch\.bfloat16, or cast after "
+                                         r"process_weights_after_loading \(nothing was converted\)$"):
+        layer.to(torch.bfloat16)
+    assert layer.bias.dtype == layer.input_scale.dtype == torch.float32
 
 
 def test_kv_cache_method_refuses_what_it_cannot_create_changing_nothing():
