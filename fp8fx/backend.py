@@ -62,9 +62,9 @@ def _forget_dump_locks() -> None:
 
 
 class _Fixed:
-    """An option ``Fp8Backend`` reads at each compile and keys Inductor's caches by (``cache_key``), both from what
-    the constructor was given: set later, a graph cached under the old value would be served for the new one (and
-    the reverse), so it is read-only."""
+    """An option ``Fp8Backend`` reads at each compile and keys Inductor's caches by (``cache_key``), or builds its
+    passes from, both from what the constructor was given: set later, a graph cached under the old value would be
+    served for the new one (and the reverse), or the passes would not see it, so it is read-only."""
 
     def __set_name__(self, owner, name: str):
         self.name = name
@@ -250,7 +250,10 @@ class Fp8Backend:
             dump_dir = os.path.expanduser(os.fspath(dump_dir))
         _check_dump_dir(dump_dir)  # last: it makes the folder
         self.__dict__.update(_one_pass_rows=one_pass_rows, _direct_calls=direct_calls, _lowering=lowering,
-                             _compiler=compiler)
+                             _compiler=compiler, _use_fast_accum=use_fast_accum, _weight_only=weight_only,
+                             _fuse_horizontal=fuse_horizontal, _fuse_mlp=fuse_mlp, _mlp_h_group=mlp_h_group,
+                             _fast_topk=fast_topk, _fast_router=fast_router, _fuse_routing=fuse_routing,
+                             _cudagraphs=cudagraphs)
         # the folder asked for, as made now (a later chdir does not move it); dump_dir may become a subfolder of it
         self._dump_root = None if dump_dir is None else os.path.abspath(dump_dir)
         self.dump_dir = self._dump_root
@@ -284,6 +287,16 @@ class Fp8Backend:
     lowering = _Fixed()
     compiler = _Fixed()
     inductor_config = _Fixed()
+    # (the passes' options, built into the pass manager once: set later, they were taken and did nothing)
+    use_fast_accum = _Fixed()
+    weight_only = _Fixed()
+    fuse_horizontal = _Fixed()
+    fuse_mlp = _Fixed()
+    mlp_h_group = _Fixed()
+    fast_topk = _Fixed()
+    fast_router = _Fixed()
+    fuse_routing = _Fixed()
+    cudagraphs = _Fixed()
 
     def __deepcopy__(self, memo) -> "Fp8Backend":
         """The backend itself: a copy would compile with a report of its own, which the user never sees.

@@ -107,6 +107,9 @@ class Site:
         return int(n * weight.element_size() - n - sum(s.numel() * s.element_size() for s in scales))
 
 
+_BEFORE_RESET = "until torch._dynamo.reset(), which lets its frame compile again: "
+
+
 class Report:
     """Every site each compiled graph held, and the kernels Inductor generated for each graph."""
 
@@ -169,6 +172,10 @@ class Report:
         self._frame_ids.clear()
         if self._limit_hits_from is not None:  # (the frames Dynamo ran uncompiled compile again)
             self._limit_hits_from = compat.recompile_limit_hits()
+        # a frame at its limit is no longer: said as what was (it read, in the present, beside the graph the reset
+        # let Dynamo compile for just such a call)
+        self.limits = {g: why if why.startswith(_BEFORE_RESET) else f"{_BEFORE_RESET}{why}"
+                       for g, why in self.limits.items()}
 
     def watch_recompile_limit(self) -> None:
         """Count Dynamo's recompile-limit hits from now on (``recompile_limit_hits``); called at each graph, counts

@@ -103,6 +103,11 @@ def assert_compiles_once(
     if backend is not None and not callable(backend):  # ("inductor": failed inside Dynamo, after the reset below)
         raise ValueError(f"assert_compiles_once(backend={backend!r}): a backend callable, e.g. fp8fx.Fp8Backend(...) "
                          "or fp8fx.fp8_backend (None: Fp8Backend())")
+    # (checked before the reset too: torch's "Expected enable to be a bool" came after every cache was dropped)
+    if dynamic is not None and type(dynamic) is not bool:
+        raise ValueError(f"assert_compiles_once(dynamic={dynamic!r}): True, False or None (torch.compile's)")
+    if not callable(fn):
+        raise ValueError(f"assert_compiles_once: fn is a {type(fn).__name__}, not a function or module to compile")
     torch._dynamo.reset()
     backend = backend if backend is not None else Fp8Backend()
     graphs: list[int] = []  # graphs compiled during each call

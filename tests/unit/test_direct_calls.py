@@ -91,7 +91,11 @@ def test_the_option_is_checked_and_keys_the_cache():
 
 
 @pytest.mark.parametrize("name, value", [("direct_calls", False), ("one_pass_rows", 1024), ("lowering", "op"),
-                                         ("compiler", "eager"), ("inductor_config", {"cpp_wrapper": True})])
+                                         ("compiler", "eager"), ("inductor_config", {"cpp_wrapper": True}),
+                                         # the passes' options (h164: taken, and the passes never saw them)
+                                         ("fuse_horizontal", True), ("fuse_mlp", True), ("use_fast_accum", False),
+                                         ("weight_only", True), ("mlp_h_group", 32), ("fast_topk", False),
+                                         ("fast_router", False), ("fuse_routing", False), ("cudagraphs", True)])
 def test_options_read_at_compile_are_fixed(name, value):
     """The options the backend reads at each compile key Inductor's caches from the constructor's values: one set
     afterwards (``backend.direct_calls = False``) compiled otherwise under the old key, and a default backend of

@@ -781,6 +781,14 @@ def test_the_graph_at_dynamo_s_recompile_limit_says_what_follows(caplog):
     assert sum(said in r.getMessage() for r in caplog.records) == 1
     # (what it warns of: the fourth batch ran as the uncompiled model does, the three before did not)
     assert [torch.equal(a, b) for a, b in outs] == [False, False, False, True]
+    # after torch._dynamo.reset() the frame compiles again: the line says what was, not what is (h164)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled(torch.randn(5, 64, dtype=torch.bfloat16))
+    assert report.graphs == 4 and report.limits[2].startswith(
+        "until torch._dynamo.reset(), which lets its frame compile again: " + said), report.limits
+    torch._dynamo.reset()  # (said once: a second reset adds nothing)
+    assert report.limits[2].count("until torch._dynamo.reset()") == 1
 
 
 def test_dynamo_s_recompile_limit_hits_since_the_first_graph_are_counted():

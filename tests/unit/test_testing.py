@@ -295,6 +295,20 @@ def test_bad_arguments():
     with pytest.raises(ValueError, match=r"assert_compiles_once\(backend='inductor'\): a backend callable, e.g. "
                                          r"fp8fx.Fp8Backend"):
         testing.assert_compiles_once(mlp(), inputs(2, 4), backend="inductor")
+    # refused before the helper's reset dropped every compiled cache (torch's "Expected enable to be a bool" came
+    # after it, naming neither the helper nor the argument)
+    compiled = torch.compile(lambda x: x + 1, backend="eager")
+    compiled(torch.ones(2))
+    for kwargs, match in ((dict(dynamic="false"), r"assert_compiles_once\(dynamic='false'\): True, False or None"),
+                          (dict(dynamic=0), r"assert_compiles_once\(dynamic=0\): True, False or None")):
+        with pytest.raises(ValueError, match=match):
+            testing.assert_compiles_once(mlp(), inputs(2, 4), **kwargs)
+    with pytest.raises(ValueError, match=r"assert_compiles_once: fn is a str, not a function or module"):
+        testing.assert_compiles_once("mlp", inputs(2, 4))
+    from torch._dynamo.utils import counters
+    frames = counters["stats"]["unique_graphs"]
+    compiled(torch.ones(2))  # (still compiled: no new graph)
+    assert counters["stats"]["unique_graphs"] == frames
     # a generator: the checks used it up, no call ran, and an IndexError came out of the helper
     backend = testing.assert_compiles_once(mlp(), (args for args in inputs(2, 4)), backend=eager_backend())
     assert backend.report.rewritten
