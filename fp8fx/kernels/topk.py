@@ -32,10 +32,8 @@ import triton.language as tl
 
 from fp8fx.kernels.fp8_gemm import _max_nan
 from fp8fx.kernels.launch import next_power_of_2
-from fp8fx.quant import HIGH_PRECISION
-
-MAX_ROW = 4096  # elements of a row one program holds (the index takes the low 12 bits of the sort key)
-MAX_K = 32  # k steps, unrolled
+# (what the kernels take, in a module of no Triton: the passes ask it at trace time, on machines without Triton too)
+from fp8fx.kernels.topk_limits import MAX_GROUPS, MAX_K, MAX_ROW, grouped_reason, reason  # noqa: F401
 
 
 @triton.jit
@@ -131,29 +129,6 @@ def grouped_topk_kernel(x_ptr, bias_ptr, weights_ptr, ids_ptr, stride_x, eps, sc
     tl.store(ids_ptr + row * K + kk, picked, mask=k_ok)
 
 
-MAX_GROUPS = 64
-
-
-def grouped_reason(x: torch.Tensor, k: int, groups: int, topk_group: int) -> str:
-    """Why ``grouped_topk`` of these is not the kernel's, or ""."""
-    e = x.shape[-1] if x.dim() else 0
-
-    def power_of_2(v):
-        return type(v) is int and v > 0 and v & (v - 1) == 0
-
-    if x.dtype != torch.float32:
-        return f"logits of {x.dtype} (the kernel takes float32: the graph's sigmoid rounds 16-bit ones)"
-    if not 1 <= e <= MAX_ROW:
-        return f"{e} experts (the kernel takes up to {MAX_ROW})"
-    if topk_group < groups and not (power_of_2(e) and power_of_2(groups) and groups <= MAX_GROUPS
-                                    and e // groups >= 2):
-        return (f"{e} experts in {groups} groups, {topk_group} kept (where it drops groups the kernel takes powers "
-                f"of 2: up to {MAX_GROUPS} groups of 2 or more)")
-    if not 1 <= topk_group <= groups or not 1 <= k <= min(MAX_K, e):
-        return f"k={k} of {e} experts in {topk_group} of {groups} groups (the kernel takes k 1-{MAX_K})"
-    return ""
-
-
 def grouped_topk(x: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_group: int, renormalize: bool,
                  eps: float, scale: float, fill: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(float32 weights, int64 ids) [..., k] of a sigmoid router's logits x [..., E] (``grouped_topk_kernel``), the
@@ -171,18 +146,6 @@ def grouped_topk(x: torch.Tensor, bias: torch.Tensor, k: int, groups: int, topk_
             BLOCK=block, G=groups, TOPK_GROUP=topk_group, TOPK_GROUP_P=max(next_power_of_2(topk_group), 2), K=k,
             KP=max(next_power_of_2(k), 2), RENORMALIZE=renormalize, num_warps=1 if e <= 512 else 4)
     return weights, ids
-
-
-def reason(x: torch.Tensor, k: int) -> str:
-    """Why ``topk(x, k)`` over x's last dim is not this kernel's, or "" where it is."""
-    n = x.shape[-1] if x.dim() else 1
-    if x.dtype not in HIGH_PRECISION:
-        return f"dtype {x.dtype} (the kernel takes {', '.join(str(d).removeprefix('torch.') for d in HIGH_PRECISION)})"
-    if not 1 <= k <= MAX_K:
-        return f"k={k} (the kernel takes 1-{MAX_K})"
-    if not k <= n <= MAX_ROW:
-        return f"a row of {n} elements (the kernel takes k-{MAX_ROW})"
-    return ""
 
 
 def topk(x: torch.Tensor, k: int, largest: bool = True) -> tuple[torch.Tensor, torch.Tensor]:

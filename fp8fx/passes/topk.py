@@ -5,7 +5,7 @@ Matches (Dynamo torch IR) every top-k over the last dim whose two results are on
     top = torch.topk(x, k, dim=-1, largest=True, sorted=True)    # or x.topk(k, ...)
     values, indices = top[0], top[1]
 
-and, where ``fp8fx.kernels.topk.reason`` is empty (float32 / bf16 / fp16 rows of k to 4096 elements, k <= 32),
+and, where ``fp8fx.kernels.topk_limits.reason`` is empty (float32 / bf16 / fp16 rows of k to 4096 elements, k <= 32),
 rewrites it to::
 
     top = fp8fx.topk(x, k, largest)                               # values, int64 indices; sorted
@@ -59,7 +59,7 @@ from torch import fx
 
 import fp8fx.ops  # noqa: F401  (registers torch.ops.fp8fx)
 from fp8fx import quant
-from fp8fx.kernels import topk as kernel
+from fp8fx.kernels import topk_limits as kernel  # (no Triton: the kernels' module is imported when one runs)
 from fp8fx.passes.base import (NodePass, PassContext, fake_value, float32_source, may_record_grad, module_path,
                                replace_node)
 from fp8fx.report import Site

@@ -133,3 +133,30 @@ def test_moe_reference(runs):
     assert all(f"not quantized: routes tokens to layers.{i}.experts" in out for i in (0, 1)), out
     assert all(f"moe     layers.{i}.experts  8x256x256  yes" in out for i in (0, 1))
     assert error_of(out) < 0.1
+
+
+def test_fp8fx_imports_and_compiles_where_triton_is_not_installed():
+    """The README's first line installs the CPU build of torch, which ships no Triton: `import fp8fx` failed there
+    ("No module named 'triton'": the top-k pass imported the kernels' module at import, h165). With Triton hidden,
+    fp8fx imports, quantizes and compiles, its top-k pass included, and the report says what it rewrote."""
+    import subprocess
+
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import torch, fp8fx\n"
+        "torch.manual_seed(0)\n"
+        "m = fp8fx.quantize_(torch.nn.Sequential(torch.nn.Linear(64, 32)))\n"
+        "b = fp8fx.Fp8Backend(compiler='eager')\n"
+        "f = torch.compile(lambda x: torch.topk(torch.softmax(m(x), -1), 4, -1), backend=b)\n"
+        "x = torch.randn(3, 64)\n"
+        "with torch.no_grad():\n"
+        "    v, i = f(x)\n"
+        "    w, j = torch.topk(torch.softmax(m(x), -1), 4, -1)\n"
+        "assert torch.equal(i, j), (i, j)\n"
+        "assert 'triton' not in {n.partition('.')[0] for n, mod in sys.modules.items() if mod is not None}\n"
+        "print(sorted((s.kind, s.rewritten) for s in b.report.sites + b.report.topk))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          cwd=pathlib.Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "('linear', True)" in done.stdout, done.stdout
