@@ -1221,7 +1221,8 @@ class Fp8LinearMethod:
             # until process_weights_after_loading the layer is the model's own over a receive buffer still filling
             # (it ran on the shards loaded so far and uninitialized memory: outputs of 1e8, silently)
             layer.__dict__["_fp8fx_pending"] = layer.register_forward_pre_hook(_refuse_unprocessed)
-            guard_kv_casts(layer)  # (its own cast refused: ``_checked_cast``)
+            if "_apply" not in vars(layer):  # its own cast refused (``_checked_cast``) until processed, then dropped
+                layer.__dict__["_apply"] = layer.__dict__["_fp8fx_loading_guard"] = _CheckedApply(layer)
             return
         layer.__class__ = fp8_class(type(layer))
 
@@ -1513,4 +1514,7 @@ class Fp8LinearMethod:
         pending = layer.__dict__.pop("_fp8fx_pending", None)
         if pending is not None:
             pending.remove()
+        guard = layer.__dict__.pop("_fp8fx_loading_guard", None)
+        if guard is not None and vars(layer).get("_apply") is guard:  # (fp8_apply's checks take over)
+            del layer.__dict__["_apply"]
         layer._fp8fx_processed = True
