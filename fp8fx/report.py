@@ -2,7 +2,8 @@
 (``Report.topk``: ``fp8fx.passes.topk``).
 
 ``str(report)`` is a table, ``report.to_json()`` the same as JSON (schema ``SCHEMA``), and the backend
-logs one line per compiled graph (``Report.log_graph``) under the ``fp8fx`` logger.
+logs one line per compiled graph (``Report.log_graph``) under the ``fp8fx`` logger. Models compiled through one
+backend share its report, their rows told apart by graph and name only: ``report.sites_of(model)`` gives one model's.
 """
 from __future__ import annotations
 
@@ -309,6 +310,19 @@ class Report:
                 dtype = str(p.dtype).removeprefix("torch.")
                 found.append((name, Site.shape_of(p), dtype, type(modules[owner]).__name__))
         return found
+
+    def sites_of(self, model: Any) -> list[Site]:
+        """The sites of ``model`` (or of its ``torch.compile`` wrapper): those whose weight is one of its parameters or
+        buffers (``weight_id``). Models compiled through one backend share its report, and two of one class give rows
+        alike - the same names, and the same graph where Dynamo runs the first one's graph for the second -, which
+        the table and ``to_dict`` cannot tell apart (a weight's token means nothing outside this process): this does,
+        by the tensors. A site whose weight is no input of its graph (Inductor's freezing made it a constant:
+        ``weight_id`` 0) is no model's here."""
+        from fp8fx.lowerings import compat
+
+        model = compat.compiled_module(model)
+        tokens = {Site.known_token(t) for t in itertools.chain(model.parameters(), model.buffers())} - {None}
+        return [s for s in self.sites if s.weight_id in tokens]
 
     def reused(self, graph: int, weights: list[Any]) -> None:
         """Graph ``graph``, a frame of one module's forward (``frames``), ran with another module's ``weights`` (its

@@ -323,6 +323,26 @@ def test_a_second_model_keeps_the_rows_of_layers_sharing_a_weight():
     assert rows == [("a", False, True), ("b", False, True), ("c", True, False)] * 2, backend.report
 
 
+def test_the_rows_of_two_models_of_one_class_are_told_apart_by_sites_of():
+    """Two models of one class through one backend (Dynamo runs the first one's graph for the second) give rows
+    alike: the same names, the same graph, counted right, but no row said whose it was. sites_of(model) says, by
+    the model's tensors, for the model or its compiled wrapper; a model that never ran has none."""
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    x = torch.randn(4, 64, dtype=torch.bfloat16)
+    models = [fp8fx.quantize_(ThreeLayer().to(torch.bfloat16), fp8fx.Fp8Config(ignored_layers=["head"]))
+              for _ in range(3)]
+    compiled = [torch.compile(m, backend=backend) for m in models[:2]]
+    with torch.no_grad():
+        for c in compiled:
+            c(x)
+    sites = backend.report.sites
+    assert [(s.graph, s.fqn) for s in sites] == [(0, "a"), (0, "b"), (0, "head")] * 2, backend.report
+    first, second = backend.report.sites_of(models[0]), backend.report.sites_of(compiled[1])
+    assert [s.fqn for s in first] == [s.fqn for s in second] == ["a", "b", "head"]
+    assert [id(s) for s in first + second] == [id(s) for s in sites]
+    assert backend.report.sites_of(models[2]) == []
+
+
 def test_blocks_compiled_alone_keep_the_rows_of_layers_sharing_a_weight():
     """Each block's forward compiled alone (Dynamo runs block 0's graph for block 1), blocks with b.weight = a.weight:
     the linear pass looked the block's own path up among the weight's owners (the model's names), and the rows were
