@@ -7,6 +7,7 @@ backend share its report, their rows told apart by graph and name only: ``report
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import json
@@ -132,6 +133,8 @@ class Report:
         # (frame_weights: site index -> the graph input of its weight) and adds the sites of each new module
         # (``reused``), under that module's names
         self.frames: dict[int, str] = {}
+        # graph index -> why its kernel column is empty where it is (``add_output_code``: code that names no node)
+        self.unnamed: dict[int, str] = {}
         self.frame_weights: dict[int, list[tuple[int, int]]] = {}
         self._logged: set[tuple[str, str]] = set()
         # what the log calls this report's graphs, before "graph N" (fp8_backend: a backend per graph, each one's
@@ -241,6 +244,7 @@ class Report:
         self.kernels.pop(graph, None)
         self.failed.pop(graph, None)
         self.limits.pop(graph, None)
+        self.unnamed.pop(graph, None)
         self._frame_ids.pop(graph, None)
         self.frames.pop(graph, None)
         self.frame_weights.pop(graph, None)
@@ -395,6 +399,24 @@ class Report:
         chosen: dict[str, str] = {}
         for name, kernel in sorted(gemm_kernels(code).items(), key=lambda item: _kernel_rank(item[1])):
             chosen.setdefault(origin.get(name, name), kernel)
+        comments = [m.group(1).strip() for m in _SOURCE_NODES.finditer(code)]
+        if comments and not any(comments):  # the code names no node: torch.compile(mode="lite") retraces the graph
+            # (selective decomposition) into nodes that keep no origin. An fp8fx op called as an extern kernel as
+            # often as the graph holds it is each node's kernel; the other sites' is not known
+            calls = collections.Counter(_line_callee(line) for line in code.splitlines())
+            ops = collections.Counter(str(n.target).rpartition(".")[0] for n in gm.graph.nodes
+                                      if n.op == "call_function" and str(n.target).startswith("fp8fx."))
+            for n in gm.graph.nodes:
+                op = str(n.target).rpartition(".")[0] if n.op == "call_function" else ""
+                name = op.partition(".")[2]
+                if (op.startswith("fp8fx.") and (any(p in name for p in ("mm", "mlp")) or f"torch.ops.{op}" in _MOE_OPS)
+                        and calls[f"torch.ops.{op}"] == ops[op]):
+                    chosen.setdefault(Site.origin_of(n), f"extern {op}")
+            self.unnamed[graph] = (
+                f"graph {graph}: Inductor's code names none of the graph's nodes (torch.compile(mode='lite') retraces "
+                "the graph into nodes that keep no origin, and runs each op as its own kernel): a site rewritten to "
+                "an fp8fx op has that op's extern kernel, read from the graph; the kernel of the others is not known "
+                "('-'), not none")
         # (experts left as they were run as many kernels, none of them the site's: their node's name could be the
         # router's, whose fp8fx.small_mm the row showed)
         self.sites = [
@@ -439,6 +461,7 @@ class Report:
             },
             "graphs": [{"index": g, "kernels": k, **({"failed": self.failed[g]} if g in self.failed else {}),
                         **({"frame": self.frames[g]} if g in self.frames else {}),
+                        **({"kernels_unnamed": self.unnamed[g]} if g in self.unnamed else {}),
                         **({"recompile_limit": self.limits[g]} if g in self.limits else {})}
                        for g, k in kernels.items()],
             "sites": [_plain({k: v for k, v in dataclasses.asdict(s).items() if k != "weight_id"}) for s in sites],
@@ -477,6 +500,7 @@ class Report:
         lines += [f"graph {g} failed to compile, nothing in it rewritten: {why}" for g, why in self.failed.items()
                   if graph in (None, g)]
         lines += [why for g, why in self.limits.items() if graph in (None, g)]
+        lines += [why for g, why in self.unnamed.items() if graph in (None, g)]
         for limit, hits in self._limit_hits().items() if graph is None else ():
             lines.append(
                 f"Dynamo hit torch._dynamo.config.{limit} for {_count(hits, 'frame')} in this process since this "
@@ -616,6 +640,14 @@ def generated_kernels(code: str) -> list[str]:
     return list(dict.fromkeys(_KERNEL_DEF.findall(code) + cpp))
 
 
+def _line_callee(line: str) -> str:
+    """The kernel a line of Inductor's code calls (``_callee``'s name: ``torch.ops.fp8fx.scaled_mm``,
+    ``extern_kernels.addmm``, ``triton_x``), or ""."""
+    call, op_call, aten_call = _CALL.match(line), _CPP_OP_CALL.search(line), _CPP_ATEN_CALL.search(line)
+    return ("torch.ops.{}.{}".format(*op_call.groups()) if op_call else
+            "extern_kernels." + aten_call.group(1) if aten_call else _callee(call.group(1)) if call else "")
+
+
 def gemm_kernels(code: str) -> dict[str, str]:
     """{graph node name: the GEMM called for it}: the first extern kernel or Triton template whose name
     has "mm" (or "mlp": ``fp8fx.gated_mlp``; an extern kernel's "linear": oneDNN's), or fp8fx's MoE op
@@ -629,9 +661,7 @@ def gemm_kernels(code: str) -> dict[str, str]:
         if source:
             nodes = [n.strip() for n in source.group(1).split(",") if n.strip()]
             continue
-        call, op_call, aten_call = _CALL.match(line), _CPP_OP_CALL.search(line), _CPP_ATEN_CALL.search(line)
-        callee = ("torch.ops.{}.{}".format(*op_call.groups()) if op_call else
-                  "extern_kernels." + aten_call.group(1) if aten_call else _callee(call.group(1)) if call else "")
+        callee = _line_callee(line)
         extern = callee.startswith(("extern_kernels.", "torch.ops."))
         name = callee.rpartition(".")[2]
         # (with freezing on the CPU a high-precision linear is oneDNN's ``mkldnn._linear_pointwise``)

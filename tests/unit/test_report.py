@@ -50,6 +50,22 @@ def test_sites_carry_shape_bytes_and_kernel(report):
     assert report.kernels[0] and all(k.startswith("cpp_") for k in report.kernels[0])
 
 
+@pytest.mark.skipif("lite" not in fp8fx.lowerings.compat.inductor_modes(), reason="this torch has no mode='lite'")
+def test_lite_mode_s_code_names_no_node_and_the_report_says_so(report):
+    """torch.compile(mode="lite") retraces the graph into nodes that keep no origin: every "Source Nodes" comment of
+    its code is empty, and every kernel read "-" as if none were known, unsaid. An fp8fx op called as often as the
+    graph holds it is its sites' kernel; the others' stay "-", and a line says why (none in another mode)."""
+    model = fp8fx.quantize_(ThreeLayer().to(torch.bfloat16), fp8fx.Fp8Config(ignored_layers=["head"]))
+    backend = fp8fx.Fp8Backend()
+    with torch.no_grad():
+        torch.compile(model, backend=backend, mode="lite")(torch.randn(4, 64, dtype=torch.bfloat16))
+    kernels = {s.fqn: s.kernel for s in backend.report.sites}
+    assert kernels == {"a": "extern fp8fx.scaled_mm", "b": "extern fp8fx.scaled_mm", "head": ""}
+    why = backend.report.to_dict()["graphs"][0]["kernels_unnamed"]
+    assert "mode='lite'" in why and why in str(backend.report).splitlines()
+    assert not report.unnamed and "kernels_unnamed" not in report.to_dict()["graphs"][0]
+
+
 def test_json_schema(report):
     data = json.loads(report.to_json())
     assert set(data) == {"schema", "totals", "graphs", "sites", "topk"} and data["schema"] == SCHEMA
