@@ -18,6 +18,7 @@ The config is computed at each ``save_pretrained`` call, from the model as it is
 from __future__ import annotations
 
 import logging
+import re
 import threading
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -135,8 +136,8 @@ def quantization_config(model: nn.Module) -> dict[str, Any]:
                 raise ValueError("per-tensor")
         except ValueError:  # several schemes (or per-tensor weights): compressed-tensors describes any mix
             planned = _planned(model, "compressed-tensors", None, check_values=False, say=_QUIET)
-    except ValueError as e:
-        return _refused(str(e))
+    except ValueError as e:  # save_checkpoint refuses the model too: its fix, not save_checkpoint's files
+        return _refused(str(e), refused_by_save_checkpoint=True)
     model, modules, schemes, tensors, qc = planned
     ragged = ragged_blocks(modules, schemes) if qc.get("weight_block_size") else []
     if ragged:  # (its compressed-tensors loader refuses such a layer itself)
@@ -148,33 +149,51 @@ def quantization_config(model: nn.Module) -> dict[str, Any]:
 
 def _not_as_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> str:
     """Why the tensors ``save_checkpoint`` writes (``tensors``) are not ``model.state_dict()`` under its names, the
-    files ``save_pretrained`` writes; "" where they are."""
+    files ``save_pretrained`` writes; "" where they are. Said as what save_pretrained wrote: a scale of the
+    state_dict that save_checkpoint names otherwise first (transformers renames the model's own weights - fused
+    experts written per expert - but not fp8fx's scales, which keep the names it holds them under), then a tensor of
+    save_checkpoint's the state_dict lacks or holds otherwise."""
 
     def key(t: torch.Tensor) -> tuple:
         return (t.untyped_storage().data_ptr() if not t.is_meta else id(t), t.storage_offset(), tuple(t.shape), t.dtype)
 
     state = {_unwrapped(n): t for n, t in model.state_dict().items()}
+    written = {key(t) for t in tensors.values()}
+    unread = [n for n, t in state.items()
+              if (t.dtype == quant.FP8_DTYPE or _looks_like_scale(n)) and n not in tensors and key(t) not in written]
+    scale = next((n for n in unread if _looks_like_scale(n)), None)
+    if scale is not None:
+        return (f"save_pretrained wrote {scale} under the name the model holds it by, which fp8fx.save_checkpoint and "
+                "the readers name otherwise (experts written per expert beside their fused scales, or a scale "
+                "under another name than the format's)")
     for name, t in tensors.items():
         held = state.get(name)
         if held is None and t.dtype != quant.FP8_DTYPE and not _looks_like_scale(name):
             continue  # a high-precision tensor renamed (bf16 experts per expert): transformers renames it as well
         if held is None:
-            return (f"a checkpoint of it holds {name}, which its state_dict, what save_pretrained writes, has not "
-                    "(experts per expert, a scale under the format's name)")
+            return (f"fp8fx.save_checkpoint writes {name}, which the model's state_dict (what save_pretrained wrote, "
+                    "renamed only where transformers renames its own weights) has not")
         if key(held) != key(t):
-            return (f"a checkpoint of it holds {name} as {t.dtype} {list(t.shape)}, its state_dict as {held.dtype} "
-                    f"{list(held.shape)}")
-    written = {key(t) for t in tensors.values()}
-    for name, t in state.items():
-        if (t.dtype == quant.FP8_DTYPE or _looks_like_scale(name)) and name not in tensors and key(t) not in written:
-            return f"its state_dict holds {name}, which a checkpoint of it names otherwise or leaves out"
+            return (f"save_pretrained wrote {name} as {held.dtype} {list(held.shape)} (the model's state_dict), "
+                    f"fp8fx.save_checkpoint writes it as {t.dtype} {list(t.shape)}")
+    if unread:
+        return (f"save_pretrained wrote {unread[0]} (the model's state_dict), which fp8fx.save_checkpoint names "
+                "otherwise or leaves out")
     return ""
 
 
-def _refused(why: str) -> dict[str, Any]:
+def _refused(why: str, refused_by_save_checkpoint: bool = False) -> dict[str, Any]:
     """A quantization_config every reader refuses, saying ``why`` and the fix: an ``activation_scheme`` no fp8 reader
-    takes (transformers, vLLM and fp8fx name the value in their error)."""
-    reason = (f"not loadable: this checkpoint was written by save_pretrained of a model fp8fx quantized, which it "
-              f"cannot write as a checkpoint reader loads it ({why}); save the model with "
-              "fp8fx.save_checkpoint(model, path) instead")
+    takes (transformers, vLLM and fp8fx name the value in their error). ``refused_by_save_checkpoint``: ``why`` is
+    save_checkpoint's refusal of the model (half-quantized, cast to float64, ...), worded for a call that wrote
+    nothing: said as what save_checkpoint refuses, where save_pretrained has written the files, and its fix is the
+    one to follow (saving with save_checkpoint instead is refused the same)."""
+    if refused_by_save_checkpoint:
+        why = re.sub(r" \(nothing was (?:written|done)\)$", "", re.sub(r"^save_checkpoint(?:\([^)]*\))?: ", "", why))
+        reason = (f"not loadable: this checkpoint was written by save_pretrained of a model fp8fx quantized, which "
+                  f"fp8fx.save_checkpoint refuses as well ({why}); fix the model as that says, then save it again")
+    else:
+        reason = (f"not loadable: this checkpoint was written by save_pretrained of a model fp8fx quantized, and its "
+                  f"files are not what a checkpoint reader loads ({why}); save the model with "
+                  "fp8fx.save_checkpoint(model, path) instead")
     return {"quant_method": "fp8", "activation_scheme": reason, "fp8fx_not_loadable": reason}

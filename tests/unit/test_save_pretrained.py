@@ -131,11 +131,17 @@ def test_save_pretrained_of_fp8_experts_is_refused_by_every_reader(tmp_path):
     want = logits(fp8fx.quantize_(model, SCHEMES["per-channel"][0]))
     model.save_pretrained(tmp_path / "pretrained")
     fix = r"save the model with fp8fx.save_checkpoint\(model, path\) instead"
-    written = r"(?i)written by save_pretrained of a model fp8fx quantized.*experts.0.*"
+    written = r"(?i)written by save_pretrained of a model fp8fx quantized.*experts.gate_up_proj_scale.*"
     with pytest.raises(ValueError, match=written + fix):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pretrained")
     with pytest.raises(ValueError, match=fix):
         load_checkpoint(tiny("moe"), tmp_path / "pretrained", progress=False)
+    # (it names a tensor save_pretrained wrote, under the name it wrote it by: it named experts.0.gate_proj.weight as
+    # missing from what save_pretrained writes, which wrote it)
+    why = json.loads((tmp_path / "pretrained" / "config.json").read_text())["quantization_config"]
+    assert "save_pretrained wrote model.layers.0.mlp.experts.gate_up_proj_scale under the name" in (
+        why["fp8fx_not_loadable"]), why
+    assert "model.layers.0.mlp.experts.gate_up_proj_scale" in tensors(tmp_path / "pretrained")
     save_checkpoint(model, tmp_path / "saved")
     fresh = tiny("moe")
     load_checkpoint(fresh, tmp_path / "saved", progress=False)
@@ -336,6 +342,10 @@ def test_save_pretrained_of_a_half_quantized_model_is_refused_by_every_reader(tm
     model.save_pretrained(tmp_path / "half")
     written = json.loads((tmp_path / "half" / "config.json").read_text())["quantization_config"]
     assert "half-quantized" in written["fp8fx_not_loadable"], written
+    # said as what happened: save_pretrained wrote the files, save_checkpoint refuses the model as well (its "nothing
+    # was done" and "save with fp8fx.save_checkpoint instead", which refuses it, were said)
+    assert "which fp8fx.save_checkpoint refuses as well (the model is half-quantized" in written["fp8fx_not_loadable"]
+    assert "nothing was" not in written["fp8fx_not_loadable"] and "instead" not in written["fp8fx_not_loadable"]
     with pytest.raises(ValueError, match=r"(?i)written by save_pretrained of a model fp8fx quantized.*half-quantized"):
         transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "half")
     fp8fx.quantize_(model, SCHEMES["per-channel"][0])  # finished: the files are what save_checkpoint writes
