@@ -7,6 +7,13 @@ Checkpoints name them two ways:
 - as output scales of the projections: ``model.layers.0.self_attn.k_proj.output_scale`` (AutoFP8),
   mapped by ``Fp8Config.get_cache_scale``.
 
+The attention module is the one that holds the KV cache (``kv_cache_attentions``), under the model's own names:
+a BERT-style model used as a decoder (``is_decoder=True``) has its scales on ``BertSelfAttention``, saved as
+``bert.encoder.layer.0.attention.self.k_scale``, not on the ``BertAttention`` around it. That is the name of the
+module that reads the cache (a naming convention, not a defect: vLLM's would be its ``Attention`` child,
+``attention.self.attn.k_scale``, which its KV-scale remapping reaches from this name, and fp8fx reads either:
+``attention_owner``); ``load_checkpoint`` puts them back where ``save_checkpoint`` took them.
+
 A scale is one positive finite float (``q_fp8 = k / k_scale``). It is attached to the attention module
 as a float32 buffer of shape ``[]`` under its name, so ``state_dict()`` saves it where other engines
 look for it; model code does not read it (the eager attention keeps computing in high precision).
