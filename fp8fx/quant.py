@@ -93,16 +93,46 @@ def expand_scale(scale: torch.Tensor, shape: Sequence[int], block: Sequence[int]
 
 
 def compute_scale(x: torch.Tensor, block: Sequence[int]) -> torch.Tensor:
-    """float32 scale = amax / 448 per tile; x: [..., R, C] -> [..., ceil(R/bR), ceil(C/bC)]."""
+    """float32 scale = amax / 448 per tile; x: [..., R, C] -> [..., ceil(R/bR), ceil(C/bC)]. A float64 ``x`` with a
+    finite value past float32's range is refused where its values can be read (``_check_float32_range``)."""
     if x.numel() == 0:
         return torch.full(scale_shape(x.shape, block), AMAX_EPS / FP8_MAX, device=x.device, dtype=torch.float32)
     tiles, _ = _tiles(x, block)
     amax = tiles.abs().amax(dim=(-3, -1))
+    if x.dtype == torch.float64 and _readable(x) and torch.isinf(amax).any():
+        _check_float32_range(x)
     # divided by a tensor, not a Python number: eager CUDA torch turns division by a number into
     # multiplication by its reciprocal (1 ulp off the quotient for about half the values); by a tensor it
     # divides (IEEE), as CPU torch and fp8fx's Triton kernels (div_rn) do: eager scales are the same bits
     # on every device. (Compiled, Inductor may still fold the constant divisor into a reciprocal.)
     return amax.clamp(min=AMAX_EPS) / torch.full((), FP8_MAX, dtype=amax.dtype, device=amax.device)
+
+
+F32_MAX = float(torch.finfo(torch.float32).max)  # 3.4e38
+
+
+def _readable(x: torch.Tensor) -> bool:
+    """Whether reading a value of ``x`` costs no GPU sync and breaks no trace: a real CPU tensor, outside
+    ``torch.compile`` (as ``fp8fx.ops`` reads a static scale's value)."""
+    return (x.device.type == "cpu" and not isinstance(x, torch._subclasses.FakeTensor)
+            and not torch.compiler.is_compiling())
+
+
+def _check_float32_range(x: torch.Tensor) -> None:
+    """A float64 ``x`` holds no finite value past float32's range: fp8fx's scales are float32 and its quantizers read
+    ``x`` in float32, where such a value is inf (its tile's scale came out inf and its codes NaN, the tensor's finite
+    values turned into NaN with no word). Every bf16 / fp16 / fp32 value is in that range; an inf or NaN itself is
+    not refused, as in those dtypes. Called where ``x``'s amax in float32 is inf (a tensor in range pays one look at
+    its tiles' amax) and ``x`` is readable (``_readable``): on CUDA, where a look would be a GPU sync a call, and in a
+    trace such a tile's scale is inf, its codes NaN."""
+    big = x[torch.isfinite(x) & torch.isinf(x.float())].abs()  # (one that rounds to float32's max is in range)
+    if big.numel():
+        raise ValueError(
+            f"fp8fx: a torch.float64 tensor of amax {big.max().item():g} ({big.numel()} of its {x.numel()} values "
+            f"past float32's range, {F32_MAX:.3g}) cannot be quantized: fp8fx's scales are float32 and its quantizers "
+            "read the values in float32, where these are inf (the scale would be inf, the codes NaN); bring the "
+            "tensor into float32's range (scale it down) or keep it in high precision"
+        )
 
 
 def cast_to_fp8(x: torch.Tensor) -> torch.Tensor:

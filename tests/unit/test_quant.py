@@ -273,6 +273,27 @@ def test_huge_values(block):
     assert torch.isfinite(quant.dequantize(q, scale, block)).all()
 
 
+@pytest.mark.parametrize("block", [(-1, -1), (1, -1), (3, 5)])
+def test_float64_values_past_float32_s_range_are_refused_naming_the_amax(block):
+    """A float64 tensor holding 1e39 got an inf scale and NaN codes (it is read in float32, where 1e39 is inf), its
+    other values in the tile NaN with it, silently; it is refused, naming the amax and the dtype. A float64 value
+    that rounds to float32's max, and an inf, which every dtype holds, are taken as before."""
+    x = make_x((7, 11), seed=5, exp10=0, dtype=torch.float64)
+    x[2, 3] = -1e39
+    for quantize in (lambda t: quant.quantize(t, block), lambda t: torch.ops.fp8fx.quantize(t, list(block))):
+        with pytest.raises(ValueError, match=r"^fp8fx: a torch\.float64 tensor of amax 1e\+39 \(1 of its 77 values "
+                                             r"past float32's range, 3\.4e\+38\) cannot be quantized: .* bring the "
+                                             r"tensor into float32's range \(scale it down\) or keep it in high "
+                                             r"precision$"):
+            quantize(x)
+    x[2, 3] = float(torch.finfo(torch.float32).max) * (1 + 2.0**-26)  # past the max, rounds to it
+    q, scale = quant.quantize(x, block)
+    assert torch.isfinite(scale).all() and not q.float().isnan().any()
+    x[2, 3] = float("inf")
+    q, scale = quant.quantize(x, block)
+    assert torch.isinf(scale).sum() == 1
+
+
 @pytest.mark.parametrize("block", [(-1, -1), (1, -1), (1, 4), (3, 5)])
 def test_tiny_values_flush_to_zero(block):
     """amax = ~1e-30 < AMAX_EPS: scale = 1e-12 / 448, every |x / scale| < 2**-10 so q == 0 and the
