@@ -757,27 +757,37 @@ def _check_input_scales(config, planned: list[str], input_scales, not_quantized:
     missing = [fqn for fqn in planned if fqn not in given]
     if missing:
         shown = _shown(missing)
-        if not given and others:
+        # scales under this part's own names (calibrate(part) without prefix=): the prefix is what they lack; scales
+        # of other parts (the whole model's calibrate, which gave this part's layers none) say why below
+        if not given and any(f"{prefix}.{fqn}" in planned or f"{prefix}.{fqn}" in not_quantized for fqn in others):
             raise ValueError(
                 f"activation_scheme='static' needs an input scale for every quantized layer; missing {shown}: "
                 f"input_scales names no layer under prefix={prefix!r} (e.g. {others[0]!r}); scales of this part alone "
                 f"take its prefix too: fp8fx.calibrate(part, batches, prefix={prefix!r}), or pass the whole model's "
                 "fp8fx.calibrate(model, batches) (nothing was quantized)"
             )
-        if not given:
+        if not given and not others:
             raise ValueError(f"activation_scheme='static' needs an input scale for every quantized layer; missing "
                              f"{shown}; pass input_scales=fp8fx.calibrate(model, batches)")
         # scales for other layers: most likely calibrate's, which has none for a layer it never saw run
         modules = list(dict.fromkeys(owners.get(fqn, fqn) for fqn in missing))  # (ignored_layers names the experts)
         linears = [fqn for fqn in missing if fqn not in owners]
+        them = 'it' if len(modules) == 1 else 'them'
+        # (a part: calibrate of the whole model also drops the scale of a layer whose inputs were all zero where the
+        # whole model's quantize_ keeps it - a weight tied to another part's -, which this part's quantize_ quantizes)
+        zero = (", or, calibrating the whole model, to one whose inputs were all zero in every batch where the whole "
+                "model's quantize_ keeps it in high precision (a weight tied to another part's: calibrate's warning "
+                "names it), as this part's quantize_ does not") if prefix else ""
         raise ValueError(
             f"activation_scheme='static' needs an input scale for every quantized layer; missing {shown} in "
-            "input_scales: fp8fx.calibrate gives none to a layer that received no input during calibration (a "
+            "input_scales" + (f" (it names no layer under prefix={prefix!r}, e.g. {others[0]!r})" if not given else "")
+            + ": fp8fx.calibrate gives none to a layer that received no input during calibration (a "
             "branch the batches did not take" + (", experts no token was routed to" if len(linears) < len(missing)
                                                  else "")
             + (", or a layer whose weight is read in a spelling the linear pass does not take either" if linears
-               else "") + f"); calibrate with batches that reach {'it' if len(modules) == 1 else 'them'}, or add "
-            f"{_shown(modules)} to ignored_layers (nothing was quantized)"
+               else "") + f"){zero}; calibrate with batches that reach {them}"
+            + (" with nonzero inputs" if prefix else "") + f", or add {_shown(modules)} to ignored_layers (nothing "
+            "was quantized)"
         )
     checked = {}
     for fqn, value in given.items():  # as the layers get them, float32: what is checked here is what they hold

@@ -1396,6 +1396,19 @@ def test_calibrate_gives_no_scale_to_a_kept_layer_whose_inputs_were_zero(caplog)
     assert list(scales) == ["p0.proj"]
     assert ("the inputs of ['p1.proj'] were all zero in every batch, and quantize_ of the model keeps them in high "
             "precision (p1.proj: weight tied to p0.proj.weight), so they get no input scale") in caplog.text
-    with pytest.raises(ValueError, match=r"missing \['p1.proj'\]"):
+    # (it said "input_scales names no layer under prefix='p1'" and to calibrate the part with its prefix, or the
+    # whole model, which the user had done: the cause is the zero inputs, as calibrate warned)
+    zero = (r"or, calibrating the whole model, to one whose inputs were all zero in every batch where the whole "
+            r"model's quantize_ keeps it in high precision \(a weight tied to another part's: calibrate's warning "
+            r"names it\), as this part's quantize_ does not; calibrate with batches that reach it with nonzero inputs, "
+            r"or add \['p1\.proj'\] to ignored_layers \(nothing was quantized\)$")
+    with pytest.raises(ValueError, match=r"missing \['p1\.proj'\] in input_scales \(it names no layer under "
+                                         r"prefix='p1', e\.g\. 'p0\.proj'\): fp8fx\.calibrate gives none to a layer "
+                                         r"that received no input during calibration .*" + zero):
         fp8fx.quantize_(model.p1, config, input_scales=scales, prefix="p1")
     assert not fp8fx.weights.is_quantized(model.p1.proj)
+    # the part with a layer that has its scale: the missing one was said to have "received no input" alone
+    model.p1.other = nn.Linear(32, 32)
+    with pytest.raises(ValueError, match=r"missing \['p1\.proj'\] in input_scales: .*" + zero):
+        fp8fx.quantize_(model.p1, config, input_scales={**scales, "p1.other": 0.01}, prefix="p1")
+    assert not any(map(fp8fx.weights.is_quantized, (model.p1.proj, model.p1.other)))
