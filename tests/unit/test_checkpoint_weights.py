@@ -302,6 +302,47 @@ def test_a_bad_kv_scale_in_a_quantized_models_state_dict_loads_nothing():
     assert model[0].k_scale.item() == 0.25 and torch.equal(model[1].weight_scale, state["1.weight_scale"])
 
 
+def test_a_module_of_two_names_refused_alike_under_both_is_one_refusal():
+    """An attention registered under two names (``m.a = attn; m.b = attn``), whose NaN k_scale torch loads under
+    each: a quantized model's check listed ``a.k_scale=nan`` and ``b.k_scale=nan`` as two refusals, as if of two
+    modules, and so an fp8 layer inside it. One line a module, under its first name, naming the other; refused
+    otherwise under the other name (inf there), that is a line of its own; nothing loads."""
+    torch.manual_seed(0)
+
+    class Attention(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(64, 64)
+
+    model = nn.Module()
+    model.a = model.b = Attention()
+    model.lin = nn.Linear(64, 64)
+    fp8fx.quantize_(model)
+    kv_cache.attach_kv_scales(model.a, {"k_scale": 0.5, "v_scale": 2.0})
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    before = {k: v.clone() for k, v in state.items()}
+    for key in ("a.k_scale", "b.k_scale"):
+        state[key].fill_(float("nan"))
+    state["a.proj.weight"] = torch.randn(64, 64)
+    state["b.proj.weight"] = state["a.proj.weight"].clone()
+    with pytest.raises(RuntimeError) as e:
+        model.load_state_dict(state)
+    lines = str(e.value).splitlines()[1:]
+    assert lines[0] == ("\ta.k_scale (also b.k_scale)=nan: a KV-cache scale must be a positive finite float32 of "
+                        "normal range (at least 1.17549e-38: 1 / scale is taken); fix or drop the tensor (an absent "
+                        "k_scale / v_scale takes the layer's other one, or 1.0)")
+    assert lines[1].startswith("\ta.proj.weight (also b.proj.weight): a torch.float32 tensor for a module fp8fx "
+                               "quantized")
+    assert lines[2:] == ["(nothing was loaded)"], lines
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    state = {k: v.clone() for k, v in before.items()}
+    state["a.k_scale"].fill_(float("nan"))
+    state["b.k_scale"].fill_(float("inf"))
+    with pytest.raises(RuntimeError, match=r"\n\ta\.k_scale=nan: .*\n\tb\.k_scale=inf: .*\n\(nothing was loaded\)$"):
+        model.load_state_dict(state)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 def test_a_meta_state_dict_assigned_past_the_kv_scale_hook_is_taken():
     """``load_state_dict(meta_state, assign=True)`` into a module with fp8fx's KV-cache scales: the hook's check read
     the meta k_scale's value (``Tensor.item() cannot be called on meta tensors``); a meta scale is left to torch,
