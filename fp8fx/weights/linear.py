@@ -452,7 +452,7 @@ class LoadCheck(ModelHeld):
         done = _checked_loads()
         if not prefix:  # the module a load_state_dict was called on: what earlier loads left (one that raised on the
             done.clear()  # way, in another hook or module, before its layers took their records) is theirs
-        refusals, checked = _Refusals(state_dict, _assigns(args)), {}
+        refusals, checked = _Refusals(), {}
         # every name of a module (one registered under two: torch loads it under each)
         for name, m in model.named_modules(prefix=prefix[:-1], remove_duplicate=False):
             at = f"{name}." if name else ""
@@ -482,32 +482,22 @@ class _Refusals:
     """``LoadCheck``'s refusals, one a module: a module registered under several names (``m.a = attn; m.b = attn``),
     which torch loads under each, refused alike under each (the same NaN ``k_scale`` at ``a.k_scale`` and
     ``b.k_scale``) is one line, under its first name, naming the others: ``a.k_scale (also b.k_scale)=nan: ...``
-    (it was a line a name, as if of as many modules). Alike: the refusal under a later name, said with the first
-    name's prefix (its entries read through ``_Renamed``), is the first one's word for word; under another (a NaN
-    ``a.k_scale``, an inf ``b.k_scale``), it is a line of its own. ``what`` is which check refused: ``load``
-    (``load_refusal``), ``kept`` (``_kept_refusal``) or a KV-cache scale's name (``kv_scale_refusals``)."""
+    (it was a line a name, as if of as many modules). Alike: the refusal under a later name is the first one's word
+    for word once the later prefix is read as the first (``_as_first``); otherwise (a NaN ``a.k_scale``, an inf
+    ``b.k_scale``) it is a line of its own. ``what`` is which check refused: ``load`` (``load_refusal``), ``kept``
+    (``_kept_refusal``) or a KV-cache scale's name (``kv_scale_refusals``)."""
 
-    def __init__(self, state_dict: Mapping[str, object], assign: bool):
-        self.state_dict, self.assign = state_dict, assign
+    def __init__(self):
         self.groups: list[list] = []  # [module, what, first prefix, its refusal, [later prefixes]], in the load's order
 
     def add(self, module: nn.Module, at: str, what: str, why: str) -> None:
         if not why:
             return
         for group in self.groups:
-            if group[0] is module and group[1] == what and self._said(module, at, group[2], what) == group[3]:
+            if group[0] is module and group[1] == what and _as_first(why, at, group[2]) == group[3]:
                 group[4].append(at)
                 return
         self.groups.append([module, what, at, why, []])
-
-    def _said(self, module: nn.Module, at: str, first: str, what: str) -> str:
-        """The refusal of ``module``'s entries under ``at``, said with the prefix ``first``."""
-        state = _Renamed(self.state_dict, at, first)
-        if what == "load":
-            return load_refusal(module, state, first, self.assign)
-        if what == "kept":
-            return _kept_refusal(module, state, first)
-        return next((why for name, why in kv_scale_refusals(module, state, first, self.assign) if name == what), "")
 
     def lines(self) -> list[str]:
         out = []
@@ -523,27 +513,10 @@ class _Refusals:
         return out
 
 
-class _Renamed(Mapping):
-    """``state_dict`` read with the keys under ``at`` as if under ``first``: ``first + name`` is ``at + name``'s
-    entry (``_Refusals`` says a module's refusal under one of its names with another's prefix)."""
-
-    def __init__(self, state_dict: Mapping[str, object], at: str, first: str):
-        self.state_dict, self.at, self.first = state_dict, at, first
-
-    def _key(self, key: str) -> str:
-        return self.at + key[len(self.first):] if key.startswith(self.first) else key
-
-    def __getitem__(self, key: str):
-        return self.state_dict[self._key(key)]
-
-    def __contains__(self, key) -> bool:
-        return isinstance(key, str) and self._key(key) in self.state_dict
-
-    def __iter__(self):
-        return iter(self.state_dict)
-
-    def __len__(self) -> int:
-        return len(self.state_dict)
+def _as_first(why: str, at: str, first: str) -> str:
+    """A refusal said of the entries under the prefix ``at``, with each name under ``at`` (the prefix where no word
+    or dot comes before it) read under ``first``: equal to the refusal under ``first`` where the two are alike."""
+    return re.sub(r"(?<![\w.])" + re.escape(at), lambda _: first, why) if at else why
 
 
 def _kept_refusal(module: nn.Module, state_dict: Mapping[str, object], prefix: str) -> str:
