@@ -11,7 +11,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence, Union
 from torch import SymInt, fx, is_tensor
 
 from fp8fx import ops
-from fp8fx.dump import DUMP_FILE, GraphDump, lock_folder, unlock_folder
+from fp8fx.dump import (DUMP_FILE, ForeignDumpFile, GraphDump, check_own, lock_folder, locked_elsewhere, unlock_folder,
+                        written_by_fp8fx)
 from fp8fx.lowerings import aten, compat
 from fp8fx.ops import GATED_H_GROUPS
 from fp8fx.passes import PassManager, default_passes
@@ -107,7 +108,10 @@ class Fp8Backend:
       another live backend writes into, of this process or another, is not shared: this one writes into its
       ``backend2`` (``backend3``, ...) subfolder, with a warning, and ``dump_dir`` says where (a backend
       keeps its folder until ``torch._dynamo.reset()``; a new backend taking it after the reset moves the files of
-      the backend it was, if still held, to a ``backend<k>`` folder, where that backend writes on).
+      the backend it was, if still held, to a ``backend<k>`` folder, where that backend writes on). A dump clears
+      the files an earlier one left and no others: a file there named as a dump's (``report.json``) that fp8fx did
+      not write is refused, naming it, before anything is written (ValueError here; found at a compile, that
+      graph is not dumped, with a warning).
     - ``inductor_config``: extra Inductor config patches for this backend's compilations.
     - ``lowering``: ``"aten"`` (default) decomposes the activation quantization on CUDA into ATen so
       Inductor fuses it into its producer (``fp8fx.lowerings.aten``); ``"op"`` keeps every fp8fx op
@@ -461,7 +465,9 @@ class Fp8Backend:
                 log.warning("fp8fx: a reset backend's dump in %s is overwritten: backend2/ to backend%d/ of %s are all "
                             "taken", folder, _MAX_DUMP_FOLDERS, old._dump_root)
                 continue
-            moved = [f for f in os.listdir(folder) if DUMP_FILE.fullmatch(f)]
+            # (a file named as a dump's that fp8fx did not write stays: the clear refuses the folder, naming it)
+            moved = [f for f in os.listdir(folder) if DUMP_FILE.fullmatch(f)
+                     and written_by_fp8fx(os.path.join(folder, f))]
             for f in moved:
                 os.replace(os.path.join(folder, f), os.path.join(dest, f))
             old.dump_dir = dest
@@ -596,7 +602,8 @@ def _watch_reuse(compiled, report: Report, index: int, dump: Optional[GraphDump]
 
 
 def _check_dump_dir(dump_dir: Optional[str]) -> None:
-    """The dump folder, made now if missing: a path that cannot be one fails here, not at the first compile."""
+    """The dump folder, made now if missing: a path that cannot be one fails here, not at the first compile, and so
+    does one holding a file named as a dump's that fp8fx did not write (``fp8fx.dump.check_own``)."""
     if dump_dir is None:
         return
     if not isinstance(dump_dir, (str, os.PathLike)):
@@ -610,6 +617,13 @@ def _check_dump_dir(dump_dir: Optional[str]) -> None:
                          "writable folder") from None
     if not os.access(dump_dir, os.W_OK | os.X_OK):
         raise ValueError(f"Fp8Backend(dump_dir={dump_dir!r}): cannot write into that folder; pass a writable one")
+    # a file there named as a dump's that fp8fx did not write (the user's report.json): the first graph's clear took
+    # it; refused now, before anything is written (the folder a live backend writes into: this one writes beside it)
+    if not locked_elsewhere(dump_dir):
+        try:
+            check_own(dump_dir)
+        except ForeignDumpFile as e:
+            raise ValueError(f"Fp8Backend(dump_dir={dump_dir!r}): {e}") from None
 
 
 def _check_inductor_config(config: Optional[Mapping[str, Any]], where: str) -> None:

@@ -13,6 +13,10 @@ the number takes four digits and sorts by number, not as text)::
                                          the guards' inputs and the call of the compiled graph
                                          (``__compiled_fn_*``); a ``.txt`` listing when depyf is missing
     report.json / report.txt             every graph so far
+
+A dump deletes and overwrites only files it wrote (``written_by_fp8fx``, by how each begins): a file of one of those
+names that fp8fx did not write (the user's report.json) is refused, naming it, before anything is written
+(``ForeignDumpFile``; ``Fp8Backend(dump_dir=...)`` raises ValueError).
 """
 from __future__ import annotations
 
@@ -36,11 +40,64 @@ from fp8fx.passes import Fp8Pass, PassContext, PassManager
 from fp8fx.report import Report, Site
 
 log = logging.getLogger("fp8fx")
-# the files a dump writes (``GraphDump.clear`` removes these and no others: a user's graph001_loss.png stays); from
+# the files a dump writes (``GraphDump.clear`` removes these, where fp8fx wrote them, and no others: a user's
+# graph001_loss.png stays, and so does a report.json of the user's: the dump refuses the folder); from
 # the 1000th graph on, four digits (graph1000_: past graph999_ the names sort by their number, not as text)
 DUMP_FILE = re.compile(r"graph\d{3,}_(0_dynamo_graph\.py|1_\d{2}_after_\w+\.py|2_inductor_output_code\.py"
                         r"|3_report\.(json|txt)|4_dynamo_bytecode\.(py|txt))|report\.(json|txt)")
 NO_LOCK = -1  # ``lock_folder``'s answer where the platform has no advisory locks
+# how the files a dump writes begin (GraphDump's writes), by the kind of name (the first that fits): a file named
+# as a dump's that does not begin so (the user's report.json, another tool's report.txt) is not fp8fx's, and a dump
+# deletes and overwrites none (a dump's clear took files by name alone, the user's with them)
+GRAPH_HEAD = "# fp8fx graph "  # the .py files: "# fp8fx graph 0, after LinearPass ..." / "# fp8fx graph 0: ..."
+NO_BYTECODE = "# no bytecode: the backend was not called by Dynamo"
+NO_DEPYF = "depyf is not installed (pip install depyf) to decompile Dynamo's bytecode for "
+DEPYF_FAILED = "depyf failed ("
+_HEADS = (
+    (re.compile(r"report\.json$"), re.compile(r'\{\s*"schema":\s*"fp8fx\.report/')),  # to_json: "schema" first
+    (re.compile(r"report\.txt$"),  # Report.table's header and the dashes under it
+     re.compile(r"graph +kind +site +weight +rewritten +kernel +scheme / reason\n-")),
+    (re.compile(r"\.txt$"), re.compile("|".join(map(re.escape, (NO_BYTECODE, NO_DEPYF, DEPYF_FAILED))))),
+    (re.compile(r"\.py$"), re.compile(re.escape(GRAPH_HEAD) + r"\d+[,:] ")),
+)
+_HEAD_CHARS = 256  # (what the heads take; a table's header line, as wide as its widest row, is read whole)
+
+
+class ForeignDumpFile(FileExistsError):
+    """A file named as a dump's, in the folder a dump goes to, that fp8fx did not write (``written_by_fp8fx``): the
+    dump would delete or overwrite it."""
+
+
+def written_by_fp8fx(path: str) -> bool:
+    """Whether the file at ``path``, named as a dump's (``DUMP_FILE``), is one a dump wrote: it begins as a dump's
+    file of its name does (``_HEADS``: the report JSON's ``schema``, the table's header, the graph files' ``# fp8fx
+    graph N`` line). A link, a folder or a file that cannot be read is not (a dump writes none, and writing would
+    follow the link)."""
+    if os.path.islink(path):
+        return False
+    name = os.path.basename(path)
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            head = f.readline(1 << 16) + f.read(1) if name.endswith("report.txt") else f.read(_HEAD_CHARS)
+    except OSError:
+        return False
+    head_of = next((pattern for kind, pattern in _HEADS if kind.search(name)), None)
+    return head_of is not None and head_of.match(head) is not None
+
+
+def check_own(folder: str, names: Optional[Collection[str]] = None) -> None:
+    """``ForeignDumpFile`` naming the folder, the file and the fix where a file of ``folder`` a dump would delete or
+    overwrite (those of ``names`` that exist, else every one named as a dump's) is not one fp8fx wrote; nothing is
+    deleted or written here."""
+    if names is None:
+        names = [f for f in os.listdir(folder) if DUMP_FILE.fullmatch(f)]
+    for f in sorted(names):
+        path = os.path.join(folder, f)
+        if os.path.lexists(path) and not written_by_fp8fx(path):
+            raise ForeignDumpFile(
+                f"{path} is not a file fp8fx wrote (it does not begin as a dump's {f} does), and a dump into {folder} "
+                "would delete or overwrite it (a dump clears the graph and report files an earlier one left); pass "
+                "another dump_dir, or move or remove that file")
 
 
 def lock_folder(folder: str) -> Optional[int]:
@@ -69,7 +126,7 @@ def unlock_folder(fd: Optional[int]) -> None:
         os.close(fd)  # (closing the descriptor lets go of its lock)
 
 
-def _locked_elsewhere(folder: str) -> bool:
+def locked_elsewhere(folder: str) -> bool:
     """Whether a live backend of another process (or one of this process: ``GraphDump.clear``'s ``live``) writes
     into ``folder``."""
     try:
@@ -85,20 +142,29 @@ class GraphDump:
 
     def __init__(self, dump_dir: str, graph: int):
         os.makedirs(dump_dir, exist_ok=True)
+        # (``ForeignDumpFile`` where a file this graph would overwrite is not fp8fx's: one made since the clear)
+        prefix = f"graph{graph:03d}_"
+        check_own(dump_dir, [f for f in os.listdir(dump_dir) if f in ("report.json", "report.txt")
+                             or f.startswith(prefix) and DUMP_FILE.fullmatch(f)])
         self.dir = dump_dir
         self.graph = graph
         self.failed = False  # a file could not be written: said once, and the compile goes on
 
     @staticmethod
-    def clear(dump_dir: str, live: Collection[str] = ()) -> None:
-        """Remove the files an earlier dump left in ``dump_dir`` (``graphNNN_*``, ``report.*``), and so the
-        ``backend<k>`` folders of earlier runs' other backends (removed where they held dump files and nothing else),
-        but those of ``live`` (real paths of folders live backends write into), those a live backend of another
-        process writes into (``lock_folder``) and links; nothing else."""
+    def clear(dump_dir: str, live: Collection[str] = (), strict: bool = True) -> None:
+        """Remove the files an earlier dump left in ``dump_dir`` (``graphNNN_*``, ``report.*`` that fp8fx wrote:
+        ``written_by_fp8fx``), and so the ``backend<k>`` folders of earlier runs' other backends (removed where they
+        held dump files and nothing else), but those of ``live`` (real paths of folders live backends write into),
+        those a live backend of another process writes into (``lock_folder``) and links; nothing else. A file of
+        ``dump_dir`` named as a dump's that fp8fx did not write: ``ForeignDumpFile`` (``check_own``), before anything
+        is removed (``strict``; in a ``backend<k>`` folder, which no dump writes into now, it stays, and so does the
+        folder)."""
         if not os.path.isdir(dump_dir):
             return
+        if strict:
+            check_own(dump_dir)
         names = os.listdir(dump_dir)
-        stale = [f for f in names if DUMP_FILE.fullmatch(f)]
+        stale = [f for f in names if DUMP_FILE.fullmatch(f) and written_by_fp8fx(os.path.join(dump_dir, f))]
         for f in stale:
             os.remove(os.path.join(dump_dir, f))
         if stale:
@@ -107,9 +173,9 @@ class GraphDump:
             sub = os.path.join(dump_dir, f)
             if (not re.fullmatch(r"backend\d+", f) or os.path.islink(sub) or not os.path.isdir(sub)
                     or os.path.realpath(sub) in live or not any(DUMP_FILE.fullmatch(n) for n in os.listdir(sub))
-                    or _locked_elsewhere(sub)):
+                    or locked_elsewhere(sub)):
                 continue
-            GraphDump.clear(sub, live)
+            GraphDump.clear(sub, live, strict=False)
             if not os.listdir(sub):
                 os.rmdir(sub)
 
@@ -132,11 +198,11 @@ class GraphDump:
         """The graph as Dynamo captured it; the bytecode follows once Dynamo has made it."""
         self.write_graph(gm, "0_dynamo_graph.py", "as Dynamo captured it, before the fp8fx passes")
         if not compat.after_dynamo_bytecode(self._bytecode):
-            self.write("4_dynamo_bytecode.txt", "# no bytecode: the backend was not called by Dynamo\n")
+            self.write("4_dynamo_bytecode.txt", NO_BYTECODE + "\n")
 
     def write_graph(self, gm: fx.GraphModule, name: str, what: str) -> None:
         gm.recompile()  # gm.code of the graph as it is now
-        self.write(name, f"# fp8fx graph {self.graph}, {what}\n" + gm.code.lstrip("\n") + _origins(gm))
+        self.write(name, f"{GRAPH_HEAD}{self.graph}, {what}\n" + gm.code.lstrip("\n") + _origins(gm))
 
     def passes(self, manager: PassManager) -> PassManager:
         """A copy of ``manager`` whose passes each write the graph after they ran."""
@@ -146,7 +212,8 @@ class GraphDump:
 
     def finish(self, report: Report, output_code: list[str]) -> None:
         if output_code:
-            self.write("2_inductor_output_code.py", "\n\n".join(output_code))
+            self.write("2_inductor_output_code.py", f"{GRAPH_HEAD}{self.graph}: the code Inductor generated for it "
+                       "(its kernels and the wrapper that calls them)\n" + "\n\n".join(output_code))
         self.write_reports(report)
         log.info("fp8fx: graph %d dumped to %s", self.graph, self.dir)
 
@@ -163,17 +230,17 @@ class GraphDump:
         try:
             import depyf
         except ImportError:
-            self.write("4_dynamo_bytecode.txt", f"depyf is not installed (pip install depyf) to decompile Dynamo's "
-                       f"bytecode for {where}; here it is as dis lists it:\n\n{dis.Bytecode(new_code).dis()}")
+            self.write("4_dynamo_bytecode.txt", f"{NO_DEPYF}{where}; here it is as dis lists it:\n\n"
+                       f"{dis.Bytecode(new_code).dis()}")
             return
         try:
             source = depyf.decompile(new_code)
         except Exception as e:  # noqa: BLE001 - a debugging aid must not break the user's compile
             log.warning("fp8fx: depyf could not decompile Dynamo's bytecode for %s: %s: %s", where, type(e).__name__, e)
-            self.write("4_dynamo_bytecode.txt", f"depyf failed ({type(e).__name__}: {e}); the bytecode for {where} "
+            self.write("4_dynamo_bytecode.txt", f"{DEPYF_FAILED}{type(e).__name__}: {e}); the bytecode for {where} "
                        f"as dis lists it:\n\n{dis.Bytecode(new_code).dis()}")
             return
-        header = (f"# fp8fx graph {self.graph}: the bytecode Dynamo made of {where}, decompiled by depyf "
+        header = (f"{GRAPH_HEAD}{self.graph}: the bytecode Dynamo made of {where}, decompiled by depyf "
                   f"{depyf.__version__}.\n# __compiled_fn_* is the compiled graph; the code before it reads the "
                   "graph's inputs.\n")
         self.write("4_dynamo_bytecode.py", header + source)

@@ -13,6 +13,7 @@ from torch import nn
 import fp8fx
 import fp8fx.testing
 from fp8fx.lowerings import compat
+from fp8fx.report import Report
 from tests.passes.test_linear_pass import TwoLinear
 
 # one file after each pass, in pass order
@@ -21,6 +22,8 @@ PASSES = [f"1_{i:02d}_after_{type(p).__name__}.py" for i, p in enumerate(fp8fx.F
 BYTECODE = "4_dynamo_bytecode.py" if importlib.util.find_spec("depyf") else "4_dynamo_bytecode.txt"
 PER_GRAPH = ["0_dynamo_graph.py", *PASSES, "2_inductor_output_code.py", "3_report.json", "3_report.txt", BYTECODE]
 GRAPH0 = [f"graph000_{name}" for name in PER_GRAPH]
+# an earlier fp8fx dump's reports, as it wrote them (a dump clears files fp8fx wrote, and refuses others of their names)
+OLD_JSON, OLD_TABLE = Report().to_json(), str(Report()) + "\n"
 
 
 TwoLayer = TwoLinear  # up (64 -> 128), relu, down (128 -> 32)
@@ -94,9 +97,10 @@ def test_files_of_each_graph_sort_after_the_previous_graph(tmp_path):
 
 def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
     """A two-graph run then a one-graph run into one folder left graph001_* beside a report of one graph."""
-    (tmp_path / "graph001_3_report.json").write_text("{}")
-    (tmp_path / "graph1000_0_dynamo_graph.py").write_text("")  # (the 1001st graph's names: they were left)
-    (tmp_path / "report.txt").write_text("old")
+    (tmp_path / "graph001_3_report.json").write_text(OLD_JSON)
+    # (the 1001st graph's names: they were left)
+    (tmp_path / "graph1000_0_dynamo_graph.py").write_text("# fp8fx graph 1000, as Dynamo captured it\n")
+    (tmp_path / "report.txt").write_text(OLD_TABLE)
     (tmp_path / "notes.md").write_text("mine")  # not a dump file: kept
     (tmp_path / "graph001_loss.png").write_text("mine")  # named like one but never written by one: kept (it went)
     model = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)
@@ -108,7 +112,53 @@ def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
     files = sorted(os.listdir(tmp_path))
     assert "notes.md" in files and [f for f in files if f.startswith("graph001")] == ["graph001_loss.png"]
     assert "graph1000_0_dynamo_graph.py" not in files
-    assert (tmp_path / "report.txt").read_text() != "old"
+    assert (tmp_path / "report.txt").read_text() != OLD_TABLE
+
+
+FOREIGN = [("report.json", '{"loss": 0.5}'), ("report.txt", "my notes"), ("graph000_3_report.json", "{}"),
+           ("graph000_3_report.txt", ""), ("graph000_2_inductor_output_code.py", "# AOT ID: ['0_inference']\n"),
+           ("graph001_4_dynamo_bytecode.txt", "another tool's listing")]
+
+
+@pytest.mark.parametrize("name, text", FOREIGN)
+def test_a_file_fp8fx_did_not_write_is_refused_before_anything_is_written(tmp_path, name, text):
+    """A file named as a dump's that fp8fx never wrote (the user's report.json, another tool's): the first graph's
+    clear deleted it, by its name alone, with an INFO line. The backend is refused now, naming the folder, the file
+    and the fix; the folder is left as it was (an earlier dump's files too)."""
+    (tmp_path / "graph000_3_report.json").write_text(OLD_JSON)  # an earlier dump's: it would go, were the rest fp8fx's
+    (tmp_path / name).write_text(text)
+    before = {p.name: p.read_text() for p in tmp_path.iterdir()}
+    with pytest.raises(ValueError, match=rf"dump_dir=.*: {re.escape(str(tmp_path / name))} is not a file fp8fx wrote"
+                                         r".* pass another dump_dir, or move or remove that file"):
+        fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path))
+    assert {p.name: p.read_text() for p in tmp_path.iterdir()} == before
+
+
+def test_a_file_fp8fx_did_not_write_found_at_a_compile_is_left_alone(tmp_path, caplog):
+    """The user's report.json put in the folder after the backend was made: every graph of the compile is left
+    undumped, with a warning naming the file, and the file stays. In an earlier run's backend<k> folder, which no
+    backend writes into now, such a file stays with its folder (the files fp8fx wrote there go)."""
+    old = tmp_path / "backend2"
+    old.mkdir()
+    (old / "graph000_3_report.json").write_text(OLD_JSON)
+    (old / "report.txt").write_text("another tool's")
+    model = Broken().to(torch.bfloat16)  # two graphs
+    fp8fx.quantize_(model)
+    torch._dynamo.reset()
+    backend = fp8fx.Fp8Backend(compiler="eager", dump_dir=str(tmp_path))
+    (tmp_path / "report.json").write_text('{"loss": 0.5}')
+    with caplog.at_level("WARNING", logger="fp8fx"), torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(2, 64, dtype=torch.bfloat16))
+    assert [s.rewritten for s in backend.report.sites] == [True, True]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["backend2", "report.json"]
+    assert (tmp_path / "report.json").read_text() == '{"loss": 0.5}'
+    assert sorted(p.name for p in old.iterdir()) == ["graph000_3_report.json", "report.txt"]  # (refused first)
+    warned = [r.getMessage() for r in caplog.records if "is not dumped" in r.getMessage()]
+    assert len(warned) == 2 and all(f"{tmp_path / 'report.json'} is not a file fp8fx wrote" in w for w in warned)
+    (tmp_path / "report.json").unlink()  # the next backend clears what fp8fx wrote of backend2/, and keeps the rest
+    torch._dynamo.reset()
+    compile_two_layer(tmp_path, compiler="eager")
+    assert sorted(p.name for p in old.iterdir()) == ["report.txt"]
 
 
 def test_a_new_run_clears_the_folders_an_earlier_runs_other_backends_left(tmp_path):
@@ -117,8 +167,8 @@ def test_a_new_run_clears_the_folders_an_earlier_runs_other_backends_left(tmp_pa
     backend's files moving out of its way (h131: its first graph cleared them)."""
     stale = tmp_path / "backend2"
     stale.mkdir()
-    (stale / "graph000_3_report.json").write_text("{}")
-    (stale / "report.txt").write_text("old")
+    (stale / "graph000_3_report.json").write_text(OLD_JSON)
+    (stale / "report.txt").write_text(OLD_TABLE)
     kept = tmp_path / "backend3"
     kept.mkdir()
     (kept / "notes.md").write_text("mine")  # not a dump file: kept, and its folder
@@ -283,12 +333,12 @@ def test_a_folder_another_process_dumps_into_is_not_shared(tmp_path, caplog):
 
     torch._dynamo.reset()
     other = lock_folder(str(tmp_path))  # (a lock held by another open descriptor: what another process holds)
-    (tmp_path / "graph000_3_report.json").write_text("the other process's")
+    (tmp_path / "graph000_3_report.json").write_text(OLD_JSON)  # (the other process's)
     try:
         with caplog.at_level("WARNING", logger="fp8fx"):
             backend = compile_two_layer(tmp_path, compiler="eager")
         assert backend.dump_dir == str(tmp_path / "backend2")
-        assert (tmp_path / "graph000_3_report.json").read_text() == "the other process's"
+        assert (tmp_path / "graph000_3_report.json").read_text() == OLD_JSON
         assert sorted(p.name for p in (tmp_path / "backend2").iterdir()) == sorted(
             [f for f in GRAPH0 if "inductor" not in f] + ["report.json", "report.txt"])
         assert "(of this process or another)" in caplog.text
