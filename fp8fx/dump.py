@@ -58,6 +58,8 @@ _HEADS = (
     (re.compile(r"report\.txt$"),  # Report.table's header and the dashes under it
      re.compile(r"graph +kind +site +weight +rewritten +kernel +scheme / reason\n-")),
     (re.compile(r"\.txt$"), re.compile("|".join(map(re.escape, (NO_BYTECODE, NO_DEPYF, DEPYF_FAILED))))),
+    # Inductor's code: the fp8fx line, or Inductor's own first line where a dump made before that line was written
+    (re.compile(r"2_inductor_output_code\.py$"), re.compile(re.escape(GRAPH_HEAD) + r"\d+: |\s*# AOT ID: ")),
     (re.compile(r"\.py$"), re.compile(re.escape(GRAPH_HEAD) + r"\d+[,:] ")),
 )
 _HEAD_CHARS = 256  # (what the heads take; a table's header line, as wide as its widest row, is read whole)

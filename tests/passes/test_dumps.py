@@ -101,6 +101,8 @@ def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
     # (the 1001st graph's names: they were left)
     (tmp_path / "graph1000_0_dynamo_graph.py").write_text("# fp8fx graph 1000, as Dynamo captured it\n")
     (tmp_path / "report.txt").write_text(OLD_TABLE)
+    # Inductor's code as dumps wrote it before its fp8fx line: Inductor's own first line tells it
+    (tmp_path / "graph001_2_inductor_output_code.py").write_text("# AOT ID: ['0_inference']\nimport torch\n")
     (tmp_path / "notes.md").write_text("mine")  # not a dump file: kept
     (tmp_path / "graph001_loss.png").write_text("mine")  # named like one but never written by one: kept (it went)
     model = nn.Sequential(nn.Linear(64, 64)).to(torch.bfloat16)
@@ -116,7 +118,7 @@ def test_a_new_backend_clears_what_an_earlier_dump_left(tmp_path):
 
 
 FOREIGN = [("report.json", '{"loss": 0.5}'), ("report.txt", "my notes"), ("graph000_3_report.json", "{}"),
-           ("graph000_3_report.txt", ""), ("graph000_2_inductor_output_code.py", "# AOT ID: ['0_inference']\n"),
+           ("graph000_3_report.txt", ""), ("graph000_2_inductor_output_code.py", "print('mine')\n"),
            ("graph001_4_dynamo_bytecode.txt", "another tool's listing")]
 
 
