@@ -36,10 +36,20 @@ def dequantize_(model: nn.Module) -> nn.Module:
     model was built). ``quantize_`` takes the result again.
 
     Every new weight is made before any module changes: an error (out of memory) leaves the model as it was. A
-    model holding no fp8 layer is refused. A ``torch.compile`` wrapper is dequantized through the model it wraps and
-    returned; compile again with a new ``Fp8Backend`` (the old one's report describes the fp8 graphs). Transformers
-    models get this as ``model.dequantize()`` too."""
+    model holding no fp8 layer is refused, as is one holding a layer (or KV-cache scales) still loading: a vLLM
+    method's ``create_weights`` made it and its ``process_weights_after_loading`` did not run. A ``torch.compile``
+    wrapper is dequantized through the model it wraps and returned; compile again with a new ``Fp8Backend`` (the old
+    one's report describes the fp8 graphs). Transformers models get this as ``model.dequantize()`` too."""
     wrapper, model = model, compat.compiled_module(model)
+    for fqn, m in model.named_modules():  # (before the "holds no fp8 layer" refusal: a model of loading layers only)
+        loading = _still_loading(m)
+        if loading is not None:
+            # (it was dequantized around: the layer lost the state its loading needs, kept its refusal to run, and
+            # its weight stayed a receive buffer - or, for KV-cache scales, the -1.0 placeholders stayed parameters)
+            raise ValueError(
+                f"dequantize_: {fqn or 'the model'} is still loading ({loading[0]}.create_weights made its "
+                f"{loading[1]}, its process_weights_after_loading did not run): load every tensor and call the "
+                "method's process_weights_after_loading(layer), then dequantize_ (nothing was done)")
     quantized: dict[int, tuple[str, nn.Module]] = {}
     for fqn, m in model.named_modules():
         if is_quantized(m) or moe.is_quantized_experts(m):
@@ -86,6 +96,21 @@ def dequantize_(model: nn.Module) -> nn.Module:
     _untag(model)
     log.info("fp8fx: dequantized %d fp8 modules of this %s", len(plan), type(model).__name__)
     return wrapper
+
+
+def _still_loading(m: nn.Module) -> Optional[tuple[str, str]]:
+    """(The method whose ``create_weights`` made ``m``'s weights, what it made) where its
+    ``process_weights_after_loading`` has not run (None: no method's, or processed): an ``Fp8LinearMethod`` /
+    ``Fp8MoEMethod`` layer's codes and scales may be markers still, an online layer's weight a receive buffer, an
+    ``Fp8KVCacheMethod`` attention's scales -1.0 parameters."""
+    state = vars(m)
+    if state.get("_fp8fx_processed") is False:
+        return ("Fp8MoEMethod (or Fp8OnlineMoEMethod)" if "_fp8fx_intermediate" in state else "Fp8LinearMethod",
+                "weights")
+    if "_fp8fx_kv_prefix" in state and any(m._parameters.get(n) is not None for n in kv_cache.KV_SCALE_NAMES
+                                           if n not in state.get("_fp8fx_kv_taken", {})):
+        return "Fp8KVCacheMethod", "KV-cache scales"
+    return None
 
 
 def _untag(model: nn.Module) -> None:

@@ -191,3 +191,49 @@ def test_parameters_take_gradients_as_before_quantize():
         llama.dequantize(torch.float8_e4m3fn)
     assert type(llama.model.layers[0].mlp.down_proj).__name__ == "Fp8Linear"
     assert llama.model.norm.weight.dtype == torch.bfloat16
+
+
+def test_a_model_still_loading_is_refused():
+    """A layer a vLLM method made and did not process (an online qkv with one shard of three in its receive buffer, an
+    attention's KV-cache scales still -1.0 parameters, experts still loading) was dequantized around: the rest of the
+    model went bf16, the loading layer lost the state its loading needs (its next shard and process_weights_after_
+    loading refused it as not made by the method) but kept its refusal to run, and the KV placeholders stayed in the
+    state_dict. Refused, naming the layer and the fix, nothing changed; the layer then loads on, and dequantizes."""
+    from tests.unit.test_moe_weights import E, I
+
+    model = nn.Sequential(nn.Linear(32, 48, bias=False), fp8fx.quantize_(nn.Linear(48, 16).to(torch.bfloat16)))
+    method = fp8fx.Fp8LinearMethod(fp8fx.Fp8Config(weight_granularity=fp8fx.PerTensor()))
+    method.create_weights(model[0], 32, [16, 16, 16], torch.bfloat16, prefix="0")
+    shards = [torch.randn(16, 32, dtype=torch.bfloat16) for _ in range(3)]
+    method.weight_loader(model[0], "weight", shards[0], 0)
+    with pytest.raises(ValueError, match=r"^dequantize_: 0 is still loading \(Fp8LinearMethod\.create_weights made "
+                                         r"its weights, its process_weights_after_loading did not run\): .*"
+                                         r"\(nothing was done\)$"):
+        fp8fx.dequantize_(model)
+    assert is_quantized(model[1]) and "_fp8fx_partitions" in vars(model[0])
+    for i in (1, 2):
+        method.weight_loader(model[0], "weight", shards[i], i)
+    method.process_weights_after_loading(model[0])
+    fp8fx.dequantize_(model)
+    assert type(model[0]) is nn.Linear and fp8fx_state(model) == []
+    assert (model[0].weight.float() - torch.cat(shards).float()).norm() / torch.cat(shards).float().norm() < 0.1
+
+    attention = nn.Module()
+    attention.proj = fp8fx.quantize_(nn.Linear(16, 16).to(torch.bfloat16))
+    kv = fp8fx.Fp8KVCacheMethod(fp8fx.Fp8Config())
+    kv.create_weights(attention, prefix="layers.0.attn")
+    with pytest.raises(ValueError, match=r"^dequantize_: the model is still loading \(Fp8KVCacheMethod\.create_weights "
+                                         r"made its KV-cache scales, .*\(nothing was done\)$"):
+        fp8fx.dequantize_(attention)
+    assert is_quantized(attention.proj) and "_fp8fx_kv_prefix" in vars(attention)
+    kv.weight_loader(attention, "k_scale", torch.tensor(0.5))
+    kv.process_weights_after_loading(attention)
+    fp8fx.dequantize_(attention)
+    assert sorted(attention.state_dict()) == ["proj.bias", "proj.weight"] and fp8fx_state(attention) == []
+
+    experts = nn.Module()
+    fp8fx.Fp8OnlineMoEMethod(fp8fx.Fp8Config()).create_weights(experts, E, H, I, torch.bfloat16, prefix="experts")
+    with pytest.raises(ValueError, match=r"^dequantize_: the model is still loading \(Fp8MoEMethod \(or "
+                                         r"Fp8OnlineMoEMethod\)\.create_weights made its weights"):
+        fp8fx.dequantize_(experts)
+    assert is_quantized_experts(experts)
