@@ -1277,8 +1277,10 @@ class Fp8LinearMethod:
         shard ``shard_id`` of the fused output dim (e.g. q/k/v = 0/1/2). Refused before anything changes: a shard id
         out of range, a scale that is not a positive finite float, fp8 codes with a NaN, and online a weight that is
         not bf16/fp16/fp32 or holds NaN/Inf or values the layer's dtype cannot hold - the pass over the weight skipped
-        with ``values_checked``, where the caller's own pass did it (``quantize_``, ``load_checkpoint``). ``bias``:
-        the layer's high-precision bias, whole or its shard's rows."""
+        with ``values_checked``, where the caller's own pass did it (``quantize_``, ``load_checkpoint``). Online, the
+        load that completes the weight quantizes it; where that fails (out of memory) the load is not counted: the
+        same shard (or whole weight) loads again. ``bias``: the layer's high-precision bias, whole or its shard's
+        rows."""
         who = created_by(layer, "Fp8LinearMethod")
         if name == "bias":
             return self._load_bias(layer, loaded, shard_id)
@@ -1311,10 +1313,11 @@ class Fp8LinearMethod:
                          values_checked)
         if (online_weight and target.is_meta and shard_id is None and not layer._fp8fx_copied
                 and self._can_adopt(layer, target, loaded)):  # (after shards quantized aside: refused below, h145)
-            # the whole weight in the layer's dtype: quantize it as it is, no second bf16 copy
-            layer._parameters["weight"] = nn.Parameter(loaded, requires_grad=False)
+            # the whole weight in the layer's dtype: quantize it as it is, no second bf16 copy; counted once quantized
+            # (a quantization that failed, out of memory, had left it adopted and counted: loaded again, it was
+            # refused as loaded before, and process_weights_after_loading asked for it)
+            self._quantize_online(layer, loaded)
             layer._fp8fx_copied = loaded.numel()
-            self._quantize_online(layer)
             return
         if name == "weight" and self.config.is_checkpoint_fp8_serialized and loaded.dtype != quant.FP8_DTYPE:
             raise ValueError(
@@ -1364,13 +1367,15 @@ class Fp8LinearMethod:
             dest = self._shard_slice(layer, name, target.data, shard_id)
         with CopyNumelCounter() as counter:
             dest.copy_(loaded.reshape(dest.shape))
+        copied = layer._fp8fx_copied + counter.copied_numel
+        if online_weight and copied >= target.numel():
+            # quantized before the last shard is counted as arrived: a quantization that failed (out of memory) leaves
+            # the shard unloaded, to be loaded again (counted first, it was refused as "loaded twice", and
+            # process_weights_after_loading asked for every shard, all received: the layer could not be finished)
+            self._quantize_online(layer, target.data)
         layer._fp8fx_arrived.setdefault(name, set()).add("all" if shard_id is None else shard_id)
-        if name == "weight" and not online_weight:
-            layer._fp8fx_copied += counter.copied_numel
-        if online_weight:
-            layer._fp8fx_copied += counter.copied_numel
-            if layer._fp8fx_copied >= target.numel():
-                self._quantize_online(layer)
+        if name == "weight":
+            layer._fp8fx_copied = copied
 
     @staticmethod
     def _can_adopt(layer: nn.Module, target: torch.Tensor, loaded: torch.Tensor) -> bool:
@@ -1454,9 +1459,10 @@ class Fp8LinearMethod:
             del layer._fp8fx_shard_parts
             self._install(layer, q, scale)
 
-    def _quantize_online(self, layer: nn.Module) -> None:
-        """bf16 weight (fully loaded) -> fp8 weight + scale; the bf16 tensor is dropped."""
-        q, scale = chunked.quantize(layer._parameters["weight"].data, self.scheme.weight.block)
+    def _quantize_online(self, layer: nn.Module, weight: torch.Tensor) -> None:
+        """bf16 ``weight`` (fully loaded) -> the layer's fp8 weight + scale; the bf16 tensor is dropped. The layer is
+        changed only once both are made: a quantization that fails leaves it as it was."""
+        q, scale = chunked.quantize(weight, self.scheme.weight.block)
         if isinstance(self.scheme.weight, PerTensor):
             scale = scale.reshape(1)
         self._install(layer, q, scale)
@@ -1464,10 +1470,11 @@ class Fp8LinearMethod:
     @staticmethod
     def _install(layer: nn.Module, q: torch.Tensor, scale: torch.Tensor) -> None:
         """The quantized weight and its scale become the layer's parameters; the layer is an fp8 layer."""
+        cls = fp8_class(type(layer))  # (first: nothing of the layer changes where it fails)
         layer._parameters["weight"] = nn.Parameter(q, requires_grad=False)
         scale_name = "weight_scale_inv" if layer._fp8fx_block_scales else "weight_scale"
         layer._parameters[scale_name] = nn.Parameter(scale, requires_grad=False)
-        layer.__class__ = fp8_class(type(layer))
+        layer.__class__ = cls
 
     # -- finish ------------------------------------------------------------------------------
     def process_weights_after_loading(self, layer: nn.Module) -> None:

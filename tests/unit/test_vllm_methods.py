@@ -602,6 +602,46 @@ def test_online_whole_weight_after_its_shards_is_refused():
         assert fp8fx.weights.is_quantized(layer)  # loads, and completes the layer
 
 
+@pytest.mark.parametrize("shards", [[64, 32, 32], [128]], ids=["qkv", "whole"])
+def test_online_quantization_failing_at_the_last_load_leaves_it_to_load_again(shards, monkeypatch):
+    """An online per-tensor layer quantizes its bf16 weight at the load that completes it: where that failed (out of
+    memory), the shard had been counted as arrived (and a whole weight adopted) first, so loading it again was
+    refused as "loaded twice" / "loaded before", and process_weights_after_loading asked for every shard, all
+    received: the layer could never be finished. Now the failed load is not counted: it loads again, and the layer
+    is the one a load that never failed gives."""
+    method = Fp8LinearMethod(Fp8Config(weight_granularity=fp8fx.PerTensor()))
+    w = torch.randn(128, 64, dtype=torch.bfloat16)
+    parts = w.split(shards)
+
+    def made(fail: bool) -> nn.Module:
+        layer = nn.Linear(64, 128, bias=False, device="meta")
+        method.create_weights(layer, 64, shards, torch.bfloat16, device="cpu", prefix="qkv_proj")
+        shard_ids = range(len(parts)) if len(parts) > 1 else [None]
+        for i, part in zip(shard_ids, parts[:-1]):
+            method.weight_loader(layer, "weight", part, i)
+        if fail:
+            real = fp8fx.weights.chunked.quantize
+
+            def oom(*args, **kwargs):
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+            monkeypatch.setattr(fp8fx.weights.chunked, "quantize", oom)
+            copied, arrived = layer._fp8fx_copied, {k: set(v) for k, v in layer._fp8fx_arrived.items()}
+            with pytest.raises(torch.OutOfMemoryError):
+                method.weight_loader(layer, "weight", parts[-1], shard_ids[-1])
+            assert (layer._fp8fx_copied, layer._fp8fx_arrived) == (copied, arrived)
+            assert layer._parameters["weight"].dtype == torch.bfloat16 and not fp8fx.weights.is_quantized(layer)
+            with pytest.raises(RuntimeError, match=rf"^qkv_proj: weight received {copied} of 8192 elements"):
+                method.process_weights_after_loading(layer)
+            monkeypatch.setattr(fp8fx.weights.chunked, "quantize", real)
+        method.weight_loader(layer, "weight", parts[-1], shard_ids[-1])  # (again, after the failure)
+        method.process_weights_after_loading(layer)
+        return layer
+
+    again, never_failed = made(fail=True), made(fail=False)
+    assert fp8fx.weights.is_quantized(again) and _same(_state(again), _state(never_failed))
+
+
 def test_a_vllm_ordered_create_weights_call_is_refused_naming_the_order():
     """vLLM's create_weights(layer, input_size_per_partition, output_partition_sizes, input_size, output_size,
     params_dtype) called positionally put the dtype into prefix: the error named the layer "torch.bfloat16"."""
