@@ -488,7 +488,8 @@ class Fp8MoEMethod:
         experts (``expert_id=None``: ``[E, ...]``), one expert, or shard ``"w1"`` / ``"w3"`` (gate / up
         rows of gate_up_proj) or ``"w2"`` of one expert. Online, bf16 tensors are quantized here, after a pass
         that refuses NaN/Inf - skipped with ``values_checked`` where the caller's own pass over the tensor did that
-        (``fp8fx.load_checkpoint``: one pass over each expert tensor, not two)."""
+        (``fp8fx.load_checkpoint``: one pass over each expert tensor, not two). Online, the load that completes an
+        expert quantizes it; where that fails (out of memory) the load is not counted: the same tensor loads again."""
         prefix = created_by(layer, "Fp8MoEMethod")
         w13 = w13_name(layer)
         name = _ALIASES.get(name, name)
@@ -685,10 +686,15 @@ class Fp8MoEMethod:
         dest = staging[rows]
         dest.copy_(loaded.reshape(dest.shape))
         arrived = layer._fp8fx_staging[key + ("rows",)]
-        arrived.add(shard_id)
-        if arrived == {"w1", "w3"}:  # both halves: quantize this expert, drop the bf16 copy
-            del layer._fp8fx_staging[key], layer._fp8fx_staging[key + ("rows",)]
+        if arrived | {shard_id} == {"w1", "w3"}:
+            # both halves: quantize this expert, then drop the bf16 copy; a quantization that fails (out of memory)
+            # leaves the copy with the other half's rows and this shard unloaded, to be loaded again (the copy was
+            # dropped first: the other half, counted as arrived, was refused as loaded before, and
+            # process_weights_after_loading asked for the expert: the experts could not be finished)
             self._quantize_expert(layer, base, expert_id, staging)
+            del layer._fp8fx_staging[key], layer._fp8fx_staging[key + ("rows",)]
+        else:
+            arrived.add(shard_id)
 
     def _quantize_expert(self, layer, base: str, e: int, w: torch.Tensor) -> None:
         """One expert's high-precision ``w: [rows, cols]`` -> fp8 slot ``e`` and its scale, quantized from the layer's

@@ -627,6 +627,64 @@ def test_online_expert_quantized_when_both_halves_arrive_bit_identical(config):
     assert torch.equal(bf16._parameters["gate_up_proj"].view(torch.uint8), codes["whole"][0])
 
 
+@pytest.mark.parametrize("how", ["w1 w3", "w3 w1", "expert", "all"])
+def test_online_quantization_failing_at_the_load_completing_an_expert_leaves_it_to_load_again(how, monkeypatch):
+    """Online experts quantize an expert at the load that completes it: where that failed (out of memory) at an
+    expert's second half (w1 or w3), its staging copy, holding the first half, had been dropped first, the first
+    half still counted as arrived: loading it again was refused as loaded before, and process_weights_after_loading
+    asked for the expert: the experts could never be finished. Now the failed load leaves the copy and counts
+    nothing: it loads again, and the experts are those a load that never failed gives (a whole expert, or all)."""
+    w13 = torch.randn(E, 2 * I, H, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(2))
+    w2 = torch.randn(E, H, I, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(3))
+    method = Fp8MoEMethod(Fp8Config())
+    halves = {"w1": w13[1, :I], "w3": w13[1, I:]}
+    first, last = how.split() if " " in how else (None, how)
+
+    def load_last(layer):
+        if how == "all":
+            method.weight_loader(layer, "gate_up_proj", w13)
+        elif how == "expert":
+            method.weight_loader(layer, "gate_up_proj", w13[1], None, 1)
+        else:
+            method.weight_loader(layer, "gate_up_proj", halves[last], last, 1)
+
+    def made(fail: bool) -> nn.Module:
+        layer = nn.Module()
+        method.create_weights(layer, E, H, I, torch.bfloat16, prefix="experts")
+        method.weight_loader(layer, "down_proj", w2)
+        if how != "all":
+            for e in (0, 2, 3):
+                method.weight_loader(layer, "gate_up_proj", w13[e], None, e)
+        if first:
+            method.weight_loader(layer, "gate_up_proj", halves[first], first, 1)
+        if fail:
+            real = moe.chunked.quantize
+
+            def oom(*args, **kwargs):
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+            monkeypatch.setattr(moe.chunked, "quantize", oom)
+            arrived = set(layer._fp8fx_arrived)
+            with pytest.raises(torch.OutOfMemoryError):
+                load_last(layer)
+            assert layer._fp8fx_arrived == arrived and layer._fp8fx_done["gate_up_proj"][1] == 0
+            with pytest.raises(RuntimeError, match=r"^experts\.gate_up_proj: experts \[[\d, ]*1[\d, ]*\] were not "
+                                                   r"\(fully\) loaded"):
+                method.process_weights_after_loading(layer)
+            if first:  # the half that came before is still counted, and still refused a second time
+                with pytest.raises(ValueError, match=rf"overlaps what was loaded before \(expert 1, shard {first};"):
+                    method.weight_loader(layer, "gate_up_proj", halves[first], first, 1)
+            monkeypatch.setattr(moe.chunked, "quantize", real)
+        load_last(layer)  # (again, after the failure)
+        method.process_weights_after_loading(layer)
+        assert not layer._fp8fx_staging
+        return layer
+
+    again, never_failed = made(fail=True), made(fail=False)
+    for name, t in never_failed._parameters.items():
+        assert torch.equal(again._parameters[name].view(torch.uint8), t.view(torch.uint8)), name
+
+
 @pytest.mark.parametrize("name,router", [("phimoe", "mlp.router"), ("qwen2_moe", "mlp.shared_expert_gate")])
 def test_moe_routers_stay_in_high_precision(tmp_path, name, router):
     """A router (Phimoe's, E outputs) or shared-expert gate (Qwen2-MoE's, one output) that is an nn.Linear stays bf16
