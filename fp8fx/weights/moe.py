@@ -803,6 +803,10 @@ class Fp8MoEMethod:
                     q[e, 0::2], q[e, 1::2] = out[:i], out[i:]
                 else:
                     q[e] = out
+                # its scales now the max too: a requantization that fails at a later expert (out of memory) leaves
+                # this one done, skipped when processing runs again (it was requantized again from rows already at
+                # the max, read as at w1's and w3's own scales: its weights wrong, silently)
+                scales[e] = scales[e].max()
         params[W13 + "_scale"] = nn.Parameter(scales.amax(dim=1), requires_grad=False)
 
 

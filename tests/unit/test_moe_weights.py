@@ -342,6 +342,47 @@ def test_serialized_per_tensor_w13_requantized_per_expert_to_the_max_of_w1_w3():
     assert type(layer).__name__ == "Fp8Module"
 
 
+def test_serialized_w13_requantization_failing_at_an_expert_leaves_the_ones_before_it_done(monkeypatch):
+    """process_weights_after_loading requantizes each expert's w13 to the max of its w1 and w3 scales, expert by
+    expert, and replaced the [E, 2] scales at the end: where a requantization failed (out of memory) at a later
+    expert, the earlier ones' codes were at the max already, their scales still w1's and w3's, and processing again
+    requantized them a second time (their weights wrong, silently). Now each expert's scales are the max once it is
+    done: processing again gives the experts a run that never failed gives."""
+    g = torch.Generator().manual_seed(0)
+    w13 = quant.cast_to_fp8(torch.randn(E, 2 * I, H, generator=g) * 100)
+    w2 = quant.cast_to_fp8(torch.randn(E, H, I, generator=g) * 100)
+
+    def made(fail: bool) -> nn.Module:
+        method, layer = serialized({})
+        method.weight_loader(layer, "gate_up_proj", w13)
+        method.weight_loader(layer, "down_proj", w2)
+        method.weight_loader(layer, "down_proj_scale", torch.full((E,), 0.02))
+        for e in range(E):
+            method.weight_loader(layer, "gate_up_proj_scale", torch.tensor(0.01 * (e + 1)), "w1", e)
+            method.weight_loader(layer, "gate_up_proj_scale", torch.tensor(0.05), "w3", e)
+        if fail:
+            real, calls = moe.quant.requantize_shards, []
+
+            def oom_at_the_second(*args, **kwargs):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+                return real(*args, **kwargs)
+
+            monkeypatch.setattr(moe.quant, "requantize_shards", oom_at_the_second)
+            with pytest.raises(torch.OutOfMemoryError):
+                method.process_weights_after_loading(layer)
+            assert not layer._fp8fx_processed and layer.gate_up_proj_scale.shape == (E, 2)
+            monkeypatch.setattr(moe.quant, "requantize_shards", real)
+        method.process_weights_after_loading(layer)
+        return layer
+
+    again, never_failed = made(fail=True), made(fail=False)
+    assert torch.equal(again.gate_up_proj_scale, never_failed.gate_up_proj_scale)
+    for name in ("gate_up_proj", "down_proj"):
+        assert torch.equal(again._parameters[name].view(torch.uint8), never_failed._parameters[name].view(torch.uint8))
+
+
 @pytest.mark.parametrize("expert", [None, 1], ids=["every expert", "one expert"])
 def test_serialized_per_tensor_scales_load_as_fp8fx_stores_them(expert):
     """A processed per-tensor experts module's state_dict holds gate_up_proj_scale [E] (w1 and w3 share one) and input
