@@ -882,6 +882,11 @@ def fp8_gemm(
     n = b.shape[0]
     if b.shape[1] != k:
         raise ValueError(f"fp8_gemm: a is [{m}, {k}] but b is {list(b.shape)}; b must be [N, {k}]")
+    # the kernels read bias[n] for every output column n < N, unchecked: a shorter bias was read past its end (garbage
+    # added to the columns past it), a longer one or [N, 1] / [M, N] taken as its first N values
+    if bias is not None and (tuple(bias.shape) != (n,) or bias.dtype not in quant.COMPUTE_DTYPES):
+        raise ValueError(f"fp8_gemm: bias is {bias.dtype} {list(bias.shape)}; it must be [{n}] (one per output "
+                         f"column of b [{n}, {k}]), bf16, fp16, fp32 or fp64, or None")
     # row-major operands: the kernel's 32-bit in-tile offsets (k * stride_k) stay under BLOCK * K
     a = a if a.stride(1) == 1 or k == 1 else a.contiguous()
     b = b if b.stride(1) == 1 or k == 1 else b.contiguous()

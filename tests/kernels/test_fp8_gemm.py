@@ -6,6 +6,7 @@ compiles the kernel. The kernel only loads fp8 and runs tl.dot on it (exact in t
 fp32 -> fp8 conversion that the interpreter gets wrong for ~3% of values (triton 3.6 and 3.9,
 FACTS.md) happens outside, in torch.
 """
+import re
 import textwrap
 
 import pytest
@@ -462,6 +463,23 @@ def test_scale_sizes_are_checked_before_the_kernel():
     xs_shared = torch.ones(1, 3)
     with pytest.raises(ValueError, match=r"got a_block=\(-1, 32\)"):
         fp8_gemm(xq, wq, xs_shared, ws, None, torch.float32, a_block=(-1, 32), b_block=(32, 32))
+
+
+def test_bias_shape_and_dtype_are_checked_before_the_kernel():
+    """The kernels read bias[n] for every output column, unchecked: a bias of fewer than N values was read past its
+    end, [N, 1] or [M, N] read as its first N values, an int bias cast; refused, naming it, for the GEMV and the
+    tensor-core kernels alike."""
+    from fp8fx.kernels.fp8_gemm import fp8_gemm
+
+    for m in (1, 3):
+        xq, xs, wq, ws, bias = operands(m, 64, 96, [1, -1], [1, -1], "cpu")
+        for bad in (bias[:10], bias[:, None], bias.expand(m, 64), torch.ones(65)):
+            with pytest.raises(ValueError, match=re.escape(f"fp8_gemm: bias is torch.float32 {list(bad.shape)}; "
+                                                           "it must be [64] (one per output column of b [64, 96])")):
+                fp8_gemm(xq, wq, xs, ws, bad, torch.float32)
+        with pytest.raises(ValueError, match=r"bias is torch.int64 \[64\]; it must be \[64\] .* bf16, fp16, fp32 or "
+                                             r"fp64, or None"):
+            fp8_gemm(xq, wq, xs, ws, bias.long(), torch.float32)
 
 
 BLOCK_SHAPES = [(1, 200, 300), (3, 256, 384), (64, 130, 1000), (65, 384, 256), (2049, 257, 640)]
