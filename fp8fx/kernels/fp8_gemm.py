@@ -846,6 +846,37 @@ def _check_pdl_keys(cfg: dict, a: torch.Tensor) -> None:
     _check_pre_wait(cfg.get("PRE_WAIT", 0), "fp8_gemm: config PRE_WAIT")
 
 
+def _check_dtypes(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: torch.Tensor,
+                  out_dtype: torch.dtype, a_quant: int) -> None:
+    """``fp8_gemm``'s operands are matrices of the dtypes its kernels compute with, and ``out_dtype`` one they write.
+    Unchecked, a 16-bit b or a 16-bit a with an a_scale failed deep in Triton's dot ("Unsupported lhs dtype"), and an
+    integer or fp8 ``out_dtype`` took the float32 result cast to it (truncated, or rounded to fp8), unsaid."""
+    if a.dim() != 2 or b.dim() != 2:
+        raise ValueError(f"fp8_gemm: a is {list(a.shape)} and b {list(b.shape)}; it takes matrices, a [M, K] and b "
+                         f"[N, K] (reshape a to [-1, K])")
+    if b.dtype != quant.FP8_DTYPE:
+        raise ValueError(f"fp8_gemm: b is {b.dtype}; the weight must be {quant.FP8_DTYPE} codes (fp8fx.quant.quantize)")
+    if a_quant not in (NO_QUANT, QUANT_ROWS, QUANT_TENSOR, QUANT_STATIC) or (a_quant != NO_QUANT and a_scale is None):
+        raise ValueError(f"fp8_gemm: a_quant={a_quant!r} with a_scale={None if a_scale is None else 'a tensor'}; it "
+                         f"takes NO_QUANT, QUANT_ROWS or QUANT_TENSOR (a_scale: partial row maxima) or QUANT_STATIC "
+                         f"(a_scale: the static scale)")
+    if a_scale is None or a_quant != NO_QUANT:  # weight-only, or 16/32-bit activations quantized in the kernel
+        takes = (torch.bfloat16, torch.float16) if a_scale is None else quant.HIGH_PRECISION
+        if a.dtype not in takes:
+            how = "weight-only (a_scale=None)" if a_scale is None else f"a_quant={a_quant}"
+            raise ValueError(f"fp8_gemm: a is {a.dtype}; {how} takes {', '.join(map(str, takes))} activations"
+                             + ("" if a_scale is None else " (for fp8 codes, pass a_quant=NO_QUANT)"))
+    elif a.dtype != quant.FP8_DTYPE:
+        raise ValueError(f"fp8_gemm: a is {a.dtype} with an a_scale; it takes {quant.FP8_DTYPE} codes (for 16-bit "
+                         f"activations without scales, pass a_scale=None: weight-only)")
+    for name, scale in (("a_scale", a_scale), ("b_scale", b_scale)):
+        if scale is not None and scale.dtype not in quant.COMPUTE_DTYPES:  # (an int scale of 0.02s held 0s)
+            raise ValueError(f"fp8_gemm: {name} is {scale.dtype}; scales are float32 (bf16/fp16/fp64 are read as "
+                             f"float32)")
+    if out_dtype not in quant.HIGH_PRECISION:
+        raise ValueError(f"fp8_gemm: out_dtype={out_dtype}; the result is bf16, fp16 or fp32")
+
+
 def fp8_gemm(
     a: torch.Tensor,
     b: torch.Tensor,
@@ -878,6 +909,7 @@ def fp8_gemm(
     ``gdc_launch_dependents`` (``fp8fx.kernels.gated_mlp``; a config's ``PDL_TRIGGER``: right after their wait).
     ``pdl=None`` (the default): as ``DECODE_PDL`` says (decode launches on sm_90 without a config), False: never.
     """
+    _check_dtypes(a, b, a_scale, b_scale, out_dtype, a_quant)
     m, k = a.shape
     n = b.shape[0]
     if b.shape[1] != k:

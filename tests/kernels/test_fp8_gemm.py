@@ -482,6 +482,39 @@ def test_bias_shape_and_dtype_are_checked_before_the_kernel():
             fp8_gemm(xq, wq, xs, ws, bias.long(), torch.float32)
 
 
+def test_dtypes_are_checked_before_the_kernel():
+    """Operands of dtypes the kernels do not compute with failed deep in Triton's dot ("Unsupported lhs dtype
+    fp8e4nv"), and an integer or fp8 out_dtype took the float32 result cast to it (truncated, or rounded to fp8),
+    unsaid: refused, naming the argument, its dtype and what it takes."""
+    from fp8fx.kernels.fp8_gemm import QUANT_ROWS, fp8_gemm
+
+    xq, xs, wq, ws, _ = operands(3, 64, 96, [1, -1], [1, -1], "cpu")
+    for out_dtype in (torch.int32, quant.FP8_DTYPE, torch.float64):
+        with pytest.raises(ValueError, match=rf"fp8_gemm: out_dtype={out_dtype}; the result is bf16, fp16 or fp32"):
+            fp8_gemm(xq, wq, xs, ws, None, out_dtype)
+    with pytest.raises(ValueError, match=r"fp8_gemm: b is torch.bfloat16; the weight must be torch.float8_e4m3fn"):
+        fp8_gemm(xq, wq.bfloat16(), xs, ws, None, torch.float32)
+    for a in (xq.bfloat16(), xq.to(torch.float8_e5m2)):
+        with pytest.raises(ValueError, match=rf"fp8_gemm: a is {a.dtype} with an a_scale; it takes "
+                                             r"torch.float8_e4m3fn codes \(for 16-bit activations without scales, "
+                                             r"pass a_scale=None: weight-only\)"):
+            fp8_gemm(a, wq, xs, ws, None, torch.float32)
+    with pytest.raises(ValueError, match=r"fp8_gemm: a is torch.float8_e4m3fn; weight-only \(a_scale=None\) takes "
+                                         r"torch.bfloat16, torch.float16 activations"):
+        fp8_gemm(xq, wq, None, ws, None, torch.float32)
+    with pytest.raises(ValueError, match=r"fp8_gemm: a is torch.float8_e4m3fn; a_quant=1 takes torch.bfloat16, "
+                                         r"torch.float16, torch.float32 activations"):
+        fp8_gemm(xq, wq, torch.ones(3, 2), ws, None, torch.float32, a_quant=QUANT_ROWS)
+    with pytest.raises(ValueError, match=r"fp8_gemm: a_quant=1 with a_scale=None; it takes NO_QUANT"):
+        fp8_gemm(xq.float(), wq, None, ws, None, torch.float32, a_quant=QUANT_ROWS)
+    with pytest.raises(ValueError, match=r"fp8_gemm: a_quant=7 with a_scale=a tensor"):
+        fp8_gemm(xq.float(), wq, xs, ws, None, torch.float32, a_quant=7)
+    with pytest.raises(ValueError, match=r"fp8_gemm: b_scale is torch.int32; scales are float32"):
+        fp8_gemm(xq, wq, xs, ws.int(), None, torch.float32)
+    with pytest.raises(ValueError, match=r"fp8_gemm: a is \[1, 3, 96\] and b \[64, 96\]; it takes matrices"):
+        fp8_gemm(xq[None], wq, xs, ws, None, torch.float32)
+
+
 BLOCK_SHAPES = [(1, 200, 300), (3, 256, 384), (64, 130, 1000), (65, 384, 256), (2049, 257, 640)]
 
 
