@@ -846,6 +846,66 @@ def _check_pdl_keys(cfg: dict, a: torch.Tensor) -> None:
     _check_pre_wait(cfg.get("PRE_WAIT", 0), "fp8_gemm: config PRE_WAIT")
 
 
+# The keys of a tile configuration (``fp8_gemm``'s ``config``) each kernel reads - its tiles and options, the host's
+# switches (``TMA``, ``TMA_A``, ``GEMV``, ``B_BITS``) and Triton's launch options - and those a config must give;
+# the GEMV takes the tensor-core tile's TMA / SWAP_AB keys and leaves them (they do not apply to its loads)
+_LAUNCH_KEYS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
+MMA_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "SWAP_AB", "TMA", "TMA_A", "EXACT_CODES",
+                   "GEMV", "B_BITS", *PDL_TILE_KEYS, *_LAUNCH_KEYS)
+GEMV_CONFIG_KEYS = ("GEMV", "BLOCK_M", "BLOCK_N", "BLOCK_K", "SPLIT_K", "K_STAGES", "B_BITS", "SWAP_AB", "TMA",
+                    "TMA_A", *PDL_TILE_KEYS, *_LAUNCH_KEYS)
+_CHECKED_CONFIGS: set = set()  # (a configuration that passed ``_check_config``: items, their types, k_groups)
+_BOOL_KEYS = ("SWAP_AB", "TMA", "TMA_A", "EXACT_CODES", "GEMV", "B_BITS", "PDL_TRIGGER")
+
+
+def _check_config(cfg: dict, k_groups: bool) -> None:
+    """A tile configuration given to ``fp8_gemm``: its keys those of the kernel it picks (``GEMV``), every key that
+    kernel needs there (BLOCK_K is the K group's with ``k_groups``), each of a value it takes. Unchecked, a key the
+    kernel does not read (a typo: ``SPLITK``) was dropped by Triton's launch unsaid, ``SPLIT_K=0`` launched no
+    program and returned ``torch.empty``'s memory, and a missing key or a tile that is not a power of 2 failed as
+    a KeyError or deep in Triton. A configuration that passed is not checked again (the fused MLP's down GEMM
+    passes its tile at every call: 8 us of checks on a shared CPU, 1.5 us a lookup after the first)."""
+    try:
+        seen = (tuple(cfg.items()), tuple(map(type, cfg.values())), k_groups)  # (64.0 == 64: the types too)
+        if seen in _CHECKED_CONFIGS:
+            return
+    except TypeError:  # (an unhashable value: checked, and refused below or by Triton)
+        seen = None
+    gemv = cfg.get("GEMV", False)
+    kernel, keys = ("the GEMV kernel (GEMV=True)", GEMV_CONFIG_KEYS) if gemv else ("the tensor-core kernel",
+                                                                                  MMA_CONFIG_KEYS)
+    unknown = [key for key in cfg if key not in keys]
+    if unknown:
+        raise ValueError(f"fp8_gemm: config keys {unknown} are not {kernel}'s; it takes {list(keys)} "
+                         f"(fp8fx.kernels.fp8_gemm.tile_config gives the default tile)")
+    need = ("BLOCK_N", "BLOCK_K") if gemv else ("BLOCK_M", "BLOCK_N", "GROUP_M", "num_stages") + (
+        () if k_groups else ("BLOCK_K",))
+    missing = [key for key in need if key not in cfg]
+    if missing:
+        raise ValueError(f"fp8_gemm: config {cfg} has no {missing}; {kernel} needs {list(need)} "
+                         f"(fp8fx.kernels.fp8_gemm.tile_config gives the default tile)")
+    least = 1 if gemv else 16  # (tl.dot's least dims)
+    for key, v in cfg.items():
+        if key in _BOOL_KEYS:
+            bad = type(v) is not bool and v not in (0, 1)
+            takes = "True or False"
+        elif key.startswith("BLOCK_") or key == "num_warps":
+            low = 1 if key in ("num_warps", "BLOCK_M") or (key == "BLOCK_K" and k_groups) else least
+            bad = type(v) is not int or v < low or v & (v - 1)
+            takes = f"a power of 2 of at least {low}"
+        elif key in ("SPLIT_K", "GROUP_M", "num_stages", "K_STAGES", "num_ctas"):
+            bad = type(v) is not int or v < 1
+            takes = "an int of at least 1"
+        else:  # (PRE_WAIT: _check_pdl_keys; maxnreg: Triton's)
+            continue
+        if bad:
+            raise ValueError(f"fp8_gemm: config {key}={v!r}; it takes {takes}")
+    if seen is not None:
+        if len(_CHECKED_CONFIGS) >= 4096:  # (a tuning sweep's thousands of tiles)
+            _CHECKED_CONFIGS.clear()
+        _CHECKED_CONFIGS.add(seen)
+
+
 def _check_dtypes(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: torch.Tensor,
                   out_dtype: torch.dtype, a_quant: int) -> None:
     """``fp8_gemm``'s operands are matrices of the dtypes its kernels compute with, and ``out_dtype`` one they write.
@@ -952,6 +1012,8 @@ def fp8_gemm(
         raise ValueError(f"fp8_gemm: K groups {group_k} of a and b must agree; got blocks {a_block} and {b_block}")
     cfg = dict(config or for_device(tile_config(m, n, k, a_quant=a_quant != NO_QUANT, transposed=a_fp8,
                                                 k_groups=bool(group_k)), a.device))
+    if config:
+        _check_config(cfg, bool(group_k))
     if a_quant != NO_QUANT and not config:  # (a 16-bit a: the 64-row tiles' TMA copies were timed for fp8 a only)
         cfg.pop("TMA", None), cfg.pop("TMA_A", None)
     gemv = cfg.get("GEMV", False)
@@ -978,7 +1040,7 @@ def fp8_gemm(
         cfg["num_stages"] = pipeline_stages(cfg, a.element_size(), stage_budget(a.device))
     cfg.setdefault("SPLIT_K", 1)
     split_k = cfg["SPLIT_K"]
-    tiles = cdiv(m, cfg["BLOCK_M"]) * cdiv(n, cfg["BLOCK_N"])
+    tiles = cdiv(m, cfg.get("BLOCK_M", 1)) * cdiv(n, cfg["BLOCK_N"])  # (the GEMV: one row)
     # split-K: float32 partials [SPLIT_K, M, N], summed in the kernel by each tile's last split
     y = torch.empty(split_k, m, n, device=a.device, dtype=out_dtype if split_k == 1 else torch.float32)
     out = y[0] if split_k == 1 else torch.empty(m, n, device=a.device, dtype=out_dtype)
@@ -992,7 +1054,7 @@ def fp8_gemm(
     n_parts = a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1
     pdl_launch = {"launch_pdl": True} if pdl else {}
     if gemv:  # (its own loads and dot: the tensor-core kernel's TMA and SWAP_AB do not apply)
-        cfg.pop("TMA", None), cfg.pop("TMA_A", None), cfg.pop("SWAP_AB", None), cfg.pop("BLOCK_M")
+        cfg.pop("TMA", None), cfg.pop("TMA_A", None), cfg.pop("SWAP_AB", None), cfg.pop("BLOCK_M", None)
         fp8_gemv_kernel[(tiles * split_k,)](
             a, b, y, a_scale, b_scale, bias if bias is not None else a_scale, out, tickets,
             n, k, a.stride(1), b.stride(0), y.stride(2), y.stride(0), a_scale.stride(1), b_scale.stride(0),

@@ -515,6 +515,37 @@ def test_dtypes_are_checked_before_the_kernel():
         fp8_gemm(xq[None], wq, xs, ws, None, torch.float32)
 
 
+def test_configs_are_checked_before_the_kernel():
+    """A config key the picked kernel does not read (a typo, a GEMV key in a tensor-core tile) was dropped by
+    Triton's launch unsaid, ``SPLIT_K=0`` launched no program and returned ``torch.empty``'s memory, a missing
+    key failed as a KeyError and a tile that is not a power of 2 deep in Triton: refused, naming the key and
+    value."""
+    from fp8fx.kernels.fp8_gemm import fp8_gemm, gemv_config, mma_tile_config
+
+    xq, xs, wq, ws, _ = operands(3, 64, 96, [1, -1], [1, -1], "cpu")
+    mma = mma_tile_config(3, 64, 96)
+    for extra, unknown in (({"SPLITK": 2}, "SPLITK"), ({"K_STAGES": 3}, "K_STAGES"), ({"HAS_BIAS": True}, "HAS_BIAS")):
+        with pytest.raises(ValueError, match=rf"fp8_gemm: config keys \['{unknown}'\] are not the tensor-core "
+                                             r"kernel's; it takes \['BLOCK_M', .*tile_config gives the default tile"):
+            fp8_gemm(xq, wq, xs, ws, None, torch.float32, config={**mma, **extra})
+    with pytest.raises(ValueError, match=r"config keys \['GROUP_M'\] are not the GEMV kernel \(GEMV=True\)'s"):
+        fp8_gemm(xq[:1], wq, xs[:1], ws, None, torch.float32, config={**gemv_config(64, 96), "GROUP_M": 8})
+    with pytest.raises(ValueError, match=r"has no \['GROUP_M', 'num_stages', 'BLOCK_K'\]; the tensor-core kernel "
+                                         r"needs \['BLOCK_M', 'BLOCK_N', 'GROUP_M', 'num_stages', 'BLOCK_K'\]"):
+        fp8_gemm(xq, wq, xs, ws, None, torch.float32, config={"BLOCK_M": 16, "BLOCK_N": 64})
+    for key, v, takes in (("SPLIT_K", 0, "an int of at least 1"), ("GROUP_M", 1.5, "an int of at least 1"),
+                          ("BLOCK_N", 48, "a power of 2 of at least 16"), ("BLOCK_M", 16.0, "a power of 2"),
+                          ("BLOCK_K", 8, "a power of 2 of at least 16"), ("num_warps", 3, "a power of 2 of at least 1"),
+                          ("SWAP_AB", "yes", "True or False")):
+        with pytest.raises(ValueError, match=re.escape(f"fp8_gemm: config {key}={v!r}; it takes {takes}")):
+            fp8_gemm(xq, wq, xs, ws, None, torch.float32, config={**mma, key: v})
+    # the GEMV: tiles of fewer rows than a tensor-core dot's 16 (its own BLOCK_M may be left out), K_STAGES its own
+    with pytest.raises(ValueError, match=re.escape("fp8_gemm: config K_STAGES=0; it takes an int of at least 1")):
+        fp8_gemm(xq[:1], wq, xs[:1], ws, None, torch.float32, config={**gemv_config(64, 96), "K_STAGES": 0})
+    with pytest.raises(ValueError, match=re.escape("fp8_gemm: config BLOCK_N=3; it takes a power of 2 of at least 1")):
+        fp8_gemm(xq[:1], wq, xs[:1], ws, None, torch.float32, config={**gemv_config(64, 96), "BLOCK_N": 3})
+
+
 BLOCK_SHAPES = [(1, 200, 300), (3, 256, 384), (64, 130, 1000), (65, 384, 256), (2049, 257, 640)]
 
 
