@@ -694,6 +694,38 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
     return (inter, i_scale) if fuse_group or amax_out else inter
 
 
+# the keys of fused_moe's ``config`` (``tile_config``'s): both GEMMs' tiles and Triton's launch options; ``gemm2``, a
+# dict of the second GEMM's own
+CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "num_ctas", "maxnreg")
+
+
+def _check_config(config: dict) -> None:
+    """A ``config`` given to fused_moe: the keys of ``tile_config``'s tiles (``gemm2`` a dict of them), BLOCK_M,
+    BLOCK_N and BLOCK_K given, each value one the kernels take. Unchecked, a key they do not read (a typo:
+    ``num_stage``) was dropped by Triton's launch unsaid, a missing tile failed as a KeyError and a tile that is not
+    a power of 2 of 16 or more (the fp8 dot's least) deep in Triton."""
+    gemm2 = config.get("gemm2", {})
+    if not isinstance(gemm2, dict):
+        raise ValueError(f"fused_moe config: gemm2={gemm2!r}; it takes a dict of the second GEMM's own tile keys "
+                         f"({list(CONFIG_KEYS)})")
+    for where, cfg, keys in (("config", config, (*CONFIG_KEYS, "gemm2")), ("config gemm2", gemm2, CONFIG_KEYS)):
+        unknown = [key for key in cfg if key not in keys]
+        if unknown:
+            raise ValueError(f"fused_moe {where}: keys {unknown} are not the GEMMs' tile keys; it takes {list(keys)} "
+                             f"(fp8fx.kernels.fused_moe.tile_config gives the default tiles)")
+        for key, v in cfg.items():
+            if key.startswith("BLOCK_") or key == "num_warps":
+                low = 16 if key.startswith("BLOCK_") else 1
+                if type(v) is not int or v < low or v & (v - 1):
+                    raise ValueError(f"fused_moe {where}: {key}={v!r}; it takes a power of 2 of at least {low}")
+            elif key in ("num_stages", "num_ctas") and (type(v) is not int or v < 1):
+                raise ValueError(f"fused_moe {where}: {key}={v!r}; it takes an int of at least 1")
+    missing = [key for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if key not in config]
+    if missing:
+        raise ValueError(f"fused_moe config {config} has no {missing}; both GEMMs need BLOCK_M, BLOCK_N and BLOCK_K "
+                         f"(fp8fx.kernels.fused_moe.tile_config gives the default tiles)")
+
+
 def fused_moe(
     x, topk_weights, topk_ids, w13, w13_scale, w2, w2_scale, w_block, act_block, out_dtype,
     a13_scale=None, a2_scale=None, config: Optional[dict] = None, fast_accum: bool = False,
@@ -722,6 +754,8 @@ def fused_moe(
     if launch_keys:  # (a launch_pdl without the programs' wait would let them read before the kernel before ends)
         raise ValueError(f"fused_moe config: {launch_keys} are fused_moe's to set (its pdl argument and "
                          f"DIRECT_PDL_TRIGGER); drop them from the config")
+    if config:
+        _check_config(config)
     t, h = x.shape
     e, two_i, _ = w13.shape  # (ungated: [E, I, H])
     k_top = topk_ids.shape[1]

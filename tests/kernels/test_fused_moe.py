@@ -782,6 +782,36 @@ def test_fused_moe_config_rows_must_agree():
                   [1, -1], [1, -1], torch.float32, config=cfg)
 
 
+def test_fused_moe_config_keys_and_values_are_checked():
+    """A config key the GEMMs do not read (a typo) was dropped by Triton's launch unsaid, a missing tile failed as a
+    KeyError, a tile that is not a power of 2 of 16 or more deep in Triton: refused before any launch, naming the
+    key, its value and what it takes."""
+    pytest.importorskip("triton")
+    from fp8fx import quant
+    from fp8fx.kernels.fused_moe import fused_moe
+
+    q13, s13 = quant.quantize(torch.randn(2, 16, 32), [1, -1])
+    q2, s2 = quant.quantize(torch.randn(2, 32, 8), [1, -1])
+    args = (torch.randn(3, 32), torch.rand(3, 1), torch.zeros(3, 1, dtype=torch.long), q13, s13, q2, s2, [1, -1],
+            [1, -1], torch.float32)
+    cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+    for bad, match in [
+        (dict(cfg, num_stage=2), r"fused_moe config: keys \['num_stage'\] are not the GEMMs' tile keys; it takes "
+                                 r"\['BLOCK_M', .*'gemm2'\] \(fp8fx.kernels.fused_moe.tile_config gives"),
+        (dict(cfg, gemm2=dict(BLOCK_N=32, SPLIT_K=2)), r"fused_moe config gemm2: keys \['SPLIT_K'\] are not"),
+        (dict(cfg, gemm2=[("BLOCK_N", 32)]), r"gemm2=\[\('BLOCK_N', 32\)\]; it takes a dict"),
+        (dict(cfg, BLOCK_N=24), r"fused_moe config: BLOCK_N=24; it takes a power of 2 of at least 16"),
+        (dict(cfg, BLOCK_K=8), r"fused_moe config: BLOCK_K=8; it takes a power of 2 of at least 16"),
+        (dict(cfg, gemm2=dict(BLOCK_N=64.0)), r"fused_moe config gemm2: BLOCK_N=64.0; it takes a power of 2"),
+        (dict(cfg, num_warps=6), r"num_warps=6; it takes a power of 2 of at least 1"),
+        (dict(cfg, num_stages=0), r"num_stages=0; it takes an int of at least 1"),
+        (dict(num_warps=4), r"fused_moe config \{'num_warps': 4\} has no \['BLOCK_M', 'BLOCK_N', 'BLOCK_K'\]; both "
+                            r"GEMMs need"),
+    ]:
+        with pytest.raises(ValueError, match=match):
+            fused_moe(*args, config=bad)
+
+
 def test_fused_moe_pdl_needs_the_direct_path_on_sm90(monkeypatch):
     """``pdl=True`` (the direct GEMMs as programmatic dependents) off a Hopper GPU or on the aligned path, a
     ``DIRECT_PDL_TRIGGER`` outside None / 1 / 2, a config that sets the launch's PDL keys itself (a ``launch_pdl``
