@@ -149,10 +149,11 @@ def quantization_config(model: nn.Module) -> dict[str, Any]:
 
 def _not_as_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> str:
     """Why the tensors ``save_checkpoint`` writes (``tensors``) are not ``model.state_dict()`` under its names, the
-    files ``save_pretrained`` writes; "" where they are. Said as what save_pretrained wrote: a scale of the
-    state_dict that save_checkpoint names otherwise first (transformers renames the model's own weights - fused
-    experts written per expert - but not fp8fx's scales, which keep the names it holds them under), then a tensor of
-    save_checkpoint's the state_dict lacks or holds otherwise."""
+    files ``save_pretrained`` writes; "" where they are. Said of the model's state_dict, which save_pretrained writes
+    renamed only as transformers renames its own weights (which ones depends on its version: 5.25 writes fused
+    experts per expert beside fp8fx's fused scale names, 5.17 per-expert scale names too): a scale of the state_dict
+    that save_checkpoint names otherwise first, then a tensor of save_checkpoint's the state_dict lacks or holds
+    otherwise."""
 
     def key(t: torch.Tensor) -> tuple:
         return (t.untyped_storage().data_ptr() if not t.is_meta else id(t), t.storage_offset(), tuple(t.shape), t.dtype)
@@ -163,7 +164,7 @@ def _not_as_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) ->
               if (t.dtype == quant.FP8_DTYPE or _looks_like_scale(n)) and n not in tensors and key(t) not in written]
     scale = next((n for n in unread if _looks_like_scale(n)), None)
     if scale is not None:
-        return (f"save_pretrained wrote {scale} under the name the model holds it by, which fp8fx.save_checkpoint and "
+        return (f"the model's state_dict, which save_pretrained writes, holds {scale}, which fp8fx.save_checkpoint and "
                 "the readers name otherwise (experts written per expert beside their fused scales, or a scale "
                 "under another name than the format's)")
     for name, t in tensors.items():
@@ -171,14 +172,14 @@ def _not_as_state_dict(model: nn.Module, tensors: Mapping[str, torch.Tensor]) ->
         if held is None and t.dtype != quant.FP8_DTYPE and not _looks_like_scale(name):
             continue  # a high-precision tensor renamed (bf16 experts per expert): transformers renames it as well
         if held is None:
-            return (f"fp8fx.save_checkpoint writes {name}, which the model's state_dict (what save_pretrained wrote, "
+            return (f"fp8fx.save_checkpoint writes {name}, which the model's state_dict (what save_pretrained writes, "
                     "renamed only where transformers renames its own weights) has not")
         if key(held) != key(t):
-            return (f"save_pretrained wrote {name} as {held.dtype} {list(held.shape)} (the model's state_dict), "
-                    f"fp8fx.save_checkpoint writes it as {t.dtype} {list(t.shape)}")
+            return (f"the model's state_dict, which save_pretrained writes, holds {name} as {held.dtype} "
+                    f"{list(held.shape)}, fp8fx.save_checkpoint writes it as {t.dtype} {list(t.shape)}")
     if unread:
-        return (f"save_pretrained wrote {unread[0]} (the model's state_dict), which fp8fx.save_checkpoint names "
-                "otherwise or leaves out")
+        return (f"the model's state_dict, which save_pretrained writes, holds {unread[0]}, which "
+                "fp8fx.save_checkpoint names otherwise or leaves out")
     return ""
 
 
