@@ -317,16 +317,19 @@ class Report:
 
     def sites_of(self, model: Any) -> list[Site]:
         """The sites of ``model`` (or of its ``torch.compile`` wrapper): those whose weight is one of its parameters or
-        buffers (``weight_id``). Models compiled through one backend share its report, and two of one class give rows
-        alike - the same names, and the same graph where Dynamo runs the first one's graph for the second -, which
-        the table and ``to_dict`` cannot tell apart (a weight's token means nothing outside this process): this does,
-        by the tensors. A site whose weight is no input of its graph (Inductor's freezing made it a constant:
-        ``weight_id`` 0) is no model's here."""
+        buffers (``weight_id``), and the rows that know no weight tensor (a weight read by something other than a
+        linear, a layer read inside a higher-order op, experts left as they were) of the graphs those are in.
+        Models compiled through one backend share its report, and two of one class give rows alike - the same names,
+        and the same graph where Dynamo runs the first one's graph for the second -, which the table and ``to_dict``
+        cannot tell apart (a weight's token means nothing outside this process): this does, by the tensors; a graph
+        both ran gives both its rows that know no tensor. A graph none of whose rows knows a weight of the model
+        (Inductor's freezing made them constants: ``weight_id`` 0) gives none."""
         from fp8fx.lowerings import compat
 
         model = compat.compiled_module(model)
         tokens = {Site.known_token(t) for t in itertools.chain(model.parameters(), model.buffers())} - {None}
-        return [s for s in self.sites if s.weight_id in tokens]
+        graphs = {s.graph for s in self.sites if s.weight_id in tokens}
+        return [s for s in self.sites if s.weight_id in tokens or not s.weight_id and s.graph in graphs]
 
     def reused(self, graph: int, weights: list[Any]) -> None:
         """Graph ``graph``, a frame of one module's forward (``frames``), ran with another module's ``weights`` (its

@@ -359,6 +359,26 @@ def test_the_rows_of_two_models_of_one_class_are_told_apart_by_sites_of():
     assert backend.report.sites_of(models[2]) == []
 
 
+def test_sites_of_keeps_the_rows_that_know_no_weight():
+    """A layer whose weight something other than a linear reads is a row that knows no weight tensor (not rewritten):
+    sites_of left it out, the row the user most needs; it is the model's where the graph is."""
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a, self.b = nn.Linear(64, 64), nn.Linear(64, 64)
+
+        def forward(self, x):
+            return self.a(x) + (x @ self.b.weight).relu()
+
+    backend = fp8fx.Fp8Backend(compiler="eager")
+    model = fp8fx.quantize_(Reads().to(torch.bfloat16), fp8fx.Fp8Config())
+    with torch.no_grad():
+        torch.compile(model, backend=backend)(torch.randn(4, 64, dtype=torch.bfloat16))
+    assert [(s.fqn, s.rewritten) for s in backend.report.sites] == [("a", True), ("b", False)], backend.report
+    assert [s.fqn for s in backend.report.sites_of(model)] == ["a", "b"]
+    assert backend.report.sites_of(fp8fx.quantize_(Reads().to(torch.bfloat16), fp8fx.Fp8Config())) == []
+
+
 def test_blocks_compiled_alone_keep_the_rows_of_layers_sharing_a_weight():
     """Each block's forward compiled alone (Dynamo runs block 0's graph for block 1), blocks with b.weight = a.weight:
     the linear pass looked the block's own path up among the weight's owners (the model's names), and the rows were
