@@ -892,14 +892,15 @@ def _check_config(cfg: dict, k_groups: bool) -> None:
         elif key.startswith("BLOCK_") or key == "num_warps":
             low = 1 if key in ("num_warps", "BLOCK_M") or (key == "BLOCK_K" and k_groups) else least
             bad = type(v) is not int or v < low or v & (v - 1)
-            takes = f"a power of 2 of at least {low}"
+            takes = f"an int, a power of 2 of at least {low}"
         elif key in ("SPLIT_K", "GROUP_M", "num_stages", "K_STAGES", "num_ctas"):
             bad = type(v) is not int or v < 1
             takes = "an int of at least 1"
         else:  # (PRE_WAIT: _check_pdl_keys; maxnreg: Triton's)
             continue
         if bad:
-            raise ValueError(f"fp8_gemm: config {key}={v!r}; it takes {takes}")
+            typed = "" if key in _BOOL_KEYS or type(v) is int else f" is a {type(v).__name__}"  # (numpy's: its type)
+            raise ValueError(f"fp8_gemm: config {key}={v!r}{typed}; it takes {takes}")
     if seen is not None:
         if len(_CHECKED_CONFIGS) >= 4096:  # (a tuning sweep's thousands of tiles)
             _CHECKED_CONFIGS.clear()

@@ -699,6 +699,11 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
+def _typed(v) -> str:
+    """" is a <type>" where a tile value is no int (numpy's ``int64(16)``: its type, not its value, is refused)."""
+    return "" if type(v) is int else f" is a {type(v).__name__}"
+
+
 def _check_config(config: dict) -> None:
     """A ``config`` given to fused_moe: the keys of ``tile_config``'s tiles (``gemm2`` a dict of them), BLOCK_M,
     BLOCK_N and BLOCK_K given, each value one the kernels take. Unchecked, a key they do not read (a typo:
@@ -717,9 +722,10 @@ def _check_config(config: dict) -> None:
             if key.startswith("BLOCK_") or key == "num_warps":
                 low = 16 if key.startswith("BLOCK_") else 1
                 if type(v) is not int or v < low or v & (v - 1):
-                    raise ValueError(f"fused_moe {where}: {key}={v!r}; it takes a power of 2 of at least {low}")
+                    raise ValueError(f"fused_moe {where}: {key}={v!r}{_typed(v)}; it takes an int, a power of 2 of "
+                                     f"at least {low}")
             elif key in ("num_stages", "num_ctas") and (type(v) is not int or v < 1):
-                raise ValueError(f"fused_moe {where}: {key}={v!r}; it takes an int of at least 1")
+                raise ValueError(f"fused_moe {where}: {key}={v!r}{_typed(v)}; it takes an int of at least 1")
     missing = [key for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if key not in config]
     if missing:
         raise ValueError(f"fused_moe config {config} has no {missing}; both GEMMs need BLOCK_M, BLOCK_N and BLOCK_K "
@@ -750,7 +756,9 @@ def fused_moe(
         raise ValueError(f"fused_moe: pdl=True launches the direct path's GEMMs as programmatic dependents, which "
                          f"needs a CUDA GPU of compute capability 9.0 or newer; x is on {x.device}: pass pdl=None or "
                          f"False")
-    launch_keys = config and sorted({"launch_pdl", "PDL_WAIT", "PDL_TRIGGER"} & {*config, *config.get("gemm2", {})})
+    gemm2 = config.get("gemm2", {}) if config else {}  # (not a dict: _check_config says so, below)
+    launch_keys = config and sorted({"launch_pdl", "PDL_WAIT", "PDL_TRIGGER"}
+                                    & {*config, *(gemm2 if isinstance(gemm2, dict) else ())})
     if launch_keys:  # (a launch_pdl without the programs' wait would let them read before the kernel before ends)
         raise ValueError(f"fused_moe config: {launch_keys} are fused_moe's to set (its pdl argument and "
                          f"DIRECT_PDL_TRIGGER); drop them from the config")

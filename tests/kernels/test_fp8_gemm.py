@@ -9,6 +9,8 @@ FACTS.md) happens outside, in torch.
 import re
 import textwrap
 
+import numpy as np
+
 import pytest
 import torch
 
@@ -533,16 +535,22 @@ def test_configs_are_checked_before_the_kernel():
     with pytest.raises(ValueError, match=r"has no \['GROUP_M', 'num_stages', 'BLOCK_K'\]; the tensor-core kernel "
                                          r"needs \['BLOCK_M', 'BLOCK_N', 'GROUP_M', 'num_stages', 'BLOCK_K'\]"):
         fp8_gemm(xq, wq, xs, ws, None, torch.float32, config={"BLOCK_M": 16, "BLOCK_N": 64})
-    for key, v, takes in (("SPLIT_K", 0, "an int of at least 1"), ("GROUP_M", 1.5, "an int of at least 1"),
-                          ("BLOCK_N", 48, "a power of 2 of at least 16"), ("BLOCK_M", 16.0, "a power of 2"),
-                          ("BLOCK_K", 8, "a power of 2 of at least 16"), ("num_warps", 3, "a power of 2 of at least 1"),
-                          ("SWAP_AB", "yes", "True or False")):
-        with pytest.raises(ValueError, match=re.escape(f"fp8_gemm: config {key}={v!r}; it takes {takes}")):
+    # (a numpy int: 16 is a power of 2, its type is what the kernels do not take, and the message says so)
+    for key, v, takes in (("SPLIT_K", 0, "; it takes an int of at least 1"),
+                          ("GROUP_M", 1.5, " is a float; it takes an int of at least 1"),
+                          ("BLOCK_N", 48, "; it takes an int, a power of 2 of at least 16"),
+                          ("BLOCK_M", 16.0, " is a float; it takes an int, a power of 2"),
+                          ("BLOCK_M", np.int64(16), " is a int64; it takes an int, a power of 2"),
+                          ("BLOCK_K", 8, "; it takes an int, a power of 2 of at least 16"),
+                          ("num_warps", 3, "; it takes an int, a power of 2 of at least 1"),
+                          ("SWAP_AB", "yes", "; it takes True or False")):
+        with pytest.raises(ValueError, match=re.escape(f"fp8_gemm: config {key}={v!r}{takes}")):
             fp8_gemm(xq, wq, xs, ws, None, torch.float32, config={**mma, key: v})
     # the GEMV: tiles of fewer rows than a tensor-core dot's 16 (its own BLOCK_M may be left out), K_STAGES its own
     with pytest.raises(ValueError, match=re.escape("fp8_gemm: config K_STAGES=0; it takes an int of at least 1")):
         fp8_gemm(xq[:1], wq, xs[:1], ws, None, torch.float32, config={**gemv_config(64, 96), "K_STAGES": 0})
-    with pytest.raises(ValueError, match=re.escape("fp8_gemm: config BLOCK_N=3; it takes a power of 2 of at least 1")):
+    with pytest.raises(ValueError, match=re.escape("fp8_gemm: config BLOCK_N=3; it takes an int, a power of 2 of at "
+                                                   "least 1")):
         fp8_gemm(xq[:1], wq, xs[:1], ws, None, torch.float32, config={**gemv_config(64, 96), "BLOCK_N": 3})
 
 

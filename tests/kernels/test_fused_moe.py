@@ -7,6 +7,8 @@ gets wrong for ~3% of values happen in torch), and on the GPU."""
 import re
 import textwrap
 
+import numpy as np
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -800,10 +802,15 @@ def test_fused_moe_config_keys_and_values_are_checked():
                                  r"\['BLOCK_M', .*'gemm2'\] \(fp8fx.kernels.fused_moe.tile_config gives"),
         (dict(cfg, gemm2=dict(BLOCK_N=32, SPLIT_K=2)), r"fused_moe config gemm2: keys \['SPLIT_K'\] are not"),
         (dict(cfg, gemm2=[("BLOCK_N", 32)]), r"gemm2=\[\('BLOCK_N', 32\)\]; it takes a dict"),
-        (dict(cfg, BLOCK_N=24), r"fused_moe config: BLOCK_N=24; it takes a power of 2 of at least 16"),
-        (dict(cfg, BLOCK_K=8), r"fused_moe config: BLOCK_K=8; it takes a power of 2 of at least 16"),
-        (dict(cfg, gemm2=dict(BLOCK_N=64.0)), r"fused_moe config gemm2: BLOCK_N=64.0; it takes a power of 2"),
-        (dict(cfg, num_warps=6), r"num_warps=6; it takes a power of 2 of at least 1"),
+        # (not iterable: the PDL keys' check before it read gemm2's keys, a bare TypeError)
+        (dict(cfg, gemm2=None), r"gemm2=None; it takes a dict"),
+        (dict(cfg, gemm2=256), r"gemm2=256; it takes a dict"),
+        (dict(cfg, BLOCK_N=24), r"fused_moe config: BLOCK_N=24; it takes an int, a power of 2 of at least 16"),
+        (dict(cfg, BLOCK_K=8), r"fused_moe config: BLOCK_K=8; it takes an int, a power of 2 of at least 16"),
+        (dict(cfg, gemm2=dict(BLOCK_N=64.0)), r"fused_moe config gemm2: BLOCK_N=64.0 is a float; it takes an int, a "
+                                              r"power of 2"),
+        (dict(cfg, BLOCK_M=np.int64(16)), re.escape(f"BLOCK_M={np.int64(16)!r} is a int64; it takes an int")),
+        (dict(cfg, num_warps=6), r"num_warps=6; it takes an int, a power of 2 of at least 1"),
         (dict(cfg, num_stages=0), r"num_stages=0; it takes an int of at least 1"),
         (dict(num_warps=4), r"fused_moe config \{'num_warps': 4\} has no \['BLOCK_M', 'BLOCK_N', 'BLOCK_K'\]; both "
                             r"GEMMs need"),
