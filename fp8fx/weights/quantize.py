@@ -1085,10 +1085,6 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
             )
     expected: dict[int, torch.Tensor] = {}  # id(experts) -> their output as calibrate reads them (_experts_checker)
     empty: set[str] = set()  # the layers (and experts' scale names) given an input of no rows (0 tokens)
-    hooks = [module.register_forward_pre_hook(_experts_recorder(fqn, amax, batch_no, expected, empty),
-                                              with_kwargs=True) for fqn, module in experts]
-    hooks += [module.register_forward_hook(_experts_checker(fqn, expected), with_kwargs=True)
-              for fqn, module in experts if _read_from_code(module)]
 
     # each call of a linear is measured once (each .item() a GPU sync, taken when the call returns): the input of its
     # own F.linear, which the GEMM quantizes (a subclass may transform its input first: muP's MuReadout, a pre-norm),
@@ -1137,11 +1133,6 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
             top[1] = True
 
     linears = {fqn: module for fqn, module in modules if is_linear(module)}
-    for fqn, module in linears.items():
-        hooks.append(module.register_forward_pre_hook(
-            lambda mod, args, kwargs, fqn=fqn: entered(fqn, args, kwargs), with_kwargs=True))
-        hooks.append(module.register_forward_hook(
-            lambda mod, args, output, fqn=fqn: returned(fqn, output), always_call=True))
     # the linears' weights read by other modules: F.linear(x, layer.weight), x @ layer.weight.t(); an fp8 layer's
     # weight is dequantized anew at each read, found by its name (``views.Dequantized``)
     plain = {fqn: m.weight for fqn, m in linears.items() if not is_quantized(m) and isinstance(m.weight, torch.Tensor)}
@@ -1152,8 +1143,21 @@ def calibrate(model: nn.Module, batches: Iterable, config: Optional[Fp8Config] =
     reads = _WeightReads(plain, read, {name: fqns for name, fqns in named.items() if len(fqns) == 1})
     ran = 0  # batches run
     training = {m: m.training for m in model.modules()}  # dropout would scale the activations it measures
-    model.eval()
+    # the hooks are registered inside the try that removes them: an error before the first batch (reading a
+    # parametrized weight above: out of memory) had left them on the model, measuring every later forward
+    hooks = []
     try:
+        for fqn, module in experts:
+            hooks.append(module.register_forward_pre_hook(
+                _experts_recorder(fqn, amax, batch_no, expected, empty), with_kwargs=True))
+            if _read_from_code(module):
+                hooks.append(module.register_forward_hook(_experts_checker(fqn, expected), with_kwargs=True))
+        for fqn, module in linears.items():
+            hooks.append(module.register_forward_pre_hook(
+                lambda mod, args, kwargs, fqn=fqn: entered(fqn, args, kwargs), with_kwargs=True))
+            hooks.append(module.register_forward_hook(
+                lambda mod, args, output, fqn=fqn: returned(fqn, output), always_call=True))
+        model.eval()
         for batch_no[0], batch in enumerate(batches):
             ran += 1
             # (a module compiled inside the model runs eagerly too: Dynamo would trace the mode and the hooks)

@@ -238,6 +238,34 @@ def test_calibrate_refuses_nan_activations():
     assert not model[0]._forward_pre_hooks  # the hooks are gone
 
 
+def test_calibrate_failing_before_its_first_batch_leaves_no_hook_on_the_model():
+    """calibrate registered its hooks, then read each linear's weight (a parametrized one is computed: weight_norm's
+    g * v / |v|, a whole weight's memory) before the try that removes them: an error there (out of memory) left its
+    hooks on the model, measuring every later forward into dicts no one reads. None is left; calibrating again gives
+    what a call that never failed gives."""
+    class OutOfMemoryOnce(nn.Module):
+        armed = False
+
+        def forward(self, w):
+            if OutOfMemoryOnce.armed:
+                OutOfMemoryOnce.armed = False
+                raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return w
+
+    model = _mlp()
+    nn.utils.parametrize.register_parametrization(model[2], "weight", OutOfMemoryOnce())
+    batches = [torch.randn(4, 128, dtype=torch.bfloat16)]
+    never_failed = fp8fx.calibrate(model, batches)
+    model.train()
+    OutOfMemoryOnce.armed = True
+    with pytest.raises(torch.OutOfMemoryError):
+        fp8fx.calibrate(model, batches)
+    hooks = ("_forward_pre_hooks", "_forward_hooks", "_forward_hooks_always_called")
+    assert not [(name, h) for name, m in model.named_modules() for h in hooks if getattr(m, h)]
+    assert model.training and all(m.training for m in model.modules())  # as it was
+    assert fp8fx.calibrate(model, batches) == never_failed
+
+
 def test_calibrate_runs_in_eval_mode_and_takes_any_batch():
     """Dropout stayed on in a model in training mode (scales 2x too large at p=0.5, different each run); a linear
     called with input=, one that got no rows, and a dict batch crashed."""
