@@ -37,9 +37,9 @@ from fp8fx.config import Fp8Config, PerBlock, PerRow, PerTensor, config_or, firs
 from fp8fx.lowerings import compat
 from fp8fx.weights import chunked
 from fp8fx.weights import moe as moe_weights
-from fp8fx.weights.kv_cache import attach_kv_scales, attention_owner, check_kv_scale, check_kv_scale_layout
+from fp8fx.weights.kv_cache import assign_kv_scales, attention_owner, check_kv_scale, check_kv_scale_layout
 from fp8fx.weights.kv_cache import complete_kv_scales, getter_module, kv_cache_attentions, kv_scale_target
-from fp8fx.weights.kv_cache import kv_slot_error, related
+from fp8fx.weights.kv_cache import kv_slot_error, make_kv_scales, related
 from fp8fx.weights.linear import Fp8LinearMethod, fp8_class, guard_casts, is_foreign_linear, is_quantized, skip_reason
 from fp8fx.weights.linear import is_conv1d_class, is_linear, linear_weight, target_classes
 from fp8fx.weights.linear import RANGE_CHECKED, remember_trainable
@@ -384,6 +384,7 @@ class _Loader:
         self.tied_items: list[tuple[Entry, Callable[[torch.Tensor], None]]] = []
         self.staged: dict[str, torch.Tensor] = {}  # state key (first alias) -> new tensor
         self.kv: dict[str, dict[str, float]] = {}
+        self.kv_tensors: dict[str, dict[str, torch.Tensor]] = {}  # attention fqn -> its scales' new tensors (finish)
         self.kv_entries: dict[tuple[str, str], Entry] = {}
         # (module, name) -> a tensor on meta that no checkpoint holds and the model's _init_weights computes (finish):
         # non-persistent buffers (rotary inv_freq), and what transformers lets checkpoints leave out
@@ -1006,12 +1007,14 @@ class _Loader:
                 )
             report.kv_defaults, report.kv_not_set = defaults, taken
             # attached in commit, which must not fail: a name the module already uses for something else is
-            # refused here, before anything was swapped in
+            # refused here, and the scales' tensors are made here (on a GPU, allocations, which can run out of
+            # memory: made in commit, one that did left every layer fp8 and the later attentions without scales, a
+            # model that refused a load again as already quantized), before anything was swapped in
             for fqn, scales in self.kv.items():
-                for name in scales:
-                    why = kv_slot_error(self.modules[fqn], fqn, name)
-                    if why is not None:
-                        raise CheckpointError(why)
+                try:
+                    self.kv_tensors[fqn] = make_kv_scales(self.modules[fqn], scales, self.device, fqn)
+                except ValueError as e:  # (kv_slot_error's, naming fqn.name)
+                    raise CheckpointError(str(e)) from None
         self._compute_unsaved()
 
     def _compute_unsaved(self) -> None:
@@ -1159,8 +1162,8 @@ class _Loader:
                 module._parameters[name] = nn.Parameter(new, requires_grad=module._parameters[name].requires_grad)
             else:
                 module._buffers[name] = new
-        for fqn, scales in self.kv.items():
-            attach_kv_scales(self.modules[fqn], scales, self.device)
+        for fqn, tensors in self.kv_tensors.items():  # (made in finish: assigned only)
+            assign_kv_scales(self.modules[fqn], tensors)
         report.kv_scales = {f: dict(s) for f, s in self.kv.items()}
         report.unexpected = (self._stored_unexpected() + [self.entries[n].source or n for n in self.tied_copies]
                              + self.alias_copies)

@@ -144,16 +144,39 @@ def complete_kv_scales(scales: dict[str, float], free: Callable[[str], bool],
 
 def attach_kv_scales(module: nn.Module, scales: Mapping[str, float], device=None) -> None:
     """Register ``scales`` (``{"k_scale": 0.02, ...}``) on ``module`` as float32 ``[]`` buffers: all of them, or
-    (ValueError, see ``kv_slot_error``) none. The names are kept on the module, so they stay fp8fx's."""
+    (ValueError, see ``kv_slot_error``; an allocation's out-of-memory error) none. The names are kept on the module,
+    so they stay fp8fx's. ``make_kv_scales`` then ``assign_kv_scales``, which a caller that must not fail partway
+    (``load_checkpoint``'s commit) calls apart: the tensors made first, while a failure changes nothing."""
+    assign_kv_scales(module, make_kv_scales(module, scales, device))
+
+
+def kv_scale_tensor(value: float, device=None) -> torch.Tensor:
+    """One KV-cache scale as the float32 ``[]`` tensor it is attached as: a new tensor on ``device`` (on a GPU, an
+    allocation, which can run out of memory)."""
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+def make_kv_scales(module: nn.Module, scales: Mapping[str, float], device=None,
+                   fqn: str = "") -> dict[str, torch.Tensor]:
+    """What ``attach_kv_scales`` registers, made and checked without changing ``module``: ``{name: tensor}``
+    (``kv_scale_tensor``). ValueError (``kv_slot_error``, naming ``fqn.name``) for a name the module cannot take; an
+    out-of-memory error from the allocation. ``assign_kv_scales`` then registers them, which cannot fail."""
     for name in scales:
-        why = kv_slot_error(module, "", name)
+        why = kv_slot_error(module, fqn, name)
         if why is not None:
             raise ValueError(why)
-    for name, value in scales.items():
-        module.register_buffer(name, torch.tensor(float(value), dtype=torch.float32, device=device))
+    return {name: kv_scale_tensor(value, device) for name, value in scales.items()}
+
+
+def assign_kv_scales(module: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Register ``make_kv_scales``'s ``tensors`` on ``module`` as buffers, with the pre-hook that refuses bad scales
+    at ``load_state_dict`` (once a module), and record their names as fp8fx's. Nothing here allocates a tensor or
+    fails: the names were checked free when they were made (nothing may take them between the two calls)."""
+    for name, tensor in tensors.items():
+        module.register_buffer(name, tensor)
     if "_fp8fx_kv_scales" not in module.__dict__:  # (once a module)
         module.register_load_state_dict_pre_hook(refuse_bad_kv_scales)
-    module._fp8fx_kv_scales = frozenset(module.__dict__.get("_fp8fx_kv_scales", ())) | set(scales)
+    module._fp8fx_kv_scales = frozenset(module.__dict__.get("_fp8fx_kv_scales", ())) | set(tensors)
 
 
 def held_kv_scales(module: nn.Module) -> frozenset:

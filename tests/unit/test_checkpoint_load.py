@@ -936,6 +936,39 @@ def test_kv_scale_clashing_with_a_model_attribute_is_refused_unchanged(tmp_path)
     assert snapshot(model) == snap and not is_quantized(model.model.layers[0].self_attn.q_proj)
 
 
+def test_kv_scales_running_out_of_memory_leave_the_model_unchanged(tmp_path, monkeypatch):
+    """The KV-cache scales' tensors are new ones on the load's device (on a GPU, allocations). They were made in
+    commit, after the linears were swapped in: one out of memory there left every layer fp8, layer 0 alone with its
+    scales, and the model refused a load again ("already fp8-quantized"). They are made before anything is swapped
+    in: the error leaves the model as it was, and it loads again."""
+    from fp8fx.weights import kv_cache
+
+    tensors, qc, _ = fp8_checkpoint(bf16_state(), "channel", ct=True)
+    qc["kv_cache_scheme"] = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}
+    tensors["model.layers.0.self_attn.k_scale"] = torch.tensor(0.5)
+    tensors["model.layers.1.self_attn.k_scale"] = torch.tensor(0.25)
+    path = write_checkpoint(tmp_path / "c", tensors, qc)
+    model = meta_tiny()
+    snap = snapshot(model)
+    made, real = [], kv_cache.kv_scale_tensor
+
+    def out_of_memory_at_the_second(value, device=None):
+        made.append(value)
+        if len(made) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 MiB")
+        return real(value, device)
+
+    monkeypatch.setattr(kv_cache, "kv_scale_tensor", out_of_memory_at_the_second)
+    with pytest.raises(torch.OutOfMemoryError):
+        load_checkpoint(model, path, progress=False)
+    assert_unchanged(model, snap)
+    monkeypatch.setattr(kv_cache, "kv_scale_tensor", real)
+    report = load_checkpoint(model, path, progress=False)
+    assert report.kv_scales == {"model.layers.0.self_attn": {"k_scale": 0.5, "v_scale": 0.5},
+                                "model.layers.1.self_attn": {"k_scale": 0.25, "v_scale": 0.25}}
+    assert model.model.layers[1].self_attn.v_scale.item() == 0.25 and is_quantized(model.model.layers[1].mlp.up_proj)
+
+
 def test_kv_default_where_the_model_has_its_own_attribute_is_not_set(tmp_path, caplog):
     """A declared fp8 KV cache with no scales in the checkpoint, and an attention that uses ``v_scale`` for a float of
     its own (as transformers' MiMo-V2-Flash attention does): its default is not forced on it - the load goes on, the

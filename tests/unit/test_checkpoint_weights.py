@@ -233,6 +233,14 @@ def test_check_and_attach_kv_scale():
     with pytest.raises(ValueError, match=r"q_scale: Module already has an attribute 'q_scale' \(Parameter\)"):
         kv_cache.attach_kv_scales(m, {"prob_scale": 1.0, "q_scale": 1.0})
     assert "prob_scale" not in m._buffers
+    # made apart from their assignment (load_checkpoint makes them before its commit, which only assigns): making
+    # them checks the names (under the module's name) and leaves the module as it was
+    with pytest.raises(ValueError, match=r"^attn\.q_scale: Module already has an attribute 'q_scale'"):
+        kv_cache.make_kv_scales(m, {"q_scale": 1.0}, fqn="attn")
+    made = kv_cache.make_kv_scales(m, {"prob_scale": 0.25})
+    assert "prob_scale" not in m._buffers and made["prob_scale"].dtype == torch.float32
+    kv_cache.assign_kv_scales(m, made)
+    assert m.prob_scale is made["prob_scale"] and kv_cache.held_kv_scales(m) == {"k_scale", "v_scale", "prob_scale"}
 
 
 @pytest.mark.parametrize("bad", [float("nan"), 0.0, -1.0, float("inf")])
