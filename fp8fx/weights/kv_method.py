@@ -5,7 +5,7 @@ vLLM gives an fp8 config's attention layers four scalar parameters, ``k_scale``,
 ``process_weights_after_loading`` settles them: a ``k_scale`` alone serves ``v_scale`` too, a scale not loaded stays
 out (vLLM makes k / v 1.0 for an fp8 KV cache; ``load_checkpoint`` does so where the checkpoint declares one). Here
 the settled scales become what ``load_checkpoint`` gives an attention module: float32 ``[]`` buffers under the same
-names (``kv_cache.attach_kv_scales``), saved by ``state_dict()`` where engines look for them. fp8fx's own attention
+names (``kv_cache.assign_kv_scales``), saved by ``state_dict()`` where engines look for them. fp8fx's own attention
 reads none of them (its KV cache is the model's, in the model's dtype). As ``load_checkpoint``, a ``v_scale`` alone
 serves ``k_scale`` too (vLLM asserts on it).
 """
@@ -17,8 +17,8 @@ import torch
 from torch import nn
 
 from fp8fx.config import Fp8Config
-from fp8fx.weights.kv_cache import KV_SCALE_NAMES, attach_kv_scales, check_kv_scale, complete_kv_scales, held_kv_scales
-from fp8fx.weights.kv_cache import kv_scale_target, kv_slot_error
+from fp8fx.weights.kv_cache import KV_SCALE_NAMES, assign_kv_scales, check_kv_scale, complete_kv_scales, held_kv_scales
+from fp8fx.weights.kv_cache import kv_scale_target, kv_scale_tensor, kv_slot_error
 from fp8fx.weights.linear import guard_kv_casts, method_config
 
 _UNLOADED = -1.0  # (vLLM's mark of a scale no checkpoint tensor filled)
@@ -112,10 +112,13 @@ class Fp8KVCacheMethod:
         scales = dict(loaded)  # (none loaded: the checkpoint holds none, none are attached)
         complete_kv_scales(scales, lambda name: name not in taken, None)
         device = next(p for p in params.values() if p is not None).device
-        for name in params:  # (nothing below fails: the names were free at create_weights)
+        # the buffers made first (on a GPU, allocations: one that ran out of memory after the parameters went left the
+        # layer with neither, never to be finished), then nothing fails: the names were free at create_weights
+        tensors = {name: kv_scale_tensor(value, device) for name, value in scales.items()}
+        for name in params:
             layer._parameters.pop(name, None)
-        if scales:
-            attach_kv_scales(layer, scales, device=device)
+        if tensors:
+            assign_kv_scales(layer, tensors)
             guard_kv_casts(layer)  # (as load_checkpoint's model: a model.to(bfloat16) rounded them, silently: h145)
 
     @staticmethod

@@ -67,6 +67,34 @@ def test_kv_cache_scales_settle_as_vllms():
     assert fp8fx.weights.kv_cache.kv_scales(attention) == {"k_scale": 0.125, "v_scale": 0.125}
 
 
+def test_kv_cache_scales_running_out_of_memory_leave_the_layer_to_process_again(monkeypatch):
+    """process_weights_after_loading dropped the -1.0 parameters, then made the buffers: an allocation that ran out of
+    memory left the layer with neither (its scales lost, a second call a no-op). The buffers are made first."""
+    from fp8fx.weights import kv_method
+
+    attention, method = created()
+    method.weight_loader(attention, "k_scale", torch.tensor(0.25))
+    real, calls = fp8fx.weights.kv_cache.kv_scale_tensor, []
+
+    def second_fails(value, device=None):
+        calls.append(value)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(value, device)
+
+    for module in (kv_method, fp8fx.weights.kv_cache):  # (the method's maker, and kv_cache's own)
+        monkeypatch.setattr(module, "kv_scale_tensor", second_fails, raising=False)
+    with pytest.raises(torch.OutOfMemoryError):
+        method.process_weights_after_loading(attention)
+    assert {n: p.item() for n, p in attention.named_parameters()} == {
+        "k_scale": 0.25, "v_scale": -1.0, "q_scale": -1.0, "prob_scale": -1.0}
+    assert not list(attention.buffers())
+    monkeypatch.undo()
+    method.process_weights_after_loading(attention)
+    assert fp8fx.weights.kv_cache.kv_scales(attention) == {"k_scale": 0.25, "v_scale": 0.25}
+    assert not list(attention.parameters())
+
+
 def test_kv_cache_scales_a_checkpoint_does_not_hold_are_not_made_up():
     """A checkpoint without KV-cache scales (every plain fp8 or bf16 one) gave each attention k_scale = v_scale =
     1.0, which load_checkpoint does not, and save_checkpoint then wrote as calibrated scales."""
