@@ -734,8 +734,25 @@ def _staged(path: str, what: str):
             if clash:  # (the folder held none of them when this run began: save and convert refuse that)
                 raise FileExistsError(17, f"{what}: {clash[0]} appeared in {path} while this run wrote (another run "
                                       f"into the same directory?): this run's files were removed, {path}'s kept")
-            for f in names:
-                os.replace(os.path.join(stage, f), os.path.join(path, f))
+            # config.json last: a run killed between two moves leaves no config.json beside the moved shards, which
+            # readers need to take them for a checkpoint. A move that fails (a full disk growing the directory,
+            # Ctrl-C) takes back the files moved before it: they were left in the folder, a partial checkpoint (an
+            # index naming a shard not moved, shards without config.json) that every later save and convert into it
+            # refused as holding files
+            order, moved = sorted(names, key=lambda f: f == CONFIG), []
+            try:
+                for f in order:
+                    os.replace(os.path.join(stage, f), os.path.join(path, f))
+                    moved.append(f)
+            except BaseException as e:
+                for f in moved:
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(path, f))
+                if not isinstance(e, OSError):
+                    raise
+                failed = os.path.join(path, order[len(moved)])
+                raise type(e)(e.errno, f"{what}: moving {failed} into place failed: {e.strerror or e}; free space, "
+                              "or pick another directory where you can write (nothing was written)") from None
             os.rmdir(stage)
         else:
             try:

@@ -742,6 +742,58 @@ def write_into(how, src, dst):
         save_checkpoint(model, dst, max_shard_size=64 << 10)
 
 
+@pytest.mark.parametrize("how", ["convert into an empty folder", "save into an empty folder"])
+def test_a_move_into_an_existing_folder_failing_takes_back_the_files_moved(tmp_path, how, monkeypatch):
+    """Into an existing folder the staged files are moved one by one: a move the disk refused (a full disk growing
+    the directory) left those moved before it there, a partial checkpoint (an index naming a shard not moved, or
+    every shard without config.json) that every later run refused as holding files. They are taken back, the error
+    names the file, and config.json is moved last."""
+    import errno
+
+    from fp8fx.checkpoint import save
+
+    src = write_checkpoint(tmp_path / "src", bf16_state(), shards=2, extra_config={"model_type": "tiny"})
+    write_into(how, src, tmp_path / "probe")  # (a new folder: the stage is renamed to it, nothing is moved)
+    files = sorted(os.listdir(tmp_path / "probe"))
+    assert "config.json" in files and "model.safetensors.index.json" in files and len(files) >= 4
+    dst = tmp_path / "dst"
+    dst.mkdir()
+    before = []
+    if how.startswith("save"):
+        (dst / "tokenizer.json").write_text("{}")  # (the user's: kept)
+        before = ["tokenizer.json"]
+    real, left, errors = os.replace, [], []
+    for n in range(1, len(files) + 1):
+        calls = []
+
+        def full(a, b, *args, n=n, calls=calls, **kwargs):
+            if os.path.dirname(b) == str(dst):
+                calls.append(os.path.basename(b))
+                if len(calls) == n:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+            return real(a, b, *args, **kwargs)
+
+        monkeypatch.setattr(save.os, "replace", full)
+        with pytest.raises(OSError) as e:
+            write_into(how, src, dst)
+        monkeypatch.undo()
+        assert len(calls) == n
+        left.append(sorted(os.listdir(dst)))
+        errors.append((calls[-1], e.value))
+        for f in set(left[-1]) - set(before):  # (for the next try)
+            os.remove(dst / f)
+    assert left == [before] * len(files)  # as it was: no shard, index, config.json or stage folder left
+    assert [f for f, _ in errors][-1] == "config.json"  # (moved last)
+    what = "convert" if how.startswith("convert") else "save_checkpoint"
+    for f, error in errors:
+        assert error.errno == errno.ENOSPC and error.strerror == (
+            f"{what}: moving {dst / f} into place failed: No space left on device; free space, or pick another "
+            "directory where you can write (nothing was written)")
+    write_into(how, src, dst)  # (and the next run writes it)
+    assert sorted(os.listdir(dst)) == sorted(files + before)
+    assert load_checkpoint(meta_tiny(), dst, progress=False).quantized
+
+
 @pytest.mark.parametrize("how", ["convert into a new folder", "save into an empty folder"])
 def test_a_killed_write_leaves_the_destination_as_it_was(tmp_path, how, caplog):
     """SIGTERM (timeout, Slurm, docker stop) after the first shard: its default action ends the process with no
