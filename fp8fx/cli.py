@@ -846,6 +846,16 @@ def convert_command(args: argparse.Namespace) -> int:
         said = e.strerror if worded else str(e)
         # (the first line that says something; an empty message - OSError() - names the error's type)
         raise UsageError(next((line for line in said.splitlines() if line.strip()), type(e).__name__)) from None
+    except (MemoryError, RuntimeError) as e:
+        # out of memory (torch's CPU allocator raises a bare RuntimeError, c10's "DefaultCPUAllocator: can't allocate
+        # memory"): a traceback and exit code 1, where every other error is one line and 2; convert removed what it
+        # wrote. Any other RuntimeError is a bug, and keeps its traceback
+        if not (isinstance(e, (MemoryError, torch.OutOfMemoryError)) or "can't allocate memory" in str(e)):
+            raise
+        first = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise UsageError(f"convert ran out of memory ({first}): it holds one output file (the fp8 of one of SRC's "
+                         "files) and the tensor it quantizes at a time; free memory, or re-save SRC in smaller "
+                         "shards (nothing was written)") from None
     print(report)
     return 0
 

@@ -834,6 +834,43 @@ def test_convert_names_the_file_a_full_disk_stopped(capsys, tmp_path, monkeypatc
         one_line_error(err, said)
 
 
+def test_convert_out_of_memory_is_one_line(capsys, tmp_path, monkeypatch):
+    """Memory running out on the way (a big tensor read or quantized: torch's CPU allocator's bare RuntimeError, a
+    MemoryError, torch.OutOfMemoryError) printed a traceback with exit code 1; the README says every error of the
+    command is one line and 2. It says so, what convert holds at a time and the fix; the staged files are gone.
+    Another RuntimeError (a bug) keeps its traceback."""
+    from fp8fx.checkpoint import save
+    from tests.e2e.test_checkpoint_llama import llama_config, reference_model
+    from tests.unit.test_checkpoint_load import write_checkpoint
+
+    cfg = llama_config()
+    src = write_checkpoint(tmp_path / "src", reference_model(cfg).state_dict(), shards=2,
+                           extra_config=cfg.to_dict())
+    real = save.chunked.quantize
+    cpu = ("[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried to "
+           "allocate 2199023255552 bytes. Error code 12 (Cannot allocate memory)")
+    for error in (RuntimeError(cpu), MemoryError(), torch.OutOfMemoryError("CUDA out of memory. Tried to allocate "
+                                                                            "2.00 GiB")):
+        calls = []
+
+        def later(*args, error=error, calls=calls, **kwargs):  # (the files before it were written)
+            calls.append(1)
+            if len(calls) == 9:
+                raise error
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(save.chunked, "quantize", later)
+        code, _, err = run(capsys, "convert", str(src), str(tmp_path / "dst"), "--no-progress")
+        assert code == 2 and len(calls) == 9
+        one_line_error(err, f"fp8fx convert: error: convert ran out of memory ({str(error) or 'MemoryError'}): it "
+                            "holds one output file (the fp8 of one of SRC's files) and the tensor it quantizes at a "
+                            "time; free memory, or re-save SRC in smaller shards (nothing was written)")
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+    monkeypatch.setattr(save.chunked, "quantize", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("a bug")))
+    with pytest.raises(RuntimeError, match="a bug"):
+        main(["convert", str(src), str(tmp_path / "dst"), "--no-progress"])
+
+
 def test_convert_fixes_are_spelled_as_flags_too(capsys, tmp_path):
     """convert's refusals said their fix in the Python API's spelling only ("use format='compressed-tensors'", "add
     '...' to ignored_layers"), which the command line cannot type (h135): the flag is named beside it."""
