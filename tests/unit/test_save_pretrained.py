@@ -125,8 +125,9 @@ def test_the_config_is_the_model_s_at_each_save(tmp_path):
 
 def test_save_pretrained_of_fp8_experts_is_refused_by_every_reader(tmp_path):
     """transformers' save_pretrained writes experts per expert (its conversion mapping, reversed) but keeps fp8fx's
-    fused scale names (5.25; 5.17 writes per-expert scale names too): no reader can load that. The config says so, and transformers, fp8fx.load_checkpoint and
-    Fp8Config refuse it naming the fix; fp8fx.save_checkpoint's files load back."""
+    fused scale names (5.25; 5.17 writes per-expert scale names too): no reader can load that. The config says so,
+    and transformers, fp8fx.load_checkpoint and Fp8Config refuse it naming the fix; fp8fx.save_checkpoint's files load
+    back."""
     model = tiny("moe")
     want = logits(fp8fx.quantize_(model, SCHEMES["per-channel"][0]))
     model.save_pretrained(tmp_path / "pretrained")
