@@ -887,24 +887,35 @@ def _check_config(cfg: dict, k_groups: bool) -> None:
     least = 1 if gemv else 16  # (tl.dot's least dims)
     for key, v in cfg.items():
         if key in _BOOL_KEYS:
-            bad = type(v) is not bool and v not in (0, 1)
-            takes = "True or False"
-        elif key.startswith("BLOCK_") or key == "num_warps":
-            low = 1 if key in ("num_warps", "BLOCK_M") or (key == "BLOCK_K" and k_groups) else least
-            bad = type(v) is not int or v < low or v & (v - 1)
-            takes = f"an int, a power of 2 of at least {low}"
+            if type(v) is not bool and v not in (0, 1):
+                raise ValueError(f"fp8_gemm: config {key}={v!r}; it takes True or False")
+            continue
+        if key.startswith("BLOCK_") or key == "num_warps":
+            why = tile_value_refusal(key, v, 1 if key in ("num_warps", "BLOCK_M") or (key == "BLOCK_K" and k_groups)
+                                     else least)
         elif key in ("SPLIT_K", "GROUP_M", "num_stages", "K_STAGES", "num_ctas"):
-            bad = type(v) is not int or v < 1
-            takes = "an int of at least 1"
+            why = tile_value_refusal(key, v)
         else:  # (PRE_WAIT: _check_pdl_keys; maxnreg: Triton's)
             continue
-        if bad:
-            typed = "" if key in _BOOL_KEYS or type(v) is int else f" is a {type(v).__name__}"  # (numpy's: its type)
-            raise ValueError(f"fp8_gemm: config {key}={v!r}{typed}; it takes {takes}")
+        if why:
+            raise ValueError(f"fp8_gemm: config {why}")
     if seen is not None:
         if len(_CHECKED_CONFIGS) >= 4096:  # (a tuning sweep's thousands of tiles)
             _CHECKED_CONFIGS.clear()
         _CHECKED_CONFIGS.add(seen)
+
+
+def tile_value_refusal(key: str, v, power_of_2_from: Optional[int] = None) -> str:
+    """"" where a tile configuration's ``key`` = ``v`` is an int of at least 1 - a power of 2 of at least
+    ``power_of_2_from`` where that is given -, else what is wrong and what the key takes: "BLOCK_N=48; it takes an
+    int, a power of 2 of at least 16"; a value of another type says its type (numpy's ``int64(16)``: its type, not
+    its value, is refused). ``fp8_gemm``'s and ``fused_moe``'s config checks."""
+    low = power_of_2_from or 1
+    if type(v) is int and v >= low and not (power_of_2_from and v & (v - 1)):
+        return ""
+    typed = "" if type(v) is int else f" is a {type(v).__name__}"
+    takes = f"an int, a power of 2 of at least {low}" if power_of_2_from else "an int of at least 1"
+    return f"{key}={v!r}{typed}; it takes {takes}"
 
 
 def _check_dtypes(a: torch.Tensor, b: torch.Tensor, a_scale: Optional[torch.Tensor], b_scale: torch.Tensor,

@@ -73,7 +73,7 @@ import triton.language as tl
 from fp8fx import quant
 from fp8fx.kernels import tickets as _tickets
 from fp8fx.kernels.fp8_gemm import (_all_rows_amax, _hopper, _max_nan, _pdl_start, _rows_amax, _scale_of,
-                                    _to_fp8_range, imprecise_k)
+                                    _to_fp8_range, imprecise_k, tile_value_refusal)
 from fp8fx.kernels.launch import cdiv, next_power_of_2
 
 
@@ -699,11 +699,6 @@ def _gemm13(xq, x_scale, w13, s13, s13_strides, s13_rows, sorted_pair, block_exp
 CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "num_ctas", "maxnreg")
 
 
-def _typed(v) -> str:
-    """" is a <type>" where a tile value is no int (numpy's ``int64(16)``: its type, not its value, is refused)."""
-    return "" if type(v) is int else f" is a {type(v).__name__}"
-
-
 def _check_config(config: dict) -> None:
     """A ``config`` given to fused_moe: the keys of ``tile_config``'s tiles (``gemm2`` a dict of them), BLOCK_M,
     BLOCK_N and BLOCK_K given, each value one the kernels take. Unchecked, a key they do not read (a typo:
@@ -719,13 +714,10 @@ def _check_config(config: dict) -> None:
             raise ValueError(f"fused_moe {where}: keys {unknown} are not the GEMMs' tile keys; it takes {list(keys)} "
                              f"(fp8fx.kernels.fused_moe.tile_config gives the default tiles)")
         for key, v in cfg.items():
-            if key.startswith("BLOCK_") or key == "num_warps":
-                low = 16 if key.startswith("BLOCK_") else 1
-                if type(v) is not int or v < low or v & (v - 1):
-                    raise ValueError(f"fused_moe {where}: {key}={v!r}{_typed(v)}; it takes an int, a power of 2 of "
-                                     f"at least {low}")
-            elif key in ("num_stages", "num_ctas") and (type(v) is not int or v < 1):
-                raise ValueError(f"fused_moe {where}: {key}={v!r}{_typed(v)}; it takes an int of at least 1")
+            if key.startswith("BLOCK_") or key in ("num_warps", "num_stages", "num_ctas"):
+                why = tile_value_refusal(key, v, 16 if key.startswith("BLOCK_") else 1 if key == "num_warps" else None)
+                if why:
+                    raise ValueError(f"fused_moe {where}: {why}")
     missing = [key for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if key not in config]
     if missing:
         raise ValueError(f"fused_moe config {config} has no {missing}; both GEMMs need BLOCK_M, BLOCK_N and BLOCK_K "
