@@ -1061,8 +1061,12 @@ def fp8_gemm(
     elif tickets is None:
         kept = split_k & (split_k - 1) == 0  # (counting in periods takes a split of a power of 2)
         tickets = _tickets.zeroed(a.device, tiles) if kept else torch.zeros(tiles, device=a.device, dtype=torch.int32)
-    elif tickets.numel() < tiles or tickets.dtype != torch.int32:
-        raise ValueError(f"fp8_gemm: split-K needs {tiles} int32 tickets; got {tickets.numel()} {tickets.dtype}")
+    elif (tickets.numel() < tiles or tickets.dtype != torch.int32 or tickets.device != a.device
+          or not tickets.is_contiguous()):
+        # (read as tickets_ptr + tile: a strided view's counters were other tiles', one on another device unreadable)
+        raise ValueError(f"fp8_gemm: split-K needs {tiles} contiguous int32 tickets on {a.device}; got "
+                         f"{tickets.numel()} {tickets.dtype} on {tickets.device}"
+                         + ("" if tickets.is_contiguous() else f", strides {tickets.stride()}"))
     n_parts = a_scale.shape[1] if a_quant in (QUANT_ROWS, QUANT_TENSOR) else 1
     pdl_launch = {"launch_pdl": True} if pdl else {}
     if gemv:  # (its own loads and dot: the tensor-core kernel's TMA and SWAP_AB do not apply)

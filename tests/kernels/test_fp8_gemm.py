@@ -484,6 +484,22 @@ def test_bias_shape_and_dtype_are_checked_before_the_kernel():
             fp8_gemm(xq, wq, xs, ws, bias.long(), torch.float32)
 
 
+def test_split_k_tickets_are_checked_before_the_kernel():
+    """A caller's split-K tickets are read as ``tickets_ptr + tile``: too few were read past their end, a strided view
+    read counters it does not hold (zeroed in the view, not between its elements), tickets on another device
+    failed inside Triton naming a pointer by position; refused, naming what they are and what the launch needs."""
+    from fp8fx.kernels.fp8_gemm import fp8_gemm
+
+    xq, xs, wq, ws, _ = operands(3, 64, 96, [1, -1], [1, -1], "cpu")
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, GROUP_M=1, num_warps=4, num_stages=2, SPLIT_K=2)  # 2 tiles
+    for bad, got in ((torch.zeros(1, dtype=torch.int32), "1 torch.int32 on cpu"),
+                     (torch.zeros(2, dtype=torch.int64), "2 torch.int64 on cpu"),
+                     (torch.zeros(4, dtype=torch.int32)[::2], r"2 torch.int32 on cpu, strides \(2,\)"),
+                     (torch.zeros(2, dtype=torch.int32, device="meta"), "2 torch.int32 on meta")):
+        with pytest.raises(ValueError, match=rf"fp8_gemm: split-K needs 2 contiguous int32 tickets on cpu; got {got}"):
+            fp8_gemm(xq, wq, xs, ws, None, torch.float32, config=cfg, tickets=bad)
+
+
 def test_dtypes_are_checked_before_the_kernel():
     """Operands of dtypes the kernels do not compute with failed deep in Triton's dot ("Unsupported lhs dtype
     fp8e4nv"), and an integer or fp8 out_dtype took the float32 result cast to it (truncated, or rounded to fp8),
