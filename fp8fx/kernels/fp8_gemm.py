@@ -849,6 +849,9 @@ def _check_pdl_keys(cfg: dict, a: torch.Tensor) -> None:
 # The keys of a tile configuration (``fp8_gemm``'s ``config``) each kernel reads - its tiles and options, the host's
 # switches (``TMA``, ``TMA_A``, ``GEMV``, ``B_BITS``) and Triton's launch options - and those a config must give;
 # the GEMV takes the tensor-core tile's TMA / SWAP_AB keys and leaves them (they do not apply to its loads)
+# the least K tile of a dot on fp8 operands: wgmma's and mma.sync's K for 8-bit types is 32 on sm_89 / sm_90 (Triton
+# asserts "K >= 32" compiling BLOCK_K=16 for sm_90; the interpreter runs it), where 16-bit dots take 16
+FP8_DOT_MIN_K = 32
 _LAUNCH_KEYS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 MMA_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "SWAP_AB", "TMA", "TMA_A", "EXACT_CODES",
                    "GEMV", "B_BITS", *PDL_TILE_KEYS, *_LAUNCH_KEYS)
@@ -858,15 +861,17 @@ _CHECKED_CONFIGS: set = set()  # (a configuration that passed ``_check_config``:
 _BOOL_KEYS = ("SWAP_AB", "TMA", "TMA_A", "EXACT_CODES", "GEMV", "B_BITS", "PDL_TRIGGER")
 
 
-def _check_config(cfg: dict, k_groups: bool) -> None:
+def _check_config(cfg: dict, k_groups: bool, fp8_dot: bool) -> None:
     """A tile configuration given to ``fp8_gemm``: its keys those of the kernel it picks (``GEMV``), every key that
-    kernel needs there (BLOCK_K is the K group's with ``k_groups``), each of a value it takes. Unchecked, a key the
+    kernel needs there (BLOCK_K is the K group's with ``k_groups``), each of a value it takes (``fp8_dot``: the
+    tensor-core kernel's dot is on fp8 operands, whose K tile is at least ``FP8_DOT_MIN_K``). Unchecked, a key the
     kernel does not read (a typo: ``SPLITK``) was dropped by Triton's launch unsaid, ``SPLIT_K=0`` launched no
     program and returned ``torch.empty``'s memory, and a missing key or a tile that is not a power of 2 failed as
-    a KeyError or deep in Triton. A configuration that passed is not checked again (the fused MLP's down GEMM
+    a KeyError or deep in Triton; BLOCK_K=16 with fp8 activations ran in the interpreter and failed to compile for
+    sm_90. A configuration that passed is not checked again (the fused MLP's down GEMM
     passes its tile at every call: 8 us of checks on a shared CPU, 1.5 us a lookup after the first)."""
     try:
-        seen = (tuple(cfg.items()), tuple(map(type, cfg.values())), k_groups)  # (64.0 == 64: the types too)
+        seen = (tuple(cfg.items()), tuple(map(type, cfg.values())), k_groups, fp8_dot)  # (64.0 == 64: the types too)
         if seen in _CHECKED_CONFIGS:
             return
     except TypeError:  # (an unhashable value: checked, and refused below or by Triton)
@@ -884,15 +889,16 @@ def _check_config(cfg: dict, k_groups: bool) -> None:
     if missing:
         raise ValueError(f"fp8_gemm: config {cfg} has no {missing}; {kernel} needs {list(need)} "
                          f"(fp8fx.kernels.fp8_gemm.tile_config gives the default tile)")
-    least = 1 if gemv else 16  # (tl.dot's least dims)
+    least = 1 if gemv else 16  # (tl.dot's least dims; K of an fp8 dot: FP8_DOT_MIN_K)
     for key, v in cfg.items():
         if key in _BOOL_KEYS:
             if type(v) is not bool and v not in (0, 1):
                 raise ValueError(f"fp8_gemm: config {key}={v!r}; it takes True or False")
             continue
         if key.startswith("BLOCK_") or key == "num_warps":
+            floor = FP8_DOT_MIN_K if key == "BLOCK_K" and fp8_dot and not gemv else least
             why = tile_value_refusal(key, v, 1 if key in ("num_warps", "BLOCK_M") or (key == "BLOCK_K" and k_groups)
-                                     else least)
+                                     else floor)
         elif key in ("SPLIT_K", "GROUP_M", "num_stages", "K_STAGES", "num_ctas"):
             why = tile_value_refusal(key, v)
         else:  # (PRE_WAIT: _check_pdl_keys; maxnreg: Triton's)
@@ -1025,7 +1031,7 @@ def fp8_gemm(
     cfg = dict(config or for_device(tile_config(m, n, k, a_quant=a_quant != NO_QUANT, transposed=a_fp8,
                                                 k_groups=bool(group_k)), a.device))
     if config:
-        _check_config(cfg, bool(group_k))
+        _check_config(cfg, bool(group_k), a_fp8)
     if a_quant != NO_QUANT and not config:  # (a 16-bit a: the 64-row tiles' TMA copies were timed for fp8 a only)
         cfg.pop("TMA", None), cfg.pop("TMA_A", None)
     gemv = cfg.get("GEMV", False)
@@ -1046,6 +1052,11 @@ def fp8_gemm(
         raise ValueError(f"fp8_gemm: the GEMV kernel (config GEMV=True) takes one row and K groups of a multiple of "
                          f"16; got M={m}, K groups {group_k}")
     if group_k and not gemv:  # the tensor-core kernel scales each K step's partial product: a step is a group
+        if a_fp8 and group_k[0] < FP8_DOT_MIN_K:
+            raise ValueError(f"fp8_gemm: K groups of {group_k[0]} with fp8 activations on the tensor-core kernel, "
+                             f"whose K step is a group: an fp8 dot takes K steps of {FP8_DOT_MIN_K} or more on sm_90; "
+                             f"quantize in groups of {FP8_DOT_MIN_K}-256 (one row takes the GEMV kernel: "
+                             f"config GEMV=True)")
         cfg["BLOCK_K"] = group_k[0]
     if not gemv:  # (the GEMV pipelines its loads by its own K_STAGES, not by the launch's num_stages)
         # (a 16-bit a - weight-only, a_quant - doubles its tile)

@@ -73,7 +73,7 @@ import triton.language as tl
 from fp8fx import quant
 from fp8fx.kernels import tickets as _tickets
 from fp8fx.kernels.fp8_gemm import (_all_rows_amax, _hopper, _max_nan, _pdl_start, _rows_amax, _scale_of,
-                                    _to_fp8_range, imprecise_k, tile_value_refusal)
+                                    _to_fp8_range, FP8_DOT_MIN_K, imprecise_k, tile_value_refusal)
 from fp8fx.kernels.launch import cdiv, next_power_of_2
 
 
@@ -703,7 +703,8 @@ def _check_config(config: dict) -> None:
     """A ``config`` given to fused_moe: the keys of ``tile_config``'s tiles (``gemm2`` a dict of them), BLOCK_M,
     BLOCK_N and BLOCK_K given, each value one the kernels take. Unchecked, a key they do not read (a typo:
     ``num_stage``) was dropped by Triton's launch unsaid, a missing tile failed as a KeyError and a tile that is not
-    a power of 2 of 16 or more (the fp8 dot's least) deep in Triton."""
+    a power of 2 of 16 or more (the fp8 dot's least; 32 for BLOCK_K, which BLOCK_K=16 compiled for sm_90 failed
+    on) deep in Triton."""
     gemm2 = config.get("gemm2", {})
     if not isinstance(gemm2, dict):
         raise ValueError(f"fused_moe config: gemm2={gemm2!r}; it takes a dict of the second GEMM's own tile keys "
@@ -715,7 +716,9 @@ def _check_config(config: dict) -> None:
                              f"(fp8fx.kernels.fused_moe.tile_config gives the default tiles)")
         for key, v in cfg.items():
             if key.startswith("BLOCK_") or key in ("num_warps", "num_stages", "num_ctas"):
-                why = tile_value_refusal(key, v, 16 if key.startswith("BLOCK_") else 1 if key == "num_warps" else None)
+                least = FP8_DOT_MIN_K if key == "BLOCK_K" else 16 if key.startswith("BLOCK_") else 1 if (
+                    key == "num_warps") else None  # (the fp8 dot's least M / N, and K: FP8_DOT_MIN_K)
+                why = tile_value_refusal(key, v, least)
                 if why:
                     raise ValueError(f"fused_moe {where}: {why}")
     missing = [key for key in ("BLOCK_M", "BLOCK_N", "BLOCK_K") if key not in config]

@@ -588,3 +588,16 @@ def test_gluon_decode_study_compiles_for_sm90(rows, split, fast):
     # the ring's 4 stages of 2 weight boxes before the wait, the activation's 8 after it (and the loop's refills)
     assert sum(c < wait for c in copies) == 8 and sum(c > wait for c in copies) >= 8
     assert "wgmma.mma_async" in ptx and ".local" not in ptx
+
+
+def test_least_k_step_of_each_dot_compiles_for_sm90():
+    """``fp8_gemm``'s config check takes BLOCK_K of 16 for weight-only (a 16-bit dot) and of ``FP8_DOT_MIN_K`` for
+    fp8 activations: both compile for sm_90, and an fp8 dot of K 16 - which the interpreter runs - does not (so the
+    floor is the compiler's, not a guess)."""
+    from fp8fx.kernels.fp8_gemm import FP8_DOT_MIN_K
+
+    cfg = dict(BLOCK_M=64, BLOCK_N=64, GROUP_M=1, num_warps=4, num_stages=3)
+    assert compile_for_hopper("bf16", LAYOUTS["per-row"], {**cfg, "BLOCK_K": 16}).asm["cubin"]
+    assert compile_for_hopper("fp8e4nv", LAYOUTS["per-row"], {**cfg, "BLOCK_K": FP8_DOT_MIN_K}).asm["cubin"]
+    with pytest.raises(Exception, match="K >= 32"):
+        compile_for_hopper("fp8e4nv", LAYOUTS["per-row"], {**cfg, "BLOCK_K": FP8_DOT_MIN_K // 2})

@@ -557,11 +557,20 @@ def test_configs_are_checked_before_the_kernel():
                           ("BLOCK_N", 48, "; it takes an int, a power of 2 of at least 16"),
                           ("BLOCK_M", 16.0, " is a float; it takes an int, a power of 2"),
                           ("BLOCK_M", np.int64(16), " is a int64; it takes an int, a power of 2"),
-                          ("BLOCK_K", 8, "; it takes an int, a power of 2 of at least 16"),
+                          ("BLOCK_K", 8, "; it takes an int, a power of 2 of at least 32"),
+                          # (an fp8 dot's K tile: BLOCK_K=16 ran in the interpreter, failed to compile for sm_90)
+                          ("BLOCK_K", 16, "; it takes an int, a power of 2 of at least 32"),
                           ("num_warps", 3, "; it takes an int, a power of 2 of at least 1"),
                           ("SWAP_AB", "yes", "; it takes True or False")):
         with pytest.raises(ValueError, match=re.escape(f"fp8_gemm: config {key}={v!r}{takes}")):
             fp8_gemm(xq, wq, xs, ws, None, torch.float32, config={**mma, key: v})
+    # K groups of 16 on fp8 activations in the tensor-core kernel, whose K step is a group (one row of them takes the
+    # GEMV kernel, and weight-only K steps of 16: the interpreter check runs both)
+    xg, xgs, wg, wgs, _ = operands(3, 64, 96, [1, 16], [16, 16], "cpu")
+    with pytest.raises(ValueError, match=re.escape("fp8_gemm: K groups of 16 with fp8 activations on the tensor-core "
+                                                   "kernel, whose K step is a group: an fp8 dot takes K steps of 32 "
+                                                   "or more on sm_90; quantize in groups of 32-256")):
+        fp8_gemm(xg, wg, xgs, wgs, None, torch.float32, a_block=(1, 16), b_block=(16, 16))
     # the GEMV: tiles of fewer rows than a tensor-core dot's 16 (its own BLOCK_M may be left out), K_STAGES its own
     with pytest.raises(ValueError, match=re.escape("fp8_gemm: config K_STAGES=0; it takes an int of at least 1")):
         fp8_gemm(xq[:1], wq, xs[:1], ws, None, torch.float32, config={**gemv_config(64, 96), "K_STAGES": 0})
@@ -692,6 +701,9 @@ INTERPRETER_CHECK = textwrap.dedent(
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-3, wb
         y = fp8_gemm(x, wq, None, ws, None, torch.float32, config={**cfg, "SWAP_AB": True}, b_block=wb)
         assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-3, (wb, "swap")
+        if wb[1] == -1:  # K steps of 16: a 16-bit dot's least (an fp8 dot's is 32, FP8_DOT_MIN_K)
+            y = fp8_gemm(x, wq, None, ws, None, torch.float32, config={**cfg, "BLOCK_K": 16}, b_block=wb)
+            assert ((y.double() - ref).abs().max() / ref.abs().max()).item() < 1e-3, (wb, "steps of 16")
     # the GEMV kernel (one row): ragged N and K, K split evenly and not (96 in 6 steps of 16 over 4 splits: the
     # last split has none), K steps that leave a ragged last one; weight-only with row blocks of the weight scale
     for (n, k), (xb, wb) in [((40, 96), ([1, -1], [1, -1])), ((33, 70), ([-1, -1], [-1, -1])),

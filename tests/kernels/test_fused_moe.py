@@ -806,7 +806,10 @@ def test_fused_moe_config_keys_and_values_are_checked():
         (dict(cfg, gemm2=None), r"gemm2=None; it takes a dict"),
         (dict(cfg, gemm2=256), r"gemm2=256; it takes a dict"),
         (dict(cfg, BLOCK_N=24), r"fused_moe config: BLOCK_N=24; it takes an int, a power of 2 of at least 16"),
-        (dict(cfg, BLOCK_K=8), r"fused_moe config: BLOCK_K=8; it takes an int, a power of 2 of at least 16"),
+        (dict(cfg, BLOCK_K=8), r"fused_moe config: BLOCK_K=8; it takes an int, a power of 2 of at least 32"),
+        # (the fp8 dot's K tile: BLOCK_K=16 ran in the interpreter and failed to compile for sm_90)
+        (dict(cfg, gemm2=dict(BLOCK_K=16)), r"fused_moe config gemm2: BLOCK_K=16; it takes an int, a power of 2 of "
+                                            r"at least 32"),
         (dict(cfg, gemm2=dict(BLOCK_N=64.0)), r"fused_moe config gemm2: BLOCK_N=64.0 is a float; it takes an int, a "
                                               r"power of 2"),
         (dict(cfg, BLOCK_M=np.int64(16)), re.escape(f"BLOCK_M={np.int64(16)!r} is a int64; it takes an int")),
