@@ -445,19 +445,29 @@ def _fp8_schemes(
                                      "(cast after quantize_?); quantize_ the bf16 model again, then save (nothing was "
                                      "written)")
     conv1d = [f for f in schemes if is_conv1d_class(type(modules.get(f)))]
-    if conv1d:
-        say.warning("fp8fx: save_checkpoint writes %d Conv1D layers (%s) in high precision (dequantized), in the "
-                    "ignore list: %s", len(conv1d), _shown(conv1d), CONV1D_IN_HIGH_PRECISION)
-    demoted = conv1d + [f for f in _split_groups(modules, schemes, say) if f not in conv1d]
+    split, split_warning = _split_groups(modules, schemes)
+    demoted = conv1d + [f for f in split if f not in conv1d]
     for f in demoted:
         del schemes[f]
     if not schemes:
-        why = (f"a Conv1D ({CONV1D_IN_HIGH_PRECISION})" if set(demoted) <= set(conv1d) else
-               "in a fused group whose other layers stay in high precision")
-        raise ValueError(f"save_checkpoint: every fp8 layer of the model ({_shown(demoted)}) is {why}, and would be "
-                         "written in high precision; quantize with a scheme the whole group takes, or save the "
-                         "high-precision model and load it with fp8fx.load_checkpoint, which quantizes them as it "
-                         "loads (nothing was written)")
+        # (refused before the Conv1D warning below: GPT-2, whose fp8 layers are all Conv1D, was told they were being
+        # written, then nothing was; and no scheme writes a Conv1D in fp8, so the fused groups' fix does not apply)
+        if set(demoted) <= set(conv1d):
+            raise ValueError(f"save_checkpoint: every fp8 layer of the model ({_shown(demoted)}) is a Conv1D "
+                             f"({CONV1D_IN_HIGH_PRECISION}), and would be written in high precision: the checkpoint "
+                             "would hold no fp8 layer; save the high-precision model instead (the one quantize_ took, "
+                             "or fp8fx.dequantize_(model) then save_pretrained) and load it with "
+                             "fp8fx.load_checkpoint (nothing was written)")
+        raise ValueError(f"save_checkpoint: every fp8 layer of the model ({_shown(demoted)}) is a Conv1D or in a "
+                         "fused group whose other layers stay in high precision, and would be written in high "
+                         "precision; quantize with a scheme the whole group takes, or save the high-precision model "
+                         "and load it with fp8fx.load_checkpoint, which quantizes them as it loads (nothing was "
+                         "written)")
+    if conv1d:
+        say.warning("fp8fx: save_checkpoint writes %d Conv1D layers (%s) in high precision (dequantized), in the "
+                    "ignore list: %s", len(conv1d), _shown(conv1d), CONV1D_IN_HIGH_PRECISION)
+    if split_warning:
+        say.warning("%s", split_warning)
     return schemes, demoted
 
 
@@ -621,11 +631,12 @@ def _fused_groups(names: Iterable[str]) -> list[list[str]]:
     return [members for members in groups.values() if len(members) > 1]
 
 
-def _split_groups(modules: Mapping[str, nn.Module], schemes: Mapping[str, Any], say: logging.Logger = log) -> list[str]:
+def _split_groups(modules: Mapping[str, nn.Module], schemes: Mapping[str, Any]) -> tuple[list[str], str]:
     """The fp8 linears to write in high precision: those of a fused group (``_fused_groups``) with members left in
     high precision (k/v_proj a weight block does not divide): vLLM refuses a layer it fuses from shards of two
-    precisions ("some but not all shards ... are quantized") and loads one the ignore list names whole. Members
-    quantized with different schemes, which vLLM refuses as well, are refused here."""
+    precisions ("some but not all shards ... are quantized") and loads one the ignore list names whole; and the
+    warning that says so ("" if none), for the caller to log once it knows it writes them. Members quantized with
+    different schemes, which vLLM refuses as well, are refused here."""
     demoted: list[str] = []
     why: list[str] = []
     ignored: list[str] = []  # members kept in high precision by the user's ignored_layers
@@ -645,20 +656,17 @@ def _split_groups(modules: Mapping[str, nn.Module], schemes: Mapping[str, Any], 
                 f"but engines run them as one layer of one scheme (vLLM refuses the checkpoint); quantize them with "
                 "one config (nothing was written)"
             )
-    if demoted:
-        listed = ", ".join(ignored[:3]) + (f" and {len(ignored) - 3} more" if len(ignored) > 3 else "")
-        fixes = [f"remove {listed} from ignored_layers (or, to keep the groups in high precision without this "
-                 "warning, add their other layers to it)"] if ignored else []
-        if unfit:
-            fixes.append("quantize with a scheme every layer of the group takes (e.g. a weight block dividing their "
-                         "sizes)")
-        say.warning(
-            "fp8fx: save_checkpoint writes %s in high precision (dequantized from fp8) and in the ignore list: engines "
-            "run each as one layer with the others of its fused group, which stay in high precision (%s%s); to keep "
-            "them fp8, %s",
-            ", ".join(demoted), why[0], f"; and {len(why) - 1} more groups" if len(why) > 1 else "", "; ".join(fixes),
-        )
-    return demoted
+    if not demoted:
+        return demoted, ""
+    listed = ", ".join(ignored[:3]) + (f" and {len(ignored) - 3} more" if len(ignored) > 3 else "")
+    fixes = [f"remove {listed} from ignored_layers (or, to keep the groups in high precision without this "
+             "warning, add their other layers to it)"] if ignored else []
+    if unfit:
+        fixes.append("quantize with a scheme every layer of the group takes (e.g. a weight block dividing their sizes)")
+    more = f"; and {len(why) - 1} more groups" if len(why) > 1 else ""
+    return demoted, (f"fp8fx: save_checkpoint writes {', '.join(demoted)} in high precision (dequantized from fp8) and "
+                     "in the ignore list: engines run each as one layer with the others of its fused group, which "
+                     f"stay in high precision ({why[0]}{more}); to keep them fp8, {'; '.join(fixes)}")
 
 
 def _split(tensors: Mapping[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

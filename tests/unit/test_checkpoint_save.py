@@ -1045,6 +1045,19 @@ def test_a_fused_group_is_saved_in_one_precision(tmp_path, caplog):
         assert t.dtype == expected.dtype and torch.equal(t.view(torch.uint8), expected.view(torch.uint8)), name
 
 
+def test_a_model_of_split_groups_alone_is_refused_without_a_warning_of_a_write(tmp_path, caplog):
+    """Every fp8 layer in a fused group split by the weight block (q_proj fp8, k / v_proj bf16, the rest ignored):
+    nothing would be written in fp8, so it is refused, nothing written, and no warning says they are being written
+    in high precision first (it did, then the refusal followed)."""
+    ignored = [f for f in LINEARS if not f.endswith("q_proj")] + ["lm_head"]
+    model = quantized_tiny(fp8fx.Fp8Config(weight_block_size=[64, 64], ignored_layers=ignored))
+    with caplog.at_level(logging.WARNING, logger="fp8fx"):
+        with pytest.raises(ValueError, match=r"save_checkpoint: every fp8 layer of the model .*q_proj.* is a Conv1D "
+                                             r"or in a fused group whose other layers stay in high precision"):
+            save_checkpoint(model, tmp_path / "saved")
+    assert not (tmp_path / "saved").exists() and "in high precision (dequantized" not in caplog.text
+
+
 def test_a_fused_group_split_by_ignored_layers_says_to_fix_the_ignore_list(tmp_path, caplog):
     """k_proj kept bf16 by ignored_layers (not by the weight block): the warning said to change the weight block,
     which changes nothing; it says to remove the entry from ignored_layers (or ignore the rest of the group)."""
