@@ -846,12 +846,13 @@ def _check_pdl_keys(cfg: dict, a: torch.Tensor) -> None:
     _check_pre_wait(cfg.get("PRE_WAIT", 0), "fp8_gemm: config PRE_WAIT")
 
 
-# The keys of a tile configuration (``fp8_gemm``'s ``config``) each kernel reads - its tiles and options, the host's
-# switches (``TMA``, ``TMA_A``, ``GEMV``, ``B_BITS``) and Triton's launch options - and those a config must give;
-# the GEMV takes the tensor-core tile's TMA / SWAP_AB keys and leaves them (they do not apply to its loads)
 # the least K tile of a dot on fp8 operands: wgmma's and mma.sync's K for 8-bit types is 32 on sm_89 / sm_90 (Triton
 # asserts "K >= 32" compiling BLOCK_K=16 for sm_90; the interpreter runs it), where 16-bit dots take 16
 FP8_DOT_MIN_K = 32
+
+# The keys of a tile configuration (``fp8_gemm``'s ``config``) each kernel reads - its tiles and options, the host's
+# switches (``TMA``, ``TMA_A``, ``GEMV``, ``B_BITS``) and Triton's launch options - and those a config must give;
+# the GEMV takes the tensor-core tile's TMA / SWAP_AB keys and leaves them (they do not apply to its loads)
 _LAUNCH_KEYS = ("num_warps", "num_stages", "num_ctas", "maxnreg")
 MMA_CONFIG_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "GROUP_M", "SPLIT_K", "SWAP_AB", "TMA", "TMA_A", "EXACT_CODES",
                    "GEMV", "B_BITS", *PDL_TILE_KEYS, *_LAUNCH_KEYS)
