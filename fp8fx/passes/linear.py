@@ -45,6 +45,7 @@ from fp8fx.passes.base import Fp8Pass, PassContext, fake_value, input_path, may_
 from fp8fx.passes.base import bytes_saved, dequant_args
 from fp8fx.report import NOT_QUANTIZED, ROOT, Site
 from fp8fx.weights.linear import is_conv1d_class
+from fp8fx.weights.views import dtype_fix
 
 log = logging.getLogger("fp8fx")
 
@@ -342,12 +343,13 @@ def _refuse_mixed_dtypes(fqn: str, x: fx.Node, w: fx.Node) -> None:
     xd, wd = (getattr(fake_value(n), "dtype", None) for n in (x, w))
     if not (isinstance(w, fx.Node) and w.target in _DEQUANT) or xd is None or wd is None or xd == wd:
         return
+    # (torch.autocast casts a float32 / 16-bit activation to its dtype, never a float64 or an integer one)
+    autocast = ", or run the model under torch.autocast" if xd in _ACT_DTYPES else ""
     raise TypeError(
         f"fp8fx: {fqn}'s weight is {wd} (the fp8 layer's weight, dequantized to the dtype the layer computes in) and "
         f"its linear gets a {xd} activation, outside torch.autocast, which torch's linear refuses (mat1 and mat2 must "
-        f"have the same dtype): an fp8 layer computes in the dtype its model was quantized in or last cast to. Cast "
-        f"the model as a whole - model.to({xd}) makes its fp8 layers compute in {xd}, their codes and scales kept - "
-        f"or the input to {wd}, or run the model under torch.autocast")
+        f"have the same dtype): an fp8 layer computes in the dtype its model was quantized in or last cast to. "
+        f"{dtype_fix(xd, wd)}{autocast}")
 
 
 def _hop_operands(node: fx.Node) -> list:

@@ -22,6 +22,7 @@ from typing import Any, Optional
 
 import torch
 
+from fp8fx import quant
 from fp8fx.lowerings import compat
 
 log = logging.getLogger("fp8fx")
@@ -126,10 +127,22 @@ def _name_dtype_mismatch(func, args: tuple, kwargs: dict, error: RuntimeError) -
     raise RuntimeError(
         f"{weight._fp8fx_of} is {weight.dtype} (the fp8 layer's weight, dequantized to the dtype the layer computes "
         f"in) and {getattr(func, '__name__', func)} got a {other.dtype} tensor with it ({error}): an fp8 layer computes "
-        "in the dtype its model was quantized in or last cast to. Cast the model as a whole - model.to("
-        f"{other.dtype}) makes its fp8 layers compute in {other.dtype}, their codes and scales kept - or the input to "
-        f"{weight.dtype}. (PEFT's prepare_model_for_kbit_training casts every bf16 / fp16 parameter but the fp8 codes "
-        f"to float32: call model.to(torch.float32) after it, or leave it out)") from error
+        f"in the dtype its model was quantized in or last cast to. {dtype_fix(other.dtype, weight.dtype)}. (PEFT's "
+        "prepare_model_for_kbit_training casts every bf16 / fp16 parameter but the fp8 codes to float32: call "
+        "model.to(torch.float32) after it, or leave it out)") from error
+
+
+def dtype_fix(given: torch.dtype, weight: torch.dtype) -> str:
+    """The fix for an fp8 layer computing in ``weight`` given an input of ``given`` (eager here, the linear pass's
+    compile-time refusal): a cast of the model as a whole where ``given`` is a dtype fp8 layers compute in
+    (``quant.COMPUTE_DTYPES``: bf16/fp16/fp32, float64 as the reference), else a cast of the input. A float8 input
+    (fp8 codes passed where an activation belongs) was told ``model.to(torch.float8_e4m3fn)``, a cast quantize_'s
+    model refuses (``fp8fx.weights.linear``), and an integer one would have been told ``model.to(torch.int64)``."""
+    if given in quant.COMPUTE_DTYPES:
+        return (f"Cast the model as a whole - model.to({given}) makes its fp8 layers compute in {given}, their codes "
+                f"and scales kept - or the input to {weight}")
+    return (f"{given} is no dtype an fp8 layer computes in (bf16/fp16/fp32, or float64 as a reference): cast the "
+            f"input to {weight}, or to another of those with the model cast to it (model.to(torch.float32))")
 
 
 def dequantized(w: torch.Tensor, owner: torch.nn.Module, attr: str) -> torch.Tensor:

@@ -359,6 +359,24 @@ def test_an_input_of_another_dtype_is_refused_naming_the_layer_and_the_cast():
     assert got.dtype == torch.float32 and rel_err(got, want.float()) < 1e-5
 
 
+def test_an_input_of_a_dtype_no_layer_computes_in_is_told_to_cast_the_input():
+    """An fp8 (float8_e4m3fn) input on a bf16 fp8 layer - codes passed where an activation belongs - was told to cast
+    the model as a whole, model.to(torch.float8_e4m3fn), a cast fp8fx refuses: the fix offered is a cast of the
+    input, as for an integer one; a float64 input keeps model.to(torch.float64), the model's float64 reference."""
+    model = quantized_pair()
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(RuntimeError, match=r"^0\.weight is torch\.bfloat16 .* got a torch\.float8_e4m3fn tensor .*"
+                                           r"torch\.float8_e4m3fn is no dtype an fp8 layer computes in .*: cast the "
+                                           r"input to torch\.bfloat16") as raised:
+        model(x.to(torch.float8_e4m3fn))
+    assert "model.to(torch.float8_e4m3fn)" not in str(raised.value)
+    with pytest.raises(RuntimeError, match=r"^0\.weight is torch\.bfloat16 .* got a torch\.float64 tensor .*"
+                                           r"model\.to\(torch\.float64\) makes its fp8 layers compute in"):
+        model(x.double())
+    with pytest.raises(ValueError, match=r"cast to torch\.float8_e4m3fn, but fp8 layers compute in"):
+        model.to(torch.float8_e4m3fn)  # (why the old advice was wrong)
+
+
 def test_peft_kbit_preparation_gets_the_cast_to_make():
     """PEFT's prepare_model_for_kbit_training casts every bf16 parameter but the fp8 codes to float32; the first fp8
     layer then failed with torch's unnamed dtype error. It names the layer and model.to(torch.float32), after which
