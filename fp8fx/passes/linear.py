@@ -326,8 +326,13 @@ def _mixed_dtypes(node: fx.Node, x, w, bias) -> str:
     if len(set(dtypes.values())) < 2 or _under_autocast(node, values["activation"].device.type):
         return ""
     shown = ", ".join(f"{k} {v}" for k, v in dtypes.items()).replace("torch.", "")
+    # (torch.autocast casts no float64 or integer activation; a layer cast to an integer or 8-bit dtype is refused)
+    act = dtypes.get("activation")
+    fix = ("cast the input (or the layer) to one dtype, or run it under torch.autocast" if act in _ACT_DTYPES else
+           "cast the input (or the layer) to one dtype" if act in quant.COMPUTE_DTYPES else
+           f"cast the input to the layer's dtype ({str(act).replace('torch.', '')} is no dtype a layer computes in)")
     return (f"{MIXED_DTYPES} ({shown}) outside torch.autocast: a linear takes one dtype, and torch raises on it as "
-            "eager does; cast the input (or the layer) to one dtype, or run it under torch.autocast")
+            f"eager does; {fix}")
 
 
 MIXED_DTYPES = "dtypes differ"
@@ -1043,7 +1048,17 @@ class LinearPass(Fp8Pass):
             return (f"weight is {wv.dim()}-D {list(wv.shape)}, not a linear's [N, K] (stacked experts are the "
                     "MoE pass's)")
         xv = fake_value(x)
-        if isinstance(xv, torch.Tensor) and xv.dtype == torch.float64:  # model.double(): the exact reference
+        if (isinstance(xv, torch.Tensor) and xv.dtype not in _ACT_DTYPES and site is not None
+                and getattr(wv, "dtype", xv.dtype) != xv.dtype):
+            # a float64 / integer / float8 activation into a layer of another dtype (a bf16 model fed float64): torch's
+            # linear refuses it, so it is a mixed-dtype site, which the pass refuses naming the layer, as it does a
+            # float32 activation there. It was the float64 reference (the weight is no float64) or "not
+            # bf16/fp16/fp32", and the call failed with torch's error naming no layer
+            mixed = _mixed_dtypes(site, x, w, bias)
+            if mixed:
+                return mixed
+        if (isinstance(xv, torch.Tensor) and xv.dtype == torch.float64
+                and getattr(wv, "dtype", torch.float64) == torch.float64):  # model.double(): the exact reference
             return FLOAT64_REFERENCE
         if not isinstance(xv, torch.Tensor) or xv.dtype not in _ACT_DTYPES:
             return f"activation dtype {getattr(xv, 'dtype', None)} is not bf16/fp16/fp32"

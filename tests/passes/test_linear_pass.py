@@ -1346,6 +1346,43 @@ def test_a_linear_of_mixed_dtypes_is_torchs_outside_autocast():
             assert out.dtype == ref.dtype == torch.bfloat16 and rel_err(out.float(), ref.float()) < 0.05
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.int64, torch.float8_e4m3fn])
+def test_an_activation_no_fp8_gemm_takes_into_a_layer_of_another_dtype_is_refused_naming_it(dtype):
+    """A float64 activation into a bf16 fp8 model was reported as "the float64 reference, computed with the dequantized
+    weight" (the weight is bf16, no reference), an int64 or float8 one as "not bf16/fp16/fp32", and the compile went
+    through: the call failed with torch's "mat1 and mat2 must have the same dtype", naming no layer. Such a site is
+    one of mixed dtypes, refused at compile naming the layer as a float32 activation there is, with a fix that
+    works: model.to(dtype) for float64 (the reference), a cast of the input for dtypes no fp8 layer computes in
+    (fp8fx refuses model.to(torch.int64) / model.to(torch.float8_e4m3fn)); torch.autocast, which casts no float64 or
+    integer activation, only for float32 / 16-bit ones. model.double()'s own float64 is still the reference."""
+    torch.manual_seed(0)
+    model = fp8fx.quantize_(nn.Sequential(nn.Linear(64, 32)).to(torch.bfloat16))
+    x = torch.randn(3, 64).to(dtype)
+    torch._dynamo.reset()
+    backend = Fp8Backend()
+    name = str(dtype).replace("torch.", "")
+    with torch.no_grad(), pytest.raises(RuntimeError, match=fr"fp8fx: 0's weight is torch\.bfloat16 .* gets a "
+                                                            fr"{dtype} activation, outside torch\.autocast") as raised:
+        torch.compile(model, backend=backend)(x)
+    message = str(raised.value)
+    assert "run the model under torch.autocast" not in message, message
+    if dtype == torch.float64:
+        assert "model.to(torch.float64)" in message, message
+    else:
+        assert "model.to(" + str(dtype) not in message and "cast the input to torch.bfloat16" in message, message
+    assert [(s.fqn, s.rewritten, s.reason.split(" outside")[0]) for s in backend.report.sites] == [
+        ("0", False, f"dtypes differ (activation {name}, weight bfloat16, bias bfloat16)")], backend.report
+    assert "torch.autocast" not in backend.report.sites[0].reason.split("outside torch.autocast")[1]
+    if dtype == torch.float64:  # the model cast as the refusal says: the float64 reference
+        torch._dynamo.reset()
+        backend = Fp8Backend()
+        with torch.no_grad():
+            got = torch.compile(model.double(), backend=backend)(x)
+            assert torch.equal(got, model(x))
+        assert [s.reason for s in backend.report.sites] == [
+            "activation dtype torch.float64: the float64 reference, computed with the dequantized weight"]
+
+
 @torch.library.custom_op("fp8fx_test::scale_in_place", mutates_args=("x",))  # vLLM's fused_add_rms_norm is such an op
 def _scale_in_place(x: torch.Tensor) -> None:
     x.mul_(2.0).add_(1.0)
