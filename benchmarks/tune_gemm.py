@@ -518,13 +518,29 @@ def _read_speed() -> float:
     return big.numel() * 2 / triton.testing.do_bench(lambda: big.sum(), rep=200, return_mode="median") / 1e9
 
 
+def _down_launch(m: int, dim: int, hidden: int, g: int, w2: torch.Tensor) -> tuple:
+    """(config, pdl) of the fused MLP's down GEMM as ``gated_mlp`` launches it (h in 1 x ``g`` groups, or ``g`` 0:
+    per-token h at 1-16 rows, no rows pass): its default tile, and on sm_90 as a programmatic dependent with
+    ``decode_pdl_keys`` in the config. The tile alone as ``config`` would launch it plainly (``fp8_gemm`` takes
+    ``DECODE_PDL`` only without a config), where the layer rows' default launches and the shipped op's down GEMM are
+    PDL dependents: the rows would not compare alike."""
+    from fp8fx.kernels import gated_mlp
+    from fp8fx.kernels.fp8_gemm import decode_pdl_keys, for_device
+
+    cfg = {"SPLIT_K": 1, **for_device(gated_mlp.down_tile_config(m, dim, hidden, h_group=g), w2.device)}
+    pdl = gated_mlp._hopper(w2)
+    if pdl:
+        cfg.update(decode_pdl_keys(w2, m, gemv=cfg.get("GEMV", False)) or {})
+    return cfg, pdl
+
+
 def _hbm_makers(m: int, dim: int = 4096, hidden: int = 14336, cublas: bool = False) -> dict:
     """name -> (weight bytes, maker): each maker call draws fresh random operands and returns a closure launching
     one kernel on them at its default tile: every Llama-3-8B decode GEMM (``fp8_gemm``, per-token x, per-channel
     weights; with ``cublas`` also ``torch._scaled_mm`` on the same operands) and the fused MLP's two kernels alone
-    (gate/up per token and with h in 1x128 groups; its down GEMM on h as that kernel leaves it)."""
+    (gate/up per token and with h in 1x128 groups; its down GEMM on h as that kernel leaves it, launched as the op
+    launches it: ``_down_launch``)."""
     from fp8fx.kernels import fp8_gemm as kernels
-    from fp8fx.kernels.gated_mlp import down_tile_config
 
     def layer(n, k, scaled_mm=False):
         def make():
@@ -539,14 +555,15 @@ def _hbm_makers(m: int, dim: int = 4096, hidden: int = 14336, cublas: bool = Fal
         def make():
             h = torch.randn(m, hidden, device="cuda")
             w2, s2 = quant.quantize(torch.randn(dim, hidden, device="cuda") / hidden**0.5, [1, -1])
-            cfg = down_tile_config(m, dim, hidden, h_group=g)
+            cfg, pdl = _down_launch(m, dim, hidden, g, w2)
             if g:
                 hq, hs = quant.quantize(h, [1, g])
-                return lambda: fp8_gemm(hq, w2, hs, s2, None, torch.bfloat16, config=cfg, a_block=(1, g))
+                return lambda: fp8_gemm(hq, w2, hs, s2, None, torch.bfloat16, config=cfg, a_block=(1, g), pdl=pdl)
             # 16-bit h quantized as it is loaded, from the gate/up kernel's tile maxima (32-wide tiles)
             hb = h.bfloat16()
             parts = hb.float().abs().reshape(m, -1, 32).amax(-1)
-            return lambda: fp8_gemm(hb, w2, parts, s2, None, torch.bfloat16, config=cfg, a_quant=kernels.QUANT_ROWS)
+            return lambda: fp8_gemm(hb, w2, parts, s2, None, torch.bfloat16, config=cfg, a_quant=kernels.QUANT_ROWS,
+                                    pdl=pdl)
         return dim * hidden, make
 
     makers = {}

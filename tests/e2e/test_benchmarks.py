@@ -142,3 +142,44 @@ def test_timer_keeps_what_its_graph_replays(monkeypatch):
     del run
     gc.collect()
     assert alive() is None
+
+
+def test_hbm_table_launches_the_fused_down_gemm_as_the_op_does(monkeypatch):
+    """tune_gemm.py --hbm's fused down GEMM rows: the tile and the programmatic dependent launch the shipped fused MLP
+    gives its down GEMM (on sm_90, faked here: pdl=True with ``decode_pdl_keys`` in the config), not the tile alone
+    as a config, which ``fp8_gemm`` launches plainly where the table's layer rows are PDL dependents. Both paths'
+    ``fp8_gemm`` calls recorded, no kernel run; with h in 1x128 groups (1, 16 rows) and per token (1 row)."""
+    import sys
+
+    monkeypatch.syspath_prepend("benchmarks")
+    monkeypatch.delitem(sys.modules, "bench_linear", raising=False)
+    monkeypatch.delitem(sys.modules, "tune_gemm", raising=False)
+    import tune_gemm
+
+    from fp8fx import quant
+    from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels import gated_mlp as fused
+
+    randn = torch.randn
+    monkeypatch.setattr(torch, "randn", lambda *a, **kw: randn(*a, **{**kw, "device": "cpu"}))  # (makers: "cuda")
+    hopper = lambda t, exactly=False: True  # noqa: E731
+    monkeypatch.setattr(kernels, "_hopper", hopper)
+    monkeypatch.setattr(fused, "_hopper", hopper)
+    calls = []
+    record = lambda *a, **kw: calls.append((kw["config"], kw.get("pdl")))  # noqa: E731
+    monkeypatch.setattr(tune_gemm, "fp8_gemm", record)
+    monkeypatch.setattr(fused, "fp8_gemm", record)
+    launch = type("Launch", (), {"__getitem__": lambda self, grid: lambda *a, **kw: None})  # (the gate/up kernel)
+    monkeypatch.setattr(fused, "gated_gemm_kernel", launch())
+    dim, hidden = 256, 1024
+    for m, g in ((1, 128), (16, 128), (1, 0)):
+        label = "h in 1x128 groups" if g else "per-token h"
+        tune_gemm._hbm_makers(m, dim, hidden)[f"fused down GEMM, {label}"][1]()()
+        xq, xs = quant.quantize(torch.randn(m, dim), [1, -1])
+        w1, w3 = (quant.quantize(torch.randn(hidden, dim), [1, -1]) for _ in range(2))
+        w2 = quant.quantize(torch.randn(dim, hidden), [1, -1])
+        fused.gated_mlp(xq, xs, *w1, *w3, *w2, None, fused.QUANT_GROUPS if g else kernels.QUANT_ROWS, None,
+                        torch.bfloat16, torch.bfloat16, h_group=g)
+        table, shipped = calls
+        assert table == shipped and table[1] is True, (m, g, table, shipped)
+        calls.clear()
