@@ -183,3 +183,59 @@ def test_hbm_table_launches_the_fused_down_gemm_as_the_op_does(monkeypatch):
         table, shipped = calls
         assert table == shipped and table[1] is True, (m, g, table, shipped)
         calls.clear()
+
+
+def test_cublas_block_anchor_times_the_gemm_alone(monkeypatch):
+    """bench_linear.cublas_blockwise (the cuBLAS block-scaled anchor of bench_linear.py and tune_gemm.py --block): its
+    callable runs the cuBLAS GEMM alone, on the operands and scale layouts ``fp8fx.ops.cublas_block_scaled_mm``
+    passes it, laid out once outside (that op's copy of the activation scales into an outer-dim-major buffer is a
+    kernel of its own at every call, which the Triton kernels it is set against do not run). The GEMM's call is
+    recorded and stopped (no block-scaled fp8 GEMM on the CPU)."""
+    import sys
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    monkeypatch.syspath_prepend("benchmarks")
+    monkeypatch.delitem(sys.modules, "bench_linear", raising=False)
+    from bench_linear import cublas_blockwise
+
+    from fp8fx import ops, quant
+
+    if not hasattr(torch.nn.functional, "scaled_mm"):
+        pytest.skip("this torch has no F.scaled_mm")
+
+    class Stop(Exception):
+        pass
+
+    class Record(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.gemm = [], None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.overloadpacket.__name__)
+            if "scaled_mm" in str(func):
+                self.gemm = (args, kwargs)
+                raise Stop
+            return func(*args, **(kwargs or {}))
+
+    def gemm(call):
+        mode = Record()
+        with pytest.raises(Stop), mode:
+            call()
+        return mode
+    m, n, k = 32, 256, 512
+    wq, ws = quant.quantize(torch.randn(n, k) / k**0.5, [128, 128])
+    xq, xs = quant.quantize(torch.randn(m, k), [1, 128])
+    anchor = gemm(cublas_blockwise(xq, xs, wq, ws))
+    op = gemm(lambda: ops.cublas_block_scaled_mm(xq, xs, wq, ws, None, torch.bfloat16))
+    assert anchor.ops == [anchor.ops[-1]], anchor.ops  # the GEMM, nothing launched before it
+    assert "copy_" in op.ops, op.ops  # (what the anchor leaves out)
+    (a_args, a_spec), (o_args, o_spec) = (tree_flatten(mode.gemm) for mode in (anchor, op))
+    assert a_spec == o_spec and len(a_args) == len(o_args)
+    for a, o in zip(a_args, o_args):
+        if isinstance(o, torch.Tensor):
+            assert a.stride() == o.stride() and a.dtype == o.dtype and torch.equal(a.float(), o.float())
+        else:
+            assert a == o
