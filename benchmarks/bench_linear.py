@@ -206,7 +206,9 @@ def run_gemms(ms, device, rows, errors, graph_max_m=64):
         with torch.no_grad():
             lin.weight.copy_(w)
         wq, ws = fp8fx.quant.quantize(w, [1, -1])
-        fx_mod, _ = fp8fx_module(lin)
+        # compiled for each M with static shapes, as run_mlp's variants are: with dynamic=None the second M recompiled
+        # with a symbolic one that then served every later M, next to eager anchors of the exact shape
+        fx_mod, _ = fp8fx_module(lin, dynamic=False)
         for m in ms:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             ref = x.double() @ w.double().t()

@@ -239,3 +239,25 @@ def test_cublas_block_anchor_times_the_gemm_alone(monkeypatch):
             assert a.stride() == o.stride() and a.dtype == o.dtype and torch.equal(a.float(), o.float())
         else:
             assert a == o
+
+
+def test_run_gemms_compiles_each_m_static(monkeypatch):
+    """bench_linear.run_gemms compiles its fp8fx linear with static shapes (dynamic=False), as run_mlp's variants are:
+    with torch.compile's default the second M recompiled with a symbolic M that served every later M, timed next to
+    eager anchors of the exact shape. The compile's arguments recorded, nothing run past them."""
+    import sys
+
+    monkeypatch.syspath_prepend("benchmarks")
+    monkeypatch.delitem(sys.modules, "bench_linear", raising=False)
+    import bench_linear
+
+    class Stop(Exception):
+        pass
+
+    def module(lin, backend_kwargs=None, dynamic=None):
+        raise Stop(dynamic)
+    monkeypatch.setattr(bench_linear, "LAYERS", {"tiny": (64, 128)})
+    monkeypatch.setattr(bench_linear, "fp8fx_module", module)
+    with pytest.raises(Stop) as stop:
+        bench_linear.run_gemms([1, 16], "cpu", [], {})
+    assert stop.value.args == (False,)
