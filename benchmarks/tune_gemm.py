@@ -534,13 +534,20 @@ def _down_launch(m: int, dim: int, hidden: int, g: int, w2: torch.Tensor) -> tup
     return cfg, pdl
 
 
+GATE_LABEL = "gate (Fp8Backend()'s gate and up each; gate_up: fuse_horizontal's)"
+AUTO_GROUP_NOTE = " (fuse_mlp's default groups at this M)"
+
+
 def _hbm_makers(m: int, dim: int = 4096, hidden: int = 14336, cublas: bool = False) -> dict:
     """name -> (weight bytes, maker): each maker call draws fresh random operands and returns a closure launching
     one kernel on them at its default tile: every Llama-3-8B decode GEMM (``fp8_gemm``, per-token x, per-channel
-    weights; with ``cublas`` also ``torch._scaled_mm`` on the same operands) and the fused MLP's two kernels alone
-    (gate/up per token and with h in 1x128 groups; its down GEMM on h as that kernel leaves it, launched as the op
-    launches it: ``_down_launch``)."""
+    weights; with ``cublas`` also ``torch._scaled_mm`` on the same operands: gate_up as ``fuse_horizontal`` runs it,
+    gate as the default backend runs gate and up, ``GATE_LABEL``) and the fused MLP's two kernels alone (gate/up per
+    token at 1-16 rows and with h in 1x128 groups, and in ``auto_h_group(m)``'s groups where they are other than 128:
+    1x32 at one row, what ``Fp8Backend(fuse_mlp=True)`` runs there, ``AUTO_GROUP_NOTE``; its down GEMM on h as that
+    kernel leaves it, launched as the op launches it: ``_down_launch``)."""
     from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.passes.mlp import auto_h_group
 
     def layer(n, k, scaled_mm=False):
         def make():
@@ -568,16 +575,19 @@ def _hbm_makers(m: int, dim: int = 4096, hidden: int = 14336, cublas: bool = Fal
 
     makers = {}
     for name, (n, k) in SHAPES.items():
-        if name != "gate":
-            makers[name] = layer(n, k)
-            if cublas:
-                makers[f"{name}, cuBLAS fp8"] = layer(n, k, scaled_mm=True)
+        # gate: the default Fp8Backend() runs gate and up as two GEMMs of this shape (at one row the GEMV kernel,
+        # gemv_fits), gate_up (the tensor-core tile at one row too) is fuse_horizontal's
+        label = GATE_LABEL if name == "gate" else name
+        makers[label] = layer(n, k)
+        if cublas:
+            makers[f"{label}, cuBLAS fp8"] = layer(n, k, scaled_mm=True)
     if cublas:  # what a plain read of each weight size reaches the same way: the bandwidth a kernel of that size has
         for size in sorted({makers[name][0] for name in makers}):
             makers[f"read of {size / 1e6:.1f} MB (torch.sum)"] = (size, lambda size=size: torch.ones(
                 size // 2, device="cuda", dtype=torch.bfloat16).sum)
-    for g in (0, 128) if m <= 16 else (128,):
-        label = "h in 1x128 groups" if g else "per-token h"
+    auto = auto_h_group(m)  # the groups Fp8Backend(fuse_mlp=True) quantizes h in at m rows (mlp_h_group="auto")
+    for g in ((0, 128) if m <= 16 else (128,)) + ((auto,) if auto != 128 else ()):
+        label = (f"h in 1x{g} groups" if g else "per-token h") + (AUTO_GROUP_NOTE if g == auto != 128 else "")
         makers[f"fused gate/up kernel, {label}"] = (2 * hidden * dim, lambda g=g: _gate_up_launch(m, hidden, dim, g))
         makers[f"fused down GEMM, {label}"] = down(g)
     return makers

@@ -148,7 +148,8 @@ def test_hbm_table_launches_the_fused_down_gemm_as_the_op_does(monkeypatch):
     """tune_gemm.py --hbm's fused down GEMM rows: the tile and the programmatic dependent launch the shipped fused MLP
     gives its down GEMM (on sm_90, faked here: pdl=True with ``decode_pdl_keys`` in the config), not the tile alone
     as a config, which ``fp8_gemm`` launches plainly where the table's layer rows are PDL dependents. Both paths'
-    ``fp8_gemm`` calls recorded, no kernel run; with h in 1x128 groups (1, 16 rows) and per token (1 row)."""
+    ``fp8_gemm`` calls recorded, no kernel run; with h in 1x128 groups (1, 16 rows), per token and in 1x32 groups
+    (1 row)."""
     import sys
 
     monkeypatch.syspath_prepend("benchmarks")
@@ -172,9 +173,11 @@ def test_hbm_table_launches_the_fused_down_gemm_as_the_op_does(monkeypatch):
     launch = type("Launch", (), {"__getitem__": lambda self, grid: lambda *a, **kw: None})  # (the gate/up kernel)
     monkeypatch.setattr(fused, "gated_gemm_kernel", launch())
     dim, hidden = 256, 1024
-    for m, g in ((1, 128), (16, 128), (1, 0)):
-        label = "h in 1x128 groups" if g else "per-token h"
-        tune_gemm._hbm_makers(m, dim, hidden)[f"fused down GEMM, {label}"][1]()()
+    for m, g in ((1, 128), (16, 128), (1, 0), (1, 32)):
+        label = f"fused down GEMM, h in 1x{g} groups" if g else "fused down GEMM, per-token h"
+        makers = tune_gemm._hbm_makers(m, dim, hidden)
+        [label] = [name for name in makers if name.startswith(label)]
+        makers[label][1]()()
         xq, xs = quant.quantize(torch.randn(m, dim), [1, -1])
         w1, w3 = (quant.quantize(torch.randn(hidden, dim), [1, -1]) for _ in range(2))
         w2 = quant.quantize(torch.randn(dim, hidden), [1, -1])
@@ -261,3 +264,28 @@ def test_run_gemms_compiles_each_m_static(monkeypatch):
     with pytest.raises(Stop) as stop:
         bench_linear.run_gemms([1, 16], "cpu", [], {})
     assert stop.value.args == (False,)
+
+
+def test_hbm_table_times_the_kernels_the_backends_run(monkeypatch):
+    """tune_gemm.py --hbm's rows: the default backend's gate / up GEMM (gate, 14336x4096, two a layer; gate_up is
+    fuse_horizontal's) at every M, and the fused MLP's kernels with h in ``auto_h_group(m)``'s groups where they are
+    other than 1x128 (1x32 at one row: what fuse_mlp runs there), each labelled as such; no other row added."""
+    import sys
+
+    monkeypatch.syspath_prepend("benchmarks")
+    monkeypatch.delitem(sys.modules, "bench_linear", raising=False)
+    monkeypatch.delitem(sys.modules, "tune_gemm", raising=False)
+    import tune_gemm
+    from fp8fx.passes.mlp import auto_h_group
+
+    n, k = tune_gemm.SHAPES["gate"]
+    fused = ["fused gate/up kernel, per-token h", "fused down GEMM, per-token h", "fused gate/up kernel, h in 1x128 "
+             "groups", "fused down GEMM, h in 1x128 groups"]
+    for m in (1, 16, 64):
+        makers = tune_gemm._hbm_makers(m, cublas=True)  # (builds no tensors: makers)
+        assert makers[tune_gemm.GATE_LABEL][0] == makers[f"{tune_gemm.GATE_LABEL}, cuBLAS fp8"][0] == n * k
+        assert "Fp8Backend()" in tune_gemm.GATE_LABEL and "fuse_horizontal" in tune_gemm.GATE_LABEL
+        auto = [f"fused gate/up kernel, h in 1x32 groups{tune_gemm.AUTO_GROUP_NOTE}",
+                f"fused down GEMM, h in 1x32 groups{tune_gemm.AUTO_GROUP_NOTE}"] if m == 1 else []
+        assert auto_h_group(m) == (32 if m == 1 else 128)
+        assert [name for name in makers if name.startswith("fused")] == (fused if m <= 16 else fused[2:]) + auto
