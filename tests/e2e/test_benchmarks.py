@@ -289,3 +289,32 @@ def test_hbm_table_times_the_kernels_the_backends_run(monkeypatch):
                 f"fused down GEMM, h in 1x32 groups{tune_gemm.AUTO_GROUP_NOTE}"] if m == 1 else []
         assert auto_h_group(m) == (32 if m == 1 else 128)
         assert [name for name in makers if name.startswith("fused")] == (fused if m <= 16 else fused[2:]) + auto
+
+
+def test_mlp_factory_activations_are_order_one(monkeypatch):
+    """bench_linear.mlp_factory (run_mlp's MLP, and the studies'): weights N(0, 1 / K), as bench_decoder_layer's
+    layer_factory draws them, so for x ~ N(0, 1) gate(x), up(x), h and the output are O(1) and the silu works off
+    its linear term (nn.Linear's init divided by sqrt(K) again gave gate(x) a std of 1 / sqrt(3 K): silu(g) ~ g / 2,
+    a near-linear MLP the errors were measured on). Small dims here (the factory's MLP() patched); every call the
+    same bf16 weights."""
+    import sys
+
+    monkeypatch.syspath_prepend("benchmarks")
+    monkeypatch.delitem(sys.modules, "bench_linear", raising=False)
+    import bench_linear
+
+    small = bench_linear.MLP
+    monkeypatch.setattr(bench_linear, "MLP", lambda: small(256, 1024))
+    fresh = bench_linear.mlp_factory("cpu")
+    mlp, again = fresh(), fresh()
+    assert mlp.gate_proj.weight.dtype == torch.bfloat16
+    assert all(torch.equal(a, b) for a, b in zip(mlp.state_dict().values(), again.state_dict().values()))
+    mlp = mlp.float()
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        g, u = mlp.gate_proj(x), mlp.up_proj(x)
+        h = torch.nn.functional.silu(g) * u
+        y = mlp.down_proj(h)
+    assert all(0.8 < t.std() < 1.25 for t in (g, u)), (g.std(), u.std())
+    assert all(0.3 < t.std() < 1 for t in (h, y)), (h.std(), y.std())
+    assert (torch.nn.functional.silu(g) - g / 2).norm() > 0.3 * (g / 2).norm()  # not near-linear
