@@ -18,9 +18,11 @@ ANCHORS.md), from bf16 tokens and a given top-k to the bf16 output:
     programmatic dependents with each ``DIRECT_PDL_TRIGGER`` (``*_pdl1_*``, ``*_pdl2_*``). ``--sweep``'s tile
     configurations take the aligned path, ``--sweep-set direct``'s the direct one.
 Every row is timed as CUDA-graph replays (plain calls where capture fails: listed in the row's
-``graph_capture_failures``). The weight-read floor is all fp8 expert bytes / 4.25 TB/s (the H200's
-measured copy speed; ANCHORS.md's definition); ``touched_floor_ms`` counts only the experts the tokens
-are routed to. Both anchors combine like fp8fx (bf16 terms, float32 sum over top-k).
+``graph_capture_failures``). The weight-read floor is all fp8 expert bytes / the GPU's read speed, measured in
+the run as ``tune_gemm.py --hbm`` does (a sum over 2 GiB: ``read_tbps``, printed; fixed at the H200's 4.25 TB/s
+until h183, 1.39x too tight on an H100's ~3.05); ``anchors_floor_ms`` is ANCHORS.md's own (the bytes / 4.25 TB/s,
+the H200's measured copy speed); ``touched_floor_ms`` counts only the experts the tokens are routed to. Both
+anchors combine like fp8fx (bf16 terms, float32 sum over top-k).
 ``--sweep`` also times a set of tile configurations, ``--profile`` records each GPU kernel's time.
 Writes moe.json under --out. ``--cpu-smoke`` runs tiny shapes under Triton's interpreter (no timing;
 its errors include the interpreter's fp8 conversion bug).
@@ -49,7 +51,7 @@ SHAPES = {"qwen3": (128, 8, 2048, 768), "mixtral": (8, 2, 4096, 14336),  # E, to
           "gpt_oss": (32, 4, 2880, 2880), "gpt_oss_120b": (128, 4, 2880, 2880),  # (timed with SiLU*mul)
           "nemotron_h": (128, 6, 2688, 1856)}  # ungated: w13 [E, I, H], relu(up)^2; fp8fx alone (no ungated anchor)
 UNGATED = {"nemotron_h"}
-HBM_TBPS = 4.25
+HBM_TBPS = 4.25  # ANCHORS.md's floor: the H200's measured copy speed (``anchors_floor_ms``; the CPU smoke's floor)
 BOTH_PATHS_MAX_TOKENS = 8  # up to this many tokens both of fused_moe's paths are timed (``direct``)
 SWEEPS = {  # flat: both GEMMs; "gemm2": the second GEMM's own tiles (the first has two accumulators)
     "per-channel": [
@@ -199,8 +201,18 @@ SCHEMES = {  # name: (expert weight block, activation block)
 }
 
 
+def read_speed(device: str) -> float:
+    """TB/s the weight-read floor divides by: on the GPU its read speed, measured now (``tune_gemm._read_speed``, as
+    ``tune_gemm.py --hbm`` measures it), on the CPU (no timing) ANCHORS.md's ``HBM_TBPS``."""
+    if device != "cuda":
+        return HBM_TBPS
+    from tune_gemm import _read_speed  # (benchmarks/ is on sys.path)
+
+    return _read_speed()
+
+
 def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", profile: bool = False,
-              sweep_set: str = "") -> dict:
+              sweep_set: str = "", read_tbps: float = HBM_TBPS) -> dict:
     e, k, h, i = SHAPES[shape]
     w_block, act_block = SCHEMES[scheme]
     if device != "cuda":  # tiny CPU shapes: blocks that fit them
@@ -269,8 +281,9 @@ def run_shape(shape, tokens, device, sweep: bool, scheme: str = "per-channel", p
         ms = time_ms(fn, graph)
         row[f"{name}_ms"] = min(ms, row.get(f"{name}_ms", ms))
     row["graph_capture_failures"] = FALLBACKS[fallbacks:]  # those timings are plain calls
-    # ANCHORS.md's floor reads every expert; the experts these tokens touch are the tighter one
-    row["floor_ms"] = (q13.numel() + q2.numel()) / (HBM_TBPS * 1e9)
+    # the floors read every expert, as ANCHORS.md's does; the experts these tokens touch are the tighter one
+    row["floor_ms"] = (q13.numel() + q2.numel()) / (read_tbps * 1e9)  # (``read_speed``)
+    row["anchors_floor_ms"] = (q13.numel() + q2.numel()) / (HBM_TBPS * 1e9)
     row["experts_touched"] = int(ids.unique().numel())
     row["touched_floor_ms"] = row["floor_ms"] * row["experts_touched"] / e
     if "bf16_grouped_mm_ms" in row:
@@ -324,13 +337,17 @@ def main(argv=None) -> int:
     else:
         device, tokens, shapes = "cuda", [int(t) for t in args.tokens.split(",")], args.shapes.split(",")
     os.makedirs(args.out, exist_ok=True)
-    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device == "cuda" else "cpu")
+    env = dict(torch=torch.__version__, device=torch.cuda.get_device_name() if device == "cuda" else "cpu",
+               read_tbps=read_speed(device))
+    print(f"weight-read floor at {env['read_tbps']:.2f} TB/s ("
+          + ("the read speed, a sum of 2 GiB" if device == "cuda" else "ANCHORS.md's; not measured on the CPU")
+          + f"); anchors_floor_ms at ANCHORS.md's {HBM_TBPS} TB/s", flush=True)
     rows, failed = [], False
     for shape, scheme in ((sh, sc) for sh in shapes for sc in args.schemes.split(",")):
         for t in tokens:
             start = time.perf_counter()
             try:
-                row = run_shape(shape, t, device, args.sweep, scheme, args.profile, args.sweep_set)
+                row = run_shape(shape, t, device, args.sweep, scheme, args.profile, args.sweep_set, env["read_tbps"])
             except Exception as exc:  # noqa: BLE001 - one row's failure is reported, the others still run
                 traceback.print_exc()
                 row, failed = dict(shape=shape, scheme=scheme, tokens=t, error=repr(exc)[:500]), True

@@ -15,6 +15,8 @@ def test_bench_moe_cpu_smoke(tmp_path):
     assert {r["scheme"] for r in rows} == {"per-channel", "block"}
     # fp8 error vs bf16 (the interpreter's fp8 conversion bug included): a broken kernel is far off
     assert all(r["fp8fx_err_vs_bf16"] < 0.15 for r in rows), rows
+    # the weight-read floor's speed (no timing here, so no floor): on the CPU ANCHORS.md's 4.25 TB/s, recorded
+    assert json.loads((tmp_path / "moe.json").read_text())["env"]["read_tbps"] == 4.25
 
 
 def test_bench_moe_layer_cpu_smoke(tmp_path):
@@ -318,3 +320,19 @@ def test_mlp_factory_activations_are_order_one(monkeypatch):
     assert all(0.8 < t.std() < 1.25 for t in (g, u)), (g.std(), u.std())
     assert all(0.3 < t.std() < 1 for t in (h, y)), (h.std(), y.std())
     assert (torch.nn.functional.silu(g) - g / 2).norm() > 0.3 * (g / 2).norm()  # not near-linear
+
+
+def test_bench_moe_floor_at_the_measured_read_speed(monkeypatch):
+    """bench_moe.py's weight-read floor divides by the GPU's read speed measured in the run, by tune_gemm's own
+    measure (``tune_gemm._read_speed``, faked here: 3.05 TB/s, an H100's), not by the H200's 4.25 TB/s whatever the
+    GPU (1.39x too tight a floor on an H100); without a GPU ANCHORS.md's 4.25."""
+    import sys
+
+    monkeypatch.syspath_prepend("benchmarks")
+    for name in ("bench_linear", "tune_gemm", "bench_moe"):
+        monkeypatch.delitem(sys.modules, name, raising=False)
+    import bench_moe
+    import tune_gemm
+
+    monkeypatch.setattr(tune_gemm, "_read_speed", lambda: 3.05)
+    assert bench_moe.read_speed("cuda") == 3.05 and bench_moe.read_speed("cpu") == bench_moe.HBM_TBPS == 4.25
