@@ -386,12 +386,7 @@ def cublas_blockwise(xq, xs, wq, ws):
     F = torch.nn.functional
     if not hasattr(F, "scaled_mm"):
         return None
-    (m, k), n = xq.shape, wq.shape[0]
-    # as ops.cublas_block_scaled_mm lays them out: A scales outer-dim-major, B scales as [K/128, N/128]
-    scale_a = torch.empty_strided((m, k // 128), (1, m), device=xq.device, dtype=torch.float32)
-    scale_a.copy_(xs.reshape(m, k // 128))
-    scale_b = ws.float().reshape(n // 128, k // 128).t()
-    x2, wt = xq.contiguous(), fp8fx.ops._row_major(wq).t()
+    x2, wt, scale_a, scale_b = fp8fx.ops.cublas_block_operands(xq, xs, wq, ws)
     return lambda: F.scaled_mm(x2, wt, scale_a, F.ScalingType.BlockWise1x128, scale_b,
                                F.ScalingType.BlockWise128x128, output_dtype=torch.bfloat16)
 
