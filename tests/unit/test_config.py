@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -107,12 +108,11 @@ def test_granularity_blocks_and_strings(gran, block, text):
 
 @pytest.mark.parametrize("bad", [0, -1, 1.5, True, "128"])
 def test_granularity_sizes_must_be_positive_ints(bad):
-    with pytest.raises(ValueError):
-        PerGroup(bad)
-    with pytest.raises(ValueError):
-        PerBlock(bad, 128)
-    with pytest.raises(ValueError):
-        PerBlock(128, bad)
+    """Each refusal names the field and the value (a bare ValueError passed here before, h185)."""
+    for make, field in ((lambda: PerGroup(bad), "PerGroup.group_size"), (lambda: PerBlock(bad, 128), "PerBlock.block_n"),
+                        (lambda: PerBlock(128, bad), "PerBlock.block_k")):
+        with pytest.raises(ValueError, match=rf"^{re.escape(field)}={re.escape(repr(bad))} must be a positive int$"):
+            make()
 
 
 # --- validation -----------------------------------------------------------------------------
