@@ -518,22 +518,6 @@ def _read_speed() -> float:
     return big.numel() * 2 / triton.testing.do_bench(lambda: big.sum(), rep=200, return_mode="median") / 1e9
 
 
-def _down_launch(m: int, dim: int, hidden: int, g: int, w2: torch.Tensor) -> tuple:
-    """(config, pdl) of the fused MLP's down GEMM as ``gated_mlp`` launches it (h in 1 x ``g`` groups, or ``g`` 0:
-    per-token h at 1-16 rows, no rows pass): its default tile, and on sm_90 as a programmatic dependent with
-    ``decode_pdl_keys`` in the config. The tile alone as ``config`` would launch it plainly (``fp8_gemm`` takes
-    ``DECODE_PDL`` only without a config), where the layer rows' default launches and the shipped op's down GEMM are
-    PDL dependents: the rows would not compare alike."""
-    from fp8fx.kernels import gated_mlp
-    from fp8fx.kernels.fp8_gemm import decode_pdl_keys, for_device
-
-    cfg = {"SPLIT_K": 1, **for_device(gated_mlp.down_tile_config(m, dim, hidden, h_group=g), w2.device)}
-    pdl = gated_mlp._hopper(w2)
-    if pdl:
-        cfg.update(decode_pdl_keys(w2, m, gemv=cfg.get("GEMV", False)) or {})
-    return cfg, pdl
-
-
 GATE_LABEL = "gate (Fp8Backend()'s gate and up each; gate_up: fuse_horizontal's)"
 AUTO_GROUP_NOTE = " (fuse_mlp's default groups at this M)"
 
@@ -545,8 +529,9 @@ def _hbm_makers(m: int, dim: int = 4096, hidden: int = 14336, cublas: bool = Fal
     gate as the default backend runs gate and up, ``GATE_LABEL``) and the fused MLP's two kernels alone (gate/up per
     token at 1-16 rows and with h in 1x128 groups, and in ``auto_h_group(m)``'s groups where they are other than 128:
     1x32 at one row, what ``Fp8Backend(fuse_mlp=True)`` runs there, ``AUTO_GROUP_NOTE``; its down GEMM on h as that
-    kernel leaves it, launched as the op launches it: ``_down_launch``)."""
+    kernel leaves it, launched as the op launches it: ``gated_mlp.down_launch``)."""
     from fp8fx.kernels import fp8_gemm as kernels
+    from fp8fx.kernels import gated_mlp
     from fp8fx.passes.mlp import auto_h_group
 
     def layer(n, k, scaled_mm=False):
@@ -562,7 +547,7 @@ def _hbm_makers(m: int, dim: int = 4096, hidden: int = 14336, cublas: bool = Fal
         def make():
             h = torch.randn(m, hidden, device="cuda")
             w2, s2 = quant.quantize(torch.randn(dim, hidden, device="cuda") / hidden**0.5, [1, -1])
-            cfg, pdl = _down_launch(m, dim, hidden, g, w2)
+            cfg, pdl = gated_mlp.down_launch(h, w2, g)  # (the tile and PDL of the op's own launch)
             if g:
                 hq, hs = quant.quantize(h, [1, g])
                 return lambda: fp8_gemm(hq, w2, hs, s2, None, torch.bfloat16, config=cfg, a_block=(1, g), pdl=pdl)

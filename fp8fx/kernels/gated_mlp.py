@@ -679,6 +679,23 @@ def _gate_up_scales(s1: torch.Tensor, s3: torch.Tensor, n: int) -> tuple[torch.T
     return s1, s3, rows1 or rows3
 
 
+def down_launch(x: torch.Tensor, w2: torch.Tensor, h_group: int, rows_pass: bool = False,
+                config: Optional[dict] = None, pdl: Optional[bool] = None) -> tuple[dict, bool]:
+    """How ``gated_mlp`` of the activation ``x`` [m, k] launches its down GEMM on the weight ``w2`` [n, i]: (its tile,
+    whether it is a programmatic dependent of the gate/up kernel). The tile is ``config``, else the default
+    (``down_tile_config``; with ``rows_pass``, h's per-token codes, ``tile_config``'s) for ``x``'s GPU, with
+    ``fp8_gemm.DECODE_PDL``'s tile keys where it launches so; ``pdl`` None: on sm_90, never with ``rows_pass``
+    (``quantize_rows`` runs between the two GEMMs, launched as any kernel). benchmarks/tune_gemm.py times the down
+    GEMM alone launched so."""
+    m, (n, i) = x.shape[0], w2.shape
+    down = tile_config(m, n, i) if rows_pass else down_tile_config(m, n, i, h_group=h_group)  # (rows: fp8 h)
+    cfg = {"SPLIT_K": 1, **(config or for_device(down, x.device))}
+    pdl = (_hopper(x) if pdl is None else pdl) and not rows_pass
+    if pdl and not config:
+        cfg.update(decode_pdl_keys(w2, m, gemv=cfg.get("GEMV", False)) or {})
+    return cfg, pdl
+
+
 def gated_mlp(
     xq: torch.Tensor,
     x_scale: torch.Tensor,
@@ -733,8 +750,7 @@ def gated_mlp(
     rows_pass = h_quant == QUANT_ROWS and m >= ops.GATED_ROWS_MIN_M  # h per token through quantize_rows (docstring)
     tile_group = h_group or (128 if rows_pass else 0)  # the rows pass takes the gate/up tile of h in groups of 128
     cfg1 = dict(configs[0] or gated_tile_config(m, i, k, tile_group))
-    down = tile_config(m, n, i) if rows_pass else down_tile_config(m, n, i, h_group=h_group)  # (rows: fp8 h)
-    cfg2 = {"SPLIT_K": 1, **(configs[1] or for_device(down, xq.device))}
+    cfg2, pdl = down_launch(xq, w2, h_group, rows_pass, configs[1], pdl)
     if h_group and configs[0] and cfg1["BLOCK_N"] != h_group:  # a group is one N tile of the first kernel
         raise ValueError(f"gated_mlp: h_group={h_group} is the gate/up kernel's BLOCK_N; configs[0] has "
                          f"{cfg1['BLOCK_N']}")
@@ -752,11 +768,6 @@ def gated_mlp(
     h_scale = h_static.float().reshape(1).contiguous() if h_quant == QUANT_STATIC else parts
     w2, s2 = w2.contiguous(), s2.float().contiguous()
     bias = None if bias is None else bias.contiguous()
-    if pdl is None:
-        pdl = _hopper(xq)
-    pdl = pdl and not rows_pass  # (quantize_rows runs between the two GEMMs, launched as any kernel)
-    if pdl and not configs[1]:  # (``fp8_gemm.DECODE_PDL``'s tile keys)
-        cfg2.update(decode_pdl_keys(w2, m, gemv=cfg2.get("GEMV", False)) or {})
     grid = (cdiv(m, cfg1["BLOCK_M"]) * parts.shape[1],)
     # Triton compiles for and launches on the current device: make it xq's
     with torch.cuda.device(xq.device) if xq.is_cuda else contextlib.nullcontext():
