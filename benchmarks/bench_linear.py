@@ -379,10 +379,11 @@ def run_mlp(ms, device, rows, errors, compile_times, graph_max_m=64, only=DEFAUL
 
 def cublas_blockwise(xq, xs, wq, ws):
     """cuBLAS 1x128 x 128x128 block-scaled GEMM (``F.scaled_mm``), or None where this torch lacks it: the call
-    ``fp8fx.ops.cublas_block_scaled_mm`` makes, its operands laid out as cuBLAS takes them here, once. That op copies
-    the activation scales into an outer-dim-major [M, K/128] buffer at every call (empty_strided + copy_: a kernel
-    of its own, ~2 us, several % of a 16-64-row GEMM), where the Triton kernels it is set against read their scales
-    as given: timed inside the callable, the copy would be charged to the anchor alone."""
+    ``fp8fx.ops.cublas_block_scaled_mm`` makes, its operands laid out as cuBLAS takes them here, once. The scales
+    of ``fp8fx.quantize`` (``run_kernels``'s, as a compiled model's) are in cuBLAS's outer-dim-major layout already;
+    others would be copied so (empty_strided + copy_: a kernel of its own, ~2 us, several % of a 16-64-row GEMM),
+    which the Triton kernels the anchor is set against do not run: timed inside the callable, such a copy would be
+    charged to the anchor alone."""
     F = torch.nn.functional
     if not hasattr(F, "scaled_mm"):
         return None
@@ -403,7 +404,9 @@ def run_kernels(rows, errors, graph_max_m=64):
         for m in (1, 16, 2048, 4096):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
             ref = x.double() @ w.double().t()
-            xq, xs = fp8fx.quant.quantize(x, [1, 128])
+            # the op's activation quantization, as a compiled model runs it: its scales M-major (ops.act_scale_layout),
+            # the layout cuBLAS's block GEMM takes (fp8fx.quant.quantize's row-major ones: a copy at each cuBLAS call)
+            xq, xs = torch.ops.fp8fx.quantize(x, [1, 128])
             # small M as CUDA-graph replays: a plain call of a custom op costs ~50 us of host time,
             # more than these GEMMs (run 7 timed M <= 16 without graphs and measured the host)
             bench_ = lambda f: bench(lambda _: f(), None, graph=m <= graph_max_m)  # noqa: E731

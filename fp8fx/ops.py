@@ -4,7 +4,8 @@ Blocks are ``[rows, cols]`` lists over a 2-D view with ``-1`` = whole dim (see `
 ``[-1, -1]`` per-tensor, ``[1, -1]`` per-row (per-channel / per-token), ``[1, 128]`` per-group,
 ``[128, 128]`` per-block. Activations ``x: [..., K]`` are quantized as their ``[M, K]`` view.
 
-- ``quantize(x, block) -> (q, scale)``: dynamic activation quantization; q like x, scale ``[M/bM, K/bK]``.
+- ``quantize(x, block) -> (q, scale)``: dynamic activation quantization; q like x (row-major), scale
+  ``[M/bM, K/bK]`` laid out M-major (``act_scale_layout``).
 - ``quantize_static(x, scale) -> q``: per-tensor static activation quantization.
 - ``dequantize(q, scale, block, dtype, input_scale=None, act_block=None)``: ``q.float() * scale``
   in ``dtype``. This is the dequantized weight view that quantized modules expose as ``.weight``;
@@ -80,6 +81,16 @@ def _act_scale_shape(x: torch.Tensor, block: Sequence[int]):
     return (1 if b_m == -1 else cdiv(m, b_m), 1 if b_k == -1 else cdiv(k, b_k))
 
 
+def act_scale_layout(scale: torch.Tensor) -> torch.Tensor:
+    """An activation scale [M/bM, K/bK] as ``quantize`` returns it: M-major, each K group's scales of all rows
+    side by side (strides (1, M/bM); per-token [M, 1] and per-tensor scales are row-major too). cuBLAS's 1x128 x
+    128x128 GEMM takes only this layout (``cublas_block_operands``), which then cost a copy kernel at every
+    prefill call; produced so by the quantization - fused into its producer under compile (``fp8fx.lowerings.aten``)
+    - it costs nothing, and fp8fx's Triton GEMMs read any strides (a K step's scales of a tile's rows coalesced
+    so). The fake lays out its empty scale with this too: the same strides where a dim has one element or none."""
+    return scale.t().contiguous().t()
+
+
 def _check_rows(x: torch.Tensor, what: str) -> None:
     """``x`` is [..., K]: a 0-d tensor has no K (the impls failed with a bare IndexError, and quantize_static's fake
     returned a tensor its real impl could not)."""
@@ -106,14 +117,15 @@ def quantize(x: torch.Tensor, block: list[int]) -> tuple[torch.Tensor, torch.Ten
     check_block(block, "block")
     _check_high_precision(x, "fp8fx.quantize: x")
     q, scale = quant.quantize_rows(x, block)
-    return q.contiguous(), scale.contiguous()  # the layout the fake impl promises, whatever x's strides
+    return q.contiguous(), act_scale_layout(scale)  # the layouts the fake impl promises, whatever x's strides
 
 
 @quantize.register_fake
 def _(x, block):
     check_block(block, "block")  # every fake checks what its real impls check: torch.compile fails at trace time
     _check_high_precision(x, "fp8fx.quantize: x")
-    return x.new_empty(x.shape, dtype=quant.FP8_DTYPE), x.new_empty(_act_scale_shape(x, block), dtype=torch.float32)
+    scale = act_scale_layout(x.new_empty(_act_scale_shape(x, block), dtype=torch.float32))  # the real impl's strides
+    return x.new_empty(x.shape, dtype=quant.FP8_DTYPE), scale
 
 
 def _check_out_dtype(what: str, name: str, dtype: torch.dtype, reference: bool = False) -> None:
@@ -426,11 +438,14 @@ def cublas_block_fits(m: int, n: int, k: int, x_block, w_block, out_dtype) -> bo
 
 def cublas_block_operands(x2, x_scale, wq, w_scale) -> tuple:
     """``F.scaled_mm``'s block-scaled operands (a, b, scale_a, scale_b) as cuBLAS takes them: A scales
-    outer-dim-major (a copy: a kernel of its own at every call), B scales as [K/128, N/128] (FACTS.md; torch 2.11
-    checks the strides). benchmarks/bench_linear.py lays out its cuBLAS anchor's once with it, outside the timing."""
+    outer-dim-major, as ``quantize`` returns them (``act_scale_layout``; scales laid out otherwise are copied so, a
+    kernel of its own), B scales as [K/128, N/128] (FACTS.md; torch 2.11 checks the strides).
+    benchmarks/bench_linear.py lays out its cuBLAS anchor's with it."""
     (m, k), n = x2.shape, wq.shape[0]
-    scale_a = torch.empty_strided((m, k // 128), (1, m), device=x2.device, dtype=torch.float32)
-    scale_a.copy_(x_scale.reshape(m, k // 128))
+    scale_a = x_scale.reshape(m, k // 128)
+    if scale_a.dtype != torch.float32 or scale_a.stride() != (1, m):
+        scale_a = torch.empty_strided((m, k // 128), (1, m), device=x2.device, dtype=torch.float32)
+        scale_a.copy_(x_scale.reshape(m, k // 128))
     scale_b = w_scale.float().reshape(n // 128, k // 128).t()
     return x2.contiguous(), _row_major(wq).t(), scale_a, scale_b
 

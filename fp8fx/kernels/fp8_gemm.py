@@ -762,6 +762,8 @@ def _scale_layout(scale: torch.Tensor, rows: int, k: int, block: Optional[tuple[
     if scale.numel() != want:
         raise ValueError(f"fp8_gemm: {what} has {scale.numel()} elements (shape {list(scale.shape)}); block "
                          f"{list(block)} of a [{rows}, {k}] operand needs {want}")
+    if scale.dtype == torch.float32 and scale.dim() == 2 and scale.shape[1] == cols:
+        return mode, scale, 1 if mode == PER_TENSOR else per  # read at its strides (``quantize``'s are M-major)
     return mode, scale.float().reshape(-1, cols).contiguous(), 1 if mode == PER_TENSOR else per
 
 

@@ -18,15 +18,16 @@ compiled output is bit-identical to eager.
 from __future__ import annotations
 
 from fp8fx import quant
-from fp8fx.ops import check_block, check_static_scale
+from fp8fx.ops import act_scale_layout, check_block, check_static_scale
 
 
 def _quantize(x, block):
     check_block(block, "block")  # the op's own checks: the decomposition replaces it under compile
     q, scale = quant.quantize_rows(x, block)
-    # the layout the op and its fake promise: a transposed x gave codes of its strides, which a .view traced
-    # against the fake then could not take (free where x is row-major, as it is at every linear)
-    return q.contiguous(), scale.contiguous()
+    # the layouts the op and its fake promise: a transposed x gave codes of its strides, which a .view traced
+    # against the fake then could not take (free where x is row-major, as it is at every linear); the scale M-major,
+    # written so by the kernel that computes it
+    return q.contiguous(), act_scale_layout(scale)
 
 
 def _quantize_static(x, scale):

@@ -42,6 +42,32 @@ def test_opcheck_quantize(dtype, block):
     torch.library.opcheck(torch.ops.fp8fx.quantize.default, (x, block))
 
 
+@pytest.mark.parametrize("shape", [(3, 5, 256), (7, 256), (0, 256), (1, 256)])
+@pytest.mark.parametrize("block", [[1, 128], [1, -1], [-1, -1]])
+def test_quantize_scale_is_m_major(shape, block):
+    """quantize's scale [M, K/128] comes M-major, as cuBLAS's 1x128 x 128x128 GEMM takes it: its operands are then
+    the scale itself (no per-call copy kernel, ``cublas_block_operands``). The fake promises the same strides, which
+    Inductor's generated code asserts."""
+
+    x = torch.randn(shape)
+    q, s = torch.ops.fp8fx.quantize(x, block)
+    with FakeTensorMode() as mode:
+        fq, fs = torch.ops.fp8fx.quantize(mode.from_tensor(x), block)
+    assert (fq.shape, fq.stride(), fs.shape, fs.stride()) == (q.shape, q.stride(), s.shape, s.stride())
+    m = q.numel() // 256
+    if block == [1, 128]:
+        assert s.shape == (m, 2) and (m <= 1 or s.stride() == (1, m))  # (a dim of 0 or 1 elements: any stride)
+        if m > 1:
+            wq, ws = quant.quantize(torch.randn(384, 256), [128, 128])
+            _, _, scale_a, _ = ops.cublas_block_operands(quant.as_rows(q), s, wq, ws)
+            assert scale_a.data_ptr() == s.data_ptr() and scale_a.stride() == (1, m)
+            # a row-major scale (quant.quantize's) is laid out so by a copy, the values the same
+            rows = quant.quantize(quant.as_rows(x), block)[1]
+            copied = ops.cublas_block_operands(quant.as_rows(q), rows, wq, ws)[2]
+            assert copied.data_ptr() != rows.data_ptr() and copied.stride() == (1, m) and torch.equal(copied, s)
+    assert torch.equal(s, quant.quantize_rows(x, block)[1])
+
+
 def test_opcheck_quantize_static_and_dequantize():
     x = torch.randn(7, 64, dtype=torch.bfloat16)
     torch.library.opcheck(torch.ops.fp8fx.quantize_static.default, (x, torch.tensor([0.01])))
