@@ -1,0 +1,112 @@
+"""How Inductor fuses the 1 x G activation quantization (128x128-block models) into an RMSNorm producer, by the form
+of fp8fx's ATen decomposition (``fp8fx.lowerings.aten._quantize``), on the GPU.
+
+``RMSNorm -> Linear`` quantized with ``Fp8Config(weight_block_size=[128, 128])``, compiled by ``Fp8Backend`` at one M,
+once per form (the decomposition swapped before each compile; each compile keyed apart by its own source):
+
+- ``shipped``: the tree's decomposition (``quant.quantize_rows``, the scale laid out by ``ops.act_scale_layout``);
+- ``rowmajor``: the same with the scale left row-major (before the M-major scales; cuBLAS then copies it per call);
+- ``groups``: x viewed as [M, K/G, G], amax over the last dim, the codes divided in that view (the softmax shape:
+  a reduction and the pointwise after it over one iteration space), the scale M-major;
+- ``groups_rowmajor``: ``groups`` with the scale row-major.
+
+Per form: the GPU kernels of one call (torch.profiler), its median time as CUDA-graph replays, and whether its codes
+and scales equal the eager op's bit for bit (``fp8fx.quantize`` on the norm's output, computed by the same compiled
+norm).
+
+    python benchmarks/group_quant_study.py [--shapes qkv,down] [--ms 2048]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import fp8fx  # noqa: E402
+from benchmarks.bench_linear import LAYERS, bench  # noqa: E402
+from benchmarks.block_prefill import kernels_of  # noqa: E402
+from fp8fx import ops, quant  # noqa: E402
+from fp8fx.lowerings import aten  # noqa: E402
+
+SHIPPED = aten._quantize
+
+
+def rowmajor(x, block):
+    q, scale = quant.quantize_rows(x, block)
+    return q.contiguous(), scale.contiguous()
+
+
+def _groups(x, block, m_major: bool):
+    k, g = x.shape[-1], block[1]
+    if block[0] != 1 or g <= 0 or k % g or k == g:
+        return SHIPPED(x, block)
+    t = quant.as_rows(x).float().reshape(-1, k // g, g)
+    amax = t.abs().amax(dim=-1, keepdim=True)
+    scale = amax.clamp(min=quant.AMAX_EPS) / torch.full((), quant.FP8_MAX, dtype=amax.dtype, device=amax.device)
+    q = quant.cast_to_fp8(t / scale).reshape(x.shape)
+    scale = scale.reshape(-1, k // g)
+    return q.contiguous(), ops.act_scale_layout(scale) if m_major else scale.contiguous()
+
+
+FORMS = {"shipped": SHIPPED, "rowmajor": rowmajor, "groups": lambda x, b: _groups(x, b, True),
+         "groups_rowmajor": lambda x, b: _groups(x, b, False)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shapes", default="qkv,down")
+    p.add_argument("--ms", default="2048")
+    p.add_argument("--forms", default=",".join(FORMS))
+    p.add_argument("--rounds", type=int, default=3)
+    args = p.parse_args()
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}", flush=True)
+    # every form compiles anew: fp8fx's cache key hashes the decomposition's source, which the swap leaves as it was
+    torch._inductor.config.fx_graph_cache = False
+    torch._functorch.config.enable_autograd_cache = False
+    for name in args.shapes.split(","):
+        n, k = LAYERS[name]
+        for m in (int(v) for v in args.ms.split(",")):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            compiled = {}
+            for form in args.forms.split(","):
+                aten._quantize = FORMS[form]
+                try:
+                    torch.manual_seed(0)
+                    model = nn.Sequential(nn.RMSNorm(k, eps=1e-5), nn.Linear(k, n, bias=False)).cuda().bfloat16()
+                    fp8fx.quantize_(model, fp8fx.Fp8Config(weight_block_size=[128, 128]))
+                    torch._dynamo.reset()
+                    fn = torch.compile(model, backend=fp8fx.Fp8Backend(), dynamic=False)
+                    with torch.no_grad():
+                        y = fn(x)
+                        names = kernels_of(fn, x)
+                    # the quantization alone, compiled the same way, against the eager op on the same norm output
+                    norm = torch.compile(lambda v, mod=model[0]: torch.ops.fp8fx.quantize(mod(v), [1, 128]),
+                                         backend=fp8fx.Fp8Backend(), dynamic=False)
+                    with torch.no_grad():
+                        qc, sc = norm(x)
+                        qe, se = torch.ops.fp8fx.quantize(model[0](x), [1, 128])
+                    same = (torch.equal(qc.view(torch.uint8), qe.view(torch.uint8)), torch.equal(sc, se),
+                            sc.stride())
+                    compiled[form] = (fn, y, names, same)
+                finally:
+                    aten._quantize = SHIPPED
+            times = {f: [] for f in compiled}
+            for _ in range(args.rounds):
+                for f, (fn, *_rest) in compiled.items():
+                    with torch.no_grad():
+                        times[f].append(bench(lambda _, fn=fn: fn(x), None, graph=True))
+            base = compiled[next(iter(compiled))][1].float()
+            for f, (fn, y, names, same) in compiled.items():
+                diff = (y.float() - base).abs().max().item()
+                print(f"{name} {n}x{k} M={m} {f}: {statistics.median(times[f]):.4f} ms; codes / scales equal to eager "
+                      f"{same[0]} / {same[1]} (scale strides {same[2]}); max |y - first form's| {diff:.3g}; "
+                      f"{len(names)} kernels: " + " | ".join(v[:70] for v in names), flush=True)
+
+
+if __name__ == "__main__":
+    main()
