@@ -7,8 +7,8 @@ RMSNorm kernel (``fp8fx.lowerings.aten``), and the op runs cuBLAS's 1x128 x 128x
 median time as CUDA-graph replays (``bench_linear.bench``), next to the cuBLAS block GEMM alone on the same
 operands (``bench_linear.cublas_blockwise``): what the compiled call adds to the GEMM is the norm + quantization
 kernel and anything else listed - until this script's commit a copy of the activation scales into cuBLAS's layout
-at every call (``ops.cublas_block_operands``). Run one tree against another by putting the other's ``fp8fx`` first
-on PYTHONPATH.
+at every call (``ops.cublas_block_operands``). It imports the ``fp8fx`` of its own checkout (its folder's parent
+goes first on sys.path: PYTHONPATH does not choose the tree); to time another tree, run that tree's copy.
 
     python benchmarks/block_prefill.py --ms 2048,4096 [--shapes qkv,down] [--rounds 5]
 """

@@ -1,9 +1,19 @@
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
-import torch
+
+# Inductor's caches of this test session apart from earlier ones, set before torch is imported (it reads the
+# directory once): the FX graph cache's key does not see a custom op's fake impl, so a test compiling fp8fx's ops
+# with plain backend="inductor" took a wrapper cached under an older ops.py and failed on the strides it asserts
+# (Fp8Backend's key hashes ops.py: its compiles were not affected). A directory the caller names is kept; test
+# subprocesses inherit this one.
+if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fp8fx-tests-inductor-")
+
+import torch  # noqa: E402
 
 import fp8fx  # noqa: F401  (registers the ops)
 
