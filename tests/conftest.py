@@ -5,8 +5,8 @@ import tempfile
 
 import pytest
 
-# Inductor's caches of this test session apart from earlier ones, set before torch is imported (it reads the
-# directory once): the FX graph cache's key does not see a custom op's fake impl, so a test compiling fp8fx's ops
+# Inductor's caches of this test session apart from earlier ones, set before torch is imported (before anything
+# reads it): the FX graph cache's key does not see a custom op's fake impl, so a test compiling fp8fx's ops
 # with plain backend="inductor" took a wrapper cached under an older ops.py and failed on the strides it asserts
 # (Fp8Backend's key hashes ops.py: its compiles were not affected). A directory the caller names is kept; test
 # subprocesses inherit this one.
