@@ -115,13 +115,21 @@ _PRINTED = (torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__str__
 def _name_dtype_mismatch(func, args: tuple, kwargs: dict, error: RuntimeError) -> None:
     """Raises ``error`` again naming the weight, when it is torch's refusal of operands of two dtypes (``F.linear`` of
     a float32 input on a bf16 layer: "expected m1 and m2 to have the same dtype") and a tensor of another floating
-    dtype than the weight's is among the operands. PEFT's ``prepare_model_for_kbit_training`` casts every bf16 / fp16
+    dtype than the weight's is among the operands, or the input (the first operand) is an integer or bool tensor. PEFT's ``prepare_model_for_kbit_training`` casts every bf16 / fp16
     parameter but the fp8 codes to float32, and the first fp8 layer then failed with torch's unnamed message."""
     if not re.search(r"dtype|scalar type", str(error)):
         return
     tensors = [t for t in _operands(args, kwargs) if isinstance(t, torch.Tensor)]
     weight = next((t for t in tensors if _guarded(t)), None)
-    other = next((t for t in tensors if t.is_floating_point() and weight is not None and t.dtype != weight.dtype), None)
+    if weight is None:
+        return
+    other = next((t for t in tensors if t.is_floating_point() and t.dtype != weight.dtype), None)
+    first = args[0] if args else None
+    if other is None and isinstance(first, torch.Tensor) and not _guarded(first) and not first.is_floating_point() \
+            and not first.is_complex():
+        # an integer / bool input (token ids where embeddings belong) got torch's bare message; other integer operands
+        # (grouped_mm's offsets) are not the input and are not named
+        other = first
     if other is None:
         return
     raise RuntimeError(

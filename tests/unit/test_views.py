@@ -375,6 +375,12 @@ def test_an_input_of_a_dtype_no_layer_computes_in_is_told_to_cast_the_input():
         model(x.double())
     with pytest.raises(ValueError, match=r"cast to torch\.float8_e4m3fn, but fp8 layers compute in"):
         model.to(torch.float8_e4m3fn)  # (why the old advice was wrong)
+    # an integer input (token ids where activations belong) got torch's bare "mat1 and mat2 must have the same dtype"
+    for ids in (torch.ones(3, 64, dtype=torch.int64), torch.ones(3, 64, dtype=torch.bool)):
+        with pytest.raises(RuntimeError, match=rf"^0\.weight is torch\.bfloat16 .* got a {ids.dtype} tensor .*"
+                                               rf"{ids.dtype} is no dtype an fp8 layer computes in .*: cast the input to "
+                                               r"torch\.bfloat16"):
+            model(ids)
 
 
 def test_peft_kbit_preparation_gets_the_cast_to_make():
