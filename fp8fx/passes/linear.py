@@ -323,16 +323,29 @@ def _mixed_dtypes(node: fx.Node, x, w, bias) -> str:
     out_dtype = node.kwargs.get("out_dtype")
     if out_dtype is not None and dtypes.get("bias") == out_dtype:  # addmm(b, x, w.t(), out_dtype=b.dtype)
         del dtypes["bias"]
-    if len(set(dtypes.values())) < 2 or _under_autocast(node, values["activation"].device.type):
+    act = dtypes.get("activation")
+    if len(set(dtypes.values())) < 2 or _casts(act, node, values["activation"]) \
+            or (act == dtypes.get("weight") and _under_autocast(node, values["activation"].device.type)):
         return ""
     shown = ", ".join(f"{k} {v}" for k, v in dtypes.items()).replace("torch.", "")
-    # (torch.autocast casts no float64 or integer activation; a layer cast to an integer or 8-bit dtype is refused)
-    act = dtypes.get("activation")
+    # (a layer cast to an integer or 8-bit dtype is refused at the cast)
     fix = ("cast the input (or the layer) to one dtype, or run it under torch.autocast" if act in _ACT_DTYPES else
            "cast the input (or the layer) to one dtype" if act in quant.COMPUTE_DTYPES else
            f"cast the input to the layer's dtype ({str(act).replace('torch.', '')} is no dtype a layer computes in)")
-    return (f"{MIXED_DTYPES} ({shown}) outside torch.autocast: a linear takes one dtype, and torch raises on it as "
-            f"eager does; {fix}")
+    return (f"{MIXED_DTYPES} ({shown}) {_where(node, values['activation'])}: a linear takes one dtype, and torch "
+            f"raises on it as eager does; {fix}")
+
+
+def _casts(act: torch.dtype, node: fx.Node, x_value: torch.Tensor) -> bool:
+    """Whether a ``torch.autocast`` around ``node`` casts its activation of dtype ``act``: it casts float32 and 16-bit
+    ones, never a float64, integer, bool or float8 one (torch raises on those under autocast too: an integer input
+    under autocast compiled into a bf16 fp8 model failed with torch's unnamed mat1 / mat2 error)."""
+    return act in _ACT_DTYPES and _under_autocast(node, x_value.device.type)
+
+
+def _where(node: fx.Node, x_value: torch.Tensor) -> str:
+    return ("under torch.autocast (which casts no such activation)" if _under_autocast(node, x_value.device.type)
+            else "outside torch.autocast")
 
 
 MIXED_DTYPES = "dtypes differ"
@@ -340,19 +353,20 @@ MIXED_DTYPES = "dtypes differ"
 _PEFT_ADAPTER = re.compile(r"\.(lora_A|lora_B)\.[^.]+$")
 
 
-def _refuse_mixed_dtypes(fqn: str, x: fx.Node, w: fx.Node) -> None:
-    """An fp8 layer's linear given an activation of another dtype than its weight's, outside torch.autocast: torch's
-    linear would raise at run time ("mat1 and mat2 must have the same dtype"), naming no layer, where eager names it
-    (``fp8fx.weights.views``); so the compile raises, naming it. A bias of another dtype alone is promoted, and
-    stays torch's."""
-    xd, wd = (getattr(fake_value(n), "dtype", None) for n in (x, w))
+def _refuse_mixed_dtypes(fqn: str, node: fx.Node, x: fx.Node, w: fx.Node) -> None:
+    """An fp8 layer's linear given an activation of another dtype than its weight's, outside torch.autocast (or
+    under one, of a dtype it does not cast: ``_casts``): torch's linear would raise at run time ("mat1 and mat2 must
+    have the same dtype"), naming no layer, where eager names it (``fp8fx.weights.views``); so the compile raises,
+    naming it. A bias of another dtype alone is promoted, and stays torch's."""
+    xv = fake_value(x)
+    xd, wd = getattr(xv, "dtype", None), getattr(fake_value(w), "dtype", None)
     if not (isinstance(w, fx.Node) and w.target in _DEQUANT) or xd is None or wd is None or xd == wd:
         return
     # (torch.autocast casts a float32 / 16-bit activation to its dtype, never a float64 or an integer one)
     autocast = ", or run the model under torch.autocast" if xd in _ACT_DTYPES else ""
     raise TypeError(
         f"fp8fx: {fqn}'s weight is {wd} (the fp8 layer's weight, dequantized to the dtype the layer computes in) and "
-        f"its linear gets a {xd} activation, outside torch.autocast, which torch's linear refuses (mat1 and mat2 must "
+        f"its linear gets a {xd} activation, {_where(node, xv)}, which torch's linear refuses (mat1 and mat2 must "
         f"have the same dtype): an fp8 layer computes in the dtype its model was quantized in or last cast to. "
         f"{dtype_fix(xd, wd)}{autocast}")
 
@@ -885,7 +899,7 @@ class LinearPass(Fp8Pass):
                                     weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),
                                     weight_id=Site.token_of(ctx.example.get(source))))
                 if reason.startswith(MIXED_DTYPES):
-                    _refuse_mixed_dtypes(fqn, x, w)
+                    _refuse_mixed_dtypes(fqn, node, x, w)
                 continue
             # read before the rewrite, which erases the weight's dequantize node
             details = dict(weight_shape=Site.shape_of(fake_value(w)), node=Site.origin_of(node),

@@ -1373,6 +1373,17 @@ def test_an_activation_no_fp8_gemm_takes_into_a_layer_of_another_dtype_is_refuse
     assert [(s.fqn, s.rewritten, s.reason.split(" outside")[0]) for s in backend.report.sites] == [
         ("0", False, f"dtypes differ (activation {name}, weight bfloat16, bias bfloat16)")], backend.report
     assert "torch.autocast" not in backend.report.sites[0].reason.split("outside torch.autocast")[1]
+    # under torch.autocast, which casts no such activation, torch's linear raises as well: refused the same way (it
+    # compiled and failed with torch's unnamed mat1 / mat2 error)
+    torch._dynamo.reset()
+    backend = Fp8Backend()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
+            RuntimeError, match=fr"fp8fx: 0's weight is torch\.bfloat16 .* gets a {dtype} activation, under "
+                                fr"torch\.autocast \(which casts no such activation\)"):
+        torch.compile(model, backend=backend)(x)
+    assert [s.reason.split(": a linear")[0] for s in backend.report.sites] == [
+        f"dtypes differ (activation {name}, weight bfloat16, bias bfloat16) under torch.autocast (which casts no such "
+        "activation)"], backend.report
     if dtype == torch.float64:  # the model cast as the refusal says: the float64 reference
         torch._dynamo.reset()
         backend = Fp8Backend()
