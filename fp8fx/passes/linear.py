@@ -315,7 +315,8 @@ def _under_autocast(node: fx.Node, device_type: str) -> bool:
 
 
 def _mixed_dtypes(node: fx.Node, x, w, bias) -> str:
-    """Why a linear whose activation, weight and bias dtypes differ outside ``torch.autocast`` stays torch's, or "":
+    """Why a linear whose activation, weight and bias dtypes differ outside ``torch.autocast`` (or under one that leaves
+    one of them as it is: ``_casts``) stays torch's, or "":
     eager and Inductor raise ("mat1 and mat2 must have the same dtype"), where the fp8 op would compute it, and
     return a promoted float32 for a bias of another dtype (an fp16 model fed bf16, a float32 bias)."""
     values = {"activation": fake_value(x), "weight": fake_value(w), "bias": fake_value(bias)}
@@ -323,29 +324,33 @@ def _mixed_dtypes(node: fx.Node, x, w, bias) -> str:
     out_dtype = node.kwargs.get("out_dtype")
     if out_dtype is not None and dtypes.get("bias") == out_dtype:  # addmm(b, x, w.t(), out_dtype=b.dtype)
         del dtypes["bias"]
-    act = dtypes.get("activation")
-    if len(set(dtypes.values())) < 2 or _casts(act, node, values["activation"]) \
-            or (act == dtypes.get("weight") and _under_autocast(node, values["activation"].device.type)):
+    act, weight = dtypes.get("activation"), dtypes.get("weight")
+    if len(set(dtypes.values())) < 2 or (_under_autocast(node, values["activation"].device.type)
+                                         and (act == weight or (_casts(act) and _casts(weight)))):
         return ""
     shown = ", ".join(f"{k} {v}" for k, v in dtypes.items()).replace("torch.", "")
     # (a layer cast to an integer or 8-bit dtype is refused at the cast)
-    fix = ("cast the input (or the layer) to one dtype, or run it under torch.autocast" if act in _ACT_DTYPES else
+    under = _under_autocast(node, values["activation"].device.type)
+    fix = ("cast the input (or the layer) to one dtype, or run it under torch.autocast"
+           if act in _ACT_DTYPES and not under else
            "cast the input (or the layer) to one dtype" if act in quant.COMPUTE_DTYPES else
            f"cast the input to the layer's dtype ({str(act).replace('torch.', '')} is no dtype a layer computes in)")
     return (f"{MIXED_DTYPES} ({shown}) {_where(node, values['activation'])}: a linear takes one dtype, and torch "
             f"raises on it as eager does; {fix}")
 
 
-def _casts(act: torch.dtype, node: fx.Node, x_value: torch.Tensor) -> bool:
-    """Whether a ``torch.autocast`` around ``node`` casts its activation of dtype ``act``: it casts float32 and 16-bit
-    ones, never a float64, integer, bool or float8 one (torch raises on those under autocast too: an integer input
-    under autocast compiled into a bf16 fp8 model failed with torch's unnamed mat1 / mat2 error)."""
-    return act in _ACT_DTYPES and _under_autocast(node, x_value.device.type)
+def _casts(dtype: Optional[torch.dtype]) -> bool:
+    """Whether ``torch.autocast`` casts a linear's operand of ``dtype`` to its own dtype: every floating dtype but
+    float64 (float8 too), never an integer or bool one. Under autocast a linear whose activation or weight it leaves
+    as they are, of two dtypes, raises as outside it: an integer input into a bf16 fp8 model, or a float32 one into a
+    float64 model (``model.double()``), compiled and failed with torch's error naming no layer, or fp8fx.scaled_mm's
+    (out_dtype float64)."""
+    return dtype is not None and dtype.is_floating_point and dtype != torch.float64
 
 
 def _where(node: fx.Node, x_value: torch.Tensor) -> str:
-    return ("under torch.autocast (which casts no such activation)" if _under_autocast(node, x_value.device.type)
-            else "outside torch.autocast")
+    return ("under torch.autocast (which casts no float64, integer or bool operand)"
+            if _under_autocast(node, x_value.device.type) else "outside torch.autocast")
 
 
 MIXED_DTYPES = "dtypes differ"
@@ -355,7 +360,7 @@ _PEFT_ADAPTER = re.compile(r"\.(lora_A|lora_B)\.[^.]+$")
 
 def _refuse_mixed_dtypes(fqn: str, node: fx.Node, x: fx.Node, w: fx.Node) -> None:
     """An fp8 layer's linear given an activation of another dtype than its weight's, outside torch.autocast (or
-    under one, of a dtype it does not cast: ``_casts``): torch's linear would raise at run time ("mat1 and mat2 must
+    under one that leaves either as it is: ``_casts``): torch's linear would raise at run time ("mat1 and mat2 must
     have the same dtype"), naming no layer, where eager names it (``fp8fx.weights.views``); so the compile raises,
     naming it. A bias of another dtype alone is promoted, and stays torch's."""
     xv = fake_value(x)
@@ -363,7 +368,8 @@ def _refuse_mixed_dtypes(fqn: str, node: fx.Node, x: fx.Node, w: fx.Node) -> Non
     if not (isinstance(w, fx.Node) and w.target in _DEQUANT) or xd is None or wd is None or xd == wd:
         return
     # (torch.autocast casts a float32 / 16-bit activation to its dtype, never a float64 or an integer one)
-    autocast = ", or run the model under torch.autocast" if xd in _ACT_DTYPES else ""
+    autocast = ", or run the model under torch.autocast" if xd in _ACT_DTYPES and not _under_autocast(
+        node, xv.device.type) else ""
     raise TypeError(
         f"fp8fx: {fqn}'s weight is {wd} (the fp8 layer's weight, dequantized to the dtype the layer computes in) and "
         f"its linear gets a {xd} activation, {_where(node, xv)}, which torch's linear refuses (mat1 and mat2 must "

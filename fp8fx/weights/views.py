@@ -115,7 +115,7 @@ _PRINTED = (torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__str__
 def _name_dtype_mismatch(func, args: tuple, kwargs: dict, error: RuntimeError) -> None:
     """Raises ``error`` again naming the weight, when it is torch's refusal of operands of two dtypes (``F.linear`` of
     a float32 input on a bf16 layer: "expected m1 and m2 to have the same dtype") and a tensor of another floating
-    dtype than the weight's is among the operands, or the input (the first operand) is an integer or bool tensor. PEFT's ``prepare_model_for_kbit_training`` casts every bf16 / fp16
+    dtype than the weight's is among the operands, or a matmul's input is an integer or bool tensor. PEFT's ``prepare_model_for_kbit_training`` casts every bf16 / fp16
     parameter but the fp8 codes to float32, and the first fp8 layer then failed with torch's unnamed message."""
     if not re.search(r"dtype|scalar type", str(error)):
         return
@@ -124,12 +124,12 @@ def _name_dtype_mismatch(func, args: tuple, kwargs: dict, error: RuntimeError) -
     if weight is None:
         return
     other = next((t for t in tensors if t.is_floating_point() and t.dtype != weight.dtype), None)
-    first = args[0] if args else None
-    if other is None and isinstance(first, torch.Tensor) and not _guarded(first) and not first.is_floating_point() \
-            and not first.is_complex():
-        # an integer / bool input (token ids where embeddings belong) got torch's bare message; other integer operands
-        # (grouped_mm's offsets) are not the input and are not named
-        other = first
+    if other is None and getattr(func, "__name__", "") in _MATMULS:
+        # an integer / bool input (token ids where activations belong) got torch's bare message: the matrix operand of
+        # a matmul (F.linear's first, Conv1D's addmm's second); an integer operand of another op (an embedding's
+        # indices, grouped_mm's offsets) is that op's to refuse as torch does
+        other = next((t for t in tensors if not _guarded(t) and not t.is_floating_point() and not t.is_complex()),
+                     None)
     if other is None:
         return
     raise RuntimeError(
@@ -138,6 +138,9 @@ def _name_dtype_mismatch(func, args: tuple, kwargs: dict, error: RuntimeError) -
         f"in the dtype its model was quantized in or last cast to. {dtype_fix(other.dtype, weight.dtype)}. (PEFT's "
         "prepare_model_for_kbit_training casts every bf16 / fp16 parameter but the fp8 codes to float32: call "
         "model.to(torch.float32) after it, or leave it out)") from error
+
+
+_MATMULS = frozenset({"linear", "addmm", "mm", "matmul", "bmm", "baddbmm", "addbmm", "__matmul__", "__rmatmul__"})
 
 
 def dtype_fix(given: torch.dtype, weight: torch.dtype) -> str:

@@ -1373,17 +1373,24 @@ def test_an_activation_no_fp8_gemm_takes_into_a_layer_of_another_dtype_is_refuse
     assert [(s.fqn, s.rewritten, s.reason.split(" outside")[0]) for s in backend.report.sites] == [
         ("0", False, f"dtypes differ (activation {name}, weight bfloat16, bias bfloat16)")], backend.report
     assert "torch.autocast" not in backend.report.sites[0].reason.split("outside torch.autocast")[1]
-    # under torch.autocast, which casts no such activation, torch's linear raises as well: refused the same way (it
-    # compiled and failed with torch's unnamed mat1 / mat2 error)
+    # under torch.autocast, which casts no float64 or integer activation, torch's linear raises as well: refused the
+    # same way (it compiled and failed with torch's unnamed mat1 / mat2 error); a float8 one autocast casts, and eager
+    # runs: the site stays torch's, its output eager's
     torch._dynamo.reset()
     backend = Fp8Backend()
-    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), pytest.raises(
-            RuntimeError, match=fr"fp8fx: 0's weight is torch\.bfloat16 .* gets a {dtype} activation, under "
-                                fr"torch\.autocast \(which casts no such activation\)"):
-        torch.compile(model, backend=backend)(x)
-    assert [s.reason.split(": a linear")[0] for s in backend.report.sites] == [
-        f"dtypes differ (activation {name}, weight bfloat16, bias bfloat16) under torch.autocast (which casts no such "
-        "activation)"], backend.report
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        if dtype == torch.float8_e4m3fn:
+            assert torch.equal(torch.compile(model, backend=backend)(x), model(x))
+            assert [s.reason for s in backend.report.sites] == [
+                "activation dtype torch.float8_e4m3fn is not bf16/fp16/fp32"], backend.report
+        else:
+            with pytest.raises(RuntimeError, match=fr"fp8fx: 0's weight is torch\.bfloat16 .* gets a {dtype} "
+                                                   fr"activation, under torch\.autocast \(which casts no float64, "
+                                                   "integer or bool operand\)"):
+                torch.compile(model, backend=backend)(x)
+            assert [s.reason.split(": a linear")[0] for s in backend.report.sites] == [
+                f"dtypes differ (activation {name}, weight bfloat16, bias bfloat16) under torch.autocast (which casts "
+                "no float64, integer or bool operand)"], backend.report
     if dtype == torch.float64:  # the model cast as the refusal says: the float64 reference
         torch._dynamo.reset()
         backend = Fp8Backend()
@@ -1392,6 +1399,26 @@ def test_an_activation_no_fp8_gemm_takes_into_a_layer_of_another_dtype_is_refuse
             assert torch.equal(got, model(x))
         assert [s.reason for s in backend.report.sites] == [
             "activation dtype torch.float64: the float64 reference, computed with the dequantized weight"]
+
+
+def test_a_float64_model_under_autocast_is_refused_naming_the_layer():
+    """model.double() (the float64 reference) run under torch.autocast: autocast casts the float32 input to bf16 but
+    never the float64 weight, and torch's linear raises (eager names the layer). Compiled, the site was rewritten and
+    failed with fp8fx.scaled_mm's "out_dtype=torch.float64", naming no layer: it is refused at compile, naming it."""
+    model = fp8fx.quantize_(nn.Sequential(nn.Linear(64, 32)).to(torch.bfloat16)).double()
+    x = torch.randn(3, 64)
+    torch._dynamo.reset()
+    backend = Fp8Backend()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(RuntimeError, match=r"^0\.weight is torch\.float64"):
+            model(x)
+        with pytest.raises(RuntimeError, match=r"fp8fx: 0's weight is torch\.float64 .* gets a torch\.float32 "
+                                               r"activation, under torch\.autocast"):
+            torch.compile(model, backend=backend)(x)
+    assert [s.rewritten for s in backend.report.sites] == [False], backend.report
+    with torch.no_grad():  # outside autocast, the float64 reference as before
+        torch._dynamo.reset()
+        assert torch.equal(torch.compile(model, backend=Fp8Backend())(x.double()), model(x.double()))
 
 
 @torch.library.custom_op("fp8fx_test::scale_in_place", mutates_args=("x",))  # vLLM's fused_add_rms_norm is such an op

@@ -375,12 +375,20 @@ def test_an_input_of_a_dtype_no_layer_computes_in_is_told_to_cast_the_input():
         model(x.double())
     with pytest.raises(ValueError, match=r"cast to torch\.float8_e4m3fn, but fp8 layers compute in"):
         model.to(torch.float8_e4m3fn)  # (why the old advice was wrong)
-    # an integer input (token ids where activations belong) got torch's bare "mat1 and mat2 must have the same dtype"
-    for ids in (torch.ones(3, 64, dtype=torch.int64), torch.ones(3, 64, dtype=torch.bool)):
+    # an integer input (token ids where activations belong) got torch's bare "mat1 and mat2 must have the same dtype",
+    # into F.linear and into GPT-2's Conv1D (addmm, the input its second operand)
+    from transformers.pytorch_utils import Conv1D
+
+    conv = fp8fx.quantize_(nn.Sequential(Conv1D(32, 64)).to(torch.bfloat16))
+    for layer, ids in ((model, torch.ones(3, 64, dtype=torch.int64)), (model, torch.ones(3, 64, dtype=torch.bool)),
+                       (conv, torch.ones(3, 64, dtype=torch.int64))):
         with pytest.raises(RuntimeError, match=rf"^0\.weight is torch\.bfloat16 .* got a {ids.dtype} tensor .*"
                                                rf"{ids.dtype} is no dtype an fp8 layer computes in .*: cast the input to "
                                                r"torch\.bfloat16"):
-            model(ids)
+            layer(ids)
+    # an integer operand of another op is that op's to refuse: an embedding's int16 indices keep torch's message
+    with pytest.raises(RuntimeError, match=r"^Expected tensor for argument #1 'indices'"):
+        F.embedding(torch.ones(3, dtype=torch.int16), model[0].weight)
 
 
 def test_peft_kbit_preparation_gets_the_cast_to_make():
