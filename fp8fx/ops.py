@@ -84,10 +84,11 @@ def _act_scale_shape(x: torch.Tensor, block: Sequence[int]):
 def act_scale_layout(scale: torch.Tensor) -> torch.Tensor:
     """An activation scale [M/bM, K/bK] as ``quantize`` returns it: M-major, each K group's scales of all rows
     side by side (strides (1, M/bM); per-token [M, 1] and per-tensor scales are row-major too). cuBLAS's 1x128 x
-    128x128 GEMM takes only this layout (``cublas_block_operands``), which then cost a copy kernel at every
-    prefill call; produced so by the quantization - fused into its producer under compile (``fp8fx.lowerings.aten``)
-    - it costs nothing, and fp8fx's Triton GEMMs read any strides (a K step's scales of a tile's rows coalesced
-    so). The fake lays out its empty scale with this too: the same strides where a dim has one element or none."""
+    128x128 GEMM takes only this layout (``cublas_block_operands``): row-major scales cost a copy kernel at every
+    prefill call. Written so by the quantization - fused into its producer under compile (``fp8fx.lowerings.aten``)
+    - it takes no kernel of its own (H100 run 88: none among a compiled block linear's), and fp8fx's Triton GEMMs read
+    any strides (a K step's scales of a tile's rows coalesced so). The fake lays out its empty scale with this too:
+    the same strides where a dim has one element or none."""
     return scale.t().contiguous().t()
 
 

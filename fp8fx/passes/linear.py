@@ -325,12 +325,11 @@ def _mixed_dtypes(node: fx.Node, x, w, bias) -> str:
     if out_dtype is not None and dtypes.get("bias") == out_dtype:  # addmm(b, x, w.t(), out_dtype=b.dtype)
         del dtypes["bias"]
     act, weight = dtypes.get("activation"), dtypes.get("weight")
-    if len(set(dtypes.values())) < 2 or (_under_autocast(node, values["activation"].device.type)
-                                         and (act == weight or (_casts(act) and _casts(weight)))):
+    under = _under_autocast(node, values["activation"].device.type)
+    if len(set(dtypes.values())) < 2 or (under and (act == weight or (_casts(act) and _casts(weight)))):
         return ""
     shown = ", ".join(f"{k} {v}" for k, v in dtypes.items()).replace("torch.", "")
     # (a layer cast to an integer or 8-bit dtype is refused at the cast)
-    under = _under_autocast(node, values["activation"].device.type)
     fix = ("cast the input (or the layer) to one dtype, or run it under torch.autocast"
            if act in _ACT_DTYPES and not under else
            "cast the input (or the layer) to one dtype" if act in quant.COMPUTE_DTYPES else

@@ -115,8 +115,9 @@ _PRINTED = (torch.Tensor.__repr__, torch.Tensor.__format__, torch.Tensor.__str__
 def _name_dtype_mismatch(func, args: tuple, kwargs: dict, error: RuntimeError) -> None:
     """Raises ``error`` again naming the weight, when it is torch's refusal of operands of two dtypes (``F.linear`` of
     a float32 input on a bf16 layer: "expected m1 and m2 to have the same dtype") and a tensor of another floating
-    dtype than the weight's is among the operands, or a matmul's input is an integer or bool tensor. PEFT's ``prepare_model_for_kbit_training`` casts every bf16 / fp16
-    parameter but the fp8 codes to float32, and the first fp8 layer then failed with torch's unnamed message."""
+    dtype than the weight's is among the operands, or a matmul's input is an integer or bool tensor. PEFT's
+    ``prepare_model_for_kbit_training`` casts every bf16 / fp16 parameter but the fp8 codes to float32, and the first
+    fp8 layer then failed with torch's unnamed message."""
     if not re.search(r"dtype|scalar type", str(error)):
         return
     tensors = [t for t in _operands(args, kwargs) if isinstance(t, torch.Tensor)]
