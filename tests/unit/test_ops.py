@@ -48,7 +48,6 @@ def test_quantize_scale_is_m_major(shape, block):
     """quantize's scale [M, K/128] comes M-major, as cuBLAS's 1x128 x 128x128 GEMM takes it: its operands are then
     the scale itself (no per-call copy kernel, ``cublas_block_operands``). The fake promises the same strides, which
     Inductor's generated code asserts."""
-
     x = torch.randn(shape)
     q, s = torch.ops.fp8fx.quantize(x, block)
     with FakeTensorMode() as mode:
