@@ -1,4 +1,6 @@
+import atexit
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -9,9 +11,10 @@ import pytest
 # reads it): the FX graph cache's key does not see a custom op's fake impl, so a test compiling fp8fx's ops
 # with plain backend="inductor" took a wrapper cached under an older ops.py and failed on the strides it asserts
 # (Fp8Backend's key hashes ops.py: its compiles were not affected). A directory the caller names is kept; test
-# subprocesses inherit this one.
+# subprocesses inherit this one, which is removed when the session's process exits.
 if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="fp8fx-tests-inductor-")
+    atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
 
 import torch  # noqa: E402
 
