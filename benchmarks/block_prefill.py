@@ -25,18 +25,13 @@ from torch import nn
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import fp8fx  # noqa: E402
 from benchmarks.bench_linear import LAYERS, bench, cublas_blockwise, rel_err  # noqa: E402
+from benchmarks.profile_mlp import per_call, profiled  # noqa: E402
 
 
 def kernels_of(fn, x) -> list[str]:
-    """The GPU kernels one call of fn(x) runs, by name, in order."""
-    from torch.profiler import ProfilerActivity, profile
-
-    fn(x)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn(x)
-        torch.cuda.synchronize()
-    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    """The GPU kernels one call of fn(x) runs, by name, in launch order (``profile_mlp``'s profile of a call)."""
+    calls = per_call(profiled(fn, x, 1), 1)
+    return [calls] if isinstance(calls, str) else [e.name for e in calls[0]]
 
 
 def main() -> None:

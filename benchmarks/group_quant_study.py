@@ -6,8 +6,8 @@ once per form (the decomposition swapped before each compile; each compile keyed
 
 - ``shipped``: the tree's decomposition (``quant.quantize_rows``, the scale laid out by ``ops.act_scale_layout``);
 - ``rowmajor``: the same with the scale left row-major (before the M-major scales; cuBLAS then copies it per call);
-- ``groups``: x viewed as [M, K/G, G], amax over the last dim, the codes divided in that view (the softmax shape:
-  a reduction and the pointwise after it over one iteration space), the scale M-major;
+- ``groups``: x viewed as [M * K/G, G], each row quantized whole, so the amax and the codes divided by it run over
+  one iteration space (the softmax shape: a reduction and the pointwise after it), the scale M-major;
 - ``groups_rowmajor``: ``groups`` with the scale row-major.
 
 Per form: the GPU kernels of one call (torch.profiler), its median time as CUDA-graph replays (each form's graph
@@ -43,15 +43,14 @@ def rowmajor(x, block):
 
 
 def _groups(x, block, m_major: bool):
+    """x as [M * K/G, G] rows, each quantized whole (``quant.quantize``, per row): the reduction and the codes over
+    one iteration space."""
     k, g = x.shape[-1], block[1]
     if block[0] != 1 or g <= 0 or k % g or k == g:
         return SHIPPED(x, block)
-    t = quant.as_rows(x).float().reshape(-1, k // g, g)
-    amax = t.abs().amax(dim=-1, keepdim=True)
-    scale = amax.clamp(min=quant.AMAX_EPS) / torch.full((), quant.FP8_MAX, dtype=amax.dtype, device=amax.device)
-    q = quant.cast_to_fp8(t / scale).reshape(x.shape)
+    q, scale = quant.quantize(quant.as_rows(x).reshape(-1, g), [1, -1])
     scale = scale.reshape(-1, k // g)
-    return q.contiguous(), ops.act_scale_layout(scale) if m_major else scale.contiguous()
+    return q.reshape(x.shape).contiguous(), ops.act_scale_layout(scale) if m_major else scale.contiguous()
 
 
 FORMS = {"shipped": SHIPPED, "rowmajor": rowmajor, "groups": lambda x, b: _groups(x, b, True),

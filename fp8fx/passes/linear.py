@@ -334,7 +334,7 @@ def _mixed_dtypes(node: fx.Node, x, w, bias) -> str:
            if act in _ACT_DTYPES and not under else
            "cast the input (or the layer) to one dtype" if act in quant.COMPUTE_DTYPES else
            f"cast the input to the layer's dtype ({str(act).replace('torch.', '')} is no dtype a layer computes in)")
-    return (f"{MIXED_DTYPES} ({shown}) {_where(node, values['activation'])}: a linear takes one dtype, and torch "
+    return (f"{MIXED_DTYPES} ({shown}) {_where(under)}: a linear takes one dtype, and torch "
             f"raises on it as eager does; {fix}")
 
 
@@ -347,9 +347,9 @@ def _casts(dtype: Optional[torch.dtype]) -> bool:
     return dtype is not None and dtype.is_floating_point and dtype != torch.float64
 
 
-def _where(node: fx.Node, x_value: torch.Tensor) -> str:
-    return ("under torch.autocast (which casts no float64, integer or bool operand)"
-            if _under_autocast(node, x_value.device.type) else "outside torch.autocast")
+def _where(under_autocast: bool) -> str:
+    return ("under torch.autocast (which casts no float64, integer or bool operand)" if under_autocast
+            else "outside torch.autocast")
 
 
 MIXED_DTYPES = "dtypes differ"
@@ -366,12 +366,12 @@ def _refuse_mixed_dtypes(fqn: str, node: fx.Node, x: fx.Node, w: fx.Node) -> Non
     xd, wd = getattr(xv, "dtype", None), getattr(fake_value(w), "dtype", None)
     if not (isinstance(w, fx.Node) and w.target in _DEQUANT) or xd is None or wd is None or xd == wd:
         return
+    under = _under_autocast(node, xv.device.type)
     # (torch.autocast casts a float32 / 16-bit activation to its dtype, never a float64 or an integer one)
-    autocast = ", or run the model under torch.autocast" if xd in _ACT_DTYPES and not _under_autocast(
-        node, xv.device.type) else ""
+    autocast = ", or run the model under torch.autocast" if xd in _ACT_DTYPES and not under else ""
     raise TypeError(
         f"fp8fx: {fqn}'s weight is {wd} (the fp8 layer's weight, dequantized to the dtype the layer computes in) and "
-        f"its linear gets a {xd} activation, {_where(node, xv)}, which torch's linear refuses (mat1 and mat2 must "
+        f"its linear gets a {xd} activation, {_where(under)}, which torch's linear refuses (mat1 and mat2 must "
         f"have the same dtype): an fp8 layer computes in the dtype its model was quantized in or last cast to. "
         f"{dtype_fix(xd, wd)}{autocast}")
 
